@@ -1,0 +1,1 @@
+"""jobtier: asynchronous jobs with a status tier served in milliseconds."""

@@ -1,0 +1,199 @@
+"""One frozen Settings object, built from the environment.
+
+Nothing else in jobtier reads ``os.environ``: processes build ``Settings.from_env()`` once and
+pass it (or the parts they need) down through constructors. Every field is declared with its
+environment variable and a one-line meaning; ``settings_table()`` renders them for the README
+and ``jobtier config`` prints the values in effect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobtier.errors import ConfigError
+
+ENV_PREFIX = "JOBTIER_"
+
+
+def _setting(default: Any, help: str, *, env: str | None = None, secret: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "env": env, "secret": secret})
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    # --- Redis -----------------------------------------------------------------------------
+    redis_url: str = _setting(
+        "redis://127.0.0.1:6379/0", "Redis URL (one node of the cluster when JOBTIER_REDIS_CLUSTER=1)."
+    )
+    redis_cluster: bool = _setting(False, "Talk to a Redis Cluster instead of a single server.")
+    redis_require_aof: bool = _setting(
+        True, "Refuse to start unless Redis has AOF on (acknowledged jobs must survive a restart)."
+    )
+    prefix: str = _setting("jt", "Prefix of every Redis key and channel.")
+    shards: int = _setting(
+        16, "Logical shards. Fixed for the life of a deployment: job ids carry their shard."
+    )
+
+    # --- Jobs ------------------------------------------------------------------------------
+    default_max_attempts: int = _setting(3, "Attempts for a job whose submit and task name none.")
+    lease_seconds: float = _setting(
+        30.0, "A claimed job's lease; a worker heartbeats every third of it."
+    )
+    retention_seconds: int = _setting(
+        86400, "How long finished (succeeded/cancelled) jobs stay in Redis; Postgres keeps them."
+    )
+    dead_retention_seconds: int = _setting(
+        7 * 86400, "How long failed jobs stay in Redis's dead-letter set before only Postgres has them."
+    )
+    idempotency_ttl_seconds: int = _setting(86400, "How long an idempotency key is remembered.")
+    max_payload_bytes: int = _setting(256 * 1024, "Largest accepted job payload (encoded JSON).")
+    max_result_bytes: int = _setting(1024 * 1024, "Largest result a task may return.")
+    max_batch: int = _setting(1000, "Most jobs in one batch submit.")
+    max_future_seconds: int = _setting(
+        366 * 86400, "Furthest run-at (or delay) accepted at submit."
+    )
+    past_tolerance_seconds: float = _setting(
+        300.0, "A run-at this far in the past is accepted as 'now'; older is refused."
+    )
+
+    # --- HTTP API --------------------------------------------------------------------------
+    api_host: str = _setting("127.0.0.1", "Address the API listens on.")
+    api_port: int = _setting(8000, "Port the API listens on.")
+    api_workers: int = _setting(1, "API server processes.")
+    api_server: str = _setting("granian", "ASGI server: granian or uvicorn.")
+    api_keys: str = _setting(
+        "", "Tenant keys: 'key1:tenant1,key2:tenant2'.", secret=True
+    )
+    admin_key: str = _setting("", "Key for the admin routes.", secret=True)
+    rate_limit_per_second: float = _setting(
+        0.0, "Per-tenant submit rate limit in jobs/s per API process (0: unlimited)."
+    )
+    max_waiting_per_tenant: int = _setting(
+        0, "Per-tenant cap on queued+scheduled jobs (0: unlimited)."
+    )
+    max_waiting_total: int = _setting(
+        5_000_000, "Global back-pressure: submit answers 503 past this many waiting jobs."
+    )
+    near_cache: bool = _setting(True, "Serve status from the per-process near cache.")
+    near_cache_size: int = _setting(100_000, "Most status documents in the near cache.")
+    near_cache_ttl: float = _setting(
+        2.0, "Safety-net lifetime of a near-cache entry whose freshness events could be missed."
+    )
+    coalesce: bool = _setting(True, "Merge the status loads of one event-loop tick into one batch.")
+    long_poll_max_seconds: float = _setting(60.0, "Longest ?wait= accepted on status reads.")
+    sse_heartbeat_seconds: float = _setting(15.0, "Interval of SSE heartbeat comments.")
+
+    # --- Postgres and write-behind ----------------------------------------------------------
+    database_url: str = _setting(
+        "postgresql://jobtier@127.0.0.1:5432/jobtier", "Postgres DSN.", secret=True
+    )
+    persist_batch_size: int = _setting(2000, "Most transitions written per Postgres transaction.")
+    persist_interval: float = _setting(0.05, "Longest wait before a partial batch is written.")
+    persist_claim_idle_seconds: float = _setting(
+        30.0, "Pending log entries idle this long are taken over from a dead persister."
+    )
+    persist_max_lag: int = _setting(
+        1_000_000, "Submit answers 503 once this many transitions wait for Postgres."
+    )
+
+    # --- Operations ------------------------------------------------------------------------
+    log_level: str = _setting("INFO", "Log level.")
+    log_format: str = _setting("text", "Log format: text (key=value) or json.")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Build Settings from ``JOBTIER_*`` variables; ``overrides`` win over the environment."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            name = env_name(f)
+            if f.name in overrides:
+                values[f.name] = overrides.pop(f.name)
+            elif name in env:
+                values[f.name] = _parse(f, env[name])
+        if overrides:
+            raise ConfigError(f"unknown settings: {', '.join(sorted(overrides))}")
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def replace(self, **changes: Any) -> Settings:
+        new = dataclasses.replace(self, **changes)
+        new.validate()
+        return new
+
+    def validate(self) -> None:
+        problems = []
+        if not 1 <= self.shards <= 4096:
+            problems.append("JOBTIER_SHARDS must be between 1 and 4096")
+        if self.lease_seconds < 1:
+            problems.append("JOBTIER_LEASE_SECONDS must be at least 1")
+        if self.default_max_attempts < 1:
+            problems.append("JOBTIER_DEFAULT_MAX_ATTEMPTS must be at least 1")
+        if self.api_server not in ("granian", "uvicorn"):
+            problems.append("JOBTIER_API_SERVER must be granian or uvicorn")
+        if self.log_format not in ("text", "json"):
+            problems.append("JOBTIER_LOG_FORMAT must be text or json")
+        if not self.prefix or any(c in self.prefix for c in "{} "):
+            problems.append("JOBTIER_PREFIX must be non-empty, without braces or spaces")
+        try:
+            self.tenant_keys()
+        except ConfigError as exc:
+            problems.append(str(exc))
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def tenant_keys(self) -> dict[str, str]:
+        """API key -> tenant, parsed from ``api_keys``."""
+        keys: dict[str, str] = {}
+        for item in filter(None, (p.strip() for p in self.api_keys.split(","))):
+            key, sep, tenant = item.partition(":")
+            if not sep or not key or not tenant:
+                raise ConfigError(f"JOBTIER_API_KEYS entry {item[:4]}… is not 'key:tenant'")
+            keys[key] = tenant
+        return keys
+
+    def public(self) -> dict[str, Any]:
+        """The values in effect, with secrets masked (for logs and `jobtier config`)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = "***" if f.metadata.get("secret") and value else value
+        return out
+
+
+def env_name(f: dataclasses.Field[Any]) -> str:
+    return str(f.metadata.get("env") or ENV_PREFIX + f.name.upper())
+
+
+def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = type(f.default)
+    name = env_name(f)
+    try:
+        if kind is bool:
+            lowered = raw.strip().lower()
+            if lowered in ("1", "true", "yes", "on"):
+                return True
+            if lowered in ("0", "false", "no", "off", ""):
+                return False
+            raise ValueError(raw)
+        if kind is int:
+            return int(raw.replace("_", ""))
+        if kind is float:
+            return float(raw)
+        return raw
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a valid {kind.__name__}") from None
+
+
+def settings_table() -> list[tuple[str, str, str]]:
+    """(environment variable, default, meaning) for every setting, in declaration order."""
+    rows = []
+    for f in dataclasses.fields(Settings):
+        default = "" if f.metadata.get("secret") and f.name != "database_url" else repr(f.default)
+        rows.append((env_name(f), default, str(f.metadata["help"])))
+    return rows

@@ -1,0 +1,196 @@
+"""Redis clients (one server or a cluster), the start-up check, and shard-channel subscribers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from redis.asyncio import Redis, RedisCluster
+from redis.asyncio.connection import Connection
+from redis.exceptions import RedisError
+
+from jobtier.config import Settings
+from jobtier.errors import ConfigError
+
+log = logging.getLogger("jobtier.redis")
+
+RedisClient = Redis | RedisCluster
+
+EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+
+
+def connect(settings: Settings, **kwargs: Any) -> RedisClient:
+    """A client for ``settings.redis_url``; bytes in, bytes out (no decoding on hot paths)."""
+    options: dict[str, Any] = {"decode_responses": False, "health_check_interval": 0}
+    options.update(kwargs)
+    if settings.redis_cluster:
+        options.pop("health_check_interval", None)
+        return RedisCluster.from_url(settings.redis_url, **options)
+    return Redis.from_url(settings.redis_url, **options)
+
+
+async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
+    """Refuse a Redis that can lose acknowledged jobs. Returns warnings; raises ConfigError.
+
+    An evicting memory policy silently drops job hashes and queues under memory pressure,
+    and without AOF a restart forgets everything since the last snapshot.
+    """
+    try:
+        version = await _info_values(redis, "server", "redis_version")
+        policies = await _info_values(redis, "memory", "maxmemory_policy")
+        aof = await _info_values(redis, "persistence", "aof_enabled")
+    except RedisError as exc:
+        raise ConfigError(f"cannot reach Redis at {settings.redis_url}: {exc}") from exc
+    problems, warnings = [], []
+    if any(int(v.split(".")[0]) < 7 for v in version):
+        problems.append(f"Redis {', '.join(sorted(set(version)))} is too old: jobtier needs 7.0+")
+    bad = sorted({p for p in policies if p in EVICTING})
+    if bad:
+        problems.append(
+            f"maxmemory-policy is {bad[0]}: Redis would evict jobs under memory pressure; "
+            "set it to noeviction (or a volatile-* policy)"
+        )
+    if any(v != "1" for v in aof):
+        message = "appendonly is off: a Redis restart would lose acknowledged jobs; set appendonly yes"
+        if settings.redis_require_aof:
+            problems.append(message + " (or JOBTIER_REDIS_REQUIRE_AOF=0 to accept the risk)")
+        else:
+            warnings.append(message)
+    if problems:
+        raise ConfigError("Redis is not fit for jobtier: " + "; ".join(problems))
+    return warnings
+
+
+async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
+    info = await redis.info(section)
+    if isinstance(redis, RedisCluster):  # {node name: {field: value}}
+        return [str(node_info[field]) for node_info in info.values()]
+    return [str(info[field])]
+
+
+def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str, int], list[str]]:
+    """Group shard channels by the node that serves their slot."""
+    if isinstance(redis, RedisCluster):
+        groups: dict[tuple[str, int], list[str]] = {}
+        for channel in channels:
+            node = redis.get_node_from_key(channel)
+            groups.setdefault((node.host, node.port), []).append(channel)
+        return groups
+    kw = redis.connection_pool.connection_kwargs
+    return {(kw.get("host", "127.0.0.1"), kw.get("port", 6379)): list(channels)}
+
+
+class ShardSubscriber:
+    """Keeps shard-channel subscriptions (SSUBSCRIBE) open and hands every message to a callback.
+
+    One bare connection per Redis node, read in a loop: no per-message bookkeeping of the
+    generic PubSub class, which matters at tens of thousands of status events a second.
+    ``on_message(channel, data)`` runs on the event loop for each message and must not block.
+    ``on_reset()`` runs after every (re)subscription: messages may have been missed while the
+    connection was down, so whoever relies on them must resynchronise.
+    """
+
+    def __init__(
+        self,
+        redis: RedisClient,
+        channels: Sequence[str],
+        on_message: Callable[[bytes, bytes], None],
+        on_reset: Callable[[], None] | None = None,
+        name: str = "subscriber",
+    ) -> None:
+        self.redis = redis
+        self.channels = list(channels)
+        self.on_message = on_message
+        self.on_reset = on_reset
+        self.name = name
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready: list[asyncio.Event] = []
+        self._closing = False
+
+    async def start(self, timeout: float = 10.0) -> None:
+        """Subscribe on every node; returns once all subscriptions are confirmed."""
+        for node, channels in node_channels(self.redis, self.channels).items():
+            ready = asyncio.Event()
+            self._ready.append(ready)
+            self._tasks.append(asyncio.create_task(self._run(node, channels, ready)))
+        async with asyncio.timeout(timeout):
+            await asyncio.gather(*(r.wait() for r in self._ready))
+
+    async def stop(self) -> None:
+        self._closing = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    def _connection(self, host: str, port: int) -> Connection:
+        if isinstance(self.redis, RedisCluster):
+            kwargs = dict(self.redis.get_default_node().connection_kwargs)
+        else:
+            kwargs = dict(self.redis.connection_pool.connection_kwargs)
+        kwargs.update(host=host, port=port, socket_timeout=None)
+        for key in ("connection_pool", "retry", "maint_notifications_config"):
+            kwargs.pop(key, None)
+        return Connection(**kwargs)
+
+    async def _run(self, node: tuple[str, int], channels: list[str], ready: asyncio.Event) -> None:
+        delay = 0.05
+        while not self._closing:
+            conn = self._connection(*node)
+            try:
+                await conn.connect()
+                await conn.send_command("SSUBSCRIBE", *channels)
+                confirmed = 0
+                while confirmed < len(channels):
+                    reply = await conn.read_response()
+                    if reply and reply[0] == b"ssubscribe":
+                        confirmed += 1
+                if self.on_reset is not None:
+                    self.on_reset()
+                ready.set()
+                delay = 0.05
+                on_message = self.on_message
+                while True:
+                    reply = await conn.read_response()
+                    if reply[0] == b"smessage":
+                        on_message(reply[1], reply[2])
+                    elif reply[0] == b"sunsubscribe":
+                        # the slot moved to another node (cluster resharding): resubscribe
+                        raise ConnectionError("shard channel moved")
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError, ConnectionError) as exc:
+                if self._closing:
+                    return
+                log.warning(
+                    "event=subscription_lost subscriber=%s node=%s:%s error=%r retry_in=%.2fs",
+                    self.name, node[0], node[1], exc, delay,
+                )  # fmt: skip
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                if isinstance(self.redis, RedisCluster):
+                    # a failover or resharding may have moved our slots: regroup and restart
+                    with contextlib.suppress(RedisError, OSError):
+                        await self.redis.initialize()
+                    self._respawn()
+                    return
+            finally:
+                with contextlib.suppress(Exception):
+                    await conn.disconnect()
+
+    def _respawn(self) -> None:
+        """(Cluster) rebuild the per-node subscriptions after a topology change."""
+        if self._closing:
+            return
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._tasks = []
+        for node, channels in node_channels(self.redis, self.channels).items():
+            self._tasks.append(asyncio.create_task(self._run(node, channels, asyncio.Event())))

@@ -1,0 +1,139 @@
+"""Every Redis key and channel name, job ids, and shard routing.
+
+A deployment has a fixed number of logical shards. Every key of shard ``s`` starts with
+``{prefix}:{s}:`` around a hash tag (``jt:{7}:q:high``), so one Lua script only ever touches
+one shard and Redis Cluster places whole shards on nodes by itself.
+
+Per shard::
+
+    jt:{s}:job:<id>          hash   the job record, including its rendered status document
+    jt:{s}:q:<priority>      list   ready queue per priority (LPUSH new, RPOP oldest: FIFO)
+    jt:{s}:sched             zset   scheduled jobs by run-at (ms)
+    jt:{s}:active            zset   running jobs by lease deadline (ms)
+    jt:{s}:dead              zset   failed jobs (the dead-letter set) by failure time (ms)
+    jt:{s}:idem:<tenant>:<k> string idempotency record: "<job id> <request hash>"
+    jt:{s}:waiting           hash   tenant -> queued+scheduled jobs in this shard
+    jt:{s}:wrr               string claim cursor of the weighted priority rotation
+    jt:{s}:log               stream every transition, read by the persister (write-behind)
+    jt:{s}:ev                shard channel: "<id> <version> <tenant>\\n<status document>"
+    jt:{s}:wake              shard channel: "q" (a queue became non-empty) or "s <ms>"
+                             (an earlier run-at or lease deadline to wake the scheduler for)
+
+Job ids are ``<ULID>-<shard>``: time-ordered, and any process routes them without a lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import zlib
+
+from jobtier.model import PRIORITIES
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+JOB_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}-(0|[1-9][0-9]{0,3})$")
+
+
+def ulid(ms: int | None = None, entropy: bytes | None = None) -> str:
+    """A ULID: 48-bit millisecond time and 80 bits of entropy, Crockford base32."""
+    if ms is None:
+        ms = time.time_ns() // 1_000_000
+    value = (ms & 0xFFFF_FFFF_FFFF) << 80 | int.from_bytes(entropy or os.urandom(10), "big")
+    out = []
+    for _ in range(26):
+        out.append(_CROCKFORD[value & 31])
+        value >>= 5
+    return "".join(reversed(out))
+
+
+class Keys:
+    """Key and channel names for one deployment (prefix and shard count)."""
+
+    __slots__ = ("_bases", "prefix", "shards")
+
+    def __init__(self, prefix: str = "jt", shards: int = 16) -> None:
+        self.prefix = prefix
+        self.shards = shards
+        self._bases = [f"{prefix}:{{{s}}}:" for s in range(shards)]
+
+    # --- ids and routing ----------------------------------------------------------------
+    def new_id(self, shard: int | None = None) -> str:
+        if shard is None:
+            shard = int.from_bytes(os.urandom(2), "big") % self.shards
+        return f"{ulid()}-{shard}"
+
+    def shard_of(self, job_id: str) -> int:
+        """The shard a job id routes to; ``ValueError`` for a malformed or foreign id."""
+        if not JOB_ID_RE.match(job_id):
+            raise ValueError(f"malformed job id: {job_id[:64]!r}")
+        shard = int(job_id.rsplit("-", 1)[1])
+        if shard >= self.shards:
+            raise ValueError(f"job id {job_id!r} names shard {shard} of {self.shards}")
+        return shard
+
+    def valid_id(self, job_id: str) -> bool:
+        try:
+            self.shard_of(job_id)
+        except ValueError:
+            return False
+        return True
+
+    def shard_for(self, *parts: str) -> int:
+        """A stable shard for a name (idempotency key, schedule id): crc32, same everywhere."""
+        return zlib.crc32("\x00".join(parts).encode()) % self.shards
+
+    # --- per-shard keys -----------------------------------------------------------------
+    def base(self, shard: int) -> str:
+        """``jt:{s}:`` — the Lua scripts build job keys from it."""
+        return self._bases[shard]
+
+    def job(self, job_id: str) -> str:
+        return f"{self._bases[self.shard_of(job_id)]}job:{job_id}"
+
+    def job_in(self, shard: int, job_id: str) -> str:
+        return f"{self._bases[shard]}job:{job_id}"
+
+    def queue(self, shard: int, priority: str) -> str:
+        return f"{self._bases[shard]}q:{priority}"
+
+    def queues(self, shard: int) -> list[str]:
+        return [self.queue(shard, p) for p in PRIORITIES]
+
+    def sched(self, shard: int) -> str:
+        return self._bases[shard] + "sched"
+
+    def active(self, shard: int) -> str:
+        return self._bases[shard] + "active"
+
+    def dead(self, shard: int) -> str:
+        return self._bases[shard] + "dead"
+
+    def waiting(self, shard: int) -> str:
+        return self._bases[shard] + "waiting"
+
+    def wrr(self, shard: int) -> str:
+        return self._bases[shard] + "wrr"
+
+    def log(self, shard: int) -> str:
+        return self._bases[shard] + "log"
+
+    def idem(self, shard: int, tenant: str, key: str) -> str:
+        return f"{self._bases[shard]}idem:{tenant}:{key}"
+
+    def events(self, shard: int) -> str:
+        return self._bases[shard] + "ev"
+
+    def wake(self, shard: int) -> str:
+        return self._bases[shard] + "wake"
+
+    # --- global (not sharded) keys ------------------------------------------------------
+    def workers(self) -> str:
+        """hash worker id -> JSON heartbeat (tasks, concurrency, in-flight, last seen)."""
+        return f"{self.prefix}:workers"
+
+    def schedules(self) -> str:
+        return f"{self.prefix}:schedules"
+
+    def persist_group(self) -> str:
+        return f"{self.prefix}-persister"

@@ -1,0 +1,39 @@
+-- cancel.lua: cancel a job.
+--   queued / scheduled -> cancelled
+--   running            -> running with cancel_requested (the worker sees it at its next
+--                         heartbeat and stops the task; if the task finishes first it succeeds)
+--
+-- KEYS[1]  shard log stream (routing)
+-- ARGV[1]  shard key base, jt:{s}:
+-- ARGV[2]  tenant asking ('' = any: admin); another tenant's job is NOT_FOUND
+-- ARGV[3]  job id
+-- ARGV[4]  retention of finished jobs, s
+-- Returns  {code, status document}: OK (also when a cancel was already requested), NOT_FOUND,
+--          WRONG_STATE (already finished)
+--!include lib.lua
+
+local tenant, id = ARGV[2], ARGV[3]
+local j = load(id)
+if not j or (tenant ~= '' and j.tenant ~= tenant) then
+  return {NOT_FOUND, ''}
+end
+local key = job_key(id)
+local from = j.state
+if from == 'queued' then
+  redis.call('LREM', BASE .. 'q:' .. j.prio, -1, id)
+elseif from == 'scheduled' then
+  redis.call('ZREM', BASE .. 'sched', id)
+elseif from == 'running' then
+  if j.cancel ~= '1' then
+    j.cancel = '1'
+    return {OK, commit(j, from, 'api')}
+  end
+  return {OK, redis.call('HGET', key, 'doc')}
+else
+  return {WRONG_STATE, redis.call('HGET', key, 'doc')}
+end
+j.state = 'cancelled'
+j.cancel = '1'
+local doc = commit(j, from, 'api')
+finish(j, ARGV[4])
+return {OK, doc}

@@ -1,0 +1,29 @@
+-- complete.lua: record the success of a batch of a worker's jobs (running -> succeeded).
+--
+-- KEYS[1]  shard log stream (routing)
+-- ARGV[1]  shard key base, jt:{s}:
+-- ARGV[2]  worker id
+-- ARGV[3]  retention of finished jobs, s (the hash then expires; Postgres keeps the record)
+-- ARGV[4]  number of jobs n, then 3 fields per job: id, lease_version, result JSON ('' = null)
+-- Returns  per job: code (OK, NOT_FOUND, WRONG_STATE, VERSION_CONFLICT, NOT_OWNER)
+-- A refusal means a stale writer: its lease expired and the job moved on; the result is
+-- dropped, never applied. A success wins over a pending cancel request (documented).
+--!include lib.lua
+
+local worker, ttl, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local out = {}
+for i = 0, n - 1 do
+  local a = 5 + i * 3
+  local id, result = ARGV[a], ARGV[a + 2]
+  local j = load(id)
+  local code = check_lease(j, ARGV[a + 1], worker)
+  if code == OK then
+    redis.call('ZREM', BASE .. 'active', id)
+    j.state = 'succeeded'
+    redis.call('HSET', job_key(id), 'result', result)
+    commit(j, 'running', worker, {'r', result})
+    finish(j, ttl)
+  end
+  out[#out + 1] = code
+end
+return out

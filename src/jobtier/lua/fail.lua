@@ -1,0 +1,40 @@
+-- fail.lua: record failed attempts of a worker's jobs.
+--   running -> scheduled   retryable, attempts remain: run again at now + delay
+--   running -> failed      non-retryable, or attempts exhausted: into the dead-letter set
+--
+-- KEYS[1]  shard log stream (routing)
+-- ARGV[1]  shard key base, jt:{s}:
+-- ARGV[2]  worker id
+-- ARGV[3]  retention of failed jobs, s
+-- ARGV[4]  number of jobs n, then 4 fields per job:
+--            id, lease_version, error JSON {"type","message"}, retry delay ms (-1: don't retry)
+-- Returns  per job: code, new state ('' when refused)
+--!include lib.lua
+
+local worker, ttl, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local out = {}
+for i = 0, n - 1 do
+  local a = 5 + i * 4
+  local id, delay = ARGV[a], tonumber(ARGV[a + 3])
+  local j = load(id)
+  local code = check_lease(j, ARGV[a + 1], worker)
+  local state = ''
+  if code == OK then
+    redis.call('ZREM', BASE .. 'active', id)
+    j.error = ARGV[a + 2]
+    if delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
+      j.state = 'scheduled'
+      j.run_at = int(NOW + delay)
+      commit(j, 'running', worker)
+      add_timed('sched', j, NOW + delay)
+    else
+      j.state = 'failed'
+      commit(j, 'running', worker)
+      redis.call('ZADD', BASE .. 'dead', NOW, id)
+      finish(j, ttl)
+    end
+    state = j.state
+  end
+  out[#out + 1], out[#out + 2] = code, state
+end
+return out

@@ -1,0 +1,36 @@
+-- heartbeat.lua: extend the leases of a worker's running jobs; record progress; report cancels.
+--
+-- KEYS[1]  shard log stream (routing)
+-- ARGV[1]  shard key base, jt:{s}:
+-- ARGV[2]  worker id
+-- ARGV[3]  lease, ms (new deadline = now + lease)
+-- ARGV[4]  number of jobs n, then 3 fields per job:
+--            id, lease_version (the fencing token from claim), progress JSON ('' = unchanged)
+-- Returns  per job: code, cancel requested (1/0)
+--            OK, NOT_FOUND, WRONG_STATE (no longer running), VERSION_CONFLICT (the job was
+--            reclaimed and claimed again), NOT_OWNER
+-- A refused heartbeat tells the worker it lost the job: it must stop and drop the result.
+-- A new progress value is a change of the status document: version + 1, logged, published.
+--!include lib.lua
+
+local worker, deadline, n = ARGV[2], NOW + tonumber(ARGV[3]), tonumber(ARGV[4])
+local out = {}
+for i = 0, n - 1 do
+  local a = 5 + i * 3
+  local id, progress = ARGV[a], ARGV[a + 2]
+  local j = load(id)
+  local code = check_lease(j, ARGV[a + 1], worker)
+  local cancel = 0
+  if code == OK then
+    redis.call('ZADD', BASE .. 'active', deadline, id)
+    if progress ~= '' and progress ~= j.progress then
+      j.progress = progress
+      commit(j, 'running', worker)
+    end
+    if j.cancel == '1' then
+      cancel = 1
+    end
+  end
+  out[#out + 1], out[#out + 2] = code, cancel
+end
+return out

@@ -1,0 +1,200 @@
+-- lib.lua: shared by every script; scripts.py puts it where a script says --!include lib.lua
+--
+-- Conventions of every script:
+--   KEYS[1]  the shard's transition log stream (jt:{s}:log). It routes the script to the
+--            shard's node; every other key the script touches is built from ARGV[1], the
+--            shard's key base (jt:{s}:), so it carries the same hash tag and lives in the same
+--            slot. keys.py documents the layout.
+--   Times are Redis's own clock (TIME) in milliseconds: one clock for every process.
+--   Each transition goes through commit(): version + 1, status document re-rendered and
+--   stored (write-through), an entry appended to the log stream, the new status published.
+
+-- Result codes: errors.py Code holds the same names and values (a unit test checks).
+local OK = 0
+local NOT_FOUND = 1
+local VERSION_CONFLICT = 2
+local WRONG_STATE = 3
+local NOT_OWNER = 4
+local IDEMPOTENCY_CONFLICT = 5
+local DUPLICATE = 6
+local EXISTS = 7
+
+local BASE = ARGV[1]
+local NOW
+do
+  local t = redis.call('TIME')
+  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local PRIORITIES = {'critical', 'high', 'normal', 'low'}
+local WAITING = {scheduled = true, queued = true}
+local TERMINAL = {succeeded = true, failed = true, cancelled = true}
+
+-- the fields a transition reads and writes (payload, result and doc are handled apart)
+local FIELDS = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
+                'created', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
+                'lease_version'}
+
+local function job_key(id)
+  return BASE .. 'job:' .. id
+end
+
+local function load(id)
+  local values = redis.call('HMGET', job_key(id), unpack(FIELDS))
+  if not values[1] then
+    return nil
+  end
+  local j = {}
+  for i, name in ipairs(FIELDS) do
+    j[name] = values[i] or ''
+  end
+  return j
+end
+
+local function int(n)
+  return string.format('%d', n)
+end
+
+-- ISO-8601 UTC from epoch milliseconds (civil-from-days, proleptic Gregorian)
+local function iso(ms)
+  ms = tonumber(ms)
+  local s = math.floor(ms / 1000)
+  local frac = ms - s * 1000
+  local days = math.floor(s / 86400)
+  local sod = s - days * 86400
+  local z = days + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
+                          - math.floor(doe / 146096)) / 365)
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m = mp < 10 and mp + 3 or mp - 9
+  local y = yoe + era * 400
+  if m <= 2 then
+    y = y + 1
+  end
+  return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%03dZ', y, m, d,
+                       math.floor(sod / 3600), math.floor(sod % 3600 / 60), sod % 60, frac)
+end
+
+local function str_or_null(s)
+  if s == '' then
+    return 'null'
+  end
+  return cjson.encode(s)
+end
+
+local function raw_or_null(s)
+  if s == '' then
+    return 'null'
+  end
+  return s
+end
+
+-- The status document (model.py JobStatus). Built by concatenation so that progress and
+-- error, already JSON, are embedded as they are.
+local function render(j)
+  local run_at = 'null'
+  if j.run_at ~= '' then
+    run_at = '"' .. iso(j.run_at) .. '"'
+  end
+  return '{"id":' .. cjson.encode(j.id)
+    .. ',"type":' .. cjson.encode(j.type)
+    .. ',"state":"' .. j.state
+    .. '","version":' .. j.version
+    .. ',"priority":"' .. j.prio
+    .. '","attempt":' .. j.attempt
+    .. ',"max_attempts":' .. j.max_attempts
+    .. ',"created_at":"' .. iso(j.created)
+    .. '","updated_at":"' .. iso(j.updated)
+    .. '","run_at":' .. run_at
+    .. ',"progress":' .. raw_or_null(j.progress)
+    .. ',"error":' .. raw_or_null(j.error)
+    .. ',"cancel_requested":' .. (j.cancel == '1' and 'true' or 'false')
+    .. ',"worker":' .. str_or_null(j.worker)
+    .. '}'
+end
+
+-- Apply a transition already made to j (state and fields): bump the version, store the
+-- fields and the re-rendered document, keep the per-tenant waiting count, append to the
+-- log, publish. `actor` is who made it (worker id, 'scheduler', 'api'); `extra` adds
+-- fields to the log entry (payload at submit, result at success).
+local function commit(j, from, actor, extra)
+  j.version = int(tonumber(j.version) + 1)
+  j.updated = int(NOW)
+  local doc = render(j)
+  redis.call('HSET', job_key(j.id), 'state', j.state, 'version', j.version,
+             'attempt', j.attempt, 'updated', j.updated, 'run_at', j.run_at,
+             'error', j.error, 'progress', j.progress, 'cancel', j.cancel,
+             'worker', j.worker, 'lease_version', j.lease_version, 'doc', doc)
+  if WAITING[from] ~= WAITING[j.state] then
+    redis.call('HINCRBY', BASE .. 'waiting', j.tenant, WAITING[j.state] and 1 or -1)
+  end
+  local entry = {'d', doc, 'tn', j.tenant, 'fr', from, 'w', actor}
+  if extra then
+    for i = 1, #extra do
+      entry[#entry + 1] = extra[i]
+    end
+  end
+  redis.call('XADD', BASE .. 'log', '*', unpack(entry))
+  redis.call('SPUBLISH', BASE .. 'ev', j.id .. ' ' .. j.version .. ' ' .. j.tenant .. '\n' .. doc)
+  return doc
+end
+
+-- Make j ready to claim. Front = the job already waited its turn (reclaimed, released).
+-- Workers sleep on the wake channel only when every queue they saw was empty, so a wake is
+-- needed only when a queue goes from empty to non-empty; once per script is enough.
+local woke = false
+local function push_ready(j, front)
+  local q = BASE .. 'q:' .. j.prio
+  local n
+  if front then
+    n = redis.call('RPUSH', q, j.id)
+  else
+    n = redis.call('LPUSH', q, j.id)
+  end
+  if n == 1 and not woke then
+    woke = true
+    redis.call('SPUBLISH', BASE .. 'wake', 'q')
+  end
+end
+
+-- Put j in a sorted set scored by `at`; tell the scheduler when `at` is the new earliest.
+local function add_timed(set, j, at)
+  redis.call('ZADD', BASE .. set, at, j.id)
+  local first = redis.call('ZRANGE', BASE .. set, 0, 0)
+  if first[1] == j.id then
+    redis.call('SPUBLISH', BASE .. 'wake', 's ' .. int(at))
+  end
+end
+
+-- The fencing check of every write a worker makes about a job it was given.
+local function check_lease(j, lease_version, worker)
+  if not j then
+    return NOT_FOUND
+  end
+  if j.state ~= 'running' then
+    return WRONG_STATE
+  end
+  if j.lease_version ~= lease_version then
+    return VERSION_CONFLICT
+  end
+  if j.worker ~= worker then
+    return NOT_OWNER
+  end
+  return OK
+end
+
+local function finish(j, ttl)
+  redis.call('EXPIRE', job_key(j.id), ttl)
+end
+
+local function next_score(set)
+  local first = redis.call('ZRANGE', BASE .. set, 0, 0, 'WITHSCORES')
+  if first[2] then
+    return tonumber(first[2])
+  end
+  return -1
+end

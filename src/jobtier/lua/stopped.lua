@@ -1,0 +1,40 @@
+-- stopped.lua: a worker gives up jobs it holds without a result.
+--   running -> cancelled   a cancel was requested and the task stopped for it
+--   running -> queued      the worker is shutting down (released; the attempt is not counted)
+--
+-- KEYS[1]  shard log stream (routing)
+-- ARGV[1]  shard key base, jt:{s}:
+-- ARGV[2]  worker id
+-- ARGV[3]  retention of finished jobs, s
+-- ARGV[4]  number of jobs n, then 2 fields per job: id, lease_version
+-- Returns  per job: code, new state ('' when refused)
+-- A job with a pending cancel request is cancelled whichever way the worker lets it go.
+-- A released job goes to the front of its queue: it already waited its turn.
+--!include lib.lua
+
+local worker, ttl, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
+local out = {}
+for i = 0, n - 1 do
+  local a = 5 + i * 2
+  local id = ARGV[a]
+  local j = load(id)
+  local code = check_lease(j, ARGV[a + 1], worker)
+  local state = ''
+  if code == OK then
+    redis.call('ZREM', BASE .. 'active', id)
+    if j.cancel == '1' then
+      j.state = 'cancelled'
+      commit(j, 'running', worker)
+      finish(j, ttl)
+    else
+      j.state = 'queued'
+      j.attempt = int(tonumber(j.attempt) - 1)
+      j.worker = ''
+      commit(j, 'running', worker)
+      push_ready(j, true)
+    end
+    state = j.state
+  end
+  out[#out + 1], out[#out + 2] = code, state
+end
+return out

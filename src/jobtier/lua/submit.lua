@@ -1,0 +1,79 @@
+-- submit.lua: create jobs in one shard (new -> queued, or -> scheduled with a future run-at).
+--
+-- KEYS[1]  shard log stream (routing)
+-- ARGV[1]  shard key base, jt:{s}:
+-- ARGV[2]  idempotency record lifetime, ms
+-- ARGV[3]  number of jobs n, then 10 fields per job:
+--            id, tenant, type, priority, payload (JSON), max_attempts,
+--            run_at ms (0: none), delay ms (0: none),
+--            idempotency key ('' none), request hash (identifies "the same request")
+-- Returns  per job: code, job id, status document
+--            OK                    created (the id asked for)
+--            DUPLICATE             the key was used by the same request: that job, its document
+--            IDEMPOTENCY_CONFLICT  the key was used by a different request: that job's id, ''
+--            EXISTS                a job with this id exists (cron firings use fixed ids): id, doc
+-- An idempotency record names its job as "<id> <request hash>" and lives in the job's shard.
+--!include lib.lua
+
+local idem_ttl = ARGV[2]
+local n = tonumber(ARGV[3])
+local out = {}
+for i = 0, n - 1 do
+  local a = 4 + i * 10
+  local id, tenant, idem, hash = ARGV[a], ARGV[a + 1], ARGV[a + 8], ARGV[a + 9]
+  local code = OK
+  local idem_key
+  if idem ~= '' then
+    idem_key = BASE .. 'idem:' .. tenant .. ':' .. idem
+    local rec = redis.call('GET', idem_key)
+    if rec then
+      local sp = string.find(rec, ' ', 1, true)
+      local old_id, old_hash = string.sub(rec, 1, sp - 1), string.sub(rec, sp + 1)
+      local doc = redis.call('HGET', job_key(old_id), 'doc')
+      if old_hash == hash then
+        code = DUPLICATE
+        out[#out + 1], out[#out + 2], out[#out + 3] = code, old_id, doc or ''
+      else
+        code = IDEMPOTENCY_CONFLICT
+        out[#out + 1], out[#out + 2], out[#out + 3] = code, old_id, ''
+      end
+    end
+  end
+  if code == OK and redis.call('EXISTS', job_key(id)) == 1 then
+    code = EXISTS
+    out[#out + 1], out[#out + 2], out[#out + 3] = code, id, redis.call('HGET', job_key(id), 'doc')
+  end
+  if code == OK then
+    local run_at, delay = tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
+    local due = NOW + delay
+    if run_at > 0 then
+      due = run_at
+    end
+    local j = {id = id, tenant = tenant, type = ARGV[a + 2], prio = ARGV[a + 3],
+               state = 'queued', version = '0', attempt = '0', max_attempts = ARGV[a + 5],
+               created = int(NOW), run_at = '', error = '', progress = '', cancel = '0',
+               worker = '', lease_version = '0'}
+    if run_at > 0 or delay > 0 then
+      j.run_at = int(due)
+    end
+    if due > NOW then
+      j.state = 'scheduled'
+    end
+    redis.call('HSET', job_key(id), 'id', id, 'tenant', tenant, 'type', j.type, 'prio', j.prio,
+               'max_attempts', j.max_attempts, 'created', j.created, 'payload', ARGV[a + 4],
+               'idem', idem)
+    local extra = {'p', ARGV[a + 4]}
+    if idem ~= '' then
+      redis.call('SET', idem_key, id .. ' ' .. hash, 'PX', idem_ttl)
+      extra[3], extra[4] = 'ik', idem
+    end
+    local doc = commit(j, '', 'api', extra)
+    if j.state == 'scheduled' then
+      add_timed('sched', j, due)
+    else
+      push_ready(j, false)
+    end
+    out[#out + 1], out[#out + 2], out[#out + 3] = OK, id, doc
+  end
+end
+return out

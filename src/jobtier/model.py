@@ -1,0 +1,102 @@
+"""The job's data: states, priorities, the status document, and codecs built once.
+
+The status document is rendered by the Lua scripts (``lua/lib.lua: render``) so that Redis
+holds ready-to-serve bytes; ``JobStatus`` is its schema on the Python side, decoded strictly
+(unknown fields are an error), and a test checks that the two agree.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+
+class State(StrEnum):
+    SCHEDULED = "scheduled"
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+WAITING = frozenset({State.SCHEDULED, State.QUEUED})
+
+
+class Priority(StrEnum):
+    CRITICAL = "critical"
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
+PRIORITIES: tuple[Priority, ...] = tuple(Priority)
+
+
+class JobError(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    type: str
+    message: str
+
+
+class JobStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The status document served by ``GET /v1/jobs/{id}`` and pushed over SSE.
+
+    ``version`` increases by one on every change to this document: each state transition,
+    each progress report and a cancel request.
+    """
+
+    id: str
+    type: str
+    state: State
+    version: int
+    priority: Priority
+    attempt: int
+    max_attempts: int
+    created_at: str
+    updated_at: str
+    run_at: str | None = None
+    progress: Any = None
+    error: JobError | None = None
+    cancel_requested: bool = False
+    worker: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+
+class ClaimedJob(msgspec.Struct, frozen=True):
+    """A job handed to a worker by the claim script; ``lease_version`` is its fencing token."""
+
+    id: str
+    type: str
+    payload: bytes
+    attempt: int
+    max_attempts: int
+    lease_version: int
+    queued_at_ms: int
+    claimed_at_ms: int
+
+
+json_encoder = msgspec.json.Encoder()
+status_decoder = msgspec.json.Decoder(JobStatus)
+any_decoder = msgspec.json.Decoder()
+
+
+def encode_json(value: Any) -> bytes:
+    """Encode a payload/result/progress value to compact JSON, or raise TypeError."""
+    try:
+        return json_encoder.encode(value)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise TypeError(f"not JSON-serialisable: {exc}") from None
+
+
+def decode_status(doc: bytes | str) -> JobStatus:
+    return status_decoder.decode(doc)

@@ -1,0 +1,262 @@
+"""The Lua transitions: loaded once, one typed async wrapper per script.
+
+Each script lives in ``lua/<name>.lua`` and opens with a header of its KEYS, ARGV and
+returns; ``--!include lib.lua`` pulls in the shared helpers. Wrappers take and return Python
+values and ``Code`` members, never bare integers.
+
+Why not ``register_script()`` alone: its pipeline path sends SCRIPT EXISTS before every
+pipeline execution, a second round trip on the paths we batch (claim, complete, submit). We
+EVALSHA directly and, on NOSCRIPT (a restarted Redis has an empty script cache), load the
+script and re-send only the calls that were refused — they did not run, so re-sending them
+is safe.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from jobtier.errors import Code
+from jobtier.keys import Keys
+from jobtier.model import ClaimedJob
+from jobtier.connection import RedisClient
+
+_INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
+NAMES = (
+    "submit", "claim", "heartbeat", "complete", "fail", "stopped",
+    "cancel", "promote", "reclaim", "replay",
+)  # fmt: skip
+
+
+def lua_source(name: str) -> str:
+    """The script's text with its includes expanded."""
+    folder = resources.files("jobtier") / "lua"
+    text = (folder / f"{name}.lua").read_text()
+    return _INCLUDE.sub(lambda m: (folder / m.group(1)).read_text(), text)
+
+
+class Script:
+    __slots__ = ("name", "sha", "text")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.text = lua_source(name)
+        self.sha = hashlib.sha1(self.text.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitOutcome:
+    code: Code  # OK, DUPLICATE, IDEMPOTENCY_CONFLICT or EXISTS
+    job_id: str
+    doc: bytes  # the status document; empty for IDEMPOTENCY_CONFLICT (or an expired original)
+
+
+@dataclass(frozen=True, slots=True)
+class SubmitItem:
+    job_id: str
+    tenant: str
+    type: str
+    priority: str
+    payload: bytes
+    max_attempts: int
+    run_at_ms: int  # 0: none
+    delay_ms: int  # 0: none
+    idempotency_key: str  # '': none
+    request_hash: str
+
+    def args(self) -> tuple[Any, ...]:
+        return (
+            self.job_id, self.tenant, self.type, self.priority, self.payload,
+            self.max_attempts, self.run_at_ms, self.delay_ms, self.idempotency_key,
+            self.request_hash,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimBatch:
+    shard: int
+    now_ms: int
+    ready_left: int  # ready jobs still in the shard after this claim
+    jobs: list[ClaimedJob]
+
+
+@dataclass(frozen=True, slots=True)
+class Timed:
+    """Result of promote/reclaim: how many moved, and when the next one falls due."""
+
+    moved: int
+    dead: int
+    next_ms: int  # -1: nothing waiting
+    now_ms: int
+
+
+Call = tuple[Script, int, Sequence[Any]]
+
+
+class Scripts:
+    """Runs the transition scripts for one deployment (key layout) on one Redis client."""
+
+    def __init__(self, redis: RedisClient, keys: Keys) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.by_name = {name: Script(name) for name in NAMES}
+
+    def __getitem__(self, name: str) -> Script:
+        return self.by_name[name]
+
+    async def load(self) -> None:
+        """SCRIPT LOAD every script (on every primary of a cluster)."""
+        for script in self.by_name.values():
+            await self.redis.script_load(script.text)
+
+    # --- running ------------------------------------------------------------------------
+    def _argv(self, script: Script, shard: int, args: Sequence[Any]) -> tuple[Any, ...]:
+        return (script.sha, 1, self.keys.log(shard), self.keys.base(shard), *args)
+
+    async def call(self, script: Script, shard: int, args: Sequence[Any]) -> Any:
+        argv = self._argv(script, shard, args)
+        try:
+            return await self.redis.execute_command("EVALSHA", *argv)
+        except NoScriptError:
+            await self.redis.script_load(script.text)
+            return await self.redis.execute_command("EVALSHA", *argv)
+
+    async def call_many(self, calls: Sequence[Call]) -> list[Any]:
+        """Run several script calls in one pipeline (one round trip per node)."""
+        if len(calls) == 1:
+            script, shard, args = calls[0]
+            return [await self.call(script, shard, args)]
+        results: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for _ in range(3):
+            pipe = self.redis.pipeline(transaction=False)
+            for i in todo:
+                pipe.execute_command("EVALSHA", *self._argv(*calls[i]))
+            replies = await pipe.execute(raise_on_error=False)
+            retry = []
+            for i, reply in zip(todo, replies, strict=True):
+                if isinstance(reply, NoScriptError):
+                    retry.append(i)
+                elif isinstance(reply, Exception):
+                    raise reply
+                else:
+                    results[i] = reply
+            if not retry:
+                return results
+            for name in {calls[i][0].name for i in retry}:
+                await self.redis.script_load(self.by_name[name].text)
+            todo = retry
+        raise RuntimeError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
+
+    # --- typed wrappers ------------------------------------------------------------------
+    def submit_call(self, shard: int, items: Sequence[SubmitItem], idem_ttl_ms: int) -> Call:
+        args: list[Any] = [idem_ttl_ms, len(items)]
+        for item in items:
+            args.extend(item.args())
+        return (self["submit"], shard, args)
+
+    @staticmethod
+    def parse_submit(reply: list[Any]) -> list[SubmitOutcome]:
+        return [
+            SubmitOutcome(Code(reply[i]), reply[i + 1].decode(), reply[i + 2] or b"")
+            for i in range(0, len(reply), 3)
+        ]
+
+    def claim_call(self, shard: int, worker: str, count: int, lease_ms: int) -> Call:
+        return (self["claim"], shard, (worker, count, lease_ms))
+
+    @staticmethod
+    def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
+        now = int(reply[0])
+        jobs = [
+            ClaimedJob(
+                id=reply[i].decode(),
+                type=reply[i + 1].decode(),
+                payload=reply[i + 2],
+                attempt=int(reply[i + 3]),
+                max_attempts=int(reply[i + 4]),
+                lease_version=int(reply[i + 5]),
+                queued_at_ms=int(reply[i + 6]),
+                claimed_at_ms=now,
+            )
+            for i in range(2, len(reply), 7)
+        ]
+        return ClaimBatch(shard, now, int(reply[1]), jobs)
+
+    async def claim(self, shard: int, worker: str, count: int, lease_ms: int) -> ClaimBatch:
+        reply = await self.call(*self.claim_call(shard, worker, count, lease_ms))
+        return self.parse_claim(shard, reply)
+
+    def heartbeat_call(
+        self, shard: int, worker: str, lease_ms: int, items: Sequence[tuple[str, int, bytes]]
+    ) -> Call:
+        """items: (job id, lease_version, progress JSON or b'')."""
+        args: list[Any] = [worker, lease_ms, len(items)]
+        for item in items:
+            args.extend(item)
+        return (self["heartbeat"], shard, args)
+
+    @staticmethod
+    def parse_pairs(reply: list[Any]) -> list[tuple[Code, Any]]:
+        return [(Code(reply[i]), reply[i + 1]) for i in range(0, len(reply), 2)]
+
+    def complete_call(
+        self, shard: int, worker: str, retention_s: int, items: Sequence[tuple[str, int, bytes]]
+    ) -> Call:
+        """items: (job id, lease_version, result JSON or b'')."""
+        args: list[Any] = [worker, retention_s, len(items)]
+        for item in items:
+            args.extend(item)
+        return (self["complete"], shard, args)
+
+    def fail_call(
+        self,
+        shard: int,
+        worker: str,
+        retention_s: int,
+        items: Sequence[tuple[str, int, bytes, int]],
+    ) -> Call:
+        """items: (job id, lease_version, error JSON, retry delay ms or -1 for no retry)."""
+        args: list[Any] = [worker, retention_s, len(items)]
+        for item in items:
+            args.extend(item)
+        return (self["fail"], shard, args)
+
+    def stopped_call(
+        self, shard: int, worker: str, retention_s: int, items: Sequence[tuple[str, int]]
+    ) -> Call:
+        """items: (job id, lease_version): cancelled if a cancel was requested, else released."""
+        args: list[Any] = [worker, retention_s, len(items)]
+        for item in items:
+            args.extend(item)
+        return (self["stopped"], shard, args)
+
+    async def cancel(
+        self, shard: int, tenant: str, job_id: str, retention_s: int
+    ) -> tuple[Code, bytes]:
+        code, doc = await self.call(self["cancel"], shard, (tenant, job_id, retention_s))
+        return Code(code), doc
+
+    async def replay(self, shard: int, tenant: str, job_id: str) -> tuple[Code, bytes]:
+        code, doc = await self.call(self["replay"], shard, (tenant, job_id))
+        return Code(code), doc
+
+    def promote_call(self, shard: int, limit: int) -> Call:
+        return (self["promote"], shard, (limit,))
+
+    def reclaim_call(self, shard: int, limit: int, retention_s: int, dead_s: int) -> Call:
+        return (self["reclaim"], shard, (limit, retention_s, dead_s))
+
+    @staticmethod
+    def parse_promote(reply: list[Any]) -> Timed:
+        return Timed(int(reply[0]), 0, int(reply[1]), int(reply[2]))
+
+    @staticmethod
+    def parse_reclaim(reply: list[Any]) -> Timed:
+        return Timed(int(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]))

@@ -1,0 +1,5 @@
+"""Fixtures: real Redis (and Postgres) servers started for the session, cleaned per test."""
+
+pytest_plugins = [
+    "tests.fixtures.redis",
+]
