@@ -2,4 +2,5 @@
 
 pytest_plugins = [
     "tests.fixtures.redis",
+    "tests.fixtures.engine",
 ]

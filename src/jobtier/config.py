@@ -27,7 +27,8 @@ def _setting(default: Any, help: str, *, env: str | None = None, secret: bool = 
 class Settings:
     # --- Redis -----------------------------------------------------------------------------
     redis_url: str = _setting(
-        "redis://127.0.0.1:6379/0", "Redis URL (one node of the cluster when JOBTIER_REDIS_CLUSTER=1)."
+        "redis://127.0.0.1:6379/0",
+        "Redis URL (one node of the cluster when JOBTIER_REDIS_CLUSTER=1).",
     )
     redis_cluster: bool = _setting(False, "Talk to a Redis Cluster instead of a single server.")
     redis_require_aof: bool = _setting(
@@ -47,7 +48,8 @@ class Settings:
         86400, "How long finished (succeeded/cancelled) jobs stay in Redis; Postgres keeps them."
     )
     dead_retention_seconds: int = _setting(
-        7 * 86400, "How long failed jobs stay in Redis's dead-letter set before only Postgres has them."
+        7 * 86400,
+        "How long failed jobs stay in Redis's dead-letter set before only Postgres has them.",
     )
     idempotency_ttl_seconds: int = _setting(86400, "How long an idempotency key is remembered.")
     max_payload_bytes: int = _setting(256 * 1024, "Largest accepted job payload (encoded JSON).")
@@ -65,9 +67,7 @@ class Settings:
     api_port: int = _setting(8000, "Port the API listens on.")
     api_workers: int = _setting(1, "API server processes.")
     api_server: str = _setting("granian", "ASGI server: granian or uvicorn.")
-    api_keys: str = _setting(
-        "", "Tenant keys: 'key1:tenant1,key2:tenant2'.", secret=True
-    )
+    api_keys: str = _setting("", "Tenant keys: 'key1:tenant1,key2:tenant2'.", secret=True)
     admin_key: str = _setting("", "Key for the admin routes.", secret=True)
     rate_limit_per_second: float = _setting(
         0.0, "Per-tenant submit rate limit in jobs/s per API process (0: unlimited)."

@@ -54,7 +54,9 @@ async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
             "set it to noeviction (or a volatile-* policy)"
         )
     if any(v != "1" for v in aof):
-        message = "appendonly is off: a Redis restart would lose acknowledged jobs; set appendonly yes"
+        message = (
+            "appendonly is off: a Redis restart would lose acknowledged jobs; set appendonly yes"
+        )
         if settings.redis_require_aof:
             problems.append(message + " (or JOBTIER_REDIS_REQUIRE_AOF=0 to accept the risk)")
         else:
@@ -133,9 +135,14 @@ class ShardSubscriber:
             kwargs = dict(self.redis.get_default_node().connection_kwargs)
         else:
             kwargs = dict(self.redis.connection_pool.connection_kwargs)
-        kwargs.update(host=host, port=port, socket_timeout=None)
-        for key in ("connection_pool", "retry", "maint_notifications_config"):
-            kwargs.pop(key, None)
+        # RESP2: under RESP3 the messages arrive as push frames that the client library's
+        # push handler consumes instead of returning them to read_response()
+        kwargs.update(host=host, port=port, socket_timeout=None, protocol=2)
+        for key in list(kwargs):
+            if key.startswith(("maint_notifications", "orig_", "oss_cluster")) or key in (
+                "connection_pool", "retry", "himport_registry",
+            ):
+                kwargs.pop(key)
         return Connection(**kwargs)
 
     async def _run(self, node: tuple[str, int], channels: list[str], ready: asyncio.Event) -> None:

@@ -22,10 +22,10 @@ from typing import Any
 
 from redis.exceptions import NoScriptError
 
+from jobtier.connection import RedisClient
 from jobtier.errors import Code
 from jobtier.keys import Keys
 from jobtier.model import ClaimedJob
-from jobtier.connection import RedisClient
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (

@@ -1,0 +1,48 @@
+# jobtier: two commands do all the set-up on a fresh Debian machine.
+#   make run    local Redis + Postgres (in .data/), then API, worker, scheduler, persister
+#   make test   the whole test suite against real Redis and Postgres
+# Both are idempotent: a second run reuses the virtualenv, packages and data that are there.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test check lint types format bench setup system-deps clean
+
+run: setup
+	$(BIN)/jobtier run
+
+test: setup
+	$(BIN)/pytest -q
+
+check: setup lint types test
+
+lint: setup
+	$(BIN)/ruff check src tests bench loadtest
+	$(BIN)/ruff format --check src tests bench loadtest
+
+types: setup
+	$(BIN)/mypy
+
+format: setup
+	$(BIN)/ruff format src tests bench loadtest
+	$(BIN)/ruff check --fix src tests bench loadtest
+
+bench: setup
+	$(BIN)/python bench/throughput.py
+
+setup: system-deps $(STAMP)
+
+# redis-server (with redis-cli) from Debian when missing; Postgres binaries likewise.
+system-deps:
+	@scripts/system-deps.sh
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+clean:
+	rm -rf .data .pytest_cache .mypy_cache .ruff_cache

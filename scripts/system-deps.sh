@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs the system packages jobtier's local services and tests need, only when missing:
+# redis-server and redis-cli (Debian redis-server), PostgreSQL server binaries.
+set -euo pipefail
+
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
+ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+echo "installing system packages: ${missing[*]}"
+if [ "$(id -u)" -eq 0 ]; then
+  SUDO=""
+elif command -v sudo >/dev/null 2>&1; then
+  SUDO="sudo"
+else
+  echo "need root (or sudo) to install: ${missing[*]}" >&2
+  exit 1
+fi
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+# policy-rc.d keeps Debian from starting system-wide services: jobtier runs its own
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+# the package may have started a system-wide redis on 6379; ours use their own ports

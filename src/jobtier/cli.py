@@ -1,0 +1,172 @@
+"""The ``jobtier`` command."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from jobtier import logs
+from jobtier.config import Settings, settings_table
+from jobtier.errors import ConfigError
+
+log = logging.getLogger("jobtier.cli")
+
+DESCRIPTION = """\
+jobtier: asynchronous jobs for Python services, with a status tier that serves every
+job's state in milliseconds. Configuration comes from JOBTIER_* environment variables
+(`jobtier config` lists them with their values in effect)."""
+
+
+def _run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
+    try:
+        import uvloop
+
+        return uvloop.run(main())
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(main())
+
+
+def _on_signals(stop: Callable[[], None]) -> None:
+    """First SIGTERM/SIGINT: graceful stop. Second: exit now."""
+    loop = asyncio.get_running_loop()
+    received = []
+
+    def handler(sig: signal.Signals) -> None:
+        if received:
+            log.warning("event=forced_exit signal=%s", sig.name)
+            os._exit(1)
+        received.append(sig)
+        log.info("event=signal signal=%s action=graceful_stop", sig.name)
+        stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handler, sig)
+
+
+# --- commands -------------------------------------------------------------------------------
+def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from jobtier.queue import Queue
+    from jobtier.worker.registry import TaskRegistry
+    from jobtier.worker.runner import Worker
+
+    sys.path.insert(0, os.getcwd())
+    registry = TaskRegistry.load(args.tasks)
+
+    async def main() -> int:
+        async with await Queue.connect(settings, registry) as queue:
+            worker = Worker(
+                queue,
+                registry,
+                concurrency=args.concurrency,
+                burst=args.burst,
+                name=args.name,
+                shutdown_grace=args.grace,
+            )
+            _on_signals(worker.stop)
+            await worker.run()
+        return 0
+
+    return _run_async(main)
+
+
+def cmd_scheduler(args: argparse.Namespace, settings: Settings) -> int:
+    from jobtier.queue import Queue
+    from jobtier.scheduler import Scheduler
+
+    async def main() -> int:
+        async with await Queue.connect(settings) as queue:
+            scheduler = Scheduler(queue, batch=args.batch)
+            _on_signals(scheduler.stop)
+            await scheduler.run()
+        return 0
+
+    return _run_async(main)
+
+
+def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    from jobtier.runall import run_all
+
+    return _run_async(lambda: run_all(args, settings, _on_signals))
+
+
+def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
+    if args.table:
+        print("| variable | default | meaning |\n|---|---|---|")
+        for name, default, meaning in settings_table():
+            print(f"| `{name}` | `{default}` | {meaning} |")
+        return 0
+    for key, value in settings.public().items():
+        print(f"JOBTIER_{key.upper()}={value}")
+    return 0
+
+
+# --- parser ---------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jobtier", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "run",
+        help="everything in one process, with a local Redis and Postgres (development)",
+        description="Start a local Redis and Postgres (data under --data-dir, loopback ports), "
+        "then the API, a worker, the scheduler and the persister in one process.",
+    )
+    p.add_argument("--tasks", default="jobtier.demo", help="task module[:attr] (default: the demo tasks)")
+    p.add_argument("--data-dir", type=Path, default=Path(".data"), help="local services' data (default: .data)")
+    p.add_argument("--external", action="store_true", help="use JOBTIER_REDIS_URL / JOBTIER_DATABASE_URL; start no local services")
+    p.add_argument("--redis-port", type=int, default=16379, help="local Redis port (default: 16379)")
+    p.add_argument("--pg-port", type=int, default=15432, help="local Postgres port (default: 15432)")
+    p.add_argument("--concurrency", type=int, default=50, help="worker concurrency (default: 50)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "worker",
+        help="run tasks",
+        description="Claim jobs and run them with the tasks of MODULE (every @task in it) or "
+        "MODULE:ATTR (a TaskRegistry, a Task or a list of Tasks). SIGTERM stops claiming, lets "
+        "running jobs finish within --grace seconds, then releases the rest to their queues.",
+    )
+    p.add_argument("tasks", metavar="MODULE[:ATTR]", help="where the tasks are, e.g. myapp.tasks")
+    p.add_argument("--concurrency", "-c", type=int, default=50, help="jobs run at once (default: 50)")
+    p.add_argument("--burst", action="store_true", help="drain the ready queues, then exit")
+    p.add_argument("--name", help="worker id (default: host:pid:random)")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds running jobs get on SIGTERM (default: 30)")
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser(
+        "scheduler",
+        help="promote due jobs and reclaim expired leases",
+        description="Promote scheduled jobs when due and requeue jobs whose worker stopped "
+        "heartbeating. Run as many as you like: every move is an atomic script.",
+    )
+    p.add_argument("--batch", type=int, default=1000, help="most jobs moved per script call (default: 1000)")
+    p.set_defaults(func=cmd_scheduler)
+
+    p = sub.add_parser("config", help="print the settings in effect (secrets masked)")
+    p.add_argument("--table", action="store_true", help="print every setting as a markdown table")
+    p.set_defaults(func=cmd_config)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        settings = Settings.from_env()
+        logs.setup(settings.log_level, settings.log_format)
+        return int(args.func(args, settings))
+    except ConfigError as exc:
+        print(f"jobtier: configuration error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

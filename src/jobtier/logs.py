@@ -1,0 +1,54 @@
+"""Structured logs: one line per event, ``key=value`` (text) or one JSON object (json).
+
+Messages are written as ``event=name key=value …``; the JSON formatter turns those pairs
+into fields, so the same call sites serve both formats.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+
+import orjson
+
+_PAIR = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
+
+
+class TextFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        line = f"{ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} logger={record.name} {record.getMessage()}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        out: dict[str, object] = {
+            "ts": record.created,
+            "level": record.levelname.lower(),
+            "logger": record.name,
+        }
+        pairs = _PAIR.findall(message)
+        if pairs and message.startswith(pairs[0][0] + "="):
+            for key, value in pairs:
+                out[key] = value.strip("'\"")
+        else:
+            out["message"] = message
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return orjson.dumps(out).decode()
+
+
+def setup(level: str = "INFO", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for noisy in ("asyncio", "uvicorn.access", "_granian", "granian.access"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,199 @@
+"""The scheduler: promotes due jobs and reclaims expired leases, on time, on every shard.
+
+It sleeps until the earliest thing it knows is due — a scheduled job's run-at, or a lease
+deadline — rather than polling on a coarse interval. The scripts tell it the next due time
+of each shard in every answer, and the shards' wake channels tell it when a submit or a
+retry puts an earlier run-at in front (``"s <ms>"``). Times are Redis's clock: every answer
+carries Redis's ``now``, and the scheduler keeps the offset to its own clock.
+
+Several schedulers may run at once: promote and reclaim are atomic scripts that take each
+due id out of its set exactly once, so nothing is promoted or reclaimed twice; there is no
+leader to elect or to lose. Cron schedules (fired from here too) are added by the
+scheduling issue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from redis.exceptions import RedisError
+
+from jobtier.connection import ShardSubscriber
+from jobtier.queue import Queue
+from jobtier.scripts import Call
+
+log = logging.getLogger("jobtier.scheduler")
+
+NOW = 0  # "due now": check the shard on the next pass
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    promoted: int = 0
+    requeued: int = 0  # expired leases put back in their queue
+    dead: int = 0  # expired leases with no attempts left
+    passes: int = 0
+    lateness_ms: list[float] | None = None
+
+
+class Scheduler:
+    """Promote due jobs and reclaim expired leases on all shards until ``stop()``.
+
+    ``batch`` bounds the jobs one script call moves (a burst of due jobs is promoted in
+    several calls, each short, so other clients of Redis are not held up). ``max_sleep``
+    is the safety net for wake messages missed while the subscription was down.
+    """
+
+    def __init__(
+        self,
+        queue: Queue,
+        *,
+        batch: int = 1000,
+        max_sleep: float = 5.0,
+        extra: Callable[[float], Awaitable[float | None]] | None = None,
+    ) -> None:
+        self.queue = queue
+        self.keys = queue.keys
+        self.scripts = queue.scripts
+        self.settings = queue.settings
+        self.batch = batch
+        self.max_sleep = max_sleep
+        # cron firing (scheduling issue) plugs in here: called with Redis time (ms) each pass,
+        # returns the next time (ms) it wants to run, or None
+        self.extra = extra
+        n = self.keys.shards
+        self._next_due = [NOW] * n
+        self._next_lease = [NOW] * n
+        self._offset_ms = 0.0  # Redis clock minus ours
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self.stats = SchedulerStats()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+
+    def redis_now_ms(self) -> float:
+        return time.time() * 1000 + self._offset_ms
+
+    def _on_wake(self, channel: bytes, data: bytes) -> None:
+        if data[:2] == b"s ":
+            shard = int(channel[channel.index(b"{") + 1 : channel.index(b"}")])
+            at = int(data[2:])
+            if at < self._next_due[shard] or self._next_due[shard] < 0:
+                self._next_due[shard] = at
+                self._wake.set()
+
+    def _on_reset(self) -> None:
+        # wake messages may have been missed: look at every shard again
+        self._next_due = [NOW] * self.keys.shards
+        self._wake.set()
+
+    async def run(self) -> SchedulerStats:
+        subscriber = ShardSubscriber(
+            self.queue.redis,
+            [self.keys.wake(s) for s in range(self.keys.shards)],
+            self._on_wake,
+            self._on_reset,
+            name="scheduler-wake",
+        )
+        await subscriber.start()
+        log.info("event=scheduler_started shards=%d", self.keys.shards)
+        backoff = 0.05
+        extra_due: float | None = NOW if self.extra is not None else None
+        try:
+            while not self._stopping.is_set():
+                self._wake.clear()
+                try:
+                    await self.run_once()
+                    if self.extra and extra_due is not None and extra_due <= self.redis_now_ms():
+                        extra_due = await self.extra(self.redis_now_ms())
+                    backoff = 0.05
+                except (RedisError, OSError) as exc:
+                    log.warning("event=scheduler_pass_failed error=%r retry_in=%.2fs", exc, backoff)
+                    self._next_due = [NOW] * self.keys.shards
+                    self._next_lease = [NOW] * self.keys.shards
+                    await self._sleep(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    continue
+                await self._sleep(self._seconds_to_next(extra_due))
+        finally:
+            await subscriber.stop()
+            log.info(
+                "event=scheduler_stopped promoted=%d requeued=%d dead=%d",
+                self.stats.promoted, self.stats.requeued, self.stats.dead,
+            )  # fmt: skip
+        return self.stats
+
+    def _seconds_to_next(self, extra_due: float | None) -> float:
+        dues = [t for t in self._next_due if t >= 0] + [t for t in self._next_lease if t >= 0]
+        if extra_due is not None:
+            dues.append(extra_due)
+        if not dues:
+            return self.max_sleep
+        wait_ms = min(dues) - self.redis_now_ms()
+        return min(max(wait_ms / 1000, 0.0), self.max_sleep)
+
+    async def _sleep(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+
+    async def run_once(self) -> int:
+        """One pass over the shards that are due; returns the jobs moved."""
+        self.stats.passes += 1
+        now = self.redis_now_ms()
+        promote = [s for s, t in enumerate(self._next_due) if 0 <= t <= now]
+        reclaim = [s for s, t in enumerate(self._next_lease) if 0 <= t <= now]
+        calls: list[Call] = [self.scripts.promote_call(s, self.batch) for s in promote]
+        s = self.settings
+        calls += [
+            self.scripts.reclaim_call(shard, self.batch, s.retention_seconds, s.dead_retention_seconds)
+            for shard in reclaim
+        ]
+        if not calls:
+            return 0
+        for shard in promote:
+            # a wake arriving while the call is in flight may name a job added after the
+            # script looked: -1 lets _on_wake record it, and the answer below keeps it
+            self._next_due[shard] = -1
+        sent = time.time() * 1000
+        replies = await self.scripts.call_many(calls)
+        received = time.time() * 1000
+        moved = 0
+        lease_ms = s.lease_seconds * 1000
+        for shard, reply in zip(promote, replies[: len(promote)], strict=True):
+            r = self.scripts.parse_promote(reply)
+            self._offset_ms = r.now_ms - (sent + received) / 2
+            self.stats.promoted += r.moved
+            moved += r.moved
+            # a full batch means more may be due right now
+            due = NOW if r.moved >= self.batch else r.next_ms
+            woke = self._next_due[shard]
+            self._next_due[shard] = due if woke < 0 else (woke if due < 0 else min(due, woke))
+        for shard, reply in zip(reclaim, replies[len(promote) :], strict=True):
+            r = self.scripts.parse_reclaim(reply)
+            self._offset_ms = r.now_ms - (sent + received) / 2
+            self.stats.requeued += r.moved
+            self.stats.dead += r.dead
+            moved += r.moved + r.dead
+            if r.moved or r.dead:
+                log.info(
+                    "event=leases_expired shard=%d requeued=%d dead_lettered=%d",
+                    shard, r.moved, r.dead,
+                )  # fmt: skip
+            if r.moved + r.dead >= self.batch:
+                self._next_lease[shard] = NOW
+            else:
+                # no lease is known to end sooner than its deadline; a claim made after this
+                # answer ends no sooner than a full lease from now
+                horizon = r.now_ms + lease_ms
+                self._next_lease[shard] = min(r.next_ms, horizon) if r.next_ms >= 0 else horizon
+        return moved

@@ -1,0 +1,88 @@
+"""What a running task sees of its job: ids, attempt, progress reporting, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from jobtier.errors import Cancelled
+from jobtier.model import ClaimedJob, encode_json
+
+
+class JobContext:
+    """Passed as the first argument to every task: ``async def my_task(ctx, payload)``.
+
+    Thread-safe where it has to be: a sync task running in the thread pool may call
+    ``progress()`` and read ``cancel_requested``.
+    """
+
+    __slots__ = (
+        "_cancel", "_cancel_flag", "_loop", "_loop_thread", "_on_progress", "job", "shard",
+        "worker_id",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        job: ClaimedJob,
+        shard: int,
+        worker_id: str,
+        loop: asyncio.AbstractEventLoop,
+        on_progress: Callable[[bytes], None],
+    ) -> None:
+        self.job = job
+        self.shard = shard
+        self.worker_id = worker_id
+        self._loop = loop
+        self._loop_thread = threading.get_ident()  # built on the event loop's thread
+        self._on_progress = on_progress
+        self._cancel = asyncio.Event()
+        self._cancel_flag = threading.Event()
+
+    @property
+    def job_id(self) -> str:
+        return self.job.id
+
+    @property
+    def attempt(self) -> int:
+        """1 for the first run, 2 for the first retry, …"""
+        return self.job.attempt
+
+    @property
+    def max_attempts(self) -> int:
+        return self.job.max_attempts
+
+    @property
+    def type(self) -> str:
+        return self.job.type
+
+    def progress(self, value: Any) -> None:
+        """Report progress (any JSON value, e.g. 0.4 or {"done": 40, "of": 100}).
+
+        It appears in the job's status document within a fraction of a second; reports made
+        faster than that are merged, the latest winning.
+        """
+        data = encode_json(value)
+        if threading.get_ident() == self._loop_thread:
+            self._on_progress(data)
+        else:
+            self._loop.call_soon_threadsafe(self._on_progress, data)
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once someone asked to cancel this job."""
+        return self._cancel_flag.is_set()
+
+    async def wait_cancelled(self) -> None:
+        """Return when a cancel is requested."""
+        await self._cancel.wait()
+
+    def check_cancelled(self) -> None:
+        """Raise ``jobtier.Cancelled`` if a cancel was requested (for loops in sync tasks)."""
+        if self._cancel_flag.is_set():
+            raise Cancelled(f"job {self.job.id} was cancelled")
+
+    def _request_cancel(self) -> None:
+        self._cancel_flag.set()
+        self._cancel.set()

@@ -1,0 +1,550 @@
+"""The worker: claims jobs in batches, runs them with bounded concurrency, reports in batches.
+
+Three loops share one event loop:
+
+- the claim loop asks the shards for as many jobs as there are free slots, in one pipelined
+  round trip, and sleeps on the shards' wake channels when every queue it saw was empty
+  (no polling: an idle worker costs nothing, yet a new job reaches it in one publish);
+- the reporter sends finished jobs' outcomes (complete / fail / stopped), batched per shard
+  in one pipeline, while the next ones accumulate;
+- the heartbeat loop extends the leases of all running jobs every third of the lease,
+  carries progress reports, and learns of cancel requests and of lost leases.
+
+Every write carries the job's ``lease_version`` (fencing token from the claim): a refusal
+means this worker lost the job (its lease expired and the job moved on); its result is
+dropped, never applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from redis.exceptions import RedisError
+
+from jobtier.connection import ShardSubscriber
+from jobtier.errors import Cancelled, Code, Fatal, Retry
+from jobtier.model import ClaimedJob, encode_json
+from jobtier.queue import Queue
+from jobtier.scripts import Call
+from jobtier.worker.context import JobContext
+from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry
+
+log = logging.getLogger("jobtier.worker")
+
+UNKNOWN = 1 << 30  # a shard whose queue length we don't know: worth asking
+_decode = msgspec.json.Decoder().decode
+
+
+@dataclass(slots=True)
+class WorkerStats:
+    claimed: int = 0
+    claim_round_trips: int = 0
+    succeeded: int = 0
+    retried: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    released: int = 0
+    refused: int = 0  # stale writes refused by Redis (this worker had lost the job)
+    leases_lost: int = 0
+    claim_wait: list[float] = field(default_factory=list)  # recent claim waits, seconds
+    run_time: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Running:
+    job: ClaimedJob
+    shard: int
+    task: Task | None
+    ctx: JobContext
+    started: float
+    handle: asyncio.Task[None] | None = None
+    progress: bytes | None = None
+    lost: bool = False  # a heartbeat was refused: stop and drop the outcome
+    releasing: bool = False  # shutting down: give the job back
+
+
+class Worker:
+    """Runs the tasks of ``registry`` for jobs claimed from ``queue``'s shards.
+
+    ``burst=True`` drains the ready queues and returns (tests, one-off runs).
+    ``stop()`` (SIGTERM) stops claiming, lets running jobs finish for ``shutdown_grace``
+    seconds, then releases the rest back to their queues.
+    """
+
+    def __init__(
+        self,
+        queue: Queue,
+        registry: TaskRegistry,
+        *,
+        concurrency: int = 50,
+        burst: bool = False,
+        name: str | None = None,
+        shutdown_grace: float = 30.0,
+        idle_poll: float = 5.0,
+        threads: int | None = None,
+        progress_interval: float = 0.2,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.queue = queue
+        self.scripts = queue.scripts
+        self.keys = queue.keys
+        self.settings = queue.settings
+        self.registry = registry
+        self.concurrency = concurrency
+        self.burst = burst
+        self.id = name or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
+        self.shutdown_grace = shutdown_grace
+        self.idle_poll = idle_poll
+        self.progress_interval = progress_interval
+        self.lease_ms = int(self.settings.lease_seconds * 1000)
+        self.stats = WorkerStats()
+        self._threads = ThreadPoolExecutor(threads or min(32, concurrency), "jobtier-task")
+        self._running: dict[str, _Running] = {}
+        self._ready = [UNKNOWN] * self.keys.shards  # known ready jobs per shard
+        self._generation = [0] * self.keys.shards  # bumped by each wake of the shard
+        self._cursor = itertools.cycle(range(self.keys.shards))
+        self._wake = asyncio.Event()
+        self._slot_free = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._progress = asyncio.Event()
+        self._outbox: dict[str, dict[int, list[tuple[Any, ...]]]] = {
+            "complete": defaultdict(list),
+            "fail": defaultdict(list),
+            "stopped": defaultdict(list),
+        }
+        self._outbox_ready = asyncio.Event()
+        self._outbox_idle = asyncio.Event()
+        self._outbox_idle.set()
+        self._subscriber: ShardSubscriber | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Graceful stop: no more claims; running jobs get ``shutdown_grace`` to finish."""
+        if not self._stopping.is_set():
+            log.info("event=worker_stopping worker=%s running=%d", self.id, len(self._running))
+        self._stopping.set()
+        self._wake.set()
+
+    async def run(self) -> WorkerStats:
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._subscriber = ShardSubscriber(
+            self.queue.redis,
+            [self.keys.wake(s) for s in range(self.keys.shards)],
+            self._on_wake,
+            self._on_reset,
+            name=f"worker-wake {self.id}",
+        )
+        await self._subscriber.start()
+        await self._advertise()
+        reporter = asyncio.create_task(self._report_loop(), name="jobtier-reporter")
+        heart = asyncio.create_task(self._heartbeat_loop(), name="jobtier-heartbeat")
+        log.info(
+            "event=worker_started worker=%s concurrency=%d tasks=%s burst=%s",
+            self.id, self.concurrency, ",".join(self.registry.names()), self.burst,
+        )  # fmt: skip
+        try:
+            await self._claim_loop()
+            await self._drain()
+        finally:
+            heart.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await heart
+            await self._flush_outbox()
+            reporter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reporter
+            await self._subscriber.stop()
+            with contextlib.suppress(RedisError, OSError):
+                await self.queue.redis.hdel(self.keys.workers(), self.id)
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            log.info(
+                "event=worker_stopped worker=%s succeeded=%d failed=%d retried=%d released=%d",
+                self.id, self.stats.succeeded, self.stats.failed, self.stats.retried,
+                self.stats.released,
+            )  # fmt: skip
+        return self.stats
+
+    def _on_wake(self, channel: bytes, data: bytes) -> None:
+        if data == b"q":
+            shard = int(channel[channel.index(b"{") + 1 : channel.index(b"}")])
+            self._ready[shard] = UNKNOWN
+            self._generation[shard] += 1
+            self._wake.set()
+
+    def _on_reset(self) -> None:
+        # (re)subscribed: wakes may have been missed while the connection was down
+        self._ready = [UNKNOWN] * self.keys.shards
+        self._generation = [g + 1 for g in self._generation]
+        self._wake.set()
+
+    # --- claiming ---------------------------------------------------------------------------
+    async def _claim_loop(self) -> None:
+        backoff = 0.05
+        while not self._stopping.is_set():
+            free = self.concurrency - len(self._running)
+            if free <= 0:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+                continue
+            self._wake.clear()
+            try:
+                claimed = await self._claim(free)
+                backoff = 0.05
+            except (RedisError, OSError) as exc:
+                log.warning(
+                    "event=claim_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, backoff
+                )
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            if claimed:
+                continue
+            if self.burst:
+                if not self._running:
+                    return
+                self._slot_free.clear()
+                await self._first(self._slot_free.wait(), self._wake.wait())
+                continue
+            # every queue we know of is empty: sleep until a wake (or the safety net)
+            if not any(self._ready) and not await self._sleep(self.idle_poll, self._wake):
+                self._ready = [UNKNOWN] * self.keys.shards
+
+    async def _claim(self, free: int) -> int:
+        """One pipelined round of claims over the shards believed to hold ready jobs."""
+        candidates = []
+        for _ in range(self.keys.shards):
+            shard = next(self._cursor)
+            if self._ready[shard] > 0:
+                candidates.append(shard)
+        if not candidates:
+            return 0
+        plan: list[tuple[int, int]] = []
+        share = -(-free // len(candidates))
+        left = free
+        for shard in candidates:
+            n = min(share, left, self._ready[shard])
+            if n > 0:
+                plan.append((shard, n))
+                left -= n
+            if left == 0:
+                break
+        generations = [self._generation[shard] for shard, _ in plan]
+        calls: list[Call] = [
+            self.scripts.claim_call(shard, self.id, n, self.lease_ms) for shard, n in plan
+        ]
+        replies = await self.scripts.call_many(calls)
+        self.stats.claim_round_trips += 1
+        total = 0
+        for (shard, _), gen, reply in zip(plan, generations, replies, strict=True):
+            batch = self.scripts.parse_claim(shard, reply)
+            # a wake that arrived while this claim was in flight is newer than its answer
+            if self._generation[shard] == gen:
+                self._ready[shard] = batch.ready_left
+            for job in batch.jobs:
+                self._start(job, shard, batch.now_ms)
+            total += len(batch.jobs)
+        return total
+
+    def _start(self, job: ClaimedJob, shard: int, now_ms: int) -> None:
+        self.stats.claimed += 1
+        self._record(self.stats.claim_wait, max(now_ms - job.queued_at_ms, 0) / 1000)
+        ctx = JobContext(
+            job, shard, self.id, self._loop, lambda data: self._on_progress(job.id, data)
+        )
+        running = _Running(job, shard, self.registry.get(job.type), ctx, time.monotonic())
+        self._running[job.id] = running
+        running.handle = asyncio.create_task(self._execute(running), name=f"job {job.id}")
+
+    # --- running ----------------------------------------------------------------------------
+    async def _execute(self, r: _Running) -> None:
+        job, task = r.job, r.task
+        try:
+            if task is None:
+                raise LookupError(f"no task {job.type!r} in this worker ({self.id})")
+            payload = _decode(job.payload)
+            if task.is_async:
+                call: Any = task.fn(r.ctx, payload)
+            else:
+                call = self._loop.run_in_executor(self._threads, task.fn, r.ctx, payload)
+            if task.timeout is not None:
+                async with asyncio.timeout(task.timeout):
+                    result = await call
+            else:
+                result = await call
+        except asyncio.CancelledError:
+            if not r.lost:
+                self._report("stopped", r, ())
+        except Cancelled as exc:
+            if r.ctx.cancel_requested:
+                self._report("stopped", r, ())
+            else:
+                self._fail(r, exc, retry=False)
+        except Exception as exc:
+            if isinstance(exc, TimeoutError) and task is not None and task.timeout is not None:
+                exc = TimeoutError(f"attempt timed out after {task.timeout:g}s")
+            retry = not (isinstance(exc, Fatal) or (task and isinstance(exc, task.non_retryable)))
+            self._fail(r, exc, retry=retry)
+        else:
+            try:
+                data = b"" if result is None else encode_json(result)
+            except TypeError as exc:
+                self._fail(r, Fatal(f"result is {exc}"), retry=False, kind="ResultNotSerialisable")
+            else:
+                if len(data) > self.settings.max_result_bytes:
+                    self._fail(
+                        r,
+                        Fatal(
+                            f"result is {len(data)} bytes; limit {self.settings.max_result_bytes}"
+                        ),
+                        retry=False,
+                        kind="ResultTooLarge",
+                    )
+                else:
+                    self._report("complete", r, (data,))
+        finally:
+            self._record(self.stats.run_time, time.monotonic() - r.started)
+            self._running.pop(job.id, None)
+            self._slot_free.set()
+
+    def _fail(
+        self, r: _Running, exc: BaseException, *, retry: bool, kind: str | None = None
+    ) -> None:
+        error = encode_json({"type": kind or type(exc).__name__, "message": str(exc)[:2000]})
+        delay_ms = -1
+        if retry:
+            policy = r.task.retry if r.task else RetryPolicy()
+            delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else None
+            delay_ms = round(1000 * (delay if delay is not None else policy.delay(r.job.attempt)))
+        log.info(
+            "event=job_failed job=%s type=%s attempt=%d/%d error=%s retry_in_ms=%d",
+            r.job.id, r.job.type, r.job.attempt, r.job.max_attempts, type(exc).__name__, delay_ms,
+        )  # fmt: skip
+        self._report("fail", r, (error, delay_ms))
+
+    def _on_progress(self, job_id: str, data: bytes) -> None:
+        r = self._running.get(job_id)
+        if r is not None:
+            r.progress = data
+            self._progress.set()
+
+    # --- reporting --------------------------------------------------------------------------
+    def _report(self, kind: str, r: _Running, extra: tuple[Any, ...]) -> None:
+        self._outbox[kind][r.shard].append((r.job.id, r.job.lease_version, *extra))
+        self._outbox_idle.clear()
+        self._outbox_ready.set()
+
+    async def _report_loop(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            await self._send_outbox()
+
+    async def _send_outbox(self) -> None:
+        """Send everything in the outbox in one pipeline; keep it on a Redis error."""
+        backoff = 0.05
+        while True:
+            batches = {kind: dict(by_shard) for kind, by_shard in self._outbox.items() if by_shard}
+            if not batches:
+                self._outbox_idle.set()
+                return
+            for by_shard in self._outbox.values():
+                by_shard.clear()
+            calls: list[Call] = []
+            kinds: list[tuple[str, list[tuple[Any, ...]]]] = []
+            s = self.settings
+            for kind, by_shard in batches.items():
+                for shard, items in by_shard.items():
+                    if kind == "complete":
+                        calls.append(
+                            self.scripts.complete_call(shard, self.id, s.retention_seconds, items)
+                        )
+                    elif kind == "fail":
+                        calls.append(
+                            self.scripts.fail_call(shard, self.id, s.dead_retention_seconds, items)
+                        )
+                    else:
+                        calls.append(
+                            self.scripts.stopped_call(shard, self.id, s.retention_seconds, items)
+                        )
+                    kinds.append((kind, items))
+            try:
+                replies = await self.scripts.call_many(calls)
+            except (RedisError, OSError) as exc:
+                # nothing was lost: put the batch back and try again (a lease that expires
+                # meanwhile makes the scheduler requeue the job; our late write is refused)
+                for kind, by_shard in batches.items():
+                    for shard, items in by_shard.items():
+                        self._outbox[kind][shard][:0] = items
+                log.warning(
+                    "event=report_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, backoff
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            for (kind, items), reply in zip(kinds, replies, strict=True):
+                self._account(kind, items, reply)
+
+    def _account(self, kind: str, items: list[tuple[Any, ...]], reply: list[Any]) -> None:
+        st = self.stats
+        if kind == "complete":
+            codes = [(Code(c), b"succeeded") for c in reply]
+        else:
+            codes = self.scripts.parse_pairs(reply)
+        for item, (code, state) in zip(items, codes, strict=True):
+            if code is not Code.OK:
+                st.refused += 1
+                log.warning(
+                    "event=stale_write_refused worker=%s job=%s report=%s code=%s",
+                    self.id, item[0], kind, code.name,
+                )  # fmt: skip
+            elif state == b"succeeded":
+                st.succeeded += 1
+            elif state == b"scheduled":
+                st.retried += 1
+            elif state == b"failed":
+                st.failed += 1
+            elif state == b"cancelled":
+                st.cancelled += 1
+            elif state == b"queued":
+                st.released += 1
+
+    async def _flush_outbox(self) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(30):
+                while not self._outbox_idle.is_set() or any(self._outbox.values()):
+                    self._outbox_ready.set()
+                    await asyncio.sleep(0.005)
+
+    # --- heartbeats -------------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        # Runs until cancelled, also while stopping: jobs finishing within the shutdown grace
+        # still need their leases extended.
+        interval = self.settings.lease_seconds / 3
+        next_beat = time.monotonic() + interval
+        while True:
+            timeout = next_beat - time.monotonic()
+            if timeout > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await self._progress.wait()
+            full = time.monotonic() >= next_beat
+            self._progress.clear()
+            try:
+                await self._beat(progress_only=not full)
+                if full:
+                    next_beat = time.monotonic() + interval
+                    await self._advertise()
+            except (RedisError, OSError) as exc:
+                log.warning("event=heartbeat_failed worker=%s error=%r", self.id, exc)
+                if full:
+                    next_beat = time.monotonic() + 1.0
+            if not full:
+                await asyncio.sleep(self.progress_interval)  # merge bursts of progress reports
+
+    async def _beat(self, progress_only: bool) -> None:
+        by_shard: dict[int, list[tuple[str, int, bytes]]] = defaultdict(list)
+        beating = []
+        for r in list(self._running.values()):
+            if progress_only and r.progress is None:
+                continue
+            by_shard[r.shard].append((r.job.id, r.job.lease_version, r.progress or b""))
+            beating.append(r)
+            r.progress = None
+        if not by_shard:
+            return
+        calls = [
+            self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items)
+            for shard, items in by_shard.items()
+        ]
+        replies = await self.scripts.call_many(calls)
+        index = {r.job.id: r for r in beating}
+        for items, reply in zip(by_shard.values(), replies, strict=True):
+            for (job_id, _, _), (code, cancel) in zip(
+                items, self.scripts.parse_pairs(reply), strict=True
+            ):
+                r = index[job_id]
+                if code is not Code.OK:
+                    self.stats.leases_lost += 1
+                    log.warning(
+                        "event=lease_lost worker=%s job=%s code=%s: stopping it, its outcome will be dropped",
+                        self.id, job_id, code.name,
+                    )  # fmt: skip
+                    r.lost = True
+                    if r.handle is not None:
+                        r.handle.cancel()
+                elif cancel and not r.ctx.cancel_requested:
+                    log.info("event=cancel_requested worker=%s job=%s", self.id, job_id)
+                    r.ctx._request_cancel()
+                    if r.task is not None and r.task.is_async and r.handle is not None:
+                        r.handle.cancel()
+
+    async def _advertise(self) -> None:
+        info = encode_json(
+            {
+                "id": self.id,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "concurrency": self.concurrency,
+                "running": len(self._running),
+                "tasks": self.registry.names(),
+                "seen_at": time.time(),
+            }
+        )
+        await self.queue.redis.hset(self.keys.workers(), self.id, info)
+
+    # --- shutdown ---------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        """After the claim loop: let running jobs finish within the grace, release the rest."""
+        handles = [r.handle for r in self._running.values() if r.handle is not None]
+        if not handles:
+            return
+        grace = self.shutdown_grace
+        log.info(
+            "event=worker_draining worker=%s running=%d grace=%.0fs", self.id, len(handles), grace
+        )
+        _, pending = await asyncio.wait(handles, timeout=grace)
+        for r in list(self._running.values()):
+            if r.handle in pending:
+                r.releasing = True
+                r.handle.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5.0)
+
+    # --- helpers ----------------------------------------------------------------------------
+    async def _sleep(self, seconds: float, event: asyncio.Event | None = None) -> bool:
+        """Sleep up to ``seconds``; True if ``event`` (or a stop) ended it early."""
+        waits = [self._stopping.wait()]
+        if event is not None:
+            waits.append(event.wait())
+        return await self._first(*waits, timeout=seconds)
+
+    @staticmethod
+    async def _first(*aws: Any, timeout: float | None = None) -> bool:
+        tasks = [asyncio.ensure_future(a) for a in aws]
+        try:
+            done, _ = await asyncio.wait(
+                tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for t in tasks:
+                t.cancel()
+        return bool(done)
+
+    @staticmethod
+    def _record(series: list[float], value: float) -> None:
+        series.append(value)
+        if len(series) > 10_000:
+            del series[:5_000]

@@ -1,0 +1,330 @@
+"""Every transition of the state machine, and every refusal, through the real Lua scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+from typing import Any
+
+import msgspec
+import pytest
+
+from jobtier.errors import Code, IdempotencyConflict, JobNotFound, TransitionRefused
+from jobtier.model import ClaimedJob, JobStatus, State, decode_status
+from jobtier.queue import JobSpec, Queue
+
+W = "worker-a"
+
+
+async def claim(queue: Queue, job_id: str, worker: str = W, lease_ms: int = 30_000) -> ClaimedJob:
+    shard = queue.keys.shard_of(job_id)
+    batch = await queue.scripts.claim(shard, worker, 10, lease_ms)
+    (job,) = [j for j in batch.jobs if j.id == job_id]
+    return job
+
+
+async def complete(queue: Queue, job: ClaimedJob, worker: str = W, version: int | None = None, result: bytes = b'"done"') -> Code:
+    shard = queue.keys.shard_of(job.id)
+    lv = job.lease_version if version is None else version
+    (code,) = await queue.scripts.call(
+        *queue.scripts.complete_call(shard, worker, 60, [(job.id, lv, result)])
+    )
+    return Code(code)
+
+
+async def fail(queue: Queue, job: ClaimedJob, delay_ms: int, worker: str = W) -> tuple[Code, bytes]:
+    shard = queue.keys.shard_of(job.id)
+    reply = await queue.scripts.call(
+        *queue.scripts.fail_call(shard, worker, 60, [(job.id, job.lease_version, b'{"type":"E","message":"boom"}', delay_ms)])
+    )
+    return queue.scripts.parse_pairs(reply)[0]
+
+
+async def heartbeat(queue: Queue, job: ClaimedJob, worker: str = W, progress: bytes = b"") -> tuple[Code, int]:
+    shard = queue.keys.shard_of(job.id)
+    reply = await queue.scripts.call(
+        *queue.scripts.heartbeat_call(shard, worker, 30_000, [(job.id, job.lease_version, progress)])
+    )
+    return queue.scripts.parse_pairs(reply)[0]
+
+
+async def stopped(queue: Queue, job: ClaimedJob, worker: str = W) -> tuple[Code, bytes]:
+    shard = queue.keys.shard_of(job.id)
+    reply = await queue.scripts.call(
+        *queue.scripts.stopped_call(shard, worker, 60, [(job.id, job.lease_version)])
+    )
+    return queue.scripts.parse_pairs(reply)[0]
+
+
+async def expire_lease(queue: Queue, job_id: str) -> None:
+    """Make the lease look expired (as if the worker stopped heartbeating long ago)."""
+    shard = queue.keys.shard_of(job_id)
+    await queue.redis.zadd(queue.keys.active(shard), {job_id: 1})
+
+
+async def make_due(queue: Queue, job_id: str) -> None:
+    shard = queue.keys.shard_of(job_id)
+    await queue.redis.zadd(queue.keys.sched(shard), {job_id: 1})
+
+
+async def reclaim(queue: Queue, shard: int) -> Any:
+    s = queue.settings
+    return queue.scripts.parse_reclaim(
+        await queue.scripts.call(*queue.scripts.reclaim_call(shard, 100, s.retention_seconds, s.dead_retention_seconds))
+    )
+
+
+async def promote(queue: Queue, shard: int) -> Any:
+    return queue.scripts.parse_promote(await queue.scripts.call(*queue.scripts.promote_call(shard, 100)))
+
+
+async def history(queue: Queue, job_id: str) -> list[tuple[str, str, int]]:
+    """(from, to, version) of every log entry of the job, in order."""
+    shard = queue.keys.shard_of(job_id)
+    out = []
+    for _, fields in await queue.redis.xrange(queue.keys.log(shard)):
+        doc = decode_status(fields[b"d"])
+        if doc.id == job_id:
+            out.append((fields[b"fr"].decode(), doc.state.value, doc.version))
+    return out
+
+
+async def test_submit_claim_complete(queue: Queue) -> None:
+    sub = await queue.submit("echo", {"x": 1})
+    assert sub.created and sub.status.state is State.QUEUED and sub.status.version == 1
+    job = await claim(queue, sub.job_id)
+    assert (job.attempt, job.lease_version, job.payload) == (1, 2, b'{"x":1}')
+    running = await queue.status(sub.job_id)
+    assert running.state is State.RUNNING and running.worker == W and running.attempt == 1
+    assert await complete(queue, job) is Code.OK
+    status, result = await queue.result(sub.job_id)
+    assert status.state is State.SUCCEEDED and status.version == 3 and result == "done"
+    assert await history(queue, sub.job_id) == [
+        ("", "queued", 1), ("queued", "running", 2), ("running", "succeeded", 3)
+    ]
+    ttl = await queue.redis.ttl(queue.keys.job(sub.job_id))
+    assert 0 < ttl <= 60
+
+
+async def test_worker_writes_are_refused_unless_they_hold_the_lease(queue: Queue) -> None:
+    sub = await queue.submit("echo", None)
+    job = await claim(queue, sub.job_id)
+    assert await complete(queue, job, version=job.lease_version - 1) is Code.VERSION_CONFLICT
+    assert await complete(queue, job, worker="intruder") is Code.NOT_OWNER
+    ghost = msgspec.structs.replace(job, id=queue.keys.new_id(queue.keys.shard_of(job.id)))
+    assert await complete(queue, ghost) is Code.NOT_FOUND
+    assert (await queue.status(sub.job_id)).version == 2  # nothing applied
+    assert await complete(queue, job) is Code.OK
+    assert await complete(queue, job) is Code.WRONG_STATE
+    assert (await heartbeat(queue, job))[0] is Code.WRONG_STATE
+
+
+async def test_delayed_job_is_scheduled_then_promoted(queue: Queue) -> None:
+    sub = await queue.submit("echo", None, delay=3600)
+    status = sub.status
+    assert status.state is State.SCHEDULED and status.run_at is not None
+    shard = queue.keys.shard_of(sub.job_id)
+    assert (await promote(queue, shard)).moved == 0  # not due yet
+    assert (await queue.status(sub.job_id)).state is State.SCHEDULED
+    await make_due(queue, sub.job_id)
+    r = await promote(queue, shard)
+    assert r.moved == 1 and r.next_ms == -1
+    assert (await queue.status(sub.job_id)).state is State.QUEUED
+    assert await history(queue, sub.job_id) == [("", "scheduled", 1), ("scheduled", "queued", 2)]
+
+
+async def test_retryable_failure_schedules_a_retry_then_dead_letters(queue: Queue) -> None:
+    sub = await queue.submit("flaky", None, max_attempts=2)
+    job = await claim(queue, sub.job_id)
+    before = time.time()
+    code, state = await fail(queue, job, delay_ms=5000)
+    assert (code, state) == (Code.OK, b"scheduled")
+    status = await queue.status(sub.job_id)
+    assert status.state is State.SCHEDULED and status.error is not None and status.error.message == "boom"
+    assert status.run_at is not None
+    run_at = datetime.fromisoformat(status.run_at).timestamp()
+    assert before + 4.9 <= run_at <= time.time() + 5.1
+    await make_due(queue, sub.job_id)
+    await promote(queue, queue.keys.shard_of(sub.job_id))
+    job2 = await claim(queue, sub.job_id)
+    assert job2.attempt == 2 and job2.lease_version > job.lease_version
+    assert await complete(queue, job) is Code.VERSION_CONFLICT  # the first attempt's writer is stale
+    code, state = await fail(queue, job2, delay_ms=5000)
+    assert (code, state) == (Code.OK, b"failed")  # attempts exhausted
+    dead = await queue.dead_letters()
+    assert [d.id for d in dead] == [sub.job_id]
+    assert dead[0].state is State.FAILED
+
+
+async def test_non_retryable_failure_goes_straight_to_dead_letters(queue: Queue) -> None:
+    sub = await queue.submit("flaky", None, max_attempts=5)
+    job = await claim(queue, sub.job_id)
+    assert await fail(queue, job, delay_ms=-1) == (Code.OK, b"failed")
+    assert (await queue.status(sub.job_id)).attempt == 1
+
+
+async def test_replay_resets_attempts(queue: Queue) -> None:
+    sub = await queue.submit("flaky", None, max_attempts=1)
+    job = await claim(queue, sub.job_id)
+    await fail(queue, job, delay_ms=0)
+    replayed = await queue.replay(sub.job_id)
+    assert replayed.state is State.QUEUED and replayed.attempt == 0 and replayed.error is None
+    assert await queue.dead_letters() == []
+    assert await queue.redis.ttl(queue.keys.job(sub.job_id)) == -1  # no longer expiring
+    with pytest.raises(TransitionRefused) as again:
+        await queue.replay(sub.job_id)
+    assert again.value.code is Code.WRONG_STATE
+    job = await claim(queue, sub.job_id)
+    assert job.attempt == 1
+
+
+async def test_replay_of_unknown_job(queue: Queue) -> None:
+    with pytest.raises(JobNotFound):
+        await queue.replay(queue.keys.new_id(0))
+
+
+async def test_expired_lease_requeues_or_dead_letters(queue: Queue) -> None:
+    sub = await queue.submit("echo", None, max_attempts=2)
+    shard = queue.keys.shard_of(sub.job_id)
+    job = await claim(queue, sub.job_id)
+    assert (await reclaim(queue, shard)).moved == 0  # lease still valid
+    await expire_lease(queue, sub.job_id)
+    r = await reclaim(queue, shard)
+    assert (r.moved, r.dead) == (1, 0)
+    status = await queue.status(sub.job_id)
+    assert status.state is State.QUEUED and status.error is not None
+    assert status.error.type == "LeaseExpired" and status.worker is None
+    assert await complete(queue, job) is Code.WRONG_STATE  # the dead worker's late write
+    job2 = await claim(queue, sub.job_id, worker="worker-b")
+    assert await complete(queue, job) is Code.VERSION_CONFLICT
+    await expire_lease(queue, sub.job_id)
+    r = await reclaim(queue, shard)
+    assert (r.moved, r.dead) == (0, 1)
+    assert (await queue.status(sub.job_id)).state is State.FAILED
+    assert await complete(queue, job2, worker="worker-b") is Code.WRONG_STATE
+
+
+async def test_heartbeat_extends_lease_and_records_progress(queue: Queue) -> None:
+    sub = await queue.submit("echo", None)
+    shard = queue.keys.shard_of(sub.job_id)
+    job = await claim(queue, sub.job_id, lease_ms=1)
+    await asyncio.sleep(0.01)
+    assert await heartbeat(queue, job, progress=b"0.5") == (Code.OK, 0)
+    assert (await reclaim(queue, shard)).moved == 0  # the heartbeat pushed the deadline out
+    status = await queue.status(sub.job_id)
+    assert status.progress == 0.5 and status.version == 3 and status.state is State.RUNNING
+    assert await heartbeat(queue, job, progress=b"0.5") == (Code.OK, 0)
+    assert (await queue.status(sub.job_id)).version == 3  # unchanged progress: no new version
+    assert (await heartbeat(queue, job, worker="other"))[0] is Code.NOT_OWNER
+
+
+async def test_cancel_queued_and_scheduled(queue: Queue) -> None:
+    queued = await queue.submit("echo", None)
+    later = await queue.submit("echo", None, delay=60)
+    for sub in (queued, later):
+        status = await queue.cancel(sub.job_id)
+        assert status.state is State.CANCELLED and status.version == 2
+    shard = queue.keys.shard_of(queued.job_id)
+    assert await queue.redis.llen(queue.keys.queue(shard, "normal")) == 0
+    assert await queue.redis.zcard(queue.keys.sched(queue.keys.shard_of(later.job_id))) == 0
+    with pytest.raises(TransitionRefused) as refused:
+        await queue.cancel(queued.job_id)
+    assert refused.value.code is Code.WRONG_STATE
+    assert await queue.waiting_by_tenant() == {"default": 0}
+
+
+async def test_cancel_running_is_a_request_the_worker_acts_on(queue: Queue) -> None:
+    sub = await queue.submit("echo", None)
+    job = await claim(queue, sub.job_id)
+    status = await queue.cancel(sub.job_id)
+    assert status.state is State.RUNNING and status.cancel_requested and status.version == 3
+    assert (await queue.cancel(sub.job_id)).version == 3  # asking twice changes nothing
+    assert await heartbeat(queue, job) == (Code.OK, 1)
+    assert await stopped(queue, job) == (Code.OK, b"cancelled")
+    assert (await queue.status(sub.job_id)).state is State.CANCELLED
+
+
+async def test_cancel_running_loses_to_a_success_that_comes_first(queue: Queue) -> None:
+    sub = await queue.submit("echo", None)
+    job = await claim(queue, sub.job_id)
+    await queue.cancel(sub.job_id)
+    assert await complete(queue, job) is Code.OK
+    status = await queue.status(sub.job_id)
+    assert status.state is State.SUCCEEDED and status.cancel_requested
+
+
+async def test_release_on_shutdown_requeues_without_counting_the_attempt(queue: Queue) -> None:
+    sub = await queue.submit("echo", None)
+    job = await claim(queue, sub.job_id)
+    assert await stopped(queue, job) == (Code.OK, b"queued")
+    status = await queue.status(sub.job_id)
+    assert status.state is State.QUEUED and status.attempt == 0
+    assert (await claim(queue, sub.job_id)).attempt == 1
+
+
+async def test_another_tenant_sees_nothing(queue: Queue) -> None:
+    sub = await queue.submit("echo", None, tenant="acme")
+    with pytest.raises(JobNotFound):
+        await queue.status(sub.job_id, tenant="globex")
+    with pytest.raises(JobNotFound):
+        await queue.cancel(sub.job_id, tenant="globex")
+    assert (await queue.status(sub.job_id, tenant="acme")).state is State.QUEUED
+    assert (await queue.status(sub.job_id)).version == 1  # the refused cancel changed nothing
+
+
+async def test_idempotent_submit(queue: Queue) -> None:
+    first = await queue.submit("echo", {"a": 1}, idempotency_key="order-1")
+    again = await queue.submit("echo", {"a": 1}, idempotency_key="order-1")
+    assert first.created and not again.created and again.job_id == first.job_id
+    (conflict,) = await queue.submit_many(
+        [JobSpec(type="echo", payload={"a": 2}, idempotency_key="order-1")]
+    )
+    assert isinstance(conflict, IdempotencyConflict) and conflict.job_id == first.job_id
+    with pytest.raises(IdempotencyConflict):
+        await queue.submit("echo", {"a": 2}, idempotency_key="order-1")
+    other_tenant = await queue.submit("echo", {"a": 2}, idempotency_key="order-1", tenant="t2")
+    assert other_tenant.created and other_tenant.job_id != first.job_id
+
+
+async def test_every_change_bumps_the_version_and_is_logged(queue: Queue) -> None:
+    sub = await queue.submit("echo", None, max_attempts=3)
+    shard = queue.keys.shard_of(sub.job_id)
+    job = await claim(queue, sub.job_id)
+    await heartbeat(queue, job, progress=b'{"step":1}')
+    await fail(queue, job, delay_ms=0)
+    await make_due(queue, sub.job_id)
+    await promote(queue, shard)
+    job = await claim(queue, sub.job_id)
+    await queue.cancel(sub.job_id)
+    await stopped(queue, job)
+    steps = await history(queue, sub.job_id)
+    assert [v for _, _, v in steps] == list(range(1, len(steps) + 1))
+    assert [(f, t) for f, t, _ in steps] == [
+        ("", "queued"), ("queued", "running"), ("running", "running"), ("running", "scheduled"),
+        ("scheduled", "queued"), ("queued", "running"), ("running", "running"), ("running", "cancelled"),
+    ]
+    assert (await queue.status(sub.job_id)).version == len(steps)
+
+
+async def test_published_event_carries_the_document(queue: Queue) -> None:
+    from jobtier.connection import ShardSubscriber
+
+    got: list[tuple[bytes, bytes]] = []
+    sub_ready = ShardSubscriber(
+        queue.redis, [queue.keys.events(s) for s in range(queue.keys.shards)], lambda c, d: got.append((c, d))
+    )
+    await sub_ready.start()
+    try:
+        sub = await queue.submit("echo", None, tenant="acme")
+        async with asyncio.timeout(5):
+            while not got:
+                await asyncio.sleep(0.01)
+        channel, data = got[0]
+        header, doc = data.split(b"\n", 1)
+        assert header == f"{sub.job_id} 1 acme".encode()
+        assert doc == sub.doc
+        assert channel == queue.keys.events(queue.keys.shard_of(sub.job_id)).encode()
+        assert isinstance(decode_status(doc), JobStatus)
+    finally:
+        await sub_ready.stop()

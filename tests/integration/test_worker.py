@@ -1,0 +1,146 @@
+"""The worker runtime against a real Redis: results, retries, timeouts, cancellation, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+
+import pytest
+
+from jobtier.model import State, decode_status
+from jobtier.queue import Queue
+from jobtier.scheduler import Scheduler
+from tests.fixtures.engine import Background, wait_for, worker_for
+from tests.tasks import registry
+
+
+@pytest.fixture
+def queue(queue: Queue) -> Queue:
+    """The engine queue, validating types against the test tasks (and taking their retry
+    policies as the jobs' default max attempts)."""
+    queue.registry = registry
+    return queue
+
+
+async def state_of(queue: Queue, job_id: str) -> State:
+    return (await queue.status(job_id)).state
+
+
+async def until_state(queue: Queue, job_id: str, *states: State, timeout: float = 15.0) -> None:
+    async def reached() -> bool:
+        return await state_of(queue, job_id) in states
+
+    await wait_for(reached, timeout)
+
+
+async def test_burst_worker_runs_jobs_and_stores_results(queue: Queue) -> None:
+    subs = [await queue.submit("echo", {"n": i}) for i in range(30)]
+    blocking = await queue.submit("blocking", {"seconds": 0.01})
+    stats = await worker_for(queue, registry, burst=True, concurrency=8).run()
+    assert stats.succeeded == 31
+    for i, sub in enumerate(subs):
+        status, result = await queue.result(sub.job_id)
+        assert status.state is State.SUCCEEDED and result == {"n": i}
+    status, result = await queue.result(blocking.job_id)
+    assert result == {"ran_in_thread": True} and status.progress == {"thread": True}
+
+
+async def test_retries_follow_the_backoff_then_dead_letter(queue: Queue, background: Background) -> None:
+    background.start(Scheduler(queue))
+    background.start(worker_for(queue, registry))
+    sub = await queue.submit("flaky", None)  # fails every attempt; 4 attempts
+    await until_state(queue, sub.job_id, State.FAILED, timeout=20)
+    shard = queue.keys.shard_of(sub.job_id)
+    retries = []
+    for _, fields in await queue.redis.xrange(queue.keys.log(shard)):
+        doc = decode_status(fields[b"d"])
+        if doc.id == sub.job_id and doc.state is State.SCHEDULED:
+            assert doc.run_at is not None
+            waited = (datetime.fromisoformat(doc.run_at) - datetime.fromisoformat(doc.updated_at)).total_seconds()
+            retries.append((doc.attempt, waited))
+    policy = registry.get("flaky").retry  # type: ignore[union-attr]
+    assert [a for a, _ in retries] == [1, 2, 3]
+    for attempt, waited in retries:
+        plain = policy.base * policy.factor ** (attempt - 1)
+        assert plain - 0.002 <= waited <= plain * (1 + policy.jitter) + 0.002, (attempt, waited)
+    status = await queue.status(sub.job_id)
+    assert status.attempt == 4 and status.error is not None and status.error.type == "RuntimeError"
+    assert [d.id for d in await queue.dead_letters()] == [sub.job_id]
+    await queue.replay(sub.job_id)
+    await until_state(queue, sub.job_id, State.FAILED, timeout=20)
+
+
+async def test_success_after_retries(queue: Queue, background: Background) -> None:
+    background.start(Scheduler(queue))
+    background.start(worker_for(queue, registry))
+    sub = await queue.submit("flaky", {"succeed_on": 2})
+    later = await queue.submit("retry_later", None)
+    await until_state(queue, sub.job_id, State.SUCCEEDED)
+    await until_state(queue, later.job_id, State.SUCCEEDED)
+    assert (await queue.result(sub.job_id))[1] == "ok on 2"
+    assert (await queue.result(later.job_id))[1] == "second time lucky"
+
+
+async def test_non_retryable_errors_and_bad_results_dead_letter_at_once(queue: Queue) -> None:
+    permanent = await queue.submit("permanent", None)
+    fatal = await queue.submit("fail", {"fatal": True})
+    bad = await queue.submit("unserialisable", None)
+    queue.registry = None  # let a type no worker knows through
+    unknown = await queue.submit("not_in_this_worker", None, max_attempts=1)
+    await worker_for(queue, registry, burst=True).run()
+    for sub, error_type in [
+        (permanent, "Permanent"), (fatal, "Fatal"), (bad, "ResultNotSerialisable"), (unknown, "LookupError")
+    ]:
+        status = await queue.status(sub.job_id)
+        assert status.state is State.FAILED and status.attempt == 1, sub
+        assert status.error is not None and status.error.type == error_type
+
+
+async def test_timeout_counts_as_a_retryable_failure(queue: Queue, background: Background) -> None:
+    background.start(Scheduler(queue))
+    background.start(worker_for(queue, registry))
+    sub = await queue.submit("too_slow", None)
+    await until_state(queue, sub.job_id, State.FAILED)
+    status = await queue.status(sub.job_id)
+    assert status.attempt == 2 and status.error is not None and status.error.type == "TimeoutError"
+
+
+async def test_cancel_a_running_job(queue: Queue, background: Background) -> None:
+    # lease 1.5 s: heartbeats (and so cancel requests) every 0.5 s
+    queue.settings = queue.settings.replace(lease_seconds=1.5)
+    background.start(worker_for(queue, registry))
+    sub = await queue.submit("sleep", {"seconds": 30})
+    await until_state(queue, sub.job_id, State.RUNNING)
+
+    async def progressed() -> bool:
+        return (await queue.status(sub.job_id)).progress is not None
+
+    await wait_for(progressed)  # progress reports reach the status document
+    status = await queue.cancel(sub.job_id)
+    assert status.cancel_requested and status.state is State.RUNNING
+    await until_state(queue, sub.job_id, State.CANCELLED)
+
+
+async def test_graceful_stop_releases_unfinished_jobs(queue: Queue) -> None:
+    worker = worker_for(queue, registry, shutdown_grace=0.3)
+    task = asyncio.create_task(worker.run())
+    quick = await queue.submit("slow", {"seconds": 0.05})
+    long = await queue.submit("slow", {"seconds": 60})
+    await until_state(queue, long.job_id, State.RUNNING)
+    await until_state(queue, quick.job_id, State.SUCCEEDED)
+    worker.stop()
+    stats = await task
+    assert stats.released == 1
+    status = await queue.status(long.job_id)
+    assert status.state is State.QUEUED and status.attempt == 0
+
+
+async def test_idle_worker_picks_up_new_jobs(queue: Queue, background: Background) -> None:
+    worker = worker_for(queue, registry, idle_poll=3600)  # only wakes can bring it work
+    background.start(worker)
+    await asyncio.sleep(0.2)
+    for _ in range(3):
+        sub = await queue.submit("echo", "hi")
+        await until_state(queue, sub.job_id, State.SUCCEEDED, timeout=5)
+        await asyncio.sleep(0.1)  # let the worker go idle again
+    assert worker.stats.succeeded == 3

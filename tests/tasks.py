@@ -1,0 +1,64 @@
+"""Tasks used by the tests (also loaded by worker subprocesses: `jobtier worker tests.tasks`)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from jobtier.errors import Retry
+from jobtier.worker.context import JobContext
+from jobtier.worker.registry import TaskRegistry, task
+from jobtier import demo
+
+
+class Permanent(Exception):
+    pass
+
+
+@task(retries=3, backoff_base=0.2, backoff_factor=2.0, jitter=0.5)
+async def flaky(ctx: JobContext, payload: Any) -> str:
+    if ctx.attempt < int((payload or {}).get("succeed_on", 99)):
+        raise RuntimeError(f"attempt {ctx.attempt} fails")
+    return f"ok on {ctx.attempt}"
+
+
+@task(retries=5, non_retryable=[Permanent])
+async def permanent(ctx: JobContext, payload: Any) -> None:
+    raise Permanent("cannot ever work")
+
+
+@task(retries=1, timeout=0.2)
+async def too_slow(ctx: JobContext, payload: Any) -> None:
+    await asyncio.sleep(5)
+
+
+@task(retries=1, backoff_base=60)  # the Retry delay wins over the policy
+async def retry_later(ctx: JobContext, payload: Any) -> str:
+    if ctx.attempt == 1:
+        raise Retry("come back soon", delay=0.05)
+    return "second time lucky"
+
+
+@task(retries=0)
+def blocking(ctx: JobContext, payload: Any) -> dict[str, Any]:
+    time.sleep(float((payload or {}).get("seconds", 0.05)))
+    ctx.progress({"thread": True})
+    return {"ran_in_thread": True}
+
+
+@task(retries=0)
+async def unserialisable(ctx: JobContext, payload: Any) -> object:
+    return object()
+
+
+@task(retries=2)
+async def slow(ctx: JobContext, payload: Any) -> str:
+    await asyncio.sleep(float((payload or {}).get("seconds", 1.0)))
+    return "slow done"
+
+
+registry = TaskRegistry(
+    [flaky, permanent, too_slow, retry_later, blocking, unserialisable, slow,
+     demo.echo, demo.sleep, demo.fail, demo.cpu]
+)  # fmt: skip
