@@ -6,10 +6,10 @@ import asyncio
 import time
 from typing import Any
 
+from jobtier import demo
 from jobtier.errors import Retry
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
-from jobtier import demo
 
 
 class Permanent(Exception):
@@ -62,3 +62,14 @@ registry = TaskRegistry(
     [flaky, permanent, too_slow, retry_later, blocking, unserialisable, slow,
      demo.echo, demo.sleep, demo.fail, demo.cpu]
 )  # fmt: skip
+
+
+@task(retries=2)
+async def slow_first(ctx: JobContext, payload: Any) -> str:
+    """Hangs on its first attempt (for killing the worker mid-job), quick afterwards."""
+    if ctx.attempt == 1:
+        await asyncio.sleep(600)
+    return f"done on attempt {ctx.attempt}"
+
+
+registry.add(slow_first)

@@ -36,7 +36,7 @@ def _run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
 def _on_signals(stop: Callable[[], None]) -> None:
     """First SIGTERM/SIGINT: graceful stop. Second: exit now."""
     loop = asyncio.get_running_loop()
-    received = []
+    received: list[signal.Signals] = []
 
     def handler(sig: signal.Signals) -> None:
         if received:
@@ -110,7 +110,9 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 # --- parser ---------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="jobtier", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="jobtier",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
@@ -120,11 +122,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local Redis and Postgres (data under --data-dir, loopback ports), "
         "then the API, a worker, the scheduler and the persister in one process.",
     )
-    p.add_argument("--tasks", default="jobtier.demo", help="task module[:attr] (default: the demo tasks)")
-    p.add_argument("--data-dir", type=Path, default=Path(".data"), help="local services' data (default: .data)")
-    p.add_argument("--external", action="store_true", help="use JOBTIER_REDIS_URL / JOBTIER_DATABASE_URL; start no local services")
-    p.add_argument("--redis-port", type=int, default=16379, help="local Redis port (default: 16379)")
-    p.add_argument("--pg-port", type=int, default=15432, help="local Postgres port (default: 15432)")
+    p.add_argument(
+        "--tasks", default="jobtier.demo", help="task module[:attr] (default: the demo tasks)"
+    )
+    p.add_argument(
+        "--data-dir", type=Path, default=Path(".data"), help="local services' data (default: .data)"
+    )
+    p.add_argument(
+        "--external",
+        action="store_true",
+        help="use JOBTIER_REDIS_URL / JOBTIER_DATABASE_URL; start no local services",
+    )
+    p.add_argument(
+        "--redis-port", type=int, default=16379, help="local Redis port (default: 16379)"
+    )
+    p.add_argument(
+        "--pg-port", type=int, default=15432, help="local Postgres port (default: 15432)"
+    )
     p.add_argument("--concurrency", type=int, default=50, help="worker concurrency (default: 50)")
     p.set_defaults(func=cmd_run)
 
@@ -136,10 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
         "running jobs finish within --grace seconds, then releases the rest to their queues.",
     )
     p.add_argument("tasks", metavar="MODULE[:ATTR]", help="where the tasks are, e.g. myapp.tasks")
-    p.add_argument("--concurrency", "-c", type=int, default=50, help="jobs run at once (default: 50)")
+    p.add_argument(
+        "--concurrency", "-c", type=int, default=50, help="jobs run at once (default: 50)"
+    )
     p.add_argument("--burst", action="store_true", help="drain the ready queues, then exit")
     p.add_argument("--name", help="worker id (default: host:pid:random)")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds running jobs get on SIGTERM (default: 30)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds running jobs get on SIGTERM (default: 30)",
+    )
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser(
@@ -148,7 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Promote scheduled jobs when due and requeue jobs whose worker stopped "
         "heartbeating. Run as many as you like: every move is an atomic script.",
     )
-    p.add_argument("--batch", type=int, default=1000, help="most jobs moved per script call (default: 1000)")
+    p.add_argument(
+        "--batch", type=int, default=1000, help="most jobs moved per script call (default: 1000)"
+    )
     p.set_defaults(func=cmd_scheduler)
 
     p = sub.add_parser("config", help="print the settings in effect (secrets masked)")

@@ -34,6 +34,9 @@ class Settings:
     redis_require_aof: bool = _setting(
         True, "Refuse to start unless Redis has AOF on (acknowledged jobs must survive a restart)."
     )
+    redis_max_connections: int = _setting(
+        64, "Connections per process (per node of a cluster); callers past it wait their turn."
+    )
     prefix: str = _setting("jt", "Prefix of every Redis key and channel.")
     shards: int = _setting(
         16, "Logical shards. Fixed for the life of a deployment: job ids carry their shard."
@@ -171,7 +174,7 @@ def env_name(f: dataclasses.Field[Any]) -> str:
 
 
 def _parse(f: dataclasses.Field[Any], raw: str) -> Any:
-    kind = type(f.default)
+    kind: Any = type(f.default)
     name = env_name(f)
     try:
         if kind is bool:

@@ -8,9 +8,13 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.asyncio import Redis, RedisCluster
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jobtier.config import Settings
 from jobtier.errors import ConfigError
@@ -24,12 +28,28 @@ EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 
 def connect(settings: Settings, **kwargs: Any) -> RedisClient:
     """A client for ``settings.redis_url``; bytes in, bytes out (no decoding on hot paths)."""
-    options: dict[str, Any] = {"decode_responses": False, "health_check_interval": 0}
+    # Retry on connection errors: after a Redis restart every pooled connection is dead and
+    # the first command on each fails before reaching the server. A command that did reach
+    # it and lost only its reply is sent again: transitions from workers are then refused as
+    # stale (harmless), and a submit without an idempotency key may create a second job —
+    # which is why producers that care pass one (documented).
+    options: dict[str, Any] = {
+        "decode_responses": False,
+        "health_check_interval": 0,
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
     options.update(kwargs)
     if settings.redis_cluster:
         options.pop("health_check_interval", None)
+        options.setdefault("max_connections", settings.redis_max_connections)
         return RedisCluster.from_url(settings.redis_url, **options)
-    return Redis.from_url(settings.redis_url, **options)
+    # a burst of concurrent calls waits for a free connection instead of failing with
+    # "Too many connections" (the default pool raises past its size)
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=30, **options
+    )
+    return Redis.from_pool(pool)
 
 
 async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
@@ -79,7 +99,9 @@ def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str
         groups: dict[tuple[str, int], list[str]] = {}
         for channel in channels:
             node = redis.get_node_from_key(channel)
-            groups.setdefault((node.host, node.port), []).append(channel)
+            if node is None:
+                raise ConnectionError(f"no cluster node serves {channel}")
+            groups.setdefault((str(node.host), int(node.port)), []).append(channel)
         return groups
     kw = redis.connection_pool.connection_kwargs
     return {(kw.get("host", "127.0.0.1"), kw.get("port", 6379)): list(channels)}
@@ -140,7 +162,9 @@ class ShardSubscriber:
         kwargs.update(host=host, port=port, socket_timeout=None, protocol=2)
         for key in list(kwargs):
             if key.startswith(("maint_notifications", "orig_", "oss_cluster")) or key in (
-                "connection_pool", "retry", "himport_registry",
+                "connection_pool",
+                "retry",
+                "himport_registry",
             ):
                 kwargs.pop(key)
         return Connection(**kwargs)
@@ -150,7 +174,7 @@ class ShardSubscriber:
         while not self._closing:
             conn = self._connection(*node)
             try:
-                await conn.connect()
+                await conn.connect()  # type: ignore[no-untyped-call]
                 await conn.send_command("SSUBSCRIBE", *channels)
                 confirmed = 0
                 while confirmed < len(channels):

@@ -1,9 +1,9 @@
 """Demo tasks shipped with jobtier: the README tour, `jobtier run`, and black-box tests.
 
-    echo   returns its payload
-    sleep  sleeps payload["seconds"] (default 1), reporting progress; honours cancellation
-    fail   raises a retryable error; with {"fatal": true} a non-retryable one
-    cpu    a sync task (runs in the worker's thread pool): sums range(payload["n"])
+echo   returns its payload
+sleep  sleeps payload["seconds"] (default 1), reporting progress; honours cancellation
+fail   raises a retryable error; with {"fatal": true} a non-retryable one
+cpu    a sync task (runs in the worker's thread pool): sums range(payload["n"])
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ class Keys:
 
     def shard_of(self, job_id: str) -> int:
         """The shard a job id routes to; ``ValueError`` for a malformed or foreign id."""
-        if not JOB_ID_RE.match(job_id):
+        if not JOB_ID_RE.fullmatch(job_id):
             raise ValueError(f"malformed job id: {job_id[:64]!r}")
         shard = int(job_id.rsplit("-", 1)[1])
         if shard >= self.shards:

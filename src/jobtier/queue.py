@@ -126,13 +126,18 @@ class Queue:
         ``IdempotencyConflict``."""
         if isinstance(type, Task):
             type = type.name
-        if isinstance(run_at, int | float) and not isinstance(run_at, bool):
-            run_at = datetime.fromtimestamp(run_at).astimezone()
+        when: datetime | None
+        if isinstance(run_at, bool):
+            raise InvalidRequest("run_at must be a datetime or a Unix time", field="run_at")
+        if isinstance(run_at, int | float):
+            when = datetime.fromtimestamp(run_at).astimezone()
+        else:
+            when = run_at
         spec = JobSpec(
             type=type,
             payload=payload,
             priority=priority,
-            run_at=run_at,
+            run_at=when,
             delay=delay,
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
@@ -173,9 +178,9 @@ class Queue:
     def prepare(self, spec: JobSpec, tenant: str, job_id: str | None = None) -> SubmitItem:
         """Validate one job and turn it into the submit script's arguments."""
         s = self.settings
-        if not TENANT_RE.match(tenant):
+        if not TENANT_RE.fullmatch(tenant):
             raise InvalidRequest(f"tenant {tenant[:70]!r} must match {TENANT_RE.pattern}")
-        if not isinstance(spec.type, str) or not TASK_NAME_RE.match(spec.type):
+        if not isinstance(spec.type, str) or not TASK_NAME_RE.fullmatch(spec.type):
             raise InvalidRequest(
                 f"type {str(spec.type)[:140]!r} must match {TASK_NAME_RE.pattern}", field="type"
             )
@@ -208,7 +213,7 @@ class Queue:
             )
         run_at_ms, delay_ms = self._timing(spec)
         key = spec.idempotency_key or ""
-        if key and not IDEMPOTENCY_KEY_RE.match(key):
+        if key and not IDEMPOTENCY_KEY_RE.fullmatch(key):
             raise InvalidRequest(
                 "idempotency_key must be 1-200 printable ASCII characters without spaces",
                 field="idempotency_key",
@@ -285,7 +290,7 @@ class Queue:
         owner, doc = await self.redis.hmget(self.keys.job(job_id), "tenant", "doc")
         if doc is None or (tenant is not None and owner != tenant.encode()):
             raise JobNotFound(job_id)
-        return bytes(doc)
+        return doc if isinstance(doc, bytes) else str(doc).encode()
 
     async def status(self, job_id: str, tenant: str | None = None) -> JobStatus:
         return decode_status(await self.status_doc(job_id, tenant))

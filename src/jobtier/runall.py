@@ -53,7 +53,7 @@ async def run_all(
         async with await Queue.connect(settings, registry) as queue:
             worker = Worker(queue, registry, concurrency=args.concurrency)
             scheduler = Scheduler(queue)
-            parts = [worker, scheduler]
+            parts: list[Worker | Scheduler] = [worker, scheduler]
 
             def stop() -> None:
                 for part in parts:
@@ -64,9 +64,7 @@ async def run_all(
                 "event=running redis=%s tasks=%s",
                 settings.redis_url, ",".join(registry.names()),
             )  # fmt: skip
-            results = await asyncio.gather(
-                worker.run(), scheduler.run(), return_exceptions=True
-            )
+            results = await asyncio.gather(worker.run(), scheduler.run(), return_exceptions=True)
             for result in results:
                 if isinstance(result, BaseException):
                     log.error("event=part_failed error=%r", result)

@@ -67,8 +67,8 @@ class Scheduler:
         # returns the next time (ms) it wants to run, or None
         self.extra = extra
         n = self.keys.shards
-        self._next_due = [NOW] * n
-        self._next_lease = [NOW] * n
+        self._next_due: list[float] = [NOW] * n
+        self._next_lease: list[float] = [NOW] * n
         self._offset_ms = 0.0  # Redis clock minus ours
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -155,7 +155,9 @@ class Scheduler:
         calls: list[Call] = [self.scripts.promote_call(s, self.batch) for s in promote]
         s = self.settings
         calls += [
-            self.scripts.reclaim_call(shard, self.batch, s.retention_seconds, s.dead_retention_seconds)
+            self.scripts.reclaim_call(
+                shard, self.batch, s.retention_seconds, s.dead_retention_seconds
+            )
             for shard in reclaim
         ]
         if not calls:

@@ -24,7 +24,13 @@ async def claim(queue: Queue, job_id: str, worker: str = W, lease_ms: int = 30_0
     return job
 
 
-async def complete(queue: Queue, job: ClaimedJob, worker: str = W, version: int | None = None, result: bytes = b'"done"') -> Code:
+async def complete(
+    queue: Queue,
+    job: ClaimedJob,
+    worker: str = W,
+    version: int | None = None,
+    result: bytes = b'"done"',
+) -> Code:
     shard = queue.keys.shard_of(job.id)
     lv = job.lease_version if version is None else version
     (code,) = await queue.scripts.call(
@@ -36,15 +42,24 @@ async def complete(queue: Queue, job: ClaimedJob, worker: str = W, version: int 
 async def fail(queue: Queue, job: ClaimedJob, delay_ms: int, worker: str = W) -> tuple[Code, bytes]:
     shard = queue.keys.shard_of(job.id)
     reply = await queue.scripts.call(
-        *queue.scripts.fail_call(shard, worker, 60, [(job.id, job.lease_version, b'{"type":"E","message":"boom"}', delay_ms)])
+        *queue.scripts.fail_call(
+            shard,
+            worker,
+            60,
+            [(job.id, job.lease_version, b'{"type":"E","message":"boom"}', delay_ms)],
+        )
     )
     return queue.scripts.parse_pairs(reply)[0]
 
 
-async def heartbeat(queue: Queue, job: ClaimedJob, worker: str = W, progress: bytes = b"") -> tuple[Code, int]:
+async def heartbeat(
+    queue: Queue, job: ClaimedJob, worker: str = W, progress: bytes = b""
+) -> tuple[Code, int]:
     shard = queue.keys.shard_of(job.id)
     reply = await queue.scripts.call(
-        *queue.scripts.heartbeat_call(shard, worker, 30_000, [(job.id, job.lease_version, progress)])
+        *queue.scripts.heartbeat_call(
+            shard, worker, 30_000, [(job.id, job.lease_version, progress)]
+        )
     )
     return queue.scripts.parse_pairs(reply)[0]
 
@@ -71,12 +86,16 @@ async def make_due(queue: Queue, job_id: str) -> None:
 async def reclaim(queue: Queue, shard: int) -> Any:
     s = queue.settings
     return queue.scripts.parse_reclaim(
-        await queue.scripts.call(*queue.scripts.reclaim_call(shard, 100, s.retention_seconds, s.dead_retention_seconds))
+        await queue.scripts.call(
+            *queue.scripts.reclaim_call(shard, 100, s.retention_seconds, s.dead_retention_seconds)
+        )
     )
 
 
 async def promote(queue: Queue, shard: int) -> Any:
-    return queue.scripts.parse_promote(await queue.scripts.call(*queue.scripts.promote_call(shard, 100)))
+    return queue.scripts.parse_promote(
+        await queue.scripts.call(*queue.scripts.promote_call(shard, 100))
+    )
 
 
 async def history(queue: Queue, job_id: str) -> list[tuple[str, str, int]]:
@@ -101,7 +120,9 @@ async def test_submit_claim_complete(queue: Queue) -> None:
     status, result = await queue.result(sub.job_id)
     assert status.state is State.SUCCEEDED and status.version == 3 and result == "done"
     assert await history(queue, sub.job_id) == [
-        ("", "queued", 1), ("queued", "running", 2), ("running", "succeeded", 3)
+        ("", "queued", 1),
+        ("queued", "running", 2),
+        ("running", "succeeded", 3),
     ]
     ttl = await queue.redis.ttl(queue.keys.job(sub.job_id))
     assert 0 < ttl <= 60
@@ -141,7 +162,11 @@ async def test_retryable_failure_schedules_a_retry_then_dead_letters(queue: Queu
     code, state = await fail(queue, job, delay_ms=5000)
     assert (code, state) == (Code.OK, b"scheduled")
     status = await queue.status(sub.job_id)
-    assert status.state is State.SCHEDULED and status.error is not None and status.error.message == "boom"
+    assert (
+        status.state is State.SCHEDULED
+        and status.error is not None
+        and status.error.message == "boom"
+    )
     assert status.run_at is not None
     run_at = datetime.fromisoformat(status.run_at).timestamp()
     assert before + 4.9 <= run_at <= time.time() + 5.1
@@ -149,7 +174,9 @@ async def test_retryable_failure_schedules_a_retry_then_dead_letters(queue: Queu
     await promote(queue, queue.keys.shard_of(sub.job_id))
     job2 = await claim(queue, sub.job_id)
     assert job2.attempt == 2 and job2.lease_version > job.lease_version
-    assert await complete(queue, job) is Code.VERSION_CONFLICT  # the first attempt's writer is stale
+    assert (
+        await complete(queue, job) is Code.VERSION_CONFLICT
+    )  # the first attempt's writer is stale
     code, state = await fail(queue, job2, delay_ms=5000)
     assert (code, state) == (Code.OK, b"failed")  # attempts exhausted
     dead = await queue.dead_letters()
@@ -301,8 +328,14 @@ async def test_every_change_bumps_the_version_and_is_logged(queue: Queue) -> Non
     steps = await history(queue, sub.job_id)
     assert [v for _, _, v in steps] == list(range(1, len(steps) + 1))
     assert [(f, t) for f, t, _ in steps] == [
-        ("", "queued"), ("queued", "running"), ("running", "running"), ("running", "scheduled"),
-        ("scheduled", "queued"), ("queued", "running"), ("running", "running"), ("running", "cancelled"),
+        ("", "queued"),
+        ("queued", "running"),
+        ("running", "running"),
+        ("running", "scheduled"),
+        ("scheduled", "queued"),
+        ("queued", "running"),
+        ("running", "running"),
+        ("running", "cancelled"),
     ]
     assert (await queue.status(sub.job_id)).version == len(steps)
 
@@ -312,7 +345,9 @@ async def test_published_event_carries_the_document(queue: Queue) -> None:
 
     got: list[tuple[bytes, bytes]] = []
     sub_ready = ShardSubscriber(
-        queue.redis, [queue.keys.events(s) for s in range(queue.keys.shards)], lambda c, d: got.append((c, d))
+        queue.redis,
+        [queue.keys.events(s) for s in range(queue.keys.shards)],
+        lambda c, d: got.append((c, d)),
     )
     await sub_ready.start()
     try:

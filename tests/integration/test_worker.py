@@ -45,7 +45,9 @@ async def test_burst_worker_runs_jobs_and_stores_results(queue: Queue) -> None:
     assert result == {"ran_in_thread": True} and status.progress == {"thread": True}
 
 
-async def test_retries_follow_the_backoff_then_dead_letter(queue: Queue, background: Background) -> None:
+async def test_retries_follow_the_backoff_then_dead_letter(
+    queue: Queue, background: Background
+) -> None:
     background.start(Scheduler(queue))
     background.start(worker_for(queue, registry))
     sub = await queue.submit("flaky", None)  # fails every attempt; 4 attempts
@@ -56,7 +58,9 @@ async def test_retries_follow_the_backoff_then_dead_letter(queue: Queue, backgro
         doc = decode_status(fields[b"d"])
         if doc.id == sub.job_id and doc.state is State.SCHEDULED:
             assert doc.run_at is not None
-            waited = (datetime.fromisoformat(doc.run_at) - datetime.fromisoformat(doc.updated_at)).total_seconds()
+            waited = (
+                datetime.fromisoformat(doc.run_at) - datetime.fromisoformat(doc.updated_at)
+            ).total_seconds()
             retries.append((doc.attempt, waited))
     policy = registry.get("flaky").retry  # type: ignore[union-attr]
     assert [a for a, _ in retries] == [1, 2, 3]
@@ -89,7 +93,10 @@ async def test_non_retryable_errors_and_bad_results_dead_letter_at_once(queue: Q
     unknown = await queue.submit("not_in_this_worker", None, max_attempts=1)
     await worker_for(queue, registry, burst=True).run()
     for sub, error_type in [
-        (permanent, "Permanent"), (fatal, "Fatal"), (bad, "ResultNotSerialisable"), (unknown, "LookupError")
+        (permanent, "Permanent"),
+        (fatal, "Fatal"),
+        (bad, "ResultNotSerialisable"),
+        (unknown, "LookupError"),
     ]:
         status = await queue.status(sub.job_id)
         assert status.state is State.FAILED and status.attempt == 1, sub

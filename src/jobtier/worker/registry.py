@@ -8,7 +8,7 @@ import random
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from jobtier.errors import ConfigError
 
@@ -54,6 +54,25 @@ class Task:
         return self.retry.max_attempts
 
 
+@overload
+def task(fn: Callable[..., Any]) -> Task: ...
+
+
+@overload
+def task(
+    fn: None = None,
+    *,
+    name: str | None = None,
+    retries: int = 2,
+    backoff_base: float = 1.0,
+    backoff_factor: float = 2.0,
+    backoff_cap: float = 300.0,
+    jitter: float = 0.1,
+    non_retryable: Iterable[type[BaseException]] = (),
+    timeout: float | None = None,
+) -> Callable[[Callable[..., Any]], Task]: ...
+
+
 def task(
     fn: Callable[..., Any] | None = None,
     *,
@@ -78,7 +97,7 @@ def task(
 
     def wrap(f: Callable[..., Any]) -> Task:
         task_name = name or f.__name__
-        if not TASK_NAME_RE.match(task_name):
+        if not TASK_NAME_RE.fullmatch(task_name):
             raise ConfigError(f"task name {task_name!r} must match {TASK_NAME_RE.pattern}")
         if retries < 0 or backoff_base < 0 or backoff_factor < 1 or jitter < 0:
             raise ConfigError(f"task {task_name}: retries/backoff/jitter out of range")

@@ -1,0 +1,1 @@
+"""The worker side: tasks, their context, and the runtime that claims and runs jobs."""

@@ -1,0 +1,305 @@
+"""Random operation sequences against a model of the state machine; Redis must agree.
+
+Hypothesis drives submits, claims, completions (fresh and stale), failures, heartbeats with
+progress, cancels, releases, lease expiries, promotions and replays. After every step each
+job's status document, its place in the shard's structures and the waiting counts must be
+what the model says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import redis as syncredis
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from jobtier.config import Settings
+from jobtier.devservices import LocalRedis
+from jobtier.errors import Code
+from jobtier.model import State
+from jobtier.queue import Queue
+
+WAITING = {State.QUEUED, State.SCHEDULED}
+
+
+@dataclass
+class ModelJob:
+    id: str
+    state: State
+    version: int = 1
+    attempt: int = 0
+    max_attempts: int = 1
+    cancel: bool = False
+    lease_version: int = 0
+    worker: str = ""
+    progress: str = ""
+
+
+class JobMachine(RuleBasedStateMachine):
+    url: str = ""
+
+    def __init__(self) -> None:
+        super().__init__()
+        syncredis.Redis.from_url(self.url).flushall()
+        self.loop = asyncio.new_event_loop()
+        # one shard: which shard a (random) job id lands on must not change between the
+        # runs hypothesis replays
+        s = Settings.from_env({}, redis_url=self.url, shards=1)
+        self.queue = self.loop.run_until_complete(Queue.connect(s))
+        self.jobs: list[ModelJob] = []
+
+    def teardown(self) -> None:
+        self.loop.run_until_complete(self.queue.close())
+        self.loop.close()
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def shard(self, job: ModelJob) -> int:
+        return self.queue.keys.shard_of(job.id)
+
+    def bump(self, job: ModelJob, **changes: Any) -> None:
+        for key, value in changes.items():
+            setattr(job, key, value)
+        job.version += 1
+
+    # --- rules ------------------------------------------------------------------------------
+    @rule(
+        delayed=st.booleans(),
+        max_attempts=st.integers(1, 3),
+        priority=st.sampled_from(["high", "low"]),
+    )
+    def submit(self, delayed: bool, max_attempts: int, priority: str) -> None:
+        sub = self.run(
+            self.queue.submit(
+                "t",
+                None,
+                delay=3600 if delayed else None,
+                max_attempts=max_attempts,
+                priority=priority,
+            )
+        )
+        state = State.SCHEDULED if delayed else State.QUEUED
+        self.jobs.append(ModelJob(sub.job_id, state, max_attempts=max_attempts))
+
+    @rule(count=st.integers(1, 4))
+    def claim(self, count: int) -> None:
+        shard = 0
+        batch = self.run(self.queue.scripts.claim(shard, "w1", count, 60_000))
+        ready = [j for j in self.jobs if j.state is State.QUEUED and self.shard(j) == shard]
+        assert len(batch.jobs) == min(count, len(ready))
+        by_id = {j.id: j for j in ready}
+        for claimed in batch.jobs:
+            job = by_id[claimed.id]  # only queued jobs are claimed
+            self.bump(job, state=State.RUNNING, attempt=job.attempt + 1, worker="w1")
+            job.lease_version = job.version
+            assert (claimed.attempt, claimed.lease_version) == (job.attempt, job.lease_version)
+
+    def pick(self, data: st.DataObject) -> ModelJob:
+        return data.draw(st.sampled_from(self.jobs))
+
+    def expect_lease(self, job: ModelJob, lease_version: int, worker: str = "w1") -> Code:
+        if job.state is not State.RUNNING:
+            return Code.WRONG_STATE
+        if lease_version != job.lease_version:
+            return Code.VERSION_CONFLICT
+        if worker != job.worker:
+            return Code.NOT_OWNER
+        return Code.OK
+
+    @precondition(lambda self: self.jobs)
+    @rule(
+        data=st.data(),
+        stale=st.sampled_from([0, 0, -1, 1]),
+        worker=st.sampled_from(["w1", "w1", "w2"]),
+    )
+    def complete(self, data: st.DataObject, stale: int, worker: str) -> None:
+        job = self.pick(data)
+        lv = job.lease_version + stale
+        expected = self.expect_lease(job, lv, worker)
+        (code,) = self.run(
+            self.queue.scripts.call(
+                *self.queue.scripts.complete_call(self.shard(job), worker, 60, [(job.id, lv, b"1")])
+            )
+        )
+        assert Code(code) is expected
+        if expected is Code.OK:
+            self.bump(job, state=State.SUCCEEDED)
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data(), retryable=st.booleans())
+    def fail(self, data: st.DataObject, retryable: bool) -> None:
+        job = self.pick(data)
+        expected = self.expect_lease(job, job.lease_version)
+        reply = self.run(
+            self.queue.scripts.call(
+                *self.queue.scripts.fail_call(
+                    self.shard(job),
+                    "w1",
+                    60,
+                    [
+                        (
+                            job.id,
+                            job.lease_version,
+                            b'{"type":"E","message":"m"}',
+                            5 if retryable else -1,
+                        )
+                    ],
+                )
+            )
+        )
+        code, state = self.queue.scripts.parse_pairs(reply)[0]
+        assert code is expected
+        if expected is Code.OK:
+            new = State.SCHEDULED if retryable and job.attempt < job.max_attempts else State.FAILED
+            assert state.decode() == new.value
+            self.bump(job, state=new)
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data(), progress=st.sampled_from(["", "0.5", "1"]))
+    def heartbeat(self, data: st.DataObject, progress: str) -> None:
+        job = self.pick(data)
+        expected = self.expect_lease(job, job.lease_version)
+        reply = self.run(
+            self.queue.scripts.call(
+                *self.queue.scripts.heartbeat_call(
+                    self.shard(job), "w1", 60_000, [(job.id, job.lease_version, progress.encode())]
+                )
+            )
+        )
+        code, cancel = self.queue.scripts.parse_pairs(reply)[0]
+        assert code is expected
+        if code is Code.OK:
+            assert bool(cancel) == job.cancel
+            if progress and progress != job.progress:
+                self.bump(job, progress=progress)
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        job = self.pick(data)
+        code, _ = self.run(self.queue.scripts.cancel(self.shard(job), "", job.id, 60))
+        if job.state in WAITING:
+            assert code is Code.OK
+            self.bump(job, state=State.CANCELLED, cancel=True)
+        elif job.state is State.RUNNING:
+            assert code is Code.OK
+            if not job.cancel:
+                self.bump(job, cancel=True)
+        else:
+            assert code is Code.WRONG_STATE
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data())
+    def stopped(self, data: st.DataObject) -> None:
+        job = self.pick(data)
+        expected = self.expect_lease(job, job.lease_version)
+        reply = self.run(
+            self.queue.scripts.call(
+                *self.queue.scripts.stopped_call(
+                    self.shard(job), "w1", 60, [(job.id, job.lease_version)]
+                )
+            )
+        )
+        assert self.queue.scripts.parse_pairs(reply)[0][0] is expected
+        if expected is Code.OK:
+            if job.cancel:
+                self.bump(job, state=State.CANCELLED)
+            else:
+                self.bump(job, state=State.QUEUED, attempt=job.attempt - 1, worker="")
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data())
+    def lease_expires(self, data: st.DataObject) -> None:
+        job = self.pick(data)
+        keys = self.queue.keys
+        if job.state is State.RUNNING:
+            self.run(self.queue.redis.zadd(keys.active(self.shard(job)), {job.id: 1}))
+        s = self.queue.settings
+        self.run(
+            self.queue.scripts.call(*self.queue.scripts.reclaim_call(self.shard(job), 100, 60, 60))
+        )
+        del s
+        if job.state is State.RUNNING:
+            if job.cancel:
+                self.bump(job, state=State.CANCELLED, worker="")
+            elif job.attempt < job.max_attempts:
+                self.bump(job, state=State.QUEUED, worker="")
+            else:
+                self.bump(job, state=State.FAILED, worker="")
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data())
+    def becomes_due(self, data: st.DataObject) -> None:
+        job = self.pick(data)
+        keys = self.queue.keys
+        if job.state is State.SCHEDULED:
+            self.run(self.queue.redis.zadd(keys.sched(self.shard(job)), {job.id: 1}))
+        self.run(self.queue.scripts.call(*self.queue.scripts.promote_call(self.shard(job), 100)))
+        if job.state is State.SCHEDULED:
+            self.bump(job, state=State.QUEUED)
+
+    @precondition(lambda self: self.jobs)
+    @rule(data=st.data())
+    def replay(self, data: st.DataObject) -> None:
+        job = self.pick(data)
+        code, _ = self.run(self.queue.scripts.replay(self.shard(job), "", job.id))
+        if job.state is State.FAILED:
+            assert code is Code.OK
+            self.bump(job, state=State.QUEUED, attempt=0, worker="")
+        else:
+            assert code is Code.WRONG_STATE
+
+    # --- invariants -------------------------------------------------------------------------
+    @invariant()
+    def redis_agrees(self) -> None:
+        keys = self.queue.keys
+        r = self.queue.redis
+        queued: set[bytes] = set()
+        sched: set[bytes] = set()
+        active: set[bytes] = set()
+        dead: set[bytes] = set()
+        for s in range(keys.shards):
+            for q in keys.queues(s):
+                queued |= set(self.run(r.lrange(q, 0, -1)))
+            sched |= set(self.run(r.zrange(keys.sched(s), 0, -1)))
+            active |= set(self.run(r.zrange(keys.active(s), 0, -1)))
+            dead |= set(self.run(r.zrange(keys.dead(s), 0, -1)))
+        for job in self.jobs:
+            status = self.run(self.queue.status(job.id))
+            assert (status.state, status.version, status.attempt, status.cancel_requested) == (
+                job.state,
+                job.version,
+                job.attempt,
+                job.cancel,
+            ), job
+            bid = job.id.encode()
+            assert (bid in queued) == (job.state is State.QUEUED)
+            assert (bid in sched) == (job.state is State.SCHEDULED)
+            assert (bid in active) == (job.state is State.RUNNING)
+            assert (bid in dead) == (job.state is State.FAILED)
+        waiting = sum(j.state in WAITING for j in self.jobs)
+        assert sum(self.run(self.queue.waiting_by_tenant()).values()) == waiting
+
+
+def test_state_machine_agrees_with_the_model(redis_server: LocalRedis) -> None:
+    JobMachine.url = redis_server.url
+    run_state_machine_as_test(
+        JobMachine,
+        settings=settings(
+            max_examples=100,
+            stateful_step_count=50,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )

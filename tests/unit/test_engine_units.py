@@ -1,0 +1,118 @@
+"""Pure unit tests of the engine's seams: codes, keys, settings, retry policy, task loading."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jobtier.config import Settings, settings_table
+from jobtier.errors import Code, ConfigError
+from jobtier.keys import JOB_ID_RE, Keys, ulid
+from jobtier.scripts import NAMES, lua_source
+from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
+
+
+def test_lua_result_codes_match_the_python_enum() -> None:
+    lib = lua_source("lib")
+    lua_codes = dict(re.findall(r"^local ([A-Z_]+) = (\d+)$", lib, re.MULTILINE))
+    assert {k: int(v) for k, v in lua_codes.items()} == {c.name: c.value for c in Code}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_script_has_a_header_and_includes_the_library(name: str) -> None:
+    text = (
+        lua_source.__globals__["resources"].files("jobtier") / "lua" / f"{name}.lua"
+    ).read_text()
+    header = text.split("--!include", 1)[0]
+    assert header.startswith(f"-- {name}.lua:")
+    for part in ("KEYS[1]", "ARGV[1]", "Returns"):
+        assert part in header, f"{name}.lua header lacks {part}"
+    assert "local function commit" in lua_source(name)
+
+
+def test_job_ids_route_to_their_shard() -> None:
+    keys = Keys("jt", 16)
+    for shard in range(16):
+        job_id = keys.new_id(shard)
+        assert JOB_ID_RE.fullmatch(job_id) and keys.shard_of(job_id) == shard
+        assert keys.job(job_id) == f"jt:{{{shard}}}:job:{job_id}"
+    with pytest.raises(ValueError):
+        keys.shard_of(ulid() + "-16")  # a shard this deployment doesn't have
+    for bad in ["", "x-1", ulid() + "-01", ulid().lower() + "-1", ulid() + "-1\n"]:
+        assert not keys.valid_id(bad)
+
+
+def test_ulids_sort_by_time() -> None:
+    assert ulid(1000) < ulid(1001) < ulid(2**40)
+    assert len(ulid()) == 26
+
+
+def test_shard_for_is_stable() -> None:
+    keys = Keys("jt", 16)
+    assert keys.shard_for("tenant", "key") == keys.shard_for("tenant", "key")
+    assert {keys.shard_for("t", str(i)) for i in range(200)} == set(range(16))
+
+
+def test_settings_from_environment() -> None:
+    s = Settings.from_env(
+        {"JOBTIER_SHARDS": "8", "JOBTIER_NEAR_CACHE": "off", "JOBTIER_LEASE_SECONDS": "2.5"}
+    )
+    assert (s.shards, s.near_cache, s.lease_seconds) == (8, False, 2.5)
+    with pytest.raises(ConfigError, match="JOBTIER_SHARDS"):
+        Settings.from_env({"JOBTIER_SHARDS": "many"})
+    with pytest.raises(ConfigError, match="between 1 and 4096"):
+        Settings.from_env({"JOBTIER_SHARDS": "0"})
+    with pytest.raises(ConfigError, match="key:tenant"):
+        Settings.from_env({"JOBTIER_API_KEYS": "just-a-key"})
+    with pytest.raises(ConfigError, match="unknown settings"):
+        Settings.from_env({}, no_such_setting=1)
+    keys = Settings.from_env({"JOBTIER_API_KEYS": "k1:acme, k2:globex"}).tenant_keys()
+    assert keys == {"k1": "acme", "k2": "globex"}
+    assert Settings.from_env({"JOBTIER_API_KEYS": "k1:acme"}).public()["api_keys"] == "***"
+    assert len(settings_table()) == len(Settings.__dataclass_fields__)
+
+
+@given(attempt=st.integers(1, 30), seed=st.integers(0, 2**32))
+def test_backoff_stays_within_its_jitter(attempt: int, seed: int) -> None:
+    policy = RetryPolicy(max_attempts=5, base=0.5, factor=3.0, cap=60.0, jitter=0.2)
+    plain = min(0.5 * 3.0 ** (attempt - 1), 60.0)
+    delay = policy.delay(attempt, random.Random(seed))
+    assert plain <= delay <= plain * 1.2
+
+
+def test_task_decorator_and_registry() -> None:
+    @task(retries=4, timeout=3, non_retryable=[KeyError])
+    async def resize(ctx: object, payload: object) -> str:
+        return "ok"
+
+    @task
+    def sync_one(ctx: object, payload: object) -> int:
+        return 1
+
+    assert isinstance(resize, Task) and resize.max_attempts == 5 and resize.is_async
+    assert not sync_one.is_async and sync_one(None, None) == 1
+    registry = TaskRegistry([resize, sync_one])
+    assert registry.names() == ["resize", "sync_one"]
+    with pytest.raises(ConfigError, match="two tasks"):
+        registry.add(task(name="resize")(lambda ctx, p: None))
+    with pytest.raises(ConfigError, match="must match"):
+        task(name="bad name")(lambda ctx, p: None)
+    with pytest.raises(ConfigError, match="non_retryable"):
+        task(name="t", non_retryable=["KeyError"])(lambda ctx, p: None)  # type: ignore[list-item]
+
+
+def test_loading_tasks_from_a_module() -> None:
+    demo = TaskRegistry.load("jobtier.demo")
+    assert {"echo", "sleep", "fail", "cpu"} <= set(demo.names())
+    assert TaskRegistry.load("tests.tasks:registry").get("flaky") is not None
+    assert TaskRegistry.load("jobtier.demo:echo").names() == ["echo"]
+    with pytest.raises(ConfigError, match="cannot import"):
+        TaskRegistry.load("no.such.module")
+    with pytest.raises(ConfigError, match="no attribute"):
+        TaskRegistry.load("jobtier.demo:nothing")
+    with pytest.raises(ConfigError, match="defines no @task"):
+        TaskRegistry.load("jobtier.keys")
