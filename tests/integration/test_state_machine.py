@@ -152,7 +152,7 @@ class JobMachine(RuleBasedStateMachine):
                             job.id,
                             job.lease_version,
                             b'{"type":"E","message":"m"}',
-                            5 if retryable else -1,
+                            3_600_000 if retryable else -1,
                         )
                     ],
                 )
