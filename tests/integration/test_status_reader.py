@@ -1,0 +1,318 @@
+"""StatusReader against a real Redis (and a real Redis Cluster): loads, batches, events."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import redis.asyncio as aioredis
+
+from jobtier.cache.reader import StatusReader, parse_version
+from jobtier.config import Settings
+from jobtier.connection import ShardSubscriber
+from jobtier.devservices import LocalCluster, LocalRedis
+from jobtier.keys import Keys
+from jobtier.model import State, decode_status
+from jobtier.queue import JobSpec, Queue
+from tests.fixtures.engine import wait_for
+
+TENANT = "acme"
+
+
+def keys_of(settings: Settings) -> Keys:
+    return Keys(settings.prefix, settings.shards)
+
+
+async def hmget_calls(*clients: aioredis.Redis) -> int:
+    """HMGET commands the server(s) executed since the last CONFIG RESETSTAT."""
+    total = 0
+    for client in clients:
+        stats = await client.info("commandstats")
+        total += int(stats.get("cmdstat_hmget", {}).get("calls", 0))
+    return total
+
+
+async def submit(queue: Queue, n: int = 1) -> list[str]:
+    """Create ``n`` jobs with the real submit script (which also renders their documents)."""
+    specs = [JobSpec(type="echo", payload={"i": i}) for i in range(n)]
+    results = await queue.submit_many(specs, tenant=TENANT)
+    ids = []
+    for result in results:
+        assert not isinstance(result, Exception)
+        ids.append(result.job_id)
+    return ids
+
+
+@pytest.fixture
+async def subscribed() -> AsyncIterator[list[ShardSubscriber]]:
+    subscribers: list[ShardSubscriber] = []
+    yield subscribers
+    for subscriber in subscribers:
+        await subscriber.stop()
+
+
+async def test_concurrent_gets_of_one_id_send_one_hmget(
+    queue: Queue, redis: aioredis.Redis, settings: Settings
+) -> None:
+    (job_id,) = await submit(queue)
+    reader = StatusReader(redis, keys_of(settings), near_cache=True, coalesce=True)
+    await redis.config_resetstat()
+    results = await asyncio.gather(*(reader.get(job_id) for _ in range(2_000)))
+    assert await hmget_calls(redis) == 1
+    assert reader.redis_loads == 1 and reader.batches == 1
+    assert results[0] is not None and all(r == results[0] for r in results)
+    tenant, doc, version = results[0]
+    assert tenant == TENANT and version == 1 == decode_status(doc).version
+    assert decode_status(doc).id == job_id
+    # and from now on the near cache answers
+    assert await reader.get(job_id) == results[0]
+    assert await hmget_calls(redis) == 1
+    assert reader.requests == 2_001 and reader.near_hits == 1
+
+
+async def test_distinct_ids_of_one_tick_go_in_one_pipeline(
+    queue: Queue, redis: aioredis.Redis, settings: Settings
+) -> None:
+    keys = keys_of(settings)
+    ids = await submit(queue, 60)
+    assert len({keys.shard_of(i) for i in ids}) > 1  # the batch spans shards
+    unknown = keys.new_id(0)
+    reader = StatusReader(redis, keys, near_cache=False, coalesce=True)
+    await redis.config_resetstat()
+    results = await asyncio.gather(*(reader.get(i) for i in [*ids, unknown, "not-an-id"]))
+    assert reader.batches == 1 and reader.redis_loads == 61  # the malformed id never went
+    assert await hmget_calls(redis) == 61
+    assert results[-2:] == [None, None]
+    for job_id, result in zip(ids, results, strict=False):
+        assert result is not None
+        tenant, doc, version = result
+        assert tenant == TENANT and decode_status(doc).id == job_id and version == 1
+    assert reader.coalescer is not None and reader.coalescer.batches == 1
+
+
+async def test_baseline_sends_every_get_to_redis(
+    queue: Queue, redis: aioredis.Redis, settings: Settings
+) -> None:
+    (job_id,) = await submit(queue)
+    reader = StatusReader(redis, keys_of(settings), near_cache=False, coalesce=False)
+    await redis.config_resetstat()
+    results = await asyncio.gather(*(reader.get(job_id) for _ in range(50)))
+    assert all(r is not None and r[0] == TENANT for r in results)
+    for _ in range(20):
+        assert await reader.get(job_id) is not None
+    assert reader.redis_loads == reader.batches == 70
+    assert await hmget_calls(redis) == 70
+    assert reader.near is None and reader.coalescer is None
+
+
+async def test_near_cache_follows_a_real_transition(
+    queue: Queue,
+    redis: aioredis.Redis,
+    settings: Settings,
+    subscribed: list[ShardSubscriber],
+) -> None:
+    keys = keys_of(settings)
+    # a long TTL: only the event can make the cache serve the new version
+    reader = StatusReader(redis, keys, near_cache=True, coalesce=True, ttl=3600)
+    subscriber = ShardSubscriber(
+        redis,
+        [keys.events(s) for s in range(keys.shards)],
+        reader.on_event,
+        reader.on_reset,
+        name="test-status",
+    )
+    subscribed.append(subscriber)
+    await subscriber.start()
+    (job_id,) = await submit(queue)
+    first = await reader.get(job_id)
+    assert first is not None and first[2] == 1 and reader.redis_loads == 1
+    heard: list[tuple[int, str, bytes]] = []
+    reader.add_listener(job_id, lambda v, t, d: heard.append((v, t, d)))
+
+    cancelled = await queue.cancel(job_id)
+    assert cancelled.state is State.CANCELLED and cancelled.version == 2
+
+    async def serves_new_version() -> bool:
+        status = await reader.get(job_id)
+        return status is not None and status[2] == 2
+
+    await wait_for(serves_new_version)
+    status = await reader.get(job_id)
+    assert status is not None
+    assert decode_status(status[1]).state is State.CANCELLED
+    assert reader.redis_loads == 1  # served from the near cache, advanced by the event
+    assert reader.near is not None and reader.near.events_applied == 1
+    assert heard == [(2, TENANT, status[1])]
+
+    # a resubscription (on_reset) empties the cache: the next read goes to Redis
+    reader.on_reset()
+    assert await reader.get(job_id) == status
+    assert reader.redis_loads == 2
+
+
+async def test_event_during_a_load_is_not_rolled_back(
+    queue: Queue, redis: aioredis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job is read (v1) while it changes (v2): its event, which finds no entry to
+    advance, must not be lost to the load that stores v1 after it."""
+    reader = StatusReader(redis, keys_of(settings), near_cache=True, coalesce=True, ttl=3600)
+    (job_id,) = await submit(queue)
+    gate = asyncio.Event()
+    real_hmget = reader._hmget
+
+    async def slow_hmget(ids: list[str]) -> list[Any]:
+        replies = await real_hmget(ids)  # Redis answers v1 ...
+        await gate.wait()  # ... and the answer is delivered late
+        return replies
+
+    monkeypatch.setattr(reader, "_hmget", slow_hmget)
+    reading = asyncio.create_task(reader.get(job_id))
+    await wait_for(lambda: _true(job_id in reader._loading))
+    cancelled = await queue.cancel(job_id)
+    doc = await redis.hget(keys_of(settings).job(job_id), "doc")
+    assert cancelled.version == 2 and isinstance(doc, bytes)
+    # what the subscription would deliver for the cancel
+    reader.on_event(b"ev", b"%s 2 %s\n%s" % (job_id.encode(), TENANT.encode(), doc))
+    gate.set()
+    first = await reading
+    assert first is not None and first[2] == 1  # this reader asked before the change
+    status = await reader.get(job_id)
+    assert status is not None and status[2] == 2 and parse_version(status[1]) == 2
+    assert reader._loading == {}
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def test_fallback_for_ids_redis_no_longer_holds(
+    queue: Queue, redis: aioredis.Redis, settings: Settings
+) -> None:
+    keys = keys_of(settings)
+    (in_redis,) = await submit(queue)
+    gone, unknown = keys.new_id(1), keys.new_id(2)
+    archived = b'{"id":"%s","type":"echo","state":"succeeded","version":7,"priority":"normal"}'
+    asked: list[list[str]] = []
+
+    async def fallback(ids: list[str]) -> dict[str, tuple[str, bytes]]:
+        asked.append(sorted(ids))
+        return {gone: (TENANT, archived % gone.encode())} if gone in ids else {}
+
+    reader = StatusReader(redis, keys, near_cache=True, coalesce=True, fallback=fallback)
+    results = await asyncio.gather(*(reader.get(i) for i in [in_redis, gone, gone, unknown]))
+    assert results[0] is not None and results[0][2] == 1
+    assert results[1] == results[2] == (TENANT, archived % gone.encode(), 7)
+    assert results[3] is None
+    assert asked == [sorted([gone, unknown])]  # one fallback call for the tick's misses
+    assert await reader.get(gone) == results[1]  # re-cached
+    assert len(asked) == 1
+
+
+async def test_fallback_failure_reaches_only_its_readers(
+    queue: Queue, redis: aioredis.Redis, settings: Settings
+) -> None:
+    keys = keys_of(settings)
+    (in_redis,) = await submit(queue)
+    gone = keys.new_id(1)
+
+    async def fallback(ids: list[str]) -> dict[str, tuple[str, bytes]]:
+        raise ConnectionError("postgres is down")
+
+    reader = StatusReader(redis, keys, fallback=fallback)
+    found, failed = await asyncio.gather(
+        reader.get(in_redis), reader.get(gone), return_exceptions=True
+    )
+    assert isinstance(found, tuple) and found[0] == TENANT
+    assert isinstance(failed, ConnectionError)
+
+
+# --- Redis Cluster ---------------------------------------------------------------------
+
+
+def cluster_port() -> int:
+    """A free port a cluster node can use: its bus port (+10000) must fit too, which an
+    ephemeral port above 55535 does not (devservices.free_port can return one)."""
+    while True:
+        port = random.randint(20_000, 45_000)
+        with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", port))
+            b.bind(("127.0.0.1", port + 10_000))
+            return port
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    folder = Path(tmp_path_factory.mktemp("cluster"))
+    nodes = LocalCluster(folder, masters=3)
+    nodes.nodes = [LocalRedis(folder / f"node{i}", cluster_port(), cluster=True) for i in range(3)]
+    nodes.start()
+    yield nodes
+    nodes.stop()
+
+
+async def test_cluster_batch_is_split_per_node(cluster: LocalCluster) -> None:
+    keys = Keys("jt", 16)
+    client = aioredis.RedisCluster.from_url(cluster.url)
+    nodes = [aioredis.Redis(port=node.port) for node in cluster.nodes]
+    try:
+        ids = [keys.new_id(shard) for shard in range(16) for _ in range(3)]
+        for job_id in ids:
+            doc = b'{"id":"%s","type":"t","state":"queued","version":4,"priority":"low"}'
+            await client.hset(
+                keys.job(job_id), mapping={"tenant": TENANT, "doc": doc % job_id.encode()}
+            )
+        for node in nodes:
+            await node.config_resetstat()
+        reader = StatusReader(client, keys, near_cache=True, coalesce=True)
+        missing = keys.new_id(5)
+        results = await asyncio.gather(*(reader.get(i) for i in [*ids, missing]))
+        assert results[-1] is None
+        assert all(r is not None and r[0] == TENANT and r[2] == 4 for r in results[:-1])
+        assert [msgspec.json.decode(r[1])["id"] for r in results[:-1] if r] == ids
+        assert reader.batches == 1 and reader.redis_loads == len(ids) + 1
+        per_node = [await hmget_calls(node) for node in nodes]
+        assert sum(per_node) == len(ids) + 1
+        assert sum(1 for n in per_node if n) > 1  # the one batch went to several nodes
+    finally:
+        await client.aclose()
+        for node in nodes:
+            await node.aclose()
+
+
+async def test_events_and_listeners_without_redis(caplog: pytest.LogCaptureFixture) -> None:
+    """on_event parsing, listener add/remove, and the faults the subscription must survive."""
+    keys = Keys("jt", 4)
+    reader = StatusReader(None, keys, ttl=3600)  # type: ignore[arg-type]  # no loads here
+    job_id = keys.new_id(1)
+    heard: list[tuple[int, str, bytes]] = []
+
+    def listener(version: int, tenant: str, doc: bytes) -> None:
+        heard.append((version, tenant, doc))
+
+    def broken(version: int, tenant: str, doc: bytes) -> None:
+        raise RuntimeError("listener bug")
+
+    reader.add_listener(job_id, listener)
+    reader.add_listener(job_id, broken)
+    reader.on_event(b"ev", b'%s 3 two words\n{"version":3}' % job_id.encode())
+    assert heard == [(3, "two words", b'{"version":3}')]  # the tenant is the rest of the line
+    assert "status_listener_failed" in caplog.text
+    reader.on_event(b"ev", b"garbage")  # logged and ignored
+    reader.on_event(b"ev", b"\xff 1 t\n{}")
+    assert "bad_status_event" in caplog.text
+    assert reader.near is not None and job_id not in reader.near  # absent ids are not added
+    reader.remove_listener(job_id, listener)
+    reader.remove_listener(job_id, broken)
+    reader.remove_listener(job_id, broken)  # twice: harmless
+    assert reader._listeners == {}
+    reader.on_event(b"ev", b"%s 4 t\n{}" % job_id.encode())
+    assert len(heard) == 1
+    stats = reader.stats()
+    assert stats["listeners"] == 0 and stats["requests"] == 0 and stats["near_size"] == 0
