@@ -189,7 +189,11 @@ class ShardSubscriber:
                 while True:
                     reply = await conn.read_response()
                     if reply[0] == b"smessage":
-                        on_message(reply[1], reply[2])
+                        try:
+                            on_message(reply[1], reply[2])
+                        except Exception:
+                            # one bad message or consumer must not end the subscription
+                            log.exception("event=subscriber_callback_failed subscriber=%s", self.name)
                     elif reply[0] == b"sunsubscribe":
                         # the slot moved to another node (cluster resharding): resubscribe
                         raise ConnectionError("shard channel moved")

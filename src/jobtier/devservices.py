@@ -15,10 +15,15 @@ import time
 from pathlib import Path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(below: int = 65536) -> int:
+    """A free loopback port under ``below`` (a cluster node also needs port + 10000)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port < below:
+            return port
+    raise RuntimeError(f"no free port below {below}")
 
 
 def wait_port(
@@ -50,7 +55,7 @@ class LocalRedis:
 
     def __init__(self, folder: Path, port: int | None = None, *, cluster: bool = False) -> None:
         self.folder = Path(folder)
-        self.port = port or free_port()
+        self.port = port or free_port(55536 if cluster else 65536)
         self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
 
