@@ -90,6 +90,62 @@ def cmd_scheduler(args: argparse.Namespace, settings: Settings) -> int:
     return _run_async(main)
 
 
+def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
+    from jobtier.api.app import create_app
+
+    changes = {
+        name: value
+        for name, value in (
+            ("api_host", args.host),
+            ("api_port", args.port),
+            ("api_workers", args.workers),
+            ("api_server", args.server),
+        )
+        if value is not None
+    }
+    settings = settings.replace(**changes)
+    create_app(settings)  # fail here, with a clear message, on bad configuration
+    for key, value in changes.items():  # the server processes read the environment
+        os.environ["JOBTIER_" + key.upper()] = str(value)
+    serve_api(settings)
+    return 0
+
+
+def serve_api(settings: Settings) -> None:
+    """Run the API under granian or uvicorn (JOBTIER_API_SERVER), in the foreground."""
+    log.info(
+        "event=api_starting server=%s address=%s:%d workers=%d",
+        settings.api_server, settings.api_host, settings.api_port, settings.api_workers,
+    )  # fmt: skip
+    if settings.api_server == "granian":
+        from granian.constants import Interfaces, Loops
+        from granian.server import Server
+
+        Server(
+            "jobtier.api.asgi:app_from_env",
+            address=settings.api_host,
+            port=settings.api_port,
+            interface=Interfaces.ASGI,
+            workers=settings.api_workers,
+            loop=Loops.uvloop,
+            factory=True,
+            log_access=False,
+        ).serve()
+    else:
+        import uvicorn
+
+        uvicorn.run(
+            "jobtier.api.asgi:app_from_env",
+            factory=True,
+            host=settings.api_host,
+            port=settings.api_port,
+            workers=settings.api_workers,
+            loop="uvloop",
+            access_log=False,
+            log_config=None,
+        )
+
+
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from jobtier.runall import run_all
 
@@ -141,6 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--concurrency", type=int, default=50, help="worker concurrency (default: 50)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser(
+        "api",
+        help="serve the HTTP API",
+        description="Serve the HTTP API (submit, status, SSE, admin, metrics, dashboard) with "
+        "granian or uvicorn. Needs JOBTIER_API_KEYS (key:tenant,…) and JOBTIER_ADMIN_KEY.",
+    )
+    p.add_argument("--host", help="listen address (default: JOBTIER_API_HOST, 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (default: JOBTIER_API_PORT, 8000)")
+    p.add_argument("--workers", type=int, help="server processes (default: JOBTIER_API_WORKERS, 1)")
+    p.add_argument(
+        "--server", choices=["granian", "uvicorn"], help="ASGI server (default: JOBTIER_API_SERVER)"
+    )
+    p.set_defaults(func=cmd_api)
 
     p = sub.add_parser(
         "worker",

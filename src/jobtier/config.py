@@ -87,6 +87,10 @@ class Settings:
         2.0, "Safety-net lifetime of a near-cache entry whose freshness events could be missed."
     )
     coalesce: bool = _setting(True, "Merge the status loads of one event-loop tick into one batch.")
+    max_request_bytes: int = _setting(8 * 1024 * 1024, "Largest request body (batch submits).")
+    gc_freeze: bool = _setting(
+        True, "Freeze start-up objects out of the garbage collector (shorter GC pauses)."
+    )
     long_poll_max_seconds: float = _setting(60.0, "Longest ?wait= accepted on status reads.")
     sse_heartbeat_seconds: float = _setting(15.0, "Interval of SSE heartbeat comments.")
 

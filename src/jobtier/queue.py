@@ -45,7 +45,7 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
     type: str
     payload: Any = None
-    priority: str = "normal"
+    priority: Priority = Priority.NORMAL
     run_at: datetime | None = None
     delay: float | None = None
     max_attempts: int | None = None
@@ -114,7 +114,7 @@ class Queue:
         type: str | Task,
         payload: Any = None,
         *,
-        priority: str = "normal",
+        priority: str = Priority.NORMAL,
         run_at: datetime | float | None = None,
         delay: float | None = None,
         max_attempts: int | None = None,
@@ -136,7 +136,7 @@ class Queue:
         spec = JobSpec(
             type=type,
             payload=payload,
-            priority=priority,
+            priority=priority,  # type: ignore[arg-type]  # validated by prepare()
             run_at=when,
             delay=delay,
             max_attempts=max_attempts,
@@ -165,6 +165,12 @@ class Queue:
                 if len(specs) > 1:
                     raise type(exc)(f"jobs[{index}]: {exc}", field=exc.field) from None
                 raise
+        return await self.submit_many_prepared(items)
+
+    async def submit_many_prepared(
+        self, items: Sequence[SubmitItem]
+    ) -> list[Submitted | IdempotencyConflict]:
+        """Submit jobs already validated by ``prepare``."""
         outcomes = await self.submit_items(items)
         results: list[Submitted | IdempotencyConflict] = []
         for item, outcome in zip(items, outcomes, strict=True):
@@ -316,6 +322,10 @@ class Queue:
     async def cancel(self, job_id: str, tenant: str | None = None) -> JobStatus:
         """Cancel a waiting job, or ask the worker running it to stop. Raises
         ``JobNotFound``, or ``TransitionRefused(WRONG_STATE)`` once it has finished."""
+        return decode_status(await self.cancel_doc(job_id, tenant))
+
+    async def cancel_doc(self, job_id: str, tenant: str | None = None) -> bytes:
+        """``cancel``, returning the status document as stored."""
         self._check_id(job_id)
         code, doc = await self.scripts.cancel(
             self.keys.shard_of(job_id), tenant or "", job_id, self.settings.retention_seconds
@@ -324,17 +334,21 @@ class Queue:
             raise JobNotFound(job_id)
         if code is not Code.OK:
             raise TransitionRefused(code, job_id, "has already finished")
-        return decode_status(doc)
+        return bytes(doc)
 
     async def replay(self, job_id: str, tenant: str | None = None) -> JobStatus:
         """Send a dead-lettered (failed) job back to its queue with its attempts reset."""
+        return decode_status(await self.replay_doc(job_id, tenant))
+
+    async def replay_doc(self, job_id: str, tenant: str | None = None) -> bytes:
+        """``replay``, returning the status document as stored."""
         self._check_id(job_id)
         code, doc = await self.scripts.replay(self.keys.shard_of(job_id), tenant or "", job_id)
         if code is Code.NOT_FOUND:
             raise JobNotFound(job_id)
         if code is not Code.OK:
             raise TransitionRefused(code, job_id, "is not in the dead-letter set")
-        return decode_status(doc)
+        return bytes(doc)
 
     async def dead_letters(self, limit: int = 100, *, type: str | None = None) -> list[JobStatus]:
         """The most recently dead-lettered jobs still held by Redis, newest first."""
@@ -387,7 +401,10 @@ class Queue:
         total: dict[str, int] = defaultdict(int)
         for shard in range(self.keys.shards):
             row = values[shard * width : (shard + 1) * width]
-            entry = {"shard": shard, "queued": dict(zip(PRIORITIES, row[:4], strict=True))}
+            entry = {
+                "shard": shard,
+                "queued": {p.value: n for p, n in zip(PRIORITIES, row[:4], strict=True)},
+            }
             entry.update(scheduled=row[4], running=row[5], dead=row[6])
             shards.append(entry)
             for p, n in zip(PRIORITIES, row[:4], strict=True):
@@ -408,10 +425,3 @@ class Queue:
             for tenant, n in counts.items():
                 out[tenant.decode()] += int(n)
         return dict(out)
-
-
-def parse_priority(value: str) -> Priority:
-    try:
-        return Priority(value)
-    except ValueError:
-        raise InvalidRequest(f"priority must be one of {', '.join(PRIORITIES)}") from None

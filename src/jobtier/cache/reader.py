@@ -21,6 +21,9 @@ Fallback = Callable[[list[str]], Awaitable[Mapping[str, tuple[str, bytes]]]]
 Listener = Callable[[int, str, bytes], None]
 """Called with (version, tenant, document) for every published change of one job."""
 
+RESYNC = -1
+"""The version listeners get after a resubscription: re-read, events may have been missed."""
+
 _VERSION = b'"version":'
 _FIELDS = ("tenant", "doc")
 _SHARD_AT = 27  # a valid id is a 26-character ULID, '-', then the shard
@@ -212,9 +215,19 @@ class StatusReader:
                     log.exception("event=status_listener_failed job=%s", job_id)
 
     def on_reset(self) -> None:
-        """The subscription was (re)established: events may have been missed."""
+        """The subscription was (re)established: events may have been missed.
+
+        The cache is emptied, and every listener is called once with version ``RESYNC``
+        (-1): it must read the job again rather than wait for an event that may be lost.
+        """
         if self.near is not None:
             self.near.clear()
+        for job_id, listeners in list(self._listeners.items()):
+            for listener in tuple(listeners):
+                try:
+                    listener(RESYNC, "", b"")
+                except Exception:
+                    log.exception("event=status_listener_failed job=%s", job_id)
 
     def add_listener(self, job_id: str, callback: Listener) -> None:
         self._listeners.setdefault(job_id, set()).add(callback)

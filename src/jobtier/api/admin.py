@@ -1,0 +1,98 @@
+"""Admin routes (admin key): dead letters, replay, queue statistics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jobtier.api.auth import require_admin
+from jobtier.api.jobs import JSON, decode_body, doc_response, read_json_body
+from jobtier.api.problems import Problem, not_found
+from jobtier.cache.reader import parse_version
+from jobtier.errors import JobNotFound, TransitionRefused
+from jobtier.queue import Queue
+
+WORKER_FRESH_SECONDS = 60.0
+
+
+class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
+    type: str | None = None
+    limit: int = 100
+
+
+_filter_decoder = msgspec.json.Decoder(ReplayFilter)
+
+
+def _limit(request: Request, default: int = 100, most: int = 1000) -> int:
+    raw = request.query_params.get("limit", str(default))
+    if not raw.isdigit() or not 1 <= int(raw) <= most:
+        raise Problem(400, "bad-request", f"limit must be between 1 and {most}")
+    return int(raw)
+
+
+async def dead_letters(request: Request) -> Response:
+    require_admin(request)
+    queue: Queue = request.state.queue
+    jobs = await queue.dead_letters(_limit(request), type=request.query_params.get("type"))
+    return Response(msgspec.json.encode({"jobs": jobs}), media_type=JSON)
+
+
+async def replay_one(request: Request) -> Response:
+    require_admin(request)
+    job_id = request.path_params["job_id"]
+    queue: Queue = request.state.queue
+    try:
+        doc = await queue.replay_doc(job_id)
+    except JobNotFound:
+        raise not_found(f"job {job_id}") from None
+    except TransitionRefused:
+        raise Problem(409, "wrong-state", f"job {job_id} is not in the dead-letter set") from None
+    return doc_response(doc, parse_version(doc))
+
+
+async def replay_many(request: Request) -> Response:
+    require_admin(request)
+    body = await read_json_body(request, 4096)
+    selector: ReplayFilter = decode_body(_filter_decoder, body or b"{}")
+    if not 1 <= selector.limit <= 10_000:
+        raise Problem(422, "validation", "limit must be between 1 and 10000", field="limit")
+    queue: Queue = request.state.queue
+    replayed = await queue.replay_many(type=selector.type, limit=selector.limit)
+    return Response(orjson.dumps({"replayed": replayed, "count": len(replayed)}), media_type=JSON)
+
+
+async def stats(request: Request) -> Response:
+    require_admin(request)
+    return Response(orjson.dumps(await collect_stats(request)), media_type=JSON)
+
+
+async def collect_stats(request: Request) -> dict[str, Any]:
+    """Queue depths per shard and priority, waiting jobs per tenant, live workers, the
+    status tier's counters and the write-behind lag."""
+    queue: Queue = request.state.queue
+    out = await queue.stats()
+    out["waiting_by_tenant"] = await queue.waiting_by_tenant()
+    now = time.time()
+    workers = []
+    for raw in (await queue.redis.hgetall(queue.keys.workers())).values():
+        info = orjson.loads(raw)
+        if now - float(info.get("seen_at", 0)) <= WORKER_FRESH_SECONDS:
+            workers.append(info)
+    out["workers"] = workers
+    out["status_reads"] = request.state.reader.stats()
+    out["write_behind_lag"] = request.state.admission.lag
+    return out
+
+
+routes = [
+    Route("/v1/admin/dead-letters", dead_letters, methods=["GET"]),
+    Route("/v1/admin/dead-letters/replay", replay_many, methods=["POST"]),
+    Route("/v1/admin/dead-letters/{job_id}/replay", replay_one, methods=["POST"]),
+    Route("/v1/admin/stats", stats, methods=["GET"]),
+]

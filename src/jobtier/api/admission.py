@@ -1,0 +1,120 @@
+"""Who may submit now: per-tenant rate limit and waiting-jobs cap, global back-pressure.
+
+Counts come from Redis (per-tenant waiting counts kept by the scripts; the write-behind
+lag) and are refreshed in the background about once a second, so a submit pays nothing
+for them. A refused submit is a 429 (this tenant) or 503 (everyone) with ``Retry-After``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from redis.exceptions import RedisError
+
+from jobtier.api.problems import Problem
+from jobtier.config import Settings
+from jobtier.queue import Queue
+
+log = logging.getLogger("jobtier.api")
+
+LagProbe = Callable[[], Awaitable[int]]
+"""Transitions not yet in Postgres (the write-behind backlog)."""
+
+
+class TokenBucket:
+    __slots__ = ("burst", "rate", "stamp", "tokens")
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.stamp = time.monotonic()
+
+    def take(self, n: int) -> float:
+        """Take ``n`` tokens: 0.0 if granted, else the seconds until they would be."""
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= n:
+            self.tokens -= n
+            return 0.0
+        return (n - self.tokens) / self.rate
+
+
+class Admission:
+    def __init__(self, settings: Settings, queue: Queue, lag: LagProbe | None = None) -> None:
+        self.settings = settings
+        self.queue = queue
+        self.lag_probe = lag
+        self.waiting: dict[str, int] = {}
+        self.total_waiting = 0
+        self.lag = 0
+        self._buckets: dict[str, TokenBucket] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="jobtier-admission")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def refresh(self) -> None:
+        self.waiting = await self.queue.waiting_by_tenant()
+        self.total_waiting = sum(self.waiting.values())
+        if self.lag_probe is not None:
+            self.lag = await self.lag_probe()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            try:
+                await self.refresh()
+            except (RedisError, OSError) as exc:
+                log.warning("event=admission_refresh_failed error=%r", exc)
+            except Exception:
+                log.exception("event=admission_refresh_failed")
+
+    def check(self, tenant: str, n: int = 1) -> None:
+        """Raise a 429/503 problem if ``tenant`` may not submit ``n`` jobs now."""
+        s = self.settings
+        if self.total_waiting + n > s.max_waiting_total:
+            raise Problem(
+                503, "overloaded",
+                f"{self.total_waiting} jobs are waiting; the limit is {s.max_waiting_total}",
+                headers={"retry-after": "5"},
+            )  # fmt: skip
+        if self.lag > s.persist_max_lag:
+            raise Problem(
+                503, "overloaded",
+                f"{self.lag} transitions wait to be written to Postgres; the limit is {s.persist_max_lag}",
+                headers={"retry-after": "5"},
+            )  # fmt: skip
+        if s.max_waiting_per_tenant and self.waiting.get(tenant, 0) + n > s.max_waiting_per_tenant:
+            raise Problem(
+                429, "tenant-limit",
+                f"tenant {tenant} has {self.waiting.get(tenant, 0)} waiting jobs; the cap is {s.max_waiting_per_tenant}",
+                headers={"retry-after": "5"},
+            )  # fmt: skip
+        if s.rate_limit_per_second > 0:
+            bucket = self._buckets.get(tenant)
+            if bucket is None:
+                rate = s.rate_limit_per_second
+                bucket = self._buckets[tenant] = TokenBucket(rate, max(rate, s.max_batch))
+            wait = bucket.take(n)
+            if wait:
+                raise Problem(
+                    429, "rate-limited",
+                    f"tenant {tenant} is limited to {s.rate_limit_per_second:g} jobs/s",
+                    headers={"retry-after": str(max(1, round(wait + 0.5)))},
+                )  # fmt: skip
+        # count what we let through, so a burst between refreshes cannot overshoot much
+        self.waiting[tenant] = self.waiting.get(tenant, 0) + n
+        self.total_waiting += n

@@ -1,0 +1,131 @@
+"""``create_app(settings)``: the Starlette application, composed from route lists.
+
+The lifespan opens what every request shares — the engine's Redis client, the status reader
+(near cache, singleflight, coalescer), the process's one shard subscription feeding it, the
+admission control — and hands them to handlers as ``request.state``; nothing lives in
+module globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.routing import BaseRoute
+
+from jobtier.api import admin, health, jobs, openapi, sse
+from jobtier.api.admission import Admission
+from jobtier.api.problems import HANDLERS
+from jobtier.cache.reader import Fallback, StatusReader
+from jobtier.config import Settings
+from jobtier.connection import ShardSubscriber
+from jobtier.errors import ConfigError
+from jobtier.queue import Queue
+
+log = logging.getLogger("jobtier.api")
+
+ROUTES: list[BaseRoute] = [
+    *jobs.routes,
+    *sse.routes,
+    *admin.routes,
+    *health.routes,
+    *openapi.routes,
+]
+
+
+class Extension:
+    """What later parts plug into the API: the Postgres fallback for status reads and
+    results, readiness checks, the write-behind lag, extra routes, and resources to open and
+    close with the app."""
+
+    def __init__(self) -> None:
+        self.routes: list[BaseRoute] = []
+        self.status_fallback: Fallback | None = None
+        self.result_fallback: Callable[[str, str], Awaitable[dict[str, Any] | None]] | None = None
+        self.postgres_ready: Callable[[], Awaitable[str | None]] | None = None
+        self.lag: Callable[[], Awaitable[int]] | None = None
+        self.state: dict[str, Any] = {}
+
+    async def open(self, settings: Settings, queue: Queue) -> None:
+        """Override to connect resources (e.g. a Postgres pool)."""
+
+    async def close(self) -> None:
+        """Override to release them."""
+
+
+def create_app(settings: Settings, extension: Extension | None = None) -> Starlette:
+    """The API application for ``settings``.
+
+    ``extension`` plugs in the parts that need Postgres (fallback reads, listing, history,
+    schedules); without it the API serves what Redis holds.
+    """
+    tenants = settings.tenant_keys()
+    if not tenants and not settings.admin_key:
+        raise ConfigError(
+            "no API keys: set JOBTIER_API_KEYS='key:tenant,…' (and JOBTIER_ADMIN_KEY); "
+            "`jobtier run` makes development keys for you"
+        )
+    ext = extension or Extension()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        queue = await Queue.connect(settings)
+        await ext.open(settings, queue)
+        reader = StatusReader(
+            queue.redis,
+            queue.keys,
+            near_cache=settings.near_cache,
+            coalesce=settings.coalesce,
+            cache_size=settings.near_cache_size,
+            ttl=settings.near_cache_ttl,
+            fallback=ext.status_fallback,
+        )
+        subscriber = ShardSubscriber(
+            queue.redis,
+            [queue.keys.events(s) for s in range(queue.keys.shards)],
+            reader.on_event,
+            reader.on_reset,
+            name="api-status",
+        )
+        admission = Admission(settings, queue, ext.lag)
+        try:
+            await subscriber.start()
+            await admission.start()
+            if settings.gc_freeze:
+                # Start-up objects (modules, routes, compiled schemas) never die: moving them
+                # out of the collector's generations shortens every later collection, the
+                # main source of tail latency on the status path (bench/status_read.py).
+                gc.collect()
+                gc.freeze()
+            log.info(
+                "event=api_ready shards=%d near_cache=%s coalesce=%s tenants=%d",
+                queue.keys.shards, settings.near_cache, settings.coalesce, len(set(tenants.values())),
+            )  # fmt: skip
+            yield {
+                "settings": settings,
+                "queue": queue,
+                "reader": reader,
+                "admission": admission,
+                "tenants": tenants,
+                "admin_key": settings.admin_key,
+                "body_limit": settings.max_payload_bytes + 16 * 1024,
+                "batch_body_limit": settings.max_request_bytes,
+                "result_fallback": ext.result_fallback,
+                "postgres_ready": ext.postgres_ready,
+                **ext.state,
+            }
+        finally:
+            await admission.stop()
+            await subscriber.stop()
+            await ext.close()
+            await queue.close()
+
+    return Starlette(
+        routes=[*ROUTES, *ext.routes],
+        exception_handlers=HANDLERS,
+        lifespan=lifespan,
+    )

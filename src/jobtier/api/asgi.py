@@ -1,0 +1,17 @@
+"""The ASGI entry point for servers started by `jobtier api` (one app per server process)."""
+
+from __future__ import annotations
+
+from starlette.applications import Starlette
+
+from jobtier import logs
+from jobtier.config import Settings
+
+
+def app_from_env() -> Starlette:
+    """Build the app from ``JOBTIER_*`` (granian/uvicorn call this in each server process)."""
+    from jobtier.api.app import create_app
+
+    settings = Settings.from_env()
+    logs.setup(settings.log_level, settings.log_format)
+    return create_app(settings)

@@ -1,0 +1,56 @@
+"""API keys: ``Authorization: Bearer <key>`` maps to a tenant; admin routes need the admin key.
+
+Keys are compared through a dict lookup keyed by the presented key. Headers are read from
+the raw ASGI scope: this runs on every status read.
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.requests import Request
+
+from jobtier.api.problems import Problem
+
+_BEARER = b"bearer "
+
+
+def raw_header(request: Request, name: bytes) -> bytes | None:
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def _presented_key(request: Request) -> str:
+    header = raw_header(request, b"authorization")
+    if header is None or header[:7].lower() != _BEARER:
+        raise Problem(
+            401,
+            "unauthorized",
+            "send an API key as 'Authorization: Bearer <key>'",
+            headers={"www-authenticate": 'Bearer realm="jobtier"'},
+        )
+    return header[7:].strip().decode("latin-1")
+
+
+def tenant_of(request: Request) -> str:
+    """The tenant of the request's API key, or a 401 problem."""
+    tenant: str | None = request.state.tenants.get(_presented_key(request))
+    if tenant is None:
+        raise Problem(
+            401,
+            "unauthorized",
+            "unknown API key",
+            headers={"www-authenticate": 'Bearer realm="jobtier"'},
+        )
+    return tenant
+
+
+def require_admin(request: Request) -> None:
+    key = _presented_key(request)
+    admin: str = request.state.admin_key
+    if not admin or not hmac.compare_digest(key.encode(), admin.encode()):
+        if key in request.state.tenants:
+            raise Problem(403, "forbidden", "this route needs the admin key")
+        raise Problem(401, "unauthorized", "unknown API key")

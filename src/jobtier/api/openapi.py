@@ -1,0 +1,241 @@
+"""The OpenAPI document of the API, served at ``/v1/openapi.json``.
+
+Schemas of request and response bodies come from the msgspec Structs the server decodes
+and encodes with, so they cannot drift from what the server does; a test checks that every
+route of the app is described and nothing else is.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import msgspec
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jobtier.model import JobStatus
+from jobtier.queue import JobSpec
+
+
+class Problem(msgspec.Struct):
+    type: str
+    title: str
+    status: int
+    detail: str
+
+
+class BatchRequest(msgspec.Struct):
+    jobs: list[JobSpec]
+
+
+class BatchItem(msgspec.Struct):
+    status: int
+    job: JobStatus | None = None
+    problem: Problem | None = None
+
+
+class BatchResponse(msgspec.Struct):
+    results: list[BatchItem]
+
+
+class ResultResponse(msgspec.Struct):
+    id: str
+    state: str
+    version: int
+    result: Any = None
+    error: Any = None
+
+
+class DeadLetters(msgspec.Struct):
+    jobs: list[JobStatus]
+
+
+class ReplayRequest(msgspec.Struct):
+    type: str | None = None
+    limit: int = 100
+
+
+class Replayed(msgspec.Struct):
+    replayed: list[str]
+    count: int
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(name: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+
+
+def _problem(description: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "content": {"application/problem+json": {"schema": _ref("Problem")}},
+    }
+
+
+JOB_ID = {
+    "name": "job_id", "in": "path", "required": True,
+    "schema": {"type": "string", "pattern": "^[0-9A-HJKMNP-TV-Z]{26}-[0-9]{1,4}$"},
+}  # fmt: skip
+AUTH_ERRORS = {"401": _problem("missing or unknown API key")}
+ADMIN_ERRORS = {**AUTH_ERRORS, "403": _problem("a tenant key on an admin route")}
+SUBMIT_ERRORS = {
+    "400": _problem("malformed JSON"),
+    "409": _problem("the idempotency key was used for a different request"),
+    "413": _problem("body, payload or batch too large"),
+    "415": _problem("the body is not JSON"),
+    "422": _problem("invalid job (unknown field, wrong type, bad priority or run-at, …)"),
+    "429": _problem("the tenant's rate limit or waiting-jobs cap"),
+    "503": _problem("back-pressure: too many waiting jobs or write-behind lag; see Retry-After"),
+}
+
+
+@cache
+def document() -> dict[str, Any]:
+    _, components = msgspec.json.schema_components(
+        [
+            JobSpec,
+            JobStatus,
+            Problem,
+            BatchRequest,
+            BatchResponse,
+            ResultResponse,
+            DeadLetters,
+            ReplayRequest,
+            Replayed,
+        ],
+        ref_template="#/components/schemas/{name}",
+    )
+    paths: dict[str, Any] = {
+        "/v1/jobs": {
+            "post": {
+                "summary": "Submit a job",
+                "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("JobSpec")}}},
+                "responses": {
+                    "202": _json("JobStatus", "created"),
+                    "200": _json("JobStatus", "a duplicate of an earlier submit with the same idempotency key"),
+                    **AUTH_ERRORS, **SUBMIT_ERRORS,
+                },
+            }
+        },
+        "/v1/jobs/batch": {
+            "post": {
+                "summary": "Submit up to JOBTIER_MAX_BATCH jobs; one outcome each",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("BatchRequest")}}},
+                "responses": {"200": _json("BatchResponse", "one result per job, in order"), **AUTH_ERRORS, **SUBMIT_ERRORS},
+            }
+        },
+        "/v1/jobs/{job_id}": {
+            "get": {
+                "summary": "The job's status document",
+                "parameters": [
+                    JOB_ID,
+                    {"name": "If-None-Match", "in": "header", "schema": {"type": "string"}},
+                    {"name": "wait", "in": "query", "description": "long-poll: with If-None-Match, wait up to this many seconds for a newer version", "schema": {"type": "number", "minimum": 0}},
+                ],
+                "responses": {
+                    "200": {**_json("JobStatus", "the status; ETag is the version"), "headers": {"ETag": {"schema": {"type": "string"}}}},
+                    "304": {"description": "not changed since the version in If-None-Match"},
+                    "400": _problem("bad wait"),
+                    "404": _problem("unknown job (or another tenant's)"),
+                    **AUTH_ERRORS,
+                },
+            }
+        },
+        "/v1/jobs/{job_id}/result": {
+            "get": {
+                "summary": "The job's result (null until it succeeds)",
+                "parameters": [JOB_ID],
+                "responses": {"200": _json("ResultResponse", "state, result and error"), "404": _problem("unknown job"), **AUTH_ERRORS},
+            }
+        },
+        "/v1/jobs/{job_id}/cancel": {
+            "post": {
+                "summary": "Cancel a waiting job, or ask the worker running it to stop",
+                "parameters": [JOB_ID],
+                "responses": {
+                    "200": _json("JobStatus", "cancelled, or running with cancel_requested"),
+                    "404": _problem("unknown job"),
+                    "409": _problem("the job has already finished"),
+                    **AUTH_ERRORS,
+                },
+            }
+        },
+        "/v1/jobs/{job_id}/events": {
+            "get": {
+                "summary": "Server-Sent Events: the status, then every change until a terminal state",
+                "parameters": [JOB_ID, {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}}],
+                "responses": {
+                    "200": {"description": "event: status, id: version, data: the status document", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                    "204": {"description": "the client already has the final status"},
+                    "404": _problem("unknown job"),
+                    **AUTH_ERRORS,
+                },
+            }
+        },
+        "/v1/admin/dead-letters": {
+            "get": {
+                "summary": "Dead-lettered jobs, newest first",
+                "parameters": [
+                    {"name": "type", "in": "query", "schema": {"type": "string"}},
+                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+                ],
+                "responses": {"200": _json("DeadLetters", "the jobs"), "400": _problem("bad limit"), **ADMIN_ERRORS},
+            }
+        },
+        "/v1/admin/dead-letters/{job_id}/replay": {
+            "post": {
+                "summary": "Send a dead-lettered job back to its queue, attempts reset",
+                "parameters": [JOB_ID],
+                "responses": {"200": _json("JobStatus", "queued again"), "404": _problem("unknown job"), "409": _problem("not dead-lettered"), **ADMIN_ERRORS},
+            }
+        },
+        "/v1/admin/dead-letters/replay": {
+            "post": {
+                "summary": "Replay dead-lettered jobs matching a filter",
+                "requestBody": {"content": {"application/json": {"schema": _ref("ReplayRequest")}}},
+                "responses": {"200": _json("Replayed", "the ids replayed"), "422": _problem("bad filter"), **ADMIN_ERRORS},
+            }
+        },
+        "/v1/admin/stats": {
+            "get": {
+                "summary": "Queue depth per shard and priority, waiting per tenant, workers, status-tier counters",
+                "responses": {"200": {"description": "statistics", "content": {"application/json": {"schema": {"type": "object"}}}}, **ADMIN_ERRORS},
+            }
+        },
+        "/healthz": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "alive"}}}},
+        "/readyz": {"get": {"summary": "Readiness: Redis (and Postgres) reachable", "security": [], "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
+        "/v1/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {"200": {"description": "OpenAPI 3.1"}}}},
+    }  # fmt: skip
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jobtier", "version": "1", "description": "Jobs and their status, served from a sharded Redis write-through cache."},
+        "servers": [{"url": "/"}],
+        "security": [{"apiKey": []}],
+        "paths": paths,
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
+        },
+    }  # fmt: skip
+
+
+def extend(paths: dict[str, Any], schemas: dict[str, Any] | None = None) -> None:
+    """Add the paths (and schemas) of routes that other parts plug in."""
+    doc = document()
+    doc["paths"].update(paths)
+    if schemas:
+        doc["components"]["schemas"].update(schemas)
+
+
+async def serve(request: Request) -> Response:
+    return Response(orjson.dumps(document()), media_type="application/json")
+
+
+routes = [Route("/v1/openapi.json", serve, methods=["GET"])]

@@ -1,0 +1,109 @@
+"""Errors as JSON problem documents (RFC 9457): a stable ``type``, never a stack trace."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+log = logging.getLogger("jobtier.api")
+
+PROBLEM = "application/problem+json"
+
+TITLES = {
+    "bad-request": "Bad request",
+    "invalid-json": "Malformed JSON",
+    "validation": "Invalid request",
+    "payload-too-large": "Request too large",
+    "unauthorized": "Missing or unknown API key",
+    "forbidden": "Not allowed",
+    "not-found": "Not found",
+    "method-not-allowed": "Method not allowed",
+    "unsupported-media-type": "Unsupported media type",
+    "conflict": "Conflict",
+    "idempotency-conflict": "Idempotency key reused with a different request",
+    "wrong-state": "Not possible in the job's state",
+    "rate-limited": "Too many requests",
+    "tenant-limit": "Too many waiting jobs for this tenant",
+    "overloaded": "Service overloaded",
+    "unavailable": "Service unavailable",
+    "internal": "Internal error",
+}
+
+
+def problem_type(slug: str) -> str:
+    return f"urn:jobtier:problem:{slug}"
+
+
+class Problem(Exception):
+    """Raise in a handler to answer with a problem document."""
+
+    def __init__(
+        self,
+        status: int,
+        slug: str,
+        detail: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        **extra: Any,
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.slug = slug
+        self.detail = detail
+        self.headers = headers
+        self.extra = extra
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "type": problem_type(self.slug),
+            "title": TITLES.get(self.slug, self.slug),
+            "status": self.status,
+            "detail": self.detail,
+            **self.extra,
+        }
+
+    def response(self) -> Response:
+        return Response(
+            orjson.dumps(self.document()), self.status, headers=self.headers, media_type=PROBLEM
+        )
+
+
+def not_found(what: str) -> Problem:
+    return Problem(404, "not-found", f"{what} not found")
+
+
+HTTP_SLUGS = {
+    400: "bad-request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not-found",
+    405: "method-not-allowed",
+    413: "payload-too-large",
+    415: "unsupported-media-type",
+}
+
+
+async def on_problem(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Problem)
+    return exc.response()
+
+
+async def on_http_exception(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    slug = HTTP_SLUGS.get(exc.status_code, "bad-request")
+    detail = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
+    return Problem(exc.status_code, slug, str(detail), headers=exc.headers).response()
+
+
+async def on_error(request: Request, exc: Exception) -> Response:
+    log.exception("event=internal_error method=%s path=%s", request.method, request.url.path)
+    return Problem(500, "internal", "the server failed to handle this request").response()
+
+
+HANDLERS = {Problem: on_problem, HTTPException: on_http_exception, Exception: on_error}

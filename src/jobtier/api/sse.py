@@ -1,0 +1,165 @@
+"""``GET /v1/jobs/{id}/events``: the job's status as Server-Sent Events.
+
+The current status first (unless ``Last-Event-ID`` shows the client has it), then every
+change until a terminal state, then the stream ends. Event id = version. Heartbeat comments
+keep proxies from closing an idle stream.
+
+All streams of a process share its one shard subscription: the status reader calls each
+stream's listener on every event for its job. A stream holds at most ``PENDING`` documents
+not yet written; a client too slow to take them skips to the latest status rather than
+making the server buffer a backlog. A client that disconnects is noticed at once (the
+response listens for ``http.disconnect`` while it waits) and its listener is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from jobtier.api.auth import tenant_of
+from jobtier.api.jobs import TERMINAL_STATES, doc_state
+from jobtier.api.problems import not_found
+from jobtier.cache.reader import RESYNC, StatusReader
+
+PENDING = 16
+
+
+class Mailbox:
+    """The documents a stream has yet to write, newest last; bounded."""
+
+    __slots__ = ("_items", "_ready")
+
+    def __init__(self) -> None:
+        self._items: deque[tuple[int, bytes]] = deque()
+        self._ready = asyncio.Event()
+
+    def offer(self, version: int, tenant: str, doc: bytes) -> None:
+        items = self._items
+        if version != RESYNC and items and items[-1][0] >= version:
+            return  # duplicate or out of date
+        if len(items) >= PENDING:
+            # a slow client: drop its backlog, keep only the newest
+            items.clear()
+        items.append((version, doc))
+        self._ready.set()
+
+    async def take(self, timeout: float) -> tuple[int, bytes] | None:
+        """The oldest pending document, or None after ``timeout`` seconds of nothing."""
+        if not self._items:
+            self._ready.clear()
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._ready.wait()
+            except TimeoutError:
+                return None
+        return self._items.popleft()
+
+
+class EventStream(Response):
+    """Streams a job's events; stops at a terminal state or when the client goes away."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        reader: StatusReader,
+        job_id: str,
+        tenant: str,
+        mailbox: Mailbox,
+        sent: int,
+        heartbeat: float,
+    ) -> None:
+        # no body attribute: init_headers must not declare a Content-Length for a stream
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self.reader = reader
+        self.job_id = job_id
+        self.tenant = tenant
+        self.mailbox = mailbox
+        self.sent = sent
+        self.heartbeat = heartbeat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        pump = asyncio.create_task(self._pump(send))
+        watch = asyncio.create_task(_until_disconnect(receive))
+        try:
+            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (pump, watch):
+                task.cancel()
+            for task in (pump, watch):
+                with contextlib.suppress(asyncio.CancelledError, OSError):
+                    await task
+            self.reader.remove_listener(self.job_id, self.mailbox.offer)
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": b"retry: 1000\n\n", "more_body": True})
+        while True:
+            item = await self.mailbox.take(self.heartbeat)
+            if item is None:
+                await send(
+                    {"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True}
+                )
+                continue
+            version, doc = item
+            if version == RESYNC:
+                # the subscription was re-established: events may be lost, read the job again
+                found = await self.reader.get(self.job_id)
+                if found is None or found[0] != self.tenant:
+                    break
+                version, doc = found[2], found[1]
+            if version <= self.sent:
+                continue
+            body = b"id: %d\nevent: status\ndata: %s\n\n" % (version, doc)
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            self.sent = version
+            if doc_state(doc) in TERMINAL_STATES:
+                break
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _last_event_id(request: Request) -> int:
+    raw = request.headers.get("last-event-id", "")
+    return int(raw) if raw.isdigit() and len(raw) < 19 else 0
+
+
+async def events(request: Request) -> Response:
+    tenant = tenant_of(request)
+    job_id: str = request.path_params["job_id"]
+    reader: StatusReader = request.state.reader
+    mailbox = Mailbox()
+    # listen before reading: a change between the read and the registration is not lost
+    reader.add_listener(job_id, mailbox.offer)
+    try:
+        found = await reader.get(job_id)
+        if found is None or found[0] != tenant:
+            raise not_found(f"job {job_id}")
+    except BaseException:
+        reader.remove_listener(job_id, mailbox.offer)
+        raise
+    sent = _last_event_id(request)
+    _, doc, version = found
+    if version > sent:
+        mailbox.offer(version, tenant, doc)
+    elif doc_state(doc) in TERMINAL_STATES:
+        # the client already has the final status: 204 tells an EventSource not to reconnect
+        reader.remove_listener(job_id, mailbox.offer)
+        return Response(status_code=204)
+    heartbeat: float = request.state.settings.sse_heartbeat_seconds
+    return EventStream(reader, job_id, tenant, mailbox, sent, heartbeat)
+
+
+routes = [Route("/v1/jobs/{job_id}/events", events, methods=["GET"])]

@@ -1,0 +1,232 @@
+"""The HTTP API through a real server on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import httpx
+
+from jobtier.model import State
+from jobtier.queue import Queue
+from tests.fixtures.api import ApiServer
+from tests.fixtures.engine import Background, wait_for, worker_for
+from tests.tasks import registry
+
+
+async def submit(client: httpx.AsyncClient, **body: object) -> dict[str, object]:
+    r = await client.post("/v1/jobs", json={"type": "echo", **body})
+    assert r.status_code == 202, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+async def test_submit_then_read_status_with_etag(api: ApiServer) -> None:
+    async with api.client() as c:
+        job = await submit(c, payload={"x": 1}, priority="high")
+        assert job["state"] == "queued" and job["version"] == 1 and job["priority"] == "high"
+        r = await c.get(f"/v1/jobs/{job['id']}")
+        assert r.status_code == 200 and r.json() == job
+        assert r.headers["etag"] == '"1"' and r.headers["content-type"] == "application/json"
+        r = await c.get(f"/v1/jobs/{job['id']}", headers={"if-none-match": '"1"'})
+        assert r.status_code == 304 and r.content == b"" and r.headers["etag"] == '"1"'
+        r = await c.get(f"/v1/jobs/{job['id']}", headers={"if-none-match": 'W/"0", "1"'})
+        assert r.status_code == 304
+        r = await c.get(f"/v1/jobs/{job['id']}", headers={"if-none-match": '"0"'})
+        assert r.status_code == 200
+
+
+async def test_submit_with_delay_and_run_at(api: ApiServer) -> None:
+    async with api.client() as c:
+        delayed = await submit(c, delay=60)
+        assert delayed["state"] == "scheduled" and delayed["run_at"]
+        when = (datetime.now(UTC) + timedelta(days=30)).replace(microsecond=250_000)
+        r = await c.post("/v1/jobs", json={"type": "echo", "run_at": when.isoformat()})
+        assert r.status_code == 202 and r.json()["state"] == "scheduled"
+        assert r.json()["run_at"] == when.strftime("%Y-%m-%dT%H:%M:%S.250Z")
+        r = await c.post("/v1/jobs", json={"type": "echo", "run_at": "2030-01-01T00:00:00+00:00"})
+        assert r.status_code == 422 and r.json()["field"] == "run_at"  # more than a year ahead
+
+
+async def test_idempotency_key_header_and_body(api: ApiServer) -> None:
+    async with api.client() as c:
+        first = await c.post(
+            "/v1/jobs", json={"type": "echo", "payload": 1}, headers={"idempotency-key": "k1"}
+        )
+        again = await c.post(
+            "/v1/jobs", json={"type": "echo", "payload": 1, "idempotency_key": "k1"}
+        )
+        assert (first.status_code, again.status_code) == (202, 200)
+        assert first.json()["id"] == again.json()["id"]
+        conflict = await c.post(
+            "/v1/jobs", json={"type": "echo", "payload": 2}, headers={"idempotency-key": "k1"}
+        )
+        assert conflict.status_code == 409
+        problem = conflict.json()
+        assert problem["type"] == "urn:jobtier:problem:idempotency-conflict"
+        assert problem["job_id"] == first.json()["id"]
+        assert conflict.headers["content-type"] == "application/problem+json"
+        mismatch = await c.post(
+            "/v1/jobs",
+            json={"type": "echo", "idempotency_key": "a"},
+            headers={"idempotency-key": "b"},
+        )
+        assert mismatch.status_code == 400
+
+
+async def test_batch_submit(api: ApiServer) -> None:
+    async with api.client() as c:
+        await c.post(
+            "/v1/jobs", json={"type": "echo", "payload": "x"}, headers={"idempotency-key": "dup"}
+        )
+        r = await c.post(
+            "/v1/jobs/batch",
+            json={"jobs": [
+                {"type": "echo", "payload": 1},
+                {"type": "echo", "payload": "x", "idempotency_key": "dup"},
+                {"type": "echo", "payload": "y", "idempotency_key": "dup"},
+                {"type": "sleep", "priority": "low", "delay": 30},
+            ]},
+        )  # fmt: skip
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["status"] for x in results] == [202, 200, 409, 202]
+        assert results[0]["job"]["state"] == "queued" and results[3]["job"]["state"] == "scheduled"
+        assert results[2]["problem"]["type"].endswith("idempotency-conflict")
+
+
+async def test_cancel_result_and_worker_flow(
+    api: ApiServer, queue: Queue, background: Background
+) -> None:
+    async with api.client() as c:
+        queued = await submit(c)
+        r = await c.post(f"/v1/jobs/{queued['id']}/cancel")
+        assert (
+            r.status_code == 200 and r.json()["state"] == "cancelled" and r.headers["etag"] == '"2"'
+        )
+        r = await c.post(f"/v1/jobs/{queued['id']}/cancel")
+        assert r.status_code == 409 and r.json()["job"]["state"] == "cancelled"
+        job = await submit(c, payload={"hello": "world"})
+        r = await c.get(f"/v1/jobs/{job['id']}/result")
+        assert r.status_code == 200 and r.json()["result"] is None and r.json()["state"] == "queued"
+        background.start(worker_for(queue, registry))
+
+        async def done() -> bool:
+            return (await c.get(f"/v1/jobs/{job['id']}")).json()["state"] == "succeeded"
+
+        await wait_for(done)
+        r = await c.get(f"/v1/jobs/{job['id']}/result")
+        assert r.json()["result"] == {"hello": "world"} and r.json()["state"] == "succeeded"
+
+
+async def test_long_poll_wakes_on_change(api: ApiServer, queue: Queue) -> None:
+    async with api.client() as c:
+        job = await submit(c)
+        etag = '"1"'
+        poll = asyncio.create_task(
+            c.get(f"/v1/jobs/{job['id']}?wait=20", headers={"if-none-match": etag})
+        )
+        await asyncio.sleep(0.3)
+        assert not poll.done()  # still waiting: nothing changed
+        await queue.cancel(job["id"])
+        r = await asyncio.wait_for(poll, 10)
+        assert (
+            r.status_code == 200 and r.json()["state"] == "cancelled" and r.headers["etag"] == '"2"'
+        )
+        # unchanged until the timeout: 304
+        r = await c.get(f"/v1/jobs/{job['id']}?wait=0.3", headers={"if-none-match": '"2"'})
+        assert r.status_code == 304
+        for bad in ("-1", "abc", "1e9", "nan"):
+            r = await c.get(f"/v1/jobs/{job['id']}?wait={bad}", headers={"if-none-match": '"2"'})
+            assert r.status_code == 400, bad
+
+
+async def test_tenants_are_isolated(api: ApiServer) -> None:
+    async with api.client("acme") as acme, api.client("globex") as globex:
+        job = await submit(acme)
+        unknown = f"{job['id'][:-2]}-0"
+        for path in (
+            f"/v1/jobs/{job['id']}",
+            f"/v1/jobs/{job['id']}/result",
+            f"/v1/jobs/{job['id']}/events",
+        ):
+            theirs = await globex.get(path)
+            nobody = await globex.get(path.replace(job["id"], unknown))
+            assert theirs.status_code == nobody.status_code == 404
+            assert theirs.json()["detail"].replace(job["id"], "ID") == nobody.json()[
+                "detail"
+            ].replace(unknown, "ID")
+        assert (await globex.post(f"/v1/jobs/{job['id']}/cancel")).status_code == 404
+        assert (await acme.get(f"/v1/jobs/{job['id']}")).json()["state"] == "queued"
+
+
+async def test_auth_is_required(api: ApiServer) -> None:
+    async with api.client(None) as anon, api.client("acme") as acme:
+        r = await anon.get("/v1/jobs/x")
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+        r = await anon.post(
+            "/v1/jobs", json={"type": "echo"}, headers={"authorization": "Bearer nope"}
+        )
+        assert r.status_code == 401
+        assert (await anon.get("/healthz")).status_code == 200
+        assert (await acme.get("/v1/admin/stats")).status_code == 403
+        assert (
+            await anon.get("/v1/admin/stats", headers={"authorization": "Bearer nope"})
+        ).status_code == 401
+
+
+async def test_admin_dead_letters_replay_and_stats(api: ApiServer, queue: Queue) -> None:
+    queue.registry = registry
+    async with api.client() as c, api.client("admin") as admin:
+        job = await submit(c, type="fail", payload={"fatal": True})
+        await worker_for(queue, registry, burst=True).run()
+        r = await admin.get("/v1/admin/dead-letters")
+        assert r.status_code == 200 and [j["id"] for j in r.json()["jobs"]] == [job["id"]]
+        assert (await admin.get("/v1/admin/dead-letters?type=echo")).json()["jobs"] == []
+        assert (await admin.get("/v1/admin/dead-letters?limit=0")).status_code == 400
+        r = await admin.post(f"/v1/admin/dead-letters/{job['id']}/replay")
+        assert r.status_code == 200 and r.json()["state"] == "queued" and r.json()["attempt"] == 0
+        assert (await admin.post(f"/v1/admin/dead-letters/{job['id']}/replay")).status_code == 409
+        await worker_for(queue, registry, burst=True).run()
+        r = await admin.post("/v1/admin/dead-letters/replay", json={"type": "fail"})
+        assert r.status_code == 200 and r.json()["replayed"] == [job["id"]]
+        stats = (await admin.get("/v1/admin/stats")).json()
+        assert stats["total"]["queued"] == 1 and stats["waiting_by_tenant"] == {"acme": 1}
+        assert stats["status_reads"]["requests"] >= 0
+
+
+async def test_health_ready_and_openapi(api: ApiServer) -> None:
+    async with api.client(None) as c:
+        assert (await c.get("/readyz")).json()["checks"]["redis"] == "ok"
+        doc = (await c.get("/v1/openapi.json")).json()
+        assert doc["openapi"].startswith("3.1")
+    described = {(path, method.upper()) for path, item in doc["paths"].items() for method in item}
+    served = {
+        (route.path, method)
+        for route in api.app.routes
+        for method in (route.methods or ())
+        if method != "HEAD"  # type: ignore[attr-defined]
+    }
+    assert described == served
+
+
+async def test_unknown_route_and_method_are_problems(api: ApiServer) -> None:
+    async with api.client() as c:
+        r = await c.get("/v1/nothing")
+        assert r.status_code == 404 and r.json()["type"] == "urn:jobtier:problem:not-found"
+        r = await c.delete("/v1/jobs")
+        assert r.status_code == 405 and r.json()["type"] == "urn:jobtier:problem:method-not-allowed"
+
+
+async def test_job_state_visible_while_running(
+    api: ApiServer, queue: Queue, background: Background
+) -> None:
+    background.start(worker_for(queue, registry))
+    async with api.client() as c:
+        job = await submit(c, type="sleep", payload={"seconds": 30})
+
+        async def running() -> bool:
+            return (await c.get(f"/v1/jobs/{job['id']}")).json()["state"] == State.RUNNING
+
+        await wait_for(running)
+        r = await c.post(f"/v1/jobs/{job['id']}/cancel")
+        assert r.json()["cancel_requested"] is True and r.json()["state"] == "running"

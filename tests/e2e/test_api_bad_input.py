@@ -1,0 +1,78 @@
+"""Every kind of bad request is a 4xx problem document and changes nothing in Redis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from jobtier.queue import Queue
+from tests.fixtures.api import ApiServer
+
+JOB = "01M8KK4FZ54RBHFVYBN6HBV0CZ-1"
+
+# (case, method, path, body or raw bytes, headers, expected status, problem type)
+CASES: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
+    ("malformed JSON", "POST", "/v1/jobs", b'{"type": "echo",', {}, 400, "invalid-json"),
+    ("empty body", "POST", "/v1/jobs", b"", {}, 400, "invalid-json"),
+    ("not an object", "POST", "/v1/jobs", [1, 2], {}, 422, "validation"),
+    ("missing type", "POST", "/v1/jobs", {"payload": 1}, {}, 422, "validation"),
+    ("unknown field", "POST", "/v1/jobs", {"type": "echo", "colour": "red"}, {}, 422, "validation"),
+    ("wrong type", "POST", "/v1/jobs", {"type": "echo", "max_attempts": "3"}, {}, 422, "validation"),
+    ("bad priority", "POST", "/v1/jobs", {"type": "echo", "priority": "urgent"}, {}, 422, "validation"),
+    ("bad task name", "POST", "/v1/jobs", {"type": "rm -rf"}, {}, 422, "validation"),
+    ("max_attempts 0", "POST", "/v1/jobs", {"type": "echo", "max_attempts": 0}, {}, 422, "validation"),
+    ("negative delay", "POST", "/v1/jobs", {"type": "echo", "delay": -5}, {}, 422, "validation"),
+    ("far delay", "POST", "/v1/jobs", {"type": "echo", "delay": 1e12}, {}, 422, "validation"),
+    ("run_at past", "POST", "/v1/jobs", {"type": "echo", "run_at": "2001-01-01T00:00:00Z"}, {}, 422, "validation"),
+    ("run_at far", "POST", "/v1/jobs", {"type": "echo", "run_at": "2999-01-01T00:00:00Z"}, {}, 422, "validation"),
+    ("run_at no zone", "POST", "/v1/jobs", {"type": "echo", "run_at": "2030-01-01T00:00:00"}, {}, 422, "validation"),
+    ("run_at garbage", "POST", "/v1/jobs", {"type": "echo", "run_at": "tomorrow"}, {}, 422, "validation"),
+    ("both times", "POST", "/v1/jobs", {"type": "echo", "delay": 1, "run_at": "2030-01-01T00:00:00Z"}, {}, 422, "validation"),
+    ("oversize payload", "POST", "/v1/jobs", {"type": "echo", "payload": "x" * 300_000}, {}, 413, "payload-too-large"),
+    ("payload over limit", "POST", "/v1/jobs", {"type": "echo", "payload": "x" * 263_000}, {}, 422, "validation"),
+    ("not JSON content", "POST", "/v1/jobs", b"type=echo", {"content-type": "application/x-www-form-urlencoded"}, 415, "unsupported-media-type"),
+    ("bad idempotency key", "POST", "/v1/jobs", {"type": "echo"}, {"idempotency-key": "a b"}, 422, "validation"),
+    ("empty batch", "POST", "/v1/jobs/batch", {"jobs": []}, {}, 422, "validation"),
+    ("batch not a list", "POST", "/v1/jobs/batch", {"jobs": {"type": "echo"}}, {}, 422, "validation"),
+    ("oversize batch", "POST", "/v1/jobs/batch", {"jobs": [{"type": "echo"}] * 1001}, {}, 413, "payload-too-large"),
+    ("one bad job in a batch", "POST", "/v1/jobs/batch", {"jobs": [{"type": "echo"}, {"type": "echo", "priority": "x"}]}, {}, 422, "validation"),
+    ("bad job id", "GET", "/v1/jobs/not-a-job", None, {}, 404, "not-found"),
+    ("foreign shard", "GET", "/v1/jobs/01M8KK4FZ54RBHFVYBN6HBV0CZ-999", None, {}, 404, "not-found"),
+    ("unknown job", "GET", f"/v1/jobs/{JOB}", None, {}, 404, "not-found"),
+    ("cancel unknown", "POST", f"/v1/jobs/{JOB}/cancel", None, {}, 404, "not-found"),
+    ("result unknown", "GET", f"/v1/jobs/{JOB}/result", None, {}, 404, "not-found"),
+    ("bad wait", "GET", f"/v1/jobs/{JOB}?wait=x", None, {"if-none-match": '"1"'}, 404, "not-found"),
+]  # fmt: skip
+
+
+async def snapshot(queue: Queue) -> tuple[int, list[int]]:
+    logs = [await queue.redis.xlen(queue.keys.log(s)) for s in range(queue.keys.shards)]
+    return await queue.redis.dbsize(), logs
+
+
+@pytest.mark.parametrize(
+    ("case", "method", "path", "body", "headers", "status", "slug"),
+    CASES,
+    ids=[c[0] for c in CASES],
+)
+async def test_bad_request(
+    api: ApiServer, queue: Queue, case: str, method: str, path: str, body: Any,
+    headers: dict[str, str], status: int, slug: str,
+) -> None:  # fmt: skip
+    before = await snapshot(queue)
+    async with api.client() as c:
+        if isinstance(body, bytes):
+            headers = {"content-type": "application/json", **headers}
+            r = await c.request(method, path, content=body, headers=headers)
+        elif body is None:
+            r = await c.request(method, path, headers=headers)
+        else:
+            r = await c.request(method, path, json=body, headers=headers)
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    problem = r.json()
+    assert problem["type"] == f"urn:jobtier:problem:{slug}"
+    assert problem["status"] == status and problem["title"] and problem["detail"]
+    assert "Traceback" not in r.text
+    assert await snapshot(queue) == before
