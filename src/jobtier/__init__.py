@@ -3,6 +3,7 @@
 The public API is re-exported here; everything else is private to its module.
 """
 
+from jobtier.client import AsyncClient, Client
 from jobtier.config import Settings
 from jobtier.errors import (
     Cancelled,
@@ -28,6 +29,8 @@ from jobtier.worker.runner import Worker
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncClient",
+    "Client",
     "Cancelled",
     "Code",
     "ConfigError",

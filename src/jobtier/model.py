@@ -1,8 +1,9 @@
 """The job's data: states, priorities, the status document, and codecs built once.
 
 The status document is rendered by the Lua scripts (``lua/lib.lua: render``) so that Redis
-holds ready-to-serve bytes; ``JobStatus`` is its schema on the Python side, decoded strictly
-(unknown fields are an error), and a test checks that the two agree.
+holds ready-to-serve bytes; ``JobStatus`` is its schema on the Python side. Decoding ignores
+unknown fields, so clients keep working when a newer server adds one; a test checks that
+the rendered document has exactly the Struct's fields.
 """
 
 from __future__ import annotations
@@ -40,12 +41,12 @@ class Priority(StrEnum):
 PRIORITIES: tuple[Priority, ...] = tuple(Priority)
 
 
-class JobError(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class JobError(msgspec.Struct, frozen=True):
     type: str
     message: str
 
 
-class JobStatus(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class JobStatus(msgspec.Struct, frozen=True):
     """The status document served by ``GET /v1/jobs/{id}`` and pushed over SSE.
 
     ``version`` increases by one on every change to this document: each state transition,

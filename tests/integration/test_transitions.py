@@ -340,6 +340,13 @@ async def test_every_change_bumps_the_version_and_is_logged(queue: Queue) -> Non
     assert (await queue.status(sub.job_id)).version == len(steps)
 
 
+async def test_rendered_document_has_exactly_the_status_fields(queue: Queue) -> None:
+    import orjson
+
+    sub = await queue.submit("echo", {"a": 1}, delay=30)
+    assert set(orjson.loads(sub.doc)) == set(JobStatus.__struct_fields__)
+
+
 async def test_published_event_carries_the_document(queue: Queue) -> None:
     from jobtier.connection import ShardSubscriber
 

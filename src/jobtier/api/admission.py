@@ -89,19 +89,19 @@ class Admission:
             raise Problem(
                 503, "overloaded",
                 f"{self.total_waiting} jobs are waiting; the limit is {s.max_waiting_total}",
-                headers={"retry-after": "5"},
+                headers={"retry-after": "2"},
             )  # fmt: skip
         if self.lag > s.persist_max_lag:
             raise Problem(
                 503, "overloaded",
                 f"{self.lag} transitions wait to be written to Postgres; the limit is {s.persist_max_lag}",
-                headers={"retry-after": "5"},
+                headers={"retry-after": "2"},
             )  # fmt: skip
         if s.max_waiting_per_tenant and self.waiting.get(tenant, 0) + n > s.max_waiting_per_tenant:
             raise Problem(
                 429, "tenant-limit",
                 f"tenant {tenant} has {self.waiting.get(tenant, 0)} waiting jobs; the cap is {s.max_waiting_per_tenant}",
-                headers={"retry-after": "5"},
+                headers={"retry-after": "2"},
             )  # fmt: skip
         if s.rate_limit_per_second > 0:
             bucket = self._buckets.get(tenant)

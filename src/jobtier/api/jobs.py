@@ -85,7 +85,11 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
-        raise Problem(422, "validation", str(exc)) from None
+        # msgspec names the offending member: "... - at `$.jobs[1].priority`"
+        message = str(exc)
+        _, at, path = message.rpartition(" - at `$")
+        extra: dict[str, Any] = {"field": path.rstrip("`").lstrip(".")} if at and path.strip("`") else {}
+        raise Problem(422, "validation", message, **extra) from None
     except msgspec.DecodeError as exc:
         raise Problem(400, "invalid-json", f"the body is not valid JSON: {exc}") from None
 
@@ -138,7 +142,11 @@ async def _stored_doc(request: Request, job_id: str, tenant: str) -> bytes:
     """The document of an idempotent duplicate whose job Redis no longer holds."""
     found = await request.state.reader.get(job_id)
     if found is None or found[0] != tenant:
-        return orjson.dumps({"id": job_id, "state": "unknown", "version": 0})
+        raise Problem(
+            410, "gone",
+            f"this idempotency key created job {job_id}, which is no longer kept",
+            job_id=job_id,
+        )  # fmt: skip
     return bytes(found[1])
 
 
@@ -176,7 +184,11 @@ async def submit_batch(request: Request) -> Response:
             problem = Problem(409, "idempotency-conflict", str(outcome), job_id=outcome.job_id)
             results.append(b'{"status":409,"problem":' + orjson.dumps(problem.document()) + b"}")
         else:
-            doc = outcome.doc or await _stored_doc(request, outcome.job_id, tenant)
+            try:
+                doc = outcome.doc or await _stored_doc(request, outcome.job_id, tenant)
+            except Problem as gone:
+                results.append(b'{"status":410,"problem":' + orjson.dumps(gone.document()) + b"}")
+                continue
             code = b"202" if outcome.created else b"200"
             results.append(b'{"status":' + code + b',"job":' + doc + b"}")
     return Response(b'{"results":[' + b",".join(results) + b"]}", 200, media_type=JSON)
@@ -283,7 +295,10 @@ async def cancel(request: Request) -> Response:
     except JobNotFound:
         raise not_found(f"job {job_id}") from None
     except TransitionRefused as exc:
-        current = await queue.status_doc(job_id, tenant)
+        try:
+            current = await queue.status_doc(job_id, tenant)
+        except JobNotFound:  # finished and expired between the two reads
+            raise not_found(f"job {job_id}") from None
         raise Problem(
             409, "wrong-state", f"job {job_id} has already finished ({doc_state(current)})",
             job=orjson.loads(current),

@@ -25,6 +25,9 @@ class Problem(msgspec.Struct):
     title: str
     status: int
     detail: str
+    field: str | None = None  # validation: the offending member, e.g. "jobs[1].priority"
+    job_id: str | None = None  # idempotency conflict, gone: the job the key names
+    job: JobStatus | None = None  # wrong state: the job as it is
 
 
 class BatchRequest(msgspec.Struct):
@@ -87,6 +90,7 @@ ADMIN_ERRORS = {**AUTH_ERRORS, "403": _problem("a tenant key on an admin route")
 SUBMIT_ERRORS = {
     "400": _problem("malformed JSON"),
     "409": _problem("the idempotency key was used for a different request"),
+    "410": _problem("the idempotency key names a job that is no longer kept"),
     "413": _problem("body, payload or batch too large"),
     "415": _problem("the body is not JSON"),
     "422": _problem("invalid job (unknown field, wrong type, bad priority or run-at, …)"),

@@ -26,6 +26,7 @@ TITLES = {
     "method-not-allowed": "Method not allowed",
     "unsupported-media-type": "Unsupported media type",
     "conflict": "Conflict",
+    "gone": "No longer kept",
     "idempotency-conflict": "Idempotency key reused with a different request",
     "wrong-state": "Not possible in the job's state",
     "rate-limited": "Too many requests",

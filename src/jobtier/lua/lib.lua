@@ -170,6 +170,35 @@ local function add_timed(set, j, at)
   end
 end
 
+-- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future.
+-- Returns its status document.
+local function create_job(id, tenant, type, prio, payload, max_attempts, due, idem, actor)
+  local j = {id = id, tenant = tenant, type = type, prio = prio, state = 'queued',
+             version = '0', attempt = '0', max_attempts = max_attempts, created = int(NOW),
+             run_at = '', error = '', progress = '', cancel = '0', worker = '',
+             lease_version = '0'}
+  if due ~= '' then
+    j.run_at = int(due)
+    if due > NOW then
+      j.state = 'scheduled'
+    end
+  end
+  redis.call('HSET', job_key(id), 'id', id, 'tenant', tenant, 'type', type, 'prio', prio,
+             'max_attempts', max_attempts, 'created', j.created, 'payload', payload,
+             'idem', idem)
+  local extra = {'p', payload}
+  if idem ~= '' then
+    extra[3], extra[4] = 'ik', idem
+  end
+  local doc = commit(j, '', actor, extra)
+  if j.state == 'scheduled' then
+    add_timed('sched', j, due)
+  else
+    push_ready(j, false)
+  end
+  return doc
+end
+
 -- The fencing check of every write a worker makes about a job it was given.
 local function check_lease(j, lease_version, worker)
   if not j then

@@ -45,34 +45,17 @@ for i = 0, n - 1 do
   end
   if code == OK then
     local run_at, delay = tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
-    local due = NOW + delay
+    local due = ''
     if run_at > 0 then
       due = run_at
+    elseif delay > 0 then
+      due = NOW + delay
     end
-    local j = {id = id, tenant = tenant, type = ARGV[a + 2], prio = ARGV[a + 3],
-               state = 'queued', version = '0', attempt = '0', max_attempts = ARGV[a + 5],
-               created = int(NOW), run_at = '', error = '', progress = '', cancel = '0',
-               worker = '', lease_version = '0'}
-    if run_at > 0 or delay > 0 then
-      j.run_at = int(due)
-    end
-    if due > NOW then
-      j.state = 'scheduled'
-    end
-    redis.call('HSET', job_key(id), 'id', id, 'tenant', tenant, 'type', j.type, 'prio', j.prio,
-               'max_attempts', j.max_attempts, 'created', j.created, 'payload', ARGV[a + 4],
-               'idem', idem)
-    local extra = {'p', ARGV[a + 4]}
     if idem ~= '' then
       redis.call('SET', idem_key, id .. ' ' .. hash, 'PX', idem_ttl)
-      extra[3], extra[4] = 'ik', idem
     end
-    local doc = commit(j, '', 'api', extra)
-    if j.state == 'scheduled' then
-      add_timed('sched', j, due)
-    else
-      push_ready(j, false)
-    end
+    local doc = create_job(id, tenant, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], due,
+                           idem, 'api')
     out[#out + 1], out[#out + 2], out[#out + 3] = OK, id, doc
   end
 end

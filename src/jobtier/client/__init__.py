@@ -1,0 +1,54 @@
+"""The Python client of the jobtier HTTP API, sync (``Client``) and async (``AsyncClient``).
+
+Both have the same methods — ``submit``, ``submit_many``, ``status``, ``wait``, ``events``,
+``cancel``, ``result``, ``close`` — and are context managers::
+
+    from jobtier.client import AsyncClient, Client, NotFound
+
+    async with AsyncClient("http://127.0.0.1:8000", api_key) as jobs:
+        sub = await jobs.submit("resize", {"image": "a.png"}, idempotency_key="img-a")
+        async for status in jobs.events(sub.id):  # every change until it finishes
+            print(status.version, status.state)
+        print((await jobs.result(sub.id)).result)
+
+    with Client("http://127.0.0.1:8000", api_key) as jobs:
+        done = jobs.wait(jobs.submit("echo", 42).id, timeout=30)
+
+Statuses are ``jobtier.model.JobStatus``; a submit returns a ``Submission`` (``job`` and
+``created``, False for an idempotent duplicate). Error answers raise ``ApiError`` subclasses
+(see ``jobtier.client._errors``), which also derive from the matching engine exceptions
+(``JobNotFound``, ``IdempotencyConflict``, ``InvalidRequest``, ``Overloaded``).
+"""
+
+from jobtier.client._async import AsyncClient
+from jobtier.client._core import Result, Submission
+from jobtier.client._errors import (
+    ApiError,
+    Conflict,
+    IdempotencyKeyConflict,
+    NotFound,
+    RateLimited,
+    Unauthorized,
+    Unavailable,
+    ValidationFailed,
+    WaitTimeout,
+    WrongState,
+)
+from jobtier.client._sync import Client
+
+__all__ = [
+    "ApiError",
+    "AsyncClient",
+    "Client",
+    "Conflict",
+    "IdempotencyKeyConflict",
+    "NotFound",
+    "RateLimited",
+    "Result",
+    "Submission",
+    "Unauthorized",
+    "Unavailable",
+    "ValidationFailed",
+    "WaitTimeout",
+    "WrongState",
+]

@@ -1,0 +1,225 @@
+"""``AsyncClient``: the operations of ``_core`` driven by ``httpx.AsyncClient``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from datetime import datetime
+from typing import Any, TypeVar, overload
+
+import httpx
+
+from jobtier.client._core import (
+    BaseClient,
+    Call,
+    Emit,
+    Op,
+    ReadLine,
+    Result,
+    Sleep,
+    Submission,
+)
+from jobtier.client._errors import ApiError
+from jobtier.model import JobStatus, Priority
+from jobtier.queue import JobSpec
+
+T = TypeVar("T")
+
+
+class AsyncClient(BaseClient):
+    """An asyncio client of the jobtier HTTP API.
+
+    >>> async with AsyncClient("http://127.0.0.1:8000", "my-key") as jobs:
+    ...     sub = await jobs.submit("resize", {"image": "a.png"}, idempotency_key="img-a")
+    ...     done = await jobs.wait(sub.id, timeout=60)
+    ...     print(done.state, (await jobs.result(sub.id)).result)
+
+    Options: ``timeout`` (seconds or an ``httpx.Timeout``) for each request; ``retries`` of a
+    submit refused with 429/503, after ``Retry-After`` (capped at ``max_retry_wait``), only
+    when every job carries an idempotency key unless ``retry_unkeyed``; ``reconnects`` of an
+    event stream in a row without an event; ``stream_timeout``, the longest silence on an
+    event stream before it counts as dropped; ``transport`` for httpx (tests, proxies).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        timeout: float | httpx.Timeout = 10.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        retries: int = 3,
+        retry_unkeyed: bool = False,
+        max_retry_wait: float = 30.0,
+        reconnects: int = 5,
+        stream_timeout: float = 60.0,
+    ) -> None:
+        super().__init__(
+            base_url,
+            api_key,
+            timeout=timeout,
+            retries=retries,
+            retry_unkeyed=retry_unkeyed,
+            max_retry_wait=max_retry_wait,
+            reconnects=reconnects,
+            stream_timeout=stream_timeout,
+        )
+        self._http = httpx.AsyncClient(transport=transport, **self._http_options())
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    # --- the API ----------------------------------------------------------------------------
+    async def submit(
+        self,
+        type: str,
+        payload: Any = None,
+        *,
+        priority: Priority | str = Priority.NORMAL,
+        run_at: datetime | None = None,
+        delay: float | None = None,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Submission:
+        """Submit one job. ``run_at`` must carry a time zone; give it or ``delay`` (seconds),
+        not both. A repeat of an earlier submit's ``idempotency_key`` returns that job with
+        ``created`` False, or raises ``IdempotencyKeyConflict`` if the type or payload differ.
+        """
+        op = self._submit(type, payload, priority, run_at, delay, max_attempts, idempotency_key)
+        return await self._run(op)
+
+    async def submit_many(
+        self, specs: Iterable[JobSpec | Mapping[str, Any]]
+    ) -> list[Submission | ApiError]:
+        """Submit jobs in one request (``JobSpec``s or dicts of the same fields). Each job's
+        outcome is in its place: a ``Submission``, or the ``ApiError`` (e.g. an
+        ``IdempotencyKeyConflict``) it met. A bad job refuses the whole batch: that raises."""
+        return await self._run(self._submit_many(specs))
+
+    @overload
+    async def status(self, job_id: str) -> JobStatus: ...
+    @overload
+    async def status(
+        self, job_id: str, *, if_version: int | None, wait: float = 0.0
+    ) -> JobStatus | None: ...
+    async def status(
+        self, job_id: str, *, if_version: int | None = None, wait: float = 0.0
+    ) -> JobStatus | None:
+        """The job's status. With ``if_version``: None while the job is still at that
+        version, after waiting up to ``wait`` seconds for it to move on (long-poll)."""
+        return await self._run(self._status(job_id, if_version, wait))
+
+    async def wait(
+        self, job_id: str, timeout: float | None = None, *, poll: float = 30.0
+    ) -> JobStatus:
+        """The job's status once it is terminal (succeeded, failed or cancelled), by long-poll
+        requests of up to ``poll`` seconds each (at most the server's
+        ``JOBTIER_LONG_POLL_MAX_SECONDS``, 60 by default). Raises ``WaitTimeout`` (a
+        ``TimeoutError``, with the last status seen) after ``timeout`` seconds."""
+        return await self._run(self._wait(job_id, timeout, poll))
+
+    def events(
+        self, job_id: str, last_event_id: int | str | None = None
+    ) -> AsyncGenerator[JobStatus, None]:
+        """The job's status, then each change, until a terminal status (or, resuming from
+        ``last_event_id``, nothing if that was the last). A dropped connection is resumed
+        from the last event received.
+
+        Leaving the loop early keeps the connection open until the generator is collected;
+        ``async with contextlib.aclosing(client.events(job_id)) as stream:`` closes it at once.
+        """
+        return self._stream(self._events(job_id, last_event_id))
+
+    async def cancel(self, job_id: str) -> JobStatus:
+        """Cancel a waiting job, or ask the worker running it to stop (``cancel_requested``).
+        Raises ``WrongState`` once the job has finished."""
+        return await self._run(self._cancel(job_id))
+
+    async def result(self, job_id: str) -> Result:
+        """The job's state, result (once succeeded) and error (once failed)."""
+        return await self._run(self._result(job_id))
+
+    # --- the driver -------------------------------------------------------------------------
+    async def _send(self, call: Call) -> httpx.Response:
+        request = self._http.build_request(
+            call.method,
+            call.path,
+            params=call.params,
+            headers=call.headers,
+            content=call.content,
+            timeout=self._timeout_for(call),
+        )
+        response = await self._http.send(request, stream=call.stream)
+        if call.stream and response.status_code != 200:
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+        return response
+
+    async def _run(self, op: Op[T]) -> T:
+        try:
+            step = next(op)
+            while True:
+                reply: Any = None
+                try:
+                    if isinstance(step, Sleep):
+                        await asyncio.sleep(step.seconds)
+                    elif isinstance(step, Call):
+                        reply = await self._send(step)
+                    else:
+                        raise TypeError(f"{step!r} outside an event stream")
+                except httpx.TransportError as exc:
+                    step = op.throw(exc)
+                    continue
+                step = op.send(reply)
+        except StopIteration as stop:
+            value: T = stop.value
+            return value
+        finally:
+            op.close()
+
+    async def _stream(self, op: Op[None]) -> AsyncGenerator[JobStatus, None]:
+        response: httpx.Response | None = None
+        lines: AsyncIterator[str] | None = None
+        try:
+            step = next(op)
+            while True:
+                if isinstance(step, Emit):
+                    yield step.status
+                    step = next(op)
+                    continue
+                reply: Any = None
+                try:
+                    if isinstance(step, ReadLine):
+                        assert lines is not None
+                        reply = await anext(lines, None)
+                    elif isinstance(step, Call):
+                        await _close(response, lines)
+                        response = reply = await self._send(step)
+                        lines = response.aiter_lines() if response.status_code == 200 else None
+                    else:
+                        await asyncio.sleep(step.seconds)
+                except httpx.TransportError as exc:
+                    step = op.throw(exc)
+                    continue
+                step = op.send(reply)
+        except StopIteration:
+            return
+        finally:
+            op.close()
+            await _close(response, lines)
+
+
+async def _close(response: httpx.Response | None, lines: AsyncIterator[str] | None) -> None:
+    aclose = getattr(lines, "aclose", None)
+    if aclose is not None:
+        await aclose()
+    if response is not None:
+        await response.aclose()

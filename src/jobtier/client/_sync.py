@@ -1,0 +1,203 @@
+"""``Client``: the operations of ``_core`` driven by ``httpx.Client`` (no event loop)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Generator, Iterable, Iterator, Mapping
+from datetime import datetime
+from typing import Any, TypeVar, overload
+
+import httpx
+
+from jobtier.client._core import (
+    BaseClient,
+    Call,
+    Emit,
+    Op,
+    ReadLine,
+    Result,
+    Sleep,
+    Submission,
+)
+from jobtier.client._errors import ApiError
+from jobtier.model import JobStatus, Priority
+from jobtier.queue import JobSpec
+
+T = TypeVar("T")
+
+
+class Client(BaseClient):
+    """A blocking client of the jobtier HTTP API; the methods of ``AsyncClient``, not awaited.
+    Safe to share between threads.
+
+    >>> with Client("http://127.0.0.1:8000", "my-key") as jobs:
+    ...     sub = jobs.submit("resize", {"image": "a.png"}, idempotency_key="img-a")
+    ...     for status in jobs.events(sub.id):
+    ...         print(status.version, status.state, status.progress)
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str,
+        *,
+        timeout: float | httpx.Timeout = 10.0,
+        transport: httpx.BaseTransport | None = None,
+        retries: int = 3,
+        retry_unkeyed: bool = False,
+        max_retry_wait: float = 30.0,
+        reconnects: int = 5,
+        stream_timeout: float = 60.0,
+    ) -> None:
+        super().__init__(
+            base_url,
+            api_key,
+            timeout=timeout,
+            retries=retries,
+            retry_unkeyed=retry_unkeyed,
+            max_retry_wait=max_retry_wait,
+            reconnects=reconnects,
+            stream_timeout=stream_timeout,
+        )
+        self._http = httpx.Client(transport=transport, **self._http_options())
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # --- the API (documented on AsyncClient) ------------------------------------------------
+    def submit(
+        self,
+        type: str,
+        payload: Any = None,
+        *,
+        priority: Priority | str = Priority.NORMAL,
+        run_at: datetime | None = None,
+        delay: float | None = None,
+        max_attempts: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Submission:
+        """Submit one job; see ``AsyncClient.submit``."""
+        op = self._submit(type, payload, priority, run_at, delay, max_attempts, idempotency_key)
+        return self._run(op)
+
+    def submit_many(
+        self, specs: Iterable[JobSpec | Mapping[str, Any]]
+    ) -> list[Submission | ApiError]:
+        """Submit jobs in one request; see ``AsyncClient.submit_many``."""
+        return self._run(self._submit_many(specs))
+
+    @overload
+    def status(self, job_id: str) -> JobStatus: ...
+    @overload
+    def status(
+        self, job_id: str, *, if_version: int | None, wait: float = 0.0
+    ) -> JobStatus | None: ...
+    def status(
+        self, job_id: str, *, if_version: int | None = None, wait: float = 0.0
+    ) -> JobStatus | None:
+        """The job's status; see ``AsyncClient.status``."""
+        return self._run(self._status(job_id, if_version, wait))
+
+    def wait(self, job_id: str, timeout: float | None = None, *, poll: float = 30.0) -> JobStatus:
+        """The job's terminal status; see ``AsyncClient.wait``."""
+        return self._run(self._wait(job_id, timeout, poll))
+
+    def events(
+        self, job_id: str, last_event_id: int | str | None = None
+    ) -> Generator[JobStatus, None, None]:
+        """The job's statuses until a terminal one; see ``AsyncClient.events``. Leaving the
+        loop early: ``with contextlib.closing(client.events(job_id)) as stream:``."""
+        return self._stream(self._events(job_id, last_event_id))
+
+    def cancel(self, job_id: str) -> JobStatus:
+        """Cancel the job; see ``AsyncClient.cancel``."""
+        return self._run(self._cancel(job_id))
+
+    def result(self, job_id: str) -> Result:
+        """The job's state, result and error."""
+        return self._run(self._result(job_id))
+
+    # --- the driver -------------------------------------------------------------------------
+    def _send(self, call: Call) -> httpx.Response:
+        request = self._http.build_request(
+            call.method,
+            call.path,
+            params=call.params,
+            headers=call.headers,
+            content=call.content,
+            timeout=self._timeout_for(call),
+        )
+        response = self._http.send(request, stream=call.stream)
+        if call.stream and response.status_code != 200:
+            try:
+                response.read()
+            finally:
+                response.close()
+        return response
+
+    def _run(self, op: Op[T]) -> T:
+        try:
+            step = next(op)
+            while True:
+                reply: Any = None
+                try:
+                    if isinstance(step, Sleep):
+                        time.sleep(step.seconds)
+                    elif isinstance(step, Call):
+                        reply = self._send(step)
+                    else:
+                        raise TypeError(f"{step!r} outside an event stream")
+                except httpx.TransportError as exc:
+                    step = op.throw(exc)
+                    continue
+                step = op.send(reply)
+        except StopIteration as stop:
+            value: T = stop.value
+            return value
+        finally:
+            op.close()
+
+    def _stream(self, op: Op[None]) -> Generator[JobStatus, None, None]:
+        response: httpx.Response | None = None
+        lines: Iterator[str] | None = None
+        try:
+            step = next(op)
+            while True:
+                if isinstance(step, Emit):
+                    yield step.status
+                    step = next(op)
+                    continue
+                reply: Any = None
+                try:
+                    if isinstance(step, ReadLine):
+                        assert lines is not None
+                        reply = next(lines, None)
+                    elif isinstance(step, Call):
+                        _close(response, lines)
+                        response = reply = self._send(step)
+                        lines = response.iter_lines() if response.status_code == 200 else None
+                    else:
+                        time.sleep(step.seconds)
+                except httpx.TransportError as exc:
+                    step = op.throw(exc)
+                    continue
+                step = op.send(reply)
+        except StopIteration:
+            return
+        finally:
+            op.close()
+            _close(response, lines)
+
+
+def _close(response: httpx.Response | None, lines: Iterator[str] | None) -> None:
+    close = getattr(lines, "close", None)
+    if close is not None:
+        close()
+    if response is not None:
+        response.close()
