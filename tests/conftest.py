@@ -4,4 +4,5 @@ pytest_plugins = [
     "tests.fixtures.redis",
     "tests.fixtures.engine",
     "tests.fixtures.api",
+    "tests.fixtures.cluster",
 ]

@@ -12,6 +12,7 @@ from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -87,9 +88,10 @@ async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
 
 
 async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
-    info = await redis.info(section)
     if isinstance(redis, RedisCluster):  # {node name: {field: value}}
-        return [str(node_info[field]) for node_info in info.values()]
+        per_node = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
+        return [str(node_info[field]) for node_info in per_node.values()]
+    info = await redis.info(section)
     return [str(info[field])]
 
 
@@ -175,7 +177,13 @@ class ShardSubscriber:
             conn = self._connection(*node)
             try:
                 await conn.connect()  # type: ignore[no-untyped-call]
-                await conn.send_command("SSUBSCRIBE", *channels)
+                # one SSUBSCRIBE per slot: a cluster node refuses channels of several slots in
+                # one command (CROSSSLOT), even when it serves them all
+                by_slot: dict[int, list[str]] = {}
+                for channel in channels:
+                    by_slot.setdefault(key_slot(channel.encode()), []).append(channel)
+                for group in by_slot.values():
+                    await conn.send_command("SSUBSCRIBE", *group)
                 confirmed = 0
                 while confirmed < len(channels):
                     reply = await conn.read_response()
@@ -193,7 +201,9 @@ class ShardSubscriber:
                             on_message(reply[1], reply[2])
                         except Exception:
                             # one bad message or consumer must not end the subscription
-                            log.exception("event=subscriber_callback_failed subscriber=%s", self.name)
+                            log.exception(
+                                "event=subscriber_callback_failed subscriber=%s", self.name
+                            )
                     elif reply[0] == b"sunsubscribe":
                         # the slot moved to another node (cluster resharding): resubscribe
                         raise ConnectionError("shard channel moved")
