@@ -5,4 +5,5 @@ pytest_plugins = [
     "tests.fixtures.engine",
     "tests.fixtures.api",
     "tests.fixtures.cluster",
+    "tests.fixtures.postgres",
 ]

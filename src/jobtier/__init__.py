@@ -30,8 +30,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncClient",
-    "Client",
     "Cancelled",
+    "Client",
     "Code",
     "ConfigError",
     "Fatal",

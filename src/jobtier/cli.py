@@ -146,6 +146,48 @@ def serve_api(settings: Settings) -> None:
         )
 
 
+def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from jobtier.persist.db import migrate
+
+    async def main() -> int:
+        applied = await migrate(settings.database_url)
+        print(f"applied: {', '.join(applied)}" if applied else "the schema is up to date")
+        return 0
+
+    return _run_async(main)
+
+
+def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
+    from jobtier.connection import connect
+    from jobtier.persist.db import create_pool
+    from jobtier.persist.persister import Persister
+
+    async def main() -> int:
+        redis = connect(settings)
+        pool = await create_pool(
+            settings.database_url, min_size=0, max_size=settings.persist_concurrency + 1
+        )
+        try:
+            persister = Persister(
+                settings, redis, pool, args.name or default_name("persister"),
+                concurrency=settings.persist_concurrency,
+            )  # fmt: skip
+            _on_signals(persister.stop)
+            await persister.run()
+        finally:
+            await pool.close()
+            await redis.aclose()
+        return 0
+
+    return _run_async(main)
+
+
+def default_name(role: str) -> str:
+    import socket
+
+    return f"{role}-{socket.gethostname()}-{os.getpid()}"
+
+
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from jobtier.runall import run_all
 
@@ -243,6 +285,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--batch", type=int, default=1000, help="most jobs moved per script call (default: 1000)"
     )
     p.set_defaults(func=cmd_scheduler)
+
+    p = sub.add_parser(
+        "persister",
+        help="write every transition to Postgres (write-behind)",
+        description="Read the shards' transition logs and write them to Postgres in batches, "
+        "acknowledging only after commit. Run several: they share the work as one consumer "
+        "group, and take over a dead one's pending entries.",
+    )
+    p.add_argument(
+        "--name", help="consumer name (default: persister-host-pid); reuse it after a restart"
+    )
+    p.set_defaults(func=cmd_persister)
+
+    p = sub.add_parser(
+        "migrate",
+        help="apply pending database migrations",
+        description="Apply the pending migrations to JOBTIER_DATABASE_URL, in one transaction, "
+        "under a lock: safe to run from several deploys at once.",
+    )
+    p.set_defaults(func=cmd_migrate)
 
     p = sub.add_parser("config", help="print the settings in effect (secrets masked)")
     p.add_argument("--table", action="store_true", help="print every setting as a markdown table")

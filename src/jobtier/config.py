@@ -100,6 +100,7 @@ class Settings:
     )
     persist_batch_size: int = _setting(2000, "Most transitions written per Postgres transaction.")
     persist_interval: float = _setting(0.05, "Longest wait before a partial batch is written.")
+    persist_concurrency: int = _setting(2, "Batches a persister writes to Postgres at once.")
     persist_claim_idle_seconds: float = _setting(
         30.0, "Pending log entries idle this long are taken over from a dead persister."
     )

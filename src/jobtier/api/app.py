@@ -14,6 +14,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import orjson
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
@@ -49,6 +50,8 @@ class Extension:
         self.postgres_ready: Callable[[], Awaitable[str | None]] | None = None
         self.lag: Callable[[], Awaitable[int]] | None = None
         self.state: dict[str, Any] = {}
+        self.openapi_paths: dict[str, Any] = {}
+        self.openapi_types: list[type] = []
 
     async def open(self, settings: Settings, queue: Queue) -> None:
         """Override to connect resources (e.g. a Postgres pool)."""
@@ -70,6 +73,7 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             "`jobtier run` makes development keys for you"
         )
     ext = extension or Extension()
+    openapi_document = orjson.dumps(openapi.document(ext.openapi_paths, ext.openapi_types))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -116,6 +120,7 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
                 "batch_body_limit": settings.max_request_bytes,
                 "result_fallback": ext.result_fallback,
                 "postgres_ready": ext.postgres_ready,
+                "openapi": openapi_document,
                 **ext.state,
             }
         finally:

@@ -7,11 +7,10 @@ route of the app is described and nothing else is.
 
 from __future__ import annotations
 
-from functools import cache
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -66,18 +65,18 @@ class Replayed(msgspec.Struct):
     count: int
 
 
-def _ref(name: str) -> dict[str, str]:
+def ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _json(name: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": _ref(name)}}}
+def json_response(name: str, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": ref(name)}}}
 
 
-def _problem(description: str) -> dict[str, Any]:
+def problem(description: str) -> dict[str, Any]:
     return {
         "description": description,
-        "content": {"application/problem+json": {"schema": _ref("Problem")}},
+        "content": {"application/problem+json": {"schema": ref("Problem")}},
     }
 
 
@@ -85,22 +84,25 @@ JOB_ID = {
     "name": "job_id", "in": "path", "required": True,
     "schema": {"type": "string", "pattern": "^[0-9A-HJKMNP-TV-Z]{26}-[0-9]{1,4}$"},
 }  # fmt: skip
-AUTH_ERRORS = {"401": _problem("missing or unknown API key")}
-ADMIN_ERRORS = {**AUTH_ERRORS, "403": _problem("a tenant key on an admin route")}
+AUTH_ERRORS = {"401": problem("missing or unknown API key")}
+ADMIN_ERRORS = {**AUTH_ERRORS, "403": problem("a tenant key on an admin route")}
 SUBMIT_ERRORS = {
-    "400": _problem("malformed JSON"),
-    "409": _problem("the idempotency key was used for a different request"),
-    "410": _problem("the idempotency key names a job that is no longer kept"),
-    "413": _problem("body, payload or batch too large"),
-    "415": _problem("the body is not JSON"),
-    "422": _problem("invalid job (unknown field, wrong type, bad priority or run-at, …)"),
-    "429": _problem("the tenant's rate limit or waiting-jobs cap"),
-    "503": _problem("back-pressure: too many waiting jobs or write-behind lag; see Retry-After"),
+    "400": problem("malformed JSON"),
+    "409": problem("the idempotency key was used for a different request"),
+    "410": problem("the idempotency key names a job that is no longer kept"),
+    "413": problem("body, payload or batch too large"),
+    "415": problem("the body is not JSON"),
+    "422": problem("invalid job (unknown field, wrong type, bad priority or run-at, …)"),
+    "429": problem("the tenant's rate limit or waiting-jobs cap"),
+    "503": problem("back-pressure: too many waiting jobs or write-behind lag; see Retry-After"),
 }
 
 
-@cache
-def document() -> dict[str, Any]:
+def document(
+    extra_paths: dict[str, Any] | None = None, extra_types: Sequence[type] = ()
+) -> dict[str, Any]:
+    """The document of an app serving the core routes plus ``extra_paths``, whose bodies are
+    the msgspec Structs ``extra_types``."""
     _, components = msgspec.json.schema_components(
         [
             JobSpec,
@@ -112,6 +114,7 @@ def document() -> dict[str, Any]:
             DeadLetters,
             ReplayRequest,
             Replayed,
+            *extra_types,
         ],
         ref_template="#/components/schemas/{name}",
     )
@@ -120,10 +123,10 @@ def document() -> dict[str, Any]:
             "post": {
                 "summary": "Submit a job",
                 "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("JobSpec")}}},
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref("JobSpec")}}},
                 "responses": {
-                    "202": _json("JobStatus", "created"),
-                    "200": _json("JobStatus", "a duplicate of an earlier submit with the same idempotency key"),
+                    "202": json_response("JobStatus", "created"),
+                    "200": json_response("JobStatus", "a duplicate of an earlier submit with the same idempotency key"),
                     **AUTH_ERRORS, **SUBMIT_ERRORS,
                 },
             }
@@ -131,8 +134,8 @@ def document() -> dict[str, Any]:
         "/v1/jobs/batch": {
             "post": {
                 "summary": "Submit up to JOBTIER_MAX_BATCH jobs; one outcome each",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("BatchRequest")}}},
-                "responses": {"200": _json("BatchResponse", "one result per job, in order"), **AUTH_ERRORS, **SUBMIT_ERRORS},
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref("BatchRequest")}}},
+                "responses": {"200": json_response("BatchResponse", "one result per job, in order"), **AUTH_ERRORS, **SUBMIT_ERRORS},
             }
         },
         "/v1/jobs/{job_id}": {
@@ -144,10 +147,10 @@ def document() -> dict[str, Any]:
                     {"name": "wait", "in": "query", "description": "long-poll: with If-None-Match, wait up to this many seconds for a newer version", "schema": {"type": "number", "minimum": 0}},
                 ],
                 "responses": {
-                    "200": {**_json("JobStatus", "the status; ETag is the version"), "headers": {"ETag": {"schema": {"type": "string"}}}},
+                    "200": {**json_response("JobStatus", "the status; ETag is the version"), "headers": {"ETag": {"schema": {"type": "string"}}}},
                     "304": {"description": "not changed since the version in If-None-Match"},
-                    "400": _problem("bad wait"),
-                    "404": _problem("unknown job (or another tenant's)"),
+                    "400": problem("bad wait"),
+                    "404": problem("unknown job (or another tenant's)"),
                     **AUTH_ERRORS,
                 },
             }
@@ -156,7 +159,7 @@ def document() -> dict[str, Any]:
             "get": {
                 "summary": "The job's result (null until it succeeds)",
                 "parameters": [JOB_ID],
-                "responses": {"200": _json("ResultResponse", "state, result and error"), "404": _problem("unknown job"), **AUTH_ERRORS},
+                "responses": {"200": json_response("ResultResponse", "state, result and error"), "404": problem("unknown job"), **AUTH_ERRORS},
             }
         },
         "/v1/jobs/{job_id}/cancel": {
@@ -164,9 +167,9 @@ def document() -> dict[str, Any]:
                 "summary": "Cancel a waiting job, or ask the worker running it to stop",
                 "parameters": [JOB_ID],
                 "responses": {
-                    "200": _json("JobStatus", "cancelled, or running with cancel_requested"),
-                    "404": _problem("unknown job"),
-                    "409": _problem("the job has already finished"),
+                    "200": json_response("JobStatus", "cancelled, or running with cancel_requested"),
+                    "404": problem("unknown job"),
+                    "409": problem("the job has already finished"),
                     **AUTH_ERRORS,
                 },
             }
@@ -178,7 +181,7 @@ def document() -> dict[str, Any]:
                 "responses": {
                     "200": {"description": "event: status, id: version, data: the status document", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
                     "204": {"description": "the client already has the final status"},
-                    "404": _problem("unknown job"),
+                    "404": problem("unknown job"),
                     **AUTH_ERRORS,
                 },
             }
@@ -190,21 +193,21 @@ def document() -> dict[str, Any]:
                     {"name": "type", "in": "query", "schema": {"type": "string"}},
                     {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
                 ],
-                "responses": {"200": _json("DeadLetters", "the jobs"), "400": _problem("bad limit"), **ADMIN_ERRORS},
+                "responses": {"200": json_response("DeadLetters", "the jobs"), "400": problem("bad limit"), **ADMIN_ERRORS},
             }
         },
         "/v1/admin/dead-letters/{job_id}/replay": {
             "post": {
                 "summary": "Send a dead-lettered job back to its queue, attempts reset",
                 "parameters": [JOB_ID],
-                "responses": {"200": _json("JobStatus", "queued again"), "404": _problem("unknown job"), "409": _problem("not dead-lettered"), **ADMIN_ERRORS},
+                "responses": {"200": json_response("JobStatus", "queued again"), "404": problem("unknown job"), "409": problem("not dead-lettered"), **ADMIN_ERRORS},
             }
         },
         "/v1/admin/dead-letters/replay": {
             "post": {
                 "summary": "Replay dead-lettered jobs matching a filter",
-                "requestBody": {"content": {"application/json": {"schema": _ref("ReplayRequest")}}},
-                "responses": {"200": _json("Replayed", "the ids replayed"), "422": _problem("bad filter"), **ADMIN_ERRORS},
+                "requestBody": {"content": {"application/json": {"schema": ref("ReplayRequest")}}},
+                "responses": {"200": json_response("Replayed", "the ids replayed"), "422": problem("bad filter"), **ADMIN_ERRORS},
             }
         },
         "/v1/admin/stats": {
@@ -217,6 +220,8 @@ def document() -> dict[str, Any]:
         "/readyz": {"get": {"summary": "Readiness: Redis (and Postgres) reachable", "security": [], "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
         "/v1/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {"200": {"description": "OpenAPI 3.1"}}}},
     }  # fmt: skip
+    for path, item in (extra_paths or {}).items():
+        paths.setdefault(path, {}).update(item)
     return {
         "openapi": "3.1.0",
         "info": {"title": "jobtier", "version": "1", "description": "Jobs and their status, served from a sharded Redis write-through cache."},
@@ -230,16 +235,8 @@ def document() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def extend(paths: dict[str, Any], schemas: dict[str, Any] | None = None) -> None:
-    """Add the paths (and schemas) of routes that other parts plug in."""
-    doc = document()
-    doc["paths"].update(paths)
-    if schemas:
-        doc["components"]["schemas"].update(schemas)
-
-
 async def serve(request: Request) -> Response:
-    return Response(orjson.dumps(document()), media_type="application/json")
+    return Response(request.state.openapi, media_type="application/json")
 
 
 routes = [Route("/v1/openapi.json", serve, methods=["GET"])]

@@ -1,0 +1,496 @@
+"""Benchmark: the batched write-behind persister against a plain baseline, same run.
+
+Starts its own Redis and a durable Postgres (fsync on) in a temporary folder, produces job
+transitions with the real Lua scripts, and measures:
+
+* throughput: a backlog of transitions already in the log, drained as fast as possible;
+* lag at a sustained rate: transitions produced at a fixed rate by another process, lag of
+  each = commit time - the log entry's id time (Redis's clock when the transition happened).
+
+Variants: ``batched`` (the persister: one transaction per batch, COPY into staging tables,
+one upsert per table), ``unnest`` (the same batches as array parameters: the alternative the
+persister was measured against), ``baseline`` (one INSERT per transition, autocommit).
+
+    .venv/bin/python bench/persist.py                 # one run, all variants
+    .venv/bin/python bench/persist.py --runs 3        # medians of three runs
+
+Results go to bench/results/persist.json and bench/results/persist.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from redis.asyncio import Redis
+
+from jobtier.config import Settings
+from jobtier.devservices import LocalRedis
+from jobtier.keys import Keys
+from jobtier.persist.batch import (
+    JOB_COLUMNS,
+    TRANSITION_COLUMNS,
+    LogEntry,
+    collapse,
+    job_records,
+    transition_records,
+)
+from jobtier.persist.db import AnyConnection, Pool, create_pool, migrate, query
+from jobtier.persist.localpg import LocalPostgres
+from jobtier.persist.persister import Persister
+from jobtier.persist.reader import lag
+from jobtier.scripts import Scripts, SubmitItem
+
+SHARDS = 16
+RESULTS = Path(__file__).parent / "results"
+SPREAD = 0.3  # seconds between a job's submit, claim and completion at a sustained rate
+
+
+# --- producing transitions --------------------------------------------------------------------
+async def jobs_round(scripts: Scripts, keys: Keys, per_shard: dict[int, int]) -> int:
+    """Submit, claim and complete per_shard[s] jobs in each shard; returns transitions made."""
+    await submit(scripts, keys, per_shard)
+    claimed = await claim(scripts, per_shard)
+    await complete(scripts, claimed)
+    return 3 * sum(per_shard.values())
+
+
+async def submit(scripts: Scripts, keys: Keys, per_shard: dict[int, int]) -> None:
+    calls = []
+    for shard, n in per_shard.items():
+        items = [
+            SubmitItem(keys.new_id(shard), "t1", "bench", "normal", b'{"n":1}', 3, 0, 0, "", "")
+            for _ in range(n)
+        ]
+        calls.append(scripts.submit_call(shard, items, 60_000))
+    await scripts.call_many(calls)
+
+
+async def claim(scripts: Scripts, per_shard: dict[int, int]) -> list[tuple[int, Any]]:
+    shards = [s for s, n in per_shard.items() if n]
+    replies = await scripts.call_many(
+        [scripts.claim_call(s, "bench", per_shard[s], 600_000) for s in shards]
+    )
+    return [(s, Scripts.parse_claim(s, r).jobs) for s, r in zip(shards, replies, strict=True)]
+
+
+async def complete(scripts: Scripts, claimed: list[tuple[int, Any]]) -> None:
+    calls = [
+        scripts.complete_call(s, "bench", 3600, [(j.id, j.lease_version, b"1") for j in jobs])
+        for s, jobs in claimed
+        if jobs
+    ]
+    if calls:
+        await scripts.call_many(calls)
+
+
+async def prefill(redis_url: str, transitions: int) -> None:
+    """A backlog: chunks of submits, then their claims, then completions (a job's three
+    entries sit thousands of entries apart, as they do when jobs take a while)."""
+    redis = Redis.from_url(redis_url)
+    keys = Keys("jt", SHARDS)
+    scripts = Scripts(redis, keys)
+    jobs = transitions // 3
+    chunk = 4000
+    for start in range(0, jobs, chunk):
+        n = min(chunk, jobs - start)
+        await jobs_round(scripts, keys, {s: n // SHARDS + (s < n % SHARDS) for s in range(SHARDS)})
+    await redis.aclose()
+
+
+async def generate(redis_url: str, rate: float, seconds: float) -> None:
+    """(Child process) transitions at `rate` per second for `seconds`: every 10 ms, submit
+    the jobs due, claim those submitted SPREAD ago, complete those claimed SPREAD ago."""
+    redis = Redis.from_url(redis_url)
+    keys = Keys("jt", SHARDS)
+    scripts = Scripts(redis, keys)
+    started = time.monotonic()
+    made, shard = 0, 0
+    to_claim: deque[tuple[float, dict[int, int]]] = deque()
+    to_complete: deque[tuple[float, list[tuple[int, Any]]]] = deque()
+    while True:
+        now = time.monotonic()
+        if now - started < seconds:
+            due = int(rate * (now - started) / 3) - made
+            if due > 0:
+                per_shard: dict[int, int] = defaultdict(int)
+                for _ in range(due):
+                    per_shard[shard] += 1
+                    shard = (shard + 1) % SHARDS
+                await submit(scripts, keys, per_shard)
+                to_claim.append((now, per_shard))
+                made += due
+        elif not to_claim and not to_complete:
+            break
+        while to_claim and (to_claim[0][0] <= now - SPREAD or now - started >= seconds):
+            to_complete.append((now, await claim(scripts, to_claim.popleft()[1])))
+        while to_complete and (to_complete[0][0] <= now - SPREAD or now - started >= seconds):
+            await complete(scripts, to_complete.popleft()[1])
+        await asyncio.sleep(0.01)
+    await redis.aclose()
+
+
+# --- the variants -----------------------------------------------------------------------------
+JOB_TYPES = (
+    "text", "text", "text", "text", "text", "int", "int", "int", "timestamptz", "timestamptz",
+    "timestamptz", "json", "text", "json", "int", "json", "json", "bool", "text", "bytea",
+)  # fmt: skip
+TRANSITION_TYPES = (
+    "text",
+    "int",
+    "text",
+    "text",
+    "timestamptz",
+    "text",
+    "int",
+    "json",
+    "json",
+    "bool",
+)
+
+
+def _unnest(types: Sequence[str], columns: Sequence[str]) -> str:
+    arrays = ", ".join(f"${i}::{t}[]" for i, t in enumerate(types, start=1))
+    return f"FROM unnest({arrays}) AS s ({', '.join(columns)})"
+
+
+# the persister's statements, reading from array parameters instead of the staging tables
+UNNEST_JOBS = query("upsert_jobs").replace("FROM jobs_staging", _unnest(JOB_TYPES, JOB_COLUMNS))
+UNNEST_FILL = query("fill_submitted").replace(
+    "FROM jobs_staging AS s",
+    _unnest(("text", "json", "text"), ("id", "payload", "idempotency_key")),
+)
+UNNEST_TRANSITIONS = query("insert_transitions").replace(
+    "FROM transitions_staging", _unnest(TRANSITION_TYPES, TRANSITION_COLUMNS)
+)
+
+
+class UnnestPersister(Persister):
+    """The same batches as array parameters (one array per column, unnest in SQL)."""
+
+    async def persist(self, entries: Sequence[LogEntry]) -> None:
+        rows = collapse(entries)
+        job_cols = list(zip(*job_records(rows), strict=True))
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(UNNEST_JOBS, *job_cols)
+            await conn.execute(UNNEST_FILL, job_cols[0], job_cols[11], job_cols[12])
+            await conn.execute(UNNEST_TRANSITIONS, *zip(*transition_records(entries), strict=True))
+        self.stats.jobs += len(rows)
+
+
+BASELINE_SQL = f"""
+WITH history AS (
+    INSERT INTO job_transitions ({", ".join(TRANSITION_COLUMNS)})
+    VALUES ($1, $6, $21, $5, $10, $22, $7, $16, $17, $18)
+    ON CONFLICT DO NOTHING
+)
+INSERT INTO jobs AS j ({", ".join(JOB_COLUMNS)})
+VALUES ({", ".join(f"${i}" for i in range(1, 21))})
+ON CONFLICT (id) DO UPDATE SET state = excluded.state, version = excluded.version,
+    attempt = excluded.attempt, updated_at = excluded.updated_at, run_at = excluded.run_at,
+    result = coalesce(excluded.result, j.result), result_size = excluded.result_size,
+    error = excluded.error, progress = excluded.progress,
+    cancel_requested = excluded.cancel_requested, worker = excluded.worker, doc = excluded.doc
+WHERE j.version < excluded.version
+"""
+
+
+class BaselinePersister(Persister):
+    """The plain way: one statement (history row + job row) per transition, autocommit."""
+
+    async def persist(self, entries: Sequence[LogEntry]) -> None:
+        async with self.pool.acquire() as conn:
+            for e in entries:
+                await self._one(conn, e)
+        self.stats.jobs += len(entries)
+
+    @staticmethod
+    async def _one(conn: AnyConnection, e: LogEntry) -> None:
+        [params] = job_records(collapse([e]))
+        await conn.execute(BASELINE_SQL, *params, e.from_state, e.actor)
+
+
+VARIANTS: dict[str, type[Persister]] = {
+    "batched": Persister,
+    "unnest": UnnestPersister,
+    "baseline": BaselinePersister,
+}
+
+
+# --- measuring --------------------------------------------------------------------------------
+class Run:
+    def __init__(self, redis: LocalRedis, pg: LocalPostgres, pool: Pool, variant: str) -> None:
+        self.redis_url, self.pg, self.pool, self.variant = redis.url, pg, pool, variant
+        self.redis = Redis.from_url(redis.url)
+        self.keys = Keys("jt", SHARDS)
+        self.settings = Settings.from_env(
+            {}, redis_url=redis.url, database_url=pg.dsn, shards=SHARDS
+        )
+        self.lags: list[float] = []
+        self.committed: set[tuple[int, bytes]] = set()
+
+    async def reset(self) -> None:
+        await self.redis.flushall()
+        await self.pool.execute("TRUNCATE jobs, job_transitions, job_results")
+        await self.pool.execute("VACUUM ANALYZE")
+
+    def _persister(self) -> Persister:
+        def on_commit(entries: Sequence[LogEntry], at: float) -> None:
+            self.lags.extend(at - e.ms / 1000 for e in entries)
+            self.committed.update((e.shard, e.entry_id) for e in entries)
+
+        cls = VARIANTS[self.variant]
+        return cls(self.settings, self.redis, self.pool, "bench", on_commit=on_commit)
+
+    async def throughput(self, transitions: int, budget: float) -> dict[str, Any]:
+        await self.reset()
+        await prefill(self.redis_url, transitions)
+        persister = self._persister()
+        await persister.setup()
+        started, cpu, pg_cpu = time.monotonic(), time.process_time(), self.pg_cpu()
+        task = asyncio.create_task(persister.run())
+        while persister.stats.transitions < transitions and time.monotonic() - started < budget:
+            await asyncio.sleep(0.01)
+        elapsed = time.monotonic() - started
+        # rows, not the persister's per-batch counter: the baseline commits row by row
+        done = await self.pool.fetchval("SELECT count(*) FROM job_transitions")
+        cpu, pg_cpu = time.process_time() - cpu, self.pg_cpu() - pg_cpu
+        persister.stop()
+        await task
+        return {
+            "transitions": done,
+            "seconds": round(elapsed, 2),
+            "per_second": round(done / elapsed),
+            "complete": done >= transitions,
+            "mean_batch": round(statistics.fmean(persister.stats.batch_sizes or [0])),
+            # CPU per transition: steadier than rates on a shared, noisy machine
+            "persister_cpu_us": round(cpu / done * 1e6, 1),
+            "postgres_cpu_us": round(pg_cpu / done * 1e6, 1),
+        }
+
+    def pg_cpu(self) -> float:
+        """CPU seconds used so far by this Postgres: the postmaster, its live children, and
+        (cutime/cstime) the children it has reaped."""
+        postmaster = int((self.pg.data / "postmaster.pid").read_text().split()[0])
+        ticks = 0
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            pid, ppid = int(entry.name), int(stat[1])
+            if pid == postmaster:
+                ticks += sum(int(v) for v in stat[11:15])
+            elif ppid == postmaster:
+                ticks += int(stat[11]) + int(stat[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    async def sustained(self, rate: float, seconds: float, drain_budget: float) -> dict[str, Any]:
+        await self.reset()
+        persister = self._persister()
+        await persister.setup()
+        self.lags, self.committed = [], set()
+        task = asyncio.create_task(persister.run())
+        gen = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--generate", self.redis_url, str(rate), str(seconds)
+        )
+        started = time.monotonic()
+        await gen.wait()
+        produced_in = time.monotonic() - started
+        deadline = time.monotonic() + drain_budget
+        while (await lag(self.redis, self.keys))[0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        persister.stop()
+        await task
+        # entries never committed count with their age so far: a lower bound of their lag
+        now, left = time.time(), 0
+        for s in range(SHARDS):
+            for entry_id, _ in await self.redis.xrange(self.keys.log(s)):
+                if (s, entry_id) not in self.committed:
+                    left += 1
+                    self.lags.append(now - int(entry_id.split(b"-")[0]) / 1000)
+        lags = sorted(self.lags)
+        return {
+            "rate": rate,
+            "transitions": len(lags),
+            "achieved_rate": round(len(lags) / produced_in),
+            "p50_ms": round(_pct(lags, 0.50) * 1000, 1),
+            "p99_ms": round(_pct(lags, 0.99) * 1000, 1),
+            "max_ms": round(lags[-1] * 1000, 1) if lags else 0.0,
+            "unpersisted": left,
+            "mean_batch": round(statistics.fmean(persister.stats.batch_sizes or [0])),
+        }
+
+
+def _pct(values: list[float], q: float) -> float:
+    return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="jobtier-bench-"))
+    # a folder of its own: Postgres runs as another user, who cannot enter `folder` (0700)
+    pg = LocalPostgres(Path(tempfile.mkdtemp(prefix="jobtier-bench-pg-")), durable=True)
+    redis = LocalRedis(folder / "redis").start()
+    try:
+        pg.start()
+        await migrate(pg.dsn)
+        pool = await create_pool(pg.dsn, max_size=4)
+        runs: list[dict[str, Any]] = []
+        for i in range(args.runs):
+            results: dict[str, Any] = {v: {} for v in args.variants}
+            # The two batch writers, alternated (A B B A …) and measured `pairs` times each:
+            # on a shared machine, load drifts within a run, and one sample each misleads.
+            writers = [v for v in ("batched", "unnest") if v in args.variants]
+            samples: dict[str, list[dict[str, Any]]] = {v: [] for v in writers}
+            for p in range(args.pairs):
+                for variant in writers if p % 2 == 0 else writers[::-1]:
+                    run = Run(redis, pg, pool, variant)
+                    samples[variant].append(await run.throughput(args.backlog, 60))
+                    await run.redis.aclose()
+            for variant, got in samples.items():
+                results[variant]["throughput"] = _median_of(got)
+                print(f"run {i + 1} {variant} throughput {results[variant]['throughput']}")
+            for variant in [v for v in args.variants if v != "unnest"]:
+                run = Run(redis, pg, pool, variant)
+                if variant == "baseline":
+                    results[variant]["throughput"] = await run.throughput(
+                        args.backlog, args.seconds
+                    )
+                    print(f"run {i + 1} {variant} throughput {results[variant]['throughput']}")
+                for rate in args.rates:
+                    # the baseline cannot catch up: no point waiting the whole drain time
+                    drain = args.drain if variant != "baseline" else min(args.drain, 2.0)
+                    r = await run.sustained(rate, args.seconds, drain)
+                    results[variant][f"sustained_{int(rate)}"] = r
+                    print(f"run {i + 1} {variant} sustained {r}")
+                await run.redis.aclose()
+            results["load_average"] = {"1min": round(os.getloadavg()[0], 1)}  # others' work
+            runs.append(results)
+        await pool.close()
+    finally:
+        redis.stop()
+        pg.destroy()
+        shutil.rmtree(folder, ignore_errors=True)
+    return {"runs": runs, "medians": _medians(runs)}
+
+
+def _median_of(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        k: statistics.median(s[k] for s in samples)
+        if isinstance(v, int | float) and not isinstance(v, bool)
+        else v
+        for k, v in samples[0].items()
+    }
+
+
+def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for variant, measures in runs[0].items():
+        if variant == "load_average":
+            continue
+        out[variant] = {}
+        for measure, values in measures.items():
+            out[variant][measure] = {
+                k: statistics.median(r[variant][measure][k] for r in runs)
+                for k, v in values.items()
+                if isinstance(v, int | float) and not isinstance(v, bool)
+            }
+    return out
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> str:
+    med = result["medians"]
+    lines = [
+        "# Write-behind persister: batched vs baseline",
+        "",
+        f"`bench/persist.py --runs {args.runs}` on {os.cpu_count()} cores "
+        f"({platform.machine()}, Python {platform.python_version()}), {time.strftime('%Y-%m-%d')}"
+        f"; load average after each run: "
+        f"{', '.join(str(r['load_average']['1min']) for r in result['runs'])}."
+        f" Redis and Postgres local, Postgres durable (fsync and synchronous_commit on),",
+        f"{SHARDS} shards, batch size {Settings().persist_batch_size}, interval "
+        f"{Settings().persist_interval}s. Medians of {args.runs} run(s); the batched and unnest"
+        f" backlog figures are medians of {args.pairs} alternated samples per run.",
+        "",
+        "| variant | backlog drained (transitions/s) | CPU µs per transition (persister + Postgres) | transitions per commit | "
+        + " | ".join(f"lag p50 / p99 at {int(r)}/s" for r in args.rates)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(args.rates),
+    ]
+    for variant, m in med.items():
+        if variant == "load_average":
+            continue
+        t = m["throughput"]
+        cpu = f"{t['persister_cpu_us']:.0f} + {t['postgres_cpu_us']:.0f}"
+        batch = "1 (autocommit)" if variant == "baseline" else f"{t['mean_batch']:,.0f}"
+        cells = [variant, f"{t['per_second']:,.0f}", cpu, batch]
+        for rate in args.rates:
+            s = m.get(f"sustained_{int(rate)}")
+            if s is None:
+                cells.append("—")
+            else:
+                behind = (
+                    f" ({s['unpersisted']:,.0f} left after the run)" if s["unpersisted"] else ""
+                )
+                cells.append(f"{s['p50_ms']:,.0f} ms / {s['p99_ms']:,.0f} ms{behind}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Lag = commit time - the log entry's id time (when the Lua script made the transition).",
+        "Backlog: transitions already in the log, drained as fast as possible (the baseline is",
+        f"given {args.seconds:.0f} s). Sustained: produced at the rate by another process for "
+        f"{args.seconds:.0f} s; a",
+        "baseline that cannot keep up leaves entries behind, counted with their age so far.",
+        "`batched` writes each batch by binary COPY into staging tables, then one statement",
+        "per table; `unnest` runs the same statements fed by array parameters instead.",
+    ]
+    if "batched" in med and "unnest" in med:
+        c, u = med["batched"]["throughput"], med["unnest"]["throughput"]
+        cpu_c = c["persister_cpu_us"] + c["postgres_cpu_us"]
+        cpu_u = u["persister_cpu_us"] + u["postgres_cpu_us"]
+        lines.append(
+            f"COPY vs unnest: {c['per_second']:,.0f} vs {u['per_second']:,.0f} transitions/s, "
+            f"{cpu_c:.0f} vs {cpu_u:.0f} µs of CPU per transition."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--pairs", type=int, default=2, help="COPY/unnest samples per run")
+    parser.add_argument("--backlog", type=int, default=120_000, help="transitions to drain")
+    parser.add_argument("--rates", type=float, nargs="+", default=[5_000, 10_000])
+    parser.add_argument("--seconds", type=float, default=8.0, help="length of sustained runs")
+    parser.add_argument("--drain", type=float, default=10.0, help="wait for the rest after")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--generate", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.generate:
+        url, rate, seconds = args.generate
+        asyncio.run(generate(url, float(rate), float(seconds)))
+        return
+    result = asyncio.run(bench(args))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "persist.json").write_text(json.dumps(result, indent=2) + "\n")
+    md = report(result, args)
+    (RESULTS / "persist.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,21 @@
+"""The durable record: Postgres schema, migrations, the write-behind persister and its reads.
+
+``Persister`` moves every transition from the shard log streams into Postgres; ``PgReader``
+serves what only Postgres has (expired jobs, listings, history); ``lag`` says how far behind
+the write-behind is; ``migrate`` brings a database's schema up to date.
+"""
+
+from jobtier.persist.db import create_pool, migrate
+from jobtier.persist.persister import Persister, PersisterStats
+from jobtier.persist.reader import PgReader, StoredResult, Transition, lag
+
+__all__ = [
+    "Persister",
+    "PersisterStats",
+    "PgReader",
+    "StoredResult",
+    "Transition",
+    "create_pool",
+    "lag",
+    "migrate",
+]

@@ -1,0 +1,171 @@
+"""One batch of log entries: decoding, collapsing per job, and the write transaction.
+
+Pure functions over decoded entries plus ``write_batch``, the one transaction a batch is
+written in; the persister (``persister.py``) decides what goes into a batch and when.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from jobtier.model import JobStatus, json_encoder, status_decoder
+from jobtier.persist.db import AnyConnection, query
+
+INLINE_RESULT_MAX = 64 * 1024  # larger results go to job_results
+
+
+@dataclass(slots=True)
+class LogEntry:
+    """One decoded log stream entry (see ``lua/lib.lua: commit`` for the fields)."""
+
+    shard: int
+    entry_id: bytes
+    status: JobStatus
+    doc: bytes
+    tenant: str
+    from_state: str | None  # None for the submit entry
+    actor: str  # worker id, 'api', 'scheduler', 'admin'
+    payload: bytes | None = None  # submit only
+    idempotency_key: str | None = None  # submit only, when given
+    result: bytes | None = None  # success only; b"" means a null result
+
+    @property
+    def ms(self) -> int:
+        """When the transition happened: the stream id's Redis-clock milliseconds."""
+        return int(self.entry_id.split(b"-", 1)[0])
+
+
+def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogEntry:
+    """Decode one stream entry; raises ``ValueError``/``KeyError`` on a malformed one."""
+    doc = fields[b"d"]
+    status = status_decoder.decode(doc)
+    ik = fields.get(b"ik")
+    return LogEntry(
+        shard=shard,
+        entry_id=entry_id,
+        status=status,
+        doc=doc,
+        tenant=fields[b"tn"].decode(),
+        from_state=fields[b"fr"].decode() or None,
+        actor=fields[b"w"].decode(),
+        payload=fields.get(b"p"),
+        idempotency_key=ik.decode() if ik else None,
+        result=fields.get(b"r"),
+    )
+
+
+@dataclass(slots=True)
+class JobRow:
+    """A job's entries in one batch, collapsed: its latest version plus the fields that only
+    the submit entry (payload, idempotency key) or the success entry (result) carry."""
+
+    latest: LogEntry
+    payload: bytes | None
+    idempotency_key: str | None
+    result: bytes | None
+
+
+def collapse(entries: Iterable[LogEntry]) -> list[JobRow]:
+    """One row per job id, sorted by id (a fixed lock order across concurrent persisters)."""
+    rows: dict[str, JobRow] = {}
+    for e in entries:
+        row = rows.get(e.status.id)
+        if row is None:
+            rows[e.status.id] = JobRow(e, e.payload, e.idempotency_key, e.result)
+            continue
+        if e.status.version > row.latest.status.version:
+            row.latest = e
+        if e.payload is not None:
+            row.payload, row.idempotency_key = e.payload, e.idempotency_key
+        if e.result is not None:
+            row.result = e.result
+    return [rows[job_id] for job_id in sorted(rows)]
+
+
+def _ts(iso: str | None) -> datetime | None:
+    return None if iso is None else datetime.fromisoformat(iso)
+
+
+def _json(value: Any) -> bytes | None:
+    return None if value is None else json_encoder.encode(value)
+
+
+# The staging tables' column order (queries.sql: create_staging, upsert_jobs, …).
+JOB_COLUMNS = (
+    "id", "tenant", "type", "priority", "state", "version", "attempt", "max_attempts",
+    "created_at", "updated_at", "run_at", "payload", "idempotency_key", "result", "result_size",
+    "error", "progress", "cancel_requested", "worker", "doc",
+)  # fmt: skip
+TRANSITION_COLUMNS = (
+    "job_id", "version", "from_state", "to_state", "at", "worker", "attempt", "error",
+    "progress", "cancel_requested",
+)  # fmt: skip
+
+
+def job_records(rows: Sequence[JobRow]) -> list[tuple[Any, ...]]:
+    """``jobs_staging`` records (JOB_COLUMNS order), one per collapsed job."""
+    out = []
+    for row in rows:
+        s = row.latest.status
+        result = size = None
+        if row.result is not None:
+            size = len(row.result)
+            result = (row.result or b"null") if size <= INLINE_RESULT_MAX else None
+        out.append((
+            s.id, row.latest.tenant, s.type, s.priority, s.state, s.version, s.attempt,
+            s.max_attempts, _ts(s.created_at), _ts(s.updated_at), _ts(s.run_at), row.payload,
+            row.idempotency_key, result, size, _json(s.error), _json(s.progress),
+            s.cancel_requested, s.worker, row.latest.doc,
+        ))  # fmt: skip
+    return out
+
+
+def transition_records(entries: Sequence[LogEntry]) -> list[tuple[Any, ...]]:
+    """``transitions_staging`` records (TRANSITION_COLUMNS order), one per entry."""
+    out = []
+    for e in entries:
+        s = e.status
+        out.append((
+            s.id, s.version, e.from_state, s.state, _ts(s.updated_at), e.actor, s.attempt,
+            _json(s.error), _json(s.progress), s.cancel_requested,
+        ))  # fmt: skip
+    return out
+
+
+async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
+    """Write entries in one transaction; returns the number of job rows in it.
+
+    The batch is COPYed (binary) into per-session temporary staging tables and moved from
+    there with one statement per table. Measured against the same statements fed by array
+    parameters (``unnest``), 2,000-entry batches, durable Postgres, 2 shared cores
+    (bench/results/persist.md): COPY drained a backlog at 26.3K transitions/s against 23.6K
+    (medians of six alternated samples each) and used 40 us of CPU per transition against 46
+    (persister 17 vs 22, Postgres 24 vs 24). asyncpg checks every array element it encodes
+    against collection ABCs; COPY records skip that.
+    """
+    rows = collapse(entries)
+    async with conn.transaction():
+        # IF NOT EXISTS: a session's first batch creates them (a reconnect is a new session)
+        await conn.execute(query("create_staging"))
+        await conn.copy_records_to_table(
+            "jobs_staging", records=job_records(rows), columns=JOB_COLUMNS
+        )
+        await conn.copy_records_to_table(
+            "transitions_staging", records=transition_records(entries), columns=TRANSITION_COLUMNS
+        )
+        await conn.execute(query("upsert_jobs"))
+        if any(r.payload is not None for r in rows):
+            await conn.execute(query("fill_submitted"))
+        large = [r for r in rows if r.result is not None and len(r.result) > INLINE_RESULT_MAX]
+        if large:
+            await conn.execute(
+                query("insert_results"),
+                [r.latest.status.id for r in large],
+                [r.result for r in large],
+                [len(r.result or b"") for r in large],
+            )
+        await conn.execute(query("insert_transitions"))
+    return len(rows)

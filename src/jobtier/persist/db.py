@@ -1,0 +1,173 @@
+"""Postgres access: connection pools, the named queries, and migrations.
+
+SQL lives in this package's ``.sql`` files: ``schema.sql`` (the schema as a whole),
+``migrations/NNNN_name.sql`` (applied in order by ``migrate``) and ``queries.sql`` (named
+queries, loaded once). Python code refers to queries by name: ``query("upsert_jobs")``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import re
+from importlib import resources
+from typing import Any, TypeAlias
+
+import asyncpg
+
+log = logging.getLogger("jobtier.persist")
+
+_NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_MIGRATION = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
+
+# pg_advisory_xact_lock key of `migrate`: "jobtier" in ASCII, well clear of small integers
+# that other tools sharing the database might pick.
+MIGRATION_LOCK = 0x6A6F6274696572
+
+# asyncpg's classes are generic only to the type checker (asyncpg-stubs)
+Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
+Connection: TypeAlias = "asyncpg.Connection[asyncpg.Record]"
+# what queries run on: a connection of our own or one borrowed from a pool
+AnyConnection: TypeAlias = (
+    "asyncpg.Connection[asyncpg.Record] | asyncpg.pool.PoolConnectionProxy[asyncpg.Record]"
+)
+
+
+def _package_text(*parts: str) -> str:
+    return resources.files("jobtier.persist").joinpath(*parts).read_text(encoding="utf-8")
+
+
+def parse_queries(text: str) -> dict[str, str]:
+    """``-- name: x`` blocks of a SQL file, by name. Duplicate names are an error."""
+    out: dict[str, str] = {}
+    matches = list(_NAME.finditer(text))
+    for i, match in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
+        name = match.group(1)
+        if name in out:
+            raise ValueError(f"query {name!r} is defined twice")
+        body = text[match.end() : end].strip()
+        if not body:
+            raise ValueError(f"query {name!r} is empty")
+        out[name] = body
+    return out
+
+
+@functools.cache
+def queries() -> dict[str, str]:
+    """Every named query of ``queries.sql`` (read once per process)."""
+    return parse_queries(_package_text("queries.sql"))
+
+
+def query(name: str) -> str:
+    try:
+        return queries()[name]
+    except KeyError:
+        raise KeyError(f"no query named {name!r} in persist/queries.sql") from None
+
+
+def schema_sql() -> str:
+    return _package_text("schema.sql")
+
+
+def migrations() -> list[tuple[str, str]]:
+    """(name, SQL) of every migration, in order; name is the file name without ``.sql``."""
+    folder = resources.files("jobtier.persist").joinpath("migrations")
+    found: list[tuple[int, str, str]] = []
+    for entry in folder.iterdir():
+        match = _MIGRATION.match(entry.name)
+        if match:
+            found.append((int(match.group(1)), entry.name[:-4], entry.read_text(encoding="utf-8")))
+        elif entry.name.endswith(".sql"):
+            raise ValueError(f"migration file {entry.name!r} is not named NNNN_name.sql")
+    found.sort()
+    numbers = [n for n, _, _ in found]
+    if numbers != list(range(1, len(found) + 1)):
+        raise ValueError(f"migrations must be numbered 0001, 0002, … without gaps: {numbers}")
+    return [(name, sql) for _, name, sql in found]
+
+
+# --- connections ----------------------------------------------------------------------------
+def _encode_json(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def _decode_json(value: bytes) -> bytes:
+    return value
+
+
+async def init_connection(conn: Connection) -> None:
+    """Codecs of every jobtier connection: ``json`` columns travel as raw bytes both ways.
+
+    Payloads, results and documents come from Redis as bytes and go back to clients as bytes;
+    decoding them to Python objects in between would only cost time (and could change them).
+    """
+    await conn.set_type_codec(
+        "json", schema="pg_catalog", encoder=_encode_json, decoder=_decode_json, format="binary"
+    )
+
+
+async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, **kwargs: Any) -> Pool:
+    """An asyncpg pool with jobtier's codecs (see ``init_connection``)."""
+    settings = {"application_name": "jobtier"}
+    settings.update(kwargs.pop("server_settings", {}))
+    pool = await asyncpg.create_pool(
+        dsn,
+        min_size=min_size,
+        max_size=max_size,
+        init=init_connection,
+        server_settings=settings,
+        **kwargs,
+    )
+    return pool
+
+
+async def connect(dsn: str, **kwargs: Any) -> Connection:
+    """One connection with jobtier's codecs (scripts, migrations, benchmarks)."""
+    conn: Connection = await asyncpg.connect(dsn, **kwargs)
+    await init_connection(conn)
+    return conn
+
+
+# --- migrations -----------------------------------------------------------------------------
+async def migrate(dsn: str) -> list[str]:
+    """Apply the pending migrations; returns their names (empty when the schema is current).
+
+    All pending migrations run in one transaction under an advisory lock: two processes
+    migrating at once (several `jobtier migrate` in a rolling deploy) serialise, and the second
+    finds nothing left to do; a failing migration leaves the database as it was.
+    Migrations therefore must not use statements that refuse to run inside a transaction
+    (``CREATE INDEX CONCURRENTLY``).
+    """
+    conn = await connect(dsn)
+    try:
+        async with conn.transaction():
+            await conn.execute(query("migration_lock"), MIGRATION_LOCK)
+            await conn.execute(query("create_migrations_table"))
+            applied = {r["name"] for r in await conn.fetch(query("applied_migrations"))}
+            known = migrations()
+            unknown = applied - {name for name, _ in known}
+            if unknown:
+                log.warning(
+                    "event=unknown_migrations names=%s hint=the_database_is_newer_than_this_code",
+                    ",".join(sorted(unknown)),
+                )
+            done = []
+            for name, sql in known:
+                if name in applied:
+                    continue
+                await conn.execute(sql)
+                await conn.execute(query("record_migration"), name)
+                done.append(name)
+    finally:
+        await conn.close()
+    for name in done:
+        log.info("event=migration_applied name=%s", name)
+    return done
+
+
+async def applied_migrations(conn: AnyConnection) -> list[str]:
+    """Names of the migrations applied to this database ([] before the first migrate)."""
+    if await conn.fetchval("SELECT to_regclass('schema_migrations')") is None:
+        return []
+    return [r["name"] for r in await conn.fetch(query("applied_migrations"))]

@@ -1,0 +1,482 @@
+"""The write-behind persister: shard log streams in Redis -> Postgres, in batches.
+
+Every transition script appends an entry to its shard's log stream (``lua/lib.lua: commit``).
+Persisters read all shards' streams through one consumer group, write each batch in one
+Postgres transaction, and only then acknowledge the entries; acknowledged entries are trimmed
+away. Everything downstream of the read is idempotent, which is what makes the rest simple:
+
+* a replayed entry (committed, then the persister died before XACK) hits the
+  ``job_transitions`` key and the ``jobs`` version guard, and changes nothing;
+* two persisters may commit versions of one job out of order (each holds different entries of
+  the shard): the ``jobs`` row only moves forward, and what only the submit entry knows
+  (payload, idempotency key) is filled in whenever it arrives;
+* a persister that dies leaves its entries pending in the group: it reads them back itself on
+  restart (same name), and any persister takes them over once idle for
+  ``persist_claim_idle_seconds`` (XAUTOCLAIM).
+
+Each batch is one transaction: COPY into staging tables, then one upsert per table
+(``batch.write_batch``; why COPY rather than array parameters is measured there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import asyncpg
+import msgspec
+from redis.exceptions import RedisError, ResponseError
+
+from jobtier.config import Settings
+from jobtier.connection import RedisClient
+from jobtier.keys import Keys
+from jobtier.persist.batch import LogEntry, parse_entry, write_batch
+from jobtier.persist.db import Pool
+from jobtier.persist.reader import lag
+
+log = logging.getLogger("jobtier.persist")
+
+IDLE_SLEEP_MIN = 0.005
+IDLE_SLEEP_MAX = 0.1  # longest nap when every stream is empty: idle CPU stays near zero
+READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
+TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries (and lag refreshes)
+BACKOFF_START = 0.1
+BACKOFF_MAX = 5.0
+
+# Postgres is unreachable or refusing work for now: keep the batch and try again later.
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now
+    asyncpg.exceptions.InsufficientResourcesError,  # too many connections, disk full
+    asyncpg.exceptions.DeadlockDetectedError,
+    asyncpg.exceptions.SerializationError,
+)
+# This entry's data cannot be stored (no retry will help): isolate it, keep the others moving.
+POISON: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.DataError,
+    asyncpg.exceptions.IntegrityConstraintViolationError,
+)
+RETRYABLE: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
+
+
+def _next_id(entry_id: bytes) -> bytes:
+    ms, _, seq = entry_id.partition(b"-")
+    return b"%s-%d" % (ms, int(seq or b"0") + 1)
+
+
+@dataclass
+class PersisterStats:
+    """Counters for the metrics endpoint (plain attributes until prometheus is wired)."""
+
+    batches: int = 0
+    transitions: int = 0  # log entries committed (history rows, replays included)
+    jobs: int = 0  # job rows upserted, after collapsing
+    retries: int = 0  # batch attempts that failed and were retried
+    claimed: int = 0  # entries taken over from idle consumers
+    bad_entries: int = 0  # entries that cannot be stored (left pending, logged)
+    last_batch_size: int = 0
+    last_commit_seconds: float = 0.0
+    lag_entries: int = 0
+    lag_seconds: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list, repr=False)  # recent, for a histogram
+
+
+class Persister:
+    """One member of the persister consumer group. ``await run()`` until ``stop()``.
+
+    ``name`` is its consumer name: keep it stable across restarts (host and slot, not pid) and
+    a restarted persister picks up its own unfinished entries at once instead of after the
+    idle timeout. ``on_commit(entries, wall_time)`` is called after each commit (benchmarks).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        redis: RedisClient,
+        pool: Pool,
+        name: str,
+        *,
+        keys: Keys | None = None,
+        on_commit: Callable[[Sequence[LogEntry], float], None] | None = None,
+        concurrency: int = 2,
+    ) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.pool = pool
+        self.name = name
+        self.keys = keys or Keys(settings.prefix, settings.shards)
+        self.group = self.keys.persist_group()
+        self.batch_size = max(1, settings.persist_batch_size)
+        self.interval = settings.persist_interval
+        self.claim_idle_ms = int(settings.persist_claim_idle_seconds * 1000)
+        self.on_commit = on_commit
+        self.concurrency = max(1, concurrency)  # batches written at once (connections used)
+        self.stats = PersisterStats()
+        self._streams = [self.keys.log(s) for s in range(self.keys.shards)]
+        # b"0": still reading back this consumer's own pending entries (a previous life's)
+        self._cursor = [b"0"] * self.keys.shards
+        self._claim_cursor = [b"0-0"] * self.keys.shards
+        self._buffer: list[LogEntry] = []
+        self._held: set[tuple[int, bytes]] = set()  # (shard, id) buffered or being written
+        self._inflight: set[asyncio.Task[None]] = set()  # flushes being committed
+        self._first_at = 0.0  # when the oldest buffered entry was read
+        self._to_ack: dict[int, list[bytes]] = {}  # committed, XACK not yet confirmed
+        self._stop = asyncio.Event()
+        self._ready = False
+        self._next_claim = 0.0
+        self._next_trim = 0.0
+
+    # --- life cycle -----------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Create the consumer group on every shard stream (from the first entry) if missing."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self._streams:
+            pipe.xgroup_create(stream, self.group, id="0", mkstream=True)
+        for reply in await pipe.execute(raise_on_error=False):
+            if isinstance(reply, ResponseError) and "BUSYGROUP" in str(reply):
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+        self._ready = True
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Persist until ``stop()``; what is buffered then is written once more, without retries."""
+        log.info("event=persister_started name=%s shards=%d", self.name, self.keys.shards)
+        delay, idle = BACKOFF_START, IDLE_SLEEP_MIN
+        try:
+            while not self._stop.is_set():
+                try:
+                    if not self._ready:
+                        await self.setup()
+                    moved = await self.step()
+                    delay = BACKOFF_START
+                except (RedisError, OSError) as exc:
+                    log.warning("event=redis_unavailable retry_in=%.1fs error=%r", delay, exc)
+                    # A lost XREADGROUP reply leaves entries pending to us that we never saw:
+                    # read our pending entries again (held ones are skipped). A restarted or
+                    # flushed Redis may have lost the group: create it again.
+                    self._cursor = [b"0"] * len(self._streams)
+                    self._ready = False
+                    await self._sleep(delay)
+                    delay = min(delay * 2, BACKOFF_MAX)
+                    continue
+                if moved:
+                    idle = IDLE_SLEEP_MIN
+                else:
+                    await self._sleep(idle)
+                    idle = min(idle * 2, IDLE_SLEEP_MAX)
+            if self._inflight:  # they give up their retries now that we are stopping
+                await asyncio.wait(self._inflight)
+            self._reap()
+            with contextlib.suppress(*UNAVAILABLE, RedisError):
+                while self._buffer:
+                    await self._flush(self._take(), retry=False)
+                await self._ack()
+        finally:
+            self._cancel_flushes()
+        log.info("event=persister_stopped name=%s", self.name)
+
+    async def step(self) -> bool:
+        """One round: acknowledge, claim, read, start a flush, trim. False when idle.
+
+        Up to ``concurrency`` batches are written at once, each in its own transaction on its
+        own connection, while reading goes on: Postgres's time per batch is most of the cost,
+        and it overlaps with decoding the next batch (and with itself, on a second core).
+        """
+        now = time.monotonic()
+        self._reap()
+        if self._to_ack:
+            await self._ack()
+        if now >= self._next_claim:
+            self._next_claim = now + max(0.05, self.claim_idle_ms / 2000)
+            await self._claim()
+        more = False
+        if len(self._buffer) < self.batch_size:
+            more = await self._read()
+        moved = more
+        if self._buffer:
+            waited = time.monotonic() - self._first_at
+            ready = len(self._buffer) >= self.batch_size or waited >= self.interval
+            if ready and len(self._inflight) < self.concurrency:
+                self._start_flush()
+                moved = True
+            elif ready and (len(self._buffer) >= self.batch_size or not more):
+                # every connection busy: wait for a commit rather than poll Redis in a loop
+                await asyncio.wait(
+                    self._inflight, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED
+                )
+                moved = True
+            elif not ready and not more:
+                # gather for the rest of the interval: fewer, larger transactions
+                await self._sleep(max(0.0, self.interval - waited))
+                moved = True
+        if now >= self._next_trim:
+            self._next_trim = now + TRIM_EVERY
+            await self.trim()
+            self.stats.lag_entries, self.stats.lag_seconds = await lag(self.redis, self.keys)
+        return moved
+
+    async def drain(self) -> int:
+        """Persist everything readable now; returns the number of entries committed.
+
+        For tests and `jobtier persister --burst`: no sleeping, and no waiting for other
+        consumers' entries to become idle beyond one XAUTOCLAIM pass.
+        """
+        if not self._ready:
+            await self.setup()
+        before = self.stats.transitions
+        try:
+            await self._claim()
+            while True:
+                self._reap()
+                await self._ack()
+                more = await self._read() if len(self._buffer) < self.batch_size else True
+                if self._buffer and len(self._inflight) < self.concurrency:
+                    self._start_flush()
+                elif self._inflight and (self._buffer or not more):
+                    await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
+                elif not more and not self._buffer:
+                    break
+            await self._ack()
+            await self.trim()
+        finally:
+            self._cancel_flushes()
+        return self.stats.transitions - before
+
+    async def _sleep(self, seconds: float) -> bool:
+        """Sleep unless stopped; True once ``stop()`` was called."""
+        if seconds > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), seconds)
+        return self._stop.is_set()
+
+    # --- reading --------------------------------------------------------------------------
+    def _accept(self, shard: int, entry_id: bytes, fields: dict[bytes, bytes] | None) -> bool:
+        if (shard, entry_id) in self._held:
+            return False  # claimed back while we still hold it (a long Postgres outage)
+        if not fields:  # pending, but trimmed from the stream: nothing left to write
+            self._to_ack.setdefault(shard, []).append(entry_id)
+            return False
+        try:
+            entry = parse_entry(shard, entry_id, fields)
+        except (KeyError, ValueError, UnicodeDecodeError, msgspec.DecodeError) as exc:
+            # Left pending, never acknowledged: a persister that understands it (a newer
+            # version, in a rolling deploy) takes it over after the idle timeout.
+            self.stats.bad_entries += 1
+            log.error(
+                "event=bad_log_entry stream=%s id=%s error=%r",
+                self._streams[shard], entry_id.decode(), exc,
+            )  # fmt: skip
+            return False
+        if not self._buffer:
+            self._first_at = time.monotonic()
+        self._buffer.append(entry)
+        self._held.add((shard, entry_id))
+        return True
+
+    async def _read(self) -> bool:
+        """XREADGROUP every shard in one pipeline. True if some shard may have more."""
+        room = self.batch_size - len(self._buffer)
+        count = max(-(-room // len(self._streams)), READ_MIN)
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, cursor in zip(self._streams, self._cursor, strict=True):
+            pipe.xreadgroup(self.group, self.name, {stream: cursor}, count=count)
+        replies = await pipe.execute()
+        more = False
+        for shard, reply in enumerate(replies):
+            items = reply[0][1] if reply else []
+            if self._cursor[shard] != b">":
+                # own pending entries from a previous life, then new ones
+                self._cursor[shard] = items[-1][0] if items else b">"
+                more = True
+            elif len(items) == count:
+                more = True
+            for entry_id, fields in items:
+                self._accept(shard, entry_id, fields)
+        return more
+
+    async def _claim(self) -> None:
+        """Take over entries idle longer than the claim timeout (their persister died)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, start in zip(self._streams, self._claim_cursor, strict=True):
+            pipe.xautoclaim(
+                stream, self.group, self.name, self.claim_idle_ms, start, count=self.batch_size
+            )
+        for shard, reply in enumerate(await pipe.execute()):
+            next_start, items = reply[0], reply[1]
+            self._claim_cursor[shard] = next_start
+            taken = sum(self._accept(shard, entry_id, fields) for entry_id, fields in items)
+            if taken:
+                self.stats.claimed += taken
+                log.info("event=entries_claimed stream=%s count=%d", self._streams[shard], taken)
+
+    # --- writing --------------------------------------------------------------------------
+    async def persist(self, entries: Sequence[LogEntry]) -> None:
+        """Write entries to Postgres in one transaction (no acknowledgement)."""
+        async with self.pool.acquire() as conn:
+            jobs = await write_batch(conn, entries)
+        self.stats.jobs += jobs
+
+    def _take(self) -> list[LogEntry]:
+        # what stays behind keeps its _first_at: it has waited at least that long
+        batch = self._buffer[: self.batch_size]
+        del self._buffer[: self.batch_size]
+        return batch
+
+    def _start_flush(self) -> None:
+        task = asyncio.create_task(self._flush(self._take()))
+        self._inflight.add(task)
+
+    def _reap(self) -> None:
+        """Forget finished flushes; a flush that failed unexpectedly (a bug) fails the caller."""
+        for task in [t for t in self._inflight if t.done()]:
+            self._inflight.discard(task)
+            task.result()
+
+    def _cancel_flushes(self) -> None:
+        # a cancelled flush either committed (its entries stay pending: replayed harmlessly
+        # later) or did not (they stay pending: written later)
+        for task in self._inflight:
+            task.cancel()
+        self._inflight.clear()
+
+    async def _flush(self, batch: list[LogEntry], retry: bool = True) -> None:
+        """Commit a batch (retrying through outages), then queue its XACKs."""
+        started = time.monotonic()
+        try:
+            written = await self._commit(batch, retry)
+        finally:
+            for e in batch:
+                self._held.discard((e.shard, e.entry_id))
+        if written is None:  # stopped while Postgres was away: the entries stay pending
+            return
+        for e in written:
+            self._to_ack.setdefault(e.shard, []).append(e.entry_id)
+        stats = self.stats
+        stats.batches += 1
+        stats.transitions += len(written)
+        stats.last_batch_size = len(batch)
+        stats.last_commit_seconds = time.monotonic() - started
+        stats.batch_sizes.append(len(batch))
+        del stats.batch_sizes[:-1000]
+        if self.on_commit is not None:
+            self.on_commit(written, time.time())
+
+    async def _commit(self, batch: Sequence[LogEntry], retry: bool) -> Sequence[LogEntry] | None:
+        """Write the batch, retrying through Postgres outages with capped exponential back-off.
+
+        Returns the entries written (a poisoned entry is left out: not written, not acked), or
+        None when stopped before the batch could be committed: it stays pending in Redis.
+        """
+        delay, failures, down_since = BACKOFF_START, 0, 0.0
+        while True:
+            try:
+                await self.persist(batch)
+                if failures:
+                    log.warning(
+                        "event=postgres_available down_for=%.1fs retries=%d",
+                        time.monotonic() - down_since, failures,
+                    )  # fmt: skip
+                return batch
+            except POISON as exc:
+                if len(batch) > 1:
+                    return await self._isolate(batch, retry)
+                self._poisoned(batch[0], exc)
+                return []
+            except RETRYABLE as exc:
+                if not retry:
+                    raise
+                if not failures:
+                    down_since = time.monotonic()
+                failures += 1
+                self.stats.retries += 1
+                event = "postgres_unavailable"
+                if not isinstance(exc, UNAVAILABLE):  # e.g. schema missing: run jobtier migrate
+                    event = "batch_failed"
+                log.warning(
+                    "event=%s retry_in=%.1fs batch=%d error=%r",
+                    event, delay, len(batch), exc,
+                )  # fmt: skip
+                if await self._sleep(delay):
+                    return None
+                delay = min(delay * 2, BACKOFF_MAX)
+
+    async def _isolate(self, batch: Sequence[LogEntry], retry: bool) -> Sequence[LogEntry] | None:
+        """A batch was refused for its data: write entry by entry to find the bad ones."""
+        written: list[LogEntry] = []
+        for entry in batch:
+            done = await self._commit([entry], retry)
+            if done is None:
+                return None
+            written.extend(done)
+        return written
+
+    def _poisoned(self, entry: LogEntry, exc: BaseException) -> None:
+        self.stats.bad_entries += 1
+        log.error(
+            "event=entry_refused stream=%s id=%s job=%s version=%d error=%r",
+            self._streams[entry.shard], entry.entry_id.decode(), entry.status.id,
+            entry.status.version, exc,
+        )  # fmt: skip
+
+    async def _ack(self) -> None:
+        if not self._to_ack:
+            return
+        todo, self._to_ack = self._to_ack, {}
+        pipe = self.redis.pipeline(transaction=False)
+        for shard, ids in todo.items():
+            pipe.xack(self._streams[shard], self.group, *ids)
+        try:
+            await pipe.execute()
+        except BaseException:
+            # committed but not acknowledged: keep the ids; a replay would be harmless anyway
+            for shard, ids in todo.items():
+                self._to_ack.setdefault(shard, []).extend(ids)
+            raise
+
+    async def trim(self) -> None:
+        """Drop log entries every consumer group has acknowledged.
+
+        Per shard and group, everything below the lowest pending id has been delivered (groups
+        deliver in id order) and is no longer pending, so it was acknowledged; with nothing
+        pending, everything up to the last delivered id was. XINFO GROUPS runs before XPENDING
+        on the same connection: an entry delivered between the two has an id above the
+        last-delivered id we read, so it cannot be trimmed while still pending.
+        """
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self._streams:
+            pipe.xinfo_groups(stream)
+        infos = await pipe.execute(raise_on_error=False)
+        pipe = self.redis.pipeline(transaction=False)
+        asked: list[tuple[int, bytes]] = []
+        for shard, groups in enumerate(infos):
+            if isinstance(groups, Exception) or not groups:
+                continue
+            for g in groups:
+                pipe.xpending(self._streams[shard], g["name"])
+                asked.append((shard, g["last-delivered-id"]))
+        floors: dict[int, bytes] = {}
+        for (shard, delivered), pending in zip(asked, await pipe.execute(), strict=True):
+            floor = pending["min"] if pending["pending"] else _next_id(delivered)
+            if shard not in floors or _key(floor) < _key(floors[shard]):
+                floors[shard] = floor
+        pipe = self.redis.pipeline(transaction=False)
+        for shard, floor in floors.items():
+            pipe.xtrim(self._streams[shard], minid=floor, approximate=False)
+        if floors:
+            await pipe.execute()
+
+
+def _key(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or b"0")

@@ -1,0 +1,103 @@
+-- jobtier's Postgres schema: what the numbered migrations in migrations/ leave behind, in one
+-- place to read. A test (tests/integration/test_persist_migrations.py) checks that applying
+-- every migration in order gives exactly this schema; change both together. The
+-- schema_migrations bookkeeping table belongs to db.migrate(), not to this file.
+--
+-- payload, result, error and progress are `json`, not `jsonb`: they are stored and served back
+-- verbatim (the bytes a client submitted or a task returned), and `jsonb` refuses valid JSON
+-- such as "\u0000", which would stall the write-behind on one job's payload.
+
+-- One row per job: its latest state, written behind from the shard log streams. `version` only
+-- moves forward (see queries.sql: upsert_jobs).
+CREATE TABLE jobs (
+    id               text        NOT NULL,
+    tenant           text        NOT NULL,
+    type             text        NOT NULL,
+    priority         text        NOT NULL,
+    state            text        NOT NULL,
+    version          integer     NOT NULL,
+    attempt          integer     NOT NULL,
+    max_attempts     integer     NOT NULL,
+    created_at       timestamptz NOT NULL,
+    updated_at       timestamptz NOT NULL,
+    run_at           timestamptz,
+    -- NULL only until the submit entry is written (another persister may commit a later
+    -- version of the job first)
+    payload          json,
+    idempotency_key  text,
+    -- inline when at most 64 KiB; larger results live in job_results and this stays NULL
+    result           json,
+    result_size      integer,
+    error            json,
+    progress         json,
+    cancel_requested boolean     NOT NULL DEFAULT false,
+    worker           text,
+    -- the status document of `version`, byte for byte what Redis served
+    doc              bytea       NOT NULL,
+    CONSTRAINT jobs_pkey PRIMARY KEY (id),
+    CONSTRAINT jobs_state_check CHECK (
+        state IN ('scheduled', 'queued', 'running', 'succeeded', 'failed', 'cancelled')
+    ),
+    CONSTRAINT jobs_priority_check CHECK (priority IN ('critical', 'high', 'normal', 'low'))
+);
+
+-- listing: a tenant's jobs newest (or oldest) first, keyset paginated by (created_at, id),
+-- optionally filtered by state or type
+CREATE INDEX jobs_tenant_created_idx ON jobs (tenant, created_at, id);
+CREATE INDEX jobs_tenant_state_created_idx ON jobs (tenant, state, created_at, id);
+CREATE INDEX jobs_tenant_type_created_idx ON jobs (tenant, type, created_at, id);
+
+-- Every change of every job's status document, exactly once: the key makes replays harmless.
+-- `worker` is who made the change: a worker id, or 'api', 'scheduler', 'admin'. No foreign key
+-- to jobs: the history is append-only and written at tens of thousands of rows a second.
+CREATE TABLE job_transitions (
+    job_id           text        NOT NULL,
+    version          integer     NOT NULL,
+    from_state       text,
+    to_state         text        NOT NULL,
+    at               timestamptz NOT NULL,
+    worker           text        NOT NULL,
+    attempt          integer     NOT NULL,
+    error            json,
+    progress         json,
+    cancel_requested boolean     NOT NULL,
+    CONSTRAINT job_transitions_pkey PRIMARY KEY (job_id, version)
+);
+
+-- Results larger than the inline limit.
+CREATE TABLE job_results (
+    job_id text    NOT NULL,
+    result json    NOT NULL,
+    size   integer NOT NULL,
+    CONSTRAINT job_results_pkey PRIMARY KEY (job_id),
+    CONSTRAINT job_results_job_id_fkey FOREIGN KEY (job_id) REFERENCES jobs (id) ON DELETE CASCADE
+);
+
+-- Recurring jobs (cron expression or fixed interval), for the scheduler.
+CREATE TABLE schedules (
+    id               text        NOT NULL,
+    tenant           text        NOT NULL,
+    name             text        NOT NULL,
+    type             text        NOT NULL,
+    payload          json        NOT NULL,
+    priority         text        NOT NULL DEFAULT 'normal',
+    max_attempts     integer,
+    cron             text,
+    timezone         text        NOT NULL DEFAULT 'UTC',
+    interval_seconds integer,
+    -- what to do with firings missed while no scheduler ran: skip them, fire once, fire each
+    misfire_policy   text        NOT NULL DEFAULT 'fire_once',
+    paused           boolean     NOT NULL DEFAULT false,
+    next_fire_at     timestamptz,
+    last_fired_at    timestamptz,
+    created_at       timestamptz NOT NULL DEFAULT now(),
+    updated_at       timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT schedules_pkey PRIMARY KEY (id),
+    CONSTRAINT schedules_tenant_name_key UNIQUE (tenant, name),
+    CONSTRAINT schedules_cron_or_interval_check CHECK ((cron IS NULL) <> (interval_seconds IS NULL)),
+    CONSTRAINT schedules_interval_check CHECK (interval_seconds > 0),
+    CONSTRAINT schedules_misfire_policy_check CHECK (misfire_policy IN ('skip', 'fire_once', 'fire_all')),
+    CONSTRAINT schedules_priority_check CHECK (priority IN ('critical', 'high', 'normal', 'low'))
+);
+
+CREATE INDEX schedules_due_idx ON schedules (next_fire_at) WHERE NOT paused;

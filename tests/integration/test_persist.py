@@ -1,0 +1,197 @@
+"""The persister against real Redis and Postgres: exactness, idempotence, crash recovery."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from jobtier.config import Settings
+from jobtier.keys import Keys
+from jobtier.persist.batch import LogEntry, parse_entry
+from jobtier.persist.db import Pool
+from jobtier.persist.persister import Persister
+from jobtier.persist.reader import lag
+from tests.fixtures.postgres import (
+    assert_pg_matches_redis,
+    log_entries,
+    mixed_workload,
+    simple_jobs,
+)
+
+
+@pytest.fixture
+def keys(settings: Settings) -> Keys:
+    return Keys(settings.prefix, settings.shards)
+
+
+async def snapshot(pool: Pool) -> tuple[list[Any], ...]:
+    jobs = await pool.fetch("SELECT *, payload::text, result::text FROM jobs ORDER BY id")
+    history = await pool.fetch(
+        "SELECT *, error::text, progress::text FROM job_transitions ORDER BY job_id, version"
+    )
+    results = await pool.fetch("SELECT job_id, result::text, size FROM job_results ORDER BY 1")
+    return [tuple(r) for r in jobs], [tuple(r) for r in history], [tuple(r) for r in results]
+
+
+def parsed(raw: Sequence[tuple[int, bytes, dict[bytes, bytes]]]) -> list[LogEntry]:
+    return [parse_entry(shard, entry_id, fields) for shard, entry_id, fields in raw]
+
+
+async def test_mixed_workload_reaches_postgres_exactly(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    job_ids = await mixed_workload(redis, keys, n=150)
+    entries = await log_entries(redis, keys)
+    assert (await lag(redis, keys))[0] == len(entries)
+
+    persister = Persister(pg_settings.replace(persist_batch_size=64), redis, pg_pool, "p1")
+    assert await persister.drain() == len(entries)
+
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    assert persister.stats.batches > 1
+    assert await lag(redis, keys) == (0, 0.0)
+    # everything was acknowledged, so everything was trimmed
+    assert sum([await redis.xlen(keys.log(s)) for s in range(keys.shards)]) == 0
+
+
+async def test_replaying_the_same_entries_changes_nothing(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    await mixed_workload(redis, keys, n=80, seed=3)
+    entries = parsed(await log_entries(redis, keys))
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    await persister.drain()
+    before = await snapshot(pg_pool)
+
+    await persister.persist(entries)
+    await persister.persist(entries[::-1])
+    for entry in entries[:50]:
+        await persister.persist([entry])
+    assert await snapshot(pg_pool) == before
+
+
+async def test_versions_committed_out_of_order_end_in_the_right_state(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """Several persisters commit a job's versions in any order: the latest state still wins,
+    and the submit-only fields (payload, idempotency key) arrive whenever version 1 does."""
+    job_ids = await mixed_workload(redis, keys, n=80, seed=5)
+    entries = parsed(await log_entries(redis, keys))
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+
+    # newest versions first, one transaction per version number
+    for version in sorted({e.status.version for e in entries}, reverse=True):
+        await persister.persist([e for e in entries if e.status.version == version])
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+
+
+async def test_random_batches_in_random_order(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    job_ids = await mixed_workload(redis, keys, n=80, seed=11)
+    entries = parsed(await log_entries(redis, keys))
+    rng = random.Random(2)
+    rng.shuffle(entries)
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    batches = [entries[i : i + 17] for i in range(0, len(entries), 17)]
+    # and concurrently, as several persisters would (rows are locked in id order: no deadlock)
+    await asyncio.gather(*(persister.persist(b) for b in batches))
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+
+
+class Crash(Exception):
+    pass
+
+
+async def test_crash_between_commit_and_ack_is_replayed_without_doubles(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    job_ids = await simple_jobs(redis, keys, 200)
+
+    def crash(entries: Sequence[LogEntry], at: float) -> None:
+        raise Crash  # committed, not yet acknowledged
+
+    doomed = Persister(pg_settings, redis, pg_pool, "p1", on_commit=crash)
+    with pytest.raises(Crash):
+        await doomed.drain()
+    assert (await lag(redis, keys))[0] == 600  # nothing acknowledged
+
+    # the same name after a restart reads its own pending entries back first
+    reborn = Persister(pg_settings, redis, pg_pool, "p1")
+    assert await reborn.drain() == 600
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    assert await lag(redis, keys) == (0, 0.0)
+
+
+async def test_entries_of_a_dead_persister_are_claimed_after_the_idle_timeout(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    job_ids = await simple_jobs(redis, keys, 100)
+    group = keys.persist_group()
+    await Persister(pg_settings, redis, pg_pool, "setup").setup()
+    for shard in range(keys.shards):  # a persister read these, then died
+        await redis.xreadgroup(group, "dead", {keys.log(shard): ">"}, count=10)
+
+    patient = Persister(pg_settings, redis, pg_pool, "p2")  # claim idle timeout: 30 s
+    await patient.drain()
+    pending = sum([(await redis.xpending(keys.log(s), group))["pending"] for s in range(4)])
+    assert pending == 40
+    # trimming kept every entry still pending
+    assert sum([await redis.xlen(keys.log(s)) for s in range(keys.shards)]) >= 40
+
+    quick = Persister(pg_settings.replace(persist_claim_idle_seconds=0.01), redis, pg_pool, "p3")
+    await asyncio.sleep(0.05)
+    assert await quick.drain() == 40
+    assert quick.stats.claimed == 40
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    assert await lag(redis, keys) == (0, 0.0)
+    assert sum([await redis.xlen(keys.log(s)) for s in range(keys.shards)]) == 0
+
+
+async def test_run_persists_until_stopped(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    task = asyncio.create_task(persister.run())
+    job_ids: list[str] = []
+    for _ in range(5):
+        job_ids += await simple_jobs(redis, keys, 50)
+        await asyncio.sleep(0.01)
+    await _until(lambda: persister.stats.transitions >= len(job_ids) * 3)
+    persister.stop()
+    await asyncio.wait_for(task, 10)
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    assert (await lag(redis, keys))[0] == 0
+
+
+async def test_a_malformed_entry_is_left_pending_and_the_rest_goes_on(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, caplog: Any
+) -> None:
+    job_ids = await simple_jobs(redis, keys, 20)
+    await redis.xadd(keys.log(0), {"d": b"{not a document", "tn": "t1", "fr": "", "w": "api"})
+    # valid document, but a payload Postgres refuses as JSON: isolated from its batch
+    entries = await log_entries(redis, keys)
+    submit = next(f for _, _, f in entries if f[b"fr"] == b"")
+    bad = dict(submit, p=b"{not json")
+    bad[b"d"] = bad[b"d"].replace(b'"id":"', b'"id":"X', 1)  # another job id
+    await redis.xadd(keys.log(1), bad)
+    caplog.set_level(logging.ERROR, logger="jobtier.persist")
+
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    assert await persister.drain() == 60
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    assert persister.stats.bad_entries == 2
+    assert "event=bad_log_entry" in caplog.text and "event=entry_refused" in caplog.text
+    assert (await lag(redis, keys))[0] == 2  # never acknowledged, so never trimmed
+
+
+async def _until(predicate: Any, timeout: float = 30.0) -> None:
+    """Wait for a condition (liveness, not a timing assertion: the bound is generous)."""
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)

@@ -1,0 +1,59 @@
+"""The persister on a Redis Cluster: shards spread over nodes, per-shard commands pipelined."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from redis.asyncio import RedisCluster
+
+from jobtier.config import Settings
+from jobtier.connection import connect
+from jobtier.devservices import LocalCluster
+from jobtier.keys import Keys
+from jobtier.persist.db import Pool
+from jobtier.persist.persister import Persister
+from jobtier.persist.reader import lag
+from tests.fixtures.postgres import assert_pg_matches_redis, mixed_workload
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[LocalCluster]:
+    folder = Path(tempfile.mkdtemp(prefix="jobtier-cluster-"))
+    nodes = LocalCluster(folder, masters=3).start()
+    yield nodes
+    nodes.stop()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+async def cluster_client(cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
+    settings = Settings.from_env({}, redis_url=cluster.url, redis_cluster=True, shards=8)
+    client = connect(settings)
+    assert isinstance(client, RedisCluster)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
+async def test_persister_on_a_cluster(
+    cluster_client: RedisCluster, pg_pool: Pool, pg_dsn: str, cluster: LocalCluster
+) -> None:
+    keys = Keys("jt", 8)
+    nodes = {cluster_client.get_node_from_key(keys.log(s)).port for s in range(8)}
+    assert len(nodes) > 1  # the shards really are spread over nodes
+
+    job_ids = await mixed_workload(cluster_client, keys, n=100)
+    settings = Settings.from_env(
+        {}, redis_url=cluster.url, redis_cluster=True, shards=8, database_url=pg_dsn,
+        persist_batch_size=50,
+    )  # fmt: skip
+    persister = Persister(settings, cluster_client, pg_pool, "p1")
+    assert await persister.drain() > 0
+    await assert_pg_matches_redis(cluster_client, pg_pool, keys, job_ids)
+    assert await lag(cluster_client, keys) == (0, 0.0)
