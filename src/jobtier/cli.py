@@ -81,10 +81,17 @@ def cmd_scheduler(args: argparse.Namespace, settings: Settings) -> int:
     from jobtier.scheduler import Scheduler
 
     async def main() -> int:
-        async with await Queue.connect(settings) as queue:
-            scheduler = Scheduler(queue, batch=args.batch)
-            _on_signals(scheduler.stop)
-            await scheduler.run()
+        from jobtier.persist.db import create_pool
+        from jobtier.persist.schedule_store import ScheduleStore
+
+        pool = await create_pool(settings.database_url, min_size=0, max_size=2)
+        try:
+            async with await Queue.connect(settings) as queue:
+                scheduler = Scheduler(queue, batch=args.batch, store=ScheduleStore(pool))
+                _on_signals(scheduler.stop)
+                await scheduler.run()
+        finally:
+            await pool.close()
         return 0
 
     return _run_async(main)

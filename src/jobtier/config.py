@@ -65,6 +65,11 @@ class Settings:
         300.0, "A run-at this far in the past is accepted as 'now'; older is refused."
     )
 
+    cron_misfire_grace_seconds: float = _setting(
+        60.0, "A schedule's slot later than this counts as missed (its misfire policy applies)."
+    )
+    min_schedule_interval: int = _setting(1, "Shortest interval (seconds) a schedule may have.")
+
     # --- HTTP API --------------------------------------------------------------------------
     api_host: str = _setting("127.0.0.1", "Address the API listens on.")
     api_port: int = _setting(8000, "Port the API listens on.")

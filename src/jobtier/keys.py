@@ -14,10 +14,13 @@ Per shard::
     jt:{s}:idem:<tenant>:<k> string idempotency record: "<job id> <request hash>"
     jt:{s}:waiting           hash   tenant -> queued+scheduled jobs in this shard
     jt:{s}:wrr               string claim cursor of the weighted priority rotation
+    jt:{s}:cron              zset   recurring schedules of this shard by next fire time (ms)
+    jt:{s}:cron:<id>         hash   a schedule: "def" (JSON), "next", "last" (ms), "paused"
     jt:{s}:log               stream every transition, read by the persister (write-behind)
     jt:{s}:ev                shard channel: "<id> <version> <tenant>\\n<status document>"
-    jt:{s}:wake              shard channel: "q" (a queue became non-empty) or "s <ms>"
-                             (an earlier run-at or lease deadline to wake the scheduler for)
+    jt:{s}:wake              shard channel: "q" (a queue became non-empty), "s <ms>" (an
+                             earlier run-at to wake the scheduler for) or "c <ms>" (a
+                             schedule's next firing)
 
 Job ids are ``<ULID>-<shard>``: time-ordered, and any process routes them without a lookup.
 """
@@ -120,6 +123,12 @@ class Keys:
 
     def idem(self, shard: int, tenant: str, key: str) -> str:
         return f"{self._bases[shard]}idem:{tenant}:{key}"
+
+    def cron(self, shard: int) -> str:
+        return self._bases[shard] + "cron"
+
+    def cron_def(self, shard: int, schedule_id: str) -> str:
+        return f"{self._bases[shard]}cron:{schedule_id}"
 
     def events(self, shard: int) -> str:
         return self._bases[shard] + "ev"

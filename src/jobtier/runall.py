@@ -104,6 +104,7 @@ async def run_all(
     from jobtier.api.extension import postgres_extension
     from jobtier.persist.db import create_pool, migrate
     from jobtier.persist.persister import Persister
+    from jobtier.persist.schedule_store import ScheduleStore
 
     registry = TaskRegistry.load(args.tasks)
     services = None
@@ -123,7 +124,7 @@ async def run_all(
         pool = await create_pool(settings.database_url, min_size=0, max_size=4)
         async with await Queue.connect(settings, registry) as queue:
             worker = Worker(queue, registry, concurrency=args.concurrency)
-            scheduler = Scheduler(queue)
+            scheduler = Scheduler(queue, store=ScheduleStore(pool))
             persister = Persister(settings, queue.redis, pool, "run-persister")
             app = create_app(settings, postgres_extension(settings))
             config = uvicorn.Config(

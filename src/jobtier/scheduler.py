@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from jobtier.connection import ShardSubscriber
+from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
+from jobtier.schedules import CronMirror, mirror_def, to_datetime
 from jobtier.scripts import Call
 
 log = logging.getLogger("jobtier.scheduler")
@@ -35,6 +37,7 @@ NOW = 0  # "due now": check the shard on the next pass
 @dataclass(slots=True)
 class SchedulerStats:
     promoted: int = 0
+    fired: int = 0  # jobs created by recurring schedules
     requeued: int = 0  # expired leases put back in their queue
     dead: int = 0  # expired leases with no attempts left
     passes: int = 0
@@ -55,6 +58,8 @@ class Scheduler:
         *,
         batch: int = 1000,
         max_sleep: float = 5.0,
+        store: ScheduleStore | None = None,
+        reconcile_every: float = 60.0,
         extra: Callable[[float], Awaitable[float | None]] | None = None,
     ) -> None:
         self.queue = queue
@@ -69,6 +74,13 @@ class Scheduler:
         n = self.keys.shards
         self._next_due: list[float] = [NOW] * n
         self._next_lease: list[float] = [NOW] * n
+        self._next_cron: list[float] = [NOW] * n
+        self.cron = CronMirror(queue.redis, queue.keys, queue.scripts)
+        # Postgres holds the schedules' definitions: the mirror is checked against it
+        self.store = store
+        self.reconcile_every = reconcile_every
+        self._reconciled = 0.0
+        self.misfire_grace_ms = int(self.settings.cron_misfire_grace_seconds * 1000)
         self._offset_ms = 0.0  # Redis clock minus ours
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
@@ -82,16 +94,19 @@ class Scheduler:
         return time.time() * 1000 + self._offset_ms
 
     def _on_wake(self, channel: bytes, data: bytes) -> None:
-        if data[:2] == b"s ":
+        kind = data[:2]
+        if kind == b"s " or kind == b"c ":
             shard = int(channel[channel.index(b"{") + 1 : channel.index(b"}")])
             at = int(data[2:])
-            if at < self._next_due[shard] or self._next_due[shard] < 0:
-                self._next_due[shard] = at
+            times = self._next_due if kind == b"s " else self._next_cron
+            if at < times[shard] or times[shard] < 0:
+                times[shard] = at
                 self._wake.set()
 
     def _on_reset(self) -> None:
         # wake messages may have been missed: look at every shard again
         self._next_due = [NOW] * self.keys.shards
+        self._next_cron = [NOW] * self.keys.shards
         self._wake.set()
 
     async def run(self) -> SchedulerStats:
@@ -110,6 +125,7 @@ class Scheduler:
             while not self._stopping.is_set():
                 self._wake.clear()
                 try:
+                    await self._maybe_reconcile()
                     await self.run_once()
                     if self.extra and extra_due is not None and extra_due <= self.redis_now_ms():
                         extra_due = await self.extra(self.redis_now_ms())
@@ -118,6 +134,7 @@ class Scheduler:
                     log.warning("event=scheduler_pass_failed error=%r retry_in=%.2fs", exc, backoff)
                     self._next_due = [NOW] * self.keys.shards
                     self._next_lease = [NOW] * self.keys.shards
+                    self._next_cron = [NOW] * self.keys.shards
                     await self._sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
@@ -131,7 +148,12 @@ class Scheduler:
         return self.stats
 
     def _seconds_to_next(self, extra_due: float | None) -> float:
-        dues = [t for t in self._next_due if t >= 0] + [t for t in self._next_lease if t >= 0]
+        dues = [
+            t
+            for times in (self._next_due, self._next_lease, self._next_cron)
+            for t in times
+            if t >= 0
+        ]
         if extra_due is not None:
             dues.append(extra_due)
         if not dues:
@@ -146,10 +168,63 @@ class Scheduler:
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
 
+    async def _fire_cron(self, now: float) -> int:
+        """Fire the recurring schedules that are due (before promoting: their jobs are
+        created due now, so a worker can take them in this same pass)."""
+        created = 0
+        for shard, due in enumerate(self._next_cron):
+            if 0 <= due <= now:
+                self._next_cron[shard] = -1  # a wake during the call records itself (see below)
+                made, nxt = await self.cron.fire_due(
+                    shard, int(self.redis_now_ms()), self.misfire_grace_ms
+                )
+                created += made
+                self.stats.fired += made
+                woke = self._next_cron[shard]
+                self._next_cron[shard] = nxt if woke < 0 else (woke if nxt < 0 else min(nxt, woke))
+        return created
+
+    async def reconcile(self) -> int:
+        """Restore schedules Postgres has and Redis lost; copy firing times back to Postgres.
+        Returns how many schedules were restored."""
+        if self.store is None:
+            return 0
+        rows = await self.store.all()
+        times = await self.cron.times([s.id for s, _ in rows])
+        restored = 0
+        now = int(self.redis_now_ms())
+        for schedule, payload in rows:
+            if schedule.id in times:
+                continue
+            definition = mirror_def(schedule, self.settings.default_max_attempts)
+            if schedule.paused:
+                next_ms = None
+            elif schedule.next_fire_at is not None:
+                next_ms = round(schedule.next_fire_at.timestamp() * 1000)
+            else:
+                next_ms = definition.timing().next_after(now)
+            await self.cron.put(schedule.id, definition, payload, next_ms, schedule.paused)
+            restored += 1
+            log.warning("event=schedule_restored schedule=%s next_fire_ms=%s", schedule.id, next_ms)
+        await self.store.sync_times(
+            [(sid, to_datetime(nxt), to_datetime(last)) for sid, (nxt, last, _) in times.items()]
+        )
+        return restored
+
+    async def _maybe_reconcile(self) -> None:
+        if self.store is None or time.monotonic() - self._reconciled < self.reconcile_every:
+            return
+        self._reconciled = time.monotonic()
+        try:
+            await self.reconcile()
+        except Exception as exc:  # Postgres down: firing goes on from Redis meanwhile
+            log.warning("event=schedule_reconcile_failed error=%r", exc)
+
     async def run_once(self) -> int:
         """One pass over the shards that are due; returns the jobs moved."""
         self.stats.passes += 1
         now = self.redis_now_ms()
+        moved = await self._fire_cron(now)
         promote = [s for s, t in enumerate(self._next_due) if 0 <= t <= now]
         reclaim = [s for s, t in enumerate(self._next_lease) if 0 <= t <= now]
         calls: list[Call] = [self.scripts.promote_call(s, self.batch) for s in promote]
@@ -161,7 +236,7 @@ class Scheduler:
             for shard in reclaim
         ]
         if not calls:
-            return 0
+            return moved
         for shard in promote:
             # a wake arriving while the call is in flight may name a job added after the
             # script looked: -1 lets _on_wake record it, and the answer below keeps it
@@ -169,7 +244,6 @@ class Scheduler:
         sent = time.time() * 1000
         replies = await self.scripts.call_many(calls)
         received = time.time() * 1000
-        moved = 0
         lease_ms = s.lease_seconds * 1000
         for shard, reply in zip(promote, replies[: len(promote)], strict=True):
             r = self.scripts.parse_promote(reply)

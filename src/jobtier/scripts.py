@@ -30,7 +30,7 @@ from jobtier.model import ClaimedJob
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (
     "submit", "claim", "heartbeat", "complete", "fail", "stopped",
-    "cancel", "promote", "reclaim", "replay",
+    "cancel", "promote", "reclaim", "replay", "fire",
 )  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api import openapi as oa
+from jobtier.api import schedules
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
 from jobtier.api.jobs import JSON
@@ -25,7 +26,9 @@ from jobtier.errors import InvalidRequest
 from jobtier.model import JobStatus, State
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
 from jobtier.persist.reader import PgReader, Transition, lag
+from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
+from jobtier.schedules import CronMirror
 
 log = logging.getLogger("jobtier.api")
 
@@ -64,9 +67,10 @@ class PostgresExtension(Extension):
         self.routes = [
             Route("/v1/jobs", list_jobs, methods=["GET"]),
             Route("/v1/jobs/{job_id}/history", history, methods=["GET"]),
+            *schedules.routes,
         ]
-        self.openapi_paths = OPENAPI_PATHS
-        self.openapi_types = [JobPage, History]
+        self.openapi_paths = {**OPENAPI_PATHS, **schedules.OPENAPI_PATHS}
+        self.openapi_types = [JobPage, History, *schedules.OPENAPI_TYPES]
         self.status_fallback = self._status_docs
         self.result_fallback = self._result
         self.postgres_ready = self._ready
@@ -78,6 +82,8 @@ class PostgresExtension(Extension):
         self.pool = await create_pool(settings.database_url, min_size=0, max_size=8)
         self.reader = PgReader(self.pool)
         self.state["pg_reader"] = self.reader
+        self.state["schedule_store"] = ScheduleStore(self.pool)
+        self.state["cron"] = CronMirror(queue.redis, queue.keys, queue.scripts)
         self.state["pg_extension"] = self
 
     async def close(self) -> None:

@@ -6,7 +6,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+import asyncpg
 import orjson
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -102,7 +105,30 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
     return Problem(exc.status_code, slug, str(detail), headers=exc.headers).response()
 
 
+# a backing service is down or restarting: the client should retry, the server is fine
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    OSError,
+)
+
+
 async def on_error(request: Request, exc: Exception) -> Response:
+    if isinstance(exc, UNAVAILABLE):
+        log.warning(
+            "event=backend_unavailable method=%s path=%s error=%r",
+            request.method,
+            request.url.path,
+            exc,
+        )
+        return Problem(
+            503,
+            "unavailable",
+            "a backing service is unavailable; try again",
+            headers={"retry-after": "2"},
+        ).response()
     log.exception("event=internal_error method=%s path=%s", request.method, request.url.path)
     return Problem(500, "internal", "the server failed to handle this request").response()
 

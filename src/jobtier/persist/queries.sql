@@ -112,3 +112,36 @@ SELECT name FROM schema_migrations ORDER BY name
 
 -- name: record_migration
 INSERT INTO schema_migrations (name) VALUES ($1)
+
+-- name: insert_schedule
+INSERT INTO schedules (id, tenant, name, type, payload, priority, max_attempts, cron, timezone,
+                       interval_seconds, misfire_policy, paused, next_fire_at, created_at,
+                       updated_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $14)
+RETURNING *
+
+-- name: get_schedule
+SELECT * FROM schedules WHERE id = $1 AND tenant = $2
+
+-- name: list_schedules
+SELECT * FROM schedules WHERE tenant = $1 AND name > $2 ORDER BY name LIMIT $3
+
+-- name: set_schedule_paused
+UPDATE schedules SET paused = $3, next_fire_at = $4, updated_at = now()
+WHERE id = $1 AND tenant = $2
+RETURNING *
+
+-- name: delete_schedule
+DELETE FROM schedules WHERE id = $1 AND tenant = $2 RETURNING id
+
+-- name: all_schedules
+SELECT * FROM schedules ORDER BY id
+
+-- name: sync_schedule_times
+-- The scheduler copies the firing state it keeps in Redis back here, now and then.
+UPDATE schedules AS s
+SET next_fire_at = t.next_fire_at, last_fired_at = t.last_fired_at
+FROM unnest($1::text[], $2::timestamptz[], $3::timestamptz[]) AS t(id, next_fire_at, last_fired_at)
+WHERE s.id = t.id
+  AND (s.next_fire_at IS DISTINCT FROM t.next_fire_at
+       OR s.last_fired_at IS DISTINCT FROM t.last_fired_at)

@@ -1,0 +1,97 @@
+"""Schedules in Postgres: the durable copy the API writes and the scheduler reconciles from."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from jobtier.model import Priority
+from jobtier.persist.db import AnyConnection, Pool, query
+from jobtier.schedules import Schedule
+
+_any = msgspec.json.Decoder()
+
+
+class DuplicateName(Exception):
+    """The tenant already has a schedule of this name."""
+
+
+def to_schedule(row: asyncpg.Record) -> Schedule:
+    return Schedule(
+        id=row["id"],
+        tenant=row["tenant"],
+        name=row["name"],
+        type=row["type"],
+        payload=_any.decode(row["payload"]),
+        priority=Priority(row["priority"]),
+        max_attempts=row["max_attempts"],
+        cron=row["cron"],
+        timezone=row["timezone"],
+        interval=row["interval_seconds"],
+        misfire=row["misfire_policy"],
+        paused=row["paused"],
+        next_fire_at=row["next_fire_at"],
+        last_fired_at=row["last_fired_at"],
+        created_at=row["created_at"],
+        updated_at=row["updated_at"],
+    )
+
+
+class ScheduleStore:
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    async def insert(self, schedule: Schedule, payload: bytes) -> Schedule:
+        try:
+            row = await self.pool.fetchrow(
+                query("insert_schedule"),
+                schedule.id, schedule.tenant, schedule.name, schedule.type, payload,
+                schedule.priority.value, schedule.max_attempts, schedule.cron, schedule.timezone,
+                schedule.interval, schedule.misfire, schedule.paused, schedule.next_fire_at,
+                schedule.created_at,
+            )  # fmt: skip
+        except asyncpg.UniqueViolationError:
+            raise DuplicateName(schedule.name) from None
+        assert row is not None
+        return to_schedule(row)
+
+    async def get(self, schedule_id: str, tenant: str) -> Schedule | None:
+        row = await self.pool.fetchrow(query("get_schedule"), schedule_id, tenant)
+        return None if row is None else to_schedule(row)
+
+    async def for_tenant(
+        self, tenant: str, after_name: str = "", limit: int = 100
+    ) -> list[Schedule]:
+        rows = await self.pool.fetch(query("list_schedules"), tenant, after_name, limit)
+        return [to_schedule(r) for r in rows]
+
+    async def set_paused(
+        self, schedule_id: str, tenant: str, paused: bool, next_fire_at: datetime | None
+    ) -> Schedule | None:
+        row = await self.pool.fetchrow(
+            query("set_schedule_paused"), schedule_id, tenant, paused, next_fire_at
+        )
+        return None if row is None else to_schedule(row)
+
+    async def delete(self, schedule_id: str, tenant: str) -> bool:
+        return await self.pool.fetchval(query("delete_schedule"), schedule_id, tenant) is not None
+
+    async def all(self) -> list[tuple[Schedule, bytes]]:
+        """Every schedule with its payload JSON (for the scheduler's reconciliation)."""
+        rows = await self.pool.fetch(query("all_schedules"))
+        return [(to_schedule(r), bytes(r["payload"])) for r in rows]
+
+    async def sync_times(
+        self,
+        times: list[tuple[str, datetime | None, datetime | None]],
+        conn: AnyConnection | None = None,
+    ) -> None:
+        """Copy (id, next fire, last fired) from Redis; only changed rows are written."""
+        if not times:
+            return
+        ids, nexts, lasts = (list(col) for col in zip(*times, strict=True))
+        target: Any = conn or self.pool
+        await target.execute(query("sync_schedule_times"), ids, nexts, lasts)

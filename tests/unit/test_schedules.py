@@ -1,0 +1,92 @@
+"""Slot arithmetic, misfire planning and validation of recurring schedules."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from zoneinfo import ZoneInfo
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jobtier.errors import InvalidRequest
+from jobtier.keys import Keys
+from jobtier.schedules import ScheduleSpec, Timing, plan, slot_job_id, validate
+
+MIN = 60_000
+T0 = 1_800_000_000_000 - 1_800_000_000_000 % (5 * MIN)  # a multiple of five minutes
+
+
+def ms(text: str, tz: str) -> int:
+    return round(datetime.fromisoformat(text).replace(tzinfo=ZoneInfo(tz)).timestamp() * 1000)
+
+
+def test_cron_slots_in_a_time_zone_across_dst() -> None:
+    t = Timing("30 2 * * *", "Europe/Paris", None, 0)
+    first = t.next_after(ms("2026-03-28T00:00:00", "Europe/Paris"))
+    assert first == ms("2026-03-28T02:30:00", "Europe/Paris")
+    # 02:30 does not exist on the night clocks go forward: fired at 03:00 instead
+    assert t.next_after(first) == ms("2026-03-29T03:00:00", "Europe/Paris")
+
+
+@given(st.integers(1, 86_400), st.integers(0, 10**12), st.integers(0, 10**12))
+def test_interval_slots_are_anchored_and_strictly_after(
+    seconds: int, anchor: int, after: int
+) -> None:
+    t = Timing(None, "UTC", seconds * 1000, anchor)
+    nxt = t.next_after(after)
+    assert nxt > after and (nxt - anchor) % (seconds * 1000) == 0
+    assert nxt - seconds * 1000 <= max(after, anchor - 1) or nxt == anchor
+    assert t.last_at_or_before(nxt) == nxt
+
+
+def test_on_time_firing_fires_the_slot() -> None:
+    t = Timing("*/5 * * * *", "UTC", None, 0)
+    assert plan(t, "skip", T0, T0 + 1500, 60_000) == ([T0], T0 + 5 * MIN, T0)
+
+
+@pytest.mark.parametrize(
+    ("policy", "fired"),
+    [
+        ("skip", []),
+        ("fire_once", [T0 + 50 * MIN]),
+        ("fire_all", [T0 + k * 5 * MIN for k in range(11)]),
+    ],
+)
+def test_missed_slots_follow_the_policy(policy: str, fired: list[int]) -> None:
+    t = Timing("*/5 * * * *", "UTC", None, 0)
+    now = T0 + 50 * MIN + 7
+    slots, nxt, last = plan(t, policy, T0, now, 60_000)
+    assert slots == fired and nxt == T0 + 55 * MIN
+    assert last == (fired[-1] if fired else None)
+
+
+def test_slot_job_ids_are_deterministic_and_sharded_with_the_schedule() -> None:
+    keys = Keys("jt", 16)
+    a, b = slot_job_id(keys, "S1", T0), slot_job_id(keys, "S1", T0)
+    assert a == b and keys.valid_id(a)
+    assert slot_job_id(keys, "S1", T0 + 1) != a and slot_job_id(keys, "S2", T0) != a
+    assert keys.shard_of(a) == keys.shard_for("schedule", "S1")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"cron": "61 * * * *"}, "cron"),
+        ({"cron": "* * * * * *"}, "cron"),  # six fields
+        ({"cron": "every minute"}, "cron"),
+        ({"cron": None, "interval": None}, "cron"),
+        ({"cron": "* * * * *", "interval": 60}, "cron"),
+        ({"cron": None, "interval": 0}, "interval"),
+        ({"timezone": "Mars/Olympus"}, "timezone"),
+        ({"name": "has space"}, "name"),
+        ({"type": "bad type"}, "type"),
+        ({"max_attempts": 0}, "max_attempts"),
+        ({"payload": {"x": object()}}, "payload"),
+    ],
+)
+def test_bad_schedules_are_refused(changes: dict[str, object], field: str) -> None:
+    values: dict[str, object] = {"name": "nightly", "type": "echo", "cron": "0 3 * * *", **changes}
+    with pytest.raises(InvalidRequest) as info:
+        validate(ScheduleSpec(**values), min_interval=1, max_payload=1000)  # type: ignore[arg-type]
+    assert info.value.field == field
