@@ -1,0 +1,195 @@
+"""The locust harness (loadtest/) run for a few seconds against a real server, per scenario.
+
+Each scenario goes through ``loadtest/run.sh`` exactly as a user runs it; the checks read the
+CSV stats it saves. The scenarios run at the same time (one locust process each) to keep the
+test's wall time near one run. The locustfile is never imported here: importing locust
+monkey-patches the whole process with gevent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobtier.queue import Queue
+from jobtier.worker.registry import TaskRegistry
+from tests.fixtures.api import KEYS, ApiServer
+from tests.fixtures.engine import Background, worker_for
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_SH = ROOT / "loadtest" / "run.sh"
+LOCUST = Path(sys.executable).parent / "locust"
+
+
+@dataclass
+class Run:
+    code: int
+    stdout: str
+    stderr: str
+    out: Path
+
+    def stats(self) -> dict[str, dict[str, str]]:
+        """stats_stats.csv, keyed by request name (the totals row is "Aggregated")."""
+        with open(self.out / "stats_stats.csv", newline="") as f:
+            return {row["Name"]: row for row in csv.DictReader(f)}
+
+    def explain(self) -> str:
+        return f"exit {self.code}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
+
+
+def base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("JOBTIER_", "LOADTEST_"))}
+    env.update(LOCUST=str(LOCUST), LOADTEST_WAIT="0.01")
+    return env
+
+
+async def run_sh(args: list[str], env: dict[str, str], out: Path, timeout: float = 60.0) -> Run:
+    proc = await asyncio.create_subprocess_exec(
+        "bash", str(RUN_SH), *args, "--out", str(out),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(timeout):  # bounds a broken run, not a timing assertion
+            stdout, stderr = await proc.communicate()
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return Run(proc.returncode, stdout.decode(), stderr.decode(), out)
+
+
+def requested(run: Run, *names: str) -> dict[str, dict[str, str]]:
+    """Check that each name made requests and that nothing anywhere failed."""
+    stats = run.stats()
+    assert run.code == 0, run.explain()
+    for name in names:
+        assert name in stats, f"no {name!r} in {sorted(stats)}\n{run.explain()}"
+        assert int(stats[name]["Request Count"]) > 0, name
+    for name, row in stats.items():
+        assert row["Failure Count"] == "0", f"{name}: {row['Failure Count']} failures"
+    assert int(stats["Aggregated"]["Request Count"]) > 0
+    assert (run.out / "report.html").stat().st_size > 0
+    assert "scenario:" in (run.out / "run.txt").read_text()
+    return stats
+
+
+POLLER = ("GET /v1/jobs/[id] hot", "GET /v1/jobs/[id] spread")
+SUBMITTER = ("POST /v1/jobs", "POST /v1/jobs idempotency-key", "POST /v1/jobs duplicate")
+WATCHER = (
+    "POST /v1/jobs watched",
+    "GET /v1/jobs/[id]/events",
+    "events: first",
+    "events: stream",
+    "events: count",
+)
+
+
+async def test_every_scenario_runs_without_failures(
+    api: ApiServer, queue: Queue, background: Background, tmp_path: Path
+) -> None:
+    background.start(worker_for(queue, TaskRegistry.load("jobtier.demo"), concurrency=50))
+    # jobs made beforehand, for the poller run that reads its ids from a file
+    async with api.client() as c:
+        r = await c.post("/v1/jobs/batch", json={"jobs": [{"type": "echo"}] * 20})
+        ids = [result["job"]["id"] for result in r.json()["results"]]
+    jobs_file = tmp_path / "jobs.txt"
+    jobs_file.write_text("\n".join(ids) + "\n")
+
+    common = ["--url", api.url, "--key", KEYS["acme"], "-u", "5", "-r", "5", "-t", "4s"]
+    env = base_env()
+    scenarios = {
+        "poller": (["-s", "poller"], {"LOADTEST_HOT_JOBS": "3", "LOADTEST_SPREAD_JOBS": "50"}),
+        "poller-file": (["-s", "poller"], {"LOADTEST_JOBS_FILE": str(jobs_file)}),
+        "submitter": (
+            ["-s", "submitter"],
+            {"LOADTEST_IDEMPOTENCY": "0.3", "LOADTEST_DUPLICATES": "0.3"},
+        ),
+        "watcher": (["-s", "watcher"], {"LOADTEST_WATCH_PAYLOAD": '{"seconds": 0.3}'}),
+        "mixed": (
+            ["-s", "mixed"],
+            {
+                "LOADTEST_WEIGHTS": "poller=1,submitter=1,watcher=1",
+                "LOADTEST_SPREAD_JOBS": "20",
+                "LOADTEST_WATCH_PAYLOAD": '{"seconds": 0.2}',
+            },
+        ),
+    }
+    runs = dict(
+        zip(
+            scenarios,
+            await asyncio.gather(
+                *(
+                    run_sh(common + args, {**env, **extra}, tmp_path / name)
+                    for name, (args, extra) in scenarios.items()
+                )
+            ),
+            strict=True,
+        )
+    )
+
+    run = runs["poller"]
+    requested(run, *POLLER)
+    assert "submitted 53 jobs for the pollers" in run.stdout, run.explain()
+    # the pollers send the ETag they saw: most reads of unchanged jobs are 304s
+    reads, not_modified = _status_reads(run.stdout)
+    assert reads > 0 and not_modified > 0, run.stdout
+
+    run = runs["poller-file"]
+    stats = requested(run, *POLLER)
+    assert "submitted" not in run.stdout  # it read the given ids, made none
+    # 20 given ids, 5 hot: the default hot count applies to a given list too
+    assert int(stats["GET /v1/jobs/[id] hot"]["Request Count"]) > 0
+
+    requested(runs["submitter"], *SUBMITTER)
+
+    run = runs["watcher"]
+    stats = requested(run, *WATCHER)
+    # every stream had at least the first status and the terminal one
+    assert float(stats["events: count"]["Min Response Time"]) >= 2, stats["events: count"]
+    assert "SSE streams completed" in run.stdout
+
+    requested(runs["mixed"], POLLER[0], SUBMITTER[0], *WATCHER)
+
+
+def _status_reads(stdout: str) -> tuple[int, int]:
+    for line in stdout.splitlines():
+        if line.startswith("loadtest: status reads"):
+            words = line.replace(",", "").split()
+            return int(words[3]), int(words[7])
+    raise AssertionError(f"no status-read tally in:\n{stdout}")
+
+
+async def test_refuses_a_remote_target_unless_allowed(tmp_path: Path) -> None:
+    env = base_env()
+    args = ["--url", "http://192.0.2.1:8000", "--key", "k", "-u", "1", "-t", "1s"]
+    run = await run_sh(args, env, tmp_path / "refused")
+    assert run.code != 0 and "refusing to load http://192.0.2.1:8000" in run.stderr, run.explain()
+
+
+async def test_run_sh_checks_its_arguments(tmp_path: Path) -> None:
+    env = base_env()
+    for args, message in (
+        (["--users", "many", "--key", "k"], "--users must be a positive integer"),
+        (["--run-time", "forever", "--key", "k"], "--run-time must look like"),
+        (["--scenario", "stampede", "--key", "k"], "unknown scenario stampede"),
+        ([], "no API key"),
+    ):
+        run = await run_sh(args, env, tmp_path / "args")
+        assert run.code == 2 and message in run.stderr, run.explain()
+    run = await run_sh(["--help"], env, tmp_path / "help")
+    assert run.code == 0 and "--scenario" in run.stdout and "LOADTEST_" in run.stdout
+
+
+def test_locustfile_documents_every_variable_it_reads() -> None:
+    source = (ROOT / "loadtest" / "locustfile.py").read_text()
+    _, doc, code = source.split('"""', 2)
+    read = set(re.findall(r"\"((?:LOADTEST|JOBTIER)_[A-Z_]+)\"", code))
+    assert read >= {"JOBTIER_URL", "JOBTIER_KEY", "LOADTEST_HOT_RATIO", "LOADTEST_WEIGHTS"}, read
+    missing = sorted(name for name in read if name not in doc)
+    assert not missing, f"read but not documented at the top of the locustfile: {missing}"
