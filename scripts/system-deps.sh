@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Installs the system packages jobtier's local services and tests need, only when missing:
-# redis-server and redis-cli (Debian redis-server), PostgreSQL server binaries.
+# redis-server and redis-cli (Debian redis-server), PostgreSQL server binaries, and
+# Chromium for the dashboard test.
 set -euo pipefail
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
+# the dashboard's browser test; fonts-liberation is only a "Recommends" of chromium
+command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-liberation fonts-dejavu-core)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

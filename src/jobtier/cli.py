@@ -15,6 +15,14 @@ from typing import Any
 from jobtier import logs
 from jobtier.config import Settings, settings_table
 from jobtier.errors import ConfigError
+from jobtier.keys import Keys
+from jobtier.metrics import (
+    MetricsPublisher,
+    TransitionCounter,
+    persister_source,
+    scheduler_source,
+    worker_source,
+)
 
 log = logging.getLogger("jobtier.cli")
 
@@ -70,7 +78,12 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
                 shutdown_grace=args.grace,
             )
             _on_signals(worker.stop)
-            await worker.run()
+            publisher = MetricsPublisher(queue.redis, queue.keys, "worker", [worker_source(worker)])
+            publisher.start()
+            try:
+                await worker.run()
+            finally:
+                await publisher.stop()
         return 0
 
     return _run_async(main)
@@ -89,7 +102,14 @@ def cmd_scheduler(args: argparse.Namespace, settings: Settings) -> int:
             async with await Queue.connect(settings) as queue:
                 scheduler = Scheduler(queue, batch=args.batch, store=ScheduleStore(pool))
                 _on_signals(scheduler.stop)
-                await scheduler.run()
+                publisher = MetricsPublisher(
+                    queue.redis, queue.keys, "scheduler", [scheduler_source(scheduler)]
+                )
+                publisher.start()
+                try:
+                    await scheduler.run()
+                finally:
+                    await publisher.stop()
         finally:
             await pool.close()
         return 0
@@ -175,12 +195,21 @@ def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
             settings.database_url, min_size=0, max_size=settings.persist_concurrency + 1
         )
         try:
+            counter = TransitionCounter()
             persister = Persister(
                 settings, redis, pool, args.name or default_name("persister"),
-                concurrency=settings.persist_concurrency,
+                concurrency=settings.persist_concurrency, on_commit=counter.observe,
             )  # fmt: skip
             _on_signals(persister.stop)
-            await persister.run()
+            keys = Keys(settings.prefix, settings.shards)
+            publisher = MetricsPublisher(
+                redis, keys, "persister", [persister_source(persister, counter)]
+            )
+            publisher.start()
+            try:
+                await persister.run()
+            finally:
+                await publisher.stop()
         finally:
             await pool.close()
             await redis.aclose()

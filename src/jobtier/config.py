@@ -114,6 +114,9 @@ class Settings:
     )
 
     # --- Operations ------------------------------------------------------------------------
+    metrics_public: bool = _setting(
+        False, "Serve /metrics without the admin key (for scrapers on a private network)."
+    )
     log_level: str = _setting("INFO", "Log level.")
     log_format: str = _setting("text", "Log format: text (key=value) or json.")
 

@@ -24,6 +24,13 @@ import uvicorn
 
 from jobtier.config import Settings
 from jobtier.devservices import LocalRedis
+from jobtier.metrics import (
+    MetricsPublisher,
+    TransitionCounter,
+    persister_source,
+    scheduler_source,
+    worker_source,
+)
 from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from jobtier.worker.registry import TaskRegistry
@@ -125,7 +132,15 @@ async def run_all(
         async with await Queue.connect(settings, registry) as queue:
             worker = Worker(queue, registry, concurrency=args.concurrency)
             scheduler = Scheduler(queue, store=ScheduleStore(pool))
-            persister = Persister(settings, queue.redis, pool, "run-persister")
+            counter = TransitionCounter()
+            persister = Persister(
+                settings, queue.redis, pool, "run-persister", on_commit=counter.observe
+            )
+            publisher = MetricsPublisher(
+                queue.redis, queue.keys, "run",
+                [worker_source(worker), scheduler_source(scheduler), persister_source(persister, counter)],
+            )  # fmt: skip
+            publisher.start()
             app = create_app(settings, postgres_extension(settings))
             config = uvicorn.Config(
                 app, host=settings.api_host, port=settings.api_port, loop="none",
@@ -155,6 +170,7 @@ async def run_all(
                 except Exception as exc:
                     log.error("event=part_failed error=%r: stopping everything", exc)
                     stop()
+            await publisher.stop()
         await pool.close()
     finally:
         if services:
@@ -185,7 +201,7 @@ jobtier is running: API {base}  (Ctrl-C stops everything)
   curl -s $JOBTIER_URL/v1/jobs/<id> -H "Authorization: Bearer $JOBTIER_KEY"
   curl -sN $JOBTIER_URL/v1/jobs/<id>/events -H "Authorization: Bearer $JOBTIER_KEY"
 
-  admin key: {settings.admin_key}
+  admin key: {settings.admin_key}   dashboard: {base}/dashboard
 """,
         file=sys.stderr,
         flush=True,

@@ -9,7 +9,7 @@ monkey-patches the whole process with gevent.
 from __future__ import annotations
 
 import asyncio
-import csv
+import json
 import os
 import re
 import sys
@@ -34,9 +34,27 @@ class Run:
     out: Path
 
     def stats(self) -> dict[str, dict[str, str]]:
-        """stats_stats.csv, keyed by request name (the totals row is "Aggregated")."""
-        with open(self.out / "stats_stats.csv", newline="") as f:
-            return {row["Name"]: row for row in csv.DictReader(f)}
+        """The final statistics, keyed by request name (the totals row is "Aggregated").
+
+        Read from the JSON locust writes once everything has stopped (``--json-file``, passed
+        by ``run_sh``): its CSV is a snapshot rewritten every second while the run goes on,
+        so the last second of a short run may be missing from it.
+        """
+        rows = json.loads((self.out / "final.json").read_text())
+        stats = {
+            r["name"]: {
+                "Request Count": str(r["num_requests"]),
+                "Failure Count": str(r["num_failures"]),
+                "Min Response Time": str(r["min_response_time"]),
+            }
+            for r in rows
+        }
+        stats["Aggregated"] = {
+            "Request Count": str(sum(r["num_requests"] for r in rows)),
+            "Failure Count": str(sum(r["num_failures"] for r in rows)),
+        }
+        assert (self.out / "stats_stats.csv").stat().st_size > 0  # the CSV report is there too
+        return stats
 
     def explain(self) -> str:
         return f"exit {self.code}\n--- stdout\n{self.stdout[-3000:]}\n--- stderr\n{self.stderr[-3000:]}"
@@ -50,7 +68,7 @@ def base_env() -> dict[str, str]:
 
 async def run_sh(args: list[str], env: dict[str, str], out: Path, timeout: float = 60.0) -> Run:
     proc = await asyncio.create_subprocess_exec(
-        "bash", str(RUN_SH), *args, "--out", str(out),
+        "bash", str(RUN_SH), *args, "--out", str(out), "--", "--json-file", str(out / "final"),
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:

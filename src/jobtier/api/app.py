@@ -18,13 +18,14 @@ import orjson
 from starlette.applications import Starlette
 from starlette.routing import BaseRoute
 
-from jobtier.api import admin, health, jobs, openapi, sse
+from jobtier.api import admin, health, jobs, openapi, ops, sse
 from jobtier.api.admission import Admission
 from jobtier.api.problems import HANDLERS
 from jobtier.cache.reader import Fallback, StatusReader
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber
 from jobtier.errors import ConfigError
+from jobtier.metrics import MetricsPublisher, reader_source
 from jobtier.queue import Queue
 
 log = logging.getLogger("jobtier.api")
@@ -35,6 +36,7 @@ ROUTES: list[BaseRoute] = [
     *admin.routes,
     *health.routes,
     *openapi.routes,
+    *ops.routes,
 ]
 
 
@@ -96,9 +98,11 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             name="api-status",
         )
         admission = Admission(settings, queue, ext.lag)
+        publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader_source(reader)])
         try:
             await subscriber.start()
             await admission.start()
+            publisher.start()
             if settings.gc_freeze:
                 # Start-up objects (modules, routes, compiled schemas) never die: moving them
                 # out of the collector's generations shortens every later collection, the
@@ -121,9 +125,12 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
                 "result_fallback": ext.result_fallback,
                 "postgres_ready": ext.postgres_ready,
                 "openapi": openapi_document,
+                "metrics_publisher": publisher,
+                "dashboard_frames": ops.FrameCache(),
                 **ext.state,
             }
         finally:
+            await publisher.stop()
             await admission.stop()
             await subscriber.stop()
             await ext.close()

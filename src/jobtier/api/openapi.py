@@ -218,6 +218,19 @@ def document(
         },
         "/healthz": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "alive"}}}},
         "/readyz": {"get": {"summary": "Readiness: Redis (and Postgres) reachable", "security": [], "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics of every live jobtier process, and queue gauges (admin key unless JOBTIER_METRICS_PUBLIC)",
+                "responses": {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}, **ADMIN_ERRORS},
+            }
+        },
+        "/dashboard": {"get": {"summary": "The live dashboard page (asks for the admin key)", "security": [], "responses": {"200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+        "/v1/admin/dashboard/stream": {
+            "get": {
+                "summary": "Server-Sent Events: a dashboard frame a second",
+                "responses": {"200": {"description": "event: frame, data: JSON", "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **ADMIN_ERRORS},
+            }
+        },
         "/v1/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {"200": {"description": "OpenAPI 3.1"}}}},
     }  # fmt: skip
     for path, item in (extra_paths or {}).items():

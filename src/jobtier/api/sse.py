@@ -61,30 +61,19 @@ class Mailbox:
         return self._items.popleft()
 
 
-class EventStream(Response):
-    """Streams a job's events; stops at a terminal state or when the client goes away."""
+class StreamResponse(Response):
+    """A text/event-stream response: ``_pump`` writes it, while the client's disconnect is
+    watched for at the same time (servers speaking ASGI 2.4 tell a streaming response of a
+    gone client only when a write fails — an idle stream would linger until its next
+    heartbeat); ``_cleanup`` runs however the stream ends."""
 
     media_type = "text/event-stream"
 
-    def __init__(
-        self,
-        reader: StatusReader,
-        job_id: str,
-        tenant: str,
-        mailbox: Mailbox,
-        sent: int,
-        heartbeat: float,
-    ) -> None:
+    def __init__(self) -> None:
         # no body attribute: init_headers must not declare a Content-Length for a stream
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.reader = reader
-        self.job_id = job_id
-        self.tenant = tenant
-        self.mailbox = mailbox
-        self.sent = sent
-        self.heartbeat = heartbeat
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         pump = asyncio.create_task(self._pump(send))
@@ -97,7 +86,37 @@ class EventStream(Response):
             for task in (pump, watch):
                 with contextlib.suppress(asyncio.CancelledError, OSError):
                     await task
-            self.reader.remove_listener(self.job_id, self.mailbox.offer)
+            self._cleanup()
+
+    async def _pump(self, send: Send) -> None:
+        raise NotImplementedError
+
+    def _cleanup(self) -> None:
+        """Release what the stream held."""
+
+
+class EventStream(StreamResponse):
+    """Streams a job's events; stops at a terminal state or when the client goes away."""
+
+    def __init__(
+        self,
+        reader: StatusReader,
+        job_id: str,
+        tenant: str,
+        mailbox: Mailbox,
+        sent: int,
+        heartbeat: float,
+    ) -> None:
+        super().__init__()
+        self.reader = reader
+        self.job_id = job_id
+        self.tenant = tenant
+        self.mailbox = mailbox
+        self.sent = sent
+        self.heartbeat = heartbeat
+
+    def _cleanup(self) -> None:
+        self.reader.remove_listener(self.job_id, self.mailbox.offer)
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})

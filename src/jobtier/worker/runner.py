@@ -34,6 +34,7 @@ from redis.exceptions import RedisError
 
 from jobtier.connection import ShardSubscriber
 from jobtier.errors import Cancelled, Code, Fatal, Retry
+from jobtier.metrics import Histogram
 from jobtier.model import ClaimedJob, encode_json
 from jobtier.queue import Queue
 from jobtier.scripts import Call
@@ -59,6 +60,9 @@ class WorkerStats:
     leases_lost: int = 0
     claim_wait: list[float] = field(default_factory=list)  # recent claim waits, seconds
     run_time: list[float] = field(default_factory=list)
+    # the same, cumulative since start, for the metrics endpoint
+    claim_wait_hist: Histogram = field(default_factory=Histogram)
+    run_time_hist: Histogram = field(default_factory=Histogram)
 
 
 @dataclass(slots=True)
@@ -260,7 +264,9 @@ class Worker:
 
     def _start(self, job: ClaimedJob, shard: int, now_ms: int) -> None:
         self.stats.claimed += 1
-        self._record(self.stats.claim_wait, max(now_ms - job.queued_at_ms, 0) / 1000)
+        waited = max(now_ms - job.queued_at_ms, 0) / 1000
+        self._record(self.stats.claim_wait, waited)
+        self.stats.claim_wait_hist.observe(waited)
         ctx = JobContext(
             job, shard, self.id, self._loop, lambda data: self._on_progress(job.id, data)
         )
@@ -315,7 +321,9 @@ class Worker:
                 else:
                     self._report("complete", r, (data,))
         finally:
-            self._record(self.stats.run_time, time.monotonic() - r.started)
+            ran = time.monotonic() - r.started
+            self._record(self.stats.run_time, ran)
+            self.stats.run_time_hist.observe(ran)
             self._running.pop(job.id, None)
             self._slot_free.set()
 

@@ -1,0 +1,40 @@
+"""/metrics through a real server: every process's series, and the live gauges."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from jobtier.metrics import MetricsPublisher, worker_source
+from jobtier.queue import Queue
+from tests.fixtures.api import ApiServer
+from tests.fixtures.engine import worker_for
+from tests.tasks import registry
+
+
+async def test_metrics_show_workers_api_and_queue_gauges(api: ApiServer, queue: Queue) -> None:
+    async with api.client() as c, api.client("admin") as admin, api.client(None) as anon:
+        assert (await anon.get("/metrics")).status_code == 401  # admin key unless public
+        for _ in range(5):
+            job = (await c.post("/v1/jobs", json={"type": "echo"})).json()
+            await c.get(f"/v1/jobs/{job['id']}")
+        await c.post("/v1/jobs", json={"type": "echo", "priority": "high"})
+        worker = worker_for(queue, registry, burst=True)
+        await worker.run()
+        await MetricsPublisher(queue.redis, queue.keys, "worker", [worker_source(worker)]).publish()
+        await c.post("/v1/jobs", json={"type": "echo", "priority": "low"})  # left waiting
+        r = await admin.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    started = [
+        s for s in families["jobtier_worker_jobs_started"].samples if s.name.endswith("_total")
+    ]
+    assert [s.value for s in started] == [6.0] and started[0].labels["role"] == "worker"
+    requests = [s for s in families["jobtier_status_requests"].samples if s.name.endswith("_total")]
+    assert requests[0].value >= 5 and requests[0].labels["role"] == "api"
+    depth = {s.labels["priority"]: s.value for s in families["jobtier_queue_depth"].samples}
+    assert depth == {"critical": 0, "high": 0, "normal": 0, "low": 1}
+    assert families["jobtier_oldest_queued_age_seconds"].samples
+    waits = [s for s in families["jobtier_claim_wait_seconds"].samples if s.name.endswith("_count")]
+    assert waits[0].value == 6
+    # the burst worker has finished and signed off: no live worker is left
+    assert [s.value for s in families["jobtier_workers"].samples] == [0.0]

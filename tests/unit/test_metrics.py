@@ -1,0 +1,87 @@
+"""Metrics: histograms, the transition counter, and the Prometheus rendering."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from jobtier.metrics import Histogram, Snapshot, TransitionCounter, labels, quantile, render, totals
+from jobtier.model import JobError, JobStatus, Priority, State
+
+
+def status(state: State, error: str | None = None, type_: str = "echo") -> JobStatus:
+    return JobStatus(
+        id="01M8KK4FZ54RBHFVYBN6HBV0CZ-1", type=type_, state=state, version=1,
+        priority=Priority.NORMAL, attempt=1, max_attempts=3, created_at="", updated_at="",
+        error=JobError(error, "m") if error else None,
+    )  # fmt: skip
+
+
+def entry(
+    frm: str | None, to: State, error: str | None = None, type_: str = "echo"
+) -> SimpleNamespace:
+    return SimpleNamespace(from_state=frm, status=status(to, error, type_))
+
+
+def test_histogram_and_quantiles() -> None:
+    h = Histogram((0.01, 0.1, 1.0))
+    for v in [0.005] * 90 + [0.05] * 9 + [5.0]:
+        h.observe(v)
+    snap = h.snapshot()
+    assert snap["counts"] == [90, 9, 0, 1] and snap["count"] == 100
+    assert quantile(snap, 0.5) == 0.01 and quantile(snap, 0.99) == 0.1
+    assert quantile(snap, 1.0) == 1.0  # past the last bound: the largest finite bound
+    assert quantile(Histogram().snapshot(), 0.99) is None
+
+
+def test_transition_counter_counts_outcomes_by_type() -> None:
+    c = TransitionCounter()
+    c.observe([
+        entry(None, State.QUEUED), entry("queued", State.RUNNING), entry("running", State.RUNNING),
+        entry("running", State.SCHEDULED, "E"), entry("scheduled", State.QUEUED),
+        entry("queued", State.RUNNING), entry("running", State.QUEUED, "LeaseExpired"),
+        entry("queued", State.RUNNING), entry("running", State.FAILED, "E"),
+        entry("failed", State.QUEUED), entry(None, State.SCHEDULED, type_="other"),
+        entry("scheduled", State.CANCELLED, type_="other"),
+    ])  # fmt: skip
+    echo, other = labels(type="echo"), labels(type="other")
+    got = {name: dict(series) for name, series in c.counts.items()}
+    assert got["jobs_submitted_total"] == {echo: 1, other: 1}
+    assert got["jobs_claimed_total"] == {echo: 3}
+    assert got["jobs_retried_total"] == {echo: 1}
+    assert got["jobs_failed_total"] == {echo: 2}
+    assert got["jobs_dead_lettered_total"] == {echo: 1}
+    assert got["lease_expirations_total"] == {echo: 1}
+    assert got["jobs_cancelled_total"] == {other: 1}
+    assert got["transitions_persisted_total"] == {"": 12}
+    assert "jobs_succeeded_total" not in got
+
+
+def test_render_labels_each_process_and_parses_as_prometheus() -> None:
+    h = Histogram((0.1, 1.0))
+    h.observe(0.05)
+    snaps = [
+        Snapshot("worker:a:1", "worker", 0.0, counters={"jobs_claimed_total": {labels(type="echo"): 5}},
+                 histograms={"claim_wait_seconds": {"": h.snapshot()}}),
+        Snapshot("worker:b:2", "worker", 0.0, counters={"jobs_claimed_total": {labels(type="echo"): 7}}),
+    ]  # fmt: skip
+    text = render(snaps, {"queue_depth": {labels(priority="high"): 3}}).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    claimed = families["jobtier_jobs_claimed"]
+    assert claimed.type == "counter"
+    assert sorted(
+        (s.labels["process"], s.value) for s in claimed.samples if s.name.endswith("_total")
+    ) == [("worker:a:1", 5.0), ("worker:b:2", 7.0)]
+    depth = families["jobtier_queue_depth"].samples[0]
+    assert depth.labels == {"priority": "high"} and depth.value == 3
+    buckets = [
+        s for s in families["jobtier_claim_wait_seconds"].samples if s.name.endswith("_bucket")
+    ]
+    assert [(s.labels["le"], s.value) for s in buckets] == [
+        ("0.1", 1.0),
+        ("1.0", 1.0),
+        ("+Inf", 1.0),
+    ]
+    counters, hists = totals(snaps)
+    assert counters["jobs_claimed_total"] == 12 and hists["claim_wait_seconds"]["count"] == 1
