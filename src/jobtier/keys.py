@@ -141,8 +141,9 @@ class Keys:
         """hash worker id -> JSON heartbeat (tasks, concurrency, in-flight, last seen)."""
         return f"{self.prefix}:workers"
 
-    def schedules(self) -> str:
-        return f"{self.prefix}:schedules"
+    def metrics(self) -> str:
+        """hash process id -> JSON metrics snapshot (see metrics.py)."""
+        return f"{self.prefix}:metrics"
 
     def persist_group(self) -> str:
         return f"{self.prefix}-persister"
