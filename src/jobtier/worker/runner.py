@@ -214,8 +214,8 @@ class Worker:
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
                 continue
-            if claimed:
-                continue
+            if claimed or any(self._ready):
+                continue  # more to claim, or shards this round did not ask
             if self.burst:
                 if not self._running:
                     return
@@ -223,7 +223,7 @@ class Worker:
                 await self._first(self._slot_free.wait(), self._wake.wait())
                 continue
             # every queue we know of is empty: sleep until a wake (or the safety net)
-            if not any(self._ready) and not await self._sleep(self.idle_poll, self._wake):
+            if not await self._sleep(self.idle_poll, self._wake):
                 self._ready = [UNKNOWN] * self.keys.shards
 
     async def _claim(self, free: int) -> int:
