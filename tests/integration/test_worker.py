@@ -8,7 +8,7 @@ from datetime import datetime
 import pytest
 
 from jobtier.model import State, decode_status
-from jobtier.queue import Queue
+from jobtier.queue import JobSpec, Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
@@ -151,3 +151,17 @@ async def test_idle_worker_picks_up_new_jobs(queue: Queue, background: Backgroun
         await until_state(queue, sub.job_id, State.SUCCEEDED, timeout=5)
         await asyncio.sleep(0.1)  # let the worker go idle again
     assert worker.stats.succeeded == 3
+
+
+async def test_burst_worker_drains_every_shard(queue: Queue) -> None:
+    # concurrency 2 over 4 shards: a claim round asks only two shards, the first round the
+    # first two, which are empty; the jobs wait in the others
+    last = queue.keys.shards - 1
+    specs = [
+        queue.prepare(JobSpec(type="echo"), "default", job_id=queue.keys.new_id(s))
+        for s in (last, last - 1)
+    ]
+    await queue.submit_many_prepared(specs)
+    stats = await worker_for(queue, registry, burst=True, concurrency=2).run()
+    assert stats.succeeded == 2
+    assert (await queue.stats())["total"]["queued"] == 0
