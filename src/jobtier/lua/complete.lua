@@ -12,18 +12,34 @@
 
 local worker, ttl, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local out = {}
+-- finished jobs leave the active set in one ZREM per 1,000 rather than one call per job
+local done = {}
+local function remove_active()
+  if #done > 0 then
+    redis.call('ZREM', BASE .. 'active', unpack(done))
+    done = {}
+  end
+end
 for i = 0, n - 1 do
   local a = 5 + i * 3
   local id, result = ARGV[a], ARGV[a + 2]
   local j = load(id)
   local code = check_lease(j, ARGV[a + 1], worker)
   if code == OK then
-    redis.call('ZREM', BASE .. 'active', id)
+    done[#done + 1] = id
+    if #done >= 1000 then
+      remove_active()
+    end
     j.state = 'succeeded'
-    redis.call('HSET', job_key(id), 'result', result)
+    -- a null result (the task returned None) is the field's absence, which readers take as
+    -- null too: no write, and nothing for the append-only file
+    if result ~= '' then
+      redis.call('HSET', job_key(id), 'result', result)
+    end
     commit(j, 'running', worker, {'r', result})
     finish(j, ttl)
   end
   out[#out + 1] = code
 end
+remove_active()
 return out
