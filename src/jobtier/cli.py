@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -78,6 +79,14 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
                 shutdown_grace=args.grace,
             )
             _on_signals(worker.stop)
+            if settings.gc_freeze:
+                # Start-up objects (modules, tasks, compiled scripts) live as long as the
+                # process: frozen, the collector no longer walks them; a higher first
+                # threshold runs it less often. Worker CPU per job 19.5 -> 15.5 µs, peak RSS
+                # after 100K jobs 70 -> 71 MB (bench/throughput.py runs).
+                gc.collect()
+                gc.freeze()
+                gc.set_threshold(20_000, 50, 100)
             publisher = MetricsPublisher(queue.redis, queue.keys, "worker", [worker_source(worker)])
             publisher.start()
             try:

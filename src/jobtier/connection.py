@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
@@ -27,6 +28,22 @@ RedisClient = Redis | RedisCluster
 EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 
 
+class FastConnection(Connection):
+    """Packs commands with hiredis: the same bytes as redis-py's pure-Python packer, about
+    ten times faster on the batched script calls of the hot paths (a 50-job completion: 161
+    → 20 µs of client CPU; bench/throughput.py). Anything hiredis refuses (a command name
+    with a space, a value of a type it does not know) goes the usual way."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        name = args[0]
+        if " " not in name if isinstance(name, str) else b" " not in name:
+            try:
+                return [hiredis.pack_command(args)]
+            except TypeError:
+                pass
+        return list(super().pack_command(*args))
+
+
 def connect(settings: Settings, **kwargs: Any) -> RedisClient:
     """A client for ``settings.redis_url``; bytes in, bytes out (no decoding on hot paths)."""
     # Retry on connection errors: after a Redis restart every pooled connection is dead and
@@ -44,11 +61,16 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
     if settings.redis_cluster:
         options.pop("health_check_interval", None)
         options.setdefault("max_connections", settings.redis_max_connections)
+        options.setdefault("connection_class", FastConnection)
         return RedisCluster.from_url(settings.redis_url, **options)
     # a burst of concurrent calls waits for a free connection instead of failing with
     # "Too many connections" (the default pool raises past its size)
     pool = BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_max_connections, timeout=30, **options
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=30,
+        connection_class=FastConnection,
+        **options,
     )
     return Redis.from_pool(pool)
 

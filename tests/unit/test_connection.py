@@ -1,0 +1,37 @@
+"""The hiredis command packer sends exactly what redis-py's own would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from redis.asyncio.connection import Connection
+from redis.exceptions import DataError
+
+from jobtier.config import Settings
+from jobtier.connection import FastConnection, connect
+
+CASES: list[tuple[Any, ...]] = [
+    ("EVALSHA", "a" * 40, 1, "jt:{3}:log", "jt:{3}:", "worker", 50, 30000),
+    ("SET", "k", 0.1),
+    ("ZADD", "k", 1.5, "m"),
+    ("HSET", "k", "f", b"\x00\xff" * 10_000),
+    ("SET", "k", "é"),
+    (b"SET", b"k", memoryview(b"xyz")),
+    ("CONFIG GET", "maxmemory-policy"),  # a name with a space: redis-py splits it
+]
+
+
+@pytest.mark.parametrize("args", CASES)
+def test_same_bytes_as_redis_py(args: tuple[Any, ...]) -> None:
+    assert b"".join(FastConnection().pack_command(*args)) == b"".join(Connection().pack_command(*args))
+
+
+def test_values_redis_py_refuses_are_still_refused() -> None:
+    with pytest.raises(DataError):
+        FastConnection().pack_command("SET", "k", None)
+
+
+def test_clients_use_it() -> None:
+    client = connect(Settings.from_env({}))
+    assert client.connection_pool.connection_class is FastConnection
