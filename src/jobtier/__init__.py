@@ -22,6 +22,7 @@ from jobtier.errors import (
 from jobtier.model import JobError, JobStatus, Priority, State
 from jobtier.queue import JobSpec, Queue, Submitted
 from jobtier.scheduler import Scheduler
+from jobtier.schedules import Schedule, ScheduleSpec
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
 from jobtier.worker.runner import Worker
@@ -48,6 +49,8 @@ __all__ = [
     "Queue",
     "Retry",
     "RetryPolicy",
+    "Schedule",
+    "ScheduleSpec",
     "Scheduler",
     "Settings",
     "State",

@@ -105,3 +105,33 @@ async def test_scheduler_restores_a_schedule_redis_lost(
     await scheduler.cron.remove(sid)  # as if Redis had lost it
     assert await scheduler.reconcile() == 1
     assert sid in await scheduler.cron.times([sid])
+
+
+async def test_python_client_manages_schedules(pg_api: ApiServer) -> None:
+    from jobtier.client import AsyncClient, Client, Conflict, NotFound, ValidationFailed
+    from jobtier.schedules import ScheduleSpec
+    from tests.fixtures.api import KEYS
+
+    async with AsyncClient(pg_api.url, KEYS["acme"]) as client:
+        made = await client.create_schedule(
+            ScheduleSpec(name="hourly", type="echo", cron="0 * * * *")
+        )
+        assert made.next_fire_at is not None and made.tenant == "acme"
+        with pytest.raises(Conflict):
+            await client.create_schedule({"name": "hourly", "type": "echo", "interval": 60})
+        with pytest.raises(ValidationFailed) as bad:
+            await client.create_schedule({"name": "x", "type": "echo", "cron": "nope"})
+        assert bad.value.field == "cron"
+        assert [s.id for s in await client.schedules()] == [made.id]
+        assert (await client.pause_schedule(made.id)).paused
+        assert not (await client.resume_schedule(made.id)).paused
+        await client.delete_schedule(made.id)
+        with pytest.raises(NotFound):
+            await client.schedule(made.id)
+
+    def sync_use() -> list[str]:
+        with Client(pg_api.url, KEYS["acme"]) as client:
+            client.create_schedule({"name": "sync", "type": "echo", "interval": 30})
+            return [s.name for s in client.schedules()]
+
+    assert await asyncio.to_thread(sync_use) == ["sync"]

@@ -35,6 +35,7 @@ from jobtier.client._errors import (
     WrongState,
 )
 from jobtier.client._sync import Client
+from jobtier.schedules import Schedule, ScheduleSpec
 
 __all__ = [
     "ApiError",
@@ -45,6 +46,8 @@ __all__ = [
     "NotFound",
     "RateLimited",
     "Result",
+    "Schedule",
+    "ScheduleSpec",
     "Submission",
     "Unauthorized",
     "Unavailable",

@@ -22,6 +22,7 @@ from jobtier.client._core import (
 from jobtier.client._errors import ApiError
 from jobtier.model import JobStatus, Priority
 from jobtier.queue import JobSpec
+from jobtier.schedules import Schedule, ScheduleSpec
 
 T = TypeVar("T")
 
@@ -144,6 +145,36 @@ class AsyncClient(BaseClient):
     async def result(self, job_id: str) -> Result:
         """The job's state, result (once succeeded) and error (once failed)."""
         return await self._run(self._result(job_id))
+
+    # --- recurring schedules -----------------------------------------------------------------
+    async def create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Schedule:
+        """Create a recurring schedule (``ScheduleSpec`` or its fields as a dict): a cron
+        expression with a time zone, or an interval in seconds. Raises ``Conflict`` when the
+        name is taken, ``ValidationFailed`` for a bad expression, zone or interval."""
+        return await self._run(self._create_schedule(spec))
+
+    async def schedules(self, *, after: str = "", limit: int = 100) -> list[Schedule]:
+        """The tenant's schedules ordered by name, starting after the name ``after``."""
+        return await self._run(self._schedules(after, limit))
+
+    async def schedule(self, schedule_id: str) -> Schedule:
+        found = await self._run(self._schedule_call("GET", schedule_id))
+        assert found is not None
+        return found
+
+    async def pause_schedule(self, schedule_id: str) -> Schedule:
+        paused = await self._run(self._schedule_call("POST", schedule_id, "/pause"))
+        assert paused is not None
+        return paused
+
+    async def resume_schedule(self, schedule_id: str) -> Schedule:
+        """Resume from the next slot (the paused time is not caught up)."""
+        resumed = await self._run(self._schedule_call("POST", schedule_id, "/resume"))
+        assert resumed is not None
+        return resumed
+
+    async def delete_schedule(self, schedule_id: str) -> None:
+        await self._run(self._schedule_call("DELETE", schedule_id))
 
     # --- the driver -------------------------------------------------------------------------
     async def _send(self, call: Call) -> httpx.Response:

@@ -31,6 +31,7 @@ from jobtier.client._errors import (
 )
 from jobtier.model import JobError, JobStatus, Priority, State, status_decoder
 from jobtier.queue import JobSpec
+from jobtier.schedules import Schedule, ScheduleSpec
 
 try:
     USER_AGENT = f"jobtier-client/{metadata.version('jobtier')}"
@@ -154,6 +155,22 @@ def submission(status: int, doc: bytes, created: bool) -> Submission:
 def spec_key(spec: JobSpec | Mapping[str, Any]) -> str | None:
     key = spec.idempotency_key if isinstance(spec, JobSpec) else spec.get("idempotency_key")
     return key if isinstance(key, str) and key else None
+
+
+class _ScheduleList(msgspec.Struct):
+    schedules: list[Schedule]
+    next_after: str | None = None
+
+
+_schedule_decoder = msgspec.json.Decoder(Schedule)
+_schedule_list_decoder = msgspec.json.Decoder(_ScheduleList)
+
+
+def _decode_schedule(response: httpx.Response) -> Schedule:
+    try:
+        return _schedule_decoder.decode(response.content)
+    except msgspec.DecodeError as exc:
+        raise unexpected(response.status_code, f"not a schedule: {exc}") from None
 
 
 class SSEParser:
@@ -367,6 +384,33 @@ class BaseClient:
             return _result_decoder.decode(response.content)
         except msgspec.DecodeError as exc:
             raise unexpected(response.status_code, f"not a result document: {exc}") from None
+
+    # --- recurring schedules -----------------------------------------------------------------
+    def _create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Op[Schedule]:
+        body = _encoder.encode(spec)
+        response: httpx.Response = yield Call(
+            "POST", "/v1/schedules", headers={"content-type": "application/json"}, content=body
+        )
+        check(response)
+        return _decode_schedule(response)
+
+    def _schedules(self, after: str, limit: int) -> Op[list[Schedule]]:
+        params = {"limit": str(limit), **({"after": after} if after else {})}
+        response: httpx.Response = yield Call("GET", "/v1/schedules", params=params)
+        check(response)
+        try:
+            return _schedule_list_decoder.decode(response.content).schedules
+        except msgspec.DecodeError as exc:
+            raise unexpected(response.status_code, f"not a schedule list: {exc}") from None
+
+    def _schedule_call(
+        self, method: str, schedule_id: str, suffix: str = ""
+    ) -> Op[Schedule | None]:
+        response: httpx.Response = yield Call(
+            method, f"/v1/schedules/{quote(schedule_id, safe='')}{suffix}"
+        )
+        check(response, job_id=schedule_id)
+        return None if response.status_code == 204 else _decode_schedule(response)
 
     def _events(self, job_id: str, last_event_id: int | str | None) -> Op[None]:
         """Stream the job's statuses until a terminal one; resume after a dropped connection

@@ -22,6 +22,7 @@ from jobtier.client._core import (
 from jobtier.client._errors import ApiError
 from jobtier.model import JobStatus, Priority
 from jobtier.queue import JobSpec
+from jobtier.schedules import Schedule, ScheduleSpec
 
 T = TypeVar("T")
 
@@ -122,6 +123,32 @@ class Client(BaseClient):
     def result(self, job_id: str) -> Result:
         """The job's state, result and error."""
         return self._run(self._result(job_id))
+
+    # --- recurring schedules -----------------------------------------------------------------
+    def create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Schedule:
+        """Create a recurring schedule; see ``AsyncClient.create_schedule``."""
+        return self._run(self._create_schedule(spec))
+
+    def schedules(self, *, after: str = "", limit: int = 100) -> list[Schedule]:
+        return self._run(self._schedules(after, limit))
+
+    def schedule(self, schedule_id: str) -> Schedule:
+        found = self._run(self._schedule_call("GET", schedule_id))
+        assert found is not None
+        return found
+
+    def pause_schedule(self, schedule_id: str) -> Schedule:
+        paused = self._run(self._schedule_call("POST", schedule_id, "/pause"))
+        assert paused is not None
+        return paused
+
+    def resume_schedule(self, schedule_id: str) -> Schedule:
+        resumed = self._run(self._schedule_call("POST", schedule_id, "/resume"))
+        assert resumed is not None
+        return resumed
+
+    def delete_schedule(self, schedule_id: str) -> None:
+        self._run(self._schedule_call("DELETE", schedule_id))
 
     # --- the driver -------------------------------------------------------------------------
     def _send(self, call: Call) -> httpx.Response:
