@@ -239,6 +239,32 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     return _run_async(lambda: run_all(args, settings, _on_signals))
 
 
+BENCHMARKS = {
+    "throughput": "no-op jobs end to end through workers, and claims per job, against one-job-per-call",
+    "pickup": "submit-to-running latency with an idle worker; delayed-job lateness; idle CPU",
+    "status_read": "GET /v1/jobs/{id} at 10K+ req/s: hot, spread and churning keys, near cache on and off",
+    "persist": "transitions written to Postgres per second and write-behind lag, batched against one INSERT each",
+    "schedule": "start lateness of 100K delayed jobs and of a burst of 10K due at once",
+}
+
+
+def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
+    """Run one of the benchmark programs of the source tree (bench/NAME.py)."""
+    import subprocess
+
+    import jobtier
+
+    program = Path(jobtier.__file__).resolve().parents[2] / "bench" / f"{args.name}.py"
+    if not program.exists():
+        print(
+            f"jobtier: {program} not found: the benchmarks live in the source tree (bench/); "
+            "run this from a checkout",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.call([sys.executable, str(program), *args.args])
+
+
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
     if args.table:
         print("| variable | default | meaning |\n|---|---|---|")
@@ -351,7 +377,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_migrate)
 
-    p = sub.add_parser("config", help="print the settings in effect (secrets masked)")
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark (each starts its own local services; results go to bench/results/)",
+        description="Run a benchmark program of the source tree. Each starts its own local Redis "
+        "(and Postgres, servers, workers) on loopback ports, prints a table, compares against a "
+        "baseline measured in the same run, and saves its results under bench/results/. "
+        "Arguments after NAME go to the program (try `jobtier bench NAME --help`).\n\n"
+        + "\n".join(f"  {name:12} {what}" for name, what in BENCHMARKS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", choices=sorted(BENCHMARKS), metavar="NAME", help="which benchmark")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "config",
+        help="print the settings in effect (secrets masked)",
+        description="Print every setting as the JOBTIER_* variable that sets it, with the value "
+        "this environment gives it (API keys, the admin key and the database URL masked).",
+    )
     p.add_argument("--table", action="store_true", help="print every setting as a markdown table")
     p.set_defaults(func=cmd_config)
     return parser

@@ -1,0 +1,51 @@
+"""The `jobtier` command: --help everywhere, clear errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from jobtier.cli import build_parser, main
+
+COMMANDS = ["run", "api", "worker", "scheduler", "persister", "migrate", "bench", "config"]
+
+
+def test_every_command_exists_and_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert sorted(choices) == sorted(COMMANDS)
+    for command in COMMANDS:
+        with pytest.raises(SystemExit) as exit_:
+            main([command, "--help"])
+        assert exit_.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith(f"usage: jobtier {command}") and len(out) > 200, command
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "jobtier.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+
+
+def test_bad_input_is_a_clear_error() -> None:
+    r = run("worker", "no_such_module_here")
+    assert r.returncode == 2 and "cannot import task module 'no_such_module_here'" in r.stderr
+    r = run("worker", "jobtier.demo", "--concurrency", "many")
+    assert r.returncode == 2 and "invalid int value" in r.stderr
+    r = run("bench", "nonsense")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+    r = run("config", env={"JOBTIER_SHARDS": "zero", "PATH": ""})
+    assert r.returncode == 2 and "JOBTIER_SHARDS='zero' is not a valid int" in r.stderr
+    r = run("api", env={"PATH": ""})  # no keys configured
+    assert r.returncode == 2 and "no API keys" in r.stderr
+
+
+def test_config_masks_secrets() -> None:
+    r = run("config", env={"JOBTIER_API_KEYS": "sekret:acme", "PATH": ""})
+    assert r.returncode == 0 and "sekret" not in r.stdout and "JOBTIER_API_KEYS=***" in r.stdout
