@@ -195,3 +195,26 @@ async def _until(predicate: Any, timeout: float = 30.0) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+async def test_consumers_of_stopped_persisters_are_forgotten(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import jobtier.persist.persister as persister_module
+
+    keys = Keys(pg_settings.prefix, pg_settings.shards)
+    old = Persister(pg_settings, redis, pg_pool, "persister-old")
+    await old.drain()  # its reads make "persister-old" a consumer of every shard's group
+
+    async def consumers() -> set[str]:
+        rows = await redis.xinfo_consumers(keys.log(0), keys.persist_group())
+        return {r["name"].decode() if isinstance(r["name"], bytes) else r["name"] for r in rows}
+
+    assert "persister-old" in await consumers()
+    new = Persister(pg_settings, redis, pg_pool, "persister-new")
+    await new.drain()
+    await new._forget_dead_consumers()
+    assert "persister-old" in await consumers()  # idle for less than an hour: kept
+    monkeypatch.setattr(persister_module, "FORGET_IDLE_MS", -1)
+    await new._forget_dead_consumers()
+    assert await consumers() == {"persister-new"}

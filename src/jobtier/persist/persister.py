@@ -71,6 +71,10 @@ def _next_id(entry_id: bytes) -> bytes:
     return b"%s-%d" % (ms, int(seq or b"0") + 1)
 
 
+FORGET_EVERY = 600.0  # seconds between sweeps of the consumer group's dead members
+FORGET_IDLE_MS = 3_600_000
+
+
 @dataclass
 class PersisterStats:
     """Counters for the metrics endpoint (plain attributes until prometheus is wired)."""
@@ -131,6 +135,7 @@ class Persister:
         self._stop = asyncio.Event()
         self._ready = False
         self._next_claim = 0.0
+        self._next_forget = 0.0
         self._next_trim = 0.0
 
     # --- life cycle -----------------------------------------------------------------------
@@ -319,6 +324,33 @@ class Persister:
             if taken:
                 self.stats.claimed += taken
                 log.info("event=entries_claimed stream=%s count=%d", self._streams[shard], taken)
+        if time.monotonic() >= self._next_forget:
+            self._next_forget = time.monotonic() + FORGET_EVERY
+            await self._forget_dead_consumers()
+
+    async def _forget_dead_consumers(self) -> None:
+        """Remove consumers that hold nothing and were idle for an hour: persisters that
+        stopped (a restart under a new name leaves the old one behind). One with pending
+        entries is kept: ``_claim`` takes those over first."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self._streams:
+            pipe.xinfo_consumers(stream, self.group)
+        gone = []
+        for stream, consumers in zip(
+            self._streams, await pipe.execute(raise_on_error=False), strict=True
+        ):
+            if isinstance(consumers, Exception):
+                continue
+            for c in consumers:
+                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+                if name != self.name and c["pending"] == 0 and c["idle"] > FORGET_IDLE_MS:
+                    gone.append((stream, name))
+        if gone:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, name in gone:
+                pipe.xgroup_delconsumer(stream, self.group, name)
+            await pipe.execute(raise_on_error=False)
+            log.info("event=dead_consumers_removed count=%d", len(gone))
 
     # --- writing --------------------------------------------------------------------------
     async def persist(self, entries: Sequence[LogEntry]) -> None:
