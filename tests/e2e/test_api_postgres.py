@@ -12,7 +12,7 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.queue import Queue
 from tests.fixtures.api import ApiServer, StartApi
-from tests.fixtures.engine import worker_for
+from tests.fixtures.engine import wait_for, worker_for
 from tests.tasks import registry
 
 
@@ -126,3 +126,30 @@ async def test_openapi_describes_the_postgres_routes_too(pg_api: ApiServer) -> N
         if method != "HEAD"  # type: ignore[attr-defined]
     }
     assert described == served
+
+
+async def test_write_behind_lag_past_its_limit_turns_submits_away(
+    start_api: StartApi, pg_settings: Settings, queue: Queue, persister: Persister
+) -> None:
+    api = await start_api(
+        PostgresExtension(pg_settings), database_url=pg_settings.database_url, persist_max_lag=5
+    )
+    async with api.client() as c:
+        for _ in range(6):  # six transitions wait for Postgres (no persister runs yet)
+            assert (await c.post("/v1/jobs", json={"type": "echo"})).status_code == 202
+
+        async def refused() -> bool:
+            r = await c.post("/v1/jobs", json={"type": "echo"})
+            return r.status_code == 503
+
+        await wait_for(refused, timeout=10)  # once the lag is measured again (each second)
+        r = await c.post("/v1/jobs", json={"type": "echo"})
+        assert (
+            r.status_code == 503 and r.headers["retry-after"] and "Postgres" in r.json()["detail"]
+        )
+        await persister.drain()  # the write-behind catches up
+
+        async def accepted() -> bool:
+            return (await c.post("/v1/jobs", json={"type": "echo"})).status_code == 202
+
+        await wait_for(accepted, timeout=10)
