@@ -106,7 +106,7 @@ def cmd_scheduler(args: argparse.Namespace, settings: Settings) -> int:
         from jobtier.persist.db import create_pool
         from jobtier.persist.schedule_store import ScheduleStore
 
-        pool = await create_pool(settings.database_url, min_size=0, max_size=2)
+        pool = await create_pool(settings.database_url, min_size=0, max_size=2, timeout=10)
         try:
             async with await Queue.connect(settings) as queue:
                 scheduler = Scheduler(queue, batch=args.batch, store=ScheduleStore(pool))
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
         "heartbeating. Run as many as you like: every move is an atomic script.",
     )
     p.add_argument(
-        "--batch", type=int, default=1000, help="most jobs moved per script call (default: 1000)"
+        "--batch", type=int, default=200, help="most jobs moved per script call (default: 200)"
     )
     p.set_defaults(func=cmd_scheduler)
 

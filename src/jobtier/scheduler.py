@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from redis.exceptions import RedisError
@@ -32,6 +31,7 @@ from jobtier.scripts import Call
 log = logging.getLogger("jobtier.scheduler")
 
 NOW = 0  # "due now": check the shard on the next pass
+RECONCILE_TIMEOUT = 30.0
 
 
 @dataclass(slots=True)
@@ -56,11 +56,11 @@ class Scheduler:
         self,
         queue: Queue,
         *,
-        batch: int = 1000,
+        batch: int = 200,
         max_sleep: float = 5.0,
+        min_pass_interval: float = 0.005,
         store: ScheduleStore | None = None,
         reconcile_every: float = 60.0,
-        extra: Callable[[float], Awaitable[float | None]] | None = None,
     ) -> None:
         self.queue = queue
         self.keys = queue.keys
@@ -68,9 +68,7 @@ class Scheduler:
         self.settings = queue.settings
         self.batch = batch
         self.max_sleep = max_sleep
-        # cron firing (scheduling issue) plugs in here: called with Redis time (ms) each pass,
-        # returns the next time (ms) it wants to run, or None
-        self.extra = extra
+        self.min_pass_interval = min_pass_interval
         n = self.keys.shards
         self._next_due: list[float] = [NOW] * n
         self._next_lease: list[float] = [NOW] * n
@@ -79,7 +77,6 @@ class Scheduler:
         # Postgres holds the schedules' definitions: the mirror is checked against it
         self.store = store
         self.reconcile_every = reconcile_every
-        self._reconciled = 0.0
         self.misfire_grace_ms = int(self.settings.cron_misfire_grace_seconds * 1000)
         self._offset_ms = 0.0  # Redis clock minus ours
         self._wake = asyncio.Event()
@@ -120,15 +117,14 @@ class Scheduler:
         await subscriber.start()
         log.info("event=scheduler_started shards=%d", self.keys.shards)
         backoff = 0.05
-        extra_due: float | None = NOW if self.extra is not None else None
+        # Postgres is slow or down at times: reconciling must never hold up promotion
+        reconciler = asyncio.create_task(self._reconcile_loop()) if self.store else None
         try:
             while not self._stopping.is_set():
                 self._wake.clear()
+                started = time.monotonic()
                 try:
-                    await self._maybe_reconcile()
                     await self.run_once()
-                    if self.extra and extra_due is not None and extra_due <= self.redis_now_ms():
-                        extra_due = await self.extra(self.redis_now_ms())
                     backoff = 0.05
                 except (RedisError, OSError) as exc:
                     log.warning("event=scheduler_pass_failed error=%r retry_in=%.2fs", exc, backoff)
@@ -138,8 +134,18 @@ class Scheduler:
                     await self._sleep(backoff)
                     backoff = min(backoff * 2, 5.0)
                     continue
-                await self._sleep(self._seconds_to_next(extra_due))
+                # Passes at least min_pass_interval apart: jobs due within a few milliseconds
+                # of each other are promoted by one call per shard, not one call per due
+                # millisecond (a steady stream of due jobs would otherwise cost a pass a job).
+                gap = self.min_pass_interval - (time.monotonic() - started)
+                if gap > 0:
+                    await asyncio.sleep(gap)
+                await self._sleep(self._seconds_to_next())
         finally:
+            if reconciler is not None:
+                reconciler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reconciler
             await subscriber.stop()
             log.info(
                 "event=scheduler_stopped promoted=%d requeued=%d dead=%d",
@@ -147,15 +153,13 @@ class Scheduler:
             )  # fmt: skip
         return self.stats
 
-    def _seconds_to_next(self, extra_due: float | None) -> float:
+    def _seconds_to_next(self) -> float:
         dues = [
             t
             for times in (self._next_due, self._next_lease, self._next_cron)
             for t in times
             if t >= 0
         ]
-        if extra_due is not None:
-            dues.append(extra_due)
         if not dues:
             return self.max_sleep
         wait_ms = min(dues) - self.redis_now_ms()
@@ -211,14 +215,14 @@ class Scheduler:
         )
         return restored
 
-    async def _maybe_reconcile(self) -> None:
-        if self.store is None or time.monotonic() - self._reconciled < self.reconcile_every:
-            return
-        self._reconciled = time.monotonic()
-        try:
-            await self.reconcile()
-        except Exception as exc:  # Postgres down: firing goes on from Redis meanwhile
-            log.warning("event=schedule_reconcile_failed error=%r", exc)
+    async def _reconcile_loop(self) -> None:
+        while True:
+            try:
+                async with asyncio.timeout(RECONCILE_TIMEOUT):
+                    await self.reconcile()
+            except Exception as exc:  # Postgres down or hung: firing goes on from Redis
+                log.warning("event=schedule_reconcile_failed error=%r", exc)
+            await asyncio.sleep(self.reconcile_every)
 
     async def run_once(self) -> int:
         """One pass over the shards that are due; returns the jobs moved."""

@@ -164,3 +164,38 @@ async def test_delayed_jobs_never_start_early(queue: Queue, background: Backgrou
                 started = datetime.fromisoformat(doc.updated_at)
                 # both times are Redis's clock
                 assert started >= datetime.fromisoformat(doc.run_at), doc
+
+
+async def test_a_hung_postgres_does_not_hold_up_promotion(
+    queue: Queue, background: Background
+) -> None:
+    from jobtier.persist.db import create_pool
+    from jobtier.persist.schedule_store import ScheduleStore
+
+    hung: list[asyncio.StreamWriter] = []
+
+    async def accept_and_say_nothing(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        hung.append(writer)
+
+    server = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = await create_pool(
+        f"postgresql://nobody@127.0.0.1:{port}/none", min_size=0, max_size=1, timeout=60
+    )
+    try:
+        background.start(Scheduler(queue, store=ScheduleStore(pool)))
+        sub = await queue.submit("echo", None, delay=0.2)
+
+        async def promoted() -> bool:
+            return (await queue.status(sub.job_id)).state is State.QUEUED
+
+        await wait_for(promoted, timeout=10)  # reconciling waits on Postgres meanwhile
+        assert hung  # it really did try Postgres
+    finally:
+        await background.stop()
+        pool.terminate()
+        server.close()
+        for writer in hung:
+            writer.close()
