@@ -73,3 +73,17 @@ async def slow_first(ctx: JobContext, payload: Any) -> str:
 
 
 registry.add(slow_first)
+
+
+@task(retries=0)
+async def wait_for_cancel(ctx: JobContext, payload: Any) -> str:
+    """Waits for a cancel request, cleans up, then stops as cancelled."""
+    try:
+        await ctx.wait_cancelled()
+    except asyncio.CancelledError:
+        assert ctx.cancel_requested
+        raise
+    return "never: the worker cancels the task when it sees the request"
+
+
+registry.add(wait_for_cancel)

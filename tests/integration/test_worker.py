@@ -165,3 +165,12 @@ async def test_burst_worker_drains_every_shard(queue: Queue) -> None:
     stats = await worker_for(queue, registry, burst=True, concurrency=2).run()
     assert stats.succeeded == 2
     assert (await queue.stats())["total"]["queued"] == 0
+
+
+async def test_a_task_waiting_for_cancel_sees_it(queue: Queue, background: Background) -> None:
+    queue.settings = queue.settings.replace(lease_seconds=1.5)  # heartbeats every 0.5 s
+    background.start(worker_for(queue, registry))
+    sub = await queue.submit("wait_for_cancel", None)
+    await until_state(queue, sub.job_id, State.RUNNING)
+    await queue.cancel(sub.job_id)
+    await until_state(queue, sub.job_id, State.CANCELLED)

@@ -19,7 +19,7 @@ class JobContext:
     """
 
     __slots__ = (
-        "_cancel", "_cancel_flag", "_loop", "_loop_thread", "_on_progress", "job", "shard",
+        "_cancelled", "_loop", "_loop_thread", "_on_progress", "_waiter", "job", "shard",
         "worker_id",
     )  # fmt: skip
 
@@ -37,8 +37,9 @@ class JobContext:
         self._loop = loop
         self._loop_thread = threading.get_ident()  # built on the event loop's thread
         self._on_progress = on_progress
-        self._cancel = asyncio.Event()
-        self._cancel_flag = threading.Event()
+        # made on first use: most tasks never wait for a cancel, and a context is built per job
+        self._cancelled = False  # read from the thread pool too: a bool is safe to share
+        self._waiter: asyncio.Event | None = None
 
     @property
     def job_id(self) -> str:
@@ -72,17 +73,22 @@ class JobContext:
     @property
     def cancel_requested(self) -> bool:
         """True once someone asked to cancel this job."""
-        return self._cancel_flag.is_set()
+        return self._cancelled
 
     async def wait_cancelled(self) -> None:
         """Return when a cancel is requested."""
-        await self._cancel.wait()
+        if self._cancelled:
+            return
+        if self._waiter is None:
+            self._waiter = asyncio.Event()
+        await self._waiter.wait()
 
     def check_cancelled(self) -> None:
         """Raise ``jobtier.Cancelled`` if a cancel was requested (for loops in sync tasks)."""
-        if self._cancel_flag.is_set():
+        if self._cancelled:
             raise Cancelled(f"job {self.job.id} was cancelled")
 
     def _request_cancel(self) -> None:
-        self._cancel_flag.set()
-        self._cancel.set()
+        self._cancelled = True
+        if self._waiter is not None:
+            self._waiter.set()
