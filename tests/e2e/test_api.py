@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 
+from jobtier.devservices import LocalRedis
 from jobtier.model import State
 from jobtier.queue import Queue
-from tests.fixtures.api import ApiServer
+from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
 
@@ -230,3 +232,25 @@ async def test_job_state_visible_while_running(
         await wait_for(running)
         r = await c.post(f"/v1/jobs/{job['id']}/cancel")
         assert r.json()["cancel_requested"] is True and r.json()["state"] == "running"
+
+
+async def test_status_reads_while_redis_is_down_are_503_then_recover(
+    start_api: StartApi, tmp_path: Path
+) -> None:
+    """The status read is answered ahead of the router (jobs.StatusFastPath); a read that
+    fails there still gets the API's problem, not a bare 500."""
+    own = LocalRedis(tmp_path / "redis").start()
+    try:
+        api = await start_api(redis_url=own.url, near_cache=False)
+        async with api.client() as c:
+            job = (await c.post("/v1/jobs", json={"type": "echo"})).json()
+            assert (await c.get(f"/v1/jobs/{job['id']}")).status_code == 200
+            own.stop()
+            r = await c.get(f"/v1/jobs/{job['id']}")
+            assert r.status_code == 503 and r.headers["retry-after"]
+            assert r.headers["content-type"] == "application/problem+json"
+            own.start()  # AOF on: the job is still there
+            r = await c.get(f"/v1/jobs/{job['id']}")
+            assert r.status_code == 200 and r.json()["id"] == job["id"]
+    finally:
+        own.stop()

@@ -77,7 +77,7 @@ async def test_concurrent_gets_of_one_id_send_one_hmget(
     assert reader.requests == 2_001 and reader.near_hits == 1
 
 
-async def test_distinct_ids_of_one_tick_go_in_one_pipeline(
+async def test_distinct_ids_of_one_tick_go_in_one_round_trip(
     queue: Queue, redis: aioredis.Redis, settings: Settings
 ) -> None:
     keys = keys_of(settings)
@@ -88,6 +88,7 @@ async def test_distinct_ids_of_one_tick_go_in_one_pipeline(
     await redis.config_resetstat()
     results = await asyncio.gather(*(reader.get(i) for i in [*ids, unknown, "not-an-id"]))
     assert reader.batches == 1 and reader.redis_loads == 61  # the malformed id never went
+    assert reader.script_calls == 1  # one read_status.lua call: its HMGETs count below
     assert await hmget_calls(redis) == 61
     assert results[-2:] == [None, None]
     for job_id, result in zip(ids, results, strict=False):
@@ -95,6 +96,30 @@ async def test_distinct_ids_of_one_tick_go_in_one_pipeline(
         tenant, doc, version = result
         assert tenant == TENANT and decode_status(doc).id == job_id and version == 1
     assert reader.coalescer is not None and reader.coalescer.batches == 1
+
+
+async def test_a_batch_is_one_read_only_script_call(
+    queue: Queue, redis: aioredis.Redis, settings: Settings
+) -> None:
+    """On one server a batch spanning shards is one call of read_status.lua; the script
+    comes back after Redis forgot it, and reads go on while Redis refuses writes."""
+    keys = keys_of(settings)
+    ids = await submit(queue, 40)
+    assert len({keys.shard_of(i) for i in ids}) > 1
+    reader = StatusReader(redis, keys, near_cache=False, coalesce=True)
+    await redis.script_flush()  # as after a restart: the first call meets NOSCRIPT
+    results = await asyncio.gather(*(reader.get(i) for i in [*ids, keys.new_id(3)]))
+    assert reader.batches == 1 and reader.script_calls == 1 and reader.redis_loads == 41
+    assert results[-1] is None
+    assert [decode_status(r[1]).id for r in results[:-1] if r] == ids
+    await redis.config_set("maxmemory", 1)  # noeviction: every write is refused now
+    try:
+        with pytest.raises(aioredis.ResponseError, match="maxmemory"):
+            await redis.set("jt:probe", 1)
+        assert await asyncio.gather(*(reader.get(i) for i in ids)) == results[:-1]
+        assert reader.script_calls == 2
+    finally:
+        await redis.config_set("maxmemory", 0)
 
 
 async def test_baseline_sends_every_get_to_redis(
@@ -277,6 +302,7 @@ async def test_cluster_batch_is_split_per_node(cluster: LocalCluster) -> None:
         assert all(r is not None and r[0] == TENANT and r[2] == 4 for r in results[:-1])
         assert [msgspec.json.decode(r[1])["id"] for r in results[:-1] if r] == ids
         assert reader.batches == 1 and reader.redis_loads == len(ids) + 1
+        assert reader.script_calls == 16  # one read_status.lua call per shard: one hash tag
         per_node = [await hmget_calls(node) for node in nodes]
         assert sum(per_node) == len(ids) + 1
         assert sum(1 for n in per_node if n) > 1  # the one batch went to several nodes

@@ -24,7 +24,9 @@ CASES: list[tuple[Any, ...]] = [
 
 @pytest.mark.parametrize("args", CASES)
 def test_same_bytes_as_redis_py(args: tuple[Any, ...]) -> None:
-    assert b"".join(FastConnection().pack_command(*args)) == b"".join(Connection().pack_command(*args))
+    assert b"".join(FastConnection().pack_command(*args)) == b"".join(
+        Connection().pack_command(*args)
+    )
 
 
 def test_values_redis_py_refuses_are_still_refused() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 from jobtier.api import admin, health, jobs, openapi, ops, sse
@@ -140,4 +141,6 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
         routes=[*ROUTES, *ext.routes],
         exception_handlers=HANDLERS,
         lifespan=lifespan,
+        # the status read, most of the traffic, answered before routing (jobs.StatusFastPath)
+        middleware=[Middleware(jobs.StatusFastPath)],
     )

@@ -22,8 +22,7 @@ def raw_header(request: Request, name: bytes) -> bytes | None:
     return None
 
 
-def _presented_key(request: Request) -> str:
-    header = raw_header(request, b"authorization")
+def _key_of(header: bytes | None) -> str:
     if header is None or header[:7].lower() != _BEARER:
         raise Problem(
             401,
@@ -34,9 +33,23 @@ def _presented_key(request: Request) -> str:
     return header[7:].strip().decode("latin-1")
 
 
-def tenant_of(request: Request) -> str:
-    """The tenant of the request's API key, or a 401 problem."""
-    tenant: str | None = request.state.tenants.get(_presented_key(request))
+def _presented_key(request: Request) -> str:
+    return _key_of(raw_header(request, b"authorization"))
+
+
+def known_tenant(tenants: dict[str, str], header: bytes | None) -> str | None:
+    """The tenant of a ``Bearer`` key in an ``Authorization`` header; None for none or an
+    unknown key (the caller then answers 401 through ``tenant_for``)."""
+    if header is None or header[:7].lower() != _BEARER:
+        return None
+    return tenants.get(header[7:].strip().decode("latin-1"))
+
+
+def tenant_for(tenants: dict[str, str], header: bytes | None) -> str:
+    """The tenant of an ``Authorization`` header's API key, or a 401 problem.
+
+    For the status route, which reads its headers from the scope in one pass."""
+    tenant = tenants.get(_key_of(header))
     if tenant is None:
         raise Problem(
             401,
@@ -45,6 +58,11 @@ def tenant_of(request: Request) -> str:
             headers={"www-authenticate": 'Bearer realm="jobtier"'},
         )
     return tenant
+
+
+def tenant_of(request: Request) -> str:
+    """The tenant of the request's API key, or a 401 problem."""
+    return tenant_for(request.state.tenants, raw_header(request, b"authorization"))
 
 
 def require_admin(request: Request) -> None:

@@ -7,10 +7,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from redis.asyncio import RedisCluster
+from redis.exceptions import NoScriptError
+
 from jobtier.cache.coalescer import Coalescer
 from jobtier.cache.nearcache import Entry, NearCache
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
+from jobtier.scripts import Script
 
 log = logging.getLogger("jobtier.cache")
 
@@ -50,9 +54,13 @@ class StatusReader:
 
     1. Near cache (``near_cache=True``): a hit returns at once, no task, no future, no I/O.
     2. A miss goes to the coalescer (``coalesce=True``): every id missed in this event-loop
-       tick is read in one pipeline of ``HMGET <job key> tenant doc`` (one batch per node on
-       a cluster), and concurrent misses of one id share that read. With ``coalesce=False``
-       each miss sends its own HMGET: the plain baseline the benchmarks compare against.
+       tick is read in one round trip, and concurrent misses of one id share that read. A
+       batch of several ids is one call of the read-only ``read_status.lua`` (HMGET of every
+       job hash inside Redis): on one server one call for the whole batch, on a cluster one
+       call per shard, pipelined (a script's keys must share a slot there). In redis-py a
+       pipeline of HMGETs costs ~16 us of client CPU per id at 20 ids (~13 at 100), the
+       script ~5 us (~2 at 100): bench/results/status_read.md. With ``coalesce=False`` each
+       miss sends its own HMGET: the plain baseline the benchmarks compare against.
     3. Ids Redis no longer holds go to ``fallback`` (the Postgres reader), itself coalesced
        and singleflighted, one id's fallback failing only that id's readers.
     4. What was read is put into the near cache.
@@ -100,10 +108,13 @@ class StatusReader:
         )
         self._listeners: dict[str, set[Listener]] = {}
         self._loading: dict[str, int] = {}  # id -> loads in flight that include it
+        self._script = Script("read_status")
+        self._cluster = isinstance(redis, RedisCluster)
         self.requests = 0
         self.near_hits = 0
-        self.redis_loads = 0  # HMGET commands sent
-        self.batches = 0  # round trips (a single HMGET or one pipeline)
+        self.redis_loads = 0  # job hashes read (one HMGET each, alone or in the script)
+        self.batches = 0  # round trips (a single HMGET, one script call or one pipeline)
+        self.script_calls = 0  # read_status.lua calls answered (each reads many hashes)
         self.fallback_loads = 0  # ids asked of the fallback
 
     # --- reads --------------------------------------------------------------------------
@@ -154,18 +165,65 @@ class StatusReader:
                     del loading[job_id]
 
     async def _hmget(self, ids: list[str]) -> list[Any]:
+        """(tenant, document) of each id, in order; (None, None) for a job Redis lacks."""
         keys = self.keys
         self.batches += 1
         self.redis_loads += len(ids)
         if len(ids) == 1:
             job_id = ids[0]
             return [await self.redis.hmget(keys.job_in(int(job_id[_SHARD_AT:]), job_id), _FIELDS)]
-        # transaction=False: no MULTI/EXEC, and on a cluster the pipeline is split into one
-        # batch per node (the ids of a batch span every shard)
-        pipe = self.redis.pipeline(transaction=False)
-        for job_id in ids:
-            pipe.hmget(keys.job_in(int(job_id[_SHARD_AT:]), job_id), _FIELDS)
-        return await pipe.execute()
+        if not self._cluster:
+            # one server: one call for the batch, whatever shards (hash tags) its keys carry
+            flat = await self._read_status([keys.job_in(int(i[_SHARD_AT:]), i) for i in ids])
+            return list(zip(flat[0::2], flat[1::2], strict=True))
+        return await self._read_status_per_shard(ids)
+
+    async def _read_status(self, job_keys: list[str]) -> list[Any]:
+        script, redis = self._script, self.redis
+        try:
+            flat = await redis.execute_command("EVALSHA", script.sha, len(job_keys), *job_keys)
+        except NoScriptError:  # a restarted (or flushed) Redis forgot it: it did not run
+            await redis.script_load(script.text)
+            flat = await redis.execute_command("EVALSHA", script.sha, len(job_keys), *job_keys)
+        self.script_calls += 1
+        return flat  # type: ignore[no-any-return]
+
+    async def _read_status_per_shard(self, ids: list[str]) -> list[Any]:
+        """(Cluster) one script call per shard in one pipeline: one batch per node."""
+        by_shard: dict[int, list[int]] = {}
+        for index, job_id in enumerate(ids):
+            by_shard.setdefault(int(job_id[_SHARD_AT:]), []).append(index)
+        groups = list(by_shard.items())
+        keys, script = self.keys, self._script
+        replies: list[Any] = [None] * len(groups)
+        todo = list(range(len(groups)))
+        for _ in range(2):
+            pipe = self.redis.pipeline(transaction=False)
+            for g in todo:
+                shard, indexes = groups[g]
+                job_keys = [keys.job_in(shard, ids[i]) for i in indexes]
+                pipe.execute_command("EVALSHA", script.sha, len(job_keys), *job_keys)
+            answers = await pipe.execute(raise_on_error=False)
+            retry = []
+            for g, answer in zip(todo, answers, strict=True):
+                if isinstance(answer, NoScriptError):
+                    retry.append(g)
+                elif isinstance(answer, Exception):
+                    raise answer
+                else:
+                    replies[g] = answer
+                    self.script_calls += 1
+            if not retry:
+                break
+            await self.redis.script_load(script.text)  # on every primary
+            todo = retry
+        else:
+            raise NoScriptError("read_status.lua keeps disappearing from Redis")
+        out: list[Any] = [None] * len(ids)
+        for (_, indexes), flat in zip(groups, replies, strict=True):
+            for n, i in enumerate(indexes):
+                out[i] = (flat[2 * n], flat[2 * n + 1])
+        return out
 
     async def _load_fallback(self, ids: list[str]) -> dict[str, Status]:
         assert self._fallback is not None
@@ -247,6 +305,7 @@ class StatusReader:
             "near_hits": self.near_hits,
             "redis_loads": self.redis_loads,
             "batches": self.batches,
+            "script_calls": self.script_calls,
             "fallback_loads": self.fallback_loads,
             "listeners": sum(len(s) for s in self._listeners.values()),
         }
