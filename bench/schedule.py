@@ -10,7 +10,7 @@ separate processes as in production. The variants, measured in the same run:
   runs the same ``promote.lua`` on every shard once per ``--poll-interval`` (again at once
   while a shard answers a full batch), and never listens for wakes;
 * ``jobtier-b100`` (only when asked for): ``jobtier scheduler --batch 100``, which moves at
-  most 100 jobs per shard per script call (the default is 1,000);
+  most 100 jobs per shard per script call (the default is 200);
 * ``poll10ms`` (only when asked for): the same poller every 10 ms. Not a design to ship (it
   costs CPU when idle); under a steady stream of due jobs it shows what promoting in passes
   at most every 10 ms, instead of one pass per due millisecond, would cost and buy.
@@ -797,7 +797,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--idle", type=float, default=10.0, help="idle period measured, s (10)")
     p.add_argument("--runs", type=int, default=3, help="runs; medians are reported (3)")
     p.add_argument(
-        "--scheduler-batch", type=int, default=1000, help="jobtier scheduler --batch (1000)"
+        "--scheduler-batch",
+        type=int,
+        default=200,
+        help="jobtier scheduler --batch (200, its default)",
     )
     p.add_argument("--poll-interval", type=float, default=1.0, help="baseline poll, s (1)")
     p.add_argument(

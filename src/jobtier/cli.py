@@ -196,7 +196,20 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
     from jobtier.connection import connect
     from jobtier.persist.db import create_pool
-    from jobtier.persist.persister import Persister
+    from jobtier.persist.persister import Persister, replay_refused
+
+    if args.replay_refused:
+
+        async def replay() -> int:
+            redis = connect(settings)
+            try:
+                moved = await replay_refused(redis, Keys(settings.prefix, settings.shards))
+            finally:
+                await redis.aclose()
+            print(f"{moved} refused entries sent back to the transition logs")
+            return 0
+
+        return _run_async(replay)
 
     async def main() -> int:
         redis = connect(settings)
@@ -366,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--name", help="consumer name (default: persister-host-pid); reuse it after a restart"
+    )
+    p.add_argument(
+        "--replay-refused",
+        action="store_true",
+        help="send the entries Postgres refused (parked in each shard's log:refused stream) "
+        "back to the logs for the persisters to try again, then exit",
     )
     p.set_defaults(func=cmd_persister)
 

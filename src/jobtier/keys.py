@@ -121,6 +121,10 @@ class Keys:
     def log(self, shard: int) -> str:
         return self._bases[shard] + "log"
 
+    def log_refused(self, shard: int) -> str:
+        """Log entries Postgres refused for their data, parked by the persister."""
+        return self._bases[shard] + "log:refused"
+
     def idem(self, shard: int, tenant: str, key: str) -> str:
         return f"{self._bases[shard]}idem:{tenant}:{key}"
 

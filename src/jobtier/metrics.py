@@ -269,6 +269,8 @@ HELP = {
     "jobs_cancelled_total": "Jobs cancelled.",
     "lease_expirations_total": "Running jobs taken back after their worker stopped heartbeating.",
     "transitions_persisted_total": "Transitions written to Postgres.",
+    "persister_bad_entries_total": "Log entries that could not be stored (unreadable or refused).",
+    "persister_parked_total": "Log entries Postgres refused, moved to the shard's log:refused stream.",
 }
 
 
@@ -394,6 +396,8 @@ def persister_source(persister: Persister, counter: TransitionCounter) -> Callab
             "persister_batches_total": {"": st.batches},
             "persister_retries_total": {"": st.retries},
             "persister_claimed_total": {"": st.claimed},
+            "persister_bad_entries_total": {"": st.bad_entries},
+            "persister_parked_total": {"": st.parked},
         })  # fmt: skip
         return Snapshot(
             "",

@@ -14,7 +14,7 @@ from jobtier.config import Settings
 from jobtier.keys import Keys
 from jobtier.persist.batch import LogEntry, parse_entry
 from jobtier.persist.db import Pool
-from jobtier.persist.persister import Persister
+from jobtier.persist.persister import Persister, replay_refused
 from jobtier.persist.reader import lag
 from tests.fixtures.postgres import (
     assert_pg_matches_redis,
@@ -169,15 +169,18 @@ async def test_run_persists_until_stopped(
     assert (await lag(redis, keys))[0] == 0
 
 
-async def test_a_malformed_entry_is_left_pending_and_the_rest_goes_on(
+async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, caplog: Any
 ) -> None:
+    """An unreadable entry stays pending (a newer persister may read it); one Postgres
+    refuses is parked in log:refused and acknowledged, so it holds back neither trimming nor
+    the lag, and ``replay_refused`` sends it back."""
     job_ids = await simple_jobs(redis, keys, 20)
     await redis.xadd(keys.log(0), {"d": b"{not a document", "tn": "t1", "fr": "", "w": "api"})
     # valid document, but a payload Postgres refuses as JSON: isolated from its batch
     entries = await log_entries(redis, keys)
     submit = next(f for _, _, f in entries if f[b"fr"] == b"")
-    bad = dict(submit, p=b"{not json")
+    bad = {**submit, b"p": b"{not json"}
     bad[b"d"] = bad[b"d"].replace(b'"id":"', b'"id":"X', 1)  # another job id
     await redis.xadd(keys.log(1), bad)
     caplog.set_level(logging.ERROR, logger="jobtier.persist")
@@ -185,9 +188,20 @@ async def test_a_malformed_entry_is_left_pending_and_the_rest_goes_on(
     persister = Persister(pg_settings, redis, pg_pool, "p1")
     assert await persister.drain() == 60
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
-    assert persister.stats.bad_entries == 2
+    assert persister.stats.bad_entries == 2 and persister.stats.parked == 1
     assert "event=bad_log_entry" in caplog.text and "event=entry_refused" in caplog.text
-    assert (await lag(redis, keys))[0] == 2  # never acknowledged, so never trimmed
+    assert (await lag(redis, keys))[0] == 1  # the unreadable one, never acknowledged
+    assert await redis.xlen(keys.log(1)) == 0  # the refused one no longer holds back trimming
+    (parked,) = await redis.xrange(keys.log_refused(1))
+    assert parked[1][b"p"] == b"{not json" and parked[1][b"d"] == bad[b"d"]
+    assert b"json" in parked[1][b"refused_error"].lower()
+
+    assert await replay_refused(redis, keys) == 1
+    assert await redis.xlen(keys.log_refused(1)) == 0
+    (back,) = await redis.xrange(keys.log(1))
+    assert back[1] == bad  # as it was, without the parking fields
+    assert await persister.drain() == 0  # refused again: parked again
+    assert persister.stats.parked == 2 and await redis.xlen(keys.log_refused(1)) == 1
 
 
 async def _until(predicate: Any, timeout: float = 30.0) -> None:

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
 import msgspec
@@ -84,7 +85,8 @@ class PersisterStats:
     jobs: int = 0  # job rows upserted, after collapsing
     retries: int = 0  # batch attempts that failed and were retried
     claimed: int = 0  # entries taken over from idle consumers
-    bad_entries: int = 0  # entries that cannot be stored (left pending, logged)
+    bad_entries: int = 0  # entries that cannot be stored (logged; parked when refused)
+    parked: int = 0  # entries Postgres refused, moved to the shard's log:refused stream
     last_batch_size: int = 0
     last_commit_seconds: float = 0.0
     lag_entries: int = 0
@@ -132,6 +134,7 @@ class Persister:
         self._inflight: set[asyncio.Task[None]] = set()  # flushes being committed
         self._first_at = 0.0  # when the oldest buffered entry was read
         self._to_ack: dict[int, list[bytes]] = {}  # committed, XACK not yet confirmed
+        self._to_park: dict[int, list[tuple[bytes, str]]] = {}  # refused: (id, error)
         self._stop = asyncio.Event()
         self._ready = False
         self._next_claim = 0.0
@@ -200,7 +203,7 @@ class Persister:
         """
         now = time.monotonic()
         self._reap()
-        if self._to_ack:
+        if self._to_ack or self._to_park:
             await self._ack()
         if now >= self._next_claim:
             self._next_claim = now + max(0.05, self.claim_idle_ms / 2000)
@@ -454,14 +457,49 @@ class Persister:
         return written
 
     def _poisoned(self, entry: LogEntry, exc: BaseException) -> None:
+        """Postgres refused this entry for its data, alone in its batch. It is parked: copied
+        to the shard's ``log:refused`` stream with the error, then acknowledged. Left pending
+        it would hold back trimming of its stream for good (Redis memory grows) and keep the
+        persister lag's age growing; parked, an operator can read it and, once the cause is
+        fixed, send it back with ``jobtier persister --replay-refused``."""
         self.stats.bad_entries += 1
         log.error(
-            "event=entry_refused stream=%s id=%s job=%s version=%d error=%r",
+            "event=entry_refused stream=%s id=%s job=%s version=%d error=%r parked_in=%s",
             self._streams[entry.shard], entry.entry_id.decode(), entry.status.id,
-            entry.status.version, exc,
+            entry.status.version, exc, self.keys.log_refused(entry.shard),
         )  # fmt: skip
+        self._to_park.setdefault(entry.shard, []).append((entry.entry_id, repr(exc)[:2000]))
+
+    async def _park(self) -> None:
+        """Copy the refused entries to ``log:refused`` and queue their XACKs."""
+        todo, self._to_park = self._to_park, {}
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            order = [
+                (shard, entry_id, error) for shard, es in todo.items() for entry_id, error in es
+            ]
+            for shard, entry_id, _ in order:
+                pipe.xrange(self._streams[shard], min=entry_id, max=entry_id)
+            found = await pipe.execute()
+            pipe = self.redis.pipeline(transaction=False)
+            for (shard, entry_id, error), entries in zip(order, found, strict=True):
+                if entries:  # else trimmed already: nothing left to park
+                    fields = dict(entries[0][1])
+                    fields[b"refused_from"] = entry_id
+                    fields[b"refused_error"] = error.encode()
+                    pipe.xadd(self.keys.log_refused(shard), fields)
+            await pipe.execute()
+        except BaseException:
+            for shard, es in todo.items():  # parked again next time: a duplicate at worst
+                self._to_park.setdefault(shard, []).extend(es)
+            raise
+        for shard, entry_id, _ in order:
+            self._to_ack.setdefault(shard, []).append(entry_id)
+        self.stats.parked += len(order)
 
     async def _ack(self) -> None:
+        if self._to_park:
+            await self._park()
         if not self._to_ack:
             return
         todo, self._to_ack = self._to_ack, {}
@@ -507,6 +545,32 @@ class Persister:
             pipe.xtrim(self._streams[shard], minid=floor, approximate=False)
         if floors:
             await pipe.execute()
+
+
+async def replay_refused(redis: RedisClient, keys: Keys) -> int:
+    """Send every parked entry (``log:refused``) back to its shard's log, for the persisters
+    to try again once the cause is fixed (a migration, a constraint). Each entry is added to
+    the log before it is deleted from the parked stream: interrupted, an entry is at worst
+    sent twice, which the persisters' writes make harmless. Returns the entries moved."""
+    moved = 0
+    for shard in range(keys.shards):
+        source, target = keys.log_refused(shard), keys.log(shard)
+        while True:
+            entries: Any = await redis.xrange(source, count=500)  # [(id, {field: value})]
+            if not entries:
+                break
+            pipe = redis.pipeline(transaction=False)
+            for entry_id, fields in entries:
+                kept: dict[Any, Any] = {
+                    k: v for k, v in fields.items() if not k.startswith(b"refused_")
+                }
+                pipe.xadd(target, kept)
+                pipe.xdel(source, entry_id)
+            await pipe.execute()
+            moved += len(entries)
+    if moved:
+        log.info("event=refused_entries_replayed count=%d", moved)
+    return moved
 
 
 def _key(entry_id: bytes) -> tuple[int, int]:
