@@ -240,6 +240,40 @@ async def test_fallback_for_ids_redis_no_longer_holds(
     assert len(asked) == 1
 
 
+async def test_ids_the_fallback_does_not_know_are_remembered_briefly(
+    queue: Queue, redis: aioredis.Redis, settings: Settings
+) -> None:
+    keys = keys_of(settings)
+    unknown, later = keys.new_id(1), keys.new_id(2)
+    asked: list[list[str]] = []
+    now = [100.0]
+
+    async def fallback(ids: list[str]) -> dict[str, tuple[str, bytes]]:
+        asked.append(sorted(ids))
+        return {}
+
+    reader = StatusReader(
+        redis, keys, fallback=fallback, clock=lambda: now[0], absent_ttl=1.0, absent_size=2
+    )
+    assert await reader.get(unknown) is None and await reader.get(later) is None
+    for _ in range(50):  # polling an unknown id costs Postgres nothing more for a second
+        assert await reader.get(unknown) is None
+    assert asked == [[unknown], [later]] and reader.absent_hits == 50
+    # a job that appears in Redis meanwhile is seen at once: Redis is asked first
+    hmgets = await hmget_calls(redis)
+    (real,) = await submit(queue)
+    reader._absent[real] = now[0] + 1.0  # as if it had been unknown a moment ago
+    found = await reader.get(real)
+    assert found is not None and found[0] == TENANT
+    assert await hmget_calls(redis) > hmgets
+    now[0] += 1.5  # expired: asked again
+    assert await reader.get(unknown) is None
+    assert asked[-1] == [unknown]
+    third = keys.new_id(3)  # bounded: the oldest entry makes room
+    await reader.get(third)
+    assert len(reader._absent) <= 2
+
+
 async def test_fallback_failure_reaches_only_its_readers(
     queue: Queue, redis: aioredis.Redis, settings: Settings
 ) -> None:

@@ -62,7 +62,11 @@ class StatusReader:
        script ~5 us (~2 at 100): bench/results/status_read.md. With ``coalesce=False`` each
        miss sends its own HMGET: the plain baseline the benchmarks compare against.
     3. Ids Redis no longer holds go to ``fallback`` (the Postgres reader), itself coalesced
-       and singleflighted, one id's fallback failing only that id's readers.
+       and singleflighted, one id's fallback failing only that id's readers. An id the
+       fallback does not know either is remembered as absent for ``absent_ttl`` seconds
+       (at most ``absent_size`` ids): clients polling a purged or mistyped id then cost one
+       Postgres query per id per ``absent_ttl``, not one per request. Redis is still asked
+       first, so a job that appears meanwhile is seen at once.
     4. What was read is put into the near cache.
 
     Freshness: the process's shard subscription calls ``on_event`` for every published
@@ -92,6 +96,8 @@ class StatusReader:
         clock: Callable[[], float] = time.monotonic,
         timeout: float | None = 5.0,
         max_batch: int = 500,
+        absent_ttl: float = 1.0,
+        absent_size: int = 10_000,
     ) -> None:
         self.redis = redis
         self.keys = keys
@@ -101,6 +107,9 @@ class StatusReader:
             Coalescer(self._load, max_batch=max_batch, timeout=timeout) if coalesce else None
         )
         self._fallback = fallback
+        self._absent: dict[str, float] = {}  # id -> until when the fallback's "unknown" holds
+        self._absent_ttl = absent_ttl
+        self._absent_size = absent_size
         self.fallback_coalescer: Coalescer[str, Status] | None = (
             Coalescer(self._load_fallback, max_batch=max_batch, timeout=timeout)
             if fallback is not None
@@ -116,6 +125,7 @@ class StatusReader:
         self.batches = 0  # round trips (a single HMGET, one script call or one pipeline)
         self.script_calls = 0  # read_status.lua calls answered (each reads many hashes)
         self.fallback_loads = 0  # ids asked of the fallback
+        self.absent_hits = 0  # reads answered "unknown" from the remembered absent ids
 
     # --- reads --------------------------------------------------------------------------
     async def get(self, job_id: str) -> Status | None:
@@ -137,6 +147,12 @@ class StatusReader:
         else:
             status = (await self._load([job_id])).get(job_id)
         if status is None and self.fallback_coalescer is not None:
+            until = self._absent.get(job_id)
+            if until is not None:
+                if until > self._clock():
+                    self.absent_hits += 1
+                    return None
+                del self._absent[job_id]
             status = await self.fallback_coalescer.get(job_id)
         return status
 
@@ -236,6 +252,13 @@ class StatusReader:
         }
         if near is not None and near.generation == generation:
             self._store(near, found)
+        absent, until = self._absent, self._clock() + self._absent_ttl
+        for job_id in ids:
+            if job_id not in found:
+                absent.pop(job_id, None)  # re-inserted last: the dict's order is expiry order
+                absent[job_id] = until
+        while len(absent) > self._absent_size:
+            del absent[next(iter(absent))]  # the oldest first
         return found
 
     def _store(self, near: NearCache, found: dict[str, Status]) -> None:
@@ -307,6 +330,7 @@ class StatusReader:
             "batches": self.batches,
             "script_calls": self.script_calls,
             "fallback_loads": self.fallback_loads,
+            "absent_hits": self.absent_hits,
             "listeners": sum(len(s) for s in self._listeners.values()),
         }
         if self.near is not None:
