@@ -9,9 +9,12 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
+
+from redis.exceptions import RedisError
 
 from jobtier import logs
 from jobtier.config import Settings, settings_table
@@ -240,6 +243,50 @@ def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
     return _run_async(main)
 
 
+ROLES = ("api", "worker", "scheduler", "persister", "run")
+
+
+def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
+    """Exit 0 when a process of ``args.role`` on this host published its metrics lately."""
+    import socket
+
+    from jobtier.connection import connect
+    from jobtier.metrics import read_snapshots
+
+    host = socket.gethostname()
+
+    async def main() -> int:
+        redis = connect(settings)
+        try:
+            snapshots = await read_snapshots(redis, Keys(settings.prefix, settings.shards))
+        except (RedisError, OSError) as exc:
+            print(f"jobtier check: Redis unreachable ({exc})", file=sys.stderr)
+            return 1
+        finally:
+            await redis.aclose()
+        now = time.time()
+        mine = [
+            s for s in snapshots
+            if s.role == args.role and (args.any_host or s.process.split(":")[1:2] == [host])
+        ]  # fmt: skip
+        fresh = [s for s in mine if now - s.at <= args.max_age]
+        for snap in fresh:
+            print(f"{snap.process}: alive, published {now - snap.at:.1f} s ago")
+        if fresh:
+            return 0
+        where = "any host" if args.any_host else f"host {host}"
+        latest = max((s.at for s in mine), default=None)
+        seen = "none ever seen" if latest is None else f"the latest {now - latest:.0f} s ago"
+        print(
+            f"jobtier check: no {args.role} process on {where} published in the last "
+            f"{args.max_age:g} s ({seen})",
+            file=sys.stderr,
+        )
+        return 1
+
+    return _run_async(main)
+
+
 def default_name(role: str) -> str:
     import socket
 
@@ -409,6 +456,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=sorted(BENCHMARKS), metavar="NAME", help="which benchmark")
     p.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "check",
+        help="health check: is a ROLE process on this host alive?",
+        description="Exit 0 if a jobtier process of ROLE on this host published its metrics "
+        "to Redis within --max-age seconds (every process does so every 2 s from its event "
+        "loop, so a hung loop or a lost Redis connection fails the check), else 1 with the "
+        "reason. For container health checks of the processes that serve no port: worker, "
+        "scheduler, persister.",
+    )
+    p.add_argument("role", choices=ROLES, metavar="ROLE", help=", ".join(ROLES))
+    p.add_argument(
+        "--max-age", type=float, default=15.0, help="seconds since the last publication (15)"
+    )
+    p.add_argument(
+        "--any-host", action="store_true", help="a process on any host will do (fleet check)"
+    )
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser(
         "config",

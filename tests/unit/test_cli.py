@@ -9,7 +9,9 @@ import pytest
 
 from jobtier.cli import build_parser, main
 
-COMMANDS = ["run", "api", "worker", "scheduler", "persister", "migrate", "bench", "config"]
+COMMANDS = [
+    "run", "api", "worker", "scheduler", "persister", "migrate", "bench", "config", "check",
+]  # fmt: skip
 
 
 def test_every_command_exists_and_has_help(capsys: pytest.CaptureFixture[str]) -> None:

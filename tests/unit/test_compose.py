@@ -47,10 +47,9 @@ SERVICES = {"redis", "postgres", *JOBTIER_SERVICES}
 # the services without a health check, and why
 NO_HEALTHCHECK = {
     "migrate": "a one-shot: its exit status is its health (service_completed_successfully)",
-    "worker": "serves no port, and jobtier has no health command for it yet",
-    "scheduler": "serves no port, and jobtier has no health command for it yet",
-    "persister": "serves no port, and jobtier has no health command for it yet",
 }
+# the processes that serve no port are checked with `jobtier check ROLE`
+CHECKED_ROLES = ("worker", "scheduler", "persister")
 ONE_SHOTS = {"migrate"}
 # service -> {dependency: condition} it must at least have
 DEPENDS = {
@@ -216,6 +215,10 @@ def check_healthchecks(doc: Doc) -> list[str]:
     )
     if f"127.0.0.1:{API_PORT}/readyz" not in api_test:
         problems.append(f"api: the health check does not ask /readyz on port {API_PORT}")
+    for role in CHECKED_ROLES:
+        test = (services.get(role, {}).get("healthcheck") or {}).get("test") or []
+        if test and test != ["CMD", "jobtier", "check", role]:
+            problems.append(f"{role}: the health check is not `jobtier check {role}`: {test}")
     return problems
 
 
@@ -467,6 +470,8 @@ BREAKAGES: list[tuple[str, Callable[[Doc], None], str]] = [
     ("healthchecks", _set("services.api.healthcheck", None), "api: no health check"),
     ("healthchecks", _set("services.postgres.healthcheck", None), "postgres: no health check"),
     ("healthchecks", _set("services.api.healthcheck.test.3", "pass"), "does not ask /readyz"),
+    ("healthchecks", _set("services.scheduler.healthcheck", None), "scheduler: no health check"),
+    ("healthchecks", _set("services.persister.healthcheck.test.3", "worker"), "not `jobtier check"),
     ("redis", _set("services.redis.command.2", "no"), "AOF is not on"),
     ("redis", _set("services.redis.command.4", "allkeys-lru"), "may evict"),
     ("ports", _set("services.api.ports", None), "is not published"),
@@ -481,7 +486,7 @@ BREAKAGES: list[tuple[str, Callable[[Doc], None], str]] = [
     ("depends_on", _set("services.migrate.restart", "always"), "must not restart"),
     (
         "depends_on",
-        _set("services.worker.depends_on.scheduler", {"condition": "service_healthy"}),
+        _set("services.worker.depends_on.migrate", {"condition": "service_healthy"}),
         "which has no check",
     ),
     ("environment", _set("x-jobtier-env.JOBTIER_REDIS_URI", "redis://redis"), "JOBTIER_REDIS_URI"),
