@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -85,7 +85,12 @@ class Histogram:
         self.count += 1
 
     def snapshot(self) -> dict[str, Any]:
-        return {"bounds": self.bounds, "counts": self.counts, "sum": self.sum, "count": self.count}
+        return {
+            "bounds": self.bounds,
+            "counts": list(self.counts),
+            "sum": self.sum,
+            "count": self.count,
+        }
 
 
 def quantile(hist: dict[str, Any], q: float) -> float | None:
@@ -101,6 +106,45 @@ def quantile(hist: dict[str, Any], q: float) -> float | None:
         if seen >= rank:
             return float(bound)
     return float(hist["bounds"][-1])
+
+
+class HistogramWindow:
+    """Histograms over the last ``seconds`` from cumulative totals: the latest totals minus
+    those of the newest sample at least ``seconds`` old (or the oldest kept), as Prometheus's
+    ``histogram_quantile(0.99, rate(h[1m]))`` does. Fed a sample per dashboard frame.
+
+    A bucket that went down (a process restarted and its totals began again) counts 0.
+    """
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+        self._samples: deque[tuple[float, dict[str, dict[str, Any]]]] = deque()
+
+    def observe(
+        self, at: float, hists: dict[str, dict[str, Any]]
+    ) -> tuple[dict[str, dict[str, Any]], float | None]:
+        """(the histograms of the window, its span in seconds); on the first sample there is
+        no window yet: the totals themselves and None."""
+        samples = self._samples
+        samples.append((at, hists))
+        while len(samples) > 2 and samples[1][0] <= at - self.seconds:
+            samples.popleft()
+        if len(samples) == 1:
+            return hists, None
+        base_at, base = samples[0]
+        return {name: _minus(h, base.get(name)) for name, h in hists.items()}, at - base_at
+
+
+def _minus(h: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    if base is None or list(base["bounds"]) != list(h["bounds"]):
+        return h
+    counts = [max(0, a - b) for a, b in zip(h["counts"], base["counts"], strict=True)]
+    return {
+        "bounds": h["bounds"],
+        "counts": counts,
+        "sum": max(0.0, h["sum"] - base["sum"]),
+        "count": sum(counts),
+    }
 
 
 class Snapshot(msgspec.Struct):

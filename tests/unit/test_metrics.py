@@ -6,7 +6,16 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobtier.metrics import Histogram, Snapshot, TransitionCounter, labels, quantile, render, totals
+from jobtier.metrics import (
+    Histogram,
+    HistogramWindow,
+    Snapshot,
+    TransitionCounter,
+    labels,
+    quantile,
+    render,
+    totals,
+)
 from jobtier.model import JobError, JobStatus, Priority, State
 
 
@@ -85,3 +94,23 @@ def test_render_labels_each_process_and_parses_as_prometheus() -> None:
     ]
     counters, hists = totals(snaps)
     assert counters["jobs_claimed_total"] == 12 and hists["claim_wait_seconds"]["count"] == 1
+
+
+def test_histogram_window_gives_the_last_minute() -> None:
+    h = Histogram([0.01, 0.1, 1.0])
+    window = HistogramWindow(60.0)
+    for _ in range(1000):
+        h.observe(0.005)  # a minute of fast jobs
+    first, span = window.observe(0.0, {"run": h.snapshot()})
+    assert span is None and quantile(first["run"], 0.99) == 0.01  # no window yet: the totals
+    for _ in range(10):
+        h.observe(0.5)  # then a slow spell
+    part, span = window.observe(30.0, {"run": h.snapshot()})
+    assert span == 30.0 and part["run"]["count"] == 10 and quantile(part["run"], 0.99) == 1.0
+    assert quantile(h.snapshot(), 0.99) == 0.01  # all-time, the slow spell does not show
+    later, span = window.observe(95.0, {"run": h.snapshot()})  # nothing since: an empty window
+    assert span == 65.0 and later["run"]["count"] == 0 and quantile(later["run"], 0.99) is None
+    restarted = Histogram([0.01, 0.1, 1.0])  # the process restarted: its totals began again
+    restarted.observe(0.05)
+    after, _ = window.observe(100.0, {"run": restarted.snapshot()})
+    assert after["run"]["counts"] == [0, 1, 0, 0]  # the fallen buckets count 0, not less

@@ -16,7 +16,14 @@ from starlette.routing import Route
 from jobtier.api.auth import require_admin
 from jobtier.api.problems import UNAVAILABLE
 from jobtier.api.sse import StreamResponse
-from jobtier.metrics import live_gauges, quantile, read_snapshots, render, totals
+from jobtier.metrics import (
+    HistogramWindow,
+    live_gauges,
+    quantile,
+    read_snapshots,
+    render,
+    totals,
+)
 from jobtier.queue import Queue
 
 
@@ -36,13 +43,19 @@ async def metrics(request: Request) -> Response:
     return Response(render(snapshots, gauges), media_type=CONTENT_TYPE_LATEST)
 
 
-async def dashboard_state(request: Request) -> dict[str, Any]:
+async def dashboard_state(
+    request: Request, window: HistogramWindow | None = None
+) -> dict[str, Any]:
     """One frame of the dashboard: current gauges and cumulative counters (the page turns
-    successive frames into rates)."""
+    successive frames into rates); p99s over ``window`` (the last minute) when given, else
+    since the processes started."""
     queue: Queue = request.state.queue
     snapshots = await read_snapshots(queue.redis, queue.keys)
     gauges = await live_gauges(queue, await _lag_probe(request))
     counters, hists = totals(snapshots)
+    span = None
+    if window is not None:
+        hists, span = window.observe(time.time(), hists)
     p99 = {name: quantile(h, 0.99) for name, h in hists.items()}
     return {
         "at": time.time(),
@@ -57,6 +70,7 @@ async def dashboard_state(request: Request) -> dict[str, Any]:
         "counters": counters,
         "p99_claim_wait_seconds": p99.get("claim_wait_seconds"),
         "p99_run_time_seconds": p99.get("run_time_seconds"),
+        "p99_window_seconds": span,  # None: since the processes started
         "processes": sorted({s.role for s in snapshots}),
     }
 
@@ -66,6 +80,7 @@ class FrameCache:
 
     def __init__(self, max_age: float = 0.9) -> None:
         self.max_age = max_age
+        self.window = HistogramWindow(60.0)
         self.frame = b""
         self.made = 0.0
         self._lock = asyncio.Lock()
@@ -73,7 +88,7 @@ class FrameCache:
     async def get(self, request: Request) -> bytes:
         async with self._lock:
             if time.monotonic() - self.made > self.max_age:
-                self.frame = orjson.dumps(await dashboard_state(request))
+                self.frame = orjson.dumps(await dashboard_state(request, self.window))
                 self.made = time.monotonic()
             return self.frame
 
