@@ -109,35 +109,69 @@ def quantile(hist: dict[str, Any], q: float) -> float | None:
 
 
 class HistogramWindow:
-    """Histograms over the last ``seconds`` from cumulative totals: the latest totals minus
-    those of the newest sample at least ``seconds`` old (or the oldest kept), as Prometheus's
-    ``histogram_quantile(0.99, rate(h[1m]))`` does. Fed a sample per dashboard frame.
+    """Histograms over the last ``seconds``, from the processes' cumulative snapshots, fed one
+    sample per dashboard frame.
 
-    A bucket that went down (a process restarted and its totals began again) counts 0.
+    Per process (as Prometheus's ``rate()`` works per series): its latest totals minus those
+    of its newest sample at least ``seconds`` old, or of its first sample when it appeared
+    later; then summed. A process that appears (a new worker, a restart: the process id
+    carries the pid) counts from its first sample, not its whole life; one that stops
+    publishing leaves without taking the others' counts with it. A bucket that went down
+    counts 0.
     """
 
     def __init__(self, seconds: float = 60.0) -> None:
         self.seconds = seconds
-        self._samples: deque[tuple[float, dict[str, dict[str, Any]]]] = deque()
+        self._samples: deque[tuple[float, dict[str, dict[str, dict[str, Any]]]]] = deque()
 
     def observe(
-        self, at: float, hists: dict[str, dict[str, Any]]
+        self, at: float, snapshots: Iterable[Snapshot]
     ) -> tuple[dict[str, dict[str, Any]], float | None]:
         """(the histograms of the window, its span in seconds); on the first sample there is
-        no window yet: the totals themselves and None."""
+        no window yet: the totals since the processes started, and None."""
+        current = {s.process: _process_totals(s) for s in snapshots}
         samples = self._samples
-        samples.append((at, hists))
+        samples.append((at, current))
         while len(samples) > 2 and samples[1][0] <= at - self.seconds:
             samples.popleft()
         if len(samples) == 1:
-            return hists, None
-        base_at, base = samples[0]
-        return {name: _minus(h, base.get(name)) for name, h in hists.items()}, at - base_at
+            return _sum(current.values()), None
+        deltas = []
+        for process, hists in current.items():
+            base = next(h for _, sample in samples if (h := sample.get(process)) is not None)
+            deltas.append({name: _minus(h, base.get(name)) for name, h in hists.items()})
+        return _sum(deltas), at - samples[0][0]
+
+
+def _process_totals(snap: Snapshot) -> dict[str, dict[str, Any]]:
+    """One process's histograms, summed over their labels."""
+    return _sum(
+        {name: h} for name, per_label in snap.histograms.items() for h in per_label.values()
+    )
+
+
+def _sum(parts: Iterable[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for name, h in part.items():
+            acc = out.get(name)
+            if acc is None:
+                out[name] = {
+                    "bounds": h["bounds"], "counts": list(h["counts"]),
+                    "sum": h["sum"], "count": h["count"],
+                }  # fmt: skip
+            elif list(acc["bounds"]) == list(h["bounds"]):
+                acc["counts"] = [a + b for a, b in zip(acc["counts"], h["counts"], strict=True)]
+                acc["sum"] += h["sum"]
+                acc["count"] += h["count"]
+    return out
 
 
 def _minus(h: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
-    if base is None or list(base["bounds"]) != list(h["bounds"]):
+    if base is None:
         return h
+    if list(base["bounds"]) != list(h["bounds"]):
+        return {"bounds": h["bounds"], "counts": [0] * len(h["counts"]), "sum": 0.0, "count": 0}
     counts = [max(0, a - b) for a, b in zip(h["counts"], base["counts"], strict=True)]
     return {
         "bounds": h["bounds"],

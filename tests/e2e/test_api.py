@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import httpx
+import pytest
 
 from jobtier.devservices import LocalRedis
 from jobtier.model import State
@@ -235,7 +237,7 @@ async def test_job_state_visible_while_running(
 
 
 async def test_status_reads_while_redis_is_down_are_503_then_recover(
-    start_api: StartApi, tmp_path: Path
+    start_api: StartApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The status read is answered ahead of the router (jobs.StatusFastPath); a read that
     fails there still gets the API's problem, not a bare 500."""
@@ -246,9 +248,13 @@ async def test_status_reads_while_redis_is_down_are_503_then_recover(
             job = (await c.post("/v1/jobs", json={"type": "echo"})).json()
             assert (await c.get(f"/v1/jobs/{job['id']}")).status_code == 200
             own.stop()
+            caplog.set_level(logging.WARNING)
             r = await c.get(f"/v1/jobs/{job['id']}")
             assert r.status_code == 503 and r.headers["retry-after"]
             assert r.headers["content-type"] == "application/problem+json"
+            assert "event=backend_unavailable" in caplog.text
+            # handled, not re-raised to the server as an unhandled error
+            assert not [rec for rec in caplog.records if rec.name.startswith("uvicorn")]
             own.start()  # AOF on: the job is still there
             r = await c.get(f"/v1/jobs/{job['id']}")
             assert r.status_code == 200 and r.json()["id"] == job["id"]

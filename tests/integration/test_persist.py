@@ -202,6 +202,24 @@ async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     assert back[1] == bad  # as it was, without the parking fields
     assert await persister.drain() == 0  # refused again: parked again
     assert persister.stats.parked == 2 and await redis.xlen(keys.log_refused(1)) == 1
+    # a replay moves what was parked when it began, not what is parked again meanwhile
+    refused_again = await redis.xadd(keys.log_refused(1), {**bad, b"refused_error": b"x"})
+    original = redis.xrange
+
+    async def xrange_then_refuse(*args: Any, **kwargs: Any) -> Any:
+        found = await original(*args, **kwargs)
+        if found:  # a running persister refuses the replayed entry at once, parking it anew
+            await redis.xadd(keys.log_refused(1), {**bad, b"refused_error": b"again"})
+        return found
+
+    redis.xrange = xrange_then_refuse
+    try:
+        assert await asyncio.wait_for(replay_refused(redis, keys), 10) == 2
+    finally:
+        redis.xrange = original
+    left = await redis.xrange(keys.log_refused(1))
+    assert [f[b"refused_error"] for _, f in left] == [b"again"]
+    assert left[0][0] > refused_again
 
 
 async def _until(predicate: Any, timeout: float = 30.0) -> None:

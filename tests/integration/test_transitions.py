@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -153,6 +153,22 @@ async def test_delayed_job_is_scheduled_then_promoted(queue: Queue) -> None:
     assert r.moved == 1 and r.next_ms == -1
     assert (await queue.status(sub.job_id)).state is State.QUEUED
     assert await history(queue, sub.job_id) == [("", "scheduled", 1), ("scheduled", "queued", 2)]
+
+
+async def test_run_at_is_rendered_anew_when_a_script_moved_it_behind_the_cache(
+    queue: Queue,
+) -> None:
+    """The rendered run_at is cached in the job hash; a script that moves run_at without
+    touching the cache (an older jobtier during a rolling deploy) must not leave the old
+    date in the documents."""
+    sub = await queue.submit("echo", None, delay=3600)
+    assert sub.status.run_at is not None
+    moved = datetime(2031, 5, 6, 7, 8, 9, 123_000, tzinfo=UTC)
+    assert sub.status.run_at != "2031-05-06T07:08:09.123Z"
+    await queue.redis.hset(queue.keys.job(sub.job_id), "run_at", int(moved.timestamp() * 1000))
+    cancelled = await queue.cancel(sub.job_id)
+    assert cancelled.state is State.CANCELLED and cancelled.run_at == "2031-05-06T07:08:09.123Z"
+    assert (await queue.status(sub.job_id)).run_at == cancelled.run_at
 
 
 async def test_retryable_failure_schedules_a_retry_then_dead_letters(queue: Queue) -> None:

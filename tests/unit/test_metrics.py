@@ -96,21 +96,43 @@ def test_render_labels_each_process_and_parses_as_prometheus() -> None:
     assert counters["jobs_claimed_total"] == 12 and hists["claim_wait_seconds"]["count"] == 1
 
 
+def snap(process: str, hist: Histogram, at: float = 0.0) -> Snapshot:
+    return Snapshot(process, "worker", at, histograms={"run": {"type=echo": hist.snapshot()}})
+
+
 def test_histogram_window_gives_the_last_minute() -> None:
     h = Histogram([0.01, 0.1, 1.0])
     window = HistogramWindow(60.0)
     for _ in range(1000):
-        h.observe(0.005)  # a minute of fast jobs
-    first, span = window.observe(0.0, {"run": h.snapshot()})
+        h.observe(0.005)  # a long spell of fast jobs
+    first, span = window.observe(0.0, [snap("w1", h)])
     assert span is None and quantile(first["run"], 0.99) == 0.01  # no window yet: the totals
     for _ in range(10):
-        h.observe(0.5)  # then a slow spell
-    part, span = window.observe(30.0, {"run": h.snapshot()})
+        h.observe(0.5)  # then a slow one
+    part, span = window.observe(30.0, [snap("w1", h)])
     assert span == 30.0 and part["run"]["count"] == 10 and quantile(part["run"], 0.99) == 1.0
     assert quantile(h.snapshot(), 0.99) == 0.01  # all-time, the slow spell does not show
-    later, span = window.observe(95.0, {"run": h.snapshot()})  # nothing since: an empty window
+    later, span = window.observe(95.0, [snap("w1", h)])  # nothing since: an empty window
     assert span == 65.0 and later["run"]["count"] == 0 and quantile(later["run"], 0.99) is None
-    restarted = Histogram([0.01, 0.1, 1.0])  # the process restarted: its totals began again
-    restarted.observe(0.05)
-    after, _ = window.observe(100.0, {"run": restarted.snapshot()})
-    assert after["run"]["counts"] == [0, 1, 0, 0]  # the fallen buckets count 0, not less
+
+
+def test_histogram_window_per_process_when_processes_come_and_go() -> None:
+    old, other = Histogram([0.01, 0.1, 1.0]), Histogram([0.01, 0.1, 1.0])
+    for _ in range(500):
+        old.observe(0.05)
+        other.observe(0.05)
+    window = HistogramWindow(60.0)
+    window.observe(0.0, [snap("w1", old), snap("w2", other)])
+    for _ in range(3):
+        other.observe(0.005)
+    # w1 stopped publishing (it left the snapshots); a long-lived w3 appears with its history
+    veteran = Histogram([0.01, 0.1, 1.0])
+    for _ in range(10_000):
+        veteran.observe(0.5)
+    got, _ = window.observe(10.0, [snap("w2", other), snap("w3", veteran)])
+    # w2's 3 new jobs count, and neither w1's leaving nor w3's past hides or swamps them
+    assert got["run"]["count"] == 3 and got["run"]["counts"] == [3, 0, 0, 0]
+    for _ in range(2):
+        veteran.observe(0.05)
+    got, _ = window.observe(20.0, [snap("w2", other), snap("w3", veteran)])
+    assert got["run"]["counts"] == [3, 2, 0, 0]  # w3 counts from its first sample

@@ -15,7 +15,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jobtier.api.auth import known_tenant, raw_header, tenant_for, tenant_of
-from jobtier.api.problems import Problem, not_found
+from jobtier.api.problems import Problem, not_found, on_error
 from jobtier.cache.reader import RESYNC, StatusReader, parse_version
 from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound, TransitionRefused
 from jobtier.model import TERMINAL
@@ -260,8 +260,7 @@ class StatusFastPath:
     answers for the common case — the document with its ETag, 304, or the 404 problem —
     and passes everything else on to the app: no or an unknown API key (401), a query
     string (long-poll), paths that are not a job id, other methods. A read that fails is
-    handed to the app, whose route reads again and answers the failure with its usual
-    problem (503 while Redis is down).
+    answered by the app's own error handler (a 503 problem while Redis is down).
     """
 
     __slots__ = ("app",)
@@ -286,16 +285,18 @@ class StatusFastPath:
                     response: Response
                     try:
                         found = await state["reader"].get(job_id)
-                    except Exception:  # the route reads again and answers the
-                        # failure as it answers every other (a 503 problem for Redis down)
-                        await self.app(scope, receive, send)
-                        return
-                    if found is None or found[0] != tenant:
-                        response = not_found(f"job {job_id}").response()
-                    elif held is None or not etag_matches(held, found[2]):
-                        response = DocResponse(found[1], found[2])
+                    except Problem as exc:
+                        response = exc.response()
+                    except Exception as exc:  # answered as the app answers it (503 when
+                        # Redis or Postgres is down), without reading a second time
+                        response = await on_error(Request(scope, receive), exc)
                     else:
-                        response = not_modified(found[2])
+                        if found is None or found[0] != tenant:
+                            response = not_found(f"job {job_id}").response()
+                        elif held is None or not etag_matches(held, found[2]):
+                            response = DocResponse(found[1], found[2])
+                        else:
+                            response = not_modified(found[2])
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)

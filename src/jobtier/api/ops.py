@@ -55,7 +55,7 @@ async def dashboard_state(
     counters, hists = totals(snapshots)
     span = None
     if window is not None:
-        hists, span = window.observe(time.time(), hists)
+        hists, span = window.observe(time.time(), snapshots)
     p99 = {name: quantile(h, 0.99) for name, h in hists.items()}
     return {
         "at": time.time(),

@@ -167,7 +167,7 @@ class StatusReader:
             replies = await self._hmget(ids)
             found: dict[str, Status] = {}
             for job_id, (tenant, doc) in zip(ids, replies, strict=True):
-                if tenant is not None and doc is not None:
+                if tenant and doc:  # None for a missing job (False from the script on RESP3)
                     found[job_id] = (tenant.decode(), doc, parse_version(doc))
             if near is not None and near.generation == generation:
                 self._store(near, found)

@@ -25,7 +25,6 @@ for i = 0, n - 1 do
     if delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
       j.state = 'scheduled'
       j.run_at = int(NOW + delay)
-      j.run_at_iso = ''  -- rendered anew
       commit(j, 'running', worker)
       add_timed('sched', j, NOW + delay)
     else

@@ -31,8 +31,8 @@ local WAITING = {scheduled = true, queued = true}
 local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 
 -- the fields a transition reads and writes (payload, result and doc are handled apart)
--- created_iso and run_at_iso keep the rendered form of times that change seldom or never:
--- formatting a date is a quarter of a transition's cost in Redis.
+-- created_iso and run_at_iso keep the rendered form of times that change seldom or never
+-- (see render): formatting a date is a quarter of a transition's cost in Redis.
 local FIELDS = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
                 'created', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
                 'lease_version', 'created_iso', 'run_at_iso'}
@@ -100,10 +100,16 @@ end
 local function render(j)
   local run_at = 'null'
   if j.run_at ~= '' then
-    if j.run_at_iso == '' then
-      j.run_at_iso = iso(j.run_at)
+    -- run_at_iso holds '<run_at ms>|<ISO date>': a cache that checks itself, so a script
+    -- that moves run_at without knowing of it (an older jobtier in a rolling deploy) cannot
+    -- leave a stale date behind
+    local ms = tostring(j.run_at)
+    local cached = j.run_at_iso
+    if string.sub(cached, 1, #ms + 1) ~= ms .. '|' then
+      cached = ms .. '|' .. iso(j.run_at)
+      j.run_at_iso = cached
     end
-    run_at = '"' .. j.run_at_iso .. '"'
+    run_at = '"' .. string.sub(cached, #ms + 2) .. '"'
   end
   if j.created_iso == '' then  -- a job created before the field existed
     j.created_iso = iso(j.created)

@@ -555,8 +555,12 @@ async def replay_refused(redis: RedisClient, keys: Keys) -> int:
     moved = 0
     for shard in range(keys.shards):
         source, target = keys.log_refused(shard), keys.log(shard)
+        newest: Any = await redis.xrevrange(source, count=1)
+        if not newest:
+            continue
+        last = newest[0][0]  # entries refused again meanwhile come after it: not this run's
         while True:
-            entries: Any = await redis.xrange(source, count=500)  # [(id, {field: value})]
+            entries: Any = await redis.xrange(source, max=last, count=500)  # [(id, fields)]
             if not entries:
                 break
             pipe = redis.pipeline(transaction=False)
