@@ -183,8 +183,16 @@ def _report():
         _gc["max"] = 0.0
 
 
+def _start_reporter():
+    threading.Thread(target=_report, daemon=True).start()
+
+
 gc.callbacks.append(_on_gc)
-threading.Thread(target=_report, daemon=True).start()
+_start_reporter()
+# granian forks its workers: a thread does not survive a fork, so each child starts its own
+# (without this only the supervisor reported, and the serving process's collections were
+# never seen)
+os.register_at_fork(after_in_child=_start_reporter)
 """
 
 
@@ -647,7 +655,7 @@ def status_table(summary: list[dict[str, Any]], configs: list[str]) -> str:
         rows.append([
             s["mix"], s["mode"], s["config"], fmt(s["rps"]), fmt(s["p50"], 2), fmt(s["p99"], 2),
             fmt(s["p99.9"], 2), fmt(s["errors"]), f"{s['redis_cmds_per_req']:.4f}",
-            f"{s['sent_cmds_per_req']:.4f}", f"{s['near_hit_ratio']:.1%}",
+            f"{s['sent_cmds_per_req']:.4f}", near_hits(s),
             fmt(s["server_cpu_us_per_req"], 1), f"{s['server_cpu_share']:.0%}",
             "-" if s["cpu0_busy"] is None else f"{s['cpu0_busy']:.0%}",
             ratio(s.get("rps_vs_baseline")), ratio(s.get("cmds_reduction_vs_baseline"), 0),
@@ -655,6 +663,15 @@ def status_table(summary: list[dict[str, Any]], configs: list[str]) -> str:
             "" if s["probes"] is None else f"{s['stale']}/{s['probes']}",
         ])  # fmt: skip
     return table(headers, rows)
+
+
+def near_hits(s: dict[str, Any]) -> str:
+    """The near-cache hit ratio; '-' with several server processes, where the stats route
+    answers from whichever process took the request (see reader_stats)."""
+    config = CONFIGS.get(s["config"])
+    if config is not None and config.env.get("JOBTIER_API_WORKERS", "1") != "1":
+        return "-"
+    return f"{s['near_hit_ratio']:.1%}"
 
 
 def targets(summary: list[dict[str, Any]], config: str) -> list[str]:
@@ -731,7 +748,8 @@ def render(
         md += [
             "## Two server processes (JOBTIER_API_WORKERS=2, not pinned)",
             "",
-            "Both cores serve, and share them with Redis, the load generator and the churn worker.",
+            "Both cores serve, and share them with Redis, the load generator and the churn worker. "
+            "Near hits `-`: the reader's counters come from one of the two processes.",
             "",
             status_table(summary, ["jobtier", "jobtier-2w"]),
             "",
