@@ -50,6 +50,46 @@ class Script:
         self.sha = hashlib.sha1(self.text.encode()).hexdigest()
 
 
+async def evalsha(redis: RedisClient, script: Script, argv: Sequence[Any]) -> Any:
+    """EVALSHA ``script`` with ``argv`` (numkeys, keys, args); loads the script and sends the
+    call again when Redis has forgotten it (NOSCRIPT: it did not run)."""
+    try:
+        return await redis.execute_command("EVALSHA", script.sha, *argv)
+    except NoScriptError:
+        await redis.script_load(script.text)
+        return await redis.execute_command("EVALSHA", script.sha, *argv)
+
+
+async def evalsha_many(
+    redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]
+) -> list[Any]:
+    """Several EVALSHA calls in one pipeline (one round trip per node), their replies in
+    order; the calls refused with NOSCRIPT are sent again, alone, once their scripts are
+    loaded (on every primary of a cluster). Any other error is raised."""
+    results: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for _ in range(3):
+        pipe = redis.pipeline(transaction=False)
+        for i in todo:
+            script, argv = calls[i]
+            pipe.execute_command("EVALSHA", script.sha, *argv)
+        replies = await pipe.execute(raise_on_error=False)
+        retry = []
+        for i, reply in zip(todo, replies, strict=True):
+            if isinstance(reply, NoScriptError):
+                retry.append(i)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                results[i] = reply
+        if not retry:
+            return results
+        for script in {calls[i][0].sha: calls[i][0] for i in retry}.values():
+            await redis.script_load(script.text)
+        todo = retry
+    raise RuntimeError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
+
+
 @dataclass(frozen=True, slots=True)
 class SubmitOutcome:
     code: Code  # OK, DUPLICATE, IDEMPOTENCY_CONFLICT or EXISTS
@@ -116,43 +156,20 @@ class Scripts:
             await self.redis.script_load(script.text)
 
     # --- running ------------------------------------------------------------------------
-    def _argv(self, script: Script, shard: int, args: Sequence[Any]) -> tuple[Any, ...]:
-        return (script.sha, 1, self.keys.log(shard), self.keys.base(shard), *args)
+    def _argv(self, shard: int, args: Sequence[Any]) -> tuple[Any, ...]:
+        return (1, self.keys.log(shard), self.keys.base(shard), *args)
 
     async def call(self, script: Script, shard: int, args: Sequence[Any]) -> Any:
-        argv = self._argv(script, shard, args)
-        try:
-            return await self.redis.execute_command("EVALSHA", *argv)
-        except NoScriptError:
-            await self.redis.script_load(script.text)
-            return await self.redis.execute_command("EVALSHA", *argv)
+        return await evalsha(self.redis, script, self._argv(shard, args))
 
     async def call_many(self, calls: Sequence[Call]) -> list[Any]:
         """Run several script calls in one pipeline (one round trip per node)."""
         if len(calls) == 1:
             script, shard, args = calls[0]
             return [await self.call(script, shard, args)]
-        results: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for _ in range(3):
-            pipe = self.redis.pipeline(transaction=False)
-            for i in todo:
-                pipe.execute_command("EVALSHA", *self._argv(*calls[i]))
-            replies = await pipe.execute(raise_on_error=False)
-            retry = []
-            for i, reply in zip(todo, replies, strict=True):
-                if isinstance(reply, NoScriptError):
-                    retry.append(i)
-                elif isinstance(reply, Exception):
-                    raise reply
-                else:
-                    results[i] = reply
-            if not retry:
-                return results
-            for name in {calls[i][0].name for i in retry}:
-                await self.redis.script_load(self.by_name[name].text)
-            todo = retry
-        raise RuntimeError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
+        return await evalsha_many(
+            self.redis, [(script, self._argv(shard, args)) for script, shard, args in calls]
+        )
 
     # --- typed wrappers ------------------------------------------------------------------
     def submit_call(self, shard: int, items: Sequence[SubmitItem], idem_ttl_ms: int) -> Call:

@@ -8,13 +8,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from redis.asyncio import RedisCluster
-from redis.exceptions import NoScriptError
 
 from jobtier.cache.coalescer import Coalescer
 from jobtier.cache.nearcache import Entry, NearCache
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
-from jobtier.scripts import Script
+from jobtier.scripts import Script, evalsha, evalsha_many
 
 log = logging.getLogger("jobtier.cache")
 
@@ -195,12 +194,7 @@ class StatusReader:
         return await self._read_status_per_shard(ids)
 
     async def _read_status(self, job_keys: list[str]) -> list[Any]:
-        script, redis = self._script, self.redis
-        try:
-            flat = await redis.execute_command("EVALSHA", script.sha, len(job_keys), *job_keys)
-        except NoScriptError:  # a restarted (or flushed) Redis forgot it: it did not run
-            await redis.script_load(script.text)
-            flat = await redis.execute_command("EVALSHA", script.sha, len(job_keys), *job_keys)
+        flat = await evalsha(self.redis, self._script, (len(job_keys), *job_keys))
         self.script_calls += 1
         return flat  # type: ignore[no-any-return]
 
@@ -211,30 +205,12 @@ class StatusReader:
             by_shard.setdefault(int(job_id[_SHARD_AT:]), []).append(index)
         groups = list(by_shard.items())
         keys, script = self.keys, self._script
-        replies: list[Any] = [None] * len(groups)
-        todo = list(range(len(groups)))
-        for _ in range(2):
-            pipe = self.redis.pipeline(transaction=False)
-            for g in todo:
-                shard, indexes = groups[g]
-                job_keys = [keys.job_in(shard, ids[i]) for i in indexes]
-                pipe.execute_command("EVALSHA", script.sha, len(job_keys), *job_keys)
-            answers = await pipe.execute(raise_on_error=False)
-            retry = []
-            for g, answer in zip(todo, answers, strict=True):
-                if isinstance(answer, NoScriptError):
-                    retry.append(g)
-                elif isinstance(answer, Exception):
-                    raise answer
-                else:
-                    replies[g] = answer
-                    self.script_calls += 1
-            if not retry:
-                break
-            await self.redis.script_load(script.text)  # on every primary
-            todo = retry
-        else:
-            raise NoScriptError("read_status.lua keeps disappearing from Redis")
+        calls = []
+        for shard, indexes in groups:
+            job_keys = [keys.job_in(shard, ids[i]) for i in indexes]
+            calls.append((script, (len(job_keys), *job_keys)))
+        replies = await evalsha_many(self.redis, calls)
+        self.script_calls += len(calls)
         out: list[Any] = [None] * len(ids)
         for (_, indexes), flat in zip(groups, replies, strict=True):
             for n, i in enumerate(indexes):
