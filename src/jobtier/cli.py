@@ -251,7 +251,7 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     import socket
 
     from jobtier.connection import connect
-    from jobtier.metrics import read_snapshots
+    from jobtier.metrics import process_host, read_snapshots
 
     host = socket.gethostname()
 
@@ -267,7 +267,7 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
         now = time.time()
         mine = [
             s for s in snapshots
-            if s.role == args.role and (args.any_host or s.process.split(":")[1:2] == [host])
+            if s.role == args.role and (args.any_host or process_host(s.process) == host)
         ]  # fmt: skip
         fresh = [s for s in mine if now - s.at <= args.max_age]
         for snap in fresh:

@@ -239,6 +239,11 @@ def process_id(role: str) -> str:
     return f"{role}:{socket.gethostname()}:{os.getpid()}"
 
 
+def process_host(process: str) -> str:
+    """The host part of a ``process_id``."""
+    return process.split(":")[1] if process.count(":") >= 2 else ""
+
+
 class MetricsPublisher:
     """Writes this process's snapshot to Redis every ``PUBLISH_EVERY`` seconds.
 
@@ -314,27 +319,12 @@ async def read_snapshots(redis: RedisClient, keys: Keys) -> list[Snapshot]:
 
 def totals(snapshots: Iterable[Snapshot]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
     """Counters and histograms summed over processes and labels (for the dashboard)."""
+    snapshots = list(snapshots)
     counters: dict[str, float] = defaultdict(float)
-    hists: dict[str, dict[str, Any]] = {}
     for snap in snapshots:
         for name, series in snap.counters.items():
             counters[name] += sum(series.values())
-        for name, per_label in snap.histograms.items():
-            for h in per_label.values():
-                acc = hists.setdefault(
-                    name,
-                    {
-                        "bounds": h["bounds"],
-                        "counts": [0] * len(h["counts"]),
-                        "sum": 0.0,
-                        "count": 0,
-                    },
-                )
-                if list(acc["bounds"]) == list(h["bounds"]):
-                    acc["counts"] = [a + b for a, b in zip(acc["counts"], h["counts"], strict=True)]
-                    acc["sum"] += h["sum"]
-                    acc["count"] += h["count"]
-    return dict(counters), hists
+    return dict(counters), _sum(_process_totals(s) for s in snapshots)
 
 
 HELP = {

@@ -190,14 +190,14 @@ async def test_event_during_a_load_is_not_rolled_back(
     reader = StatusReader(redis, keys_of(settings), near_cache=True, coalesce=True, ttl=3600)
     (job_id,) = await submit(queue)
     gate = asyncio.Event()
-    real_hmget = reader._hmget
+    real_fetch = reader._fetch
 
-    async def slow_hmget(ids: list[str]) -> list[Any]:
-        replies = await real_hmget(ids)  # Redis answers v1 ...
+    async def slow_fetch(ids: list[str]) -> list[Any]:
+        replies = await real_fetch(ids)  # Redis answers v1 ...
         await gate.wait()  # ... and the answer is delivered late
         return replies
 
-    monkeypatch.setattr(reader, "_hmget", slow_hmget)
+    monkeypatch.setattr(reader, "_fetch", slow_fetch)
     reading = asyncio.create_task(reader.get(job_id))
     await wait_for(lambda: _true(job_id in reader._loading))
     cancelled = await queue.cancel(job_id)

@@ -12,7 +12,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api.auth import require_admin
-from jobtier.api.jobs import JSON, decode_body, doc_response, read_json_body
+from jobtier.api.jobs import JSON, DocResponse, decode_body, read_json_body
 from jobtier.api.problems import Problem, not_found
 from jobtier.cache.reader import parse_version
 from jobtier.errors import JobNotFound, TransitionRefused
@@ -53,7 +53,7 @@ async def replay_one(request: Request) -> Response:
         raise not_found(f"job {job_id}") from None
     except TransitionRefused:
         raise Problem(409, "wrong-state", f"job {job_id} is not in the dead-letter set") from None
-    return doc_response(doc, parse_version(doc))
+    return DocResponse(doc, parse_version(doc))
 
 
 async def replay_many(request: Request) -> Response:

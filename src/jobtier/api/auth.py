@@ -22,15 +22,23 @@ def raw_header(request: Request, name: bytes) -> bytes | None:
     return None
 
 
-def _key_of(header: bytes | None) -> str:
+def bearer_key(header: bytes | None) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header; None for none or another scheme."""
     if header is None or header[:7].lower() != _BEARER:
+        return None
+    return header[7:].strip().decode("latin-1")
+
+
+def _key_of(header: bytes | None) -> str:
+    key = bearer_key(header)
+    if key is None:
         raise Problem(
             401,
             "unauthorized",
             "send an API key as 'Authorization: Bearer <key>'",
             headers={"www-authenticate": 'Bearer realm="jobtier"'},
         )
-    return header[7:].strip().decode("latin-1")
+    return key
 
 
 def _presented_key(request: Request) -> str:
@@ -40,9 +48,8 @@ def _presented_key(request: Request) -> str:
 def known_tenant(tenants: dict[str, str], header: bytes | None) -> str | None:
     """The tenant of a ``Bearer`` key in an ``Authorization`` header; None for none or an
     unknown key (the caller then answers 401 through ``tenant_for``)."""
-    if header is None or header[:7].lower() != _BEARER:
-        return None
-    return tenants.get(header[7:].strip().decode("latin-1"))
+    key = bearer_key(header)
+    return None if key is None else tenants.get(key)
 
 
 def tenant_for(tenants: dict[str, str], header: bytes | None) -> str:

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jobtier.api.auth import known_tenant, raw_header, tenant_for, tenant_of
 from jobtier.api.problems import Problem, not_found, on_error
-from jobtier.cache.reader import RESYNC, StatusReader, parse_version
+from jobtier.cache.reader import RESYNC, Status, StatusReader, parse_version
 from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound, TransitionRefused
 from jobtier.model import TERMINAL
 from jobtier.queue import JobSpec, Queue, Submitted
@@ -56,10 +56,6 @@ class DocResponse(Response):
         for name, value in headers.items():
             raw.append((name.lower().encode("latin-1"), value.encode("latin-1")))
         self.raw_headers = raw
-
-
-def doc_response(doc: bytes, version: int, status: int = 200, **headers: str) -> Response:
-    return DocResponse(doc, version, status, **headers)
 
 
 def not_modified(version: int) -> Response:
@@ -162,7 +158,7 @@ async def _submitted(
     if isinstance(outcome, IdempotencyConflict):
         raise Problem(409, "idempotency-conflict", str(outcome), job_id=outcome.job_id)
     doc = outcome.doc or await _stored_doc(request, outcome.job_id, tenant)
-    return doc_response(
+    return DocResponse(
         doc,
         parse_version(doc),
         202 if outcome.created else 200,
@@ -240,15 +236,25 @@ async def get_job(request: Request) -> Response:
     job_id: str = scope["path_params"]["job_id"]
     reader: StatusReader = state["reader"]
     found = await reader.get(job_id)
+    response = status_answer(job_id, tenant, held, found)
+    if response.status_code != 304 or not scope["query_string"]:
+        return response
+    assert found is not None  # a 304 answers a job the caller may read
+    wait = _wait_seconds(request)
+    if wait <= 0 or doc_state(found[1]) in TERMINAL_STATES:
+        return response
+    return await _long_poll(reader, job_id, tenant, found[2], wait)
+
+
+def status_answer(job_id: str, tenant: str, held: bytes | None, found: Status | None) -> Response:
+    """The answer to a status read of what the reader found: the document with its ETag, a
+    304 when ``If-None-Match`` holds the current version, or the 404 problem (an unknown id
+    and another tenant's job look the same). Shared by the route and the fast path."""
     if found is None or found[0] != tenant:
-        raise not_found(f"job {job_id}")
-    _, doc, version = found
-    if held is None or not etag_matches(held, version):
-        return DocResponse(doc, version)
-    wait = _wait_seconds(request) if scope["query_string"] else 0.0
-    if wait <= 0 or doc_state(doc) in TERMINAL_STATES:
-        return not_modified(version)
-    return await _long_poll(reader, job_id, tenant, version, wait)
+        return not_found(f"job {job_id}").response()
+    if held is None or not etag_matches(held, found[2]):
+        return DocResponse(found[1], found[2])
+    return not_modified(found[2])
 
 
 class StatusFastPath:
@@ -291,12 +297,7 @@ class StatusFastPath:
                         # Redis or Postgres is down), without reading a second time
                         response = await on_error(Request(scope, receive), exc)
                     else:
-                        if found is None or found[0] != tenant:
-                            response = not_found(f"job {job_id}").response()
-                        elif held is None or not etag_matches(held, found[2]):
-                            response = DocResponse(found[1], found[2])
-                        else:
-                            response = not_modified(found[2])
+                        response = status_answer(job_id, tenant, held, found)
                     await response(scope, receive, send)
                     return
         await self.app(scope, receive, send)
@@ -407,7 +408,7 @@ async def cancel(request: Request) -> Response:
             409, "wrong-state", f"job {job_id} has already finished ({doc_state(current)})",
             job=orjson.loads(current),
         ) from exc  # fmt: skip
-    return doc_response(doc, parse_version(doc))
+    return DocResponse(doc, parse_version(doc))
 
 
 routes = [

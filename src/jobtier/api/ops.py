@@ -52,7 +52,7 @@ async def dashboard_state(
     queue: Queue = request.state.queue
     snapshots = await read_snapshots(queue.redis, queue.keys)
     gauges = await live_gauges(queue, await _lag_probe(request))
-    counters, hists = totals(snapshots)
+    counters, hists = totals(snapshots)  # histograms since the processes started
     span = None
     if window is not None:
         hists, span = window.observe(time.time(), snapshots)

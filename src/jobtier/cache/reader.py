@@ -163,7 +163,7 @@ class StatusReader:
         for job_id in ids:
             loading[job_id] = loading.get(job_id, 0) + 1
         try:
-            replies = await self._hmget(ids)
+            replies = await self._fetch(ids)
             found: dict[str, Status] = {}
             for job_id, (tenant, doc) in zip(ids, replies, strict=True):
                 if tenant and doc:  # None for a missing job (False from the script on RESP3)
@@ -179,7 +179,7 @@ class StatusReader:
                 else:
                     del loading[job_id]
 
-    async def _hmget(self, ids: list[str]) -> list[Any]:
+    async def _fetch(self, ids: list[str]) -> list[Any]:
         """(tenant, document) of each id, in order; (None, None) for a job Redis lacks."""
         keys = self.keys
         self.batches += 1
