@@ -30,7 +30,7 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from jobtier.cache import Coalescer, NearCache, StatusReader
 from jobtier.cache.nearcache import Entry
-from jobtier.devservices import LocalRedis
+from jobtier.dev.redis import LocalRedis
 from jobtier.keys import Keys
 
 SHARDS = 16

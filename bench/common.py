@@ -26,7 +26,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from jobtier.devservices import LocalRedis
+from jobtier.dev.redis import LocalRedis
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent

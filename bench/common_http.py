@@ -39,9 +39,9 @@ from typing import Any
 import httpx
 import redis
 
-from jobtier.cache.reader import parse_version
+from jobtier.cache.redis_reader import parse_version
 from jobtier.config import Settings
-from jobtier.devservices import wait_port
+from jobtier.dev.redis import wait_port
 from jobtier.keys import Keys
 from jobtier.queue import JobSpec, Queue
 from jobtier.worker.context import JobContext

@@ -37,7 +37,8 @@ from typing import Any
 from redis.asyncio import Redis
 
 from jobtier.config import Settings
-from jobtier.devservices import LocalRedis
+from jobtier.dev.postgres import LocalPostgres
+from jobtier.dev.redis import LocalRedis
 from jobtier.keys import Keys
 from jobtier.persist.batch import (
     JOB_COLUMNS,
@@ -48,9 +49,8 @@ from jobtier.persist.batch import (
     transition_records,
 )
 from jobtier.persist.db import AnyConnection, Pool, create_pool, migrate, query
-from jobtier.persist.localpg import LocalPostgres
 from jobtier.persist.persister import Persister
-from jobtier.persist.reader import lag
+from jobtier.persist.pg_reader import lag
 from jobtier.scripts import Scripts, SubmitItem
 
 SHARDS = 16

@@ -52,7 +52,7 @@ from common import (
 
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber
-from jobtier.devservices import terminate
+from jobtier.dev.redis import terminate
 from jobtier.model import JobStatus, decode_status
 from jobtier.queue import Queue
 

@@ -96,7 +96,7 @@ from common import (
 )
 
 from jobtier.config import Settings
-from jobtier.devservices import terminate
+from jobtier.dev.redis import terminate
 from jobtier.queue import JobSpec, Queue
 
 VARIANTS = ("jobtier", "jobtier-b100", "poll1s", "poll10ms")

@@ -91,7 +91,7 @@ from common_http import (
     write_requests,
 )
 
-from jobtier.devservices import free_port
+from jobtier.dev.redis import free_port
 from jobtier.keys import Keys
 
 SERVER_CPUS, LOAD_CPUS = "0", "1"

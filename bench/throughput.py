@@ -64,7 +64,7 @@ from common import (
 )
 
 from jobtier.config import Settings
-from jobtier.devservices import LocalRedis
+from jobtier.dev.redis import LocalRedis
 from jobtier.errors import Code
 from jobtier.model import encode_json
 from jobtier.queue import JobSpec, Queue

@@ -1,33 +1,51 @@
 """jobtier: asynchronous jobs for Python services, with a status tier served in milliseconds.
 
-The public API is re-exported here; everything else is private to its module.
+The public API is re-exported here; everything else is private to its module. The names load
+on first use (PEP 562), so ``import jobtier.client`` (httpx only) does not pull in Redis, the
+worker or the scheduler.
 """
 
-from jobtier.client import AsyncClient, Client
-from jobtier.config import Settings
-from jobtier.errors import (
-    Cancelled,
-    Code,
-    ConfigError,
-    Fatal,
-    IdempotencyConflict,
-    InvalidRequest,
-    JobNotFound,
-    JobtierError,
-    Overloaded,
-    Retry,
-    TransitionRefused,
-    UnknownTask,
-)
-from jobtier.model import JobError, JobStatus, Priority, State
-from jobtier.queue import JobSpec, Queue, Submitted
-from jobtier.scheduler import Scheduler
-from jobtier.schedules import Schedule, ScheduleSpec
-from jobtier.worker.context import JobContext
-from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
-from jobtier.worker.runner import Worker
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "AsyncClient": "jobtier.client",
+    "Cancelled": "jobtier.errors",
+    "Client": "jobtier.client",
+    "Code": "jobtier.errors",
+    "ConfigError": "jobtier.errors",
+    "Fatal": "jobtier.errors",
+    "IdempotencyConflict": "jobtier.errors",
+    "InvalidRequest": "jobtier.errors",
+    "JobContext": "jobtier.worker.context",
+    "JobError": "jobtier.model",
+    "JobNotFound": "jobtier.errors",
+    "JobSpec": "jobtier.model",
+    "JobStatus": "jobtier.model",
+    "JobtierError": "jobtier.errors",
+    "Overloaded": "jobtier.errors",
+    "Priority": "jobtier.model",
+    "Queue": "jobtier.queue",
+    "Retry": "jobtier.errors",
+    "RetryPolicy": "jobtier.worker.registry",
+    "Schedule": "jobtier.schedules",
+    "ScheduleSpec": "jobtier.schedules",
+    "Scheduler": "jobtier.scheduler",
+    "Settings": "jobtier.config",
+    "State": "jobtier.model",
+    "Submitted": "jobtier.queue",
+    "Task": "jobtier.worker.registry",
+    "TaskRegistry": "jobtier.worker.registry",
+    "TransitionRefused": "jobtier.errors",
+    "UnknownTask": "jobtier.errors",
+    "Worker": "jobtier.worker.runner",
+    "task": "jobtier.worker.registry",
+}
 
 __all__ = [
     "AsyncClient",
@@ -63,3 +81,42 @@ __all__ = [
     "__version__",
     "task",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jobtier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from jobtier.client import AsyncClient, Client
+    from jobtier.config import Settings
+    from jobtier.errors import (
+        Cancelled,
+        Code,
+        ConfigError,
+        Fatal,
+        IdempotencyConflict,
+        InvalidRequest,
+        JobNotFound,
+        JobtierError,
+        Overloaded,
+        Retry,
+        TransitionRefused,
+        UnknownTask,
+    )
+    from jobtier.model import JobError, JobSpec, JobStatus, Priority, State
+    from jobtier.queue import Queue, Submitted
+    from jobtier.scheduler import Scheduler
+    from jobtier.schedules import Schedule, ScheduleSpec
+    from jobtier.worker.context import JobContext
+    from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
+    from jobtier.worker.runner import Worker

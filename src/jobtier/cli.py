@@ -294,7 +294,7 @@ def default_name(role: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
-    from jobtier.runall import run_all
+    from jobtier.dev.run import run_all
 
     return _run_async(lambda: run_all(args, settings, _on_signals))
 

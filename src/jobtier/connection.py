@@ -18,6 +18,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from jobtier.backoff import SUBSCRIBE
 from jobtier.config import Settings
 from jobtier.errors import ConfigError
 
@@ -194,7 +195,7 @@ class ShardSubscriber:
         return Connection(**kwargs)
 
     async def _run(self, node: tuple[str, int], channels: list[str], ready: asyncio.Event) -> None:
-        delay = 0.05
+        backoff = SUBSCRIBE.start()
         while not self._closing:
             conn = self._connection(*node)
             try:
@@ -214,7 +215,7 @@ class ShardSubscriber:
                 if self.on_reset is not None:
                     self.on_reset()
                 ready.set()
-                delay = 0.05
+                backoff.reset()
                 on_message = self.on_message
                 while True:
                     reply = await conn.read_response()
@@ -234,12 +235,12 @@ class ShardSubscriber:
             except (RedisError, OSError, ConnectionError) as exc:
                 if self._closing:
                     return
+                wait = backoff.next()
                 log.warning(
                     "event=subscription_lost subscriber=%s node=%s:%s error=%r retry_in=%.2fs",
-                    self.name, node[0], node[1], exc, delay,
+                    self.name, node[0], node[1], exc, wait,
                 )  # fmt: skip
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+                await asyncio.sleep(wait)
                 if isinstance(self.redis, RedisCluster):
                     # a failover or resharding may have moved our slots: regroup and restart
                     with contextlib.suppress(RedisError, OSError):

@@ -544,7 +544,7 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
 
 
 if TYPE_CHECKING:  # only for annotations: importing them here would be circular
-    from jobtier.cache.reader import StatusReader
+    from jobtier.cache.redis_reader import StatusReader
     from jobtier.persist.persister import Persister
     from jobtier.queue import Queue
     from jobtier.scheduler import Scheduler

@@ -8,6 +8,7 @@ the rendered document has exactly the Struct's fields.
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -71,6 +72,18 @@ class JobStatus(msgspec.Struct, frozen=True):
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
+
+
+class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One job to submit (the body of ``POST /v1/jobs``)."""
+
+    type: str
+    payload: Any = None
+    priority: Priority = Priority.NORMAL
+    run_at: datetime | None = None
+    delay: float | None = None
+    max_attempts: int | None = None
+    idempotency_key: str | None = None
 
 
 class ClaimedJob(msgspec.Struct, frozen=True):

@@ -30,7 +30,7 @@ from jobtier.errors import (
     UnknownTask,
 )
 from jobtier.keys import Keys
-from jobtier.model import PRIORITIES, JobStatus, Priority, decode_status, encode_json
+from jobtier.model import PRIORITIES, JobSpec, JobStatus, Priority, decode_status, encode_json
 from jobtier.scripts import Scripts, SubmitItem, SubmitOutcome
 from jobtier.worker.registry import TASK_NAME_RE, Task, TaskRegistry
 
@@ -38,18 +38,6 @@ TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces
 MAX_ATTEMPTS_LIMIT = 100
 DEFAULT_TENANT = "default"
-
-
-class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One job to submit (the body of ``POST /v1/jobs``)."""
-
-    type: str
-    payload: Any = None
-    priority: Priority = Priority.NORMAL
-    run_at: datetime | None = None
-    delay: float | None = None
-    max_attempts: int | None = None
-    idempotency_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
+from jobtier.backoff import SCHEDULER
 from jobtier.connection import ShardSubscriber
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
@@ -116,7 +117,7 @@ class Scheduler:
         )
         await subscriber.start()
         log.info("event=scheduler_started shards=%d", self.keys.shards)
-        backoff = 0.05
+        backoff = SCHEDULER.start()
         # Postgres is slow or down at times: reconciling must never hold up promotion
         reconciler = asyncio.create_task(self._reconcile_loop()) if self.store else None
         try:
@@ -125,14 +126,14 @@ class Scheduler:
                 started = time.monotonic()
                 try:
                     await self.run_once()
-                    backoff = 0.05
+                    backoff.reset()
                 except (RedisError, OSError) as exc:
-                    log.warning("event=scheduler_pass_failed error=%r retry_in=%.2fs", exc, backoff)
+                    wait = backoff.next()
+                    log.warning("event=scheduler_pass_failed error=%r retry_in=%.2fs", exc, wait)
                     self._next_due = [NOW] * self.keys.shards
                     self._next_lease = [NOW] * self.keys.shards
                     self._next_cron = [NOW] * self.keys.shards
-                    await self._sleep(backoff)
-                    backoff = min(backoff * 2, 5.0)
+                    await self._sleep(wait)
                     continue
                 # Passes at least min_pass_interval apart: jobs due within a few milliseconds
                 # of each other are promoted by one call per shard, not one call per due

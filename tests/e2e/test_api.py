@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobtier.devservices import LocalRedis
+from jobtier.dev.redis import LocalRedis
 from jobtier.model import State
 from jobtier.queue import Queue
 from tests.fixtures.api import ApiServer, StartApi

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from jobtier.api.extension import PostgresExtension
+from jobtier.api.postgres import PostgresExtension
 from jobtier.config import Settings
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from jobtier.api.extension import PostgresExtension
+from jobtier.api.postgres import PostgresExtension
 from jobtier.config import Settings
 from jobtier.persist.db import Pool
 from jobtier.persist.schedule_store import ScheduleStore

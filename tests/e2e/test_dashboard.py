@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
-from jobtier.api.extension import PostgresExtension
+from jobtier.api.postgres import PostgresExtension
 from jobtier.config import Settings
 from jobtier.metrics import (
     MetricsPublisher,

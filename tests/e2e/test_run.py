@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from jobtier.devservices import free_port
+from jobtier.dev.redis import free_port
 
 
 def test_run_serves_the_demo_and_stops_cleanly() -> None:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from jobtier.config import Settings
-from jobtier.devservices import LocalRedis
+from jobtier.dev.redis import LocalRedis
 from jobtier.errors import Code
 from jobtier.model import State
 from jobtier.queue import JobSpec, Queue

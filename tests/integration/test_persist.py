@@ -15,7 +15,7 @@ from jobtier.keys import Keys
 from jobtier.persist.batch import LogEntry, parse_entry
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister, replay_refused
-from jobtier.persist.reader import lag
+from jobtier.persist.pg_reader import lag
 from tests.fixtures.postgres import (
     assert_pg_matches_redis,
     log_entries,

@@ -12,11 +12,11 @@ from redis.asyncio import RedisCluster
 
 from jobtier.config import Settings
 from jobtier.connection import connect
-from jobtier.devservices import LocalCluster
+from jobtier.dev.redis import LocalCluster
 from jobtier.keys import Keys
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.persist.reader import lag
+from jobtier.persist.pg_reader import lag
 from tests.fixtures.postgres import assert_pg_matches_redis, mixed_workload
 
 pytestmark = pytest.mark.slow

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 from jobtier.config import Settings
+from jobtier.dev.postgres import LocalPostgres
 from jobtier.keys import Keys
 from jobtier.persist.db import Pool, create_pool, migrate
-from jobtier.persist.localpg import LocalPostgres
 from jobtier.persist.persister import Persister
-from jobtier.persist.reader import lag
+from jobtier.persist.pg_reader import lag
 from tests.fixtures.postgres import assert_pg_matches_redis, simple_jobs
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from jobtier.dev.postgres import SUPERUSER, LocalPostgres
 from jobtier.persist import db
-from jobtier.persist.localpg import SUPERUSER, LocalPostgres
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from jobtier.keys import Keys
 from jobtier.model import State, decode_status
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.persist.reader import PgReader, decode_cursor, encode_cursor
+from jobtier.persist.pg_reader import PgReader, decode_cursor, encode_cursor
 from jobtier.scripts import Scripts, SubmitItem
 from tests.fixtures.postgres import LARGE_RESULT, RETENTION, mixed_workload
 

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 )
 
 from jobtier.config import Settings
-from jobtier.devservices import LocalRedis
+from jobtier.dev.redis import LocalRedis
 from jobtier.errors import Code
 from jobtier.model import State
 from jobtier.queue import Queue

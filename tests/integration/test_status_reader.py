@@ -14,10 +14,10 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from jobtier.cache.reader import StatusReader, parse_version
+from jobtier.cache.redis_reader import StatusReader, parse_version
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber
-from jobtier.devservices import LocalCluster, LocalRedis
+from jobtier.dev.redis import LocalCluster, LocalRedis
 from jobtier.keys import Keys
 from jobtier.model import State, decode_status
 from jobtier.queue import JobSpec, Queue
@@ -297,7 +297,7 @@ async def test_fallback_failure_reaches_only_its_readers(
 
 def cluster_port() -> int:
     """A free port a cluster node can use: its bus port (+10000) must fit too, which an
-    ephemeral port above 55535 does not (devservices.free_port can return one)."""
+    ephemeral port above 55535 does not (jobtier.dev.redis.free_port can return one)."""
     while True:
         port = random.randint(20_000, 45_000)
         with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:

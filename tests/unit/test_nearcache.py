@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jobtier.cache.nearcache import Entry, NearCache
-from jobtier.cache.reader import parse_version
+from jobtier.cache.redis_reader import parse_version
 
 
 class Clock:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from jobtier.dev.postgres import pg_bin_dir
 from jobtier.persist import db
 from jobtier.persist.batch import (
     INLINE_RESULT_MAX,
@@ -16,7 +17,6 @@ from jobtier.persist.batch import (
     parse_entry,
     transition_records,
 )
-from jobtier.persist.localpg import pg_bin_dir
 
 JOB = "01ARZ3NDEKTSV4RRFFQ69G5FAV-1"
 

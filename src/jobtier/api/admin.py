@@ -12,9 +12,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api.auth import require_admin
-from jobtier.api.jobs import JSON, DocResponse, decode_body, read_json_body
+from jobtier.api.http import JSON, DocResponse, decode_body, read_json_body
 from jobtier.api.problems import Problem, not_found
-from jobtier.cache.reader import parse_version
+from jobtier.cache.redis_reader import parse_version
 from jobtier.errors import JobNotFound, TransitionRefused
 from jobtier.queue import Queue
 

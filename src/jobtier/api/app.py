@@ -22,7 +22,7 @@ from starlette.routing import BaseRoute
 from jobtier.api import admin, health, jobs, openapi, ops, sse
 from jobtier.api.admission import Admission
 from jobtier.api.problems import HANDLERS
-from jobtier.cache.reader import Fallback, StatusReader
+from jobtier.cache.redis_reader import Fallback, StatusReader
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber
 from jobtier.errors import ConfigError

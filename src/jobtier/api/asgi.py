@@ -11,7 +11,7 @@ from jobtier.config import Settings
 def app_from_env() -> Starlette:
     """Build the app from ``JOBTIER_*`` (granian/uvicorn call this in each server process)."""
     from jobtier.api.app import create_app
-    from jobtier.api.extension import postgres_extension
+    from jobtier.api.postgres import postgres_extension
 
     settings = Settings.from_env()
     logs.setup(settings.log_level, settings.log_format)

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jobtier.api.jobs import JSON
+from jobtier.api.http import JSON
 
 
 async def healthz(request: Request) -> Response:

@@ -15,8 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jobtier.model import JobStatus
-from jobtier.queue import JobSpec
+from jobtier.model import JobSpec, JobStatus
 
 
 class Problem(msgspec.Struct):

@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from jobtier.api import openapi as oa
 from jobtier.api.auth import tenant_of
-from jobtier.api.jobs import JSON, decode_body, read_json_body
+from jobtier.api.http import JSON, decode_body, read_json_body
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest

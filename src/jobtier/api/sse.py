@@ -23,9 +23,9 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import tenant_of
-from jobtier.api.jobs import TERMINAL_STATES, doc_state
+from jobtier.api.http import TERMINAL_STATES, doc_state
 from jobtier.api.problems import not_found
-from jobtier.cache.reader import RESYNC, StatusReader
+from jobtier.cache.redis_reader import RESYNC, StatusReader
 
 PENDING = 16
 

@@ -2,7 +2,7 @@
 
 from jobtier.cache.coalescer import Coalescer
 from jobtier.cache.nearcache import Entry, NearCache
-from jobtier.cache.reader import Fallback, Listener, Status, StatusReader, parse_version
+from jobtier.cache.redis_reader import Fallback, Listener, Status, StatusReader, parse_version
 from jobtier.cache.singleflight import LoadCancelled, SingleFlight
 
 __all__ = [

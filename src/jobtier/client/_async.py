@@ -20,8 +20,7 @@ from jobtier.client._core import (
     Submission,
 )
 from jobtier.client._errors import ApiError
-from jobtier.model import JobStatus, Priority
-from jobtier.queue import JobSpec
+from jobtier.model import JobSpec, JobStatus, Priority
 from jobtier.schedules import Schedule, ScheduleSpec
 
 T = TypeVar("T")

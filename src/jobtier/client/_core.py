@@ -29,8 +29,7 @@ from jobtier.client._errors import (
     retry_after,
     unexpected,
 )
-from jobtier.model import JobError, JobStatus, Priority, State, status_decoder
-from jobtier.queue import JobSpec
+from jobtier.model import JobError, JobSpec, JobStatus, Priority, State, status_decoder
 from jobtier.schedules import Schedule, ScheduleSpec
 
 try:

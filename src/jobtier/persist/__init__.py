@@ -7,7 +7,7 @@ the write-behind is; ``migrate`` brings a database's schema up to date.
 
 from jobtier.persist.db import create_pool, migrate
 from jobtier.persist.persister import Persister, PersisterStats
-from jobtier.persist.reader import PgReader, StoredResult, Transition, lag
+from jobtier.persist.pg_reader import PgReader, StoredResult, Transition, lag
 
 __all__ = [
     "Persister",

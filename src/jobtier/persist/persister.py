@@ -32,12 +32,13 @@ import asyncpg
 import msgspec
 from redis.exceptions import RedisError, ResponseError
 
+from jobtier.backoff import PERSIST_POSTGRES, PERSIST_REDIS
 from jobtier.config import Settings
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
 from jobtier.persist.batch import LogEntry, parse_entry, write_batch
 from jobtier.persist.db import Pool
-from jobtier.persist.reader import lag
+from jobtier.persist.pg_reader import lag
 
 log = logging.getLogger("jobtier.persist")
 
@@ -45,8 +46,6 @@ IDLE_SLEEP_MIN = 0.005
 IDLE_SLEEP_MAX = 0.1  # longest nap when every stream is empty: idle CPU stays near zero
 READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
 TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries (and lag refreshes)
-BACKOFF_START = 0.1
-BACKOFF_MAX = 5.0
 
 # Postgres is unreachable or refusing work for now: keep the batch and try again later.
 UNAVAILABLE: tuple[type[BaseException], ...] = (
@@ -160,23 +159,23 @@ class Persister:
     async def run(self) -> None:
         """Persist until ``stop()``; what is buffered then is written once more, without retries."""
         log.info("event=persister_started name=%s shards=%d", self.name, self.keys.shards)
-        delay, idle = BACKOFF_START, IDLE_SLEEP_MIN
+        backoff, idle = PERSIST_REDIS.start(), IDLE_SLEEP_MIN
         try:
             while not self._stop.is_set():
                 try:
                     if not self._ready:
                         await self.setup()
                     moved = await self.step()
-                    delay = BACKOFF_START
+                    backoff.reset()
                 except (RedisError, OSError) as exc:
-                    log.warning("event=redis_unavailable retry_in=%.1fs error=%r", delay, exc)
+                    wait = backoff.next()
+                    log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
                     # A lost XREADGROUP reply leaves entries pending to us that we never saw:
                     # read our pending entries again (held ones are skipped). A restarted or
                     # flushed Redis may have lost the group: create it again.
                     self._cursor = [b"0"] * len(self._streams)
                     self._ready = False
-                    await self._sleep(delay)
-                    delay = min(delay * 2, BACKOFF_MAX)
+                    await self._sleep(wait)
                     continue
                 if moved:
                     idle = IDLE_SLEEP_MIN
@@ -413,14 +412,14 @@ class Persister:
         Returns the entries written (a poisoned entry is left out: not written, not acked), or
         None when stopped before the batch could be committed: it stays pending in Redis.
         """
-        delay, failures, down_since = BACKOFF_START, 0, 0.0
+        backoff, down_since = PERSIST_POSTGRES.start(), 0.0
         while True:
             try:
                 await self.persist(batch)
-                if failures:
+                if backoff.failures:
                     log.warning(
                         "event=postgres_available down_for=%.1fs retries=%d",
-                        time.monotonic() - down_since, failures,
+                        time.monotonic() - down_since, backoff.failures,
                     )  # fmt: skip
                 return batch
             except POISON as exc:
@@ -431,20 +430,19 @@ class Persister:
             except RETRYABLE as exc:
                 if not retry:
                     raise
-                if not failures:
+                if not backoff.failures:
                     down_since = time.monotonic()
-                failures += 1
+                wait = backoff.next()
                 self.stats.retries += 1
                 event = "postgres_unavailable"
                 if not isinstance(exc, UNAVAILABLE):  # e.g. schema missing: run jobtier migrate
                     event = "batch_failed"
                 log.warning(
                     "event=%s retry_in=%.1fs batch=%d error=%r",
-                    event, delay, len(batch), exc,
+                    event, wait, len(batch), exc,
                 )  # fmt: skip
-                if await self._sleep(delay):
+                if await self._sleep(wait):
                     return None
-                delay = min(delay * 2, BACKOFF_MAX)
 
     async def _isolate(self, batch: Sequence[LogEntry], retry: bool) -> Sequence[LogEntry] | None:
         """A batch was refused for its data: write entry by entry to find the bad ones."""

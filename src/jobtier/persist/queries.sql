@@ -72,7 +72,7 @@ SELECT tenant, doc FROM jobs WHERE id = $1
 SELECT id, tenant, doc FROM jobs WHERE id = ANY($1::text[])
 
 -- name: list_jobs
--- reader.py puts the optional filters in place of /*filters*/ (fixed fragments such as
+-- pg_reader.py puts the optional filters in place of /*filters*/ (fixed fragments such as
 -- `AND state = $3`, never caller input) and the direction in place of /*dir*/. Each
 -- combination is a statement of its own, so each gets a plan with the index that serves it:
 -- (tenant, created_at, id), (tenant, state, created_at, id) or (tenant, type, created_at, id).

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 from redis.exceptions import RedisError
 
+from jobtier.backoff import CLAIM, REPORT
 from jobtier.connection import ShardSubscriber
 from jobtier.errors import Cancelled, Code, Fatal, Retry
 from jobtier.metrics import Histogram
@@ -208,7 +209,7 @@ class Worker:
 
     # --- claiming ---------------------------------------------------------------------------
     async def _claim_loop(self) -> None:
-        backoff = 0.05
+        backoff = CLAIM.start()
         while not self._stopping.is_set():
             free = self.concurrency - len(self._running)
             if free <= 0:
@@ -218,13 +219,13 @@ class Worker:
             self._wake.clear()
             try:
                 claimed = await self._claim(free)
-                backoff = 0.05
+                backoff.reset()
             except (RedisError, OSError) as exc:
+                wait = backoff.next()
                 log.warning(
-                    "event=claim_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, backoff
+                    "event=claim_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, wait
                 )
-                await self._sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await self._sleep(wait)
                 continue
             if claimed or any(self._ready):
                 continue  # more to claim, or shards this round did not ask
@@ -417,7 +418,7 @@ class Worker:
 
     async def _send_outbox(self) -> None:
         """Send everything in the outbox in one pipeline; keep it on a Redis error."""
-        backoff = 0.05
+        backoff = REPORT.start()
         while True:
             # a heartbeat in flight may carry the last progress of a job reported here:
             # the outcome must reach Redis after it
@@ -458,11 +459,11 @@ class Worker:
                 for kind, by_shard in batches.items():
                     for shard, items in by_shard.items():
                         self._outbox[kind][shard][:0] = items
+                wait = backoff.next()
                 log.warning(
-                    "event=report_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, backoff
+                    "event=report_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, wait
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(wait)
                 continue
             for (kind, items), reply in zip(kinds, replies, strict=True):
                 self._account(kind, items, reply)

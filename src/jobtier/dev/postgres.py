@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from jobtier.devservices import free_port
+from jobtier.dev.redis import free_port
 
 PG_ROOT = Path("/usr/lib/postgresql")
 SUPERUSER = "postgres"

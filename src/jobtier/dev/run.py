@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import uvicorn
 
 from jobtier.config import Settings
-from jobtier.devservices import LocalRedis
+from jobtier.dev.redis import LocalRedis
 from jobtier.metrics import (
     MetricsPublisher,
     TransitionCounter,
@@ -78,7 +78,7 @@ class LocalServices:
         self.started: list[Any] = []
 
     def start(self) -> tuple[str, str]:
-        from jobtier.persist.localpg import LocalPostgres
+        from jobtier.dev.postgres import LocalPostgres
 
         if _listening(self.redis_port):
             log.info("event=local_redis_reused port=%d", self.redis_port)
@@ -108,7 +108,7 @@ async def run_all(
     on_signals: Callable[[Callable[[], None]], None],
 ) -> int:
     from jobtier.api.app import create_app
-    from jobtier.api.extension import postgres_extension
+    from jobtier.api.postgres import postgres_extension
     from jobtier.persist.db import create_pool, migrate
     from jobtier.persist.persister import Persister
     from jobtier.persist.schedule_store import ScheduleStore

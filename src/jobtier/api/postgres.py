@@ -19,13 +19,13 @@ from jobtier.api import openapi as oa
 from jobtier.api import schedules
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
-from jobtier.api.jobs import JSON
+from jobtier.api.http import JSON
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
 from jobtier.model import JobStatus, State
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
-from jobtier.persist.reader import PgReader, Transition, lag
+from jobtier.persist.pg_reader import PgReader, Transition, lag
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
 from jobtier.schedules import CronMirror

@@ -1,0 +1,75 @@
+"""Back-off for loops that retry a failing call (Redis or Postgres away for a while).
+
+One mechanism, one policy per caller. A policy says how long the first wait is, how fast it
+grows and where it stops; ``jitter`` spreads the retries of processes that failed together
+(every worker of a fleet losing Redis at once must not come back as one burst).
+
+    backoff = CLAIM.start()
+    while True:
+        try:
+            await claim()
+            backoff.reset()
+        except RedisError:
+            await asyncio.sleep(backoff.next())
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class BackoffPolicy:
+    """``first * factor ** n`` seconds before the (n+1)-th retry, capped at ``cap``, plus up
+    to ``jitter`` times that at random."""
+
+    first: float
+    cap: float
+    factor: float = 2.0
+    jitter: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not (0 < self.first <= self.cap and self.factor >= 1 and self.jitter >= 0):
+            raise ValueError(f"bad back-off policy: {self}")
+
+    def start(self) -> Backoff:
+        return Backoff(self)
+
+
+class Backoff:
+    """The state of one retry loop under a ``BackoffPolicy``."""
+
+    __slots__ = ("_delay", "failures", "policy")
+
+    def __init__(self, policy: BackoffPolicy) -> None:
+        self.policy = policy
+        self._delay = policy.first
+        self.failures = 0  # consecutive failures since the last reset
+
+    @property
+    def delay(self) -> float:
+        """The wait the next call to ``next()`` will return, before jitter (for log lines)."""
+        return self._delay
+
+    def next(self, rng: random.Random | None = None) -> float:
+        """Count a failure; the seconds to wait before trying again."""
+        p = self.policy
+        wait = self._delay
+        self._delay = min(self._delay * p.factor, p.cap)
+        self.failures += 1
+        return wait + (rng or random).uniform(0, wait * p.jitter) if p.jitter else wait
+
+    def reset(self) -> None:
+        """The call succeeded: the next failure starts from the first wait again."""
+        self._delay = self.policy.first
+        self.failures = 0
+
+
+# The policies of jobtier's own loops.
+CLAIM = BackoffPolicy(first=0.05, cap=5.0)  # a worker's claims while Redis is away
+REPORT = BackoffPolicy(first=0.05, cap=5.0)  # a worker's outcomes (kept, sent again)
+SCHEDULER = BackoffPolicy(first=0.05, cap=5.0)  # promote / reclaim / fire passes
+SUBSCRIBE = BackoffPolicy(first=0.05, cap=2.0)  # shard-channel subscriptions (push stalls)
+PERSIST_REDIS = BackoffPolicy(first=0.1, cap=5.0)  # the persister reading the logs
+PERSIST_POSTGRES = BackoffPolicy(first=0.1, cap=5.0)  # a batch waiting for Postgres
