@@ -274,7 +274,7 @@ class Run:
             "seconds": round(elapsed, 2),
             "per_second": round(done / elapsed),
             "complete": done >= transitions,
-            "mean_batch": round(statistics.fmean(persister.stats.batch_sizes or [0])),
+            "mean_batch": round(persister.stats.transitions / max(persister.stats.batches, 1)),
             # CPU per transition: steadier than rates on a shared, noisy machine
             "persister_cpu_us": round(cpu / done * 1e6, 1),
             "postgres_cpu_us": round(pg_cpu / done * 1e6, 1),
@@ -332,7 +332,7 @@ class Run:
             "p99_ms": round(_pct(lags, 0.99) * 1000, 1),
             "max_ms": round(lags[-1] * 1000, 1) if lags else 0.0,
             "unpersisted": left,
-            "mean_batch": round(statistics.fmean(persister.stats.batch_sizes or [0])),
+            "mean_batch": round(persister.stats.transitions / max(persister.stats.batches, 1)),
         }
 
 

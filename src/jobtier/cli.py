@@ -20,13 +20,7 @@ from jobtier import logs
 from jobtier.config import Settings, settings_table
 from jobtier.errors import ConfigError
 from jobtier.keys import Keys
-from jobtier.metrics import (
-    MetricsPublisher,
-    TransitionCounter,
-    persister_source,
-    scheduler_source,
-    worker_source,
-)
+from jobtier.metrics.snapshot import MetricsPublisher
 
 log = logging.getLogger("jobtier.cli")
 
@@ -90,12 +84,8 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
                 gc.collect()
                 gc.freeze()
                 gc.set_threshold(20_000, 50, 100)
-            publisher = MetricsPublisher(queue.redis, queue.keys, "worker", [worker_source(worker)])
-            publisher.start()
-            try:
+            async with MetricsPublisher(queue.redis, queue.keys, "worker", [worker]):
                 await worker.run()
-            finally:
-                await publisher.stop()
         return 0
 
     return _run_async(main)
@@ -114,14 +104,8 @@ def cmd_scheduler(args: argparse.Namespace, settings: Settings) -> int:
             async with await Queue.connect(settings) as queue:
                 scheduler = Scheduler(queue, batch=args.batch, store=ScheduleStore(pool))
                 _on_signals(scheduler.stop)
-                publisher = MetricsPublisher(
-                    queue.redis, queue.keys, "scheduler", [scheduler_source(scheduler)]
-                )
-                publisher.start()
-                try:
+                async with MetricsPublisher(queue.redis, queue.keys, "scheduler", [scheduler]):
                     await scheduler.run()
-                finally:
-                    await publisher.stop()
         finally:
             await pool.close()
         return 0
@@ -220,21 +204,13 @@ def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
             settings.database_url, min_size=0, max_size=settings.persist_concurrency + 1
         )
         try:
-            counter = TransitionCounter()
             persister = Persister(
                 settings, redis, pool, args.name or default_name("persister"),
-                concurrency=settings.persist_concurrency, on_commit=counter.observe,
+                concurrency=settings.persist_concurrency,
             )  # fmt: skip
             _on_signals(persister.stop)
-            keys = Keys(settings.prefix, settings.shards)
-            publisher = MetricsPublisher(
-                redis, keys, "persister", [persister_source(persister, counter)]
-            )
-            publisher.start()
-            try:
+            async with MetricsPublisher(redis, persister.keys, "persister", [persister]):
                 await persister.run()
-            finally:
-                await publisher.stop()
         finally:
             await pool.close()
             await redis.aclose()
@@ -251,7 +227,7 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     import socket
 
     from jobtier.connection import connect
-    from jobtier.metrics import process_host, read_snapshots
+    from jobtier.metrics.snapshot import process_host, read_snapshots
 
     host = socket.gethostname()
 
