@@ -8,6 +8,7 @@ the rendered document has exactly the Struct's fields.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime
 from enum import StrEnum
 from typing import Any
@@ -41,6 +42,10 @@ class Priority(StrEnum):
 
 PRIORITIES: tuple[Priority, ...] = tuple(Priority)
 
+DEFAULT_QUEUE = "default"
+# a queue name is part of Redis keys (jt:{s}:q:<queue>:<priority>:<tenant>): no ':' in it
+QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
 
 class JobError(msgspec.Struct, frozen=True):
     type: str
@@ -68,6 +73,7 @@ class JobStatus(msgspec.Struct, frozen=True):
     error: JobError | None = None
     cancel_requested: bool = False
     worker: str | None = None
+    queue: str = DEFAULT_QUEUE
 
     @property
     def terminal(self) -> bool:
@@ -75,7 +81,12 @@ class JobStatus(msgspec.Struct, frozen=True):
 
 
 class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One job to submit (the body of ``POST /v1/jobs``)."""
+    """One job to submit (the body of ``POST /v1/jobs``).
+
+    ``queue`` defaults to the queue of the task (as its workers advertise it), else
+    ``default``. ``concurrency_key``: at most ``concurrency_limit`` (default 1) jobs of the
+    same key (per tenant) are ready or running at once; the others wait their turn.
+    """
 
     type: str
     payload: Any = None
@@ -84,6 +95,9 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     delay: float | None = None
     max_attempts: int | None = None
     idempotency_key: str | None = None
+    queue: str | None = None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
 
 
 class ClaimedJob(msgspec.Struct, frozen=True):
@@ -97,6 +111,7 @@ class ClaimedJob(msgspec.Struct, frozen=True):
     lease_version: int
     queued_at_ms: int
     claimed_at_ms: int
+    queue: str = DEFAULT_QUEUE
 
 
 json_encoder = msgspec.json.Encoder()

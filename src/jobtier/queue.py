@@ -30,13 +30,23 @@ from jobtier.errors import (
     UnknownTask,
 )
 from jobtier.keys import Keys
-from jobtier.model import PRIORITIES, JobSpec, JobStatus, Priority, decode_status, encode_json
+from jobtier.model import (
+    DEFAULT_QUEUE,
+    PRIORITIES,
+    QUEUE_NAME_RE,
+    JobSpec,
+    JobStatus,
+    Priority,
+    decode_status,
+    encode_json,
+)
 from jobtier.scripts import Scripts, SubmitItem, SubmitOutcome
 from jobtier.worker.registry import TASK_NAME_RE, Task, TaskRegistry
 
 TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces
 MAX_ATTEMPTS_LIMIT = 100
+MAX_CONCURRENCY_LIMIT = 10_000
 DEFAULT_TENANT = "default"
 
 
@@ -108,11 +118,18 @@ class Queue:
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         tenant: str = DEFAULT_TENANT,
+        queue: str | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
         returns the original job (``created`` False); with a different one it raises
-        ``IdempotencyConflict``."""
+        ``IdempotencyConflict``. Given a ``Task``, its queue and attempts are the defaults."""
         if isinstance(type, Task):
+            if queue is None:
+                queue = type.queue
+            if max_attempts is None:
+                max_attempts = type.max_attempts
             type = type.name
         when: datetime | None
         if isinstance(run_at, bool):
@@ -129,6 +146,9 @@ class Queue:
             delay=delay,
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
+            queue=queue,
+            concurrency_key=concurrency_key,
+            concurrency_limit=concurrency_limit,
         )
         (result,) = await self.submit_many([spec], tenant=tenant)
         if isinstance(result, Exception):
@@ -212,16 +232,53 @@ class Queue:
                 "idempotency_key must be 1-200 printable ASCII characters without spaces",
                 field="idempotency_key",
             )
+        queue = spec.queue
+        if queue is None:
+            queue = task.queue if task else DEFAULT_QUEUE
+        elif not isinstance(queue, str) or not QUEUE_NAME_RE.fullmatch(queue):
+            raise InvalidRequest(
+                f"queue {str(queue)[:70]!r} must match {QUEUE_NAME_RE.pattern}", field="queue"
+            )
+        ckey, climit = self._concurrency(spec)
         if job_id is None:
-            shard = self.keys.shard_for(tenant, key) if key else None
+            # A job with a concurrency key lives in the key's shard: the key's count and its
+            # waiting jobs must be in the one shard its scripts touch. Its idempotency record
+            # lives there too (with both, the idempotency key is scoped to the concurrency key).
+            if ckey:
+                shard: int | None = self.keys.shard_for(tenant, "\x01ck", ckey)
+            else:
+                shard = self.keys.shard_for(tenant, key) if key else None
             job_id = self.keys.new_id(shard)
         request_hash = hashlib.blake2b(
             spec.type.encode() + b"\x00" + payload, digest_size=16
         ).hexdigest()
         return SubmitItem(
             job_id, tenant, spec.type, spec.priority, payload, max_attempts,
-            run_at_ms, delay_ms, key, request_hash,
+            run_at_ms, delay_ms, key, request_hash, queue, ckey, climit,
         )  # fmt: skip
+
+    @staticmethod
+    def _concurrency(spec: JobSpec) -> tuple[str, int]:
+        key, limit = spec.concurrency_key, spec.concurrency_limit
+        if key is None:
+            if limit is not None:
+                raise InvalidRequest(
+                    "concurrency_limit needs a concurrency_key", field="concurrency_limit"
+                )
+            return "", 1
+        if not isinstance(key, str) or not IDEMPOTENCY_KEY_RE.fullmatch(key):
+            raise InvalidRequest(
+                "concurrency_key must be 1-200 printable ASCII characters without spaces",
+                field="concurrency_key",
+            )
+        if limit is None:
+            limit = 1
+        elif isinstance(limit, bool) or not 1 <= limit <= MAX_CONCURRENCY_LIMIT:
+            raise InvalidRequest(
+                f"concurrency_limit must be between 1 and {MAX_CONCURRENCY_LIMIT}",
+                field="concurrency_limit",
+            )
+        return key, limit
 
     def _timing(self, spec: JobSpec) -> tuple[int, int]:
         s = self.settings
@@ -375,33 +432,133 @@ class Queue:
         return replayed
 
     async def stats(self) -> dict[str, Any]:
-        """Queue depth per priority, scheduled, running and dead counts, per shard and total."""
+        """Jobs by state, per shard, per queue and in total.
+
+        ``total``: ``queued`` (and ``queued_<priority>``), ``parked`` (handed back by a worker
+        that cannot run them), ``scheduled``, ``running``, ``dead``. ``queues``: per queue,
+        ready jobs by priority, ``parked``, ``running`` and ``paused``. ``shards``: per shard,
+        ready jobs by priority and the scheduled, running and dead counts.
+        """
         pipe = self.redis.pipeline(transaction=False)
         for shard in range(self.keys.shards):
-            for p in PRIORITIES:
-                pipe.llen(self.keys.queue(shard, p))
+            pipe.hgetall(self.keys.queue_counts(shard))
+            pipe.hgetall(self.keys.parked(shard))
             pipe.zcard(self.keys.sched(shard))
             pipe.zcard(self.keys.active(shard))
             pipe.zcard(self.keys.dead(shard))
         values = await pipe.execute()
-        width = len(PRIORITIES) + 3
-        shards = []
         total: dict[str, int] = defaultdict(int)
+        queues: dict[str, dict[str, Any]] = {}
+
+        def queue_entry(name: str) -> dict[str, Any]:
+            entry = queues.get(name)
+            if entry is None:
+                entry = queues[name] = {
+                    "queued": {p.value: 0 for p in PRIORITIES},
+                    "parked": 0,
+                    "running": 0,
+                    "paused": False,
+                }
+            return entry
+
+        shards = []
         for shard in range(self.keys.shards):
-            row = values[shard * width : (shard + 1) * width]
-            entry = {
-                "shard": shard,
-                "queued": {p.value: n for p, n in zip(PRIORITIES, row[:4], strict=True)},
-            }
-            entry.update(scheduled=row[4], running=row[5], dead=row[6])
-            shards.append(entry)
-            for p, n in zip(PRIORITIES, row[:4], strict=True):
+            counts, parked, scheduled, running, dead = values[shard * 5 : shard * 5 + 5]
+            by_priority = {p.value: 0 for p in PRIORITIES}
+            for raw_field, raw_value in counts.items():
+                name, _, what = raw_field.decode().rpartition(":")
+                entry = queue_entry(name)
+                if what in by_priority:
+                    n = max(int(raw_value), 0)
+                    entry["queued"][what] += n
+                    by_priority[what] += n
+                elif what == "running":
+                    entry["running"] += max(int(raw_value), 0)
+                elif what == "paused":
+                    entry["paused"] = entry["paused"] or raw_value == b"1"
+            for raw_field, raw_value in parked.items():
+                name = raw_field.decode().split(":", 1)[0]
+                queue_entry(name)["parked"] += max(int(raw_value), 0)
+                total["parked"] += max(int(raw_value), 0)
+            shards.append(
+                {"shard": shard, "queued": by_priority, "scheduled": scheduled,
+                 "running": running, "dead": dead}
+            )  # fmt: skip
+            for p, n in by_priority.items():
                 total[f"queued_{p}"] += n
-            total["scheduled"] += row[4]
-            total["running"] += row[5]
-            total["dead"] += row[6]
+            total["scheduled"] += scheduled
+            total["running"] += running
+            total["dead"] += dead
         total["queued"] = sum(total[f"queued_{p}"] for p in PRIORITIES)
-        return {"total": dict(total), "shards": shards}
+        total.setdefault("parked", 0)
+        return {"total": dict(total), "queues": dict(sorted(queues.items())), "shards": shards}
+
+    async def oldest_queued(self, tenants: int = 100) -> dict[tuple[str, str], float]:
+        """Seconds the oldest ready job of each (queue, priority) has waited (since it became
+        ready), looking at the first ``tenants`` tenants of each rotation."""
+        keys, redis = self.keys, self.redis
+        pipe = redis.pipeline(transaction=False)
+        for shard in range(keys.shards):
+            pipe.hgetall(keys.queue_counts(shard))
+        rings: list[tuple[int, str, str]] = []
+        for shard, counts in enumerate(await pipe.execute()):
+            for raw_field, raw_value in counts.items():
+                name, _, what = raw_field.decode().rpartition(":")
+                if what in PRIORITIES and int(raw_value) > 0:
+                    rings.append((shard, name, what))
+        if not rings:
+            return {}
+        pipe = redis.pipeline(transaction=False)
+        for shard, name, prio in rings:
+            pipe.lrange(keys.ring(shard, name, prio), 0, tenants - 1)
+        heads: list[tuple[int, str, str]] = []
+        pipe2 = redis.pipeline(transaction=False)
+        for (shard, name, prio), members in zip(rings, await pipe.execute(), strict=True):
+            for tenant in members:
+                pipe2.lindex(keys.ready(shard, name, prio, tenant.decode()), -1)
+                heads.append((shard, name, prio))
+        ids = await pipe2.execute() if heads else []
+        pipe3 = redis.pipeline(transaction=False)
+        found = []
+        for (shard, name, prio), job_id in zip(heads, ids, strict=True):
+            if job_id is not None:
+                pipe3.hget(keys.job_in(shard, job_id.decode()), "updated")
+                found.append((name, prio))
+        now = time.time() * 1000
+        out: dict[tuple[str, str], float] = {}
+        for key, updated in zip(found, await pipe3.execute() if found else [], strict=True):
+            if updated is not None:
+                out[key] = max(out.get(key, 0.0), (now - int(updated)) / 1000)
+        return out
+
+    # --- queues ---------------------------------------------------------------------------
+    async def pause(self, queue: str) -> None:
+        """Stop every claim from ``queue``: submits are still accepted, running jobs finish.
+
+        The flag is written in every shard (each claim script reads its own shard's), so once
+        this returns no worker claims from the queue."""
+        self._check_queue(queue)
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.hset(self.keys.queue_counts(shard), f"{queue}:paused", "1")
+        await pipe.execute()
+
+    async def resume(self, queue: str) -> None:
+        """Let workers claim from ``queue`` again (and wake those that sleep)."""
+        self._check_queue(queue)
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.hdel(self.keys.queue_counts(shard), f"{queue}:paused")
+        for shard in range(self.keys.shards):
+            pipe.execute_command("SPUBLISH", self.keys.wake(shard), f"q {queue}")
+        await pipe.execute()
+
+    @staticmethod
+    def _check_queue(queue: str) -> None:
+        if not isinstance(queue, str) or not QUEUE_NAME_RE.fullmatch(queue):
+            raise InvalidRequest(
+                f"queue {str(queue)[:70]!r} must match {QUEUE_NAME_RE.pattern}", field="queue"
+            )
 
     async def waiting_by_tenant(self) -> dict[str, int]:
         """Queued + scheduled jobs per tenant, summed over shards."""

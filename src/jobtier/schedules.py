@@ -31,7 +31,7 @@ from croniter import croniter
 
 from jobtier.errors import InvalidRequest
 from jobtier.keys import Keys, ulid
-from jobtier.model import Priority, encode_json
+from jobtier.model import DEFAULT_QUEUE, Priority, encode_json
 from jobtier.worker.registry import TASK_NAME_RE
 
 Misfire = Literal["skip", "fire_once", "fire_all"]
@@ -201,6 +201,7 @@ class MirrorDef(msgspec.Struct, kw_only=True):
     interval_ms: int | None
     anchor_ms: int
     misfire: str
+    queue: str = DEFAULT_QUEUE
 
     def timing(self) -> Timing:
         return Timing(self.cron, self.timezone, self.interval_ms, self.anchor_ms)
@@ -308,7 +309,7 @@ class CronMirror:
                 slots, new_next, last = plan(d.timing(), d.misfire, int(nxt), now, grace_ms)
                 args: list[Any] = [
                     schedule_id, nxt.decode(), new_next, "" if last is None else last,
-                    d.tenant, d.type, d.priority, payload, d.max_attempts, len(slots),
+                    d.tenant, d.type, d.priority, payload, d.max_attempts, d.queue, len(slots),
                 ]  # fmt: skip
                 for slot in slots:
                     args += [slot_job_id(self.keys, schedule_id, slot), slot]

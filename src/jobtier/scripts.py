@@ -25,7 +25,7 @@ from redis.exceptions import NoScriptError
 from jobtier.connection import RedisClient
 from jobtier.errors import Code
 from jobtier.keys import Keys
-from jobtier.model import ClaimedJob
+from jobtier.model import DEFAULT_QUEUE, ClaimedJob
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (
@@ -109,12 +109,15 @@ class SubmitItem:
     delay_ms: int  # 0: none
     idempotency_key: str  # '': none
     request_hash: str
+    queue: str = DEFAULT_QUEUE
+    concurrency_key: str = ""  # '': none
+    concurrency_limit: int = 1
 
     def args(self) -> tuple[Any, ...]:
         return (
-            self.job_id, self.tenant, self.type, self.priority, self.payload,
+            self.job_id, self.tenant, self.type, self.queue, self.priority, self.payload,
             self.max_attempts, self.run_at_ms, self.delay_ms, self.idempotency_key,
-            self.request_hash,
+            self.request_hash, self.concurrency_key, self.concurrency_limit,
         )  # fmt: skip
 
 
@@ -122,8 +125,9 @@ class SubmitItem:
 class ClaimBatch:
     shard: int
     now_ms: int
-    ready_left: int  # ready jobs still in the shard after this claim
+    ready_left: int  # ready jobs still in the shard's served queues after this claim
     jobs: list[ClaimedJob]
+    handed_back: list[str]  # ids of jobs of types the worker cannot run, left in their queue
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,12 +189,28 @@ class Scripts:
             for i in range(0, len(reply), 3)
         ]
 
-    def claim_call(self, shard: int, worker: str, count: int, lease_ms: int) -> Call:
-        return (self["claim"], shard, (worker, count, lease_ms))
+    def claim_call(
+        self,
+        shard: int,
+        worker: str,
+        count: int,
+        lease_ms: int,
+        queues: Sequence[tuple[str, int]] = ((DEFAULT_QUEUE, -1),),
+        types: Sequence[str] = (),
+    ) -> Call:
+        """``queues``: (name, most jobs to take from it, -1 for no cap), in the order they
+        share the call; ``types``: the task types the worker runs (empty: any, for tools)."""
+        args: list[Any] = [worker, count, lease_ms, len(queues)]
+        for name, cap in queues:
+            args += (name, cap)
+        args.append(len(types))
+        args.extend(types)
+        return (self["claim"], shard, args)
 
     @staticmethod
     def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
-        now = int(reply[0])
+        now, claimed = int(reply[0]), int(reply[2])
+        end = 3 + 8 * claimed
         jobs = [
             ClaimedJob(
                 id=reply[i].decode(),
@@ -201,13 +221,22 @@ class Scripts:
                 lease_version=int(reply[i + 5]),
                 queued_at_ms=int(reply[i + 6]),
                 claimed_at_ms=now,
+                queue=reply[i + 7].decode(),
             )
-            for i in range(2, len(reply), 7)
+            for i in range(3, end, 8)
         ]
-        return ClaimBatch(shard, now, int(reply[1]), jobs)
+        return ClaimBatch(shard, now, int(reply[1]), jobs, [r.decode() for r in reply[end:]])
 
-    async def claim(self, shard: int, worker: str, count: int, lease_ms: int) -> ClaimBatch:
-        reply = await self.call(*self.claim_call(shard, worker, count, lease_ms))
+    async def claim(
+        self,
+        shard: int,
+        worker: str,
+        count: int,
+        lease_ms: int,
+        queues: Sequence[tuple[str, int]] = ((DEFAULT_QUEUE, -1),),
+        types: Sequence[str] = (),
+    ) -> ClaimBatch:
+        reply = await self.call(*self.claim_call(shard, worker, count, lease_ms, queues, types))
         return self.parse_claim(shard, reply)
 
     def heartbeat_call(

@@ -270,7 +270,7 @@ class JobMachine(RuleBasedStateMachine):
         active: set[bytes] = set()
         dead: set[bytes] = set()
         for s in range(keys.shards):
-            for q in keys.queues(s):
+            for q in self.run(r.keys(keys.base(s) + "q:*")):
                 queued |= set(self.run(r.lrange(q, 0, -1)))
             sched |= set(self.run(r.zrange(keys.sched(s), 0, -1)))
             active |= set(self.run(r.zrange(keys.active(s), 0, -1)))

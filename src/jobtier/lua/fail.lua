@@ -21,6 +21,7 @@ for i = 0, n - 1 do
   local state = ''
   if code == OK then
     redis.call('ZREM', BASE .. 'active', id)
+    ck_release(j)
     j.error = ARGV[a + 2]
     if delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
       j.state = 'scheduled'
@@ -37,4 +38,5 @@ for i = 0, n - 1 do
   end
   out[#out + 1], out[#out + 2] = code, state
 end
+flush()
 return out

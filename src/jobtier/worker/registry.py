@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, overload
 
 from jobtier.errors import ConfigError
+from jobtier.model import DEFAULT_QUEUE, QUEUE_NAME_RE
 
 TASK_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$")
 
@@ -45,6 +46,7 @@ class Task:
     non_retryable: tuple[type[BaseException], ...] = ()
     timeout: float | None = None
     is_async: bool = True
+    queue: str = DEFAULT_QUEUE
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -70,6 +72,7 @@ def task(
     jitter: float = 0.1,
     non_retryable: Iterable[type[BaseException]] = (),
     timeout: float | None = None,
+    queue: str = DEFAULT_QUEUE,
 ) -> Callable[[Callable[..., Any]], Task]: ...
 
 
@@ -84,13 +87,15 @@ def task(
     jitter: float = 0.1,
     non_retryable: Iterable[type[BaseException]] = (),
     timeout: float | None = None,
+    queue: str = DEFAULT_QUEUE,
 ) -> Any:
     """Declare a task: ``async def fn(ctx, payload)`` (or a plain ``def``, run in a thread).
 
     ``retries`` is how many times a failed attempt is retried (attempts = retries + 1); a job
     submitted with its own ``max_attempts`` overrides it. Exceptions in ``non_retryable``
     (and ``jobtier.Fatal``) send the job straight to the dead-letter set. ``timeout`` bounds
-    one attempt, in seconds; a timed-out attempt counts as a retryable failure.
+    one attempt, in seconds; a timed-out attempt counts as a retryable failure. ``queue``
+    names the queue its jobs go to (workers serve queues: ``jobtier worker --queues``).
 
     Usable bare (``@task``) or with options (``@task(retries=5, timeout=30)``).
     """
@@ -103,6 +108,10 @@ def task(
             raise ConfigError(f"task {task_name}: retries/backoff/jitter out of range")
         if timeout is not None and timeout <= 0:
             raise ConfigError(f"task {task_name}: timeout must be positive")
+        if not QUEUE_NAME_RE.fullmatch(queue):
+            raise ConfigError(
+                f"task {task_name}: queue {queue!r} must match {QUEUE_NAME_RE.pattern}"
+            )
         classes = tuple(non_retryable)
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, BaseException)):
@@ -114,6 +123,7 @@ def task(
             non_retryable=classes,
             timeout=timeout,
             is_async=inspect.iscoroutinefunction(f),
+            queue=queue,
         )
 
     return wrap(fn) if fn is not None else wrap
@@ -147,6 +157,10 @@ class TaskRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._tasks)
+
+    def queues(self) -> list[str]:
+        """The queues of the registered tasks: what a worker serves unless told otherwise."""
+        return sorted({t.queue for t in self._tasks.values()})
 
     @classmethod
     def load(cls, spec: str) -> TaskRegistry:

@@ -24,6 +24,7 @@ import os
 import socket
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +34,10 @@ from redis.exceptions import RedisError
 
 from jobtier.backoff import CLAIM, REPORT
 from jobtier.connection import ShardSubscriber
-from jobtier.errors import Cancelled, Code, Fatal, Retry
+from jobtier.errors import Cancelled, Code, ConfigError, Fatal, Retry
 from jobtier.metrics.histogram import Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
-from jobtier.model import ClaimedJob, encode_json
+from jobtier.model import QUEUE_NAME_RE, ClaimedJob, encode_json
 from jobtier.queue import Queue
 from jobtier.scripts import Call
 from jobtier.worker.context import JobContext
@@ -60,6 +61,7 @@ class WorkerStats:
     released: int = 0
     refused: int = 0  # stale writes refused by Redis (this worker had lost the job)
     leases_lost: int = 0
+    handed_back: int = 0  # jobs of types this worker cannot run, left in their queue
     claim_wait: Histogram = field(default_factory=Histogram)  # seconds, since start
     run_time: Histogram = field(default_factory=Histogram)
 
@@ -97,14 +99,25 @@ class Worker:
         idle_poll: float = 5.0,
         threads: int | None = None,
         progress_interval: float = 0.2,
+        queues: Sequence[str] | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        served = list(dict.fromkeys(queues)) if queues else registry.queues()
+        for q in served:
+            if not QUEUE_NAME_RE.fullmatch(q):
+                raise ConfigError(f"queue {q!r} must match {QUEUE_NAME_RE.pattern}")
+        if not served:
+            raise ConfigError("a worker must serve at least one queue")
         self.queue = queue
         self.scripts = queue.scripts
         self.keys = queue.keys
         self.settings = queue.settings
         self.registry = registry
+        self.queues = served  # served in turn: each claim round starts one queue further on
+        self._served = {q.encode() for q in served}
+        self._types = registry.names()  # the claim script hands back jobs of other types
+        self._queue_turn = 0
         self.concurrency = concurrency
         self.burst = burst
         self.id = name or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
@@ -156,6 +169,7 @@ class Worker:
                 "worker_outcomes_total": outcomes,
                 "stale_writes_refused_total": {"": st.refused},
                 "leases_lost_total": {"": st.leases_lost},
+                "worker_handed_back_total": {"": st.handed_back},
             },
             gauges={
                 "worker_running_jobs": {"": len(self._running)},
@@ -189,8 +203,8 @@ class Worker:
         reporter = asyncio.create_task(self._report_loop(), name="jobtier-reporter")
         heart = asyncio.create_task(self._heartbeat_loop(), name="jobtier-heartbeat")
         log.info(
-            "event=worker_started worker=%s concurrency=%d tasks=%s burst=%s",
-            self.id, self.concurrency, ",".join(self.registry.names()), self.burst,
+            "event=worker_started worker=%s concurrency=%d queues=%s tasks=%s burst=%s",
+            self.id, self.concurrency, ",".join(self.queues), ",".join(self._types), self.burst,
         )  # fmt: skip
         try:
             await self._claim_loop()
@@ -222,7 +236,8 @@ class Worker:
         return self.stats
 
     def _on_wake(self, channel: bytes, data: bytes) -> None:
-        if data == b"q":
+        # "q <queue>": a queue of the shard had no ready job and now has some
+        if data[:2] == b"q " and data[2:] in self._served:
             shard = int(channel[channel.index(b"{") + 1 : channel.index(b"}")])
             self._ready[shard] = UNKNOWN
             self._generation[shard] += 1
@@ -271,9 +286,13 @@ class Worker:
         plan = self._plan(free)
         if not plan:
             return 0
+        turn = self._queue_turn
+        self._queue_turn = (turn + 1) % len(self.queues)
+        queues = [(q, -1) for q in self.queues[turn:] + self.queues[:turn]]
         generations = [self._generation[shard] for shard, _ in plan]
         calls: list[Call] = [
-            self.scripts.claim_call(shard, self.id, n, self.lease_ms) for shard, n in plan
+            self.scripts.claim_call(shard, self.id, n, self.lease_ms, queues, self._types)
+            for shard, n in plan
         ]
         replies = await self.scripts.call_many(calls)
         self.stats.claim_round_trips += 1
@@ -283,10 +302,22 @@ class Worker:
             # a wake that arrived while this claim was in flight is newer than its answer
             if self._generation[shard] == gen:
                 self._ready[shard] = batch.ready_left
+            if batch.handed_back:
+                self._handed_back(batch.handed_back)
             for job in batch.jobs:
                 self._start(job, shard, batch.now_ms)
             total += len(batch.jobs)
         return total
+
+    def _handed_back(self, ids: list[str]) -> None:
+        """The claim script left jobs this worker cannot run in their queue (another pool
+        serves the same queue, or a deploy is in progress): say so, loudly but not per job."""
+        self.stats.handed_back += len(ids)
+        log.warning(
+            "event=jobs_handed_back worker=%s count=%d first=%s tasks=%s queues=%s: "
+            "they stay queued for a worker that has their task",
+            self.id, len(ids), ids[0], ",".join(self._types), ",".join(self.queues),
+        )  # fmt: skip
 
     def _plan(self, free: int) -> list[tuple[int, int]]:
         """(shard, jobs to ask for) for one round of claims.
@@ -606,6 +637,7 @@ class Worker:
                 "concurrency": self.concurrency,
                 "running": len(self._running),
                 "tasks": self.registry.names(),
+                "queues": self.queues,
                 "seen_at": time.time(),
             }
         )
