@@ -15,6 +15,9 @@ Per shard::
                                     "q:paused" ("1"), "q:wrr" (the priority rotation cursor)
     jt:{s}:park:<queue>:<type> list jobs handed back by a worker that cannot run them
     jt:{s}:parked            hash   "<queue>:<type>" -> jobs parked there
+    jt:{s}:limit:<queue>     hash   a limited queue's limits and rate bucket (home shard)
+    jt:{s}:permits:<queue>   zset   the permits held for it, by lease deadline (home shard)
+    jt:{s}:starts:<queue>    zset   its permits granted in the last rate period (home shard)
     jt:{s}:ck:<tenant>:<key> list   jobs held behind their concurrency key (oldest first)
     jt:{s}:ckeys             hash   "<tenant>:<key>" -> its jobs ready or running, and
                                     "<tenant>:<key>:limit"
@@ -29,7 +32,8 @@ Per shard::
     jt:{s}:log:refused       stream log entries Postgres refused for their data, parked
     jt:{s}:ev                shard channel: "<id> <version> <tenant>\\n<status document>"
     jt:{s}:wake              shard channel: "q <queue>" (a queue had no ready job and
-                             now has some, or parked ones), "s <ms>" (an
+                             now has some, or parked ones), "l <queue>" (permits of a
+                             limited queue came free), "s <ms>" (an
                              earlier run-at to wake the scheduler for) or "c <ms>" (a
                              schedule's next firing)
 
@@ -122,6 +126,19 @@ class Keys:
     def parked(self, shard: int) -> str:
         return self._bases[shard] + "parked"
 
+    def home(self, queue: str) -> int:
+        """The shard that keeps a queue's limits and permits (limit.lua)."""
+        return self.shard_for("\x01queue", queue)
+
+    def limit(self, queue: str) -> str:
+        return f"{self._bases[self.home(queue)]}limit:{queue}"
+
+    def permits(self, queue: str) -> str:
+        return f"{self._bases[self.home(queue)]}permits:{queue}"
+
+    def starts(self, queue: str) -> str:
+        return f"{self._bases[self.home(queue)]}starts:{queue}"
+
     def ck(self, shard: int, tenant: str, key: str) -> str:
         return f"{self._bases[shard]}ck:{tenant}:{key}"
 
@@ -163,6 +180,11 @@ class Keys:
     def workers(self) -> str:
         """hash worker id -> JSON heartbeat (tasks, concurrency, in-flight, last seen)."""
         return f"{self.prefix}:workers"
+
+    def queue_limits(self) -> str:
+        """hash queue -> JSON limits (concurrency, rate, period): the catalogue workers read
+        to know which of their queues need permits; limit.lua holds the values it enforces."""
+        return f"{self.prefix}:queues"
 
     def metrics(self) -> str:
         """hash process id -> JSON metrics snapshot (see metrics.py)."""

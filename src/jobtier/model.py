@@ -100,6 +100,19 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     concurrency_limit: int | None = None
 
 
+class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A queue's flow limits across every worker: at most ``concurrency`` of its jobs running
+    at once; at most ``rate`` job starts per ``per`` seconds. None: no such limit."""
+
+    concurrency: int | None = None
+    rate: int | None = None
+    per: float = 1.0
+
+    @property
+    def limited(self) -> bool:
+        return self.concurrency is not None or self.rate is not None
+
+
 class ClaimedJob(msgspec.Struct, frozen=True):
     """A job handed to a worker by the claim script; ``lease_version`` is its fencing token."""
 

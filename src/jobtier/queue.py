@@ -37,12 +37,14 @@ from jobtier.model import (
     JobSpec,
     JobStatus,
     Priority,
+    QueueLimits,
     decode_status,
     encode_json,
 )
 from jobtier.scripts import Scripts, SubmitItem, SubmitOutcome
 from jobtier.worker.registry import TASK_NAME_RE, Task, TaskRegistry
 
+_limits_decoder = msgspec.json.Decoder(QueueLimits)
 TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces
 MAX_ATTEMPTS_LIMIT = 100
@@ -458,6 +460,8 @@ class Queue:
                     "parked": 0,
                     "running": 0,
                     "paused": False,
+                    "limited": False,
+                    "blocked_until_ms": 0,
                 }
             return entry
 
@@ -476,6 +480,10 @@ class Queue:
                     entry["running"] += max(int(raw_value), 0)
                 elif what == "paused":
                     entry["paused"] = entry["paused"] or raw_value == b"1"
+                elif what == "limited":
+                    entry["limited"] = entry["limited"] or raw_value == b"1"
+                elif what == "blocked":
+                    entry["blocked_until_ms"] = max(entry["blocked_until_ms"], int(raw_value))
             for raw_field, raw_value in parked.items():
                 name = raw_field.decode().split(":", 1)[0]
                 queue_entry(name)["parked"] += max(int(raw_value), 0)
@@ -552,6 +560,85 @@ class Queue:
         for shard in range(self.keys.shards):
             pipe.execute_command("SPUBLISH", self.keys.wake(shard), f"q {queue}")
         await pipe.execute()
+
+    async def set_limits(self, queue: str, limits: QueueLimits) -> QueueLimits:
+        """Limit ``queue`` across every worker (or lift its limits: ``QueueLimits()``).
+
+        The values go to the queue's home shard, where workers take permits (limit.lua); the
+        catalogue tells workers which queues need permits; a flag in every shard makes a
+        claim without permits take nothing from it (a worker that has not heard yet). Jobs
+        already running when a limit is set finish outside it.
+        """
+        self._check_queue(queue)
+        if limits.concurrency is not None and not 1 <= limits.concurrency <= 1_000_000:
+            raise InvalidRequest("concurrency must be between 1 and 1000000", field="concurrency")
+        if limits.rate is not None and not 1 <= limits.rate <= 1_000_000:
+            raise InvalidRequest("rate must be between 1 and 1000000", field="rate")
+        if not 0.001 <= limits.per <= 86_400:
+            raise InvalidRequest("per must be between 0.001 and 86400 seconds", field="per")
+        keys, redis = self.keys, self.redis
+        conf = keys.limit(queue)
+        if limits.limited:
+            fields: dict[str | bytes, int] = {}
+            gone = []
+            if limits.concurrency is not None:
+                fields["concurrency"] = limits.concurrency
+            else:
+                gone.append("concurrency")
+            if limits.rate is not None:
+                fields.update(rate=limits.rate, period=round(limits.per * 1000))
+            else:
+                gone += ["rate", "period"]
+            # enforced first (home shard), then announced, then required in every shard
+            await redis.hset(conf, mapping=fields)  # type: ignore[arg-type]
+            if gone:
+                await redis.hdel(conf, *gone)
+            await redis.hset(keys.queue_limits(), queue, msgspec.json.encode(limits))
+            pipe = redis.pipeline(transaction=False)
+            for shard in range(keys.shards):
+                pipe.hset(keys.queue_counts(shard), f"{queue}:limited", "1")
+            await pipe.execute()
+        else:
+            pipe = redis.pipeline(transaction=False)
+            for shard in range(keys.shards):
+                pipe.hdel(keys.queue_counts(shard), f"{queue}:limited")
+            await pipe.execute()
+            await redis.hdel(keys.queue_limits(), queue)
+            await redis.hdel(conf, "concurrency", "rate", "period")
+            pipe = redis.pipeline(transaction=False)
+            for shard in range(keys.shards):
+                pipe.execute_command("SPUBLISH", keys.wake(shard), f"q {queue}")
+            await pipe.execute()
+        return limits
+
+    async def limits(self) -> dict[str, QueueLimits]:
+        """Every limited queue's limits."""
+        raw = await self.redis.hgetall(self.keys.queue_limits())
+        return {
+            (name.decode() if isinstance(name, bytes) else name): _limits_decoder.decode(value)
+            for name, value in sorted(raw.items())
+        }
+
+    async def running_permits(self, queue: str) -> int:
+        """Permits held now for a limited queue: its jobs running under the limit."""
+        return int(await self.redis.zcard(self.keys.permits(queue)))
+
+    async def block(self, queue: str, seconds: float) -> int:
+        """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``): every
+        shard's claims skip it until then. Returns when the block ends, ms since the epoch."""
+        self._check_queue(queue)
+        until = int((time.time() + seconds) * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.hget(self.keys.queue_counts(shard), f"{queue}:blocked")
+        current = max((int(v) for v in await pipe.execute() if v), default=0)
+        if until <= current:
+            return current
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.hset(self.keys.queue_counts(shard), f"{queue}:blocked", until)
+        await pipe.execute()
+        return until
 
     @staticmethod
     def _check_queue(queue: str) -> None:

@@ -30,7 +30,7 @@ from jobtier.model import DEFAULT_QUEUE, ClaimedJob
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (
     "submit", "claim", "heartbeat", "complete", "fail", "stopped",
-    "cancel", "promote", "reclaim", "replay", "fire",
+    "cancel", "promote", "reclaim", "replay", "fire", "limit",
 )  # fmt: skip
 
 
@@ -128,6 +128,8 @@ class ClaimBatch:
     ready_left: int  # ready jobs still in the shard's served queues after this claim
     jobs: list[ClaimedJob]
     handed_back: list[str]  # ids of jobs of types the worker cannot run, left in their queue
+    unaware: list[str]  # limited queues asked without a cap: take permits first (limit.lua)
+    wake_at_ms: int = -1  # when the first block of a served queue ends (-1: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,8 +211,8 @@ class Scripts:
 
     @staticmethod
     def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
-        now, claimed = int(reply[0]), int(reply[2])
-        end = 3 + 8 * claimed
+        now, claimed, handed = int(reply[0]), int(reply[2]), int(reply[3])
+        end = 6 + 8 * claimed
         jobs = [
             ClaimedJob(
                 id=reply[i].decode(),
@@ -223,9 +225,11 @@ class Scripts:
                 claimed_at_ms=now,
                 queue=reply[i + 7].decode(),
             )
-            for i in range(3, end, 8)
+            for i in range(6, end, 8)
         ]
-        return ClaimBatch(shard, now, int(reply[1]), jobs, [r.decode() for r in reply[end:]])
+        back = [r.decode() for r in reply[end : end + handed]]
+        unaware = [r.decode() for r in reply[end + handed :]]
+        return ClaimBatch(shard, now, int(reply[1]), jobs, back, unaware, int(reply[5]))
 
     async def claim(
         self,
@@ -266,12 +270,15 @@ class Scripts:
         shard: int,
         worker: str,
         retention_s: int,
-        items: Sequence[tuple[str, int, bytes, int]],
+        items: Sequence[tuple[Any, ...]],
     ) -> Call:
-        """items: (job id, lease_version, error JSON, retry delay ms or -1 for no retry)."""
+        """items: (job id, lease_version, error JSON, retry delay ms or -1 for no retry[,
+        refund: 1 when the attempt does not count])."""
         args: list[Any] = [worker, retention_s, len(items)]
         for item in items:
             args.extend(item)
+            if len(item) == 4:
+                args.append(0)
         return (self["fail"], shard, args)
 
     def stopped_call(

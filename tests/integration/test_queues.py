@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from jobtier.model import JobSpec, State
+from jobtier.errors import RateLimited
+from jobtier.model import JobSpec, QueueLimits, State
 from jobtier.queue import Queue
+from jobtier.scheduler import Scheduler
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -225,3 +227,133 @@ async def test_one_tenants_backlog_does_not_starve_another_tenants_job(queue: Qu
         found = small.job_id in [j.id for j in batch.jobs]
     assert found and claims == 1
     assert (await queue.stats())["total"]["queued"] == 100_000 + 1 - 10 * claims
+
+
+# --- limits across every worker ----------------------------------------------------------------
+started_at: list[tuple[str, int]] = []  # (job id, claimed at ms: Redis's clock)
+
+
+@task(queue="partner")
+async def call_partner(ctx: JobContext, payload: Any) -> str:
+    started_at.append((ctx.job_id, ctx.job.claimed_at_ms))
+    await asyncio.sleep(0.02)
+    return "ok"
+
+
+async def running_in_redis(queue: Queue, name: str) -> int:
+    """Jobs of the queue Redis counts as running now, summed over shards."""
+    pipe = queue.redis.pipeline(transaction=False)
+    for shard in range(queue.keys.shards):
+        pipe.hget(queue.keys.queue_counts(shard), f"{name}:running")
+    return sum(int(v or 0) for v in await pipe.execute())
+
+
+async def test_global_concurrency_limit_holds_across_workers(
+    queue: Queue, background: Background
+) -> None:
+    await queue.set_limits("partner", QueueLimits(concurrency=3))
+    assert (await queue.limits()) == {"partner": QueueLimits(concurrency=3)}
+    ids = [(await queue.submit(call_partner, i)).job_id for i in range(60)]
+    for n in range(2):
+        background.start(
+            worker_for(queue, TaskRegistry([call_partner]), concurrency=10, name=f"w{n}")
+        )
+    most = 0
+
+    async def all_done() -> bool:
+        nonlocal most
+        most = max(most, await running_in_redis(queue, "partner"))
+        assert await queue.running_permits("partner") <= 3
+        return all([(await queue.status(j)).state is State.SUCCEEDED for j in ids])
+
+    await wait_for(all_done, timeout=60, interval=0.005)
+    assert 1 <= most <= 3
+    assert await queue.running_permits("partner") == 0  # every permit came back
+
+
+async def test_rate_limit_holds_over_any_window(queue: Queue, background: Background) -> None:
+    started_at.clear()
+    await queue.set_limits("partner", QueueLimits(rate=5, per=0.5))
+    ids = [(await queue.submit(call_partner, i)).job_id for i in range(17)]
+    background.start(worker_for(queue, TaskRegistry([call_partner]), concurrency=20))
+
+    async def all_done() -> bool:
+        return all([(await queue.status(j)).state is State.SUCCEEDED for j in ids])
+
+    await wait_for(all_done, timeout=60)
+    times = sorted(at for _, at in started_at)
+    assert len(times) == 17
+    for i, t in enumerate(times):  # no window of 500 ms holds more than 5 starts
+        assert len([u for u in times[i:] if u < t + 500]) <= 5
+    # and it is a limit, not a stop: 17 starts need at least three more windows
+    assert times[-1] - times[0] >= 3 * 500 - 50
+
+
+async def test_a_limit_set_while_workers_run_is_obeyed(
+    queue: Queue, background: Background
+) -> None:
+    worker = worker_for(queue, TaskRegistry([call_partner]), concurrency=10, name="early")
+    background.start(worker)
+    first = await queue.submit(call_partner, 0)
+
+    async def done(job_id: str) -> bool:
+        return (await queue.status(job_id)).state is State.SUCCEEDED
+
+    await wait_for(lambda: done(first.job_id))
+    await queue.set_limits("partner", QueueLimits(concurrency=1))
+    ids = [(await queue.submit(call_partner, i)).job_id for i in range(20)]
+    most = 0
+
+    async def all_done() -> bool:
+        nonlocal most
+        most = max(most, await running_in_redis(queue, "partner"))
+        return all([await done(j) for j in ids])
+
+    await wait_for(all_done, timeout=60, interval=0.005)
+    assert most == 1
+    await queue.set_limits("partner", QueueLimits())  # lifted: claimed freely again
+    assert await queue.limits() == {}
+    again = await queue.submit(call_partner, 99)
+    await wait_for(lambda: done(again.job_id))
+
+
+limited_once: set[str] = set()
+
+
+@task(queue="partner", retries=0)
+async def slow_down(ctx: JobContext, payload: Any) -> str:
+    started_at.append((ctx.job_id, ctx.job.claimed_at_ms))
+    if ctx.job_id not in limited_once:
+        limited_once.add(ctx.job_id)
+        raise RateLimited("429 from partner", retry_after=0.4)
+    return "ok"
+
+
+async def test_rate_limited_pushes_the_queue_back_without_using_an_attempt(
+    queue: Queue, background: Background
+) -> None:
+    started_at.clear()
+    limited_once.clear()
+    first = await queue.submit(slow_down, 1)
+    background.start(worker_for(queue, TaskRegistry([slow_down]), name="rl"))
+    background.start(Scheduler(queue))  # it promotes the job when its wait is over
+
+    async def blocked_now() -> bool:
+        stats = await queue.stats()
+        return bool(stats["queues"].get("partner", {}).get("blocked_until_ms"))
+
+    await wait_for(blocked_now)
+    blocked = (await queue.stats())["queues"]["partner"]["blocked_until_ms"]
+    limited_once.add("next")  # the next job would run at once, were the queue not blocked
+    second = await queue.submit(slow_down, 2)
+    limited_once.add(second.job_id)
+
+    async def both_done() -> bool:
+        states = [(await queue.status(j)).state for j in (first.job_id, second.job_id)]
+        return states == [State.SUCCEEDED, State.SUCCEEDED]
+
+    await wait_for(both_done, timeout=30)
+    status = await queue.status(first.job_id)
+    assert status.attempt == 1 and status.max_attempts == 1  # the limited attempt did not count
+    later = dict(started_at)
+    assert later[second.job_id] >= blocked  # it waited for the block to end

@@ -6,15 +6,21 @@
 -- ARGV[3]  count: most jobs to claim
 -- ARGV[4]  lease, ms
 -- ARGV[5]  number of queues the worker serves, m, then 2 fields per queue:
---            name, most jobs to take from it in this call (-1: no cap; a limited queue's
---            permits, see limit.lua)
+--            name, most jobs to take from it in this call (-1: no cap; for a limited
+--            queue, the permits the worker holds for this call: limit.lua)
 -- then     number of task types t the worker can run, then the t names (t = 0: any type;
 --          for tools and tests, never a worker)
 -- Returns  {now ms, ready jobs left in the shard's served queues (that this worker could
---           run, for parked ones), jobs claimed k,
+--           run, for parked ones; a limited queue's only when the worker had permits for it),
+--           jobs claimed k, jobs handed back h, limited queues asked without a cap l,
+--           when the first block of a served queue ends (ms; -1: none blocked),
 --           then per job: id, type, payload, attempt, max_attempts, lease_version,
---           queued at ms, queue,
---           then the ids handed back}
+--           queued at ms, queue;
+--           then the h ids handed back; then the l queue names}
+--
+-- A queue with a global concurrency or rate limit is flagged limited in every shard
+-- ('q:limited' in the queues hash): a worker that asks it without a cap (it has not heard of
+-- the limit yet) gets nothing from it and is told, so it takes permits first.
 --
 -- Queues share the call in turn (the worker rotates the order of its list between calls): each
 -- queue with ready jobs gets an equal share, a queue short of jobs leaves its share to the
@@ -43,6 +49,8 @@ for i = 1, nq do
   end
   fields[#fields + 1] = q .. ':paused'
   fields[#fields + 1] = q .. ':wrr'
+  fields[#fields + 1] = q .. ':limited'
+  fields[#fields + 1] = q .. ':blocked'
 end
 local runnable = nil
 do
@@ -60,14 +68,28 @@ end
 local lens, room, cursor, start = {}, {}, {}, {}
 local values = nq > 0 and redis.call('HMGET', QUEUES, unpack(fields)) or {}
 local left = 0
+local unaware = {}  -- limited queues the worker asked without a cap
+local WIDTH = 8
+local wake_at = -1  -- when the first block ends (a task raised RateLimited: queue.py block)
 for i = 1, nq do
-  local base = (i - 1) * 6
+  local base = (i - 1) * WIDTH
   local l, total = {}, 0
   for k = 1, 4 do
     l[k] = math.max(tonumber(values[base + k] or '0') or 0, 0)
     total = total + l[k]
   end
-  if values[base + 5] == '1' then  -- paused
+  if values[base + 7] == '1' and caps[i] < 0 then
+    caps[i] = 0
+    unaware[#unaware + 1] = names[i]
+  end
+  local blocked = tonumber(values[base + 8] or '0') or 0
+  if blocked > NOW then
+    caps[i] = 0
+    if wake_at < 0 or blocked < wake_at then
+      wake_at = blocked
+    end
+  end
+  if values[base + 5] == '1' or caps[i] == 0 then  -- paused, blocked, or no permit for it
     total = 0
     l = {0, 0, 0, 0}
   end
@@ -116,14 +138,15 @@ do
       local field, n = flat[k], tonumber(flat[k + 1])
       local q, t = string.match(field, '^([^:]+):(.+)$')
       local i = q and index[q]
-      if i and n > 0 and values[(i - 1) * 6 + 5] ~= '1' and (not runnable or runnable[t]) then
+      if i and n > 0 and values[(i - 1) * WIDTH + 5] ~= '1' and caps[i] ~= 0
+          and (not runnable or runnable[t]) then
         parked[#parked + 1] = {field, i, n}
       end
     end
   end
 end
 
-local out = {NOW, 0, 0}
+local out = {NOW, 0, 0, 0, 0, wake_at}
 local jobs = {}  -- the claimed jobs' reply fields, appended after the counts
 local handed = {}  -- ids handed back, pushed back once every pop is done
 local claimed = 0
@@ -241,11 +264,14 @@ for _, p in ipairs(parked) do
   left = left + p[3]
 end
 out[2] = math.max(left, 0)
-out[3] = claimed
+out[3], out[4], out[5] = claimed, #handed, #unaware
 for k = 1, #jobs do
   out[#out + 1] = jobs[k]
 end
 for _, j in ipairs(handed) do
   out[#out + 1] = j.id
+end
+for _, q in ipairs(unaware) do
+  out[#out + 1] = q
 end
 return out
