@@ -181,6 +181,10 @@ class Keys:
         """hash worker id -> JSON heartbeat (tasks, concurrency, in-flight, last seen)."""
         return f"{self.prefix}:workers"
 
+    def tasks(self) -> str:
+        """hash task type -> JSON advert (queue, policies, payload schema): catalog.py."""
+        return f"{self.prefix}:tasks"
+
     def queue_limits(self) -> str:
         """hash queue -> JSON limits (concurrency, rate, period): the catalogue workers read
         to know which of their queues need permits; limit.lua holds the values it enforces."""

@@ -9,9 +9,10 @@ the rendered document has exactly the Struct's fields.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -111,6 +112,64 @@ class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_
     @property
     def limited(self) -> bool:
         return self.concurrency is not None or self.rate is not None
+
+
+class Backoff(msgspec.Struct, frozen=True):
+    base: float
+    factor: float
+    cap: float
+    jitter: float
+
+
+class TaskAd(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker advertises of one of its tasks."""
+
+    type: str
+    queue: str
+    max_attempts: int
+    backoff: Backoff
+    timeout: float | None = None
+    non_retryable: list[str] = []
+    payload_schema: dict[str, Any] | None = None
+    seen_at: float = 0.0
+    worker: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInfo:
+    """What a submit needs to know of a task: its queue, its attempts, and a payload check."""
+
+    queue: str
+    max_attempts: int
+    check: Any = None  # callable(payload) raising InvalidRequest, or None
+
+    def validate(self, payload: Any) -> None:
+        if self.check is not None:
+            self.check(payload)
+
+
+class TaskLookup(Protocol):
+    """A source of TaskInfo: the in-process TaskRegistry, or the catalogue."""
+
+    def info(self, type: str) -> TaskInfo | None: ...
+
+    def names(self) -> list[str]: ...
+
+
+class QueueInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One queue as ``GET /v1/admin/queues`` shows it."""
+
+    name: str
+    queued: dict[str, int]  # ready jobs by priority
+    queued_total: int
+    parked: int  # handed back by workers that lack their task, waiting for one that has it
+    running: int
+    paused: bool
+    limits: QueueLimits | None = None
+    blocked_until: float | None = None  # Unix time: a task raised RateLimited
+    oldest_queued_age_seconds: float | None = None
+    workers: int = 0  # live workers serving it
+    tasks: list[str] = []  # task types the workers advertise for it
 
 
 class ClaimedJob(msgspec.Struct, frozen=True):

@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -38,17 +38,20 @@ from jobtier.model import (
     JobStatus,
     Priority,
     QueueLimits,
+    TaskLookup,
     decode_status,
     encode_json,
 )
 from jobtier.scripts import Scripts, SubmitItem, SubmitOutcome
-from jobtier.worker.registry import TASK_NAME_RE, Task, TaskRegistry
+from jobtier.worker.registry import TASK_NAME_RE, Task
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
 TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces
 MAX_ATTEMPTS_LIMIT = 100
 MAX_CONCURRENCY_LIMIT = 10_000
+WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease (10 s)
+WORKER_FORGET_SECONDS = 900.0  # the entry of a worker gone this long is deleted
 DEFAULT_TENANT = "default"
 
 
@@ -76,17 +79,22 @@ class Queue:
         self,
         settings: Settings,
         redis: RedisClient,
-        registry: TaskRegistry | None = None,
+        registry: TaskLookup | None = None,
+        *,
+        require_known: bool = True,
     ) -> None:
         self.settings = settings
         self.redis = redis
         self.keys = Keys(settings.prefix, settings.shards)
         self.scripts = Scripts(redis, self.keys)
+        # where submits find a task's queue, attempts and payload check: the tasks this
+        # process imports (a TaskRegistry), or what the workers advertise (catalog.py)
         self.registry = registry
+        self.require_known = require_known  # refuse a type the registry does not know
 
     @classmethod
     async def connect(
-        cls, settings: Settings, registry: TaskRegistry | None = None, *, check: bool = True
+        cls, settings: Settings, registry: TaskLookup | None = None, *, check: bool = True
     ) -> Queue:
         """Connect, check that Redis is fit (non-evicting, AOF) and load the scripts."""
         queue = cls(settings, connect(settings), registry)
@@ -167,6 +175,7 @@ class Queue:
         """
         if len(specs) > self.settings.max_batch:
             raise InvalidRequest(f"at most {self.settings.max_batch} jobs per batch", field="jobs")
+        await self.ensure_known(spec.type for spec in specs)
         items = []
         for index, spec in enumerate(specs):
             try:
@@ -191,6 +200,13 @@ class Queue:
                 results.append(Submitted(outcome.job_id, outcome.doc, created))
         return results
 
+    async def ensure_known(self, types: Iterable[Any]) -> None:
+        """Before ``prepare``: let the catalogue (catalog.py) look again for types it does not
+        know yet (a worker that just started). A no-op for an in-process TaskRegistry."""
+        ensure = getattr(self.registry, "ensure", None)
+        if ensure is not None:
+            await ensure({t for t in types if isinstance(t, str)})
+
     def prepare(self, spec: JobSpec, tenant: str, job_id: str | None = None) -> SubmitItem:
         """Validate one job and turn it into the submit script's arguments."""
         s = self.settings
@@ -200,12 +216,15 @@ class Queue:
             raise InvalidRequest(
                 f"type {str(spec.type)[:140]!r} must match {TASK_NAME_RE.pattern}", field="type"
             )
-        task = None
-        if self.registry is not None:
-            task = self.registry.get(spec.type)
-            if task is None:
-                known = ", ".join(self.registry.names()[:20])
-                raise UnknownTask(f"unknown task {spec.type!r} (known: {known})", field="type")
+        task = self.registry.info(spec.type) if self.registry is not None else None
+        if task is None and self.registry is not None and self.require_known:
+            names = self.registry.names()
+            known = ", ".join(names[:20]) + (", …" if len(names) > 20 else "") or "none"
+            raise UnknownTask(
+                f"no worker runs task {spec.type!r} (known: {known}); start a worker that has "
+                "it, or set JOBTIER_REQUIRE_KNOWN_TYPES=0 to accept jobs before their workers",
+                field="type",
+            )
         if spec.priority not in PRIORITIES:
             raise InvalidRequest(
                 f"priority {str(spec.priority)[:40]!r} is not one of {', '.join(PRIORITIES)}",
@@ -220,6 +239,8 @@ class Queue:
                 f"payload is {len(payload)} bytes; the limit is {s.max_payload_bytes}",
                 field="payload",
             )
+        if task is not None:
+            task.validate(spec.payload)  # its annotated payload type, when it has one
         max_attempts = spec.max_attempts
         if max_attempts is None:
             max_attempts = task.max_attempts if task else s.default_max_attempts
@@ -538,6 +559,29 @@ class Queue:
             if updated is not None:
                 out[key] = max(out.get(key, 0.0), (now - int(updated)) / 1000)
         return out
+
+    async def live_workers(self) -> list[dict[str, Any]]:
+        """Workers that advertised themselves lately (every third of a lease), newest first.
+
+        A worker killed without signing off stops advertising: it is no longer live after
+        ``WORKER_FRESH_SECONDS`` and its entry is deleted after ``WORKER_FORGET_SECONDS``."""
+        now = time.time()
+        live, gone = [], []
+        for worker_id, raw in (await self.redis.hgetall(self.keys.workers())).items():
+            try:
+                info = msgspec.json.decode(raw)
+                age = now - float(info.get("seen_at", 0))
+            except (msgspec.DecodeError, TypeError, ValueError, AttributeError):
+                gone.append(worker_id)
+                continue
+            if age <= WORKER_FRESH_SECONDS:
+                live.append(info)
+            elif age > WORKER_FORGET_SECONDS:
+                gone.append(worker_id)
+        if gone:
+            await self.redis.hdel(self.keys.workers(), *gone)
+        live.sort(key=lambda w: -float(w.get("seen_at", 0)))
+        return live
 
     # --- queues ---------------------------------------------------------------------------
     async def pause(self, queue: str) -> None:

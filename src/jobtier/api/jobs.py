@@ -57,6 +57,7 @@ async def submit(request: Request) -> Response:
             )
         spec.idempotency_key = key
     queue: Queue = st.queue
+    await queue.ensure_known((spec.type,))
     try:
         item = queue.prepare(spec, tenant)
     except InvalidRequest as exc:
@@ -108,6 +109,7 @@ async def submit_batch(request: Request) -> Response:
             f"at most {queue.settings.max_batch} jobs per batch",
             field="jobs",
         )
+    await queue.ensure_known(spec.type for spec in body.jobs)
     items = []
     for index, spec in enumerate(body.jobs):
         try:

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jobtier.model import JobSpec, JobStatus
+from jobtier.model import QUEUE_NAME_RE, JobSpec, JobStatus, QueueInfo, QueueLimits, TaskAd
 
 
 class Problem(msgspec.Struct):
@@ -64,6 +64,24 @@ class Replayed(msgspec.Struct):
     count: int
 
 
+class QueueList(msgspec.Struct):
+    queues: list[QueueInfo]
+
+
+class QueuePaused(msgspec.Struct):
+    queue: str
+    paused: bool
+
+
+class QueueLimitsSet(msgspec.Struct):
+    queue: str
+    limits: QueueLimits | None
+
+
+class TaskList(msgspec.Struct):
+    tasks: list[TaskAd]
+
+
 def ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
@@ -82,6 +100,10 @@ def problem(description: str) -> dict[str, Any]:
 JOB_ID = {
     "name": "job_id", "in": "path", "required": True,
     "schema": {"type": "string", "pattern": "^[0-9A-HJKMNP-TV-Z]{26}-[0-9]{1,4}$"},
+}  # fmt: skip
+QUEUE_NAME = {
+    "name": "name", "in": "path", "required": True,
+    "schema": {"type": "string", "pattern": QUEUE_NAME_RE.pattern},
 }  # fmt: skip
 AUTH_ERRORS = {"401": problem("missing or unknown API key")}
 ADMIN_ERRORS = {**AUTH_ERRORS, "403": problem("a tenant key on an admin route")}
@@ -113,6 +135,11 @@ def document(
             DeadLetters,
             ReplayRequest,
             Replayed,
+            QueueList,
+            QueuePaused,
+            QueueLimits,
+            QueueLimitsSet,
+            TaskList,
             *extra_types,
         ],
         ref_template="#/components/schemas/{name}",
@@ -213,6 +240,40 @@ def document(
             "get": {
                 "summary": "Queue depth per shard and priority, waiting per tenant, workers, status-tier counters",
                 "responses": {"200": {"description": "statistics", "content": {"application/json": {"schema": {"type": "object"}}}}, **ADMIN_ERRORS},
+            }
+        },
+        "/v1/admin/queues": {
+            "get": {
+                "summary": "Every queue: ready jobs by priority, parked, running, paused, limits, oldest age, workers, tasks",
+                "responses": {"200": json_response("QueueList", "the queues"), **ADMIN_ERRORS},
+            }
+        },
+        "/v1/admin/queues/{name}/pause": {
+            "post": {
+                "summary": "Pause a queue: submits are accepted, nothing is claimed from it, running jobs finish",
+                "parameters": [QUEUE_NAME],
+                "responses": {"200": json_response("QueuePaused", "paused"), **ADMIN_ERRORS, "422": problem("bad queue name")},
+            }
+        },
+        "/v1/admin/queues/{name}/resume": {
+            "post": {
+                "summary": "Resume a paused queue",
+                "parameters": [QUEUE_NAME],
+                "responses": {"200": json_response("QueuePaused", "resumed"), **ADMIN_ERRORS, "422": problem("bad queue name")},
+            }
+        },
+        "/v1/admin/queues/{name}/limits": {
+            "put": {
+                "summary": "Limit a queue across every worker (global concurrency, starts per period); {} lifts the limits",
+                "parameters": [QUEUE_NAME],
+                "requestBody": {"required": True, "content": {"application/json": {"schema": ref("QueueLimits")}}},
+                "responses": {"200": json_response("QueueLimitsSet", "the limits now in force"), **ADMIN_ERRORS, "400": problem("malformed JSON"), "415": problem("the body is not JSON"), "422": problem("bad queue name or limit")},
+            }
+        },
+        "/v1/admin/tasks": {
+            "get": {
+                "summary": "The task catalogue: every task a live or recently seen worker runs, its queue, policies and payload schema",
+                "responses": {"200": json_response("TaskList", "the tasks"), **ADMIN_ERRORS},
             }
         },
         "/healthz": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "alive"}}}},

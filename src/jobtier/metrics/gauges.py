@@ -3,11 +3,8 @@ live workers, and the write-behind lag."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
-
-import msgspec
 
 from jobtier.metrics.snapshot import labels
 from jobtier.model import PRIORITIES
@@ -43,14 +40,7 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
         "running_jobs": {"": total.get("running", 0)},
         "dead_letter_jobs": {"": total.get("dead", 0)},
     }
-    keys, redis = queue.keys, queue.redis
-    now = time.time() * 1000
-    workers = 0
-    for raw in (await redis.hgetall(keys.workers())).values():
-        info = msgspec.json.decode(raw)
-        if now / 1000 - float(info.get("seen_at", 0)) <= 60:
-            workers += 1
-    out["workers"] = {"": workers}
+    out["workers"] = {"": len(await queue.live_workers())}
     if lag is not None:
         entries, seconds = await lag()
         out["persister_lag_transitions"] = {"": entries}

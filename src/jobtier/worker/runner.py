@@ -33,6 +33,7 @@ import msgspec
 from redis.exceptions import RedisError
 
 from jobtier.backoff import CLAIM, REPORT
+from jobtier.catalog import publish as publish_tasks
 from jobtier.connection import ShardSubscriber
 from jobtier.errors import Cancelled, Code, ConfigError, Fatal, RateLimited, Retry
 from jobtier.metrics.histogram import Histogram
@@ -48,7 +49,6 @@ log = logging.getLogger("jobtier.worker")
 
 UNKNOWN = 1 << 30  # a shard whose queue length we don't know: worth asking
 PROBE_MIN = 16  # fewest jobs asked of a shard whose count is unknown (see Worker._plan)
-_decode = msgspec.json.Decoder().decode
 
 
 @dataclass(slots=True)
@@ -526,7 +526,10 @@ class Worker:
         try:
             if task is None:
                 raise LookupError(f"no task {job.type!r} in this worker ({self.id})")
-            payload = _decode(job.payload)
+            try:
+                payload = task.decode_payload(job.payload)
+            except msgspec.ValidationError as exc:
+                raise Fatal(f"the payload does not fit {task.name}'s payload type: {exc}") from None
             if task.is_async:
                 call: Any = task.fn(r.ctx, payload)
             else:
@@ -849,6 +852,9 @@ class Worker:
             }
         )
         await self.queue.redis.hset(self.keys.workers(), self.id, info)
+        # the tasks it runs, with their policies and payload schemas (catalog.py): what the
+        # API checks and completes a submit with
+        await publish_tasks(self.queue.redis, self.keys, [t.ad(self.id) for t in self.registry])
 
     # --- shutdown ---------------------------------------------------------------------------
     async def _drain(self) -> None:
