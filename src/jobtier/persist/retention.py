@@ -320,6 +320,8 @@ async def _close(conn: Connection) -> None:
     ends the session, and with it the advisory lock, either way)."""
     try:
         await asyncio.wait_for(conn.close(), 5)
-    except BaseException:
+    except asyncio.CancelledError:
         conn.terminate()
         raise
+    except Exception:  # the connection is gone either way
+        conn.terminate()
