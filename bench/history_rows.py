@@ -32,16 +32,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, fresh, header_markdown, local_redis, save, table  # noqa: E402
+from common import environment, fresh, header_markdown, local_redis, save, table
 
-from jobtier.config import Settings  # noqa: E402
-from jobtier.dev.postgres import LocalPostgres  # noqa: E402
-from jobtier.model import TERMINAL  # noqa: E402
-from jobtier.persist.db import Pool, create_pool, migrate, query  # noqa: E402
-from jobtier.persist.persister import Persister  # noqa: E402
-from jobtier.queue import Queue  # noqa: E402
-from jobtier.worker.registry import TaskRegistry  # noqa: E402
-from jobtier.worker.runner import Worker  # noqa: E402
+from jobtier.config import Settings
+from jobtier.dev.postgres import LocalPostgres
+from jobtier.model import TERMINAL
+from jobtier.persist.db import Pool, create_pool, migrate, query
+from jobtier.persist.persister import Persister
+from jobtier.queue import Queue
+from jobtier.worker.registry import TaskRegistry
+from jobtier.worker.runner import Worker
 
 SHARDS = 4
 
@@ -57,9 +57,7 @@ async def measure(base: Settings, pool: Pool, every: float, jobs: int, seconds: 
         persister = Persister(settings, queue.redis, pool, "bench-persister")
         running = [asyncio.create_task(worker.run()), asyncio.create_task(persister.run())]
         try:
-            ids = [
-                (await queue.submit("sleep", {"seconds": seconds})).job_id for _ in range(jobs)
-            ]
+            ids = [(await queue.submit("sleep", {"seconds": seconds})).job_id for _ in range(jobs)]
             deadline = time.monotonic() + seconds * 4 + 30
             versions: dict[str, int] = {}
             while len(versions) < jobs:
@@ -122,29 +120,26 @@ def render(results: list[Any], args: argparse.Namespace, env: dict[str, Any]) ->
     lines = []
     for r in results:
         med = statistics.median(r["rows"])
+        label = f"{r['progress_history_seconds']:g}"
         lines.append([
-            f"{r['progress_history_seconds']:g}" + (" (baseline: every report)" if r is results[0] else ""),
+            label + (" (baseline: every report)" if r is results[0] else ""),
             f"{r['succeeded']}/{r['jobs']}",
             f"{statistics.median(r['versions']):g}",
             f"{med:g} ({min(r['rows'])}-{max(r['rows'])})",
             f"{baseline / med:.1f}x" if med else "-",
             str(r["gaps"]),
         ])  # fmt: skip
+    headers = [
+        "JOBTIER_PROGRESS_HISTORY_SECONDS", "succeeded", "versions per job",
+        "history rows per job", "fewer rows", "gaps",
+    ]  # fmt: skip
     return (
         header_markdown("History rows per job", env)
         + f"\n{args.jobs} demo `sleep` jobs of {args.seconds:g} s at once per setting, one "
         "in-process worker (progress sent every 0.2 s) and persister, Redis with AOF, a "
         "local Postgres. Versions = changes of the status document (ETags, event streams); "
         "rows = `job_transitions` rows of the job; gaps = missing rows `history_gaps` "
-        "found. Median over the jobs (min-max).\n\n"
-        + table(
-            [
-                "JOBTIER_PROGRESS_HISTORY_SECONDS", "succeeded", "versions per job",
-                "history rows per job", "fewer rows", "gaps",
-            ],
-            lines,
-        )  # fmt: skip
-        + "\n"
+        "found. Median over the jobs (min-max).\n\n" + table(headers, lines) + "\n"
     )
 
 

@@ -7,6 +7,8 @@ so that what the test just wrote is old to it.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
@@ -196,6 +198,35 @@ async def test_zero_keeps_everything_and_dry_run_changes_nothing(
 
     done = await prune(conn, pg_settings, now=later)  # does what the dry run said
     assert done is not None and set(done.removed) == set(dry.removed) and done.jobs == dry.jobs
+
+
+async def test_the_prune_command(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, pg_dsn: str
+) -> None:
+    await simple_jobs(redis, keys, 10)
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    env = {"JOBTIER_DATABASE_URL": pg_dsn, "PATH": ""}
+    dry = await asyncio.to_thread(jobtier, "prune", "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.startswith("dry run: nothing changed\n")
+    assert f"would create partition {today()}" in dry.stdout
+    assert "finished jobs: would delete 0 that finished before" in dry.stdout
+    assert [p.name for p in await partitions(pg_pool)] == ["job_transitions_default"]
+
+    done = await asyncio.to_thread(jobtier, "prune", env=env)
+    assert done.returncode == 0 and f"created partition {today()}" in done.stdout, done.stderr
+    assert await where_rows_are(pg_pool) == {today(): 30}  # moved out of the default one
+    # nothing is old yet: a second run has nothing to do
+    again = await asyncio.to_thread(jobtier, "prune", env=env)
+    assert again.returncode == 0 and "created" not in again.stdout
+    assert "deleted 0 rows of the default partition" in again.stdout
+
+
+def jobtier(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "jobtier.cli", *args],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
 
 
 async def test_a_pass_does_not_wait_behind_a_long_transaction(

@@ -88,9 +88,12 @@ class PruneReport:
     jobs: int = 0  # finished jobs deleted
 
     def lines(self) -> list[str]:
-        """A human summary, one line per kind of change."""
-        would = "would " if self.dry_run else ""
-        verb = "detach" if self.detach else "drop"
+        """A human summary, one line per change (what would change, for a dry run)."""
+        dry = self.dry_run
+        drop = ("would detach" if dry else "detached") if self.detach else (
+            "would drop" if dry else "dropped"
+        )  # fmt: skip
+        delete, create = ("would delete", "would create") if dry else ("deleted", "created")
         out = []
         if self.history_cutoff is None:
             out.append("history: kept forever (JOBTIER_PG_HISTORY_RETENTION_DAYS=0)")
@@ -98,19 +101,19 @@ class PruneReport:
             out.append(f"history: rows before {self.history_cutoff:%Y-%m-%d %H:%M} UTC expire")
         for name, rows in self.removed.items():
             count = f" ({rows} rows)" if rows is not None else ""
-            out.append(f"  {would}{verb} partition {name}{count}")
+            out.append(f"  {drop} partition {name}{count}")
         for name in self.skipped:
             out.append(f"  skipped partition {name}: its lock was busy; tried again next pass")
-        out.append(f"  {would}delete {self.default_rows} rows of the default partition")
+        out.append(f"  {delete} {self.default_rows} rows of the default partition")
+        for name in self.created:
+            out.append(f"  {create} partition {name}")
         if self.jobs_cutoff is None:
             out.append("finished jobs: kept forever (JOBTIER_PG_JOB_RETENTION_DAYS=0)")
         else:
             out.append(
-                f"finished jobs: {would}delete {self.jobs} that finished before "
+                f"finished jobs: {delete} {self.jobs} that finished before "
                 f"{self.jobs_cutoff:%Y-%m-%d %H:%M} UTC"
             )
-        for name in self.created:
-            out.append(f"{would}create partition {name}")
         return out
 
 

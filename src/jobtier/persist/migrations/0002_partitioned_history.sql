@@ -15,7 +15,8 @@
 -- until the new version replaces them, and nothing is lost.
 
 ALTER TABLE job_transitions RENAME TO job_transitions_legacy;
-ALTER TABLE job_transitions_legacy RENAME CONSTRAINT job_transitions_pkey TO job_transitions_legacy_old_key;
+ALTER TABLE job_transitions_legacy
+    RENAME CONSTRAINT job_transitions_pkey TO job_transitions_legacy_old_key;
 ALTER TABLE job_transitions_legacy ADD COLUMN prev_version integer;
 
 CREATE TABLE job_transitions (
