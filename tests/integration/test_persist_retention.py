@@ -18,6 +18,7 @@ import pytest
 
 from jobtier.config import Settings
 from jobtier.dev.postgres import LocalPostgres
+from jobtier.errors import ConfigError
 from jobtier.keys import Keys
 from jobtier.persist import db
 from jobtier.persist.batch import (
@@ -73,6 +74,19 @@ async def gaps(pool: Pool, job_ids: list[str]) -> list[Any]:
 
 def today() -> str:
     return partition_name(datetime.now(UTC).date())
+
+
+def test_retention_settings_are_checked() -> None:
+    for bad in (
+        {"JOBTIER_PG_HISTORY_RETENTION_DAYS": "-1"},
+        {"JOBTIER_PROGRESS_HISTORY_SECONDS": "-0.5"},
+        {"JOBTIER_PRUNE_INTERVAL_SECONDS": "0"},
+        # Postgres would forget a dead letter Redis can still replay
+        {"JOBTIER_PG_JOB_RETENTION_DAYS": "3", "JOBTIER_DEAD_RETENTION_SECONDS": "604800"},
+    ):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            Settings.from_env(bad)
+    assert Settings.from_env({"JOBTIER_PG_JOB_RETENTION_DAYS": "0"}).pg_job_retention_days == 0
 
 
 # --- partitions ---------------------------------------------------------------------------------
