@@ -312,6 +312,7 @@ BENCHMARKS = {
     "throughput": "no-op jobs end to end through workers, and claims per job, against one-job-per-call",
     "pickup": "submit-to-running latency with an idle worker; delayed-job lateness; idle CPU",
     "status_read": "GET /v1/jobs/{id} at 10K+ req/s: hot, spread and churning keys, near cache on and off",
+    "compare": "jobtier beside BullMQ, SAQ, arq, Celery, RQ and Dramatiq: the same no-op jobs, same Redis",
     "persist": "transitions written to Postgres per second and write-behind lag, batched against one INSERT each",
     "schedule": "start lateness of 100K delayed jobs and of a burst of 10K due at once",
     "history_rows": "history rows Postgres keeps per demo sleep job, progress coalesced or not",
