@@ -93,7 +93,7 @@ from common import (
 )
 
 from jobtier.config import Settings
-from jobtier.devservices import LocalRedis
+from jobtier.dev.redis import LocalRedis
 from jobtier.queue import Queue
 
 HERE = Path(__file__).resolve().parent / "compare"
