@@ -26,7 +26,14 @@ from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
 from jobtier.keys import Keys
 from jobtier.model import ClaimedJob, encode_json
-from jobtier.worker.attempt import Failure, deliver_cancel, fail_state, run_attempt
+from jobtier.worker.attempt import (
+    INTERRUPTED,
+    Failure,
+    Stopped,
+    deliver_cancel,
+    fail_state,
+    run_attempt,
+)
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import Task
 from jobtier.worker.registry import task as as_task
@@ -100,8 +107,12 @@ class TaskRun:
         # a pool per attempt, as a worker's pool threads: a sync task runs off the loop
         self._threads = ThreadPoolExecutor(1, thread_name_prefix="jobtier-task")
         self._progressed = asyncio.Event()
+        self._ended: Outcome | None = None
+        # the attempt's coroutine is the asyncio task itself, as in a worker: a cancel
+        # request reaches the task's code directly
         self._handle = self._loop.create_task(
-            self._attempt(job.payload, max_result_bytes), name=f"job {job.id}"
+            run_attempt(task, self.ctx, self._threads, max_result_bytes, self),
+            name=f"job {job.id}",
         )
 
     @property
@@ -141,13 +152,16 @@ class TaskRun:
         timeout) cancels the attempt too."""
         try:
             # asyncio.wait, not a plain await: a cancel of the caller must not reach the
-            # attempt as a CancelledError the attempt would swallow (it reads it as the
-            # task's own) and so be lost to the caller
+            # attempt as a CancelledError the attempt would absorb (it reads it as one for
+            # the task) and so be lost to the caller
             await asyncio.wait({self._handle})
         except asyncio.CancelledError:
             self._handle.cancel()
             raise
-        return self._handle.result()
+        self._handle.result()  # raises what the attempt's bookkeeping raised, if anything
+        if self._ended is None:  # cancelled before it started: the task never ran
+            return self._make("cancelled" if self.ctx.cancel_requested else "released")
+        return self._ended
 
     def __await__(self) -> Generator[Any, None, Outcome]:
         return self.outcome().__await__()
@@ -165,36 +179,34 @@ class TaskRun:
         if not self._handle.done() and not self.ctx.cancel_requested:
             deliver_cancel(self.ctx, self.task, self._handle)
 
-    async def _attempt(self, payload: bytes, max_result_bytes: int) -> Outcome:
-        ctx, task = self.ctx, self.task
-        try:
-            out = await run_attempt(task, ctx, payload, self._threads, max_result_bytes)
-        except asyncio.CancelledError:
-            # the worker reports "stopped"; stopped.lua cancels the job if a cancel was
-            # requested, else gives it back to its queue
-            return self._outcome("cancelled" if ctx.cancel_requested else "released")
-        finally:
-            # like a worker, leave a sync task's thread to finish on its own (it cannot be
-            # interrupted) but queue nothing more on it
-            self._threads.shutdown(wait=False, cancel_futures=True)
-        if isinstance(out, bytes):
-            return self._outcome("succeeded", result=_decode(out) if out else None)
-        if isinstance(out, Failure):
-            delay_ms = out.delay_ms(task.retry, ctx.attempt)
-            state = fail_state(delay_ms, ctx.attempt, ctx.max_attempts)
+    def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
+        """Called by ``run_attempt``: the outcome a worker and Redis would make of ``end``."""
+        # like a worker, leave a sync task's thread to finish on its own (it cannot be
+        # interrupted) but queue nothing more on it
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        if isinstance(end, bytes):
+            self._ended = self._make("succeeded", result=_decode(end) if end else None)
+        elif isinstance(end, Failure):
+            delay_ms = end.delay_ms(self.task.retry, ctx.attempt)
             error = TaskError(
-                out.type,
-                out.message,
-                out.retry,
-                "".join(traceback.format_exception(out.exc)),
-                out.exc,
+                end.type,
+                end.message,
+                end.retry,
+                "".join(traceback.format_exception(end.exc)),
+                end.exc,
             )
-            if state == "scheduled":
-                return self._outcome("retry", error=error, retry_in=delay_ms / 1000)
-            return self._outcome("failed", error=error)
-        return self._outcome("cancelled")  # STOPPED: Cancelled raised for the request
+            if fail_state(delay_ms, ctx.attempt, ctx.max_attempts) == "scheduled":
+                self._ended = self._make("retry", error=error, retry_in=delay_ms / 1000)
+            else:
+                self._ended = self._make("failed", error=error)
+        elif end is INTERRUPTED and not ctx.cancel_requested:
+            # a worker reports "stopped"; stopped.lua, seeing no cancel request, gives the
+            # job back to its queue
+            self._ended = self._make("released")
+        else:  # STOPPED, or INTERRUPTED by the cancel request: stopped.lua cancels the job
+            self._ended = self._make("cancelled")
 
-    def _outcome(self, state: State, **kw: Any) -> Outcome:
+    def _make(self, state: State, **kw: Any) -> Outcome:
         return Outcome(
             state,
             progress=list(self.progress),

@@ -1,9 +1,15 @@
 """One attempt of a task, and what it comes to: a result, a failure, or a stop.
 
-The worker (``Worker._execute``) and ``jobtier.testing.run_task`` both run attempts through
-``run_attempt`` and turn failures into the job's error and retry delay through ``Failure``,
-so a test of a task sees exactly the decisions a worker makes: which exceptions are retried,
-after what delay, which results are refused, what a cancel request does.
+The worker and ``jobtier.testing.run_task`` both run attempts through ``run_attempt``,
+which hands how each ended to their ``attempt_ended``, and turn failures into the job's
+error and retry delay through ``Failure``: a test of a task sees exactly the decisions a
+worker makes (which exceptions are retried, after what delay, which results are refused,
+what a cancel request does).
+
+``run_attempt`` is the coroutine of the job's asyncio task itself, not one more layer under
+the worker's: a coroutine per running job more would be one more object for the garbage
+collector to carry per job in flight (measured: ~13% more CPU per job for plain ``def``
+tasks; bench/worker_execute.py).
 
 What happens next is Redis's: ``fail.lua`` retries a failure only while attempts remain
 (``fail_state`` states its rule in Python for the tests), and ``stopped.lua`` turns a stop
@@ -16,7 +22,7 @@ import asyncio
 import enum
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import msgspec
 
@@ -32,12 +38,15 @@ _encode = msgspec.json.Encoder().encode
 
 
 class Stopped(enum.Enum):
-    """The attempt gave up without a result because a cancel was requested."""
+    """An attempt that ended without a result or a failure."""
 
-    STOPPED = "stopped"
+    STOPPED = "stopped"  # the task raised ``Cancelled`` for a requested cancel
+    INTERRUPTED = "interrupted"  # asyncio.CancelledError: a cancel request reached an async
+    # task, the worker is shutting down or lost the lease, or the task raised it itself
 
 
 STOPPED = Stopped.STOPPED
+INTERRUPTED = Stopped.INTERRUPTED
 
 
 @dataclass(slots=True)  # not frozen: a frozen __init__ sets each field by object.__setattr__
@@ -79,25 +88,30 @@ def failure(exc: Exception, task: Task | None) -> Failure:
     return Failure(exc, type(exc).__name__, str(exc)[:MESSAGE_LIMIT], retry, delay)
 
 
+class AttemptSink(Protocol):
+    def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
+        """How the attempt for ``ctx`` ended: its encoded result (``b""`` for ``None``), a
+        ``Failure``, or ``STOPPED`` / ``INTERRUPTED``."""
+
+
 async def run_attempt(
     task: Task | None,
     ctx: JobContext,
-    payload: bytes,
     executor: Executor,
     max_result_bytes: int,
-) -> bytes | Failure | Stopped:
-    """Run one attempt of ``task`` for ``ctx``'s job, as a worker does.
+    sink: AttemptSink,
+) -> None:
+    """Run one attempt of ``task`` for ``ctx``'s job, as a worker does, and tell ``sink``
+    how it ended (exactly once, before returning; a cancellation of this coroutine ends it
+    too, as ``INTERRUPTED``: the sink knows why it cancelled and what that means).
 
     An ``async def`` task runs on the event loop, a plain ``def`` in ``executor``; the task's
-    ``timeout`` bounds either. Returns the encoded result (``b""`` for ``None``), a
-    ``Failure``, or ``STOPPED`` when the task raised ``Cancelled`` for a requested cancel.
-    ``asyncio.CancelledError`` propagates: the caller knows why it cancelled (a cancel
-    request, a lost lease, a shutdown) and what that means for the job.
+    ``timeout`` bounds either.
     """
     try:
         if task is None:
             raise LookupError(f"no task {ctx.type!r} in this worker ({ctx.worker_id})")
-        decoded = _decode(payload)
+        decoded = _decode(ctx.job.payload)
         if task.is_async:
             call: Any = task.fn(ctx, decoded)
         else:
@@ -107,12 +121,24 @@ async def run_attempt(
                 result = await call
         else:
             result = await call
+    # The outcome goes straight to the sink, never into a local: a Failure holds the
+    # exception, whose traceback holds this frame, which would then hold the Failure — a
+    # cycle per failed job for the garbage collector to find.
+    except asyncio.CancelledError:
+        sink.attempt_ended(ctx, INTERRUPTED)
     except Cancelled as exc:
         if ctx.cancel_requested:
-            return STOPPED
-        return Failure(exc, "Cancelled", str(exc)[:MESSAGE_LIMIT], retry=False)
+            sink.attempt_ended(ctx, STOPPED)
+        else:
+            sink.attempt_ended(ctx, Failure(exc, "Cancelled", str(exc)[:MESSAGE_LIMIT], False))
     except Exception as exc:
-        return failure(exc, task)
+        sink.attempt_ended(ctx, failure(exc, task))
+    else:
+        sink.attempt_ended(ctx, encode_result(result, max_result_bytes))
+
+
+def encode_result(result: Any, max_result_bytes: int) -> bytes | Failure:
+    """The result as the job keeps it (``b""`` for ``None``), or why it cannot keep it."""
     if result is None:
         return b""
     try:

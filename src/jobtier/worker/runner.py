@@ -37,7 +37,14 @@ from jobtier.metrics import Histogram
 from jobtier.model import ClaimedJob, encode_json
 from jobtier.queue import Queue
 from jobtier.scripts import Call
-from jobtier.worker.attempt import DEFAULT_POLICY, Failure, deliver_cancel, run_attempt
+from jobtier.worker.attempt import (
+    DEFAULT_POLICY,
+    STOPPED,
+    Failure,
+    Stopped,
+    deliver_cancel,
+    run_attempt,
+)
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import Task, TaskRegistry
 
@@ -321,30 +328,28 @@ class Worker:
         )
         running = _Running(job, shard, self.registry.get(job.type), ctx, time.monotonic())
         self._running[job.id] = running
-        running.handle = asyncio.create_task(self._execute(running), name=f"job {job.id}")
+        running.handle = asyncio.create_task(
+            run_attempt(running.task, ctx, self._threads, self.settings.max_result_bytes, self),
+            name=f"job {job.id}",
+        )
 
     # --- running ----------------------------------------------------------------------------
-    async def _execute(self, r: _Running) -> None:
+    def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
+        """Called by ``run_attempt`` as each job's attempt ends: report it, free the slot."""
+        r = self._running.pop(ctx.job.id)
         try:
-            out = await run_attempt(
-                r.task, r.ctx, r.job.payload, self._threads, self.settings.max_result_bytes
-            )
-        except asyncio.CancelledError:
-            # a cancel request, a shutdown (release) or a lost lease (nothing to report)
-            if not r.lost:
-                self._report("stopped", r, ())
-        else:
-            if isinstance(out, bytes):
-                self._report("complete", r, (out,))
-            elif isinstance(out, Failure):
-                self._fail(r, out)
-            else:  # STOPPED: the task gave up for a cancel request
+            if isinstance(end, bytes):
+                self._report("complete", r, (end,))
+            elif isinstance(end, Failure):
+                self._fail(r, end)
+            elif end is STOPPED or not r.lost:
+                # STOPPED: the task gave up for a cancel request; INTERRUPTED: a cancel
+                # request, or a shutdown (release); a lost lease has nothing to report
                 self._report("stopped", r, ())
         finally:
             ran = time.monotonic() - r.started
             self._record(self.stats.run_time, ran)
             self.stats.run_time_hist.observe(ran)
-            self._running.pop(r.job.id, None)
             self._slot_free.set()
 
     def _fail(self, r: _Running, failure: Failure) -> None:
