@@ -29,21 +29,28 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from redis.exceptions import RedisError
 
 from jobtier.backoff import CLAIM, REPORT
 from jobtier.catalog import publish as publish_tasks
 from jobtier.connection import ShardSubscriber
-from jobtier.errors import Cancelled, Code, ConfigError, Fatal, RateLimited, Retry
+from jobtier.errors import Code, ConfigError, RateLimited
 from jobtier.metrics.histogram import Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.model import QUEUE_NAME_RE, ClaimedJob, encode_json
 from jobtier.queue import Queue
 from jobtier.scripts import Call
+from jobtier.worker.attempt import (
+    DEFAULT_POLICY,
+    STOPPED,
+    Failure,
+    Stopped,
+    deliver_cancel,
+    run_attempt,
+)
 from jobtier.worker.context import JobContext
 from jobtier.worker.limits import LimitedClaimer, limit_calls
-from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry
+from jobtier.worker.registry import Task, TaskRegistry
 
 log = logging.getLogger("jobtier.worker")
 
@@ -519,87 +526,48 @@ class Worker:
             job, shard, self.registry.get(job.type), ctx, time.monotonic(), permit=permit
         )
         self._running[job.id] = running
-        running.handle = asyncio.create_task(self._execute(running), name=f"job {job.id}")
+        running.handle = asyncio.create_task(
+            run_attempt(running.task, ctx, self._threads, self.settings.max_result_bytes, self),
+            name=f"job {job.id}",
+        )
 
     # --- running ----------------------------------------------------------------------------
-    async def _execute(self, r: _Running) -> None:
-        job, task = r.job, r.task
+    def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
+        """Called by ``run_attempt`` as each job's attempt ends: report it, free the slot."""
+        r = self._running.pop(ctx.job.id)
         try:
-            if task is None:
-                raise LookupError(f"no task {job.type!r} in this worker ({self.id})")
-            try:
-                payload = task.decode_payload(job.payload)
-            except msgspec.ValidationError as exc:
-                raise Fatal(f"the payload does not fit {task.name}'s payload type: {exc}") from None
-            if task.is_async:
-                call: Any = task.fn(r.ctx, payload)
-            else:
-                call = self._loop.run_in_executor(self._threads, task.fn, r.ctx, payload)
-            if task.timeout is not None:
-                async with asyncio.timeout(task.timeout):
-                    result = await call
-            else:
-                result = await call
-        except asyncio.CancelledError:
-            if not r.lost:
+            if isinstance(end, bytes):
+                self._report("complete", r, (end,))
+            elif isinstance(end, Failure):
+                self._fail(r, end)
+            elif end is STOPPED or not r.lost:
+                # STOPPED: the task gave up for a cancel request; INTERRUPTED: a cancel
+                # request, or a shutdown (release); a lost lease has nothing to report
                 self._report("stopped", r, ())
-        except Cancelled as exc:
-            if r.ctx.cancel_requested:
-                self._report("stopped", r, ())
-            else:
-                self._fail(r, exc, retry=False)
-        except RateLimited as exc:
-            self._rate_limited(r, exc)
-        except Exception as exc:
-            if isinstance(exc, TimeoutError) and task is not None and task.timeout is not None:
-                exc = TimeoutError(f"attempt timed out after {task.timeout:g}s")
-            retry = not (isinstance(exc, Fatal) or (task and isinstance(exc, task.non_retryable)))
-            self._fail(r, exc, retry=retry)
-        else:
-            try:
-                data = b"" if result is None else encode_json(result)
-            except TypeError as exc:
-                self._fail(r, Fatal(f"result is {exc}"), retry=False, kind="ResultNotSerialisable")
-            else:
-                if len(data) > self.settings.max_result_bytes:
-                    self._fail(
-                        r,
-                        Fatal(
-                            f"result is {len(data)} bytes; limit {self.settings.max_result_bytes}"
-                        ),
-                        retry=False,
-                        kind="ResultTooLarge",
-                    )
-                else:
-                    self._report("complete", r, (data,))
         finally:
             self.stats.run_time.observe(time.monotonic() - r.started)
-            self._running.pop(job.id, None)
-            if r.permit is not None:  # no outcome will be sent (the lease was lost)
-                self._to_release[job.queue].append(r.permit)
+            if r.permit is not None:  # no outcome sent (a lost lease): give it back now
+                self._to_release[r.job.queue].append(r.permit)
                 self._outbox_ready.set()
             self._slot_free.set()
 
-    def _fail(
-        self, r: _Running, exc: BaseException, *, retry: bool, kind: str | None = None
-    ) -> None:
-        error = encode_json({"type": kind or type(exc).__name__, "message": str(exc)[:2000]})
-        delay_ms = -1
-        if retry:
-            policy = r.task.retry if r.task else RetryPolicy()
-            delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else None
-            delay_ms = round(1000 * (delay if delay is not None else policy.delay(r.job.attempt)))
+    def _fail(self, r: _Running, failure: Failure) -> None:
+        if isinstance(failure.exc, RateLimited):
+            self._rate_limited(r, failure, failure.exc)
+            return
+        delay_ms = failure.delay_ms(r.task.retry if r.task else DEFAULT_POLICY, r.job.attempt)
         log.info(
             "event=job_failed job=%s type=%s attempt=%d/%d error=%s retry_in_ms=%d",
-            r.job.id, r.job.type, r.job.attempt, r.job.max_attempts, type(exc).__name__, delay_ms,
+            r.job.id, r.job.type, r.job.attempt, r.job.max_attempts,
+            type(failure.exc).__name__, delay_ms,
         )  # fmt: skip
-        self._report("fail", r, (error, delay_ms))
+        self._report("fail", r, (failure.error_json(), delay_ms))
 
-    def _rate_limited(self, r: _Running, exc: RateLimited) -> None:
+    def _rate_limited(self, r: _Running, failure: Failure, exc: RateLimited) -> None:
         """The task says the downstream wants us to wait: the job runs again then, without
         using an attempt, and its queue starts nothing meanwhile, on every worker."""
         delay_ms = round(exc.retry_after * 1000)
-        error = encode_json({"type": "RateLimited", "message": str(exc)[:2000]})
+        error = failure.error_json()
         log.info(
             "event=queue_rate_limited job=%s type=%s queue=%s retry_in_ms=%d",
             r.job.id, r.job.type, r.job.queue, delay_ms,
@@ -837,9 +805,7 @@ class Worker:
                         r.handle.cancel()
                 elif cancel and not r.ctx.cancel_requested:
                     log.info("event=cancel_requested worker=%s job=%s", self.id, job_id)
-                    r.ctx._request_cancel()
-                    if r.task is not None and r.task.is_async and r.handle is not None:
-                        r.handle.cancel()
+                    deliver_cancel(r.ctx, r.task, r.handle)
 
     async def _advertise(self) -> None:
         info = encode_json(
