@@ -137,10 +137,12 @@ async def one_run(
     }
 
 
-def _label(src: str | None) -> str:
+def _label(src: str | None, given: str | None) -> str:
     """'this checkout', or the other one named by its commit (paths mean nothing elsewhere)."""
     if src is None:
         return "this checkout"
+    if given:
+        return given
     commit = subprocess.run(
         ["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
@@ -171,7 +173,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         queue = await Queue.connect(settings)
         try:
             for src in sources:
-                label = _label(src)
+                label = _label(src, args.compare_label)
                 results = tables[label] = []
                 for case in CASES:
                     runs = []
@@ -239,6 +241,9 @@ if __name__ == "__main__":
     )
     parser.add_argument(
         "--compare-src", help="also run every case with workers from this src folder"
+    )
+    parser.add_argument(
+        "--compare-label", help="what to call it in the tables (default: its git commit)"
     )
     parser.add_argument("--no-save", action="store_true", help="print only")
     args = parser.parse_args()

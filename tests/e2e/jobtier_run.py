@@ -61,11 +61,12 @@ class JobtierRun:
         *args: str,
         redis_port: int | None = None,
         pg_port: int | None = None,
+        api_port: int | None = None,
     ) -> None:
         self.data = data
         self.redis_port = redis_port or free_port()
         self.pg_port = pg_port or free_port()
-        self.api_port = free_port()
+        self.api_port = api_port or free_port()
         self.log = log
         env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")}
         env["JOBTIER_API_PORT"] = str(self.api_port)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,6 +113,22 @@ def test_every_way_out_stops_the_servers(
         assert code == 0 and "signal=SIGHUP action=graceful_stop" in run.text()
     else:
         assert "action=stop_now" in run.text()
+
+
+def test_a_failing_part_stops_everything(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    with socket.socket() as taken:  # the API cannot listen: its part fails at start
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        run = start(runs, data, tmp_path / "run.log", api_port=taken.getsockname()[1])
+        run.wait_logged("part_failed")
+        servers = run.server_pids()
+        assert run.exit_code() == 1
+    assert_gone(servers)
+    assert "is the port free? JOBTIER_API_PORT sets it" in run.text()
+    assert "job_released" not in run.events()  # nothing was running; the rest stopped cleanly
+    assert "worker_stopped" in run.events()
 
 
 def test_sigkill_takes_the_servers_with_it_and_a_leftover_is_restarted(

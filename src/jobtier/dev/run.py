@@ -272,7 +272,7 @@ async def run_all(
                 asyncio.create_task(worker.run(), name="worker"),
                 asyncio.create_task(scheduler.run(), name="scheduler"),
                 asyncio.create_task(persister.run(), name="persister"),
-                asyncio.create_task(server.serve(), name="api"),
+                asyncio.create_task(_serve_api(server, settings), name="api"),
             ]
             while not server.started and not runs[3].done():  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
@@ -281,7 +281,7 @@ async def run_all(
             for task in asyncio.as_completed(runs):
                 try:
                     await task
-                except (Exception, SystemExit) as exc:  # uvicorn exits when it cannot bind
+                except Exception as exc:
                     failed = True
                     log.error("event=part_failed error=%r: stopping everything", exc)
                     stop()
@@ -291,6 +291,18 @@ async def run_all(
             async with asyncio.timeout(10):
                 await pool.close()
     return 1 if failed else 0
+
+
+async def _serve_api(server: EmbeddedServer, settings: Settings) -> None:
+    try:
+        await server.serve()
+    except SystemExit as exc:
+        # uvicorn exits the process when it cannot start (the port taken): left to rise
+        # from a task, SystemExit stops the event loop under the other parts' feet
+        raise RuntimeError(
+            f"the API could not start on {settings.api_host}:{settings.api_port} (uvicorn "
+            f"exit {exc.code}): is the port free? JOBTIER_API_PORT sets it"
+        ) from None
 
 
 class EmbeddedServer(uvicorn.Server):
