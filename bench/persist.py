@@ -150,6 +150,7 @@ JOB_TYPES = (
 TRANSITION_TYPES = (
     "text",
     "int",
+    "int",
     "text",
     "text",
     "timestamptz",
@@ -193,7 +194,7 @@ class UnnestPersister(Persister):
 BASELINE_SQL = f"""
 WITH history AS (
     INSERT INTO job_transitions ({", ".join(TRANSITION_COLUMNS)})
-    VALUES ($1, $6, $21, $5, $10, $22, $7, $16, $17, $18)
+    VALUES ($1, $6, $23, $21, $5, $10, $22, $7, $16, $17, $18)
     ON CONFLICT DO NOTHING
 )
 INSERT INTO jobs AS j ({", ".join(JOB_COLUMNS)})
@@ -219,7 +220,7 @@ class BaselinePersister(Persister):
     @staticmethod
     async def _one(conn: AnyConnection, e: LogEntry) -> None:
         [params] = job_records(collapse([e]))
-        await conn.execute(BASELINE_SQL, *params, e.from_state, e.actor)
+        await conn.execute(BASELINE_SQL, *params, e.from_state, e.actor, e.prev_version)
 
 
 VARIANTS: dict[str, type[Persister]] = {

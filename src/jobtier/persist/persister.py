@@ -41,6 +41,7 @@ from jobtier.metrics.snapshot import Snapshot
 from jobtier.metrics.transitions import TransitionCounter
 from jobtier.persist.batch import LogEntry, parse_entry, write_batch
 from jobtier.persist.db import Pool
+from jobtier.persist.retention import run_pruning
 
 log = logging.getLogger("jobtier.persist")
 
@@ -177,6 +178,7 @@ class Persister:
     async def run(self) -> None:
         """Persist until ``stop()``; what is buffered then is written once more, without retries."""
         log.info("event=persister_started name=%s shards=%d", self.name, self.keys.shards)
+        pruning = asyncio.create_task(run_pruning(self.settings, self._stop))  # retention.py
         backoff, idle = PERSIST_REDIS.start(), IDLE_SLEEP_MIN
         try:
             while not self._stop.is_set():
@@ -209,6 +211,7 @@ class Persister:
                 await self._ack()
         finally:
             self._cancel_flushes()
+            pruning.cancel()
         log.info("event=persister_stopped name=%s", self.name)
 
     async def step(self) -> bool:

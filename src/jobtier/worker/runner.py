@@ -152,6 +152,7 @@ class Worker:
         self.idle_poll = idle_poll
         self.progress_interval = progress_interval
         self.lease_ms = int(self.settings.lease_seconds * 1000)
+        self.history_ms = int(self.settings.progress_history_seconds * 1000)
         self.stats = WorkerStats()
         self._threads = _TaskThreads(threads or min(32, concurrency), "jobtier-task")
         self._running: dict[str, _Running] = {}
@@ -555,7 +556,9 @@ class Worker:
                 for shard, items in by_shard.items():
                     if kind == "progress":
                         calls.append(
-                            self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items)
+                            self.scripts.heartbeat_call(
+                                shard, self.id, self.lease_ms, items, self.history_ms
+                            )
                         )
                     elif kind == "complete":
                         calls.append(
@@ -671,7 +674,7 @@ class Worker:
         if not by_shard:
             return
         calls = [
-            self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items)
+            self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items, self.history_ms)
             for shard, items in by_shard.items()
         ]
         self._beat_idle.clear()
