@@ -448,7 +448,9 @@ class Worker:
     # --- running ----------------------------------------------------------------------------
     def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
         """Called by ``run_attempt`` as each job's attempt ends: report it, free the slot."""
-        r = self._running.pop(ctx.job.id)
+        r = self._running.pop(ctx.job.id, None)
+        if r is None:  # released at shutdown (_release_all): its stop is reported already
+            return
         try:
             if isinstance(end, bytes):
                 self._report("complete", r, (end,))
