@@ -136,6 +136,7 @@ class Worker:
         self._beat_idle.set()
         self._heart_stop = asyncio.Event()
         self._subscriber: ShardSubscriber | None = None
+        self._idle = False
 
     # --- lifecycle --------------------------------------------------------------------------
     def metrics(self) -> Snapshot:
@@ -166,6 +167,12 @@ class Worker:
                 "run_time_seconds": {"": st.run_time.snapshot()},
             },
         )  # fmt: skip
+
+    @property
+    def idle(self) -> bool:
+        """True while the worker waits for a wake: every queue it knows of was empty (jobs
+        it already runs may still be running)."""
+        return self._idle
 
     def stop(self) -> None:
         """Graceful stop: no more claims; running jobs get ``shutdown_grace`` to finish."""
@@ -263,7 +270,12 @@ class Worker:
                 await self._first(self._slot_free.wait(), self._wake.wait())
                 continue
             # every queue we know of is empty: sleep until a wake (or the safety net)
-            if not await self._sleep(self.idle_poll, self._wake):
+            self._idle = True
+            try:
+                woke = await self._sleep(self.idle_poll, self._wake)
+            finally:
+                self._idle = False
+            if not woke:
                 self._ready = [UNKNOWN] * self.keys.shards
 
     async def _claim(self, free: int) -> int:
