@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from jobtier.errors import RateLimited
 from jobtier.model import JobSpec, QueueLimits, State
 from jobtier.queue import Queue
@@ -12,6 +14,8 @@ from jobtier.scheduler import Scheduler
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
+
+pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
 
 ran: dict[str, list[str]] = {}  # worker name -> job ids it ran
 
@@ -40,12 +44,12 @@ async def resize(ctx: JobContext, payload: Any) -> str:
     return "resized"
 
 
-gate = asyncio.Event()
+gates: dict[str, asyncio.Event] = {}  # one per test: an Event belongs to one event loop
 
 
 @task(queue="slow")
 async def hold(ctx: JobContext, payload: Any) -> str:
-    await gate.wait()
+    await gates["hold"].wait()
     return "released"
 
 
@@ -148,7 +152,7 @@ async def test_a_paused_queue_accepts_jobs_and_runs_none_until_resumed(
 
 
 async def test_pause_lets_running_jobs_finish(queue: Queue, background: Background) -> None:
-    gate.clear()
+    gates["hold"] = gate = asyncio.Event()
     sub = await queue.submit(hold, None)
     worker = worker_for(queue, TaskRegistry([hold]), name="slow")
     background.start(worker)

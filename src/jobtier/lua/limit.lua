@@ -17,6 +17,8 @@
 --   extend   ARGV[4] lease ms, then permit ids       Returns the number still held
 --   release  ARGV[4] '1' if the permits were never used (they count as no start), then ids
 --            Returns the number released
+--   settle   after a claim: ARGV[4] number of used permits u, then u pairs (permit id, when
+--            its job was claimed, ms); then the unused permit ids (released, no start)
 --   block    ARGV[4] ms: no permit is granted before now + ms (a task said the downstream
 --            asked us to wait: RateLimited)                          Returns the end, ms
 --
@@ -24,9 +26,11 @@
 -- 'rate' and 'period' ms (most permits granted in any window of that length; absent: none),
 -- 'blocked' (ms), 'seq' (permit ids).
 -- jt:{h}:permits:<queue> (zset): permit id -> lease deadline, ms.
--- jt:{h}:starts:<queue> (zset): permit id -> when it was granted, ms, for the last period: a
+-- jt:{h}:starts:<queue> (zset): permit id -> when its job started, ms, for the last period: a
 -- sliding log, so no window of `period` ever holds more than `rate` starts (a token bucket
--- would allow twice that across a refill).
+-- would allow twice that across a refill). A permit just granted counts as starting at the
+-- end of its lease until the worker says when its job was claimed (`settle`): another grant
+-- must not see the window free before the start it holds has happened.
 --!include lib.lua
 
 local op, queue = ARGV[2], ARGV[3]
@@ -68,12 +72,12 @@ if op == 'acquire' then
     local id = worker .. '|' .. i
     out[#out + 1] = id
     leases[#leases + 1], leases[#leases + 2] = deadline, id
-    started[#started + 1], started[#started + 2] = NOW, id
+    started[#started + 1], started[#started + 2] = deadline, id
   end
   redis.call('ZADD', permits, unpack(leases))
   if rate and period then
     redis.call('ZADD', starts, unpack(started))
-    redis.call('PEXPIRE', starts, period)
+    redis.call('PEXPIRE', starts, period + lease)
   end
   return out
 elseif op == 'extend' then
@@ -94,6 +98,23 @@ elseif op == 'release' then
   -- capacity came free: workers waiting for this queue's permits may claim again
   redis.call('SPUBLISH', BASE .. 'wake', 'l ' .. queue)
   return released
+elseif op == 'settle' then
+  local used = tonumber(ARGV[4])
+  for i = 0, used - 1 do
+    redis.call('ZADD', starts, 'XX', ARGV[6 + 2 * i], ARGV[5 + 2 * i])
+  end
+  local unused = {}
+  for i = 5 + 2 * used, #ARGV do
+    unused[#unused + 1] = ARGV[i]
+  end
+  if #unused > 0 then
+    redis.call('ZREM', permits, unpack(unused))
+    redis.call('ZREM', starts, unpack(unused))
+  end
+  -- the window may open sooner than a waiting worker computed (its oldest start was only
+  -- pending then), and unused permits are capacity back: let waiting workers look again
+  redis.call('SPUBLISH', BASE .. 'wake', 'l ' .. queue)
+  return used
 elseif op == 'block' then
   local until_ms = NOW + tonumber(ARGV[4])
   local blocked = tonumber(redis.call('HGET', conf_key, 'blocked') or '0') or 0

@@ -129,16 +129,20 @@ class LimitedClaimer:
         reserved = self.worker.reserve(len(permits.ids))
         try:
             plan = spread(len(permits.ids), ready)
-            claimed = await self.worker.claim_limited(self.queue, plan, permits.ids)
+            started = await self.worker.claim_limited(self.queue, plan, permits.ids)
         finally:
             reserved()
-        used = claimed
-        unused = permits.ids[used:]
-        self.stats.permits += used
-        if unused:
-            self.stats.unused += len(unused)
-            await self.release(unused, refund=True)
-        return None if claimed else 0.0
+        unused = permits.ids[len(started) :]
+        self.stats.permits += len(started)
+        self.stats.unused += len(unused)
+        # when each job really started (the rate's window counts from there), and the
+        # permits that found no job back
+        args: list[Any] = ["settle", self.queue, len(started)]
+        for permit, at_ms in started:
+            args += (permit, at_ms)
+        args += unused
+        await self.scripts.call(self.scripts["limit"], self.home, args)
+        return None if started else 0.0
 
     async def _ready_by_shard(self) -> list[tuple[int, int]]:
         pipe = self.redis.pipeline(transaction=False)
@@ -160,13 +164,6 @@ class LimitedClaimer:
         )
         granted, wait_ms = int(reply[0]), int(reply[1])
         return Permits([r.decode() for r in reply[2 : 2 + granted]], wait_ms)
-
-    async def release(self, ids: Sequence[str], refund: bool = False) -> None:
-        await self.scripts.call(
-            self.scripts["limit"],
-            self.home,
-            ("release", self.queue, 1 if refund else 0, *ids),
-        )
 
 
 def limit_calls(

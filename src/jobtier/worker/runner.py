@@ -214,6 +214,7 @@ class Worker:
         self._beat_idle.set()
         self._heart_stop = asyncio.Event()
         self._subscriber: ShardSubscriber | None = None
+        self._idle = False
 
     # --- lifecycle --------------------------------------------------------------------------
     def metrics(self) -> Snapshot:
@@ -249,6 +250,12 @@ class Worker:
                 "run_time_seconds": {"": st.run_time.snapshot()},
             },
         )  # fmt: skip
+
+    @property
+    def idle(self) -> bool:
+        """True while the worker waits for a wake: every queue it knows of was empty (jobs
+        it already runs may still be running)."""
+        return self._idle
 
     def stop(self, *, now: bool = False) -> None:
         """Stop claiming. Jobs running get until ``shutdown_grace`` seconds after the first
@@ -403,7 +410,12 @@ class Worker:
                 await self._first(self._slot_free.wait(), self._wake.wait(), self._stopping.wait())
                 continue
             # every queue we know of is empty: sleep until a wake (or the safety net)
-            if not await self._sleep(self.idle_poll, self._wake):
+            self._idle = True
+            try:
+                woke = await self._sleep(self.idle_poll, self._wake)
+            finally:
+                self._idle = False
+            if not woke:
                 self._ready = [UNKNOWN] * self.keys.shards
 
     async def _claim(self, free: int) -> int:
@@ -477,24 +489,25 @@ class Worker:
 
     async def claim_limited(
         self, queue: str, plan: list[tuple[int, int]], permits: list[str]
-    ) -> int:
+    ) -> list[tuple[str, int]]:
         """Claim jobs of a limited queue: (shard, cap) calls, capped by the permits held; each
-        job started takes the next permit. Returns how many started (the first ones)."""
+        job started takes the next permit. Returns (permit, claimed at ms) of those used."""
         calls: list[Call] = [
             self.scripts.claim_call(shard, self.id, cap, self.lease_ms, [(queue, cap)], self._types)
             for shard, cap in plan
         ]
         replies = await self.scripts.call_many(calls)
         self.stats.claim_round_trips += 1
-        started = 0
+        used: list[tuple[str, int]] = []
         for (shard, _), reply in zip(plan, replies, strict=True):
             batch = self.scripts.parse_claim(shard, reply)
             if batch.handed_back:
                 self._handed_back(batch.handed_back)
             for job in batch.jobs:
-                self._start(job, shard, batch.now_ms, permits[started])
-                started += 1
-        return started
+                permit = permits[len(used)]
+                self._start(job, shard, batch.now_ms, permit)
+                used.append((permit, batch.now_ms))
+        return used
 
     async def _refresh_limits(self) -> None:
         """Read which of our queues are limited (the catalogue jt:queues); start a claim loop
