@@ -76,10 +76,17 @@ async def test_listing_filters(persisted: list[str], pg_pool: Pool) -> None:
     assert all(j.type == "mail" and j.state is State.FAILED for j in page)
 
     everything, _ = await reader.list_jobs("t1", limit=500, order="asc")
-    middle = everything[len(everything) // 2]
-    later, _ = await reader.list_jobs("t1", created_after=middle.created_at, limit=500)
-    assert later and all(j.created_at > middle.created_at for j in later)
-    assert len(later) == sum(j.created_at > middle.created_at for j in everything)
+    # the workload's jobs may all share one creation millisecond (one script call per shard):
+    # a threshold before all, one at the last, and one between when there is a between
+    times = sorted({j.created_at for j in everything})
+    thresholds = ["2000-01-01T00:00:00.000Z", times[-1], *times[:-1]]  # ISO dates sort
+    for threshold in thresholds:
+        later, _ = await reader.list_jobs("t1", created_after=threshold, limit=500)
+        assert all(j.created_at > threshold for j in later)
+        assert len(later) == sum(j.created_at > threshold for j in everything)
+    assert len((await reader.list_jobs("t1", created_after=thresholds[0], limit=500))[0]) == len(
+        everything
+    )
 
     assert await reader.list_jobs("nobody") == ([], None)
 
