@@ -26,6 +26,9 @@ Per shard::
     jt:{s}:dead              zset   failed jobs (the dead-letter set) by failure time (ms)
     jt:{s}:idem:<tenant>:<k> string idempotency record: "<job id> <request hash>"
     jt:{s}:waiting           hash   tenant -> queued+scheduled jobs in this shard
+    jt:{s}:wrr               string before named queues: the priority rotation (upgrade.lua
+                                    moves the old ready lists, jt:{s}:q:<priority>, then
+                                    deletes it)
     jt:{s}:cron              zset   recurring schedules of this shard by next fire time (ms)
     jt:{s}:cron:<id>         hash   a schedule: "def" (JSON), "next", "last" (ms), "paused"
     jt:{s}:log               stream every transition, read by the persister (write-behind)
@@ -36,6 +39,9 @@ Per shard::
                              limited queue came free), "s <ms>" (an
                              earlier run-at to wake the scheduler for) or "c <ms>" (a
                              schedule's next firing)
+
+Before named queues, ready jobs waited in ``jt:{s}:q:<priority>`` with the rotation cursor in
+``jt:{s}:wrr``; ``lua/upgrade.lua`` moves them into the layout above (schedulers run it).
 
 Job ids are ``<ULID>-<shard>``: time-ordered, and any process routes them without a lookup.
 """

@@ -207,6 +207,19 @@ class Queue:
         if ensure is not None:
             await ensure({t for t in types if isinstance(t, str)})
 
+    async def task_defaults(
+        self, type: str, queue: str | None, max_attempts: int | None, payload: Any = None
+    ) -> tuple[str, int]:
+        """(queue, attempts) for jobs of ``type`` (a schedule's): those given, else the task's,
+        else the defaults; ``InvalidRequest`` for a type the registry does not know (when it
+        must) or a payload that does not fit the task's."""
+        await self.ensure_known((type,))
+        item = self.prepare(
+            JobSpec(type=type, payload=payload, queue=queue, max_attempts=max_attempts),
+            DEFAULT_TENANT,
+        )
+        return item.queue, item.max_attempts
+
     def prepare(self, spec: JobSpec, tenant: str, job_id: str | None = None) -> SubmitItem:
         """Validate one job and turn it into the submit script's arguments."""
         s = self.settings

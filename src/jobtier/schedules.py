@@ -53,6 +53,7 @@ class ScheduleSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     interval: int | None = None  # seconds
     misfire: Misfire = "fire_once"
     paused: bool = False
+    queue: str | None = None  # the task's queue when not given
 
 
 class Schedule(msgspec.Struct, kw_only=True):
@@ -74,6 +75,7 @@ class Schedule(msgspec.Struct, kw_only=True):
     last_fired_at: datetime | None
     created_at: datetime
     updated_at: datetime
+    queue: str | None = None  # None: `default` (a schedule from before queues)
 
 
 def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
@@ -221,6 +223,7 @@ def mirror_def(schedule: Schedule, default_max_attempts: int) -> MirrorDef:
         interval_ms=None if schedule.interval is None else schedule.interval * 1000,
         anchor_ms=round(schedule.created_at.timestamp() * 1000),
         misfire=schedule.misfire,
+        queue=schedule.queue or DEFAULT_QUEUE,
     )
 
 

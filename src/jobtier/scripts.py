@@ -30,7 +30,7 @@ from jobtier.model import DEFAULT_QUEUE, ClaimedJob
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (
     "submit", "claim", "heartbeat", "complete", "fail", "stopped",
-    "cancel", "promote", "reclaim", "replay", "fire", "limit",
+    "cancel", "promote", "reclaim", "replay", "fire", "limit", "upgrade",
 )  # fmt: skip
 
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from jobtier.api.postgres import PostgresExtension
+from jobtier.config import Settings
 from jobtier.model import QueueLimits, State
+from jobtier.persist.db import Pool
+from jobtier.persist.persister import Persister
+from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
+from jobtier.scheduler import Scheduler
 from tests.fixtures.api import ADMIN, KEYS, ApiServer, StartApi
-from tests.fixtures.engine import wait_for, worker_for
+from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
 
 
@@ -122,3 +128,34 @@ async def test_the_python_client_manages_queues(api: ApiServer) -> None:
     with Client(api.url, ADMIN) as sync_admin:  # the sync mirror, in a thread
         names = await asyncio.to_thread(lambda: [q.name for q in sync_admin.queues()])
     assert "images" in names
+
+
+async def test_listing_by_queue_and_schedules_fire_into_their_tasks_queue(
+    start_api: StartApi, pg_settings: Settings, queue: Queue, pg_pool: Pool, background: Background
+) -> None:
+    api = await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
+    async with api.client() as c:
+        await c.post("/v1/jobs", json={"type": "thumbnail", "payload": {"url": "a"}})
+        await c.post("/v1/jobs", json={"type": "echo"})
+        await Persister(pg_settings, queue.redis, pg_pool, "p").drain()
+        r = await c.get("/v1/jobs", params={"queue": "images"})
+        assert [(j["type"], j["queue"]) for j in r.json()["jobs"]] == [("thumbnail", "images")]
+        assert (await c.get("/v1/jobs", params={"queue": "a:b"})).status_code in (400, 422)
+        r = await c.post(
+            "/v1/schedules",
+            json={"name": "thumbs", "type": "thumbnail", "payload": {"url": "s"}, "interval": 1},
+        )
+        assert r.status_code == 201, r.text
+        assert (r.json()["queue"], r.json()["max_attempts"]) == ("images", 5)
+        bad = await c.post(
+            "/v1/schedules", json={"name": "x", "type": "nope", "payload": {}, "interval": 1}
+        )
+        assert bad.status_code == 422 and bad.json()["field"] == "type"
+    background.start(Scheduler(queue, store=ScheduleStore(pg_pool)))
+
+    async def fired() -> bool:
+        return (await queue.stats())["queues"].get("images", {}).get("queued", {}).get(
+            "normal", 0
+        ) >= 2
+
+    await wait_for(fired, timeout=30)

@@ -23,7 +23,7 @@ from jobtier.api.http import JSON
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
-from jobtier.model import JobStatus, State
+from jobtier.model import QUEUE_NAME_RE, JobStatus, State
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
 from jobtier.persist.pg_reader import PgReader, Transition, lag
 from jobtier.persist.schedule_store import ScheduleStore
@@ -149,6 +149,7 @@ OPENAPI_PATHS: dict[str, Any] = {
             "parameters": [
                 {"name": "state", "in": "query", "schema": {"type": "string", "enum": [s.value for s in State]}},
                 {"name": "type", "in": "query", "schema": {"type": "string"}},
+                {"name": "queue", "in": "query", "schema": {"type": "string", "pattern": QUEUE_NAME_RE.pattern}},
                 {"name": "created_after", "in": "query", "schema": {"type": "string", "format": "date-time"}},
                 {"name": "cursor", "in": "query", "schema": {"type": "string"}},
                 {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 500}},
@@ -191,7 +192,7 @@ async def list_jobs(request: Request) -> Response:
     the write-behind is (jobs changed within that window may show an older state)."""
     tenant = tenant_of(request)
     q = request.query_params
-    unknown = set(q) - {"state", "type", "created_after", "cursor", "limit", "order"}
+    unknown = set(q) - {"state", "type", "queue", "created_after", "cursor", "limit", "order"}
     if unknown:
         raise Problem(400, "bad-request", f"unknown parameters: {', '.join(sorted(unknown))}")
     limit_raw = q.get("limit", "50")
@@ -211,6 +212,7 @@ async def list_jobs(request: Request) -> Response:
             tenant,
             state=q.get("state"),
             type=q.get("type"),
+            queue=q.get("queue"),
             created_after=created_after,
             cursor=q.get("cursor"),
             limit=int(limit_raw),
