@@ -209,7 +209,7 @@ class Queue:
             )
         run_at_ms, delay_ms = self._timing(spec)
         key = spec.idempotency_key or ""
-        if key and not IDEMPOTENCY_KEY_RE.fullmatch(key):
+        if spec.idempotency_key is not None and not IDEMPOTENCY_KEY_RE.fullmatch(key):
             raise InvalidRequest(
                 "idempotency_key must be 1-200 printable ASCII characters without spaces",
                 field="idempotency_key",

@@ -56,6 +56,7 @@ async def submit(request: Request) -> Response:
                 400,
                 "bad-request",
                 "the Idempotency-Key header and the body's idempotency_key differ",
+                field="idempotency_key",
             )
         spec.idempotency_key = key
     queue: Queue = st.queue

@@ -25,6 +25,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
+from jobtier.api.jobs import STATUS_PARAMS, BatchBody
 from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
 from jobtier.api.params import Param
 from jobtier.config import Settings
@@ -45,10 +47,6 @@ class Problem(msgspec.Struct):
     job_id: str | None = None  # idempotency conflict, gone: the job the key names
     job: JobStatus | None = None  # wrong state: the job as it is
     limit: int | None = None  # nesting too deep: the limit
-
-
-class BatchRequest(msgspec.Struct):
-    jobs: list[JobSpec]
 
 
 class BatchItem(msgspec.Struct):
@@ -73,11 +71,6 @@ class DeadLetters(msgspec.Struct):
     jobs: list[JobStatus]
 
 
-class ReplayRequest(msgspec.Struct):
-    type: str | None = None
-    limit: int = 100
-
-
 class Replayed(msgspec.Struct):
     replayed: list[str]
     count: int
@@ -94,6 +87,25 @@ class Readiness(msgspec.Struct):
 
 def ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
+
+
+def event_stream(description: str, event: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A ``text/event-stream`` answer: its schema is each event's (OpenAPI 3.1), whose
+    ``data`` is a JSON document of schema ``data``."""
+    schema = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"const": event},
+            "id": {"type": "string", "pattern": "^[0-9]+$"},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": data,
+            },
+        },
+    }
+    return {"description": description, "content": {"text/event-stream": {"schema": schema}}}
 
 
 def json_response(
@@ -205,10 +217,11 @@ def constrain(components: dict[str, Any], struct: str, field: str, **constraints
 
 
 def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
+    # the Structs the routes decode with: what they refuse (unknown members) is stated too
     _, components = msgspec.json.schema_components(
         [
-            JobSpec, JobStatus, Problem, BatchRequest, BatchResponse, ResultResponse,
-            DeadLetters, ReplayRequest, Replayed, Health, Readiness, *extra_types,
+            JobSpec, JobStatus, Problem, BatchBody, BatchResponse, ResultResponse,
+            DeadLetters, ReplayFilter, Replayed, Health, Readiness, *extra_types,
         ],
         ref_template="#/components/schemas/{name}",
     )  # fmt: skip
@@ -227,9 +240,9 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
         f"to {settings.max_future_seconds} s ahead (JOBTIER_MAX_FUTURE_SECONDS); "
         "not with delay"
     )
-    c["BatchRequest"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
-    constrain(c, "ReplayRequest", "type", pattern=TASK_NAME_RE.pattern)
-    constrain(c, "ReplayRequest", "limit", minimum=1, maximum=10_000)
+    c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
+    constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
+    constrain(c, "ReplayFilter", "limit", minimum=1, maximum=REPLAY_MAX)
     return components
 
 
@@ -242,8 +255,6 @@ def document(
     """The document of an app with ``settings`` serving the core routes plus ``extra_paths``,
     whose bodies are the msgspec Structs ``extra_types`` (``extra_constraints`` add the rules
     JSON Schema can state to their generated schemas)."""
-    from jobtier.api import admin, jobs  # they import this module for its helpers
-
     s = settings
     op = operation
     metrics_auth: Auth = "none" if s.metrics_public else "admin"
@@ -264,14 +275,14 @@ def document(
                 "200": json_response("BatchResponse", "one result per job, in order"),
                 "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
                 "503": problem("back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable", RETRY_AFTER),
-            }, body="BatchRequest"),
+            }, body="BatchBody"),
         },
         "/v1/jobs/{job_id}": {
             "get": op(s, "The job's status document", {
                 "200": json_response("JobStatus", "the status", {"ETag": header("the version, quoted", required=True, pattern='^"[0-9]+"$')}),
                 "304": {"description": "not changed since the version in If-None-Match", "headers": {"ETag": header("the version, quoted", required=True, pattern='^"[0-9]+"$')}},
                 "404": problem("unknown job (or another tenant's, or a malformed id)"),
-            }, params=jobs.STATUS_PARAMS, path=[JOB_ID], headers=[{"name": "If-None-Match", "in": "header", "schema": {"type": "string"}}]),
+            }, params=STATUS_PARAMS, path=[JOB_ID], headers=[{"name": "If-None-Match", "in": "header", "schema": {"type": "string"}}]),
         },
         "/v1/jobs/{job_id}/result": {
             "get": op(s, "The job's result (null until it succeeds)", {
@@ -288,7 +299,7 @@ def document(
         },
         "/v1/jobs/{job_id}/events": {
             "get": op(s, "Server-Sent Events: the status, then every change until a terminal state", {
-                "200": {"description": "event: status, id: version, data: the status document", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                "200": event_stream("event: status, id: the version, data: the status document", "status", ref("JobStatus")),
                 "204": {"description": "Last-Event-ID is the final status: nothing more will come"},
                 "404": problem("unknown job (or another tenant's, or a malformed id)"),
             }, path=[JOB_ID], headers=[{"name": "Last-Event-ID", "in": "header", "description": "the version the client has (ASCII digits; anything else is ignored)", "schema": {"type": "string"}}]),
@@ -296,7 +307,7 @@ def document(
         "/v1/admin/dead-letters": {
             "get": op(s, "Dead-lettered jobs, newest first", {
                 "200": json_response("DeadLetters", "the jobs"),
-            }, auth="admin", params=admin.DEAD_LETTER_PARAMS),
+            }, auth="admin", params=DEAD_LETTER_PARAMS),
         },
         "/v1/admin/dead-letters/{job_id}/replay": {
             "post": op(s, "Send a dead-lettered job back to its queue, attempts reset", {
@@ -308,7 +319,7 @@ def document(
         "/v1/admin/dead-letters/replay": {
             "post": op(s, "Replay dead-lettered jobs matching a filter (no body: all, up to 100)", {
                 "200": json_response("Replayed", "the ids replayed"),
-            }, auth="admin", body="ReplayRequest", body_required=False),
+            }, auth="admin", body="ReplayFilter", body_required=False),
         },
         "/v1/admin/stats": {
             "get": op(s, "Queue depth per shard and priority, waiting per tenant, workers, status-tier counters", {
@@ -334,7 +345,7 @@ def document(
         },
         "/v1/admin/dashboard/stream": {
             "get": op(s, "Server-Sent Events: a dashboard frame a second", {
-                "200": {"description": "event: frame, data: JSON", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
+                "200": event_stream("event: frame, data: the dashboard's figures", "frame", {"type": "object"}),
             }, auth="admin"),
         },
         "/v1/openapi.json": {
@@ -356,7 +367,8 @@ def document(
             "description": (
                 "Jobs and their status, served from a sharded Redis write-through cache. Errors "
                 "are problem documents (application/problem+json). A method a path does not "
-                "have is a 405 with Allow."
+                "have is a 405 with Allow. Integers are written without a fraction (3, not "
+                "3.0)."
             ),
         },
         "servers": [{"url": "/"}],
