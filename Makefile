@@ -19,7 +19,7 @@ test: setup
 
 # schemathesis against the live API (tests/e2e/test_api_fuzz.py): FUZZ_EXAMPLES random cases
 # per operation on top of the schema's examples and boundary values; same seed every run
-FUZZ_EXAMPLES ?= 500
+FUZZ_EXAMPLES ?= 200
 fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -rA tests/e2e/test_api_fuzz.py
 

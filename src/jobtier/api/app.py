@@ -145,7 +145,7 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
         routes=resources([*ROUTES, *ext.routes]),
         exception_handlers=HANDLERS,
         lifespan=lifespan,
-        # over-long URLs and headers refused first; then the status read, most of the
-        # traffic, answered before routing (jobs.StatusFastPath)
-        middleware=[Middleware(RequestLimits), Middleware(jobs.StatusFastPath)],
+        # the status read, most of the traffic, answered before routing (jobs.StatusFastPath,
+        # which checks the request limits itself); then over-long URLs and headers refused
+        middleware=[Middleware(jobs.StatusFastPath), Middleware(RequestLimits)],
     )

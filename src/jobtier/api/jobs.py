@@ -26,6 +26,7 @@ from jobtier.api.http import (
     not_modified,
     read_json_body,
 )
+from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
 from jobtier.cache.redis_reader import RESYNC, Status, StatusReader, parse_version
@@ -147,7 +148,7 @@ async def get_job(request: Request) -> Response:
     """
     scope = request.scope
     state = scope["state"]
-    authorization, held = _status_headers(scope["headers"])
+    authorization, held, _ = _status_headers(scope["headers"])
     tenant = tenant_for(state["tenants"], authorization)
     job_id: str = scope["path_params"]["job_id"]
     # parameters are checked before the read: ?wait=-1 is refused whatever the job's state
@@ -184,8 +185,11 @@ class StatusFastPath:
     server's CPU per status read (bench/results/status_read.md). It answers exactly what ``get_job``
     answers for the common case — the document with its ETag, 304, or the 404 problem —
     and passes everything else on to the app: no or an unknown API key (401), a query
-    string (long-poll), paths that are not a job id, other methods. A read that fails is
-    answered by the app's own error handler (a 503 problem while Redis is down).
+    string (long-poll), paths that are not a job id, other methods, a URL or headers over the
+    app's limits (``limits.RequestLimits``, inside this middleware, answers those: here the
+    check costs one addition per header, in the pass that finds the two we need). A read
+    that fails is answered by the app's own error handler (a 503 problem while Redis is
+    down).
     """
 
     __slots__ = ("app",)
@@ -204,9 +208,15 @@ class StatusFastPath:
             job_id = path[_JOBS_LEN:]
             if path.startswith(_JOBS) and job_id and "/" not in job_id and job_id != "batch":
                 state = scope["state"]
-                authorization, held = _status_headers(scope["headers"])
+                headers = scope["headers"]
+                authorization, held, size = _status_headers(headers)
                 tenant = known_tenant(state["tenants"], authorization)
-                if tenant is not None:
+                if (
+                    tenant is not None
+                    and size <= MAX_HEADER_BYTES
+                    and len(headers) <= MAX_HEADERS
+                    and len(scope.get("raw_path") or path) <= MAX_URL_BYTES
+                ):
                     response: Response
                     try:
                         found = await state["reader"].get(job_id)
@@ -226,17 +236,21 @@ _JOBS = "/v1/jobs/"
 _JOBS_LEN = len(_JOBS)
 
 
-def _status_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
-    """(Authorization, If-None-Match) in one pass over the raw headers; the first of each
-    wins, as in ``raw_header()``."""
+def _status_headers(
+    headers: Iterable[tuple[bytes, bytes]],
+) -> tuple[bytes | None, bytes | None, int]:
+    """(Authorization, If-None-Match, size of all the headers) in one pass over the raw
+    headers; the first of each wins, as in ``raw_header()``."""
     authorization = held = None
+    size = 0
     for name, value in headers:
+        size += len(name) + len(value)
         if name == b"authorization":
             if authorization is None:
                 authorization = value
         elif name == b"if-none-match" and held is None:
             held = value
-    return authorization, held
+    return authorization, held, size
 
 
 STATUS_PARAMS = [

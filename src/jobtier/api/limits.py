@@ -33,9 +33,9 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 class RequestLimits:
-    """ASGI middleware, outermost: a URL or headers over the app's limits get a 414 or 431
-    problem before anything else runs. Two length sums per request: the status fast path
-    runs after it."""
+    """ASGI middleware: a URL or headers over the app's limits get a 414 or 431 problem
+    before the router runs. It sits inside ``jobs.StatusFastPath``, which passes a request
+    over the limits on to it."""
 
     __slots__ = ("app",)
 
