@@ -197,8 +197,7 @@ def operation(
             "missing or unknown API key",
             {"WWW-Authenticate": header("Bearer realm")},
         )
-    else:
-        out["security"] = []
+    out["security"] = {"tenant": [{"tenantKey": []}], "admin": [{"adminKey": []}], "none": []}[auth]
     if auth == "admin":
         errors["403"] = problem("a tenant key on an admin route")
     if backend:
@@ -372,11 +371,22 @@ def document(
             ),
         },
         "servers": [{"url": "/"}],
-        "security": [{"apiKey": []}],
+        "security": [{"tenantKey": []}],
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "tenantKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "a tenant's API key (JOBTIER_API_KEYS): it sees that tenant's jobs and schedules only",
+                },
+                "adminKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the admin key (JOBTIER_ADMIN_KEY), for the admin routes",
+                },
+            },
         },
     }
 
