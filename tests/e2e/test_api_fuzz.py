@@ -110,8 +110,8 @@ def live_api(pg_settings: Settings) -> Iterator[ThreadedApi]:
         sse_heartbeat_seconds=0.2,  # an SSE read ends after its first event or heartbeat
     )
     api = ThreadedApi(settings)
-    api.start()
     try:
+        api.start()
         yield api
     finally:
         api.stop()
