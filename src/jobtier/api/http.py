@@ -152,7 +152,7 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise Problem(400, "invalid-json", f"the body is not valid JSON: {exc}") from None
 
 
-_PATH_PART = re.compile(r"\.?([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
+_PATH_PART = re.compile(r"\.?([A-Za-z_][A-Za-z0-9_]*)|\[([0-9]+)\]")
 
 
 def enum_values(type_: Any, field: str) -> list[Any]:

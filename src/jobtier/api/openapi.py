@@ -147,6 +147,16 @@ JOB_ID: dict[str, Any] = {
 Auth = Literal["tenant", "admin", "none"]
 
 
+def too_large(settings: Settings, *more: str) -> dict[str, Any]:
+    """The 413 answer: the body over ``JOBTIER_MAX_REQUEST_BYTES``, or ``more`` reasons."""
+    reasons = [f"the body is over {settings.max_request_bytes} bytes (JOBTIER_MAX_REQUEST_BYTES)"]
+    return problem(", or ".join([*reasons, *more]))
+
+
+def payload_too_large(settings: Settings) -> str:
+    return f"a payload is over {settings.max_payload_bytes} bytes (JOBTIER_MAX_PAYLOAD_BYTES)"
+
+
 def operation(
     settings: Settings,
     summary: str,
@@ -181,12 +191,8 @@ def operation(
             ),
             "content": {"application/json": {"schema": ref(body)}},
         }
-        errors["400"] = problem("malformed JSON, or a bad query parameter")
-        errors["413"] = problem(
-            f"the body is over {limit} bytes (JOBTIER_MAX_REQUEST_BYTES), a payload over "
-            f"{settings.max_payload_bytes} bytes (JOBTIER_MAX_PAYLOAD_BYTES), or a batch of "
-            f"more than {settings.max_batch} jobs (JOBTIER_MAX_BATCH)"
-        )
+        errors["400"] = problem("malformed JSON, or no body")
+        errors["413"] = too_large(settings)
         errors["415"] = problem("the body is not application/json (or application/*+json)")
         errors["422"] = problem(
             "the body does not fit its schema, or breaks a rule it cannot state "
@@ -265,6 +271,7 @@ def document(
                 "400": problem("malformed JSON, or the Idempotency-Key header and the body's idempotency_key differ"),
                 "409": problem("the idempotency key was used for a different request (job_id)"),
                 "410": problem("the idempotency key names a job that is no longer kept (job_id)"),
+                "413": too_large(s, payload_too_large(s)),
                 "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
                 "503": problem("back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable", RETRY_AFTER),
             }, body="JobSpec", headers=[{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string", "pattern": IDEMPOTENCY_KEY_RE.pattern}}]),
@@ -272,6 +279,7 @@ def document(
         "/v1/jobs/batch": {
             "post": op(s, f"Submit up to {s.max_batch} jobs (JOBTIER_MAX_BATCH); one outcome each", {
                 "200": json_response("BatchResponse", "one result per job, in order"),
+                "413": too_large(s, payload_too_large(s), f"more than {s.max_batch} jobs (JOBTIER_MAX_BATCH)"),
                 "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
                 "503": problem("back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable", RETRY_AFTER),
             }, body="BatchBody"),

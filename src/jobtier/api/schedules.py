@@ -215,6 +215,7 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
             "post": op(s, "Create a recurring schedule (cron in a time zone, or a fixed interval)", {
                 "201": oa.json_response("Schedule", "created"),
                 "409": oa.problem("the tenant has a schedule of this name"),
+                "413": oa.too_large(s, oa.payload_too_large(s)),
             }, body="ScheduleSpec"),
             "get": op(s, "The tenant's schedules by name", {
                 "200": oa.json_response("ScheduleList", "a page; next_after is null on the last"),
