@@ -115,6 +115,43 @@ def _wchar(pid: int) -> int:
     return 0
 
 
+# what a bench itself sends to Redis around a measured phase, left out of the command counts
+BOOKKEEPING = frozenset({"info", "config|resetstat", "flushall", "bgrewriteaof"})
+
+
+class RedisMeter:
+    """Redis's side of one measured phase: CPU, bytes written to files, commands run.
+
+    ``start()`` resets the command statistics and takes the CPU and write counters;
+    ``stop(jobs)`` returns the deltas per job: ``redis_cpu_us_per_job`` (INFO cpu, user +
+    system), ``aof_bytes_per_job`` (``disk_writes``: the process's file writes, so across an
+    AOF rewrite too), ``redis_commands_per_job`` (INFO commandstats: commands run inside Lua
+    scripts included, ``BOOKKEEPING`` and ``ignore`` left out) and the per-command counts.
+    """
+
+    def __init__(self, redis: Redis, pid: int, ignore: frozenset[str] = frozenset()) -> None:
+        self.redis, self.pid = redis, pid
+        self.ignore = BOOKKEEPING | ignore
+
+    async def start(self) -> None:
+        await self.redis.config_resetstat()
+        self.cpu0 = await redis_cpu(self.redis)
+        self.disk0, self.rewrites0 = await disk_writes(self.redis, self.pid)
+
+    async def stop(self, jobs: int) -> dict[str, Any]:
+        commands = delta(await commandstats(self.redis), {})
+        cpu1 = await redis_cpu(self.redis)
+        disk1, rewrites1 = await disk_writes(self.redis, self.pid)
+        work = {k: v for k, v in commands.items() if k not in self.ignore}
+        return {
+            "redis_cpu_us_per_job": 1e6 * (cpu1 - self.cpu0) / jobs,
+            "aof_bytes_per_job": (disk1 - self.disk0) / jobs,
+            "aof_rewrites": rewrites1 - self.rewrites0,
+            "redis_commands_per_job": sum(work.values()) / jobs,
+            "commands": work,
+        }
+
+
 def proc_cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) a process has used, from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -150,6 +150,7 @@ JOB_TYPES = (
 TRANSITION_TYPES = (
     "text",
     "int",
+    "int",
     "text",
     "text",
     "timestamptz",
@@ -193,7 +194,7 @@ class UnnestPersister(Persister):
 BASELINE_SQL = f"""
 WITH history AS (
     INSERT INTO job_transitions ({", ".join(TRANSITION_COLUMNS)})
-    VALUES ($1, $6, $21, $5, $10, $22, $7, $16, $17, $18)
+    VALUES ($1, $6, $23, $21, $5, $10, $22, $7, $16, $17, $18)
     ON CONFLICT DO NOTHING
 )
 INSERT INTO jobs AS j ({", ".join(JOB_COLUMNS)})
@@ -219,7 +220,7 @@ class BaselinePersister(Persister):
     @staticmethod
     async def _one(conn: AnyConnection, e: LogEntry) -> None:
         [params] = job_records(collapse([e]))
-        await conn.execute(BASELINE_SQL, *params, e.from_state, e.actor)
+        await conn.execute(BASELINE_SQL, *params, e.from_state, e.actor, e.prev_version)
 
 
 VARIANTS: dict[str, type[Persister]] = {
@@ -274,7 +275,7 @@ class Run:
             "seconds": round(elapsed, 2),
             "per_second": round(done / elapsed),
             "complete": done >= transitions,
-            "mean_batch": round(statistics.fmean(persister.stats.batch_sizes or [0])),
+            "mean_batch": round(persister.stats.transitions / max(persister.stats.batches, 1)),
             # CPU per transition: steadier than rates on a shared, noisy machine
             "persister_cpu_us": round(cpu / done * 1e6, 1),
             "postgres_cpu_us": round(pg_cpu / done * 1e6, 1),
@@ -332,7 +333,7 @@ class Run:
             "p99_ms": round(_pct(lags, 0.99) * 1000, 1),
             "max_ms": round(lags[-1] * 1000, 1) if lags else 0.0,
             "unpersisted": left,
-            "mean_batch": round(statistics.fmean(persister.stats.batch_sizes or [0])),
+            "mean_batch": round(persister.stats.transitions / max(persister.stats.batches, 1)),
         }
 
 

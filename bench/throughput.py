@@ -49,16 +49,13 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
-    commandstats,
-    delta,
-    disk_writes,
+    RedisMeter,
     environment,
     fmt,
     fresh,
     header_markdown,
     local_redis,
     median,
-    redis_cpu,
     save,
     table,
 )
@@ -83,7 +80,7 @@ ANCHORS = (
     ("Celery (solo)", 1_937, 1_214, ""),
     ("RQ (SimpleWorker)", 13_474, 302, "~20 round trips a job"),
 )
-BOOKKEEPING = {"xlen", "xrevrange", "info", "config|resetstat", "flushall", "bgrewriteaof"}
+POLLING = frozenset({"xlen", "xrevrange"})  # wait_logged's, left out of the command counts
 _decode = msgspec.json.Decoder().decode
 
 
@@ -298,7 +295,6 @@ async def measure_run(
 ) -> dict[str, Any]:
     """One end-to-end (or drain, with ``prefill``) measurement with fresh worker processes."""
     assert server.proc is not None
-    redis_pid = server.proc.pid
     n = args.jobs
     jobs = specs(n)
     await fresh(queue.redis)
@@ -309,9 +305,8 @@ async def measure_run(
         else:
             workers.send("go")
             await asyncio.sleep(0.3)  # let them subscribe and go idle: a realistic start
-        await queue.redis.config_resetstat()
-        cpu0 = await redis_cpu(queue.redis)
-        disk0, rewrites0 = await disk_writes(queue.redis, redis_pid)
+        meter = RedisMeter(queue.redis, server.proc.pid, ignore=POLLING)
+        await meter.start()
         t0, producer0 = time.time(), time.process_time()
         if prefill:
             workers.send("go")
@@ -319,9 +314,7 @@ async def measure_run(
             await submit_batches(queue, jobs, args.batch)
         submitted, producer1 = time.time(), time.process_time()
         end = await wait_logged(queue, 3 * n, args.timeout)
-        commands = delta(await commandstats(queue.redis), {})
-        cpu1 = await redis_cpu(queue.redis)
-        disk1, rewrites1 = await disk_writes(queue.redis, redis_pid)
+        redis_side = await meter.stop(n)
         stats = workers.stop()
     finally:
         workers.kill()
@@ -330,20 +323,20 @@ async def measure_run(
         raise RuntimeError(f"{kind}: {succeeded} of {n} jobs succeeded")
     claimed = sum(s["claimed"] for s in stats)
     trips = sum(s["claim_round_trips"] for s in stats)
-    work = {k: v for k, v in commands.items() if k not in BOOKKEEPING}
+    work = redis_side["commands"]
     return {
         "jobs_per_s": n / (end - t0),
         "seconds": end - t0,
         "submit_jobs_per_s": None if prefill else n / (submitted - t0),
         "claim_round_trips_per_job": trips / claimed,
         "script_calls_per_job": work.get("evalsha", 0) / n,
-        "redis_commands_per_job": sum(work.values()) / n,
+        "redis_commands_per_job": redis_side["redis_commands_per_job"],
         "worker_cpu_us_per_job": 1e6 * sum(s["cpu"] for s in stats) / n,
         "worker_max_rss_mb": max(s["max_rss_mb"] for s in stats),
-        "redis_cpu_us_per_job": 1e6 * (cpu1 - cpu0) / n,
+        "redis_cpu_us_per_job": redis_side["redis_cpu_us_per_job"],
         "producer_cpu_us_per_job": None if prefill else 1e6 * (producer1 - producer0) / n,
-        "aof_bytes_per_job": (disk1 - disk0) / n,
-        "aof_rewrites": rewrites1 - rewrites0,
+        "aof_bytes_per_job": redis_side["aof_bytes_per_job"],
+        "aof_rewrites": redis_side["aof_rewrites"],
         "commands": work,
     }
 

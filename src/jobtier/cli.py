@@ -20,13 +20,7 @@ from jobtier import logs
 from jobtier.config import Settings, settings_table
 from jobtier.errors import ConfigError
 from jobtier.keys import Keys
-from jobtier.metrics import (
-    MetricsPublisher,
-    TransitionCounter,
-    persister_source,
-    scheduler_source,
-    worker_source,
-)
+from jobtier.metrics.snapshot import MetricsPublisher
 
 log = logging.getLogger("jobtier.cli")
 
@@ -90,12 +84,8 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
                 gc.collect()
                 gc.freeze()
                 gc.set_threshold(20_000, 50, 100)
-            publisher = MetricsPublisher(queue.redis, queue.keys, "worker", [worker_source(worker)])
-            publisher.start()
-            try:
+            async with MetricsPublisher(queue.redis, queue.keys, "worker", [worker]):
                 await worker.run()
-            finally:
-                await publisher.stop()
         return 0
 
     return _run_async(main)
@@ -114,14 +104,8 @@ def cmd_scheduler(args: argparse.Namespace, settings: Settings) -> int:
             async with await Queue.connect(settings) as queue:
                 scheduler = Scheduler(queue, batch=args.batch, store=ScheduleStore(pool))
                 _on_signals(scheduler.stop)
-                publisher = MetricsPublisher(
-                    queue.redis, queue.keys, "scheduler", [scheduler_source(scheduler)]
-                )
-                publisher.start()
-                try:
+                async with MetricsPublisher(queue.redis, queue.keys, "scheduler", [scheduler]):
                     await scheduler.run()
-                finally:
-                    await publisher.stop()
         finally:
             await pool.close()
         return 0
@@ -220,24 +204,49 @@ def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
             settings.database_url, min_size=0, max_size=settings.persist_concurrency + 1
         )
         try:
-            counter = TransitionCounter()
             persister = Persister(
                 settings, redis, pool, args.name or default_name("persister"),
-                concurrency=settings.persist_concurrency, on_commit=counter.observe,
+                concurrency=settings.persist_concurrency,
             )  # fmt: skip
             _on_signals(persister.stop)
-            keys = Keys(settings.prefix, settings.shards)
-            publisher = MetricsPublisher(
-                redis, keys, "persister", [persister_source(persister, counter)]
-            )
-            publisher.start()
-            try:
+            async with MetricsPublisher(redis, persister.keys, "persister", [persister]):
                 await persister.run()
-            finally:
-                await publisher.stop()
         finally:
             await pool.close()
             await redis.aclose()
+        return 0
+
+    return _run_async(main)
+
+
+def cmd_prune(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncpg
+
+    from jobtier.persist.db import connect
+    from jobtier.persist.retention import prune
+
+    async def main() -> int:
+        try:
+            conn = await connect(settings.database_url, timeout=10)
+        except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
+            print(
+                f"jobtier prune: cannot connect to Postgres at JOBTIER_DATABASE_URL ({exc}); "
+                "check that it runs and that the URL is right",
+                file=sys.stderr,
+            )
+            return 1
+        try:
+            report = await prune(conn, settings, dry_run=args.dry_run)
+        except asyncpg.UndefinedTableError as exc:
+            print(f"jobtier prune: {exc}: run `jobtier migrate` first", file=sys.stderr)
+            return 1
+        finally:
+            await conn.close()
+        if report is None:
+            print("another prune pass (a persister's) is running now; nothing done")
+            return 0
+        print("\n".join(("dry run: nothing changed", *report.lines()) if args.dry_run
+                        else report.lines()))  # fmt: skip
         return 0
 
     return _run_async(main)
@@ -251,7 +260,7 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     import socket
 
     from jobtier.connection import connect
-    from jobtier.metrics import process_host, read_snapshots
+    from jobtier.metrics.snapshot import process_host, read_snapshots
 
     host = socket.gethostname()
 
@@ -303,8 +312,10 @@ BENCHMARKS = {
     "throughput": "no-op jobs end to end through workers, and claims per job, against one-job-per-call",
     "pickup": "submit-to-running latency with an idle worker; delayed-job lateness; idle CPU",
     "status_read": "GET /v1/jobs/{id} at 10K+ req/s: hot, spread and churning keys, near cache on and off",
+    "compare": "jobtier beside BullMQ, SAQ, arq, Celery, RQ and Dramatiq: the same no-op jobs, same Redis",
     "persist": "transitions written to Postgres per second and write-behind lag, batched against one INSERT each",
     "schedule": "start lateness of 100K delayed jobs and of a burst of 10K due at once",
+    "history_rows": "history rows Postgres keeps per demo sleep job, progress coalesced or not",
 }
 
 
@@ -434,6 +445,23 @@ def build_parser() -> argparse.ArgumentParser:
         "back to the logs for the persisters to try again, then exit",
     )
     p.set_defaults(func=cmd_persister)
+
+    p = sub.add_parser(
+        "prune",
+        help="apply the Postgres retention now (persisters also do it, hourly by default)",
+        description="Apply the retention settings to JOBTIER_DATABASE_URL once: create the "
+        "history's daily partitions ahead, drop (or, with JOBTIER_PG_HISTORY_DETACH=1, "
+        "detach) those older than JOBTIER_PG_HISTORY_RETENTION_DAYS, and delete the jobs "
+        "that finished more than JOBTIER_PG_JOB_RETENTION_DAYS ago, in small batches (0 "
+        "keeps either forever). Waiting and running jobs are never deleted. Persisters do "
+        "the same every JOBTIER_PRUNE_INTERVAL_SECONDS; one pass runs at a time.",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print what would be created, dropped and deleted, with row counts; change nothing",
+    )
+    p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser(
         "migrate",

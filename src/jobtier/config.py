@@ -114,6 +114,24 @@ class Settings:
     persist_max_lag: int = _setting(
         1_000_000, "Submit answers 503 once this many transitions wait for Postgres."
     )
+    progress_history_seconds: float = _setting(
+        10.0,
+        "A progress-only change enters a job's history at most this often (0: every one); "
+        "state changes and cancel requests always do, and the status document sees each.",
+    )
+    pg_history_retention_days: int = _setting(
+        30, "Days of job history (job_transitions) Postgres keeps, by whole days (0: forever)."
+    )
+    pg_history_detach: bool = _setting(
+        False,
+        "Detach expired history partitions instead of dropping them (you archive and drop them).",
+    )
+    pg_job_retention_days: int = _setting(
+        30, "Days Postgres keeps a finished job after it finished (0: forever); others stay."
+    )
+    prune_interval_seconds: float = _setting(
+        3600.0, "How often a persister prunes Postgres and creates history partitions ahead."
+    )
 
     # --- Operations ------------------------------------------------------------------------
     metrics_public: bool = _setting(
@@ -154,6 +172,19 @@ class Settings:
             problems.append("JOBTIER_DEFAULT_MAX_ATTEMPTS must be at least 1")
         if self.api_server not in ("granian", "uvicorn"):
             problems.append("JOBTIER_API_SERVER must be granian or uvicorn")
+        for name in ("progress_history_seconds", "pg_history_retention_days",
+                     "pg_job_retention_days"):  # fmt: skip
+            if getattr(self, name) < 0:
+                problems.append(f"JOBTIER_{name.upper()} must be 0 (see its help) or more")
+        keep = self.pg_job_retention_days * 86400
+        if 0 < keep < max(self.retention_seconds, self.dead_retention_seconds):
+            # Postgres would forget a job Redis still serves (a dead letter can be replayed)
+            problems.append(
+                "JOBTIER_PG_JOB_RETENTION_DAYS must cover JOBTIER_RETENTION_SECONDS and "
+                "JOBTIER_DEAD_RETENTION_SECONDS (or be 0: forever)"
+            )
+        if self.prune_interval_seconds < 1:
+            problems.append("JOBTIER_PRUNE_INTERVAL_SECONDS must be at least 1")
         if self.log_format not in ("text", "json"):
             problems.append("JOBTIER_LOG_FORMAT must be text or json")
         if not self.prefix or any(c in self.prefix for c in "{} "):

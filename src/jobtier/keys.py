@@ -17,6 +17,7 @@ Per shard::
     jt:{s}:cron              zset   recurring schedules of this shard by next fire time (ms)
     jt:{s}:cron:<id>         hash   a schedule: "def" (JSON), "next", "last" (ms), "paused"
     jt:{s}:log               stream every transition, read by the persister (write-behind)
+    jt:{s}:log:refused       stream log entries Postgres refused for their data, parked
     jt:{s}:ev                shard channel: "<id> <version> <tenant>\\n<status document>"
     jt:{s}:wake              shard channel: "q" (a queue became non-empty), "s <ms>" (an
                              earlier run-at to wake the scheduler for) or "c <ms>" (a
@@ -115,18 +116,12 @@ class Keys:
     def waiting(self, shard: int) -> str:
         return self._bases[shard] + "waiting"
 
-    def wrr(self, shard: int) -> str:
-        return self._bases[shard] + "wrr"
-
     def log(self, shard: int) -> str:
         return self._bases[shard] + "log"
 
     def log_refused(self, shard: int) -> str:
         """Log entries Postgres refused for their data, parked by the persister."""
         return self._bases[shard] + "log:refused"
-
-    def idem(self, shard: int, tenant: str, key: str) -> str:
-        return f"{self._bases[shard]}idem:{tenant}:{key}"
 
     def cron(self, shard: int) -> str:
         return self._bases[shard] + "cron"

@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 
 from jobtier.backoff import SCHEDULER
 from jobtier.connection import ShardSubscriber
+from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
 from jobtier.schedules import CronMirror, mirror_def, to_datetime
@@ -42,7 +43,6 @@ class SchedulerStats:
     requeued: int = 0  # expired leases put back in their queue
     dead: int = 0  # expired leases with no attempts left
     passes: int = 0
-    lateness_ms: list[float] | None = None
 
 
 class Scheduler:
@@ -83,6 +83,20 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self.stats = SchedulerStats()
+
+    def metrics(self) -> Snapshot:
+        """This scheduler's part of its process's metrics snapshot."""
+        st = self.stats
+        return Snapshot(
+            "", "", 0.0,
+            counters={
+                "scheduler_promoted_total": {"": st.promoted},
+                "scheduler_requeued_total": {"": st.requeued},
+                "scheduler_dead_lettered_total": {"": st.dead},
+                "schedule_firings_total": {"": st.fired},
+                "scheduler_passes_total": {"": st.passes},
+            },
+        )  # fmt: skip
 
     def stop(self) -> None:
         self._stopping.set()

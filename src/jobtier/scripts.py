@@ -211,10 +211,16 @@ class Scripts:
         return self.parse_claim(shard, reply)
 
     def heartbeat_call(
-        self, shard: int, worker: str, lease_ms: int, items: Sequence[tuple[str, int, bytes]]
+        self,
+        shard: int,
+        worker: str,
+        lease_ms: int,
+        items: Sequence[tuple[str, int, bytes]],
+        history_ms: int = 0,
     ) -> Call:
-        """items: (job id, lease_version, progress JSON or b'')."""
-        args: list[Any] = [worker, lease_ms, len(items)]
+        """items: (job id, lease_version, progress JSON or b''). A progress change goes to
+        the history only when the job's last logged entry is ``history_ms`` old (0: always)."""
+        args: list[Any] = [worker, lease_ms, history_ms, len(items)]
         for item in items:
             args.extend(item)
         return (self["heartbeat"], shard, args)

@@ -20,7 +20,7 @@ import math
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,13 +30,7 @@ import pytest
 
 from jobtier.api.postgres import PostgresExtension
 from jobtier.config import Settings
-from jobtier.metrics import (
-    MetricsPublisher,
-    Snapshot,
-    TransitionCounter,
-    persister_source,
-    worker_source,
-)
+from jobtier.metrics.snapshot import MetricsPublisher, Source
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.queue import Queue
@@ -94,8 +88,8 @@ class Stack:
     background: Background
     publishers: list[MetricsPublisher] = field(default_factory=list)
 
-    def publish(self, role: str, source: Callable[[], Snapshot]) -> None:
-        publisher = MetricsPublisher(self.queue.redis, self.queue.keys, role, [source])
+    def publish(self, role: str, part: Source) -> None:
+        publisher = MetricsPublisher(self.queue.redis, self.queue.keys, role, [part])
         publisher.start()
         self.publishers.append(publisher)
 
@@ -103,7 +97,7 @@ class Stack:
         """A worker and the publisher of its metrics (claim wait, run time, outcomes)."""
         worker = worker_for(self.queue, registry, concurrency=concurrency, idle_poll=0.2)
         self.background.start(worker)
-        self.publish("worker", worker_source(worker))
+        self.publish("worker", worker)
         return worker
 
 
@@ -119,13 +113,11 @@ async def stack(
     in production; workers are the test's to start."""
     api = await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
     stack = Stack(api, queue, background)
-    counter = TransitionCounter()  # the job counters, from what the persister commits
-    persister = Persister(
-        pg_settings, queue.redis, pg_pool, "dashboard-persister", on_commit=counter.observe
-    )
+    # the job counters come from what the persister commits
+    persister = Persister(pg_settings, queue.redis, pg_pool, "dashboard-persister")
     background.start(persister)
     background.start(Scheduler(queue))  # failed attempts come back through the scheduler
-    stack.publish("persister", persister_source(persister, counter))
+    stack.publish("persister", persister)
     try:
         yield stack
     finally:

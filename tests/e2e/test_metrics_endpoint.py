@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobtier.metrics import MetricsPublisher, worker_source
+from jobtier.metrics.snapshot import MetricsPublisher
 from jobtier.queue import Queue
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import worker_for
@@ -20,7 +20,7 @@ async def test_metrics_show_workers_api_and_queue_gauges(api: ApiServer, queue: 
         await c.post("/v1/jobs", json={"type": "echo", "priority": "high"})
         worker = worker_for(queue, registry, burst=True)
         await worker.run()
-        await MetricsPublisher(queue.redis, queue.keys, "worker", [worker_source(worker)]).publish()
+        await MetricsPublisher(queue.redis, queue.keys, "worker", [worker]).publish()
         await c.post("/v1/jobs", json={"type": "echo", "priority": "low"})  # left waiting
         r = await admin.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")

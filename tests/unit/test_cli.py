@@ -10,7 +10,8 @@ import pytest
 from jobtier.cli import build_parser, main
 
 COMMANDS = [
-    "run", "api", "worker", "scheduler", "persister", "migrate", "bench", "config", "check",
+    "run", "api", "worker", "scheduler", "persister", "migrate", "prune", "bench", "config",
+    "check",
 ]  # fmt: skip
 
 
@@ -44,6 +45,8 @@ def test_bad_input_is_a_clear_error() -> None:
     assert r.returncode == 2 and "invalid choice" in r.stderr
     r = run("config", env={"JOBTIER_SHARDS": "zero", "PATH": ""})
     assert r.returncode == 2 and "JOBTIER_SHARDS='zero' is not a valid int" in r.stderr
+    r = run("prune", env={"JOBTIER_DATABASE_URL": "postgresql://x@127.0.0.1:1/db", "PATH": ""})
+    assert r.returncode == 1 and "cannot connect to Postgres at JOBTIER_DATABASE_URL" in r.stderr
     r = run("api", env={"PATH": ""})  # no keys configured
     assert r.returncode == 2 and "no API keys" in r.stderr
 

@@ -1,4 +1,5 @@
-"""Coalescer: one batch per tick, joins in-flight keys, SingleFlight's failure semantics."""
+"""Coalescer: one batch per tick, joins in-flight keys (the read path's singleflight), and its
+failure semantics."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from jobtier.cache.coalescer import Coalescer
 from jobtier.cache.singleflight import LoadCancelled
-from tests.unit.test_singleflight import Boom, LoopErrors, gather, spin
+from tests.unit.loops import Boom, LoopErrors, gather, spin
 
 
 @pytest.fixture
@@ -153,6 +154,21 @@ async def test_batch_error_reaches_each_waiter_once_and_is_not_cached(
     load.release()
     assert await gather(again) == ["A"]
     assert load.calls == [["a", "b"], ["a"]]
+    loop_errors.check()
+
+
+async def test_waiter_cancelled_in_the_tick_its_batch_failed(loop_errors: LoopErrors) -> None:
+    """The waiter is woken (the error is settled) and cancelled before it runs again."""
+    load = Batches()
+    co: Coalescer[str, str] = Coalescer(load)
+    task = asyncio.create_task(co.get("k"))
+    await spin()
+    load.release(outcome=Boom())
+    await asyncio.sleep(0)  # the batch task settles; the waiter's wake-up is queued
+    task.cancel()
+    [outcome] = await gather(task)
+    assert task.cancelled() or isinstance(outcome, Boom)
+    del task
     loop_errors.check()
 
 

@@ -22,6 +22,45 @@ def test_lua_result_codes_match_the_python_enum() -> None:
     assert {k: int(v) for k, v in lua_codes.items()} == {c.name: c.value for c in Code}
 
 
+def _documented_suffixes() -> set[str]:
+    """The per-shard key suffixes keys.py's docstring lists (``jt:{s}:q:<priority>`` -> q:)."""
+    import jobtier.keys
+
+    doc = jobtier.keys.__doc__ or ""
+    out = set()
+    for line in doc.splitlines():
+        m = re.match(r"^\s+jt:\{s\}:([a-z:]+)(<|\s)", line)
+        if m:
+            out.add(m.group(1))
+    return out
+
+
+def test_the_keys_the_lua_builds_are_the_ones_keys_py_documents() -> None:
+    """Every ``BASE .. 'suffix'`` in the scripts names a documented per-shard key, and each
+    documented key is built by some script or by Keys (no stale layout on either side)."""
+    built = set()
+    for name in [*NAMES, "lib", "read_status"]:
+        built |= set(re.findall(r"BASE \.\. '([a-z:]+)'", lua_source(name)))
+    # a sorted set named by a variable (add_timed(set, ...), next_score(set)): its callers
+    for name in [*NAMES, "lib"]:
+        built |= set(re.findall(r"(?:add_timed|next_score)\('([a-z]+)'", lua_source(name)))
+    documented = _documented_suffixes()
+    assert built, "no key found in the scripts: the pattern is stale"
+    assert built - documented == set(), "keys built by Lua but not documented in keys.py"
+    keys = Keys("jt", 4)
+    from_python = {
+        m.removeprefix(keys.base(1))
+        for m in (
+            keys.queue(1, "high").rsplit(":", 1)[0] + ":", keys.sched(1), keys.active(1),
+            keys.dead(1), keys.waiting(1), keys.log(1), keys.cron(1), keys.events(1),
+            keys.wake(1), keys.job_in(1, "x")[:-1], keys.cron_def(1, "x")[:-1],
+            keys.log_refused(1),
+        )
+    }  # fmt: skip
+    assert from_python - documented == set(), "keys built by keys.py but not documented"
+    assert documented - built - from_python == set(), "documented keys nobody builds"
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_script_has_a_header_and_includes_the_library(name: str) -> None:
     text = (

@@ -6,16 +6,10 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from jobtier.metrics import (
-    Histogram,
-    HistogramWindow,
-    Snapshot,
-    TransitionCounter,
-    labels,
-    quantile,
-    render,
-    totals,
-)
+from jobtier.metrics.histogram import Histogram, quantile
+from jobtier.metrics.prometheus import render
+from jobtier.metrics.snapshot import HistogramWindow, Snapshot, labels, totals
+from jobtier.metrics.transitions import TransitionCounter
 from jobtier.model import JobError, JobStatus, Priority, State
 
 

@@ -39,6 +39,15 @@ def entry(version: int, **fields: bytes) -> dict[bytes, bytes]:
     return base
 
 
+def test_prev_version_comes_from_the_entry_or_means_version_minus_one() -> None:
+    assert parse_entry(0, b"1-0", entry(8, pv=b"2")).prev_version == 2
+    assert parse_entry(0, b"1-0", entry(1, pv=b"0")).prev_version == 0
+    # an entry from a jobtier that logged every version: NULL, read as version - 1
+    assert parse_entry(0, b"1-0", entry(3)).prev_version is None
+    records = transition_records([parse_entry(0, b"1-0", entry(8, pv=b"2"))])
+    assert dict(zip(TRANSITION_COLUMNS, records[0], strict=True))["prev_version"] == 2
+
+
 def test_parse_entry_reads_every_field() -> None:
     e = parse_entry(2, b"1714564800000-3", entry(1, fr=b"", w=b"api", p=b'{"a":1}', ik=b"k"))
     assert (e.shard, e.ms, e.tenant, e.actor) == (2, 1714564800000, "t1", "api")

@@ -28,7 +28,7 @@ from jobtier.cache.redis_reader import Fallback, StatusReader
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber
 from jobtier.errors import ConfigError
-from jobtier.metrics import MetricsPublisher, reader_source
+from jobtier.metrics.snapshot import MetricsPublisher
 from jobtier.queue import Queue
 
 log = logging.getLogger("jobtier.api")
@@ -105,7 +105,7 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             name="api-status",
         )
         admission = Admission(settings, queue, ext.lag)
-        publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader_source(reader)])
+        publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader])
         try:
             await subscriber.start()
             await admission.start()

@@ -16,14 +16,10 @@ from starlette.routing import Route
 from jobtier.api.auth import require_admin
 from jobtier.api.problems import UNAVAILABLE
 from jobtier.api.sse import StreamResponse
-from jobtier.metrics import (
-    HistogramWindow,
-    live_gauges,
-    quantile,
-    read_snapshots,
-    render,
-    totals,
-)
+from jobtier.metrics.gauges import live_gauges
+from jobtier.metrics.histogram import quantile
+from jobtier.metrics.prometheus import render
+from jobtier.metrics.snapshot import HistogramWindow, read_snapshots, totals
 from jobtier.queue import Queue
 
 

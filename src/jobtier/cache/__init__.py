@@ -1,9 +1,10 @@
-"""The status read path: near cache, singleflight, per-tick coalescing, composed by StatusReader."""
+"""The status read path: near cache, then per-tick coalescing (the singleflight of the read
+path), composed by StatusReader (redis_reader.py)."""
 
 from jobtier.cache.coalescer import Coalescer
 from jobtier.cache.nearcache import Entry, NearCache
 from jobtier.cache.redis_reader import Fallback, Listener, Status, StatusReader, parse_version
-from jobtier.cache.singleflight import LoadCancelled, SingleFlight
+from jobtier.cache.singleflight import LoadCancelled
 
 __all__ = [
     "Coalescer",
@@ -12,7 +13,6 @@ __all__ = [
     "Listener",
     "LoadCancelled",
     "NearCache",
-    "SingleFlight",
     "Status",
     "StatusReader",
     "parse_version",

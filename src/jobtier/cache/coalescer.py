@@ -25,7 +25,7 @@ class Coalescer(Generic[K, V]):
     a task of its own. Missing keys (absent from the returned mapping) give ``None``.
 
     It is a singleflight at the same time: a key already pending in this tick, or in a batch
-    still loading, is joined, never requested twice. The guarantees are SingleFlight's:
+    still loading, is joined, never requested twice (singleflight.py: the same guarantees):
 
     * a cancelled waiter never cancels the batch (each batch runs in its own task);
     * all waiters of a batch cancelled: the batch completes, its results are dropped, its

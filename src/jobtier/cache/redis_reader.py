@@ -13,6 +13,7 @@ from jobtier.cache.coalescer import Coalescer
 from jobtier.cache.nearcache import Entry, NearCache
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
+from jobtier.metrics.snapshot import Snapshot
 from jobtier.scripts import Script, evalsha, evalsha_many
 
 log = logging.getLogger("jobtier.cache")
@@ -297,6 +298,24 @@ class StatusReader:
                 del self._listeners[job_id]
 
     # --- metrics ------------------------------------------------------------------------
+    def metrics(self) -> Snapshot:
+        """This reader's part of its API process's metrics snapshot."""
+        s = self.stats()
+        return Snapshot(
+            "", "", 0.0,
+            counters={
+                "status_requests_total": {"": s["requests"]},
+                "status_near_cache_hits_total": {"": s["near_hits"]},
+                "status_redis_loads_total": {"": s["redis_loads"]},
+                "status_redis_round_trips_total": {"": s["batches"]},
+                "status_fallback_loads_total": {"": s["fallback_loads"]},
+            },
+            gauges={
+                "status_listeners": {"": s["listeners"]},
+                "near_cache_entries": {"": s.get("near_size", 0)},
+            },
+        )  # fmt: skip
+
     def stats(self) -> dict[str, float]:
         """Counters for the metrics endpoint (monotonic, except sizes)."""
         out: dict[str, float] = {

@@ -101,10 +101,6 @@ class LocalPostgres:
     def dsn_for(self, database: str, user: str | None = None) -> str:
         return f"postgresql://{user or self.user}@127.0.0.1:{self.port}/{database}"
 
-    @property
-    def admin_dsn(self) -> str:
-        return self.dsn_for("postgres", SUPERUSER)
-
     def _socket_dir(self) -> Path:
         # a unix socket path must fit in 107 bytes (sun_path); deep folders fall back to /tmp
         sock = self.folder / "sock"

@@ -24,13 +24,7 @@ import uvicorn
 
 from jobtier.config import Settings
 from jobtier.dev.redis import LocalRedis
-from jobtier.metrics import (
-    MetricsPublisher,
-    TransitionCounter,
-    persister_source,
-    scheduler_source,
-    worker_source,
-)
+from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
 from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from jobtier.worker.registry import TaskRegistry
@@ -41,6 +35,7 @@ log = logging.getLogger("jobtier.run")
 
 class Part(Protocol):
     def stop(self) -> None: ...
+    def metrics(self) -> Snapshot: ...
 
 
 def _listening(port: int) -> bool:
@@ -132,14 +127,9 @@ async def run_all(
         async with await Queue.connect(settings, registry) as queue:
             worker = Worker(queue, registry, concurrency=args.concurrency)
             scheduler = Scheduler(queue, store=ScheduleStore(pool))
-            counter = TransitionCounter()
-            persister = Persister(
-                settings, queue.redis, pool, "run-persister", on_commit=counter.observe
-            )
-            publisher = MetricsPublisher(
-                queue.redis, queue.keys, "run",
-                [worker_source(worker), scheduler_source(scheduler), persister_source(persister, counter)],
-            )  # fmt: skip
+            persister = Persister(settings, queue.redis, pool, "run-persister")
+            parts: list[Part] = [worker, scheduler, persister]
+            publisher = MetricsPublisher(queue.redis, queue.keys, "run", parts)
             publisher.start()
             app = create_app(settings, postgres_extension(settings))
             config = uvicorn.Config(
@@ -147,7 +137,6 @@ async def run_all(
                 lifespan="on", log_config=None, access_log=False,
             )  # fmt: skip
             server = EmbeddedServer(config)
-            parts: list[Part] = [worker, scheduler, persister]
 
             def stop() -> None:
                 server.should_exit = True

@@ -4,19 +4,25 @@
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  worker id
 -- ARGV[3]  lease, ms (new deadline = now + lease)
--- ARGV[4]  number of jobs n, then 3 fields per job:
+-- ARGV[4]  progress history interval, ms (0 = log every progress change)
+-- ARGV[5]  number of jobs n, then 3 fields per job:
 --            id, lease_version (the fencing token from claim), progress JSON ('' = unchanged)
 -- Returns  per job: code, cancel requested (1/0)
 --            OK, NOT_FOUND, WRONG_STATE (no longer running), VERSION_CONFLICT (the job was
 --            reclaimed and claimed again), NOT_OWNER
 -- A refused heartbeat tells the worker it lost the job: it must stop and drop the result.
--- A new progress value is a change of the status document: version + 1, logged, published.
+-- A new progress value is a change of the status document: version + 1, stored and
+-- published (ETags and event streams see every report). It is appended to the log (the
+-- history Postgres keeps) only when the job's last logged entry is at least the interval
+-- old: a chatty task costs one history row per interval, not one per report; the next
+-- logged entry carries the latest progress.
 --!include lib.lua
 
-local worker, deadline, n = ARGV[2], NOW + tonumber(ARGV[3]), tonumber(ARGV[4])
+local worker, deadline = ARGV[2], NOW + tonumber(ARGV[3])
+local every, n = tonumber(ARGV[4]), tonumber(ARGV[5])
 local out = {}
 for i = 0, n - 1 do
-  local a = 5 + i * 3
+  local a = 6 + i * 3
   local id, progress = ARGV[a], ARGV[a + 2]
   local j = load(id)
   local code = check_lease(j, ARGV[a + 1], worker)
@@ -25,7 +31,9 @@ for i = 0, n - 1 do
     redis.call('ZADD', BASE .. 'active', deadline, id)
     if progress ~= '' and progress ~= j.progress then
       j.progress = progress
-      commit(j, 'running', worker)
+      -- lt is '' for a job from before it existed: log
+      local quiet = every > 0 and j.lt ~= '' and NOW - tonumber(j.lt) < every
+      commit(j, 'running', worker, nil, quiet)
     end
     if j.cancel == '1' then
       cancel = 1

@@ -8,6 +8,9 @@
 --   Times are Redis's own clock (TIME) in milliseconds: one clock for every process.
 --   Each transition goes through commit(): version + 1, status document re-rendered and
 --   stored (write-through), an entry appended to the log stream, the new status published.
+--   A progress-only change may be left out of the log (commit's `quiet`); every log entry
+--   names the version of the job's previous logged entry, so the history Postgres keeps can
+--   be proven complete (persist/queries.sql: history_gaps).
 
 -- Result codes: errors.py Code holds the same names and values (a unit test checks).
 local OK = 0
@@ -33,9 +36,10 @@ local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 -- the fields a transition reads and writes (payload, result and doc are handled apart)
 -- created_iso and run_at_iso keep the rendered form of times that change seldom or never
 -- (see render): formatting a date is a quarter of a transition's cost in Redis.
+-- lv and lt are the version and time (ms) of the job's last logged entry (see commit).
 local FIELDS = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
                 'created', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
-                'lease_version', 'created_iso', 'run_at_iso'}
+                'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt'}
 
 local function job_key(id)
   return BASE .. 'job:' .. id
@@ -149,25 +153,40 @@ end
 -- fields and the re-rendered document, keep the per-tenant waiting count, append to the
 -- log, publish. `actor` is who made it (worker id, 'scheduler', 'api'); `extra` adds
 -- fields to the log entry (payload at submit, result at success).
-local function commit(j, from, actor, extra)
-  j.version = int(tonumber(j.version) + 1)
+-- Every log entry carries 'pv', the version of the job's previous logged entry (0 for the
+-- submit): Postgres follows these links to prove that no logged entry went missing. `quiet`
+-- (only a progress-only change may ask it: heartbeat.lua) stores and publishes the change
+-- like any other but leaves it out of the log; the next logged entry's document carries
+-- the progress, so only intermediate values are missing from the history, provably.
+local function commit(j, from, actor, extra, quiet)
+  local prev = j.version
+  j.version = int(tonumber(prev) + 1)
   j.updated = NOW_STR
   local doc = render(j)
+  if not quiet then
+    if j.lv ~= '' then  -- '': a job from before lv existed, when every version was logged
+      prev = j.lv
+    end
+    j.lv, j.lt = j.version, NOW_STR
+  end
   redis.call('HSET', job_key(j.id), 'state', j.state, 'version', j.version,
              'attempt', j.attempt, 'updated', j.updated, 'run_at', j.run_at,
              'run_at_iso', j.run_at_iso,
              'error', j.error, 'progress', j.progress, 'cancel', j.cancel,
-             'worker', j.worker, 'lease_version', j.lease_version, 'doc', doc)
+             'worker', j.worker, 'lease_version', j.lease_version, 'lv', j.lv, 'lt', j.lt,
+             'doc', doc)
   if WAITING[from] ~= WAITING[j.state] then
     redis.call('HINCRBY', BASE .. 'waiting', j.tenant, WAITING[j.state] and 1 or -1)
   end
-  local entry = {'d', doc, 'tn', j.tenant, 'fr', from, 'w', actor}
-  if extra then
-    for i = 1, #extra do
-      entry[#entry + 1] = extra[i]
+  if not quiet then
+    local entry = {'d', doc, 'tn', j.tenant, 'fr', from, 'w', actor, 'pv', prev}
+    if extra then
+      for i = 1, #extra do
+        entry[#entry + 1] = extra[i]
+      end
     end
+    redis.call('XADD', BASE .. 'log', '*', unpack(entry))
   end
-  redis.call('XADD', BASE .. 'log', '*', unpack(entry))
   redis.call('SPUBLISH', BASE .. 'ev', j.id .. ' ' .. j.version .. ' ' .. j.tenant .. '\n' .. doc)
   return doc
 end
@@ -205,7 +224,8 @@ local function create_job(id, tenant, type, prio, payload, max_attempts, due, id
   local j = {id = id, tenant = tenant, type = type, prio = prio, state = 'queued',
              version = '0', attempt = '0', max_attempts = max_attempts, created = NOW_STR,
              run_at = '', error = '', progress = '', cancel = '0', worker = '',
-             lease_version = '0', created_iso = iso_str(NOW_STR), run_at_iso = ''}
+             lease_version = '0', created_iso = iso_str(NOW_STR), run_at_iso = '', lv = '',
+             lt = ''}
   if due ~= '' then
     j.run_at = int(due)
     if due > NOW then

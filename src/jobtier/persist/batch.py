@@ -28,6 +28,9 @@ class LogEntry:
     tenant: str
     from_state: str | None  # None for the submit entry
     actor: str  # worker id, 'api', 'scheduler', 'admin'
+    # the job's previous logged version (0 for the submit); None from a jobtier that logged
+    # every version, so version - 1 (queries.sql: history_gaps)
+    prev_version: int | None = None
     payload: bytes | None = None  # submit only
     idempotency_key: str | None = None  # submit only, when given
     result: bytes | None = None  # success only; b"" means a null result
@@ -43,6 +46,7 @@ def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogE
     doc = fields[b"d"]
     status = status_decoder.decode(doc)
     ik = fields.get(b"ik")
+    pv = fields.get(b"pv")
     return LogEntry(
         shard=shard,
         entry_id=entry_id,
@@ -51,6 +55,7 @@ def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogE
         tenant=fields[b"tn"].decode(),
         from_state=fields[b"fr"].decode() or None,
         actor=fields[b"w"].decode(),
+        prev_version=int(pv) if pv is not None else None,
         payload=fields.get(b"p"),
         idempotency_key=ik.decode() if ik else None,
         result=fields.get(b"r"),
@@ -100,8 +105,8 @@ JOB_COLUMNS = (
     "error", "progress", "cancel_requested", "worker", "doc",
 )  # fmt: skip
 TRANSITION_COLUMNS = (
-    "job_id", "version", "from_state", "to_state", "at", "worker", "attempt", "error",
-    "progress", "cancel_requested",
+    "job_id", "version", "prev_version", "from_state", "to_state", "at", "worker", "attempt",
+    "error", "progress", "cancel_requested",
 )  # fmt: skip
 
 
@@ -129,8 +134,8 @@ def transition_records(entries: Sequence[LogEntry]) -> list[tuple[Any, ...]]:
     for e in entries:
         s = e.status
         out.append((
-            s.id, s.version, e.from_state, s.state, _ts(s.updated_at), e.actor, s.attempt,
-            _json(s.error), _json(s.progress), s.cancel_requested,
+            s.id, s.version, e.prev_version, e.from_state, s.state, _ts(s.updated_at), e.actor,
+            s.attempt, _json(s.error), _json(s.progress), s.cancel_requested,
         ))  # fmt: skip
     return out
 

@@ -36,9 +36,12 @@ from jobtier.backoff import PERSIST_POSTGRES, PERSIST_REDIS
 from jobtier.config import Settings
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
+from jobtier.metrics.histogram import SIZE_BUCKETS, Histogram
+from jobtier.metrics.snapshot import Snapshot
+from jobtier.metrics.transitions import TransitionCounter
 from jobtier.persist.batch import LogEntry, parse_entry, write_batch
 from jobtier.persist.db import Pool
-from jobtier.persist.pg_reader import lag
+from jobtier.persist.retention import run_pruning
 
 log = logging.getLogger("jobtier.persist")
 
@@ -77,7 +80,7 @@ FORGET_IDLE_MS = 3_600_000
 
 @dataclass
 class PersisterStats:
-    """Counters for the metrics endpoint (plain attributes until prometheus is wired)."""
+    """What the persister has done since it started (its metrics)."""
 
     batches: int = 0
     transitions: int = 0  # log entries committed (history rows, replays included)
@@ -86,19 +89,17 @@ class PersisterStats:
     claimed: int = 0  # entries taken over from idle consumers
     bad_entries: int = 0  # entries that cannot be stored (logged; parked when refused)
     parked: int = 0  # entries Postgres refused, moved to the shard's log:refused stream
-    last_batch_size: int = 0
-    last_commit_seconds: float = 0.0
-    lag_entries: int = 0
-    lag_seconds: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list, repr=False)  # recent, for a histogram
+    batch_sizes: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS), repr=False)
+    job_counts: TransitionCounter = field(default_factory=TransitionCounter, repr=False)
 
 
 class Persister:
     """One member of the persister consumer group. ``await run()`` until ``stop()``.
 
-    ``name`` is its consumer name: keep it stable across restarts (host and slot, not pid) and
-    a restarted persister picks up its own unfinished entries at once instead of after the
-    idle timeout. ``on_commit(entries, wall_time)`` is called after each commit (benchmarks).
+    ``name`` is its consumer name. `jobtier persister` defaults to one with the pid in it, so
+    two persisters on a host never share a name; a dead one's unfinished entries are then
+    taken over by the others after ``persist_claim_idle_seconds``. A name kept stable across
+    restarts (``--name``: host and slot) lets a restarted persister pick up its own at once. ``on_commit(entries, wall_time)`` is called after each commit (benchmarks).
     """
 
     def __init__(
@@ -141,6 +142,24 @@ class Persister:
         self._next_trim = 0.0
 
     # --- life cycle -----------------------------------------------------------------------
+    def metrics(self) -> Snapshot:
+        """This persister's part of its process's metrics snapshot, with the job counters by
+        type counted from what it committed."""
+        st = self.stats
+        counters = {name: dict(series) for name, series in st.job_counts.counts.items()}
+        counters.update({
+            "persister_batches_total": {"": st.batches},
+            "persister_retries_total": {"": st.retries},
+            "persister_claimed_total": {"": st.claimed},
+            "persister_bad_entries_total": {"": st.bad_entries},
+            "persister_parked_total": {"": st.parked},
+        })  # fmt: skip
+        return Snapshot(
+            "", "", 0.0,
+            counters=counters,
+            histograms={"persister_batch_size": {"": st.batch_sizes.snapshot()}},
+        )  # fmt: skip
+
     async def setup(self) -> None:
         """Create the consumer group on every shard stream (from the first entry) if missing."""
         pipe = self.redis.pipeline(transaction=False)
@@ -159,6 +178,7 @@ class Persister:
     async def run(self) -> None:
         """Persist until ``stop()``; what is buffered then is written once more, without retries."""
         log.info("event=persister_started name=%s shards=%d", self.name, self.keys.shards)
+        pruning = asyncio.create_task(run_pruning(self.settings, self._stop))  # retention.py
         backoff, idle = PERSIST_REDIS.start(), IDLE_SLEEP_MIN
         try:
             while not self._stop.is_set():
@@ -191,6 +211,7 @@ class Persister:
                 await self._ack()
         finally:
             self._cancel_flushes()
+            pruning.cancel()
         log.info("event=persister_stopped name=%s", self.name)
 
     async def step(self) -> bool:
@@ -230,7 +251,6 @@ class Persister:
         if now >= self._next_trim:
             self._next_trim = now + TRIM_EVERY
             await self.trim()
-            self.stats.lag_entries, self.stats.lag_seconds = await lag(self.redis, self.keys)
         return moved
 
     async def drain(self) -> int:
@@ -386,7 +406,6 @@ class Persister:
 
     async def _flush(self, batch: list[LogEntry], retry: bool = True) -> None:
         """Commit a batch (retrying through outages), then queue its XACKs."""
-        started = time.monotonic()
         try:
             written = await self._commit(batch, retry)
         finally:
@@ -399,10 +418,8 @@ class Persister:
         stats = self.stats
         stats.batches += 1
         stats.transitions += len(written)
-        stats.last_batch_size = len(batch)
-        stats.last_commit_seconds = time.monotonic() - started
-        stats.batch_sizes.append(len(batch))
-        del stats.batch_sizes[:-1000]
+        stats.batch_sizes.observe(len(batch))
+        stats.job_counts.observe(written)
         if self.on_commit is not None:
             self.on_commit(written, time.time())
 

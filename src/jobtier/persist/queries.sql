@@ -9,14 +9,17 @@ CREATE TEMP TABLE IF NOT EXISTS transitions_staging (LIKE job_transitions) ON CO
 
 -- name: insert_transitions
 -- Replays (a batch committed but not acknowledged before a crash, or an entry claimed by two
--- persisters) hit the key and are ignored. Ordered so that concurrent persisters take key
--- locks in one order (no deadlocks).
+-- persisters) hit the key and are ignored: a replayed entry carries the same document, so the
+-- same `at`, and lands in the same partition, whose part of the key catches it. Ordered so
+-- that concurrent persisters take key locks in one order (no deadlocks).
 INSERT INTO job_transitions
-    (job_id, version, from_state, to_state, at, worker, attempt, error, progress, cancel_requested)
-SELECT job_id, version, from_state, to_state, at, worker, attempt, error, progress, cancel_requested
+    (job_id, version, prev_version, from_state, to_state, at, worker, attempt, error, progress,
+     cancel_requested)
+SELECT job_id, version, prev_version, from_state, to_state, at, worker, attempt, error, progress,
+       cancel_requested
 FROM transitions_staging
 ORDER BY job_id, version
-ON CONFLICT (job_id, version) DO NOTHING
+ON CONFLICT (job_id, version, at) DO NOTHING
 
 -- name: upsert_jobs
 -- One row per job (the batch was collapsed to each job's highest version). The row only moves
@@ -84,12 +87,39 @@ LIMIT $2
 
 -- name: history
 -- Empty for an unknown job and for another tenant's job alike: the caller cannot tell them apart.
-SELECT t.version, t.from_state, t.to_state, t.at, t.worker, t.attempt, t.error, t.progress,
-       t.cancel_requested
+-- No transition precedes its job's creation (both times come from one Redis clock): the
+-- bound on `at` lets the executor skip the daily partitions older than the job.
+SELECT t.version, t.prev_version, t.from_state, t.to_state, t.at, t.worker, t.attempt, t.error,
+       t.progress, t.cancel_requested
 FROM jobs j
-JOIN job_transitions t ON t.job_id = j.id
+JOIN job_transitions t ON t.job_id = j.id AND t.at >= j.created_at
 WHERE j.id = $1 AND j.tenant = $2
 ORDER BY t.version
+
+-- name: history_gaps
+-- Proof that the history of the jobs $1 (ids) is complete: follows each job's prev_version
+-- links (NULL: version - 1) from its latest version in `jobs` down to version 1, and returns
+-- every link that leads to a missing row: (job_id, missing_version, named_by: the version
+-- whose row names it, NULL for the latest). A job `jobs` does not know comes back with
+-- missing_version NULL. No row back = every logged transition of those jobs is in Postgres.
+-- History older than JOBTIER_PG_HISTORY_RETENTION_DAYS is dropped by design: audit younger
+-- jobs. Links are only ever followed downwards, so a corrupt row cannot make it loop.
+WITH RECURSIVE chain (job_id, version, named_by) AS (
+    SELECT ids.id, j.version, NULL::integer
+    FROM unnest($1::text[]) AS ids (id)
+    LEFT JOIN jobs j ON j.id = ids.id
+  UNION ALL
+    SELECT t.job_id, coalesce(t.prev_version, t.version - 1), t.version
+    FROM chain c
+    JOIN job_transitions t ON t.job_id = c.job_id AND t.version = c.version
+    WHERE coalesce(t.prev_version, t.version - 1) BETWEEN 1 AND t.version - 1
+)
+SELECT DISTINCT c.job_id, c.version AS missing_version, c.named_by
+FROM chain c
+WHERE NOT EXISTS (
+    SELECT 1 FROM job_transitions t WHERE t.job_id = c.job_id AND t.version = c.version
+)
+ORDER BY c.job_id, c.version
 
 -- name: result
 SELECT j.state, j.version, coalesce(j.result, r.result) AS result
@@ -145,3 +175,80 @@ FROM unnest($1::text[], $2::timestamptz[], $3::timestamptz[]) AS t(id, next_fire
 WHERE s.id = t.id
   AND (s.next_fire_at IS DISTINCT FROM t.next_fire_at
        OR s.last_fired_at IS DISTINCT FROM t.last_fired_at)
+
+-- --- retention (persist/retention.py) --------------------------------------------------------
+-- name: prune_lock
+-- Session-level, on the pass's own connection: held across the pass's many short transactions.
+SELECT pg_try_advisory_lock($1)
+
+-- name: prune_unlock
+SELECT pg_advisory_unlock($1)
+
+-- name: history_partitions
+-- The partitions of job_transitions and their bounds ([lower, upper); NULL for MINVALUE,
+-- MAXVALUE and the default partition), read back from the bound's text: Postgres renders the
+-- bounds as timestamptz literals with their offset.
+SELECT c.relname AS name,
+       c.relpartbound IS NOT NULL AND pg_get_expr(c.relpartbound, c.oid) = 'DEFAULT' AS is_default,
+       (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'FROM \(''([^'']+)''\)'))[1]::timestamptz
+           AS lower,
+       (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']+)''\)'))[1]::timestamptz
+           AS upper
+FROM pg_inherits i
+JOIN pg_class c ON c.oid = i.inhrelid
+WHERE i.inhparent = 'job_transitions'::regclass
+ORDER BY upper NULLS FIRST, c.relname
+
+-- name: create_history_partition
+-- retention.py fills in {partition} (a quoted name) and {lower}, {upper} (timestamptz
+-- literals). Made apart and then attached: ATTACH takes SHARE UPDATE EXCLUSIVE on the parent,
+-- so the persister's inserts go on. The default partition is locked first, then emptied of the
+-- day's rows (ATTACH would refuse them; locked, none can arrive in between).
+LOCK TABLE job_transitions_default IN ACCESS EXCLUSIVE MODE;
+CREATE TABLE {partition} (LIKE job_transitions INCLUDING ALL);
+WITH moved AS (
+    DELETE FROM job_transitions_default WHERE at >= {lower} AND at < {upper}
+    RETURNING job_id, version, prev_version, from_state, to_state, at, worker, attempt, error,
+              progress, cancel_requested
+)
+INSERT INTO {partition}
+    (job_id, version, prev_version, from_state, to_state, at, worker, attempt, error, progress,
+     cancel_requested)
+SELECT * FROM moved;
+ALTER TABLE job_transitions ATTACH PARTITION {partition} FOR VALUES FROM ({lower}) TO ({upper})
+
+-- name: drop_history_partition
+DROP TABLE {partition}
+
+-- name: detach_history_partition
+-- The table stays, outside job_transitions, for an operator to archive (pg_dump -t) and drop.
+ALTER TABLE job_transitions DETACH PARTITION {partition}
+
+-- name: count_partition_rows
+SELECT count(*) FROM {partition}
+
+-- name: count_old_default_history
+SELECT count(*) FROM job_transitions_default WHERE at < $1
+
+-- name: delete_old_default_history
+-- One bounded batch ($2 rows); the default partition is small (rows no daily one covered).
+DELETE FROM job_transitions_default
+WHERE ctid = ANY (ARRAY(SELECT ctid FROM job_transitions_default WHERE at < $1 LIMIT $2))
+
+-- name: count_finished_jobs
+SELECT count(*) FROM jobs
+WHERE state IN ('succeeded', 'failed', 'cancelled') AND updated_at < $1
+
+-- name: delete_finished_jobs
+-- One bounded batch ($2 rows, through jobs_finished_idx) of jobs finished before $1. Rows a
+-- persister is writing are skipped, not waited for (the next batch or pass takes them); the
+-- state is checked on the locked row, so a job moving on meanwhile (a replayed dead letter)
+-- is not deleted. job_results rows go with their job (ON DELETE CASCADE).
+DELETE FROM jobs
+WHERE id IN (
+    SELECT id FROM jobs
+    WHERE state IN ('succeeded', 'failed', 'cancelled') AND updated_at < $1
+    ORDER BY updated_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)

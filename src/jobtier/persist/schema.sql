@@ -46,13 +46,27 @@ CREATE TABLE jobs (
 CREATE INDEX jobs_tenant_created_idx ON jobs (tenant, created_at, id);
 CREATE INDEX jobs_tenant_state_created_idx ON jobs (tenant, state, created_at, id);
 CREATE INDEX jobs_tenant_type_created_idx ON jobs (tenant, type, created_at, id);
+-- retention: finished jobs by when they finished (persist/retention.py deletes the old ones)
+CREATE INDEX jobs_finished_idx ON jobs (updated_at)
+    WHERE state IN ('succeeded', 'failed', 'cancelled');
 
--- Every change of every job's status document, exactly once: the key makes replays harmless.
--- `worker` is who made the change: a worker id, or 'api', 'scheduler', 'admin'. No foreign key
--- to jobs: the history is append-only and written at tens of thousands of rows a second.
+-- Every change of every job's status document that its shard log carried (a progress-only
+-- change may be left out of the log: lua/heartbeat.lua), exactly once: the key makes replays
+-- harmless, as a replayed entry carries the same `at`. `prev_version` is the version of the
+-- job's previous row (0 for its first; NULL means version - 1: rows from before the column,
+-- when every version was logged). Following it from the job's latest version down to version
+-- 1 proves the history complete (queries.sql: history_gaps). `worker` is who made the
+-- change: a worker id, or 'api', 'scheduler', 'admin'. No foreign key to jobs: the history is
+-- append-only and written at tens of thousands of rows a second.
+--
+-- Partitioned by day (UTC) on `at`, so that retention drops whole days instead of deleting
+-- rows (persist/retention.py creates the daily partitions ahead and drops the expired ones);
+-- rows no daily partition covers land in job_transitions_default, so a write is never
+-- refused for want of a partition. The key must include the partition key, hence `at`.
 CREATE TABLE job_transitions (
     job_id           text        NOT NULL,
     version          integer     NOT NULL,
+    prev_version     integer,
     from_state       text,
     to_state         text        NOT NULL,
     at               timestamptz NOT NULL,
@@ -61,8 +75,10 @@ CREATE TABLE job_transitions (
     error            json,
     progress         json,
     cancel_requested boolean     NOT NULL,
-    CONSTRAINT job_transitions_pkey PRIMARY KEY (job_id, version)
-);
+    CONSTRAINT job_transitions_pkey PRIMARY KEY (job_id, version, at)
+) PARTITION BY RANGE (at);
+
+CREATE TABLE job_transitions_default PARTITION OF job_transitions DEFAULT;
 
 -- Results larger than the inline limit.
 CREATE TABLE job_results (

@@ -34,7 +34,8 @@ from redis.exceptions import RedisError
 from jobtier.backoff import CLAIM, REPORT
 from jobtier.connection import ShardSubscriber
 from jobtier.errors import Cancelled, Code, Fatal, Retry
-from jobtier.metrics import Histogram
+from jobtier.metrics.histogram import Histogram
+from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.model import ClaimedJob, encode_json
 from jobtier.queue import Queue
 from jobtier.scripts import Call
@@ -59,11 +60,8 @@ class WorkerStats:
     released: int = 0
     refused: int = 0  # stale writes refused by Redis (this worker had lost the job)
     leases_lost: int = 0
-    claim_wait: list[float] = field(default_factory=list)  # recent claim waits, seconds
-    run_time: list[float] = field(default_factory=list)
-    # the same, cumulative since start, for the metrics endpoint
-    claim_wait_hist: Histogram = field(default_factory=Histogram)
-    run_time_hist: Histogram = field(default_factory=Histogram)
+    claim_wait: Histogram = field(default_factory=Histogram)  # seconds, since start
+    run_time: Histogram = field(default_factory=Histogram)
 
 
 @dataclass(slots=True)
@@ -114,6 +112,7 @@ class Worker:
         self.idle_poll = idle_poll
         self.progress_interval = progress_interval
         self.lease_ms = int(self.settings.lease_seconds * 1000)
+        self.history_ms = int(self.settings.progress_history_seconds * 1000)
         self.stats = WorkerStats()
         self._threads = ThreadPoolExecutor(threads or min(32, concurrency), "jobtier-task")
         self._running: dict[str, _Running] = {}
@@ -140,6 +139,35 @@ class Worker:
         self._subscriber: ShardSubscriber | None = None
 
     # --- lifecycle --------------------------------------------------------------------------
+    def metrics(self) -> Snapshot:
+        """This worker's part of its process's metrics snapshot."""
+        st = self.stats
+        outcomes: dict[str, float] = {
+            labels(outcome="succeeded"): st.succeeded,
+            labels(outcome="retried"): st.retried,
+            labels(outcome="failed"): st.failed,
+            labels(outcome="cancelled"): st.cancelled,
+            labels(outcome="released"): st.released,
+        }
+        return Snapshot(
+            "", "", 0.0,
+            counters={
+                "worker_jobs_started_total": {"": st.claimed},
+                "worker_claim_round_trips_total": {"": st.claim_round_trips},
+                "worker_outcomes_total": outcomes,
+                "stale_writes_refused_total": {"": st.refused},
+                "leases_lost_total": {"": st.leases_lost},
+            },
+            gauges={
+                "worker_running_jobs": {"": len(self._running)},
+                "worker_concurrency": {"": self.concurrency},
+            },
+            histograms={
+                "claim_wait_seconds": {"": st.claim_wait.snapshot()},
+                "run_time_seconds": {"": st.run_time.snapshot()},
+            },
+        )  # fmt: skip
+
     def stop(self) -> None:
         """Graceful stop: no more claims; running jobs get ``shutdown_grace`` to finish."""
         if not self._stopping.is_set():
@@ -315,8 +343,7 @@ class Worker:
     def _start(self, job: ClaimedJob, shard: int, now_ms: int) -> None:
         self.stats.claimed += 1
         waited = max(now_ms - job.queued_at_ms, 0) / 1000
-        self._record(self.stats.claim_wait, waited)
-        self.stats.claim_wait_hist.observe(waited)
+        self.stats.claim_wait.observe(waited)
         ctx = JobContext(
             job, shard, self.id, self._loop, lambda data: self._on_progress(job.id, data)
         )
@@ -371,9 +398,7 @@ class Worker:
                 else:
                     self._report("complete", r, (data,))
         finally:
-            ran = time.monotonic() - r.started
-            self._record(self.stats.run_time, ran)
-            self.stats.run_time_hist.observe(ran)
+            self.stats.run_time.observe(time.monotonic() - r.started)
             self._running.pop(job.id, None)
             self._slot_free.set()
 
@@ -436,7 +461,9 @@ class Worker:
                 for shard, items in by_shard.items():
                     if kind == "progress":
                         calls.append(
-                            self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items)
+                            self.scripts.heartbeat_call(
+                                shard, self.id, self.lease_ms, items, self.history_ms
+                            )
                         )
                     elif kind == "complete":
                         calls.append(
@@ -544,7 +571,7 @@ class Worker:
         if not by_shard:
             return
         calls = [
-            self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items)
+            self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items, self.history_ms)
             for shard, items in by_shard.items()
         ]
         self._beat_idle.clear()
@@ -624,9 +651,3 @@ class Worker:
             for t in tasks:
                 t.cancel()
         return bool(done)
-
-    @staticmethod
-    def _record(series: list[float], value: float) -> None:
-        series.append(value)
-        if len(series) > 10_000:
-            del series[:5_000]

@@ -1,0 +1,630 @@
+"""Benchmark: jobtier beside BullMQ, SAQ, arq, Celery, RQ and Dramatiq, all measured here.
+
+Every system runs the same workload through its own client and worker, on the same Redis:
+``--jobs`` (20K) no-op jobs, one worker process at concurrency 50 where the system has the
+notion, the producer in a process of its own. For each (system, Redis mode, run):
+
+* a fresh ``redis-server`` (loopback, its own temporary folder and free port; ``noeviction``)
+  with the append-only file off or ``everysec`` (``--modes``). jobtier refuses a Redis without
+  AOF unless ``JOBTIER_REDIS_REQUIRE_AOF=0``, which the AOF-off mode sets;
+* enqueue: the producer alone (no worker running) enqueues every job by the system's fastest
+  documented method (bulk where it exists); jobs/s from its first enqueue to its last
+  returning. Redis is then emptied (FLUSHALL, AOF rewritten small: ``common.fresh``);
+* end to end: the worker process is started and left idle (0.5 s after it says it is ready),
+  then the producer enqueues the jobs again; jobs/s from the first enqueue to the last job
+  finished as the system itself reports it (its completion event or hook, in the worker);
+* Redis's side of the end-to-end phase (``common.RedisMeter``), per job: CPU (INFO cpu,
+  ``used_cpu_user`` + ``used_cpu_sys``); commands (INFO commandstats: commands run inside Lua
+  scripts count, as they do in INFO stats ``total_commands_processed``; the bench's own INFO
+  and CONFIG are left out); AOF bytes: what the redis-server process wrote to files
+  (``/proc/<pid>/io`` wchar less the bytes it sent to clients), which keeps counting across
+  an AOF rewrite, ~0 with AOF off;
+* the worker process's CPU over the same phase (``/proc/<pid>/stat``; jobtier's from the
+  worker itself).
+
+Runs are interleaved round-robin (run 1: every system in every mode, then run 2, ...) so a
+slow spell on this shared machine lands on all of them; figures are medians of the runs, and
+each system's end-to-end rate is also given as a ratio to BullMQ's in the same mode.
+
+The peers are driven by small programs of ours under ``bench/compare/`` written against their
+documented APIs; each file's docstring says how it enqueues and what it counts as finished:
+
+* BullMQ (``compare/bullmq/``, Node; pinned in ``package-lock.json``): ``Queue.addBulk``, 500
+  per call; ``Worker`` at concurrency 50, its ``completed`` event. Node and npm come from
+  Debian (``apt-get install nodejs npm``) when missing; ``npm ci`` on first use.
+* SAQ, arq, Celery, RQ, Dramatiq (``compare/drivers/``): each in a virtualenv of its own,
+  ``compare/.venv/<peer>/``, from ``compare/requirements/<peer>.txt`` (every version pinned),
+  made on first use: their dependencies conflict with each other (arq needs redis-py < 6,
+  Celery's kombu >= 6.4) and never mix with jobtier's.
+* jobtier: ``throughput.py``'s enqueue and end-to-end measurements (``submit_many`` 500 per
+  call; one ``Worker`` process at concurrency 50, 16 shards; the last job's ``succeeded``
+  transition in the shard logs).
+
+A system that fails or exceeds ``--timeout`` in a run is reported as such, and the others go
+on. Every redis-server and driver process is stopped on every way out (process groups).
+
+    .venv/bin/python bench/compare.py                    # 20K jobs, 3 runs, both modes
+    .venv/bin/python bench/compare.py --quick            # 2K jobs, 1 run: a smoke test
+    .venv/bin/python bench/compare.py --systems jobtier,bullmq --modes everysec --runs 5
+    jobtier bench compare --quick                        # the same, through the CLI
+
+Results: bench/results/compare.json and bench/results/compare.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import atexit
+import contextlib
+import hashlib
+import json
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvloop
+from redis.asyncio import Redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import throughput
+from common import (
+    RedisMeter,
+    environment,
+    fmt,
+    fresh,
+    header_markdown,
+    local_redis,
+    median,
+    proc_cpu,
+    save,
+    table,
+)
+
+from jobtier.config import Settings
+from jobtier.dev.redis import LocalRedis
+from jobtier.queue import Queue
+
+HERE = Path(__file__).resolve().parent / "compare"
+VENVS = HERE / ".venv"
+BULLMQ = HERE / "bullmq"
+SYSTEMS = ("jobtier", "bullmq", "saq", "arq", "celery", "rq", "dramatiq")
+MODES = ("off", "everysec")
+SHARDS = 16  # jobtier's default
+SETTLE = 0.5  # s a started worker is left idle before the end-to-end phase
+STOP_GRACE = 5.0  # s between SIGTERM and SIGKILL for a driver's process group
+# the peer, its redis client and the accelerators its virtualenv holds: reported with results
+PEER_PACKAGES = {
+    "saq": ("saq", "redis", "hiredis", "uvloop"),
+    "arq": ("arq", "redis", "hiredis", "uvloop"),
+    "celery": ("celery", "kombu", "redis", "hiredis"),
+    "rq": ("rq", "redis", "hiredis"),
+    "dramatiq": ("dramatiq", "redis", "hiredis"),
+}
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    label: str
+    config: str  # how it is set up here, for the report
+
+
+def systems(args: argparse.Namespace) -> dict[str, System]:
+    c, b = args.concurrency, args.batch
+    known = {
+        s.name: s
+        for s in (
+            System(
+                "jobtier", "jobtier",
+                f"`Queue.submit_many`, {b} per call; 1 `Worker` process at concurrency {c}, "
+                f"{SHARDS} shards, uvloop",
+            ),
+            System(
+                "bullmq", "BullMQ",
+                f"`Queue.addBulk`, {b} per call; `Worker` at concurrency {c}; defaults "
+                "otherwise (completed jobs kept)",
+            ),
+            System(
+                "saq", "SAQ",
+                f"`Queue.enqueue`, {c} in flight (no bulk enqueue); `Worker` at concurrency "
+                f"{c}; uvloop",
+            ),
+            System(
+                "arq", "arq",
+                f"`enqueue_job`, {c} in flight (no bulk enqueue); `Worker` max_jobs {c}, "
+                "poll_delay 10 ms (default 0.5 s); uvloop",
+            ),
+            System(
+                "celery", "Celery",
+                "`apply_async`, one at a time through one producer (no bulk publish); "
+                "`solo` pool, prefetch multiplier 4, no result backend",
+            ),
+            System(
+                "rq", "RQ",
+                f"`Queue.enqueue_many`, {b} per call; `SimpleWorker` (one job at a time)",
+            ),
+            System(
+                "dramatiq", "Dramatiq",
+                f"`Actor.send`, one at a time (no bulk enqueue); `Worker` with {c} threads, "
+                "worker_timeout 100 ms (default 1 s)",
+            ),
+        )
+    }  # fmt: skip
+    for name, extra in args.driver_args.items():
+        s = known[name]
+        known[name] = System(s.name, s.label, f"{s.config}; driver arguments `{shlex.join(extra)}`")
+    return known
+
+
+# --- processes ----------------------------------------------------------------------------------
+_groups: set[int] = set()  # process groups of live drivers: the atexit hook's safety net
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for pgid in list(_groups):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        _groups.discard(pgid)
+
+
+class Driver:
+    """One driver process in a session (process group) of its own.
+
+    It reports on stdout in lines ``compare: {json}``; the rest of its stdout is read and
+    dropped, its stderr goes to ``log``. ``stop()`` ends the whole group: SIGTERM, then SIGKILL.
+    """
+
+    def __init__(self, name: str, cmd: list[str], log: Path) -> None:
+        self.name, self.cmd, self.log = name, cmd, log
+        self.messages: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def start(self) -> Driver:
+        with self.log.open("ab") as err:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                start_new_session=True,
+                limit=1 << 20,
+            )
+        _groups.add(self.proc.pid)
+        self._reader = asyncio.create_task(self._read())
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    async def _read(self) -> None:
+        assert self.proc.stdout is not None
+        async for line in self.proc.stdout:
+            if line.startswith(b"compare: "):
+                self.messages.put_nowait(json.loads(line[len(b"compare: ") :]))
+        self.messages.put_nowait(None)
+
+    async def expect(self, key: str) -> dict[str, Any]:
+        """The next message that has ``key``; an error if the process ends first."""
+        while True:
+            message = await self.messages.get()
+            if message is None:
+                code = await self.proc.wait()
+                raise RuntimeError(f"{self.name} exited with {code}: {self.log_tail()}")
+            if key in message:
+                return message
+
+    async def finish(self) -> int:
+        return await self.proc.wait()
+
+    async def stop(self) -> None:
+        pgid = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), STOP_GRACE)
+        except TimeoutError:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # stragglers of the group, and a leader that hung
+        await self.proc.wait()
+        _groups.discard(pgid)
+        self._reader.cancel()
+
+    def log_tail(self, lines: int = 3) -> str:
+        text = self.log.read_text(errors="replace").strip().splitlines()
+        return " / ".join(text[-lines:]) or "(no output on stderr)"
+
+
+@contextlib.asynccontextmanager
+async def driver(name: str, cmd: list[str], log: Path) -> AsyncIterator[Driver]:
+    d = Driver(name, cmd, log)
+    try:
+        yield await d.start()
+    finally:
+        if hasattr(d, "proc"):
+            await asyncio.shield(d.stop())
+
+
+# --- setting the peers up -----------------------------------------------------------------------
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _run(cmd: list[str], **kw: Any) -> None:
+    out = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if out.returncode != 0:
+        tail = (out.stderr or out.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {' / '.join(tail)}")
+
+
+def python_peer(name: str) -> Path:
+    """The peer's virtualenv python, made or brought up to its requirements file first."""
+    venv = VENVS / name
+    requirements = HERE / "requirements" / f"{name}.txt"
+    python, stamp = venv / "bin" / "python", venv / ".installed"
+    digest = _digest(requirements)
+    if not (python.exists() and stamp.exists() and stamp.read_text() == digest):
+        print(f"setting up {name} in {venv} ...", file=sys.stderr, flush=True)
+        _run([sys.executable, "-m", "venv", "--clear", str(venv)])
+        _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+              "-r", str(requirements)])  # fmt: skip
+        stamp.write_text(digest)
+    return python
+
+
+def node() -> str:
+    """node, with BullMQ's packages installed (``npm ci``) from the committed lock file."""
+    if not (shutil.which("node") and shutil.which("npm")):
+        if os.geteuid() != 0:
+            raise RuntimeError("node and npm are missing: `apt-get install nodejs npm`")
+        print("installing nodejs and npm from Debian ...", file=sys.stderr, flush=True)
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        _run(["apt-get", "update", "-q"], env=env)
+        _run(["apt-get", "install", "-y", "-q", "nodejs", "npm"], env=env)
+    stamp = BULLMQ / "node_modules" / ".compare-installed"
+    digest = _digest(BULLMQ / "package-lock.json")
+    if not (stamp.exists() and stamp.read_text() == digest):
+        print("npm ci for BullMQ ...", file=sys.stderr, flush=True)
+        _run(["npm", "ci", "--no-audit", "--no-fund"], cwd=BULLMQ)
+        stamp.write_text(digest)
+    return shutil.which("node") or "node"
+
+
+def peer_versions(name: str, program: str) -> dict[str, str]:
+    if name == "bullmq":
+        out = subprocess.run([program, "--version"], capture_output=True, text=True)
+        found = {"node": out.stdout.strip().lstrip("v")}
+        for package in ("bullmq", "ioredis", "msgpackr"):
+            meta = BULLMQ / "node_modules" / package / "package.json"
+            found[package] = json.loads(meta.read_text())["version"] if meta.exists() else "-"
+        return found
+    code = (
+        "import json, importlib.metadata as m\n"
+        f"print(json.dumps({{p: m.version(p) for p in {PEER_PACKAGES[name]!r}}}))"
+    )
+    out = subprocess.run([program, "-c", code], capture_output=True, text=True, check=True)
+    return dict(json.loads(out.stdout))
+
+
+def command(name: str, program: str, role: str, url: str, args: argparse.Namespace) -> list[str]:
+    common = ["--url", url, "--jobs", str(args.jobs), "--concurrency", str(args.concurrency),
+              "--batch", str(args.batch)]  # fmt: skip
+    extra = args.driver_args.get(name, [])
+    if name == "bullmq":
+        return [program, str(BULLMQ / "bench.mjs"), role, *common, *extra]
+    script = HERE / "drivers" / f"drive_{name}.py"
+    return [program, str(script), role, *common, "--in-flight", str(args.concurrency), *extra]
+
+
+# --- one measurement ----------------------------------------------------------------------------
+async def measure_peer(
+    name: str, program: str, server: LocalRedis, args: argparse.Namespace
+) -> dict[str, Any]:
+    """Enqueue, then end to end, for one peer on a fresh Redis."""
+    assert server.proc is not None
+    n, url = args.jobs, server.url
+    log = server.folder / f"{name}.log"
+    produce = command(name, program, "enqueue", url, args)
+    work = command(name, program, "worker", url, args)
+    redis = Redis.from_url(url)
+    try:
+        await fresh(redis)
+        async with driver(f"{name} producer", produce, log) as producer:
+            enqueue = await producer.expect("t0")
+            if await producer.finish():
+                raise RuntimeError(f"{name} producer failed: {producer.log_tail()}")
+        await fresh(redis)
+        async with driver(f"{name} worker", work, log) as worker:
+            await worker.expect("ready")
+            await asyncio.sleep(SETTLE)
+            meter = RedisMeter(redis, server.proc.pid)
+            await meter.start()
+            cpu0 = proc_cpu(worker.pid)
+            async with driver(f"{name} producer", produce, log) as producer:
+                submitted = await producer.expect("t0")
+                if await producer.finish():
+                    raise RuntimeError(f"{name} producer failed: {producer.log_tail()}")
+            done = await worker.expect("done")
+            redis_side = await meter.stop(n)
+            cpu1 = proc_cpu(worker.pid)
+        if done["completed"] != n:
+            raise RuntimeError(
+                f"{done['completed']} of {n} jobs completed, {done['failed']} failed"
+            )
+    finally:
+        await redis.aclose()
+    return {
+        "enqueue_jobs_per_s": n / (enqueue["t1"] - enqueue["t0"]),
+        "e2e_jobs_per_s": n / (done["done"] - submitted["t0"]),
+        "e2e_seconds": done["done"] - submitted["t0"],
+        "e2e_submit_jobs_per_s": n / (submitted["t1"] - submitted["t0"]),
+        "worker_cpu_us_per_job": 1e6 * (cpu1 - cpu0) / n,
+        "producer_cpu_us_per_job": 1e6 * submitted["cpu"] / n,
+        **redis_side,
+    }
+
+
+async def measure_jobtier(
+    server: LocalRedis, args: argparse.Namespace, aof: bool
+) -> dict[str, Any]:
+    """throughput.py's enqueue and end-to-end measurements, with its worker processes."""
+    env = {} if aof else {"JOBTIER_REDIS_REQUIRE_AOF": "0"}
+    settings = Settings.from_env(env, redis_url=server.url, shards=SHARDS)
+    targs = argparse.Namespace(
+        jobs=args.jobs, batch=args.batch, timeout=args.timeout, workers=1, shards=SHARDS,
+        concurrency=args.concurrency,
+    )  # fmt: skip
+    async with await Queue.connect(settings) as queue:
+        enqueue = await throughput.measure_enqueue(queue, targs, single=False)
+        e2e = await throughput.measure_run(queue, server, targs, "jobtier", prefill=False)
+    return {
+        "enqueue_jobs_per_s": enqueue,
+        "e2e_jobs_per_s": e2e["jobs_per_s"],
+        "e2e_seconds": e2e["seconds"],
+        "e2e_submit_jobs_per_s": e2e["submit_jobs_per_s"],
+        **{k: e2e[k] for k in (
+            "worker_cpu_us_per_job", "producer_cpu_us_per_job", "redis_cpu_us_per_job",
+            "aof_bytes_per_job", "aof_rewrites", "redis_commands_per_job", "commands",
+        )},
+    }  # fmt: skip
+
+
+async def measure(
+    name: str, program: str | None, mode: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One (system, mode, run) on a Redis of its own; failures become ``{"error": ...}``."""
+    if program is None and name != "jobtier":
+        return {"error": "not set up"}
+    aof = mode == "everysec"
+    t0 = time.monotonic()
+    try:
+        with local_redis(aof=aof) as server:
+            async with asyncio.timeout(args.timeout):
+                if name == "jobtier":
+                    return await measure_jobtier(server, args, aof)
+                assert program is not None
+                return await measure_peer(name, program, server, args)
+    except TimeoutError:
+        return {"error": f"timed out after {time.monotonic() - t0:.0f} s"}
+    except Exception as exc:  # a failing peer is a result, not a crash of the bench
+        return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+
+
+# --- summary ------------------------------------------------------------------------------------
+HEADERS = (
+    "system", "Redis", "enqueue jobs/s", "end-to-end jobs/s", "e2e vs BullMQ", "Redis CPU µs/job",
+    "AOF bytes/job", "Redis commands/job", "worker CPU µs/job", "status",
+)  # fmt: skip
+FIELDS = (
+    "enqueue_jobs_per_s", "e2e_jobs_per_s", "redis_cpu_us_per_job", "aof_bytes_per_job",
+    "redis_commands_per_job", "worker_cpu_us_per_job", "producer_cpu_us_per_job",
+)  # fmt: skip
+
+
+def summarise(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for run in runs:
+        for name, modes in run.items():
+            for mode, result in modes.items():
+                summary.setdefault(name, {}).setdefault(mode, {"ok": [], "errors": []})
+                cell = summary[name][mode]
+                (cell["errors"] if "error" in result else cell["ok"]).append(result)
+    out: dict[str, Any] = {}
+    for name, modes in summary.items():
+        for mode, cell in modes.items():
+            s: dict[str, Any] = {f: median([r[f] for r in cell["ok"]]) for f in FIELDS}
+            s["runs_ok"] = len(cell["ok"])
+            s["errors"] = [r["error"] for r in cell["errors"]]
+            out.setdefault(name, {})[mode] = s
+    for modes in out.values():
+        for mode, s in modes.items():
+            bull = out.get("bullmq", {}).get(mode, {}).get("e2e_jobs_per_s", float("nan"))
+            ratio = s["e2e_jobs_per_s"] / bull if bull else float("nan")
+            s["e2e_vs_bullmq"] = ratio if math.isfinite(ratio) else None
+    return out
+
+
+def render(
+    summary: dict[str, Any],
+    args: argparse.Namespace,
+    env: dict[str, Any],
+    known: dict[str, System],
+) -> str:
+    out = [header_markdown("Compare: jobtier and other Redis job systems, measured here", env)]
+    peers = env["versions"].get("peers", {})
+    if peers:
+        out.append(
+            "- peers: "
+            + "; ".join(
+                f"{known[n].label}: " + ", ".join(f"{p} {v}" for p, v in vs.items())
+                for n, vs in peers.items()
+            )
+            + "\n"
+        )
+    if args.quick:
+        out.append(
+            f"> **Smoke run** (`--quick`: {args.jobs:,} jobs, 1 run): it shows that every "
+            "system runs end to end through this harness. Not figures to cite: take those "
+            "from a full run (`bench/compare.py`, 20K jobs, 3 runs) on a quiet machine.\n",
+        )
+    out.append(
+        f"{args.jobs:,} no-op jobs per phase, one worker process, concurrency "
+        f"{args.concurrency} where the system has the notion; producer in a process of its "
+        f"own. A fresh redis-server per (system, mode, run): AOF off or `everysec`, "
+        f"`noeviction`. {args.runs} interleaved run(s); medians. Enqueue: producer alone, "
+        "first enqueue to last. End to end: worker started and idle, then the producer; first "
+        "enqueue to the last job finished as the system reports it. Redis CPU, commands "
+        "(inside Lua scripts included) and AOF bytes (the redis-server process's file writes) "
+        "over the end-to-end phase, per job; worker CPU likewise.\n"
+    )
+    rows = []
+    for mode in args.modes:
+        for name in args.systems:
+            s = summary.get(name, {}).get(mode)
+            if s is None:
+                continue
+            ratio = s["e2e_vs_bullmq"]
+            status = "ok"
+            if s["errors"]:  # the whole message is in the .json file
+                status = f"{s['runs_ok']}/{s['runs_ok'] + len(s['errors'])} ok; "
+                status += textwrap.shorten(s["errors"][-1], 90, placeholder=" ...")
+            label = f"**{known[name].label}**" if name == "jobtier" else known[name].label
+            rows.append(
+                [
+                    label,
+                    "AOF off" if mode == "off" else "AOF everysec",
+                    fmt(s["enqueue_jobs_per_s"]),
+                    fmt(s["e2e_jobs_per_s"]),
+                    "-" if ratio is None else f"{ratio:.2f}x",
+                    fmt(s["redis_cpu_us_per_job"]),
+                    fmt(s["aof_bytes_per_job"]),
+                    fmt(s["redis_commands_per_job"], 1),
+                    fmt(s["worker_cpu_us_per_job"]),
+                    status.replace("|", "/"),
+                ]
+            )
+    out.append(table(HEADERS, rows) + "\n")
+    out.append("How each system is driven (our code under `bench/compare/`):\n")
+    out.extend(f"- {known[n].label}: {known[n].config}" for n in args.systems)
+    out.append(
+        "\nCompare ratios within one run set rather than absolute figures across days: other "
+        "work on this machine moves every figure (see the load average above).\n"
+    )
+    return "\n".join(out)
+
+
+# --- main ---------------------------------------------------------------------------------------
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
+    p.add_argument("--modes", default=",".join(MODES), help="Redis AOF modes: off,everysec")
+    p.add_argument("--jobs", type=int, default=20_000, help="jobs per phase (20000)")
+    p.add_argument("--runs", type=int, default=3, help="interleaved runs; medians (3)")
+    p.add_argument("--concurrency", type=int, default=50, help="per worker (50)")
+    p.add_argument("--batch", type=int, default=500, help="jobs per bulk enqueue call (500)")
+    p.add_argument(
+        "--timeout", type=float, default=300.0, help="bound on one system in one mode and run, s"
+    )
+    p.add_argument(
+        "--driver-args",
+        action="append",
+        default=[],
+        metavar="SYSTEM=ARGS",
+        help="more arguments for a peer's driver, to try another set-up (e.g. "
+        "'celery=--pool threads'; see its --help); repeatable, shown in the report",
+    )
+    p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
+    p.add_argument("--no-save", action="store_true", help="print only; keep results files")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.jobs, args.runs = min(args.jobs, 2_000), 1
+    args.systems = [s for s in args.systems.split(",") if s]
+    args.modes = [m for m in args.modes.split(",") if m]
+    extra = dict(d.split("=", 1) for d in args.driver_args if "=" in d)
+    args.driver_args = {name: shlex.split(value) for name, value in extra.items()}
+    unknown = set(args.systems) - set(SYSTEMS) | set(args.modes) - set(MODES)
+    unknown |= set(args.driver_args) - set(SYSTEMS[1:])
+    if unknown:
+        p.error(f"unknown systems or modes: {', '.join(sorted(unknown))}")
+    return args
+
+
+def set_up(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, Any]]:
+    """Each peer's program (node, or its virtualenv's python) and versions; None if it failed."""
+    programs: dict[str, str | None] = {}
+    versions: dict[str, Any] = {}
+    for name in args.systems:
+        if name == "jobtier":
+            continue
+        try:
+            program = node() if name == "bullmq" else str(python_peer(name))
+            versions[name] = peer_versions(name, program)
+            programs[name] = program
+        except Exception as exc:
+            print(f"{name}: setup failed: {exc}", file=sys.stderr, flush=True)
+            programs[name] = None
+            versions[name] = {"setup failed": str(exc)[:300]}
+    return programs, versions
+
+
+async def main(args: argparse.Namespace, programs: dict[str, str | None]) -> dict[str, Any]:
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+    runs: list[dict[str, dict[str, dict[str, Any]]]] = []
+    for i in range(args.runs):
+        run: dict[str, dict[str, dict[str, Any]]] = {}
+        for name in args.systems:
+            for mode in args.modes:
+                result = await measure(name, programs.get(name), mode, args)
+                run.setdefault(name, {})[mode] = result
+                brief = result.get("error") or (
+                    f"enqueue {result['enqueue_jobs_per_s']:,.0f}/s, "
+                    f"e2e {result['e2e_jobs_per_s']:,.0f}/s"
+                )
+                print(f"run {i + 1}/{args.runs} {name} AOF {mode}: {brief}", file=sys.stderr,
+                      flush=True)  # fmt: skip
+        runs.append(run)
+    return {"runs": runs, "summary": summarise(runs)}
+
+
+def run(argv: list[str] | None = None, report: Callable[[str], None] = print) -> None:
+    args = parse(argv)
+    env = environment()
+    programs, versions = set_up(args)
+    env["versions"]["peers"] = versions
+    try:
+        results = uvloop.run(main(args, programs))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted: every process it started is stopped; nothing saved", file=sys.stderr)
+        raise SystemExit(130) from None
+    known = systems(args)
+    text = render(results["summary"], args, env, known)
+    report(text)
+    if not args.no_save:
+        data = {
+            **env,
+            "smoke_run": args.quick,
+            "arguments": vars(args),
+            "configs": {n: known[n].config for n in args.systems},
+            **results,
+        }
+        paths = save("compare", data, text)
+        report(f"\nsaved {paths[0]} and {paths[1]}")
+
+
+if __name__ == "__main__":
+    run()

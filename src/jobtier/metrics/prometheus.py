@@ -1,0 +1,92 @@
+"""``/metrics``: every live process's snapshot and the live gauges, as Prometheus text."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from jobtier.metrics.snapshot import Snapshot, parse_labels
+
+HELP = {
+    "jobs_submitted_total": "Jobs created (submit, batch submit, schedule firings).",
+    "jobs_claimed_total": "Attempts started: queued -> running.",
+    "jobs_succeeded_total": "Jobs that succeeded.",
+    "jobs_failed_total": "Attempts that failed (retried or dead-lettered).",
+    "jobs_retried_total": "Failed attempts scheduled to run again.",
+    "jobs_dead_lettered_total": "Jobs that went to the dead-letter set.",
+    "jobs_cancelled_total": "Jobs cancelled.",
+    "lease_expirations_total": "Running jobs taken back after their worker stopped heartbeating.",
+    "transitions_persisted_total": "Transitions written to Postgres.",
+    "persister_bad_entries_total": "Log entries that could not be stored (unreadable or refused).",
+    "persister_parked_total": "Log entries Postgres refused, moved to the shard's log:refused stream.",
+}
+
+
+class SnapshotCollector(Collector):
+    """prometheus_client collector over the process snapshots and the live gauges."""
+
+    def __init__(self, snapshots: list[Snapshot], gauges: dict[str, dict[str, float]]) -> None:
+        self.snapshots = snapshots
+        self.gauges = gauges
+
+    def collect(self) -> Iterator[Metric]:
+        counters: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+        gauges: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
+        hists: dict[str, list[tuple[dict[str, str], dict[str, Any]]]] = defaultdict(list)
+        for snap in self.snapshots:
+            own = {"process": snap.process, "role": snap.role}
+            for name, series in snap.counters.items():
+                counters[name] += [({**own, **parse_labels(k)}, v) for k, v in series.items()]
+            for name, series in snap.gauges.items():
+                gauges[name] += [({**own, **parse_labels(k)}, v) for k, v in series.items()]
+            for name, per_label in snap.histograms.items():
+                hists[name] += [({**own, **parse_labels(k)}, h) for k, h in per_label.items()]
+        for name, series in self.gauges.items():
+            gauges[name] += [(parse_labels(k), v) for k, v in series.items()]
+        for name, samples in sorted(counters.items()):
+            names = _label_names(samples)
+            family = CounterMetricFamily(
+                f"jobtier_{name.removesuffix('_total')}", HELP.get(name, name), labels=names
+            )
+            for lv, value in samples:
+                family.add_metric([lv.get(n, "") for n in names], value)
+            yield family
+        for name, samples in sorted(gauges.items()):
+            names = _label_names(samples)
+            g = GaugeMetricFamily(f"jobtier_{name}", HELP.get(name, name), labels=names)
+            for lv, value in samples:
+                g.add_metric([lv.get(n, "") for n in names], value)
+            yield g
+        for name, hsamples in sorted(hists.items()):
+            names = _label_names(hsamples)
+            h = HistogramMetricFamily(f"jobtier_{name}", HELP.get(name, name), labels=names)
+            for lv, hist in hsamples:
+                cumulative, buckets = 0, []
+                for bound, n in zip([*hist["bounds"], float("inf")], hist["counts"], strict=True):
+                    cumulative += n
+                    buckets.append(
+                        ("+Inf" if bound == float("inf") else repr(float(bound)), cumulative)
+                    )
+                h.add_metric([lv.get(n, "") for n in names], buckets, hist["sum"])
+            yield h
+
+
+def _label_names(samples: Sequence[tuple[dict[str, str], Any]]) -> list[str]:
+    return sorted({name for lv, _ in samples for name in lv})
+
+
+def render(snapshots: list[Snapshot], gauges: dict[str, dict[str, float]]) -> bytes:
+    from prometheus_client import generate_latest
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshots, gauges))
+    return generate_latest(registry)

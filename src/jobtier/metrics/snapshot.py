@@ -1,0 +1,200 @@
+"""Process snapshots: what every jobtier process publishes to Redis, and how it is read back.
+
+Workers, schedulers, persisters and API processes each keep their counters in memory and
+write a snapshot to the hash ``jt:metrics`` every couple of seconds (``MetricsPublisher``).
+Readers (the Prometheus endpoint, the dashboard, ``jobtier check``) take every live
+process's latest snapshot; each series stays labelled with its ``process``, so a restart is
+that series' counter reset, not a drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+from redis.exceptions import RedisError
+
+from jobtier.connection import RedisClient
+from jobtier.keys import Keys
+from jobtier.metrics.histogram import merge, minus
+
+log = logging.getLogger("jobtier.metrics")
+
+PUBLISH_EVERY = 2.0
+FRESH_SECONDS = 15.0  # a snapshot older than this belongs to a process that is gone
+FORGET_SECONDS = 3600.0  # ... and is deleted from Redis after this long
+
+
+class Snapshot(msgspec.Struct):
+    """One process's metrics. ``counters``/``gauges``: name -> {label string: value}."""
+
+    process: str
+    role: str
+    at: float
+    counters: dict[str, dict[str, float]] = {}
+    gauges: dict[str, dict[str, float]] = {}
+    histograms: dict[str, dict[str, Any]] = {}
+
+
+def labels(**kv: str) -> str:
+    """A label set as a stable string key: ``type=echo`` (empty for none)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(kv.items()))
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in text.split(",")) if text else {}
+
+
+def process_id(role: str) -> str:
+    return f"{role}:{socket.gethostname()}:{os.getpid()}"
+
+
+def process_host(process: str) -> str:
+    """The host part of a ``process_id``."""
+    return process.split(":")[1] if process.count(":") >= 2 else ""
+
+
+class Source(Protocol):
+    """A part of a process that has metrics: a worker, a scheduler, a persister, a status
+    reader. Each builds its own snapshot from its own state."""
+
+    def metrics(self) -> Snapshot: ...
+
+
+class MetricsPublisher:
+    """Writes this process's snapshot to Redis every ``PUBLISH_EVERY`` seconds.
+
+    ``parts`` are the parts running in the process (`jobtier run` hosts them all); their
+    snapshots are merged. Use as ``async with MetricsPublisher(...):`` around the process's
+    life: it publishes a last time on the way out (the final counts of a process that stops).
+    """
+
+    def __init__(self, redis: RedisClient, keys: Keys, role: str, parts: Sequence[Source]) -> None:
+        self.redis = redis
+        self.key = keys.metrics()
+        self.role = role
+        self.process = process_id(role)
+        self.parts = list(parts)
+        self._task: asyncio.Task[None] | None = None
+
+    def snapshot(self) -> Snapshot:
+        out = Snapshot(self.process, self.role, time.time())
+        for part in self.parts:
+            snap = part.metrics()
+            out.counters.update(snap.counters)
+            out.gauges.update(snap.gauges)
+            out.histograms.update(snap.histograms)
+        return out
+
+    async def publish(self) -> None:
+        await self.redis.hset(self.key, self.process, msgspec.json.encode(self.snapshot()))
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="jobtier-metrics")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(RedisError, OSError):
+            await self.publish()
+
+    async def __aenter__(self) -> MetricsPublisher:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.publish()
+            except (RedisError, OSError) as exc:
+                log.warning("event=metrics_publish_failed error=%r", exc)
+            except Exception:
+                log.exception("event=metrics_publish_failed")
+            await asyncio.sleep(PUBLISH_EVERY)
+
+
+_snapshot_decoder = msgspec.json.Decoder(Snapshot)
+
+
+async def read_snapshots(redis: RedisClient, keys: Keys) -> list[Snapshot]:
+    """Every live process's latest snapshot; forgets processes gone for an hour."""
+    now = time.time()
+    live, gone = [], []
+    for field, raw in (await redis.hgetall(keys.metrics())).items():
+        try:
+            snap = _snapshot_decoder.decode(raw)
+        except msgspec.DecodeError:
+            gone.append(field)
+            continue
+        if now - snap.at <= FRESH_SECONDS:
+            live.append(snap)
+        elif now - snap.at > FORGET_SECONDS:
+            gone.append(field)
+    if gone:
+        await redis.hdel(keys.metrics(), *gone)
+    return live
+
+
+def totals(snapshots: Iterable[Snapshot]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
+    """Counters and histograms summed over processes and labels (for the dashboard)."""
+    snapshots = list(snapshots)
+    counters: dict[str, float] = defaultdict(float)
+    for snap in snapshots:
+        for name, series in snap.counters.items():
+            counters[name] += sum(series.values())
+    return dict(counters), merge(_process_totals(s) for s in snapshots)
+
+
+class HistogramWindow:
+    """Histograms over the last ``seconds``, from the processes' cumulative snapshots, fed one
+    sample per dashboard frame.
+
+    Per process (as Prometheus's ``rate()`` works per series): its latest totals minus those
+    of its newest sample at least ``seconds`` old, or of its first sample when it appeared
+    later; then summed. A process that appears (a new worker, a restart: the process id
+    carries the pid) counts from its first sample, not its whole life; one that stops
+    publishing leaves without taking the others' counts with it. A bucket that went down
+    counts 0.
+    """
+
+    def __init__(self, seconds: float = 60.0) -> None:
+        self.seconds = seconds
+        self._samples: deque[tuple[float, dict[str, dict[str, dict[str, Any]]]]] = deque()
+
+    def observe(
+        self, at: float, snapshots: Iterable[Snapshot]
+    ) -> tuple[dict[str, dict[str, Any]], float | None]:
+        """(the histograms of the window, its span in seconds); on the first sample there is
+        no window yet: the totals since the processes started, and None."""
+        current = {s.process: _process_totals(s) for s in snapshots}
+        samples = self._samples
+        samples.append((at, current))
+        while len(samples) > 2 and samples[1][0] <= at - self.seconds:
+            samples.popleft()
+        if len(samples) == 1:
+            return merge(current.values()), None
+        deltas = []
+        for process, hists in current.items():
+            base = next(h for _, sample in samples if (h := sample.get(process)) is not None)
+            deltas.append({name: minus(h, base.get(name)) for name, h in hists.items()})
+        return merge(deltas), at - samples[0][0]
+
+
+def _process_totals(snap: Snapshot) -> dict[str, dict[str, Any]]:
+    """One process's histograms, summed over their labels."""
+    return merge(
+        {name: h} for name, per_label in snap.histograms.items() for h in per_label.values()
+    )

@@ -1,0 +1,48 @@
+"""Job counters by type, counted from persisted transitions.
+
+The persister sees every transition once (whichever process made it), so counting what it
+commits gives exact submitted / claimed / succeeded / failed / retried / dead-lettered /
+cancelled counts and lease expirations.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+from jobtier.metrics.snapshot import labels
+
+
+class TransitionCounter:
+    """Counts jobs by type and outcome from persisted transitions (the persister's commits)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+
+    def observe(self, entries: Iterable[Any], _wall: float = 0.0) -> None:
+        counts = self.counts
+        for entry in entries:
+            doc = entry.status
+            kind = labels(type=doc.type)
+            to, frm = doc.state.value, entry.from_state
+            counts["transitions_persisted_total"][""] += 1
+            if frm is None:
+                counts["jobs_submitted_total"][kind] += 1
+            elif frm == "queued" and to == "running":
+                counts["jobs_claimed_total"][kind] += 1
+            elif frm == "running" and to != "running":
+                expired = doc.error is not None and doc.error.type == "LeaseExpired"
+                if expired and to in ("queued", "failed"):
+                    counts["lease_expirations_total"][kind] += 1
+                if to == "succeeded":
+                    counts["jobs_succeeded_total"][kind] += 1
+                elif to == "scheduled":
+                    counts["jobs_failed_total"][kind] += 1
+                    counts["jobs_retried_total"][kind] += 1
+                elif to == "failed" and not expired:
+                    counts["jobs_failed_total"][kind] += 1
+            if to == "failed" and frm != "failed":
+                counts["jobs_dead_lettered_total"][kind] += 1
+            if to == "cancelled":
+                counts["jobs_cancelled_total"][kind] += 1

@@ -1,0 +1,153 @@
+"""Progress reports are coalesced in the history, and the history still proves itself complete.
+
+The real Lua scripts on a real Redis, the persister into a real Postgres.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from jobtier.config import Settings
+from jobtier.connection import ShardSubscriber
+from jobtier.keys import Keys
+from jobtier.persist.db import Pool, query
+from jobtier.persist.persister import Persister
+from jobtier.scripts import Scripts, SubmitItem
+from tests.fixtures.engine import wait_for
+from tests.fixtures.postgres import log_entries
+
+HOUR_MS = 3_600_000
+
+
+@pytest.fixture
+def keys(settings: Settings) -> Keys:
+    return Keys(settings.prefix, settings.shards)
+
+
+async def running_job(scripts: Scripts, keys: Keys) -> tuple[str, int]:
+    """A job submitted and claimed on shard 0: (id, lease version)."""
+    job_id = keys.new_id(0)
+    item = SubmitItem(job_id, "t1", "sleep", "normal", b"{}", 1, 0, 0, "", "h")
+    await scripts.call(*scripts.submit_call(0, [item], 60_000))
+    batch = await scripts.claim(0, "w1", 1, 60_000)
+    assert [j.id for j in batch.jobs] == [job_id]
+    return job_id, batch.jobs[0].lease_version
+
+
+async def report(scripts: Scripts, job_id: str, lv: int, progress: int, every_ms: int) -> None:
+    call = scripts.heartbeat_call(
+        0, "w1", 60_000, [(job_id, lv, b'{"pct":%d}' % progress)], every_ms
+    )
+    code, _cancel_requested = await scripts.call(*call)
+    assert code == 0
+
+
+async def logged(redis: Any, keys: Keys, job_id: str) -> list[tuple[int, int]]:
+    """(version, pv) of the job's log entries."""
+    out = []
+    for _, _, fields in await log_entries(redis, keys):
+        if job_id.encode() in fields[b"d"][:80]:
+            version = int(fields[b"d"].split(b'"version":', 1)[1].split(b",", 1)[0])
+            out.append((version, int(fields[b"pv"])))
+    return out
+
+
+async def history(pool: Pool, job_id: str) -> list[tuple[int, int | None, str, Any]]:
+    rows = await pool.fetch(
+        "SELECT version, prev_version, to_state, progress::text FROM job_transitions"
+        " WHERE job_id = $1 ORDER BY version",
+        job_id,
+    )
+    return [tuple(r) for r in rows]  # type: ignore[misc]
+
+
+async def test_progress_is_coalesced_in_the_log_and_every_report_still_changes_the_status(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    scripts = Scripts(redis, keys)
+    job_id, lv = await running_job(scripts, keys)  # versions 1 (submit), 2 (claim)
+    published: list[int] = []  # versions, from the status events every change publishes
+    events = ShardSubscriber(
+        redis, [keys.events(0)], lambda _, data: published.append(int(data.split(b" ", 2)[1]))
+    )
+    await events.start()
+    try:
+        versions = []
+        for pct in range(5):  # the claim was logged just now: none of these is
+            await report(scripts, job_id, lv, pct, HOUR_MS)
+            versions.append(int(await redis.hget(keys.job(job_id), "version")))
+        assert versions == [3, 4, 5, 6, 7]  # each is a new status document (ETag)
+        assert b'"progress":{"pct":4}' in await redis.hget(keys.job(job_id), "doc")
+        await scripts.cancel(0, "", job_id, 3600)  # 8: a cancel request is always logged
+        await report(scripts, job_id, lv, 99, HOUR_MS)  # 9: not logged
+        done = scripts.complete_call(0, "w1", 3600, [(job_id, lv, b"1")])
+        await scripts.call(*done)  # 10: logged, carrying the last progress
+
+        async def all_published() -> bool:
+            return len(published) >= 8
+
+        await wait_for(all_published)  # event streams (SSE, long polls) see every change
+        assert published == [3, 4, 5, 6, 7, 8, 9, 10]
+    finally:
+        await events.stop()
+
+    assert await logged(redis, keys, job_id) == [(1, 0), (2, 1), (8, 2), (10, 8)]
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    assert await history(pg_pool, job_id) == [
+        (1, 0, "queued", None),
+        (2, 1, "running", None),
+        (8, 2, "running", '{"pct":4}'),
+        (10, 8, "succeeded", '{"pct":99}'),
+    ]
+    row = await pg_pool.fetchrow("SELECT version, progress::text FROM jobs WHERE id = $1", job_id)
+    assert tuple(row) == (10, '{"pct":99}')
+    assert await pg_pool.fetch(query("history_gaps"), [job_id]) == []
+
+
+async def test_every_report_is_logged_with_zero_and_after_the_interval(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    scripts = Scripts(redis, keys)
+    job_id, lv = await running_job(scripts, keys)
+    await report(scripts, job_id, lv, 1, 0)  # 3: interval 0 logs every report
+    await report(scripts, job_id, lv, 2, 0)  # 4
+    await report(scripts, job_id, lv, 3, HOUR_MS)  # 5: 4 was logged just now: not logged
+    await asyncio.sleep(0.01)  # Redis's clock moves past a 1 ms interval
+    await report(scripts, job_id, lv, 4, 1)  # 6: the last logged entry (4) is older: logged
+    assert await logged(redis, keys, job_id) == [(1, 0), (2, 1), (3, 2), (4, 3), (6, 4)]
+
+
+async def test_a_job_from_before_the_change_logs_and_links_to_the_previous_version(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """A job written by the previous jobtier has no lv/lt fields: every version was logged,
+    so its next entry links to version - 1, and progress is logged until lv exists."""
+    scripts = Scripts(redis, keys)
+    job_id, lv = await running_job(scripts, keys)
+    await redis.hdel(keys.job(job_id), "lv", "lt")
+    await report(scripts, job_id, lv, 1, HOUR_MS)  # 3: no lt: logged
+    await report(scripts, job_id, lv, 2, HOUR_MS)  # 4: lt set by 3: not logged
+    assert await logged(redis, keys, job_id) == [(1, 0), (2, 1), (3, 2)]
+
+
+async def test_history_gaps_finds_a_missing_row(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    scripts = Scripts(redis, keys)
+    job_id, lv = await running_job(scripts, keys)
+    await scripts.cancel(0, "", job_id, 3600)  # 3
+    await report(scripts, job_id, lv, 5, HOUR_MS)  # 4, not logged
+    await scripts.call(*scripts.complete_call(0, "w1", 3600, [(job_id, lv, b"1")]))  # 5 -> 3
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    gaps = query("history_gaps")
+    unknown = "01ARZ3NDEKTSV4RRFFQ69G5FAV-0"
+    assert [tuple(r) for r in await pg_pool.fetch(gaps, [job_id, unknown])] == [
+        (unknown, None, None)
+    ]
+    await pg_pool.execute("DELETE FROM job_transitions WHERE job_id = $1 AND version = 3", job_id)
+    assert [tuple(r) for r in await pg_pool.fetch(gaps, [job_id])] == [(job_id, 3, 5)]
+    await pg_pool.execute("DELETE FROM job_transitions WHERE job_id = $1 AND version = 5", job_id)
+    assert [tuple(r) for r in await pg_pool.fetch(gaps, [job_id])] == [(job_id, 5, None)]

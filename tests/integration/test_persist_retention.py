@@ -1,0 +1,375 @@
+"""Postgres does not grow forever: partitioned history, retention, and coalesced progress.
+
+Real Redis and Postgres. Time is not waited for: a pass is given a ``now`` some days ahead,
+so that what the test just wrote is old to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from jobtier.config import Settings
+from jobtier.dev.postgres import LocalPostgres
+from jobtier.errors import ConfigError
+from jobtier.keys import Keys
+from jobtier.persist import db
+from jobtier.persist.batch import (
+    JOB_COLUMNS,
+    TRANSITION_COLUMNS,
+    LogEntry,
+    collapse,
+    job_records,
+    parse_entry,
+    transition_records,
+)
+from jobtier.persist.db import Connection, Pool, query
+from jobtier.persist.persister import Persister
+from jobtier.persist.retention import (
+    PARTITIONS_AHEAD,
+    PRUNE_LOCK,
+    partition_name,
+    partitions,
+    prune,
+)
+from tests.fixtures.postgres import log_entries, mixed_workload, simple_jobs
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@pytest.fixture
+def keys(settings: Settings) -> Keys:
+    return Keys(settings.prefix, settings.shards)
+
+
+@pytest.fixture
+async def conn(pg_dsn: str) -> AsyncIterator[Connection]:
+    """A connection of its own, as a prune pass has (it holds a session advisory lock)."""
+    c = await db.connect(pg_dsn)
+    yield c
+    await c.close()
+
+
+def parsed(raw: list[tuple[int, bytes, dict[bytes, bytes]]]) -> list[LogEntry]:
+    return [parse_entry(shard, entry_id, fields) for shard, entry_id, fields in raw]
+
+
+async def where_rows_are(pool: Pool) -> dict[str, int]:
+    rows = await pool.fetch(
+        "SELECT tableoid::regclass::text AS part, count(*) AS n FROM job_transitions GROUP BY 1"
+    )
+    return {r["part"]: r["n"] for r in rows}
+
+
+async def gaps(pool: Pool, job_ids: list[str]) -> list[Any]:
+    return [tuple(r) for r in await pool.fetch(query("history_gaps"), job_ids)]
+
+
+def today() -> str:
+    return partition_name(datetime.now(UTC).date())
+
+
+def test_retention_settings_are_checked() -> None:
+    for bad in (
+        {"JOBTIER_PG_HISTORY_RETENTION_DAYS": "-1"},
+        {"JOBTIER_PROGRESS_HISTORY_SECONDS": "-0.5"},
+        {"JOBTIER_PRUNE_INTERVAL_SECONDS": "0"},
+        # Postgres would forget a dead letter Redis can still replay
+        {"JOBTIER_PG_JOB_RETENTION_DAYS": "3", "JOBTIER_DEAD_RETENTION_SECONDS": "604800"},
+    ):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            Settings.from_env(bad)
+    assert Settings.from_env({"JOBTIER_PG_JOB_RETENTION_DAYS": "0"}).pg_job_retention_days == 0
+
+
+# --- partitions ---------------------------------------------------------------------------------
+async def test_partitions_are_kept_ahead_and_rows_land_in_their_day(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+) -> None:
+    # before any pass, a write still succeeds: the default partition takes it
+    job_ids = await simple_jobs(redis, keys, 40)
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    assert await where_rows_are(pg_pool) == {"job_transitions_default": 120}
+
+    report = await prune(conn, pg_settings)
+    assert report is not None
+    now = datetime.now(UTC)
+    expected = [partition_name((now + timedelta(days=d)).date()) for d in range(-1, 8)]
+    assert report.created == expected and len(expected) == PARTITIONS_AHEAD + 2
+    daily = [p for p in await partitions(conn) if not p.is_default]
+    assert [p.name for p in daily] == expected
+    assert all(p.upper - p.lower == timedelta(days=1) for p in daily if p.upper and p.lower)
+    # the day's rows moved out of the default partition into their own, nothing lost
+    assert await where_rows_are(pg_pool) == {today(): 120}
+    assert await gaps(pg_pool, job_ids) == []
+
+    more = await simple_jobs(redis, keys, 10)
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    assert await where_rows_are(pg_pool) == {today(): 150}
+    assert await gaps(pg_pool, job_ids + more) == []
+
+    again = await prune(conn, pg_settings)  # idempotent
+    assert again is not None and again.created == [] and again.removed == {}
+
+
+async def test_replays_stay_harmless_in_a_partitioned_history(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+) -> None:
+    await prune(conn, pg_settings)
+    await mixed_workload(redis, keys, n=60, seed=4)
+    entries = parsed(await log_entries(redis, keys))
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    await persister.drain()
+    count = await pg_pool.fetchval("SELECT count(*) FROM job_transitions")
+    assert count == len(entries)
+    await persister.persist(entries)
+    await persister.persist(entries[::-1])
+    assert await pg_pool.fetchval("SELECT count(*) FROM job_transitions") == count
+
+
+# --- retention ----------------------------------------------------------------------------------
+async def test_expired_history_and_finished_jobs_go_waiting_and_running_jobs_stay(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+) -> None:
+    await prune(conn, pg_settings)
+    await mixed_workload(redis, keys, n=120, seed=9)
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    states = dict(await pg_pool.fetch("SELECT id, state FROM jobs"))
+    unfinished = {i for i, s in states.items() if s not in TERMINAL}
+    assert unfinished and len(unfinished) < len(states)  # the workload has both kinds
+    assert await pg_pool.fetchval("SELECT count(*) FROM job_results") > 0
+
+    # 29 days on: nothing is old enough yet
+    soon = await prune(conn, pg_settings, now=datetime.now(UTC) + timedelta(days=29))
+    assert soon is not None and soon.jobs == 0 and soon.removed == {}
+    assert await pg_pool.fetchval("SELECT count(*) FROM jobs") == len(states)
+
+    later = datetime.now(UTC) + timedelta(days=40)
+    report = await prune(conn, pg_settings, now=later, batch=7)  # many small batches
+    assert report is not None
+    assert report.jobs == len(states) - len(unfinished)
+    assert set(await pg_pool.fetchval("SELECT array_agg(id) FROM jobs")) == unfinished
+    assert await pg_pool.fetchval("SELECT count(*) FROM job_results") == 0  # cascaded
+    # every day up to 30 days before `later` is dropped, today's with all of the history
+    assert today() in report.removed
+    assert await pg_pool.fetchval("SELECT count(*) FROM job_transitions") == 0
+    names = {p.name for p in await partitions(conn)}
+    assert today() not in names and partition_name(later.date()) in names
+    assert await pg_pool.fetchval("SELECT to_regclass($1)", today()) is None
+
+    # a finished job is deleted only once it is old: the unfinished ones stay for good
+    far = await prune(conn, pg_settings, now=later + timedelta(days=3650))
+    assert far is not None and far.jobs == 0
+    assert await pg_pool.fetchval("SELECT count(*) FROM jobs") == len(unfinished)
+
+
+async def test_detach_keeps_the_expired_partition_as_a_table(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+) -> None:
+    settings = pg_settings.replace(pg_history_detach=True)
+    await prune(conn, settings)
+    await simple_jobs(redis, keys, 20)
+    await Persister(settings, redis, pg_pool, "p1").drain()
+    report = await prune(conn, settings, now=datetime.now(UTC) + timedelta(days=40))
+    assert report is not None and today() in report.removed
+    assert await pg_pool.fetchval("SELECT count(*) FROM job_transitions") == 0
+    # out of job_transitions, still there for an operator to archive
+    assert await pg_pool.fetchval(f"SELECT count(*) FROM {today()}") == 60
+    assert today() not in {p.name for p in await partitions(conn)}
+
+
+async def test_zero_keeps_everything_and_dry_run_changes_nothing(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+) -> None:
+    await prune(conn, pg_settings)
+    await simple_jobs(redis, keys, 30)
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    later = datetime.now(UTC) + timedelta(days=40)
+
+    dry = await prune(conn, pg_settings, now=later, dry_run=True)
+    assert dry is not None and dry.removed[today()] == 90 and dry.jobs == 30
+    existing = {p.name for p in await partitions(conn)}
+    assert dry.created and not existing & set(dry.created)
+    assert await where_rows_are(pg_pool) == {today(): 90}
+    assert await pg_pool.fetchval("SELECT count(*) FROM jobs") == 30
+    text = "\n".join(dry.lines())
+    assert f"would drop partition {today()} (90 rows)" in text
+    assert "would delete 30 that finished before" in text
+
+    forever = pg_settings.replace(pg_history_retention_days=0, pg_job_retention_days=0)
+    kept = await prune(conn, forever, now=later)
+    assert kept is not None and kept.removed == {} and kept.jobs == 0
+    assert "kept forever" in "\n".join(kept.lines())
+    assert await where_rows_are(pg_pool) == {today(): 90}
+    assert await pg_pool.fetchval("SELECT count(*) FROM jobs") == 30
+
+    done = await prune(conn, pg_settings, now=later)  # does what the dry run said
+    assert done is not None and set(done.removed) == set(dry.removed) and done.jobs == dry.jobs
+
+
+async def test_the_prune_command(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, pg_dsn: str
+) -> None:
+    await simple_jobs(redis, keys, 10)
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    env = {"JOBTIER_DATABASE_URL": pg_dsn, "PATH": ""}
+    dry = await asyncio.to_thread(jobtier, "prune", "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert dry.stdout.startswith("dry run: nothing changed\n")
+    assert f"would create partition {today()}" in dry.stdout
+    assert "finished jobs: would delete 0 that finished before" in dry.stdout
+    assert [p.name for p in await partitions(pg_pool)] == ["job_transitions_default"]
+
+    done = await asyncio.to_thread(jobtier, "prune", env=env)
+    assert done.returncode == 0 and f"created partition {today()}" in done.stdout, done.stderr
+    assert await where_rows_are(pg_pool) == {today(): 30}  # moved out of the default one
+    # nothing is old yet: a second run has nothing to do
+    again = await asyncio.to_thread(jobtier, "prune", env=env)
+    assert again.returncode == 0 and "created" not in again.stdout
+    assert "deleted 0 rows of the default partition" in again.stdout
+
+
+def jobtier(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "jobtier.cli", *args],
+        capture_output=True, text=True, env=env, timeout=60,
+    )  # fmt: skip
+
+
+async def test_a_pass_does_not_wait_behind_a_long_transaction(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection, pg_dsn: str
+) -> None:
+    """DROP PARTITION needs ACCESS EXCLUSIVE on job_transitions: behind a reader's long
+    transaction it gives up after its lock timeout (writes queued behind it go on), reports
+    the partition skipped, and the next pass drops it. A job row a writer holds is skipped."""
+    await prune(conn, pg_settings)
+    job_ids = await simple_jobs(redis, keys, 30)
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    later = datetime.now(UTC) + timedelta(days=40)
+
+    other = await db.connect(pg_dsn)
+    try:
+        reading = other.transaction()
+        await reading.start()
+        await other.fetchval("SELECT count(*) FROM job_transitions")  # holds ACCESS SHARE
+        await other.fetchval("SELECT id FROM jobs WHERE id = $1 FOR UPDATE", job_ids[0])
+        report = await prune(conn, pg_settings, now=later, lock_timeout_ms=50)
+        assert report is not None
+        assert today() in report.skipped and today() not in report.removed
+        assert report.jobs == 29  # every finished job but the locked one
+        # the persister's writes still go through meanwhile
+        more = await simple_jobs(redis, keys, 5)
+        await Persister(pg_settings, redis, pg_pool, "p1").drain()
+        assert await gaps(pg_pool, more) == []
+        await reading.rollback()
+    finally:
+        await other.close()
+
+    report = await prune(conn, pg_settings, now=later, lock_timeout_ms=50)
+    assert report is not None and today() in report.removed and report.skipped == []
+    assert report.jobs == 6
+
+
+async def test_one_pass_at_a_time(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection, pg_dsn: str
+) -> None:
+    await simple_jobs(redis, keys, 10)
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    holder = await db.connect(pg_dsn)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", PRUNE_LOCK)  # another pass runs
+        later = datetime.now(UTC) + timedelta(days=40)
+        assert await prune(conn, pg_settings, now=later) is None
+        assert await pg_pool.fetchval("SELECT count(*) FROM jobs") == 10
+        assert [p.name for p in await partitions(conn)] == ["job_transitions_default"]
+    finally:
+        await holder.execute("SELECT pg_advisory_unlock($1)", PRUNE_LOCK)
+        await holder.close()
+    report = await prune(conn, pg_settings, now=datetime.now(UTC) + timedelta(days=40))
+    assert report is not None and report.jobs == 10
+
+
+async def test_the_persister_prunes_on_its_own(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+) -> None:
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    task = asyncio.create_task(persister.run())
+    try:
+
+        async def ready() -> bool:
+            return len(await partitions(conn)) == PARTITIONS_AHEAD + 3  # with the default
+
+        async with asyncio.timeout(20):
+            while not await ready():
+                await asyncio.sleep(0.02)
+    finally:
+        persister.stop()
+        await asyncio.wait_for(task, 10)
+    assert today() in {p.name for p in await partitions(conn)}
+
+
+# --- migrating an existing deployment -----------------------------------------------------------
+@pytest.fixture
+def bare_db(pg_server: LocalPostgres) -> Iterator[str]:
+    name = f"jt_bare_{uuid.uuid4().hex[:12]}"
+    pg_server.psql(f'CREATE DATABASE "{name}" TEMPLATE template0 OWNER "{pg_server.user}"')
+    yield pg_server.dsn_for(name)
+    pg_server.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+async def test_migration_keeps_every_row_of_an_existing_history(
+    settings: Settings, redis: Any, keys: Keys, bare_db: str
+) -> None:
+    # a deployment at migration 0001, with history written the way it was then
+    first_name, first_sql = db.migrations()[0]
+    old = await db.connect(bare_db)
+    try:
+        await old.execute(first_sql)
+        await old.execute(query("create_migrations_table"))
+        await old.execute(query("record_migration"), first_name)
+        job_ids = await simple_jobs(redis, keys, 50)
+        entries = parsed(await log_entries(redis, keys))
+        await old.copy_records_to_table(
+            "jobs", records=job_records(collapse(entries)), columns=JOB_COLUMNS
+        )
+        without_prev = [c for c in TRANSITION_COLUMNS if c != "prev_version"]
+        records = [r[:2] + r[3:] for r in transition_records(entries)]
+        await old.copy_records_to_table("job_transitions", records=records, columns=without_prev)
+    finally:
+        await old.close()
+
+    assert await db.migrate(bare_db) == [name for name, _ in db.migrations()[1:]]
+    settings = settings.replace(database_url=bare_db)
+    pool = await db.create_pool(bare_db, max_size=2)
+    conn = await db.connect(bare_db)
+    try:
+        assert await where_rows_are(pool) == {"job_transitions_legacy": 150}
+        assert (
+            await pool.fetchval("SELECT count(*) FROM job_transitions WHERE prev_version IS NULL")
+            == 150
+        )
+        assert await gaps(pool, job_ids) == []  # NULL reads as version - 1: complete
+        # the persister replays what it had written: nothing doubles
+        await Persister(settings, redis, pool, "p1").persist(entries)
+        assert await pool.fetchval("SELECT count(*) FROM job_transitions") == 150
+        # new writes and passes go on; the legacy partition covers up to the day after its
+        # newest row, so daily partitions start there
+        report = await prune(conn, settings)
+        assert report is not None and today() not in report.created
+        more = await simple_jobs(redis, keys, 10)
+        await Persister(settings, redis, pool, "p1").drain()
+        assert await gaps(pool, job_ids + more) == []
+        # and it is dropped whole once its last day is past the retention
+        report = await prune(conn, settings, now=datetime.now(UTC) + timedelta(days=40))
+        assert report is not None and "job_transitions_legacy" in report.removed
+        assert await pool.fetchval("SELECT count(*) FROM job_transitions") == 0
+    finally:
+        await conn.close()
+        await pool.close()
