@@ -39,21 +39,51 @@ def _run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
         return asyncio.run(main())
 
 
-def _on_signals(stop: Callable[[], None]) -> None:
-    """First SIGTERM/SIGINT: graceful stop. Second: exit now."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # SIGHUP: the terminal closed
+
+
+def _on_signals(
+    stop: Callable[[], None],
+    stop_now: Callable[[], None] | None = None,
+    on_exit: Callable[[], None] | None = None,
+) -> None:
+    """SIGTERM, SIGINT (Ctrl-C) and SIGHUP (its terminal closed) stop the process.
+
+    The first: ``stop()``, graceful. The second: ``stop_now()``, no more waiting, but still
+    the clean-up that keeps its word (held jobs released to their queues, servers stopped).
+    The next one, or the second when there is no ``stop_now``: ``on_exit()``, then exit on
+    the spot.
+    """
     loop = asyncio.get_running_loop()
     received: list[signal.Signals] = []
 
     def handler(sig: signal.Signals) -> None:
-        if received:
-            log.warning("event=forced_exit signal=%s", sig.name)
-            os._exit(1)
         received.append(sig)
-        log.info("event=signal signal=%s action=graceful_stop", sig.name)
-        stop()
+        if len(received) == 1:
+            log.info("event=signal signal=%s action=graceful_stop", sig.name)
+            stop()
+        elif len(received) == 2 and stop_now is not None:
+            log.warning("event=signal signal=%s action=stop_now", sig.name)
+            stop_now()
+        else:
+            log.warning("event=forced_exit signal=%s", sig.name)
+            if on_exit is not None:
+                on_exit()
+            os._exit(1)
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, handler, sig)
+
+
+def _exit_now_if_stuck(stuck: int, code: int) -> None:
+    """Exit without joining what the worker could not stop (sync tasks' threads, tasks that
+    ignored their cancellation): their jobs were released, and a normal exit would wait for
+    them, past the grace. Everything else has been closed by now."""
+    if stuck:
+        log.warning("event=exit_without_waiting stuck=%d: tasks still running were released", stuck)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(code)
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -75,7 +105,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
                 name=args.name,
                 shutdown_grace=args.grace,
             )
-            _on_signals(worker.stop)
+            _on_signals(worker.stop, lambda: worker.stop(now=True))
             if settings.gc_freeze:
                 # Start-up objects (modules, tasks, compiled scripts) live as long as the
                 # process: frozen, the collector no longer walks them; a higher first
@@ -86,6 +116,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
                 gc.set_threshold(20_000, 50, 100)
             async with MetricsPublisher(queue.redis, queue.keys, "worker", [worker]):
                 await worker.run()
+        _exit_now_if_stuck(worker.stuck, 0)
         return 0
 
     return _run_async(main)
@@ -303,9 +334,16 @@ def default_name(role: str) -> str:
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
-    from jobtier.dev.run import run_all
+    from jobtier.dev.procs import LocalServiceError
+    from jobtier.dev.run import run
 
-    return _run_async(lambda: run_all(args, settings, _on_signals))
+    try:
+        code, stuck = run(args, settings, _on_signals, _run_async)
+    except LocalServiceError as exc:
+        print(f"jobtier run: {exc}", file=sys.stderr)
+        return 1
+    _exit_now_if_stuck(stuck, code)
+    return code
 
 
 BENCHMARKS = {
@@ -315,6 +353,7 @@ BENCHMARKS = {
     "compare": "jobtier beside BullMQ, SAQ, arq, Celery, RQ and Dramatiq: the same no-op jobs, same Redis",
     "persist": "transitions written to Postgres per second and write-behind lag, batched against one INSERT each",
     "schedule": "start lateness of 100K delayed jobs and of a burst of 10K due at once",
+    "shutdown": "a worker's time from SIGTERM to exit against --grace, every slot busy",
     "history_rows": "history rows Postgres keeps per demo sleep job, progress coalesced or not",
 }
 
@@ -360,7 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="everything in one process, with a local Redis and Postgres (development)",
         description="Start a local Redis and Postgres (data under --data-dir, loopback ports), "
-        "then the API, a worker, the scheduler and the persister in one process.",
+        "then the API, a worker, the scheduler and the persister in one process. The servers "
+        "are this command's own: it stops them when it ends, however it ends (Ctrl-C, SIGTERM, "
+        "the terminal closing, even SIGKILL), and it never uses a server it did not start: a "
+        "port taken by another server is refused (pick another with --redis-port/--pg-port). "
+        "Ctrl-C once stops gracefully (running jobs get --grace seconds), twice at once.",
     )
     p.add_argument(
         "--tasks", default="jobtier.demo", help="task module[:attr] (default: the demo tasks)"
@@ -380,6 +423,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--pg-port", type=int, default=15432, help="local Postgres port (default: 15432)"
     )
     p.add_argument("--concurrency", type=int, default=50, help="worker concurrency (default: 50)")
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds from Ctrl-C/SIGTERM by which the worker's running jobs must end; the rest "
+        "are released to their queues (default: 30)",
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(
@@ -400,8 +450,10 @@ def build_parser() -> argparse.ArgumentParser:
         "worker",
         help="run tasks",
         description="Claim jobs and run them with the tasks of MODULE (every @task in it) or "
-        "MODULE:ATTR (a TaskRegistry, a Task or a list of Tasks). SIGTERM stops claiming, lets "
-        "running jobs finish within --grace seconds, then releases the rest to their queues.",
+        "MODULE:ATTR (a TaskRegistry, a Task or a list of Tasks). SIGTERM (or SIGINT, SIGHUP) "
+        "stops claiming at once, lets running jobs finish until --grace seconds after it, then "
+        "cancels and releases the rest to their queues (no attempt used); a second signal "
+        "releases them at once.",
     )
     p.add_argument("tasks", metavar="MODULE[:ATTR]", help="where the tasks are, e.g. myapp.tasks")
     p.add_argument(
@@ -413,7 +465,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--grace",
         type=float,
         default=30.0,
-        help="seconds running jobs get on SIGTERM (default: 30)",
+        help="seconds from SIGTERM by which running jobs must end; the rest are released to "
+        "their queues (default: 30). A second signal releases them at once",
     )
     p.set_defaults(func=cmd_worker)
 

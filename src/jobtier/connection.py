@@ -76,18 +76,42 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
     return Redis.from_pool(pool)
 
 
-async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
+# `jobtier run`'s own Redis (its --redis-port default; a unit test keeps the two in step)
+RUN_REDIS_URL = "redis://127.0.0.1:16379/0"
+DEFAULT_REDIS_URL = Settings.__dataclass_fields__["redis_url"].default
+
+
+def unreachable_message(settings: Settings, exc: BaseException) -> str:
+    """Why we cannot talk to Redis, and where to look next."""
+    message = f"cannot reach Redis at {settings.redis_url}: {exc}."
+    if settings.redis_url == DEFAULT_REDIS_URL:
+        return message + (
+            " That is JOBTIER_REDIS_URL's default (the variable is not set): name your server "
+            f"in JOBTIER_REDIS_URL; to use the Redis that `jobtier run` starts, "
+            f"JOBTIER_REDIS_URL={RUN_REDIS_URL}"
+        )
+    return message + " Is the server running, and is JOBTIER_REDIS_URL right?"
+
+
+async def check_redis(
+    redis: RedisClient, settings: Settings, *, log_every: float = 5.0
+) -> list[str]:
     """Refuse a Redis that can lose acknowledged jobs. Returns warnings; raises ConfigError.
 
     An evicting memory policy silently drops job hashes and queues under memory pressure,
     and without AOF a restart forgets everything since the last snapshot.
+
+    A Redis still loading its data after a restart is waited for (it answers only INFO and
+    the like until it is done, and reports ``aof_enabled:0`` meanwhile: Redis turns AOF off
+    while it replays the file), with its progress logged every ``log_every`` seconds.
     """
     try:
+        await _wait_loaded(redis, settings, log_every)
         version = await _info_values(redis, "server", "redis_version")
         policies = await _info_values(redis, "memory", "maxmemory_policy")
         aof = await _info_values(redis, "persistence", "aof_enabled")
     except RedisError as exc:
-        raise ConfigError(f"cannot reach Redis at {settings.redis_url}: {exc}") from exc
+        raise ConfigError(unreachable_message(settings, exc)) from exc
     problems, warnings = [], []
     if any(int(v.split(".")[0]) < 7 for v in version):
         problems.append(f"Redis {', '.join(sorted(set(version)))} is too old: jobtier needs 7.0+")
@@ -99,10 +123,15 @@ async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
         )
     if any(v != "1" for v in aof):
         message = (
-            "appendonly is off: a Redis restart would lose acknowledged jobs; set appendonly yes"
+            "appendonly is off: a restart of Redis would lose jobs it has acknowledged; turn it "
+            "on in the server's configuration (appendonly yes), or at once with "
+            "`redis-cli CONFIG SET appendonly yes` plus `CONFIG REWRITE`"
         )
         if settings.redis_require_aof:
-            problems.append(message + " (or JOBTIER_REDIS_REQUIRE_AOF=0 to accept the risk)")
+            problems.append(
+                message + ". Only for a throwaway setup whose jobs may be lost: "
+                "JOBTIER_REDIS_REQUIRE_AOF=0"
+            )
         else:
             warnings.append(message)
     if problems:
@@ -110,12 +139,31 @@ async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
     return warnings
 
 
+async def _wait_loaded(redis: RedisClient, settings: Settings, log_every: float) -> None:
+    """Return once no node reports ``loading:1`` (INFO answers while Redis loads)."""
+    loop = asyncio.get_running_loop()
+    logged = -log_every
+    while True:
+        loading = await _info_values(redis, "persistence", "loading")
+        if "1" not in loading:
+            return
+        if loop.time() - logged >= log_every:
+            logged = loop.time()
+            done = await _info_values(redis, "persistence", "loading_loaded_perc")
+            log.info(
+                "event=redis_loading url=%s percent=%s: Redis is loading its data after a "
+                "restart; waiting for it",
+                settings.redis_url, ",".join(done),
+            )  # fmt: skip
+        await asyncio.sleep(0.1)
+
+
 async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
     if isinstance(redis, RedisCluster):  # {node name: {field: value}}
         per_node = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
-        return [str(node_info[field]) for node_info in per_node.values()]
+        return [str(node_info.get(field, "")) for node_info in per_node.values()]
     info = await redis.info(section)
-    return [str(info[field])]
+    return [str(info.get(field, ""))]
 
 
 def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str, int], list[str]]:

@@ -1,70 +1,288 @@
-"""`jobtier run` as a user runs it: local Redis and Postgres, every part, the demo tasks."""
+"""`jobtier run` as a user runs it: local Redis and Postgres, every part, the demo tasks; and
+its servers stopped on every way out, never someone else's server used."""
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import signal
-import subprocess
-import sys
+import socket
 import tempfile
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
+import redis as syncredis
 
-from jobtier.dev.redis import free_port
+from jobtier.dev.postgres import LocalPostgres
+from jobtier.dev.procs import pid_alive
+from tests.e2e.jobtier_run import JobtierRun, assert_gone, copy_pg_template, wait_until
 
 
-def test_run_serves_the_demo_and_stops_cleanly() -> None:
-    data = Path(
-        tempfile.mkdtemp(prefix="jobtier-run-")
-    )  # Postgres runs as another user: not tmp_path
-    data.chmod(0o755)
-    redis_port, pg_port, api_port = free_port(), free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")}
-    env["JOBTIER_API_PORT"] = str(api_port)
-    args = [sys.executable, "-m", "jobtier.cli", "run", "--data-dir", str(data),
-            "--redis-port", str(redis_port), "--pg-port", str(pg_port)]  # fmt: skip
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    base = f"http://127.0.0.1:{api_port}"
+@pytest.fixture(scope="module")
+def pg_template() -> Iterator[Path]:
+    folder = Path(tempfile.mkdtemp(prefix="jobtier-run-pg-"))
+    folder.chmod(0o755)
+    server = LocalPostgres(folder / "pg").start()  # initdb, role and database
+    server.stop()
+    yield folder / "pg"
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def data(pg_template: Path) -> Iterator[Path]:
+    """A data folder for `jobtier run`, its Postgres already initialised."""
+    # not tmp_path: its root is private to root, and Postgres runs as another user
+    folder = Path(tempfile.mkdtemp(prefix="jobtier-run-"))
+    folder.chmod(0o755)
+    copy_pg_template(pg_template, folder / ".data")
+    yield folder / ".data"
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def runs(tmp_path: Path) -> Iterator[list[JobtierRun]]:
+    """Start runs with ``JobtierRun(..)`` and append them: stopped at teardown."""
+    started: list[JobtierRun] = []
+    yield started
+    for run in started:
+        run.stop()
+
+
+def start(runs: list[JobtierRun], data: Path, log: Path, *args: str, **ports: int) -> JobtierRun:
+    run = JobtierRun(data, log, *args, **ports)
+    runs.append(run)
+    return run
+
+
+def submit(run: JobtierRun, type: str, payload: object) -> str:
+    auth = {"authorization": f"Bearer {run.tenant_key()}"}
+    reply = httpx.post(f"{run.base}/v1/jobs", json={"type": type, "payload": payload}, headers=auth)
+    assert reply.status_code == 202, reply.text
+    return str(reply.json()["id"])
+
+
+def state(run: JobtierRun, job_id: str) -> str:
+    auth = {"authorization": f"Bearer {run.tenant_key()}"}
+    return str(httpx.get(f"{run.base}/v1/jobs/{job_id}", headers=auth).json()["state"])
+
+
+def test_run_serves_the_demo_and_stops_cleanly(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    run = start(runs, data, tmp_path / "run.log")
+    run.wait_ready()
+    servers = run.server_pids()
+    job = submit(run, "echo", "hi")
+    wait_until(lambda: state(run, job) == "succeeded", "the job succeeds")
+    auth = {"authorization": f"Bearer {run.tenant_key()}"}
+    assert httpx.get(f"{run.base}/v1/jobs/{job}/result", headers=auth).json()["result"] == "hi"
+    wait_until(  # the persister wrote it
+        lambda: bool(httpx.get(f"{run.base}/v1/jobs", headers=auth).json()["jobs"]),
+        "the job in Postgres",
+    )
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.exit_code() == 0, run.text()[-3000:]
+    assert_gone(servers)
+    assert "local_redis_reused" not in run.events()
+
+
+@pytest.mark.parametrize("how", ["SIGTERM twice", "SIGINT twice", "SIGHUP"])
+def test_every_way_out_stops_the_servers(
+    how: str, data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    # twice: a long grace, which only the second signal can cut short
+    grace = "600" if how.endswith("twice") else "1"
+    run = start(runs, data, tmp_path / "run.log", "--grace", grace)
+    run.wait_ready()
+    servers = run.server_pids()
+    job = submit(run, "sleep", {"seconds": 600})
+    wait_until(lambda: state(run, job) == "running", "the job runs")
+    sig = signal.Signals[how.split()[0]]
+    run.proc.send_signal(sig)
+    if how.endswith("twice"):
+        run.wait_logged("worker_draining")
+        run.proc.send_signal(sig)
+    code = run.exit_code()
+    assert_gone(servers)
+    events = run.events()
+    assert "job_released" in events  # the running job went back to its queue
+    assert "forced_exit" not in events
+    if how == "SIGHUP":
+        assert code == 0 and "signal=SIGHUP action=graceful_stop" in run.text()
+    else:
+        assert "action=stop_now" in run.text()
+
+
+def test_a_failing_part_stops_everything(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    with socket.socket() as taken:  # the API cannot listen: its part fails at start
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        run = start(runs, data, tmp_path / "run.log", api_port=taken.getsockname()[1])
+        run.wait_logged("part_failed")
+        servers = run.server_pids()
+        assert run.exit_code() == 1
+    assert_gone(servers)
+    assert "is the port free? JOBTIER_API_PORT sets it" in run.text()
+    assert "job_released" not in run.events()  # nothing was running; the rest stopped cleanly
+    assert "worker_stopped" in run.events()
+
+
+def test_sigkill_takes_the_servers_with_it_and_a_leftover_is_restarted(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    run = start(runs, data, tmp_path / "run1.log")
+    run.wait_ready()
+    servers = run.server_pids()
+    run.proc.send_signal(signal.SIGKILL)
+    run.proc.wait()
+    assert_gone(servers)  # no Python code ran: the kernel stopped them
+
+    # a Redis of this folder that outlived its run (say, from a version without this tie):
+    # the next run restarts it as its own rather than adopting it
+    folder = data / "redis"
+    leftover = _daemonized_redis(folder, run.redis_port)  # same folder, port and pidfile
+    again = start(runs, data, tmp_path / "run2.log", redis_port=run.redis_port)
+    again.wait_ready()
+    assert again.field("local_redis_leftover", "pid") == str(leftover)
+    assert not pid_alive(leftover)
+    assert int(again.field("local_redis_started", "pid")) != leftover
+    new_servers = again.server_pids()
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.exit_code() == 0
+    assert_gone(new_servers)
+
+
+def _daemonized_redis(folder: Path, port: int) -> int:
+    import subprocess
+
+    subprocess.run(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
+         "--appendonly", "yes", "--daemonize", "yes", "--pidfile", str(folder / "redis.pid"),
+         "--logfile", str(folder / "leftover.log")],
+        check=True,
+    )  # fmt: skip
+    wait_until(lambda: (folder / "redis.pid").exists(), "the leftover's pidfile")
+    return int((folder / "redis.pid").read_text())
+
+
+def test_a_foreign_redis_on_the_port_is_refused_and_left_alone(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    from jobtier.dev.redis import LocalRedis
+
+    other = LocalRedis(tmp_path / "someone-elses-redis").start()
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
-            try:
-                if httpx.get(f"{base}/readyz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "jobtier run never became ready"
-            time.sleep(0.2)
-        key = json.loads((data / "dev-keys.json").read_text())["tenant_key"]
-        auth = {"authorization": f"Bearer {key}"}
-        job = httpx.post(
-            f"{base}/v1/jobs", json={"type": "echo", "payload": "hi"}, headers=auth
-        ).json()
-        while (
-            state := httpx.get(f"{base}/v1/jobs/{job['id']}", headers=auth).json()["state"]
-        ) != "succeeded":
-            assert state in ("queued", "running"), state
-            assert time.monotonic() < deadline + 30
-            time.sleep(0.05)
-        assert (
-            httpx.get(f"{base}/v1/jobs/{job['id']}/result", headers=auth).json()["result"] == "hi"
-        )
-        while not httpx.get(f"{base}/v1/jobs", headers=auth).json()[
-            "jobs"
-        ]:  # the persister wrote it
-            assert time.monotonic() < deadline + 30
-            time.sleep(0.1)
+        client = syncredis.Redis(port=other.port)
+        client.set("theirs", "untouched")
+        run = start(runs, data, tmp_path / "run.log", redis_port=other.port)
+        assert run.exit_code() == 1
+        said = run.text()
+        assert f"port {other.port} is in use by a Redis" in said
+        assert str(tmp_path / "someone-elses-redis") in said  # what it found
+        assert "--redis-port" in said  # and what to do
+        assert other.proc is not None and other.proc.poll() is None
+        assert client.get("theirs") == b"untouched" and client.dbsize() == 1
+        assert "local_postgres_started" not in run.events()
+        client.close()
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-    assert code == 0, proc.stderr.read().decode()[-2000:]  # type: ignore[union-attr]
-    for port in (redis_port, pg_port, api_port):  # the services it started are stopped
-        try:
-            httpx.get(f"http://127.0.0.1:{port}", timeout=0.5)
-            raise AssertionError(f"something still listens on {port}")
-        except httpx.TransportError:
-            pass
+        other.stop()
+
+
+def test_a_foreign_postgres_on_the_port_is_refused_and_left_alone(
+    data: Path, tmp_path: Path, runs: list[JobtierRun], pg_server: LocalPostgres
+) -> None:
+    run = start(runs, data, tmp_path / "run.log", pg_port=pg_server.port)
+    assert run.exit_code() == 1
+    said = run.text()
+    assert f"port {pg_server.port} is in use by a Postgres with data folder" in said
+    assert str(pg_server.data) in said and "--pg-port" in said
+    assert_gone([int(run.field("local_redis_started", "pid"))])  # the Redis it had started
+    assert pg_server.psql("SELECT 1").strip() == "1"  # theirs serves on
+
+
+def test_a_restart_waits_for_redis_to_load_its_aof(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    run = start(runs, data, tmp_path / "run1.log")
+    run.wait_ready()
+    client = syncredis.Redis(port=run.redis_port)
+    keys = 20_000
+    pipe = client.pipeline(transaction=False)
+    for i in range(keys // 1000):
+        pipe.mset({f"bulk:{i}:{j}": "x" * 40 for j in range(1000)})
+    pipe.execute()
+    client.bgrewriteaof()  # the keys go into the AOF's base file, loaded key by key
+    wait_until(
+        lambda: not any(
+            int(client.info("persistence")[f]) for f in ("aof_rewrite_in_progress",
+                                                          "aof_rewrite_scheduled")
+        ),
+        "the AOF rewrite",
+    )  # fmt: skip
+    client.close()
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.exit_code() == 0
+    # make the load slow for certain (a debugging delay per key) and visible (the server
+    # answers during the load every KB instead of every 2 MB): whatever the machine's speed,
+    # the next start meets a Redis that is loading
+    (data / "redis" / "redis.local.conf").write_text(
+        "key-load-delay 50\nloading-process-events-interval-bytes 1024\n"
+    )
+    again = start(runs, data, tmp_path / "run2.log", redis_port=run.redis_port)
+    again.wait_ready()
+    assert "local_redis_loading" in again.events()
+    client = syncredis.Redis(port=again.redis_port)
+    assert client.dbsize() >= keys  # all of it came back
+    assert client.info("persistence")["aof_enabled"] == 1
+    client.close()
+    assert "appendonly is off" not in again.text()
+    again.proc.send_signal(signal.SIGTERM)
+    assert again.exit_code() == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the relocation applies when running as root")
+def test_a_clone_others_cannot_enter_runs_as_root(tmp_path: Path, runs: list[JobtierRun]) -> None:
+    from jobtier.dev.postgres import relocated_folder
+
+    home = Path(tempfile.mkdtemp(prefix="jobtier-root-home-"))  # 0700, like /root
+    assert home.stat().st_mode & 0o777 == 0o700
+    data = home / "clone" / ".data"
+    moved = relocated_folder(data / "pg")
+    try:
+        run = start(runs, data, tmp_path / "run.log")
+        run.wait_ready()
+        assert run.field("local_postgres_relocated", "to") == str(moved)
+        assert (data / "pg" / "DATA-IS-ELSEWHERE.txt").read_text().count(str(moved)) == 1
+        job = submit(run, "echo", {"from": "a private clone"})
+        wait_until(lambda: state(run, job) == "succeeded", "the job succeeds")
+        auth = {"authorization": f"Bearer {run.tenant_key()}"}
+        wait_until(  # Postgres, running as another user, has it
+            lambda: bool(httpx.get(f"{run.base}/v1/jobs", headers=auth).json()["jobs"]),
+            "the job in Postgres",
+        )
+        servers = run.server_pids()
+        run.proc.send_signal(signal.SIGTERM)
+        assert run.exit_code() == 0
+        assert_gone(servers)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+        shutil.rmtree(moved, ignore_errors=True)
+
+
+def test_a_second_run_of_the_same_folder_is_refused(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    first = start(runs, data, tmp_path / "run1.log")
+    first.wait_ready()
+    servers = first.server_pids()
+    second = start(runs, data, tmp_path / "run2.log")
+    assert second.exit_code() == 1
+    assert f"another `jobtier run` (pid {first.proc.pid}) is using {data}" in second.text()
+    # the first run's servers are untouched (its Redis and postmaster; Postgres's own
+    # worker processes come and go with connections)
+    assert all(pid_alive(p) for p in servers[:2])
+    assert httpx.get(f"{first.base}/readyz").status_code == 200

@@ -12,6 +12,7 @@ from jobtier.queue import JobSpec, Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
+from tests.unit.loops import LoopErrors
 
 
 @pytest.fixture
@@ -174,3 +175,23 @@ async def test_a_task_waiting_for_cancel_sees_it(queue: Queue, background: Backg
     await until_state(queue, sub.job_id, State.RUNNING)
     await queue.cancel(sub.job_id)
     await until_state(queue, sub.job_id, State.CANCELLED)
+
+
+async def test_a_job_released_at_shutdown_ends_without_an_error_in_the_loop(
+    queue: Queue,
+) -> None:
+    """The cancelled attempt of a released job ends after the job left the running set: that
+    must be quiet, not an exception in a task nobody awaits."""
+    loop_errors = LoopErrors(asyncio.get_running_loop())
+    sub = await queue.submit("slow", {"seconds": 30})
+    worker = worker_for(queue, registry, shutdown_grace=0.1)
+    run = asyncio.create_task(worker.run())
+
+    async def running() -> bool:
+        return (await queue.status(sub.job_id)).state is State.RUNNING
+
+    await wait_for(running)
+    worker.stop()
+    await run
+    assert (await queue.status(sub.job_id)).state is State.QUEUED
+    loop_errors.check()

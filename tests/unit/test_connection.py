@@ -37,3 +37,19 @@ def test_values_redis_py_refuses_are_still_refused() -> None:
 def test_clients_use_it() -> None:
     client = connect(Settings.from_env({}))
     assert client.connection_pool.connection_class is FastConnection
+
+
+def test_an_unreachable_default_redis_points_at_the_setting_and_jobtier_run() -> None:
+    from jobtier.cli import build_parser
+    from jobtier.connection import RUN_REDIS_URL, unreachable_message
+
+    said = unreachable_message(Settings.from_env({}), ConnectionError("refused"))
+    assert "cannot reach Redis at redis://127.0.0.1:6379/0: refused." in said
+    assert "JOBTIER_REDIS_URL" in said and f"JOBTIER_REDIS_URL={RUN_REDIS_URL}" in said
+    # the URL named is the one `jobtier run` serves
+    run = build_parser().parse_args(["run"])
+    assert f"redis://127.0.0.1:{run.redis_port}/0" == RUN_REDIS_URL
+
+    elsewhere = Settings.from_env({}, redis_url="redis://cache.internal:6380/0")
+    said = unreachable_message(elsewhere, ConnectionError("refused"))
+    assert "cache.internal:6380" in said and "16379" not in said

@@ -2,30 +2,53 @@
 
 It runs from the installed server binaries (``/usr/lib/postgresql/<version>/bin``, the highest
 version present), with its data in a folder of the caller's choosing, listening on loopback
-only, its unix socket inside that folder. Nothing here is used in production deployments.
+only, its unix socket inside that folder, as a child process tied to ours (it stops when we
+die: ``jobtier.dev.procs``). Nothing here is used in production deployments.
 
-Postgres refuses to run as root. When we are root, the server runs as the ``postgres`` user
-(Debian's server package creates it) or, failing that, as a ``jobtier-pg`` system user created
-on first use, through ``runuser``; the folder is handed to that user. Local connections are
-trusted (no password): acceptable for a loopback-only development server, never elsewhere.
+Postgres refuses to run as root. When we are root, the server runs as an unprivileged user
+(``postgres``, which Debian's server package creates, else ``jobtier-pg`` if it exists, else
+``nobody``) through ``setpriv``; the folder is handed to that user. That user must be able to
+reach the folder: a clone under ``/root`` (0700) is not reachable by anyone else. Then the data
+goes to ``/var/tmp/jobtier-pg-<hash of the folder's path>`` instead (the same place on every
+run of that folder; /var/tmp survives a reboot), a note in the folder says where, and the start
+is logged as ``local_postgres_relocated``. Local connections are trusted (no password):
+acceptable for a loopback-only development server, never elsewhere.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import pwd
 import re
 import shutil
+import signal
+import stat
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
-from jobtier.dev.redis import free_port
+from jobtier.dev.procs import (
+    LocalServiceError,
+    as_user,
+    pid_alive,
+    process_cwd,
+    process_name,
+    read_pid,
+    tied,
+)
+from jobtier.dev.redis import PortOwner, free_port
+
+log = logging.getLogger("jobtier.dev")
 
 PG_ROOT = Path("/usr/lib/postgresql")
 SUPERUSER = "postgres"
-SERVICE_USERS = ("postgres", "jobtier-pg")
+SERVICE_USERS = ("postgres", "jobtier-pg", "nobody")
+RELOCATED_NOTE = "DATA-IS-ELSEWHERE.txt"
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")  # role and database names go into SQL text
+_STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
 
 
 def pg_bin_dir(root: Path = PG_ROOT) -> Path:
@@ -47,18 +70,24 @@ def pg_bin_dir(root: Path = PG_ROOT) -> Path:
 
 
 def _service_user() -> str:
-    """The unprivileged user to run Postgres as when we are root (created if need be)."""
+    """The unprivileged user to run Postgres as when we are root."""
     for name in SERVICE_USERS:
         try:
             pwd.getpwnam(name)
             return name
         except KeyError:
             continue
-    subprocess.run(
-        ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "jobtier-pg"],
-        check=True,
+    raise LocalServiceError(
+        "Postgres cannot run as root and none of the users "
+        f"{', '.join(SERVICE_USERS)} exists to run it as: create one (useradd --system postgres)"
     )
-    return "jobtier-pg"
+
+
+def relocated_folder(folder: Path) -> Path:
+    """Where the data of ``folder`` goes when the service user cannot reach it."""
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:16]
+    base = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path(tempfile.gettempdir())
+    return base / f"jobtier-pg-{digest}"
 
 
 class LocalPostgres:
@@ -81,16 +110,32 @@ class LocalPostgres:
         for name in (user, database):
             if not _IDENT.match(name):
                 raise ValueError(f"not a plain SQL identifier: {name!r}")
-        self.folder = Path(folder).absolute()
+        self.requested = Path(folder).absolute()
+        self.folder = self.requested  # moved by start() when run_as cannot reach it
         self.port = port or free_port()
         self.user = user
         self.database = database
         self.durable = durable
         self.bin_dir = bin_dir or pg_bin_dir()
-        self.data = self.folder / "data"
-        self.logfile = self.folder / "postgres.log"
-        self.socket_dir = self._socket_dir()
         self.run_as = _service_user() if os.geteuid() == 0 else None
+        self.socket_dir = self._socket_dir()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def data(self) -> Path:
+        return self.folder / "data"
+
+    @property
+    def logfile(self) -> Path:
+        return self.folder / "postgres.log"
+
+    @property
+    def relocated(self) -> bool:
+        return self.folder != self.requested
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
 
     # --- addresses ------------------------------------------------------------------------
     @property
@@ -110,10 +155,7 @@ class LocalPostgres:
 
     # --- running --------------------------------------------------------------------------
     def _tool(self, name: str, *args: str) -> list[str]:
-        command = [str(self.bin_dir / name), *args]
-        if self.run_as:
-            return ["runuser", "-u", self.run_as, "--", *command]
-        return command
+        return as_user([str(self.bin_dir / name), *args], self.run_as)
 
     def _run(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         result = subprocess.run(
@@ -130,24 +172,64 @@ class LocalPostgres:
             )
         return result
 
-    def _prepare_folder(self) -> None:
-        for path in (self.folder, self.socket_dir):
-            path.mkdir(parents=True, exist_ok=True)
+    def _hand_over(self, path: Path) -> None:
+        """Give ``path`` and everything in it to ``run_as``."""
+        assert self.run_as is not None
+        entry = pwd.getpwnam(self.run_as)
+        shutil.chown(path, entry.pw_uid, entry.pw_gid)
+        for sub in path.rglob("*"):
+            os.chown(sub, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
+
+    def _reachable(self, path: Path) -> bool:
+        """Can ``run_as`` write in ``path`` (every folder above it searchable)?"""
+        probe = subprocess.run(
+            as_user(["test", "-w", str(path), "-a", "-x", str(path)], self.run_as),
+            stdin=subprocess.DEVNULL, capture_output=True, cwd="/",
+        )  # fmt: skip
+        return probe.returncode == 0
+
+    def prepare(self) -> None:
+        """Make the folder ready for ``run_as`` (moving it if need be); idempotent."""
+        self.folder.mkdir(parents=True, exist_ok=True)
         if self.run_as:
-            entry = pwd.getpwnam(self.run_as)
-            for path in (self.folder, self.socket_dir):
-                shutil.chown(path, entry.pw_uid, entry.pw_gid)
-                for sub in path.rglob("*"):
-                    os.chown(sub, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
-            # every folder above must be searchable by that user (pytest's temp root is 0700)
-            probe = subprocess.run(
-                ["runuser", "-u", self.run_as, "--", "test", "-w", str(self.folder)]
+            self._hand_over(self.folder)
+            if not self.relocated and not self._reachable(self.folder):
+                self._relocate()
+        if not self.relocated:
+            (self.folder / RELOCATED_NOTE).unlink(missing_ok=True)
+        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        if self.run_as:
+            self._hand_over(self.socket_dir)
+
+    def _relocate(self) -> None:
+        """Move to a folder ``run_as`` can reach (see the module docstring)."""
+        assert self.run_as is not None
+        target = relocated_folder(self.requested)
+        entry = pwd.getpwnam(self.run_as)
+        try:
+            target.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        # /var/tmp is writable by everyone: use only a real folder that we or run_as own
+        st = target.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, entry.pw_uid):
+            raise LocalServiceError(
+                f"{target} exists but is not a folder owned by root or {self.run_as}: remove it "
+                "(it is where Postgres data goes when its own folder is unreachable)"
             )
-            if probe.returncode != 0:
-                raise RuntimeError(
-                    f"{self.folder} is not reachable by user {self.run_as}: Postgres cannot run "
-                    "as root, so its folder must sit under directories others can enter"
-                )
+        self.folder = target
+        self.socket_dir = self._socket_dir()
+        self._hand_over(target)
+        (self.requested / RELOCATED_NOTE).write_text(
+            f"The Postgres data of this folder is in {target}:\n{self.requested} is not "
+            f"reachable by user {self.run_as}, which Postgres runs as (it refuses to run as "
+            "root).\nDelete that folder too when you delete this one.\n"
+        )
+        log.info(
+            "event=local_postgres_relocated from=%s to=%s user=%s: the folder is not reachable "
+            "by the user Postgres runs as; its data lives there instead",
+            self.requested, target, self.run_as,
+        )  # fmt: skip
 
     def _initdb(self) -> None:
         args = [
@@ -179,19 +261,61 @@ class LocalPostgres:
 
     def start(self) -> LocalPostgres:
         """Initialise (first time), start, and make sure the role and database exist."""
-        self._prepare_folder()
+        self.prepare()
         if not (self.data / "PG_VERSION").exists():
             self._initdb()
         self._write_conf()
-        self._run(
-            "pg_ctl", "-D", str(self.data), "-l", str(self.logfile), "-w", "-t", "60", "start"
-        )
-        self._ensure_database()
+        # the postmaster itself is our child (not pg_ctl's, which would detach it), so that
+        # the kernel can stop it when we die; SIGINT is its fast shutdown
+        with self.logfile.open("ab") as logfile:
+            self.proc = subprocess.Popen(
+                tied([str(self.bin_dir / "postgres"), "-D", str(self.data)], signal.SIGINT,
+                     self.run_as),
+                stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
+                start_new_session=True, cwd="/",
+            )  # fmt: skip
+        try:
+            self._wait_ready()
+            self._ensure_database()
+        except BaseException:
+            self.stop("immediate")
+            raise
         return self
+
+    def _wait_ready(self, timeout: float = 120.0) -> None:
+        """Until the postmaster reports ``ready`` in its pidfile (what ``pg_ctl -w`` reads)."""
+        assert self.proc is not None
+        pidfile = self.data / "postmaster.pid"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = self.logfile.read_text(errors="replace")[-2000:]
+                raise RuntimeError(
+                    f"postgres exited with {self.proc.returncode} ({self.logfile}):\n{tail}"
+                )
+            try:
+                lines = pidfile.read_text().splitlines()
+            except OSError:
+                lines = []
+            ours = len(lines) >= 8 and lines[0].strip() == str(self.proc.pid)
+            if ours and lines[7].strip() == "ready":
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"postgres on port {self.port} not ready after {timeout:g}s")
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server (``fast``: disconnect clients, clean shutdown; ``immediate``: crash)."""
-        if self.running:
+        sig = _STOP_SIGNALS[mode]
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+                try:
+                    self.proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
+        elif self.running:  # not started by this object
             self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
 
     def restart(self) -> None:
@@ -200,9 +324,38 @@ class LocalPostgres:
 
     @property
     def running(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
         if not (self.data / "PG_VERSION").exists():
             return False
         return self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode == 0
+
+    def leftover_pid(self) -> int | None:
+        """The pid of a postmaster still running on this folder that we did not start (a
+        previous run's), from its ``postmaster.pid`` and its working folder (the data)."""
+        pid = read_pid(self.data / "postmaster.pid")
+        if pid is None or pid == self.pid or not pid_alive(pid):
+            return None
+        if process_name(pid).startswith("postgres") and process_cwd(pid) == self.data.resolve():
+            return pid
+        return None
+
+    def describe_port(self) -> PortOwner:
+        """Ask whatever listens on our port who it is: a Postgres, with which data folder."""
+        result = subprocess.run(
+            [
+                str(self.bin_dir / "psql"), "-X", "-w", "-tA", "-h", "127.0.0.1",
+                "-p", str(self.port), "-U", SUPERUSER, "-d", "postgres",
+                "-c", "SHOW data_directory",
+            ],
+            stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            env={**os.environ, "PGCONNECT_TIMEOUT": "3"},
+        )  # fmt: skip
+        if result.returncode == 0 and result.stdout.strip():
+            folder = Path(result.stdout.strip())
+            return PortOwner(f"a Postgres with data folder {folder}", folder)
+        error = (result.stderr.strip().splitlines() or ["no answer"])[-1]
+        return PortOwner(f"something we cannot use as Postgres superuser ({error})")
 
     def psql(self, sql: str, database: str = "postgres") -> str:
         """Run SQL as the superuser; returns the unaligned output."""
@@ -228,6 +381,7 @@ class LocalPostgres:
     def destroy(self) -> None:
         """Stop and delete the folder (tests and benchmarks clean up after themselves)."""
         self.stop("immediate")
-        shutil.rmtree(self.folder, ignore_errors=True)
+        for path in {self.folder, self.requested}:
+            shutil.rmtree(path, ignore_errors=True)
         if not self.socket_dir.is_relative_to(self.folder):
             shutil.rmtree(self.socket_dir, ignore_errors=True)

@@ -1,18 +1,29 @@
 """Local Redis servers (and a Redis Cluster) for `jobtier run` and for the tests.
 
 They run as child processes from the installed binaries, with their data in a folder of the
-caller's choosing and on loopback ports. Nothing here is used in production deployments.
+caller's choosing and on loopback ports, tied to the process that started them (they stop
+when it dies: ``jobtier.dev.procs``). Nothing here is used in production deployments.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
+
+import redis as syncredis
+
+from jobtier.dev.procs import pid_alive, process_cwd, process_name, read_pid, tied
+
+log = logging.getLogger("jobtier.dev")
+
+LOCAL_CONF = "redis.local.conf"  # optional, in the data folder: the user's own settings
 
 
 def free_port(below: int = 65536) -> int:
@@ -51,10 +62,15 @@ def redis_server_binary() -> str:
 
 
 class LocalRedis:
-    """One redis-server with AOF on and a non-evicting policy, as jobtier requires."""
+    """One redis-server with AOF on and a non-evicting policy, as jobtier requires.
+
+    ``redis.local.conf`` in the data folder, when present, is included first: the user's own
+    settings for a development Redis (memory limits, logging); the ones jobtier needs (port,
+    folder, AOF, no eviction) come after it on the command line and win.
+    """
 
     def __init__(self, folder: Path, port: int | None = None, *, cluster: bool = False) -> None:
-        self.folder = Path(folder)
+        self.folder = Path(folder).absolute()
         self.port = port or free_port(55536 if cluster else 65536)
         self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
@@ -63,10 +79,23 @@ class LocalRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self) -> LocalRedis:
+    @property
+    def pidfile(self) -> Path:
+        return self.folder / "redis.pid"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
+
+    def start(self, *, loaded: bool = True) -> LocalRedis:
+        """Start it and return once it answers commands (after loading its AOF, however long
+        that takes: progress is logged as ``local_redis_loading``); ``loaded=False``: once
+        it listens (for tests of what clients do while it loads)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        args = [
-            redis_server_binary(),
+        args = [redis_server_binary()]
+        if (self.folder / LOCAL_CONF).exists():
+            args += ["--include", str(self.folder / LOCAL_CONF)]
+        args += [
             "--port", str(self.port),
             "--bind", "127.0.0.1",
             "--dir", str(self.folder),
@@ -76,19 +105,70 @@ class LocalRedis:
             "--maxmemory-policy", "noeviction",
             "--protected-mode", "no",
             "--daemonize", "no",
+            "--pidfile", str(self.pidfile),
             "--logfile", str(self.folder / "redis.log"),
         ]  # fmt: skip
         if self.cluster:
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, start_new_session=True)
-        wait_port(self.port, proc=self.proc)
+        # its own session: Ctrl-C in the terminal reaches `jobtier run`, which stops the
+        # server after the parts that use it, not the server first
+        self.proc = subprocess.Popen(
+            tied(args, signal.SIGTERM), stdin=subprocess.DEVNULL, start_new_session=True
+        )
+        try:
+            wait_port(self.port, proc=self.proc)
+            if loaded:
+                self.wait_loaded()
+        except BaseException:
+            self.stop()
+            raise
         return self
+
+    def wait_loaded(self, stalled: float = 30.0) -> None:
+        """Return once the server answers commands. While it loads its data (it then answers
+        only INFO and the like, with ``loading:1``) wait, logging the progress; give up only
+        when it neither answers nor progresses for ``stalled`` seconds."""
+        client = syncredis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=5, socket_connect_timeout=2
+        )
+        deadline = time.monotonic() + stalled
+        logged = 0.0
+        try:
+            while True:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(
+                        f"redis-server on port {self.port} exited with {self.proc.returncode}; "
+                        f"see {self.folder / 'redis.log'}"
+                    )
+                try:
+                    info = client.info("persistence")
+                except (syncredis.ConnectionError, syncredis.TimeoutError):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"redis-server on port {self.port} does not answer"
+                        ) from None
+                    time.sleep(0.05)
+                    continue
+                if not int(info.get("loading", 0)):
+                    return
+                now = time.monotonic()
+                deadline = now + stalled
+                if now - logged >= 2.0:
+                    logged = now
+                    log.info(
+                        "event=local_redis_loading port=%d percent=%s: waiting for Redis to "
+                        "load its append-only file",
+                        self.port, info.get("loading_loaded_perc", "?"),
+                    )  # fmt: skip
+                time.sleep(0.1)
+        finally:
+            client.close()
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
-                self.proc.wait(10)
+                self.proc.wait(60)  # SIGTERM: Redis fsyncs its AOF first
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -98,6 +178,55 @@ class LocalRedis:
         """Stop (SIGTERM: Redis flushes its AOF) and start again on the same port and data."""
         self.stop()
         self.start()
+
+    def leftover_pid(self) -> int | None:
+        """The pid of a redis-server still running on this folder that we did not start (a
+        previous run's, killed before it could stop it), identified by its pidfile and its
+        working folder (Redis works in its ``dir``)."""
+        pid = read_pid(self.pidfile)
+        if pid is None or pid == self.pid or not pid_alive(pid):
+            return None
+        if (
+            process_name(pid).startswith("redis-server")
+            and process_cwd(pid) == self.folder.resolve()
+        ):
+            return pid
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class PortOwner:
+    """What answers on a loopback port where we wanted to start a server."""
+
+    description: str  # for the user: what we found
+    folder: Path | None = None  # its data folder, when it told us
+    pid: int | None = None
+
+
+def redis_at(port: int) -> PortOwner:
+    """Ask whatever listens on ``port`` who it is: a Redis, and with which data folder."""
+    client = syncredis.Redis(
+        host="127.0.0.1", port=port, socket_timeout=3, socket_connect_timeout=2,
+        decode_responses=True,
+    )  # fmt: skip
+    try:
+        info = client.info("server")
+        pid = int(info.get("process_id", 0)) or None
+        version = info.get("redis_version", "?")
+        folder: Path | None = None
+        try:
+            reply = client.config_get("dir").get("dir")
+            folder = Path(reply) if reply else None
+        except syncredis.RedisError:  # CONFIG renamed or disabled
+            folder = process_cwd(pid) if pid else None
+        where = f"data folder {folder}" if folder else "a data folder it does not report"
+        return PortOwner(f"a Redis {version} (pid {pid}, {where})", folder, pid)
+    except syncredis.AuthenticationError:
+        return PortOwner("a Redis that asks for a password")
+    except syncredis.RedisError as exc:
+        return PortOwner(f"something that does not answer as Redis ({exc})")
+    finally:
+        client.close()
 
 
 class LocalCluster:

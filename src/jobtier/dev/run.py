@@ -1,9 +1,20 @@
 """`jobtier run`: local Redis and Postgres, then every jobtier part in one event loop.
 
 For development and the README tour: the API (uvicorn, in-process), a worker with the demo
-tasks, the scheduler and the persister share one process. The local services keep their
-data under ``--data-dir`` and are reused by the next run. Production runs each part as its
-own process (`jobtier api|worker|scheduler|persister`).
+tasks, the scheduler and the persister share one process. The local servers keep their data
+under ``--data-dir`` for the next run. Production runs each part as its own process
+(`jobtier api|worker|scheduler|persister`).
+
+The servers belong to the run that started them, for its whole life and no longer:
+
+- they are its children, tied to it by the kernel (``jobtier.dev.procs``): whatever ends
+  `jobtier run` (Ctrl-C once or twice, SIGTERM, SIGHUP when its terminal closes, an
+  exception in a part, SIGKILL) ends them, after the parts on an orderly stop;
+- it never uses a server it did not start. One run per data folder (a lock in it); a server
+  of this folder still running from an earlier run (killed before it could stop it) is
+  stopped and started again as this run's child: restarted rather than adopted, because an
+  adopted server is not tied to this run and would outlive it again; anything else on a port
+  is refused, saying what answers there and what to do.
 """
 
 from __future__ import annotations
@@ -13,17 +24,22 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
+import signal
 import socket
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import uvicorn
 
 from jobtier.config import Settings
-from jobtier.dev.redis import LocalRedis
+from jobtier.dev.postgres import LocalPostgres
+from jobtier.dev.procs import FolderLock, LocalServiceError, pid_alive, process_cwd, stop_pid
+from jobtier.dev.redis import LocalRedis, redis_at
 from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
 from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
@@ -31,6 +47,11 @@ from jobtier.worker.registry import TaskRegistry
 from jobtier.worker.runner import Worker
 
 log = logging.getLogger("jobtier.run")
+
+OnSignals = Callable[
+    [Callable[[], None], Callable[[], None] | None, Callable[[], None] | None], None
+]
+RunAsync = Callable[[Callable[[], Coroutine[Any, Any, int]]], int]
 
 
 class Part(Protocol):
@@ -63,44 +84,140 @@ def dev_keys(folder: Path) -> tuple[str, str]:
 
 
 class LocalServices:
-    """The local Redis and Postgres of `jobtier run`: started, or reused when a previous run
-    (or another terminal) already serves them on their ports."""
+    """The local Redis and Postgres of one `jobtier run` (see the module docstring)."""
 
     def __init__(self, folder: Path, redis_port: int, pg_port: int) -> None:
         self.folder = folder
-        self.redis_port = redis_port
-        self.pg_port = pg_port
-        self.started: list[Any] = []
+        self.lock = FolderLock(folder)
+        self.redis = LocalRedis(folder / "redis", redis_port)
+        self.pg = LocalPostgres(folder / "pg", pg_port)
 
     def start(self) -> tuple[str, str]:
-        from jobtier.dev.postgres import LocalPostgres
+        """Start both (from the main thread: that is what ties them to this process).
+        Returns the Redis URL and the Postgres DSN."""
+        self.lock.acquire()
+        self._start_redis()
+        self._start_postgres()
+        return self.redis.url, self.pg.dsn
 
-        if _listening(self.redis_port):
-            log.info("event=local_redis_reused port=%d", self.redis_port)
-        else:
-            self.started.append(LocalRedis(self.folder / "redis", self.redis_port).start())
-            log.info(
-                "event=local_redis_started port=%d data=%s", self.redis_port, self.folder / "redis"
+    def _start_redis(self) -> None:
+        redis, port = self.redis, self.redis.port
+        self._stop_leftover("redis", redis.leftover_pid(), redis.folder, signal.SIGTERM)
+        if _listening(port):
+            owner = redis_at(port)
+            here = redis.folder.resolve()
+            if owner.folder == here and owner.pid and process_cwd(owner.pid) == here:
+                # this folder's, without its pidfile
+                self._stop_leftover("redis", owner.pid, redis.folder, signal.SIGTERM)
+            else:
+                raise LocalServiceError(
+                    f"port {port} is in use by {owner.description}, not by a Redis of "
+                    f"{redis.folder}. jobtier run uses only servers it starts itself: stop "
+                    "that server, or give this run a free port with --redis-port PORT"
+                )
+        redis.start()
+        log.info("event=local_redis_started port=%d pid=%s data=%s", port, redis.pid, redis.folder)
+
+    def _start_postgres(self) -> None:
+        pg, port = self.pg, self.pg.port
+        pg.prepare()  # first: it may move the data folder (see jobtier.dev.postgres)
+        self._stop_leftover("postgres", pg.leftover_pid(), pg.data, signal.SIGINT)
+        if _listening(port):
+            owner = pg.describe_port()
+            raise LocalServiceError(
+                f"port {port} is in use by {owner.description}, not by a Postgres of "
+                f"{pg.data}. jobtier run uses only servers it starts itself: stop that "
+                "server, or give this run a free port with --pg-port PORT"
             )
-        pg = LocalPostgres(self.folder / "pg", self.pg_port)
-        if _listening(self.pg_port):
-            log.info("event=local_postgres_reused port=%d", self.pg_port)
-        else:
-            self.started.append(pg.start())
-            log.info(
-                "event=local_postgres_started port=%d data=%s", self.pg_port, self.folder / "pg"
-            )
-        return f"redis://127.0.0.1:{self.redis_port}/0", pg.dsn
+        pg.start()
+        log.info("event=local_postgres_started port=%d pid=%s data=%s", port, pg.pid, pg.data)
+
+    @staticmethod
+    def _stop_leftover(name: str, pid: int | None, folder: Path, sig: int) -> None:
+        """A server of this folder that outlived its run: stop it, to start our own."""
+        if pid is None:
+            return
+        log.info(
+            "event=local_%s_leftover pid=%d data=%s action=restart: a server of this folder "
+            "outlived its run; restarting it as this run's own (an adopted one would not "
+            "stop with this run)",
+            name, pid, folder,
+        )  # fmt: skip
+        if not stop_pid(pid, sig):
+            raise LocalServiceError(f"could not stop the leftover {name} server (pid {pid})")
 
     def stop(self) -> None:
-        for server in reversed(self.started):
-            server.stop()
+        """Stop what this run started (Postgres first: the persister is done with it)."""
+        try:
+            for name, server in (("postgres", self.pg), ("redis", self.redis)):
+                if server.proc is None:  # not started by this run: not ours to stop
+                    continue
+                pid = server.pid
+                server.stop()
+                log.info("event=local_%s_stopped pid=%s", name, pid)
+        finally:
+            self.lock.release()
+
+    def signal_now(self) -> None:
+        """On the way out without clean-up: ask both to stop, without waiting for them."""
+        for pid, sig in ((self.redis.pid, signal.SIGTERM), (self.pg.pid, signal.SIGINT)):
+            if pid is not None and pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@dataclass
+class _Outcome:
+    code: int = 0
+    worker: Worker | None = None
+
+
+def run(
+    args: argparse.Namespace, settings: Settings, on_signals: OnSignals, run_async: RunAsync
+) -> tuple[int, int]:
+    """`jobtier run`. Returns the exit code and the worker's ``stuck`` count."""
+    registry = TaskRegistry.load(args.tasks)  # a bad module fails before any server starts
+    services = (
+        None
+        if args.external
+        else LocalServices(args.data_dir.resolve(), args.redis_port, args.pg_port)
+    )
+    outcome = _Outcome()
+    # until the event loop takes the signals over: SIGTERM and SIGHUP interrupt the start-up
+    # like Ctrl-C does, so that what has started is stopped below
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    try:
+        if services is not None:
+            redis_url, database_url = services.start()
+            settings = settings.replace(redis_url=redis_url, database_url=database_url)
+        if not settings.api_keys:
+            tenant_key, admin_key = dev_keys(args.data_dir)
+            settings = settings.replace(
+                api_keys=f"{tenant_key}:dev", admin_key=settings.admin_key or admin_key
+            )
+        outcome.code = run_async(
+            lambda: run_all(args, settings, registry, on_signals, services, outcome)
+        )
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.info("event=stopped_during_startup")
+    finally:
+        if services is not None:
+            services.stop()
+    return outcome.code, outcome.worker.stuck if outcome.worker else 0
 
 
 async def run_all(
     args: argparse.Namespace,
     settings: Settings,
-    on_signals: Callable[[Callable[[], None]], None],
+    registry: TaskRegistry,
+    on_signals: OnSignals,
+    services: LocalServices | None,
+    outcome: _Outcome,
 ) -> int:
     from jobtier.api.app import create_app
     from jobtier.api.postgres import postgres_extension
@@ -108,27 +225,41 @@ async def run_all(
     from jobtier.persist.persister import Persister
     from jobtier.persist.schedule_store import ScheduleStore
 
-    registry = TaskRegistry.load(args.tasks)
-    services = None
-    if not args.external:
-        services = LocalServices(args.data_dir.resolve(), args.redis_port, args.pg_port)
-        redis_url, database_url = await asyncio.to_thread(services.start)
-        settings = settings.replace(redis_url=redis_url, database_url=database_url)
-    if not settings.api_keys:
-        tenant_key, admin_key = dev_keys(args.data_dir)
-        settings = settings.replace(
-            api_keys=f"{tenant_key}:dev", admin_key=settings.admin_key or admin_key
-        )
+    main = asyncio.current_task()
+    assert main is not None
+    parts: list[Part] = []
+    server: EmbeddedServer | None = None
+
+    def stop() -> None:
+        if server is None:  # still starting: abandon the start-up
+            main.cancel()
+            return
+        server.should_exit = True
+        for part in parts:
+            part.stop()
+
+    def stop_now() -> None:
+        stop()
+        if server is not None:
+            server.force_exit = True
+        if outcome.worker is not None:
+            outcome.worker.stop(now=True)
+
+    on_signals(stop, stop_now, services.signal_now if services else None)
+    applied = await migrate(settings.database_url)
+    if applied:
+        log.info("event=migrated applied=%s", ",".join(applied))
+    pool = await create_pool(settings.database_url, min_size=0, max_size=4)
+    failed = False
     try:
-        applied = await migrate(settings.database_url)
-        if applied:
-            log.info("event=migrated applied=%s", ",".join(applied))
-        pool = await create_pool(settings.database_url, min_size=0, max_size=4)
         async with await Queue.connect(settings, registry) as queue:
-            worker = Worker(queue, registry, concurrency=args.concurrency)
+            worker = Worker(
+                queue, registry, concurrency=args.concurrency, shutdown_grace=args.grace
+            )
+            outcome.worker = worker
             scheduler = Scheduler(queue, store=ScheduleStore(pool))
             persister = Persister(settings, queue.redis, pool, "run-persister")
-            parts: list[Part] = [worker, scheduler, persister]
+            parts[:] = [worker, scheduler, persister]
             publisher = MetricsPublisher(queue.redis, queue.keys, "run", parts)
             publisher.start()
             app = create_app(settings, postgres_extension(settings))
@@ -137,34 +268,41 @@ async def run_all(
                 lifespan="on", log_config=None, access_log=False,
             )  # fmt: skip
             server = EmbeddedServer(config)
-
-            def stop() -> None:
-                server.should_exit = True
-                for part in parts:
-                    part.stop()
-
-            on_signals(stop)
             runs = [
                 asyncio.create_task(worker.run(), name="worker"),
                 asyncio.create_task(scheduler.run(), name="scheduler"),
                 asyncio.create_task(persister.run(), name="persister"),
-                asyncio.create_task(server.serve(), name="api"),
+                asyncio.create_task(_serve_api(server, settings), name="api"),
             ]
             while not server.started and not runs[3].done():  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-            _welcome(settings)
+            if server.started:
+                _welcome(settings)
             for task in asyncio.as_completed(runs):
                 try:
                     await task
                 except Exception as exc:
+                    failed = True
                     log.error("event=part_failed error=%r: stopping everything", exc)
                     stop()
             await publisher.stop()
-        await pool.close()
     finally:
-        if services:
-            services.stop()
-    return 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await pool.close()
+    return 1 if failed else 0
+
+
+async def _serve_api(server: EmbeddedServer, settings: Settings) -> None:
+    try:
+        await server.serve()
+    except SystemExit as exc:
+        # uvicorn exits the process when it cannot start (the port taken): left to rise
+        # from a task, SystemExit stops the event loop under the other parts' feet
+        raise RuntimeError(
+            f"the API could not start on {settings.api_host}:{settings.api_port} (uvicorn "
+            f"exit {exc.code}): is the port free? JOBTIER_API_PORT sets it"
+        ) from None
 
 
 class EmbeddedServer(uvicorn.Server):

@@ -10,6 +10,14 @@ Three loops share one event loop:
 - the heartbeat loop extends the leases of all running jobs every third of the lease,
   carries progress reports, and learns of cancel requests and of lost leases.
 
+Shutdown (``stop()``, SIGTERM) keeps to a deadline fixed when it is asked for: claiming stops
+at once, running jobs get until then to finish, and the rest are released to the fronts of
+their queues (no attempt used) by one ``stopped`` call per shard. ``stop(now=True)`` (a second
+signal) moves the deadline to now. A sync task in the thread pool cannot be interrupted: its
+job is released all the same and whatever the thread produces later is dropped here, and
+would be refused by Redis anyway (the release moved the job past the attempt's fencing token).
+``stuck`` then counts what is still running, so the command can exit without joining it.
+
 Every write carries the job's ``lease_version`` (fencing token from the claim): a refusal
 means this worker lost the job (its lease expired and the job moved on); its result is
 dropped, never applied.
@@ -22,31 +30,41 @@ import contextlib
 import logging
 import os
 import socket
+import threading
 import time
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from redis.exceptions import RedisError
 
 from jobtier.backoff import CLAIM, REPORT
 from jobtier.connection import ShardSubscriber
-from jobtier.errors import Cancelled, Code, Fatal, Retry
+from jobtier.errors import Code
 from jobtier.metrics.histogram import Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.model import ClaimedJob, encode_json
 from jobtier.queue import Queue
 from jobtier.scripts import Call
+from jobtier.worker.attempt import (
+    DEFAULT_POLICY,
+    STOPPED,
+    Failure,
+    Stopped,
+    deliver_cancel,
+    run_attempt,
+)
 from jobtier.worker.context import JobContext
-from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry
+from jobtier.worker.registry import Task, TaskRegistry
 
 log = logging.getLogger("jobtier.worker")
 
 UNKNOWN = 1 << 30  # a shard whose queue length we don't know: worth asking
+FINISH_AFTER_CANCEL = 1.0  # s a cancelled task gets to run its cleanup before we move on
+FLUSH_AFTER_STOP_NOW = 5.0  # s the last reports (the releases) get after stop(now=True)
 PROBE_MIN = 16  # fewest jobs asked of a shard whose count is unknown (see Worker._plan)
-_decode = msgspec.json.Decoder().decode
 
 
 @dataclass(slots=True)
@@ -74,15 +92,43 @@ class _Running:
     handle: asyncio.Task[None] | None = None
     progress: bytes | None = None
     lost: bool = False  # a heartbeat was refused: stop and drop the outcome
-    releasing: bool = False  # shutting down: give the job back
+    released: bool = False  # given back at shutdown: any later outcome is dropped
+
+
+class _TaskThreads(ThreadPoolExecutor):
+    """The sync tasks' thread pool, counting the calls still running in it: a thread cannot be
+    interrupted, and a process that exits normally joins its pool's threads, so whoever
+    stops the worker needs to know whether one is still busy (see ``Worker.stuck``)."""
+
+    def __init__(self, max_workers: int, prefix: str) -> None:
+        super().__init__(max_workers, prefix)
+        self._busy = 0
+        self._busy_lock = threading.Lock()
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        def counted() -> Any:
+            with self._busy_lock:
+                self._busy += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._busy_lock:
+                    self._busy -= 1
+
+        return super().submit(counted)
 
 
 class Worker:
     """Runs the tasks of ``registry`` for jobs claimed from ``queue``'s shards.
 
     ``burst=True`` drains the ready queues and returns (tests, one-off runs).
-    ``stop()`` (SIGTERM) stops claiming, lets running jobs finish for ``shutdown_grace``
-    seconds, then releases the rest back to their queues.
+    ``stop()`` (SIGTERM) stops claiming, lets running jobs finish until ``shutdown_grace``
+    seconds after it was called, then releases the rest back to their queues;
+    ``stop(now=True)`` releases them at once.
     """
 
     def __init__(
@@ -114,7 +160,7 @@ class Worker:
         self.lease_ms = int(self.settings.lease_seconds * 1000)
         self.history_ms = int(self.settings.progress_history_seconds * 1000)
         self.stats = WorkerStats()
-        self._threads = ThreadPoolExecutor(threads or min(32, concurrency), "jobtier-task")
+        self._threads = _TaskThreads(threads or min(32, concurrency), "jobtier-task")
         self._running: dict[str, _Running] = {}
         self._ready = [UNKNOWN] * self.keys.shards  # known ready jobs per shard
         self._generation = [0] * self.keys.shards  # bumped by each wake of the shard
@@ -122,6 +168,9 @@ class Worker:
         self._wake = asyncio.Event()
         self._slot_free = asyncio.Event()
         self._stopping = asyncio.Event()
+        self._stop_now = asyncio.Event()  # the deadline moved to now (a second signal)
+        self._deadline: float | None = None  # monotonic time running jobs must end by
+        self.stuck = 0  # after run(): tasks and threads that did not end when asked (see stop)
         self._progress = asyncio.Event()
         # "progress" first: _send_outbox sends the kinds in this order (see _report)
         self._outbox: dict[str, dict[int, list[tuple[Any, ...]]]] = {
@@ -168,12 +217,26 @@ class Worker:
             },
         )  # fmt: skip
 
-    def stop(self) -> None:
-        """Graceful stop: no more claims; running jobs get ``shutdown_grace`` to finish."""
+    def stop(self, *, now: bool = False) -> None:
+        """Stop claiming. Jobs running get until ``shutdown_grace`` seconds after the first
+        call to finish (a wall-clock bound, however busy the slots), then are cancelled and
+        released to their queues. ``now=True``: release them at once (a second signal)."""
+        at = time.monotonic()
         if not self._stopping.is_set():
-            log.info("event=worker_stopping worker=%s running=%d", self.id, len(self._running))
-        self._stopping.set()
-        self._wake.set()
+            self._deadline = at + self.shutdown_grace
+            self._stopping.set()
+            self._wake.set()
+            log.info(
+                "event=worker_draining worker=%s running=%d grace=%gs",
+                self.id, len(self._running), self.shutdown_grace,
+            )  # fmt: skip
+        if now and not self._stop_now.is_set():
+            self._deadline = at
+            self._stop_now.set()
+            log.warning(
+                "event=worker_stop_now worker=%s running=%d: releasing running jobs now",
+                self.id, len(self._running),
+            )  # fmt: skip
 
     async def run(self) -> WorkerStats:
         loop = asyncio.get_running_loop()
@@ -194,15 +257,17 @@ class Worker:
             self.id, self.concurrency, ",".join(self.registry.names()), self.burst,
         )  # fmt: skip
         try:
-            await self._claim_loop()
+            await self._claim_until_stopped()
             await self._drain()
         finally:
+            if self._running:  # the claim loop crashed: give back what we hold
+                self._release_all("worker_failed")
             # stopped by a flag, not cancelled: a cancellation landing inside the Redis client
             # during a beat was seen to be swallowed there, the loop went on, and run()
             # waited for it forever
             self._heart_stop.set()
             self._progress.set()
-            done, _ = await asyncio.wait({heart}, timeout=10.0)
+            done, _ = await asyncio.wait({heart}, timeout=1.0 if self._stop_now.is_set() else 10.0)
             if done:
                 heart.result()  # a crash of the loop surfaces here, as before
             else:
@@ -215,10 +280,12 @@ class Worker:
             with contextlib.suppress(RedisError, OSError):
                 await self.queue.redis.hdel(self.keys.workers(), self.id)
             self._threads.shutdown(wait=False, cancel_futures=True)
+            self.stuck += self._threads.busy
             log.info(
-                "event=worker_stopped worker=%s succeeded=%d failed=%d retried=%d released=%d",
+                "event=worker_stopped worker=%s succeeded=%d failed=%d retried=%d released=%d "
+                "stuck=%d",
                 self.id, self.stats.succeeded, self.stats.failed, self.stats.retried,
-                self.stats.released,
+                self.stats.released, self.stuck,
             )  # fmt: skip
         return self.stats
 
@@ -236,13 +303,37 @@ class Worker:
         self._wake.set()
 
     # --- claiming ---------------------------------------------------------------------------
+    async def _claim_until_stopped(self) -> None:
+        """The claim loop, given up at the deadline if a claim is still in flight then (a
+        Redis that stopped answering must not hold the shutdown past its bound)."""
+        claims = asyncio.create_task(self._claim_loop(), name="jobtier-claims")
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        now = asyncio.ensure_future(self._stop_now.wait())
+        try:
+            await asyncio.wait({claims, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not claims.done():  # stopping: the loop ends after the claim in flight, if any
+                left = max(0.0, (self._deadline or 0.0) - time.monotonic())
+                await asyncio.wait({claims, now}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            now.cancel()
+        if not claims.done():
+            log.warning("event=claim_abandoned worker=%s: a claim was still in flight", self.id)
+            claims.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await claims
+        else:
+            claims.result()  # a crash of the loop surfaces here
+
     async def _claim_loop(self) -> None:
         backoff = CLAIM.start()
         while not self._stopping.is_set():
             free = self.concurrency - len(self._running)
             if free <= 0:
+                # every slot busy: wake for a free slot or for a stop, which must not wait
+                # for a job to end (it would wait a whole job, past the grace)
                 self._slot_free.clear()
-                await self._slot_free.wait()
+                await self._first(self._slot_free.wait(), self._stopping.wait())
                 continue
             self._wake.clear()
             try:
@@ -261,7 +352,7 @@ class Worker:
                 if not self._running:
                     return
                 self._slot_free.clear()
-                await self._first(self._slot_free.wait(), self._wake.wait())
+                await self._first(self._slot_free.wait(), self._wake.wait(), self._stopping.wait())
                 continue
             # every queue we know of is empty: sleep until a wake (or the safety net)
             if not await self._sleep(self.idle_poll, self._wake):
@@ -349,73 +440,38 @@ class Worker:
         )
         running = _Running(job, shard, self.registry.get(job.type), ctx, time.monotonic())
         self._running[job.id] = running
-        running.handle = asyncio.create_task(self._execute(running), name=f"job {job.id}")
+        running.handle = asyncio.create_task(
+            run_attempt(running.task, ctx, self._threads, self.settings.max_result_bytes, self),
+            name=f"job {job.id}",
+        )
 
     # --- running ----------------------------------------------------------------------------
-    async def _execute(self, r: _Running) -> None:
-        job, task = r.job, r.task
+    def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
+        """Called by ``run_attempt`` as each job's attempt ends: report it, free the slot."""
+        r = self._running.pop(ctx.job.id, None)
+        if r is None:  # released at shutdown (_release_all): its stop is reported already
+            return
         try:
-            if task is None:
-                raise LookupError(f"no task {job.type!r} in this worker ({self.id})")
-            payload = _decode(job.payload)
-            if task.is_async:
-                call: Any = task.fn(r.ctx, payload)
-            else:
-                call = self._loop.run_in_executor(self._threads, task.fn, r.ctx, payload)
-            if task.timeout is not None:
-                async with asyncio.timeout(task.timeout):
-                    result = await call
-            else:
-                result = await call
-        except asyncio.CancelledError:
-            if not r.lost:
+            if isinstance(end, bytes):
+                self._report("complete", r, (end,))
+            elif isinstance(end, Failure):
+                self._fail(r, end)
+            elif end is STOPPED or not r.lost:
+                # STOPPED: the task gave up for a cancel request; INTERRUPTED: a cancel
+                # request, or a shutdown (release); a lost lease has nothing to report
                 self._report("stopped", r, ())
-        except Cancelled as exc:
-            if r.ctx.cancel_requested:
-                self._report("stopped", r, ())
-            else:
-                self._fail(r, exc, retry=False)
-        except Exception as exc:
-            if isinstance(exc, TimeoutError) and task is not None and task.timeout is not None:
-                exc = TimeoutError(f"attempt timed out after {task.timeout:g}s")
-            retry = not (isinstance(exc, Fatal) or (task and isinstance(exc, task.non_retryable)))
-            self._fail(r, exc, retry=retry)
-        else:
-            try:
-                data = b"" if result is None else encode_json(result)
-            except TypeError as exc:
-                self._fail(r, Fatal(f"result is {exc}"), retry=False, kind="ResultNotSerialisable")
-            else:
-                if len(data) > self.settings.max_result_bytes:
-                    self._fail(
-                        r,
-                        Fatal(
-                            f"result is {len(data)} bytes; limit {self.settings.max_result_bytes}"
-                        ),
-                        retry=False,
-                        kind="ResultTooLarge",
-                    )
-                else:
-                    self._report("complete", r, (data,))
         finally:
             self.stats.run_time.observe(time.monotonic() - r.started)
-            self._running.pop(job.id, None)
             self._slot_free.set()
 
-    def _fail(
-        self, r: _Running, exc: BaseException, *, retry: bool, kind: str | None = None
-    ) -> None:
-        error = encode_json({"type": kind or type(exc).__name__, "message": str(exc)[:2000]})
-        delay_ms = -1
-        if retry:
-            policy = r.task.retry if r.task else RetryPolicy()
-            delay = exc.delay if isinstance(exc, Retry) and exc.delay is not None else None
-            delay_ms = round(1000 * (delay if delay is not None else policy.delay(r.job.attempt)))
+    def _fail(self, r: _Running, failure: Failure) -> None:
+        delay_ms = failure.delay_ms(r.task.retry if r.task else DEFAULT_POLICY, r.job.attempt)
         log.info(
             "event=job_failed job=%s type=%s attempt=%d/%d error=%s retry_in_ms=%d",
-            r.job.id, r.job.type, r.job.attempt, r.job.max_attempts, type(exc).__name__, delay_ms,
+            r.job.id, r.job.type, r.job.attempt, r.job.max_attempts,
+            type(failure.exc).__name__, delay_ms,
         )  # fmt: skip
-        self._report("fail", r, (error, delay_ms))
+        self._report("fail", r, (failure.error_json(), delay_ms))
 
     def _on_progress(self, job_id: str, data: bytes) -> None:
         r = self._running.get(job_id)
@@ -425,6 +481,16 @@ class Worker:
 
     # --- reporting --------------------------------------------------------------------------
     def _report(self, kind: str, r: _Running, extra: tuple[Any, ...]) -> None:
+        if r.released:
+            # released at shutdown: the job is back in its queue under a newer version, and
+            # this outcome's fencing token is stale (Redis would refuse it): drop it here
+            if kind != "stopped":  # "stopped" is only the task's cancellation, which we caused
+                log.info(
+                    "event=late_outcome_dropped worker=%s job=%s report=%s: the job was "
+                    "released at shutdown",
+                    self.id, r.job.id, kind,
+                )  # fmt: skip
+            return
         if r.progress is not None:
             # progress the heartbeat has not taken yet (reported just before the end) goes
             # ahead of the outcome in the same pipeline, one connection, so Redis applies
@@ -523,11 +589,19 @@ class Worker:
                 st.released += 1
 
     async def _flush_outbox(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(30):
-                while not self._outbox_idle.is_set() or any(self._outbox.values()):
-                    self._outbox_ready.set()
-                    await asyncio.sleep(0.005)
+        """Until every report is sent: 30 s at most, ``FLUSH_AFTER_STOP_NOW`` after a
+        ``stop(now=True)`` (what is still unsent then is left to lease expiry)."""
+        start = time.monotonic()
+        while not self._outbox_idle.is_set() or any(self._outbox.values()):
+            limit = FLUSH_AFTER_STOP_NOW if self._stop_now.is_set() else 30.0
+            if time.monotonic() - start >= limit:
+                log.warning(
+                    "event=reports_unsent worker=%s: Redis did not take the last reports; "
+                    "their jobs return to their queues when their leases expire", self.id,
+                )  # fmt: skip
+                return
+            self._outbox_ready.set()
+            await asyncio.sleep(0.005)
 
     # --- heartbeats -------------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
@@ -596,9 +670,7 @@ class Worker:
                         r.handle.cancel()
                 elif cancel and not r.ctx.cancel_requested:
                     log.info("event=cancel_requested worker=%s job=%s", self.id, job_id)
-                    r.ctx._request_cancel()
-                    if r.task is not None and r.task.is_async and r.handle is not None:
-                        r.handle.cancel()
+                    deliver_cancel(r.ctx, r.task, r.handle)
 
     async def _advertise(self) -> None:
         info = encode_json(
@@ -616,21 +688,41 @@ class Worker:
 
     # --- shutdown ---------------------------------------------------------------------------
     async def _drain(self) -> None:
-        """After the claim loop: let running jobs finish within the grace, release the rest."""
-        handles = [r.handle for r in self._running.values() if r.handle is not None]
-        if not handles:
+        """After the claim loop: running jobs finish by the deadline, or are released."""
+        while self._running and self._deadline is not None:
+            left = self._deadline - time.monotonic()
+            if left <= 0 or self._stop_now.is_set():
+                break
+            self._slot_free.clear()
+            await self._first(self._slot_free.wait(), self._stop_now.wait(), timeout=left)
+        if not self._running:
             return
-        grace = self.shutdown_grace
+        handles = [r.handle for r in self._running.values() if r.handle is not None]
+        self._release_all("stop_now" if self._stop_now.is_set() else "grace_over")
+        # the cancelled tasks run their cleanup (finally blocks) while the releases are sent;
+        # one that ignores its cancellation is left behind and counted in stuck (as are the
+        # threads of sync tasks, whose awaiting end this cancel does stop)
+        if handles:
+            _, pending = await asyncio.wait(handles, timeout=FINISH_AFTER_CANCEL)
+            self.stuck = len(pending)
+
+    def _release_all(self, reason: str) -> None:
+        """Give every running job back to its queue (the ``stopped`` script: queued again at
+        the front, attempt not counted) and stop its task."""
         log.info(
-            "event=worker_draining worker=%s running=%d grace=%.0fs", self.id, len(handles), grace
-        )
-        _, pending = await asyncio.wait(handles, timeout=grace)
+            "event=worker_releasing worker=%s jobs=%d reason=%s",
+            self.id, len(self._running), reason,
+        )  # fmt: skip
         for r in list(self._running.values()):
-            if r.handle in pending:
-                r.releasing = True
+            self._report("stopped", r, ())
+            r.released = True
+            del self._running[r.job.id]  # no more heartbeats for it
+            log.info("event=job_released worker=%s job=%s type=%s", self.id, r.job.id, r.job.type)
+            # a sync task sees the request at its next ctx.check_cancelled(), if it makes one:
+            # its thread cannot be interrupted
+            r.ctx._request_cancel()
+            if r.handle is not None:
                 r.handle.cancel()
-        if pending:
-            await asyncio.wait(pending, timeout=5.0)
 
     # --- helpers ----------------------------------------------------------------------------
     async def _sleep(self, seconds: float, event: asyncio.Event | None = None) -> bool:

@@ -1,0 +1,88 @@
+"""Run a real worker over your tasks until the ready queues are empty (the ``jobtier_worker``
+fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import ModuleType
+from typing import Any
+
+from jobtier.errors import ConfigError
+from jobtier.queue import Queue
+from jobtier.worker.registry import Task, TaskRegistry
+from jobtier.worker.runner import Worker, WorkerStats
+
+Tasks = TaskRegistry | Task | ModuleType | str | list[Task] | tuple[Task, ...]
+
+
+def as_registry(tasks: Tasks) -> TaskRegistry:
+    """A registry from what a test names: a ``TaskRegistry``, one ``Task`` or a list of them,
+    a module (every ``@task`` in it) or ``"module[:attr]"`` as ``jobtier worker`` takes."""
+    if isinstance(tasks, TaskRegistry):
+        return tasks
+    if isinstance(tasks, Task):
+        return TaskRegistry([tasks])
+    if isinstance(tasks, ModuleType):
+        return TaskRegistry.load(tasks.__name__)
+    if isinstance(tasks, str):
+        return TaskRegistry.load(tasks)
+    if isinstance(tasks, list | tuple) and all(isinstance(t, Task) for t in tasks):
+        return TaskRegistry(tasks)
+    raise ConfigError(
+        f"tasks {tasks!r}: give a TaskRegistry, a @task, a list of them, a module "
+        "or 'module[:attr]'"
+    )
+
+
+class BurstWorker:
+    """``await jobtier_worker()`` runs a ``Worker(burst=True)`` over the tasks until no job is
+    ready or running, and returns its ``WorkerStats``.
+
+    A failed attempt with retries left is *scheduled* (for its retry delay), not ready: the
+    burst ends without it, and the job's state says ``scheduled``. Nothing here runs the
+    scheduler; test a task's later attempts with ``run_task(..., attempt=n)``.
+    """
+
+    def __init__(self, queue: Queue, tasks: Tasks | None = None) -> None:
+        self.queue = queue
+        self.tasks = tasks
+
+    async def __call__(
+        self,
+        tasks: Tasks | None = None,
+        *,
+        concurrency: int = 10,
+        timeout: float = 60.0,
+        **worker_options: Any,
+    ) -> WorkerStats:
+        """Drain the ready queues with a burst worker over ``tasks`` (default: the
+        ``jobtier_tasks`` fixture's). ``timeout`` bounds the run: past it the worker is
+        stopped (its running jobs released after ``shutdown_grace``, 1 s here) and
+        ``TimeoutError`` raised, so a task that hangs fails the test instead of hanging it.
+        ``worker_options`` go to ``Worker`` (e.g. ``progress_interval``)."""
+        chosen = tasks if tasks is not None else self.tasks
+        if chosen is None:
+            raise ConfigError(
+                "jobtier_worker has no tasks: pass them (`await jobtier_worker(my_tasks)`) or "
+                "override the `jobtier_tasks` fixture to return them"
+            )
+        worker_options.setdefault("shutdown_grace", 1.0)
+        worker = Worker(
+            self.queue, as_registry(chosen), concurrency=concurrency, burst=True, **worker_options
+        )
+        run = asyncio.ensure_future(worker.run())
+        try:
+            done, _ = await asyncio.wait({run}, timeout=timeout)
+        except asyncio.CancelledError:  # the test was cancelled (its own timeout)
+            worker.stop()
+            await asyncio.wait({run}, timeout=worker.shutdown_grace + 10)
+            raise
+        if not done:
+            running = sorted(worker._running)
+            worker.stop()
+            await run
+            raise TimeoutError(
+                f"the burst worker was still running after {timeout:g}s, with job(s) "
+                f"{', '.join(running[:10])} (released back to their queues): does a task hang?"
+            )
+        return run.result()
