@@ -1,11 +1,11 @@
 """Limits the app enforces on every request, each answered with a problem document.
 
 URL and header sizes: the HTTP servers have limits of their own, and answer past them by
-themselves, before the app sees the request and without a problem document (uvicorn/h11:
-a plain-text 400 once the request head passes 16 KiB; granian: 414/431 past 64 KiB of URL,
-~400 KiB of head or 100 headers). The app's limits are set well below those, so a request
-that is too large is refused here, as a problem document, in every case the server lets
-through (README, "Request limits").
+themselves, before the app sees the request and without a problem document (measured:
+granian answers a 70 KB URL with an empty 414 and 120 headers with an empty 431; uvicorn's
+h11 a plain-text 400 for a request head it must buffer past 16 KiB). The app's limits are
+set below those, so a request that is too large is refused here, as a problem document, in
+every case the server lets through (README, "HTTP API").
 
 JSON nesting: a decoder recursing through a body nested a thousand deep raises
 ``RecursionError``; ``check_depth`` refuses such a body first, with the limit in the answer.
