@@ -6,4 +6,5 @@ pytest_plugins = [
     "tests.fixtures.api",
     "tests.fixtures.cluster",
     "tests.fixtures.postgres",
+    "tests.fixtures.hangs",
 ]

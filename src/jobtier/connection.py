@@ -209,6 +209,9 @@ class ShardSubscriber:
 
     async def start(self, timeout: float = 10.0) -> None:
         """Subscribe on every node; returns once all subscriptions are confirmed."""
+        if isinstance(self.redis, RedisCluster):
+            # a client that has sent no command yet does not know which node serves a slot
+            await self.redis.initialize()
         for node, channels in node_channels(self.redis, self.channels).items():
             ready = asyncio.Event()
             self._ready.append(ready)

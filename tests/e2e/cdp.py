@@ -238,7 +238,11 @@ class Page:
             "Emulation.setDeviceMetricsOverride",
             width=metrics[0], height=height, deviceScaleFactor=metrics[1], mobile=False,
         )  # fmt: skip
-        await asyncio.sleep(0.2)  # a resize redraws the canvases; let it paint
+        # the resize handler redraws the canvases in the next frame's resize step: two
+        # animation frames later that drawing has been painted
+        await self.evaluate(
+            "new Promise(done => requestAnimationFrame(() => requestAnimationFrame(() => done(1))))"
+        )
         shot = await self.call("Page.captureScreenshot", format="png")
         await asyncio.to_thread(path.write_bytes, base64.b64decode(shot["data"]))
 

@@ -129,7 +129,7 @@ async def test_long_poll_wakes_on_change(api: ApiServer, queue: Queue) -> None:
         poll = asyncio.create_task(
             c.get(f"/v1/jobs/{job['id']}?wait=20", headers={"if-none-match": etag})
         )
-        await asyncio.sleep(0.3)
+        await wait_for(lambda: api.reader.stats()["listeners"] == 1)  # the poll waits
         assert not poll.done()  # still waiting: nothing changed
         await queue.cancel(job["id"])
         r = await asyncio.wait_for(poll, 10)

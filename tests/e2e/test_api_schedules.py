@@ -12,6 +12,7 @@ from jobtier.persist.db import Pool
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
+from jobtier.schedules import now_ms
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for
 
@@ -77,7 +78,8 @@ async def test_bad_schedules_are_422_and_change_nothing(
 async def test_a_schedule_fires_jobs_and_stops_when_deleted(
     pg_api: ApiServer, queue: Queue, pg_pool: Pool, background: Background
 ) -> None:
-    background.start(Scheduler(queue, store=ScheduleStore(pg_pool)))
+    scheduler = Scheduler(queue, store=ScheduleStore(pg_pool))
+    background.start(scheduler)
     async with pg_api.client() as c:
         sid = (
             await c.post("/v1/schedules", json={"name": "tick", "type": "echo", "interval": 1})
@@ -89,9 +91,16 @@ async def test_a_schedule_fires_jobs_and_stops_when_deleted(
         await wait_for(two_jobs, timeout=10)
         got = (await c.get(f"/v1/schedules/{sid}")).json()
         assert got["last_fired_at"] is not None
-        await c.delete(f"/v1/schedules/{sid}")
+        assert (await c.delete(f"/v1/schedules/{sid}")).status_code == 204
         after = (await queue.stats())["total"]["queued"]
-        await asyncio.sleep(1.5)
+        # gone from Redis, where schedulers fire it, and not restored from Postgres
+        assert await scheduler.cron.times([sid]) == {}
+        assert await scheduler.reconcile() == 0
+        # an hour on (3600 slots of it due), firing every shard creates nothing
+        later = now_ms() + 3_600_000
+        grace = scheduler.misfire_grace_ms
+        for shard in range(queue.keys.shards):
+            assert await scheduler.cron.fire_due(shard, later, grace) == (0, -1)
         assert (await queue.stats())["total"]["queued"] == after  # no more firings
 
 

@@ -1,18 +1,25 @@
-"""The locust harness (loadtest/) run for a few seconds against a real server, per scenario.
+"""The locust harness (loadtest/) run against a real server, per scenario.
 
-Each scenario goes through ``loadtest/run.sh`` exactly as a user runs it; the checks read the
-CSV stats it saves. The scenarios run at the same time (one locust process each) to keep the
-test's wall time near one run. The locustfile is never imported here: importing locust
-monkey-patches the whole process with gevent.
+Each scenario goes through ``loadtest/run.sh`` exactly as a user runs it, and runs until its
+CSV stats (rewritten every second) show each request kind the checks expect, enough times;
+then it is stopped as a user stops it, with Ctrl-C (SIGINT to its process group), and the
+checks read the statistics it saves. Not a fixed run time: on a loaded machine locust's start
+and the pollers' start-up submit can take most of a short run. The scenarios run at the same
+time (one locust process each) to keep the test's wall time near one run. The locustfile is
+never imported here: importing locust monkey-patches the whole process with gevent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import csv
 import json
 import os
 import re
+import signal
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,20 +73,60 @@ def base_env() -> dict[str, str]:
     return env
 
 
-async def run_sh(args: list[str], env: dict[str, str], out: Path, timeout: float = 60.0) -> Run:
+async def run_sh(
+    args: list[str],
+    env: dict[str, str],
+    out: Path,
+    *,
+    until: Callable[[Path], bool] | None = None,
+    timeout: float = 180.0,
+) -> Run:
+    """Run loadtest/run.sh to its end, or (``until``) until ``until(out)`` holds, then stop it
+    with Ctrl-C. ``timeout`` bounds a broken or hung run (not a timing assertion)."""
     proc = await asyncio.create_subprocess_exec(
         "bash", str(RUN_SH), *args, "--out", str(out), "--", "--json-file", str(out / "final"),
         env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,  # its own process group: run.sh and locust, for the signals
     )  # fmt: skip
+    output = asyncio.ensure_future(proc.communicate())
     try:
-        async with asyncio.timeout(timeout):  # bounds a broken run, not a timing assertion
-            stdout, stderr = await proc.communicate()
+        async with asyncio.timeout(timeout):
+            if until is not None:
+                while not output.done() and not until(out):
+                    await asyncio.wait({output}, timeout=0.25)
+                if not output.done():
+                    # as Ctrl-C in a terminal: locust stops its users, prints its tallies and
+                    # writes its reports; run.sh goes on to its last line
+                    os.killpg(proc.pid, signal.SIGINT)
+            stdout, stderr = await output
     except TimeoutError:
-        proc.kill()
-        await proc.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await output
         raise
     assert proc.returncode is not None
     return Run(proc.returncode, stdout.decode(), stderr.decode(), out)
+
+
+def request_counts(out: Path) -> dict[str, int]:
+    """Requests per name so far, from the CSV locust rewrites every second ({} before the
+    first write; a row caught half-written counts when it is next read whole)."""
+    counts: dict[str, int] = {}
+    with contextlib.suppress(OSError), (out / "stats_stats.csv").open(newline="") as f:
+        for row in csv.DictReader(f):
+            with contextlib.suppress(KeyError, TypeError, ValueError):
+                counts[row["Name"]] = int(row["Request Count"])
+    return counts
+
+
+def seen(minimums: Mapping[str, int]) -> Callable[[Path], bool]:
+    """``until`` for ``run_sh``: each name has made at least its number of requests."""
+
+    def check(out: Path) -> bool:
+        counts = request_counts(out)
+        return all(counts.get(name, 0) >= n for name, n in minimums.items())
+
+    return check
 
 
 def requested(run: Run, *names: str) -> dict[str, dict[str, str]]:
@@ -106,6 +153,7 @@ WATCHER = (
     "events: stream",
     "events: count",
 )
+MIN = 10  # requests of each expected kind before a run is stopped
 
 
 async def test_every_scenario_runs_without_failures(
@@ -119,16 +167,32 @@ async def test_every_scenario_runs_without_failures(
     jobs_file = tmp_path / "jobs.txt"
     jobs_file.write_text("\n".join(ids) + "\n")
 
-    common = ["--url", api.url, "--key", KEYS["acme"], "-u", "5", "-r", "5", "-t", "4s"]
+    # -t is only locust's own bound: each run is stopped once it has made every kind of
+    # request its checks expect, MIN times (a hundred hot reads over five pollers: each
+    # poller reads a hot job again, with the ETag it holds)
+    common = ["--url", api.url, "--key", KEYS["acme"], "-u", "5", "-r", "5", "-t", "10m"]
     env = base_env()
     scenarios = {
-        "poller": (["-s", "poller"], {"LOADTEST_HOT_JOBS": "3", "LOADTEST_SPREAD_JOBS": "50"}),
-        "poller-file": (["-s", "poller"], {"LOADTEST_JOBS_FILE": str(jobs_file)}),
+        "poller": (
+            ["-s", "poller"],
+            {"LOADTEST_HOT_JOBS": "3", "LOADTEST_SPREAD_JOBS": "50"},
+            {POLLER[0]: 100, POLLER[1]: MIN},
+        ),
+        "poller-file": (
+            ["-s", "poller"],
+            {"LOADTEST_JOBS_FILE": str(jobs_file)},
+            dict.fromkeys(POLLER, MIN),
+        ),
         "submitter": (
             ["-s", "submitter"],
             {"LOADTEST_IDEMPOTENCY": "0.3", "LOADTEST_DUPLICATES": "0.3"},
+            dict.fromkeys(SUBMITTER, MIN),
         ),
-        "watcher": (["-s", "watcher"], {"LOADTEST_WATCH_PAYLOAD": '{"seconds": 0.3}'}),
+        "watcher": (
+            ["-s", "watcher"],
+            {"LOADTEST_WATCH_PAYLOAD": '{"seconds": 0.3}'},
+            dict.fromkeys(WATCHER, MIN),
+        ),
         "mixed": (
             ["-s", "mixed"],
             {
@@ -136,6 +200,7 @@ async def test_every_scenario_runs_without_failures(
                 "LOADTEST_SPREAD_JOBS": "20",
                 "LOADTEST_WATCH_PAYLOAD": '{"seconds": 0.2}',
             },
+            dict.fromkeys([POLLER[0], SUBMITTER[0], *WATCHER], MIN),
         ),
     }
     runs = dict(
@@ -143,8 +208,8 @@ async def test_every_scenario_runs_without_failures(
             scenarios,
             await asyncio.gather(
                 *(
-                    run_sh(common + args, {**env, **extra}, tmp_path / name)
-                    for name, (args, extra) in scenarios.items()
+                    run_sh(common + args, {**env, **extra}, tmp_path / name, until=seen(wanted))
+                    for name, (args, extra, wanted) in scenarios.items()
                 )
             ),
             strict=True,

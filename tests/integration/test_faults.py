@@ -28,7 +28,8 @@ def worker_process(settings: Settings, *args: str) -> subprocess.Popen[bytes]:
         [sys.executable, "-m", "jobtier.cli", "worker", "tests.tasks:registry", *args],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        # inherited: pytest captures its log with the test's (a pipe nobody reads would
+        # block the worker once full, and leak)
     )
 
 
@@ -75,6 +76,7 @@ async def test_killed_worker_jobs_are_reclaimed_and_its_late_writes_refused(
             assert Code(code) is Code.WRONG_STATE
             assert (await queue.result(i))[1] == "done on attempt 2"
     finally:
+        await background.stop()  # the worker and scheduler use the queue: they stop first
         await queue.close()
 
 
@@ -112,4 +114,5 @@ async def test_jobs_survive_a_redis_restart(
 
         await wait_for(newest_done, timeout=30)
     finally:
+        await background.stop()  # the worker and scheduler use the queue: they stop first
         await queue.close()

@@ -32,12 +32,12 @@ async def test_iso_matches_python(redis: aioredis.Redis) -> None:
 def test_iso_matches_python_for_any_date(redis_server, samples: list[int]) -> None:  # type: ignore[no-untyped-def]
     import redis as syncredis
 
-    client = syncredis.Redis.from_url(redis_server.url)
     script = (
         lua_source("lib")
         + "\nlocal out = {}\nfor i = 2, #ARGV do out[#out + 1] = iso(ARGV[i]) end\nreturn out"
     )
-    got = client.eval(script, 1, "jt:{0}:log", "jt:{0}:", *samples)
+    with syncredis.Redis.from_url(redis_server.url) as client:
+        got = client.eval(script, 1, "jt:{0}:log", "jt:{0}:", *samples)
     for ms, text in zip(samples, got, strict=True):
         expected = (
             datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.")

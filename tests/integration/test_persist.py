@@ -16,6 +16,7 @@ from jobtier.persist.batch import LogEntry, parse_entry
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister, replay_refused
 from jobtier.persist.pg_reader import lag
+from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_pg_matches_redis,
     log_entries,
@@ -145,7 +146,15 @@ async def test_entries_of_a_dead_persister_are_claimed_after_the_idle_timeout(
     assert sum([await redis.xlen(keys.log(s)) for s in range(keys.shards)]) >= 40
 
     quick = Persister(pg_settings.replace(persist_claim_idle_seconds=0.01), redis, pg_pool, "p3")
-    await asyncio.sleep(0.05)
+
+    async def idle_long_enough() -> bool:  # as Redis counts it, which XAUTOCLAIM goes by
+        for shard in range(keys.shards):
+            entries = await redis.xpending_range(keys.log(shard), group, "-", "+", 100)
+            if any(e["time_since_delivered"] <= 10 for e in entries):
+                return False
+        return True
+
+    await wait_for(idle_long_enough)
     assert await quick.drain() == 40
     assert quick.stats.claimed == 40
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)

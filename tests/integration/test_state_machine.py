@@ -3,7 +3,7 @@
 Hypothesis drives submits, claims, completions (fresh and stale), failures, heartbeats with
 progress, cancels, releases, lease expiries, promotions and replays. After every step each
 job's status document, its place in the shard's structures and the waiting counts must be
-what the model says.
+what the model says. It runs on the single Redis and on the Redis Cluster (``contract``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-import redis as syncredis
-from hypothesis import HealthCheck, settings
+import pytest
+from hypothesis import HealthCheck
+from hypothesis import settings as run_settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -24,10 +25,12 @@ from hypothesis.stateful import (
 )
 
 from jobtier.config import Settings
-from jobtier.dev.redis import LocalRedis
 from jobtier.errors import Code
-from jobtier.model import State
+from jobtier.model import State, decode_status
 from jobtier.queue import Queue
+from tests.fixtures.redis import on_every_server
+
+pytestmark = pytest.mark.contract
 
 WAITING = {State.QUEUED, State.SCHEDULED}
 
@@ -46,16 +49,16 @@ class ModelJob:
 
 
 class JobMachine(RuleBasedStateMachine):
-    url: str = ""
+    base: Settings  # the backend's, set by the test
 
     def __init__(self) -> None:
         super().__init__()
-        syncredis.Redis.from_url(self.url).flushall()
         self.loop = asyncio.new_event_loop()
         # one shard: which shard a (random) job id lands on must not change between the
         # runs hypothesis replays
-        s = Settings.from_env({}, redis_url=self.url, shards=1)
+        s = self.base.replace(shards=1)
         self.queue = self.loop.run_until_complete(Queue.connect(s))
+        self.run(on_every_server(self.queue.redis, "FLUSHALL"))
         self.jobs: list[ModelJob] = []
 
     def teardown(self) -> None:
@@ -264,19 +267,26 @@ class JobMachine(RuleBasedStateMachine):
     @invariant()
     def redis_agrees(self) -> None:
         keys = self.queue.keys
-        r = self.queue.redis
-        queued: set[bytes] = set()
-        sched: set[bytes] = set()
-        active: set[bytes] = set()
-        dead: set[bytes] = set()
+        # everything in one pipeline: this runs after every one of thousands of steps, and
+        # round trips are most of its time
+        pipe = self.queue.redis.pipeline(transaction=False)
         for s in range(keys.shards):
             for q in keys.queues(s):
-                queued |= set(self.run(r.lrange(q, 0, -1)))
-            sched |= set(self.run(r.zrange(keys.sched(s), 0, -1)))
-            active |= set(self.run(r.zrange(keys.active(s), 0, -1)))
-            dead |= set(self.run(r.zrange(keys.dead(s), 0, -1)))
+                pipe.lrange(q, 0, -1)
+        for zset in (keys.sched, keys.active, keys.dead):
+            for s in range(keys.shards):
+                pipe.zrange(zset(s), 0, -1)
         for job in self.jobs:
-            status = self.run(self.queue.status(job.id))
+            pipe.hget(keys.job(job.id), "doc")  # what Queue.status decodes
+        replies = iter(self.run(pipe.execute()))
+        queued: set[bytes] = set()
+        for _ in range(sum(len(keys.queues(s)) for s in range(keys.shards))):
+            queued |= set(next(replies))
+        sched, active, dead = (
+            set().union(*(next(replies) for _ in range(keys.shards))) for _ in range(3)
+        )
+        for job in self.jobs:
+            status = decode_status(next(replies))
             assert (status.state, status.version, status.attempt, status.cancel_requested) == (
                 job.state,
                 job.version,
@@ -292,11 +302,11 @@ class JobMachine(RuleBasedStateMachine):
         assert sum(self.run(self.queue.waiting_by_tenant()).values()) == waiting
 
 
-def test_state_machine_agrees_with_the_model(redis_server: LocalRedis) -> None:
-    JobMachine.url = redis_server.url
+def test_state_machine_agrees_with_the_model(settings: Settings) -> None:
+    JobMachine.base = settings
     run_state_machine_as_test(
         JobMachine,
-        settings=settings(
+        settings=run_settings(
             max_examples=100,
             stateful_step_count=50,
             deadline=None,

@@ -1,13 +1,10 @@
-"""StatusReader against a real Redis (and a real Redis Cluster): loads, batches, events."""
+"""StatusReader against a real Redis and a real Redis Cluster (``contract``): loads, batches,
+events; and what only a cluster does (a batch split over its nodes)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import random
-import socket
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -16,12 +13,15 @@ import redis.asyncio as aioredis
 
 from jobtier.cache.redis_reader import StatusReader, parse_version
 from jobtier.config import Settings
-from jobtier.connection import ShardSubscriber
-from jobtier.dev.redis import LocalCluster, LocalRedis
+from jobtier.connection import RedisClient, ShardSubscriber
+from jobtier.dev.redis import LocalCluster
 from jobtier.keys import Keys
 from jobtier.model import State, decode_status
 from jobtier.queue import JobSpec, Queue
 from tests.fixtures.engine import wait_for
+from tests.fixtures.redis import command_calls, config_set, flushall, reset_stats
+
+pytestmark = pytest.mark.contract
 
 TENANT = "acme"
 
@@ -30,13 +30,9 @@ def keys_of(settings: Settings) -> Keys:
     return Keys(settings.prefix, settings.shards)
 
 
-async def hmget_calls(*clients: aioredis.Redis) -> int:
+async def hmget_calls(redis: RedisClient) -> int:
     """HMGET commands the server(s) executed since the last CONFIG RESETSTAT."""
-    total = 0
-    for client in clients:
-        stats = await client.info("commandstats")
-        total += int(stats.get("cmdstat_hmget", {}).get("calls", 0))
-    return total
+    return await command_calls(redis, "hmget")
 
 
 async def submit(queue: Queue, n: int = 1) -> list[str]:
@@ -59,11 +55,11 @@ async def subscribed() -> AsyncIterator[list[ShardSubscriber]]:
 
 
 async def test_concurrent_gets_of_one_id_send_one_hmget(
-    queue: Queue, redis: aioredis.Redis, settings: Settings
+    queue: Queue, redis: RedisClient, settings: Settings
 ) -> None:
     (job_id,) = await submit(queue)
     reader = StatusReader(redis, keys_of(settings), near_cache=True, coalesce=True)
-    await redis.config_resetstat()
+    await reset_stats(redis)
     results = await asyncio.gather(*(reader.get(job_id) for _ in range(2_000)))
     assert await hmget_calls(redis) == 1
     assert reader.redis_loads == 1 and reader.batches == 1
@@ -78,17 +74,20 @@ async def test_concurrent_gets_of_one_id_send_one_hmget(
 
 
 async def test_distinct_ids_of_one_tick_go_in_one_round_trip(
-    queue: Queue, redis: aioredis.Redis, settings: Settings
+    queue: Queue, redis: RedisClient, settings: Settings
 ) -> None:
     keys = keys_of(settings)
     ids = await submit(queue, 60)
     assert len({keys.shard_of(i) for i in ids}) > 1  # the batch spans shards
     unknown = keys.new_id(0)
     reader = StatusReader(redis, keys, near_cache=False, coalesce=True)
-    await redis.config_resetstat()
+    await reset_stats(redis)
     results = await asyncio.gather(*(reader.get(i) for i in [*ids, unknown, "not-an-id"]))
     assert reader.batches == 1 and reader.redis_loads == 61  # the malformed id never went
-    assert reader.script_calls == 1  # one read_status.lua call: its HMGETs count below
+    # one read_status.lua call (on a cluster one per shard, in one pipeline): its HMGETs
+    # count below
+    shards = {keys.shard_of(i) for i in [*ids, unknown]}
+    assert reader.script_calls == (len(shards) if settings.redis_cluster else 1)
     assert await hmget_calls(redis) == 61
     assert results[-2:] == [None, None]
     for job_id, result in zip(ids, results, strict=False):
@@ -98,36 +97,43 @@ async def test_distinct_ids_of_one_tick_go_in_one_round_trip(
     assert reader.coalescer is not None and reader.coalescer.batches == 1
 
 
-async def test_a_batch_is_one_read_only_script_call(
-    queue: Queue, redis: aioredis.Redis, settings: Settings
+async def test_a_batch_is_read_by_the_read_only_script(
+    queue: Queue, redis: RedisClient, settings: Settings
 ) -> None:
-    """On one server a batch spanning shards is one call of read_status.lua; the script
+    """On one server a batch spanning shards is one call of read_status.lua (on a cluster
+    one call per shard, in one pipeline: a script's keys must share a slot); the script
     comes back after Redis forgot it, and reads go on while Redis refuses writes."""
     keys = keys_of(settings)
     ids = await submit(queue, 40)
-    assert len({keys.shard_of(i) for i in ids}) > 1
+    unknown = keys.new_id(3)
+    shards = {keys.shard_of(i) for i in [*ids, unknown]}
+    assert len(shards) > 1
+    per_batch = len(shards) if settings.redis_cluster else 1
     reader = StatusReader(redis, keys, near_cache=False, coalesce=True)
     await redis.script_flush()  # as after a restart: the first call meets NOSCRIPT
-    results = await asyncio.gather(*(reader.get(i) for i in [*ids, keys.new_id(3)]))
-    assert reader.batches == 1 and reader.script_calls == 1 and reader.redis_loads == 41
+    results = await asyncio.gather(*(reader.get(i) for i in [*ids, unknown]))
+    assert reader.batches == 1 and reader.script_calls == per_batch and reader.redis_loads == 41
     assert results[-1] is None
     assert [decode_status(r[1]).id for r in results[:-1] if r] == ids
-    await redis.config_set("maxmemory", 1)  # noeviction: every write is refused now
+    await config_set(redis, "maxmemory", 1)  # noeviction: every write is refused now
     try:
         with pytest.raises(aioredis.ResponseError, match="maxmemory"):
             await redis.set("jt:probe", 1)
         assert await asyncio.gather(*(reader.get(i) for i in ids)) == results[:-1]
-        assert reader.script_calls == 2
+        shards_of_ids = {keys.shard_of(i) for i in ids}
+        assert reader.script_calls == per_batch + (
+            len(shards_of_ids) if settings.redis_cluster else 1
+        )
     finally:
-        await redis.config_set("maxmemory", 0)
+        await config_set(redis, "maxmemory", 0)
 
 
 async def test_baseline_sends_every_get_to_redis(
-    queue: Queue, redis: aioredis.Redis, settings: Settings
+    queue: Queue, redis: RedisClient, settings: Settings
 ) -> None:
     (job_id,) = await submit(queue)
     reader = StatusReader(redis, keys_of(settings), near_cache=False, coalesce=False)
-    await redis.config_resetstat()
+    await reset_stats(redis)
     results = await asyncio.gather(*(reader.get(job_id) for _ in range(50)))
     assert all(r is not None and r[0] == TENANT for r in results)
     for _ in range(20):
@@ -139,7 +145,7 @@ async def test_baseline_sends_every_get_to_redis(
 
 async def test_near_cache_follows_a_real_transition(
     queue: Queue,
-    redis: aioredis.Redis,
+    redis: RedisClient,
     settings: Settings,
     subscribed: list[ShardSubscriber],
 ) -> None:
@@ -183,23 +189,27 @@ async def test_near_cache_follows_a_real_transition(
 
 
 async def test_event_during_a_load_is_not_rolled_back(
-    queue: Queue, redis: aioredis.Redis, settings: Settings, monkeypatch: pytest.MonkeyPatch
+    queue: Queue, redis: RedisClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The job is read (v1) while it changes (v2): its event, which finds no entry to
     advance, must not be lost to the load that stores v1 after it."""
     reader = StatusReader(redis, keys_of(settings), near_cache=True, coalesce=True, ttl=3600)
     (job_id,) = await submit(queue)
-    gate = asyncio.Event()
+    fetched, gate = asyncio.Event(), asyncio.Event()
     real_fetch = reader._fetch
 
     async def slow_fetch(ids: list[str]) -> list[Any]:
         replies = await real_fetch(ids)  # Redis answers v1 ...
+        fetched.set()
         await gate.wait()  # ... and the answer is delivered late
         return replies
 
     monkeypatch.setattr(reader, "_fetch", slow_fetch)
     reading = asyncio.create_task(reader.get(job_id))
-    await wait_for(lambda: _true(job_id in reader._loading))
+    # the change comes after Redis answered (not merely after the load began: a cluster
+    # client's first command first learns the slots, and the cancel could overtake it)
+    await asyncio.wait_for(fetched.wait(), 10)
+    assert job_id in reader._loading
     cancelled = await queue.cancel(job_id)
     doc = await redis.hget(keys_of(settings).job(job_id), "doc")
     assert cancelled.version == 2 and isinstance(doc, bytes)
@@ -213,12 +223,8 @@ async def test_event_during_a_load_is_not_rolled_back(
     assert reader._loading == {}
 
 
-async def _true(value: bool) -> bool:
-    return value
-
-
 async def test_fallback_for_ids_redis_no_longer_holds(
-    queue: Queue, redis: aioredis.Redis, settings: Settings
+    queue: Queue, redis: RedisClient, settings: Settings
 ) -> None:
     keys = keys_of(settings)
     (in_redis,) = await submit(queue)
@@ -241,7 +247,7 @@ async def test_fallback_for_ids_redis_no_longer_holds(
 
 
 async def test_ids_the_fallback_does_not_know_are_remembered_briefly(
-    queue: Queue, redis: aioredis.Redis, settings: Settings
+    queue: Queue, redis: RedisClient, settings: Settings
 ) -> None:
     keys = keys_of(settings)
     unknown, later = keys.new_id(1), keys.new_id(2)
@@ -275,7 +281,7 @@ async def test_ids_the_fallback_does_not_know_are_remembered_briefly(
 
 
 async def test_fallback_failure_reaches_only_its_readers(
-    queue: Queue, redis: aioredis.Redis, settings: Settings
+    queue: Queue, redis: RedisClient, settings: Settings
 ) -> None:
     keys = keys_of(settings)
     (in_redis,) = await submit(queue)
@@ -292,34 +298,14 @@ async def test_fallback_failure_reaches_only_its_readers(
     assert isinstance(failed, ConnectionError)
 
 
-# --- Redis Cluster ---------------------------------------------------------------------
+# --- what only a cluster does -----------------------------------------------------------
 
 
-def cluster_port() -> int:
-    """A free port a cluster node can use: its bus port (+10000) must fit too, which an
-    ephemeral port above 55535 does not (jobtier.dev.redis.free_port can return one)."""
-    while True:
-        port = random.randint(20_000, 45_000)
-        with contextlib.suppress(OSError), socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", port))
-            b.bind(("127.0.0.1", port + 10_000))
-            return port
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    folder = Path(tmp_path_factory.mktemp("cluster"))
-    nodes = LocalCluster(folder, masters=3)
-    nodes.nodes = [LocalRedis(folder / f"node{i}", cluster_port(), cluster=True) for i in range(3)]
-    nodes.start()
-    yield nodes
-    nodes.stop()
-
-
-async def test_cluster_batch_is_split_per_node(cluster: LocalCluster) -> None:
+async def test_cluster_batch_is_split_per_node(redis_cluster: LocalCluster) -> None:
+    flushall(redis_cluster.nodes)
     keys = Keys("jt", 16)
-    client = aioredis.RedisCluster.from_url(cluster.url)
-    nodes = [aioredis.Redis(port=node.port) for node in cluster.nodes]
+    client = aioredis.RedisCluster.from_url(redis_cluster.url)
+    nodes = [aioredis.Redis(port=node.port) for node in redis_cluster.nodes]
     try:
         ids = [keys.new_id(shard) for shard in range(16) for _ in range(3)]
         for job_id in ids:

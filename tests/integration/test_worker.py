@@ -1,4 +1,5 @@
-"""The worker runtime against a real Redis: results, retries, timeouts, cancellation, shutdown."""
+"""The worker runtime against a real Redis and a real Redis Cluster (``contract``): results,
+retries, timeouts, cancellation, shutdown."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
 from tests.unit.loops import LoopErrors
+
+pytestmark = pytest.mark.contract
 
 
 @pytest.fixture
@@ -146,12 +149,12 @@ async def test_graceful_stop_releases_unfinished_jobs(queue: Queue) -> None:
 async def test_idle_worker_picks_up_new_jobs(queue: Queue, background: Background) -> None:
     worker = worker_for(queue, registry, idle_poll=3600)  # only wakes can bring it work
     background.start(worker)
-    await asyncio.sleep(0.2)
     for _ in range(3):
+        await wait_for(lambda: worker.idle)  # asleep, every queue it knows of empty
         sub = await queue.submit("echo", "hi")
-        await until_state(queue, sub.job_id, State.SUCCEEDED, timeout=5)
-        await asyncio.sleep(0.1)  # let the worker go idle again
+        await until_state(queue, sub.job_id, State.SUCCEEDED)
     assert worker.stats.succeeded == 3
+    await wait_for(lambda: worker.idle)
 
 
 async def test_burst_worker_drains_every_shard(queue: Queue) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -38,6 +39,7 @@ async def test_waiting_after_the_cancel_returns_at_once() -> None:
 
 async def test_a_sync_task_in_a_thread_sees_the_cancel() -> None:
     ctx = context()
+    started = threading.Event()
 
     def sync_task() -> str:
         for _ in range(5000):
@@ -45,10 +47,11 @@ async def test_a_sync_task_in_a_thread_sees_the_cancel() -> None:
                 ctx.check_cancelled()
             except Cancelled:
                 return "stopped"
-            time.sleep(0.001)
+            started.set()
+            time.sleep(0.001)  # the task's work between two checks
         return "never saw it"
 
     running = asyncio.get_running_loop().run_in_executor(None, sync_task)
-    await asyncio.sleep(0.01)
+    assert await asyncio.to_thread(started.wait, 10)  # running, and not cancelled yet
     ctx._request_cancel()
     assert await asyncio.wait_for(running, 10) == "stopped"

@@ -186,6 +186,7 @@ class Worker:
         self._beat_idle.set()
         self._heart_stop = asyncio.Event()
         self._subscriber: ShardSubscriber | None = None
+        self._idle = False
 
     # --- lifecycle --------------------------------------------------------------------------
     def metrics(self) -> Snapshot:
@@ -216,6 +217,12 @@ class Worker:
                 "run_time_seconds": {"": st.run_time.snapshot()},
             },
         )  # fmt: skip
+
+    @property
+    def idle(self) -> bool:
+        """True while the worker waits for a wake: every queue it knows of was empty (jobs
+        it already runs may still be running)."""
+        return self._idle
 
     def stop(self, *, now: bool = False) -> None:
         """Stop claiming. Jobs running get until ``shutdown_grace`` seconds after the first
@@ -355,7 +362,12 @@ class Worker:
                 await self._first(self._slot_free.wait(), self._wake.wait(), self._stopping.wait())
                 continue
             # every queue we know of is empty: sleep until a wake (or the safety net)
-            if not await self._sleep(self.idle_poll, self._wake):
+            self._idle = True
+            try:
+                woke = await self._sleep(self.idle_poll, self._wake)
+            finally:
+                self._idle = False
+            if not woke:
                 self._ready = [UNKNOWN] * self.keys.shards
 
     async def _claim(self, free: int) -> int:
