@@ -18,10 +18,11 @@ test: setup
 	$(BIN)/pytest -q
 
 # schemathesis against the live API (tests/e2e/test_api_fuzz.py): FUZZ_EXAMPLES random cases
-# per operation on top of the schema's examples and boundary values; same seed every run
+# per operation on top of the schema's examples and boundary values; same seed every run; no
+# per-test timeout (a deep run takes minutes)
 FUZZ_EXAMPLES ?= 200
 fuzz: setup
-	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -rA tests/e2e/test_api_fuzz.py
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -rA --timeout 0 tests/e2e/test_api_fuzz.py
 
 check: setup lint types test
 
