@@ -26,6 +26,7 @@ from jobtier.errors import (
     IdempotencyConflict,
     InvalidRequest,
     JobNotFound,
+    PayloadTooLarge,
     TransitionRefused,
     UnknownTask,
 )
@@ -194,8 +195,9 @@ class Queue:
         except TypeError as exc:
             raise InvalidRequest(f"payload: {exc}", field="payload") from None
         if len(payload) > s.max_payload_bytes:
-            raise InvalidRequest(
-                f"payload is {len(payload)} bytes; the limit is {s.max_payload_bytes}",
+            raise PayloadTooLarge(
+                f"payload is {len(payload)} bytes; the limit is {s.max_payload_bytes} "
+                "(JOBTIER_MAX_PAYLOAD_BYTES)",
                 field="payload",
             )
         max_attempts = spec.max_attempts
@@ -207,7 +209,7 @@ class Queue:
             )
         run_at_ms, delay_ms = self._timing(spec)
         key = spec.idempotency_key or ""
-        if key and not IDEMPOTENCY_KEY_RE.fullmatch(key):
+        if spec.idempotency_key is not None and not IDEMPOTENCY_KEY_RE.fullmatch(key):
             raise InvalidRequest(
                 "idempotency_key must be 1-200 printable ASCII characters without spaces",
                 field="idempotency_key",

@@ -21,7 +21,9 @@ from starlette.routing import BaseRoute
 
 from jobtier.api import admin, health, jobs, openapi, ops, sse
 from jobtier.api.admission import Admission
+from jobtier.api.limits import RequestLimits
 from jobtier.api.problems import HANDLERS
+from jobtier.api.routing import resources
 from jobtier.cache.redis_reader import Fallback, StatusReader
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber
@@ -55,6 +57,8 @@ class Extension:
         self.state: dict[str, Any] = {}
         self.openapi_paths: dict[str, Any] = {}
         self.openapi_types: list[type] = []
+        # add rules JSON Schema can state to the generated schemas of openapi_types
+        self.openapi_constraints: list[Callable[[dict[str, Any]], None]] = []
 
     async def open(self, settings: Settings, queue: Queue) -> None:
         """Override to connect resources (e.g. a Postgres pool)."""
@@ -76,7 +80,9 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             "`jobtier run` makes development keys for you"
         )
     ext = extension or Extension()
-    openapi_document = orjson.dumps(openapi.document(ext.openapi_paths, ext.openapi_types))
+    openapi_document = orjson.dumps(
+        openapi.document(settings, ext.openapi_paths, ext.openapi_types, ext.openapi_constraints)
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -121,8 +127,6 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
                 "admission": admission,
                 "tenants": tenants,
                 "admin_key": settings.admin_key,
-                "body_limit": settings.max_payload_bytes + 16 * 1024,
-                "batch_body_limit": settings.max_request_bytes,
                 "result_fallback": ext.result_fallback,
                 "postgres_ready": ext.postgres_ready,
                 "openapi": openapi_document,
@@ -138,9 +142,10 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             await queue.close()
 
     return Starlette(
-        routes=[*ROUTES, *ext.routes],
+        routes=resources([*ROUTES, *ext.routes]),
         exception_handlers=HANDLERS,
         lifespan=lifespan,
-        # the status read, most of the traffic, answered before routing (jobs.StatusFastPath)
-        middleware=[Middleware(jobs.StatusFastPath)],
+        # the status read, most of the traffic, answered before routing (jobs.StatusFastPath,
+        # which checks the request limits itself); then over-long URLs and headers refused
+        middleware=[Middleware(jobs.StatusFastPath), Middleware(RequestLimits)],
     )
