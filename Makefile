@@ -1,6 +1,7 @@
 # jobtier: two commands do all the set-up on a fresh Debian machine.
 #   make run    local Redis + Postgres (in .data/), then API, worker, scheduler, persister
 #   make test   the whole test suite against real Redis and Postgres
+#   make fuzz   the API fuzzer alone, thousands of cases (make test runs a bounded share)
 # Both are idempotent: a second run reuses the virtualenv, packages and data that are there.
 
 PYTHON ?= python3
@@ -8,13 +9,20 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test check lint types format bench setup system-deps clean
+.PHONY: run test fuzz check lint types format bench setup system-deps clean
 
 run: setup
 	$(BIN)/jobtier run
 
 test: setup
 	$(BIN)/pytest -q
+
+# schemathesis against the live API (tests/e2e/test_api_fuzz.py): FUZZ_EXAMPLES random cases
+# per operation on top of the schema's examples and boundary values; same seed every run; no
+# per-test timeout (a deep run takes minutes)
+FUZZ_EXAMPLES ?= 200
+fuzz: setup
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -rA --timeout 0 tests/e2e/test_api_fuzz.py
 
 check: setup lint types test
 

@@ -101,7 +101,9 @@ class Settings:
         2.0, "Safety-net lifetime of a near-cache entry whose freshness events could be missed."
     )
     coalesce: bool = _setting(True, "Merge the status loads of one event-loop tick into one batch.")
-    max_request_bytes: int = _setting(8 * 1024 * 1024, "Largest request body (batch submits).")
+    max_request_bytes: int = _setting(
+        8 * 1024 * 1024, "Largest request body, on any route (a batch submit is the largest)."
+    )
     gc_freeze: bool = _setting(
         True, "Freeze start-up objects out of the garbage collector (shorter GC pauses)."
     )

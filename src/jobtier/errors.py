@@ -36,6 +36,10 @@ class InvalidRequest(JobtierError, ValueError):
         self.field = field
 
 
+class PayloadTooLarge(InvalidRequest):
+    """A payload over ``JOBTIER_MAX_PAYLOAD_BYTES`` (the API answers 413)."""
+
+
 class UnknownTask(InvalidRequest):
     """The task type is not registered."""
 

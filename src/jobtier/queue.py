@@ -26,6 +26,7 @@ from jobtier.errors import (
     IdempotencyConflict,
     InvalidRequest,
     JobNotFound,
+    PayloadTooLarge,
     TransitionRefused,
     UnknownTask,
 )
@@ -248,8 +249,9 @@ class Queue:
         except TypeError as exc:
             raise InvalidRequest(f"payload: {exc}", field="payload") from None
         if len(payload) > s.max_payload_bytes:
-            raise InvalidRequest(
-                f"payload is {len(payload)} bytes; the limit is {s.max_payload_bytes}",
+            raise PayloadTooLarge(
+                f"payload is {len(payload)} bytes; the limit is {s.max_payload_bytes} "
+                "(JOBTIER_MAX_PAYLOAD_BYTES)",
                 field="payload",
             )
         if task is not None:
@@ -263,7 +265,7 @@ class Queue:
             )
         run_at_ms, delay_ms = self._timing(spec)
         key = spec.idempotency_key or ""
-        if key and not IDEMPOTENCY_KEY_RE.fullmatch(key):
+        if spec.idempotency_key is not None and not IDEMPOTENCY_KEY_RE.fullmatch(key):
             raise InvalidRequest(
                 "idempotency_key must be 1-200 printable ASCII characters without spaces",
                 field="idempotency_key",
@@ -296,25 +298,21 @@ class Queue:
     @staticmethod
     def _concurrency(spec: JobSpec) -> tuple[str, int]:
         key, limit = spec.concurrency_key, spec.concurrency_limit
+        if limit is not None and (
+            isinstance(limit, bool) or not 1 <= limit <= MAX_CONCURRENCY_LIMIT
+        ):
+            raise InvalidRequest(
+                f"concurrency_limit must be between 1 and {MAX_CONCURRENCY_LIMIT}",
+                field="concurrency_limit",
+            )
         if key is None:
-            if limit is not None:
-                raise InvalidRequest(
-                    "concurrency_limit needs a concurrency_key", field="concurrency_limit"
-                )
-            return "", 1
+            return "", 1  # a concurrency_limit without a key has nothing to limit
         if not isinstance(key, str) or not IDEMPOTENCY_KEY_RE.fullmatch(key):
             raise InvalidRequest(
                 "concurrency_key must be 1-200 printable ASCII characters without spaces",
                 field="concurrency_key",
             )
-        if limit is None:
-            limit = 1
-        elif isinstance(limit, bool) or not 1 <= limit <= MAX_CONCURRENCY_LIMIT:
-            raise InvalidRequest(
-                f"concurrency_limit must be between 1 and {MAX_CONCURRENCY_LIMIT}",
-                field="concurrency_limit",
-            )
-        return key, limit
+        return key, 1 if limit is None else limit
 
     def _timing(self, spec: JobSpec) -> tuple[int, int]:
         s = self.settings

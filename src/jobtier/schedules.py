@@ -29,7 +29,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 import msgspec
 from croniter import croniter
 
-from jobtier.errors import InvalidRequest
+from jobtier.errors import InvalidRequest, PayloadTooLarge
 from jobtier.keys import Keys, ulid
 from jobtier.model import DEFAULT_QUEUE, Priority, encode_json
 from jobtier.worker.registry import TASK_NAME_RE
@@ -38,6 +38,8 @@ Misfire = Literal["skip", "fire_once", "fire_all"]
 MAX_CATCH_UP = 1000
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,100}$")
 SCHEDULE_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
+MAX_INTERVAL = 366 * 86400  # seconds
+MAX_ATTEMPTS = 100
 
 
 class ScheduleSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -94,7 +96,7 @@ def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
         )
     if spec.interval is not None and spec.interval < min_interval:
         raise InvalidRequest(f"interval must be at least {min_interval} seconds", field="interval")
-    if spec.interval is not None and spec.interval > 366 * 86400:
+    if spec.interval is not None and spec.interval > MAX_INTERVAL:
         raise InvalidRequest("interval must be at most a year", field="interval")
     try:
         ZoneInfo(spec.timezone)
@@ -102,14 +104,20 @@ def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
         raise InvalidRequest(
             f"unknown time zone {spec.timezone[:60]!r}", field="timezone"
         ) from None
-    if spec.max_attempts is not None and not 1 <= spec.max_attempts <= 100:
-        raise InvalidRequest("max_attempts must be between 1 and 100", field="max_attempts")
+    if spec.max_attempts is not None and not 1 <= spec.max_attempts <= MAX_ATTEMPTS:
+        raise InvalidRequest(
+            f"max_attempts must be between 1 and {MAX_ATTEMPTS}", field="max_attempts"
+        )
     try:
         payload = encode_json(spec.payload)
     except TypeError as exc:
         raise InvalidRequest(f"payload: {exc}", field="payload") from None
     if len(payload) > max_payload:
-        raise InvalidRequest(f"payload is over {max_payload} bytes", field="payload")
+        raise PayloadTooLarge(
+            f"payload is {len(payload)} bytes; the limit is {max_payload} "
+            "(JOBTIER_MAX_PAYLOAD_BYTES)",
+            field="payload",
+        )
     return payload
 
 

@@ -30,7 +30,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
     ("run_at garbage", "POST", "/v1/jobs", {"type": "echo", "run_at": "tomorrow"}, {}, 422, "validation"),
     ("both times", "POST", "/v1/jobs", {"type": "echo", "delay": 1, "run_at": "2030-01-01T00:00:00Z"}, {}, 422, "validation"),
     ("oversize payload", "POST", "/v1/jobs", {"type": "echo", "payload": "x" * 300_000}, {}, 413, "payload-too-large"),
-    ("payload over limit", "POST", "/v1/jobs", {"type": "echo", "payload": "x" * 263_000}, {}, 422, "validation"),
+    ("payload over limit", "POST", "/v1/jobs", {"type": "echo", "payload": "x" * 263_000}, {}, 413, "payload-too-large"),
     ("not JSON content", "POST", "/v1/jobs", b"type=echo", {"content-type": "application/x-www-form-urlencoded"}, 415, "unsupported-media-type"),
     ("bad idempotency key", "POST", "/v1/jobs", {"type": "echo"}, {"idempotency-key": "a b"}, 422, "validation"),
     ("empty batch", "POST", "/v1/jobs/batch", {"jobs": []}, {}, 422, "validation"),
@@ -42,7 +42,7 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
     ("unknown job", "GET", f"/v1/jobs/{JOB}", None, {}, 404, "not-found"),
     ("cancel unknown", "POST", f"/v1/jobs/{JOB}/cancel", None, {}, 404, "not-found"),
     ("result unknown", "GET", f"/v1/jobs/{JOB}/result", None, {}, 404, "not-found"),
-    ("bad wait", "GET", f"/v1/jobs/{JOB}?wait=x", None, {"if-none-match": '"1"'}, 404, "not-found"),
+    ("bad wait", "GET", f"/v1/jobs/{JOB}?wait=x", None, {"if-none-match": '"1"'}, 400, "bad-request"),
 ]  # fmt: skip
 
 

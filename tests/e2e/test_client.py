@@ -336,7 +336,7 @@ async def test_result_of_succeeded_and_failed_jobs(
 
 
 async def test_error_answers_map_to_exceptions(start_api: StartApi) -> None:
-    api = await start_api(max_payload_bytes=1024, max_batch=2)
+    api = await start_api(max_payload_bytes=1024, max_batch=2, max_request_bytes=16_384)
     async with client(api) as c:
         job = (await c.submit("echo")).job
 
@@ -364,7 +364,7 @@ async def test_error_answers_map_to_exceptions(start_api: StartApi) -> None:
         assert (attempts.value.status, attempts.value.field) == (422, "max_attempts")
         with pytest.raises(ValidationFailed) as too_big:
             await c.submit("echo", "x" * 2000)  # over the payload limit
-        assert (too_big.value.status, too_big.value.field) == (422, "payload")
+        assert (too_big.value.status, too_big.value.field) == (413, "payload")
         with pytest.raises(ValidationFailed) as too_large:
             await c.submit("echo", "x" * 20_000)  # over the request body limit
         assert too_large.value.status == 413 and too_large.value.slug == "payload-too-large"

@@ -11,11 +11,20 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api.auth import require_admin
-from jobtier.api.http import JSON, DocResponse, decode_body, read_json_body
-from jobtier.api.problems import Problem, not_found
+from jobtier.api.http import (
+    JSON,
+    DocResponse,
+    decode_body,
+    job_id_of,
+    job_not_found,
+    read_json_body,
+)
+from jobtier.api.params import Param, parse_query
+from jobtier.api.problems import Problem
 from jobtier.cache.redis_reader import parse_version
 from jobtier.errors import JobNotFound, TransitionRefused
 from jobtier.queue import Queue
+from jobtier.worker.registry import TASK_NAME_RE
 
 
 class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
@@ -26,28 +35,29 @@ class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
 _filter_decoder = msgspec.json.Decoder(ReplayFilter)
 
 
-def _limit(request: Request, default: int = 100, most: int = 1000) -> int:
-    raw = request.query_params.get("limit", str(default))
-    if not raw.isdigit() or not 1 <= int(raw) <= most:
-        raise Problem(400, "bad-request", f"limit must be between 1 and {most}")
-    return int(raw)
+REPLAY_MAX = 10_000
+DEAD_LETTER_PARAMS = [
+    Param("type", "string", "only jobs of this type", max_length=128, pattern=TASK_NAME_RE.pattern),
+    Param("limit", "integer", "most jobs to list (default 100)", minimum=1, maximum=1000),
+]
 
 
 async def dead_letters(request: Request) -> Response:
     require_admin(request)
+    query = parse_query(request, DEAD_LETTER_PARAMS)
     queue: Queue = request.state.queue
-    jobs = await queue.dead_letters(_limit(request), type=request.query_params.get("type"))
+    jobs = await queue.dead_letters(query.get("limit", 100), type=query.get("type"))
     return Response(msgspec.json.encode({"jobs": jobs}), media_type=JSON)
 
 
 async def replay_one(request: Request) -> Response:
     require_admin(request)
-    job_id = request.path_params["job_id"]
+    job_id = job_id_of(request)
     queue: Queue = request.state.queue
     try:
         doc = await queue.replay_doc(job_id)
     except JobNotFound:
-        raise not_found(f"job {job_id}") from None
+        raise job_not_found(job_id) from None
     except TransitionRefused:
         raise Problem(409, "wrong-state", f"job {job_id} is not in the dead-letter set") from None
     return DocResponse(doc, parse_version(doc))
@@ -55,10 +65,12 @@ async def replay_one(request: Request) -> Response:
 
 async def replay_many(request: Request) -> Response:
     require_admin(request)
-    body = await read_json_body(request, 4096)
+    body = await read_json_body(request)
     selector: ReplayFilter = decode_body(_filter_decoder, body or b"{}")
-    if not 1 <= selector.limit <= 10_000:
-        raise Problem(422, "validation", "limit must be between 1 and 10000", field="limit")
+    if not 1 <= selector.limit <= REPLAY_MAX:
+        raise Problem(422, "validation", f"limit must be between 1 and {REPLAY_MAX}", field="limit")
+    if selector.type is not None and not TASK_NAME_RE.fullmatch(selector.type):
+        raise Problem(422, "validation", f"type must match {TASK_NAME_RE.pattern}", field="type")
     queue: Queue = request.state.queue
     replayed = await queue.replay_many(type=selector.type, limit=selector.limit)
     return Response(orjson.dumps({"replayed": replayed, "count": len(replayed)}), media_type=JSON)

@@ -14,14 +14,16 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
 from jobtier.api import admin, health, jobs, openapi, ops, queues, sse
 from jobtier.api.admission import Admission
+from jobtier.api.limits import RequestLimits
 from jobtier.api.problems import HANDLERS
+from jobtier.api.routing import resources
+from jobtier.api.task_schemas import TaskDocument
 from jobtier.cache.redis_reader import Fallback, StatusReader
 from jobtier.catalog import TaskCatalog
 from jobtier.config import Settings
@@ -57,6 +59,8 @@ class Extension:
         self.state: dict[str, Any] = {}
         self.openapi_paths: dict[str, Any] = {}
         self.openapi_types: list[type] = []
+        # add rules JSON Schema can state to the generated schemas of openapi_types
+        self.openapi_constraints: list[Callable[[dict[str, Any]], None]] = []
 
     async def open(self, settings: Settings, queue: Queue) -> None:
         """Override to connect resources (e.g. a Postgres pool)."""
@@ -78,7 +82,10 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             "`jobtier run` makes development keys for you"
         )
     ext = extension or Extension()
-    openapi_document = orjson.dumps(openapi.document(ext.openapi_paths, ext.openapi_types))
+    openapi_document = TaskDocument(
+        openapi.document(settings, ext.openapi_paths, ext.openapi_types, ext.openapi_constraints),
+        settings.require_known_types,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -129,8 +136,6 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
                 "admission": admission,
                 "tenants": tenants,
                 "admin_key": settings.admin_key,
-                "body_limit": settings.max_payload_bytes + 16 * 1024,
-                "batch_body_limit": settings.max_request_bytes,
                 "result_fallback": ext.result_fallback,
                 "postgres_ready": ext.postgres_ready,
                 "openapi": openapi_document,
@@ -148,9 +153,10 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             await queue.close()
 
     return Starlette(
-        routes=[*ROUTES, *ext.routes],
+        routes=resources([*ROUTES, *ext.routes]),
         exception_handlers=HANDLERS,
         lifespan=lifespan,
-        # the status read, most of the traffic, answered before routing (jobs.StatusFastPath)
-        middleware=[Middleware(jobs.StatusFastPath)],
+        # the status read, most of the traffic, answered before routing (jobs.StatusFastPath,
+        # which checks the request limits itself); then over-long URLs and headers refused
+        middleware=[Middleware(jobs.StatusFastPath), Middleware(RequestLimits)],
     )

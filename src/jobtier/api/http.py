@@ -3,15 +3,18 @@ and reading a JSON body with its limits and problem documents."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
+import msgspec.inspect
 from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api.auth import raw_header
-from jobtier.api.problems import Problem
-from jobtier.errors import InvalidRequest
+from jobtier.api.limits import check_depth
+from jobtier.api.problems import Problem, not_found
+from jobtier.errors import InvalidRequest, PayloadTooLarge
 from jobtier.model import TERMINAL
 
 JSON = "application/json"
@@ -70,43 +73,117 @@ def etag_matches(header: bytes, version: int) -> bool:
     return False
 
 
+# --- path ids -------------------------------------------------------------------------------
+def job_id_of(request: Request) -> str:
+    """The ``{job_id}`` of the path, checked before any backend is asked: a malformed id (a
+    NUL, a foreign shard, …) is answered like an unknown one, a 404, as the status read does
+    (Postgres would refuse some of them outright)."""
+    job_id: str = request.path_params["job_id"]
+    if not request.state.queue.keys.valid_id(job_id):
+        raise job_not_found(job_id)
+    return job_id
+
+
+def job_not_found(job_id: str) -> Problem:
+    return not_found(f"job {job_id[:64]}")
+
+
 # --- body reading ---------------------------------------------------------------------------
-async def read_json_body(request: Request, limit: int) -> bytes:
+def _json_media_type(content_type: bytes) -> bool:
+    """``application/json`` or a structured ``application/*+json`` type (RFC 6839)."""
+    media = content_type.split(b";")[0].strip().lower()
+    return media == b"application/json" or (
+        media.startswith(b"application/") and media.endswith(b"+json") and b"/" not in media[12:]
+    )
+
+
+async def read_json_body(request: Request) -> bytes:
+    """The request body, at most ``JOBTIER_MAX_REQUEST_BYTES`` (a 413 problem past it, said
+    before reading when Content-Length tells), of a JSON media type (else 415)."""
     content_type = raw_header(request, b"content-type")
-    if content_type is not None and not content_type.split(b";")[0].strip().lower().endswith(
-        b"json"
-    ):
-        raise Problem(415, "unsupported-media-type", "send the body as application/json")
+    if content_type is not None and not _json_media_type(content_type):
+        raise Problem(
+            415,
+            "unsupported-media-type",
+            "send the body as application/json (or an application/*+json type)",
+        )
+    limit: int = request.state.settings.max_request_bytes
     length = raw_header(request, b"content-length")
     if length is not None and length.isdigit() and int(length) > limit:
-        raise Problem(413, "payload-too-large", f"the body is over the {limit}-byte limit")
+        raise body_too_large(limit)
     chunks = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise Problem(413, "payload-too-large", f"the body is over the {limit}-byte limit")
+            raise body_too_large(limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
+def body_too_large(limit: int) -> Problem:
+    return Problem(
+        413,
+        "payload-too-large",
+        f"the body is over the limit of {limit} bytes (JOBTIER_MAX_REQUEST_BYTES)",
+    )
+
+
 def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
+    """The body decoded (and validated) by ``decoder``: a 400 problem for malformed JSON, a
+    422 naming the member for one that does not fit (with the valid values of an enum)."""
     if not body:
         raise Problem(400, "invalid-json", "the request has no body; send a JSON object")
+    check_depth(body)
     try:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         # msgspec names the offending member: "... - at `$.jobs[1].priority`"
         message = str(exc)
         _, at, path = message.rpartition(" - at `$")
-        extra: dict[str, Any] = (
-            {"field": path.rstrip("`").lstrip(".")} if at and path.strip("`") else {}
-        )
+        field = path.rstrip("`").lstrip(".") if at and path.strip("`") else None
+        if field and message.startswith("Invalid enum value"):
+            values = enum_values(decoder.type, field)
+            if values:
+                message = f"{field} must be one of {', '.join(map(str, values))}; {message}"
+        extra: dict[str, Any] = {"field": field} if field else {}
         raise Problem(422, "validation", message, **extra) from None
     except msgspec.DecodeError as exc:
         raise Problem(400, "invalid-json", f"the body is not valid JSON: {exc}") from None
 
 
+_PATH_PART = re.compile(r"\.?([A-Za-z_][A-Za-z0-9_]*)|\[([0-9]+)\]")
+
+
+def enum_values(type_: Any, field: str) -> list[Any]:
+    """The valid values of the enum (or literal) at ``field`` (msgspec's path, e.g.
+    ``jobs[1].priority``) of a decoder's type; empty if it is not one."""
+    info: Any = msgspec.inspect.type_info(type_)
+    for name, index in _PATH_PART.findall(field):
+        info = _member(info, name, bool(index))
+        if info is None:
+            return []
+    for option in info.types if isinstance(info, msgspec.inspect.UnionType) else [info]:
+        if isinstance(option, msgspec.inspect.EnumType):
+            return [member.value for member in option.cls]
+        if isinstance(option, msgspec.inspect.LiteralType):
+            return list(option.values)
+    return []
+
+
+def _member(info: Any, name: str, item: bool) -> Any:
+    for option in info.types if isinstance(info, msgspec.inspect.UnionType) else [info]:
+        if item and isinstance(option, msgspec.inspect.ListType | msgspec.inspect.VarTupleType):
+            return option.item_type
+        if not item and isinstance(option, msgspec.inspect.StructType):
+            return next((f.type for f in option.fields if f.encode_name == name), None)
+    return None
+
+
 def invalid(exc: InvalidRequest) -> Problem:
+    """The problem for a request the queue refused: 413 for a payload over
+    ``JOBTIER_MAX_PAYLOAD_BYTES``, else 422."""
     extra: dict[str, Any] = {"field": exc.field} if exc.field else {}
+    if isinstance(exc, PayloadTooLarge):
+        return Problem(413, "payload-too-large", str(exc), **extra)
     return Problem(422, "validation", str(exc), **extra)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Iterable
 
 import msgspec
@@ -22,10 +21,14 @@ from jobtier.api.http import (
     doc_state,
     etag_matches,
     invalid,
+    job_id_of,
+    job_not_found,
     not_modified,
     read_json_body,
 )
-from jobtier.api.problems import Problem, not_found, on_error
+from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
+from jobtier.api.params import Param, parse_query
+from jobtier.api.problems import Problem, on_error
 from jobtier.cache.redis_reader import RESYNC, Status, StatusReader, parse_version
 from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound, TransitionRefused
 from jobtier.model import JobSpec
@@ -45,7 +48,7 @@ _batch_decoder = msgspec.json.Decoder(BatchBody)
 async def submit(request: Request) -> Response:
     tenant = tenant_of(request)
     st = request.state
-    spec: JobSpec = decode_body(_spec_decoder, await read_json_body(request, st.body_limit))
+    spec: JobSpec = decode_body(_spec_decoder, await read_json_body(request))
     header_key = raw_header(request, b"idempotency-key")
     if header_key is not None:
         key = header_key.decode("latin-1")
@@ -54,6 +57,7 @@ async def submit(request: Request) -> Response:
                 400,
                 "bad-request",
                 "the Idempotency-Key header and the body's idempotency_key differ",
+                field="idempotency_key",
             )
         spec.idempotency_key = key
     queue: Queue = st.queue
@@ -97,16 +101,14 @@ async def submit_batch(request: Request) -> Response:
     tenant = tenant_of(request)
     st = request.state
     queue: Queue = st.queue
-    body: BatchBody = decode_body(
-        _batch_decoder, await read_json_body(request, st.batch_body_limit)
-    )
+    body: BatchBody = decode_body(_batch_decoder, await read_json_body(request))
     if not body.jobs:
         raise Problem(422, "validation", "jobs is empty", field="jobs")
     if len(body.jobs) > queue.settings.max_batch:
         raise Problem(
             413,
             "payload-too-large",
-            f"at most {queue.settings.max_batch} jobs per batch",
+            f"at most {queue.settings.max_batch} jobs per batch (JOBTIER_MAX_BATCH)",
             field="jobs",
         )
     await queue.ensure_known(spec.type for spec in body.jobs)
@@ -115,9 +117,10 @@ async def submit_batch(request: Request) -> Response:
         try:
             items.append(queue.prepare(spec, tenant))
         except InvalidRequest as exc:
+            problem = invalid(exc)
             raise Problem(
-                422,
-                "validation",
+                problem.status,
+                problem.slug,
                 f"jobs[{index}]: {exc}",
                 field=f"jobs[{index}].{exc.field or ''}".rstrip("."),
             ) from None
@@ -147,16 +150,19 @@ async def get_job(request: Request) -> Response:
     """
     scope = request.scope
     state = scope["state"]
-    authorization, held = _status_headers(scope["headers"])
+    authorization, held, _ = _status_headers(scope["headers"])
     tenant = tenant_for(state["tenants"], authorization)
     job_id: str = scope["path_params"]["job_id"]
+    # parameters are checked before the read: ?wait=-1 is refused whatever the job's state
+    wait: float = (
+        parse_query(request, STATUS_PARAMS).get("wait", 0.0) if scope["query_string"] else 0.0
+    )
     reader: StatusReader = state["reader"]
     found = await reader.get(job_id)
     response = status_answer(job_id, tenant, held, found)
-    if response.status_code != 304 or not scope["query_string"]:
+    if response.status_code != 304:
         return response
     assert found is not None  # a 304 answers a job the caller may read
-    wait = _wait_seconds(request)
     if wait <= 0 or doc_state(found[1]) in TERMINAL_STATES:
         return response
     return await _long_poll(reader, job_id, tenant, found[2], wait)
@@ -167,7 +173,7 @@ def status_answer(job_id: str, tenant: str, held: bytes | None, found: Status | 
     304 when ``If-None-Match`` holds the current version, or the 404 problem (an unknown id
     and another tenant's job look the same). Shared by the route and the fast path."""
     if found is None or found[0] != tenant:
-        return not_found(f"job {job_id}").response()
+        return job_not_found(job_id).response()
     if held is None or not etag_matches(held, found[2]):
         return DocResponse(found[1], found[2])
     return not_modified(found[2])
@@ -181,8 +187,11 @@ class StatusFastPath:
     server's CPU per status read (bench/results/status_read.md). It answers exactly what ``get_job``
     answers for the common case — the document with its ETag, 304, or the 404 problem —
     and passes everything else on to the app: no or an unknown API key (401), a query
-    string (long-poll), paths that are not a job id, other methods. A read that fails is
-    answered by the app's own error handler (a 503 problem while Redis is down).
+    string (long-poll), paths that are not a job id, other methods, a URL or headers over the
+    app's limits (``limits.RequestLimits``, inside this middleware, answers those: here the
+    check costs one addition per header, in the pass that finds the two we need). A read
+    that fails is answered by the app's own error handler (a 503 problem while Redis is
+    down).
     """
 
     __slots__ = ("app",)
@@ -201,9 +210,15 @@ class StatusFastPath:
             job_id = path[_JOBS_LEN:]
             if path.startswith(_JOBS) and job_id and "/" not in job_id and job_id != "batch":
                 state = scope["state"]
-                authorization, held = _status_headers(scope["headers"])
+                headers = scope["headers"]
+                authorization, held, size = _status_headers(headers)
                 tenant = known_tenant(state["tenants"], authorization)
-                if tenant is not None:
+                if (
+                    tenant is not None
+                    and size <= MAX_HEADER_BYTES
+                    and len(headers) <= MAX_HEADERS
+                    and len(scope.get("raw_path") or path) <= MAX_URL_BYTES
+                ):
                     response: Response
                     try:
                         found = await state["reader"].get(job_id)
@@ -223,31 +238,30 @@ _JOBS = "/v1/jobs/"
 _JOBS_LEN = len(_JOBS)
 
 
-def _status_headers(headers: Iterable[tuple[bytes, bytes]]) -> tuple[bytes | None, bytes | None]:
-    """(Authorization, If-None-Match) in one pass over the raw headers; the first of each
-    wins, as in ``raw_header()``."""
+def _status_headers(
+    headers: Iterable[tuple[bytes, bytes]],
+) -> tuple[bytes | None, bytes | None, int]:
+    """(Authorization, If-None-Match, size of all the headers) in one pass over the raw
+    headers; the first of each wins, as in ``raw_header()``."""
     authorization = held = None
+    size = 0
     for name, value in headers:
+        size += len(name) + len(value)
         if name == b"authorization":
             if authorization is None:
                 authorization = value
         elif name == b"if-none-match" and held is None:
             held = value
-    return authorization, held
+    return authorization, held, size
 
 
-def _wait_seconds(request: Request) -> float:
-    raw = request.query_params.get("wait")
-    if raw is None:
-        return 0.0
-    limit: float = request.state.settings.long_poll_max_seconds
-    try:
-        wait = float(raw)
-    except ValueError:
-        raise Problem(400, "bad-request", "wait must be a number of seconds") from None
-    if not math.isfinite(wait) or wait < 0 or wait > limit:
-        raise Problem(400, "bad-request", f"wait must be between 0 and {limit:g} seconds")
-    return wait
+STATUS_PARAMS = [
+    Param(
+        "wait", "number",
+        "long-poll: with If-None-Match, wait up to this many seconds for a newer version",
+        minimum=0, maximum="long_poll_max_seconds",
+    )
+]  # fmt: skip
 
 
 async def _long_poll(
@@ -268,7 +282,7 @@ async def _long_poll(
             # read after registering: a change between the first read and now is not lost
             found = await reader.get(job_id)
             if found is None or found[0] != tenant:
-                raise not_found(f"job {job_id}")
+                raise job_not_found(job_id)
             if found[2] > held:
                 return DocResponse(found[1], found[2])
             left = deadline - loop.time()
@@ -287,7 +301,7 @@ async def _long_poll(
 
 async def get_result(request: Request) -> Response:
     tenant = tenant_of(request)
-    job_id = request.path_params["job_id"]
+    job_id = job_id_of(request)
     queue: Queue = request.state.queue
     try:
         status, result = await queue.result(job_id, tenant)
@@ -295,7 +309,7 @@ async def get_result(request: Request) -> Response:
         fallback = request.state.result_fallback
         found = await fallback(job_id, tenant) if fallback else None
         if found is None:
-            raise not_found(f"job {job_id}") from None
+            raise job_not_found(job_id) from None
         return Response(orjson.dumps(found), media_type=JSON)
     body = {
         "id": status.id,
@@ -309,17 +323,17 @@ async def get_result(request: Request) -> Response:
 
 async def cancel(request: Request) -> Response:
     tenant = tenant_of(request)
-    job_id = request.path_params["job_id"]
+    job_id = job_id_of(request)
     queue: Queue = request.state.queue
     try:
         doc = await queue.cancel_doc(job_id, tenant)
     except JobNotFound:
-        raise not_found(f"job {job_id}") from None
+        raise job_not_found(job_id) from None
     except TransitionRefused as exc:
         try:
             current = await queue.status_doc(job_id, tenant)
         except JobNotFound:  # finished and expired between the two reads
-            raise not_found(f"job {job_id}") from None
+            raise job_not_found(job_id) from None
         raise Problem(
             409, "wrong-state", f"job {job_id} has already finished ({doc_state(current)})",
             job=orjson.loads(current),

@@ -1,35 +1,52 @@
 """The OpenAPI document of the API, served at ``/v1/openapi.json``.
 
-Schemas of request and response bodies come from the msgspec Structs the server decodes
-and encodes with, so they cannot drift from what the server does; a test checks that every
-route of the app is described and nothing else is.
+Built from what the server checks with, so the two cannot drift:
+
+* request and response bodies from the msgspec Structs the server decodes and encodes with,
+  their extra rules (patterns, ranges) from the same constants the validation uses;
+* query parameters from the routes' ``Param`` declarations (api/params.py);
+* limits that are settings (payload, request body, batch size, long-poll) from ``Settings``;
+* the error answers by what an operation does (``operation()``): every operation can be
+  refused for its URL or headers (414/431) and, if it needs a key, with 401 (403 on admin
+  routes); one with query parameters with 400; one with a body with 400/413/415/422; one
+  that reads Redis or Postgres with 503.
+
+A test checks that every route of the app is described and nothing else is; the fuzzer
+(tests/e2e/test_api_fuzz.py) checks the server's answers against this document.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
+from jobtier.api.jobs import STATUS_PARAMS, BatchBody
+from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
+from jobtier.api.params import Param
+from jobtier.config import Settings
+from jobtier.keys import JOB_ID_RE
 from jobtier.model import QUEUE_NAME_RE, JobSpec, JobStatus, QueueInfo, QueueLimits, TaskAd
+from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
+from jobtier.worker.registry import TASK_NAME_RE
 
 
 class Problem(msgspec.Struct):
+    """An error (RFC 9457); ``type`` is ``urn:jobtier:problem:<slug>``."""
+
     type: str
     title: str
     status: int
     detail: str
-    field: str | None = None  # validation: the offending member, e.g. "jobs[1].priority"
+    field: str | None = None  # the offending parameter or member, e.g. "jobs[1].priority"
     job_id: str | None = None  # idempotency conflict, gone: the job the key names
     job: JobStatus | None = None  # wrong state: the job as it is
-
-
-class BatchRequest(msgspec.Struct):
-    jobs: list[JobSpec]
+    limit: int | None = None  # nesting too deep: the limit
 
 
 class BatchItem(msgspec.Struct):
@@ -52,11 +69,6 @@ class ResultResponse(msgspec.Struct):
 
 class DeadLetters(msgspec.Struct):
     jobs: list[JobStatus]
-
-
-class ReplayRequest(msgspec.Struct):
-    type: str | None = None
-    limit: int = 100
 
 
 class Replayed(msgspec.Struct):
@@ -82,234 +94,373 @@ class TaskList(msgspec.Struct):
     tasks: list[TaskAd]
 
 
+class Health(msgspec.Struct):
+    status: str
+
+
+class Readiness(msgspec.Struct):
+    status: str
+    checks: dict[str, str]
+
+
 def ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def json_response(name: str, description: str) -> dict[str, Any]:
-    return {"description": description, "content": {"application/json": {"schema": ref(name)}}}
+def event_stream(description: str, event: str, data: dict[str, Any]) -> dict[str, Any]:
+    """A ``text/event-stream`` answer: its schema is each event's (OpenAPI 3.1), whose
+    ``data`` is a JSON document of schema ``data``."""
+    schema = {
+        "type": "object",
+        "required": ["event", "data"],
+        "properties": {
+            "event": {"const": event},
+            "id": {"type": "string", "pattern": "^[0-9]+$"},
+            "data": {
+                "type": "string",
+                "contentMediaType": "application/json",
+                "contentSchema": data,
+            },
+        },
+    }
+    return {"description": description, "content": {"text/event-stream": {"schema": schema}}}
 
 
-def problem(description: str) -> dict[str, Any]:
-    return {
+def json_response(
+    name: str, description: str, headers: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    answer: dict[str, Any] = {
+        "description": description,
+        "content": {"application/json": {"schema": ref(name)}},
+    }
+    if headers:
+        answer["headers"] = headers
+    return answer
+
+
+def problem(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
+    answer: dict[str, Any] = {
         "description": description,
         "content": {"application/problem+json": {"schema": ref("Problem")}},
     }
+    if headers:
+        answer["headers"] = headers
+    return answer
 
 
-JOB_ID = {
+def header(description: str, *, required: bool = False, pattern: str | None = None) -> Any:
+    schema: dict[str, Any] = {"type": "string"}
+    if pattern:
+        schema["pattern"] = pattern
+    return {"description": description, "required": required, "schema": schema}
+
+
+RETRY_AFTER = {"Retry-After": header("seconds to wait before trying again", pattern="^[0-9]+$")}
+JOB_ID: dict[str, Any] = {
     "name": "job_id", "in": "path", "required": True,
-    "schema": {"type": "string", "pattern": "^[0-9A-HJKMNP-TV-Z]{26}-[0-9]{1,4}$"},
+    "description": "a job id as submit returned it (a malformed or unknown one is a 404)",
+    "schema": {"type": "string", "pattern": JOB_ID_RE.pattern},
 }  # fmt: skip
+
 QUEUE_NAME = {
     "name": "name", "in": "path", "required": True,
+    "description": "a queue name",
     "schema": {"type": "string", "pattern": QUEUE_NAME_RE.pattern},
 }  # fmt: skip
-AUTH_ERRORS = {"401": problem("missing or unknown API key")}
-ADMIN_ERRORS = {**AUTH_ERRORS, "403": problem("a tenant key on an admin route")}
-SUBMIT_ERRORS = {
-    "400": problem("malformed JSON"),
-    "409": problem("the idempotency key was used for a different request"),
-    "410": problem("the idempotency key names a job that is no longer kept"),
-    "413": problem("body, payload or batch too large"),
-    "415": problem("the body is not JSON"),
-    "422": problem("invalid job (unknown field, wrong type, bad priority or run-at, …)"),
-    "429": problem("the tenant's rate limit or waiting-jobs cap"),
-    "503": problem("back-pressure: too many waiting jobs or write-behind lag; see Retry-After"),
-}
+
+Auth = Literal["tenant", "admin", "none"]
+
+
+def too_large(settings: Settings, *more: str) -> dict[str, Any]:
+    """The 413 answer: the body over ``JOBTIER_MAX_REQUEST_BYTES``, or ``more`` reasons."""
+    reasons = [f"the body is over {settings.max_request_bytes} bytes (JOBTIER_MAX_REQUEST_BYTES)"]
+    return problem(", or ".join([*reasons, *more]))
+
+
+def payload_too_large(settings: Settings) -> str:
+    return f"a payload is over {settings.max_payload_bytes} bytes (JOBTIER_MAX_PAYLOAD_BYTES)"
+
+
+def operation(
+    settings: Settings,
+    summary: str,
+    responses: dict[str, Any],
+    *,
+    auth: Auth = "tenant",
+    params: Sequence[Param] = (),
+    path: Sequence[dict[str, Any]] = (),
+    headers: Sequence[dict[str, Any]] = (),
+    body: str | None = None,
+    body_required: bool = True,
+    backend: bool = True,
+) -> dict[str, Any]:
+    """One operation, with the error answers the server gives for what it does."""
+    out: dict[str, Any] = {"summary": summary}
+    parameters = [*path, *(p.openapi(settings) for p in params), *headers]
+    if parameters:
+        out["parameters"] = parameters
+    errors: dict[str, Any] = {
+        "414": problem(f"the URL is over {MAX_URL_BYTES} bytes"),
+        "431": problem(f"the headers are over {MAX_HEADER_BYTES} bytes or {MAX_HEADERS} fields"),
+    }
+    if params:
+        errors["400"] = problem("a query parameter is unknown, repeated or malformed (field)")
+    if body is not None:
+        limit = settings.max_request_bytes
+        out["requestBody"] = {
+            "required": body_required,
+            "description": (
+                f"JSON, at most {limit} bytes (JOBTIER_MAX_REQUEST_BYTES), arrays and "
+                f"objects nested at most {MAX_JSON_DEPTH} deep"
+            ),
+            "content": {"application/json": {"schema": ref(body)}},
+        }
+        errors["400"] = problem("malformed JSON, or no body")
+        errors["413"] = too_large(settings)
+        errors["415"] = problem("the body is not application/json (or application/*+json)")
+        errors["422"] = problem(
+            "the body does not fit its schema, or breaks a rule it cannot state "
+            "(run_at in the past, cron syntax, time zone name, …); field names the member"
+        )
+    if auth != "none":
+        errors["401"] = problem(
+            "missing or unknown API key",
+            {"WWW-Authenticate": header("Bearer realm")},
+        )
+    out["security"] = {"tenant": [{"tenantKey": []}], "admin": [{"adminKey": []}], "none": []}[auth]
+    if auth == "admin":
+        errors["403"] = problem("a tenant key on an admin route")
+    if backend:
+        errors["503"] = problem("Redis or Postgres is unavailable; try again", RETRY_AFTER)
+    out["responses"] = {**errors, **responses}
+    return out
+
+
+def constrain(components: dict[str, Any], struct: str, field: str, **constraints: Any) -> None:
+    """Add JSON Schema keywords to a member of a generated component (to its non-null
+    branch when it is optional)."""
+    schema = components[struct]["properties"][field]
+    for option in schema.get("anyOf", [schema]):
+        if option.get("type") != "null":
+            option.update(constraints)
+
+
+def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
+    # the Structs the routes decode with: what they refuse (unknown members) is stated too
+    _, components = msgspec.json.schema_components(
+        [
+            JobSpec, JobStatus, Problem, BatchBody, BatchResponse, ResultResponse,
+            DeadLetters, ReplayFilter, Replayed, Health, Readiness, QueueList, QueuePaused,
+            QueueLimits, QueueLimitsSet, TaskList, *extra_types,
+        ],
+        ref_template="#/components/schemas/{name}",
+    )  # fmt: skip
+    c = components
+    constrain(c, "JobSpec", "type", pattern=TASK_NAME_RE.pattern)
+    constrain(c, "JobSpec", "max_attempts", minimum=1, maximum=MAX_ATTEMPTS_LIMIT)
+    constrain(c, "JobSpec", "delay", minimum=0, maximum=settings.max_future_seconds)
+    constrain(c, "JobSpec", "run_at", format="date-time")
+    constrain(c, "JobSpec", "idempotency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
+    c["JobSpec"]["properties"]["payload"]["description"] = (
+        f"any JSON value, at most {settings.max_payload_bytes} bytes encoded "
+        "(JOBTIER_MAX_PAYLOAD_BYTES; over it: 413)"
+    )
+    c["JobSpec"]["properties"]["run_at"]["description"] = (
+        f"when to run (with a time zone); from {settings.past_tolerance_seconds:g} s ago "
+        f"to {settings.max_future_seconds} s ahead (JOBTIER_MAX_FUTURE_SECONDS); "
+        "not with delay"
+    )
+    c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
+    constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
+    constrain(c, "ReplayFilter", "limit", minimum=1, maximum=REPLAY_MAX)
+    constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
+    constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
+    constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
+    constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
+    constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
+    c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)
+    return components
 
 
 def document(
-    extra_paths: dict[str, Any] | None = None, extra_types: Sequence[type] = ()
+    settings: Settings,
+    extra_paths: dict[str, Any] | None = None,
+    extra_types: Sequence[type] = (),
+    extra_constraints: Sequence[Callable[[dict[str, Any]], None]] = (),
 ) -> dict[str, Any]:
-    """The document of an app serving the core routes plus ``extra_paths``, whose bodies are
-    the msgspec Structs ``extra_types``."""
-    _, components = msgspec.json.schema_components(
-        [
-            JobSpec,
-            JobStatus,
-            Problem,
-            BatchRequest,
-            BatchResponse,
-            ResultResponse,
-            DeadLetters,
-            ReplayRequest,
-            Replayed,
-            QueueList,
-            QueuePaused,
-            QueueLimits,
-            QueueLimitsSet,
-            TaskList,
-            *extra_types,
-        ],
-        ref_template="#/components/schemas/{name}",
-    )
+    """The document of an app with ``settings`` serving the core routes plus ``extra_paths``,
+    whose bodies are the msgspec Structs ``extra_types`` (``extra_constraints`` add the rules
+    JSON Schema can state to their generated schemas)."""
+    s = settings
+    op = operation
+    metrics_auth: Auth = "none" if s.metrics_public else "admin"
     paths: dict[str, Any] = {
         "/v1/jobs": {
-            "post": {
-                "summary": "Submit a job",
-                "parameters": [{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string"}}],
-                "requestBody": {"required": True, "content": {"application/json": {"schema": ref("JobSpec")}}},
-                "responses": {
-                    "202": json_response("JobStatus", "created"),
-                    "200": json_response("JobStatus", "a duplicate of an earlier submit with the same idempotency key"),
-                    **AUTH_ERRORS, **SUBMIT_ERRORS,
-                },
-            }
+            "post": op(s, "Submit a job", {
+                "202": json_response("JobStatus", "created", {"Location": header("the job's URL", required=True)}),
+                "200": json_response("JobStatus", "a duplicate of an earlier submit with the same idempotency key", {"Location": header("the job's URL", required=True)}),
+                "400": problem("malformed JSON, or the Idempotency-Key header and the body's idempotency_key differ"),
+                "409": problem("the idempotency key was used for a different request (job_id)"),
+                "410": problem("the idempotency key names a job that is no longer kept (job_id)"),
+                "413": too_large(s, payload_too_large(s)),
+                "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
+                "503": problem("back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable", RETRY_AFTER),
+            }, body="JobSpec", headers=[{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string", "pattern": IDEMPOTENCY_KEY_RE.pattern}}]),
         },
         "/v1/jobs/batch": {
-            "post": {
-                "summary": "Submit up to JOBTIER_MAX_BATCH jobs; one outcome each",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": ref("BatchRequest")}}},
-                "responses": {"200": json_response("BatchResponse", "one result per job, in order"), **AUTH_ERRORS, **SUBMIT_ERRORS},
-            }
+            "post": op(s, f"Submit up to {s.max_batch} jobs (JOBTIER_MAX_BATCH); one outcome each", {
+                "200": json_response("BatchResponse", "one result per job, in order"),
+                "413": too_large(s, payload_too_large(s), f"more than {s.max_batch} jobs (JOBTIER_MAX_BATCH)"),
+                "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
+                "503": problem("back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable", RETRY_AFTER),
+            }, body="BatchBody"),
         },
         "/v1/jobs/{job_id}": {
-            "get": {
-                "summary": "The job's status document",
-                "parameters": [
-                    JOB_ID,
-                    {"name": "If-None-Match", "in": "header", "schema": {"type": "string"}},
-                    {"name": "wait", "in": "query", "description": "long-poll: with If-None-Match, wait up to this many seconds for a newer version", "schema": {"type": "number", "minimum": 0}},
-                ],
-                "responses": {
-                    "200": {**json_response("JobStatus", "the status; ETag is the version"), "headers": {"ETag": {"schema": {"type": "string"}}}},
-                    "304": {"description": "not changed since the version in If-None-Match"},
-                    "400": problem("bad wait"),
-                    "404": problem("unknown job (or another tenant's)"),
-                    **AUTH_ERRORS,
-                },
-            }
+            "get": op(s, "The job's status document", {
+                "200": json_response("JobStatus", "the status", {"ETag": header("the version, quoted", required=True, pattern='^"[0-9]+"$')}),
+                "304": {"description": "not changed since the version in If-None-Match", "headers": {"ETag": header("the version, quoted", required=True, pattern='^"[0-9]+"$')}},
+                "404": problem("unknown job (or another tenant's, or a malformed id)"),
+            }, params=STATUS_PARAMS, path=[JOB_ID], headers=[{"name": "If-None-Match", "in": "header", "schema": {"type": "string"}}]),
         },
         "/v1/jobs/{job_id}/result": {
-            "get": {
-                "summary": "The job's result (null until it succeeds)",
-                "parameters": [JOB_ID],
-                "responses": {"200": json_response("ResultResponse", "state, result and error"), "404": problem("unknown job"), **AUTH_ERRORS},
-            }
+            "get": op(s, "The job's result (null until it succeeds)", {
+                "200": json_response("ResultResponse", "state, result and error"),
+                "404": problem("unknown job (or another tenant's, or a malformed id)"),
+            }, path=[JOB_ID]),
         },
         "/v1/jobs/{job_id}/cancel": {
-            "post": {
-                "summary": "Cancel a waiting job, or ask the worker running it to stop",
-                "parameters": [JOB_ID],
-                "responses": {
-                    "200": json_response("JobStatus", "cancelled, or running with cancel_requested"),
-                    "404": problem("unknown job"),
-                    "409": problem("the job has already finished"),
-                    **AUTH_ERRORS,
-                },
-            }
+            "post": op(s, "Cancel a waiting job, or ask the worker running it to stop", {
+                "200": json_response("JobStatus", "cancelled, or running with cancel_requested"),
+                "404": problem("unknown job (or another tenant's, or a malformed id)"),
+                "409": problem("the job has already finished (job: its status)"),
+            }, path=[JOB_ID]),
         },
         "/v1/jobs/{job_id}/events": {
-            "get": {
-                "summary": "Server-Sent Events: the status, then every change until a terminal state",
-                "parameters": [JOB_ID, {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"}}],
-                "responses": {
-                    "200": {"description": "event: status, id: version, data: the status document", "content": {"text/event-stream": {"schema": {"type": "string"}}}},
-                    "204": {"description": "the client already has the final status"},
-                    "404": problem("unknown job"),
-                    **AUTH_ERRORS,
-                },
-            }
+            "get": op(s, "Server-Sent Events: the status, then every change until a terminal state", {
+                "200": event_stream("event: status, id: the version, data: the status document", "status", ref("JobStatus")),
+                "204": {"description": "Last-Event-ID is the final status: nothing more will come"},
+                "404": problem("unknown job (or another tenant's, or a malformed id)"),
+            }, path=[JOB_ID], headers=[{"name": "Last-Event-ID", "in": "header", "description": "the version the client has (ASCII digits; anything else is ignored)", "schema": {"type": "string"}}]),
         },
         "/v1/admin/dead-letters": {
-            "get": {
-                "summary": "Dead-lettered jobs, newest first",
-                "parameters": [
-                    {"name": "type", "in": "query", "schema": {"type": "string"}},
-                    {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
-                ],
-                "responses": {"200": json_response("DeadLetters", "the jobs"), "400": problem("bad limit"), **ADMIN_ERRORS},
-            }
+            "get": op(s, "Dead-lettered jobs, newest first", {
+                "200": json_response("DeadLetters", "the jobs"),
+            }, auth="admin", params=DEAD_LETTER_PARAMS),
         },
         "/v1/admin/dead-letters/{job_id}/replay": {
-            "post": {
-                "summary": "Send a dead-lettered job back to its queue, attempts reset",
-                "parameters": [JOB_ID],
-                "responses": {"200": json_response("JobStatus", "queued again"), "404": problem("unknown job"), "409": problem("not dead-lettered"), **ADMIN_ERRORS},
-            }
+            "post": op(s, "Send a dead-lettered job back to its queue, attempts reset", {
+                "200": json_response("JobStatus", "queued again"),
+                "404": problem("unknown job (or a malformed id)"),
+                "409": problem("the job is not dead-lettered"),
+            }, auth="admin", path=[JOB_ID]),
         },
         "/v1/admin/dead-letters/replay": {
-            "post": {
-                "summary": "Replay dead-lettered jobs matching a filter",
-                "requestBody": {"content": {"application/json": {"schema": ref("ReplayRequest")}}},
-                "responses": {"200": json_response("Replayed", "the ids replayed"), "422": problem("bad filter"), **ADMIN_ERRORS},
-            }
+            "post": op(s, "Replay dead-lettered jobs matching a filter (no body: all, up to 100)", {
+                "200": json_response("Replayed", "the ids replayed"),
+            }, auth="admin", body="ReplayFilter", body_required=False),
         },
         "/v1/admin/stats": {
-            "get": {
-                "summary": "Queue depth per shard and priority, waiting per tenant, workers, status-tier counters",
-                "responses": {"200": {"description": "statistics", "content": {"application/json": {"schema": {"type": "object"}}}}, **ADMIN_ERRORS},
-            }
+            "get": op(s, "Queue depth per shard and priority, waiting per tenant, workers, status-tier counters", {
+                "200": {"description": "statistics", "content": {"application/json": {"schema": {"type": "object"}}}},
+            }, auth="admin"),
         },
         "/v1/admin/queues": {
-            "get": {
-                "summary": "Every queue: ready jobs by priority, parked, running, paused, limits, oldest age, workers, tasks",
-                "responses": {"200": json_response("QueueList", "the queues"), **ADMIN_ERRORS},
-            }
+            "get": op(s, "Every queue: ready jobs by priority, parked, running, paused, limits, oldest age, workers, tasks", {
+                "200": json_response("QueueList", "the queues"),
+            }, auth="admin"),
         },
         "/v1/admin/queues/{name}/pause": {
-            "post": {
-                "summary": "Pause a queue: submits are accepted, nothing is claimed from it, running jobs finish",
-                "parameters": [QUEUE_NAME],
-                "responses": {"200": json_response("QueuePaused", "paused"), **ADMIN_ERRORS, "422": problem("bad queue name")},
-            }
+            "post": op(s, "Pause a queue: submits are accepted, nothing is claimed from it, running jobs finish", {
+                "200": json_response("QueuePaused", "paused"),
+                "422": problem("a queue name that breaks its pattern"),
+            }, auth="admin", path=[QUEUE_NAME]),
         },
         "/v1/admin/queues/{name}/resume": {
-            "post": {
-                "summary": "Resume a paused queue",
-                "parameters": [QUEUE_NAME],
-                "responses": {"200": json_response("QueuePaused", "resumed"), **ADMIN_ERRORS, "422": problem("bad queue name")},
-            }
+            "post": op(s, "Resume a paused queue", {
+                "200": json_response("QueuePaused", "resumed"),
+                "422": problem("a queue name that breaks its pattern"),
+            }, auth="admin", path=[QUEUE_NAME]),
         },
         "/v1/admin/queues/{name}/limits": {
-            "put": {
-                "summary": "Limit a queue across every worker (global concurrency, starts per period); {} lifts the limits",
-                "parameters": [QUEUE_NAME],
-                "requestBody": {"required": True, "content": {"application/json": {"schema": ref("QueueLimits")}}},
-                "responses": {"200": json_response("QueueLimitsSet", "the limits now in force"), **ADMIN_ERRORS, "400": problem("malformed JSON"), "415": problem("the body is not JSON"), "422": problem("bad queue name or limit")},
-            }
+            "put": op(s, "Limit a queue across every worker (global concurrency, starts per period); {} lifts the limits", {
+                "200": json_response("QueueLimitsSet", "the limits now in force"),
+            }, auth="admin", path=[QUEUE_NAME], body="QueueLimits"),
         },
         "/v1/admin/tasks": {
-            "get": {
-                "summary": "The task catalogue: every task a live or recently seen worker runs, its queue, policies and payload schema",
-                "responses": {"200": json_response("TaskList", "the tasks"), **ADMIN_ERRORS},
-            }
+            "get": op(s, "The task catalogue: every task a live or recently seen worker runs, its queue, policies and payload schema", {
+                "200": json_response("TaskList", "the tasks"),
+            }, auth="admin"),
         },
-        "/healthz": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "alive"}}}},
-        "/readyz": {"get": {"summary": "Readiness: Redis (and Postgres) reachable", "security": [], "responses": {"200": {"description": "ready"}, "503": {"description": "not ready"}}}},
+        "/healthz": {"get": op(s, "Liveness", {"200": json_response("Health", "alive")}, auth="none", backend=False)},
+        "/readyz": {
+            "get": op(s, "Readiness: Redis (and Postgres, its migrations applied) reachable", {
+                "200": json_response("Readiness", "ready"),
+                "503": json_response("Readiness", "not ready: checks says what is wrong"),
+            }, auth="none", backend=False),
+        },
         "/metrics": {
-            "get": {
-                "summary": "Prometheus metrics of every live jobtier process, and queue gauges (admin key unless JOBTIER_METRICS_PUBLIC)",
-                "responses": {"200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}, **ADMIN_ERRORS},
-            }
+            "get": op(s, "Prometheus metrics of every live jobtier process, and queue gauges (admin key unless JOBTIER_METRICS_PUBLIC)", {
+                "200": {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}},
+            }, auth=metrics_auth),
         },
-        "/dashboard": {"get": {"summary": "The live dashboard page (asks for the admin key)", "security": [], "responses": {"200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}}}}},
+        "/dashboard": {
+            "get": op(s, "The live dashboard page (asks for the admin key)", {
+                "200": {"description": "HTML", "content": {"text/html": {"schema": {"type": "string"}}}},
+            }, auth="none", backend=False),
+        },
         "/v1/admin/dashboard/stream": {
-            "get": {
-                "summary": "Server-Sent Events: a dashboard frame a second",
-                "responses": {"200": {"description": "event: frame, data: JSON", "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **ADMIN_ERRORS},
-            }
+            "get": op(s, "Server-Sent Events: a dashboard frame a second", {
+                "200": event_stream("event: frame, data: the dashboard's figures", "frame", {"type": "object"}),
+            }, auth="admin"),
         },
-        "/v1/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {"200": {"description": "OpenAPI 3.1"}}}},
+        "/v1/openapi.json": {
+            "get": op(s, "This document", {
+                "200": {"description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}},
+            }, auth="none", backend=False),
+        },
     }  # fmt: skip
     for path, item in (extra_paths or {}).items():
         paths.setdefault(path, {}).update(item)
+    components = _components(settings, extra_types)
+    for add_rules in extra_constraints:
+        add_rules(components)
     return {
         "openapi": "3.1.0",
-        "info": {"title": "jobtier", "version": "1", "description": "Jobs and their status, served from a sharded Redis write-through cache."},
+        "info": {
+            "title": "jobtier",
+            "version": "1",
+            "description": (
+                "Jobs and their status, served from a sharded Redis write-through cache. Errors "
+                "are problem documents (application/problem+json). A method a path does not "
+                "have is a 405 with Allow. Integers are written without a fraction (3, not "
+                "3.0)."
+            ),
+        },
         "servers": [{"url": "/"}],
-        "security": [{"apiKey": []}],
+        "security": [{"tenantKey": []}],
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "tenantKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "a tenant's API key (JOBTIER_API_KEYS): it sees that tenant's jobs and schedules only",
+                },
+                "adminKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the admin key (JOBTIER_ADMIN_KEY), for the admin routes",
+                },
+            },
         },
-    }  # fmt: skip
+    }
 
 
 async def serve(request: Request) -> Response:
-    return Response(request.state.openapi, media_type="application/json")
+    """The document, with each task the workers advertise (task_schemas.py)."""
+    body = request.state.openapi.render(request.state.catalog.ads())
+    return Response(body, media_type="application/json")
 
 
 routes = [Route("/v1/openapi.json", serve, methods=["GET"])]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -19,16 +18,18 @@ from jobtier.api import openapi as oa
 from jobtier.api import schedules
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import JSON
-from jobtier.api.problems import Problem, not_found
+from jobtier.api.http import JSON, job_id_of, job_not_found
+from jobtier.api.params import Param, parse_query
+from jobtier.api.problems import Problem
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
 from jobtier.model import QUEUE_NAME_RE, JobStatus, State
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
-from jobtier.persist.pg_reader import PgReader, Transition, lag
+from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition, lag
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
 from jobtier.schedules import CronMirror
+from jobtier.worker.registry import TASK_NAME_RE
 
 log = logging.getLogger("jobtier.api")
 
@@ -69,8 +70,9 @@ class PostgresExtension(Extension):
             Route("/v1/jobs/{job_id}/history", history, methods=["GET"]),
             *schedules.routes,
         ]
-        self.openapi_paths = {**OPENAPI_PATHS, **schedules.OPENAPI_PATHS}
+        self.openapi_paths = {**openapi_paths(settings), **schedules.openapi_paths(settings)}
         self.openapi_types = [JobPage, History, *schedules.OPENAPI_TYPES]
+        self.openapi_constraints = [lambda c: schedules.constrain(c, settings)]
         self.status_fallback = self._status_docs
         self.result_fallback = self._result
         self.postgres_ready = self._ready
@@ -142,40 +144,33 @@ class PostgresExtension(Extension):
         return (await self.current_lag())[0]
 
 
-OPENAPI_PATHS: dict[str, Any] = {
-    "/v1/jobs": {
-        "get": {
-            "summary": "The tenant's jobs from Postgres, newest first; says how far behind the write-behind is",
-            "parameters": [
-                {"name": "state", "in": "query", "schema": {"type": "string", "enum": [s.value for s in State]}},
-                {"name": "type", "in": "query", "schema": {"type": "string"}},
-                {"name": "queue", "in": "query", "schema": {"type": "string", "pattern": QUEUE_NAME_RE.pattern}},
-                {"name": "created_after", "in": "query", "schema": {"type": "string", "format": "date-time"}},
-                {"name": "cursor", "in": "query", "schema": {"type": "string"}},
-                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 500}},
-                {"name": "order", "in": "query", "schema": {"type": "string", "enum": ["desc", "asc"]}},
-            ],
-            "responses": {
+def openapi_paths(settings: Settings) -> dict[str, Any]:
+    """The listing and history routes of the OpenAPI document."""
+    s = settings
+    return {
+        "/v1/jobs": {
+            "get": oa.operation(s, "The tenant's jobs from Postgres, newest first; says how far behind the write-behind is", {
                 "200": oa.json_response("JobPage", "a page; next_cursor is null on the last"),
-                "400": oa.problem("bad parameter"),
-                "503": oa.problem("Postgres unavailable"),
-                **oa.AUTH_ERRORS,
-            },
-        }
-    },
-    "/v1/jobs/{job_id}/history": {
-        "get": {
-            "summary": "Every persisted change of the job, oldest first",
-            "parameters": [oa.JOB_ID],
-            "responses": {
-                "200": oa.json_response("History", "the transitions"),
-                "404": oa.problem("unknown job"),
-                "503": oa.problem("Postgres unavailable"),
-                **oa.AUTH_ERRORS,
-            },
-        }
-    },
-}  # fmt: skip
+            }, params=LIST_PARAMS),
+        },
+        "/v1/jobs/{job_id}/history": {
+            "get": oa.operation(s, "Every persisted change of the job, oldest first, and the write-behind lag (a job not yet persisted has an empty history)", {
+                "200": oa.json_response("History", "the transitions persisted so far"),
+                "404": oa.problem("unknown job (or another tenant's, or a malformed id)"),
+            }, path=[oa.JOB_ID]),
+        },
+    }  # fmt: skip
+
+
+LIST_PARAMS = [
+    Param("state", "string", "only jobs in this state", values=[s.value for s in State]),
+    Param("type", "string", "only jobs of this type", max_length=128, pattern=TASK_NAME_RE.pattern),
+    Param("queue", "string", "only jobs of this queue", max_length=64, pattern=QUEUE_NAME_RE.pattern),
+    Param("created_after", "date-time", "only jobs created after this time (ISO 8601)", max_length=40),
+    Param("cursor", "string", "the next_cursor of the previous page", max_length=200, pattern=r"^[A-Za-z0-9_-]+$"),
+    Param("limit", "integer", "most jobs per page (default 50)", minimum=1, maximum=MAX_LIMIT),
+    Param("order", "string", "desc (newest first, the default) or asc", values=["desc", "asc"]),
+]  # fmt: skip
 
 
 def postgres_extension(settings: Settings) -> PostgresExtension:
@@ -191,21 +186,7 @@ async def list_jobs(request: Request) -> Response:
     """The tenant's jobs from Postgres, newest first, keyset-paginated; says how far behind
     the write-behind is (jobs changed within that window may show an older state)."""
     tenant = tenant_of(request)
-    q = request.query_params
-    unknown = set(q) - {"state", "type", "queue", "created_after", "cursor", "limit", "order"}
-    if unknown:
-        raise Problem(400, "bad-request", f"unknown parameters: {', '.join(sorted(unknown))}")
-    limit_raw = q.get("limit", "50")
-    if not limit_raw.isdigit():
-        raise Problem(400, "bad-request", "limit must be an integer", field="limit")
-    created_after: datetime | None = None
-    if "created_after" in q:
-        try:
-            created_after = datetime.fromisoformat(q["created_after"].replace("Z", "+00:00"))
-        except ValueError:
-            raise Problem(
-                400, "bad-request", "created_after must be an ISO-8601 time", field="created_after"
-            ) from None
+    q = parse_query(request, LIST_PARAMS)
     reader: PgReader = request.state.pg_reader
     try:
         jobs, cursor = await reader.list_jobs(
@@ -213,9 +194,9 @@ async def list_jobs(request: Request) -> Response:
             state=q.get("state"),
             type=q.get("type"),
             queue=q.get("queue"),
-            created_after=created_after,
+            created_after=q.get("created_after"),
             cursor=q.get("cursor"),
-            limit=int(limit_raw),
+            limit=q.get("limit", 50),
             order=q.get("order", "desc"),
         )
         page = JobPage(jobs, cursor, await _lag_document(request))
@@ -227,9 +208,11 @@ async def list_jobs(request: Request) -> Response:
 
 
 async def history(request: Request) -> Response:
-    """Every persisted change of one job, oldest first."""
+    """Every persisted change of one job, oldest first, and how far behind the write-behind
+    is: a job Redis holds whose changes are not in Postgres yet (just created) has an empty
+    or short history, not a 404."""
     tenant = tenant_of(request)
-    job_id = request.path_params["job_id"]
+    job_id = job_id_of(request)
     reader: PgReader = request.state.pg_reader
     try:
         transitions = await reader.history(job_id, tenant)
@@ -237,5 +220,8 @@ async def history(request: Request) -> Response:
     except PG_DOWN as exc:
         raise unavailable(exc) from None
     if transitions is None:
-        raise not_found(f"job {job_id}")
+        found = await request.state.reader.get(job_id)
+        if found is None or found[0] != tenant:
+            raise job_not_found(job_id)
+        transitions = []
     return Response(msgspec.json.encode(History(job_id, transitions, lag_doc)), media_type=JSON)

@@ -23,6 +23,8 @@ TITLES = {
     "invalid-json": "Malformed JSON",
     "validation": "Invalid request",
     "payload-too-large": "Request too large",
+    "uri-too-long": "URL too long",
+    "headers-too-large": "Request headers too large",
     "unauthorized": "Missing or unknown API key",
     "forbidden": "Not allowed",
     "not-found": "Not found",

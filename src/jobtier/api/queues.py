@@ -93,7 +93,7 @@ async def set_limits(request: Request) -> Response:
     """PUT the queue's limits (``{}`` lifts them)."""
     require_admin(request)
     name = _name(request)
-    limits: QueueLimits = decode_body(_limits_decoder, await read_json_body(request, 4096))
+    limits: QueueLimits = decode_body(_limits_decoder, await read_json_body(request))
     try:
         await request.state.queue.set_limits(name, limits)
     except InvalidRequest as exc:

@@ -18,12 +18,16 @@ from starlette.routing import Route
 
 from jobtier.api import openapi as oa
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import JSON, decode_body, read_json_body
+from jobtier.api.http import JSON, decode_body, invalid, read_json_body
+from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
 from jobtier.persist.schedule_store import DuplicateName, ScheduleStore
 from jobtier.schedules import (
+    MAX_ATTEMPTS,
+    MAX_INTERVAL,
+    NAME_RE,
     SCHEDULE_ID_RE,
     CronMirror,
     Schedule,
@@ -34,6 +38,7 @@ from jobtier.schedules import (
     to_datetime,
     validate,
 )
+from jobtier.worker.registry import TASK_NAME_RE
 
 _spec_decoder = msgspec.json.Decoder(ScheduleSpec)
 
@@ -78,12 +83,22 @@ async def _with_redis_times(request: Request, schedules: list[Schedule]) -> list
     return out
 
 
+LIST_PARAMS = [
+    Param(
+        "after",
+        "string",
+        "the next_after of the previous page",
+        max_length=100,
+        pattern=NAME_RE.pattern,
+    ),
+    Param("limit", "integer", "most schedules per page (default 100)", minimum=1, maximum=1000),
+]
+
+
 async def create(request: Request) -> Response:
     tenant = tenant_of(request)
     settings: Settings = request.state.settings
-    spec: ScheduleSpec = decode_body(
-        _spec_decoder, await read_json_body(request, request.state.body_limit)
-    )
+    spec: ScheduleSpec = decode_body(_spec_decoder, await read_json_body(request))
     try:
         payload = validate(spec, settings.min_schedule_interval, settings.max_payload_bytes)
         # its jobs' queue and attempts: the spec's, else the task's (as its workers advertise)
@@ -91,7 +106,7 @@ async def create(request: Request) -> Response:
             spec.type, spec.queue, spec.max_attempts, spec.payload
         )
     except InvalidRequest as exc:
-        raise Problem(422, "validation", str(exc), field=exc.field) from None
+        raise invalid(exc) from None
     created = now_ms()
     schedule = Schedule(
         id=new_schedule_id(), tenant=tenant, name=spec.name, type=spec.type, payload=spec.payload,
@@ -120,11 +135,9 @@ async def create(request: Request) -> Response:
 
 async def list_schedules(request: Request) -> Response:
     tenant = tenant_of(request)
-    after = request.query_params.get("after", "")
-    limit_raw = request.query_params.get("limit", "100")
-    if not limit_raw.isdigit() or not 1 <= int(limit_raw) <= 1000:
-        raise Problem(400, "bad-request", "limit must be between 1 and 1000", field="limit")
-    limit = int(limit_raw)
+    query = parse_query(request, LIST_PARAMS)
+    after: str = query.get("after", "")
+    limit: int = query.get("limit", 100)
     schedules = await _with_redis_times(
         request, await _store(request).for_tenant(tenant, after, limit)
     )
@@ -191,44 +204,54 @@ _SCHEDULE_ID = {
     "name": "schedule_id",
     "in": "path",
     "required": True,
+    "description": "a schedule id (a malformed or unknown one is a 404)",
     "schema": {"type": "string", "pattern": SCHEDULE_ID_RE.pattern},
 }
-_ERRORS: dict[str, Any] = {
-    "404": oa.problem("unknown schedule (or another tenant's)"),
-    "503": oa.problem("Postgres unavailable"),
-    **oa.AUTH_ERRORS,
-}
-OPENAPI_PATHS: dict[str, Any] = {
-    "/v1/schedules": {
-        "post": {
-            "summary": "Create a recurring schedule (cron in a time zone, or a fixed interval)",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": oa.ref("ScheduleSpec")}}},
-            "responses": {
+_NOT_FOUND = oa.problem("unknown schedule (or another tenant's, or a malformed id)")
+
+
+def openapi_paths(settings: Settings) -> dict[str, Any]:
+    """The schedule routes of the OpenAPI document."""
+    s = settings
+    op = oa.operation
+    return {
+        "/v1/schedules": {
+            "post": op(s, "Create a recurring schedule (cron in a time zone, or a fixed interval)", {
                 "201": oa.json_response("Schedule", "created"),
-                "400": oa.problem("malformed JSON"),
                 "409": oa.problem("the tenant has a schedule of this name"),
-                "422": oa.problem("bad cron expression, time zone, interval, …"),
-                **oa.AUTH_ERRORS,
-            },
+                "413": oa.too_large(s, oa.payload_too_large(s)),
+            }, body="ScheduleSpec"),
+            "get": op(s, "The tenant's schedules by name", {
+                "200": oa.json_response("ScheduleList", "a page; next_after is null on the last"),
+            }, params=LIST_PARAMS),
         },
-        "get": {
-            "summary": "The tenant's schedules by name",
-            "parameters": [
-                {"name": "after", "in": "query", "schema": {"type": "string"}},
-                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
-            ],
-            "responses": {"200": oa.json_response("ScheduleList", "a page"), "400": oa.problem("bad limit"), **oa.AUTH_ERRORS},
+        "/v1/schedules/{schedule_id}": {
+            "get": op(s, "One schedule", {"200": oa.json_response("Schedule", "the schedule"), "404": _NOT_FOUND}, path=[_SCHEDULE_ID]),
+            "delete": op(s, "Delete a schedule: it fires no more", {"204": {"description": "deleted"}, "404": _NOT_FOUND}, path=[_SCHEDULE_ID]),
         },
-    },
-    "/v1/schedules/{schedule_id}": {
-        "get": {"summary": "One schedule", "parameters": [_SCHEDULE_ID], "responses": {"200": oa.json_response("Schedule", "the schedule"), **_ERRORS}},
-        "delete": {"summary": "Delete a schedule: it fires no more", "parameters": [_SCHEDULE_ID], "responses": {"204": {"description": "deleted"}, **_ERRORS}},
-    },
-    "/v1/schedules/{schedule_id}/pause": {
-        "post": {"summary": "Pause: no firing until resumed", "parameters": [_SCHEDULE_ID], "responses": {"200": oa.json_response("Schedule", "paused"), **_ERRORS}},
-    },
-    "/v1/schedules/{schedule_id}/resume": {
-        "post": {"summary": "Resume from the next slot (the paused time is not caught up)", "parameters": [_SCHEDULE_ID], "responses": {"200": oa.json_response("Schedule", "resumed"), **_ERRORS}},
-    },
-}  # fmt: skip
+        "/v1/schedules/{schedule_id}/pause": {
+            "post": op(s, "Pause: no firing until resumed", {"200": oa.json_response("Schedule", "paused"), "404": _NOT_FOUND}, path=[_SCHEDULE_ID]),
+        },
+        "/v1/schedules/{schedule_id}/resume": {
+            "post": op(s, "Resume from the next slot (the paused time is not caught up)", {"200": oa.json_response("Schedule", "resumed"), "404": _NOT_FOUND}, path=[_SCHEDULE_ID]),
+        },
+    }  # fmt: skip
+
+
+def constrain(components: dict[str, Any], settings: Settings) -> None:
+    """The rules ``validate`` checks that JSON Schema can state, on the generated schema."""
+    c = components
+    oa.constrain(c, "ScheduleSpec", "name", pattern=NAME_RE.pattern)
+    oa.constrain(c, "ScheduleSpec", "type", pattern=TASK_NAME_RE.pattern)
+    oa.constrain(c, "ScheduleSpec", "max_attempts", minimum=1, maximum=MAX_ATTEMPTS)
+    oa.constrain(
+        c, "ScheduleSpec", "interval", minimum=settings.min_schedule_interval, maximum=MAX_INTERVAL
+    )
+    c["ScheduleSpec"]["description"] = (
+        "A schedule as a client defines it: exactly one of cron (five fields) and interval "
+        "(seconds, from JOBTIER_MIN_SCHEDULE_INTERVAL); timezone an IANA name; payload at "
+        f"most {settings.max_payload_bytes} bytes (JOBTIER_MAX_PAYLOAD_BYTES)."
+    )
+
+
 OPENAPI_TYPES: list[type] = [ScheduleSpec, Schedule, ScheduleList]

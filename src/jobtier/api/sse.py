@@ -22,9 +22,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from jobtier.api.auth import tenant_of
-from jobtier.api.http import TERMINAL_STATES, doc_state
-from jobtier.api.problems import not_found
+from jobtier.api.auth import raw_header, tenant_of
+from jobtier.api.http import TERMINAL_STATES, doc_state, job_id_of, job_not_found
 from jobtier.cache.redis_reader import RESYNC, StatusReader
 
 PENDING = 16
@@ -151,13 +150,15 @@ async def _until_disconnect(receive: Receive) -> None:
 
 
 def _last_event_id(request: Request) -> int:
-    raw = request.headers.get("last-event-id", "")
+    """The version the client has, from ``Last-Event-ID``; 0 (send the current status) for
+    none or anything but ASCII digits (bytes.isdigit is ASCII-only, unlike str.isdigit)."""
+    raw = raw_header(request, b"last-event-id") or b""
     return int(raw) if raw.isdigit() and len(raw) < 19 else 0
 
 
 async def events(request: Request) -> Response:
     tenant = tenant_of(request)
-    job_id: str = request.path_params["job_id"]
+    job_id = job_id_of(request)
     reader: StatusReader = request.state.reader
     mailbox = Mailbox()
     # listen before reading: a change between the read and the registration is not lost
@@ -165,7 +166,7 @@ async def events(request: Request) -> Response:
     try:
         found = await reader.get(job_id)
         if found is None or found[0] != tenant:
-            raise not_found(f"job {job_id}")
+            raise job_not_found(job_id)
     except BaseException:
         reader.remove_listener(job_id, mailbox.offer)
         raise

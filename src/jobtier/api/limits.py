@@ -1,0 +1,96 @@
+"""Limits the app enforces on every request, each answered with a problem document.
+
+URL and header sizes: the HTTP servers have limits of their own, and answer past them by
+themselves, before the app sees the request and without a problem document (measured:
+granian answers a 70 KB URL with an empty 414 and 120 headers with an empty 431; uvicorn's
+h11 a plain-text 400 for a request head it must buffer past 16 KiB). The app's limits are
+set below those, so a request that is too large is refused here, as a problem document, in
+every case the server lets through (README, "HTTP API").
+
+JSON nesting: a decoder recursing through a body nested a thousand deep raises
+``RecursionError``; ``check_depth`` refuses such a body first, with the limit in the answer.
+"""
+
+from __future__ import annotations
+
+import re
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from jobtier.api.problems import Problem
+
+MAX_URL_BYTES = 4096
+"""Path plus query string, as sent (percent-encoded)."""
+MAX_HEADER_BYTES = 8192
+"""All header names and values together."""
+MAX_HEADERS = 64
+MAX_JSON_DEPTH = 64
+"""Arrays and objects inside one another in a request body (the job's payload included)."""
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_LEAF = re.compile(rb"\[\]|\{\}")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class RequestLimits:
+    """ASGI middleware: a URL or headers over the app's limits get a 414 or 431 problem
+    before the router runs. It sits inside ``jobs.StatusFastPath``, which passes a request
+    over the limits on to it."""
+
+    __slots__ = ("app",)
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            problem = too_large(scope)
+            if problem is not None:
+                await problem.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def too_large(scope: Scope) -> Problem | None:
+    """The 414/431 problem for a request over the app's limits, or None."""
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    url = len(raw_path) + len(scope["query_string"])
+    if url > MAX_URL_BYTES:
+        return Problem(414, "uri-too-long", f"the URL is {url} bytes; the limit is {MAX_URL_BYTES}")
+    headers = scope["headers"]
+    if len(headers) > MAX_HEADERS:
+        return Problem(
+            431, "headers-too-large",
+            f"the request has {len(headers)} headers; the limit is {MAX_HEADERS}",
+        )  # fmt: skip
+    size = sum(len(name) + len(value) for name, value in headers)
+    if size > MAX_HEADER_BYTES:
+        return Problem(
+            431, "headers-too-large",
+            f"the headers are {size} bytes; the limit is {MAX_HEADER_BYTES}",
+        )  # fmt: skip
+    return None
+
+
+def check_depth(body: bytes) -> None:
+    """A 422 problem if ``body`` nests arrays and objects deeper than ``MAX_JSON_DEPTH``.
+
+    Cheap for the usual body: with no more brackets than the limit it cannot be too deep.
+    Otherwise the strings are dropped, then the brackets alone are peeled one level a pass
+    (every innermost ``[]``/``{}`` at once): a body still not empty after ``MAX_JSON_DEPTH``
+    passes is too deep. Malformed JSON that stops peeling early is left to the decoder.
+    """
+    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
+    for _ in range(MAX_JSON_DEPTH):
+        peeled = _LEAF.sub(b"", brackets)
+        if not peeled or len(peeled) == len(brackets):
+            return  # within the limit, or not JSON (the decoder says so)
+        brackets = peeled
+    raise Problem(
+        422,
+        "validation",
+        f"the body nests arrays and objects deeper than the limit of {MAX_JSON_DEPTH} levels",
+        limit=MAX_JSON_DEPTH,
+    )
