@@ -43,12 +43,16 @@ from jobtier.cache.redis_reader import parse_version
 from jobtier.config import Settings
 from jobtier.dev.redis import wait_port
 from jobtier.keys import Keys
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec
+from jobtier.queue import Queue
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from common import drop_ready  # noqa: E402  (bench/ is not a package)
+
 TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_KB = os.sysconf("SC_PAGE_SIZE") // 1024
 
@@ -484,8 +488,7 @@ def churn(
         # worker starts on its own jobs (bench cleanup only; the hashes remain readable)
         r = redis.Redis.from_url(url)
         keys = Keys("jt", SHARDS)
-        for s in range(SHARDS):
-            r.delete(*keys.queues(s))
+        drop_ready(r, keys)
         r.close()
 
 

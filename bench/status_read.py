@@ -69,7 +69,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, header_markdown, local_redis, median, save, table
+from common import drop_ready, environment, header_markdown, local_redis, median, save, table
 from common import fmt as _fmt
 from common_http import (
     HOT,
@@ -585,8 +585,7 @@ def submit_runs(
             api.stop()
         # each run adds ~100K queued jobs that nobody claims: keep Redis lean between runs
         with contextlib.closing(redis.Redis.from_url(url)) as r:
-            for s in range(SHARDS):
-                r.delete(*Keys("jt", SHARDS).queues(s))
+            drop_ready(r, Keys("jt", SHARDS))
     return rows
 
 

@@ -6,6 +6,8 @@ import asyncio
 import time
 from typing import Any
 
+import msgspec
+
 from jobtier import demo
 from jobtier.errors import Retry
 from jobtier.worker.context import JobContext
@@ -87,3 +89,19 @@ async def wait_for_cancel(ctx: JobContext, payload: Any) -> str:
 
 
 registry.add(wait_for_cancel)
+
+
+class Thumbnail(msgspec.Struct):
+    """A typed payload: the worker decodes into it; its schema is in the catalogue."""
+
+    url: str
+    width: int = 128
+
+
+@task(queue="images", retries=4)
+async def thumbnail(ctx: JobContext, payload: Thumbnail) -> dict[str, Any]:
+    assert isinstance(payload, Thumbnail)
+    return {"url": payload.url, "width": payload.width}
+
+
+registry.add(thumbnail)

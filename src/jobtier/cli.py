@@ -100,6 +100,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
             worker = Worker(
                 queue,
                 registry,
+                queues=args.queues,
                 concurrency=args.concurrency,
                 burst=args.burst,
                 name=args.name,
@@ -387,6 +388,19 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
 
 
 # --- parser ---------------------------------------------------------------------------------
+def _queue_list(text: str) -> list[str]:
+    from jobtier.model import QUEUE_NAME_RE
+
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    bad = [name for name in names if not QUEUE_NAME_RE.fullmatch(name)]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"queue names must match {QUEUE_NAME_RE.pattern}, separated by commas"
+            + (f" (not {', '.join(map(repr, bad))})" if bad else "")
+        )
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jobtier",
@@ -450,12 +464,21 @@ def build_parser() -> argparse.ArgumentParser:
         "worker",
         help="run tasks",
         description="Claim jobs and run them with the tasks of MODULE (every @task in it) or "
-        "MODULE:ATTR (a TaskRegistry, a Task or a list of Tasks). SIGTERM (or SIGINT, SIGHUP) "
-        "stops claiming at once, lets running jobs finish until --grace seconds after it, then "
-        "cancels and releases the rest to their queues (no attempt used); a second signal "
-        "releases them at once.",
+        "MODULE:ATTR (a TaskRegistry, a Task or a list of Tasks). It serves the queues of its "
+        "tasks (@task(queue=...); 'default' for those that name none) unless --queues says "
+        "otherwise, and never runs a job whose task it lacks: such a job is handed back, "
+        "untouched, to a worker that has it. SIGTERM (or SIGINT, SIGHUP) stops claiming at "
+        "once, lets running jobs finish until --grace seconds after it, then cancels and "
+        "releases the rest to their queues (no attempt used); a second signal releases them "
+        "at once.",
     )
     p.add_argument("tasks", metavar="MODULE[:ATTR]", help="where the tasks are, e.g. myapp.tasks")
+    p.add_argument(
+        "--queues",
+        "-q",
+        type=_queue_list,
+        help="comma-separated queues to serve, in turn (default: the queues of its tasks)",
+    )
     p.add_argument(
         "--concurrency", "-c", type=int, default=50, help="jobs run at once (default: 50)"
     )

@@ -44,6 +44,15 @@ class Settings:
 
     # --- Jobs ------------------------------------------------------------------------------
     default_max_attempts: int = _setting(3, "Attempts for a job whose submit and task name none.")
+    require_known_types: bool = _setting(
+        True,
+        "Refuse (422) a submit whose type no live or recently seen worker runs; 0 accepts jobs "
+        "before their workers start.",
+    )
+    task_catalog_ttl: int = _setting(
+        86400,
+        "Seconds a worker's advertised task counts as known after its last heartbeat.",
+    )
     lease_seconds: float = _setting(
         30.0, "A claimed job's lease; a worker heartbeats every third of it."
     )

@@ -76,6 +76,18 @@ class Overloaded(JobtierError):
         self.retry_after = retry_after
 
 
+class RateLimited(JobtierError):
+    """Raised by a task when a downstream service said "slow down": the job runs again after
+    ``retry_after`` seconds without using an attempt, and its queue starts no job before then
+    (on every worker)."""
+
+    def __init__(self, message: str = "rate limited", *, retry_after: float) -> None:
+        super().__init__(message)
+        if not retry_after >= 0:
+            raise ValueError("retry_after must be a non-negative number of seconds")
+        self.retry_after = retry_after
+
+
 class Retry(JobtierError):
     """Raised by a task to ask for a retry, optionally after a specific delay (seconds)."""
 

@@ -7,21 +7,41 @@ one shard and Redis Cluster places whole shards on nodes by itself.
 Per shard::
 
     jt:{s}:job:<id>          hash   the job record, including its rendered status document
-    jt:{s}:q:<priority>      list   ready queue per priority (LPUSH new, RPOP oldest: FIFO)
+    jt:{s}:q:<queue>:<priority>:<tenant>
+                             list   ready jobs (LPUSH new, RPOP oldest: FIFO)
+    jt:{s}:ring:<queue>:<priority>
+                             list   the tenants with ready jobs there, in claim rotation
+    jt:{s}:queues            hash   per queue q: "q:<priority>" ready jobs, "q:running",
+                                    "q:paused" ("1"), "q:wrr" (the priority rotation cursor)
+    jt:{s}:park:<queue>:<type> list jobs handed back by a worker that cannot run them
+    jt:{s}:parked            hash   "<queue>:<type>" -> jobs parked there
+    jt:{s}:limit:<queue>     hash   a limited queue's limits and rate bucket (home shard)
+    jt:{s}:permits:<queue>   zset   the permits held for it, by lease deadline (home shard)
+    jt:{s}:starts:<queue>    zset   its permits granted in the last rate period (home shard)
+    jt:{s}:ck:<tenant>:<key> list   jobs held behind their concurrency key (oldest first)
+    jt:{s}:ckeys             hash   "<tenant>:<key>" -> its jobs ready or running, and
+                                    "<tenant>:<key>:limit"
     jt:{s}:sched             zset   scheduled jobs by run-at (ms)
     jt:{s}:active            zset   running jobs by lease deadline (ms)
     jt:{s}:dead              zset   failed jobs (the dead-letter set) by failure time (ms)
     jt:{s}:idem:<tenant>:<k> string idempotency record: "<job id> <request hash>"
     jt:{s}:waiting           hash   tenant -> queued+scheduled jobs in this shard
-    jt:{s}:wrr               string claim cursor of the weighted priority rotation
+    jt:{s}:wrr               string before named queues: the priority rotation (upgrade.lua
+                                    moves the old ready lists, jt:{s}:q:<priority>, then
+                                    deletes it)
     jt:{s}:cron              zset   recurring schedules of this shard by next fire time (ms)
     jt:{s}:cron:<id>         hash   a schedule: "def" (JSON), "next", "last" (ms), "paused"
     jt:{s}:log               stream every transition, read by the persister (write-behind)
     jt:{s}:log:refused       stream log entries Postgres refused for their data, parked
     jt:{s}:ev                shard channel: "<id> <version> <tenant>\\n<status document>"
-    jt:{s}:wake              shard channel: "q" (a queue became non-empty), "s <ms>" (an
+    jt:{s}:wake              shard channel: "q <queue>" (a queue had no ready job and
+                             now has some, or parked ones), "l <queue>" (permits of a
+                             limited queue came free), "s <ms>" (an
                              earlier run-at to wake the scheduler for) or "c <ms>" (a
                              schedule's next firing)
+
+Before named queues, ready jobs waited in ``jt:{s}:q:<priority>`` with the rotation cursor in
+``jt:{s}:wrr``; ``lua/upgrade.lua`` moves them into the layout above (schedulers run it).
 
 Job ids are ``<ULID>-<shard>``: time-ordered, and any process routes them without a lookup.
 """
@@ -32,8 +52,6 @@ import os
 import re
 import time
 import zlib
-
-from jobtier.model import PRIORITIES
 
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 JOB_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}-(0|[1-9][0-9]{0,3})$")
@@ -98,11 +116,40 @@ class Keys:
     def job_in(self, shard: int, job_id: str) -> str:
         return f"{self._bases[shard]}job:{job_id}"
 
-    def queue(self, shard: int, priority: str) -> str:
-        return f"{self._bases[shard]}q:{priority}"
+    def ready(self, shard: int, queue: str, priority: str, tenant: str) -> str:
+        return f"{self._bases[shard]}q:{queue}:{priority}:{tenant}"
 
-    def queues(self, shard: int) -> list[str]:
-        return [self.queue(shard, p) for p in PRIORITIES]
+    def ring(self, shard: int, queue: str, priority: str) -> str:
+        return f"{self._bases[shard]}ring:{queue}:{priority}"
+
+    def queue_counts(self, shard: int) -> str:
+        """hash: per queue, ready jobs by priority, running jobs, paused flag, cursor."""
+        return self._bases[shard] + "queues"
+
+    def park(self, shard: int, queue: str, type: str) -> str:
+        return f"{self._bases[shard]}park:{queue}:{type}"
+
+    def parked(self, shard: int) -> str:
+        return self._bases[shard] + "parked"
+
+    def home(self, queue: str) -> int:
+        """The shard that keeps a queue's limits and permits (limit.lua)."""
+        return self.shard_for("\x01queue", queue)
+
+    def limit(self, queue: str) -> str:
+        return f"{self._bases[self.home(queue)]}limit:{queue}"
+
+    def permits(self, queue: str) -> str:
+        return f"{self._bases[self.home(queue)]}permits:{queue}"
+
+    def starts(self, queue: str) -> str:
+        return f"{self._bases[self.home(queue)]}starts:{queue}"
+
+    def ck(self, shard: int, tenant: str, key: str) -> str:
+        return f"{self._bases[shard]}ck:{tenant}:{key}"
+
+    def ckeys(self, shard: int) -> str:
+        return self._bases[shard] + "ckeys"
 
     def sched(self, shard: int) -> str:
         return self._bases[shard] + "sched"
@@ -139,6 +186,15 @@ class Keys:
     def workers(self) -> str:
         """hash worker id -> JSON heartbeat (tasks, concurrency, in-flight, last seen)."""
         return f"{self.prefix}:workers"
+
+    def tasks(self) -> str:
+        """hash task type -> JSON advert (queue, policies, payload schema): catalog.py."""
+        return f"{self.prefix}:tasks"
+
+    def queue_limits(self) -> str:
+        """hash queue -> JSON limits (concurrency, rate, period): the catalogue workers read
+        to know which of their queues need permits; limit.lua holds the values it enforces."""
+        return f"{self.prefix}:queues"
 
     def metrics(self) -> str:
         """hash process id -> JSON metrics snapshot (see metrics.py)."""

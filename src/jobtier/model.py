@@ -8,9 +8,11 @@ the rendered document has exactly the Struct's fields.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -41,6 +43,10 @@ class Priority(StrEnum):
 
 PRIORITIES: tuple[Priority, ...] = tuple(Priority)
 
+DEFAULT_QUEUE = "default"
+# a queue name is part of Redis keys (jt:{s}:q:<queue>:<priority>:<tenant>): no ':' in it
+QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
 
 class JobError(msgspec.Struct, frozen=True):
     type: str
@@ -68,6 +74,7 @@ class JobStatus(msgspec.Struct, frozen=True):
     error: JobError | None = None
     cancel_requested: bool = False
     worker: str | None = None
+    queue: str = DEFAULT_QUEUE
 
     @property
     def terminal(self) -> bool:
@@ -75,7 +82,12 @@ class JobStatus(msgspec.Struct, frozen=True):
 
 
 class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One job to submit (the body of ``POST /v1/jobs``)."""
+    """One job to submit (the body of ``POST /v1/jobs``).
+
+    ``queue`` defaults to the queue of the task (as its workers advertise it), else
+    ``default``. ``concurrency_key``: at most ``concurrency_limit`` (default 1) jobs of the
+    same key (per tenant) are ready or running at once; the others wait their turn.
+    """
 
     type: str
     payload: Any = None
@@ -84,6 +96,80 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     delay: float | None = None
     max_attempts: int | None = None
     idempotency_key: str | None = None
+    queue: str | None = None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
+
+
+class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A queue's flow limits across every worker: at most ``concurrency`` of its jobs running
+    at once; at most ``rate`` job starts per ``per`` seconds. None: no such limit."""
+
+    concurrency: int | None = None
+    rate: int | None = None
+    per: float = 1.0
+
+    @property
+    def limited(self) -> bool:
+        return self.concurrency is not None or self.rate is not None
+
+
+class Backoff(msgspec.Struct, frozen=True):
+    base: float
+    factor: float
+    cap: float
+    jitter: float
+
+
+class TaskAd(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker advertises of one of its tasks."""
+
+    type: str
+    queue: str
+    max_attempts: int
+    backoff: Backoff
+    timeout: float | None = None
+    non_retryable: list[str] = []
+    payload_schema: dict[str, Any] | None = None
+    seen_at: float = 0.0
+    worker: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInfo:
+    """What a submit needs to know of a task: its queue, its attempts, and a payload check."""
+
+    queue: str
+    max_attempts: int
+    check: Any = None  # callable(payload) raising InvalidRequest, or None
+
+    def validate(self, payload: Any) -> None:
+        if self.check is not None:
+            self.check(payload)
+
+
+class TaskLookup(Protocol):
+    """A source of TaskInfo: the in-process TaskRegistry, or the catalogue."""
+
+    def info(self, type: str) -> TaskInfo | None: ...
+
+    def names(self) -> list[str]: ...
+
+
+class QueueInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One queue as ``GET /v1/admin/queues`` shows it."""
+
+    name: str
+    queued: dict[str, int]  # ready jobs by priority
+    queued_total: int
+    parked: int  # handed back by workers that lack their task, waiting for one that has it
+    running: int
+    paused: bool
+    limits: QueueLimits | None = None
+    blocked_until: float | None = None  # Unix time: a task raised RateLimited
+    oldest_queued_age_seconds: float | None = None
+    workers: int = 0  # live workers serving it
+    tasks: list[str] = []  # task types the workers advertise for it
 
 
 class ClaimedJob(msgspec.Struct, frozen=True):
@@ -97,6 +183,7 @@ class ClaimedJob(msgspec.Struct, frozen=True):
     lease_version: int
     queued_at_ms: int
     claimed_at_ms: int
+    queue: str = DEFAULT_QUEUE
 
 
 json_encoder = msgspec.json.Encoder()

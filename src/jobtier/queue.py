@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -31,13 +31,28 @@ from jobtier.errors import (
     UnknownTask,
 )
 from jobtier.keys import Keys
-from jobtier.model import PRIORITIES, JobSpec, JobStatus, Priority, decode_status, encode_json
+from jobtier.model import (
+    DEFAULT_QUEUE,
+    PRIORITIES,
+    QUEUE_NAME_RE,
+    JobSpec,
+    JobStatus,
+    Priority,
+    QueueLimits,
+    TaskLookup,
+    decode_status,
+    encode_json,
+)
 from jobtier.scripts import Scripts, SubmitItem, SubmitOutcome
-from jobtier.worker.registry import TASK_NAME_RE, Task, TaskRegistry
+from jobtier.worker.registry import TASK_NAME_RE, Task
 
+_limits_decoder = msgspec.json.Decoder(QueueLimits)
 TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 IDEMPOTENCY_KEY_RE = re.compile(r"^[\x21-\x7e]{1,200}$")  # printable ASCII, no spaces
 MAX_ATTEMPTS_LIMIT = 100
+MAX_CONCURRENCY_LIMIT = 10_000
+WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease (10 s)
+WORKER_FORGET_SECONDS = 900.0  # the entry of a worker gone this long is deleted
 DEFAULT_TENANT = "default"
 
 
@@ -65,17 +80,22 @@ class Queue:
         self,
         settings: Settings,
         redis: RedisClient,
-        registry: TaskRegistry | None = None,
+        registry: TaskLookup | None = None,
+        *,
+        require_known: bool = True,
     ) -> None:
         self.settings = settings
         self.redis = redis
         self.keys = Keys(settings.prefix, settings.shards)
         self.scripts = Scripts(redis, self.keys)
+        # where submits find a task's queue, attempts and payload check: the tasks this
+        # process imports (a TaskRegistry), or what the workers advertise (catalog.py)
         self.registry = registry
+        self.require_known = require_known  # refuse a type the registry does not know
 
     @classmethod
     async def connect(
-        cls, settings: Settings, registry: TaskRegistry | None = None, *, check: bool = True
+        cls, settings: Settings, registry: TaskLookup | None = None, *, check: bool = True
     ) -> Queue:
         """Connect, check that Redis is fit (non-evicting, AOF) and load the scripts."""
         queue = cls(settings, connect(settings), registry)
@@ -109,11 +129,18 @@ class Queue:
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         tenant: str = DEFAULT_TENANT,
+        queue: str | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
         returns the original job (``created`` False); with a different one it raises
-        ``IdempotencyConflict``."""
+        ``IdempotencyConflict``. Given a ``Task``, its queue and attempts are the defaults."""
         if isinstance(type, Task):
+            if queue is None:
+                queue = type.queue
+            if max_attempts is None:
+                max_attempts = type.max_attempts
             type = type.name
         when: datetime | None
         if isinstance(run_at, bool):
@@ -130,6 +157,9 @@ class Queue:
             delay=delay,
             max_attempts=max_attempts,
             idempotency_key=idempotency_key,
+            queue=queue,
+            concurrency_key=concurrency_key,
+            concurrency_limit=concurrency_limit,
         )
         (result,) = await self.submit_many([spec], tenant=tenant)
         if isinstance(result, Exception):
@@ -146,6 +176,7 @@ class Queue:
         """
         if len(specs) > self.settings.max_batch:
             raise InvalidRequest(f"at most {self.settings.max_batch} jobs per batch", field="jobs")
+        await self.ensure_known(spec.type for spec in specs)
         items = []
         for index, spec in enumerate(specs):
             try:
@@ -170,6 +201,26 @@ class Queue:
                 results.append(Submitted(outcome.job_id, outcome.doc, created))
         return results
 
+    async def ensure_known(self, types: Iterable[Any]) -> None:
+        """Before ``prepare``: let the catalogue (catalog.py) look again for types it does not
+        know yet (a worker that just started). A no-op for an in-process TaskRegistry."""
+        ensure = getattr(self.registry, "ensure", None)
+        if ensure is not None:
+            await ensure({t for t in types if isinstance(t, str)})
+
+    async def task_defaults(
+        self, type: str, queue: str | None, max_attempts: int | None, payload: Any = None
+    ) -> tuple[str, int]:
+        """(queue, attempts) for jobs of ``type`` (a schedule's): those given, else the task's,
+        else the defaults; ``InvalidRequest`` for a type the registry does not know (when it
+        must) or a payload that does not fit the task's."""
+        await self.ensure_known((type,))
+        item = self.prepare(
+            JobSpec(type=type, payload=payload, queue=queue, max_attempts=max_attempts),
+            DEFAULT_TENANT,
+        )
+        return item.queue, item.max_attempts
+
     def prepare(self, spec: JobSpec, tenant: str, job_id: str | None = None) -> SubmitItem:
         """Validate one job and turn it into the submit script's arguments."""
         s = self.settings
@@ -179,12 +230,15 @@ class Queue:
             raise InvalidRequest(
                 f"type {str(spec.type)[:140]!r} must match {TASK_NAME_RE.pattern}", field="type"
             )
-        task = None
-        if self.registry is not None:
-            task = self.registry.get(spec.type)
-            if task is None:
-                known = ", ".join(self.registry.names()[:20])
-                raise UnknownTask(f"unknown task {spec.type!r} (known: {known})", field="type")
+        task = self.registry.info(spec.type) if self.registry is not None else None
+        if task is None and self.registry is not None and self.require_known:
+            names = self.registry.names()
+            known = ", ".join(names[:20]) + (", …" if len(names) > 20 else "") or "none"
+            raise UnknownTask(
+                f"no worker runs task {spec.type!r} (known: {known}); start a worker that has "
+                "it, or set JOBTIER_REQUIRE_KNOWN_TYPES=0 to accept jobs before their workers",
+                field="type",
+            )
         if spec.priority not in PRIORITIES:
             raise InvalidRequest(
                 f"priority {str(spec.priority)[:40]!r} is not one of {', '.join(PRIORITIES)}",
@@ -200,6 +254,8 @@ class Queue:
                 "(JOBTIER_MAX_PAYLOAD_BYTES)",
                 field="payload",
             )
+        if task is not None:
+            task.validate(spec.payload)  # its annotated payload type, when it has one
         max_attempts = spec.max_attempts
         if max_attempts is None:
             max_attempts = task.max_attempts if task else s.default_max_attempts
@@ -214,16 +270,49 @@ class Queue:
                 "idempotency_key must be 1-200 printable ASCII characters without spaces",
                 field="idempotency_key",
             )
+        queue = spec.queue
+        if queue is None:
+            queue = task.queue if task else DEFAULT_QUEUE
+        elif not isinstance(queue, str) or not QUEUE_NAME_RE.fullmatch(queue):
+            raise InvalidRequest(
+                f"queue {str(queue)[:70]!r} must match {QUEUE_NAME_RE.pattern}", field="queue"
+            )
+        ckey, climit = self._concurrency(spec)
         if job_id is None:
-            shard = self.keys.shard_for(tenant, key) if key else None
+            # A job with a concurrency key lives in the key's shard: the key's count and its
+            # waiting jobs must be in the one shard its scripts touch. Its idempotency record
+            # lives there too (with both, the idempotency key is scoped to the concurrency key).
+            if ckey:
+                shard: int | None = self.keys.shard_for(tenant, "\x01ck", ckey)
+            else:
+                shard = self.keys.shard_for(tenant, key) if key else None
             job_id = self.keys.new_id(shard)
         request_hash = hashlib.blake2b(
             spec.type.encode() + b"\x00" + payload, digest_size=16
         ).hexdigest()
         return SubmitItem(
             job_id, tenant, spec.type, spec.priority, payload, max_attempts,
-            run_at_ms, delay_ms, key, request_hash,
+            run_at_ms, delay_ms, key, request_hash, queue, ckey, climit,
         )  # fmt: skip
+
+    @staticmethod
+    def _concurrency(spec: JobSpec) -> tuple[str, int]:
+        key, limit = spec.concurrency_key, spec.concurrency_limit
+        if limit is not None and (
+            isinstance(limit, bool) or not 1 <= limit <= MAX_CONCURRENCY_LIMIT
+        ):
+            raise InvalidRequest(
+                f"concurrency_limit must be between 1 and {MAX_CONCURRENCY_LIMIT}",
+                field="concurrency_limit",
+            )
+        if key is None:
+            return "", 1  # a concurrency_limit without a key has nothing to limit
+        if not isinstance(key, str) or not IDEMPOTENCY_KEY_RE.fullmatch(key):
+            raise InvalidRequest(
+                "concurrency_key must be 1-200 printable ASCII characters without spaces",
+                field="concurrency_key",
+            )
+        return key, 1 if limit is None else limit
 
     def _timing(self, spec: JobSpec) -> tuple[int, int]:
         s = self.settings
@@ -377,33 +466,241 @@ class Queue:
         return replayed
 
     async def stats(self) -> dict[str, Any]:
-        """Queue depth per priority, scheduled, running and dead counts, per shard and total."""
+        """Jobs by state, per shard, per queue and in total.
+
+        ``total``: ``queued`` (and ``queued_<priority>``), ``parked`` (handed back by a worker
+        that cannot run them), ``scheduled``, ``running``, ``dead``. ``queues``: per queue,
+        ready jobs by priority, ``parked``, ``running`` and ``paused``. ``shards``: per shard,
+        ready jobs by priority and the scheduled, running and dead counts.
+        """
         pipe = self.redis.pipeline(transaction=False)
         for shard in range(self.keys.shards):
-            for p in PRIORITIES:
-                pipe.llen(self.keys.queue(shard, p))
+            pipe.hgetall(self.keys.queue_counts(shard))
+            pipe.hgetall(self.keys.parked(shard))
             pipe.zcard(self.keys.sched(shard))
             pipe.zcard(self.keys.active(shard))
             pipe.zcard(self.keys.dead(shard))
         values = await pipe.execute()
-        width = len(PRIORITIES) + 3
-        shards = []
         total: dict[str, int] = defaultdict(int)
+        queues: dict[str, dict[str, Any]] = {}
+
+        def queue_entry(name: str) -> dict[str, Any]:
+            entry = queues.get(name)
+            if entry is None:
+                entry = queues[name] = {
+                    "queued": {p.value: 0 for p in PRIORITIES},
+                    "parked": 0,
+                    "running": 0,
+                    "paused": False,
+                    "limited": False,
+                    "blocked_until_ms": 0,
+                }
+            return entry
+
+        shards = []
         for shard in range(self.keys.shards):
-            row = values[shard * width : (shard + 1) * width]
-            entry = {
-                "shard": shard,
-                "queued": {p.value: n for p, n in zip(PRIORITIES, row[:4], strict=True)},
-            }
-            entry.update(scheduled=row[4], running=row[5], dead=row[6])
-            shards.append(entry)
-            for p, n in zip(PRIORITIES, row[:4], strict=True):
+            counts, parked, scheduled, running, dead = values[shard * 5 : shard * 5 + 5]
+            by_priority = {p.value: 0 for p in PRIORITIES}
+            for raw_field, raw_value in counts.items():
+                name, _, what = raw_field.decode().rpartition(":")
+                entry = queue_entry(name)
+                if what in by_priority:
+                    n = max(int(raw_value), 0)
+                    entry["queued"][what] += n
+                    by_priority[what] += n
+                elif what == "running":
+                    entry["running"] += max(int(raw_value), 0)
+                elif what == "paused":
+                    entry["paused"] = entry["paused"] or raw_value == b"1"
+                elif what == "limited":
+                    entry["limited"] = entry["limited"] or raw_value == b"1"
+                elif what == "blocked":
+                    entry["blocked_until_ms"] = max(entry["blocked_until_ms"], int(raw_value))
+            for raw_field, raw_value in parked.items():
+                name = raw_field.decode().split(":", 1)[0]
+                queue_entry(name)["parked"] += max(int(raw_value), 0)
+                total["parked"] += max(int(raw_value), 0)
+            shards.append(
+                {"shard": shard, "queued": by_priority, "scheduled": scheduled,
+                 "running": running, "dead": dead}
+            )  # fmt: skip
+            for p, n in by_priority.items():
                 total[f"queued_{p}"] += n
-            total["scheduled"] += row[4]
-            total["running"] += row[5]
-            total["dead"] += row[6]
+            total["scheduled"] += scheduled
+            total["running"] += running
+            total["dead"] += dead
         total["queued"] = sum(total[f"queued_{p}"] for p in PRIORITIES)
-        return {"total": dict(total), "shards": shards}
+        total.setdefault("parked", 0)
+        return {"total": dict(total), "queues": dict(sorted(queues.items())), "shards": shards}
+
+    async def oldest_queued(self, tenants: int = 100) -> dict[tuple[str, str], float]:
+        """Seconds the oldest ready job of each (queue, priority) has waited (since it became
+        ready), looking at the first ``tenants`` tenants of each rotation."""
+        keys, redis = self.keys, self.redis
+        pipe = redis.pipeline(transaction=False)
+        for shard in range(keys.shards):
+            pipe.hgetall(keys.queue_counts(shard))
+        rings: list[tuple[int, str, str]] = []
+        for shard, counts in enumerate(await pipe.execute()):
+            for raw_field, raw_value in counts.items():
+                name, _, what = raw_field.decode().rpartition(":")
+                if what in PRIORITIES and int(raw_value) > 0:
+                    rings.append((shard, name, what))
+        if not rings:
+            return {}
+        pipe = redis.pipeline(transaction=False)
+        for shard, name, prio in rings:
+            pipe.lrange(keys.ring(shard, name, prio), 0, tenants - 1)
+        heads: list[tuple[int, str, str]] = []
+        pipe2 = redis.pipeline(transaction=False)
+        for (shard, name, prio), members in zip(rings, await pipe.execute(), strict=True):
+            for tenant in members:
+                pipe2.lindex(keys.ready(shard, name, prio, tenant.decode()), -1)
+                heads.append((shard, name, prio))
+        ids = await pipe2.execute() if heads else []
+        pipe3 = redis.pipeline(transaction=False)
+        found = []
+        for (shard, name, prio), job_id in zip(heads, ids, strict=True):
+            if job_id is not None:
+                pipe3.hget(keys.job_in(shard, job_id.decode()), "updated")
+                found.append((name, prio))
+        now = time.time() * 1000
+        out: dict[tuple[str, str], float] = {}
+        for key, updated in zip(found, await pipe3.execute() if found else [], strict=True):
+            if updated is not None:
+                out[key] = max(out.get(key, 0.0), (now - int(updated)) / 1000)
+        return out
+
+    async def live_workers(self) -> list[dict[str, Any]]:
+        """Workers that advertised themselves lately (every third of a lease), newest first.
+
+        A worker killed without signing off stops advertising: it is no longer live after
+        ``WORKER_FRESH_SECONDS`` and its entry is deleted after ``WORKER_FORGET_SECONDS``."""
+        now = time.time()
+        live, gone = [], []
+        for worker_id, raw in (await self.redis.hgetall(self.keys.workers())).items():
+            try:
+                info = msgspec.json.decode(raw)
+                age = now - float(info.get("seen_at", 0))
+            except (msgspec.DecodeError, TypeError, ValueError, AttributeError):
+                gone.append(worker_id)
+                continue
+            if age <= WORKER_FRESH_SECONDS:
+                live.append(info)
+            elif age > WORKER_FORGET_SECONDS:
+                gone.append(worker_id)
+        if gone:
+            await self.redis.hdel(self.keys.workers(), *gone)
+        live.sort(key=lambda w: -float(w.get("seen_at", 0)))
+        return live
+
+    # --- queues ---------------------------------------------------------------------------
+    async def pause(self, queue: str) -> None:
+        """Stop every claim from ``queue``: submits are still accepted, running jobs finish.
+
+        The flag is written in every shard (each claim script reads its own shard's), so once
+        this returns no worker claims from the queue."""
+        self._check_queue(queue)
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.hset(self.keys.queue_counts(shard), f"{queue}:paused", "1")
+        await pipe.execute()
+
+    async def resume(self, queue: str) -> None:
+        """Let workers claim from ``queue`` again (and wake those that sleep)."""
+        self._check_queue(queue)
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.hdel(self.keys.queue_counts(shard), f"{queue}:paused")
+        for shard in range(self.keys.shards):
+            pipe.execute_command("SPUBLISH", self.keys.wake(shard), f"q {queue}")
+        await pipe.execute()
+
+    async def set_limits(self, queue: str, limits: QueueLimits) -> QueueLimits:
+        """Limit ``queue`` across every worker (or lift its limits: ``QueueLimits()``).
+
+        The values go to the queue's home shard, where workers take permits (limit.lua); the
+        catalogue tells workers which queues need permits; a flag in every shard makes a
+        claim without permits take nothing from it (a worker that has not heard yet). Jobs
+        already running when a limit is set finish outside it.
+        """
+        self._check_queue(queue)
+        if limits.concurrency is not None and not 1 <= limits.concurrency <= 1_000_000:
+            raise InvalidRequest("concurrency must be between 1 and 1000000", field="concurrency")
+        if limits.rate is not None and not 1 <= limits.rate <= 1_000_000:
+            raise InvalidRequest("rate must be between 1 and 1000000", field="rate")
+        if not 0.001 <= limits.per <= 86_400:
+            raise InvalidRequest("per must be between 0.001 and 86400 seconds", field="per")
+        keys, redis = self.keys, self.redis
+        conf = keys.limit(queue)
+        if limits.limited:
+            fields: dict[str | bytes, int] = {}
+            gone = []
+            if limits.concurrency is not None:
+                fields["concurrency"] = limits.concurrency
+            else:
+                gone.append("concurrency")
+            if limits.rate is not None:
+                fields.update(rate=limits.rate, period=round(limits.per * 1000))
+            else:
+                gone += ["rate", "period"]
+            # enforced first (home shard), then announced, then required in every shard
+            await redis.hset(conf, mapping=fields)  # type: ignore[arg-type]
+            if gone:
+                await redis.hdel(conf, *gone)
+            await redis.hset(keys.queue_limits(), queue, msgspec.json.encode(limits))
+            pipe = redis.pipeline(transaction=False)
+            for shard in range(keys.shards):
+                pipe.hset(keys.queue_counts(shard), f"{queue}:limited", "1")
+            await pipe.execute()
+        else:
+            pipe = redis.pipeline(transaction=False)
+            for shard in range(keys.shards):
+                pipe.hdel(keys.queue_counts(shard), f"{queue}:limited")
+            await pipe.execute()
+            await redis.hdel(keys.queue_limits(), queue)
+            await redis.hdel(conf, "concurrency", "rate", "period")
+            pipe = redis.pipeline(transaction=False)
+            for shard in range(keys.shards):
+                pipe.execute_command("SPUBLISH", keys.wake(shard), f"q {queue}")
+            await pipe.execute()
+        return limits
+
+    async def limits(self) -> dict[str, QueueLimits]:
+        """Every limited queue's limits."""
+        raw = await self.redis.hgetall(self.keys.queue_limits())
+        return {
+            (name.decode() if isinstance(name, bytes) else name): _limits_decoder.decode(value)
+            for name, value in sorted(raw.items())
+        }
+
+    async def running_permits(self, queue: str) -> int:
+        """Permits held now for a limited queue: its jobs running under the limit."""
+        return int(await self.redis.zcard(self.keys.permits(queue)))
+
+    async def block(self, queue: str, seconds: float) -> int:
+        """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``): every
+        shard's claims skip it until then. Returns when the block ends, ms since the epoch."""
+        self._check_queue(queue)
+        until = int((time.time() + seconds) * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.hget(self.keys.queue_counts(shard), f"{queue}:blocked")
+        current = max((int(v) for v in await pipe.execute() if v), default=0)
+        if until <= current:
+            return current
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.hset(self.keys.queue_counts(shard), f"{queue}:blocked", until)
+        await pipe.execute()
+        return until
+
+    @staticmethod
+    def _check_queue(queue: str) -> None:
+        if not isinstance(queue, str) or not QUEUE_NAME_RE.fullmatch(queue):
+            raise InvalidRequest(
+                f"queue {str(queue)[:70]!r} must match {QUEUE_NAME_RE.pattern}", field="queue"
+            )
 
     async def waiting_by_tenant(self) -> dict[str, int]:
         """Queued + scheduled jobs per tenant, summed over shards."""

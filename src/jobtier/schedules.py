@@ -31,7 +31,7 @@ from croniter import croniter
 
 from jobtier.errors import InvalidRequest, PayloadTooLarge
 from jobtier.keys import Keys, ulid
-from jobtier.model import Priority, encode_json
+from jobtier.model import DEFAULT_QUEUE, Priority, encode_json
 from jobtier.worker.registry import TASK_NAME_RE
 
 Misfire = Literal["skip", "fire_once", "fire_all"]
@@ -55,6 +55,7 @@ class ScheduleSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     interval: int | None = None  # seconds
     misfire: Misfire = "fire_once"
     paused: bool = False
+    queue: str | None = None  # the task's queue when not given
 
 
 class Schedule(msgspec.Struct, kw_only=True):
@@ -76,6 +77,7 @@ class Schedule(msgspec.Struct, kw_only=True):
     last_fired_at: datetime | None
     created_at: datetime
     updated_at: datetime
+    queue: str | None = None  # None: `default` (a schedule from before queues)
 
 
 def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
@@ -209,6 +211,7 @@ class MirrorDef(msgspec.Struct, kw_only=True):
     interval_ms: int | None
     anchor_ms: int
     misfire: str
+    queue: str = DEFAULT_QUEUE
 
     def timing(self) -> Timing:
         return Timing(self.cron, self.timezone, self.interval_ms, self.anchor_ms)
@@ -228,6 +231,7 @@ def mirror_def(schedule: Schedule, default_max_attempts: int) -> MirrorDef:
         interval_ms=None if schedule.interval is None else schedule.interval * 1000,
         anchor_ms=round(schedule.created_at.timestamp() * 1000),
         misfire=schedule.misfire,
+        queue=schedule.queue or DEFAULT_QUEUE,
     )
 
 
@@ -316,7 +320,7 @@ class CronMirror:
                 slots, new_next, last = plan(d.timing(), d.misfire, int(nxt), now, grace_ms)
                 args: list[Any] = [
                     schedule_id, nxt.decode(), new_next, "" if last is None else last,
-                    d.tenant, d.type, d.priority, payload, d.max_attempts, len(slots),
+                    d.tenant, d.type, d.priority, payload, d.max_attempts, d.queue, len(slots),
                 ]  # fmt: skip
                 for slot in slots:
                     args += [slot_job_id(self.keys, schedule_id, slot), slot]

@@ -25,12 +25,12 @@ from redis.exceptions import NoScriptError
 from jobtier.connection import RedisClient
 from jobtier.errors import Code
 from jobtier.keys import Keys
-from jobtier.model import ClaimedJob
+from jobtier.model import DEFAULT_QUEUE, ClaimedJob
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (
     "submit", "claim", "heartbeat", "complete", "fail", "stopped",
-    "cancel", "promote", "reclaim", "replay", "fire",
+    "cancel", "promote", "reclaim", "replay", "fire", "limit", "upgrade",
 )  # fmt: skip
 
 
@@ -109,12 +109,15 @@ class SubmitItem:
     delay_ms: int  # 0: none
     idempotency_key: str  # '': none
     request_hash: str
+    queue: str = DEFAULT_QUEUE
+    concurrency_key: str = ""  # '': none
+    concurrency_limit: int = 1
 
     def args(self) -> tuple[Any, ...]:
         return (
-            self.job_id, self.tenant, self.type, self.priority, self.payload,
+            self.job_id, self.tenant, self.type, self.queue, self.priority, self.payload,
             self.max_attempts, self.run_at_ms, self.delay_ms, self.idempotency_key,
-            self.request_hash,
+            self.request_hash, self.concurrency_key, self.concurrency_limit,
         )  # fmt: skip
 
 
@@ -122,8 +125,11 @@ class SubmitItem:
 class ClaimBatch:
     shard: int
     now_ms: int
-    ready_left: int  # ready jobs still in the shard after this claim
+    ready_left: int  # ready jobs still in the shard's served queues after this claim
     jobs: list[ClaimedJob]
+    handed_back: list[str]  # ids of jobs of types the worker cannot run, left in their queue
+    unaware: list[str]  # limited queues asked without a cap: take permits first (limit.lua)
+    wake_at_ms: int = -1  # when the first block of a served queue ends (-1: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,12 +191,28 @@ class Scripts:
             for i in range(0, len(reply), 3)
         ]
 
-    def claim_call(self, shard: int, worker: str, count: int, lease_ms: int) -> Call:
-        return (self["claim"], shard, (worker, count, lease_ms))
+    def claim_call(
+        self,
+        shard: int,
+        worker: str,
+        count: int,
+        lease_ms: int,
+        queues: Sequence[tuple[str, int]] = ((DEFAULT_QUEUE, -1),),
+        types: Sequence[str] = (),
+    ) -> Call:
+        """``queues``: (name, most jobs to take from it, -1 for no cap), in the order they
+        share the call; ``types``: the task types the worker runs (empty: any, for tools)."""
+        args: list[Any] = [worker, count, lease_ms, len(queues)]
+        for name, cap in queues:
+            args += (name, cap)
+        args.append(len(types))
+        args.extend(types)
+        return (self["claim"], shard, args)
 
     @staticmethod
     def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
-        now = int(reply[0])
+        now, claimed, handed = int(reply[0]), int(reply[2]), int(reply[3])
+        end = 6 + 8 * claimed
         jobs = [
             ClaimedJob(
                 id=reply[i].decode(),
@@ -201,13 +223,24 @@ class Scripts:
                 lease_version=int(reply[i + 5]),
                 queued_at_ms=int(reply[i + 6]),
                 claimed_at_ms=now,
+                queue=reply[i + 7].decode(),
             )
-            for i in range(2, len(reply), 7)
+            for i in range(6, end, 8)
         ]
-        return ClaimBatch(shard, now, int(reply[1]), jobs)
+        back = [r.decode() for r in reply[end : end + handed]]
+        unaware = [r.decode() for r in reply[end + handed :]]
+        return ClaimBatch(shard, now, int(reply[1]), jobs, back, unaware, int(reply[5]))
 
-    async def claim(self, shard: int, worker: str, count: int, lease_ms: int) -> ClaimBatch:
-        reply = await self.call(*self.claim_call(shard, worker, count, lease_ms))
+    async def claim(
+        self,
+        shard: int,
+        worker: str,
+        count: int,
+        lease_ms: int,
+        queues: Sequence[tuple[str, int]] = ((DEFAULT_QUEUE, -1),),
+        types: Sequence[str] = (),
+    ) -> ClaimBatch:
+        reply = await self.call(*self.claim_call(shard, worker, count, lease_ms, queues, types))
         return self.parse_claim(shard, reply)
 
     def heartbeat_call(
@@ -243,12 +276,15 @@ class Scripts:
         shard: int,
         worker: str,
         retention_s: int,
-        items: Sequence[tuple[str, int, bytes, int]],
+        items: Sequence[tuple[Any, ...]],
     ) -> Call:
-        """items: (job id, lease_version, error JSON, retry delay ms or -1 for no retry)."""
+        """items: (job id, lease_version, error JSON, retry delay ms or -1 for no retry[,
+        refund: 1 when the attempt does not count])."""
         args: list[Any] = [worker, retention_s, len(items)]
         for item in items:
             args.extend(item)
+            if len(item) == 4:
+                args.append(0)
         return (self["fail"], shard, args)
 
     def stopped_call(

@@ -110,6 +110,13 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(admin, "POST", "/v1/admin/dead-letters/{job_id}/replay", 200, ids=dead)
         await check(admin, "POST", "/v1/admin/dead-letters/replay", 200, json={"limit": 5})
         await check(admin, "GET", "/v1/admin/stats", 200)
+        q = {"name": "default"}
+        await check(admin, "POST", "/v1/admin/queues/{name}/pause", 200, ids=q)
+        await check(admin, "PUT", "/v1/admin/queues/{name}/limits", 200, ids=q, json={"rate": 5})
+        await check(admin, "GET", "/v1/admin/queues", 200)
+        await check(admin, "PUT", "/v1/admin/queues/{name}/limits", 200, ids=q, json={})
+        await check(admin, "POST", "/v1/admin/queues/{name}/resume", 200, ids=q)
+        await check(admin, "GET", "/v1/admin/tasks", 200)
         await check(admin, "GET", "/metrics", 200)
 
         spec = {"name": "hourly", "type": "echo", "cron": "0 * * * *", "timezone": "Europe/Paris"}

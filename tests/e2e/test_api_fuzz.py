@@ -41,7 +41,7 @@ from jobtier.api.app import create_app
 from jobtier.api.postgres import PostgresExtension
 from jobtier.config import Settings
 from jobtier.dev.redis import free_port
-from tests.fixtures.api import ADMIN, KEYS
+from tests.fixtures.api import ADMIN, KEYS, advertise_tasks_sync
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
 SEED = 20240501
@@ -109,6 +109,7 @@ def live_api(pg_settings: Settings) -> Iterator[ThreadedApi]:
         gc_freeze=False,
         sse_heartbeat_seconds=0.2,  # an SSE read ends after its first event or heartbeat
     )
+    advertise_tasks_sync(settings)  # the test tasks are known, as if their workers ran
     api = ThreadedApi(settings)
     try:
         api.start()

@@ -46,6 +46,11 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/v1/admin/dead-letters/{job_id}/replay"): ADMIN,
     ("GET", "/v1/admin/stats"): ADMIN,
     ("GET", "/v1/admin/dashboard/stream"): ADMIN,
+    ("GET", "/v1/admin/queues"): ADMIN,
+    ("POST", "/v1/admin/queues/{name}/pause"): ADMIN,
+    ("POST", "/v1/admin/queues/{name}/resume"): ADMIN,
+    ("PUT", "/v1/admin/queues/{name}/limits"): ADMIN,
+    ("GET", "/v1/admin/tasks"): ADMIN,
     ("GET", "/metrics"): ADMIN,
     ("GET", "/healthz"): PUBLIC,
     ("GET", "/readyz"): PUBLIC,
@@ -120,8 +125,12 @@ async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue
         made = await a.post("/v1/schedules", json=SCHEDULE)
         assert made.status_code == 201, made.text
         schedule = made.json()
-        a_ids = {"job_id": job["id"], "schedule_id": schedule["id"]}
-        unknown_ids = {"job_id": queue.keys.new_id(), "schedule_id": "01M8KK4FZ54RBHFVYBN6HBV0CZ"}
+        a_ids = {"job_id": job["id"], "schedule_id": schedule["id"], "name": "default"}
+        unknown_ids = {
+            "job_id": queue.keys.new_id(),
+            "schedule_id": "01M8KK4FZ54RBHFVYBN6HBV0CZ",
+            "name": "none",
+        }
         before = await tenant_a_state(a, job["id"], schedule["id"])
 
         for method, template in operations:

@@ -291,6 +291,12 @@ async def test_the_page_follows_a_live_stack(stack: Stack, tmp_path: Path) -> No
         await page.wait_for("document.getElementById('queue-depth').dataset.value === '40'")
         now = await figures(page)
         assert (now["depth-high"], now["depth-normal"], now["depth-critical"]) == (10, 30, 0)
+        # ... and per queue, in words and figures
+        row = await page.evaluate(
+            "[...document.querySelectorAll('#queue-rows tr[data-queue=\"default\"] > *')]"
+            ".map((c) => c.textContent)"
+        )
+        assert row[:5] == ["default", "active", "40", "0", "10"], row
 
         sampler = Sampler(page)
         sampler.samples.append(now)  # the 40 waiting jobs, before any worker ran

@@ -14,7 +14,7 @@ from tests.tasks import registry
 NOW = datetime.now(UTC)
 
 BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
-    ("unknown task", {"type": "no_such_task"}, UnknownTask, "unknown task"),
+    ("unknown task", {"type": "no_such_task"}, UnknownTask, "no worker runs task"),
     ("bad type name", {"type": "has space"}, InvalidRequest, "type"),
     ("payload not JSON", {"type": "echo", "payload": {"x": object()}}, InvalidRequest, "JSON"),
     ("payload too large", {"type": "echo", "payload": "x" * 300_000}, InvalidRequest, "limit"),

@@ -336,9 +336,10 @@ async def test_migration_keeps_every_row_of_an_existing_history(
         await old.execute(query("record_migration"), first_name)
         job_ids = await simple_jobs(redis, keys, 50)
         entries = parsed(await log_entries(redis, keys))
-        await old.copy_records_to_table(
-            "jobs", records=job_records(collapse(entries)), columns=JOB_COLUMNS
-        )
+        # the jobs columns of then: queue came with a later migration
+        then = [c for c in JOB_COLUMNS if c != "queue"]
+        rows = [r[: len(then)] for r in job_records(collapse(entries))]
+        await old.copy_records_to_table("jobs", records=rows, columns=then)
         without_prev = [c for c in TRANSITION_COLUMNS if c != "prev_version"]
         records = [r[:2] + r[3:] for r in transition_records(entries)]
         await old.copy_records_to_table("job_transitions", records=records, columns=without_prev)

@@ -26,7 +26,8 @@ from hypothesis.stateful import (
 
 from jobtier.config import Settings
 from jobtier.errors import Code
-from jobtier.model import State, decode_status
+from jobtier.keys import Keys
+from jobtier.model import PRIORITIES, State, decode_status
 from jobtier.queue import Queue
 from tests.fixtures.redis import on_every_server
 
@@ -46,6 +47,11 @@ class ModelJob:
     lease_version: int = 0
     worker: str = ""
     progress: str = ""
+
+
+def ready_lists(keys: Keys, shard: int) -> list[str]:
+    """The shard's ready lists the machine's jobs can be in (one queue, one tenant)."""
+    return [keys.ready(shard, "default", p.value, "default") for p in PRIORITIES]
 
 
 class JobMachine(RuleBasedStateMachine):
@@ -271,7 +277,7 @@ class JobMachine(RuleBasedStateMachine):
         # round trips are most of its time
         pipe = self.queue.redis.pipeline(transaction=False)
         for s in range(keys.shards):
-            for q in keys.queues(s):
+            for q in ready_lists(keys, s):
                 pipe.lrange(q, 0, -1)
         for zset in (keys.sched, keys.active, keys.dead):
             for s in range(keys.shards):
@@ -280,7 +286,7 @@ class JobMachine(RuleBasedStateMachine):
             pipe.hget(keys.job(job.id), "doc")  # what Queue.status decodes
         replies = iter(self.run(pipe.execute()))
         queued: set[bytes] = set()
-        for _ in range(sum(len(keys.queues(s)) for s in range(keys.shards))):
+        for _ in range(sum(len(ready_lists(keys, s)) for s in range(keys.shards))):
             queued |= set(next(replies))
         sched, active, dead = (
             set().union(*(next(replies) for _ in range(keys.shards))) for _ in range(3)

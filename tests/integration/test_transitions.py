@@ -271,8 +271,11 @@ async def test_cancel_queued_and_scheduled(queue: Queue) -> None:
     for sub in (queued, later):
         status = await queue.cancel(sub.job_id)
         assert status.state is State.CANCELLED and status.version == 2
+    stats = await queue.stats()
+    assert stats["total"]["queued"] == 0 and stats["total"]["scheduled"] == 0
     shard = queue.keys.shard_of(queued.job_id)
-    assert await queue.redis.llen(queue.keys.queue(shard, "normal")) == 0
+    assert await queue.redis.llen(queue.keys.ready(shard, "default", "normal", "default")) == 0
+    assert await queue.redis.llen(queue.keys.ring(shard, "default", "normal")) == 0
     assert await queue.redis.zcard(queue.keys.sched(queue.keys.shard_of(later.job_id))) == 0
     with pytest.raises(TransitionRefused) as refused:
         await queue.cancel(queued.job_id)

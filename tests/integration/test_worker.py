@@ -93,18 +93,38 @@ async def test_non_retryable_errors_and_bad_results_dead_letter_at_once(queue: Q
     permanent = await queue.submit("permanent", None)
     fatal = await queue.submit("fail", {"fatal": True})
     bad = await queue.submit("unserialisable", None)
-    queue.registry = None  # let a type no worker knows through
-    unknown = await queue.submit("not_in_this_worker", None, max_attempts=1)
     await worker_for(queue, registry, burst=True).run()
     for sub, error_type in [
         (permanent, "Permanent"),
         (fatal, "Fatal"),
         (bad, "ResultNotSerialisable"),
-        (unknown, "LookupError"),
     ]:
         status = await queue.status(sub.job_id)
         assert status.state is State.FAILED and status.attempt == 1, sub
         assert status.error is not None and status.error.type == error_type
+
+
+async def test_a_job_of_a_type_the_worker_lacks_is_handed_back_untouched(queue: Queue) -> None:
+    queue.registry = None  # let a type no worker knows through
+    unknown = await queue.submit("not_in_this_worker", None, max_attempts=1)
+    known = await queue.submit("echo", "x")
+    worker = worker_for(queue, registry, burst=True)
+    await worker.run()
+    status = await queue.status(unknown.job_id)
+    assert (status.state, status.attempt, status.version, status.error) == (
+        State.QUEUED,
+        0,
+        1,
+        None,
+    )  # no transition, no attempt used
+    assert (await queue.status(known.job_id)).state is State.SUCCEEDED
+    assert worker.stats.handed_back == 1
+    stats = await queue.stats()
+    assert stats["total"]["parked"] == 1 and stats["total"]["queued"] == 0
+    # a second run of the same worker does not meet it again: parked jobs are out of its way
+    again = worker_for(queue, registry, burst=True)
+    await again.run()
+    assert again.stats.handed_back == 0 and again.stats.claim_round_trips <= 2
 
 
 async def test_timeout_counts_as_a_retryable_failure(queue: Queue, background: Background) -> None:

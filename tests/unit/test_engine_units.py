@@ -49,9 +49,15 @@ def test_the_keys_the_lua_builds_are_the_ones_keys_py_documents() -> None:
     assert built - documented == set(), "keys built by Lua but not documented in keys.py"
     keys = Keys("jt", 4)
     from_python = {
-        m.removeprefix(keys.base(1))
+        re.sub(r"^jt:\{\d+\}:", "", m)
         for m in (
-            keys.queue(1, "high").rsplit(":", 1)[0] + ":", keys.sched(1), keys.active(1),
+            keys.ready(1, "q", "high", "t").split(":q:")[0] + ":q:", keys.sched(1), keys.active(1),
+            keys.ring(1, "q", "high").split(":ring:")[0] + ":ring:", keys.queue_counts(1),
+            keys.parked(1), keys.ckeys(1), keys.park(1, "q", "t").split(":park:")[0] + ":park:",
+            keys.ck(1, "t", "k").split(":ck:")[0] + ":ck:",
+            keys.limit("q").split(":limit:")[0] + ":limit:",
+            keys.permits("q").split(":permits:")[0] + ":permits:",
+            keys.starts("q").split(":starts:")[0] + ":starts:",
             keys.dead(1), keys.waiting(1), keys.log(1), keys.cron(1), keys.events(1),
             keys.wake(1), keys.job_in(1, "x")[:-1], keys.cron_def(1, "x")[:-1],
             keys.log_refused(1),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
@@ -26,8 +25,6 @@ from jobtier.cache.redis_reader import parse_version
 from jobtier.errors import JobNotFound, TransitionRefused
 from jobtier.queue import Queue
 from jobtier.worker.registry import TASK_NAME_RE
-
-WORKER_FRESH_SECONDS = 60.0
 
 
 class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
@@ -90,13 +87,7 @@ async def collect_stats(request: Request) -> dict[str, Any]:
     queue: Queue = request.state.queue
     out = await queue.stats()
     out["waiting_by_tenant"] = await queue.waiting_by_tenant()
-    now = time.time()
-    workers = []
-    for raw in (await queue.redis.hgetall(queue.keys.workers())).values():
-        info = orjson.loads(raw)
-        if now - float(info.get("seen_at", 0)) <= WORKER_FRESH_SECONDS:
-            workers.append(info)
-    out["workers"] = workers
+    out["workers"] = await queue.live_workers()
     out["status_reads"] = request.state.reader.stats()
     out["write_behind_lag"] = request.state.admission.lag
     return out

@@ -14,17 +14,18 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import orjson
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
-from jobtier.api import admin, health, jobs, openapi, ops, sse
+from jobtier.api import admin, health, jobs, openapi, ops, queues, sse
 from jobtier.api.admission import Admission
 from jobtier.api.limits import RequestLimits
 from jobtier.api.problems import HANDLERS
 from jobtier.api.routing import resources
+from jobtier.api.task_schemas import TaskDocument
 from jobtier.cache.redis_reader import Fallback, StatusReader
+from jobtier.catalog import TaskCatalog
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber
 from jobtier.errors import ConfigError
@@ -37,6 +38,7 @@ ROUTES: list[BaseRoute] = [
     *jobs.routes,
     *sse.routes,
     *admin.routes,
+    *queues.routes,
     *health.routes,
     *openapi.routes,
     *ops.routes,
@@ -80,13 +82,18 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             "`jobtier run` makes development keys for you"
         )
     ext = extension or Extension()
-    openapi_document = orjson.dumps(
-        openapi.document(settings, ext.openapi_paths, ext.openapi_types, ext.openapi_constraints)
+    openapi_document = TaskDocument(
+        openapi.document(settings, ext.openapi_paths, ext.openapi_types, ext.openapi_constraints),
+        settings.require_known_types,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         queue = await Queue.connect(settings)
+        # submits take a task's queue, attempts and payload check from what workers advertise
+        catalog = TaskCatalog(queue.redis, queue.keys, ttl=settings.task_catalog_ttl)
+        queue.registry = catalog
+        queue.require_known = settings.require_known_types
         await ext.open(settings, queue)
         reader = StatusReader(
             queue.redis,
@@ -107,6 +114,8 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
         admission = Admission(settings, queue, ext.lag)
         publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader])
         try:
+            await catalog.load()
+            catalog.start()
             await subscriber.start()
             await admission.start()
             publisher.start()
@@ -131,11 +140,13 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
                 "postgres_ready": ext.postgres_ready,
                 "openapi": openapi_document,
                 "metrics_publisher": publisher,
+                "catalog": catalog,
                 "dashboard_frames": ops.FrameCache(),
                 **ext.state,
             }
         finally:
             await publisher.stop()
+            await catalog.stop()
             await admission.stop()
             await subscriber.stop()
             await ext.close()

@@ -61,6 +61,7 @@ async def submit(request: Request) -> Response:
             )
         spec.idempotency_key = key
     queue: Queue = st.queue
+    await queue.ensure_known((spec.type,))
     try:
         item = queue.prepare(spec, tenant)
     except InvalidRequest as exc:
@@ -110,6 +111,7 @@ async def submit_batch(request: Request) -> Response:
             f"at most {queue.settings.max_batch} jobs per batch (JOBTIER_MAX_BATCH)",
             field="jobs",
         )
+    await queue.ensure_known(spec.type for spec in body.jobs)
     items = []
     for index, spec in enumerate(body.jobs):
         try:

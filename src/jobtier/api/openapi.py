@@ -31,8 +31,8 @@ from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MA
 from jobtier.api.params import Param
 from jobtier.config import Settings
 from jobtier.keys import JOB_ID_RE
-from jobtier.model import JobSpec, JobStatus
-from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT
+from jobtier.model import QUEUE_NAME_RE, JobSpec, JobStatus, QueueInfo, QueueLimits, TaskAd
+from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
 from jobtier.worker.registry import TASK_NAME_RE
 
 
@@ -74,6 +74,24 @@ class DeadLetters(msgspec.Struct):
 class Replayed(msgspec.Struct):
     replayed: list[str]
     count: int
+
+
+class QueueList(msgspec.Struct):
+    queues: list[QueueInfo]
+
+
+class QueuePaused(msgspec.Struct):
+    queue: str
+    paused: bool
+
+
+class QueueLimitsSet(msgspec.Struct):
+    queue: str
+    limits: QueueLimits | None
+
+
+class TaskList(msgspec.Struct):
+    tasks: list[TaskAd]
 
 
 class Health(msgspec.Struct):
@@ -142,6 +160,12 @@ JOB_ID: dict[str, Any] = {
     "name": "job_id", "in": "path", "required": True,
     "description": "a job id as submit returned it (a malformed or unknown one is a 404)",
     "schema": {"type": "string", "pattern": JOB_ID_RE.pattern},
+}  # fmt: skip
+
+QUEUE_NAME = {
+    "name": "name", "in": "path", "required": True,
+    "description": "a queue name",
+    "schema": {"type": "string", "pattern": QUEUE_NAME_RE.pattern},
 }  # fmt: skip
 
 Auth = Literal["tenant", "admin", "none"]
@@ -226,7 +250,8 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     _, components = msgspec.json.schema_components(
         [
             JobSpec, JobStatus, Problem, BatchBody, BatchResponse, ResultResponse,
-            DeadLetters, ReplayFilter, Replayed, Health, Readiness, *extra_types,
+            DeadLetters, ReplayFilter, Replayed, Health, Readiness, QueueList, QueuePaused,
+            QueueLimits, QueueLimitsSet, TaskList, *extra_types,
         ],
         ref_template="#/components/schemas/{name}",
     )  # fmt: skip
@@ -248,6 +273,12 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
     constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
     constrain(c, "ReplayFilter", "limit", minimum=1, maximum=REPLAY_MAX)
+    constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
+    constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
+    constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
+    constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
+    constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
+    c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)
     return components
 
 
@@ -333,6 +364,33 @@ def document(
                 "200": {"description": "statistics", "content": {"application/json": {"schema": {"type": "object"}}}},
             }, auth="admin"),
         },
+        "/v1/admin/queues": {
+            "get": op(s, "Every queue: ready jobs by priority, parked, running, paused, limits, oldest age, workers, tasks", {
+                "200": json_response("QueueList", "the queues"),
+            }, auth="admin"),
+        },
+        "/v1/admin/queues/{name}/pause": {
+            "post": op(s, "Pause a queue: submits are accepted, nothing is claimed from it, running jobs finish", {
+                "200": json_response("QueuePaused", "paused"),
+                "422": problem("a queue name that breaks its pattern"),
+            }, auth="admin", path=[QUEUE_NAME]),
+        },
+        "/v1/admin/queues/{name}/resume": {
+            "post": op(s, "Resume a paused queue", {
+                "200": json_response("QueuePaused", "resumed"),
+                "422": problem("a queue name that breaks its pattern"),
+            }, auth="admin", path=[QUEUE_NAME]),
+        },
+        "/v1/admin/queues/{name}/limits": {
+            "put": op(s, "Limit a queue across every worker (global concurrency, starts per period); {} lifts the limits", {
+                "200": json_response("QueueLimitsSet", "the limits now in force"),
+            }, auth="admin", path=[QUEUE_NAME], body="QueueLimits"),
+        },
+        "/v1/admin/tasks": {
+            "get": op(s, "The task catalogue: every task a live or recently seen worker runs, its queue, policies and payload schema", {
+                "200": json_response("TaskList", "the tasks"),
+            }, auth="admin"),
+        },
         "/healthz": {"get": op(s, "Liveness", {"200": json_response("Health", "alive")}, auth="none", backend=False)},
         "/readyz": {
             "get": op(s, "Readiness: Redis (and Postgres, its migrations applied) reachable", {
@@ -400,7 +458,9 @@ def document(
 
 
 async def serve(request: Request) -> Response:
-    return Response(request.state.openapi, media_type="application/json")
+    """The document, with each task the workers advertise (task_schemas.py)."""
+    body = request.state.openapi.render(request.state.catalog.ads())
+    return Response(body, media_type="application/json")
 
 
 routes = [Route("/v1/openapi.json", serve, methods=["GET"])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import defaultdict
 from importlib import resources
 from typing import Any
 
@@ -19,7 +20,7 @@ from jobtier.api.sse import StreamResponse
 from jobtier.metrics.gauges import live_gauges
 from jobtier.metrics.histogram import quantile
 from jobtier.metrics.prometheus import render
-from jobtier.metrics.snapshot import HistogramWindow, read_snapshots, totals
+from jobtier.metrics.snapshot import HistogramWindow, parse_labels, read_snapshots, totals
 from jobtier.queue import Queue
 
 
@@ -53,9 +54,20 @@ async def dashboard_state(
     if window is not None:
         hists, span = window.observe(time.time(), snapshots)
     p99 = {name: quantile(h, 0.99) for name, h in hists.items()}
+    depth: dict[str, float] = defaultdict(float)  # per priority, over every queue
+    queues: dict[str, dict[str, Any]] = defaultdict(lambda: {"queued": {}})
+    for key, n in gauges["queue_depth"].items():
+        lv = parse_labels(key)
+        depth[lv["priority"]] += n
+        queues[lv["queue"]]["queued"][lv["priority"]] = n
+    for gauge, field in (("queue_running_jobs", "running"), ("queue_parked_jobs", "parked"),
+                         ("queue_paused", "paused")):  # fmt: skip
+        for key, n in gauges[gauge].items():
+            queues[parse_labels(key)["queue"]][field] = n
     return {
         "at": time.time(),
-        "queue_depth": {k.split("=", 1)[1]: v for k, v in gauges["queue_depth"].items()},
+        "queue_depth": dict(depth),
+        "queues": dict(queues),
         "oldest_queued_age_seconds": max(gauges["oldest_queued_age_seconds"].values(), default=0.0),
         "scheduled": gauges["scheduled_jobs"][""],
         "running": gauges["running_jobs"][""],

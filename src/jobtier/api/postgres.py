@@ -23,7 +23,7 @@ from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
-from jobtier.model import JobStatus, State
+from jobtier.model import QUEUE_NAME_RE, JobStatus, State
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition, lag
 from jobtier.persist.schedule_store import ScheduleStore
@@ -165,6 +165,7 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
 LIST_PARAMS = [
     Param("state", "string", "only jobs in this state", values=[s.value for s in State]),
     Param("type", "string", "only jobs of this type", max_length=128, pattern=TASK_NAME_RE.pattern),
+    Param("queue", "string", "only jobs of this queue", max_length=64, pattern=QUEUE_NAME_RE.pattern),
     Param("created_after", "date-time", "only jobs created after this time (ISO 8601)", max_length=40),
     Param("cursor", "string", "the next_cursor of the previous page", max_length=200, pattern=r"^[A-Za-z0-9_-]+$"),
     Param("limit", "integer", "most jobs per page (default 50)", minimum=1, maximum=MAX_LIMIT),
@@ -192,6 +193,7 @@ async def list_jobs(request: Request) -> Response:
             tenant,
             state=q.get("state"),
             type=q.get("type"),
+            queue=q.get("queue"),
             created_after=q.get("created_after"),
             cursor=q.get("cursor"),
             limit=q.get("limit", 50),

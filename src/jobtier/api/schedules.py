@@ -101,12 +101,16 @@ async def create(request: Request) -> Response:
     spec: ScheduleSpec = decode_body(_spec_decoder, await read_json_body(request))
     try:
         payload = validate(spec, settings.min_schedule_interval, settings.max_payload_bytes)
+        # its jobs' queue and attempts: the spec's, else the task's (as its workers advertise)
+        queue, max_attempts = await request.state.queue.task_defaults(
+            spec.type, spec.queue, spec.max_attempts, spec.payload
+        )
     except InvalidRequest as exc:
         raise invalid(exc) from None
     created = now_ms()
     schedule = Schedule(
         id=new_schedule_id(), tenant=tenant, name=spec.name, type=spec.type, payload=spec.payload,
-        priority=spec.priority, max_attempts=spec.max_attempts, cron=spec.cron,
+        priority=spec.priority, max_attempts=max_attempts, queue=queue, cron=spec.cron,
         timezone=spec.timezone, interval=spec.interval, misfire=spec.misfire, paused=spec.paused,
         next_fire_at=None, last_fired_at=None, created_at=to_datetime(created) or datetime.now(UTC),
         updated_at=to_datetime(created) or datetime.now(UTC),

@@ -20,7 +20,7 @@ from jobtier.client._core import (
     Submission,
 )
 from jobtier.client._errors import ApiError
-from jobtier.model import JobSpec, JobStatus, Priority
+from jobtier.model import JobSpec, JobStatus, Priority, QueueInfo, QueueLimits, TaskAd
 from jobtier.schedules import Schedule, ScheduleSpec
 
 T = TypeVar("T")
@@ -86,12 +86,20 @@ class AsyncClient(BaseClient):
         delay: float | None = None,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
+        queue: str | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> Submission:
         """Submit one job. ``run_at`` must carry a time zone; give it or ``delay`` (seconds),
         not both. A repeat of an earlier submit's ``idempotency_key`` returns that job with
         ``created`` False, or raises ``IdempotencyKeyConflict`` if the type or payload differ.
+        ``queue`` defaults to the task's; ``concurrency_key``: at most ``concurrency_limit``
+        (default 1) jobs of the key run at once, the others wait in order.
         """
-        op = self._submit(type, payload, priority, run_at, delay, max_attempts, idempotency_key)
+        op = self._submit(
+            type, payload, priority, run_at, delay, max_attempts, idempotency_key,
+            queue, concurrency_key, concurrency_limit,
+        )  # fmt: skip
         return await self._run(op)
 
     async def submit_many(
@@ -144,6 +152,36 @@ class AsyncClient(BaseClient):
     async def result(self, job_id: str) -> Result:
         """The job's state, result (once succeeded) and error (once failed)."""
         return await self._run(self._result(job_id))
+
+    # --- queues (these need the admin key) --------------------------------------------------
+    async def queues(self) -> list[QueueInfo]:
+        """Every queue: ready jobs by priority, running, parked, paused, limits, workers."""
+        return await self._run(self._queues())
+
+    async def pause_queue(self, name: str) -> None:
+        """Stop claims from the queue (submits are still accepted; running jobs finish)."""
+        await self._run(self._queue_action(name, "pause"))
+
+    async def resume_queue(self, name: str) -> None:
+        await self._run(self._queue_action(name, "resume"))
+
+    async def set_queue_limits(
+        self,
+        name: str,
+        *,
+        concurrency: int | None = None,
+        rate: int | None = None,
+        per: float = 1.0,
+    ) -> None:
+        """At most ``concurrency`` of the queue's jobs running at once, and at most ``rate``
+        starts per ``per`` seconds, across every worker; with neither, lift the limits."""
+        limits = QueueLimits(concurrency=concurrency, rate=rate, per=per)
+        await self._run(self._queue_action(name, "limits", limits))
+
+    async def tasks(self) -> list[TaskAd]:
+        """The task catalogue: each task a live or recently seen worker runs, with its
+        queue, retry policy and payload schema."""
+        return await self._run(self._tasks())
 
     # --- recurring schedules -----------------------------------------------------------------
     async def create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Schedule:

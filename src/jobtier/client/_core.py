@@ -29,7 +29,16 @@ from jobtier.client._errors import (
     retry_after,
     unexpected,
 )
-from jobtier.model import JobError, JobSpec, JobStatus, Priority, State, status_decoder
+from jobtier.model import (
+    JobError,
+    JobSpec,
+    JobStatus,
+    Priority,
+    QueueInfo,
+    State,
+    TaskAd,
+    status_decoder,
+)
 from jobtier.schedules import Schedule, ScheduleSpec
 
 try:
@@ -154,6 +163,18 @@ def submission(status: int, doc: bytes, created: bool) -> Submission:
 def spec_key(spec: JobSpec | Mapping[str, Any]) -> str | None:
     key = spec.idempotency_key if isinstance(spec, JobSpec) else spec.get("idempotency_key")
     return key if isinstance(key, str) and key else None
+
+
+class _QueueList(msgspec.Struct):
+    queues: list[QueueInfo]
+
+
+class _TaskList(msgspec.Struct):
+    tasks: list[TaskAd]
+
+
+_queue_list_decoder = msgspec.json.Decoder(_QueueList)
+_task_list_decoder = msgspec.json.Decoder(_TaskList)
 
 
 class _ScheduleList(msgspec.Struct):
@@ -282,8 +303,18 @@ class BaseClient:
         delay: float | None,
         max_attempts: int | None,
         idempotency_key: str | None,
+        queue: str | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> Op[Submission]:
         body: dict[str, Any] = {"type": type, "payload": payload, "priority": priority}
+        for name, value in (
+            ("queue", queue),
+            ("concurrency_key", concurrency_key),
+            ("concurrency_limit", concurrency_limit),
+        ):
+            if value is not None:
+                body[name] = value
         if run_at is not None:
             body["run_at"] = run_at
         if delay is not None:
@@ -383,6 +414,34 @@ class BaseClient:
             return _result_decoder.decode(response.content)
         except msgspec.DecodeError as exc:
             raise unexpected(response.status_code, f"not a result document: {exc}") from None
+
+    # --- queues (admin key) ----------------------------------------------------------------
+    def _json(self, method: str, path: str, body: Any = None) -> Op[bytes]:
+        headers, content = {}, None
+        if body is not None:
+            headers, content = {"content-type": "application/json"}, _encoder.encode(body)
+        response: httpx.Response = yield Call(method, path, headers=headers, content=content)
+        check(response)
+        return response.content
+
+    def _queues(self) -> Op[list[QueueInfo]]:
+        raw = yield from self._json("GET", "/v1/admin/queues")
+        try:
+            return _queue_list_decoder.decode(raw).queues
+        except msgspec.DecodeError as exc:
+            raise unexpected(200, f"not a queue list: {exc}") from None
+
+    def _queue_action(self, name: str, action: str, body: Any = None) -> Op[bytes]:
+        method = "PUT" if action == "limits" else "POST"
+        path = f"/v1/admin/queues/{quote(name, safe='')}/{action}"
+        return (yield from self._json(method, path, body))
+
+    def _tasks(self) -> Op[list[TaskAd]]:
+        raw = yield from self._json("GET", "/v1/admin/tasks")
+        try:
+            return _task_list_decoder.decode(raw).tasks
+        except msgspec.DecodeError as exc:
+            raise unexpected(200, f"not a task list: {exc}") from None
 
     # --- recurring schedules -----------------------------------------------------------------
     def _create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Op[Schedule]:

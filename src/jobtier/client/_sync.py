@@ -20,7 +20,7 @@ from jobtier.client._core import (
     Submission,
 )
 from jobtier.client._errors import ApiError
-from jobtier.model import JobSpec, JobStatus, Priority
+from jobtier.model import JobSpec, JobStatus, Priority, QueueInfo, QueueLimits, TaskAd
 from jobtier.schedules import Schedule, ScheduleSpec
 
 T = TypeVar("T")
@@ -81,9 +81,15 @@ class Client(BaseClient):
         delay: float | None = None,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
+        queue: str | None = None,
+        concurrency_key: str | None = None,
+        concurrency_limit: int | None = None,
     ) -> Submission:
         """Submit one job; see ``AsyncClient.submit``."""
-        op = self._submit(type, payload, priority, run_at, delay, max_attempts, idempotency_key)
+        op = self._submit(
+            type, payload, priority, run_at, delay, max_attempts, idempotency_key,
+            queue, concurrency_key, concurrency_limit,
+        )  # fmt: skip
         return self._run(op)
 
     def submit_many(
@@ -122,6 +128,34 @@ class Client(BaseClient):
     def result(self, job_id: str) -> Result:
         """The job's state, result and error."""
         return self._run(self._result(job_id))
+
+    # --- queues (these need the admin key) --------------------------------------------------
+    def queues(self) -> list[QueueInfo]:
+        """Every queue; see ``AsyncClient.queues``."""
+        return self._run(self._queues())
+
+    def pause_queue(self, name: str) -> None:
+        """Stop claims from the queue (submits are still accepted; running jobs finish)."""
+        self._run(self._queue_action(name, "pause"))
+
+    def resume_queue(self, name: str) -> None:
+        self._run(self._queue_action(name, "resume"))
+
+    def set_queue_limits(
+        self,
+        name: str,
+        *,
+        concurrency: int | None = None,
+        rate: int | None = None,
+        per: float = 1.0,
+    ) -> None:
+        """Limit the queue across every worker; see ``AsyncClient.set_queue_limits``."""
+        limits = QueueLimits(concurrency=concurrency, rate=rate, per=per)
+        self._run(self._queue_action(name, "limits", limits))
+
+    def tasks(self) -> list[TaskAd]:
+        """The task catalogue; see ``AsyncClient.tasks``."""
+        return self._run(self._tasks())
 
     # --- recurring schedules -----------------------------------------------------------------
     def create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Schedule:

@@ -20,13 +20,15 @@ end
 local key = job_key(id)
 local from = j.state
 if from == 'queued' then
-  redis.call('LREM', BASE .. 'q:' .. j.prio, -1, id)
+  remove_ready(j)
 elseif from == 'scheduled' then
   redis.call('ZREM', BASE .. 'sched', id)
 elseif from == 'running' then
   if j.cancel ~= '1' then
     j.cancel = '1'
-    return {OK, commit(j, from, 'api')}
+    local doc = commit(j, from, 'api')
+    flush()
+    return {OK, doc}
   end
   return {OK, redis.call('HGET', key, 'doc')}
 else
@@ -36,4 +38,5 @@ j.state = 'cancelled'
 j.cancel = '1'
 local doc = commit(j, from, 'api')
 finish(j, ARGV[4])
+flush()
 return {OK, doc}

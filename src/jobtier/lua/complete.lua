@@ -30,6 +30,7 @@ for i = 0, n - 1 do
     if #done >= 1000 then
       remove_active()
     end
+    ck_release(j)
     j.state = 'succeeded'
     -- a null result (the task returned None) is the field's absence, which readers take as
     -- null too: no write, and nothing for the append-only file
@@ -42,4 +43,5 @@ for i = 0, n - 1 do
   out[#out + 1] = code
 end
 remove_active()
+flush()
 return out

@@ -6,22 +6,28 @@
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  worker id
 -- ARGV[3]  retention of failed jobs, s
--- ARGV[4]  number of jobs n, then 4 fields per job:
---            id, lease_version, error JSON {"type","message"}, retry delay ms (-1: don't retry)
+-- ARGV[4]  number of jobs n, then 5 fields per job:
+--            id, lease_version, error JSON {"type","message"}, retry delay ms (-1: don't retry),
+--            refund ('1': the attempt does not count, e.g. a RateLimited task: it is retried
+--            whatever attempts remain)
 -- Returns  per job: code, new state ('' when refused)
 --!include lib.lua
 
 local worker, ttl, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
 local out = {}
 for i = 0, n - 1 do
-  local a = 5 + i * 4
+  local a = 5 + i * 5
   local id, delay = ARGV[a], tonumber(ARGV[a + 3])
   local j = load(id)
   local code = check_lease(j, ARGV[a + 1], worker)
   local state = ''
   if code == OK then
     redis.call('ZREM', BASE .. 'active', id)
+    ck_release(j)
     j.error = ARGV[a + 2]
+    if ARGV[a + 4] == '1' then
+      j.attempt = int(tonumber(j.attempt) - 1)
+    end
     if delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
       j.state = 'scheduled'
       j.run_at = int(NOW + delay)
@@ -37,4 +43,5 @@ for i = 0, n - 1 do
   end
   out[#out + 1], out[#out + 2] = code, state
 end
+flush()
 return out

@@ -7,8 +7,9 @@
 --          still that (compare-and-set), so two schedulers never both fire a slot
 -- ARGV[4]  new next-fire time, ms (-1: the schedule has no further slot)
 -- ARGV[5]  the slot to record as last fired, ms ('' when nothing fires: missed slots skipped)
--- ARGV[6]  tenant, ARGV[7] type, ARGV[8] priority, ARGV[9] payload, ARGV[10] max attempts
--- ARGV[11] number of slots n, then 2 fields per slot: job id (derived from schedule and
+-- ARGV[6]  tenant, ARGV[7] type, ARGV[8] priority, ARGV[9] payload, ARGV[10] max attempts,
+--          ARGV[11] queue
+-- ARGV[12] number of slots n, then 2 fields per slot: job id (derived from schedule and
 --          slot), slot time ms (the job's run-at)
 -- Returns  {code, jobs created, slots whose job already existed}
 --            OK; VERSION_CONFLICT (another scheduler advanced it first); NOT_FOUND (deleted);
@@ -30,15 +31,15 @@ if current[1] ~= expected then
   return {VERSION_CONFLICT, 0, 0}
 end
 local created, existed = 0, 0
-local n = tonumber(ARGV[11])
+local n = tonumber(ARGV[12])
 for i = 0, n - 1 do
-  local a = 12 + i * 2
+  local a = 13 + i * 2
   local job_id = ARGV[a]
   if redis.call('EXISTS', job_key(job_id)) == 1 then
     existed = existed + 1
   else
-    create_job(job_id, ARGV[6], ARGV[7], ARGV[8], ARGV[9], ARGV[10], tonumber(ARGV[a + 1]), '',
-               'scheduler')
+    create_job(job_id, ARGV[6], ARGV[7], ARGV[11], ARGV[8], ARGV[9], ARGV[10],
+               tonumber(ARGV[a + 1]), '', 'scheduler', '', 1)
     created = created + 1
   end
 end
@@ -53,4 +54,5 @@ else
   redis.call('HSET', key, 'next', new_next)
   redis.call('ZADD', BASE .. 'cron', new_next, id)
 end
+flush()
 return {OK, created, existed}

@@ -41,4 +41,5 @@ for i = 0, n - 1 do
   end
   out[#out + 1], out[#out + 2] = code, cancel
 end
+flush()
 return out

@@ -39,7 +39,7 @@ local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 -- lv and lt are the version and time (ms) of the job's last logged entry (see commit).
 local FIELDS = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
                 'created', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
-                'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt'}
+                'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey'}
 
 local function job_key(id)
   return BASE .. 'job:' .. id
@@ -54,7 +54,60 @@ local function load(id)
   for i, name in ipairs(FIELDS) do
     j[name] = values[i] or ''
   end
+  if j.queue == '' then  -- a job created before queues existed
+    j.queue = 'default'
+  end
   return j
+end
+
+-- Counters kept in hashes (ready jobs per queue and priority, running jobs per queue, waiting
+-- jobs per tenant) are summed here and written once per script by flush(): a batch of 500
+-- jobs costs one HINCRBY per counter touched, not one per job. Every script that changes a
+-- job calls flush() before it returns (a unit test checks).
+local COUNTS = {}
+local function count(key, field, delta)
+  local h = COUNTS[key]
+  if not h then
+    h = {}
+    COUNTS[key] = h
+  end
+  h[field] = (h[field] or 0) + delta
+end
+
+-- Per shard, the hash jt:{s}:queues holds for each queue q: 'q:<priority>' ready jobs,
+-- 'q:running' running jobs, 'q:paused' ('1' while paused), 'q:wrr' its claim rotation cursor.
+local QUEUES = BASE .. 'queues'
+local PARKED = BASE .. 'parked'
+local PRIORITY_SUFFIX = {[':critical'] = true, [':high'] = true, [':normal'] = true,
+                         [':low'] = true}
+
+local function flush()
+  local woken = {}
+  for key, fields in pairs(COUNTS) do
+    for field, delta in pairs(fields) do
+      if delta ~= 0 then
+        local now = redis.call('HINCRBY', key, field, delta)
+        -- workers sleep on the wake channel only when every queue they serve was empty:
+        -- wake them when a queue's ready count leaves zero (once per queue per script)
+        if delta > 0 and now == delta then
+          local q
+          if key == QUEUES then
+            local name, suffix = string.match(field, '^(.*)(:[a-z]+)$')
+            if PRIORITY_SUFFIX[suffix] then
+              q = name
+            end
+          elseif key == PARKED then  -- '<queue>:<type>': a worker that has the task may sleep
+            q = string.match(field, '^([^:]+):')
+          end
+          if q and not woken[q] then
+            woken[q] = true
+            redis.call('SPUBLISH', BASE .. 'wake', 'q ' .. q)
+          end
+        end
+      end
+    end
+  end
+  COUNTS = {}
 end
 
 local function int(n)
@@ -134,6 +187,7 @@ local function render(j)
   end
   return '{"id":' .. cjson.encode(j.id)
     .. ',"type":' .. cjson.encode(j.type)
+    .. ',"queue":' .. cjson.encode(j.queue)
     .. ',"state":"' .. j.state
     .. '","version":' .. j.version
     .. ',"priority":"' .. j.prio
@@ -176,7 +230,10 @@ local function commit(j, from, actor, extra, quiet)
              'worker', j.worker, 'lease_version', j.lease_version, 'lv', j.lv, 'lt', j.lt,
              'doc', doc)
   if WAITING[from] ~= WAITING[j.state] then
-    redis.call('HINCRBY', BASE .. 'waiting', j.tenant, WAITING[j.state] and 1 or -1)
+    count(BASE .. 'waiting', j.tenant, WAITING[j.state] and 1 or -1)
+  end
+  if (from == 'running') ~= (j.state == 'running') then
+    count(QUEUES, j.queue .. ':running', j.state == 'running' and 1 or -1)
   end
   if not quiet then
     local entry = {'d', doc, 'tn', j.tenant, 'fr', from, 'w', actor, 'pv', prev}
@@ -191,22 +248,157 @@ local function commit(j, from, actor, extra, quiet)
   return doc
 end
 
+-- Ready jobs: one list per (queue, priority, tenant), jt:{s}:q:<queue>:<priority>:<tenant>
+-- (LPUSH new, RPOP oldest: FIFO), and per (queue, priority) a ring of the tenants whose
+-- list is not empty, jt:{s}:ring:<queue>:<priority>, which claims rotate through so that one
+-- tenant's backlog cannot starve another tenant's job. A tenant is in the ring exactly while
+-- its list is not empty.
+local function ready_list(queue, prio, tenant)
+  return BASE .. 'q:' .. queue .. ':' .. prio .. ':' .. tenant
+end
+
+local function ring_key(queue, prio)
+  return BASE .. 'ring:' .. queue .. ':' .. prio
+end
+
 -- Make j ready to claim. Front = the job already waited its turn (reclaimed, released).
--- Workers sleep on the wake channel only when every queue they saw was empty, so a wake is
--- needed only when a queue goes from empty to non-empty; once per script is enough.
-local woke = false
 local function push_ready(j, front)
-  local q = BASE .. 'q:' .. j.prio
+  local list = ready_list(j.queue, j.prio, j.tenant)
   local n
   if front then
-    n = redis.call('RPUSH', q, j.id)
+    n = redis.call('RPUSH', list, j.id)
   else
-    n = redis.call('LPUSH', q, j.id)
+    n = redis.call('LPUSH', list, j.id)
   end
-  if n == 1 and not woke then
-    woke = true
-    redis.call('SPUBLISH', BASE .. 'wake', 'q')
+  if n == 1 then
+    redis.call('RPUSH', ring_key(j.queue, j.prio), j.tenant)
   end
+  count(QUEUES, j.queue .. ':' .. j.prio, 1)
+end
+
+-- Concurrency keys: at most `limit` jobs of one key (per tenant) are ready or running at
+-- once; the others wait, oldest first, in jt:{s}:ck:<tenant>:<key> (they stay `queued`).
+-- jt:{s}:ckeys holds per '<tenant>:<key>' how many are ready or running, and under
+-- '<tenant>:<key>:limit' the limit last submitted. A job with a key lives in the key's shard
+-- (queue.py routes it), so all of this is one script's atomic work.
+local CKEYS = BASE .. 'ckeys'
+
+local function ck_name(j)
+  return j.tenant .. ':' .. j.ckey
+end
+
+-- Make j ready to claim, or hold it behind its concurrency key. Front = the job already
+-- waited its turn (reclaimed, released): it goes first.
+local function make_ready(j, front)
+  if j.ckey == '' then
+    push_ready(j, front)
+    return
+  end
+  local name = ck_name(j)
+  local v = redis.call('HMGET', CKEYS, name, name .. ':limit')
+  local admitted, limit = tonumber(v[1] or '0'), tonumber(v[2] or '1')
+  if admitted < limit then
+    redis.call('HINCRBY', CKEYS, name, 1)
+    push_ready(j, front)
+  elseif front then
+    redis.call('RPUSH', BASE .. 'ck:' .. name, j.id)
+  else
+    redis.call('LPUSH', BASE .. 'ck:' .. name, j.id)
+  end
+end
+
+-- j (ready or running under its key) is leaving: free its place and admit the oldest held
+-- job of the key, if any.
+local function ck_release(j)
+  if j.ckey == '' then
+    return
+  end
+  local name = ck_name(j)
+  local left = redis.call('HINCRBY', CKEYS, name, -1)
+  if left < 0 then  -- never below zero, whatever happened before (a guard, not a path)
+    redis.call('HSET', CKEYS, name, 0)
+    left = 0
+  end
+  local limit = tonumber(redis.call('HGET', CKEYS, name .. ':limit') or '1')
+  while left < limit do
+    local next_id = redis.call('RPOP', BASE .. 'ck:' .. name)
+    if not next_id then
+      break
+    end
+    local n = load(next_id)
+    if n and n.state == 'queued' then
+      redis.call('HINCRBY', CKEYS, name, 1)
+      left = left + 1
+      push_ready(n, true)
+    end
+  end
+  if left == 0 and redis.call('LLEN', BASE .. 'ck:' .. name) == 0 then
+    redis.call('HDEL', CKEYS, name, name .. ':limit')  -- an idle key costs nothing
+  end
+end
+
+-- Take a queued job out of wherever it waits (cancel): its ready list, the parked jobs of its
+-- type (handed back by a worker that cannot run it: claim.lua), or its key's queue.
+local function remove_ready(j)
+  local list = ready_list(j.queue, j.prio, j.tenant)
+  local field = j.queue .. ':' .. j.type
+  if redis.call('LREM', list, -1, j.id) > 0 then
+    count(QUEUES, j.queue .. ':' .. j.prio, -1)
+    if redis.call('LLEN', list) == 0 then
+      redis.call('LREM', ring_key(j.queue, j.prio), 0, j.tenant)
+    end
+    ck_release(j)
+  elseif redis.call('LREM', BASE .. 'park:' .. field, -1, j.id) > 0 then
+    count(PARKED, field, -1)
+    ck_release(j)
+  elseif j.ckey ~= '' then
+    redis.call('LREM', BASE .. 'ck:' .. ck_name(j), -1, j.id)
+  end
+end
+
+-- Pop up to n of the oldest ready jobs of (queue, prio), rotating through the tenants that
+-- have some: each tenant in the ring gets an equal share in turn, and the tenants served go
+-- to the back of the ring. One tenant (the common case) costs an LRANGE, an RPOP and an LLEN.
+-- Appends the ids to `out`; returns how many.
+local function pop_ready(queue, prio, n, out)
+  local ring = ring_key(queue, prio)
+  local got = 0
+  for _ = 1, 4 do  -- a pass serves up to n tenants; a short tenant leaves room for another pass
+    if got >= n then
+      break
+    end
+    local tenants = redis.call('LRANGE', ring, 0, n - got - 1)
+    if #tenants == 0 then
+      break
+    end
+    local per = math.max(1, math.floor((n - got) / #tenants))
+    local served, keep = 0, {}
+    for _, tenant in ipairs(tenants) do
+      if got >= n then
+        break
+      end
+      served = served + 1
+      local list = ready_list(queue, prio, tenant)
+      local take = math.min(per, n - got)
+      local ids = redis.call('RPOP', list, take)
+      local k = ids and #ids or 0
+      for i = 1, k do
+        out[#out + 1] = ids[i]
+      end
+      got = got + k
+      if k == take and redis.call('LLEN', list) > 0 then
+        keep[#keep + 1] = tenant
+      end
+    end
+    if #tenants > 1 or #keep == 0 then  -- a lone tenant with jobs left keeps its place
+      redis.call('LPOP', ring, served)
+      if #keep > 0 then
+        redis.call('RPUSH', ring, unpack(keep))
+      end
+    end
+  end
+  count(QUEUES, queue .. ':' .. prio, -got)
+  return got
 end
 
 -- Put j in a sorted set scored by `at`; tell the scheduler when `at` is the new earliest.
@@ -220,22 +412,26 @@ end
 
 -- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future.
 -- Returns its status document.
-local function create_job(id, tenant, type, prio, payload, max_attempts, due, idem, actor)
-  local j = {id = id, tenant = tenant, type = type, prio = prio, state = 'queued',
-             version = '0', attempt = '0', max_attempts = max_attempts, created = NOW_STR,
-             run_at = '', error = '', progress = '', cancel = '0', worker = '',
-             lease_version = '0', created_iso = iso_str(NOW_STR), run_at_iso = '', lv = '',
-             lt = ''}
+local function create_job(id, tenant, type, queue, prio, payload, max_attempts, due, idem, actor,
+                          ckey, climit)
+  local j = {id = id, tenant = tenant, type = type, queue = queue, prio = prio,
+             state = 'queued', version = '0', attempt = '0', max_attempts = max_attempts,
+             created = NOW_STR, run_at = '', error = '', progress = '', cancel = '0',
+             worker = '', lease_version = '0', created_iso = iso_str(NOW_STR), run_at_iso = '',
+             lv = '', lt = '', ckey = ckey or ''}
   if due ~= '' then
     j.run_at = int(due)
     if due > NOW then
       j.state = 'scheduled'
     end
   end
-  redis.call('HSET', job_key(id), 'id', id, 'tenant', tenant, 'type', type, 'prio', prio,
-             'max_attempts', max_attempts, 'created', j.created, 'created_iso', j.created_iso,
-             'payload', payload,
-             'idem', idem)
+  redis.call('HSET', job_key(id), 'id', id, 'tenant', tenant, 'type', type, 'queue', queue,
+             'prio', prio, 'max_attempts', max_attempts, 'created', j.created,
+             'created_iso', j.created_iso, 'payload', payload, 'idem', idem)
+  if j.ckey ~= '' then
+    redis.call('HSET', job_key(id), 'ckey', j.ckey)
+    redis.call('HSET', CKEYS, ck_name(j) .. ':limit', climit)
+  end
   local extra = {'p', payload}
   if idem ~= '' then
     extra[3], extra[4] = 'ik', idem
@@ -244,7 +440,7 @@ local function create_job(id, tenant, type, prio, payload, max_attempts, due, id
   if j.state == 'scheduled' then
     add_timed('sched', j, due)
   else
-    push_ready(j, false)
+    make_ready(j, false)
   end
   return doc
 end

@@ -15,8 +15,9 @@ for _, id in ipairs(ids) do
   if j and j.state == 'scheduled' then
     j.state = 'queued'
     commit(j, 'scheduled', 'scheduler')
-    push_ready(j, false)
+    make_ready(j, false)
     promoted = promoted + 1
   end
 end
+flush()
 return {promoted, next_score('sched'), NOW}

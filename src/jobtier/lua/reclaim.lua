@@ -21,6 +21,7 @@ for _, id in ipairs(ids) do
   if j and j.state == 'running' then
     local lost = j.worker
     j.worker = ''
+    ck_release(j)
     if j.cancel == '1' then
       j.state = 'cancelled'
       commit(j, 'running', lost)
@@ -30,7 +31,7 @@ for _, id in ipairs(ids) do
       if tonumber(j.attempt) < tonumber(j.max_attempts) then
         j.state = 'queued'
         commit(j, 'running', lost)
-        push_ready(j, true)
+        make_ready(j, true)
         requeued = requeued + 1
       else
         j.state = 'failed'
@@ -42,4 +43,5 @@ for _, id in ipairs(ids) do
     end
   end
 end
+flush()
 return {requeued, dead, next_score('active'), NOW}

@@ -23,5 +23,6 @@ j.attempt = '0'
 j.error = ''
 j.worker = ''
 local doc = commit(j, 'failed', 'admin')
-push_ready(j, false)
+make_ready(j, false)
+flush()
 return {OK, doc}

@@ -22,6 +22,7 @@ for i = 0, n - 1 do
   local state = ''
   if code == OK then
     redis.call('ZREM', BASE .. 'active', id)
+    ck_release(j)
     if j.cancel == '1' then
       j.state = 'cancelled'
       commit(j, 'running', worker)
@@ -31,10 +32,11 @@ for i = 0, n - 1 do
       j.attempt = int(tonumber(j.attempt) - 1)
       j.worker = ''
       commit(j, 'running', worker)
-      push_ready(j, true)
+      make_ready(j, true)
     end
     state = j.state
   end
   out[#out + 1], out[#out + 2] = code, state
 end
+flush()
 return out

@@ -3,10 +3,11 @@
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  idempotency record lifetime, ms
--- ARGV[3]  number of jobs n, then 10 fields per job:
---            id, tenant, type, priority, payload (JSON), max_attempts,
+-- ARGV[3]  number of jobs n, then 13 fields per job:
+--            id, tenant, type, queue, priority, payload (JSON), max_attempts,
 --            run_at ms (0: none), delay ms (0: none),
---            idempotency key ('' none), request hash (identifies "the same request")
+--            idempotency key ('' none), request hash (identifies "the same request"),
+--            concurrency key ('' none) and its limit (jobs of the key ready or running at once)
 -- Returns  per job: code, job id, status document
 --            OK                    created (the id asked for)
 --            DUPLICATE             the key was used by the same request: that job, its document
@@ -19,8 +20,8 @@ local idem_ttl = ARGV[2]
 local n = tonumber(ARGV[3])
 local out = {}
 for i = 0, n - 1 do
-  local a = 4 + i * 10
-  local id, tenant, idem, hash = ARGV[a], ARGV[a + 1], ARGV[a + 8], ARGV[a + 9]
+  local a = 4 + i * 13
+  local id, tenant, idem, hash = ARGV[a], ARGV[a + 1], ARGV[a + 9], ARGV[a + 10]
   local code = OK
   local idem_key
   if idem ~= '' then
@@ -44,7 +45,7 @@ for i = 0, n - 1 do
     out[#out + 1], out[#out + 2], out[#out + 3] = code, id, redis.call('HGET', job_key(id), 'doc')
   end
   if code == OK then
-    local run_at, delay = tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
+    local run_at, delay = tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8])
     local due = ''
     if run_at > 0 then
       due = run_at
@@ -54,9 +55,10 @@ for i = 0, n - 1 do
     if idem ~= '' then
       redis.call('SET', idem_key, id .. ' ' .. hash, 'PX', idem_ttl)
     end
-    local doc = create_job(id, tenant, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5], due,
-                           idem, 'api')
+    local doc = create_job(id, tenant, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5],
+                           ARGV[a + 6], due, idem, 'api', ARGV[a + 11], ARGV[a + 12])
     out[#out + 1], out[#out + 2], out[#out + 3] = OK, id, doc
   end
 end
+flush()
 return out

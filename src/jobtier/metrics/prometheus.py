@@ -28,6 +28,14 @@ HELP = {
     "transitions_persisted_total": "Transitions written to Postgres.",
     "persister_bad_entries_total": "Log entries that could not be stored (unreadable or refused).",
     "persister_parked_total": "Log entries Postgres refused, moved to the shard's log:refused stream.",
+    "queue_depth": "Ready jobs per queue and priority.",
+    "queue_running_jobs": "Jobs of the queue running now.",
+    "queue_parked_jobs": "Jobs handed back by workers that lack their task, waiting for one that has it.",
+    "queue_paused": "1 while the queue is paused.",
+    "oldest_queued_age_seconds": "How long the oldest ready job of the queue and priority has waited.",
+    "worker_handed_back_total": "Jobs this worker handed back (their task is not in it).",
+    "worker_rate_limited_total": "Tasks that raised RateLimited.",
+    "queue_limit_wait_seconds_total": "Seconds a worker waited for a limited queue's permits (rate or concurrency).",
 }
 
 

@@ -102,7 +102,7 @@ def _json(value: Any) -> bytes | None:
 JOB_COLUMNS = (
     "id", "tenant", "type", "priority", "state", "version", "attempt", "max_attempts",
     "created_at", "updated_at", "run_at", "payload", "idempotency_key", "result", "result_size",
-    "error", "progress", "cancel_requested", "worker", "doc",
+    "error", "progress", "cancel_requested", "worker", "doc", "queue",
 )  # fmt: skip
 TRANSITION_COLUMNS = (
     "job_id", "version", "prev_version", "from_state", "to_state", "at", "worker", "attempt",
@@ -123,7 +123,7 @@ def job_records(rows: Sequence[JobRow]) -> list[tuple[Any, ...]]:
             s.id, row.latest.tenant, s.type, s.priority, s.state, s.version, s.attempt,
             s.max_attempts, _ts(s.created_at), _ts(s.updated_at), _ts(s.run_at), row.payload,
             row.idempotency_key, result, size, _json(s.error), _json(s.progress),
-            s.cancel_requested, s.worker, row.latest.doc,
+            s.cancel_requested, s.worker, row.latest.doc, s.queue,
         ))  # fmt: skip
     return out
 

@@ -23,7 +23,7 @@ import msgspec
 from jobtier.connection import RedisClient
 from jobtier.errors import InvalidRequest
 from jobtier.keys import JOB_ID_RE, Keys
-from jobtier.model import JobError, JobStatus, State, any_decoder, status_decoder
+from jobtier.model import QUEUE_NAME_RE, JobError, JobStatus, State, any_decoder, status_decoder
 from jobtier.persist.db import Pool, query
 
 MAX_LIMIT = 500
@@ -122,6 +122,7 @@ class PgReader:
         state: str | None = None,
         type: str | None = None,
         created_after: datetime | str | None = None,
+        queue: str | None = None,
         cursor: str | None = None,
         limit: int = 50,
         order: str = "desc",
@@ -150,6 +151,11 @@ class PgReader:
         if type is not None:
             params.append(type)
             filters.append(f"AND type = ${len(params)}")
+        if queue is not None:
+            if not (isinstance(queue, str) and QUEUE_NAME_RE.fullmatch(queue)):
+                raise InvalidRequest(f"queue must match {QUEUE_NAME_RE.pattern}", field="queue")
+            params.append(queue)
+            filters.append(f"AND queue = ${len(params)}")
         if created_after is not None:
             params.append(_created_after(created_after))
             filters.append(f"AND created_at > ${len(params)}")

@@ -30,10 +30,10 @@ ON CONFLICT (job_id, version, at) DO NOTHING
 INSERT INTO jobs AS j
     (id, tenant, type, priority, state, version, attempt, max_attempts, created_at, updated_at,
      run_at, payload, idempotency_key, result, result_size, error, progress, cancel_requested,
-     worker, doc)
+     worker, doc, queue)
 SELECT id, tenant, type, priority, state, version, attempt, max_attempts, created_at, updated_at,
        run_at, payload, idempotency_key, result, result_size, error, progress, cancel_requested,
-       worker, doc
+       worker, doc, queue
 FROM jobs_staging
 ORDER BY id
 ON CONFLICT (id) DO UPDATE SET
@@ -146,8 +146,8 @@ INSERT INTO schema_migrations (name) VALUES ($1)
 -- name: insert_schedule
 INSERT INTO schedules (id, tenant, name, type, payload, priority, max_attempts, cron, timezone,
                        interval_seconds, misfire_policy, paused, next_fire_at, created_at,
-                       updated_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $14)
+                       updated_at, queue)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $14, $15)
 RETURNING *
 
 -- name: get_schedule

@@ -37,6 +37,7 @@ def to_schedule(row: asyncpg.Record) -> Schedule:
         last_fired_at=row["last_fired_at"],
         created_at=row["created_at"],
         updated_at=row["updated_at"],
+        queue=row["queue"],
     )
 
 
@@ -51,7 +52,7 @@ class ScheduleStore:
                 schedule.id, schedule.tenant, schedule.name, schedule.type, payload,
                 schedule.priority.value, schedule.max_attempts, schedule.cron, schedule.timezone,
                 schedule.interval, schedule.misfire, schedule.paused, schedule.next_fire_at,
-                schedule.created_at,
+                schedule.created_at, schedule.queue,
             )  # fmt: skip
         except asyncpg.UniqueViolationError:
             raise DuplicateName(schedule.name) from None

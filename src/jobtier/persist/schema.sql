@@ -34,6 +34,7 @@ CREATE TABLE jobs (
     worker           text,
     -- the status document of `version`, byte for byte what Redis served
     doc              bytea       NOT NULL,
+    queue            text        NOT NULL DEFAULT 'default',
     CONSTRAINT jobs_pkey PRIMARY KEY (id),
     CONSTRAINT jobs_state_check CHECK (
         state IN ('scheduled', 'queued', 'running', 'succeeded', 'failed', 'cancelled')
@@ -42,10 +43,11 @@ CREATE TABLE jobs (
 );
 
 -- listing: a tenant's jobs newest (or oldest) first, keyset paginated by (created_at, id),
--- optionally filtered by state or type
+-- optionally filtered by state, type or queue
 CREATE INDEX jobs_tenant_created_idx ON jobs (tenant, created_at, id);
 CREATE INDEX jobs_tenant_state_created_idx ON jobs (tenant, state, created_at, id);
 CREATE INDEX jobs_tenant_type_created_idx ON jobs (tenant, type, created_at, id);
+CREATE INDEX jobs_tenant_queue_created_idx ON jobs (tenant, queue, created_at, id);
 -- retention: finished jobs by when they finished (persist/retention.py deletes the old ones)
 CREATE INDEX jobs_finished_idx ON jobs (updated_at)
     WHERE state IN ('succeeded', 'failed', 'cancelled');
@@ -108,6 +110,8 @@ CREATE TABLE schedules (
     last_fired_at    timestamptz,
     created_at       timestamptz NOT NULL DEFAULT now(),
     updated_at       timestamptz NOT NULL DEFAULT now(),
+    -- the queue of its jobs (NULL: the task's queue, else `default`)
+    queue            text,
     CONSTRAINT schedules_pkey PRIMARY KEY (id),
     CONSTRAINT schedules_tenant_name_key UNIQUE (tenant, name),
     CONSTRAINT schedules_cron_or_interval_check CHECK ((cron IS NULL) <> (interval_seconds IS NULL)),

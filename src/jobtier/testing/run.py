@@ -195,7 +195,7 @@ class TaskRun:
                 "".join(traceback.format_exception(end.exc)),
                 end.exc,
             )
-            if fail_state(delay_ms, ctx.attempt, ctx.max_attempts) == "scheduled":
+            if fail_state(delay_ms, ctx.attempt, ctx.max_attempts, end.refund) == "scheduled":
                 self._ended = self._make("retry", error=error, retry_in=delay_ms / 1000)
             else:
                 self._ended = self._make("failed", error=error)

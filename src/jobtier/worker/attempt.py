@@ -26,14 +26,13 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from jobtier.errors import Cancelled, Fatal, Retry
+from jobtier.errors import Cancelled, Fatal, RateLimited, Retry
 from jobtier.model import encode_json
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import RetryPolicy, Task
 
 MESSAGE_LIMIT = 2000  # characters of an exception's message kept in the job's error
 DEFAULT_POLICY = RetryPolicy()  # for a job whose type this worker does not know
-_decode = msgspec.json.Decoder().decode
 _encode = msgspec.json.Encoder().encode
 
 
@@ -64,6 +63,7 @@ class Failure:
     message: str
     retry: bool
     delay: float | None = None
+    refund: bool = False  # the attempt does not count (RateLimited): retried whatever is left
 
     def error_json(self) -> bytes:
         return encode_json({"type": self.type, "message": self.message})
@@ -81,6 +81,9 @@ def failure(exc: Exception, task: Task | None) -> Failure:
     retried, everything else is (a timeout included), ``Retry`` with the delay it names."""
     if isinstance(exc, TimeoutError) and task is not None and task.timeout is not None:
         return Failure(exc, "TimeoutError", f"attempt timed out after {task.timeout:g}s", True)
+    if isinstance(exc, RateLimited):  # the worker also holds the queue back (runner.py)
+        message = str(exc)[:MESSAGE_LIMIT]
+        return Failure(exc, "RateLimited", message, True, exc.retry_after, refund=True)
     retry = not (
         isinstance(exc, Fatal) or (task is not None and isinstance(exc, task.non_retryable))
     )
@@ -111,7 +114,10 @@ async def run_attempt(
     try:
         if task is None:
             raise LookupError(f"no task {ctx.type!r} in this worker ({ctx.worker_id})")
-        decoded = _decode(ctx.job.payload)
+        try:
+            decoded = task.decode_payload(ctx.job.payload)  # into its annotated type, if any
+        except msgspec.ValidationError as exc:
+            raise Fatal(f"the payload does not fit {task.name}'s payload type: {exc}") from None
         if task.is_async:
             call: Any = task.fn(ctx, decoded)
         else:
@@ -164,9 +170,14 @@ def deliver_cancel(ctx: JobContext, task: Task | None, handle: asyncio.Task[Any]
         handle.cancel()
 
 
-def fail_state(delay_ms: int, attempt: int, max_attempts: int) -> Literal["scheduled", "failed"]:
-    """The state ``fail.lua`` gives a failed attempt: retried while attempts remain.
+def fail_state(
+    delay_ms: int, attempt: int, max_attempts: int, refund: bool = False
+) -> Literal["scheduled", "failed"]:
+    """The state ``fail.lua`` gives a failed attempt: retried while attempts remain (an
+    attempt refunded does not count).
 
     fail.lua decides in Redis; this is the same rule for ``jobtier.testing``, which runs no
     Redis (tests/integration/test_testing_plugin.py checks the two agree)."""
+    if refund:
+        attempt -= 1
     return "scheduled" if delay_ms >= 0 and attempt < max_attempts else "failed"

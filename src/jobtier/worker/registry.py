@@ -6,11 +6,16 @@ import importlib
 import inspect
 import random
 import re
+import time
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, overload
 
-from jobtier.errors import ConfigError
+import msgspec
+
+from jobtier.errors import ConfigError, InvalidRequest
+from jobtier.model import DEFAULT_QUEUE, QUEUE_NAME_RE, Backoff, TaskAd, TaskInfo
 
 TASK_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$")
 
@@ -45,6 +50,13 @@ class Task:
     non_retryable: tuple[type[BaseException], ...] = ()
     timeout: float | None = None
     is_async: bool = True
+    queue: str = DEFAULT_QUEUE
+    # the payload's annotated type (a msgspec.Struct, dataclass, TypedDict, ...): the worker
+    # decodes into it and the catalogue publishes its JSON Schema; None: any JSON value
+    payload_type: Any = None
+    decode_payload: Callable[[bytes], Any] = field(
+        default=msgspec.json.Decoder().decode, repr=False, compare=False
+    )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -52,6 +64,62 @@ class Task:
     @property
     def max_attempts(self) -> int:
         return self.retry.max_attempts
+
+    def payload_schema(self) -> dict[str, Any] | None:
+        return None if self.payload_type is None else msgspec.json.schema(self.payload_type)
+
+    def check_payload(self, payload: Any) -> None:
+        """Raise InvalidRequest (naming the field) if ``payload`` does not fit the type."""
+        if self.payload_type is None:
+            return
+        try:
+            msgspec.convert(payload, self.payload_type)
+        except msgspec.ValidationError as exc:
+            message = str(exc)
+            _, at, path = message.rpartition(" - at `$")
+            where = "payload" + (path.rstrip("`") if at else "")
+            raise InvalidRequest(f"{where}: {message[:300]}", field=where) from None
+
+    def info(self) -> TaskInfo:
+        check = self.check_payload if self.payload_type is not None else None
+        return TaskInfo(self.queue, self.max_attempts, check)
+
+    def ad(self, worker: str) -> TaskAd:
+        """What a worker advertises of this task (catalog.py)."""
+        r = self.retry
+        return TaskAd(
+            type=self.name,
+            queue=self.queue,
+            max_attempts=r.max_attempts,
+            backoff=Backoff(r.base, r.factor, r.cap, r.jitter),
+            timeout=self.timeout,
+            non_retryable=[f"{c.__module__}.{c.__qualname__}" for c in self.non_retryable],
+            payload_schema=self.payload_schema(),
+            seen_at=time.time(),
+            worker=worker,
+        )
+
+
+def _payload_type(fn: Callable[..., Any], name: str) -> Any:
+    """The annotation of a task's second parameter, if it names a type other than Any."""
+    params = list(inspect.signature(fn).parameters.values())
+    if len(params) < 2 or params[1].annotation is inspect.Parameter.empty:
+        return None
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception as exc:  # a forward reference that does not resolve
+        raise ConfigError(f"task {name}: cannot read its payload annotation: {exc}") from None
+    annotation = hints.get(params[1].name)
+    if annotation in (None, Any, object):
+        return None
+    try:
+        msgspec.json.schema(annotation)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(
+            f"task {name}: payload annotation {annotation!r} is not a type jobtier can decode "
+            f"JSON into ({exc}); use a msgspec.Struct, a dataclass, a TypedDict or Any"
+        ) from None
+    return annotation
 
 
 @overload
@@ -70,6 +138,7 @@ def task(
     jitter: float = 0.1,
     non_retryable: Iterable[type[BaseException]] = (),
     timeout: float | None = None,
+    queue: str = DEFAULT_QUEUE,
 ) -> Callable[[Callable[..., Any]], Task]: ...
 
 
@@ -84,13 +153,15 @@ def task(
     jitter: float = 0.1,
     non_retryable: Iterable[type[BaseException]] = (),
     timeout: float | None = None,
+    queue: str = DEFAULT_QUEUE,
 ) -> Any:
     """Declare a task: ``async def fn(ctx, payload)`` (or a plain ``def``, run in a thread).
 
     ``retries`` is how many times a failed attempt is retried (attempts = retries + 1); a job
     submitted with its own ``max_attempts`` overrides it. Exceptions in ``non_retryable``
     (and ``jobtier.Fatal``) send the job straight to the dead-letter set. ``timeout`` bounds
-    one attempt, in seconds; a timed-out attempt counts as a retryable failure.
+    one attempt, in seconds; a timed-out attempt counts as a retryable failure. ``queue``
+    names the queue its jobs go to (workers serve queues: ``jobtier worker --queues``).
 
     Usable bare (``@task``) or with options (``@task(retries=5, timeout=30)``).
     """
@@ -103,10 +174,16 @@ def task(
             raise ConfigError(f"task {task_name}: retries/backoff/jitter out of range")
         if timeout is not None and timeout <= 0:
             raise ConfigError(f"task {task_name}: timeout must be positive")
+        if not QUEUE_NAME_RE.fullmatch(queue):
+            raise ConfigError(
+                f"task {task_name}: queue {queue!r} must match {QUEUE_NAME_RE.pattern}"
+            )
         classes = tuple(non_retryable)
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, BaseException)):
                 raise ConfigError(f"task {task_name}: non_retryable holds {cls!r}")
+        payload_type = _payload_type(f, task_name)
+        decoder = msgspec.json.Decoder(payload_type) if payload_type is not None else None
         return Task(
             name=task_name,
             fn=f,
@@ -114,6 +191,9 @@ def task(
             non_retryable=classes,
             timeout=timeout,
             is_async=inspect.iscoroutinefunction(f),
+            queue=queue,
+            payload_type=payload_type,
+            **({"decode_payload": decoder.decode} if decoder is not None else {}),
         )
 
     return wrap(fn) if fn is not None else wrap
@@ -147,6 +227,14 @@ class TaskRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._tasks)
+
+    def info(self, name: str) -> TaskInfo | None:
+        t = self._tasks.get(name)
+        return None if t is None else t.info()
+
+    def queues(self) -> list[str]:
+        """The queues of the registered tasks: what a worker serves unless told otherwise."""
+        return sorted({t.queue for t in self._tasks.values()})
 
     @classmethod
     def load(cls, spec: str) -> TaskRegistry:

@@ -33,7 +33,7 @@ import socket
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,11 +41,12 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from jobtier.backoff import CLAIM, REPORT
+from jobtier.catalog import publish as publish_tasks
 from jobtier.connection import ShardSubscriber
-from jobtier.errors import Code
+from jobtier.errors import Code, ConfigError, RateLimited
 from jobtier.metrics.histogram import Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
-from jobtier.model import ClaimedJob, encode_json
+from jobtier.model import QUEUE_NAME_RE, ClaimedJob, encode_json
 from jobtier.queue import Queue
 from jobtier.scripts import Call
 from jobtier.worker.attempt import (
@@ -57,6 +58,7 @@ from jobtier.worker.attempt import (
     run_attempt,
 )
 from jobtier.worker.context import JobContext
+from jobtier.worker.limits import LimitedClaimer, limit_calls
 from jobtier.worker.registry import Task, TaskRegistry
 
 log = logging.getLogger("jobtier.worker")
@@ -78,6 +80,8 @@ class WorkerStats:
     released: int = 0
     refused: int = 0  # stale writes refused by Redis (this worker had lost the job)
     leases_lost: int = 0
+    handed_back: int = 0  # jobs of types this worker cannot run, left in their queue
+    rate_limited: int = 0  # tasks that raised RateLimited
     claim_wait: Histogram = field(default_factory=Histogram)  # seconds, since start
     run_time: Histogram = field(default_factory=Histogram)
 
@@ -93,6 +97,7 @@ class _Running:
     progress: bytes | None = None
     lost: bool = False  # a heartbeat was refused: stop and drop the outcome
     released: bool = False  # given back at shutdown: any later outcome is dropped
+    permit: str | None = None  # a limited queue's permit (limits.py), returned at the end
 
 
 class _TaskThreads(ThreadPoolExecutor):
@@ -143,14 +148,33 @@ class Worker:
         idle_poll: float = 5.0,
         threads: int | None = None,
         progress_interval: float = 0.2,
+        queues: Sequence[str] | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        served = list(dict.fromkeys(queues)) if queues else registry.queues()
+        for q in served:
+            if not QUEUE_NAME_RE.fullmatch(q):
+                raise ConfigError(f"queue {q!r} must match {QUEUE_NAME_RE.pattern}")
+        if not served:
+            raise ConfigError("a worker must serve at least one queue")
         self.queue = queue
         self.scripts = queue.scripts
         self.keys = queue.keys
         self.settings = queue.settings
         self.registry = registry
+        self.queues = served  # served in turn: each claim round starts one queue further on
+        self._served = {q.encode() for q in served}
+        self._types = registry.names()  # the claim script hands back jobs of other types
+        self._queue_turn = 0
+        # limited queues (global concurrency or rate) are claimed by their own loops
+        self._claimers: dict[str, LimitedClaimer] = {}
+        self._claimer_tasks: dict[str, asyncio.Task[None]] = {}
+        self._reserved = 0  # slots promised to claims in flight (the loops share the slots)
+        self._claims_over = False
+        self._background: set[asyncio.Task[None]] = set()
+        self._unblock: asyncio.TimerHandle | None = None  # a look when a queue's block ends
+        self._unblock_ms = 0
         self.concurrency = concurrency
         self.burst = burst
         self.id = name or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
@@ -179,6 +203,10 @@ class Worker:
             "fail": defaultdict(list),
             "stopped": defaultdict(list),
         }
+        # a limited queue's permits (queue -> ids): of jobs whose outcome is in the outbox,
+        # then of jobs whose outcome Redis has (to give back)
+        self._pending_permits: dict[str, list[str]] = defaultdict(list)
+        self._to_release: dict[str, list[str]] = defaultdict(list)
         self._outbox_ready = asyncio.Event()
         self._outbox_idle = asyncio.Event()
         self._outbox_idle.set()
@@ -207,6 +235,11 @@ class Worker:
                 "worker_outcomes_total": outcomes,
                 "stale_writes_refused_total": {"": st.refused},
                 "leases_lost_total": {"": st.leases_lost},
+                "worker_handed_back_total": {"": st.handed_back},
+                "worker_rate_limited_total": {"": st.rate_limited},
+                "queue_limit_wait_seconds_total": {
+                    labels(queue=q): c.stats.waited for q, c in self._claimers.items()
+                },
             },
             gauges={
                 "worker_running_jobs": {"": len(self._running)},
@@ -257,14 +290,16 @@ class Worker:
         )
         await self._subscriber.start()
         await self._advertise()
+        await self._refresh_limits()
         reporter = asyncio.create_task(self._report_loop(), name="jobtier-reporter")
         heart = asyncio.create_task(self._heartbeat_loop(), name="jobtier-heartbeat")
         log.info(
-            "event=worker_started worker=%s concurrency=%d tasks=%s burst=%s",
-            self.id, self.concurrency, ",".join(self.registry.names()), self.burst,
+            "event=worker_started worker=%s concurrency=%d queues=%s tasks=%s burst=%s",
+            self.id, self.concurrency, ",".join(self.queues), ",".join(self._types), self.burst,
         )  # fmt: skip
         try:
             await self._claim_until_stopped()
+            await self._stop_claimers()
             await self._drain()
         finally:
             if self._running:  # the claim loop crashed: give back what we hold
@@ -297,7 +332,15 @@ class Worker:
         return self.stats
 
     def _on_wake(self, channel: bytes, data: bytes) -> None:
-        if data == b"q":
+        # "q <queue>": a queue of the shard had no ready job and now has some;
+        # "l <queue>": a permit of a limited queue came free
+        if data[2:] not in self._served:
+            return
+        claimer = self._claimers.get(data[2:].decode())
+        if claimer is not None:
+            claimer.wake.set()
+            return
+        if data[:2] == b"q ":
             shard = int(channel[channel.index(b"{") + 1 : channel.index(b"}")])
             self._ready[shard] = UNKNOWN
             self._generation[shard] += 1
@@ -308,6 +351,8 @@ class Worker:
         self._ready = [UNKNOWN] * self.keys.shards
         self._generation = [g + 1 for g in self._generation]
         self._wake.set()
+        for claimer in self._claimers.values():
+            claimer.wake.set()
 
     # --- claiming ---------------------------------------------------------------------------
     async def _claim_until_stopped(self) -> None:
@@ -335,7 +380,7 @@ class Worker:
     async def _claim_loop(self) -> None:
         backoff = CLAIM.start()
         while not self._stopping.is_set():
-            free = self.concurrency - len(self._running)
+            free = self.free_slots()
             if free <= 0:
                 # every slot busy: wake for a free slot or for a stop, which must not wait
                 # for a job to end (it would wait a whole job, past the grace)
@@ -343,6 +388,7 @@ class Worker:
                 await self._first(self._slot_free.wait(), self._stopping.wait())
                 continue
             self._wake.clear()
+            reserved = self.reserve(free)
             try:
                 claimed = await self._claim(free)
                 backoff.reset()
@@ -353,10 +399,12 @@ class Worker:
                 )
                 await self._sleep(wait)
                 continue
+            finally:
+                reserved()
             if claimed or any(self._ready):
                 continue  # more to claim, or shards this round did not ask
             if self.burst:
-                if not self._running:
+                if not self._running and all(c.idle for c in self._claimers.values()):
                     return
                 self._slot_free.clear()
                 await self._first(self._slot_free.wait(), self._wake.wait(), self._stopping.wait())
@@ -375,22 +423,152 @@ class Worker:
         plan = self._plan(free)
         if not plan:
             return 0
+        turn = self._queue_turn
+        self._queue_turn = (turn + 1) % len(self.queues)
+        queues = [
+            (q, -1) for q in self.queues[turn:] + self.queues[:turn] if q not in self._claimers
+        ]
+        if not queues:
+            self._ready = [0] * self.keys.shards  # every queue is limited: their loops claim
+            return 0
         generations = [self._generation[shard] for shard, _ in plan]
         calls: list[Call] = [
-            self.scripts.claim_call(shard, self.id, n, self.lease_ms) for shard, n in plan
+            self.scripts.claim_call(shard, self.id, n, self.lease_ms, queues, self._types)
+            for shard, n in plan
         ]
         replies = await self.scripts.call_many(calls)
         self.stats.claim_round_trips += 1
         total = 0
+        unaware = False
         for (shard, _), gen, reply in zip(plan, generations, replies, strict=True):
             batch = self.scripts.parse_claim(shard, reply)
             # a wake that arrived while this claim was in flight is newer than its answer
             if self._generation[shard] == gen:
                 self._ready[shard] = batch.ready_left
+            if batch.handed_back:
+                self._handed_back(batch.handed_back)
+            if batch.wake_at_ms > 0:  # a blocked queue: look again when its block ends
+                self._wake_at(batch.wake_at_ms, batch.now_ms)
             for job in batch.jobs:
                 self._start(job, shard, batch.now_ms)
             total += len(batch.jobs)
+            unaware = unaware or bool(batch.unaware)
+        if unaware:
+            await self._refresh_limits()  # a queue became limited: claim it with permits
         return total
+
+    # --- limited queues (limits.py) ----------------------------------------------------------
+    @property
+    def stopping(self) -> bool:
+        """Claim loops stop: the worker is stopping, or a burst worker found nothing more."""
+        return self._stopping.is_set() or self._claims_over
+
+    def free_slots(self) -> int:
+        return self.concurrency - len(self._running) - self._reserved
+
+    def reserve(self, n: int) -> Callable[[], None]:
+        """Hold ``n`` slots for a claim in flight; call the result when its jobs started."""
+        self._reserved += n
+
+        def done() -> None:
+            self._reserved -= n
+
+        return done
+
+    def claimer_idle(self) -> None:
+        """A limited queue's loop found nothing ready: a burst worker may be done."""
+        if self.burst:
+            self._wake.set()
+
+    async def wait_for_slot(self) -> None:
+        self._slot_free.clear()
+        await self._first(self._slot_free.wait(), self._stopping.wait())
+
+    async def sleep(self, seconds: float, event: asyncio.Event | None = None) -> bool:
+        return await self._sleep(seconds, event)
+
+    async def claim_limited(
+        self, queue: str, plan: list[tuple[int, int]], permits: list[str]
+    ) -> list[tuple[str, int]]:
+        """Claim jobs of a limited queue: (shard, cap) calls, capped by the permits held; each
+        job started takes the next permit. Returns (permit, claimed at ms) of those used."""
+        calls: list[Call] = [
+            self.scripts.claim_call(shard, self.id, cap, self.lease_ms, [(queue, cap)], self._types)
+            for shard, cap in plan
+        ]
+        replies = await self.scripts.call_many(calls)
+        self.stats.claim_round_trips += 1
+        used: list[tuple[str, int]] = []
+        for (shard, _), reply in zip(plan, replies, strict=True):
+            batch = self.scripts.parse_claim(shard, reply)
+            if batch.handed_back:
+                self._handed_back(batch.handed_back)
+            for job in batch.jobs:
+                permit = permits[len(used)]
+                self._start(job, shard, batch.now_ms, permit)
+                used.append((permit, batch.now_ms))
+        return used
+
+    async def _refresh_limits(self) -> None:
+        """Read which of our queues are limited (the catalogue jt:queues); start a claim loop
+        for each new one, stop those of queues no longer limited."""
+        raw = await self.queue.redis.hmget(self.keys.queue_limits(), self.queues)
+        limited = {q for q, conf in zip(self.queues, raw, strict=True) if conf}
+        for q in limited - self._claimers.keys():
+            claimer = self._claimers[q] = LimitedClaimer(self, q)
+            if hasattr(self, "_loop"):  # running: start its loop now
+                self._claimer_tasks[q] = asyncio.create_task(claimer.run(), name=f"claim {q}")
+            log.info("event=queue_limited worker=%s queue=%s", self.id, q)
+        for q in set(self._claimers) - limited:
+            del self._claimers[q]
+            task = self._claimer_tasks.pop(q, None)
+            if task is not None:
+                task.cancel()
+            self._ready = [UNKNOWN] * self.keys.shards  # the main loop claims it again
+            self._wake.set()
+            log.info("event=queue_unlimited worker=%s queue=%s", self.id, q)
+
+    async def _stop_claimers(self) -> None:
+        """End the limited queues' claim loops: they finish the claim in flight, if any, but
+        not past the shutdown's deadline (a Redis that stopped answering)."""
+        self._claims_over = True
+        for claimer in self._claimers.values():
+            claimer.wake.set()
+        self._slot_free.set()
+        tasks = list(self._claimer_tasks.values())
+        if not tasks:
+            return
+        left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        _, pending = await asyncio.wait(tasks, timeout=left)
+        for task in pending:
+            log.warning(
+                "event=claim_abandoned worker=%s: a limited queue's claim in flight", self.id
+            )
+            task.cancel()
+
+    def _wake_at(self, at_ms: int, now_ms: int) -> None:
+        """Look at every shard again at ``at_ms`` (Redis's clock), once per moment."""
+        if self._unblock is not None and self._unblock_ms <= at_ms:
+            return  # an earlier (or the same) look is already due
+        if self._unblock is not None:
+            self._unblock.cancel()
+        self._unblock_ms = at_ms
+
+        def look() -> None:
+            self._unblock = None
+            self._on_reset()
+
+        self._unblock = self._loop.call_later(max((at_ms - now_ms) / 1000, 0.0), look)
+
+    def _handed_back(self, ids: list[str]) -> None:
+        """The claim script left jobs this worker cannot run in their queue (another pool
+        serves the same queue, or a deploy is in progress): say so, loudly but not per job."""
+        self.stats.handed_back += len(ids)
+        log.warning(
+            "event=jobs_handed_back worker=%s count=%d first=%s tasks=%s queues=%s: "
+            "they stay queued for a worker that has their task",
+            self.id, len(ids), ids[0], ",".join(self._types), ",".join(self.queues),
+        )  # fmt: skip
 
     def _plan(self, free: int) -> list[tuple[int, int]]:
         """(shard, jobs to ask for) for one round of claims.
@@ -443,14 +621,16 @@ class Worker:
                 left -= n
         return list(asks.items())
 
-    def _start(self, job: ClaimedJob, shard: int, now_ms: int) -> None:
+    def _start(self, job: ClaimedJob, shard: int, now_ms: int, permit: str | None = None) -> None:
         self.stats.claimed += 1
         waited = max(now_ms - job.queued_at_ms, 0) / 1000
         self.stats.claim_wait.observe(waited)
         ctx = JobContext(
             job, shard, self.id, self._loop, lambda data: self._on_progress(job.id, data)
         )
-        running = _Running(job, shard, self.registry.get(job.type), ctx, time.monotonic())
+        running = _Running(
+            job, shard, self.registry.get(job.type), ctx, time.monotonic(), permit=permit
+        )
         self._running[job.id] = running
         running.handle = asyncio.create_task(
             run_attempt(running.task, ctx, self._threads, self.settings.max_result_bytes, self),
@@ -474,9 +654,15 @@ class Worker:
                 self._report("stopped", r, ())
         finally:
             self.stats.run_time.observe(time.monotonic() - r.started)
+            if r.permit is not None:  # no outcome sent (a lost lease): give it back now
+                self._to_release[r.job.queue].append(r.permit)
+                self._outbox_ready.set()
             self._slot_free.set()
 
     def _fail(self, r: _Running, failure: Failure) -> None:
+        if isinstance(failure.exc, RateLimited):
+            self._rate_limited(r, failure, failure.exc)
+            return
         delay_ms = failure.delay_ms(r.task.retry if r.task else DEFAULT_POLICY, r.job.attempt)
         log.info(
             "event=job_failed job=%s type=%s attempt=%d/%d error=%s retry_in_ms=%d",
@@ -484,6 +670,32 @@ class Worker:
             type(failure.exc).__name__, delay_ms,
         )  # fmt: skip
         self._report("fail", r, (failure.error_json(), delay_ms))
+
+    def _rate_limited(self, r: _Running, failure: Failure, exc: RateLimited) -> None:
+        """The task says the downstream wants us to wait: the job runs again then, without
+        using an attempt, and its queue starts nothing meanwhile, on every worker."""
+        delay_ms = round(exc.retry_after * 1000)
+        error = failure.error_json()
+        log.info(
+            "event=queue_rate_limited job=%s type=%s queue=%s retry_in_ms=%d",
+            r.job.id, r.job.type, r.job.queue, delay_ms,
+        )  # fmt: skip
+        self._report("fail", r, (error, delay_ms, 1))
+        self.stats.rate_limited += 1
+        task = asyncio.create_task(self._block(r.job.queue, exc.retry_after))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _block(self, queue: str, seconds: float) -> None:
+        try:
+            await self.queue.block(queue, seconds)
+            if queue in self._claimers:  # its permits wait too (limit.lua)
+                await self.scripts.call(
+                    self.scripts["limit"], self.keys.home(queue),
+                    ("block", queue, round(seconds * 1000)),
+                )  # fmt: skip
+        except (RedisError, OSError) as exc:
+            log.warning("event=queue_block_failed queue=%s error=%r", queue, exc)
 
     def _on_progress(self, job_id: str, data: bytes) -> None:
         r = self._running.get(job_id)
@@ -510,6 +722,11 @@ class Worker:
             self._outbox["progress"][r.shard].append((r.job.id, r.job.lease_version, r.progress))
             r.progress = None
         self._outbox[kind][r.shard].append((r.job.id, r.job.lease_version, *extra))
+        if r.permit is not None:
+            # returned once the outcome is in Redis: before, a new job of the queue could
+            # start while Redis still counts this one as running (over the limit)
+            self._pending_permits[r.job.queue].append(r.permit)
+            r.permit = None
         self._outbox_idle.clear()
         self._outbox_ready.set()
 
@@ -528,10 +745,15 @@ class Worker:
             await self._beat_idle.wait()
             batches = {kind: dict(by_shard) for kind, by_shard in self._outbox.items() if by_shard}
             if not batches:
+                if self._to_release and not await self._release_permits():
+                    await asyncio.sleep(backoff.next())
+                    continue
                 self._outbox_idle.set()
                 return
             for by_shard in self._outbox.values():
                 by_shard.clear()
+            permits = dict(self._pending_permits)
+            self._pending_permits.clear()
             calls: list[Call] = []
             kinds: list[tuple[str, list[tuple[Any, ...]]]] = []
             s = self.settings
@@ -564,6 +786,8 @@ class Worker:
                 for kind, by_shard in batches.items():
                     for shard, items in by_shard.items():
                         self._outbox[kind][shard][:0] = items
+                for queue_name, ids in permits.items():
+                    self._pending_permits[queue_name][:0] = ids
                 wait = backoff.next()
                 log.warning(
                     "event=report_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, wait
@@ -572,6 +796,23 @@ class Worker:
                 continue
             for (kind, items), reply in zip(kinds, replies, strict=True):
                 self._account(kind, items, reply)
+            for queue_name, ids in permits.items():
+                self._to_release[queue_name] += ids
+
+    async def _release_permits(self) -> bool:
+        """Return the permits of finished jobs (limits.py); False if Redis refused (kept)."""
+        by_queue = {q: ids for q, ids in self._to_release.items() if ids}
+        self._to_release.clear()
+        try:
+            await self.scripts.call_many(
+                limit_calls(self.scripts, self.keys, "release", by_queue, 0)
+            )
+        except (RedisError, OSError) as exc:
+            for q, ids in by_queue.items():
+                self._to_release[q] += ids
+            log.warning("event=permit_release_failed worker=%s error=%r", self.id, exc)
+            return False
+        return True
 
     def _account(self, kind: str, items: list[tuple[Any, ...]], reply: list[Any]) -> None:
         if kind == "progress":
@@ -636,6 +877,7 @@ class Worker:
                 if full:
                     next_beat = time.monotonic() + interval
                     await self._advertise()
+                    await self._refresh_limits()
             except (RedisError, OSError) as exc:
                 log.warning("event=heartbeat_failed worker=%s error=%r", self.id, exc)
                 if full:
@@ -660,9 +902,16 @@ class Worker:
             self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items, self.history_ms)
             for shard, items in by_shard.items()
         ]
+        permits: dict[str, list[str]] = defaultdict(list)
+        if not progress_only:
+            for r in beating:
+                if r.permit is not None:
+                    permits[r.job.queue].append(r.permit)
+        beats = len(calls)
+        calls += limit_calls(self.scripts, self.keys, "extend", permits, self.lease_ms)
         self._beat_idle.clear()
         try:
-            replies = await self.scripts.call_many(calls)
+            replies = (await self.scripts.call_many(calls))[:beats]
         finally:
             self._beat_idle.set()
         index = {r.job.id: r for r in beating}
@@ -693,10 +942,14 @@ class Worker:
                 "concurrency": self.concurrency,
                 "running": len(self._running),
                 "tasks": self.registry.names(),
+                "queues": self.queues,
                 "seen_at": time.time(),
             }
         )
         await self.queue.redis.hset(self.keys.workers(), self.id, info)
+        # the tasks it runs, with their policies and payload schemas (catalog.py): what the
+        # API checks and completes a submit with
+        await publish_tasks(self.queue.redis, self.keys, [t.ad(self.id) for t in self.registry])
 
     # --- shutdown ---------------------------------------------------------------------------
     async def _drain(self) -> None:

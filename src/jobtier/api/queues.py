@@ -1,0 +1,120 @@
+"""Queue routes (admin key): every queue's state, pause and resume, flow limits, and the task
+catalogue (what the workers run)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jobtier.api.auth import require_admin
+from jobtier.api.http import JSON, decode_body, invalid, read_json_body
+from jobtier.catalog import TaskCatalog
+from jobtier.errors import InvalidRequest
+from jobtier.model import QUEUE_NAME_RE, QueueLimits
+from jobtier.queue import Queue
+
+_limits_decoder = msgspec.json.Decoder(QueueLimits)
+
+
+def _name(request: Request) -> str:
+    name: str = request.path_params["name"]
+    if not QUEUE_NAME_RE.fullmatch(name):
+        raise invalid(
+            InvalidRequest(f"queue name must match {QUEUE_NAME_RE.pattern}", field="name")
+        )
+    return name
+
+
+async def queue_states(queue: Queue, catalog: TaskCatalog | None) -> list[dict[str, Any]]:
+    """Every known queue: a queue with jobs, limits, or a task that names it."""
+    stats = await queue.stats()
+    limits = await queue.limits()
+    ages = await queue.oldest_queued()
+    workers = await queue.live_workers()
+    names = set(stats["queues"]) | set(limits)
+    if catalog is not None:
+        names |= {ad.queue for ad in catalog.ads()}
+    out = []
+    for name in sorted(names):
+        q = stats["queues"].get(name) or {
+            "queued": {}, "parked": 0, "running": 0, "paused": False, "limited": False,
+            "blocked_until_ms": 0,
+        }  # fmt: skip
+        blocked = q["blocked_until_ms"] / 1000
+        out.append(
+            {
+                "name": name,
+                "queued": q["queued"],
+                "queued_total": sum(q["queued"].values()),
+                "parked": q["parked"],
+                "running": q["running"],
+                "paused": q["paused"],
+                "limits": msgspec.to_builtins(limits[name]) if name in limits else None,
+                "blocked_until": blocked if blocked > time.time() else None,
+                "oldest_queued_age_seconds": max(
+                    (age for (qn, _), age in ages.items() if qn == name), default=None
+                ),
+                "workers": sum(1 for w in workers if name in w.get("queues", ())),
+                "tasks": sorted(ad.type for ad in catalog.ads() if ad.queue == name)
+                if catalog is not None
+                else [],
+            }
+        )
+    return out
+
+
+async def list_queues(request: Request) -> Response:
+    require_admin(request)
+    states = await queue_states(request.state.queue, request.state.catalog)
+    return Response(orjson.dumps({"queues": states}), media_type=JSON)
+
+
+async def pause(request: Request) -> Response:
+    require_admin(request)
+    name = _name(request)
+    await request.state.queue.pause(name)
+    return Response(orjson.dumps({"queue": name, "paused": True}), media_type=JSON)
+
+
+async def resume(request: Request) -> Response:
+    require_admin(request)
+    name = _name(request)
+    await request.state.queue.resume(name)
+    return Response(orjson.dumps({"queue": name, "paused": False}), media_type=JSON)
+
+
+async def set_limits(request: Request) -> Response:
+    """PUT the queue's limits (``{}`` lifts them)."""
+    require_admin(request)
+    name = _name(request)
+    limits: QueueLimits = decode_body(_limits_decoder, await read_json_body(request))
+    try:
+        await request.state.queue.set_limits(name, limits)
+    except InvalidRequest as exc:
+        raise invalid(exc) from None
+    body = {"queue": name, "limits": msgspec.to_builtins(limits) if limits.limited else None}
+    return Response(orjson.dumps(body), media_type=JSON)
+
+
+async def tasks(request: Request) -> Response:
+    """The task catalogue: every task a live or recently seen worker runs, with its queue,
+    policies and payload schema."""
+    require_admin(request)
+    catalog: TaskCatalog = request.state.catalog
+    await catalog.load()
+    return Response(msgspec.json.encode({"tasks": catalog.ads()}), media_type=JSON)
+
+
+routes = [
+    Route("/v1/admin/queues", list_queues, methods=["GET"]),
+    Route("/v1/admin/queues/{name}/pause", pause, methods=["POST"]),
+    Route("/v1/admin/queues/{name}/resume", resume, methods=["POST"]),
+    Route("/v1/admin/queues/{name}/limits", set_limits, methods=["PUT"]),
+    Route("/v1/admin/tasks", tasks, methods=["GET"]),
+]
