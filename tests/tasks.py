@@ -105,3 +105,40 @@ async def thumbnail(ctx: JobContext, payload: Thumbnail) -> dict[str, Any]:
 
 
 registry.add(thumbnail)
+
+
+# --- flows ------------------------------------------------------------------------------------
+@task(retries=0)
+async def collect(ctx: JobContext, payload: Any) -> dict[str, Any]:
+    """A flow's parent (or a chain's step): returns what it received."""
+    return {
+        "payload": payload,
+        "previous": ctx.previous,
+        "dependencies": {
+            dep_id: [d.state, d.result, d.error.type if d.error else None]
+            for dep_id, d in ctx.dependencies.items()
+        },
+    }
+
+
+@task(retries=0)
+async def add(ctx: JobContext, payload: Any) -> int:
+    """A chain's step: the previous step's number plus this one's."""
+    return int(ctx.previous or 0) + int(payload)
+
+
+@task(retries=0)
+async def refund(ctx: JobContext, payload: Any) -> Any:
+    """The compensation of `charge`: receives the failed job's id, type, payload and error."""
+    return payload
+
+
+@task(retries=1, on_failure=refund, backoff_base=0.05)
+async def charge(ctx: JobContext, payload: Any) -> str:
+    if (payload or {}).get("fail"):
+        raise RuntimeError(f"card declined (attempt {ctx.attempt})")
+    return "charged"
+
+
+for _t in (collect, add, refund, charge):
+    registry.add(_t)

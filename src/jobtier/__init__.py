@@ -19,7 +19,10 @@ _EXPORTS: dict[str, str] = {
     "Client": "jobtier.client",
     "Code": "jobtier.errors",
     "ConfigError": "jobtier.errors",
+    "Dependency": "jobtier.model",
     "Fatal": "jobtier.errors",
+    "FlowJob": "jobtier.model",
+    "FlowSubmitted": "jobtier.model",
     "IdempotencyConflict": "jobtier.errors",
     "InvalidRequest": "jobtier.errors",
     "JobContext": "jobtier.worker.context",
@@ -38,12 +41,14 @@ _EXPORTS: dict[str, str] = {
     "Scheduler": "jobtier.scheduler",
     "Settings": "jobtier.config",
     "State": "jobtier.model",
-    "Submitted": "jobtier.queue",
+    "Submitted": "jobtier.model",
     "Task": "jobtier.worker.registry",
     "TaskRegistry": "jobtier.worker.registry",
     "TransitionRefused": "jobtier.errors",
     "UnknownTask": "jobtier.errors",
     "Worker": "jobtier.worker.runner",
+    "chain": "jobtier.flows",
+    "fan_in": "jobtier.flows",
     "task": "jobtier.worker.registry",
 }
 
@@ -53,7 +58,10 @@ __all__ = [
     "Client",
     "Code",
     "ConfigError",
+    "Dependency",
     "Fatal",
+    "FlowJob",
+    "FlowSubmitted",
     "IdempotencyConflict",
     "InvalidRequest",
     "JobContext",
@@ -79,6 +87,8 @@ __all__ = [
     "UnknownTask",
     "Worker",
     "__version__",
+    "chain",
+    "fan_in",
     "task",
 ]
 
@@ -113,8 +123,19 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         TransitionRefused,
         UnknownTask,
     )
-    from jobtier.model import JobError, JobSpec, JobStatus, Priority, State
-    from jobtier.queue import Queue, Submitted
+    from jobtier.flows import chain, fan_in
+    from jobtier.model import (
+        Dependency,
+        FlowJob,
+        FlowSubmitted,
+        JobError,
+        JobSpec,
+        JobStatus,
+        Priority,
+        State,
+        Submitted,
+    )
+    from jobtier.queue import Queue
     from jobtier.scheduler import Scheduler
     from jobtier.schedules import Schedule, ScheduleSpec
     from jobtier.worker.context import JobContext

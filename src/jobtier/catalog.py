@@ -9,7 +9,9 @@ refreshed in the background and on a miss) and, at submit:
 * refuses a type that no live or recently seen worker runs (422 naming the known types),
   unless ``JOBTIER_REQUIRE_KNOWN_TYPES=0`` (producers that deploy before their workers);
 * gives a job without ``max_attempts`` its task's, and without ``queue`` its task's queue;
-* refuses a payload that does not fit the task's schema (422 naming the field).
+* refuses a payload that does not fit the task's schema (422 naming the field);
+* gives a job of a task with ``on_failure`` its compensation (the task, its queue, its
+  attempts), created atomically with the job's failure (lib.lua ``compensate``).
 
 During a deploy two versions of a task may advertise different policies: the latest writer
 wins, and a worker's own policy still governs the retries it decides.
@@ -130,7 +132,7 @@ class TaskCatalog:
                 if cached is None or cached[0] != encoded:
                     cached = self._checks[name] = (encoded, schema_check(ad.payload_schema))
                 check = cached[1]
-            infos[name] = TaskInfo(ad.queue, ad.max_attempts, check)
+            infos[name] = TaskInfo(ad.queue, ad.max_attempts, check, ad.on_failure)
         self._ads, self._infos = ads, infos
         self._loaded_at = time.monotonic()
 

@@ -74,6 +74,21 @@ class Settings:
         300.0, "A run-at this far in the past is accepted as 'now'; older is refused."
     )
 
+    max_flow_jobs: int = _setting(
+        10_001,
+        "Most jobs in one flow (POST /v1/flows), and most dependencies of one job.",
+    )
+    flow_link_timeout_seconds: float = _setting(
+        60.0,
+        "A dependent whose submit was cut short before it linked its dependencies is linked by "
+        "the resolver this long after its creation (a missing dependency then cancels it).",
+    )
+    resolver_claim_idle_seconds: float = _setting(
+        10.0,
+        "Flow hand-offs a resolver took and has not acknowledged for this long are taken over "
+        "by another (it died mid-resolution); also how often a resolver looks for them.",
+    )
+
     cron_misfire_grace_seconds: float = _setting(
         60.0, "A schedule's slot later than this counts as missed (its misfire policy applies)."
     )
@@ -90,7 +105,7 @@ class Settings:
         0.0, "Per-tenant submit rate limit in jobs/s per API process (0: unlimited)."
     )
     max_waiting_per_tenant: int = _setting(
-        0, "Per-tenant cap on queued+scheduled jobs (0: unlimited)."
+        0, "Per-tenant cap on jobs not started yet: waiting, scheduled, queued (0: unlimited)."
     )
     max_waiting_total: int = _setting(
         5_000_000, "Global back-pressure: submit answers 503 past this many waiting jobs."
@@ -192,6 +207,12 @@ class Settings:
                 "JOBTIER_PG_JOB_RETENTION_DAYS must cover JOBTIER_RETENTION_SECONDS and "
                 "JOBTIER_DEAD_RETENTION_SECONDS (or be 0: forever)"
             )
+        if self.max_flow_jobs < 1:
+            problems.append("JOBTIER_MAX_FLOW_JOBS must be at least 1")
+        if self.flow_link_timeout_seconds <= 0:
+            problems.append("JOBTIER_FLOW_LINK_TIMEOUT_SECONDS must be more than 0")
+        if self.resolver_claim_idle_seconds <= 0:
+            problems.append("JOBTIER_RESOLVER_CLAIM_IDLE_SECONDS must be more than 0")
         if self.prune_interval_seconds < 1:
             problems.append("JOBTIER_PRUNE_INTERVAL_SECONDS must be at least 1")
         if self.log_format not in ("text", "json"):

@@ -25,7 +25,14 @@ Per shard::
     jt:{s}:active            zset   running jobs by lease deadline (ms)
     jt:{s}:dead              zset   failed jobs (the dead-letter set) by failure time (ms)
     jt:{s}:idem:<tenant>:<k> string idempotency record: "<job id> <request hash>"
-    jt:{s}:waiting           hash   tenant -> queued+scheduled jobs in this shard
+    jt:{s}:waiting           hash   tenant -> waiting+queued+scheduled jobs in this shard
+    jt:{s}:deps:<id>         hash   a job's dependencies: id -> '0'/'1' (pending; '1': a
+                                    child) or a state mark and the result/error (lib.lua)
+    jt:{s}:dnt:<id>          set    a job's dependents (ids, any shard)
+    jt:{s}:unlinked          zset   dependents whose submitter has not yet linked every
+                                    dependency, by when the resolver links them itself (ms)
+    jt:{s}:flow              stream hand-offs of finished jobs to their dependents (and of
+                                    cancelled parents to their children), for the resolver
     jt:{s}:wrr               string before named queues: the priority rotation (upgrade.lua
                                     moves the old ready lists, jt:{s}:q:<priority>, then
                                     deletes it)
@@ -37,8 +44,8 @@ Per shard::
     jt:{s}:wake              shard channel: "q <queue>" (a queue had no ready job and
                              now has some, or parked ones), "l <queue>" (permits of a
                              limited queue came free), "s <ms>" (an
-                             earlier run-at to wake the scheduler for) or "c <ms>" (a
-                             schedule's next firing)
+                             earlier run-at to wake the scheduler for), "c <ms>" (a
+                             schedule's next firing) or "f" (hand-offs in jt:{s}:flow)
 
 Before named queues, ready jobs waited in ``jt:{s}:q:<priority>`` with the rotation cursor in
 ``jt:{s}:wrr``; ``lua/upgrade.lua`` moves them into the layout above (schedulers run it).
@@ -182,6 +189,18 @@ class Keys:
     def wake(self, shard: int) -> str:
         return self._bases[shard] + "wake"
 
+    def deps(self, job_id: str) -> str:
+        return f"{self._bases[self.shard_of(job_id)]}deps:{job_id}"
+
+    def dependents(self, job_id: str) -> str:
+        return f"{self._bases[self.shard_of(job_id)]}dnt:{job_id}"
+
+    def unlinked(self, shard: int) -> str:
+        return self._bases[shard] + "unlinked"
+
+    def flow(self, shard: int) -> str:
+        return self._bases[shard] + "flow"
+
     # --- global (not sharded) keys ------------------------------------------------------
     def workers(self) -> str:
         """hash worker id -> JSON heartbeat (tasks, concurrency, in-flight, last seen)."""
@@ -202,3 +221,7 @@ class Keys:
 
     def persist_group(self) -> str:
         return f"{self.prefix}-persister"
+
+    def resolver_group(self) -> str:
+        """The consumer group of the flow streams (flows/resolver.py)."""
+        return f"{self.prefix}-resolver"

@@ -12,12 +12,13 @@ import re
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import msgspec
 
 
 class State(StrEnum):
+    WAITING = "waiting"  # for its dependencies (flows); queued once they are done
     SCHEDULED = "scheduled"
     QUEUED = "queued"
     RUNNING = "running"
@@ -31,7 +32,8 @@ class State(StrEnum):
 
 
 TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
-WAITING = frozenset({State.SCHEDULED, State.QUEUED})
+# not started yet: counted against the waiting-jobs caps (JOBTIER_MAX_WAITING_*)
+WAITING = frozenset({State.WAITING, State.SCHEDULED, State.QUEUED})
 
 
 class Priority(StrEnum):
@@ -46,6 +48,8 @@ PRIORITIES: tuple[Priority, ...] = tuple(Priority)
 DEFAULT_QUEUE = "default"
 # a queue name is part of Redis keys (jt:{s}:q:<queue>:<priority>:<tenant>): no ':' in it
 QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# what a failed dependency does to a job that waits for it (the default: cancel)
+OnDependencyFailure = Literal["cancel", "run"]
 
 
 class JobError(msgspec.Struct, frozen=True):
@@ -53,11 +57,22 @@ class JobError(msgspec.Struct, frozen=True):
     message: str
 
 
+class Dependencies(msgspec.Struct, frozen=True):
+    """A job's dependencies in its status document: how many, how many have finished
+    (``done``), and how many of those did not succeed (``failed``: failed, cancelled or
+    missing)."""
+
+    total: int
+    done: int
+    failed: int
+
+
 class JobStatus(msgspec.Struct, frozen=True):
     """The status document served by ``GET /v1/jobs/{id}`` and pushed over SSE.
 
     ``version`` increases by one on every change to this document: each state transition,
-    each progress report and a cancel request.
+    each progress report, a cancel request, and each time some of a waiting job's
+    dependencies finish (``dependencies``, present only on a job that has any).
     """
 
     id: str
@@ -75,6 +90,7 @@ class JobStatus(msgspec.Struct, frozen=True):
     cancel_requested: bool = False
     worker: str | None = None
     queue: str = DEFAULT_QUEUE
+    dependencies: Dependencies | None = None
 
     @property
     def terminal(self) -> bool:
@@ -87,6 +103,9 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``queue`` defaults to the queue of the task (as its workers advertise it), else
     ``default``. ``concurrency_key``: at most ``concurrency_limit`` (default 1) jobs of the
     same key (per tenant) are ready or running at once; the others wait their turn.
+    ``depends_on``: ids of existing jobs this one waits for (state ``waiting``); it is queued
+    when the last of them succeeds. One that fails, is cancelled or does not exist cancels
+    it, unless ``on_dependency_failure`` is ``run``: then it runs once they have all finished.
     """
 
     type: str
@@ -99,6 +118,65 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue: str | None = None
     concurrency_key: str | None = None
     concurrency_limit: int | None = None
+    depends_on: list[str] | None = None
+    on_dependency_failure: OnDependencyFailure | None = None
+
+
+class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One job of a flow (``POST /v1/flows``): a job as ``JobSpec`` has it, without an
+    idempotency key (the flow has one), with ``ref``, its name in the flow, and ``after``, the
+    refs of the jobs of the same flow it waits for — its children: it receives their results,
+    and cancelling it cancels those that have not started. ``depends_on`` names existing jobs
+    it waits for too (they are not its children).
+    """
+
+    type: str
+    payload: Any = None
+    ref: str | None = None
+    after: list[str] | None = None
+    depends_on: list[str] | None = None
+    on_dependency_failure: OnDependencyFailure | None = None
+    priority: Priority = Priority.NORMAL
+    run_at: datetime | None = None
+    delay: float | None = None
+    max_attempts: int | None = None
+    queue: str | None = None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
+
+    def spec(self) -> JobSpec:
+        """The job alone (its dependencies apart)."""
+        return JobSpec(
+            type=self.type, payload=self.payload, priority=self.priority, run_at=self.run_at,
+            delay=self.delay, max_attempts=self.max_attempts, queue=self.queue,
+            concurrency_key=self.concurrency_key, concurrency_limit=self.concurrency_limit,
+            on_dependency_failure=self.on_dependency_failure,
+        )  # fmt: skip
+
+
+class FlowSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A flow: jobs and the order between them, submitted at once (``POST /v1/flows``).
+
+    Each job waits for the jobs its ``after`` names (and the existing ones its
+    ``depends_on`` names). A repeated ``idempotency_key`` with the same jobs returns the
+    flow it made first, finishing its submit if that was cut short.
+    """
+
+    jobs: list[FlowJob]
+    idempotency_key: str | None = None
+
+
+class Dependency(msgspec.Struct, frozen=True, kw_only=True):
+    """One dependency of a job as the job sees it (``ctx.dependencies``, ``GET
+    /v1/jobs/{id}/dependencies``): ``state`` is ``pending`` until it finishes, then
+    ``succeeded`` (with its ``result``), ``failed`` or ``cancelled`` (with its ``error``), or
+    ``missing`` (no such job). ``child``: created in the same flow as the job."""
+
+    id: str
+    state: str
+    result: Any = None
+    error: JobError | None = None
+    child: bool = False
 
 
 class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -133,6 +211,7 @@ class TaskAd(msgspec.Struct, frozen=True, kw_only=True):
     payload_schema: dict[str, Any] | None = None
     seen_at: float = 0.0
     worker: str = ""
+    on_failure: str | None = None  # the task whose job compensates a failed one
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +221,7 @@ class TaskInfo:
     queue: str
     max_attempts: int
     check: Any = None  # callable(payload) raising InvalidRequest, or None
+    on_failure: str | None = None  # compensation task type
 
     def validate(self, payload: Any) -> None:
         if self.check is not None:
@@ -164,6 +244,7 @@ class QueueInfo(msgspec.Struct, frozen=True, kw_only=True):
     queued_total: int
     parked: int  # handed back by workers that lack their task, waiting for one that has it
     running: int
+    waiting: int = 0  # for their dependencies
     paused: bool
     limits: QueueLimits | None = None
     blocked_until: float | None = None  # Unix time: a task raised RateLimited
@@ -184,6 +265,35 @@ class ClaimedJob(msgspec.Struct, frozen=True):
     queued_at_ms: int
     claimed_at_ms: int
     queue: str = DEFAULT_QUEUE
+    # its dependencies' outcomes, JSON [[id, state, result or error], ...]; b"" for none
+    inputs: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """The outcome of a submit: the job's status document, and whether this call created it."""
+
+    job_id: str
+    doc: bytes
+    created: bool
+
+    @property
+    def status(self) -> JobStatus:
+        return decode_status(self.doc)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSubmitted:
+    """The outcome of a flow submit: each job's, in the flow's order, and whether this call
+    created the flow (False: an earlier submit with its idempotency key did; a job's
+    ``doc`` is then its document now, ``b""`` for one Redis no longer keeps)."""
+
+    jobs: list[Submitted]
+    created: bool
+
+    @property
+    def ids(self) -> list[str]:
+        return [job.job_id for job in self.jobs]
 
 
 json_encoder = msgspec.json.Encoder()

@@ -13,7 +13,6 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -30,15 +29,24 @@ from jobtier.errors import (
     TransitionRefused,
     UnknownTask,
 )
+from jobtier.flows import submit as flow_submit
+from jobtier.flows.plan import plan_flow
+from jobtier.flows.reads import compensation_of, dependencies
 from jobtier.keys import Keys
 from jobtier.model import (
     DEFAULT_QUEUE,
     PRIORITIES,
     QUEUE_NAME_RE,
+    Dependency,
+    FlowJob,
+    FlowSubmitted,
     JobSpec,
     JobStatus,
+    OnDependencyFailure,
     Priority,
     QueueLimits,
+    Submitted,
+    TaskInfo,
     TaskLookup,
     decode_status,
     encode_json,
@@ -54,19 +62,6 @@ MAX_CONCURRENCY_LIMIT = 10_000
 WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease (10 s)
 WORKER_FORGET_SECONDS = 900.0  # the entry of a worker gone this long is deleted
 DEFAULT_TENANT = "default"
-
-
-@dataclass(frozen=True, slots=True)
-class Submitted:
-    """The outcome of a submit: the job's status document, and whether this call created it."""
-
-    job_id: str
-    doc: bytes
-    created: bool
-
-    @property
-    def status(self) -> JobStatus:
-        return decode_status(self.doc)
 
 
 class Queue:
@@ -92,6 +87,9 @@ class Queue:
         # process imports (a TaskRegistry), or what the workers advertise (catalog.py)
         self.registry = registry
         self.require_known = require_known  # refuse a type the registry does not know
+        # tasks handed to submit() as Task objects (and their compensations): known here
+        # even without a registry
+        self._local: dict[str, TaskInfo] = {}
 
     @classmethod
     async def connect(
@@ -132,11 +130,15 @@ class Queue:
         queue: str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        depends_on: Sequence[str] | None = None,
+        on_dependency_failure: OnDependencyFailure | None = None,
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
         returns the original job (``created`` False); with a different one it raises
-        ``IdempotencyConflict``. Given a ``Task``, its queue and attempts are the defaults."""
+        ``IdempotencyConflict``. Given a ``Task``, its queue and attempts are the defaults.
+        ``depends_on``: ids of jobs it waits for (see ``JobSpec``)."""
         if isinstance(type, Task):
+            self.know(type)
             if queue is None:
                 queue = type.queue
             if max_attempts is None:
@@ -160,6 +162,8 @@ class Queue:
             queue=queue,
             concurrency_key=concurrency_key,
             concurrency_limit=concurrency_limit,
+            depends_on=list(depends_on) if depends_on is not None else None,
+            on_dependency_failure=on_dependency_failure,
         )
         (result,) = await self.submit_many([spec], tenant=tenant)
         if isinstance(result, Exception):
@@ -188,18 +192,112 @@ class Queue:
         return await self.submit_many_prepared(items)
 
     async def submit_many_prepared(
-        self, items: Sequence[SubmitItem]
+        self, items: Sequence[SubmitItem], *, batch: bool | None = None
     ) -> list[Submitted | IdempotencyConflict]:
-        """Submit jobs already validated by ``prepare``."""
+        """Submit jobs already validated by ``prepare``. The jobs their ``depends_on`` names
+        must be the tenant's and held in Redis (else ``InvalidRequest`` naming
+        ``jobs[i].depends_on``, or ``depends_on`` when not ``batch``; nothing submitted); the
+        new dependents are linked to them before this returns (flows/submit.py)."""
+        if batch is None:
+            batch = len(items) > 1
+        wanted = [
+            (f"jobs[{i}].depends_on" if batch else "depends_on", dep)
+            for i, item in enumerate(items)
+            for dep in item.depends_on
+        ]
+        if wanted:
+            await flow_submit.check_dependencies(self, wanted, items[0].tenant)
         outcomes = await self.submit_items(items)
         results: list[Submitted | IdempotencyConflict] = []
+        dependents = []
         for item, outcome in zip(items, outcomes, strict=True):
             if outcome.code is Code.IDEMPOTENCY_CONFLICT:
                 results.append(IdempotencyConflict(item.idempotency_key, outcome.job_id))
             else:
                 created = outcome.code is Code.OK
                 results.append(Submitted(outcome.job_id, outcome.doc, created))
+                if item.depends_on:  # a duplicate too: its submit may have been cut short
+                    dependents.append((outcome.job_id, item.depends_on))
+        if dependents:
+            await flow_submit.settle(self, items[0].tenant, dependents)
         return results
+
+    # --- flows ------------------------------------------------------------------------------
+    async def submit_flow(
+        self,
+        jobs: Sequence[FlowJob],
+        *,
+        tenant: str = DEFAULT_TENANT,
+        idempotency_key: str | None = None,
+    ) -> FlowSubmitted:
+        """Submit a flow: jobs that wait for others of the flow (``after``, by ``ref``) or
+        for existing jobs (``depends_on``). A job runs once everything it waits for has
+        succeeded, and its task finds their results in ``ctx.dependencies``. Build chains and
+        fan-ins with ``jobtier.flows.chain`` and ``fan_in``.
+
+        ``InvalidRequest`` (nothing submitted) for a cycle, an unknown ref or id, a flow over
+        ``JOBTIER_MAX_FLOW_JOBS``, or a job that does not validate. A repeated
+        ``idempotency_key`` with the same jobs returns the flow it made (``created`` False),
+        finishing its submit if that was cut short; with other jobs, ``IdempotencyConflict``.
+        """
+        prepared = await self.prepare_flow(jobs, tenant, idempotency_key)
+        return await flow_submit.submit_flow(self, prepared)
+
+    async def submit_flow_prepared(self, prepared: flow_submit.PreparedFlow) -> FlowSubmitted:
+        """Submit a flow checked by ``prepare_flow``."""
+        return await flow_submit.submit_flow(self, prepared)
+
+    async def prepare_flow(
+        self, jobs: Sequence[FlowJob], tenant: str, idempotency_key: str | None = None
+    ) -> flow_submit.PreparedFlow:
+        """Check a flow (``submit_flow``) and prepare its jobs; nothing is sent."""
+        key = idempotency_key or ""
+        if idempotency_key is not None and not IDEMPOTENCY_KEY_RE.fullmatch(key):
+            raise InvalidRequest(
+                "idempotency_key must be 1-200 printable ASCII characters without spaces",
+                field="idempotency_key",
+            )
+        plan = plan_flow(jobs, self.keys, self.settings.max_flow_jobs)
+        await self.ensure_known(job.type for job in jobs)
+        items = []
+        for node in plan.nodes:
+            spec = node.spec
+            if key and node.index == plan.head:  # its shard holds the idempotency record
+                spec = msgspec.structs.replace(spec, idempotency_key=key)
+            try:
+                items.append(self.prepare(spec, tenant))
+            except InvalidRequest as exc:
+                field = f"jobs[{node.index}].{exc.field}" if exc.field else f"jobs[{node.index}]"
+                raise type(exc)(f"jobs[{node.index}]: {exc}", field=field) from None
+        await flow_submit.check_dependencies(
+            self,
+            [(f"jobs[{n.index}].depends_on", dep) for n in plan.nodes for dep in n.depends_on],
+            tenant,
+        )
+        return flow_submit.PreparedFlow(plan, items, tenant, key)
+
+    async def dependencies(self, job_id: str, tenant: str | None = None) -> list[Dependency]:
+        """A job's dependencies, in order, with their state (and result or error once they
+        finished). ``JobNotFound`` for a job Redis does not hold (or another tenant's)."""
+        self._check_id(job_id)
+        return await dependencies(self, job_id, tenant)
+
+    async def compensation_of(self, job_id: str) -> str | None:
+        """The id of the compensation job created when ``job_id`` failed for good (its
+        task's ``on_failure``), or None."""
+        self._check_id(job_id)
+        return await compensation_of(self, job_id)
+
+    def know(self, task: Task) -> None:
+        """Know ``task`` (and its compensation task) without a registry: submits of its type
+        get its queue, attempts and compensation."""
+        self._local[task.name] = task.info()
+        if task.compensation is not None:
+            self._local[task.compensation.name] = task.compensation.info()
+
+    def _task_info(self, type: str) -> TaskInfo | None:
+        info = self.registry.info(type) if self.registry is not None else None
+        return info if info is not None else self._local.get(type)
 
     async def ensure_known(self, types: Iterable[Any]) -> None:
         """Before ``prepare``: let the catalogue (catalog.py) look again for types it does not
@@ -230,7 +328,7 @@ class Queue:
             raise InvalidRequest(
                 f"type {str(spec.type)[:140]!r} must match {TASK_NAME_RE.pattern}", field="type"
             )
-        task = self.registry.info(spec.type) if self.registry is not None else None
+        task = self._task_info(spec.type)
         if task is None and self.registry is not None and self.require_known:
             names = self.registry.names()
             known = ", ".join(names[:20]) + (", …" if len(names) > 20 else "") or "none"
@@ -287,13 +385,54 @@ class Queue:
             else:
                 shard = self.keys.shard_for(tenant, key) if key else None
             job_id = self.keys.new_id(shard)
-        request_hash = hashlib.blake2b(
-            spec.type.encode() + b"\x00" + payload, digest_size=16
-        ).hexdigest()
+        deps = self._depends_on(spec)
+        material = spec.type.encode() + b"\x00" + payload
+        if deps:  # the same request waits for the same jobs
+            odf = spec.on_dependency_failure or "cancel"
+            material += f"\x00{' '.join(deps)}\x00{odf}".encode()
+        request_hash = hashlib.blake2b(material, digest_size=16).hexdigest()
+        compensation = ""
+        if task is not None and task.on_failure:
+            comp = self._task_info(task.on_failure)
+            compensation = (
+                f"{task.on_failure} {comp.queue if comp else DEFAULT_QUEUE} "
+                f"{comp.max_attempts if comp else s.default_max_attempts}"
+            )
+        flow = flow_submit.flow_blob(
+            compensation=compensation,
+            deps=deps,
+            run_on_failure=spec.on_dependency_failure == "run",
+            link_ms=round(s.flow_link_timeout_seconds * 1000),
+        )
         return SubmitItem(
             job_id, tenant, spec.type, spec.priority, payload, max_attempts,
-            run_at_ms, delay_ms, key, request_hash, queue, ckey, climit,
+            run_at_ms, delay_ms, key, request_hash, queue, ckey, climit, flow,
+            compensation, tuple(deps),
         )  # fmt: skip
+
+    def _depends_on(self, spec: JobSpec) -> list[str]:
+        if spec.on_dependency_failure not in (None, "cancel", "run"):
+            raise InvalidRequest(
+                "on_dependency_failure must be cancel or run", field="on_dependency_failure"
+            )
+        if spec.depends_on is None:
+            return []
+        if not isinstance(spec.depends_on, list):
+            raise InvalidRequest("depends_on must be a list of job ids", field="depends_on")
+        deps = list(dict.fromkeys(spec.depends_on))
+        for dep in deps:
+            if not isinstance(dep, str) or not self.keys.valid_id(dep):
+                raise InvalidRequest(
+                    f"depends_on names {str(dep)[:70]!r}, which is not a job id",
+                    field="depends_on",
+                )
+        limit = self.settings.max_flow_jobs
+        if len(deps) > limit:
+            raise InvalidRequest(
+                f"a job waits for at most {limit} others (JOBTIER_MAX_FLOW_JOBS)",
+                field="depends_on",
+            )
+        return deps
 
     @staticmethod
     def _concurrency(spec: JobSpec) -> tuple[str, int]:
@@ -469,9 +608,10 @@ class Queue:
         """Jobs by state, per shard, per queue and in total.
 
         ``total``: ``queued`` (and ``queued_<priority>``), ``parked`` (handed back by a worker
-        that cannot run them), ``scheduled``, ``running``, ``dead``. ``queues``: per queue,
-        ready jobs by priority, ``parked``, ``running`` and ``paused``. ``shards``: per shard,
-        ready jobs by priority and the scheduled, running and dead counts.
+        that cannot run them), ``waiting`` (for their dependencies), ``scheduled``,
+        ``running``, ``dead``. ``queues``: per queue, ready jobs by priority, ``parked``,
+        ``waiting``, ``running`` and ``paused``. ``shards``: per shard, ready jobs by priority
+        and the waiting, scheduled, running and dead counts.
         """
         pipe = self.redis.pipeline(transaction=False)
         for shard in range(self.keys.shards):
@@ -490,6 +630,7 @@ class Queue:
                 entry = queues[name] = {
                     "queued": {p.value: 0 for p in PRIORITIES},
                     "parked": 0,
+                    "waiting": 0,
                     "running": 0,
                     "paused": False,
                     "limited": False,
@@ -501,6 +642,7 @@ class Queue:
         for shard in range(self.keys.shards):
             counts, parked, scheduled, running, dead = values[shard * 5 : shard * 5 + 5]
             by_priority = {p.value: 0 for p in PRIORITIES}
+            held = 0  # waiting for dependencies
             for raw_field, raw_value in counts.items():
                 name, _, what = raw_field.decode().rpartition(":")
                 entry = queue_entry(name)
@@ -510,6 +652,9 @@ class Queue:
                     by_priority[what] += n
                 elif what == "running":
                     entry["running"] += max(int(raw_value), 0)
+                elif what == "waiting":
+                    entry["waiting"] += max(int(raw_value), 0)
+                    held += max(int(raw_value), 0)
                 elif what == "paused":
                     entry["paused"] = entry["paused"] or raw_value == b"1"
                 elif what == "limited":
@@ -521,9 +666,10 @@ class Queue:
                 queue_entry(name)["parked"] += max(int(raw_value), 0)
                 total["parked"] += max(int(raw_value), 0)
             shards.append(
-                {"shard": shard, "queued": by_priority, "scheduled": scheduled,
-                 "running": running, "dead": dead}
+                {"shard": shard, "queued": by_priority, "waiting": held,
+                 "scheduled": scheduled, "running": running, "dead": dead}
             )  # fmt: skip
+            total["waiting"] += held
             for p, n in by_priority.items():
                 total[f"queued_{p}"] += n
             total["scheduled"] += scheduled
@@ -703,7 +849,7 @@ class Queue:
             )
 
     async def waiting_by_tenant(self) -> dict[str, int]:
-        """Queued + scheduled jobs per tenant, summed over shards."""
+        """Jobs not started yet (waiting, scheduled, queued) per tenant, summed over shards."""
         pipe = self.redis.pipeline(transaction=False)
         for shard in range(self.keys.shards):
             pipe.hgetall(self.keys.waiting(shard))

@@ -8,8 +8,8 @@ carries Redis's ``now``, and the scheduler keeps the offset to its own clock.
 
 Several schedulers may run at once: promote and reclaim are atomic scripts that take each
 due id out of its set exactly once, so nothing is promoted or reclaimed twice; there is no
-leader to elect or to lose. Cron schedules (fired from here too) are added by the
-scheduling issue.
+leader to elect or to lose. Cron schedules are fired from here too, and each scheduler runs
+a flow resolver (flows/resolver.py), woken by the same wake channels.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 
 from jobtier.backoff import SCHEDULER
 from jobtier.connection import ShardSubscriber
+from jobtier.flows.resolver import Resolver
 from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
@@ -62,6 +63,7 @@ class Scheduler:
         min_pass_interval: float = 0.005,
         store: ScheduleStore | None = None,
         reconcile_every: float = 60.0,
+        resolve: bool = True,
     ) -> None:
         self.queue = queue
         self.keys = queue.keys
@@ -83,6 +85,8 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = asyncio.Event()
         self.stats = SchedulerStats()
+        # the flow resolver shares this scheduler's wake subscription (resolve=False: none)
+        self.resolver = Resolver(queue) if resolve else None
 
     async def _upgrade_ready_lists(self) -> None:
         """Move jobs still waiting in the ready lists of a jobtier from before named queues
@@ -103,25 +107,31 @@ class Scheduler:
     def metrics(self) -> Snapshot:
         """This scheduler's part of its process's metrics snapshot."""
         st = self.stats
-        return Snapshot(
-            "", "", 0.0,
-            counters={
-                "scheduler_promoted_total": {"": st.promoted},
-                "scheduler_requeued_total": {"": st.requeued},
-                "scheduler_dead_lettered_total": {"": st.dead},
-                "schedule_firings_total": {"": st.fired},
-                "scheduler_passes_total": {"": st.passes},
-            },
-        )  # fmt: skip
+        counters: dict[str, dict[str, float]] = {
+            "scheduler_promoted_total": {"": st.promoted},
+            "scheduler_requeued_total": {"": st.requeued},
+            "scheduler_dead_lettered_total": {"": st.dead},
+            "schedule_firings_total": {"": st.fired},
+            "scheduler_passes_total": {"": st.passes},
+        }
+        if self.resolver is not None:
+            counters.update(self.resolver.metrics().counters)
+        return Snapshot("", "", 0.0, counters=counters)
 
     def stop(self) -> None:
         self._stopping.set()
         self._wake.set()
+        if self.resolver is not None:
+            self.resolver.stop()
 
     def redis_now_ms(self) -> float:
         return time.time() * 1000 + self._offset_ms
 
     def _on_wake(self, channel: bytes, data: bytes) -> None:
+        if data == b"f":  # flow hand-offs in the shard's stream
+            if self.resolver is not None:
+                self.resolver.notify(int(channel[channel.index(b"{") + 1 : channel.index(b"}")]))
+            return
         kind = data[:2]
         if kind == b"s " or kind == b"c ":
             shard = int(channel[channel.index(b"{") + 1 : channel.index(b"}")])
@@ -136,6 +146,8 @@ class Scheduler:
         self._next_due = [NOW] * self.keys.shards
         self._next_cron = [NOW] * self.keys.shards
         self._wake.set()
+        if self.resolver is not None:
+            self.resolver.reset()
 
     async def run(self) -> SchedulerStats:
         subscriber = ShardSubscriber(
@@ -151,6 +163,11 @@ class Scheduler:
         backoff = SCHEDULER.start()
         # Postgres is slow or down at times: reconciling must never hold up promotion
         reconciler = asyncio.create_task(self._reconcile_loop()) if self.store else None
+        resolving = (
+            asyncio.create_task(self.resolver.run(), name="jobtier-resolver")
+            if self.resolver is not None
+            else None
+        )
         try:
             while not self._stopping.is_set():
                 self._wake.clear()
@@ -178,6 +195,16 @@ class Scheduler:
                 reconciler.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reconciler
+            if resolving is not None:
+                assert self.resolver is not None
+                self.resolver.stop()
+                # stopped by its flag between passes; a pass in flight is waited for (its
+                # hand-offs are applied, not half-applied: not that it would matter)
+                done, _ = await asyncio.wait({resolving}, timeout=10.0)
+                if done:
+                    resolving.result()
+                else:
+                    resolving.cancel()
             await subscriber.stop()
             log.info(
                 "event=scheduler_stopped promoted=%d requeued=%d dead=%d",

@@ -31,6 +31,7 @@ _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (
     "submit", "claim", "heartbeat", "complete", "fail", "stopped",
     "cancel", "promote", "reclaim", "replay", "fire", "limit", "upgrade",
+    "link", "linked", "resolve",
 )  # fmt: skip
 
 
@@ -112,12 +113,18 @@ class SubmitItem:
     queue: str = DEFAULT_QUEUE
     concurrency_key: str = ""  # '': none
     concurrency_limit: int = 1
+    # dependencies, dependents, compensation: JSON for lib.lua's flow_create (b"": none)
+    flow: bytes = b""
+    # what the flow part was made from (not sent apart): "<type> <queue> <attempts>" of the
+    # compensation task, and the existing jobs named by depends_on
+    compensation: str = ""
+    depends_on: tuple[str, ...] = ()
 
     def args(self) -> tuple[Any, ...]:
         return (
             self.job_id, self.tenant, self.type, self.queue, self.priority, self.payload,
             self.max_attempts, self.run_at_ms, self.delay_ms, self.idempotency_key,
-            self.request_hash, self.concurrency_key, self.concurrency_limit,
+            self.request_hash, self.concurrency_key, self.concurrency_limit, self.flow,
         )  # fmt: skip
 
 
@@ -212,7 +219,7 @@ class Scripts:
     @staticmethod
     def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
         now, claimed, handed = int(reply[0]), int(reply[2]), int(reply[3])
-        end = 6 + 8 * claimed
+        end = 6 + 9 * claimed
         jobs = [
             ClaimedJob(
                 id=reply[i].decode(),
@@ -224,8 +231,9 @@ class Scripts:
                 queued_at_ms=int(reply[i + 6]),
                 claimed_at_ms=now,
                 queue=reply[i + 7].decode(),
+                inputs=reply[i + 8],
             )
-            for i in range(6, end, 8)
+            for i in range(6, end, 9)
         ]
         back = [r.decode() for r in reply[end : end + handed]]
         unaware = [r.decode() for r in reply[end + handed :]]
@@ -311,6 +319,26 @@ class Scripts:
 
     def reclaim_call(self, shard: int, limit: int, retention_s: int, dead_s: int) -> Call:
         return (self["reclaim"], shard, (limit, retention_s, dead_s))
+
+    # --- flows (lib.lua's flows section) --------------------------------------------------
+    def link_call(self, shard: int, tenant: str, links: Sequence[tuple[str, str]]) -> Call:
+        """links: (dependency id of this shard, dependent id)."""
+        args: list[Any] = [tenant, len(links)]
+        for link in links:
+            args.extend(link)
+        return (self["link"], shard, args)
+
+    def linked_call(self, shard: int, dependents: Sequence[str], head: str = "") -> Call:
+        return (self["linked"], shard, [head, len(dependents), *dependents])
+
+    def resolve_call(
+        self, shard: int, retention_s: int, items: Sequence[tuple[str, str, str, str, bytes]]
+    ) -> Call:
+        """items: (kind 'r' or 'x', target id of this shard, source id, state, data)."""
+        args: list[Any] = [retention_s, len(items)]
+        for item in items:
+            args.extend(item)
+        return (self["resolve"], shard, args)
 
     @staticmethod
     def parse_promote(reply: list[Any]) -> Timed:

@@ -366,7 +366,11 @@ async def test_rendered_document_has_exactly_the_status_fields(queue: Queue) -> 
     import orjson
 
     sub = await queue.submit("echo", {"a": 1}, delay=30)
-    assert set(orjson.loads(sub.doc)) == set(JobStatus.__struct_fields__)
+    # a job without dependencies renders no "dependencies" member: a plain job's document
+    # (stored, logged, published) costs nothing for flows
+    assert set(orjson.loads(sub.doc)) == set(JobStatus.__struct_fields__) - {"dependencies"}
+    dependent = await queue.submit("echo", None, depends_on=[sub.job_id])
+    assert set(orjson.loads(dependent.doc)) == set(JobStatus.__struct_fields__)
 
 
 async def test_published_event_carries_the_document(queue: Queue) -> None:

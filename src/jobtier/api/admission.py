@@ -35,14 +35,16 @@ class TokenBucket:
         self.stamp = time.monotonic()
 
     def take(self, n: int) -> float:
-        """Take ``n`` tokens: 0.0 if granted, else the seconds until they would be."""
+        """Take ``n`` tokens: 0.0 if granted, else the seconds until they would be. More than
+        the burst (a large flow) is granted from a full bucket, which it leaves in debt."""
         now = time.monotonic()
         self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
-        if self.tokens >= n:
+        need = min(n, self.burst)
+        if self.tokens >= need:
             self.tokens -= n
             return 0.0
-        return (n - self.tokens) / self.rate
+        return (need - self.tokens) / self.rate
 
 
 class Admission:

@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
-from jobtier.api import admin, health, jobs, openapi, ops, queues, sse
+from jobtier.api import admin, flows, health, jobs, openapi, ops, queues, sse
 from jobtier.api.admission import Admission
 from jobtier.api.limits import RequestLimits
 from jobtier.api.problems import HANDLERS
@@ -30,12 +30,14 @@ from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber
 from jobtier.errors import ConfigError
 from jobtier.metrics.snapshot import MetricsPublisher
+from jobtier.model import Dependency
 from jobtier.queue import Queue
 
 log = logging.getLogger("jobtier.api")
 
 ROUTES: list[BaseRoute] = [
     *jobs.routes,
+    *flows.routes,
     *sse.routes,
     *admin.routes,
     *queues.routes,
@@ -54,6 +56,10 @@ class Extension:
         self.routes: list[BaseRoute] = []
         self.status_fallback: Fallback | None = None
         self.result_fallback: Callable[[str, str], Awaitable[dict[str, Any] | None]] | None = None
+        # a job's dependencies once Redis no longer keeps it (job id, tenant)
+        self.dependencies_fallback: (
+            Callable[[str, str], Awaitable[list[Dependency] | None]] | None
+        ) = None
         self.postgres_ready: Callable[[], Awaitable[str | None]] | None = None
         self.lag: Callable[[], Awaitable[int]] | None = None
         self.state: dict[str, Any] = {}
@@ -137,6 +143,7 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
                 "tenants": tenants,
                 "admin_key": settings.admin_key,
                 "result_fallback": ext.result_fallback,
+                "dependencies_fallback": ext.dependencies_fallback,
                 "postgres_ready": ext.postgres_ready,
                 "openapi": openapi_document,
                 "metrics_publisher": publisher,

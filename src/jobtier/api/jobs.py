@@ -31,8 +31,8 @@ from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
 from jobtier.cache.redis_reader import RESYNC, Status, StatusReader, parse_version
 from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound, TransitionRefused
-from jobtier.model import JobSpec
-from jobtier.queue import Queue, Submitted
+from jobtier.model import JobSpec, Submitted
+from jobtier.queue import Queue
 
 _spec_decoder = msgspec.json.Decoder(JobSpec)
 
@@ -67,7 +67,10 @@ async def submit(request: Request) -> Response:
     except InvalidRequest as exc:
         raise invalid(exc) from None
     st.admission.check(tenant)
-    (outcome,) = await queue.submit_many_prepared([item])
+    try:
+        (outcome,) = await queue.submit_many_prepared([item])
+    except InvalidRequest as exc:  # depends_on names a job the tenant does not have
+        raise invalid(exc) from None
     return await _submitted(request, outcome, tenant)
 
 
@@ -125,8 +128,12 @@ async def submit_batch(request: Request) -> Response:
                 field=f"jobs[{index}].{exc.field or ''}".rstrip("."),
             ) from None
     st.admission.check(tenant, len(items))
+    try:
+        outcomes = await queue.submit_many_prepared(items, batch=True)
+    except InvalidRequest as exc:  # depends_on names a job the tenant does not have
+        raise invalid(exc) from None
     results = []
-    for outcome in await queue.submit_many_prepared(items):
+    for outcome in outcomes:
         if isinstance(outcome, IdempotencyConflict):
             problem = Problem(409, "idempotency-conflict", str(outcome), job_id=outcome.job_id)
             results.append(b'{"status":409,"problem":' + orjson.dumps(problem.document()) + b"}")

@@ -26,12 +26,22 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
+from jobtier.api.flows import DependencyList
 from jobtier.api.jobs import STATUS_PARAMS, BatchBody
 from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
 from jobtier.api.params import Param
 from jobtier.config import Settings
+from jobtier.flows.plan import REF_RE
 from jobtier.keys import JOB_ID_RE
-from jobtier.model import QUEUE_NAME_RE, JobSpec, JobStatus, QueueInfo, QueueLimits, TaskAd
+from jobtier.model import (
+    QUEUE_NAME_RE,
+    FlowSpec,
+    JobSpec,
+    JobStatus,
+    QueueInfo,
+    QueueLimits,
+    TaskAd,
+)
 from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
 from jobtier.worker.registry import TASK_NAME_RE
 
@@ -57,6 +67,14 @@ class BatchItem(msgspec.Struct):
 
 class BatchResponse(msgspec.Struct):
     results: list[BatchItem]
+
+
+class FlowResponse(msgspec.Struct):
+    """A submitted flow: ``created`` False for a repeat of an earlier submit with the same
+    idempotency key; each job's status document, in the order of the request."""
+
+    created: bool
+    jobs: list[JobStatus]
 
 
 class ResultResponse(msgspec.Struct):
@@ -220,7 +238,8 @@ def operation(
         errors["415"] = problem("the body is not application/json (or application/*+json)")
         errors["422"] = problem(
             "the body does not fit its schema, or breaks a rule it cannot state "
-            "(run_at in the past, cron syntax, time zone name, …); field names the member"
+            "(run_at in the past, cron syntax, time zone name, a depends_on naming no job "
+            "of yours that Redis keeps, …); field names the member"
         )
     if auth != "none":
         errors["401"] = problem(
@@ -245,13 +264,24 @@ def constrain(components: dict[str, Any], struct: str, field: str, **constraints
             option.update(constraints)
 
 
+def constrain_items(
+    components: dict[str, Any], struct: str, field: str, **constraints: Any
+) -> None:
+    """Add JSON Schema keywords to the items of an array member (optional or not)."""
+    schema = components[struct]["properties"][field]
+    for option in schema.get("anyOf", [schema]):
+        if option.get("type") == "array":
+            option["items"].update(constraints)
+
+
 def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
     # the Structs the routes decode with: what they refuse (unknown members) is stated too
     _, components = msgspec.json.schema_components(
         [
             JobSpec, JobStatus, Problem, BatchBody, BatchResponse, ResultResponse,
             DeadLetters, ReplayFilter, Replayed, Health, Readiness, QueueList, QueuePaused,
-            QueueLimits, QueueLimitsSet, TaskList, *extra_types,
+            QueueLimits, QueueLimitsSet, TaskList, FlowSpec, FlowResponse, DependencyList,
+            *extra_types,
         ],
         ref_template="#/components/schemas/{name}",
     )  # fmt: skip
@@ -276,6 +306,33 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
+    for spec in ("JobSpec", "FlowJob"):
+        if spec == "FlowJob":
+            constrain(c, spec, "type", pattern=TASK_NAME_RE.pattern)
+            constrain(c, spec, "max_attempts", minimum=1, maximum=MAX_ATTEMPTS_LIMIT)
+            constrain(c, spec, "delay", minimum=0, maximum=settings.max_future_seconds)
+            constrain(c, spec, "run_at", format="date-time")
+            constrain(c, spec, "queue", pattern=QUEUE_NAME_RE.pattern)
+            constrain(c, spec, "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
+            constrain(c, spec, "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
+            constrain(c, spec, "ref", pattern=REF_RE.pattern)
+            constrain(c, spec, "after", maxItems=settings.max_flow_jobs)
+            constrain_items(c, spec, "after", pattern=REF_RE.pattern)
+            c[spec]["properties"]["payload"]["description"] = c["JobSpec"]["properties"]["payload"][
+                "description"
+            ]
+            c[spec]["properties"]["after"]["description"] = (
+                "refs of the jobs of this flow it waits for (its children); a ref no job has, "
+                "or a cycle, is refused (422)"
+            )
+        constrain(c, spec, "depends_on", maxItems=settings.max_flow_jobs)
+        constrain_items(c, spec, "depends_on", pattern=JOB_ID_RE.pattern)
+        c[spec]["properties"]["depends_on"]["description"] = (
+            "ids of existing jobs (of yours, still kept by Redis: else 422) it waits for, "
+            f"at most {settings.max_flow_jobs} (JOBTIER_MAX_FLOW_JOBS)"
+        )
+    c["FlowSpec"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_flow_jobs)
+    constrain(c, "FlowSpec", "idempotency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
     c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)
@@ -314,6 +371,25 @@ def document(
                 "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
                 "503": problem("back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable", RETRY_AFTER),
             }, body="BatchBody"),
+        },
+        "/v1/flows": {
+            "post": op(s, f"Submit a flow: up to {s.max_flow_jobs} jobs (JOBTIER_MAX_FLOW_JOBS), each running once the jobs it waits for have succeeded", {
+                "202": json_response("FlowResponse", "created: each job's status, in the order of the request"),
+                "200": json_response("FlowResponse", "a repeat of an earlier submit with the same idempotency key: its jobs as they are now"),
+                "400": problem("malformed JSON, or the Idempotency-Key header and the body's idempotency_key differ"),
+                "409": problem("the idempotency key was used for a different flow (job_id)"),
+                "410": problem("the idempotency key names a flow a job of which is no longer kept (job_id)"),
+                "413": too_large(s, payload_too_large(s)),
+                "422": problem("the body does not fit its schema, or a rule it cannot state: a cycle, an after naming no ref of the flow, a ref used twice, a depends_on naming no job of yours that Redis keeps, a run_at in the past, …; field names the member (jobs[i].after)"),
+                "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
+                "503": problem("back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable", RETRY_AFTER),
+            }, body="FlowSpec", headers=[{"name": "Idempotency-Key", "in": "header", "schema": {"type": "string", "pattern": IDEMPOTENCY_KEY_RE.pattern}}]),
+        },
+        "/v1/jobs/{job_id}/dependencies": {
+            "get": op(s, "The jobs this one waits for, in order: pending, or their outcome (result or error)", {
+                "200": json_response("DependencyList", "the dependencies (empty for a job without any)"),
+                "404": problem("unknown job (or another tenant's, or a malformed id)"),
+            }, path=[JOB_ID]),
         },
         "/v1/jobs/{job_id}": {
             "get": op(s, "The job's status document", {

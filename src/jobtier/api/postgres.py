@@ -23,7 +23,7 @@ from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
-from jobtier.model import QUEUE_NAME_RE, JobStatus, State
+from jobtier.model import QUEUE_NAME_RE, Dependency, JobStatus, State
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition, lag
 from jobtier.persist.schedule_store import ScheduleStore
@@ -75,6 +75,7 @@ class PostgresExtension(Extension):
         self.openapi_constraints = [lambda c: schedules.constrain(c, settings)]
         self.status_fallback = self._status_docs
         self.result_fallback = self._result
+        self.dependencies_fallback = self._dependencies
         self.postgres_ready = self._ready
         self.lag = self._lag_entries
 
@@ -116,6 +117,13 @@ class PostgresExtension(Extension):
             "result": orjson.loads(found.result) if found.result is not None else None,
             "error": doc.get("error"),
         }
+
+    async def _dependencies(self, job_id: str, tenant: str) -> list[Dependency] | None:
+        assert self.reader is not None
+        try:
+            return await self.reader.dependencies(job_id, tenant)
+        except PG_DOWN as exc:
+            raise unavailable(exc) from None
 
     async def _ready(self) -> str | None:
         assert self.pool is not None

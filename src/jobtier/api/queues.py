@@ -43,7 +43,8 @@ async def queue_states(queue: Queue, catalog: TaskCatalog | None) -> list[dict[s
     out = []
     for name in sorted(names):
         q = stats["queues"].get(name) or {
-            "queued": {}, "parked": 0, "running": 0, "paused": False, "limited": False,
+            "queued": {}, "parked": 0, "waiting": 0, "running": 0, "paused": False,
+            "limited": False,
             "blocked_until_ms": 0,
         }  # fmt: skip
         blocked = q["blocked_until_ms"] / 1000
@@ -53,6 +54,7 @@ async def queue_states(queue: Queue, catalog: TaskCatalog | None) -> list[dict[s
                 "queued": q["queued"],
                 "queued_total": sum(q["queued"].values()),
                 "parked": q["parked"],
+                "waiting": q["waiting"],
                 "running": q["running"],
                 "paused": q["paused"],
                 "limits": msgspec.to_builtins(limits[name]) if name in limits else None,

@@ -19,7 +19,7 @@ import orjson
 
 from jobtier.model import TaskAd
 
-SPECS = ("JobSpec", "ScheduleSpec")  # the bodies that name a task and carry its payload
+SPECS = ("JobSpec", "FlowJob", "ScheduleSpec")  # what names a task and carries its payload
 
 
 def _component_name(task: str, name: str) -> str:

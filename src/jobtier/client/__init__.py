@@ -1,7 +1,8 @@
 """The Python client of the jobtier HTTP API, sync (``Client``) and async (``AsyncClient``).
 
-Both have the same methods — ``submit``, ``submit_many``, ``status``, ``wait``, ``events``,
-``cancel``, ``result``, ``close`` — and are context managers::
+Both have the same methods — ``submit``, ``submit_many``, ``submit_flow``, ``status``,
+``wait``, ``events``, ``cancel``, ``result``, ``dependencies``, ``close`` — and are context
+managers::
 
     from jobtier.client import AsyncClient, Client, NotFound
 
@@ -21,7 +22,7 @@ Statuses are ``jobtier.model.JobStatus``; a submit returns a ``Submission`` (``j
 """
 
 from jobtier.client._async import AsyncClient
-from jobtier.client._core import Result, Submission
+from jobtier.client._core import FlowSubmission, Result, Submission
 from jobtier.client._errors import (
     ApiError,
     Conflict,
@@ -42,6 +43,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Conflict",
+    "FlowSubmission",
     "IdempotencyKeyConflict",
     "NotFound",
     "RateLimited",

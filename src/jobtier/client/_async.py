@@ -13,6 +13,7 @@ from jobtier.client._core import (
     BaseClient,
     Call,
     Emit,
+    FlowSubmission,
     Op,
     ReadLine,
     Result,
@@ -20,7 +21,17 @@ from jobtier.client._core import (
     Submission,
 )
 from jobtier.client._errors import ApiError
-from jobtier.model import JobSpec, JobStatus, Priority, QueueInfo, QueueLimits, TaskAd
+from jobtier.model import (
+    Dependency,
+    FlowJob,
+    JobSpec,
+    JobStatus,
+    OnDependencyFailure,
+    Priority,
+    QueueInfo,
+    QueueLimits,
+    TaskAd,
+)
 from jobtier.schedules import Schedule, ScheduleSpec
 
 T = TypeVar("T")
@@ -89,16 +100,20 @@ class AsyncClient(BaseClient):
         queue: str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        depends_on: Iterable[str] | None = None,
+        on_dependency_failure: OnDependencyFailure | None = None,
     ) -> Submission:
         """Submit one job. ``run_at`` must carry a time zone; give it or ``delay`` (seconds),
         not both. A repeat of an earlier submit's ``idempotency_key`` returns that job with
         ``created`` False, or raises ``IdempotencyKeyConflict`` if the type or payload differ.
         ``queue`` defaults to the task's; ``concurrency_key``: at most ``concurrency_limit``
-        (default 1) jobs of the key run at once, the others wait in order.
+        (default 1) jobs of the key run at once, the others wait in order. ``depends_on``:
+        ids of your jobs it waits for (state ``waiting``): it is queued when the last one
+        succeeds, and cancelled when one fails, unless ``on_dependency_failure="run"``.
         """
         op = self._submit(
             type, payload, priority, run_at, delay, max_attempts, idempotency_key,
-            queue, concurrency_key, concurrency_limit,
+            queue, concurrency_key, concurrency_limit, depends_on, on_dependency_failure,
         )  # fmt: skip
         return await self._run(op)
 
@@ -109,6 +124,26 @@ class AsyncClient(BaseClient):
         outcome is in its place: a ``Submission``, or the ``ApiError`` (e.g. an
         ``IdempotencyKeyConflict``) it met. A bad job refuses the whole batch: that raises."""
         return await self._run(self._submit_many(specs))
+
+    async def submit_flow(
+        self,
+        jobs: Iterable[FlowJob | Mapping[str, Any]],
+        *,
+        idempotency_key: str | None = None,
+    ) -> FlowSubmission:
+        """Submit a flow in one request: jobs that wait for others of the flow (``after``:
+        their ``ref``) or for existing jobs (``depends_on``); build chains and fan-ins with
+        ``jobtier.flows.chain`` and ``fan_in``. A job runs once all it waits for succeeded
+        and finds their results in ``ctx.dependencies`` (``ctx.previous`` in a chain). A
+        repeat with the same ``idempotency_key`` returns the same flow (``created`` False).
+        A cycle, an unknown ref or id, or a flow over the server's size is a
+        ``ValidationFailed`` and creates nothing."""
+        return await self._run(self._submit_flow(jobs, idempotency_key))
+
+    async def dependencies(self, job_id: str) -> list[Dependency]:
+        """The jobs ``job_id`` waits for, in order: ``pending``, or their state and result
+        (or error) once they finished."""
+        return await self._run(self._dependencies(job_id))
 
     @overload
     async def status(self, job_id: str) -> JobStatus: ...

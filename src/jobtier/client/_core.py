@@ -30,9 +30,12 @@ from jobtier.client._errors import (
     unexpected,
 )
 from jobtier.model import (
+    Dependency,
+    FlowJob,
     JobError,
     JobSpec,
     JobStatus,
+    OnDependencyFailure,
     Priority,
     QueueInfo,
     State,
@@ -64,6 +67,24 @@ class Submission(msgspec.Struct, frozen=True):
         return self.job.id
 
 
+class FlowSubmission(msgspec.Struct, frozen=True):
+    """The outcome of a flow submit: each job's status, in the order of the flow, and
+    whether this call created the flow (False: a repeat of an earlier submit with the same
+    idempotency key; ``jobs`` are then the flow's jobs as they are now)."""
+
+    created: bool
+    jobs: list[JobStatus]
+
+    @property
+    def ids(self) -> list[str]:
+        return [job.id for job in self.jobs]
+
+
+class _DependencyList(msgspec.Struct):
+    id: str
+    dependencies: list[Dependency]
+
+
 class Result(msgspec.Struct, frozen=True):
     """``GET /v1/jobs/{id}/result``: ``result`` is the task's return value once the job has
     succeeded (else None); ``error`` says why it failed."""
@@ -91,6 +112,8 @@ class _BatchResults(msgspec.Struct):
 
 _batch_decoder = msgspec.json.Decoder(_BatchResults)
 _result_decoder = msgspec.json.Decoder(Result)
+_flow_decoder = msgspec.json.Decoder(FlowSubmission)
+_dependencies_decoder = msgspec.json.Decoder(_DependencyList)
 _encoder = msgspec.json.Encoder()
 
 
@@ -306,12 +329,16 @@ class BaseClient:
         queue: str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        depends_on: Iterable[str] | None = None,
+        on_dependency_failure: OnDependencyFailure | None = None,
     ) -> Op[Submission]:
         body: dict[str, Any] = {"type": type, "payload": payload, "priority": priority}
         for name, value in (
             ("queue", queue),
             ("concurrency_key", concurrency_key),
             ("concurrency_limit", concurrency_limit),
+            ("depends_on", list(depends_on) if depends_on is not None else None),
+            ("on_dependency_failure", on_dependency_failure),
         ):
             if value is not None:
                 body[name] = value
@@ -365,6 +392,33 @@ class BaseClient:
                 problem = _encoder.encode(item.problem or {})
                 out.append(api_error(item.status, problem, {}, key=key or ""))
         return out
+
+    def _submit_flow(
+        self, jobs: Iterable[FlowJob | Mapping[str, Any]], idempotency_key: str | None
+    ) -> Op[FlowSubmission]:
+        body: dict[str, Any] = {"jobs": list(jobs)}
+        if idempotency_key is not None:
+            body["idempotency_key"] = idempotency_key
+        call = Call(
+            "POST",
+            "/v1/flows",
+            headers={"content-type": "application/json"},
+            content=_encoder.encode(body),
+        )
+        response = yield from self._retrying(call, safe=idempotency_key is not None)
+        check(response, key=idempotency_key or "")
+        try:
+            return _flow_decoder.decode(response.content)
+        except msgspec.DecodeError as exc:
+            raise unexpected(response.status_code, f"not a flow answer: {exc}") from None
+
+    def _dependencies(self, job_id: str) -> Op[list[Dependency]]:
+        response: httpx.Response = yield Call("GET", job_path(job_id, "/dependencies"))
+        check(response, job_id=job_id)
+        try:
+            return _dependencies_decoder.decode(response.content).dependencies
+        except msgspec.DecodeError as exc:
+            raise unexpected(response.status_code, f"not a dependency list: {exc}") from None
 
     def _status(
         self, job_id: str, if_version: int | None = None, wait: float = 0.0

@@ -13,6 +13,7 @@ from jobtier.client._core import (
     BaseClient,
     Call,
     Emit,
+    FlowSubmission,
     Op,
     ReadLine,
     Result,
@@ -20,7 +21,17 @@ from jobtier.client._core import (
     Submission,
 )
 from jobtier.client._errors import ApiError
-from jobtier.model import JobSpec, JobStatus, Priority, QueueInfo, QueueLimits, TaskAd
+from jobtier.model import (
+    Dependency,
+    FlowJob,
+    JobSpec,
+    JobStatus,
+    OnDependencyFailure,
+    Priority,
+    QueueInfo,
+    QueueLimits,
+    TaskAd,
+)
 from jobtier.schedules import Schedule, ScheduleSpec
 
 T = TypeVar("T")
@@ -84,11 +95,13 @@ class Client(BaseClient):
         queue: str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        depends_on: Iterable[str] | None = None,
+        on_dependency_failure: OnDependencyFailure | None = None,
     ) -> Submission:
         """Submit one job; see ``AsyncClient.submit``."""
         op = self._submit(
             type, payload, priority, run_at, delay, max_attempts, idempotency_key,
-            queue, concurrency_key, concurrency_limit,
+            queue, concurrency_key, concurrency_limit, depends_on, on_dependency_failure,
         )  # fmt: skip
         return self._run(op)
 
@@ -97,6 +110,19 @@ class Client(BaseClient):
     ) -> list[Submission | ApiError]:
         """Submit jobs in one request; see ``AsyncClient.submit_many``."""
         return self._run(self._submit_many(specs))
+
+    def submit_flow(
+        self,
+        jobs: Iterable[FlowJob | Mapping[str, Any]],
+        *,
+        idempotency_key: str | None = None,
+    ) -> FlowSubmission:
+        """Submit a flow in one request; see ``AsyncClient.submit_flow``."""
+        return self._run(self._submit_flow(jobs, idempotency_key))
+
+    def dependencies(self, job_id: str) -> list[Dependency]:
+        """The jobs ``job_id`` waits for; see ``AsyncClient.dependencies``."""
+        return self._run(self._dependencies(job_id))
 
     @overload
     def status(self, job_id: str) -> JobStatus: ...

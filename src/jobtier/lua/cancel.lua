@@ -1,5 +1,5 @@
 -- cancel.lua: cancel a job.
---   queued / scheduled -> cancelled
+--   queued / scheduled / waiting -> cancelled
 --   running            -> running with cancel_requested (the worker sees it at its next
 --                         heartbeat and stops the task; if the task finishes first it succeeds)
 --
@@ -23,6 +23,8 @@ if from == 'queued' then
   remove_ready(j)
 elseif from == 'scheduled' then
   redis.call('ZREM', BASE .. 'sched', id)
+elseif from == 'waiting' then  -- for its dependencies (finish cancels its unstarted children)
+  unwait(j)
 elseif from == 'running' then
   if j.cancel ~= '1' then
     j.cancel = '1'

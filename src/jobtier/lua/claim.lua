@@ -15,7 +15,7 @@
 --           jobs claimed k, jobs handed back h, limited queues asked without a cap l,
 --           when the first block of a served queue ends (ms; -1: none blocked),
 --           then per job: id, type, payload, attempt, max_attempts, lease_version,
---           queued at ms, queue;
+--           queued at ms, queue, dependencies (lib.lua flow_inputs: '' for none);
 --           then the h ids handed back; then the l queue names}
 --
 -- A queue with a global concurrency or rate limit is flagged limited in every shard
@@ -184,7 +184,7 @@ local function claim_ids(ids)
         local k = #jobs
         jobs[k + 1], jobs[k + 2], jobs[k + 3], jobs[k + 4] = id, j.type, payload, j.attempt
         jobs[k + 5], jobs[k + 6], jobs[k + 7] = j.max_attempts, j.lease_version, queued_at
-        jobs[k + 8] = j.queue
+        jobs[k + 8], jobs[k + 9] = j.queue, flow_inputs(j)
         claimed = claimed + 1
       end
     end

@@ -30,16 +30,19 @@ do
 end
 
 local PRIORITIES = {'critical', 'high', 'normal', 'low'}
-local WAITING = {scheduled = true, queued = true}
+-- waiting: for its dependencies (flows, below); it counts as waiting like queued and scheduled
+local WAITING = {scheduled = true, queued = true, waiting = true}
 local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 
 -- the fields a transition reads and writes (payload, result and doc are handled apart)
 -- created_iso and run_at_iso keep the rendered form of times that change seldom or never
 -- (see render): formatting a date is a quarter of a transition's cost in Redis.
 -- lv and lt are the version and time (ms) of the job's last logged entry (see commit).
+-- wf: the job's flow flags ('' for a job with no dependency, dependent or compensation: the
+-- only field a plain job pays for flows; see the flows section).
 local FIELDS = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
                 'created', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
-                'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey'}
+                'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf'}
 
 local function job_key(id)
   return BASE .. 'job:' .. id
@@ -56,6 +59,10 @@ local function load(id)
   end
   if j.queue == '' then  -- a job created before queues existed
     j.queue = 'default'
+  end
+  if j.wf ~= '' and string.find(j.wf, 'w', 1, true) then
+    -- waits (or waited) for dependencies: its document shows their count (render)
+    j.dd = redis.call('HGET', job_key(id), 'dd') or ''
   end
   return j
 end
@@ -200,6 +207,7 @@ local function render(j)
     .. ',"error":' .. raw_or_null(j.error)
     .. ',"cancel_requested":' .. (j.cancel == '1' and 'true' or 'false')
     .. ',"worker":' .. str_or_null(j.worker)
+    .. (j.dd and j.dd ~= '' and (',"dependencies":' .. j.dd) or '')
     .. '}'
 end
 
@@ -410,10 +418,14 @@ local function add_timed(set, j, at)
   end
 end
 
--- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future.
+-- Defined in the flows section below, used by create_job and finish.
+local flow_create, flow_finished
+
+-- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future, or waiting
+-- when `flow` (JSON, '' or nil for none: see flow_create) gives it dependencies.
 -- Returns its status document.
 local function create_job(id, tenant, type, queue, prio, payload, max_attempts, due, idem, actor,
-                          ckey, climit)
+                          ckey, climit, flow)
   local j = {id = id, tenant = tenant, type = type, queue = queue, prio = prio,
              state = 'queued', version = '0', attempt = '0', max_attempts = max_attempts,
              created = NOW_STR, run_at = '', error = '', progress = '', cancel = '0',
@@ -436,10 +448,13 @@ local function create_job(id, tenant, type, queue, prio, payload, max_attempts, 
   if idem ~= '' then
     extra[3], extra[4] = 'ik', idem
   end
+  if flow and flow ~= '' then
+    flow_create(j, flow, extra)
+  end
   local doc = commit(j, '', actor, extra)
   if j.state == 'scheduled' then
     add_timed('sched', j, due)
-  else
+  elseif j.state ~= 'waiting' then  -- a waiting job is made ready by its last dependency
     make_ready(j, false)
   end
   return doc
@@ -462,8 +477,13 @@ local function check_lease(j, lease_version, worker)
   return OK
 end
 
+-- j reached a terminal state: its hash expires (Postgres keeps the record), and its flow
+-- hand-offs are made in this same script (a crash cannot separate them from the transition).
 local function finish(j, ttl)
   redis.call('EXPIRE', job_key(j.id), ttl)
+  if j.wf ~= '' then
+    flow_finished(j, ttl)
+  end
 end
 
 local function next_score(set)
@@ -472,4 +492,215 @@ local function next_score(set)
     return tonumber(first[2])
   end
   return -1
+end
+
+-- --- Flows: dependencies, fan-in, compensation ------------------------------------------
+-- A job's 'wf' field holds its flow flags; '' (most jobs) costs nothing more than reading it:
+--   'w'  it has dependencies. jt:{s}:deps:<id> maps each dependency id to '0' (pending),
+--        '1' (pending, and a child: created in the same flow, cancelled with this job), or,
+--        once resolved, a state mark (STATE_MARK; upper case for a child) followed by the
+--        dependency's result (succeeded) or error (JSON). Fields: 'dids' the ids in order (space-separated), 'dn'
+--        their number, 'dpend' still pending, 'dfail' resolved without success, 'odf' what a
+--        failed dependency does ('run': nothing; '': cancels this job), 'dd' the summary the
+--        status document shows ({"total","done","failed"}).
+--   'd'  it has dependents: jt:{s}:dnt:<id> holds their ids (any shard).
+--   'c'  it has a compensation: 'comp' holds "<type> <queue> <max attempts>", the job created
+--        (in the same script) when this one fails for good.
+-- Dependents live on any shard, so a finishing job does not touch them: its script appends a
+-- hand-off to its own shard's stream jt:{s}:flow, in the same atomic step as the transition,
+-- and the resolver (flows/resolver.py) applies it on the dependent's shard (resolve.lua),
+-- acknowledging it only after. resolve.lua is idempotent (a dependency resolves once), so a
+-- hand-off applied twice (a resolver died before acknowledging) changes nothing.
+local FLOW = BASE .. 'flow'
+local UNLINKED = BASE .. 'unlinked'
+local STATE_MARK = {succeeded = 's', failed = 'f', cancelled = 'c', missing = 'm'}
+local MARK_STATE = {s = 'succeeded', f = 'failed', c = 'cancelled', m = 'missing'}
+local CHUNK = 1000  -- arguments per call built with unpack(): far below Lua's C-stack limit
+
+local function has_flag(j, flag)
+  return j.wf ~= '' and string.find(j.wf, flag, 1, true) ~= nil
+end
+
+-- One hand-off in this shard's flow stream: kind 'r' (`source` finished in `state`, with
+-- `data`: result or error) or 'x' (`source` was cancelled: cancel its children that have not
+-- started), for `targets` (ids, space-separated). The resolver is woken once per script.
+local flow_woken = false
+local function handoff(kind, source, state, data, targets)
+  redis.call('XADD', FLOW, '*', 'k', kind, 'j', source, 's', state, 'v', data, 't', targets)
+  if not flow_woken then
+    flow_woken = true
+    redis.call('SPUBLISH', BASE .. 'wake', 'f')
+  end
+end
+
+-- Run `command key ...` over `values` in chunks (a fan-in's 10,000 ids in one call would pass
+-- Lua's C-stack limit in unpack).
+local function chunked(command, key, values)
+  for i = 1, #values, CHUNK do
+    redis.call(command, key, unpack(values, i, math.min(i + CHUNK - 1, #values)))
+  end
+end
+
+local function deps_doc(total, pending, failed)
+  return '{"total":' .. total .. ',"done":' .. (total - pending) .. ',"failed":' .. failed .. '}'
+end
+
+-- j's dependencies as the worker hands them to the task (claim.lua): a JSON array, in the
+-- order they were given, of [id, state, result or error]; '' for a job without any.
+local function flow_inputs(j)
+  if not has_flag(j, 'w') then
+    return ''
+  end
+  local ids = redis.call('HGET', job_key(j.id), 'dids') or ''
+  local flat = redis.call('HGETALL', BASE .. 'deps:' .. j.id)
+  local got = {}
+  for i = 1, #flat, 2 do
+    got[flat[i]] = flat[i + 1]
+  end
+  local out = {}
+  for dep in string.gmatch(ids, '%S+') do
+    local v = got[dep] or '0'
+    local state = MARK_STATE[string.lower(string.sub(v, 1, 1))] or 'pending'
+    local data = state == 'pending' and '' or string.sub(v, 2)
+    out[#out + 1] = '[' .. cjson.encode(dep) .. ',"' .. state .. '",' .. raw_or_null(data) .. ']'
+  end
+  return '[' .. table.concat(out, ',') .. ']'
+end
+
+-- A new job's flow part (create_job): `blob` is JSON, every member optional:
+--   d  dependency ids; k  one '0'/'1' per dependency ('1': a child, see above);
+--   o  on dependency failure ('run' or ''); u  ms until the resolver checks its links;
+--   t  dependent ids (created in the same flow: linked at birth); c  the compensation.
+-- A job with dependencies is created waiting (whatever its run-at, which applies once they
+-- are done) and in jt:{s}:unlinked until its submitter says every dependency knows of it
+-- (linked.lua); past the deadline the resolver links them itself (link.lua is idempotent),
+-- so a submitter that died halfway loses nothing. The log entry names the dependencies
+-- ('dp' ids, 'dk' kinds) for Postgres.
+flow_create = function(j, blob, extra)
+  local f = cjson.decode(blob)
+  local key = job_key(j.id)
+  local flags = ''
+  if type(f.d) == 'table' and #f.d > 0 then
+    flags = 'w'
+    local n, kinds = #f.d, f.k or ''
+    local fields = {}
+    for i, dep in ipairs(f.d) do
+      fields[#fields + 1] = dep
+      fields[#fields + 1] = string.sub(kinds, i, i) == '1' and '1' or '0'
+    end
+    chunked('HSET', BASE .. 'deps:' .. j.id, fields)
+    local ids = table.concat(f.d, ' ')
+    j.state = 'waiting'
+    j.dd = deps_doc(n, n, 0)
+    redis.call('HSET', key, 'dd', j.dd, 'dids', ids, 'dn', n, 'dpend', n, 'dfail', 0,
+               'odf', f.o or '')
+    redis.call('ZADD', UNLINKED, NOW + (tonumber(f.u) or 0), j.id)
+    count(QUEUES, j.queue .. ':waiting', 1)
+    extra[#extra + 1], extra[#extra + 2] = 'dp', ids
+    extra[#extra + 1], extra[#extra + 2] = 'dk', kinds
+  end
+  if type(f.t) == 'table' and #f.t > 0 then
+    flags = flags .. 'd'
+    chunked('SADD', BASE .. 'dnt:' .. j.id, f.t)
+  end
+  if type(f.c) == 'string' and f.c ~= '' then
+    flags = flags .. 'c'
+    redis.call('HSET', key, 'comp', f.c)
+  end
+  if flags ~= '' then
+    j.wf = flags
+    redis.call('HSET', key, 'wf', flags)
+  end
+end
+
+-- A waiting job leaves the waiting state (ready, or cancelled).
+local function unwait(j)
+  count(QUEUES, j.queue .. ':waiting', -1)
+  redis.call('ZREM', UNLINKED, j.id)
+end
+
+-- Crockford base32 of a millisecond time: the first 10 characters of a ULID (keys.py ulid).
+local CROCKFORD = '0123456789ABCDEFGHJKMNPQRSTVWXYZ'
+local function ulid_time(ms)
+  local out = {}
+  for i = 10, 1, -1 do
+    local d = ms % 32
+    out[i] = string.sub(CROCKFORD, d + 1, d + 1)
+    ms = (ms - d) / 32
+  end
+  return table.concat(out)
+end
+
+-- A new job id in j's shard (scripts cannot draw random numbers): now's time and j's id's
+-- randomness, a millisecond later while it is taken.
+local function derived_id(j)
+  local ulid, shard = string.match(j.id, '^(%w+)%-(%d+)$')
+  local ms = NOW
+  while true do
+    local id = ulid_time(ms) .. string.sub(ulid, 11) .. '-' .. shard
+    if redis.call('EXISTS', job_key(id)) == 0 then
+      return id
+    end
+    ms = ms + 1
+  end
+end
+
+-- j failed for good and names a compensation task: create its job now, in this script.
+local function compensate(j)
+  local key = job_key(j.id)
+  local v = redis.call('HMGET', key, 'comp', 'payload')
+  local ctype, cqueue, attempts = string.match(v[1] or '', '^(%S+) (%S+) (%d+)$')
+  if not ctype then
+    return
+  end
+  local payload = '{"job_id":' .. cjson.encode(j.id) .. ',"type":' .. cjson.encode(j.type)
+    .. ',"payload":' .. raw_or_null(v[2] or '') .. ',"error":' .. raw_or_null(j.error) .. '}'
+  local id = derived_id(j)
+  create_job(id, j.tenant, ctype, cqueue, j.prio, payload, attempts, '', '', 'compensation', '',
+             1, nil)
+  redis.call('HSET', key, 'cjob', id)
+end
+
+flow_finished = function(j, ttl)
+  local key = job_key(j.id)
+  if has_flag(j, 'd') then
+    local targets = redis.call('SMEMBERS', BASE .. 'dnt:' .. j.id)
+    if #targets > 0 then
+      local data = j.error
+      if j.state == 'succeeded' then
+        data = redis.call('HGET', key, 'result') or ''
+      end
+      handoff('r', j.id, j.state, data, table.concat(targets, ' '))
+    end
+    redis.call('EXPIRE', BASE .. 'dnt:' .. j.id, ttl)
+  end
+  if has_flag(j, 'w') then
+    if j.state == 'cancelled' then
+      -- its children that have not started go with it (their own children with them)
+      local flat = redis.call('HGETALL', BASE .. 'deps:' .. j.id)
+      local kids = {}
+      for i = 1, #flat, 2 do
+        if flat[i + 1] == '1' then
+          kids[#kids + 1] = flat[i]
+        end
+      end
+      if #kids > 0 then
+        handoff('x', j.id, 'cancelled', '', table.concat(kids, ' '))
+      end
+    end
+    redis.call('EXPIRE', BASE .. 'deps:' .. j.id, ttl)
+  end
+  if j.state == 'failed' and has_flag(j, 'c') then
+    compensate(j)
+  end
+end
+
+-- A finished job back in play (replay.lua): its flow keys stop expiring with it.
+local function flow_revived(j)
+  if has_flag(j, 'd') then
+    redis.call('PERSIST', BASE .. 'dnt:' .. j.id)
+  end
+  if has_flag(j, 'w') then
+    redis.call('PERSIST', BASE .. 'deps:' .. j.id)
+  end
 end

@@ -18,6 +18,7 @@ if j.state ~= 'failed' then
 end
 redis.call('ZREM', BASE .. 'dead', id)
 redis.call('PERSIST', job_key(id))
+flow_revived(j)
 j.state = 'queued'
 j.attempt = '0'
 j.error = ''

@@ -1,13 +1,15 @@
--- submit.lua: create jobs in one shard (new -> queued, or -> scheduled with a future run-at).
+-- submit.lua: create jobs in one shard (new -> queued, or -> scheduled with a future run-at, or
+-- -> waiting with dependencies).
 --
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  idempotency record lifetime, ms
--- ARGV[3]  number of jobs n, then 13 fields per job:
+-- ARGV[3]  number of jobs n, then 14 fields per job:
 --            id, tenant, type, queue, priority, payload (JSON), max_attempts,
 --            run_at ms (0: none), delay ms (0: none),
 --            idempotency key ('' none), request hash (identifies "the same request"),
---            concurrency key ('' none) and its limit (jobs of the key ready or running at once)
+--            concurrency key ('' none) and its limit (jobs of the key ready or running at once),
+--            flow (JSON: dependencies, dependents, compensation; '' none: lib.lua flow_create)
 -- Returns  per job: code, job id, status document
 --            OK                    created (the id asked for)
 --            DUPLICATE             the key was used by the same request: that job, its document
@@ -20,7 +22,7 @@ local idem_ttl = ARGV[2]
 local n = tonumber(ARGV[3])
 local out = {}
 for i = 0, n - 1 do
-  local a = 4 + i * 13
+  local a = 4 + i * 14
   local id, tenant, idem, hash = ARGV[a], ARGV[a + 1], ARGV[a + 9], ARGV[a + 10]
   local code = OK
   local idem_key
@@ -56,7 +58,8 @@ for i = 0, n - 1 do
       redis.call('SET', idem_key, id .. ' ' .. hash, 'PX', idem_ttl)
     end
     local doc = create_job(id, tenant, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5],
-                           ARGV[a + 6], due, idem, 'api', ARGV[a + 11], ARGV[a + 12])
+                           ARGV[a + 6], due, idem, 'api', ARGV[a + 11], ARGV[a + 12],
+                           ARGV[a + 13])
     out[#out + 1], out[#out + 2], out[#out + 3] = OK, id, doc
   end
 end

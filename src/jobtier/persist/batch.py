@@ -34,6 +34,8 @@ class LogEntry:
     payload: bytes | None = None  # submit only
     idempotency_key: str | None = None  # submit only, when given
     result: bytes | None = None  # success only; b"" means a null result
+    dependencies: list[str] | None = None  # submit of a job that waits for others
+    children: str = ""  # per dependency, '1' for a child of the job (same flow), else '0'
 
     @property
     def ms(self) -> int:
@@ -47,6 +49,7 @@ def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogE
     status = status_decoder.decode(doc)
     ik = fields.get(b"ik")
     pv = fields.get(b"pv")
+    dp = fields.get(b"dp")
     return LogEntry(
         shard=shard,
         entry_id=entry_id,
@@ -59,6 +62,8 @@ def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogE
         payload=fields.get(b"p"),
         idempotency_key=ik.decode() if ik else None,
         result=fields.get(b"r"),
+        dependencies=dp.decode().split() if dp else None,
+        children=fields.get(b"dk", b"").decode(),
     )
 
 
@@ -173,4 +178,25 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
                 [len(r.result or b"") for r in large],
             )
         await conn.execute(query("insert_transitions"))
+        deps = dependency_records(entries)
+        if deps[0]:
+            await conn.execute(query("insert_dependencies"), *deps)
     return len(rows)
+
+
+def dependency_records(
+    entries: Sequence[LogEntry],
+) -> tuple[list[str], list[str], list[int], list[bool]]:
+    """``job_dependencies`` columns (job, dependency, position, child) of the submit
+    entries of jobs that wait for others."""
+    jobs: list[str] = []
+    deps: list[str] = []
+    positions: list[int] = []
+    children: list[bool] = []
+    for e in entries:
+        for i, dep in enumerate(e.dependencies or ()):
+            jobs.append(e.status.id)
+            deps.append(dep)
+            positions.append(i)
+            children.append(e.children[i : i + 1] == "1")
+    return jobs, deps, positions, children

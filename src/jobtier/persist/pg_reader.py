@@ -22,8 +22,17 @@ import msgspec
 
 from jobtier.connection import RedisClient
 from jobtier.errors import InvalidRequest
+from jobtier.flows.reads import dependency
 from jobtier.keys import JOB_ID_RE, Keys
-from jobtier.model import QUEUE_NAME_RE, JobError, JobStatus, State, any_decoder, status_decoder
+from jobtier.model import (
+    QUEUE_NAME_RE,
+    Dependency,
+    JobError,
+    JobStatus,
+    State,
+    any_decoder,
+    status_decoder,
+)
 from jobtier.persist.db import Pool, query
 
 MAX_LIMIT = 500
@@ -203,6 +212,25 @@ class PgReader:
         if state is State.SUCCEEDED and result is None:
             result = b"null"
         return StoredResult(state, row["version"], result)
+
+    async def dependencies(self, job_id: str, tenant: str) -> list[Dependency] | None:
+        """A job's dependencies as Postgres knows them (None for an unknown job, or one of
+        another tenant): each with its latest state, and its result or error once finished."""
+        rows = await self.pool.fetch(query("dependencies"), job_id, tenant)
+        if not rows:
+            known = await self.pool.fetchval(query("result"), job_id, tenant)
+            return [] if known is not None else None
+        out = []
+        for r in rows:
+            state = r["state"]
+            if state is None:  # pruned, or not written behind yet
+                out.append(Dependency(id=r["depends_on"], state="missing", child=r["child"]))
+            elif state in ("succeeded", "failed", "cancelled"):
+                data = (r["result"] if state == "succeeded" else r["error"]) or b""
+                out.append(dependency(r["depends_on"], state, data, r["child"]))
+            else:
+                out.append(Dependency(id=r["depends_on"], state="pending", child=r["child"]))
+        return out
 
 
 # --- lag of the write-behind ----------------------------------------------------------------

@@ -68,6 +68,22 @@ INSERT INTO job_results (job_id, result, size)
 SELECT * FROM unnest($1::text[], $2::json[], $3::int[])
 ON CONFLICT (job_id) DO NOTHING
 
+-- name: insert_dependencies
+-- From submit entries (their 'dp' and 'dk' fields); a replayed entry changes nothing.
+INSERT INTO job_dependencies (job_id, depends_on, position, child)
+SELECT * FROM unnest($1::text[], $2::text[], $3::int[], $4::bool[])
+ORDER BY 1, 2
+ON CONFLICT (job_id, depends_on) DO NOTHING
+
+-- name: dependencies
+-- A job's dependencies as Postgres knows them (the tenant's only), with their latest state.
+SELECT d.depends_on, d.child, dj.state, dj.result, dj.error
+FROM jobs j
+JOIN job_dependencies d ON d.job_id = j.id
+LEFT JOIN jobs dj ON dj.id = d.depends_on
+WHERE j.id = $1 AND j.tenant = $2
+ORDER BY d.position
+
 -- name: status_doc
 SELECT tenant, doc FROM jobs WHERE id = $1
 

@@ -37,7 +37,7 @@ CREATE TABLE jobs (
     queue            text        NOT NULL DEFAULT 'default',
     CONSTRAINT jobs_pkey PRIMARY KEY (id),
     CONSTRAINT jobs_state_check CHECK (
-        state IN ('scheduled', 'queued', 'running', 'succeeded', 'failed', 'cancelled')
+        state IN ('waiting', 'scheduled', 'queued', 'running', 'succeeded', 'failed', 'cancelled')
     ),
     CONSTRAINT jobs_priority_check CHECK (priority IN ('critical', 'high', 'normal', 'low'))
 );
@@ -90,6 +90,21 @@ CREATE TABLE job_results (
     CONSTRAINT job_results_pkey PRIMARY KEY (job_id),
     CONSTRAINT job_results_job_id_fkey FOREIGN KEY (job_id) REFERENCES jobs (id) ON DELETE CASCADE
 );
+
+-- What each job waits for (flows), from its submit entry: one row per dependency, `position`
+-- its place in the job's list, `child` true when it was created in the same flow (the job's
+-- child). Rows go with their job (retention).
+CREATE TABLE job_dependencies (
+    job_id     text    NOT NULL,
+    depends_on text    NOT NULL,
+    position   integer NOT NULL,
+    child      boolean NOT NULL,
+    CONSTRAINT job_dependencies_pkey PRIMARY KEY (job_id, depends_on),
+    CONSTRAINT job_dependencies_job_id_fkey FOREIGN KEY (job_id) REFERENCES jobs (id) ON DELETE CASCADE
+);
+
+-- who waits for a job
+CREATE INDEX job_dependencies_depends_on_idx ON job_dependencies (depends_on);
 
 -- Recurring jobs (cron expression or fixed interval), for the scheduler.
 CREATE TABLE schedules (

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from typing import Any
 
 from jobtier.errors import Cancelled
-from jobtier.model import ClaimedJob, encode_json
+from jobtier.flows.reads import from_inputs
+from jobtier.model import ClaimedJob, Dependency, encode_json
 
 
 class JobContext:
@@ -19,8 +20,8 @@ class JobContext:
     """
 
     __slots__ = (
-        "_cancelled", "_loop", "_loop_thread", "_on_progress", "_waiter", "job", "shard",
-        "worker_id",
+        "_cancelled", "_dependencies", "_loop", "_loop_thread", "_on_progress", "_waiter",
+        "job", "shard", "worker_id",
     )  # fmt: skip
 
     def __init__(
@@ -40,6 +41,7 @@ class JobContext:
         # made on first use: most tasks never wait for a cancel, and a context is built per job
         self._cancelled = False  # read from the thread pool too: a bool is safe to share
         self._waiter: asyncio.Event | None = None
+        self._dependencies: dict[str, Dependency] | None = None  # decoded on first use
 
     @property
     def job_id(self) -> str:
@@ -57,6 +59,25 @@ class JobContext:
     @property
     def type(self) -> str:
         return self.job.type
+
+    @property
+    def dependencies(self) -> dict[str, Dependency]:
+        """The jobs this one waited for (``depends_on``; a flow's ``after``: its children),
+        by id, in the order they were given, each with its ``state`` and its ``result`` (or
+        ``error``: with ``on_dependency_failure="run"`` a job also runs after failures).
+        Empty for a job without dependencies."""
+        if self._dependencies is None:
+            self._dependencies = from_inputs(self.job.inputs)
+        return self._dependencies
+
+    @property
+    def previous(self) -> Any:
+        """The result of the last dependency (in a chain: the step before this one), or
+        None without any."""
+        deps = self.dependencies
+        if not deps:
+            return None
+        return deps[next(reversed(deps))].result
 
     def progress(self, value: Any) -> None:
         """Report progress (any JSON value, e.g. 0.4 or {"done": 40, "of": 100}).

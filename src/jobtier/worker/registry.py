@@ -57,6 +57,9 @@ class Task:
     decode_payload: Callable[[bytes], Any] = field(
         default=msgspec.json.Decoder().decode, repr=False, compare=False
     )
+    # the task whose job is created when a job of this one fails for good (compensation)
+    on_failure: str | None = None
+    compensation: Task | None = field(default=None, repr=False, compare=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -82,7 +85,7 @@ class Task:
 
     def info(self) -> TaskInfo:
         check = self.check_payload if self.payload_type is not None else None
-        return TaskInfo(self.queue, self.max_attempts, check)
+        return TaskInfo(self.queue, self.max_attempts, check, self.on_failure)
 
     def ad(self, worker: str) -> TaskAd:
         """What a worker advertises of this task (catalog.py)."""
@@ -97,6 +100,7 @@ class Task:
             payload_schema=self.payload_schema(),
             seen_at=time.time(),
             worker=worker,
+            on_failure=self.on_failure,
         )
 
 
@@ -139,6 +143,7 @@ def task(
     non_retryable: Iterable[type[BaseException]] = (),
     timeout: float | None = None,
     queue: str = DEFAULT_QUEUE,
+    on_failure: str | Task | None = None,
 ) -> Callable[[Callable[..., Any]], Task]: ...
 
 
@@ -154,6 +159,7 @@ def task(
     non_retryable: Iterable[type[BaseException]] = (),
     timeout: float | None = None,
     queue: str = DEFAULT_QUEUE,
+    on_failure: str | Task | None = None,
 ) -> Any:
     """Declare a task: ``async def fn(ctx, payload)`` (or a plain ``def``, run in a thread).
 
@@ -162,6 +168,9 @@ def task(
     (and ``jobtier.Fatal``) send the job straight to the dead-letter set. ``timeout`` bounds
     one attempt, in seconds; a timed-out attempt counts as a retryable failure. ``queue``
     names the queue its jobs go to (workers serve queues: ``jobtier worker --queues``).
+    ``on_failure`` names a task (or is one) whose job is created, in the same atomic step,
+    when a job of this one fails for good: its payload is ``{"job_id", "type", "payload",
+    "error"}`` of the failed job (a compensation: undo what the failed job did).
 
     Usable bare (``@task``) or with options (``@task(retries=5, timeout=30)``).
     """
@@ -182,6 +191,13 @@ def task(
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, BaseException)):
                 raise ConfigError(f"task {task_name}: non_retryable holds {cls!r}")
+        compensation = on_failure if isinstance(on_failure, Task) else None
+        comp_name = on_failure.name if isinstance(on_failure, Task) else on_failure
+        if comp_name is not None and not TASK_NAME_RE.fullmatch(comp_name):
+            raise ConfigError(
+                f"task {task_name}: on_failure {comp_name!r} must name a task "
+                f"({TASK_NAME_RE.pattern})"
+            )
         payload_type = _payload_type(f, task_name)
         decoder = msgspec.json.Decoder(payload_type) if payload_type is not None else None
         return Task(
@@ -193,6 +209,8 @@ def task(
             is_async=inspect.iscoroutinefunction(f),
             queue=queue,
             payload_type=payload_type,
+            on_failure=comp_name,
+            compensation=compensation,
             **({"decode_payload": decoder.decode} if decoder is not None else {}),
         )
 

@@ -1,0 +1,95 @@
+"""Flow routes: submit a flow (``POST /v1/flows``), read a job's dependencies."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jobtier.api.auth import raw_header, tenant_of
+from jobtier.api.http import JSON, decode_body, invalid, job_id_of, job_not_found, read_json_body
+from jobtier.api.problems import Problem
+from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound
+from jobtier.model import Dependency, FlowSpec
+from jobtier.queue import Queue
+
+_flow_decoder = msgspec.json.Decoder(FlowSpec)
+
+
+class FlowResponse(msgspec.Struct):
+    """A submitted flow: ``created`` False for a repeat of an earlier submit with the same
+    idempotency key; ``jobs`` each job's status document, in the order of the request."""
+
+    created: bool
+    jobs: list[msgspec.Raw]
+
+
+class DependencyList(msgspec.Struct):
+    """A job's dependencies in order: ``pending`` until one finishes, then its outcome."""
+
+    id: str
+    dependencies: list[Dependency]
+
+
+async def submit_flow(request: Request) -> Response:
+    tenant = tenant_of(request)
+    st = request.state
+    body: FlowSpec = decode_body(_flow_decoder, await read_json_body(request))
+    header_key = raw_header(request, b"idempotency-key")
+    if header_key is not None:
+        key = header_key.decode("latin-1")
+        if body.idempotency_key not in (None, key):
+            raise Problem(
+                400,
+                "bad-request",
+                "the Idempotency-Key header and the body's idempotency_key differ",
+                field="idempotency_key",
+            )
+        body.idempotency_key = key
+    queue: Queue = st.queue
+    try:
+        prepared = await queue.prepare_flow(body.jobs, tenant, body.idempotency_key)
+    except InvalidRequest as exc:
+        raise invalid(exc) from None
+    st.admission.check(tenant, len(prepared))
+    try:
+        outcome = await queue.submit_flow_prepared(prepared)
+    except IdempotencyConflict as exc:
+        raise Problem(409, "idempotency-conflict", str(exc), job_id=exc.job_id) from None
+    docs = []
+    for job in outcome.jobs:
+        doc = job.doc
+        if not doc:  # a repeat whose job Redis no longer keeps: Postgres may
+            found = await st.reader.get(job.job_id)
+            if found is None or found[0] != tenant:
+                raise Problem(
+                    410, "gone",
+                    f"this idempotency key made a flow whose job {job.job_id} is no longer "
+                    "kept", job_id=job.job_id,
+                )  # fmt: skip
+            doc = bytes(found[1])
+        docs.append(msgspec.Raw(doc))
+    body_out = msgspec.json.encode(FlowResponse(outcome.created, docs))
+    return Response(body_out, 202 if outcome.created else 200, media_type=JSON)
+
+
+async def dependencies(request: Request) -> Response:
+    tenant = tenant_of(request)
+    job_id = job_id_of(request)
+    queue: Queue = request.state.queue
+    try:
+        found = await queue.dependencies(job_id, tenant)
+    except JobNotFound:
+        fallback = getattr(request.state, "dependencies_fallback", None)
+        stored = await fallback(job_id, tenant) if fallback is not None else None
+        if stored is None:
+            raise job_not_found(job_id) from None
+        found = stored
+    return Response(msgspec.json.encode(DependencyList(job_id, found)), media_type=JSON)
+
+
+routes = [
+    Route("/v1/flows", submit_flow, methods=["POST"]),
+    Route("/v1/jobs/{job_id}/dependencies", dependencies, methods=["GET"]),
+]

@@ -1,0 +1,74 @@
+"""Reading a job's flow: its dependencies and their outcomes, its compensation job."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from jobtier.errors import JobNotFound
+from jobtier.model import Dependency, JobError
+
+if TYPE_CHECKING:
+    from jobtier.queue import Queue
+
+# lib.lua's state marks (upper case: a child of the job)
+MARKS = {"s": "succeeded", "f": "failed", "c": "cancelled", "m": "missing"}
+_error_decoder = msgspec.json.Decoder(JobError)
+
+
+def dependency(dep_id: str, state: str, data: bytes, child: bool) -> Dependency:
+    """One dependency from its outcome: the result of a success, else the error."""
+    if state == "succeeded":
+        return Dependency(
+            id=dep_id, state=state, result=msgspec.json.decode(data) if data else None,
+            child=child,
+        )  # fmt: skip
+    error = None
+    if data:
+        try:
+            error = _error_decoder.decode(data)
+        except msgspec.DecodeError:  # not ours: keep the job readable
+            error = JobError("Error", data.decode(errors="replace")[:2000])
+    return Dependency(id=dep_id, state=state, error=error, child=child)
+
+
+def from_stored(dep_id: str, value: bytes | None) -> Dependency:
+    """A dependency from its entry in jt:{s}:deps:<id> (lib.lua's flows section)."""
+    if value is None or value in (b"0", b"1"):
+        return Dependency(id=dep_id, state="pending", child=value == b"1")
+    mark = chr(value[0])
+    return dependency(dep_id, MARKS.get(mark.lower(), "missing"), value[1:], mark.isupper())
+
+
+def from_inputs(raw: bytes) -> dict[str, Dependency]:
+    """What claim.lua hands a worker (lib.lua flow_inputs), by id, in order."""
+    if not raw:
+        return {}
+    out = {}
+    for dep_id, state, data in msgspec.json.decode(raw):
+        if state == "succeeded":
+            out[dep_id] = Dependency(id=dep_id, state=state, result=data)
+        else:
+            error = msgspec.convert(data, JobError) if isinstance(data, dict) else None
+            out[dep_id] = Dependency(id=dep_id, state=state, error=error)
+    return out
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+async def dependencies(queue: Queue, job_id: str, tenant: str | None) -> list[Dependency]:
+    owner, ids = await queue.redis.hmget(queue.keys.job(job_id), "tenant", "dids")
+    if owner is None or (tenant is not None and _text(owner) != tenant):
+        raise JobNotFound(job_id)
+    if not ids:
+        return []
+    stored: dict[bytes, bytes] = await queue.redis.hgetall(queue.keys.deps(job_id))  # type: ignore[assignment]
+    return [from_stored(dep, stored.get(dep.encode())) for dep in _text(ids).split()]
+
+
+async def compensation_of(queue: Queue, job_id: str) -> str | None:
+    found = await queue.redis.hget(queue.keys.job(job_id), "cjob")
+    return _text(found) if found is not None else None

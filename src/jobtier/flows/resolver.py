@@ -1,0 +1,309 @@
+"""The resolver: tells dependents that their dependencies finished, across shards and nodes.
+
+A job that finishes with dependents appends a hand-off to its own shard's flow stream in the
+script of its transition (lib.lua ``flow_finished``): nothing about its dependents, which may
+live on other shards, happens there. Resolvers read every shard's flow stream through one
+consumer group, apply each hand-off on the dependent's shard (``resolve.lua``, one call per
+shard, batched) and only then acknowledge and delete it. What makes that safe:
+
+* a resolver that dies mid-batch (some dependents told, others not) leaves its hand-offs
+  pending in the group; any resolver takes them over once they are idle for
+  ``JOBTIER_RESOLVER_CLAIM_IDLE_SECONDS`` (XAUTOCLAIM) and applies them again, and
+  ``resolve.lua`` is idempotent: a dependency resolves once, a repeated hand-off changes
+  nothing. Several resolvers may run; none is a leader;
+* a dependent whose submitter died before linking it (flows/submit.py) is linked by a
+  resolver past its deadline (``jt:{s}:unlinked``), ``link.lua`` being idempotent too.
+
+No polling: the finishing script publishes ``f`` on its shard's wake channel and the
+scheduler, which runs the resolver, wakes it for that shard; a sweep every half claim-idle
+period takes over abandoned hand-offs and overdue links.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError, ResponseError
+
+from jobtier.backoff import SCHEDULER
+from jobtier.errors import Code
+from jobtier.flows.submit import link_calls, linked_calls
+from jobtier.metrics.snapshot import Snapshot
+from jobtier.scripts import Call
+
+if TYPE_CHECKING:
+    from jobtier.queue import Queue
+
+log = logging.getLogger("jobtier.resolver")
+
+RESOLVE_CHUNK = 1000  # hand-offs per resolve.lua call
+RELINK_BATCH = 200  # overdue dependents linked per shard and sweep
+
+Entry = tuple[int, bytes, dict[bytes, bytes]]  # (shard, stream entry id, fields)
+Item = tuple[str, str, str, str, bytes]  # resolve.lua's: kind, target, source, state, data
+
+
+@dataclass(slots=True)
+class ResolverStats:
+    handoffs: int = 0  # stream entries applied and acknowledged
+    applied: int = 0  # dependents moved (a dependency resolved, a child cancelled)
+    repeated: int = 0  # hand-offs applied before (a resolver died before acknowledging)
+    claimed: int = 0  # entries taken over from idle consumers
+    relinked: int = 0  # dependents linked past their deadline (their submitter died)
+    passes: int = 0
+
+
+class Resolver:
+    """One member of the resolvers' consumer group; ``await run()`` until ``stop()``.
+
+    The scheduler runs one and forwards its wake messages (``notify``) and subscription
+    resets (``reset``); tests call ``run_once`` / ``drain`` directly.
+    """
+
+    def __init__(self, queue: Queue, *, name: str | None = None, batch: int = 500) -> None:
+        self.queue = queue
+        self.keys = queue.keys
+        self.scripts = queue.scripts
+        self.settings = queue.settings
+        self.redis = queue.redis
+        self.group = self.keys.resolver_group()
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
+        self.batch = batch
+        self.claim_idle_ms = max(1, int(self.settings.resolver_claim_idle_seconds * 1000))
+        self.sweep_every = max(0.05, self.settings.resolver_claim_idle_seconds / 2)
+        self.stats = ResolverStats()
+        n = self.keys.shards
+        self._streams = [self.keys.flow(s) for s in range(n)]
+        self._dirty: set[int] = set(range(n))
+        self._wake = asyncio.Event()
+        self._stopping = asyncio.Event()
+        self._ready = False
+        self._next_sweep = 0.0
+
+    # --- life cycle -----------------------------------------------------------------------
+    def notify(self, shard: int) -> None:
+        """Hand-offs were added to ``shard``'s stream."""
+        self._dirty.add(shard)
+        self._wake.set()
+
+    def reset(self) -> None:
+        """Wake messages may have been missed: look at every shard."""
+        self._dirty = set(range(self.keys.shards))
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._wake.set()
+
+    def metrics(self) -> Snapshot:
+        st = self.stats
+        return Snapshot(
+            "", "", 0.0,
+            counters={
+                "resolver_handoffs_total": {"": st.handoffs},
+                "resolver_applied_total": {"": st.applied},
+                "resolver_repeated_total": {"": st.repeated},
+                "resolver_claimed_total": {"": st.claimed},
+                "resolver_relinked_total": {"": st.relinked},
+            },
+        )  # fmt: skip
+
+    async def setup(self) -> None:
+        """Create the consumer group on every shard's flow stream if missing."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self._streams:
+            pipe.xgroup_create(stream, self.group, id="0", mkstream=True)
+        for reply in await pipe.execute(raise_on_error=False):
+            if isinstance(reply, ResponseError) and "BUSYGROUP" in str(reply):
+                continue
+            if isinstance(reply, Exception):
+                raise reply
+        self._ready = True
+
+    async def run(self) -> ResolverStats:
+        log.info("event=resolver_started name=%s shards=%d", self.name, self.keys.shards)
+        backoff = SCHEDULER.start()
+        while not self._stopping.is_set():
+            try:
+                moved = await self.run_once()
+                backoff.reset()
+            except (RedisError, OSError) as exc:
+                wait = backoff.next()
+                log.warning("event=resolver_pass_failed error=%r retry_in=%.2fs", exc, wait)
+                self._ready = False  # a restarted Redis may have lost the groups
+                self.reset()
+                await self._sleep(wait)
+                continue
+            except Exception:  # a bug: the hand-offs stay pending; keep resolving the others
+                wait = backoff.next()
+                log.exception("event=resolver_pass_crashed retry_in=%.2fs", wait)
+                self.reset()
+                await self._sleep(wait)
+                continue
+            if not moved and not self._dirty:
+                await self._sleep(self._next_sweep - time.monotonic())
+        log.info(
+            "event=resolver_stopped name=%s handoffs=%d applied=%d",
+            self.name, self.stats.handoffs, self.stats.applied,
+        )  # fmt: skip
+        return self.stats
+
+    async def _sleep(self, seconds: float) -> None:
+        if seconds > 0 and not self._wake.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await self._wake.wait()
+
+    # --- one pass ---------------------------------------------------------------------------
+    async def run_once(self) -> int:
+        """Apply what the woken shards hold (and, when due, what is abandoned or overdue);
+        returns the hand-offs applied."""
+        if not self._ready:
+            await self.setup()
+        self.stats.passes += 1
+        moved = 0
+        if time.monotonic() >= self._next_sweep:
+            self._next_sweep = time.monotonic() + self.sweep_every
+            moved += await self._take_over()
+            self.stats.relinked += await self.relink()
+        self._wake.clear()
+        shards = sorted(self._dirty)
+        self._dirty.clear()
+        if shards:
+            moved += await self._read(shards)
+        return moved
+
+    async def drain(self) -> int:
+        """Apply hand-offs until none is left, every shard looked at in each pass (no wake
+        messages needed: tests, one-off runs); a sweep first, whatever its time."""
+        self._next_sweep = 0.0
+        total = 0
+        while True:
+            self.reset()
+            moved = await self.run_once()
+            total += moved
+            if not moved:
+                return total
+
+    async def _read(self, shards: Sequence[int]) -> int:
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in shards:
+            pipe.xreadgroup(self.group, self.name, {self._streams[shard]: ">"}, count=self.batch)
+        entries: list[Entry] = []
+        for shard, reply in zip(shards, await pipe.execute(), strict=True):
+            items = reply[0][1] if reply else []
+            if len(items) >= self.batch:
+                self._dirty.add(shard)  # more may be waiting
+            entries += [(shard, entry_id, fields) for entry_id, fields in items]
+        return await self.apply(entries)
+
+    async def _take_over(self) -> int:
+        """Hand-offs idle past the claim timeout: their resolver died before acknowledging."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in self._streams:
+            pipe.xautoclaim(
+                stream, self.group, self.name, self.claim_idle_ms, "0-0", count=self.batch
+            )
+        entries: list[Entry] = []
+        for shard, reply in enumerate(await pipe.execute()):
+            items = reply[1]
+            if items:
+                log.info("event=handoffs_taken_over shard=%d count=%d", shard, len(items))
+                self.stats.claimed += len(items)
+            if len(items) >= self.batch:
+                self._next_sweep = 0.0  # more may be abandoned there: the next pass looks
+            entries += [(shard, entry_id, fields) for entry_id, fields in items]
+        return await self.apply(entries)
+
+    async def apply(self, entries: Sequence[Entry]) -> int:
+        """Apply hand-offs on their targets' shards, then acknowledge (and delete) them."""
+        if not entries:
+            return 0
+        by_shard: dict[int, list[Item]] = defaultdict(list)
+        for _, _, fields in entries:
+            if not fields:  # pending but deleted from the stream: nothing left to apply
+                continue
+            kind, source = fields[b"k"].decode(), fields[b"j"].decode()
+            state, data = fields[b"s"].decode(), fields.get(b"v", b"")
+            for target in fields[b"t"].decode().split():
+                if self.keys.valid_id(target):
+                    by_shard[self.keys.shard_of(target)].append((kind, target, source, state, data))
+        calls: list[Call] = [
+            self.scripts.resolve_call(
+                shard, self.settings.retention_seconds, items[i : i + RESOLVE_CHUNK]
+            )
+            for shard, items in by_shard.items()
+            for i in range(0, len(items), RESOLVE_CHUNK)
+        ]
+        if calls:
+            for reply in await self.scripts.call_many(calls):
+                self._count(reply)
+        await self._acknowledge(entries)
+        self.stats.handoffs += len(entries)
+        return len(entries)
+
+    def _count(self, codes: list[Any]) -> None:
+        for code in codes:
+            if code == Code.OK:
+                self.stats.applied += 1
+            elif code == Code.DUPLICATE:
+                self.stats.repeated += 1
+
+    async def _acknowledge(self, entries: Sequence[Entry]) -> None:
+        by_shard: dict[int, list[bytes]] = defaultdict(list)
+        for shard, entry_id, _ in entries:
+            by_shard[shard].append(entry_id)
+        pipe = self.redis.pipeline(transaction=False)
+        for shard, ids in by_shard.items():
+            pipe.xack(self._streams[shard], self.group, *ids)
+            pipe.xdel(self._streams[shard], *ids)
+        await pipe.execute()
+
+    # --- reconciliation -------------------------------------------------------------------
+    async def relink(self) -> int:
+        """Link the dependents whose deadline passed without their submitter saying it had
+        linked them (it died halfway, flows/submit.py). Returns how many."""
+        now_s, now_us = await self._redis_time()
+        now_ms = now_s * 1000 + now_us // 1000
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.zrangebyscore(self.keys.unlinked(shard), "-inf", now_ms, start=0, num=RELINK_BATCH)
+        overdue = [member.decode() for members in await pipe.execute() for member in members]
+        if not overdue:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in overdue:
+            pipe.hmget(self.keys.job(job_id), "tenant", "dids")
+        links: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        for job_id, (tenant, ids) in zip(overdue, await pipe.execute(), strict=True):
+            if tenant is None or not ids:
+                continue  # gone (expired) or never complete: linked.lua forgets it
+            for dep in ids.decode().split():
+                if self.keys.valid_id(dep):
+                    links[tenant.decode()].append((dep, job_id))
+        calls = [
+            c for tenant, pairs in links.items() for c in link_calls(self.queue, tenant, pairs)
+        ]
+        if calls:
+            await self.scripts.call_many(calls)
+        await self.scripts.call_many(linked_calls(self.queue, overdue))
+        log.warning(
+            "event=dependents_relinked count=%d: their submit was cut short before it linked "
+            "them", len(overdue),
+        )  # fmt: skip
+        return len(overdue)
+
+    async def _redis_time(self) -> tuple[int, int]:
+        reply = await self.redis.time()
+        if isinstance(reply, dict):  # a cluster client answers per node
+            reply = next(iter(reply.values()))
+        return int(reply[0]), int(reply[1])
