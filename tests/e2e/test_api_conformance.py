@@ -93,6 +93,30 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         waiting = (await check(c, "POST", "/v1/jobs", 202, json={"type": "echo"})).json()
         await check(c, "POST", "/v1/jobs/{job_id}/cancel", 200, ids={"job_id": waiting["id"]})
 
+        # flows: created, repeated, refused; a dependent's document and its dependencies
+        flow = {
+            "jobs": [
+                {"type": "echo", "payload": 1, "ref": "a"},
+                {"type": "echo", "payload": 2, "after": ["a"], "depends_on": [job["id"]]},
+            ],
+            "idempotency_key": "conf-flow",
+        }
+        made = (await check(c, "POST", "/v1/flows", 202, json=flow)).json()
+        await check(c, "POST", "/v1/flows", 200, json=flow)
+        await check(c, "POST", "/v1/flows", 409, json={**flow, "jobs": flow["jobs"][:1]})
+        cycle = {"jobs": [{"type": "echo", "ref": "a", "after": ["a"]}]}
+        await check(c, "POST", "/v1/flows", 422, json=cycle)
+        dependent = {"job_id": made["jobs"][1]["id"]}
+        assert made["jobs"][1]["state"] == "waiting"
+        await check(c, "GET", "/v1/jobs/{job_id}", 200, ids=dependent)
+        await check(c, "GET", "/v1/jobs/{job_id}/dependencies", 200, ids=dependent)
+        await check(
+            c, "GET", "/v1/jobs/{job_id}/dependencies", 404, ids={"job_id": queue.keys.new_id()}
+        )
+        await check(
+            c, "POST", "/v1/jobs", 422, json={"type": "echo", "depends_on": [queue.keys.new_id()]}
+        )
+
         failing = (
             await c.post("/v1/jobs", json={"type": "fail", "payload": {"fatal": True}})
         ).json()

@@ -30,11 +30,13 @@ ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/v1/jobs"): TENANT_CREATE,
     ("GET", "/v1/jobs"): TENANT_LIST,
     ("POST", "/v1/jobs/batch"): TENANT_CREATE,
+    ("POST", "/v1/flows"): TENANT_CREATE,
     ("GET", "/v1/jobs/{job_id}"): TENANT_ITEM,
     ("GET", "/v1/jobs/{job_id}/result"): TENANT_ITEM,
     ("POST", "/v1/jobs/{job_id}/cancel"): TENANT_ITEM,
     ("GET", "/v1/jobs/{job_id}/events"): TENANT_ITEM,
     ("GET", "/v1/jobs/{job_id}/history"): TENANT_ITEM,
+    ("GET", "/v1/jobs/{job_id}/dependencies"): TENANT_ITEM,
     ("POST", "/v1/schedules"): TENANT_CREATE,
     ("GET", "/v1/schedules"): TENANT_LIST,
     ("GET", "/v1/schedules/{schedule_id}"): TENANT_ITEM,
@@ -63,6 +65,10 @@ SCHEDULE = {"name": "nightly", "type": "echo", "cron": "0 3 * * *"}
 BODIES: dict[tuple[str, str], Any] = {
     ("POST", "/v1/jobs"): {"type": "echo", "idempotency_key": IDEMPOTENCY_KEY},
     ("POST", "/v1/jobs/batch"): {"jobs": [{"type": "echo", "idempotency_key": IDEMPOTENCY_KEY}]},
+    ("POST", "/v1/flows"): {
+        "jobs": [{"type": "echo", "ref": "a"}, {"type": "echo", "after": ["a"]}],
+        "idempotency_key": "shared-flow-key",  # keys are shared by jobs and flows
+    },
     ("POST", "/v1/schedules"): SCHEDULE,
     ("POST", "/v1/admin/dead-letters/replay"): {},
 }

@@ -57,6 +57,7 @@ class ResolverStats:
     handoffs: int = 0  # stream entries applied and acknowledged
     applied: int = 0  # dependents moved (a dependency resolved, a child cancelled)
     repeated: int = 0  # hand-offs applied before (a resolver died before acknowledging)
+    moot: int = 0  # hand-offs whose target no longer waited (resolved, cancelled, gone)
     claimed: int = 0  # entries taken over from idle consumers
     relinked: int = 0  # dependents linked past their deadline (their submitter died)
     passes: int = 0
@@ -112,6 +113,7 @@ class Resolver:
                 "resolver_handoffs_total": {"": st.handoffs},
                 "resolver_applied_total": {"": st.applied},
                 "resolver_repeated_total": {"": st.repeated},
+                "resolver_moot_total": {"": st.moot},
                 "resolver_claimed_total": {"": st.claimed},
                 "resolver_relinked_total": {"": st.relinked},
             },
@@ -257,6 +259,8 @@ class Resolver:
                 self.stats.applied += 1
             elif code == Code.DUPLICATE:
                 self.stats.repeated += 1
+            else:  # WRONG_STATE, NOT_FOUND
+                self.stats.moot += 1
 
     async def _acknowledge(self, entries: Sequence[Entry]) -> None:
         by_shard: dict[int, list[bytes]] = defaultdict(list)
