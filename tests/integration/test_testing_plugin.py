@@ -200,6 +200,22 @@ async def test_a_real_worker_ends_each_job_as_run_task_says(
         await assert_same(jobtier_queue, job_id, outcome)
 
 
+async def test_the_burst_worker_runs_flows_to_their_end(
+    jobtier_queue: Queue, jobtier_worker: BurstWorker
+) -> None:
+    """Dependents become ready only after a resolver told them: the burst worker resolves
+    between bursts, so a chain of three runs in one call."""
+    from jobtier.flows import chain
+    from jobtier.model import FlowJob
+
+    flow = await jobtier_queue.submit_flow(
+        chain(*[FlowJob(type=ok.name, payload=i) for i in range(3)])
+    )
+    stats = await jobtier_worker([ok])
+    assert stats.claimed == stats.succeeded == 3
+    assert [(await jobtier_queue.status(i)).state for i in flow.ids] == ["succeeded"] * 3
+
+
 @pytest.mark.parametrize("t", [until_cancelled, until_cancelled_sync], ids=["async", "sync"])
 async def test_a_cancel_ends_a_running_job_as_run_task_says(
     jobtier_queue: Queue, jobtier_worker: BurstWorker, t: Task

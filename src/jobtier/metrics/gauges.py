@@ -13,15 +13,17 @@ from jobtier.queue import Queue
 
 async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, dict[str, float]]:
     """Gauges read from Redis now: depths per queue and priority, the oldest waiting job of
-    each, running, parked and paused per queue, scheduled and dead-lettered jobs, live
+    each, running, parked, paused and waiting per queue, waiting (for dependencies),
+    scheduled and dead-lettered jobs, live
     workers, and (with Postgres) the write-behind lag."""
     stats = await queue.stats()
     total = stats["total"]
-    depth, running, parked, paused = {}, {}, {}, {}
+    depth, running, parked, paused, waiting = {}, {}, {}, {}, {}
     for name, q in stats["queues"].items():
         for p in PRIORITIES:
             depth[labels(queue=name, priority=p.value)] = q["queued"][p.value]
         running[labels(queue=name)] = q["running"]
+        waiting[labels(queue=name)] = q["waiting"]
         parked[labels(queue=name)] = q["parked"]
         paused[labels(queue=name)] = 1.0 if q["paused"] else 0.0
     ages = {
@@ -35,8 +37,10 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
         "queue_running_jobs": running,
         "queue_parked_jobs": parked,
         "queue_paused": paused,
+        "queue_waiting_jobs": waiting,
         "oldest_queued_age_seconds": ages,
         "scheduled_jobs": {"": total.get("scheduled", 0)},
+        "waiting_jobs": {"": total.get("waiting", 0)},
         "running_jobs": {"": total.get("running", 0)},
         "dead_letter_jobs": {"": total.get("dead", 0)},
     }

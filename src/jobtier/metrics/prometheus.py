@@ -36,6 +36,14 @@ HELP = {
     "worker_handed_back_total": "Jobs this worker handed back (their task is not in it).",
     "worker_rate_limited_total": "Tasks that raised RateLimited.",
     "queue_limit_wait_seconds_total": "Seconds a worker waited for a limited queue's permits (rate or concurrency).",
+    "waiting_jobs": "Jobs waiting for their dependencies (flows).",
+    "queue_waiting_jobs": "Jobs of the queue waiting for their dependencies.",
+    "resolver_handoffs_total": "Flow hand-offs (a job finished with dependents, a parent cancelled) applied and acknowledged.",
+    "resolver_applied_total": "Dependents told: a dependency resolved, or a child cancelled with its parent.",
+    "resolver_repeated_total": "Hand-offs applied again after their resolver died (no-ops: each dependency resolves once).",
+    "resolver_moot_total": "Hand-offs whose dependent no longer waited for them (resolved, cancelled or gone).",
+    "resolver_claimed_total": "Hand-offs taken over from a resolver that stopped before acknowledging them.",
+    "resolver_relinked_total": "Dependents linked by a resolver because their submit was cut short.",
 }
 
 

@@ -8,6 +8,7 @@ from types import ModuleType
 from typing import Any
 
 from jobtier.errors import ConfigError
+from jobtier.flows.resolver import Resolver
 from jobtier.queue import Queue
 from jobtier.worker.registry import Task, TaskRegistry
 from jobtier.worker.runner import Worker, WorkerStats
@@ -36,7 +37,9 @@ def as_registry(tasks: Tasks) -> TaskRegistry:
 
 class BurstWorker:
     """``await jobtier_worker()`` runs a ``Worker(burst=True)`` over the tasks until no job is
-    ready or running, and returns its ``WorkerStats``.
+    ready or running, and returns its ``WorkerStats``. Flows run to their end: between bursts
+    a resolver tells the dependents of the jobs that finished (flows/resolver.py), and the
+    burst starts again while that made jobs ready.
 
     A failed attempt with retries left is *scheduled* (for its retry delay), not ready: the
     burst ends without it, and the job's state says ``scheduled``. Nothing here runs the
@@ -67,12 +70,25 @@ class BurstWorker:
                 "override the `jobtier_tasks` fixture to return them"
             )
         worker_options.setdefault("shutdown_grace", 1.0)
-        worker = Worker(
-            self.queue, as_registry(chosen), concurrency=concurrency, burst=True, **worker_options
-        )
+        registry = as_registry(chosen)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        stats = WorkerStats()  # the bursts' together
+        resolver = Resolver(self.queue, name="jobtier-testing")
+        while True:
+            worker = Worker(
+                self.queue, registry, concurrency=concurrency, burst=True, **worker_options
+            )
+            worker.stats = stats
+            await self._burst(worker, max(deadline - loop.time(), 0.0), timeout)
+            if not await resolver.drain():  # no dependent was told: nothing more to run
+                return stats
+
+    @staticmethod
+    async def _burst(worker: Worker, left: float, timeout: float) -> None:
         run = asyncio.ensure_future(worker.run())
         try:
-            done, _ = await asyncio.wait({run}, timeout=timeout)
+            done, _ = await asyncio.wait({run}, timeout=left)
         except asyncio.CancelledError:  # the test was cancelled (its own timeout)
             worker.stop()
             await asyncio.wait({run}, timeout=worker.shutdown_grace + 10)
@@ -85,4 +101,4 @@ class BurstWorker:
                 f"the burst worker was still running after {timeout:g}s, with job(s) "
                 f"{', '.join(running[:10])} (released back to their queues): does a task hang?"
             )
-        return run.result()
+        run.result()
