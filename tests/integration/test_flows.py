@@ -502,6 +502,8 @@ async def test_the_compensation_is_in_the_same_script_as_the_failure(fq: Queue) 
     """No resolver, no worker: the fail.lua call that dead-letters the job, and the
     reclaim.lua call that gives up on an expired lease, create it themselves."""
     sub = await fq.submit("charge", {"fail": True}, max_attempts=1)
+    # submitted now: older than sub's compensation (in sub's shard), so claimed before it
+    lost = await fq.submit("charge", {"fail": True}, max_attempts=1)
     claimed = await claim(fq, sub.job_id)
     shard = fq.keys.shard_of(sub.job_id)
     reply = await fq.scripts.call(
@@ -516,7 +518,6 @@ async def test_the_compensation_is_in_the_same_script_as_the_failure(fq: Queue) 
     comp = await fq.compensation_of(sub.job_id)
     assert comp is not None and (await fq.status(comp)).state is State.QUEUED
     # a lease that expires on the last attempt
-    lost = await fq.submit("charge", {"fail": True}, max_attempts=1)
     await claim(fq, lost.job_id, lease_ms=1)
     lshard = fq.keys.shard_of(lost.job_id)
     s = fq.settings
