@@ -274,6 +274,31 @@ def constrain_items(
             option["items"].update(constraints)
 
 
+def _flow_constraints(c: dict[str, Any], settings: Settings) -> None:
+    """A flow's job is a job (the rules of ``JobSpec``) with a ref and its ``after``; a job of
+    either kind may name existing jobs it waits for (``depends_on``)."""
+    spec = "FlowJob"
+    for name, rule in c["JobSpec"]["properties"].items():
+        if name in c[spec]["properties"] and name != "depends_on":
+            c[spec]["properties"][name] = rule
+    constrain(c, spec, "ref", pattern=REF_RE.pattern)
+    constrain(c, spec, "after", maxItems=settings.max_flow_jobs)
+    constrain_items(c, spec, "after", pattern=REF_RE.pattern)
+    c[spec]["properties"]["after"]["description"] = (
+        "refs of the jobs of this flow it waits for (its children); a ref no job has, or a "
+        "cycle, is refused (422)"
+    )
+    for struct in ("JobSpec", spec):
+        constrain(c, struct, "depends_on", maxItems=settings.max_flow_jobs)
+        constrain_items(c, struct, "depends_on", pattern=JOB_ID_RE.pattern)
+        c[struct]["properties"]["depends_on"]["description"] = (
+            "ids of existing jobs (of yours, still kept by Redis: else 422) it waits for, "
+            f"at most {settings.max_flow_jobs} (JOBTIER_MAX_FLOW_JOBS)"
+        )
+    c["FlowSpec"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_flow_jobs)
+    constrain(c, "FlowSpec", "idempotency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
+
+
 def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
     # the Structs the routes decode with: what they refuse (unknown members) is stated too
     _, components = msgspec.json.schema_components(
@@ -306,33 +331,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
-    for spec in ("JobSpec", "FlowJob"):
-        if spec == "FlowJob":
-            constrain(c, spec, "type", pattern=TASK_NAME_RE.pattern)
-            constrain(c, spec, "max_attempts", minimum=1, maximum=MAX_ATTEMPTS_LIMIT)
-            constrain(c, spec, "delay", minimum=0, maximum=settings.max_future_seconds)
-            constrain(c, spec, "run_at", format="date-time")
-            constrain(c, spec, "queue", pattern=QUEUE_NAME_RE.pattern)
-            constrain(c, spec, "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
-            constrain(c, spec, "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
-            constrain(c, spec, "ref", pattern=REF_RE.pattern)
-            constrain(c, spec, "after", maxItems=settings.max_flow_jobs)
-            constrain_items(c, spec, "after", pattern=REF_RE.pattern)
-            c[spec]["properties"]["payload"]["description"] = c["JobSpec"]["properties"]["payload"][
-                "description"
-            ]
-            c[spec]["properties"]["after"]["description"] = (
-                "refs of the jobs of this flow it waits for (its children); a ref no job has, "
-                "or a cycle, is refused (422)"
-            )
-        constrain(c, spec, "depends_on", maxItems=settings.max_flow_jobs)
-        constrain_items(c, spec, "depends_on", pattern=JOB_ID_RE.pattern)
-        c[spec]["properties"]["depends_on"]["description"] = (
-            "ids of existing jobs (of yours, still kept by Redis: else 422) it waits for, "
-            f"at most {settings.max_flow_jobs} (JOBTIER_MAX_FLOW_JOBS)"
-        )
-    c["FlowSpec"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_flow_jobs)
-    constrain(c, "FlowSpec", "idempotency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
+    _flow_constraints(c, settings)
     constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
     c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)
