@@ -265,8 +265,9 @@ class ClaimedJob(msgspec.Struct, frozen=True):
     queued_at_ms: int
     claimed_at_ms: int
     queue: str = DEFAULT_QUEUE
-    # its dependencies' outcomes, JSON [[id, state, result or error], ...]; b"" for none
-    inputs: bytes = b""
+    # its dependencies' outcomes as claim.lua hands them over (lib.lua flow_inputs): their
+    # ids in order (space-separated) and the flat id/outcome pairs; None for a job without
+    inputs: tuple[bytes, list[bytes]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -231,7 +231,7 @@ class Scripts:
                 queued_at_ms=int(reply[i + 6]),
                 claimed_at_ms=now,
                 queue=reply[i + 7].decode(),
-                inputs=reply[i + 8],
+                inputs=(reply[i + 8][0], reply[i + 8][1]) if reply[i + 8] else None,
             )
             for i in range(6, end, 9)
         ]

@@ -41,18 +41,13 @@ def from_stored(dep_id: str, value: bytes | None) -> Dependency:
     return dependency(dep_id, MARKS.get(mark.lower(), "missing"), value[1:], mark.isupper())
 
 
-def from_inputs(raw: bytes) -> dict[str, Dependency]:
+def from_inputs(inputs: tuple[bytes, list[bytes]] | None) -> dict[str, Dependency]:
     """What claim.lua hands a worker (lib.lua flow_inputs), by id, in order."""
-    if not raw:
+    if not inputs:
         return {}
-    out = {}
-    for dep_id, state, data in msgspec.json.decode(raw):
-        if state == "succeeded":
-            out[dep_id] = Dependency(id=dep_id, state=state, result=data)
-        else:
-            error = msgspec.convert(data, JobError) if isinstance(data, dict) else None
-            out[dep_id] = Dependency(id=dep_id, state=state, error=error)
-    return out
+    ids, flat = inputs
+    stored = dict(zip(flat[0::2], flat[1::2], strict=True))
+    return {dep: from_stored(dep, stored.get(dep.encode())) for dep in ids.decode().split()}
 
 
 def _text(value: bytes | str) -> str:

@@ -15,7 +15,8 @@
 --           jobs claimed k, jobs handed back h, limited queues asked without a cap l,
 --           when the first block of a served queue ends (ms; -1: none blocked),
 --           then per job: id, type, payload, attempt, max_attempts, lease_version,
---           queued at ms, queue, dependencies (lib.lua flow_inputs: '' for none);
+--           queued at ms, queue, dependencies (lib.lua flow_inputs: '' for none, else
+--           {ids, flat id/outcome pairs});
 --           then the h ids handed back; then the l queue names}
 --
 -- A queue with a global concurrency or rate limit is flagged limited in every shard
