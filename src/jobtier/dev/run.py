@@ -322,13 +322,13 @@ def _welcome(settings: Settings) -> None:
         f"""
 jobtier is running: API {base}  (Ctrl-C stops everything)
 
-  export JOBTIER_URL={base} JOBTIER_KEY={key}
+  export JOBTIER_URL={base} JOBTIER_KEY={key} JOBTIER_ADMIN_KEY={settings.admin_key}
   curl -s -X POST $JOBTIER_URL/v1/jobs -H "Authorization: Bearer $JOBTIER_KEY" \\
        -H 'Content-Type: application/json' -d '{{"type": "sleep", "payload": {{"seconds": 3}}}}'
   curl -s $JOBTIER_URL/v1/jobs/<id> -H "Authorization: Bearer $JOBTIER_KEY"
   curl -sN $JOBTIER_URL/v1/jobs/<id>/events -H "Authorization: Bearer $JOBTIER_KEY"
 
-  admin key: {settings.admin_key}   dashboard: {base}/dashboard
+  dashboard: {base}/dashboard (it asks for the admin key)
 """,
         file=sys.stderr,
         flush=True,
