@@ -311,6 +311,11 @@ async def run_pruning(settings: Settings, stop: asyncio.Event) -> None:
         except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
             wait = min(wait, RETRY_AFTER_FAILURE)
             log.warning("event=prune_failed retry_in=%.0fs error=%r", wait, exc)
+        except Exception:
+            # anything else (asyncpg's internal client errors, a bug): logged with its stack
+            # and tried again later; the pruning schedule must not end with the persister alive
+            wait = min(wait, RETRY_AFTER_FAILURE)
+            log.exception("event=prune_failed retry_in=%.0fs", wait)
         finally:
             if conn is not None:
                 await _close(conn)
