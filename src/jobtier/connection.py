@@ -14,11 +14,11 @@ from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
+from redis.exceptions import BusyLoadingError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from jobtier.backoff import SUBSCRIBE
+from jobtier.backoff import STARTUP, SUBSCRIBE
 from jobtier.config import Settings
 from jobtier.errors import ConfigError
 
@@ -79,15 +79,29 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
 async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
     """Refuse a Redis that can lose acknowledged jobs. Returns warnings; raises ConfigError.
 
+    A Redis still loading its data (LOADING) is waited for.
+
     An evicting memory policy silently drops job hashes and queues under memory pressure,
     and without AOF a restart forgets everything since the last snapshot.
     """
-    try:
-        version = await _info_values(redis, "server", "redis_version")
-        policies = await _info_values(redis, "memory", "maxmemory_policy")
-        aof = await _info_values(redis, "persistence", "aof_enabled")
-    except RedisError as exc:
-        raise ConfigError(f"cannot reach Redis at {settings.redis_url}: {exc}") from exc
+    backoff = STARTUP.start()
+    while True:
+        try:
+            version = await _info_values(redis, "server", "redis_version")
+            policies = await _info_values(redis, "memory", "maxmemory_policy")
+            aof = await _info_values(redis, "persistence", "aof_enabled")
+            # INFO itself is answered while loading, on a connection opened before
+            if "1" in await _info_values(redis, "persistence", "loading"):
+                raise BusyLoadingError("Redis is loading the dataset in memory")
+            break
+        except BusyLoadingError:
+            # a restarted Redis reading its AOF: it will serve once loaded, so wait for it
+            # rather than exit (a supervisor would only start us again into the same wait)
+            wait = backoff.next()
+            log.warning("event=redis_loading action=waiting retry_in=%.1fs", wait)
+            await asyncio.sleep(wait)
+        except RedisError as exc:
+            raise ConfigError(f"cannot reach Redis at {settings.redis_url}: {exc}") from exc
     problems, warnings = [], []
     if any(int(v.split(".")[0]) < 7 for v in version):
         problems.append(f"Redis {', '.join(sorted(set(version)))} is too old: jobtier needs 7.0+")
