@@ -28,6 +28,7 @@ HELP = {
     "transitions_persisted_total": "Transitions written to Postgres.",
     "persister_bad_entries_total": "Log entries that could not be stored (unreadable or refused).",
     "persister_parked_total": "Log entries Postgres refused, moved to the shard's log:refused stream.",
+    "persister_errors_total": "Failures the persister retried (Postgres, Redis, its own tasks), by error class.",
 }
 
 
