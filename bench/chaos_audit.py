@@ -194,12 +194,11 @@ async def audit(redis: Any, pool: Any, keys: Keys, job_ids: Sequence[str]) -> Au
             claims = sum(
                 t["to_state"] == "running" and t["from_state"] != "running" for t in transitions
             )
-            expired = sum(
-                t["error"] == "LeaseExpired"
-                and t["from_state"] == "running"
-                and t["to_state"] != "running"
+            expired = sum(  # (later transitions keep the error: count the requeue only)
+                t["from_state"] == "running" and t["to_state"] in ("queued", "failed")
+                and t["error"] == "LeaseExpired"
                 for t in transitions
-            )
+            )  # fmt: skip
             retried = sum(
                 t["from_state"] == "running" and t["to_state"] in ("queued", "scheduled")
                 and t["error"] not in (None, "LeaseExpired")
