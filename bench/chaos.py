@@ -81,8 +81,12 @@ class Proc:
         self.proc: subprocess.Popen[bytes] | None = None
         self.wanted = False  # the supervisor restarts it when it dies by itself
         self.starts = 0
+        self.every: list[subprocess.Popen[bytes]] = []  # each one started, for the last sweep
 
     def start(self) -> None:
+        """Start it, unless it runs (a supervisor's restart racing the driver's, say)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
         with self.log_path.open("ab") as out:
             out.write(f"=== start {self.starts + 1} at {time.strftime('%H:%M:%S')}\n".encode())
             out.flush()
@@ -90,6 +94,7 @@ class Proc:
                 self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
+        self.every.append(self.proc)
         self.starts += 1
         self.wanted = True
 
@@ -105,15 +110,21 @@ class Proc:
             self.proc.wait()
 
     def stop(self) -> None:
+        """SIGTERM (a graceful stop), SIGKILL after 20 s; then any earlier start still
+        running is killed too (none should be: a last guard against leaving one behind)."""
         self.wanted = False
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        for proc in self.every:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -363,6 +374,8 @@ class Driver:
             yield self.rng.choices(eligible, [WEIGHTS[r] for r in eligible])[0]
 
     def _may_go_down(self, role: str) -> bool:
+        if role in PROCESS_ROLES:
+            return any(p.wanted and p.exited() is None for p in self.stack.by_role(role))
         if role == "redis":  # keep it up a while between restarts: service in between
             return not self.redis_busy and self.now() - self.redis_back_at > 10
         if role == "postgres":  # down at most a third of the time
@@ -383,13 +396,16 @@ class Driver:
             await asyncio.wait(self._background)
 
     async def kill(self, role: str) -> None:
-        self.kills[role] += 1
         if role == "redis":
             self._spawn(self._redis_outage())
         elif role == "postgres":
             self._spawn(self._pg_outage())
-        else:
-            self._spawn(self._process_kill(self.rng.choice(self.stack.by_role(role))))
+        else:  # one that runs now (not one still down from an earlier kill)
+            running = [p for p in self.stack.by_role(role) if p.wanted and p.exited() is None]
+            if not running:
+                return
+            self._spawn(self._process_kill(self.rng.choice(running)))
+        self.kills[role] += 1
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -780,19 +796,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+async def _cancellable(soak: Any) -> dict[str, Any]:
+    """Run the soak; SIGTERM or SIGINT (a test's hang guard, Ctrl-C) cancels it, and its
+    clean-up runs as for any other way out."""
+    task = asyncio.ensure_future(soak)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    result: dict[str, Any] = await task
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     folder = Path(tempfile.mkdtemp(prefix="jobtier-chaos-"))
     folder.chmod(0o755)  # Postgres runs as another user when we are root: it must get in
-    signal.signal(signal.SIGTERM, _interrupt)  # a test's hang guard: clean up, then exit
     log(f"seed {args.seed}; data and logs in {folder}")
     stack = Stack(folder, args)
     try:
-        data = asyncio.run(soak(args, stack))
+        data = asyncio.run(_cancellable(soak(args, stack)))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        log(f"stopped by a signal; logs kept in {folder / 'logs'}")
+        return 2
     except BaseException:
         log(f"aborted; logs kept in {folder / 'logs'}")
         raise
