@@ -281,6 +281,7 @@ BENCHMARKS = {
     "status_read": "GET /v1/jobs/{id} at 10K+ req/s: hot, spread and churning keys, near cache on and off",
     "persist": "transitions written to Postgres per second and write-behind lag, batched against one INSERT each",
     "schedule": "start lateness of 100K delayed jobs and of a burst of 10K due at once",
+    "chaos": "every process and server killed at random under load, then every job audited",
 }
 
 
