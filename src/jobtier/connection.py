@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ log = logging.getLogger("jobtier.redis")
 RedisClient = Redis | RedisCluster
 
 EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+STARTUP_PATIENCE = 30.0  # seconds a starting process waits for a Redis that does not answer
 
 
 class FastConnection(Connection):
@@ -79,12 +81,14 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
 async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
     """Refuse a Redis that can lose acknowledged jobs. Returns warnings; raises ConfigError.
 
-    A Redis still loading its data (LOADING) is waited for.
+    A Redis still loading its data (LOADING) is waited for, and one that does not answer
+    for up to ``STARTUP_PATIENCE`` seconds (restarting as this process starts) too, logging
+    one line per try; past that, a Redis that cannot be reached is a ConfigError.
 
     An evicting memory policy silently drops job hashes and queues under memory pressure,
     and without AOF a restart forgets everything since the last snapshot.
     """
-    backoff = STARTUP.start()
+    backoff, since = STARTUP.start(), time.monotonic()
     while True:
         try:
             version = await _info_values(redis, "server", "redis_version")
@@ -99,6 +103,12 @@ async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
             # rather than exit (a supervisor would only start us again into the same wait)
             wait = backoff.next()
             log.warning("event=redis_loading action=waiting retry_in=%.1fs", wait)
+            await asyncio.sleep(wait)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            if time.monotonic() - since > STARTUP_PATIENCE:
+                raise ConfigError(f"cannot reach Redis at {settings.redis_url}: {exc}") from exc
+            wait = backoff.next()
+            log.warning("event=redis_unreachable action=waiting retry_in=%.1fs error=%r", wait, exc)
             await asyncio.sleep(wait)
         except RedisError as exc:
             raise ConfigError(f"cannot reach Redis at {settings.redis_url}: {exc}") from exc

@@ -49,14 +49,15 @@ class PersisterProcess:
             "JOBTIER_LOG_LEVEL": "INFO",
         }
         self.logfile = logfile
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jobtier.cli", "persister", "--name", name],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=logfile.open("ab"),
-            start_new_session=True,
-        )
+        with logfile.open("ab") as err:  # the child writes to its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "jobtier.cli", "persister", "--name", name],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+            )
 
     def log(self) -> str:
         return self.logfile.read_text(errors="replace")

@@ -1,6 +1,7 @@
 """While a restarted Redis loads its AOF (it answers LOADING to every command), requests get a
 clean 503 with Retry-After and the processes' loops log one line each — no traceback — and
-everything carries on once the data is loaded."""
+everything carries on once the data is loaded. A process that starts while Redis loads, or
+while it is down for a restart, waits for it instead of exiting."""
 
 from __future__ import annotations
 
@@ -189,7 +190,7 @@ async def test_a_process_starting_while_redis_loads_waits_for_it(
     """Start-up (``Queue.connect``, which every process runs) waits for the data to load
     instead of exiting with "cannot reach Redis"."""
     pipe = redis.pipeline(transaction=False)
-    for i in range(KEYS_TO_LOAD // 5):  # ~10 s of loading: it ends by itself here
+    for i in range(KEYS_TO_LOAD // 2):  # 10 s of loading at least: it ends by itself here
         pipe.set(f"filler:{i}", i)
     await pipe.execute()
     slow_redis.restart_loading()
@@ -204,3 +205,18 @@ async def test_a_process_starting_while_redis_loads_waits_for_it(
         assert await queue.redis.get("filler:0") == b"0"
     finally:
         await queue.close()
+
+
+async def test_a_process_starting_while_redis_restarts_waits_for_it(
+    settings: Settings, slow_redis: SlowLoadingRedis, caplog: Any
+) -> None:
+    """Redis down as a process starts (a restart of both at once): start-up waits for it a
+    while, one line per try, instead of exiting with "cannot reach Redis"."""
+    slow_redis.stop()
+    connecting = asyncio.create_task(Queue.connect(settings))
+    await wait_for(lambda: _true("event=redis_unreachable" in caplog.text), timeout=60)
+    assert not connecting.done()
+    slow_redis.server.start()
+    queue = await asyncio.wait_for(connecting, 60)
+    await queue.close()
+    assert not [r for r in caplog.records if r.exc_info]
