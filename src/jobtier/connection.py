@@ -93,10 +93,13 @@ async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
         try:
             version = await _info_values(redis, "server", "redis_version")
             policies = await _info_values(redis, "memory", "maxmemory_policy")
-            aof = await _info_values(redis, "persistence", "aof_enabled")
-            # INFO itself is answered while loading, on a connection opened before
-            if "1" in await _info_values(redis, "persistence", "loading"):
+            # One snapshot for both: INFO is answered while loading (on a connection opened
+            # before), and until the load ends aof_enabled reads 0 — read apart, a load ending
+            # in between looked like a Redis without AOF.
+            persistence = await _info(redis, "persistence")
+            if any(str(node["loading"]) == "1" for node in persistence):
                 raise BusyLoadingError("Redis is loading the dataset in memory")
+            aof = [str(node["aof_enabled"]) for node in persistence]
             break
         except BusyLoadingError:
             # a restarted Redis reading its AOF: it will serve once loaded, so wait for it
@@ -134,12 +137,16 @@ async def check_redis(redis: RedisClient, settings: Settings) -> list[str]:
     return warnings
 
 
-async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
+async def _info(redis: RedisClient, section: str) -> list[dict[str, Any]]:
+    """One INFO section of every primary, one dict per node."""
     if isinstance(redis, RedisCluster):  # {node name: {field: value}}
         per_node = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
-        return [str(node_info[field]) for node_info in per_node.values()]
-    info = await redis.info(section)
-    return [str(info[field])]
+        return list(per_node.values())
+    return [await redis.info(section)]
+
+
+async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
+    return [str(node[field]) for node in await _info(redis, section)]
 
 
 def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str, int], list[str]]:

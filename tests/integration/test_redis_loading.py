@@ -195,6 +195,8 @@ async def test_a_process_starting_while_redis_loads_waits_for_it(
     await pipe.execute()
     slow_redis.restart_loading()
     assert await loading(redis)
+    # until the load ends, Redis says its AOF is off: start-up must not take that at its word
+    assert (await redis.info("persistence"))["aof_enabled"] == 0
     connecting = asyncio.create_task(Queue.connect(settings))
     await wait_for(lambda: _true("event=redis_loading" in caplog.text), timeout=60)
     assert await loading(redis), "Redis finished loading before the check: load more"
