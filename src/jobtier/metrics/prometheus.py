@@ -36,6 +36,7 @@ HELP = {
     "worker_handed_back_total": "Jobs this worker handed back (their task is not in it).",
     "worker_rate_limited_total": "Tasks that raised RateLimited.",
     "queue_limit_wait_seconds_total": "Seconds a worker waited for a limited queue's permits (rate or concurrency).",
+    "persister_errors_total": "Failures the persister retried (Postgres, Redis, its own tasks), by error class.",
 }
 
 
