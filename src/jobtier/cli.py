@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from jobtier import logs
+from jobtier import cli_admin, logs
 from jobtier.config import Settings, settings_table
 from jobtier.errors import ConfigError
 from jobtier.keys import Keys
@@ -376,6 +376,11 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     return subprocess.call([sys.executable, str(program), *args.args])
 
 
+def cmd_admin(args: argparse.Namespace, settings: Settings) -> int:
+    """``jobs``, ``dead-letters``, ``queues``: through the HTTP API (cli_admin.py)."""
+    return cli_admin.run(args)
+
+
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
     if args.table:
         print("| variable | default | meaning |\n|---|---|---|")
@@ -587,6 +592,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--table", action="store_true", help="print every setting as a markdown table")
     p.set_defaults(func=cmd_config)
+
+    cli_admin.add_commands(sub, cmd_admin)
     return parser
 
 

@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
-from jobtier.api import admin, health, jobs, openapi, ops, queues, sse
+from jobtier.api import admin, debugging, health, jobs, openapi, ops, queues, sse
 from jobtier.api.admission import Admission
 from jobtier.api.limits import RequestLimits
 from jobtier.api.problems import HANDLERS
@@ -37,6 +37,7 @@ log = logging.getLogger("jobtier.api")
 ROUTES: list[BaseRoute] = [
     *jobs.routes,
     *sse.routes,
+    *debugging.routes,
     *admin.routes,
     *queues.routes,
     *health.routes,
