@@ -37,8 +37,10 @@ log = logging.getLogger("jobtier.api")
 ROUTES: list[BaseRoute] = [
     *jobs.routes,
     *sse.routes,
-    *debugging.routes,
     *admin.routes,
+    # after admin's: the literal /v1/admin/dead-letters/replay must match before
+    # /v1/admin/dead-letters/{job_id} (routing.py: one route per path, in order)
+    *debugging.routes,
     *queues.routes,
     *health.routes,
     *openapi.routes,

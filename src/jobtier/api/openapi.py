@@ -283,6 +283,10 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
     constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
     constrain(c, "ReplayFilter", "limit", minimum=1, maximum=REPLAY_MAX)
+    constrain(c, "ReplayFilter", "since", format="date-time")
+    c["ReplayFilter"]["properties"]["since"]["description"] = (
+        "only jobs dead-lettered at or after this RFC 3339 date-time (without an offset: UTC)"
+    )
     constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)

@@ -677,7 +677,9 @@ class Worker:
         )
         if self._early_cancels and self._early_cancels.pop(job.id, False) is None:
             log.info("event=cancel_requested worker=%s job=%s via=push", self.id, job.id)
-            deliver_cancel(ctx, running.task, running.handle)
+            # once the attempt has started: a task cancelled before its first step never
+            # runs run_attempt, which then never reports, and the job would stay running
+            self._loop.call_soon(deliver_cancel, ctx, running.task, running.handle)
 
     # --- running ----------------------------------------------------------------------------
     def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
