@@ -178,7 +178,7 @@ async def run_attempt(
     except Exception as exc:
         sink.attempt_ended(ctx, failure(exc, task))
     else:
-        if ctx.cancel_requested:
+        if ctx._cancelled:  # (ctx.cancel_requested, without a property call per job)
             # the task returned after its cancel request was delivered: it was asked to stop
             # and may have cut its work short, so the job ends cancelled, its result dropped
             # (a request that reaches the worker after the return loses: the job succeeds)

@@ -200,6 +200,7 @@ class Worker:
         self.history_ms = int(self.settings.progress_history_seconds * 1000)
         # a running job's log lines live as long as the job could (a failure keeps it longer)
         self._lines_ttl = max(self.settings.retention_seconds, self.settings.dead_retention_seconds)
+        self._log_sink = self._on_log  # bound once, not once per job
         self.stats = WorkerStats()
         self._threads = _TaskThreads(threads or min(32, concurrency), "jobtier-task")
         self._running: dict[str, _Running] = {}
@@ -665,7 +666,7 @@ class Worker:
         self.stats.claim_wait.observe(waited)
         ctx = JobContext(
             job, shard, self.id, self._loop, lambda data: self._on_progress(job.id, data),
-            self._on_log,
+            self._log_sink,
         )  # fmt: skip
         running = _Running(
             job, shard, self.registry.get(job.type), ctx, time.monotonic(), permit=permit
