@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from jobtier import logs
+from jobtier import cli_admin, logs
 from jobtier.config import Settings, settings_table
 from jobtier.errors import ConfigError
 from jobtier.keys import Keys
@@ -357,6 +357,7 @@ BENCHMARKS = {
     "shutdown": "a worker's time from SIGTERM to exit against --grace, every slot busy",
     "history_rows": "history rows Postgres keeps per demo sleep job, progress coalesced or not",
     "chaos": "every process and server killed at random under load, then every job audited",
+    "cancel": "request-to-cancelled latency of a running job, pushed against heartbeat-only",
 }
 
 
@@ -375,6 +376,11 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 2
     return subprocess.call([sys.executable, str(program), *args.args])
+
+
+def cmd_admin(args: argparse.Namespace, settings: Settings) -> int:
+    """``jobs``, ``dead-letters``, ``queues``: through the HTTP API (cli_admin.py)."""
+    return cli_admin.run(args)
 
 
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
@@ -588,6 +594,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--table", action="store_true", help="print every setting as a markdown table")
     p.set_defaults(func=cmd_config)
+
+    cli_admin.add_commands(sub, cmd_admin)
     return parser
 
 

@@ -429,11 +429,17 @@ class Queue:
             raise TransitionRefused(code, job_id, "is not in the dead-letter set")
         return bytes(doc)
 
-    async def dead_letters(self, limit: int = 100, *, type: str | None = None) -> list[JobStatus]:
-        """The most recently dead-lettered jobs still held by Redis, newest first."""
+    async def dead_letters(
+        self, limit: int = 100, *, type: str | None = None, since: datetime | None = None
+    ) -> list[JobStatus]:
+        """The most recently dead-lettered jobs still held by Redis, newest first: of one
+        ``type``, dead-lettered at or after ``since``, when given."""
+        low = "-inf" if since is None else int(since.timestamp() * 1000)
         pipe = self.redis.pipeline(transaction=False)
         for shard in range(self.keys.shards):
-            pipe.zrevrange(self.keys.dead(shard), 0, limit - 1, withscores=True)
+            pipe.zrevrangebyscore(
+                self.keys.dead(shard), "+inf", low, start=0, num=limit, withscores=True
+            )
         entries = [
             (score, member.decode(), shard)
             for shard, rows in enumerate(await pipe.execute())
@@ -454,16 +460,39 @@ class Queue:
                 break
         return out
 
-    async def replay_many(self, *, type: str | None = None, limit: int = 1000) -> list[str]:
-        """Replay dead-lettered jobs (optionally of one type); returns the ids replayed."""
+    async def replay_many(
+        self, *, type: str | None = None, since: datetime | None = None, limit: int = 1000
+    ) -> list[str]:
+        """Replay dead-lettered jobs (of one type, dead-lettered since a time, when given);
+        returns the ids replayed."""
         replayed = []
-        for status in await self.dead_letters(limit, type=type):
+        for status in await self.dead_letters(limit, type=type, since=since):
             try:
                 await self.replay(status.id)
             except (TransitionRefused, JobNotFound):
                 continue  # replayed or expired meanwhile
             replayed.append(status.id)
         return replayed
+
+    async def dead_letter(self, job_id: str) -> tuple[bytes, bytes, list[bytes]]:
+        """One dead-lettered job in full: (status document, payload JSON, log lines JSON);
+        ``JobNotFound`` for a job Redis does not hold in its dead-letter set."""
+        self._check_id(job_id)
+        shard = self.keys.shard_of(job_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zscore(self.keys.dead(shard), job_id)
+        pipe.hmget(self.keys.job_in(shard, job_id), "doc", "payload")
+        pipe.lrange(self.keys.lines(job_id), 0, -1)
+        score, (doc, payload), lines = await pipe.execute()
+        if score is None or doc is None:
+            raise JobNotFound(job_id)
+        return doc, payload or b"null", lines
+
+    async def log_lines(self, job_id: str) -> list[bytes]:
+        """The job's log lines (``ctx.log``) still in Redis, oldest first, JSON each."""
+        self._check_id(job_id)
+        lines = await self.redis.lrange(self.keys.lines(job_id), 0, -1)
+        return [line if isinstance(line, bytes) else line.encode() for line in lines]
 
     async def stats(self) -> dict[str, Any]:
         """Jobs by state, per shard, per queue and in total.

@@ -88,6 +88,8 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(c, "GET", "/v1/jobs/{job_id}", 304, ids=ids, headers=etag)
         await check(c, "GET", "/v1/jobs/{job_id}/result", 200, ids=ids)
         await check(c, "GET", "/v1/jobs/{job_id}/history", 200, ids=ids)
+        await check(c, "GET", "/v1/jobs/{job_id}/logs", 200, ids=ids)
+        await check(c, "POST", "/v1/jobs/{job_id}/retry", 409, ids=ids)
         await check(c, "GET", "/v1/jobs/{job_id}/events", 200, ids=ids)
         await check(c, "GET", "/v1/jobs", 200, params={"limit": 5})
         waiting = (await check(c, "POST", "/v1/jobs", 202, json={"type": "echo"})).json()
@@ -106,8 +108,16 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
 
         dead = {"job_id": failing["id"]}
         await check(admin, "GET", "/v1/admin/dead-letters", 200)
+        await check(
+            admin, "GET", "/v1/admin/dead-letters", 200, params={"since": "2024-01-01T00:00:00Z"}
+        )
+        await check(admin, "GET", "/v1/admin/dead-letters/{job_id}", 200, ids=dead)
+        await check(admin, "GET", "/v1/admin/dead-letters/{job_id}", 404, ids=ids)
         await check(admin, "POST", "/v1/admin/dead-letters/{job_id}/replay", 409, ids=ids)
         await check(admin, "POST", "/v1/admin/dead-letters/{job_id}/replay", 200, ids=dead)
+        await worker_for(queue, registry, burst=True).run()  # it fails again: dead once more
+        await check(c, "POST", "/v1/jobs/{job_id}/retry", 200, ids=dead)
+        await check(c, "POST", "/v1/jobs/{job_id}/retry", 409, ids=dead)
         await check(admin, "POST", "/v1/admin/dead-letters/replay", 200, json={"limit": 5})
         await check(admin, "GET", "/v1/admin/stats", 200)
         q = {"name": "default"}

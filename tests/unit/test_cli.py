@@ -11,7 +11,7 @@ from jobtier.cli import build_parser, main
 
 COMMANDS = [
     "run", "api", "worker", "scheduler", "persister", "migrate", "prune", "bench", "config",
-    "check",
+    "check", "jobs", "dead-letters", "queues",
 ]  # fmt: skip
 
 

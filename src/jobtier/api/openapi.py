@@ -26,13 +26,23 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
+from jobtier.api.debugging import DeadLetter
 from jobtier.api.jobs import STATUS_PARAMS, BatchBody
 from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
 from jobtier.api.params import Param
 from jobtier.config import Settings
 from jobtier.keys import JOB_ID_RE
-from jobtier.model import QUEUE_NAME_RE, JobSpec, JobStatus, QueueInfo, QueueLimits, TaskAd
+from jobtier.model import (
+    QUEUE_NAME_RE,
+    JobLogs,
+    JobSpec,
+    JobStatus,
+    QueueInfo,
+    QueueLimits,
+    TaskAd,
+)
 from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
+from jobtier.worker.context import LOG_LINE_CHARS, LOG_LINES
 from jobtier.worker.registry import TASK_NAME_RE
 
 
@@ -251,7 +261,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
         [
             JobSpec, JobStatus, Problem, BatchBody, BatchResponse, ResultResponse,
             DeadLetters, ReplayFilter, Replayed, Health, Readiness, QueueList, QueuePaused,
-            QueueLimits, QueueLimitsSet, TaskList, *extra_types,
+            QueueLimits, QueueLimitsSet, TaskList, JobLogs, DeadLetter, *extra_types,
         ],
         ref_template="#/components/schemas/{name}",
     )  # fmt: skip
@@ -273,6 +283,10 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
     constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
     constrain(c, "ReplayFilter", "limit", minimum=1, maximum=REPLAY_MAX)
+    constrain(c, "ReplayFilter", "since", format="date-time")
+    c["ReplayFilter"]["properties"]["since"]["description"] = (
+        "only jobs dead-lettered at or after this RFC 3339 date-time (without an offset: UTC)"
+    )
     constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
@@ -335,6 +349,19 @@ def document(
                 "409": problem("the job has already finished (job: its status)"),
             }, path=[JOB_ID]),
         },
+        "/v1/jobs/{job_id}/logs": {
+            "get": op(s, f"The lines the job's task logged (ctx.log), oldest first: the latest {LOG_LINES}, each at most {LOG_LINE_CHARS} characters, while Redis holds the job", {
+                "200": json_response("JobLogs", "the lines (empty once the job left Redis)"),
+                "404": problem("unknown job (or another tenant's, or a malformed id)"),
+            }, path=[JOB_ID]),
+        },
+        "/v1/jobs/{job_id}/retry": {
+            "post": op(s, "Retry a failed (dead-lettered) job: back to its queue, attempts reset", {
+                "200": json_response("JobStatus", "queued again"),
+                "404": problem("unknown job (or another tenant's, or a malformed id)"),
+                "409": problem("the job has not failed (job: its status)"),
+            }, path=[JOB_ID]),
+        },
         "/v1/jobs/{job_id}/events": {
             "get": op(s, "Server-Sent Events: the status, then every change until a terminal state", {
                 "200": event_stream("event: status, id: the version, data: the status document", "status", ref("JobStatus")),
@@ -346,6 +373,12 @@ def document(
             "get": op(s, "Dead-lettered jobs, newest first", {
                 "200": json_response("DeadLetters", "the jobs"),
             }, auth="admin", params=DEAD_LETTER_PARAMS),
+        },
+        "/v1/admin/dead-letters/{job_id}": {
+            "get": op(s, "One dead-lettered job in full: its status (error and traceback), payload and log lines", {
+                "200": json_response("DeadLetter", "the dead letter"),
+                "404": problem("not in the dead-letter set (or expired from Redis, or a malformed id)"),
+            }, auth="admin", path=[JOB_ID]),
         },
         "/v1/admin/dead-letters/{job_id}/replay": {
             "post": op(s, "Send a dead-lettered job back to its queue, attempts reset", {

@@ -473,3 +473,15 @@ local function next_score(set)
   end
   return -1
 end
+
+-- The error of a cancelled job (cancel.lua, stopped.lua, fail.lua, reclaim.lua). It replaces
+-- whatever an earlier attempt left in `error`, which would otherwise read as why the job
+-- ended: a cancelled job's error is always of type Cancelled. `traceback`: the failure of the
+-- attempt that was running, when it failed after the request (fail.lua), else nil.
+local function cancelled_error(message, traceback)
+  local tb = ''
+  if type(traceback) == 'string' then
+    tb = ',"traceback":' .. cjson.encode(traceback)
+  end
+  return '{"type":"Cancelled","message":' .. cjson.encode(message) .. tb .. '}'
+end

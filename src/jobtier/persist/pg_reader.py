@@ -23,7 +23,15 @@ import msgspec
 from jobtier.connection import RedisClient
 from jobtier.errors import InvalidRequest
 from jobtier.keys import JOB_ID_RE, Keys
-from jobtier.model import QUEUE_NAME_RE, JobError, JobStatus, State, any_decoder, status_decoder
+from jobtier.model import (
+    QUEUE_NAME_RE,
+    JobError,
+    JobStatus,
+    State,
+    any_decoder,
+    status_decoder,
+)
+from jobtier.model import Transition as Transition  # moved to model.py (the client reads it)
 from jobtier.persist.db import Pool, query
 from jobtier.scripts import Script, evalsha_many
 
@@ -32,24 +40,6 @@ MAX_TYPE_LENGTH = 200
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _STATES = frozenset(s.value for s in State)
 _error_decoder = msgspec.json.Decoder(JobError)
-
-
-class Transition(msgspec.Struct, frozen=True):
-    """One change of a job's status document, as ``GET /v1/jobs/{id}/history`` lists it.
-
-    ``worker`` is who made the change: a worker id, or ``api``, ``scheduler``, ``admin``.
-    Progress reports and cancel requests are changes too (``from_state == to_state``).
-    """
-
-    version: int
-    from_state: State | None
-    to_state: State
-    at: datetime
-    worker: str
-    attempt: int
-    error: JobError | None = None
-    progress: Any = None
-    cancel_requested: bool = False
 
 
 @dataclass(frozen=True, slots=True)
