@@ -53,17 +53,27 @@ def parse_queries(text: str) -> dict[str, str]:
     return out
 
 
+QUERY_FILES = ("queries.sql", "webhooks.sql")
+
+
 @functools.cache
 def queries() -> dict[str, str]:
-    """Every named query of ``queries.sql`` (read once per process)."""
-    return parse_queries(_package_text("queries.sql"))
+    """Every named query of ``QUERY_FILES`` (read once per process); a name is unique across
+    them."""
+    out: dict[str, str] = {}
+    for name in QUERY_FILES:
+        found = parse_queries(_package_text(name))
+        if twice := set(found) & set(out):
+            raise ValueError(f"queries defined twice: {sorted(twice)}")
+        out.update(found)
+    return out
 
 
 def query(name: str) -> str:
     try:
         return queries()[name]
     except KeyError:
-        raise KeyError(f"no query named {name!r} in persist/queries.sql") from None
+        raise KeyError(f"no query named {name!r} in {', '.join(QUERY_FILES)}") from None
 
 
 def schema_sql() -> str:
