@@ -260,9 +260,7 @@ def cmd_dispatcher(args: argparse.Namespace, settings: Settings) -> int:
         redis = connect(settings)
         pool = await create_pool(settings.database_url, min_size=0, max_size=4)
         try:
-            dispatcher = Dispatcher(
-                settings, redis, pool, args.name or default_name("dispatcher")
-            )
+            dispatcher = Dispatcher(settings, redis, pool, args.name or default_name("dispatcher"))
             _on_signals(dispatcher.stop)
             async with MetricsPublisher(redis, dispatcher.keys, "dispatcher", [dispatcher]):
                 await dispatcher.run()

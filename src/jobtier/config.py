@@ -153,7 +153,8 @@ class Settings:
         15.0, "A delivery attempt's time limit (connect, send, answer), in seconds."
     )
     webhook_max_response_bytes: int = _setting(
-        65536, "Most bytes of a receiver's answer read (the rest is dropped, the connection closed)."
+        65536,
+        "Most bytes of a receiver's answer read (the rest is dropped, the connection closed).",
     )
     webhook_retry_schedule: str = _setting(
         "5,300,1800,7200,18000,36000,50400,72000,86400",
@@ -162,16 +163,16 @@ class Settings:
     )
     webhook_concurrency: int = _setting(64, "Delivery attempts a dispatcher has in flight at once.")
     webhook_secret_overlap_seconds: int = _setting(
-        86400, "After a secret rotation, deliveries are signed with the previous secret too this long."
+        86400,
+        "After a secret rotation, deliveries are signed with the previous secret too this long.",
     )
 
     # --- Results kept outside Redis ---------------------------------------------------------
     result_store: str = _setting(
         "",
         "Where results over JOBTIER_RESULT_STORE_THRESHOLD_BYTES are kept instead of Redis: '' "
-        "(none: every result stays in Redis), 'postgres' (JOBTIER_DATABASE_URL; workers then "
-        "connect to Postgres) or 'file:///path' (a directory every worker and API process "
-        "shares).",
+        "(none: every result stays in Redis) or 'postgres' (JOBTIER_DATABASE_URL: workers then "
+        "connect to Postgres).",
     )
     result_store_threshold_bytes: int = _setting(
         65536, "Results larger than this go to JOBTIER_RESULT_STORE (when one is set)."
@@ -240,12 +241,8 @@ class Settings:
                 "JOBTIER_WEBHOOK_TIMEOUT_SECONDS must be positive and "
                 "JOBTIER_WEBHOOK_CONCURRENCY at least 1"
             )
-        if self.result_store not in ("", "postgres") and not self.result_store.startswith(
-            "file:///"
-        ):
-            problems.append(
-                "JOBTIER_RESULT_STORE must be '', 'postgres' or 'file:///absolute/path'"
-            )
+        if self.result_store not in ("", "postgres"):
+            problems.append("JOBTIER_RESULT_STORE must be '' (none) or 'postgres'")
         if self.log_format not in ("text", "json"):
             problems.append("JOBTIER_LOG_FORMAT must be text or json")
         if not self.prefix or any(c in self.prefix for c in "{} "):

@@ -106,7 +106,9 @@ def body_of(entry: LogEntry, event: str) -> bytes:
     """``{"type", "timestamp", "data"}`` (the Standard Webhooks shape); data is the status
     document exactly as the status tier serves it."""
     stamp = msgspec.json.encode(entry.status.updated_at)
-    return b'{"type":"' + event.encode() + b'","timestamp":' + stamp + b',"data":' + entry.doc + b"}"
+    return (
+        b'{"type":"' + event.encode() + b'","timestamp":' + stamp + b',"data":' + entry.doc + b"}"
+    )
 
 
 @dataclass
@@ -308,7 +310,9 @@ class Dispatcher:
             mine = [(shard, entry_id, fields) for entry_id, fields in reply[1]]
             if mine:
                 self.stats.claimed += len(mine)
-                log.info("event=entries_claimed stream=%s count=%d", self._streams[shard], len(mine))
+                log.info(
+                    "event=entries_claimed stream=%s count=%d", self._streams[shard], len(mine)
+                )
             out += mine
         return out
 
@@ -495,4 +499,3 @@ class Dispatcher:
                     continue
             if stopping and not self._outcomes:
                 return
-

@@ -80,7 +80,7 @@ class Sender:
             return Answer(None, _ms(start), str(exc), refused=True)
         except TimeoutError:
             return Answer(None, _ms(start), f"timed out after {t:g} s")
-        except (httpcore.TimeoutException,) as exc:
+        except httpcore.TimeoutException as exc:
             return Answer(None, _ms(start), f"timed out ({type(exc).__name__})")
         except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol,
                 OSError) as exc:  # fmt: skip
@@ -99,7 +99,7 @@ class Sender:
             kept += chunk[:room]
             if len(chunk) >= room:
                 break
-        return bytes(kept[:RESPONSE_KEPT * 4])
+        return bytes(kept[: RESPONSE_KEPT * 4])
 
 
 def _ms(start: float) -> float:

@@ -105,9 +105,16 @@ class DeliveryStore:
         rows = await self.pool.fetch(query("deliveries_lease_due"), limit, lease_seconds, lease)
         return [
             Attempt(
-                r["id"], r["tenant"], r["job_id"], r["subscription_id"], r["url"],
-                bytes(r["body"]), r["attempts"], r["occurred_at"], lease,
-            )  # fmt: skip
+                r["id"],
+                r["tenant"],
+                r["job_id"],
+                r["subscription_id"],
+                r["url"],
+                bytes(r["body"]),
+                r["attempts"],
+                r["occurred_at"],
+                lease,
+            )
             for r in rows
         ]
 

@@ -232,3 +232,17 @@ CREATE TABLE result_blobs (
 -- stored uncompressed: the API streams a blob in slices (substring), which Postgres then
 -- reads slice by slice instead of decompressing the whole value for each
 ALTER TABLE result_blobs ALTER COLUMN data SET STORAGE EXTERNAL;
+
+-- Whatever deletes jobs (retention, by hand) deletes what belongs to them and has no foreign
+-- key to them (their rows may be written before the job's): large results, callbacks,
+-- deliveries (whose attempts go with them). One statement-level trigger per DELETE.
+CREATE FUNCTION jobs_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM result_blobs WHERE job_id IN (SELECT id FROM gone);
+    DELETE FROM webhook_job_callbacks WHERE job_id IN (SELECT id FROM gone);
+    DELETE FROM webhook_deliveries WHERE job_id IN (SELECT id FROM gone);
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER jobs_deleted AFTER DELETE ON jobs
+    REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION jobs_deleted();
