@@ -395,6 +395,18 @@ class Queue:
             result = await self._stored_result(result[1:].decode())  # (persist/results.py)
         return decode_status(doc), msgspec.json.decode(result) if result else None
 
+    async def result_raw(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, bytes]:
+        """(status, the result's JSON as stored: b"" for none); for a result kept in the
+        result store, b"" too, and the status's ``result_url`` says where it is."""
+        self._check_id(job_id)
+        owner, doc, result = await self.redis.hmget(
+            self.keys.job(job_id), "tenant", "doc", "result"
+        )
+        if doc is None or (tenant is not None and owner != tenant.encode()):
+            raise JobNotFound(job_id)
+        raw = result if isinstance(result, bytes) and result[:1] != b"@" else b""
+        return decode_status(doc), raw
+
     async def _stored_result(self, ref: str) -> bytes | None:
         from jobtier.persist.results import PostgresResultStore  # only if results are stored
 
