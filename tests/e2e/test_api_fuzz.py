@@ -49,7 +49,10 @@ SEED = 20240501
 # Rules the document states only in words (JSON Schema cannot say them), by the member they
 # name and the status a refusal has: a run-at in the past, a cron expression, a time zone, a
 # cursor this API did not make. Valid data refused for anything else is a deviation.
-PROSE_RULES = {"run_at": 422, "cron": 422, "timezone": 422, "cursor": 400, "idempotency_key": 400}
+PROSE_RULES = {
+    "run_at": 422, "cron": 422, "timezone": 422, "cursor": 400, "idempotency_key": 400,
+    "url": 422,  # a callback URL that does not resolve to a public address (dispatch/safety.py)
+}  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)
 INTEGER_AS_FLOAT = re.compile(r"Expected `int( \| null)?`, got `float`")
