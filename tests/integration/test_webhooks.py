@@ -21,11 +21,11 @@ from tests.fixtures.receiver import StartReceiver, delivered, deliveries, run_jo
 
 
 async def test_a_callback_is_signed_as_the_spec_says_and_recorded(
-    api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
     start_dispatcher: Callable[..., Dispatcher],
 ) -> None:  # fmt: skip
     receiver = await start_receiver()
-    async with api.client() as c:
+    async with hook_api.client() as c:
         secret = await secret_of(c)
         r = await c.post("/v1/jobs", json={
             "type": "echo", "payload": {"n": 1}, "callback": {"url": receiver.url},
@@ -57,12 +57,12 @@ async def test_a_callback_is_signed_as_the_spec_says_and_recorded(
 
 
 async def test_failed_attempts_are_retried_with_the_same_id_and_each_is_recorded(
-    api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
     start_dispatcher: Callable[..., Dispatcher],
 ) -> None:  # fmt: skip
     receiver = await start_receiver()
     receiver.default = [500, "stall"]  # a 500, then no answer within the time limit, then 200
-    async with api.client() as c:
+    async with hook_api.client() as c:
         await secret_of(c)
         r = await c.post("/v1/jobs", json={"type": "echo", "callback": {"url": receiver.url}})
         job_id = r.json()["id"]
@@ -80,12 +80,12 @@ async def test_failed_attempts_are_retried_with_the_same_id_and_each_is_recorded
 
 
 async def test_a_delivery_fails_after_the_last_retry(
-    api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
     start_dispatcher: Callable[..., Dispatcher],
 ) -> None:  # fmt: skip
     receiver = await start_receiver()
     receiver.default = [503] * 10
-    async with api.client() as c:
+    async with hook_api.client() as c:
         await secret_of(c)
         job_id = (await c.post("/v1/jobs", json={
             "type": "echo", "callback": {"url": receiver.url},
@@ -105,11 +105,11 @@ async def test_a_delivery_fails_after_the_last_retry(
 
 
 async def test_a_subscription_sees_only_its_tenants_jobs_and_every_transition_if_asked(
-    api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
     start_dispatcher: Callable[..., Dispatcher],
 ) -> None:  # fmt: skip
     receiver = await start_receiver()
-    async with api.client("acme") as a, api.client("globex") as b:
+    async with hook_api.client("acme") as a, hook_api.client("globex") as b:
         made = await a.post("/v1/webhooks", json={"url": receiver.url, "events": "all"})
         assert made.status_code == 201, made.text
         hook = made.json()

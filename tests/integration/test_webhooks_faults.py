@@ -177,12 +177,12 @@ async def submit_with_callbacks(c: httpx.AsyncClient, url: str, n: int) -> list[
 
 @pytest.mark.slow
 async def test_a_sigkilled_dispatcher_loses_no_delivery(
-    api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
     spawn_dispatcher: Callable[[str], subprocess.Popen[bytes]],
 ) -> None:  # fmt: skip
     receiver = await start_receiver()
     receiver.default = [500]  # every delivery's first attempt fails: its retry waits
-    async with api.client() as c:
+    async with hook_api.client() as c:
         await secret_of(c)
         first = await submit_with_callbacks(c, receiver.url, 20)
         await run_jobs(queue)
