@@ -101,6 +101,9 @@ class JobStatus(msgspec.Struct, frozen=True):
     cancel_requested: bool = False
     worker: str | None = None
     queue: str = DEFAULT_QUEUE
+    # a succeeded job whose result is kept outside Redis (JOBTIER_RESULT_STORE): where to
+    # read it; absent otherwise
+    result_url: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -125,6 +128,14 @@ class Transition(msgspec.Struct, frozen=True):
     cancel_requested: bool = False
 
 
+class CallbackSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A job's own webhook: ``url`` receives its terminal state, or every transition with
+    ``events="all"``, signed with the tenant's secret (see the README's Webhooks)."""
+
+    url: str
+    events: str = "terminal"
+
+
 class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One job to submit (the body of ``POST /v1/jobs``).
 
@@ -143,6 +154,7 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue: str | None = None
     concurrency_key: str | None = None
     concurrency_limit: int | None = None
+    callback: CallbackSpec | None = None
 
 
 class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

@@ -91,6 +91,7 @@ class Queue:
         # where submits find a task's queue, attempts and payload check: the tasks this
         # process imports (a TaskRegistry), or what the workers advertise (catalog.py)
         self.registry = registry
+        self._results: Any = None  # the result store, opened by the first stored result read
         self.require_known = require_known  # refuse a type the registry does not know
 
     @classmethod
@@ -109,6 +110,8 @@ class Queue:
         return queue
 
     async def close(self) -> None:
+        if self._results is not None:
+            await self._results.close()
         await self.redis.aclose()
 
     async def __aenter__(self) -> Queue:
@@ -388,7 +391,29 @@ class Queue:
         )
         if doc is None or (tenant is not None and owner != tenant.encode()):
             raise JobNotFound(job_id)
+        if isinstance(result, bytes) and result[:1] == b"@":  # kept in the result store
+            result = await self._stored_result(result[1:].decode())  # (persist/results.py)
         return decode_status(doc), msgspec.json.decode(result) if result else None
+
+    async def result_raw(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, bytes]:
+        """(status, the result's JSON as stored: b"" for none); for a result kept in the
+        result store, b"" too, and the status's ``result_url`` says where it is."""
+        self._check_id(job_id)
+        owner, doc, result = await self.redis.hmget(
+            self.keys.job(job_id), "tenant", "doc", "result"
+        )
+        if doc is None or (tenant is not None and owner != tenant.encode()):
+            raise JobNotFound(job_id)
+        raw = result if isinstance(result, bytes) and result[:1] != b"@" else b""
+        return decode_status(doc), raw
+
+    async def _stored_result(self, ref: str) -> bytes | None:
+        from jobtier.persist.results import PostgresResultStore  # only if results are stored
+
+        if self._results is None:
+            self._results = await PostgresResultStore.connect(self.settings.database_url)
+        data: bytes | None = await self._results.get(ref)
+        return data
 
     async def payload(self, job_id: str) -> Any:
         self._check_id(job_id)

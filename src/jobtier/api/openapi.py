@@ -31,6 +31,7 @@ from jobtier.api.jobs import STATUS_PARAMS, BatchBody
 from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
 from jobtier.api.params import Param
 from jobtier.config import Settings
+from jobtier.dispatch.safety import MAX_URL_LENGTH as MAX_URL_LENGTH_CALLBACK
 from jobtier.keys import JOB_ID_RE
 from jobtier.model import (
     QUEUE_NAME_RE,
@@ -75,6 +76,9 @@ class ResultResponse(msgspec.Struct):
     version: int
     result: Any = None
     error: Any = None
+    # a result kept outside Redis (JOBTIER_RESULT_STORE): result is null, and this is where
+    # it streams from
+    result_url: str | None = None
 
 
 class DeadLetters(msgspec.Struct):
@@ -179,6 +183,10 @@ QUEUE_NAME = {
 }  # fmt: skip
 
 Auth = Literal["tenant", "admin", "none"]
+
+# a callback URL (a submit's callback, a subscription's url): dispatch/safety.py checks the rest
+CALLBACK_URL = r"^https?://[^\s]+$"
+CALLBACK_EVENTS = ("terminal", "all")
 
 
 def too_large(settings: Settings, *more: str) -> dict[str, Any]:
@@ -293,6 +301,8 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
     c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)
+    constrain(c, "CallbackSpec", "url", maxLength=MAX_URL_LENGTH_CALLBACK, pattern=CALLBACK_URL)
+    c["CallbackSpec"]["properties"]["events"]["enum"] = list(CALLBACK_EVENTS)
     return components
 
 
@@ -314,7 +324,7 @@ def document(
                 "202": json_response("JobStatus", "created", {"Location": header("the job's URL", required=True)}),
                 "200": json_response("JobStatus", "a duplicate of an earlier submit with the same idempotency key", {"Location": header("the job's URL", required=True)}),
                 "400": problem("malformed JSON, or the Idempotency-Key header and the body's idempotency_key differ"),
-                "409": problem("the idempotency key was used for a different request (job_id)"),
+                "409": problem("the idempotency key was used for a different request (job_id), or a callback was given and the tenant has no webhook signing secret"),
                 "410": problem("the idempotency key names a job that is no longer kept (job_id)"),
                 "413": too_large(s, payload_too_large(s)),
                 "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
@@ -324,6 +334,7 @@ def document(
         "/v1/jobs/batch": {
             "post": op(s, f"Submit up to {s.max_batch} jobs (JOBTIER_MAX_BATCH); one outcome each", {
                 "200": json_response("BatchResponse", "one result per job, in order"),
+                "409": problem("a job has a callback and the tenant has no webhook signing secret (nothing was submitted)"),
                 "413": too_large(s, payload_too_large(s), f"more than {s.max_batch} jobs (JOBTIER_MAX_BATCH)"),
                 "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
                 "503": problem("back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable", RETRY_AFTER),
@@ -337,8 +348,8 @@ def document(
             }, params=STATUS_PARAMS, path=[JOB_ID], headers=[{"name": "If-None-Match", "in": "header", "schema": {"type": "string"}}]),
         },
         "/v1/jobs/{job_id}/result": {
-            "get": op(s, "The job's result (null until it succeeds)", {
-                "200": json_response("ResultResponse", "state, result and error"),
+            "get": op(s, "The job's result (null until it succeeds; a result kept outside Redis is null here and result_url says where it streams from)", {
+                "200": json_response("ResultResponse", "state, result (or result_url) and error"),
                 "404": problem("unknown job (or another tenant's, or a malformed id)"),
             }, path=[JOB_ID]),
         },

@@ -102,16 +102,19 @@ class AsyncClient(BaseClient):
         queue: str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        callback: str | Mapping[str, Any] | None = None,
     ) -> Submission:
         """Submit one job. ``run_at`` must carry a time zone; give it or ``delay`` (seconds),
         not both. A repeat of an earlier submit's ``idempotency_key`` returns that job with
         ``created`` False, or raises ``IdempotencyKeyConflict`` if the type or payload differ.
         ``queue`` defaults to the task's; ``concurrency_key``: at most ``concurrency_limit``
-        (default 1) jobs of the key run at once, the others wait in order.
+        (default 1) jobs of the key run at once, the others wait in order. ``callback``: a URL
+        that receives the job's terminal state as a signed webhook, or
+        ``{"url": …, "events": "all"}`` for every transition.
         """
         op = self._submit(
             type, payload, priority, run_at, delay, max_attempts, idempotency_key,
-            queue, concurrency_key, concurrency_limit,
+            queue, concurrency_key, concurrency_limit, callback,
         )  # fmt: skip
         return await self._run(op)
 

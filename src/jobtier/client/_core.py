@@ -76,6 +76,8 @@ class Result(msgspec.Struct, frozen=True):
     version: int
     result: Any = None
     error: JobError | None = None
+    # the result kept outside Redis: where the server streams it (``result()`` follows it)
+    result_url: str | None = None
 
     @property
     def terminal(self) -> bool:
@@ -374,8 +376,11 @@ class BaseClient:
         queue: str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        callback: str | Mapping[str, Any] | None = None,
     ) -> Op[Submission]:
         body: dict[str, Any] = {"type": type, "payload": payload, "priority": priority}
+        if callback is not None:
+            body["callback"] = {"url": callback} if isinstance(callback, str) else callback
         for name, value in (
             ("queue", queue),
             ("concurrency_key", concurrency_key),
@@ -479,9 +484,19 @@ class BaseClient:
         response: httpx.Response = yield Call("GET", job_path(job_id, "/result"))
         check(response, job_id=job_id)
         try:
-            return _result_decoder.decode(response.content)
+            found = _result_decoder.decode(response.content)
         except msgspec.DecodeError as exc:
             raise unexpected(response.status_code, f"not a result document: {exc}") from None
+        if found.result_url is None:
+            return found
+        # a large result is kept outside Redis: the answer names where it streams from
+        content: httpx.Response = yield Call("GET", found.result_url)
+        check(content, job_id=job_id)
+        try:
+            value = msgspec.json.decode(content.content)
+        except msgspec.DecodeError as exc:
+            raise unexpected(content.status_code, f"not a JSON result: {exc}") from None
+        return msgspec.structs.replace(found, result=value)
 
     # --- looking into jobs (tenant key) ---------------------------------------------------
     def _list_jobs(

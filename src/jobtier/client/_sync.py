@@ -97,11 +97,12 @@ class Client(BaseClient):
         queue: str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        callback: str | Mapping[str, Any] | None = None,
     ) -> Submission:
         """Submit one job; see ``AsyncClient.submit``."""
         op = self._submit(
             type, payload, priority, run_at, delay, max_attempts, idempotency_key,
-            queue, concurrency_key, concurrency_limit,
+            queue, concurrency_key, concurrency_limit, callback,
         )  # fmt: skip
         return self._run(op)
 

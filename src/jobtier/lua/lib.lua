@@ -200,6 +200,9 @@ local function render(j)
     .. ',"error":' .. raw_or_null(j.error)
     .. ',"cancel_requested":' .. (j.cancel == '1' and 'true' or 'false')
     .. ',"worker":' .. str_or_null(j.worker)
+    -- only complete.lua sets result_url, for a result kept outside Redis (persist/results.py);
+    -- it is a path of the job's (validated) id, JSON-safe as it is (cjson would write \/)
+    .. (j.result_url and (',"result_url":"' .. j.result_url .. '"') or '')
     .. '}'
 end
 

@@ -39,7 +39,7 @@ from jobtier.metrics.histogram import SIZE_BUCKETS, Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.metrics.transitions import TransitionCounter
 from jobtier.persist.batch import LogEntry, parse_entry, write_batch
-from jobtier.persist.db import AnyConnection, Pool
+from jobtier.persist.db import UNAVAILABLE, AnyConnection, Pool
 from jobtier.persist.group import forget_idle_consumers, replay_refused, trim
 from jobtier.persist.retention import run_pruning
 
@@ -59,22 +59,6 @@ BATCH_TIMEOUT = 60.0
 FORGET_EVERY = 60.0  # seconds between sweeps of the consumer group's stopped members
 FORGET_IDLE_MIN = 120.0  # least idle time (s) of a member forgotten (and 4x the claim idle)
 
-# Postgres is away or cannot take work now — the connection or the server, not the data:
-# keep the batch and write it again after a back-off. asyncpg's InternalClientError belongs
-# here: a connection lost in the middle of a COPY is left mid-protocol, and the next
-# statement on it (the transaction's ROLLBACK, the pool's reset) fails with "cannot switch
-# to state 15; another operation (2) is in progress".
-UNAVAILABLE: tuple[type[BaseException], ...] = (
-    OSError,
-    TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.exceptions.InternalClientError,
-    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now
-    asyncpg.exceptions.InsufficientResourcesError,  # too many connections, disk full
-    asyncpg.exceptions.DeadlockDetectedError,
-    asyncpg.exceptions.SerializationError,
-)
 # This entry's data cannot be stored (no retry will help): isolate it, keep the others moving.
 POISON: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.DataError,

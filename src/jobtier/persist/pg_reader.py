@@ -47,6 +47,7 @@ class StoredResult:
     state: State
     version: int
     result: bytes | None  # the result JSON when succeeded (b"null" for none); else None
+    ref: str | None = None  # instead, where the result store keeps it (persist/results.py)
 
 
 # --- cursors --------------------------------------------------------------------------------
@@ -190,10 +191,11 @@ class PgReader:
         if row is None:
             return None
         state = State(row["state"])
-        result = row["result"] if state is State.SUCCEEDED else None
-        if state is State.SUCCEEDED and result is None:
+        ref = row["result_ref"] if state is State.SUCCEEDED else None
+        result = row["result"] if state is State.SUCCEEDED and ref is None else None
+        if state is State.SUCCEEDED and result is None and ref is None:
             result = b"null"
-        return StoredResult(state, row["version"], result)
+        return StoredResult(state, row["version"], result, ref)
 
 
 # --- lag of the write-behind ----------------------------------------------------------------

@@ -53,6 +53,7 @@ from jobtier.errors import Code, ConfigError, RateLimited
 from jobtier.metrics.histogram import Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.model import QUEUE_NAME_RE, ClaimedJob, encode_json
+from jobtier.persist.results import PostgresResultStore, open_store
 from jobtier.queue import Queue
 from jobtier.scripts import Call
 from jobtier.worker.attempt import (
@@ -66,6 +67,7 @@ from jobtier.worker.attempt import (
 from jobtier.worker.context import LOG_LINES, JobContext
 from jobtier.worker.limits import LimitedClaimer, limit_calls
 from jobtier.worker.registry import Task, TaskRegistry
+from jobtier.worker.stored import run_attempt_storing
 
 log = logging.getLogger("jobtier.worker")
 
@@ -234,6 +236,7 @@ class Worker:
         self._heart_stop = asyncio.Event()
         self._subscriber: ShardSubscriber | None = None
         self._idle = False
+        self._results: PostgresResultStore | None = None
 
     # --- lifecycle --------------------------------------------------------------------------
     def metrics(self) -> Snapshot:
@@ -308,6 +311,7 @@ class Worker:
             name=f"worker-wake {self.id}",
         )
         await self._subscriber.start()
+        self._results = await open_store(self.settings)  # JOBTIER_RESULT_STORE, if set
         await self._advertise()
         await self._refresh_limits()
         reporter = asyncio.create_task(self._report_loop(), name="jobtier-reporter")
@@ -342,6 +346,8 @@ class Worker:
                 await self.queue.redis.hdel(self.keys.workers(), self.id)
             self._threads.shutdown(wait=False, cancel_futures=True)
             self.stuck += self._threads.busy
+            if self._results is not None:
+                await self._results.close()
             log.info(
                 "event=worker_stopped worker=%s succeeded=%d failed=%d retried=%d released=%d "
                 "stuck=%d",
@@ -672,10 +678,15 @@ class Worker:
             job, shard, self.registry.get(job.type), ctx, time.monotonic(), permit=permit
         )
         self._running[job.id] = running
-        running.handle = asyncio.create_task(
-            run_attempt(running.task, ctx, self._threads, self.settings.max_result_bytes, self),
-            name=f"job {job.id}",
-        )
+        limit = self.settings.max_result_bytes
+        if self._results is None:
+            attempt = run_attempt(running.task, ctx, self._threads, limit, self)
+        else:  # large results go to the result store before the success is reported
+            attempt = run_attempt_storing(
+                running.task, ctx, self._threads, limit, self, self._results,
+                self.settings.result_store_threshold_bytes,
+            )  # fmt: skip
+        running.handle = asyncio.create_task(attempt, name=f"job {job.id}")
         if self._early_cancels and self._early_cancels.pop(job.id, False) is None:
             log.info("event=cancel_requested worker=%s job=%s via=push", self.id, job.id)
             # once the attempt has started: a task cancelled before its first step never
