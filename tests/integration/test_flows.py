@@ -247,6 +247,35 @@ async def test_cancelling_a_dependency_cancels_its_dependent(fq: Queue) -> None:
     assert status.error is not None and status.error.type == "DependencyCancelled"
 
 
+async def test_a_dependency_that_fails_after_a_cancel_request_is_cancelled_for_its_dependents(
+    fq: Queue,
+) -> None:
+    """A pending cancel request wins over the failure (no retry, no dead letter): the job
+    ends cancelled, so it makes no compensation and its dependents learn of a cancel."""
+    a = await fq.submit("charge", {"fail": True})  # attempts left, and a compensation
+    b = await fq.submit("collect", "b", depends_on=[a.job_id], on_dependency_failure="run")
+    started = await claim(fq, a.job_id)
+    requested = await fq.cancel(a.job_id)
+    assert requested.state is State.RUNNING and requested.cancel_requested
+    reply = await fq.scripts.call(
+        *fq.scripts.fail_call(
+            fq.keys.shard_of(a.job_id),
+            "worker-a",
+            60,
+            [(a.job_id, started.lease_version, b'{"type":"E","message":"no"}', 0)],
+        )
+    )
+    assert fq.scripts.parse_pairs(reply)[0][1] == b"cancelled"
+    ended = await fq.status(a.job_id)
+    assert ended.state is State.CANCELLED and ended.error is not None
+    assert ended.error.type == "Cancelled"
+    assert await fq.compensation_of(a.job_id) is None
+    await Resolver(fq).drain()
+    (dep,) = await fq.dependencies(b.job_id)
+    assert dep.state == "cancelled" and dep.error is not None and dep.error.type == "Cancelled"
+    assert (await fq.status(b.job_id)).state is State.QUEUED  # "run": it runs all the same
+
+
 async def test_cancelling_a_parent_cancels_the_children_that_have_not_started(fq: Queue) -> None:
     grandchildren = [job("echo", "g1"), job("echo", "g2")]
     flow = fan_in(
@@ -489,6 +518,10 @@ async def test_a_compensation_is_created_with_the_failure_itself(fq: Queue) -> N
     assert comp_id is not None and fq.keys.shard_of(comp_id) == fq.keys.shard_of(bad.job_id)
     status, out = await fq.result(comp_id)
     assert status.type == "refund" and status.state is State.SUCCEEDED
+    # the failed job's error as its status document has it, traceback included
+    traceback = out["error"].pop("traceback")
+    assert 'raise RuntimeError(f"card declined' in traceback
+    assert failed.error is not None and traceback == failed.error.traceback
     assert out == {
         "job_id": bad.job_id,
         "type": "charge",

@@ -1,8 +1,10 @@
 """The Python client of the jobtier HTTP API, sync (``Client``) and async (``AsyncClient``).
 
 Both have the same methods — ``submit``, ``submit_many``, ``submit_flow``, ``status``,
-``wait``, ``events``, ``cancel``, ``result``, ``dependencies``, ``close`` — and are context
-managers::
+``wait``, ``events``, ``cancel``, ``result``, ``dependencies``; ``list_jobs``, ``show``,
+``history``, ``logs``, ``retry``; with the admin key ``dead_letters``, ``dead_letter``,
+``replay``, ``replay_dead_letters``, ``queues`` and the queue actions; ``close`` — and are
+context managers::
 
     from jobtier.client import AsyncClient, Client, NotFound
 
@@ -22,7 +24,7 @@ Statuses are ``jobtier.model.JobStatus``; a submit returns a ``Submission`` (``j
 """
 
 from jobtier.client._async import AsyncClient
-from jobtier.client._core import FlowSubmission, Result, Submission
+from jobtier.client._core import DeadLetter, FlowSubmission, JobDetails, JobPage, Result, Submission
 from jobtier.client._errors import (
     ApiError,
     Conflict,
@@ -43,8 +45,11 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Conflict",
+    "DeadLetter",
     "FlowSubmission",
     "IdempotencyKeyConflict",
+    "JobDetails",
+    "JobPage",
     "NotFound",
     "RateLimited",
     "Result",

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from jobtier.queue import Queue
 
 # lib.lua's state marks (upper case: a child of the job)
+# a stored result that starts with it is a reference (persist/results.py MARKER), not JSON
+RESULT_REF = b"@"
 MARKS = {"s": "succeeded", "f": "failed", "c": "cancelled", "m": "missing"}
 _error_decoder = msgspec.json.Decoder(JobError)
 
@@ -20,6 +22,13 @@ _error_decoder = msgspec.json.Decoder(JobError)
 def dependency(dep_id: str, state: str, data: bytes, child: bool) -> Dependency:
     """One dependency from its outcome: the result of a success, else the error."""
     if state == "succeeded":
+        if data[:1] == RESULT_REF:
+            # kept in the result store (persist/results.py): not copied into the dependent,
+            # which reads it where the dependency's status document says
+            return Dependency(
+                id=dep_id, state=state, child=child,
+                result_url=f"/v1/jobs/{dep_id}/result/content",
+            )  # fmt: skip
         return Dependency(
             id=dep_id, state=state, result=msgspec.json.decode(data) if data else None,
             child=child,

@@ -208,6 +208,9 @@ local function render(j)
     .. ',"cancel_requested":' .. (j.cancel == '1' and 'true' or 'false')
     .. ',"worker":' .. str_or_null(j.worker)
     .. (j.dd and j.dd ~= '' and (',"dependencies":' .. j.dd) or '')
+    -- only complete.lua sets result_url, for a result kept outside Redis (persist/results.py);
+    -- it is a path of the job's (validated) id, JSON-safe as it is (cjson would write \/)
+    .. (j.result_url and (',"result_url":"' .. j.result_url .. '"') or '')
     .. '}'
 end
 
@@ -217,9 +220,10 @@ end
 -- fields to the log entry (payload at submit, result at success).
 -- Every log entry carries 'pv', the version of the job's previous logged entry (0 for the
 -- submit): Postgres follows these links to prove that no logged entry went missing. `quiet`
--- (only a progress-only change may ask it: heartbeat.lua) stores and publishes the change
--- like any other but leaves it out of the log; the next logged entry's document carries
--- the progress, so only intermediate values are missing from the history, provably.
+-- (only a change within a state may ask it: progress, heartbeat.lua; a dependency count
+-- moving, resolve.lua) stores and publishes the change like any other but leaves it out of
+-- the log; the next logged entry's document carries it, so only intermediate values are
+-- missing from the history, provably.
 local function commit(j, from, actor, extra, quiet)
   local prev = j.version
   j.version = int(tonumber(prev) + 1)
@@ -492,6 +496,18 @@ local function next_score(set)
     return tonumber(first[2])
   end
   return -1
+end
+
+-- The error of a cancelled job (cancel.lua, stopped.lua, fail.lua, reclaim.lua). It replaces
+-- whatever an earlier attempt left in `error`, which would otherwise read as why the job
+-- ended: a cancelled job's error is always of type Cancelled. `traceback`: the failure of the
+-- attempt that was running, when it failed after the request (fail.lua), else nil.
+local function cancelled_error(message, traceback)
+  local tb = ''
+  if type(traceback) == 'string' then
+    tb = ',"traceback":' .. cjson.encode(traceback)
+  end
+  return '{"type":"Cancelled","message":' .. cjson.encode(message) .. tb .. '}'
 end
 
 -- --- Flows: dependencies, fan-in, compensation ------------------------------------------
