@@ -154,6 +154,8 @@ class Dispatcher:
         )
         self.schedule = settings.webhook_retry_delays()
         self.concurrency = settings.webhook_concurrency
+        self._refill = max(1, self.concurrency // 4)
+        self._more_due = False
         self.lease_seconds = settings.webhook_timeout_seconds + LEASE_MARGIN
         self.claim_idle_ms = int(settings.persist_claim_idle_seconds * 1000)
         self.stats = DispatcherStats()
@@ -385,7 +387,10 @@ class Dispatcher:
                     next_gauge = time.monotonic() + GAUGE_EVERY
                     self.stats.pending, _ = await self.store.pending()
                 free = self.concurrency - len(self._attempts)
-                leased = await self.store.lease_due(min(free, 500), self.lease_seconds)
+                asked = min(free, 500)
+                leased = await self.store.lease_due(asked, self.lease_seconds)
+                # a full lease may have left due ones behind: freed slots ask again
+                self._more_due = asked > 0 and len(leased) == asked
                 backoff.reset()
             except PG_UNAVAILABLE as exc:
                 wait = backoff.next()
@@ -404,6 +409,10 @@ class Dispatcher:
 
     def _attempt_done(self, task: asyncio.Task[None]) -> None:
         self._attempts.discard(task)
+        if self._more_due and self.concurrency - len(self._attempts) >= self._refill:
+            # lease again once a quarter of the slots are free, not per slot (one query
+            # per freed slot would cost more than the attempts) and not at the next poll
+            self._due.set()
         if not task.cancelled() and task.exception() is not None:
             log.error("event=attempt_crashed error=%r", task.exception())
 
