@@ -102,7 +102,7 @@ async def test_the_dispatcher_checks_again_after_resolving_and_never_contacts_a_
                 assert attempt["status"] is None
                 assert "refused" in attempt["error"] and "127.0.0.2" in attempt["error"]
     assert inside.requests == []  # never contacted, by any attempt
-    assert d.sender.backend.connected == []
+    assert d.sender.resolver.pinned == []
 
 
 async def test_a_delivery_connects_to_the_address_it_checked(
@@ -131,7 +131,7 @@ async def test_a_delivery_connects_to_the_address_it_checked(
             return bool(found) and found[0]["state"] == "delivered"
 
         await wait_for(done)
-    assert d.sender.backend.connected == ["127.0.0.1"]
+    assert d.sender.resolver.pinned == ["127.0.0.1"]
     assert receiver.requests[0].headers["host"] == f"hooks.example:{receiver.port}"
 
 

@@ -68,7 +68,7 @@ def test_no_import_circle() -> None:
 def test_the_graph_sees_real_edges() -> None:
     graph = import_graph()
     assert "jobtier.scripts" in graph["jobtier.queue"]
-    assert "jobtier.metrics.histogram" in graph["jobtier.worker.runner"]
+    assert "jobtier.metrics.histogram" in graph["jobtier.worker.state"]
 
 
 def test_production_code_does_not_import_the_development_servers() -> None:

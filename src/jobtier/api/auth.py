@@ -32,13 +32,14 @@ def bearer_key(header: bytes | None) -> str | None:
 def _key_of(header: bytes | None) -> str:
     key = bearer_key(header)
     if key is None:
-        raise Problem(
-            401,
-            "unauthorized",
-            "send an API key as 'Authorization: Bearer <key>'",
-            headers={"www-authenticate": 'Bearer realm="jobtier"'},
-        )
+        raise _unauthorized("send an API key as 'Authorization: Bearer <key>'")
     return key
+
+
+def _unauthorized(detail: str) -> Problem:
+    return Problem(
+        401, "unauthorized", detail, headers={"www-authenticate": 'Bearer realm="jobtier"'}
+    )
 
 
 def _presented_key(request: Request) -> str:
@@ -58,12 +59,7 @@ def tenant_for(tenants: dict[str, str], header: bytes | None) -> str:
     For the status route, which reads its headers from the scope in one pass."""
     tenant = tenants.get(_key_of(header))
     if tenant is None:
-        raise Problem(
-            401,
-            "unauthorized",
-            "unknown API key",
-            headers={"www-authenticate": 'Bearer realm="jobtier"'},
-        )
+        raise _unauthorized("unknown API key")
     return tenant
 
 

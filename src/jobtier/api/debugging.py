@@ -25,10 +25,9 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api.auth import require_admin, tenant_of
-from jobtier.api.http import JSON, DocResponse, doc_state, job_id_of, job_not_found
+from jobtier.api.http import JSON, job_id_of, job_not_found, job_transition
 from jobtier.api.problems import Problem
-from jobtier.cache.redis_reader import parse_version
-from jobtier.errors import JobNotFound, TransitionRefused
+from jobtier.errors import JobNotFound
 from jobtier.model import JobStatus, LogLine
 from jobtier.queue import Queue
 
@@ -60,24 +59,10 @@ async def job_logs(request: Request) -> Response:
 
 
 async def retry(request: Request) -> Response:
-    tenant = tenant_of(request)
-    job_id = job_id_of(request)
-    queue: Queue = request.state.queue
-    try:
-        doc = await queue.replay_doc(job_id, tenant)
-    except JobNotFound:
-        raise job_not_found(job_id) from None
-    except TransitionRefused as exc:
-        try:
-            current = await queue.status_doc(job_id, tenant)
-        except JobNotFound:  # expired between the two reads
-            raise job_not_found(job_id) from None
-        raise Problem(
-            409, "wrong-state",
-            f"job {job_id} has not failed ({doc_state(current)}): only a failed job is retried",
-            job=orjson.loads(current),
-        ) from exc  # fmt: skip
-    return DocResponse(doc, parse_version(doc))
+    def refused(job_id: str, state: str) -> str:
+        return f"job {job_id} has not failed ({state}): only a failed job is retried"
+
+    return await job_transition(request, Queue.replay_doc, refused)
 
 
 async def dead_letter(request: Request) -> Response:

@@ -4,18 +4,24 @@ and reading a JSON body with its limits and problem documents."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import msgspec.inspect
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from jobtier.api.auth import raw_header
+from jobtier.api.auth import raw_header, tenant_of
 from jobtier.api.limits import check_depth
 from jobtier.api.problems import Problem, not_found
-from jobtier.errors import InvalidRequest, PayloadTooLarge
+from jobtier.cache.redis_reader import parse_version
+from jobtier.errors import InvalidRequest, JobNotFound, PayloadTooLarge, TransitionRefused
 from jobtier.model import TERMINAL
+
+if TYPE_CHECKING:
+    from jobtier.queue import Queue
 
 JSON = "application/json"
 
@@ -86,6 +92,33 @@ def job_id_of(request: Request) -> str:
 
 def job_not_found(job_id: str) -> Problem:
     return not_found(f"job {job_id[:64]}")
+
+
+async def job_transition(
+    request: Request,
+    change: Callable[[Queue, str, str], Awaitable[bytes]],
+    refused: Callable[[str, str], str],
+) -> Response:
+    """A change a client asks of its job (cancel, retry): ``change(queue, job_id, tenant)``
+    gives the new status document; an unknown job (or another tenant's) is a 404, and a job
+    whose state does not allow the change a 409 ``wrong-state`` whose detail is
+    ``refused(job_id, state)``, with the job's status document."""
+    tenant = tenant_of(request)
+    job_id = job_id_of(request)
+    queue: Queue = request.state.queue
+    try:
+        doc = await change(queue, job_id, tenant)
+    except JobNotFound:
+        raise job_not_found(job_id) from None
+    except TransitionRefused as exc:
+        try:
+            current = await queue.status_doc(job_id, tenant)
+        except JobNotFound:  # expired between the two reads
+            raise job_not_found(job_id) from None
+        raise Problem(
+            409, "wrong-state", refused(job_id, doc_state(current)), job=orjson.loads(current)
+        ) from exc
+    return DocResponse(doc, parse_version(doc))
 
 
 # --- body reading ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from jobtier.api.http import (
     invalid,
     job_id_of,
     job_not_found,
+    job_transition,
     not_modified,
     read_json_body,
 )
@@ -31,7 +32,7 @@ from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
 from jobtier.cache.redis_reader import RESYNC, Status, StatusReader, parse_version
-from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound, TransitionRefused
+from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.model import JobSpec, Submitted
 from jobtier.queue import Queue
 
@@ -378,23 +379,11 @@ async def get_result(request: Request) -> Response:
 
 
 async def cancel(request: Request) -> Response:
-    tenant = tenant_of(request)
-    job_id = job_id_of(request)
-    queue: Queue = request.state.queue
-    try:
-        doc = await queue.cancel_doc(job_id, tenant)
-    except JobNotFound:
-        raise job_not_found(job_id) from None
-    except TransitionRefused as exc:
-        try:
-            current = await queue.status_doc(job_id, tenant)
-        except JobNotFound:  # finished and expired between the two reads
-            raise job_not_found(job_id) from None
-        raise Problem(
-            409, "wrong-state", f"job {job_id} has already finished ({doc_state(current)})",
-            job=orjson.loads(current),
-        ) from exc  # fmt: skip
-    return DocResponse(doc, parse_version(doc))
+    return await job_transition(
+        request,
+        Queue.cancel_doc,
+        lambda job_id, state: f"job {job_id} has already finished ({state})",
+    )
 
 
 routes = [

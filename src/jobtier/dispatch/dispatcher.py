@@ -50,8 +50,9 @@ from jobtier.keys import Keys
 from jobtier.metrics.histogram import Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.model import TERMINAL
-from jobtier.persist.batch import LogEntry, parse_entry
+from jobtier.persist.batch import MALFORMED, LogEntry, parse_entry
 from jobtier.persist.db import UNAVAILABLE, Pool
+from jobtier.persist.group import Fields, claim_idle, read_group
 
 log = logging.getLogger("jobtier.dispatch")
 
@@ -154,6 +155,8 @@ class Dispatcher:
         )
         self.schedule = settings.webhook_retry_delays()
         self.concurrency = settings.webhook_concurrency
+        self._refill = max(1, self.concurrency // 4)
+        self._more_due = False
         self.lease_seconds = settings.webhook_timeout_seconds + LEASE_MARGIN
         self.claim_idle_ms = int(settings.persist_claim_idle_seconds * 1000)
         self.stats = DispatcherStats()
@@ -281,31 +284,20 @@ class Dispatcher:
             pass
         return self.stats.entries - before
 
-    async def _read(self) -> tuple[bool, list[tuple[int, bytes, dict[bytes, bytes] | None]]]:
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, cursor in zip(self._streams, self._cursor, strict=True):
-            pipe.xreadgroup(self.group, self.name, {stream: cursor}, count=READ_COUNT)
-        out: list[tuple[int, bytes, dict[bytes, bytes] | None]] = []
-        more = False
-        for shard, reply in enumerate(await pipe.execute()):
-            items = reply[0][1] if reply else []
-            if self._cursor[shard] != b">":
-                self._cursor[shard] = items[-1][0] if items else b">"
-                more = True
-            elif len(items) == READ_COUNT:
-                more = True
-            out += [(shard, entry_id, fields) for entry_id, fields in items]
-        return more, out
+    async def _read(self) -> tuple[bool, list[tuple[int, bytes, Fields]]]:
+        return await read_group(
+            self.redis, self.group, self.name, self._streams, self._cursor, READ_COUNT
+        )
 
-    async def _claim(self) -> list[tuple[int, bytes, dict[bytes, bytes] | None]]:
+    async def _claim(self) -> list[tuple[int, bytes, Fields]]:
         """Entries idle longer than the claim timeout in another member (it died)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, start in zip(self._streams, self._claim_cursor, strict=True):
-            pipe.xautoclaim(stream, self.group, self.name, self.claim_idle_ms, start, count=500)
-        out: list[tuple[int, bytes, dict[bytes, bytes] | None]] = []
-        for shard, reply in enumerate(await pipe.execute()):
-            self._claim_cursor[shard] = reply[0]
-            mine = [(shard, entry_id, fields) for entry_id, fields in reply[1]]
+        claimed = await claim_idle(
+            self.redis, self.group, self.name, self._streams, self._claim_cursor,
+            self.claim_idle_ms, 500,
+        )  # fmt: skip
+        out: list[tuple[int, bytes, Fields]] = []
+        for shard, items in enumerate(claimed):
+            mine = [(shard, entry_id, fields) for entry_id, fields in items]
             if mine:
                 self.stats.claimed += len(mine)
                 log.info(
@@ -322,7 +314,7 @@ class Dispatcher:
                 continue
             try:
                 entries.append(parse_entry(shard, entry_id, fields))
-            except (KeyError, ValueError, UnicodeDecodeError, msgspec.DecodeError) as exc:
+            except MALFORMED as exc:
                 # acknowledged all the same (below): a pending entry nobody can read would
                 # hold back the log's trimming for good
                 self.stats.bad_entries += 1
@@ -385,7 +377,10 @@ class Dispatcher:
                     next_gauge = time.monotonic() + GAUGE_EVERY
                     self.stats.pending, _ = await self.store.pending()
                 free = self.concurrency - len(self._attempts)
-                leased = await self.store.lease_due(min(free, 500), self.lease_seconds)
+                asked = min(free, 500)
+                leased = await self.store.lease_due(asked, self.lease_seconds)
+                # a full lease may have left due ones behind: freed slots ask again
+                self._more_due = asked > 0 and len(leased) == asked
                 backoff.reset()
             except PG_UNAVAILABLE as exc:
                 wait = backoff.next()
@@ -404,6 +399,10 @@ class Dispatcher:
 
     def _attempt_done(self, task: asyncio.Task[None]) -> None:
         self._attempts.discard(task)
+        if self._more_due and self.concurrency - len(self._attempts) >= self._refill:
+            # lease again once a quarter of the slots are free, not per slot (one query
+            # per freed slot would cost more than the attempts) and not at the next poll
+            self._due.set()
         if not task.cancelled() and task.exception() is not None:
             log.error("event=attempt_crashed error=%r", task.exception())
 

@@ -7,7 +7,7 @@ forgery). So:
 
 * at subscribe time (the API) the URL's host is resolved and every address must be public;
 * at delivery time (the dispatcher) it is resolved again and only public addresses are
-  used, and the connection is made to the very address that was checked (``PinnedBackend``):
+  used, and the connection is made to the very address that was checked (``PinnedResolver``):
   a name that resolved to a public address for the check cannot resolve to 127.0.0.1 for the
   connection (DNS rebinding), because there is no second resolution.
 
@@ -20,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlsplit
 
-import httpcore
+from aiohttp.abc import AbstractResolver, ResolveResult
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -41,7 +40,7 @@ class Refused(Exception):
     """A callback URL or address the policy does not allow (the message says why)."""
 
 
-class RefusedConnect(httpcore.ConnectError):
+class RefusedConnect(Exception):
     """A delivery's connection not made: the host resolved to no allowed address."""
 
 
@@ -156,48 +155,37 @@ class AddressPolicy:
         return target
 
 
-class PinnedBackend(httpcore.AsyncNetworkBackend):
-    """An httpcore network backend that resolves the host itself, checks the addresses with
-    the policy, and connects to a checked one: the address checked is the address connected
-    to. TLS still verifies the certificate against the host name (httpcore passes the
-    origin's host to ``start_tls``)."""
+class PinnedResolver(AbstractResolver):
+    """aiohttp's resolver for deliveries: resolves the host itself, checks the addresses with
+    the policy and hands the connector only the allowed ones, so the address checked is the
+    address connected to (no second resolution to rebind). TLS still verifies the
+    certificate against the host name (aiohttp keeps it as the ``hostname``). aiohttp does
+    not ask a resolver about IP literals: ``Sender.post`` checks those itself."""
 
-    def __init__(self, policy: AddressPolicy, inner: httpcore.AsyncNetworkBackend | None = None):
+    def __init__(self, policy: AddressPolicy) -> None:
         self.policy = policy
-        self.inner = inner or httpcore.AnyIOBackend()
-        self.connected: list[str] = []  # the last few addresses connected to (tests, logs)
+        self.pinned: list[str] = []  # the last few addresses handed to the connector (tests)
 
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         target = Target("", host.lower().strip("[]").rstrip("."), port)
         try:
             addresses = await self.policy.addresses(target, strict=False)
         except Refused as exc:
             raise RefusedConnect(f"refused: {exc}") from exc
-        last: Exception | None = None
-        for address in addresses:
-            try:
-                stream = await self.inner.connect_tcp(
-                    address, port, timeout, local_address, socket_options
-                )
-            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
-                last = exc
-                continue
-            self.connected = [*self.connected[-15:], address]
-            return stream
-        assert last is not None
-        raise last
+        self.pinned = [*self.pinned[-15:], *addresses]
+        return [
+            ResolveResult(
+                hostname=host,
+                host=a,
+                port=port,
+                proto=0,
+                flags=socket.AI_NUMERICHOST,
+                family=socket.AF_INET6 if ":" in a else socket.AF_INET,
+            )
+            for a in addresses
+        ]
 
-    async def connect_unix_socket(
-        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
-    ) -> httpcore.AsyncNetworkStream:
-        raise httpcore.ConnectError("callbacks do not use Unix sockets")
-
-    async def sleep(self, seconds: float) -> None:
-        await self.inner.sleep(seconds)
+    async def close(self) -> None:
+        pass

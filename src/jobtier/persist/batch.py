@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import msgspec
+
 from jobtier.model import JobStatus, json_encoder, status_decoder
 from jobtier.persist.db import AnyConnection, query
 from jobtier.persist.results import is_ref, ref_of
@@ -44,8 +46,12 @@ class LogEntry:
         return int(self.entry_id.split(b"-", 1)[0])
 
 
+# what parse_entry raises for a malformed entry (a field missing, or not what it should be)
+MALFORMED = (KeyError, ValueError, UnicodeDecodeError, msgspec.DecodeError)
+
+
 def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogEntry:
-    """Decode one stream entry; raises ``ValueError``/``KeyError`` on a malformed one."""
+    """Decode one stream entry; raises one of ``MALFORMED`` on a malformed one."""
     doc = fields[b"d"]
     status = status_decoder.decode(doc)
     ik = fields.get(b"ik")

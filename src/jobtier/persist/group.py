@@ -1,8 +1,10 @@
-"""Housekeeping of the persisters' consumer group on the shard log streams.
+"""Reading the shard log streams as a consumer group, and the groups' housekeeping.
 
-Trimming what every group has acknowledged, forgetting the members that stopped, and
-sending the entries Postgres refused back to the logs. The persister runs the first two
-from its loop; ``jobtier persister --replay-refused`` runs the third.
+Reading (``read_group``, ``claim_idle``) serves both groups that consume the logs: the
+persisters and the webhook dispatchers. Housekeeping: trimming what every group has
+acknowledged, forgetting the members that stopped, and sending the entries Postgres refused
+back to the logs. The persister runs the first two from its loop; ``jobtier persister
+--replay-refused`` runs the third.
 """
 
 from __future__ import annotations
@@ -18,6 +20,63 @@ from jobtier.scripts import Script, evalsha_many
 log = logging.getLogger("jobtier.persist")
 
 _FORGET = Script("forget_consumers")
+
+Fields = dict[bytes, bytes] | None  # an entry's fields; None: pending, but trimmed meanwhile
+
+
+async def read_group(
+    redis: RedisClient,
+    group: str,
+    name: str,
+    streams: Sequence[str],
+    cursors: list[bytes],
+    count: int,
+) -> tuple[bool, list[tuple[int, bytes, Fields]]]:
+    """XREADGROUP every stream in one pipeline, up to ``count`` entries each, as member
+    ``name``: (True if some stream may have more, [(shard, entry id, fields)]).
+
+    ``cursors`` (one per stream, moved on here) start at ``b"0"``: the member's own pending
+    entries, from a previous life, are read again first; once a stream has none left, its
+    cursor is ``b">"``, new entries.
+    """
+    pipe = redis.pipeline(transaction=False)
+    for stream, cursor in zip(streams, cursors, strict=True):
+        pipe.xreadgroup(group, name, {stream: cursor}, count=count)
+    more = False
+    out: list[tuple[int, bytes, Fields]] = []
+    for shard, reply in enumerate(await pipe.execute()):
+        items = reply[0][1] if reply else []
+        if cursors[shard] != b">":
+            # own pending entries from a previous life, then new ones
+            cursors[shard] = items[-1][0] if items else b">"
+            more = True
+        elif len(items) == count:
+            more = True
+        out += [(shard, entry_id, fields) for entry_id, fields in items]
+    return more, out
+
+
+async def claim_idle(
+    redis: RedisClient,
+    group: str,
+    name: str,
+    streams: Sequence[str],
+    starts: list[bytes],
+    idle_ms: int,
+    count: int,
+) -> list[list[tuple[bytes, Fields]]]:
+    """XAUTOCLAIM every stream in one pipeline: the entries pending longer than ``idle_ms``
+    in another member of ``group`` (it died) become ``name``'s. Per stream, the (entry id,
+    fields) taken over; ``starts`` (one per stream, moved on here) is where each scan goes on
+    at the next call."""
+    pipe = redis.pipeline(transaction=False)
+    for stream, start in zip(streams, starts, strict=True):
+        pipe.xautoclaim(stream, group, name, idle_ms, start, count=count)
+    out = []
+    for shard, reply in enumerate(await pipe.execute()):
+        starts[shard] = reply[0]
+        out.append(reply[1])
+    return out
 
 
 def _next_id(entry_id: bytes) -> bytes:

@@ -28,7 +28,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import asyncpg
-import msgspec
 from redis.exceptions import RedisError, ResponseError
 
 from jobtier.backoff import PERSIST_POSTGRES, PERSIST_REDIS
@@ -38,9 +37,15 @@ from jobtier.keys import Keys
 from jobtier.metrics.histogram import SIZE_BUCKETS, Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.metrics.transitions import TransitionCounter
-from jobtier.persist.batch import LogEntry, parse_entry, write_batch
+from jobtier.persist.batch import MALFORMED, LogEntry, parse_entry, write_batch
 from jobtier.persist.db import UNAVAILABLE, AnyConnection, Pool
-from jobtier.persist.group import forget_idle_consumers, replay_refused, trim
+from jobtier.persist.group import (
+    claim_idle,
+    forget_idle_consumers,
+    read_group,
+    replay_refused,
+    trim,
+)
 from jobtier.persist.retention import run_pruning
 
 __all__ = ["Persister", "PersisterStats", "replay_refused"]
@@ -322,7 +327,7 @@ class Persister:
             return False
         try:
             entry = parse_entry(shard, entry_id, fields)
-        except (KeyError, ValueError, UnicodeDecodeError, msgspec.DecodeError) as exc:
+        except MALFORMED as exc:
             # Left pending, never acknowledged: a persister that understands it (a newer
             # version, in a rolling deploy) takes it over after the idle timeout.
             self.stats.bad_entries += 1
@@ -341,33 +346,20 @@ class Persister:
         """XREADGROUP every shard in one pipeline. True if some shard may have more."""
         room = self.batch_size - len(self._buffer)
         count = max(-(-room // len(self._streams)), READ_MIN)
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, cursor in zip(self._streams, self._cursor, strict=True):
-            pipe.xreadgroup(self.group, self.name, {stream: cursor}, count=count)
-        replies = await pipe.execute()
-        more = False
-        for shard, reply in enumerate(replies):
-            items = reply[0][1] if reply else []
-            if self._cursor[shard] != b">":
-                # own pending entries from a previous life, then new ones
-                self._cursor[shard] = items[-1][0] if items else b">"
-                more = True
-            elif len(items) == count:
-                more = True
-            for entry_id, fields in items:
-                self._accept(shard, entry_id, fields)
+        more, items = await read_group(
+            self.redis, self.group, self.name, self._streams, self._cursor, count
+        )
+        for shard, entry_id, fields in items:
+            self._accept(shard, entry_id, fields)
         return more
 
     async def _claim(self) -> None:
         """Take over entries idle longer than the claim timeout (their persister died)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream, start in zip(self._streams, self._claim_cursor, strict=True):
-            pipe.xautoclaim(
-                stream, self.group, self.name, self.claim_idle_ms, start, count=self.batch_size
-            )
-        for shard, reply in enumerate(await pipe.execute()):
-            next_start, items = reply[0], reply[1]
-            self._claim_cursor[shard] = next_start
+        claimed = await claim_idle(
+            self.redis, self.group, self.name, self._streams, self._claim_cursor,
+            self.claim_idle_ms, self.batch_size,
+        )  # fmt: skip
+        for shard, items in enumerate(claimed):
             taken = sum(self._accept(shard, entry_id, fields) for entry_id, fields in items)
             if taken:
                 self.stats.claimed += taken

@@ -10,11 +10,11 @@ queues alone). A round:
 3. claim with the permits as caps, spread over the shards that hold jobs (claim.lua never
    gives more than its cap), and give back at once the permits that found no job.
 
-A job keeps its permit while it runs; the worker's heartbeat extends it and the job's end
-returns it (``Worker``), which wakes the workers waiting for that queue (``l <queue>`` on the
-wake channel). A worker that dies holds its permits only until their lease runs out, like
-its jobs. When the rate allows no permit now, the claimer sleeps until the next token is due;
-when the concurrency is used up, until a permit comes free.
+A job keeps its permit while it runs; the worker's heartbeat extends it (heartbeat.py) and
+the job's end returns it (reporting.py), which wakes the workers waiting for that queue
+(``l <queue>`` on the wake channel). A worker that dies holds its permits only until their
+lease runs out, like its jobs. When the rate allows no permit now, the claimer sleeps until
+the next token is due; when the concurrency is used up, until a permit comes free.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from jobtier.backoff import CLAIM
 from jobtier.model import PRIORITIES
 
 if TYPE_CHECKING:
-    from jobtier.worker.runner import Worker
+    from jobtier.worker.claiming import Claiming
 
 log = logging.getLogger("jobtier.worker")
 
@@ -71,7 +71,7 @@ def spread(permits: int, ready: Sequence[tuple[int, int]]) -> list[tuple[int, in
 class LimitedClaimer:
     """The claim loop of one limited queue inside a worker."""
 
-    def __init__(self, worker: Worker, queue: str) -> None:
+    def __init__(self, worker: Claiming, queue: str) -> None:
         self.worker = worker
         self.queue = queue
         self.keys = worker.keys

@@ -1,0 +1,270 @@
+"""How each attempt ended, reported to Redis: the outbox and the reporter loop.
+
+``run_attempt`` (attempt.py) hands each attempt's end to ``attempt_ended``, which frees the
+slot and queues the outcome (``complete``, ``fail`` or ``stopped``) in the outbox, per kind
+and shard; the reporter sends everything queued in one pipeline while the next outcomes
+accumulate, and keeps the batch on a Redis error, to send again (nothing acknowledged is
+lost; a lease that expires meanwhile makes the scheduler requeue the job, and the late write
+is refused).
+
+Races guarded here:
+
+- a job's last progress and log lines go ahead of its outcome, in the same pipeline on one
+  connection, so Redis applies them first; and the reporter waits for a heartbeat in flight
+  (``_beat_idle``), which may carry that progress, before it sends;
+- an outcome of a job released at shutdown (or whose lease was lost) is dropped here: the job
+  is back in its queue under a newer fencing token, and Redis would refuse it anyway;
+- a limited queue's permit is returned only once the outcome is in Redis: before, another job
+  of the queue could start while Redis still counts this one as running (over the limit);
+- a task that raised ``RateLimited`` blocks its queue on every worker (``_block``), without
+  using the job's attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from jobtier.backoff import REPORT
+from jobtier.errors import Code, RateLimited
+from jobtier.scripts import Call
+from jobtier.worker.attempt import DEFAULT_POLICY, STOPPED, Failure, Stopped
+from jobtier.worker.context import LOG_LINES, JobContext
+from jobtier.worker.limits import limit_calls
+from jobtier.worker.state import WorkerState, _Running
+
+log = logging.getLogger("jobtier.worker")
+
+FLUSH_AFTER_STOP_NOW = 5.0  # s the last reports (the releases) get after stop(now=True)
+
+
+class Reporting(WorkerState):
+    """The worker's outcome reporting (see the module docstring)."""
+
+    # --- running ----------------------------------------------------------------------------
+    def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
+        """Called by ``run_attempt`` as each job's attempt ends: report it, free the slot."""
+        r = self._running.pop(ctx.job.id, None)
+        if r is None:  # released at shutdown (_release_all): its stop is reported already
+            return
+        try:
+            if isinstance(end, bytes):
+                self._report("complete", r, (end,))
+            elif isinstance(end, Failure):
+                self._fail(r, end)
+            elif end is STOPPED or not r.lost:
+                # STOPPED: the task gave up for a cancel request; INTERRUPTED: a cancel
+                # request, or a shutdown (release); a lost lease has nothing to report
+                self._report("stopped", r, ())
+        finally:
+            self.stats.run_time.observe(time.monotonic() - r.started)
+            if r.permit is not None:  # no outcome sent (a lost lease): give it back now
+                self._to_release[r.job.queue].append(r.permit)
+                self._outbox_ready.set()
+            self._slot_free.set()
+
+    def _fail(self, r: _Running, failure: Failure) -> None:
+        if isinstance(failure.exc, RateLimited):
+            self._rate_limited(r, failure, failure.exc)
+            return
+        delay_ms = failure.delay_ms(r.task.retry if r.task else DEFAULT_POLICY, r.job.attempt)
+        # one record per failed attempt, with the traceback of what the task raised
+        log.info(
+            "event=job_failed job=%s type=%s attempt=%d/%d error=%s message=%r retry_in_ms=%d",
+            r.job.id, r.job.type, r.job.attempt, r.job.max_attempts, failure.type,
+            failure.message[:200], delay_ms,
+            exc_info=failure.exc if failure.raised else None,
+        )  # fmt: skip
+        self._report("fail", r, (failure.error_json(), delay_ms))
+
+    def _rate_limited(self, r: _Running, failure: Failure, exc: RateLimited) -> None:
+        """The task says the downstream wants us to wait: the job runs again then, without
+        using an attempt, and its queue starts nothing meanwhile, on every worker."""
+        delay_ms = round(exc.retry_after * 1000)
+        error = failure.error_json()
+        log.info(
+            "event=queue_rate_limited job=%s type=%s queue=%s retry_in_ms=%d",
+            r.job.id, r.job.type, r.job.queue, delay_ms,
+        )  # fmt: skip
+        self._report("fail", r, (error, delay_ms, 1))
+        self.stats.rate_limited += 1
+        task = asyncio.create_task(self._block(r.job.queue, exc.retry_after))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _block(self, queue: str, seconds: float) -> None:
+        try:
+            await self.queue.block(queue, seconds)
+            if queue in self._claimers:  # its permits wait too (limit.lua)
+                await self.scripts.call(
+                    self.scripts["limit"], self.keys.home(queue),
+                    ("block", queue, round(seconds * 1000)),
+                )  # fmt: skip
+        except (RedisError, OSError) as exc:
+            log.warning("event=queue_block_failed queue=%s error=%r", queue, exc)
+
+    # --- reporting --------------------------------------------------------------------------
+    def _report(self, kind: str, r: _Running, extra: tuple[Any, ...]) -> None:
+        if r.released:
+            # released at shutdown: the job is back in its queue under a newer version, and
+            # this outcome's fencing token is stale (Redis would refuse it): drop it here
+            if kind != "stopped":  # "stopped" is only the task's cancellation, which we caused
+                log.info(
+                    "event=late_outcome_dropped worker=%s job=%s report=%s: the job was "
+                    "released at shutdown",
+                    self.id, r.job.id, kind,
+                )  # fmt: skip
+            return
+        # (_log is None unless the task ever logged: nothing to look at for most jobs)
+        lines = r.ctx._take_logs() if r.ctx._log is not None else None
+        if lines:
+            # the last lines go ahead of the outcome, and expire with the job as it ends
+            s = self.settings
+            ttl = s.dead_retention_seconds if kind == "fail" else s.retention_seconds
+            self._outbox["logs"][r.shard].append((r.job.id, ttl, lines))
+        if r.progress is not None:
+            # progress the heartbeat has not taken yet (reported just before the end) goes
+            # ahead of the outcome in the same pipeline, one connection, so Redis applies
+            # it first; sent later, it would find the job finished and be refused
+            self._outbox["progress"][r.shard].append((r.job.id, r.job.lease_version, r.progress))
+            r.progress = None
+        self._outbox[kind][r.shard].append((r.job.id, r.job.lease_version, *extra))
+        if r.permit is not None:
+            # returned once the outcome is in Redis: before, a new job of the queue could
+            # start while Redis still counts this one as running (over the limit)
+            self._pending_permits[r.job.queue].append(r.permit)
+            r.permit = None
+        self._outbox_idle.clear()
+        self._outbox_ready.set()
+
+    async def _report_loop(self) -> None:
+        while True:
+            await self._outbox_ready.wait()
+            self._outbox_ready.clear()
+            await self._send_outbox()
+
+    async def _send_outbox(self) -> None:
+        """Send everything in the outbox in one pipeline; keep it on a Redis error."""
+        backoff = REPORT.start()
+        while True:
+            # a heartbeat in flight may carry the last progress of a job reported here:
+            # the outcome must reach Redis after it
+            await self._beat_idle.wait()
+            batches = {kind: dict(by_shard) for kind, by_shard in self._outbox.items() if by_shard}
+            if not batches:
+                if self._to_release and not await self._release_permits():
+                    await asyncio.sleep(backoff.next())
+                    continue
+                self._outbox_idle.set()
+                return
+            for by_shard in self._outbox.values():
+                by_shard.clear()
+            permits = dict(self._pending_permits)
+            self._pending_permits.clear()
+            calls: list[Call] = []
+            kinds: list[tuple[str, list[tuple[Any, ...]]]] = []
+            s = self.settings
+            for kind, by_shard in batches.items():
+                for shard, items in by_shard.items():
+                    if kind == "progress":
+                        calls.append(
+                            self.scripts.heartbeat_call(
+                                shard, self.id, self.lease_ms, items, self.history_ms
+                            )
+                        )
+                    elif kind == "logs":
+                        calls.append(self.scripts.joblog_call(shard, LOG_LINES, items))
+                    elif kind == "complete":
+                        calls.append(
+                            self.scripts.complete_call(shard, self.id, s.retention_seconds, items)
+                        )
+                    elif kind == "fail":
+                        calls.append(
+                            self.scripts.fail_call(shard, self.id, s.dead_retention_seconds, items)
+                        )
+                    else:
+                        calls.append(
+                            self.scripts.stopped_call(shard, self.id, s.retention_seconds, items)
+                        )
+                    kinds.append((kind, items))
+            try:
+                replies = await self.scripts.call_many(calls)
+            except (RedisError, OSError) as exc:
+                # nothing was lost: put the batch back and try again (a lease that expires
+                # meanwhile makes the scheduler requeue the job; our late write is refused)
+                for kind, by_shard in batches.items():
+                    for shard, items in by_shard.items():
+                        self._outbox[kind][shard][:0] = items
+                for queue_name, ids in permits.items():
+                    self._pending_permits[queue_name][:0] = ids
+                wait = backoff.next()
+                log.warning(
+                    "event=report_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, wait
+                )
+                await asyncio.sleep(wait)
+                continue
+            for (kind, items), reply in zip(kinds, replies, strict=True):
+                self._account(kind, items, reply)
+            for queue_name, ids in permits.items():
+                self._to_release[queue_name] += ids
+
+    async def _release_permits(self) -> bool:
+        """Return the permits of finished jobs (limits.py); False if Redis refused (kept)."""
+        by_queue = {q: ids for q, ids in self._to_release.items() if ids}
+        self._to_release.clear()
+        try:
+            await self.scripts.call_many(
+                limit_calls(self.scripts, self.keys, "release", by_queue, 0)
+            )
+        except (RedisError, OSError) as exc:
+            for q, ids in by_queue.items():
+                self._to_release[q] += ids
+            log.warning("event=permit_release_failed worker=%s error=%r", self.id, exc)
+            return False
+        return True
+
+    def _account(self, kind: str, items: list[tuple[Any, ...]], reply: list[Any]) -> None:
+        if kind in ("progress", "logs"):
+            return  # if refused, the outcome sent behind it is refused too, and counted
+        st = self.stats
+        if kind == "complete":  # a code per job; OK means succeeded
+            codes, states = reply, [b"succeeded"] * len(reply)
+        else:  # (code, state) per job
+            codes, states = reply[0::2], reply[1::2]
+        # codes stay ints on this path: a Code built per job only to be compared is waste
+        for item, code, state in zip(items, codes, states, strict=True):
+            if code != Code.OK:
+                st.refused += 1
+                log.warning(
+                    "event=stale_write_refused worker=%s job=%s report=%s code=%s",
+                    self.id, item[0], kind, Code(code).name,
+                )  # fmt: skip
+            elif state == b"succeeded":
+                st.succeeded += 1
+            elif state == b"scheduled":
+                st.retried += 1
+            elif state == b"failed":
+                st.failed += 1
+            elif state == b"cancelled":
+                st.cancelled += 1
+            elif state == b"queued":
+                st.released += 1
+
+    async def _flush_outbox(self) -> None:
+        """Until every report is sent: 30 s at most, ``FLUSH_AFTER_STOP_NOW`` after a
+        ``stop(now=True)`` (what is still unsent then is left to lease expiry)."""
+        start = time.monotonic()
+        while not self._outbox_idle.is_set() or any(self._outbox.values()):
+            limit = FLUSH_AFTER_STOP_NOW if self._stop_now.is_set() else 30.0
+            if time.monotonic() - start >= limit:
+                log.warning(
+                    "event=reports_unsent worker=%s: Redis did not take the last reports; "
+                    "their jobs return to their queues when their leases expire", self.id,
+                )  # fmt: skip
+                return
+            self._outbox_ready.set()
+            await asyncio.sleep(0.005)
