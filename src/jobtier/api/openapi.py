@@ -32,7 +32,7 @@ from jobtier.api.params import Param
 from jobtier.config import Settings
 from jobtier.keys import JOB_ID_RE
 from jobtier.model import QUEUE_NAME_RE, JobSpec, JobStatus, QueueInfo, QueueLimits, TaskAd
-from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
+from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT, TENANT_RE
 from jobtier.worker.registry import TASK_NAME_RE
 
 
@@ -272,6 +272,8 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     )
     c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
     constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
+    constrain(c, "ReplayFilter", "queue", pattern=QUEUE_NAME_RE.pattern)
+    constrain(c, "ReplayFilter", "tenant", pattern=TENANT_RE.pattern)
     constrain(c, "ReplayFilter", "limit", minimum=1, maximum=REPLAY_MAX)
     constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)

@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from jobtier.api import console_records, schedules
 from jobtier.api import openapi as oa
-from jobtier.api import schedules
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found
@@ -24,6 +24,7 @@ from jobtier.api.problems import Problem
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
 from jobtier.model import QUEUE_NAME_RE, JobStatus, State
+from jobtier.persist.audit_store import AuditStore
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition, lag
 from jobtier.persist.schedule_store import ScheduleStore
@@ -69,9 +70,19 @@ class PostgresExtension(Extension):
             Route("/v1/jobs", list_jobs, methods=["GET"]),
             Route("/v1/jobs/{job_id}/history", history, methods=["GET"]),
             *schedules.routes,
+            *console_records.routes,
         ]
-        self.openapi_paths = {**openapi_paths(settings), **schedules.openapi_paths(settings)}
-        self.openapi_types = [JobPage, History, *schedules.OPENAPI_TYPES]
+        self.openapi_paths = {
+            **openapi_paths(settings),
+            **schedules.openapi_paths(settings),
+            **console_records.openapi_paths(settings),
+        }
+        self.openapi_types = [
+            JobPage,
+            History,
+            *schedules.OPENAPI_TYPES,
+            *console_records.OPENAPI_TYPES,
+        ]
         self.openapi_constraints = [lambda c: schedules.constrain(c, settings)]
         self.status_fallback = self._status_docs
         self.result_fallback = self._result
@@ -85,6 +96,7 @@ class PostgresExtension(Extension):
         self.reader = PgReader(self.pool)
         self.state["pg_reader"] = self.reader
         self.state["schedule_store"] = ScheduleStore(self.pool)
+        self.state["audit_store"] = AuditStore(self.pool)
         self.state["cron"] = CronMirror(queue.redis, queue.keys, queue.scripts)
         self.state["pg_extension"] = self
 
