@@ -356,6 +356,7 @@ BENCHMARKS = {
     "schedule": "start lateness of 100K delayed jobs and of a burst of 10K due at once",
     "shutdown": "a worker's time from SIGTERM to exit against --grace, every slot busy",
     "history_rows": "history rows Postgres keeps per demo sleep job, progress coalesced or not",
+    "console": "the console's job listing with 1M jobs in Postgres: per filter, plans, under load",
 }
 
 

@@ -326,6 +326,11 @@ async def chromium_page(
         yield page
     finally:
         if page is not None:
+            # leave the page first: its open streams end as a closed tab's do, so a server
+            # under test never waits on a connection of a browser that is going away
+            with contextlib.suppress(CdpError, OSError, TimeoutError):
+                async with asyncio.timeout(5):
+                    await page.call("Page.navigate", url="about:blank")
             await page.close()
         if proc.returncode is None:
             proc.terminate()  # the browser closes its renderers and helpers itself

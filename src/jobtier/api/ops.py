@@ -32,6 +32,7 @@ from jobtier.metrics.snapshot import (
     read_snapshots,
     totals,
 )
+from jobtier.model import PRIORITIES
 from jobtier.queue import Queue
 
 
@@ -76,33 +77,38 @@ async def dashboard_state(
     """One frame of the dashboard: current gauges and cumulative counters (the page turns
     successive frames into rates); p99s over ``window`` (the last minute) when given, else
     since the processes started. ``queues`` is what ``GET /v1/admin/queues`` answers, each
-    with its job counters (``counters``: the page's per-queue rates)."""
+    with its job counters (``counters``: the page's per-queue rates). Each Redis read is made
+    once for all the figures (a frame a second per API process)."""
     queue: Queue = request.state.queue
     snapshots = await read_snapshots(queue.redis, queue.keys)
-    gauges = await live_gauges(queue, await _lag_probe(request))
+    stats = await queue.stats()
+    ages = await queue.oldest_queued()
+    workers = await queue.live_workers()
+    lag = await _lag_probe(request)
+    lag_entries, lag_seconds = (await lag()) if lag is not None else (None, None)
     counters, hists = totals(snapshots)  # histograms since the processes started
     span = None
     if window is not None:
         hists, span = window.observe(time.time(), snapshots)
     p99 = {name: quantile(h, 0.99) for name, h in hists.items()}
-    depth: dict[str, float] = defaultdict(float)  # per priority, over every queue
-    for key, n in gauges["queue_depth"].items():
-        depth[parse_labels(key)["priority"]] += n
+    total = stats["total"]
     per_queue = queue_counters(snapshots)
-    queues = await queue_states(queue, getattr(request.state, "catalog", None))
+    queues = await queue_states(
+        queue, getattr(request.state, "catalog", None), stats=stats, ages=ages, workers=workers
+    )
     for q in queues:
         q["counters"] = per_queue.get(q["name"], {})
     return {
         "at": time.time(),
-        "queue_depth": dict(depth),
+        "queue_depth": {p.value: total.get(f"queued_{p.value}", 0) for p in PRIORITIES},
         "queues": queues,
-        "oldest_queued_age_seconds": max(gauges["oldest_queued_age_seconds"].values(), default=0.0),
-        "scheduled": gauges["scheduled_jobs"][""],
-        "running": gauges["running_jobs"][""],
-        "dead_letters": gauges["dead_letter_jobs"][""],
-        "workers": gauges["workers"][""],
-        "lag_transitions": gauges.get("persister_lag_transitions", {}).get(""),
-        "lag_seconds": gauges.get("persister_lag_seconds", {}).get(""),
+        "oldest_queued_age_seconds": max(ages.values(), default=0.0),
+        "scheduled": total.get("scheduled", 0),
+        "running": total.get("running", 0),
+        "dead_letters": total.get("dead", 0),
+        "workers": len(workers),
+        "lag_transitions": lag_entries,
+        "lag_seconds": lag_seconds,
         "counters": counters,
         "p99_claim_wait_seconds": p99.get("claim_wait_seconds"),
         "p99_run_time_seconds": p99.get("run_time_seconds"),

@@ -32,12 +32,21 @@ def _name(request: Request) -> str:
     return name
 
 
-async def queue_states(queue: Queue, catalog: TaskCatalog | None) -> list[dict[str, Any]]:
-    """Every known queue: a queue with jobs, limits, or a task that names it."""
-    stats = await queue.stats()
+async def queue_states(
+    queue: Queue,
+    catalog: TaskCatalog | None,
+    *,
+    stats: dict[str, Any] | None = None,
+    ages: dict[tuple[str, str], float] | None = None,
+    workers: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Every known queue: a queue with jobs, limits, or a task that names it. ``stats``,
+    ``ages`` and ``workers`` are read from Redis unless given (the dashboard's frame reads
+    them once for all its figures)."""
+    stats = stats if stats is not None else await queue.stats()
     limits = await queue.limits()
-    ages = await queue.oldest_queued()
-    workers = await queue.live_workers()
+    ages = ages if ages is not None else await queue.oldest_queued()
+    workers = workers if workers is not None else await queue.live_workers()
     names = set(stats["queues"]) | set(limits)
     if catalog is not None:
         names |= {ad.queue for ad in catalog.ads()}

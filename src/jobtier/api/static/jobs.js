@@ -32,8 +32,15 @@ function fromLocalInput(value) {
 }
 
 function initJobsView() {
-  const select = $("f-state");
-  for (const s of STATES) select.append(h("option", { value: s }, s));
+  fillStates(STATES);
+  // the states this server has (a newer one may have more): its OpenAPI document says
+  fetch("/v1/openapi.json", { cache: "no-store" })
+    .then((r) => r.json())
+    .then((doc) => {
+      const param = doc.paths["/v1/admin/jobs"]?.get?.parameters?.find((p) => p.name === "state");
+      if (Array.isArray(param?.schema?.enum)) fillStates(param.schema.enum);
+    })
+    .catch(() => {}); // the list above stays
   $("job-filters").addEventListener("submit", (event) => {
     event.preventDefault();
     const f = {
@@ -63,6 +70,14 @@ function initJobsView() {
   });
   $("jobs-live").addEventListener("change", scheduleRefresh);
   $("replay-matching").addEventListener("click", replayMatching);
+}
+
+function fillStates(states) {
+  const select = $("f-state");
+  const chosen = select.value;
+  select.replaceChildren(h("option", { value: "" }, "any"), ...states.map((s) => h("option", { value: s }, s)));
+  select.value = chosen;
+  STATES.splice(0, STATES.length, ...states);
 }
 
 /** Shows the list for route `mode` ("jobs" or "dead") with the fragment's filters. */
