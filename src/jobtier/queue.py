@@ -103,6 +103,7 @@ class Queue:
         # where submits find a task's queue, attempts and payload check: the tasks this
         # process imports (a TaskRegistry), or what the workers advertise (catalog.py)
         self.registry = registry
+        self._results: Any = None  # the result store, opened by the first stored result read
         self.require_known = require_known  # refuse a type the registry does not know
 
     @classmethod
@@ -121,6 +122,8 @@ class Queue:
         return queue
 
     async def close(self) -> None:
+        if self._results is not None:
+            await self._results.close()
         await self.redis.aclose()
 
     async def __aenter__(self) -> Queue:
@@ -400,7 +403,29 @@ class Queue:
         )
         if doc is None or (tenant is not None and owner != tenant.encode()):
             raise JobNotFound(job_id)
+        if isinstance(result, bytes) and result[:1] == b"@":  # kept in the result store
+            result = await self._stored_result(result[1:].decode())  # (persist/results.py)
         return decode_status(doc), msgspec.json.decode(result) if result else None
+
+    async def result_raw(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, bytes]:
+        """(status, the result's JSON as stored: b"" for none); for a result kept in the
+        result store, b"" too, and the status's ``result_url`` says where it is."""
+        self._check_id(job_id)
+        owner, doc, result = await self.redis.hmget(
+            self.keys.job(job_id), "tenant", "doc", "result"
+        )
+        if doc is None or (tenant is not None and owner != tenant.encode()):
+            raise JobNotFound(job_id)
+        raw = result if isinstance(result, bytes) and result[:1] != b"@" else b""
+        return decode_status(doc), raw
+
+    async def _stored_result(self, ref: str) -> bytes | None:
+        from jobtier.persist.results import PostgresResultStore  # only if results are stored
+
+        if self._results is None:
+            self._results = await PostgresResultStore.connect(self.settings.database_url)
+        data: bytes | None = await self._results.get(ref)
+        return data
 
     async def payload(self, job_id: str) -> Any:
         self._check_id(job_id)
@@ -446,19 +471,24 @@ class Queue:
         limit: int = 100,
         *,
         type: str | None = None,
+        since: datetime | None = None,
         queue: str | None = None,
         tenant: str | None = None,
     ) -> list[JobStatus]:
         """The most recently dead-lettered jobs still held by Redis, newest first; only those
-        of ``type``, ``queue`` and ``tenant`` when given. Each shard's set is read newest
-        first, ``limit`` (at least 100) at a time, until enough match or none are left."""
+        of ``type``, ``queue`` and ``tenant``, dead-lettered at or after ``since``, when given.
+        Each shard's set is read newest first, ``limit`` (at least 100) at a time, until enough
+        match or none are left."""
         page = max(limit, 100)
+        low: float | str = "-inf" if since is None else int(since.timestamp() * 1000)
         offsets = dict.fromkeys(range(self.keys.shards), 0)
         found: list[tuple[float, JobStatus]] = []
         while offsets and len(found) < limit:
             pipe = self.redis.pipeline(transaction=False)
             for shard, start in offsets.items():
-                pipe.zrevrange(self.keys.dead(shard), start, start + page - 1, withscores=True)
+                pipe.zrevrangebyscore(
+                    self.keys.dead(shard), "+inf", low, start=start, num=page, withscores=True
+                )
             entries = []
             for shard, rows in zip(list(offsets), await pipe.execute(), strict=True):
                 entries += [(score, member.decode(), shard) for member, score in rows]
@@ -487,20 +517,43 @@ class Queue:
         self,
         *,
         type: str | None = None,
+        since: datetime | None = None,
         limit: int = 1000,
         queue: str | None = None,
         tenant: str | None = None,
     ) -> list[str]:
-        """Replay dead-lettered jobs (optionally only those of a type, queue or tenant);
-        returns the ids replayed."""
+        """Replay dead-lettered jobs (optionally only those of a type, queue or tenant,
+        dead-lettered since a time); returns the ids replayed."""
         replayed = []
-        for status in await self.dead_letters(limit, type=type, queue=queue, tenant=tenant):
+        for status in await self.dead_letters(
+            limit, type=type, since=since, queue=queue, tenant=tenant
+        ):
             try:
                 await self.replay(status.id)
             except (TransitionRefused, JobNotFound):
                 continue  # replayed or expired meanwhile
             replayed.append(status.id)
         return replayed
+
+    async def dead_letter(self, job_id: str) -> tuple[bytes, bytes, list[bytes]]:
+        """One dead-lettered job in full: (status document, payload JSON, log lines JSON);
+        ``JobNotFound`` for a job Redis does not hold in its dead-letter set."""
+        self._check_id(job_id)
+        shard = self.keys.shard_of(job_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zscore(self.keys.dead(shard), job_id)
+        pipe.hmget(self.keys.job_in(shard, job_id), "doc", "payload")
+        pipe.lrange(self.keys.lines(job_id), 0, -1)
+        score, (doc, payload), lines = await pipe.execute()
+        if score is None or doc is None:
+            raise JobNotFound(job_id)
+        return doc, payload or b"null", lines
+
+    async def log_lines(self, job_id: str) -> list[bytes]:
+        """The job's log lines (``ctx.log``) still in Redis, oldest first, JSON each."""
+        self._check_id(job_id)
+        lines = await self.redis.lrange(self.keys.lines(job_id), 0, -1)
+        return [line if isinstance(line, bytes) else line.encode() for line in lines]
 
     async def stats(self) -> dict[str, Any]:
         """Jobs by state, per shard, per queue and in total.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -30,10 +31,11 @@ from jobtier.worker.registry import TASK_NAME_RE
 
 
 class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
-    """Which dead letters to replay: of one type, queue or tenant (each optional), at most
-    ``limit`` of them, newest first."""
+    """Which dead letters to replay: of one type, queue or tenant, dead-lettered since a time
+    (each optional), at most ``limit`` of them, newest first."""
 
     type: str | None = None
+    since: datetime | None = None  # dead-lettered at or after (no time zone: UTC)
     limit: int = 100
     queue: str | None = None
     tenant: str | None = None
@@ -45,15 +47,18 @@ _filter_decoder = msgspec.json.Decoder(ReplayFilter)
 REPLAY_MAX = 10_000
 DEAD_LETTER_PARAMS = [
     Param("type", "string", "only jobs of this type", max_length=128, pattern=TASK_NAME_RE.pattern),
+    Param("since", "date-time", "only jobs dead-lettered at or after this time (ISO 8601)", max_length=40),
     Param("limit", "integer", "most jobs to list (default 100)", minimum=1, maximum=1000),
-]
+]  # fmt: skip
 
 
 async def dead_letters(request: Request) -> Response:
     require_admin(request)
     query = parse_query(request, DEAD_LETTER_PARAMS)
     queue: Queue = request.state.queue
-    jobs = await queue.dead_letters(query.get("limit", 100), type=query.get("type"))
+    jobs = await queue.dead_letters(
+        query.get("limit", 100), type=query.get("type"), since=query.get("since")
+    )
     return Response(msgspec.json.encode({"jobs": jobs}), media_type=JSON)
 
 
@@ -87,11 +92,18 @@ async def replay_many(request: Request) -> Response:
         if value is not None and not pattern.fullmatch(value):
             raise Problem(422, "validation", f"{field} must match {pattern.pattern}", field=field)
     queue: Queue = request.state.queue
+    since = selector.since
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)
     what = msgspec.to_builtins(selector)
     target = ",".join(f"{k}={v}" for k, v in what.items() if v is not None and k != "limit")
     async with audited(request, "dead_letters.replay", target or "all") as outcome:
         replayed = await queue.replay_many(
-            type=selector.type, queue=selector.queue, tenant=selector.tenant, limit=selector.limit
+            type=selector.type,
+            since=since,
+            queue=selector.queue,
+            tenant=selector.tenant,
+            limit=selector.limit,
         )
         outcome.detail = {"filter": what, "count": len(replayed), "replayed": replayed[:100]}
     return Response(orjson.dumps({"replayed": replayed, "count": len(replayed)}), media_type=JSON)
