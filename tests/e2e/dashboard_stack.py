@@ -26,7 +26,8 @@ from jobtier.persist.persister import Persister
 from jobtier.persist.retention import ensure_partitions
 from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
-from jobtier.worker.registry import task
+from jobtier.worker.context import JobContext
+from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker
 from tests.e2e.cdp import Page, find_chromium
 from tests.fixtures.api import ApiServer, StartApi
@@ -53,6 +54,19 @@ TRACEBACK = (
 )
 
 
+@task(queue="images", retries=1, backoff_base=0.01, jitter=0)
+async def resize(ctx: JobContext, payload: Any) -> None:
+    """The pictures' failing job: logs what it does, then fails as a real task does (the
+    worker records its traceback); its one retry fails the same way."""
+    url = payload["url"]
+    ctx.log(f"fetching {url}")
+    ctx.log(f"resizing to {', '.join(map(str, payload['sizes']))} px")
+    raise LookupError(f"no image at {url}")
+
+
+IMAGES = TaskRegistry([resize])
+
+
 @dataclass
 class Stack:
     api: ApiServer
@@ -66,9 +80,18 @@ class Stack:
         publisher.start()
         self.publishers.append(publisher)
 
-    def start_worker(self, concurrency: int, **kwargs: Any) -> Worker:
-        """A worker and the publisher of its metrics (claim wait, run time, outcomes)."""
-        worker = worker_for(self.queue, registry, concurrency=concurrency, idle_poll=0.2, **kwargs)
+    def start_worker(
+        self,
+        concurrency: int,
+        *,
+        tasks: TaskRegistry = registry,
+        queue: Queue | None = None,
+        **kwargs: Any,
+    ) -> Worker:
+        """A worker (of ``tasks``, on ``queue``'s connection and settings: the stack's by
+        default) and the publisher of its metrics (claim wait, run time, outcomes)."""
+        q = queue or self.queue
+        worker = worker_for(q, tasks, concurrency=concurrency, idle_poll=0.2, **kwargs)
         self.background.start(worker)
         self.publish("worker", worker)
         return worker

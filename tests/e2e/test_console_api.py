@@ -14,12 +14,14 @@ import pytest
 from jobtier.api.audit import fingerprint
 from jobtier.api.postgres import PostgresExtension
 from jobtier.config import Settings
+from jobtier.model import encode_json
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.queue import Queue
+from tests import debug_tasks
 from tests.fixtures.api import ADMIN, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
-from tests.tasks import registry
+from tests.tasks import big_rows, registry
 
 TRACEBACK = (
     'Traceback (most recent call last):\n  File "tasks.py", line 12, in resize\n'
@@ -146,7 +148,8 @@ async def test_one_job_in_full_with_its_traceback_payload_and_result(
             "value": {"x": [1, 2]},
             "truncated": False,
         }
-        assert early["result"] == {"size": None, "value": None, "truncated": False}
+        assert early["result"] == {"size": None, "value": None, "truncated": False, "ref": None}
+        assert early["lines"] == []  # it logged nothing
 
         await persister.drain()
         full = (await admin.get(f"/v1/admin/jobs/{job['id']}")).json()
@@ -177,6 +180,82 @@ async def test_one_job_in_full_with_its_traceback_payload_and_result(
             r = await admin.get(f"/v1/admin/jobs/{unknown}{path}")
             assert r.status_code == 404 and r.json()["type"] == "urn:jobtier:problem:not-found"
         assert (await acme.get(f"/v1/admin/jobs/{job['id']}")).status_code == 403
+
+
+async def test_a_job_shows_its_log_lines_and_the_traceback_its_worker_recorded(
+    pg_api: ApiServer, queue: Queue, persister: Persister
+) -> None:
+    """What a real worker records: the lines the task logged (ctx.log) and the bounded
+    traceback of what it raised, chained cause included (the error's ``traceback``)."""
+    chatty = await queue.submit("chatty", {"n": 2}, tenant="acme")
+    deep = await queue.submit("deep_failure", None, tenant="acme", max_attempts=1)
+    await worker_for(queue, debug_tasks.registry, burst=True).run()
+    async with pg_api.client("admin") as admin:
+        talked = (await admin.get(f"/v1/admin/jobs/{chatty.job_id}")).json()
+        assert talked["job"]["state"] == "succeeded"
+        assert [(line["attempt"], line["message"]) for line in talked["lines"]] == [
+            (1, "line 0"), (1, "line 1"), (1, "done"),
+        ]  # fmt: skip
+        assert all(datetime.fromisoformat(line["at"]).tzinfo for line in talked["lines"])
+
+        failed = (await admin.get(f"/v1/admin/jobs/{deep.job_id}")).json()
+        error = failed["job"]["error"]
+        assert failed["job"]["state"] == "failed" and error["type"] == "ValueError"
+        assert isinstance(error["traceback"], str)
+        assert "KeyError: 'missing'" in error["traceback"]  # the cause
+        assert error["traceback"].rstrip().splitlines()[-1].startswith("ValueError: the record")
+        assert failed["lines"] == []
+
+        await persister.drain()
+        full = (await admin.get(f"/v1/admin/jobs/{deep.job_id}")).json()
+        (ended,) = [t for t in full["history"] if t["from_state"] == "running"]
+        assert ended["to_state"] == "failed" and ended["error"] == error  # the same, every member
+
+        # Redis forgets the job and its lines (retention): Postgres keeps the rest
+        await queue.redis.delete(queue.keys.job(chatty.job_id), queue.keys.lines(chatty.job_id))
+        late = (await admin.get(f"/v1/admin/jobs/{chatty.job_id}")).json()
+        assert late["source"] == "postgres" and late["lines"] == []
+
+
+async def test_a_large_result_is_named_and_streamed_never_inlined(
+    start_api: StartApi, pg_settings: Settings, pg_pool: Pool
+) -> None:
+    s = pg_settings.replace(result_store="postgres", result_store_threshold_bytes=1000)
+    api = await start_api(
+        PostgresExtension(s), database_url=s.database_url, result_store=s.result_store,
+        result_store_threshold_bytes=s.result_store_threshold_bytes,
+    )  # fmt: skip
+    expected = encode_json(big_rows(3000))
+    q = await Queue.connect(s)
+    try:
+        big = await q.submit("big_result", 3000, tenant="acme")
+        await worker_for(q, registry, burst=True).run()
+        async with api.client("admin") as admin:
+            detail = (await admin.get(f"/v1/admin/jobs/{big.job_id}")).json()
+            assert detail["source"] == "redis" and detail["job"]["state"] == "succeeded"
+            ref = detail["result"]["ref"]
+            assert ref.startswith(f"pg:{big.job_id}:")
+            assert detail["result"] == {
+                "size": len(expected), "value": None, "truncated": False, "ref": ref,
+            }  # fmt: skip
+            assert detail["job"]["result_url"] == f"/v1/jobs/{big.job_id}/result/content"
+            whole = await admin.get(f"/v1/admin/jobs/{big.job_id}/result")
+            assert whole.status_code == 200 and whole.content == expected  # byte for byte
+
+            await Persister(s, q.redis, pg_pool, "console-persister").drain()
+            await q.redis.delete(q.keys.job(big.job_id))  # retention: Postgres names it too
+            late = (await admin.get(f"/v1/admin/jobs/{big.job_id}")).json()
+            assert late["source"] == "postgres" and late["result"] == detail["result"]
+            assert (await admin.get(f"/v1/admin/jobs/{big.job_id}/result")).content == expected
+
+            # the store no longer has it: said so, not a broken value
+            await pg_pool.execute("DELETE FROM result_blobs WHERE job_id = $1", big.job_id)
+            gone = (await admin.get(f"/v1/admin/jobs/{big.job_id}")).json()
+            assert gone["result"] == {"size": None, "value": None, "truncated": False, "ref": ref}
+            r = await admin.get(f"/v1/admin/jobs/{big.job_id}/result")
+            assert r.status_code == 410 and r.json()["type"] == "urn:jobtier:problem:gone"
+    finally:
+        await q.close()
 
 
 async def test_actions_are_audited_with_who_what_and_the_answer(

@@ -27,6 +27,7 @@ from tests.e2e.cdp import Page, chromium_page
 from tests.e2e.dashboard_stack import (
     CHROMIUM,
     DOCS,
+    IMAGES,
     NEEDS_CHROMIUM,
     Stack,
     go,
@@ -36,7 +37,7 @@ from tests.e2e.dashboard_stack import (
     texts,
 )
 from tests.fixtures.api import ADMIN, KEYS, ApiServer
-from tests.fixtures.engine import wait_for
+from tests.fixtures.engine import wait_for, worker_for
 
 pytestmark = NEEDS_CHROMIUM
 # the README's pictures: the overview, the job list, one job, the dead letters
@@ -278,15 +279,21 @@ async def test_the_page_follows_a_live_stack(stack: Stack, tmp_path: Path) -> No
         }
         assert cells == {"state": "active", "ready": "40", "critical": "0", "high": "10"}, cells
 
-        # one job of `images` failed for good, twice, with its traceback: the job page's picture
+        # one job of `images` failed for good, twice, run by a real worker: its log lines and
+        # the traceback the worker recorded are the job page's picture
         await stack.advertise("resize", "images")
         image = (await acme.post("/v1/jobs", json={
             "type": "resize", "queue": "images", "max_attempts": 2,
             "payload": {"url": "s3://media/cat-4.png", "sizes": [64, 256, 1024]},
         })).json()  # fmt: skip
-        await stack.fail_with_traceback(image["id"], "images", retry_ms=0)
-        await wait_for(lambda: job_state(stack, image["id"], "queued"), timeout=30)
-        await stack.fail_with_traceback(image["id"], "images", worker="w-images-2")
+
+        async def image_failed() -> bool:
+            # a burst worker ends when nothing is due: the retry is due once the scheduler
+            # has moved it back (its backoff is 10 ms)
+            await worker_for(stack.queue, IMAGES, burst=True, queues=["images"]).run()
+            return await job_state(stack, image["id"], "failed")
+
+        await wait_for(image_failed, timeout=30)
 
         sampler = Sampler(page)
         sampler.samples.append(now)  # the 40 waiting jobs, before any worker ran
@@ -322,7 +329,8 @@ async def test_the_page_follows_a_live_stack(stack: Stack, tmp_path: Path) -> No
             assert len(await texts(page, "#jobs-grid tbody tr")) == 50  # a full first page
             await page.screenshot(shots["console-jobs"], full=False)  # its first rows
             await go(page, f"#/jobs/{image['id']}", "job")
-            assert "LookupError" in await text(page, "pre.trace")
+            assert "LookupError: no image at s3://media/cat-4.png" in await text(page, "pre.trace")
+            assert "fetching s3://media/cat-4.png" in await text(page, "#job-lines")
             await page.screenshot(shots["console-job"])
             await page.resize(1360, 900, scale=2)
             await go(page, "#/dead", "jobs")

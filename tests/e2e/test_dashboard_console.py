@@ -7,6 +7,9 @@ from __future__ import annotations
 import pytest
 
 from jobtier.api.audit import fingerprint
+from jobtier.config import Settings
+from jobtier.queue import Queue
+from tests import debug_tasks
 from tests.e2e.cdp import chromium_page
 from tests.e2e.dashboard_stack import (
     CHROMIUM,
@@ -24,7 +27,8 @@ from tests.e2e.dashboard_stack import (
     toast,
 )
 from tests.fixtures.api import ADMIN
-from tests.fixtures.engine import wait_for
+from tests.fixtures.engine import wait_for, worker_for
+from tests.tasks import registry
 
 pytestmark = NEEDS_CHROMIUM
 
@@ -113,6 +117,63 @@ async def test_find_a_failed_job_read_its_traceback_and_replay_it(stack: Stack) 
         assert f"{fingerprint(ADMIN)} (you)" in rows[0] and "200 done" in rows[0]
         assert page.errors == [], page.errors
     worker.stop()
+
+
+async def test_a_job_page_shows_its_log_lines_and_links_a_stored_result(
+    stack: Stack, pg_settings: Settings
+) -> None:
+    """Run by real workers: a task that logs and fails its first attempt (the worker records
+    the traceback), and one whose result is large enough for the result store."""
+    assert CHROMIUM is not None
+    store = pg_settings.replace(result_store="postgres", result_store_threshold_bytes=1000)
+    stored_queue = await Queue.connect(store)
+    try:
+        big = await stored_queue.submit("big_result", 3000, tenant="acme")
+        await worker_for(stored_queue, registry, burst=True).run()
+        chatty = await stack.queue.submit("chatty", {"n": 2, "fail_first": True}, tenant="acme")
+        stack.start_worker(concurrency=1, tasks=debug_tasks.registry)
+
+        async def ran() -> bool:
+            return (await stack.queue.status(chatty.job_id)).state == "succeeded"
+
+        await wait_for(ran, timeout=30)
+        await stack.persister.drain()
+        async with chromium_page(CHROMIUM) as page:
+            await open_console(page, stack.api.url, ADMIN, f"#/jobs/{chatty.job_id}")
+            await page.wait_for("document.getElementById('view-job').dataset.loaded")
+            await page.wait_for("document.getElementById('job-lines') !== null")
+            lines = await texts(page, "#job-lines li")
+            assert len(lines) == 6, lines
+            assert lines[0].endswith("attempt 1 line 0") and lines[-1].endswith("attempt 2 done")
+            assert "6" in await text(page, "#h-lines")
+            # the first attempt's error as the worker recorded it: a real traceback
+            trace = await page.evaluate(
+                "[...document.querySelectorAll('details.attempt pre.trace')]"
+                ".map((e) => e.textContent)"
+            )
+            assert len(trace) == 1 and trace[0].startswith("Traceback (most recent call last)")
+            assert trace[0].rstrip().endswith("RuntimeError: first attempt fails")
+            # the success keeps the earlier error in its document: shown as that, not its own
+            history = await texts(page, "#history-grid tbody tr")
+            assert [row for row in history if "RuntimeError" in row] == [
+                row for row in history if "running → scheduled" in row
+            ]
+            now = await text(page, '[data-section="now"]')
+            assert "error of an earlier attempt" in now.lower()  # (headings are upper case)
+
+            await go(page, f"#/jobs/{big.job_id}", "job")
+            shown = await text(page, "#result-stored")
+            assert "Kept in the result store" in shown and f"pg:{big.job_id}:" in shown
+            assert f"/v1/jobs/{big.job_id}/result/content" in shown
+            assert await page.evaluate(  # named, not inlined
+                "document.getElementById('result-stored').closest('section')"
+                ".querySelector('pre.json') === null"
+            )
+            empty = await text(page, "#view-job [aria-labelledby='h-lines'] p")
+            assert "logged nothing" in empty
+            assert page.errors == [], page.errors
+    finally:
+        await stored_queue.close()
 
 
 async def test_pause_a_queue_and_purge_its_backlog(stack: Stack) -> None:
@@ -278,6 +339,16 @@ async def test_phone_width_and_the_keyboard(stack: Stack, width: int) -> None:
             )
             == "absolute"
         )
+        # every view's link is in sight (none hidden past the edge), and no view is wider
+        # than the screen
+        assert await page.evaluate(
+            f"[...document.querySelectorAll('#nav a')].every((a) => {{"
+            f" const r = a.getBoundingClientRect(); return r.left >= 0 && r.right <= {width}; }})"
+        )
+        for fragment, view in (("#/dead", "jobs"), ("#/queues", "queues"),
+                               ("#/workers", "workers"), ("#/audit", "audit")):  # fmt: skip
+            await go(page, fragment, view)
+            assert await page.evaluate("document.documentElement.scrollWidth") <= width, view
         # the keyboard reaches the queue's purge button, opens the dialog, and Escape leaves
         # it without purging; the focus comes back where it was
         await go(page, "#/queues", "queues")

@@ -1,5 +1,6 @@
 """The console's routes that read Postgres (admin key): every tenant's jobs by filter, one
-job in full (status, history with each attempt's error, payload, result, its admin actions),
+job in full (status, history with each attempt's error, payload, result or the link to a
+stored one, its log lines, its admin actions),
 and the audit of admin actions. ``PostgresExtension`` adds them to the app.
 
 A job Redis still holds is shown as Redis has it (its document, payload and result are the
@@ -8,11 +9,12 @@ live ones); its history comes from Postgres, as far as the write-behind has got 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
 
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from jobtier.api import openapi as oa
@@ -23,9 +25,10 @@ from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import UNAVAILABLE, Problem
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
-from jobtier.model import QUEUE_NAME_RE, JobStatus, State
+from jobtier.model import QUEUE_NAME_RE, JobStatus, LogLine, State
 from jobtier.persist.audit_store import AUDIT_ID_RE, MAX_AUDIT_LIMIT, AuditRecord, AuditStore
 from jobtier.persist.pg_reader import ID_PREFIX_RE, MAX_LIMIT, AdminTransition, PgReader
+from jobtier.persist.results import is_ref, reader_for, ref_of
 from jobtier.queue import TENANT_RE, Queue
 from jobtier.worker.registry import TASK_NAME_RE
 
@@ -47,7 +50,8 @@ LIST_PARAMS = [
     Param("order", "string", "desc (newest first, the default) or asc", values=["desc", "asc"]),
 ]  # fmt: skip
 AUDIT_PARAMS = [
-    Param("target", "string", "only actions on this job id, queue name or filter", max_length=200),
+    # the pattern states what the parser refuses (control characters), for the document
+    Param("target", "string", "only actions on this job id, queue name or filter", max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$"),
     Param("action", "string", "only this action (job.cancel, job.replay, dead_letters.replay, queue.pause, queue.resume, queue.limits, queue.purge)", max_length=40, pattern=r"^[a-z_]+\.[a-z_]+$"),
     Param("cursor", "string", "the next_cursor of the previous page", max_length=26, pattern=AUDIT_ID_RE.pattern),
     Param("limit", "integer", "most records per page (default 50)", minimum=1, maximum=MAX_AUDIT_LIMIT),
@@ -75,15 +79,26 @@ class Preview(msgspec.Struct):
     truncated: bool = False
 
 
+class ResultPreview(Preview):
+    """A result as a ``Preview``; one kept in the result store (``JOBTIER_RESULT_STORE``) is
+    never inlined: ``ref`` names it, ``size`` is what the store holds (null: no longer kept),
+    and the job's ``/v1/admin/jobs/{id}/result`` streams it."""
+
+    ref: str | None = None
+
+
 class AdminJobDetail(msgspec.Struct):
     tenant: str
     job: JobStatus
     source: str  # "redis": the live job; "postgres": Redis no longer holds it
     payload: Preview
-    result: Preview
+    result: ResultPreview
     history: list[AdminTransition]
     audit: list[AuditRecord]  # this job's admin actions, newest first
     lag: dict[str, float]
+    # what its task logged with ctx.log(), oldest first (GET /v1/jobs/{id}/logs for the
+    # tenant): in Redis only, so none once Redis no longer holds the job
+    lines: list[LogLine]
 
 
 class AuditPage(msgspec.Struct):
@@ -108,18 +123,22 @@ class _RawAdminJobDetail(msgspec.Struct):
     job: msgspec.Raw
     source: str
     payload: Preview
-    result: Preview
+    result: ResultPreview
     history: list[AdminTransition]
     audit: list[AuditRecord]
     lag: dict[str, float]
+    lines: list[msgspec.Raw]
 
 
-def _preview(size: int | None, value: bytes | None) -> Preview:
+P = TypeVar("P", bound=Preview)
+
+
+def _preview(size: int | None, value: bytes | None, kind: type[P]) -> P:
     if size is None:
-        return Preview(None)
+        return kind(None)
     if size > PREVIEW_BYTES or value is None:
-        return Preview(size, None, truncated=size > PREVIEW_BYTES)
-    return Preview(size, msgspec.Raw(value or b"null"))
+        return kind(size, None, truncated=size > PREVIEW_BYTES)
+    return kind(size, msgspec.Raw(value or b"null"))
 
 
 async def _lag(request: Request) -> dict[str, float]:
@@ -164,6 +183,7 @@ async def job_detail(request: Request) -> Response:
     reader: PgReader = request.state.pg_reader
     store: AuditStore = request.state.audit_store
     live = await _from_redis(queue, job_id)
+    lines = await queue.log_lines(job_id)
     try:
         stored = None if live else await reader.admin_job(job_id, PREVIEW_BYTES)
         if live is None and stored is None:
@@ -171,23 +191,30 @@ async def job_detail(request: Request) -> Response:
         history = await reader.admin_history(job_id)
         actions, _ = await store.list(target=job_id, limit=JOB_AUDIT_SHOWN)
         lag_doc = await _lag(request)
+        if live is not None:
+            tenant, doc, payload, result = live
+            source = "redis"
+        else:
+            assert stored is not None
+            tenant, doc, source = stored.tenant, stored.doc, "postgres"
+            payload = _preview(stored.payload_size, stored.payload, Preview)
+            result = _preview(stored.result_size, stored.result, ResultPreview)
+            if stored.result_ref is not None:
+                result = ResultPreview(None, ref=stored.result_ref)
+        if result.ref is not None:
+            result.size = await _stored_size(request, result.ref)
     except _PG_DOWN:
         raise _unavailable() from None
-    if live is not None:
-        tenant, doc, payload, result = live
-        source = "redis"
-    else:
-        assert stored is not None
-        tenant, doc, source = stored.tenant, stored.doc, "postgres"
-        payload = _preview(stored.payload_size, stored.payload)
-        result = _preview(stored.result_size, stored.result)
     body = _RawAdminJobDetail(
-        tenant, msgspec.Raw(doc), source, payload, result, history, actions, lag_doc
-    )
+        tenant, msgspec.Raw(doc), source, payload, result, history, actions, lag_doc,
+        [msgspec.Raw(line) for line in lines],
+    )  # fmt: skip
     return Response(msgspec.json.encode(body), media_type=JSON)
 
 
-async def _from_redis(queue: Queue, job_id: str) -> tuple[str, bytes, Preview, Preview] | None:
+async def _from_redis(
+    queue: Queue, job_id: str
+) -> tuple[str, bytes, Preview, ResultPreview] | None:
     """(tenant, document, payload, result) of a job Redis holds; None if it holds none."""
     key = queue.keys.job(job_id)
     pipe = queue.redis.pipeline(transaction=False)
@@ -204,18 +231,27 @@ async def _from_redis(queue: Queue, job_id: str) -> tuple[str, bytes, Preview, P
     for field in small:
         pipe.hget(key, field)
     values: dict[str, bytes | None] = dict(zip(small, await pipe.execute(), strict=True))
-    result = Preview(None)
+    result = ResultPreview(None)
     if doc_state(doc) == State.SUCCEEDED:
-        if result_size > PREVIEW_BYTES:
-            result = Preview(result_size, None, truncated=True)
+        if is_ref(values.get("result")):  # kept in the result store: named, never inlined
+            result = ResultPreview(None, ref=ref_of(values["result"] or b""))
+        elif result_size > PREVIEW_BYTES:
+            result = ResultPreview(result_size, None, truncated=True)
         else:  # an empty field: the task returned nothing (null)
             raw = values.get("result") or b"null"
-            result = Preview(len(raw), msgspec.Raw(raw))
-    return tenant.decode(), doc, _preview(payload_size, values.get("payload")), result
+            result = ResultPreview(len(raw), msgspec.Raw(raw))
+    return tenant.decode(), doc, _preview(payload_size, values.get("payload"), Preview), result
+
+
+async def _stored_size(request: Request, ref: str) -> int | None:
+    """The size of a result the result store keeps; None if it no longer does."""
+    store = await reader_for(ref, request.state.pg_extension.pool)
+    return await store.size(ref)
 
 
 async def job_value(request: Request) -> Response:
-    """The whole payload or result of one job, as JSON (``null``: no result)."""
+    """The whole payload or result of one job, as JSON (``null``: no result); a result kept
+    in the result store is streamed from there, byte for byte."""
     require_admin(request)
     job_id = job_id_of(request)
     part = "payload" if request.url.path.endswith("/payload") else "result"
@@ -228,6 +264,19 @@ async def job_value(request: Request) -> Response:
             raise _unavailable() from None
         if not known:
             raise job_not_found(job_id)
+    if part == "result" and isinstance(value, bytes) and is_ref(value):
+        ref = ref_of(value)
+        try:
+            store = await reader_for(ref, request.state.pg_extension.pool)
+            size = await store.size(ref)
+        except _PG_DOWN:
+            raise _unavailable() from None
+        if size is None:
+            raise Problem(
+                410, "gone", f"the result of job {job_id} is no longer kept", job_id=job_id
+            )
+        chunks: AsyncIterator[bytes] = store.stream(ref)
+        return StreamingResponse(chunks, media_type=JSON, headers={"content-length": str(size)})
     return Response(value or b"null", media_type=JSON)
 
 
@@ -279,9 +328,10 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
             }, auth="admin", path=[oa.JOB_ID]),
         },
         "/v1/admin/jobs/{job_id}/result": {
-            "get": op(s, "The job's whole result (null until it succeeds)", {
+            "get": op(s, "The job's whole result (null until it succeeds; streamed from the result store for one kept there)", {
                 "200": any_json,
                 "404": oa.problem("unknown job (or a malformed id)"),
+                "410": oa.problem("the result is no longer kept (job_id)"),
             }, auth="admin", path=[oa.JOB_ID]),
         },
         "/v1/admin/audit": {

@@ -34,6 +34,7 @@ from jobtier.model import (
 )
 from jobtier.model import Transition as Transition  # moved to model.py (the client reads it)
 from jobtier.persist.db import Pool, query
+from jobtier.persist.results import marker
 from jobtier.scripts import Script, evalsha_many
 
 MAX_LIMIT = 500
@@ -69,8 +70,9 @@ class StoredJob:
     doc: bytes
     payload_size: int | None  # None until the submit entry is written
     payload: bytes | None
-    result_size: int | None  # None without a result
+    result_size: int | None  # None without a result (or with one kept in the result store)
     result: bytes | None
+    result_ref: str | None = None  # where the result store keeps it (persist/results.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,13 +321,18 @@ class PgReader:
             payload=row["payload"],
             result_size=row["result_size"],
             result=row["result"],
+            result_ref=row["result_ref"],
         )
 
     async def admin_value(self, job_id: str, part: str) -> tuple[bool, bytes | None]:
-        """(whether Postgres knows the job, its whole payload or result JSON or None)."""
+        """(whether Postgres knows the job, its whole payload or result JSON or None). A
+        result kept in the result store comes as Redis holds it: its reference after the
+        marker (``results.marker``), for the caller to stream it from the store."""
         row = await self.pool.fetchrow(query("admin_job_value"), job_id)
         if row is None:
             return False, None
+        if part == "result" and row["result_ref"] is not None:
+            return True, marker(row["result_ref"])
         return True, row["payload" if part == "payload" else "result"]
 
     async def admin_history(self, job_id: str) -> list[AdminTransition]:

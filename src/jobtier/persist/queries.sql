@@ -106,14 +106,16 @@ SELECT j.tenant, j.doc,
        CASE WHEN octet_length(j.payload::text) <= $2 THEN j.payload END AS payload,
        coalesce(j.result_size, r.size) AS result_size,
        CASE WHEN coalesce(j.result_size, r.size) <= $2 THEN coalesce(j.result, r.result) END
-           AS result
+           AS result,
+       j.result_ref
 FROM jobs j
 LEFT JOIN job_results r ON r.job_id = j.id
 WHERE j.id = $1
 
 -- name: admin_job_value
--- The whole payload or result of one job (the console's download link).
-SELECT j.payload, coalesce(j.result, r.result) AS result
+-- The whole payload or result of one job (the console's download link); a result kept in
+-- the result store is only named here (result_ref): the API streams it from there.
+SELECT j.payload, coalesce(j.result, r.result) AS result, j.result_ref
 FROM jobs j
 LEFT JOIN job_results r ON r.job_id = j.id
 WHERE j.id = $1

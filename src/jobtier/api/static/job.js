@@ -1,12 +1,23 @@
 // job.js: one job (#/jobs/<id>) — its status, each attempt with its error and traceback, the
-// full history with times and durations, payload, result, related jobs and the admin actions
+// lines its task logged (ctx.log), the full history with times and durations, payload,
+// result (or the link to one kept in the result store), related jobs and the admin actions
 // taken on it; live: its status follows /v1/admin/events, its history is read again as it
-// changes. Members of the status document this page does not know (a newer server's) are
-// shown as they are, so nothing is hidden.
+// changes, and its log lines every few seconds while it runs. Members of the status document
+// this page does not know (a newer server's) are shown as they are, so nothing is hidden.
 
 const KNOWN_FIELDS = new Set(["id", "type", "queue", "state", "version", "priority", "attempt",
-  "max_attempts", "created_at", "updated_at", "run_at", "progress", "error", "cancel_requested", "worker"]);
-const jobView = { id: null, data: null, feed: null, timer: null, fetchedAt: 0, loading: 0, open: new Map(), sigs: {} };
+  "max_attempts", "created_at", "updated_at", "run_at", "progress", "error", "cancel_requested", "worker", "result_url"]);
+// a running job's log lines come without a change of its status: read again this often
+const LINES_EVERY_MS = 5000;
+// times to the millisecond (an attempt's changes and lines are close together)
+const preciseFmt = new Intl.DateTimeFormat(undefined, {
+  year: "numeric", month: "short", day: "numeric", hour: "2-digit", minute: "2-digit", second: "2-digit",
+  fractionalSecondDigits: 3,
+});
+const clockFmt = new Intl.DateTimeFormat(undefined, {
+  hour: "2-digit", minute: "2-digit", second: "2-digit", fractionalSecondDigits: 3,
+});
+const jobView = { id: null, data: null, feed: null, timer: null, linesTimer: null, fetchedAt: 0, loading: 0, open: new Map(), sigs: {} };
 
 function showJob(id) {
   hideJob();
@@ -27,7 +38,9 @@ function hideJob() {
   if (jobView.feed) jobView.feed.stop();
   jobView.feed = null;
   clearTimeout(jobView.timer);
+  clearTimeout(jobView.linesTimer);
   jobView.timer = null;
+  jobView.linesTimer = null;
   jobView.id = null;
 }
 
@@ -54,6 +67,16 @@ async function loadJob() {
   if (jobView.data && jobView.data.job.version > data.job.version) data.job = jobView.data.job;
   jobView.data = data;
   renderJob();
+  clearTimeout(jobView.linesTimer);
+  if (data.job.state === "running") {
+    jobView.linesTimer = setTimeout(() => { if (!document.hidden) loadJob(); else onHiddenRunning(); }, LINES_EVERY_MS);
+  }
+}
+
+/** A hidden tab reads nothing; it reads the job again when it is shown. */
+function onHiddenRunning() {
+  const id = jobView.id;
+  document.addEventListener("visibilitychange", () => { if (jobView.id === id) loadJob(); }, { once: true });
 }
 
 /** A newer status from the stream: shown at once; the history is read again (at most once a
@@ -80,7 +103,7 @@ function section(key, signature, build) {
   holder.replaceWith(placeholder);
 }
 
-const JOB_SECTIONS = ["head", "facts", "now", "attempts", "history", "relations", "data", "audit"];
+const JOB_SECTIONS = ["head", "facts", "now", "attempts", "lines", "history", "relations", "data", "audit"];
 
 function renderJob() {
   const data = jobView.data;
@@ -93,9 +116,10 @@ function renderJob() {
   section("facts", JSON.stringify([job, data.tenant, data.source, data.lag]), () => jobFacts(data));
   section("now", JSON.stringify([job.state, job.progress, job.error]), () => jobNow(job));
   section("attempts", JSON.stringify([data.history, job.attempt, job.state]), () => jobAttempts(data));
+  section("lines", JSON.stringify([data.lines, data.source, job.state]), () => jobLines(data));
   section("history", JSON.stringify([data.history, data.lag]), () => jobHistory(data));
   section("relations", JSON.stringify(Object.keys(job).filter((k) => !KNOWN_FIELDS.has(k)).map((k) => [k, job[k]])), () => jobRelations(job));
-  section("data", JSON.stringify([data.payload, data.result]), () => jobData(data));
+  section("data", JSON.stringify([data.payload, data.result, job.result_url]), () => jobData(data));
   section("audit", JSON.stringify(data.audit), () => jobAudit(data));
   document.title = `${job.id} · ${job.state} · jobtier`;
   drawn($("view-job"));
@@ -153,7 +177,10 @@ function jobNow(job) {
       : prettyJson(p));
   }
   if (job.error) {
-    parts.push(h("h2", {}, TERMINAL.has(job.state) ? "Error" : "Last error"), errorBox(job.error));
+    // a succeeded job keeps the error of the attempt before the one that succeeded
+    const title = job.state === "succeeded" ? "Error of an earlier attempt"
+      : TERMINAL.has(job.state) ? "Error" : "Last error";
+    parts.push(h("h2", {}, title), errorBox(job.error));
   }
   return parts.length ? h("section", { class: "panel", "aria-label": "Progress and error" }, parts) : null;
 }
@@ -188,6 +215,12 @@ function attemptsOf(history) {
   return out;
 }
 
+/** Whether the transition that ended an attempt carries that attempt's error: a success
+ * carries the previous attempt's (the document keeps its last error), not its own. */
+function endError(end) {
+  return Boolean(end?.error) && end.to_state !== "succeeded";
+}
+
 function jobAttempts(data) {
   const attempts = attemptsOf(data.history);
   const job = data.job;
@@ -212,13 +245,43 @@ function jobAttempts(data) {
         h("dt", {}, "Started"), h("dd", {}, timeEl(a.start.at), a.waited !== null ? h("span", { class: "muted" }, ` after waiting ${fmtDuration(a.waited)}`) : null),
         h("dt", {}, "Ended"), h("dd", {}, end ? timeEl(end.at) : "—"),
         h("dt", {}, "Worker"), h("dd", { class: "mono" }, a.start.worker)),
-      end?.error ? errorBox(end.error) : null);
+      endError(end) ? errorBox(end.error) : null);
     // the last attempt's error is open at first; then what the reader opened or closed
-    details.open = jobView.open.get(a.n) ?? (a === attempts[attempts.length - 1] && Boolean(end?.error));
+    details.open = jobView.open.get(a.n) ?? (a === attempts[attempts.length - 1] && endError(end));
     details.addEventListener("toggle", () => jobView.open.set(a.n, details.open));
     return details;
   });
   return h("section", { class: "panel", "aria-labelledby": "h-attempts" }, h("h2", { id: "h-attempts" }, `Attempts (${attempts.length})`), items);
+}
+
+/** What the task logged with ctx.log(), oldest first, with the attempt that logged it. Redis
+ * keeps them with the job (the latest ones); Postgres does not. */
+function jobLines(data) {
+  const lines = data.lines || [];
+  const head = h("h2", { id: "h-lines" }, `Log lines (${lines.length})`);
+  if (!lines.length) {
+    const why = data.source === "postgres"
+      ? "None left: log lines are kept in Redis with the job, and Redis no longer holds it."
+      : !data.job.attempt ? "None yet: the task has not run."
+        : data.job.state === "running" ? "Nothing logged yet. A task logs with ctx.log(\"…\"); its lines show here."
+          : "The task logged nothing. A task logs with ctx.log(\"…\"); its lines show here.";
+    return h("section", { class: "panel", "aria-labelledby": "h-lines" }, head, h("p", { class: "muted" }, why));
+  }
+  const multi = new Set(lines.map((l) => l.attempt)).size > 1;
+  const rows = lines.map((l) => h("li", { dataset: { attempt: String(l.attempt) } },
+    preciseEl(l.at, { clock: true }), multi ? h("span", { class: "tag" }, `attempt ${l.attempt}`) : null,
+    h("span", { class: "line-msg" }, l.message)));
+  return h("section", { class: "panel", "aria-labelledby": "h-lines" }, head,
+    h("ol", { class: "log-lines", id: "job-lines", tabindex: "0", "aria-label": "Log lines, oldest first" }, rows));
+}
+
+/** A time to the millisecond in the viewer's zone (the time of day only with ``clock``); the
+ * date, zone and instant in its title. */
+function preciseEl(t, { clock = false } = {}) {
+  const d = toDate(t);
+  if (Number.isNaN(d.getTime())) return h("span", { class: "muted" }, "—");
+  return h("time", { datetime: d.toISOString(), title: `${fmtTime(d)} (${ZONE}) · ${d.toISOString()}` },
+    (clock ? clockFmt : preciseFmt).format(d));
 }
 
 function jobHistory(data) {
@@ -237,11 +300,11 @@ function jobHistory(data) {
       : null;
     const notes = [];
     // an attempt's error, where the attempt ended (later rows carry it until the next one)
-    if (t.error && t.from_state === "running") notes.push(errorLine(t.error));
+    if (t.from_state === "running" && endError(t)) notes.push(errorLine(t.error));
     if (t.progress !== null && t.progress !== undefined && what === "progress") notes.push(progressOf(t.progress));
     return h("tr", { dataset: { version: String(t.version) } },
       h("td", { "data-label": "Version", class: "num" }, String(t.version)),
-      h("td", { "data-label": "At", class: "nowrap" }, timeEl(t.at), h("span", { class: "muted" }, `.${String(new Date(t.at).getMilliseconds()).padStart(3, "0")}`)),
+      h("td", { "data-label": "At", class: "nowrap" }, preciseEl(t.at)),
       h("td", { "data-label": "Change", class: "nowrap" },
         t.from_state ? [stateBadge(t.from_state), " → "] : "created ", stateBadge(t.to_state), what ? h("span", { class: "muted" }, ` ${what}`) : null),
       h("td", { "data-label": "After", class: "num nowrap" }, after === null ? "—" : fmtDuration(after)),
@@ -281,7 +344,8 @@ function jobData(data) {
   const job = data.job;
   const block = (title, id, preview, part, absent) => h("section", { class: "panel", "aria-labelledby": id },
     h("h2", { id }, title, preview.size !== null ? h("span", { class: "muted" }, ` · ${fmtBytes(preview.size)}`) : null),
-    preview.size === null ? h("p", { class: "muted" }, absent)
+    preview.ref ? storedResult(job, preview)
+    : preview.size === null ? h("p", { class: "muted" }, absent)
       : preview.truncated ? h("p", {}, `Too large to show here (more than 64 KiB). `,
         h("button", { type: "button", onclick: () => downloadValue(job.id, part) }, `Download ${part}`))
         : prettyJson(preview.value));
@@ -290,6 +354,21 @@ function jobData(data) {
   return h("div", { class: "cols" },
     block("Payload", "h-payload", data.payload, "payload", "Not known yet: the submit is not in Postgres."),
     block("Result", "h-result", data.result, "result", noResult));
+}
+
+/** A large result the result store keeps: never inlined, named by its reference, with its
+ * download (the admin route streams it; result_url is the tenant's own link). */
+function storedResult(job, preview) {
+  if (preview.size === null) {
+    return h("p", { id: "result-stored" }, "Kept in the result store (", h("span", { class: "mono" }, preview.ref),
+      "), which no longer has it: it was deleted with the job's retention.");
+  }
+  return h("div", { id: "result-stored" },
+    h("p", {}, `Kept in the result store, not in Redis (${fmtBytes(preview.size)}). `,
+      h("button", { type: "button", onclick: () => downloadValue(job.id, "result") }, "Download result")),
+    h("dl", { class: "kv" },
+      h("dt", {}, "Reference"), h("dd", { class: "mono" }, preview.ref),
+      job.result_url ? [h("dt", {}, "Tenant's link"), h("dd", { class: "mono" }, job.result_url)] : null));
 }
 
 async function downloadValue(id, part) {
