@@ -381,6 +381,7 @@ BENCHMARKS = {
     "cancel": "request-to-cancelled latency of a running job, pushed against heartbeat-only",
     "webhooks": "webhook deliveries per second to a loopback receiver; job throughput with and without the dispatcher",
     "flows": "a 10K-child fan-in: last child done to parent running, children's jobs/s against plain jobs",
+    "console": "the console's job listing with 1M jobs in Postgres: per filter, plans, under load",
 }
 
 

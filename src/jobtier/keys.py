@@ -227,6 +227,10 @@ class Keys:
         """hash process id -> JSON metrics snapshot (see metrics.py)."""
         return f"{self.prefix}:metrics"
 
+    def audit_pending(self) -> str:
+        """list of admin-action records (JSON) waiting for Postgres (api/audit.py)."""
+        return f"{self.prefix}:audit:pending"
+
     def persist_group(self) -> str:
         return f"{self.prefix}-persister"
 

@@ -13,6 +13,7 @@ import re
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -62,6 +63,18 @@ MAX_CONCURRENCY_LIMIT = 10_000
 WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease (10 s)
 WORKER_FORGET_SECONDS = 900.0  # the entry of a worker gone this long is deleted
 DEFAULT_TENANT = "default"
+
+
+PURGE_BATCH = 500  # jobs per purge.lua call: a few ms of Redis time
+
+
+@dataclass(frozen=True, slots=True)
+class Purged:
+    """What ``Queue.purge`` did: jobs cancelled, and the queue's ready jobs left after it."""
+
+    queue: str
+    cancelled: int
+    remaining: int
 
 
 class Queue:
@@ -594,43 +607,67 @@ class Queue:
         return bytes(doc)
 
     async def dead_letters(
-        self, limit: int = 100, *, type: str | None = None, since: datetime | None = None
+        self,
+        limit: int = 100,
+        *,
+        type: str | None = None,
+        since: datetime | None = None,
+        queue: str | None = None,
+        tenant: str | None = None,
     ) -> list[JobStatus]:
-        """The most recently dead-lettered jobs still held by Redis, newest first: of one
-        ``type``, dead-lettered at or after ``since``, when given."""
-        low = "-inf" if since is None else int(since.timestamp() * 1000)
-        pipe = self.redis.pipeline(transaction=False)
-        for shard in range(self.keys.shards):
-            pipe.zrevrangebyscore(
-                self.keys.dead(shard), "+inf", low, start=0, num=limit, withscores=True
-            )
-        entries = [
-            (score, member.decode(), shard)
-            for shard, rows in enumerate(await pipe.execute())
-            for member, score in rows
-        ]
-        entries.sort(reverse=True)
-        pipe = self.redis.pipeline(transaction=False)
-        for _, job_id, shard in entries:
-            pipe.hget(self.keys.job_in(shard, job_id), "doc")
-        out = []
-        for doc in await pipe.execute():
-            if doc is None:  # expired from Redis (dead retention): Postgres still has it
-                continue
-            status = decode_status(doc)
-            if type is None or status.type == type:
-                out.append(status)
-            if len(out) >= limit:
-                break
-        return out
+        """The most recently dead-lettered jobs still held by Redis, newest first; only those
+        of ``type``, ``queue`` and ``tenant``, dead-lettered at or after ``since``, when given.
+        Each shard's set is read newest first, ``limit`` (at least 100) at a time, until enough
+        match or none are left."""
+        page = max(limit, 100)
+        low: float | str = "-inf" if since is None else int(since.timestamp() * 1000)
+        offsets = dict.fromkeys(range(self.keys.shards), 0)
+        found: list[tuple[float, JobStatus]] = []
+        while offsets and len(found) < limit:
+            pipe = self.redis.pipeline(transaction=False)
+            for shard, start in offsets.items():
+                pipe.zrevrangebyscore(
+                    self.keys.dead(shard), "+inf", low, start=start, num=page, withscores=True
+                )
+            entries = []
+            for shard, rows in zip(list(offsets), await pipe.execute(), strict=True):
+                entries += [(score, member.decode(), shard) for member, score in rows]
+                if len(rows) < page:
+                    del offsets[shard]  # read to the end
+                else:
+                    offsets[shard] += page
+            entries.sort(reverse=True)
+            pipe = self.redis.pipeline(transaction=False)
+            for _, job_id, shard in entries:
+                pipe.hmget(self.keys.job_in(shard, job_id), "doc", "tenant")
+            for (score, _, _), (doc, owner) in zip(entries, await pipe.execute(), strict=True):
+                if doc is None:  # expired from Redis (dead retention): Postgres still has it
+                    continue
+                status = decode_status(doc)
+                if (
+                    (type is None or status.type == type)
+                    and (queue is None or status.queue == queue)
+                    and (tenant is None or owner == tenant.encode())
+                ):
+                    found.append((score, status))
+        found.sort(key=lambda item: -item[0])
+        return [status for _, status in found[:limit]]
 
     async def replay_many(
-        self, *, type: str | None = None, since: datetime | None = None, limit: int = 1000
+        self,
+        *,
+        type: str | None = None,
+        since: datetime | None = None,
+        limit: int = 1000,
+        queue: str | None = None,
+        tenant: str | None = None,
     ) -> list[str]:
-        """Replay dead-lettered jobs (of one type, dead-lettered since a time, when given);
-        returns the ids replayed."""
+        """Replay dead-lettered jobs (optionally only those of a type, queue or tenant,
+        dead-lettered since a time); returns the ids replayed."""
         replayed = []
-        for status in await self.dead_letters(limit, type=type, since=since):
+        for status in await self.dead_letters(
+            limit, type=type, since=since, queue=queue, tenant=tenant
+        ):
             try:
                 await self.replay(status.id)
             except (TransitionRefused, JobNotFound):
@@ -815,6 +852,34 @@ class Queue:
         for shard in range(self.keys.shards):
             pipe.execute_command("SPUBLISH", self.keys.wake(shard), f"q {queue}")
         await pipe.execute()
+
+    async def purge(self, queue: str, *, batch: int = PURGE_BATCH) -> Purged:
+        """Cancel every ready (or parked) job of ``queue``, oldest first, in every shard
+        (purge.lua: each job as a cancel would, logged, so Postgres sees it cancelled).
+
+        Each script call takes at most ``batch`` jobs out of one shard (Redis serves others
+        between calls); the shards are purged side by side, one round trip per round. Jobs
+        submitted while it runs are left, as are scheduled and running ones: ``remaining``
+        says how many are ready when it ends (jobs held behind a concurrency key are admitted
+        as the purged ones leave, and stay)."""
+        self._check_queue(queue)
+        if not 1 <= batch <= 10_000:
+            raise InvalidRequest("batch must be between 1 and 10000", field="batch")
+        budgets = dict.fromkeys(range(self.keys.shards), -1)
+        left: dict[int, int] = {}
+        cancelled = 0
+        ttl = self.settings.retention_seconds
+        while budgets:
+            shards = list(budgets)
+            calls = [self.scripts.purge_call(s, queue, batch, budgets[s], ttl) for s in shards]
+            for shard, reply in zip(shards, await self.scripts.call_many(calls), strict=True):
+                done, taken, budget, left[shard] = self.scripts.parse_purge(reply)
+                cancelled += done
+                if budget <= 0 or taken == 0:  # nothing taken: the lists were empty
+                    del budgets[shard]
+                else:
+                    budgets[shard] = budget
+        return Purged(queue, cancelled, sum(left.values()))
 
     async def set_limits(self, queue: str, limits: QueueLimits) -> QueueLimits:
         """Limit ``queue`` across every worker (or lift its limits: ``QueueLimits()``).

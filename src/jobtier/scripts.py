@@ -30,7 +30,7 @@ from jobtier.model import DEFAULT_QUEUE, ClaimedJob
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (
     "submit", "claim", "heartbeat", "complete", "fail", "stopped",
-    "cancel", "promote", "reclaim", "replay", "fire", "limit", "upgrade", "joblog",
+    "cancel", "promote", "reclaim", "replay", "fire", "limit", "upgrade", "joblog", "purge",
     "link", "linked", "resolve",
 )  # fmt: skip
 
@@ -322,6 +322,17 @@ class Scripts:
     async def replay(self, shard: int, tenant: str, job_id: str) -> tuple[Code, bytes]:
         code, doc = await self.call(self["replay"], shard, (tenant, job_id))
         return Code(code), doc
+
+    def purge_call(self, shard: int, queue: str, batch: int, budget: int, retention_s: int) -> Call:
+        """Cancel up to ``batch`` of ``queue``'s ready jobs in ``shard`` (purge.lua); ``budget``
+        -1 on a purge's first call. Reply: parse_purge."""
+        return (self["purge"], shard, (queue, batch, budget, retention_s))
+
+    @staticmethod
+    def parse_purge(reply: list[Any]) -> tuple[int, int, int, int]:
+        """(cancelled by the call, taken out of the lists, budget left, ready and parked jobs
+        of the queue left in the shard)."""
+        return int(reply[0]), int(reply[1]), int(reply[2]), int(reply[3])
 
     def promote_call(self, shard: int, limit: int) -> Call:
         return (self["promote"], shard, (limit,))

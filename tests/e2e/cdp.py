@@ -230,9 +230,43 @@ class Page:
                 clickCount=1,
             )
 
-    async def screenshot(self, path: Path) -> None:
-        """The page's content as PNG (the viewport sized to the content's height first)."""
-        height = await self.evaluate("Math.ceil(document.body.getBoundingClientRect().height)")
+    async def press(self, key: str, *, shift: bool = False) -> None:
+        """One key pressed and released, as a keyboard sends it: ``Tab``, ``Enter``,
+        ``Escape``, ``ArrowDown``, or a character."""
+        codes = {"Tab": 9, "Enter": 13, "Escape": 27, " ": 32, "ArrowDown": 40, "ArrowUp": 38}
+        code = codes.get(key, ord(key.upper()[0]))
+        text = {"Enter": "\r", " ": " "}.get(key, key if len(key) == 1 else "")
+        base: dict[str, Any] = {
+            "key": key, "code": key if len(key) > 1 else f"Key{key.upper()}",
+            "windowsVirtualKeyCode": code, "nativeVirtualKeyCode": code,
+            "modifiers": 8 if shift else 0,
+        }  # fmt: skip
+        await self.call("Input.dispatchKeyEvent", type="keyDown", text=text, **base)
+        await self.call("Input.dispatchKeyEvent", type="keyUp", **base)
+
+    async def focused(self) -> str:
+        """What has the keyboard focus: its id, else its tag and text."""
+        value: str = await self.evaluate(
+            "(() => { const e = document.activeElement;"
+            " return e ? (e.id || `${e.tagName.toLowerCase()}:${e.textContent.trim()}`) : ''; })()"
+        )
+        return value
+
+    async def resize(
+        self, width: int, height: int, *, scale: float = 1.0, mobile: bool = False
+    ) -> None:
+        """The viewport's size and device scale (a phone: ``mobile``, touch)."""
+        await self.call(
+            "Emulation.setDeviceMetricsOverride",
+            width=width, height=height, deviceScaleFactor=scale, mobile=mobile,
+        )  # fmt: skip
+
+    async def screenshot(self, path: Path, *, full: bool = True) -> None:
+        """The page's content as PNG (the viewport sized to the content's height first), or
+        what the viewport shows (``full=False``)."""
+        height = await self.evaluate(
+            "Math.ceil(document.body.getBoundingClientRect().height)" if full else "innerHeight"
+        )
         metrics = await self.evaluate("[innerWidth, devicePixelRatio]")
         await self.call(
             "Emulation.setDeviceMetricsOverride",
@@ -292,6 +326,11 @@ async def chromium_page(
         yield page
     finally:
         if page is not None:
+            # leave the page first: its open streams end as a closed tab's do, so a server
+            # under test never waits on a connection of a browser that is going away
+            with contextlib.suppress(CdpError, OSError, TimeoutError):
+                async with asyncio.timeout(5):
+                    await page.call("Page.navigate", url="about:blank")
             await page.close()
         if proc.returncode is None:
             proc.terminate()  # the browser closes its renderers and helpers itself

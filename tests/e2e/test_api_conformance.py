@@ -172,6 +172,27 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(admin, "GET", "/v1/admin/tasks", 200)
         await check(admin, "GET", "/metrics", 200)
 
+        # the console's routes
+        await check(admin, "GET", "/v1/admin/jobs", 200, params={"state": "succeeded", "limit": 2})
+        await check(admin, "GET", "/v1/admin/jobs/{job_id}", 200, ids=ids)
+        await check(admin, "GET", "/v1/admin/jobs/{job_id}/payload", 200, ids=ids)
+        await check(admin, "GET", "/v1/admin/jobs/{job_id}/result", 200, ids=ids)
+        nobody = {"job_id": queue.keys.new_id()}
+        for route in ("/v1/admin/jobs/{job_id}", "/v1/admin/jobs/{job_id}/payload"):
+            await check(admin, "GET", route, 404, ids=nobody)
+        await check(admin, "GET", "/v1/admin/jobs/{job_id}/result", 404, ids=nobody)
+        await check(admin, "POST", "/v1/admin/jobs/{job_id}/cancel", 404, ids=nobody)
+        await check(admin, "POST", "/v1/admin/jobs/{job_id}/cancel", 409, ids=ids)
+        fresh = (await c.post("/v1/jobs", json={"type": "echo"})).json()
+        await check(
+            admin, "POST", "/v1/admin/jobs/{job_id}/cancel", 200, ids={"job_id": fresh["id"]}
+        )
+        await check(admin, "POST", "/v1/admin/queues/{name}/purge", 200, ids=q)
+        await check(admin, "GET", "/v1/admin/workers", 200)
+        await check(admin, "GET", "/v1/admin/events", 200, params={"ids": job["id"]})
+        await check(admin, "GET", "/v1/admin/events", 404, params={"ids": nobody["job_id"]})
+        await check(admin, "GET", "/v1/admin/audit", 200, params={"limit": 3})
+
         spec = {"name": "hourly", "type": "echo", "cron": "0 * * * *", "timezone": "Europe/Paris"}
         schedule = (await check(c, "POST", "/v1/schedules", 201, json=spec)).json()
         await check(c, "POST", "/v1/schedules", 409, json=spec)

@@ -48,7 +48,7 @@ def test_transition_counter_counts_outcomes_by_type() -> None:
         entry("failed", State.QUEUED), entry(None, State.SCHEDULED, type_="other"),
         entry("scheduled", State.CANCELLED, type_="other"),
     ])  # fmt: skip
-    echo, other = labels(type="echo"), labels(type="other")
+    echo, other = labels(type="echo", queue="default"), labels(type="other", queue="default")
     got = {name: dict(series) for name, series in c.counts.items()}
     assert got["jobs_submitted_total"] == {echo: 1, other: 1}
     assert got["jobs_claimed_total"] == {echo: 3}

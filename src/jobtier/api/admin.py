@@ -1,4 +1,4 @@
-"""Admin routes (admin key): dead letters, replay, queue statistics."""
+"""Admin routes (admin key): dead letters, replay (audited: audit.py), queue statistics."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import (
     JSON,
@@ -24,14 +25,20 @@ from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.cache.redis_reader import parse_version
 from jobtier.errors import JobNotFound, TransitionRefused
-from jobtier.queue import Queue
+from jobtier.model import QUEUE_NAME_RE
+from jobtier.queue import TENANT_RE, Queue
 from jobtier.worker.registry import TASK_NAME_RE
 
 
 class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
+    """Which dead letters to replay: of one type, queue or tenant, dead-lettered since a time
+    (each optional), at most ``limit`` of them, newest first."""
+
     type: str | None = None
     since: datetime | None = None  # dead-lettered at or after (no time zone: UTC)
     limit: int = 100
+    queue: str | None = None
+    tenant: str | None = None
 
 
 _filter_decoder = msgspec.json.Decoder(ReplayFilter)
@@ -59,12 +66,15 @@ async def replay_one(request: Request) -> Response:
     require_admin(request)
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
-    try:
-        doc = await queue.replay_doc(job_id)
-    except JobNotFound:
-        raise job_not_found(job_id) from None
-    except TransitionRefused:
-        raise Problem(409, "wrong-state", f"job {job_id} is not in the dead-letter set") from None
+    async with audited(request, "job.replay", job_id):
+        try:
+            doc = await queue.replay_doc(job_id)
+        except JobNotFound:
+            raise job_not_found(job_id) from None
+        except TransitionRefused:
+            raise Problem(
+                409, "wrong-state", f"job {job_id} is not in the dead-letter set"
+            ) from None
     return DocResponse(doc, parse_version(doc))
 
 
@@ -74,13 +84,28 @@ async def replay_many(request: Request) -> Response:
     selector: ReplayFilter = decode_body(_filter_decoder, body or b"{}")
     if not 1 <= selector.limit <= REPLAY_MAX:
         raise Problem(422, "validation", f"limit must be between 1 and {REPLAY_MAX}", field="limit")
-    if selector.type is not None and not TASK_NAME_RE.fullmatch(selector.type):
-        raise Problem(422, "validation", f"type must match {TASK_NAME_RE.pattern}", field="type")
+    for field, value, pattern in (
+        ("type", selector.type, TASK_NAME_RE),
+        ("queue", selector.queue, QUEUE_NAME_RE),
+        ("tenant", selector.tenant, TENANT_RE),
+    ):
+        if value is not None and not pattern.fullmatch(value):
+            raise Problem(422, "validation", f"{field} must match {pattern.pattern}", field=field)
     queue: Queue = request.state.queue
     since = selector.since
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=UTC)
-    replayed = await queue.replay_many(type=selector.type, since=since, limit=selector.limit)
+    what = msgspec.to_builtins(selector)
+    target = ",".join(f"{k}={v}" for k, v in what.items() if v is not None and k != "limit")
+    async with audited(request, "dead_letters.replay", target or "all") as outcome:
+        replayed = await queue.replay_many(
+            type=selector.type,
+            since=since,
+            queue=selector.queue,
+            tenant=selector.tenant,
+            limit=selector.limit,
+        )
+        outcome.detail = {"filter": what, "count": len(replayed), "replayed": replayed[:100]}
     return Response(orjson.dumps({"replayed": replayed, "count": len(replayed)}), media_type=JSON)
 
 

@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
-from jobtier.api import admin, debugging, flows, health, jobs, openapi, ops, queues, sse
+from jobtier.api import admin, console, debugging, flows, health, jobs, openapi, ops, queues, sse
 from jobtier.api.admission import Admission
 from jobtier.api.limits import RequestLimits
 from jobtier.api.problems import HANDLERS
@@ -44,6 +44,7 @@ ROUTES: list[BaseRoute] = [
     # /v1/admin/dead-letters/{job_id} (routing.py: one route per path, in order)
     *debugging.routes,
     *queues.routes,
+    *console.routes,
     *health.routes,
     *openapi.routes,
     *ops.routes,
@@ -92,7 +93,12 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
         )
     ext = extension or Extension()
     openapi_document = TaskDocument(
-        openapi.document(settings, ext.openapi_paths, ext.openapi_types, ext.openapi_constraints),
+        openapi.document(
+            settings,
+            {**console.openapi_paths(settings), **ext.openapi_paths},
+            [*console.OPENAPI_TYPES, *ext.openapi_types],
+            ext.openapi_constraints,
+        ),
         settings.require_known_types,
     )
 

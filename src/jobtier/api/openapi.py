@@ -45,7 +45,7 @@ from jobtier.model import (
     QueueLimits,
     TaskAd,
 )
-from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
+from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT, TENANT_RE
 from jobtier.worker.context import LOG_LINE_CHARS, LOG_LINES
 from jobtier.worker.registry import TASK_NAME_RE
 
@@ -338,6 +338,8 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     )
     c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
     constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
+    constrain(c, "ReplayFilter", "queue", pattern=QUEUE_NAME_RE.pattern)
+    constrain(c, "ReplayFilter", "tenant", pattern=TENANT_RE.pattern)
     constrain(c, "ReplayFilter", "limit", minimum=1, maximum=REPLAY_MAX)
     constrain(c, "ReplayFilter", "since", format="date-time")
     c["ReplayFilter"]["properties"]["since"]["description"] = (

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import functools
+import hashlib
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -16,11 +20,19 @@ from starlette.routing import Route
 
 from jobtier.api.auth import require_admin
 from jobtier.api.problems import UNAVAILABLE
+from jobtier.api.queues import queue_states
 from jobtier.api.sse import StreamResponse
 from jobtier.metrics.gauges import live_gauges
 from jobtier.metrics.histogram import quantile
 from jobtier.metrics.prometheus import render
-from jobtier.metrics.snapshot import HistogramWindow, parse_labels, read_snapshots, totals
+from jobtier.metrics.snapshot import (
+    HistogramWindow,
+    Snapshot,
+    parse_labels,
+    read_snapshots,
+    totals,
+)
+from jobtier.model import PRIORITIES
 from jobtier.queue import Queue
 
 
@@ -40,46 +52,69 @@ async def metrics(request: Request) -> Response:
     return Response(render(snapshots, gauges), media_type=CONTENT_TYPE_LATEST)
 
 
+# the job counters the console turns into per-queue rates (metrics/transitions.py)
+QUEUE_COUNTERS = (
+    "jobs_submitted_total", "jobs_claimed_total", "jobs_succeeded_total", "jobs_failed_total",
+    "jobs_dead_lettered_total", "jobs_cancelled_total",
+)  # fmt: skip
+
+
+def queue_counters(snapshots: list[Snapshot]) -> dict[str, dict[str, float]]:
+    """{queue: {counter: total}} of the job counters, summed over processes and types."""
+    out: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for snap in snapshots:
+        for name in QUEUE_COUNTERS:
+            for key, value in snap.counters.get(name, {}).items():
+                queue = parse_labels(key).get("queue")
+                if queue is not None:  # counted by a persister from before the label
+                    out[queue][name] += value
+    return {q: dict(c) for q, c in out.items()}
+
+
 async def dashboard_state(
     request: Request, window: HistogramWindow | None = None
 ) -> dict[str, Any]:
     """One frame of the dashboard: current gauges and cumulative counters (the page turns
     successive frames into rates); p99s over ``window`` (the last minute) when given, else
-    since the processes started."""
+    since the processes started. ``queues`` is what ``GET /v1/admin/queues`` answers, each
+    with its job counters (``counters``: the page's per-queue rates). Each Redis read is made
+    once for all the figures (a frame a second per API process)."""
     queue: Queue = request.state.queue
     snapshots = await read_snapshots(queue.redis, queue.keys)
-    gauges = await live_gauges(queue, await _lag_probe(request))
+    stats = await queue.stats()
+    ages = await queue.oldest_queued()
+    workers = await queue.live_workers()
+    lag = await _lag_probe(request)
+    lag_entries, lag_seconds = (await lag()) if lag is not None else (None, None)
     counters, hists = totals(snapshots)  # histograms since the processes started
     span = None
     if window is not None:
         hists, span = window.observe(time.time(), snapshots)
     p99 = {name: quantile(h, 0.99) for name, h in hists.items()}
-    depth: dict[str, float] = defaultdict(float)  # per priority, over every queue
-    queues: dict[str, dict[str, Any]] = defaultdict(lambda: {"queued": {}})
-    for key, n in gauges["queue_depth"].items():
-        lv = parse_labels(key)
-        depth[lv["priority"]] += n
-        queues[lv["queue"]]["queued"][lv["priority"]] = n
-    for gauge, field in (("queue_running_jobs", "running"), ("queue_parked_jobs", "parked"),
-                         ("queue_paused", "paused")):  # fmt: skip
-        for key, n in gauges[gauge].items():
-            queues[parse_labels(key)["queue"]][field] = n
+    total = stats["total"]
+    per_queue = queue_counters(snapshots)
+    queues = await queue_states(
+        queue, getattr(request.state, "catalog", None), stats=stats, ages=ages, workers=workers
+    )
+    for q in queues:
+        q["counters"] = per_queue.get(q["name"], {})
     return {
         "at": time.time(),
-        "queue_depth": dict(depth),
-        "queues": dict(queues),
-        "oldest_queued_age_seconds": max(gauges["oldest_queued_age_seconds"].values(), default=0.0),
-        "scheduled": gauges["scheduled_jobs"][""],
-        "running": gauges["running_jobs"][""],
-        "dead_letters": gauges["dead_letter_jobs"][""],
-        "workers": gauges["workers"][""],
-        "lag_transitions": gauges.get("persister_lag_transitions", {}).get(""),
-        "lag_seconds": gauges.get("persister_lag_seconds", {}).get(""),
+        "queue_depth": {p.value: total.get(f"queued_{p.value}", 0) for p in PRIORITIES},
+        "queues": queues,
+        "oldest_queued_age_seconds": max(ages.values(), default=0.0),
+        "scheduled": total.get("scheduled", 0),
+        "running": total.get("running", 0),
+        "dead_letters": total.get("dead", 0),
+        "workers": len(workers),
+        "lag_transitions": lag_entries,
+        "lag_seconds": lag_seconds,
         "counters": counters,
         "p99_claim_wait_seconds": p99.get("claim_wait_seconds"),
         "p99_run_time_seconds": p99.get("run_time_seconds"),
         "p99_window_seconds": span,  # None: since the processes started
         "processes": sorted({s.role for s in snapshots}),
+        "postgres": hasattr(request.state, "pg_reader"),  # the console's job pages need it
     }
 
 
@@ -127,21 +162,69 @@ async def dashboard_stream(request: Request) -> Response:
     return DashboardStream(request, 1.0)
 
 
-# the page holds an admin key: it may talk to this server only, and be framed by nobody
-PAGE_HEADERS = {
-    "cache-control": "no-cache",
-    "content-security-policy": "default-src 'none'; script-src 'unsafe-inline'; "
-    "style-src 'unsafe-inline'; img-src data:; connect-src 'self'; frame-ancestors 'none'",
-    "referrer-policy": "no-referrer",
-    "x-content-type-options": "nosniff",
-}
+# The page's parts, in src/jobtier/api/static/: the markup, its style sheet and its scripts,
+# which run in this order in one scope (each defines what the later ones use).
+SCRIPTS = (
+    "core",
+    "stream",
+    "charts",
+    "overview",
+    "queues",
+    "jobs",
+    "job",
+    "workers",
+    "audit",
+    "app",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Page:
+    body: bytes
+    headers: dict[str, str]
+
+
+@functools.cache
+def console_page() -> Page:
+    """The console: one self-contained document put together from its parts once per
+    process (no build step; nothing fetched from elsewhere). The style sheet and the script
+    are inline, and the Content-Security-Policy allows exactly them, by hash: the page holds
+    an admin key, so nothing else may run in it, it may talk to this server only, and
+    nobody may frame it."""
+    static = resources.files("jobtier.api") / "static"
+    style = (static / "dashboard.css").read_text(encoding="utf-8")
+    script = "\n".join(
+        f"// --- {name}.js\n" + (static / f"{name}.js").read_text(encoding="utf-8")
+        for name in SCRIPTS
+    )
+    script = f'(() => {{\n"use strict";\n{script}\n}})();\n'
+    markup = (static / "dashboard.html").read_text(encoding="utf-8")
+    page = markup.replace("<!--style-->", f"<style>{style}</style>").replace(
+        "<!--script-->", f"<script>{script}</script>"
+    )
+
+    def digest(text: str) -> str:
+        return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+    policy = (
+        f"default-src 'none'; script-src {digest(script)}; style-src {digest(style)}; "
+        "img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    )
+    headers = {
+        "cache-control": "no-cache",
+        "content-security-policy": policy,
+        "referrer-policy": "no-referrer",
+        "x-content-type-options": "nosniff",
+    }
+    return Page(page.encode(), headers)
 
 
 async def dashboard(request: Request) -> Response:
-    """The page itself: static, self-contained; it asks for the admin key and then reads
-    the stream with it (the key never goes into a URL)."""
-    page = (resources.files("jobtier.api") / "static" / "dashboard.html").read_bytes()
-    return Response(page, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+    """The page itself: static, self-contained; it asks for the admin key and then calls
+    the admin routes with it (the key never goes into a URL)."""
+    page = console_page()
+    return Response(page.body, media_type="text/html; charset=utf-8", headers=page.headers)
 
 
 routes = [

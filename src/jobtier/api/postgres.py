@@ -14,8 +14,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from jobtier.api import console_records, results, schedules, webhooks
 from jobtier.api import openapi as oa
-from jobtier.api import results, schedules, webhooks
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found
@@ -25,6 +25,7 @@ from jobtier.config import Settings
 from jobtier.dispatch.safety import Resolver
 from jobtier.errors import InvalidRequest
 from jobtier.model import QUEUE_NAME_RE, Dependency, JobStatus, State
+from jobtier.persist.audit_store import AuditStore
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition, lag
 from jobtier.persist.schedule_store import ScheduleStore
@@ -72,15 +73,23 @@ class PostgresExtension(Extension):
             *schedules.routes,
             *webhooks.routes,
             *results.routes,
+            *console_records.routes,
         ]
         self.openapi_paths = {
-            **openapi_paths(settings), **schedules.openapi_paths(settings),
-            **webhooks.openapi_paths(settings), **results.openapi_paths(settings),
-        }  # fmt: skip
-        self.openapi_types = [JobPage, History, *schedules.OPENAPI_TYPES, *webhooks.OPENAPI_TYPES]
-        self.openapi_constraints = [
-            lambda c: schedules.constrain(c, settings), webhooks.constrain,
-        ]  # fmt: skip
+            **openapi_paths(settings),
+            **schedules.openapi_paths(settings),
+            **webhooks.openapi_paths(settings),
+            **results.openapi_paths(settings),
+            **console_records.openapi_paths(settings),
+        }
+        self.openapi_types = [
+            JobPage,
+            History,
+            *schedules.OPENAPI_TYPES,
+            *webhooks.OPENAPI_TYPES,
+            *console_records.OPENAPI_TYPES,
+        ]
+        self.openapi_constraints = [lambda c: schedules.constrain(c, settings), webhooks.constrain]
         # host name -> addresses for the callback URL checks (None: the system's DNS)
         self.webhook_resolver: Resolver | None = None
         self.status_fallback = self._status_docs
@@ -96,6 +105,7 @@ class PostgresExtension(Extension):
         self.reader = PgReader(self.pool)
         self.state["pg_reader"] = self.reader
         self.state["schedule_store"] = ScheduleStore(self.pool)
+        self.state["audit_store"] = AuditStore(self.pool)
         self.state["cron"] = CronMirror(queue.redis, queue.keys, queue.scripts)
         self.state["pg_extension"] = self
         self.state["webhooks"] = webhooks.WebhookService(

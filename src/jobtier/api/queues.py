@@ -1,5 +1,5 @@
-"""Queue routes (admin key): every queue's state, pause and resume, flow limits, and the task
-catalogue (what the workers run)."""
+"""Queue routes (admin key): every queue's state, pause and resume, flow limits (each change
+audited: audit.py), and the task catalogue (what the workers run)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import JSON, decode_body, invalid, read_json_body
 from jobtier.catalog import TaskCatalog
@@ -31,12 +32,21 @@ def _name(request: Request) -> str:
     return name
 
 
-async def queue_states(queue: Queue, catalog: TaskCatalog | None) -> list[dict[str, Any]]:
-    """Every known queue: a queue with jobs, limits, or a task that names it."""
-    stats = await queue.stats()
+async def queue_states(
+    queue: Queue,
+    catalog: TaskCatalog | None,
+    *,
+    stats: dict[str, Any] | None = None,
+    ages: dict[tuple[str, str], float] | None = None,
+    workers: list[dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Every known queue: a queue with jobs, limits, or a task that names it. ``stats``,
+    ``ages`` and ``workers`` are read from Redis unless given (the dashboard's frame reads
+    them once for all its figures)."""
+    stats = stats if stats is not None else await queue.stats()
     limits = await queue.limits()
-    ages = await queue.oldest_queued()
-    workers = await queue.live_workers()
+    ages = ages if ages is not None else await queue.oldest_queued()
+    workers = workers if workers is not None else await queue.live_workers()
     names = set(stats["queues"]) | set(limits)
     if catalog is not None:
         names |= {ad.queue for ad in catalog.ads()}
@@ -79,14 +89,16 @@ async def list_queues(request: Request) -> Response:
 async def pause(request: Request) -> Response:
     require_admin(request)
     name = _name(request)
-    await request.state.queue.pause(name)
+    async with audited(request, "queue.pause", name):
+        await request.state.queue.pause(name)
     return Response(orjson.dumps({"queue": name, "paused": True}), media_type=JSON)
 
 
 async def resume(request: Request) -> Response:
     require_admin(request)
     name = _name(request)
-    await request.state.queue.resume(name)
+    async with audited(request, "queue.resume", name):
+        await request.state.queue.resume(name)
     return Response(orjson.dumps({"queue": name, "paused": False}), media_type=JSON)
 
 
@@ -95,10 +107,12 @@ async def set_limits(request: Request) -> Response:
     require_admin(request)
     name = _name(request)
     limits: QueueLimits = decode_body(_limits_decoder, await read_json_body(request))
-    try:
-        await request.state.queue.set_limits(name, limits)
-    except InvalidRequest as exc:
-        raise invalid(exc) from None
+    async with audited(request, "queue.limits", name) as outcome:
+        outcome.detail = msgspec.to_builtins(limits)
+        try:
+            await request.state.queue.set_limits(name, limits)
+        except InvalidRequest as exc:
+            raise invalid(exc) from None
     body = {"queue": name, "limits": msgspec.to_builtins(limits) if limits.limited else None}
     return Response(orjson.dumps(body), media_type=JSON)
 

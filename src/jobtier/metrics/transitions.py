@@ -1,8 +1,9 @@
-"""Job counters by type, counted from persisted transitions.
+"""Job counters by type and queue, counted from persisted transitions.
 
 The persister sees every transition once (whichever process made it), so counting what it
 commits gives exact submitted / claimed / succeeded / failed / retried / dead-lettered /
-cancelled counts and lease expirations.
+cancelled counts and lease expirations. The queue label gives the console its per-queue
+rates (a task's jobs may be sent to another queue than its own).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from jobtier.metrics.snapshot import labels
 
 
 class TransitionCounter:
-    """Counts jobs by type and outcome from persisted transitions (the persister's commits)."""
+    """Counts jobs by type, queue and outcome from persisted transitions (the persister's
+    commits)."""
 
     def __init__(self) -> None:
         self.counts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -24,7 +26,7 @@ class TransitionCounter:
         counts = self.counts
         for entry in entries:
             doc = entry.status
-            kind = labels(type=doc.type)
+            kind = labels(type=doc.type, queue=doc.queue)
             to, frm = doc.state.value, entry.from_state
             counts["transitions_persisted_total"][""] += 1
             if frm is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -35,13 +36,45 @@ from jobtier.model import (
 )
 from jobtier.model import Transition as Transition  # moved to model.py (the client reads it)
 from jobtier.persist.db import Pool, query
+from jobtier.persist.results import marker
 from jobtier.scripts import Script, evalsha_many
 
 MAX_LIMIT = 500
 MAX_TYPE_LENGTH = 200
+# the start of a job id (<ULID>-<shard>): what the console's id search takes
+ID_PREFIX_RE = re.compile(r"^[0-9A-Za-z]{1,26}(-[0-9]{0,4})?$")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _STATES = frozenset(s.value for s in State)
 _error_decoder = msgspec.json.Decoder(JobError)
+
+
+class AdminTransition(msgspec.Struct, frozen=True):
+    """One change of a job as the console shows it: a ``Transition`` whose error and progress
+    are the JSON as stored (an error has every member the worker recorded: ``type``,
+    ``message`` and, from workers that send one, ``traceback``)."""
+
+    version: int
+    from_state: str | None
+    to_state: str
+    at: datetime
+    worker: str
+    attempt: int
+    error: msgspec.Raw | None = None
+    progress: msgspec.Raw | None = None
+    cancel_requested: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class StoredJob:
+    """A job as the console reads it from Postgres; payload and result only when small."""
+
+    tenant: str
+    doc: bytes
+    payload_size: int | None  # None until the submit entry is written
+    payload: bytes | None
+    result_size: int | None  # None without a result (or with one kept in the result store)
+    result: bytes | None
+    result_ref: str | None = None  # where the result store keeps it (persist/results.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,18 +109,89 @@ def decode_cursor(cursor: str, order: str) -> tuple[datetime, str]:
     return created_at, job_id
 
 
-def _created_after(value: datetime | str) -> datetime:
+def _time(value: datetime | str, field: str) -> datetime:
     if isinstance(value, str):
         try:
             value = datetime.fromisoformat(value)
         except ValueError:
             raise InvalidRequest(
-                "created_after must be an ISO-8601 time, e.g. 2024-05-01T12:00:00Z",
-                field="created_after",
+                f"{field} must be an ISO-8601 time, e.g. 2024-05-01T12:00:00Z", field=field
             ) from None
     if not isinstance(value, datetime):
-        raise InvalidRequest("created_after must be a time", field="created_after")
+        raise InvalidRequest(f"{field} must be a time", field=field)
     return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _limit(limit: int) -> int:
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise InvalidRequest(f"limit must be an integer from 1 to {MAX_LIMIT}", field="limit")
+    return limit
+
+
+def id_prefix_range(prefix: str) -> tuple[str, str]:
+    """[low, high) in byte order of the ids that start with ``prefix`` (upper-cased: ULIDs
+    are case-insensitive); ``InvalidRequest`` unless it can start a job id."""
+    if not isinstance(prefix, str) or not ID_PREFIX_RE.fullmatch(prefix):
+        raise InvalidRequest(
+            f"id_prefix must match {ID_PREFIX_RE.pattern} (the start of a job id)",
+            field="id_prefix",
+        )
+    low = prefix.upper()
+    return low, low[:-1] + chr(ord(low[-1]) + 1)
+
+
+def _filters(
+    params: list[Any],
+    *,
+    tenant: str | None = None,
+    state: str | None = None,
+    type: str | None = None,
+    queue: str | None = None,
+    created_after: datetime | str | None = None,
+    created_before: datetime | str | None = None,
+    id_prefix: str | None = None,
+    cursor: str | None = None,
+    order: str = "desc",
+) -> list[str]:
+    """The WHERE fragments of a listing (fixed text, never caller input), their values
+    appended to ``params``; ``InvalidRequest`` naming the field for a bad one."""
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("order must be asc or desc", field="order")
+    filters = []
+
+    def add(fragment: str, *values: Any) -> None:
+        numbers = []
+        for value in values:
+            params.append(value)
+            numbers.append(f"${len(params)}")
+        filters.append(fragment.format(*numbers))
+
+    if tenant is not None:
+        add("AND tenant = {}", tenant)
+    if state is not None:
+        if state not in _STATES:
+            raise InvalidRequest(
+                f"state must be one of {', '.join(s.value for s in State)}", field="state"
+            )
+        add("AND state = {}", state)
+    if type is not None:
+        if not (isinstance(type, str) and 0 < len(type) <= MAX_TYPE_LENGTH):
+            raise InvalidRequest("type must be a non-empty job type name", field="type")
+        add("AND type = {}", type)
+    if queue is not None:
+        if not (isinstance(queue, str) and QUEUE_NAME_RE.fullmatch(queue)):
+            raise InvalidRequest(f"queue must match {QUEUE_NAME_RE.pattern}", field="queue")
+        add("AND queue = {}", queue)
+    if created_after is not None:
+        add("AND created_at > {}", _time(created_after, "created_after"))
+    if created_before is not None:
+        add("AND created_at < {}", _time(created_before, "created_before"))
+    if id_prefix is not None:
+        add('AND id COLLATE "C" >= {} AND id COLLATE "C" < {}', *id_prefix_range(id_prefix))
+    if cursor is not None:
+        op = "<" if order == "desc" else ">"
+        add(f"AND (created_at, id) {op} ({{}}, {{}})", *decode_cursor(cursor, order))
+    return filters
 
 
 class PgReader:
@@ -127,45 +231,51 @@ class PgReader:
         the cost of a page does not grow with its depth. Returns (jobs, cursor of the next page
         or None). Bad parameters raise ``InvalidRequest`` (a 400) naming the field.
         """
-        if order not in ("asc", "desc"):
-            raise InvalidRequest("order must be asc or desc", field="order")
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-            raise InvalidRequest(f"limit must be an integer from 1 to {MAX_LIMIT}", field="limit")
-        if state is not None and state not in _STATES:
-            raise InvalidRequest(
-                f"state must be one of {', '.join(s.value for s in State)}", field="state"
-            )
-        if type is not None and not (isinstance(type, str) and 0 < len(type) <= MAX_TYPE_LENGTH):
-            raise InvalidRequest("type must be a non-empty job type name", field="type")
-        params: list[Any] = [tenant, limit + 1]
-        filters = []
-        if state is not None:
-            params.append(state)
-            filters.append(f"AND state = ${len(params)}")
-        if type is not None:
-            params.append(type)
-            filters.append(f"AND type = ${len(params)}")
-        if queue is not None:
-            if not (isinstance(queue, str) and QUEUE_NAME_RE.fullmatch(queue)):
-                raise InvalidRequest(f"queue must match {QUEUE_NAME_RE.pattern}", field="queue")
-            params.append(queue)
-            filters.append(f"AND queue = ${len(params)}")
-        if created_after is not None:
-            params.append(_created_after(created_after))
-            filters.append(f"AND created_at > ${len(params)}")
-        if cursor is not None:
-            params.extend(decode_cursor(cursor, order))
-            op = "<" if order == "desc" else ">"
-            filters.append(f"AND (created_at, id) {op} (${len(params) - 1}, ${len(params)})")
-        sql = query("list_jobs").replace("/*filters*/", " ".join(filters))
+        params: list[Any] = [_limit(limit) + 1]  # one more: is there a next page?
+        filters = _filters(
+            params, tenant=tenant, state=state, type=type, queue=queue,
+            created_after=created_after, cursor=cursor, order=order,
+        )  # fmt: skip
+        rows, next_cursor = await self._page("list_jobs", params, filters, limit, order)
+        return [status_decoder.decode(r["doc"]) for r in rows], next_cursor
+
+    async def admin_list_jobs(
+        self,
+        *,
+        tenant: str | None = None,
+        state: str | None = None,
+        type: str | None = None,
+        queue: str | None = None,
+        created_after: datetime | str | None = None,
+        created_before: datetime | str | None = None,
+        id_prefix: str | None = None,
+        cursor: str | None = None,
+        limit: int = 50,
+        order: str = "desc",
+    ) -> tuple[list[tuple[str, bytes]], str | None]:
+        """A page of every tenant's jobs for the console: (tenant, status document) pairs,
+        newest first, keyset-paginated as ``list_jobs``. ``id_prefix`` matches the start of
+        the id (case-insensitive, as ULIDs are); the time range is on ``created_at``."""
+        params: list[Any] = [_limit(limit) + 1]  # one more: is there a next page?
+        filters = _filters(
+            params, tenant=tenant, state=state, type=type, queue=queue,
+            created_after=created_after, created_before=created_before, id_prefix=id_prefix,
+            cursor=cursor, order=order,
+        )  # fmt: skip
+        rows, next_cursor = await self._page("admin_list_jobs", params, filters, limit, order)
+        return [(r["tenant"], bytes(r["doc"])) for r in rows], next_cursor
+
+    async def _page(
+        self, name: str, params: list[Any], filters: list[str], limit: int, order: str
+    ) -> tuple[list[Any], str | None]:
+        sql = query(name).replace("/*filters*/", " ".join(filters))
         sql = sql.replace("/*dir*/", "DESC" if order == "desc" else "ASC")
         rows = await self.pool.fetch(sql, *params)
-        jobs = [status_decoder.decode(r["doc"]) for r in rows[:limit]]
         next_cursor = None
         if len(rows) > limit:
             last = rows[limit - 1]
             next_cursor = encode_cursor(order, last["created_at"], last["id"])
-        return jobs, next_cursor
+        return rows[:limit], next_cursor
 
     async def history(self, job_id: str, tenant: str) -> list[Transition] | None:
         """Every persisted change of the job, oldest first; None for an unknown job."""
@@ -222,6 +332,53 @@ class PgReader:
             else:
                 out.append(Dependency(id=r["depends_on"], state="pending", child=r["child"]))
         return out
+
+    # --- the console (admin: any tenant) ------------------------------------------------------
+    async def admin_job(self, job_id: str, preview_bytes: int) -> StoredJob | None:
+        """The job as Postgres has it, whatever its tenant: its document, and its payload and
+        result when at most ``preview_bytes`` (else only their sizes); None if unknown."""
+        row = await self.pool.fetchrow(query("admin_job"), job_id, preview_bytes)
+        if row is None:
+            return None
+        return StoredJob(
+            tenant=row["tenant"],
+            doc=bytes(row["doc"]),
+            payload_size=row["payload_size"],
+            payload=row["payload"],
+            result_size=row["result_size"],
+            result=row["result"],
+            result_ref=row["result_ref"],
+        )
+
+    async def admin_value(self, job_id: str, part: str) -> tuple[bool, bytes | None]:
+        """(whether Postgres knows the job, its whole payload or result JSON or None). A
+        result kept in the result store comes as Redis holds it: its reference after the
+        marker (``results.marker``), for the caller to stream it from the store."""
+        row = await self.pool.fetchrow(query("admin_job_value"), job_id)
+        if row is None:
+            return False, None
+        if part == "result" and row["result_ref"] is not None:
+            return True, marker(row["result_ref"])
+        return True, row["payload" if part == "payload" else "result"]
+
+    async def admin_history(self, job_id: str) -> list[AdminTransition]:
+        """Every persisted change of the job, oldest first, whatever its tenant, with each
+        error as the worker recorded it (every member, a traceback too); [] if unknown."""
+        rows = await self.pool.fetch(query("admin_history"), job_id)
+        return [
+            AdminTransition(
+                version=r["version"],
+                from_state=r["from_state"],
+                to_state=r["to_state"],
+                at=r["at"],
+                worker=r["worker"],
+                attempt=r["attempt"],
+                error=msgspec.Raw(r["error"]) if r["error"] is not None else None,
+                progress=msgspec.Raw(r["progress"]) if r["progress"] is not None else None,
+                cancel_requested=r["cancel_requested"],
+            )
+            for r in rows
+        ]
 
 
 # --- lag of the write-behind ----------------------------------------------------------------

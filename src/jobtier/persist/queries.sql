@@ -99,11 +99,73 @@ SELECT id, tenant, doc FROM jobs WHERE id = ANY($1::text[])
 -- `AND state = $3`, never caller input) and the direction in place of /*dir*/. Each
 -- combination is a statement of its own, so each gets a plan with the index that serves it:
 -- (tenant, created_at, id), (tenant, state, created_at, id) or (tenant, type, created_at, id).
+-- The filters always include the tenant.
 SELECT doc, created_at, id
 FROM jobs
-WHERE tenant = $1 /*filters*/
+WHERE true /*filters*/
 ORDER BY created_at /*dir*/, id /*dir*/
-LIMIT $2
+LIMIT $1
+
+-- name: admin_list_jobs
+-- The console's listing across tenants (pg_reader.admin_list_jobs puts fixed fragments in
+-- place of /*filters*/ and the direction in place of /*dir*/, as for list_jobs). Served by
+-- jobs_created_idx, jobs_state_/type_/queue_created_idx, the jobs_tenant_* indexes with a
+-- tenant, or jobs_id_prefix_idx for an id prefix (bench/console.py shows the plans).
+SELECT tenant, doc, created_at, id
+FROM jobs
+WHERE true /*filters*/
+ORDER BY created_at /*dir*/, id /*dir*/
+LIMIT $1
+
+-- name: admin_job
+-- One job for the console, whatever its tenant: its document, and its payload and result
+-- when at most $2 bytes (else only their sizes; the console links to the whole value).
+SELECT j.tenant, j.doc,
+       octet_length(j.payload::text) AS payload_size,
+       CASE WHEN octet_length(j.payload::text) <= $2 THEN j.payload END AS payload,
+       coalesce(j.result_size, r.size) AS result_size,
+       CASE WHEN coalesce(j.result_size, r.size) <= $2 THEN coalesce(j.result, r.result) END
+           AS result,
+       j.result_ref
+FROM jobs j
+LEFT JOIN job_results r ON r.job_id = j.id
+WHERE j.id = $1
+
+-- name: admin_job_value
+-- The whole payload or result of one job (the console's download link); a result kept in
+-- the result store is only named here (result_ref): the API streams it from there.
+SELECT j.payload, coalesce(j.result, r.result) AS result, j.result_ref
+FROM jobs j
+LEFT JOIN job_results r ON r.job_id = j.id
+WHERE j.id = $1
+
+-- name: admin_history
+-- history, whatever the job's tenant (the console). The error is returned as stored: every
+-- member the worker recorded (a traceback too), not only the ones this version knows.
+SELECT t.version, t.from_state, t.to_state, t.at, t.worker, t.attempt, t.error, t.progress,
+       t.cancel_requested
+FROM jobs j
+JOIN job_transitions t ON t.job_id = j.id AND t.at >= j.created_at
+WHERE j.id = $1
+ORDER BY t.version
+
+-- name: insert_audit
+-- Records of admin actions; a record sent twice (deferred while Postgres was down, then
+-- written by two API processes) is one row.
+INSERT INTO audit (id, at, actor, action, target, status, detail, source)
+SELECT * FROM unnest($1::text[], $2::timestamptz[], $3::text[], $4::text[], $5::text[],
+                     $6::int[], $7::json[], $8::text[])
+ON CONFLICT (id) DO NOTHING
+
+-- name: list_audit
+-- Newest first, keyset on id (a ULID: time-ordered); audit_store.py puts fixed fragments in
+-- place of /*filters*/ (`AND target = $2`, `AND action = $3`, `AND id < $4`, numbered in
+-- the order given), never caller input.
+SELECT id, at, actor, action, target, status, detail, source
+FROM audit
+WHERE true /*filters*/
+ORDER BY id DESC
+LIMIT $1
 
 -- name: history
 -- Empty for an unknown job and for another tenant's job alike: the caller cannot tell them apart.

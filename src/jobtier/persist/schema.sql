@@ -51,6 +51,13 @@ CREATE INDEX jobs_tenant_created_idx ON jobs (tenant, created_at, id);
 CREATE INDEX jobs_tenant_state_created_idx ON jobs (tenant, state, created_at, id);
 CREATE INDEX jobs_tenant_type_created_idx ON jobs (tenant, type, created_at, id);
 CREATE INDEX jobs_tenant_queue_created_idx ON jobs (tenant, queue, created_at, id);
+-- the admin listing across tenants (the console): every job, or by state, type or queue,
+-- newest first; an id prefix as a range in byte order, whatever the database's collation
+CREATE INDEX jobs_created_idx ON jobs (created_at, id);
+CREATE INDEX jobs_state_created_idx ON jobs (state, created_at, id);
+CREATE INDEX jobs_type_created_idx ON jobs (type, created_at, id);
+CREATE INDEX jobs_queue_created_idx ON jobs (queue, created_at, id);
+CREATE INDEX jobs_id_prefix_idx ON jobs (id COLLATE "C");
 -- retention: finished jobs by when they finished (persist/retention.py deletes the old ones)
 CREATE INDEX jobs_finished_idx ON jobs (updated_at)
     WHERE state IN ('succeeded', 'failed', 'cancelled');
@@ -140,6 +147,26 @@ CREATE TABLE schedules (
 );
 
 CREATE INDEX schedules_due_idx ON schedules (next_fire_at) WHERE NOT paused;
+
+-- Every admin action (api/audit.py): who (a fingerprint of the admin key, never the key),
+-- when, what, on what (a job id, a queue, a filter), the HTTP status it was answered with, and
+-- details (how many jobs a purge cancelled, the limits set). `id` is a ULID made by the API
+-- process: time-ordered, the listing's order and cursor. An action recorded while Postgres was
+-- down waits in Redis and is written later with its own id and time (a replay is a duplicate
+-- key, ignored).
+CREATE TABLE audit (
+    id      text        NOT NULL,
+    at      timestamptz NOT NULL,
+    actor   text        NOT NULL,
+    action  text        NOT NULL,
+    target  text        NOT NULL,
+    status  integer     NOT NULL,
+    detail  json,
+    source  text,
+    CONSTRAINT audit_pkey PRIMARY KEY (id)
+);
+
+CREATE INDEX audit_target_idx ON audit (target, id);
 
 -- Webhooks (the dispatcher, src/jobtier/dispatch/) and results kept outside Redis.
 --

@@ -1,0 +1,145 @@
+"""The audit of admin actions: a log line each, and a row in Postgres.
+
+Every route that changes something with the admin key (cancel, replay, pause, resume,
+limits, purge) runs its action inside ``audited(request, action, target)``: once the action
+is done — or refused, or failed — the record says who (``admin:<fingerprint>``: the first 12
+hex digits of the SHA-256 of the key, never the key), when, what, on what, the HTTP status
+answered and what it did. The answer goes out only after the record is stored.
+
+Where it is stored: the log always (``event=admin_action``); Postgres when the API has it
+(``audit`` table, ``GET /v1/admin/audit``). When Postgres is down the action still runs — an
+operator may need to pause a queue during an outage — and its record waits in Redis
+(``jt:audit:pending``, kept by the append-only file like everything acknowledged) until the
+next action or audit read of any API process finds Postgres back and writes it (a record
+written twice is one row: the id is its key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+
+from jobtier.api.auth import bearer_key, raw_header
+from jobtier.api.problems import UNAVAILABLE, Problem
+from jobtier.keys import ulid
+from jobtier.persist.audit_store import AuditRecord, AuditStore
+
+log = logging.getLogger("jobtier.audit")
+
+FLUSH_BATCH = 100  # deferred records written per action (a backlog drains over a few)
+_encode = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder(AuditRecord)
+# Postgres down or restarting (as api/postgres.py PG_DOWN, which imports the app)
+_PG_DOWN: tuple[type[BaseException], ...] = (*UNAVAILABLE, TimeoutError)
+
+
+def fingerprint(key: str) -> str:
+    """Who an admin key is in the audit, without the key: ``admin:`` and 12 hex digits."""
+    return "admin:" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def actor_of(request: Request) -> str:
+    """The fingerprint of the request's key (call after ``require_admin``)."""
+    return fingerprint(bearer_key(raw_header(request, b"authorization")) or "")
+
+
+@dataclass
+class Outcome:
+    """What an audited action sets: its answer's status (200 unless it raised) and detail."""
+
+    status: int = 200
+    detail: Any = None
+
+
+@contextlib.asynccontextmanager
+async def audited(request: Request, action: str, target: str) -> AsyncIterator[Outcome]:
+    """Run an admin action and record it: ``async with audited(request, "queue.purge",
+    name) as outcome: ...; outcome.detail = {...}``. A ``Problem`` the action raises is
+    recorded with its status; any other error as 503 (it may or may not have taken effect),
+    and raised on."""
+    outcome = Outcome()
+    try:
+        yield outcome
+    except Problem as exc:
+        outcome.status = exc.status
+        outcome.detail = {"refused": exc.slug, "detail": exc.detail}
+        await record(request, action, target, outcome)
+        raise
+    except Exception as exc:
+        outcome.status = 503 if isinstance(exc, UNAVAILABLE) else 500
+        outcome.detail = {"error": type(exc).__name__}
+        with contextlib.suppress(Exception):  # the action's own error is the one to raise
+            await record(request, action, target, outcome)
+        raise
+    await record(request, action, target, outcome)
+
+
+async def record(request: Request, action: str, target: str, outcome: Outcome) -> AuditRecord:
+    """Log the action and store its record (Postgres, or Redis until Postgres is back)."""
+    client = request.client
+    rec = AuditRecord(
+        id=ulid(),
+        at=datetime.now(UTC),
+        actor=actor_of(request),
+        action=action,
+        target=target,
+        status=outcome.status,
+        detail=outcome.detail,
+        source=client.host if client else None,
+    )
+    log.info(
+        "event=admin_action id=%s actor=%s action=%s target=%s status=%d source=%s detail=%s",
+        rec.id, rec.actor, rec.action, rec.target, rec.status, rec.source,
+        _encode.encode(rec.detail).decode(),
+    )  # fmt: skip
+    store: AuditStore | None = getattr(request.state, "audit_store", None)
+    if store is None:
+        return rec  # an API without Postgres: the log is the audit
+    queue = request.state.queue
+    pending = queue.keys.audit_pending()
+    try:
+        await store.insert([rec])
+    except _PG_DOWN as exc:
+        await queue.redis.rpush(pending, _encode.encode(rec))
+        log.warning("event=audit_deferred id=%s error=%r", rec.id, exc)
+        return rec
+    await flush_pending(request)
+    return rec
+
+
+async def flush_pending(request: Request) -> int:
+    """Write records deferred while Postgres was down; how many were written. Each is taken
+    off the Redis list by value once written, so two API processes flushing at once write
+    some twice (one row each) and drop none."""
+    store: AuditStore | None = getattr(request.state, "audit_store", None)
+    if store is None:
+        return 0
+    queue = request.state.queue
+    pending = queue.keys.audit_pending()
+    raw = await queue.redis.lrange(pending, 0, FLUSH_BATCH - 1)
+    if not raw:
+        return 0
+    records = []
+    for item in raw:
+        try:
+            records.append(_decode.decode(item))
+        except msgspec.DecodeError:
+            log.error("event=audit_unreadable record=%r", item[:200])
+    try:
+        await store.insert(records)
+    except _PG_DOWN:
+        return 0  # still down: they wait
+    pipe = queue.redis.pipeline(transaction=False)
+    for item in raw:
+        pipe.lrem(pending, 1, item)
+    await pipe.execute()
+    log.info("event=audit_flushed records=%d", len(records))
+    return len(records)

@@ -1,0 +1,336 @@
+"""The console's routes that Redis alone serves (admin key): cancel any tenant's job, purge a
+queue's ready jobs, the live workers with the jobs they run, and a stream of chosen jobs'
+changes (the job list's in-flight rows and the job page follow it).
+
+The Postgres part — listing, job detail, audit — is ``console_records.py``. Every action
+here is audited (``audit.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from typing import Any
+
+import msgspec
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Send
+
+from jobtier.api import openapi as oa
+from jobtier.api.audit import audited
+from jobtier.api.auth import require_admin
+from jobtier.api.http import JSON, DocResponse, doc_state, invalid, job_id_of, job_not_found
+from jobtier.api.params import Param, parse_query
+from jobtier.api.problems import Problem
+from jobtier.api.sse import StreamResponse
+from jobtier.cache.redis_reader import RESYNC, StatusReader, parse_version
+from jobtier.config import Settings
+from jobtier.errors import InvalidRequest, JobNotFound, TransitionRefused
+from jobtier.keys import JOB_ID_RE
+from jobtier.model import DEFAULT_QUEUE, QUEUE_NAME_RE
+from jobtier.queue import Queue
+
+MAX_FOLLOWED = 100  # jobs one event stream follows (a page of the job list, in flight)
+RUNNING_SHOWN = 2000  # running jobs the workers view lists (per shard at most this)
+_ID = JOB_ID_RE.pattern.strip("^$")
+EVENT_PARAMS = [
+    Param(
+        "ids", "string", f"the jobs to follow: up to {MAX_FOLLOWED} ids, comma-separated",
+        max_length=MAX_FOLLOWED * 32, pattern=f"^{_ID}(,{_ID}){{0,{MAX_FOLLOWED - 1}}}$",
+    ),
+]  # fmt: skip
+
+
+# --- bodies -----------------------------------------------------------------------------------
+class Purged(msgspec.Struct):
+    """What a purge did: the queue's ready (and parked) jobs cancelled, and those ready when
+    it ended (submitted meanwhile, or admitted from behind a concurrency key)."""
+
+    queue: str
+    cancelled: int
+    remaining: int
+
+
+class RunningJob(msgspec.Struct):
+    id: str
+    tenant: str
+    type: str
+    queue: str
+    attempt: int
+    since: str  # when it was claimed (its status document's updated_at, or the last change)
+
+
+class WorkerInfo(msgspec.Struct):
+    """A live worker as it advertises itself (every third of a lease), and the jobs Redis
+    says it runs now."""
+
+    id: str
+    host: str
+    pid: int
+    queues: list[str]
+    tasks: list[str]
+    concurrency: int
+    running: int  # as the worker counted at its last heartbeat
+    seen_at: float  # Unix time of its last heartbeat
+    jobs: list[RunningJob]
+
+
+class WorkerList(msgspec.Struct):
+    workers: list[WorkerInfo]
+    running_total: int  # jobs running now, by the shards' lease sets
+    running_listed: int  # of which listed under their workers (at most RUNNING_SHOWN a shard)
+
+
+class _RunningDoc(msgspec.Struct):
+    """The members of a status document the workers view needs (the rest is skipped)."""
+
+    id: str
+    type: str
+    state: str
+    attempt: int
+    updated_at: str
+    worker: str | None = None
+    queue: str = DEFAULT_QUEUE
+
+
+_running_doc = msgspec.json.Decoder(_RunningDoc)
+
+
+# --- cancel and purge ---------------------------------------------------------------------------
+async def cancel(request: Request) -> Response:
+    """Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat."""
+    require_admin(request)
+    job_id = job_id_of(request)
+    queue: Queue = request.state.queue
+    async with audited(request, "job.cancel", job_id) as outcome:
+        try:
+            doc = await queue.cancel_doc(job_id)
+        except JobNotFound:
+            raise job_not_found(job_id) from None
+        except TransitionRefused as exc:
+            try:
+                current = await queue.status_doc(job_id)
+            except JobNotFound:  # finished and expired between the two reads
+                raise job_not_found(job_id) from None
+            raise Problem(
+                409, "wrong-state", f"job {job_id} has already finished ({doc_state(current)})",
+                job=orjson.loads(current),
+            ) from exc  # fmt: skip
+        outcome.detail = {"state": doc_state(doc)}
+    return DocResponse(doc, parse_version(doc))
+
+
+def _queue_name(request: Request) -> str:
+    name: str = request.path_params["name"]
+    if not QUEUE_NAME_RE.fullmatch(name):
+        raise invalid(
+            InvalidRequest(f"queue name must match {QUEUE_NAME_RE.pattern}", field="name")
+        )
+    return name
+
+
+async def purge(request: Request) -> Response:
+    """Cancel every ready job of the queue (``Queue.purge``), each as a cancel would."""
+    require_admin(request)
+    name = _queue_name(request)
+    queue: Queue = request.state.queue
+    async with audited(request, "queue.purge", name) as outcome:
+        done = await queue.purge(name)
+        outcome.detail = {"cancelled": done.cancelled, "remaining": done.remaining}
+    body = Purged(name, done.cancelled, done.remaining)
+    return Response(msgspec.json.encode(body), media_type=JSON)
+
+
+# --- workers --------------------------------------------------------------------------------
+async def workers(request: Request) -> Response:
+    require_admin(request)
+    return Response(msgspec.json.encode(await worker_list(request.state.queue)), media_type=JSON)
+
+
+async def worker_list(queue: Queue) -> WorkerList:
+    """Every live worker, newest heartbeat first, with the jobs the shards' lease sets say
+    it runs (a job counts for the worker its document names)."""
+    keys, redis = queue.keys, queue.redis
+    pipe = redis.pipeline(transaction=False)
+    for shard in range(keys.shards):
+        pipe.zcard(keys.active(shard))
+        pipe.zrange(keys.active(shard), 0, RUNNING_SHOWN - 1)
+    replies = await pipe.execute()
+    total = sum(replies[0::2])
+    ids = [(shard, member.decode()) for shard, rows in enumerate(replies[1::2]) for member in rows]
+    by_worker: dict[str, list[RunningJob]] = defaultdict(list)
+    if ids:
+        pipe = redis.pipeline(transaction=False)
+        for shard, job_id in ids:
+            pipe.hmget(keys.job_in(shard, job_id), "tenant", "doc")
+        for tenant, doc in await pipe.execute():
+            if doc is None:
+                continue  # finished and expired between the two reads
+            status = _running_doc.decode(doc)
+            if status.worker is not None and status.state == "running":
+                by_worker[status.worker].append(
+                    RunningJob(status.id, tenant.decode(), status.type, status.queue,
+                               status.attempt, status.updated_at)
+                )  # fmt: skip
+    out = []
+    for w in await queue.live_workers():
+        wid = str(w.get("id", ""))
+        out.append(
+            WorkerInfo(
+                id=wid, host=str(w.get("host", "")), pid=int(w.get("pid", 0)),
+                queues=list(w.get("queues", [])), tasks=list(w.get("tasks", [])),
+                concurrency=int(w.get("concurrency", 0)), running=int(w.get("running", 0)),
+                seen_at=float(w.get("seen_at", 0.0)),
+                jobs=sorted(by_worker.get(wid, []), key=lambda j: j.since),
+            )
+        )  # fmt: skip
+    listed = sum(len(jobs) for jobs in by_worker.values())
+    return WorkerList(out, total, listed)
+
+
+# --- events of chosen jobs -------------------------------------------------------------------
+class JobsStream(StreamResponse):
+    """The current status of each followed job that exists (``start`` reads them), then every
+    change of any of them, until the client goes away (a failed job may be replayed: no
+    state is the last).
+
+    Changes are kept per job, latest only: a job changing faster than the client reads sends
+    its newest status, never a backlog."""
+
+    def __init__(self, reader: StatusReader, ids: list[str], heartbeat: float) -> None:
+        super().__init__()
+        self.reader = reader
+        self.ids = ids
+        self.heartbeat = heartbeat
+        self.sent: dict[str, int] = {}
+        self.pending: dict[str, tuple[int, bytes]] = {}
+        self.ready = asyncio.Event()
+        self.listeners = {job_id: self._listener(job_id) for job_id in ids}
+        # listen before the first read: a change between the two is not lost
+        for job_id, listener in self.listeners.items():
+            reader.add_listener(job_id, listener)
+
+    def _listener(self, job_id: str) -> Any:
+        def offer(version: int, tenant: str, doc: bytes) -> None:
+            held = self.pending.get(job_id)
+            if version == RESYNC or held is None or version > held[0]:
+                self.pending[job_id] = (version, doc)
+                self.ready.set()
+
+        return offer
+
+    def _cleanup(self) -> None:
+        for job_id, listener in self.listeners.items():
+            self.reader.remove_listener(job_id, listener)
+
+    async def _read(self, ids: list[str]) -> None:
+        for job_id, found in zip(
+            ids, await asyncio.gather(*map(self.reader.get, ids)), strict=True
+        ):
+            if found is not None:
+                held = self.pending.get(job_id)
+                if held is None or held[0] == RESYNC or found[2] > held[0]:
+                    self.pending[job_id] = (found[2], found[1])
+
+    async def start(self) -> bool:
+        """Read every followed job's status (after listening: nothing in between is lost);
+        whether any of them exists."""
+        await self._read(self.ids)
+        return bool(self.pending)
+
+    async def _pump(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": b"retry: 1000\n\n", "more_body": True})
+        while True:
+            pending, self.pending = self.pending, {}
+            resync = [job_id for job_id, (v, _) in pending.items() if v == RESYNC]
+            if resync:  # the subscription was re-established: events may be lost
+                await self._read(resync)
+                pending.update({i: self.pending.pop(i) for i in resync if i in self.pending})
+            chunks = []
+            for job_id, (version, doc) in pending.items():
+                if version != RESYNC and version > self.sent.get(job_id, 0):
+                    chunks.append(b"event: status\ndata: %s\n\n" % doc)
+                    self.sent[job_id] = version
+            if chunks:
+                await send(
+                    {"type": "http.response.body", "body": b"".join(chunks), "more_body": True}
+                )
+            if not self.pending:
+                self.ready.clear()
+                try:
+                    async with asyncio.timeout(self.heartbeat):
+                        await self.ready.wait()
+                except TimeoutError:
+                    await send(
+                        {"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True}
+                    )  # fmt: skip
+
+
+async def job_events(request: Request) -> Response:
+    """Server-Sent Events of the jobs named in ``ids``, whatever their tenant; a 404 when
+    none of them exists (an unknown id among known ones is left out)."""
+    require_admin(request)
+    query = parse_query(request, EVENT_PARAMS)
+    if "ids" not in query:
+        raise Problem(400, "bad-request", "name the jobs to follow: ids=<id>,<id>…", field="ids")
+    keys = request.state.queue.keys
+    # an id of a shard this deployment lacks is a job nobody has: nothing to send, as for an
+    # unknown one
+    ids = [job_id for job_id in dict.fromkeys(query["ids"].split(",")) if keys.valid_id(job_id)]
+    heartbeat: float = request.state.settings.sse_heartbeat_seconds
+    stream = JobsStream(request.state.reader, ids, heartbeat)
+    try:
+        found = await stream.start()
+    except BaseException:
+        stream._cleanup()
+        raise
+    if not found:
+        stream._cleanup()
+        raise Problem(404, "not-found", "none of these jobs exists (ids)")
+    return stream
+
+
+# --- the OpenAPI document -----------------------------------------------------------------------
+OPENAPI_TYPES: list[type] = [Purged, WorkerList]
+
+
+def openapi_paths(settings: Settings) -> dict[str, Any]:
+    s, op = settings, oa.operation
+    events = op(s, f"Server-Sent Events: the status of each of up to {MAX_FOLLOWED} jobs (any tenant), then every change of any of them, until the client closes", {
+        "200": oa.event_stream("event: status, data: the status document of one of the jobs", "status", oa.ref("JobStatus")),
+        "404": oa.problem("none of the jobs exists"),
+    }, auth="admin", params=EVENT_PARAMS)  # fmt: skip
+    events["parameters"][0]["required"] = True
+    return {
+        "/v1/admin/jobs/{job_id}/cancel": {
+            "post": op(s, "Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat (audited)", {
+                "200": oa.json_response("JobStatus", "cancelled, or running with cancel_requested"),
+                "404": oa.problem("unknown job (or a malformed id)"),
+                "409": oa.problem("the job has already finished (job: its status)"),
+            }, auth="admin", path=[oa.JOB_ID]),
+        },
+        "/v1/admin/queues/{name}/purge": {
+            "post": op(s, "Cancel every ready (or parked) job of the queue, oldest first, each as a cancel would; scheduled and running jobs stay (audited)", {
+                "200": oa.json_response("Purged", "how many were cancelled, and how many are ready now"),
+                "422": oa.problem("a queue name that breaks its pattern"),
+            }, auth="admin", path=[oa.QUEUE_NAME]),
+        },
+        "/v1/admin/workers": {
+            "get": op(s, "Live workers: host, pid, queues, tasks, concurrency, last heartbeat, and the jobs each runs", {
+                "200": oa.json_response("WorkerList", "the workers, newest heartbeat first"),
+            }, auth="admin"),
+        },
+        "/v1/admin/events": {"get": events},
+    }  # fmt: skip
+
+
+routes = [
+    Route("/v1/admin/jobs/{job_id}/cancel", cancel, methods=["POST"]),
+    Route("/v1/admin/queues/{name}/purge", purge, methods=["POST"]),
+    Route("/v1/admin/workers", workers, methods=["GET"]),
+    Route("/v1/admin/events", job_events, methods=["GET"]),
+]
