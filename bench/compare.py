@@ -66,6 +66,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import AsyncIterator, Callable
@@ -99,6 +100,7 @@ from jobtier.queue import Queue
 HERE = Path(__file__).resolve().parent / "compare"
 VENVS = HERE / ".venv"
 BULLMQ = HERE / "bullmq"
+BASELINE = "jobtier-baseline"  # jobtier at another git revision (--baseline), same run
 SYSTEMS = ("jobtier", "bullmq", "saq", "arq", "celery", "rq", "dramatiq")
 MODES = ("off", "everysec")
 SHARDS = 16  # jobtier's default
@@ -162,6 +164,11 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
             ),
         )
     }  # fmt: skip
+    if args.baseline:
+        known[BASELINE] = System(
+            BASELINE, f"jobtier at `{args.baseline}`",
+            f"the same as jobtier, the code of git revision `{args.baseline}` (`--baseline`)",
+        )  # fmt: skip
     for name, extra in args.driver_args.items():
         s = known[name]
         known[name] = System(s.name, s.label, f"{s.config}; driver arguments `{shlex.join(extra)}`")
@@ -402,10 +409,57 @@ async def measure_jobtier(
     }  # fmt: skip
 
 
+def baseline_tree(rev: str) -> Path:
+    """The project's files at git revision ``rev`` (``git archive``), in a temporary folder
+    removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix="jobtier-baseline-"))
+    atexit.register(shutil.rmtree, folder, True)
+    archive = subprocess.run(
+        ["git", "-C", str(HERE.parent.parent), "archive", rev, "src", "bench"],
+        capture_output=True, check=True,
+    ).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+async def measure_baseline(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """jobtier at ``--baseline``: that revision's own compare.py measures it, in a process
+    whose imports (the scripts, the worker processes it starts) all come from that tree."""
+    tree = Path(args.baseline_tree)
+    code = (
+        "import argparse, json, sys, uvloop\n"
+        "import compare\n"
+        f"ns = argparse.Namespace(**json.loads({json.dumps(json.dumps(NS_KEYS(args)))}))\n"
+        "ns.driver_args = {}\n"
+        f"print(json.dumps(uvloop.run(compare.measure('jobtier', None, {mode!r}, ns))))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}:{tree / 'bench'}"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, cwd=tree / "bench", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    if proc.returncode != 0:
+        return {"error": f"baseline exited {proc.returncode}: {err.decode()[-800:]}"}
+    return dict(json.loads(out.decode().strip().splitlines()[-1]))
+
+
+def NS_KEYS(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("jobs", "batch", "timeout", "concurrency")}
+
+
 async def measure(
     name: str, program: str | None, mode: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     """One (system, mode, run) on a Redis of its own; failures become ``{"error": ...}``."""
+    if name == BASELINE:
+        return await measure_baseline(mode, args)
     if program is None and name != "jobtier":
         return {"error": "not set up"}
     aof = mode == "everysec"
@@ -502,6 +556,8 @@ def render(
                 status = f"{s['runs_ok']}/{s['runs_ok'] + len(s['errors'])} ok; "
                 status += textwrap.shorten(s["errors"][-1], 90, placeholder=" ...")
             label = f"**{known[name].label}**" if name == "jobtier" else known[name].label
+            if name == BASELINE:
+                label = f"*{known[name].label}*"
             rows.append(
                 [
                     label,
@@ -546,16 +602,27 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="more arguments for a peer's driver, to try another set-up (e.g. "
         "'celery=--pool threads'; see its --help); repeatable, shown in the report",
     )
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure jobtier at this git revision, in the same interleaved runs (before "
+        "and after a change, beside the peers)",
+    )
     p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     args = p.parse_args(argv)
     if args.quick:
         args.jobs, args.runs = min(args.jobs, 2_000), 1
     args.systems = [s for s in args.systems.split(",") if s]
+    args.baseline_tree = None
+    if args.baseline:
+        args.baseline_tree = str(baseline_tree(args.baseline))
+        args.systems.insert(args.systems.index("jobtier") + 1 if "jobtier" in args.systems
+                            else 0, BASELINE)  # fmt: skip
     args.modes = [m for m in args.modes.split(",") if m]
     extra = dict(d.split("=", 1) for d in args.driver_args if "=" in d)
     args.driver_args = {name: shlex.split(value) for name, value in extra.items()}
-    unknown = set(args.systems) - set(SYSTEMS) | set(args.modes) - set(MODES)
+    unknown = set(args.systems) - {*SYSTEMS, BASELINE} | set(args.modes) - set(MODES)
     unknown |= set(args.driver_args) - set(SYSTEMS[1:])
     if unknown:
         p.error(f"unknown systems or modes: {', '.join(sorted(unknown))}")
@@ -567,7 +634,7 @@ def set_up(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, A
     programs: dict[str, str | None] = {}
     versions: dict[str, Any] = {}
     for name in args.systems:
-        if name == "jobtier":
+        if name in ("jobtier", BASELINE):
             continue
         try:
             program = node() if name == "bullmq" else str(python_peer(name))
