@@ -143,7 +143,7 @@ async def measure_phase(
     redis: Redis, path: Path, jobs: int, work: Callable[[], Any]
 ) -> dict[str, Any]:
     await redis.config_resetstat()
-    size0 = os.path.getsize(path)
+    size0 = await asyncio.to_thread(os.path.getsize, path)
     cpu0 = await redis_cpu(redis)
     await work()
     await redis.ping()  # the scripts' writes reach the file before the server answers this
