@@ -22,6 +22,21 @@ def test_lua_result_codes_match_the_python_enum() -> None:
     assert {k: int(v) for k, v in lua_codes.items()} == {c.name: c.value for c in Code}
 
 
+def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
+    """lib.lua's load() names each of FIELDS by its index in one table constructor (to size
+    the table once); a field added to FIELDS but not there, or out of order, would be read
+    into the wrong name."""
+    lib = lua_source("lib")
+    fields_src = re.search(r"^local FIELDS = \{(.*?)\}", lib, re.MULTILINE | re.DOTALL)
+    assert fields_src
+    fields = re.findall(r"'([a-z_]+)'", fields_src.group(1))
+    body = lib.split("local function load(id, more)", 1)[1].split("\nend\n", 1)[0]
+    constructor = body.split("local j = {", 1)[1].split("}", 1)[0]
+    pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor)
+    assert [name for name, _ in pairs] == fields
+    assert [int(i) for _, i in pairs] == list(range(1, len(fields) + 1))
+
+
 def _documented_suffixes() -> set[str]:
     """The per-shard key suffixes keys.py's docstring lists (``jt:{s}:q:<priority>`` -> q:)."""
     import jobtier.keys

@@ -163,7 +163,7 @@ end
 
 local function claim_ids(ids)
   for _, id in ipairs(ids) do
-    local j = load(id, 'payload')  -- the payload in the same HMGET
+    local j = load(id)
     -- a ready list holds only queued jobs (cancel and expiry remove them); the check guards
     -- the invariant rather than trusting it
     if j and j.state == 'queued' then
@@ -180,7 +180,7 @@ local function claim_ids(ids)
         if #active >= 2000 then
           add_active()
         end
-        local payload = j.payload
+        local payload = redis.call('HGET', job_key(id), 'payload')
         local k = #jobs
         jobs[k + 1], jobs[k + 2], jobs[k + 3], jobs[k + 4] = id, j.type, payload, j.attempt
         jobs[k + 5], jobs[k + 6], jobs[k + 7] = j.max_attempts, j.lease_version, queued_at
