@@ -95,6 +95,14 @@ class Settings:
     max_waiting_total: int = _setting(
         5_000_000, "Global back-pressure: submit answers 503 past this many waiting jobs."
     )
+    redis_memory_warn_ratio: float = _setting(
+        0.8, "Log a warning while Redis's used_memory / maxmemory is past this (0 < r <= 1)."
+    )
+    redis_memory_refuse_ratio: float = _setting(
+        0.9,
+        "Submit answers 503 while Redis's used_memory / maxmemory is past this (0 < r <= 1): "
+        "before Redis itself refuses every write (noeviction), jobs already accepted included.",
+    )
     near_cache: bool = _setting(True, "Serve status from the per-process near cache.")
     near_cache_size: int = _setting(100_000, "Most status documents in the near cache.")
     near_cache_ttl: float = _setting(
@@ -192,6 +200,9 @@ class Settings:
                 "JOBTIER_PG_JOB_RETENTION_DAYS must cover JOBTIER_RETENTION_SECONDS and "
                 "JOBTIER_DEAD_RETENTION_SECONDS (or be 0: forever)"
             )
+        for name in ("redis_memory_warn_ratio", "redis_memory_refuse_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                problems.append(f"JOBTIER_{name.upper()} must be more than 0 and at most 1")
         if self.prune_interval_seconds < 1:
             problems.append("JOBTIER_PRUNE_INTERVAL_SECONDS must be at least 1")
         if self.log_format not in ("text", "json"):
