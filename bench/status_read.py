@@ -37,7 +37,7 @@ and the submit figures (``POST /v1/jobs`` open loop at 1K and 2K/s, closed c50;
 Redis holds never need it (the server's Postgres probes fail fast on a closed port).
 
 Placement: the API server is pinned to CPU 0 (``taskset``); this process, Redis, the load
-generators and the churn worker to CPU 1 — one server core, like ``shared/ANCHORS.md``.
+generators and the churn worker to CPU 1: the server gets one core of its own.
 (Not pinning the server was no better in a side run: p99 at 10K req/s 2.9 ms against 1.8
 on hot keys, 90 against 123 ms on spread keys, both within this machine's noise.)
 

@@ -18,9 +18,9 @@ and, for each run, measures with 20K no-op jobs:
 * side figure: end to end with AOF off.
 
 Workers run as separate processes (uvloop, like ``jobtier worker``), so the producer and the
-worker do not share an event loop: that is how the cited BullMQ figure was taken. Figures of
-other systems are cited from shared/ANCHORS.md (same kind of machine, another day), never
-measured here; compare ratios within one run rather than absolute numbers across days.
+worker do not share an event loop. Other job systems are measured beside jobtier, in the same
+runs, by ``compare.py``; compare ratios within one run rather than absolute numbers across
+days.
 
     .venv/bin/python bench/throughput.py                    # 20K jobs, 3 runs, 1 worker
     .venv/bin/python bench/throughput.py --quick            # 5K jobs, 1 run: a smoke test
@@ -70,16 +70,6 @@ from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker, WorkerStats
 
 PHASES = ("enqueue", "single", "e2e", "drain", "baseline", "baseline-drain", "aof-off")
-# (system, enqueue jobs/s, end-to-end jobs/s, note): shared/ANCHORS.md, 20K no-op jobs, one
-# worker process, medians of 3 runs on a 2-core machine like ours — not measured here.
-ANCHORS = (
-    ("BullMQ 6.7 (concurrency 50, addBulk)", 14_097, 11_050, "11.9K with 500 adds in flight"),
-    ("Dramatiq (8 threads)", 4_670, 2_107, "4,006 with 2 processes"),
-    ("arq (poll 10 ms)", 6_087, 1_926, ""),
-    ("SAQ (concurrency 50)", 6_604, 1_913, ""),
-    ("Celery (solo)", 1_937, 1_214, ""),
-    ("RQ (SimpleWorker)", 13_474, 302, "~20 round trips a job"),
-)
 POLLING = frozenset({"xlen", "xrevrange"})  # wait_logged's, left out of the command counts
 _decode = msgspec.json.Decoder().decode
 
@@ -470,25 +460,10 @@ def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any
             "own polling (XLEN, INFO) is left out.\n"
         )
 
-    out.append("## Beside other job systems\n")
     out.append(
-        "Rows other than jobtier are **cited from shared/ANCHORS.md, not measured here** "
-        "(same kind of 2-core machine, 2026-11-29, one worker process, 20K no-op jobs).\n"
+        "Other job systems, measured beside jobtier in the same runs: `bench/compare.py` "
+        "(bench/results/compare.md).\n"
     )
-    rows = []
-    if "e2e" in summary or "enqueue_batch" in summary:
-        e2e = summary.get("e2e", {}).get("jobs_per_s", float("nan"))
-        rows.append(
-            [f"**jobtier** (concurrency {args.concurrency}, `submit_many`)",
-             fmt(summary.get("enqueue_batch", float("nan"))), f"**{fmt(e2e)}**",
-             f"measured here, {args.workers} worker process(es)"]
-        )  # fmt: skip
-    for name, enq, e2e_cited, note in ANCHORS:
-        rows.append(
-            [name, fmt(enq), fmt(e2e_cited),
-             "cited from ANCHORS.md, not measured here" + (f"; {note}" if note else "")]
-        )  # fmt: skip
-    out.append(table(["system", "enqueue jobs/s", "end-to-end jobs/s", "source"], rows) + "\n")
     return "\n".join(out)
 
 
