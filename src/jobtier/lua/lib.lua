@@ -222,15 +222,6 @@ local function render(j)
     .. '}'
 end
 
--- Apply a transition already made to j (state and fields): bump the version, store the
--- fields and the re-rendered document, keep the per-tenant waiting count, append to the
--- log, publish. `actor` is who made it (worker id, 'scheduler', 'api'); `extra` adds
--- fields to the log entry (payload at submit, result at success).
--- Every log entry carries 'pv', the version of the job's previous logged entry (0 for the
--- submit): Postgres follows these links to prove that no logged entry went missing. `quiet`
--- (only a progress-only change may ask it: heartbeat.lua) stores and publishes the change
--- like any other but leaves it out of the log; the next logged entry's document carries
--- the progress, so only intermediate values are missing from the history, provably.
 -- the fields commit() stores (besides the document); a field that holds '' is the same as
 -- an absent one to load(), so a new job's empty fields are not written at all
 local COMMITTED = {'state', 'version', 'attempt', 'updated', 'run_at', 'run_at_iso', 'error',
@@ -240,6 +231,15 @@ for i, name in ipairs(FIELDS) do
   FIELD_AT[name] = i
 end
 
+-- Apply a transition already made to j (state and fields): bump the version, store the
+-- fields and the re-rendered document, keep the per-tenant waiting count, append to the
+-- log, publish. `actor` is who made it (worker id, 'scheduler', 'api'); `extra` adds
+-- fields to the log entry (payload at submit, result at success).
+-- Every log entry carries 'pv', the version of the job's previous logged entry (0 for the
+-- submit): Postgres follows these links to prove that no logged entry went missing. `quiet`
+-- (only a progress-only change may ask it: heartbeat.lua) stores and publishes the change
+-- like any other but leaves it out of the log; the next logged entry's document carries
+-- the progress, so only intermediate values are missing from the history, provably.
 local function commit(j, from, actor, extra, quiet)
   local prev = j.version
   j.version = int(tonumber(prev) + 1)
