@@ -108,6 +108,12 @@ class Settings:
     near_cache_ttl: float = _setting(
         2.0, "Safety-net lifetime of a near-cache entry whose freshness events could be missed."
     )
+    near_cache_final_ttl: float = _setting(
+        3600.0,
+        "Lifetime of a near-cache entry in a terminal state, stored while the status events' "
+        "subscriptions were live (a terminal job changes only by a replay, which publishes); "
+        "the cache's size bounds it too.",
+    )
     coalesce: bool = _setting(True, "Merge the status loads of one event-loop tick into one batch.")
     max_request_bytes: int = _setting(
         8 * 1024 * 1024, "Largest request body, on any route (a batch submit is the largest)."

@@ -9,7 +9,8 @@ import pytest
 
 from jobtier.connection import RedisClient
 from jobtier.memory import redis_memory
-from jobtier.queue import JobSpec, Queue, Submitted
+from jobtier.model import JobSpec
+from jobtier.queue import Queue, Submitted
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import on_every_server
@@ -32,7 +33,7 @@ async def test_submits_are_refused_before_redis_is_full(
             assert ok.status_code == 202, ok.text
             # fill Redis past the refuse ratio, short of maxmemory, 1 MB at a time without
             # sending the bytes (SETRANGE allocates the string in Redis)
-            fillers = []
+            fillers: list[str] = []
             while (use := await redis_memory(redis)).ratio < 0.85 and len(fillers) < 200:
                 fillers.append(f"{FILLER}:{len(fillers)}")
                 await redis.setrange(fillers[-1], 1024 * 1024 - 1, b"x")
