@@ -101,6 +101,8 @@ HERE = Path(__file__).resolve().parent / "compare"
 VENVS = HERE / ".venv"
 BULLMQ = HERE / "bullmq"
 BASELINE = "jobtier-baseline"  # jobtier at another git revision (--baseline), same run
+PERSIST = "jobtier-persist"  # jobtier with its persister writing to Postgres (--persister)
+LAG_SAMPLE = 0.05  # s between write-behind lag samples
 SYSTEMS = ("jobtier", "bullmq", "saq", "arq", "celery", "rq", "dramatiq")
 MODES = ("off", "everysec")
 SHARDS = 16  # jobtier's default
@@ -164,6 +166,12 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
             ),
         )
     }  # fmt: skip
+    if args.persister:
+        known[PERSIST] = System(
+            PERSIST, "jobtier + persister",
+            "the same as jobtier, with `jobtier persister` (one process) writing every "
+            "transition to a durable Postgres (fsync on) on this machine during the run",
+        )  # fmt: skip
     if args.baseline:
         known[BASELINE] = System(
             BASELINE, f"jobtier at `{args.baseline}`",
@@ -384,10 +392,95 @@ async def measure_peer(
     }
 
 
+class PersistHook:
+    """(``--persister``) The persister beside the end-to-end phase: ``jobtier persister`` in
+    a process of its own on the bench's Postgres (tables emptied first), and the write-behind
+    lag sampled every ``LAG_SAMPLE`` s from the first submit until every transition is in
+    Postgres: the age of the oldest transition not yet written (``pg_reader.lag``), so each
+    sample bounds the lag of every transition waiting then."""
+
+    def __init__(self, queue: Queue, server: LocalRedis, args: argparse.Namespace, aof: bool):
+        self.queue, self.server, self.args, self.aof = queue, server, args, aof
+        self.samples: list[float] = []
+        self.proc: asyncio.subprocess.Process | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        import asyncpg
+
+        dsn = self.args.postgres_dsn
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("TRUNCATE jobs, job_transitions, job_results")
+        finally:
+            await conn.close()
+        env = {
+            **os.environ, "JOBTIER_REDIS_URL": self.server.url, "JOBTIER_DATABASE_URL": dsn,
+            "JOBTIER_SHARDS": str(SHARDS), "JOBTIER_REDIS_REQUIRE_AOF": "1" if self.aof else "0",
+            "JOBTIER_LOG_LEVEL": "WARNING",
+        }  # fmt: skip
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "jobtier.cli", "persister", env=env, start_new_session=True
+        )
+        _groups.add(self.proc.pid)
+        group = self.queue.keys.persist_group()
+
+        async def ready() -> bool:  # its consumer group exists on every shard's log
+            for s in range(SHARDS):
+                try:
+                    groups = await self.queue.redis.xinfo_groups(self.queue.keys.log(s))
+                except Exception:
+                    return False
+                if not any(g["name"] in (group, group.encode()) for g in groups):
+                    return False
+            return True
+
+        async with asyncio.timeout(30):
+            while not await ready():
+                await asyncio.sleep(0.05)
+        self.task = asyncio.create_task(self._sample())
+
+    async def _sample(self) -> None:
+        from jobtier.persist.pg_reader import lag
+
+        while True:
+            _, age = await lag(self.queue.redis, self.queue.keys)
+            self.samples.append(age)
+            await asyncio.sleep(LAG_SAMPLE)
+
+    async def stop(self, end: float) -> dict[str, Any]:
+        from jobtier.persist.pg_reader import lag
+
+        deadline = time.monotonic() + self.args.timeout
+        while (await lag(self.queue.redis, self.queue.keys))[0] and time.monotonic() < deadline:
+            await asyncio.sleep(LAG_SAMPLE)
+        persisted = time.time()
+        assert self.task is not None and self.proc is not None
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        await self.proc.wait()
+        _groups.discard(self.proc.pid)
+        ordered = sorted(self.samples)
+
+        def pct(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+        return {
+            "lag_p50_ms": 1000 * pct(0.50),
+            "lag_p99_ms": 1000 * pct(0.99),
+            "lag_max_ms": 1000 * (ordered[-1] if ordered else 0.0),
+            "lag_samples": len(ordered),
+            "persisted_after_last_job_s": persisted - end,
+        }
+
+
 async def measure_jobtier(
-    server: LocalRedis, args: argparse.Namespace, aof: bool
+    server: LocalRedis, args: argparse.Namespace, aof: bool, persist: bool = False
 ) -> dict[str, Any]:
-    """throughput.py's enqueue and end-to-end measurements, with its worker processes."""
+    """throughput.py's enqueue and end-to-end measurements, with its worker processes;
+    ``persist``: with the persister on during the end-to-end phase (PersistHook)."""
     env = {} if aof else {"JOBTIER_REDIS_REQUIRE_AOF": "0"}
     settings = Settings.from_env(env, redis_url=server.url, shards=SHARDS)
     targs = argparse.Namespace(
@@ -396,7 +489,10 @@ async def measure_jobtier(
     )  # fmt: skip
     async with await Queue.connect(settings) as queue:
         enqueue = await throughput.measure_enqueue(queue, targs, single=False)
-        e2e = await throughput.measure_run(queue, server, targs, "jobtier", prefill=False)
+        hook = PersistHook(queue, server, args, aof) if persist else None
+        e2e = await throughput.measure_run(
+            queue, server, targs, "jobtier", prefill=False, hook=hook
+        )
     return {
         "enqueue_jobs_per_s": enqueue,
         "e2e_jobs_per_s": e2e["jobs_per_s"],
@@ -406,6 +502,7 @@ async def measure_jobtier(
             "worker_cpu_us_per_job", "producer_cpu_us_per_job", "redis_cpu_us_per_job",
             "aof_bytes_per_job", "aof_rewrites", "redis_commands_per_job", "commands",
         )},
+        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_"))},
     }  # fmt: skip
 
 
@@ -460,15 +557,15 @@ async def measure(
     """One (system, mode, run) on a Redis of its own; failures become ``{"error": ...}``."""
     if name == BASELINE:
         return await measure_baseline(mode, args)
-    if program is None and name != "jobtier":
+    if program is None and name not in ("jobtier", PERSIST):
         return {"error": "not set up"}
     aof = mode == "everysec"
     t0 = time.monotonic()
     try:
         with local_redis(aof=aof) as server:
             async with asyncio.timeout(args.timeout):
-                if name == "jobtier":
-                    return await measure_jobtier(server, args, aof)
+                if name in ("jobtier", PERSIST):
+                    return await measure_jobtier(server, args, aof, persist=name == PERSIST)
                 assert program is not None
                 return await measure_peer(name, program, server, args)
     except TimeoutError:
@@ -488,6 +585,9 @@ FIELDS = (
 )  # fmt: skip
 
 
+LAG_FIELDS = ("lag_p50_ms", "lag_p99_ms", "lag_max_ms", "persisted_after_last_job_s")
+
+
 def summarise(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for run in runs:
@@ -500,6 +600,9 @@ def summarise(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any
     for name, modes in summary.items():
         for mode, cell in modes.items():
             s: dict[str, Any] = {f: median([r[f] for r in cell["ok"]]) for f in FIELDS}
+            for f in LAG_FIELDS:
+                got = [r[f] for r in cell["ok"] if f in r]
+                s[f] = median(got) if got else None
             s["runs_ok"] = len(cell["ok"])
             s["errors"] = [r["error"] for r in cell["errors"]]
             out.setdefault(name, {})[mode] = s
@@ -573,6 +676,27 @@ def render(
                 ]
             )
     out.append(table(HEADERS, rows) + "\n")
+    lag_rows = []
+    for mode in args.modes:
+        s = summary.get(PERSIST, {}).get(mode)
+        if s is None or s.get("lag_p99_ms") is None:
+            continue
+        lag_rows.append([
+            "AOF off" if mode == "off" else "AOF everysec", fmt(s["e2e_jobs_per_s"]),
+            fmt(3 * s["e2e_jobs_per_s"]), fmt(s["lag_p50_ms"]), fmt(s["lag_p99_ms"]),
+            fmt(s["lag_max_ms"]), fmt(s["persisted_after_last_job_s"], 2),
+        ])  # fmt: skip
+    if lag_rows:
+        out.append(
+            "Write-behind with the persister on (the `jobtier + persister` rows above): the "
+            f"age of the oldest transition not yet in Postgres, sampled every {LAG_SAMPLE * 1000:.0f} ms "
+            "from the first submit until all are written (so each sample bounds the lag of "
+            "every transition waiting then); medians over the runs.\n"
+        )
+        out.append(
+            table(["Redis", "jobs/s", "transitions/s", "lag p50 ms", "lag p99 ms", "lag max ms",
+                   "all in Postgres after the last job, s"], lag_rows) + "\n"
+        )  # fmt: skip
     out.append("How each system is driven (our code under `bench/compare/`):\n")
     out.extend(f"- {known[n].label}: {known[n].config}" for n in args.systems)
     out.append(
@@ -608,12 +732,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="also measure jobtier at this git revision, in the same interleaved runs (before "
         "and after a change, beside the peers)",
     )
+    p.add_argument(
+        "--persister",
+        action="store_true",
+        help="also measure jobtier with its persister writing to a durable Postgres (started "
+        "by the bench), and the write-behind lag meanwhile",
+    )
     p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     args = p.parse_args(argv)
     if args.quick:
         args.jobs, args.runs = min(args.jobs, 2_000), 1
     args.systems = [s for s in args.systems.split(",") if s]
+    if args.persister:
+        args.systems.insert(args.systems.index("jobtier") + 1 if "jobtier" in args.systems
+                            else 0, PERSIST)  # fmt: skip
     args.baseline_tree = None
     if args.baseline:
         args.baseline_tree = str(baseline_tree(args.baseline))
@@ -622,7 +755,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.modes = [m for m in args.modes.split(",") if m]
     extra = dict(d.split("=", 1) for d in args.driver_args if "=" in d)
     args.driver_args = {name: shlex.split(value) for name, value in extra.items()}
-    unknown = set(args.systems) - {*SYSTEMS, BASELINE} | set(args.modes) - set(MODES)
+    unknown = set(args.systems) - {*SYSTEMS, BASELINE, PERSIST} | set(args.modes) - set(MODES)
     unknown |= set(args.driver_args) - set(SYSTEMS[1:])
     if unknown:
         p.error(f"unknown systems or modes: {', '.join(sorted(unknown))}")
@@ -634,7 +767,7 @@ def set_up(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, A
     programs: dict[str, str | None] = {}
     versions: dict[str, Any] = {}
     for name in args.systems:
-        if name in ("jobtier", BASELINE):
+        if name in ("jobtier", BASELINE, PERSIST):
             continue
         try:
             program = node() if name == "bullmq" else str(python_peer(name))
@@ -673,11 +806,24 @@ def run(argv: list[str] | None = None, report: Callable[[str], None] = print) ->
     env = environment()
     programs, versions = set_up(args)
     env["versions"]["peers"] = versions
+    pg = None
     try:
+        if args.persister:
+            from jobtier.dev.postgres import LocalPostgres
+            from jobtier.persist.db import migrate
+
+            folder = Path(tempfile.mkdtemp(prefix="jobtier-compare-pg-"))
+            atexit.register(shutil.rmtree, folder, True)
+            pg = LocalPostgres(folder, durable=True).start()
+            args.postgres_dsn = pg.dsn
+            uvloop.run(migrate(pg.dsn))
         results = uvloop.run(main(args, programs))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted: every process it started is stopped; nothing saved", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        if pg is not None:
+            pg.stop()
     known = systems(args)
     text = render(results["summary"], args, env, known)
     report(text)

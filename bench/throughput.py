@@ -281,9 +281,18 @@ async def measure_enqueue(queue: Queue, args: argparse.Namespace, single: bool) 
 
 
 async def measure_run(
-    queue: Queue, server: LocalRedis, args: argparse.Namespace, kind: str, prefill: bool
+    queue: Queue,
+    server: LocalRedis,
+    args: argparse.Namespace,
+    kind: str,
+    prefill: bool,
+    hook: Any = None,
 ) -> dict[str, Any]:
-    """One end-to-end (or drain, with ``prefill``) measurement with fresh worker processes."""
+    """One end-to-end (or drain, with ``prefill``) measurement with fresh worker processes.
+
+    ``hook`` (compare.py's persister): ``await hook.start()`` once Redis is emptied and the
+    workers are up, ``await hook.stop()`` once the last job is logged; what it returns is
+    added to the result."""
     assert server.proc is not None
     n = args.jobs
     jobs = specs(n)
@@ -295,6 +304,8 @@ async def measure_run(
         else:
             workers.send("go")
             await asyncio.sleep(0.3)  # let them subscribe and go idle: a realistic start
+        if hook is not None:
+            await hook.start()
         meter = RedisMeter(queue.redis, server.proc.pid, ignore=POLLING)
         await meter.start()
         t0, producer0 = time.time(), time.process_time()
@@ -305,6 +316,7 @@ async def measure_run(
         submitted, producer1 = time.time(), time.process_time()
         end = await wait_logged(queue, 3 * n, args.timeout)
         redis_side = await meter.stop(n)
+        extra = {} if hook is None else await hook.stop(end)
         stats = workers.stop()
     finally:
         workers.kill()
@@ -328,6 +340,7 @@ async def measure_run(
         "aof_bytes_per_job": redis_side["aof_bytes_per_job"],
         "aof_rewrites": redis_side["aof_rewrites"],
         "commands": work,
+        **extra,
     }
 
 
