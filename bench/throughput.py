@@ -70,7 +70,9 @@ from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker, WorkerStats
 
 PHASES = ("enqueue", "single", "e2e", "drain", "baseline", "baseline-drain", "aof-off")
-POLLING = frozenset({"xlen", "xrevrange"})  # wait_logged's, left out of the command counts
+POLLING = frozenset(
+    {"xlen", "xrevrange", "xinfo|stream"}
+)  # wait_logged's, left out of the command counts
 _decode = msgspec.json.Decoder().decode
 
 
@@ -249,11 +251,23 @@ async def submit_single(queue: Queue, jobs: Sequence[JobSpec], in_flight: int) -
     await asyncio.gather(*(one_at_a_time() for _ in range(in_flight)))
 
 
-async def wait_logged(queue: Queue, entries: int, timeout: float) -> float:
+async def wait_logged(queue: Queue, entries: int, timeout: float, added: bool = False) -> float:
     """Wait until the shard logs hold ``entries`` transitions; return the time (s, Redis's
     clock) of the newest one. Polled every 10 ms: the time comes from the entry ids, so the
-    poll interval does not enter the figure."""
+    poll interval does not enter the figure. ``added``: count the entries ever added to the
+    logs (XINFO STREAM), for a run with a persister, which deletes what it has written."""
     keys = queue.keys
+    if added:
+        async with asyncio.timeout(timeout):
+            while True:
+                pipe = queue.redis.pipeline(transaction=False)
+                for s in range(keys.shards):
+                    pipe.execute_command("XINFO", "STREAM", keys.log(s))
+                infos = [_pairs(i) for i in await pipe.execute()]
+                if sum(int(i[b"entries-added"]) for i in infos) >= entries:
+                    last = [i[b"last-generated-id"] for i in infos]
+                    return max(int(x.split(b"-")[0]) for x in last) / 1000
+                await asyncio.sleep(0.01)
     async with asyncio.timeout(timeout):
         while True:
             pipe = queue.redis.pipeline(transaction=False)
@@ -267,6 +281,12 @@ async def wait_logged(queue: Queue, entries: int, timeout: float) -> float:
         pipe.xrevrange(keys.log(s), count=1)
     newest = [int(rows[0][0].split(b"-")[0]) for rows in await pipe.execute() if rows]
     return max(newest) / 1000
+
+
+def _pairs(reply: Any) -> dict[bytes, Any]:
+    if isinstance(reply, dict):
+        return {k if isinstance(k, bytes) else str(k).encode(): v for k, v in reply.items()}
+    return {reply[i]: reply[i + 1] for i in range(0, len(reply), 2)}
 
 
 async def measure_enqueue(queue: Queue, args: argparse.Namespace, single: bool) -> float:
@@ -314,7 +334,7 @@ async def measure_run(
         else:
             await submit_batches(queue, jobs, args.batch)
         submitted, producer1 = time.time(), time.process_time()
-        end = await wait_logged(queue, 3 * n, args.timeout)
+        end = await wait_logged(queue, 3 * n, args.timeout, added=hook is not None)
         redis_side = await meter.stop(n)
         extra = {} if hook is None else await hook.stop(end)
         stats = workers.stop()
