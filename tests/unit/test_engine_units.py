@@ -111,6 +111,16 @@ def test_ulids_sort_by_time() -> None:
     assert len(ulid()) == 26
 
 
+@given(st.integers(0, 2**48 - 1), st.binary(min_size=10, max_size=10))
+def test_ulid_digits_match_the_plain_base32_encoding(ms: int, entropy: bytes) -> None:
+    """ulid() builds its digits from 10-bit pairs: the same as encoding the 128-bit number 5
+    bits at a time, most significant first."""
+    value = ms << 80 | int.from_bytes(entropy, "big")
+    crockford = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    plain = "".join(crockford[(value >> (5 * i)) & 31] for i in reversed(range(26)))
+    assert ulid(ms, entropy) == plain
+
+
 def test_shard_for_is_stable() -> None:
     keys = Keys("jt", 16)
     assert keys.shard_for("tenant", "key") == keys.shard_for("tenant", "key")
