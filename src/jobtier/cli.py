@@ -356,6 +356,9 @@ BENCHMARKS = {
     "schedule": "start lateness of 100K delayed jobs and of a burst of 10K due at once",
     "shutdown": "a worker's time from SIGTERM to exit against --grace, every slot busy",
     "history_rows": "history rows Postgres keeps per demo sleep job, progress coalesced or not",
+    "transitions": "a job's Redis CPU, commands and AOF bytes per transition and command, two versions",
+    "memory": "Redis bytes per job by state and payload size, both hash encodings, two versions",
+    "nearcache_memory": "the near cache's memory per 100K status documents",
 }
 
 
