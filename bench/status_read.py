@@ -262,7 +262,12 @@ def gc_lines(api: ApiProcess) -> list[list[float]]:
     out = []
     for line in api.log.read_text(errors="replace").splitlines():
         if line.startswith("GCSTATS "):
-            out.append([float(x) for x in line.split()[1:]])
+            try:
+                out.append([float(x) for x in line.split()[1:]])
+            except ValueError:
+                # two server processes share the log: a line torn by the other's write is
+                # skipped (the counters are cumulative: the next line carries them)
+                continue
     return out
 
 
