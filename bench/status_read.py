@@ -263,11 +263,13 @@ def gc_lines(api: ApiProcess) -> list[list[float]]:
     for line in api.log.read_text(errors="replace").splitlines():
         if line.startswith("GCSTATS "):
             try:
-                out.append([float(x) for x in line.split()[1:]])
+                row = [float(x) for x in line.split()[1:]]
             except ValueError:
-                # two server processes share the log: a line torn by the other's write is
-                # skipped (the counters are cumulative: the next line carries them)
-                continue
+                row = []
+            # two server processes share the log: a line torn by the other's write is
+            # skipped (the counters are cumulative: the next line carries them)
+            if len(row) == 8:
+                out.append(row)
     return out
 
 
