@@ -87,7 +87,14 @@ class Watcher:
         return self.running[job_id]
 
 
-def start_process(kind: str, url: str, shards: int) -> subprocess.Popen[bytes]:
+def queue_names(n: int) -> list[str]:
+    """The queues the worker serves: ``default`` (the demo tasks') and n - 1 more."""
+    return ["default", *(f"q{i}" for i in range(1, n))]
+
+
+def start_process(
+    kind: str, url: str, shards: int, queues: list[str] | None = None
+) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "JOBTIER_REDIS_URL": url,
@@ -95,6 +102,8 @@ def start_process(kind: str, url: str, shards: int) -> subprocess.Popen[bytes]:
         "JOBTIER_LOG_LEVEL": "WARNING",
     }
     args = ["worker", "jobtier.demo", "--concurrency", "50"] if kind == "worker" else [kind]
+    if kind == "worker" and queues:
+        args += ["--queues", ",".join(queues)]
     return subprocess.Popen(
         [sys.executable, "-m", "jobtier.cli", *args], env=env, start_new_session=True
     )
@@ -116,10 +125,11 @@ async def measure_pickup(
 ) -> dict[str, Any]:
     rng = random.Random(1)
     pickup, pickup_redis, submit_rtt = [], [], []
-    for _ in range(args.jobs):
+    names = queue_names(args.queues)
+    for i in range(args.jobs):
         await asyncio.sleep(rng.uniform(args.pause_min, args.pause_max))
         sent = time.perf_counter()
-        job = await queue.submit("echo", {"x": 1})
+        job = await queue.submit("echo", {"x": 1}, queue=names[i % len(names)])
         ack = time.perf_counter()
         run_perf, _, status = await watcher.wait(job.job_id)
         pickup.append(1000 * (run_perf - ack))
@@ -164,7 +174,9 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         procs: dict[str, subprocess.Popen[bytes]] = {}
         try:
             async with await Queue.connect(settings) as queue:
-                procs["worker"] = start_process("worker", server.url, args.shards)
+                procs["worker"] = start_process(
+                    "worker", server.url, args.shards, queue_names(args.queues)
+                )
                 procs["scheduler"] = start_process("scheduler", server.url, args.shards)
                 await wait_subscribers(queue, 2)
                 watcher = Watcher()
@@ -212,7 +224,8 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
 def render(s: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -> str:
     out = [header_markdown("Pickup latency and idle cost", env)]
     out.append(
-        f"One `jobtier worker jobtier.demo` (concurrency 50) and one `jobtier scheduler`, "
+        f"One `jobtier worker jobtier.demo` (concurrency 50, serving {args.queues} queue(s), "
+        f"the jobs spread over them) and one `jobtier scheduler`, "
         f"{args.shards} shards, Redis with AOF on (everysec). Immediate jobs: a random pause of "
         f"{args.pause_min * 1000:.0f}-{args.pause_max * 1000:.0f} ms before each submit, so the "
         f"worker is idle each time. Target: p99 < 50 ms.\n"
@@ -249,6 +262,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pause-max", type=float, default=0.06, help="s before a submit (0.06)")
     p.add_argument("--idle", type=float, default=10.0, help="idle period measured, s (10)")
     p.add_argument("--shards", type=int, default=16, help="logical shards (16)")
+    p.add_argument(
+        "--queues", type=int, default=1, help="queues the worker serves, jobs spread over them (1)"
+    )
     p.add_argument("--quick", action="store_true", help="100 jobs, 50 delayed, 3 s idle")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     args = p.parse_args(argv)
@@ -267,9 +283,8 @@ def run(argv: list[str] | None = None) -> None:
     text = render(summary, args, env)
     print(text)
     if not args.no_save:
-        paths = save(
-            "pickup", {**env, "arguments": vars(args), "summary": summary, "raw": raw}, text
-        )
+        name = "pickup" if args.queues <= 1 else f"pickup-{args.queues}-queues"
+        paths = save(name, {**env, "arguments": vars(args), "summary": summary, "raw": raw}, text)
         print(f"\nsaved {paths[0]} and {paths[1]}")
 
 

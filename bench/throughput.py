@@ -63,8 +63,8 @@ from common import (
 from jobtier.config import Settings
 from jobtier.dev.redis import LocalRedis
 from jobtier.errors import Code
-from jobtier.model import encode_json
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec, QueueLimits, encode_json
+from jobtier.queue import Queue
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker, WorkerStats
@@ -162,7 +162,9 @@ async def _child(args: argparse.Namespace) -> None:
     if args.child == "baseline":
         worker = BaselineWorker(queue, registry, args.concurrency, args.name)
     else:
-        worker = Worker(queue, registry, concurrency=args.concurrency, name=args.name)
+        worker = Worker(
+            queue, registry, concurrency=args.concurrency, name=args.name, queues=args.queue_names
+        )
     print("ready", flush=True)
     await loop.run_in_executor(None, sys.stdin.readline)  # go
     cpu0 = os.times()
@@ -197,7 +199,7 @@ class Workers:
             cmd = [
                 sys.executable, __file__, "--child", kind, "--url", url,
                 "--shards", str(args.shards), "--concurrency", str(args.concurrency),
-                "--name", f"bench-{kind}-{i}",
+                "--name", f"bench-{kind}-{i}", "--queues", str(args.queues),
             ]  # fmt: skip
             self.procs.append(
                 subprocess.Popen(
@@ -232,8 +234,21 @@ class Workers:
 
 
 # --- producer side ------------------------------------------------------------------------------
-def specs(n: int) -> list[JobSpec]:
-    return [JobSpec(type="noop", payload={"n": i}) for i in range(n)]
+def queue_names(n: int) -> list[str]:
+    return ["default"] if n <= 1 else [f"q{i}" for i in range(n)]
+
+
+def specs(n: int, queues: Sequence[str] = ("default",)) -> list[JobSpec]:
+    """n no-op jobs, spread round-robin over ``queues``."""
+    return [JobSpec(type="noop", payload={"n": i}, queue=queues[i % len(queues)]) for i in range(n)]
+
+
+async def set_limits(queue: Queue, args: argparse.Namespace) -> None:
+    if args.queue_concurrency is None and args.queue_rate is None:
+        return
+    limits = QueueLimits(concurrency=args.queue_concurrency, rate=args.queue_rate, per=1.0)
+    for name in args.queue_names:
+        await queue.set_limits(name, limits)
 
 
 async def submit_batches(queue: Queue, jobs: Sequence[JobSpec], batch: int) -> None:
@@ -315,8 +330,9 @@ async def measure_run(
     added to the result."""
     assert server.proc is not None
     n = args.jobs
-    jobs = specs(n)
+    jobs = specs(n, args.queue_names)
     await fresh(queue.redis)
+    await set_limits(queue, args)
     workers = Workers(kind, server.url, args)
     try:
         if prefill:
@@ -511,6 +527,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=500, help="jobs per submit_many call (500)")
     p.add_argument("--in-flight", type=int, default=50, help="concurrent single submits (50)")
     p.add_argument(
+        "--queues", type=int, default=1, help="queues the jobs are spread over, all served (1)"
+    )
+    p.add_argument(
+        "--queue-concurrency", type=int, help="a global concurrency limit on every queue"
+    )
+    p.add_argument("--queue-rate", type=int, help="a rate limit on every queue, starts per second")
+    p.add_argument(
         "--phases",
         default=",".join(PHASES),
         help=f"comma-separated subset of {','.join(PHASES)} (default: all)",
@@ -523,6 +546,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", help=argparse.SUPPRESS)
     p.add_argument("--name", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.queue_names = queue_names(args.queues)
     if args.quick:
         args.jobs, args.runs = min(args.jobs, 5_000), 1
     return args

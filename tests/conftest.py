@@ -7,4 +7,5 @@ pytest_plugins = [
     "tests.fixtures.cluster",
     "tests.fixtures.postgres",
     "tests.fixtures.hangs",
+    "tests.fixtures.receiver",
 ]

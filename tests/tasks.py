@@ -105,3 +105,16 @@ async def thumbnail(ctx: JobContext, payload: Thumbnail) -> dict[str, Any]:
 
 
 registry.add(thumbnail)
+
+
+def big_rows(n: int) -> dict[str, Any]:
+    """A result of about 110 bytes a row, with characters JSON escapes or that are multi-byte."""
+    return {"rows": [{"i": i, "text": 'é\u2028 " \\ x' * 7} for i in range(n)], "end": None}
+
+
+@task(retries=0)
+async def big_result(ctx: JobContext, payload: int) -> dict[str, Any]:
+    return big_rows(payload)
+
+
+registry.add(big_result)

@@ -71,5 +71,6 @@ CLAIM = BackoffPolicy(first=0.05, cap=5.0)  # a worker's claims while Redis is a
 REPORT = BackoffPolicy(first=0.05, cap=5.0)  # a worker's outcomes (kept, sent again)
 SCHEDULER = BackoffPolicy(first=0.05, cap=5.0)  # promote / reclaim / fire passes
 SUBSCRIBE = BackoffPolicy(first=0.05, cap=2.0)  # shard-channel subscriptions (push stalls)
+STARTUP = BackoffPolicy(first=0.1, cap=5.0)  # start-up, while a restarted Redis loads its data
 PERSIST_REDIS = BackoffPolicy(first=0.1, cap=5.0)  # the persister reading the logs
 PERSIST_POSTGRES = BackoffPolicy(first=0.1, cap=5.0)  # a batch waiting for Postgres

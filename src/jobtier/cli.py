@@ -16,7 +16,7 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from jobtier import logs
+from jobtier import cli_admin, logs
 from jobtier.config import Settings, settings_table
 from jobtier.errors import ConfigError
 from jobtier.keys import Keys
@@ -251,6 +251,27 @@ def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
     return _run_async(main)
 
 
+def cmd_dispatcher(args: argparse.Namespace, settings: Settings) -> int:
+    from jobtier.connection import connect
+    from jobtier.dispatch.dispatcher import Dispatcher
+    from jobtier.persist.db import create_pool
+
+    async def main() -> int:
+        redis = connect(settings)
+        pool = await create_pool(settings.database_url, min_size=0, max_size=4)
+        try:
+            dispatcher = Dispatcher(settings, redis, pool, args.name or default_name("dispatcher"))
+            _on_signals(dispatcher.stop)
+            async with MetricsPublisher(redis, dispatcher.keys, "dispatcher", [dispatcher]):
+                await dispatcher.run()
+        finally:
+            await pool.close()
+            await redis.aclose()
+        return 0
+
+    return _run_async(main)
+
+
 def cmd_prune(args: argparse.Namespace, settings: Settings) -> int:
     import asyncpg
 
@@ -284,7 +305,7 @@ def cmd_prune(args: argparse.Namespace, settings: Settings) -> int:
     return _run_async(main)
 
 
-ROLES = ("api", "worker", "scheduler", "persister", "run")
+ROLES = ("api", "worker", "scheduler", "persister", "dispatcher", "run")
 
 
 def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
@@ -359,6 +380,9 @@ BENCHMARKS = {
     "transitions": "a job's Redis CPU, commands and AOF bytes per transition and command, two versions",
     "memory": "Redis bytes per job by state and payload size, both hash encodings, two versions",
     "nearcache_memory": "the near cache's memory per 100K status documents",
+    "chaos": "every process and server killed at random under load, then every job audited",
+    "cancel": "request-to-cancelled latency of a running job, pushed against heartbeat-only",
+    "webhooks": "webhook deliveries per second to a loopback receiver; job throughput with and without the dispatcher",
 }
 
 
@@ -377,6 +401,11 @@ def cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 2
     return subprocess.call([sys.executable, str(program), *args.args])
+
+
+def cmd_admin(args: argparse.Namespace, settings: Settings) -> int:
+    """``jobs``, ``dead-letters``, ``queues``: through the HTTP API (cli_admin.py)."""
+    return cli_admin.run(args)
 
 
 def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
@@ -526,6 +555,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_persister)
 
     p = sub.add_parser(
+        "dispatcher",
+        help="send webhooks: signed POSTs of job transitions, retried for hours",
+        description="Follow the shards' transition logs as the dispatchers' consumer group and "
+        "deliver webhooks: a job's own callback (its submit's `callback`) and the tenant's "
+        "subscriptions (/v1/webhooks), signed the Standard Webhooks way with the tenant's "
+        "secret. Deliveries and every attempt are recorded in Postgres (GET "
+        "/v1/jobs/{id}/deliveries); a failed one is retried on JOBTIER_WEBHOOK_RETRY_SCHEDULE. "
+        "Callback URLs must resolve to public addresses unless JOBTIER_WEBHOOK_ALLOWED_HOSTS "
+        "names them. Run several: they share the logs as one group and the deliveries through "
+        "Postgres, and a dead one's work is taken over. Needs JOBTIER_REDIS_URL and "
+        "JOBTIER_DATABASE_URL (migrated).",
+    )
+    p.add_argument(
+        "--name", help="consumer name (default: dispatcher-host-pid); reuse it after a restart"
+    )
+    p.set_defaults(func=cmd_dispatcher)
+
+    p = sub.add_parser(
         "prune",
         help="apply the Postgres retention now (persisters also do it, hourly by default)",
         description="Apply the retention settings to JOBTIER_DATABASE_URL once: create the "
@@ -571,7 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
         "to Redis within --max-age seconds (every process does so every 2 s from its event "
         "loop, so a hung loop or a lost Redis connection fails the check), else 1 with the "
         "reason. For container health checks of the processes that serve no port: worker, "
-        "scheduler, persister.",
+        "scheduler, persister, dispatcher.",
     )
     p.add_argument("role", choices=ROLES, metavar="ROLE", help=", ".join(ROLES))
     p.add_argument(
@@ -590,6 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--table", action="store_true", help="print every setting as a markdown table")
     p.set_defaults(func=cmd_config)
+
+    cli_admin.add_commands(sub, cmd_admin)
     return parser
 
 

@@ -156,6 +156,42 @@ class Settings:
         3600.0, "How often a persister prunes Postgres and creates history partitions ahead."
     )
 
+    # --- Webhooks (jobtier dispatcher) -------------------------------------------------------
+    webhook_allowed_hosts: str = _setting(
+        "",
+        "Callback hosts exempt from the address check (comma-separated host names, IPs or "
+        "CIDR networks), e.g. 127.0.0.1 for a development receiver; others may not resolve to "
+        "a loopback, private, link-local, metadata or otherwise non-public address.",
+    )
+    webhook_timeout_seconds: float = _setting(
+        15.0, "A delivery attempt's time limit (connect, send, answer), in seconds."
+    )
+    webhook_max_response_bytes: int = _setting(
+        65536,
+        "Most bytes of a receiver's answer read (the rest is dropped, the connection closed).",
+    )
+    webhook_retry_schedule: str = _setting(
+        "5,300,1800,7200,18000,36000,50400,72000,86400",
+        "Seconds before each retry of a failed delivery, comma-separated (±10 % jitter; a "
+        "Retry-After answer may lengthen one); after the last the delivery has failed.",
+    )
+    webhook_concurrency: int = _setting(64, "Delivery attempts a dispatcher has in flight at once.")
+    webhook_secret_overlap_seconds: int = _setting(
+        86400,
+        "After a secret rotation, deliveries are signed with the previous secret too this long.",
+    )
+
+    # --- Results kept outside Redis ---------------------------------------------------------
+    result_store: str = _setting(
+        "",
+        "Where results over JOBTIER_RESULT_STORE_THRESHOLD_BYTES are kept instead of Redis: '' "
+        "(none: every result stays in Redis) or 'postgres' (JOBTIER_DATABASE_URL: workers then "
+        "connect to Postgres).",
+    )
+    result_store_threshold_bytes: int = _setting(
+        65536, "Results larger than this go to JOBTIER_RESULT_STORE (when one is set)."
+    )
+
     # --- Operations ------------------------------------------------------------------------
     metrics_public: bool = _setting(
         False, "Serve /metrics without the admin key (for scrapers on a private network)."
@@ -211,6 +247,19 @@ class Settings:
                 problems.append(f"JOBTIER_{name.upper()} must be more than 0 and at most 1")
         if self.prune_interval_seconds < 1:
             problems.append("JOBTIER_PRUNE_INTERVAL_SECONDS must be at least 1")
+        try:
+            self.webhook_retry_delays()
+        except ValueError:
+            problems.append(
+                "JOBTIER_WEBHOOK_RETRY_SCHEDULE must be comma-separated non-negative seconds"
+            )
+        if self.webhook_timeout_seconds <= 0 or self.webhook_concurrency < 1:
+            problems.append(
+                "JOBTIER_WEBHOOK_TIMEOUT_SECONDS must be positive and "
+                "JOBTIER_WEBHOOK_CONCURRENCY at least 1"
+            )
+        if self.result_store not in ("", "postgres"):
+            problems.append("JOBTIER_RESULT_STORE must be '' (none) or 'postgres'")
         if self.log_format not in ("text", "json"):
             problems.append("JOBTIER_LOG_FORMAT must be text or json")
         if not self.prefix or any(c in self.prefix for c in "{} "):
@@ -231,6 +280,13 @@ class Settings:
                 raise ConfigError(f"JOBTIER_API_KEYS entry {item[:4]}… is not 'key:tenant'")
             keys[key] = tenant
         return keys
+
+    def webhook_retry_delays(self) -> list[float]:
+        """``webhook_retry_schedule`` parsed: seconds before each retry."""
+        delays = [float(p) for p in self.webhook_retry_schedule.split(",") if p.strip()]
+        if any(not 0 <= d < 1e9 for d in delays):
+            raise ValueError(self.webhook_retry_schedule)
+        return delays
 
     def public(self) -> dict[str, Any]:
         """The values in effect, with secrets masked (for logs and `jobtier config`)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,11 +15,11 @@ from redis.asyncio.connection import Connection
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
+from redis.exceptions import BusyLoadingError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from jobtier.backoff import SUBSCRIBE
+from jobtier.backoff import STARTUP, SUBSCRIBE
 from jobtier.config import Settings
 from jobtier.errors import ConfigError
 
@@ -27,6 +28,7 @@ log = logging.getLogger("jobtier.redis")
 RedisClient = Redis | RedisCluster
 
 EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+STARTUP_PATIENCE = 30.0  # seconds a starting process waits for a Redis that does not answer
 
 
 class FastConnection(Connection):
@@ -98,6 +100,10 @@ async def check_redis(
 ) -> list[str]:
     """Refuse a Redis that can lose acknowledged jobs. Returns warnings; raises ConfigError.
 
+    A Redis still loading its data (LOADING) is waited for, and one that does not answer
+    for up to ``STARTUP_PATIENCE`` seconds (restarting as this process starts) too, logging
+    one line per try; past that, a Redis that cannot be reached is a ConfigError.
+
     An evicting memory policy silently drops job hashes and queues under memory pressure,
     and without AOF a restart forgets everything since the last snapshot.
 
@@ -105,13 +111,40 @@ async def check_redis(
     the like until it is done, and reports ``aof_enabled:0`` meanwhile: Redis turns AOF off
     while it replays the file), with its progress logged every ``log_every`` seconds.
     """
-    try:
-        await _wait_loaded(redis, settings, log_every)
-        version = await _info_values(redis, "server", "redis_version")
-        policies = await _info_values(redis, "memory", "maxmemory_policy")
-        aof = await _info_values(redis, "persistence", "aof_enabled")
-    except RedisError as exc:
-        raise ConfigError(unreachable_message(settings, exc)) from exc
+    backoff, since = STARTUP.start(), time.monotonic()
+    logged = -log_every
+    while True:
+        try:
+            version = await _info_values(redis, "server", "redis_version")
+            policies = await _info_values(redis, "memory", "maxmemory_policy")
+            # One snapshot for both: INFO is answered while loading (on a connection opened
+            # before), and until the load ends aof_enabled reads 0 — read apart, a load ending
+            # in between looked like a Redis without AOF.
+            persistence = await _info(redis, "persistence")
+            if any(str(node.get("loading")) == "1" for node in persistence):
+                if time.monotonic() - logged >= log_every:
+                    logged = time.monotonic()
+                    done = ",".join(str(n.get("loading_loaded_perc", "?")) for n in persistence)
+                    log.warning(
+                        "event=redis_loading url=%s percent=%s: Redis is loading its data "
+                        "after a restart; waiting for it",
+                        settings.redis_url, done,
+                    )  # fmt: skip
+                raise BusyLoadingError("Redis is loading the dataset in memory")
+            aof = [str(node.get("aof_enabled", "")) for node in persistence]
+            break
+        except BusyLoadingError:
+            # a restarted Redis reading its AOF: it will serve once loaded, so wait for it
+            # rather than exit (a supervisor would only start us again into the same wait)
+            await asyncio.sleep(min(backoff.next(), 0.5))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            if time.monotonic() - since > STARTUP_PATIENCE:
+                raise ConfigError(unreachable_message(settings, exc)) from exc
+            wait = backoff.next()
+            log.warning("event=redis_unreachable action=waiting retry_in=%.1fs error=%r", wait, exc)
+            await asyncio.sleep(wait)
+        except RedisError as exc:
+            raise ConfigError(unreachable_message(settings, exc)) from exc
     problems, warnings = [], []
     if any(int(v.split(".")[0]) < 7 for v in version):
         problems.append(f"Redis {', '.join(sorted(set(version)))} is too old: jobtier needs 7.0+")
@@ -139,31 +172,16 @@ async def check_redis(
     return warnings
 
 
-async def _wait_loaded(redis: RedisClient, settings: Settings, log_every: float) -> None:
-    """Return once no node reports ``loading:1`` (INFO answers while Redis loads)."""
-    loop = asyncio.get_running_loop()
-    logged = -log_every
-    while True:
-        loading = await _info_values(redis, "persistence", "loading")
-        if "1" not in loading:
-            return
-        if loop.time() - logged >= log_every:
-            logged = loop.time()
-            done = await _info_values(redis, "persistence", "loading_loaded_perc")
-            log.info(
-                "event=redis_loading url=%s percent=%s: Redis is loading its data after a "
-                "restart; waiting for it",
-                settings.redis_url, ",".join(done),
-            )  # fmt: skip
-        await asyncio.sleep(0.1)
+async def _info(redis: RedisClient, section: str) -> list[dict[str, Any]]:
+    """One INFO section of every primary, one dict per node."""
+    if isinstance(redis, RedisCluster):  # {node name: {field: value}}
+        per_node = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
+        return list(per_node.values())
+    return [await redis.info(section)]
 
 
 async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
-    if isinstance(redis, RedisCluster):  # {node name: {field: value}}
-        per_node = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
-        return [str(node_info.get(field, "")) for node_info in per_node.values()]
-    info = await redis.info(section)
-    return [str(info.get(field, ""))]
+    return [str(node.get(field, "")) for node in await _info(redis, section)]
 
 
 def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str, int], list[str]]:

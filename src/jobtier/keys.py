@@ -7,6 +7,8 @@ one shard and Redis Cluster places whole shards on nodes by itself.
 Per shard::
 
     jt:{s}:job:<id>          hash   the job record, including its rendered status document
+    jt:{s}:lines:<id>        list   the job's latest log lines (ctx.log; JSON each), expiring
+                                    with the job (joblog.lua)
     jt:{s}:q:<queue>:<priority>:<tenant>
                              list   ready jobs (LPUSH new, RPOP oldest: FIFO)
     jt:{s}:ring:<queue>:<priority>
@@ -37,8 +39,9 @@ Per shard::
     jt:{s}:wake              shard channel: "q <queue>" (a queue had no ready job and
                              now has some, or parked ones), "l <queue>" (permits of a
                              limited queue came free), "s <ms>" (an
-                             earlier run-at to wake the scheduler for) or "c <ms>" (a
-                             schedule's next firing)
+                             earlier run-at to wake the scheduler for), "c <ms>" (a
+                             schedule's next firing) or "x <job id> <worker id>" (a
+                             cancel was requested for a job that worker runs)
 
 Before named queues, ready jobs waited in ``jt:{s}:q:<priority>`` with the rotation cursor in
 ``jt:{s}:wrr``; ``lua/upgrade.lua`` moves them into the layout above (schedulers run it).
@@ -122,6 +125,10 @@ class Keys:
 
     def job_in(self, shard: int, job_id: str) -> str:
         return f"{self._bases[shard]}job:{job_id}"
+
+    def lines(self, job_id: str) -> str:
+        """list: the job's log lines (``ctx.log``)."""
+        return f"{self._bases[self.shard_of(job_id)]}lines:{job_id}"
 
     def ready(self, shard: int, queue: str, priority: str, tenant: str) -> str:
         return f"{self._bases[shard]}q:{queue}:{priority}:{tenant}"

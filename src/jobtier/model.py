@@ -48,9 +48,35 @@ DEFAULT_QUEUE = "default"
 QUEUE_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
-class JobError(msgspec.Struct, frozen=True):
+class JobError(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Why an attempt failed (or, for a cancelled job, that it was cancelled).
+
+    ``type`` is the exception's class name (``Cancelled`` for a cancelled job, ``LeaseExpired``
+    when the worker vanished); ``message`` its text, at most 2,000 characters; ``traceback``
+    the formatted traceback of an exception a task raised, bounded: its last 20 frames (of
+    each exception in a chain) and at most 4,000 characters, the innermost part kept
+    (worker/attempt.py). Absent for errors no exception raised (a refused result, a lease
+    that expired).
+    """
+
     type: str
     message: str
+    traceback: str | None = None
+
+
+class LogLine(msgspec.Struct, frozen=True):
+    """One line a task logged with ``ctx.log()``: when (ISO 8601, UTC), in which attempt."""
+
+    at: str
+    attempt: int
+    message: str
+
+
+class JobLogs(msgspec.Struct, frozen=True):
+    """``GET /v1/jobs/{id}/logs``: the job's latest log lines, oldest first."""
+
+    id: str
+    lines: list[LogLine]
 
 
 class JobStatus(msgspec.Struct, frozen=True):
@@ -75,10 +101,39 @@ class JobStatus(msgspec.Struct, frozen=True):
     cancel_requested: bool = False
     worker: str | None = None
     queue: str = DEFAULT_QUEUE
+    # a succeeded job whose result is kept outside Redis (JOBTIER_RESULT_STORE): where to
+    # read it; absent otherwise
+    result_url: str | None = None
 
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
+
+
+class Transition(msgspec.Struct, frozen=True):
+    """One change of a job's status document, as ``GET /v1/jobs/{id}/history`` lists it.
+
+    ``worker`` is who made the change: a worker id, or ``api``, ``scheduler``, ``admin``.
+    Progress reports and cancel requests are changes too (``from_state == to_state``).
+    """
+
+    version: int
+    from_state: State | None
+    to_state: State
+    at: datetime
+    worker: str
+    attempt: int
+    error: JobError | None = None
+    progress: Any = None
+    cancel_requested: bool = False
+
+
+class CallbackSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A job's own webhook: ``url`` receives its terminal state, or every transition with
+    ``events="all"``, signed with the tenant's secret (see the README's Webhooks)."""
+
+    url: str
+    events: str = "terminal"
 
 
 class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -99,6 +154,7 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue: str | None = None
     concurrency_key: str | None = None
     concurrency_limit: int | None = None
+    callback: CallbackSpec | None = None
 
 
 class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):

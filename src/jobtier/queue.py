@@ -91,6 +91,7 @@ class Queue:
         # where submits find a task's queue, attempts and payload check: the tasks this
         # process imports (a TaskRegistry), or what the workers advertise (catalog.py)
         self.registry = registry
+        self._results: Any = None  # the result store, opened by the first stored result read
         self.require_known = require_known  # refuse a type the registry does not know
 
     @classmethod
@@ -109,6 +110,8 @@ class Queue:
         return queue
 
     async def close(self) -> None:
+        if self._results is not None:
+            await self._results.close()
         await self.redis.aclose()
 
     async def __aenter__(self) -> Queue:
@@ -388,7 +391,29 @@ class Queue:
         )
         if doc is None or (tenant is not None and owner != tenant.encode()):
             raise JobNotFound(job_id)
+        if isinstance(result, bytes) and result[:1] == b"@":  # kept in the result store
+            result = await self._stored_result(result[1:].decode())  # (persist/results.py)
         return decode_status(doc), msgspec.json.decode(result) if result else None
+
+    async def result_raw(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, bytes]:
+        """(status, the result's JSON as stored: b"" for none); for a result kept in the
+        result store, b"" too, and the status's ``result_url`` says where it is."""
+        self._check_id(job_id)
+        owner, doc, result = await self.redis.hmget(
+            self.keys.job(job_id), "tenant", "doc", "result"
+        )
+        if doc is None or (tenant is not None and owner != tenant.encode()):
+            raise JobNotFound(job_id)
+        raw = result if isinstance(result, bytes) and result[:1] != b"@" else b""
+        return decode_status(doc), raw
+
+    async def _stored_result(self, ref: str) -> bytes | None:
+        from jobtier.persist.results import PostgresResultStore  # only if results are stored
+
+        if self._results is None:
+            self._results = await PostgresResultStore.connect(self.settings.database_url)
+        data: bytes | None = await self._results.get(ref)
+        return data
 
     async def payload(self, job_id: str) -> Any:
         self._check_id(job_id)
@@ -429,11 +454,17 @@ class Queue:
             raise TransitionRefused(code, job_id, "is not in the dead-letter set")
         return bytes(doc)
 
-    async def dead_letters(self, limit: int = 100, *, type: str | None = None) -> list[JobStatus]:
-        """The most recently dead-lettered jobs still held by Redis, newest first."""
+    async def dead_letters(
+        self, limit: int = 100, *, type: str | None = None, since: datetime | None = None
+    ) -> list[JobStatus]:
+        """The most recently dead-lettered jobs still held by Redis, newest first: of one
+        ``type``, dead-lettered at or after ``since``, when given."""
+        low = "-inf" if since is None else int(since.timestamp() * 1000)
         pipe = self.redis.pipeline(transaction=False)
         for shard in range(self.keys.shards):
-            pipe.zrevrange(self.keys.dead(shard), 0, limit - 1, withscores=True)
+            pipe.zrevrangebyscore(
+                self.keys.dead(shard), "+inf", low, start=0, num=limit, withscores=True
+            )
         entries = [
             (score, member.decode(), shard)
             for shard, rows in enumerate(await pipe.execute())
@@ -454,16 +485,39 @@ class Queue:
                 break
         return out
 
-    async def replay_many(self, *, type: str | None = None, limit: int = 1000) -> list[str]:
-        """Replay dead-lettered jobs (optionally of one type); returns the ids replayed."""
+    async def replay_many(
+        self, *, type: str | None = None, since: datetime | None = None, limit: int = 1000
+    ) -> list[str]:
+        """Replay dead-lettered jobs (of one type, dead-lettered since a time, when given);
+        returns the ids replayed."""
         replayed = []
-        for status in await self.dead_letters(limit, type=type):
+        for status in await self.dead_letters(limit, type=type, since=since):
             try:
                 await self.replay(status.id)
             except (TransitionRefused, JobNotFound):
                 continue  # replayed or expired meanwhile
             replayed.append(status.id)
         return replayed
+
+    async def dead_letter(self, job_id: str) -> tuple[bytes, bytes, list[bytes]]:
+        """One dead-lettered job in full: (status document, payload JSON, log lines JSON);
+        ``JobNotFound`` for a job Redis does not hold in its dead-letter set."""
+        self._check_id(job_id)
+        shard = self.keys.shard_of(job_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zscore(self.keys.dead(shard), job_id)
+        pipe.hmget(self.keys.job_in(shard, job_id), "doc", "payload")
+        pipe.lrange(self.keys.lines(job_id), 0, -1)
+        score, (doc, payload), lines = await pipe.execute()
+        if score is None or doc is None:
+            raise JobNotFound(job_id)
+        return doc, payload or b"null", lines
+
+    async def log_lines(self, job_id: str) -> list[bytes]:
+        """The job's log lines (``ctx.log``) still in Redis, oldest first, JSON each."""
+        self._check_id(job_id)
+        lines = await self.redis.lrange(self.keys.lines(job_id), 0, -1)
+        return [line if isinstance(line, bytes) else line.encode() for line in lines]
 
     async def stats(self) -> dict[str, Any]:
         """Jobs by state, per shard, per queue and in total.

@@ -41,6 +41,65 @@ SCHEDULE_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
 MAX_INTERVAL = 366 * 86400  # seconds
 MAX_ATTEMPTS = 100
 
+# The five cron fields: name, lowest and highest value, and the names allowed for values.
+CRON_FIELDS = (
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day-of-month", 1, 31, ()),
+    ("month", 1, 12, ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
+                      "nov", "dec")),
+    ("day-of-week", 0, 7, ("sun", "mon", "tue", "wed", "thu", "fri", "sat")),
+)  # fmt: skip
+_CRON_ITEM = re.compile(r"^(\*|[0-9A-Za-z]+(?:-[0-9A-Za-z]+)?)(?:/([0-9]+))?$")
+
+
+def cron_problem(expression: str) -> str | None:
+    """What is wrong with a five-field cron expression, naming the field and its range, or
+    None. Each field is a comma-separated list of ``*``, ``a``, ``a-b``, each with an optional
+    ``/step`` (a step from 1 to the field's highest value); months and weekdays may be named
+    (``jan``, ``mon``); day-of-week 0 and 7 are Sunday; ``L`` (last day) in day-of-month and
+    ``a#n`` (the n-th weekday a of the month) in day-of-week are accepted as croniter reads
+    them."""
+    fields = expression.split()
+    if len(fields) != 5:
+        return (
+            f"cron {expression[:100]!r} has {len(fields)} fields; it needs five "
+            "(minute hour day-of-month month day-of-week)"
+        )
+    for text, (name, low, high, names) in zip(fields, CRON_FIELDS, strict=True):
+        where = f"cron {name} field {text[:40]!r}"
+        span = f"{low}-{high}" + (f" or {names[0]}-{names[-1]}" if names else "")
+        for item in text.split(","):
+            if name == "day-of-month" and item.upper() == "L":
+                continue
+            if name == "day-of-week" and re.fullmatch(r"[0-7]#[1-5]", item):
+                continue
+            m = _CRON_ITEM.fullmatch(item)
+            if m is None:
+                return f"{where}: {item[:20]!r} is not *, a value, a range a-b, or one with /step"
+            base, step = m.group(1), m.group(2)
+            if step is not None and not 1 <= int(step) <= high:
+                return f"{where}: step {step} is out of range 1-{high}"
+            if base == "*":
+                continue
+            bounds = base.split("-")
+            values = []
+            for value in bounds:
+                if value.isdigit():
+                    number = int(value)
+                elif value.lower() in names:
+                    number = names.index(value.lower()) + low
+                else:
+                    return f"{where}: {value[:20]!r} is not a value in {span}"
+                if not low <= number <= high:
+                    return f"{where}: {value} is out of range {span}"
+                values.append(number)
+            if len(values) == 2 and values[0] > values[1]:
+                return f"{where}: the range {base} runs backwards"
+    if not croniter.is_valid(expression):
+        return f"cron {expression[:100]!r} is not an expression croniter can read"
+    return None
+
 
 class ScheduleSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A schedule as a client defines it (the body of ``POST /v1/schedules``)."""
@@ -88,12 +147,10 @@ def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
         raise InvalidRequest(f"type must match {TASK_NAME_RE.pattern}", field="type")
     if (spec.cron is None) == (spec.interval is None):
         raise InvalidRequest("give exactly one of cron and interval", field="cron")
-    if spec.cron is not None and (len(spec.cron.split()) != 5 or not croniter.is_valid(spec.cron)):
-        raise InvalidRequest(
-            f"cron {spec.cron[:100]!r} is not a five-field cron expression "
-            "(minute hour day-of-month month day-of-week)",
-            field="cron",
-        )
+    if spec.cron is not None:
+        problem = cron_problem(spec.cron)
+        if problem is not None:
+            raise InvalidRequest(problem, field="cron")
     if spec.interval is not None and spec.interval < min_interval:
         raise InvalidRequest(f"interval must be at least {min_interval} seconds", field="interval")
     if spec.interval is not None and spec.interval > MAX_INTERVAL:

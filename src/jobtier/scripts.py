@@ -30,7 +30,7 @@ from jobtier.model import DEFAULT_QUEUE, ClaimedJob
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (
     "submit", "claim", "heartbeat", "complete", "fail", "stopped",
-    "cancel", "promote", "reclaim", "replay", "fire", "limit", "upgrade",
+    "cancel", "promote", "reclaim", "replay", "fire", "limit", "upgrade", "joblog",
 )  # fmt: skip
 
 
@@ -295,6 +295,15 @@ class Scripts:
         for item in items:
             args.extend(item)
         return (self["stopped"], shard, args)
+
+    def joblog_call(
+        self, shard: int, keep: int, items: Sequence[tuple[str, int, Sequence[bytes]]]
+    ) -> Call:
+        """items: (job id, ttl s, its new log lines); a job keeps its latest ``keep`` lines."""
+        args: list[Any] = [keep, len(items)]
+        for job_id, ttl, lines in items:
+            args += (job_id, ttl, len(lines), *lines)
+        return (self["joblog"], shard, args)
 
     async def cancel(
         self, shard: int, tenant: str, job_id: str, retention_s: int

@@ -25,7 +25,11 @@ from tests.tasks import registry
 
 @pytest.fixture
 async def pg_api(start_api: StartApi, pg_settings: Settings) -> ApiServer:
-    return await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
+    return await start_api(
+        PostgresExtension(pg_settings),
+        database_url=pg_settings.database_url,
+        webhook_allowed_hosts="127.0.0.1",
+    )
 
 
 class Checked:
@@ -88,6 +92,8 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(c, "GET", "/v1/jobs/{job_id}", 304, ids=ids, headers=etag)
         await check(c, "GET", "/v1/jobs/{job_id}/result", 200, ids=ids)
         await check(c, "GET", "/v1/jobs/{job_id}/history", 200, ids=ids)
+        await check(c, "GET", "/v1/jobs/{job_id}/logs", 200, ids=ids)
+        await check(c, "POST", "/v1/jobs/{job_id}/retry", 409, ids=ids)
         await check(c, "GET", "/v1/jobs/{job_id}/events", 200, ids=ids)
         await check(c, "GET", "/v1/jobs", 200, params={"limit": 5})
         waiting = (await check(c, "POST", "/v1/jobs", 202, json={"type": "echo"})).json()
@@ -104,10 +110,33 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(c, "GET", "/v1/jobs/{job_id}/events", 204, ids=ids, headers=finished)
         await check(c, "GET", "/v1/jobs/{job_id}/result", 200, ids=ids)
 
+        await check(c, "GET", "/v1/jobs/{job_id}/result/content", 200, ids=ids)
+        cancelled = {"job_id": waiting["id"]}
+        await check(c, "GET", "/v1/jobs/{job_id}/result/content", 409, ids=cancelled)
+        await check(c, "GET", "/v1/jobs/{job_id}/deliveries", 200, ids=ids)
+        await check(c, "POST", "/v1/webhook-secret", 201)
+        hook = {"url": "http://127.0.0.1:9/hook", "events": "all"}  # no dispatcher: not sent
+        made = (await check(c, "POST", "/v1/webhooks", 201, json=hook)).json()
+        wid = {"webhook_id": made["id"]}
+        metadata = {"url": "http://169.254.169.254/latest/meta-data"}  # refused, not contacted
+        await check(c, "POST", "/v1/webhooks", 422, json=metadata)
+        await check(c, "GET", "/v1/webhooks", 200)
+        await check(c, "GET", "/v1/webhooks/{webhook_id}", 200, ids=wid)
+        await check(c, "GET", "/v1/webhooks/{webhook_id}/deliveries", 200, ids=wid)
+        await check(c, "DELETE", "/v1/webhooks/{webhook_id}", 204, ids=wid)
+        await check(c, "GET", "/v1/webhooks/{webhook_id}", 404, ids=wid)
         dead = {"job_id": failing["id"]}
         await check(admin, "GET", "/v1/admin/dead-letters", 200)
+        await check(
+            admin, "GET", "/v1/admin/dead-letters", 200, params={"since": "2024-01-01T00:00:00Z"}
+        )
+        await check(admin, "GET", "/v1/admin/dead-letters/{job_id}", 200, ids=dead)
+        await check(admin, "GET", "/v1/admin/dead-letters/{job_id}", 404, ids=ids)
         await check(admin, "POST", "/v1/admin/dead-letters/{job_id}/replay", 409, ids=ids)
         await check(admin, "POST", "/v1/admin/dead-letters/{job_id}/replay", 200, ids=dead)
+        await worker_for(queue, registry, burst=True).run()  # it fails again: dead once more
+        await check(c, "POST", "/v1/jobs/{job_id}/retry", 200, ids=dead)
+        await check(c, "POST", "/v1/jobs/{job_id}/retry", 409, ids=dead)
         await check(admin, "POST", "/v1/admin/dead-letters/replay", 200, json={"limit": 5})
         await check(admin, "GET", "/v1/admin/stats", 200)
         q = {"name": "default"}

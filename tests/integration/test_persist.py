@@ -114,10 +114,12 @@ async def test_crash_between_commit_and_ack_is_replayed_without_doubles(
 ) -> None:
     job_ids = await simple_jobs(redis, keys, 200)
 
-    def crash(entries: Sequence[LogEntry], at: float) -> None:
-        raise Crash  # committed, not yet acknowledged
+    class Doomed(Persister):
+        async def _ack(self) -> None:
+            if self._to_ack:
+                raise Crash  # committed, and the process dies before acknowledging
 
-    doomed = Persister(pg_settings, redis, pg_pool, "p1", on_commit=crash)
+    doomed = Doomed(pg_settings, redis, pg_pool, "p1")
     with pytest.raises(Crash):
         await doomed.drain()
     assert (await lag(redis, keys))[0] == 600  # nothing acknowledged
@@ -239,11 +241,10 @@ async def _until(predicate: Any, timeout: float = 30.0) -> None:
 
 
 async def test_consumers_of_stopped_persisters_are_forgotten(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, monkeypatch: pytest.MonkeyPatch
+    pg_settings: Settings, redis: Any, pg_pool: Pool
 ) -> None:
-    import jobtier.persist.persister as persister_module
-
     keys = Keys(pg_settings.prefix, pg_settings.shards)
+    await simple_jobs(redis, keys, 8)
     old = Persister(pg_settings, redis, pg_pool, "persister-old")
     await old.drain()  # its reads make "persister-old" a consumer of every shard's group
 
@@ -252,10 +253,35 @@ async def test_consumers_of_stopped_persisters_are_forgotten(
         return {r["name"].decode() if isinstance(r["name"], bytes) else r["name"] for r in rows}
 
     assert "persister-old" in await consumers()
+    await simple_jobs(redis, keys, 8)
     new = Persister(pg_settings, redis, pg_pool, "persister-new")
     await new.drain()
-    await new._forget_dead_consumers()
-    assert "persister-old" in await consumers()  # idle for less than an hour: kept
-    monkeypatch.setattr(persister_module, "FORGET_IDLE_MS", -1)
-    await new._forget_dead_consumers()
+    assert new.forget_idle_ms >= 120_000
+    assert await new._forget_dead_consumers() == 0  # idle for less than that: kept
+    assert "persister-old" in await consumers()
+    new.forget_idle_ms = 0
+    assert await new._forget_dead_consumers() == keys.shards
     assert await consumers() == {"persister-new"}
+
+
+async def test_a_consumer_holding_entries_is_never_forgotten(
+    pg_settings: Settings, redis: Any, pg_pool: Pool
+) -> None:
+    """Removing a consumer drops its pending entries from the group (they would be trimmed
+    unwritten): one that holds any is kept however long it was idle, and checked in the same
+    atomic step that removes the others."""
+    keys = Keys(pg_settings.prefix, pg_settings.shards)
+    await Persister(pg_settings, redis, pg_pool, "sweeper").setup()
+    job_ids = await simple_jobs(redis, keys, 8)
+    for shard in range(keys.shards):  # a persister that read, then died before writing
+        await redis.xreadgroup(keys.persist_group(), "dead-holder", {keys.log(shard): ">"})
+    sweeper = Persister(pg_settings, redis, pg_pool, "sweeper")
+    sweeper.forget_idle_ms = 0
+    assert await sweeper._forget_dead_consumers() == 0
+    rows = await redis.xinfo_consumers(keys.log(0), keys.persist_group())
+    assert [r["pending"] for r in rows if r["name"] in (b"dead-holder", "dead-holder")] == [6]
+    sweeper.claim_idle_ms = 0
+    await sweeper.drain()  # takes the entries over (then forgets it) and writes them
+    rows = await redis.xinfo_consumers(keys.log(0), keys.persist_group())
+    assert [r["name"] for r in rows] in ([b"sweeper"], ["sweeper"])
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)

@@ -336,8 +336,8 @@ async def test_migration_keeps_every_row_of_an_existing_history(
         await old.execute(query("record_migration"), first_name)
         job_ids = await simple_jobs(redis, keys, 50)
         entries = parsed(await log_entries(redis, keys))
-        # the jobs columns of then: queue came with a later migration
-        then = [c for c in JOB_COLUMNS if c != "queue"]
+        # the jobs columns of then: queue and result_ref came with later migrations
+        then = [c for c in JOB_COLUMNS if c not in ("queue", "result_ref")]
         rows = [r[: len(then)] for r in job_records(collapse(entries))]
         await old.copy_records_to_table("jobs", records=rows, columns=then)
         without_prev = [c for c in TRANSITION_COLUMNS if c != "prev_version"]

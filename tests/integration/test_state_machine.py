@@ -170,7 +170,12 @@ class JobMachine(RuleBasedStateMachine):
         code, state = self.queue.scripts.parse_pairs(reply)[0]
         assert code is expected
         if expected is Code.OK:
-            new = State.SCHEDULED if retryable and job.attempt < job.max_attempts else State.FAILED
+            if job.cancel:  # a pending cancel request wins: no retry, no dead letter
+                new = State.CANCELLED
+            elif retryable and job.attempt < job.max_attempts:
+                new = State.SCHEDULED
+            else:
+                new = State.FAILED
             assert state.decode() == new.value
             self.bump(job, state=new)
 

@@ -158,6 +158,14 @@ async def assert_same(queue: Queue, job_id: str, outcome: Outcome) -> None:
             outcome.error.type,
             outcome.error.message,
         )
+        # the same bounded traceback, ending with the same exception line (or none, for a
+        # refused result)
+        if outcome.error.traceback is None:
+            assert status.error.traceback is None, status.type
+        else:
+            assert status.error.traceback is not None, status.type
+            last = outcome.error.traceback.rstrip().splitlines()[-1]
+            assert status.error.traceback.rstrip().splitlines()[-1] == last, status.type
     if outcome.state == "retry":
         assert outcome.retry_in is not None
         # the same policy, without jitter (a test of the jitter is in the unit tests): the
@@ -217,7 +225,9 @@ async def test_a_cancel_ends_a_running_job_as_run_task_says(
     outcome = await run_task(t, None, cancel_after_progress=1)
     assert outcome.state == "cancelled"
     status = await jobtier_queue.status(job_id)
-    assert status.state == "cancelled" and status.error is None
+    # a cancelled job's error says so (not an earlier attempt's error)
+    assert status.state == "cancelled" and status.error is not None
+    assert status.error.type == "Cancelled" and "while running" in status.error.message
 
 
 async def test_the_fixtures_are_jobtiers_own_and_the_projects_fixtures_are_untouched(

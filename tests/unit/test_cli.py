@@ -10,8 +10,8 @@ import pytest
 from jobtier.cli import build_parser, main
 
 COMMANDS = [
-    "run", "api", "worker", "scheduler", "persister", "migrate", "prune", "bench", "config",
-    "check",
+    "run", "api", "worker", "scheduler", "persister", "dispatcher", "migrate", "prune", "bench",
+    "config", "check", "jobs", "dead-letters", "queues",
 ]  # fmt: skip
 
 

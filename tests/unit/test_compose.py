@@ -42,6 +42,7 @@ JOBTIER_SERVICES = {
     "worker": "worker",
     "scheduler": "scheduler",
     "persister": "persister",
+    "dispatcher": "dispatcher",
 }
 SERVICES = {"redis", "postgres", *JOBTIER_SERVICES}
 # the services without a health check, and why
@@ -49,7 +50,7 @@ NO_HEALTHCHECK = {
     "migrate": "a one-shot: its exit status is its health (service_completed_successfully)",
 }
 # the processes that serve no port are checked with `jobtier check ROLE`
-CHECKED_ROLES = ("worker", "scheduler", "persister")
+CHECKED_ROLES = ("worker", "scheduler", "persister", "dispatcher")
 ONE_SHOTS = {"migrate"}
 # service -> {dependency: condition} it must at least have
 DEPENDS = {
@@ -62,6 +63,11 @@ DEPENDS = {
     "worker": {"redis": "service_healthy"},
     "scheduler": {"redis": "service_healthy"},
     "persister": {
+        "redis": "service_healthy",
+        "postgres": "service_healthy",
+        "migrate": "service_completed_successfully",
+    },
+    "dispatcher": {
         "redis": "service_healthy",
         "postgres": "service_healthy",
         "migrate": "service_completed_successfully",

@@ -22,5 +22,5 @@ def test_settings_table_matches_the_code() -> None:
 def test_the_two_commands_and_cli_commands_exist() -> None:
     assert "make run" in README and "make test" in README
     commands = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
-    for used in re.findall(r"`jobtier (\w+)", README):
+    for used in re.findall(r"`jobtier ([\w-]+)", README):
         assert used in commands, used

@@ -90,3 +90,39 @@ def test_bad_schedules_are_refused(changes: dict[str, object], field: str) -> No
     with pytest.raises(InvalidRequest) as info:
         validate(ScheduleSpec(**values), min_interval=1, max_payload=1000)  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("cron", "message"),
+    [
+        ("*/61 * * * *", "cron minute field '*/61': step 61 is out of range 1-59"),
+        ("*/0 * * * *", "cron minute field '*/0': step 0 is out of range 1-59"),
+        ("0-59/60 * * * *", "cron minute field '0-59/60': step 60 is out of range 1-59"),
+        ("0 24 * * *", "cron hour field '24': 24 is out of range 0-23"),
+        ("0 */24 * * *", "cron hour field '*/24': step 24 is out of range 1-23"),
+        ("0 0 0 * *", "cron day-of-month field '0': 0 is out of range 1-31"),
+        ("0 0 1-32 * *", "cron day-of-month field '1-32': 32 is out of range 1-31"),
+        ("0 0 * 13 *", "cron month field '13': 13 is out of range 1-12 or jan-dec"),
+        ("0 0 * smarch *", "cron month field 'smarch': 'smarch' is not a value in 1-12 or jan-dec"),
+        ("0 0 * * 8", "cron day-of-week field '8': 8 is out of range 0-7 or sun-sat"),
+        ("5-1 * * * *", "cron minute field '5-1': the range 5-1 runs backwards"),
+        ("1,,2 * * * *", "cron minute field '1,,2': '' is not *, a value, a range a-b, or one"),
+        ("* * * *", "cron '* * * *' has 4 fields; it needs five"),
+    ],
+)
+def test_cron_fields_are_checked_by_range_steps_included(cron: str, message: str) -> None:
+    spec = ScheduleSpec(name="n", type="echo", cron=cron)
+    with pytest.raises(InvalidRequest) as info:
+        validate(spec, min_interval=1, max_payload=1000)
+    assert info.value.field == "cron" and str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "cron",
+    [
+        "*/59 * * * *", "0 9-17/2 * * 1-5", "30 5 1,15 * *", "0 0 L * *", "0 0 * * 5#2",
+        "0 0 * JAN,jul mon-fri", "0 0 * * 7", "0 0 * * sun", "15 */23 */31 */12 */7",
+    ],
+)  # fmt: skip
+def test_good_cron_expressions_pass(cron: str) -> None:
+    validate(ScheduleSpec(name="n", type="echo", cron=cron), min_interval=1, max_payload=1000)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -29,6 +30,7 @@ from jobtier.worker.registry import TASK_NAME_RE
 
 class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
     type: str | None = None
+    since: datetime | None = None  # dead-lettered at or after (no time zone: UTC)
     limit: int = 100
 
 
@@ -38,15 +40,18 @@ _filter_decoder = msgspec.json.Decoder(ReplayFilter)
 REPLAY_MAX = 10_000
 DEAD_LETTER_PARAMS = [
     Param("type", "string", "only jobs of this type", max_length=128, pattern=TASK_NAME_RE.pattern),
+    Param("since", "date-time", "only jobs dead-lettered at or after this time (ISO 8601)", max_length=40),
     Param("limit", "integer", "most jobs to list (default 100)", minimum=1, maximum=1000),
-]
+]  # fmt: skip
 
 
 async def dead_letters(request: Request) -> Response:
     require_admin(request)
     query = parse_query(request, DEAD_LETTER_PARAMS)
     queue: Queue = request.state.queue
-    jobs = await queue.dead_letters(query.get("limit", 100), type=query.get("type"))
+    jobs = await queue.dead_letters(
+        query.get("limit", 100), type=query.get("type"), since=query.get("since")
+    )
     return Response(msgspec.json.encode({"jobs": jobs}), media_type=JSON)
 
 
@@ -72,7 +77,10 @@ async def replay_many(request: Request) -> Response:
     if selector.type is not None and not TASK_NAME_RE.fullmatch(selector.type):
         raise Problem(422, "validation", f"type must match {TASK_NAME_RE.pattern}", field="type")
     queue: Queue = request.state.queue
-    replayed = await queue.replay_many(type=selector.type, limit=selector.limit)
+    since = selector.since
+    if since is not None and since.tzinfo is None:
+        since = since.replace(tzinfo=UTC)
+    replayed = await queue.replay_many(type=selector.type, since=since, limit=selector.limit)
     return Response(orjson.dumps({"replayed": replayed, "count": len(replayed)}), media_type=JSON)
 
 

@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
 
-from jobtier.api import admin, health, jobs, openapi, ops, queues, sse
+from jobtier.api import admin, debugging, health, jobs, openapi, ops, queues, sse
 from jobtier.api.admission import Admission
 from jobtier.api.limits import RequestLimits
 from jobtier.api.problems import HANDLERS
@@ -38,6 +38,9 @@ ROUTES: list[BaseRoute] = [
     *jobs.routes,
     *sse.routes,
     *admin.routes,
+    # after admin's: the literal /v1/admin/dead-letters/replay must match before
+    # /v1/admin/dead-letters/{job_id} (routing.py: one route per path, in order)
+    *debugging.routes,
     *queues.routes,
     *health.routes,
     *openapi.routes,

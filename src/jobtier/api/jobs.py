@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgspec
 import orjson
@@ -67,8 +68,43 @@ async def submit(request: Request) -> Response:
     except InvalidRequest as exc:
         raise invalid(exc) from None
     st.admission.check(tenant)
+    callbacks = await _register_callbacks(request, tenant, [(item.job_id, spec)])
     (outcome,) = await queue.submit_many_prepared([item])
+    if callbacks:
+        await _forget_callbacks(request, [item.job_id], [outcome])
     return await _submitted(request, outcome, tenant)
+
+
+async def _register_callbacks(
+    request: Request, tenant: str, jobs: Sequence[tuple[str, JobSpec]]
+) -> bool:
+    """Write the jobs' callbacks (api/webhooks.py) before they are submitted; False if none
+    has one."""
+    callbacks = [(job_id, spec.callback) for job_id, spec in jobs if spec.callback is not None]
+    if not callbacks:
+        return False
+    service = getattr(request.state, "webhooks", None)
+    if service is None:
+        raise Problem(
+            422, "validation", "callbacks need the API's Postgres part, which this API runs "
+            "without", field="callback",
+        )  # fmt: skip
+    await service.register(tenant, callbacks)
+    return True
+
+
+async def _forget_callbacks(
+    request: Request, job_ids: Sequence[str], outcomes: Sequence[Submitted | IdempotencyConflict]
+) -> None:
+    """Delete the callbacks of ids the submit did not create (a duplicate's answer)."""
+    unused = [
+        job_id
+        for job_id, outcome in zip(job_ids, outcomes, strict=True)
+        if isinstance(outcome, IdempotencyConflict)
+        or not outcome.created
+        or outcome.job_id != job_id
+    ]
+    await request.state.webhooks.forget(unused)
 
 
 async def _submitted(
@@ -125,8 +161,13 @@ async def submit_batch(request: Request) -> Response:
                 field=f"jobs[{index}].{exc.field or ''}".rstrip("."),
             ) from None
     st.admission.check(tenant, len(items))
+    ids = [item.job_id for item in items]
+    callbacks = await _register_callbacks(request, tenant, list(zip(ids, body.jobs, strict=True)))
+    outcomes = await queue.submit_many_prepared(items)
+    if callbacks:
+        await _forget_callbacks(request, ids, outcomes)
     results = []
-    for outcome in await queue.submit_many_prepared(items):
+    for outcome in outcomes:
         if isinstance(outcome, IdempotencyConflict):
             problem = Problem(409, "idempotency-conflict", str(outcome), job_id=outcome.job_id)
             results.append(b'{"status":409,"problem":' + orjson.dumps(problem.document()) + b"}")
@@ -304,21 +345,26 @@ async def get_result(request: Request) -> Response:
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
     try:
-        status, result = await queue.result(job_id, tenant)
+        status, raw = await queue.result_raw(job_id, tenant)
     except JobNotFound:
         fallback = request.state.result_fallback
         found = await fallback(job_id, tenant) if fallback else None
         if found is None:
             raise job_not_found(job_id) from None
         return Response(orjson.dumps(found), media_type=JSON)
-    body = {
+    body: dict[str, Any] = {
         "id": status.id,
         "state": status.state,
         "version": status.version,
-        "result": result,
         "error": status.error,
     }
-    return Response(msgspec.json.encode(body), media_type=JSON)
+    if status.result_url is not None:  # kept outside Redis: streamed from there
+        body.update(result=None, result_url=status.result_url)
+        return Response(msgspec.json.encode(body), media_type=JSON)
+    # the stored JSON as it is, not decoded and encoded again
+    return Response(
+        msgspec.json.encode(body)[:-1] + b',"result":' + (raw or b"null") + b"}", media_type=JSON
+    )
 
 
 async def cancel(request: Request) -> Response:

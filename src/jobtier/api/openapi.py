@@ -26,13 +26,24 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
+from jobtier.api.debugging import DeadLetter
 from jobtier.api.jobs import STATUS_PARAMS, BatchBody
 from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
 from jobtier.api.params import Param
 from jobtier.config import Settings
+from jobtier.dispatch.safety import MAX_URL_LENGTH as MAX_URL_LENGTH_CALLBACK
 from jobtier.keys import JOB_ID_RE
-from jobtier.model import QUEUE_NAME_RE, JobSpec, JobStatus, QueueInfo, QueueLimits, TaskAd
+from jobtier.model import (
+    QUEUE_NAME_RE,
+    JobLogs,
+    JobSpec,
+    JobStatus,
+    QueueInfo,
+    QueueLimits,
+    TaskAd,
+)
 from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
+from jobtier.worker.context import LOG_LINE_CHARS, LOG_LINES
 from jobtier.worker.registry import TASK_NAME_RE
 
 
@@ -65,6 +76,9 @@ class ResultResponse(msgspec.Struct):
     version: int
     result: Any = None
     error: Any = None
+    # a result kept outside Redis (JOBTIER_RESULT_STORE): result is null, and this is where
+    # it streams from
+    result_url: str | None = None
 
 
 class DeadLetters(msgspec.Struct):
@@ -170,6 +184,10 @@ QUEUE_NAME = {
 
 Auth = Literal["tenant", "admin", "none"]
 
+# a callback URL (a submit's callback, a subscription's url): dispatch/safety.py checks the rest
+CALLBACK_URL = r"^https?://[^\s]+$"
+CALLBACK_EVENTS = ("terminal", "all")
+
 
 def too_large(settings: Settings, *more: str) -> dict[str, Any]:
     """The 413 answer: the body over ``JOBTIER_MAX_REQUEST_BYTES``, or ``more`` reasons."""
@@ -251,7 +269,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
         [
             JobSpec, JobStatus, Problem, BatchBody, BatchResponse, ResultResponse,
             DeadLetters, ReplayFilter, Replayed, Health, Readiness, QueueList, QueuePaused,
-            QueueLimits, QueueLimitsSet, TaskList, *extra_types,
+            QueueLimits, QueueLimitsSet, TaskList, JobLogs, DeadLetter, *extra_types,
         ],
         ref_template="#/components/schemas/{name}",
     )  # fmt: skip
@@ -273,12 +291,18 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
     constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
     constrain(c, "ReplayFilter", "limit", minimum=1, maximum=REPLAY_MAX)
+    constrain(c, "ReplayFilter", "since", format="date-time")
+    c["ReplayFilter"]["properties"]["since"]["description"] = (
+        "only jobs dead-lettered at or after this RFC 3339 date-time (without an offset: UTC)"
+    )
     constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
     constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
     c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)
+    constrain(c, "CallbackSpec", "url", maxLength=MAX_URL_LENGTH_CALLBACK, pattern=CALLBACK_URL)
+    c["CallbackSpec"]["properties"]["events"]["enum"] = list(CALLBACK_EVENTS)
     return components
 
 
@@ -300,7 +324,7 @@ def document(
                 "202": json_response("JobStatus", "created", {"Location": header("the job's URL", required=True)}),
                 "200": json_response("JobStatus", "a duplicate of an earlier submit with the same idempotency key", {"Location": header("the job's URL", required=True)}),
                 "400": problem("malformed JSON, or the Idempotency-Key header and the body's idempotency_key differ"),
-                "409": problem("the idempotency key was used for a different request (job_id)"),
+                "409": problem("the idempotency key was used for a different request (job_id), or a callback was given and the tenant has no webhook signing secret"),
                 "410": problem("the idempotency key names a job that is no longer kept (job_id)"),
                 "413": too_large(s, payload_too_large(s)),
                 "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
@@ -310,6 +334,7 @@ def document(
         "/v1/jobs/batch": {
             "post": op(s, f"Submit up to {s.max_batch} jobs (JOBTIER_MAX_BATCH); one outcome each", {
                 "200": json_response("BatchResponse", "one result per job, in order"),
+                "409": problem("a job has a callback and the tenant has no webhook signing secret (nothing was submitted)"),
                 "413": too_large(s, payload_too_large(s), f"more than {s.max_batch} jobs (JOBTIER_MAX_BATCH)"),
                 "429": problem("the tenant's rate limit or waiting-jobs cap", RETRY_AFTER),
                 "503": problem("back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable", RETRY_AFTER),
@@ -323,8 +348,8 @@ def document(
             }, params=STATUS_PARAMS, path=[JOB_ID], headers=[{"name": "If-None-Match", "in": "header", "schema": {"type": "string"}}]),
         },
         "/v1/jobs/{job_id}/result": {
-            "get": op(s, "The job's result (null until it succeeds)", {
-                "200": json_response("ResultResponse", "state, result and error"),
+            "get": op(s, "The job's result (null until it succeeds; a result kept outside Redis is null here and result_url says where it streams from)", {
+                "200": json_response("ResultResponse", "state, result (or result_url) and error"),
                 "404": problem("unknown job (or another tenant's, or a malformed id)"),
             }, path=[JOB_ID]),
         },
@@ -333,6 +358,19 @@ def document(
                 "200": json_response("JobStatus", "cancelled, or running with cancel_requested"),
                 "404": problem("unknown job (or another tenant's, or a malformed id)"),
                 "409": problem("the job has already finished (job: its status)"),
+            }, path=[JOB_ID]),
+        },
+        "/v1/jobs/{job_id}/logs": {
+            "get": op(s, f"The lines the job's task logged (ctx.log), oldest first: the latest {LOG_LINES}, each at most {LOG_LINE_CHARS} characters, while Redis holds the job", {
+                "200": json_response("JobLogs", "the lines (empty once the job left Redis)"),
+                "404": problem("unknown job (or another tenant's, or a malformed id)"),
+            }, path=[JOB_ID]),
+        },
+        "/v1/jobs/{job_id}/retry": {
+            "post": op(s, "Retry a failed (dead-lettered) job: back to its queue, attempts reset", {
+                "200": json_response("JobStatus", "queued again"),
+                "404": problem("unknown job (or another tenant's, or a malformed id)"),
+                "409": problem("the job has not failed (job: its status)"),
             }, path=[JOB_ID]),
         },
         "/v1/jobs/{job_id}/events": {
@@ -346,6 +384,12 @@ def document(
             "get": op(s, "Dead-lettered jobs, newest first", {
                 "200": json_response("DeadLetters", "the jobs"),
             }, auth="admin", params=DEAD_LETTER_PARAMS),
+        },
+        "/v1/admin/dead-letters/{job_id}": {
+            "get": op(s, "One dead-lettered job in full: its status (error and traceback), payload and log lines", {
+                "200": json_response("DeadLetter", "the dead letter"),
+                "404": problem("not in the dead-letter set (or expired from Redis, or a malformed id)"),
+            }, auth="admin", path=[JOB_ID]),
         },
         "/v1/admin/dead-letters/{job_id}/replay": {
             "post": op(s, "Send a dead-lettered job back to its queue, attempts reset", {

@@ -15,13 +15,14 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api import openapi as oa
-from jobtier.api import schedules
+from jobtier.api import results, schedules, webhooks
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
+from jobtier.dispatch.safety import Resolver
 from jobtier.errors import InvalidRequest
 from jobtier.model import QUEUE_NAME_RE, JobStatus, State
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
@@ -69,10 +70,19 @@ class PostgresExtension(Extension):
             Route("/v1/jobs", list_jobs, methods=["GET"]),
             Route("/v1/jobs/{job_id}/history", history, methods=["GET"]),
             *schedules.routes,
+            *webhooks.routes,
+            *results.routes,
         ]
-        self.openapi_paths = {**openapi_paths(settings), **schedules.openapi_paths(settings)}
-        self.openapi_types = [JobPage, History, *schedules.OPENAPI_TYPES]
-        self.openapi_constraints = [lambda c: schedules.constrain(c, settings)]
+        self.openapi_paths = {
+            **openapi_paths(settings), **schedules.openapi_paths(settings),
+            **webhooks.openapi_paths(settings), **results.openapi_paths(settings),
+        }  # fmt: skip
+        self.openapi_types = [JobPage, History, *schedules.OPENAPI_TYPES, *webhooks.OPENAPI_TYPES]
+        self.openapi_constraints = [
+            lambda c: schedules.constrain(c, settings), webhooks.constrain,
+        ]  # fmt: skip
+        # host name -> addresses for the callback URL checks (None: the system's DNS)
+        self.webhook_resolver: Resolver | None = None
         self.status_fallback = self._status_docs
         self.result_fallback = self._result
         self.postgres_ready = self._ready
@@ -87,6 +97,9 @@ class PostgresExtension(Extension):
         self.state["schedule_store"] = ScheduleStore(self.pool)
         self.state["cron"] = CronMirror(queue.redis, queue.keys, queue.scripts)
         self.state["pg_extension"] = self
+        self.state["webhooks"] = webhooks.WebhookService(
+            self.pool, queue, settings, self.webhook_resolver
+        )
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -109,13 +122,16 @@ class PostgresExtension(Extension):
         if found is None or status is None:
             return None
         doc = orjson.loads(status[1])
-        return {
+        answer = {
             "id": job_id,
             "state": found.state.value,
             "version": found.version,
             "result": orjson.loads(found.result) if found.result is not None else None,
             "error": doc.get("error"),
         }
+        if found.ref is not None:  # kept in the result store: streamed from result_url
+            answer["result_url"] = f"/v1/jobs/{job_id}/result/content"
+        return answer
 
     async def _ready(self) -> str | None:
         assert self.pool is not None

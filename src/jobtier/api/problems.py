@@ -8,6 +8,7 @@ from typing import Any
 
 import asyncpg
 import orjson
+from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
@@ -109,7 +110,7 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
 
 # a backing service is down or restarting: the client should retry, the server is fine
 UNAVAILABLE: tuple[type[BaseException], ...] = (
-    RedisConnectionError,
+    RedisConnectionError,  # BusyLoadingError (LOADING: a restarted Redis reads its AOF) too
     RedisTimeoutError,
     asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError,
@@ -117,22 +118,33 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 
+async def on_unavailable(request: Request, exc: Exception) -> Response:
+    """503 with Retry-After, logged in one line: an expected, passing condition."""
+    log.warning(
+        "event=backend_unavailable method=%s path=%s error=%r",
+        request.method,
+        request.url.path,
+        exc,
+    )
+    detail = "a backing service is unavailable; try again"
+    if isinstance(exc, BusyLoadingError):
+        detail = "Redis is loading its data after a restart; try again"
+    return Problem(503, "unavailable", detail, headers={"retry-after": "2"}).response()
+
+
 async def on_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, UNAVAILABLE):
-        log.warning(
-            "event=backend_unavailable method=%s path=%s error=%r",
-            request.method,
-            request.url.path,
-            exc,
-        )
-        return Problem(
-            503,
-            "unavailable",
-            "a backing service is unavailable; try again",
-            headers={"retry-after": "2"},
-        ).response()
+        return await on_unavailable(request, exc)
     log.exception("event=internal_error method=%s path=%s", request.method, request.url.path)
     return Problem(500, "internal", "the server failed to handle this request").response()
 
 
-HANDLERS = {Problem: on_problem, HTTPException: on_http_exception, Exception: on_error}
+# The unavailable classes get a handler of their own: Starlette runs an `Exception` handler
+# in its outermost middleware, which answers with it and then raises the exception again for
+# the server to log — a full traceback for every request made while Redis restarts.
+HANDLERS: dict[Any, Any] = {
+    Problem: on_problem,
+    HTTPException: on_http_exception,
+    **dict.fromkeys(UNAVAILABLE, on_unavailable),
+    Exception: on_error,
+}

@@ -16,7 +16,7 @@ from jobtier.api.auth import require_admin
 from jobtier.api.http import JSON, decode_body, invalid, read_json_body
 from jobtier.catalog import TaskCatalog
 from jobtier.errors import InvalidRequest
-from jobtier.model import QUEUE_NAME_RE, QueueLimits
+from jobtier.model import PRIORITIES, QUEUE_NAME_RE, QueueLimits
 from jobtier.queue import Queue
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
@@ -43,8 +43,8 @@ async def queue_states(queue: Queue, catalog: TaskCatalog | None) -> list[dict[s
     out = []
     for name in sorted(names):
         q = stats["queues"].get(name) or {
-            "queued": {}, "parked": 0, "running": 0, "paused": False, "limited": False,
-            "blocked_until_ms": 0,
+            "queued": {p.value: 0 for p in PRIORITIES}, "parked": 0, "running": 0,
+            "paused": False, "limited": False, "blocked_until_ms": 0,
         }  # fmt: skip
         blocked = q["blocked_until_ms"] / 1000
         out.append(

@@ -25,6 +25,7 @@ from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
 from jobtier.persist.schedule_store import DuplicateName, ScheduleStore
 from jobtier.schedules import (
+    CRON_FIELDS,
     MAX_ATTEMPTS,
     MAX_INTERVAL,
     NAME_RE,
@@ -248,8 +249,12 @@ def constrain(components: dict[str, Any], settings: Settings) -> None:
         c, "ScheduleSpec", "interval", minimum=settings.min_schedule_interval, maximum=MAX_INTERVAL
     )
     c["ScheduleSpec"]["description"] = (
-        "A schedule as a client defines it: exactly one of cron (five fields) and interval "
-        "(seconds, from JOBTIER_MIN_SCHEDULE_INTERVAL); timezone an IANA name; payload at "
+        "A schedule as a client defines it: exactly one of cron and interval "
+        "(seconds, from JOBTIER_MIN_SCHEDULE_INTERVAL). cron: five fields, each values, "
+        "ranges a-b and steps /n within the field's range — "
+        + ", ".join(f"{name} {low}-{high}" for name, low, high, _ in CRON_FIELDS)
+        + " (steps from 1 to the field's highest value; months and weekdays may be named); "
+        "timezone an IANA name; payload at "
         f"most {settings.max_payload_bytes} bytes (JOBTIER_MAX_PAYLOAD_BYTES)."
     )
 

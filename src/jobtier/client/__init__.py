@@ -1,7 +1,9 @@
 """The Python client of the jobtier HTTP API, sync (``Client``) and async (``AsyncClient``).
 
 Both have the same methods — ``submit``, ``submit_many``, ``status``, ``wait``, ``events``,
-``cancel``, ``result``, ``close`` — and are context managers::
+``cancel``, ``result``; ``list_jobs``, ``show``, ``history``, ``logs``, ``retry``; with the admin
+key ``dead_letters``, ``dead_letter``, ``replay``, ``replay_dead_letters``, ``queues`` and the
+queue actions; ``close`` — and are context managers::
 
     from jobtier.client import AsyncClient, Client, NotFound
 
@@ -21,7 +23,7 @@ Statuses are ``jobtier.model.JobStatus``; a submit returns a ``Submission`` (``j
 """
 
 from jobtier.client._async import AsyncClient
-from jobtier.client._core import Result, Submission
+from jobtier.client._core import DeadLetter, JobDetails, JobPage, Result, Submission
 from jobtier.client._errors import (
     ApiError,
     Conflict,
@@ -42,7 +44,10 @@ __all__ = [
     "AsyncClient",
     "Client",
     "Conflict",
+    "DeadLetter",
     "IdempotencyKeyConflict",
+    "JobDetails",
+    "JobPage",
     "NotFound",
     "RateLimited",
     "Result",

@@ -12,7 +12,10 @@ import httpx
 from jobtier.client._core import (
     BaseClient,
     Call,
+    DeadLetter,
     Emit,
+    JobDetails,
+    JobPage,
     Op,
     ReadLine,
     Result,
@@ -20,7 +23,17 @@ from jobtier.client._core import (
     Submission,
 )
 from jobtier.client._errors import ApiError
-from jobtier.model import JobSpec, JobStatus, Priority, QueueInfo, QueueLimits, TaskAd
+from jobtier.model import (
+    JobSpec,
+    JobStatus,
+    LogLine,
+    Priority,
+    QueueInfo,
+    QueueLimits,
+    State,
+    TaskAd,
+    Transition,
+)
 from jobtier.schedules import Schedule, ScheduleSpec
 
 T = TypeVar("T")
@@ -89,16 +102,19 @@ class AsyncClient(BaseClient):
         queue: str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        callback: str | Mapping[str, Any] | None = None,
     ) -> Submission:
         """Submit one job. ``run_at`` must carry a time zone; give it or ``delay`` (seconds),
         not both. A repeat of an earlier submit's ``idempotency_key`` returns that job with
         ``created`` False, or raises ``IdempotencyKeyConflict`` if the type or payload differ.
         ``queue`` defaults to the task's; ``concurrency_key``: at most ``concurrency_limit``
-        (default 1) jobs of the key run at once, the others wait in order.
+        (default 1) jobs of the key run at once, the others wait in order. ``callback``: a URL
+        that receives the job's terminal state as a signed webhook, or
+        ``{"url": …, "events": "all"}`` for every transition.
         """
         op = self._submit(
             type, payload, priority, run_at, delay, max_attempts, idempotency_key,
-            queue, concurrency_key, concurrency_limit,
+            queue, concurrency_key, concurrency_limit, callback,
         )  # fmt: skip
         return await self._run(op)
 
@@ -152,6 +168,65 @@ class AsyncClient(BaseClient):
     async def result(self, job_id: str) -> Result:
         """The job's state, result (once succeeded) and error (once failed)."""
         return await self._run(self._result(job_id))
+
+    # --- looking into jobs ------------------------------------------------------------------
+    async def list_jobs(
+        self,
+        *,
+        state: State | str | None = None,
+        type: str | None = None,
+        queue: str | None = None,
+        created_after: datetime | str | None = None,
+        cursor: str | None = None,
+        limit: int = 50,
+        order: str = "desc",
+    ) -> JobPage:
+        """A page of the tenant's jobs from Postgres, newest first (``order="asc"``: oldest),
+        filtered by state, type, queue and creation time; pass ``next_cursor`` back as
+        ``cursor`` for the next page. Needs an API with Postgres."""
+        op = self._list_jobs(state, type, queue, created_after, cursor, limit, order)
+        return await self._run(op)
+
+    async def history(self, job_id: str) -> list[Transition]:
+        """Every persisted change of the job, oldest first (the errors with their
+        tracebacks). Needs an API with Postgres."""
+        return await self._run(self._history(job_id))
+
+    async def logs(self, job_id: str) -> list[LogLine]:
+        """The lines the job's task logged with ``ctx.log()``, oldest first (its latest 200),
+        while Redis holds the job."""
+        return await self._run(self._logs(job_id))
+
+    async def show(self, job_id: str) -> JobDetails:
+        """Everything about the job: status, result, history (None without Postgres), lines."""
+        return await self._run(self._show(job_id))
+
+    async def retry(self, job_id: str) -> JobStatus:
+        """Send a failed (dead-lettered) job back to its queue, attempts reset. Raises
+        ``WrongState`` for a job that has not failed."""
+        return await self._run(self._retry(job_id))
+
+    # --- dead letters (these need the admin key) --------------------------------------------
+    async def dead_letters(
+        self, *, type: str | None = None, since: datetime | str | None = None, limit: int = 100
+    ) -> list[JobStatus]:
+        """Dead-lettered jobs still in Redis, newest first: of one ``type``, dead-lettered at
+        or after ``since``, when given."""
+        return await self._run(self._dead_letters(type, since, limit))
+
+    async def dead_letter(self, job_id: str) -> DeadLetter:
+        """One dead letter in full: status (error and traceback), payload and log lines."""
+        return await self._run(self._dead_letter(job_id))
+
+    async def replay(self, job_id: str) -> JobStatus:
+        """Send one dead-lettered job back to its queue, attempts reset (any tenant's)."""
+        return await self._run(self._replay(job_id))
+
+    async def replay_dead_letters(
+        self, *, type: str | None = None, since: datetime | str | None = None, limit: int = 100
+    ) -> list[str]:
+        """Replay the dead letters that match (all, up to ``limit``); returns their ids."""
+        return await self._run(self._replay_dead_letters(type, since, limit))
 
     # --- queues (these need the admin key) --------------------------------------------------
     async def queues(self) -> list[QueueInfo]:

@@ -24,6 +24,7 @@ import msgspec
 
 from jobtier.client._errors import (
     ApiError,
+    NotFound,
     WaitTimeout,
     api_error,
     retry_after,
@@ -33,10 +34,12 @@ from jobtier.model import (
     JobError,
     JobSpec,
     JobStatus,
+    LogLine,
     Priority,
     QueueInfo,
     State,
     TaskAd,
+    Transition,
     status_decoder,
 )
 from jobtier.schedules import Schedule, ScheduleSpec
@@ -73,10 +76,57 @@ class Result(msgspec.Struct, frozen=True):
     version: int
     result: Any = None
     error: JobError | None = None
+    # the result kept outside Redis: where the server streams it (``result()`` follows it)
+    result_url: str | None = None
 
     @property
     def terminal(self) -> bool:
         return self.state.terminal
+
+
+class JobPage(msgspec.Struct, frozen=True):
+    """A page of ``GET /v1/jobs`` (from Postgres): ``next_cursor`` for the next page (None on
+    the last); ``lag`` says how far behind the write-behind is (``transitions``,
+    ``seconds``): jobs changed within it may show an older state."""
+
+    jobs: list[JobStatus]
+    next_cursor: str | None
+    lag: dict[str, float]
+
+
+class JobDetails(msgspec.Struct, frozen=True):
+    """Everything about one job (``show``): its status, its result (once succeeded), its
+    history (None when the API has no Postgres), and its log lines (``ctx.log``)."""
+
+    status: JobStatus
+    result: Any
+    history: list[Transition] | None
+    lines: list[LogLine]
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    """One dead-lettered job in full (admin): its status (the error and its traceback), its
+    payload and its log lines."""
+
+    job: JobStatus
+    payload: Any
+    lines: list[LogLine]
+
+
+class _History(msgspec.Struct):
+    transitions: list[Transition]
+
+
+class _Logs(msgspec.Struct):
+    lines: list[LogLine]
+
+
+class _DeadLetters(msgspec.Struct):
+    jobs: list[JobStatus]
+
+
+class _Replayed(msgspec.Struct):
+    replayed: list[str]
 
 
 class _BatchItem(msgspec.Struct):
@@ -90,6 +140,12 @@ class _BatchResults(msgspec.Struct):
 
 
 _batch_decoder = msgspec.json.Decoder(_BatchResults)
+_page_decoder = msgspec.json.Decoder(JobPage)
+_history_decoder = msgspec.json.Decoder(_History)
+_logs_decoder = msgspec.json.Decoder(_Logs)
+_dead_letters_decoder = msgspec.json.Decoder(_DeadLetters)
+_dead_letter_decoder = msgspec.json.Decoder(DeadLetter)
+_replayed_decoder = msgspec.json.Decoder(_Replayed)
 _result_decoder = msgspec.json.Decoder(Result)
 _encoder = msgspec.json.Encoder()
 
@@ -158,6 +214,20 @@ def submission(status: int, doc: bytes, created: bool) -> Submission:
         return Submission(status_decoder.decode(doc), created)
     except msgspec.DecodeError as exc:
         raise unexpected(status, f"not a status document: {exc}") from None
+
+
+def decode_as(decoder: msgspec.json.Decoder[T], response: httpx.Response, what: str) -> T:
+    """The body decoded by ``decoder``; an ``ApiError`` naming ``what`` if it is not one."""
+    try:
+        return decoder.decode(response.content)
+    except msgspec.DecodeError as exc:
+        raise unexpected(response.status_code, f"not {what}: {exc}") from None
+
+
+def time_param(value: datetime | str) -> str:
+    """A time for a query parameter or a body: ISO 8601 (a datetime without a time zone is
+    taken as UTC by the server)."""
+    return value.isoformat() if isinstance(value, datetime) else value
 
 
 def spec_key(spec: JobSpec | Mapping[str, Any]) -> str | None:
@@ -306,8 +376,11 @@ class BaseClient:
         queue: str | None = None,
         concurrency_key: str | None = None,
         concurrency_limit: int | None = None,
+        callback: str | Mapping[str, Any] | None = None,
     ) -> Op[Submission]:
         body: dict[str, Any] = {"type": type, "payload": payload, "priority": priority}
+        if callback is not None:
+            body["callback"] = {"url": callback} if isinstance(callback, str) else callback
         for name, value in (
             ("queue", queue),
             ("concurrency_key", concurrency_key),
@@ -411,9 +484,107 @@ class BaseClient:
         response: httpx.Response = yield Call("GET", job_path(job_id, "/result"))
         check(response, job_id=job_id)
         try:
-            return _result_decoder.decode(response.content)
+            found = _result_decoder.decode(response.content)
         except msgspec.DecodeError as exc:
             raise unexpected(response.status_code, f"not a result document: {exc}") from None
+        if found.result_url is None:
+            return found
+        # a large result is kept outside Redis: the answer names where it streams from
+        content: httpx.Response = yield Call("GET", found.result_url)
+        check(content, job_id=job_id)
+        try:
+            value = msgspec.json.decode(content.content)
+        except msgspec.DecodeError as exc:
+            raise unexpected(content.status_code, f"not a JSON result: {exc}") from None
+        return msgspec.structs.replace(found, result=value)
+
+    # --- looking into jobs (tenant key) ---------------------------------------------------
+    def _list_jobs(
+        self,
+        state: State | str | None,
+        type: str | None,
+        queue: str | None,
+        created_after: datetime | str | None,
+        cursor: str | None,
+        limit: int,
+        order: str,
+    ) -> Op[JobPage]:
+        params = {"limit": str(limit), "order": order}
+        for name, value in (
+            ("state", state), ("type", type), ("queue", queue), ("cursor", cursor),
+        ):  # fmt: skip
+            if value is not None:
+                params[name] = str(value)
+        if created_after is not None:
+            params["created_after"] = time_param(created_after)
+        response: httpx.Response = yield Call("GET", "/v1/jobs", params=params)
+        check(response)
+        return decode_as(_page_decoder, response, "a page of jobs")
+
+    def _history(self, job_id: str) -> Op[list[Transition]]:
+        response: httpx.Response = yield Call("GET", job_path(job_id, "/history"))
+        check(response, job_id=job_id)
+        return decode_as(_history_decoder, response, "a history").transitions
+
+    def _logs(self, job_id: str) -> Op[list[LogLine]]:
+        response: httpx.Response = yield Call("GET", job_path(job_id, "/logs"))
+        check(response, job_id=job_id)
+        return decode_as(_logs_decoder, response, "log lines").lines
+
+    def _show(self, job_id: str) -> Op[JobDetails]:
+        status = yield from self._status(job_id)
+        assert status is not None
+        result = yield from self._result(job_id)
+        try:
+            history: list[Transition] | None = yield from self._history(job_id)
+        except NotFound:
+            history = None  # an API without Postgres has no history route
+        lines = yield from self._logs(job_id)
+        return JobDetails(status, result.result, history, lines)
+
+    def _retry(self, job_id: str) -> Op[JobStatus]:
+        response: httpx.Response = yield Call("POST", job_path(job_id, "/retry"))
+        check(response, job_id=job_id)
+        return decode_status(response)
+
+    # --- dead letters (admin key) -----------------------------------------------------------
+    def _dead_letters(
+        self, type: str | None, since: datetime | str | None, limit: int
+    ) -> Op[list[JobStatus]]:
+        params = {"limit": str(limit)}
+        if type is not None:
+            params["type"] = type
+        if since is not None:
+            params["since"] = time_param(since)
+        response: httpx.Response = yield Call("GET", "/v1/admin/dead-letters", params=params)
+        check(response)
+        return decode_as(_dead_letters_decoder, response, "a dead-letter list").jobs
+
+    def _dead_letter(self, job_id: str) -> Op[DeadLetter]:
+        path = f"/v1/admin/dead-letters/{quote(job_id, safe='')}"
+        response: httpx.Response = yield Call("GET", path)
+        check(response, job_id=job_id)
+        return decode_as(_dead_letter_decoder, response, "a dead letter")
+
+    def _replay(self, job_id: str) -> Op[JobStatus]:
+        path = f"/v1/admin/dead-letters/{quote(job_id, safe='')}/replay"
+        response: httpx.Response = yield Call("POST", path)
+        check(response, job_id=job_id)
+        return decode_status(response)
+
+    def _replay_dead_letters(
+        self, type: str | None, since: datetime | str | None, limit: int
+    ) -> Op[list[str]]:
+        body: dict[str, Any] = {"limit": limit}
+        if type is not None:
+            body["type"] = type
+        if since is not None:
+            body["since"] = time_param(since)
+        raw = yield from self._json("POST", "/v1/admin/dead-letters/replay", body)
+        try:
+            return _replayed_decoder.decode(raw).replayed
+        except msgspec.DecodeError as exc:
+            raise unexpected(200, f"not a replay answer: {exc}") from None
 
     # --- queues (admin key) ----------------------------------------------------------------
     def _json(self, method: str, path: str, body: Any = None) -> Op[bytes]:

@@ -1,9 +1,10 @@
 """`jobtier run`: local Redis and Postgres, then every jobtier part in one event loop.
 
 For development and the README tour: the API (uvicorn, in-process), a worker with the demo
-tasks, the scheduler and the persister share one process. The local servers keep their data
+tasks, the scheduler, the persister and the webhook dispatcher share one process (webhooks
+may go to loopback receivers unless JOBTIER_WEBHOOK_ALLOWED_HOSTS says otherwise). The local servers keep their data
 under ``--data-dir`` for the next run. Production runs each part as its own process
-(`jobtier api|worker|scheduler|persister`).
+(`jobtier api|worker|scheduler|persister|dispatcher`).
 
 The servers belong to the run that started them, for its whole life and no longer:
 
@@ -195,6 +196,9 @@ def run(
         if services is not None:
             redis_url, database_url = services.start()
             settings = settings.replace(redis_url=redis_url, database_url=database_url)
+        if not settings.webhook_allowed_hosts:
+            # development: a receiver on this machine may take the webhooks
+            settings = settings.replace(webhook_allowed_hosts="127.0.0.1,::1,localhost")
         if not settings.api_keys:
             tenant_key, admin_key = dev_keys(args.data_dir)
             settings = settings.replace(
@@ -221,6 +225,7 @@ async def run_all(
 ) -> int:
     from jobtier.api.app import create_app
     from jobtier.api.postgres import postgres_extension
+    from jobtier.dispatch.dispatcher import Dispatcher
     from jobtier.persist.db import create_pool, migrate
     from jobtier.persist.persister import Persister
     from jobtier.persist.schedule_store import ScheduleStore
@@ -249,7 +254,7 @@ async def run_all(
     applied = await migrate(settings.database_url)
     if applied:
         log.info("event=migrated applied=%s", ",".join(applied))
-    pool = await create_pool(settings.database_url, min_size=0, max_size=4)
+    pool = await create_pool(settings.database_url, min_size=0, max_size=6)
     failed = False
     try:
         async with await Queue.connect(settings, registry) as queue:
@@ -259,7 +264,8 @@ async def run_all(
             outcome.worker = worker
             scheduler = Scheduler(queue, store=ScheduleStore(pool))
             persister = Persister(settings, queue.redis, pool, "run-persister")
-            parts[:] = [worker, scheduler, persister]
+            dispatcher = Dispatcher(settings, queue.redis, pool, "run-dispatcher")
+            parts[:] = [worker, scheduler, persister, dispatcher]
             publisher = MetricsPublisher(queue.redis, queue.keys, "run", parts)
             publisher.start()
             app = create_app(settings, postgres_extension(settings))
@@ -272,9 +278,10 @@ async def run_all(
                 asyncio.create_task(worker.run(), name="worker"),
                 asyncio.create_task(scheduler.run(), name="scheduler"),
                 asyncio.create_task(persister.run(), name="persister"),
+                asyncio.create_task(dispatcher.run(), name="dispatcher"),
                 asyncio.create_task(_serve_api(server, settings), name="api"),
             ]
-            while not server.started and not runs[3].done():  # noqa: ASYNC110
+            while not server.started and not runs[-1].done():  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
             if server.started:
                 _welcome(settings)
@@ -322,13 +329,13 @@ def _welcome(settings: Settings) -> None:
         f"""
 jobtier is running: API {base}  (Ctrl-C stops everything)
 
-  export JOBTIER_URL={base} JOBTIER_KEY={key}
+  export JOBTIER_URL={base} JOBTIER_KEY={key} JOBTIER_ADMIN_KEY={settings.admin_key}
   curl -s -X POST $JOBTIER_URL/v1/jobs -H "Authorization: Bearer $JOBTIER_KEY" \\
        -H 'Content-Type: application/json' -d '{{"type": "sleep", "payload": {{"seconds": 3}}}}'
   curl -s $JOBTIER_URL/v1/jobs/<id> -H "Authorization: Bearer $JOBTIER_KEY"
   curl -sN $JOBTIER_URL/v1/jobs/<id>/events -H "Authorization: Bearer $JOBTIER_KEY"
 
-  admin key: {settings.admin_key}   dashboard: {base}/dashboard
+  dashboard: {base}/dashboard (it asks for the admin key)
 """,
         file=sys.stderr,
         flush=True,

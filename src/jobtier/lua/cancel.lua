@@ -1,7 +1,11 @@
 -- cancel.lua: cancel a job.
 --   queued / scheduled -> cancelled
---   running            -> running with cancel_requested (the worker sees it at its next
---                         heartbeat and stops the task; if the task finishes first it succeeds)
+--   running            -> running with cancel_requested, and the worker holding the lease is
+--                         told at once on the shard's wake channel ('x <job id> <worker id>');
+--                         its next heartbeat tells it too, should the push be missed. The
+--                         worker stops the task; a task that returned before the request
+--                         reached the worker succeeds (worker/attempt.py states the rule)
+-- A cancelled job's error is a Cancelled error, not an earlier attempt's (lib.lua).
 --
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
@@ -27,6 +31,8 @@ elseif from == 'running' then
   if j.cancel ~= '1' then
     j.cancel = '1'
     local doc = commit(j, from, 'api')
+    -- the push: only the worker named here acts on it (worker/runner.py _on_wake)
+    redis.call('SPUBLISH', BASE .. 'wake', 'x ' .. id .. ' ' .. j.worker)
     flush()
     return {OK, doc}
   end
@@ -36,6 +42,7 @@ else
 end
 j.state = 'cancelled'
 j.cancel = '1'
+j.error = cancelled_error('cancelled on request while ' .. from)
 local doc = commit(j, from, 'api')
 finish(j, ARGV[4])
 flush()

@@ -4,7 +4,8 @@
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  worker id
 -- ARGV[3]  retention of finished jobs, s (the hash then expires; Postgres keeps the record)
--- ARGV[4]  number of jobs n, then 3 fields per job: id, lease_version, result JSON ('' = null)
+-- ARGV[4]  number of jobs n, then 3 fields per job: id, lease_version, result JSON ('' = null,
+--          '@<ref>' = kept in the result store)
 -- Returns  per job: code (OK, NOT_FOUND, WRONG_STATE, VERSION_CONFLICT, NOT_OWNER)
 -- A refusal means a stale writer: its lease expired and the job moved on; the result is
 -- dropped, never applied. A success wins over a pending cancel request (documented).
@@ -32,6 +33,11 @@ for i = 0, n - 1 do
     end
     ck_release(j)
     j.state = 'succeeded'
+    -- a result kept outside Redis (persist/results.py) comes as '@' .. its reference (JSON
+    -- never starts with '@'): the document says where to read it
+    if string.byte(result, 1) == 64 then
+      j.result_url = '/v1/jobs/' .. id .. '/result/content'
+    end
     -- a null result (the task returned None) is the field's absence, which readers take as
     -- null too: no write, and nothing for the append-only file
     if result ~= '' then

@@ -1,6 +1,9 @@
 -- fail.lua: record failed attempts of a worker's jobs.
 --   running -> scheduled   retryable, attempts remain: run again at now + delay
 --   running -> failed      non-retryable, or attempts exhausted: into the dead-letter set
+--   running -> cancelled   a cancel was requested: the request wins over a retry or a dead
+--                          letter (the job is kept as long as a failed one, ARGV[3]); the
+--                          error says it was cancelled, and what the attempt raised
 --
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
@@ -28,7 +31,19 @@ for i = 0, n - 1 do
     if ARGV[a + 4] == '1' then
       j.attempt = int(tonumber(j.attempt) - 1)
     end
-    if delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
+    if j.cancel == '1' then
+      -- asked to stop: no retry, no dead letter (the failure may well be the stop itself)
+      local ok, failed = pcall(cjson.decode, ARGV[a + 2])
+      if not ok or type(failed) ~= 'table' then
+        failed = {}
+      end
+      j.state = 'cancelled'
+      j.error = cancelled_error('cancelled on request while running (attempt ' .. j.attempt
+                                .. ', which then failed with ' .. tostring(failed.type or 'an error')
+                                .. ')', failed.traceback)
+      commit(j, 'running', worker)
+      finish(j, ttl)
+    elseif delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
       j.state = 'scheduled'
       j.run_at = int(NOW + delay)
       commit(j, 'running', worker)

@@ -209,6 +209,9 @@ local function render(j)
     .. ',"error":' .. raw_or_null(j.error)
     .. ',"cancel_requested":' .. (j.cancel == '1' and 'true' or 'false')
     .. ',"worker":' .. str_or_null(j.worker)
+    -- only complete.lua sets result_url, for a result kept outside Redis (persist/results.py);
+    -- it is a path of the job's (validated) id, JSON-safe as it is (cjson would write \/)
+    .. (j.result_url and (',"result_url":"' .. j.result_url .. '"') or '')
     .. '}'
 end
 
@@ -509,4 +512,16 @@ local function next_score(set)
     return tonumber(first[2])
   end
   return -1
+end
+
+-- The error of a cancelled job (cancel.lua, stopped.lua, fail.lua, reclaim.lua). It replaces
+-- whatever an earlier attempt left in `error`, which would otherwise read as why the job
+-- ended: a cancelled job's error is always of type Cancelled. `traceback`: the failure of the
+-- attempt that was running, when it failed after the request (fail.lua), else nil.
+local function cancelled_error(message, traceback)
+  local tb = ''
+  if type(traceback) == 'string' then
+    tb = ',"traceback":' .. cjson.encode(traceback)
+  end
+  return '{"type":"Cancelled","message":' .. cjson.encode(message) .. tb .. '}'
 end

@@ -24,6 +24,7 @@ for _, id in ipairs(ids) do
     ck_release(j)
     if j.cancel == '1' then
       j.state = 'cancelled'
+      j.error = cancelled_error('cancelled on request; its worker ' .. lost .. ' stopped heartbeating')
       commit(j, 'running', lost)
       finish(j, ARGV[3])
     else

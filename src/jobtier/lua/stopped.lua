@@ -25,6 +25,7 @@ for i = 0, n - 1 do
     ck_release(j)
     if j.cancel == '1' then
       j.state = 'cancelled'
+      j.error = cancelled_error('cancelled on request while running (attempt ' .. j.attempt .. ')')
       commit(j, 'running', worker)
       finish(j, ttl)
     else

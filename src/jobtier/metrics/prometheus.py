@@ -28,6 +28,11 @@ HELP = {
     "transitions_persisted_total": "Transitions written to Postgres.",
     "persister_bad_entries_total": "Log entries that could not be stored (unreadable or refused).",
     "persister_parked_total": "Log entries Postgres refused, moved to the shard's log:refused stream.",
+    "webhook_attempts_total": "Webhook delivery attempts by outcome (delivered, retried, refused, failed, gone).",
+    "webhook_deliveries_created_total": "Webhook deliveries made from transitions (one per target).",
+    "webhook_deliveries_pending": "Webhook deliveries waiting in Postgres for an attempt (a dispatcher's view).",
+    "webhook_delivery_latency_seconds": "From a transition to its webhook's 2xx answer.",
+    "webhook_attempt_seconds": "Duration of one webhook delivery attempt.",
     "queue_depth": "Ready jobs per queue and priority.",
     "queue_running_jobs": "Jobs of the queue running now.",
     "queue_parked_jobs": "Jobs handed back by workers that lack their task, waiting for one that has it.",
@@ -39,6 +44,7 @@ HELP = {
     "worker_handed_back_total": "Jobs this worker handed back (their task is not in it).",
     "worker_rate_limited_total": "Tasks that raised RateLimited.",
     "queue_limit_wait_seconds_total": "Seconds a worker waited for a limited queue's permits (rate or concurrency).",
+    "persister_errors_total": "Failures the persister retried (Postgres, Redis, its own tasks), by error class.",
 }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from jobtier.model import JobStatus, json_encoder, status_decoder
 from jobtier.persist.db import AnyConnection, query
+from jobtier.persist.results import is_ref, ref_of
 
 INLINE_RESULT_MAX = 64 * 1024  # larger results go to job_results
 
@@ -102,7 +103,7 @@ def _json(value: Any) -> bytes | None:
 JOB_COLUMNS = (
     "id", "tenant", "type", "priority", "state", "version", "attempt", "max_attempts",
     "created_at", "updated_at", "run_at", "payload", "idempotency_key", "result", "result_size",
-    "error", "progress", "cancel_requested", "worker", "doc", "queue",
+    "error", "progress", "cancel_requested", "worker", "doc", "queue", "result_ref",
 )  # fmt: skip
 TRANSITION_COLUMNS = (
     "job_id", "version", "prev_version", "from_state", "to_state", "at", "worker", "attempt",
@@ -115,15 +116,17 @@ def job_records(rows: Sequence[JobRow]) -> list[tuple[Any, ...]]:
     out = []
     for row in rows:
         s = row.latest.status
-        result = size = None
-        if row.result is not None:
+        result = size = ref = None
+        if is_ref(row.result):  # kept in the result store already (persist/results.py)
+            ref = ref_of(row.result or b"")
+        elif row.result is not None:
             size = len(row.result)
             result = (row.result or b"null") if size <= INLINE_RESULT_MAX else None
         out.append((
             s.id, row.latest.tenant, s.type, s.priority, s.state, s.version, s.attempt,
             s.max_attempts, _ts(s.created_at), _ts(s.updated_at), _ts(s.run_at), row.payload,
             row.idempotency_key, result, size, _json(s.error), _json(s.progress),
-            s.cancel_requested, s.worker, row.latest.doc, s.queue,
+            s.cancel_requested, s.worker, row.latest.doc, s.queue, ref,
         ))  # fmt: skip
     return out
 
@@ -164,7 +167,11 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
         await conn.execute(query("upsert_jobs"))
         if any(r.payload is not None for r in rows):
             await conn.execute(query("fill_submitted"))
-        large = [r for r in rows if r.result is not None and len(r.result) > INLINE_RESULT_MAX]
+        large = [
+            r
+            for r in rows
+            if r.result is not None and len(r.result) > INLINE_RESULT_MAX and not is_ref(r.result)
+        ]
         if large:
             await conn.execute(
                 query("insert_results"),

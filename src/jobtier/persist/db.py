@@ -15,6 +15,23 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
+# Postgres is away or cannot take work now — the connection or the server, not the data:
+# keep the batch and write it again after a back-off. asyncpg's InternalClientError belongs
+# here: a connection lost in the middle of a COPY is left mid-protocol, and the next
+# statement on it (the transaction's ROLLBACK, the pool's reset) fails with "cannot switch
+# to state 15; another operation (2) is in progress".
+UNAVAILABLE: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.exceptions.InternalClientError,
+    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now
+    asyncpg.exceptions.InsufficientResourcesError,  # too many connections, disk full
+    asyncpg.exceptions.DeadlockDetectedError,
+    asyncpg.exceptions.SerializationError,
+)
+
 log = logging.getLogger("jobtier.persist")
 
 _NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
@@ -53,17 +70,27 @@ def parse_queries(text: str) -> dict[str, str]:
     return out
 
 
+QUERY_FILES = ("queries.sql", "webhooks.sql")
+
+
 @functools.cache
 def queries() -> dict[str, str]:
-    """Every named query of ``queries.sql`` (read once per process)."""
-    return parse_queries(_package_text("queries.sql"))
+    """Every named query of ``QUERY_FILES`` (read once per process); a name is unique across
+    them."""
+    out: dict[str, str] = {}
+    for name in QUERY_FILES:
+        found = parse_queries(_package_text(name))
+        if twice := set(found) & set(out):
+            raise ValueError(f"queries defined twice: {sorted(twice)}")
+        out.update(found)
+    return out
 
 
 def query(name: str) -> str:
     try:
         return queries()[name]
     except KeyError:
-        raise KeyError(f"no query named {name!r} in persist/queries.sql") from None
+        raise KeyError(f"no query named {name!r} in {', '.join(QUERY_FILES)}") from None
 
 
 def schema_sql() -> str:
@@ -82,8 +109,10 @@ def migrations() -> list[tuple[str, str]]:
             raise ValueError(f"migration file {entry.name!r} is not named NNNN_name.sql")
     found.sort()
     numbers = [n for n, _, _ in found]
-    if numbers != list(range(1, len(found) + 1)):
-        raise ValueError(f"migrations must be numbered 0001, 0002, … without gaps: {numbers}")
+    # a gap is allowed (work under way elsewhere reserves its numbers); a number twice is not:
+    # the order between the two would be their names'
+    if len(set(numbers)) != len(numbers) or (numbers and numbers[0] != 1):
+        raise ValueError(f"migrations must be numbered from 0001, each number once: {numbers}")
     return [(name, sql) for _, name, sql in found]
 
 

@@ -26,7 +26,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import asyncpg
 import msgspec
@@ -37,45 +36,51 @@ from jobtier.config import Settings
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
 from jobtier.metrics.histogram import SIZE_BUCKETS, Histogram
-from jobtier.metrics.snapshot import Snapshot
+from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.metrics.transitions import TransitionCounter
 from jobtier.persist.batch import LogEntry, parse_entry, write_batch
-from jobtier.persist.db import Pool
+from jobtier.persist.db import UNAVAILABLE, AnyConnection, Pool
+from jobtier.persist.group import forget_idle_consumers, replay_refused, trim
 from jobtier.persist.retention import run_pruning
+
+__all__ = ["Persister", "PersisterStats", "replay_refused"]
 
 log = logging.getLogger("jobtier.persist")
 
 IDLE_SLEEP_MIN = 0.005
 IDLE_SLEEP_MAX = 0.1  # longest nap when every stream is empty: idle CPU stays near zero
 READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
-TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries (and lag refreshes)
+TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries
+# A batch not committed within this many seconds is on a connection that will not answer (a
+# Postgres host gone without closing it: a failover, a partition). Its connection is
+# terminated — which fails whatever waits on it, a ROLLBACK included — and the batch is
+# written again on a new one. A healthy 2,000-entry batch commits in well under a second.
+BATCH_TIMEOUT = 60.0
+FORGET_EVERY = 60.0  # seconds between sweeps of the consumer group's stopped members
+FORGET_IDLE_MIN = 120.0  # least idle time (s) of a member forgotten (and 4x the claim idle)
 
-# Postgres is unreachable or refusing work for now: keep the batch and try again later.
-UNAVAILABLE: tuple[type[BaseException], ...] = (
-    OSError,
-    asyncio.TimeoutError,
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,
-    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now
-    asyncpg.exceptions.InsufficientResourcesError,  # too many connections, disk full
-    asyncpg.exceptions.DeadlockDetectedError,
-    asyncpg.exceptions.SerializationError,
-)
 # This entry's data cannot be stored (no retry will help): isolate it, keep the others moving.
 POISON: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.DataError,
     asyncpg.exceptions.IntegrityConstraintViolationError,
 )
-RETRYABLE: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
+# Anything else (a missing table before `jobtier migrate`, an error nobody foresaw) is
+# retried like an outage too, logged and counted by class: a persister never exits on its
+# own, because nothing would drain the logs after it.
 
 
-def _next_id(entry_id: bytes) -> bytes:
-    ms, _, seq = entry_id.partition(b"-")
-    return b"%s-%d" % (ms, int(seq or b"0") + 1)
-
-
-FORGET_EVERY = 600.0  # seconds between sweeps of the consumer group's dead members
-FORGET_IDLE_MS = 3_600_000
+def _connection_reusable(exc: BaseException) -> bool:
+    """Whether a connection whose batch failed with ``exc`` may go back to the pool: only
+    when Postgres itself answered with an error about the statement (the transaction was
+    rolled back and the session is sound). Anything else — a lost or reset connection, a
+    protocol left mid-COPY, a cancellation, a bug of ours half-way through — leaves the
+    session in a state nobody knows."""
+    return isinstance(exc, asyncpg.PostgresError) and not isinstance(
+        exc,
+        asyncpg.PostgresConnectionError
+        | asyncpg.exceptions.OperatorInterventionError
+        | asyncpg.exceptions.InsufficientResourcesError,
+    )
 
 
 @dataclass
@@ -89,6 +94,7 @@ class PersisterStats:
     claimed: int = 0  # entries taken over from idle consumers
     bad_entries: int = 0  # entries that cannot be stored (logged; parked when refused)
     parked: int = 0  # entries Postgres refused, moved to the shard's log:refused stream
+    errors: dict[str, int] = field(default_factory=dict)  # failures retried, by error class
     batch_sizes: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS), repr=False)
     job_counts: TransitionCounter = field(default_factory=TransitionCounter, repr=False)
 
@@ -99,7 +105,12 @@ class Persister:
     ``name`` is its consumer name. `jobtier persister` defaults to one with the pid in it, so
     two persisters on a host never share a name; a dead one's unfinished entries are then
     taken over by the others after ``persist_claim_idle_seconds``. A name kept stable across
-    restarts (``--name``: host and slot) lets a restarted persister pick up its own at once. ``on_commit(entries, wall_time)`` is called after each commit (benchmarks).
+    restarts (``--name``: host and slot) lets a restarted persister pick up its own at once.
+    ``on_commit(entries, wall_time)`` is called after each commit (benchmarks).
+
+    It never stops on its own: whatever fails — Redis, Postgres, a batch, a flush task — is
+    logged, counted in ``stats.errors`` by class and retried after a back-off, except an
+    entry Postgres refuses for its data, which is parked (see ``_poisoned``).
     """
 
     def __init__(
@@ -112,6 +123,7 @@ class Persister:
         keys: Keys | None = None,
         on_commit: Callable[[Sequence[LogEntry], float], None] | None = None,
         concurrency: int = 2,
+        batch_timeout: float = BATCH_TIMEOUT,
     ) -> None:
         self.settings = settings
         self.redis = redis
@@ -124,6 +136,10 @@ class Persister:
         self.claim_idle_ms = int(settings.persist_claim_idle_seconds * 1000)
         self.on_commit = on_commit
         self.concurrency = max(1, concurrency)  # batches written at once (connections used)
+        self.batch_timeout = batch_timeout
+        self.forget_idle_ms = int(
+            max(FORGET_IDLE_MIN, 4 * settings.persist_claim_idle_seconds) * 1000
+        )
         self.stats = PersisterStats()
         self._streams = [self.keys.log(s) for s in range(self.keys.shards)]
         # b"0": still reading back this consumer's own pending entries (a previous life's)
@@ -140,6 +156,7 @@ class Persister:
         self._next_claim = 0.0
         self._next_forget = 0.0
         self._next_trim = 0.0
+        self._explained: set[str] = set()  # error classes whose traceback was logged once
 
     # --- life cycle -----------------------------------------------------------------------
     def metrics(self) -> Snapshot:
@@ -153,6 +170,7 @@ class Persister:
             "persister_claimed_total": {"": st.claimed},
             "persister_bad_entries_total": {"": st.bad_entries},
             "persister_parked_total": {"": st.parked},
+            "persister_errors_total": {labels(error=k): v for k, v in st.errors.items()},
         })  # fmt: skip
         return Snapshot(
             "", "", 0.0,
@@ -187,13 +205,19 @@ class Persister:
                         await self.setup()
                     moved = await self.step()
                     backoff.reset()
-                except (RedisError, OSError) as exc:
+                except Exception as exc:
+                    # Redis away or loading its data (one line), or anything else (its
+                    # traceback once): never a reason to stop, nothing would drain the logs.
                     wait = backoff.next()
-                    log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
+                    self._failed(exc)
+                    if isinstance(exc, RedisError | OSError):
+                        log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
+                    else:
+                        self._explain("event=loop_failed", exc, wait)
                     # A lost XREADGROUP reply leaves entries pending to us that we never saw:
                     # read our pending entries again (held ones are skipped). A restarted or
                     # flushed Redis may have lost the group: create it again.
-                    self._cursor = [b"0"] * len(self._streams)
+                    self._reread()
                     self._ready = False
                     await self._sleep(wait)
                     continue
@@ -205,10 +229,12 @@ class Persister:
             if self._inflight:  # they give up their retries now that we are stopping
                 await asyncio.wait(self._inflight)
             self._reap()
-            with contextlib.suppress(*UNAVAILABLE, RedisError):
+            try:
                 while self._buffer:
                     await self._flush(self._take(), retry=False)
                 await self._ack()
+            except Exception as exc:  # left pending in Redis: written by the next persister
+                log.warning("event=final_flush_skipped error=%r", exc)
         finally:
             self._cancel_flushes()
             pruning.cancel()
@@ -350,35 +376,45 @@ class Persister:
             self._next_forget = time.monotonic() + FORGET_EVERY
             await self._forget_dead_consumers()
 
-    async def _forget_dead_consumers(self) -> None:
-        """Remove consumers that hold nothing and were idle for an hour: persisters that
+    async def _forget_dead_consumers(self) -> int:
+        """Remove consumers that hold nothing and were idle ``forget_idle_ms``: persisters that
         stopped (a restart under a new name leaves the old one behind). One with pending
         entries is kept: ``_claim`` takes those over first."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in self._streams:
-            pipe.xinfo_consumers(stream, self.group)
-        gone = []
-        for stream, consumers in zip(
-            self._streams, await pipe.execute(raise_on_error=False), strict=True
-        ):
-            if isinstance(consumers, Exception):
-                continue
-            for c in consumers:
-                name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
-                if name != self.name and c["pending"] == 0 and c["idle"] > FORGET_IDLE_MS:
-                    gone.append((stream, name))
-        if gone:
-            pipe = self.redis.pipeline(transaction=False)
-            for stream, name in gone:
-                pipe.xgroup_delconsumer(stream, self.group, name)
-            await pipe.execute(raise_on_error=False)
-            log.info("event=dead_consumers_removed count=%d", len(gone))
+        return await forget_idle_consumers(
+            self.redis, self._streams, self.group, self.name, self.forget_idle_ms
+        )
 
     # --- writing --------------------------------------------------------------------------
     async def persist(self, entries: Sequence[LogEntry]) -> None:
-        """Write entries to Postgres in one transaction (no acknowledgement)."""
-        async with self.pool.acquire() as conn:
-            jobs = await write_batch(conn, entries)
+        """Write entries to Postgres in one transaction (no acknowledgement).
+
+        A connection whose batch failed other than by Postgres refusing a statement is
+        terminated rather than handed back to the pool: after a reset or a shutdown in the
+        middle of COPY its protocol is mid-operation, and the pool's own reset on release
+        would fail on it again (and raise from the release). One that does not answer within
+        ``batch_timeout`` is terminated too, which fails the waiting statement at once.
+        """
+        async with self.pool.acquire(timeout=self.batch_timeout) as conn:
+            expired = False
+
+            def expire() -> None:
+                nonlocal expired
+                expired = True
+                _terminate(conn)
+
+            watchdog = asyncio.get_running_loop().call_later(self.batch_timeout, expire)
+            try:
+                jobs = await write_batch(conn, entries)
+            except BaseException as exc:
+                if not _connection_reusable(exc):
+                    _terminate(conn)
+                if expired and isinstance(exc, Exception):
+                    raise TimeoutError(
+                        f"batch of {len(entries)} not committed within {self.batch_timeout:g} s"
+                    ) from exc
+                raise
+            finally:
+                watchdog.cancel()
         self.stats.jobs += jobs
 
     def _take(self) -> list[LogEntry]:
@@ -392,10 +428,37 @@ class Persister:
         self._inflight.add(task)
 
     def _reap(self) -> None:
-        """Forget finished flushes; a flush that failed unexpectedly (a bug) fails the caller."""
+        """Forget finished flushes. One that failed (its retries are inside it, so this is a
+        bug of ours) is logged with its traceback and counted; its entries are read back
+        from our pending ones and written again. It never takes the persister down."""
         for task in [t for t in self._inflight if t.done()]:
             self._inflight.discard(task)
-            task.result()
+            if task.cancelled():
+                continue
+            exc = task.exception()
+            if exc is not None:
+                self._failed(exc)
+                log.error("event=flush_failed error=%r", exc, exc_info=exc)
+                self._reread()
+
+    def _reread(self) -> None:
+        """Read our own pending entries again from the start (held ones are skipped)."""
+        self._cursor = [b"0"] * len(self._streams)
+
+    def _failed(self, exc: BaseException) -> None:
+        name = type(exc).__name__
+        self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
+
+    def _explain(self, event: str, exc: BaseException, wait: float, **fields: object) -> None:
+        """Log an unforeseen failure: with its traceback the first time its class is seen in
+        this process, as one line after that (a retry loop must not flood the log)."""
+        extra = "".join(f" {k}={v}" for k, v in fields.items())
+        name = type(exc).__name__
+        first = name not in self._explained
+        self._explained.add(name)
+        log.error(
+            "%s retry_in=%.1fs%s error=%r", event, wait, extra, exc, exc_info=exc if first else None
+        )
 
     def _cancel_flushes(self) -> None:
         # a cancelled flush either committed (its entries stay pending: replayed harmlessly
@@ -444,20 +507,26 @@ class Persister:
                     return await self._isolate(batch, retry)
                 self._poisoned(batch[0], exc)
                 return []
-            except RETRYABLE as exc:
+            except Exception as exc:
                 if not retry:
                     raise
                 if not backoff.failures:
                     down_since = time.monotonic()
                 wait = backoff.next()
                 self.stats.retries += 1
-                event = "postgres_unavailable"
-                if not isinstance(exc, UNAVAILABLE):  # e.g. schema missing: run jobtier migrate
-                    event = "batch_failed"
-                log.warning(
-                    "event=%s retry_in=%.1fs batch=%d error=%r",
-                    event, wait, len(batch), exc,
-                )  # fmt: skip
+                self._failed(exc)
+                if isinstance(exc, UNAVAILABLE):
+                    log.warning(
+                        "event=postgres_unavailable retry_in=%.1fs batch=%d error=%r",
+                        wait, len(batch), exc,
+                    )  # fmt: skip
+                elif isinstance(exc, asyncpg.PostgresError):  # e.g. no table: run jobtier migrate
+                    log.warning(
+                        "event=batch_failed retry_in=%.1fs batch=%d error=%r",
+                        wait, len(batch), exc,
+                    )  # fmt: skip
+                else:
+                    self._explain("event=batch_failed", exc, wait, batch=len(batch))
                 if await self._sleep(wait):
                     return None
 
@@ -530,68 +599,13 @@ class Persister:
             raise
 
     async def trim(self) -> None:
-        """Drop log entries every consumer group has acknowledged.
-
-        Per shard and group, everything below the lowest pending id has been delivered (groups
-        deliver in id order) and is no longer pending, so it was acknowledged; with nothing
-        pending, everything up to the last delivered id was. XINFO GROUPS runs before XPENDING
-        on the same connection: an entry delivered between the two has an id above the
-        last-delivered id we read, so it cannot be trimmed while still pending.
-        """
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in self._streams:
-            pipe.xinfo_groups(stream)
-        infos = await pipe.execute(raise_on_error=False)
-        pipe = self.redis.pipeline(transaction=False)
-        asked: list[tuple[int, bytes]] = []
-        for shard, groups in enumerate(infos):
-            if isinstance(groups, Exception) or not groups:
-                continue
-            for g in groups:
-                pipe.xpending(self._streams[shard], g["name"])
-                asked.append((shard, g["last-delivered-id"]))
-        floors: dict[int, bytes] = {}
-        for (shard, delivered), pending in zip(asked, await pipe.execute(), strict=True):
-            floor = pending["min"] if pending["pending"] else _next_id(delivered)
-            if shard not in floors or _key(floor) < _key(floors[shard]):
-                floors[shard] = floor
-        pipe = self.redis.pipeline(transaction=False)
-        for shard, floor in floors.items():
-            pipe.xtrim(self._streams[shard], minid=floor, approximate=False)
-        if floors:
-            await pipe.execute()
+        """Drop log entries every consumer group has acknowledged (``group.trim``)."""
+        await trim(self.redis, self._streams)
 
 
-async def replay_refused(redis: RedisClient, keys: Keys) -> int:
-    """Send every parked entry (``log:refused``) back to its shard's log, for the persisters
-    to try again once the cause is fixed (a migration, a constraint). Each entry is added to
-    the log before it is deleted from the parked stream: interrupted, an entry is at worst
-    sent twice, which the persisters' writes make harmless. Returns the entries moved."""
-    moved = 0
-    for shard in range(keys.shards):
-        source, target = keys.log_refused(shard), keys.log(shard)
-        newest: Any = await redis.xrevrange(source, count=1)
-        if not newest:
-            continue
-        last = newest[0][0]  # entries refused again meanwhile come after it: not this run's
-        while True:
-            entries: Any = await redis.xrange(source, max=last, count=500)  # [(id, fields)]
-            if not entries:
-                break
-            pipe = redis.pipeline(transaction=False)
-            for entry_id, fields in entries:
-                kept: dict[Any, Any] = {
-                    k: v for k, v in fields.items() if not k.startswith(b"refused_")
-                }
-                pipe.xadd(target, kept)
-                pipe.xdel(source, entry_id)
-            await pipe.execute()
-            moved += len(entries)
-    if moved:
-        log.info("event=refused_entries_replayed count=%d", moved)
-    return moved
-
-
-def _key(entry_id: bytes) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or b"0")
+def _terminate(conn: AnyConnection) -> None:
+    """Close a pool connection at once, without a word to the server; the pool replaces it
+    (its holder is released, the proxy detached). Nothing if already gone."""
+    with contextlib.suppress(Exception):
+        if not conn.is_closed():
+            conn.terminate()

@@ -23,8 +23,17 @@ import msgspec
 from jobtier.connection import RedisClient
 from jobtier.errors import InvalidRequest
 from jobtier.keys import JOB_ID_RE, Keys
-from jobtier.model import QUEUE_NAME_RE, JobError, JobStatus, State, any_decoder, status_decoder
+from jobtier.model import (
+    QUEUE_NAME_RE,
+    JobError,
+    JobStatus,
+    State,
+    any_decoder,
+    status_decoder,
+)
+from jobtier.model import Transition as Transition  # moved to model.py (the client reads it)
 from jobtier.persist.db import Pool, query
+from jobtier.scripts import Script, evalsha_many
 
 MAX_LIMIT = 500
 MAX_TYPE_LENGTH = 200
@@ -33,29 +42,12 @@ _STATES = frozenset(s.value for s in State)
 _error_decoder = msgspec.json.Decoder(JobError)
 
 
-class Transition(msgspec.Struct, frozen=True):
-    """One change of a job's status document, as ``GET /v1/jobs/{id}/history`` lists it.
-
-    ``worker`` is who made the change: a worker id, or ``api``, ``scheduler``, ``admin``.
-    Progress reports and cancel requests are changes too (``from_state == to_state``).
-    """
-
-    version: int
-    from_state: State | None
-    to_state: State
-    at: datetime
-    worker: str
-    attempt: int
-    error: JobError | None = None
-    progress: Any = None
-    cancel_requested: bool = False
-
-
 @dataclass(frozen=True, slots=True)
 class StoredResult:
     state: State
     version: int
     result: bytes | None  # the result JSON when succeeded (b"null" for none); else None
+    ref: str | None = None  # instead, where the result store keeps it (persist/results.py)
 
 
 # --- cursors --------------------------------------------------------------------------------
@@ -199,13 +191,18 @@ class PgReader:
         if row is None:
             return None
         state = State(row["state"])
-        result = row["result"] if state is State.SUCCEEDED else None
-        if state is State.SUCCEEDED and result is None:
+        ref = row["result_ref"] if state is State.SUCCEEDED else None
+        result = row["result"] if state is State.SUCCEEDED and ref is None else None
+        if state is State.SUCCEEDED and result is None and ref is None:
             result = b"null"
-        return StoredResult(state, row["version"], result)
+        return StoredResult(state, row["version"], result, ref)
 
 
 # --- lag of the write-behind ----------------------------------------------------------------
+LAG_EXACT_UP_TO = 100  # undelivered entries per shard counted one by one (log_lag.lua)
+_LAG = Script("log_lag")
+
+
 def _id_ms(entry_id: bytes) -> int:
     return int(entry_id.split(b"-", 1)[0])
 
@@ -213,47 +210,23 @@ def _id_ms(entry_id: bytes) -> int:
 async def lag(redis: RedisClient, keys: Keys) -> tuple[int, float]:
     """(entries not yet acknowledged by the persisters, age in seconds of the oldest one).
 
-    Counts, per shard, the group's pending entries plus those not yet delivered (XINFO GROUPS
-    ``lag``). The age comes from the oldest such entry's stream id (Redis's clock) against this
-    process's clock. Two round trips; callers on hot paths should cache it for a second.
+    Per shard, one read-only script call (``lua/log_lag.lua``, all shards in one pipeline):
+    the group's pending entries plus the entries after its last-delivered id — counted in
+    the stream, so a restart from the AOF that leaves Redis's own ``lag`` counter stale
+    cannot make it report entries that do not exist (0 once the logs are drained). Up to
+    ``LAG_EXACT_UP_TO`` undelivered entries per shard are counted exactly; beyond that it is
+    Redis's ``lag`` bounded by the entries present and not pending, so the cost stays a few
+    hundred entry reads per call however long the backlog. The age comes from the oldest
+    waiting entry's id (Redis's clock) against this process's clock. Callers on hot paths
+    should cache it for a second (the API does).
     """
-    group = keys.persist_group().encode()
-    pipe = redis.pipeline(transaction=False)
-    for s in range(keys.shards):
-        pipe.xinfo_groups(keys.log(s))
-        pipe.xpending(keys.log(s), group)
-        pipe.xlen(keys.log(s))
-    replies = await pipe.execute(raise_on_error=False)
+    group = keys.persist_group()
+    calls = [(_LAG, (1, keys.log(s), group, LAG_EXACT_UP_TO)) for s in range(keys.shards)]
     total, oldest_ms = 0, None
-    need_first: list[tuple[int, bytes]] = []  # (shard, first entry at or after this id)
-    for s in range(keys.shards):
-        groups, pending, length = replies[3 * s : 3 * s + 3]
-        if isinstance(length, Exception):
-            raise length
-        info = None
-        if not isinstance(groups, Exception):
-            info = next((g for g in groups if g["name"] == group), None)
-        if info is None or isinstance(pending, Exception):  # no persister ever ran
-            total += length
-            if length:
-                need_first.append((s, b"-"))
-            continue
-        undelivered = info["lag"]
-        if undelivered is None:  # Redis cannot tell (entries deleted past the group's cursor)
-            undelivered = max(0, length - pending["pending"])
-        total += pending["pending"] + undelivered
-        if pending["pending"]:
-            ms = _id_ms(pending["min"])
+    for waiting, oldest in await evalsha_many(redis, calls):
+        total += int(waiting)
+        if oldest:
+            ms = _id_ms(oldest)
             oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
-        elif undelivered:
-            need_first.append((s, b"(" + info["last-delivered-id"]))
-    if need_first:
-        pipe = redis.pipeline(transaction=False)
-        for s, start in need_first:
-            pipe.xrange(keys.log(s), min=start, max="+", count=1)
-        for first in await pipe.execute():
-            if first:
-                ms = _id_ms(first[0][0])
-                oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
     age = 0.0 if oldest_ms is None else max(0.0, time.time() - oldest_ms / 1000)
     return total, age

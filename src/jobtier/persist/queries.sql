@@ -30,10 +30,10 @@ ON CONFLICT (job_id, version, at) DO NOTHING
 INSERT INTO jobs AS j
     (id, tenant, type, priority, state, version, attempt, max_attempts, created_at, updated_at,
      run_at, payload, idempotency_key, result, result_size, error, progress, cancel_requested,
-     worker, doc, queue)
+     worker, doc, queue, result_ref)
 SELECT id, tenant, type, priority, state, version, attempt, max_attempts, created_at, updated_at,
        run_at, payload, idempotency_key, result, result_size, error, progress, cancel_requested,
-       worker, doc, queue
+       worker, doc, queue, result_ref
 FROM jobs_staging
 ORDER BY id
 ON CONFLICT (id) DO UPDATE SET
@@ -47,6 +47,7 @@ ON CONFLICT (id) DO UPDATE SET
     idempotency_key = coalesce(j.idempotency_key, excluded.idempotency_key),
     result = coalesce(excluded.result, j.result),
     result_size = coalesce(excluded.result_size, j.result_size),
+    result_ref = coalesce(excluded.result_ref, j.result_ref),
     error = excluded.error,
     progress = excluded.progress,
     cancel_requested = excluded.cancel_requested,
@@ -122,7 +123,7 @@ WHERE NOT EXISTS (
 ORDER BY c.job_id, c.version
 
 -- name: result
-SELECT j.state, j.version, coalesce(j.result, r.result) AS result
+SELECT j.state, j.version, coalesce(j.result, r.result) AS result, j.result_ref
 FROM jobs j
 LEFT JOIN job_results r ON r.job_id = j.id
 WHERE j.id = $1 AND j.tenant = $2

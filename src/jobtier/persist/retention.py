@@ -49,7 +49,14 @@ from datetime import UTC, date, datetime, time, timedelta
 import asyncpg
 
 from jobtier.config import Settings
-from jobtier.persist.db import MIGRATION_LOCK, AnyConnection, Connection, connect, query
+from jobtier.persist.db import (
+    MIGRATION_LOCK,
+    UNAVAILABLE,
+    AnyConnection,
+    Connection,
+    connect,
+    query,
+)
 
 log = logging.getLogger("jobtier.persist.retention")
 
@@ -298,6 +305,10 @@ async def _prune_history(
         )
 
 
+# a pass that failed for Postgres' sake (away, restarting, a lock wait): tried again later
+PASS_FAILED: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
+
+
 async def run_pruning(settings: Settings, stop: asyncio.Event) -> None:
     """The persister's schedule: a pass at once (partitions ahead before the first writes),
     then every ``prune_interval_seconds`` until ``stop`` is set. A failed pass (Postgres
@@ -308,9 +319,14 @@ async def run_pruning(settings: Settings, stop: asyncio.Event) -> None:
         try:
             conn = await connect(settings.database_url, timeout=10)
             await prune(conn, settings)
-        except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+        except PASS_FAILED as exc:
             wait = min(wait, RETRY_AFTER_FAILURE)
             log.warning("event=prune_failed retry_in=%.0fs error=%r", wait, exc)
+        except Exception:
+            # anything else (a bug): logged with its stack
+            # and tried again later; the pruning schedule must not end with the persister alive
+            wait = min(wait, RETRY_AFTER_FAILURE)
+            log.exception("event=prune_failed retry_in=%.0fs", wait)
         finally:
             if conn is not None:
                 await _close(conn)

@@ -14,7 +14,6 @@ import asyncio
 import os
 import threading
 import time
-import traceback
 from collections.abc import Callable, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from jobtier.worker.attempt import (
     fail_state,
     run_attempt,
 )
-from jobtier.worker.context import JobContext
+from jobtier.worker.context import LOG_LINES, JobContext
 from jobtier.worker.registry import Task
 from jobtier.worker.registry import task as as_task
 
@@ -44,14 +43,16 @@ _decode = msgspec.json.Decoder().decode
 
 @dataclass(frozen=True, slots=True)
 class TaskError:
-    """A failed attempt: ``type`` and ``message`` are what the job's ``error`` would hold;
-    ``retryable`` is False for ``Fatal``, the task's ``non_retryable`` classes and refused
-    results (whatever attempts remain); ``traceback`` is where it was raised."""
+    """A failed attempt: ``type``, ``message`` and ``traceback`` are what the job's ``error``
+    would hold (the traceback bounded as a worker bounds it; None for a refused result, which
+    nothing raised); ``retryable`` is False for ``Fatal``, the task's ``non_retryable``
+    classes and refused results (whatever attempts remain); ``exception`` is what was raised,
+    its whole traceback attached."""
 
     type: str
     message: str
     retryable: bool
-    traceback: str
+    traceback: str | None
     exception: BaseException
 
 
@@ -67,13 +68,15 @@ class Outcome:
       backoff policy, jitter included, or the delay of ``Retry(delay=…)``);
     - ``"failed"``: the job would go to the dead-letter set (``Fatal``, a ``non_retryable``
       exception, an unserialisable or oversized result, or no attempts left);
-    - ``"cancelled"``: a cancel was requested and the task stopped for it;
+    - ``"cancelled"``: a cancel was requested and the task stopped for it, or returned after
+      the request reached it (its result is dropped, as a worker drops it);
     - ``"released"``: the task raised ``asyncio.CancelledError`` with no cancel requested;
       a worker would give the job back to its queue, to run again — almost always a bug.
 
     ``error`` is set for ``"retry"`` and ``"failed"``; ``progress`` holds every
     ``ctx.progress()`` value in the order reported (a worker merges reports made within a
-    fraction of a second; here none is lost).
+    fraction of a second; here none is lost); ``logs`` the messages of ``ctx.log()`` as the
+    job would keep them (its latest 200, each cut at 1,000 characters).
     """
 
     state: State
@@ -81,6 +84,7 @@ class Outcome:
     error: TaskError | None = None
     retry_in: float | None = None
     progress: list[Any] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
     job_id: str = ""
     attempt: int = 1
     max_attempts: int = 1
@@ -100,9 +104,11 @@ class TaskRun:
         self.task = task
         self._loop = asyncio.get_running_loop()
         self.ctx = JobContext(
-            job, shard, f"jobtier.testing:{os.getpid()}", self._loop, self._on_progress
-        )
+            job, shard, f"jobtier.testing:{os.getpid()}", self._loop, self._on_progress,
+            self._on_log,
+        )  # fmt: skip
         self.progress: list[Any] = []  # every report so far, in order
+        self.logs: list[str] = []  # every ctx.log() message so far, as the job keeps each
         self._cancel_after = cancel_after_progress
         # a pool per attempt, as a worker's pool threads: a sync task runs off the loop
         self._threads = ThreadPoolExecutor(1, thread_name_prefix="jobtier-task")
@@ -175,6 +181,9 @@ class TaskRun:
             # reports and returns without awaiting again has finished first
             self._loop.call_soon(self._deliver_cancel)
 
+    def _on_log(self, ctx: JobContext) -> None:  # on the loop's thread
+        self.logs += [_decode(line)["message"] for line in ctx._take_logs()]
+
     def _deliver_cancel(self) -> None:
         if not self._handle.done() and not self.ctx.cancel_requested:
             deliver_cancel(self.ctx, self.task, self._handle)
@@ -188,13 +197,7 @@ class TaskRun:
             self._ended = self._make("succeeded", result=_decode(end) if end else None)
         elif isinstance(end, Failure):
             delay_ms = end.delay_ms(self.task.retry, ctx.attempt)
-            error = TaskError(
-                end.type,
-                end.message,
-                end.retry,
-                "".join(traceback.format_exception(end.exc)),
-                end.exc,
-            )
+            error = TaskError(end.type, end.message, end.retry, end.traceback, end.exc)
             if fail_state(delay_ms, ctx.attempt, ctx.max_attempts, end.refund) == "scheduled":
                 self._ended = self._make("retry", error=error, retry_in=delay_ms / 1000)
             else:
@@ -207,9 +210,11 @@ class TaskRun:
             self._ended = self._make("cancelled")
 
     def _make(self, state: State, **kw: Any) -> Outcome:
+        self._on_log(self.ctx)  # lines a thread logged whose notice has not run yet
         return Outcome(
             state,
             progress=list(self.progress),
+            logs=self.logs[-LOG_LINES:],
             job_id=self.ctx.job_id,
             attempt=self.ctx.attempt,
             max_attempts=self.ctx.max_attempts,

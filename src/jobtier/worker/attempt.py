@@ -12,14 +12,21 @@ collector to carry per job in flight (measured: ~13% more CPU per job for plain 
 tasks; bench/worker_execute.py).
 
 What happens next is Redis's: ``fail.lua`` retries a failure only while attempts remain
-(``fail_state`` states its rule in Python for the tests), and ``stopped.lua`` turns a stop
-into ``cancelled`` when a cancel was requested, else gives the job back to its queue.
+and no cancel was requested (``fail_state`` states its rule in Python for the tests), and
+``stopped.lua`` turns a stop into ``cancelled`` when a cancel was requested, else gives the
+job back to its queue.
+
+A cancel request and a result: a task whose return reaches the worker *after* the request
+was delivered to it (``ctx.cancel_requested`` is True by then) ends ``cancelled``, its result
+dropped — it was asked to stop and may have cut its work short. A task that returned before
+the request reached its worker succeeds: a success wins over a request not yet delivered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import traceback
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -32,6 +39,12 @@ from jobtier.worker.context import JobContext
 from jobtier.worker.registry import RetryPolicy, Task
 
 MESSAGE_LIMIT = 2000  # characters of an exception's message kept in the job's error
+# A failed attempt's traceback, as the job's error keeps it: the last TRACEBACK_FRAMES frames
+# of each exception in the chain, then at most TRACEBACK_CHARS characters, the end kept (the
+# innermost frames and the exception line). The error is part of the status document every
+# poll serves: these caps keep it within ~6 KB of JSON however deep the failure.
+TRACEBACK_FRAMES = 20
+TRACEBACK_CHARS = 4000
 DEFAULT_POLICY = RetryPolicy()  # for a job whose type this worker does not know
 _encode = msgspec.json.Encoder().encode
 
@@ -39,7 +52,8 @@ _encode = msgspec.json.Encoder().encode
 class Stopped(enum.Enum):
     """An attempt that ended without a result or a failure."""
 
-    STOPPED = "stopped"  # the task raised ``Cancelled`` for a requested cancel
+    STOPPED = "stopped"  # the task raised ``Cancelled`` for a requested cancel, or returned
+    # after the request was delivered to it
     INTERRUPTED = "interrupted"  # asyncio.CancelledError: a cancel request reached an async
     # task, the worker is shutting down or lost the lease, or the task raised it itself
 
@@ -52,10 +66,11 @@ INTERRUPTED = Stopped.INTERRUPTED
 class Failure:
     """A failed attempt as the job records it.
 
-    ``type`` and ``message`` become the job's ``error``; ``retry`` False sends the job to the
-    dead-letter set whatever its attempts; ``delay`` is a delay the task asked for
-    (``Retry(delay=…)``), else the policy decides. ``exc`` is what was raised, traceback
-    included (the job does not keep it; tests do).
+    ``type``, ``message`` and the bounded ``traceback`` of ``exc`` become the job's
+    ``error``; ``retry`` False sends the job to the dead-letter set whatever its attempts;
+    ``delay`` is a delay the task asked for (``Retry(delay=…)``), else the policy decides.
+    ``exc`` is what was raised (``raised`` False: made up here, for a refused result — it has
+    no traceback worth keeping).
     """
 
     exc: BaseException
@@ -64,9 +79,19 @@ class Failure:
     retry: bool
     delay: float | None = None
     refund: bool = False  # the attempt does not count (RateLimited): retried whatever is left
+    raised: bool = True
+
+    @property
+    def traceback(self) -> str | None:
+        """``exc``'s traceback as the job keeps it (bounded), or None."""
+        return format_traceback(self.exc) if self.raised else None
 
     def error_json(self) -> bytes:
-        return encode_json({"type": self.type, "message": self.message})
+        error = {"type": self.type, "message": self.message}
+        text = self.traceback
+        if text is not None:
+            error["traceback"] = text
+        return encode_json(error)
 
     def delay_ms(self, policy: RetryPolicy, attempt: int) -> int:
         """Milliseconds before the next attempt, or -1 for "do not retry" (fail.lua's ARGV)."""
@@ -74,6 +99,19 @@ class Failure:
             return -1
         delay = self.delay if self.delay is not None else policy.delay(attempt)
         return round(1000 * delay)
+
+
+def format_traceback(exc: BaseException) -> str:
+    """``exc``'s traceback, chained causes included, bounded: the last ``TRACEBACK_FRAMES``
+    frames of each, then the last ``TRACEBACK_CHARS`` characters (cut at a line start)."""
+    text = "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES))
+    if len(text) > TRACEBACK_CHARS:
+        tail = text[-(TRACEBACK_CHARS - 2) :]
+        newline = tail.find("\n")
+        if 0 <= newline < len(tail) - 1:
+            tail = tail[newline + 1 :]
+        text = "…\n" + tail
+    return text
 
 
 def failure(exc: Exception, task: Task | None) -> Failure:
@@ -140,7 +178,13 @@ async def run_attempt(
     except Exception as exc:
         sink.attempt_ended(ctx, failure(exc, task))
     else:
-        sink.attempt_ended(ctx, encode_result(result, max_result_bytes))
+        if ctx._cancelled:  # (ctx.cancel_requested, without a property call per job)
+            # the task returned after its cancel request was delivered: it was asked to stop
+            # and may have cut its work short, so the job ends cancelled, its result dropped
+            # (a request that reaches the worker after the return loses: the job succeeds)
+            sink.attempt_ended(ctx, STOPPED)
+        else:
+            sink.attempt_ended(ctx, encode_result(result, max_result_bytes))
 
 
 def encode_result(result: Any, max_result_bytes: int) -> bytes | Failure:
@@ -159,7 +203,7 @@ def encode_result(result: Any, max_result_bytes: int) -> bytes | Failure:
 def _refused(kind: str, message: str) -> Failure:
     """A result the job cannot keep: no retry would make it fit."""
     message = message[:MESSAGE_LIMIT]
-    return Failure(Fatal(message), kind, message, retry=False)
+    return Failure(Fatal(message), kind, message, retry=False, raised=False)
 
 
 def deliver_cancel(ctx: JobContext, task: Task | None, handle: asyncio.Task[Any] | None) -> None:

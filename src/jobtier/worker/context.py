@@ -1,26 +1,53 @@
-"""What a running task sees of its job: ids, attempt, progress reporting, cancellation."""
+"""What a running task sees of its job: ids, attempt, progress, log lines, cancellation."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from collections import deque
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
+import msgspec
+
 from jobtier.errors import Cancelled
-from jobtier.model import ClaimedJob, encode_json
+from jobtier.model import ClaimedJob, LogLine, encode_json
+
+# A job's log lines (ctx.log): it keeps its latest LOG_LINES lines, of all its attempts, each
+# at most LOG_LINE_CHARS characters (a longer one is cut and ends with "…"). A task that logs
+# more than LOG_LINES lines between two sends of its worker (every ~0.2 s) loses the oldest
+# of them, and a line says how many.
+LOG_LINES = 200
+LOG_LINE_CHARS = 1000
+_encode_line = msgspec.json.Encoder().encode
+_log_lock = threading.Lock()  # ctx.log may be called from a sync task's thread
+
+
+class _LogBuffer:
+    """Lines not yet sent to Redis (made on a task's first ``ctx.log``)."""
+
+    __slots__ = ("dropped", "lines")
+
+    def __init__(self) -> None:
+        self.lines: deque[bytes] = deque(maxlen=LOG_LINES)
+        self.dropped = 0
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class JobContext:
     """Passed as the first argument to every task: ``async def my_task(ctx, payload)``.
 
     Thread-safe where it has to be: a sync task running in the thread pool may call
-    ``progress()`` and read ``cancel_requested``.
+    ``progress()`` and ``log()`` and read ``cancel_requested``.
     """
 
     __slots__ = (
-        "_cancelled", "_loop", "_loop_thread", "_on_progress", "_waiter", "job", "shard",
-        "worker_id",
+        "_cancelled", "_log", "_loop", "_loop_thread", "_on_log", "_on_progress", "_waiter",
+        "job", "shard", "worker_id",
     )  # fmt: skip
 
     def __init__(
@@ -30,6 +57,7 @@ class JobContext:
         worker_id: str,
         loop: asyncio.AbstractEventLoop,
         on_progress: Callable[[bytes], None],
+        on_log: Callable[[JobContext], None] | None = None,
     ) -> None:
         self.job = job
         self.shard = shard
@@ -37,6 +65,10 @@ class JobContext:
         self._loop = loop
         self._loop_thread = threading.get_ident()  # built on the event loop's thread
         self._on_progress = on_progress
+        # told (on the loop's thread) when lines wait to be taken (``_take_logs``); one call
+        # per batch of lines, not per line
+        self._on_log = on_log
+        self._log: _LogBuffer | None = None
         # made on first use: most tasks never wait for a cancel, and a context is built per job
         self._cancelled = False  # read from the thread pool too: a bool is safe to share
         self._waiter: asyncio.Event | None = None
@@ -69,6 +101,48 @@ class JobContext:
             self._on_progress(data)
         else:
             self._loop.call_soon_threadsafe(self._on_progress, data)
+
+    def log(self, message: Any) -> None:
+        """Add a line to the job's log: ``GET /v1/jobs/{id}/logs``, ``Client.logs()`` and
+        ``jobtier jobs logs`` show it, with its time and attempt.
+
+        A job keeps its latest ``LOG_LINES`` (200) lines, each cut at ``LOG_LINE_CHARS``
+        (1,000) characters; they live in Redis as long as the job does there. Lines reach
+        Redis within a fraction of a second, batched, apart from the job's transitions. A
+        non-string ``message`` is written as ``str(message)``.
+        """
+        text = message if isinstance(message, str) else str(message)
+        if len(text) > LOG_LINE_CHARS:
+            text = text[: LOG_LINE_CHARS - 1] + "…"
+        line = _encode_line(LogLine(_now_iso(), self.job.attempt, text))
+        with _log_lock:
+            buffer = self._log
+            if buffer is None:
+                buffer = self._log = _LogBuffer()
+            first = not buffer.lines
+            if len(buffer.lines) == LOG_LINES:
+                buffer.dropped += 1  # the deque drops its oldest line
+            buffer.lines.append(line)
+        if first and self._on_log is not None:
+            if threading.get_ident() == self._loop_thread:
+                self._on_log(self)
+            else:
+                self._loop.call_soon_threadsafe(self._on_log, self)
+
+    def _take_logs(self) -> list[bytes]:
+        """The lines logged since the last call (JSON ``LogLine`` each), oldest first; a line
+        saying how many were dropped comes first when the buffer overflowed."""
+        with _log_lock:
+            buffer = self._log
+            if buffer is None or not buffer.lines:
+                return []
+            lines, dropped = list(buffer.lines), buffer.dropped
+            buffer.lines.clear()
+            buffer.dropped = 0
+        if dropped:
+            note = f"[{dropped} earlier lines dropped: over {LOG_LINES} lines in one send]"
+            lines.insert(0, _encode_line(LogLine(_now_iso(), self.job.attempt, note)))
+        return lines
 
     @property
     def cancel_requested(self) -> bool:

@@ -8,7 +8,13 @@ Three loops share one event loop:
 - the reporter sends finished jobs' outcomes (complete / fail / stopped), batched per shard
   in one pipeline, while the next ones accumulate;
 - the heartbeat loop extends the leases of all running jobs every third of the lease,
-  carries progress reports, and learns of cancel requests and of lost leases.
+  carries progress reports and the tasks' log lines, and learns of cancel requests and of
+  lost leases.
+
+A cancel request reaches the worker sooner than a heartbeat: ``cancel.lua`` publishes
+``x <job id> <worker id>`` on the shard's wake channel, which every worker already listens
+to, and the worker named there stops the task at once (``_on_wake``). Pub/sub can drop a
+message (a reconnect); the heartbeat, which reports the request too, is the safety net.
 
 Shutdown (``stop()``, SIGTERM) keeps to a deadline fixed when it is asked for: claiming stops
 at once, running jobs get until then to finish, and the rest are released to the fronts of
@@ -47,6 +53,7 @@ from jobtier.errors import Code, ConfigError, RateLimited
 from jobtier.metrics.histogram import Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.model import QUEUE_NAME_RE, ClaimedJob, encode_json
+from jobtier.persist.results import PostgresResultStore, open_store
 from jobtier.queue import Queue
 from jobtier.scripts import Call
 from jobtier.worker.attempt import (
@@ -57,15 +64,17 @@ from jobtier.worker.attempt import (
     deliver_cancel,
     run_attempt,
 )
-from jobtier.worker.context import JobContext
+from jobtier.worker.context import LOG_LINES, JobContext
 from jobtier.worker.limits import LimitedClaimer, limit_calls
 from jobtier.worker.registry import Task, TaskRegistry
+from jobtier.worker.stored import run_attempt_storing
 
 log = logging.getLogger("jobtier.worker")
 
 UNKNOWN = 1 << 30  # a shard whose queue length we don't know: worth asking
 FINISH_AFTER_CANCEL = 1.0  # s a cancelled task gets to run its cleanup before we move on
 FLUSH_AFTER_STOP_NOW = 5.0  # s the last reports (the releases) get after stop(now=True)
+EARLY_CANCELS = 1000  # cancel pushes kept for jobs whose claim reply has not arrived yet
 PROBE_MIN = 16  # fewest jobs asked of a shard whose count is unknown (see Worker._plan)
 
 
@@ -95,6 +104,7 @@ class _Running:
     started: float
     handle: asyncio.Task[None] | None = None
     progress: bytes | None = None
+    logged: bool = False  # the task logged lines not taken yet (ctx.log)
     lost: bool = False  # a heartbeat was refused: stop and drop the outcome
     released: bool = False  # given back at shutdown: any later outcome is dropped
     permit: str | None = None  # a limited queue's permit (limits.py), returned at the end
@@ -149,6 +159,7 @@ class Worker:
         threads: int | None = None,
         progress_interval: float = 0.2,
         queues: Sequence[str] | None = None,
+        cancel_push: bool = True,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -181,8 +192,17 @@ class Worker:
         self.shutdown_grace = shutdown_grace
         self.idle_poll = idle_poll
         self.progress_interval = progress_interval
+        # act on cancel pushes (False: learn of requests at heartbeats only, as before the
+        # push existed; bench/cancel.py measures one against the other)
+        self.cancel_push = cancel_push
+        # pushes naming this worker for a job it does not run (yet): the push travels on the
+        # subscriber's connection and may overtake the claim reply on the command connection
+        self._early_cancels: dict[str, None] = {}
         self.lease_ms = int(self.settings.lease_seconds * 1000)
         self.history_ms = int(self.settings.progress_history_seconds * 1000)
+        # a running job's log lines live as long as the job could (a failure keeps it longer)
+        self._lines_ttl = max(self.settings.retention_seconds, self.settings.dead_retention_seconds)
+        self._log_sink = self._on_log  # bound once, not once per job
         self.stats = WorkerStats()
         self._threads = _TaskThreads(threads or min(32, concurrency), "jobtier-task")
         self._running: dict[str, _Running] = {}
@@ -196,9 +216,10 @@ class Worker:
         self._deadline: float | None = None  # monotonic time running jobs must end by
         self.stuck = 0  # after run(): tasks and threads that did not end when asked (see stop)
         self._progress = asyncio.Event()
-        # "progress" first: _send_outbox sends the kinds in this order (see _report)
+        # "progress" and "logs" first: _send_outbox sends the kinds in this order (_report)
         self._outbox: dict[str, dict[int, list[tuple[Any, ...]]]] = {
             "progress": defaultdict(list),
+            "logs": defaultdict(list),
             "complete": defaultdict(list),
             "fail": defaultdict(list),
             "stopped": defaultdict(list),
@@ -215,6 +236,7 @@ class Worker:
         self._heart_stop = asyncio.Event()
         self._subscriber: ShardSubscriber | None = None
         self._idle = False
+        self._results: PostgresResultStore | None = None
 
     # --- lifecycle --------------------------------------------------------------------------
     def metrics(self) -> Snapshot:
@@ -289,6 +311,7 @@ class Worker:
             name=f"worker-wake {self.id}",
         )
         await self._subscriber.start()
+        self._results = await open_store(self.settings)  # JOBTIER_RESULT_STORE, if set
         await self._advertise()
         await self._refresh_limits()
         reporter = asyncio.create_task(self._report_loop(), name="jobtier-reporter")
@@ -323,6 +346,8 @@ class Worker:
                 await self.queue.redis.hdel(self.keys.workers(), self.id)
             self._threads.shutdown(wait=False, cancel_futures=True)
             self.stuck += self._threads.busy
+            if self._results is not None:
+                await self._results.close()
             log.info(
                 "event=worker_stopped worker=%s succeeded=%d failed=%d retried=%d released=%d "
                 "stuck=%d",
@@ -333,7 +358,12 @@ class Worker:
 
     def _on_wake(self, channel: bytes, data: bytes) -> None:
         # "q <queue>": a queue of the shard had no ready job and now has some;
-        # "l <queue>": a permit of a limited queue came free
+        # "l <queue>": a permit of a limited queue came free;
+        # "x <job id> <worker id>": a cancel was requested for a job that worker runs
+        if data[:2] == b"x ":
+            if self.cancel_push:
+                self._on_cancel_push(data)
+            return
         if data[2:] not in self._served:
             return
         claimer = self._claimers.get(data[2:].decode())
@@ -345,6 +375,21 @@ class Worker:
             self._ready[shard] = UNKNOWN
             self._generation[shard] += 1
             self._wake.set()
+
+    def _on_cancel_push(self, data: bytes) -> None:
+        job_id, _, worker = data[2:].decode().partition(" ")
+        if worker != self.id:
+            return  # another worker's job (every worker hears every shard)
+        r = self._running.get(job_id)
+        if r is None:
+            # its claim reply may still be on its way: _start delivers it then
+            self._early_cancels[job_id] = None
+            if len(self._early_cancels) > EARLY_CANCELS:
+                del self._early_cancels[next(iter(self._early_cancels))]
+            return
+        if not r.ctx.cancel_requested:
+            log.info("event=cancel_requested worker=%s job=%s via=push", self.id, job_id)
+            deliver_cancel(r.ctx, r.task, r.handle)
 
     def _on_reset(self) -> None:
         # (re)subscribed: wakes may have been missed while the connection was down
@@ -626,16 +671,27 @@ class Worker:
         waited = max(now_ms - job.queued_at_ms, 0) / 1000
         self.stats.claim_wait.observe(waited)
         ctx = JobContext(
-            job, shard, self.id, self._loop, lambda data: self._on_progress(job.id, data)
-        )
+            job, shard, self.id, self._loop, lambda data: self._on_progress(job.id, data),
+            self._log_sink,
+        )  # fmt: skip
         running = _Running(
             job, shard, self.registry.get(job.type), ctx, time.monotonic(), permit=permit
         )
         self._running[job.id] = running
-        running.handle = asyncio.create_task(
-            run_attempt(running.task, ctx, self._threads, self.settings.max_result_bytes, self),
-            name=f"job {job.id}",
-        )
+        limit = self.settings.max_result_bytes
+        if self._results is None:
+            attempt = run_attempt(running.task, ctx, self._threads, limit, self)
+        else:  # large results go to the result store before the success is reported
+            attempt = run_attempt_storing(
+                running.task, ctx, self._threads, limit, self, self._results,
+                self.settings.result_store_threshold_bytes,
+            )  # fmt: skip
+        running.handle = asyncio.create_task(attempt, name=f"job {job.id}")
+        if self._early_cancels and self._early_cancels.pop(job.id, False) is None:
+            log.info("event=cancel_requested worker=%s job=%s via=push", self.id, job.id)
+            # once the attempt has started: a task cancelled before its first step never
+            # runs run_attempt, which then never reports, and the job would stay running
+            self._loop.call_soon(deliver_cancel, ctx, running.task, running.handle)
 
     # --- running ----------------------------------------------------------------------------
     def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
@@ -664,10 +720,12 @@ class Worker:
             self._rate_limited(r, failure, failure.exc)
             return
         delay_ms = failure.delay_ms(r.task.retry if r.task else DEFAULT_POLICY, r.job.attempt)
+        # one record per failed attempt, with the traceback of what the task raised
         log.info(
-            "event=job_failed job=%s type=%s attempt=%d/%d error=%s retry_in_ms=%d",
-            r.job.id, r.job.type, r.job.attempt, r.job.max_attempts,
-            type(failure.exc).__name__, delay_ms,
+            "event=job_failed job=%s type=%s attempt=%d/%d error=%s message=%r retry_in_ms=%d",
+            r.job.id, r.job.type, r.job.attempt, r.job.max_attempts, failure.type,
+            failure.message[:200], delay_ms,
+            exc_info=failure.exc if failure.raised else None,
         )  # fmt: skip
         self._report("fail", r, (failure.error_json(), delay_ms))
 
@@ -703,6 +761,13 @@ class Worker:
             r.progress = data
             self._progress.set()
 
+    def _on_log(self, ctx: JobContext) -> None:
+        """A task logged lines (ctx.log): the next progress beat (≤ 0.2 s) takes them."""
+        r = self._running.get(ctx.job.id)
+        if r is not None:
+            r.logged = True
+            self._progress.set()
+
     # --- reporting --------------------------------------------------------------------------
     def _report(self, kind: str, r: _Running, extra: tuple[Any, ...]) -> None:
         if r.released:
@@ -715,6 +780,13 @@ class Worker:
                     self.id, r.job.id, kind,
                 )  # fmt: skip
             return
+        # (_log is None unless the task ever logged: nothing to look at for most jobs)
+        lines = r.ctx._take_logs() if r.ctx._log is not None else None
+        if lines:
+            # the last lines go ahead of the outcome, and expire with the job as it ends
+            s = self.settings
+            ttl = s.dead_retention_seconds if kind == "fail" else s.retention_seconds
+            self._outbox["logs"][r.shard].append((r.job.id, ttl, lines))
         if r.progress is not None:
             # progress the heartbeat has not taken yet (reported just before the end) goes
             # ahead of the outcome in the same pipeline, one connection, so Redis applies
@@ -765,6 +837,8 @@ class Worker:
                                 shard, self.id, self.lease_ms, items, self.history_ms
                             )
                         )
+                    elif kind == "logs":
+                        calls.append(self.scripts.joblog_call(shard, LOG_LINES, items))
                     elif kind == "complete":
                         calls.append(
                             self.scripts.complete_call(shard, self.id, s.retention_seconds, items)
@@ -815,7 +889,7 @@ class Worker:
         return True
 
     def _account(self, kind: str, items: list[tuple[Any, ...]], reply: list[Any]) -> None:
-        if kind == "progress":
+        if kind in ("progress", "logs"):
             return  # if refused, the outcome sent behind it is refused too, and counted
         st = self.stats
         if kind == "complete":  # a code per job; OK means succeeded
@@ -889,14 +963,20 @@ class Worker:
 
     async def _beat(self, progress_only: bool) -> None:
         by_shard: dict[int, list[tuple[str, int, bytes]]] = defaultdict(list)
+        lines_by_shard: dict[int, list[tuple[str, int, list[bytes]]]] = defaultdict(list)
         beating = []
         for r in list(self._running.values()):
+            if r.logged:
+                r.logged = False
+                lines = r.ctx._take_logs()
+                if lines:
+                    lines_by_shard[r.shard].append((r.job.id, self._lines_ttl, lines))
             if progress_only and r.progress is None:
                 continue
             by_shard[r.shard].append((r.job.id, r.job.lease_version, r.progress or b""))
             beating.append(r)
             r.progress = None
-        if not by_shard:
+        if not by_shard and not lines_by_shard:
             return
         calls = [
             self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items, self.history_ms)
@@ -909,6 +989,12 @@ class Worker:
                     permits[r.job.queue].append(r.permit)
         beats = len(calls)
         calls += limit_calls(self.scripts, self.keys, "extend", permits, self.lease_ms)
+        # log lines ride along; lost if this beat fails (they are a debugging aid, and the
+        # lease, which matters, is retried at the next beat)
+        calls += [
+            self.scripts.joblog_call(shard, LOG_LINES, items)
+            for shard, items in lines_by_shard.items()
+        ]
         self._beat_idle.clear()
         try:
             replies = (await self.scripts.call_many(calls))[:beats]
@@ -930,7 +1016,9 @@ class Worker:
                     if r.handle is not None:
                         r.handle.cancel()
                 elif cancel and not r.ctx.cancel_requested:
-                    log.info("event=cancel_requested worker=%s job=%s", self.id, job_id)
+                    log.info(
+                        "event=cancel_requested worker=%s job=%s via=heartbeat", self.id, job_id
+                    )
                     deliver_cancel(r.ctx, r.task, r.handle)
 
     async def _advertise(self) -> None:

@@ -1,0 +1,268 @@
+"""Benchmark: webhook deliveries per second, and job throughput with and without the dispatcher.
+
+Starts its own Redis (AOF on) and a durable Postgres in temporary folders, a fast receiver on
+loopback (its own process: a bare keep-alive HTTP/1.1 responder answering 200) allow-listed
+with JOBTIER_WEBHOOK_ALLOWED_HOSTS, and measures:
+
+* deliveries/s: a tenant subscription on terminal states, a `jobtier dispatcher` process
+  running, N jobs run by a worker; the clock runs from the first job's start until Postgres
+  records every delivery as delivered (each one signed, sent, answered and recorded);
+* job throughput: M no-op jobs submitted, then drained by a worker (concurrency 50) in this
+  process, with a `jobtier persister` process running throughout and a `jobtier dispatcher`
+  process running or not, alternated run by run (off, on, off, on, …) in the same run, the
+  subscription in place in both: does delivering the webhooks slow the jobs down?
+
+    .venv/bin/python bench/webhooks.py                  # defaults: 5,000 deliveries, 3 runs
+    .venv/bin/python bench/webhooks.py --deliveries 2000 --jobs 10000 --runs 2
+
+Results go to bench/results/webhooks.json and bench/results/webhooks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from jobtier.config import Settings, env_name
+from jobtier.dev.postgres import LocalPostgres
+from jobtier.dev.redis import LocalRedis, free_port
+from jobtier.model import JobSpec
+from jobtier.persist.db import create_pool, migrate, query
+from jobtier.queue import DEFAULT_TENANT, Queue
+from jobtier.worker.registry import TaskRegistry, task
+from jobtier.worker.runner import Worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, fmt, header_markdown, median, save, table
+
+
+@task(retries=0)
+async def noop(ctx: Any, payload: Any) -> None:
+    return None
+
+
+# --- the receiver ---------------------------------------------------------------------------
+class _Responder(asyncio.Protocol):
+    """Answers every request on a keep-alive connection with 200 and an empty body."""
+
+    def __init__(self, counter: Any) -> None:
+        self.counter = counter
+        self.buffer = b""
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while True:
+            head_end = self.buffer.find(b"\r\n\r\n")
+            if head_end < 0:
+                return
+            head = self.buffer[:head_end].lower()
+            length = 0
+            at = head.find(b"content-length:")
+            if at >= 0:
+                length = int(
+                    head[at + 15 : head.find(b"\r\n", at) if b"\r\n" in head[at:] else None]
+                )
+            end = head_end + 4 + length
+            if len(self.buffer) < end:
+                return
+            self.buffer = self.buffer[end:]
+            with self.counter.get_lock():
+                self.counter.value += 1
+            self.transport.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+
+
+def _serve(port: int, counter: Any) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _Responder(counter), "127.0.0.1", port)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(main())
+
+
+# --- helpers --------------------------------------------------------------------------------
+def env_of(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")}
+    defaults = Settings()
+    for f in dataclasses.fields(Settings):
+        value = getattr(settings, f.name)
+        if value != getattr(defaults, f.name):
+            env[env_name(f)] = str(int(value) if isinstance(value, bool) else value)
+    return env
+
+
+def spawn(role: str, settings: Settings) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jobtier.cli", role], env=env_of(settings),
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+
+
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def wait_until(check: Any, timeout: float = 600.0, every: float = 0.05) -> None:
+    async with asyncio.timeout(timeout):
+        while not await check():
+            await asyncio.sleep(every)
+
+
+async def delivered(pool: Any) -> int:
+    return int(
+        await pool.fetchval("SELECT count(*) FROM webhook_deliveries WHERE state = 'delivered'")
+    )
+
+
+async def fill(queue: Queue, n: int) -> None:
+    for start in range(0, n, 1000):
+        await queue.submit_many([JobSpec(type="noop") for _ in range(min(1000, n - start))])
+
+
+async def drain(queue: Queue, registry: TaskRegistry) -> float:
+    start = time.perf_counter()
+    await Worker(queue, registry, concurrency=50, burst=True).run()
+    return time.perf_counter() - start
+
+
+# --- the benchmark --------------------------------------------------------------------------
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    folder = Path(tempfile.mkdtemp(prefix="jobtier-bench-webhooks-"))
+    redis_server = LocalRedis(folder / "redis").start()
+    pg = LocalPostgres(folder / "pg", durable=True)
+    counter = multiprocessing.Value("q", 0)
+    port = free_port()
+    receiver = multiprocessing.Process(target=_serve, args=(port, counter), daemon=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        pg.start()
+        await migrate(pg.dsn)
+        receiver.start()
+        for _ in range(200):  # until it listens
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            await asyncio.sleep(0.02)
+        settings = Settings.from_env(
+            {}, redis_url=redis_server.url, database_url=pg.dsn,
+            webhook_allowed_hosts="127.0.0.1", require_known_types=False,
+        )  # fmt: skip
+        registry = TaskRegistry([noop])
+        pool = await create_pool(pg.dsn, min_size=0, max_size=2)
+        queue = await Queue.connect(settings, registry)
+        from jobtier.dispatch.dispatcher import ensure_group
+        from jobtier.dispatch.signing import new_secret
+
+        tenant = DEFAULT_TENANT
+        await pool.execute(query("secret_create_if_missing"), tenant, new_secret())
+        await pool.execute(
+            query("subscription_insert"), "wh_01M8BENCH0000000000000000", tenant,
+            f"http://127.0.0.1:{port}/hook", "terminal", "bench",
+        )  # fmt: skip
+        await ensure_group(queue.redis, queue.keys, start="$")
+        persister = spawn("persister", settings)
+        procs.append(persister)
+
+        # 1. deliveries per second: a dispatcher (started and idle), then N jobs run; the clock
+        # runs from the first job's start to the last delivery recorded
+        dispatcher = spawn("dispatcher", settings)
+        procs.append(dispatcher)
+        await asyncio.sleep(2.0)  # its start-up is not part of the figure
+        await fill(queue, args.deliveries)
+        before = counter.value
+        start = time.perf_counter()
+        await drain(queue, registry)
+
+        async def all_delivered() -> bool:
+            return await delivered(pool) >= args.deliveries
+
+        await wait_until(all_delivered)
+        elapsed = time.perf_counter() - start
+        received = counter.value - before
+        kill(dispatcher)
+        rate = args.deliveries / elapsed
+        print(
+            f"deliveries: {args.deliveries} in {elapsed:.2f} s = {rate:,.0f}/s (received {received})"
+        )
+
+        # 2. job throughput, dispatcher off / on, alternated
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        for i in range(args.runs * 2):
+            mode = "off" if i % 2 == 0 else "on"
+            if mode == "on":
+                dispatcher = spawn("dispatcher", settings)
+                procs.append(dispatcher)
+                await asyncio.sleep(1.0)  # started and reading
+            await fill(queue, args.jobs)
+            seconds = await drain(queue, registry)
+            rates[mode].append(args.jobs / seconds)
+            print(f"run {i + 1}: dispatcher {mode}: {args.jobs / seconds:,.0f} jobs/s")
+            if mode == "on":
+                kill(dispatcher)
+        await queue.close()
+        await pool.close()
+        return {
+            "deliveries": args.deliveries,
+            "deliveries_seconds": elapsed,
+            "deliveries_per_second": rate,
+            "received": received,
+            "jobs_per_run": args.jobs,
+            "jobs_per_second": rates,
+        }
+    finally:
+        for proc in procs:
+            kill(proc)
+        receiver.terminate()
+        receiver.join(10)
+        pg.stop()
+        redis_server.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deliveries", type=int, default=5000, help="webhooks to deliver (5000)")
+    parser.add_argument("--jobs", type=int, default=20000, help="jobs per throughput run (20000)")
+    parser.add_argument("--runs", type=int, default=3, help="throughput runs per mode (3)")
+    args = parser.parse_args()
+    env = environment()
+    result = asyncio.run(run(args))
+    off, on = result["jobs_per_second"]["off"], result["jobs_per_second"]["on"]
+    rows = [
+        ["webhook deliveries, loopback receiver (signed, sent, recorded)",
+         f"{fmt(result['deliveries_per_second'])}/s",
+         f"{result['deliveries']:,} in {result['deliveries_seconds']:.2f} s"],
+        ["no-op jobs end to end, persister running, dispatcher off",
+         f"{fmt(median(off))} jobs/s", " / ".join(fmt(x) for x in off)],
+        ["the same, dispatcher on (delivering each job's webhook)",
+         f"{fmt(median(on))} jobs/s", " / ".join(fmt(x) for x in on)],
+        ["on / off", f"{median(on) / median(off):.2f}", ""],
+    ]  # fmt: skip
+    md = header_markdown("Webhooks: deliveries per second, job throughput with the dispatcher", env)
+    md += "\n" + table(["what", "median", "runs"], rows) + "\n"
+    print("\n" + table(["what", "median", "runs"], rows))
+    save("webhooks", {"environment": env, **result}, md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Routes for looking into a job and acting on it once it went wrong.
+
+- ``GET /v1/jobs/{id}/logs`` (tenant key): the lines its task logged with ``ctx.log()``. They
+  live in Redis only (``jt:{s}:lines:<id>``, written by workers apart from the transitions,
+  expiring with the job): a debugging aid for the recent runs, which the write-behind to
+  Postgres need not carry. A job Redis no longer holds but Postgres does has no lines left
+  (an empty list, not a 404).
+- ``POST /v1/jobs/{id}/retry`` (tenant key): a failed (dead-lettered) job of the tenant's back
+  to its queue, its attempts reset: the replay an operator makes with the admin key, for the
+  job's own tenant.
+- ``GET /v1/admin/dead-letters/{id}`` (admin key): one dead letter in full — its status (the
+  error with its traceback), its payload and its log lines.
+
+Another tenant's job is a 404, exactly like an unknown id, as on every job route.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jobtier.api.auth import require_admin, tenant_of
+from jobtier.api.http import JSON, DocResponse, doc_state, job_id_of, job_not_found
+from jobtier.api.problems import Problem
+from jobtier.cache.redis_reader import parse_version
+from jobtier.errors import JobNotFound, TransitionRefused
+from jobtier.model import JobStatus, LogLine
+from jobtier.queue import Queue
+
+
+class DeadLetter(msgspec.Struct):
+    """``GET /v1/admin/dead-letters/{id}``: the job, its payload and its log lines."""
+
+    job: JobStatus
+    payload: Any
+    lines: list[LogLine]
+
+
+def _lines_body(job_id: str, lines: list[bytes]) -> bytes:
+    # the lines are stored as JSON (model.py LogLine): served as they are
+    return b'{"id":' + orjson.dumps(job_id) + b',"lines":[' + b",".join(lines) + b"]}"
+
+
+async def job_logs(request: Request) -> Response:
+    tenant = tenant_of(request)
+    job_id = job_id_of(request)
+    # the owner from the status tier (near cache, then Redis, then Postgres): a job whose
+    # hash expired still answers, with whatever lines are left (none)
+    found = await request.state.reader.get(job_id)
+    if found is None or found[0] != tenant:
+        raise job_not_found(job_id)
+    queue: Queue = request.state.queue
+    lines = await queue.log_lines(job_id)
+    return Response(_lines_body(job_id, lines), media_type=JSON)
+
+
+async def retry(request: Request) -> Response:
+    tenant = tenant_of(request)
+    job_id = job_id_of(request)
+    queue: Queue = request.state.queue
+    try:
+        doc = await queue.replay_doc(job_id, tenant)
+    except JobNotFound:
+        raise job_not_found(job_id) from None
+    except TransitionRefused as exc:
+        try:
+            current = await queue.status_doc(job_id, tenant)
+        except JobNotFound:  # expired between the two reads
+            raise job_not_found(job_id) from None
+        raise Problem(
+            409, "wrong-state",
+            f"job {job_id} has not failed ({doc_state(current)}): only a failed job is retried",
+            job=orjson.loads(current),
+        ) from exc  # fmt: skip
+    return DocResponse(doc, parse_version(doc))
+
+
+async def dead_letter(request: Request) -> Response:
+    require_admin(request)
+    job_id = job_id_of(request)
+    queue: Queue = request.state.queue
+    try:
+        doc, payload, lines = await queue.dead_letter(job_id)
+    except JobNotFound:
+        raise Problem(
+            404, "not-found", f"job {job_id[:64]} is not in the dead-letter set (or expired)"
+        ) from None
+    body = b'{"job":' + doc + b',"payload":' + payload + b',"lines":[' + b",".join(lines) + b"]}"
+    return Response(body, media_type=JSON)
+
+
+routes = [
+    Route("/v1/jobs/{job_id}/logs", job_logs, methods=["GET"]),
+    Route("/v1/jobs/{job_id}/retry", retry, methods=["POST"]),
+    Route("/v1/admin/dead-letters/{job_id}", dead_letter, methods=["GET"]),
+]

@@ -1,0 +1,203 @@
+"""Outbound safety: which addresses a callback may reach, checked after DNS resolution.
+
+A callback URL comes from a tenant, and the dispatcher sends to it from inside our network:
+without a check, a tenant could make it POST to a database's HTTP port, a cloud metadata
+service (169.254.169.254) or anything else only reachable from inside (server-side request
+forgery). So:
+
+* at subscribe time (the API) the URL's host is resolved and every address must be public;
+* at delivery time (the dispatcher) it is resolved again and only public addresses are
+  used, and the connection is made to the very address that was checked (``PinnedBackend``):
+  a name that resolved to a public address for the check cannot resolve to 127.0.0.1 for the
+  connection (DNS rebinding), because there is no second resolution.
+
+``JOBTIER_WEBHOOK_ALLOWED_HOSTS`` lists exceptions (host names, addresses, CIDR networks), for
+development receivers on loopback or a private network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpcore
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+# host, port -> the addresses the name resolves to (a seam: the API's fuzz test resolves no
+# random names through the machine's DNS)
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+MAX_URL_LENGTH = 2000
+RESOLVE_TIMEOUT = 5.0
+
+
+class Refused(Exception):
+    """A callback URL or address the policy does not allow (the message says why)."""
+
+
+class RefusedConnect(httpcore.ConnectError):
+    """A delivery's connection not made: the host resolved to no allowed address."""
+
+
+async def system_resolve(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to, through the system's resolver."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(RESOLVE_TIMEOUT):
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return list(dict.fromkeys(str(info[4][0]) for info in infos))
+
+
+def _plain(ip: IPAddress) -> IPAddress:
+    # ::ffff:127.0.0.1 reaches 127.0.0.1: judge the IPv4 address it carries
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def public(ip: IPAddress) -> bool:
+    """True for an address on the public internet: not loopback, private, link-local (which
+    holds the cloud metadata address 169.254.169.254), shared (100.64/10), unique-local
+    (fd00:ec2::254, AWS's IPv6 metadata), documentation, reserved, unspecified or
+    multicast."""
+    ip = _plain(ip)
+    return ip.is_global and not ip.is_multicast and not ip.is_unspecified
+
+
+@dataclass(frozen=True)
+class Target:
+    scheme: str
+    host: str  # lower case, without brackets
+    port: int
+
+
+class AddressPolicy:
+    """What callbacks may reach: public addresses, plus ``allowed`` (names, IPs, networks)."""
+
+    def __init__(self, allowed: str = "", resolver: Resolver | None = None) -> None:
+        self.names: set[str] = set()
+        self.networks: list[IPNetwork] = []
+        for item in (p.strip() for p in allowed.split(",")):
+            if not item:
+                continue
+            try:
+                self.networks.append(ipaddress.ip_network(item.strip("[]"), strict=False))
+            except ValueError:
+                self.names.add(item.lower().rstrip("."))
+        self.resolve = resolver or system_resolve
+
+    def address_allowed(self, ip: IPAddress) -> bool:
+        ip = _plain(ip)
+        return public(ip) or any(ip in net for net in self.networks)
+
+    @staticmethod
+    def parse(url: str) -> Target:
+        """The URL's scheme, host and port, or ``Refused`` for a URL no callback may have."""
+        if len(url) > MAX_URL_LENGTH:
+            raise Refused(f"the URL is longer than {MAX_URL_LENGTH} characters")
+        if any(ord(c) <= 32 or ord(c) == 127 for c in url):
+            raise Refused("the URL has spaces or control characters")
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except ValueError as exc:
+            raise Refused(f"the URL is malformed ({exc})") from None
+        if parts.scheme not in ("http", "https"):
+            raise Refused("the URL must be http:// or https://")
+        if not parts.hostname:
+            raise Refused("the URL has no host")
+        if parts.username is not None or parts.password is not None:
+            raise Refused("the URL may not carry credentials (user:password@)")
+        if parts.fragment:
+            raise Refused("the URL may not have a #fragment")
+        default = 443 if parts.scheme == "https" else 80
+        return Target(parts.scheme, parts.hostname.lower().rstrip("."), port or default)
+
+    async def addresses(self, target: Target, *, strict: bool) -> list[str]:
+        """The addresses a delivery to ``target`` may connect to.
+
+        The host is resolved (an IP literal is itself) and each address judged. ``strict``
+        (subscribe time) refuses the URL if any address is not allowed; otherwise (delivery
+        time) the allowed ones are returned and the URL is refused only when none is. A host
+        named in the allow-list may resolve anywhere.
+        """
+        try:
+            literal: IPAddress | None = ipaddress.ip_address(target.host)
+        except ValueError:
+            literal = None
+        if literal is not None:
+            if not self.address_allowed(literal):
+                raise Refused(f"{literal} is not a public address")
+            return [str(literal)]
+        try:
+            found = await self.resolve(target.host, target.port)
+        except (OSError, TimeoutError) as exc:
+            raise Refused(f"{target.host} does not resolve ({exc})") from None
+        if not found:
+            raise Refused(f"{target.host} does not resolve")
+        if target.host in self.names:
+            return found
+        judged = [(a, self.address_allowed(ipaddress.ip_address(a))) for a in found]
+        bad = [a for a, ok in judged if not ok]
+        good = [a for a, ok in judged if ok]
+        if bad and (strict or not good):
+            raise Refused(f"{target.host} resolves to {bad[0]}, which is not a public address")
+        return good
+
+    async def check_url(self, url: str) -> Target:
+        """Subscribe-time check (the API): ``Refused`` unless every address is allowed."""
+        target = self.parse(url)
+        await self.addresses(target, strict=True)
+        return target
+
+
+class PinnedBackend(httpcore.AsyncNetworkBackend):
+    """An httpcore network backend that resolves the host itself, checks the addresses with
+    the policy, and connects to a checked one: the address checked is the address connected
+    to. TLS still verifies the certificate against the host name (httpcore passes the
+    origin's host to ``start_tls``)."""
+
+    def __init__(self, policy: AddressPolicy, inner: httpcore.AsyncNetworkBackend | None = None):
+        self.policy = policy
+        self.inner = inner or httpcore.AnyIOBackend()
+        self.connected: list[str] = []  # the last few addresses connected to (tests, logs)
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        target = Target("", host.lower().strip("[]").rstrip("."), port)
+        try:
+            addresses = await self.policy.addresses(target, strict=False)
+        except Refused as exc:
+            raise RefusedConnect(f"refused: {exc}") from exc
+        last: Exception | None = None
+        for address in addresses:
+            try:
+                stream = await self.inner.connect_tcp(
+                    address, port, timeout, local_address, socket_options
+                )
+            except (httpcore.ConnectError, httpcore.ConnectTimeout) as exc:
+                last = exc
+                continue
+            self.connected = [*self.connected[-15:], address]
+            return stream
+        assert last is not None
+        raise last
+
+    async def connect_unix_socket(
+        self, path: str, timeout: float | None = None, socket_options: Iterable[Any] | None = None
+    ) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("callbacks do not use Unix sockets")
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)

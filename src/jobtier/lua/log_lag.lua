@@ -1,0 +1,48 @@
+#!lua flags=no-writes
+-- log_lag.lua: how many entries of one shard's transition log wait for the persisters.
+--   Not a transition: it neither includes lib.lua nor follows its KEYS[1]/ARGV[1] convention.
+--   Counted from what the stream holds, not from XINFO GROUPS' `lag` alone: Redis 7.0 keeps
+--   that from a per-group read counter which a restart from the AOF can leave stale (the
+--   AOF records XREADGROUP as XCLAIM, without the counter; after a rewrite the counter is
+--   reloaded as it was then), so `lag` can report thousands of entries in an empty stream.
+--   Entries after the group's last-delivered id are counted one by one up to ARGV[2]; past
+--   that Redis's `lag` is used, bounded by the entries that exist and are not pending.
+--   Atomic, so the group's cursor, its pending entries and the count agree with each other.
+--
+-- KEYS[1]  a shard's log stream (jt:{s}:log)
+-- ARGV[1]  the persisters' consumer group
+-- ARGV[2]  undelivered entries counted exactly at most (each costs a little Redis CPU)
+-- Returns  {entries waiting (pending + undelivered), id of the oldest waiting entry or nil}
+
+local stream, group, exact = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local length = redis.call('XLEN', stream)
+if length == 0 then
+  return {0, false}
+end
+
+local function fields(flat)
+  local f = {}
+  for i = 1, #flat, 2 do f[flat[i]] = flat[i + 1] end
+  return f
+end
+
+local info = nil
+for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+  local f = fields(g)
+  if f['name'] == group then info = f end
+end
+if info == nil then -- no persister has read this stream yet: all of it waits
+  return {length, redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)[1][1]}
+end
+
+local pending = redis.call('XPENDING', stream, group) -- {count, min id, max id, consumers}
+local after = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+', 'COUNT', exact)
+local undelivered = #after
+if undelivered == exact then
+  undelivered = length - pending[1] -- at most every entry that is not pending
+  if info['lag'] and info['lag'] < undelivered then undelivered = info['lag'] end
+  if undelivered < exact then undelivered = exact end
+end
+local oldest = pending[2]
+if not oldest and after[1] then oldest = after[1][1] end
+return {pending[1] + undelivered, oldest}

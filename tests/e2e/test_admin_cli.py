@@ -1,0 +1,253 @@
+"""``jobtier jobs``, ``jobtier dead-letters`` and ``jobtier queues``: the real command, run as a
+subprocess against a real API (loopback uvicorn, Redis, Postgres), with a real worker and
+persister; and the same operations through ``AsyncClient``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from jobtier.api.postgres import PostgresExtension
+from jobtier.catalog import publish
+from jobtier.client import AsyncClient, WrongState
+from jobtier.config import Settings
+from jobtier.model import State
+from jobtier.persist.db import Pool
+from jobtier.persist.persister import Persister
+from jobtier.queue import Queue
+from tests.debug_tasks import registry
+from tests.fixtures.api import ADMIN, KEYS, ApiServer, StartApi
+from tests.fixtures.engine import Background, wait_for, worker_for
+
+
+@pytest.fixture
+async def pg_api(start_api: StartApi, pg_settings: Settings, queue: Queue) -> ApiServer:
+    # in the catalogue before the API loads it, as if their workers ran
+    await publish(queue.redis, queue.keys, [t.ad("tests") for t in registry])
+    return await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
+
+
+@pytest.fixture
+async def persister(pg_settings: Settings, queue: Queue, pg_pool: Pool) -> AsyncIterator[Persister]:
+    yield Persister(pg_settings, queue.redis, pg_pool, "test-persister")
+
+
+class Cli:
+    """``python -m jobtier.cli`` with ``JOBTIER_URL`` and ``JOBTIER_KEY`` set, nothing else of
+    jobtier's from this environment."""
+
+    def __init__(self, api: ApiServer) -> None:
+        self.api = api
+
+    async def __call__(self, *args: str, key: str | None = KEYS["acme"]) -> tuple[int, str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")}
+        env["JOBTIER_URL"] = self.api.url
+        if key is not None:
+            env["JOBTIER_KEY"] = key
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "jobtier.cli", *args, env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+    async def json(self, *args: str, key: str | None = KEYS["acme"]) -> Any:
+        code, out, err = await self(*args, "--json", key=key)
+        assert code == 0, err
+        return json.loads(out)
+
+
+async def until(queue: Queue, job_id: str, state: State) -> None:
+    async def reached() -> bool:
+        return (await queue.status(job_id)).state is state
+
+    await wait_for(reached, 20)
+
+
+async def test_jobs_list_show_logs_cancel_retry(
+    pg_api: ApiServer, queue: Queue, persister: Persister, background: Background
+) -> None:
+    cli = Cli(pg_api)
+    async with pg_api.client() as c:
+        chatty = (await c.post("/v1/jobs", json={"type": "chatty", "payload": {"n": 2}})).json()
+        broken = (await c.post("/v1/jobs", json={"type": "deep_failure"})).json()
+        waiting = (await c.post("/v1/jobs", json={"type": "wait_for_cancel"})).json()
+    queue.registry = registry
+    background.start(worker_for(queue, registry))
+    await until(queue, chatty["id"], State.SUCCEEDED)
+    await until(queue, broken["id"], State.FAILED)
+    await until(queue, waiting["id"], State.RUNNING)
+
+    # cancel a running job: the worker stops it at once
+    code, out, err = await cli("jobs", "cancel", waiting["id"])
+    assert code == 0 and "cancel requested" in out, err
+    await until(queue, waiting["id"], State.CANCELLED)
+    await persister.drain()
+
+    # list: a table for people, JSON for scripts, filters
+    code, out, _ = await cli("jobs", "list")
+    assert code == 0 and out.splitlines()[0].split()[:4] == ["ID", "TYPE", "QUEUE", "STATE"]
+    assert all(j["id"] in out for j in (chatty, broken, waiting))
+    page = await cli.json("jobs", "list", "--state", "failed", "--since", "1h")
+    assert [j["id"] for j in page["jobs"]] == [broken["id"]]
+    assert (await cli.json("jobs", "list", "--since", "2999-01-01T00:00:00Z"))["jobs"] == []
+    page = await cli.json("jobs", "list", "--limit", "1")
+    assert len(page["jobs"]) == 1 and page["next_cursor"]
+    code, out, _ = await cli("jobs", "list", "--limit", "1")
+    assert f"--cursor {page['next_cursor']}" in out
+
+    # show: the error with its traceback, the history from Postgres (which kept it too)
+    code, out, _ = await cli("jobs", "show", broken["id"])
+    assert code == 0 and "state:       failed" in out and "error:       ValueError" in out
+    assert "traceback:" in out and "KeyError: 'missing'" in out and "running -> failed" in out
+    shown = await cli.json("jobs", "show", broken["id"])
+    (failed,) = [t for t in shown["history"] if t["to_state"] == "failed"]
+    assert failed["error"] == shown["status"]["error"]
+    last = failed["error"]["traceback"].rstrip().splitlines()[-1]
+    assert last.startswith("ValueError: the record is incomplete xxx")
+    shown = await cli.json("jobs", "show", waiting["id"])
+    assert shown["status"]["error"]["type"] == "Cancelled"
+
+    # logs
+    code, out, _ = await cli("jobs", "logs", chatty["id"])
+    assert code == 0 and "line 0" in out and "line 1" in out and "#1" in out
+    lines = await cli.json("jobs", "logs", chatty["id"])
+    assert [line["message"] for line in lines] == ["line 0", "line 1", "done"]
+    assert (await cli.json("jobs", "show", chatty["id"]))["result"] == "logged"
+
+    # retry: a failed job only
+    code, out, err = await cli("jobs", "retry", chatty["id"])
+    assert code == 1 and "has not failed (succeeded)" in err and "HTTP 409" in err
+    retried = await cli.json("jobs", "retry", broken["id"])
+    assert retried["state"] in ("queued", "running", "failed") and retried["attempt"] == 0
+
+    # another tenant sees none of it; wrong or missing keys are clear errors
+    code, _, err = await cli("jobs", "show", broken["id"], key=KEYS["globex"])
+    assert code == 1 and "HTTP 404" in err
+    code, _, err = await cli("jobs", "list", key="no-such-key")
+    assert code == 1 and "HTTP 401" in err and "needs a tenant's API key" in err
+    code, _, err = await cli("jobs", "list", key=None)
+    assert code == 2 and "no API key: pass --key or set JOBTIER_KEY" in err
+    code, _, err = await cli("jobs", "list", "--since", "yesterday")
+    assert code == 2 and "neither an ISO 8601 time" in err
+
+
+async def test_dead_letters_list_show_replay(pg_api: ApiServer, queue: Queue) -> None:
+    cli = Cli(pg_api)
+    async with pg_api.client() as c:
+        deep = (await c.post("/v1/jobs", json={"type": "deep_failure", "payload": {"k": 1}})).json()
+        fatal = (await c.post("/v1/jobs", json={"type": "fail", "payload": {"fatal": True}})).json()
+    from tests.tasks import registry as test_registry
+
+    queue.registry = None
+    await worker_for(queue, test_registry, burst=True).run()  # fail
+    await worker_for(queue, registry, burst=True).run()  # deep_failure
+
+    # the admin key is needed, and the message says so
+    code, _, err = await cli("dead-letters", "list")
+    assert code == 1 and "HTTP 403" in err and "needs the admin key" in err
+
+    code, out, _ = await cli("dead-letters", "list", key=ADMIN)
+    assert code == 0 and deep["id"] in out and fatal["id"] in out and "ValueError" in out
+    listed = await cli.json("dead-letters", "list", "--type", "deep_failure", key=ADMIN)
+    assert [j["id"] for j in listed] == [deep["id"]]
+    assert listed[0]["error"]["traceback"]
+    assert len(await cli.json("dead-letters", "list", "--since", "10m", key=ADMIN)) == 2
+    future = (datetime.now(UTC) + timedelta(hours=1)).isoformat()
+    assert await cli.json("dead-letters", "list", "--since", future, key=ADMIN) == []
+
+    code, out, _ = await cli("dead-letters", "show", deep["id"], key=ADMIN)
+    assert code == 0 and "traceback:" in out and 'payload:     {"k":1}' in out
+    shown = await cli.json("dead-letters", "show", deep["id"], key=ADMIN)
+    assert shown["payload"] == {"k": 1} and shown["job"]["state"] == "failed"
+
+    # replay by filter: nothing since the future, then the one of its type
+    nothing = await cli.json("dead-letters", "replay", "--since", future, key=ADMIN)
+    assert nothing == {"replayed": [], "count": 0}
+    replayed = await cli.json(
+        "dead-letters", "replay", "--type", "fail", "--since", "1h", key=ADMIN
+    )
+    assert replayed == {"replayed": [fatal["id"]], "count": 1}
+    code, out, _ = await cli("dead-letters", "replay", deep["id"], key=ADMIN)
+    assert code == 0 and f"{deep['id']}: queued again" in out
+    code, _, err = await cli("dead-letters", "replay", deep["id"], "--type", "x", key=ADMIN)
+    assert code == 2 and "not both" in err
+    code, _, err = await cli("dead-letters", "show", deep["id"], key=ADMIN)
+    assert code == 1 and "not in the dead-letter set" in err
+
+
+async def test_queues_list_pause_resume_limit(pg_api: ApiServer, queue: Queue) -> None:
+    cli = Cli(pg_api)
+    async with pg_api.client() as c:
+        await c.post("/v1/jobs", json={"type": "echo", "payload": 1})
+    code, out, _ = await cli("queues", key=ADMIN)
+    header, *rows = out.splitlines()
+    assert code == 0 and header.split()[:3] == ["QUEUE", "READY", "RUNNING"]
+    (default,) = [r.split() for r in rows if r.split()[0] == "default"]
+    assert default[1] == "1"  # one ready job
+    code, out, _ = await cli("queues", "pause", "default", key=ADMIN)
+    assert code == 0 and out.strip() == "default: paused"
+    queues = {q["name"]: q for q in await cli.json("queues", key=ADMIN)}
+    assert queues["default"]["paused"] is True
+    limited = await cli.json(
+        "queues", "limit", "default", "--concurrency", "3", "--rate", "10", "--per", "2",
+        key=ADMIN,
+    )  # fmt: skip
+    assert limited["limits"] == {"concurrency": 3, "rate": 10, "per": 2.0}
+    queues = {q["name"]: q for q in await cli.json("queues", "list", key=ADMIN)}
+    assert queues["default"]["limits"] == {"concurrency": 3, "rate": 10, "per": 2.0}
+    code, out, _ = await cli("queues", "list", key=ADMIN)
+    assert "concurrency 3, 10/2s" in out
+    code, out, _ = await cli("queues", "limit", "default", "--none", key=ADMIN)
+    assert code == 0 and "no limits" in out
+    code, _, err = await cli("queues", "limit", "default", key=ADMIN)
+    assert code == 2 and "--concurrency" in err
+    code, out, _ = await cli("queues", "resume", "default", key=ADMIN)
+    assert code == 0 and out.strip() == "default: resumed"
+    queues = {q["name"]: q for q in await cli.json("queues", key=ADMIN)}
+    assert queues["default"]["paused"] is False and queues["default"]["limits"] is None
+    code, _, err = await cli("queues", "pause", "no:colons", key=ADMIN)
+    assert code == 1 and "queue name must match" in err
+
+
+async def test_the_async_client_does_the_same(
+    pg_api: ApiServer, queue: Queue, persister: Persister
+) -> None:
+    async with pg_api.client() as c:
+        ok = (await c.post("/v1/jobs", json={"type": "chatty", "payload": {"n": 1}})).json()
+        bad = (await c.post("/v1/jobs", json={"type": "deep_failure"})).json()
+    queue.registry = registry
+    await worker_for(queue, registry, burst=True).run()
+    await persister.drain()
+    async with (
+        AsyncClient(pg_api.url, KEYS["acme"]) as tenant,
+        AsyncClient(pg_api.url, ADMIN) as admin,
+    ):
+        page = await tenant.list_jobs(state="failed")
+        assert [j.id for j in page.jobs] == [bad["id"]] and page.next_cursor is None
+        details = await tenant.show(ok["id"])
+        assert details.result == "logged" and details.status.state is State.SUCCEEDED
+        assert [line.message for line in details.lines] == ["line 0", "done"]
+        assert details.history is not None and details.history[-1].to_state is State.SUCCEEDED
+        assert [line.message for line in await tenant.logs(ok["id"])] == ["line 0", "done"]
+        history = await tenant.history(bad["id"])
+        assert history[-1].error is not None and history[-1].error.traceback
+        with pytest.raises(WrongState):
+            await tenant.retry(ok["id"])
+        dead = await admin.dead_letters(since=datetime.now(UTC) - timedelta(hours=1))
+        assert [j.id for j in dead] == [bad["id"]]
+        letter = await admin.dead_letter(bad["id"])
+        assert letter.job.error is not None and letter.job.error.type == "ValueError"
+        assert await admin.replay_dead_letters(type="deep_failure") == [bad["id"]]
+        await worker_for(queue, registry, burst=True).run()  # it fails again
+        assert (await admin.replay(bad["id"])).state is State.QUEUED
+        await worker_for(queue, registry, burst=True).run()
+        assert (await tenant.retry(bad["id"])).attempt == 0

@@ -1,0 +1,115 @@
+"""Large results kept outside Redis (JOBTIER_RESULT_STORE=postgres): never in Redis, durable
+before the success, served back byte for byte (from Redis's reference, then from Postgres's
+record), followed by the client, and deleted with their job."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from jobtier.api.postgres import PostgresExtension
+from jobtier.client import AsyncClient
+from jobtier.config import Settings
+from jobtier.model import encode_json
+from jobtier.persist.db import Pool
+from jobtier.persist.persister import Persister
+from jobtier.queue import Queue
+from tests.fixtures.api import KEYS, ApiServer, StartApi
+from tests.fixtures.engine import worker_for
+from tests.tasks import big_rows, registry
+
+THRESHOLD = 1000
+ROWS = 6000  # a result over 600 KB: more than two of the API's 256 KiB slices
+BIG = big_rows(ROWS)
+
+
+@pytest.fixture
+def store_settings(pg_settings: Settings) -> Settings:
+    return pg_settings.replace(result_store="postgres", result_store_threshold_bytes=THRESHOLD)
+
+
+@pytest.fixture
+async def store_queue(store_settings: Settings) -> AsyncIterator[Queue]:
+    q = await Queue.connect(store_settings)
+    yield q
+    await q.close()
+
+
+@pytest.fixture
+async def store_api(start_api: StartApi, store_settings: Settings) -> ApiServer:
+    s = store_settings
+    return await start_api(
+        PostgresExtension(s), database_url=s.database_url, result_store=s.result_store,
+        result_store_threshold_bytes=s.result_store_threshold_bytes,
+    )  # fmt: skip
+
+
+async def test_a_large_result_round_trips_without_sitting_in_redis(
+    store_api: ApiServer, store_queue: Queue, pool: Pool, store_settings: Settings
+) -> None:
+    q = store_queue
+    expected = encode_json(BIG)  # the bytes the worker encodes the task's result to
+    assert len(expected) > 500_000
+    async with store_api.client() as c:
+        big = (await c.post("/v1/jobs", json={"type": "big_result", "payload": ROWS})).json()["id"]
+        small = (await c.post("/v1/jobs", json={"type": "echo", "payload": [1]})).json()["id"]
+        await worker_for(q, registry, burst=True).run()
+
+        doc = (await c.get(f"/v1/jobs/{big}")).json()
+        assert doc["state"] == "succeeded"
+        assert doc["result_url"] == f"/v1/jobs/{big}/result/content"
+        # Redis holds a reference, not the result
+        held = await q.redis.hget(q.keys.job(big), "result")
+        assert held is not None and held.startswith(b"@pg:") and len(held) < 100
+        # the store had it before the success was reported (it is there now, and committed)
+        stored = await pool.fetchval("SELECT data FROM result_blobs WHERE job_id = $1", big)
+        assert bytes(stored) == expected
+
+        r = await c.get(doc["result_url"])
+        assert r.status_code == 200 and r.headers["content-type"] == "application/json"
+        assert r.content == expected  # byte for byte
+        answer = (await c.get(f"/v1/jobs/{big}/result")).json()
+        assert answer["result"] is None and answer["result_url"] == doc["result_url"]
+
+        small_doc = (await c.get(f"/v1/jobs/{small}")).json()
+        assert "result_url" not in small_doc  # under the threshold: in Redis, as before
+        assert (await c.get(f"/v1/jobs/{small}/result/content")).content == b"[1]"
+
+        # the client follows the link by itself
+        async with AsyncClient(store_api.url, KEYS["acme"]) as client:
+            assert (await client.result(big)).result == BIG
+            assert (await client.result(small)).result == [1]
+        assert (await q.result(big))[1] == BIG  # and so does the Python Queue
+
+        # once Redis has forgotten the job, Postgres's record serves the same bytes
+        persister = Persister(store_settings, q.redis, pool, "p1")
+        await persister.drain()
+        row = await pool.fetchrow("SELECT result, result_ref FROM jobs WHERE id = $1", big)
+        assert row["result"] is None and row["result_ref"] == held[1:].decode()
+        await q.redis.delete(q.keys.job(big))
+        r = await c.get(f"/v1/jobs/{big}/result/content")
+        assert r.status_code == 200 and r.content == expected
+        answer = (await c.get(f"/v1/jobs/{big}/result")).json()
+        assert answer["result_url"] == doc["result_url"]
+
+        # retention: the result goes with its job
+        await pool.execute("DELETE FROM jobs WHERE id = $1", big)
+        assert await pool.fetchval("SELECT count(*) FROM result_blobs WHERE job_id = $1", big) == 0
+
+        # another tenant sees none of it
+        async with store_api.client("globex") as other:
+            assert (await other.get(f"/v1/jobs/{small}/result/content")).status_code == 404
+
+
+async def test_a_result_an_attempt_stored_after_losing_its_lease_does_not_replace_the_winners(
+    store_queue: Queue, pool: Pool, store_settings: Settings
+) -> None:
+    from jobtier.persist.results import PostgresResultStore
+
+    store = PostgresResultStore(pool)
+    winner = await store.put("job-1", 7, b'"the winner"')
+    late = await store.put("job-1", 3, b'"a stale attempt"')  # written later, other token
+    assert winner != late
+    assert await store.get(winner) == b'"the winner"'
+    assert [c async for c in store.stream(winner)] == [b'"the winner"']

@@ -1,0 +1,131 @@
+"""Webhooks end to end: the API, a worker, the dispatcher, a real receiver on loopback, real
+Redis and Postgres. Signatures are checked with the Standard Webhooks reference verifier
+(the ``standardwebhooks`` package), not with our own code."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+from collections.abc import Callable
+
+import pytest
+from standardwebhooks.webhooks import Webhook as Verifier
+from standardwebhooks.webhooks import WebhookVerificationError
+
+from jobtier.dispatch.dispatcher import Dispatcher
+from jobtier.queue import Queue
+from tests.fixtures.api import ApiServer
+from tests.fixtures.engine import wait_for
+from tests.fixtures.receiver import StartReceiver, delivered, deliveries, run_jobs, secret_of
+
+
+async def test_a_callback_is_signed_as_the_spec_says_and_recorded(
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    start_dispatcher: Callable[..., Dispatcher],
+) -> None:  # fmt: skip
+    receiver = await start_receiver()
+    async with hook_api.client() as c:
+        secret = await secret_of(c)
+        r = await c.post("/v1/jobs", json={
+            "type": "echo", "payload": {"n": 1}, "callback": {"url": receiver.url},
+        })  # fmt: skip
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        await run_jobs(queue)
+        start_dispatcher()
+        await wait_for(lambda: delivered(c, job_id))
+        (record,) = await deliveries(c, job_id)
+    assert len(receiver.requests) == 1  # terminal only: not queued, not running
+    got = receiver.requests[0]
+    # the reference verifier accepts it: id, timestamp and signature over the exact body
+    payload = Verifier(secret).verify(got.body, got.headers)
+    assert payload["type"] == "job.succeeded"
+    assert payload["data"]["id"] == job_id and payload["data"]["state"] == "succeeded"
+    # and by hand, the spec's algorithm: HMAC-SHA256 of "{id}.{timestamp}.{body}", base64
+    key = base64.b64decode(secret.removeprefix("whsec_"))
+    signed = f"{got.headers['webhook-id']}.{got.headers['webhook-timestamp']}.".encode() + got.body
+    expected = base64.b64encode(hmac.new(key, signed, hashlib.sha256).digest()).decode()
+    assert got.headers["webhook-signature"] == f"v1,{expected}"
+    # a tampered body fails the reference verifier
+    with pytest.raises(WebhookVerificationError):
+        Verifier(secret).verify(got.body.replace(b"succeeded", b"failed"), got.headers)
+    assert record["id"] == got.headers["webhook-id"]
+    assert record["state"] == "delivered" and record["attempts"] == 1
+    (attempt,) = record["attempt_log"]
+    assert attempt["status"] == 200 and attempt["duration_ms"] >= 0 and attempt["error"] is None
+
+
+async def test_failed_attempts_are_retried_with_the_same_id_and_each_is_recorded(
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    start_dispatcher: Callable[..., Dispatcher],
+) -> None:  # fmt: skip
+    receiver = await start_receiver()
+    receiver.default = [500, "stall"]  # a 500, then no answer within the time limit, then 200
+    async with hook_api.client() as c:
+        await secret_of(c)
+        r = await c.post("/v1/jobs", json={"type": "echo", "callback": {"url": receiver.url}})
+        job_id = r.json()["id"]
+        await run_jobs(queue)
+        start_dispatcher()
+        await wait_for(lambda: delivered(c, job_id), timeout=60)
+        (record,) = await deliveries(c, job_id)
+    assert len(set(receiver.ids())) == 1 and len(receiver.requests) == 3
+    log = record["attempt_log"]
+    assert [a["attempt"] for a in log] == [1, 2, 3]
+    assert log[0]["status"] == 500 and log[0]["response"] == "not now"
+    assert log[1]["status"] is None and "timed out" in log[1]["error"]
+    assert log[2]["status"] == 200
+    assert record["attempts"] == 3 and record["last_status"] == 200
+
+
+async def test_a_delivery_fails_after_the_last_retry(
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    start_dispatcher: Callable[..., Dispatcher],
+) -> None:  # fmt: skip
+    receiver = await start_receiver()
+    receiver.default = [503] * 10
+    async with hook_api.client() as c:
+        await secret_of(c)
+        job_id = (await c.post("/v1/jobs", json={
+            "type": "echo", "callback": {"url": receiver.url},
+        })).json()["id"]  # fmt: skip
+        await run_jobs(queue)
+        start_dispatcher()
+
+        async def failed() -> bool:
+            found = await deliveries(c, job_id)
+            return bool(found) and found[0]["state"] == "failed"
+
+        await wait_for(failed, timeout=60)
+        (record,) = await deliveries(c, job_id)
+    assert record["attempts"] == 4  # the first and the schedule's three retries
+    assert [a["status"] for a in record["attempt_log"]] == [503] * 4
+    assert len(receiver.requests) == 4
+
+
+async def test_a_subscription_sees_only_its_tenants_jobs_and_every_transition_if_asked(
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    start_dispatcher: Callable[..., Dispatcher],
+) -> None:  # fmt: skip
+    receiver = await start_receiver()
+    async with hook_api.client("acme") as a, hook_api.client("globex") as b:
+        made = await a.post("/v1/webhooks", json={"url": receiver.url, "events": "all"})
+        assert made.status_code == 201, made.text
+        hook = made.json()
+        secret = hook["secret"]  # the tenant's first subscription made its secret: shown once
+        again = (await a.post("/v1/webhooks", json={"url": receiver.url})).json()
+        assert "secret" not in again
+        await a.delete(f"/v1/webhooks/{again['id']}")
+        mine = (await a.post("/v1/jobs", json={"type": "echo"})).json()["id"]
+        theirs = (await b.post("/v1/jobs", json={"type": "echo"})).json()["id"]
+        await run_jobs(queue)
+        start_dispatcher()
+        await wait_for(lambda: delivered(a, mine, 3))  # queued, running, succeeded
+        listed = (await a.get(f"/v1/webhooks/{hook['id']}/deliveries")).json()["deliveries"]
+        assert {d["job_id"] for d in listed} == {mine}
+        assert (await b.get(f"/v1/webhooks/{hook['id']}/deliveries")).status_code == 404
+        assert await deliveries(b, theirs) == []
+    bodies = [Verifier(secret).verify(r.body, r.headers) for r in receiver.requests]
+    assert {body["data"]["id"] for body in bodies} == {mine}
+    assert sorted(body["type"] for body in bodies) == ["job.queued", "job.running", "job.succeeded"]

@@ -1,0 +1,69 @@
+"""The address policy and the signatures, as pure functions (no connection is made)."""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import time
+
+import pytest
+from standardwebhooks.webhooks import Webhook as Verifier
+
+from jobtier.dispatch import signing
+from jobtier.dispatch.safety import AddressPolicy, Refused, Target, public
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["127.0.0.1", "10.0.0.1", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1",
+     "0.0.0.0", "224.0.0.1", "::1", "fd00:ec2::254", "fe80::1", "::ffff:127.0.0.1",
+     "::ffff:10.0.0.1", "198.51.100.7", "::"],
+)  # fmt: skip
+def test_non_public_addresses_are_refused(address: str) -> None:
+    assert not public(ipaddress.ip_address(address))
+
+
+@pytest.mark.parametrize("address", ["93.184.216.34", "2606:2800:220:1:248:1893:25c8:1946"])
+def test_public_addresses_are_allowed(address: str) -> None:
+    assert public(ipaddress.ip_address(address))
+
+
+async def test_the_allow_list_takes_names_addresses_and_networks() -> None:
+    async def resolve(host: str, port: int) -> list[str]:
+        return {"dev.local": ["10.9.9.9"], "mixed.example": ["93.184.216.34", "10.0.0.5"]}[host]
+
+    policy = AddressPolicy("127.0.0.1, 192.168.5.0/24, dev.local", resolve)
+    assert await policy.addresses(Target("http", "127.0.0.1", 80), strict=True) == ["127.0.0.1"]
+    assert await policy.addresses(Target("http", "192.168.5.9", 80), strict=True)
+    assert await policy.addresses(Target("http", "dev.local", 80), strict=True) == ["10.9.9.9"]
+    with pytest.raises(Refused):
+        await policy.addresses(Target("http", "127.0.0.2", 80), strict=True)
+    # a name resolving to a public and a private address: refused when subscribing; at
+    # delivery only the public address is used
+    with pytest.raises(Refused, match=r"10\.0\.0\.5"):
+        await policy.addresses(Target("http", "mixed.example", 80), strict=True)
+    mixed = await policy.addresses(Target("http", "mixed.example", 80), strict=False)
+    assert mixed == ["93.184.216.34"]
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["ftp://a.example/", "http://", "http://u:p@a.example/", "http://a.example/#x",
+     "http://a.example:99999/", "http://a .example/", "https://a.example/" + "x" * 2000],
+)  # fmt: skip
+def test_urls_no_callback_may_have(url: str) -> None:
+    with pytest.raises(Refused):
+        AddressPolicy.parse(url)
+
+
+def test_signatures_verify_with_the_reference_library_and_sign_with_every_secret() -> None:
+    new, old = signing.new_secret(), signing.new_secret()
+    assert new.startswith("whsec_") and len(base64.b64decode(new[6:])) == 32
+    body = b'{"type":"job.succeeded","data":{"id":"x"}}'
+    headers = signing.headers([new, old], "msg_x_3_job", int(time.time()), body)
+    assert headers["webhook-signature"].count("v1,") == 2
+    for secret in (new, old):  # a receiver that knows either secret accepts it
+        assert Verifier(secret).verify(body, headers) == {
+            "type": "job.succeeded",
+            "data": {"id": "x"},
+        }
