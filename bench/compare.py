@@ -485,7 +485,8 @@ async def measure_jobtier(
     settings = Settings.from_env(env, redis_url=server.url, shards=SHARDS)
     targs = argparse.Namespace(
         jobs=args.jobs, batch=args.batch, timeout=args.timeout, workers=1, shards=SHARDS,
-        concurrency=args.concurrency,
+        concurrency=args.concurrency, queues=1, queue_names=throughput.queue_names(1),
+        queue_concurrency=None, queue_rate=None,
     )  # fmt: skip
     async with await Queue.connect(settings) as queue:
         enqueue = await throughput.measure_enqueue(queue, targs, single=False)
