@@ -779,6 +779,13 @@ def render(
             status_table(summary, ["jobtier", "jobtier-2w"]),
             "",
         ]
+    if "jobtier-final2s" in args.configs:
+        md += [
+            "## Terminal documents kept 1 h against 2 s (JOBTIER_NEAR_CACHE_FINAL_TTL)",
+            "",
+            status_table(summary, ["jobtier", "jobtier-final2s"]),
+            "",
+        ]
     md += server_section(summary, args)
     md += gc_section(summary, memory, args)
     if submits:
