@@ -527,6 +527,75 @@ class StalenessProbe(threading.Thread):
         r.close()
 
 
+async def make_dead(url: str, n: int) -> list[tuple[str, str]]:
+    """``n`` dead-lettered jobs (submitted with one attempt, claimed and failed for good by
+    the scripts directly), for the replay probe. Call it when no other job is ready (between
+    churn cells): the claims take whatever is ready in the shards."""
+    queue = await Queue.connect(settings_for(url), REGISTRY)
+    tenants = list(KEY_OF)
+    out: list[tuple[str, str]] = []
+    try:
+        for start in range(0, n, 500):
+            tenant = tenants[(start // 500) % 4]
+            specs = [JobSpec(type="bench.noop", max_attempts=1) for _ in range(min(500, n - start))]
+            for result in await queue.submit_many(specs, tenant=tenant):
+                assert not isinstance(result, Exception)
+                out.append((result.job_id, tenant))
+        error = b'{"type":"ValueError","message":"made dead for the replay probe"}'
+        for shard in range(SHARDS):
+            while True:
+                batch = await queue.scripts.claim(shard, "bench-dead", 500, 600_000)
+                if not batch.jobs:
+                    break
+                items = [(j.id, j.lease_version, error, -1) for j in batch.jobs]
+                await queue.scripts.call_many(
+                    [queue.scripts.fail_call(shard, "bench-dead", 86400, items)]
+                )
+    finally:
+        await queue.close()
+    return out
+
+
+class ReplayProbe(threading.Thread):
+    """Replays dead-lettered jobs that the API has just served (so its near cache holds
+    their terminal document), then reads them again: served older than Redis 100 ms after
+    the replay is ``stale`` (the replay's event was lost, or a terminal document outlived a
+    change: a bug). The replayed jobs then run (the churn worker has their task) and
+    finish: terminal again, each change published."""
+
+    def __init__(self, url: str, port: int, ids: list[tuple[str, str]]) -> None:
+        super().__init__(daemon=True)
+        self.url, self.port, self.ids = url, port, list(ids)
+        self.stop_flag = threading.Event()
+        self.replays = self.stale = self.errors = 0
+
+    def run(self) -> None:
+        from jobtier.scripts import Script
+
+        script = Script("replay").text
+        r = redis.Redis.from_url(self.url)
+        keys = Keys("jt", SHARDS)
+        with httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=5) as client:
+            while self.ids and not self.stop_flag.wait(0.05):
+                job_id, tenant = self.ids.pop()
+                auth = {"authorization": f"Bearer {KEY_OF[tenant]}"}
+                try:
+                    client.get(f"/v1/jobs/{job_id}", headers=auth)  # cached: failed (final)
+                    shard = keys.shard_of(job_id)
+                    code, doc = r.eval(script, 1, keys.log(shard), keys.base(shard), "", job_id)
+                    if code != 0:
+                        self.errors += 1
+                        continue
+                    self.replays += 1
+                    time.sleep(0.1)
+                    served = client.get(f"/v1/jobs/{job_id}", headers=auth)
+                    if int(served.headers["etag"].strip('"')) < parse_version(doc):
+                        self.stale += 1
+                except (httpx.HTTPError, redis.RedisError, KeyError, ValueError):
+                    self.errors += 1
+        r.close()
+
+
 # --- request files ----------------------------------------------------------------------------
 def get_requests(ids: list[tuple[str, str]], n: int, seed: int, port: int) -> Iterator[bytes]:
     rng = random.Random(seed)

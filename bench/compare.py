@@ -66,6 +66,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import AsyncIterator, Callable
@@ -99,6 +100,9 @@ from jobtier.queue import Queue
 HERE = Path(__file__).resolve().parent / "compare"
 VENVS = HERE / ".venv"
 BULLMQ = HERE / "bullmq"
+BASELINE = "jobtier-baseline"  # jobtier at another git revision (--baseline), same run
+PERSIST = "jobtier-persist"  # jobtier with its persister writing to Postgres (--persister)
+LAG_SAMPLE = 0.05  # s between write-behind lag samples
 SYSTEMS = ("jobtier", "bullmq", "saq", "arq", "celery", "rq", "dramatiq")
 MODES = ("off", "everysec")
 SHARDS = 16  # jobtier's default
@@ -162,6 +166,17 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
             ),
         )
     }  # fmt: skip
+    if args.persister:
+        known[PERSIST] = System(
+            PERSIST, "jobtier + persister",
+            "the same as jobtier, with `jobtier persister` (one process) writing every "
+            "transition to a durable Postgres (fsync on) on this machine during the run",
+        )  # fmt: skip
+    if args.baseline:
+        known[BASELINE] = System(
+            BASELINE, f"jobtier at `{args.baseline}`",
+            f"the same as jobtier, the code of git revision `{args.baseline}` (`--baseline`)",
+        )  # fmt: skip
     for name, extra in args.driver_args.items():
         s = known[name]
         known[name] = System(s.name, s.label, f"{s.config}; driver arguments `{shlex.join(extra)}`")
@@ -377,19 +392,108 @@ async def measure_peer(
     }
 
 
+class PersistHook:
+    """(``--persister``) The persister beside the end-to-end phase: ``jobtier persister`` in
+    a process of its own on the bench's Postgres (tables emptied first), and the write-behind
+    lag sampled every ``LAG_SAMPLE`` s from the first submit until every transition is in
+    Postgres: the age of the oldest transition not yet written (``pg_reader.lag``), so each
+    sample bounds the lag of every transition waiting then."""
+
+    def __init__(self, queue: Queue, server: LocalRedis, args: argparse.Namespace, aof: bool):
+        self.queue, self.server, self.args, self.aof = queue, server, args, aof
+        self.samples: list[float] = []
+        self.proc: asyncio.subprocess.Process | None = None
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        import asyncpg
+
+        dsn = self.args.postgres_dsn
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("TRUNCATE jobs, job_transitions, job_results")
+        finally:
+            await conn.close()
+        env = {
+            **os.environ, "JOBTIER_REDIS_URL": self.server.url, "JOBTIER_DATABASE_URL": dsn,
+            "JOBTIER_SHARDS": str(SHARDS), "JOBTIER_REDIS_REQUIRE_AOF": "1" if self.aof else "0",
+            "JOBTIER_LOG_LEVEL": "WARNING",
+        }  # fmt: skip
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "jobtier.cli", "persister", env=env, start_new_session=True
+        )
+        _groups.add(self.proc.pid)
+        group = self.queue.keys.persist_group()
+
+        async def ready() -> bool:  # its consumer group exists on every shard's log
+            for s in range(SHARDS):
+                try:
+                    groups = await self.queue.redis.xinfo_groups(self.queue.keys.log(s))
+                except Exception:
+                    return False
+                if not any(g["name"] in (group, group.encode()) for g in groups):
+                    return False
+            return True
+
+        async with asyncio.timeout(30):
+            while not await ready():
+                await asyncio.sleep(0.05)
+        self.task = asyncio.create_task(self._sample())
+
+    async def _sample(self) -> None:
+        from jobtier.persist.pg_reader import lag
+
+        while True:
+            _, age = await lag(self.queue.redis, self.queue.keys)
+            self.samples.append(age)
+            await asyncio.sleep(LAG_SAMPLE)
+
+    async def stop(self, end: float) -> dict[str, Any]:
+        from jobtier.persist.pg_reader import lag
+
+        deadline = time.monotonic() + self.args.timeout
+        while (await lag(self.queue.redis, self.queue.keys))[0] and time.monotonic() < deadline:
+            await asyncio.sleep(LAG_SAMPLE)
+        persisted = time.time()
+        assert self.task is not None and self.proc is not None
+        self.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        await self.proc.wait()
+        _groups.discard(self.proc.pid)
+        ordered = sorted(self.samples)
+
+        def pct(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+        return {
+            "lag_p50_ms": 1000 * pct(0.50),
+            "lag_p99_ms": 1000 * pct(0.99),
+            "lag_max_ms": 1000 * (ordered[-1] if ordered else 0.0),
+            "lag_samples": len(ordered),
+            "persisted_after_last_job_s": persisted - end,
+        }
+
+
 async def measure_jobtier(
-    server: LocalRedis, args: argparse.Namespace, aof: bool
+    server: LocalRedis, args: argparse.Namespace, aof: bool, persist: bool = False
 ) -> dict[str, Any]:
-    """throughput.py's enqueue and end-to-end measurements, with its worker processes."""
+    """throughput.py's enqueue and end-to-end measurements, with its worker processes;
+    ``persist``: with the persister on during the end-to-end phase (PersistHook)."""
     env = {} if aof else {"JOBTIER_REDIS_REQUIRE_AOF": "0"}
     settings = Settings.from_env(env, redis_url=server.url, shards=SHARDS)
     targs = argparse.Namespace(
         jobs=args.jobs, batch=args.batch, timeout=args.timeout, workers=1, shards=SHARDS,
-        concurrency=args.concurrency,
+        concurrency=args.concurrency, queues=1, queue_names=throughput.queue_names(1),
+        queue_concurrency=None, queue_rate=None,
     )  # fmt: skip
     async with await Queue.connect(settings) as queue:
         enqueue = await throughput.measure_enqueue(queue, targs, single=False)
-        e2e = await throughput.measure_run(queue, server, targs, "jobtier", prefill=False)
+        hook = PersistHook(queue, server, args, aof) if persist else None
+        e2e = await throughput.measure_run(
+            queue, server, targs, "jobtier", prefill=False, hook=hook
+        )
     return {
         "enqueue_jobs_per_s": enqueue,
         "e2e_jobs_per_s": e2e["jobs_per_s"],
@@ -399,22 +503,70 @@ async def measure_jobtier(
             "worker_cpu_us_per_job", "producer_cpu_us_per_job", "redis_cpu_us_per_job",
             "aof_bytes_per_job", "aof_rewrites", "redis_commands_per_job", "commands",
         )},
+        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_"))},
     }  # fmt: skip
+
+
+def baseline_tree(rev: str) -> Path:
+    """The project's files at git revision ``rev`` (``git archive``), in a temporary folder
+    removed at exit."""
+    folder = Path(tempfile.mkdtemp(prefix="jobtier-baseline-"))
+    atexit.register(shutil.rmtree, folder, True)
+    archive = subprocess.run(
+        ["git", "-C", str(HERE.parent.parent), "archive", rev, "src", "bench"],
+        capture_output=True, check=True,
+    ).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+async def measure_baseline(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """jobtier at ``--baseline``: that revision's own compare.py measures it, in a process
+    whose imports (the scripts, the worker processes it starts) all come from that tree."""
+    tree = Path(args.baseline_tree)
+    code = (
+        "import argparse, json, sys, uvloop\n"
+        "import compare\n"
+        f"ns = argparse.Namespace(**json.loads({json.dumps(json.dumps(NS_KEYS(args)))}))\n"
+        "ns.driver_args = {}\n"
+        f"print(json.dumps(uvloop.run(compare.measure('jobtier', None, {mode!r}, ns))))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}:{tree / 'bench'}"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, cwd=tree / "bench", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    if proc.returncode != 0:
+        return {"error": f"baseline exited {proc.returncode}: {err.decode()[-800:]}"}
+    return dict(json.loads(out.decode().strip().splitlines()[-1]))
+
+
+def NS_KEYS(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("jobs", "batch", "timeout", "concurrency")}
 
 
 async def measure(
     name: str, program: str | None, mode: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     """One (system, mode, run) on a Redis of its own; failures become ``{"error": ...}``."""
-    if program is None and name != "jobtier":
+    if name == BASELINE:
+        return await measure_baseline(mode, args)
+    if program is None and name not in ("jobtier", PERSIST):
         return {"error": "not set up"}
     aof = mode == "everysec"
     t0 = time.monotonic()
     try:
         with local_redis(aof=aof) as server:
             async with asyncio.timeout(args.timeout):
-                if name == "jobtier":
-                    return await measure_jobtier(server, args, aof)
+                if name in ("jobtier", PERSIST):
+                    return await measure_jobtier(server, args, aof, persist=name == PERSIST)
                 assert program is not None
                 return await measure_peer(name, program, server, args)
     except TimeoutError:
@@ -434,6 +586,9 @@ FIELDS = (
 )  # fmt: skip
 
 
+LAG_FIELDS = ("lag_p50_ms", "lag_p99_ms", "lag_max_ms", "persisted_after_last_job_s")
+
+
 def summarise(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for run in runs:
@@ -446,6 +601,9 @@ def summarise(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any
     for name, modes in summary.items():
         for mode, cell in modes.items():
             s: dict[str, Any] = {f: median([r[f] for r in cell["ok"]]) for f in FIELDS}
+            for f in LAG_FIELDS:
+                got = [r[f] for r in cell["ok"] if f in r]
+                s[f] = median(got) if got else None
             s["runs_ok"] = len(cell["ok"])
             s["errors"] = [r["error"] for r in cell["errors"]]
             out.setdefault(name, {})[mode] = s
@@ -502,6 +660,8 @@ def render(
                 status = f"{s['runs_ok']}/{s['runs_ok'] + len(s['errors'])} ok; "
                 status += textwrap.shorten(s["errors"][-1], 90, placeholder=" ...")
             label = f"**{known[name].label}**" if name == "jobtier" else known[name].label
+            if name == BASELINE:
+                label = f"*{known[name].label}*"
             rows.append(
                 [
                     label,
@@ -517,6 +677,27 @@ def render(
                 ]
             )
     out.append(table(HEADERS, rows) + "\n")
+    lag_rows = []
+    for mode in args.modes:
+        s = summary.get(PERSIST, {}).get(mode)
+        if s is None or s.get("lag_p99_ms") is None:
+            continue
+        lag_rows.append([
+            "AOF off" if mode == "off" else "AOF everysec", fmt(s["e2e_jobs_per_s"]),
+            fmt(3 * s["e2e_jobs_per_s"]), fmt(s["lag_p50_ms"]), fmt(s["lag_p99_ms"]),
+            fmt(s["lag_max_ms"]), fmt(s["persisted_after_last_job_s"], 2),
+        ])  # fmt: skip
+    if lag_rows:
+        out.append(
+            "Write-behind with the persister on (the `jobtier + persister` rows above): the "
+            f"age of the oldest transition not yet in Postgres, sampled every {LAG_SAMPLE * 1000:.0f} ms "
+            "from the first submit until all are written (so each sample bounds the lag of "
+            "every transition waiting then); medians over the runs.\n"
+        )
+        out.append(
+            table(["Redis", "jobs/s", "transitions/s", "lag p50 ms", "lag p99 ms", "lag max ms",
+                   "all in Postgres after the last job, s"], lag_rows) + "\n"
+        )  # fmt: skip
     out.append("How each system is driven (our code under `bench/compare/`):\n")
     out.extend(f"- {known[n].label}: {known[n].config}" for n in args.systems)
     out.append(
@@ -546,16 +727,36 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="more arguments for a peer's driver, to try another set-up (e.g. "
         "'celery=--pool threads'; see its --help); repeatable, shown in the report",
     )
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure jobtier at this git revision, in the same interleaved runs (before "
+        "and after a change, beside the peers)",
+    )
+    p.add_argument(
+        "--persister",
+        action="store_true",
+        help="also measure jobtier with its persister writing to a durable Postgres (started "
+        "by the bench), and the write-behind lag meanwhile",
+    )
     p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     args = p.parse_args(argv)
     if args.quick:
         args.jobs, args.runs = min(args.jobs, 2_000), 1
     args.systems = [s for s in args.systems.split(",") if s]
+    if args.persister:
+        args.systems.insert(args.systems.index("jobtier") + 1 if "jobtier" in args.systems
+                            else 0, PERSIST)  # fmt: skip
+    args.baseline_tree = None
+    if args.baseline:
+        args.baseline_tree = str(baseline_tree(args.baseline))
+        args.systems.insert(args.systems.index("jobtier") + 1 if "jobtier" in args.systems
+                            else 0, BASELINE)  # fmt: skip
     args.modes = [m for m in args.modes.split(",") if m]
     extra = dict(d.split("=", 1) for d in args.driver_args if "=" in d)
     args.driver_args = {name: shlex.split(value) for name, value in extra.items()}
-    unknown = set(args.systems) - set(SYSTEMS) | set(args.modes) - set(MODES)
+    unknown = set(args.systems) - {*SYSTEMS, BASELINE, PERSIST} | set(args.modes) - set(MODES)
     unknown |= set(args.driver_args) - set(SYSTEMS[1:])
     if unknown:
         p.error(f"unknown systems or modes: {', '.join(sorted(unknown))}")
@@ -567,7 +768,7 @@ def set_up(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, A
     programs: dict[str, str | None] = {}
     versions: dict[str, Any] = {}
     for name in args.systems:
-        if name == "jobtier":
+        if name in ("jobtier", BASELINE, PERSIST):
             continue
         try:
             program = node() if name == "bullmq" else str(python_peer(name))
@@ -606,11 +807,24 @@ def run(argv: list[str] | None = None, report: Callable[[str], None] = print) ->
     env = environment()
     programs, versions = set_up(args)
     env["versions"]["peers"] = versions
+    pg = None
     try:
+        if args.persister:
+            from jobtier.dev.postgres import LocalPostgres
+            from jobtier.persist.db import migrate
+
+            folder = Path(tempfile.mkdtemp(prefix="jobtier-compare-pg-"))
+            atexit.register(shutil.rmtree, folder, True)
+            pg = LocalPostgres(folder, durable=True).start()
+            args.postgres_dsn = pg.dsn
+            uvloop.run(migrate(pg.dsn))
         results = uvloop.run(main(args, programs))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted: every process it started is stopped; nothing saved", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        if pg is not None:
+            pg.stop()
     known = systems(args)
     text = render(results["summary"], args, env, known)
     report(text)

@@ -37,7 +37,7 @@ and the submit figures (``POST /v1/jobs`` open loop at 1K and 2K/s, closed c50;
 Redis holds never need it (the server's Postgres probes fail fast on a closed port).
 
 Placement: the API server is pinned to CPU 0 (``taskset``); this process, Redis, the load
-generators and the churn worker to CPU 1 — one server core, like ``shared/ANCHORS.md``.
+generators and the churn worker to CPU 1: the server gets one core of its own.
 (Not pinning the server was no better in a side run: p99 at 10K req/s 2.9 ms against 1.8
 on hot keys, 90 against 123 ms on spread keys, both within this machine's noise.)
 
@@ -78,6 +78,7 @@ from common_http import (
     TENANTS,
     ApiProcess,
     Counters,
+    ReplayProbe,
     StalenessProbe,
     build_openloop,
     churn,
@@ -86,6 +87,7 @@ from common_http import (
     get_json,
     get_requests,
     http_request,
+    make_dead,
     run_openloop,
     run_wrk,
     write_requests,
@@ -125,6 +127,10 @@ CONFIGS = {
         "granian", {"BENCH_ROUTED": "1"}, note="without jobs.StatusFastPath (see below)"
     ),
     "baseline": Config("granian", BASELINE, note="one HMGET per request"),
+    "jobtier-final2s": Config(
+        "granian", {"JOBTIER_NEAR_CACHE_FINAL_TTL": "2"}, ALL_MIXES, ("closed", "open20k"),
+        note="terminal documents kept 2 s like the others (the near cache before final_ttl)",
+    ),
     "jobtier-uvicorn": Config("uvicorn", {}, modes=SHORT_MODES),
     "baseline-uvicorn": Config("uvicorn", BASELINE, ALL_MIXES[:2], ("closed",)),
     "gc-nofreeze": Config("granian", {"JOBTIER_GC_FREEZE": "0"}, ALL_MIXES[:2], SHORT_MODES),
@@ -256,7 +262,14 @@ def gc_lines(api: ApiProcess) -> list[list[float]]:
     out = []
     for line in api.log.read_text(errors="replace").splitlines():
         if line.startswith("GCSTATS "):
-            out.append([float(x) for x in line.split()[1:]])
+            try:
+                row = [float(x) for x in line.split()[1:]]
+            except ValueError:
+                row = []
+            # two server processes share the log: a line torn by the other's write is
+            # skipped (the counters are cumulative: the next line carries them)
+            if len(row) == 8:
+                out.append(row)
     return out
 
 
@@ -315,6 +328,8 @@ def summary_row(result: dict[str, Any]) -> dict[str, Any]:
         "gc_longest_ms": result["gc"]["longest_ms"],
         "stale": result.get("staleness", {}).get("stale_after_100ms"),
         "probes": result.get("staleness", {}).get("probes"),
+        "replays_stale": result.get("staleness", {}).get("replays_stale"),
+        "replays": result.get("staleness", {}).get("replays"),
     }
 
 
@@ -414,24 +429,34 @@ def read_cell(
         result = measure(api, r, mode, file, args, tmp, openloop)
     else:
         seconds = args.duration + 8
+        dead = asyncio.run(make_dead(url, int(20 * seconds)))  # replayed 20 a second
         with churn(url, seconds, steps=int(60 * seconds)) as (churn_hot, churn_steps):
             write_requests(file, churn_requests(churn_hot, churn_steps, fill_ids, api.port))
             probe = StalenessProbe(url, api.port, churn_hot + churn_steps[:200])
+            replays = ReplayProbe(url, api.port, dead)
             probe.start()
+            replays.start()
             try:
                 result = measure(api, r, mode, file, args, tmp, openloop)
             finally:
                 probe.stop_flag.set()
+                replays.stop_flag.set()
                 probe.join()
+                replays.join()
             result["staleness"] = {
                 "probes": probe.probes,
                 "lagging": probe.lagging,
                 "stale_after_100ms": probe.stale,
                 "errors": probe.errors,
+                "replays": replays.replays,
+                "replays_stale": replays.stale,
+                "replay_errors": replays.errors,
             }
     s = summary_row(result)
     stale = (
         f"  stale {result['staleness']['stale_after_100ms']}/{result['staleness']['probes']}"
+        f"  replays stale {result['staleness']['replays_stale']}/"
+        f"{result['staleness']['replays']}"
         if mix == "churn"
         else ""
     )
@@ -611,7 +636,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (config, mix, mode), items in groups.items():
         med = {k: median_or_none([i[k] for i in items]) for k in items[0]}
-        for k in ("stale", "probes"):  # totals over the runs
+        for k in ("stale", "probes", "replays_stale", "replays"):  # totals over the runs
             med[k] = (
                 sum(i[k] for i in items if i[k] is not None) if items[0][k] is not None else None
             )
@@ -643,7 +668,7 @@ def status_table(summary: list[dict[str, Any]], configs: list[str]) -> str:
     headers = [
         "mix", "mode", "config", "req/s", "p50 ms", "p99 ms", "p99.9 ms", "errors", "cmds/req",
         "sent/req", "near hits", "cpu µs/req", "server core", "cpu0 busy", "rps x base",
-        "cmds ÷ base", "sent ÷ base", "stale",
+        "cmds ÷ base", "sent ÷ base", "stale", "replays stale",
     ]  # fmt: skip
     order = {c: i for i, c in enumerate(CONFIGS)}
     mixes = {m: i for i, m in enumerate(ALL_MIXES)}
@@ -660,6 +685,7 @@ def status_table(summary: list[dict[str, Any]], configs: list[str]) -> str:
             ratio(s.get("rps_vs_baseline")), ratio(s.get("cmds_reduction_vs_baseline"), 0),
             ratio(s.get("sent_reduction_vs_baseline"), 0),
             "" if s["probes"] is None else f"{s['stale']}/{s['probes']}",
+            "" if s.get("replays") is None else f"{s['replays_stale']}/{s['replays']}",
         ])  # fmt: skip
     return table(headers, rows)
 
@@ -751,6 +777,13 @@ def render(
             "Near hits `-`: the reader's counters come from one of the two processes.",
             "",
             status_table(summary, ["jobtier", "jobtier-2w"]),
+            "",
+        ]
+    if "jobtier-final2s" in args.configs:
+        md += [
+            "## Terminal documents kept 1 h against 2 s (JOBTIER_NEAR_CACHE_FINAL_TTL)",
+            "",
+            status_table(summary, ["jobtier", "jobtier-final2s"]),
             "",
         ]
     md += server_section(summary, args)

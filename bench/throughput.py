@@ -18,9 +18,9 @@ and, for each run, measures with 20K no-op jobs:
 * side figure: end to end with AOF off.
 
 Workers run as separate processes (uvloop, like ``jobtier worker``), so the producer and the
-worker do not share an event loop: that is how the cited BullMQ figure was taken. Figures of
-other systems are cited from shared/ANCHORS.md (same kind of machine, another day), never
-measured here; compare ratios within one run rather than absolute numbers across days.
+worker do not share an event loop. Other job systems are measured beside jobtier, in the same
+runs, by ``compare.py``; compare ratios within one run rather than absolute numbers across
+days.
 
     .venv/bin/python bench/throughput.py                    # 20K jobs, 3 runs, 1 worker
     .venv/bin/python bench/throughput.py --quick            # 5K jobs, 1 run: a smoke test
@@ -70,17 +70,9 @@ from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker, WorkerStats
 
 PHASES = ("enqueue", "single", "e2e", "drain", "baseline", "baseline-drain", "aof-off")
-# (system, enqueue jobs/s, end-to-end jobs/s, note): shared/ANCHORS.md, 20K no-op jobs, one
-# worker process, medians of 3 runs on a 2-core machine like ours — not measured here.
-ANCHORS = (
-    ("BullMQ 6.7 (concurrency 50, addBulk)", 14_097, 11_050, "11.9K with 500 adds in flight"),
-    ("Dramatiq (8 threads)", 4_670, 2_107, "4,006 with 2 processes"),
-    ("arq (poll 10 ms)", 6_087, 1_926, ""),
-    ("SAQ (concurrency 50)", 6_604, 1_913, ""),
-    ("Celery (solo)", 1_937, 1_214, ""),
-    ("RQ (SimpleWorker)", 13_474, 302, "~20 round trips a job"),
-)
-POLLING = frozenset({"xlen", "xrevrange"})  # wait_logged's, left out of the command counts
+POLLING = frozenset(
+    {"xlen", "xrevrange", "xinfo|stream"}
+)  # wait_logged's, left out of the command counts
 _decode = msgspec.json.Decoder().decode
 
 
@@ -274,11 +266,23 @@ async def submit_single(queue: Queue, jobs: Sequence[JobSpec], in_flight: int) -
     await asyncio.gather(*(one_at_a_time() for _ in range(in_flight)))
 
 
-async def wait_logged(queue: Queue, entries: int, timeout: float) -> float:
+async def wait_logged(queue: Queue, entries: int, timeout: float, added: bool = False) -> float:
     """Wait until the shard logs hold ``entries`` transitions; return the time (s, Redis's
     clock) of the newest one. Polled every 10 ms: the time comes from the entry ids, so the
-    poll interval does not enter the figure."""
+    poll interval does not enter the figure. ``added``: count the entries ever added to the
+    logs (XINFO STREAM), for a run with a persister, which deletes what it has written."""
     keys = queue.keys
+    if added:
+        async with asyncio.timeout(timeout):
+            while True:
+                pipe = queue.redis.pipeline(transaction=False)
+                for s in range(keys.shards):
+                    pipe.execute_command("XINFO", "STREAM", keys.log(s))
+                infos = [_pairs(i) for i in await pipe.execute()]
+                if sum(int(i[b"entries-added"]) for i in infos) >= entries:
+                    last = [i[b"last-generated-id"] for i in infos]
+                    return max(int(x.split(b"-")[0]) for x in last) / 1000
+                await asyncio.sleep(0.01)
     async with asyncio.timeout(timeout):
         while True:
             pipe = queue.redis.pipeline(transaction=False)
@@ -294,6 +298,12 @@ async def wait_logged(queue: Queue, entries: int, timeout: float) -> float:
     return max(newest) / 1000
 
 
+def _pairs(reply: Any) -> dict[bytes, Any]:
+    if isinstance(reply, dict):
+        return {k if isinstance(k, bytes) else str(k).encode(): v for k, v in reply.items()}
+    return {reply[i]: reply[i + 1] for i in range(0, len(reply), 2)}
+
+
 async def measure_enqueue(queue: Queue, args: argparse.Namespace, single: bool) -> float:
     jobs = specs(args.jobs)
     await fresh(queue.redis)
@@ -306,9 +316,18 @@ async def measure_enqueue(queue: Queue, args: argparse.Namespace, single: bool) 
 
 
 async def measure_run(
-    queue: Queue, server: LocalRedis, args: argparse.Namespace, kind: str, prefill: bool
+    queue: Queue,
+    server: LocalRedis,
+    args: argparse.Namespace,
+    kind: str,
+    prefill: bool,
+    hook: Any = None,
 ) -> dict[str, Any]:
-    """One end-to-end (or drain, with ``prefill``) measurement with fresh worker processes."""
+    """One end-to-end (or drain, with ``prefill``) measurement with fresh worker processes.
+
+    ``hook`` (compare.py's persister): ``await hook.start()`` once Redis is emptied and the
+    workers are up, ``await hook.stop()`` once the last job is logged; what it returns is
+    added to the result."""
     assert server.proc is not None
     n = args.jobs
     jobs = specs(n, args.queue_names)
@@ -321,6 +340,8 @@ async def measure_run(
         else:
             workers.send("go")
             await asyncio.sleep(0.3)  # let them subscribe and go idle: a realistic start
+        if hook is not None:
+            await hook.start()
         meter = RedisMeter(queue.redis, server.proc.pid, ignore=POLLING)
         await meter.start()
         t0, producer0 = time.time(), time.process_time()
@@ -329,8 +350,9 @@ async def measure_run(
         else:
             await submit_batches(queue, jobs, args.batch)
         submitted, producer1 = time.time(), time.process_time()
-        end = await wait_logged(queue, 3 * n, args.timeout)
+        end = await wait_logged(queue, 3 * n, args.timeout, added=hook is not None)
         redis_side = await meter.stop(n)
+        extra = {} if hook is None else await hook.stop(end)
         stats = workers.stop()
     finally:
         workers.kill()
@@ -354,6 +376,7 @@ async def measure_run(
         "aof_bytes_per_job": redis_side["aof_bytes_per_job"],
         "aof_rewrites": redis_side["aof_rewrites"],
         "commands": work,
+        **extra,
     }
 
 
@@ -486,25 +509,10 @@ def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any
             "own polling (XLEN, INFO) is left out.\n"
         )
 
-    out.append("## Beside other job systems\n")
     out.append(
-        "Rows other than jobtier are **cited from shared/ANCHORS.md, not measured here** "
-        "(same kind of 2-core machine, 2026-11-29, one worker process, 20K no-op jobs).\n"
+        "Other job systems, measured beside jobtier in the same runs: `bench/compare.py` "
+        "(bench/results/compare.md).\n"
     )
-    rows = []
-    if "e2e" in summary or "enqueue_batch" in summary:
-        e2e = summary.get("e2e", {}).get("jobs_per_s", float("nan"))
-        rows.append(
-            [f"**jobtier** (concurrency {args.concurrency}, `submit_many`)",
-             fmt(summary.get("enqueue_batch", float("nan"))), f"**{fmt(e2e)}**",
-             f"measured here, {args.workers} worker process(es)"]
-        )  # fmt: skip
-    for name, enq, e2e_cited, note in ANCHORS:
-        rows.append(
-            [name, fmt(enq), fmt(e2e_cited),
-             "cited from ANCHORS.md, not measured here" + (f"; {note}" if note else "")]
-        )  # fmt: skip
-    out.append(table(["system", "enqueue jobs/s", "end-to-end jobs/s", "source"], rows) + "\n")
     return "\n".join(out)
 
 

@@ -110,10 +110,24 @@ class Settings:
     max_waiting_total: int = _setting(
         5_000_000, "Global back-pressure: submit answers 503 past this many waiting jobs."
     )
+    redis_memory_warn_ratio: float = _setting(
+        0.8, "Log a warning while Redis's used_memory / maxmemory is past this (0 < r <= 1)."
+    )
+    redis_memory_refuse_ratio: float = _setting(
+        0.9,
+        "Submit answers 503 while Redis's used_memory / maxmemory is past this (0 < r <= 1): "
+        "before Redis itself refuses every write (noeviction), jobs already accepted included.",
+    )
     near_cache: bool = _setting(True, "Serve status from the per-process near cache.")
     near_cache_size: int = _setting(100_000, "Most status documents in the near cache.")
     near_cache_ttl: float = _setting(
         2.0, "Safety-net lifetime of a near-cache entry whose freshness events could be missed."
+    )
+    near_cache_final_ttl: float = _setting(
+        3600.0,
+        "Lifetime of a near-cache entry in a terminal state, stored while the status events' "
+        "subscriptions were live (a terminal job changes only by a replay, which publishes); "
+        "the cache's size bounds it too.",
     )
     coalesce: bool = _setting(True, "Merge the status loads of one event-loop tick into one batch.")
     max_request_bytes: int = _setting(
@@ -249,6 +263,9 @@ class Settings:
             problems.append("JOBTIER_FLOW_LINK_TIMEOUT_SECONDS must be more than 0")
         if self.resolver_claim_idle_seconds <= 0:
             problems.append("JOBTIER_RESOLVER_CLAIM_IDLE_SECONDS must be more than 0")
+        for name in ("redis_memory_warn_ratio", "redis_memory_refuse_ratio"):
+            if not 0 < getattr(self, name) <= 1:
+                problems.append(f"JOBTIER_{name.upper()} must be more than 0 and at most 1")
         if self.prune_interval_seconds < 1:
             problems.append("JOBTIER_PRUNE_INTERVAL_SECONDS must be at least 1")
         try:

@@ -205,8 +205,17 @@ class ShardSubscriber:
     generic PubSub class, which matters at tens of thousands of status events a second.
     ``on_message(channel, data)`` runs on the event loop for each message and must not block.
     ``on_reset()`` runs after every (re)subscription: messages may have been missed while the
-    connection was down, so whoever relies on them must resynchronise.
+    connection was down, so whoever relies on them must resynchronise. ``on_lost()`` runs as
+    soon as a subscription is found broken, before it is retried.
+
+    A connection can die without a word (a half-open TCP connection after a network fault or
+    a frozen server): every ``PING_INTERVAL`` seconds each subscription sends PING, and one
+    whose answer has not come ``PONG_TIMEOUT`` seconds after it is closed and counted lost.
+    ``live`` is true while every node's subscription is confirmed and answering.
     """
+
+    PING_INTERVAL = 1.0
+    PONG_TIMEOUT = 3.0
 
     def __init__(
         self,
@@ -215,22 +224,31 @@ class ShardSubscriber:
         on_message: Callable[[bytes, bytes], None],
         on_reset: Callable[[], None] | None = None,
         name: str = "subscriber",
+        on_lost: Callable[[], None] | None = None,
     ) -> None:
         self.redis = redis
         self.channels = list(channels)
         self.on_message = on_message
         self.on_reset = on_reset
+        self.on_lost = on_lost
         self.name = name
         self._tasks: list[asyncio.Task[None]] = []
         self._ready: list[asyncio.Event] = []
         self._closing = False
+        self._down: set[tuple[str, int]] = set()  # nodes whose subscription is not confirmed
+
+    def live(self) -> bool:
+        """Every node's subscription is confirmed, and none has been found broken since."""
+        return bool(self._tasks) and not self._down and not self._closing
 
     async def start(self, timeout: float = 10.0) -> None:
         """Subscribe on every node; returns once all subscriptions are confirmed."""
         if isinstance(self.redis, RedisCluster):
             # a client that has sent no command yet does not know which node serves a slot
             await self.redis.initialize()
-        for node, channels in node_channels(self.redis, self.channels).items():
+        groups = node_channels(self.redis, self.channels)
+        self._down = set(groups)
+        for node, channels in groups.items():
             ready = asyncio.Event()
             self._ready.append(ready)
             self._tasks.append(asyncio.create_task(self._run(node, channels, ready)))
@@ -263,10 +281,27 @@ class ShardSubscriber:
                 kwargs.pop(key)
         return Connection(**kwargs)
 
+    async def _pinger(self, conn: Connection, answered: list[float]) -> None:
+        """PING the subscription every PING_INTERVAL; close it when an answer is overdue
+        (the pending read then fails, and the subscription is retried)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.PING_INTERVAL)
+            if loop.time() - answered[0] > self.PONG_TIMEOUT:
+                log.warning(
+                    "event=subscription_silent subscriber=%s seconds=%.1f: no answer to PING",
+                    self.name, loop.time() - answered[0],
+                )  # fmt: skip
+                await conn.disconnect()
+                return
+            await conn.send_command("PING")
+
     async def _run(self, node: tuple[str, int], channels: list[str], ready: asyncio.Event) -> None:
         backoff = SUBSCRIBE.start()
+        loop = asyncio.get_running_loop()
         while not self._closing:
             conn = self._connection(*node)
+            pinger: asyncio.Task[None] | None = None
             try:
                 await conn.connect()  # type: ignore[no-untyped-call]
                 # one SSUBSCRIBE per slot: a cluster node refuses channels of several slots in
@@ -281,13 +316,18 @@ class ShardSubscriber:
                     reply = await conn.read_response()
                     if reply and reply[0] == b"ssubscribe":
                         confirmed += 1
+                self._down.discard(node)
                 if self.on_reset is not None:
                     self.on_reset()
                 ready.set()
                 backoff.reset()
                 on_message = self.on_message
+                answered = [loop.time()]  # when the last PING was answered
+                pinger = asyncio.create_task(self._pinger(conn, answered))
                 while True:
                     reply = await conn.read_response()
+                    if reply is None:  # the pinger closed a silent connection
+                        raise ConnectionError("subscription closed: no answer to PING")
                     if reply[0] == b"smessage":
                         try:
                             on_message(reply[1], reply[2])
@@ -296,6 +336,8 @@ class ShardSubscriber:
                             log.exception(
                                 "event=subscriber_callback_failed subscriber=%s", self.name
                             )
+                    elif reply[0] == b"pong":
+                        answered[0] = loop.time()
                     elif reply[0] == b"sunsubscribe":
                         # the slot moved to another node (cluster resharding): resubscribe
                         raise ConnectionError("shard channel moved")
@@ -304,6 +346,12 @@ class ShardSubscriber:
             except (RedisError, OSError, ConnectionError) as exc:
                 if self._closing:
                     return
+                self._down.add(node)
+                if self.on_lost is not None:
+                    try:
+                        self.on_lost()
+                    except Exception:
+                        log.exception("event=subscriber_callback_failed subscriber=%s", self.name)
                 wait = backoff.next()
                 log.warning(
                     "event=subscription_lost subscriber=%s node=%s:%s error=%r retry_in=%.2fs",
@@ -317,6 +365,10 @@ class ShardSubscriber:
                     self._respawn()
                     return
             finally:
+                if pinger is not None:
+                    pinger.cancel()
+                    with contextlib.suppress(BaseException):
+                        await pinger
                 with contextlib.suppress(Exception):
                     await conn.disconnect()
 
@@ -329,5 +381,7 @@ class ShardSubscriber:
             if task is not current:
                 task.cancel()
         self._tasks = []
-        for node, channels in node_channels(self.redis, self.channels).items():
+        groups = node_channels(self.redis, self.channels)
+        self._down = set(groups)
+        for node, channels in groups.items():
             self._tasks.append(asyncio.create_task(self._run(node, channels, asyncio.Event())))

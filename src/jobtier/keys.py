@@ -68,16 +68,23 @@ _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 JOB_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}-(0|[1-9][0-9]{0,3})$")
 
 
+# every pair of Crockford digits, by the 10 bits it encodes: ulid() builds the 26 digits
+# from 13 lookups rather than 26 shifts of a 128-bit number (3.7 -> 1.5 us; ids were a fifth
+# of a batch submit's CPU in the producer)
+_PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]
+_TIME_SHIFTS = (40, 30, 20, 10, 0)  # 48-bit time: 10 digits (50 bits, the top 2 zero)
+_ENTROPY_SHIFTS = (70, 60, 50, 40, 30, 20, 10, 0)  # 80 bits: 16 digits
+
+
 def ulid(ms: int | None = None, entropy: bytes | None = None) -> str:
     """A ULID: 48-bit millisecond time and 80 bits of entropy, Crockford base32."""
     if ms is None:
         ms = time.time_ns() // 1_000_000
-    value = (ms & 0xFFFF_FFFF_FFFF) << 80 | int.from_bytes(entropy or os.urandom(10), "big")
-    out = []
-    for _ in range(26):
-        out.append(_CROCKFORD[value & 31])
-        value >>= 5
-    return "".join(reversed(out))
+    ms &= 0xFFFF_FFFF_FFFF
+    e = int.from_bytes(entropy or os.urandom(10), "big")
+    p = _PAIRS
+    return "".join([p[(ms >> s) & 1023] for s in _TIME_SHIFTS] +
+                   [p[(e >> s) & 1023] for s in _ENTROPY_SHIFTS])  # fmt: skip
 
 
 class Keys:

@@ -22,6 +22,21 @@ def test_lua_result_codes_match_the_python_enum() -> None:
     assert {k: int(v) for k, v in lua_codes.items()} == {c.name: c.value for c in Code}
 
 
+def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
+    """lib.lua's load() names each of FIELDS by its index in one table constructor (to size
+    the table once); a field added to FIELDS but not there, or out of order, would be read
+    into the wrong name."""
+    lib = lua_source("lib")
+    fields_src = re.search(r"^local FIELDS = \{(.*?)\}", lib, re.MULTILINE | re.DOTALL)
+    assert fields_src
+    fields = re.findall(r"'([a-z_]+)'", fields_src.group(1))
+    body = lib.split("local function load(id)", 1)[1].split("\nend\n", 1)[0]
+    constructor = body.split("local j = {", 1)[1].split("}", 1)[0]
+    pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor)
+    assert [name for name, _ in pairs] == fields
+    assert [int(i) for _, i in pairs] == list(range(1, len(fields) + 1))
+
+
 def _documented_suffixes() -> set[str]:
     """The per-shard key suffixes keys.py's docstring lists (``jt:{s}:q:<priority>`` -> q:)."""
     import jobtier.keys
@@ -94,6 +109,16 @@ def test_job_ids_route_to_their_shard() -> None:
 def test_ulids_sort_by_time() -> None:
     assert ulid(1000) < ulid(1001) < ulid(2**40)
     assert len(ulid()) == 26
+
+
+@given(st.integers(0, 2**48 - 1), st.binary(min_size=10, max_size=10))
+def test_ulid_digits_match_the_plain_base32_encoding(ms: int, entropy: bytes) -> None:
+    """ulid() builds its digits from 10-bit pairs: the same as encoding the 128-bit number 5
+    bits at a time, most significant first."""
+    value = ms << 80 | int.from_bytes(entropy, "big")
+    crockford = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    plain = "".join(crockford[(value >> (5 * i)) & 31] for i in reversed(range(26)))
+    assert ulid(ms, entropy) == plain
 
 
 def test_shard_for_is_stable() -> None:

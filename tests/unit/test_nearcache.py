@@ -140,3 +140,32 @@ def test_parse_version() -> None:
     assert parse_version(b'{"version":3}') == 3
     with pytest.raises(ValueError):
         parse_version(b'{"id":"x"}')
+
+
+def test_final_entries_live_for_final_ttl_and_others_for_ttl() -> None:
+    cache = NearCache(maxsize=10, ttl=2.0, final_ttl=600.0)
+    cache.put("final", Entry("t1", 3, b'{"version":3}', 100.0, final=True))
+    cache.put("plain", entry(1, at=100.0))
+    assert cache.get("plain", 102.5) is None
+    assert cache.get("final", 102.5) is not None
+    assert cache.get("final", 700.0) is not None  # exactly at final_ttl
+    assert cache.get("final", 700.01) is None
+
+
+def test_final_ttl_is_never_shorter_than_ttl_and_size_still_bounds_it() -> None:
+    assert NearCache(maxsize=10, ttl=2.0, final_ttl=1.0).final_ttl == 2.0
+    cache = NearCache(maxsize=64, ttl=2.0, final_ttl=600.0)
+    for i in range(65):
+        cache.put(f"j{i}", Entry("t1", 1, b"{}", 100.0, final=True))
+    assert len(cache) <= 64 and "j64" in cache
+
+
+def test_is_terminal_reads_the_state_field() -> None:
+    from jobtier.cache.redis_reader import is_terminal
+
+    for state in ("succeeded", "failed", "cancelled"):
+        assert is_terminal(b'{"id":"x","type":"t","queue":"q","state":"%s"}' % state.encode())
+    for state in ("queued", "running", "scheduled"):
+        assert not is_terminal(b'{"id":"x","type":"t","queue":"q","state":"%s"}' % state.encode())
+    # a type that spells a state inside it is escaped JSON: never mistaken for the field
+    assert not is_terminal(b'{"id":"x","type":"a\\",\\"state\\":\\"failed","state":"queued"}')

@@ -1,8 +1,8 @@
 """Who may submit now: per-tenant rate limit and waiting-jobs cap, global back-pressure.
 
 Counts come from Redis (per-tenant waiting counts kept by the scripts; the write-behind
-lag) and are refreshed in the background about once a second, so a submit pays nothing
-for them. A refused submit is a 429 (this tenant) or 503 (everyone) with ``Retry-After``.
+lag; how full Redis's memory is) and are refreshed in the background about once a second, so
+a submit pays nothing for them. A refused submit is a 429 (this tenant) or 503 (everyone) with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
+from jobtier.memory import MemoryUse, redis_memory
 from jobtier.queue import Queue
 
 log = logging.getLogger("jobtier.api")
@@ -55,6 +56,8 @@ class Admission:
         self.waiting: dict[str, int] = {}
         self.total_waiting = 0
         self.lag = 0
+        self.memory = MemoryUse(0, 0)
+        self._memory_warned = -1e9  # monotonic time of the last warning
         self._buckets: dict[str, TokenBucket] = {}
         self._task: asyncio.Task[None] | None = None
 
@@ -73,6 +76,23 @@ class Admission:
         self.total_waiting = sum(self.waiting.values())
         if self.lag_probe is not None:
             self.lag = await self.lag_probe()
+        self.memory = await redis_memory(self.queue.redis)
+        self._warn_memory()
+
+    def _warn_memory(self) -> None:
+        """A warning once a minute while Redis is past the warning ratio."""
+        s, m = self.settings, self.memory
+        now = time.monotonic()
+        if m.ratio > s.redis_memory_warn_ratio and now - self._memory_warned >= 60:
+            self._memory_warned = now
+            refusing = m.ratio > s.redis_memory_refuse_ratio
+            log.warning(
+                "event=redis_memory_high used=%d maxmemory=%d ratio=%.3f refusing_submits=%s: "
+                "Redis is filling up; submits are refused past JOBTIER_REDIS_MEMORY_REFUSE_RATIO"
+                "=%g. Raise maxmemory, shorten JOBTIER_RETENTION_SECONDS, or add workers "
+                "(README: Sizing Redis)",
+                m.used, m.maxmemory, m.ratio, refusing, s.redis_memory_refuse_ratio,
+            )  # fmt: skip
 
     async def _loop(self) -> None:
         while True:
@@ -92,6 +112,15 @@ class Admission:
                 503, "overloaded",
                 f"{self.total_waiting} jobs are waiting; the limit is {s.max_waiting_total}",
                 headers={"retry-after": "2"},
+            )  # fmt: skip
+        if self.memory.ratio > s.redis_memory_refuse_ratio:
+            m = self.memory
+            raise Problem(
+                503, "overloaded",
+                f"Redis memory is {m.ratio:.0%} full ({m.used} of {m.maxmemory} bytes); submits "
+                f"are refused past {s.redis_memory_refuse_ratio:.0%} "
+                "(JOBTIER_REDIS_MEMORY_REFUSE_RATIO) so that accepted jobs can still finish",
+                headers={"retry-after": "5"},
             )  # fmt: skip
         if self.lag > s.persist_max_lag:
             raise Problem(

@@ -117,6 +117,7 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             coalesce=settings.coalesce,
             cache_size=settings.near_cache_size,
             ttl=settings.near_cache_ttl,
+            final_ttl=settings.near_cache_final_ttl,
             fallback=ext.status_fallback,
         )
         subscriber = ShardSubscriber(
@@ -125,7 +126,9 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             reader.on_event,
             reader.on_reset,
             name="api-status",
+            on_lost=reader.on_lost,
         )
+        reader.events_live = subscriber.live
         admission = Admission(settings, queue, ext.lag)
         publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader])
         try:

@@ -18,6 +18,9 @@ class Entry(msgspec.Struct, frozen=True, gc=False):
     version: int
     doc: bytes
     stored_at: float  # clock reading when the entry was loaded or last advanced by an event
+    # a terminal document stored while every event subscription was live: it is kept for
+    # final_ttl rather than ttl (see NearCache)
+    final: bool = False
 
 
 class NearCache:
@@ -26,7 +29,13 @@ class NearCache:
     Freshness comes from events: ``on_event`` advances entries that are present (it never
     adds one, or every job in the system would end up here). The TTL is only a safety net
     for events that were missed without the subscription noticing; ``clear()`` is for when
-    it did notice (a resubscription).
+    it did notice (a lost subscription, a resubscription).
+
+    A *final* entry (``Entry.final``: a terminal document — succeeded, failed, cancelled —
+    stored while the subscriptions were live) is kept for ``final_ttl`` instead, bounded by
+    ``maxsize`` like any other: a terminal job changes only through a replay, which publishes
+    its event, and a subscription found lost empties the cache before its events could be
+    missed for long (connection.py: ShardSubscriber pings, redis_reader.py: on_lost).
 
     Races it guards:
 
@@ -51,6 +60,7 @@ class NearCache:
         "events_applied",
         "evictions",
         "expired",
+        "final_ttl",
         "generation",
         "hits",
         "maxsize",
@@ -63,11 +73,13 @@ class NearCache:
         maxsize: int = 100_000,
         ttl: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        final_ttl: float | None = None,
     ) -> None:
         if maxsize < 1:
             raise ValueError("maxsize must be at least 1")
         self.maxsize = maxsize
         self.ttl = ttl
+        self.final_ttl = ttl if final_ttl is None else max(ttl, final_ttl)
         self._clock = clock
         self._data: dict[str, Entry] = {}
         self._evict_batch = max(1, maxsize // 64)
@@ -90,7 +102,7 @@ class NearCache:
         if entry is None:
             self.misses += 1
             return None
-        if now - entry.stored_at > self.ttl:
+        if now - entry.stored_at > (self.final_ttl if entry.final else self.ttl):
             del self._data[job_id]
             self.expired += 1
             self.misses += 1
@@ -105,14 +117,18 @@ class NearCache:
         if old is None:
             if len(data) >= self.maxsize:
                 self._evict()
-        elif old.version > entry.version and entry.stored_at - old.stored_at <= self.ttl:
+        elif old.version > entry.version and entry.stored_at - old.stored_at <= (
+            self.final_ttl if old.final else self.ttl
+        ):
             # no regression (slow load vs fresher event); an expired entry is not trusted,
             # so whatever was loaded after it expired replaces it
             return False
         data[job_id] = entry
         return True
 
-    def on_event(self, job_id: str, version: int, tenant: str, doc: bytes) -> bool:
+    def on_event(
+        self, job_id: str, version: int, tenant: str, doc: bytes, final: bool = False
+    ) -> bool:
         """Apply a published change to a present entry; True when its version advanced.
 
         Absent ids are ignored: the cache holds what is being read, not every job.
@@ -120,7 +136,7 @@ class NearCache:
         old = self._data.get(job_id)
         if old is None or version <= old.version:
             return False
-        self._data[job_id] = Entry(tenant, version, doc, self._clock())
+        self._data[job_id] = Entry(tenant, version, doc, self._clock(), final)
         self.events_applied += 1
         return True
 

@@ -29,6 +29,8 @@ RESYNC = -1
 """The version listeners get after a resubscription: re-read, events may have been missed."""
 
 _VERSION = b'"version":'
+_STATE = b'"state":"'
+_TERMINAL = (b"succeeded", b"failed", b"cancelled")
 _FIELDS = ("tenant", "doc")
 _SHARD_AT = 27  # a valid id is a 26-character ULID, '-', then the shard
 
@@ -47,6 +49,14 @@ def parse_version(doc: bytes) -> int:
     if end < 0:
         end = doc.find(b"}", start)
     return int(doc[start:end])
+
+
+def is_terminal(doc: bytes) -> bool:
+    """Whether a rendered status document is in a terminal state (succeeded, failed,
+    cancelled), without decoding the JSON: ``"state":"`` first occurs as the real key (the
+    only string fields before it, id, type and queue, are validated names)."""
+    at = doc.find(_STATE)
+    return at >= 0 and doc.startswith(_TERMINAL, at + len(_STATE))
 
 
 class StatusReader:
@@ -71,7 +81,14 @@ class StatusReader:
 
     Freshness: the process's shard subscription calls ``on_event`` for every published
     change; it advances cached entries and calls the listeners registered for that id
-    (long-poll, SSE). ``on_reset`` (after a resubscription) empties the cache.
+    (long-poll, SSE). ``on_lost`` (a subscription broke) and ``on_reset`` (after a
+    resubscription) empty the cache.
+
+    Terminal documents are kept for ``final_ttl`` rather than ``ttl`` when they were stored
+    while ``events_live()`` held (every subscription confirmed and answering its pings):
+    a terminal job changes only through a replay, which publishes. Stored while a
+    subscription was down, they get the short ``ttl`` — and the resubscription empties the
+    cache anyway.
 
     Races it guards (besides those of the parts):
 
@@ -98,11 +115,17 @@ class StatusReader:
         max_batch: int = 500,
         absent_ttl: float = 1.0,
         absent_size: int = 10_000,
+        final_ttl: float | None = None,
     ) -> None:
         self.redis = redis
         self.keys = keys
         self._clock = clock
-        self.near: NearCache | None = NearCache(cache_size, ttl, clock) if near_cache else None
+        self.near: NearCache | None = (
+            NearCache(cache_size, ttl, clock, final_ttl) if near_cache else None
+        )
+        # whether every event subscription is live now: the subscriber's ``live`` (app.py);
+        # without a subscriber nothing is kept past the short ttl
+        self.events_live: Callable[[], bool] = lambda: False
         self.coalescer: Coalescer[str, Status] | None = (
             Coalescer(self._load, max_batch=max_batch, timeout=timeout) if coalesce else None
         )
@@ -240,8 +263,9 @@ class StatusReader:
 
     def _store(self, near: NearCache, found: dict[str, Status]) -> None:
         now = self._clock()
+        live = self.events_live()
         for job_id, (tenant, doc, version) in found.items():
-            near.put(job_id, Entry(tenant, version, doc, now))
+            near.put(job_id, Entry(tenant, version, doc, now, live and is_terminal(doc)))
 
     # --- events -------------------------------------------------------------------------
     def on_event(self, channel: bytes, data: bytes) -> None:
@@ -256,13 +280,11 @@ class StatusReader:
             log.warning("event=bad_status_event channel=%r data=%r", channel, data[:120])
             return
         near = self.near
-        if (
-            near is not None
-            and not near.on_event(job_id, version, tenant, doc)
-            and job_id in self._loading
-        ):
-            # event during a load (see the class docstring): keep the newer document
-            near.put(job_id, Entry(tenant, version, doc, self._clock()))
+        if near is not None:
+            final = is_terminal(doc) and self.events_live()
+            if not near.on_event(job_id, version, tenant, doc, final) and job_id in self._loading:
+                # event during a load (see the class docstring): keep the newer document
+                near.put(job_id, Entry(tenant, version, doc, self._clock(), final))
         listeners = self._listeners.get(job_id)
         if listeners:
             for listener in tuple(listeners):  # a listener may remove itself
@@ -271,6 +293,12 @@ class StatusReader:
                 except Exception:
                     # one broken listener must not stop the subscription loop or the others
                     log.exception("event=status_listener_failed job=%s", job_id)
+
+    def on_lost(self) -> None:
+        """A subscription broke: events may be missed from now until it is back (on_reset),
+        so nothing cached may be trusted past its next read; loads in flight do not store."""
+        if self.near is not None:
+            self.near.clear()
 
     def on_reset(self) -> None:
         """The subscription was (re)established: events may have been missed.

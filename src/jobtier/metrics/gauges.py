@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from jobtier.memory import redis_memory
 from jobtier.metrics.snapshot import labels
 from jobtier.model import PRIORITIES
 from jobtier.queue import Queue
@@ -45,6 +46,10 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
         "dead_letter_jobs": {"": total.get("dead", 0)},
     }
     out["workers"] = {"": len(await queue.live_workers())}
+    memory = await redis_memory(queue.redis)
+    out["redis_memory_used_bytes"] = {"": memory.used}
+    out["redis_memory_max_bytes"] = {"": memory.maxmemory}
+    out["redis_memory_used_ratio"] = {"": memory.ratio}
     if lag is not None:
         entries, seconds = await lag()
         out["persister_lag_transitions"] = {"": entries}

@@ -1,0 +1,182 @@
+"""The near cache keeps terminal documents far past its short TTL, and never serves one stale:
+a replay's event advances it; a lost subscription, a silent one (no answer to PING) and a
+Redis restart empty it before a missed event could leave a replayed job's old state behind.
+Real Redis, real subscriptions, real scripts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from jobtier.cache.redis_reader import StatusReader, is_terminal
+from jobtier.config import Settings
+from jobtier.connection import RedisClient, ShardSubscriber
+from jobtier.dev.redis import LocalRedis
+from jobtier.keys import Keys
+from jobtier.model import JobSpec, State, decode_status
+from jobtier.queue import Queue
+from tests.fixtures.engine import wait_for
+
+TENANT = "acme"
+ERROR = b'{"type":"ValueError","message":"boom"}'
+
+
+class Clock:
+    """A clock the test moves: the cache's lifetimes are checked without waiting."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def dead_job(queue: Queue) -> str:
+    """A job failed for good (dead-lettered) through the real submit, claim and fail."""
+    [sub] = await queue.submit_many(
+        [JobSpec(type="echo", payload=1, max_attempts=1)], tenant=TENANT
+    )
+    assert not isinstance(sub, Exception)
+    shard = queue.keys.shard_of(sub.job_id)
+    batch = await queue.scripts.claim(shard, "worker-t", 10, 60_000)
+    [job] = [j for j in batch.jobs if j.id == sub.job_id]
+    call = queue.scripts.fail_call(
+        shard, "worker-t", 3600, [(job.id, job.lease_version, ERROR, -1)]
+    )
+    assert (await queue.scripts.call_many([call]))[0][0] == 0
+    assert (await queue.status(sub.job_id)).state is State.FAILED
+    return sub.job_id
+
+
+@pytest.fixture
+async def reader(settings: Settings, redis: RedisClient) -> AsyncIterator[StatusReader]:
+    keys = Keys(settings.prefix, settings.shards)
+    reader = StatusReader(redis, keys, ttl=2.0, final_ttl=3600.0, clock=Clock())
+    subscriber = ShardSubscriber(
+        redis, [keys.events(s) for s in range(keys.shards)], reader.on_event, reader.on_reset,
+        name="test-final", on_lost=reader.on_lost,
+    )  # fmt: skip
+    reader.events_live = subscriber.live
+    reader.subscriber = subscriber  # type: ignore[attr-defined]
+    await subscriber.start()
+    yield reader
+    await subscriber.stop()
+
+
+def clock_of(reader: StatusReader) -> Clock:
+    clock = reader._clock
+    assert isinstance(clock, Clock)
+    return clock
+
+
+async def test_a_terminal_document_outlives_the_short_ttl_and_follows_a_replay(
+    queue: Queue, reader: StatusReader
+) -> None:
+    job_id = await dead_job(queue)
+    first = await reader.get(job_id)
+    assert first is not None and is_terminal(first[1]) and reader.redis_loads == 1
+    clock_of(reader).now += 600  # far past the 2 s safety net, within final_ttl
+    assert await reader.get(job_id) == first
+    assert reader.redis_loads == 1  # a near-cache hit
+
+    replayed = await queue.replay(job_id)
+    assert replayed.state is State.QUEUED
+
+    async def serves_the_replay() -> bool:
+        status = await reader.get(job_id)
+        return status is not None and status[2] == replayed.version
+
+    await wait_for(serves_the_replay)
+    status = await reader.get(job_id)
+    assert status is not None and decode_status(status[1]).state is State.QUEUED
+    assert reader.redis_loads == 1  # advanced by the replay's event, not reloaded
+    # no longer terminal: the short ttl applies again
+    clock_of(reader).now += 3
+    assert await reader.get(job_id) == status
+    assert reader.redis_loads == 2
+
+
+async def test_a_non_terminal_document_keeps_the_short_ttl(
+    queue: Queue, reader: StatusReader
+) -> None:
+    [sub] = await queue.submit_many([JobSpec(type="echo", payload=1)], tenant=TENANT)
+    assert not isinstance(sub, Exception)
+    assert await reader.get(sub.job_id) is not None
+    clock_of(reader).now += 3
+    assert await reader.get(sub.job_id) is not None
+    assert reader.redis_loads == 2
+
+
+async def test_a_lost_subscription_empties_the_cache_before_a_replay_could_be_missed(
+    queue: Queue, reader: StatusReader, redis: RedisClient
+) -> None:
+    job_id = await dead_job(queue)
+    assert await reader.get(job_id) is not None
+    subscriber: ShardSubscriber = reader.subscriber  # type: ignore[attr-defined]
+    near = reader.near
+    assert near is not None and job_id in near and subscriber.live()
+    generation = near.generation
+    await redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    await wait_for(lambda: near.generation > generation)  # on_lost ran
+    assert job_id not in near
+    # the replay may land while the subscription is down: its event is then lost
+    replayed = await queue.replay(job_id)
+    await wait_for(subscriber.live)
+    status = await reader.get(job_id)
+    assert status is not None and status[2] == replayed.version
+
+
+async def test_a_silent_subscription_is_closed_and_counts_as_lost(
+    queue: Queue, reader: StatusReader, redis: RedisClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="jobtier.redis")
+    job_id = await dead_job(queue)
+    assert await reader.get(job_id) is not None
+    subscriber: ShardSubscriber = reader.subscriber  # type: ignore[attr-defined]
+    subscriber.PING_INTERVAL, subscriber.PONG_TIMEOUT = 0.05, 0.3
+    near = reader.near
+    assert near is not None
+    generation = near.generation
+    # the server answers nothing for 2 s (its connection stays open): only the pings tell
+    await redis.execute_command("CLIENT", "PAUSE", "2000", "ALL")
+    await wait_for(lambda: near.generation > generation)
+    assert job_id not in near
+    assert any("event=subscription_silent" in m for m in caplog.messages)
+    await wait_for(subscriber.live)
+
+
+async def test_a_redis_restart_empties_the_cache(
+    queue: Queue, reader: StatusReader, redis_server: LocalRedis, backend: str
+) -> None:
+    job_id = await dead_job(queue)
+    first = await reader.get(job_id)
+    assert first is not None
+    near = reader.near
+    assert near is not None and job_id in near
+    generation = near.generation
+    redis_server.restart()  # SIGTERM: Redis writes its AOF and exits; then starts again
+    await wait_for(lambda: near.generation > generation, timeout=30)
+    subscriber: ShardSubscriber = reader.subscriber  # type: ignore[attr-defined]
+    await wait_for(subscriber.live, timeout=30)
+
+    async def answers() -> bool:  # the queue's pooled connections died with the old server
+        try:
+            await queue.scripts.load()
+        except RedisConnectionError:
+            return False
+        return True
+
+    await wait_for(answers, timeout=30)
+    replayed = await queue.replay(job_id)
+
+    async def serves_the_replay() -> bool:
+        try:  # the reader's pooled connections died with the old server too
+            status = await reader.get(job_id)
+        except RedisConnectionError:
+            return False
+        return status is not None and status[2] == replayed.version
+
+    await wait_for(serves_the_replay)
