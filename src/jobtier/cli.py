@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from redis.exceptions import RedisError
 
@@ -20,7 +20,11 @@ from jobtier import cli_admin, logs
 from jobtier.config import Settings, settings_table
 from jobtier.errors import ConfigError
 from jobtier.keys import Keys
-from jobtier.metrics.snapshot import MetricsPublisher
+from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
+
+if TYPE_CHECKING:
+    from jobtier.connection import RedisClient
+    from jobtier.persist.db import Pool
 
 log = logging.getLogger("jobtier.cli")
 
@@ -214,7 +218,6 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
     from jobtier.connection import connect
-    from jobtier.persist.db import create_pool
     from jobtier.persist.persister import Persister, replay_refused
 
     if args.replay_refused:
@@ -230,40 +233,53 @@ def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
 
         return _run_async(replay)
 
-    async def main() -> int:
-        redis = connect(settings)
-        pool = await create_pool(
-            settings.database_url, min_size=0, max_size=settings.persist_concurrency + 1
-        )
-        try:
-            persister = Persister(
-                settings, redis, pool, args.name or default_name("persister"),
-                concurrency=settings.persist_concurrency,
-            )  # fmt: skip
-            _on_signals(persister.stop)
-            async with MetricsPublisher(redis, persister.keys, "persister", [persister]):
-                await persister.run()
-        finally:
-            await pool.close()
-            await redis.aclose()
-        return 0
+    def persister(redis: RedisClient, pool: Pool) -> Persister:
+        return Persister(
+            settings, redis, pool, args.name or default_name("persister"),
+            concurrency=settings.persist_concurrency,
+        )  # fmt: skip
 
-    return _run_async(main)
+    return _run_log_consumer(settings, "persister", settings.persist_concurrency + 1, persister)
 
 
 def cmd_dispatcher(args: argparse.Namespace, settings: Settings) -> int:
-    from jobtier.connection import connect
     from jobtier.dispatch.dispatcher import Dispatcher
+
+    def dispatcher(redis: RedisClient, pool: Pool) -> Dispatcher:
+        return Dispatcher(settings, redis, pool, args.name or default_name("dispatcher"))
+
+    return _run_log_consumer(settings, "dispatcher", 4, dispatcher)
+
+
+class _LogConsumer(Protocol):
+    """A process part that follows the transition logs with Postgres beside it."""
+
+    keys: Keys
+
+    def stop(self) -> None: ...
+    async def run(self) -> None: ...
+    def metrics(self) -> Snapshot: ...
+
+
+def _run_log_consumer(
+    settings: Settings,
+    role: str,
+    pool_size: int,
+    build: Callable[[RedisClient, Pool], _LogConsumer],
+) -> int:
+    """Run a persister or a dispatcher until a signal: its Redis client and Postgres pool
+    made here and closed on every way out, its metrics published meanwhile."""
+    from jobtier.connection import connect
     from jobtier.persist.db import create_pool
 
     async def main() -> int:
         redis = connect(settings)
-        pool = await create_pool(settings.database_url, min_size=0, max_size=4)
+        pool = await create_pool(settings.database_url, min_size=0, max_size=pool_size)
         try:
-            dispatcher = Dispatcher(settings, redis, pool, args.name or default_name("dispatcher"))
-            _on_signals(dispatcher.stop)
-            async with MetricsPublisher(redis, dispatcher.keys, "dispatcher", [dispatcher]):
-                await dispatcher.run()
+            part = build(redis, pool)
+            _on_signals(part.stop)
+            async with MetricsPublisher(redis, part.keys, role, [part]):
+                await part.run()
         finally:
             await pool.close()
             await redis.aclose()

@@ -37,7 +37,7 @@ from typing import Any
 
 import asyncpg
 import msgspec
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from jobtier.backoff import PERSIST_POSTGRES, PERSIST_REDIS
 from jobtier.config import Settings
@@ -52,7 +52,7 @@ from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.model import TERMINAL
 from jobtier.persist.batch import MALFORMED, LogEntry, parse_entry
 from jobtier.persist.db import UNAVAILABLE, Pool
-from jobtier.persist.group import Fields, claim_idle, read_group
+from jobtier.persist.group import Fields, claim_idle, create_groups, read_group
 
 log = logging.getLogger("jobtier.dispatch")
 
@@ -79,14 +79,8 @@ async def ensure_group(redis: RedisClient, keys: Keys, start: str = "0") -> None
     """Create the dispatchers' group on every shard log if missing. The API calls it (with
     ``$``) before it accepts the first webhook, so that the logs keep the entries a
     dispatcher will need even before one first runs."""
-    pipe = redis.pipeline(transaction=False)
-    for s in range(keys.shards):
-        pipe.xgroup_create(keys.log(s), group_name(keys), id=start, mkstream=True)
-    for reply in await pipe.execute(raise_on_error=False):
-        if isinstance(reply, ResponseError) and "BUSYGROUP" in str(reply):
-            continue
-        if isinstance(reply, Exception):
-            raise reply
+    streams = [keys.log(s) for s in range(keys.shards)]
+    await create_groups(redis, streams, group_name(keys), start)
 
 
 def event_type(entry: LogEntry) -> str:

@@ -32,12 +32,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from jobtier.backoff import SCHEDULER
 from jobtier.errors import Code
 from jobtier.flows.submit import link_calls, linked_calls
 from jobtier.metrics.snapshot import Snapshot
+from jobtier.persist.group import create_groups
 from jobtier.scripts import Call
 
 if TYPE_CHECKING:
@@ -121,14 +122,7 @@ class Resolver:
 
     async def setup(self) -> None:
         """Create the consumer group on every shard's flow stream if missing."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in self._streams:
-            pipe.xgroup_create(stream, self.group, id="0", mkstream=True)
-        for reply in await pipe.execute(raise_on_error=False):
-            if isinstance(reply, ResponseError) and "BUSYGROUP" in str(reply):
-                continue
-            if isinstance(reply, Exception):
-                raise reply
+        await create_groups(self.redis, self._streams, self.group)
         self._ready = True
 
     async def run(self) -> ResolverStats:

@@ -13,6 +13,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
 from jobtier.scripts import Script, evalsha_many
@@ -22,6 +24,21 @@ log = logging.getLogger("jobtier.persist")
 _FORGET = Script("forget_consumers")
 
 Fields = dict[bytes, bytes] | None  # an entry's fields; None: pending, but trimmed meanwhile
+
+
+async def create_groups(
+    redis: RedisClient, streams: Sequence[str], group: str, start: str = "0"
+) -> None:
+    """Create consumer group ``group`` on every stream (made if missing) from ``start``;
+    a group that exists already is left as it is (BUSYGROUP)."""
+    pipe = redis.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xgroup_create(stream, group, id=start, mkstream=True)
+    for reply in await pipe.execute(raise_on_error=False):
+        if isinstance(reply, ResponseError) and "BUSYGROUP" in str(reply):
+            continue
+        if isinstance(reply, Exception):
+            raise reply
 
 
 async def read_group(

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import asyncpg
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from jobtier.backoff import PERSIST_POSTGRES, PERSIST_REDIS
 from jobtier.config import Settings
@@ -41,6 +41,7 @@ from jobtier.persist.batch import MALFORMED, LogEntry, parse_entry, write_batch
 from jobtier.persist.db import UNAVAILABLE, AnyConnection, Pool
 from jobtier.persist.group import (
     claim_idle,
+    create_groups,
     forget_idle_consumers,
     read_group,
     replay_refused,
@@ -185,14 +186,7 @@ class Persister:
 
     async def setup(self) -> None:
         """Create the consumer group on every shard stream (from the first entry) if missing."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in self._streams:
-            pipe.xgroup_create(stream, self.group, id="0", mkstream=True)
-        for reply in await pipe.execute(raise_on_error=False):
-            if isinstance(reply, ResponseError) and "BUSYGROUP" in str(reply):
-                continue
-            if isinstance(reply, Exception):
-                raise reply
+        await create_groups(self.redis, self._streams, self.group)
         self._ready = True
 
     def stop(self) -> None:
