@@ -116,6 +116,9 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         assert made["jobs"][1]["state"] == "waiting"
         await check(c, "GET", "/v1/jobs/{job_id}", 200, ids=dependent)
         await check(c, "GET", "/v1/jobs/{job_id}/dependencies", 200, ids=dependent)
+        # the console's detail of it: its dependencies and children, as documented
+        shown = (await check(admin, "GET", "/v1/admin/jobs/{job_id}", 200, ids=dependent)).json()
+        assert [d["child"] for d in shown["dependencies"]] == [True, False]
         await check(
             c, "GET", "/v1/jobs/{job_id}/dependencies", 404, ids={"job_id": queue.keys.new_id()}
         )

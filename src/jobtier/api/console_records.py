@@ -1,6 +1,6 @@
 """The console's routes that read Postgres (admin key): every tenant's jobs by filter, one
 job in full (status, history with each attempt's error, payload, result or the link to a
-stored one, its log lines, its admin actions),
+stored one, its log lines, its admin actions, the jobs it waits for: console_flows.py),
 and the audit of admin actions. ``PostgresExtension`` adds them to the app.
 
 A job Redis still holds is shown as Redis has it (its document, payload and result are the
@@ -20,12 +20,13 @@ from starlette.routing import Route
 from jobtier.api import openapi as oa
 from jobtier.api.audit import actor_of, flush_pending
 from jobtier.api.auth import require_admin
+from jobtier.api.console_flows import DEPENDENCIES_SHOWN, DependencyView, flow_view
 from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import UNAVAILABLE, Problem
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
-from jobtier.model import QUEUE_NAME_RE, JobStatus, LogLine, State
+from jobtier.model import QUEUE_NAME_RE, Dependencies, JobStatus, LogLine, State
 from jobtier.persist.audit_store import AUDIT_ID_RE, MAX_AUDIT_LIMIT, AuditRecord, AuditStore
 from jobtier.persist.pg_reader import ID_PREFIX_RE, MAX_LIMIT, AdminTransition, PgReader
 from jobtier.persist.results import is_ref, reader_for, ref_of
@@ -99,6 +100,10 @@ class AdminJobDetail(msgspec.Struct):
     # what its task logged with ctx.log(), oldest first (GET /v1/jobs/{id}/logs for the
     # tenant): in Redis only, so none once Redis no longer holds the job
     lines: list[LogLine]
+    # the jobs it waits for (a flow's), in its order, at most console_flows.DEPENDENCIES_SHOWN
+    dependencies: list[DependencyView]
+    # for a parent: its children (those made in its flow), how many are done, how many failed
+    children: Dependencies | None
 
 
 class AuditPage(msgspec.Struct):
@@ -128,6 +133,8 @@ class _RawAdminJobDetail(msgspec.Struct):
     audit: list[AuditRecord]
     lag: dict[str, float]
     lines: list[msgspec.Raw]
+    dependencies: list[DependencyView]
+    children: Dependencies | None
 
 
 P = TypeVar("P", bound=Preview)
@@ -176,7 +183,8 @@ async def list_jobs(request: Request) -> Response:
 
 
 async def job_detail(request: Request) -> Response:
-    """One job, whatever its tenant: status, history, payload, result, admin actions."""
+    """One job, whatever its tenant: status, history, payload, result, admin actions, and
+    the jobs it waits for (console_flows.py)."""
     require_admin(request)
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
@@ -203,11 +211,14 @@ async def job_detail(request: Request) -> Response:
                 result = ResultPreview(None, ref=stored.result_ref)
         if result.ref is not None:
             result.size = await _stored_size(request, result.ref)
+        flow = await flow_view(
+            queue, request.state.reader, reader, job_id, tenant, live is not None
+        )
     except _PG_DOWN:
         raise _unavailable() from None
     body = _RawAdminJobDetail(
         tenant, msgspec.Raw(doc), source, payload, result, history, actions, lag_doc,
-        [msgspec.Raw(line) for line in lines],
+        [msgspec.Raw(line) for line in lines], flow.dependencies, flow.children,
     )  # fmt: skip
     return Response(msgspec.json.encode(body), media_type=JSON)
 
@@ -316,7 +327,7 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
             }, auth="admin", params=LIST_PARAMS),
         },
         "/v1/admin/jobs/{job_id}": {
-            "get": op(s, f"One job of any tenant: its status (live from Redis while held there), every persisted change with each attempt's error as recorded, payload and result (up to {PREVIEW_BYTES} bytes each: larger ones by their routes), and its admin actions", {
+            "get": op(s, f"One job of any tenant: its status (live from Redis while held there), every persisted change with each attempt's error as recorded, payload and result (up to {PREVIEW_BYTES} bytes each: larger ones by their routes), its admin actions, and the jobs it waits for (up to {DEPENDENCIES_SHOWN}: each one's outcome, or its state now while pending) with, for a parent, its children done and failed", {
                 "200": oa.json_response("AdminJobDetail", "the job"),
                 "404": oa.problem("unknown job (or a malformed id)"),
             }, auth="admin", path=[oa.JOB_ID]),

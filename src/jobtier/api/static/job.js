@@ -1,12 +1,13 @@
 // job.js: one job (#/jobs/<id>) — its status, each attempt with its error and traceback, the
-// lines its task logged (ctx.log), the full history with times and durations, payload,
+// lines its task logged (ctx.log), the jobs it waits for (a flow's: each one's state and
+// outcome, and a parent's children done), the full history with times and durations, payload,
 // result (or the link to one kept in the result store), related jobs and the admin actions
 // taken on it; live: its status follows /v1/admin/events, its history is read again as it
 // changes, and its log lines every few seconds while it runs. Members of the status document
 // this page does not know (a newer server's) are shown as they are, so nothing is hidden.
 
 const KNOWN_FIELDS = new Set(["id", "type", "queue", "state", "version", "priority", "attempt",
-  "max_attempts", "created_at", "updated_at", "run_at", "progress", "error", "cancel_requested", "worker", "result_url"]);
+  "max_attempts", "created_at", "updated_at", "run_at", "progress", "error", "cancel_requested", "worker", "result_url", "dependencies"]);
 // a running job's log lines come without a change of its status: read again this often
 const LINES_EVERY_MS = 5000;
 // times to the millisecond (an attempt's changes and lines are close together)
@@ -103,7 +104,7 @@ function section(key, signature, build) {
   holder.replaceWith(placeholder);
 }
 
-const JOB_SECTIONS = ["head", "facts", "now", "attempts", "lines", "history", "relations", "data", "audit"];
+const JOB_SECTIONS = ["head", "facts", "now", "flow", "attempts", "lines", "history", "relations", "data", "audit"];
 
 function renderJob() {
   const data = jobView.data;
@@ -115,6 +116,7 @@ function renderJob() {
   section("head", JSON.stringify([job.state, job.version]), () => jobHead(data));
   section("facts", JSON.stringify([job, data.tenant, data.source, data.lag]), () => jobFacts(data));
   section("now", JSON.stringify([job.state, job.progress, job.error]), () => jobNow(job));
+  section("flow", JSON.stringify([data.dependencies, data.children, job.dependencies]), () => jobFlow(data));
   section("attempts", JSON.stringify([data.history, job.attempt, job.state]), () => jobAttempts(data));
   section("lines", JSON.stringify([data.lines, data.source, job.state]), () => jobLines(data));
   section("history", JSON.stringify([data.history, data.lag]), () => jobHistory(data));
@@ -195,6 +197,48 @@ function errorBox(error) {
     message ? h("div", { class: "msg" }, message) : null,
     traceback ? h("pre", { class: "trace", tabindex: "0", "aria-label": "Traceback" }, traceback) : null,
     Object.keys(rest).length ? prettyJson(rest) : null);
+}
+
+/** The jobs it waits for, in its order: each a link to its page, its state in colour and
+ * text (a pending one's state now: waiting in a chain, queued, running), and, once finished,
+ * its error's type or whether it left a result; for a parent, its children done. */
+function jobFlow(data) {
+  const deps = data.dependencies || [];
+  if (!deps.length) return null;
+  const job = data.job;
+  const total = job.dependencies?.total ?? deps.length;
+  const head = h("h2", { id: "h-flow" }, `Dependencies (${plain.format(total)})`);
+  const summary = [];
+  if (job.dependencies) {
+    const d = job.dependencies;
+    summary.push(h("span", { id: "flow-done" }, `${plain.format(d.done)} of ${plain.format(d.total)} finished`,
+      d.failed ? `, ${plain.format(d.failed)} did not succeed` : ""));
+  }
+  if (data.children) {
+    const c = data.children;
+    summary.push(h("span", { id: "flow-children", class: "tag" }, `children ${plain.format(c.done)} / ${plain.format(c.total)} done`,
+      c.failed ? `, ${plain.format(c.failed)} failed` : ""));
+  }
+  const rows = deps.map((d) => {
+    const pending = d.state === "pending";
+    const shown = pending && d.now ? d.now : d.state;
+    const outcome = d.error ? [h("strong", {}, d.error.type || "Error"), d.error.message ? `: ${d.error.message}` : ""]
+      : d.state === "succeeded" ? (d.result ? "result" : "no result (null)")
+        : d.state === "missing" ? "no such job (or no longer kept)"
+          : pending ? h("span", { class: "muted" }, "not finished") : "—";
+    return h("tr", { dataset: { dep: d.id, state: shown } },
+      h("td", { "data-label": "Job" }, jobLink(d.id)),
+      h("td", { "data-label": "State", "data-col": "state" }, stateBadge(shown)),
+      h("td", { "data-label": "Made", class: "muted" }, d.child ? "child (same flow)" : "earlier job"),
+      h("td", { "data-label": "Outcome", "data-col": "outcome" }, outcome));
+  });
+  const more = total > deps.length
+    ? h("p", { class: "muted" }, `The first ${plain.format(deps.length)} are listed.`) : null;
+  return h("section", { class: "panel", "aria-labelledby": "h-flow" }, head,
+    summary.length ? h("p", { class: "flow-summary" }, summary.flatMap((x, i) => (i ? [" · ", x] : [x]))) : null,
+    h("div", { class: "table-wrap" }, h("table", { class: "data cards", id: "deps-grid" },
+      h("thead", {}, h("tr", {}, ["Job", "State", "Made", "Outcome"].map((c) => h("th", { scope: "col" }, c)))),
+      h("tbody", {}, rows))), more);
 }
 
 /** Attempts from the history: each claim (queued -> running) up to the transition that

@@ -4,7 +4,7 @@
 
 const PAGE_SIZE = 50;
 const FILTERS = ["state", "type", "queue", "tenant", "after", "before", "id"];
-const STATES = ["scheduled", "queued", "running", "succeeded", "failed", "cancelled"];
+const STATES = ["waiting", "scheduled", "queued", "running", "succeeded", "failed", "cancelled"];
 const jobsView = {
   mode: "jobs", // or "dead"
   filters: {},
