@@ -33,7 +33,7 @@ from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
 from jobtier.cache.redis_reader import RESYNC, Status, StatusReader, parse_version
 from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound
-from jobtier.model import FlowJob, JobSpec, Submitted
+from jobtier.model import JobSpec, Submitted
 from jobtier.queue import Queue
 
 _spec_decoder = msgspec.json.Decoder(JobSpec)
@@ -82,11 +82,11 @@ async def submit(request: Request) -> Response:
 
 
 async def _register_callbacks(
-    request: Request, tenant: str, jobs: Sequence[tuple[str, JobSpec | FlowJob]], batch: bool
+    request: Request, tenant: str, jobs: Sequence[tuple[str, JobSpec]], batch: bool
 ) -> bool:
     """Write the jobs' callbacks (api/webhooks.py) before they are submitted; False if none
     has one. A refused one names its member: ``callback.url``, or ``jobs[i].callback.url``
-    in a batch or a flow."""
+    in a batch (a flow's: flows/submit.py ``submit_flow_with_callbacks``)."""
     callbacks = [
         (job_id, spec.callback, f"jobs[{i}].callback." if batch else "callback.")
         for i, (job_id, spec) in enumerate(jobs)
