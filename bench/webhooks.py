@@ -8,9 +8,15 @@ with JOBTIER_WEBHOOK_ALLOWED_HOSTS, and measures:
   running, N jobs run by a worker; the clock runs from the first job's start until Postgres
   records every delivery as delivered (each one signed, sent, answered and recorded);
 * job throughput: M no-op jobs submitted, then drained by a worker (concurrency 50) in this
-  process, with a `jobtier persister` process running throughout and a `jobtier dispatcher`
-  process running or not, alternated run by run (off, on, off, on, …) in the same run, the
-  subscription in place in both: does delivering the webhooks slow the jobs down?
+  process, with a `jobtier persister` process running throughout, in three modes interleaved
+  run by run (off, on, follow, off, on, follow, …) in the same run:
+  - off: no dispatcher (the subscription is in place, nothing reads it);
+  - on: a dispatcher delivering every job's terminal webhook (the tenant's subscription);
+  - follow: a dispatcher, and no job has a target (submitted as a tenant with no
+    subscription and no callback): the cost of following the logs alone.
+  A dispatcher is started and has caught up (its group has read and acknowledged every log
+  entry, no delivery is pending) before the clock starts, so no mode pays for the backlog an
+  earlier run left: does following the logs, or delivering, slow the jobs down?
 
     .venv/bin/python bench/webhooks.py                  # defaults: 5,000 deliveries, 3 runs
     .venv/bin/python bench/webhooks.py --deliveries 2000 --jobs 10000 --runs 2
@@ -135,9 +141,27 @@ async def delivered(pool: Any) -> int:
     )
 
 
-async def fill(queue: Queue, n: int) -> None:
+QUIET_TENANT = "bench-no-targets"  # no subscription, no callback: nothing to deliver
+
+
+async def fill(queue: Queue, n: int, tenant: str = DEFAULT_TENANT) -> None:
     for start in range(0, n, 1000):
-        await queue.submit_many([JobSpec(type="noop") for _ in range(min(1000, n - start))])
+        specs = [JobSpec(type="noop") for _ in range(min(1000, n - start))]
+        await queue.submit_many(specs, tenant=tenant)
+
+
+async def caught_up(queue: Queue, pool: Any) -> bool:
+    """The dispatchers' group has read and acknowledged every log entry, and no delivery is
+    pending: a dispatcher started now has no backlog left from an earlier run."""
+    from jobtier.dispatch.dispatcher import group_name
+
+    name = group_name(queue.keys).encode()
+    for shard in range(queue.keys.shards):
+        for group in await queue.redis.xinfo_groups(queue.keys.log(shard)):
+            if group["name"] == name and (group["pending"] or group["lag"]):
+                return False
+    pending = await pool.fetchval("SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'")
+    return int(pending) == 0
 
 
 async def drain(queue: Queue, registry: TaskRegistry) -> float:
@@ -206,20 +230,36 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             f"deliveries: {args.deliveries} in {elapsed:.2f} s = {rate:,.0f}/s (received {received})"
         )
 
-        # 2. job throughput, dispatcher off / on, alternated
-        rates: dict[str, list[float]] = {"off": [], "on": []}
-        for i in range(args.runs * 2):
-            mode = "off" if i % 2 == 0 else "on"
-            if mode == "on":
+        # 2. job throughput: dispatcher off / on (delivering) / on with nothing to deliver
+        modes = ("off", "on", "follow")
+        rates: dict[str, list[float]] = {mode: [] for mode in modes}
+        for i in range(args.runs * len(modes)):
+            mode = modes[i % len(modes)]
+            if mode != "off":
                 dispatcher = spawn("dispatcher", settings)
                 procs.append(dispatcher)
-                await asyncio.sleep(1.0)  # started and reading
-            await fill(queue, args.jobs)
+                # the entries of earlier runs (the off run's above all) are delivered before
+                # the clock starts: only this run's own work is measured
+
+                async def idle() -> bool:
+                    return await caught_up(queue, pool)
+
+                await wait_until(idle, every=0.2)
+                await asyncio.sleep(0.5)
+            await fill(queue, args.jobs, QUIET_TENANT if mode == "follow" else DEFAULT_TENANT)
             seconds = await drain(queue, registry)
             rates[mode].append(args.jobs / seconds)
             print(f"run {i + 1}: dispatcher {mode}: {args.jobs / seconds:,.0f} jobs/s")
-            if mode == "on":
+            if mode != "off":
                 kill(dispatcher)
+        # the follow runs' jobs had no target: not one delivery was made for them
+        quiet = int(
+            await pool.fetchval(
+                "SELECT count(*) FROM webhook_deliveries WHERE tenant = $1", QUIET_TENANT
+            )
+        )
+        if quiet:
+            raise SystemExit(f"the follow runs made {quiet} deliveries: they had a target")
         await queue.close()
         await pool.close()
         return {
@@ -229,6 +269,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "received": received,
             "jobs_per_run": args.jobs,
             "jobs_per_second": rates,
+            "follow_deliveries": quiet,
         }
     finally:
         for proc in procs:
@@ -247,7 +288,8 @@ def main() -> None:
     args = parser.parse_args()
     env = environment()
     result = asyncio.run(run(args))
-    off, on = result["jobs_per_second"]["off"], result["jobs_per_second"]["on"]
+    rates = result["jobs_per_second"]
+    off, on, follow = rates["off"], rates["on"], rates["follow"]
     rows = [
         ["webhook deliveries, loopback receiver (signed, sent, recorded)",
          f"{fmt(result['deliveries_per_second'])}/s",
@@ -256,7 +298,10 @@ def main() -> None:
          f"{fmt(median(off))} jobs/s", " / ".join(fmt(x) for x in off)],
         ["the same, dispatcher on (delivering each job's webhook)",
          f"{fmt(median(on))} jobs/s", " / ".join(fmt(x) for x in on)],
+        ["the same, dispatcher on, no job has a target (following the logs only)",
+         f"{fmt(median(follow))} jobs/s", " / ".join(fmt(x) for x in follow)],
         ["on / off", f"{median(on) / median(off):.2f}", ""],
+        ["follow / off", f"{median(follow) / median(off):.2f}", ""],
     ]  # fmt: skip
     md = header_markdown("Webhooks: deliveries per second, job throughput with the dispatcher", env)
     md += "\n" + table(["what", "median", "runs"], rows) + "\n"

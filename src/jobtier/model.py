@@ -184,7 +184,8 @@ class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     idempotency key (the flow has one), with ``ref``, its name in the flow, and ``after``, the
     refs of the jobs of the same flow it waits for — its children: it receives their results,
     and cancelling it cancels those that have not started. ``depends_on`` names existing jobs
-    it waits for too (they are not its children).
+    it waits for too (they are not its children). ``callback``: the job's own webhook, as a
+    plain submit's (``JobSpec``).
     """
 
     type: str
@@ -200,6 +201,8 @@ class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue: str | None = None
     concurrency_key: str | None = None
     concurrency_limit: int | None = None
+    # last: a flow's request hash leaves it out (plan.py), as a job's leaves out its callback
+    callback: CallbackSpec | None = None
 
     def spec(self) -> JobSpec:
         """The job alone (its dependencies apart)."""
@@ -207,7 +210,7 @@ class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             type=self.type, payload=self.payload, priority=self.priority, run_at=self.run_at,
             delay=self.delay, max_attempts=self.max_attempts, queue=self.queue,
             concurrency_key=self.concurrency_key, concurrency_limit=self.concurrency_limit,
-            on_dependency_failure=self.on_dependency_failure,
+            on_dependency_failure=self.on_dependency_failure, callback=self.callback,
         )  # fmt: skip
 
 

@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -54,6 +54,9 @@ from jobtier.model import (
 )
 from jobtier.scripts import Scripts, SubmitItem, SubmitOutcome
 from jobtier.worker.registry import TASK_NAME_RE, Task
+
+if TYPE_CHECKING:
+    from jobtier.dispatch.callbacks import CallbackStore
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
 TENANT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -100,6 +103,7 @@ class Queue:
         # process imports (a TaskRegistry), or what the workers advertise (catalog.py)
         self.registry = registry
         self._results: Any = None  # the result store, opened by the first stored result read
+        self._callbacks: CallbackStore | None = None  # opened by the first flow with callbacks
         self.require_known = require_known  # refuse a type the registry does not know
         # tasks handed to submit() as Task objects (and their compensations): known here
         # even without a registry
@@ -123,6 +127,8 @@ class Queue:
     async def close(self) -> None:
         if self._results is not None:
             await self._results.close()
+        if self._callbacks is not None:
+            await self._callbacks.pool.close()
         await self.redis.aclose()
 
     async def __aenter__(self) -> Queue:
@@ -255,13 +261,35 @@ class Queue:
         ``JOBTIER_MAX_FLOW_JOBS``, or a job that does not validate. A repeated
         ``idempotency_key`` with the same jobs returns the flow it made (``created`` False),
         finishing its submit if that was cut short; with other jobs, ``IdempotencyConflict``.
+
+        A job's ``callback`` is written to Postgres (``JOBTIER_DATABASE_URL``, connected on
+        first use) before the submit, as the API writes a plain submit's; the dispatcher
+        delivers it. A refused URL is an ``InvalidRequest`` naming ``jobs[i].callback.url``,
+        a tenant without a signing secret a ``SecretMissing``: nothing is submitted or
+        written.
         """
         prepared = await self.prepare_flow(jobs, tenant, idempotency_key)
-        return await flow_submit.submit_flow(self, prepared)
+        if not any(prepared.callbacks):
+            return await flow_submit.submit_flow(self, prepared)
+        store = await self._callback_store()
+        return await flow_submit.submit_flow_with_callbacks(self, prepared, store)
 
     async def submit_flow_prepared(self, prepared: flow_submit.PreparedFlow) -> FlowSubmitted:
-        """Submit a flow checked by ``prepare_flow``."""
+        """Submit a flow checked by ``prepare_flow`` (its jobs' callbacks apart: the API
+        writes them, ``flow_submit.submit_flow_with_callbacks``)."""
         return await flow_submit.submit_flow(self, prepared)
+
+    async def _callback_store(self) -> CallbackStore:
+        """The jobs' callbacks in Postgres, for the flows this process submits."""
+        from jobtier.dispatch.callbacks import CallbackStore  # only if a callback is given
+        from jobtier.dispatch.safety import AddressPolicy
+        from jobtier.persist.db import create_pool
+
+        if self._callbacks is None:
+            pool = await create_pool(self.settings.database_url, min_size=0, max_size=2)
+            policy = AddressPolicy(self.settings.webhook_allowed_hosts)
+            self._callbacks = CallbackStore(pool, self.redis, self.keys, policy)
+        return self._callbacks
 
     async def prepare_flow(
         self, jobs: Sequence[FlowJob], tenant: str, idempotency_key: str | None = None
@@ -290,7 +318,8 @@ class Queue:
             [(f"jobs[{n.index}].depends_on", dep) for n in plan.nodes for dep in n.depends_on],
             tenant,
         )
-        return flow_submit.PreparedFlow(plan, items, tenant, key)
+        callbacks = tuple(job.callback for job in jobs)
+        return flow_submit.PreparedFlow(plan, items, tenant, key, callbacks)
 
     async def dependencies(self, job_id: str, tenant: str | None = None) -> list[Dependency]:
         """A job's dependencies, in order, with their state (and result or error once they

@@ -10,8 +10,10 @@ from starlette.routing import Route
 from jobtier.api.auth import raw_header, tenant_of
 from jobtier.api.http import JSON, decode_body, invalid, job_id_of, job_not_found, read_json_body
 from jobtier.api.problems import Problem
+from jobtier.dispatch.callbacks import SecretMissing
 from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound
-from jobtier.model import Dependency, FlowSpec
+from jobtier.flows.submit import PreparedFlow, submit_flow_with_callbacks
+from jobtier.model import Dependency, FlowSpec, FlowSubmitted
 from jobtier.queue import Queue
 
 _flow_decoder = msgspec.json.Decoder(FlowSpec)
@@ -54,7 +56,7 @@ async def submit_flow(request: Request) -> Response:
         raise invalid(exc) from None
     st.admission.check(tenant, len(prepared))
     try:
-        outcome = await queue.submit_flow_prepared(prepared)
+        outcome = await _submit(request, queue, prepared)
     except IdempotencyConflict as exc:
         raise Problem(409, "idempotency-conflict", str(exc), job_id=exc.job_id) from None
     docs = []
@@ -72,6 +74,30 @@ async def submit_flow(request: Request) -> Response:
         docs.append(msgspec.Raw(doc))
     body_out = msgspec.json.encode(FlowResponse(outcome.created, docs))
     return Response(body_out, 202 if outcome.created else 200, media_type=JSON)
+
+
+async def _submit(request: Request, queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
+    """The flow, with its jobs' callbacks written first (as a plain submit's: api/jobs.py)."""
+    # here, not above: api.webhooks imports api.openapi, which imports this module
+    from jobtier.api.webhooks import PG_DOWN, secret_missing, unavailable
+
+    if not any(prepared.callbacks):
+        return await queue.submit_flow_prepared(prepared)
+    service = getattr(request.state, "webhooks", None)
+    if service is None:
+        index = next(i for i, cb in enumerate(prepared.callbacks) if cb is not None)
+        raise Problem(
+            422, "validation", "callbacks need the API's Postgres part, which this API runs "
+            "without", field=f"jobs[{index}].callback.url",
+        )  # fmt: skip
+    try:
+        return await submit_flow_with_callbacks(queue, prepared, service.callbacks)
+    except PG_DOWN:
+        raise unavailable() from None
+    except SecretMissing as exc:
+        raise secret_missing(exc) from None
+    except InvalidRequest as exc:  # a refused callback (or depends_on): nothing submitted
+        raise invalid(exc) from None
 
 
 async def dependencies(request: Request) -> Response:

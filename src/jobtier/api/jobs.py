@@ -69,7 +69,7 @@ async def submit(request: Request) -> Response:
     except InvalidRequest as exc:
         raise invalid(exc) from None
     st.admission.check(tenant)
-    callbacks = await _register_callbacks(request, tenant, [(item.job_id, spec)])
+    callbacks = await _register_callbacks(request, tenant, [(item.job_id, spec)], False)
     try:
         (outcome,) = await queue.submit_many_prepared([item])
     except InvalidRequest as exc:  # depends_on names a job the tenant does not have
@@ -82,18 +82,23 @@ async def submit(request: Request) -> Response:
 
 
 async def _register_callbacks(
-    request: Request, tenant: str, jobs: Sequence[tuple[str, JobSpec]]
+    request: Request, tenant: str, jobs: Sequence[tuple[str, JobSpec]], batch: bool
 ) -> bool:
     """Write the jobs' callbacks (api/webhooks.py) before they are submitted; False if none
-    has one."""
-    callbacks = [(job_id, spec.callback) for job_id, spec in jobs if spec.callback is not None]
+    has one. A refused one names its member: ``callback.url``, or ``jobs[i].callback.url``
+    in a batch (a flow's: flows/submit.py ``submit_flow_with_callbacks``)."""
+    callbacks = [
+        (job_id, spec.callback, f"jobs[{i}].callback." if batch else "callback.")
+        for i, (job_id, spec) in enumerate(jobs)
+        if spec.callback is not None
+    ]
     if not callbacks:
         return False
     service = getattr(request.state, "webhooks", None)
     if service is None:
         raise Problem(
             422, "validation", "callbacks need the API's Postgres part, which this API runs "
-            "without", field="callback",
+            "without", field=callbacks[0][2] + "url",
         )  # fmt: skip
     await service.register(tenant, callbacks)
     return True
@@ -168,7 +173,8 @@ async def submit_batch(request: Request) -> Response:
             ) from None
     st.admission.check(tenant, len(items))
     ids = [item.job_id for item in items]
-    callbacks = await _register_callbacks(request, tenant, list(zip(ids, body.jobs, strict=True)))
+    jobs = list(zip(ids, body.jobs, strict=True))
+    callbacks = await _register_callbacks(request, tenant, jobs, True)
     try:
         outcomes = await queue.submit_many_prepared(items, batch=True)
     except InvalidRequest as exc:  # depends_on names a job the tenant does not have

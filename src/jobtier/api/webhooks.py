@@ -4,9 +4,8 @@ check of a submit's ``callback``.
 Postgres holds it all (migration 0007); the dispatcher (``jobtier dispatcher``) reads it.
 A URL is checked here when it is given (``dispatch/safety.py``: it must resolve to public
 addresses, unless JOBTIER_WEBHOOK_ALLOWED_HOSTS names it) and again by the dispatcher at
-each delivery. A job's callback is written before its submit reaches Redis, so the
-dispatcher finds it for the job's first transition; if the submit then makes no job of
-that id (an idempotent duplicate answered another), the callback is deleted again.
+each delivery. A job's callback is written before its submit reaches Redis and deleted
+again if the submit makes no job of that id (``dispatch/callbacks.py``).
 """
 
 from __future__ import annotations
@@ -28,9 +27,10 @@ from jobtier.api.http import JSON, decode_body, job_id_of, job_not_found, read_j
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
-from jobtier.dispatch.dispatcher import ensure_group
-from jobtier.dispatch.safety import MAX_URL_LENGTH, AddressPolicy, Refused, Resolver
+from jobtier.dispatch.callbacks import CallbackStore, SecretMissing
+from jobtier.dispatch.safety import MAX_URL_LENGTH, AddressPolicy, Resolver
 from jobtier.dispatch.signing import new_secret
+from jobtier.errors import InvalidRequest
 from jobtier.keys import ulid
 from jobtier.model import CallbackSpec
 from jobtier.persist.db import Pool, query
@@ -122,7 +122,8 @@ def unavailable() -> Problem:
 
 
 class WebhookService:
-    """What the routes and the submit share: the pool, the address policy, the group."""
+    """What the routes and the submits share: the pool, the address policy, the group, the
+    jobs' callbacks (``dispatch/callbacks.py``), with its refusals as problems."""
 
     def __init__(
         self, pool: Pool, queue: Queue, settings: Settings, resolver: Resolver | None = None
@@ -130,61 +131,42 @@ class WebhookService:
         self.pool = pool
         self.queue = queue
         self.policy = AddressPolicy(settings.webhook_allowed_hosts, resolver)
-        self._group_ready = False
+        self.callbacks = CallbackStore(pool, queue.redis, queue.keys, self.policy)
 
     async def check(self, url: Any, events: Any, field: str) -> None:
         """A 422 naming ``field`` unless the URL and events are acceptable."""
-        if not isinstance(url, str):
-            raise Problem(422, "validation", "url must be a string", field=f"{field}url")
-        if events not in EVENTS:
-            raise Problem(
-                422, "validation", f"events must be one of {', '.join(EVENTS)}",
-                field=f"{field}events",
-            )  # fmt: skip
         try:
-            await self.policy.check_url(url)
-        except Refused as exc:
-            raise Problem(
-                422, "validation",
-                f"callback URL refused: {exc} (JOBTIER_WEBHOOK_ALLOWED_HOSTS lists exceptions)",
-                field=f"{field}url",
-            ) from None  # fmt: skip
+            await self.callbacks.check(url, events, field)
+        except InvalidRequest as exc:
+            raise Problem(422, "validation", str(exc), field=exc.field) from None
 
     async def ensure_group(self) -> None:
-        """The dispatchers' group exists before the first webhook is accepted: from then on
-        the logs keep every entry until a dispatcher has read it."""
-        if not self._group_ready:
-            await ensure_group(self.queue.redis, self.queue.keys, start="$")
-            self._group_ready = True
+        """The dispatchers' group exists before the first webhook is accepted."""
+        await self.callbacks.ensure_group()
 
-    async def register(self, tenant: str, callbacks: Sequence[tuple[str, CallbackSpec]]) -> None:
-        """Write a submit's callbacks (before the submit). 409 if the tenant has no secret."""
-        for index, (_, cb) in enumerate(callbacks):
-            prefix = "callback." if len(callbacks) == 1 else f"jobs[{index}].callback."
-            await self.check(cb.url, cb.events, prefix)
+    async def register(
+        self, tenant: str, callbacks: Sequence[tuple[str, CallbackSpec, str]]
+    ) -> None:
+        """Write a submit's callbacks ((job id, callback, field prefix)) before the submit:
+        422 for a refused one, 409 if the tenant has no secret (then none is written)."""
         try:
-            if await self.pool.fetchrow(query("secret_get"), tenant) is None:
-                raise Problem(
-                    409, "webhook-secret-missing",
-                    "the tenant has no webhook signing secret yet: create it with "
-                    "POST /v1/webhook-secret (or create a subscription), then submit again",
-                    field="callback",
-                )  # fmt: skip
-            await self.ensure_group()
-            await self.pool.execute(
-                query("callbacks_insert"), [j for j, _ in callbacks],
-                [tenant] * len(callbacks), [c.url for _, c in callbacks],
-                [c.events for _, c in callbacks],
-            )  # fmt: skip
+            await self.callbacks.register(tenant, callbacks)
         except PG_DOWN:
             raise unavailable() from None
+        except SecretMissing as exc:
+            raise secret_missing(exc) from None
+        except InvalidRequest as exc:
+            raise Problem(422, "validation", str(exc), field=exc.field) from None
 
     async def forget(self, job_ids: Sequence[str]) -> None:
-        if job_ids:
-            try:
-                await self.pool.execute(query("callbacks_delete"), list(job_ids))
-            except PG_DOWN:  # an orphan callback names a job that never runs: harmless
-                pass
+        try:
+            await self.callbacks.forget(job_ids)
+        except PG_DOWN:  # an orphan callback names a job that never runs: harmless
+            pass
+
+
+def secret_missing(exc: SecretMissing) -> Problem:
+    return Problem(409, "webhook-secret-missing", str(exc), field="callback")
 
 
 def _service(request: Request) -> WebhookService:

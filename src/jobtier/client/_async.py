@@ -146,8 +146,10 @@ class AsyncClient(BaseClient):
         ``jobtier.flows.chain`` and ``fan_in``. A job runs once all it waits for succeeded
         and finds their results in ``ctx.dependencies`` (``ctx.previous`` in a chain). A
         repeat with the same ``idempotency_key`` returns the same flow (``created`` False).
-        A cycle, an unknown ref or id, or a flow over the server's size is a
-        ``ValidationFailed`` and creates nothing."""
+        A job's ``callback`` (``CallbackSpec`` on a ``FlowJob``; in a mapping, a URL or
+        ``{"url": …, "events": "all"}``, as ``submit`` takes it) receives its own webhooks.
+        A cycle, an unknown ref or id, a refused callback URL, or a flow over the server's
+        size is a ``ValidationFailed`` and creates nothing."""
         return await self._run(self._submit_flow(jobs, idempotency_key))
 
     async def dependencies(self, job_id: str) -> list[Dependency]:

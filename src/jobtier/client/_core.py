@@ -169,6 +169,16 @@ _dead_letter_decoder = msgspec.json.Decoder(DeadLetter)
 _replayed_decoder = msgspec.json.Decoder(_Replayed)
 _result_decoder = msgspec.json.Decoder(Result)
 _flow_decoder = msgspec.json.Decoder(FlowSubmission)
+
+
+def _flow_job(job: FlowJob | Mapping[str, Any]) -> FlowJob | Mapping[str, Any]:
+    """A job of a flow as the body has it: a mapping's ``callback`` may be a bare URL, as
+    ``submit``'s may."""
+    if isinstance(job, FlowJob) or not isinstance(job.get("callback"), str):
+        return job
+    return {**job, "callback": {"url": job["callback"]}}
+
+
 _dependencies_decoder = msgspec.json.Decoder(_DependencyList)
 _encoder = msgspec.json.Encoder()
 
@@ -469,7 +479,7 @@ class BaseClient:
     def _submit_flow(
         self, jobs: Iterable[FlowJob | Mapping[str, Any]], idempotency_key: str | None
     ) -> Op[FlowSubmission]:
-        body: dict[str, Any] = {"jobs": list(jobs)}
+        body: dict[str, Any] = {"jobs": [_flow_job(job) for job in jobs]}
         if idempotency_key is not None:
             body["idempotency_key"] = idempotency_key
         call = Call(

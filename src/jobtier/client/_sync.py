@@ -125,7 +125,8 @@ class Client(BaseClient):
         *,
         idempotency_key: str | None = None,
     ) -> FlowSubmission:
-        """Submit a flow in one request; see ``AsyncClient.submit_flow``."""
+        """Submit a flow in one request (a job's ``callback`` as ``submit`` takes it, or a
+        ``CallbackSpec`` on a ``FlowJob``); see ``AsyncClient.submit_flow``."""
         return self._run(self._submit_flow(jobs, idempotency_key))
 
     def dependencies(self, job_id: str) -> list[Dependency]:

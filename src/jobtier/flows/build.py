@@ -41,7 +41,7 @@ def _flow(step: Step) -> list[FlowJob]:
                 run_at=step.run_at, delay=step.delay, max_attempts=step.max_attempts,
                 queue=step.queue, concurrency_key=step.concurrency_key,
                 concurrency_limit=step.concurrency_limit, depends_on=step.depends_on,
-                on_dependency_failure=step.on_dependency_failure,
+                on_dependency_failure=step.on_dependency_failure, callback=step.callback,
             )
         ]  # fmt: skip
     jobs = list(step)

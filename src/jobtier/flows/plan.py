@@ -22,6 +22,7 @@ import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -133,8 +134,18 @@ def plan_flow(jobs: Sequence[FlowJob], keys: Keys, max_jobs: int) -> FlowPlan:
         )
         raise InvalidRequest(f"the flow has a cycle: {names}", field=_field(cycle[0], "after"))
     head = next((n.index for n in nodes if n.waits), 0)
-    digest = hashlib.blake2b(msgspec.json.encode(list(jobs)), digest_size=16).hexdigest()
+    # "the same flow" is the same jobs, whatever their callbacks (as for a job with an
+    # idempotency key): a repeat answers with the first submit's jobs, which keep its callbacks;
+    # the member is dropped, not nulled, so a flow without callbacks hashes as it always did
+    hashed = [_without_callback(job) for job in jobs]
+    digest = hashlib.blake2b(msgspec.json.encode(hashed), digest_size=16).hexdigest()
     return FlowPlan(nodes, head, "flow:" + digest)
+
+
+def _without_callback(job: FlowJob) -> dict[str, Any]:
+    fields = msgspec.structs.asdict(job)
+    del fields["callback"]
+    return fields
 
 
 def find_cycle(nodes: Sequence[Node]) -> list[int]:

@@ -33,10 +33,11 @@ import msgspec
 
 from jobtier.errors import Code, IdempotencyConflict, InvalidRequest
 from jobtier.flows.plan import FlowPlan, derive_id
-from jobtier.model import FlowSubmitted, Submitted
+from jobtier.model import CallbackSpec, FlowSubmitted, Submitted
 from jobtier.scripts import Call, SubmitItem, SubmitOutcome
 
 if TYPE_CHECKING:
+    from jobtier.dispatch.callbacks import CallbackStore
     from jobtier.queue import Queue
 
 SUBMIT_CHUNK = 1000  # jobs per submit call (several calls per shard in one pipeline)
@@ -165,9 +166,64 @@ class PreparedFlow:
     items: list[SubmitItem]  # each job as Queue.prepare made it (ids, compensation)
     tenant: str
     idempotency_key: str  # '': none
+    callbacks: tuple[CallbackSpec | None, ...] = ()  # each job's own, in the flow's order
 
     def __len__(self) -> int:
         return len(self.items)
+
+
+def derived_ids(queue: Queue, prepared: PreparedFlow, head_id: str) -> list[str]:
+    """The ids of a keyed flow's jobs, all derived from its head's (``plan.py``), so that a
+    repeat finds the jobs the first submit made from the head alone."""
+    ids = []
+    for node, item in zip(prepared.plan.nodes, prepared.items, strict=True):
+        if node.index == prepared.plan.head:
+            ids.append(head_id)
+            continue
+        shard = queue.keys.shard_of(item.job_id) if item.concurrency_key else None
+        ids.append(derive_id(queue.keys, head_id, node.index, shard))
+    return ids
+
+
+def planned_ids(queue: Queue, prepared: PreparedFlow) -> list[str]:
+    """The ids the flow's jobs get if this submit creates them (a repeat answers with the
+    first submit's instead)."""
+    if prepared.idempotency_key:
+        return derived_ids(queue, prepared, prepared.items[prepared.plan.head].job_id)
+    return [item.job_id for item in prepared.items]
+
+
+async def submit_flow_with_callbacks(
+    queue: Queue, prepared: PreparedFlow, store: CallbackStore
+) -> FlowSubmitted:
+    """``submit_flow`` for a flow some jobs of which have a callback: the callbacks are
+    written first, under the ids the jobs will get (the dispatcher must find a job's callback
+    for its first transition, which the submit itself makes), and deleted again for every id
+    the submit did not create: all of them when it is refused, those a repeat answered with
+    the first submit's jobs. ``InvalidRequest`` or ``SecretMissing`` from the store write
+    none (every callback is checked first)."""
+    ids = planned_ids(queue, prepared)
+    callbacks = [
+        (job_id, cb, f"jobs[{i}].callback.")
+        for i, (job_id, cb) in enumerate(zip(ids, prepared.callbacks, strict=True))
+        if cb is not None
+    ]
+    if not callbacks:
+        return await submit_flow(queue, prepared)
+    await store.register(prepared.tenant, callbacks)
+    ours = [job_id for job_id, _, _ in callbacks]
+    try:
+        outcome = await submit_flow(queue, prepared)
+    except (IdempotencyConflict, InvalidRequest):  # refused before any job of ours was made
+        await store.forget(ours)
+        raise
+    # Any other error (Redis lost mid-submit) keeps them: some jobs of the flow may exist,
+    # and the resolver finishes the flow's links (resolver.py), so its jobs still run.
+    made = {job.job_id for job in outcome.jobs if job.created}
+    unused = [job_id for job_id in ours if job_id not in made]
+    if unused:
+        await store.forget(unused)
+    return outcome
 
 
 async def submit_flow(queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
@@ -193,21 +249,11 @@ async def submit_flow(queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
             out.append(dataclasses.replace(item, job_id=ids[node.index], flow=blob))
         return out
 
-    def derived(head_id: str) -> list[str]:
-        ids = []
-        for node, item in zip(nodes, items, strict=True):
-            if node.index == plan.head:
-                ids.append(head_id)
-                continue
-            shard = queue.keys.shard_of(item.job_id) if item.concurrency_key else None
-            ids.append(derive_id(queue.keys, head_id, node.index, shard))
-        return ids
-
     outcomes: list[SubmitOutcome | None] = [None] * len(nodes)
     created = True
     if keyed:
         head_item = items[plan.head]
-        ready = with_ids(derived(head_item.job_id))
+        ready = with_ids(derived_ids(queue, prepared, head_item.job_id))
         head = dataclasses.replace(
             ready[plan.head], idempotency_key=idempotency_key, request_hash=plan.request_hash
         )
@@ -216,7 +262,7 @@ async def submit_flow(queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
             raise IdempotencyConflict(idempotency_key, first.job_id)
         if first.code is Code.DUPLICATE:
             created = False
-            ids = derived(first.job_id)
+            ids = derived_ids(queue, prepared, first.job_id)
             done = await queue.redis.hget(queue.keys.job(first.job_id), "fd")
             if done is not None:  # the earlier submit finished: the jobs as they are now
                 return await _as_they_are(queue, ids)

@@ -1,0 +1,90 @@
+"""Jobs' own callbacks (``webhook_job_callbacks``): checked, written, forgotten.
+
+A job's callback is written before its submit reaches Redis, so the dispatcher finds it for
+the job's first transition (the submit's own); if the submit then makes no job of that id
+(refused, or an idempotent repeat answered with another job), the callback is deleted again.
+The API's submits (``api/webhooks.py``) and the in-process ``Queue.submit_flow`` share this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jobtier.connection import RedisClient
+from jobtier.dispatch.dispatcher import ensure_group
+from jobtier.dispatch.safety import AddressPolicy, Refused
+from jobtier.errors import InvalidRequest, JobtierError
+from jobtier.keys import Keys
+from jobtier.model import CallbackSpec
+from jobtier.persist.db import Pool, query
+
+EVENTS = ("terminal", "all")
+
+
+class SecretMissing(JobtierError):
+    """A callback was given and the tenant has no webhook signing secret (the API: 409)."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the tenant has no webhook signing secret yet: create it with "
+            "POST /v1/webhook-secret (or create a subscription), then submit again"
+        )
+
+
+class CallbackStore:
+    """The callbacks of jobs: ``register`` before their submit, ``forget`` the ids it did
+    not create. Postgres errors pass through (the API answers them with 503)."""
+
+    def __init__(self, pool: Pool, redis: RedisClient, keys: Keys, policy: AddressPolicy) -> None:
+        self.pool = pool
+        self.redis = redis
+        self.keys = keys
+        self.policy = policy
+        self._group_ready = False
+
+    async def check(self, url: Any, events: Any, field: str) -> None:
+        """``InvalidRequest`` naming ``field`` + ``url``/``events`` unless both are acceptable
+        (the URL by the address policy: ``dispatch/safety.py``)."""
+        if not isinstance(url, str):
+            raise InvalidRequest("url must be a string", field=f"{field}url")
+        if events not in EVENTS:
+            raise InvalidRequest(
+                f"events must be one of {', '.join(EVENTS)}", field=f"{field}events"
+            )
+        try:
+            await self.policy.check_url(url)
+        except Refused as exc:
+            raise InvalidRequest(
+                f"callback URL refused: {exc} (JOBTIER_WEBHOOK_ALLOWED_HOSTS lists exceptions)",
+                field=f"{field}url",
+            ) from None
+
+    async def ensure_group(self) -> None:
+        """The dispatchers' group exists before the first webhook is accepted: from then on
+        the logs keep every entry until a dispatcher has read it."""
+        if not self._group_ready:
+            await ensure_group(self.redis, self.keys, start="$")
+            self._group_ready = True
+
+    async def register(
+        self, tenant: str, callbacks: Sequence[tuple[str, CallbackSpec, str]]
+    ) -> None:
+        """Write (job id, callback, field prefix) triples before their submit. Every one is
+        checked before any is written: one refused (``InvalidRequest`` naming its field) or
+        a tenant without a secret (``SecretMissing``) writes none."""
+        for _, cb, field in callbacks:
+            await self.check(cb.url, cb.events, field)
+        if await self.pool.fetchrow(query("secret_get"), tenant) is None:
+            raise SecretMissing()
+        await self.ensure_group()
+        await self.pool.execute(
+            query("callbacks_insert"), [job_id for job_id, _, _ in callbacks],
+            [tenant] * len(callbacks), [cb.url for _, cb, _ in callbacks],
+            [cb.events for _, cb, _ in callbacks],
+        )  # fmt: skip
+
+    async def forget(self, job_ids: Sequence[str]) -> None:
+        """Delete the callbacks of ``job_ids`` (jobs a submit did not create)."""
+        if job_ids:
+            await self.pool.execute(query("callbacks_delete"), list(job_ids))
