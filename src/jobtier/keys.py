@@ -238,6 +238,13 @@ class Keys:
         """list of admin-action records (JSON) waiting for Postgres (api/audit.py)."""
         return f"{self.prefix}:audit:pending"
 
+    def webhook_tenants(self) -> str:
+        """hash tenant -> "1": tenants that may have webhook targets (a subscription or a
+        job's callback), marked before the target is written, never unmarked; the
+        dispatcher acknowledges the log entries of other tenants undecoded
+        (dispatch/marks.py)."""
+        return f"{self.prefix}:webhook-tenants"
+
     def persist_group(self) -> str:
         return f"{self.prefix}-persister"
 

@@ -27,6 +27,7 @@ from jobtier.api.http import JSON, decode_body, job_id_of, job_not_found, read_j
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
+from jobtier.dispatch import marks
 from jobtier.dispatch.callbacks import CallbackStore, SecretMissing
 from jobtier.dispatch.safety import MAX_URL_LENGTH, AddressPolicy, Resolver
 from jobtier.dispatch.signing import new_secret
@@ -215,6 +216,9 @@ async def create(request: Request) -> Response:
     secret = new_secret()
     try:
         await service.ensure_group()
+        # before the row: the dispatcher then decodes this tenant's entries
+        # (dispatch/marks.py); a mark left by a failed insert only costs the old path
+        await marks.mark(service.callbacks.redis, service.callbacks.keys, [tenant])
         async with service.pool.acquire() as conn, conn.transaction():
             made = await conn.fetchrow(query("secret_create_if_missing"), tenant, secret)
             row = await conn.fetchrow(

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jobtier.connection import RedisClient
+from jobtier.dispatch import marks
 from jobtier.dispatch.dispatcher import ensure_group
 from jobtier.dispatch.safety import AddressPolicy, Refused
 from jobtier.errors import InvalidRequest, JobtierError
@@ -78,6 +79,9 @@ class CallbackStore:
         if await self.pool.fetchrow(query("secret_get"), tenant) is None:
             raise SecretMissing()
         await self.ensure_group()
+        # marked before the rows (and so before the submit): the dispatcher reads the mark
+        # after the submit's log entry and decodes it (dispatch/marks.py)
+        await marks.mark(self.redis, self.keys, [tenant])
         await self.pool.execute(
             query("callbacks_insert"), [job_id for job_id, _, _ in callbacks],
             [tenant] * len(callbacks), [cb.url for _, cb, _ in callbacks],

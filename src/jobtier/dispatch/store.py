@@ -83,6 +83,12 @@ class DeliveryStore:
             callbacks = await conn.fetch(query("targets_callbacks"), list(job_ids))
         return list(subs), list(callbacks)
 
+    async def target_tenants(self) -> list[str]:
+        """Every tenant with a live subscription or a job's callback (the dispatcher marks
+        them at start-up: ``dispatch/marks.py``)."""
+        rows = await self.pool.fetch(query("targets_tenants"))
+        return [r["tenant"] for r in rows]
+
     async def insert(self, items: Sequence[NewDelivery]) -> int:
         """Insert deliveries, due now (an id already there is skipped); returns how many
         were new."""

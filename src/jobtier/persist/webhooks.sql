@@ -80,6 +80,12 @@ WHERE tenant = ANY($1::text[]) AND disabled_at IS NULL
 -- name: targets_callbacks
 SELECT job_id, tenant, url, events FROM webhook_job_callbacks WHERE job_id = ANY($1::text[])
 
+-- name: targets_tenants
+-- Every tenant that may have a target: marked in Redis at a dispatcher's start-up.
+SELECT tenant FROM webhook_subscriptions WHERE disabled_at IS NULL
+UNION
+SELECT DISTINCT tenant FROM webhook_job_callbacks
+
 -- name: deliveries_insert
 -- New deliveries, due at once (the dispatcher that made them leases them next, as any
 -- dispatcher may); a log entry read again after a crash makes the same ids, which are skipped.
