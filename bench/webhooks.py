@@ -13,7 +13,10 @@ with JOBTIER_WEBHOOK_ALLOWED_HOSTS, and measures:
   - off: no dispatcher (the subscription is in place, nothing reads it);
   - on: a dispatcher delivering every job's terminal webhook (the tenant's subscription);
   - follow: a dispatcher, and no job has a target (submitted as a tenant with no
-    subscription and no callback): the cost of following the logs alone.
+    subscription and no callback): the cost of following the logs alone. That tenant is not
+    marked (dispatch/marks.py), so its entries are acknowledged undecoded, with no look-up
+    in Postgres; the subscribed tenant is marked by the dispatcher's start-up, as the bench
+    writes its subscription straight into Postgres.
   A dispatcher is started and has caught up (its group has read and acknowledged every log
   entry, no delivery is pending) before the clock starts, so no mode pays for the backlog an
   earlier run left: does following the logs, or delivering, slow the jobs down?
