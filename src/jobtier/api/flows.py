@@ -7,8 +7,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jobtier.api.auth import raw_header, tenant_of
-from jobtier.api.http import JSON, decode_body, invalid, job_id_of, job_not_found, read_json_body
+from jobtier.api.auth import tenant_of
+from jobtier.api.http import (
+    JSON,
+    decode_body,
+    idempotency_key,
+    invalid,
+    job_id_of,
+    job_not_found,
+    read_json_body,
+)
 from jobtier.api.problems import Problem
 from jobtier.dispatch.callbacks import SecretMissing
 from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound
@@ -38,17 +46,7 @@ async def submit_flow(request: Request) -> Response:
     tenant = tenant_of(request)
     st = request.state
     body: FlowSpec = decode_body(_flow_decoder, await read_json_body(request))
-    header_key = raw_header(request, b"idempotency-key")
-    if header_key is not None:
-        key = header_key.decode("latin-1")
-        if body.idempotency_key not in (None, key):
-            raise Problem(
-                400,
-                "bad-request",
-                "the Idempotency-Key header and the body's idempotency_key differ",
-                field="idempotency_key",
-            )
-        body.idempotency_key = key
+    body.idempotency_key = idempotency_key(request, body.idempotency_key)
     queue: Queue = st.queue
     try:
         prepared = await queue.prepare_flow(body.jobs, tenant, body.idempotency_key)

@@ -220,3 +220,20 @@ def invalid(exc: InvalidRequest) -> Problem:
     if isinstance(exc, PayloadTooLarge):
         return Problem(413, "payload-too-large", str(exc), **extra)
     return Problem(422, "validation", str(exc), **extra)
+
+
+def idempotency_key(request: Request, in_body: str | None) -> str | None:
+    """A submit's idempotency key: the ``Idempotency-Key`` header or the body's
+    ``idempotency_key``; both given and different is a 400."""
+    header = raw_header(request, b"idempotency-key")
+    if header is None:
+        return in_body
+    key = header.decode("latin-1")
+    if in_body not in (None, key):
+        raise Problem(
+            400,
+            "bad-request",
+            "the Idempotency-Key header and the body's idempotency_key differ",
+            field="idempotency_key",
+        )
+    return key

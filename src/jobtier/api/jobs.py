@@ -13,7 +13,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from jobtier.api.auth import known_tenant, raw_header, tenant_for, tenant_of
+from jobtier.api.auth import known_tenant, tenant_for, tenant_of
 from jobtier.api.http import (
     JSON,
     TERMINAL_STATES,
@@ -21,6 +21,7 @@ from jobtier.api.http import (
     decode_body,
     doc_state,
     etag_matches,
+    idempotency_key,
     invalid,
     job_id_of,
     job_not_found,
@@ -51,17 +52,7 @@ async def submit(request: Request) -> Response:
     tenant = tenant_of(request)
     st = request.state
     spec: JobSpec = decode_body(_spec_decoder, await read_json_body(request))
-    header_key = raw_header(request, b"idempotency-key")
-    if header_key is not None:
-        key = header_key.decode("latin-1")
-        if spec.idempotency_key not in (None, key):
-            raise Problem(
-                400,
-                "bad-request",
-                "the Idempotency-Key header and the body's idempotency_key differ",
-                field="idempotency_key",
-            )
-        spec.idempotency_key = key
+    spec.idempotency_key = idempotency_key(request, spec.idempotency_key)
     queue: Queue = st.queue
     await queue.ensure_known((spec.type,))
     try:
