@@ -174,6 +174,17 @@ async def test_run_at_is_rendered_anew_when_a_script_moved_it_behind_the_cache(
     assert (await queue.status(sub.job_id)).run_at == cancelled.run_at
 
 
+async def test_a_job_from_before_created_iso_renders_its_creation_time(queue: Queue) -> None:
+    """load() no longer reads 'created' (ms): a job written before 'created_iso' existed
+    has its creation time read apart when its document is rendered, and still shows it."""
+    sub = await queue.submit("echo", {"x": 1})
+    await queue.redis.hdel(queue.keys.job(sub.job_id), "created_iso")
+    job = await claim(queue, sub.job_id)
+    assert job.payload == b'{"x":1}'
+    running = await queue.status(sub.job_id)
+    assert running.state is State.RUNNING and running.created_at == sub.status.created_at
+
+
 async def test_retryable_failure_schedules_a_retry_then_dead_letters(queue: Queue) -> None:
     sub = await queue.submit("flaky", None, max_attempts=2)
     job = await claim(queue, sub.job_id)

@@ -30,7 +30,7 @@ def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
     fields_src = re.search(r"^local FIELDS = \{(.*?)\}", lib, re.MULTILINE | re.DOTALL)
     assert fields_src
     fields = re.findall(r"'([a-z_]+)'", fields_src.group(1))
-    body = lib.split("local function load(id)", 1)[1].split("\nend\n", 1)[0]
+    body = lib.split("local function load(id, fields)", 1)[1].split("\nend\n", 1)[0]
     constructor = body.split("local j = {", 1)[1].split("}", 1)[0]
     pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor)
     assert [name for name, _ in pairs] == fields

@@ -147,8 +147,10 @@ do
   end
 end
 
+-- the claimed jobs' reply fields go straight after the counts (filled in at the end): one
+-- table grown once, not a list of jobs copied into the reply after
 local out = {NOW, 0, 0, 0, 0, wake_at}
-local jobs = {}  -- the claimed jobs' reply fields, appended after the counts
+local nout = #out
 local handed = {}  -- ids handed back, pushed back once every pop is done
 local claimed = 0
 local deadline = NOW + lease
@@ -162,9 +164,14 @@ local function add_active()
   end
 end
 
+-- load() reads the payload with the job's fields: one HMGET per job rather than HMGET + HGET
+local WITH_PAYLOAD = {unpack(FIELDS)}
+local PAYLOAD_AT = #FIELDS + 1
+WITH_PAYLOAD[PAYLOAD_AT] = 'payload'
+
 local function claim_ids(ids)
   for _, id in ipairs(ids) do
-    local j = load(id)
+    local j = load(id, WITH_PAYLOAD)
     -- a ready list holds only queued jobs (cancel and expiry remove them); the check guards
     -- the invariant rather than trusting it
     if j and j.state == 'queued' then
@@ -181,11 +188,12 @@ local function claim_ids(ids)
         if #active >= 2000 then
           add_active()
         end
-        local payload = redis.call('HGET', job_key(id), 'payload')
-        local k = #jobs
-        jobs[k + 1], jobs[k + 2], jobs[k + 3], jobs[k + 4] = id, j.type, payload, j.attempt
-        jobs[k + 5], jobs[k + 6], jobs[k + 7] = j.max_attempts, j.lease_version, queued_at
-        jobs[k + 8], jobs[k + 9] = j.queue, flow_inputs(j)
+        local payload = j._was[PAYLOAD_AT]
+        local k = nout
+        out[k + 1], out[k + 2], out[k + 3], out[k + 4] = id, j.type, payload, j.attempt
+        out[k + 5], out[k + 6], out[k + 7] = j.max_attempts, j.lease_version, queued_at
+        out[k + 8], out[k + 9] = j.queue, flow_inputs(j)
+        nout = k + 9
         claimed = claimed + 1
       end
     end
@@ -266,9 +274,6 @@ for _, p in ipairs(parked) do
 end
 out[2] = math.max(left, 0)
 out[3], out[4], out[5] = claimed, #handed, #unaware
-for k = 1, #jobs do
-  out[#out + 1] = jobs[k]
-end
 for _, j in ipairs(handed) do
   out[#out + 1] = j.id
 end

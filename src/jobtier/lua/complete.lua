@@ -39,9 +39,10 @@ for i = 0, n - 1 do
       j.result_url = '/v1/jobs/' .. id .. '/result/content'
     end
     -- a null result (the task returned None) is the field's absence, which readers take as
-    -- null too: no write, and nothing for the append-only file
+    -- null too: no write, and nothing for the append-only file; a result is written by
+    -- commit()'s HSET with the job's fields (one call, one AOF entry)
     if result ~= '' then
-      redis.call('HSET', job_key(id), 'result', result)
+      j._set = {'result', result}
     end
     commit(j, 'running', worker, {'r', result})
     finish(j, ttl)
