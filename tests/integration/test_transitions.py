@@ -131,6 +131,35 @@ async def test_submit_claim_complete(queue: Queue) -> None:
     assert 0 < ttl <= 60
 
 
+async def test_submit_refuses_an_id_taken_before_the_call_or_earlier_in_it(queue: Queue) -> None:
+    """submit.lua asks once per call whether any of its ids is taken, and each job's own key
+    only when one is: an id that existed before the call and an id given twice in one call
+    are both answered EXISTS (the first of the two created, its document unchanged), with
+    the fresh ids around them created, also in a call where no id was taken before it."""
+    shard = 3
+    old, fresh, twice = (queue.keys.new_id(shard) for _ in range(3))
+    spec = JobSpec(type="echo", payload={"n": 1})
+
+    async def submit(*ids: str) -> list[tuple[Code, str, bytes]]:
+        items = [queue.prepare(spec, "t1", job_id=i) for i in ids]
+        reply = await queue.scripts.call(*queue.scripts.submit_call(shard, items, 60_000))
+        return [(o.code, o.job_id, o.doc) for o in queue.scripts.parse_submit(reply)]
+
+    ((code, _, old_doc),) = await submit(old)
+    assert code is Code.OK
+    out = await submit(fresh, old, twice, twice)
+    assert [(c, i) for c, i, _ in out] == [
+        (Code.OK, fresh), (Code.EXISTS, old), (Code.OK, twice), (Code.EXISTS, twice),
+    ]  # fmt: skip
+    assert out[1][2] == old_doc and out[3][2] == out[2][2]
+    # no id taken before the call (none is looked up alone): the repeated one is still found
+    more = [queue.keys.new_id(shard) for _ in range(3)]
+    out = await submit(more[0], more[1], more[1], more[2])
+    assert [c for c, _, _ in out] == [Code.OK, Code.OK, Code.EXISTS, Code.OK]
+    for job_id in (fresh, twice, *more):
+        assert (await queue.status(job_id)).state is State.QUEUED
+
+
 async def test_worker_writes_are_refused_unless_they_hold_the_lease(queue: Queue) -> None:
     sub = await queue.submit("echo", None)
     job = await claim(queue, sub.job_id)

@@ -21,6 +21,24 @@
 local idem_ttl = ARGV[2]
 local n = tonumber(ARGV[3])
 local out = {}
+-- Whether any of the ids is taken, asked once for the call (EXISTS of every job key, in
+-- chunks: lib.lua chunked): a fresh id (the common case) then costs no EXISTS of its own.
+-- Only when one is taken does each job ask for its own key. `made` holds the ids created by
+-- this call, so an id given twice in one call is still found taken the second time.
+local taken = false
+do
+  local keys = {}
+  for i = 0, n - 1 do
+    keys[#keys + 1] = job_key(ARGV[4 + i * 14])
+  end
+  for i = 1, #keys, CHUNK do
+    if redis.call('EXISTS', unpack(keys, i, math.min(i + CHUNK - 1, #keys))) > 0 then
+      taken = true
+      break
+    end
+  end
+end
+local made = {}
 for i = 0, n - 1 do
   local a = 4 + i * 14
   local id, tenant, idem, hash = ARGV[a], ARGV[a + 1], ARGV[a + 9], ARGV[a + 10]
@@ -42,7 +60,7 @@ for i = 0, n - 1 do
       end
     end
   end
-  if code == OK and redis.call('EXISTS', job_key(id)) == 1 then
+  if code == OK and (made[id] or (taken and redis.call('EXISTS', job_key(id)) == 1)) then
     code = EXISTS
     out[#out + 1], out[#out + 2], out[#out + 3] = code, id, redis.call('HGET', job_key(id), 'doc')
   end
@@ -61,6 +79,7 @@ for i = 0, n - 1 do
                            ARGV[a + 6], due, idem, 'api', ARGV[a + 11], ARGV[a + 12],
                            ARGV[a + 13])
     out[#out + 1], out[#out + 2], out[#out + 3] = OK, id, doc
+    made[id] = true
   end
 end
 flush()
