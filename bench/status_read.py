@@ -21,8 +21,9 @@ load modes
 configurations
   jobtier        as built: near cache + singleflight/coalescing, ``jobs.StatusFastPath``
                  answering status reads ahead of the router, granian, gc.freeze;
-  jobtier-routed the same with the fast path taken out (through the ``sitecustomize``
-                 below): every read goes through Starlette's router and request objects;
+  jobtier-routed the same with the fast path turned off (``create_app(...,
+                 status_fast_path=False)``, through the ``sitecustomize`` below): every read
+                 goes through Starlette's router and request objects;
   baseline       JOBTIER_NEAR_CACHE=0 JOBTIER_COALESCE=0: one HMGET per request;
   *-uvicorn      the same under uvicorn (server choice);
   gc-nofreeze / gc-thresholds
@@ -156,11 +157,7 @@ if os.environ.get("BENCH_ROUTED"):
     _create = _app.create_app
 
     def create_app(*args, **kwargs):
-        from jobtier.api.jobs import StatusFastPath
-
-        app = _create(*args, **kwargs)
-        app.user_middleware[:] = [m for m in app.user_middleware if m.cls is not StatusFastPath]
-        return app
+        return _create(*args, **kwargs, status_fast_path=False)
 
     _app.create_app = create_app
 
