@@ -992,11 +992,12 @@ CPU µs per request, the steadier figure on a shared machine):
    `app.JobtierApp`, whose `__call__` answers the plain status read before anything of
    Starlette runs (`ServerErrorMiddleware` wrapped `send` in a closure for every request),
    sends two raw ASGI messages instead of a Response object, and takes a near-cache hit
-   without a coroutine (`StatusReader.near_hit`). In-process ASGI call, a task per request
-   as granian makes it, 20 per loop iteration, CPU per request, medians of 7 in two
-   interleaved rounds: hit 9.8 / 10.1 → 8.0 / 8.2 µs (of which 4.1 µs is the harness: the
-   task, the scope), miss 25.2 / 26.1 → 24.0 / 23.5 µs. Over HTTP, wrk c50, A/B interleaved,
-   medians of 3 (load average 3-3.8 from other work): hot 25.4 → 23.4, spread 44.3 → 43.3 µs.
+   without a coroutine (`StatusReader.near_hit`). In-process ASGI call (the harness of
+   bench/status_asgi.py: a task per request as granian makes it, 20 per loop iteration), CPU
+   per request, medians of 7 in two interleaved rounds against the commit before: hit
+   9.8 / 10.1 → 8.0 / 8.2 µs (of which 4.1 µs is the harness: the task, the scope), miss
+   25.2 / 26.1 → 24.0 / 23.5 µs. Over HTTP, wrk c50, A/B interleaved, medians of 3 (load
+   average 3-3.8 from other work): hot 25.4 → 23.4, spread 44.3 → 43.3 µs.
 
 Where the rest of a read's CPU goes (py-spy and perf on the server under open20k, hot keys):
 about half is granian's own threads (the tokio I/O thread, mostly in the kernel: socket
