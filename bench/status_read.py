@@ -1004,8 +1004,11 @@ about half is granian's own threads (the tokio I/O thread, mostly in the kernel:
 reads and writes, wake-ups; and the thread that takes the GIL to build each scope and
 hand the request to the event loop); of the event loop thread's share, a third is the ASGI
 bridge (an asyncio Task per request, its scope), the rest our app, GC a few per cent.
-It is not spinning: per request the three threads switch 2.5 times at 20K req/s and 9 times
-at 1K req/s, so the CPU per request falls as the rate rises (163 µs at 1K/s, 28 at 20K/s).
+It is not spinning but hand-offs: per request the three threads switch 2.5 times at 20K req/s
+and 9 times at 1K req/s, so the CPU per request falls as the rate rises (163 µs at 1K/s, 28
+at 20K/s), and as the core gets busier: with CPU 0 to itself the server spends ~48 µs a read
+at 20K/s (95 % of the core, p99 2 ms in status_read-open20k.md), squeezed to half the core
+by other work 24-29 µs, at the same 20K/s (more requests per wake-up).
 A miss costs a Redis round trip per batch (about 5 ids a batch at 20K req/s on spread keys):
 redis-py spends ~40 µs of CPU per command beyond a bare connection's send and read, 18 of
 them in its pool's get and release.
