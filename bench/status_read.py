@@ -21,8 +21,9 @@ load modes
 configurations
   jobtier        as built: near cache + singleflight/coalescing, ``jobs.StatusFastPath``
                  answering status reads ahead of the router, granian, gc.freeze;
-  jobtier-routed the same with the fast path taken out (through the ``sitecustomize``
-                 below): every read goes through Starlette's router and request objects;
+  jobtier-routed the same with the fast path turned off (``create_app(...,
+                 status_fast_path=False)``, through the ``sitecustomize`` below): every read
+                 goes through Starlette's router and request objects;
   baseline       JOBTIER_NEAR_CACHE=0 JOBTIER_COALESCE=0: one HMGET per request;
   *-uvicorn      the same under uvicorn (server choice);
   gc-nofreeze / gc-thresholds
@@ -156,11 +157,7 @@ if os.environ.get("BENCH_ROUTED"):
     _create = _app.create_app
 
     def create_app(*args, **kwargs):
-        from jobtier.api.jobs import StatusFastPath
-
-        app = _create(*args, **kwargs)
-        app.user_middleware[:] = [m for m in app.user_middleware if m.cls is not StatusFastPath]
-        return app
+        return _create(*args, **kwargs, status_fast_path=False)
 
     _app.create_app = create_app
 
@@ -967,7 +964,7 @@ def submit_section(submits: list[dict[str, Any]]) -> list[str]:
 
 
 CHANGES = """\
-Three changes, each measured before and after (2026-11-29, this machine):
+Four changes, each measured before and after (1-3: 2026-11-29, 4: 2026-11-30, this machine):
 
 1. Coalesced misses read their batch with one call of the read-only `lua/read_status.lua`
    (HMGET of every hash inside Redis; per shard on a cluster) instead of a pipeline of
@@ -990,6 +987,31 @@ CPU µs per request, the steadier figure on a shared machine):
 | before | 35.7 | 82.5 |
 | 1 + 2 | 32.1 | 62.0 |
 | 1 + 2 + 3 | 26.5 | 48.7 |
+
+4. The fast path moved out of Starlette's middleware stack: `create_app` returns
+   `app.JobtierApp`, whose `__call__` answers the plain status read before anything of
+   Starlette runs (`ServerErrorMiddleware` wrapped `send` in a closure for every request),
+   sends two raw ASGI messages instead of a Response object, and takes a near-cache hit
+   without a coroutine (`StatusReader.near_hit`). In-process ASGI call (the harness of
+   bench/status_asgi.py: a task per request as granian makes it, 20 per loop iteration), CPU
+   per request, medians of 7 in two interleaved rounds against the commit before: hit
+   9.8 / 10.1 → 8.0 / 8.2 µs (of which 4.1 µs is the harness: the task, the scope), miss
+   25.2 / 26.1 → 24.0 / 23.5 µs. Over HTTP, wrk c50, A/B interleaved, medians of 3 (load
+   average 3-3.8 from other work): hot 25.4 → 23.4, spread 44.3 → 43.3 µs.
+
+Where the rest of a read's CPU goes (py-spy and perf on the server under open20k, hot keys):
+about half is granian's own threads (the tokio I/O thread, mostly in the kernel: socket
+reads and writes, wake-ups; and the thread that takes the GIL to build each scope and
+hand the request to the event loop); of the event loop thread's share, a third is the ASGI
+bridge (an asyncio Task per request, its scope), the rest our app, GC a few per cent.
+It is not spinning but hand-offs: per request the three threads switch 2.5 times at 20K req/s
+and 9 times at 1K req/s, so the CPU per request falls as the rate rises (163 µs at 1K/s, 28
+at 20K/s), and as the core gets busier: with CPU 0 to itself the server spends ~48 µs a read
+at 20K/s (95 % of the core, p99 2 ms in status_read-open20k.md), squeezed to half the core
+by other work 24-29 µs, at the same 20K/s (more requests per wake-up).
+A miss costs a Redis round trip per batch (about 5 ids a batch at 20K req/s on spread keys):
+redis-py spends ~40 µs of CPU per command beyond a bare connection's send and read, 18 of
+them in its pool's get and release.
 """
 
 

@@ -6,14 +6,19 @@ import asyncio
 import logging
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+from starlette.types import Receive, Scope, Send
 
+from jobtier.api import jobs
+from jobtier.config import Settings
 from jobtier.dev.redis import LocalRedis
+from jobtier.keys import Keys
 from jobtier.model import State
 from jobtier.queue import Queue
-from tests.fixtures.api import ApiServer, StartApi
+from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
 
@@ -260,3 +265,67 @@ async def test_status_reads_while_redis_is_down_are_503_then_recover(
             assert r.status_code == 200 and r.json()["id"] == job["id"]
     finally:
         own.stop()
+
+
+async def test_status_fast_path_answers_as_the_route_does(
+    start_api: StartApi, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GET /v1/jobs/{id}`` answered ahead of Starlette (app.JobtierApp, jobs.StatusFastPath)
+    and through the router (``status_fast_path=False``): the same status, headers and body
+    for every kind of status read, and the fast path answered the ones it takes."""
+    answered: list[str] = []
+    answer = jobs.StatusFastPath.answer
+
+    async def counted(scope: Scope, receive: Receive, send: Send, *read: Any) -> None:
+        answered.append(scope["path"])
+        await answer(scope, receive, send, *read)
+
+    monkeypatch.setattr(jobs.StatusFastPath, "answer", staticmethod(counted))
+    fast = await start_api()
+    routed = await start_api(status_fast_path=False)
+    async with fast.client() as c:
+        own = await submit(c)
+    async with fast.client("globex") as c:
+        other = await submit(c)
+    unknown = Keys(settings.prefix, settings.shards).new_id(0)
+    own_path = f"/v1/jobs/{own['id']}"
+    key = f"Bearer {KEYS['acme']}"
+    # (path, headers, whether the fast path takes it)
+    reads: list[tuple[str, dict[str, str], bool]] = [
+        (own_path, {}, True),
+        (own_path, {"if-none-match": '"1"'}, True),
+        (own_path, {"if-none-match": 'W/"0", "1"'}, True),
+        (own_path, {"if-none-match": "*"}, True),
+        (own_path, {"if-none-match": '"0"'}, True),
+        (own_path, {"authorization": f"bearer  {KEYS['acme']}"}, True),
+        (f"/v1/jobs/{other['id']}", {}, True),  # another tenant's: 404
+        (f"/v1/jobs/{unknown}", {}, True),
+        ("/v1/jobs/not-an-id", {}, True),
+        (own_path, {"authorization": "Bearer nope"}, False),  # 401
+        (own_path, {"authorization": ""}, False),
+        (own_path + "?wait=0", {"if-none-match": '"1"'}, False),
+        (own_path + "?wait=-1", {}, False),  # 400
+        (own_path + "/", {}, False),
+        ("/v1/jobs/batch", {}, False),  # 405
+        ("/v1/jobs/" + "x" * 5000, {}, False),  # 414
+        (own_path, {"x-big": "y" * 9000}, False),  # 431
+        (own_path, {f"x-{i}": "1" for i in range(70)}, False),  # 431
+    ]
+    outcomes: dict[str, list[tuple[int, list[tuple[str, str]], bytes]]] = {}
+    for name, api in (("fast", fast), ("routed", routed)):
+        async with httpx.AsyncClient(base_url=api.url, timeout=30) as c:
+            outcomes[name] = []
+            for path, headers, _ in reads:
+                r = await c.get(path, headers={"authorization": key, **headers})
+                kept = [  # a redirect names its server's own port
+                    (k, v.replace(api.url, "<api>"))
+                    for k, v in r.headers.multi_items()
+                    if k not in ("date", "server")
+                ]
+                outcomes[name].append((r.status_code, kept, r.content))
+    for read, by_fast, by_router in zip(reads, outcomes["fast"], outcomes["routed"], strict=True):
+        assert by_fast == by_router, read
+    statuses = [status for status, _, _ in outcomes["fast"]]
+    assert statuses == [200, 304, 304, 304, 200, 200, 404, 404, 404, 401, 401, 304, 400,
+                        307, 405, 414, 431, 431]  # fmt: skip
+    assert answered == [path for path, _, taken in reads if taken]

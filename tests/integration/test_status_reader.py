@@ -73,6 +73,28 @@ async def test_concurrent_gets_of_one_id_send_one_hmget(
     assert reader.requests == 2_001 and reader.near_hits == 1
 
 
+async def test_near_hit_then_load_is_get_in_two_steps(
+    queue: Queue, redis: RedisClient, settings: Settings
+) -> None:
+    """The status fast path's split of ``get`` (api/jobs.py): ``near_hit`` answers only from
+    the near cache and counts only what it answers; ``load`` reads Redis and counts the rest."""
+    (job_id,) = await submit(queue)
+    reader = StatusReader(redis, keys_of(settings), near_cache=True, coalesce=True)
+    assert reader.near_hit(job_id) is None
+    assert reader.requests == 0 and reader.near is not None and reader.near.misses == 1
+    loaded = await reader.load(job_id)
+    assert loaded is not None and loaded[0] == TENANT and loaded[2] == 1
+    assert reader.requests == 1 and reader.redis_loads == 1 and reader.near_hits == 0
+    entry = reader.near_hit(job_id)
+    assert entry is not None and (entry.tenant, entry.doc, entry.version) == loaded
+    assert reader.requests == 2 and reader.near_hits == 1 and reader.redis_loads == 1
+    assert await reader.load("not-an-id") is None and reader.redis_loads == 1
+    # without a near cache every read is a load
+    plain = StatusReader(redis, keys_of(settings), near_cache=False, coalesce=True)
+    assert plain.near_hit(job_id) is None and plain.requests == 0
+    assert await plain.load(job_id) == loaded and plain.requests == 1
+
+
 async def test_distinct_ids_of_one_tick_go_in_one_round_trip(
     queue: Queue, redis: RedisClient, settings: Settings
 ) -> None:

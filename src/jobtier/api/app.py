@@ -17,6 +17,7 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.routing import BaseRoute
+from starlette.types import Receive, Scope, Send
 
 from jobtier.api import admin, console, debugging, flows, health, jobs, openapi, ops, queues, sse
 from jobtier.api.admission import Admission
@@ -79,11 +80,14 @@ class Extension:
         """Override to release them."""
 
 
-def create_app(settings: Settings, extension: Extension | None = None) -> Starlette:
+def create_app(
+    settings: Settings, extension: Extension | None = None, *, status_fast_path: bool = True
+) -> JobtierApp:
     """The API application for ``settings``.
 
     ``extension`` plugs in the parts that need Postgres (fallback reads, listing, history,
-    schedules); without it the API serves what Redis holds.
+    schedules); without it the API serves what Redis holds. ``status_fast_path=False``
+    serves status reads through the router too (to compare the two: tests, benchmarks).
     """
     tenants = settings.tenant_keys()
     if not tenants and not settings.admin_key:
@@ -171,11 +175,29 @@ def create_app(settings: Settings, extension: Extension | None = None) -> Starle
             await ext.close()
             await queue.close()
 
-    return Starlette(
+    app = JobtierApp(
         routes=resources([*ROUTES, *ext.routes]),
         exception_handlers=HANDLERS,
         lifespan=lifespan,
-        # the status read, most of the traffic, answered before routing (jobs.StatusFastPath,
-        # which checks the request limits itself); then over-long URLs and headers refused
-        middleware=[Middleware(jobs.StatusFastPath), Middleware(RequestLimits)],
+        # over-long URLs and headers refused before routing (the status fast path checks
+        # the same limits itself, and leaves a request over them to this)
+        middleware=[Middleware(RequestLimits)],
     )
+    app.status_fast_path = status_fast_path
+    return app
+
+
+class JobtierApp(Starlette):
+    """The Starlette app, with the status read — most of the traffic — answered ahead of
+    all of it (``jobs.StatusFastPath``: the same answers as the route, for less CPU);
+    every other request goes through Starlette as usual."""
+
+    status_fast_path = True  # False: every status read through the router (a/b, tests)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.status_fast_path:
+            read = jobs.StatusFastPath.match(scope)
+            if read is not None:
+                await jobs.StatusFastPath.answer(scope, receive, send, *read)
+                return
+        await super().__call__(scope, receive, send)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from starlette.applications import Starlette
+from typing import TYPE_CHECKING
 
 from jobtier import logs
 from jobtier.config import Settings
 
+if TYPE_CHECKING:
+    from jobtier.api.app import JobtierApp
 
-def app_from_env() -> Starlette:
+
+def app_from_env() -> JobtierApp:
     """Build the app from ``JOBTIER_*`` (granian/uvicorn call this in each server process)."""
     from jobtier.api.app import create_app
     from jobtier.api.postgres import postgres_extension

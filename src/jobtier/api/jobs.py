@@ -11,7 +11,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import known_tenant, tenant_for, tenant_of
 from jobtier.api.http import (
@@ -229,26 +229,30 @@ def status_answer(job_id: str, tenant: str, held: bytes | None, found: Status | 
 
 
 class StatusFastPath:
-    """ASGI middleware: plain ``GET /v1/jobs/{id}`` answered before Starlette routes it.
+    """Plain ``GET /v1/jobs/{id}`` answered ahead of all of Starlette (``app.JobtierApp``
+    calls it first, before its error middleware, router and request objects).
 
-    In the ASGI app a near-cache hit costs ~5 us this way against ~12 us through Starlette's
-    exception middleware, router and request objects; over HTTP that is a fifth of the
-    server's CPU per status read (bench/results/status_read.md). It answers exactly what ``get_job``
-    answers for the common case — the document with its ETag, 304, or the 404 problem —
-    and passes everything else on to the app: no or an unknown API key (401), a query
-    string (long-poll), paths that are not a job id, other methods, a URL or headers over the
-    app's limits (``limits.RequestLimits``, inside this middleware, answers those: here the
-    check costs one addition per header, in the pass that finds the two we need). A read
-    that fails is answered by the app's own error handler (a 503 problem while Redis is
-    down).
+    It answers exactly what ``get_job`` answers for the common case — the document with its
+    ETag, 304, or the 404 problem — and declines (``None`` from :meth:`match`) everything
+    else, which the app then serves: no or an unknown API key (401), a query string
+    (long-poll), paths that are not a job id, other methods, a URL or headers over the
+    app's limits (``limits.RequestLimits`` answers those: here the check costs one addition
+    per header, in the pass that finds the two we need). A read that fails is answered as
+    the app's own error handlers answer it (a 503 problem while Redis is down), and so is
+    any other error raised before the answer starts.
+
+    The answer goes out as two raw ASGI messages with the header list built in one step,
+    the same headers in the same order as ``DocResponse``: at 20K reads a second on one
+    core the Response object, Starlette's ``ServerErrorMiddleware`` (a closure around
+    ``send`` for every request) and the coroutine of a near-cache hit were a measurable share
+    of the server's CPU (bench/results/status_read-open20k.md).
     """
 
-    __slots__ = ("app",)
+    __slots__ = ()
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    @staticmethod
+    def match(scope: Scope) -> tuple[str, str, bytes | None] | None:
+        """(job id, tenant, If-None-Match) of a status read this path answers, else None."""
         if (
             scope["type"] == "http"
             and scope["method"] == "GET"
@@ -258,33 +262,81 @@ class StatusFastPath:
             path: str = scope["path"]
             job_id = path[_JOBS_LEN:]
             if path.startswith(_JOBS) and job_id and "/" not in job_id and job_id != "batch":
-                state = scope["state"]
                 headers = scope["headers"]
                 authorization, held, size = _status_headers(headers)
-                tenant = known_tenant(state["tenants"], authorization)
+                tenant = known_tenant(scope["state"]["tenants"], authorization)
                 if (
                     tenant is not None
                     and size <= MAX_HEADER_BYTES
                     and len(headers) <= MAX_HEADERS
                     and len(scope.get("raw_path") or path) <= MAX_URL_BYTES
                 ):
-                    response: Response
-                    try:
-                        found = await state["reader"].get(job_id)
-                    except Problem as exc:
-                        response = exc.response()
-                    except Exception as exc:  # answered as the app answers it (503 when
-                        # Redis or Postgres is down), without reading a second time
-                        response = await on_error(Request(scope, receive), exc)
-                    else:
-                        response = status_answer(job_id, tenant, held, found)
-                    await response(scope, receive, send)
-                    return
-        await self.app(scope, receive, send)
+                    return job_id, tenant, held
+        return None
+
+    @staticmethod
+    async def answer(
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        job_id: str,
+        tenant: str,
+        held: bytes | None,
+    ) -> None:
+        """Send the answer to a request :meth:`match` accepted."""
+        started = False
+        try:
+            reader: StatusReader = scope["state"]["reader"]
+            entry = reader.near_hit(job_id)  # a hit without a coroutine: most reads
+            if entry is not None:
+                found_tenant, doc, version = entry.tenant, entry.doc, entry.version
+            else:
+                found = await reader.load(job_id)
+                if found is None:
+                    found_tenant, doc, version = None, b"", 0
+                else:
+                    found_tenant, doc, version = found
+            if found_tenant != tenant:  # unknown, or another tenant's: the same 404
+                response = job_not_found(job_id).response()
+                started = True
+                await response(scope, receive, send)
+                return
+            if held is None or not etag_matches(held, version):
+                start = {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"etag", b'"%d"' % version),
+                        _NO_CACHE,
+                        (b"content-length", b"%d" % len(doc)),
+                        _JSON_TYPE,
+                    ],
+                }
+            else:
+                doc = b""
+                start = {
+                    "type": "http.response.start",
+                    "status": 304,
+                    "headers": [(b"etag", b'"%d"' % version), _NO_CACHE],
+                }
+            started = True
+            await send(start)
+            await send({"type": "http.response.body", "body": doc})
+        except Exception as exc:
+            if started:  # the answer is on its way (the client went away): the server's
+                raise
+            if isinstance(exc, Problem):
+                response = exc.response()
+            else:  # answered as the app answers it (503 while Redis or Postgres is down)
+                response = await on_error(Request(scope, receive), exc)
+            await response(scope, receive, send)
 
 
 _JOBS = "/v1/jobs/"
 _JOBS_LEN = len(_JOBS)
+# the constant headers of a status answer, as DocResponse sends them
+_NO_CACHE = (b"cache-control", b"no-cache")
+_JSON_TYPE = (b"content-type", b"application/json")
 
 
 def _status_headers(

@@ -151,18 +151,33 @@ class StatusReader:
         self.absent_hits = 0  # reads answered "unknown" from the remembered absent ids
 
     # --- reads --------------------------------------------------------------------------
+    def near_hit(self, job_id: str) -> Entry | None:
+        """The near cache's entry for ``job_id``, counted as a request, or None: then
+        :meth:`load` answers (and counts) it. ``get`` in two steps, for a caller that
+        answers most reads without a coroutine (api/jobs.py, StatusFastPath)."""
+        near = self.near
+        if near is not None:
+            entry = near.get(job_id, self._clock())
+            if entry is not None:
+                self.requests += 1
+                self.near_hits += 1
+                return entry
+        return None
+
     async def get(self, job_id: str) -> Status | None:
         """(tenant, document, version), or None for an unknown (or malformed) id.
 
         The caller compares the tenant: another tenant's job must look unknown.
         """
+        entry = self.near_hit(job_id)
+        if entry is not None:
+            return entry.tenant, entry.doc, entry.version
+        return await self.load(job_id)
+
+    async def load(self, job_id: str) -> Status | None:
+        """``get`` past the near cache: after ``near_hit`` gave None (Redis, coalesced; then
+        the fallback)."""
         self.requests += 1
-        near = self.near
-        if near is not None:
-            entry = near.get(job_id, self._clock())
-            if entry is not None:
-                self.near_hits += 1
-                return entry.tenant, entry.doc, entry.version
         if not self.keys.valid_id(job_id):
             return None  # never sent to Redis: one bad key in a batch would fail the batch
         if self.coalescer is not None:
