@@ -411,7 +411,7 @@ class PersistHook:
         dsn = self.args.postgres_dsn
         conn = await asyncpg.connect(dsn)
         try:
-            await conn.execute("TRUNCATE jobs, job_transitions, job_results")
+            await conn.execute("TRUNCATE jobs, job_transitions, job_results CASCADE")
         finally:
             await conn.close()
         env = {

@@ -244,7 +244,7 @@ class Run:
 
     async def reset(self) -> None:
         await self.redis.flushall()
-        await self.pool.execute("TRUNCATE jobs, job_transitions, job_results")
+        await self.pool.execute("TRUNCATE jobs, job_transitions, job_results CASCADE")
         await self.pool.execute("VACUUM ANALYZE")
 
     def _persister(self) -> Persister:
