@@ -553,11 +553,17 @@ PERSISTER_EVENTS = (
 
 
 def log_counts(stack: Stack) -> dict[str, dict[str, int]]:
-    """Per role: tracebacks in its logs; for the persisters, their outage and error lines."""
+    """Per role: tracebacks in its logs other than the flaky task's failures (counted apart);
+    for the persisters, their outage and error lines."""
     out: dict[str, Counter[str]] = defaultdict(Counter)
     for p in stack.procs:
         text = p.log_path.read_text(errors="replace") if p.log_path.exists() else ""
-        out[p.role]["tracebacks"] += text.count("Traceback (most recent call last)")
+        # a worker logs the traceback of every failed attempt (the flaky task's deliberate
+        # ChaosFailure among them): only the others can be a crash
+        tracebacks = text.count("Traceback (most recent call last)")
+        deliberate = text.count("ChaosFailure: attempt ")
+        out[p.role]["tracebacks"] += max(tracebacks - deliberate, 0)
+        out[p.role]["task_failures"] += deliberate
         if p.role == "persister":
             for event in PERSISTER_EVENTS:
                 out[p.role][event] += text.count(f"event={event}")
@@ -663,9 +669,14 @@ def report(data: dict[str, Any]) -> str:
     md += (
         "## Processes that exited by themselves (restarted by the supervisor)\n\n"
         + table(
-            ["role", "exits", "tracebacks in its logs"],
+            ["role", "exits", "tracebacks in its logs", "the flaky task's failures logged"],
             [
-                [r, str(exits.get(r, 0)), str(res["logs"].get(r, {}).get("tracebacks", 0))]
+                [
+                    r,
+                    str(exits.get(r, 0)),
+                    str(res["logs"].get(r, {}).get("tracebacks", 0)),
+                    str(res["logs"].get(r, {}).get("task_failures", 0)),
+                ]
                 for r in PROCESS_ROLES
             ],
         )

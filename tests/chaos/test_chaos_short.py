@@ -60,6 +60,11 @@ def test_short_chaos_soak_keeps_every_invariant(tmp_path: Path) -> None:
     assert not [e for e in res["unexpected_exits"] if e["role"] == "persister"]
     assert res["logs"]["api"]["tracebacks"] == 0, explain  # LOADING and outages: one line
     assert res["logs"]["persister"]["tracebacks"] == 0, explain
+    # a worker logs each failed attempt's traceback: the flaky task's are counted apart, and
+    # any other traceback (a crash in the claim, report or heartbeat loops) is a defect
+    assert res["logs"]["worker"]["tracebacks"] == 0, explain
+    assert res["logs"]["worker"]["task_failures"] > 0  # the flaky task's failures were seen
+    assert res["logs"]["scheduler"]["tracebacks"] == 0, explain
     # the outages happened and were seen through
     assert res["logs"]["persister"]["postgres_unavailable"] > 0
     assert res["recovery"]["Redis restart"]["submits"]["n"] >= 1
