@@ -40,16 +40,24 @@ class DocResponse(Response):
     def __init__(self, doc: bytes, version: int, status_code: int = 200, **headers: str) -> None:
         self.status_code = status_code
         self.background = None
-        raw = [(b"etag", b'"%d"' % version), (b"cache-control", b"no-cache")]
-        if status_code == 304:
-            self.body = b""
-        else:
-            self.body = doc
-            raw.append((b"content-length", b"%d" % len(doc)))
-            raw.append((b"content-type", b"application/json"))
+        self.body = b"" if status_code == 304 else doc
+        raw = doc_headers(version, None if status_code == 304 else doc)
         for name, value in headers.items():
             raw.append((name.lower().encode("latin-1"), value.encode("latin-1")))
         self.raw_headers = raw
+
+
+_NO_CACHE = (b"cache-control", b"no-cache")
+_JSON_TYPE = (b"content-type", b"application/json")
+
+
+def doc_headers(version: int, doc: bytes | None) -> list[tuple[bytes, bytes]]:
+    """The raw headers of a status document's answer (``doc`` None: of its 304), the one
+    place they are built: ``DocResponse`` and the status fast path (jobs.py) send these."""
+    etag = (b"etag", b'"%d"' % version)
+    if doc is None:
+        return [etag, _NO_CACHE]
+    return [etag, _NO_CACHE, (b"content-length", b"%d" % len(doc)), _JSON_TYPE]
 
 
 def not_modified(version: int) -> Response:

@@ -19,6 +19,7 @@ from jobtier.api.http import (
     TERMINAL_STATES,
     DocResponse,
     decode_body,
+    doc_headers,
     doc_state,
     etag_matches,
     idempotency_key,
@@ -242,7 +243,7 @@ class StatusFastPath:
     any other error raised before the answer starts.
 
     The answer goes out as two raw ASGI messages with the header list built in one step,
-    the same headers in the same order as ``DocResponse``: at 20K reads a second on one
+    the headers ``DocResponse`` sends (``http.doc_headers``): at 20K reads a second on one
     core the Response object, Starlette's ``ServerErrorMiddleware`` (a closure around
     ``send`` for every request) and the coroutine of a near-cache hit were a measurable share
     of the server's CPU (bench/results/status_read-open20k.md).
@@ -302,25 +303,11 @@ class StatusFastPath:
                 await response(scope, receive, send)
                 return
             if held is None or not etag_matches(held, version):
-                start = {
-                    "type": "http.response.start",
-                    "status": 200,
-                    "headers": [
-                        (b"etag", b'"%d"' % version),
-                        _NO_CACHE,
-                        (b"content-length", b"%d" % len(doc)),
-                        _JSON_TYPE,
-                    ],
-                }
+                status, headers = 200, doc_headers(version, doc)
             else:
-                doc = b""
-                start = {
-                    "type": "http.response.start",
-                    "status": 304,
-                    "headers": [(b"etag", b'"%d"' % version), _NO_CACHE],
-                }
+                status, headers, doc = 304, doc_headers(version, None), b""
             started = True
-            await send(start)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": doc})
         except Exception as exc:
             if started:  # the answer is on its way (the client went away): the server's
@@ -334,9 +321,6 @@ class StatusFastPath:
 
 _JOBS = "/v1/jobs/"
 _JOBS_LEN = len(_JOBS)
-# the constant headers of a status answer, as DocResponse sends them
-_NO_CACHE = (b"cache-control", b"no-cache")
-_JSON_TYPE = (b"content-type", b"application/json")
 
 
 def _status_headers(
