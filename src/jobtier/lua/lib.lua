@@ -52,7 +52,8 @@ end
 
 -- load() keeps the HMGET reply in j._was: commit() writes only the fields that changed (a
 -- claim changes 8 of the 14 it used to write every time, a completion 5), which is less for
--- the AOF to store and less for Lua to hand over.
+-- the AOF to store and less for Lua to hand over. j._key is the hash's key (create_job sets
+-- it too), built once per job.
 -- The table is built by one constructor that names every field: Lua sizes it once, where
 -- filling it in a loop rehashes it five times (load() took 8.8 us in Redis that way, 4.2 so).
 -- `fields` (optional) is FIELDS followed by more that the caller reads from j._was at
@@ -217,7 +218,7 @@ local function render(j)
     run_at = '"' .. string.sub(cached, #ms + 2) .. '"'
   end
   if j.created_iso == '' then  -- a job created before the field existed
-    j.created_iso = iso(j.created or redis.call('HGET', j._key or job_key(j.id), 'created'))
+    j.created_iso = iso(j.created or redis.call('HGET', j._key, 'created'))
   end
   return '{"id":' .. cjson.encode(j.id)
     .. ',"type":' .. cjson.encode(j.type)
@@ -313,7 +314,7 @@ local function commit(j, from, actor, extra, quiet)
   end
   j._new, j._set = nil, nil
   args[n + 1], args[n + 2] = 'doc', doc
-  redis.call('HSET', j._key or job_key(j.id), unpack(args, 1, n + 2))
+  redis.call('HSET', j._key, unpack(args, 1, n + 2))
   if WAITING[from] ~= WAITING[j.state] then
     count(WAITING_COUNTS, j.tenant, WAITING[j.state] and 1 or -1)
   end
@@ -512,7 +513,7 @@ local function create_job(id, tenant, type, queue, prio, payload, max_attempts, 
              state = 'queued', version = '0', attempt = '0', max_attempts = max_attempts,
              created = NOW_STR, run_at = '', error = '', progress = '', cancel = '0',
              worker = '', lease_version = '0', created_iso = iso_str(NOW_STR), run_at_iso = '',
-             lv = '', lt = '', ckey = ckey or ''}
+             lv = '', lt = '', ckey = ckey or '', _key = job_key(id)}
   if due ~= '' then
     j.run_at = int(due)
     if due > NOW then
@@ -566,7 +567,7 @@ end
 -- j reached a terminal state: its hash expires (Postgres keeps the record), and its flow
 -- hand-offs are made in this same script (a crash cannot separate them from the transition).
 local function finish(j, ttl)
-  redis.call('EXPIRE', j._key or job_key(j.id), ttl)
+  redis.call('EXPIRE', j._key, ttl)
   if j.wf ~= '' then
     flow_finished(j, ttl)
   end
