@@ -94,6 +94,9 @@ class CallbackStore:
             [tenant] * len(callbacks), [cb.url for _, cb, _ in callbacks],
             [cb.events for _, cb, _ in callbacks],
         )  # fmt: skip
+        # and again once the rows are in: a dispatcher's clean-up may have removed the first
+        # mark before they were (marks.unmark_idle says why this one cannot be)
+        await marks.mark(self.redis, self.keys, [tenant])
 
     async def forget(self, job_ids: Sequence[str]) -> None:
         """Delete the callbacks of ``job_ids`` (jobs a submit did not create)."""
