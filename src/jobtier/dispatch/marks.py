@@ -62,10 +62,10 @@ async def marked(redis: RedisClient, keys: Keys, tenants: Sequence[bytes]) -> se
     """The ``tenants`` (as the log's ``tn`` fields hold them) that are marked.
 
     Call it only after the reply of the XREADGROUP/XAUTOCLAIM that returned the entries.
-    A mark is written, and acknowledged, before its target's row, and that before the job's
-    submit is sent; so every entry of a marked tenant's job was appended to its log after
-    the mark, and this read, sent once the entry has been read, comes later still and sees
-    the mark. That is ordering in real time, not within one server, so it holds on a Redis
+    A mark is written, and acknowledged, once its target's row is committed and before the
+    job's submit is sent, and stays while the target exists (``unmark_idle``); so every
+    entry of a marked tenant's job was appended to its log after the mark, and this read,
+    sent once the entry has been read, comes later still and sees the mark. That is ordering in real time, not within one server, so it holds on a Redis
     Cluster too, where the hash and the logs live on different nodes (each node answers
     commands in the order they arrive; nothing here reads a replica). Sent in the same
     pipeline as the XREADGROUP, the read could reach the hash's node before the entry's
