@@ -6,12 +6,37 @@ which runs those modules on both backends."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
+
+import redis as syncredis
+from redis.crc import key_slot
 
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber, node_channels
+from jobtier.dev.redis import LocalCluster
 from jobtier.queue import Queue
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
+
+
+def test_a_started_cluster_serves_keys_on_every_node_at_once(tmp_path: Path) -> None:
+    # A node turns ok on its own, two seconds after it started: one started later still
+    # answers CLUSTERDOWN when the first is ok (and a pipeline does not retry that).
+    cluster = LocalCluster(tmp_path, masters=3).start()
+    try:
+        with syncredis.Redis(port=cluster.nodes[0].port) as first:
+            # [[first slot, last slot, [host, port, id]], ...]
+            slots = first.execute_command("CLUSTER", "SLOTS")
+        served = {int(primary[1]): (int(lo), int(hi)) for lo, hi, primary, *_ in slots}
+        answers = []
+        for node in cluster.nodes:
+            lo, hi = served[node.port]
+            key = next(f"k{i}" for i in range(100_000) if lo <= key_slot(f"k{i}".encode()) <= hi)
+            with syncredis.Redis(port=node.port) as client:  # that node alone: no retries
+                answers.append(client.eval("return 1", 1, key))
+        assert answers == [1, 1, 1]
+    finally:
+        cluster.stop()
 
 
 async def test_shards_really_are_spread_over_nodes(cluster_settings: Settings) -> None:

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import RedisCluster
@@ -18,31 +15,25 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import lag
 from tests.fixtures.postgres import assert_pg_matches_redis, mixed_workload
+from tests.fixtures.redis import flushall
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[LocalCluster]:
-    folder = Path(tempfile.mkdtemp(prefix="jobtier-cluster-"))
-    nodes = LocalCluster(folder, masters=3).start()
-    yield nodes
-    nodes.stop()
-    shutil.rmtree(folder, ignore_errors=True)
-
-
 @pytest.fixture
-async def cluster_client(cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
-    settings = Settings.from_env({}, redis_url=cluster.url, redis_cluster=True, shards=8)
+async def cluster_client(redis_cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
+    """A client of the session's cluster, emptied first."""
+    flushall(redis_cluster.nodes)
+    settings = Settings.from_env({}, redis_url=redis_cluster.url, redis_cluster=True, shards=8)
     client = connect(settings)
     assert isinstance(client, RedisCluster)
-    await client.flushall()
+    await client.initialize()  # learns the slots: get_node_from_key answers from them
     yield client
     await client.aclose()
 
 
 async def test_persister_on_a_cluster(
-    cluster_client: RedisCluster, pg_pool: Pool, pg_dsn: str, cluster: LocalCluster
+    cluster_client: RedisCluster, pg_pool: Pool, pg_dsn: str, redis_cluster: LocalCluster
 ) -> None:
     keys = Keys("jt", 8)
     nodes = {cluster_client.get_node_from_key(keys.log(s)).port for s in range(8)}
@@ -50,7 +41,7 @@ async def test_persister_on_a_cluster(
 
     job_ids = await mixed_workload(cluster_client, keys, n=100)
     settings = Settings.from_env(
-        {}, redis_url=cluster.url, redis_cluster=True, shards=8, database_url=pg_dsn,
+        {}, redis_url=redis_cluster.url, redis_cluster=True, shards=8, database_url=pg_dsn,
         persist_batch_size=50,
     )  # fmt: skip
     persister = Persister(settings, cluster_client, pg_pool, "p1")

@@ -9,7 +9,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Awaitable, Callable, Iterator
+from functools import partial
 from typing import Any
 
 import pytest
@@ -81,6 +83,36 @@ async def persisted(pool: Pool) -> int:
     return int(await pool.fetchval("SELECT count(*) FROM job_transitions"))
 
 
+async def until_count(
+    what: str,
+    measure: Callable[[], Awaitable[int]],
+    done: Callable[[int], bool],
+    persister: subprocess.Popen[bytes],
+    stall: float = 60.0,
+) -> int:
+    """Wait until ``done(measure())`` while ``persister`` works; returns the last measure.
+
+    Liveness, not timing: how long the work takes depends on the machine's load, so there is
+    no bound on the whole wait. It fails when the persister process exits, or when the
+    measure has not moved for ``stall`` seconds (a persister that is stuck), naming what it
+    waited for and where it stopped.
+    """
+    value = await measure()
+    moved_at = time.monotonic()
+    while not done(value):
+        if persister.poll() is not None:
+            raise AssertionError(
+                f"{what}: the persister exited ({persister.returncode}) at {value}"
+            )
+        if time.monotonic() - moved_at > stall:
+            raise AssertionError(f"{what}: no progress for {stall:g} s, stuck at {value}")
+        await asyncio.sleep(0.02)
+        now = await measure()
+        if now != value:
+            value, moved_at = now, time.monotonic()
+    return value
+
+
 async def test_sigkilled_persister_loses_and_doubles_nothing(
     redis: Any, pg_pool: Pool, keys: Keys, spawn: Callable[..., subprocess.Popen[bytes]]
 ) -> None:
@@ -91,22 +123,29 @@ async def test_sigkilled_persister_loses_and_doubles_nothing(
             job_ids.extend(await simple_jobs(redis, keys, 100))
             await asyncio.sleep(0.005)
 
+    total = 3 * 100 * 60
     producer = asyncio.create_task(produce(60))  # 18,000 transitions
     first = spawn("p1")
-    await until(lambda: _at_least(pg_pool, 1000))
+    count = partial(persisted, pg_pool)
+    await until_count("p1 persisting 1000", count, lambda n: n >= 1000, first)
     first.kill()  # SIGKILL, mid-stream: some entries committed and unacknowledged, some read
     first.wait()
 
     again = spawn("p1")  # restarted under its name: reads its own pending entries back first
-    so_far = await persisted(pg_pool)
-    await until(lambda: _at_least(pg_pool, so_far + 1000))
+    # (the dead one's last transaction may still commit after this count: more, not fewer)
+    target = min(await persisted(pg_pool) + 1000, total)
+    await until_count(
+        f"p1 restarted persisting up to {target}", count, lambda n: n >= target, again
+    )
     again.kill()
     again.wait()
     await producer
+    assert 3 * len(job_ids) == total
 
     # a different persister takes over the dead one's pending entries after the idle timeout
     other = spawn("p2", claim_idle=0.2)
-    await until(lambda: _drained(redis, keys))
+    waiting = partial(_waiting, redis, keys)
+    await until_count("p2 draining the logs", waiting, lambda n: n == 0, other)
     other.terminate()
     other.wait()
 
@@ -119,7 +158,12 @@ async def _at_least(pool: Pool, n: int) -> bool:
 
 
 async def _drained(redis: Any, keys: Keys) -> bool:
-    return (await lag(redis, keys))[0] == 0
+    return await _waiting(redis, keys) == 0
+
+
+async def _waiting(redis: Any, keys: Keys) -> int:
+    """Log entries the persisters have not acknowledged (committed) yet."""
+    return (await lag(redis, keys))[0]
 
 
 async def test_postgres_outage_loses_nothing_and_the_lag_drains(

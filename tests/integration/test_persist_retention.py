@@ -39,6 +39,7 @@ from jobtier.persist.retention import (
     partitions,
     prune,
 )
+from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import log_entries, mixed_workload, simple_jobs
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -117,6 +118,50 @@ async def test_partitions_are_kept_ahead_and_rows_land_in_their_day(
 
     again = await prune(conn, pg_settings)  # idempotent
     assert again is not None and again.created == [] and again.removed == {}
+
+
+async def test_a_batch_that_races_the_days_partition_is_written_whole(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, pg_dsn: str
+) -> None:
+    """On a fresh database the persister's first pass attaches today's partition while its
+    first batches are written. A batch that began before the attach committed routed its rows
+    to the default partition and waited for its lock; once it has it, Postgres refuses them
+    there (they belong to the new partition now). That is not the data's fault: the batch is
+    written again, whole, and nothing is parked as refused."""
+    job_ids = await simple_jobs(redis, keys, 1)  # 3 entries; batches of one
+    persister = Persister(pg_settings.replace(persist_batch_size=1), redis, pg_pool, "p1")
+    day = datetime.now(UTC).date()
+    bounds = [datetime.combine(d, datetime.min.time(), UTC) for d in (day, day + timedelta(1))]
+    attach = query("create_history_partition").format(
+        partition=f'"{today()}"',
+        lower=f"'{bounds[0].isoformat()}'",
+        upper=f"'{bounds[1].isoformat()}'",
+    )
+    other = await db.connect(pg_dsn)
+    try:
+        attaching = other.transaction()
+        await attaching.start()
+        await other.execute(attach)  # holds the default partition until it commits
+        draining = asyncio.create_task(persister.drain())
+        await wait_for(lambda: _waiting_for_a_lock(pg_pool, other.get_server_pid()))
+        await attaching.commit()
+        assert await asyncio.wait_for(draining, 30) == 3
+    finally:
+        await other.close()
+    assert persister.stats.parked == persister.stats.bad_entries == 0
+    assert await redis.xlen(keys.log_refused(keys.shard_of(job_ids[0]))) == 0
+    assert await where_rows_are(pg_pool) == {today(): 3}
+    assert await gaps(pg_pool, job_ids) == []
+
+
+async def _waiting_for_a_lock(pool: Pool, other_pid: int) -> bool:
+    return bool(
+        await pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND wait_event_type = 'Lock' AND pid <> $1",
+            other_pid,
+        )
+    )
 
 
 async def test_replays_stay_harmless_in_a_partitioned_history(

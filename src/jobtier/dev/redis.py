@@ -26,15 +26,28 @@ log = logging.getLogger("jobtier.dev")
 LOCAL_CONF = "redis.local.conf"  # optional, in the data folder: the user's own settings
 
 
-def free_port(below: int = 65536) -> int:
-    """A free loopback port under ``below`` (a cluster node also needs port + 10000)."""
+CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + this (the bus)
+
+
+def free_port(below: int = 65536, *, also: int = 0) -> int:
+    """A free loopback port under ``below``; with ``also``, port + ``also`` is free too (a
+    cluster node's bus port: taken, the node exits at start)."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port < below:
+        if port < below and (not also or _bindable(port + also)):
             return port
     raise RuntimeError(f"no free port below {below}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_port(
@@ -71,7 +84,11 @@ class LocalRedis:
 
     def __init__(self, folder: Path, port: int | None = None, *, cluster: bool = False) -> None:
         self.folder = Path(folder).absolute()
-        self.port = port or free_port(55536 if cluster else 65536)
+        self.port = port or (
+            free_port(65536 - CLUSTER_BUS_OFFSET, also=CLUSTER_BUS_OFFSET)
+            if cluster
+            else free_port()
+        )
         self.cluster = cluster
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -252,21 +269,47 @@ class LocalCluster:
             check=True,
             stdout=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            out = subprocess.run(
-                [cli, "-p", str(self.nodes[0].port), "cluster", "info"],
-                capture_output=True,
-                text=True,
-            ).stdout
-            if "cluster_state:ok" in out:
-                return self
-            time.sleep(0.1)
-        raise TimeoutError("the local cluster did not reach cluster_state:ok")
+        self.wait_ok()
+        return self
+
+    def wait_ok(self, timeout: float = 30.0) -> None:
+        """Return once every node reports ``cluster_state:ok``.
+
+        Each node turns ok on its own: a primary waits two seconds after it started before
+        it does (Redis's writable delay), so one started later turns ok later. Until then it
+        answers keyed commands with CLUSTERDOWN, which a client pipeline does not retry:
+        asking only the first node let callers start while the last one still refused.
+        """
+        waiting = list(self.nodes)
+        deadline = time.monotonic() + timeout
+        while True:
+            waiting = [node for node in waiting if not _cluster_ok(node.port)]
+            if not waiting:
+                return
+            if time.monotonic() > deadline:
+                ports = ", ".join(str(node.port) for node in waiting)
+                raise TimeoutError(
+                    f"the local cluster's nodes on ports {ports} did not reach "
+                    f"cluster_state:ok within {timeout:g}s; see their redis.log"
+                )
+            time.sleep(0.05)
 
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+def _cluster_ok(port: int) -> bool:
+    client = syncredis.Redis(
+        host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=2
+    )
+    try:
+        info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
+    except syncredis.RedisError:
+        return False
+    finally:
+        client.close()
+    return b"cluster_state:ok" in info
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:

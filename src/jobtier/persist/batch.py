@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import asyncpg
 import msgspec
 
 from jobtier.model import JobStatus, json_encoder, status_decoder
@@ -195,6 +196,20 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
         if deps[0]:
             await conn.execute(query("insert_dependencies"), *deps)
     return len(rows)
+
+
+def attached_meanwhile(exc: BaseException) -> bool:
+    """Whether Postgres refused rows for the default history partition because a pass
+    attached their day's partition while the batch waited for the default one's lock
+    (retention.py: the first pass on a fresh database attaches today's as the first batches
+    are written). A statement routes its rows by the partitions it saw when it began; written
+    again, they go to their day. It is the only partition-constraint violation our writes can
+    meet (the default partition takes any row), which unlike a CHECK names no constraint."""
+    return (
+        isinstance(exc, asyncpg.exceptions.CheckViolationError)
+        and not exc.constraint_name
+        and bool(exc.table_name)
+    )
 
 
 def dependency_records(

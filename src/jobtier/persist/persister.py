@@ -37,7 +37,13 @@ from jobtier.keys import Keys
 from jobtier.metrics.histogram import SIZE_BUCKETS, Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.metrics.transitions import TransitionCounter
-from jobtier.persist.batch import MALFORMED, LogEntry, parse_entry, write_batch
+from jobtier.persist.batch import (
+    MALFORMED,
+    LogEntry,
+    attached_meanwhile,
+    parse_entry,
+    write_batch,
+)
 from jobtier.persist.db import UNAVAILABLE, AnyConnection, Pool
 from jobtier.persist.group import (
     claim_idle,
@@ -65,7 +71,8 @@ BATCH_TIMEOUT = 60.0
 FORGET_EVERY = 60.0  # seconds between sweeps of the consumer group's stopped members
 FORGET_IDLE_MIN = 120.0  # least idle time (s) of a member forgotten (and 4x the claim idle)
 
-# This entry's data cannot be stored (no retry will help): isolate it, keep the others moving.
+# This entry's data cannot be stored (no retry will help): isolate it, keep the others moving
+# (but a row refused by a partition attached meanwhile is written again: attached_meanwhile).
 POISON: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.DataError,
     asyncpg.exceptions.IntegrityConstraintViolationError,
@@ -488,12 +495,12 @@ class Persister:
                         time.monotonic() - down_since, backoff.failures,
                     )  # fmt: skip
                 return batch
-            except POISON as exc:
-                if len(batch) > 1:
-                    return await self._isolate(batch, retry)
-                self._poisoned(batch[0], exc)
-                return []
             except Exception as exc:
+                if isinstance(exc, POISON) and not attached_meanwhile(exc):
+                    if len(batch) > 1:
+                        return await self._isolate(batch, retry)
+                    self._poisoned(batch[0], exc)
+                    return []
                 if not retry:
                     raise
                 if not backoff.failures:
