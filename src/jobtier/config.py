@@ -195,6 +195,11 @@ class Settings:
         86400,
         "After a secret rotation, deliveries are signed with the previous secret too this long.",
     )
+    webhook_unmark_interval_seconds: float = _setting(
+        300.0,
+        "How often a dispatcher unmarks the tenants left without a webhook target, whose "
+        "transitions then skip the target look-up; a mark younger than this stays. 0: never.",
+    )
 
     # --- Results kept outside Redis ---------------------------------------------------------
     result_store: str = _setting(
@@ -274,6 +279,8 @@ class Settings:
             problems.append(
                 "JOBTIER_WEBHOOK_RETRY_SCHEDULE must be comma-separated non-negative seconds"
             )
+        if self.webhook_unmark_interval_seconds < 0:
+            problems.append("JOBTIER_WEBHOOK_UNMARK_INTERVAL_SECONDS must be 0 (never) or more")
         if self.webhook_timeout_seconds <= 0 or self.webhook_concurrency < 1:
             problems.append(
                 "JOBTIER_WEBHOOK_TIMEOUT_SECONDS must be positive and "

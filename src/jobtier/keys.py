@@ -255,10 +255,10 @@ class Keys:
         return f"{self.prefix}:audit:pending"
 
     def webhook_tenants(self) -> str:
-        """hash tenant -> "1": tenants that may have webhook targets (a subscription or a
-        job's callback), marked before the target is written, never unmarked; the
-        dispatcher acknowledges the log entries of other tenants undecoded
-        (dispatch/marks.py)."""
+        """hash tenant -> "<ms>.<random>": tenants that may have webhook targets (a
+        subscription or a job's callback), marked before and after the target is written,
+        unmarked by the dispatchers once they have none; the dispatcher acknowledges the log
+        entries of other tenants undecoded (dispatch/marks.py)."""
         return f"{self.prefix}:webhook-tenants"
 
     def persist_group(self) -> str:

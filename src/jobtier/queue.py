@@ -24,6 +24,7 @@ from jobtier.config import Settings
 from jobtier.connection import RedisClient, check_redis, connect
 from jobtier.errors import (
     Code,
+    ConfigError,
     IdempotencyConflict,
     InvalidRequest,
     JobNotFound,
@@ -39,6 +40,7 @@ from jobtier.model import (
     DEFAULT_QUEUE,
     PRIORITIES,
     QUEUE_NAME_RE,
+    CallbackSpec,
     Dependency,
     FlowJob,
     FlowSubmitted,
@@ -157,11 +159,14 @@ class Queue:
         concurrency_limit: int | None = None,
         depends_on: Sequence[str] | None = None,
         on_dependency_failure: OnDependencyFailure | None = None,
+        callback: CallbackSpec | str | None = None,
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
         returns the original job (``created`` False); with a different one it raises
         ``IdempotencyConflict``. Given a ``Task``, its queue and attempts are the defaults.
-        ``depends_on``: ids of jobs it waits for (see ``JobSpec``)."""
+        ``depends_on``: ids of jobs it waits for (see ``JobSpec``). ``callback``: the job's
+        own webhook (a URL alone: its terminal state), written to Postgres as ``submit_many``
+        says."""
         if isinstance(type, Task):
             self.know(type)
             if queue is None:
@@ -189,6 +194,7 @@ class Queue:
             concurrency_limit=concurrency_limit,
             depends_on=list(depends_on) if depends_on is not None else None,
             on_dependency_failure=on_dependency_failure,
+            callback=CallbackSpec(url=callback) if isinstance(callback, str) else callback,
         )
         (result,) = await self.submit_many([spec], tenant=tenant)
         if isinstance(result, Exception):
@@ -202,6 +208,13 @@ class Queue:
 
         Every spec is validated first: one bad spec raises ``InvalidRequest`` (naming its
         index) and nothing is submitted. Idempotency conflicts are returned in place.
+
+        A spec's ``callback`` is written to Postgres (``JOBTIER_DATABASE_URL``, connected on
+        first use) before the submit, as the API writes one, and the dispatcher delivers it
+        (``dispatch/callbacks.py``). A refused URL is an ``InvalidRequest`` naming
+        ``jobs[i].callback.url`` (``callback.url`` for one spec), a tenant without a signing
+        secret a ``SecretMissing``, an empty ``JOBTIER_DATABASE_URL`` a ``ConfigError``:
+        nothing is submitted or written.
         """
         if len(specs) > self.settings.max_batch:
             raise InvalidRequest(f"at most {self.settings.max_batch} jobs per batch", field="jobs")
@@ -214,7 +227,13 @@ class Queue:
                 if len(specs) > 1:
                     raise type(exc)(f"jobs[{index}]: {exc}", field=exc.field) from None
                 raise
-        return await self.submit_many_prepared(items)
+        callbacks = [spec.callback for spec in specs]
+        if all(cb is None for cb in callbacks):
+            return await self.submit_many_prepared(items)
+        from jobtier.dispatch.callbacks import submit_with_callbacks  # only with a callback
+
+        store = await self._callback_store()
+        return await submit_with_callbacks(self, items, callbacks, store, batch=len(items) > 1)
 
     async def submit_many_prepared(
         self, items: Sequence[SubmitItem], *, batch: bool | None = None
@@ -283,11 +302,18 @@ class Queue:
         return await flow_submit.submit_flow(self, prepared)
 
     async def _callback_store(self) -> CallbackStore:
-        """The jobs' callbacks in Postgres, for the flows this process submits."""
+        """The jobs' callbacks in Postgres, for the jobs and flows this process submits."""
         from jobtier.dispatch.callbacks import CallbackStore  # only if a callback is given
         from jobtier.dispatch.safety import AddressPolicy
         from jobtier.persist.db import create_pool
 
+        if not self.settings.database_url:
+            # dropping the callback would submit a job whose webhook never comes
+            raise ConfigError(
+                "a job's callback is written to Postgres and JOBTIER_DATABASE_URL is empty: "
+                "set it to the deployment's Postgres (the one its dispatcher reads), or "
+                "submit without callback"
+            )
         if self._callbacks is None:
             pool = await create_pool(self.settings.database_url, min_size=0, max_size=2)
             policy = AddressPolicy(self.settings.webhook_allowed_hosts)

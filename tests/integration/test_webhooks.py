@@ -14,6 +14,7 @@ from standardwebhooks.webhooks import Webhook as Verifier
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from jobtier.dispatch.dispatcher import Dispatcher
+from jobtier.persist.db import Pool
 from jobtier.queue import Queue
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for
@@ -172,3 +173,51 @@ async def test_a_dependent_reports_waiting_then_its_way_out_of_it(
     (end,) = [b for b in bodies if b["data"]["id"] == doomed]
     assert end["type"] == "job.cancelled" and end["data"]["state"] == "cancelled"
     assert end["data"]["error"]["type"] == "DependencyCancelled"
+
+
+async def test_a_submits_callbacks_are_kept_only_for_the_jobs_it_made(
+    hook_api: ApiServer, api: ApiServer, pool: Pool
+) -> None:
+    """POST /v1/jobs and /v1/jobs/batch: a refused callback, or a depends_on naming no job,
+    writes no callback; an idempotent repeat keeps the first job's alone; an API without its
+    Postgres part refuses a callback, naming it."""
+    url = "http://127.0.0.1:9/hook"
+
+    async def rows() -> list[tuple[str, str]]:
+        found = await pool.fetch("SELECT job_id, url FROM webhook_job_callbacks ORDER BY url")
+        return [(r["job_id"], r["url"]) for r in found]
+
+    async with hook_api.client() as c:
+        await secret_of(c)
+        r = await c.post("/v1/jobs/batch", json={"jobs": [
+            {"type": "echo", "callback": {"url": url}},
+            {"type": "echo", "callback": {"url": "http://10.1.2.3/hook"}},
+        ]})  # fmt: skip
+        assert r.status_code == 422 and r.json()["field"] == "jobs[1].callback.url", r.text
+        r = await c.post("/v1/jobs", json={
+            "type": "echo", "depends_on": ["01M8PZGS1ACTCQA1ZNX74XGJ0W-3"],
+            "callback": {"url": url},
+        })  # fmt: skip
+        assert r.status_code == 422 and r.json()["field"] == "depends_on", r.text
+        assert await rows() == []
+        first = await c.post("/v1/jobs", json={
+            "type": "echo", "idempotency_key": "k", "callback": {"url": url + "?1"},
+        })  # fmt: skip
+        again = await c.post("/v1/jobs", json={
+            "type": "echo", "idempotency_key": "k", "callback": {"url": url + "?2"},
+        })  # fmt: skip
+        assert (first.status_code, again.status_code) == (202, 200), again.text
+        r = await c.post("/v1/jobs/batch", json={"jobs": [
+            {"type": "echo", "idempotency_key": "k", "callback": {"url": url + "?3"}},
+            {"type": "echo", "callback": {"url": url + "?4"}},
+        ]})  # fmt: skip
+        assert [x["status"] for x in r.json()["results"]] == [200, 202], r.text
+        made = r.json()["results"][1]["job"]["id"]
+    assert await rows() == [(first.json()["id"], url + "?1"), (made, url + "?4")]
+    async with api.client() as bare:
+        r = await bare.post("/v1/jobs", json={"type": "echo", "callback": {"url": url}})
+        assert r.status_code == 422 and r.json()["field"] == "callback.url", r.text
+        r = await bare.post("/v1/jobs/batch", json={"jobs": [
+            {"type": "echo"}, {"type": "echo", "callback": {"url": url}},
+        ]})  # fmt: skip
+        assert r.status_code == 422 and r.json()["field"] == "jobs[1].callback.url", r.text

@@ -34,9 +34,11 @@ from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
 from jobtier.cache.redis_reader import RESYNC, Status, StatusReader, parse_version
+from jobtier.dispatch.callbacks import submit_with_callbacks
 from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.model import JobSpec, Submitted
 from jobtier.queue import Queue
+from jobtier.scripts import SubmitItem
 
 _spec_decoder = msgspec.json.Decoder(JobSpec)
 
@@ -61,53 +63,32 @@ async def submit(request: Request) -> Response:
     except InvalidRequest as exc:
         raise invalid(exc) from None
     st.admission.check(tenant)
-    callbacks = await _register_callbacks(request, tenant, [(item.job_id, spec)], False)
-    try:
-        (outcome,) = await queue.submit_many_prepared([item])
-    except InvalidRequest as exc:  # depends_on names a job the tenant does not have
-        if callbacks:  # nothing was submitted: the callback written above has no job
-            await request.state.webhooks.forget([item.job_id])
-        raise invalid(exc) from None
-    if callbacks:
-        await _forget_callbacks(request, [item.job_id], [outcome])
+    (outcome,) = await _submit(request, [item], [spec], False)
     return await _submitted(request, outcome, tenant)
 
 
-async def _register_callbacks(
-    request: Request, tenant: str, jobs: Sequence[tuple[str, JobSpec]], batch: bool
-) -> bool:
-    """Write the jobs' callbacks (api/webhooks.py) before they are submitted; False if none
-    has one. A refused one names its member: ``callback.url``, or ``jobs[i].callback.url``
-    in a batch (a flow's: flows/submit.py ``submit_flow_with_callbacks``)."""
-    callbacks = [
-        (job_id, spec.callback, f"jobs[{i}].callback." if batch else "callback.")
-        for i, (job_id, spec) in enumerate(jobs)
-        if spec.callback is not None
-    ]
-    if not callbacks:
-        return False
-    service = getattr(request.state, "webhooks", None)
-    if service is None:
-        raise Problem(
-            422, "validation", "callbacks need the API's Postgres part, which this API runs "
-            "without", field=callbacks[0][2] + "url",
-        )  # fmt: skip
-    await service.register(tenant, callbacks)
-    return True
-
-
-async def _forget_callbacks(
-    request: Request, job_ids: Sequence[str], outcomes: Sequence[Submitted | IdempotencyConflict]
-) -> None:
-    """Delete the callbacks of ids the submit did not create (a duplicate's answer)."""
-    unused = [
-        job_id
-        for job_id, outcome in zip(job_ids, outcomes, strict=True)
-        if isinstance(outcome, IdempotencyConflict)
-        or not outcome.created
-        or outcome.job_id != job_id
-    ]
-    await request.state.webhooks.forget(unused)
+async def _submit(
+    request: Request, items: Sequence[SubmitItem], specs: Sequence[JobSpec], batch: bool
+) -> list[Submitted | IdempotencyConflict]:
+    """Submit prepared jobs, their callbacks written first by the API's webhook service
+    (``dispatch/callbacks.py submit_with_callbacks``, as the in-process ``Queue.submit``
+    does). A refused callback names its member: ``callback.url``, or ``jobs[i].callback.url``
+    in a batch."""
+    queue: Queue = request.state.queue
+    callbacks = [spec.callback for spec in specs]
+    try:
+        if all(cb is None for cb in callbacks):
+            return await queue.submit_many_prepared(items, batch=batch)
+        service = getattr(request.state, "webhooks", None)
+        if service is None:
+            first = next(i for i, cb in enumerate(callbacks) if cb is not None)
+            raise Problem(
+                422, "validation", "callbacks need the API's Postgres part, which this API "
+                "runs without", field=(f"jobs[{first}]." if batch else "") + "callback.url",
+            )  # fmt: skip
+        return await submit_with_callbacks(queue, items, callbacks, service, batch=batch)
+    except InvalidRequest as exc:  # depends_on names a job the tenant does not have
+        raise invalid(exc) from None
 
 
 async def _submitted(
@@ -164,17 +145,7 @@ async def submit_batch(request: Request) -> Response:
                 field=f"jobs[{index}].{exc.field or ''}".rstrip("."),
             ) from None
     st.admission.check(tenant, len(items))
-    ids = [item.job_id for item in items]
-    jobs = list(zip(ids, body.jobs, strict=True))
-    callbacks = await _register_callbacks(request, tenant, jobs, True)
-    try:
-        outcomes = await queue.submit_many_prepared(items, batch=True)
-    except InvalidRequest as exc:  # depends_on names a job the tenant does not have
-        if callbacks:  # nothing was submitted: the callbacks written above have no job
-            await request.state.webhooks.forget(ids)
-        raise invalid(exc) from None
-    if callbacks:
-        await _forget_callbacks(request, ids, outcomes)
+    outcomes = await _submit(request, items, body.jobs, True)
     results = []
     for outcome in outcomes:
         if isinstance(outcome, IdempotencyConflict):

@@ -225,6 +225,9 @@ async def create(request: Request) -> Response:
                 query("subscription_insert"), f"wh_{ulid()}", tenant, spec.url, spec.events,
                 spec.description,
             )  # fmt: skip
+        # and again once the row is committed, before the answer: a dispatcher's clean-up
+        # may have removed the first mark before the row was there (marks.unmark_idle)
+        await marks.mark(service.callbacks.redis, service.callbacks.keys, [tenant])
     except PG_DOWN:
         raise unavailable() from None
     return _json(_webhook(row, secret if made is not None else None), 201)

@@ -3,22 +3,29 @@
 A job's callback is written before its submit reaches Redis, so the dispatcher finds it for
 the job's first transition (the submit's own); if the submit then makes no job of that id
 (refused, or an idempotent repeat answered with another job), the callback is deleted again.
-The API's submits (``api/webhooks.py``) and the in-process ``Queue.submit_flow`` share this.
+The API's submits (``api/jobs.py``, ``api/flows.py``) and the in-process ``Queue.submit``,
+``submit_many`` and ``submit_flow`` share this: plain jobs by ``submit_with_callbacks``
+here, flows by ``flows/submit.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from jobtier.connection import RedisClient
 from jobtier.dispatch import marks
 from jobtier.dispatch.dispatcher import ensure_group
 from jobtier.dispatch.safety import AddressPolicy, Refused
-from jobtier.errors import InvalidRequest, JobtierError
+from jobtier.errors import IdempotencyConflict, InvalidRequest, JobtierError
 from jobtier.keys import Keys
-from jobtier.model import CallbackSpec
-from jobtier.persist.db import Pool, query
+from jobtier.model import CallbackSpec, Submitted
+from jobtier.persist.db import UNAVAILABLE, Pool, query
+
+if TYPE_CHECKING:
+    from jobtier.queue import Queue
+    from jobtier.scripts import SubmitItem
 
 EVENTS = ("terminal", "all")
 
@@ -87,8 +94,64 @@ class CallbackStore:
             [tenant] * len(callbacks), [cb.url for _, cb, _ in callbacks],
             [cb.events for _, cb, _ in callbacks],
         )  # fmt: skip
+        # and again once the rows are in: a dispatcher's clean-up may have removed the first
+        # mark before they were (marks.unmark_idle says why this one cannot be)
+        await marks.mark(self.redis, self.keys, [tenant])
 
     async def forget(self, job_ids: Sequence[str]) -> None:
         """Delete the callbacks of ``job_ids`` (jobs a submit did not create)."""
         if job_ids:
             await self.pool.execute(query("callbacks_delete"), list(job_ids))
+
+
+class Registrar(Protocol):
+    """What writes and deletes a submit's callbacks: a ``CallbackStore`` in process, the
+    API's ``WebhookService`` (its refusals as problems)."""
+
+    async def register(
+        self, tenant: str, callbacks: Sequence[tuple[str, CallbackSpec, str]]
+    ) -> None: ...
+
+    async def forget(self, job_ids: Sequence[str]) -> None: ...
+
+
+async def submit_with_callbacks(
+    queue: Queue,
+    items: Sequence[SubmitItem],
+    callbacks: Sequence[CallbackSpec | None],
+    store: Registrar,
+    *,
+    batch: bool,
+) -> list[Submitted | IdempotencyConflict]:
+    """``Queue.submit_many_prepared`` for jobs (``callbacks``: each one's own, or None) with
+    their callbacks written first, under the ids the jobs will get, and deleted again for
+    every id the submit did not create: all of them when it is refused, a duplicate's (an
+    idempotent repeat answers with the first job, which keeps its own callback). A refused
+    callback names its member (``jobs[i].callback.url`` in a ``batch``, else
+    ``callback.url``); then, or for a tenant without a secret, nothing is written or
+    submitted."""
+    ours = [
+        (item.job_id, cb, f"jobs[{i}].callback." if batch else "callback.")
+        for i, (item, cb) in enumerate(zip(items, callbacks, strict=True))
+        if cb is not None
+    ]
+    if not ours:
+        return await queue.submit_many_prepared(items, batch=batch)
+    await store.register(items[0].tenant, ours)
+    ids = [job_id for job_id, _, _ in ours]
+    try:
+        outcomes = await queue.submit_many_prepared(items, batch=batch)
+    except (IdempotencyConflict, InvalidRequest):  # refused before any job was made
+        await store.forget(ids)
+        raise
+    # Any other error (Redis lost mid-submit) keeps them: the jobs may exist.
+    made = {
+        outcome.job_id for outcome in outcomes if isinstance(outcome, Submitted) and outcome.created
+    }
+    unused = [job_id for job_id in ids if job_id not in made]
+    if unused:
+        # the jobs are submitted: a Postgres that fails now must not make the submit look
+        # failed, and an orphan callback names a job that never runs (harmless)
+        with contextlib.suppress(*UNAVAILABLE):
+            await store.forget(unused)
+    return outcomes

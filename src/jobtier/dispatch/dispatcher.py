@@ -71,6 +71,7 @@ JITTER = 0.1
 
 # Postgres is unreachable or refusing work for now: keep the entries and try again later
 PG_UNAVAILABLE: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
+UNMARK_FAULTS: tuple[type[BaseException], ...] = (RedisError, *PG_UNAVAILABLE)
 
 
 def group_name(keys: Keys) -> str:
@@ -114,6 +115,7 @@ class DispatcherStats:
     entries: int = 0  # log entries read and handled
     skipped: int = 0  # of which acknowledged undecoded: their tenant is not marked
     lookups: int = 0  # target look-ups in Postgres (one per batch with a marked tenant)
+    unmarked: int = 0  # tenants unmarked: they had no target left (dispatch/marks.py)
     claimed: int = 0  # entries taken over from idle dispatchers
     bad_entries: int = 0
     created: int = 0  # deliveries made
@@ -181,6 +183,7 @@ class Dispatcher:
                 "dispatcher_entries_total": {"": st.entries},
                 "dispatcher_entries_skipped_total": {"": st.skipped},
                 "dispatcher_target_lookups_total": {"": st.lookups},
+                "dispatcher_tenants_unmarked_total": {"": st.unmarked},
                 "dispatcher_claimed_total": {"": st.claimed},
                 "dispatcher_bad_entries_total": {"": st.bad_entries},
                 "webhook_deliveries_created_total": {"": st.created},
@@ -214,10 +217,11 @@ class Dispatcher:
             asyncio.create_task(self._read_loop(), name="dispatcher-read"),
             asyncio.create_task(self._send_loop(), name="dispatcher-send"),
             asyncio.create_task(self._record_loop(), name="dispatcher-record"),
+            asyncio.create_task(self._unmark_loop(), name="dispatcher-unmark"),
         ]
         try:
             await self._stop.wait()
-            await asyncio.gather(parts[0], parts[1])
+            await asyncio.gather(parts[0], parts[1], parts[3])
             if self._attempts:
                 await asyncio.wait(self._attempts, timeout=self.sender.timeout + 1)
             self._recorded.set()
@@ -234,6 +238,23 @@ class Dispatcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), seconds)
         return self._stop.is_set()
+
+    async def _unmark_loop(self) -> None:
+        """Every ``webhook_unmark_interval_seconds``, unmark the tenants left without a
+        target (``marks.unmark_idle``: safe beside target creations and other dispatchers)."""
+        every = self.settings.webhook_unmark_interval_seconds
+        while every > 0 and not await self._sleep(every):
+            try:
+                removed = await marks.unmark_idle(self.redis, self.keys, self.store, every)
+            except UNMARK_FAULTS as exc:  # the next round tries again
+                log.warning("event=unmark_failed error=%r", exc)
+                continue
+            except Exception:  # a clean-up that fails must not stop the deliveries
+                log.exception("event=unmark_crashed")
+                continue
+            self.stats.unmarked += removed
+            if removed:
+                log.info("event=tenants_unmarked count=%d", removed)
 
     # --- the logs -> deliveries -----------------------------------------------------------
     async def _read_loop(self) -> None:

@@ -89,6 +89,11 @@ class DeliveryStore:
         rows = await self.pool.fetch(query("targets_tenants"))
         return [r["tenant"] for r in rows]
 
+    async def with_targets(self, tenants: Sequence[str]) -> set[str]:
+        """Which of ``tenants`` have a live subscription or a job's callback now."""
+        rows = await self.pool.fetch(query("targets_tenants_among"), list(tenants))
+        return {r["tenant"] for r in rows}
+
     async def insert(self, items: Sequence[NewDelivery]) -> int:
         """Insert deliveries, due now (an id already there is skipped); returns how many
         were new."""

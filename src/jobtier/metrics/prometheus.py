@@ -31,6 +31,7 @@ HELP = {
     "dispatcher_entries_total": "Transition log entries a webhook dispatcher read and handled.",
     "dispatcher_entries_skipped_total": "Log entries of tenants with no webhook, acknowledged unread.",
     "dispatcher_target_lookups_total": "Batches whose webhook targets were looked up in Postgres.",
+    "dispatcher_tenants_unmarked_total": "Tenants unmarked by the dispatcher: no webhook target left.",
     "dispatcher_claimed_total": "Log entries taken over from a dispatcher that stopped.",
     "dispatcher_bad_entries_total": "Log entries a dispatcher could not read (acknowledged, logged).",
     "webhook_attempts_total": "Webhook delivery attempts by outcome (delivered, retried, refused, failed, gone).",

@@ -208,6 +208,8 @@ CREATE TABLE webhook_job_callbacks (
     CONSTRAINT webhook_job_callbacks_pkey PRIMARY KEY (job_id),
     CONSTRAINT webhook_job_callbacks_events_check CHECK (events IN ('terminal', 'all'))
 );
+-- does a tenant still have one (the dispatchers' clean-up of webhook marks)
+CREATE INDEX webhook_job_callbacks_tenant_idx ON webhook_job_callbacks (tenant);
 
 -- One row per (transition, target): `id` is the webhook-id receivers deduplicate by, made
 -- from the job id, its version and the target, so a log entry read twice (a dispatcher that

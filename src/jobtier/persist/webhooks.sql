@@ -86,6 +86,14 @@ SELECT tenant FROM webhook_subscriptions WHERE disabled_at IS NULL
 UNION
 SELECT DISTINCT tenant FROM webhook_job_callbacks
 
+-- name: targets_tenants_among
+-- Which of these tenants still have a target (a live subscription or a job's callback): the
+-- others' marks may go (dispatch/marks.py). One index probe per tenant and table.
+SELECT t.tenant FROM unnest($1::text[]) AS t(tenant)
+WHERE EXISTS (
+    SELECT 1 FROM webhook_subscriptions s WHERE s.tenant = t.tenant AND s.disabled_at IS NULL
+) OR EXISTS (SELECT 1 FROM webhook_job_callbacks c WHERE c.tenant = t.tenant)
+
 -- name: deliveries_insert
 -- New deliveries, due at once (the dispatcher that made them leases them next, as any
 -- dispatcher may); a log entry read again after a crash makes the same ids, which are skipped.
