@@ -653,9 +653,10 @@ def build_parser() -> argparse.ArgumentParser:
         "job-format",
         help="show, or switch, the format job records are written in in Redis",
         description="Show per shard the format the scripts write job records in. Format 2 "
-        "packs a job's small fields in two values and costs Redis about a sixth less CPU per "
-        "job; format 1 is what a jobtier from before format 2 reads. Every process of this "
-        "jobtier reads both. A Redis holding no job yet starts in format 2 by itself; a "
+        "packs a job's small fields in two values: about 12 % less Redis CPU and AOF a job, "
+        "40 % less memory. Format 1 is what a jobtier from before format 2 reads. Every "
+        "process of this jobtier reads both. A Redis that never held a job starts in format 2 "
+        "by itself; a "
         "deployment that holds jobs switches with --upgrade, once every process runs this "
         "jobtier. The switch cannot be undone: a jobtier from before format 2 must not run "
         "against the deployment after it.",

@@ -79,20 +79,27 @@ async def adopt(redis: RedisClient, keys: Keys) -> int:
     format the deployment writes: 2, or 1 (logged: ``jobtier job-format --upgrade`` once
     every process runs this jobtier).
 
-    Deciding on "no shard has a log" leaves one race: a jobtier from before format 2 that
-    starts on the same empty Redis at the same moment. Both would be new processes of a
-    deployment that has never run a job, which a rolling upgrade does not produce."""
+    "No job yet": no shard's transition log ever had an entry (the persister and the
+    dispatcher create the streams empty, for their consumer groups, before any job; entries
+    the persister trimmed still count, by the stream's last id). That leaves one race: a
+    jobtier from before format 2 that starts on the same empty Redis at the same moment.
+    Both would be new processes of a deployment that has never run a job, which a rolling
+    upgrade does not produce."""
     pipe = redis.pipeline(transaction=False)
     for shard in range(keys.shards):
         pipe.get(keys.job_format(shard))
-        pipe.exists(keys.log(shard))
-    replies = await pipe.execute()
-    marks, logs = replies[0::2], replies[1::2]
-    if b"1" in marks or (b"2" not in marks and any(logs)):
+        pipe.xinfo_stream(keys.log(shard))  # an error when there is no such stream
+    replies = await pipe.execute(raise_on_error=False)
+    marks = replies[0::2]
+    logged = [
+        isinstance(info, dict) and _id(info.get("last-generated-id")) != "0-0"
+        for info in replies[1::2]
+    ]
+    if b"1" in marks or (b"2" not in marks and any(logged)):
         log.warning(
             "event=job_format format=1 shards=%d: this deployment writes job hashes in "
             "format 1; once every process runs this jobtier, run `jobtier job-format "
-            "--upgrade` (a sixth less Redis CPU per job)",
+            "--upgrade` (less Redis CPU and memory per job)",
             keys.shards,
         )
         return 1
@@ -105,3 +112,7 @@ async def adopt(redis: RedisClient, keys: Keys) -> int:
     await pipe.execute()
     log.info("event=job_format format=2 switched=%d", sum(v != b"2" for v in marks))
     return 2
+
+
+def _id(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

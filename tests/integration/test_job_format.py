@@ -202,6 +202,29 @@ async def jobtier(*args: str, settings: Settings) -> tuple[int, str]:
     return proc.returncode or 0, out.decode()
 
 
+async def test_empty_logs_made_for_consumer_groups_do_not_count_as_jobs(
+    queue: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A persister or dispatcher that starts first creates the log streams empty (for its
+    consumer group): the Redis still holds no job, and is switched; a log whose entries were
+    all trimmed (persisted) once held jobs, and is not."""
+    keys = queue.keys
+    marks = [keys.job_format(s) for s in range(keys.shards)]
+    await queue.redis.delete(*marks)
+    for shard in range(keys.shards):
+        await queue.redis.xgroup_create(keys.log(shard), "jt-persister", id="0", mkstream=True)
+    assert await job_format.adopt(queue.redis, keys) == 2
+    assert await job_format.formats(queue.redis, keys) == [2] * keys.shards
+
+    await queue.submit("echo", None)
+    for shard in range(keys.shards):
+        await queue.redis.xtrim(keys.log(shard), maxlen=0)
+    await queue.redis.delete(*marks)
+    with caplog.at_level(logging.WARNING, logger="jobtier.job_format"):
+        assert await job_format.adopt(queue.redis, keys) == 1
+    assert "jobtier job-format --upgrade" in caplog.text
+
+
 async def test_the_command_shows_and_switches_the_format(
     queue_format_1: Queue, settings: Settings
 ) -> None:

@@ -33,22 +33,29 @@ def _function_body(lib: str, signature: str) -> str:
 
 
 def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
-    """lib.lua's load() and load_1() name each field by its index in one table constructor
+    """lib.lua's load_2() and load_1() name each field by its index in one table constructor
     (to size the table once) after an HMGET written out in full; a field added to FIELDS or
     FIELDS_1 but not there, or out of order, would be read into the wrong name."""
     lib = lua_source("lib")
     fields, fields_1 = _lua_list(lib, "FIELDS"), _lua_list(lib, "FIELDS_1")
-    for signature, names in (("load(id, more)", fields), ("load_1(key, more)", fields_1)):
+    # load_1 asks for 's' after FIELDS_1: set, the job is in format 2 after all
+    for signature, names in (
+        ("load_2(key, more)", fields),
+        ("load_1(key, more)", [*fields_1, "s"]),
+    ):
         body = _function_body(lib, signature)
-        for call in re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", body, re.DOTALL):
-            if "unpack" not in call:
-                assert re.findall(r"'([a-z_]+)'", call) == names, signature
+        calls = re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", body, re.DOTALL)
+        assert len(calls) == 2, signature
+        for call in calls:
+            listed = re.findall(r"'([a-z_]+)'", call)
+            assert listed == names, signature
+            assert call.rstrip().endswith(("more", f"'{names[-1]}'")), signature
     constructor_1 = _function_body(lib, "load_1(key, more)").split("return {", 1)[1]
     pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor_1)
     assert [name for name, _ in pairs] == [*fields_1, "more"]
-    assert [int(i) for _, i in pairs] == list(range(1, len(fields_1) + 2))
-    body = _function_body(lib, "load(id, more)")
-    constructor = body.split("j = {", 1)[1].split("}", 1)[0]
+    assert [int(i) for _, i in pairs] == [*range(1, len(fields_1) + 1), len(fields_1) + 2]
+    assert f"if v[{len(fields_1) + 1}] then" in _function_body(lib, "load_1(key, more)")
+    constructor = _function_body(lib, "load_2(key, more)").split("return {", 1)[1]
     pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor)
     at = {name: int(i) for name, i in pairs}
     assert at == {"id": 1, "tenant": 2, "wf": fields.index("wf") + 1,
@@ -63,8 +70,8 @@ def test_packed_values_are_read_in_the_order_they_are_written() -> None:
     from jobtier import job_format
 
     lib = lua_source("lib")
-    body = _function_body(lib, "load(id, more)")
-    constructor = dict(re.findall(r"([a-z_]+) = ([a-z_]+)[,}]", body.split("j = {", 1)[1]))
+    body = _function_body(lib, "load_2(key, more)")
+    constructor = dict(re.findall(r"([a-z_]+) = ([a-z_]+)[,}]", body.split("return {", 1)[1]))
     for packed, pattern, names in (
         ("packed_c(j)", "C_PATTERN", job_format.C_FIELDS),
         ("packed_s(j)", "S_PATTERN", job_format.S_FIELDS),

@@ -42,7 +42,8 @@ local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 --   format 1: each of those values in a field of its own (FIELDS_1).
 -- Packed, a transition reads 7 fields and writes 2 or 3 where it read 22 and wrote 8 to 13:
 -- fewer values for Redis to look up, for Lua to convert and for the AOF to store (measured
--- with bench/transitions.py: Redis CPU per job down by about a sixth).
+-- with bench/transitions.py: Redis CPU and AOF bytes per job down 12 %; bench/memory.py: a
+-- finished job's memory down 40 %).
 -- Scripts read either format. They write format 2 when the shard's jt:{s}:fmt holds '2', and
 -- keep a job in format 2 once it is: a jobtier from before format 2 reads only format 1, so a
 -- deployment switches (job_format.py) only when every process runs a jobtier that reads
@@ -75,19 +76,53 @@ local function job_key(id)
   return BASE .. 'job:' .. id
 end
 
--- A job in format 1: its values are FIELDS_1's, `more` (a field name or nil) after them.
+-- The job at `key` as format 2 holds it: nil when there is no such job, false when it is in
+-- format 1. `more` (a field name or nil): one more field read in the same HMGET, as j.more.
+local function load_2(key, more)
+  local v
+  if more then
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 's', 'wf', 'error', 'progress', more)
+  else
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 's', 'wf', 'error', 'progress')
+  end
+  if not v[1] then
+    return nil
+  end
+  if not v[S_AT] then
+    return false
+  end
+  local typ, prio, max_attempts, created_iso, queue, ckey = string.match(v[C_AT], C_PATTERN)
+  local state, version, attempt, updated, run_at, run_at_iso, cancel, lease_version, lv, lt,
+    worker = string.match(v[S_AT], S_PATTERN)
+  -- keep in step with FIELDS, C_PATTERN and S_PATTERN (a unit test checks)
+  return {id = v[1], tenant = v[2] or '', type = typ, prio = prio, max_attempts = max_attempts,
+          created_iso = created_iso, queue = queue, ckey = ckey, wf = v[5] or '',
+          error = v[6] or '', progress = v[7] or '', state = state, version = version,
+          attempt = attempt, updated = updated, run_at = run_at, run_at_iso = run_at_iso,
+          cancel = cancel, lease_version = lease_version, lv = lv, lt = lt, worker = worker,
+          more = v[8], _was = v, _key = key, _p = true}
+end
+
+-- The same in format 1: FIELDS_1's values, then 's' (set: the job is in format 2 after all,
+-- read again by load_2), then `more`.
 local function load_1(key, more)
   local v
   if more then
     v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
                    'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
                    'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
-                   more)
+                   's', more)
   else
-    v = redis.call('HMGET', key, unpack(FIELDS_1))
+    v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
+                   'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
+                   'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
+                   's')
   end
   if not v[1] then
     return nil
+  end
+  if v[23] then
+    return load_2(key, more)
   end
   -- keep in step with FIELDS_1 (a unit test checks)
   return {id = v[1], tenant = v[2] or '', type = v[3] or '', prio = v[4] or '',
@@ -96,7 +131,7 @@ local function load_1(key, more)
           error = v[11] or '', progress = v[12] or '', cancel = v[13] or '',
           worker = v[14] or '', lease_version = v[15] or '', created_iso = v[16] or '',
           run_at_iso = v[17] or '', lv = v[18] or '', lt = v[19] or '', queue = v[20] or '',
-          ckey = v[21] or '', wf = v[22] or '', more = v[23], _was = v, _key = key,
+          ckey = v[21] or '', wf = v[22] or '', more = v[24], _was = v, _key = key,
           _fmt1 = true, _p = PACKED}
 end
 
@@ -108,34 +143,21 @@ end
 -- filling it in a loop rehashes it five times (load() took 8.8 us in Redis that way, 4.2 so).
 -- `more` (optional): one more field to read in the same HMGET, as j.more (claim.lua reads the
 -- payload so rather than with an HGET after).
+-- A shard in format 2 holds mostly format-2 jobs and one in format 1 format-1 jobs: each asks
+-- first for the format it expects, so a job costs one HMGET whichever the shard's format.
 local function load(id, more)
   local key = job_key(id)
-  local v
-  if more then
-    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 's', 'wf', 'error', 'progress', more)
-  else
-    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 's', 'wf', 'error', 'progress')
-  end
-  if not v[1] then
-    return nil
-  end
   local j
-  if v[S_AT] then
-    local typ, prio, max_attempts, created_iso, queue, ckey = string.match(v[C_AT], C_PATTERN)
-    local state, version, attempt, updated, run_at, run_at_iso, cancel, lease_version, lv, lt,
-      worker = string.match(v[S_AT], S_PATTERN)
-    -- keep in step with FIELDS, C_PATTERN and S_PATTERN (a unit test checks)
-    j = {id = v[1], tenant = v[2] or '', type = typ, prio = prio, max_attempts = max_attempts,
-         created_iso = created_iso, queue = queue, ckey = ckey, wf = v[5] or '',
-         error = v[6] or '', progress = v[7] or '', state = state, version = version,
-         attempt = attempt, updated = updated, run_at = run_at, run_at_iso = run_at_iso,
-         cancel = cancel, lease_version = lease_version, lv = lv, lt = lt, worker = worker,
-         more = v[8], _was = v, _key = key, _p = true}
-  else
-    j = load_1(key, more)  -- written in format 1 (or, were 'id' alone there, no job: nil)
-    if not j then
-      return nil
+  if PACKED then
+    j = load_2(key, more)
+    if j == false then
+      j = load_1(key, more)
     end
+  else
+    j = load_1(key, more)
+  end
+  if not j then
+    return nil
   end
   if j.queue == '' then  -- a job created before queues existed
     j.queue = 'default'
