@@ -23,6 +23,7 @@ from typing import Any
 
 import asyncpg
 
+from jobtier import job_format
 from jobtier.keys import Keys
 from jobtier.persist.pg_reader import lag
 
@@ -126,8 +127,10 @@ async def job_states(redis: Any, keys: Keys, job_ids: Sequence[str]) -> dict[str
     for chunk in _chunks(job_ids):
         pipe = redis.pipeline(transaction=False)
         for job_id in chunk:
-            pipe.hget(keys.job(job_id), "state")
-        out.update(zip(chunk, await pipe.execute(), strict=True))
+            pipe.hmget(keys.job(job_id), "s", "state")
+        for job_id, (packed, alone) in zip(chunk, await pipe.execute(), strict=True):
+            # format 2 packs the state first in 's' (jobtier.keys, "Job hashes")
+            out[job_id] = packed.split(b" ", 1)[0] if packed is not None else alone
     return out
 
 
@@ -168,7 +171,8 @@ async def audit(redis: Any, pool: Any, keys: Keys, job_ids: Sequence[str]) -> Au
             if not h:
                 (a.vanished_from_redis if row else a.lost).append(job_id)
                 continue
-            state = h[b"state"]
+            fields = job_format.job_fields(h)  # the small fields, whichever format holds them
+            state, version = fields["state"].encode(), int(fields["version"])
             states[state.decode()] += 1
             if state not in TERMINAL:
                 a.not_terminal.append(job_id)
@@ -176,14 +180,12 @@ async def audit(redis: Any, pool: Any, keys: Keys, job_ids: Sequence[str]) -> Au
                 a.pg_differs.append(f"{job_id} (no jobs row)")
                 continue
             if (row["version"], row["state"].encode(), row["doc"], row["payload"]) != (
-                int(h[b"version"]),
+                version,
                 state,
                 h[b"doc"],
                 h[b"payload"],
             ):
-                a.pg_differs.append(
-                    f"{job_id} (Postgres v{row['version']}, Redis v{int(h[b'version'])})"
-                )
+                a.pg_differs.append(f"{job_id} (Postgres v{row['version']}, Redis v{version})")
             problem = history_problems(
                 [(t["version"], t["prev_version"]) for t in transitions], row["version"], has_prev
             )

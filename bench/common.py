@@ -65,6 +65,19 @@ def drop_ready(r: Any, keys: Any) -> None:
         r.delete(keys.queue_counts(s), *names)
 
 
+async def flush(redis: Redis) -> None:
+    """FLUSHALL, keeping each shard's job format mark (jobtier/job_format.py): processes pick
+    the format when they connect, and emptying Redis between phases must not turn a
+    deployment in format 2 back to format 1 under them."""
+    marks = {key: await redis.get(key) async for key in redis.scan_iter(match="*:fmt")}
+    await redis.flushall()
+    if marks:
+        pipe = redis.pipeline(transaction=False)
+        for key, value in marks.items():
+            pipe.set(key, value)
+        await pipe.execute()
+
+
 async def fresh(redis: Redis) -> None:
     """Empty Redis and make its append-only file small again before a measured phase.
 
@@ -72,7 +85,7 @@ async def fresh(redis: Redis) -> None:
     and a background rewrite (a fork, and a second writer on the disk) lands in the middle of
     a later phase: noise that has nothing to do with what is measured.
     """
-    await redis.flushall()
+    await flush(redis)
     await redis.config_resetstat()
     persistence = await redis.info("persistence")
     if persistence.get("aof_enabled"):

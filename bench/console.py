@@ -48,7 +48,7 @@ from redis.asyncio import Redis
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import environment, header_markdown, percentile, save, table  # noqa: E402
+from common import environment, flush, header_markdown, percentile, save, table  # noqa: E402
 from common_http import ApiProcess  # noqa: E402
 from persist import prefill  # noqa: E402
 
@@ -270,7 +270,7 @@ async def drain_rate(
     """A backlog of ``transitions`` (submit, claim, complete of transitions/3 jobs) drained by
     one persister into the filled table: transitions a second, and Postgres CPU each."""
     redis = Redis.from_url(redis_url)
-    await redis.flushall()
+    await flush(redis)
     await prefill(redis_url, transitions)
     # retention off: a pruning pass would delete the oldest filled jobs mid-measure
     settings = Settings.from_env(

@@ -36,9 +36,20 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import transitions
-from common import ROOT, environment, fmt, header_markdown, local_redis, median, save, table
+from common import (
+    ROOT,
+    environment,
+    flush,
+    fmt,
+    header_markdown,
+    local_redis,
+    median,
+    save,
+    table,
+)
 from redis.asyncio import Redis
 
+from jobtier import job_format
 from jobtier.config import Settings
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
@@ -68,7 +79,8 @@ end
 PARTS: tuple[tuple[str, str], ...] = (
     ("job_key(id)", "local k = job_key(id)"),
     ("redis.call HGET of one field", "redis.call('HGET', job_key(id), 'state')"),
-    ("HMGET of FIELDS alone", "redis.call('HMGET', job_key(id), unpack(FIELDS))"),
+    ("HMGET of FIELDS alone (format 2)", "redis.call('HMGET', job_key(id), unpack(FIELDS))"),
+    ("HMGET of FIELDS_1 alone (format 1)", "redis.call('HMGET', job_key(id), unpack(FIELDS_1))"),
     ("load(id): HMGET + the table", "local x = load(id)"),
     ("render(j)", "local d = render(j)"),
     (
@@ -94,7 +106,11 @@ PARTS: tuple[tuple[str, str], ...] = (
     ),
     ("20 stores into a table kept across jobs", "for k = 1, 20 do scratch[k] = k end"),
     (
-        "HSET of 8 fields + doc (a claim's)",
+        "HSET of 's' + doc (a claim's, format 2)",
+        "redis.call('HSET', job_key(id), 's', packed_s(j), 'doc', doc)",
+    ),
+    (
+        "HSET of 8 fields + doc (a claim's, format 1)",
         "redis.call('HSET', job_key(id), 'state', 'queued', 'version', j.version, 'attempt', "
         "'0', 'updated', NOW_STR, 'worker', '', 'lease_version', '0', 'lv', j.version, 'lt', "
         "NOW_STR, 'doc', doc)",
@@ -162,6 +178,7 @@ async def in_place(args: argparse.Namespace) -> dict[str, Any]:
         redis = Redis.from_url(server.url)
         await redis.config_set("auto-aof-rewrite-percentage", 0)
         queue = Queue(Settings(redis_url=server.url, shards=16), redis, None, require_known=False)
+        await job_format.adopt(redis, queue.keys)  # a new deployment's format
         try:
             for i in range(args.place_runs):
                 run = {}
@@ -220,7 +237,7 @@ async def timed(redis: Redis, text: str, base: str, calls: int) -> tuple[float, 
 
 
 async def one_run(redis: Redis, queue: Queue, args: argparse.Namespace) -> dict[str, Any]:
-    await redis.flushall()
+    await flush(redis)
     shard = 0
     base = queue.keys.base(shard)
     items = [queue.prepare(JobSpec(type="noop", payload=None), "t1") for _ in range(args.jobs)]
@@ -257,6 +274,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         redis = Redis.from_url(server.url)
         await redis.config_set("auto-aof-rewrite-percentage", 0)
         queue = Queue(Settings(redis_url=server.url, shards=16), redis, None, require_known=False)
+        await job_format.adopt(redis, queue.keys)  # a new deployment's format
         try:
             for i in range(args.runs):
                 runs.append(await one_run(redis, queue, args))

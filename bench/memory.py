@@ -34,10 +34,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, fmt, header_markdown, local_redis, save, table
+from common import environment, flush, fmt, header_markdown, local_redis, save, table
 from redis.asyncio import Redis
 from transitions import git_sources, use_sources
 
+from jobtier import job_format
 from jobtier.config import Settings
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
@@ -56,7 +57,7 @@ def payload_of(size: int) -> Any:
 async def cell(
     redis: Redis, queue: Queue, n: int, size: int, state: str, idem: bool
 ) -> dict[str, float]:
-    await redis.flushall()
+    await flush(redis)
     await queue.scripts.load()
     shard = 0
     s = queue.settings
@@ -117,6 +118,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         redis = Redis.from_url(server.url)
         settings = Settings(redis_url=server.url, shards=16)
         queue = Queue(settings, redis, None, require_known=False)
+        await job_format.adopt(redis, queue.keys)  # a new deployment's format
         try:
             for value in LISTPACK:
                 await redis.config_set("hash-max-listpack-value", value)

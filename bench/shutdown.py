@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, fmt, header_markdown, local_redis, median, save, table
+from common import environment, flush, fmt, header_markdown, local_redis, median, save, table
 
 from jobtier.config import Settings
 from jobtier.model import State
@@ -87,7 +87,7 @@ async def one_run(
     tasks_dir: Path,
     src: str | None,
 ) -> dict[str, Any]:
-    await queue.redis.flushall()
+    await flush(queue.redis)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")}
     path = [str(tasks_dir)] + ([src] if src else [])
     env.update(

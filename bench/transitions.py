@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     ROOT,
     environment,
+    flush,
     fmt,
     header_markdown,
     local_redis,
@@ -53,6 +54,7 @@ from common import (
 )
 from redis.asyncio import Redis
 
+from jobtier import job_format
 from jobtier.config import Settings
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
@@ -81,6 +83,12 @@ def git_sources(rev: str) -> dict[str, str]:
         out[name] = _INCLUDE.sub(lambda m: lib if m.group(1) == "lib.lua" else show(m.group(1)),
                                  text)  # fmt: skip
     return out
+
+
+async def set_format(redis: Redis, queue: Queue, fmt: int) -> None:
+    """The job hash format the scripts write (jobtier/job_format.py; scripts from before
+    format 2 ignore it). bench/common.py flush keeps it from phase to phase."""
+    await (job_format.upgrade if fmt == 2 else job_format.hold)(redis, queue.keys)
 
 
 def use_sources(queue: Queue, sources: dict[str, str] | None) -> None:
@@ -184,7 +192,7 @@ async def one_variant(
     redis: Redis, queue: Queue, args: argparse.Namespace, sources: dict[str, str] | None
 ) -> dict[str, Any]:
     use_sources(queue, sources)
-    await redis.flushall()
+    await flush(redis)
     await wait_aof_rewrite(redis)
     await redis.bgrewriteaof()
     await asyncio.sleep(0.05)
@@ -247,6 +255,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         await redis.config_set("auto-aof-rewrite-percentage", 0)
         settings = Settings(redis_url=server.url, shards=16)
         queue = Queue(settings, redis, None, require_known=False)
+        await set_format(redis, queue, args.format)
         try:
             for i in range(args.runs):
                 run = {}
@@ -299,7 +308,9 @@ def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any
         f"shard, one tenant, submit {args.submit_batch} per call, claim {args.claim_batch}, "
         f"complete {args.complete_batch}; scripts called directly (no worker, no HTTP). "
         f"Redis AOF `everysec`. Medians of {args.runs} interleaved run(s) of both variants: "
-        f"**before** = the scripts at `{args.before}`, **after** = the working tree's.\n\n"
+        f"**before** = the scripts at `{args.before}`, **after** = the working tree's; job "
+        f"hashes in format {args.format} where the scripts know formats "
+        "(jobtier/job_format.py).\n\n"
         "Redis CPU is the server's (INFO cpu), script time the `evalsha` usec of INFO "
         "commandstats (commands inside included), Lua = script time less the commands' own "
         "usec (key building, rendering the document, cjson). AOF bytes are parsed back from "
@@ -360,6 +371,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--claim-batch", type=int, default=25, help="most jobs per claim (25)")
     p.add_argument("--complete-batch", type=int, default=25, help="jobs per completion (25)")
     p.add_argument("--payload", action="store_true", help='payload {"n": 1} rather than null')
+    p.add_argument("--format", type=int, choices=(1, 2), default=2,
+                   help="job hash format the scripts write (2; scripts from before format 2 "
+                   "write format 1 whatever this says)")  # fmt: skip
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     return p.parse_args(argv)
 

@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import environment, fmt, header_markdown, local_redis, redis_cpu, save, table
 from redis.asyncio import Redis
-from transitions import PHASES, git_sources, use_sources
+from transitions import PHASES, git_sources, set_format, use_sources
 
 from jobtier.config import Settings
 from jobtier.model import JobSpec
@@ -180,6 +180,7 @@ async def main(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             )
             use_sources(queue, git_sources(args.rev) if args.rev else None)
             await queue.scripts.load()
+            await set_format(redis, queue, 2)  # the format a new deployment writes
             items = [
                 queue.prepare(JobSpec(type="noop", payload=None), "t1") for _ in range(args.jobs)
             ]

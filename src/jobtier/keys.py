@@ -7,6 +7,9 @@ one shard and Redis Cluster places whole shards on nodes by itself.
 Per shard::
 
     jt:{s}:job:<id>          hash   the job record, including its rendered status document
+                                    ("doc"); its small fields packed (format 2) or one per
+                                    field (format 1): see "Job hashes" below
+    jt:{s}:fmt               string "2" when the shard's scripts write job hashes in format 2
     jt:{s}:lines:<id>        list   the job's latest log lines (ctx.log; JSON each), expiring
                                     with the job (joblog.lua)
     jt:{s}:q:<queue>:<priority>:<tenant>
@@ -53,6 +56,16 @@ Per shard::
 
 Before named queues, ready jobs waited in ``jt:{s}:q:<priority>`` with the rotation cursor in
 ``jt:{s}:wrr``; ``lua/upgrade.lua`` moves them into the layout above (schedulers run it).
+
+Job hashes. Besides ``id``, ``tenant``, ``payload``, ``result``, ``error``, ``progress``,
+``doc`` and the flow fields (``wf``, ``dd``, ...), a job's small fields are held in one of two
+formats. Format 2: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"``
+(fixed at creation) and ``s`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>
+<run-at ms>|<run-at ISO> <cancel 0/1> <lease version> <last logged version> <its time ms>
+<worker>"``, space-separated (the last value of each is free text; empty values are empty).
+Format 1, before it: each of those in a field of its own (``type``, ``state``, ...). Scripts
+read both; they write format 2 where ``jt:{s}:fmt`` is ``"2"`` (``job_format.py`` says
+when), and a job once in format 2 stays in it. ``job_format.job_fields`` reads either.
 
 Job ids are ``<ULID>-<shard>``: time-ordered, and any process routes them without a lookup.
 """
@@ -130,6 +143,9 @@ class Keys:
 
     def job(self, job_id: str) -> str:
         return f"{self._bases[self.shard_of(job_id)]}job:{job_id}"
+
+    def job_format(self, shard: int) -> str:
+        return self.base(shard) + "fmt"
 
     def job_in(self, shard: int, job_id: str) -> str:
         return f"{self._bases[shard]}job:{job_id}"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from jobtier import job_format
 from jobtier.config import Settings
 from jobtier.connection import RedisClient, check_redis, connect
 from jobtier.errors import (
@@ -115,12 +116,14 @@ class Queue:
     async def connect(
         cls, settings: Settings, registry: TaskLookup | None = None, *, check: bool = True
     ) -> Queue:
-        """Connect, check that Redis is fit (non-evicting, AOF) and load the scripts."""
+        """Connect, check that Redis is fit (non-evicting, AOF), load the scripts, and switch
+        a Redis that holds no job yet to the newest job format (job_format.py)."""
         queue = cls(settings, connect(settings), registry)
         try:
             if check:
                 await check_redis(queue.redis, settings)
             await queue.scripts.load()
+            await job_format.adopt(queue.redis, queue.keys)
         except BaseException:
             await queue.close()
             raise
@@ -854,11 +857,14 @@ class Queue:
         found = []
         for (shard, name, prio), job_id in zip(heads, ids, strict=True):
             if job_id is not None:
-                pipe3.hget(keys.job_in(shard, job_id.decode()), "updated")
+                pipe3.hmget(keys.job_in(shard, job_id.decode()), "s", "updated")
                 found.append((name, prio))
         now = time.time() * 1000
         out: dict[tuple[str, str], float] = {}
-        for key, updated in zip(found, await pipe3.execute() if found else [], strict=True):
+        for key, (packed, field) in zip(found, await pipe3.execute() if found else [], strict=True):
+            # format 2 packs it in 's' (keys.py, "Job hashes")
+            at = job_format.UPDATED_AT
+            updated = packed.split(b" ", at + 1)[at] if packed is not None else field
             if updated is not None:
                 out[key] = max(out.get(key, 0.0), (now - int(updated)) / 1000)
         return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ from jobtier.cli import build_parser, main
 
 COMMANDS = [
     "run", "api", "worker", "scheduler", "persister", "dispatcher", "migrate", "prune", "bench",
-    "config", "check", "jobs", "dead-letters", "queues",
+    "config", "check", "jobs", "dead-letters", "queues", "job-format",
 ]  # fmt: skip
 
 
@@ -34,6 +35,14 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
         env=env,
         timeout=60,
     )
+
+
+def test_job_format_without_redis_is_a_clear_error() -> None:
+    r = run(
+        "job-format", "--upgrade", env={**os.environ, "JOBTIER_REDIS_URL": "redis://127.0.0.1:1"}
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "Redis unreachable at JOBTIER_REDIS_URL" in r.stderr and "nothing changed" in r.stderr
 
 
 def test_bad_input_is_a_clear_error() -> None:

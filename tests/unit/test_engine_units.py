@@ -22,19 +22,70 @@ def test_lua_result_codes_match_the_python_enum() -> None:
     assert {k: int(v) for k, v in lua_codes.items()} == {c.name: c.value for c in Code}
 
 
+def _lua_list(lib: str, name: str) -> list[str]:
+    found = re.search(rf"^local {name} = \{{(.*?)\}}", lib, re.MULTILINE | re.DOTALL)
+    assert found, name
+    return re.findall(r"'([a-z_]+)'", found.group(1))
+
+
+def _function_body(lib: str, signature: str) -> str:
+    return lib.split(f"local function {signature}", 1)[1].split("\nend\n", 1)[0]
+
+
 def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
-    """lib.lua's load() names each of FIELDS by its index in one table constructor (to size
-    the table once); a field added to FIELDS but not there, or out of order, would be read
-    into the wrong name."""
+    """lib.lua's load_2() and load_1() name each field by its index in one table constructor
+    (to size the table once) after an HMGET written out in full; a field added to FIELDS or
+    FIELDS_1 but not there, or out of order, would be read into the wrong name."""
     lib = lua_source("lib")
-    fields_src = re.search(r"^local FIELDS = \{(.*?)\}", lib, re.MULTILINE | re.DOTALL)
-    assert fields_src
-    fields = re.findall(r"'([a-z_]+)'", fields_src.group(1))
-    body = lib.split("local function load(id, fields)", 1)[1].split("\nend\n", 1)[0]
-    constructor = body.split("local j = {", 1)[1].split("}", 1)[0]
+    fields, fields_1 = _lua_list(lib, "FIELDS"), _lua_list(lib, "FIELDS_1")
+    # load_1 asks for 's' after FIELDS_1: set, the job is in format 2 after all
+    for signature, names in (
+        ("load_2(key, more)", fields),
+        ("load_1(key, more)", [*fields_1, "s"]),
+    ):
+        body = _function_body(lib, signature)
+        calls = re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", body, re.DOTALL)
+        assert len(calls) == 2, signature
+        for call in calls:
+            listed = re.findall(r"'([a-z_]+)'", call)
+            assert listed == names, signature
+            assert call.rstrip().endswith(("more", f"'{names[-1]}'")), signature
+    constructor_1 = _function_body(lib, "load_1(key, more)").split("return {", 1)[1]
+    pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor_1)
+    assert [name for name, _ in pairs] == [*fields_1, "more"]
+    assert [int(i) for _, i in pairs] == [*range(1, len(fields_1) + 1), len(fields_1) + 2]
+    assert f"if v[{len(fields_1) + 1}] then" in _function_body(lib, "load_1(key, more)")
+    constructor = _function_body(lib, "load_2(key, more)").split("return {", 1)[1]
     pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor)
-    assert [name for name, _ in pairs] == fields
-    assert [int(i) for _, i in pairs] == list(range(1, len(fields) + 1))
+    at = {name: int(i) for name, i in pairs}
+    assert at == {"id": 1, "tenant": 2, "wf": fields.index("wf") + 1,
+                  "error": fields.index("error") + 1, "progress": fields.index("progress") + 1,
+                  "more": len(fields) + 1}  # fmt: skip
+
+
+def test_packed_values_are_read_in_the_order_they_are_written() -> None:
+    """Format 2's 'c' and 's' (keys.py, "Job hashes"): packed_c/packed_s concatenate j's
+    fields in one order, load() unpacks them with string.match into variables it names in
+    the same order, and job_format.C_FIELDS/S_FIELDS (the Python reader) agree."""
+    from jobtier import job_format
+
+    lib = lua_source("lib")
+    body = _function_body(lib, "load_2(key, more)")
+    constructor = dict(re.findall(r"([a-z_]+) = ([a-z_]+)[,}]", body.split("return {", 1)[1]))
+    for packed, pattern, names in (
+        ("packed_c(j)", "C_PATTERN", job_format.C_FIELDS),
+        ("packed_s(j)", "S_PATTERN", job_format.S_FIELDS),
+    ):
+        written = re.findall(r"j\.([a-z_]+)", _function_body(lib, packed))
+        assert tuple(written) == names, packed
+        match = re.search(rf"local ([a-z_,\s]+?) = string\.match\(v\[\w+\], {pattern}\)", body)
+        assert match, pattern
+        variables = [v.strip() for v in match.group(1).split(",")]
+        # the constructor assigns each variable to the field of its name (typ: a Lua keyword
+        # would not do as a name)
+        assert [constructor[name] for name in names] == variables, pattern
+        captures = re.search(rf"^local {pattern} = '(.*)'$", lib, re.MULTILINE)
+        assert captures and captures.group(1).count("(") == len(names), pattern
 
 
 def _documented_suffixes() -> set[str]:

@@ -164,14 +164,10 @@ local function add_active()
   end
 end
 
--- load() reads the payload with the job's fields: one HMGET per job rather than HMGET + HGET
-local WITH_PAYLOAD = {unpack(FIELDS)}
-local PAYLOAD_AT = #FIELDS + 1
-WITH_PAYLOAD[PAYLOAD_AT] = 'payload'
-
 local function claim_ids(ids)
   for _, id in ipairs(ids) do
-    local j = load(id, WITH_PAYLOAD)
+    -- the payload comes in load()'s HMGET: one call per job rather than HMGET + HGET
+    local j = load(id, 'payload')
     -- a ready list holds only queued jobs (cancel and expiry remove them); the check guards
     -- the invariant rather than trusting it
     if j and j.state == 'queued' then
@@ -188,9 +184,8 @@ local function claim_ids(ids)
         if #active >= 2000 then
           add_active()
         end
-        local payload = j._was[PAYLOAD_AT]
         local k = nout
-        out[k + 1], out[k + 2], out[k + 3], out[k + 4] = id, j.type, payload, j.attempt
+        out[k + 1], out[k + 2], out[k + 3], out[k + 4] = id, j.type, j.more, j.attempt
         out[k + 5], out[k + 6], out[k + 7] = j.max_attempts, j.lease_version, queued_at
         out[k + 8], out[k + 9] = j.queue, flow_inputs(j)
         nout = k + 9

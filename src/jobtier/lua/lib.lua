@@ -34,44 +34,131 @@ local PRIORITIES = {'critical', 'high', 'normal', 'low'}
 local WAITING = {scheduled = true, queued = true, waiting = true}
 local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 
--- the fields a transition reads and writes (payload, result and doc are handled apart)
--- created_iso and run_at_iso keep the rendered form of times that change seldom or never
--- (see render): formatting a date is a quarter of a transition's cost in Redis.
--- lv and lt are the version and time (ms) of the job's last logged entry (see commit).
+-- A job's hash, jt:{s}:job:<id>, in one of two formats (keys.py documents both):
+--   format 2: 'c' the fields fixed at creation, 's' those a transition changes, each packed in
+--     one string of space-separated values (the last one free text: a concurrency key, a
+--     worker id), beside 'id', 'tenant', 'wf', 'error', 'progress' ('', absent, when empty),
+--     'payload', 'result', 'doc' and the flow fields;
+--   format 1: each of those values in a field of its own (FIELDS_1).
+-- Packed, a transition reads 7 fields and writes 2 or 3 where it read 22 and wrote 8 to 13:
+-- fewer values for Redis to look up, for Lua to convert and for the AOF to store (measured
+-- with bench/transitions.py: Redis CPU and AOF bytes per job down 12 %; bench/memory.py: a
+-- finished job's memory down 40 %).
+-- Scripts read either format. They write format 2 when the shard's jt:{s}:fmt holds '2', and
+-- keep a job in format 2 once it is: a jobtier from before format 2 reads only format 1, so a
+-- deployment switches (job_format.py) only when every process runs a jobtier that reads
+-- both. A job loaded in format 1 and written in format 2 loses its format-1 fields in the
+-- same script.
+local PACKED = redis.call('GET', BASE .. 'fmt') == '2'
+
+-- load()'s HMGET of a job in format 2. created_iso keeps the rendered creation time, run_at_iso
+-- the rendered run-at (see render): formatting a date is a quarter of a transition's cost in
+-- Redis. lv and lt are the version and time (ms) of the job's last logged entry (see commit).
 -- wf: the job's flow flags ('' for a job with no dependency, dependent or compensation: the
 -- only field a plain job pays for flows; see the flows section).
--- 'created' (ms) is not among them: render() shows created_iso, and reads 'created' only for
--- a job from before created_iso existed (one field less for every load's HMGET).
-local FIELDS = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
-                'updated', 'run_at', 'error', 'progress', 'cancel', 'worker', 'lease_version',
-                'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf'}
+local FIELDS = {'id', 'tenant', 'c', 's', 'wf', 'error', 'progress'}
+local C_AT, S_AT, ERROR_AT, PROGRESS_AT = 3, 4, 6, 7
+-- 'c': type priority max_attempts created_iso queue ckey
+local C_PATTERN = '^(%S*) (%a*) (%d*) (%S*) (%S*) (.*)$'
+-- 's': state version attempt updated run_at run_at_iso cancel lease_version lv lt worker
+local S_PATTERN = '^(%a*) (%d*) (%d*) (%d*) (%d*) (%S*) (%d*) (%d*) (%d*) (%d*) (.*)$'
+-- The same fields in format 1. 'created' (ms) is not among them: render() shows created_iso,
+-- and reads 'created' only for a job from before created_iso existed.
+local FIELDS_1 = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
+                  'updated', 'run_at', 'error', 'progress', 'cancel', 'worker', 'lease_version',
+                  'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf'}
+-- what a job written in format 2 no longer holds of format 1 (HDEL'd when it changes format)
+local ONLY_1 = {'type', 'prio', 'state', 'version', 'attempt', 'max_attempts', 'updated',
+                'run_at', 'cancel', 'worker', 'lease_version', 'created_iso', 'run_at_iso', 'lv',
+                'lt', 'queue', 'ckey', 'created'}
 
 local function job_key(id)
   return BASE .. 'job:' .. id
 end
 
--- load() keeps the HMGET reply in j._was: commit() writes only the fields that changed (a
--- claim changes 8 of the 14 it used to write every time, a completion 5), which is less for
--- the AOF to store and less for Lua to hand over. j._key is the hash's key (create_job sets
--- it too), built once per job.
--- The table is built by one constructor that names every field: Lua sizes it once, where
--- filling it in a loop rehashes it five times (load() took 8.8 us in Redis that way, 4.2 so).
--- `fields` (optional) is FIELDS followed by more that the caller reads from j._was at
--- #FIELDS + 1...: claim.lua reads the payload in the same call rather than with an HGET after.
-local function load(id, fields)
-  local key = job_key(id)
-  local v = redis.call('HMGET', key, unpack(fields or FIELDS))
+-- The job at `key` as format 2 holds it: nil when there is no such job, false when it is in
+-- format 1. `more` (a field name or nil): one more field read in the same HMGET, as j.more.
+local function load_2(key, more)
+  local v
+  if more then
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 's', 'wf', 'error', 'progress', more)
+  else
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 's', 'wf', 'error', 'progress')
+  end
   if not v[1] then
     return nil
   end
-  -- keep in step with FIELDS (a unit test checks)
-  local j = {id = v[1], tenant = v[2] or '', type = v[3] or '', prio = v[4] or '',
-             state = v[5] or '', version = v[6] or '', attempt = v[7] or '',
-             max_attempts = v[8] or '', updated = v[9] or '', run_at = v[10] or '',
-             error = v[11] or '', progress = v[12] or '', cancel = v[13] or '',
-             worker = v[14] or '', lease_version = v[15] or '', created_iso = v[16] or '',
-             run_at_iso = v[17] or '', lv = v[18] or '', lt = v[19] or '', queue = v[20] or '',
-             ckey = v[21] or '', wf = v[22] or '', _was = v, _key = key}
+  if not v[S_AT] then
+    return false
+  end
+  local typ, prio, max_attempts, created_iso, queue, ckey = string.match(v[C_AT], C_PATTERN)
+  local state, version, attempt, updated, run_at, run_at_iso, cancel, lease_version, lv, lt,
+    worker = string.match(v[S_AT], S_PATTERN)
+  -- keep in step with FIELDS, C_PATTERN and S_PATTERN (a unit test checks)
+  return {id = v[1], tenant = v[2] or '', type = typ, prio = prio, max_attempts = max_attempts,
+          created_iso = created_iso, queue = queue, ckey = ckey, wf = v[5] or '',
+          error = v[6] or '', progress = v[7] or '', state = state, version = version,
+          attempt = attempt, updated = updated, run_at = run_at, run_at_iso = run_at_iso,
+          cancel = cancel, lease_version = lease_version, lv = lv, lt = lt, worker = worker,
+          more = v[8], _was = v, _key = key, _p = true}
+end
+
+-- The same in format 1: FIELDS_1's values, then 's' (set: the job is in format 2 after all,
+-- read again by load_2), then `more`.
+local function load_1(key, more)
+  local v
+  if more then
+    v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
+                   'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
+                   'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
+                   's', more)
+  else
+    v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
+                   'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
+                   'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
+                   's')
+  end
+  if not v[1] then
+    return nil
+  end
+  if v[23] then
+    return load_2(key, more)
+  end
+  -- keep in step with FIELDS_1 (a unit test checks)
+  return {id = v[1], tenant = v[2] or '', type = v[3] or '', prio = v[4] or '',
+          state = v[5] or '', version = v[6] or '', attempt = v[7] or '',
+          max_attempts = v[8] or '', updated = v[9] or '', run_at = v[10] or '',
+          error = v[11] or '', progress = v[12] or '', cancel = v[13] or '',
+          worker = v[14] or '', lease_version = v[15] or '', created_iso = v[16] or '',
+          run_at_iso = v[17] or '', lv = v[18] or '', lt = v[19] or '', queue = v[20] or '',
+          ckey = v[21] or '', wf = v[22] or '', more = v[24], _was = v, _key = key,
+          _fmt1 = true, _p = PACKED}
+end
+
+-- The job `id` as a table of its fields, or nil when the shard does not hold it. load() keeps
+-- the HMGET reply in j._was: commit() writes only what changed (one packed value where a claim
+-- changes 8 fields, a completion 5), which is less for the AOF to store and less for Lua to
+-- hand over. j._key is the hash's key (create_job sets it too), built once per job.
+-- The table is built by one constructor that names every field: Lua sizes it once, where
+-- filling it in a loop rehashes it five times (load() took 8.8 us in Redis that way, 4.2 so).
+-- `more` (optional): one more field to read in the same HMGET, as j.more (claim.lua reads the
+-- payload so rather than with an HGET after).
+-- A shard in format 2 holds mostly format-2 jobs and one in format 1 format-1 jobs: each asks
+-- first for the format it expects, so a job costs one HMGET whichever the shard's format.
+local function load(id, more)
+  local key = job_key(id)
+  local j
+  if PACKED then
+    j = load_2(key, more)
+    if j == false then
+      j = load_1(key, more)
+    end
+  else
+    j = load_1(key, more)
+  end
+  if not j then
+    return nil
+  end
   if j.queue == '' then  -- a job created before queues existed
     j.queue = 'default'
   end
@@ -242,21 +329,101 @@ local function render(j)
     .. '}'
 end
 
--- the fields commit() stores (besides the document); a field that holds '' is the same as
--- an absent one to load(), so a new job's empty fields are not written at all
+-- the fields commit() stores in format 1 (besides the document); a field that holds '' is the
+-- same as an absent one to load(), so a new job's empty fields are not written at all
 local COMMITTED = {'state', 'version', 'attempt', 'updated', 'run_at', 'run_at_iso', 'error',
                    'progress', 'cancel', 'worker', 'lease_version', 'lv', 'lt'}
-local FIELD_AT = {}  -- name -> its index in FIELDS (and in load()'s HMGET reply)
-for i, name in ipairs(FIELDS) do
+local FIELD_AT = {}  -- name -> its index in FIELDS_1 (and in load_1()'s HMGET reply)
+for i, name in ipairs(FIELDS_1) do
   FIELD_AT[name] = i
 end
 -- queue -> its running count's field in the queues hash, built once per queue per script
 local RUNNING_FIELD = {}
 local HSET_ARGS = {}  -- commit()'s scratch table
 local NCOMMITTED = #COMMITTED
-local COMMITTED_AT = {}  -- COMMITTED's indices in FIELDS: commit() looks none up per job
+local COMMITTED_AT = {}  -- COMMITTED's indices in FIELDS_1: commit() looks none up per job
 for i = 1, NCOMMITTED do
   COMMITTED_AT[i] = FIELD_AT[COMMITTED[i]]
+end
+
+-- format 2's packed values (see FIELDS): j's fixed fields and its changing ones
+local function packed_c(j)
+  return j.type .. ' ' .. j.prio .. ' ' .. j.max_attempts .. ' ' .. j.created_iso .. ' '
+    .. j.queue .. ' ' .. j.ckey
+end
+
+local function packed_s(j)
+  return j.state .. ' ' .. j.version .. ' ' .. j.attempt .. ' ' .. j.updated .. ' ' .. j.run_at
+    .. ' ' .. j.run_at_iso .. ' ' .. j.cancel .. ' ' .. j.lease_version .. ' ' .. j.lv .. ' '
+    .. j.lt .. ' ' .. j.worker
+end
+
+-- commit()'s HSET arguments for j in format 2, after the n already in args: 's', and 'error'
+-- and 'progress' where they changed since load() (for a new job: where not empty); 'c' too
+-- for a job that was in format 1 (its format-1 fields go: see commit). Returns the new n.
+local function changed_2(j, args, n)
+  local was, s = j._was, packed_s(j)
+  if not was then
+    args[n + 1], args[n + 2] = 's', s
+    n = n + 2
+    if j.error ~= '' then
+      args[n + 1], args[n + 2] = 'error', j.error
+      n = n + 2
+    end
+    if j.progress ~= '' then
+      args[n + 1], args[n + 2] = 'progress', j.progress
+      n = n + 2
+    end
+    return n
+  end
+  if j._fmt1 then
+    -- its first write in format 2: compared with nothing, every value written
+    was = {}
+    j._was, j._fmt1 = was, nil
+    args[n + 1], args[n + 2] = 'c', packed_c(j)
+    n = n + 2
+    was[C_AT] = args[n]
+    j._dropped = true
+  end
+  -- a value compared as unchanged is exactly what the hash holds (was is updated as it is
+  -- written, so a second commit of j in the same script compares with the first)
+  if was[S_AT] ~= s then
+    args[n + 1], args[n + 2] = 's', s
+    n = n + 2
+    was[S_AT] = s
+  end
+  if (was[ERROR_AT] or '') ~= j.error then
+    args[n + 1], args[n + 2] = 'error', j.error
+    n = n + 2
+    was[ERROR_AT] = j.error
+  end
+  if (was[PROGRESS_AT] or '') ~= j.progress then
+    args[n + 1], args[n + 2] = 'progress', j.progress
+    n = n + 2
+    was[PROGRESS_AT] = j.progress
+  end
+  return n
+end
+
+-- the same in format 1: each of COMMITTED that changed (for a new job: that is not empty)
+local function changed_1(j, args, n)
+  local was = j._was
+  for i = 1, NCOMMITTED do
+    local name = COMMITTED[i]
+    local v = j[name]
+    if was then
+      local at = COMMITTED_AT[i]
+      if (was[at] or '') ~= v then
+        args[n + 1], args[n + 2] = name, v
+        n = n + 2
+        was[at] = v
+      end
+    elseif v ~= '' then
+      args[n + 1], args[n + 2] = name, v
+      n = n + 2
+    end
+  end
+  return n
 end
 
 -- Apply a transition already made to j (state and fields): bump the version, store the
@@ -281,15 +448,15 @@ local function commit(j, from, actor, extra, quiet)
     j.lv, j.lt = j.version, NOW_STR
   end
   -- One HSET of what changed since load() (j._was), or for a new job (create_job: no _was)
-  -- of its fixed fields (j._new) and every non-empty one. A value compared as unchanged is
-  -- exactly what the hash holds, so skipping it cannot lose a write; a script that changes a
-  -- field behind j's back must not rely on commit() to overwrite it (none does).
+  -- of its fixed fields (j._new) and every non-empty one, in j's format (see FIELDS): a job in
+  -- format 2 stays so; one in format 1 moves to format 2 when the shard writes format 2.
+  -- A script that changes a field behind j's back must not rely on commit() to overwrite it
+  -- (none does).
   -- (`_set`: more fields for this HSET, given by the caller, e.g. a success's result.)
   -- A loaded job's arguments go into one table kept for the whole script (HSET_ARGS, read
   -- up to n by unpack; commit() never runs inside itself): a new table per job is grown one
   -- append at a time, resized at 1, 2, 4, 8 and 16 entries, and left to the collector
   -- (bench/lua_parts.py has the three ways side by side).
-  local was = j._was
   local args = j._new or j._set
   local n = 0
   if args then
@@ -297,24 +464,18 @@ local function commit(j, from, actor, extra, quiet)
   else
     args = HSET_ARGS
   end
-  for i = 1, NCOMMITTED do
-    local name = COMMITTED[i]
-    local v = j[name]
-    if was then
-      local at = COMMITTED_AT[i]
-      if (was[at] or '') ~= v then
-        args[n + 1], args[n + 2] = name, v
-        n = n + 2
-        was[at] = v  -- a second commit of j in the same script compares with this one
-      end
-    elseif v ~= '' then
-      args[n + 1], args[n + 2] = name, v
-      n = n + 2
-    end
+  if j._p then
+    n = changed_2(j, args, n)
+  else
+    n = changed_1(j, args, n)
   end
   j._new, j._set = nil, nil
   args[n + 1], args[n + 2] = 'doc', doc
   redis.call('HSET', j._key, unpack(args, 1, n + 2))
+  if j._dropped then
+    j._dropped = nil
+    redis.call('HDEL', j._key, unpack(ONLY_1))
+  end
   if WAITING[from] ~= WAITING[j.state] then
     count(WAITING_COUNTS, j.tenant, WAITING[j.state] and 1 or -1)
   end
@@ -520,15 +681,22 @@ local function create_job(id, tenant, type, queue, prio, payload, max_attempts, 
       j.state = 'scheduled'
     end
   end
-  -- written by commit()'s one HSET, with the fields every transition stores
-  j._new = {'id', id, 'tenant', tenant, 'type', type, 'queue', queue, 'prio', prio,
-            'max_attempts', max_attempts, 'created', j.created, 'created_iso', j.created_iso,
-            'payload', payload}
+  -- written by commit()'s one HSET, with the fields every transition stores (FIELDS)
+  j._p = PACKED
+  if PACKED then
+    j._new = {'id', id, 'tenant', tenant, 'c', packed_c(j), 'payload', payload}
+  else
+    j._new = {'id', id, 'tenant', tenant, 'type', type, 'queue', queue, 'prio', prio,
+              'max_attempts', max_attempts, 'created', j.created, 'created_iso', j.created_iso,
+              'payload', payload}
+    if j.ckey ~= '' then
+      j._new[#j._new + 1], j._new[#j._new + 2] = 'ckey', j.ckey
+    end
+  end
   if idem ~= '' then
     j._new[#j._new + 1], j._new[#j._new + 2] = 'idem', idem
   end
   if j.ckey ~= '' then
-    j._new[#j._new + 1], j._new[#j._new + 2] = 'ckey', j.ckey
     redis.call('HSET', CKEYS, ck_name(j) .. ':limit', climit)
   end
   local extra = {'p', payload}

@@ -111,7 +111,8 @@ def jobtier_tasks() -> Tasks | None:
 async def jobtier_queue(
     jobtier_settings: Settings, jobtier_tasks: Tasks | None
 ) -> AsyncIterator[Queue]:
-    """A ``Queue`` connected to the session's Redis (emptied), closed after the test."""
+    """A ``Queue`` connected to the session's Redis (emptied: it holds only the shards' job
+    format marks, ``jt:{s}:fmt``, which connecting sets), closed after the test."""
     from jobtier.queue import Queue
     from jobtier.testing.burst import as_registry
 

@@ -1,0 +1,237 @@
+"""Job hash formats (keys.py, "Job hashes"; job_format.py): what each format holds, the
+switch of a deployment from format 1 to format 2 with jobs in every state, and when a
+process switches by itself. On the single Redis and on the Redis Cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import sys
+from typing import Any
+
+import msgspec
+import pytest
+
+from jobtier import job_format
+from jobtier.config import Settings
+from jobtier.errors import Code
+from jobtier.model import State, decode_status
+from jobtier.queue import Queue
+from tests.fixtures.engine import hold_format_1
+from tests.integration.test_transitions import (
+    W,
+    claim,
+    complete,
+    expire_lease,
+    fail,
+    heartbeat,
+    reclaim,
+    stopped,
+)
+
+pytestmark = pytest.mark.contract
+
+# the format-1 fields a job's document shows, and the document's name for each
+SHOWN = {"state": "state", "version": "version", "attempt": "attempt", "prio": "priority",
+         "max_attempts": "max_attempts", "queue": "queue", "type": "type"}  # fmt: skip
+
+
+async def held(queue: Queue, job_id: str) -> dict[bytes, bytes]:
+    raw: dict[bytes, bytes] = await queue.redis.hgetall(queue.keys.job(job_id))  # type: ignore[assignment]
+    return raw
+
+
+def agrees_with_doc(fields: dict[str, str]) -> None:
+    """The hash's small fields say what its document says."""
+    doc = msgspec.json.decode(fields["doc"])
+    for field, name in SHOWN.items():
+        assert fields[field] == str(doc[name]), (field, fields[field], doc[name])
+    assert fields["created_iso"] == doc["created_at"]
+    assert (fields.get("worker") or None) == doc["worker"]
+
+
+async def assert_format(queue: Queue, job_id: str, fmt: int) -> dict[str, str]:
+    raw = await held(queue, job_id)
+    if fmt == 2:
+        assert b"c" in raw and b"s" in raw
+        # nothing of format 1 is left beside the packed values
+        assert not {b"state", b"version", b"type", b"queue", b"worker", b"created"} & set(raw)
+    else:
+        assert b"c" not in raw and b"s" not in raw
+        assert raw[b"state"] and raw[b"version"] and raw[b"type"]
+    fields = job_format.job_fields(raw)
+    agrees_with_doc(fields)
+    return fields
+
+
+async def test_a_redis_without_jobs_is_switched_to_format_2_at_connect(queue: Queue) -> None:
+    assert await job_format.formats(queue.redis, queue.keys) == [2] * queue.keys.shards
+    sub = await queue.submit("echo", {"n": 1}, concurrency_key="k:1")
+    fields = await assert_format(queue, sub.job_id, 2)
+    assert fields["ckey"] == "k:1"
+    job = await claim(queue, sub.job_id, worker="worker with spaces")
+    assert job.payload == b'{"n":1}' and job.attempt == 1
+    fields = await assert_format(queue, sub.job_id, 2)
+    assert fields["worker"] == "worker with spaces" and fields["state"] == "running"
+    code, _ = await heartbeat(queue, job, worker="worker with spaces", progress=b'{"p":5}')
+    assert code is Code.OK
+    assert (await assert_format(queue, sub.job_id, 2))["progress"] == '{"p":5}'
+    assert await complete(queue, job, worker="worker with spaces") is Code.OK
+    status = await queue.status(sub.job_id)
+    assert status.state is State.SUCCEEDED and status.progress == {"p": 5}
+    await assert_format(queue, sub.job_id, 2)
+
+
+async def test_a_deployment_held_in_format_1_writes_what_an_older_jobtier_reads(
+    queue_format_1: Queue,
+) -> None:
+    """Until the switch, every transition writes each value in its own field, as a jobtier
+    from before format 2 reads them, and the packed fields never appear."""
+    queue = queue_format_1
+    sub = await queue.submit("flaky", None, max_attempts=2)
+    await assert_format(queue, sub.job_id, 1)
+    job = await claim(queue, sub.job_id)
+    fields = await assert_format(queue, sub.job_id, 1)
+    assert fields["lease_version"] == str(job.lease_version)
+    code, state = await fail(queue, job, delay_ms=5000)
+    assert (code, state) == (Code.OK, b"scheduled")
+    fields = await assert_format(queue, sub.job_id, 1)
+    assert fields["error"] and fields["attempt"] == "1" and fields["run_at_iso"]
+
+
+async def test_jobs_in_every_state_carry_on_after_the_switch(queue_format_1: Queue) -> None:
+    """Jobs written in format 1 (queued, scheduled, running, running with a cancel request,
+    one whose lease expires) go on after `jobtier job-format --upgrade` as if nothing
+    happened: each is moved to format 2 by its first transition, its document and versions
+    carry on, and its history has no gap."""
+    queue = queue_format_1
+    running = await queue.submit("echo", None)
+    cancelling = await queue.submit("echo", None)
+    expiring = await queue.submit("echo", None)
+    claimed = {}
+    for shard in {queue.keys.shard_of(s.job_id) for s in (running, cancelling, expiring)}:
+        claimed.update({j.id: j for j in (await queue.scripts.claim(shard, W, 10, 30_000)).jobs})
+    jobs = {s: claimed[s.job_id] for s in (running, cancelling, expiring)}
+    queued = await queue.submit("echo", {"q": 1})
+    scheduled = await queue.submit("echo", None, delay=3600)
+    assert (await queue.cancel(cancelling.job_id)).cancel_requested
+    for sub in (queued, scheduled, running, cancelling, expiring):
+        await assert_format(queue, sub.job_id, 1)
+    before = {s.job_id: (await queue.status(s.job_id)).version for s in jobs}
+
+    await job_format.upgrade(queue.redis, queue.keys)
+
+    # queued: the only ready job: claimed and completed; scheduled: cancelled
+    job = await claim(queue, queued.job_id)
+    assert job.payload == b'{"q":1}'
+    assert await complete(queue, job) is Code.OK
+    await assert_format(queue, queued.job_id, 2)
+    assert (await queue.cancel(scheduled.job_id)).state is State.CANCELLED
+    await assert_format(queue, scheduled.job_id, 2)
+    # running: completes with the lease it was given in format 1
+    assert await complete(queue, jobs[running]) is Code.OK
+    done = await queue.status(running.job_id)
+    assert done.state is State.SUCCEEDED and done.version == before[running.job_id] + 1
+    await assert_format(queue, running.job_id, 2)
+    # a cancel requested in format 1 is still seen by the worker's heartbeat, and obeyed
+    assert await heartbeat(queue, jobs[cancelling]) == (Code.OK, 1)
+    assert await stopped(queue, jobs[cancelling]) == (Code.OK, b"cancelled")
+    status = await queue.status(cancelling.job_id)
+    assert status.state is State.CANCELLED and status.cancel_requested
+    assert (await assert_format(queue, cancelling.job_id, 2))["cancel"] == "1"
+    # an expired lease is reclaimed and the job runs again
+    await expire_lease(queue, expiring.job_id)
+    await reclaim(queue, queue.keys.shard_of(expiring.job_id))
+    again = await claim(queue, expiring.job_id, worker="worker-b")
+    assert again.attempt == 2
+    await assert_format(queue, expiring.job_id, 2)
+    # every job's logged versions form one chain: each entry names the one before it
+    for sub in (queued, scheduled, running, cancelling, expiring):
+        entries = await log_entries(queue, sub.job_id)
+        chain = [(int(e[b"pv"]), decode_status(e[b"d"]).version) for e in entries]
+        assert chain[0][0] == 0
+        for (_, prev), (pv, _) in itertools.pairwise(chain):
+            assert pv == prev, chain
+
+
+async def log_entries(queue: Queue, job_id: str) -> list[dict[bytes, Any]]:
+    shard = queue.keys.shard_of(job_id)
+    out = []
+    for _, entry in await queue.redis.xrange(queue.keys.log(shard)):
+        if decode_status(entry[b"d"]).id == job_id:
+            out.append(entry)
+    return out
+
+
+async def test_a_deployment_with_jobs_is_not_switched_by_a_process(
+    settings: Settings, queue_format_1: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis that holds jobs written by an older jobtier (a log, no mark) stays in format 1
+    when a process of this jobtier connects, which says so; so does one held by hand ('1');
+    a shard a switched deployment lacks a mark on is switched."""
+    keys = queue_format_1.keys
+    await queue_format_1.submit("echo", None)
+    await queue_format_1.redis.delete(*[keys.job_format(s) for s in range(keys.shards)])
+    with caplog.at_level(logging.WARNING, logger="jobtier.job_format"):
+        other = await Queue.connect(settings)
+    try:
+        assert await job_format.formats(other.redis, keys) == [1] * keys.shards
+        assert "jobtier job-format --upgrade" in caplog.text
+        await hold_format_1(other)
+        assert await job_format.adopt(other.redis, keys) == 1
+        await job_format.upgrade(other.redis, keys)
+        await other.redis.delete(keys.job_format(1))
+        assert await job_format.adopt(other.redis, keys) == 2
+        assert await job_format.formats(other.redis, keys) == [2] * keys.shards
+    finally:
+        await other.close()
+
+
+async def jobtier(*args: str, settings: Settings) -> tuple[int, str]:
+    env = {**os.environ, "JOBTIER_REDIS_URL": settings.redis_url,
+           "JOBTIER_SHARDS": str(settings.shards)}  # fmt: skip
+    if settings.redis_cluster:
+        env["JOBTIER_REDIS_CLUSTER"] = "true"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "jobtier.cli", *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    return proc.returncode or 0, out.decode()
+
+
+async def test_empty_logs_made_for_consumer_groups_do_not_count_as_jobs(
+    queue: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A persister or dispatcher that starts first creates the log streams empty (for its
+    consumer group): the Redis still holds no job, and is switched; a log whose entries were
+    all trimmed (persisted) once held jobs, and is not."""
+    keys = queue.keys
+    marks = [keys.job_format(s) for s in range(keys.shards)]
+    await queue.redis.delete(*marks)
+    for shard in range(keys.shards):
+        await queue.redis.xgroup_create(keys.log(shard), "jt-persister", id="0", mkstream=True)
+    assert await job_format.adopt(queue.redis, keys) == 2
+    assert await job_format.formats(queue.redis, keys) == [2] * keys.shards
+
+    await queue.submit("echo", None)
+    for shard in range(keys.shards):
+        await queue.redis.xtrim(keys.log(shard), maxlen=0)
+    await queue.redis.delete(*marks)
+    with caplog.at_level(logging.WARNING, logger="jobtier.job_format"):
+        assert await job_format.adopt(queue.redis, keys) == 1
+    assert "jobtier job-format --upgrade" in caplog.text
+
+
+async def test_the_command_shows_and_switches_the_format(
+    queue_format_1: Queue, settings: Settings
+) -> None:
+    n = settings.shards
+    code, out = await jobtier("job-format", settings=settings)
+    assert code == 0 and f"format 1: {n} of {n} shards" in out and "--upgrade" in out, out
+    code, out = await jobtier("job-format", "--upgrade", settings=settings)
+    assert code == 0 and out.strip() == f"format 2: {n} of {n} shards", out
+    keys = queue_format_1.keys
+    assert await job_format.formats(queue_format_1.redis, keys) == [2] * keys.shards
