@@ -20,7 +20,6 @@ wins, and a worker's own policy still governs the retries it decides.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Any
@@ -34,6 +33,7 @@ from jobtier.connection import RedisClient
 from jobtier.errors import InvalidRequest
 from jobtier.keys import Keys
 from jobtier.model import TaskAd, TaskInfo
+from jobtier.stopping import stop_task
 
 log = logging.getLogger("jobtier.catalog")
 
@@ -141,10 +141,7 @@ class TaskCatalog:
         self._task = asyncio.create_task(self._loop(), name="jobtier-catalog")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task, "task catalog refresh")
 
     async def _loop(self) -> None:
         while True:

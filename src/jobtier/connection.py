@@ -22,6 +22,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from jobtier.backoff import STARTUP, SUBSCRIBE
 from jobtier.config import Settings
 from jobtier.errors import ConfigError
+from jobtier.stopping import stop_task
 
 log = logging.getLogger("jobtier.redis")
 
@@ -257,12 +258,8 @@ class ShardSubscriber:
 
     async def stop(self) -> None:
         self._closing = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        self._tasks.clear()
+        tasks, self._tasks = self._tasks, []
+        await asyncio.gather(*(stop_task(t, f"subscriber {self.name}") for t in tasks))
 
     def _connection(self, host: str, port: int) -> Connection:
         if isinstance(self.redis, RedisCluster):

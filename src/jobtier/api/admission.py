@@ -8,7 +8,6 @@ a submit pays nothing for them. A refused submit is a 429 (this tenant) or 503 (
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -19,6 +18,7 @@ from jobtier.api.problems import Problem
 from jobtier.config import Settings
 from jobtier.memory import MemoryUse, redis_memory
 from jobtier.queue import Queue
+from jobtier.stopping import stop_task
 
 log = logging.getLogger("jobtier.api")
 
@@ -66,10 +66,7 @@ class Admission:
         self._task = asyncio.create_task(self._loop(), name="jobtier-admission")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task, "admission refresh")
 
     async def refresh(self) -> None:
         self.waiting = await self.queue.waiting_by_tenant()

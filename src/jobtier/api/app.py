@@ -8,6 +8,7 @@ module globals.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -33,6 +34,7 @@ from jobtier.errors import ConfigError
 from jobtier.metrics.snapshot import MetricsPublisher
 from jobtier.model import Dependency
 from jobtier.queue import Queue
+from jobtier.stopping import bounded
 
 log = logging.getLogger("jobtier.api")
 
@@ -168,12 +170,14 @@ def create_app(
                 **ext.state,
             }
         finally:
-            await publisher.stop()
-            await catalog.stop()
-            await admission.stop()
-            await subscriber.stop()
-            await ext.close()
-            await queue.close()
+            # Every step is bounded (stopping.py): an API stopped while Redis restarts, loads
+            # or is frozen still exits, and its log names what it left behind. The loops end
+            # side by side; their connections close after them.
+            await asyncio.gather(
+                publisher.stop(), catalog.stop(), admission.stop(), subscriber.stop()
+            )
+            await bounded("extension close", ext.close())
+            await bounded("redis connections", queue.close())
 
     app = JobtierApp(
         routes=resources([*ROUTES, *ext.routes]),

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
 from jobtier.metrics.histogram import merge, minus
+from jobtier.stopping import bounded, stop_task
 
 log = logging.getLogger("jobtier.metrics")
 
@@ -101,12 +102,11 @@ class MetricsPublisher:
         self._task = asyncio.create_task(self._loop(), name="jobtier-metrics")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        """End the loop, then publish a last snapshot (skipped if Redis does not take it
+        within ``STOP_TIMEOUT``: a restart must not hold up the process's exit)."""
+        await stop_task(self._task, "metrics publisher")
         with contextlib.suppress(RedisError, OSError):
-            await self.publish()
+            await bounded("last metrics snapshot", self.publish())
 
     async def __aenter__(self) -> MetricsPublisher:
         self.start()

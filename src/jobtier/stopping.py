@@ -1,0 +1,70 @@
+"""Stopping background loops and shutdown steps within a bound, whatever Redis is doing.
+
+A process stopped while Redis restarts, loads or is frozen must still exit promptly, and
+say in its log what it left behind. Two things stood in the way:
+
+* A cancellation can be lost. On Python 3.11, ``asyncio.wait_for`` returns the inner
+  call's result when the cancel arrives just as that call finished (CPython gh-86296, fixed
+  in 3.12), and redis-py sends every command through ``wait_for`` once ``socket_timeout``
+  is set (its default). A loop cancelled at that moment carries on as if nothing happened,
+  and ``task.cancel(); await task`` then waits forever: an API stopped on a loaded machine
+  hung in its lifespan shutdown that way. ``stop_task`` cancels again while the task runs.
+* A shutdown step that talks to Redis (the last metrics snapshot) or closes connections can
+  take a client timeout per retry against a server that does not answer. ``bounded`` gives
+  each step ``STOP_TIMEOUT`` seconds and moves on to the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+log = logging.getLogger("jobtier.shutdown")
+
+STOP_TIMEOUT = 5.0  # seconds one shutdown step may take before it is abandoned
+RECANCEL_EVERY = 1.0  # a task still running this long after a cancel has lost it: again
+
+
+async def stop_task(
+    task: asyncio.Task[Any] | None, part: str, timeout: float = STOP_TIMEOUT
+) -> bool:
+    """Cancel ``task`` and wait until it ends, cancelling again every ``RECANCEL_EVERY``
+    seconds while it runs (a lost cancellation, see the module's docstring). True once it
+    has ended; False if it still runs after ``timeout`` seconds: it is left behind, with a
+    warning naming ``part``. An exception it ended with is logged, not raised: the rest of
+    the shutdown still runs."""
+    if task is None:
+        return True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not task.done():
+        left = deadline - loop.time()
+        if left <= 0:
+            log.warning(
+                "event=shutdown_abandoned part=%s seconds=%.1f: still running after it was "
+                "cancelled; left behind",
+                part, timeout,
+            )  # fmt: skip
+            return False
+        task.cancel()
+        await asyncio.wait({task}, timeout=min(left, RECANCEL_EVERY))
+    if not task.cancelled() and task.exception() is not None:
+        log.error("event=shutdown_step_failed part=%s", part, exc_info=task.exception())
+    return True
+
+
+async def bounded(part: str, step: Awaitable[Any], timeout: float = STOP_TIMEOUT) -> bool:
+    """Run one shutdown step for at most ``timeout`` seconds: True if it finished, False if
+    it was cut short (a warning names ``part``). What the step raises is raised."""
+    try:
+        async with asyncio.timeout(timeout):
+            await step
+    except TimeoutError:
+        log.warning(
+            "event=shutdown_abandoned part=%s seconds=%.1f: did not finish in time; cut short",
+            part, timeout,
+        )  # fmt: skip
+        return False
+    return True
