@@ -23,7 +23,6 @@ Races guarded here:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from redis.exceptions import RedisError
 from jobtier.backoff import CLAIM
 from jobtier.model import ClaimedJob
 from jobtier.scripts import Call
+from jobtier.stopping import stop_task
 from jobtier.worker.attempt import deliver_cancel, run_attempt
 from jobtier.worker.context import JobContext
 from jobtier.worker.limits import LimitedClaimer
@@ -73,9 +73,8 @@ class Claiming(Reporting):
             now.cancel()
         if not claims.done():
             log.warning("event=claim_abandoned worker=%s: a claim was still in flight", self.id)
-            claims.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await claims
+            # a claim in flight is a Redis call, which can swallow the cancel (stopping.py)
+            await stop_task(claims, "claim loop")
         else:
             claims.result()  # a crash of the loop surfaces here
 

@@ -46,6 +46,7 @@ from redis.exceptions import RedisError
 from jobtier.connection import ShardSubscriber
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.persist.results import open_store
+from jobtier.stopping import stop_task
 from jobtier.worker.heartbeat import Heartbeat
 from jobtier.worker.state import UNKNOWN, WorkerStats
 
@@ -165,9 +166,9 @@ class Worker(Heartbeat):
             else:
                 heart.cancel()
             await self._flush_outbox()
-            reporter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reporter
+            # its Redis writes can swallow a cancel the same way (stopping.py): cancelled
+            # until it ends, left behind after STOP_TIMEOUT
+            await stop_task(reporter, "worker metrics reporter")
             await self._subscriber.stop()
             with contextlib.suppress(RedisError, OSError):
                 await self.queue.redis.hdel(self.keys.workers(), self.id)
