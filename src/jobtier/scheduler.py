@@ -30,6 +30,7 @@ from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.queue import Queue
 from jobtier.schedules import CronMirror, mirror_def, to_datetime
 from jobtier.scripts import Call
+from jobtier.stopping import stop_task
 
 log = logging.getLogger("jobtier.scheduler")
 
@@ -191,10 +192,8 @@ class Scheduler:
                     await asyncio.sleep(gap)
                 await self._sleep(self._seconds_to_next())
         finally:
-            if reconciler is not None:
-                reconciler.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await reconciler
+            # its Postgres and Redis calls can swallow a cancel (stopping.py)
+            await stop_task(reconciler, "schedule reconciler")
             if resolving is not None:
                 assert self.resolver is not None
                 self.resolver.stop()
