@@ -26,7 +26,10 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from jobtier import job_format
+from jobtier.config import Settings
 from jobtier.dev.redis import LocalRedis
+from jobtier.queue import Queue
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +66,16 @@ def drop_ready(r: Any, keys: Any) -> None:
     for s in range(keys.shards):
         names = [k for pattern in ("q:*", "ring:*") for k in r.scan_iter(keys.base(s) + pattern)]
         r.delete(keys.queue_counts(s), *names)
+
+
+async def script_queue(redis: Redis, url: str, fmt: int = 2) -> Queue:
+    """A Queue on ``redis`` (16 shards) for programs that call the scripts directly rather
+    than through ``Queue.connect``: its shards write job hashes in format ``fmt``
+    (jobtier/job_format.py; 2, what a new deployment writes; scripts from before format 2
+    ignore it). ``flush`` keeps the format from phase to phase."""
+    queue = Queue(Settings(redis_url=url, shards=16), redis, None, require_known=False)
+    await (job_format.upgrade if fmt == 2 else job_format.hold)(redis, queue.keys)
+    return queue
 
 
 async def flush(redis: Redis) -> None:

@@ -45,12 +45,11 @@ from common import (
     local_redis,
     median,
     save,
+    script_queue,
     table,
 )
 from redis.asyncio import Redis
 
-from jobtier import job_format
-from jobtier.config import Settings
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
 from jobtier.scripts import NAMES, lua_source
@@ -177,8 +176,7 @@ async def in_place(args: argparse.Namespace) -> dict[str, Any]:
     with local_redis(aof=True) as server:
         redis = Redis.from_url(server.url)
         await redis.config_set("auto-aof-rewrite-percentage", 0)
-        queue = Queue(Settings(redis_url=server.url, shards=16), redis, None, require_known=False)
-        await job_format.adopt(redis, queue.keys)  # a new deployment's format
+        queue = await script_queue(redis, server.url)  # a new deployment's job format
         try:
             for i in range(args.place_runs):
                 run = {}
@@ -273,8 +271,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     with local_redis(aof=True) as server:
         redis = Redis.from_url(server.url)
         await redis.config_set("auto-aof-rewrite-percentage", 0)
-        queue = Queue(Settings(redis_url=server.url, shards=16), redis, None, require_known=False)
-        await job_format.adopt(redis, queue.keys)  # a new deployment's format
+        queue = await script_queue(redis, server.url)  # a new deployment's job format
         try:
             for i in range(args.runs):
                 runs.append(await one_run(redis, queue, args))

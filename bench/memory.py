@@ -34,12 +34,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, flush, fmt, header_markdown, local_redis, save, table
+from common import environment, flush, fmt, header_markdown, local_redis, save, script_queue, table
 from redis.asyncio import Redis
 from transitions import git_sources, use_sources
 
-from jobtier import job_format
-from jobtier.config import Settings
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
 
@@ -116,9 +114,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with local_redis(aof=False) as server:
         redis = Redis.from_url(server.url)
-        settings = Settings(redis_url=server.url, shards=16)
-        queue = Queue(settings, redis, None, require_known=False)
-        await job_format.adopt(redis, queue.keys)  # a new deployment's format
+        queue = await script_queue(redis, server.url)  # a new deployment's job format
         try:
             for value in LISTPACK:
                 await redis.config_set("hash-max-listpack-value", value)

@@ -49,13 +49,12 @@ from common import (
     median,
     redis_cpu,
     save,
+    script_queue,
     table,
     wait_aof_rewrite,
 )
 from redis.asyncio import Redis
 
-from jobtier import job_format
-from jobtier.config import Settings
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
 from jobtier.scripts import NAMES, Script
@@ -83,12 +82,6 @@ def git_sources(rev: str) -> dict[str, str]:
         out[name] = _INCLUDE.sub(lambda m: lib if m.group(1) == "lib.lua" else show(m.group(1)),
                                  text)  # fmt: skip
     return out
-
-
-async def set_format(redis: Redis, queue: Queue, fmt: int) -> None:
-    """The job hash format the scripts write (jobtier/job_format.py; scripts from before
-    format 2 ignore it). bench/common.py flush keeps it from phase to phase."""
-    await (job_format.upgrade if fmt == 2 else job_format.hold)(redis, queue.keys)
 
 
 def use_sources(queue: Queue, sources: dict[str, str] | None) -> None:
@@ -253,9 +246,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         # Redis would rewrite mid-phase and move the appends to a new file the phase is not
         # reading; each variant starts from its own BGREWRITEAOF instead
         await redis.config_set("auto-aof-rewrite-percentage", 0)
-        settings = Settings(redis_url=server.url, shards=16)
-        queue = Queue(settings, redis, None, require_known=False)
-        await set_format(redis, queue, args.format)
+        queue = await script_queue(redis, server.url, args.format)
         try:
             for i in range(args.runs):
                 run = {}

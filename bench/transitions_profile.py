@@ -51,13 +51,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, fmt, header_markdown, local_redis, redis_cpu, save, table
+from common import (
+    environment,
+    fmt,
+    header_markdown,
+    local_redis,
+    redis_cpu,
+    save,
+    script_queue,
+    table,
+)
 from redis.asyncio import Redis
-from transitions import PHASES, git_sources, set_format, use_sources
+from transitions import PHASES, git_sources, use_sources
 
-from jobtier.config import Settings
 from jobtier.model import JobSpec
-from jobtier.queue import Queue
 
 Frame = tuple[int, str, str]  # address in its object, symbol ('[unknown]'), object path
 
@@ -175,12 +182,9 @@ async def main(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             await redis.config_set("auto-aof-rewrite-percentage", 0)  # as transitions.py
             pid = int((await redis.info("server"))["process_id"])
             binary = os.readlink(f"/proc/{pid}/exe")
-            queue = Queue(
-                Settings(redis_url=server.url, shards=16), redis, None, require_known=False
-            )
+            queue = await script_queue(redis, server.url)  # a new deployment's job format
             use_sources(queue, git_sources(args.rev) if args.rev else None)
             await queue.scripts.load()
-            await set_format(redis, queue, 2)  # the format a new deployment writes
             items = [
                 queue.prepare(JobSpec(type="noop", payload=None), "t1") for _ in range(args.jobs)
             ]

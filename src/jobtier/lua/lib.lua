@@ -78,6 +78,9 @@ end
 
 -- The job at `key` as format 2 holds it: nil when there is no such job, false when it is in
 -- format 1. `more` (a field name or nil): one more field read in the same HMGET, as j.more.
+-- The HMGETs here and in load_1 name their fields as literals rather than unpack(FIELDS)
+-- through a helper: that one extra call and unpack per job measured ~2 us more Redis CPU a
+-- job (bench/transitions.py); a unit test keeps the literals in step with FIELDS/FIELDS_1.
 local function load_2(key, more)
   local v
   if more then
