@@ -129,8 +129,7 @@ async def job_states(redis: Any, keys: Keys, job_ids: Sequence[str]) -> dict[str
         for job_id in chunk:
             pipe.hmget(keys.job(job_id), "s", "state")
         for job_id, (packed, alone) in zip(chunk, await pipe.execute(), strict=True):
-            # format 2 packs the state first in 's' (jobtier.keys, "Job hashes")
-            out[job_id] = packed.split(b" ", 1)[0] if packed is not None else alone
+            out[job_id] = job_format.small_field(packed, alone, "state")
     return out
 
 

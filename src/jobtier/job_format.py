@@ -33,7 +33,6 @@ NEWEST = 2
 C_FIELDS = ("type", "prio", "max_attempts", "created_iso", "queue", "ckey")
 S_FIELDS = ("state", "version", "attempt", "updated", "run_at", "run_at_iso", "cancel",
             "lease_version", "lv", "lt", "worker")  # fmt: skip
-UPDATED_AT = S_FIELDS.index("updated")
 
 
 def job_fields(raw: Mapping[bytes, bytes]) -> dict[str, str]:
@@ -45,6 +44,16 @@ def job_fields(raw: Mapping[bytes, bytes]) -> dict[str, str]:
         if value is not None:
             out.update(zip(names, value.split(" ", len(names) - 1), strict=True))
     return out
+
+
+def small_field(packed: bytes | None, alone: bytes | None, name: str) -> bytes | None:
+    """One of a job's changing fields (S_FIELDS' ``name``) from an HMGET of ``'s'`` and of
+    ``name``, whichever format the hash is in: format 2's packed value when there is one,
+    else format 1's own field."""
+    if packed is None:
+        return alone
+    # split as job_fields does: the last value (the worker id) may hold spaces
+    return packed.split(b" ", len(S_FIELDS) - 1)[S_FIELDS.index(name)]
 
 
 async def formats(redis: RedisClient, keys: Keys) -> list[int]:

@@ -862,9 +862,7 @@ class Queue:
         now = time.time() * 1000
         out: dict[tuple[str, str], float] = {}
         for key, (packed, field) in zip(found, await pipe3.execute() if found else [], strict=True):
-            # format 2 packs it in 's' (keys.py, "Job hashes")
-            at = job_format.UPDATED_AT
-            updated = packed.split(b" ", at + 1)[at] if packed is not None else field
+            updated = job_format.small_field(packed, field, "updated")
             if updated is not None:
                 out[key] = max(out.get(key, 0.0), (now - int(updated)) / 1000)
         return out

@@ -237,3 +237,17 @@ def test_loading_tasks_from_a_module() -> None:
         TaskRegistry.load("jobtier.demo:nothing")
     with pytest.raises(ConfigError, match="defines no @task"):
         TaskRegistry.load("jobtier.keys")
+
+
+def test_small_field_reads_either_format() -> None:
+    """job_format.small_field: format 2's packed 's' when the hash has one (a worker id with
+    spaces stays whole, last), else format 1's own field."""
+    from jobtier import job_format
+
+    packed = b"running 3 1 1796067784647   0 2 3 1796067784647 worker with spaces"
+    assert job_format.small_field(packed, b"ignored", "state") == b"running"
+    assert job_format.small_field(packed, None, "updated") == b"1796067784647"
+    assert job_format.small_field(packed, None, "run_at") == b""
+    assert job_format.small_field(packed, None, "worker") == b"worker with spaces"
+    assert job_format.small_field(None, b"1700000000000", "updated") == b"1700000000000"
+    assert job_format.small_field(None, None, "state") is None
