@@ -312,6 +312,14 @@ def _run_log_consumer(
         try:
             part = build(redis, pool)
             _on_signals(part.stop)
+            if settings.gc_freeze:
+                # As the worker's (cmd_worker): each transition read leaves a few objects
+                # behind for the collector; frozen start-up objects and a higher first
+                # threshold made the persister's collections ~3 -> ~1 µs a transition
+                # (bench/results/persist.md).
+                gc.collect()
+                gc.freeze()
+                gc.set_threshold(20_000, 50, 100)
             async with MetricsPublisher(redis, part.keys, role, [part]):
                 await part.run()
         finally:
