@@ -15,7 +15,9 @@ away. Everything downstream of the read is idempotent, which is what makes the r
   ``persist_claim_idle_seconds`` (XAUTOCLAIM).
 
 Each batch is one transaction: COPY into staging tables, then one upsert per table
-(``batch.write_batch``; why COPY rather than array parameters is measured there).
+(``batch.write_batch``; why COPY rather than array parameters is measured there). Here: what
+goes into a batch and when, and what to do when it fails; ``acks.py``: what Redis is then
+owed (XACKs, parked copies); ``stats.py``: the counts and the metrics made from them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import asyncpg
 from redis.exceptions import RedisError
@@ -34,9 +35,7 @@ from jobtier.backoff import PERSIST_POSTGRES, PERSIST_REDIS
 from jobtier.config import Settings
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
-from jobtier.metrics.histogram import SIZE_BUCKETS, Histogram
-from jobtier.metrics.snapshot import Snapshot, labels
-from jobtier.metrics.transitions import TransitionCounter
+from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.acks import Acks
 from jobtier.persist.batch import (
     BATCH_TIMEOUT,
@@ -56,6 +55,7 @@ from jobtier.persist.group import (
     trim,
 )
 from jobtier.persist.retention import run_pruning
+from jobtier.persist.stats import PersisterStats
 
 __all__ = ["Persister", "PersisterStats", "replay_refused"]
 
@@ -77,22 +77,6 @@ POISON: tuple[type[BaseException], ...] = (
 # Anything else (a missing table before `jobtier migrate`, an error nobody foresaw) is
 # retried like an outage too, logged and counted by class: a persister never exits on its
 # own, because nothing would drain the logs after it.
-
-
-@dataclass
-class PersisterStats:
-    """What the persister has done since it started (its metrics)."""
-
-    batches: int = 0
-    transitions: int = 0  # log entries committed (history rows, replays included)
-    jobs: int = 0  # job rows upserted, after collapsing
-    retries: int = 0  # batch attempts that failed and were retried
-    claimed: int = 0  # entries taken over from idle consumers
-    bad_entries: int = 0  # entries that cannot be stored (logged; parked when refused)
-    parked: int = 0  # entries Postgres refused, moved to the shard's log:refused stream
-    errors: dict[str, int] = field(default_factory=dict)  # failures retried, by error class
-    batch_sizes: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS), repr=False)
-    job_counts: TransitionCounter = field(default_factory=TransitionCounter, repr=False)
 
 
 class Persister:
@@ -158,23 +142,8 @@ class Persister:
 
     # --- life cycle -----------------------------------------------------------------------
     def metrics(self) -> Snapshot:
-        """This persister's part of its process's metrics snapshot, with the job counters by
-        type counted from what it committed."""
-        st = self.stats
-        counters = {name: dict(series) for name, series in st.job_counts.counts.items()}
-        counters.update({
-            "persister_batches_total": {"": st.batches},
-            "persister_retries_total": {"": st.retries},
-            "persister_claimed_total": {"": st.claimed},
-            "persister_bad_entries_total": {"": st.bad_entries},
-            "persister_parked_total": {"": st.parked},
-            "persister_errors_total": {labels(error=k): v for k, v in st.errors.items()},
-        })  # fmt: skip
-        return Snapshot(
-            "", "", 0.0,
-            counters=counters,
-            histograms={"persister_batch_size": {"": st.batch_sizes.snapshot()}},
-        )  # fmt: skip
+        """This persister's part of its process's metrics snapshot (``PersisterStats``)."""
+        return self.stats.snapshot()
 
     async def setup(self) -> None:
         """Create the consumer group on every shard stream (from the first entry) if missing."""
@@ -200,7 +169,7 @@ class Persister:
                     # Redis away or loading its data (one line), or anything else (its
                     # traceback once): never a reason to stop, nothing would drain the logs.
                     wait = backoff.next()
-                    self._failed(exc)
+                    self.stats.failed(exc)
                     if isinstance(exc, RedisError | OSError):
                         log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
                     else:
@@ -388,17 +357,13 @@ class Persister:
                 continue
             exc = task.exception()
             if exc is not None:
-                self._failed(exc)
+                self.stats.failed(exc)
                 log.error("event=flush_failed error=%r", exc, exc_info=exc)
                 self._reread()
 
     def _reread(self) -> None:
         """Read our own pending entries again from the start (held ones are skipped)."""
         self._cursor = [b"0"] * len(self._streams)
-
-    def _failed(self, exc: BaseException) -> None:
-        name = type(exc).__name__
-        self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 
     def _explain(self, event: str, exc: BaseException, wait: float, **fields: object) -> None:
         """Log an unforeseen failure: with its traceback the first time its class is seen in
@@ -462,7 +427,7 @@ class Persister:
                     down_since = time.monotonic()
                 wait = backoff.next()
                 self.stats.retries += 1
-                self._failed(exc)
+                self.stats.failed(exc)
                 outage = outage or isinstance(exc, UNAVAILABLE)
                 if raced:  # not a failure of Postgres, nor of the data: batch_written_again
                     log.info(
