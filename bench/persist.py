@@ -59,6 +59,7 @@ from jobtier.persist.batch import (
     LogEntry,
     collapse,
     job_records,
+    parse_entry,
     transition_records,
 )
 from jobtier.persist.db import AnyConnection, Pool, create_pool, migrate, query
@@ -159,7 +160,9 @@ async def generate(redis_url: str, rate: float, seconds: float) -> None:
 JOB_TYPES = (
     "text", "text", "text", "text", "text", "int", "int", "int", "timestamptz", "timestamptz",
     "timestamptz", "json", "text", "json", "int", "json", "json", "bool", "text", "bytea",
+    "text", "text",
 )  # fmt: skip
+assert len(JOB_TYPES) == len(JOB_COLUMNS)
 TRANSITION_TYPES = (
     "text",
     "int",
@@ -207,11 +210,11 @@ class UnnestPersister(Persister):
 BASELINE_SQL = f"""
 WITH history AS (
     INSERT INTO job_transitions ({", ".join(TRANSITION_COLUMNS)})
-    VALUES ($1, $6, $23, $21, $5, $10, $22, $7, $16, $17, $18)
+    VALUES ($1, $6, $25, $23, $5, $10, $24, $7, $16, $17, $18)
     ON CONFLICT DO NOTHING
 )
 INSERT INTO jobs AS j ({", ".join(JOB_COLUMNS)})
-VALUES ({", ".join(f"${i}" for i in range(1, 21))})
+VALUES ({", ".join(f"${i}" for i in range(1, len(JOB_COLUMNS) + 1))})
 ON CONFLICT (id) DO UPDATE SET state = excluded.state, version = excluded.version,
     attempt = excluded.attempt, updated_at = excluded.updated_at, run_at = excluded.run_at,
     result = coalesce(excluded.result, j.result), result_size = excluded.result_size,
@@ -416,6 +419,79 @@ class PersisterProcess:
                 await asyncio.sleep(0.05)
 
 
+async def postgres_profile(run: Run, transitions: int, batch: int) -> dict[str, Any]:
+    """(``--profile``) Where Postgres's time per transition goes: a backlog written batch by
+    batch as the persister writes it (``write_batch``'s statements, in its order), each
+    statement run under EXPLAIN (ANALYZE, BUFFERS, WAL); the WAL by record type from
+    pg_walinspect. Then the same with the secondary indexes of ``jobs`` dropped (this is the
+    last thing a bench does with its database), to show what maintaining them costs."""
+    out: dict[str, Any] = {}
+    run.pg.psql("CREATE EXTENSION IF NOT EXISTS pg_walinspect", database=run.pg.database)
+    for label in ("all indexes", "no secondary index on jobs"):
+        if label != "all indexes":
+            for name in await run.pool.fetch(
+                "SELECT indexname FROM pg_indexes WHERE tablename = 'jobs'"
+                " AND indexname <> 'jobs_pkey'"
+            ):
+                await run.pool.execute(f'DROP INDEX "{name[0]}"')
+        await run.reset()
+        await prefill(run.redis_url, transitions)
+        entries: list[LogEntry] = []
+        for s in range(SHARDS):
+            for entry_id, fields in await run.redis.xrange(run.keys.log(s)):
+                entries.append(parse_entry(s, entry_id, fields))
+        entries.sort(key=lambda e: (e.ms, e.entry_id))
+        ms: dict[str, float] = defaultdict(float)
+        wal: dict[str, float] = defaultdict(float)
+        start = await run.pool.fetchval("SELECT pg_current_wal_lsn()::text")
+        async with run.pool.acquire() as conn:
+            for i in range(0, len(entries), batch):
+                chunk = entries[i : i + batch]
+                rows = collapse(chunk)
+                async with conn.transaction():
+                    await conn.execute(query("create_staging"))
+                    for table, records, columns in (
+                        ("jobs_staging", job_records(rows), JOB_COLUMNS),
+                        ("transitions_staging", transition_records(chunk), TRANSITION_COLUMNS),
+                    ):
+                        t0 = time.perf_counter()
+                        await conn.copy_records_to_table(table, records=records, columns=columns)
+                        ms[f"COPY {table} (round trip)"] += (time.perf_counter() - t0) * 1000
+                    names = ["upsert_jobs", "insert_transitions"]
+                    if any(r.payload is not None for r in rows):
+                        names.insert(1, "fill_submitted")
+                    for name in names:
+                        plan = json.loads(
+                            await conn.fetchval(
+                                "EXPLAIN (ANALYZE, BUFFERS, WAL, FORMAT JSON) " + query(name)
+                            )
+                        )[0]
+                        ms[name] += plan["Execution Time"]
+                        wal[name] += plan["Plan"].get("WAL Bytes", 0)
+        end = await run.pool.fetchval("SELECT pg_current_wal_lsn()::text")
+        n = len(entries)
+        by_kind = {}
+        for line in run.pg.psql(
+            'SELECT "resource_manager/record_type", count, record_size, fpi_size'
+            f" FROM pg_get_wal_stats('{start}', '{end}', false) WHERE count > 0",
+            database=run.pg.database,
+        ).splitlines():
+            kind, count, size, fpi = line.split("|")
+            by_kind[kind] = {
+                "records": round(int(count) / n, 2),
+                "bytes": round((int(size) + int(fpi)) / n),
+            }
+        total = await run.pool.fetchval("SELECT $2::text::pg_lsn - $1::text::pg_lsn", start, end)
+        out[label] = {
+            "us": {k: round(v * 1000 / n, 2) for k, v in ms.items()},
+            "wal_bytes": {k: round(v / n) for k, v in wal.items()},
+            "wal_by_kind": by_kind,
+            "wal_total_bytes": round(float(total) / n),
+        }
+        print(f"profile {label}: {out[label]}")
+    return out
+
+
 def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
@@ -481,6 +557,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 await run.redis.aclose()
             results["load_average"] = {"1min": round(os.getloadavg()[0], 1)}  # others' work
             runs.append(results)
+        profile = None
+        if args.profile:
+            run = Run(redis, pg, pool, "batched")
+            profile = await postgres_profile(run, args.backlog // 2, Settings().persist_batch_size)
+            await run.redis.aclose()
         await pool.close()
     finally:
         redis.stop()
@@ -491,6 +572,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "before": args.before,
         "runs": runs,
         "medians": _medians(runs),
+        "postgres_profile": profile,
     }
 
 
@@ -540,7 +622,49 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     in_process = {v: m for v, m in med.items() if v in VARIANTS}
     if in_process:
         lines += _in_process(in_process, args)
+    if result.get("postgres_profile"):
+        lines += _profile(result["postgres_profile"], args)
     return "\n".join(lines) + "\n"
+
+
+def _profile(profile: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    labels = list(profile)
+    lines = [
+        "",
+        "## Postgres's side, per statement (`--profile`)",
+        "",
+        f"A backlog of {args.backlog // 2:,} transitions written in batches of "
+        f"{Settings().persist_batch_size:,} by `write_batch`'s statements, each under EXPLAIN "
+        "(ANALYZE, BUFFERS, WAL): execution time and WAL per transition. COPY is timed from "
+        "the client (its encoding included). Then the same on `jobs` without its secondary "
+        "indexes (listings, console, retention), to show what maintaining them costs.",
+        "",
+        "| statement | " + " | ".join(f"{label}: µs / WAL bytes" for label in labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
+    names = list(profile[labels[0]]["us"])
+    for name in names:
+        cells = []
+        for label in labels:
+            p = profile[label]
+            cells.append(f"{p['us'].get(name, 0):.1f} / {p['wal_bytes'].get(name, 0):,}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| WAL written in all, by record type (records: bytes per transition) | "
+        + " | ".join(
+            f"{profile[label]['wal_total_bytes']:,}: "
+            + ", ".join(
+                f"{k} {v['records']:.1f}: {v['bytes']:,}"
+                for k, v in sorted(
+                    profile[label]["wal_by_kind"].items(), key=lambda kv: -kv[1]["bytes"]
+                )
+                if v["bytes"] >= 5
+            )
+            for label in labels
+        )
+        + " |"
+    )
+    return lines
 
 
 def _before_after(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
@@ -631,6 +755,10 @@ def main() -> None:
     parser.add_argument(
         "--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
         help="in-process variants to run (none: only the --before comparison)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="also profile Postgres's side per statement (EXPLAIN ANALYZE, WAL), last",
     )  # fmt: skip
     parser.add_argument(
         "--before", metavar="REV",
