@@ -175,10 +175,12 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
     The batch is COPYed (binary) into per-session temporary staging tables and moved from
     there with one statement per table. Measured against the same statements fed by array
     parameters (``unnest``), 2,000-entry batches, durable Postgres, 2 shared cores
-    (bench/results/persist.md): COPY drained a backlog at 26.3K transitions/s against 23.6K
-    (medians of six alternated samples each) and used 40 us of CPU per transition against 46
-    (persister 17 vs 22, Postgres 24 vs 24). asyncpg checks every array element it encodes
-    against collection ABCs; COPY records skip that.
+    (bench/results/persist.md): COPY drained a backlog at 29.8K transitions/s against 26.0K
+    (medians of three runs of two alternated samples) and used 52 us of CPU per transition
+    against 59 (persister 14 vs 21, Postgres 38 vs 38). asyncpg checks every array element
+    it encodes against collection ABCs; COPY records skip that. Most of Postgres's share is
+    the upsert into ``jobs``, and most of that is its secondary indexes (the same file's
+    ``--profile`` table: 17 of 22 us a transition).
     """
     rows = collapse(entries)
     async with conn.transaction():
