@@ -9,6 +9,7 @@ hand and never touches one.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import datetime
 import json
@@ -34,6 +35,19 @@ from jobtier.queue import Queue
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def baseline_tree(rev: str) -> Path:
+    """The project's files (src, bench) at git revision ``rev`` (``git archive``), in a
+    temporary folder removed at exit: a bench runs that revision's code beside the working
+    tree's, in the same run (``compare.py --baseline``, ``persist.py --before``)."""
+    folder = Path(tempfile.mkdtemp(prefix="jobtier-baseline-"))
+    atexit.register(shutil.rmtree, folder, True)
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "src", "bench"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
 
 
 # --- Redis ----------------------------------------------------------------------------------

@@ -82,6 +82,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import throughput
 from common import (
     RedisMeter,
+    baseline_tree,
     environment,
     fmt,
     fresh,
@@ -505,19 +506,6 @@ async def measure_jobtier(
         )},
         **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_"))},
     }  # fmt: skip
-
-
-def baseline_tree(rev: str) -> Path:
-    """The project's files at git revision ``rev`` (``git archive``), in a temporary folder
-    removed at exit."""
-    folder = Path(tempfile.mkdtemp(prefix="jobtier-baseline-"))
-    atexit.register(shutil.rmtree, folder, True)
-    archive = subprocess.run(
-        ["git", "-C", str(HERE.parent.parent), "archive", rev, "src", "bench"],
-        capture_output=True, check=True,
-    ).stdout  # fmt: skip
-    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
-    return folder
 
 
 async def measure_baseline(mode: str, args: argparse.Namespace) -> dict[str, Any]:

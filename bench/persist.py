@@ -9,10 +9,19 @@ transitions with the real Lua scripts, and measures:
 
 Variants: ``batched`` (the persister: one transaction per batch, COPY into staging tables,
 one upsert per table), ``unnest`` (the same batches as array parameters: the alternative the
-persister was measured against), ``baseline`` (one INSERT per transition, autocommit).
+persister was measured against), ``baseline`` (one INSERT per transition, autocommit). These
+run in the bench's own process.
+
+``--before REV`` adds the persister as deployed: ``jobtier persister`` in a process of its own,
+once with this tree's code and once with git revision REV's (its files in a temporary folder,
+first on the child's PYTHONPATH), alternated in the same run on the same servers. Each drains
+the same backlog; its CPU (the process's, from /proc) and Postgres's are counted from the
+moment it is let go (it is started first and held with SIGSTOP while the backlog is made,
+so start-up costs are left out).
 
     .venv/bin/python bench/persist.py                 # one run, all variants
     .venv/bin/python bench/persist.py --runs 3        # medians of three runs
+    .venv/bin/python bench/persist.py --runs 3 --before main --variants batched
 
 Results go to bench/results/persist.json and bench/results/persist.md.
 """
@@ -25,6 +34,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -36,6 +46,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import ROOT, baseline_tree, proc_cpu
+
 from jobtier.config import Settings
 from jobtier.dev.postgres import LocalPostgres
 from jobtier.dev.redis import LocalRedis
@@ -46,6 +59,7 @@ from jobtier.persist.batch import (
     LogEntry,
     collapse,
     job_records,
+    parse_entry,
     transition_records,
 )
 from jobtier.persist.db import AnyConnection, Pool, create_pool, migrate, query
@@ -146,7 +160,9 @@ async def generate(redis_url: str, rate: float, seconds: float) -> None:
 JOB_TYPES = (
     "text", "text", "text", "text", "text", "int", "int", "int", "timestamptz", "timestamptz",
     "timestamptz", "json", "text", "json", "int", "json", "json", "bool", "text", "bytea",
+    "text", "text",
 )  # fmt: skip
+assert len(JOB_TYPES) == len(JOB_COLUMNS)
 TRANSITION_TYPES = (
     "text",
     "int",
@@ -194,11 +210,11 @@ class UnnestPersister(Persister):
 BASELINE_SQL = f"""
 WITH history AS (
     INSERT INTO job_transitions ({", ".join(TRANSITION_COLUMNS)})
-    VALUES ($1, $6, $23, $21, $5, $10, $22, $7, $16, $17, $18)
+    VALUES ($1, $6, $25, $23, $5, $10, $24, $7, $16, $17, $18)
     ON CONFLICT DO NOTHING
 )
 INSERT INTO jobs AS j ({", ".join(JOB_COLUMNS)})
-VALUES ({", ".join(f"${i}" for i in range(1, 21))})
+VALUES ({", ".join(f"${i}" for i in range(1, len(JOB_COLUMNS) + 1))})
 ON CONFLICT (id) DO UPDATE SET state = excluded.state, version = excluded.version,
     attempt = excluded.attempt, updated_at = excluded.updated_at, run_at = excluded.run_at,
     result = coalesce(excluded.result, j.result), result_size = excluded.result_size,
@@ -337,11 +353,154 @@ class Run:
         }
 
 
+class PersisterProcess:
+    """``jobtier persister`` in a process of its own, with the code of ``tree`` (None: this
+    tree's), draining a backlog: what the persister costs as deployed, start-up left out."""
+
+    def __init__(self, run: Run, tree: Path | None) -> None:
+        self.run, self.tree = run, tree
+
+    async def throughput(self, transitions: int, budget: float) -> dict[str, Any]:
+        run = self.run
+        await run.reset()
+        src = (self.tree or ROOT) / "src"
+        env = {
+            **os.environ, "PYTHONPATH": str(src), "JOBTIER_REDIS_URL": run.redis_url,
+            "JOBTIER_DATABASE_URL": run.pg.dsn, "JOBTIER_SHARDS": str(SHARDS),
+            "JOBTIER_REDIS_REQUIRE_AOF": "0", "JOBTIER_LOG_LEVEL": "WARNING",
+        }  # fmt: skip
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "jobtier.cli", "persister", "--name", "bench",
+            env=env, start_new_session=True,
+        )  # fmt: skip
+        try:
+            await self._wait_reading(proc)
+            proc.send_signal(signal.SIGSTOP)  # held while the backlog is made
+            await prefill(run.redis_url, transitions)
+            cpu, pg_cpu, started = proc_cpu(proc.pid), run.pg_cpu(), time.monotonic()
+            proc.send_signal(signal.SIGCONT)
+            while time.monotonic() - started < budget:
+                if (await lag(run.redis, run.keys))[0] == 0:
+                    break
+                await asyncio.sleep(0.01)
+            elapsed = time.monotonic() - started
+            cpu, pg_cpu = proc_cpu(proc.pid) - cpu, run.pg_cpu() - pg_cpu
+        finally:
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGCONT)
+                os.killpg(proc.pid, signal.SIGTERM)
+            await proc.wait()
+        done = await run.pool.fetchval("SELECT count(*) FROM job_transitions")
+        return {
+            "transitions": done,
+            "seconds": round(elapsed, 2),
+            "per_second": round(done / elapsed),
+            "complete": done >= transitions,
+            "persister_cpu_us": round(cpu / done * 1e6, 1),
+            "postgres_cpu_us": round(pg_cpu / done * 1e6, 1),
+        }
+
+    async def _wait_reading(self, proc: asyncio.subprocess.Process) -> None:
+        """Until the persister is a member of its group on every shard's log (it has read)."""
+        group = self.run.keys.persist_group()
+        async with asyncio.timeout(60):
+            while True:
+                if proc.returncode is not None:
+                    raise RuntimeError(f"jobtier persister exited {proc.returncode}")
+                try:
+                    members = [
+                        await self.run.redis.xinfo_consumers(self.run.keys.log(s), group)
+                        for s in range(SHARDS)
+                    ]
+                except Exception:  # no group yet
+                    members = []
+                if members and all(m for m in members):
+                    return
+                await asyncio.sleep(0.05)
+
+
+async def postgres_profile(run: Run, transitions: int, batch: int) -> dict[str, Any]:
+    """(``--profile``) Where Postgres's time per transition goes: a backlog written batch by
+    batch as the persister writes it (``write_batch``'s statements, in its order), each
+    statement run under EXPLAIN (ANALYZE, BUFFERS, WAL); the WAL by record type from
+    pg_walinspect. Then the same with the secondary indexes of ``jobs`` dropped (this is the
+    last thing a bench does with its database), to show what maintaining them costs."""
+    out: dict[str, Any] = {}
+    run.pg.psql("CREATE EXTENSION IF NOT EXISTS pg_walinspect", database=run.pg.database)
+    for label in ("all indexes", "no secondary index on jobs"):
+        if label != "all indexes":
+            for name in await run.pool.fetch(
+                "SELECT indexname FROM pg_indexes WHERE tablename = 'jobs'"
+                " AND indexname <> 'jobs_pkey'"
+            ):
+                await run.pool.execute(f'DROP INDEX "{name[0]}"')
+        await run.reset()
+        await prefill(run.redis_url, transitions)
+        entries: list[LogEntry] = []
+        for s in range(SHARDS):
+            for entry_id, fields in await run.redis.xrange(run.keys.log(s)):
+                entries.append(parse_entry(s, entry_id, fields))
+        entries.sort(key=lambda e: (e.ms, e.entry_id))
+        ms: dict[str, float] = defaultdict(float)
+        wal: dict[str, float] = defaultdict(float)
+        start = await run.pool.fetchval("SELECT pg_current_wal_lsn()::text")
+        async with run.pool.acquire() as conn:
+            for i in range(0, len(entries), batch):
+                chunk = entries[i : i + batch]
+                rows = collapse(chunk)
+                async with conn.transaction():
+                    await conn.execute(query("create_staging"))
+                    for table, records, columns in (
+                        ("jobs_staging", job_records(rows), JOB_COLUMNS),
+                        ("transitions_staging", transition_records(chunk), TRANSITION_COLUMNS),
+                    ):
+                        t0 = time.perf_counter()
+                        await conn.copy_records_to_table(table, records=records, columns=columns)
+                        ms[f"COPY {table} (round trip)"] += (time.perf_counter() - t0) * 1000
+                    names = ["upsert_jobs", "insert_transitions"]
+                    if any(r.payload is not None for r in rows):
+                        names.insert(1, "fill_submitted")
+                    for name in names:
+                        plan = json.loads(
+                            await conn.fetchval(
+                                "EXPLAIN (ANALYZE, BUFFERS, WAL, FORMAT JSON) " + query(name)
+                            )
+                        )[0]
+                        ms[name] += plan["Execution Time"]
+                        wal[name] += plan["Plan"].get("WAL Bytes", 0)
+        end = await run.pool.fetchval("SELECT pg_current_wal_lsn()::text")
+        n = len(entries)
+        by_kind = {}
+        for line in run.pg.psql(
+            'SELECT "resource_manager/record_type", count, record_size, fpi_size'
+            f" FROM pg_get_wal_stats('{start}', '{end}', false) WHERE count > 0",
+            database=run.pg.database,
+        ).splitlines():
+            kind, count, size, fpi = line.split("|")
+            by_kind[kind] = {
+                "records": round(int(count) / n, 2),
+                "bytes": round((int(size) + int(fpi)) / n),
+            }
+        total = await run.pool.fetchval("SELECT $2::text::pg_lsn - $1::text::pg_lsn", start, end)
+        out[label] = {
+            "us": {k: round(v * 1000 / n, 2) for k, v in ms.items()},
+            "wal_bytes": {k: round(v / n) for k, v in wal.items()},
+            "wal_by_kind": by_kind,
+            "wal_total_bytes": round(float(total) / n),
+        }
+        print(f"profile {label}: {out[label]}")
+    return out
+
+
 def _pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
 
 
+BEFORE, AFTER = "process-before", "process-after"  # jobtier persister at --before / this tree
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    before_tree = baseline_tree(args.before) if args.before else None
     folder = Path(tempfile.mkdtemp(prefix="jobtier-bench-"))
     # a folder of its own: Postgres runs as another user, who cannot enter `folder` (0700)
     pg = LocalPostgres(Path(tempfile.mkdtemp(prefix="jobtier-bench-pg-")), durable=True)
@@ -365,6 +524,23 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for variant, got in samples.items():
                 results[variant]["throughput"] = _median_of(got)
                 print(f"run {i + 1} {variant} throughput {results[variant]['throughput']}")
+            if before_tree is not None:
+                # `jobtier persister` at --before and at this tree, alternated the same way
+                trees = {BEFORE: before_tree, AFTER: None}
+                order = list(trees)
+                got_p: dict[str, list[dict[str, Any]]] = {v: [] for v in order}
+                for p in range(args.pairs):
+                    for variant in order if p % 2 == 0 else order[::-1]:
+                        run = Run(redis, pg, pool, "batched")
+                        sample = await PersisterProcess(run, trees[variant]).throughput(
+                            args.backlog, 120
+                        )
+                        sample["load_average"] = round(os.getloadavg()[0], 1)
+                        got_p[variant].append(sample)
+                        print(f"run {i + 1} {variant} sample {sample}")
+                        await run.redis.aclose()
+                for variant, got in got_p.items():
+                    results[variant] = {"throughput": _median_of(got), "samples": got}
             for variant in [v for v in args.variants if v != "unnest"]:
                 run = Run(redis, pg, pool, variant)
                 if variant == "baseline":
@@ -381,12 +557,23 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 await run.redis.aclose()
             results["load_average"] = {"1min": round(os.getloadavg()[0], 1)}  # others' work
             runs.append(results)
+        profile = None
+        if args.profile:
+            run = Run(redis, pg, pool, "batched")
+            profile = await postgres_profile(run, args.backlog // 2, Settings().persist_batch_size)
+            await run.redis.aclose()
         await pool.close()
     finally:
         redis.stop()
         pg.destroy()
         shutil.rmtree(folder, ignore_errors=True)
-    return {"runs": runs, "medians": _medians(runs)}
+    return {
+        "command": " ".join(["bench/persist.py", *sys.argv[1:]]),
+        "before": args.before,
+        "runs": runs,
+        "medians": _medians(runs),
+        "postgres_profile": profile,
+    }
 
 
 def _median_of(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -405,6 +592,8 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         out[variant] = {}
         for measure, values in measures.items():
+            if not isinstance(values, dict):  # the samples behind a median
+                continue
             out[variant][measure] = {
                 k: statistics.median(r[variant][measure][k] for r in runs)
                 for k, v in values.items()
@@ -415,17 +604,102 @@ def _medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     med = result["medians"]
+    loads = ", ".join(str(r["load_average"]["1min"]) for r in result["runs"])
     lines = [
         "# Write-behind persister: batched vs baseline",
         "",
-        f"`bench/persist.py --runs {args.runs}` on {os.cpu_count()} cores "
+        f"`.venv/bin/python {result['command']}` on {os.cpu_count()} cores "
         f"({platform.machine()}, Python {platform.python_version()}), {time.strftime('%Y-%m-%d')}"
-        f"; load average after each run: "
-        f"{', '.join(str(r['load_average']['1min']) for r in result['runs'])}."
+        f"; load average after each run: {loads}."
         f" Redis and Postgres local, Postgres durable (fsync and synchronous_commit on),",
         f"{SHARDS} shards, batch size {Settings().persist_batch_size}, interval "
-        f"{Settings().persist_interval}s. Medians of {args.runs} run(s); the batched and unnest"
-        f" backlog figures are medians of {args.pairs} alternated samples per run.",
+        f"{Settings().persist_interval}s. Medians of {args.runs} run(s); the backlog figures "
+        f"are medians of {args.pairs} alternated samples per run.",
+        "",
+    ]
+    if args.before:
+        lines += _before_after(result, args)
+    in_process = {v: m for v, m in med.items() if v in VARIANTS}
+    if in_process:
+        lines += _in_process(in_process, args)
+    if result.get("postgres_profile"):
+        lines += _profile(result["postgres_profile"], args)
+    return "\n".join(lines) + "\n"
+
+
+def _profile(profile: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    labels = list(profile)
+    lines = [
+        "",
+        "## Postgres's side, per statement (`--profile`)",
+        "",
+        f"A backlog of {args.backlog // 2:,} transitions written in batches of "
+        f"{Settings().persist_batch_size:,} by `write_batch`'s statements, each under EXPLAIN "
+        "(ANALYZE, BUFFERS, WAL): execution time and WAL per transition. COPY is timed from "
+        "the client (its encoding included). Then the same on `jobs` without its secondary "
+        "indexes (listings, console, retention), to show what maintaining them costs.",
+        "",
+        "| statement | " + " | ".join(f"{label}: µs / WAL bytes" for label in labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
+    names = list(profile[labels[0]]["us"])
+    for name in names:
+        cells = []
+        for label in labels:
+            p = profile[label]
+            cells.append(f"{p['us'].get(name, 0):.1f} / {p['wal_bytes'].get(name, 0):,}")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| WAL written in all, by record type (records: bytes per transition) | "
+        + " | ".join(
+            f"{profile[label]['wal_total_bytes']:,}: "
+            + ", ".join(
+                f"{k} {v['records']:.1f}: {v['bytes']:,}"
+                for k, v in sorted(
+                    profile[label]["wal_by_kind"].items(), key=lambda kv: -kv[1]["bytes"]
+                )
+                if v["bytes"] >= 5
+            )
+            for label in labels
+        )
+        + " |"
+    )
+    return lines
+
+
+def _before_after(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    med = result["medians"]
+    lines = [
+        f"## `jobtier persister` at `{args.before}` and at this tree",
+        "",
+        f"A backlog of {args.backlog:,} transitions (chunks of 4,000 jobs: submits, then their "
+        "claims, then completions), drained by `jobtier persister` in a process of its own "
+        "(held with SIGSTOP while the backlog is made; start-up not counted). CPU: the "
+        "persister process's (/proc) and Postgres's (every server process), per transition.",
+        "",
+        "| code | backlog drained (transitions/s) | CPU µs per transition: persister + Postgres "
+        "= total | load average at each sample |",
+        "|---|---|---|---|",
+    ]
+    for variant, label in ((BEFORE, f"`{args.before}`"), (AFTER, "this tree")):
+        t = med[variant]["throughput"]
+        total = t["persister_cpu_us"] + t["postgres_cpu_us"]
+        samples = [
+            str(r[variant]["samples"][k]["load_average"])
+            for r in result["runs"]
+            for k in range(len(r[variant]["samples"]))
+        ]
+        lines.append(
+            f"| {label} | {t['per_second']:,.0f} | {t['persister_cpu_us']:.1f} + "
+            f"{t['postgres_cpu_us']:.1f} = {total:.1f} | {', '.join(samples)} |"
+        )
+    lines.append("")
+    return lines
+
+
+def _in_process(med: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    lines = [
+        "## In-process variants",
         "",
         "| variant | backlog drained (transitions/s) | CPU µs per transition (persister + Postgres) | transitions per commit | "
         + " | ".join(f"lag p50 / p99 at {int(r)}/s" for r in args.rates)
@@ -433,8 +707,6 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         "|---|---|---|---|" + "---|" * len(args.rates),
     ]
     for variant, m in med.items():
-        if variant == "load_average":
-            continue
         t = m["throughput"]
         cpu = f"{t['persister_cpu_us']:.0f} + {t['postgres_cpu_us']:.0f}"
         batch = "1 (autocommit)" if variant == "baseline" else f"{t['mean_batch']:,.0f}"
@@ -451,6 +723,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
+        "In the bench's process: its bookkeeping of each commit (lags) is counted in the",
+        "persister's CPU, and the process keeps Python's default collector settings.",
         "Lag = commit time - the log entry's id time (when the Lua script made the transition).",
         "Backlog: transitions already in the log, drained as fast as possible (the baseline is",
         f"given {args.seconds:.0f} s). Sustained: produced at the rate by another process for "
@@ -467,7 +741,7 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
             f"COPY vs unnest: {c['per_second']:,.0f} vs {u['per_second']:,.0f} transitions/s, "
             f"{cpu_c:.0f} vs {cpu_u:.0f} µs of CPU per transition."
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main() -> None:
@@ -478,7 +752,18 @@ def main() -> None:
     parser.add_argument("--rates", type=float, nargs="+", default=[5_000, 10_000])
     parser.add_argument("--seconds", type=float, default=8.0, help="length of sustained runs")
     parser.add_argument("--drain", type=float, default=10.0, help="wait for the rest after")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS),
+        help="in-process variants to run (none: only the --before comparison)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--profile", action="store_true",
+        help="also profile Postgres's side per statement (EXPLAIN ANALYZE, WAL), last",
+    )  # fmt: skip
+    parser.add_argument(
+        "--before", metavar="REV",
+        help="also run `jobtier persister` at git revision REV and at this tree, alternated",
+    )  # fmt: skip
     parser.add_argument("--generate", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.generate:

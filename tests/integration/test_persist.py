@@ -116,7 +116,7 @@ async def test_crash_between_commit_and_ack_is_replayed_without_doubles(
 
     class Doomed(Persister):
         async def _ack(self) -> None:
-            if self._to_ack:
+            if self._acks:
                 raise Crash  # committed, and the process dies before acknowledging
 
     doomed = Doomed(pg_settings, redis, pg_pool, "p1")

@@ -7,6 +7,7 @@ so that what the test just wrote is old to it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import uuid
@@ -121,13 +122,15 @@ async def test_partitions_are_kept_ahead_and_rows_land_in_their_day(
 
 
 async def test_a_batch_that_races_the_days_partition_is_written_whole(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, pg_dsn: str
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, pg_dsn: str, caplog: Any
 ) -> None:
     """On a fresh database the persister's first pass attaches today's partition while its
     first batches are written. A batch that began before the attach committed routed its rows
     to the default partition and waited for its lock; once it has it, Postgres refuses them
     there (they belong to the new partition now). That is not the data's fault: the batch is
-    written again, whole, and nothing is parked as refused."""
+    written again, whole, and nothing is parked as refused. Nor was Postgres away: the log
+    says what happened, not that Postgres is available again."""
+    caplog.set_level(logging.INFO, logger="jobtier.persist")
     job_ids = await simple_jobs(redis, keys, 1)  # 3 entries; batches of one
     persister = Persister(pg_settings.replace(persist_batch_size=1), redis, pg_pool, "p1")
     day = datetime.now(UTC).date()
@@ -152,6 +155,11 @@ async def test_a_batch_that_races_the_days_partition_is_written_whole(
     assert await redis.xlen(keys.log_refused(keys.shard_of(job_ids[0]))) == 0
     assert await where_rows_are(pg_pool) == {today(): 3}
     assert await gaps(pg_pool, job_ids) == []
+    assert persister.stats.retries >= 1
+    assert "event=partition_attached_meanwhile table=job_transitions_default" in caplog.text
+    assert "event=batch_written_again after=" in caplog.text
+    assert "event=postgres_available" not in caplog.text
+    assert "event=postgres_unavailable" not in caplog.text
 
 
 async def _waiting_for_a_lock(pool: Pool, other_pid: int) -> bool:

@@ -6,8 +6,9 @@ the write-behind is; ``migrate`` brings a database's schema up to date.
 """
 
 from jobtier.persist.db import create_pool, migrate
-from jobtier.persist.persister import Persister, PersisterStats
+from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import PgReader, StoredResult, Transition, lag
+from jobtier.persist.stats import PersisterStats
 
 __all__ = [
     "Persister",

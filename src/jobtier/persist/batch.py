@@ -1,13 +1,16 @@
 """One batch of log entries: decoding, collapsing per job, and the write transaction.
 
 Pure functions over decoded entries plus ``write_batch``, the one transaction a batch is
-written in; the persister (``persister.py``) decides what goes into a batch and when.
+written in, and ``write_on``, which runs it on a pool's connection and never hands a doubtful
+connection back; the persister (``persister.py``) decides what goes into a batch and when,
+and what to do when a write fails.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -15,15 +18,25 @@ import asyncpg
 import msgspec
 
 from jobtier.model import JobStatus, json_encoder, status_decoder
-from jobtier.persist.db import AnyConnection, query
+from jobtier.persist.db import AnyConnection, Pool, query
 from jobtier.persist.results import is_ref, ref_of
 
 INLINE_RESULT_MAX = 64 * 1024  # larger results go to job_results
+# A batch not committed within this many seconds is on a connection that will not answer (a
+# Postgres host gone without closing it: a failover, a partition). Its connection is
+# terminated — which fails whatever waits on it, a ROLLBACK included — and the batch is
+# written again on a new one. A healthy 2,000-entry batch commits in well under a second.
+BATCH_TIMEOUT = 60.0
 
 
-@dataclass(slots=True)
-class LogEntry:
-    """One decoded log stream entry (see ``lua/lib.lua: commit`` for the fields)."""
+class LogEntry(msgspec.Struct, gc=False):
+    """One decoded log stream entry (see ``lua/lib.lua: commit`` for the fields).
+
+    A Struct rather than a dataclass, and left out of the garbage collector (it refers to no
+    container that could make a cycle): a persister makes one per transition, tens of
+    thousands a second, and a slotted dataclass took 0.7 µs to build from keywords where this
+    takes 0.1 (tests/unit/test_persist_batch.py checks the collector ignores it).
+    """
 
     shard: int
     entry_id: bytes
@@ -58,25 +71,26 @@ def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogE
     ik = fields.get(b"ik")
     pv = fields.get(b"pv")
     dp = fields.get(b"dp")
+    dk = fields.get(b"dk")
+    # positional: a Struct builds faster from positions than from keywords
     return LogEntry(
-        shard=shard,
-        entry_id=entry_id,
-        status=status,
-        doc=doc,
-        tenant=fields[b"tn"].decode(),
-        from_state=fields[b"fr"].decode() or None,
-        actor=fields[b"w"].decode(),
-        prev_version=int(pv) if pv is not None else None,
-        payload=fields.get(b"p"),
-        idempotency_key=ik.decode() if ik else None,
-        result=fields.get(b"r"),
-        dependencies=dp.decode().split() if dp else None,
-        children=fields.get(b"dk", b"").decode(),
+        shard,
+        entry_id,
+        status,
+        doc,
+        fields[b"tn"].decode(),
+        fields[b"fr"].decode() or None,
+        fields[b"w"].decode(),
+        int(pv) if pv is not None else None,
+        fields.get(b"p"),
+        ik.decode() if ik else None,
+        fields.get(b"r"),
+        dp.decode().split() if dp else None,
+        dk.decode() if dk else "",
     )
 
 
-@dataclass(slots=True)
-class JobRow:
+class JobRow(msgspec.Struct, gc=False):
     """A job's entries in one batch, collapsed: its latest version plus the fields that only
     the submit entry (payload, idempotency key) or the success entry (result) carry."""
 
@@ -103,14 +117,6 @@ def collapse(entries: Iterable[LogEntry]) -> list[JobRow]:
     return [rows[job_id] for job_id in sorted(rows)]
 
 
-def _ts(iso: str | None) -> datetime | None:
-    return None if iso is None else datetime.fromisoformat(iso)
-
-
-def _json(value: Any) -> bytes | None:
-    return None if value is None else json_encoder.encode(value)
-
-
 # The staging tables' column order (queries.sql: create_staging, upsert_jobs, …).
 JOB_COLUMNS = (
     "id", "tenant", "type", "priority", "state", "version", "attempt", "max_attempts",
@@ -126,19 +132,24 @@ TRANSITION_COLUMNS = (
 def job_records(rows: Sequence[JobRow]) -> list[tuple[Any, ...]]:
     """``jobs_staging`` records (JOB_COLUMNS order), one per collapsed job."""
     out = []
+    ts = datetime.fromisoformat
     for row in rows:
-        s = row.latest.status
+        latest = row.latest
+        s = latest.status
         result = size = ref = None
-        if is_ref(row.result):  # kept in the result store already (persist/results.py)
-            ref = ref_of(row.result or b"")
-        elif row.result is not None:
-            size = len(row.result)
-            result = (row.result or b"null") if size <= INLINE_RESULT_MAX else None
+        if (r := row.result) is not None:
+            if is_ref(r):  # kept in the result store already (persist/results.py)
+                ref = ref_of(r)
+            else:
+                size = len(r)
+                result = (r or b"null") if size <= INLINE_RESULT_MAX else None
         out.append((
-            s.id, row.latest.tenant, s.type, s.priority, s.state, s.version, s.attempt,
-            s.max_attempts, _ts(s.created_at), _ts(s.updated_at), _ts(s.run_at), row.payload,
-            row.idempotency_key, result, size, _json(s.error), _json(s.progress),
-            s.cancel_requested, s.worker, row.latest.doc, s.queue, ref,
+            s.id, latest.tenant, s.type, s.priority, s.state, s.version, s.attempt,
+            s.max_attempts, ts(s.created_at), ts(s.updated_at),
+            None if s.run_at is None else ts(s.run_at), row.payload, row.idempotency_key,
+            result, size, None if s.error is None else json_encoder.encode(s.error),
+            None if s.progress is None else json_encoder.encode(s.progress),
+            s.cancel_requested, s.worker, latest.doc, s.queue, ref,
         ))  # fmt: skip
     return out
 
@@ -146,11 +157,14 @@ def job_records(rows: Sequence[JobRow]) -> list[tuple[Any, ...]]:
 def transition_records(entries: Sequence[LogEntry]) -> list[tuple[Any, ...]]:
     """``transitions_staging`` records (TRANSITION_COLUMNS order), one per entry."""
     out = []
+    ts = datetime.fromisoformat
     for e in entries:
         s = e.status
         out.append((
-            s.id, s.version, e.prev_version, e.from_state, s.state, _ts(s.updated_at), e.actor,
-            s.attempt, _json(s.error), _json(s.progress), s.cancel_requested,
+            s.id, s.version, e.prev_version, e.from_state, s.state, ts(s.updated_at), e.actor,
+            s.attempt, None if s.error is None else json_encoder.encode(s.error),
+            None if s.progress is None else json_encoder.encode(s.progress),
+            s.cancel_requested,
         ))  # fmt: skip
     return out
 
@@ -161,10 +175,12 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
     The batch is COPYed (binary) into per-session temporary staging tables and moved from
     there with one statement per table. Measured against the same statements fed by array
     parameters (``unnest``), 2,000-entry batches, durable Postgres, 2 shared cores
-    (bench/results/persist.md): COPY drained a backlog at 26.3K transitions/s against 23.6K
-    (medians of six alternated samples each) and used 40 us of CPU per transition against 46
-    (persister 17 vs 22, Postgres 24 vs 24). asyncpg checks every array element it encodes
-    against collection ABCs; COPY records skip that.
+    (bench/results/persist.md): COPY drained a backlog at 29.8K transitions/s against 26.0K
+    (medians of three runs of two alternated samples) and used 52 us of CPU per transition
+    against 59 (persister 14 vs 21, Postgres 38 vs 38). asyncpg checks every array element
+    it encodes against collection ABCs; COPY records skip that. Most of Postgres's share is
+    the upsert into ``jobs``, and most of that is its secondary indexes (the same file's
+    ``--profile`` table: 17 of 22 us a transition).
     """
     rows = collapse(entries)
     async with conn.transaction():
@@ -196,6 +212,61 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
         if deps[0]:
             await conn.execute(query("insert_dependencies"), *deps)
     return len(rows)
+
+
+async def write_on(pool: Pool, entries: Sequence[LogEntry], timeout: float = BATCH_TIMEOUT) -> int:
+    """``write_batch`` on a connection of ``pool``; returns the number of job rows written.
+
+    A connection whose batch failed other than by Postgres refusing a statement is
+    terminated rather than handed back to the pool: after a reset or a shutdown in the
+    middle of COPY its protocol is mid-operation, and the pool's own reset on release would
+    fail on it again (and raise from the release). One that does not answer within
+    ``timeout`` is terminated too, which fails the waiting statement at once (raised as
+    ``TimeoutError``).
+    """
+    async with pool.acquire(timeout=timeout) as conn:
+        expired = False
+
+        def expire() -> None:
+            nonlocal expired
+            expired = True
+            _terminate(conn)
+
+        watchdog = asyncio.get_running_loop().call_later(timeout, expire)
+        try:
+            return await write_batch(conn, entries)
+        except BaseException as exc:
+            if not _connection_reusable(exc):
+                _terminate(conn)
+            if expired and isinstance(exc, Exception):
+                raise TimeoutError(
+                    f"batch of {len(entries)} not committed within {timeout:g} s"
+                ) from exc
+            raise
+        finally:
+            watchdog.cancel()
+
+
+def _connection_reusable(exc: BaseException) -> bool:
+    """Whether a connection whose batch failed with ``exc`` may go back to the pool: only
+    when Postgres itself answered with an error about the statement (the transaction was
+    rolled back and the session is sound). Anything else — a lost or reset connection, a
+    protocol left mid-COPY, a cancellation, a bug of ours half-way through — leaves the
+    session in a state nobody knows."""
+    return isinstance(exc, asyncpg.PostgresError) and not isinstance(
+        exc,
+        asyncpg.PostgresConnectionError
+        | asyncpg.exceptions.OperatorInterventionError
+        | asyncpg.exceptions.InsufficientResourcesError,
+    )
+
+
+def _terminate(conn: AnyConnection) -> None:
+    """Close a pool connection at once, without a word to the server; the pool replaces it
+    (its holder is released, the proxy detached). Nothing if already gone."""
+    with contextlib.suppress(Exception):
+        if not conn.is_closed():
+            conn.terminate()
 
 
 def attached_meanwhile(exc: BaseException) -> bool:

@@ -15,7 +15,9 @@ away. Everything downstream of the read is idempotent, which is what makes the r
   ``persist_claim_idle_seconds`` (XAUTOCLAIM).
 
 Each batch is one transaction: COPY into staging tables, then one upsert per table
-(``batch.write_batch``; why COPY rather than array parameters is measured there).
+(``batch.write_batch``; why COPY rather than array parameters is measured there). Here: what
+goes into a batch and when, and what to do when it fails; ``acks.py``: what Redis is then
+owed (XACKs, parked copies); ``stats.py``: the counts and the metrics made from them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import asyncpg
 from redis.exceptions import RedisError
@@ -34,17 +35,17 @@ from jobtier.backoff import PERSIST_POSTGRES, PERSIST_REDIS
 from jobtier.config import Settings
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
-from jobtier.metrics.histogram import SIZE_BUCKETS, Histogram
-from jobtier.metrics.snapshot import Snapshot, labels
-from jobtier.metrics.transitions import TransitionCounter
+from jobtier.metrics.snapshot import Snapshot
+from jobtier.persist.acks import Acks
 from jobtier.persist.batch import (
+    BATCH_TIMEOUT,
     MALFORMED,
     LogEntry,
     attached_meanwhile,
     parse_entry,
-    write_batch,
+    write_on,
 )
-from jobtier.persist.db import UNAVAILABLE, AnyConnection, Pool
+from jobtier.persist.db import UNAVAILABLE, Pool
 from jobtier.persist.group import (
     claim_idle,
     create_groups,
@@ -54,6 +55,7 @@ from jobtier.persist.group import (
     trim,
 )
 from jobtier.persist.retention import run_pruning
+from jobtier.persist.stats import PersisterStats
 
 __all__ = ["Persister", "PersisterStats", "replay_refused"]
 
@@ -63,11 +65,6 @@ IDLE_SLEEP_MIN = 0.005
 IDLE_SLEEP_MAX = 0.1  # longest nap when every stream is empty: idle CPU stays near zero
 READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
 TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries
-# A batch not committed within this many seconds is on a connection that will not answer (a
-# Postgres host gone without closing it: a failover, a partition). Its connection is
-# terminated — which fails whatever waits on it, a ROLLBACK included — and the batch is
-# written again on a new one. A healthy 2,000-entry batch commits in well under a second.
-BATCH_TIMEOUT = 60.0
 FORGET_EVERY = 60.0  # seconds between sweeps of the consumer group's stopped members
 FORGET_IDLE_MIN = 120.0  # least idle time (s) of a member forgotten (and 4x the claim idle)
 
@@ -80,36 +77,6 @@ POISON: tuple[type[BaseException], ...] = (
 # Anything else (a missing table before `jobtier migrate`, an error nobody foresaw) is
 # retried like an outage too, logged and counted by class: a persister never exits on its
 # own, because nothing would drain the logs after it.
-
-
-def _connection_reusable(exc: BaseException) -> bool:
-    """Whether a connection whose batch failed with ``exc`` may go back to the pool: only
-    when Postgres itself answered with an error about the statement (the transaction was
-    rolled back and the session is sound). Anything else — a lost or reset connection, a
-    protocol left mid-COPY, a cancellation, a bug of ours half-way through — leaves the
-    session in a state nobody knows."""
-    return isinstance(exc, asyncpg.PostgresError) and not isinstance(
-        exc,
-        asyncpg.PostgresConnectionError
-        | asyncpg.exceptions.OperatorInterventionError
-        | asyncpg.exceptions.InsufficientResourcesError,
-    )
-
-
-@dataclass
-class PersisterStats:
-    """What the persister has done since it started (its metrics)."""
-
-    batches: int = 0
-    transitions: int = 0  # log entries committed (history rows, replays included)
-    jobs: int = 0  # job rows upserted, after collapsing
-    retries: int = 0  # batch attempts that failed and were retried
-    claimed: int = 0  # entries taken over from idle consumers
-    bad_entries: int = 0  # entries that cannot be stored (logged; parked when refused)
-    parked: int = 0  # entries Postgres refused, moved to the shard's log:refused stream
-    errors: dict[str, int] = field(default_factory=dict)  # failures retried, by error class
-    batch_sizes: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS), repr=False)
-    job_counts: TransitionCounter = field(default_factory=TransitionCounter, repr=False)
 
 
 class Persister:
@@ -162,8 +129,10 @@ class Persister:
         self._held: set[tuple[int, bytes]] = set()  # (shard, id) buffered or being written
         self._inflight: set[asyncio.Task[None]] = set()  # flushes being committed
         self._first_at = 0.0  # when the oldest buffered entry was read
-        self._to_ack: dict[int, list[bytes]] = {}  # committed, XACK not yet confirmed
-        self._to_park: dict[int, list[tuple[bytes, str]]] = {}  # refused: (id, error)
+        self._acks = Acks(
+            redis, self._streams, [self.keys.log_refused(s) for s in range(self.keys.shards)],
+            self.group,
+        )  # fmt: skip
         self._stop = asyncio.Event()
         self._ready = False
         self._next_claim = 0.0
@@ -173,23 +142,8 @@ class Persister:
 
     # --- life cycle -----------------------------------------------------------------------
     def metrics(self) -> Snapshot:
-        """This persister's part of its process's metrics snapshot, with the job counters by
-        type counted from what it committed."""
-        st = self.stats
-        counters = {name: dict(series) for name, series in st.job_counts.counts.items()}
-        counters.update({
-            "persister_batches_total": {"": st.batches},
-            "persister_retries_total": {"": st.retries},
-            "persister_claimed_total": {"": st.claimed},
-            "persister_bad_entries_total": {"": st.bad_entries},
-            "persister_parked_total": {"": st.parked},
-            "persister_errors_total": {labels(error=k): v for k, v in st.errors.items()},
-        })  # fmt: skip
-        return Snapshot(
-            "", "", 0.0,
-            counters=counters,
-            histograms={"persister_batch_size": {"": st.batch_sizes.snapshot()}},
-        )  # fmt: skip
+        """This persister's part of its process's metrics snapshot (``PersisterStats``)."""
+        return self.stats.snapshot()
 
     async def setup(self) -> None:
         """Create the consumer group on every shard stream (from the first entry) if missing."""
@@ -215,7 +169,7 @@ class Persister:
                     # Redis away or loading its data (one line), or anything else (its
                     # traceback once): never a reason to stop, nothing would drain the logs.
                     wait = backoff.next()
-                    self._failed(exc)
+                    self.stats.failed(exc)
                     if isinstance(exc, RedisError | OSError):
                         log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
                     else:
@@ -255,7 +209,7 @@ class Persister:
         """
         now = time.monotonic()
         self._reap()
-        if self._to_ack or self._to_park:
+        if self._acks:
             await self._ack()
         if now >= self._next_claim:
             self._next_claim = now + max(0.05, self.claim_idle_ms / 2000)
@@ -324,7 +278,7 @@ class Persister:
         if (shard, entry_id) in self._held:
             return False  # claimed back while we still hold it (a long Postgres outage)
         if not fields:  # pending, but trimmed from the stream: nothing left to write
-            self._to_ack.setdefault(shard, []).append(entry_id)
+            self._acks.add(shard, entry_id)
             return False
         try:
             entry = parse_entry(shard, entry_id, fields)
@@ -379,36 +333,9 @@ class Persister:
 
     # --- writing --------------------------------------------------------------------------
     async def persist(self, entries: Sequence[LogEntry]) -> None:
-        """Write entries to Postgres in one transaction (no acknowledgement).
-
-        A connection whose batch failed other than by Postgres refusing a statement is
-        terminated rather than handed back to the pool: after a reset or a shutdown in the
-        middle of COPY its protocol is mid-operation, and the pool's own reset on release
-        would fail on it again (and raise from the release). One that does not answer within
-        ``batch_timeout`` is terminated too, which fails the waiting statement at once.
-        """
-        async with self.pool.acquire(timeout=self.batch_timeout) as conn:
-            expired = False
-
-            def expire() -> None:
-                nonlocal expired
-                expired = True
-                _terminate(conn)
-
-            watchdog = asyncio.get_running_loop().call_later(self.batch_timeout, expire)
-            try:
-                jobs = await write_batch(conn, entries)
-            except BaseException as exc:
-                if not _connection_reusable(exc):
-                    _terminate(conn)
-                if expired and isinstance(exc, Exception):
-                    raise TimeoutError(
-                        f"batch of {len(entries)} not committed within {self.batch_timeout:g} s"
-                    ) from exc
-                raise
-            finally:
-                watchdog.cancel()
-        self.stats.jobs += jobs
+        """Write entries to Postgres in one transaction (no acknowledgement): ``write_on``,
+        with ``batch_timeout`` as the longest wait for a connection or for the commit."""
+        self.stats.jobs += await write_on(self.pool, entries, self.batch_timeout)
 
     def _take(self) -> list[LogEntry]:
         # what stays behind keeps its _first_at: it has waited at least that long
@@ -430,17 +357,13 @@ class Persister:
                 continue
             exc = task.exception()
             if exc is not None:
-                self._failed(exc)
+                self.stats.failed(exc)
                 log.error("event=flush_failed error=%r", exc, exc_info=exc)
                 self._reread()
 
     def _reread(self) -> None:
         """Read our own pending entries again from the start (held ones are skipped)."""
         self._cursor = [b"0"] * len(self._streams)
-
-    def _failed(self, exc: BaseException) -> None:
-        name = type(exc).__name__
-        self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 
     def _explain(self, event: str, exc: BaseException, wait: float, **fields: object) -> None:
         """Log an unforeseen failure: with its traceback the first time its class is seen in
@@ -469,8 +392,7 @@ class Persister:
                 self._held.discard((e.shard, e.entry_id))
         if written is None:  # stopped while Postgres was away: the entries stay pending
             return
-        for e in written:
-            self._to_ack.setdefault(e.shard, []).append(e.entry_id)
+        self._acks.add_many((e.shard, e.entry_id) for e in written)
         stats = self.stats
         stats.batches += 1
         stats.transitions += len(written)
@@ -485,18 +407,16 @@ class Persister:
         Returns the entries written (a poisoned entry is left out: not written, not acked), or
         None when stopped before the batch could be committed: it stays pending in Redis.
         """
-        backoff, down_since = PERSIST_POSTGRES.start(), 0.0
+        backoff, down_since, outage = PERSIST_POSTGRES.start(), 0.0, False
         while True:
             try:
                 await self.persist(batch)
                 if backoff.failures:
-                    log.warning(
-                        "event=postgres_available down_for=%.1fs retries=%d",
-                        time.monotonic() - down_since, backoff.failures,
-                    )  # fmt: skip
+                    self._written_on_retry(batch, down_since, backoff.failures, outage)
                 return batch
             except Exception as exc:
-                if isinstance(exc, POISON) and not attached_meanwhile(exc):
+                raced = attached_meanwhile(exc)
+                if isinstance(exc, POISON) and not raced:
                     if len(batch) > 1:
                         return await self._isolate(batch, retry)
                     self._poisoned(batch[0], exc)
@@ -507,8 +427,14 @@ class Persister:
                     down_since = time.monotonic()
                 wait = backoff.next()
                 self.stats.retries += 1
-                self._failed(exc)
-                if isinstance(exc, UNAVAILABLE):
+                self.stats.failed(exc)
+                outage = outage or isinstance(exc, UNAVAILABLE)
+                if raced:  # not a failure of Postgres, nor of the data: batch_written_again
+                    log.info(
+                        "event=partition_attached_meanwhile table=%s retry_in=%.1fs batch=%d",
+                        getattr(exc, "table_name", ""), wait, len(batch),
+                    )  # fmt: skip
+                elif isinstance(exc, UNAVAILABLE):
                     log.warning(
                         "event=postgres_unavailable retry_in=%.1fs batch=%d error=%r",
                         wait, len(batch), exc,
@@ -522,6 +448,24 @@ class Persister:
                     self._explain("event=batch_failed", exc, wait, batch=len(batch))
                 if await self._sleep(wait):
                     return None
+
+    def _written_on_retry(
+        self, batch: Sequence[LogEntry], since: float, retries: int, outage: bool
+    ) -> None:
+        """Log a batch committed after failed attempts as what it was: Postgres back after an
+        outage (it could not be reached, or refused work), or the batch written again after
+        failures of another kind (a partition attached meanwhile, a missing table), while
+        Postgres was available all along."""
+        took = time.monotonic() - since
+        if outage:
+            log.warning("event=postgres_available down_for=%.1fs retries=%d", took, retries)
+        else:
+            log.info(
+                "event=batch_written_again after=%.1fs retries=%d batch=%d",
+                took,
+                retries,
+                len(batch),
+            )
 
     async def _isolate(self, batch: Sequence[LogEntry], retry: bool) -> Sequence[LogEntry] | None:
         """A batch was refused for its data: write entry by entry to find the bad ones."""
@@ -545,60 +489,15 @@ class Persister:
             self._streams[entry.shard], entry.entry_id.decode(), entry.status.id,
             entry.status.version, exc, self.keys.log_refused(entry.shard),
         )  # fmt: skip
-        self._to_park.setdefault(entry.shard, []).append((entry.entry_id, repr(exc)[:2000]))
-
-    async def _park(self) -> None:
-        """Copy the refused entries to ``log:refused`` and queue their XACKs."""
-        todo, self._to_park = self._to_park, {}
-        try:
-            pipe = self.redis.pipeline(transaction=False)
-            order = [
-                (shard, entry_id, error) for shard, es in todo.items() for entry_id, error in es
-            ]
-            for shard, entry_id, _ in order:
-                pipe.xrange(self._streams[shard], min=entry_id, max=entry_id)
-            found = await pipe.execute()
-            pipe = self.redis.pipeline(transaction=False)
-            for (shard, entry_id, error), entries in zip(order, found, strict=True):
-                if entries:  # else trimmed already: nothing left to park
-                    fields = dict(entries[0][1])
-                    fields[b"refused_from"] = entry_id
-                    fields[b"refused_error"] = error.encode()
-                    pipe.xadd(self.keys.log_refused(shard), fields)
-            await pipe.execute()
-        except BaseException:
-            for shard, es in todo.items():  # parked again next time: a duplicate at worst
-                self._to_park.setdefault(shard, []).extend(es)
-            raise
-        for shard, entry_id, _ in order:
-            self._to_ack.setdefault(shard, []).append(entry_id)
-        self.stats.parked += len(order)
+        self._acks.park(entry.shard, entry.entry_id, repr(exc))
 
     async def _ack(self) -> None:
-        if self._to_park:
-            await self._park()
-        if not self._to_ack:
-            return
-        todo, self._to_ack = self._to_ack, {}
-        pipe = self.redis.pipeline(transaction=False)
-        for shard, ids in todo.items():
-            pipe.xack(self._streams[shard], self.group, *ids)
+        """Send what Redis is owed: parked copies of refused entries, then XACKs (acks.py)."""
         try:
-            await pipe.execute()
-        except BaseException:
-            # committed but not acknowledged: keep the ids; a replay would be harmless anyway
-            for shard, ids in todo.items():
-                self._to_ack.setdefault(shard, []).extend(ids)
-            raise
+            await self._acks.flush()
+        finally:
+            self.stats.parked = self._acks.parked
 
     async def trim(self) -> None:
         """Drop log entries every consumer group has acknowledged (``group.trim``)."""
         await trim(self.redis, self._streams)
-
-
-def _terminate(conn: AnyConnection) -> None:
-    """Close a pool connection at once, without a word to the server; the pool replaces it
-    (its holder is released, the proxy detached). Nothing if already gone."""
-    with contextlib.suppress(Exception):
-        if not conn.is_closed():
-            conn.terminate()
