@@ -1,7 +1,7 @@
 """Microbenchmark: what one status read costs in the read path's parts, in this process.
 
 No HTTP: this measures the Python cost per request of the near cache, the coalescer and the
-Redis loads, against the plain baseline (one HMGET per request) measured in the same run.
+Redis loads, against the plain baseline (one Redis call per request) measured in the same run.
 Starts its own Redis in a temporary folder.
 
     .venv/bin/python bench/cache_micro.py                   # uvloop when installed
@@ -162,9 +162,9 @@ def redis_cases(redis: Redis, keys: Keys, ids: list[str]) -> dict[str, Case]:
         "coalesced miss, 500 ids in one tick": concurrent(coalesced, ids[:500]),
         "coalesced miss, 50 ids in one tick": concurrent(coalesced, ids[:50]),
         "coalesced miss, 1,000 gets of one id": concurrent(coalesced, [hot] * 1000),
-        "baseline: HMGET per get, 500 concurrent ids": concurrent(plain, ids[:500]),
-        "baseline: HMGET per get, 1,000 gets of one id": concurrent(plain, [hot] * 1000),
-        "baseline: HMGET per get, sequential": baseline_sequential,
+        "baseline: one Redis call per get, 500 concurrent ids": concurrent(plain, ids[:500]),
+        "baseline: one Redis call per get, 1,000 gets of one id": concurrent(plain, [hot] * 1000),
+        "baseline: one Redis call per get, sequential": baseline_sequential,
     }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import asyncpg
 
 from jobtier import job_format
+from jobtier.job_docs import read_docs
 from jobtier.keys import Keys
 from jobtier.persist.pg_reader import lag
 
@@ -127,9 +128,9 @@ async def job_states(redis: Any, keys: Keys, job_ids: Sequence[str]) -> dict[str
     for chunk in _chunks(job_ids):
         pipe = redis.pipeline(transaction=False)
         for job_id in chunk:
-            pipe.hmget(keys.job(job_id), "s", "state")
-        for job_id, (packed, alone) in zip(chunk, await pipe.execute(), strict=True):
-            out[job_id] = job_format.small_field(packed, alone, "state")
+            pipe.hmget(keys.job(job_id), job_format.small_fields("state"))
+        for job_id, values in zip(chunk, await pipe.execute(), strict=True):
+            out[job_id] = job_format.small_field(values, "state")
     return out
 
 
@@ -164,6 +165,8 @@ async def audit(redis: Any, pool: Any, keys: Keys, job_ids: Sequence[str]) -> Au
             list(chunk),
         ):
             history[r["job_id"]].append(r)
+        # the document a reader gets: stored (formats 1, 2) or rendered (format 3)
+        docs = dict(zip(chunk, [d for _, d in await read_docs(redis, keys, chunk)], strict=True))
         for job_id in chunk:
             h, row, transitions = hashes[job_id], rows.get(job_id), history.get(job_id, [])
             a.history_rows += len(transitions)
@@ -181,7 +184,7 @@ async def audit(redis: Any, pool: Any, keys: Keys, job_ids: Sequence[str]) -> Au
             if (row["version"], row["state"].encode(), row["doc"], row["payload"]) != (
                 version,
                 state,
-                h[b"doc"],
+                docs[job_id],
                 h[b"payload"],
             ):
                 a.pg_differs.append(f"{job_id} (Postgres v{row['version']}, Redis v{version})")

@@ -30,6 +30,7 @@ from redis.asyncio import Redis
 from jobtier import job_format
 from jobtier.config import Settings
 from jobtier.dev.redis import LocalRedis
+from jobtier.keys import Keys
 from jobtier.queue import Queue
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,14 +83,23 @@ def drop_ready(r: Any, keys: Any) -> None:
         r.delete(keys.queue_counts(s), *names)
 
 
-async def script_queue(redis: Redis, url: str, fmt: int = 2) -> Queue:
+async def script_queue(redis: Redis, url: str, fmt: int = job_format.NEWEST) -> Queue:
     """A Queue on ``redis`` (16 shards) for programs that call the scripts directly rather
     than through ``Queue.connect``: its shards write job hashes in format ``fmt``
-    (jobtier/job_format.py; 2, what a new deployment writes; scripts from before format 2
-    ignore it). ``flush`` keeps the format from phase to phase."""
+    (jobtier/job_format.py; the newest, what a new deployment writes; scripts from before a
+    format write an older one whatever this says). ``flush`` keeps the format from phase to
+    phase."""
     queue = Queue(Settings(redis_url=url, shards=16), redis, None, require_known=False)
-    await (job_format.upgrade if fmt == 2 else job_format.hold)(redis, queue.keys)
+    await set_format(redis, queue.keys, fmt)
     return queue
+
+
+async def set_format(redis: Redis, keys: Keys, fmt: int) -> None:
+    """Mark every shard to write job hashes in format ``fmt`` (jobtier/job_format.py)."""
+    if fmt == job_format.NEWEST:
+        await job_format.upgrade(redis, keys)
+    else:
+        await job_format.hold(redis, keys, fmt)
 
 
 async def flush(redis: Redis) -> None:

@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 import redis
 
+from jobtier import job_format
 from jobtier.cache.redis_reader import parse_version
 from jobtier.config import Settings
 from jobtier.dev.redis import wait_port
@@ -511,7 +512,8 @@ class StalenessProbe(threading.Thread):
                 job_id, tenant = random.choice(self.ids)
                 auth = {"authorization": f"Bearer {KEY_OF[tenant]}"}
                 try:
-                    in_redis = parse_version(r.hget(keys.job(job_id), "doc") or b'"version":0}')
+                    held = r.hmget(keys.job(job_id), job_format.small_fields("version"))
+                    in_redis = int(job_format.small_field(held, "version") or 0)
                     served = int(
                         client.get(f"/v1/jobs/{job_id}", headers=auth).headers["etag"].strip('"')
                     )

@@ -148,9 +148,6 @@ ABLATIONS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("the event (SPUBLISH)",
      (("  redis.call('SPUBLISH', EV, j.id .. ' ' .. j.version .. ' ' .. j.tenant .. '\\n' .. doc)"
        "\n", ""),)),
-    ("the document in the job hash (HSET without doc)",
-     (("  args[n + 1], args[n + 2] = 'doc', doc\n", ""),
-      ("unpack(args, 1, n + 2))", "unpack(args, 1, n))"))),
 )  # fmt: skip
 
 

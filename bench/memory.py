@@ -34,10 +34,21 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, flush, fmt, header_markdown, local_redis, save, script_queue, table
+from common import (
+    environment,
+    flush,
+    fmt,
+    header_markdown,
+    local_redis,
+    save,
+    script_queue,
+    set_format,
+    table,
+)
 from redis.asyncio import Redis
-from transitions import git_sources, use_sources
+from transitions import git_sources, known_format, use_sources
 
+from jobtier import job_format
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
 
@@ -111,15 +122,19 @@ async def cell(
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     before = git_sources(args.before)
+    # each variant writes the newest job format its scripts know (a new deployment's)
+    formats = {"before": known_format(before), "after": job_format.NEWEST}
+    args.formats = formats
     out: dict[str, Any] = {}
     with local_redis(aof=False) as server:
         redis = Redis.from_url(server.url)
-        queue = await script_queue(redis, server.url)  # a new deployment's job format
+        queue = await script_queue(redis, server.url)
         try:
             for value in LISTPACK:
                 await redis.config_set("hash-max-listpack-value", value)
                 for variant, sources in (("before", before), ("after", None)):
                     use_sources(queue, sources)
+                    await set_format(redis, queue.keys, formats[variant])  # flush keeps it
                     for size in args.payloads:
                         for state in STATES:
                             key = f"{value}/{variant}/{size}/{state}"
@@ -136,8 +151,9 @@ def render(cells: dict[str, Any], args: argparse.Namespace, env: dict[str, Any])
     md = header_markdown("Memory: Redis bytes per job, by state and payload", env)
     md += (
         f"\n{args.jobs:,} jobs per cell, one tenant, one shard, scripts called directly; "
-        f"**before** = the scripts at `{args.before}`, **after** = the working tree's, same "
-        "run. *hash*: MEMORY USAGE of the job's hash (median of 20). *per job*: INFO "
+        f"**before** = the scripts at `{args.before}` (job format {args.formats['before']}), "
+        f"**after** = the working tree's (format {args.formats['after']}), each in the newest "
+        "job format its scripts know, same run. *hash*: MEMORY USAGE of the job's hash (median of 20). *per job*: INFO "
         "used_memory delta / jobs (the hash, its place in a list or set, its log entries). "
         "*log trimmed*: the same once the log stream is emptied, as the persister keeps it "
         "when it keeps up: what a job costs for as long as Redis keeps it.\n\n"

@@ -24,7 +24,9 @@ configurations
   jobtier-routed the same with the fast path turned off (``create_app(...,
                  status_fast_path=False)``, through the ``sitecustomize`` below): every read
                  goes through Starlette's router and request objects;
-  baseline       JOBTIER_NEAR_CACHE=0 JOBTIER_COALESCE=0: one HMGET per request;
+  baseline       JOBTIER_NEAR_CACHE=0 JOBTIER_COALESCE=0: one Redis call per request (an
+                 HMGET before job format 3; since, read_status.lua for one job, which renders
+                 the document of a job in format 3);
   *-uvicorn      the same under uvicorn (server choice);
   gc-nofreeze / gc-thresholds
                  JOBTIER_GC_FREEZE=0, or gc.freeze plus raised thresholds (set through a
@@ -127,7 +129,7 @@ CONFIGS = {
     "jobtier-routed": Config(
         "granian", {"BENCH_ROUTED": "1"}, note="without jobs.StatusFastPath (see below)"
     ),
-    "baseline": Config("granian", BASELINE, note="one HMGET per request"),
+    "baseline": Config("granian", BASELINE, note="one Redis call per request"),
     "jobtier-final2s": Config(
         "granian", {"JOBTIER_NEAR_CACHE_FINAL_TTL": "2"}, ALL_MIXES, ("closed", "open20k"),
         note="terminal documents kept 2 s like the others (the near cache before final_ttl)",
@@ -733,7 +735,9 @@ def render(
     args: argparse.Namespace,
     env: dict[str, Any],
 ) -> str:
-    md = [header_markdown("Status reads over HTTP: jobtier against one HMGET per request", env)]
+    md = [
+        header_markdown("Status reads over HTTP: jobtier against one Redis call per request", env)
+    ]
     md.append(
         f"- settings: {args.jobs:,} jobs (60% succeeded, 40% scheduled), {SHARDS} shards, 4 tenants; "
         f"{args.runs} runs x {args.duration:g} s per cell, each column the median over runs; configurations "
@@ -745,9 +749,9 @@ def render(
         "requests scheduled at a fixed rate over 200 keep-alive connections, latency from the *intended* "
         "send time; a request never sent or answered counts as infinitely slow (`-`).\n"
         "- `cmds/req`: Redis INFO commandstats delta ÷ requests — commands run inside scripts count, so "
-        "one read_status.lua call reading 20 hashes counts 21; churn includes the churn worker's own "
-        "commands. `sent/req`: commands the API sent (the reader's round trips: one HMGET, or one "
-        "read_status.lua call that reads many hashes) ÷ requests. `cpu µs/req`: API server CPU; "
+        "one read_status.lua call reading 20 hashes counts 23 (its TIME and GET of the shard's job format "
+        "too); churn includes the churn worker's own commands. `sent/req`: commands the API sent (the "
+        "reader's round trips: one read_status.lua call, for one job or many) ÷ requests. `cpu µs/req`: API server CPU; "
         "`server core`: its share of one core during the cell; `cpu0 busy`: the whole CPU 0 (the rest is "
         "other processes on this shared machine).\n"
     )

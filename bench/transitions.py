@@ -13,6 +13,11 @@ at a time, and for each phase reads:
   attributed to each command name; ``MULTI``/``EXEC`` are the wrapper Redis puts around
   every script's writes. SPUBLISH is not in the AOF (it is replicated, never persisted).
 
+Then, not a transition, each finished job's status document is read once by
+``read_status.lua`` (``READ_BATCH`` keys a call, as the status reader batches misses): what a
+status read that misses the API's near cache costs Redis. A job in format 3 stores no
+document, and the script renders it.
+
 Two variants of the scripts run in the same process, interleaved run by run: the working
 tree's (``after``) and those of a git revision (``before``, ``--before``, default
 ``HEAD``), so a cut's saving is measured against its baseline in the same run.
@@ -50,6 +55,7 @@ from common import (
     redis_cpu,
     save,
     script_queue,
+    set_format,
     table,
     wait_aof_rewrite,
 )
@@ -57,9 +63,11 @@ from redis.asyncio import Redis
 
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
-from jobtier.scripts import NAMES, Script
+from jobtier.scripts import NAMES, Script, lua_source
 
 PHASES = ("submit", "claim", "complete")
+READ = "read"  # not a transition: read_status.lua over every finished job
+READ_BATCH = 100
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
 
@@ -72,15 +80,16 @@ def git_sources(rev: str) -> dict[str, str]:
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
 
-    lib = show("lib.lua")
+    def expand(text: str) -> str:  # an included file may include others (lib.lua)
+        return _INCLUDE.sub(lambda m: expand(show(m.group(1))), text)
+
     out = {}
-    for name in NAMES:
+    for name in (*NAMES, "read_status"):
         try:
             text = show(f"{name}.lua")
         except subprocess.CalledProcessError:
             continue  # a script that did not exist at rev
-        out[name] = _INCLUDE.sub(lambda m: lib if m.group(1) == "lib.lua" else show(m.group(1)),
-                                 text)  # fmt: skip
+        out[name] = expand(text)
     return out
 
 
@@ -181,11 +190,22 @@ async def measure_phase(
     }
 
 
+def known_format(sources: dict[str, str]) -> int:
+    """The newest job format the scripts in ``sources`` write (lib.lua's marks)."""
+    lib = sources.get("claim", "")  # every script holds lib.lua
+    return 3 if "FMT == '3'" in lib else 2 if "== '2'" in lib else 1
+
+
 async def one_variant(
-    redis: Redis, queue: Queue, args: argparse.Namespace, sources: dict[str, str] | None
+    redis: Redis,
+    queue: Queue,
+    args: argparse.Namespace,
+    sources: dict[str, str] | None,
+    fmt: int,
 ) -> dict[str, Any]:
     use_sources(queue, sources)
     await flush(redis)
+    await set_format(redis, queue.keys, fmt)
     await wait_aof_rewrite(redis)
     await redis.bgrewriteaof()
     await asyncio.sleep(0.05)
@@ -226,8 +246,21 @@ async def one_variant(
             if any(c != 0 for c in codes):
                 raise RuntimeError(f"complete refused: {codes[:5]}")
 
+    # read_status.lua from before format 3 reads KEYS only: the argument it ignores is
+    # harmless
+    read_text = (sources or {}).get("read_status") or lua_source("read_status")
+    read_sha = await redis.script_load(read_text)
+    job_keys = [queue.keys.job_in(shard, item.job_id) for item in items]
+
+    async def read() -> None:
+        for i in range(0, len(job_keys), READ_BATCH):
+            part = job_keys[i : i + READ_BATCH]
+            docs = (await redis.evalsha(read_sha, len(part), *part, ""))[1::2]
+            if not all(docs):
+                raise RuntimeError("read_status.lua found no document for a finished job")
+
     out = {}
-    for name, work in (("submit", submit), ("claim", claim), ("complete", complete)):
+    for name, work in (("submit", submit), ("claim", claim), ("complete", complete), (READ, read)):
         out[name] = await measure_phase(redis, path, len(items), work)
     # what a finished job keeps in Redis, for the record
     sample = items[len(items) // 2].job_id
@@ -239,6 +272,10 @@ async def one_variant(
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     before = git_sources(args.before)
+    # the baseline writes the format asked for, or the newest its scripts know
+    formats = {"before": min(args.before_format or args.format, known_format(before)),
+               "after": args.format}  # fmt: skip
+    args.formats = formats
     runs: list[dict[str, Any]] = []
     with local_redis(aof=True) as server:
         redis = Redis.from_url(server.url)
@@ -251,7 +288,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             for i in range(args.runs):
                 run = {}
                 for variant, sources in (("before", before), ("after", None)):
-                    run[variant] = await one_variant(redis, queue, args, sources)
+                    run[variant] = await one_variant(redis, queue, args, sources, formats[variant])
                     total = sum(run[variant][p]["redis_cpu_us_per_job"] for p in PHASES)
                     print(f"run {i + 1}/{args.runs} {variant}: Redis CPU {total:.0f} us/job",
                           file=sys.stderr, flush=True)  # fmt: skip
@@ -265,7 +302,7 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for variant in ("before", "after"):
         v: dict[str, Any] = {}
-        for phase in PHASES:
+        for phase in (*PHASES, READ):
             cells = [r[variant][phase] for r in runs]
             p: dict[str, Any] = {
                 k: median([c[k] for c in cells])
@@ -299,17 +336,17 @@ def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any
         f"shard, one tenant, submit {args.submit_batch} per call, claim {args.claim_batch}, "
         f"complete {args.complete_batch}; scripts called directly (no worker, no HTTP). "
         f"Redis AOF `everysec`. Medians of {args.runs} interleaved run(s) of both variants: "
-        f"**before** = the scripts at `{args.before}`, **after** = the working tree's; job "
-        f"hashes in format {args.format} where the scripts know formats "
-        "(jobtier/job_format.py).\n\n"
+        f"**before** = the scripts at `{args.before}`, job hashes in format "
+        f"{args.formats['before']}; **after** = the working tree's, in format "
+        f"{args.formats['after']} (jobtier/job_format.py).\n\n"
         "Redis CPU is the server's (INFO cpu), script time the `evalsha` usec of INFO "
         "commandstats (commands inside included), Lua = script time less the commands' own "
         "usec (key building, rendering the document, cjson). AOF bytes are parsed back from "
         "the file the phase appended to.\n\n"
     )
     rows = []
-    for phase in (*PHASES, "total"):
-        row = [phase]
+    for phase in (*PHASES, "total", READ):
+        row = [phase if phase != READ else f"(read: status, {READ_BATCH} a call)"]
         for variant in ("before", "after"):
             v = summary[variant]
             cells = [v[p] for p in PHASES] if phase == "total" else [v[phase]]
@@ -362,9 +399,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--claim-batch", type=int, default=25, help="most jobs per claim (25)")
     p.add_argument("--complete-batch", type=int, default=25, help="jobs per completion (25)")
     p.add_argument("--payload", action="store_true", help='payload {"n": 1} rather than null')
-    p.add_argument("--format", type=int, choices=(1, 2), default=2,
-                   help="job hash format the scripts write (2; scripts from before format 2 "
-                   "write format 1 whatever this says)")  # fmt: skip
+    p.add_argument(
+        "--format",
+        type=int,
+        choices=(1, 2, 3),
+        default=3,
+        help="job hash format the working tree's scripts write (3)",
+    )
+    p.add_argument("--before-format", type=int, choices=(1, 2, 3), default=None,
+                   help="job hash format the baseline writes (--format, or the newest its "
+                   "scripts know)")  # fmt: skip
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     return p.parse_args(argv)
 

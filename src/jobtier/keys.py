@@ -6,10 +6,11 @@ one shard and Redis Cluster places whole shards on nodes by itself.
 
 Per shard::
 
-    jt:{s}:job:<id>          hash   the job record, including its rendered status document
-                                    ("doc"); its small fields packed (format 2) or one per
-                                    field (format 1): see "Job hashes" below
-    jt:{s}:fmt               string "2" when the shard's scripts write job hashes in format 2
+    jt:{s}:job:<id>          hash   the job record: its small fields packed (formats 3 and
+                                    2) or one per field (format 1), and in formats 2 and 1
+                                    its rendered status document ("doc"): see "Job hashes"
+    jt:{s}:fmt               string "3" or "2": the format the shard's scripts write job
+                                    hashes in (else format 1)
     jt:{s}:lines:<id>        list   the job's latest log lines (ctx.log; JSON each), expiring
                                     with the job (joblog.lua)
     jt:{s}:q:<queue>:<priority>:<tenant>
@@ -57,15 +58,19 @@ Per shard::
 Before named queues, ready jobs waited in ``jt:{s}:q:<priority>`` with the rotation cursor in
 ``jt:{s}:wrr``; ``lua/upgrade.lua`` moves them into the layout above (schedulers run it).
 
-Job hashes. Besides ``id``, ``tenant``, ``payload``, ``result``, ``error``, ``progress``,
-``doc`` and the flow fields (``wf``, ``dd``, ...), a job's small fields are held in one of two
-formats. Format 2: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"``
-(fixed at creation) and ``s`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>
+Job hashes. Besides ``id``, ``tenant``, ``payload``, ``result``, ``error``, ``progress`` and
+the flow fields (``wf``, ``dd``, ...), a job's small fields are held in one of three formats.
+Format 3: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (fixed
+at creation) and ``t`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>
 <run-at ms>|<run-at ISO> <cancel 0/1> <lease version> <last logged version> <its time ms>
-<worker>"``, space-separated (the last value of each is free text; empty values are empty).
-Format 1, before it: each of those in a field of its own (``type``, ``state``, ...). Scripts
-read both; they write format 2 where ``jt:{s}:fmt`` is ``"2"`` (``job_format.py`` says
-when), and a job once in format 2 stays in it. ``job_format.job_fields`` reads either.
+<worker>"``, space-separated (the last value of each is free text; empty values are empty);
+no status document: it is rendered from those fields when read (``read_status.lua``,
+``job_docs.py``), and is then byte for byte the one the transition logged and published.
+Format 2, before it: the same with ``s`` for ``t``, and the rendered document in ``doc``.
+Format 1, before that: each small field in a field of its own (``type``, ``state``, ...),
+and ``doc``. Scripts read all three; they write the format ``jt:{s}:fmt`` names
+(``job_format.py`` says when), and never move a job to an older one.
+``job_format.job_fields`` reads any.
 
 Job ids are ``<ULID>-<shard>``: time-ordered, and any process routes them without a lookup.
 """

@@ -35,6 +35,7 @@ from jobtier.errors import (
 from jobtier.flows import submit as flow_submit
 from jobtier.flows.plan import plan_flow
 from jobtier.flows.reads import compensation_of, dependencies
+from jobtier.job_docs import read_doc, read_docs
 from jobtier.keys import Keys
 from jobtier.model import (
     DEFAULT_QUEUE,
@@ -585,7 +586,7 @@ class Queue:
         """The status document as stored (bytes), or ``JobNotFound`` (also for another
         tenant's job)."""
         self._check_id(job_id)
-        owner, doc = await self.redis.hmget(self.keys.job(job_id), "tenant", "doc")
+        owner, doc = await read_doc(self.redis, self.keys, job_id)
         if doc is None or (tenant is not None and owner != tenant.encode()):
             raise JobNotFound(job_id)
         return doc if isinstance(doc, bytes) else str(doc).encode()
@@ -596,9 +597,7 @@ class Queue:
     async def result(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, Any]:
         """(status, result): the result is the task's return value once succeeded, else None."""
         self._check_id(job_id)
-        owner, doc, result = await self.redis.hmget(
-            self.keys.job(job_id), "tenant", "doc", "result"
-        )
+        owner, doc, result = await read_doc(self.redis, self.keys, job_id, "result")
         if doc is None or (tenant is not None and owner != tenant.encode()):
             raise JobNotFound(job_id)
         if isinstance(result, bytes) and result[:1] == b"@":  # kept in the result store
@@ -609,9 +608,7 @@ class Queue:
         """(status, the result's JSON as stored: b"" for none); for a result kept in the
         result store, b"" too, and the status's ``result_url`` says where it is."""
         self._check_id(job_id)
-        owner, doc, result = await self.redis.hmget(
-            self.keys.job(job_id), "tenant", "doc", "result"
-        )
+        owner, doc, result = await read_doc(self.redis, self.keys, job_id, "result")
         if doc is None or (tenant is not None and owner != tenant.encode()):
             raise JobNotFound(job_id)
         raw = result if isinstance(result, bytes) and result[:1] != b"@" else b""
@@ -695,10 +692,8 @@ class Queue:
                 else:
                     offsets[shard] += page
             entries.sort(reverse=True)
-            pipe = self.redis.pipeline(transaction=False)
-            for _, job_id, shard in entries:
-                pipe.hmget(self.keys.job_in(shard, job_id), "doc", "tenant")
-            for (score, _, _), (doc, owner) in zip(entries, await pipe.execute(), strict=True):
+            docs = await read_docs(self.redis, self.keys, [job_id for _, job_id, _ in entries])
+            for (score, _, _), (owner, doc) in zip(entries, docs, strict=True):
                 if doc is None:  # expired from Redis (dead retention): Postgres still has it
                     continue
                 status = decode_status(doc)
@@ -740,9 +735,9 @@ class Queue:
         shard = self.keys.shard_of(job_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.zscore(self.keys.dead(shard), job_id)
-        pipe.hmget(self.keys.job_in(shard, job_id), "doc", "payload")
         pipe.lrange(self.keys.lines(job_id), 0, -1)
-        score, (doc, payload), lines = await pipe.execute()
+        score, lines = await pipe.execute()
+        _, doc, payload = await read_doc(self.redis, self.keys, job_id, "payload")
         if score is None or doc is None:
             raise JobNotFound(job_id)
         return doc, payload or b"null", lines
@@ -857,12 +852,12 @@ class Queue:
         found = []
         for (shard, name, prio), job_id in zip(heads, ids, strict=True):
             if job_id is not None:
-                pipe3.hmget(keys.job_in(shard, job_id.decode()), "s", "updated")
+                pipe3.hmget(keys.job_in(shard, job_id.decode()), job_format.small_fields("updated"))
                 found.append((name, prio))
         now = time.time() * 1000
         out: dict[tuple[str, str], float] = {}
-        for key, (packed, field) in zip(found, await pipe3.execute() if found else [], strict=True):
-            updated = job_format.small_field(packed, field, "updated")
+        for key, values in zip(found, await pipe3.execute() if found else [], strict=True):
+            updated = job_format.small_field(values, "updated")
             if updated is not None:
                 out[key] = max(out.get(key, 0.0), (now - int(updated)) / 1000)
         return out

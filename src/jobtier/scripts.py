@@ -1,7 +1,7 @@
 """The Lua transitions: loaded once, one typed async wrapper per script.
 
 Each script lives in ``lua/<name>.lua`` and opens with a header of its KEYS, ARGV and
-returns; ``--!include lib.lua`` pulls in the shared helpers. Wrappers take and return Python
+returns; ``--!include lib.lua`` pulls in the shared helpers (and lib.lua ``render.lua``). Wrappers take and return Python
 values and ``Code`` members, never bare integers.
 
 Why not ``register_script()`` alone: its pipeline path sends SCRIPT EXISTS before every
@@ -36,10 +36,14 @@ NAMES = (
 
 
 def lua_source(name: str) -> str:
-    """The script's text with its includes expanded."""
+    """The script's text with its includes expanded (an included file may include others:
+    lib.lua includes render.lua)."""
     folder = resources.files("jobtier") / "lua"
-    text = (folder / f"{name}.lua").read_text()
-    return _INCLUDE.sub(lambda m: (folder / m.group(1)).read_text(), text)
+
+    def expand(text: str) -> str:
+        return _INCLUDE.sub(lambda m: expand((folder / m.group(1)).read_text()), text)
+
+    return expand((folder / f"{name}.lua").read_text())
 
 
 class Script:

@@ -11,6 +11,7 @@ import pytest
 
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
+from jobtier.job_docs import read_doc
 from jobtier.keys import Keys
 from jobtier.model import State, decode_status
 from jobtier.persist.db import Pool
@@ -38,7 +39,7 @@ async def test_status_doc_is_what_redis_served(
     reader = PgReader(pg_pool)
     for job_id in persisted[:20]:
         tenant, doc = await reader.status_doc(job_id) or ("", b"")
-        assert doc == await redis.hget(keys.job(job_id), "doc")
+        assert doc == (await read_doc(redis, keys, job_id))[1]
         assert tenant == (await redis.hget(keys.job(job_id), "tenant")).decode()
     assert await reader.status_doc(keys.new_id(0)) is None
 
@@ -99,7 +100,7 @@ async def test_history_lists_every_version(
         tenant = (await redis.hget(keys.job(job_id), "tenant")).decode()
         history = await reader.history(job_id, tenant)
         assert history is not None
-        status = decode_status(await redis.hget(keys.job(job_id), "doc"))
+        status = decode_status((await read_doc(redis, keys, job_id))[1])
         assert [t.version for t in history] == list(range(1, status.version + 1))
         assert history[0].from_state is None and history[0].worker == "api"
         assert history[-1].to_state is status.state

@@ -26,6 +26,7 @@ from hypothesis.stateful import (
 
 from jobtier.config import Settings
 from jobtier.errors import Code
+from jobtier.job_docs import read_docs
 from jobtier.keys import Keys
 from jobtier.model import PRIORITIES, State, decode_status
 from jobtier.queue import Queue
@@ -287,9 +288,8 @@ class JobMachine(RuleBasedStateMachine):
         for zset in (keys.sched, keys.active, keys.dead):
             for s in range(keys.shards):
                 pipe.zrange(zset(s), 0, -1)
-        for job in self.jobs:
-            pipe.hget(keys.job(job.id), "doc")  # what Queue.status decodes
-        replies = iter(self.run(pipe.execute()))
+        docs = read_docs(self.queue.redis, keys, [job.id for job in self.jobs])
+        replies = iter(self.run(pipe.execute()) + [doc for _, doc in self.run(docs)])
         queued: set[bytes] = set()
         for _ in range(sum(len(ready_lists(keys, s)) for s in range(keys.shards))):
             queued |= set(next(replies))

@@ -15,6 +15,7 @@ from jobtier.cache.redis_reader import StatusReader, parse_version
 from jobtier.config import Settings
 from jobtier.connection import RedisClient, ShardSubscriber
 from jobtier.dev.redis import LocalCluster
+from jobtier.job_docs import read_doc
 from jobtier.keys import Keys
 from jobtier.model import State, decode_status
 from jobtier.queue import JobSpec, Queue
@@ -233,7 +234,7 @@ async def test_event_during_a_load_is_not_rolled_back(
     await asyncio.wait_for(fetched.wait(), 10)
     assert job_id in reader._loading
     cancelled = await queue.cancel(job_id)
-    doc = await redis.hget(keys_of(settings).job(job_id), "doc")
+    _, doc = await read_doc(redis, keys_of(settings), job_id)
     assert cancelled.version == 2 and isinstance(doc, bytes)
     # what the subscription would deliver for the cancel
     reader.on_event(b"ev", b"%s 2 %s\n%s" % (job_id.encode(), TENANT.encode(), doc))

@@ -33,29 +33,32 @@ def _function_body(lib: str, signature: str) -> str:
 
 
 def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
-    """lib.lua's load_2() and load_1() name each field by its index in one table constructor
+    """lib.lua's load_p() and load_1() name each field by its index in one table constructor
     (to size the table once) after an HMGET written out in full; a field added to FIELDS or
     FIELDS_1 but not there, or out of order, would be read into the wrong name."""
     lib = lua_source("lib")
     fields, fields_1 = _lua_list(lib, "FIELDS"), _lua_list(lib, "FIELDS_1")
-    # load_1 asks for 's' after FIELDS_1: set, the job is in format 2 after all
+    # load_p asks for the packed changing fields by name ('t' in format 3, 's' in format 2)
+    # where FIELDS has 's'; load_1 asks for 's' and 't' after FIELDS_1: set, the job is in
+    # format 2 or 3 after all
+    packed = [f"'{name}'" if name != "s" else "packed" for name in fields]
     for signature, names in (
-        ("load_2(key, more)", fields),
-        ("load_1(key, more)", [*fields_1, "s"]),
+        ("load_p(key, more, packed)", packed),
+        ("load_1(key, more)", [*(f"'{n}'" for n in fields_1), "'s'", "'t'"]),
     ):
         body = _function_body(lib, signature)
         calls = re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", body, re.DOTALL)
         assert len(calls) == 2, signature
-        for call in calls:
-            listed = re.findall(r"'([a-z_]+)'", call)
-            assert listed == names, signature
-            assert call.rstrip().endswith(("more", f"'{names[-1]}'")), signature
+        listed = [[t.strip() for t in call.split(",")] for call in calls]
+        assert sorted(listed) == sorted([[*names, "more"], names]), signature
     constructor_1 = _function_body(lib, "load_1(key, more)").split("return {", 1)[1]
     pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor_1)
     assert [name for name, _ in pairs] == [*fields_1, "more"]
-    assert [int(i) for _, i in pairs] == [*range(1, len(fields_1) + 1), len(fields_1) + 2]
-    assert f"if v[{len(fields_1) + 1}] then" in _function_body(lib, "load_1(key, more)")
-    constructor = _function_body(lib, "load_2(key, more)").split("return {", 1)[1]
+    assert [int(i) for _, i in pairs] == [*range(1, len(fields_1) + 1), len(fields_1) + 3]
+    body_1 = _function_body(lib, "load_1(key, more)")
+    assert f"if v[{len(fields_1) + 1}] then\n    return load_p(key, more, 's')" in body_1
+    assert f"if v[{len(fields_1) + 2}] then\n    return load_p(key, more, 't')" in body_1
+    constructor = _function_body(lib, "load_p(key, more, packed)").split("return {", 1)[1]
     pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor)
     at = {name: int(i) for name, i in pairs}
     assert at == {"id": 1, "tenant": 2, "wf": fields.index("wf") + 1,
@@ -63,14 +66,28 @@ def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
                   "more": len(fields) + 1}  # fmt: skip
 
 
+def test_what_a_job_loses_when_it_changes_format() -> None:
+    """lib.lua's lists of the fields a job written in a newer format no longer holds:
+    format 1's own fields (ONLY_1), and 'doc' too when it is written in format 3."""
+    lib = lua_source("lib")
+    fields_1 = _lua_list(lib, "FIELDS_1")
+    only_1 = _lua_list(lib, "ONLY_1")
+    # every small field of format 1 but those every format keeps, and 'created' (the
+    # creation ms of a job from before created_iso)
+    kept = {"id", "tenant", "error", "progress", "wf"}
+    assert set(only_1) == (set(fields_1) - kept) | {"created"}
+    assert _lua_list(lib, "ONLY_1_2") == ["doc", *only_1]
+    assert _lua_list(lib, "ONLY_2") == ["s", "doc"]
+
+
 def test_packed_values_are_read_in_the_order_they_are_written() -> None:
-    """Format 2's 'c' and 's' (keys.py, "Job hashes"): packed_c/packed_s concatenate j's
+    """Formats 3 and 2's 'c' and 't'/'s' (keys.py, "Job hashes"): packed_c/packed_s concatenate j's
     fields in one order, load() unpacks them with string.match into variables it names in
     the same order, and job_format.C_FIELDS/S_FIELDS (the Python reader) agree."""
     from jobtier import job_format
 
     lib = lua_source("lib")
-    body = _function_body(lib, "load_2(key, more)")
+    body = _function_body(lib, "load_p(key, more, packed)")
     constructor = dict(re.findall(r"([a-z_]+) = ([a-z_]+)[,}]", body.split("return {", 1)[1]))
     for packed, pattern, names in (
         ("packed_c(j)", "C_PATTERN", job_format.C_FIELDS),
@@ -239,15 +256,17 @@ def test_loading_tasks_from_a_module() -> None:
         TaskRegistry.load("jobtier.keys")
 
 
-def test_small_field_reads_either_format() -> None:
-    """job_format.small_field: format 2's packed 's' when the hash has one (a worker id with
-    spaces stays whole, last), else format 1's own field."""
+def test_small_field_reads_any_format() -> None:
+    """job_format.small_field: the packed value of format 3 ('t') or 2 ('s') when the hash has
+    one (a worker id with spaces stays whole, last), else format 1's own field."""
     from jobtier import job_format
 
+    assert job_format.small_fields("state") == ("t", "s", "state")
     packed = b"running 3 1 1796067784647   0 2 3 1796067784647 worker with spaces"
-    assert job_format.small_field(packed, b"ignored", "state") == b"running"
-    assert job_format.small_field(packed, None, "updated") == b"1796067784647"
-    assert job_format.small_field(packed, None, "run_at") == b""
-    assert job_format.small_field(packed, None, "worker") == b"worker with spaces"
-    assert job_format.small_field(None, b"1700000000000", "updated") == b"1700000000000"
-    assert job_format.small_field(None, None, "state") is None
+    for values in ((packed, None, b"ignored"), (None, packed, b"ignored")):
+        assert job_format.small_field(values, "state") == b"running"
+        assert job_format.small_field(values, "updated") == b"1796067784647"
+        assert job_format.small_field(values, "run_at") == b""
+        assert job_format.small_field(values, "worker") == b"worker with spaces"
+    assert job_format.small_field((None, None, b"1700000000000"), "updated") == b"1700000000000"
+    assert job_format.small_field((None, None, None), "state") is None

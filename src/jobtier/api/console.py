@@ -29,6 +29,7 @@ from jobtier.api.sse import StreamResponse
 from jobtier.cache.redis_reader import RESYNC, StatusReader, parse_version
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest, JobNotFound, TransitionRefused
+from jobtier.job_docs import read_docs
 from jobtier.keys import JOB_ID_RE
 from jobtier.model import DEFAULT_QUEUE, QUEUE_NAME_RE
 from jobtier.queue import Queue
@@ -163,10 +164,7 @@ async def worker_list(queue: Queue) -> WorkerList:
     ids = [(shard, member.decode()) for shard, rows in enumerate(replies[1::2]) for member in rows]
     by_worker: dict[str, list[RunningJob]] = defaultdict(list)
     if ids:
-        pipe = redis.pipeline(transaction=False)
-        for shard, job_id in ids:
-            pipe.hmget(keys.job_in(shard, job_id), "tenant", "doc")
-        for tenant, doc in await pipe.execute():
+        for tenant, doc in await read_docs(redis, keys, [job_id for _, job_id in ids]):
             if doc is None:
                 continue  # finished and expired between the two reads
             status = _running_doc.decode(doc)

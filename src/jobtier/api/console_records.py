@@ -26,6 +26,7 @@ from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import UNAVAILABLE, Problem
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
+from jobtier.job_docs import read_doc
 from jobtier.model import QUEUE_NAME_RE, Dependencies, JobStatus, LogLine, State
 from jobtier.persist.audit_store import AUDIT_ID_RE, MAX_AUDIT_LIMIT, AuditRecord, AuditStore
 from jobtier.persist.pg_reader import ID_PREFIX_RE, MAX_LIMIT, AdminTransition, PgReader
@@ -229,10 +230,10 @@ async def _from_redis(
     """(tenant, document, payload, result) of a job Redis holds; None if it holds none."""
     key = queue.keys.job(job_id)
     pipe = queue.redis.pipeline(transaction=False)
-    pipe.hmget(key, "tenant", "doc")
     pipe.hstrlen(key, "payload")
     pipe.hstrlen(key, "result")
-    (tenant, doc), payload_size, result_size = await pipe.execute()
+    payload_size, result_size = await pipe.execute()
+    tenant, doc = await read_doc(queue.redis, queue.keys, job_id)
     if doc is None:
         return None
     small = [
@@ -267,7 +268,7 @@ async def job_value(request: Request) -> Response:
     job_id = job_id_of(request)
     part = "payload" if request.url.path.endswith("/payload") else "result"
     queue: Queue = request.state.queue
-    doc, value = await queue.redis.hmget(queue.keys.job(job_id), "doc", part)
+    _, doc, value = await read_doc(queue.redis, queue.keys, job_id, part)
     if doc is None:
         try:
             known, value = await request.state.pg_reader.admin_value(job_id, part)

@@ -18,6 +18,7 @@ from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
+from jobtier.job_docs import read_doc
 from jobtier.persist.pg_reader import PgReader
 from jobtier.persist.results import is_ref, reader_for, ref_of
 from jobtier.queue import Queue
@@ -31,10 +32,7 @@ async def content(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
-    found_raw: list[Any] = await queue.redis.hmget(
-        queue.keys.job(job_id), "tenant", "doc", "result"
-    )
-    owner, doc, result = found_raw  # bytes (the client does not decode)
+    owner, doc, result = await read_doc(queue.redis, queue.keys, job_id, "result")  # bytes
     if doc is not None:
         if owner != tenant.encode():
             raise job_not_found(job_id)

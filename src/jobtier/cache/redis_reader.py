@@ -12,9 +12,10 @@ from redis.asyncio import RedisCluster
 from jobtier.cache.coalescer import Coalescer
 from jobtier.cache.nearcache import Entry, NearCache
 from jobtier.connection import RedisClient
+from jobtier.job_docs import READ_STATUS, read_status_args
 from jobtier.keys import Keys
 from jobtier.metrics.snapshot import Snapshot
-from jobtier.scripts import Script, evalsha, evalsha_many
+from jobtier.scripts import evalsha, evalsha_many
 
 log = logging.getLogger("jobtier.cache")
 
@@ -31,7 +32,6 @@ RESYNC = -1
 _VERSION = b'"version":'
 _STATE = b'"state":"'
 _TERMINAL = (b"succeeded", b"failed", b"cancelled")
-_FIELDS = ("tenant", "doc")
 _SHARD_AT = 27  # a valid id is a 26-character ULID, '-', then the shard
 
 
@@ -65,12 +65,13 @@ class StatusReader:
     1. Near cache (``near_cache=True``): a hit returns at once, no task, no future, no I/O.
     2. A miss goes to the coalescer (``coalesce=True``): every id missed in this event-loop
        tick is read in one round trip, and concurrent misses of one id share that read. A
-       batch of several ids is one call of the read-only ``read_status.lua`` (HMGET of every
-       job hash inside Redis): on one server one call for the whole batch, on a cluster one
-       call per shard, pipelined (a script's keys must share a slot there). In redis-py a
-       pipeline of HMGETs costs ~16 us of client CPU per id at 20 ids (~13 at 100), the
-       script ~5 us (~2 at 100): bench/results/status_read.md. With ``coalesce=False`` each
-       miss sends its own HMGET: the plain baseline the benchmarks compare against.
+       batch is one call of the read-only ``read_status.lua`` (HMGET of every job hash
+       inside Redis, the document rendered there for a job in format 3, which stores none:
+       job_docs.py): on one server one call for the whole batch, on a cluster one call per
+       shard, pipelined (a script's keys must share a slot there). In redis-py a pipeline of
+       HMGETs costs ~16 us of client CPU per id at 20 ids (~13 at 100), the script ~5 us (~2
+       at 100): bench/results/status_read.md. With ``coalesce=False`` each miss sends its own
+       call: the plain baseline the benchmarks compare against.
     3. Ids Redis no longer holds go to ``fallback`` (the Postgres reader), itself coalesced
        and singleflighted, one id's fallback failing only that id's readers. An id the
        fallback does not know either is remembered as absent for ``absent_ttl`` seconds
@@ -140,11 +141,10 @@ class StatusReader:
         )
         self._listeners: dict[str, set[Listener]] = {}
         self._loading: dict[str, int] = {}  # id -> loads in flight that include it
-        self._script = Script("read_status")
         self._cluster = isinstance(redis, RedisCluster)
         self.requests = 0
         self.near_hits = 0
-        self.redis_loads = 0  # job hashes read (one HMGET each, alone or in the script)
+        self.redis_loads = 0  # job hashes read (by read_status.lua, alone or in a batch)
         self.batches = 0  # round trips (a single HMGET, one script call or one pipeline)
         self.script_calls = 0  # read_status.lua calls answered (each reads many hashes)
         self.fallback_loads = 0  # ids asked of the fallback
@@ -195,7 +195,8 @@ class StatusReader:
         return status
 
     async def _load(self, ids: list[str]) -> dict[str, Status]:
-        """HMGET tenant+doc of every id in one round trip; cache what was found."""
+        """The tenant and document of every id in one round trip (read_status.lua); cache what
+        was found."""
         near = self.near
         generation = near.generation if near is not None else 0
         loading = self._loading
@@ -223,17 +224,14 @@ class StatusReader:
         keys = self.keys
         self.batches += 1
         self.redis_loads += len(ids)
-        if len(ids) == 1:
-            job_id = ids[0]
-            return [await self.redis.hmget(keys.job_in(int(job_id[_SHARD_AT:]), job_id), _FIELDS)]
-        if not self._cluster:
+        if len(ids) == 1 or not self._cluster:
             # one server: one call for the batch, whatever shards (hash tags) its keys carry
             flat = await self._read_status([keys.job_in(int(i[_SHARD_AT:]), i) for i in ids])
             return list(zip(flat[0::2], flat[1::2], strict=True))
         return await self._read_status_per_shard(ids)
 
     async def _read_status(self, job_keys: list[str]) -> list[Any]:
-        flat = await evalsha(self.redis, self._script, (len(job_keys), *job_keys))
+        flat = await evalsha(self.redis, READ_STATUS, read_status_args(job_keys))
         self.script_calls += 1
         return flat  # type: ignore[no-any-return]
 
@@ -243,11 +241,11 @@ class StatusReader:
         for index, job_id in enumerate(ids):
             by_shard.setdefault(int(job_id[_SHARD_AT:]), []).append(index)
         groups = list(by_shard.items())
-        keys, script = self.keys, self._script
+        keys = self.keys
         calls = []
         for shard, indexes in groups:
             job_keys = [keys.job_in(shard, ids[i]) for i in indexes]
-            calls.append((script, (len(job_keys), *job_keys)))
+            calls.append((READ_STATUS, read_status_args(job_keys)))
         replies = await evalsha_many(self.redis, calls)
         self.script_calls += len(calls)
         out: list[Any] = [None] * len(ids)

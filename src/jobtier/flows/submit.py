@@ -33,6 +33,7 @@ import msgspec
 
 from jobtier.errors import Code, IdempotencyConflict, InvalidRequest
 from jobtier.flows.plan import FlowPlan, derive_id
+from jobtier.job_docs import read_docs
 from jobtier.model import CallbackSpec, FlowSubmitted, Submitted
 from jobtier.scripts import Call, SubmitItem, SubmitOutcome
 
@@ -300,14 +301,11 @@ async def submit_flow(queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
 
 
 async def _as_they_are(queue: Queue, ids: Sequence[str]) -> FlowSubmitted:
-    pipe = queue.redis.pipeline(transaction=False)
-    for job_id in ids:
-        pipe.hget(queue.keys.job(job_id), "doc")
-    docs = await pipe.execute()
+    docs = await read_docs(queue.redis, queue.keys, ids)
     return FlowSubmitted(
         [
             Submitted(job_id, bytes(doc or b""), False)
-            for job_id, doc in zip(ids, docs, strict=True)
+            for job_id, (_, doc) in zip(ids, docs, strict=True)
         ],
         False,
     )

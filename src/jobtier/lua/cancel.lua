@@ -39,9 +39,9 @@ elseif from == 'running' then
     flush()
     return {OK, doc}
   end
-  return {OK, redis.call('HGET', key, 'doc')}
+  return {OK, (select(2, status_of(key)))}
 else
-  return {WRONG_STATE, redis.call('HGET', key, 'doc')}
+  return {WRONG_STATE, (select(2, status_of(key)))}
 end
 j.state = 'cancelled'
 j.cancel = '1'

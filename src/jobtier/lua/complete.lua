@@ -33,16 +33,18 @@ for i = 0, n - 1 do
     end
     ck_release(j)
     j.state = 'succeeded'
-    -- a result kept outside Redis (persist/results.py) comes as '@' .. its reference (JSON
-    -- never starts with '@'): the document says where to read it
-    if string.byte(result, 1) == 64 then
-      j.result_url = '/v1/jobs/' .. id .. '/result/content'
-    end
     -- a null result (the task returned None) is the field's absence, which readers take as
     -- null too: no write, and nothing for the append-only file; a result is written by
     -- commit()'s HSET with the job's fields (one call, one AOF entry)
     if result ~= '' then
       j._set = {'result', result}
+      -- a result kept outside Redis (persist/results.py) comes as '@' .. its reference (JSON
+      -- never starts with '@'): flagged 'R' in wf, so that its document (lib.lua render) says
+      -- where to read it, whenever it is rendered
+      if string.byte(result, 1) == 64 then
+        j.wf = j.wf .. 'R'
+        j._set[3], j._set[4] = 'wf', j.wf
+      end
     end
     commit(j, 'running', worker, {'r', result})
     finish(j, ttl)

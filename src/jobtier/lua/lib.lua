@@ -34,59 +34,72 @@ local PRIORITIES = {'critical', 'high', 'normal', 'low'}
 local WAITING = {scheduled = true, queued = true, waiting = true}
 local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 
--- A job's hash, jt:{s}:job:<id>, in one of two formats (keys.py documents both):
---   format 2: 'c' the fields fixed at creation, 's' those a transition changes, each packed in
+-- A job's hash, jt:{s}:job:<id>, in one of three formats (keys.py documents them):
+--   format 3: 'c' the fields fixed at creation, 't' those a transition changes, each packed in
 --     one string of space-separated values (the last one free text: a concurrency key, a
 --     worker id), beside 'id', 'tenant', 'wf', 'error', 'progress' ('', absent, when empty),
---     'payload', 'result', 'doc' and the flow fields;
---   format 1: each of those values in a field of its own (FIELDS_1).
+--     'payload', 'result' and the flow fields. No status document: readers render it from
+--     the fields (status_of), where every transition used to store it in the hash as well as
+--     log and publish it (bench/transitions.py: Redis CPU per job -10 %, AOF bytes -31 %);
+--   format 2: the same with the changing fields in 's', and the rendered document in 'doc';
+--   format 1: each of those values in a field of its own (FIELDS_1), and 'doc'.
 -- Packed, a transition reads 7 fields and writes 2 or 3 where it read 22 and wrote 8 to 13:
 -- fewer values for Redis to look up, for Lua to convert and for the AOF to store (measured
 -- with bench/transitions.py: Redis CPU and AOF bytes per job down 12 %; bench/memory.py: a
 -- finished job's memory down 40 %).
--- Scripts read either format. They write format 2 when the shard's jt:{s}:fmt holds '2', and
--- keep a job in format 2 once it is: a jobtier from before format 2 reads only format 1, so a
--- deployment switches (job_format.py) only when every process runs a jobtier that reads
--- both. A job loaded in format 1 and written in format 2 loses its format-1 fields in the
--- same script.
-local PACKED = redis.call('GET', BASE .. 'fmt') == '2'
+-- Scripts read every format. They write the format the shard's jt:{s}:fmt names ('3', '2', else
+-- 1) and never move a job to an older one: a jobtier from before a format cannot read it, so
+-- a deployment switches (job_format.py) only when every process runs a jobtier that reads
+-- it. A job written in a newer format than it was loaded in loses the fields only the older
+-- one has (its format-1 fields, its 's', its 'doc') in the same script.
+local FMT = redis.call('GET', BASE .. 'fmt')
+local NODOC = FMT == '3'
+local PACKED = NODOC or FMT == '2'
 
--- load()'s HMGET of a job in format 2. created_iso keeps the rendered creation time, run_at_iso
--- the rendered run-at (see render): formatting a date is a quarter of a transition's cost in
--- Redis. lv and lt are the version and time (ms) of the job's last logged entry (see commit).
--- wf: the job's flow flags ('' for a job with no dependency, dependent or compensation: the
--- only field a plain job pays for flows; see the flows section).
+-- load()'s HMGET of a job in format 3 ('t' where FIELDS says 's', format 2's name).
+-- created_iso keeps the rendered creation time, run_at_iso the rendered run-at (see render):
+-- formatting a date is a quarter of a transition's cost in Redis. lv and lt are the version
+-- and time (ms) of the job's last logged entry (see commit). wf: the job's flow flags ('' for
+-- a job with no dependency, dependent or compensation: the only field a plain job pays for
+-- flows; see the flows section).
 local FIELDS = {'id', 'tenant', 'c', 's', 'wf', 'error', 'progress'}
 local C_AT, S_AT, ERROR_AT, PROGRESS_AT = 3, 4, 6, 7
--- 'c': type priority max_attempts created_iso queue ckey
-local C_PATTERN = '^(%S*) (%a*) (%d*) (%S*) (%S*) (.*)$'
--- 's': state version attempt updated run_at run_at_iso cancel lease_version lv lt worker
-local S_PATTERN = '^(%a*) (%d*) (%d*) (%d*) (%d*) (%S*) (%d*) (%d*) (%d*) (%d*) (.*)$'
+-- 'c' and 't'/'s' are unpacked by C_PATTERN and S_PATTERN, and the document rendered by
+-- render(), from render.lua:
+--!include render.lua
+
 -- The same fields in format 1. 'created' (ms) is not among them: render() shows created_iso,
 -- and reads 'created' only for a job from before created_iso existed.
 local FIELDS_1 = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
                   'updated', 'run_at', 'error', 'progress', 'cancel', 'worker', 'lease_version',
                   'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf'}
--- what a job written in format 2 no longer holds of format 1 (HDEL'd when it changes format)
+-- what a job written in a newer format no longer holds (HDEL'd when it changes format): of
+-- format 1 when written in format 2, and 'doc' too in format 3; of format 2 in format 3
 local ONLY_1 = {'type', 'prio', 'state', 'version', 'attempt', 'max_attempts', 'updated',
                 'run_at', 'cancel', 'worker', 'lease_version', 'created_iso', 'run_at_iso', 'lv',
                 'lt', 'queue', 'ckey', 'created'}
+local ONLY_1_2 = {'doc', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts', 'updated',
+                  'run_at', 'cancel', 'worker', 'lease_version', 'created_iso', 'run_at_iso',
+                  'lv', 'lt', 'queue', 'ckey', 'created'}  -- 'doc' and ONLY_1 (a unit test checks)
+local ONLY_2 = {'s', 'doc'}
 
 local function job_key(id)
   return BASE .. 'job:' .. id
 end
 
--- The job at `key` as format 2 holds it: nil when there is no such job, false when it is in
--- format 1. `more` (a field name or nil): one more field read in the same HMGET, as j.more.
+-- The job at `key` as format 3 (`packed` 't') or 2 ('s') holds it: nil when there is no such
+-- job, false when it is not in that format. `more` (a field name or nil): one more field read
+-- in the same HMGET, as j.more. j._p is the format commit() writes it in: 3 for a job in
+-- format 3, or on a shard that writes 3 (then j._conv: it leaves format 2); else 2.
 -- The HMGETs here and in load_1 name their fields as literals rather than unpack(FIELDS)
 -- through a helper: that one extra call and unpack per job measured ~2 us more Redis CPU a
 -- job (bench/transitions.py); a unit test keeps the literals in step with FIELDS/FIELDS_1.
-local function load_2(key, more)
+local function load_p(key, more, packed)
   local v
   if more then
-    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 's', 'wf', 'error', 'progress', more)
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', packed, 'wf', 'error', 'progress', more)
   else
-    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 's', 'wf', 'error', 'progress')
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', packed, 'wf', 'error', 'progress')
   end
   if not v[1] then
     return nil
@@ -103,29 +116,33 @@ local function load_2(key, more)
           error = v[6] or '', progress = v[7] or '', state = state, version = version,
           attempt = attempt, updated = updated, run_at = run_at, run_at_iso = run_at_iso,
           cancel = cancel, lease_version = lease_version, lv = lv, lt = lt, worker = worker,
-          more = v[8], _was = v, _key = key, _p = true}
+          more = v[8], _was = v, _key = key, _p = (NODOC or packed == 't') and 3 or 2,
+          _conv = NODOC and packed == 's'}
 end
 
--- The same in format 1: FIELDS_1's values, then 's' (set: the job is in format 2 after all,
--- read again by load_2), then `more`.
+-- The same in format 1: FIELDS_1's values, then 's' and 't' (set: the job is in format 2 or 3
+-- after all, read again by load_p), then `more`.
 local function load_1(key, more)
   local v
   if more then
     v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
                    'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
                    'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
-                   's', more)
+                   's', 't', more)
   else
     v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
                    'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
                    'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
-                   's')
+                   's', 't')
   end
   if not v[1] then
     return nil
   end
+  if v[24] then
+    return load_p(key, more, 't')
+  end
   if v[23] then
-    return load_2(key, more)
+    return load_p(key, more, 's')
   end
   -- keep in step with FIELDS_1 (a unit test checks)
   return {id = v[1], tenant = v[2] or '', type = v[3] or '', prio = v[4] or '',
@@ -134,8 +151,8 @@ local function load_1(key, more)
           error = v[11] or '', progress = v[12] or '', cancel = v[13] or '',
           worker = v[14] or '', lease_version = v[15] or '', created_iso = v[16] or '',
           run_at_iso = v[17] or '', lv = v[18] or '', lt = v[19] or '', queue = v[20] or '',
-          ckey = v[21] or '', wf = v[22] or '', more = v[24], _was = v, _key = key,
-          _fmt1 = true, _p = PACKED}
+          ckey = v[21] or '', wf = v[22] or '', more = v[25], _was = v, _key = key,
+          _fmt1 = true, _p = PACKED and (NODOC and 3 or 2)}
 end
 
 -- The job `id` as a table of its fields, or nil when the shard does not hold it. load() keeps
@@ -146,17 +163,22 @@ end
 -- filling it in a loop rehashes it five times (load() took 8.8 us in Redis that way, 4.2 so).
 -- `more` (optional): one more field to read in the same HMGET, as j.more (claim.lua reads the
 -- payload so rather than with an HGET after).
--- A shard in format 2 holds mostly format-2 jobs and one in format 1 format-1 jobs: each asks
--- first for the format it expects, so a job costs one HMGET whichever the shard's format.
-local function load(id, more)
-  local key = job_key(id)
+-- A shard holds mostly jobs in the format it writes: each asks first for that one, so a job
+-- costs one HMGET whichever the shard's format.
+local function load_key(key, more)
   local j
-  if PACKED then
-    j = load_2(key, more)
+  if NODOC then
+    j = load_p(key, more, 't')
     if j == false then
-      j = load_1(key, more)
+      j = load_p(key, more, 's')
     end
-  else
+  elseif PACKED then
+    j = load_p(key, more, 's')
+    if j == false then
+      j = load_p(key, more, 't')
+    end
+  end
+  if not PACKED or j == false then
     j = load_1(key, more)
   end
   if not j then
@@ -170,6 +192,10 @@ local function load(id, more)
     j.dd = redis.call('HGET', key, 'dd') or ''
   end
   return j
+end
+
+local function load(id, more)
+  return load_key(job_key(id), more)
 end
 
 -- Counters kept in hashes (ready jobs per queue and priority, running jobs per queue, waiting
@@ -239,98 +265,8 @@ local function int(n)
   return s
 end
 
--- ISO-8601 UTC from epoch milliseconds (civil-from-days, proleptic Gregorian)
-local function iso(ms)
-  ms = tonumber(ms)
-  local s = math.floor(ms / 1000)
-  local frac = ms - s * 1000
-  local days = math.floor(s / 86400)
-  local sod = s - days * 86400
-  local z = days + 719468
-  local era = math.floor(z / 146097)
-  local doe = z - era * 146097
-  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524)
-                          - math.floor(doe / 146096)) / 365)
-  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-  local mp = math.floor((5 * doy + 2) / 153)
-  local d = doy - math.floor((153 * mp + 2) / 5) + 1
-  local m = mp < 10 and mp + 3 or mp - 9
-  local y = yoe + era * 400
-  if m <= 2 then
-    y = y + 1
-  end
-  return string.format('%04d-%02d-%02dT%02d:%02d:%02d.%03dZ', y, m, d,
-                       math.floor(sod / 3600), math.floor(sod % 3600 / 60), sod % 60, frac)
-end
-
--- NOW as the fields store it, and rendered once: every job a batched script moves (a claim
--- or completion of 50, a promotion of 200) is updated at the same millisecond
+-- NOW as the fields store it
 local NOW_STR = int(NOW)
-local NOW_ISO
-local function iso_str(ms)
-  if ms ~= NOW_STR then
-    return iso(ms)
-  end
-  if not NOW_ISO then
-    NOW_ISO = iso(NOW)
-  end
-  return NOW_ISO
-end
-
-local function str_or_null(s)
-  if s == '' then
-    return 'null'
-  end
-  return cjson.encode(s)
-end
-
-local function raw_or_null(s)
-  if s == '' then
-    return 'null'
-  end
-  return s
-end
-
--- The status document (model.py JobStatus). Built by concatenation so that progress and
--- error, already JSON, are embedded as they are.
-local function render(j)
-  local run_at = 'null'
-  if j.run_at ~= '' then
-    -- run_at_iso holds '<run_at ms>|<ISO date>': a cache that checks itself, so a script
-    -- that moves run_at without knowing of it (an older jobtier in a rolling deploy) cannot
-    -- leave a stale date behind
-    local ms = tostring(j.run_at)
-    local cached = j.run_at_iso
-    if string.sub(cached, 1, #ms + 1) ~= ms .. '|' then
-      cached = ms .. '|' .. iso(j.run_at)
-      j.run_at_iso = cached
-    end
-    run_at = '"' .. string.sub(cached, #ms + 2) .. '"'
-  end
-  if j.created_iso == '' then  -- a job created before the field existed
-    j.created_iso = iso(j.created or redis.call('HGET', j._key, 'created'))
-  end
-  return '{"id":' .. cjson.encode(j.id)
-    .. ',"type":' .. cjson.encode(j.type)
-    .. ',"queue":' .. cjson.encode(j.queue)
-    .. ',"state":"' .. j.state
-    .. '","version":' .. j.version
-    .. ',"priority":"' .. j.prio
-    .. '","attempt":' .. j.attempt
-    .. ',"max_attempts":' .. j.max_attempts
-    .. ',"created_at":"' .. j.created_iso
-    .. '","updated_at":"' .. iso_str(j.updated)
-    .. '","run_at":' .. run_at
-    .. ',"progress":' .. raw_or_null(j.progress)
-    .. ',"error":' .. raw_or_null(j.error)
-    .. ',"cancel_requested":' .. (j.cancel == '1' and 'true' or 'false')
-    .. ',"worker":' .. str_or_null(j.worker)
-    .. (j.dd and j.dd ~= '' and (',"dependencies":' .. j.dd) or '')
-    -- only complete.lua sets result_url, for a result kept outside Redis (persist/results.py);
-    -- it is a path of the job's (validated) id, JSON-safe as it is (cjson would write \/)
-    .. (j.result_url and (',"result_url":"' .. j.result_url .. '"') or '')
-    .. '}'
-end
 
 -- the fields commit() stores in format 1 (besides the document); a field that holds '' is the
 -- same as an absent one to load(), so a new job's empty fields are not written at all
@@ -361,13 +297,15 @@ local function packed_s(j)
     .. j.lt .. ' ' .. j.worker
 end
 
--- commit()'s HSET arguments for j in format 2, after the n already in args: 's', and 'error'
--- and 'progress' where they changed since load() (for a new job: where not empty); 'c' too
--- for a job that was in format 1 (its format-1 fields go: see commit). Returns the new n.
-local function changed_2(j, args, n)
+-- commit()'s HSET arguments for j in format 3 or 2 (j._p), after the n already in args: 't'
+-- ('s'), and 'error' and 'progress' where they changed since load() (for a new job: where not
+-- empty); 'c' too for a job that was in format 1. A job that leaves an older format loses its
+-- fields (j._dropped: see commit). Returns the new n.
+local function changed_p(j, args, n)
   local was, s = j._was, packed_s(j)
+  local name = j._p == 3 and 't' or 's'
   if not was then
-    args[n + 1], args[n + 2] = 's', s
+    args[n + 1], args[n + 2] = name, s
     n = n + 2
     if j.error ~= '' then
       args[n + 1], args[n + 2] = 'error', j.error
@@ -386,12 +324,17 @@ local function changed_2(j, args, n)
     args[n + 1], args[n + 2] = 'c', packed_c(j)
     n = n + 2
     was[C_AT] = args[n]
-    j._dropped = true
+    j._dropped = j._p == 3 and ONLY_1_2 or ONLY_1
+  elseif j._conv then
+    -- format 2 to 3: 't' written whole (compared with nothing), 's' and 'doc' go
+    j._conv = nil
+    was[S_AT] = false
+    j._dropped = ONLY_2
   end
   -- a value compared as unchanged is exactly what the hash holds (was is updated as it is
   -- written, so a second commit of j in the same script compares with the first)
   if was[S_AT] ~= s then
-    args[n + 1], args[n + 2] = 's', s
+    args[n + 1], args[n + 2] = name, s
     n = n + 2
     was[S_AT] = s
   end
@@ -468,16 +411,19 @@ local function commit(j, from, actor, extra, quiet)
     args = HSET_ARGS
   end
   if j._p then
-    n = changed_2(j, args, n)
+    n = changed_p(j, args, n)
   else
     n = changed_1(j, args, n)
   end
   j._new, j._set = nil, nil
-  args[n + 1], args[n + 2] = 'doc', doc
-  redis.call('HSET', j._key, unpack(args, 1, n + 2))
+  if j._p ~= 3 then  -- formats 1 and 2 store the document too (format 3: status_of renders it)
+    args[n + 1], args[n + 2] = 'doc', doc
+    n = n + 2
+  end
+  redis.call('HSET', j._key, unpack(args, 1, n))
   if j._dropped then
+    redis.call('HDEL', j._key, unpack(j._dropped))
     j._dropped = nil
-    redis.call('HDEL', j._key, unpack(ONLY_1))
   end
   if WAITING[from] ~= WAITING[j.state] then
     count(WAITING_COUNTS, j.tenant, WAITING[j.state] and 1 or -1)
@@ -685,7 +631,7 @@ local function create_job(id, tenant, type, queue, prio, payload, max_attempts, 
     end
   end
   -- written by commit()'s one HSET, with the fields every transition stores (FIELDS)
-  j._p = PACKED
+  j._p = PACKED and (NODOC and 3 or 2)
   if PACKED then
     j._new = {'id', id, 'tenant', tenant, 'c', packed_c(j), 'payload', payload}
   else
@@ -776,6 +722,7 @@ end
 --   'd'  it has dependents: jt:{s}:dnt:<id> holds their ids (any shard).
 --   'c'  it has a compensation: 'comp' holds "<type> <queue> <max attempts>", the job created
 --        (in the same script) when this one fails for good.
+--   'R'  not a flow flag: its success's result is kept outside Redis (complete.lua, render).
 -- Dependents live on any shard, so a finishing job does not touch them: its script appends a
 -- hand-off to its own shard's stream jt:{s}:flow, in the same atomic step as the transition,
 -- and the resolver (flows/resolver.py) applies it on the dependent's shard (resolve.lua),

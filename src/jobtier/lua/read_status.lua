@@ -2,23 +2,32 @@
 -- read_status.lua: the tenant and status document of many jobs in one call (read-only).
 --   The status reader's batched load: one script call reads every job hash of a batch, where
 --   a pipeline of HMGETs costs the client ~13 us of CPU per job (redis-py parses, allocates
---   and matches a reply object per command) against ~2 us per job here.
---   Not a transition: it neither includes lib.lua nor follows its KEYS[1]/ARGV[1] convention.
+--   and matches a reply object per command) against ~2 us per job here. A job in format 3
+--   stores no document: render.lua's status_of renders it from the job's fields.
+--   Not a transition: its KEYS are job hashes, not a log stream, and it writes nothing. It
+--   includes render.lua only, not lib.lua, whose top level (the shard's clock and format,
+--   its tables and functions) would cost every call ~16 us.
 --   `no-writes` (the shebang line above): it declares that it only reads, so Redis refuses
 --   any write in it and runs it wherever plain reads may run (a replica, a server that
 --   refuses writes for lack of memory under noeviction).
 --
 -- KEYS[1..n]  job hashes (jt:{s}:job:<id>). On a Redis Cluster they must share one hash tag
 --             (one call per shard); on a single server one call may span every shard.
--- ARGV        none
--- Returns     a flat array of 2n values: tenant, status document of each key in order;
---             nil, nil for a job Redis does not hold (or no longer holds).
+-- ARGV[1]     one more field to read of each job ('' for none: 'payload', 'result')
+-- Returns     a flat array: tenant, status document (then the field, when ARGV[1] names one)
+--             of each key in order; nils for a job Redis does not hold (or no longer holds).
+--!include render.lua
 
+local more = ARGV[1] ~= '' and ARGV[1] or nil
+local stride = more and 3 or 2
 local out = {}
 for i = 1, #KEYS do
-  local v = redis.call('HMGET', KEYS[i], 'tenant', 'doc')
-  -- a missing field is false here, and false goes back to the client as nil
-  out[2 * i - 1] = v[1]
-  out[2 * i] = v[2]
+  local tenant, doc, value = status_of(KEYS[i], more)
+  -- false goes back to the client as nil
+  local at = (i - 1) * stride
+  out[at + 1], out[at + 2] = tenant or false, doc or false
+  if more then
+    out[at + 3] = value or false
+  end
 end
 return out

@@ -14,7 +14,7 @@ if not j or (tenant ~= '' and j.tenant ~= tenant) then
   return {NOT_FOUND, ''}
 end
 if j.state ~= 'failed' then
-  return {WRONG_STATE, redis.call('HGET', job_key(id), 'doc')}
+  return {WRONG_STATE, (select(2, status_of(job_key(id))))}
 end
 redis.call('ZREM', BASE .. 'dead', id)
 redis.call('PERSIST', job_key(id))

@@ -50,9 +50,9 @@ for i = 0, n - 1 do
     if rec then
       local sp = string.find(rec, ' ', 1, true)
       local old_id, old_hash = string.sub(rec, 1, sp - 1), string.sub(rec, sp + 1)
-      local doc = redis.call('HGET', job_key(old_id), 'doc')
       if old_hash == hash then
         code = DUPLICATE
+        local _, doc = status_of(job_key(old_id))
         out[#out + 1], out[#out + 2], out[#out + 3] = code, old_id, doc or ''
       else
         code = IDEMPOTENCY_CONFLICT
@@ -62,7 +62,8 @@ for i = 0, n - 1 do
   end
   if code == OK and (made[id] or (taken and redis.call('EXISTS', job_key(id)) == 1)) then
     code = EXISTS
-    out[#out + 1], out[#out + 2], out[#out + 3] = code, id, redis.call('HGET', job_key(id), 'doc')
+    local _, doc = status_of(job_key(id))
+    out[#out + 1], out[#out + 2], out[#out + 3] = code, id, doc or ''
   end
   if code == OK then
     local run_at, delay = tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8])
