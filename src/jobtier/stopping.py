@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 log = logging.getLogger("jobtier.shutdown")
@@ -52,6 +52,37 @@ async def stop_task(
         await asyncio.wait({task}, timeout=min(left, RECANCEL_EVERY))
     if not task.cancelled() and task.exception() is not None:
         log.error("event=shutdown_step_failed part=%s", part, exc_info=task.exception())
+    return True
+
+
+async def stop_tasks(
+    tasks: Iterable[asyncio.Task[Any]], part: str, timeout: float = STOP_TIMEOUT
+) -> bool:
+    """Cancel every one of ``tasks`` and wait until all have ended, cancelling again every
+    ``RECANCEL_EVERY`` seconds those still running (a lost cancellation). What they ended
+    with is retrieved, neither raised nor logged (their owner reports its own errors). True
+    once all have ended; False if some still run after ``timeout`` seconds: they are left
+    behind, with a warning naming ``part``."""
+    tasks = list(tasks)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    running = {task for task in tasks if not task.done()}
+    while running:
+        left = deadline - loop.time()
+        if left <= 0:
+            log.warning(
+                "event=shutdown_abandoned part=%s tasks=%d seconds=%.1f: still running after "
+                "they were cancelled; left behind",
+                part, len(running), timeout,
+            )  # fmt: skip
+            return False
+        for task in running:
+            task.cancel()
+        await asyncio.wait(running, timeout=min(left, RECANCEL_EVERY))
+        running = {task for task in running if not task.done()}
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved, so asyncio does not report it as never retrieved
     return True
 
 

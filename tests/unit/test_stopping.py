@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Any
 
-from jobtier.stopping import bounded, stop_task
+from jobtier.stopping import bounded, stop_task, stop_tasks
 
 
 async def _loses_first_cancel(started: asyncio.Event, lost: list[int]) -> None:
@@ -76,3 +76,30 @@ async def test_a_step_that_does_not_finish_is_cut_short(caplog: Any) -> None:
     assert not await bounded("stuck step", asyncio.Event().wait(), timeout=0.1)
     assert "event=shutdown_abandoned part=stuck step" in caplog.text
     assert "quick step" not in caplog.text
+
+
+async def test_several_tasks_are_stopped_together_even_one_that_lost_its_cancellation(
+    caplog: Any,
+) -> None:
+    started, lost = asyncio.Event(), list[int]()
+    stubborn = asyncio.create_task(_loses_first_cancel(started, lost))
+    plain = asyncio.create_task(asyncio.Event().wait())
+    done = asyncio.create_task(asyncio.sleep(0))
+
+    async def failed() -> None:
+        raise RuntimeError("its owner reported it")
+
+    broken = asyncio.create_task(failed())
+    await started.wait()
+    await asyncio.wait({done, broken})
+    assert await stop_tasks([stubborn, plain, done, broken], "parts")
+    assert lost == [1] and stubborn.cancelled() and plain.cancelled()
+    assert "shutdown" not in caplog.text  # nothing left behind, and the error not logged again
+
+    started2, released, lost2 = asyncio.Event(), asyncio.Event(), list[int]()
+    never = asyncio.create_task(_ignores_cancels(started2, released, lost2))
+    await started2.wait()
+    assert not await stop_tasks([never], "stubborn parts", timeout=0.2)
+    assert "event=shutdown_abandoned part=stubborn parts tasks=1" in caplog.text
+    released.set()
+    await never

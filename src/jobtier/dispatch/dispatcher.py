@@ -56,6 +56,7 @@ from jobtier.model import TERMINAL
 from jobtier.persist.batch import MALFORMED, LogEntry, parse_entry
 from jobtier.persist.db import UNAVAILABLE, Pool
 from jobtier.persist.group import Fields, claim_idle, create_groups, read_group
+from jobtier.stopping import stop_tasks
 
 log = logging.getLogger("jobtier.dispatch")
 
@@ -227,9 +228,8 @@ class Dispatcher:
             self._recorded.set()
             await parts[2]
         finally:
-            for task in [*parts, *self._attempts]:
-                task.cancel()
-            await asyncio.gather(*parts, *self._attempts, return_exceptions=True)
+            # a part in a Redis or Postgres call can lose its cancellation (stopping.py)
+            await stop_tasks([*parts, *self._attempts], "dispatcher")
             await self.sender.close()
         log.info("event=dispatcher_stopped name=%s", self.name)
 
