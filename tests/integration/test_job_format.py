@@ -115,35 +115,22 @@ async def test_a_redis_without_jobs_is_switched_to_the_newest_format_at_connect(
     assert await queue.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
 
 
-async def test_a_deployment_held_in_format_2_stores_the_document(queue: Queue) -> None:
-    """Held in format 2 ('2' in jt:{s}:fmt), every transition stores the document beside the
-    packed fields, as a jobtier from before format 3 reads it."""
-    await job_format.hold(queue.redis, queue.keys, 2)
-    sub = await queue.submit("flaky", None, max_attempts=2)
-    await assert_format(queue, sub.job_id, 2)
-    job = await claim(queue, sub.job_id)
-    fields = await assert_format(queue, sub.job_id, 2)
-    assert fields["lease_version"] == str(job.lease_version)
-    code, state = await fail(queue, job, delay_ms=5000)
-    assert (code, state) == (Code.OK, b"scheduled")
-    fields = await assert_format(queue, sub.job_id, 2)
-    assert fields["error"] and fields["attempt"] == "1" and fields["run_at_iso"]
-
-
-async def test_a_deployment_held_in_format_1_writes_what_an_older_jobtier_reads(
-    queue_format_1: Queue,
+@pytest.mark.parametrize("fmt", [1, 2])
+async def test_a_deployment_held_in_an_older_format_writes_what_an_older_jobtier_reads(
+    queue: Queue, fmt: int
 ) -> None:
-    """Until the switch, every transition writes each value in its own field, as a jobtier
-    from before format 2 reads them, and the packed fields never appear."""
-    queue = queue_format_1
+    """Until the switch, every transition writes what a jobtier from before the newer format
+    reads: held in format 2 ('2' in jt:{s}:fmt) the packed fields and the stored document,
+    held in format 1 each value in its own field and the document, never the packed ones."""
+    await job_format.hold(queue.redis, queue.keys, fmt)
     sub = await queue.submit("flaky", None, max_attempts=2)
-    await assert_format(queue, sub.job_id, 1)
+    await assert_format(queue, sub.job_id, fmt)
     job = await claim(queue, sub.job_id)
-    fields = await assert_format(queue, sub.job_id, 1)
+    fields = await assert_format(queue, sub.job_id, fmt)
     assert fields["lease_version"] == str(job.lease_version)
     code, state = await fail(queue, job, delay_ms=5000)
     assert (code, state) == (Code.OK, b"scheduled")
-    fields = await assert_format(queue, sub.job_id, 1)
+    fields = await assert_format(queue, sub.job_id, fmt)
     assert fields["error"] and fields["attempt"] == "1" and fields["run_at_iso"]
 
 
