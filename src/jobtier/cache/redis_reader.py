@@ -12,10 +12,10 @@ from redis.asyncio import RedisCluster
 from jobtier.cache.coalescer import Coalescer
 from jobtier.cache.nearcache import Entry, NearCache
 from jobtier.connection import RedisClient
-from jobtier.job_docs import READ_STATUS, read_status_args
+from jobtier.job_docs import READ_STATUS, read_docs, read_status_args
 from jobtier.keys import Keys
 from jobtier.metrics.snapshot import Snapshot
-from jobtier.scripts import evalsha, evalsha_many
+from jobtier.scripts import evalsha
 
 log = logging.getLogger("jobtier.cache")
 
@@ -237,22 +237,9 @@ class StatusReader:
 
     async def _read_status_per_shard(self, ids: list[str]) -> list[Any]:
         """(Cluster) one script call per shard in one pipeline: one batch per node."""
-        by_shard: dict[int, list[int]] = {}
-        for index, job_id in enumerate(ids):
-            by_shard.setdefault(int(job_id[_SHARD_AT:]), []).append(index)
-        groups = list(by_shard.items())
-        keys = self.keys
-        calls = []
-        for shard, indexes in groups:
-            job_keys = [keys.job_in(shard, ids[i]) for i in indexes]
-            calls.append((READ_STATUS, read_status_args(job_keys)))
-        replies = await evalsha_many(self.redis, calls)
-        self.script_calls += len(calls)
-        out: list[Any] = [None] * len(ids)
-        for (_, indexes), flat in zip(groups, replies, strict=True):
-            for n, i in enumerate(indexes):
-                out[i] = (flat[2 * n], flat[2 * n + 1])
-        return out
+        found = await read_docs(self.redis, self.keys, ids)
+        self.script_calls += len({job_id[_SHARD_AT:] for job_id in ids})
+        return found
 
     async def _load_fallback(self, ids: list[str]) -> dict[str, Status]:
         assert self._fallback is not None
