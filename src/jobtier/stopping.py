@@ -37,19 +37,8 @@ async def stop_task(
     the shutdown still runs."""
     if task is None:
         return True
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not task.done():
-        left = deadline - loop.time()
-        if left <= 0:
-            log.warning(
-                "event=shutdown_abandoned part=%s seconds=%.1f: still running after it was "
-                "cancelled; left behind",
-                part, timeout,
-            )  # fmt: skip
-            return False
-        task.cancel()
-        await asyncio.wait({task}, timeout=min(left, RECANCEL_EVERY))
+    if not await stop_tasks([task], part, timeout):
+        return False
     if not task.cancelled() and task.exception() is not None:
         log.error("event=shutdown_step_failed part=%s", part, exc_info=task.exception())
     return True
