@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
+from typing import Any
 
 import pytest
 
@@ -218,3 +219,57 @@ async def test_a_job_released_at_shutdown_ends_without_an_error_in_the_loop(
     await run
     assert (await queue.status(sub.job_id)).state is State.QUEUED
     loop_errors.check()
+
+
+async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Queue) -> None:
+    """Jobs that end free their slots and queue their outcomes in the same turn of the event
+    loop: the claim for those slots must reach Redis first (reporting.py, _report_loop), so
+    that Redis answers it while it records the outcomes and the worker starts the new jobs
+    meanwhile. Recorded where each call starts its pipeline, which writes it at once."""
+
+    async def fill(n: int) -> None:
+        await queue.submit_many_prepared(
+            [queue.prepare(JobSpec(type="echo"), "default") for _ in range(n)]
+        )
+
+    # a first run opens the connections both loops use (a connection being opened would
+    # hold back whichever call waits for it)
+    await fill(100)
+    assert (await worker_for(queue, registry, burst=True, concurrency=50).run()).succeeded == 100
+    await fill(600)
+    worker = worker_for(queue, registry, burst=True, concurrency=50)
+    scripts = worker.scripts
+    call_many = scripts.call_many
+    calls: list[tuple[str, int]] = []  # ('claim', its number) / ('complete', its jobs' claim)
+    claim_of: dict[str, int] = {}  # job id -> the number of the claim that gave it
+
+    async def spy(batch: Any) -> list[Any]:
+        if any(script.name == "claim" for script, _, _ in batch):
+            number = sum(1 for kind, _ in calls if kind == "claim") + 1
+            calls.append(("claim", number))
+            replies = await call_many(batch)
+            for (_, s, _), reply in zip(batch, replies, strict=True):
+                for job in scripts.parse_claim(s, reply).jobs:
+                    claim_of[job.id] = number
+            return replies
+        for script, _, args in batch:
+            if script.name == "complete":
+                calls.append(("complete", max(claim_of[i] for i in args[3::3])))
+        return await call_many(batch)
+
+    scripts.call_many = spy  # type: ignore[method-assign]
+    assert (await worker.run()).succeeded == 600
+    # the last round's outcomes have no claim to wait for: the queues are empty by then
+    # the last round's outcomes have no claim to wait for: the queues are empty by then
+    last_round = max(claim_of.values())
+    checked = [i for i, (kind, k) in enumerate(calls) if kind == "complete" and k < last_round]
+    assert len(checked) >= 8, calls  # 50 slots, 600 jobs: 12 rounds or more
+
+    def claim_went_first(i: int) -> bool:
+        # the last claim started before these outcomes came after the claim of their jobs
+        return [n for kind, n in calls[:i] if kind == "claim"][-1] > calls[i][1]
+
+    # Outcomes sent the other way round, none would be. Not all must: outcomes that end while
+    # the reporter waits for its last send's reply go when that reply comes, which can be in
+    # the turn the claim loop wakes in, ahead of it.
+    assert sum(map(claim_went_first, checked)) >= len(checked) // 2, calls

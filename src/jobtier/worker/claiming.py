@@ -84,9 +84,11 @@ class Claiming(Reporting):
             free = self.free_slots()
             if free <= 0:
                 # every slot busy: wake for a free slot or for a stop, which must not wait
-                # for a job to end (it would wait a whole job, past the grace)
+                # for a job to end (it would wait a whole job, past the grace): stop() sets
+                # _slot_free too. Waited on directly, so that the loop wakes in the turn the
+                # slot frees, ahead of the reporter (reporting.py: _report_loop)
                 self._slot_free.clear()
-                await self._first(self._slot_free.wait(), self._stopping.wait())
+                await self._slot_free.wait()
                 continue
             self._wake.clear()
             reserved = self.reserve(free)
@@ -183,7 +185,7 @@ class Claiming(Reporting):
 
     async def wait_for_slot(self) -> None:
         self._slot_free.clear()
-        await self._first(self._slot_free.wait(), self._stopping.wait())
+        await self._slot_free.wait()  # a stop sets it too (stop(), _stop_claimers)
 
     async def sleep(self, seconds: float, event: asyncio.Event | None = None) -> bool:
         return await self._sleep(seconds, event)

@@ -51,6 +51,8 @@ class Reporting(WorkerState):
         r = self._running.pop(ctx.job.id, None)
         if r is None:  # released at shutdown (_release_all): its stop is reported already
             return
+        # the slot is free: the claim loops wake ahead of the reporter (see _report_loop)
+        self._slot_free.set()
         try:
             if isinstance(end, bytes):
                 self._report("complete", r, (end,))
@@ -65,7 +67,6 @@ class Reporting(WorkerState):
             if r.permit is not None:  # no outcome sent (a lost lease): give it back now
                 self._to_release[r.job.queue].append(r.permit)
                 self._outbox_ready.set()
-            self._slot_free.set()
 
     def _fail(self, r: _Running, failure: Failure) -> None:
         if isinstance(failure.exc, RateLimited):
@@ -151,6 +152,14 @@ class Reporting(WorkerState):
         """Send everything in the outbox in one pipeline; keep it on a Redis error."""
         backoff = REPORT.start()
         while True:
+            # One turn of the event loop first, so that the claim for the slots these ends
+            # freed, woken in the same turn (attempt_ended wakes the claim loops first), goes
+            # to Redis ahead of their outcomes: Redis answers it first, and the worker starts
+            # those jobs while Redis records the outcomes. Sent the other way round, Redis
+            # and the worker take turns, each idle while the other works: end to end with one
+            # worker and 20K no-op jobs, the claim first measured 10 % more jobs/s, a drain
+            # of queued jobs 30 % (bench/compare.py --baseline, bench/throughput.py).
+            await asyncio.sleep(0)
             # a heartbeat in flight may carry the last progress of a job reported here:
             # the outcome must reach Redis after it
             await self._beat_idle.wait()

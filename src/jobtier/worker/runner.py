@@ -116,6 +116,7 @@ class Worker(Heartbeat):
             self._deadline = at + self.shutdown_grace
             self._stopping.set()
             self._wake.set()
+            self._slot_free.set()  # a claim loop waiting for a slot stops now (claiming.py)
             log.info(
                 "event=worker_draining worker=%s running=%d grace=%gs",
                 self.id, len(self._running), self.shutdown_grace,

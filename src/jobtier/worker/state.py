@@ -12,12 +12,13 @@ concern to the one below it:
 
 The loops run on one event loop and share this state without locks; they hand work to each
 other through the events made here: ``_slot_free`` (an attempt ended: the claim loops and the
-drain look again), ``_wake`` (a shard has new jobs), ``_progress`` (a task reported progress
-or logged lines: a progress beat is due), ``_outbox_ready`` / ``_outbox_idle`` (an outcome is
-queued; the shutdown's flush waits for idle), ``_beat_idle`` (clear while a heartbeat is in
-flight: the reporter waits for it, so that a job's last progress, carried by that beat,
-reaches Redis before the job's outcome, which would make Redis refuse it) and ``_stopping`` /
-``_stop_now`` (``stop()``).
+drain look again; ``stop()`` sets it too, so that a claim loop waits on it alone and wakes in
+the turn a slot frees, ahead of the reporter: see reporting.py), ``_wake`` (a shard has new
+jobs), ``_progress`` (a task reported progress or logged lines: a progress beat is due),
+``_outbox_ready`` / ``_outbox_idle`` (an outcome is queued; the shutdown's flush waits for
+idle), ``_beat_idle`` (clear while a heartbeat is in flight: the reporter waits for it, so
+that a job's last progress, carried by that beat, reaches Redis before the job's outcome,
+which would make Redis refuse it) and ``_stopping`` / ``_stop_now`` (``stop()``).
 
 Races guarded here: the thread pool counts its busy calls under a lock (its threads run off
 the event loop), and ``_Running`` carries the flags that make a late outcome harmless: ``lost``
