@@ -86,7 +86,7 @@ class Claiming(Reporting):
                 # every slot busy: wake for a free slot or for a stop, which must not wait
                 # for a job to end (it would wait a whole job, past the grace): stop() sets
                 # _slot_free too. Waited on directly, so that the loop wakes in the turn the
-                # slot frees, ahead of the reporter (reporting.py: _report_loop)
+                # slot frees, ahead of the reporter (reporting.py: _send_outbox)
                 self._slot_free.clear()
                 await self._slot_free.wait()
                 continue

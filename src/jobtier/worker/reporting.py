@@ -51,7 +51,7 @@ class Reporting(WorkerState):
         r = self._running.pop(ctx.job.id, None)
         if r is None:  # released at shutdown (_release_all): its stop is reported already
             return
-        # the slot is free: the claim loops wake ahead of the reporter (see _report_loop)
+        # the slot is free: the claim loops wake ahead of the reporter (see _send_outbox)
         self._slot_free.set()
         try:
             if isinstance(end, bytes):
@@ -157,8 +157,8 @@ class Reporting(WorkerState):
             # to Redis ahead of their outcomes: Redis answers it first, and the worker starts
             # those jobs while Redis records the outcomes. Sent the other way round, Redis
             # and the worker take turns, each idle while the other works: end to end with one
-            # worker and 20K no-op jobs, the claim first measured 10 % more jobs/s, a drain
-            # of queued jobs 30 % (bench/compare.py --baseline, bench/throughput.py).
+            # worker and 20K no-op jobs, the claim first measured 7-11 % more jobs/s per run,
+            # a drain of queued jobs ~25 % (bench/compare.py --baseline, bench/throughput.py).
             await asyncio.sleep(0)
             # a heartbeat in flight may carry the last progress of a job reported here:
             # the outcome must reach Redis after it
