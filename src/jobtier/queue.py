@@ -7,6 +7,7 @@ a bad request raises ``InvalidRequest`` (or ``UnknownTask``) and changes nothing
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import math
 import re
@@ -736,8 +737,10 @@ class Queue:
         pipe = self.redis.pipeline(transaction=False)
         pipe.zscore(self.keys.dead(shard), job_id)
         pipe.lrange(self.keys.lines(job_id), 0, -1)
-        score, lines = await pipe.execute()
-        _, doc, payload = await read_doc(self.redis, self.keys, job_id, "payload")
+        # both reads at once: one round trip's wait, as when the document was an HMGET
+        (score, lines), (_, doc, payload) = await asyncio.gather(
+            pipe.execute(), read_doc(self.redis, self.keys, job_id, "payload")
+        )
         if score is None or doc is None:
             raise JobNotFound(job_id)
         return doc, payload or b"null", lines

@@ -9,6 +9,7 @@ live ones); its history comes from Postgres, as far as the write-behind has got 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -232,8 +233,10 @@ async def _from_redis(
     pipe = queue.redis.pipeline(transaction=False)
     pipe.hstrlen(key, "payload")
     pipe.hstrlen(key, "result")
-    payload_size, result_size = await pipe.execute()
-    tenant, doc = await read_doc(queue.redis, queue.keys, job_id)
+    # both reads at once: one round trip's wait, as when the document was an HMGET
+    (payload_size, result_size), (tenant, doc) = await asyncio.gather(
+        pipe.execute(), read_doc(queue.redis, queue.keys, job_id)
+    )
     if doc is None:
         return None
     small = [
