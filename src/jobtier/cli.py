@@ -243,8 +243,7 @@ def cmd_job_format(args: argparse.Namespace, settings: Settings) -> int:
             print(
                 f"Format {min(shards)} is what an older jobtier reads. Once every process "
                 "(API, worker, scheduler, persister, resolver, dispatcher) runs this jobtier, "
-                "`jobtier "
-                f"job-format --upgrade` switches to format {job_format.NEWEST}."
+                f"`jobtier job-format --upgrade` switches to format {job_format.NEWEST}."
             )
         return 0
 

@@ -1,8 +1,8 @@
 """The Lua transitions: loaded once, one typed async wrapper per script.
 
 Each script lives in ``lua/<name>.lua`` and opens with a header of its KEYS, ARGV and
-returns; ``--!include lib.lua`` pulls in the shared helpers (and lib.lua ``render.lua``). Wrappers take and return Python
-values and ``Code`` members, never bare integers.
+returns; ``--!include lib.lua`` pulls in the shared helpers (lib.lua includes ``render.lua``
+in turn). Wrappers take and return Python values and ``Code`` members, never bare integers.
 
 Why not ``register_script()`` alone: its pipeline path sends SCRIPT EXISTS before every
 pipeline execution, a second round trip on the paths we batch (claim, complete, submit). We
