@@ -94,15 +94,38 @@ _TIME_SHIFTS = (40, 30, 20, 10, 0)  # 48-bit time: 10 digits (50 bits, the top 2
 _ENTROPY_SHIFTS = (70, 60, 50, 40, 30, 20, 10, 0)  # 80 bits: 16 digits
 
 
+# each byte -> the Crockford digit of its low 5 bits: random bytes become random digits (5
+# bits of entropy each) in one C call
+_DIGIT_OF_BYTE = bytes.maketrans(
+    bytes(range(256)), bytes(ord(_CROCKFORD[b & 31]) for b in range(256))
+)
+_last_ms: tuple[int, str] = (-1, "")  # the newest millisecond asked for, and its 10 digits
+
+
+def _time_digits(ms: int) -> str:
+    """The 10 digits of a 48-bit millisecond time; the last one asked for is kept (a batch's
+    ids share it). One tuple is swapped in whole, so threads never see a torn pair."""
+    global _last_ms
+    last = _last_ms
+    if last[0] != ms:
+        p = _PAIRS
+        last = (ms, "".join([p[(ms >> s) & 1023] for s in _TIME_SHIFTS]))
+        _last_ms = last
+    return last[1]
+
+
 def ulid(ms: int | None = None, entropy: bytes | None = None) -> str:
-    """A ULID: 48-bit millisecond time and 80 bits of entropy, Crockford base32."""
+    """A ULID: 48-bit millisecond time and 80 bits of entropy, Crockford base32. Without
+    ``entropy``, its 16 digits are 16 random ones (the same 80 random bits as encoding 10
+    random bytes, about 1 us cheaper: ids were a fifth of a batch submit's producer CPU)."""
     if ms is None:
         ms = time.time_ns() // 1_000_000
     ms &= 0xFFFF_FFFF_FFFF
-    e = int.from_bytes(entropy or os.urandom(10), "big")
+    if entropy is None:
+        return _time_digits(ms) + os.urandom(16).translate(_DIGIT_OF_BYTE).decode()
+    e = int.from_bytes(entropy, "big")
     p = _PAIRS
-    return "".join([p[(ms >> s) & 1023] for s in _TIME_SHIFTS] +
-                   [p[(e >> s) & 1023] for s in _ENTROPY_SHIFTS])  # fmt: skip
+    return _time_digits(ms) + "".join([p[(e >> s) & 1023] for s in _ENTROPY_SHIFTS])
 
 
 class Keys:
@@ -117,9 +140,13 @@ class Keys:
 
     # --- ids and routing ----------------------------------------------------------------
     def new_id(self, shard: int | None = None) -> str:
+        """A new job id, ``<ULID>-<shard>``; a random shard unless one is given. One read of
+        18 random bytes: 16 digits of entropy, 2 bytes for the shard."""
+        r = os.urandom(18)
         if shard is None:
-            shard = int.from_bytes(os.urandom(2), "big") % self.shards
-        return f"{ulid()}-{shard}"
+            shard = (r[16] << 8 | r[17]) % self.shards
+        ms = time.time_ns() // 1_000_000 & 0xFFFF_FFFF_FFFF
+        return f"{_time_digits(ms)}{r.translate(_DIGIT_OF_BYTE)[:16].decode()}-{shard}"
 
     def shard_of(self, job_id: str) -> int:
         """The shard a job id routes to; ``ValueError`` for a malformed or foreign id."""

@@ -70,6 +70,7 @@ MAX_ATTEMPTS_LIMIT = 100
 MAX_CONCURRENCY_LIMIT = 10_000
 WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease (10 s)
 WORKER_FORGET_SECONDS = 900.0  # the entry of a worker gone this long is deleted
+SPREAD_FROM = 128  # jobs in a submit from which its shards go in several pipelines (submit_items)
 DEFAULT_TENANT = "default"
 
 
@@ -571,7 +572,10 @@ class Queue:
             self.scripts.submit_call(shard, [items[i] for i in idx], ttl)
             for shard, idx in by_shard.items()
         ]
-        replies = await self.scripts.call_many(calls)
+        # a large batch's shards in four pipelines sent in turn: Redis runs the first while
+        # the others are packed (Scripts.call_spread); a small batch goes in one
+        per = -(-len(calls) // 4) if len(items) >= SPREAD_FROM else len(calls)
+        replies = await self.scripts.call_spread(calls, per)
         outcomes: list[SubmitOutcome | None] = [None] * len(items)
         for idx, reply in zip(by_shard.values(), replies, strict=True):
             for i, outcome in zip(idx, self.scripts.parse_submit(reply), strict=True):

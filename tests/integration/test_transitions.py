@@ -9,11 +9,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from redis.exceptions import ResponseError
 
 from jobtier import job_format
 from jobtier.errors import Code, IdempotencyConflict, JobNotFound, TransitionRefused
 from jobtier.model import ClaimedJob, JobStatus, State, decode_status
-from jobtier.queue import JobSpec, Queue
+from jobtier.queue import SPREAD_FROM, JobSpec, Queue
 from tests.fixtures.engine import wait_for
 
 pytestmark = pytest.mark.contract
@@ -452,3 +453,50 @@ async def test_published_event_carries_the_document(queue: Queue) -> None:
         assert isinstance(decode_status(doc), JobStatus)
     finally:
         await sub_ready.stop()
+
+
+async def test_a_large_batch_goes_in_pipelines_sent_together(queue: Queue) -> None:
+    """From SPREAD_FROM jobs, a batch submit's shard calls go in four pipelines, every one sent
+    before the first one's replies are read (Scripts.call_spread), and each job's outcome still
+    comes back in its place; a smaller batch goes in one pipeline."""
+    events: list[tuple[str, int]] = []
+    call_many = queue.scripts.call_many
+
+    async def recording(calls: Any) -> list[Any]:
+        events.append(("start", len(calls)))
+        try:
+            return await call_many(calls)
+        finally:
+            events.append(("end", len(calls)))
+
+    queue.scripts.call_many = recording  # type: ignore[method-assign]
+    n = SPREAD_FROM * 2
+    submitted = await queue.submit_many([JobSpec(type="echo", payload={"i": i}) for i in range(n)])
+    shards = {queue.keys.shard_of(s.job_id) for s in submitted}
+    starts = [calls for kind, calls in events if kind == "start"]
+    assert len(starts) == min(4, len(shards)) > 1
+    assert sum(starts) == len(shards)  # one call per shard, each in one of the pipelines
+    assert [kind for kind, _ in events[: len(starts)]] == ["start"] * len(starts)
+    for i, sub in enumerate(submitted):
+        assert sub.created and decode_status(sub.doc).id == sub.job_id
+        payload = await queue.redis.hget(queue.keys.job(sub.job_id), "payload")
+        assert msgspec.json.decode(payload) == {"i": i}
+
+    events.clear()
+    small = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(10)])
+    assert [kind for kind, _ in events] == ["start", "end"] and all(s.created for s in small)
+
+
+async def test_a_spread_call_that_fails_leaves_the_others_run(queue: Queue) -> None:
+    """call_spread raises the error of a refused call once every pipeline has run: the calls
+    beside it, in its pipeline and in the others, are made."""
+    items = {}
+    for i in range(40):
+        item = queue.prepare(JobSpec(type="echo", payload=i), "default")
+        items.setdefault(queue.keys.shard_of(item.job_id), item)
+    calls = [queue.scripts.submit_call(s, [item], 60_000) for s, item in items.items()]
+    broken = (queue.scripts["submit"], calls[0][1], ["60000"])  # no job count: the script fails
+    with pytest.raises(ResponseError):
+        await queue.scripts.call_spread([broken, *calls], 1 if len(calls) < 3 else 2)
+    for item in items.values():
+        assert (await queue.status(item.job_id)).state is State.QUEUED

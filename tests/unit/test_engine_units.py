@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jobtier.config import Settings, settings_table
 from jobtier.errors import Code, ConfigError
 from jobtier.keys import JOB_ID_RE, Keys, ulid
-from jobtier.scripts import NAMES, lua_source
+from jobtier.scripts import CODES, NAMES, lua_source
 from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
 
 
@@ -187,6 +187,27 @@ def test_ulid_digits_match_the_plain_base32_encoding(ms: int, entropy: bytes) ->
     crockford = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
     plain = "".join(crockford[(value >> (5 * i)) & 31] for i in reversed(range(26)))
     assert ulid(ms, entropy) == plain
+
+
+def test_new_ids_are_valid_random_and_spread_over_every_shard() -> None:
+    """new_id's 16 entropy digits come from random bytes, one digit per byte: every digit is
+    a Crockford one, each position takes all 32 of them, and the shard bytes reach every
+    shard; ids made in one millisecond share its 10 time digits, and a shard asked for is
+    kept."""
+    keys = Keys("jt", 16)
+    ids = [keys.new_id() for _ in range(5000)]
+    assert all(JOB_ID_RE.fullmatch(i) for i in ids) and len(set(ids)) == len(ids)
+    assert {keys.shard_of(i) for i in ids} == set(range(16))
+    crockford = set("0123456789ABCDEFGHJKMNPQRSTVWXYZ")
+    for position in range(10, 26):
+        assert {i[position] for i in ids} == crockford
+    assert keys.new_id(5).endswith("-5") and keys.shard_of(keys.new_id(0)) == 0
+    assert ulid(1234)[:10] == ulid(1234)[:10] == ulid(1234, bytes(10))[:10] < ulid(1235)[:10]
+    assert len(ulid()) == 26 and set(ulid()) <= crockford
+
+
+def test_codes_by_index_are_the_code_members() -> None:
+    assert len(CODES) == len(Code) and all(CODES[c.value] is c for c in Code)
 
 
 def test_shard_for_is_stable() -> None:
