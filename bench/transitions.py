@@ -63,7 +63,7 @@ from redis.asyncio import Redis
 
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
-from jobtier.scripts import NAMES, Script, lua_source
+from jobtier.scripts import NAMES, Script, library, lua_source
 
 PHASES = ("submit", "claim", "complete")
 READ = "read"  # not a transition: read_status.lua over every finished job
@@ -94,9 +94,10 @@ def git_sources(rev: str) -> dict[str, str]:
 
 
 def use_sources(queue: Queue, sources: dict[str, str] | None) -> None:
-    """Point the queue's script wrappers at other texts (None: the working tree's)."""
+    """Point the queue's script wrappers at other texts, run by EVALSHA (None: the working
+    tree's, run as the queue runs them: its function library)."""
     for name in NAMES:
-        script = Script(name)
+        script = Script(name, library() if sources is None else None)
         if sources is not None and name in sources:
             script.text = sources[name]
             script.sha = hashlib.sha1(script.text.encode()).hexdigest()

@@ -4,11 +4,20 @@ Each script lives in ``lua/<name>.lua`` and opens with a header of its KEYS, ARG
 returns; ``--!include lib.lua`` pulls in the shared helpers (lib.lua includes ``render.lua``
 in turn). Wrappers take and return Python values and ``Code`` members, never bare integers.
 
-Why not ``register_script()`` alone: its pipeline path sends SCRIPT EXISTS before every
-pipeline execution, a second round trip on the paths we batch (claim, complete, submit). We
-EVALSHA directly and, on NOSCRIPT (a restarted Redis has an empty script cache), load the
-script and re-send only the calls that were refused — they did not run, so re-sending them
-is safe.
+The scripts that include lib.lua are loaded as one Redis function library (``Library``) and
+run by FCALL: lib.lua's top level (its ~100 helpers and tables) then runs once, when the
+library is loaded, where a script run by EVALSHA runs it at every call (~16 us of Redis CPU
+a call; bench/lua_parts.py). Each function starts with lib.lua's ``begin(ARGV)``, which sets
+what a call may change. The library's name and its functions' names carry a digest of its
+code: processes of two versions (a rolling deploy) each call their own. A version's library
+stays in Redis after its last process stops (one per deployed version; ``FUNCTION LIST``,
+``FUNCTION DELETE`` to remove one no process runs).
+
+Why not ``register_script()``: its pipeline path sends SCRIPT EXISTS before every pipeline
+execution, a second round trip on the paths we batch (claim, complete, submit). We FCALL (or
+EVALSHA) directly and, when Redis does not have the function or script (a Redis restarted
+without its data, a node added to a cluster, FUNCTION FLUSH), load it and re-send only the
+calls that were refused — they did not run, so re-sending them is safe.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from jobtier.connection import RedisClient
 from jobtier.errors import Code
@@ -36,53 +45,135 @@ NAMES = (
 )  # fmt: skip
 
 
+_LIB = "--!include lib.lua"
+
+
+def _read(name: str) -> str:
+    return (resources.files("jobtier") / "lua" / name).read_text()
+
+
+def _expand(text: str, begin: str) -> str:
+    """``text`` with its includes expanded (an included file may include others: lib.lua
+    includes render.lua), and ``begin`` after lib.lua's text."""
+
+    def include(m: re.Match[str]) -> str:
+        name = m.group(1)
+        return _expand(_read(name), "") + (begin if name == "lib.lua" else "")
+
+    return _INCLUDE.sub(include, text)
+
+
 def lua_source(name: str) -> str:
-    """The script's text with its includes expanded (an included file may include others:
-    lib.lua includes render.lua)."""
-    folder = resources.files("jobtier") / "lua"
+    """The script as EVAL runs it: its includes expanded, and lib.lua's ``begin(ARGV)``
+    called where lib.lua's text ends."""
+    return _expand(_read(f"{name}.lua"), "\nbegin(ARGV)")
 
-    def expand(text: str) -> str:
-        return _INCLUDE.sub(lambda m: expand((folder / m.group(1)).read_text()), text)
 
-    return expand((folder / f"{name}.lua").read_text())
+class Library:
+    """The scripts of ``names`` (each includes lib.lua) as one Redis function library: lib.lua
+    once, then one function per script, ``function(KEYS, ARGV)`` around its code, which
+    starts with ``begin(ARGV)`` where the script included lib.lua."""
+
+    __slots__ = ("code", "functions", "name")
+
+    def __init__(self, names: Sequence[str]) -> None:
+        bodies = {}
+        for name in names:
+            text = _read(f"{name}.lua")
+            if text.count(_LIB) != 1:
+                raise ValueError(f"{name}.lua must include lib.lua once to be in the library")
+            bodies[name] = _expand(text.replace(_LIB, "begin(ARGV)"), "")
+        lib = _expand(_LIB, "")
+        digest = hashlib.sha1("\0".join([lib, *bodies.values()]).encode()).hexdigest()[:16]
+        self.name = f"jobtier_{digest}"
+        self.functions = {name: f"jt_{digest}_{name}" for name in names}
+        parts = [f"#!lua name={self.name}\n", lib]
+        for name, body in bodies.items():
+            parts.append(
+                f"\nredis.register_function('{self.functions[name]}', function(KEYS, ARGV)\n"
+                f"{body}\nend)\n"
+            )
+        self.code = "".join(parts)
+
+
+_library: Library | None = None
+
+
+def library() -> Library:
+    """The library of every script in NAMES, built once per process."""
+    global _library
+    if _library is None:
+        _library = Library(NAMES)
+    return _library
 
 
 class Script:
-    __slots__ = ("name", "sha", "text")
+    """One script: its EVAL text and sha, and the function that runs it when it is in a
+    library (``function``: FCALL is sent, else EVALSHA)."""
 
-    def __init__(self, name: str) -> None:
+    __slots__ = ("function", "library", "name", "sha", "text")
+
+    def __init__(self, name: str, lib: Library | None = None) -> None:
         self.name = name
         self.text = lua_source(name)
         self.sha = hashlib.sha1(self.text.encode()).hexdigest()
+        self.library = lib
+        self.function = lib.functions[name] if lib is not None else None
+
+    @property
+    def unit(self) -> str:
+        """What is loaded to run it: its library's name, or its sha."""
+        return self.library.name if self.function and self.library is not None else self.sha
+
+    def command(self) -> tuple[str, str]:
+        return ("FCALL", self.function) if self.function else ("EVALSHA", self.sha)
+
+    async def load(self, redis: RedisClient) -> None:
+        """Load it (its library, or the script) on the server (every primary of a cluster)."""
+        if self.function and self.library is not None:
+            await redis.function_load(self.library.code, replace=True)
+        else:
+            await redis.script_load(self.text)
+
+
+def _missing(exc: BaseException) -> bool:
+    """Whether Redis refused a call because it does not have the script or function (the
+    call did not run)."""
+    return isinstance(exc, NoScriptError) or (
+        isinstance(exc, ResponseError) and str(exc).startswith("Function not found")
+    )
 
 
 async def evalsha(redis: RedisClient, script: Script, argv: Sequence[Any]) -> Any:
-    """EVALSHA ``script`` with ``argv`` (numkeys, keys, args); loads the script and sends the
-    call again when Redis has forgotten it (NOSCRIPT: it did not run)."""
+    """Run ``script`` (FCALL or EVALSHA) with ``argv`` (numkeys, keys, args); loads it and
+    sends the call again when Redis does not have it (the call did not run)."""
     try:
-        return await redis.execute_command("EVALSHA", script.sha, *argv)
-    except NoScriptError:
-        await redis.script_load(script.text)
-        return await redis.execute_command("EVALSHA", script.sha, *argv)
+        return await redis.execute_command(*script.command(), *argv)
+    except ResponseError as exc:
+        if not _missing(exc):
+            raise
+        await script.load(redis)
+        return await redis.execute_command(*script.command(), *argv)
 
 
 async def evalsha_many(
     redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]
 ) -> list[Any]:
-    """Several EVALSHA calls in one pipeline (one round trip per node), their replies in
-    order; the calls refused with NOSCRIPT are sent again, alone, once their scripts are
-    loaded (on every primary of a cluster). Any other error is raised."""
+    """Several script calls (FCALL or EVALSHA) in one pipeline (one round trip per node),
+    their replies in order; the calls refused because Redis did not have their script or
+    function are sent again, alone, once it is loaded (on every primary of a cluster). Any
+    other error is raised."""
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for _ in range(3):
         pipe = redis.pipeline(transaction=False)
         for i in todo:
             script, argv = calls[i]
-            pipe.execute_command("EVALSHA", script.sha, *argv)
+            pipe.execute_command(*script.command(), *argv)
         replies = await pipe.execute(raise_on_error=False)
         retry = []
         for i, reply in zip(todo, replies, strict=True):
-            if isinstance(reply, NoScriptError):
+            if _missing(reply):
                 retry.append(i)
             elif isinstance(reply, Exception):
                 raise reply
@@ -90,8 +181,8 @@ async def evalsha_many(
                 results[i] = reply
         if not retry:
             return results
-        for script in {calls[i][0].sha: calls[i][0] for i in retry}.values():
-            await redis.script_load(script.text)
+        for script in {calls[i][0].unit: calls[i][0] for i in retry}.values():
+            await script.load(redis)
         todo = retry
     raise RuntimeError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
 
@@ -169,15 +260,17 @@ class Scripts:
     def __init__(self, redis: RedisClient, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
-        self.by_name = {name: Script(name) for name in NAMES}
+        lib = library()
+        self.by_name = {name: Script(name, lib) for name in NAMES}
 
     def __getitem__(self, name: str) -> Script:
         return self.by_name[name]
 
     async def load(self) -> None:
-        """SCRIPT LOAD every script (on every primary of a cluster)."""
-        for script in self.by_name.values():
-            await self.redis.script_load(script.text)
+        """Load the library (FUNCTION LOAD, on every primary of a cluster), and any script
+        that is not in it."""
+        for script in {s.unit: s for s in self.by_name.values()}.values():
+            await script.load(self.redis)
 
     # --- running ------------------------------------------------------------------------
     def _argv(self, shard: int, args: Sequence[Any]) -> tuple[Any, ...]:

@@ -22,12 +22,9 @@ local IDEMPOTENCY_CONFLICT = 5
 local DUPLICATE = 6
 local EXISTS = 7
 
-local BASE = ARGV[1]
-local NOW
-do
-  local t = redis.call('TIME')
-  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
+-- What a call sets (begin(), at the end of this file): the shard's key base, Redis's clock
+-- in ms, and what follows from them.
+local BASE, NOW
 
 local PRIORITIES = {'critical', 'high', 'normal', 'low'}
 -- waiting: for its dependencies (flows, below); it counts as waiting like queued and scheduled
@@ -52,9 +49,7 @@ local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 -- a deployment switches (job_format.py) only when every process runs a jobtier that reads
 -- it. A job written in a newer format than it was loaded in loses the fields only the older
 -- one has (its format-1 fields, its 's', its 'doc') in the same script.
-local FMT = redis.call('GET', BASE .. 'fmt')
-local NODOC = FMT == '3'
-local PACKED = NODOC or FMT == '2'
+local NODOC, PACKED  -- the shard writes format 3 / format 2 or 3 (begin() reads jt:{s}:fmt)
 
 -- load()'s HMGET of a job in format 3 ('t' where FIELDS says 's', format 2's name).
 -- created_iso keeps the rendered creation time, run_at_iso the rendered run-at (see render):
@@ -199,7 +194,7 @@ end
 -- jobs per tenant) are summed here and written once per script by flush(): a batch of 500
 -- jobs costs one HINCRBY per counter touched, not one per job. Every script that changes a
 -- job calls flush() before it returns (a unit test checks).
-local COUNTS = {}
+local COUNTS  -- begin() empties it
 local function count(key, field, delta)
   local h = COUNTS[key]
   if not h then
@@ -211,10 +206,9 @@ end
 
 -- Per shard, the hash jt:{s}:queues holds for each queue q: 'q:<priority>' ready jobs,
 -- 'q:running' running jobs, 'q:paused' ('1' while paused), 'q:wrr' its claim rotation cursor.
-local QUEUES = BASE .. 'queues'
-local PARKED = BASE .. 'parked'
--- keys every transition touches, built once per script rather than once per job
-local LOG, EV, WAITING_COUNTS = BASE .. 'log', BASE .. 'ev', BASE .. 'waiting'
+local QUEUES, PARKED
+-- keys every transition touches, built once per call rather than once per job (begin())
+local LOG, EV, WAITING_COUNTS
 local PRIORITY_SUFFIX = {[':critical'] = true, [':high'] = true, [':normal'] = true,
                          [':low'] = true}
 
@@ -262,16 +256,18 @@ local function int(n)
   return s
 end
 
--- NOW as the fields store it
-local NOW_STR = int(NOW)
+-- NOW as the fields store it (begin())
+local NOW_STR
 
 -- the fields commit() stores in format 1 (besides the document); a field that holds '' is the
 -- same as an absent one to load(), so a new job's empty fields are not written at all
 local COMMITTED = {'state', 'version', 'attempt', 'updated', 'run_at', 'run_at_iso', 'error',
                    'progress', 'cancel', 'worker', 'lease_version', 'lv', 'lt'}
 local FIELD_AT = {}  -- name -> its index in FIELDS_1 (and in load_1()'s HMGET reply)
-for i, name in ipairs(FIELDS_1) do
-  FIELD_AT[name] = i
+-- (no ipairs: loaded as a function library, this top level runs where Lua's library functions
+-- are not reachable yet; scripts.py Library)
+for i = 1, #FIELDS_1 do
+  FIELD_AT[FIELDS_1[i]] = i
 end
 -- queue -> its running count's field in the queues hash, built once per queue per script
 local RUNNING_FIELD = {}
@@ -480,7 +476,7 @@ end
 -- jt:{s}:ckeys holds per '<tenant>:<key>' how many are ready or running, and under
 -- '<tenant>:<key>:limit' the limit last submitted. A job with a key lives in the key's shard
 -- (queue.py routes it), so all of this is one script's atomic work.
-local CKEYS = BASE .. 'ckeys'
+local CKEYS  -- BASE .. 'ckeys' (begin())
 
 local function ck_name(j)
   return j.tenant .. ':' .. j.ckey
@@ -726,8 +722,7 @@ end
 -- and the resolver (flows/resolver.py) applies it on the dependent's shard (resolve.lua),
 -- acknowledging it only after. resolve.lua is idempotent (a dependency resolves once), so a
 -- hand-off applied twice (a resolver died before acknowledging) changes nothing.
-local FLOW = BASE .. 'flow'
-local UNLINKED = BASE .. 'unlinked'
+local FLOW, UNLINKED  -- BASE .. 'flow', BASE .. 'unlinked' (begin())
 local STATE_MARK = {succeeded = 's', failed = 'f', cancelled = 'c', missing = 'm'}
 local CHUNK = 1000  -- arguments per call built with unpack(): far below Lua's C-stack limit
 
@@ -738,7 +733,7 @@ end
 -- One hand-off in this shard's flow stream: kind 'r' (`source` finished in `state`, with
 -- `data`: result or error) or 'x' (`source` was cancelled: cancel its children that have not
 -- started), for `targets` (ids, space-separated). The resolver is woken once per script.
-local flow_woken = false
+local flow_woken  -- begin() sets it false
 local function handoff(kind, source, state, data, targets)
   redis.call('XADD', FLOW, '*', 'k', kind, 'j', source, 's', state, 'v', data, 't', targets)
   if not flow_woken then
@@ -908,4 +903,26 @@ local function flow_revived(j)
   if has_flag(j, 'w') then
     redis.call('PERSIST', BASE .. 'deps:' .. j.id)
   end
+end
+
+-- The start of every call, before its script's own code: the per-call values above, from
+-- `argv` (ARGV: its first value is the shard's key base) and Redis's clock. A script run by
+-- EVALSHA runs this file's top level and then begin(ARGV) at each call; the function library
+-- (scripts.py) runs the top level once, when it is loaded, and each function begins with
+-- begin(ARGV): so every value a call may change is set here, and nothing is left over from
+-- the call before (a call that failed half-way leaves COUNTS half-summed).
+local function begin(argv)
+  BASE = argv[1]
+  local t = redis.call('TIME')
+  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  NOW_STR = int(NOW)
+  local fmt = redis.call('GET', BASE .. 'fmt')
+  NODOC = fmt == '3'
+  PACKED = NODOC or fmt == '2'
+  COUNTS = {}
+  QUEUES, PARKED, CKEYS = BASE .. 'queues', BASE .. 'parked', BASE .. 'ckeys'
+  LOG, EV, WAITING_COUNTS = BASE .. 'log', BASE .. 'ev', BASE .. 'waiting'
+  FLOW, UNLINKED = BASE .. 'flow', BASE .. 'unlinked'
+  flow_woken = false
+  ISO_OF = {}  -- render.lua's dates of this call: a library kept for days must not hoard them
 end

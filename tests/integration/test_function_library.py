@@ -1,0 +1,91 @@
+"""The transition scripts as one Redis function library (scripts.py Library): what runs, and
+what happens when Redis loses it. On the single Redis and on the Redis Cluster (``contract``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from jobtier.model import State
+from jobtier.queue import JobSpec, Queue
+from jobtier.scripts import NAMES, Library, library
+
+pytestmark = pytest.mark.contract
+
+
+async def _libraries(queue: Queue) -> list[dict[Any, Any]]:
+    # FUNCTION LIST: on a cluster, redis-py asks one node; every primary is asked here
+    redis: Any = queue.redis
+    nodes = redis.get_primaries() if hasattr(redis, "get_primaries") else [None]
+    out = []
+    for node in nodes:
+        if node is None:
+            reply = await redis.function_list()
+        else:
+            reply = await redis.execute_command("FUNCTION LIST", target_nodes=node)
+        out.append({lib[b"library_name"]: lib for lib in map(_pairs, reply)})
+    return out
+
+
+def _pairs(reply: Any) -> dict[Any, Any]:
+    if isinstance(reply, dict):
+        return reply
+    return {reply[i]: reply[i + 1] for i in range(0, len(reply), 2)}
+
+
+async def test_the_scripts_run_as_functions_of_one_library(queue: Queue) -> None:
+    """Connecting loads the library on every primary, one function per script, and a
+    transition runs by FCALL, not EVALSHA."""
+    lib = library()
+    assert set(lib.functions) == set(NAMES)
+    for libraries in await _libraries(queue):
+        functions = _pairs(libraries[lib.name.encode()])
+        names = {_pairs(f)[b"name"].decode() for f in functions.get(b"functions", [])}
+        assert names == set(lib.functions.values())
+    before = await _script_calls(queue)
+    sub = await queue.submit("echo", {"n": 1})
+    after = await _script_calls(queue)
+    assert after["fcall"] > before["fcall"] and after["evalsha"] == before["evalsha"]
+    # (a status read is one script of its own, read_status.lua, sent by EVALSHA)
+    assert (await queue.status(sub.job_id)).state is State.QUEUED
+
+
+async def _script_calls(queue: Queue) -> dict[str, int]:
+    """FCALL and EVALSHA calls so far, summed over the nodes (INFO commandstats)."""
+    redis: Any = queue.redis
+    if hasattr(redis, "get_primaries"):
+        infos = [await redis.info("commandstats", target_nodes=n) for n in redis.get_primaries()]
+    else:
+        infos = [await redis.info("commandstats")]
+    out = {"fcall": 0, "evalsha": 0}
+    for info in infos:
+        for name in out:
+            out[name] += int(info.get(f"cmdstat_{name}", {}).get("calls", 0))
+    return out
+
+
+async def test_a_lost_library_is_loaded_again_and_each_call_runs_once(queue: Queue) -> None:
+    """After FUNCTION FLUSH (a Redis restarted without its data, a node new to the cluster),
+    the refused calls are sent again once the library is loaded: a single call and a pipeline
+    of calls on several shards each make their jobs once."""
+    await queue.redis.function_flush()
+    one = await queue.submit("echo", None)
+    assert (await queue.status(one.job_id)).version == 1
+    await queue.redis.function_flush()
+    many = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(40)])
+    assert len({queue.keys.shard_of(s.job_id) for s in many}) > 1  # several calls, one pipeline
+    for sub in many:
+        status = await queue.status(sub.job_id)
+        assert sub.created and status.state is State.QUEUED and status.version == 1
+    assert await queue.waiting_by_tenant() == {"default": 41}  # each job counted once
+
+
+def test_the_library_is_named_by_its_code() -> None:
+    """Two builds of the same scripts give the same library (processes of one version share
+    it); the name and the functions' names carry the code's digest, so another version's
+    library sits beside it rather than replacing it."""
+    a, b = Library(NAMES), Library(("submit", "claim"))
+    assert Library(NAMES).name == a.name and a.code == library().code
+    assert b.name != a.name and b.functions["submit"] != a.functions["submit"]
+    assert a.code.startswith(f"#!lua name={a.name}\n")
