@@ -110,7 +110,7 @@ LABEL = {
 # the scheduler wants a Postgres for recurring schedules; a refused port fails fast and it
 # keeps promoting from Redis (a DSN that times out instead is another story: see the report)
 NO_POSTGRES = "postgresql://jobtier@127.0.0.1:9/jobtier"
-COMMANDS = ("evalsha", "zrangebyscore", "spublish", "rpop", "xadd")
+COMMANDS = ("fcall", "zrangebyscore", "spublish", "rpop", "xadd")  # fcall: the scripts
 SLOWLOG_US = 5000  # Redis commands slower than this are kept in SLOWLOG during a phase
 
 

@@ -367,7 +367,8 @@ async def measure_run(
         "seconds": end - t0,
         "submit_jobs_per_s": None if prefill else n / (submitted - t0),
         "claim_round_trips_per_job": trips / claimed,
-        "script_calls_per_job": work.get("evalsha", 0) / n,
+        # transitions by FCALL (the function library), status reads by EVALSHA
+        "script_calls_per_job": (work.get("fcall", 0) + work.get("evalsha", 0)) / n,
         "redis_commands_per_job": redis_side["redis_commands_per_job"],
         "worker_cpu_us_per_job": 1e6 * sum(s["cpu"] for s in stats) / n,
         "worker_max_rss_mb": max(s["max_rss_mb"] for s in stats),
