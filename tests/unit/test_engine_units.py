@@ -291,3 +291,36 @@ def test_small_field_reads_any_format() -> None:
         assert job_format.small_field(values, "worker") == b"worker with spaces"
     assert job_format.small_field((None, None, b"1700000000000"), "updated") == b"1700000000000"
     assert job_format.small_field((None, None, None), "state") is None
+
+
+def test_prepare_checks_every_name_each_time_and_hashes_only_keyed_requests() -> None:
+    """prepare() keeps the names it found valid (a batch repeats them), and still refuses a
+    bad tenant, type or queue after good ones; the request hash (what submit.lua compares for
+    an idempotency key) is made only for a job given a key."""
+    from jobtier.connection import connect
+    from jobtier.errors import InvalidRequest
+    from jobtier.queue import JobSpec, Queue
+
+    settings = Settings.from_env({}, redis_url="redis://127.0.0.1:1/0")
+    queue = Queue(settings, connect(settings), None)
+    for _ in range(2):
+        item = queue.prepare(JobSpec(type="mail.send", payload=1, queue="q1"), "acme")
+        assert (item.type, item.queue, item.tenant, item.request_hash) == (
+            "mail.send",
+            "q1",
+            "acme",
+            "",
+        )
+    one = queue.prepare(JobSpec(type="mail.send", payload=1, idempotency_key="k"), "acme")
+    two = queue.prepare(JobSpec(type="mail.send", payload=2, idempotency_key="k"), "acme")
+    assert len(one.request_hash) == 32 and one.request_hash != two.request_hash
+    bad: list[tuple[JobSpec, str]] = [
+        (JobSpec(type="mail send", payload=1), "acme"),
+        (JobSpec(type=["mail.send"], payload=1), "acme"),  # type: ignore[arg-type]
+        (JobSpec(type="mail.send", payload=1, queue="q 1"), "acme"),
+        (JobSpec(type="mail.send", payload=1, queue=7), "acme"),  # type: ignore[arg-type]
+        (JobSpec(type="mail.send", payload=1), "ac me"),
+    ]
+    for spec, tenant in bad:
+        with pytest.raises(InvalidRequest):
+            queue.prepare(spec, tenant)
