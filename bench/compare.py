@@ -460,7 +460,11 @@ class PersistHook:
         persisted = time.time()
         assert self.task is not None and self.proc is not None
         self.done.set()  # the sampler ends at its next turn (no cancel inside a Redis call)
-        await self.task
+        try:
+            await asyncio.wait_for(asyncio.shield(self.task), 60)
+        except TimeoutError:  # a lag() call that never returns: cancel it after all
+            self.task.cancel()
+            print("persister step slow: the lag sampler did not stop in 60 s", file=sys.stderr)
         sampler_stopped = time.time()
         os.killpg(self.proc.pid, signal.SIGTERM)
         await self.proc.wait()

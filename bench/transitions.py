@@ -81,7 +81,15 @@ def git_sources(rev: str) -> dict[str, str]:
         ).stdout  # fmt: skip
 
     def expand(text: str) -> str:  # an included file may include others (lib.lua)
-        return _INCLUDE.sub(lambda m: expand(show(m.group(1))), text)
+        return _INCLUDE.sub(lambda m: include(m.group(1)), text)
+
+    def include(name: str) -> str:
+        # a lib.lua that sets its per-call values in begin() (since the scripts became a
+        # function library) needs the call its scripts start with, as lua_source adds it
+        text = expand(show(name))
+        if name == "lib.lua" and "local function begin(" in text:
+            text += "\nbegin(ARGV)"
+        return text
 
     out = {}
     for name in (*NAMES, "read_status"):

@@ -48,6 +48,29 @@ class FastConnection(Connection):
         return list(super().pack_command(*args))
 
 
+class Cluster(RedisCluster):
+    """A Redis Cluster client that routes FCALL by its keys, as redis-py routes EVALSHA.
+
+    redis-py finds EVAL's and EVALSHA's keys from their arguments, but asks a node for any
+    other command whose keys move (``COMMAND GETKEYS``, every argument sent again): for FCALL,
+    one more round trip before each call, in turn inside a pipeline. Every jobtier function
+    names its keys first (``numkeys``, then the keys, all in one slot), so the slot is worked
+    out here; anything else goes the usual way."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        if isinstance(command, str) and command.upper() in ("FCALL", "FCALL_RO"):
+            # FCALL <function> <numkeys> <key>...
+            numkeys = int(args[1]) if len(args) > 1 else 0
+            slots = {key_slot(_bytes(k)) for k in args[2 : 2 + numkeys]}
+            if len(slots) == 1:
+                return slots.pop()
+        return await super()._determine_slot(command, *args)
+
+
+def _bytes(key: Any) -> bytes:
+    return key if isinstance(key, bytes) else str(key).encode()
+
+
 def connect(settings: Settings, **kwargs: Any) -> RedisClient:
     """A client for ``settings.redis_url``; bytes in, bytes out (no decoding on hot paths)."""
     # Retry on connection errors: after a Redis restart every pooled connection is dead and
@@ -66,7 +89,7 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
         options.pop("health_check_interval", None)
         options.setdefault("max_connections", settings.redis_max_connections)
         options.setdefault("connection_class", FastConnection)
-        return RedisCluster.from_url(settings.redis_url, **options)
+        return Cluster.from_url(settings.redis_url, **options)
     # a burst of concurrent calls waits for a free connection instead of failing with
     # "Too many connections" (the default pool raises past its size)
     pool = BlockingConnectionPool.from_url(

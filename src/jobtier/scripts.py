@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from jobtier.connection import RedisClient
@@ -69,6 +70,10 @@ def lua_source(name: str) -> str:
     return _expand(_read(f"{name}.lua"), "\nbegin(ARGV)")
 
 
+# one script in the library: its function, which starts as the script did (begin(ARGV))
+_WRAP = "\nredis.register_function('{function}', function(KEYS, ARGV)\n{body}\nend)\n"
+
+
 class Library:
     """The scripts of ``names`` (each includes lib.lua) as one Redis function library: lib.lua
     once, then one function per script, ``function(KEYS, ARGV)`` around its code, which
@@ -84,15 +89,13 @@ class Library:
                 raise ValueError(f"{name}.lua must include lib.lua once to be in the library")
             bodies[name] = _expand(text.replace(_LIB, "begin(ARGV)"), "")
         lib = _expand(_LIB, "")
-        digest = hashlib.sha1("\0".join([lib, *bodies.values()]).encode()).hexdigest()[:16]
+        # the digest covers the wrapper as well as the Lua: a change to either is a new name
+        digest = hashlib.sha1("\0".join([_WRAP, lib, *bodies.values()]).encode()).hexdigest()[:16]
         self.name = f"jobtier_{digest}"
         self.functions = {name: f"jt_{digest}_{name}" for name in names}
         parts = [f"#!lua name={self.name}\n", lib]
         for name, body in bodies.items():
-            parts.append(
-                f"\nredis.register_function('{self.functions[name]}', function(KEYS, ARGV)\n"
-                f"{body}\nend)\n"
-            )
+            parts.append(_WRAP.format(function=self.functions[name], body=body))
         self.code = "".join(parts)
 
 
@@ -131,9 +134,30 @@ class Script:
     async def load(self, redis: RedisClient) -> None:
         """Load it (its library, or the script) on the server (every primary of a cluster)."""
         if self.function and self.library is not None:
-            await redis.function_load(self.library.code, replace=True)
+            await load_library(redis, self.library)
         else:
             await redis.script_load(self.text)
+
+
+async def load_library(redis: RedisClient, lib: Library) -> None:
+    """FUNCTION LOAD ``lib`` on every primary that does not have it. Without REPLACE: Redis
+    refuses a name it holds before it compiles anything, and a name stands for one code (its
+    digest), so a node that has it is left as it is, and a fleet of processes starting at
+    once costs Redis one compilation, not one each."""
+    if isinstance(redis, RedisCluster):
+        await redis.initialize()  # a client that has sent nothing yet knows no node
+        nodes: list[Any] = list(redis.get_primaries())
+    else:
+        nodes = [None]
+    for node in nodes:
+        try:
+            if node is None:
+                await redis.execute_command("FUNCTION LOAD", lib.code)
+            else:
+                await redis.execute_command("FUNCTION LOAD", lib.code, target_nodes=node)
+        except ResponseError as exc:
+            if "already exists" not in str(exc):
+                raise
 
 
 def _missing(exc: BaseException) -> bool:

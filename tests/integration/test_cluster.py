@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import Any
 
 import redis as syncredis
 from redis.crc import key_slot
@@ -14,7 +15,7 @@ from redis.crc import key_slot
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber, node_channels
 from jobtier.dev.redis import LocalCluster
-from jobtier.queue import Queue
+from jobtier.queue import JobSpec, Queue
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 
@@ -83,3 +84,31 @@ async def test_api_on_a_cluster(cluster_settings: Settings, start_api: StartApi)
         await wait_for(lambda: api.reader.stats()["listeners"] == 1)  # the poll waits
         assert (await c.post(f"/v1/jobs/{job['id']}/cancel")).status_code == 200
         assert (await poll).json()["state"] == "cancelled"
+
+
+async def test_fcall_is_routed_by_its_keys_without_asking_a_node(
+    cluster_settings: Settings,
+) -> None:
+    """redis-py asks a node for the keys of FCALL (COMMAND GETKEYS, every argument sent: a
+    round trip before each call); connection.Cluster routes it by its KEYS as EVALSHA is. A
+    batch submit over the 16 shards, a claim and a completion make no GETKEYS on any node,
+    and each call lands on the node that holds its shard."""
+    async with await Queue.connect(cluster_settings) as queue:
+        redis: Any = queue.redis
+        nodes = redis.get_primaries()
+
+        async def counts(name: str) -> int:
+            infos = [await redis.info("commandstats", target_nodes=n) for n in nodes]
+            return sum(int(i.get(f"cmdstat_{name}", {}).get("calls", 0)) for i in infos)
+
+        getkeys, fcalls = await counts("command|getkeys"), await counts("fcall")
+        subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(200)])
+        shard = queue.keys.shard_of(subs[0].job_id)
+        batch = await queue.scripts.claim(shard, "w", 5, 30_000)
+        assert batch.jobs  # the claim reached the shard's node (a wrong node: MOVED, retried)
+        assert await counts("command|getkeys") == getkeys
+        assert await counts("fcall") >= fcalls + 1 + len(
+            {queue.keys.shard_of(s.job_id) for s in subs}
+        )
+        slot = key_slot(queue.keys.log(shard).encode())
+        assert await redis._determine_slot("FCALL", "f", 1, queue.keys.log(shard), "x") == slot

@@ -89,3 +89,22 @@ def test_the_library_is_named_by_its_code() -> None:
     assert Library(NAMES).name == a.name and a.code == library().code
     assert b.name != a.name and b.functions["submit"] != a.functions["submit"]
     assert a.code.startswith(f"#!lua name={a.name}\n")
+
+
+async def test_a_library_one_node_lost_is_loaded_there_and_kept_elsewhere(queue: Queue) -> None:
+    """The library deleted on one primary only: the calls refused there are sent again once
+    it is loaded (without REPLACE: the nodes that have it keep it), and each job is made once;
+    afterwards every primary has it."""
+    lib = library()
+    redis: Any = queue.redis
+    if hasattr(redis, "get_primaries"):
+        node = redis.get_primaries()[0]
+        await redis.execute_command("FUNCTION DELETE", lib.name, target_nodes=node)
+    else:
+        await redis.execute_command("FUNCTION DELETE", lib.name)
+    many = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(60)])
+    for sub in many:
+        status = await queue.status(sub.job_id)
+        assert sub.created and status.state is State.QUEUED and status.version == 1
+    assert await queue.waiting_by_tenant() == {"default": 60}
+    assert all(lib.name.encode() in libraries for libraries in await _libraries(queue))

@@ -321,6 +321,6 @@ def test_prepare_checks_every_name_each_time_and_hashes_only_keyed_requests() ->
         (JobSpec(type="mail.send", payload=1, queue=7), "acme"),  # type: ignore[arg-type]
         (JobSpec(type="mail.send", payload=1), "ac me"),
     ]
-    for spec, tenant in bad:
+    for spec, tenant in bad * 2:  # twice: a refused name is not kept as valid
         with pytest.raises(InvalidRequest):
             queue.prepare(spec, tenant)

@@ -924,5 +924,7 @@ local function begin(argv)
   LOG, EV, WAITING_COUNTS = BASE .. 'log', BASE .. 'ev', BASE .. 'waiting'
   FLOW, UNLINKED = BASE .. 'flow', BASE .. 'unlinked'
   flow_woken = false
+  RUNNING_FIELD = {}  -- a cache by queue name: emptied, so that a library kept for weeks
+  -- does not hoard every queue name it has met
   ISO_OF = {}  -- render.lua's dates of this call: a library kept for days must not hoard them
 end
