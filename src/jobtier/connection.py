@@ -61,14 +61,10 @@ class Cluster(RedisCluster):
         if isinstance(command, str) and command.upper() in ("FCALL", "FCALL_RO"):
             # FCALL <function> <numkeys> <key>...
             numkeys = int(args[1]) if len(args) > 1 else 0
-            slots = {key_slot(_bytes(k)) for k in args[2 : 2 + numkeys]}
+            slots = {self.keyslot(k) for k in args[2 : 2 + numkeys]}
             if len(slots) == 1:
                 return slots.pop()
         return await super()._determine_slot(command, *args)
-
-
-def _bytes(key: Any) -> bytes:
-    return key if isinstance(key, bytes) else str(key).encode()
 
 
 def connect(settings: Settings, **kwargs: Any) -> RedisClient:

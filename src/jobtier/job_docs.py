@@ -14,7 +14,7 @@ from typing import Any
 
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
-from jobtier.scripts import Script, evalsha_many
+from jobtier.scripts import Script, run_scripts
 
 READ_STATUS = Script("read_status")
 
@@ -41,7 +41,7 @@ async def read_docs(
         )
         for shard, at in groups
     ]
-    replies = await evalsha_many(redis, calls) if calls else []
+    replies = await run_scripts(redis, calls) if calls else []
     stride = 3 if more else 2
     out: list[tuple[Any, ...]] = [()] * len(job_ids)
     for (_, at), flat in zip(groups, replies, strict=True):

@@ -126,14 +126,14 @@ class Script:
     @property
     def unit(self) -> str:
         """What is loaded to run it: its library's name, or its sha."""
-        return self.library.name if self.function and self.library is not None else self.sha
+        return self.library.name if self.library is not None else self.sha
 
     def command(self) -> tuple[str, str]:
         return ("FCALL", self.function) if self.function else ("EVALSHA", self.sha)
 
     async def load(self, redis: RedisClient) -> None:
         """Load it (its library, or the script) on the server (every primary of a cluster)."""
-        if self.function and self.library is not None:
+        if self.library is not None:
             await load_library(redis, self.library)
         else:
             await redis.script_load(self.text)
@@ -150,11 +150,9 @@ async def load_library(redis: RedisClient, lib: Library) -> None:
     else:
         nodes = [None]
     for node in nodes:
+        where = {} if node is None else {"target_nodes": node}
         try:
-            if node is None:
-                await redis.execute_command("FUNCTION LOAD", lib.code)
-            else:
-                await redis.execute_command("FUNCTION LOAD", lib.code, target_nodes=node)
+            await redis.execute_command("FUNCTION LOAD", lib.code, **where)
         except ResponseError as exc:
             if "already exists" not in str(exc):
                 raise
@@ -168,7 +166,7 @@ def _missing(exc: BaseException) -> bool:
     )
 
 
-async def evalsha(redis: RedisClient, script: Script, argv: Sequence[Any]) -> Any:
+async def run_script(redis: RedisClient, script: Script, argv: Sequence[Any]) -> Any:
     """Run ``script`` (FCALL or EVALSHA) with ``argv`` (numkeys, keys, args); loads it and
     sends the call again when Redis does not have it (the call did not run)."""
     try:
@@ -180,7 +178,7 @@ async def evalsha(redis: RedisClient, script: Script, argv: Sequence[Any]) -> An
         return await redis.execute_command(*script.command(), *argv)
 
 
-async def evalsha_many(
+async def run_scripts(
     redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]
 ) -> list[Any]:
     """Several script calls (FCALL or EVALSHA) in one pipeline (one round trip per node),
@@ -301,14 +299,14 @@ class Scripts:
         return (1, self.keys.log(shard), self.keys.base(shard), *args)
 
     async def call(self, script: Script, shard: int, args: Sequence[Any]) -> Any:
-        return await evalsha(self.redis, script, self._argv(shard, args))
+        return await run_script(self.redis, script, self._argv(shard, args))
 
     async def call_many(self, calls: Sequence[Call]) -> list[Any]:
         """Run several script calls in one pipeline (one round trip per node)."""
         if len(calls) == 1:
             script, shard, args = calls[0]
             return [await self.call(script, shard, args)]
-        return await evalsha_many(
+        return await run_scripts(
             self.redis, [(script, self._argv(shard, args)) for script, shard, args in calls]
         )
 

@@ -15,7 +15,7 @@ from jobtier.connection import RedisClient
 from jobtier.job_docs import READ_STATUS, read_docs, read_status_args
 from jobtier.keys import Keys
 from jobtier.metrics.snapshot import Snapshot
-from jobtier.scripts import evalsha
+from jobtier.scripts import run_script
 
 log = logging.getLogger("jobtier.cache")
 
@@ -231,7 +231,7 @@ class StatusReader:
         return await self._read_status_per_shard(ids)
 
     async def _read_status(self, job_keys: list[str]) -> list[Any]:
-        flat = await evalsha(self.redis, READ_STATUS, read_status_args(job_keys))
+        flat = await run_script(self.redis, READ_STATUS, read_status_args(job_keys))
         self.script_calls += 1
         return flat  # type: ignore[no-any-return]
 

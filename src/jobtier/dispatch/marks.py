@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from jobtier.connection import RedisClient
 from jobtier.dispatch.store import DeliveryStore
 from jobtier.keys import Keys
-from jobtier.scripts import Script, evalsha
+from jobtier.scripts import Script, run_script
 
 CHUNK = 1000  # tenants per HSET at start-up, per HSCAN page and Postgres question when unmarking
 _UNMARK = Script("unmark")
@@ -108,6 +108,6 @@ async def unmark_idle(redis: RedisClient, keys: Keys, store: DeliveryStore, min_
             keep = await store.with_targets([t.decode() for t in old])
             argv = [x for t, v in old.items() if t.decode() not in keep for x in (t, v)]
             if argv:
-                removed += int(await evalsha(redis, _UNMARK, (1, hash_key, *argv)))
+                removed += int(await run_script(redis, _UNMARK, (1, hash_key, *argv)))
         if cursor == 0:
             return removed

@@ -17,7 +17,7 @@ from redis.exceptions import ResponseError
 
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
-from jobtier.scripts import Script, evalsha_many
+from jobtier.scripts import Script, run_scripts
 
 log = logging.getLogger("jobtier.persist")
 
@@ -146,7 +146,7 @@ async def forget_idle_consumers(
     (``keep``, the caller, excepted); returns how many. Checked and removed atomically per
     stream (``lua/forget_consumers.lua`` says why that matters)."""
     calls = [(_FORGET, (1, stream, group, idle_ms, keep)) for stream in streams]
-    removed = sum(len(names) for names in await evalsha_many(redis, calls))
+    removed = sum(len(names) for names in await run_scripts(redis, calls))
     if removed:
         log.info("event=dead_consumers_removed count=%d", removed)
     return removed

@@ -37,7 +37,7 @@ from jobtier.model import (
 from jobtier.model import Transition as Transition  # moved to model.py (the client reads it)
 from jobtier.persist.db import Pool, query
 from jobtier.persist.results import marker
-from jobtier.scripts import Script, evalsha_many
+from jobtier.scripts import Script, run_scripts
 
 MAX_LIMIT = 500
 MAX_TYPE_LENGTH = 200
@@ -406,7 +406,7 @@ async def lag(redis: RedisClient, keys: Keys) -> tuple[int, float]:
     group = keys.persist_group()
     calls = [(_LAG, (1, keys.log(s), group, LAG_EXACT_UP_TO)) for s in range(keys.shards)]
     total, oldest_ms = 0, None
-    for waiting, oldest in await evalsha_many(redis, calls):
+    for waiting, oldest in await run_scripts(redis, calls):
         total += int(waiting)
         if oldest:
             ms = _id_ms(oldest)
