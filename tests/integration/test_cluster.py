@@ -18,6 +18,7 @@ from jobtier.dev.redis import LocalCluster
 from jobtier.queue import JobSpec, Queue
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
+from tests.fixtures.redis import command_calls
 
 
 def test_a_started_cluster_serves_keys_on_every_node_at_once(tmp_path: Path) -> None:
@@ -91,23 +92,20 @@ async def test_fcall_is_routed_by_its_keys_without_asking_a_node(
 ) -> None:
     """redis-py asks a node for the keys of FCALL (COMMAND GETKEYS, every argument sent: a
     round trip before each call); connection.Cluster routes it by its KEYS as EVALSHA is. A
-    batch submit over the 16 shards, a claim and a completion make no GETKEYS on any node,
-    and each call lands on the node that holds its shard."""
+    batch submit over the 16 shards and a claim make no GETKEYS on any node, and each call
+    lands on the node that holds its shard."""
     async with await Queue.connect(cluster_settings) as queue:
         redis: Any = queue.redis
-        nodes = redis.get_primaries()
-
-        async def counts(name: str) -> int:
-            infos = [await redis.info("commandstats", target_nodes=n) for n in nodes]
-            return sum(int(i.get(f"cmdstat_{name}", {}).get("calls", 0)) for i in infos)
-
-        getkeys, fcalls = await counts("command|getkeys"), await counts("fcall")
+        getkeys, fcalls = (
+            await command_calls(redis, "command|getkeys"),
+            await command_calls(redis, "fcall"),
+        )
         subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(200)])
         shard = queue.keys.shard_of(subs[0].job_id)
         batch = await queue.scripts.claim(shard, "w", 5, 30_000)
         assert batch.jobs  # the claim reached the shard's node (a wrong node: MOVED, retried)
-        assert await counts("command|getkeys") == getkeys
-        assert await counts("fcall") >= fcalls + 1 + len(
+        assert await command_calls(redis, "command|getkeys") == getkeys
+        assert await command_calls(redis, "fcall") >= fcalls + 1 + len(
             {queue.keys.shard_of(s.job_id) for s in subs}
         )
         slot = key_slot(queue.keys.log(shard).encode())

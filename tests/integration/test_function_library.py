@@ -10,22 +10,17 @@ import pytest
 from jobtier.model import State
 from jobtier.queue import JobSpec, Queue
 from jobtier.scripts import NAMES, Library, library
+from tests.fixtures.redis import command_calls, on_every_server
 
 pytestmark = pytest.mark.contract
 
 
 async def _libraries(queue: Queue) -> list[dict[Any, Any]]:
-    # FUNCTION LIST: on a cluster, redis-py asks one node; every primary is asked here
-    redis: Any = queue.redis
-    nodes = redis.get_primaries() if hasattr(redis, "get_primaries") else [None]
-    out = []
-    for node in nodes:
-        if node is None:
-            reply = await redis.function_list()
-        else:
-            reply = await redis.execute_command("FUNCTION LIST", target_nodes=node)
-        out.append({lib[b"library_name"]: lib for lib in map(_pairs, reply)})
-    return out
+    """FUNCTION LIST of every primary: per node, its libraries by name."""
+    return [
+        {lib[b"library_name"]: lib for lib in map(_pairs, reply)}
+        for reply in await on_every_server(queue.redis, "FUNCTION", "LIST")
+    ]
 
 
 def _pairs(reply: Any) -> dict[Any, Any]:
@@ -52,17 +47,8 @@ async def test_the_scripts_run_as_functions_of_one_library(queue: Queue) -> None
 
 
 async def _script_calls(queue: Queue) -> dict[str, int]:
-    """FCALL and EVALSHA calls so far, summed over the nodes (INFO commandstats)."""
-    redis: Any = queue.redis
-    if hasattr(redis, "get_primaries"):
-        infos = [await redis.info("commandstats", target_nodes=n) for n in redis.get_primaries()]
-    else:
-        infos = [await redis.info("commandstats")]
-    out = {"fcall": 0, "evalsha": 0}
-    for info in infos:
-        for name in out:
-            out[name] += int(info.get(f"cmdstat_{name}", {}).get("calls", 0))
-    return out
+    """FCALL and EVALSHA calls so far, summed over the primaries (INFO commandstats)."""
+    return {name: await command_calls(queue.redis, name) for name in ("fcall", "evalsha")}
 
 
 async def test_a_lost_library_is_loaded_again_and_each_call_runs_once(queue: Queue) -> None:
