@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import hashlib
 import os
-import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -68,7 +67,6 @@ from jobtier.scripts import NAMES, Script, library, lua_source
 PHASES = ("submit", "claim", "complete")
 READ = "read"  # not a transition: read_status.lua over every finished job
 READ_BATCH = 100
-_INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 
 
 def git_sources(rev: str) -> dict[str, str]:
@@ -80,24 +78,12 @@ def git_sources(rev: str) -> dict[str, str]:
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
 
-    def expand(text: str) -> str:  # an included file may include others (lib.lua)
-        return _INCLUDE.sub(lambda m: include(m.group(1)), text)
-
-    def include(name: str) -> str:
-        # a lib.lua that sets its per-call values in begin() (since the scripts became a
-        # function library) needs the call its scripts start with, as lua_source adds it
-        text = expand(show(name))
-        if name == "lib.lua" and "local function begin(" in text:
-            text += "\nbegin(ARGV)"
-        return text
-
     out = {}
     for name in (*NAMES, "read_status"):
         try:
-            text = show(f"{name}.lua")
+            out[name] = lua_source(name, read=show)
         except subprocess.CalledProcessError:
             continue  # a script that did not exist at rev
-        out[name] = expand(text)
     return out
 
 

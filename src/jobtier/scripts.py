@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -53,21 +53,24 @@ def _read(name: str) -> str:
     return (resources.files("jobtier") / "lua" / name).read_text()
 
 
-def _expand(text: str, begin: str) -> str:
+def _expand(text: str, begin: str, read: Callable[[str], str] = _read) -> str:
     """``text`` with its includes expanded (an included file may include others: lib.lua
-    includes render.lua), and ``begin`` after lib.lua's text."""
+    includes render.lua), and ``begin`` after lib.lua's text; files come from ``read``."""
 
     def include(m: re.Match[str]) -> str:
         name = m.group(1)
-        return _expand(_read(name), "") + (begin if name == "lib.lua" else "")
+        return _expand(read(name), "", read) + (begin if name == "lib.lua" else "")
 
     return _INCLUDE.sub(include, text)
 
 
-def lua_source(name: str) -> str:
+def lua_source(name: str, read: Callable[[str], str] = _read) -> str:
     """The script as EVAL runs it: its includes expanded, and lib.lua's ``begin(ARGV)``
-    called where lib.lua's text ends."""
-    return _expand(_read(f"{name}.lua"), "\nbegin(ARGV)")
+    called where lib.lua's text ends. ``read`` (a file's text by its name; this jobtier's
+    by default) may give another revision's files: one whose lib.lua has no begin() (before
+    the function library) gets no call of it."""
+    has_begin = "local function begin(" in read("lib.lua")
+    return _expand(read(f"{name}.lua"), "\nbegin(ARGV)" if has_begin else "", read)
 
 
 # one script in the library: its function, which starts as the script did (begin(ARGV))
