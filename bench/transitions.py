@@ -38,6 +38,7 @@ import subprocess
 import sys
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +63,25 @@ from redis.asyncio import Redis
 
 from jobtier.model import JobSpec
 from jobtier.queue import Queue
-from jobtier.scripts import NAMES, Script, library, lua_source
+from jobtier.scripts import NAMES, Library, Script, library, lua_source
 
 PHASES = ("submit", "claim", "complete")
 READ = "read"  # not a transition: read_status.lua over every finished job
 READ_BATCH = 100
 
 
-def git_sources(rev: str) -> dict[str, str]:
-    """Every script's text at git revision ``rev``, includes expanded (scripts.lua_source)."""
+@dataclass
+class Revision:
+    """Another git revision's scripts: their EVAL texts (includes expanded, as
+    scripts.lua_source makes them), and their function library when the revision has one."""
+
+    texts: dict[str, str]
+    library: Library | None
+
+
+def git_sources(rev: str) -> Revision:
+    """Every script at git revision ``rev``; a revision from before the function library
+    (its lib.lua has no begin()) has none, and its scripts run by EVALSHA."""
 
     def show(name: str) -> str:
         return subprocess.run(
@@ -78,22 +89,29 @@ def git_sources(rev: str) -> dict[str, str]:
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
 
-    out = {}
+    texts = {}
     for name in (*NAMES, "read_status"):
         try:
-            out[name] = lua_source(name, read=show)
+            texts[name] = lua_source(name, read=show)
         except subprocess.CalledProcessError:
             continue  # a script that did not exist at rev
-    return out
+    lib = None
+    if "local function begin(" in show("lib.lua"):
+        lib = Library([n for n in NAMES if n in texts], read=show)
+    return Revision(texts, lib)
 
 
-def use_sources(queue: Queue, sources: dict[str, str] | None) -> None:
-    """Point the queue's script wrappers at other texts, run by EVALSHA (None: the working
-    tree's, run as the queue runs them: its function library)."""
+def use_sources(queue: Queue, sources: Revision | None) -> None:
+    """Point the queue's script wrappers at another revision's scripts, run as that revision
+    runs them: by FCALL from its function library, or by EVALSHA before it had one (None:
+    the working tree's, from its library)."""
     for name in NAMES:
-        script = Script(name, library() if sources is None else None)
-        if sources is not None and name in sources:
-            script.text = sources[name]
+        lib = library() if sources is None else sources.library
+        if sources is not None and name not in sources.texts:
+            lib = None  # (a script the revision did not have: the working tree's, by EVALSHA)
+        script = Script(name, lib)
+        if sources is not None and name in sources.texts:
+            script.text = sources.texts[name]
             script.sha = hashlib.sha1(script.text.encode()).hexdigest()
         queue.scripts.by_name[name] = script
 
@@ -187,17 +205,18 @@ async def measure_phase(
     }
 
 
-def known_format(sources: dict[str, str]) -> int:
+def known_format(sources: Revision) -> int:
     """The newest job format the scripts in ``sources`` write (lib.lua's marks)."""
-    lib = sources.get("claim", "")  # every script holds lib.lua
-    return 3 if "FMT == '3'" in lib else 2 if "== '2'" in lib else 1
+    lib = sources.texts.get("claim", "").lower()  # every script holds lib.lua; the mark is read
+    # into FMT at the top level before the function library, into fmt by begin() since
+    return 3 if "fmt == '3'" in lib else 2 if "== '2'" in lib else 1
 
 
 async def one_variant(
     redis: Redis,
     queue: Queue,
     args: argparse.Namespace,
-    sources: dict[str, str] | None,
+    sources: Revision | None,
     fmt: int,
 ) -> dict[str, Any]:
     use_sources(queue, sources)
@@ -245,7 +264,7 @@ async def one_variant(
 
     # read_status.lua from before format 3 reads KEYS only: the argument it ignores is
     # harmless
-    read_text = (sources or {}).get("read_status") or lua_source("read_status")
+    read_text = (sources.texts if sources else {}).get("read_status") or lua_source("read_status")
     read_sha = await redis.script_load(read_text)
     job_keys = [queue.keys.job_in(shard, item.job_id) for item in items]
 

@@ -80,18 +80,20 @@ _WRAP = "\nredis.register_function('{function}', function(KEYS, ARGV)\n{body}\ne
 class Library:
     """The scripts of ``names`` (each includes lib.lua) as one Redis function library: lib.lua
     once, then one function per script, ``function(KEYS, ARGV)`` around its code, which
-    starts with ``begin(ARGV)`` where the script included lib.lua."""
+    starts with ``begin(ARGV)`` where the script included lib.lua. ``read`` (a file's text by
+    its name; this jobtier's by default) may give another revision's files (a benchmark's
+    baseline)."""
 
     __slots__ = ("code", "functions", "name")
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, names: Sequence[str], read: Callable[[str], str] = _read) -> None:
         bodies = {}
         for name in names:
-            text = _read(f"{name}.lua")
+            text = read(f"{name}.lua")
             if text.count(_LIB) != 1:
                 raise ValueError(f"{name}.lua must include lib.lua once to be in the library")
-            bodies[name] = _expand(text.replace(_LIB, "begin(ARGV)"), "")
-        lib = _expand(_LIB, "")
+            bodies[name] = _expand(text.replace(_LIB, "begin(ARGV)"), "", read)
+        lib = _expand(_LIB, "", read)
         # the digest covers the wrapper as well as the Lua: a change to either is a new name
         digest = hashlib.sha1("\0".join([_WRAP, lib, *bodies.values()]).encode()).hexdigest()[:16]
         self.name = f"jobtier_{digest}"

@@ -123,6 +123,11 @@ async def test_lag_after_a_restart_from_the_aof_counts_only_what_waits(
     # the scenario reproduces the stale counter (else this test would prove nothing)
     assert await lag_redis_reports(redis, keys) > before
     assert (await lag(redis, keys))[0] == before
+    # counting one entry per shard (a sampler's bound): the same oldest entry, so the same
+    # age; past the bound, the entries present and not pending, under the stale counter: all
+    # that waits, as the persister trimmed what it had written
+    _, age = await lag(redis, keys)
+    assert await lag(redis, keys, exact=1) == (before, pytest.approx(age, abs=0.5))
 
     # admission control: a limit the phantom backlog is over and the real one is not
     api = await start_api(
@@ -138,6 +143,7 @@ async def test_lag_after_a_restart_from_the_aof_counts_only_what_waits(
     persister.claim_idle_ms = 0  # take p2's entries over now
     await persister.drain()
     assert await lag(redis, keys) == (0, 0.0)
+    assert await lag(redis, keys, exact=1) == (0, 0.0)  # nothing waits: 0 whatever the bound
     assert await truly_waiting(redis, keys) == 0
     assert await lag_redis_reports(redis, keys) > 0  # Redis's own counter still says otherwise
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
@@ -158,6 +164,10 @@ async def test_lag_of_a_long_backlog_is_exact_with_a_sound_counter(
     assert truth == 3 * jobs_per_shard * keys.shards
     waiting, age = await lag(redis, keys)
     assert waiting == truth and age >= 0
+    # one entry per shard counted (a sampler's bound): the rest from the sound counter, the
+    # age from the same oldest entry
+    assert await lag(redis, keys, exact=1) == (truth, pytest.approx(age, abs=0.5))
     persister.claim_idle_ms = 0
     await persister.drain()
     assert await lag(redis, keys) == (0, 0.0)
+    assert await lag(redis, keys, exact=1) == (0, 0.0)
