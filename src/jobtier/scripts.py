@@ -189,9 +189,11 @@ async def run_scripts(
     """Several script calls (FCALL or EVALSHA) in one pipeline (one round trip per node),
     their replies in order; the calls refused because Redis did not have their script or
     function are sent again, alone, once it is loaded (on every primary of a cluster). Any
-    other error is raised."""
+    other error is raised, once every call refused so has been sent again: a call beside a
+    failed one is not left undone."""
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
+    error: Exception | None = None
     for _ in range(3):
         pipe = redis.pipeline(transaction=False)
         for i in todo:
@@ -203,10 +205,12 @@ async def run_scripts(
             if _missing(reply):
                 retry.append(i)
             elif isinstance(reply, Exception):
-                raise reply
+                error = error or reply
             else:
                 results[i] = reply
         if not retry:
+            if error is not None:
+                raise error
             return results
         for script in {calls[i][0].unit: calls[i][0] for i in retry}.values():
             await script.load(redis)

@@ -6,10 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from redis.exceptions import ResponseError
 
 from jobtier.model import State
 from jobtier.queue import JobSpec, Queue
-from jobtier.scripts import NAMES, Library, library
+from jobtier.scripts import NAMES, Library, Script, library, run_scripts
 from tests.fixtures.redis import command_calls, on_every_server
 
 pytestmark = pytest.mark.contract
@@ -94,3 +95,25 @@ async def test_a_library_one_node_lost_is_loaded_there_and_kept_elsewhere(queue:
         assert sub.created and status.state is State.QUEUED and status.version == 1
     assert await queue.waiting_by_tenant() == {"default": 60}
     assert all(lib.name.encode() in libraries for libraries in await _libraries(queue))
+
+
+async def test_a_failed_call_does_not_leave_a_refused_one_beside_it_undone(queue: Queue) -> None:
+    """One pipeline, two calls: one fails for real (a malformed call, its function loaded),
+    the other is refused because Redis lost its script (SCRIPT FLUSH: the submit script by
+    EVALSHA, as a process from before the library runs it). The refused one is sent again
+    and makes its job before the error is raised."""
+    await queue.redis.script_flush()
+    item = queue.prepare(JobSpec(type="echo", payload=1), "default")
+    shard = queue.keys.shard_of(item.job_id)
+    other = (shard + 1) % queue.keys.shards
+    _, _, args = queue.scripts.submit_call(shard, [item], 60_000)
+    by_evalsha = Script("submit")  # no library: EVALSHA
+    calls = [
+        (queue.scripts["submit"], queue.scripts._argv(other, [60_000, 1])),  # one job, none given
+        (by_evalsha, queue.scripts._argv(shard, args)),
+    ]
+    with pytest.raises(ResponseError):
+        await run_scripts(queue.redis, calls)
+    status = await queue.status(item.job_id)
+    assert status.state is State.QUEUED and status.version == 1
+    assert await queue.waiting_by_tenant() == {"default": 1}
