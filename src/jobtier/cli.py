@@ -14,7 +14,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from jobtier import cli_admin, logs
 from jobtier.config import Settings, settings_table
@@ -32,6 +32,10 @@ DESCRIPTION = """\
 jobtier: asynchronous jobs for Python services, with a status tier that serves every
 job's state in milliseconds. Configuration comes from JOBTIER_* environment variables
 (`jobtier config` lists them with their values in effect)."""
+
+# what a command meets when Redis is not there (a cluster client that reaches no node raises
+# RedisClusterException, which is not a RedisError)
+UNREACHABLE = (RedisError, RedisClusterException, OSError)
 
 
 def _run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
@@ -228,7 +232,7 @@ def cmd_job_format(args: argparse.Namespace, settings: Settings) -> int:
             if args.upgrade:
                 await job_format.upgrade(redis, keys)
             shards = await job_format.formats(redis, keys)
-        except (RedisError, OSError) as exc:
+        except UNREACHABLE as exc:
             print(
                 f"jobtier job-format: Redis unreachable at JOBTIER_REDIS_URL ({exc}); nothing "
                 "changed",
@@ -244,6 +248,42 @@ def cmd_job_format(args: argparse.Namespace, settings: Settings) -> int:
                 f"Format {min(shards)} is what an older jobtier reads. Once every process "
                 "(API, worker, scheduler, persister, resolver, dispatcher) runs this jobtier, "
                 f"`jobtier job-format --upgrade` switches to format {job_format.NEWEST}."
+            )
+        return 0
+
+    return _run_async(main)
+
+
+def cmd_scripts(args: argparse.Namespace, settings: Settings) -> int:
+    from jobtier.connection import connect
+    from jobtier.scripts import libraries, library, prune_libraries
+
+    this = library().name
+
+    async def main() -> int:
+        redis = connect(settings)
+        try:
+            deleted = await prune_libraries(redis, this) if args.prune else []
+            found = await libraries(redis)
+        except UNREACHABLE as exc:
+            print(
+                f"jobtier scripts: Redis unreachable at JOBTIER_REDIS_URL ({exc}); nothing changed",
+                file=sys.stderr,
+            )
+            return 1
+        finally:
+            await redis.aclose()
+        for node, name in deleted:
+            print(f"deleted {name}" + (f" on {node}" if node else ""))
+        for node, names in found:
+            shown = [f"{n} (this version)" if n == this else n for n in names] or ["none"]
+            print(f"{node + ': ' if node else ''}{', '.join(shown)}")
+        others = sum(n != this for _, names in found for n in names)
+        if others:
+            print(
+                f"{others} from other jobtier versions: `jobtier scripts --prune` deletes them "
+                "(a process of another version still running loads its own again at its next "
+                "call)."
             )
         return 0
 
@@ -380,7 +420,7 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
         redis = connect(settings)
         try:
             snapshots = await read_snapshots(redis, Keys(settings.prefix, settings.shards))
-        except (RedisError, OSError) as exc:
+        except UNREACHABLE as exc:
             print(f"jobtier check: Redis unreachable ({exc})", file=sys.stderr)
             return 1
         finally:
@@ -678,6 +718,21 @@ def build_parser() -> argparse.ArgumentParser:
         "is running)",
     )
     p.set_defaults(func=cmd_job_format)
+
+    p = sub.add_parser(
+        "scripts",
+        help="list, or prune, the Redis function libraries of jobtier versions",
+        description="The transition scripts are one Redis function library per jobtier "
+        "version (jobtier_<digest of its code>), loaded by every process as it connects. A "
+        "version's library stays in Redis after its last process stops. Without options: "
+        "the jobtier libraries on each primary, this version's marked. With --prune: delete "
+        "every one but this version's. Safe at any time: a process of another version still "
+        "running loads its own again at its next call (run it after a deploy has finished).",
+    )
+    p.add_argument(
+        "--prune", action="store_true", help="delete every jobtier library but this version's"
+    )
+    p.set_defaults(func=cmd_scripts)
 
     p = sub.add_parser(
         "bench",

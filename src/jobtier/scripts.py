@@ -47,6 +47,7 @@ NAMES = (
 
 
 _LIB = "--!include lib.lua"
+LIBRARIES = "jobtier_*"  # every jobtier version's function library (FUNCTION LIST LIBRARYNAME)
 
 
 def _read(name: str) -> str:
@@ -144,23 +145,67 @@ class Script:
             await redis.script_load(self.text)
 
 
+async def _primaries(redis: RedisClient) -> list[tuple[str, dict[str, Any]]]:
+    """Where a function command must go: every primary of a cluster (its 'host:port', and the
+    keyword that sends a command there), or the one server ('', none)."""
+    if not isinstance(redis, RedisCluster):
+        return [("", {})]
+    await redis.initialize()  # a client that has sent nothing yet knows no node
+    return [(f"{n.host}:{n.port}", {"target_nodes": n}) for n in redis.get_primaries()]
+
+
 async def load_library(redis: RedisClient, lib: Library) -> None:
     """FUNCTION LOAD ``lib`` on every primary that does not have it. Without REPLACE: Redis
     refuses a name it holds before it compiles anything, and a name stands for one code (its
     digest), so a node that has it is left as it is, and a fleet of processes starting at
     once costs Redis one compilation, not one each."""
-    if isinstance(redis, RedisCluster):
-        await redis.initialize()  # a client that has sent nothing yet knows no node
-        nodes: list[Any] = list(redis.get_primaries())
-    else:
-        nodes = [None]
-    for node in nodes:
-        where = {} if node is None else {"target_nodes": node}
+    for _, where in await _primaries(redis):
         try:
             await redis.execute_command("FUNCTION LOAD", lib.code, **where)
         except ResponseError as exc:
             if "already exists" not in str(exc):
                 raise
+
+
+def _names(reply: Any) -> list[str]:
+    """The library names in a FUNCTION LIST reply (RESP2: flat lists; RESP3: maps)."""
+    names = []
+    for lib in reply:
+        fields = lib if isinstance(lib, dict) else dict(zip(lib[::2], lib[1::2], strict=True))
+        name = fields.get(b"library_name", fields.get("library_name"))
+        names.append(name.decode() if isinstance(name, bytes) else str(name))
+    return sorted(names)
+
+
+async def libraries(redis: RedisClient) -> list[tuple[str, list[str]]]:
+    """The jobtier function libraries on each primary ('' for a single server): this
+    version's, and those of versions that ran before (``prune_libraries``)."""
+    return [
+        (
+            node,
+            _names(await redis.execute_command("FUNCTION LIST", "LIBRARYNAME", LIBRARIES, **where)),
+        )
+        for node, where in await _primaries(redis)
+    ]
+
+
+async def prune_libraries(redis: RedisClient, keep: str) -> list[tuple[str, str]]:
+    """FUNCTION DELETE every jobtier library but ``keep`` on every primary; returns (node,
+    library) for each deleted. Safe while a process of another version runs: its next call
+    is refused as missing, and it loads its library again and sends the call again."""
+    deleted = []
+    for node, where in await _primaries(redis):
+        reply = await redis.execute_command("FUNCTION LIST", "LIBRARYNAME", LIBRARIES, **where)
+        for name in _names(reply):
+            if name != keep:
+                try:
+                    await redis.execute_command("FUNCTION DELETE", name, **where)
+                except ResponseError as exc:
+                    if "not found" not in str(exc).lower():
+                        raise  # (else deleted meanwhile by another prune)
+                else:
+                    deleted.append((node, name))
+    return deleted
 
 
 def _missing(exc: BaseException) -> bool:

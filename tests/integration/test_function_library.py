@@ -3,11 +3,15 @@ what happens when Redis loses it. On the single Redis and on the Redis Cluster (
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
 from typing import Any
 
 import pytest
 from redis.exceptions import ResponseError
 
+from jobtier.config import Settings
 from jobtier.model import State
 from jobtier.queue import JobSpec, Queue
 from jobtier.scripts import NAMES, Library, Script, library, run_scripts
@@ -117,3 +121,53 @@ async def test_a_failed_call_does_not_leave_a_refused_one_beside_it_undone(queue
     status = await queue.status(item.job_id)
     assert status.state is State.QUEUED and status.version == 1
     assert await queue.waiting_by_tenant() == {"default": 1}
+
+
+OLD = "jobtier_00000000deadbeef"  # a library as an earlier version left it
+
+
+async def _jobtier(settings: Settings, *args: str) -> tuple[int, str]:
+    env = {**os.environ, "JOBTIER_REDIS_URL": settings.redis_url,
+           "JOBTIER_SHARDS": str(settings.shards),
+           "JOBTIER_REDIS_CLUSTER": "true" if settings.redis_cluster else "false"}  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "jobtier.cli", "scripts", *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    out, _ = await proc.communicate()
+    return proc.returncode or 0, out.decode()
+
+
+async def test_jobtier_scripts_lists_the_versions_libraries_and_prunes_the_others(
+    settings: Settings, queue: Queue
+) -> None:
+    """`jobtier scripts` shows each primary's jobtier libraries, this version's marked;
+    `--prune` deletes the others (an earlier version's) and leaves this version's and any
+    library not jobtier's; jobs still run."""
+    old = f"#!lua name={OLD}\nredis.register_function('jt_old_submit', function() return 1 end)"
+    mine = "#!lua name=not_ours\nredis.register_function('not_ours_f', function() return 2 end)"
+    await on_every_server(queue.redis, "FUNCTION", "LOAD", "REPLACE", old)
+    await on_every_server(queue.redis, "FUNCTION", "LOAD", "REPLACE", mine)
+    try:
+        nodes = len(await on_every_server(queue.redis, "PING"))
+        this = library().name
+        code, out = await _jobtier(settings)
+        assert code == 0, out
+        assert out.count(f"{OLD}, {this} (this version)") == nodes, out
+        assert "not_ours" not in out and f"{nodes} from other jobtier versions" in out, out
+
+        code, out = await _jobtier(settings, "--prune")
+        assert code == 0, out
+        assert out.count(f"deleted {OLD}") == nodes and f"deleted {this}" not in out, out
+        assert out.count(f"{this} (this version)") == nodes and "other jobtier" not in out, out
+        for libraries in await _libraries(queue):
+            assert set(libraries) == {this.encode(), b"not_ours"}
+        sub = await queue.submit("echo", {"n": 1})
+        assert (await queue.status(sub.job_id)).state is State.QUEUED
+    finally:
+        await on_every_server(queue.redis, "FUNCTION", "DELETE", "not_ours")
+
+
+async def test_jobtier_scripts_says_when_redis_is_unreachable(settings: Settings) -> None:
+    code, out = await _jobtier(settings.replace(redis_url="redis://127.0.0.1:1/0"), "--prune")
+    assert code == 1 and "Redis unreachable" in out and "nothing changed" in out

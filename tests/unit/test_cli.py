@@ -12,7 +12,7 @@ from jobtier.cli import build_parser, main
 
 COMMANDS = [
     "run", "api", "worker", "scheduler", "persister", "dispatcher", "migrate", "prune", "bench",
-    "config", "check", "jobs", "dead-letters", "queues", "job-format",
+    "config", "check", "jobs", "dead-letters", "queues", "job-format", "scripts",
 ]  # fmt: skip
 
 
