@@ -427,8 +427,10 @@ def add_commands(sub: Any, runner: Callable[[argparse.Namespace, Any], int]) -> 
         "(--key/JOBTIER_KEY, the server's JOBTIER_ADMIN_KEY). Without an action: the list.",
     )
     _connection(p, ADMIN)
-    p.set_defaults(func=runner, handler=queues_list, action="list")
     group = p.add_subparsers(dest="action", metavar="ACTION")
+    # after add_subparsers, whose own default (None) would otherwise win: without an action,
+    # the list, named as such in messages
+    p.set_defaults(func=runner, handler=queues_list, action="list")
     action(
         group, "list", queues_list, ADMIN, "every queue: ready, running, parked, oldest, workers"
     )

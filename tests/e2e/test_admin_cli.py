@@ -193,6 +193,8 @@ async def test_queues_list_pause_resume_limit(pg_api: ApiServer, queue: Queue) -
     assert code == 0 and header.split()[:3] == ["QUEUE", "READY", "RUNNING"]
     (default,) = [r.split() for r in rows if r.split()[0] == "default"]
     assert default[1] == "1"  # one ready job
+    code, _, err = await cli("queues", key=None)  # without an action: the list, so named
+    assert code == 2 and err.startswith("jobtier queues list: no API key"), err
     code, out, _ = await cli("queues", "pause", "default", key=ADMIN)
     assert code == 0 and out.strip() == "default: paused"
     queues = {q["name"]: q for q in await cli.json("queues", key=ADMIN)}
