@@ -255,26 +255,43 @@ def cmd_job_format(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_scripts(args: argparse.Namespace, settings: Settings) -> int:
+    from redis.exceptions import ResponseError
+
     from jobtier.connection import connect
     from jobtier.scripts import libraries, library, prune_libraries
 
     this = library().name
+    deleted: list[tuple[str, str]] = []
+
+    def show_deleted() -> None:
+        for node, name in deleted:
+            print(f"deleted {name}" + (f" on {node}" if node else ""))
 
     async def main() -> int:
         redis = connect(settings)
         try:
-            deleted = await prune_libraries(redis, this) if args.prune else []
+            if args.prune:
+                await prune_libraries(redis, this, deleted)
             found = await libraries(redis)
-        except UNREACHABLE as exc:
+        except ResponseError as exc:  # e.g. NOPERM: an ACL without FUNCTION LIST or DELETE
+            show_deleted()
             print(
-                f"jobtier scripts: Redis unreachable at JOBTIER_REDIS_URL ({exc}); nothing changed",
+                f"jobtier scripts: Redis refused: {exc} (the command needs FUNCTION LIST, and "
+                "FUNCTION DELETE for --prune)",
+                file=sys.stderr,
+            )
+            return 1
+        except UNREACHABLE as exc:
+            show_deleted()
+            done = "nothing changed" if not deleted else "the rest not deleted"
+            print(
+                f"jobtier scripts: Redis unreachable at JOBTIER_REDIS_URL ({exc}); {done}",
                 file=sys.stderr,
             )
             return 1
         finally:
             await redis.aclose()
-        for node, name in deleted:
-            print(f"deleted {name}" + (f" on {node}" if node else ""))
+        show_deleted()
         for node, names in found:
             shown = [f"{n} (this version)" if n == this else n for n in names] or ["none"]
             print(f"{node + ': ' if node else ''}{', '.join(shown)}")
@@ -725,9 +742,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="The transition scripts are one Redis function library per jobtier "
         "version (jobtier_<digest of its code>), loaded by every process as it connects. A "
         "version's library stays in Redis after its last process stops. Without options: "
-        "the jobtier libraries on each primary, this version's marked. With --prune: delete "
-        "every one but this version's. Safe at any time: a process of another version still "
-        "running loads its own again at its next call (run it after a deploy has finished).",
+        "the jobtier libraries on each primary, this version's (the jobtier that runs this "
+        "command) marked. With --prune: delete every one but this version's. Safe at any "
+        "time: a process of another version still running loads its own again at its next "
+        "call; run it after a deploy has finished, from the version deployed.",
     )
     p.add_argument(
         "--prune", action="store_true", help="delete every jobtier library but this version's"

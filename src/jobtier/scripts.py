@@ -177,34 +177,42 @@ def _names(reply: Any) -> list[str]:
     return sorted(names)
 
 
+async def _listed(redis: RedisClient) -> list[tuple[str, dict[str, Any], list[str]]]:
+    """Per primary: its 'host:port' ('' for a single server), where to send a command
+    there, and the names of the jobtier libraries it holds."""
+    out = []
+    for node, where in await _primaries(redis):
+        reply = await redis.execute_command("FUNCTION LIST", "LIBRARYNAME", LIBRARIES, **where)
+        out.append((node, where, _names(reply)))
+    return out
+
+
 async def libraries(redis: RedisClient) -> list[tuple[str, list[str]]]:
     """The jobtier function libraries on each primary ('' for a single server): this
     version's, and those of versions that ran before (``prune_libraries``)."""
-    return [
-        (
-            node,
-            _names(await redis.execute_command("FUNCTION LIST", "LIBRARYNAME", LIBRARIES, **where)),
-        )
-        for node, where in await _primaries(redis)
-    ]
+    return [(node, names) for node, _, names in await _listed(redis)]
 
 
-async def prune_libraries(redis: RedisClient, keep: str) -> list[tuple[str, str]]:
+async def prune_libraries(
+    redis: RedisClient, keep: str, deleted: list[tuple[str, str]] | None = None
+) -> list[tuple[str, str]]:
     """FUNCTION DELETE every jobtier library but ``keep`` on every primary; returns (node,
-    library) for each deleted. Safe while a process of another version runs: its next call
-    is refused as missing, and it loads its library again and sends the call again."""
-    deleted = []
-    for node, where in await _primaries(redis):
-        reply = await redis.execute_command("FUNCTION LIST", "LIBRARYNAME", LIBRARIES, **where)
-        for name in _names(reply):
-            if name != keep:
-                try:
-                    await redis.execute_command("FUNCTION DELETE", name, **where)
-                except ResponseError as exc:
-                    if "not found" not in str(exc).lower():
-                        raise  # (else deleted meanwhile by another prune)
-                else:
-                    deleted.append((node, name))
+    library) for each deleted, appended to ``deleted`` as it goes (a caller that meets an
+    error half-way still knows what was done). Safe while a process of another version
+    runs: its next call is refused as missing, and it loads its library again and sends the
+    call again."""
+    deleted = [] if deleted is None else deleted
+    for node, where, names in await _listed(redis):
+        for name in names:
+            if name == keep:
+                continue
+            try:
+                await redis.execute_command("FUNCTION DELETE", name, **where)
+            except ResponseError as exc:
+                if "not found" not in str(exc).lower():
+                    raise
+                continue  # deleted meanwhile by another prune
+            deleted.append((node, name))
     return deleted
 
 
@@ -233,12 +241,16 @@ async def run_scripts(
 ) -> list[Any]:
     """Several script calls (FCALL or EVALSHA) in one pipeline (one round trip per node),
     their replies in order; the calls refused because Redis did not have their script or
-    function are sent again, alone, once it is loaded (on every primary of a cluster). Any
-    other error is raised, once every call refused so has been sent again: a call beside a
-    failed one is not left undone."""
+    function are sent again, alone, once it is loaded (on every primary of a cluster).
+
+    Any other error is raised at once, and the calls refused beside it are not sent again:
+    the caller, told the batch failed, sends it again, and a call that never ran cannot have
+    made a job it does not know of (a submit without an idempotency key) or a claim whose
+    jobs it drops (their leases would hold them until they expire). The calls that ran
+    beside the error did run: a claim's or a completion's are then refused as stale when
+    sent again, and a submit's are why producers that care pass an idempotency key."""
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
-    error: Exception | None = None
     for _ in range(3):
         pipe = redis.pipeline(transaction=False)
         for i in todo:
@@ -250,12 +262,10 @@ async def run_scripts(
             if _missing(reply):
                 retry.append(i)
             elif isinstance(reply, Exception):
-                error = error or reply
+                raise reply
             else:
                 results[i] = reply
         if not retry:
-            if error is not None:
-                raise error
             return results
         for script in {calls[i][0].unit: calls[i][0] for i in retry}.values():
             await script.load(redis)

@@ -12,6 +12,7 @@ import pytest
 from redis.exceptions import ResponseError
 
 from jobtier.config import Settings
+from jobtier.errors import JobNotFound
 from jobtier.model import State
 from jobtier.queue import JobSpec, Queue
 from jobtier.scripts import NAMES, Library, Script, library, run_scripts
@@ -101,11 +102,12 @@ async def test_a_library_one_node_lost_is_loaded_there_and_kept_elsewhere(queue:
     assert all(lib.name.encode() in libraries for libraries in await _libraries(queue))
 
 
-async def test_a_failed_call_does_not_leave_a_refused_one_beside_it_undone(queue: Queue) -> None:
+async def test_a_call_refused_beside_a_failed_one_is_not_sent_again(queue: Queue) -> None:
     """One pipeline, two calls: one fails for real (a malformed call, its function loaded),
     the other is refused because Redis lost its script (SCRIPT FLUSH: the submit script by
-    EVALSHA, as a process from before the library runs it). The refused one is sent again
-    and makes its job before the error is raised."""
+    EVALSHA, as a process from before the library runs it). The error is raised and the
+    refused call is not sent again: the caller, told the batch failed, sends it again, and
+    no job was made that it does not know of."""
     await queue.redis.script_flush()
     item = queue.prepare(JobSpec(type="echo", payload=1), "default")
     shard = queue.keys.shard_of(item.job_id)
@@ -118,9 +120,11 @@ async def test_a_failed_call_does_not_leave_a_refused_one_beside_it_undone(queue
     ]
     with pytest.raises(ResponseError):
         await run_scripts(queue.redis, calls)
-    status = await queue.status(item.job_id)
-    assert status.state is State.QUEUED and status.version == 1
-    assert await queue.waiting_by_tenant() == {"default": 1}
+    with pytest.raises(JobNotFound):
+        await queue.status(item.job_id)
+    assert await queue.waiting_by_tenant() == {}
+    await run_scripts(queue.redis, calls[1:])  # sent again: made once
+    assert (await queue.status(item.job_id)).state is State.QUEUED
 
 
 OLD = "jobtier_00000000deadbeef"  # a library as an earlier version left it
@@ -134,7 +138,8 @@ async def _jobtier(settings: Settings, *args: str) -> tuple[int, str]:
         sys.executable, "-m", "jobtier.cli", "scripts", *args, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
-    out, _ = await proc.communicate()
+    async with asyncio.timeout(60):  # a CLI that hangs fails here, not the whole run
+        out, _ = await proc.communicate()
     return proc.returncode or 0, out.decode()
 
 
@@ -166,6 +171,26 @@ async def test_jobtier_scripts_lists_the_versions_libraries_and_prunes_the_other
         assert (await queue.status(sub.job_id)).state is State.QUEUED
     finally:
         await on_every_server(queue.redis, "FUNCTION", "DELETE", "not_ours")
+
+
+async def test_jobtier_scripts_says_what_redis_refused(settings: Settings, queue: Queue) -> None:
+    """A user whose ACL lacks FUNCTION DELETE: the refusal is named as such (not as Redis
+    being unreachable), and nothing is deleted."""
+    old = f"#!lua name={OLD}\nredis.register_function('jt_old_submit', function() return 1 end)"
+    await on_every_server(queue.redis, "FUNCTION", "LOAD", "REPLACE", old)
+    await on_every_server(queue.redis, "ACL", "SETUSER", "pruner", "on", "nopass", "~*", "&*",
+                          "+@all", "-function|delete")  # fmt: skip
+    try:
+        url = settings.redis_url.replace("redis://", "redis://pruner:x@", 1)
+        code, out = await _jobtier(settings.replace(redis_url=url), "--prune")
+        assert code == 1 and "Redis refused" in out and "no permissions" in out, out
+        assert "needs FUNCTION LIST, and FUNCTION DELETE for --prune" in out, out
+        assert "deleted" not in out and "unreachable" not in out, out
+        for libraries in await _libraries(queue):
+            assert OLD.encode() in libraries
+    finally:
+        await on_every_server(queue.redis, "ACL", "DELUSER", "pruner")
+        await on_every_server(queue.redis, "FUNCTION", "DELETE", OLD)
 
 
 async def test_jobtier_scripts_says_when_redis_is_unreachable(settings: Settings) -> None:
