@@ -217,6 +217,22 @@ def proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
 
 
+def tree_cpu(pid: int) -> float:
+    """CPU seconds a process and its children have used (a Postgres postmaster and its
+    backends and background processes): its own and its children's that ended (cutime,
+    cstime), and those of the children still running, from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    total = sum(int(fields[i]) for i in (11, 12, 13, 14))  # utime, stime, cutime, cstime
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            child = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(child[1]) == pid:  # its parent
+            total += int(child[11]) + int(child[12])
+    return total / TICKS
+
+
 # --- statistics -----------------------------------------------------------------------------
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")

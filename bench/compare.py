@@ -92,6 +92,7 @@ from common import (
     proc_cpu,
     save,
     table,
+    tree_cpu,
 )
 
 from jobtier.config import Settings
@@ -440,6 +441,9 @@ class PersistHook:
         async with asyncio.timeout(30):
             while not await ready():
                 await asyncio.sleep(0.05)
+        # where the CPU goes while it writes (its start-up not counted): the persister's, and
+        # Postgres's (postmaster, backends, background processes)
+        self.cpu0 = (time.monotonic(), proc_cpu(self.proc.pid), tree_cpu(self.args.postgres_pid))
         self.task = asyncio.create_task(self._sample())
 
     async def _sample(self) -> None:
@@ -465,6 +469,10 @@ class PersistHook:
             await asyncio.sleep(LAG_SAMPLE)
         persisted = time.time()
         assert self.task is not None and self.proc is not None
+        t0, persister0, postgres0 = self.cpu0
+        seconds = time.monotonic() - t0
+        persister_cpu = proc_cpu(self.proc.pid) - persister0
+        postgres_cpu = tree_cpu(self.args.postgres_pid) - postgres0
         self.done.set()  # the sampler ends at its next turn (no cancel inside a Redis call)
         try:
             await asyncio.wait_for(asyncio.shield(self.task), 60)
@@ -494,6 +502,10 @@ class PersistHook:
             "lag_max_ms": 1000 * (ordered[-1] if ordered else 0.0),
             "lag_samples": len(ordered),
             "persisted_after_last_job_s": persisted - end,
+            "persister_cpu_us_per_transition": 1e6 * persister_cpu / (3 * self.args.jobs),
+            "postgres_cpu_us_per_transition": 1e6 * postgres_cpu / (3 * self.args.jobs),
+            "persister_cores": persister_cpu / seconds,
+            "postgres_cores": postgres_cpu / seconds,
         }
 
 
@@ -524,7 +536,7 @@ async def measure_jobtier(
             "worker_cpu_us_per_job", "producer_cpu_us_per_job", "redis_cpu_us_per_job",
             "aof_bytes_per_job", "aof_rewrites", "redis_commands_per_job", "commands",
         )},
-        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_"))},
+        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_", "persister_", "postgres_"))},
     }  # fmt: skip
 
 
@@ -594,7 +606,19 @@ FIELDS = (
 )  # fmt: skip
 
 
-LAG_FIELDS = ("lag_p50_ms", "lag_p99_ms", "lag_max_ms", "persisted_after_last_job_s")
+LAG_FIELDS = (
+    "lag_p50_ms", "lag_p99_ms", "lag_max_ms", "persisted_after_last_job_s",
+    "persister_cpu_us_per_transition", "postgres_cpu_us_per_transition", "persister_cores",
+    "postgres_cores",
+)  # fmt: skip
+
+
+def cpu_cell(s: dict[str, Any], who: str) -> str:
+    """'<µs a transition> (<cores>)' for the persister or Postgres; '-' from an older result."""
+    us, cores = s.get(f"{who}_cpu_us_per_transition"), s.get(f"{who}_cores")
+    if us is None or cores is None:
+        return "-"
+    return f"{fmt(us)} ({cores:.2f})"
 
 
 def summarise(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
@@ -694,17 +718,23 @@ def render(
             "AOF off" if mode == "off" else "AOF everysec", fmt(s["e2e_jobs_per_s"]),
             fmt(3 * s["e2e_jobs_per_s"]), fmt(s["lag_p50_ms"]), fmt(s["lag_p99_ms"]),
             fmt(s["lag_max_ms"]), fmt(s["persisted_after_last_job_s"], 2),
+            cpu_cell(s, "persister"), cpu_cell(s, "postgres"),
         ])  # fmt: skip
     if lag_rows:
         out.append(
             "Write-behind with the persister on (the `jobtier + persister` rows above): the "
             f"age of the oldest transition not yet in Postgres, sampled every {LAG_SAMPLE * 1000:.0f} ms "
             "from the first submit until all are written (so each sample bounds the lag of "
-            "every transition waiting then); medians over the runs.\n"
+            "every transition waiting then); medians over the runs. CPU: the persister "
+            "process's, and Postgres's (every server process), from the persister's start to "
+            "the last transition written, per transition, and the cores that makes on average "
+            "(the machine has two, shared with Redis, the worker and the producer).\n"
         )
         out.append(
             table(["Redis", "jobs/s", "transitions/s", "lag p50 ms", "lag p99 ms", "lag max ms",
-                   "all in Postgres after the last job, s"], lag_rows) + "\n"
+                   "all in Postgres after the last job, s",
+                   "persister CPU µs a transition (cores)",
+                   "Postgres CPU µs a transition (cores)"], lag_rows) + "\n"
         )  # fmt: skip
     out.append("How each system is driven (our code under `bench/compare/`):\n")
     out.extend(f"- {known[n].label}: {known[n].config}" for n in args.systems)
@@ -849,7 +879,7 @@ def run(argv: list[str] | None = None, report: Callable[[str], None] = print) ->
             folder = Path(tempfile.mkdtemp(prefix="jobtier-compare-pg-"))
             atexit.register(shutil.rmtree, folder, True)
             pg = LocalPostgres(folder, durable=True).start()
-            args.postgres_dsn = pg.dsn
+            args.postgres_dsn, args.postgres_pid = pg.dsn, pg.pid
             uvloop.run(migrate(pg.dsn))
         uvloop.run(main(args, programs, finish))
     except (KeyboardInterrupt, asyncio.CancelledError):
