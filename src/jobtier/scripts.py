@@ -31,7 +31,7 @@ from importlib import resources
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from jobtier.connection import RedisClient
 from jobtier.errors import Code
@@ -270,7 +270,8 @@ async def run_scripts(
         for script in {calls[i][0].unit: calls[i][0] for i in retry}.values():
             await script.load(redis)
         todo = retry
-    raise RuntimeError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
+    # a RedisError, as any other failure of Redis: callers back off and try again
+    raise RedisError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
 
 
 # Made once per job on the submit path, these two are plain (not frozen) dataclasses: a frozen

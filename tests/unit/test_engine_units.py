@@ -324,3 +324,35 @@ def test_prepare_checks_every_name_each_time_and_hashes_only_keyed_requests() ->
     for spec, tenant in bad * 2:  # twice: a refused name is not kept as valid
         with pytest.raises(InvalidRequest):
             queue.prepare(spec, tenant)
+
+
+async def test_scripts_that_keep_disappearing_fail_as_a_redis_error() -> None:
+    """A Redis that loses the script after every load (SCRIPT FLUSH in a loop): run_scripts
+    gives up after three rounds with a RedisError, which callers' handlers back off from and
+    retry, as from any failure of Redis (a RuntimeError ended the worker's claim loop)."""
+    from typing import Any
+
+    from redis.exceptions import NoScriptError, RedisError
+
+    from jobtier.scripts import Script, run_scripts
+
+    class Forgetful:  # a pipeline whose every call is refused as missing; loads succeed
+        loads = 0
+
+        def pipeline(self, transaction: bool) -> Forgetful:
+            self.calls: list[Any] = []
+            return self
+
+        def execute_command(self, *args: Any) -> None:
+            self.calls.append(args)
+
+        async def execute(self, raise_on_error: bool) -> list[Any]:
+            return [NoScriptError("No matching script") for _ in self.calls]
+
+        async def script_load(self, text: str) -> None:
+            self.loads += 1
+
+    redis = Forgetful()
+    with pytest.raises(RedisError, match="keep disappearing"):
+        await run_scripts(redis, [(Script("submit"), (1, "k", "b")), (Script("claim"), ())])  # type: ignore[arg-type]
+    assert redis.loads == 6  # both scripts loaded again each round
