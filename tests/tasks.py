@@ -120,6 +120,32 @@ async def big_result(ctx: JobContext, payload: int) -> dict[str, Any]:
 registry.add(big_result)
 
 
+@task(retries=0)
+async def read_results(ctx: JobContext, payload: Any) -> dict[str, Any]:
+    """A dependent that reads its dependencies' results with ``ctx.result``, stored ones
+    included; a big_rows result is summed up (its row count, and whether it is whole)."""
+
+    def summed(value: Any) -> Any:
+        if isinstance(value, dict) and "rows" in value:
+            return {"rows": len(value["rows"]), "whole": value == big_rows(len(value["rows"]))}
+        return value
+
+    try:
+        await ctx.result("01JNOTAJOBOFMINE0000000000-0")
+        unknown = "read"
+    except KeyError:
+        unknown = "KeyError"
+    return {
+        "by_id": {dep: summed(await ctx.result(dep)) for dep in ctx.dependencies},
+        "last": summed(await ctx.result()),
+        "previous": summed(ctx.previous),
+        "unknown": unknown,
+    }
+
+
+registry.add(read_results)
+
+
 # --- flows ------------------------------------------------------------------------------------
 @task(retries=0)
 async def collect(ctx: JobContext, payload: Any) -> dict[str, Any]:

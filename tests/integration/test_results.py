@@ -11,6 +11,7 @@ import pytest
 from jobtier.api.postgres import PostgresExtension
 from jobtier.client import AsyncClient
 from jobtier.config import Settings
+from jobtier.flows.resolver import Resolver
 from jobtier.model import State, encode_json
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
@@ -101,6 +102,35 @@ async def test_a_large_result_round_trips_without_sitting_in_redis(
         # another tenant sees none of it
         async with store_api.client("globex") as other:
             assert (await other.get(f"/v1/jobs/{small}/result/content")).status_code == 404
+
+
+async def test_a_dependent_task_reads_a_stored_result_with_ctx_result(
+    store_queue: Queue, store_settings: Settings
+) -> None:
+    """``ctx.dependencies`` and ``ctx.previous`` give a stored result as None (its link);
+    ``await ctx.result(id)`` reads it from the store: in a worker that stores results itself,
+    and in one that does not (it opens the store on JOBTIER_DATABASE_URL on first use)."""
+    q = store_queue
+    big = (await q.submit("big_result", ROWS)).job_id
+    small = (await q.submit("echo", [1])).job_id
+    await worker_for(q, registry, burst=True).run()
+    plain = await Queue.connect(store_settings.replace(result_store=""))
+    try:
+        for runner in (plain, q):  # a worker without a result store of its own, then with one
+            dependent = (await q.submit("read_results", None, depends_on=[small, big])).job_id
+            await Resolver(q, name="test-resolver").drain()  # its dependencies ended: queued
+            assert (await q.status(dependent)).state is State.QUEUED
+            stats = await worker_for(runner, registry, burst=True).run()
+            assert stats.succeeded == 1
+            status, out = await q.result(dependent)
+            assert status.state is State.SUCCEEDED, status.error
+            whole = {"rows": ROWS, "whole": True}
+            assert out == {
+                "by_id": {small: [1], big: whole}, "last": whole, "previous": None,
+                "unknown": "KeyError",
+            }  # fmt: skip
+    finally:
+        await plain.close()
 
 
 async def test_a_result_an_attempt_stored_after_losing_its_lease_does_not_replace_the_winners(

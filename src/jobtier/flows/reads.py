@@ -59,6 +59,19 @@ def from_inputs(inputs: tuple[bytes, list[bytes]] | None) -> dict[str, Dependenc
     return {dep: from_stored(dep, stored.get(dep.encode())) for dep in ids.decode().split()}
 
 
+def stored_refs(inputs: tuple[bytes, list[bytes]] | None) -> dict[str, str]:
+    """The result-store references (persist/results.py) of the dependencies whose results are
+    kept there (``result_url`` set), by id, from what claim.lua hands a worker."""
+    if not inputs:
+        return {}
+    _, flat = inputs
+    return {
+        dep.decode(): value[2:].decode()
+        for dep, value in zip(flat[0::2], flat[1::2], strict=True)
+        if value[:1] in (b"s", b"S") and value[1:2] == RESULT_REF
+    }
+
+
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 

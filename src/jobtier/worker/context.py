@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
 
 from jobtier.errors import Cancelled
-from jobtier.flows.reads import from_inputs
+from jobtier.flows.reads import from_inputs, stored_refs
 from jobtier.model import ClaimedJob, Dependency, LogLine, encode_json
 
 # A job's log lines (ctx.log): it keeps its latest LOG_LINES lines, of all its attempts, each
@@ -48,7 +48,7 @@ class JobContext:
 
     __slots__ = (
         "_cancelled", "_dependencies", "_log", "_loop", "_loop_thread", "_on_log", "_on_progress",
-        "_waiter",
+        "_read_result", "_waiter",
         "job", "shard", "worker_id",
     )  # fmt: skip
 
@@ -60,6 +60,7 @@ class JobContext:
         loop: asyncio.AbstractEventLoop,
         on_progress: Callable[[bytes], None],
         on_log: Callable[[JobContext], None] | None = None,
+        read_result: Callable[[str], Awaitable[bytes | None]] | None = None,
     ) -> None:
         self.job = job
         self.shard = shard
@@ -75,6 +76,8 @@ class JobContext:
         self._cancelled = False  # read from the thread pool too: a bool is safe to share
         self._waiter: asyncio.Event | None = None
         self._dependencies: dict[str, Dependency] | None = None  # decoded on first use
+        # a result kept in the result store, by its reference (``result``): the worker's
+        self._read_result = read_result
 
     @property
     def job_id(self) -> str:
@@ -107,11 +110,38 @@ class JobContext:
     @property
     def previous(self) -> Any:
         """The result of the last dependency (in a chain: the step before this one), or
-        None without any."""
+        None without any. A result kept in the result store is None here, as in
+        ``dependencies``: ``await ctx.result()`` reads it."""
         deps = self.dependencies
         if not deps:
             return None
         return deps[next(reversed(deps))].result
+
+    async def result(self, dependency: str | None = None) -> Any:
+        """The result of a job this one waited for, by id (the last one without an id, as
+        ``previous``), read from the result store when it is kept there
+        (``JOBTIER_RESULT_STORE``: ``dependencies`` and ``previous`` give None for such a
+        result, and its ``result_url``). None for a dependency that did not succeed.
+        ``KeyError`` for an id this job did not wait for; ``LookupError`` when the store no
+        longer holds the result (deleted with its job). To be awaited from an ``async``
+        task, on the worker's event loop."""
+        deps = self.dependencies
+        if dependency is None:
+            if not deps:
+                return None
+            dependency = next(reversed(deps))
+        dep = deps.get(dependency)
+        if dep is None:
+            raise KeyError(f"{dependency!r} is not one of the jobs this job waited for")
+        if dep.result_url is None:
+            return dep.result
+        ref = stored_refs(self.job.inputs)[dependency]
+        if self._read_result is None:
+            raise LookupError(f"the result of {dependency} is in the result store, unread here")
+        data = await self._read_result(ref)
+        if data is None:
+            raise LookupError(f"the result store no longer holds the result of {dependency}")
+        return msgspec.json.decode(data)
 
     def progress(self, value: Any) -> None:
         """Report progress (any JSON value, e.g. 0.4 or {"done": 40, "of": 100}).

@@ -177,6 +177,9 @@ class Worker(Heartbeat):
             self.stuck += self._threads.busy
             if self._results is not None:
                 await self._results.close()
+            if self._dep_results is not None:
+                with contextlib.suppress(Exception):  # one that failed to open: nothing to close
+                    await (await self._dep_results).close()
             log.info(
                 "event=worker_stopped worker=%s succeeded=%d failed=%d retried=%d released=%d "
                 "stuck=%d",
