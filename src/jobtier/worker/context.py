@@ -48,7 +48,7 @@ class JobContext:
 
     __slots__ = (
         "_cancelled", "_dependencies", "_log", "_loop", "_loop_thread", "_on_log", "_on_progress",
-        "_read_result", "_waiter",
+        "_read_result", "_refs", "_waiter",
         "job", "shard", "worker_id",
     )  # fmt: skip
 
@@ -78,6 +78,7 @@ class JobContext:
         self._dependencies: dict[str, Dependency] | None = None  # decoded on first use
         # a result kept in the result store, by its reference (``result``): the worker's
         self._read_result = read_result
+        self._refs: dict[str, str] | None = None  # their references, found on first use
 
     @property
     def job_id(self) -> str:
@@ -117,14 +118,25 @@ class JobContext:
             return None
         return deps[next(reversed(deps))].result
 
-    async def result(self, dependency: str | None = None) -> Any:
+    def result(self, dependency: str | None = None) -> Awaitable[Any]:
         """The result of a job this one waited for, by id (the last one without an id, as
         ``previous``), read from the result store when it is kept there
         (``JOBTIER_RESULT_STORE``: ``dependencies`` and ``previous`` give None for such a
         result, and its ``result_url``). None for a dependency that did not succeed.
-        ``KeyError`` for an id this job did not wait for; ``LookupError`` when the store no
-        longer holds the result (deleted with its job). To be awaited from an ``async``
-        task, on the worker's event loop."""
+
+        ``await`` it from an ``async`` task: it reads on the worker's event loop, and a sync
+        task (in the thread pool) gets a ``RuntimeError``. ``KeyError`` for an id this job
+        did not wait for; ``LookupError`` when the store no longer holds the result (deleted
+        with its job); a worker that stores no results itself needs ``JOBTIER_DATABASE_URL``
+        to read one (else ``ConfigError``). Raised into the task, each fails the attempt as
+        any error does unless the task catches it."""
+        if threading.get_ident() != self._loop_thread:
+            raise RuntimeError(
+                "ctx.result() reads on the worker's event loop: await it from an async task"
+            )
+        return self._result(dependency)
+
+    async def _result(self, dependency: str | None) -> Any:
         deps = self.dependencies
         if dependency is None:
             if not deps:
@@ -135,10 +147,11 @@ class JobContext:
             raise KeyError(f"{dependency!r} is not one of the jobs this job waited for")
         if dep.result_url is None:
             return dep.result
-        ref = stored_refs(self.job.inputs)[dependency]
+        if self._refs is None:
+            self._refs = stored_refs(self.job.inputs)
         if self._read_result is None:
-            raise LookupError(f"the result of {dependency} is in the result store, unread here")
-        data = await self._read_result(ref)
+            raise RuntimeError(f"the result of {dependency} is in the result store, unread here")
+        data = await self._read_result(self._refs[dependency])
         if data is None:
             raise LookupError(f"the result store no longer holds the result of {dependency}")
         return msgspec.json.decode(data)

@@ -216,7 +216,7 @@ class WorkerState:
     async def _read_stored_result(self, ref: str) -> bytes | None:
         """A dependency's result kept in the result store (``JobContext.result``): through
         this worker's store, or, for a worker that stores none itself, one opened on first
-        use on JOBTIER_DATABASE_URL (the reference says which store holds it)."""
+        use on JOBTIER_DATABASE_URL (Postgres: the one kind of store references name)."""
         store = self._results
         if store is None:
             if not self.settings.database_url:
