@@ -108,7 +108,8 @@ class Queue:
         # where submits find a task's queue, attempts and payload check: the tasks this
         # process imports (a TaskRegistry), or what the workers advertise (catalog.py)
         self.registry = registry
-        self._results: Any = None  # the result store, opened by the first stored result read
+        # the result store's opening, started by the first stored result read (stored_result)
+        self._results: asyncio.Future[Any] | None = None
         self._callbacks: CallbackStore | None = None  # opened by the first flow with callbacks
         self.require_known = require_known  # refuse a type the registry does not know
         # tasks handed to submit() as Task objects (and their compensations): known here
@@ -135,8 +136,12 @@ class Queue:
         return queue
 
     async def close(self) -> None:
-        if self._results is not None:
-            await self._results.close()
+        opening, self._results = self._results, None
+        if opening is not None:
+            if not opening.done():
+                opening.cancel()
+            elif not opening.cancelled() and opening.exception() is None:
+                await opening.result().close()  # (one that failed to open has nothing to close)
         if self._callbacks is not None:
             await self._callbacks.pool.close()
         await self.redis.aclose()
@@ -622,7 +627,7 @@ class Queue:
         if doc is None or (tenant is not None and owner != tenant.encode()):
             raise JobNotFound(job_id)
         if isinstance(result, bytes) and result[:1] == b"@":  # kept in the result store
-            result = await self._stored_result(result[1:].decode())  # (persist/results.py)
+            result = await self.stored_result(result[1:].decode())  # (persist/results.py)
         return decode_status(doc), msgspec.json.decode(result) if result else None
 
     async def result_raw(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, bytes]:
@@ -635,12 +640,25 @@ class Queue:
         raw = result if isinstance(result, bytes) and result[:1] != b"@" else b""
         return decode_status(doc), raw
 
-    async def _stored_result(self, ref: str) -> bytes | None:
+    async def stored_result(self, ref: str) -> bytes | None:
+        """A result kept in the result store, by its reference (persist/results.py; None when
+        the store no longer holds it), read through a store opened on JOBTIER_DATABASE_URL at
+        the first read and kept until ``close``: reads at once wait for one opening, and one
+        that failed is tried again at the next read. ``Queue.result`` reads a job's so, and a
+        worker its tasks' dependencies' (``JobContext.result``)."""
         from jobtier.persist.results import PostgresResultStore  # only if results are stored
 
-        if self._results is None:
-            self._results = await PostgresResultStore.connect(self.settings.database_url)
-        data: bytes | None = await self._results.get(ref)
+        if not self.settings.database_url:
+            raise ConfigError("a result in the result store: reading it needs JOBTIER_DATABASE_URL")
+        opening = self._results
+        if opening is None or (
+            opening.done() and (opening.cancelled() or opening.exception() is not None)
+        ):
+            opening = asyncio.ensure_future(PostgresResultStore.connect(self.settings.database_url))
+            self._results = opening
+        # shielded: a reader cancelled while it waits leaves the opening to the others
+        store = await asyncio.shield(opening)
+        data: bytes | None = await store.get(ref)
         return data
 
     async def payload(self, job_id: str) -> Any:

@@ -4,6 +4,7 @@ record), followed by the client, and deleted with their job."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
@@ -11,10 +12,12 @@ import pytest
 from jobtier.api.postgres import PostgresExtension
 from jobtier.client import AsyncClient
 from jobtier.config import Settings
+from jobtier.errors import ConfigError
 from jobtier.flows.resolver import Resolver
 from jobtier.model import State, encode_json
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
+from jobtier.persist.results import PostgresResultStore
 from jobtier.queue import Queue
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import worker_for
@@ -109,7 +112,7 @@ async def test_a_dependent_task_reads_a_stored_result_with_ctx_result(
 ) -> None:
     """``ctx.dependencies`` and ``ctx.previous`` give a stored result as None (its link);
     ``await ctx.result(id)`` reads it from the store: in a worker that stores results itself,
-    and in one that does not (it opens the store on JOBTIER_DATABASE_URL on first use)."""
+    and in one that does not (through its Queue's ``stored_result``, as ``Queue.result``)."""
     q = store_queue
     big = (await q.submit("big_result", ROWS)).job_id
     small = (await q.submit("echo", [1])).job_id
@@ -144,6 +147,39 @@ async def test_a_result_an_attempt_stored_after_losing_its_lease_does_not_replac
     assert winner != late
     assert await store.get(winner) == b'"the winner"'
     assert [c async for c in store.stream(winner)] == [b'"the winner"']
+
+
+async def test_reads_at_once_share_one_opening_of_the_store(
+    store_queue: Queue, store_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Queue.stored_result opens the store at the first read; reads made at once wait for that
+    one opening (not one pool each), and close() closes it."""
+    big = (await store_queue.submit("big_result", ROWS)).job_id
+    await worker_for(store_queue, registry, burst=True).run()
+    held = await store_queue.redis.hget(store_queue.keys.job(big), "result")
+    assert held is not None and held.startswith(b"@")
+    opened = []
+    connect = PostgresResultStore.connect
+
+    async def counted(url: str) -> PostgresResultStore:
+        opened.append(url)
+        return await connect(url)
+
+    monkeypatch.setattr(PostgresResultStore, "connect", counted)
+    reader = await Queue.connect(store_settings.replace(result_store=""))
+    try:
+        reads = await asyncio.gather(*(reader.stored_result(held[1:].decode()) for _ in range(8)))
+        assert reads == [encode_json(BIG)] * 8 and len(opened) == 1
+        assert await reader.stored_result("pg:01JNOSUCHJOB000000000000000-0:1") is None
+        assert len(opened) == 1
+    finally:
+        await reader.close()
+    no_url = await Queue.connect(store_settings.replace(database_url=""))
+    try:
+        with pytest.raises(ConfigError, match="JOBTIER_DATABASE_URL"):
+            await no_url.stored_result(held[1:].decode())
+    finally:
+        await no_url.close()
 
 
 async def test_a_dependencys_stored_result_reaches_its_dependent_as_its_link(

@@ -330,7 +330,7 @@ class Claiming(Reporting):
         self.stats.claim_wait.observe(waited)
         ctx = JobContext(
             job, shard, self.id, self._loop, lambda data: self._on_progress(job.id, data),
-            self._log_sink, self._read_stored_result,
+            self._log_sink, self.queue.stored_result,
         )  # fmt: skip
         running = _Running(
             job, shard, self.registry.get(job.type), ctx, time.monotonic(), permit=permit

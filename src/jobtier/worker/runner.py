@@ -175,7 +175,8 @@ class Worker(Heartbeat):
                 await self.queue.redis.hdel(self.keys.workers(), self.id)
             self._threads.shutdown(wait=False, cancel_futures=True)
             self.stuck += self._threads.busy
-            await self._close_result_stores()
+            if self._results is not None:
+                await self._results.close()
             log.info(
                 "event=worker_stopped worker=%s succeeded=%d failed=%d retried=%d released=%d "
                 "stuck=%d",
@@ -183,25 +184,6 @@ class Worker(Heartbeat):
                 self.stats.released, self.stuck,
             )  # fmt: skip
         return self.stats
-
-    async def _close_result_stores(self) -> None:
-        """Close the result store this worker writes to, and the one it opened to read
-        dependencies' results (ctx.result), each whatever the other does; an opening still
-        under way is cancelled, one that failed has nothing to close."""
-        opening, self._dep_results = self._dep_results, None
-        stores = [self._results]
-        self._results = None
-        if opening is not None:
-            if not opening.done():
-                opening.cancel()
-            elif not opening.cancelled() and opening.exception() is None:
-                stores.append(opening.result())
-        for store in stores:
-            if store is not None:
-                try:
-                    await store.close()
-                except Exception as exc:  # its connections go with the process
-                    log.warning("event=result_store_close_failed worker=%s error=%r", self.id, exc)
 
     def _on_wake(self, channel: bytes, data: bytes) -> None:
         # "q <queue>": a queue of the shard had no ready job and now has some;

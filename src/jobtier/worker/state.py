@@ -208,34 +208,8 @@ class WorkerState:
         self._subscriber: ShardSubscriber | None = None
         self._idle = False
         self._results: PostgresResultStore | None = None
-        # a store opened to read dependencies' stored results (ctx.result) by a worker that
-        # stores none itself: opened on first use
-        self._dep_results: asyncio.Task[PostgresResultStore] | None = None
 
     # --- the job context's callbacks --------------------------------------------------------
-    async def _read_stored_result(self, ref: str) -> bytes | None:
-        """A dependency's result kept in the result store (``JobContext.result``): through
-        this worker's store, or, for a worker that stores none itself, one opened on first
-        use on JOBTIER_DATABASE_URL (Postgres: the one kind of store references name)."""
-        store = self._results
-        if store is None:
-            if not self.settings.database_url:
-                raise ConfigError(
-                    "a dependency's result is in the result store: reading it needs "
-                    "JOBTIER_DATABASE_URL"
-                )
-            opening = self._dep_results
-            if opening is None or (
-                opening.done() and (opening.cancelled() or opening.exception() is not None)
-            ):  # never opened, or its opening failed: (again) now
-                opening = asyncio.ensure_future(
-                    PostgresResultStore.connect(self.settings.database_url)
-                )
-                self._dep_results = opening
-            # shielded: a task cancelled while it waits leaves the opening to the others
-            store = await asyncio.shield(opening)
-        return await store.get(ref)
-
     def _on_progress(self, job_id: str, data: bytes) -> None:
         r = self._running.get(job_id)
         if r is not None:
