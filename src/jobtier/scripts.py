@@ -193,15 +193,11 @@ async def libraries(redis: RedisClient) -> list[tuple[str, list[str]]]:
     return [(node, names) for node, _, names in await _listed(redis)]
 
 
-async def prune_libraries(
-    redis: RedisClient, keep: str, deleted: list[tuple[str, str]] | None = None
-) -> list[tuple[str, str]]:
-    """FUNCTION DELETE every jobtier library but ``keep`` on every primary; returns (node,
-    library) for each deleted, appended to ``deleted`` as it goes (a caller that meets an
-    error half-way still knows what was done). Safe while a process of another version
-    runs: its next call is refused as missing, and it loads its library again and sends the
-    call again."""
-    deleted = [] if deleted is None else deleted
+async def prune_libraries(redis: RedisClient, keep: str, deleted: list[tuple[str, str]]) -> None:
+    """FUNCTION DELETE every jobtier library but ``keep`` on every primary, appending (node,
+    library) to ``deleted`` as each goes: a caller that meets an error half-way still knows
+    what was done. Safe while a process of another version runs: its next call is refused
+    as missing, and it loads its library again and sends the call again."""
     for node, where, names in await _listed(redis):
         for name in names:
             if name == keep:
@@ -213,7 +209,6 @@ async def prune_libraries(
                     raise
                 continue  # deleted meanwhile by another prune
             deleted.append((node, name))
-    return deleted
 
 
 def _missing(exc: BaseException) -> bool:
