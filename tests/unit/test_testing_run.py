@@ -12,6 +12,7 @@ import pytest
 from jobtier.config import Settings
 from jobtier.errors import Cancelled, Fatal, InvalidRequest, Retry
 from jobtier.keys import JOB_ID_RE
+from jobtier.model import Dependency, JobError
 from jobtier.testing import Outcome, run_task, run_task_sync, start_task
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import task
@@ -370,3 +371,75 @@ async def test_an_outcome_is_a_plain_value() -> None:
         attempt=1,
         max_attempts=3,
     )
+
+
+# --- dependencies -----------------------------------------------------------------------------
+A, B, C, D = (f"01JDEPENDENCY{i}00000000000000-0" for i in range(4))
+
+
+@task(retries=0)
+async def fan_in(ctx: JobContext, payload: Any) -> dict[str, Any]:
+    """What a dependent sees of the jobs it waited for."""
+    read = {dep: await ctx.result(dep) for dep, d in ctx.dependencies.items() if d.result_url}
+    return {
+        "seen": {dep: [d.state, d.result, d.result_url is not None] for dep, d in ctx.dependencies.items()},
+        "previous": ctx.previous,
+        "last": await ctx.result(),
+        "read": read,
+    }  # fmt: skip
+
+
+async def test_dependencies_are_results_by_id_in_order() -> None:
+    outcome = await run_task(fan_in, None, dependencies={A: {"n": 1}, B: None, C: [1, (2, 3)]})
+    assert outcome.state == "succeeded", outcome.error
+    assert outcome.result == {
+        "seen": {A: ["succeeded", {"n": 1}, False], B: ["succeeded", None, False],
+                 C: ["succeeded", [1, [2, 3]], False]},  # as claimed: JSON, tuples as lists
+        "previous": [1, [2, 3]], "last": [1, [2, 3]], "read": {},
+    }  # fmt: skip
+    assert list(outcome.result["seen"]) == [A, B, C]
+
+
+async def test_other_outcomes_are_given_as_dependency_values_and_seen_whole() -> None:
+    given = {
+        A: Dependency(id=A, state="failed", error=JobError("Fatal", "no"), child=True),
+        B: Dependency(id=B, state="cancelled", error=JobError("Cancelled", "asked")),
+        C: Dependency(id=C, state="missing"),
+        D: Dependency(id=D, state="succeeded", result={"ok": True}, child=True),
+    }
+    seen: list[dict[str, Dependency]] = []
+
+    async def look(ctx: JobContext, payload: Any) -> Any:
+        seen.append(ctx.dependencies)
+        return ctx.previous
+
+    outcome = await run_task(look, None, dependencies=given)
+    assert outcome.state == "succeeded" and outcome.result == {"ok": True}
+    assert seen == [given]
+
+
+async def test_a_stored_result_is_read_with_ctx_result_only() -> None:
+    big = {"rows": list(range(1000))}
+    stored = Dependency(id=B, state="succeeded", result=big, result_url="anywhere")
+    outcome = await run_task(fan_in, None, dependencies={A: 1, B: stored})
+    assert outcome.state == "succeeded", outcome.error
+    assert outcome.result == {
+        "seen": {A: ["succeeded", 1, False], B: ["succeeded", None, True]},
+        "previous": None, "last": big, "read": {B: big},
+    }  # fmt: skip
+
+
+async def test_without_dependencies_the_context_has_none() -> None:
+    outcome = await run_task(fan_in, None)
+    assert outcome.result == {"seen": {}, "previous": None, "last": None, "read": {}}
+
+
+async def test_dependencies_a_worker_would_never_hand_over_are_refused() -> None:
+    with pytest.raises(ValueError, match="'pending'"):
+        await run_task(fan_in, None, dependencies={A: Dependency(id=A, state="pending")})
+    with pytest.raises(ValueError, match="has id"):
+        await run_task(fan_in, None, dependencies={A: Dependency(id=B, state="missing")})
+    with pytest.raises(ValueError, match="not a job id"):
+        await run_task(fan_in, None, dependencies={"a b": 1})
+    with pytest.raises(InvalidRequest, match="dependencies"):
+        await run_task(fan_in, None, dependencies={A: object()})

@@ -14,7 +14,7 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,8 +23,9 @@ import msgspec
 
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
+from jobtier.flows.reads import RESULT_REF
 from jobtier.keys import Keys
-from jobtier.model import ClaimedJob, encode_json
+from jobtier.model import ClaimedJob, Dependency, encode_json
 from jobtier.worker.attempt import (
     INTERRUPTED,
     Failure,
@@ -39,6 +40,54 @@ from jobtier.worker.registry import task as as_task
 
 State = Literal["succeeded", "retry", "failed", "cancelled", "released"]
 _decode = msgspec.json.Decoder().decode
+_encode_error = msgspec.json.Encoder().encode
+# lib.lua's marks of a finished dependency (upper case: a child of the job), as claim.lua
+# hands them to a worker (flows/reads.py from_stored reads them back)
+_MARKS = {"succeeded": "s", "failed": "f", "cancelled": "c", "missing": "m"}
+_STORED = "jobtier.testing:"  # the references of results "kept in the result store" here
+
+Inputs = tuple[bytes, list[bytes]]
+
+
+def dependency_inputs(
+    dependencies: Mapping[str, Any],
+) -> tuple[Inputs | None, Callable[[str], Awaitable[bytes | None]]]:
+    """What claim.lua would hand a worker for a job that waited for ``dependencies`` (see
+    ``run_task``), and a reader of the results they keep "in the result store"."""
+    ids: list[str] = []
+    flat: list[bytes] = []
+    stored: dict[str, bytes] = {}
+    for dep_id, value in dependencies.items():
+        if not isinstance(dep_id, str) or not dep_id or " " in dep_id:
+            raise ValueError(f"dependencies: {dep_id!r} is not a job id")
+        dep = value if isinstance(value, Dependency) else Dependency(
+            id=dep_id, state="succeeded", result=value
+        )  # fmt: skip
+        if dep.id != dep_id:
+            raise ValueError(f"dependencies: the Dependency under {dep_id!r} has id {dep.id!r}")
+        mark = _MARKS.get(dep.state)
+        if mark is None:
+            raise ValueError(
+                f"dependencies: {dep_id!r} is {dep.state!r}; a worker runs a job once each of "
+                f"its dependencies has finished: {', '.join(_MARKS)}"
+            )
+        if dep.state == "succeeded":
+            try:
+                data = encode_json(dep.result)
+            except TypeError as exc:
+                raise InvalidRequest(f"dependencies: {dep_id!r}: {exc}") from None
+            if dep.result_url is not None:  # kept in the result store: only its reference
+                stored[_STORED + dep_id] = data
+                data = RESULT_REF + (_STORED + dep_id).encode()
+        else:
+            data = b"" if dep.error is None else _encode_error(dep.error)
+        ids.append(dep_id)
+        flat += [dep_id.encode(), (mark.upper() if dep.child else mark).encode() + data]
+
+    async def read(ref: str) -> bytes | None:
+        return stored.get(ref)
+
+    return ((" ".join(ids).encode(), flat) if ids else None), read
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +149,13 @@ class TaskRun:
         shard: int,
         max_result_bytes: int,
         cancel_after_progress: int | None,
+        read_result: Callable[[str], Awaitable[bytes | None]] | None = None,
     ) -> None:
         self.task = task
         self._loop = asyncio.get_running_loop()
         self.ctx = JobContext(
             job, shard, f"jobtier.testing:{os.getpid()}", self._loop, self._on_progress,
-            self._on_log,
+            self._on_log, read_result,
         )  # fmt: skip
         self.progress: list[Any] = []  # every report so far, in order
         self.logs: list[str] = []  # every ctx.log() message so far, as the job keeps each
@@ -231,6 +281,7 @@ def start_task(
     job_id: str | None = None,
     settings: Settings | None = None,
     cancel_after_progress: int | None = None,
+    dependencies: Mapping[str, Any] | None = None,
 ) -> TaskRun:
     """Start one attempt of ``task`` on the running event loop and return at once.
 
@@ -255,6 +306,7 @@ def start_task(
         raise InvalidRequest(
             f"payload is {len(data)} bytes; the limit is {s.max_payload_bytes}", field="payload"
         )
+    inputs, read_result = dependency_inputs(dependencies or {})
     keys = Keys(s.prefix, s.shards)
     job_id = job_id or keys.new_id()
     try:
@@ -263,8 +315,8 @@ def start_task(
         shard = 0  # an id of the test's own making
     now_ms = time.time_ns() // 1_000_000
     # lease_version 2: the version a job has once claimed (submitted at 1)
-    job = ClaimedJob(job_id, t.name, data, attempt, max_attempts, 2, now_ms, now_ms)
-    return TaskRun(t, job, shard, s.max_result_bytes, cancel_after_progress)
+    job = ClaimedJob(job_id, t.name, data, attempt, max_attempts, 2, now_ms, now_ms, inputs=inputs)
+    return TaskRun(t, job, shard, s.max_result_bytes, cancel_after_progress, read_result)
 
 
 async def run_task(
@@ -276,6 +328,7 @@ async def run_task(
     job_id: str | None = None,
     settings: Settings | None = None,
     cancel_after_progress: int | None = None,
+    dependencies: Mapping[str, Any] | None = None,
 ) -> Outcome:
     """Run one attempt of ``task`` with ``payload`` as a worker would, and return its outcome.
 
@@ -295,6 +348,13 @@ async def run_task(
       given, as a worker in this environment would use).
     - ``cancel_after_progress``: request a cancel right after the task's n-th progress
       report; ``start_task`` gives a handle to cancel at any other point.
+    - ``dependencies``: the jobs this one waited for (``ctx.dependencies``, ``ctx.previous``,
+      ``ctx.result()``), by id, in order: each value is a succeeded dependency's result, or
+      a ``jobtier.model.Dependency`` for any other finished outcome (``state`` "failed" or
+      "cancelled" with its ``error``, "missing"; ``child=True`` for a flow's child). A
+      succeeded ``Dependency`` with a ``result_url`` stands for a result kept in the result
+      store: the task sees it as a worker would (no ``result`` in ``ctx.dependencies``),
+      and ``await ctx.result(id)`` reads its ``result``.
     """
     return await start_task(
         task,
@@ -304,6 +364,7 @@ async def run_task(
         job_id=job_id,
         settings=settings,
         cancel_after_progress=cancel_after_progress,
+        dependencies=dependencies,
     )
 
 
@@ -316,6 +377,7 @@ def run_task_sync(
     job_id: str | None = None,
     settings: Settings | None = None,
     cancel_after_progress: int | None = None,
+    dependencies: Mapping[str, Any] | None = None,
 ) -> Outcome:
     """``run_task`` for a test with no event loop: runs the attempt in a new loop
     (``asyncio.run``). Inside a coroutine, ``await run_task(...)`` instead."""
@@ -337,5 +399,6 @@ def run_task_sync(
             job_id=job_id,
             settings=settings,
             cancel_after_progress=cancel_after_progress,
+            dependencies=dependencies,
         )
     )
