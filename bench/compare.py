@@ -414,7 +414,8 @@ class PersistHook:
         dsn = self.args.postgres_dsn
         conn = await asyncpg.connect(dsn)
         try:
-            await conn.execute("TRUNCATE jobs, job_transitions, job_results CASCADE")
+            await conn.execute("TRUNCATE jobs, jobs_by_state, job_transitions, job_results CASCADE")
+            self.updates0 = await job_updates(conn)
         finally:
             await conn.close()
         env = {
@@ -483,6 +484,7 @@ class PersistHook:
         os.killpg(self.proc.pid, signal.SIGTERM)
         await self.proc.wait()
         _groups.discard(self.proc.pid)
+        updates, hot = await self._updates_since_start()
         steps = {
             "all written": persisted - end,
             "sampler stopped": sampler_stopped - persisted,
@@ -506,7 +508,32 @@ class PersistHook:
             "postgres_cpu_us_per_transition": 1e6 * postgres_cpu / (3 * self.args.jobs),
             "persister_cores": persister_cpu / seconds,
             "postgres_cores": postgres_cpu / seconds,
+            "hot_update_share": hot / updates if updates else None,
         }
+
+    async def _updates_since_start(self) -> tuple[int, int]:
+        """(updates, heap-only updates) of ``jobs`` rows since ``start``: what Postgres counted
+        (the persister's sessions report theirs as they end, before this is read)."""
+        import asyncpg
+
+        conn = await asyncpg.connect(self.args.postgres_dsn)
+        try:
+            for _ in range(50):  # a session's report may land just after its process exits
+                updates, hot = await job_updates(conn)
+                if updates > self.updates0[0]:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await conn.close()
+        return updates - self.updates0[0], hot - self.updates0[1]
+
+
+async def job_updates(conn: Any) -> tuple[int, int]:
+    """(updates, heap-only updates) of ``jobs`` in the database so far (pg_stat_user_tables)."""
+    row = await conn.fetchrow(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'jobs'"
+    )
+    return int(row["n_tup_upd"]), int(row["n_tup_hot_upd"])
 
 
 async def measure_jobtier(
@@ -536,7 +563,7 @@ async def measure_jobtier(
             "worker_cpu_us_per_job", "producer_cpu_us_per_job", "redis_cpu_us_per_job",
             "aof_bytes_per_job", "aof_rewrites", "redis_commands_per_job", "commands",
         )},
-        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_", "persister_", "postgres_"))},
+        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_", "persister_", "postgres_", "hot_"))},
     }  # fmt: skip
 
 
@@ -609,7 +636,7 @@ FIELDS = (
 LAG_FIELDS = (
     "lag_p50_ms", "lag_p99_ms", "lag_max_ms", "persisted_after_last_job_s",
     "persister_cpu_us_per_transition", "postgres_cpu_us_per_transition", "persister_cores",
-    "postgres_cores",
+    "postgres_cores", "hot_update_share",
 )  # fmt: skip
 
 
@@ -634,7 +661,7 @@ def summarise(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any
         for mode, cell in modes.items():
             s: dict[str, Any] = {f: median([r[f] for r in cell["ok"]]) for f in FIELDS}
             for f in LAG_FIELDS:
-                got = [r[f] for r in cell["ok"] if f in r]
+                got = [r[f] for r in cell["ok"] if r.get(f) is not None]
                 s[f] = median(got) if got else None
             s["runs_ok"] = len(cell["ok"])
             s["errors"] = [r["error"] for r in cell["errors"]]
@@ -719,6 +746,7 @@ def render(
             fmt(3 * s["e2e_jobs_per_s"]), fmt(s["lag_p50_ms"]), fmt(s["lag_p99_ms"]),
             fmt(s["lag_max_ms"]), fmt(s["persisted_after_last_job_s"], 2),
             cpu_cell(s, "persister"), cpu_cell(s, "postgres"),
+            "-" if s.get("hot_update_share") is None else f"{100 * s['hot_update_share']:.0f} %",
         ])  # fmt: skip
     if lag_rows:
         out.append(
@@ -728,13 +756,15 @@ def render(
             "every transition waiting then); medians over the runs. CPU: the persister "
             "process's, and Postgres's (every server process), from the persister's start to "
             "the last transition written, per transition, and the cores that makes on average "
-            "(the machine has two, shared with Redis, the worker and the producer).\n"
+            "(the machine has two, shared with Redis, the worker and the producer). HOT: the "
+            "share of the updates of job rows that were heap-only (no index entry written; "
+            "Postgres's own count).\n"
         )
         out.append(
             table(["Redis", "jobs/s", "transitions/s", "lag p50 ms", "lag p99 ms", "lag max ms",
                    "all in Postgres after the last job, s",
                    "persister CPU µs a transition (cores)",
-                   "Postgres CPU µs a transition (cores)"], lag_rows) + "\n"
+                   "Postgres CPU µs a transition (cores)", "HOT updates"], lag_rows) + "\n"
         )  # fmt: skip
     out.append("How each system is driven (our code under `bench/compare/`):\n")
     out.extend(f"- {known[n].label}: {known[n].config}" for n in args.systems)

@@ -1,16 +1,19 @@
 """Benchmark: the console with a million jobs in Postgres.
 
-Starts its own Redis (AOF on) and a durable Postgres in temporary folders, migrates to 0004
-(the schema before the console), fills ``jobs`` with ``--jobs`` rows by COPY (tenants,
-types, queues and states skewed as a busy deployment's are, created over 30 days), then:
+Starts its own Redis (AOF on) and a durable Postgres in temporary folders, migrates to 0008
+(the schema before listings by state moved to ``jobs_by_state``), fills ``jobs`` with
+``--jobs`` rows by COPY (tenants, types, queues and states skewed as a busy deployment's are,
+created over 30 days), then:
 
 1. the listing's queries per filter (``PgReader.admin_list_jobs``, what ``GET /v1/admin/jobs``
-   runs): time per page, p50 and p99 of ``--reps`` runs, on the schema without the console's
-   indexes (the baseline, same run) and after migration 0005, with the plan of each
-   (``EXPLAIN ANALYZE``: the index it uses, or a sequential scan);
-2. what migration 0005 costs: its index builds on the filled table, and the write-behind's
-   drain rate and Postgres CPU per transition before and after (the persister writes five
-   more index entries per job version);
+   runs): time per page, p50 and p99 of ``--reps`` runs, on the schema before migration 0009
+   (the baseline, same run: a state filter on ``jobs`` itself, through its state indexes) and
+   after it, with the plan of each (``EXPLAIN ANALYZE``: the indexes it uses, or a
+   sequential scan);
+2. what migration 0009 changes for the write-behind: the migration's time on the filled
+   table, and the drain rate and Postgres CPU per transition before and after (no index
+   entry for an update that stays on its page, a row in ``jobs_by_state`` while a job is
+   not succeeded);
 3. the page over HTTP (``jobtier api``, granian): its size, the time to its first frame
    (a frame is built once a second per API process, whatever the number of pages), the
    first page of jobs and one job's detail;
@@ -59,10 +62,13 @@ from jobtier.keys import ulid  # noqa: E402
 from jobtier.persist.batch import JOB_COLUMNS  # noqa: E402
 from jobtier.persist.db import Pool, connect, create_pool, migrations, query  # noqa: E402
 from jobtier.persist.persister import Persister  # noqa: E402
-from jobtier.persist.pg_reader import PgReader, _filters  # noqa: E402
+from jobtier.persist.pg_reader import PgReader, _by_state, _filters  # noqa: E402
 from jobtier.persist.retention import ensure_partitions  # noqa: E402
 
 SHARDS = 16
+# the migration measured: listings by state from jobs_by_state, no index of jobs over state
+BEFORE, AFTER = 8, 9
+BY_STATE_SIZE = "SELECT pg_total_relation_size('jobs_by_state')"
 TENANTS = 200
 TYPES = 30
 QUEUES = ("default", "emails", "reports", "images", "billing", "webhooks", "exports", "search")
@@ -130,7 +136,7 @@ def job_records(n: int, seed: int, now: datetime) -> Any:
         chunk.append((
             job_id, tenant, kind, prio, state, version, attempt, 3, created, updated, run_at,
             payload, None, result, len(result) if result else None, error, None,
-            state == "cancelled", worker, doc, queue,
+            state == "cancelled", worker, doc, queue, None,
         ))  # fmt: skip
         if len(chunk) == 50_000:
             yield chunk
@@ -140,15 +146,16 @@ def job_records(n: int, seed: int, now: datetime) -> Any:
 
 
 async def migrate_to(dsn: str, last: int) -> float:
-    """Apply migrations 1..``last`` (as db.migrate would, in one transaction); seconds."""
+    """Apply the migrations numbered up to ``last`` (as db.migrate would, in one transaction);
+    seconds."""
     conn = await connect(dsn)
     started = time.monotonic()
     try:
         async with conn.transaction():
             await conn.execute(query("create_migrations_table"))
             done = {r["name"] for r in await conn.fetch(query("applied_migrations"))}
-            for name, sql in migrations()[:last]:
-                if name not in done:
+            for name, sql in migrations():
+                if int(name[:4]) <= last and name not in done:
                     await conn.execute(sql)
                     await conn.execute(query("record_migration"), name)
     finally:
@@ -183,6 +190,8 @@ async def cases(pool: Pool, now: datetime) -> list[tuple[str, dict[str, Any]]]:
         ("every job, newest first", {}),
         ("state=failed", {"state": "failed"}),
         ("state=running (0.1 %)", {"state": "running"}),
+        ("state=succeeded (96 %)", {"state": "succeeded"}),
+        (f"tenant={small} & state=succeeded", {"tenant": small, "state": "succeeded"}),
         ("type=task_00 (common)", {"type": "task_00"}),
         (f"type={rare_type} (0.01 %)", {"type": rare_type}),
         ("queue=reports", {"queue": "reports"}),
@@ -208,12 +217,28 @@ def plan_indexes(node: dict[str, Any], out: list[str]) -> list[str]:
     return out
 
 
-async def explain(pool: Pool, filters: dict[str, Any], limit: int = 50) -> dict[str, Any]:
+def listing_query(filters: dict[str, Any], current: bool) -> str:
+    """The listing's query for these filters: this tree's choice, or (``current`` False) the
+    one query of the schema before 0009, a state filter on ``jobs`` itself."""
+    return "admin_list_jobs" if not current else _by_state("admin_list_jobs", filters.get("state"))
+
+
+async def page_of(
+    pool: Pool, filters: dict[str, Any], cursor: str | None, current: bool
+) -> tuple[list[Any], str | None]:
+    """A page of 50, newest first, as ``PgReader.admin_list_jobs`` reads it."""
+    params: list[Any] = [51]
+    where = _filters(params, **filters, cursor=cursor)
+    return await PgReader(pool)._page(listing_query(filters, current), params, where, 50, "desc")
+
+
+async def explain(
+    pool: Pool, filters: dict[str, Any], current: bool, limit: int = 50
+) -> dict[str, Any]:
     params: list[Any] = [limit + 1]
     where = _filters(params, **filters)
-    sql = (
-        query("admin_list_jobs").replace("/*filters*/", " ".join(where)).replace("/*dir*/", "DESC")
-    )
+    sql = query(listing_query(filters, current))
+    sql = sql.replace("/*filters*/", " ".join(where)).replace("/*dir*/", "DESC")
     raw = await pool.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}", *params)
     plan = json.loads(raw)[0]
     return {
@@ -225,25 +250,27 @@ async def explain(pool: Pool, filters: dict[str, Any], limit: int = 50) -> dict[
     }
 
 
-async def time_case(reader: PgReader, filters: dict[str, Any], reps: int) -> dict[str, Any]:
+async def time_case(
+    pool: Pool, filters: dict[str, Any], reps: int, current: bool
+) -> dict[str, Any]:
     """Milliseconds per page over ``reps`` runs (through asyncpg's prepared statements, as the
     API runs them), and the time of a page 20 pages deep (keyset: as cheap as the first)."""
     times = []
     rows = 0
     for _ in range(reps):
         started = time.perf_counter()
-        page, cursor = await reader.admin_list_jobs(**filters, limit=50)
+        page, cursor = await page_of(pool, filters, None, current)
         times.append((time.perf_counter() - started) * 1000)
         rows = len(page)
     deep = None
     cursor = None
     for _ in range(20):
-        page, cursor = await reader.admin_list_jobs(**filters, limit=50, cursor=cursor)
+        page, cursor = await page_of(pool, filters, cursor, current)
         if cursor is None:
             break
     if cursor is not None:
         started = time.perf_counter()
-        await reader.admin_list_jobs(**filters, limit=50, cursor=cursor)
+        await page_of(pool, filters, cursor, current)
         deep = (time.perf_counter() - started) * 1000
     return {
         "rows": rows,
@@ -253,12 +280,13 @@ async def time_case(reader: PgReader, filters: dict[str, Any], reps: int) -> dic
     }
 
 
-async def listing(pool: Pool, named: list[tuple[str, dict[str, Any]]], reps: int) -> dict[str, Any]:
-    reader = PgReader(pool)
+async def listing(
+    pool: Pool, named: list[tuple[str, dict[str, Any]]], reps: int, current: bool
+) -> dict[str, Any]:
     out = {}
     for label, filters in named:
-        timing = await time_case(reader, filters, reps)
-        out[label] = {**timing, **await explain(pool, filters)}
+        timing = await time_case(pool, filters, reps, current)
+        out[label] = {**timing, **await explain(pool, filters, current)}
         print(f"  {label}: {out[label]}", flush=True)
     return out
 
@@ -399,9 +427,9 @@ def run_locust(url: str, folder: Path, seconds: int, users: int, operators: int,
 async def postgres_phase(
     args: argparse.Namespace, pg: LocalPostgres, redis: LocalRedis, result: dict[str, Any]
 ) -> list[tuple[str, dict[str, Any]]]:
-    """Fill, time the listing before and after 0005, and the write-behind's drain; the
+    """Fill, time the listing before and after 0009, and the write-behind's drain; the
     filters (for the HTTP phase)."""
-    await migrate_to(pg.dsn, 4)
+    await migrate_to(pg.dsn, BEFORE)
     pool = await create_pool(pg.dsn, min_size=1, max_size=4)
     async with pool.acquire() as conn:  # the history's partitions, before any write
         await ensure_partitions(conn, datetime.now(UTC))
@@ -412,19 +440,21 @@ async def postgres_phase(
     result["table_mb"] = round(await pool.fetchval(size) / 2**20)
     named = await cases(pool, now)
 
-    print("listing before 0005 (baseline)…", flush=True)
-    result["before"] = await listing(pool, named, args.baseline_reps)
+    print(f"listing before {AFTER:04d} (baseline)…", flush=True)
+    result["before"] = await listing(pool, named, args.baseline_reps, current=False)
     result["drain_before"] = await drain_rate(redis.url, pg, pool, args.transitions)
     print(f"  drain {result['drain_before']}", flush=True)
 
-    print("migration 0005…", flush=True)
+    print(f"migration {AFTER:04d}…", flush=True)
     await pool.close()
-    result["migration_seconds"] = round(await migrate_to(pg.dsn, 5), 1)
+    result["migration_seconds"] = round(await migrate_to(pg.dsn, AFTER), 1)
     pool = await create_pool(pg.dsn, min_size=1, max_size=4)
     await pool.execute("VACUUM ANALYZE jobs")
+    await pool.execute("VACUUM ANALYZE jobs_by_state")
     result["table_mb_after"] = round(await pool.fetchval(size) / 2**20)
-    print("listing after 0005…", flush=True)
-    result["after"] = await listing(pool, named, args.reps)
+    result["by_state_mb"] = round(await pool.fetchval(BY_STATE_SIZE) / 2**20)
+    print(f"listing after {AFTER:04d}…", flush=True)
+    result["after"] = await listing(pool, named, args.reps, current=True)
     result["drain_after"] = await drain_rate(redis.url, pg, pool, args.transitions)
     print(f"  drain {result['drain_after']}", flush=True)
     result["failed_job"] = await pool.fetchval("SELECT id FROM jobs WHERE state = 'failed' LIMIT 1")
@@ -512,15 +542,17 @@ def report(r: dict[str, Any], env: dict[str, Any], args: argparse.Namespace) -> 
     ]
     out.append(
         f"{r['jobs']:,} jobs COPYed in {r['fill_seconds']} s ({r['table_mb']} MiB with the "
-        f"indexes of 0001-0004; {r['table_mb_after']} MiB after 0005). {TENANTS} tenants and "
+        f"indexes of 0001-{BEFORE:04d}; {r['table_mb_after']} MiB after {AFTER:04d}, and "
+        f"{r.get('by_state_mb', '-')} MiB of jobs_by_state). {TENANTS} tenants and "
         f"{TYPES} types (Zipf-skewed), {len(QUEUES)} queues, created over {DAYS} days; "
         "96 % succeeded, 2 % failed, 1 % cancelled, the rest waiting or running.\n"
     )
     out.append("## The listing's queries (a page of 50, newest first)\n")
     out.append(
-        f"p50/p99 of {args.reps} runs after migration 0005 ({args.baseline_reps} before it: the "
-        "baseline), through asyncpg's prepared statements as the API runs them; the access "
-        "path from `EXPLAIN ANALYZE`; a page 20 pages deep, by cursor.\n"
+        f"p50/p99 of {args.reps} runs after migration {AFTER:04d} ({args.baseline_reps} before "
+        "it: the baseline, a state filter on `jobs` through its state indexes), through "
+        "asyncpg's prepared statements as the API runs them; the access paths from `EXPLAIN "
+        "ANALYZE`; a page 20 pages deep, by cursor.\n"
     )
     rows = []
     for label, a in r["after"].items():
@@ -531,15 +563,15 @@ def report(r: dict[str, Any], env: dict[str, Any], args: argparse.Namespace) -> 
             f"{b['p50_ms']:.1f}", ", ".join(b["access"]),
         ])  # fmt: skip
     out.append(table(
-        ["filter", "rows", "p50 ms", "p99 ms", "page 21 ms", "plan (0005)", "before: p50 ms", "plan (before)"],
+        ["filter", "rows", "p50 ms", "p99 ms", "page 21 ms", f"plan ({AFTER:04d})", "before: p50 ms", "plan (before)"],
         rows,
     ))  # fmt: skip
-    out.append("\n## What migration 0005 costs\n")
+    out.append(f"\n## What migration {AFTER:04d} changes for the write-behind\n")
     d0, d1 = r["drain_before"], r["drain_after"]
     out.append(table(
-        ["", "before 0005", "after 0005"],
+        ["", f"before {AFTER:04d}", f"after {AFTER:04d}"],
         [
-            ["index build in the migration", "-", f"{r['migration_seconds']} s"],
+            ["the migration on the filled table", "-", f"{r['migration_seconds']} s"],
             ["write-behind drain, transitions/s", f"{d0['per_second']:,}", f"{d1['per_second']:,}"],
             ["Postgres CPU per transition, us", f"{d0['postgres_cpu_us']}", f"{d1['postgres_cpu_us']}"],
         ],
@@ -599,7 +631,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=1_000_000)
     parser.add_argument("--reps", type=int, default=50, help="runs of each listing query")
-    parser.add_argument("--baseline-reps", type=int, default=5, help="runs before 0005")
+    parser.add_argument("--baseline-reps", type=int, default=5, help=f"runs before {AFTER:04d}")
     parser.add_argument("--transitions", type=int, default=60_000, help="backlog drained")
     parser.add_argument("--locust-seconds", type=int, default=60)
     parser.add_argument("--users", type=int, default=40, help="poller-mix users")

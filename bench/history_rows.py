@@ -50,7 +50,7 @@ async def measure(base: Settings, pool: Pool, every: float, jobs: int, seconds: 
     """Run ``jobs`` sleep jobs with progress_history_seconds=every; per-job figures."""
     settings = base.replace(progress_history_seconds=every)
     registry = TaskRegistry.load("jobtier.demo")
-    await pool.execute("TRUNCATE jobs, job_transitions, job_results CASCADE")
+    await pool.execute("TRUNCATE jobs, jobs_by_state, job_transitions, job_results CASCADE")
     async with await Queue.connect(settings, registry) as queue:
         await fresh(queue.redis)
         worker = Worker(queue, registry, concurrency=jobs)

@@ -260,7 +260,9 @@ class Run:
 
     async def reset(self) -> None:
         await self.redis.flushall()
-        await self.pool.execute("TRUNCATE jobs, job_transitions, job_results CASCADE")
+        await self.pool.execute(
+            "TRUNCATE jobs, jobs_by_state, job_transitions, job_results CASCADE"
+        )
         await self.pool.execute("VACUUM ANALYZE")
 
     def _persister(self) -> Persister:

@@ -36,7 +36,8 @@ async def snapshot(pool: Pool) -> tuple[list[Any], ...]:
         "SELECT *, error::text, progress::text FROM job_transitions ORDER BY job_id, version"
     )
     results = await pool.fetch("SELECT job_id, result::text, size FROM job_results ORDER BY 1")
-    return [tuple(r) for r in jobs], [tuple(r) for r in history], [tuple(r) for r in results]
+    listed = await pool.fetch("SELECT * FROM jobs_by_state ORDER BY id")
+    return tuple([tuple(r) for r in rows] for rows in (jobs, history, results, listed))
 
 
 def parsed(raw: Sequence[tuple[int, bytes, dict[bytes, bytes]]]) -> list[LogEntry]:

@@ -54,7 +54,7 @@ async def test_migrations_produce_exactly_the_schema(
     from_schema = schema_dump(pg_server, empty_db)
     from_migrations = schema_dump(pg_server, "jobtier_template")
     assert "CREATE TABLE public.jobs" in from_schema
-    assert "CREATE INDEX jobs_tenant_state_created_idx" in from_schema
+    assert "CREATE INDEX jobs_by_state_tenant_idx" in from_schema
     assert from_migrations == from_schema
 
 
@@ -83,3 +83,57 @@ def test_every_migration_is_numbered_in_order() -> None:
     for name, sql in found:
         assert re.match(r"^[0-9]{4}_[a-z0-9_]+$", name)
         assert "CONCURRENTLY" not in sql.upper()  # migrations run inside a transaction
+
+
+async def test_0009_lists_the_jobs_not_succeeded_and_indexes_no_state(
+    pg_server: LocalPostgres, empty_db: str
+) -> None:
+    """A deployment with jobs in every state before 0009: afterwards jobs_by_state holds those
+    not succeeded, and no index of `jobs` covers a column a transition changes (so updates
+    can be heap-only); from then on the triggers keep it in step."""
+    dsn = pg_server.dsn_for(empty_db)
+    known = db.migrations()
+    (at,) = [i for i, (name, _) in enumerate(known) if name.startswith("0009_")]
+    conn = await db.connect(dsn)
+    try:
+        async with conn.transaction():
+            for _, sql in known[:at]:
+                await conn.execute(sql)
+        insert = (
+            "INSERT INTO jobs (id, tenant, type, priority, state, version, attempt, max_attempts,"
+            " created_at, updated_at, doc, queue)"
+            " VALUES ($1, $2, 'echo', 'normal', $3, 1, 1, 1, now(), now(), '\\x7b7d', $4)"
+        )
+        states = ["waiting", "scheduled", "queued", "running", "succeeded", "failed", "cancelled"]
+        for i, state in enumerate(states):
+            await conn.execute(insert, f"J{i}", f"t{i % 2}", state, f"q{i % 3}")
+        async with conn.transaction():
+            await conn.execute(known[at][1])
+        listed = await conn.fetch("SELECT id, tenant, state, queue FROM jobs_by_state ORDER BY id")
+        assert [tuple(r) for r in listed] == [
+            (f"J{i}", f"t{i % 2}", s, f"q{i % 3}") for i, s in enumerate(states) if s != "succeeded"
+        ]
+        indexed = await conn.fetch(
+            "SELECT DISTINCT a.attname FROM pg_index i"
+            " JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey)"
+            " WHERE i.indrelid = 'jobs'::regclass"
+        )
+        assert {r["attname"] for r in indexed} == {"id", "tenant", "type", "queue", "created_at"}
+        assert (
+            await conn.fetchval(  # no expression or partial index either
+                "SELECT count(*) FROM pg_index WHERE indrelid = 'jobs'::regclass"
+                " AND (indexprs IS NOT NULL OR indpred IS NOT NULL)"
+            )
+            == 0
+        )
+        # the triggers from now on: a running job succeeds, a succeeded one is replayed
+        await conn.execute("UPDATE jobs SET state = 'succeeded' WHERE id = 'J3'")
+        await conn.execute("UPDATE jobs SET state = 'queued' WHERE id = 'J4'")
+        await conn.execute("DELETE FROM jobs WHERE id = 'J5'")
+        after = await conn.fetch("SELECT id, state FROM jobs_by_state ORDER BY id")
+        assert [tuple(r) for r in after] == [
+            ("J0", "waiting"), ("J1", "scheduled"), ("J2", "queued"), ("J4", "queued"),
+            ("J6", "cancelled"),
+        ]  # fmt: skip
+    finally:
+        await conn.close()

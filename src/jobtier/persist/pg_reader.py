@@ -194,6 +194,13 @@ def _filters(
     return filters
 
 
+def _by_state(listing: str, state: str | None) -> str:
+    """The query of a listing: by a state other than ``succeeded``, the one that finds its page
+    in ``jobs_by_state`` (schema.sql: no index of ``jobs`` covers ``state``); succeeded jobs,
+    nearly all of them, are filtered in created_at order."""
+    return f"{listing}_by_state" if state is not None and state != "succeeded" else listing
+
+
 class PgReader:
     """Read-only queries on a pool made by ``db.create_pool`` (its codecs are assumed)."""
 
@@ -236,7 +243,8 @@ class PgReader:
             params, tenant=tenant, state=state, type=type, queue=queue,
             created_after=created_after, cursor=cursor, order=order,
         )  # fmt: skip
-        rows, next_cursor = await self._page("list_jobs", params, filters, limit, order)
+        name = _by_state("list_jobs", state)
+        rows, next_cursor = await self._page(name, params, filters, limit, order)
         return [status_decoder.decode(r["doc"]) for r in rows], next_cursor
 
     async def admin_list_jobs(
@@ -262,7 +270,8 @@ class PgReader:
             created_after=created_after, created_before=created_before, id_prefix=id_prefix,
             cursor=cursor, order=order,
         )  # fmt: skip
-        rows, next_cursor = await self._page("admin_list_jobs", params, filters, limit, order)
+        name = _by_state("admin_list_jobs", state)
+        rows, next_cursor = await self._page(name, params, filters, limit, order)
         return [(r["tenant"], bytes(r["doc"])) for r in rows], next_cursor
 
     async def _page(

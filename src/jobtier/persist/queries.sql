@@ -96,26 +96,57 @@ SELECT id, tenant, doc FROM jobs WHERE id = ANY($1::text[])
 
 -- name: list_jobs
 -- pg_reader.py puts the optional filters in place of /*filters*/ (fixed fragments such as
--- `AND state = $3`, never caller input) and the direction in place of /*dir*/. Each
+-- `AND type = $3`, never caller input) and the direction in place of /*dir*/. Each
 -- combination is a statement of its own, so each gets a plan with the index that serves it:
--- (tenant, created_at, id), (tenant, state, created_at, id) or (tenant, type, created_at, id).
--- The filters always include the tenant.
+-- (tenant, created_at, id), (tenant, type, created_at, id) or (tenant, queue, created_at, id).
+-- The filters always include the tenant. By state: list_jobs_by_state, but for `succeeded`,
+-- filtered here (nearly every job ends so: they are the many in created_at order).
 SELECT doc, created_at, id
 FROM jobs
 WHERE true /*filters*/
 ORDER BY created_at /*dir*/, id /*dir*/
 LIMIT $1
 
+-- name: list_jobs_by_state
+-- list_jobs by a state other than `succeeded`: the page is found in jobs_by_state, by its
+-- (tenant, state, created_at, id) index, then each job's document in `jobs` by its key. The
+-- filters are list_jobs' (jobs_by_state has each column they name).
+SELECT j.doc, p.created_at, p.id
+FROM (
+    SELECT id, created_at
+    FROM jobs_by_state
+    WHERE true /*filters*/
+    ORDER BY created_at /*dir*/, id /*dir*/
+    LIMIT $1
+) AS p
+JOIN jobs AS j ON j.id = p.id
+ORDER BY p.created_at /*dir*/, p.id /*dir*/
+
 -- name: admin_list_jobs
 -- The console's listing across tenants (pg_reader.admin_list_jobs puts fixed fragments in
 -- place of /*filters*/ and the direction in place of /*dir*/, as for list_jobs). Served by
--- jobs_created_idx, jobs_state_/type_/queue_created_idx, the jobs_tenant_* indexes with a
--- tenant, or jobs_id_prefix_idx for an id prefix (bench/console.py shows the plans).
+-- jobs_created_idx, jobs_type_/queue_created_idx, the jobs_tenant_* indexes with a tenant,
+-- or jobs_id_prefix_idx for an id prefix (bench/console.py shows the plans). By a state
+-- other than `succeeded`: admin_list_jobs_by_state.
 SELECT tenant, doc, created_at, id
 FROM jobs
 WHERE true /*filters*/
 ORDER BY created_at /*dir*/, id /*dir*/
 LIMIT $1
+
+-- name: admin_list_jobs_by_state
+-- admin_list_jobs by a state other than `succeeded`, as list_jobs_by_state: served by
+-- jobs_by_state_state_idx (jobs_by_state_tenant_idx with a tenant).
+SELECT p.tenant, j.doc, p.created_at, p.id
+FROM (
+    SELECT id, tenant, created_at
+    FROM jobs_by_state
+    WHERE true /*filters*/
+    ORDER BY created_at /*dir*/, id /*dir*/
+    LIMIT $1
+) AS p
+JOIN jobs AS j ON j.id = p.id
+ORDER BY p.created_at /*dir*/, p.id /*dir*/
 
 -- name: admin_job
 -- One job for the console, whatever its tenant: its document, and its payload and result
@@ -318,19 +349,23 @@ DELETE FROM job_transitions_default
 WHERE ctid = ANY (ARRAY(SELECT ctid FROM job_transitions_default WHERE at < $1 LIMIT $2))
 
 -- name: count_finished_jobs
+-- (a job finishes after it is created: created_at < $1 lets jobs_created_idx find them)
 SELECT count(*) FROM jobs
-WHERE state IN ('succeeded', 'failed', 'cancelled') AND updated_at < $1
+WHERE created_at < $1 AND state IN ('succeeded', 'failed', 'cancelled') AND updated_at < $1
 
 -- name: delete_finished_jobs
--- One bounded batch ($2 rows, through jobs_finished_idx) of jobs finished before $1. Rows a
--- persister is writing are skipped, not waited for (the next batch or pass takes them); the
--- state is checked on the locked row, so a job moving on meanwhile (a replayed dead letter)
--- is not deleted. job_results rows go with their job (ON DELETE CASCADE).
+-- One bounded batch ($2 rows) of jobs finished before $1, found oldest first through
+-- jobs_created_idx (no index covers `updated_at` or `state`: schema.sql says why; the few
+-- jobs created before $1 that are still running or finished later are passed over again by
+-- each batch). Rows a persister is writing are skipped, not waited for (the next batch or
+-- pass takes them); the state is checked on the locked row, so a job moving on meanwhile (a
+-- replayed dead letter) is not deleted. job_results rows go with their job (ON DELETE
+-- CASCADE), jobs_by_state rows by its trigger.
 DELETE FROM jobs
 WHERE id IN (
     SELECT id FROM jobs
-    WHERE state IN ('succeeded', 'failed', 'cancelled') AND updated_at < $1
-    ORDER BY updated_at
+    WHERE created_at < $1 AND state IN ('succeeded', 'failed', 'cancelled') AND updated_at < $1
+    ORDER BY created_at
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 )

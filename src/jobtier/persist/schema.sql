@@ -43,24 +43,72 @@ CREATE TABLE jobs (
         state IN ('waiting', 'scheduled', 'queued', 'running', 'succeeded', 'failed', 'cancelled')
     ),
     CONSTRAINT jobs_priority_check CHECK (priority IN ('critical', 'high', 'normal', 'low'))
-);
+) WITH (fillfactor = 50);  -- room on each page for its rows' next versions (0009)
 
+-- The indexes of `jobs` cover only what a job keeps from its submit on, never `state` or
+-- `updated_at`: so a transition's update is HOT (heap-only: the new version on the same page,
+-- no index entry) where the page has room. An index over `state` made every transition write
+-- an entry in each index (migration 0009 says what that cost). Listings by state go through
+-- `jobs_by_state` below.
+--
 -- listing: a tenant's jobs newest (or oldest) first, keyset paginated by (created_at, id),
--- optionally filtered by state, type or queue
+-- optionally filtered by type or queue (by state: jobs_by_state)
 CREATE INDEX jobs_tenant_created_idx ON jobs (tenant, created_at, id);
-CREATE INDEX jobs_tenant_state_created_idx ON jobs (tenant, state, created_at, id);
 CREATE INDEX jobs_tenant_type_created_idx ON jobs (tenant, type, created_at, id);
 CREATE INDEX jobs_tenant_queue_created_idx ON jobs (tenant, queue, created_at, id);
--- the admin listing across tenants (the console): every job, or by state, type or queue,
--- newest first; an id prefix as a range in byte order, whatever the database's collation
+-- the admin listing across tenants (the console): every job, or by type or queue, newest
+-- first; an id prefix as a range in byte order, whatever the database's collation; retention
+-- finds finished jobs in created_at order (a job finishes after it is created)
 CREATE INDEX jobs_created_idx ON jobs (created_at, id);
-CREATE INDEX jobs_state_created_idx ON jobs (state, created_at, id);
 CREATE INDEX jobs_type_created_idx ON jobs (type, created_at, id);
 CREATE INDEX jobs_queue_created_idx ON jobs (queue, created_at, id);
 CREATE INDEX jobs_id_prefix_idx ON jobs (id COLLATE "C");
--- retention: finished jobs by when they finished (persist/retention.py deletes the old ones)
-CREATE INDEX jobs_finished_idx ON jobs (updated_at)
-    WHERE state IN ('succeeded', 'failed', 'cancelled');
+
+-- The jobs a listing by state finds through an index: one row per job whose state is not
+-- `succeeded` (a listing of succeeded jobs filters `jobs` in created_at order, where they are
+-- the many). Triggers on `jobs` keep it in step in the same transaction, whoever writes: each
+-- statement's inserted and updated rows (an update a newer version had already won against
+-- changes no row, so nothing here), and its deleted ones.
+CREATE TABLE jobs_by_state (
+    id         text        NOT NULL,
+    tenant     text        NOT NULL,
+    state      text        NOT NULL,
+    type       text        NOT NULL,
+    queue      text        NOT NULL,
+    created_at timestamptz NOT NULL,
+    CONSTRAINT jobs_by_state_pkey PRIMARY KEY (id)
+);
+
+CREATE INDEX jobs_by_state_tenant_idx ON jobs_by_state (tenant, state, created_at, id);
+CREATE INDEX jobs_by_state_state_idx ON jobs_by_state (state, created_at, id);
+
+CREATE FUNCTION jobs_by_state_follow() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM jobs_by_state AS b USING changed AS c
+    WHERE b.id = c.id AND c.state = 'succeeded';
+    INSERT INTO jobs_by_state AS b (id, tenant, state, type, queue, created_at)
+    SELECT id, tenant, state, type, queue, created_at FROM changed
+    WHERE state <> 'succeeded'
+    ORDER BY id
+    ON CONFLICT (id) DO UPDATE SET state = excluded.state
+    WHERE b.state <> excluded.state;
+    RETURN NULL;
+END
+$$;
+
+CREATE FUNCTION jobs_by_state_forget() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM jobs_by_state AS b USING gone AS g WHERE b.id = g.id;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER jobs_by_state_inserted AFTER INSERT ON jobs
+    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
+CREATE TRIGGER jobs_by_state_updated AFTER UPDATE ON jobs
+    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
+CREATE TRIGGER jobs_by_state_deleted AFTER DELETE ON jobs
+    REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_forget();
 
 -- Every change of every job's status document that its shard log carried (a progress-only
 -- change, or a waiting job's dependency count, may be left out of the log: lua/heartbeat.lua,

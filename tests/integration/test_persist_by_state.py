@@ -1,0 +1,114 @@
+"""Listings by state without an index of ``jobs`` over ``state`` (migration 0009): a job's
+later transitions are heap-only updates of its row, and ``jobs_by_state`` follows every
+writer of ``jobs``, whatever order its batches commit in (tests/fixtures/postgres.py's
+``assert_listed_by_state``, which ``assert_pg_matches_redis`` runs, checks it there too)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from jobtier.config import Settings
+from jobtier.keys import Keys
+from jobtier.persist.batch import parse_entry, write_batch
+from jobtier.persist.db import Pool
+from jobtier.persist.pg_reader import PgReader
+from jobtier.persist.retention import prune
+from tests.fixtures.engine import wait_for
+from tests.fixtures.postgres import (
+    assert_listed_by_state,
+    assert_pg_matches_redis,
+    log_entries,
+    mixed_workload,
+    simple_jobs,
+)
+
+
+async def updates_counted(pool: Pool) -> tuple[int, int]:
+    """(updates, heap-only updates) of ``jobs`` in this database so far, as Postgres counts
+    them (flushed by the writing session when it goes idle)."""
+    row = await pool.fetchrow(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'jobs'"
+    )
+    return int(row["n_tup_upd"]), int(row["n_tup_hot_upd"])
+
+
+async def test_a_jobs_later_transitions_are_heap_only_updates(
+    settings: Settings, redis: Any, pg_pool: Pool
+) -> None:
+    """Jobs written as the persister writes them when it keeps up: the submits in one batch,
+    the claims in the next, the completions in a third. The updates of the jobs' rows are
+    HOT (no index entry written), and the listings by state see each step."""
+    keys = Keys(settings.prefix, settings.shards)
+    n = 300
+    job_ids = await simple_jobs(redis, keys, n)
+    entries = [parse_entry(s, i, f) for s, i, f in await log_entries(redis, keys)]
+    reader = PgReader(pg_pool)
+    async with pg_pool.acquire() as conn:
+        for version, state in ((1, "queued"), (2, "running"), (3, "succeeded")):
+            assert await write_batch(conn, [e for e in entries if e.status.version == version]) == n
+            listed = await reader.list_jobs("t1", state=state, limit=500)
+            assert {j.id for j in listed[0]} == set(job_ids), state
+            await assert_listed_by_state(pg_pool)
+        await conn.execute("SELECT pg_stat_force_next_flush()")  # at this session's next idle
+
+    async def all_counted() -> bool:
+        return (await updates_counted(pg_pool))[0] >= 2 * n
+
+    await wait_for(all_counted)
+    updates, hot = await updates_counted(pg_pool)
+    assert updates == 2 * n
+    # each batch moved every job of each page on at once: fillfactor 50 leaves each page room
+    # for all of its rows' next versions, bar a page a few smaller rows filled past half
+    # (567 of 600 here when written); with the table's old indexes, none
+    assert hot >= 0.8 * updates, (hot, updates)
+    assert await pg_pool.fetchval("SELECT count(*) FROM jobs_by_state") == 0
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+
+
+async def test_listings_by_state_follow_every_outcome_and_retention(
+    pg_settings: Settings, redis: Any, pg_pool: Pool
+) -> None:
+    """A mixed workload (retries, failures, cancels, replays of dead letters, …) persisted:
+    each listing by state gives exactly the jobs Postgres holds in that state, every page
+    through; then retention deletes the finished jobs and their rows here with them."""
+    keys = Keys(pg_settings.prefix, pg_settings.shards)
+    job_ids = await mixed_workload(redis, keys, n=150, seed=13)
+    from jobtier.persist.persister import Persister
+
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    rows = await pg_pool.fetch("SELECT id, tenant, state FROM jobs")
+    states = {r["id"]: r["state"] for r in rows}
+    assert len(set(states.values())) >= 4, states  # the workload reaches several states
+    reader = PgReader(pg_pool)
+    for tenant, state in sorted({(r["tenant"], r["state"]) for r in rows}):
+        expected = sorted(r["id"] for r in rows if (r["tenant"], r["state"]) == (tenant, state))
+        for order in ("desc", "asc"):
+            found: list[str] = []
+            cursor = None
+            while True:
+                page, cursor = await reader.list_jobs(
+                    tenant, state=state, limit=7, cursor=cursor, order=order
+                )
+                found += [j.id for j in page]
+                if cursor is None:
+                    break
+            assert sorted(found) == expected, (tenant, state, order)
+            assert len(found) == len(set(found))  # no job on two pages
+    for state in set(states.values()):  # the console's listing, across tenants
+        page, more = await reader.admin_list_jobs(state=state, limit=500)
+        assert more is None
+        assert sorted(json.loads(doc)["id"] for _, doc in page) == sorted(
+            j for j, s in states.items() if s == state
+        )
+    async with pg_pool.acquire() as conn:
+        later = datetime.now(UTC) + timedelta(days=pg_settings.pg_job_retention_days + 1)
+        report = await prune(conn, pg_settings, now=later)
+    assert report is not None
+    finished = [j for j, s in states.items() if s in ("succeeded", "failed", "cancelled")]
+    assert report.jobs == len(finished)
+    left = {r["id"] for r in await pg_pool.fetch("SELECT id FROM jobs")}
+    assert left == set(states) - set(finished)
+    await assert_listed_by_state(pg_pool)
