@@ -135,5 +135,8 @@ async def test_0009_lists_the_jobs_not_succeeded_and_indexes_no_state(
             ("J0", "waiting"), ("J1", "scheduled"), ("J2", "queued"), ("J4", "queued"),
             ("J6", "cancelled"),
         ]  # fmt: skip
+        await conn.execute("TRUNCATE jobs CASCADE")
+        assert await conn.fetchval("SELECT count(*) FROM jobs_by_state") == 0
+        await conn.execute("TRUNCATE jobs, jobs_by_state CASCADE")  # both at once, as benches do
     finally:
         await conn.close()

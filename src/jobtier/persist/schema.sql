@@ -68,7 +68,7 @@ CREATE INDEX jobs_id_prefix_idx ON jobs (id COLLATE "C");
 -- `succeeded` (a listing of succeeded jobs filters `jobs` in created_at order, where they are
 -- the many). Triggers on `jobs` keep it in step in the same transaction, whoever writes: each
 -- statement's inserted and updated rows (an update a newer version had already won against
--- changes no row, so nothing here), and its deleted ones.
+-- changes no row, so nothing here), and its deleted ones (a TRUNCATE of jobs empties it).
 CREATE TABLE jobs_by_state (
     id         text        NOT NULL,
     tenant     text        NOT NULL,
@@ -103,12 +103,21 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION jobs_by_state_empty() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM jobs_by_state;  -- (not TRUNCATE: a TRUNCATE of both tables runs this too)
+    RETURN NULL;
+END
+$$;
+
 CREATE TRIGGER jobs_by_state_inserted AFTER INSERT ON jobs
     REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
 CREATE TRIGGER jobs_by_state_updated AFTER UPDATE ON jobs
     REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
 CREATE TRIGGER jobs_by_state_deleted AFTER DELETE ON jobs
     REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_forget();
+CREATE TRIGGER jobs_by_state_truncated AFTER TRUNCATE ON jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_empty();
 
 -- Every change of every job's status document that its shard log carried (a progress-only
 -- change, or a waiting job's dependency count, may be left out of the log: lua/heartbeat.lua,

@@ -20,7 +20,7 @@
 -- writes the rows (a persister of this version or the previous one, an operator), from the
 -- rows each statement inserted or updated: an update a newer version had won against (an
 -- older batch committed late) changes no row and so nothing here. Retention's deletes take
--- the rows along (a third trigger).
+-- the rows along (a third trigger), and so does a TRUNCATE of jobs (a fourth).
 --
 -- Retention finds finished jobs in created_at order now (a job finishes after it is
 -- created), so jobs_finished_idx goes too.
@@ -66,12 +66,21 @@ BEGIN
 END
 $$;
 
+CREATE FUNCTION jobs_by_state_empty() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM jobs_by_state;  -- (not TRUNCATE: a TRUNCATE of both tables runs this too)
+    RETURN NULL;
+END
+$$;
+
 CREATE TRIGGER jobs_by_state_inserted AFTER INSERT ON jobs
     REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
 CREATE TRIGGER jobs_by_state_updated AFTER UPDATE ON jobs
     REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
 CREATE TRIGGER jobs_by_state_deleted AFTER DELETE ON jobs
     REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_forget();
+CREATE TRIGGER jobs_by_state_truncated AFTER TRUNCATE ON jobs
+    FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_empty();
 
 DROP INDEX jobs_tenant_state_created_idx;
 DROP INDEX jobs_state_created_idx;
