@@ -36,12 +36,18 @@ from jobtier.persist.persister import Persister
 from jobtier.persist.retention import (
     PARTITIONS_AHEAD,
     PRUNE_LOCK,
+    _delete_finished,
     partition_name,
     partitions,
     prune,
 )
 from tests.fixtures.engine import wait_for
-from tests.fixtures.postgres import log_entries, mixed_workload, simple_jobs
+from tests.fixtures.postgres import (
+    assert_listed_by_state,
+    log_entries,
+    mixed_workload,
+    simple_jobs,
+)
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -427,3 +433,47 @@ async def test_migration_keeps_every_row_of_an_existing_history(
     finally:
         await conn.close()
         await pool.close()
+
+
+class CountingConnection:
+    """A connection that counts the statements it is asked to fetch a row for."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.fetched = conn, 0
+
+    async def fetchrow(self, sql: str, *args: Any) -> Any:
+        self.fetched += 1
+        return await self.conn.fetchrow(sql, *args)
+
+
+async def test_finished_jobs_go_in_one_pass_past_old_jobs_that_stay(
+    pg_pool: Pool, conn: Connection
+) -> None:
+    """Jobs created long ago that have not finished (waiting for far dependencies, scheduled
+    far ahead, running) or finished lately stay, and each is read once per pass: windows of
+    a batch in created_at order, the finished ones deleted from each."""
+    now = datetime.now(UTC)
+    cutoff = now - timedelta(days=30)
+    rows = []
+    for i in range(55):  # in created_at order, the kinds interleaved
+        created = now - timedelta(days=100) + timedelta(minutes=i)
+        kind = ("stays", "old", "late")[i % 3]
+        state = {"stays": ("waiting", "scheduled", "running")[i % 2], "old": "succeeded"}.get(
+            kind, "failed"
+        )
+        updated = created + timedelta(hours=1) if kind == "old" else now - timedelta(days=1)
+        rows.append((f"J{i:02d}", state, created, updated))
+    await pg_pool.executemany(
+        "INSERT INTO jobs (id, tenant, type, priority, state, version, attempt, max_attempts,"
+        " created_at, updated_at, doc, queue)"
+        " VALUES ($1, 't', 'echo', 'normal', $2, 2, 1, 1, $3, $4, '\\x7b7d', 'default')",
+        rows,
+    )
+    counting = CountingConnection(conn)
+    deleted = await _delete_finished(counting, cutoff, 7)  # type: ignore[arg-type]
+    old = {r[0] for r in rows if r[1] == "succeeded"}
+    assert deleted == len(old) == 18
+    left = {r["id"] for r in await pg_pool.fetch("SELECT id FROM jobs")}
+    assert left == {r[0] for r in rows} - old
+    assert counting.fetched == 8  # 55 jobs read 7 at a time: the 8th window is short
+    await assert_listed_by_state(pg_pool)

@@ -354,18 +354,29 @@ SELECT count(*) FROM jobs
 WHERE created_at < $1 AND state IN ('succeeded', 'failed', 'cancelled') AND updated_at < $1
 
 -- name: delete_finished_jobs
--- One bounded batch ($2 rows) of jobs finished before $1, found oldest first through
--- jobs_created_idx (no index covers `updated_at` or `state`: schema.sql says why; the few
--- jobs created before $1 that are still running or finished later are passed over again by
--- each batch). Rows a persister is writing are skipped, not waited for (the next batch or
--- pass takes them); the state is checked on the locked row, so a job moving on meanwhile (a
--- replayed dead letter) is not deleted. job_results rows go with their job (ON DELETE
--- CASCADE), jobs_by_state rows by its trigger.
-DELETE FROM jobs
-WHERE id IN (
-    SELECT id FROM jobs
-    WHERE created_at < $1 AND state IN ('succeeded', 'failed', 'cancelled') AND updated_at < $1
-    ORDER BY created_at
+-- One window of jobs created before $1 in created_at order, after ($3, $4) (where the previous
+-- window ended): $2 rows at most, read through jobs_created_idx. Of those, the jobs that
+-- finished before $1 are deleted (no index covers `state` or `updated_at`: schema.sql says
+-- why). A pass reads each job created before $1 once, so jobs that stay (waiting, scheduled
+-- far ahead, running, or finished later) are never read again in that pass. Rows a persister
+-- is writing are skipped, not waited for (the next pass takes them); the state is checked on
+-- the locked row, so a job moving on meanwhile (a replayed dead letter) is not deleted.
+-- job_results rows go with their job (ON DELETE CASCADE), jobs_by_state rows by its trigger.
+WITH scanned AS (
+    SELECT id, created_at FROM jobs
+    WHERE created_at < $1 AND (created_at, id) > ($3, $4)
+    ORDER BY created_at, id
     LIMIT $2
-    FOR UPDATE SKIP LOCKED
+), gone AS (
+    DELETE FROM jobs
+    WHERE id IN (
+        SELECT j.id FROM jobs AS j JOIN scanned AS s ON s.id = j.id
+        WHERE j.state IN ('succeeded', 'failed', 'cancelled') AND j.updated_at < $1
+        FOR UPDATE OF j SKIP LOCKED
+    )
+    RETURNING 1
+), last AS (
+    SELECT created_at, id FROM scanned ORDER BY created_at DESC, id DESC LIMIT 1
 )
+SELECT (SELECT count(*) FROM gone) AS deleted, (SELECT count(*) FROM scanned) AS scanned,
+       (SELECT created_at FROM last) AS last_at, (SELECT id FROM last) AS last_id

@@ -20,7 +20,9 @@ One pass (``prune``) does, in this order:
    go on, and the partition is tried again a moment later or at the next pass (it is
    reported as skipped). Old rows in the default partition are deleted in small batches.
 3. **Finished jobs** (succeeded, failed, cancelled) that finished ``pg_job_retention_days``
-   ago are deleted, ``DELETE_BATCH`` per transaction, rows a persister holds skipped
+   ago are deleted, in one pass over the jobs created before then in created_at order,
+   ``DELETE_BATCH`` jobs read per transaction (no index covers a job's state or when it
+   finished: they change with every transition), rows a persister holds skipped
    (``SKIP LOCKED``: the pass never waits on a write); their large results in
    ``job_results`` go with them (ON DELETE CASCADE). Waiting and running jobs are never
    deleted, whatever their age.
@@ -61,7 +63,8 @@ from jobtier.persist.db import (
 log = logging.getLogger("jobtier.persist.retention")
 
 PARTITIONS_AHEAD = 7  # days of daily history partitions kept ready beyond today
-DELETE_BATCH = 1000  # rows deleted per transaction
+DELETE_BATCH = 1000  # rows deleted per transaction (jobs: rows read per window)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)  # before any job: where a pass's first window starts
 LOCK_TIMEOUT_MS = 500  # the longest a DDL statement may hold up writes queued behind it
 DDL_TRIES = 3  # attempts per partition and pass before it is reported as skipped
 DDL_RETRY_PAUSE = 0.5  # seconds between them
@@ -228,6 +231,20 @@ async def _delete_batches(conn: AnyConnection, sql: str, cutoff: datetime, batch
             return total
 
 
+async def _delete_finished(conn: AnyConnection, cutoff: datetime, batch: int) -> int:
+    """Delete the jobs finished before ``cutoff``, window by window of ``batch`` jobs created
+    before it (queries.sql: delete_finished_jobs), each its own short transaction."""
+    total = 0
+    after: tuple[datetime, str] = (EPOCH, "")
+    while True:
+        row = await conn.fetchrow(query("delete_finished_jobs"), cutoff, batch, *after)
+        assert row is not None  # one row, always
+        total += int(row["deleted"])
+        if row["scanned"] < batch:
+            return total
+        after = (row["last_at"], row["last_id"])
+
+
 async def prune(
     conn: Connection,
     settings: Settings,
@@ -265,9 +282,7 @@ async def prune(
             if dry_run:
                 report.jobs = await conn.fetchval(query("count_finished_jobs"), report.jobs_cutoff)
             else:
-                report.jobs = await _delete_batches(
-                    conn, query("delete_finished_jobs"), report.jobs_cutoff, batch
-                )
+                report.jobs = await _delete_finished(conn, report.jobs_cutoff, batch)
     finally:
         if not dry_run:
             # a broken or cancelled connection cannot unlock: its session's end does
