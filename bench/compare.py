@@ -512,20 +512,24 @@ class PersistHook:
         }
 
     async def _updates_since_start(self) -> tuple[int, int]:
-        """(updates, heap-only updates) of ``jobs`` rows since ``start``: what Postgres counted
-        (the persister's sessions report theirs as they end, before this is read)."""
+        """(updates, heap-only updates) of ``jobs`` rows since ``start``: what Postgres counted.
+        The persister's sessions report theirs now and then and as they end, which may land
+        just after its process has exited: read until the count holds for half a second."""
         import asyncpg
 
         conn = await asyncpg.connect(self.args.postgres_dsn)
         try:
-            for _ in range(50):  # a session's report may land just after its process exits
-                updates, hot = await job_updates(conn)
-                if updates > self.updates0[0]:
-                    break
+            counted, steady = await job_updates(conn), 0
+            for _ in range(50):
                 await asyncio.sleep(0.1)
+                now = await job_updates(conn)
+                steady = steady + 1 if now == counted else 0
+                counted = now
+                if steady == 5:
+                    break
         finally:
             await conn.close()
-        return updates - self.updates0[0], hot - self.updates0[1]
+        return counted[0] - self.updates0[0], counted[1] - self.updates0[1]
 
 
 async def job_updates(conn: Any) -> tuple[int, int]:

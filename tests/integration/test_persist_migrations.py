@@ -94,6 +94,9 @@ async def test_0009_lists_the_jobs_not_succeeded_and_indexes_no_state(
     dsn = pg_server.dsn_for(empty_db)
     known = db.migrations()
     (at,) = [i for i, (name, _) in enumerate(known) if name.startswith("0009_")]
+    # writers wait from its first statement: no batch commits between the copy and the triggers
+    sql = known[at][1]
+    assert sql.index("LOCK TABLE jobs IN SHARE ROW EXCLUSIVE MODE;") < sql.index("INSERT INTO")
     conn = await db.connect(dsn)
     try:
         async with conn.transaction():
@@ -126,6 +129,11 @@ async def test_0009_lists_the_jobs_not_succeeded_and_indexes_no_state(
             )
             == 0
         )
+        # a version that changes nothing listed (progress) neither writes nor locks its row
+        seen = "SELECT xmin::text, xmax::text FROM jobs_by_state WHERE id = 'J2'"
+        before = tuple(await conn.fetchrow(seen))
+        await conn.execute("UPDATE jobs SET progress = '1', version = 2 WHERE id = 'J2'")
+        assert tuple(await conn.fetchrow(seen)) == before and before[1] == "0"
         # the triggers from now on: a running job succeeds, a succeeded one is replayed
         await conn.execute("UPDATE jobs SET state = 'succeeded' WHERE id = 'J3'")
         await conn.execute("UPDATE jobs SET state = 'queued' WHERE id = 'J4'")

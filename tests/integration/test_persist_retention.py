@@ -451,18 +451,22 @@ async def test_finished_jobs_go_in_one_pass_past_old_jobs_that_stay(
 ) -> None:
     """Jobs created long ago that have not finished (waiting for far dependencies, scheduled
     far ahead, running) or finished lately stay, and each is read once per pass: windows of
-    a batch in created_at order, the finished ones deleted from each."""
+    a batch in created_at order (two jobs share each time, some across a window's edge), the
+    jobs finished before the cutoff deleted from each."""
     now = datetime.now(UTC)
     cutoff = now - timedelta(days=30)
-    rows = []
+    rows, old = [], set()
     for i in range(55):  # in created_at order, the kinds interleaved
-        created = now - timedelta(days=100) + timedelta(minutes=i)
-        kind = ("stays", "old", "late")[i % 3]
-        state = {"stays": ("waiting", "scheduled", "running")[i % 2], "old": "succeeded"}.get(
-            kind, "failed"
-        )
-        updated = created + timedelta(hours=1) if kind == "old" else now - timedelta(days=1)
+        created = now - timedelta(days=100) + timedelta(minutes=i // 2)
+        kind, n = ("stays", "old", "late")[i % 3], i // 3
+        if kind == "stays":
+            state, updated = ("waiting", "scheduled", "running")[n % 3], created
+        else:
+            state = ("succeeded", "failed", "cancelled")[n % 3]
+            updated = created + timedelta(hours=1) if kind == "old" else now - timedelta(days=1)
         rows.append((f"J{i:02d}", state, created, updated))
+        if kind == "old":
+            old.add(f"J{i:02d}")
     await pg_pool.executemany(
         "INSERT INTO jobs (id, tenant, type, priority, state, version, attempt, max_attempts,"
         " created_at, updated_at, doc, queue)"
@@ -471,9 +475,12 @@ async def test_finished_jobs_go_in_one_pass_past_old_jobs_that_stay(
     )
     counting = CountingConnection(conn)
     deleted = await _delete_finished(counting, cutoff, 7)  # type: ignore[arg-type]
-    old = {r[0] for r in rows if r[1] == "succeeded"}
     assert deleted == len(old) == 18
+    assert {r[1] for r in rows if r[0] in old} == {"succeeded", "failed", "cancelled"}
+    assert {r[1] for r in rows if r[0] not in old} >= {"waiting", "scheduled", "running"}
     left = {r["id"] for r in await pg_pool.fetch("SELECT id FROM jobs")}
     assert left == {r[0] for r in rows} - old
     assert counting.fetched == 8  # 55 jobs read 7 at a time: the 8th window is short
     await assert_listed_by_state(pg_pool)
+    with pytest.raises(ValueError, match="batch"):
+        await _delete_finished(conn, cutoff, 0)

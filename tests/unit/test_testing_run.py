@@ -439,7 +439,15 @@ async def test_dependencies_a_worker_would_never_hand_over_are_refused() -> None
         await run_task(fan_in, None, dependencies={A: Dependency(id=A, state="pending")})
     with pytest.raises(ValueError, match="has id"):
         await run_task(fan_in, None, dependencies={A: Dependency(id=B, state="missing")})
-    with pytest.raises(ValueError, match="not a job id"):
-        await run_task(fan_in, None, dependencies={"a b": 1})
+    for bad_id in ("a b", "a\tb", "", "a\n"):
+        with pytest.raises(ValueError, match="not a job id"):
+            await run_task(fan_in, None, dependencies={bad_id: 1})
+    with pytest.raises(ValueError, match="has no result"):
+        await run_task(fan_in, None, dependencies={A: Dependency(id=A, state="failed", result=1)})
+    with pytest.raises(ValueError, match="has no error"):
+        error = JobError("E", "m")
+        await run_task(
+            fan_in, None, dependencies={A: Dependency(id=A, state="succeeded", error=error)}
+        )
     with pytest.raises(InvalidRequest, match="dependencies"):
         await run_task(fan_in, None, dependencies={A: object()})

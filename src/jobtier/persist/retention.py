@@ -234,6 +234,8 @@ async def _delete_batches(conn: AnyConnection, sql: str, cutoff: datetime, batch
 async def _delete_finished(conn: AnyConnection, cutoff: datetime, batch: int) -> int:
     """Delete the jobs finished before ``cutoff``, window by window of ``batch`` jobs created
     before it (queries.sql: delete_finished_jobs), each its own short transaction."""
+    if batch < 1:
+        raise ValueError("batch must be 1 or more")
     total = 0
     after: tuple[datetime, str] = (EPOCH, "")
     while True:

@@ -82,16 +82,24 @@ CREATE TABLE jobs_by_state (
 CREATE INDEX jobs_by_state_tenant_idx ON jobs_by_state (tenant, state, created_at, id);
 CREATE INDEX jobs_by_state_state_idx ON jobs_by_state (state, created_at, id);
 
+-- (rows that did not change are not written, nor locked: a progress-only version, or
+-- fill_submitted's update, costs a look-up per row)
 CREATE FUNCTION jobs_by_state_follow() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM jobs_by_state AS b USING changed AS c
     WHERE b.id = c.id AND c.state = 'succeeded';
-    INSERT INTO jobs_by_state AS b (id, tenant, state, type, queue, created_at)
+    UPDATE jobs_by_state AS b
+    SET tenant = c.tenant, state = c.state, type = c.type, queue = c.queue,
+        created_at = c.created_at
+    FROM changed AS c
+    WHERE b.id = c.id AND c.state <> 'succeeded'
+      AND (b.tenant, b.state, b.type, b.queue, b.created_at)
+          IS DISTINCT FROM (c.tenant, c.state, c.type, c.queue, c.created_at);
+    INSERT INTO jobs_by_state (id, tenant, state, type, queue, created_at)
     SELECT id, tenant, state, type, queue, created_at FROM changed
     WHERE state <> 'succeeded'
     ORDER BY id
-    ON CONFLICT (id) DO UPDATE SET state = excluded.state
-    WHERE b.state <> excluded.state;
+    ON CONFLICT (id) DO NOTHING;
     RETURN NULL;
 END
 $$;

@@ -58,7 +58,7 @@ def dependency_inputs(
     flat: list[bytes] = []
     stored: dict[str, bytes] = {}
     for dep_id, value in dependencies.items():
-        if not isinstance(dep_id, str) or not dep_id or " " in dep_id:
+        if not isinstance(dep_id, str) or dep_id.split() != [dep_id]:
             raise ValueError(f"dependencies: {dep_id!r} is not a job id")
         dep = value if isinstance(value, Dependency) else Dependency(
             id=dep_id, state="succeeded", result=value
@@ -71,6 +71,10 @@ def dependency_inputs(
                 f"dependencies: {dep_id!r} is {dep.state!r}; a worker runs a job once each of "
                 f"its dependencies has finished: {', '.join(_MARKS)}"
             )
+        if dep.state == "succeeded" and dep.error is not None:
+            raise ValueError(f"dependencies: {dep_id!r} succeeded: it has no error")
+        if dep.state != "succeeded" and (dep.result is not None or dep.result_url is not None):
+            raise ValueError(f"dependencies: {dep_id!r} is {dep.state!r}: it has no result")
         if dep.state == "succeeded":
             try:
                 data = encode_json(dep.result)

@@ -26,8 +26,16 @@
 -- created), so jobs_finished_idx goes too.
 --
 -- Cost on a large deployment, inside this one transaction while the persisters wait (their
--- entries stay in Redis): one read of the jobs not succeeded through the old state index,
--- and two index builds on that many rows.
+-- entries stay in Redis; the first statement makes them wait, so that no batch commits
+-- between the copy below and the triggers): one read of the jobs not succeeded through the
+-- old state index, and two index builds on that many rows. Readers of `jobs` are not held up.
+--
+-- In a rolling deploy, the previous version's processes lose the indexes they used: its
+-- listings by state filter `jobs` in created_at order, and its persisters' retention passes
+-- (at their start, then hourly) read the whole table per batch. Nothing is wrong, only slow
+-- until they are replaced: upgrade the persisters first.
+
+LOCK TABLE jobs IN SHARE ROW EXCLUSIVE MODE;
 
 CREATE TABLE jobs_by_state (
     id         text        NOT NULL,
@@ -40,21 +48,31 @@ CREATE TABLE jobs_by_state (
 );
 
 INSERT INTO jobs_by_state (id, tenant, state, type, queue, created_at)
-SELECT id, tenant, state, type, queue, created_at FROM jobs WHERE state <> 'succeeded';
+SELECT id, tenant, state, type, queue, created_at FROM jobs
+WHERE state IN ('waiting', 'scheduled', 'queued', 'running', 'failed', 'cancelled');
 
 CREATE INDEX jobs_by_state_tenant_idx ON jobs_by_state (tenant, state, created_at, id);
 CREATE INDEX jobs_by_state_state_idx ON jobs_by_state (state, created_at, id);
+ANALYZE jobs_by_state;  -- its listings are planned from its first use
 
+-- (rows that did not change are not written, nor locked: a progress-only version, or
+-- fill_submitted's update, costs a look-up per row)
 CREATE FUNCTION jobs_by_state_follow() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM jobs_by_state AS b USING changed AS c
     WHERE b.id = c.id AND c.state = 'succeeded';
-    INSERT INTO jobs_by_state AS b (id, tenant, state, type, queue, created_at)
+    UPDATE jobs_by_state AS b
+    SET tenant = c.tenant, state = c.state, type = c.type, queue = c.queue,
+        created_at = c.created_at
+    FROM changed AS c
+    WHERE b.id = c.id AND c.state <> 'succeeded'
+      AND (b.tenant, b.state, b.type, b.queue, b.created_at)
+          IS DISTINCT FROM (c.tenant, c.state, c.type, c.queue, c.created_at);
+    INSERT INTO jobs_by_state (id, tenant, state, type, queue, created_at)
     SELECT id, tenant, state, type, queue, created_at FROM changed
     WHERE state <> 'succeeded'
     ORDER BY id
-    ON CONFLICT (id) DO UPDATE SET state = excluded.state
-    WHERE b.state <> excluded.state;
+    ON CONFLICT (id) DO NOTHING;
     RETURN NULL;
 END
 $$;
