@@ -68,7 +68,8 @@ CREATE INDEX jobs_id_prefix_idx ON jobs (id COLLATE "C");
 -- `succeeded` (a listing of succeeded jobs filters `jobs` in created_at order, where they are
 -- the many). Triggers on `jobs` keep it in step in the same transaction, whoever writes: each
 -- statement's inserted and updated rows (an update a newer version had already won against
--- changes no row, so nothing here), and its deleted ones (a TRUNCATE of jobs empties it).
+-- changes no row, so nothing here); jobs_deleted (below) takes a deleted job's row along, and
+-- a TRUNCATE of jobs empties it.
 CREATE TABLE jobs_by_state (
     id         text        NOT NULL,
     tenant     text        NOT NULL,
@@ -82,8 +83,20 @@ CREATE TABLE jobs_by_state (
 CREATE INDEX jobs_by_state_tenant_idx ON jobs_by_state (tenant, state, created_at, id);
 CREATE INDEX jobs_by_state_state_idx ON jobs_by_state (state, created_at, id);
 
--- (rows that did not change are not written, nor locked: a progress-only version, or
--- fill_submitted's update, costs a look-up per row)
+-- new jobs (a row of theirs could be here only if jobs_by_state had outlived it: kept)
+CREATE FUNCTION jobs_by_state_add() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO jobs_by_state (id, tenant, state, type, queue, created_at)
+    SELECT id, tenant, state, type, queue, created_at FROM changed
+    WHERE state <> 'succeeded'
+    ORDER BY id
+    ON CONFLICT (id) DO NOTHING;
+    RETURN NULL;
+END
+$$;
+
+-- jobs that moved on (rows that did not change are not written, nor locked: a progress-only
+-- version, or fill_submitted's update, costs a look-up per row)
 CREATE FUNCTION jobs_by_state_follow() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM jobs_by_state AS b USING changed AS c
@@ -104,13 +117,6 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION jobs_by_state_forget() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-    DELETE FROM jobs_by_state AS b USING gone AS g WHERE b.id = g.id;
-    RETURN NULL;
-END
-$$;
-
 CREATE FUNCTION jobs_by_state_empty() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM jobs_by_state;  -- (not TRUNCATE: a TRUNCATE of both tables runs this too)
@@ -119,11 +125,9 @@ END
 $$;
 
 CREATE TRIGGER jobs_by_state_inserted AFTER INSERT ON jobs
-    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
+    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_add();
 CREATE TRIGGER jobs_by_state_updated AFTER UPDATE ON jobs
     REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
-CREATE TRIGGER jobs_by_state_deleted AFTER DELETE ON jobs
-    REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_forget();
 CREATE TRIGGER jobs_by_state_truncated AFTER TRUNCATE ON jobs
     FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_empty();
 
@@ -345,12 +349,14 @@ ALTER TABLE result_blobs ALTER COLUMN data SET STORAGE EXTERNAL;
 
 -- Whatever deletes jobs (retention, by hand) deletes what belongs to them and has no foreign
 -- key to them (their rows may be written before the job's): large results, callbacks,
--- deliveries (whose attempts go with them). One statement-level trigger per DELETE.
+-- deliveries (whose attempts go with them), their rows in jobs_by_state. One
+-- statement-level trigger per DELETE.
 CREATE FUNCTION jobs_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM result_blobs WHERE job_id IN (SELECT id FROM gone);
     DELETE FROM webhook_job_callbacks WHERE job_id IN (SELECT id FROM gone);
     DELETE FROM webhook_deliveries WHERE job_id IN (SELECT id FROM gone);
+    DELETE FROM jobs_by_state WHERE id IN (SELECT id FROM gone);
     RETURN NULL;
 END
 $$;

@@ -20,7 +20,7 @@
 -- writes the rows (a persister of this version or the previous one, an operator), from the
 -- rows each statement inserted or updated: an update a newer version had won against (an
 -- older batch committed late) changes no row and so nothing here. Retention's deletes take
--- the rows along (a third trigger), and so does a TRUNCATE of jobs (a fourth).
+-- the rows along (jobs_deleted, below), and so does a TRUNCATE of jobs (a third trigger).
 --
 -- Retention finds finished jobs in created_at order now (a job finishes after it is
 -- created), so jobs_finished_idx goes too.
@@ -55,8 +55,20 @@ CREATE INDEX jobs_by_state_tenant_idx ON jobs_by_state (tenant, state, created_a
 CREATE INDEX jobs_by_state_state_idx ON jobs_by_state (state, created_at, id);
 ANALYZE jobs_by_state;  -- its listings are planned from its first use
 
--- (rows that did not change are not written, nor locked: a progress-only version, or
--- fill_submitted's update, costs a look-up per row)
+-- new jobs (a row of theirs could be here only if jobs_by_state had outlived it: kept)
+CREATE FUNCTION jobs_by_state_add() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO jobs_by_state (id, tenant, state, type, queue, created_at)
+    SELECT id, tenant, state, type, queue, created_at FROM changed
+    WHERE state <> 'succeeded'
+    ORDER BY id
+    ON CONFLICT (id) DO NOTHING;
+    RETURN NULL;
+END
+$$;
+
+-- jobs that moved on (rows that did not change are not written, nor locked: a progress-only
+-- version, or fill_submitted's update, costs a look-up per row)
 CREATE FUNCTION jobs_by_state_follow() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     DELETE FROM jobs_by_state AS b USING changed AS c
@@ -77,9 +89,13 @@ BEGIN
 END
 $$;
 
-CREATE FUNCTION jobs_by_state_forget() RETURNS trigger LANGUAGE plpgsql AS $$
+-- (jobs_deleted, the trigger of every DELETE of jobs since 0007, takes their rows along)
+CREATE OR REPLACE FUNCTION jobs_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    DELETE FROM jobs_by_state AS b USING gone AS g WHERE b.id = g.id;
+    DELETE FROM result_blobs WHERE job_id IN (SELECT id FROM gone);
+    DELETE FROM webhook_job_callbacks WHERE job_id IN (SELECT id FROM gone);
+    DELETE FROM webhook_deliveries WHERE job_id IN (SELECT id FROM gone);
+    DELETE FROM jobs_by_state WHERE id IN (SELECT id FROM gone);
     RETURN NULL;
 END
 $$;
@@ -92,11 +108,9 @@ END
 $$;
 
 CREATE TRIGGER jobs_by_state_inserted AFTER INSERT ON jobs
-    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
+    REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_add();
 CREATE TRIGGER jobs_by_state_updated AFTER UPDATE ON jobs
     REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
-CREATE TRIGGER jobs_by_state_deleted AFTER DELETE ON jobs
-    REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_forget();
 CREATE TRIGGER jobs_by_state_truncated AFTER TRUNCATE ON jobs
     FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_empty();
 
