@@ -101,5 +101,11 @@ class Fatal(JobtierError):
     dead-letter set."""
 
 
+class ResultGone(Fatal, LookupError):
+    """Raised by ``ctx.result(id)`` when the result store no longer holds a dependency's result
+    (deleted with its job): a retry cannot bring it back, so the job fails for good unless the
+    task catches it (as a ``LookupError`` too)."""
+
+
 class Cancelled(JobtierError):
     """Raised inside a task (by ``ctx.check_cancelled()``) once a cancel was requested."""

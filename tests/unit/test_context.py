@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
-from jobtier.errors import Cancelled
+from jobtier.errors import Cancelled, Fatal
 from jobtier.model import ClaimedJob
+from jobtier.worker.attempt import failure
 from jobtier.worker.context import JobContext
 
 
@@ -95,8 +96,10 @@ async def test_result_says_why_a_stored_result_cannot_be_read() -> None:
     async def gone(ref: str) -> bytes | None:
         return None  # deleted with its job
 
-    with pytest.raises(LookupError, match="no longer holds the result of dep-b"):
+    with pytest.raises(LookupError, match="no longer holds the result of dep-b") as lost:
         await with_dependencies(gone).result("dep-b")
+    # no retry can bring it back: the job fails for good unless the task catches it
+    assert isinstance(lost.value, Fatal) and not failure(lost.value, None).retry
     with pytest.raises(RuntimeError, match="in the result store, unread here"):
         await with_dependencies().result("dep-b")  # a context without a reader
     # from a sync task's thread: refused at once (it reads on the worker's loop)

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from jobtier.errors import Cancelled
+from jobtier.errors import Cancelled, ResultGone
 from jobtier.flows.reads import from_inputs, stored_refs
 from jobtier.model import ClaimedJob, Dependency, LogLine, encode_json
 
@@ -126,10 +126,11 @@ class JobContext:
 
         ``await`` it from an ``async`` task: it reads on the worker's event loop, and a sync
         task (in the thread pool) gets a ``RuntimeError``. ``KeyError`` for an id this job
-        did not wait for; ``LookupError`` when the store no longer holds the result (deleted
-        with its job); a worker that stores no results itself needs ``JOBTIER_DATABASE_URL``
-        to read one (else ``ConfigError``). Raised into the task, each fails the attempt as
-        any error does unless the task catches it."""
+        did not wait for; ``jobtier.errors.ResultGone`` (a ``LookupError``, and ``Fatal``: no
+        retry brings it back) when the store no longer holds the result (deleted with its
+        job); a worker that stores no results itself needs ``JOBTIER_DATABASE_URL`` to read
+        one (else ``ConfigError``, retried: a worker given the setting can read it). Raised
+        into the task, each fails the attempt as any error does unless the task catches it."""
         if threading.get_ident() != self._loop_thread:
             raise RuntimeError(
                 "ctx.result() reads on the worker's event loop: await it from an async task"
@@ -153,7 +154,7 @@ class JobContext:
             raise RuntimeError(f"the result of {dependency} is in the result store, unread here")
         data = await self._read_result(self._refs[dependency])
         if data is None:
-            raise LookupError(f"the result store no longer holds the result of {dependency}")
+            raise ResultGone(f"the result store no longer holds the result of {dependency}")
         return msgspec.json.decode(data)
 
     def progress(self, value: Any) -> None:
