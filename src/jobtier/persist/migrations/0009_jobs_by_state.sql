@@ -21,7 +21,7 @@
 -- writes the rows (a persister of this version or the previous one, an operator), from the
 -- rows each statement inserted or updated: an update a newer version had won against (an
 -- older batch committed late) changes no row and so nothing here. Retention's deletes take
--- the rows along (jobs_deleted, below), and so does a TRUNCATE of jobs (a third trigger).
+-- the rows along (a third trigger), and so does a TRUNCATE of jobs (a fourth).
 --
 -- Retention finds finished jobs in created_at order now (a job finishes after it is
 -- created), so jobs_finished_idx goes too.
@@ -56,6 +56,13 @@ CREATE INDEX jobs_by_state_tenant_idx ON jobs_by_state (tenant, state, created_a
 CREATE INDEX jobs_by_state_state_idx ON jobs_by_state (state, created_at, id);
 ANALYZE jobs_by_state;  -- its listings are planned from its first use
 
+-- The triggers find jobs_by_state's rows by key, from the ids of the rows the statement
+-- changed (ON CONFLICT, or = ANY of an array), and their deletes are planned at each call
+-- (EXECUTE), from the table's size and the batch's then. A plan PL/pgSQL keeps for the
+-- session is made from the sizes of its first calls: made on a fresh or just emptied table,
+-- it read the whole table (or a whole index) once per batch or once per changed row, which
+-- took seconds a batch once the table had grown.
+
 -- new jobs (a row of theirs could be here only if jobs_by_state had outlived it: kept)
 CREATE FUNCTION jobs_by_state_add() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
@@ -68,35 +75,30 @@ BEGIN
 END
 $$;
 
--- jobs that moved on (rows that did not change are not written, nor locked: a progress-only
--- version, or fill_submitted's update, costs a look-up per row)
+-- jobs that moved on (a row whose columns did not change is not written: a progress-only
+-- version, or fill_submitted's update, costs a look-up and a row lock)
 CREATE FUNCTION jobs_by_state_follow() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    DELETE FROM jobs_by_state AS b USING changed AS c
-    WHERE b.id = c.id AND c.state = 'succeeded';
-    UPDATE jobs_by_state AS b
-    SET tenant = c.tenant, state = c.state, type = c.type, queue = c.queue,
-        created_at = c.created_at
-    FROM changed AS c
-    WHERE b.id = c.id AND c.state <> 'succeeded'
-      AND (b.tenant, b.state, b.type, b.queue, b.created_at)
-          IS DISTINCT FROM (c.tenant, c.state, c.type, c.queue, c.created_at);
-    INSERT INTO jobs_by_state (id, tenant, state, type, queue, created_at)
+    EXECUTE 'DELETE FROM jobs_by_state '
+            'WHERE id = ANY (ARRAY(SELECT id FROM changed WHERE state = ''succeeded''))';
+    INSERT INTO jobs_by_state AS b (id, tenant, state, type, queue, created_at)
     SELECT id, tenant, state, type, queue, created_at FROM changed
     WHERE state <> 'succeeded'
     ORDER BY id
-    ON CONFLICT (id) DO NOTHING;
+    ON CONFLICT (id) DO UPDATE
+    SET tenant = excluded.tenant, state = excluded.state, type = excluded.type,
+        queue = excluded.queue, created_at = excluded.created_at
+    WHERE (b.tenant, b.state, b.type, b.queue, b.created_at)
+          IS DISTINCT FROM (excluded.tenant, excluded.state, excluded.type, excluded.queue,
+                            excluded.created_at);
     RETURN NULL;
 END
 $$;
 
--- (jobs_deleted, the trigger of every DELETE of jobs since 0007, takes their rows along)
-CREATE OR REPLACE FUNCTION jobs_deleted() RETURNS trigger LANGUAGE plpgsql AS $$
+-- deleted jobs (retention, by hand)
+CREATE FUNCTION jobs_by_state_forget() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    DELETE FROM result_blobs WHERE job_id IN (SELECT id FROM gone);
-    DELETE FROM webhook_job_callbacks WHERE job_id IN (SELECT id FROM gone);
-    DELETE FROM webhook_deliveries WHERE job_id IN (SELECT id FROM gone);
-    DELETE FROM jobs_by_state WHERE id IN (SELECT id FROM gone);
+    EXECUTE 'DELETE FROM jobs_by_state WHERE id = ANY (ARRAY(SELECT id FROM gone))';
     RETURN NULL;
 END
 $$;
@@ -112,6 +114,8 @@ CREATE TRIGGER jobs_by_state_inserted AFTER INSERT ON jobs
     REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_add();
 CREATE TRIGGER jobs_by_state_updated AFTER UPDATE ON jobs
     REFERENCING NEW TABLE AS changed FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_follow();
+CREATE TRIGGER jobs_by_state_deleted AFTER DELETE ON jobs
+    REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_forget();
 CREATE TRIGGER jobs_by_state_truncated AFTER TRUNCATE ON jobs
     FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_empty();
 
