@@ -112,3 +112,38 @@ async def test_listings_by_state_follow_every_outcome_and_retention(
     left = {r["id"] for r in await pg_pool.fetch("SELECT id FROM jobs")}
     assert left == set(states) - set(finished)
     await assert_listed_by_state(pg_pool)
+
+
+async def test_the_triggers_find_rows_by_key_however_the_table_grew(pg_pool: Pool) -> None:
+    """One session (a persister's connection) moves jobs on while jobs_by_state is nearly
+    empty, so that PL/pgSQL would keep its plans from then; the table then grows to 20,000
+    rows, and 111 jobs succeed: their rows are found by key, not by reading the table (or an
+    index of it) whole, as a plan made for the empty table did. Postgres's count of what
+    the statement read from the table and its indexes says which. (On a small table,
+    reading it whole is the cheaper plan, and Postgres takes it.)"""
+    insert = (
+        "INSERT INTO jobs (id, tenant, type, priority, state, version, attempt, max_attempts,"
+        " created_at, updated_at, doc, queue)"
+        " SELECT $1 || g, 't', 'echo', 'normal', 'queued', 1, 0, 1, now(), now(), '\\x7b7d',"
+        " 'default' FROM generate_series(1, $2) g"
+    )
+    move = "UPDATE jobs SET state = $2, version = version + 1 WHERE id LIKE $1 || '%'"
+    read = (
+        "SELECT sum(pg_stat_get_xact_tuples_returned(oid)) FROM pg_class"
+        " WHERE oid = 'jobs_by_state'::regclass"
+        " OR oid IN (SELECT indexrelid FROM pg_index WHERE indrelid = 'jobs_by_state'::regclass)"
+    )
+    async with pg_pool.acquire() as conn:
+        await conn.execute("ANALYZE jobs_by_state")  # empty, as just after a migration
+        for i in range(8):  # past the 5 calls after which PL/pgSQL may keep a generic plan
+            await conn.execute(insert, f"S{i}-", 1)
+            await conn.execute(move, f"S{i}-", "running")
+            await conn.execute(move, f"S{i}-", "succeeded")
+        await conn.execute(insert, "G", 20_000)
+        async with conn.transaction():  # the counts are the session's not yet reported ones
+            before = int(await conn.fetchval(read))
+            await conn.execute(move, "G100", "succeeded")  # G100, G1000..9, G10000..99: 111
+            got = int(await conn.fetchval(read)) - before
+    assert 111 <= got < 1000, got  # by key (the whole table, or an index, would be 20,000)
+    assert await pg_pool.fetchval("SELECT count(*) FROM jobs_by_state") == 20_000 - 111
+    await assert_listed_by_state(pg_pool)
