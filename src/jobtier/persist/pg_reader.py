@@ -196,9 +196,10 @@ def _filters(
 
 def _by_state(listing: str, state: str | None) -> str:
     """The query of a listing: by a state other than ``succeeded``, the one that finds its page
-    in ``jobs_by_state`` (schema.sql: no index of ``jobs`` covers ``state``); succeeded jobs,
-    nearly all of them, are filtered in created_at order."""
-    return f"{listing}_by_state" if state is not None and state != "succeeded" else listing
+    in ``jobs_by_state`` (schema.sql: no index of ``jobs`` covers ``state``), for the tenant's
+    listing and the console's alike; succeeded jobs, nearly all of them, are filtered in
+    created_at order."""
+    return "list_jobs_by_state" if state is not None and state != "succeeded" else listing
 
 
 class PgReader:

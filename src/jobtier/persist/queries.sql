@@ -107,36 +107,23 @@ WHERE true /*filters*/
 ORDER BY created_at /*dir*/, id /*dir*/
 LIMIT $1
 
--- name: list_jobs_by_state
--- list_jobs by a state other than `succeeded`: the page is found in jobs_by_state, by its
--- (tenant, state, created_at, id) index, then each job's document in `jobs` by its key. The
--- filters are list_jobs' (jobs_by_state has each column they name).
-SELECT j.doc, p.created_at, p.id
-FROM (
-    SELECT id, created_at
-    FROM jobs_by_state
-    WHERE true /*filters*/
-    ORDER BY created_at /*dir*/, id /*dir*/
-    LIMIT $1
-) AS p
-JOIN jobs AS j ON j.id = p.id
-ORDER BY p.created_at /*dir*/, p.id /*dir*/
-
 -- name: admin_list_jobs
 -- The console's listing across tenants (pg_reader.admin_list_jobs puts fixed fragments in
 -- place of /*filters*/ and the direction in place of /*dir*/, as for list_jobs). Served by
 -- jobs_created_idx, jobs_type_/queue_created_idx, the jobs_tenant_* indexes with a tenant,
 -- or jobs_id_prefix_idx for an id prefix (bench/console.py shows the plans). By a state
--- other than `succeeded`: admin_list_jobs_by_state.
+-- other than `succeeded`: list_jobs_by_state.
 SELECT tenant, doc, created_at, id
 FROM jobs
 WHERE true /*filters*/
 ORDER BY created_at /*dir*/, id /*dir*/
 LIMIT $1
 
--- name: admin_list_jobs_by_state
--- admin_list_jobs by a state other than `succeeded`, as list_jobs_by_state: served by
--- jobs_by_state_state_idx (jobs_by_state_tenant_idx with a tenant).
+-- name: list_jobs_by_state
+-- list_jobs and admin_list_jobs by a state other than `succeeded` (their filters: jobs_by_state
+-- has each column they name): the page is found in jobs_by_state, by jobs_by_state_tenant_idx
+-- (tenant, state, created_at, id) with a tenant, else jobs_by_state_state_idx, then each
+-- job's document in `jobs` by its key.
 SELECT p.tenant, j.doc, p.created_at, p.id
 FROM (
     SELECT id, tenant, created_at

@@ -23,7 +23,7 @@ import msgspec
 
 from jobtier.config import Settings
 from jobtier.errors import InvalidRequest
-from jobtier.flows.reads import RESULT_REF
+from jobtier.flows.reads import MARKS, RESULT_REF
 from jobtier.keys import Keys
 from jobtier.model import ClaimedJob, Dependency, encode_json
 from jobtier.worker.attempt import (
@@ -41,9 +41,9 @@ from jobtier.worker.registry import task as as_task
 State = Literal["succeeded", "retry", "failed", "cancelled", "released"]
 _decode = msgspec.json.Decoder().decode
 _encode_error = msgspec.json.Encoder().encode
-# lib.lua's marks of a finished dependency (upper case: a child of the job), as claim.lua
-# hands them to a worker (flows/reads.py from_stored reads them back)
-_MARKS = {"succeeded": "s", "failed": "f", "cancelled": "c", "missing": "m"}
+# lib.lua's mark of each finished state (upper case: a child of the job), as claim.lua hands
+# them to a worker (flows/reads.py's MARKS, which from_stored reads them back by)
+_MARKS = {state: mark for mark, state in MARKS.items()}
 _STORED = "jobtier.testing:"  # the references of results "kept in the result store" here
 
 Inputs = tuple[bytes, list[bytes]]
