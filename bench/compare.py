@@ -404,6 +404,7 @@ class PersistHook:
     def __init__(self, queue: Queue, server: LocalRedis, args: argparse.Namespace, aof: bool):
         self.queue, self.server, self.args, self.aof = queue, server, args, aof
         self.samples: list[float] = []
+        self.series: list[tuple[float, float]] = []  # (s since the first sample, age in s)
         self.proc: asyncio.subprocess.Process | None = None
         self.task: asyncio.Task[None] | None = None
         self.done = asyncio.Event()
@@ -456,6 +457,7 @@ class PersistHook:
             # of its CPU in these runs), which the persister and the jobs then went without.
             _, age = await lag(self.queue.redis, self.queue.keys, exact=1)
             self.samples.append(age)
+            self.series.append((time.monotonic(), age))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.done.wait(), LAG_SAMPLE)
 
@@ -503,6 +505,10 @@ class PersistHook:
             "lag_p99_ms": 1000 * pct(0.99),
             "lag_max_ms": 1000 * (ordered[-1] if ordered else 0.0),
             "lag_samples": len(ordered),
+            # where in the run the lag peaked: [s since the first sample, lag ms] per sample
+            "lag_series": [
+                [round(t - self.series[0][0], 3), round(1000 * age)] for t, age in self.series
+            ],
             "persisted_after_last_job_s": persisted - end,
             "persister_cpu_us_per_transition": 1e6 * persister_cpu / (3 * self.args.jobs),
             "postgres_cpu_us_per_transition": 1e6 * postgres_cpu / (3 * self.args.jobs),
