@@ -403,8 +403,7 @@ class PersistHook:
 
     def __init__(self, queue: Queue, server: LocalRedis, args: argparse.Namespace, aof: bool):
         self.queue, self.server, self.args, self.aof = queue, server, args, aof
-        self.samples: list[float] = []
-        self.series: list[tuple[float, float]] = []  # (s since the first sample, age in s)
+        self.samples: list[tuple[float, float]] = []  # (monotonic time, age in s) each
         self.proc: asyncio.subprocess.Process | None = None
         self.task: asyncio.Task[None] | None = None
         self.done = asyncio.Event()
@@ -456,8 +455,7 @@ class PersistHook:
             # entries per shard, as lag() does by default, cost Redis 41 us a job here (a fifth
             # of its CPU in these runs), which the persister and the jobs then went without.
             _, age = await lag(self.queue.redis, self.queue.keys, exact=1)
-            self.samples.append(age)
-            self.series.append((time.monotonic(), age))
+            self.samples.append((time.monotonic(), age))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.done.wait(), LAG_SAMPLE)
 
@@ -495,7 +493,8 @@ class PersistHook:
         if any(took > 5 for took in steps.values()):  # a stall seen in earlier sets: where
             took = ", ".join(f"{name} after {seconds:.1f} s" for name, seconds in steps.items())
             print(f"persister step slow: {took}", file=sys.stderr, flush=True)
-        ordered = sorted(self.samples)
+        ordered = sorted(age for _, age in self.samples)
+        first = self.samples[0][0] if self.samples else 0.0
 
         def pct(q: float) -> float:
             return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
@@ -506,9 +505,7 @@ class PersistHook:
             "lag_max_ms": 1000 * (ordered[-1] if ordered else 0.0),
             "lag_samples": len(ordered),
             # where in the run the lag peaked: [s since the first sample, lag ms] per sample
-            "lag_series": [
-                [round(t - self.series[0][0], 3), round(1000 * age)] for t, age in self.series
-            ],
+            "lag_series": [[round(t - first, 3), round(1000 * age)] for t, age in self.samples],
             "persisted_after_last_job_s": persisted - end,
             "persister_cpu_us_per_transition": 1e6 * persister_cpu / (3 * self.args.jobs),
             "postgres_cpu_us_per_transition": 1e6 * postgres_cpu / (3 * self.args.jobs),

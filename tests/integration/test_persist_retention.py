@@ -47,6 +47,7 @@ from tests.fixtures.postgres import (
     log_entries,
     mixed_workload,
     simple_jobs,
+    waiting_for_a_lock_on,
 )
 
 TERMINAL = ("succeeded", "failed", "cancelled")
@@ -152,7 +153,9 @@ async def test_a_batch_that_races_the_days_partition_is_written_whole(
         await attaching.start()
         await other.execute(attach)  # holds the default partition until it commits
         draining = asyncio.create_task(persister.drain())
-        await wait_for(lambda: _waiting_for_the_default_partition(pg_pool))
+        # the batch's insert, routed to the default partition before the attach committed
+        # (not any lock wait: one job's batches also wait for each other's row of jobs)
+        await wait_for(lambda: waiting_for_a_lock_on(pg_pool, "job_transitions_default"))
         await attaching.commit()
         assert await asyncio.wait_for(draining, 30) == 3
     finally:
@@ -166,19 +169,6 @@ async def test_a_batch_that_races_the_days_partition_is_written_whole(
     assert "event=batch_written_again after=" in caplog.text
     assert "event=postgres_available" not in caplog.text
     assert "event=postgres_unavailable" not in caplog.text
-
-
-async def _waiting_for_the_default_partition(pool: Pool) -> bool:
-    """Whether a session waits for a lock on the default history partition: a batch's insert
-    of transitions, routed there before the attach committed. Not any lock wait: batches of
-    one job's entries also wait for each other's row of ``jobs``, before their inserts."""
-    return bool(
-        await pool.fetchval(
-            "SELECT count(*) FROM pg_locks WHERE NOT granted"
-            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            " AND relation = 'job_transitions_default'::regclass"
-        )
-    )
 
 
 async def test_replays_stay_harmless_in_a_partitioned_history(

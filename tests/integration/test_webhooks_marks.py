@@ -20,6 +20,7 @@ from jobtier.persist.db import Pool, query
 from jobtier.queue import Queue
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for
+from tests.fixtures.postgres import waiting_for_a_lock_on
 from tests.fixtures.receiver import StartReceiver, delivered, deliveries, run_jobs, secret_of
 from tests.flows_helpers import run_flows
 from tests.tasks import registry
@@ -142,14 +143,6 @@ async def unmark_now(queue: Queue, pool: Pool) -> int:
     return await marks.unmark_idle(queue.redis, queue.keys, DeliveryStore(pool), 0.0)
 
 
-async def lock_waiters(pool: Pool, table: str) -> int:
-    """Sessions waiting for a lock on ``table`` (blocked behind the test's)."""
-    found = await pool.fetchval(
-        "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = $1::regclass", table
-    )
-    return int(found)
-
-
 async def test_the_dispatcher_unmarks_a_tenant_whose_last_target_is_gone(
     hook_api: ApiServer, hook_settings: Settings, queue: Queue, pool: Pool,
     start_receiver: StartReceiver, start_dispatcher: Callable[..., Dispatcher],
@@ -233,7 +226,7 @@ async def test_an_unmark_crossing_a_subscriptions_creation_loses_no_delivery(
         create = asyncio.create_task(a.post("/v1/webhooks", json={"url": receiver.url}))
         try:
             await wait_for(lambda: is_marked(queue, "acme"))
-            await wait_for(lambda: lock_waiters_on(pool, "webhook_subscriptions"))
+            await wait_for(lambda: waiting_for_a_lock_on(pool, "webhook_subscriptions"))
             assert await unmark_now(queue, pool) == 1  # the first mark is gone
             assert not await is_marked(queue, "acme")
         finally:
@@ -246,10 +239,6 @@ async def test_an_unmark_crossing_a_subscriptions_creation_loses_no_delivery(
         start_dispatcher()
         await wait_for(lambda: delivered(a, job))
     assert len(receiver.requests) == 1
-
-
-async def lock_waiters_on(pool: Pool, table: str) -> bool:
-    return await lock_waiters(pool, table) > 0
 
 
 async def test_a_mark_written_again_during_a_clean_up_round_is_kept(
@@ -265,7 +254,7 @@ async def test_a_mark_written_again_during_a_clean_up_round_is_kept(
         await blocker.execute("LOCK TABLE webhook_subscriptions IN ACCESS EXCLUSIVE MODE")
         round_ = asyncio.create_task(unmark_now(queue, pool))
         try:
-            await wait_for(lambda: lock_waiters_on(pool, "webhook_subscriptions"))
+            await wait_for(lambda: waiting_for_a_lock_on(pool, "webhook_subscriptions"))
             await marks.mark(queue.redis, queue.keys, ["acme"])
         finally:
             await tx.commit()
@@ -295,7 +284,7 @@ async def test_an_unmark_crossing_a_callbacks_write_loses_no_delivery(
             )
             try:
                 await wait_for(lambda: is_marked(queue, "initech"))
-                await wait_for(lambda: lock_waiters_on(pool, "webhook_job_callbacks"))
+                await wait_for(lambda: waiting_for_a_lock_on(pool, "webhook_job_callbacks"))
                 assert await unmark_now(queue, pool) == 1
                 assert not await is_marked(queue, "initech")
                 assert await log_entries(queue, "initech") == 0  # not submitted yet
