@@ -168,12 +168,15 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
             ),
         )
     }  # fmt: skip
-    if args.persister:
-        known[PERSIST] = System(
-            PERSIST, "jobtier + persister",
+    for name, collation in args.persist_systems.items():
+        collated = f" created with LC_COLLATE `{collation}`" if len(args.collations) > 1 else ""
+        known[name] = System(
+            name,
+            "jobtier + persister" + (f" ({collation})" if len(args.collations) > 1 else ""),
             "the same as jobtier, with `jobtier persister` (one process) writing every "
-            "transition to a durable Postgres (fsync on) on this machine during the run",
-        )  # fmt: skip
+            f"transition to a durable Postgres (fsync on){collated} on this machine during the "
+            "run",
+        )
     if args.baseline:
         known[BASELINE] = System(
             BASELINE, f"jobtier at `{args.baseline}`",
@@ -401,8 +404,11 @@ class PersistHook:
     Postgres: the age of the oldest transition not yet written (``pg_reader.lag``), so each
     sample bounds the lag of every transition waiting then."""
 
-    def __init__(self, queue: Queue, server: LocalRedis, args: argparse.Namespace, aof: bool):
+    def __init__(
+        self, queue: Queue, server: LocalRedis, args: argparse.Namespace, aof: bool, system: str
+    ):
         self.queue, self.server, self.args, self.aof = queue, server, args, aof
+        self.dsn, self.postgres_pid = args.postgres[system]  # its own Postgres (--collations)
         self.samples: list[tuple[float, float]] = []  # (monotonic time, age in s) each
         self.proc: asyncio.subprocess.Process | None = None
         self.task: asyncio.Task[None] | None = None
@@ -411,7 +417,7 @@ class PersistHook:
     async def start(self) -> None:
         import asyncpg
 
-        dsn = self.args.postgres_dsn
+        dsn = self.dsn
         conn = await asyncpg.connect(dsn)
         try:
             await conn.execute("TRUNCATE jobs, jobs_by_state, job_transitions, job_results CASCADE")
@@ -444,7 +450,7 @@ class PersistHook:
                 await asyncio.sleep(0.05)
         # where the CPU goes while it writes (its start-up not counted): the persister's, and
         # Postgres's (postmaster, backends, background processes)
-        self.cpu0 = (time.monotonic(), proc_cpu(self.proc.pid), tree_cpu(self.args.postgres_pid))
+        self.cpu0 = (time.monotonic(), proc_cpu(self.proc.pid), tree_cpu(self.postgres_pid))
         self.task = asyncio.create_task(self._sample())
 
     async def _sample(self) -> None:
@@ -473,7 +479,7 @@ class PersistHook:
         t0, persister0, postgres0 = self.cpu0
         seconds = time.monotonic() - t0
         persister_cpu = proc_cpu(self.proc.pid) - persister0
-        postgres_cpu = tree_cpu(self.args.postgres_pid) - postgres0
+        postgres_cpu = tree_cpu(self.postgres_pid) - postgres0
         self.done.set()  # the sampler ends at its next turn (no cancel inside a Redis call)
         try:
             await asyncio.wait_for(asyncio.shield(self.task), 60)
@@ -520,7 +526,7 @@ class PersistHook:
         just after its process has exited: read until the count holds for half a second."""
         import asyncpg
 
-        conn = await asyncpg.connect(self.args.postgres_dsn)
+        conn = await asyncpg.connect(self.dsn)
         try:
             counted, steady = await job_updates(conn), 0
             for _ in range(50):
@@ -544,10 +550,11 @@ async def job_updates(conn: Any) -> tuple[int, int]:
 
 
 async def measure_jobtier(
-    server: LocalRedis, args: argparse.Namespace, aof: bool, persist: bool = False
+    server: LocalRedis, args: argparse.Namespace, aof: bool, persist: str | None = None
 ) -> dict[str, Any]:
     """throughput.py's enqueue and end-to-end measurements, with its worker processes;
-    ``persist``: with the persister on during the end-to-end phase (PersistHook)."""
+    ``persist``: a persister system's name, to have the persister on during the end-to-end
+    phase (PersistHook), writing to that system's Postgres."""
     env = {} if aof else {"JOBTIER_REDIS_REQUIRE_AOF": "0"}
     settings = Settings.from_env(env, redis_url=server.url, shards=SHARDS)
     targs = argparse.Namespace(
@@ -557,7 +564,7 @@ async def measure_jobtier(
     )  # fmt: skip
     async with await Queue.connect(settings) as queue:
         enqueue = await throughput.measure_enqueue(queue, targs, single=False)
-        hook = PersistHook(queue, server, args, aof) if persist else None
+        hook = PersistHook(queue, server, args, aof, persist) if persist else None
         e2e = await throughput.measure_run(
             queue, server, targs, "jobtier", prefill=False, hook=hook
         )
@@ -612,15 +619,16 @@ async def measure(
     """One (system, mode, run) on a Redis of its own; failures become ``{"error": ...}``."""
     if name == BASELINE:
         return await measure_baseline(mode, args)
-    if program is None and name not in ("jobtier", PERSIST):
+    if program is None and name != "jobtier" and name not in args.persist_systems:
         return {"error": "not set up"}
     aof = mode == "everysec"
     t0 = time.monotonic()
     try:
         with local_redis(aof=aof) as server:
             async with asyncio.timeout(args.timeout):
-                if name in ("jobtier", PERSIST):
-                    return await measure_jobtier(server, args, aof, persist=name == PERSIST)
+                if name == "jobtier" or name in args.persist_systems:
+                    persist = name if name in args.persist_systems else None
+                    return await measure_jobtier(server, args, aof, persist)
                 assert program is not None
                 return await measure_peer(name, program, server, args)
     except TimeoutError:
@@ -744,13 +752,13 @@ def render(
             )
     out.append(table(HEADERS, rows) + "\n")
     lag_rows = []
-    for mode in args.modes:
-        s = summary.get(PERSIST, {}).get(mode)
+    for mode, name in [(m, n) for m in args.modes for n in args.persist_systems]:
+        s = summary.get(name, {}).get(mode)
         if s is None or s.get("lag_p99_ms") is None:
             continue
         lag_rows.append([
-            "AOF off" if mode == "off" else "AOF everysec", fmt(s["e2e_jobs_per_s"]),
-            fmt(3 * s["e2e_jobs_per_s"]), fmt(s["lag_p50_ms"]), fmt(s["lag_p99_ms"]),
+            known[name].label, "AOF off" if mode == "off" else "AOF everysec",
+            fmt(s["e2e_jobs_per_s"]), fmt(3 * s["e2e_jobs_per_s"]), fmt(s["lag_p50_ms"]), fmt(s["lag_p99_ms"]),
             fmt(s["lag_max_ms"]), fmt(s["persisted_after_last_job_s"], 2),
             cpu_cell(s, "persister"), cpu_cell(s, "postgres"),
             "-" if s.get("hot_update_share") is None else f"{100 * s['hot_update_share']:.0f} %",
@@ -768,7 +776,8 @@ def render(
             "Postgres's own count).\n"
         )
         out.append(
-            table(["Redis", "jobs/s", "transitions/s", "lag p50 ms", "lag p99 ms", "lag max ms",
+            table(["system", "Redis", "jobs/s", "transitions/s", "lag p50 ms", "lag p99 ms",
+                   "lag max ms",
                    "all in Postgres after the last job, s",
                    "persister CPU µs a transition (cores)",
                    "Postgres CPU µs a transition (cores)", "HOT updates"], lag_rows) + "\n"
@@ -814,15 +823,30 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="also measure jobtier with its persister writing to a durable Postgres (started "
         "by the bench), and the write-behind lag meanwhile",
     )
+    p.add_argument(
+        "--collations",
+        default="C",
+        metavar="NAME,...",
+        help="with --persister: the LC_COLLATE its Postgres is created with (C, as `jobtier "
+        "run` does). More than one: one Postgres each, and the persister measured on each in "
+        "the same interleaved runs, the first as jobtier-persist, the others as "
+        "jobtier-persist@NAME (e.g. C,C.UTF-8)",
+    )
     p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     args = p.parse_args(argv)
     if args.quick:
         args.jobs, args.runs = min(args.jobs, 2_000), 1
     args.systems = [s for s in args.systems.split(",") if s]
+    args.collations = list(dict.fromkeys(c for c in args.collations.split(",") if c)) or ["C"]
+    args.persist_systems = {}  # system name: its Postgres's collation
     if args.persister:
-        args.systems.insert(args.systems.index("jobtier") + 1 if "jobtier" in args.systems
-                            else 0, PERSIST)  # fmt: skip
+        args.persist_systems = {
+            PERSIST: args.collations[0],
+            **{f"{PERSIST}@{c}": c for c in args.collations[1:]},
+        }
+        at = args.systems.index("jobtier") + 1 if "jobtier" in args.systems else 0
+        args.systems[at:at] = list(args.persist_systems)
     args.baseline_tree = None
     if args.baseline:
         args.baseline_tree = str(baseline_tree(args.baseline))
@@ -831,7 +855,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.modes = [m for m in args.modes.split(",") if m]
     extra = dict(d.split("=", 1) for d in args.driver_args if "=" in d)
     args.driver_args = {name: shlex.split(value) for name, value in extra.items()}
-    unknown = set(args.systems) - {*SYSTEMS, BASELINE, PERSIST} | set(args.modes) - set(MODES)
+    unknown = set(args.systems) - {*SYSTEMS, BASELINE, *args.persist_systems}
+    unknown |= set(args.modes) - set(MODES)
     unknown |= set(args.driver_args) - set(SYSTEMS[1:])
     if unknown:
         p.error(f"unknown systems or modes: {', '.join(sorted(unknown))}")
@@ -843,7 +868,7 @@ def set_up(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, A
     programs: dict[str, str | None] = {}
     versions: dict[str, Any] = {}
     for name in args.systems:
-        if name in ("jobtier", BASELINE, PERSIST):
+        if name in ("jobtier", BASELINE) or name in args.persist_systems:
             continue
         try:
             program = node() if name == "bullmq" else str(python_peer(name))
@@ -891,7 +916,8 @@ def run(argv: list[str] | None = None, report: Callable[[str], None] = print) ->
     env = environment()
     programs, versions = set_up(args)
     env["versions"]["peers"] = versions
-    pg = None
+    servers: list[Any] = []  # the Postgres servers started here (--persister)
+    args.postgres = {}  # persister system: (dsn, postmaster pid)
 
     def finish(results: dict[str, Any]) -> None:
         known = systems(args)
@@ -909,21 +935,23 @@ def run(argv: list[str] | None = None, report: Callable[[str], None] = print) ->
             report(f"\nsaved {paths[0]} and {paths[1]}")
 
     try:
-        if args.persister:
+        for name, collation in args.persist_systems.items():
             from jobtier.dev.postgres import LocalPostgres
             from jobtier.persist.db import migrate
 
             folder = Path(tempfile.mkdtemp(prefix="jobtier-compare-pg-"))
             atexit.register(shutil.rmtree, folder, True)
-            pg = LocalPostgres(folder, durable=True).start()
-            args.postgres_dsn, args.postgres_pid = pg.dsn, pg.pid
+            pg = LocalPostgres(folder, durable=True, collation=collation)
+            servers.append(pg)
+            pg.start()
+            args.postgres[name] = (pg.dsn, pg.pid)
             uvloop.run(migrate(pg.dsn))
         uvloop.run(main(args, programs, finish))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted: every process it started is stopped; nothing saved", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
-        if pg is not None:
+        for pg in servers:
             pg.stop()
 
 

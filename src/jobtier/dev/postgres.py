@@ -95,6 +95,13 @@ class LocalPostgres:
 
     ``durable=False`` turns off fsync and synchronous commit: right for tests (fast, and a
     crash of the test machine loses nothing of value), wrong for benchmarks that claim numbers.
+
+    ``collation`` is the database's LC_COLLATE, fixed when the folder is first initialised
+    (the character classes are ``C.UTF-8`` either way). ``C`` compares text byte by byte,
+    which for UTF-8 is the order of code points, the order ``C.UTF-8`` gives too; but
+    Postgres takes its fast path only for ``C``, and compares under any other collation
+    through the C library. The write-behind compares keys at every index entry it writes
+    (``bench/compare.py --persister --collations C,C.UTF-8`` measures what that costs).
     """
 
     def __init__(
@@ -106,6 +113,7 @@ class LocalPostgres:
         database: str = "jobtier",
         durable: bool = True,
         bin_dir: Path | None = None,
+        collation: str = "C",
     ) -> None:
         for name in (user, database):
             if not _IDENT.match(name):
@@ -116,6 +124,7 @@ class LocalPostgres:
         self.user = user
         self.database = database
         self.durable = durable
+        self.collation = collation
         self.bin_dir = bin_dir or pg_bin_dir()
         self.run_as = _service_user() if os.geteuid() == 0 else None
         self.socket_dir = self._socket_dir()
@@ -234,7 +243,7 @@ class LocalPostgres:
     def _initdb(self) -> None:
         args = [
             "-D", str(self.data), "-U", SUPERUSER, "--auth=trust", "--encoding=UTF8",
-            "--locale=C.UTF-8", "--no-instructions",
+            "--locale=C.UTF-8", f"--lc-collate={self.collation}", "--no-instructions",
         ]  # fmt: skip
         if not self.durable:
             args.append("--no-sync")

@@ -237,6 +237,9 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
     applied_at timestamptz NOT NULL DEFAULT now()
 )
 
+-- name: database_collation
+SELECT datcollate FROM pg_database WHERE datname = current_database()
+
 -- name: applied_migrations
 SELECT name FROM schema_migrations ORDER BY name
 
