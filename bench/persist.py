@@ -47,7 +47,7 @@ from typing import Any
 from redis.asyncio import Redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, baseline_tree, proc_cpu
+from common import ROOT, baseline_tree, environment, proc_cpu
 
 from jobtier.config import Settings
 from jobtier.dev.postgres import LocalPostgres
@@ -502,6 +502,7 @@ BEFORE, AFTER = "process-before", "process-after"  # jobtier persister at --befo
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    commit = environment()["commit"]  # the code measured: read before the runs, not after
     before_tree = baseline_tree(args.before) if args.before else None
     folder = Path(tempfile.mkdtemp(prefix="jobtier-bench-"))
     # a folder of its own: Postgres runs as another user, who cannot enter `folder` (0700)
@@ -571,6 +572,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
     return {
         "command": " ".join(["bench/persist.py", *sys.argv[1:]]),
+        "commit": commit,
         "before": args.before,
         "runs": runs,
         "medians": _medians(runs),
@@ -610,7 +612,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [
         "# Write-behind persister: batched vs baseline",
         "",
-        f"`.venv/bin/python {result['command']}` on {os.cpu_count()} cores "
+        f"`.venv/bin/python {result['command']}` at commit {result['commit']} on "
+        f"{os.cpu_count()} cores "
         f"({platform.machine()}, Python {platform.python_version()}), {time.strftime('%Y-%m-%d')}"
         f"; load average after each run: {loads}."
         f" Redis and Postgres local, Postgres durable (fsync and synchronous_commit on),",

@@ -74,6 +74,48 @@ async def test_migrate_is_idempotent_and_two_migrators_do_not_race(
     assert recorded == names
 
 
+async def test_local_databases_collate_bytewise_and_migrate_names_any_other_collation(
+    pg_server: LocalPostgres, pg_dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # LocalPostgres (jobtier run, the benches, these tests) creates its databases in C
+    conn = await db.connect(pg_dsn)
+    try:
+        collate, ctype = await conn.fetchrow(
+            "SELECT datcollate, datctype FROM pg_database WHERE datname = current_database()"
+        )
+        # the same order as C.UTF-8 for UTF-8 text: by code point
+        words = ["é", "z", "Z", "a", "ä", "€", "1"]
+        ordered = await conn.fetchval(
+            "SELECT array_agg(w ORDER BY w) FROM unnest($1::text[]) w", words
+        )
+    finally:
+        await conn.close()
+    assert (collate, ctype) == ("C", "C.UTF-8")
+    assert ordered == sorted(words)
+    with caplog.at_level("INFO", logger="jobtier.persist"):
+        assert await db.migrate(pg_dsn) == []
+    assert "event=database_collation" not in caplog.text
+
+    # a database of another collation is migrated as well, and the log says what it costs
+    name = f"jt_collation_{uuid.uuid4().hex[:12]}"
+    pg_server.psql(
+        f'CREATE DATABASE "{name}" TEMPLATE template0 OWNER "{pg_server.user}" '
+        "LC_COLLATE 'C.UTF-8' LC_CTYPE 'C.UTF-8'"
+    )
+    try:
+        caplog.clear()
+        with caplog.at_level("INFO", logger="jobtier.persist"):
+            applied = await db.migrate(pg_server.dsn_for(name))
+        assert applied == [n for n, _ in db.migrations()]
+        notes = [
+            r.getMessage() for r in caplog.records if "event=database_collation" in r.getMessage()
+        ]
+        assert len(notes) == 1
+        assert "collation=C.UTF-8" in notes[0] and "LC_COLLATE_C" in notes[0]
+    finally:
+        pg_server.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def test_every_migration_is_numbered_in_order() -> None:
     found = db.migrations()
     assert found, "no migrations"
