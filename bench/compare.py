@@ -169,10 +169,11 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
         )
     }  # fmt: skip
     for name, collation in args.persist_systems.items():
-        collated = f" created with LC_COLLATE `{collation}`" if len(args.collations) > 1 else ""
+        named = len(args.collations) > 1 or collation != "C"  # C: as `jobtier run` makes it
+        collated = f" created with LC_COLLATE `{collation}`" if named else ""
         known[name] = System(
             name,
-            "jobtier + persister" + (f" ({collation})" if len(args.collations) > 1 else ""),
+            "jobtier + persister" + (f" ({collation})" if named else ""),
             "the same as jobtier, with `jobtier persister` (one process) writing every "
             f"transition to a durable Postgres (fsync on){collated} on this machine during the "
             "run",
@@ -590,6 +591,7 @@ async def measure_baseline(mode: str, args: argparse.Namespace) -> dict[str, Any
         "import compare\n"
         f"ns = argparse.Namespace(**json.loads({json.dumps(json.dumps(NS_KEYS(args)))}))\n"
         "ns.driver_args = {}\n"
+        "ns.persist_systems = {}\n"  # read by measure() since --collations
         f"print(json.dumps(uvloop.run(compare.measure('jobtier', None, {mode!r}, ns))))\n"
     )
     env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}:{tree / 'bench'}"}
@@ -619,15 +621,16 @@ async def measure(
     """One (system, mode, run) on a Redis of its own; failures become ``{"error": ...}``."""
     if name == BASELINE:
         return await measure_baseline(mode, args)
-    if program is None and name != "jobtier" and name not in args.persist_systems:
+    persisting = getattr(args, "persist_systems", {})
+    if program is None and name != "jobtier" and name not in persisting:
         return {"error": "not set up"}
     aof = mode == "everysec"
     t0 = time.monotonic()
     try:
         with local_redis(aof=aof) as server:
             async with asyncio.timeout(args.timeout):
-                if name == "jobtier" or name in args.persist_systems:
-                    persist = name if name in args.persist_systems else None
+                if name == "jobtier" or name in persisting:
+                    persist = None if name == "jobtier" else name
                     return await measure_jobtier(server, args, aof, persist)
                 assert program is not None
                 return await measure_peer(name, program, server, args)
@@ -840,6 +843,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.systems = [s for s in args.systems.split(",") if s]
     args.collations = list(dict.fromkeys(c for c in args.collations.split(",") if c)) or ["C"]
     args.persist_systems = {}  # system name: its Postgres's collation
+    if args.collations != ["C"] and not args.persister:
+        p.error("--collations is for the persister's Postgres: add --persister")
     if args.persister:
         args.persist_systems = {
             PERSIST: args.collations[0],
@@ -881,6 +886,16 @@ def set_up(args: argparse.Namespace) -> tuple[dict[str, str | None], dict[str, A
     return programs, versions
 
 
+def in_turn(systems: list[str], alternated: list[str], i: int) -> list[str]:
+    """The order of run ``i``: ``systems``, with those in ``alternated`` (the persister on
+    each collation's Postgres, next to each other) reversed among themselves on odd runs, so
+    that none always runs just after another's Postgres wrote (its checkpoint, autovacuum)."""
+    if i % 2 == 0 or len(alternated) < 2:
+        return list(systems)
+    turned = iter(reversed([s for s in systems if s in alternated]))
+    return [next(turned) if s in alternated else s for s in systems]
+
+
 async def main(
     args: argparse.Namespace,
     programs: dict[str, str | None],
@@ -895,7 +910,7 @@ async def main(
     runs: list[dict[str, dict[str, dict[str, Any]]]] = []
     for i in range(args.runs):
         run: dict[str, dict[str, dict[str, Any]]] = {}
-        for name in args.systems:
+        for name in in_turn(args.systems, list(args.persist_systems), i):
             for mode in args.modes:
                 result = await measure(name, programs.get(name), mode, args)
                 run.setdefault(name, {})[mode] = result

@@ -85,9 +85,8 @@ async def test_local_databases_collate_bytewise_and_migrate_names_any_other_coll
         )
         # the same order as C.UTF-8 for UTF-8 text: by code point
         words = ["é", "z", "Z", "a", "ä", "€", "1"]
-        ordered = await conn.fetchval(
-            "SELECT array_agg(w ORDER BY w) FROM unnest($1::text[]) w", words
-        )
+        order = "SELECT array_agg(w ORDER BY w) FROM unnest($1::text[]) w"
+        ordered = await conn.fetchval(order, words)
     finally:
         await conn.close()
     assert (collate, ctype) == ("C", "C.UTF-8")
@@ -96,24 +95,40 @@ async def test_local_databases_collate_bytewise_and_migrate_names_any_other_coll
         assert await db.migrate(pg_dsn) == []
     assert "event=database_collation" not in caplog.text
 
-    # a database of another collation is migrated as well, and the log says what it costs
-    name = f"jt_collation_{uuid.uuid4().hex[:12]}"
-    pg_server.psql(
-        f'CREATE DATABASE "{name}" TEMPLATE template0 OWNER "{pg_server.user}" '
-        "LC_COLLATE 'C.UTF-8' LC_CTYPE 'C.UTF-8'"
-    )
-    try:
-        caplog.clear()
-        with caplog.at_level("INFO", logger="jobtier.persist"):
-            applied = await db.migrate(pg_server.dsn_for(name))
-        assert applied == [n for n, _ in db.migrations()]
-        notes = [
-            r.getMessage() for r in caplog.records if "event=database_collation" in r.getMessage()
-        ]
-        assert len(notes) == 1
-        assert "collation=C.UTF-8" in notes[0] and "LC_COLLATE_C" in notes[0]
-    finally:
-        pg_server.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    # databases of other collations are migrated as well, and the log says what it costs; one
+    # of C.UTF-8 orders the words as C does
+    others = {
+        "LC_COLLATE 'C.UTF-8' LC_CTYPE 'C.UTF-8'": "collation=C.UTF-8",
+        # C in datcollate, but compared through ICU
+        "LOCALE_PROVIDER icu ICU_LOCALE 'en-US' LC_COLLATE 'C' LC_CTYPE 'C.UTF-8'": (
+            "collation=ICU en-US"
+        ),
+    }
+    for options, named in others.items():
+        name = f"jt_collation_{uuid.uuid4().hex[:12]}"
+        pg_server.psql(
+            f'CREATE DATABASE "{name}" TEMPLATE template0 OWNER "{pg_server.user}" {options}'
+        )
+        try:
+            caplog.clear()
+            with caplog.at_level("INFO", logger="jobtier.persist"):
+                applied = await db.migrate(pg_server.dsn_for(name))
+            assert applied == [n for n, _ in db.migrations()]
+            notes = [
+                r.getMessage()
+                for r in caplog.records
+                if "event=database_collation" in r.getMessage()
+            ]
+            assert len(notes) == 1, notes
+            assert named in notes[0] and "LC_COLLATE_C" in notes[0], notes
+            if named == "collation=C.UTF-8":
+                conn = await db.connect(pg_server.dsn_for(name))
+                try:
+                    assert await conn.fetchval(order, words) == ordered
+                finally:
+                    await conn.close()
+        finally:
+            pg_server.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_every_migration_is_numbered_in_order() -> None:

@@ -238,7 +238,11 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
 )
 
 -- name: database_collation
-SELECT datcollate FROM pg_database WHERE datname = current_database()
+-- 'C' or 'POSIX' compares bytes, unless the database's locale provider is ICU (Postgres 15 on:
+-- datlocprovider 'i'; read through to_jsonb, as older servers have no such column)
+SELECT CASE WHEN to_jsonb(d) ->> 'datlocprovider' = 'i' THEN 'ICU ' || (to_jsonb(d) ->> 'daticulocale')
+            ELSE datcollate END
+FROM pg_database d WHERE datname = current_database()
 
 -- name: applied_migrations
 SELECT name FROM schema_migrations ORDER BY name
