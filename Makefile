@@ -31,7 +31,7 @@ lint: setup
 	$(BIN)/ruff format --check src tests bench loadtest
 
 types: setup
-	$(BIN)/mypy
+	$(BIN)/mypy src tests
 
 format: setup
 	$(BIN)/ruff format src tests bench loadtest

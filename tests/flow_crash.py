@@ -17,6 +17,7 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 from jobtier.config import Settings
@@ -35,7 +36,7 @@ def die() -> None:
 async def resolver(queue: Queue) -> None:
     real = queue.scripts.call_many
 
-    async def half_then_die(calls: list[Call]) -> list[Any]:
+    async def half_then_die(calls: Sequence[Call]) -> list[Any]:
         if any(script.name == "resolve" for script, _, _ in calls):
             half = calls[: max(1, len(calls) // 2)]
             await real(half)  # applied in Redis: these dependents have been told

@@ -6,10 +6,11 @@ import asyncio
 import logging
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
+from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jobtier.api import jobs
@@ -23,7 +24,7 @@ from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
 
 
-async def submit(client: httpx.AsyncClient, **body: object) -> dict[str, object]:
+async def submit(client: httpx.AsyncClient, **body: object) -> dict[str, Any]:
     r = await client.post("/v1/jobs", json={"type": "echo", **body})
     assert r.status_code == 202, r.text
     return r.json()  # type: ignore[no-any-return]
@@ -120,7 +121,8 @@ async def test_cancel_result_and_worker_flow(
         background.start(worker_for(queue, registry))
 
         async def done() -> bool:
-            return (await c.get(f"/v1/jobs/{job['id']}")).json()["state"] == "succeeded"
+            state: str = (await c.get(f"/v1/jobs/{job['id']}")).json()["state"]
+            return state == "succeeded"
 
         await wait_for(done)
         r = await c.get(f"/v1/jobs/{job['id']}/result")
@@ -211,9 +213,9 @@ async def test_health_ready_and_openapi(api: ApiServer) -> None:
     described = {(path, method.upper()) for path, item in doc["paths"].items() for method in item}
     served = {
         (route.path, method)
-        for route in api.app.routes
+        for route in cast(list[Route], api.app.routes)  # resources(): one Route per path
         for method in (route.methods or ())
-        if method != "HEAD"  # type: ignore[attr-defined]
+        if method != "HEAD"
     }
     assert described == served
 
@@ -234,7 +236,8 @@ async def test_job_state_visible_while_running(
         job = await submit(c, type="sleep", payload={"seconds": 30})
 
         async def running() -> bool:
-            return (await c.get(f"/v1/jobs/{job['id']}")).json()["state"] == State.RUNNING
+            state: str = (await c.get(f"/v1/jobs/{job['id']}")).json()["state"]
+            return state == State.RUNNING
 
         await wait_for(running)
         r = await c.post(f"/v1/jobs/{job['id']}/cancel")

@@ -154,8 +154,9 @@ async def test_listing_by_queue_and_schedules_fire_into_their_tasks_queue(
     background.start(Scheduler(queue, store=ScheduleStore(pg_pool)))
 
     async def fired() -> bool:
-        return (await queue.stats())["queues"].get("images", {}).get("queued", {}).get(
-            "normal", 0
-        ) >= 2
+        queued: int = (
+            (await queue.stats())["queues"].get("images", {}).get("queued", {}).get("normal", 0)
+        )
+        return queued >= 2
 
     await wait_for(fired, timeout=30)

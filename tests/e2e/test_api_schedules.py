@@ -86,7 +86,8 @@ async def test_a_schedule_fires_jobs_and_stops_when_deleted(
         ).json()["id"]
 
         async def two_jobs() -> bool:
-            return (await queue.stats())["total"]["queued"] >= 2
+            queued: int = (await queue.stats())["total"]["queued"]
+            return queued >= 2
 
         await wait_for(two_jobs, timeout=10)
         got = (await c.get(f"/v1/schedules/{sid}")).json()

@@ -31,8 +31,8 @@ from jobtier.client import (
     WrongState,
 )
 from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound, Overloaded
-from jobtier.model import JobStatus, State
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec, JobStatus, State
+from jobtier.queue import Queue
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import Background, worker_for
 from tests.tasks import registry

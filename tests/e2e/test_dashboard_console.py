@@ -51,7 +51,8 @@ async def test_find_a_failed_job_read_its_traceback_and_replay_it(stack: Stack) 
     await stack.persister.drain()
 
     async def done() -> bool:
-        return (await stack.queue.stats())["total"]["queued"] == 0
+        queued: int = (await stack.queue.stats())["total"]["queued"]
+        return queued == 0
 
     await wait_for(done)
     await stack.persister.drain()

@@ -9,8 +9,8 @@ import pytest
 
 from jobtier.connection import RedisClient
 from jobtier.memory import redis_memory
-from jobtier.model import JobSpec
-from jobtier.queue import Queue, Submitted
+from jobtier.model import JobSpec, Submitted
+from jobtier.queue import Queue
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import on_every_server

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import AsyncGenerator
+from typing import Any, cast
 
 import httpx
 import orjson
@@ -86,7 +87,9 @@ async def test_heartbeats_and_disconnect_frees_the_listener(
         job = (await c.post("/v1/jobs", json={"type": "echo", "delay": 60})).json()
         comments = 0
         async with c.stream("GET", f"/v1/jobs/{job['id']}/events") as r:
-            lines = r.aiter_lines()  # not closed early: that would close the connection
+            # not closed early: that would close the connection. httpx types it AsyncIterator;
+            # it is an async generator (aclose below)
+            lines = cast(AsyncGenerator[str, None], r.aiter_lines())
             while comments < 3:
                 if (await anext(lines)).startswith(":"):
                     comments += 1

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from jobtier.errors import InvalidRequest, JobNotFound, UnknownTask
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec, Priority
+from jobtier.queue import Queue
 from tests.tasks import registry
 
 NOW = datetime.now(UTC)
@@ -59,7 +60,7 @@ async def test_bad_tenant(queue: Queue) -> None:
 
 async def test_one_bad_job_in_a_batch_submits_none(queue: Queue) -> None:
     specs = [JobSpec(type="echo", payload=i) for i in range(5)]
-    specs.insert(3, JobSpec(type="echo", priority="nope"))
+    specs.insert(3, JobSpec(type="echo", priority=cast(Priority, "nope")))  # not a Priority
     with pytest.raises(InvalidRequest, match=r"jobs\[3\]"):
         await queue.submit_many(specs)
     with pytest.raises(InvalidRequest, match="at most"):

@@ -15,7 +15,8 @@ from redis.crc import key_slot
 from jobtier.config import Settings
 from jobtier.connection import ShardSubscriber, node_channels
 from jobtier.dev.redis import LocalCluster
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec
+from jobtier.queue import Queue
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import command_calls

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from typing import cast
 
 from jobtier.config import Settings
-from jobtier.model import State, decode_status
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec, State, decode_status
+from jobtier.queue import Queue
 from tests.fixtures.engine import worker_for
+from tests.fixtures.redis import StreamEntries
 from tests.tasks import registry
 
 
@@ -16,7 +18,7 @@ async def claims_per_attempt(queue: Queue) -> Counter[tuple[str, int]]:
     """(job id, attempt) -> how many queued->running transitions the log holds."""
     seen: Counter[tuple[str, int]] = Counter()
     for shard in range(queue.keys.shards):
-        for _, fields in await queue.redis.xrange(queue.keys.log(shard)):
+        for _, fields in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
             doc = decode_status(fields[b"d"])
             if fields[b"fr"] == b"queued" and doc.state is State.RUNNING:
                 seen[(doc.id, doc.attempt)] += 1
@@ -25,7 +27,7 @@ async def claims_per_attempt(queue: Queue) -> Counter[tuple[str, int]]:
 
 async def test_racing_claim_calls_split_the_jobs(queue: Queue) -> None:
     subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(400)])
-    ids = {s.job_id for s in subs}  # type: ignore[union-attr]
+    ids = {s.job_id for s in subs}
     scripts = queue.scripts
     calls = [
         scripts.claim(shard, f"w{n}", 7, 30_000)
@@ -55,7 +57,7 @@ async def test_many_workers_run_each_job_once(settings: Settings) -> None:
         per_attempt = await claims_per_attempt(producer)
         assert len(per_attempt) == 600 and set(per_attempt.values()) == {1}
         for sub in subs:
-            assert (await producer.status(sub.job_id)).state is State.SUCCEEDED  # type: ignore[union-attr]
+            assert (await producer.status(sub.job_id)).state is State.SUCCEEDED
     finally:
         for q in queues:
             await q.close()

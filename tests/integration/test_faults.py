@@ -10,8 +10,8 @@ import sys
 from jobtier.config import Settings
 from jobtier.dev.redis import LocalRedis
 from jobtier.errors import Code
-from jobtier.model import State
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec, State
+from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
@@ -40,7 +40,7 @@ async def test_killed_worker_jobs_are_reclaimed_and_its_late_writes_refused(
     queue = await Queue.connect(settings, registry)
     try:
         subs = await queue.submit_many([JobSpec(type="slow_first") for _ in range(5)])
-        ids = [s.job_id for s in subs]  # type: ignore[union-attr]
+        ids = [s.job_id for s in subs]
         proc = worker_process(settings, "--concurrency", "10")
         try:
 
@@ -86,7 +86,7 @@ async def test_jobs_survive_a_redis_restart(
     queue = await Queue.connect(settings, registry)
     try:
         subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(200)])
-        ids = [s.job_id for s in subs]  # type: ignore[union-attr]
+        ids = [s.job_id for s in subs]
         redis_server.restart()  # SIGTERM: Redis writes its AOF and exits; then starts again
         await queue.scripts.load()  # a new server has an empty script cache (call_many reloads too)
         worker = worker_for(queue, registry)

@@ -6,7 +6,7 @@ applied more than once."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -19,6 +19,7 @@ from jobtier.flows.resolver import Resolver
 from jobtier.model import ClaimedJob, FlowJob, JobSpec, State
 from jobtier.queue import Queue
 from tests.fixtures.engine import wait_for
+from tests.fixtures.redis import StreamEntries
 from tests.flows_helpers import run_flows, statuses, transitions
 from tests.integration.test_transitions import complete
 from tests.tasks import registry
@@ -297,8 +298,9 @@ async def test_cancelling_a_parent_cancels_the_children_that_have_not_started(fq
     assert states[running].state is State.RUNNING and not states[running].cancel_requested
     for child in (queued, subparent, g1, g2):  # the grandchildren through the sub-flow
         assert states[child].state is State.CANCELLED, child
-        assert states[child].error is not None
-        assert states[child].error.type == "ParentCancelled"
+        error = states[child].error
+        assert error is not None
+        assert error.type == "ParentCancelled"
     # a job that merely waits for a cancelled child learns it as any dependent does
     other = await fq.status(outsider.job_id)
     assert other.state is State.CANCELLED and other.error is not None
@@ -336,14 +338,14 @@ async def test_a_flow_submit_cut_short_is_finished_by_its_repeat(fq: Queue, fail
     flow = chain(job("add", 1), fan_in(job("collect", "p"), [job("add", 10), job("add", 20)]))
     flow.append(job("echo", "outside", depends_on=[(await fq.submit("echo", 0)).job_id]))
     real = fq.scripts.call_many
-    calls = 0
+    step = 0
 
-    async def dropping(batch: Any) -> Any:
-        nonlocal calls
-        calls += 1
-        if calls == fail_at:
+    async def dropping(calls: Any) -> Any:
+        nonlocal step
+        step += 1
+        if step == fail_at:
             raise RedisConnectionError("connection dropped (test)")
-        return await real(batch)
+        return await real(calls)
 
     fq.scripts.call_many = dropping  # type: ignore[method-assign]
     try:
@@ -371,10 +373,10 @@ async def test_a_dependent_whose_submit_died_is_linked_by_the_resolver(fq: Queue
     existing = await fq.submit("echo", "there")
     real = fq.scripts.call_many
 
-    async def dying(batch: Any) -> Any:
-        if any(script.name == "link" for script, _, _ in batch):
+    async def dying(calls: Any) -> Any:
+        if any(script.name == "link" for script, _, _ in calls):
             raise RedisConnectionError("the submitter died (test)")
-        return await real(batch)
+        return await real(calls)
 
     fq.scripts.call_many = dying  # type: ignore[method-assign]
     try:
@@ -395,14 +397,15 @@ async def test_a_dependent_whose_submit_died_is_linked_by_the_resolver(fq: Queue
 
     async def all_settled() -> bool:
         await run_flows(fq, resolver)
-        return (await fq.stats())["total"]["waiting"] == 0
+        waiting: int = (await fq.stats())["total"]["waiting"]
+        return waiting == 0
 
     await wait_for(all_settled, timeout=30)  # past JOBTIER_FLOW_LINK_TIMEOUT_SECONDS (0.3 s)
     assert resolver.stats.relinked == 2
     assert not await fq.dead_letters()  # nothing failed
     by_payload = {}
     for shard in range(fq.keys.shards):
-        for _, fields in await fq.redis.xrange(fq.keys.log(shard)):
+        for _, fields in cast(StreamEntries, await fq.redis.xrange(fq.keys.log(shard))):
             doc = msgspec.json.decode(fields[b"d"])
             if doc["type"] == "collect":
                 by_payload[doc["id"]] = doc
@@ -427,7 +430,7 @@ async def test_bad_flows_are_refused_and_change_nothing(settings: Settings) -> N
             ([job("echo", depends_on=[q.keys.new_id()])], "jobs[0].depends_on"),
             ([job("echo") for _ in range(6)], "jobs"),
             ([], "jobs"),
-            ([job("echo"), job("echo", priority="urgent")], "jobs[1].priority"),  # type: ignore[arg-type]
+            ([job("echo"), job("echo", priority="urgent")], "jobs[1].priority"),
         ]
         for flow, field in cases:
             with pytest.raises(InvalidRequest) as refused:
@@ -455,7 +458,7 @@ async def test_a_handoff_applied_twice_changes_nothing(fq: Queue) -> None:
     job_a = await claim(fq, a.job_id)
     await complete(fq, job_a, result=b"1")
     shard = fq.keys.shard_of(a.job_id)
-    entries = await fq.redis.xrange(fq.keys.flow(shard))
+    entries = cast(StreamEntries, await fq.redis.xrange(fq.keys.flow(shard)))
     assert len(entries) == 1
     resolver = Resolver(fq)
     await resolver.setup()

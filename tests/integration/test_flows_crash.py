@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from typing import cast
 
 import msgspec
 import pytest
@@ -23,6 +24,7 @@ from jobtier.model import FlowJob, JobSpec, State, decode_status
 from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
+from tests.fixtures.redis import StreamEntries
 from tests.flows_helpers import statuses, transitions
 from tests.tasks import registry
 
@@ -114,7 +116,7 @@ async def test_a_resolver_killed_mid_resolution_loses_nothing(
 ) -> None:
     bases = [
         s.job_id for s in await cq.submit_many([JobSpec(type="echo", payload=i) for i in range(60)])
-    ]  # type: ignore[union-attr]
+    ]
     dependents = [
         (
             await cq.submit(
@@ -183,7 +185,7 @@ async def test_a_worker_killed_between_success_and_resolution_loses_nothing(
     children = [i for f in flows for i in f.ids[:-1]]
     done = [s for s in await statuses(cq, children) if s.state is State.SUCCEEDED]
     assert done and await handoffs(cq) == len(done)
-    assert all(s.dependencies.done == 0 for s in await statuses(cq, parents) if s.dependencies)  # type: ignore[union-attr]
+    assert all(s.dependencies.done == 0 for s in await statuses(cq, parents) if s.dependencies)
 
     background.start(Scheduler(cq))  # requeues the dead worker's other jobs; resolves
     background.start(worker_for(cq, registry))
@@ -208,7 +210,7 @@ async def test_a_worker_killed_around_a_failure_leaves_one_compensation_each(
     subs = await cq.submit_many(
         [JobSpec(type="charge", payload={"n": i, "fail": True}, max_attempts=1) for i in range(12)]
     )
-    ids = [s.job_id for s in subs]  # type: ignore[union-attr]
+    ids = [s.job_id for s in subs]
     await killed(processes.crash(role))
     if role == "worker-fail":
         failed = [s.id for s in await statuses(cq, ids) if s.state is State.FAILED]
@@ -239,7 +241,7 @@ async def compensations(q: Queue) -> Counter[str]:
     """How many compensation jobs each failed job got (from the submit log entries)."""
     made: Counter[str] = Counter()
     for shard in range(q.keys.shards):
-        for _, fields in await q.redis.xrange(q.keys.log(shard)):
+        for _, fields in cast(StreamEntries, await q.redis.xrange(q.keys.log(shard))):
             if fields[b"fr"] == b"" and decode_status(fields[b"d"]).type == "refund":
                 made[msgspec.json.decode(fields[b"p"])["job_id"]] += 1
     return made

@@ -13,8 +13,8 @@ from redis.exceptions import ResponseError
 
 from jobtier.config import Settings
 from jobtier.errors import JobNotFound
-from jobtier.model import State
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec, State, Submitted
+from jobtier.queue import Queue
 from jobtier.scripts import NAMES, Library, Script, library, run_scripts
 from tests.fixtures.redis import command_calls, on_every_server
 
@@ -69,7 +69,12 @@ async def test_a_lost_library_is_loaded_again_and_each_call_runs_once(queue: Que
     assert len({queue.keys.shard_of(s.job_id) for s in many}) > 1  # several calls, one pipeline
     for sub in many:
         status = await queue.status(sub.job_id)
-        assert sub.created and status.state is State.QUEUED and status.version == 1
+        assert (
+            isinstance(sub, Submitted)
+            and sub.created
+            and status.state is State.QUEUED
+            and status.version == 1
+        )
     assert await queue.waiting_by_tenant() == {"default": 41}  # each job counted once
 
 
@@ -97,7 +102,12 @@ async def test_a_library_one_node_lost_is_loaded_there_and_kept_elsewhere(queue:
     many = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(60)])
     for sub in many:
         status = await queue.status(sub.job_id)
-        assert sub.created and status.state is State.QUEUED and status.version == 1
+        assert (
+            isinstance(sub, Submitted)
+            and sub.created
+            and status.state is State.QUEUED
+            and status.version == 1
+        )
     assert await queue.waiting_by_tenant() == {"default": 60}
     assert all(lib.name.encode() in libraries for libraries in await _libraries(queue))
 

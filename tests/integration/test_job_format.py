@@ -9,7 +9,7 @@ import itertools
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -23,6 +23,7 @@ from jobtier.job_docs import read_doc
 from jobtier.model import JobSpec, State, decode_status
 from jobtier.queue import Queue
 from tests.fixtures.engine import hold_format_1
+from tests.fixtures.redis import StreamEntries
 from tests.integration.test_transitions import (
     W,
     claim,
@@ -201,7 +202,7 @@ async def test_jobs_in_every_state_carry_on_after_the_switch(
 async def log_entries(queue: Queue, job_id: str) -> list[dict[bytes, Any]]:
     shard = queue.keys.shard_of(job_id)
     out = []
-    for _, entry in await queue.redis.xrange(queue.keys.log(shard)):
+    for _, entry in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
         if decode_status(entry[b"d"]).id == job_id:
             out.append(entry)
     return out

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 from jobtier.config import Settings
 from jobtier.keys import Keys
 from jobtier.persist.batch import parse_entry, write_batch
-from jobtier.persist.db import Pool
+from jobtier.persist.db import Connection, Pool
 from jobtier.persist.pg_reader import PgReader
 from jobtier.persist.retention import prune
 from tests.fixtures.engine import wait_for
@@ -31,6 +31,7 @@ async def updates_counted(pool: Pool) -> tuple[int, int]:
     row = await pool.fetchrow(
         "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'jobs'"
     )
+    assert row is not None
     return int(row["n_tup_upd"]), int(row["n_tup_hot_upd"])
 
 
@@ -98,14 +99,15 @@ async def test_listings_by_state_follow_every_outcome_and_retention(
             assert sorted(found) == expected, (tenant, state, order)
             assert len(found) == len(set(found))  # no job on two pages
     for state in set(states.values()):  # the console's listing, across tenants
-        page, more = await reader.admin_list_jobs(state=state, limit=500)
+        listed, more = await reader.admin_list_jobs(state=state, limit=500)
         assert more is None
-        assert sorted(json.loads(doc)["id"] for _, doc in page) == sorted(
+        assert sorted(json.loads(doc)["id"] for _, doc in listed) == sorted(
             j for j, s in states.items() if s == state
         )
     async with pg_pool.acquire() as conn:
         later = datetime.now(UTC) + timedelta(days=pg_settings.pg_job_retention_days + 1)
-        report = await prune(conn, pg_settings, now=later)
+        # prune is typed for a connection of its own; a pool's held throughout serves alike
+        report = await prune(cast(Connection, conn), pg_settings, now=later)
     assert report is not None
     finished = [j for j, s in states.items() if s in ("succeeded", "failed", "cancelled")]
     assert report.jobs == len(finished)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import cast
 
 import pytest
 from redis.asyncio import RedisCluster
+from redis.asyncio.cluster import ClusterNode
 
 from jobtier.config import Settings
 from jobtier.connection import connect
@@ -36,7 +38,9 @@ async def test_persister_on_a_cluster(
     cluster_client: RedisCluster, pg_pool: Pool, pg_dsn: str, redis_cluster: LocalCluster
 ) -> None:
     keys = Keys("jt", 8)
-    nodes = {cluster_client.get_node_from_key(keys.log(s)).port for s in range(8)}
+    nodes = {
+        cast(ClusterNode, cluster_client.get_node_from_key(keys.log(s))).port for s in range(8)
+    }
     assert len(nodes) > 1  # the shards really are spread over nodes
 
     job_ids = await mixed_workload(cluster_client, keys, n=100)

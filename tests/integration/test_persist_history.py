@@ -61,7 +61,7 @@ async def history(pool: Pool, job_id: str) -> list[tuple[int, int | None, str, A
         " WHERE job_id = $1 ORDER BY version",
         job_id,
     )
-    return [tuple(r) for r in rows]  # type: ignore[misc]
+    return [tuple(r) for r in rows]
 
 
 async def test_progress_is_coalesced_in_the_log_and_every_report_still_changes_the_status(
@@ -103,6 +103,7 @@ async def test_progress_is_coalesced_in_the_log_and_every_report_still_changes_t
         (10, 8, "succeeded", '{"pct":99}'),
     ]
     row = await pg_pool.fetchrow("SELECT version, progress::text FROM jobs WHERE id = $1", job_id)
+    assert row is not None
     assert tuple(row) == (10, '{"pct":99}')
     assert await pg_pool.fetch(query("history_gaps"), [job_id]) == []
 

@@ -7,8 +7,10 @@ import re
 import subprocess
 import uuid
 from collections.abc import Iterator
+from typing import cast
 
 import pytest
+from asyncpg import Record
 
 from jobtier.dev.postgres import SUPERUSER, LocalPostgres
 from jobtier.persist import db
@@ -80,9 +82,11 @@ async def test_local_databases_collate_bytewise_and_migrate_names_any_other_coll
     # LocalPostgres (jobtier run, the benches, these tests) creates its databases in C
     conn = await db.connect(pg_dsn)
     try:
-        collate, ctype = await conn.fetchrow(
+        row = await conn.fetchrow(
             "SELECT datcollate, datctype FROM pg_database WHERE datname = current_database()"
         )
+        assert row is not None
+        collate, ctype = row
         # the same order as C.UTF-8 for UTF-8 text: by code point
         words = ["é", "z", "Z", "a", "ä", "€", "1"]
         order = "SELECT array_agg(w ORDER BY w) FROM unnest($1::text[]) w"
@@ -188,9 +192,9 @@ async def test_0009_lists_the_jobs_not_succeeded_and_indexes_no_state(
         )
         # a version that changes nothing listed (progress) writes no new version of its row
         seen = "SELECT xmin::text, ctid::text FROM jobs_by_state WHERE id = 'J2'"
-        before = tuple(await conn.fetchrow(seen))
+        before = tuple(cast(Record, await conn.fetchrow(seen)))
         await conn.execute("UPDATE jobs SET progress = '1', version = 2 WHERE id = 'J2'")
-        assert tuple(await conn.fetchrow(seen)) == before
+        assert tuple(cast(Record, await conn.fetchrow(seen))) == before
         # the triggers from now on: a running job succeeds, a succeeded one is replayed
         await conn.execute("UPDATE jobs SET state = 'succeeded' WHERE id = 'J3'")
         await conn.execute("UPDATE jobs SET state = 'queued' WHERE id = 'J4'")

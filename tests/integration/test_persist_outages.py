@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 import pytest
@@ -278,7 +278,7 @@ async def test_batch_cancelled_mid_transaction_by_its_timeout_is_written_again(
     behind a lock); asyncpg leaves that connection mid-protocol. The connection is thrown
     away, not handed back to the pool, and the batch is written once the lock is gone."""
     pool = await create_pool(pg_dsn, min_size=1, max_size=1)  # one connection: must be replaced
-    first = pool._holders[0]._con
+    first = cast(Any, pool)._holders[0]._con  # private: not in asyncpg's stubs
     assert first is not None
     persister = Persister(pg_settings, redis, pool, "p1", batch_timeout=0.5)
     locker = await asyncpg.connect(pg_dsn)
@@ -294,7 +294,7 @@ async def test_batch_cancelled_mid_transaction_by_its_timeout_is_written_again(
         persister.stop()
         await asyncio.wait_for(task, 30)
         assert first.is_closed()  # terminated, not reused for the batches that followed
-        assert pool._holders[0]._con is not first
+        assert cast(Any, pool)._holders[0]._con is not first
         await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
         assert persister.metrics().counters["persister_errors_total"]["error=TimeoutError"] >= 2
     finally:

@@ -13,7 +13,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -31,7 +31,7 @@ from jobtier.persist.batch import (
     parse_entry,
     transition_records,
 )
-from jobtier.persist.db import Connection, Pool, query
+from jobtier.persist.db import AnyConnection, Connection, Pool, query
 from jobtier.persist.persister import Persister
 from jobtier.persist.retention import (
     PARTITIONS_AHEAD,
@@ -193,7 +193,7 @@ async def test_expired_history_and_finished_jobs_go_waiting_and_running_jobs_sta
     await prune(conn, pg_settings)
     await mixed_workload(redis, keys, n=120, seed=9)
     await Persister(pg_settings, redis, pg_pool, "p1").drain()
-    states = dict(await pg_pool.fetch("SELECT id, state FROM jobs"))
+    states = dict(cast(list[tuple[str, str]], await pg_pool.fetch("SELECT id, state FROM jobs")))
     unfinished = {i for i, s in states.items() if s not in TERMINAL}
     assert unfinished and len(unfinished) < len(states)  # the workload has both kinds
     assert await pg_pool.fetchval("SELECT count(*) FROM job_results") > 0
@@ -277,7 +277,10 @@ async def test_the_prune_command(
     assert dry.stdout.startswith("dry run: nothing changed\n")
     assert f"would create partition {today()}" in dry.stdout
     assert "finished jobs: would delete 0 that finished before" in dry.stdout
-    assert [p.name for p in await partitions(pg_pool)] == ["job_transitions_default"]
+    # partitions() only fetches: the pool serves as a connection
+    assert [p.name for p in await partitions(cast(AnyConnection, pg_pool))] == [
+        "job_transitions_default"
+    ]
 
     done = await asyncio.to_thread(jobtier, "prune", env=env)
     assert done.returncode == 0 and f"created partition {today()}" in done.stdout, done.stderr

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import cast
 
 from jobtier.config import Settings
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec, Priority
+from jobtier.queue import Queue
 
 
 async def one_shard_queue(settings: Settings) -> Queue:
@@ -13,7 +15,7 @@ async def one_shard_queue(settings: Settings) -> Queue:
 
 
 async def claim_all(queue: Queue, batch: int) -> list[str]:
-    order = []
+    order: list[str] = []
     while True:
         got = (await queue.scripts.claim(0, "w", batch, 30_000)).jobs
         if not got:
@@ -26,7 +28,7 @@ async def test_fifo_within_a_priority(settings: Settings) -> None:
     try:
         subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(50)])
         subs += [await queue.submit("echo", i) for i in range(50, 60)]
-        assert await claim_all(queue, 7) == [s.job_id for s in subs]  # type: ignore[union-attr]
+        assert await claim_all(queue, 7) == [s.job_id for s in subs]
     finally:
         await queue.close()
 
@@ -37,9 +39,9 @@ async def test_weights_and_no_starvation(settings: Settings) -> None:
         kinds: dict[str, str] = {}
         for priority, n in [("low", 40), ("normal", 200), ("high", 200), ("critical", 400)]:
             for sub in await queue.submit_many(
-                [JobSpec(type="echo", priority=priority) for _ in range(n)]
+                [JobSpec(type="echo", priority=cast(Priority, priority)) for _ in range(n)]
             ):
-                kinds[sub.job_id] = priority  # type: ignore[union-attr]
+                kinds[sub.job_id] = priority
         order = [kinds[i] for i in await claim_all(queue, 10)]
         first = Counter(order[:150])
         # 8:4:2:1 over the first 150 claims, while every queue still has work
@@ -59,7 +61,9 @@ async def test_high_priority_flood_does_not_starve_low(settings: Settings) -> No
         low = await queue.submit("echo", "low", priority="low")
         claimed_low_at = None
         for round_ in range(30):
-            await queue.submit_many([JobSpec(type="echo", priority="high") for _ in range(20)])
+            await queue.submit_many(
+                [JobSpec(type="echo", priority=cast(Priority, "high")) for _ in range(20)]
+            )
             got = [j.id for j in (await queue.scripts.claim(0, "w", 5, 30_000)).jobs]
             if low.job_id in got:
                 claimed_low_at = round_

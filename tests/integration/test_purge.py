@@ -4,7 +4,7 @@ transition log — and nothing else is touched."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -21,7 +21,7 @@ async def ready_keys(queue: Queue, name: str) -> list[str]:
     for shard in range(queue.keys.shards):
         for p in PRIORITIES:
             ring = queue.keys.ring(shard, name, p.value)
-            for tenant in await queue.redis.lrange(ring, 0, -1):
+            for tenant in cast(list[bytes], await queue.redis.lrange(ring, 0, -1)):
                 found.append(queue.keys.ready(shard, name, p.value, tenant.decode()))
             if await queue.redis.exists(ring):
                 found.append(ring)

@@ -385,7 +385,8 @@ async def test_jobs_left_in_the_ready_lists_of_before_queues_are_moved_and_run(
     background.start(Scheduler(queue))
 
     async def moved() -> bool:
-        return (await queue.stats())["total"]["queued"] == 3
+        queued: int = (await queue.stats())["total"]["queued"]
+        return queued == 3
 
     await wait_for(moved)
     await worker_for(queue, registry, burst=True).run()

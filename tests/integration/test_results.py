@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import cast
 
 import pytest
 
@@ -65,7 +66,7 @@ async def test_a_large_result_round_trips_without_sitting_in_redis(
         assert doc["state"] == "succeeded"
         assert doc["result_url"] == f"/v1/jobs/{big}/result/content"
         # Redis holds a reference, not the result
-        held = await q.redis.hget(q.keys.job(big), "result")
+        held = cast(bytes | None, await q.redis.hget(q.keys.job(big), "result"))
         assert held is not None and held.startswith(b"@pg:") and len(held) < 100
         # the store had it before the success was reported (it is there now, and committed)
         stored = await pool.fetchval("SELECT data FROM result_blobs WHERE job_id = $1", big)
@@ -91,6 +92,7 @@ async def test_a_large_result_round_trips_without_sitting_in_redis(
         persister = Persister(store_settings, q.redis, pool, "p1")
         await persister.drain()
         row = await pool.fetchrow("SELECT result, result_ref FROM jobs WHERE id = $1", big)
+        assert row is not None
         assert row["result"] is None and row["result_ref"] == held[1:].decode()
         await q.redis.delete(q.keys.job(big))
         r = await c.get(f"/v1/jobs/{big}/result/content")
@@ -156,7 +158,7 @@ async def test_reads_at_once_share_one_opening_of_the_store(
     one opening (not one pool each), and close() closes it."""
     big = (await store_queue.submit("big_result", ROWS)).job_id
     await worker_for(store_queue, registry, burst=True).run()
-    held = await store_queue.redis.hget(store_queue.keys.job(big), "result")
+    held = cast(bytes | None, await store_queue.redis.hget(store_queue.keys.job(big), "result"))
     assert held is not None and held.startswith(b"@")
     opened = []
     connect = PostgresResultStore.connect

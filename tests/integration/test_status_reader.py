@@ -17,8 +17,8 @@ from jobtier.connection import RedisClient, ShardSubscriber
 from jobtier.dev.redis import LocalCluster
 from jobtier.job_docs import read_doc
 from jobtier.keys import Keys
-from jobtier.model import State, decode_status
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec, State, decode_status
+from jobtier.queue import Queue
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import command_calls, config_set, flushall, reset_stats
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -13,9 +13,11 @@ from redis.exceptions import ResponseError
 
 from jobtier import job_format
 from jobtier.errors import Code, IdempotencyConflict, JobNotFound, TransitionRefused
-from jobtier.model import ClaimedJob, JobStatus, State, decode_status
-from jobtier.queue import SPREAD_FROM, JobSpec, Queue
+from jobtier.model import ClaimedJob, JobSpec, JobStatus, State, Submitted, decode_status
+from jobtier.queue import SPREAD_FROM, Queue
+from jobtier.scripts import SubmitItem
 from tests.fixtures.engine import wait_for
+from tests.fixtures.redis import StreamEntries
 
 pytestmark = pytest.mark.contract
 
@@ -107,7 +109,7 @@ async def history(queue: Queue, job_id: str) -> list[tuple[str, str, int]]:
     """(from, to, version) of every log entry of the job, in order."""
     shard = queue.keys.shard_of(job_id)
     out = []
-    for _, fields in await queue.redis.xrange(queue.keys.log(shard)):
+    for _, fields in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
         doc = decode_status(fields[b"d"])
         if doc.id == job_id:
             out.append((fields[b"fr"].decode(), doc.state.value, doc.version))
@@ -222,7 +224,7 @@ async def test_a_job_from_before_created_iso_renders_its_creation_time(
     assert job.payload == b'{"x":1}'
     running = await queue.status(sub.job_id)
     assert running.state is State.RUNNING and running.created_at == sub.status.created_at
-    held = await queue.redis.hgetall(queue.keys.job(sub.job_id))
+    held = cast(dict[bytes, bytes], await queue.redis.hgetall(queue.keys.job(sub.job_id)))
     if claimed_in == "format 2":
         assert b"created" not in held and b"c" in held
         fields = job_format.job_fields(held)
@@ -479,19 +481,24 @@ async def test_a_large_batch_goes_in_pipelines_sent_together(queue: Queue) -> No
     assert sum(starts) == len(shards)  # one call per shard, each in one of the pipelines
     assert [kind for kind, _ in events[: len(starts)]] == ["start"] * len(starts)
     for i, sub in enumerate(submitted):
-        assert sub.created and decode_status(sub.doc).id == sub.job_id
+        assert (
+            isinstance(sub, Submitted) and sub.created and decode_status(sub.doc).id == sub.job_id
+        )
         payload = await queue.redis.hget(queue.keys.job(sub.job_id), "payload")
+        assert payload is not None
         assert msgspec.json.decode(payload) == {"i": i}
 
     events.clear()
     small = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(10)])
-    assert [kind for kind, _ in events] == ["start", "end"] and all(s.created for s in small)
+    assert [kind for kind, _ in events] == ["start", "end"] and all(
+        isinstance(s, Submitted) and s.created for s in small
+    )
 
 
 async def test_a_spread_call_that_fails_leaves_the_others_run(queue: Queue) -> None:
     """call_spread raises the error of a refused call once every pipeline has run: the calls
     beside it, in its pipeline and in the others, are made."""
-    items = {}
+    items: dict[int, SubmitItem] = {}
     for i in range(40):
         item = queue.prepare(JobSpec(type="echo", payload=i), "default")
         items.setdefault(queue.keys.shard_of(item.job_id), item)

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
-from jobtier.model import State, decode_status
-from jobtier.queue import JobSpec, Queue
+from jobtier.model import JobSpec, State, decode_status
+from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
+from tests.fixtures.redis import StreamEntries
 from tests.tasks import registry
 from tests.unit.loops import LoopErrors
 
@@ -59,7 +60,7 @@ async def test_retries_follow_the_backoff_then_dead_letter(
     await until_state(queue, sub.job_id, State.FAILED, timeout=20)
     shard = queue.keys.shard_of(sub.job_id)
     retries = []
-    for _, fields in await queue.redis.xrange(queue.keys.log(shard)):
+    for _, fields in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
         doc = decode_status(fields[b"d"])
         if doc.id == sub.job_id and doc.state is State.SCHEDULED:
             assert doc.run_at is not None
@@ -240,36 +241,36 @@ async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Que
     worker = worker_for(queue, registry, burst=True, concurrency=50)
     scripts = worker.scripts
     call_many = scripts.call_many
-    calls: list[tuple[str, int]] = []  # ('claim', its number) / ('complete', its jobs' claim)
+    sent: list[tuple[str, int]] = []  # ('claim', its number) / ('complete', its jobs' claim)
     claim_of: dict[str, int] = {}  # job id -> the number of the claim that gave it
 
-    async def spy(batch: Any) -> list[Any]:
-        if any(script.name == "claim" for script, _, _ in batch):
-            number = sum(1 for kind, _ in calls if kind == "claim") + 1
-            calls.append(("claim", number))
-            replies = await call_many(batch)
-            for (_, s, _), reply in zip(batch, replies, strict=True):
+    async def spy(calls: Any) -> list[Any]:
+        if any(script.name == "claim" for script, _, _ in calls):
+            number = sum(1 for kind, _ in sent if kind == "claim") + 1
+            sent.append(("claim", number))
+            replies = await call_many(calls)
+            for (_, s, _), reply in zip(calls, replies, strict=True):
                 for job in scripts.parse_claim(s, reply).jobs:
                     claim_of[job.id] = number
             return replies
-        for script, _, args in batch:
+        for script, _, args in calls:
             if script.name == "complete":
-                calls.append(("complete", max(claim_of[i] for i in args[3::3])))
-        return await call_many(batch)
+                sent.append(("complete", max(claim_of[i] for i in args[3::3])))
+        return await call_many(calls)
 
     scripts.call_many = spy  # type: ignore[method-assign]
     assert (await worker.run()).succeeded == 600
     # the last round's outcomes have no claim to wait for: the queues are empty by then
     # the last round's outcomes have no claim to wait for: the queues are empty by then
     last_round = max(claim_of.values())
-    checked = [i for i, (kind, k) in enumerate(calls) if kind == "complete" and k < last_round]
-    assert len(checked) >= 8, calls  # 50 slots, 600 jobs: 12 rounds or more
+    checked = [i for i, (kind, k) in enumerate(sent) if kind == "complete" and k < last_round]
+    assert len(checked) >= 8, sent  # 50 slots, 600 jobs: 12 rounds or more
 
     def claim_went_first(i: int) -> bool:
         # the last claim started before these outcomes came after the claim of their jobs
-        return [n for kind, n in calls[:i] if kind == "claim"][-1] > calls[i][1]
+        return [n for kind, n in sent[:i] if kind == "claim"][-1] > sent[i][1]
 
     # Outcomes sent the other way round, none would be. Not all must: outcomes that end while
     # the reporter waits for its last send's reply go when that reply comes, which can be in
     # the turn the claim loop wakes in, ahead of it.
-    assert sum(map(claim_went_first, checked)) >= len(checked) // 2, calls
+    assert sum(map(claim_went_first, checked)) >= len(checked) // 2, sent

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Any, cast
 
 import pytest
 
@@ -17,7 +18,7 @@ COMMANDS = [
 
 
 def test_every_command_exists_and_has_help(capsys: pytest.CaptureFixture[str]) -> None:
-    choices = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    choices = cast(dict[str, Any], build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
     assert sorted(choices) == sorted(COMMANDS)
     for command in COMMANDS:
         with pytest.raises(SystemExit) as exit_:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from redis.asyncio import Redis
 from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
@@ -36,6 +37,7 @@ def test_values_redis_py_refuses_are_still_refused() -> None:
 
 def test_clients_use_it() -> None:
     client = connect(Settings.from_env({}))
+    assert isinstance(client, Redis)
     assert client.connection_pool.connection_class is FastConnection
 
 

@@ -299,7 +299,8 @@ def test_prepare_checks_every_name_each_time_and_hashes_only_keyed_requests() ->
     an idempotency key) is made only for a job given a key."""
     from jobtier.connection import connect
     from jobtier.errors import InvalidRequest
-    from jobtier.queue import JobSpec, Queue
+    from jobtier.model import JobSpec
+    from jobtier.queue import Queue
 
     settings = Settings.from_env({}, redis_url="redis://127.0.0.1:1/0")
     queue = Queue(settings, connect(settings), None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any, cast
 
 from jobtier.cli import build_parser
 from jobtier.config import settings_table
@@ -21,6 +22,6 @@ def test_settings_table_matches_the_code() -> None:
 
 def test_the_two_commands_and_cli_commands_exist() -> None:
     assert "make run" in README and "make test" in README
-    commands = set(build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    commands = set(cast(dict[str, Any], build_parser()._subparsers._group_actions[0].choices))  # type: ignore[union-attr]
     for used in re.findall(r"`jobtier ([\w-]+)", README):
         assert used in commands, used

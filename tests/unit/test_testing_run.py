@@ -171,6 +171,7 @@ async def test_a_failure_is_retried_after_the_policy_delay() -> None:
         assert outcome.retry_in == delay
         assert outcome.error is not None and outcome.error.retryable
         assert (outcome.error.type, outcome.error.message) == ("Boom", f"attempt {attempt} fails")
+        assert outcome.error.traceback is not None
         assert "in flaky" in outcome.error.traceback and "Boom" in outcome.error.traceback
         assert isinstance(outcome.error.exception, Boom)
 
