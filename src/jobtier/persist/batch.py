@@ -192,8 +192,10 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
         await conn.copy_records_to_table(
             "transitions_staging", records=transition_records(entries), columns=TRANSITION_COLUMNS
         )
-        await conn.execute(query("upsert_jobs"))
-        if any(r.payload is not None for r in rows):
+        # every row inserted, or updated to this batch's version (payload coalesced in): then
+        # no submit entry met a newer row, and fill_submitted would change nothing
+        written = int((await conn.execute(query("upsert_jobs"))).rsplit(" ", 1)[-1])
+        if written < len(rows) and any(r.payload is not None for r in rows):
             await conn.execute(query("fill_submitted"))
         large = [
             r

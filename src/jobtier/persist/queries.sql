@@ -59,6 +59,7 @@ WHERE j.version < excluded.version
 -- The submit entry of a job whose later version another persister committed first: upsert_jobs
 -- left the row alone (its version is newer), so fill in what only the submit knows. Those rows
 -- are already locked by upsert_jobs in this transaction: no new lock, no new lock order.
+-- write_batch runs it only when upsert_jobs left some row alone (its count is short).
 UPDATE jobs AS j
 SET payload = s.payload, idempotency_key = s.idempotency_key
 FROM jobs_staging AS s
