@@ -621,7 +621,7 @@ async def measure(
     """One (system, mode, run) on a Redis of its own; failures become ``{"error": ...}``."""
     if name == BASELINE:
         return await measure_baseline(mode, args)
-    persisting = getattr(args, "persist_systems", {})
+    persisting = args.persist_systems  # set by parse(), and by measure_baseline() for its child
     if program is None and name != "jobtier" and name not in persisting:
         return {"error": "not set up"}
     aof = mode == "everysec"
@@ -761,8 +761,8 @@ def render(
             continue
         lag_rows.append([
             known[name].label, "AOF off" if mode == "off" else "AOF everysec",
-            fmt(s["e2e_jobs_per_s"]), fmt(3 * s["e2e_jobs_per_s"]), fmt(s["lag_p50_ms"]), fmt(s["lag_p99_ms"]),
-            fmt(s["lag_max_ms"]), fmt(s["persisted_after_last_job_s"], 2),
+            fmt(s["e2e_jobs_per_s"]), fmt(3 * s["e2e_jobs_per_s"]), fmt(s["lag_p50_ms"]),
+            fmt(s["lag_p99_ms"]), fmt(s["lag_max_ms"]), fmt(s["persisted_after_last_job_s"], 2),
             cpu_cell(s, "persister"), cpu_cell(s, "postgres"),
             "-" if s.get("hot_update_share") is None else f"{100 * s['hot_update_share']:.0f} %",
         ])  # fmt: skip

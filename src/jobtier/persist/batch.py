@@ -18,7 +18,7 @@ import asyncpg
 import msgspec
 
 from jobtier.model import JobStatus, json_encoder, status_decoder
-from jobtier.persist.db import AnyConnection, Pool, query
+from jobtier.persist.db import AnyConnection, Pool, query, rows_affected
 from jobtier.persist.results import is_ref, ref_of
 
 INLINE_RESULT_MAX = 64 * 1024  # larger results go to job_results
@@ -194,7 +194,7 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
         )
         # every row inserted, or updated to this batch's version (payload coalesced in): then
         # no submit entry met a newer row, and fill_submitted would change nothing
-        written = int((await conn.execute(query("upsert_jobs"))).rsplit(" ", 1)[-1])
+        written = rows_affected(await conn.execute(query("upsert_jobs")))
         if written < len(rows) and any(r.payload is not None for r in rows):
             await conn.execute(query("fill_submitted"))
         large = [

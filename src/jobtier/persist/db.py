@@ -93,6 +93,12 @@ def query(name: str) -> str:
         raise KeyError(f"no query named {name!r} in {', '.join(QUERY_FILES)}") from None
 
 
+def rows_affected(status: str) -> int:
+    """The row count of a command's status as asyncpg's ``execute`` returns it
+    (``"INSERT 0 12"``, ``"DELETE 3"``)."""
+    return int(status.rsplit(" ", 1)[-1])
+
+
 def schema_sql() -> str:
     return _package_text("schema.sql")
 

@@ -58,6 +58,7 @@ from jobtier.persist.db import (
     Connection,
     connect,
     query,
+    rows_affected,
 )
 
 log = logging.getLogger("jobtier.persist.retention")
@@ -224,8 +225,7 @@ async def _delete_batches(conn: AnyConnection, sql: str, cutoff: datetime, batch
     each batch is its own short transaction."""
     total = 0
     while True:
-        status = await conn.execute(sql, cutoff, batch)
-        n = int(status.rsplit(" ", 1)[-1])
+        n = rows_affected(await conn.execute(sql, cutoff, batch))
         total += n
         if n < batch:
             return total
