@@ -491,6 +491,7 @@ class PersistHook:
         os.killpg(self.proc.pid, signal.SIGTERM)
         await self.proc.wait()
         _groups.discard(self.proc.pid)
+        batches = await self._batches()
         updates, hot = await self._updates_since_start()
         steps = {
             "all written": persisted - end,
@@ -519,6 +520,34 @@ class PersistHook:
             "persister_cores": persister_cpu / seconds,
             "postgres_cores": postgres_cpu / seconds,
             "hot_update_share": hot / updates if updates else None,
+            **batches,
+        }
+
+    async def _batches(self) -> dict[str, float | None]:
+        """The persister's own account of its batches, from the metrics snapshot it published
+        as it stopped: how many, their mean size, and on average how old a batch's oldest
+        transition was when its write began (in the log, then waiting for a connection) and
+        how long the write took. None where it published none (an older revision)."""
+        from jobtier.metrics.histogram import merge
+        from jobtier.metrics.snapshot import read_snapshots
+
+        snaps = await read_snapshots(self.queue.redis, self.queue.keys)
+        hists = merge(
+            {name: h for name, per in s.histograms.items() for h in per.values()}
+            for s in snaps
+            if s.role == "persister"
+        )
+
+        def mean(name: str, scale: float = 1.0) -> float | None:
+            h = hists.get(name)
+            return scale * h["sum"] / h["count"] if h and h.get("count") else None
+
+        sizes = hists.get("persister_batch_size")
+        return {
+            "batches": sizes["count"] if sizes else None,
+            "batch_mean_size": mean("persister_batch_size"),
+            "batch_wait_mean_ms": mean("persister_batch_wait_seconds", 1000),
+            "batch_write_mean_ms": mean("persister_batch_write_seconds", 1000),
         }
 
     async def _updates_since_start(self) -> tuple[int, int]:
@@ -578,7 +607,7 @@ async def measure_jobtier(
             "worker_cpu_us_per_job", "producer_cpu_us_per_job", "redis_cpu_us_per_job",
             "aof_bytes_per_job", "aof_rewrites", "redis_commands_per_job", "commands",
         )},
-        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_", "persister_", "postgres_", "hot_"))},
+        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_", "persister_", "postgres_", "hot_", "batch"))},
     }  # fmt: skip
 
 
@@ -654,7 +683,8 @@ FIELDS = (
 LAG_FIELDS = (
     "lag_p50_ms", "lag_p99_ms", "lag_max_ms", "persisted_after_last_job_s",
     "persister_cpu_us_per_transition", "postgres_cpu_us_per_transition", "persister_cores",
-    "postgres_cores", "hot_update_share",
+    "postgres_cores", "hot_update_share", "batches", "batch_mean_size", "batch_wait_mean_ms",
+    "batch_write_mean_ms",
 )  # fmt: skip
 
 
@@ -664,6 +694,57 @@ def cpu_cell(s: dict[str, Any], who: str) -> str:
     if us is None or cores is None:
         return "-"
     return f"{fmt(us)} ({cores:.2f})"
+
+
+def batch_cell(s: dict[str, Any]) -> str:
+    """'<batches> (<mean size>): <wait> + <write>' (means, ms); '-' from an older result."""
+    got = [s.get(k) for k in ("batches", "batch_mean_size", "batch_wait_mean_ms",
+                              "batch_write_mean_ms")]  # fmt: skip
+    if any(v is None for v in got):
+        return "-"
+    batches, size, wait, write = got
+    return f"{fmt(batches)} ({fmt(size)}): {fmt(wait)} + {fmt(write)}"
+
+
+def capacity(summary: dict[str, Any], args: argparse.Namespace, known: dict[str, Any]) -> list[str]:
+    """What keeping up at jobtier's own end-to-end rate would take of this machine: the CPU
+    a job costs on its path (Redis, worker, producer: the `jobtier` row) and in the
+    write-behind (persister and Postgres, three transitions: the persister row), at the rate
+    jobtier ran without the persister in the same runs."""
+    cores = os.cpu_count() or 1
+    rows = []
+    for mode, name in [(m, n) for m in args.modes for n in args.persist_systems]:
+        alone, persisted = summary.get("jobtier", {}).get(mode), summary.get(name, {}).get(mode)
+        if not alone or not persisted or persisted.get("postgres_cpu_us_per_transition") is None:
+            continue
+        rate = alone["e2e_jobs_per_s"]
+        path = sum(alone[f] for f in ("redis_cpu_us_per_job", "worker_cpu_us_per_job",
+                                      "producer_cpu_us_per_job"))  # fmt: skip
+        behind = 3 * (
+            persisted["persister_cpu_us_per_transition"]
+            + persisted["postgres_cpu_us_per_transition"]
+        )
+        rows.append([
+            known[name].label, "AOF off" if mode == "off" else "AOF everysec", fmt(rate),
+            f"{fmt(path)} ({rate * path / 1e6:.2f})", f"{fmt(behind)} ({rate * behind / 1e6:.2f})",
+            f"{rate * (path + behind) / 1e6:.2f} of {cores}", fmt(cores * 1e6 / (path + behind)),
+        ])  # fmt: skip
+    if not rows:
+        return []
+    return [
+        "What keeping up at jobtier's own rate takes: the CPU a job costs on its path (Redis, "
+        "the worker and the producer, from the `jobtier` row) and in the write-behind (the "
+        "persister and Postgres for its three transitions, from the persister row), in cores "
+        "at the rate jobtier ran end to end without the persister (medians of the same runs). "
+        "Where the two need more than the machine's cores, the persister cannot keep up at "
+        "that rate here: the run with it on goes slower, and the lag follows from how the "
+        "cores are shared. The last column is the rate the machine's cores would allow with "
+        "the write-behind if every one of them were busy (the path alone does not fill them: "
+        "it waits on Redis).\n",
+        table(["system", "Redis", "jobtier alone, jobs/s", "job path µs a job (cores)",
+               "write-behind µs a job (cores)", "cores needed", "jobs/s the cores allow"],
+              rows) + "\n",
+    ]  # fmt: skip
 
 
 def summarise(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any]:
@@ -765,6 +846,7 @@ def render(
             fmt(s["lag_p99_ms"]), fmt(s["lag_max_ms"]), fmt(s["persisted_after_last_job_s"], 2),
             cpu_cell(s, "persister"), cpu_cell(s, "postgres"),
             "-" if s.get("hot_update_share") is None else f"{100 * s['hot_update_share']:.0f} %",
+            batch_cell(s),
         ])  # fmt: skip
     if lag_rows:
         out.append(
@@ -776,15 +858,21 @@ def render(
             "the last transition written, per transition, and the cores that makes on average "
             "(the machine has two, shared with Redis, the worker and the producer). HOT: the "
             "share of the updates of job rows that were heap-only (no index entry written; "
-            "Postgres's own count).\n"
+            "Postgres's own count). Batches: how many the persister committed (their mean "
+            "size), and on average how old a batch's oldest transition was when its write "
+            "began (in the log, then waiting for one of the persister's two connections) plus "
+            "how long the write took, commit included: about the lag of that transition when "
+            "committed (the persister's own metrics).\n"
         )
         out.append(
             table(["system", "Redis", "jobs/s", "transitions/s", "lag p50 ms", "lag p99 ms",
                    "lag max ms",
                    "all in Postgres after the last job, s",
                    "persister CPU µs a transition (cores)",
-                   "Postgres CPU µs a transition (cores)", "HOT updates"], lag_rows) + "\n"
+                   "Postgres CPU µs a transition (cores)", "HOT updates",
+                   "batches (mean size): waited + written, ms"], lag_rows) + "\n"
         )  # fmt: skip
+        out.extend(capacity(summary, args, known))
     out.append("How each system is driven (our code under `bench/compare/`):\n")
     out.extend(f"- {known[n].label}: {known[n].config}" for n in args.systems)
     out.append(

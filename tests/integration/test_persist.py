@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +60,43 @@ async def test_mixed_workload_reaches_postgres_exactly(
     assert await lag(redis, keys) == (0, 0.0)
     # everything was acknowledged, so everything was trimmed
     assert sum([await redis.xlen(keys.log(s)) for s in range(keys.shards)]) == 0
+
+
+async def test_batch_metrics_tell_how_old_transitions_were_and_how_long_writes_took(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    async def redis_now() -> float:
+        seconds, micros = await redis.time()
+        return float(seconds) + float(micros) / 1e6
+
+    start = await redis_now()
+    await mixed_workload(redis, keys, n=150)
+    made = await redis_now()
+    # every transition is at least AGED old before the persister reads any (Redis's clock,
+    # which gives the log entries their ids, moving on: an event, not a fixed sleep)
+    aged = 0.05
+    await wait_for(lambda: _later_than(redis_now, made + aged))
+    persister = Persister(pg_settings.replace(persist_batch_size=64), redis, pg_pool, "p1")
+    began = time.time()
+    await persister.drain()
+    ended = time.time()
+
+    batches = persister.stats.batches
+    histograms = persister.metrics().histograms
+    waits = histograms["persister_batch_wait_seconds"][""]
+    writes = histograms["persister_batch_write_seconds"][""]
+    assert batches > 1 and waits["count"] == writes["count"] == batches
+    # each batch's oldest transition was made between start and made, its write began between
+    # began and ended: so it had waited at least `aged`, and at most the whole test
+    finite = zip(waits["bounds"], waits["counts"][:-1], strict=True)  # the last is +Inf
+    assert sum(n for bound, n in finite if bound < aged) == 0
+    assert batches * aged <= waits["sum"] <= batches * (ended - start)
+    # writes overlap by at most the persister's concurrency, and each took some time
+    assert 0 < writes["sum"] <= persister.concurrency * (ended - began)
+
+
+async def _later_than(now: Any, moment: float) -> bool:
+    return bool(await now() >= moment)
 
 
 async def test_replaying_the_same_entries_changes_nothing(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jobtier.metrics.histogram import SIZE_BUCKETS, Histogram
+from jobtier.metrics.histogram import SECONDS_BUCKETS, SIZE_BUCKETS, Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.metrics.transitions import TransitionCounter
 
@@ -22,6 +22,11 @@ class PersisterStats:
     parked: int = 0  # entries Postgres refused, moved to the shard's log:refused stream
     errors: dict[str, int] = field(default_factory=dict)  # failures retried, by error class
     batch_sizes: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS), repr=False)
+    # where a committed batch's time went (its oldest transition's lag when committed is about
+    # their sum): how old that transition was when the write began (in the log, then in the
+    # buffer waiting for a connection), and how long the write took, commit and retries included
+    batch_waits: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS), repr=False)
+    batch_writes: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS), repr=False)
     job_counts: TransitionCounter = field(default_factory=TransitionCounter, repr=False)
 
     def failed(self, exc: BaseException) -> None:
@@ -44,5 +49,9 @@ class PersisterStats:
         return Snapshot(
             "", "", 0.0,
             counters=counters,
-            histograms={"persister_batch_size": {"": self.batch_sizes.snapshot()}},
+            histograms={
+                "persister_batch_size": {"": self.batch_sizes.snapshot()},
+                "persister_batch_wait_seconds": {"": self.batch_waits.snapshot()},
+                "persister_batch_write_seconds": {"": self.batch_writes.snapshot()},
+            },
         )  # fmt: skip
