@@ -219,6 +219,31 @@ async def test_run_persists_until_stopped(
     assert (await lag(redis, keys))[0] == 0
 
 
+async def test_an_idle_persister_waits_in_redis_for_the_next_entry(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """With nothing to read, a persister is blocked in one XREADGROUP naming every stream
+    (not napping between polls), and what comes meanwhile is written."""
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    task = asyncio.create_task(persister.run())
+    try:
+        await wait_for(lambda: _blocked_reading(redis))
+        job_ids = await simple_jobs(redis, keys, 20)
+        await _until(lambda: persister.stats.transitions >= len(job_ids) * 3)
+    finally:
+        persister.stop()
+        await asyncio.wait_for(task, 10)
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+
+
+async def _blocked_reading(redis: Any) -> bool:
+    """Is a client blocked in an XREADGROUP? (CLIENT LIST)"""
+    for client in await redis.client_list():
+        if client.get("cmd") == "xreadgroup" and "b" in client.get("flags", ""):
+            return True
+    return False
+
+
 async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, caplog: Any
 ) -> None:

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from redis.asyncio import RedisCluster
 from redis.exceptions import ResponseError
 
 from jobtier.connection import RedisClient
@@ -71,6 +72,31 @@ async def read_group(
             more = True
         out += [(shard, entry_id, fields) for entry_id, fields in items]
     return more, out
+
+
+async def wait_group(
+    redis: RedisClient, group: str, name: str, streams: Sequence[str], count: int, block: float
+) -> list[tuple[int, bytes, Fields]] | None:
+    """One XREADGROUP naming every stream, blocked in Redis for up to ``block`` seconds until
+    one of them has new entries: [(shard, entry id, fields)], empty when none came.
+
+    A member with nothing to do waits here instead of napping between polls: it sees the
+    first entry of a burst as it is written, and an idle one sends one command per ``block``
+    instead of one per stream per nap. One command can name the streams only when one Redis
+    holds them all: on a Redis Cluster (its shards spread over nodes) it returns None at
+    once, and the caller naps instead.
+    """
+    if isinstance(redis, RedisCluster):
+        return None
+    reply: list[tuple[bytes, list[tuple[bytes, Fields]]]] | None = await redis.xreadgroup(
+        group, name, dict.fromkeys(streams, ">"), count=count, block=max(1, int(block * 1000))
+    )  # type: ignore[assignment]  # redis-py types the reply loosely
+    shard_of = {stream.encode(): shard for shard, stream in enumerate(streams)}
+    return [
+        (shard_of[stream], entry_id, fields)
+        for stream, items in reply or ()
+        for entry_id, fields in items
+    ]
 
 
 async def claim_idle(

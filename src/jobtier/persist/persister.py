@@ -14,6 +14,10 @@ away. Everything downstream of the read is idempotent, which is what makes the r
   restart (same name), and any persister takes them over once idle for
   ``persist_claim_idle_seconds`` (XAUTOCLAIM).
 
+With nothing to read, a persister waits in Redis for the next entry (one blocking XREADGROUP
+naming every stream, ``group.wait_group``), so the first transition of a burst is read as it is
+written; on a Redis Cluster, whose shards no one command can name, it naps between polls.
+
 Each batch is one transaction: COPY into staging tables, then one upsert per table
 (``batch.write_batch``; why COPY rather than array parameters is measured there). Here: what
 goes into a batch and when, and what to do when it fails; ``acks.py``: what Redis is then
@@ -54,6 +58,7 @@ from jobtier.persist.group import (
     read_group,
     replay_refused,
     trim,
+    wait_group,
 )
 from jobtier.persist.retention import run_pruning
 from jobtier.persist.stats import PersisterStats
@@ -139,6 +144,7 @@ class Persister:
         self._next_claim = 0.0
         self._next_forget = 0.0
         self._next_trim = 0.0
+        self._waited_in_vain = False  # the last wait in Redis found nothing
         self._explained: set[str] = set()  # error classes whose traceback was logged once
 
     # --- life cycle -----------------------------------------------------------------------
@@ -184,7 +190,7 @@ class Persister:
                     continue
                 if moved:
                     idle = IDLE_SLEEP_MIN
-                else:
+                elif not await self._wait_for_entries():
                     await self._sleep(idle)
                     idle = min(idle * 2, IDLE_SLEEP_MAX)
             if self._inflight:  # they give up their retries now that we are stopping
@@ -216,8 +222,9 @@ class Persister:
             self._next_claim = now + max(0.05, self.claim_idle_ms / 2000)
             await self._claim()
         more = False
-        if len(self._buffer) < self.batch_size:
+        if len(self._buffer) < self.batch_size and not self._waited_in_vain:
             more = await self._read()
+        self._waited_in_vain = False
         moved = more
         if self._buffer:
             waited = time.monotonic() - self._first_at
@@ -308,6 +315,26 @@ class Persister:
         for shard, entry_id, fields in items:
             self._accept(shard, entry_id, fields)
         return more
+
+    async def _wait_for_entries(self) -> bool:
+        """Idle (nothing buffered, nothing more to read): wait in Redis for the next entry of
+        any stream, up to ``IDLE_SLEEP_MAX`` (``group.wait_group``), taking what comes. False
+        when it cannot wait so (a Redis Cluster; our own pending entries still being read
+        back) or must not (a batch being written: its acknowledgement would wait too): the
+        caller naps instead."""
+        if self._inflight or self._buffer or any(c != b">" for c in self._cursor):
+            return False
+        count = max(-(-self.batch_size // len(self._streams)), READ_MIN)
+        items = await wait_group(
+            self.redis, self.group, self.name, self._streams, count, IDLE_SLEEP_MAX
+        )
+        if items is None:
+            return False
+        for shard, entry_id, fields in items:
+            self._accept(shard, entry_id, fields)
+        # it read every stream and found nothing: no poll before the next wait (idle CPU)
+        self._waited_in_vain = not items
+        return True
 
     async def _claim(self) -> None:
         """Take over entries idle longer than the claim timeout (their persister died)."""
