@@ -706,12 +706,13 @@ def batch_cell(s: dict[str, Any]) -> str:
     return f"{fmt(batches)} ({fmt(size)}): {fmt(wait)} + {fmt(write)}"
 
 
-def capacity(summary: dict[str, Any], args: argparse.Namespace, known: dict[str, Any]) -> list[str]:
-    """What keeping up at jobtier's own end-to-end rate would take of this machine: the CPU
-    a job costs on its path (Redis, worker, producer: the `jobtier` row) and in the
-    write-behind (persister and Postgres, three transitions: the persister row), at the rate
-    jobtier ran without the persister in the same runs."""
-    cores = os.cpu_count() or 1
+def capacity(
+    summary: dict[str, Any], args: argparse.Namespace, known: dict[str, Any], cores: int
+) -> list[str]:
+    """What keeping up at jobtier's own end-to-end rate would take of this machine's
+    ``cores``: the CPU a job costs on its path (Redis, worker, producer: the `jobtier` row)
+    and in the write-behind (persister and Postgres, three transitions: the persister row),
+    at the rate jobtier ran without the persister in the same runs."""
     rows = []
     for mode, name in [(m, n) for m in args.modes for n in args.persist_systems]:
         alone, persisted = summary.get("jobtier", {}).get(mode), summary.get(name, {}).get(mode)
@@ -724,6 +725,8 @@ def capacity(summary: dict[str, Any], args: argparse.Namespace, known: dict[str,
             persisted["persister_cpu_us_per_transition"]
             + persisted["postgres_cpu_us_per_transition"]
         )
+        if not all(math.isfinite(x) for x in (rate, path, behind)):  # no run of one went well
+            continue
         rows.append([
             known[name].label, "AOF off" if mode == "off" else "AOF everysec", fmt(rate),
             f"{fmt(path)} ({rate * path / 1e6:.2f})", f"{fmt(behind)} ({rate * behind / 1e6:.2f})",
@@ -736,13 +739,16 @@ def capacity(summary: dict[str, Any], args: argparse.Namespace, known: dict[str,
         "the worker and the producer, from the `jobtier` row) and in the write-behind (the "
         "persister and Postgres for its three transitions, from the persister row), in cores "
         "at the rate jobtier ran end to end without the persister (medians of the same runs). "
-        "Where the two need more than the machine's cores, the persister cannot keep up at "
-        "that rate here: the run with it on goes slower, and the lag follows from how the "
-        "cores are shared. The last column is the rate the machine's cores would allow with "
-        "the write-behind if every one of them were busy (the path alone does not fill them: "
-        "it waits on Redis).\n",
+        "Left out: the Redis CPU the persister's reads and acknowledgements cost (the "
+        "persister row's Redis CPU a job is higher by that, and by the lag sampler's reads), "
+        "so the write-behind's column is a floor. Where the two need more than the machine's "
+        "cores, the persister cannot keep up at that rate here: the run with it on goes "
+        "slower, and the lag follows from how the cores are shared. The last column is an "
+        "upper bound: the rate the machine's cores would allow with the write-behind if every "
+        "one of them were kept busy, which the path alone does not do (it waits on Redis, "
+        "one thread, as one persister is one process).\n",
         table(["system", "Redis", "jobtier alone, jobs/s", "job path µs a job (cores)",
-               "write-behind µs a job (cores)", "cores needed", "jobs/s the cores allow"],
+               "write-behind µs a job (cores)", "cores needed", "jobs/s the cores allow, at most"],
               rows) + "\n",
     ]  # fmt: skip
 
@@ -856,11 +862,12 @@ def render(
             "every transition waiting then); medians over the runs. CPU: the persister "
             "process's, and Postgres's (every server process), from the persister's start to "
             "the last transition written, per transition, and the cores that makes on average "
-            "(the machine has two, shared with Redis, the worker and the producer). HOT: the "
+            f"(the machine has {env['machine']['nproc']}, shared with Redis, the worker and the "
+            "producer). HOT: the "
             "share of the updates of job rows that were heap-only (no index entry written; "
             "Postgres's own count). Batches: how many the persister committed (their mean "
             "size), and on average how old a batch's oldest transition was when its write "
-            "began (in the log, then waiting for one of the persister's two connections) plus "
+            "began (in the log, then in the persister until one of its concurrent writes was free) plus "
             "how long the write took, commit included: about the lag of that transition when "
             "committed (the persister's own metrics).\n"
         )
@@ -872,7 +879,7 @@ def render(
                    "Postgres CPU µs a transition (cores)", "HOT updates",
                    "batches (mean size): waited + written, ms"], lag_rows) + "\n"
         )  # fmt: skip
-        out.extend(capacity(summary, args, known))
+        out.extend(capacity(summary, args, known, env["machine"]["nproc"] or 1))
     out.append("How each system is driven (our code under `bench/compare/`):\n")
     out.extend(f"- {known[n].label}: {known[n].config}" for n in args.systems)
     out.append(

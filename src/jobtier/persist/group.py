@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import RedisCluster
 from redis.exceptions import ResponseError
@@ -88,15 +88,17 @@ async def wait_group(
     """
     if isinstance(redis, RedisCluster):
         return None
-    reply: list[tuple[bytes, list[tuple[bytes, Fields]]]] | None = await redis.xreadgroup(
+    reply = await redis.xreadgroup(
         group, name, dict.fromkeys(streams, ">"), count=count, block=max(1, int(block * 1000))
-    )  # type: ignore[assignment]  # redis-py types the reply loosely
-    shard_of = {stream.encode(): shard for shard, stream in enumerate(streams)}
-    return [
-        (shard_of[stream], entry_id, fields)
-        for stream, items in reply or ()
-        for entry_id, fields in items
-    ]
+    )
+    shard_of = {stream: shard for shard, stream in enumerate(streams)}
+    out: list[tuple[int, bytes, Fields]] = []
+    # [[stream, entries], …] (RESP2, as our clients speak); a stream's name comes back as
+    # bytes, or as str from a client that decodes replies
+    for stream, items in cast(list[tuple[bytes | str, list[tuple[bytes, Fields]]]], reply or []):
+        shard = shard_of[stream.decode() if isinstance(stream, bytes) else stream]
+        out += [(shard, entry_id, fields) for entry_id, fields in items]
+    return out
 
 
 async def claim_idle(

@@ -170,7 +170,9 @@ class Persister:
                 try:
                     if not self._ready:
                         await self.setup()
-                    moved = await self.step()
+                    # idle: wait in Redis for the next entry (here, so that its failures,
+                    # a flushed or restarted Redis, are handled as the step's are)
+                    moved = await self.step() or await self._wait_for_entries()
                     backoff.reset()
                 except Exception as exc:
                     # Redis away or loading its data (one line), or anything else (its
@@ -190,7 +192,7 @@ class Persister:
                     continue
                 if moved:
                     idle = IDLE_SLEEP_MIN
-                elif not await self._wait_for_entries():
+                else:
                     await self._sleep(idle)
                     idle = min(idle * 2, IDLE_SLEEP_MAX)
             if self._inflight:  # they give up their retries now that we are stopping
@@ -318,13 +320,19 @@ class Persister:
 
     async def _wait_for_entries(self) -> bool:
         """Idle (nothing buffered, nothing more to read): wait in Redis for the next entry of
-        any stream, up to ``IDLE_SLEEP_MAX`` (``group.wait_group``), taking what comes. False
-        when it cannot wait so (a Redis Cluster; our own pending entries still being read
-        back) or must not (a batch being written: its acknowledgement would wait too): the
-        caller naps instead."""
-        if self._inflight or self._buffer or any(c != b">" for c in self._cursor):
+        any stream, up to ``IDLE_SLEEP_MAX`` (``group.wait_group``), taking what comes; True
+        once waited. False when it cannot wait so (a Redis Cluster; our own pending entries
+        still being read back) or must not (stopping; a batch being written, whose
+        acknowledgement would wait too): the caller naps instead."""
+        if (
+            self._stop.is_set()
+            or self._inflight
+            or self._buffer
+            or any(c != b">" for c in self._cursor)
+        ):
             return False
         count = max(-(-self.batch_size // len(self._streams)), READ_MIN)
+        began = time.monotonic()
         items = await wait_group(
             self.redis, self.group, self.name, self._streams, count, IDLE_SLEEP_MAX
         )
@@ -334,6 +342,11 @@ class Persister:
             self._accept(shard, entry_id, fields)
         # it read every stream and found nothing: no poll before the next wait (idle CPU)
         self._waited_in_vain = not items
+        waited = time.monotonic() - began
+        if not items and waited < IDLE_SLEEP_MAX / 2:
+            # answered empty at once (something between us and Redis that does not block):
+            # nap the rest rather than spin
+            await self._sleep(IDLE_SLEEP_MAX - waited)
         return True
 
     async def _claim(self) -> None:

@@ -24,7 +24,8 @@ class PersisterStats:
     batch_sizes: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS), repr=False)
     # where a committed batch's time went (its oldest transition's lag when committed is about
     # their sum): how old that transition was when the write began (in the log, then in the
-    # buffer waiting for a connection), and how long the write took, commit and retries included
+    # buffer until one of the concurrent writes was free), and how long the write took (a pool
+    # connection, the commit and any retries included)
     batch_waits: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS), repr=False)
     batch_writes: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS), repr=False)
     job_counts: TransitionCounter = field(default_factory=TransitionCounter, repr=False)
