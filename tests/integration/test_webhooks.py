@@ -9,6 +9,7 @@ import hashlib
 import hmac
 from collections.abc import Callable
 
+import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook as Verifier
 from standardwebhooks.webhooks import WebhookVerificationError
@@ -29,11 +30,7 @@ async def test_a_callback_is_signed_as_the_spec_says_and_recorded(
     receiver = await start_receiver()
     async with hook_api.client() as c:
         secret = await secret_of(c)
-        r = await c.post("/v1/jobs", json={
-            "type": "echo", "payload": {"n": 1}, "callback": {"url": receiver.url},
-        })  # fmt: skip
-        assert r.status_code == 202, r.text
-        job_id = r.json()["id"]
+        job_id = await _echo_calling_back(c, receiver.url)
         await run_jobs(queue)
         start_dispatcher()
         await wait_for(lambda: delivered(c, job_id))
@@ -221,3 +218,37 @@ async def test_a_submits_callbacks_are_kept_only_for_the_jobs_it_made(
             {"type": "echo"}, {"type": "echo", "callback": {"url": url}},
         ]})  # fmt: skip
         assert r.status_code == 422 and r.json()["field"] == "jobs[1].callback.url", r.text
+
+
+async def test_an_idle_dispatcher_waits_in_redis_and_delivers_what_comes(
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    start_dispatcher: Callable[..., Dispatcher],
+) -> None:  # fmt: skip
+    """Started with nothing to read, the dispatcher is blocked in one XREADGROUP naming every
+    stream (not napping between polls), and a job finished meanwhile gets its webhook."""
+    receiver = await start_receiver()
+    start_dispatcher()
+    await wait_for(lambda: _blocked_reading(queue))
+    async with hook_api.client() as c:
+        await secret_of(c)
+        job_id = await _echo_calling_back(c, receiver.url)
+        await run_jobs(queue)
+        await wait_for(lambda: delivered(c, job_id))
+        recorded = [record["id"] for record in await deliveries(c, job_id)]
+    assert [req.headers["webhook-id"] for req in receiver.requests] == recorded
+
+
+async def _echo_calling_back(c: httpx.AsyncClient, url: str) -> str:
+    """Submit an echo job whose callback is ``url``; its id."""
+    r = await c.post(
+        "/v1/jobs", json={"type": "echo", "payload": {"n": 1}, "callback": {"url": url}}
+    )
+    assert r.status_code == 202, r.text
+    job_id: str = r.json()["id"]
+    return job_id
+
+
+async def _blocked_reading(queue: Queue) -> bool:
+    """Is a client blocked in an XREADGROUP? (CLIENT LIST)"""
+    clients = await queue.redis.client_list()
+    return any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in clients)

@@ -6,7 +6,9 @@ did, and the dispatcher follows in its own process. For each batch of entries it
 the targets (the tenants' subscriptions, the jobs' own callbacks) in Postgres, inserts one
 delivery per (transition, target) with an id made of the job id, its version and the target,
 and only then acknowledges the entries. Deliveries are then leased from Postgres and sent;
-each attempt's outcome is recorded; failed ones wait there for their next attempt.
+each attempt's outcome is recorded; failed ones wait there for their next attempt. With
+nothing to read, it waits in Redis for the next entry, as a persister does
+(``persist.group.wait_idle``).
 
 Crash safety, at least once:
 
@@ -55,7 +57,7 @@ from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.model import TERMINAL
 from jobtier.persist.batch import MALFORMED, LogEntry, parse_entry
 from jobtier.persist.db import UNAVAILABLE, Pool
-from jobtier.persist.group import Fields, claim_idle, create_groups, read_group
+from jobtier.persist.group import Fields, claim_idle, create_groups, read_group, wait_idle
 from jobtier.stopping import stop_tasks
 
 log = logging.getLogger("jobtier.dispatch")
@@ -166,6 +168,7 @@ class Dispatcher:
         self._cursor = [b"0"] * self.keys.shards  # b"0": own pending entries first
         self._claim_cursor = [b"0-0"] * self.keys.shards
         self._stop = asyncio.Event()
+        self._waited_in_vain = False  # the last wait in Redis found nothing
         self._due = asyncio.Event()  # new deliveries were inserted: lease them now
         self._attempts: set[asyncio.Task[None]] = set()
         self._outcomes: list[Outcome] = []
@@ -264,7 +267,8 @@ class Dispatcher:
             try:
                 if not self._ready:
                     await self.setup()
-                moved = await self.step()
+                # idle: wait in Redis for the next entry (as the persister does)
+                moved = await self.step() or await self._wait_for_entries()
                 redis_backoff.reset()
                 pg_backoff.reset()
             except (RedisError, OSError) as exc:
@@ -290,11 +294,15 @@ class Dispatcher:
         """Claim idle entries now and then, read a batch, turn it into deliveries, acknowledge
         it. False when there was nothing to read."""
         taken: list[tuple[int, bytes, dict[bytes, bytes] | None]] = []
+        read: list[tuple[int, bytes, Fields]]
         now = time.monotonic()
         if now >= self._next_claim:
             self._next_claim = now + max(0.05, self.claim_idle_ms / 2000)
             taken += await self._claim()
-        more, read = await self._read()
+        more, read = False, []
+        if not self._waited_in_vain:  # else every stream was read just now, and had nothing
+            more, read = await self._read()
+        self._waited_in_vain = False
         taken += read
         if taken:
             await self.handle(taken)
@@ -313,6 +321,24 @@ class Dispatcher:
         return await read_group(
             self.redis, self.group, self.name, self._streams, self._cursor, READ_COUNT
         )
+
+    async def _wait_for_entries(self) -> bool:
+        """Idle: wait in Redis for the next entry of any stream, up to ``IDLE_SLEEP_MAX``
+        (``group.wait_idle``), and handle what comes; True once waited. False when it cannot
+        wait so (a Redis Cluster; our own pending entries still being read back) or must not
+        (stopping): the caller naps instead."""
+        if self._stop.is_set():
+            return False
+        items = await wait_idle(
+            self.redis, self.group, self.name, self._streams, self._cursor, READ_COUNT,
+            IDLE_SLEEP_MAX, self._sleep,
+        )  # fmt: skip
+        if items is None:
+            return False
+        if items:
+            await self.handle(items)
+        self._waited_in_vain = not items
+        return True
 
     async def _claim(self) -> list[tuple[int, bytes, Fields]]:
         """Entries idle longer than the claim timeout in another member (it died)."""

@@ -10,7 +10,8 @@ back to the logs. The persister runs the first two from its loop; ``jobtier pers
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, cast
 
 from redis.asyncio import RedisCluster
@@ -99,6 +100,32 @@ async def wait_group(
         shard = shard_of[stream.decode() if isinstance(stream, bytes) else stream]
         out += [(shard, entry_id, fields) for entry_id, fields in items]
     return out
+
+
+async def wait_idle(
+    redis: RedisClient,
+    group: str,
+    name: str,
+    streams: Sequence[str],
+    cursors: Sequence[bytes],
+    count: int,
+    block: float,
+    nap: Callable[[float], Awaitable[object]],
+) -> list[tuple[int, bytes, Fields]] | None:
+    """For a member with nothing to do: ``wait_group`` for up to ``block`` seconds, or None
+    when it cannot wait so (a Redis Cluster; its own pending entries, ``cursors`` not all at
+    ``>``, still being read back): the caller naps instead. Should Redis answer empty at once
+    (something between us and it that does not block), ``nap`` the rest rather than spin."""
+    if any(c != b">" for c in cursors):
+        return None
+    began = time.monotonic()
+    items = await wait_group(redis, group, name, streams, count, block)
+    if items is None:
+        return None
+    waited = time.monotonic() - began
+    if not items and waited < block / 2:
+        await nap(block - waited)
+    return items
 
 
 async def claim_idle(

@@ -15,7 +15,7 @@ away. Everything downstream of the read is idempotent, which is what makes the r
   ``persist_claim_idle_seconds`` (XAUTOCLAIM).
 
 With nothing to read, a persister waits in Redis for the next entry (one blocking XREADGROUP
-naming every stream, ``group.wait_group``), so the first transition of a burst is read as it is
+naming every stream, ``group.wait_idle``), so the first transition of a burst is read as it is
 written; on a Redis Cluster, whose shards no one command can name, it naps between polls.
 
 Each batch is one transaction: COPY into staging tables, then one upsert per table
@@ -58,7 +58,7 @@ from jobtier.persist.group import (
     read_group,
     replay_refused,
     trim,
-    wait_group,
+    wait_idle,
 )
 from jobtier.persist.retention import run_pruning
 from jobtier.persist.stats import PersisterStats
@@ -320,33 +320,22 @@ class Persister:
 
     async def _wait_for_entries(self) -> bool:
         """Idle (nothing buffered, nothing more to read): wait in Redis for the next entry of
-        any stream, up to ``IDLE_SLEEP_MAX`` (``group.wait_group``), taking what comes; True
+        any stream, up to ``IDLE_SLEEP_MAX`` (``group.wait_idle``), taking what comes; True
         once waited. False when it cannot wait so (a Redis Cluster; our own pending entries
         still being read back) or must not (stopping; a batch being written, whose
         acknowledgement would wait too): the caller naps instead."""
-        if (
-            self._stop.is_set()
-            or self._inflight
-            or self._buffer
-            or any(c != b">" for c in self._cursor)
-        ):
+        if self._stop.is_set() or self._inflight or self._buffer:
             return False
-        count = max(-(-self.batch_size // len(self._streams)), READ_MIN)
-        began = time.monotonic()
-        items = await wait_group(
-            self.redis, self.group, self.name, self._streams, count, IDLE_SLEEP_MAX
-        )
+        items = await wait_idle(
+            self.redis, self.group, self.name, self._streams, self._cursor,
+            max(-(-self.batch_size // len(self._streams)), READ_MIN), IDLE_SLEEP_MAX, self._sleep,
+        )  # fmt: skip
         if items is None:
             return False
         for shard, entry_id, fields in items:
             self._accept(shard, entry_id, fields)
         # it read every stream and found nothing: no poll before the next wait (idle CPU)
         self._waited_in_vain = not items
-        waited = time.monotonic() - began
-        if not items and waited < IDLE_SLEEP_MAX / 2:
-            # answered empty at once (something between us and Redis that does not block):
-            # nap the rest rather than spin
-            await self._sleep(IDLE_SLEEP_MAX - waited)
         return True
 
     async def _claim(self) -> None:
