@@ -8,6 +8,7 @@ import base64
 import hashlib
 import hmac
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -227,7 +228,9 @@ async def test_an_idle_dispatcher_waits_in_redis_and_delivers_what_comes(
     """Started with nothing to read, the dispatcher is blocked in one XREADGROUP naming every
     stream (not napping between polls), and a job finished meanwhile gets its webhook."""
     receiver = await start_receiver()
-    start_dispatcher()
+    assert not await _blocked_reading(queue)
+    # no taking back its own pending entries meanwhile: what it waited for is handled by it
+    dispatcher = start_dispatcher(persist_claim_idle_seconds=60)
     await wait_for(lambda: _blocked_reading(queue))
     async with hook_api.client() as c:
         await secret_of(c)
@@ -236,6 +239,35 @@ async def test_an_idle_dispatcher_waits_in_redis_and_delivers_what_comes(
         await wait_for(lambda: delivered(c, job_id))
         recorded = [record["id"] for record in await deliveries(c, job_id)]
     assert [req.headers["webhook-id"] for req in receiver.requests] == recorded
+    assert dispatcher.stats.claimed == 0
+
+
+async def test_a_dispatcher_whose_batch_fails_unforeseen_reads_it_again(
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    start_dispatcher: Callable[..., Dispatcher], caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
+    """An error nobody foresaw while turning entries into deliveries (here, the first batch)
+    is logged with its traceback and retried: reading goes on, and the entries read are read
+    again from the dispatcher's own pending ones."""
+    receiver = await start_receiver()
+    dispatcher = start_dispatcher(persist_claim_idle_seconds=60)
+    handle = dispatcher.handle
+    failed: list[int] = []
+
+    async def fails_once(taken: Any) -> None:
+        if not failed:
+            failed.append(len(taken))
+            raise RuntimeError("a bug of ours")
+        await handle(taken)
+
+    dispatcher.handle = fails_once  # type: ignore[method-assign]
+    async with hook_api.client() as c:
+        await secret_of(c)
+        job_id = await _echo_calling_back(c, receiver.url)
+        await run_jobs(queue)
+        await wait_for(lambda: delivered(c, job_id))
+    assert failed and len(receiver.requests) == 1
+    assert "event=read_failed" in caplog.text and "RuntimeError: a bug of ours" in caplog.text
 
 
 async def _echo_calling_back(c: httpx.AsyncClient, url: str) -> str:

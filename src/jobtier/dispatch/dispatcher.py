@@ -169,6 +169,7 @@ class Dispatcher:
         self._claim_cursor = [b"0-0"] * self.keys.shards
         self._stop = asyncio.Event()
         self._waited_in_vain = False  # the last wait in Redis found nothing
+        self._explained: set[str] = set()  # error classes whose traceback was logged once
         self._due = asyncio.Event()  # new deliveries were inserted: lease them now
         self._attempts: set[asyncio.Task[None]] = set()
         self._outcomes: list[Outcome] = []
@@ -274,14 +275,28 @@ class Dispatcher:
             except (RedisError, OSError) as exc:
                 wait = redis_backoff.next()
                 log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
-                self._cursor = [b"0"] * len(self._streams)  # read our pending entries again
+                self._reread()
                 self._ready = False
                 await self._sleep(wait)
                 continue
             except PG_UNAVAILABLE as exc:
                 wait = pg_backoff.next()
                 log.warning("event=postgres_unavailable retry_in=%.1fs error=%r", wait, exc)
-                self._cursor = [b"0"] * len(self._streams)
+                self._reread()
+                await self._sleep(wait)
+                continue
+            except Exception as exc:
+                # anything else (Postgres refusing a statement, a bug of ours): never the end
+                # of reading, which nothing else would do; its traceback once per class
+                wait = pg_backoff.next()
+                first = type(exc).__name__ not in self._explained
+                self._explained.add(type(exc).__name__)
+                log.error(
+                    "event=read_failed retry_in=%.1fs error=%r", wait, exc,
+                    exc_info=exc if first else None,
+                )  # fmt: skip
+                self._reread()
+                self._ready = False
                 await self._sleep(wait)
                 continue
             if moved:
@@ -321,6 +336,12 @@ class Dispatcher:
         return await read_group(
             self.redis, self.group, self.name, self._streams, self._cursor, READ_COUNT
         )
+
+    def _reread(self) -> None:
+        """Read our own pending entries again from the start (after a failure: what was read
+        but not acknowledged is among them)."""
+        self._cursor = [b"0"] * len(self._streams)
+        self._waited_in_vain = False
 
     async def _wait_for_entries(self) -> bool:
         """Idle: wait in Redis for the next entry of any stream, up to ``IDLE_SLEEP_MAX``

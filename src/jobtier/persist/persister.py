@@ -394,6 +394,7 @@ class Persister:
     def _reread(self) -> None:
         """Read our own pending entries again from the start (held ones are skipped)."""
         self._cursor = [b"0"] * len(self._streams)
+        self._waited_in_vain = False
 
     def _explain(self, event: str, exc: BaseException, wait: float, **fields: object) -> None:
         """Log an unforeseen failure: with its traceback the first time its class is seen in

@@ -1,0 +1,54 @@
+"""``group.wait_idle``'s own decisions, against a stand-in for the Redis client (the wait
+itself against a real Redis: tests/integration/test_persist.py, test_webhooks.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobtier.persist.group import wait_idle
+
+
+class Answers:
+    """A client that answers XREADGROUP at once with ``reply`` and records the calls."""
+
+    def __init__(self, reply: Any) -> None:
+        self.reply = reply
+        self.calls: list[dict[str, Any]] = []
+
+    async def xreadgroup(self, group: str, name: str, streams: dict[str, str], **kw: Any) -> Any:
+        self.calls.append({"streams": streams, **kw})
+        return self.reply
+
+
+class Naps(list[float]):
+    """The naps taken, in seconds."""
+
+    async def __call__(self, seconds: float) -> None:
+        self.append(seconds)
+
+
+async def wait(redis: Answers, cursors: list[bytes], naps: Naps) -> Any:
+    return await wait_idle(redis, "g", "m", ["s0", "s1"], cursors, 10, 0.1, naps)  # type: ignore[arg-type]
+
+
+async def test_it_does_not_wait_while_own_pending_entries_are_read_back() -> None:
+    redis, naps = Answers([]), Naps()
+    assert await wait(redis, [b">", b"0"], naps) is None
+    assert redis.calls == [] and naps == []
+
+
+async def test_an_empty_answer_at_once_is_followed_by_a_nap_not_a_spin() -> None:
+    redis, naps = Answers([]), Naps()
+    assert await wait(redis, [b">", b">"], naps) == []
+    assert redis.calls == [{"streams": {"s0": ">", "s1": ">"}, "count": 10, "block": 100}]
+    assert len(naps) == 1 and 0.05 < naps[0] <= 0.1
+
+
+async def test_entries_come_back_by_shard_whatever_the_stream_names_type() -> None:
+    entries = [(b"1-0", {b"d": b"x"}), (b"1-1", {b"d": b"y"})]
+    for name in (b"s1", "s1"):
+        redis, naps = Answers([[name, entries]]), Naps()
+        assert await wait(redis, [b">", b">"], naps) == [
+            (1, b"1-0", {b"d": b"x"}), (1, b"1-1", {b"d": b"y"}),
+        ]  # fmt: skip
+        assert naps == []  # entries came: no nap
