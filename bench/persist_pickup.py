@@ -4,7 +4,7 @@ Starts its own Redis and a durable Postgres (fsync on) in temporary folders and 
 persister in this process, two ways, alternated trial by trial:
 
 * ``waits``: this code. With nothing to read, the persister is blocked in one XREADGROUP
-  naming every shard's stream (``persist.group.wait_group``) and reads an entry as it is
+  naming every shard's stream (``persist.group.wait_idle``) and reads an entry as it is
   written;
 * ``naps``: the same persister with that wait taken out (``NappingPersister`` below): it
   naps between polls, from 5 ms doubling to ``IDLE_SLEEP_MAX``, as every persister did
@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -42,6 +41,7 @@ from common import (
     environment,
     fmt,
     header_markdown,
+    local_redis,
     median,
     percentile,
     redis_cpu,
@@ -52,7 +52,6 @@ from common import (
 from jobtier.config import Settings
 from jobtier.connection import connect
 from jobtier.dev.postgres import LocalPostgres
-from jobtier.dev.redis import LocalRedis
 from jobtier.keys import Keys
 from jobtier.persist.batch import LogEntry
 from jobtier.persist.db import create_pool, migrate
@@ -117,38 +116,39 @@ async def trial(
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     env = environment()
-    folder = Path(tempfile.mkdtemp(prefix="jobtier-bench-"))
     pg = LocalPostgres(Path(tempfile.mkdtemp(prefix="jobtier-bench-pg-")), durable=True)
-    server = LocalRedis(folder / "redis").start()
-    try:
-        pg.start()
-        await migrate(pg.dsn)
-        pool = await create_pool(pg.dsn, max_size=4)
-        settings = Settings.from_env({}, redis_url=server.url, database_url=pg.dsn, shards=SHARDS)
-        redis = connect(settings)
-        got: dict[str, dict[str, Any]] = {
-            v: {"pickups_ms": [], "idle_persister_ms_per_s": [], "idle_redis_ms_per_s": []}
-            for v in VARIANTS
-        }
-        order = list(VARIANTS)
-        for r in range(args.rounds):  # alternated rounds: the machine's load drifts
-            for variant in order if r % 2 == 0 else order[::-1]:
-                one = await trial(variant, settings, redis, pool, args.trials, args.idle)
-                got[variant]["pickups_ms"] += one["pickups_ms"]
-                got[variant]["idle_persister_ms_per_s"].append(one["idle_persister_ms_per_s"])
-                got[variant]["idle_redis_ms_per_s"].append(one["idle_redis_ms_per_s"])
-                print(
-                    f"round {r + 1} {variant}: pickup p50 {median(one['pickups_ms']):.1f} ms, "
-                    f"idle persister {one['idle_persister_ms_per_s']:.2f} ms/s, "
-                    f"Redis {one['idle_redis_ms_per_s']:.2f} ms/s",
-                    flush=True,
-                )
-        await redis.aclose()
-        await pool.close()
-    finally:
-        server.stop()
-        pg.destroy()
-        shutil.rmtree(folder, ignore_errors=True)
+    got: dict[str, dict[str, Any]] = {
+        v: {"pickups_ms": [], "idle_persister_ms_per_s": [], "idle_redis_ms_per_s": []}
+        for v in VARIANTS
+    }
+    with local_redis() as server:
+        try:
+            pg.start()
+            await migrate(pg.dsn)
+            pool = await create_pool(pg.dsn, max_size=4)
+            settings = Settings.from_env(
+                {}, redis_url=server.url, database_url=pg.dsn, shards=SHARDS
+            )
+            redis = connect(settings)
+            order = list(VARIANTS)
+            for r in range(args.rounds):  # alternated rounds: the machine's load drifts
+                for variant in order if r % 2 == 0 else order[::-1]:
+                    one = await trial(variant, settings, redis, pool, args.trials, args.idle)
+                    for key, value in one.items():
+                        if key == "pickups_ms":
+                            got[variant][key] += value
+                        else:
+                            got[variant][key].append(value)
+                    print(
+                        f"round {r + 1} {variant}: pickup p50 {median(one['pickups_ms']):.1f} "
+                        f"ms, idle persister {one['idle_persister_ms_per_s']:.2f} ms/s, "
+                        f"Redis {one['idle_redis_ms_per_s']:.2f} ms/s",
+                        flush=True,
+                    )
+            await redis.aclose()
+            await pool.close()
+        finally:
+            pg.destroy()
     summary = {
         v: {
             "trials": len(g["pickups_ms"]),

@@ -44,6 +44,24 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out).decode()
 
 
+class Unforeseen:
+    """Logs the failures a retry loop did not foresee: with its traceback the first time its
+    class is seen by this logger's user, as one line after that (a loop that retries must not
+    flood the log)."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log = log
+        self.seen: set[str] = set()
+
+    def __call__(self, event: str, exc: BaseException, wait: float, **fields: object) -> None:
+        extra = "".join(f" {k}={v}" for k, v in fields.items())
+        first = type(exc).__name__ not in self.seen
+        self.seen.add(type(exc).__name__)
+        self.log.error(
+            "%s retry_in=%.1fs%s error=%r", event, wait, extra, exc, exc_info=exc if first else None
+        )
+
+
 def setup(level: str = "INFO", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())

@@ -52,6 +52,7 @@ from jobtier.dispatch.safety import AddressPolicy, Resolver
 from jobtier.dispatch.sender import Answer, Sender
 from jobtier.dispatch.store import Attempt, DeliveryStore, NewDelivery, Outcome
 from jobtier.keys import Keys
+from jobtier.logs import Unforeseen
 from jobtier.metrics.histogram import Histogram
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.model import TERMINAL
@@ -169,7 +170,7 @@ class Dispatcher:
         self._claim_cursor = [b"0-0"] * self.keys.shards
         self._stop = asyncio.Event()
         self._waited_in_vain = False  # the last wait in Redis found nothing
-        self._explained: set[str] = set()  # error classes whose traceback was logged once
+        self._explain = Unforeseen(log)  # a traceback once per error class
         self._due = asyncio.Event()  # new deliveries were inserted: lease them now
         self._attempts: set[asyncio.Task[None]] = set()
         self._outcomes: list[Outcome] = []
@@ -289,12 +290,7 @@ class Dispatcher:
                 # anything else (Postgres refusing a statement, a bug of ours): never the end
                 # of reading, which nothing else would do; its traceback once per class
                 wait = pg_backoff.next()
-                first = type(exc).__name__ not in self._explained
-                self._explained.add(type(exc).__name__)
-                log.error(
-                    "event=read_failed retry_in=%.1fs error=%r", wait, exc,
-                    exc_info=exc if first else None,
-                )  # fmt: skip
+                self._explain("event=read_failed", exc, wait)
                 self._reread()
                 self._ready = False
                 await self._sleep(wait)
@@ -309,16 +305,15 @@ class Dispatcher:
         """Claim idle entries now and then, read a batch, turn it into deliveries, acknowledge
         it. False when there was nothing to read."""
         taken: list[tuple[int, bytes, dict[bytes, bytes] | None]] = []
-        read: list[tuple[int, bytes, Fields]]
         now = time.monotonic()
         if now >= self._next_claim:
             self._next_claim = now + max(0.05, self.claim_idle_ms / 2000)
             taken += await self._claim()
-        more, read = False, []
+        more = False
         if not self._waited_in_vain:  # else every stream was read just now, and had nothing
             more, read = await self._read()
+            taken += read
         self._waited_in_vain = False
-        taken += read
         if taken:
             await self.handle(taken)
         return more or bool(taken)

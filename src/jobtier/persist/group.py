@@ -75,33 +75,6 @@ async def read_group(
     return more, out
 
 
-async def wait_group(
-    redis: RedisClient, group: str, name: str, streams: Sequence[str], count: int, block: float
-) -> list[tuple[int, bytes, Fields]] | None:
-    """One XREADGROUP naming every stream, blocked in Redis for up to ``block`` seconds until
-    one of them has new entries: [(shard, entry id, fields)], empty when none came.
-
-    A member with nothing to do waits here instead of napping between polls: it sees the
-    first entry of a burst as it is written, and an idle one sends one command per ``block``
-    instead of one per stream per nap. One command can name the streams only when one Redis
-    holds them all: on a Redis Cluster (its shards spread over nodes) it returns None at
-    once, and the caller naps instead.
-    """
-    if isinstance(redis, RedisCluster):
-        return None
-    reply = await redis.xreadgroup(
-        group, name, dict.fromkeys(streams, ">"), count=count, block=max(1, int(block * 1000))
-    )
-    shard_of = {stream: shard for shard, stream in enumerate(streams)}
-    out: list[tuple[int, bytes, Fields]] = []
-    # [[stream, entries], …] (RESP2, as our clients speak); a stream's name comes back as
-    # bytes, or as str from a client that decodes replies
-    for stream, items in cast(list[tuple[bytes | str, list[tuple[bytes, Fields]]]], reply or []):
-        shard = shard_of[stream.decode() if isinstance(stream, bytes) else stream]
-        out += [(shard, entry_id, fields) for entry_id, fields in items]
-    return out
-
-
 async def wait_idle(
     redis: RedisClient,
     group: str,
@@ -112,20 +85,34 @@ async def wait_idle(
     block: float,
     nap: Callable[[float], Awaitable[object]],
 ) -> list[tuple[int, bytes, Fields]] | None:
-    """For a member with nothing to do: ``wait_group`` for up to ``block`` seconds, or None
-    when it cannot wait so (a Redis Cluster; its own pending entries, ``cursors`` not all at
-    ``>``, still being read back): the caller naps instead. Should Redis answer empty at once
-    (something between us and it that does not block), ``nap`` the rest rather than spin."""
-    if any(c != b">" for c in cursors):
+    """For a member with nothing to do: one XREADGROUP naming every stream, blocked in Redis
+    for up to ``block`` seconds until one of them has new entries, ``count`` at most each:
+    [(shard, entry id, fields)], empty when none came.
+
+    It sees the first entry of a burst as it is written, and an idle member sends one
+    command per ``block`` instead of one per stream per nap. None, at once, when it cannot
+    wait so, and the caller naps instead: on a Redis Cluster (one command names streams of
+    one node only), or while the member's own pending entries are still being read back
+    (``cursors`` not all at ``>``). Should Redis answer empty at once (something between us
+    and it that does not block), ``nap`` the rest rather than spin.
+    """
+    if isinstance(redis, RedisCluster) or any(c != b">" for c in cursors):
         return None
     began = time.monotonic()
-    items = await wait_group(redis, group, name, streams, count, block)
-    if items is None:
-        return None
+    reply = await redis.xreadgroup(
+        group, name, dict.fromkeys(streams, ">"), count=count, block=max(1, int(block * 1000))
+    )
+    shard_of = {stream: shard for shard, stream in enumerate(streams)}
+    out: list[tuple[int, bytes, Fields]] = []
+    # [[stream, entries], …] (RESP2, as our clients speak); a stream's name comes back as
+    # bytes, or as str from a client that decodes replies
+    for stream, items in cast(list[tuple[bytes | str, list[tuple[bytes, Fields]]]], reply or []):
+        shard = shard_of[stream.decode() if isinstance(stream, bytes) else stream]
+        out += [(shard, entry_id, fields) for entry_id, fields in items]
     waited = time.monotonic() - began
-    if not items and waited < block / 2:
+    if not out and waited < block / 2:
         await nap(block - waited)
-    return items
+    return out
 
 
 async def claim_idle(

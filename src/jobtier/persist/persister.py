@@ -40,6 +40,7 @@ from jobtier.backoff import PERSIST_POSTGRES, PERSIST_REDIS
 from jobtier.config import Settings
 from jobtier.connection import RedisClient
 from jobtier.keys import Keys
+from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.acks import Acks
 from jobtier.persist.batch import (
@@ -145,7 +146,7 @@ class Persister:
         self._next_forget = 0.0
         self._next_trim = 0.0
         self._waited_in_vain = False  # the last wait in Redis found nothing
-        self._explained: set[str] = set()  # error classes whose traceback was logged once
+        self._explain = Unforeseen(log)  # a traceback once per error class
 
     # --- life cycle -----------------------------------------------------------------------
     def metrics(self) -> Snapshot:
@@ -309,10 +310,8 @@ class Persister:
 
     async def _read(self) -> bool:
         """XREADGROUP every shard in one pipeline. True if some shard may have more."""
-        room = self.batch_size - len(self._buffer)
-        count = max(-(-room // len(self._streams)), READ_MIN)
         more, items = await read_group(
-            self.redis, self.group, self.name, self._streams, self._cursor, count
+            self.redis, self.group, self.name, self._streams, self._cursor, self._read_count()
         )
         for shard, entry_id, fields in items:
             self._accept(shard, entry_id, fields)
@@ -327,8 +326,8 @@ class Persister:
         if self._stop.is_set() or self._inflight or self._buffer:
             return False
         items = await wait_idle(
-            self.redis, self.group, self.name, self._streams, self._cursor,
-            max(-(-self.batch_size // len(self._streams)), READ_MIN), IDLE_SLEEP_MAX, self._sleep,
+            self.redis, self.group, self.name, self._streams, self._cursor, self._read_count(),
+            IDLE_SLEEP_MAX, self._sleep,
         )  # fmt: skip
         if items is None:
             return False
@@ -337,6 +336,11 @@ class Persister:
         # it read every stream and found nothing: no poll before the next wait (idle CPU)
         self._waited_in_vain = not items
         return True
+
+    def _read_count(self) -> int:
+        """Entries to ask each stream for: the room left in the buffer, spread over them."""
+        room = self.batch_size - len(self._buffer)
+        return max(-(-room // len(self._streams)), READ_MIN)
 
     async def _claim(self) -> None:
         """Take over entries idle longer than the claim timeout (their persister died)."""
@@ -395,17 +399,6 @@ class Persister:
         """Read our own pending entries again from the start (held ones are skipped)."""
         self._cursor = [b"0"] * len(self._streams)
         self._waited_in_vain = False
-
-    def _explain(self, event: str, exc: BaseException, wait: float, **fields: object) -> None:
-        """Log an unforeseen failure: with its traceback the first time its class is seen in
-        this process, as one line after that (a retry loop must not flood the log)."""
-        extra = "".join(f" {k}={v}" for k, v in fields.items())
-        name = type(exc).__name__
-        first = name not in self._explained
-        self._explained.add(name)
-        log.error(
-            "%s retry_in=%.1fs%s error=%r", event, wait, extra, exc, exc_info=exc if first else None
-        )
 
     def _cancel_flushes(self) -> None:
         # a cancelled flush either committed (its entries stay pending: replayed harmlessly
