@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS, environment, fmt, header_markdown, median, save, table
 
-from jobtier.cache.redis_reader import StatusReader
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
+from jobtier.status.reader import StatusReader
 
 DOC = (
     b'{"id":"%s","type":"resize_image","queue":"default","state":"running","version":%d,'
@@ -53,8 +53,8 @@ def event_cost(n: int, cached: bool) -> float:
     import asyncio
     import tempfile
 
-    from jobtier.connection import ShardSubscriber
-    from jobtier.dev.redis import LocalRedis
+    from jobtier.dev.local_redis import LocalRedis
+    from jobtier.store.redis import ShardSubscriber
 
     keys = Keys("jt", 16)
     ids = [keys.new_id(0) for _ in range(1000)]
@@ -67,7 +67,7 @@ def event_cost(n: int, cached: bool) -> float:
         reader.events_live = lambda: True
         if cached:
             assert reader.near is not None
-            from jobtier.cache.nearcache import Entry
+            from jobtier.status.nearcache import Entry
 
             for job_id in ids:
                 doc = DOC % (job_id.encode(), 1)

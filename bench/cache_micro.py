@@ -28,10 +28,10 @@ from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
 
-from jobtier.cache import Coalescer, NearCache, StatusReader
-from jobtier.cache.nearcache import Entry
-from jobtier.dev.redis import LocalRedis
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.status import Coalescer, NearCache, StatusReader
+from jobtier.status.nearcache import Entry
 
 SHARDS = 16
 DOC = (

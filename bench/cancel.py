@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, fmt, header_markdown, local_redis, percentile, save, table
 
 from jobtier.config import Settings
-from jobtier.connection import ShardSubscriber
-from jobtier.queue import Queue
+from jobtier.engine.queue import Queue
+from jobtier.store.redis import ShardSubscriber
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker

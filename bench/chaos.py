@@ -49,12 +49,12 @@ from chaos_audit import TERMINAL, Audit, audit, job_states
 from common import environment, header_markdown, save, table
 
 from jobtier.config import Settings
-from jobtier.connection import connect
-from jobtier.dev.postgres import LocalPostgres
-from jobtier.dev.redis import LocalRedis, free_port
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
+from jobtier.dev.local_postgres import LocalPostgres
+from jobtier.dev.local_redis import LocalRedis, free_port
 from jobtier.persist.db import create_pool
 from jobtier.persist.pg_reader import lag
+from jobtier.store.redis import connect
 
 HERE = Path(__file__).resolve().parent
 API_KEY, TENANT, ADMIN_KEY = "chaos-key", "chaos", "chaos-admin"
@@ -195,7 +195,7 @@ class Stack:
             "JOBTIER_LOG_LEVEL": "INFO",
         }
         self.env = env
-        cli = [sys.executable, "-m", "jobtier.cli"]
+        cli = [sys.executable, "-m", "jobtier.cli.main"]
         self.procs = [
             Proc("api", "api", [*cli, "api"], env, self.logs),
             Proc("scheduler", "scheduler", [*cli, "scheduler"], env, self.logs),
@@ -219,7 +219,7 @@ class Stack:
         self.redis.start()
         self.pg.start()
         subprocess.run(
-            [sys.executable, "-m", "jobtier.cli", "migrate"], env=self.env, check=True,
+            [sys.executable, "-m", "jobtier.cli.main", "migrate"], env=self.env, check=True,
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import asyncpg
 
-from jobtier import job_format
-from jobtier.job_docs import read_docs
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
 from jobtier.persist.pg_reader import lag
+from jobtier.status.docs import read_docs
+from jobtier.store import format as job_format
 
 TERMINAL = {b"succeeded", b"failed", b"cancelled"}
 CHUNK = 2000

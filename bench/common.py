@@ -27,15 +27,28 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from jobtier import job_format
 from jobtier.config import Settings
-from jobtier.dev.redis import LocalRedis
-from jobtier.keys import Keys
-from jobtier.queue import Queue
+from jobtier.core.keys import Keys
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.engine.queue import Queue
+from jobtier.store import format as job_format
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
 TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def git_lua(rev: str, name: str) -> str:
+    """The Lua file ``name`` at git revision ``rev``, wherever that revision kept its scripts
+    (src/jobtier/store/lua, or src/jobtier/lua before the store package)."""
+    for folder in ("src/jobtier/store/lua", "src/jobtier/lua"):
+        done = subprocess.run(
+            ["git", "-C", str(ROOT), "show", f"{rev}:{folder}/{name}"],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        if done.returncode == 0:
+            return done.stdout
+    raise subprocess.CalledProcessError(128, ["git", "show", f"{rev}:{name}"])
 
 
 def baseline_tree(rev: str) -> Path:
@@ -86,7 +99,7 @@ def drop_ready(r: Any, keys: Any) -> None:
 async def script_queue(redis: Redis, url: str, fmt: int = job_format.NEWEST) -> Queue:
     """A Queue on ``redis`` (16 shards) for programs that call the scripts directly rather
     than through ``Queue.connect``: its shards write job hashes in format ``fmt``
-    (jobtier/job_format.py; the newest, what a new deployment writes; scripts from before a
+    (jobtier/store/format.py; the newest, what a new deployment writes; scripts from before a
     format write an older one whatever this says). ``flush`` keeps the format from phase to
     phase."""
     queue = Queue(Settings(redis_url=url, shards=16), redis, None, require_known=False)
@@ -95,7 +108,7 @@ async def script_queue(redis: Redis, url: str, fmt: int = job_format.NEWEST) -> 
 
 
 async def set_format(redis: Redis, keys: Keys, fmt: int) -> None:
-    """Mark every shard to write job hashes in format ``fmt`` (jobtier/job_format.py)."""
+    """Mark every shard to write job hashes in format ``fmt`` (jobtier/store/format.py)."""
     if fmt == job_format.NEWEST:
         await job_format.upgrade(redis, keys)
     else:
@@ -103,7 +116,7 @@ async def set_format(redis: Redis, keys: Keys, fmt: int) -> None:
 
 
 async def flush(redis: Redis) -> None:
-    """FLUSHALL, keeping each shard's job format mark (jobtier/job_format.py): processes pick
+    """FLUSHALL, keeping each shard's job format mark (jobtier/store/format.py): processes pick
     the format when they connect, and emptying Redis between phases must not turn a
     deployment in format 2 back to format 1 under them."""
     marks = {key: await redis.get(key) async for key in redis.scan_iter(match="*:fmt")}

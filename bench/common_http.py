@@ -3,7 +3,7 @@ a workload to serve (jobs of several tenants, jobs that keep changing).
 
 Not a library: pieces that keep ``status_read.py`` about what it measures.
 
-* ``ApiProcess``: ``python -m jobtier.cli api`` with a given environment, optionally pinned to
+* ``ApiProcess``: ``python -m jobtier.cli.main api`` with a given environment, optionally pinned to
   CPUs with ``taskset``; its CPU time and resident memory read from ``/proc``.
 * ``run_wrk``: wrk (closed loop) with ``wrk_rotate.lua``, which replays a file of raw HTTP
   requests round-robin and prints its summary as JSON (p99.9 included).
@@ -39,13 +39,13 @@ from typing import Any
 import httpx
 import redis
 
-from jobtier import job_format
-from jobtier.cache.redis_reader import parse_version
 from jobtier.config import Settings
-from jobtier.dev.redis import wait_port
-from jobtier.keys import Keys
-from jobtier.model import JobSpec
-from jobtier.queue import Queue
+from jobtier.core.keys import Keys
+from jobtier.core.model import JobSpec
+from jobtier.dev.local_redis import wait_port
+from jobtier.engine.queue import Queue
+from jobtier.status.reader import parse_version
+from jobtier.store import format as job_format
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker
@@ -160,7 +160,16 @@ class ApiProcess:
     ) -> None:
         self.port = port
         self.server = server
-        cmd = [sys.executable, "-m", "jobtier.cli", "api", "--server", server, "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jobtier.cli.main",
+            "api",
+            "--server",
+            server,
+            "--port",
+            str(port),
+        ]
         if cpus is not None and shutil.which("taskset"):
             cmd = ["taskset", "-c", cpus, *cmd]
         self.log = log
@@ -572,7 +581,7 @@ class ReplayProbe(threading.Thread):
         self.replays = self.stale = self.errors = 0
 
     def run(self) -> None:
-        from jobtier.scripts import Script
+        from jobtier.store.scripts import Script
 
         script = Script("replay").text
         r = redis.Redis.from_url(self.url)

@@ -96,8 +96,8 @@ from common import (
 )
 
 from jobtier.config import Settings
-from jobtier.dev.redis import LocalRedis
-from jobtier.queue import Queue
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.engine.queue import Queue
 
 HERE = Path(__file__).resolve().parent / "compare"
 VENVS = HERE / ".venv"
@@ -431,7 +431,7 @@ class PersistHook:
             "JOBTIER_LOG_LEVEL": "WARNING",
         }  # fmt: skip
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "jobtier.cli", "persister", env=env, start_new_session=True
+            sys.executable, "-m", "jobtier.cli.main", "persister", env=env, start_new_session=True
         )
         _groups.add(self.proc.pid)
         group = self.queue.keys.persist_group()
@@ -1046,7 +1046,7 @@ def run(argv: list[str] | None = None, report: Callable[[str], None] = print) ->
 
     try:
         for name, collation in args.persist_systems.items():
-            from jobtier.dev.postgres import LocalPostgres
+            from jobtier.dev.local_postgres import LocalPostgres
             from jobtier.persist.db import migrate
 
             folder = Path(tempfile.mkdtemp(prefix="jobtier-compare-pg-"))

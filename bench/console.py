@@ -56,9 +56,9 @@ from common_http import ApiProcess  # noqa: E402
 from persist import prefill  # noqa: E402
 
 from jobtier.config import Settings  # noqa: E402
-from jobtier.dev.postgres import LocalPostgres  # noqa: E402
-from jobtier.dev.redis import LocalRedis, free_port  # noqa: E402
-from jobtier.keys import ulid  # noqa: E402
+from jobtier.core.keys import ulid  # noqa: E402
+from jobtier.dev.local_postgres import LocalPostgres  # noqa: E402
+from jobtier.dev.local_redis import LocalRedis, free_port  # noqa: E402
 from jobtier.persist.batch import JOB_COLUMNS  # noqa: E402
 from jobtier.persist.db import Pool, connect, create_pool, migrations, query  # noqa: E402
 from jobtier.persist.persister import Persister  # noqa: E402
@@ -481,7 +481,7 @@ def http_phase(
     api = ApiProcess(free_port(), env, log=folder / "api.log").wait_ready()
     # the write-behind runs as in production: Postgres is writing while it is read
     persister = subprocess.Popen(
-        [sys.executable, "-m", "jobtier.cli", "persister"], env={**os.environ, **env},
+        [sys.executable, "-m", "jobtier.cli.main", "persister"], env={**os.environ, **env},
         stdout=(folder / "persister.log").open("wb"), stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip

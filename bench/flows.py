@@ -52,11 +52,11 @@ from common import (
 )
 
 from jobtier.config import Settings
-from jobtier.connection import ShardSubscriber
-from jobtier.dev.redis import free_port, terminate
+from jobtier.core.model import FlowJob, JobSpec
+from jobtier.dev.local_redis import free_port, terminate
+from jobtier.engine.queue import Queue
 from jobtier.flows import fan_in
-from jobtier.model import FlowJob, JobSpec
-from jobtier.queue import Queue
+from jobtier.store.redis import ShardSubscriber
 
 
 def iso_ms(value: bytes) -> float:
@@ -109,7 +109,7 @@ def start_process(kind: str, url: str, shards: int) -> subprocess.Popen[bytes]:
     }
     args = ["worker", "jobtier.demo", "--concurrency", "50"] if kind == "worker" else [kind]
     return subprocess.Popen(
-        [sys.executable, "-m", "jobtier.cli", *args], env=env, start_new_session=True
+        [sys.executable, "-m", "jobtier.cli.main", *args], env=env, start_new_session=True
     )
 
 

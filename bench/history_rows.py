@@ -35,11 +35,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, fresh, header_markdown, local_redis, save, table
 
 from jobtier.config import Settings
-from jobtier.dev.postgres import LocalPostgres
-from jobtier.model import TERMINAL
+from jobtier.core.model import TERMINAL
+from jobtier.dev.local_postgres import LocalPostgres
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool, create_pool, migrate, query
 from jobtier.persist.persister import Persister
-from jobtier.queue import Queue
 from jobtier.worker.registry import TaskRegistry
 from jobtier.worker.runner import Worker
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +40,7 @@ from common import (
     environment,
     flush,
     fmt,
+    git_lua,
     header_markdown,
     local_redis,
     median,
@@ -50,9 +50,9 @@ from common import (
 )
 from redis.asyncio import Redis
 
-from jobtier.model import JobSpec
-from jobtier.queue import Queue
-from jobtier.scripts import NAMES, lua_source
+from jobtier.core.model import JobSpec
+from jobtier.engine.queue import Queue
+from jobtier.store.scripts import NAMES, lua_source
 
 # (name, setup run once per script before the loop, body run per job in the loop). In the
 # body, `id` is a queued job's id and `j` its table from load() with what commit() sets
@@ -153,7 +153,7 @@ ABLATIONS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
 
 def ablated(edits: tuple[tuple[str, str], ...]) -> dict[str, str]:
     """Every script's text (includes expanded) with lib.lua's ``edits`` applied."""
-    lib = (ROOT / "src/jobtier/lua/lib.lua").read_text()
+    lib = (ROOT / "src/jobtier/store/lua/lib.lua").read_text()
     for old, _ in edits:
         if old not in lib:
             raise SystemExit(f"lib.lua no longer has {old!r}: update ABLATIONS")
@@ -197,11 +197,8 @@ async def in_place(args: argparse.Namespace) -> dict[str, Any]:
 
 def lib_text(rev: str | None) -> str:
     if rev is None:
-        return (ROOT / "src/jobtier/lua/lib.lua").read_text()
-    return subprocess.run(
-        ["git", "-C", str(ROOT), "show", f"{rev}:src/jobtier/lua/lib.lua"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        return (ROOT / "src/jobtier/store/lua/lib.lua").read_text()
+    return git_lua(rev, "lib.lua")
 
 
 def loop_script(lib: str, body: str, reps: int) -> str:

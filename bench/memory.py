@@ -48,9 +48,9 @@ from common import (
 from redis.asyncio import Redis
 from transitions import git_sources, known_format, use_sources
 
-from jobtier import job_format
-from jobtier.model import JobSpec
-from jobtier.queue import Queue
+from jobtier.core.model import JobSpec
+from jobtier.engine.queue import Queue
+from jobtier.store import format as job_format
 
 STATES = ("waiting", "running", "finished", "dead")
 LISTPACK = (64, 1024)

@@ -37,8 +37,8 @@ def child(entries: int) -> dict[str, float]:
     import gc
     import tracemalloc
 
-    from jobtier.cache.nearcache import Entry, NearCache
-    from jobtier.keys import Keys
+    from jobtier.core.keys import Keys
+    from jobtier.status.nearcache import Entry, NearCache
 
     keys = Keys("jt", 16)
     ids = [keys.new_id(i % 16) for i in range(entries)]

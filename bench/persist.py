@@ -50,22 +50,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, baseline_tree, environment, proc_cpu
 
 from jobtier.config import Settings
-from jobtier.dev.postgres import LocalPostgres
-from jobtier.dev.redis import LocalRedis
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
+from jobtier.dev.local_postgres import LocalPostgres
+from jobtier.dev.local_redis import LocalRedis
 from jobtier.persist.batch import (
     JOB_COLUMNS,
     TRANSITION_COLUMNS,
-    LogEntry,
     collapse,
     job_records,
-    parse_entry,
     transition_records,
 )
 from jobtier.persist.db import AnyConnection, Pool, create_pool, migrate, query
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import lag
-from jobtier.scripts import Scripts, SubmitItem
+from jobtier.store.scripts import Scripts, SubmitItem
+from jobtier.streams.entries import LogEntry, parse_entry
 
 SHARDS = 16
 RESULTS = Path(__file__).parent / "results"
@@ -372,7 +371,7 @@ class PersisterProcess:
             "JOBTIER_REDIS_REQUIRE_AOF": "0", "JOBTIER_LOG_LEVEL": "WARNING",
         }  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "jobtier.cli", "persister", "--name", "bench",
+            sys.executable, "-m", "jobtier.cli.main", "persister", "--name", "bench",
             env=env, start_new_session=True,
         )  # fmt: skip
         try:

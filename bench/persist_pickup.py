@@ -50,13 +50,13 @@ from common import (
 )
 
 from jobtier.config import Settings
-from jobtier.connection import connect
-from jobtier.dev.postgres import LocalPostgres
-from jobtier.keys import Keys
-from jobtier.persist.batch import LogEntry
+from jobtier.core.keys import Keys
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist.db import create_pool, migrate
 from jobtier.persist.persister import Persister
-from jobtier.scripts import Scripts, SubmitItem
+from jobtier.store.redis import connect
+from jobtier.store.scripts import Scripts, SubmitItem
+from jobtier.streams.entries import LogEntry
 
 SHARDS = 16
 

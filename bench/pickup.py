@@ -51,10 +51,10 @@ from common import (
 )
 
 from jobtier.config import Settings
-from jobtier.connection import ShardSubscriber
-from jobtier.dev.redis import terminate
-from jobtier.model import JobStatus, decode_status
-from jobtier.queue import Queue
+from jobtier.core.model import JobStatus, decode_status
+from jobtier.dev.local_redis import terminate
+from jobtier.engine.queue import Queue
+from jobtier.store.redis import ShardSubscriber
 
 
 def iso_ms(value: str) -> float:
@@ -105,7 +105,7 @@ def start_process(
     if kind == "worker" and queues:
         args += ["--queues", ",".join(queues)]
     return subprocess.Popen(
-        [sys.executable, "-m", "jobtier.cli", *args], env=env, start_new_session=True
+        [sys.executable, "-m", "jobtier.cli.main", *args], env=env, start_new_session=True
     )
 
 

@@ -9,7 +9,7 @@ subprocess of its own:
   figure named queues must not fall below;
 * ``1 queue``: this tree, every job in ``default``;
 * ``20 queues``: the jobs spread round-robin over 20 queues, the worker serving all of them;
-* ``concurrency limit C``: a global concurrency limit on the queue (permits, lua/limit.lua);
+* ``concurrency limit C``: a global concurrency limit on the queue (permits, store/lua/limit.lua);
 * ``rate limit R/s``: at most R starts in any second (the run then takes at least
   ``jobs / R - 1`` seconds: the figure shows the limit holding, and what it costs Redis).
 

@@ -96,8 +96,8 @@ from common import (
 )
 
 from jobtier.config import Settings
-from jobtier.dev.redis import terminate
-from jobtier.queue import JobSpec, Queue
+from jobtier.dev.local_redis import terminate
+from jobtier.engine.queue import JobSpec, Queue
 
 VARIANTS = ("jobtier", "jobtier-b100", "poll1s", "poll10ms")
 DEFAULT_VARIANTS = ("jobtier", "poll1s")
@@ -137,7 +137,7 @@ def start_processes(
 ) -> dict[str, subprocess.Popen[bytes]]:
     """The scheduler (or the poller) and the workers, each in its own process group."""
     env = _env(url, args.shards)
-    cli = [sys.executable, "-m", "jobtier.cli"]
+    cli = [sys.executable, "-m", "jobtier.cli.main"]
     commands: dict[str, list[str]] = {}
     if variant.startswith("jobtier"):
         batch = 100 if variant == "jobtier-b100" else args.scheduler_batch

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, flush, fmt, header_markdown, local_redis, median, save, table
 
 from jobtier.config import Settings
-from jobtier.model import State
-from jobtier.queue import Queue
+from jobtier.core.model import State
+from jobtier.engine.queue import Queue
 
 TASKS = """
 import asyncio, time
@@ -96,7 +96,7 @@ async def one_run(
         PYTHONPATH=os.pathsep.join(path),
     )
     worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jobtier.cli", "worker", "bench_shutdown_tasks",
+        sys.executable, "-m", "jobtier.cli.main", "worker", "bench_shutdown_tasks",
         "-c", str(args.concurrency), "--grace", str(case.grace),
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

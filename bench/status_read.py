@@ -96,8 +96,8 @@ from common_http import (
     write_requests,
 )
 
-from jobtier.dev.redis import free_port
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
+from jobtier.dev.local_redis import free_port
 
 SERVER_CPUS, LOAD_CPUS = "0", "1"
 ADMIN = "bench-admin-key"
@@ -970,7 +970,7 @@ def submit_section(submits: list[dict[str, Any]]) -> list[str]:
 CHANGES = """\
 Four changes, each measured before and after (1-3: 2026-11-29, 4: 2026-11-30, this machine):
 
-1. Coalesced misses read their batch with one call of the read-only `lua/read_status.lua`
+1. Coalesced misses read their batch with one call of the read-only `store/lua/read_status.lua`
    (HMGET of every hash inside Redis; per shard on a cluster) instead of a pipeline of
    HMGETs. Client CPU per id (redis-py 8.1 + hiredis): 20 ids a batch 15.6 → 5.0 µs, 100 ids
    12.7 → 2.3 µs. The API sends one command per batch; INFO commandstats still counts each

@@ -61,10 +61,10 @@ from common import (
 )
 
 from jobtier.config import Settings
-from jobtier.dev.redis import LocalRedis
-from jobtier.errors import Code
-from jobtier.model import JobSpec, QueueLimits, encode_json
-from jobtier.queue import Queue
+from jobtier.core.errors import Code
+from jobtier.core.model import JobSpec, QueueLimits, encode_json
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.engine.queue import Queue
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker, WorkerStats

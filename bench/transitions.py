@@ -45,10 +45,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
-    ROOT,
     environment,
     flush,
     fmt,
+    git_lua,
     header_markdown,
     local_redis,
     median,
@@ -61,9 +61,9 @@ from common import (
 )
 from redis.asyncio import Redis
 
-from jobtier.model import JobSpec
-from jobtier.queue import Queue
-from jobtier.scripts import NAMES, Library, Script, library, lua_source
+from jobtier.core.model import JobSpec
+from jobtier.engine.queue import Queue
+from jobtier.store.scripts import NAMES, Library, Script, library, lua_source
 
 PHASES = ("submit", "claim", "complete")
 READ = "read"  # not a transition: read_status.lua over every finished job
@@ -84,10 +84,7 @@ def git_sources(rev: str) -> Revision:
     (its lib.lua has no begin()) has none, and its scripts run by EVALSHA."""
 
     def show(name: str) -> str:
-        return subprocess.run(
-            ["git", "-C", str(ROOT), "show", f"{rev}:src/jobtier/lua/{name}"],
-            capture_output=True, text=True, check=True,
-        ).stdout  # fmt: skip
+        return git_lua(rev, name)
 
     texts = {}
     for name in (*NAMES, "read_status"):
@@ -354,7 +351,7 @@ def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any
         f"Redis AOF `everysec`. Medians of {args.runs} interleaved run(s) of both variants: "
         f"**before** = the scripts at `{args.before}`, job hashes in format "
         f"{args.formats['before']}; **after** = the working tree's, in format "
-        f"{args.formats['after']} (jobtier/job_format.py).\n\n"
+        f"{args.formats['after']} (jobtier/store/format.py).\n\n"
         "Redis CPU is the server's (INFO cpu), script time the `fcall`/`evalsha` usec of INFO "
         "commandstats (commands inside included), Lua = script time less the commands' own "
         "usec (key building, rendering the document, cjson). AOF bytes are parsed back from "

@@ -64,7 +64,7 @@ from common import (
 from redis.asyncio import Redis
 from transitions import PHASES, git_sources, use_sources
 
-from jobtier.model import JobSpec
+from jobtier.core.model import JobSpec
 
 Frame = tuple[int, str, str]  # address in its object, symbol ('[unknown]'), object path
 

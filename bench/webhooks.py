@@ -14,7 +14,7 @@ with JOBTIER_WEBHOOK_ALLOWED_HOSTS, and measures:
   - on: a dispatcher delivering every job's terminal webhook (the tenant's subscription);
   - follow: a dispatcher, and no job has a target (submitted as a tenant with no
     subscription and no callback): the cost of following the logs alone. That tenant is not
-    marked (dispatch/marks.py), so its entries are acknowledged undecoded, with no look-up
+    marked (webhooks/marks.py), so its entries are acknowledged undecoded, with no look-up
     in Postgres; the subscribed tenant is marked by the dispatcher's start-up, as the bench
     writes its subscription straight into Postgres.
   A dispatcher is started and has caught up (its group has read and acknowledged every log
@@ -44,11 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from jobtier.config import Settings, env_name
-from jobtier.dev.postgres import LocalPostgres
-from jobtier.dev.redis import LocalRedis, free_port
-from jobtier.model import JobSpec
+from jobtier.core.model import JobSpec
+from jobtier.dev.local_postgres import LocalPostgres
+from jobtier.dev.local_redis import LocalRedis, free_port
+from jobtier.engine.queue import DEFAULT_TENANT, Queue
 from jobtier.persist.db import create_pool, migrate, query
-from jobtier.queue import DEFAULT_TENANT, Queue
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker
 
@@ -117,7 +117,7 @@ def env_of(settings: Settings) -> dict[str, str]:
 
 def spawn(role: str, settings: Settings) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "jobtier.cli", role], env=env_of(settings),
+        [sys.executable, "-m", "jobtier.cli.main", role], env=env_of(settings),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
 
@@ -156,7 +156,7 @@ async def fill(queue: Queue, n: int, tenant: str = DEFAULT_TENANT) -> None:
 async def caught_up(queue: Queue, pool: Any) -> bool:
     """The dispatchers' group has read and acknowledged every log entry, and no delivery is
     pending: a dispatcher started now has no backlog left from an earlier run."""
-    from jobtier.dispatch.dispatcher import group_name
+    from jobtier.webhooks.dispatcher import group_name
 
     name = group_name(queue.keys).encode()
     for shard in range(queue.keys.shards):
@@ -198,8 +198,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         registry = TaskRegistry([noop])
         pool = await create_pool(pg.dsn, min_size=0, max_size=2)
         queue = await Queue.connect(settings, registry)
-        from jobtier.dispatch.dispatcher import ensure_group
-        from jobtier.dispatch.signing import new_secret
+        from jobtier.webhooks.dispatcher import ensure_group
+        from jobtier.webhooks.signing import new_secret
 
         tenant = DEFAULT_TENANT
         await pool.execute(query("secret_create_if_missing"), tenant, new_secret())

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from jobtier.config import Settings
+from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
-from jobtier.queue import Queue
-from jobtier.scripts import Call
+from jobtier.store.scripts import Call
 from jobtier.worker.runner import Worker
 from tests.tasks import registry
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import cast
 
+from jobtier.core.model import JobStatus, decode_status
+from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
-from jobtier.model import JobStatus, decode_status
-from jobtier.queue import Queue
 from tests.fixtures.engine import worker_for
 from tests.fixtures.redis import StreamEntries
 from tests.tasks import registry

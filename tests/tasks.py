@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from jobtier import demo
-from jobtier.errors import Retry
+from jobtier.core.errors import Retry
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 

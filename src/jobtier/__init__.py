@@ -15,38 +15,38 @@ __version__ = "0.1.0"
 # name -> the module that defines it
 _EXPORTS: dict[str, str] = {
     "AsyncClient": "jobtier.client",
-    "Cancelled": "jobtier.errors",
+    "Cancelled": "jobtier.core.errors",
     "Client": "jobtier.client",
-    "Code": "jobtier.errors",
-    "ConfigError": "jobtier.errors",
-    "Dependency": "jobtier.model",
-    "Fatal": "jobtier.errors",
-    "FlowJob": "jobtier.model",
-    "FlowSubmitted": "jobtier.model",
-    "IdempotencyConflict": "jobtier.errors",
-    "InvalidRequest": "jobtier.errors",
+    "Code": "jobtier.core.errors",
+    "ConfigError": "jobtier.core.errors",
+    "Dependency": "jobtier.core.model",
+    "Fatal": "jobtier.core.errors",
+    "FlowJob": "jobtier.core.model",
+    "FlowSubmitted": "jobtier.core.model",
+    "IdempotencyConflict": "jobtier.core.errors",
+    "InvalidRequest": "jobtier.core.errors",
     "JobContext": "jobtier.worker.context",
-    "JobError": "jobtier.model",
-    "JobNotFound": "jobtier.errors",
-    "JobSpec": "jobtier.model",
-    "JobStatus": "jobtier.model",
-    "JobtierError": "jobtier.errors",
-    "Overloaded": "jobtier.errors",
-    "Priority": "jobtier.model",
-    "Queue": "jobtier.queue",
-    "ResultGone": "jobtier.errors",
-    "Retry": "jobtier.errors",
+    "JobError": "jobtier.core.model",
+    "JobNotFound": "jobtier.core.errors",
+    "JobSpec": "jobtier.core.model",
+    "JobStatus": "jobtier.core.model",
+    "JobtierError": "jobtier.core.errors",
+    "Overloaded": "jobtier.core.errors",
+    "Priority": "jobtier.core.model",
+    "Queue": "jobtier.engine.queue",
+    "ResultGone": "jobtier.core.errors",
+    "Retry": "jobtier.core.errors",
     "RetryPolicy": "jobtier.worker.registry",
-    "Schedule": "jobtier.schedules",
-    "ScheduleSpec": "jobtier.schedules",
+    "Schedule": "jobtier.core.schedule",
+    "ScheduleSpec": "jobtier.core.schedule",
     "Scheduler": "jobtier.scheduler",
     "Settings": "jobtier.config",
-    "State": "jobtier.model",
-    "Submitted": "jobtier.model",
+    "State": "jobtier.core.model",
+    "Submitted": "jobtier.core.model",
     "Task": "jobtier.worker.registry",
     "TaskRegistry": "jobtier.worker.registry",
-    "TransitionRefused": "jobtier.errors",
-    "UnknownTask": "jobtier.errors",
+    "TransitionRefused": "jobtier.core.errors",
+    "UnknownTask": "jobtier.core.errors",
     "Worker": "jobtier.worker.runner",
     "chain": "jobtier.flows",
     "fan_in": "jobtier.flows",
@@ -111,7 +111,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from jobtier.client import AsyncClient, Client
     from jobtier.config import Settings
-    from jobtier.errors import (
+    from jobtier.core.errors import (
         Cancelled,
         Code,
         ConfigError,
@@ -126,8 +126,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         TransitionRefused,
         UnknownTask,
     )
-    from jobtier.flows import chain, fan_in
-    from jobtier.model import (
+    from jobtier.core.model import (
         Dependency,
         FlowJob,
         FlowSubmitted,
@@ -138,9 +137,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         State,
         Submitted,
     )
-    from jobtier.queue import Queue
+    from jobtier.core.schedule import Schedule, ScheduleSpec
+    from jobtier.engine.queue import Queue
+    from jobtier.flows import chain, fan_in
     from jobtier.scheduler import Scheduler
-    from jobtier.schedules import Schedule, ScheduleSpec
     from jobtier.worker.context import JobContext
     from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
     from jobtier.worker.runner import Worker

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobtier.errors import ConfigError
+from jobtier.core.errors import ConfigError
 
 ENV_PREFIX = "JOBTIER_"
 

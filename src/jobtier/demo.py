@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from jobtier.errors import Fatal
+from jobtier.core.errors import Fatal
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import task
 

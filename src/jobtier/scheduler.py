@@ -22,15 +22,15 @@ from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
-from jobtier.backoff import SCHEDULER
-from jobtier.connection import ShardSubscriber
+from jobtier.engine.cron import CronMirror, mirror_def, to_datetime
+from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.schedule_store import ScheduleStore
-from jobtier.queue import Queue
-from jobtier.schedules import CronMirror, mirror_def, to_datetime
-from jobtier.scripts import Call
-from jobtier.stopping import stop_task
+from jobtier.runtime.backoff import SCHEDULER
+from jobtier.runtime.stopping import stop_task
+from jobtier.store.redis import ShardSubscriber
+from jobtier.store.scripts import Call
 
 log = logging.getLogger("jobtier.scheduler")
 
@@ -91,7 +91,7 @@ class Scheduler:
 
     async def _upgrade_ready_lists(self) -> None:
         """Move jobs still waiting in the ready lists of a jobtier from before named queues
-        (lua/upgrade.lua); once a deployment has none, this is one cheap call per shard."""
+        (store/lua/upgrade.lua); once a deployment has none, this is one cheap call per shard."""
         moved = 0
         try:
             for shard in range(self.keys.shards):
@@ -192,7 +192,7 @@ class Scheduler:
                     await asyncio.sleep(gap)
                 await self._sleep(self._seconds_to_next())
         finally:
-            # its Postgres and Redis calls can swallow a cancel (stopping.py)
+            # its Postgres and Redis calls can swallow a cancel (runtime/stopping.py)
             await stop_task(reconciler, "schedule reconciler")
             if resolving is not None:
                 assert self.resolver is not None

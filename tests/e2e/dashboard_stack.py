@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 
-from jobtier.api.postgres import PostgresExtension
-from jobtier.catalog import publish
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
+from jobtier.engine.catalog import publish
+from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher, Source
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.retention import ensure_partitions
-from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from jobtier.dev.local_redis import free_port
 from jobtier.dev.procs import pid_alive
-from jobtier.dev.redis import free_port
 
 HANG_GUARD = 120.0  # s: only stops a broken test from hanging (a first start runs initdb)
 
@@ -71,7 +71,7 @@ class JobtierRun:
         env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")}
         env["JOBTIER_API_PORT"] = str(self.api_port)
         command = [
-            sys.executable, "-m", "jobtier.cli", "run", "--data-dir", str(data),
+            sys.executable, "-m", "jobtier.cli.main", "run", "--data-dir", str(data),
             "--redis-port", str(self.redis_port), "--pg-port", str(self.pg_port), *args,
         ]  # fmt: skip
         with log.open("ab") as out:

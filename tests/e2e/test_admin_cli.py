@@ -14,14 +14,14 @@ from typing import Any
 
 import pytest
 
-from jobtier.api.postgres import PostgresExtension
-from jobtier.catalog import publish
+from jobtier.api.records import PostgresExtension
 from jobtier.client import AsyncClient, WrongState
 from jobtier.config import Settings
-from jobtier.model import State
+from jobtier.core.model import State
+from jobtier.engine.catalog import publish
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.queue import Queue
 from tests.debug_tasks import registry
 from tests.fixtures.api import ADMIN, KEYS, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -40,7 +40,7 @@ async def persister(pg_settings: Settings, queue: Queue, pg_pool: Pool) -> Async
 
 
 class Cli:
-    """``python -m jobtier.cli`` with ``JOBTIER_URL`` and ``JOBTIER_KEY`` set, nothing else of
+    """``python -m jobtier.cli.main`` with ``JOBTIER_URL`` and ``JOBTIER_KEY`` set, nothing else of
     jobtier's from this environment."""
 
     def __init__(self, api: ApiServer) -> None:
@@ -52,7 +52,7 @@ class Cli:
         if key is not None:
             env["JOBTIER_KEY"] = key
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "jobtier.cli", *args, env=env,
+            sys.executable, "-m", "jobtier.cli.main", *args, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(), 60)

@@ -15,10 +15,10 @@ from starlette.types import Receive, Scope, Send
 
 from jobtier.api import jobs
 from jobtier.config import Settings
-from jobtier.dev.redis import LocalRedis
-from jobtier.keys import Keys
-from jobtier.model import State
-from jobtier.queue import Queue
+from jobtier.core.keys import Keys
+from jobtier.core.model import State
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.engine.queue import Queue
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from jobtier.queue import Queue
+from jobtier.engine.queue import Queue
 from tests.fixtures.api import ApiServer
 
 JOB = "01M8KK4FZ54RBHFVYBN6HBV0CZ-1"

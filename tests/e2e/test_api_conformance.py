@@ -15,9 +15,9 @@ import httpx
 import pytest
 import schemathesis
 
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
-from jobtier.queue import Queue
+from jobtier.engine.queue import Queue
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import worker_for
 from tests.tasks import registry

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from jobtier.client import AsyncClient, Client, ValidationFailed
+from jobtier.core.model import FlowJob, State
+from jobtier.engine.queue import Queue
 from jobtier.flows import chain, fan_in
-from jobtier.model import FlowJob, State
-from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.e2e.test_sse import read_events
 from tests.fixtures.api import KEYS, ApiServer, StartApi

@@ -38,9 +38,9 @@ from schemathesis.core.transport import Response
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from jobtier.api.app import create_app
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
-from jobtier.dev.redis import free_port
+from jobtier.dev.local_redis import free_port
 from tests.fixtures.api import ADMIN, KEYS, advertise_tasks_sync
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
@@ -55,7 +55,7 @@ PROSE_RULES = {
     "run_at": 422, "since": 422, "cron": 422, "timezone": 422, "cursor": 400,
     "idempotency_key": 400,
     "depends_on": 422, "ref": 422, "after": 422,
-    "url": 422,  # a callback URL that does not resolve to a public address (dispatch/safety.py)
+    "url": 422,  # a callback URL that does not resolve to a public address (webhooks/safety.py)
 }  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)

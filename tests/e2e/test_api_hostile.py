@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
-from jobtier.queue import Queue
+from jobtier.engine.queue import Queue
 from tests.e2e.test_api_bad_input import snapshot
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import wait_for

@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
-from jobtier.queue import Queue
+from jobtier.engine.queue import Queue
 from tests.fixtures.api import ApiServer, StartApi
 
 # how each route is probed; a route missing here fails the test

@@ -8,11 +8,11 @@ from typing import cast
 import pytest
 from starlette.routing import Route
 
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.queue import Queue
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import wait_for, worker_for
 from tests.tasks import registry

@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
-from jobtier.model import QueueLimits, State
+from jobtier.core.model import QueueLimits, State
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.schedule_store import ScheduleStore
-from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.api import ADMIN, KEYS, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for

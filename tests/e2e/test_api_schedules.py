@@ -6,13 +6,13 @@ import asyncio
 
 import pytest
 
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
+from jobtier.engine.cron import now_ms
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.schedule_store import ScheduleStore
-from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
-from jobtier.schedules import now_ms
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for
 
@@ -119,7 +119,7 @@ async def test_scheduler_restores_a_schedule_redis_lost(
 
 async def test_python_client_manages_schedules(pg_api: ApiServer) -> None:
     from jobtier.client import AsyncClient, Client, Conflict, NotFound, ValidationFailed
-    from jobtier.schedules import ScheduleSpec
+    from jobtier.core.schedule import ScheduleSpec
     from tests.fixtures.api import KEYS
 
     async with AsyncClient(pg_api.url, KEYS["acme"]) as client:

@@ -30,9 +30,9 @@ from jobtier.client import (
     WaitTimeout,
     WrongState,
 )
-from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound, Overloaded
-from jobtier.model import JobSpec, JobStatus, State
-from jobtier.queue import Queue
+from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound, Overloaded
+from jobtier.core.model import JobSpec, JobStatus, State
+from jobtier.engine.queue import Queue
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import Background, worker_for
 from tests.tasks import registry

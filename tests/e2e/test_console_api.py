@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 
 from jobtier.api.audit import fingerprint
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
-from jobtier.model import encode_json
+from jobtier.core.model import encode_json
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.queue import Queue
 from tests import debug_tasks
 from tests.fixtures.api import ADMIN, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for

@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for

@@ -8,7 +8,7 @@ import pytest
 
 from jobtier.api.audit import fingerprint
 from jobtier.config import Settings
-from jobtier.queue import Queue
+from jobtier.engine.queue import Queue
 from tests import debug_tasks
 from tests.e2e.cdp import chromium_page
 from tests.e2e.dashboard_stack import (

@@ -23,7 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobtier.queue import Queue
+from jobtier.engine.queue import Queue
 from jobtier.worker.registry import TaskRegistry
 from tests.fixtures.api import KEYS, ApiServer
 from tests.fixtures.engine import Background, worker_for

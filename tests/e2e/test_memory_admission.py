@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from jobtier.connection import RedisClient
-from jobtier.memory import redis_memory
-from jobtier.model import JobSpec, Submitted
-from jobtier.queue import Queue
+from jobtier.core.model import JobSpec, Submitted
+from jobtier.engine.queue import Queue
+from jobtier.store.memory import redis_memory
+from jobtier.store.redis import RedisClient
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import on_every_server
@@ -71,7 +71,7 @@ async def test_submits_are_refused_before_redis_is_full(
 
 def test_memory_ratio_settings_are_checked() -> None:
     from jobtier.config import Settings
-    from jobtier.errors import ConfigError
+    from jobtier.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="JOBTIER_REDIS_MEMORY_REFUSE_RATIO"):
         Settings(redis_memory_refuse_ratio=1.5).validate()

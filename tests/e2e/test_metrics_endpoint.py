@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher
-from jobtier.queue import Queue
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import worker_for
 from tests.tasks import registry

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import redis as syncredis
 
-from jobtier.dev.postgres import LocalPostgres
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.dev.procs import pid_alive
 from tests.e2e.jobtier_run import JobtierRun, assert_gone, copy_pg_template, wait_until
 
@@ -172,7 +172,7 @@ def _daemonized_redis(folder: Path, port: int) -> int:
 def test_a_foreign_redis_on_the_port_is_refused_and_left_alone(
     data: Path, tmp_path: Path, runs: list[JobtierRun]
 ) -> None:
-    from jobtier.dev.redis import LocalRedis
+    from jobtier.dev.local_redis import LocalRedis
 
     other = LocalRedis(tmp_path / "someone-elses-redis").start()
     try:
@@ -246,7 +246,7 @@ def test_a_restart_waits_for_redis_to_load_its_aof(
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the relocation applies when running as root")
 def test_a_clone_others_cannot_enter_runs_as_root(tmp_path: Path, runs: list[JobtierRun]) -> None:
-    from jobtier.dev.postgres import relocated_folder
+    from jobtier.dev.local_postgres import relocated_folder
 
     home = Path(tempfile.mkdtemp(prefix="jobtier-root-home-"))  # 0700, like /root
     assert home.stat().st_mode & 0o777 == 0o700

@@ -10,7 +10,7 @@ import httpx
 import orjson
 
 from jobtier.api.sse import PENDING, Mailbox
-from jobtier.queue import Queue
+from jobtier.engine.queue import Queue
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry

@@ -7,9 +7,9 @@ from typing import Any, cast
 
 import pytest
 
-from jobtier.errors import InvalidRequest, JobNotFound, UnknownTask
-from jobtier.model import JobSpec, Priority
-from jobtier.queue import Queue
+from jobtier.core.errors import InvalidRequest, JobNotFound, UnknownTask
+from jobtier.core.model import JobSpec, Priority
+from jobtier.engine.queue import Queue
 from tests.tasks import registry
 
 NOW = datetime.now(UTC)
@@ -35,7 +35,7 @@ BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 
 
 async def stored(queue: Queue) -> list[bytes]:
-    """What Redis holds besides the shards' job format marks (set at connect: job_format.py)."""
+    """What Redis holds besides the shards' job format marks (set at connect: store/format.py)."""
     return [k async for k in queue.redis.scan_iter() if not k.endswith(b":fmt")]
 
 

@@ -17,7 +17,7 @@ async def check(settings: Settings, *args: str) -> subprocess.CompletedProcess[s
     env = dict(os.environ, JOBTIER_REDIS_URL=settings.redis_url, JOBTIER_SHARDS="4")
     return await asyncio.to_thread(
         subprocess.run,
-        [sys.executable, "-m", "jobtier.cli", "check", *args],
+        [sys.executable, "-m", "jobtier.cli.main", "check", *args],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
 

@@ -12,9 +12,9 @@ import redis as syncredis
 from redis.asyncio import Redis
 
 from jobtier.config import Settings
-from jobtier.connection import check_redis
-from jobtier.dev.redis import LOCAL_CONF, LocalRedis
-from jobtier.errors import ConfigError
+from jobtier.core.errors import ConfigError
+from jobtier.dev.local_redis import LOCAL_CONF, LocalRedis
+from jobtier.store.redis import check_redis
 from tests.e2e.jobtier_run import wait_until
 
 KEYS = 20_000

@@ -13,10 +13,10 @@ import redis as syncredis
 from redis.crc import key_slot
 
 from jobtier.config import Settings
-from jobtier.connection import ShardSubscriber, node_channels
-from jobtier.dev.redis import LocalCluster
-from jobtier.model import JobSpec
-from jobtier.queue import Queue
+from jobtier.core.model import JobSpec
+from jobtier.dev.local_redis import LocalCluster
+from jobtier.engine.queue import Queue
+from jobtier.store.redis import ShardSubscriber, node_channels
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import command_calls

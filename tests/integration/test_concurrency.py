@@ -7,8 +7,8 @@ from collections import Counter
 from typing import cast
 
 from jobtier.config import Settings
-from jobtier.model import JobSpec, State, decode_status
-from jobtier.queue import Queue
+from jobtier.core.model import JobSpec, State, decode_status
+from jobtier.engine.queue import Queue
 from tests.fixtures.engine import worker_for
 from tests.fixtures.redis import StreamEntries
 from tests.tasks import registry

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from jobtier.config import Settings
-from jobtier.errors import InvalidRequest
-from jobtier.keys import Keys, ulid
-from jobtier.model import decode_status
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.keys import Keys, ulid
+from jobtier.core.model import decode_status
 from jobtier.persist.audit_store import AuditRecord, AuditStore
 from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister

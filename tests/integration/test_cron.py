@@ -13,10 +13,10 @@ from datetime import datetime
 from typing import cast
 
 from jobtier.config import Settings
-from jobtier.model import State, decode_status
-from jobtier.queue import Queue
+from jobtier.core.model import State, decode_status
+from jobtier.engine.cron import CronMirror, MirrorDef, now_ms
+from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
-from jobtier.schedules import CronMirror, MirrorDef, now_ms
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.fixtures.redis import StreamEntries
 from tests.tasks import registry
@@ -125,7 +125,7 @@ async def test_killed_scheduler_catches_up_once_after_restart(settings: Settings
         )
         env = dict(os.environ, JOBTIER_REDIS_URL=settings.redis_url, JOBTIER_SHARDS=str(settings.shards),
                    JOBTIER_CRON_MISFIRE_GRACE_SECONDS=str(grace / 1000), JOBTIER_DATABASE_URL="postgresql://nobody@127.0.0.1:1/none")  # fmt: skip
-        args = [sys.executable, "-m", "jobtier.cli", "scheduler"]
+        args = [sys.executable, "-m", "jobtier.cli.main", "scheduler"]
         proc = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
         async def some_fired() -> bool:

@@ -14,8 +14,8 @@ import logging
 import msgspec
 import pytest
 
-from jobtier.model import LogLine, State
-from jobtier.queue import Queue
+from jobtier.core.model import LogLine, State
+from jobtier.engine.queue import Queue
 from jobtier.testing import run_task
 from jobtier.worker.attempt import TRACEBACK_CHARS, TRACEBACK_FRAMES, format_traceback
 from jobtier.worker.context import LOG_LINE_CHARS, LOG_LINES

@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 from jobtier.config import Settings
-from jobtier.dev.redis import LocalRedis
-from jobtier.errors import Code
-from jobtier.model import JobSpec, State
-from jobtier.queue import Queue
+from jobtier.core.errors import Code
+from jobtier.core.model import JobSpec, State
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
@@ -25,7 +25,7 @@ def worker_process(settings: Settings, *args: str) -> subprocess.Popen[bytes]:
         JOBTIER_LEASE_SECONDS=str(settings.lease_seconds),
     )
     return subprocess.Popen(
-        [sys.executable, "-m", "jobtier.cli", "worker", "tests.tasks:registry", *args],
+        [sys.executable, "-m", "jobtier.cli.main", "worker", "tests.tasks:registry", *args],
         env=env,
         stdout=subprocess.DEVNULL,
         # inherited: pytest captures its log with the test's (a pipe nobody reads would

@@ -13,11 +13,11 @@ import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobtier.config import Settings
-from jobtier.errors import IdempotencyConflict, InvalidRequest
+from jobtier.core.errors import IdempotencyConflict, InvalidRequest
+from jobtier.core.model import ClaimedJob, FlowJob, JobSpec, State
+from jobtier.engine.queue import Queue
 from jobtier.flows import chain, fan_in
 from jobtier.flows.resolver import Resolver
-from jobtier.model import ClaimedJob, FlowJob, JobSpec, State
-from jobtier.queue import Queue
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import StreamEntries
 from tests.flows_helpers import run_flows, statuses, transitions

@@ -18,10 +18,10 @@ import msgspec
 import pytest
 
 from jobtier.config import Settings
-from jobtier.dev.redis import free_port
+from jobtier.core.model import FlowJob, JobSpec, State, decode_status
+from jobtier.dev.local_redis import free_port
+from jobtier.engine.queue import Queue
 from jobtier.flows import chain, fan_in
-from jobtier.model import FlowJob, JobSpec, State, decode_status
-from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.fixtures.redis import StreamEntries
@@ -71,7 +71,7 @@ class Processes:
         return self.start("-m", "tests.flow_crash", role)
 
     def cli(self, *args: str) -> subprocess.Popen[bytes]:
-        return self.start("-m", "jobtier.cli", *args)
+        return self.start("-m", "jobtier.cli.main", *args)
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from jobtier.config import Settings
+from jobtier.core.model import FlowJob, State
+from jobtier.engine.queue import Queue
 from jobtier.flows import chain, fan_in
-from jobtier.model import FlowJob, State
-from jobtier.persist.batch import parse_entry
 from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import PgReader
-from jobtier.queue import Queue
+from jobtier.streams.entries import parse_entry
 from tests.fixtures.postgres import assert_pg_matches_redis, log_entries
 from tests.flows_helpers import run_flows
 from tests.tasks import registry

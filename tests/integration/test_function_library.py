@@ -1,4 +1,4 @@
-"""The transition scripts as one Redis function library (scripts.py Library): what runs, and
+"""The transition scripts as one Redis function library (store/scripts.py Library): what runs, and
 what happens when Redis loses it. On the single Redis and on the Redis Cluster (``contract``)."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import pytest
 from redis.exceptions import ResponseError
 
 from jobtier.config import Settings
-from jobtier.errors import JobNotFound
-from jobtier.model import JobSpec, State, Submitted
-from jobtier.queue import Queue
-from jobtier.scripts import NAMES, Library, Script, library, run_scripts
+from jobtier.core.errors import JobNotFound
+from jobtier.core.model import JobSpec, State, Submitted
+from jobtier.engine.queue import Queue
+from jobtier.store.scripts import NAMES, Library, Script, library, run_scripts
 from tests.fixtures.redis import command_calls, on_every_server
 
 pytestmark = pytest.mark.contract
@@ -145,7 +145,7 @@ async def _jobtier(settings: Settings, *args: str) -> tuple[int, str]:
            "JOBTIER_SHARDS": str(settings.shards),
            "JOBTIER_REDIS_CLUSTER": "true" if settings.redis_cluster else "false"}  # fmt: skip
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jobtier.cli", "scripts", *args, env=env,
+        sys.executable, "-m", "jobtier.cli.main", "scripts", *args, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     async with asyncio.timeout(60):  # a CLI that hangs fails here, not the whole run

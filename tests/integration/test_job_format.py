@@ -1,4 +1,4 @@
-"""Job hash formats (keys.py, "Job hashes"; job_format.py): what each format holds, the
+"""Job hash formats (core/keys.py, "Job hashes"; store/format.py): what each format holds, the
 switch of a deployment to a newer format with jobs in every state, and when a process
 switches by itself. On the single Redis and on the Redis Cluster."""
 
@@ -15,13 +15,13 @@ import msgspec
 import pytest
 from redis.asyncio import RedisCluster
 
-from jobtier import job_format
-from jobtier.cache.redis_reader import StatusReader
 from jobtier.config import Settings
-from jobtier.errors import Code
-from jobtier.job_docs import read_doc
-from jobtier.model import JobSpec, State, decode_status
-from jobtier.queue import Queue
+from jobtier.core.errors import Code
+from jobtier.core.model import JobSpec, State, decode_status
+from jobtier.engine.queue import Queue
+from jobtier.status.docs import read_doc
+from jobtier.status.reader import StatusReader
+from jobtier.store import format as job_format
 from tests.fixtures.engine import hold_format_1
 from tests.fixtures.redis import StreamEntries
 from tests.integration.test_transitions import (
@@ -217,7 +217,7 @@ async def test_a_deployment_with_jobs_is_not_switched_by_a_process(
     keys = queue_format_1.keys
     await queue_format_1.submit("echo", None)
     await queue_format_1.redis.delete(*[keys.job_format(s) for s in range(keys.shards)])
-    with caplog.at_level(logging.WARNING, logger="jobtier.job_format"):
+    with caplog.at_level(logging.WARNING, logger="jobtier.store.format"):
         other = await Queue.connect(settings)
     try:
         assert await job_format.formats(other.redis, keys) == [1] * keys.shards
@@ -229,7 +229,7 @@ async def test_a_deployment_with_jobs_is_not_switched_by_a_process(
         await job_format.hold(other.redis, keys, 2)
         await other.redis.delete(keys.job_format(1))
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="jobtier.job_format"):
+        with caplog.at_level(logging.WARNING, logger="jobtier.store.format"):
             assert await job_format.adopt(other.redis, keys) == 2
         assert "format=2" in caplog.text and "jobtier job-format --upgrade" in caplog.text
         assert await job_format.formats(other.redis, keys) == [2] * keys.shards
@@ -247,7 +247,7 @@ async def jobtier(*args: str, settings: Settings) -> tuple[int, str]:
     if settings.redis_cluster:
         env["JOBTIER_REDIS_CLUSTER"] = "true"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jobtier.cli", *args, env=env,
+        sys.executable, "-m", "jobtier.cli.main", *args, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )  # fmt: skip
     out, _ = await proc.communicate()
@@ -272,7 +272,7 @@ async def test_empty_logs_made_for_consumer_groups_do_not_count_as_jobs(
     for shard in range(keys.shards):
         await queue.redis.xtrim(keys.log(shard), maxlen=0)
     await queue.redis.delete(*marks)
-    with caplog.at_level(logging.WARNING, logger="jobtier.job_format"):
+    with caplog.at_level(logging.WARNING, logger="jobtier.store.format"):
         assert await job_format.adopt(queue.redis, keys) == 1
     assert "jobtier job-format --upgrade" in caplog.text
 

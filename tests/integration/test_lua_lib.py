@@ -8,7 +8,7 @@ import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobtier.scripts import lua_source
+from jobtier.store.scripts import lua_source
 
 
 async def test_iso_matches_python(redis: aioredis.Redis) -> None:

@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from jobtier.cache.redis_reader import StatusReader, is_terminal
 from jobtier.config import Settings
-from jobtier.connection import RedisClient, ShardSubscriber
-from jobtier.dev.redis import LocalRedis
-from jobtier.keys import Keys
-from jobtier.model import JobSpec, State, decode_status
-from jobtier.queue import Queue
+from jobtier.core.keys import Keys
+from jobtier.core.model import JobSpec, State, decode_status
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.engine.queue import Queue
+from jobtier.status.reader import StatusReader, is_terminal
+from jobtier.store.redis import RedisClient, ShardSubscriber
 from tests.fixtures.engine import wait_for
 
 TENANT = "acme"

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 
 from jobtier.config import Settings
-from jobtier.keys import Keys
-from jobtier.persist.batch import LogEntry, parse_entry
+from jobtier.core.keys import Keys
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister, replay_refused
 from jobtier.persist.pg_reader import lag
+from jobtier.streams.entries import LogEntry, parse_entry
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_pg_matches_redis,

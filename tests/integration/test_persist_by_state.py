@@ -10,11 +10,12 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
 from jobtier.config import Settings
-from jobtier.keys import Keys
-from jobtier.persist.batch import parse_entry, write_batch
+from jobtier.core.keys import Keys
+from jobtier.persist.batch import write_batch
 from jobtier.persist.db import Connection, Pool
 from jobtier.persist.pg_reader import PgReader
 from jobtier.persist.retention import prune
+from jobtier.streams.entries import parse_entry
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_listed_by_state,

@@ -10,12 +10,12 @@ from redis.asyncio import RedisCluster
 from redis.asyncio.cluster import ClusterNode
 
 from jobtier.config import Settings
-from jobtier.connection import connect
-from jobtier.dev.redis import LocalCluster
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
+from jobtier.dev.local_redis import LocalCluster
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import lag
+from jobtier.store.redis import connect
 from tests.fixtures.postgres import assert_pg_matches_redis, mixed_workload
 from tests.fixtures.redis import flushall
 

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from jobtier.config import Settings
-from jobtier.dev.postgres import LocalPostgres
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist.db import Pool, create_pool, migrate
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import lag
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 CHILD = r"""
 import asyncio, logging, sys
 from jobtier.config import Settings
-from jobtier.connection import connect
+from jobtier.store.redis import connect
 from jobtier.persist.db import create_pool
 from jobtier.persist.persister import Persister
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from jobtier.config import Settings
-from jobtier.connection import ShardSubscriber
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
 from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister
-from jobtier.scripts import Scripts, SubmitItem
+from jobtier.store.redis import ShardSubscriber
+from jobtier.store.scripts import Scripts, SubmitItem
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import log_entries
 

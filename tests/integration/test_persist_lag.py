@@ -21,10 +21,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from jobtier.api.postgres import postgres_extension
+from jobtier.api.records import postgres_extension
 from jobtier.config import Settings
-from jobtier.dev.redis import LocalRedis
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
+from jobtier.dev.local_redis import LocalRedis
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import LAG_EXACT_UP_TO, lag

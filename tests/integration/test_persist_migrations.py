@@ -12,7 +12,7 @@ from typing import cast
 import pytest
 from asyncpg import Record
 
-from jobtier.dev.postgres import SUPERUSER, LocalPostgres
+from jobtier.dev.local_postgres import SUPERUSER, LocalPostgres
 from jobtier.persist import db
 
 

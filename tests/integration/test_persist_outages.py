@@ -26,8 +26,8 @@ import asyncpg
 import pytest
 
 from jobtier.config import Settings
-from jobtier.dev.postgres import LocalPostgres
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist.db import Pool, create_pool, migrate
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import lag
@@ -51,7 +51,7 @@ class PersisterProcess:
         self.logfile = logfile
         with logfile.open("ab") as err:  # the child writes to its own copy of the descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jobtier.cli", "persister", "--name", name],
+                [sys.executable, "-m", "jobtier.cli.main", "persister", "--name", name],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,

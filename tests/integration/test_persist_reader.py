@@ -10,14 +10,14 @@ import msgspec
 import pytest
 
 from jobtier.config import Settings
-from jobtier.errors import InvalidRequest
-from jobtier.job_docs import read_doc
-from jobtier.keys import Keys
-from jobtier.model import State, decode_status
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.keys import Keys
+from jobtier.core.model import State, decode_status
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import PgReader, decode_cursor, encode_cursor
-from jobtier.scripts import Scripts, SubmitItem
+from jobtier.status.docs import read_doc
+from jobtier.store.scripts import Scripts, SubmitItem
 from tests.fixtures.postgres import LARGE_RESULT, RETENTION, mixed_workload
 
 

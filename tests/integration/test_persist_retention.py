@@ -18,17 +18,15 @@ from typing import Any, cast
 import pytest
 
 from jobtier.config import Settings
-from jobtier.dev.postgres import LocalPostgres
-from jobtier.errors import ConfigError
-from jobtier.keys import Keys
+from jobtier.core.errors import ConfigError
+from jobtier.core.keys import Keys
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist import db
 from jobtier.persist.batch import (
     JOB_COLUMNS,
     TRANSITION_COLUMNS,
-    LogEntry,
     collapse,
     job_records,
-    parse_entry,
     transition_records,
 )
 from jobtier.persist.db import AnyConnection, Connection, Pool, query
@@ -41,6 +39,7 @@ from jobtier.persist.retention import (
     partitions,
     prune,
 )
+from jobtier.streams.entries import LogEntry, parse_entry
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_listed_by_state,
@@ -293,7 +292,7 @@ async def test_the_prune_command(
 
 def jobtier(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "jobtier.cli", *args],
+        [sys.executable, "-m", "jobtier.cli.main", *args],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
 

@@ -6,8 +6,8 @@ from collections import Counter
 from typing import cast
 
 from jobtier.config import Settings
-from jobtier.model import JobSpec, Priority
-from jobtier.queue import Queue
+from jobtier.core.model import JobSpec, Priority
+from jobtier.engine.queue import Queue
 
 
 async def one_shard_queue(settings: Settings) -> Queue:

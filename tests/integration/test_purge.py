@@ -8,8 +8,8 @@ from typing import Any, cast
 
 import pytest
 
-from jobtier.model import PRIORITIES, State, decode_status
-from jobtier.queue import Queue
+from jobtier.core.model import PRIORITIES, State, decode_status
+from jobtier.engine.queue import Queue
 from tests.fixtures.postgres import log_entries
 
 pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
@@ -122,7 +122,7 @@ async def test_a_purge_of_an_empty_or_unknown_queue_does_nothing(queue: Queue) -
 
 @pytest.mark.parametrize("bad", ["", "a:b", "x" * 65, "sp ace"])
 async def test_a_bad_queue_name_is_refused_before_anything_runs(queue: Queue, bad: Any) -> None:
-    from jobtier.errors import InvalidRequest
+    from jobtier.core.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest):
         await queue.purge(bad)

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from jobtier.errors import RateLimited
-from jobtier.model import JobSpec, QueueLimits, State
-from jobtier.queue import Queue
+from jobtier.core.errors import RateLimited
+from jobtier.core.model import JobSpec, QueueLimits, State
+from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task

@@ -20,10 +20,10 @@ from redis.exceptions import BusyLoadingError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobtier.config import Settings
-from jobtier.dev.redis import LocalRedis, wait_port
+from jobtier.dev.local_redis import LocalRedis, wait_port
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for

@@ -10,16 +10,16 @@ from typing import cast
 
 import pytest
 
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.client import AsyncClient
 from jobtier.config import Settings
-from jobtier.errors import ConfigError
+from jobtier.core.errors import ConfigError
+from jobtier.core.model import State, encode_json
+from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
-from jobtier.model import State, encode_json
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.results import PostgresResultStore
-from jobtier.queue import Queue
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import worker_for
 from tests.flows_helpers import run_flows

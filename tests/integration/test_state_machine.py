@@ -25,11 +25,11 @@ from hypothesis.stateful import (
 )
 
 from jobtier.config import Settings
-from jobtier.errors import Code
-from jobtier.job_docs import read_docs
-from jobtier.keys import Keys
-from jobtier.model import PRIORITIES, State, decode_status
-from jobtier.queue import Queue
+from jobtier.core.errors import Code
+from jobtier.core.keys import Keys
+from jobtier.core.model import PRIORITIES, State, decode_status
+from jobtier.engine.queue import Queue
+from jobtier.status.docs import read_docs
 from tests.fixtures.redis import on_every_server
 
 pytestmark = pytest.mark.contract

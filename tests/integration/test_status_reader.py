@@ -11,14 +11,14 @@ import msgspec
 import pytest
 import redis.asyncio as aioredis
 
-from jobtier.cache.redis_reader import StatusReader, parse_version
 from jobtier.config import Settings
-from jobtier.connection import RedisClient, ShardSubscriber
-from jobtier.dev.redis import LocalCluster
-from jobtier.job_docs import read_doc
-from jobtier.keys import Keys
-from jobtier.model import JobSpec, State, decode_status
-from jobtier.queue import Queue
+from jobtier.core.keys import Keys
+from jobtier.core.model import JobSpec, State, decode_status
+from jobtier.dev.local_redis import LocalCluster
+from jobtier.engine.queue import Queue
+from jobtier.status.docs import read_doc
+from jobtier.status.reader import StatusReader, parse_version
+from jobtier.store.redis import RedisClient, ShardSubscriber
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import command_calls, config_set, flushall, reset_stats
 

@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 
 from jobtier.config import Settings
-from jobtier.errors import Cancelled, Fatal, Retry
-from jobtier.model import JobStatus
-from jobtier.queue import Queue
+from jobtier.core.errors import Cancelled, Fatal, Retry
+from jobtier.core.model import JobStatus
+from jobtier.engine.queue import Queue
 from jobtier.testing import BurstWorker, Outcome, run_task
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import Task, TaskRegistry, task
@@ -213,8 +213,8 @@ async def test_the_burst_worker_runs_flows_to_their_end(
 ) -> None:
     """Dependents become ready only after a resolver told them: the burst worker resolves
     between bursts, so a chain of three runs in one call."""
+    from jobtier.core.model import FlowJob
     from jobtier.flows import chain
-    from jobtier.model import FlowJob
 
     flow = await jobtier_queue.submit_flow(
         chain(*[FlowJob(type=ok.name, payload=i) for i in range(3)])
@@ -255,7 +255,7 @@ async def test_the_fixtures_are_jobtiers_own_and_the_projects_fixtures_are_untou
     assert jobtier_queue.registry is TASKS  # this module's jobtier_tasks
     await jobtier_queue.submit("ok")
     assert await jobtier_queue.redis.dbsize() > 0
-    # (besides the shards' job format marks, set when the queue connected: job_format.py)
+    # (besides the shards' job format marks, set when the queue connected: store/format.py)
     assert [k async for k in queue.redis.scan_iter() if not k.endswith(b":fmt")] == []
 
 
@@ -355,7 +355,7 @@ def test_the_fixtures_in_a_users_project(tmp_path: Path) -> None:
                 assert [k for k in held if not k.endswith(b":fmt")] == []  # (format marks)
 
             async def test_unknown_types_are_refused_by_the_queue(jobtier_queue):
-                from jobtier.errors import UnknownTask
+                from jobtier.core.errors import UnknownTask
                 with pytest.raises(UnknownTask):
                     await jobtier_queue.submit("nope")
 

@@ -11,11 +11,11 @@ import msgspec
 import pytest
 from redis.exceptions import ResponseError
 
-from jobtier import job_format
-from jobtier.errors import Code, IdempotencyConflict, JobNotFound, TransitionRefused
-from jobtier.model import ClaimedJob, JobSpec, JobStatus, State, Submitted, decode_status
-from jobtier.queue import SPREAD_FROM, Queue
-from jobtier.scripts import SubmitItem
+from jobtier.core.errors import Code, IdempotencyConflict, JobNotFound, TransitionRefused
+from jobtier.core.model import ClaimedJob, JobSpec, JobStatus, State, Submitted, decode_status
+from jobtier.engine.queue import SPREAD_FROM, Queue
+from jobtier.store import format as job_format
+from jobtier.store.scripts import SubmitItem
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import StreamEntries
 
@@ -214,7 +214,7 @@ async def test_a_job_from_before_created_iso_renders_its_creation_time(
 ) -> None:
     """load() no longer reads 'created' (ms): a job written before 'created_iso' existed
     has its creation time read apart when its document is rendered, and still shows it;
-    claimed after the switch to format 2, it keeps it in 'c' (job_format.py)."""
+    claimed after the switch to format 2, it keeps it in 'c' (store/format.py)."""
     queue = queue_format_1
     sub = await queue.submit("echo", {"x": 1})
     await queue.redis.hdel(queue.keys.job(sub.job_id), "created_iso")
@@ -435,7 +435,7 @@ async def test_rendered_document_has_exactly_the_status_fields(queue: Queue) -> 
 
 
 async def test_published_event_carries_the_document(queue: Queue) -> None:
-    from jobtier.connection import ShardSubscriber
+    from jobtier.store.redis import ShardSubscriber
 
     got: list[tuple[bytes, bytes]] = []
     sub_ready = ShardSubscriber(
@@ -476,7 +476,7 @@ async def test_a_large_batch_goes_in_pipelines_sent_together(queue: Queue) -> No
     submitted = await queue.submit_many([JobSpec(type="echo", payload={"i": i}) for i in range(n)])
     shards = {queue.keys.shard_of(s.job_id) for s in submitted}
     starts = [calls for kind, calls in events if kind == "start"]
-    per = -(-len(shards) // 4)  # calls a pipeline (queue.py submit_items)
+    per = -(-len(shards) // 4)  # calls a pipeline (engine/queue.py submit_items)
     assert len(starts) == -(-len(shards) // per) > 1
     assert sum(starts) == len(shards)  # one call per shard, each in one of the pipelines
     assert [kind for kind, _ in events[: len(starts)]] == ["start"] * len(starts)

@@ -15,9 +15,9 @@ import pytest
 from standardwebhooks.webhooks import Webhook as Verifier
 from standardwebhooks.webhooks import WebhookVerificationError
 
-from jobtier.dispatch.dispatcher import Dispatcher
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
-from jobtier.queue import Queue
+from jobtier.webhooks.dispatcher import Dispatcher
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for
 from tests.fixtures.receiver import StartReceiver, delivered, deliveries, run_jobs, secret_of

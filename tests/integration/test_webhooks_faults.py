@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from jobtier.api.postgres import PostgresExtension
+from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings, env_name
-from jobtier.dispatch.dispatcher import Dispatcher, ensure_group
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.queue import Queue
+from jobtier.webhooks.dispatcher import Dispatcher, ensure_group
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import wait_for
 from tests.fixtures.receiver import StartReceiver, deliveries, run_jobs, secret_of
@@ -153,7 +153,7 @@ def spawn_dispatcher(hook_settings: Settings) -> Iterator[Callable[[str], subpro
 
     def start(name: str) -> subprocess.Popen[bytes]:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "jobtier.cli", "dispatcher", "--name", name],
+            [sys.executable, "-m", "jobtier.cli.main", "dispatcher", "--name", name],
             env=env_of(hook_settings.replace(webhook_retry_schedule="1,1,1,1")),
             stdout=subprocess.DEVNULL, start_new_session=True,
         )  # fmt: skip

@@ -13,13 +13,13 @@ from standardwebhooks.webhooks import Webhook as Verifier
 
 from jobtier.client import AsyncClient, Client, ValidationFailed
 from jobtier.config import Settings
-from jobtier.dispatch.callbacks import SecretMissing
-from jobtier.dispatch.dispatcher import Dispatcher
-from jobtier.errors import InvalidRequest
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.model import CallbackSpec, FlowJob
+from jobtier.engine.queue import Queue
 from jobtier.flows import fan_in
-from jobtier.model import CallbackSpec, FlowJob
 from jobtier.persist.db import Pool
-from jobtier.queue import Queue
+from jobtier.webhooks.callbacks import SecretMissing
+from jobtier.webhooks.dispatcher import Dispatcher
 from tests.fixtures.api import KEYS, ApiServer
 from tests.fixtures.engine import wait_for
 from tests.fixtures.receiver import StartReceiver, delivered, deliveries, secret_of

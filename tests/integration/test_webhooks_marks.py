@@ -1,4 +1,4 @@
-"""The tenants marked as possibly having webhook targets (``dispatch/marks.py``), on real
+"""The tenants marked as possibly having webhook targets (``webhooks/marks.py``), on real
 Redis, Postgres, a dispatcher and a receiver on loopback: entries of unmarked tenants are
 acknowledged without a look-up in Postgres; marked tenants' webhooks are delivered; a
 dispatcher's start-up marks the tenants whose webhooks were made before the marks existed;
@@ -11,13 +11,13 @@ import asyncio
 from collections.abc import Callable
 
 from jobtier.config import Settings
-from jobtier.dispatch import marks
-from jobtier.dispatch.dispatcher import Dispatcher, group_name
-from jobtier.dispatch.signing import new_secret
-from jobtier.dispatch.store import DeliveryStore
-from jobtier.model import CallbackSpec, FlowJob
+from jobtier.core.model import CallbackSpec, FlowJob
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool, query
-from jobtier.queue import Queue
+from jobtier.webhooks import marks
+from jobtier.webhooks.deliveries import DeliveryStore
+from jobtier.webhooks.dispatcher import Dispatcher, group_name
+from jobtier.webhooks.signing import new_secret
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import waiting_for_a_lock_on

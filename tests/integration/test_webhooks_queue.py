@@ -11,12 +11,12 @@ import pytest
 from standardwebhooks.webhooks import Webhook as Verifier
 
 from jobtier.config import Settings
-from jobtier.dispatch.callbacks import SecretMissing
-from jobtier.dispatch.dispatcher import Dispatcher
-from jobtier.errors import ConfigError, InvalidRequest
-from jobtier.model import CallbackSpec, FlowJob, JobSpec, Submitted
+from jobtier.core.errors import ConfigError, InvalidRequest
+from jobtier.core.model import CallbackSpec, FlowJob, JobSpec, Submitted
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
-from jobtier.queue import Queue
+from jobtier.webhooks.callbacks import SecretMissing
+from jobtier.webhooks.dispatcher import Dispatcher
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for
 from tests.fixtures.receiver import StartReceiver, delivered, deliveries, run_jobs, secret_of

@@ -9,8 +9,8 @@ from typing import Any, cast
 
 import pytest
 
-from jobtier.model import JobSpec, State, decode_status
-from jobtier.queue import Queue
+from jobtier.core.model import JobSpec, State, decode_status
+from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.fixtures.redis import StreamEntries

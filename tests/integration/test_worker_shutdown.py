@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 
 from jobtier.config import Settings
-from jobtier.errors import Code
-from jobtier.model import State, decode_status
-from jobtier.queue import Queue
+from jobtier.core.errors import Code
+from jobtier.core.model import State, decode_status
+from jobtier.engine.queue import Queue
 from tests import shutdown_tasks
 from tests.fixtures.engine import wait_for, worker_for
 
@@ -49,7 +49,7 @@ class WorkerProcess:
         self.log = log
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "jobtier.cli", "worker", "tests.shutdown_tasks", *args],
+                [sys.executable, "-m", "jobtier.cli.main", "worker", "tests.shutdown_tasks", *args],
                 env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             )  # fmt: skip
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from jobtier.backoff import BackoffPolicy
+from jobtier.runtime.backoff import BackoffPolicy
 
 
 def test_grows_by_the_factor_up_to_the_cap_and_resets() -> None:

@@ -9,8 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from jobtier import job_format
-from jobtier.scripts import NAMES
+from jobtier.store import format as job_format
+from jobtier.store.scripts import NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 

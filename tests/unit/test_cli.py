@@ -9,7 +9,7 @@ from typing import Any, cast
 
 import pytest
 
-from jobtier.cli import build_parser, main
+from jobtier.cli.main import build_parser, main
 
 COMMANDS = [
     "run", "api", "worker", "scheduler", "persister", "dispatcher", "migrate", "prune", "bench",
@@ -30,7 +30,7 @@ def test_every_command_exists_and_has_help(capsys: pytest.CaptureFixture[str]) -
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "jobtier.cli", *args],
+        [sys.executable, "-m", "jobtier.cli.main", *args],
         capture_output=True,
         text=True,
         env=env,

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobtier.cache.coalescer import Coalescer
-from jobtier.cache.singleflight import LoadCancelled
+from jobtier.status.coalescer import Coalescer
+from jobtier.status.singleflight import LoadCancelled
 from tests.unit.loops import Boom, LoopErrors, gather, spin
 
 

@@ -25,9 +25,9 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from jobtier.cli import build_parser
+from jobtier.cli.main import build_parser
 from jobtier.config import Settings, env_name
-from jobtier.errors import ConfigError
+from jobtier.core.errors import ConfigError
 from jobtier.worker.registry import TaskRegistry
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from redis.asyncio.connection import Connection
 from redis.exceptions import DataError
 
 from jobtier.config import Settings
-from jobtier.connection import FastConnection, connect
+from jobtier.store.redis import FastConnection, connect
 
 CASES: list[tuple[Any, ...]] = [
     ("EVALSHA", "a" * 40, 1, "jt:{3}:log", "jt:{3}:", "worker", 50, 30000),
@@ -42,8 +42,8 @@ def test_clients_use_it() -> None:
 
 
 def test_an_unreachable_default_redis_points_at_the_setting_and_jobtier_run() -> None:
-    from jobtier.cli import build_parser
-    from jobtier.connection import RUN_REDIS_URL, unreachable_message
+    from jobtier.cli.main import build_parser
+    from jobtier.store.redis import RUN_REDIS_URL, unreachable_message
 
     said = unreachable_message(Settings.from_env({}), ConnectionError("refused"))
     assert "cannot reach Redis at redis://127.0.0.1:6379/0: refused." in said

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from jobtier.errors import Cancelled, Fatal
-from jobtier.model import ClaimedJob
+from jobtier.core.errors import Cancelled, Fatal
+from jobtier.core.model import ClaimedJob
 from jobtier.worker.attempt import failure
 from jobtier.worker.context import JobContext
 

@@ -10,9 +10,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jobtier.config import Settings, settings_table
-from jobtier.errors import Code, ConfigError
-from jobtier.keys import JOB_ID_RE, Keys, ulid
-from jobtier.scripts import CODES, NAMES, lua_source
+from jobtier.core.errors import Code, ConfigError
+from jobtier.core.keys import Keys, ulid
+from jobtier.core.names import JOB_ID_RE
+from jobtier.store.scripts import CODES, NAMES, lua_source
 from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
 
 
@@ -81,10 +82,10 @@ def test_what_a_job_loses_when_it_changes_format() -> None:
 
 
 def test_packed_values_are_read_in_the_order_they_are_written() -> None:
-    """Formats 3 and 2's 'c' and 't'/'s' (keys.py, "Job hashes"): packed_c/packed_s concatenate j's
+    """Formats 3 and 2's 'c' and 't'/'s' (core/keys.py, "Job hashes"): packed_c/packed_s concatenate j's
     fields in one order, load() unpacks them with string.match into variables it names in
     the same order, and job_format.C_FIELDS/S_FIELDS (the Python reader) agree."""
-    from jobtier import job_format
+    from jobtier.store import format as job_format
 
     lib = lua_source("lib")
     body = _function_body(lib, "load_p(key, more, packed)")
@@ -106,10 +107,10 @@ def test_packed_values_are_read_in_the_order_they_are_written() -> None:
 
 
 def _documented_suffixes() -> set[str]:
-    """The per-shard key suffixes keys.py's docstring lists (``jt:{s}:q:<priority>`` -> q:)."""
-    import jobtier.keys
+    """The per-shard key suffixes core/keys.py's docstring lists (``jt:{s}:q:<priority>`` -> q:)."""
+    import jobtier.core.keys
 
-    doc = jobtier.keys.__doc__ or ""
+    doc = jobtier.core.keys.__doc__ or ""
     out = set()
     for line in doc.splitlines():
         m = re.match(r"^\s+jt:\{s\}:([a-z:]+)(<|\s)", line)
@@ -129,7 +130,7 @@ def test_the_keys_the_lua_builds_are_the_ones_keys_py_documents() -> None:
         built |= set(re.findall(r"(?:add_timed|next_score)\('([a-z]+)'", lua_source(name)))
     documented = _documented_suffixes()
     assert built, "no key found in the scripts: the pattern is stale"
-    assert built - documented == set(), "keys built by Lua but not documented in keys.py"
+    assert built - documented == set(), "keys built by Lua but not documented in core/keys.py"
     keys = Keys("jt", 4)
     from_python = {
         re.sub(r"^jt:\{\d+\}:", "", m)
@@ -146,14 +147,14 @@ def test_the_keys_the_lua_builds_are_the_ones_keys_py_documents() -> None:
             keys.log_refused(1),
         )
     }  # fmt: skip
-    assert from_python - documented == set(), "keys built by keys.py but not documented"
+    assert from_python - documented == set(), "keys built by core/keys.py but not documented"
     assert documented - built - from_python == set(), "documented keys nobody builds"
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_script_has_a_header_and_includes_the_library(name: str) -> None:
     text = (
-        lua_source.__globals__["resources"].files("jobtier") / "lua" / f"{name}.lua"
+        lua_source.__globals__["resources"].files("jobtier.store") / "lua" / f"{name}.lua"
     ).read_text()
     header = text.split("--!include", 1)[0]
     assert header.startswith(f"-- {name}.lua:")
@@ -274,13 +275,13 @@ def test_loading_tasks_from_a_module() -> None:
     with pytest.raises(ConfigError, match="no attribute"):
         TaskRegistry.load("jobtier.demo:nothing")
     with pytest.raises(ConfigError, match="defines no @task"):
-        TaskRegistry.load("jobtier.keys")
+        TaskRegistry.load("jobtier.core.keys")
 
 
 def test_small_field_reads_any_format() -> None:
     """job_format.small_field: the packed value of format 3 ('t') or 2 ('s') when the hash has
     one (a worker id with spaces stays whole, last), else format 1's own field."""
-    from jobtier import job_format
+    from jobtier.store import format as job_format
 
     assert job_format.small_fields("state") == ("t", "s", "state")
     packed = b"running 3 1 1796067784647   0 2 3 1796067784647 worker with spaces"
@@ -297,10 +298,10 @@ def test_prepare_checks_every_name_each_time_and_hashes_only_keyed_requests() ->
     """prepare() keeps the names it found valid (a batch repeats them), and still refuses a
     bad tenant, type or queue after good ones; the request hash (what submit.lua compares for
     an idempotency key) is made only for a job given a key."""
-    from jobtier.connection import connect
-    from jobtier.errors import InvalidRequest
-    from jobtier.model import JobSpec
-    from jobtier.queue import Queue
+    from jobtier.core.errors import InvalidRequest
+    from jobtier.core.model import JobSpec
+    from jobtier.engine.queue import Queue
+    from jobtier.store.redis import connect
 
     settings = Settings.from_env({}, redis_url="redis://127.0.0.1:1/0")
     queue = Queue(settings, connect(settings), None)
@@ -335,7 +336,7 @@ async def test_scripts_that_keep_disappearing_fail_as_a_redis_error() -> None:
 
     from redis.exceptions import NoScriptError, RedisError
 
-    from jobtier.scripts import Script, run_scripts
+    from jobtier.store.scripts import Script, run_scripts
 
     class Forgetful:  # a pipeline whose every call is refused as missing; loads succeed
         loads = 0

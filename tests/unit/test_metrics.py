@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from jobtier.core.model import JobError, JobStatus, Priority, State
 from jobtier.metrics.histogram import Histogram, quantile
 from jobtier.metrics.prometheus import render
 from jobtier.metrics.snapshot import HistogramWindow, Snapshot, labels, totals
 from jobtier.metrics.transitions import TransitionCounter
-from jobtier.model import JobError, JobStatus, Priority, State
 
 
 def status(state: State, error: str | None = None, type_: str = "echo") -> JobStatus:

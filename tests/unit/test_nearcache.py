@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobtier.cache.nearcache import Entry, NearCache
-from jobtier.cache.redis_reader import parse_version
+from jobtier.status.nearcache import Entry, NearCache
+from jobtier.status.reader import parse_version
 
 
 class Clock:
@@ -161,7 +161,7 @@ def test_final_ttl_is_never_shorter_than_ttl_and_size_still_bounds_it() -> None:
 
 
 def test_is_terminal_reads_the_state_field() -> None:
-    from jobtier.cache.redis_reader import is_terminal
+    from jobtier.status.reader import is_terminal
 
     for state in ("succeeded", "failed", "cancelled"):
         assert is_terminal(b'{"id":"x","type":"t","queue":"q","state":"%s"}' % state.encode())

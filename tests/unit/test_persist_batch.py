@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jobtier.dev.postgres import pg_bin_dir
+from jobtier.dev.local_postgres import pg_bin_dir
 from jobtier.persist import db
 from jobtier.persist.batch import (
     INLINE_RESULT_MAX,
@@ -15,9 +15,9 @@ from jobtier.persist.batch import (
     TRANSITION_COLUMNS,
     collapse,
     job_records,
-    parse_entry,
     transition_records,
 )
+from jobtier.streams.entries import parse_entry
 
 JOB = "01ARZ3NDEKTSV4RRFFQ69G5FAV-1"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobtier.persist.group import wait_idle
+from jobtier.streams.consumer import wait_idle
 
 
 class Answers:

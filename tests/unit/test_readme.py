@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 from typing import Any, cast
 
-from jobtier.cli import build_parser
+from jobtier.cli.main import build_parser
 from jobtier.config import settings_table
 
 README = (Path(__file__).parents[2] / "README.md").read_text()

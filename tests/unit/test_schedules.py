@@ -9,9 +9,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobtier.errors import InvalidRequest
-from jobtier.keys import Keys
-from jobtier.schedules import ScheduleSpec, Timing, plan, slot_job_id, validate
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.keys import Keys
+from jobtier.core.schedule import ScheduleSpec, validate
+from jobtier.engine.cron import Timing, plan, slot_job_id
 
 MIN = 60_000
 T0 = 1_800_000_000_000 - 1_800_000_000_000 % (5 * MIN)  # a multiple of five minutes

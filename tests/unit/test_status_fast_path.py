@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.jobs import StatusFastPath
-from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 
 JOB = "01M8PR73G5B43M9V4VJ335A99S-3"
 TENANTS = {"key-acme": "acme"}

@@ -1,4 +1,4 @@
-"""stopping.py: a task that loses a cancellation is cancelled again until it ends; one that
+"""runtime/stopping.py: a task that loses a cancellation is cancelled again until it ends; one that
 never ends, and a shutdown step that does not finish, are left behind with a warning."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 import logging
 from typing import Any
 
-from jobtier.stopping import bounded, stop_task, stop_tasks
+from jobtier.runtime.stopping import bounded, stop_task, stop_tasks
 
 
 async def _loses_first_cancel(started: asyncio.Event, lost: list[int]) -> None:

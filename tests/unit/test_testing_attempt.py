@@ -7,7 +7,7 @@ import gc
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from jobtier.model import ClaimedJob
+from jobtier.core.model import ClaimedJob
 from jobtier.worker.attempt import Failure, Stopped, fail_state, run_attempt
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import task

@@ -1,4 +1,4 @@
-"""jobtier.testing.run_task: one attempt in this process, decided by the worker's own code."""
+"""jobtier.testing.task_run: one attempt in this process, decided by the worker's own code."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from jobtier.config import Settings
-from jobtier.errors import Cancelled, Fatal, InvalidRequest, Retry
-from jobtier.keys import JOB_ID_RE
-from jobtier.model import Dependency, JobError
+from jobtier.core.errors import Cancelled, Fatal, InvalidRequest, Retry
+from jobtier.core.model import Dependency, JobError
+from jobtier.core.names import JOB_ID_RE
 from jobtier.testing import Outcome, run_task, run_task_sync, start_task
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import task

@@ -9,8 +9,8 @@ import time
 import pytest
 from standardwebhooks.webhooks import Webhook as Verifier
 
-from jobtier.dispatch import signing
-from jobtier.dispatch.safety import AddressPolicy, Refused, Target, public
+from jobtier.webhooks import signing
+from jobtier.webhooks.safety import AddressPolicy, Refused, Target, public
 
 
 @pytest.mark.parametrize(

@@ -23,11 +23,10 @@ from jobtier.api.http import (
 )
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
-from jobtier.cache.redis_reader import parse_version
-from jobtier.errors import JobNotFound, TransitionRefused
-from jobtier.model import QUEUE_NAME_RE
-from jobtier.queue import TENANT_RE, Queue
-from jobtier.worker.registry import TASK_NAME_RE
+from jobtier.core.errors import JobNotFound, TransitionRefused
+from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
+from jobtier.engine.queue import Queue
+from jobtier.status.reader import parse_version
 
 
 class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):

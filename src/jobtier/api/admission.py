@@ -16,9 +16,9 @@ from redis.exceptions import RedisError
 
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
-from jobtier.memory import MemoryUse, redis_memory
-from jobtier.queue import Queue
-from jobtier.stopping import stop_task
+from jobtier.engine.queue import Queue
+from jobtier.runtime.stopping import stop_task
+from jobtier.store.memory import MemoryUse, redis_memory
 
 log = logging.getLogger("jobtier.api")
 

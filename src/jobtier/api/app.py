@@ -22,19 +22,19 @@ from starlette.types import Receive, Scope, Send
 
 from jobtier.api import admin, console, debugging, flows, health, jobs, openapi, ops, queues, sse
 from jobtier.api.admission import Admission
-from jobtier.api.limits import RequestLimits
+from jobtier.api.bounds import RequestLimits
 from jobtier.api.problems import HANDLERS
 from jobtier.api.routing import resources
 from jobtier.api.task_schemas import TaskDocument
-from jobtier.cache.redis_reader import Fallback, StatusReader
-from jobtier.catalog import TaskCatalog
 from jobtier.config import Settings
-from jobtier.connection import ShardSubscriber
-from jobtier.errors import ConfigError
+from jobtier.core.errors import ConfigError
+from jobtier.core.model import Dependency
+from jobtier.engine.catalog import TaskCatalog
+from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher
-from jobtier.model import Dependency
-from jobtier.queue import Queue
-from jobtier.stopping import bounded
+from jobtier.runtime.stopping import bounded
+from jobtier.status.reader import Fallback, StatusReader
+from jobtier.store.redis import ShardSubscriber
 
 log = logging.getLogger("jobtier.api")
 
@@ -170,7 +170,7 @@ def create_app(
                 **ext.state,
             }
         finally:
-            # Every step is bounded (stopping.py): an API stopped while Redis restarts, loads
+            # Every step is bounded (runtime/stopping.py): an API stopped while Redis restarts, loads
             # or is frozen still exits, and its log names what it left behind. The loops end
             # side by side; their connections close after them.
             await asyncio.gather(

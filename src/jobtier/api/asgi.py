@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 def app_from_env() -> JobtierApp:
     """Build the app from ``JOBTIER_*`` (granian/uvicorn call this in each server process)."""
     from jobtier.api.app import create_app
-    from jobtier.api.postgres import postgres_extension
+    from jobtier.api.records import postgres_extension
 
     settings = Settings.from_env()
     logs.setup(settings.log_level, settings.log_format)

@@ -29,7 +29,7 @@ from starlette.requests import Request
 
 from jobtier.api.auth import bearer_key, raw_header
 from jobtier.api.problems import UNAVAILABLE, Problem
-from jobtier.keys import ulid
+from jobtier.core.keys import ulid
 from jobtier.persist.audit_store import AuditRecord, AuditStore
 
 log = logging.getLogger("jobtier.audit")
@@ -37,7 +37,7 @@ log = logging.getLogger("jobtier.audit")
 FLUSH_BATCH = 100  # deferred records written per action (a backlog drains over a few)
 _encode = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder(AuditRecord)
-# Postgres down or restarting (as api/postgres.py PG_DOWN, which imports the app)
+# Postgres down or restarting (as api/records.py PG_DOWN, which imports the app)
 _PG_DOWN: tuple[type[BaseException], ...] = (*UNAVAILABLE, TimeoutError)
 
 

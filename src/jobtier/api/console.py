@@ -26,13 +26,13 @@ from jobtier.api.http import JSON, DocResponse, doc_state, invalid, job_id_of, j
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.api.sse import StreamResponse
-from jobtier.cache.redis_reader import RESYNC, StatusReader, parse_version
 from jobtier.config import Settings
-from jobtier.errors import InvalidRequest, JobNotFound, TransitionRefused
-from jobtier.job_docs import read_docs
-from jobtier.keys import JOB_ID_RE
-from jobtier.model import DEFAULT_QUEUE, QUEUE_NAME_RE
-from jobtier.queue import Queue
+from jobtier.core.errors import InvalidRequest, JobNotFound, TransitionRefused
+from jobtier.core.model import DEFAULT_QUEUE
+from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
+from jobtier.engine.queue import Queue
+from jobtier.status.docs import read_docs
+from jobtier.status.reader import RESYNC, StatusReader, parse_version
 
 MAX_FOLLOWED = 100  # jobs one event stream follows (a page of the job list, in flight)
 RUNNING_SHOWN = 2000  # running jobs the workers view lists (per shard at most this)

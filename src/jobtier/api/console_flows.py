@@ -15,11 +15,11 @@ import asyncio
 import msgspec
 
 from jobtier.api.http import doc_state
-from jobtier.cache.redis_reader import StatusReader
-from jobtier.errors import JobNotFound
-from jobtier.model import Dependencies, Dependency, JobError
+from jobtier.core.errors import JobNotFound
+from jobtier.core.model import Dependencies, Dependency, JobError
+from jobtier.engine.queue import Queue
 from jobtier.persist.pg_reader import PgReader
-from jobtier.queue import Queue
+from jobtier.status.reader import StatusReader
 
 # a fan-in may wait for thousands: the page lists this many (the children's counts are over
 # all of them, and the status document's `dependencies` says how many there are)

@@ -26,14 +26,14 @@ from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import UNAVAILABLE, Problem
 from jobtier.config import Settings
-from jobtier.errors import InvalidRequest
-from jobtier.job_docs import read_doc
-from jobtier.model import QUEUE_NAME_RE, Dependencies, JobStatus, LogLine, State
-from jobtier.persist.audit_store import AUDIT_ID_RE, MAX_AUDIT_LIMIT, AuditRecord, AuditStore
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.model import Dependencies, JobStatus, LogLine, State
+from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE, ULID_RE
+from jobtier.engine.queue import Queue
+from jobtier.persist.audit_store import MAX_AUDIT_LIMIT, AuditRecord, AuditStore
 from jobtier.persist.pg_reader import ID_PREFIX_RE, MAX_LIMIT, AdminTransition, PgReader
 from jobtier.persist.results import is_ref, reader_for, ref_of
-from jobtier.queue import TENANT_RE, Queue
-from jobtier.worker.registry import TASK_NAME_RE
+from jobtier.status.docs import read_doc
 
 # payloads and results up to this size come with the job; larger ones by their own route
 PREVIEW_BYTES = 64 * 1024
@@ -56,7 +56,7 @@ AUDIT_PARAMS = [
     # the pattern states what the parser refuses (control characters), for the document
     Param("target", "string", "only actions on this job id, queue name or filter", max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$"),
     Param("action", "string", "only this action (job.cancel, job.replay, dead_letters.replay, queue.pause, queue.resume, queue.limits, queue.purge)", max_length=40, pattern=r"^[a-z_]+\.[a-z_]+$"),
-    Param("cursor", "string", "the next_cursor of the previous page", max_length=26, pattern=AUDIT_ID_RE.pattern),
+    Param("cursor", "string", "the next_cursor of the previous page", max_length=26, pattern=ULID_RE.pattern),
     Param("limit", "integer", "most records per page (default 50)", minimum=1, maximum=MAX_AUDIT_LIMIT),
 ]  # fmt: skip
 

@@ -27,9 +27,9 @@ from starlette.routing import Route
 from jobtier.api.auth import require_admin, tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found, job_transition
 from jobtier.api.problems import Problem
-from jobtier.errors import JobNotFound
-from jobtier.model import JobStatus, LogLine
-from jobtier.queue import Queue
+from jobtier.core.errors import JobNotFound
+from jobtier.core.model import JobStatus, LogLine
+from jobtier.engine.queue import Queue
 
 
 class DeadLetter(msgspec.Struct):
@@ -41,7 +41,7 @@ class DeadLetter(msgspec.Struct):
 
 
 def _lines_body(job_id: str, lines: list[bytes]) -> bytes:
-    # the lines are stored as JSON (model.py LogLine): served as they are
+    # the lines are stored as JSON (core/model.py LogLine): served as they are
     return b'{"id":' + orjson.dumps(job_id) + b',"lines":[' + b",".join(lines) + b"]}"
 
 

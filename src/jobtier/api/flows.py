@@ -18,11 +18,11 @@ from jobtier.api.http import (
     read_json_body,
 )
 from jobtier.api.problems import Problem
-from jobtier.dispatch.callbacks import SecretMissing
-from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound
+from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
+from jobtier.core.model import Dependency, FlowSpec, FlowSubmitted
+from jobtier.engine.queue import Queue
 from jobtier.flows.submit import PreparedFlow, submit_flow_with_callbacks
-from jobtier.model import Dependency, FlowSpec, FlowSubmitted
-from jobtier.queue import Queue
+from jobtier.webhooks.callbacks import SecretMissing
 
 _flow_decoder = msgspec.json.Decoder(FlowSpec)
 

@@ -14,14 +14,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api.auth import raw_header, tenant_of
-from jobtier.api.limits import check_depth
+from jobtier.api.bounds import check_depth
 from jobtier.api.problems import Problem, not_found
-from jobtier.cache.redis_reader import parse_version
-from jobtier.errors import InvalidRequest, JobNotFound, PayloadTooLarge, TransitionRefused
-from jobtier.model import TERMINAL
+from jobtier.core.errors import InvalidRequest, JobNotFound, PayloadTooLarge, TransitionRefused
+from jobtier.core.model import TERMINAL
+from jobtier.status.reader import parse_version
 
 if TYPE_CHECKING:
-    from jobtier.queue import Queue
+    from jobtier.engine.queue import Queue
 
 JSON = "application/json"
 

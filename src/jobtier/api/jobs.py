@@ -14,6 +14,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import known_tenant, tenant_for, tenant_of
+from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.http import (
     JSON,
     TERMINAL_STATES,
@@ -30,15 +31,14 @@ from jobtier.api.http import (
     not_modified,
     read_json_body,
 )
-from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
-from jobtier.cache.redis_reader import RESYNC, Status, StatusReader, parse_version
-from jobtier.dispatch.callbacks import submit_with_callbacks
-from jobtier.errors import IdempotencyConflict, InvalidRequest, JobNotFound
-from jobtier.model import JobSpec, Submitted
-from jobtier.queue import Queue
-from jobtier.scripts import SubmitItem
+from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
+from jobtier.core.model import JobSpec, Submitted
+from jobtier.engine.queue import Queue
+from jobtier.status.reader import RESYNC, Status, StatusReader, parse_version
+from jobtier.store.scripts import SubmitItem
+from jobtier.webhooks.callbacks import submit_with_callbacks
 
 _spec_decoder = msgspec.json.Decoder(JobSpec)
 
@@ -71,7 +71,7 @@ async def _submit(
     request: Request, items: Sequence[SubmitItem], specs: Sequence[JobSpec], batch: bool
 ) -> list[Submitted | IdempotencyConflict]:
     """Submit prepared jobs, their callbacks written first by the API's webhook service
-    (``dispatch/callbacks.py submit_with_callbacks``, as the in-process ``Queue.submit``
+    (``webhooks/callbacks.py submit_with_callbacks``, as the in-process ``Queue.submit``
     does). A refused callback names its member: ``callback.url``, or ``jobs[i].callback.url``
     in a batch."""
     queue: Queue = request.state.queue

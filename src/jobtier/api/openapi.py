@@ -26,28 +26,24 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
+from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
 from jobtier.api.debugging import DeadLetter
 from jobtier.api.flows import DependencyList
 from jobtier.api.jobs import STATUS_PARAMS, BatchBody
-from jobtier.api.limits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
 from jobtier.api.params import Param
 from jobtier.config import Settings
-from jobtier.dispatch.safety import MAX_URL_LENGTH as MAX_URL_LENGTH_CALLBACK
-from jobtier.flows.plan import REF_RE
-from jobtier.keys import JOB_ID_RE
-from jobtier.model import (
+from jobtier.core.model import FlowSpec, JobLogs, JobSpec, JobStatus, QueueInfo, QueueLimits, TaskAd
+from jobtier.core.names import (
+    IDEMPOTENCY_KEY_RE,
+    JOB_ID_RE,
     QUEUE_NAME_RE,
-    FlowSpec,
-    JobLogs,
-    JobSpec,
-    JobStatus,
-    QueueInfo,
-    QueueLimits,
-    TaskAd,
+    REF_RE,
+    TASK_NAME_RE,
+    TENANT_RE,
 )
-from jobtier.queue import IDEMPOTENCY_KEY_RE, MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT, TENANT_RE
+from jobtier.engine.queue import MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
+from jobtier.webhooks.safety import MAX_URL_LENGTH as MAX_URL_LENGTH_CALLBACK
 from jobtier.worker.context import LOG_LINE_CHARS, LOG_LINES
-from jobtier.worker.registry import TASK_NAME_RE
 
 
 class Problem(msgspec.Struct):
@@ -195,7 +191,7 @@ QUEUE_NAME = {
 
 Auth = Literal["tenant", "admin", "none"]
 
-# a callback URL (a submit's callback, a subscription's url): dispatch/safety.py checks the rest
+# a callback URL (a submit's callback, a subscription's url): webhooks/safety.py checks the rest
 CALLBACK_URL = r"^https?://[^\s]+$"
 CALLBACK_EVENTS = ("terminal", "all")
 

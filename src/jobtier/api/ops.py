@@ -22,6 +22,8 @@ from jobtier.api.auth import require_admin
 from jobtier.api.problems import UNAVAILABLE
 from jobtier.api.queues import queue_states
 from jobtier.api.sse import StreamResponse
+from jobtier.core.model import PRIORITIES
+from jobtier.engine.queue import Queue
 from jobtier.metrics.gauges import live_gauges
 from jobtier.metrics.histogram import quantile
 from jobtier.metrics.prometheus import render
@@ -32,8 +34,6 @@ from jobtier.metrics.snapshot import (
     read_snapshots,
     totals,
 )
-from jobtier.model import PRIORITIES
-from jobtier.queue import Queue
 
 
 async def _lag_probe(request: Request) -> Any:

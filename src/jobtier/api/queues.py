@@ -15,10 +15,11 @@ from starlette.routing import Route
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import JSON, decode_body, invalid, read_json_body
-from jobtier.catalog import TaskCatalog
-from jobtier.errors import InvalidRequest
-from jobtier.model import PRIORITIES, QUEUE_NAME_RE, QueueLimits
-from jobtier.queue import Queue
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.model import PRIORITIES, QueueLimits
+from jobtier.core.names import QUEUE_NAME_RE
+from jobtier.engine.catalog import TaskCatalog
+from jobtier.engine.queue import Queue
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
 

@@ -22,24 +22,18 @@ from jobtier.api.http import JSON, decode_body, invalid, read_json_body
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
-from jobtier.errors import InvalidRequest
-from jobtier.persist.schedule_store import DuplicateName, ScheduleStore
-from jobtier.schedules import (
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.names import SCHEDULE_NAME_RE, TASK_NAME_RE, ULID_RE
+from jobtier.core.schedule import (
     CRON_FIELDS,
     MAX_ATTEMPTS,
     MAX_INTERVAL,
-    NAME_RE,
-    SCHEDULE_ID_RE,
-    CronMirror,
     Schedule,
     ScheduleSpec,
-    mirror_def,
-    new_schedule_id,
-    now_ms,
-    to_datetime,
     validate,
 )
-from jobtier.worker.registry import TASK_NAME_RE
+from jobtier.engine.cron import CronMirror, mirror_def, new_schedule_id, now_ms, to_datetime
+from jobtier.persist.schedule_store import DuplicateName, ScheduleStore
 
 _spec_decoder = msgspec.json.Decoder(ScheduleSpec)
 
@@ -65,7 +59,7 @@ def _encode(schedule: Schedule, status: int = 200) -> Response:
 
 def _schedule_id(request: Request) -> str:
     schedule_id: str = request.path_params["schedule_id"]
-    if not SCHEDULE_ID_RE.fullmatch(schedule_id):
+    if not ULID_RE.fullmatch(schedule_id):
         raise not_found(f"schedule {schedule_id[:40]}")
     return schedule_id
 
@@ -90,7 +84,7 @@ LIST_PARAMS = [
         "string",
         "the next_after of the previous page",
         max_length=100,
-        pattern=NAME_RE.pattern,
+        pattern=SCHEDULE_NAME_RE.pattern,
     ),
     Param("limit", "integer", "most schedules per page (default 100)", minimum=1, maximum=1000),
 ]
@@ -206,7 +200,7 @@ _SCHEDULE_ID = {
     "in": "path",
     "required": True,
     "description": "a schedule id (a malformed or unknown one is a 404)",
-    "schema": {"type": "string", "pattern": SCHEDULE_ID_RE.pattern},
+    "schema": {"type": "string", "pattern": ULID_RE.pattern},
 }
 _NOT_FOUND = oa.problem("unknown schedule (or another tenant's, or a malformed id)")
 
@@ -242,7 +236,7 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
 def constrain(components: dict[str, Any], settings: Settings) -> None:
     """The rules ``validate`` checks that JSON Schema can state, on the generated schema."""
     c = components
-    oa.constrain(c, "ScheduleSpec", "name", pattern=NAME_RE.pattern)
+    oa.constrain(c, "ScheduleSpec", "name", pattern=SCHEDULE_NAME_RE.pattern)
     oa.constrain(c, "ScheduleSpec", "type", pattern=TASK_NAME_RE.pattern)
     oa.constrain(c, "ScheduleSpec", "max_attempts", minimum=1, maximum=MAX_ATTEMPTS)
     oa.constrain(

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import raw_header, tenant_of
 from jobtier.api.http import TERMINAL_STATES, doc_state, job_id_of, job_not_found
-from jobtier.cache.redis_reader import RESYNC, StatusReader
+from jobtier.status.reader import RESYNC, StatusReader
 
 PENDING = 16
 

@@ -2,7 +2,7 @@
 included, so a client (or a fuzzer) knows exactly what a submit of each type must carry.
 
 The document the app builds at start describes a job (``JobSpec``) with any ``type`` and any
-``payload``. While workers advertise their tasks (catalog.py) and the API refuses types none
+``payload``. While workers advertise their tasks (engine/catalog.py) and the API refuses types none
 of them runs (``JOBTIER_REQUIRE_KNOWN_TYPES``, the default), that is not what the server
 accepts: this rewrites ``JobSpec`` (and ``ScheduleSpec``, when schedules are served) as one
 variant per known task — ``type`` that task's name, ``payload`` its schema — with the
@@ -17,7 +17,7 @@ from typing import Any
 
 import orjson
 
-from jobtier.model import TaskAd
+from jobtier.core.model import TaskAd
 
 SPECS = ("JobSpec", "FlowJob", "ScheduleSpec")  # what names a task and carries its payload
 

@@ -2,15 +2,14 @@
 check of a submit's ``callback``.
 
 Postgres holds it all (migration 0007); the dispatcher (``jobtier dispatcher``) reads it.
-A URL is checked here when it is given (``dispatch/safety.py``: it must resolve to public
+A URL is checked here when it is given (``webhooks/safety.py``: it must resolve to public
 addresses, unless JOBTIER_WEBHOOK_ALLOWED_HOSTS names it) and again by the dispatcher at
 each delivery. A job's callback is written before its submit reaches Redis and deleted
-again if the submit makes no job of that id (``dispatch/callbacks.py``).
+again if the submit makes no job of that id (``webhooks/callbacks.py``).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -27,17 +26,17 @@ from jobtier.api.http import JSON, decode_body, job_id_of, job_not_found, read_j
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
-from jobtier.dispatch import marks
-from jobtier.dispatch.callbacks import CallbackStore, SecretMissing
-from jobtier.dispatch.safety import MAX_URL_LENGTH, AddressPolicy, Resolver
-from jobtier.dispatch.signing import new_secret
-from jobtier.errors import InvalidRequest
-from jobtier.keys import ulid
-from jobtier.model import CallbackSpec
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.keys import ulid
+from jobtier.core.model import CallbackSpec
+from jobtier.core.names import WEBHOOK_ID_RE
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool, query
-from jobtier.queue import Queue
+from jobtier.webhooks import marks
+from jobtier.webhooks.callbacks import CallbackStore, SecretMissing
+from jobtier.webhooks.safety import MAX_URL_LENGTH, AddressPolicy, Resolver
+from jobtier.webhooks.signing import new_secret
 
-WEBHOOK_ID_RE = re.compile(r"^wh_[0-9A-HJKMNP-TV-Z]{26}$")
 EVENTS = oa.CALLBACK_EVENTS
 MAX_DESCRIPTION = 200
 PG_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError, TimeoutError)
@@ -124,7 +123,7 @@ def unavailable() -> Problem:
 
 class WebhookService:
     """What the routes and the submits share: the pool, the address policy, the group, the
-    jobs' callbacks (``dispatch/callbacks.py``), with its refusals as problems."""
+    jobs' callbacks (``webhooks/callbacks.py``), with its refusals as problems."""
 
     def __init__(
         self, pool: Pool, queue: Queue, settings: Settings, resolver: Resolver | None = None
@@ -217,7 +216,7 @@ async def create(request: Request) -> Response:
     try:
         await service.ensure_group()
         # before the row: the dispatcher then decodes this tenant's entries
-        # (dispatch/marks.py); a mark left by a failed insert only costs the old path
+        # (webhooks/marks.py); a mark left by a failed insert only costs the old path
         await marks.mark(service.callbacks.redis, service.callbacks.keys, [tenant])
         async with service.pool.acquire() as conn, conn.transaction():
             made = await conn.fetchrow(query("secret_create_if_missing"), tenant, secret)

@@ -17,7 +17,7 @@ context managers::
     with Client("http://127.0.0.1:8000", api_key) as jobs:
         done = jobs.wait(jobs.submit("echo", 42).id, timeout=30)
 
-Statuses are ``jobtier.model.JobStatus``; a submit returns a ``Submission`` (``job`` and
+Statuses are ``jobtier.core.model.JobStatus``; a submit returns a ``Submission`` (``job`` and
 ``created``, False for an idempotent duplicate). Error answers raise ``ApiError`` subclasses
 (see ``jobtier.client._errors``), which also derive from the matching engine exceptions
 (``JobNotFound``, ``IdempotencyConflict``, ``InvalidRequest``, ``Overloaded``).
@@ -38,7 +38,7 @@ from jobtier.client._errors import (
     WrongState,
 )
 from jobtier.client._sync import Client
-from jobtier.schedules import Schedule, ScheduleSpec
+from jobtier.core.schedule import Schedule, ScheduleSpec
 
 __all__ = [
     "ApiError",

@@ -24,7 +24,7 @@ from jobtier.client._core import (
     Submission,
 )
 from jobtier.client._errors import ApiError
-from jobtier.model import (
+from jobtier.core.model import (
     Dependency,
     FlowJob,
     JobSpec,
@@ -38,7 +38,7 @@ from jobtier.model import (
     TaskAd,
     Transition,
 )
-from jobtier.schedules import Schedule, ScheduleSpec
+from jobtier.core.schedule import Schedule, ScheduleSpec
 
 T = TypeVar("T")
 

@@ -30,7 +30,7 @@ from jobtier.client._errors import (
     retry_after,
     unexpected,
 )
-from jobtier.model import (
+from jobtier.core.model import (
     Dependency,
     FlowJob,
     JobError,
@@ -45,7 +45,7 @@ from jobtier.model import (
     Transition,
     status_decoder,
 )
-from jobtier.schedules import Schedule, ScheduleSpec
+from jobtier.core.schedule import Schedule, ScheduleSpec
 
 try:
     USER_AGENT = f"jobtier-client/{metadata.version('jobtier')}"

@@ -27,14 +27,14 @@ from typing import Any
 
 import msgspec
 
-from jobtier.errors import (
+from jobtier.core.errors import (
     IdempotencyConflict,
     InvalidRequest,
     JobNotFound,
     JobtierError,
     Overloaded,
 )
-from jobtier.model import JobStatus, any_decoder, status_decoder
+from jobtier.core.model import JobStatus, any_decoder, status_decoder
 
 PROBLEM_PREFIX = "urn:jobtier:problem:"
 

@@ -20,7 +20,7 @@ Two limits, both handled where they matter:
   by whoever started it;
 - a signal that kills us in the few milliseconds between fork and ``prctl`` is missed; the
   next `jobtier run` of the same data folder finds that server and restarts it (see
-  ``jobtier.dev.run``).
+  ``jobtier.dev.stack``).
 """
 
 from __future__ import annotations

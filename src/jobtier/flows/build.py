@@ -4,7 +4,7 @@ A flow is a list of ``FlowJob``; its *end* is its last job (what a chain step or
 waits for). Both builders take jobs or whole flows and give a flow, so they nest::
 
     from jobtier.flows import chain, fan_in
-    from jobtier.model import FlowJob
+    from jobtier.core.model import FlowJob
 
     report = fan_in(
         FlowJob(type="merge"),                       # runs last, with every child's result
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from jobtier.model import FlowJob, JobSpec
+from jobtier.core.model import FlowJob, JobSpec
 
 Step = FlowJob | JobSpec | Sequence[FlowJob]
 

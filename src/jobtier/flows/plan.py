@@ -19,18 +19,16 @@ creates exactly the jobs that are missing (``EXISTS`` for the others).
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from jobtier.errors import InvalidRequest
-from jobtier.keys import Keys
-from jobtier.model import FlowJob, JobSpec
-
-REF_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.keys import Keys
+from jobtier.core.model import FlowJob, JobSpec
+from jobtier.core.names import REF_RE
 
 
 @dataclass(slots=True)

@@ -6,11 +6,11 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from jobtier.errors import JobNotFound
-from jobtier.model import Dependency, JobError
+from jobtier.core.errors import JobNotFound
+from jobtier.core.model import Dependency, JobError
 
 if TYPE_CHECKING:
-    from jobtier.queue import Queue
+    from jobtier.engine.queue import Queue
 
 # lib.lua's state marks (upper case: a child of the job)
 # a stored result that starts with it is a reference (persist/results.py MARKER), not JSON

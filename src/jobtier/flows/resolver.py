@@ -34,15 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
-from jobtier.backoff import SCHEDULER
-from jobtier.errors import Code
+from jobtier.core.errors import Code
 from jobtier.flows.submit import link_calls, linked_calls
 from jobtier.metrics.snapshot import Snapshot
-from jobtier.persist.group import create_groups
-from jobtier.scripts import Call
+from jobtier.runtime.backoff import SCHEDULER
+from jobtier.store.scripts import Call
+from jobtier.streams.consumer import create_groups
 
 if TYPE_CHECKING:
-    from jobtier.queue import Queue
+    from jobtier.engine.queue import Queue
 
 log = logging.getLogger("jobtier.resolver")
 

@@ -31,15 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from jobtier.errors import Code, IdempotencyConflict, InvalidRequest
+from jobtier.core.errors import Code, IdempotencyConflict, InvalidRequest
+from jobtier.core.model import CallbackSpec, FlowSubmitted, Submitted
 from jobtier.flows.plan import FlowPlan, derive_id
-from jobtier.job_docs import read_docs
-from jobtier.model import CallbackSpec, FlowSubmitted, Submitted
-from jobtier.scripts import Call, SubmitItem, SubmitOutcome
+from jobtier.status.docs import read_docs
+from jobtier.store.scripts import Call, SubmitItem, SubmitOutcome
 
 if TYPE_CHECKING:
-    from jobtier.dispatch.callbacks import CallbackStore
-    from jobtier.queue import Queue
+    from jobtier.engine.queue import Queue
+    from jobtier.webhooks.callbacks import CallbackStore
 
 SUBMIT_CHUNK = 1000  # jobs per submit call (several calls per shard in one pipeline)
 LINK_CHUNK = 2000  # links (or dependents) per link/linked call

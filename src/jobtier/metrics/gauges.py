@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from jobtier.memory import redis_memory
+from jobtier.core.model import PRIORITIES
+from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import labels
-from jobtier.model import PRIORITIES
-from jobtier.queue import Queue
+from jobtier.store.memory import redis_memory
 
 
 async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, dict[str, float]]:

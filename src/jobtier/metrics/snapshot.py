@@ -22,10 +22,10 @@ from typing import Any, Protocol
 import msgspec
 from redis.exceptions import RedisError
 
-from jobtier.connection import RedisClient
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
 from jobtier.metrics.histogram import merge, minus
-from jobtier.stopping import bounded, stop_task
+from jobtier.runtime.stopping import bounded, stop_task
+from jobtier.store.redis import RedisClient
 
 log = logging.getLogger("jobtier.metrics")
 

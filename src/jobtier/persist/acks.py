@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from jobtier.connection import RedisClient
+from jobtier.store.redis import RedisClient
 
 
 class Acks:

@@ -6,17 +6,16 @@ them here; this module only stores and lists them.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
 import msgspec
 
-from jobtier.errors import InvalidRequest
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.names import ULID_RE
 from jobtier.persist.db import Pool, query
 
-AUDIT_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
 MAX_AUDIT_LIMIT = 500
 
 
@@ -81,7 +80,7 @@ class AuditStore:
             if value is not None:
                 params.append(value)
                 filters.append(fragment.format(len(params)))
-        if before is not None and not AUDIT_ID_RE.fullmatch(before):
+        if before is not None and not ULID_RE.fullmatch(before):
             raise InvalidRequest("cursor is not one this API returned", field="cursor")
         sql = query("list_audit").replace("/*filters*/", " ".join(filters))
         rows = await self.pool.fetch(sql, *params)

@@ -17,9 +17,10 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from jobtier.model import JobStatus, json_encoder, status_decoder
+from jobtier.core.model import json_encoder
 from jobtier.persist.db import AnyConnection, Pool, query, rows_affected
 from jobtier.persist.results import is_ref, ref_of
+from jobtier.streams.entries import LogEntry
 
 INLINE_RESULT_MAX = 64 * 1024  # larger results go to job_results
 # A batch not committed within this many seconds is on a connection that will not answer (a
@@ -27,67 +28,6 @@ INLINE_RESULT_MAX = 64 * 1024  # larger results go to job_results
 # terminated — which fails whatever waits on it, a ROLLBACK included — and the batch is
 # written again on a new one. A healthy 2,000-entry batch commits in well under a second.
 BATCH_TIMEOUT = 60.0
-
-
-class LogEntry(msgspec.Struct, gc=False):
-    """One decoded log stream entry (see ``lua/lib.lua: commit`` for the fields).
-
-    A Struct rather than a dataclass, and left out of the garbage collector (it refers to no
-    container that could make a cycle): a persister makes one per transition, tens of
-    thousands a second, and a slotted dataclass took 0.7 µs to build from keywords where this
-    takes 0.1 (tests/unit/test_persist_batch.py checks the collector ignores it).
-    """
-
-    shard: int
-    entry_id: bytes
-    status: JobStatus
-    doc: bytes
-    tenant: str
-    from_state: str | None  # None for the submit entry
-    actor: str  # worker id, 'api', 'scheduler', 'admin'
-    # the job's previous logged version (0 for the submit); None from a jobtier that logged
-    # every version, so version - 1 (queries.sql: history_gaps)
-    prev_version: int | None = None
-    payload: bytes | None = None  # submit only
-    idempotency_key: str | None = None  # submit only, when given
-    result: bytes | None = None  # success only; b"" means a null result
-    dependencies: list[str] | None = None  # submit of a job that waits for others
-    children: str = ""  # per dependency, '1' for a child of the job (same flow), else '0'
-
-    @property
-    def ms(self) -> int:
-        """When the transition happened: the stream id's Redis-clock milliseconds."""
-        return int(self.entry_id.split(b"-", 1)[0])
-
-
-# what parse_entry raises for a malformed entry (a field missing, or not what it should be)
-MALFORMED = (KeyError, ValueError, UnicodeDecodeError, msgspec.DecodeError)
-
-
-def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogEntry:
-    """Decode one stream entry; raises one of ``MALFORMED`` on a malformed one."""
-    doc = fields[b"d"]
-    status = status_decoder.decode(doc)
-    ik = fields.get(b"ik")
-    pv = fields.get(b"pv")
-    dp = fields.get(b"dp")
-    dk = fields.get(b"dk")
-    # positional: a Struct builds faster from positions than from keywords
-    return LogEntry(
-        shard,
-        entry_id,
-        status,
-        doc,
-        fields[b"tn"].decode(),
-        fields[b"fr"].decode() or None,
-        fields[b"w"].decode(),
-        int(pv) if pv is not None else None,
-        fields.get(b"p"),
-        ik.decode() if ik else None,
-        fields.get(b"r"),
-        dp.decode().split() if dp else None,
-        dk.decode() if dk else "",
-    )
 
 
 class JobRow(msgspec.Struct, gc=False):

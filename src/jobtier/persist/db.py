@@ -205,7 +205,7 @@ async def migrate(dsn: str) -> list[str]:
     if collation not in FAST_COLLATIONS:
         # Postgres compares text byte by byte only under C; under any other collation each
         # comparison goes through the C library, and the write-behind makes one at every level
-        # of every index entry it writes (dev/postgres.py: LocalPostgres says what it costs)
+        # of every index entry it writes (dev/local_postgres.py: LocalPostgres says what it costs)
         log.info(
             "event=database_collation collation=%s hint=a_database_created_with_LC_COLLATE_C"
             "_takes_less_CPU_per_transition_written_(README:_Postgres_collation)",

@@ -1,6 +1,6 @@
 """The write-behind persister: shard log streams in Redis -> Postgres, in batches.
 
-Every transition script appends an entry to its shard's log stream (``lua/lib.lua: commit``).
+Every transition script appends an entry to its shard's log stream (``store/lua/lib.lua: commit``).
 Persisters read all shards' streams through one consumer group, write each batch in one
 Postgres transaction, and only then acknowledge the entries; acknowledged entries are trimmed
 away. Everything downstream of the read is idempotent, which is what makes the rest simple:
@@ -36,23 +36,18 @@ from collections.abc import Callable, Sequence
 import asyncpg
 from redis.exceptions import RedisError
 
-from jobtier.backoff import PERSIST_POSTGRES, PERSIST_REDIS
 from jobtier.config import Settings
-from jobtier.connection import RedisClient
-from jobtier.keys import Keys
+from jobtier.core.keys import Keys
 from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.acks import Acks
-from jobtier.persist.batch import (
-    BATCH_TIMEOUT,
-    MALFORMED,
-    LogEntry,
-    attached_meanwhile,
-    parse_entry,
-    write_on,
-)
+from jobtier.persist.batch import BATCH_TIMEOUT, attached_meanwhile, write_on
 from jobtier.persist.db import UNAVAILABLE, Pool
-from jobtier.persist.group import (
+from jobtier.persist.retention import run_pruning
+from jobtier.persist.stats import PersisterStats
+from jobtier.runtime.backoff import PERSIST_POSTGRES, PERSIST_REDIS
+from jobtier.store.redis import RedisClient
+from jobtier.streams.consumer import (
     claim_idle,
     create_groups,
     forget_idle_consumers,
@@ -61,8 +56,7 @@ from jobtier.persist.group import (
     trim,
     wait_idle,
 )
-from jobtier.persist.retention import run_pruning
-from jobtier.persist.stats import PersisterStats
+from jobtier.streams.entries import MALFORMED, LogEntry, parse_entry
 
 __all__ = ["Persister", "PersisterStats", "replay_refused"]
 

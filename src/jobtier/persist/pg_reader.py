@@ -21,23 +21,18 @@ from typing import Any
 
 import msgspec
 
-from jobtier.connection import RedisClient
-from jobtier.errors import InvalidRequest
-from jobtier.flows.reads import dependency
-from jobtier.keys import JOB_ID_RE, Keys
-from jobtier.model import (
-    QUEUE_NAME_RE,
-    Dependency,
-    JobError,
-    JobStatus,
-    State,
-    any_decoder,
-    status_decoder,
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.keys import Keys
+from jobtier.core.model import Dependency, JobError, JobStatus, State, any_decoder, status_decoder
+from jobtier.core.model import (
+    Transition as Transition,  # moved to core/model.py (the client reads it)
 )
-from jobtier.model import Transition as Transition  # moved to model.py (the client reads it)
+from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
+from jobtier.flows.reads import dependency
 from jobtier.persist.db import Pool, query
 from jobtier.persist.results import marker
-from jobtier.scripts import Script, run_scripts
+from jobtier.store.redis import RedisClient
+from jobtier.store.scripts import Script, run_scripts
 
 MAX_LIMIT = 500
 MAX_TYPE_LENGTH = 200
@@ -403,7 +398,7 @@ def _id_ms(entry_id: bytes) -> int:
 async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> tuple[int, float]:
     """(entries not yet acknowledged by the persisters, age in seconds of the oldest one).
 
-    Per shard, one read-only script call (``lua/log_lag.lua``, all shards in one pipeline):
+    Per shard, one read-only script call (``store/lua/log_lag.lua``, all shards in one pipeline):
     the group's pending entries plus the entries after its last-delivered id — counted in
     the stream, so a restart from the AOF that leaves Redis's own ``lag`` counter stale
     cannot make it report entries that do not exist (0 once the logs are drained). Up to

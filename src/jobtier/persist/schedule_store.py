@@ -8,9 +8,9 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from jobtier.model import Priority
+from jobtier.core.model import Priority
+from jobtier.core.schedule import Schedule
 from jobtier.persist.db import AnyConnection, Pool, query
-from jobtier.schedules import Schedule
 
 _any = msgspec.json.Decoder()
 

@@ -146,8 +146,8 @@ CREATE TRIGGER jobs_by_state_truncated AFTER TRUNCATE ON jobs
     FOR EACH STATEMENT EXECUTE FUNCTION jobs_by_state_empty();
 
 -- Every change of every job's status document that its shard log carried (a progress-only
--- change, or a waiting job's dependency count, may be left out of the log: lua/heartbeat.lua,
--- lua/resolve.lua), exactly once: the key makes replays harmless, as a replayed entry carries
+-- change, or a waiting job's dependency count, may be left out of the log: store/lua/heartbeat.lua,
+-- store/lua/resolve.lua), exactly once: the key makes replays harmless, as a replayed entry carries
 -- the same `at`. `prev_version` is the version of the job's previous row (0 for its first;
 -- NULL means version - 1: rows from before the column, when every version was logged).
 -- Following it from the job's latest version down to version 1 proves the history complete
@@ -251,7 +251,7 @@ CREATE TABLE audit (
 
 CREATE INDEX audit_target_idx ON audit (target, id);
 
--- Webhooks (the dispatcher, src/jobtier/dispatch/) and results kept outside Redis.
+-- Webhooks (the dispatcher, src/jobtier/webhooks/) and results kept outside Redis.
 --
 -- Each tenant signs its deliveries with its own secret (Standard Webhooks, `whsec_` + base64);
 -- after a rotation the previous one still signs, beside the new one, until previous_until.

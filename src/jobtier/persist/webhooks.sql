@@ -1,5 +1,5 @@
 -- Webhooks: subscriptions, job callbacks, signing secrets and deliveries (migration 0007).
--- Used by the API (api/webhooks.py) and the dispatcher (dispatch/store.py).
+-- Used by the API (api/webhooks.py) and the dispatcher (webhooks/deliveries.py).
 
 -- name: secret_get
 SELECT secret, previous, previous_until FROM webhook_secrets WHERE tenant = $1
@@ -88,7 +88,7 @@ SELECT DISTINCT tenant FROM webhook_job_callbacks
 
 -- name: targets_tenants_among
 -- Which of these tenants still have a target (a live subscription or a job's callback): the
--- others' marks may go (dispatch/marks.py). One index probe per tenant and table.
+-- others' marks may go (webhooks/marks.py). One index probe per tenant and table.
 SELECT t.tenant FROM unnest($1::text[]) AS t(tenant)
 WHERE EXISTS (
     SELECT 1 FROM webhook_subscriptions s WHERE s.tenant = t.tenant AND s.disabled_at IS NULL

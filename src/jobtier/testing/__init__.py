@@ -25,12 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS: dict[str, str] = {
     "BurstWorker": "jobtier.testing.burst",
-    "Outcome": "jobtier.testing.run",
-    "TaskError": "jobtier.testing.run",
-    "TaskRun": "jobtier.testing.run",
-    "run_task": "jobtier.testing.run",
-    "run_task_sync": "jobtier.testing.run",
-    "start_task": "jobtier.testing.run",
+    "Outcome": "jobtier.testing.task_run",
+    "TaskError": "jobtier.testing.task_run",
+    "TaskRun": "jobtier.testing.task_run",
+    "run_task": "jobtier.testing.task_run",
+    "run_task_sync": "jobtier.testing.task_run",
+    "start_task": "jobtier.testing.task_run",
 }
 
 __all__ = [
@@ -59,4 +59,11 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from jobtier.testing.burst import BurstWorker
-    from jobtier.testing.run import Outcome, TaskError, TaskRun, run_task, run_task_sync, start_task
+    from jobtier.testing.task_run import (
+        Outcome,
+        TaskError,
+        TaskRun,
+        run_task,
+        run_task_sync,
+        start_task,
+    )

@@ -7,9 +7,9 @@ import asyncio
 from types import ModuleType
 from typing import Any
 
-from jobtier.errors import ConfigError
+from jobtier.core.errors import ConfigError
+from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
-from jobtier.queue import Queue
 from jobtier.worker.registry import Task, TaskRegistry
 from jobtier.worker.runner import Worker, WorkerStats
 

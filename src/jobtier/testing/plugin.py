@@ -36,8 +36,8 @@ import pytest
 
 if TYPE_CHECKING:
     from jobtier.config import Settings
-    from jobtier.dev.redis import LocalRedis
-    from jobtier.queue import Queue
+    from jobtier.dev.local_redis import LocalRedis
+    from jobtier.engine.queue import Queue
     from jobtier.testing.burst import BurstWorker, Tasks
 
 try:  # already imported by pytest when installed: no cost
@@ -71,7 +71,7 @@ def jobtier_redis(
         if request.config.getini(REQUIRE_OPTION):
             pytest.fail(MISSING, pytrace=False)
         pytest.skip(MISSING)
-    from jobtier.dev.redis import LocalRedis
+    from jobtier.dev.local_redis import LocalRedis
 
     server = LocalRedis(Path(tmp_path_factory.mktemp("jobtier-redis")))
     try:
@@ -113,7 +113,7 @@ async def jobtier_queue(
 ) -> AsyncIterator[Queue]:
     """A ``Queue`` connected to the session's Redis (emptied: it holds only the shards' job
     format marks, ``jt:{s}:fmt``, which connecting sets), closed after the test."""
-    from jobtier.queue import Queue
+    from jobtier.engine.queue import Queue
     from jobtier.testing.burst import as_registry
 
     registry = as_registry(jobtier_tasks) if jobtier_tasks is not None else None

@@ -1,6 +1,6 @@
 """One attempt of a task, and what it comes to: a result, a failure, or a stop.
 
-The worker and ``jobtier.testing.run_task`` both run attempts through ``run_attempt``,
+The worker and ``jobtier.testing.task_run`` both run attempts through ``run_attempt``,
 which hands how each ended to their ``attempt_ended``, and turn failures into the job's
 error and retry delay through ``Failure``: a test of a task sees exactly the decisions a
 worker makes (which exceptions are retried, after what delay, which results are refused,
@@ -33,8 +33,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from jobtier.errors import Cancelled, Fatal, RateLimited, Retry
-from jobtier.model import encode_json
+from jobtier.core.errors import Cancelled, Fatal, RateLimited, Retry
+from jobtier.core.model import encode_json
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import RetryPolicy, Task
 

@@ -29,13 +29,13 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
-from jobtier.backoff import CLAIM
-from jobtier.model import ClaimedJob
-from jobtier.scripts import Call
-from jobtier.stopping import stop_task
+from jobtier.core.model import ClaimedJob
+from jobtier.runtime.backoff import CLAIM
+from jobtier.runtime.stopping import stop_task
+from jobtier.store.scripts import Call
 from jobtier.worker.attempt import deliver_cancel, run_attempt
 from jobtier.worker.context import JobContext
-from jobtier.worker.limits import LimitedClaimer
+from jobtier.worker.permits import LimitedClaimer
 from jobtier.worker.reporting import Reporting
 from jobtier.worker.state import UNKNOWN, _Running
 from jobtier.worker.stored import run_attempt_storing
@@ -73,7 +73,7 @@ class Claiming(Reporting):
             now.cancel()
         if not claims.done():
             log.warning("event=claim_abandoned worker=%s: a claim was still in flight", self.id)
-            # a claim in flight is a Redis call, which can swallow the cancel (stopping.py)
+            # a claim in flight is a Redis call, which can swallow the cancel (runtime/stopping.py)
             await stop_task(claims, "claim loop")
         else:
             claims.result()  # a crash of the loop surfaces here

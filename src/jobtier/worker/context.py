@@ -11,9 +11,9 @@ from typing import Any
 
 import msgspec
 
-from jobtier.errors import Cancelled, ResultGone
+from jobtier.core.errors import Cancelled, ResultGone
+from jobtier.core.model import ClaimedJob, Dependency, LogLine, encode_json
 from jobtier.flows.reads import from_inputs, stored_refs
-from jobtier.model import ClaimedJob, Dependency, LogLine, encode_json
 
 # A job's log lines (ctx.log): it keeps its latest LOG_LINES lines, of all its attempts, each
 # at most LOG_LINE_CHARS characters (a longer one is cut and ends with "…"). A task that logs
@@ -126,7 +126,7 @@ class JobContext:
 
         ``await`` it from an ``async`` task: it reads on the worker's event loop, and a sync
         task (in the thread pool) gets a ``RuntimeError``. ``KeyError`` for an id this job
-        did not wait for; ``jobtier.errors.ResultGone`` (a ``LookupError``, and ``Fatal``: no
+        did not wait for; ``jobtier.core.errors.ResultGone`` (a ``LookupError``, and ``Fatal``: no
         retry brings it back) when the store no longer holds the result (deleted with its
         job); a worker that stores no results itself needs ``JOBTIER_DATABASE_URL`` to read
         one (else ``ConfigError``, retried: a worker given the setting can read it). Raised

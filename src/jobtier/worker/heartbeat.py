@@ -30,13 +30,13 @@ from collections import defaultdict
 
 from redis.exceptions import RedisError
 
-from jobtier.catalog import publish as publish_tasks
-from jobtier.errors import Code
-from jobtier.model import encode_json
+from jobtier.core.errors import Code
+from jobtier.core.model import encode_json
+from jobtier.engine.catalog import publish as publish_tasks
 from jobtier.worker.attempt import deliver_cancel
 from jobtier.worker.claiming import Claiming
 from jobtier.worker.context import LOG_LINES
-from jobtier.worker.limits import limit_calls
+from jobtier.worker.permits import limit_calls
 
 log = logging.getLogger("jobtier.worker")
 
@@ -166,6 +166,6 @@ class Heartbeat(Claiming):
             }
         )
         await self.queue.redis.hset(self.keys.workers(), self.id, info)
-        # the tasks it runs, with their policies and payload schemas (catalog.py): what the
+        # the tasks it runs, with their policies and payload schemas (engine/catalog.py): what the
         # API checks and completes a submit with
         await publish_tasks(self.queue.redis, self.keys, [t.ad(self.id) for t in self.registry])

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
-import re
 import time
 import typing
 from collections.abc import Callable, Iterable, Iterator
@@ -14,10 +13,9 @@ from typing import Any, overload
 
 import msgspec
 
-from jobtier.errors import ConfigError, InvalidRequest
-from jobtier.model import DEFAULT_QUEUE, QUEUE_NAME_RE, Backoff, TaskAd, TaskInfo
-
-TASK_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$")
+from jobtier.core.errors import ConfigError, InvalidRequest
+from jobtier.core.model import DEFAULT_QUEUE, Backoff, TaskAd, TaskInfo
+from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +86,7 @@ class Task:
         return TaskInfo(self.queue, self.max_attempts, check, self.on_failure)
 
     def ad(self, worker: str) -> TaskAd:
-        """What a worker advertises of this task (catalog.py)."""
+        """What a worker advertises of this task (engine/catalog.py)."""
         r = self.retry
         return TaskAd(
             type=self.name,

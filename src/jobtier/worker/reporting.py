@@ -29,12 +29,12 @@ from typing import Any
 
 from redis.exceptions import RedisError
 
-from jobtier.backoff import REPORT
-from jobtier.errors import Code, RateLimited
-from jobtier.scripts import Call
+from jobtier.core.errors import Code, RateLimited
+from jobtier.runtime.backoff import REPORT
+from jobtier.store.scripts import Call
 from jobtier.worker.attempt import DEFAULT_POLICY, STOPPED, Failure, Stopped
 from jobtier.worker.context import LOG_LINES, JobContext
-from jobtier.worker.limits import limit_calls
+from jobtier.worker.permits import limit_calls
 from jobtier.worker.state import WorkerState, _Running
 
 log = logging.getLogger("jobtier.worker")

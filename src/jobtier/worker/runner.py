@@ -43,10 +43,10 @@ import time
 
 from redis.exceptions import RedisError
 
-from jobtier.connection import ShardSubscriber
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.persist.results import open_store
-from jobtier.stopping import stop_task
+from jobtier.runtime.stopping import stop_task
+from jobtier.store.redis import ShardSubscriber
 from jobtier.worker.heartbeat import Heartbeat
 from jobtier.worker.state import UNKNOWN, WorkerStats
 
@@ -167,7 +167,7 @@ class Worker(Heartbeat):
             else:
                 heart.cancel()
             await self._flush_outbox()
-            # its Redis writes can swallow a cancel the same way (stopping.py): cancelled
+            # its Redis writes can swallow a cancel the same way (runtime/stopping.py): cancelled
             # until it ends, left behind after STOP_TIMEOUT
             await stop_task(reporter, "worker metrics reporter")
             await self._subscriber.stop()

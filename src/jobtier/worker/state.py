@@ -38,14 +38,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobtier.connection import ShardSubscriber
-from jobtier.errors import ConfigError
+from jobtier.core.errors import ConfigError
+from jobtier.core.model import ClaimedJob
+from jobtier.core.names import QUEUE_NAME_RE
+from jobtier.engine.queue import Queue
 from jobtier.metrics.histogram import Histogram
-from jobtier.model import QUEUE_NAME_RE, ClaimedJob
 from jobtier.persist.results import PostgresResultStore
-from jobtier.queue import Queue
+from jobtier.store.redis import ShardSubscriber
 from jobtier.worker.context import JobContext
-from jobtier.worker.limits import LimitedClaimer
+from jobtier.worker.permits import LimitedClaimer
 from jobtier.worker.registry import Task, TaskRegistry
 
 UNKNOWN = 1 << 30  # a shard whose queue length we don't know: worth asking

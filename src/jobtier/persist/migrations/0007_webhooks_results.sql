@@ -1,4 +1,4 @@
--- Webhooks (the dispatcher, src/jobtier/dispatch/) and results kept outside Redis.
+-- Webhooks (the dispatcher, src/jobtier/webhooks/) and results kept outside Redis.
 --
 -- Each tenant signs its deliveries with its own secret (Standard Webhooks, `whsec_` + base64);
 -- after a rotation the previous one still signs, beside the new one, until previous_until.

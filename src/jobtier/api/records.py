@@ -1,0 +1,262 @@
+"""The API's Postgres part: status and results of jobs Redis no longer holds, listing and
+history, readiness, and the write-behind lag that drives back-pressure."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import asyncpg
+import msgspec
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from jobtier.api import console_records, schedules, webhooks
+from jobtier.api import openapi as oa
+from jobtier.api import result_content as results
+from jobtier.api.app import Extension
+from jobtier.api.auth import tenant_of
+from jobtier.api.http import JSON, job_id_of, job_not_found
+from jobtier.api.params import Param, parse_query
+from jobtier.api.problems import Problem
+from jobtier.config import Settings
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.model import Dependency, JobStatus, State
+from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
+from jobtier.engine.cron import CronMirror
+from jobtier.engine.queue import Queue
+from jobtier.persist.audit_store import AuditStore
+from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
+from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition, lag
+from jobtier.persist.schedule_store import ScheduleStore
+from jobtier.webhooks.safety import Resolver
+
+log = logging.getLogger("jobtier.api")
+
+# what Postgres raises when it is down or restarting
+PG_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError, TimeoutError)
+
+
+def unavailable(exc: BaseException) -> Problem:
+    log.warning("event=postgres_unavailable error=%r", exc)
+    return Problem(
+        503, "unavailable", "Postgres is unavailable; try again", headers={"retry-after": "2"}
+    )
+
+
+class JobPage(msgspec.Struct):
+    jobs: list[JobStatus]
+    next_cursor: str | None
+    lag: dict[str, float]
+
+
+class History(msgspec.Struct):
+    id: str
+    transitions: list[Transition]
+    lag: dict[str, float]
+
+
+class PostgresExtension(Extension):
+    def __init__(self, settings: Settings) -> None:
+        super().__init__()
+        self.settings = settings
+        self.pool: Pool | None = None
+        self.reader: PgReader | None = None
+        self.queue: Queue | None = None
+        self._lag = (0, 0.0)
+        self._lag_at = 0.0
+        self.routes = [
+            Route("/v1/jobs", list_jobs, methods=["GET"]),
+            Route("/v1/jobs/{job_id}/history", history, methods=["GET"]),
+            *schedules.routes,
+            *webhooks.routes,
+            *results.routes,
+            *console_records.routes,
+        ]
+        self.openapi_paths = {
+            **openapi_paths(settings),
+            **schedules.openapi_paths(settings),
+            **webhooks.openapi_paths(settings),
+            **results.openapi_paths(settings),
+            **console_records.openapi_paths(settings),
+        }
+        self.openapi_types = [
+            JobPage,
+            History,
+            *schedules.OPENAPI_TYPES,
+            *webhooks.OPENAPI_TYPES,
+            *console_records.OPENAPI_TYPES,
+        ]
+        self.openapi_constraints = [lambda c: schedules.constrain(c, settings), webhooks.constrain]
+        # host name -> addresses for the callback URL checks (None: the system's DNS)
+        self.webhook_resolver: Resolver | None = None
+        self.status_fallback = self._status_docs
+        self.result_fallback = self._result
+        self.dependencies_fallback = self._dependencies
+        self.postgres_ready = self._ready
+        self.lag = self._lag_entries
+
+    async def open(self, settings: Settings, queue: Queue) -> None:
+        self.queue = queue
+        # min_size=0: the API starts (and serves what Redis holds) while Postgres is down
+        self.pool = await create_pool(settings.database_url, min_size=0, max_size=8)
+        self.reader = PgReader(self.pool)
+        self.state["pg_reader"] = self.reader
+        self.state["schedule_store"] = ScheduleStore(self.pool)
+        self.state["audit_store"] = AuditStore(self.pool)
+        self.state["cron"] = CronMirror(queue.redis, queue.keys, queue.scripts)
+        self.state["pg_extension"] = self
+        self.state["webhooks"] = webhooks.WebhookService(
+            self.pool, queue, settings, self.webhook_resolver
+        )
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+
+    async def _status_docs(self, job_ids: list[str]) -> dict[str, tuple[str, bytes]]:
+        assert self.reader is not None
+        try:
+            return await self.reader.status_docs(job_ids)
+        except PG_DOWN as exc:
+            raise unavailable(exc) from None
+
+    async def _result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
+        assert self.reader is not None
+        try:
+            found = await self.reader.result(job_id, tenant)
+            status = await self.reader.status_doc(job_id) if found else None
+        except PG_DOWN as exc:
+            raise unavailable(exc) from None
+        if found is None or status is None:
+            return None
+        doc = orjson.loads(status[1])
+        answer = {
+            "id": job_id,
+            "state": found.state.value,
+            "version": found.version,
+            "result": orjson.loads(found.result) if found.result is not None else None,
+            "error": doc.get("error"),
+        }
+        if found.ref is not None:  # kept in the result store: streamed from result_url
+            answer["result_url"] = f"/v1/jobs/{job_id}/result/content"
+        return answer
+
+    async def _dependencies(self, job_id: str, tenant: str) -> list[Dependency] | None:
+        assert self.reader is not None
+        try:
+            return await self.reader.dependencies(job_id, tenant)
+        except PG_DOWN as exc:
+            raise unavailable(exc) from None
+
+    async def _ready(self) -> str | None:
+        assert self.pool is not None
+        try:
+            async with self.pool.acquire() as conn:
+                applied = set(await applied_migrations(conn))
+        except PG_DOWN as exc:
+            return f"unreachable: {exc}"
+        missing = [name for name, _ in migrations() if name not in applied]
+        return (
+            f"migrations not applied: {', '.join(missing)} (run `jobtier migrate`)"
+            if missing
+            else None
+        )
+
+    async def current_lag(self) -> tuple[int, float]:
+        """(transitions not yet in Postgres, age of the oldest in seconds), cached ~1 s."""
+        assert self.queue is not None
+        now = time.monotonic()
+        if now - self._lag_at > 1.0:
+            self._lag = await lag(self.queue.redis, self.queue.keys)
+            self._lag_at = now
+        return self._lag
+
+    async def _lag_entries(self) -> int:
+        return (await self.current_lag())[0]
+
+
+def openapi_paths(settings: Settings) -> dict[str, Any]:
+    """The listing and history routes of the OpenAPI document."""
+    s = settings
+    return {
+        "/v1/jobs": {
+            "get": oa.operation(s, "The tenant's jobs from Postgres, newest first; says how far behind the write-behind is", {
+                "200": oa.json_response("JobPage", "a page; next_cursor is null on the last"),
+            }, params=LIST_PARAMS),
+        },
+        "/v1/jobs/{job_id}/history": {
+            "get": oa.operation(s, "Every persisted change of the job, oldest first, and the write-behind lag (a job not yet persisted has an empty history)", {
+                "200": oa.json_response("History", "the transitions persisted so far"),
+                "404": oa.problem("unknown job (or another tenant's, or a malformed id)"),
+            }, path=[oa.JOB_ID]),
+        },
+    }  # fmt: skip
+
+
+LIST_PARAMS = [
+    Param("state", "string", "only jobs in this state", values=[s.value for s in State]),
+    Param("type", "string", "only jobs of this type", max_length=128, pattern=TASK_NAME_RE.pattern),
+    Param("queue", "string", "only jobs of this queue", max_length=64, pattern=QUEUE_NAME_RE.pattern),
+    Param("created_after", "date-time", "only jobs created after this time (ISO 8601)", max_length=40),
+    Param("cursor", "string", "the next_cursor of the previous page", max_length=200, pattern=r"^[A-Za-z0-9_-]+$"),
+    Param("limit", "integer", "most jobs per page (default 50)", minimum=1, maximum=MAX_LIMIT),
+    Param("order", "string", "desc (newest first, the default) or asc", values=["desc", "asc"]),
+]  # fmt: skip
+
+
+def postgres_extension(settings: Settings) -> PostgresExtension:
+    return PostgresExtension(settings)
+
+
+async def _lag_document(request: Request) -> dict[str, float]:
+    entries, seconds = await request.state.pg_extension.current_lag()
+    return {"transitions": entries, "seconds": round(seconds, 3)}
+
+
+async def list_jobs(request: Request) -> Response:
+    """The tenant's jobs from Postgres, newest first, keyset-paginated; says how far behind
+    the write-behind is (jobs changed within that window may show an older state)."""
+    tenant = tenant_of(request)
+    q = parse_query(request, LIST_PARAMS)
+    reader: PgReader = request.state.pg_reader
+    try:
+        jobs, cursor = await reader.list_jobs(
+            tenant,
+            state=q.get("state"),
+            type=q.get("type"),
+            queue=q.get("queue"),
+            created_after=q.get("created_after"),
+            cursor=q.get("cursor"),
+            limit=q.get("limit", 50),
+            order=q.get("order", "desc"),
+        )
+        page = JobPage(jobs, cursor, await _lag_document(request))
+    except InvalidRequest as exc:
+        raise Problem(400, "bad-request", str(exc), field=exc.field) from None
+    except PG_DOWN as exc:
+        raise unavailable(exc) from None
+    return Response(msgspec.json.encode(page), media_type=JSON)
+
+
+async def history(request: Request) -> Response:
+    """Every persisted change of one job, oldest first, and how far behind the write-behind
+    is: a job Redis holds whose changes are not in Postgres yet (just created) has an empty
+    or short history, not a 404."""
+    tenant = tenant_of(request)
+    job_id = job_id_of(request)
+    reader: PgReader = request.state.pg_reader
+    try:
+        transitions = await reader.history(job_id, tenant)
+        lag_doc = await _lag_document(request)
+    except PG_DOWN as exc:
+        raise unavailable(exc) from None
+    if transitions is None:
+        found = await request.state.reader.get(job_id)
+        if found is None or found[0] != tenant:
+            raise job_not_found(job_id)
+        transitions = []
+    return Response(msgspec.json.encode(History(job_id, transitions, lag_doc)), media_type=JSON)

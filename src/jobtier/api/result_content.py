@@ -1,0 +1,76 @@
+"""``GET /v1/jobs/{id}/result/content``: a succeeded job's result, byte for byte as the task's
+result was encoded, streamed from wherever it is kept (the result store for a large one,
+``persist/results.py``; Redis or Postgres for the others). The status document's
+``result_url`` points here for a stored result; the route serves any succeeded job's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from jobtier.api import openapi as oa
+from jobtier.api.auth import tenant_of
+from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
+from jobtier.api.problems import Problem
+from jobtier.config import Settings
+from jobtier.engine.queue import Queue
+from jobtier.persist.pg_reader import PgReader
+from jobtier.persist.results import is_ref, reader_for, ref_of
+from jobtier.status.docs import read_doc
+
+
+def _not_succeeded(job_id: str, state: str) -> Problem:
+    return Problem(409, "wrong-state", f"job {job_id} has no result: it is {state}, not succeeded")
+
+
+async def content(request: Request) -> Response:
+    tenant = tenant_of(request)
+    job_id = job_id_of(request)
+    queue: Queue = request.state.queue
+    owner, doc, result = await read_doc(queue.redis, queue.keys, job_id, "result")  # bytes
+    if doc is not None:
+        if owner != tenant.encode():
+            raise job_not_found(job_id)
+        state = doc_state(doc)
+        if state != "succeeded":
+            raise _not_succeeded(job_id, state)
+        if not is_ref(result):
+            return Response(result or b"null", media_type=JSON)
+        ref = ref_of(result)
+    else:  # no longer in Redis: Postgres has the record
+        reader: PgReader = request.state.pg_reader
+        found = await reader.result(job_id, tenant)
+        if found is None:
+            raise job_not_found(job_id)
+        if found.state.value != "succeeded":
+            raise _not_succeeded(job_id, found.state.value)
+        if found.ref is None:
+            return Response(found.result or b"null", media_type=JSON)
+        ref = found.ref
+    store = await reader_for(ref, request.state.pg_extension.pool)
+    size = await store.size(ref)
+    if size is None:
+        raise Problem(410, "gone", f"the result of job {job_id} is no longer kept", job_id=job_id)
+    chunks: AsyncIterator[bytes] = store.stream(ref)
+    return StreamingResponse(chunks, media_type=JSON, headers={"content-length": str(size)})
+
+
+routes = [Route("/v1/jobs/{job_id}/result/content", content, methods=["GET"])]
+
+
+def openapi_paths(settings: Settings) -> dict[str, Any]:
+    return {
+        "/v1/jobs/{job_id}/result/content": {
+            "get": oa.operation(settings, "A succeeded job's result, exactly as the task's result was encoded (streamed; the status document's result_url for a result kept outside Redis)", {
+                "200": {"description": "the result (JSON)", "content": {"application/json": {"schema": {}}}},
+                "404": oa.problem("unknown job (or another tenant's, or a malformed id)"),
+                "409": oa.problem("the job has not succeeded"),
+                "410": oa.problem("the result is no longer kept (job_id)"),
+            }, path=[oa.JOB_ID]),
+        },
+    }  # fmt: skip

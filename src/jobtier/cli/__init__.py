@@ -1,0 +1,1 @@
+"""The ``jobtier`` command."""

@@ -1,0 +1,450 @@
+"""``jobtier jobs``, ``jobtier dead-letters`` and ``jobtier queues``: admin from the terminal.
+
+They talk to the HTTP API through the Python client (``jobtier.client.Client``): ``--url`` (or
+``JOBTIER_URL``, default http://127.0.0.1:8000) and ``--key`` (or ``JOBTIER_KEY``). ``jobs``
+acts on one tenant's jobs and needs that tenant's key (one of ``JOBTIER_API_KEYS``);
+``dead-letters`` and ``queues`` need the admin key (``JOBTIER_ADMIN_KEY``). Each prints a
+table for people, or ``--json`` one JSON document for scripts. Exit codes: 0 done, 1 the
+API refused or could not be reached (the message says why), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from jobtier.client import Client
+    from jobtier.core.model import JobError, JobStatus, LogLine, QueueInfo, Transition
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+TENANT = "tenant"
+ADMIN = "admin"
+KEY_HELP = {
+    TENANT: "a tenant's API key (one of the server's JOBTIER_API_KEYS)",
+    ADMIN: "the admin key (the server's JOBTIER_ADMIN_KEY)",
+}
+_RELATIVE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd])$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+STATES = ("waiting", "scheduled", "queued", "running", "succeeded", "failed", "cancelled")
+
+
+class CommandError(Exception):
+    """A refusal or failure to print as ``jobtier <command>: <message>`` (exit 1)."""
+
+
+# --- arguments ------------------------------------------------------------------------------
+def since_time(text: str) -> datetime:
+    """``--since``: an ISO 8601 time (UTC when it has no offset) or a span back from now,
+    ``30s``, ``15m``, ``2h``, ``7d``."""
+    m = _RELATIVE.fullmatch(text.strip())
+    if m:
+        return datetime.now(UTC) - timedelta(**{_UNITS[m.group(2)]: float(m.group(1))})
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an ISO 8601 time (2024-05-01T12:00:00Z) nor a span back "
+            "from now (30s, 15m, 2h, 7d)"
+        ) from None
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number above 0")
+    return value
+
+
+def _connection(p: argparse.ArgumentParser, key: str) -> None:
+    p.add_argument(
+        "--url",
+        default=None,
+        help=f"the API's address (default: JOBTIER_URL, else {DEFAULT_URL})",
+    )
+    p.add_argument("--key", default=None, help=f"{KEY_HELP[key]} (default: JOBTIER_KEY)")
+    p.add_argument("--json", action="store_true", help="print JSON for scripts, not a table")
+    p.set_defaults(key_kind=key)
+
+
+# --- output ---------------------------------------------------------------------------------
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Left-aligned columns, two spaces apart, a header line on top."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    for row in rows:
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    return "\n".join(lines)
+
+
+def short_time(value: str | datetime | None) -> str:
+    if value is None:
+        return "-"
+    text = value.isoformat() if isinstance(value, datetime) else value
+    return text.replace("+00:00", "Z")[:19].replace("T", " ")
+
+
+def clip(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def error_summary(error: JobError | None, width: int = 60) -> str:
+    if error is None:
+        return "-"
+    return clip(f"{error.type}: {error.message}", width)
+
+
+def as_json(value: Any) -> str:
+    return msgspec.json.format(msgspec.json.encode(value), indent=2).decode()
+
+
+def status_block(s: JobStatus) -> list[str]:
+    lines = [
+        f"id:          {s.id}",
+        f"type:        {s.type}",
+        f"queue:       {s.queue}",
+        f"state:       {s.state}" + ("  (cancel requested)" if s.cancel_requested else ""),
+        f"attempt:     {s.attempt} of {s.max_attempts}",
+        f"priority:    {s.priority}",
+        f"created:     {short_time(s.created_at)}",
+        f"updated:     {short_time(s.updated_at)}",
+    ]
+    if s.run_at is not None:
+        lines.append(f"run at:      {short_time(s.run_at)}")
+    if s.worker is not None:
+        lines.append(f"worker:      {s.worker}")
+    if s.progress is not None:
+        lines.append(f"progress:    {msgspec.json.encode(s.progress).decode()}")
+    if s.error is not None:
+        lines.append(f"error:       {s.error.type}: {s.error.message}")
+        if s.error.traceback:
+            lines += ["traceback:", *("  " + t for t in s.error.traceback.rstrip().splitlines())]
+    return lines
+
+
+def log_block(lines: Sequence[LogLine]) -> list[str]:
+    if not lines:
+        return ["log lines:   none"]
+    out = [f"log lines:   {len(lines)}"]
+    out += [f"  {short_time(line.at)}  #{line.attempt}  {line.message}" for line in lines]
+    return out
+
+
+def history_table(history: Sequence[Transition]) -> str:
+    rows = [
+        [
+            str(t.version), short_time(t.at),
+            f"{t.from_state or '-'} -> {t.to_state}", t.worker, str(t.attempt),
+            error_summary(t.error, 50),
+        ]
+        for t in history
+    ]  # fmt: skip
+    return table(["VERSION", "AT", "CHANGE", "BY", "ATTEMPT", "ERROR"], rows)
+
+
+def job_rows(jobs: Sequence[JobStatus]) -> str:
+    rows = [
+        [
+            j.id, j.type, j.queue, j.state, f"{j.attempt}/{j.max_attempts}",
+            short_time(j.updated_at), error_summary(j.error, 50),
+        ]
+        for j in jobs
+    ]  # fmt: skip
+    return table(["ID", "TYPE", "QUEUE", "STATE", "ATTEMPT", "UPDATED", "ERROR"], rows)
+
+
+def queue_rows(queues: Sequence[QueueInfo]) -> str:
+    rows = []
+    for q in queues:
+        limits = "-"
+        if q.limits is not None:
+            parts = []
+            if q.limits.concurrency is not None:
+                parts.append(f"concurrency {q.limits.concurrency}")
+            if q.limits.rate is not None:
+                parts.append(f"{q.limits.rate}/{q.limits.per:g}s")
+            limits = ", ".join(parts) or "-"
+        age = q.oldest_queued_age_seconds
+        rows.append([
+            q.name, str(q.queued_total), str(q.running), str(q.parked),
+            "-" if age is None else f"{age:.1f}s", str(q.workers),
+            "yes" if q.paused else "no", limits,
+        ])  # fmt: skip
+    return table(
+        ["QUEUE", "READY", "RUNNING", "PARKED", "OLDEST", "WORKERS", "PAUSED", "LIMITS"], rows
+    )
+
+
+# --- commands -------------------------------------------------------------------------------
+def jobs_list(c: Client, a: argparse.Namespace) -> Any:
+    page = c.list_jobs(
+        state=a.state, type=a.type, queue=a.queue, created_after=a.since, cursor=a.cursor,
+        limit=a.limit,
+    )  # fmt: skip
+    if a.json:
+        return page
+    lines = [job_rows(page.jobs) if page.jobs else "no jobs"]
+    if page.next_cursor:
+        lines.append(f"more: --cursor {page.next_cursor}")
+    if page.lag.get("transitions"):
+        lines.append(
+            f"(the listing is {page.lag['transitions']:g} changes, "
+            f"{page.lag.get('seconds', 0):g} s behind the live state)"
+        )
+    return "\n".join(lines)
+
+
+def jobs_show(c: Client, a: argparse.Namespace) -> Any:
+    d = c.show(a.job_id)
+    if a.json:
+        return d
+    lines = status_block(d.status)
+    if d.result is not None:
+        lines.append(f"result:      {msgspec.json.encode(d.result).decode()}")
+    lines += log_block(d.lines)
+    if d.history is None:
+        lines.append("history:     not available (the API has no Postgres)")
+    else:
+        lines += ["history:", history_table(d.history)]
+    return "\n".join(lines)
+
+
+def jobs_logs(c: Client, a: argparse.Namespace) -> Any:
+    lines = c.logs(a.job_id)
+    return lines if a.json else "\n".join(log_block(lines))
+
+
+def jobs_cancel(c: Client, a: argparse.Namespace) -> Any:
+    s = c.cancel(a.job_id)
+    if a.json:
+        return s
+    if s.state == "running":
+        return f"{s.id}: cancel requested; its worker ({s.worker}) is stopping it"
+    return f"{s.id}: {s.state}"
+
+
+def jobs_retry(c: Client, a: argparse.Namespace) -> Any:
+    s = c.retry(a.job_id)
+    return s if a.json else f"{s.id}: {s.state} again (attempts reset)"
+
+
+def dead_list(c: Client, a: argparse.Namespace) -> Any:
+    jobs = c.dead_letters(type=a.type, since=a.since, limit=a.limit)
+    if a.json:
+        return jobs
+    return job_rows(jobs) if jobs else "no dead letters"
+
+
+def dead_show(c: Client, a: argparse.Namespace) -> Any:
+    d = c.dead_letter(a.job_id)
+    if a.json:
+        return d
+    lines = status_block(d.job)
+    lines.append(f"payload:     {clip(msgspec.json.encode(d.payload).decode(), 2000)}")
+    lines += log_block(d.lines)
+    return "\n".join(lines)
+
+
+def dead_replay(c: Client, a: argparse.Namespace) -> Any:
+    if a.job_id is not None:
+        if a.type is not None or a.since is not None:
+            raise CommandError("give a job id or --type/--since, not both")
+        s = c.replay(a.job_id)
+        return s if a.json else f"{s.id}: {s.state} again (attempts reset)"
+    ids = c.replay_dead_letters(type=a.type, since=a.since, limit=a.limit)
+    if a.json:
+        return {"replayed": ids, "count": len(ids)}
+    return "\n".join([f"replayed {len(ids)} job(s)", *ids])
+
+
+def queues_list(c: Client, a: argparse.Namespace) -> Any:
+    queues = c.queues()
+    if a.json:
+        return queues
+    return queue_rows(queues) if queues else "no queues"
+
+
+def queues_pause(c: Client, a: argparse.Namespace) -> Any:
+    c.pause_queue(a.name)
+    return {"queue": a.name, "paused": True} if a.json else f"{a.name}: paused"
+
+
+def queues_resume(c: Client, a: argparse.Namespace) -> Any:
+    c.resume_queue(a.name)
+    return {"queue": a.name, "paused": False} if a.json else f"{a.name}: resumed"
+
+
+def queues_limit(c: Client, a: argparse.Namespace) -> Any:
+    if a.none and (a.concurrency is not None or a.rate is not None):
+        raise CommandError("--none lifts the limits: give it alone")
+    if not a.none and a.concurrency is None and a.rate is None:
+        raise CommandError("give --concurrency and/or --rate (with --per), or --none")
+    c.set_queue_limits(a.name, concurrency=a.concurrency, rate=a.rate, per=a.per)
+    if a.json:
+        limits = {"concurrency": a.concurrency, "rate": a.rate, "per": a.per}
+        return {"queue": a.name, "limits": None if a.none else limits}
+    if a.none:
+        return f"{a.name}: no limits"
+    parts = []
+    if a.concurrency is not None:
+        parts.append(f"at most {a.concurrency} running")
+    if a.rate is not None:
+        parts.append(f"at most {a.rate} starts per {a.per:g} s")
+    return f"{a.name}: " + ", ".join(parts)
+
+
+# --- running --------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    """Run one admin command: connect, call, print; the errors as one line on stderr."""
+    import httpx
+
+    from jobtier.client import ApiError, Client
+
+    name = f"jobtier {args.command} {args.action}"
+    url = args.url or os.environ.get("JOBTIER_URL") or DEFAULT_URL
+    key = args.key or os.environ.get("JOBTIER_KEY")
+    if not key:
+        print(
+            f"{name}: no API key: pass --key or set JOBTIER_KEY to {KEY_HELP[args.key_kind]}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        with Client(url, key, timeout=30.0) as client:
+            out = args.handler(client, args)
+    except CommandError as exc:
+        print(f"{name}: {exc}", file=sys.stderr)
+        return 2
+    except ApiError as exc:
+        hint = ""
+        if exc.status in (401, 403):
+            hint = f" (this command needs {KEY_HELP[args.key_kind]})"
+        print(f"{name}: {exc.detail or exc.title} (HTTP {exc.status}){hint}", file=sys.stderr)
+        return 1
+    except httpx.HTTPError as exc:
+        print(
+            f"{name}: cannot reach the API at {url} ({exc}); is `jobtier api` running there? "
+            "(--url or JOBTIER_URL)",
+            file=sys.stderr,
+        )
+        return 1
+    print(as_json(out) if args.json else out)
+    return 0
+
+
+Handler = Callable[["Client", argparse.Namespace], Any]
+
+
+def add_commands(sub: Any, runner: Callable[[argparse.Namespace, Any], int]) -> None:
+    """Add ``jobs``, ``dead-letters`` and ``queues`` to the ``jobtier`` parser; ``runner`` is
+    the function every command calls (``cli/main.py``'s, which passes the settings along)."""
+
+    def action(
+        group: Any, name: str, handler: Handler, key: str, help: str
+    ) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = group.add_parser(name, help=help, description=help)
+        _connection(p, key)
+        p.set_defaults(func=runner, handler=handler, action=name)
+        return p
+
+    # jobs (a tenant's key)
+    p = sub.add_parser(
+        "jobs",
+        help="list, show, cancel and retry jobs through the API (a tenant's key)",
+        description="A tenant's jobs, through the HTTP API (--url/JOBTIER_URL) with that "
+        "tenant's key (--key/JOBTIER_KEY, one of the server's JOBTIER_API_KEYS).",
+    )
+    group = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    q = action(group, "list", jobs_list, TENANT, "the tenant's jobs, newest first (Postgres)")
+    q.add_argument("--state", choices=STATES, help="only jobs in this state")
+    q.add_argument("--type", help="only jobs of this task type")
+    q.add_argument("--queue", help="only jobs of this queue")
+    q.add_argument(
+        "--since", type=since_time, help="only jobs created since: ISO 8601, or 30s, 15m, 2h, 7d"
+    )
+    q.add_argument("--limit", type=positive_int, default=20, help="most jobs (default 20)")
+    q.add_argument("--cursor", help="the next page (printed under a full page)")
+    for verb, handler, what in (
+        ("show", jobs_show, "a job's status, error and traceback, result, log lines, history"),
+        ("logs", jobs_logs, "the lines a job's task logged (ctx.log)"),
+        ("cancel", jobs_cancel, "cancel a waiting job, or ask the worker running it to stop"),
+        ("retry", jobs_retry, "send a failed (dead-lettered) job back to its queue"),
+    ):
+        q = action(group, verb, handler, TENANT, what)
+        q.add_argument("job_id", metavar="JOB_ID")
+
+    # dead letters (the admin key)
+    p = sub.add_parser(
+        "dead-letters",
+        help="list, show and replay dead-lettered jobs (the admin key)",
+        description="The dead-letter set, every tenant's, through the HTTP API "
+        "(--url/JOBTIER_URL) with the admin key (--key/JOBTIER_KEY, the server's "
+        "JOBTIER_ADMIN_KEY). Redis keeps dead letters JOBTIER_DEAD_RETENTION_SECONDS.",
+    )
+    group = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    for verb, handler, what in (
+        ("list", dead_list, "dead-lettered jobs, newest first"),
+        ("replay", dead_replay, "replay one dead letter (JOB_ID), or those matching --type/--since"),
+    ):  # fmt: skip
+        q = action(group, verb, handler, ADMIN, what)
+        if verb == "replay":
+            q.add_argument("job_id", metavar="JOB_ID", nargs="?", help="one job to replay")
+        q.add_argument("--type", help="only jobs of this task type")
+        q.add_argument(
+            "--since",
+            type=since_time,
+            help="only jobs dead-lettered since: ISO 8601, or 30s, 15m, 2h, 7d",
+        )
+        q.add_argument("--limit", type=positive_int, default=100, help="most jobs (default 100)")
+    q = action(group, "show", dead_show, ADMIN, "one dead letter: error, traceback, payload, lines")
+    q.add_argument("job_id", metavar="JOB_ID")
+
+    # queues (the admin key)
+    p = sub.add_parser(
+        "queues",
+        help="queues: depth, age, workers; pause, resume, limit (the admin key)",
+        description="Every queue through the HTTP API (--url/JOBTIER_URL) with the admin key "
+        "(--key/JOBTIER_KEY, the server's JOBTIER_ADMIN_KEY). Without an action: the list.",
+    )
+    _connection(p, ADMIN)
+    group = p.add_subparsers(dest="action", metavar="ACTION")
+    # after add_subparsers, whose own default (None) would otherwise win: without an action,
+    # the list, named as such in messages
+    p.set_defaults(func=runner, handler=queues_list, action="list")
+    action(
+        group, "list", queues_list, ADMIN, "every queue: ready, running, parked, oldest, workers"
+    )
+    for verb, handler, what in (
+        ("pause", queues_pause, "stop claims from a queue (submits still accepted)"),
+        ("resume", queues_resume, "let workers claim from a paused queue again"),
+    ):
+        q = action(group, verb, handler, ADMIN, what)
+        q.add_argument("name", metavar="QUEUE")
+    q = action(group, "limit", queues_limit, ADMIN, "limit a queue across every worker")
+    q.add_argument("name", metavar="QUEUE")
+    q.add_argument("--concurrency", type=positive_int, help="at most this many running at once")
+    q.add_argument("--rate", type=positive_int, help="at most this many starts per --per seconds")
+    q.add_argument(
+        "--per", type=positive_float, default=1.0, help="the rate's period (default 1 s)"
+    )
+    q.add_argument("--none", action="store_true", help="lift the queue's limits")

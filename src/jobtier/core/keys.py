@@ -1,0 +1,308 @@
+"""Every Redis key and channel name, job ids, and shard routing.
+
+A deployment has a fixed number of logical shards. Every key of shard ``s`` starts with
+``{prefix}:{s}:`` around a hash tag (``jt:{7}:q:high``), so one Lua script only ever touches
+one shard and Redis Cluster places whole shards on nodes by itself.
+
+Per shard::
+
+    jt:{s}:job:<id>          hash   the job record: its small fields packed (formats 3 and
+                                    2) or one per field (format 1), and in formats 2 and 1
+                                    its rendered status document ("doc"): see "Job hashes"
+    jt:{s}:fmt               string "3" or "2": the format the shard's scripts write job
+                                    hashes in (else format 1)
+    jt:{s}:lines:<id>        list   the job's latest log lines (ctx.log; JSON each), expiring
+                                    with the job (joblog.lua)
+    jt:{s}:q:<queue>:<priority>:<tenant>
+                             list   ready jobs (LPUSH new, RPOP oldest: FIFO)
+    jt:{s}:ring:<queue>:<priority>
+                             list   the tenants with ready jobs there, in claim rotation
+    jt:{s}:queues            hash   per queue q: "q:<priority>" ready jobs, "q:running",
+                                    "q:paused" ("1"), "q:wrr" (the priority rotation cursor)
+    jt:{s}:park:<queue>:<type> list jobs handed back by a worker that cannot run them
+    jt:{s}:parked            hash   "<queue>:<type>" -> jobs parked there
+    jt:{s}:limit:<queue>     hash   a limited queue's limits and rate bucket (home shard)
+    jt:{s}:permits:<queue>   zset   the permits held for it, by lease deadline (home shard)
+    jt:{s}:starts:<queue>    zset   its permits granted in the last rate period (home shard)
+    jt:{s}:ck:<tenant>:<key> list   jobs held behind their concurrency key (oldest first)
+    jt:{s}:ckeys             hash   "<tenant>:<key>" -> its jobs ready or running, and
+                                    "<tenant>:<key>:limit"
+    jt:{s}:sched             zset   scheduled jobs by run-at (ms)
+    jt:{s}:active            zset   running jobs by lease deadline (ms)
+    jt:{s}:dead              zset   failed jobs (the dead-letter set) by failure time (ms)
+    jt:{s}:idem:<tenant>:<k> string idempotency record: "<job id> <request hash>"
+    jt:{s}:waiting           hash   tenant -> waiting+queued+scheduled jobs in this shard
+    jt:{s}:deps:<id>         hash   a job's dependencies: id -> '0'/'1' (pending; '1': a
+                                    child) or a state mark and the result/error (lib.lua)
+    jt:{s}:dnt:<id>          set    a job's dependents (ids, any shard)
+    jt:{s}:unlinked          zset   dependents whose submitter has not yet linked every
+                                    dependency, by when the resolver links them itself (ms)
+    jt:{s}:flow              stream hand-offs of finished jobs to their dependents (and of
+                                    cancelled parents to their children), for the resolver
+    jt:{s}:wrr               string before named queues: the priority rotation (upgrade.lua
+                                    moves the old ready lists, jt:{s}:q:<priority>, then
+                                    deletes it)
+    jt:{s}:cron              zset   recurring schedules of this shard by next fire time (ms)
+    jt:{s}:cron:<id>         hash   a schedule: "def" (JSON), "next", "last" (ms), "paused"
+    jt:{s}:log               stream every transition, read by the persister (write-behind)
+    jt:{s}:log:refused       stream log entries Postgres refused for their data, parked
+    jt:{s}:ev                shard channel: "<id> <version> <tenant>\\n<status document>"
+    jt:{s}:wake              shard channel: "q <queue>" (a queue had no ready job and
+                             now has some, or parked ones), "l <queue>" (permits of a
+                             limited queue came free), "s <ms>" (an
+                             earlier run-at to wake the scheduler for), "c <ms>" (a
+                             schedule's next firing), "x <job id> <worker id>" (a
+                             cancel was requested for a job that worker runs) or "f"
+                             (hand-offs in jt:{s}:flow)
+
+Before named queues, ready jobs waited in ``jt:{s}:q:<priority>`` with the rotation cursor in
+``jt:{s}:wrr``; ``store/lua/upgrade.lua`` moves them into the layout above (schedulers run it).
+
+Job hashes. Besides ``id``, ``tenant``, ``payload``, ``result``, ``error``, ``progress`` and
+the flow fields (``wf``, ``dd``, ...), a job's small fields are held in one of three formats.
+Format 3: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (fixed
+at creation) and ``t`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>
+<run-at ms>|<run-at ISO> <cancel 0/1> <lease version> <last logged version> <its time ms>
+<worker>"``, space-separated (the last value of each is free text; empty values are empty);
+no status document: it is rendered from those fields when read (``read_status.lua``,
+``status/docs.py``), and is then byte for byte the one the transition logged and published.
+Format 2, before it: the same with ``s`` for ``t``, and the rendered document in ``doc``.
+Format 1, before that: each small field in a field of its own (``type``, ``state``, ...),
+and ``doc``. Scripts read all three; they write the format ``jt:{s}:fmt`` names
+(``store/format.py`` says when), and never move a job to an older one.
+``job_format.job_fields`` reads any.
+
+Job ids are ``<ULID>-<shard>``: time-ordered, and any process routes them without a lookup.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+
+from jobtier.core.names import JOB_ID_RE
+
+_CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+
+
+# every pair of Crockford digits, by the 10 bits it encodes: ulid() builds the 26 digits
+# from 13 lookups rather than 26 shifts of a 128-bit number (3.7 -> 1.5 us; ids were a fifth
+# of a batch submit's CPU in the producer)
+_PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]
+_TIME_SHIFTS = (40, 30, 20, 10, 0)  # 48-bit time: 10 digits (50 bits, the top 2 zero)
+_ENTROPY_SHIFTS = (70, 60, 50, 40, 30, 20, 10, 0)  # 80 bits: 16 digits
+
+
+# each byte -> the Crockford digit of its low 5 bits: random bytes become random digits (5
+# bits of entropy each) in one C call
+_DIGIT_OF_BYTE = bytes.maketrans(
+    bytes(range(256)), bytes(ord(_CROCKFORD[b & 31]) for b in range(256))
+)
+_last_ms: tuple[int, str] = (-1, "")  # the newest millisecond asked for, and its 10 digits
+
+
+def _time_digits(ms: int) -> str:
+    """The 10 digits of a 48-bit millisecond time; the last one asked for is kept (a batch's
+    ids share it). One tuple is swapped in whole, so threads never see a torn pair."""
+    global _last_ms
+    last = _last_ms
+    if last[0] != ms:
+        p = _PAIRS
+        last = (ms, "".join([p[(ms >> s) & 1023] for s in _TIME_SHIFTS]))
+        _last_ms = last
+    return last[1]
+
+
+def _now_ms() -> int:
+    return time.time_ns() // 1_000_000 & 0xFFFF_FFFF_FFFF
+
+
+def _fresh(ms: int, random: bytes) -> str:
+    """A ULID of ``ms`` whose 16 entropy digits are the first 16 bytes of ``random``, one
+    digit per byte (the same 80 random bits as encoding 10 random bytes, in one C call)."""
+    return _time_digits(ms) + random[:16].translate(_DIGIT_OF_BYTE).decode()
+
+
+def ulid(ms: int | None = None, entropy: bytes | None = None) -> str:
+    """A ULID: 48-bit millisecond time and 80 bits of entropy, Crockford base32. Without
+    ``entropy``, 16 random digits (``_fresh``: about 1 us cheaper than encoding 10 random
+    bytes; ids were a fifth of a batch submit's producer CPU)."""
+    ms = _now_ms() if ms is None else ms & 0xFFFF_FFFF_FFFF
+    if entropy is None:
+        return _fresh(ms, os.urandom(16))
+    e = int.from_bytes(entropy, "big")
+    p = _PAIRS
+    return _time_digits(ms) + "".join([p[(e >> s) & 1023] for s in _ENTROPY_SHIFTS])
+
+
+class Keys:
+    """Key and channel names for one deployment (prefix and shard count)."""
+
+    __slots__ = ("_bases", "prefix", "shards")
+
+    def __init__(self, prefix: str = "jt", shards: int = 16) -> None:
+        self.prefix = prefix
+        self.shards = shards
+        self._bases = [f"{prefix}:{{{s}}}:" for s in range(shards)]
+
+    # --- ids and routing ----------------------------------------------------------------
+    def new_id(self, shard: int | None = None) -> str:
+        """A new job id, ``<ULID>-<shard>``; a random shard unless one is given. One read of
+        18 random bytes: 16 digits of entropy, 2 bytes for the shard."""
+        r = os.urandom(18)
+        if shard is None:
+            shard = (r[16] << 8 | r[17]) % self.shards
+        return f"{_fresh(_now_ms(), r)}-{shard}"
+
+    def shard_of(self, job_id: str) -> int:
+        """The shard a job id routes to; ``ValueError`` for a malformed or foreign id."""
+        if not JOB_ID_RE.fullmatch(job_id):
+            raise ValueError(f"malformed job id: {job_id[:64]!r}")
+        shard = int(job_id.rsplit("-", 1)[1])
+        if shard >= self.shards:
+            raise ValueError(f"job id {job_id!r} names shard {shard} of {self.shards}")
+        return shard
+
+    def valid_id(self, job_id: str) -> bool:
+        try:
+            self.shard_of(job_id)
+        except ValueError:
+            return False
+        return True
+
+    def shard_for(self, *parts: str) -> int:
+        """A stable shard for a name (idempotency key, schedule id): crc32, same everywhere."""
+        return zlib.crc32("\x00".join(parts).encode()) % self.shards
+
+    # --- per-shard keys -----------------------------------------------------------------
+    def base(self, shard: int) -> str:
+        """``jt:{s}:`` — the Lua scripts build job keys from it."""
+        return self._bases[shard]
+
+    def job(self, job_id: str) -> str:
+        return f"{self._bases[self.shard_of(job_id)]}job:{job_id}"
+
+    def job_format(self, shard: int) -> str:
+        return self.base(shard) + "fmt"
+
+    def job_in(self, shard: int, job_id: str) -> str:
+        return f"{self._bases[shard]}job:{job_id}"
+
+    def lines(self, job_id: str) -> str:
+        """list: the job's log lines (``ctx.log``)."""
+        return f"{self._bases[self.shard_of(job_id)]}lines:{job_id}"
+
+    def ready(self, shard: int, queue: str, priority: str, tenant: str) -> str:
+        return f"{self._bases[shard]}q:{queue}:{priority}:{tenant}"
+
+    def ring(self, shard: int, queue: str, priority: str) -> str:
+        return f"{self._bases[shard]}ring:{queue}:{priority}"
+
+    def queue_counts(self, shard: int) -> str:
+        """hash: per queue, ready jobs by priority, running jobs, paused flag, cursor."""
+        return self._bases[shard] + "queues"
+
+    def park(self, shard: int, queue: str, type: str) -> str:
+        return f"{self._bases[shard]}park:{queue}:{type}"
+
+    def parked(self, shard: int) -> str:
+        return self._bases[shard] + "parked"
+
+    def home(self, queue: str) -> int:
+        """The shard that keeps a queue's limits and permits (limit.lua)."""
+        return self.shard_for("\x01queue", queue)
+
+    def limit(self, queue: str) -> str:
+        return f"{self._bases[self.home(queue)]}limit:{queue}"
+
+    def permits(self, queue: str) -> str:
+        return f"{self._bases[self.home(queue)]}permits:{queue}"
+
+    def starts(self, queue: str) -> str:
+        return f"{self._bases[self.home(queue)]}starts:{queue}"
+
+    def ck(self, shard: int, tenant: str, key: str) -> str:
+        return f"{self._bases[shard]}ck:{tenant}:{key}"
+
+    def ckeys(self, shard: int) -> str:
+        return self._bases[shard] + "ckeys"
+
+    def sched(self, shard: int) -> str:
+        return self._bases[shard] + "sched"
+
+    def active(self, shard: int) -> str:
+        return self._bases[shard] + "active"
+
+    def dead(self, shard: int) -> str:
+        return self._bases[shard] + "dead"
+
+    def waiting(self, shard: int) -> str:
+        return self._bases[shard] + "waiting"
+
+    def log(self, shard: int) -> str:
+        return self._bases[shard] + "log"
+
+    def log_refused(self, shard: int) -> str:
+        """Log entries Postgres refused for their data, parked by the persister."""
+        return self._bases[shard] + "log:refused"
+
+    def cron(self, shard: int) -> str:
+        return self._bases[shard] + "cron"
+
+    def cron_def(self, shard: int, schedule_id: str) -> str:
+        return f"{self._bases[shard]}cron:{schedule_id}"
+
+    def events(self, shard: int) -> str:
+        return self._bases[shard] + "ev"
+
+    def wake(self, shard: int) -> str:
+        return self._bases[shard] + "wake"
+
+    def deps(self, job_id: str) -> str:
+        return f"{self._bases[self.shard_of(job_id)]}deps:{job_id}"
+
+    def dependents(self, job_id: str) -> str:
+        return f"{self._bases[self.shard_of(job_id)]}dnt:{job_id}"
+
+    def unlinked(self, shard: int) -> str:
+        return self._bases[shard] + "unlinked"
+
+    def flow(self, shard: int) -> str:
+        return self._bases[shard] + "flow"
+
+    # --- global (not sharded) keys ------------------------------------------------------
+    def workers(self) -> str:
+        """hash worker id -> JSON heartbeat (tasks, concurrency, in-flight, last seen)."""
+        return f"{self.prefix}:workers"
+
+    def tasks(self) -> str:
+        """hash task type -> JSON advert (queue, policies, payload schema): engine/catalog.py."""
+        return f"{self.prefix}:tasks"
+
+    def queue_limits(self) -> str:
+        """hash queue -> JSON limits (concurrency, rate, period): the catalogue workers read
+        to know which of their queues need permits; limit.lua holds the values it enforces."""
+        return f"{self.prefix}:queues"
+
+    def metrics(self) -> str:
+        """hash process id -> JSON metrics snapshot (see metrics.py)."""
+        return f"{self.prefix}:metrics"
+
+    def audit_pending(self) -> str:
+        """list of admin-action records (JSON) waiting for Postgres (api/audit.py)."""
+        return f"{self.prefix}:audit:pending"
+
+    def webhook_tenants(self) -> str:
+        """hash tenant -> "<ms>.<random>": tenants that may have webhook targets (a
+        subscription or a job's callback), marked before and after the target is written,
+        unmarked by the dispatchers once they have none; the dispatcher acknowledges the log
+        entries of other tenants undecoded (webhooks/marks.py)."""
+        return f"{self.prefix}:webhook-tenants"
+
+    def persist_group(self) -> str:
+        return f"{self.prefix}-persister"
+
+    def resolver_group(self) -> str:
+        """The consumer group of the flow streams (flows/resolver.py)."""
+        return f"{self.prefix}-resolver"

@@ -1,0 +1,374 @@
+"""The job's data: states, priorities, the status document, and codecs built once.
+
+The status document is rendered by the Lua scripts (``store/lua/lib.lua: render``) so that Redis
+holds ready-to-serve bytes; ``JobStatus`` is its schema on the Python side. Decoding ignores
+unknown fields, so clients keep working when a newer server adds one; a test checks that
+the rendered document has exactly the Struct's fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Literal, Protocol
+
+import msgspec
+
+
+class State(StrEnum):
+    WAITING = "waiting"  # for its dependencies (flows); queued once they are done
+    SCHEDULED = "scheduled"
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+# not started yet: counted against the waiting-jobs caps (JOBTIER_MAX_WAITING_*)
+WAITING = frozenset({State.WAITING, State.SCHEDULED, State.QUEUED})
+
+
+class Priority(StrEnum):
+    CRITICAL = "critical"
+    HIGH = "high"
+    NORMAL = "normal"
+    LOW = "low"
+
+
+PRIORITIES: tuple[Priority, ...] = tuple(Priority)
+
+DEFAULT_QUEUE = "default"
+# what a failed dependency does to a job that waits for it (the default: cancel)
+OnDependencyFailure = Literal["cancel", "run"]
+
+
+class JobError(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Why an attempt failed (or, for a cancelled job, that it was cancelled).
+
+    ``type`` is the exception's class name (``Cancelled`` for a cancelled job, ``LeaseExpired``
+    when the worker vanished); ``message`` its text, at most 2,000 characters; ``traceback``
+    the formatted traceback of an exception a task raised, bounded: its last 20 frames (of
+    each exception in a chain) and at most 4,000 characters, the innermost part kept
+    (worker/attempt.py). Absent for errors no exception raised (a refused result, a lease
+    that expired).
+    """
+
+    type: str
+    message: str
+    traceback: str | None = None
+
+
+class LogLine(msgspec.Struct, frozen=True):
+    """One line a task logged with ``ctx.log()``: when (ISO 8601, UTC), in which attempt."""
+
+    at: str
+    attempt: int
+    message: str
+
+
+class JobLogs(msgspec.Struct, frozen=True):
+    """``GET /v1/jobs/{id}/logs``: the job's latest log lines, oldest first."""
+
+    id: str
+    lines: list[LogLine]
+
+
+class Dependencies(msgspec.Struct, frozen=True):
+    """A job's dependencies in its status document: how many, how many have finished
+    (``done``), and how many of those did not succeed (``failed``: failed, cancelled or
+    missing)."""
+
+    total: int
+    done: int
+    failed: int
+
+
+class JobStatus(msgspec.Struct, frozen=True):
+    """The status document served by ``GET /v1/jobs/{id}`` and pushed over SSE.
+
+    ``version`` increases by one on every change to this document: each state transition,
+    each progress report, a cancel request, and each time some of a waiting job's
+    dependencies finish (``dependencies``, present only on a job that has any).
+    """
+
+    id: str
+    type: str
+    state: State
+    version: int
+    priority: Priority
+    attempt: int
+    max_attempts: int
+    created_at: str
+    updated_at: str
+    run_at: str | None = None
+    progress: Any = None
+    error: JobError | None = None
+    cancel_requested: bool = False
+    worker: str | None = None
+    queue: str = DEFAULT_QUEUE
+    dependencies: Dependencies | None = None
+    # a succeeded job whose result is kept outside Redis (JOBTIER_RESULT_STORE): where to
+    # read it; absent otherwise
+    result_url: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+
+class Transition(msgspec.Struct, frozen=True):
+    """One change of a job's status document, as ``GET /v1/jobs/{id}/history`` lists it.
+
+    ``worker`` is who made the change: a worker id, or ``api``, ``scheduler``, ``admin``.
+    Progress reports and cancel requests are changes too (``from_state == to_state``).
+    """
+
+    version: int
+    from_state: State | None
+    to_state: State
+    at: datetime
+    worker: str
+    attempt: int
+    error: JobError | None = None
+    progress: Any = None
+    cancel_requested: bool = False
+
+
+class CallbackSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A job's own webhook: ``url`` receives its terminal state, or every transition with
+    ``events="all"``, signed with the tenant's secret (see the README's Webhooks)."""
+
+    url: str
+    events: str = "terminal"
+
+
+class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One job to submit (the body of ``POST /v1/jobs``).
+
+    ``queue`` defaults to the queue of the task (as its workers advertise it), else
+    ``default``. ``concurrency_key``: at most ``concurrency_limit`` (default 1) jobs of the
+    same key (per tenant) are ready or running at once; the others wait their turn.
+    ``depends_on``: ids of existing jobs this one waits for (state ``waiting``); it is queued
+    when the last of them succeeds. One that fails, is cancelled or does not exist cancels
+    it, unless ``on_dependency_failure`` is ``run``: then it runs once they have all finished.
+    """
+
+    type: str
+    payload: Any = None
+    priority: Priority = Priority.NORMAL
+    run_at: datetime | None = None
+    delay: float | None = None
+    max_attempts: int | None = None
+    idempotency_key: str | None = None
+    queue: str | None = None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
+    depends_on: list[str] | None = None
+    on_dependency_failure: OnDependencyFailure | None = None
+
+    callback: CallbackSpec | None = None
+
+
+class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """One job of a flow (``POST /v1/flows``): a job as ``JobSpec`` has it, without an
+    idempotency key (the flow has one), with ``ref``, its name in the flow, and ``after``, the
+    refs of the jobs of the same flow it waits for — its children: it receives their results,
+    and cancelling it cancels those that have not started. ``depends_on`` names existing jobs
+    it waits for too (they are not its children). ``callback``: the job's own webhook, as a
+    plain submit's (``JobSpec``).
+    """
+
+    type: str
+    payload: Any = None
+    ref: str | None = None
+    after: list[str] | None = None
+    depends_on: list[str] | None = None
+    on_dependency_failure: OnDependencyFailure | None = None
+    priority: Priority = Priority.NORMAL
+    run_at: datetime | None = None
+    delay: float | None = None
+    max_attempts: int | None = None
+    queue: str | None = None
+    concurrency_key: str | None = None
+    concurrency_limit: int | None = None
+    # last: a flow's request hash leaves it out (plan.py), as a job's leaves out its callback
+    callback: CallbackSpec | None = None
+
+    def spec(self) -> JobSpec:
+        """The job alone (its dependencies apart)."""
+        return JobSpec(
+            type=self.type, payload=self.payload, priority=self.priority, run_at=self.run_at,
+            delay=self.delay, max_attempts=self.max_attempts, queue=self.queue,
+            concurrency_key=self.concurrency_key, concurrency_limit=self.concurrency_limit,
+            on_dependency_failure=self.on_dependency_failure, callback=self.callback,
+        )  # fmt: skip
+
+
+class FlowSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A flow: jobs and the order between them, submitted at once (``POST /v1/flows``).
+
+    Each job waits for the jobs its ``after`` names (and the existing ones its
+    ``depends_on`` names). A repeated ``idempotency_key`` with the same jobs returns the
+    flow it made first, finishing its submit if that was cut short.
+    """
+
+    jobs: list[FlowJob]
+    idempotency_key: str | None = None
+
+
+class Dependency(msgspec.Struct, frozen=True, kw_only=True):
+    """One dependency of a job as the job sees it (``ctx.dependencies``, ``GET
+    /v1/jobs/{id}/dependencies``): ``state`` is ``pending`` until it finishes, then
+    ``succeeded`` (with its ``result``), ``failed`` or ``cancelled`` (with its ``error``), or
+    ``missing`` (no such job). ``child``: created in the same flow as the job.
+    ``result_url``: set instead of ``result`` when the dependency's result is kept outside
+    Redis (``JOBTIER_RESULT_STORE``), where to read it, as in its status document."""
+
+    id: str
+    state: str
+    result: Any = None
+    error: JobError | None = None
+    child: bool = False
+    result_url: str | None = None
+
+
+class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A queue's flow limits across every worker: at most ``concurrency`` of its jobs running
+    at once; at most ``rate`` job starts per ``per`` seconds. None: no such limit."""
+
+    concurrency: int | None = None
+    rate: int | None = None
+    per: float = 1.0
+
+    @property
+    def limited(self) -> bool:
+        return self.concurrency is not None or self.rate is not None
+
+
+class Backoff(msgspec.Struct, frozen=True):
+    base: float
+    factor: float
+    cap: float
+    jitter: float
+
+
+class TaskAd(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker advertises of one of its tasks."""
+
+    type: str
+    queue: str
+    max_attempts: int
+    backoff: Backoff
+    timeout: float | None = None
+    non_retryable: list[str] = []
+    payload_schema: dict[str, Any] | None = None
+    seen_at: float = 0.0
+    worker: str = ""
+    on_failure: str | None = None  # the task whose job compensates a failed one
+
+
+@dataclass(frozen=True, slots=True)
+class TaskInfo:
+    """What a submit needs to know of a task: its queue, its attempts, and a payload check."""
+
+    queue: str
+    max_attempts: int
+    check: Any = None  # callable(payload) raising InvalidRequest, or None
+    on_failure: str | None = None  # compensation task type
+
+    def validate(self, payload: Any) -> None:
+        if self.check is not None:
+            self.check(payload)
+
+
+class TaskLookup(Protocol):
+    """A source of TaskInfo: the in-process TaskRegistry, or the catalogue."""
+
+    def info(self, type: str) -> TaskInfo | None: ...
+
+    def names(self) -> list[str]: ...
+
+
+class QueueInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One queue as ``GET /v1/admin/queues`` shows it."""
+
+    name: str
+    queued: dict[str, int]  # ready jobs by priority
+    queued_total: int
+    parked: int  # handed back by workers that lack their task, waiting for one that has it
+    running: int
+    waiting: int = 0  # for their dependencies
+    paused: bool
+    limits: QueueLimits | None = None
+    blocked_until: float | None = None  # Unix time: a task raised RateLimited
+    oldest_queued_age_seconds: float | None = None
+    workers: int = 0  # live workers serving it
+    tasks: list[str] = []  # task types the workers advertise for it
+
+
+class ClaimedJob(msgspec.Struct, frozen=True):
+    """A job handed to a worker by the claim script; ``lease_version`` is its fencing token."""
+
+    id: str
+    type: str
+    payload: bytes
+    attempt: int
+    max_attempts: int
+    lease_version: int
+    queued_at_ms: int
+    claimed_at_ms: int
+    queue: str = DEFAULT_QUEUE
+    # its dependencies' outcomes as claim.lua hands them over (lib.lua flow_inputs): their
+    # ids in order (space-separated) and the flat id/outcome pairs; None for a job without
+    inputs: tuple[bytes, list[bytes]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    """The outcome of a submit: the job's status document, and whether this call created it."""
+
+    job_id: str
+    doc: bytes
+    created: bool
+
+    @property
+    def status(self) -> JobStatus:
+        return decode_status(self.doc)
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSubmitted:
+    """The outcome of a flow submit: each job's, in the flow's order, and whether this call
+    created the flow (False: an earlier submit with its idempotency key did; a job's
+    ``doc`` is then its document now, ``b""`` for one Redis no longer keeps)."""
+
+    jobs: list[Submitted]
+    created: bool
+
+    @property
+    def ids(self) -> list[str]:
+        return [job.job_id for job in self.jobs]
+
+
+json_encoder = msgspec.json.Encoder()
+status_decoder = msgspec.json.Decoder(JobStatus)
+any_decoder = msgspec.json.Decoder()
+
+
+def encode_json(value: Any) -> bytes:
+    """Encode a payload/result/progress value to compact JSON, or raise TypeError."""
+    try:
+        return json_encoder.encode(value)
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise TypeError(f"not JSON-serialisable: {exc}") from None
+
+
+def decode_status(doc: bytes | str) -> JobStatus:
+    return status_decoder.decode(doc)

@@ -1,0 +1,164 @@
+"""A recurring schedule as a client defines it, and its validation.
+
+A schedule creates a normal job at each of its slots: a five-field cron expression in a time
+zone, or a fixed interval. Missed slots (no scheduler ran) follow the schedule's misfire
+policy once the first is more than ``JOBTIER_CRON_MISFIRE_GRACE_SECONDS`` late: ``skip``
+fires nothing for them, ``fire_once`` the latest once, ``fire_all`` each (at most
+``MAX_CATCH_UP``). Firing is ``engine/cron.py``'s.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+from typing import Any, Literal
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import msgspec
+
+from jobtier.core.errors import InvalidRequest, PayloadTooLarge
+from jobtier.core.model import Priority, encode_json
+from jobtier.core.names import SCHEDULE_NAME_RE, TASK_NAME_RE
+
+Misfire = Literal["skip", "fire_once", "fire_all"]
+MAX_CATCH_UP = 1000
+MAX_INTERVAL = 366 * 86400  # seconds
+MAX_ATTEMPTS = 100
+
+# The five cron fields: name, lowest and highest value, and the names allowed for values.
+CRON_FIELDS = (
+    ("minute", 0, 59, ()),
+    ("hour", 0, 23, ()),
+    ("day-of-month", 1, 31, ()),
+    ("month", 1, 12, ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
+                      "nov", "dec")),
+    ("day-of-week", 0, 7, ("sun", "mon", "tue", "wed", "thu", "fri", "sat")),
+)  # fmt: skip
+_CRON_ITEM = re.compile(r"^(\*|[0-9A-Za-z]+(?:-[0-9A-Za-z]+)?)(?:/([0-9]+))?$")
+
+
+def cron_problem(expression: str) -> str | None:
+    """What is wrong with a five-field cron expression, naming the field and its range, or
+    None. Each field is a comma-separated list of ``*``, ``a``, ``a-b``, each with an optional
+    ``/step`` (a step from 1 to the field's highest value); months and weekdays may be named
+    (``jan``, ``mon``); day-of-week 0 and 7 are Sunday; ``L`` (last day) in day-of-month and
+    ``a#n`` (the n-th weekday a of the month) in day-of-week are accepted as croniter reads
+    them."""
+    fields = expression.split()
+    if len(fields) != 5:
+        return (
+            f"cron {expression[:100]!r} has {len(fields)} fields; it needs five "
+            "(minute hour day-of-month month day-of-week)"
+        )
+    for text, (name, low, high, names) in zip(fields, CRON_FIELDS, strict=True):
+        where = f"cron {name} field {text[:40]!r}"
+        span = f"{low}-{high}" + (f" or {names[0]}-{names[-1]}" if names else "")
+        for item in text.split(","):
+            if name == "day-of-month" and item.upper() == "L":
+                continue
+            if name == "day-of-week" and re.fullmatch(r"[0-7]#[1-5]", item):
+                continue
+            m = _CRON_ITEM.fullmatch(item)
+            if m is None:
+                return f"{where}: {item[:20]!r} is not *, a value, a range a-b, or one with /step"
+            base, step = m.group(1), m.group(2)
+            if step is not None and not 1 <= int(step) <= high:
+                return f"{where}: step {step} is out of range 1-{high}"
+            if base == "*":
+                continue
+            bounds = base.split("-")
+            values = []
+            for value in bounds:
+                if value.isdigit():
+                    number = int(value)
+                elif value.lower() in names:
+                    number = names.index(value.lower()) + low
+                else:
+                    return f"{where}: {value[:20]!r} is not a value in {span}"
+                if not low <= number <= high:
+                    return f"{where}: {value} is out of range {span}"
+                values.append(number)
+            if len(values) == 2 and values[0] > values[1]:
+                return f"{where}: the range {base} runs backwards"
+    from croniter import croniter  # only where a schedule is checked: clients need none
+
+    if not croniter.is_valid(expression):
+        return f"cron {expression[:100]!r} is not an expression croniter can read"
+    return None
+
+
+class ScheduleSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A schedule as a client defines it (the body of ``POST /v1/schedules``)."""
+
+    name: str
+    type: str
+    payload: Any = None
+    priority: Priority = Priority.NORMAL
+    max_attempts: int | None = None
+    cron: str | None = None
+    timezone: str = "UTC"
+    interval: int | None = None  # seconds
+    misfire: Misfire = "fire_once"
+    paused: bool = False
+    queue: str | None = None  # the task's queue when not given
+
+
+class Schedule(msgspec.Struct, kw_only=True):
+    """A stored schedule, as the API returns it."""
+
+    id: str
+    tenant: str
+    name: str
+    type: str
+    payload: Any
+    priority: Priority
+    max_attempts: int | None
+    cron: str | None
+    timezone: str
+    interval: int | None
+    misfire: Misfire
+    paused: bool
+    next_fire_at: datetime | None
+    last_fired_at: datetime | None
+    created_at: datetime
+    updated_at: datetime
+    queue: str | None = None  # None: `default` (a schedule from before queues)
+
+
+def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
+    """Check a spec; returns its payload as JSON. Raises ``InvalidRequest`` naming the field."""
+    if not SCHEDULE_NAME_RE.fullmatch(spec.name):
+        raise InvalidRequest(f"name must match {SCHEDULE_NAME_RE.pattern}", field="name")
+    if not TASK_NAME_RE.fullmatch(spec.type):
+        raise InvalidRequest(f"type must match {TASK_NAME_RE.pattern}", field="type")
+    if (spec.cron is None) == (spec.interval is None):
+        raise InvalidRequest("give exactly one of cron and interval", field="cron")
+    if spec.cron is not None:
+        problem = cron_problem(spec.cron)
+        if problem is not None:
+            raise InvalidRequest(problem, field="cron")
+    if spec.interval is not None and spec.interval < min_interval:
+        raise InvalidRequest(f"interval must be at least {min_interval} seconds", field="interval")
+    if spec.interval is not None and spec.interval > MAX_INTERVAL:
+        raise InvalidRequest("interval must be at most a year", field="interval")
+    try:
+        ZoneInfo(spec.timezone)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise InvalidRequest(
+            f"unknown time zone {spec.timezone[:60]!r}", field="timezone"
+        ) from None
+    if spec.max_attempts is not None and not 1 <= spec.max_attempts <= MAX_ATTEMPTS:
+        raise InvalidRequest(
+            f"max_attempts must be between 1 and {MAX_ATTEMPTS}", field="max_attempts"
+        )
+    try:
+        payload = encode_json(spec.payload)
+    except TypeError as exc:
+        raise InvalidRequest(f"payload: {exc}", field="payload") from None
+    if len(payload) > max_payload:
+        raise PayloadTooLarge(
+            f"payload is {len(payload)} bytes; the limit is {max_payload} "
+            "(JOBTIER_MAX_PAYLOAD_BYTES)",
+            field="payload",
+        )
+    return payload

@@ -1,0 +1,342 @@
+"""`jobtier run`: local Redis and Postgres, then every jobtier part in one event loop.
+
+For development and the README tour: the API (uvicorn, in-process), a worker with the demo
+tasks, the scheduler, the persister and the webhook dispatcher share one process (webhooks
+may go to loopback receivers unless JOBTIER_WEBHOOK_ALLOWED_HOSTS says otherwise). The local servers keep their data
+under ``--data-dir`` for the next run. Production runs each part as its own process
+(`jobtier api|worker|scheduler|persister|dispatcher`).
+
+The servers belong to the run that started them, for its whole life and no longer:
+
+- they are its children, tied to it by the kernel (``jobtier.dev.procs``): whatever ends
+  `jobtier run` (Ctrl-C once or twice, SIGTERM, SIGHUP when its terminal closes, an
+  exception in a part, SIGKILL) ends them, after the parts on an orderly stop;
+- it never uses a server it did not start. One run per data folder (a lock in it); a server
+  of this folder still running from an earlier run (killed before it could stop it) is
+  stopped and started again as this run's child: restarted rather than adopted, because an
+  adopted server is not tied to this run and would outlive it again; anything else on a port
+  is refused, saying what answers there and what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import uvicorn
+
+from jobtier.config import Settings
+from jobtier.dev.local_postgres import LocalPostgres
+from jobtier.dev.local_redis import LocalRedis, redis_at
+from jobtier.dev.procs import FolderLock, LocalServiceError, pid_alive, process_cwd, stop_pid
+from jobtier.engine.queue import Queue
+from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
+from jobtier.scheduler import Scheduler
+from jobtier.worker.registry import TaskRegistry
+from jobtier.worker.runner import Worker
+
+log = logging.getLogger("jobtier.run")
+
+OnSignals = Callable[
+    [Callable[[], None], Callable[[], None] | None, Callable[[], None] | None], None
+]
+RunAsync = Callable[[Callable[[], Coroutine[Any, Any, int]]], int]
+
+
+class Part(Protocol):
+    def stop(self) -> None: ...
+    def metrics(self) -> Snapshot: ...
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.3):
+            return True
+    except OSError:
+        return False
+
+
+def dev_keys(folder: Path) -> tuple[str, str]:
+    """A development tenant key and admin key, made once and kept in the data folder."""
+    path = folder / "dev-keys.json"
+    if path.exists():
+        keys = json.loads(path.read_text())
+    else:
+        folder.mkdir(parents=True, exist_ok=True)
+        keys = {
+            "tenant_key": "dev-" + secrets.token_urlsafe(16),
+            "admin_key": "admin-" + secrets.token_urlsafe(16),
+        }
+        path.write_text(json.dumps(keys))
+        path.chmod(0o600)
+    return keys["tenant_key"], keys["admin_key"]
+
+
+class LocalServices:
+    """The local Redis and Postgres of one `jobtier run` (see the module docstring)."""
+
+    def __init__(self, folder: Path, redis_port: int, pg_port: int) -> None:
+        self.folder = folder
+        self.lock = FolderLock(folder)
+        self.redis = LocalRedis(folder / "redis", redis_port)
+        self.pg = LocalPostgres(folder / "pg", pg_port)
+
+    def start(self) -> tuple[str, str]:
+        """Start both (from the main thread: that is what ties them to this process).
+        Returns the Redis URL and the Postgres DSN."""
+        self.lock.acquire()
+        self._start_redis()
+        self._start_postgres()
+        return self.redis.url, self.pg.dsn
+
+    def _start_redis(self) -> None:
+        redis, port = self.redis, self.redis.port
+        self._stop_leftover("redis", redis.leftover_pid(), redis.folder, signal.SIGTERM)
+        if _listening(port):
+            owner = redis_at(port)
+            here = redis.folder.resolve()
+            if owner.folder == here and owner.pid and process_cwd(owner.pid) == here:
+                # this folder's, without its pidfile
+                self._stop_leftover("redis", owner.pid, redis.folder, signal.SIGTERM)
+            else:
+                raise LocalServiceError(
+                    f"port {port} is in use by {owner.description}, not by a Redis of "
+                    f"{redis.folder}. jobtier run uses only servers it starts itself: stop "
+                    "that server, or give this run a free port with --redis-port PORT"
+                )
+        redis.start()
+        log.info("event=local_redis_started port=%d pid=%s data=%s", port, redis.pid, redis.folder)
+
+    def _start_postgres(self) -> None:
+        pg, port = self.pg, self.pg.port
+        pg.prepare()  # first: it may move the data folder (see jobtier.dev.local_postgres)
+        self._stop_leftover("postgres", pg.leftover_pid(), pg.data, signal.SIGINT)
+        if _listening(port):
+            owner = pg.describe_port()
+            raise LocalServiceError(
+                f"port {port} is in use by {owner.description}, not by a Postgres of "
+                f"{pg.data}. jobtier run uses only servers it starts itself: stop that "
+                "server, or give this run a free port with --pg-port PORT"
+            )
+        pg.start()
+        log.info("event=local_postgres_started port=%d pid=%s data=%s", port, pg.pid, pg.data)
+
+    @staticmethod
+    def _stop_leftover(name: str, pid: int | None, folder: Path, sig: int) -> None:
+        """A server of this folder that outlived its run: stop it, to start our own."""
+        if pid is None:
+            return
+        log.info(
+            "event=local_%s_leftover pid=%d data=%s action=restart: a server of this folder "
+            "outlived its run; restarting it as this run's own (an adopted one would not "
+            "stop with this run)",
+            name, pid, folder,
+        )  # fmt: skip
+        if not stop_pid(pid, sig):
+            raise LocalServiceError(f"could not stop the leftover {name} server (pid {pid})")
+
+    def stop(self) -> None:
+        """Stop what this run started (Postgres first: the persister is done with it)."""
+        try:
+            for name, server in (("postgres", self.pg), ("redis", self.redis)):
+                if server.proc is None:  # not started by this run: not ours to stop
+                    continue
+                pid = server.pid
+                server.stop()
+                log.info("event=local_%s_stopped pid=%s", name, pid)
+        finally:
+            self.lock.release()
+
+    def signal_now(self) -> None:
+        """On the way out without clean-up: ask both to stop, without waiting for them."""
+        for pid, sig in ((self.redis.pid, signal.SIGTERM), (self.pg.pid, signal.SIGINT)):
+            if pid is not None and pid_alive(pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@dataclass
+class _Outcome:
+    code: int = 0
+    worker: Worker | None = None
+
+
+def run(
+    args: argparse.Namespace, settings: Settings, on_signals: OnSignals, run_async: RunAsync
+) -> tuple[int, int]:
+    """`jobtier run`. Returns the exit code and the worker's ``stuck`` count."""
+    registry = TaskRegistry.load(args.tasks)  # a bad module fails before any server starts
+    services = (
+        None
+        if args.external
+        else LocalServices(args.data_dir.resolve(), args.redis_port, args.pg_port)
+    )
+    outcome = _Outcome()
+    # until the event loop takes the signals over: SIGTERM and SIGHUP interrupt the start-up
+    # like Ctrl-C does, so that what has started is stopped below
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _raise_interrupt)
+    try:
+        if services is not None:
+            redis_url, database_url = services.start()
+            settings = settings.replace(redis_url=redis_url, database_url=database_url)
+        if not settings.webhook_allowed_hosts:
+            # development: a receiver on this machine may take the webhooks
+            settings = settings.replace(webhook_allowed_hosts="127.0.0.1,::1,localhost")
+        if not settings.api_keys:
+            tenant_key, admin_key = dev_keys(args.data_dir)
+            settings = settings.replace(
+                api_keys=f"{tenant_key}:dev", admin_key=settings.admin_key or admin_key
+            )
+        outcome.code = run_async(
+            lambda: run_all(args, settings, registry, on_signals, services, outcome)
+        )
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        log.info("event=stopped_during_startup")
+    finally:
+        if services is not None:
+            services.stop()
+    return outcome.code, outcome.worker.stuck if outcome.worker else 0
+
+
+async def run_all(
+    args: argparse.Namespace,
+    settings: Settings,
+    registry: TaskRegistry,
+    on_signals: OnSignals,
+    services: LocalServices | None,
+    outcome: _Outcome,
+) -> int:
+    from jobtier.api.app import create_app
+    from jobtier.api.records import postgres_extension
+    from jobtier.persist.db import create_pool, migrate
+    from jobtier.persist.persister import Persister
+    from jobtier.persist.schedule_store import ScheduleStore
+    from jobtier.webhooks.dispatcher import Dispatcher
+
+    main = asyncio.current_task()
+    assert main is not None
+    parts: list[Part] = []
+    server: EmbeddedServer | None = None
+
+    def stop() -> None:
+        if server is None:  # still starting: abandon the start-up
+            main.cancel()
+            return
+        server.should_exit = True
+        for part in parts:
+            part.stop()
+
+    def stop_now() -> None:
+        stop()
+        if server is not None:
+            server.force_exit = True
+        if outcome.worker is not None:
+            outcome.worker.stop(now=True)
+
+    on_signals(stop, stop_now, services.signal_now if services else None)
+    applied = await migrate(settings.database_url)
+    if applied:
+        log.info("event=migrated applied=%s", ",".join(applied))
+    pool = await create_pool(settings.database_url, min_size=0, max_size=6)
+    failed = False
+    try:
+        async with await Queue.connect(settings, registry) as queue:
+            worker = Worker(
+                queue, registry, concurrency=args.concurrency, shutdown_grace=args.grace
+            )
+            outcome.worker = worker
+            scheduler = Scheduler(queue, store=ScheduleStore(pool))
+            persister = Persister(settings, queue.redis, pool, "run-persister")
+            dispatcher = Dispatcher(settings, queue.redis, pool, "run-dispatcher")
+            parts[:] = [worker, scheduler, persister, dispatcher]
+            publisher = MetricsPublisher(queue.redis, queue.keys, "run", parts)
+            publisher.start()
+            app = create_app(settings, postgres_extension(settings))
+            config = uvicorn.Config(
+                app, host=settings.api_host, port=settings.api_port, loop="none",
+                lifespan="on", log_config=None, access_log=False,
+            )  # fmt: skip
+            server = EmbeddedServer(config)
+            runs = [
+                asyncio.create_task(worker.run(), name="worker"),
+                asyncio.create_task(scheduler.run(), name="scheduler"),
+                asyncio.create_task(persister.run(), name="persister"),
+                asyncio.create_task(dispatcher.run(), name="dispatcher"),
+                asyncio.create_task(_serve_api(server, settings), name="api"),
+            ]
+            while not server.started and not runs[-1].done():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            if server.started:
+                _welcome(settings)
+            for task in asyncio.as_completed(runs):
+                try:
+                    await task
+                except Exception as exc:
+                    failed = True
+                    log.error("event=part_failed error=%r: stopping everything", exc)
+                    stop()
+            await publisher.stop()
+    finally:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await pool.close()
+    return 1 if failed else 0
+
+
+async def _serve_api(server: EmbeddedServer, settings: Settings) -> None:
+    try:
+        await server.serve()
+    except SystemExit as exc:
+        # uvicorn exits the process when it cannot start (the port taken): left to rise
+        # from a task, SystemExit stops the event loop under the other parts' feet
+        raise RuntimeError(
+            f"the API could not start on {settings.api_host}:{settings.api_port} (uvicorn "
+            f"exit {exc.code}): is the port free? JOBTIER_API_PORT sets it"
+        ) from None
+
+
+class EmbeddedServer(uvicorn.Server):
+    """uvicorn without its own signal handling: `jobtier run` stops every part on the first
+    SIGTERM/SIGINT (uvicorn's handlers would replace ours, and re-raise the signal once it
+    has shut down)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _welcome(settings: Settings) -> None:
+    key = next(iter(settings.tenant_keys()), "<your key>")
+    base = f"http://{settings.api_host}:{settings.api_port}"
+    print(
+        f"""
+jobtier is running: API {base}  (Ctrl-C stops everything)
+
+  export JOBTIER_URL={base} JOBTIER_KEY={key} JOBTIER_ADMIN_KEY={settings.admin_key}
+  curl -s -X POST $JOBTIER_URL/v1/jobs -H "Authorization: Bearer $JOBTIER_KEY" \\
+       -H 'Content-Type: application/json' -d '{{"type": "sleep", "payload": {{"seconds": 3}}}}'
+  curl -s $JOBTIER_URL/v1/jobs/<id> -H "Authorization: Bearer $JOBTIER_KEY"
+  curl -sN $JOBTIER_URL/v1/jobs/<id>/events -H "Authorization: Bearer $JOBTIER_KEY"
+
+  dashboard: {base}/dashboard (it asks for the admin key)
+""",
+        file=sys.stderr,
+        flush=True,
+    )

@@ -1,0 +1,152 @@
+"""The task catalogue: the tasks every worker says it runs, with their policies and payload
+schemas, so that producers that do not import the tasks (the HTTP API) apply them at submit.
+
+Workers write one entry per task to the hash ``jt:tasks`` when they start and at every full
+heartbeat (``publish``): queue, attempts, back-off, timeout, non-retryable classes and the
+payload's JSON Schema when the task annotates its payload. The API reads it (``TaskCatalog``,
+refreshed in the background and on a miss) and, at submit:
+
+* refuses a type that no live or recently seen worker runs (422 naming the known types),
+  unless ``JOBTIER_REQUIRE_KNOWN_TYPES=0`` (producers that deploy before their workers);
+* gives a job without ``max_attempts`` its task's, and without ``queue`` its task's queue;
+* refuses a payload that does not fit the task's schema (422 naming the field);
+* gives a job of a task with ``on_failure`` its compensation (the task, its queue, its
+  attempts), created atomically with the job's failure (lib.lua ``compensate``).
+
+During a deploy two versions of a task may advertise different policies: the latest writer
+wins, and a worker's own policy still governs the retries it decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import msgspec
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from redis.exceptions import RedisError
+
+from jobtier.core.errors import InvalidRequest
+from jobtier.core.keys import Keys
+from jobtier.core.model import TaskAd, TaskInfo
+from jobtier.runtime.stopping import stop_task
+from jobtier.store.redis import RedisClient
+
+log = logging.getLogger("jobtier.engine.catalog")
+
+
+_ad_decoder = msgspec.json.Decoder(TaskAd)
+
+
+def schema_check(schema: dict[str, Any]) -> Any:
+    """A payload check from a JSON Schema: raises InvalidRequest naming the first bad field."""
+    try:
+        Draft202012Validator.check_schema(schema)
+    except SchemaError as exc:
+        log.warning("event=bad_payload_schema error=%s", exc.message)
+        return None
+    validator = Draft202012Validator(schema)
+
+    def check(payload: Any) -> None:
+        error = next(iter(validator.iter_errors(payload)), None)
+        if error is not None:
+            path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
+            raise InvalidRequest(f"payload{path}: {error.message[:300]}", field=f"payload{path}")
+
+    return check
+
+
+async def publish(redis: RedisClient, keys: Keys, ads: list[TaskAd]) -> None:
+    """Write a worker's task entries (one HSET for all of them)."""
+    if ads:
+        mapping = {ad.type: msgspec.json.encode(ad) for ad in ads}
+        await redis.hset(keys.tasks(), mapping=mapping)  # type: ignore[arg-type]
+
+
+class TaskCatalog:
+    """The catalogue as the API reads it: refreshed every ``refresh`` seconds, and at once
+    (at most every ``miss_refresh`` seconds) when a submit names a type it does not know.
+    An entry counts while its last advert is at most ``ttl`` seconds old."""
+
+    def __init__(
+        self,
+        redis: RedisClient,
+        keys: Keys,
+        *,
+        ttl: float = 86400.0,
+        refresh: float = 5.0,
+        miss_refresh: float = 1.0,
+    ) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.ttl = ttl
+        self.refresh_every = refresh
+        self.miss_refresh = miss_refresh
+        self._ads: dict[str, TaskAd] = {}
+        self._infos: dict[str, TaskInfo] = {}
+        self._checks: dict[str, tuple[bytes, Any]] = {}  # type -> (schema JSON, check)
+        self._loaded_at = 0.0
+        self._task: asyncio.Task[None] | None = None
+
+    # --- reading --------------------------------------------------------------------------
+    def info(self, type: str) -> TaskInfo | None:
+        ad = self._ads.get(type)
+        if ad is None or time.time() - ad.seen_at > self.ttl:
+            return None
+        return self._infos.get(type)
+
+    def names(self) -> list[str]:
+        now = time.time()
+        return sorted(t for t, ad in self._ads.items() if now - ad.seen_at <= self.ttl)
+
+    def ads(self) -> list[TaskAd]:
+        """Every live entry, for the admin API and the OpenAPI document."""
+        now = time.time()
+        return [ad for _, ad in sorted(self._ads.items()) if now - ad.seen_at <= self.ttl]
+
+    async def ensure(self, types: set[str]) -> None:
+        """Refresh now if a type is unknown and the last load is old enough."""
+        if any(self.info(t) is None for t in types) and (
+            time.monotonic() - self._loaded_at >= self.miss_refresh
+        ):
+            await self.load()
+
+    async def load(self) -> None:
+        raw = await self.redis.hgetall(self.keys.tasks())
+        ads: dict[str, TaskAd] = {}
+        for name, value in raw.items():
+            try:
+                ad = _ad_decoder.decode(value)
+            except msgspec.DecodeError:
+                continue  # written by a newer jobtier: its own workers will still run it
+            ads[name.decode() if isinstance(name, bytes) else name] = ad
+        infos = {}
+        for name, ad in ads.items():
+            check = None
+            if ad.payload_schema is not None:
+                encoded = msgspec.json.encode(ad.payload_schema)
+                cached = self._checks.get(name)
+                if cached is None or cached[0] != encoded:
+                    cached = self._checks[name] = (encoded, schema_check(ad.payload_schema))
+                check = cached[1]
+            infos[name] = TaskInfo(ad.queue, ad.max_attempts, check, ad.on_failure)
+        self._ads, self._infos = ads, infos
+        self._loaded_at = time.monotonic()
+
+    # --- background refresh ---------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="jobtier-catalog")
+
+    async def stop(self) -> None:
+        await stop_task(self._task, "task catalog refresh")
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.load()
+            except (RedisError, OSError) as exc:
+                log.warning("event=catalog_refresh_failed error=%r", exc)
+            await asyncio.sleep(self.refresh_every)

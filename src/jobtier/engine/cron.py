@@ -1,0 +1,235 @@
+"""Firing recurring schedules: slot arithmetic, misfires, and the schedules' copy in Redis.
+
+A schedule (``core/schedule.py``) creates a normal job at each of its slots. Definitions are
+stored durably in Postgres and mirrored in Redis, in the shard of the schedule
+(``jt:{s}:cron`` and ``jt:{s}:cron:<id>``), where the scheduler fires them with ``fire.lua``:
+a firing advances the schedule only if its next-fire time is still the one the scheduler
+read (compare-and-set), and a slot's job id is derived from (schedule, slot), so a firing
+replayed after a crash creates nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from zoneinfo import ZoneInfo
+
+import msgspec
+from croniter import croniter
+
+from jobtier.core.keys import Keys, ulid
+from jobtier.core.model import DEFAULT_QUEUE
+from jobtier.core.schedule import MAX_CATCH_UP, Schedule
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """What the slot arithmetic needs of a schedule."""
+
+    cron: str | None
+    timezone: str
+    interval_ms: int | None
+    anchor_ms: int  # interval schedules fire at anchor + k * interval
+
+    def next_after(self, after_ms: int) -> int:
+        """The first slot strictly after ``after_ms``."""
+        if self.interval_ms is not None:
+            k = max(0, (after_ms - self.anchor_ms) // self.interval_ms + 1)
+            return self.anchor_ms + k * self.interval_ms
+        assert self.cron is not None
+        start = datetime.fromtimestamp(after_ms / 1000, ZoneInfo(self.timezone))
+        nxt: datetime = croniter(self.cron, start).get_next(datetime)
+        return round(nxt.timestamp() * 1000)
+
+    def last_at_or_before(self, at_ms: int) -> int:
+        """The latest slot at or before ``at_ms`` (for interval schedules, not before the
+        anchor)."""
+        if self.interval_ms is not None:
+            k = max(0, (at_ms - self.anchor_ms) // self.interval_ms)
+            return self.anchor_ms + k * self.interval_ms
+        assert self.cron is not None
+        start = datetime.fromtimestamp((at_ms + 1) / 1000, ZoneInfo(self.timezone))
+        prev: datetime = croniter(self.cron, start).get_prev(datetime)
+        return round(prev.timestamp() * 1000)
+
+    def slots(self, first_ms: int, until_ms: int, most: int) -> list[int]:
+        """Slots from ``first_ms`` (a slot) up to ``until_ms``, at most ``most``."""
+        out: list[int] = []
+        slot = first_ms
+        while slot <= until_ms and len(out) < most:
+            out.append(slot)
+            slot = self.next_after(slot)
+        return out
+
+
+def slot_job_id(keys: Keys, schedule_id: str, slot_ms: int) -> str:
+    """The id of the job a schedule creates for a slot: the same in every process, always."""
+    entropy = hashlib.blake2b(f"{schedule_id}:{slot_ms}".encode(), digest_size=10).digest()
+    return f"{ulid(slot_ms, entropy)}-{keys.shard_for('schedule', schedule_id)}"
+
+
+def plan(
+    timing: Timing, misfire: str, due_ms: int, now_ms: int, grace_ms: int
+) -> tuple[list[int], int, int | None]:
+    """What to do with a schedule whose next firing ``due_ms`` has come.
+
+    Returns (slots to fire, new next-fire time, slot to record as last fired or None).
+    """
+    if now_ms - due_ms <= grace_ms:
+        return [due_ms], timing.next_after(due_ms), due_ms
+    resume = timing.next_after(now_ms)
+    if misfire == "skip":
+        return [], resume, None
+    if misfire == "fire_once":
+        latest = max(due_ms, timing.last_at_or_before(now_ms))
+        return [latest], resume, latest
+    missed = timing.slots(due_ms, now_ms, MAX_CATCH_UP)  # fire_all
+    return missed, resume, missed[-1] if missed else None
+
+
+def new_schedule_id() -> str:
+    return ulid()
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def to_datetime(ms: int | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
+
+
+# --- the Redis mirror -------------------------------------------------------------------------
+class MirrorDef(msgspec.Struct, kw_only=True):
+    """What the scheduler needs to fire a schedule, as kept in Redis (``def``)."""
+
+    tenant: str
+    type: str
+    priority: str
+    max_attempts: int
+    cron: str | None
+    timezone: str
+    interval_ms: int | None
+    anchor_ms: int
+    misfire: str
+    queue: str = DEFAULT_QUEUE
+
+    def timing(self) -> Timing:
+        return Timing(self.cron, self.timezone, self.interval_ms, self.anchor_ms)
+
+
+_def_decoder = msgspec.json.Decoder(MirrorDef)
+
+
+def mirror_def(schedule: Schedule, default_max_attempts: int) -> MirrorDef:
+    return MirrorDef(
+        tenant=schedule.tenant,
+        type=schedule.type,
+        priority=schedule.priority.value,
+        max_attempts=schedule.max_attempts or default_max_attempts,
+        cron=schedule.cron,
+        timezone=schedule.timezone,
+        interval_ms=None if schedule.interval is None else schedule.interval * 1000,
+        anchor_ms=round(schedule.created_at.timestamp() * 1000),
+        misfire=schedule.misfire,
+        queue=schedule.queue or DEFAULT_QUEUE,
+    )
+
+
+class CronMirror:
+    """The schedules' copy in Redis, and their firing (for the API and the scheduler)."""
+
+    def __init__(self, redis: Any, keys: Keys, scripts: Any) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.scripts = scripts
+
+    def shard(self, schedule_id: str) -> int:
+        return self.keys.shard_for("schedule", schedule_id)
+
+    async def put(
+        self,
+        schedule_id: str,
+        definition: MirrorDef,
+        payload: bytes,
+        next_ms: int | None,
+        paused: bool,
+    ) -> None:
+        """Create or replace a schedule's mirror, and wake the schedulers for its next slot."""
+        s = self.shard(schedule_id)
+        key = self.keys.cron_def(s, schedule_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(key, mapping={
+            "def": msgspec.json.encode(definition), "payload": payload,
+            "next": "" if next_ms is None else str(next_ms), "paused": "1" if paused else "0",
+        })  # fmt: skip
+        if paused or next_ms is None:
+            pipe.zrem(self.keys.cron(s), schedule_id)
+        else:
+            pipe.zadd(self.keys.cron(s), {schedule_id: next_ms})
+            pipe.spublish(self.keys.wake(s), f"c {next_ms}")
+        await pipe.execute()
+
+    async def remove(self, schedule_id: str) -> None:
+        s = self.shard(schedule_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(self.keys.cron(s), schedule_id)
+        pipe.delete(self.keys.cron_def(s, schedule_id))
+        await pipe.execute()
+
+    async def times(
+        self, schedule_ids: list[str]
+    ) -> dict[str, tuple[int | None, int | None, bool]]:
+        """{id: (next fire ms, last fired ms, paused)} of the schedules Redis holds."""
+        pipe = self.redis.pipeline(transaction=False)
+        for schedule_id in schedule_ids:
+            pipe.hmget(
+                self.keys.cron_def(self.shard(schedule_id), schedule_id), "next", "last", "paused"
+            )
+        out = {}
+        for schedule_id, (nxt, last, paused) in zip(
+            schedule_ids, await pipe.execute(), strict=True
+        ):
+            if paused is not None:
+                out[schedule_id] = (
+                    int(nxt) if nxt else None,
+                    int(last) if last else None,
+                    paused == b"1",
+                )
+        return out
+
+    async def fire_due(
+        self, shard: int, now: int, grace_ms: int, limit: int = 100
+    ) -> tuple[int, int]:
+        """Fire the shard's due schedules; returns (jobs created, next due ms or -1)."""
+        due = await self.redis.zrangebyscore(
+            self.keys.cron(shard), "-inf", now, start=0, num=limit, withscores=True
+        )
+        created = 0
+        if due:
+            pipe = self.redis.pipeline(transaction=False)
+            for schedule_id, _ in due:
+                pipe.hmget(
+                    self.keys.cron_def(shard, schedule_id.decode()), "def", "payload", "next"
+                )
+            calls = []
+            for (raw_id, _), (raw_def, payload, nxt) in zip(due, await pipe.execute(), strict=True):
+                if raw_def is None or not nxt:
+                    continue  # deleted meanwhile
+                schedule_id = raw_id.decode()
+                d = _def_decoder.decode(raw_def)
+                slots, new_next, last = plan(d.timing(), d.misfire, int(nxt), now, grace_ms)
+                args: list[Any] = [
+                    schedule_id, nxt.decode(), new_next, "" if last is None else last,
+                    d.tenant, d.type, d.priority, payload, d.max_attempts, d.queue, len(slots),
+                ]  # fmt: skip
+                for slot in slots:
+                    args += [slot_job_id(self.keys, schedule_id, slot), slot]
+                calls.append((self.scripts["fire"], shard, args))
+            for reply in await self.scripts.call_many(calls) if calls else []:
+                created += int(reply[1])
+        first = await self.redis.zrange(self.keys.cron(shard), 0, 0, withscores=True)
+        return created, int(first[0][1]) if first else -1

@@ -1,0 +1,1 @@
+"""What every long-running part shares: back-off, stopping within a bound, periodic loops."""

@@ -1,0 +1,278 @@
+-- claim.lua: lease up to `count` ready jobs of one shard to a worker (queued -> running).
+--
+-- KEYS[1]  shard log stream (routing)
+-- ARGV[1]  shard key base, jt:{s}:
+-- ARGV[2]  worker id
+-- ARGV[3]  count: most jobs to claim
+-- ARGV[4]  lease, ms
+-- ARGV[5]  number of queues the worker serves, m, then 2 fields per queue:
+--            name, most jobs to take from it in this call (-1: no cap; for a limited
+--            queue, the permits the worker holds for this call: limit.lua)
+-- then     number of task types t the worker can run, then the t names (t = 0: any type;
+--          for tools and tests, never a worker)
+-- Returns  {now ms, ready jobs left in the shard's served queues (that this worker could
+--           run, for parked ones; a limited queue's only when the worker had permits for it),
+--           jobs claimed k, jobs handed back h, limited queues asked without a cap l,
+--           when the first block of a served queue ends (ms; -1: none blocked),
+--           then per job: id, type, payload, attempt, max_attempts, lease_version,
+--           queued at ms, queue, dependencies (lib.lua flow_inputs: '' for none, else
+--           {ids, flat id/outcome pairs});
+--           then the h ids handed back; then the l queue names}
+--
+-- A queue with a global concurrency or rate limit is flagged limited in every shard
+-- ('q:limited' in the queues hash): a worker that asks it without a cap (it has not heard of
+-- the limit yet) gets nothing from it and is told, so it takes permits first.
+--
+-- Queues share the call in turn (the worker rotates the order of its list between calls): each
+-- queue with ready jobs gets an equal share, a queue short of jobs leaves its share to the
+-- others. A paused queue gives nothing. Within a queue, priorities are served by a smooth
+-- weighted rotation, critical:high:normal:low = 8:4:2:1, kept per queue in the queues hash: a
+-- turn whose priority is empty goes to the highest non-empty one, so low gets at least one
+-- claim in 15 however many higher jobs wait, and nothing idles while work is ready. Within a
+-- priority, tenants take turns (lib.lua pop_ready), and each tenant's oldest job goes first.
+--
+-- A job whose type the worker cannot run (two worker pools sharing a queue, a deploy in
+-- progress) is handed back untouched — no transition, no attempt used — and parked in
+-- jt:{s}:park:<queue>:<type>, counted in jt:{s}:parked under '<queue>:<type>'. Parked jobs
+-- are out of the ready counts, so a worker that cannot run them does not keep meeting them;
+-- claims by workers that can run them take them first (they have waited longest).
+--!include lib.lua
+
+local ROTATION = {1, 2, 1, 3, 1, 2, 1, 4, 1, 2, 1, 3, 1, 2, 1}
+local worker, wanted, lease = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+local nq = tonumber(ARGV[5])
+local names, caps, fields = {}, {}, {}
+for i = 1, nq do
+  local q = ARGV[4 + 2 * i]
+  names[i], caps[i] = q, tonumber(ARGV[5 + 2 * i])
+  for _, p in ipairs(PRIORITIES) do
+    fields[#fields + 1] = q .. ':' .. p
+  end
+  fields[#fields + 1] = q .. ':paused'
+  fields[#fields + 1] = q .. ':wrr'
+  fields[#fields + 1] = q .. ':limited'
+  fields[#fields + 1] = q .. ':blocked'
+end
+local runnable = nil
+do
+  local a = 6 + 2 * nq
+  local t = tonumber(ARGV[a])
+  if t > 0 then
+    runnable = {}
+    for i = 1, t do
+      runnable[ARGV[a + i]] = true
+    end
+  end
+end
+
+-- per queue: ready jobs by priority, what it may still give, its rotation cursor
+local lens, room, cursor, start = {}, {}, {}, {}
+local values = nq > 0 and redis.call('HMGET', QUEUES, unpack(fields)) or {}
+local left = 0
+local unaware = {}  -- limited queues the worker asked without a cap
+local WIDTH = 8
+local wake_at = -1  -- when the first block ends (a task raised RateLimited: engine/queue.py block)
+for i = 1, nq do
+  local base = (i - 1) * WIDTH
+  local l, total = {}, 0
+  for k = 1, 4 do
+    l[k] = math.max(tonumber(values[base + k] or '0') or 0, 0)
+    total = total + l[k]
+  end
+  if values[base + 7] == '1' and caps[i] < 0 then
+    caps[i] = 0
+    unaware[#unaware + 1] = names[i]
+  end
+  local blocked = tonumber(values[base + 8] or '0') or 0
+  if blocked > NOW then
+    caps[i] = 0
+    if wake_at < 0 or blocked < wake_at then
+      wake_at = blocked
+    end
+  end
+  if values[base + 5] == '1' or caps[i] == 0 then  -- paused, blocked, or no permit for it
+    total = 0
+    l = {0, 0, 0, 0}
+  end
+  lens[i] = l
+  left = left + total
+  room[i] = caps[i] >= 0 and math.min(total, caps[i]) or total
+  cursor[i] = tonumber(values[base + 6] or '0') or 0
+  start[i] = cursor[i]
+end
+
+-- share `n` jobs out between the queues: equal shares, a short queue's rest to the others
+local function share(n)
+  local want, open = {}, 0
+  for i = 1, nq do
+    want[i] = 0
+    if room[i] > 0 then
+      open = open + 1
+    end
+  end
+  while n > 0 and open > 0 do
+    local each = math.max(1, math.floor(n / open))
+    open = 0
+    for i = 1, nq do
+      if n > 0 and room[i] > 0 then
+        local t = math.min(each, room[i], n)
+        want[i], room[i], n = want[i] + t, room[i] - t, n - t
+        if room[i] > 0 then
+          open = open + 1
+        end
+      end
+    end
+  end
+  return want
+end
+
+-- parked jobs this worker can run: served queue, not paused, runnable type
+local parked = {}  -- {field, queue index, count}
+do
+  local flat = redis.call('HGETALL', BASE .. 'parked')
+  if #flat > 0 then
+    local index = {}
+    for i = 1, nq do
+      index[names[i]] = i
+    end
+    for k = 1, #flat, 2 do
+      local field, n = flat[k], tonumber(flat[k + 1])
+      local q, t = string.match(field, '^([^:]+):(.+)$')
+      local i = q and index[q]
+      if i and n > 0 and values[(i - 1) * WIDTH + 5] ~= '1' and caps[i] ~= 0
+          and (not runnable or runnable[t]) then
+        parked[#parked + 1] = {field, i, n}
+      end
+    end
+  end
+end
+
+-- the claimed jobs' reply fields go straight after the counts (filled in at the end): one
+-- table grown once, not a list of jobs copied into the reply after
+local out = {NOW, 0, 0, 0, 0, wake_at}
+local nout = #out
+local handed = {}  -- ids handed back, pushed back once every pop is done
+local claimed = 0
+local deadline = NOW + lease
+-- leases go into the active set in one ZADD per 1,000 jobs rather than one per job (each
+-- redis.call has a fixed cost; unpack() stays far below Lua's C-stack limit)
+local active = {}
+local function add_active()
+  if #active > 0 then
+    redis.call('ZADD', BASE .. 'active', unpack(active))
+    active = {}
+  end
+end
+
+local function claim_ids(ids)
+  for _, id in ipairs(ids) do
+    -- the payload comes in load()'s HMGET: one call per job rather than HMGET + HGET
+    local j = load(id, 'payload')
+    -- a ready list holds only queued jobs (cancel and expiry remove them); the check guards
+    -- the invariant rather than trusting it
+    if j and j.state == 'queued' then
+      if runnable and not runnable[j.type] then
+        handed[#handed + 1] = j
+      else
+        local queued_at = j.updated
+        j.state = 'running'
+        j.attempt = int(tonumber(j.attempt) + 1)
+        j.worker = worker
+        j.lease_version = int(tonumber(j.version) + 1)
+        commit(j, 'queued', worker)
+        active[#active + 1], active[#active + 2] = deadline, id
+        if #active >= 2000 then
+          add_active()
+        end
+        local k = nout
+        out[k + 1], out[k + 2], out[k + 3], out[k + 4] = id, j.type, j.more, j.attempt
+        out[k + 5], out[k + 6], out[k + 7] = j.max_attempts, j.lease_version, queued_at
+        out[k + 8], out[k + 9] = j.queue, flow_inputs(j)
+        nout = k + 9
+        claimed = claimed + 1
+      end
+    end
+  end
+end
+
+-- Parked jobs first: they were handed back by a worker that could not run them, and waited.
+for _, p in ipairs(parked) do
+  local field, i = p[1], p[2]
+  local n = math.min(p[3], wanted - claimed, caps[i] >= 0 and caps[i] or wanted)
+  if n > 0 then
+    local ids = redis.call('RPOP', BASE .. 'park:' .. field, n) or {}
+    count(BASE .. 'parked', field, -#ids)
+    p[3] = p[3] - #ids
+    if caps[i] >= 0 then
+      caps[i] = caps[i] - #ids
+      room[i] = math.min(room[i], caps[i])
+    end
+    claim_ids(ids)
+  end
+end
+
+-- Each pass plans its turns first (which queue and priority serve each), then pops every
+-- priority's share at once. Another pass runs only if popped jobs could not be claimed
+-- (handed back), and never pops more than twice `count` in all: a queue full of jobs this
+-- worker cannot run must not turn one call into a scan of it.
+local popped_total = 0
+while claimed < wanted and left > 0 and popped_total < 2 * wanted do
+  local want = share(math.min(wanted - claimed, left))
+  local ids = {}
+  for i = 1, nq do
+    if want[i] > 0 then
+      local take = {0, 0, 0, 0}
+      local l = lens[i]
+      for _ = 1, want[i] do
+        local pick = ROTATION[cursor[i] % 15 + 1]
+        cursor[i] = cursor[i] + 1
+        if l[pick] == 0 then
+          for k = 1, 4 do
+            if l[k] > 0 then
+              pick = k
+              break
+            end
+          end
+        end
+        take[pick] = take[pick] + 1
+        l[pick] = l[pick] - 1
+        left = left - 1
+      end
+      for k = 1, 4 do
+        if take[k] > 0 then
+          popped_total = popped_total + pop_ready(names[i], PRIORITIES[k], take[k], ids)
+        end
+      end
+    end
+  end
+  if #ids == 0 then
+    break  -- the counts promised jobs the lists do not hold: nothing more to find
+  end
+  claim_ids(ids)
+end
+add_active()
+for _, j in ipairs(handed) do
+  local field = j.queue .. ':' .. j.type
+  redis.call('LPUSH', BASE .. 'park:' .. field, j.id)
+  count(BASE .. 'parked', field, 1)
+end
+-- a cursor moves only when its queue was served: an idle worker's empty claims then write
+-- nothing (no AOF entry, no replication)
+for i = 1, nq do
+  if cursor[i] ~= start[i] then
+    redis.call('HSET', QUEUES, names[i] .. ':wrr', cursor[i] % 15015)
+  end
+end
+flush()
+for _, p in ipairs(parked) do
+  left = left + p[3]
+end
+out[2] = math.max(left, 0)
+out[3], out[4], out[5] = claimed, #handed, #unaware
+for _, j in ipairs(handed) do
+  out[#out + 1] = j.id
+end
+for _, q in ipairs(unaware) do
+  out[#out + 1] = q
+end
+return out

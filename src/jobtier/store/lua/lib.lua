@@ -1,0 +1,930 @@
+-- lib.lua: shared by every script; store/scripts.py puts it where a script says --!include lib.lua
+--
+-- Conventions of every script:
+--   KEYS[1]  the shard's transition log stream (jt:{s}:log). It routes the script to the
+--            shard's node; every other key the script touches is built from ARGV[1], the
+--            shard's key base (jt:{s}:), so it carries the same hash tag and lives in the same
+--            slot. core/keys.py documents the layout.
+--   Times are Redis's own clock (TIME) in milliseconds: one clock for every process.
+--   Each transition goes through commit(): version + 1, status document re-rendered and
+--   stored (write-through), an entry appended to the log stream, the new status published.
+--   A progress-only change may be left out of the log (commit's `quiet`); every log entry
+--   names the version of the job's previous logged entry, so the history Postgres keeps can
+--   be proven complete (persist/queries.sql: history_gaps).
+
+-- Result codes: core/errors.py Code holds the same names and values (a unit test checks).
+local OK = 0
+local NOT_FOUND = 1
+local VERSION_CONFLICT = 2
+local WRONG_STATE = 3
+local NOT_OWNER = 4
+local IDEMPOTENCY_CONFLICT = 5
+local DUPLICATE = 6
+local EXISTS = 7
+
+-- What a call sets (begin(), at the end of this file): the shard's key base, Redis's clock
+-- in ms, and what follows from them.
+local BASE, NOW
+
+local PRIORITIES = {'critical', 'high', 'normal', 'low'}
+-- waiting: for its dependencies (flows, below); it counts as waiting like queued and scheduled
+local WAITING = {scheduled = true, queued = true, waiting = true}
+local TERMINAL = {succeeded = true, failed = true, cancelled = true}
+
+-- A job's hash, jt:{s}:job:<id>, in one of three formats (core/keys.py documents them):
+--   format 3: 'c' the fields fixed at creation, 't' those a transition changes, each packed in
+--     one string of space-separated values (the last one free text: a concurrency key, a
+--     worker id), beside 'id', 'tenant', 'wf', 'error', 'progress' ('', absent, when empty),
+--     'payload', 'result' and the flow fields. No status document: readers render it from
+--     the fields (status_of), where every transition used to store it in the hash as well as
+--     log and publish it (bench/transitions.py: Redis CPU per job -10 %, AOF bytes -31 %);
+--   format 2: the same with the changing fields in 's', and the rendered document in 'doc';
+--   format 1: each of those values in a field of its own (FIELDS_1), and 'doc'.
+-- Packed, a transition reads 7 fields and writes 2 or 3 where it read 22 and wrote 8 to 13:
+-- fewer values for Redis to look up, for Lua to convert and for the AOF to store (measured
+-- with bench/transitions.py: Redis CPU and AOF bytes per job down 12 %; bench/memory.py: a
+-- finished job's memory down 40 %).
+-- Scripts read every format. They write the format the shard's jt:{s}:fmt names ('3', '2', else
+-- 1) and never move a job to an older one: a jobtier from before a format cannot read it, so
+-- a deployment switches (store/format.py) only when every process runs a jobtier that reads
+-- it. A job written in a newer format than it was loaded in loses the fields only the older
+-- one has (its format-1 fields, its 's', its 'doc') in the same script.
+local NODOC, PACKED  -- the shard writes format 3 / format 2 or 3 (begin() reads jt:{s}:fmt)
+
+-- load()'s HMGET of a job in format 3 ('t' where FIELDS says 's', format 2's name).
+-- created_iso keeps the rendered creation time, run_at_iso the rendered run-at (see render):
+-- formatting a date is a quarter of a transition's cost in Redis. lv and lt are the version
+-- and time (ms) of the job's last logged entry (see commit). wf: the job's flow flags ('' for
+-- a job with no dependency, dependent or compensation: the only field a plain job pays for
+-- flows; see the flows section).
+local FIELDS = {'id', 'tenant', 'c', 's', 'wf', 'error', 'progress'}
+local C_AT, S_AT, ERROR_AT, PROGRESS_AT = 3, 4, 6, 7
+-- 'c' and 't'/'s' are unpacked by C_PATTERN and S_PATTERN, and the document rendered by
+-- render(), from render.lua:
+--!include render.lua
+
+-- The same fields in format 1. 'created' (ms) is not among them: render() shows created_iso,
+-- and reads 'created' only for a job from before created_iso existed.
+local FIELDS_1 = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
+                  'updated', 'run_at', 'error', 'progress', 'cancel', 'worker', 'lease_version',
+                  'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf'}
+-- what a job written in a newer format no longer holds (HDEL'd when it changes format): of
+-- format 1 when written in format 2, and 'doc' too in format 3; of format 2 in format 3
+local ONLY_1 = {'type', 'prio', 'state', 'version', 'attempt', 'max_attempts', 'updated',
+                'run_at', 'cancel', 'worker', 'lease_version', 'created_iso', 'run_at_iso', 'lv',
+                'lt', 'queue', 'ckey', 'created'}
+local ONLY_2 = {'s', 'doc'}
+
+local function job_key(id)
+  return BASE .. 'job:' .. id
+end
+
+-- The job at `key` as format 3 (`packed` 't') or 2 ('s') holds it: nil when there is no such
+-- job, false when it is not in that format. `more` (a field name or nil): one more field read
+-- in the same HMGET, as j.more. j._p is the format commit() writes it in: 3 for a job in
+-- format 3, or on a shard that writes 3 (then j._conv: it leaves format 2); else 2.
+-- The HMGETs here and in load_1 name their fields as literals rather than unpack(FIELDS)
+-- through a helper: that one extra call and unpack per job measured ~2 us more Redis CPU a
+-- job (bench/transitions.py); a unit test keeps the literals in step with FIELDS/FIELDS_1.
+local function load_p(key, more, packed)
+  local v
+  if more then
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', packed, 'wf', 'error', 'progress', more)
+  else
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', packed, 'wf', 'error', 'progress')
+  end
+  if not v[1] then
+    return nil
+  end
+  if not v[S_AT] then
+    return false
+  end
+  local typ, prio, max_attempts, created_iso, queue, ckey = string.match(v[C_AT], C_PATTERN)
+  local state, version, attempt, updated, run_at, run_at_iso, cancel, lease_version, lv, lt,
+    worker = string.match(v[S_AT], S_PATTERN)
+  -- keep in step with FIELDS, C_PATTERN and S_PATTERN (a unit test checks)
+  return {id = v[1], tenant = v[2] or '', type = typ, prio = prio, max_attempts = max_attempts,
+          created_iso = created_iso, queue = queue, ckey = ckey, wf = v[5] or '',
+          error = v[6] or '', progress = v[7] or '', state = state, version = version,
+          attempt = attempt, updated = updated, run_at = run_at, run_at_iso = run_at_iso,
+          cancel = cancel, lease_version = lease_version, lv = lv, lt = lt, worker = worker,
+          more = v[8], _was = v, _key = key, _p = (NODOC or packed == 't') and 3 or 2,
+          _conv = NODOC and packed == 's'}
+end
+
+-- The same in format 1: FIELDS_1's values, then 's' and 't' (set: the job is in format 2 or 3
+-- after all, read again by load_p), then `more`.
+local function load_1(key, more)
+  local v
+  if more then
+    v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
+                   'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
+                   'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
+                   's', 't', more)
+  else
+    v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
+                   'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
+                   'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
+                   's', 't')
+  end
+  if not v[1] then
+    return nil
+  end
+  if v[24] then
+    return load_p(key, more, 't')
+  end
+  if v[23] then
+    return load_p(key, more, 's')
+  end
+  -- keep in step with FIELDS_1 (a unit test checks)
+  return {id = v[1], tenant = v[2] or '', type = v[3] or '', prio = v[4] or '',
+          state = v[5] or '', version = v[6] or '', attempt = v[7] or '',
+          max_attempts = v[8] or '', updated = v[9] or '', run_at = v[10] or '',
+          error = v[11] or '', progress = v[12] or '', cancel = v[13] or '',
+          worker = v[14] or '', lease_version = v[15] or '', created_iso = v[16] or '',
+          run_at_iso = v[17] or '', lv = v[18] or '', lt = v[19] or '', queue = v[20] or '',
+          ckey = v[21] or '', wf = v[22] or '', more = v[25], _was = v, _key = key,
+          _fmt1 = true, _p = PACKED and (NODOC and 3 or 2)}
+end
+
+-- The job `id` as a table of its fields, or nil when the shard does not hold it. load() keeps
+-- the HMGET reply in j._was: commit() writes only what changed (one packed value where a claim
+-- changes 8 fields, a completion 5), which is less for the AOF to store and less for Lua to
+-- hand over. j._key is the hash's key (create_job sets it too), built once per job.
+-- The table is built by one constructor that names every field: Lua sizes it once, where
+-- filling it in a loop rehashes it five times (load() took 8.8 us in Redis that way, 4.2 so).
+-- `more` (optional): one more field to read in the same HMGET, as j.more (claim.lua reads the
+-- payload so rather than with an HGET after).
+-- A shard holds mostly jobs in the format it writes: each asks first for that one, so a job
+-- costs one HMGET whichever the shard's format.
+local function load_key(key, more)
+  local j
+  if NODOC then
+    j = load_p(key, more, 't')
+    if j == false then
+      j = load_p(key, more, 's')
+    end
+  elseif PACKED then
+    j = load_p(key, more, 's')
+    if j == false then
+      j = load_p(key, more, 't')
+    end
+  end
+  if not PACKED or j == false then
+    j = load_1(key, more)
+  end
+  if not j then
+    return nil
+  end
+  if j.queue == '' then  -- a job created before queues existed
+    j.queue = 'default'
+  end
+  if j.wf ~= '' and string.find(j.wf, 'w', 1, true) then
+    -- waits (or waited) for dependencies: its document shows their count (render)
+    j.dd = redis.call('HGET', key, 'dd') or ''
+  end
+  return j
+end
+
+local function load(id, more)
+  return load_key(job_key(id), more)
+end
+
+-- Counters kept in hashes (ready jobs per queue and priority, running jobs per queue, waiting
+-- jobs per tenant) are summed here and written once per script by flush(): a batch of 500
+-- jobs costs one HINCRBY per counter touched, not one per job. Every script that changes a
+-- job calls flush() before it returns (a unit test checks).
+local COUNTS  -- begin() empties it
+local function count(key, field, delta)
+  local h = COUNTS[key]
+  if not h then
+    h = {}
+    COUNTS[key] = h
+  end
+  h[field] = (h[field] or 0) + delta
+end
+
+-- Per shard, the hash jt:{s}:queues holds for each queue q: 'q:<priority>' ready jobs,
+-- 'q:running' running jobs, 'q:paused' ('1' while paused), 'q:wrr' its claim rotation cursor.
+local QUEUES, PARKED
+-- keys every transition touches, built once per call rather than once per job (begin())
+local LOG, EV, WAITING_COUNTS
+local PRIORITY_SUFFIX = {[':critical'] = true, [':high'] = true, [':normal'] = true,
+                         [':low'] = true}
+
+local function flush()
+  local woken = {}
+  for key, fields in pairs(COUNTS) do
+    for field, delta in pairs(fields) do
+      if delta ~= 0 then
+        local now = redis.call('HINCRBY', key, field, delta)
+        -- workers sleep on the wake channel only when every queue they serve was empty:
+        -- wake them when a queue's ready count leaves zero (once per queue per script)
+        if delta > 0 and now == delta then
+          local q
+          if key == QUEUES then
+            local name, suffix = string.match(field, '^(.*)(:[a-z]+)$')
+            if PRIORITY_SUFFIX[suffix] then
+              q = name
+            end
+          elseif key == PARKED then  -- '<queue>:<type>': a worker that has the task may sleep
+            q = string.match(field, '^([^:]+):')
+          end
+          if q and not woken[q] then
+            woken[q] = true
+            redis.call('SPUBLISH', BASE .. 'wake', 'q ' .. q)
+          end
+        end
+      end
+    end
+  end
+  COUNTS = {}
+end
+
+-- Versions, attempts and lease versions are small integers, the same for most jobs of a
+-- batch: each is formatted once per script (perf on a claim of 25: string.format took 1.4 %
+-- of Redis's CPU, 0.6 % so)
+local INT_STR = {}
+local function int(n)
+  local s = INT_STR[n]
+  if not s then
+    s = string.format('%d', n)
+    if n >= 0 and n < 1024 then
+      INT_STR[n] = s
+    end
+  end
+  return s
+end
+
+-- NOW as the fields store it (begin())
+local NOW_STR
+
+-- the fields commit() stores in format 1 (besides the document); a field that holds '' is the
+-- same as an absent one to load(), so a new job's empty fields are not written at all
+local COMMITTED = {'state', 'version', 'attempt', 'updated', 'run_at', 'run_at_iso', 'error',
+                   'progress', 'cancel', 'worker', 'lease_version', 'lv', 'lt'}
+local FIELD_AT = {}  -- name -> its index in FIELDS_1 (and in load_1()'s HMGET reply)
+-- (no ipairs: loaded as a function library, this top level runs where Lua's library functions
+-- are not reachable yet; store/scripts.py Library)
+for i = 1, #FIELDS_1 do
+  FIELD_AT[FIELDS_1[i]] = i
+end
+-- queue -> its running count's field in the queues hash, built once per queue per script
+local RUNNING_FIELD = {}
+local HSET_ARGS = {}  -- commit()'s scratch table
+local NCOMMITTED = #COMMITTED
+local COMMITTED_AT = {}  -- COMMITTED's indices in FIELDS_1: commit() looks none up per job
+for i = 1, NCOMMITTED do
+  COMMITTED_AT[i] = FIELD_AT[COMMITTED[i]]
+end
+
+-- format 2's packed values (see FIELDS): j's fixed fields and its changing ones
+local function packed_c(j)
+  return j.type .. ' ' .. j.prio .. ' ' .. j.max_attempts .. ' ' .. j.created_iso .. ' '
+    .. j.queue .. ' ' .. j.ckey
+end
+
+local function packed_s(j)
+  return j.state .. ' ' .. j.version .. ' ' .. j.attempt .. ' ' .. j.updated .. ' ' .. j.run_at
+    .. ' ' .. j.run_at_iso .. ' ' .. j.cancel .. ' ' .. j.lease_version .. ' ' .. j.lv .. ' '
+    .. j.lt .. ' ' .. j.worker
+end
+
+-- commit()'s HSET arguments for j in format 3 or 2 (j._p), after the n already in args: 't'
+-- ('s'), and 'error' and 'progress' where they changed since load() (for a new job: where not
+-- empty); 'c' too for a job that was in format 1. A job that leaves an older format loses its
+-- fields (j._dropped: see commit). Returns the new n.
+local function changed_p(j, args, n)
+  local was, s = j._was, packed_s(j)
+  local name = j._p == 3 and 't' or 's'
+  if not was then
+    args[n + 1], args[n + 2] = name, s
+    n = n + 2
+    if j.error ~= '' then
+      args[n + 1], args[n + 2] = 'error', j.error
+      n = n + 2
+    end
+    if j.progress ~= '' then
+      args[n + 1], args[n + 2] = 'progress', j.progress
+      n = n + 2
+    end
+    return n
+  end
+  if j._fmt1 then
+    -- its first write in format 2: compared with nothing, every value written
+    was = {}
+    j._was, j._fmt1 = was, nil
+    args[n + 1], args[n + 2] = 'c', packed_c(j)
+    n = n + 2
+    was[C_AT] = args[n]
+    -- in format 3, 'doc' too (a table made once in a job's life, at this conversion)
+    j._dropped = j._p == 3 and {'doc', unpack(ONLY_1)} or ONLY_1
+  elseif j._conv then
+    -- format 2 to 3: 't' written whole (compared with nothing), 's' and 'doc' go
+    j._conv = nil
+    was[S_AT] = false
+    j._dropped = ONLY_2
+  end
+  -- a value compared as unchanged is exactly what the hash holds (was is updated as it is
+  -- written, so a second commit of j in the same script compares with the first)
+  if was[S_AT] ~= s then
+    args[n + 1], args[n + 2] = name, s
+    n = n + 2
+    was[S_AT] = s
+  end
+  if (was[ERROR_AT] or '') ~= j.error then
+    args[n + 1], args[n + 2] = 'error', j.error
+    n = n + 2
+    was[ERROR_AT] = j.error
+  end
+  if (was[PROGRESS_AT] or '') ~= j.progress then
+    args[n + 1], args[n + 2] = 'progress', j.progress
+    n = n + 2
+    was[PROGRESS_AT] = j.progress
+  end
+  return n
+end
+
+-- the same in format 1: each of COMMITTED that changed (for a new job: that is not empty)
+local function changed_1(j, args, n)
+  local was = j._was
+  for i = 1, NCOMMITTED do
+    local name = COMMITTED[i]
+    local v = j[name]
+    if was then
+      local at = COMMITTED_AT[i]
+      if (was[at] or '') ~= v then
+        args[n + 1], args[n + 2] = name, v
+        n = n + 2
+        was[at] = v
+      end
+    elseif v ~= '' then
+      args[n + 1], args[n + 2] = name, v
+      n = n + 2
+    end
+  end
+  return n
+end
+
+-- Apply a transition already made to j (state and fields): bump the version, store the
+-- fields and the re-rendered document, keep the per-tenant waiting count, append to the
+-- log, publish. `actor` is who made it (worker id, 'scheduler', 'api'); `extra` adds
+-- fields to the log entry (payload at submit, result at success).
+-- Every log entry carries 'pv', the version of the job's previous logged entry (0 for the
+-- submit): Postgres follows these links to prove that no logged entry went missing. `quiet`
+-- (only a change within a state may ask it: progress, heartbeat.lua; a dependency count
+-- moving, resolve.lua) stores and publishes the change like any other but leaves it out of
+-- the log; the next logged entry's document carries it, so only intermediate values are
+-- missing from the history, provably.
+local function commit(j, from, actor, extra, quiet)
+  local prev = j.version
+  j.version = int(tonumber(prev) + 1)
+  j.updated = NOW_STR
+  local doc = render(j)
+  if not quiet then
+    if j.lv ~= '' then  -- '': a job from before lv existed, when every version was logged
+      prev = j.lv
+    end
+    j.lv, j.lt = j.version, NOW_STR
+  end
+  -- One HSET of what changed since load() (j._was), or for a new job (create_job: no _was)
+  -- of its fixed fields (j._new) and every non-empty one, in j's format (see FIELDS): a job in
+  -- format 2 stays so; one in format 1 moves to format 2 when the shard writes format 2.
+  -- A script that changes a field behind j's back must not rely on commit() to overwrite it
+  -- (none does).
+  -- (`_set`: more fields for this HSET, given by the caller, e.g. a success's result.)
+  -- A loaded job's arguments go into one table kept for the whole script (HSET_ARGS, read
+  -- up to n by unpack; commit() never runs inside itself): a new table per job is grown one
+  -- append at a time, resized at 1, 2, 4, 8 and 16 entries, and left to the collector
+  -- (bench/lua_parts.py has the three ways side by side).
+  local args = j._new or j._set
+  local n = 0
+  if args then
+    n = #args
+  else
+    args = HSET_ARGS
+  end
+  if j._p then
+    n = changed_p(j, args, n)
+  else
+    n = changed_1(j, args, n)
+  end
+  j._new, j._set = nil, nil
+  if j._p ~= 3 then  -- formats 1 and 2 store the document too (format 3: status_of renders it)
+    args[n + 1], args[n + 2] = 'doc', doc
+    n = n + 2
+  end
+  redis.call('HSET', j._key, unpack(args, 1, n))
+  if j._dropped then
+    redis.call('HDEL', j._key, unpack(j._dropped))
+    j._dropped = nil
+  end
+  if WAITING[from] ~= WAITING[j.state] then
+    count(WAITING_COUNTS, j.tenant, WAITING[j.state] and 1 or -1)
+  end
+  if (from == 'running') ~= (j.state == 'running') then
+    local field = RUNNING_FIELD[j.queue]
+    if not field then
+      field = j.queue .. ':running'
+      RUNNING_FIELD[j.queue] = field
+    end
+    count(QUEUES, field, j.state == 'running' and 1 or -1)
+  end
+  if not quiet then
+    -- the extra fields go straight into the call (no entry table to fill and copy)
+    if extra then
+      redis.call('XADD', LOG, '*', 'd', doc, 'tn', j.tenant, 'fr', from, 'w', actor, 'pv', prev,
+                 unpack(extra))
+    else
+      redis.call('XADD', LOG, '*', 'd', doc, 'tn', j.tenant, 'fr', from, 'w', actor, 'pv', prev)
+    end
+  end
+  redis.call('SPUBLISH', EV, j.id .. ' ' .. j.version .. ' ' .. j.tenant .. '\n' .. doc)
+  return doc
+end
+
+-- Ready jobs: one list per (queue, priority, tenant), jt:{s}:q:<queue>:<priority>:<tenant>
+-- (LPUSH new, RPOP oldest: FIFO), and per (queue, priority) a ring of the tenants whose
+-- list is not empty, jt:{s}:ring:<queue>:<priority>, which claims rotate through so that one
+-- tenant's backlog cannot starve another tenant's job. A tenant is in the ring exactly while
+-- its list is not empty.
+local function ready_list(queue, prio, tenant)
+  return BASE .. 'q:' .. queue .. ':' .. prio .. ':' .. tenant
+end
+
+local function ring_key(queue, prio)
+  return BASE .. 'ring:' .. queue .. ':' .. prio
+end
+
+-- Make j ready to claim. Front = the job already waited its turn (reclaimed, released).
+local function push_ready(j, front)
+  local list = ready_list(j.queue, j.prio, j.tenant)
+  local n
+  if front then
+    n = redis.call('RPUSH', list, j.id)
+  else
+    n = redis.call('LPUSH', list, j.id)
+  end
+  if n == 1 then
+    redis.call('RPUSH', ring_key(j.queue, j.prio), j.tenant)
+  end
+  count(QUEUES, j.queue .. ':' .. j.prio, 1)
+end
+
+-- Concurrency keys: at most `limit` jobs of one key (per tenant) are ready or running at
+-- once; the others wait, oldest first, in jt:{s}:ck:<tenant>:<key> (they stay `queued`).
+-- jt:{s}:ckeys holds per '<tenant>:<key>' how many are ready or running, and under
+-- '<tenant>:<key>:limit' the limit last submitted. A job with a key lives in the key's shard
+-- (engine/queue.py routes it), so all of this is one script's atomic work.
+local CKEYS  -- BASE .. 'ckeys' (begin())
+
+local function ck_name(j)
+  return j.tenant .. ':' .. j.ckey
+end
+
+-- Make j ready to claim, or hold it behind its concurrency key. Front = the job already
+-- waited its turn (reclaimed, released): it goes first.
+local function make_ready(j, front)
+  if j.ckey == '' then
+    push_ready(j, front)
+    return
+  end
+  local name = ck_name(j)
+  local v = redis.call('HMGET', CKEYS, name, name .. ':limit')
+  local admitted, limit = tonumber(v[1] or '0'), tonumber(v[2] or '1')
+  if admitted < limit then
+    redis.call('HINCRBY', CKEYS, name, 1)
+    push_ready(j, front)
+  elseif front then
+    redis.call('RPUSH', BASE .. 'ck:' .. name, j.id)
+  else
+    redis.call('LPUSH', BASE .. 'ck:' .. name, j.id)
+  end
+end
+
+-- j (ready or running under its key) is leaving: free its place and admit the oldest held
+-- job of the key, if any.
+local function ck_release(j)
+  if j.ckey == '' then
+    return
+  end
+  local name = ck_name(j)
+  local left = redis.call('HINCRBY', CKEYS, name, -1)
+  if left < 0 then  -- never below zero, whatever happened before (a guard, not a path)
+    redis.call('HSET', CKEYS, name, 0)
+    left = 0
+  end
+  local limit = tonumber(redis.call('HGET', CKEYS, name .. ':limit') or '1')
+  while left < limit do
+    local next_id = redis.call('RPOP', BASE .. 'ck:' .. name)
+    if not next_id then
+      break
+    end
+    local n = load(next_id)
+    if n and n.state == 'queued' then
+      redis.call('HINCRBY', CKEYS, name, 1)
+      left = left + 1
+      push_ready(n, true)
+    end
+  end
+  if left == 0 and redis.call('LLEN', BASE .. 'ck:' .. name) == 0 then
+    redis.call('HDEL', CKEYS, name, name .. ':limit')  -- an idle key costs nothing
+  end
+end
+
+-- Take a queued job out of wherever it waits (cancel): its ready list, the parked jobs of its
+-- type (handed back by a worker that cannot run it: claim.lua), or its key's queue.
+local function remove_ready(j)
+  local list = ready_list(j.queue, j.prio, j.tenant)
+  local field = j.queue .. ':' .. j.type
+  if redis.call('LREM', list, -1, j.id) > 0 then
+    count(QUEUES, j.queue .. ':' .. j.prio, -1)
+    if redis.call('LLEN', list) == 0 then
+      redis.call('LREM', ring_key(j.queue, j.prio), 0, j.tenant)
+    end
+    ck_release(j)
+  elseif redis.call('LREM', BASE .. 'park:' .. field, -1, j.id) > 0 then
+    count(PARKED, field, -1)
+    ck_release(j)
+  elseif j.ckey ~= '' then
+    redis.call('LREM', BASE .. 'ck:' .. ck_name(j), -1, j.id)
+  end
+end
+
+-- Pop up to n of the oldest ready jobs of (queue, prio), rotating through the tenants that
+-- have some: each tenant in the ring gets an equal share in turn, and the tenants served go
+-- to the back of the ring. One tenant (the common case) costs an LRANGE, an RPOP and an LLEN.
+-- Appends the ids to `out`; returns how many.
+local function pop_ready(queue, prio, n, out)
+  local ring = ring_key(queue, prio)
+  local got = 0
+  for _ = 1, 4 do  -- a pass serves up to n tenants; a short tenant leaves room for another pass
+    if got >= n then
+      break
+    end
+    local tenants = redis.call('LRANGE', ring, 0, n - got - 1)
+    if #tenants == 0 then
+      break
+    end
+    local per = math.max(1, math.floor((n - got) / #tenants))
+    local served, keep = 0, {}
+    for _, tenant in ipairs(tenants) do
+      if got >= n then
+        break
+      end
+      served = served + 1
+      local list = ready_list(queue, prio, tenant)
+      local take = math.min(per, n - got)
+      local ids = redis.call('RPOP', list, take)
+      local k = ids and #ids or 0
+      for i = 1, k do
+        out[#out + 1] = ids[i]
+      end
+      got = got + k
+      if k == take and redis.call('LLEN', list) > 0 then
+        keep[#keep + 1] = tenant
+      end
+    end
+    if #tenants > 1 or #keep == 0 then  -- a lone tenant with jobs left keeps its place
+      redis.call('LPOP', ring, served)
+      if #keep > 0 then
+        redis.call('RPUSH', ring, unpack(keep))
+      end
+    end
+  end
+  count(QUEUES, queue .. ':' .. prio, -got)
+  return got
+end
+
+-- Put j in a sorted set scored by `at`; tell the scheduler when `at` is the new earliest.
+local function add_timed(set, j, at)
+  redis.call('ZADD', BASE .. set, at, j.id)
+  local first = redis.call('ZRANGE', BASE .. set, 0, 0)
+  if first[1] == j.id then
+    redis.call('SPUBLISH', BASE .. 'wake', 's ' .. int(at))
+  end
+end
+
+-- Defined in the flows section below, used by create_job and finish.
+local flow_create, flow_finished
+
+-- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future, or waiting
+-- when `flow` (JSON, '' or nil for none: see flow_create) gives it dependencies.
+-- Returns its status document.
+local function create_job(id, tenant, type, queue, prio, payload, max_attempts, due, idem, actor,
+                          ckey, climit, flow)
+  local j = {id = id, tenant = tenant, type = type, queue = queue, prio = prio,
+             state = 'queued', version = '0', attempt = '0', max_attempts = max_attempts,
+             created = NOW_STR, run_at = '', error = '', progress = '', cancel = '0',
+             worker = '', lease_version = '0', created_iso = iso_str(NOW_STR), run_at_iso = '',
+             lv = '', lt = '', ckey = ckey or '', _key = job_key(id)}
+  if due ~= '' then
+    j.run_at = int(due)
+    if due > NOW then
+      j.state = 'scheduled'
+    end
+  end
+  -- written by commit()'s one HSET, with the fields every transition stores (FIELDS)
+  j._p = PACKED and (NODOC and 3 or 2)
+  if PACKED then
+    j._new = {'id', id, 'tenant', tenant, 'c', packed_c(j), 'payload', payload}
+  else
+    j._new = {'id', id, 'tenant', tenant, 'type', type, 'queue', queue, 'prio', prio,
+              'max_attempts', max_attempts, 'created', j.created, 'created_iso', j.created_iso,
+              'payload', payload}
+    if j.ckey ~= '' then
+      j._new[#j._new + 1], j._new[#j._new + 2] = 'ckey', j.ckey
+    end
+  end
+  if idem ~= '' then
+    j._new[#j._new + 1], j._new[#j._new + 2] = 'idem', idem
+  end
+  if j.ckey ~= '' then
+    redis.call('HSET', CKEYS, ck_name(j) .. ':limit', climit)
+  end
+  local extra = {'p', payload}
+  if idem ~= '' then
+    extra[3], extra[4] = 'ik', idem
+  end
+  if flow and flow ~= '' then
+    flow_create(j, flow, extra)
+  end
+  local doc = commit(j, '', actor, extra)
+  if j.state == 'scheduled' then
+    add_timed('sched', j, due)
+  elseif j.state ~= 'waiting' then  -- a waiting job is made ready by its last dependency
+    make_ready(j, false)
+  end
+  return doc
+end
+
+-- The fencing check of every write a worker makes about a job it was given.
+local function check_lease(j, lease_version, worker)
+  if not j then
+    return NOT_FOUND
+  end
+  if j.state ~= 'running' then
+    return WRONG_STATE
+  end
+  if j.lease_version ~= lease_version then
+    return VERSION_CONFLICT
+  end
+  if j.worker ~= worker then
+    return NOT_OWNER
+  end
+  return OK
+end
+
+-- j reached a terminal state: its hash expires (Postgres keeps the record), and its flow
+-- hand-offs are made in this same script (a crash cannot separate them from the transition).
+local function finish(j, ttl)
+  redis.call('EXPIRE', j._key, ttl)
+  if j.wf ~= '' then
+    flow_finished(j, ttl)
+  end
+end
+
+local function next_score(set)
+  local first = redis.call('ZRANGE', BASE .. set, 0, 0, 'WITHSCORES')
+  if first[2] then
+    return tonumber(first[2])
+  end
+  return -1
+end
+
+-- The error of a cancelled job (cancel.lua, stopped.lua, fail.lua, reclaim.lua). It replaces
+-- whatever an earlier attempt left in `error`, which would otherwise read as why the job
+-- ended: a cancelled job's error is always of type Cancelled. `traceback`: the failure of the
+-- attempt that was running, when it failed after the request (fail.lua), else nil.
+local function cancelled_error(message, traceback)
+  local tb = ''
+  if type(traceback) == 'string' then
+    tb = ',"traceback":' .. cjson.encode(traceback)
+  end
+  return '{"type":"Cancelled","message":' .. cjson.encode(message) .. tb .. '}'
+end
+
+-- --- Flows: dependencies, fan-in, compensation ------------------------------------------
+-- A job's 'wf' field holds its flow flags; '' (most jobs) costs nothing more than reading it:
+--   'w'  it has dependencies. jt:{s}:deps:<id> maps each dependency id to '0' (pending),
+--        '1' (pending, and a child: created in the same flow, cancelled with this job), or,
+--        once resolved, a state mark (STATE_MARK; upper case for a child) followed by the
+--        dependency's result (succeeded) or error (JSON). Fields: 'dids' the ids in order (space-separated), 'dn'
+--        their number, 'dpend' still pending, 'dfail' resolved without success, 'odf' what a
+--        failed dependency does ('run': nothing; '': cancels this job), 'dd' the summary the
+--        status document shows ({"total","done","failed"}).
+--   'd'  it has dependents: jt:{s}:dnt:<id> holds their ids (any shard).
+--   'c'  it has a compensation: 'comp' holds "<type> <queue> <max attempts>", the job created
+--        (in the same script) when this one fails for good.
+--   'R'  not a flow flag: its success's result is kept outside Redis (complete.lua, render).
+-- Dependents live on any shard, so a finishing job does not touch them: its script appends a
+-- hand-off to its own shard's stream jt:{s}:flow, in the same atomic step as the transition,
+-- and the resolver (flows/resolver.py) applies it on the dependent's shard (resolve.lua),
+-- acknowledging it only after. resolve.lua is idempotent (a dependency resolves once), so a
+-- hand-off applied twice (a resolver died before acknowledging) changes nothing.
+local FLOW, UNLINKED  -- BASE .. 'flow', BASE .. 'unlinked' (begin())
+local STATE_MARK = {succeeded = 's', failed = 'f', cancelled = 'c', missing = 'm'}
+local CHUNK = 1000  -- arguments per call built with unpack(): far below Lua's C-stack limit
+
+local function has_flag(j, flag)
+  return j.wf ~= '' and string.find(j.wf, flag, 1, true) ~= nil
+end
+
+-- One hand-off in this shard's flow stream: kind 'r' (`source` finished in `state`, with
+-- `data`: result or error) or 'x' (`source` was cancelled: cancel its children that have not
+-- started), for `targets` (ids, space-separated). The resolver is woken once per script.
+local flow_woken  -- begin() sets it false
+local function handoff(kind, source, state, data, targets)
+  redis.call('XADD', FLOW, '*', 'k', kind, 'j', source, 's', state, 'v', data, 't', targets)
+  if not flow_woken then
+    flow_woken = true
+    redis.call('SPUBLISH', BASE .. 'wake', 'f')
+  end
+end
+
+-- Run `command key ...` over `values` in chunks (a fan-in's 10,000 ids in one call would pass
+-- Lua's C-stack limit in unpack).
+local function chunked(command, key, values)
+  for i = 1, #values, CHUNK do
+    redis.call(command, key, unpack(values, i, math.min(i + CHUNK - 1, #values)))
+  end
+end
+
+local function deps_doc(total, pending, failed)
+  return '{"total":' .. total .. ',"done":' .. (total - pending) .. ',"failed":' .. failed .. '}'
+end
+
+-- j's dependencies as the worker hands them to the task (claim.lua): {ids in order
+-- (space-separated), the flat HGETALL of jt:{s}:deps:<id>}; '' for a job without any. The
+-- worker builds the mapping (flows/reads.py). Measured for a 10,000-child parent: this claim
+-- runs ~6 ms in Redis (the HGETALL ~1.2 ms of it, the rest handing the pairs back), against
+-- ~44 ms when the mapping was a JSON document assembled here.
+local function flow_inputs(j)
+  if not has_flag(j, 'w') then
+    return ''
+  end
+  return {redis.call('HGET', job_key(j.id), 'dids') or '',
+          redis.call('HGETALL', BASE .. 'deps:' .. j.id)}
+end
+
+-- A new job's flow part (create_job): `blob` is JSON, every member optional:
+--   d  dependency ids; k  one '0'/'1' per dependency ('1': a child, see above);
+--   o  on dependency failure ('run' or ''); u  ms until the resolver checks its links;
+--   t  dependent ids (created in the same flow: linked at birth); c  the compensation.
+-- A job with dependencies is created waiting (whatever its run-at, which applies once they
+-- are done) and in jt:{s}:unlinked until its submitter says every dependency knows of it
+-- (linked.lua); past the deadline the resolver links them itself (link.lua is idempotent),
+-- so a submitter that died halfway loses nothing. The log entry names the dependencies
+-- ('dp' ids, 'dk' kinds) for Postgres.
+flow_create = function(j, blob, extra)
+  local f = cjson.decode(blob)
+  local key = job_key(j.id)
+  local flags = ''
+  if type(f.d) == 'table' and #f.d > 0 then
+    flags = 'w'
+    local n, kinds = #f.d, f.k or ''
+    local fields = {}
+    for i, dep in ipairs(f.d) do
+      fields[#fields + 1] = dep
+      fields[#fields + 1] = string.sub(kinds, i, i) == '1' and '1' or '0'
+    end
+    chunked('HSET', BASE .. 'deps:' .. j.id, fields)
+    local ids = table.concat(f.d, ' ')
+    j.state = 'waiting'
+    j.dd = deps_doc(n, n, 0)
+    redis.call('HSET', key, 'dd', j.dd, 'dids', ids, 'dn', n, 'dpend', n, 'dfail', 0,
+               'odf', f.o or '')
+    redis.call('ZADD', UNLINKED, NOW + (tonumber(f.u) or 0), j.id)
+    count(QUEUES, j.queue .. ':waiting', 1)
+    extra[#extra + 1], extra[#extra + 2] = 'dp', ids
+    extra[#extra + 1], extra[#extra + 2] = 'dk', kinds
+  end
+  if type(f.t) == 'table' and #f.t > 0 then
+    flags = flags .. 'd'
+    chunked('SADD', BASE .. 'dnt:' .. j.id, f.t)
+  end
+  if type(f.c) == 'string' and f.c ~= '' then
+    flags = flags .. 'c'
+    redis.call('HSET', key, 'comp', f.c)
+  end
+  if flags ~= '' then
+    j.wf = flags
+    redis.call('HSET', key, 'wf', flags)
+  end
+end
+
+-- A waiting job leaves the waiting state (ready, or cancelled).
+local function unwait(j)
+  count(QUEUES, j.queue .. ':waiting', -1)
+  redis.call('ZREM', UNLINKED, j.id)
+end
+
+-- Crockford base32 of a millisecond time: the first 10 characters of a ULID (core/keys.py ulid).
+local CROCKFORD = '0123456789ABCDEFGHJKMNPQRSTVWXYZ'
+local function ulid_time(ms)
+  local out = {}
+  for i = 10, 1, -1 do
+    local d = ms % 32
+    out[i] = string.sub(CROCKFORD, d + 1, d + 1)
+    ms = (ms - d) / 32
+  end
+  return table.concat(out)
+end
+
+-- A new job id in j's shard (scripts cannot draw random numbers): now's time and j's id's
+-- randomness, a millisecond later while it is taken.
+local function derived_id(j)
+  local ulid, shard = string.match(j.id, '^(%w+)%-(%d+)$')
+  local ms = NOW
+  while true do
+    local id = ulid_time(ms) .. string.sub(ulid, 11) .. '-' .. shard
+    if redis.call('EXISTS', job_key(id)) == 0 then
+      return id
+    end
+    ms = ms + 1
+  end
+end
+
+-- j failed for good and names a compensation task: create its job now, in this script.
+local function compensate(j)
+  local key = job_key(j.id)
+  local v = redis.call('HMGET', key, 'comp', 'payload')
+  local ctype, cqueue, attempts = string.match(v[1] or '', '^(%S+) (%S+) (%d+)$')
+  if not ctype then
+    return
+  end
+  local payload = '{"job_id":' .. cjson.encode(j.id) .. ',"type":' .. cjson.encode(j.type)
+    .. ',"payload":' .. raw_or_null(v[2] or '') .. ',"error":' .. raw_or_null(j.error) .. '}'
+  local id = derived_id(j)
+  create_job(id, j.tenant, ctype, cqueue, j.prio, payload, attempts, '', '', 'compensation', '',
+             1, nil)
+  redis.call('HSET', key, 'cjob', id)
+end
+
+flow_finished = function(j, ttl)
+  local key = job_key(j.id)
+  if has_flag(j, 'd') then
+    local targets = redis.call('SMEMBERS', BASE .. 'dnt:' .. j.id)
+    if #targets > 0 then
+      local data = j.error
+      if j.state == 'succeeded' then
+        data = redis.call('HGET', key, 'result') or ''
+      end
+      handoff('r', j.id, j.state, data, table.concat(targets, ' '))
+    end
+    redis.call('EXPIRE', BASE .. 'dnt:' .. j.id, ttl)
+  end
+  if has_flag(j, 'w') then
+    if j.state == 'cancelled' then
+      -- its children that have not started go with it (their own children with them)
+      local flat = redis.call('HGETALL', BASE .. 'deps:' .. j.id)
+      local kids = {}
+      for i = 1, #flat, 2 do
+        if flat[i + 1] == '1' then
+          kids[#kids + 1] = flat[i]
+        end
+      end
+      if #kids > 0 then
+        handoff('x', j.id, 'cancelled', '', table.concat(kids, ' '))
+      end
+    end
+    redis.call('EXPIRE', BASE .. 'deps:' .. j.id, ttl)
+  end
+  if j.state == 'failed' and has_flag(j, 'c') then
+    compensate(j)
+  end
+end
+
+-- A finished job back in play (replay.lua): its flow keys stop expiring with it.
+local function flow_revived(j)
+  if has_flag(j, 'd') then
+    redis.call('PERSIST', BASE .. 'dnt:' .. j.id)
+  end
+  if has_flag(j, 'w') then
+    redis.call('PERSIST', BASE .. 'deps:' .. j.id)
+  end
+end
+
+-- The start of every call, before its script's own code: the per-call values above, from
+-- `argv` (ARGV: its first value is the shard's key base) and Redis's clock. A script run by
+-- EVALSHA runs this file's top level and then begin(ARGV) at each call; the function library
+-- (store/scripts.py) runs the top level once, when it is loaded, and each function begins with
+-- begin(ARGV): so every value a call may change is set here, and nothing is left over from
+-- the call before (a call that failed half-way leaves COUNTS half-summed).
+local function begin(argv)
+  BASE = argv[1]
+  local t = redis.call('TIME')
+  NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  NOW_STR = int(NOW)
+  local fmt = redis.call('GET', BASE .. 'fmt')
+  NODOC = fmt == '3'
+  PACKED = NODOC or fmt == '2'
+  COUNTS = {}
+  QUEUES, PARKED, CKEYS = BASE .. 'queues', BASE .. 'parked', BASE .. 'ckeys'
+  LOG, EV, WAITING_COUNTS = BASE .. 'log', BASE .. 'ev', BASE .. 'waiting'
+  FLOW, UNLINKED = BASE .. 'flow', BASE .. 'unlinked'
+  flow_woken = false
+  RUNNING_FIELD = {}  -- a cache by queue name: emptied, so that a library kept for weeks
+  -- does not hoard every queue name it has met
+  ISO_OF = {}  -- render.lua's dates of this call: a library kept for days must not hoard them
+end

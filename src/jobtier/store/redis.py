@@ -1,0 +1,403 @@
+"""Redis clients (one server or a cluster), the start-up check, and shard-channel subscribers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import hiredis
+from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
+from redis.asyncio.connection import Connection
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.crc import key_slot
+from redis.exceptions import BusyLoadingError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from jobtier.config import Settings
+from jobtier.core.errors import ConfigError
+from jobtier.runtime.backoff import STARTUP, SUBSCRIBE
+from jobtier.runtime.stopping import stop_task
+
+log = logging.getLogger("jobtier.redis")
+
+RedisClient = Redis | RedisCluster
+
+EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+STARTUP_PATIENCE = 30.0  # seconds a starting process waits for a Redis that does not answer
+
+
+class FastConnection(Connection):
+    """Packs commands with hiredis: the same bytes as redis-py's pure-Python packer, about
+    ten times faster on the batched script calls of the hot paths (a 50-job completion: 161
+    → 20 µs of client CPU; bench/throughput.py). Anything hiredis refuses (a command name
+    with a space, a value of a type it does not know) goes the usual way."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        name = args[0]
+        if " " not in name if isinstance(name, str) else b" " not in name:
+            try:
+                return [hiredis.pack_command(args)]
+            except TypeError:
+                pass
+        return list(super().pack_command(*args))
+
+
+class Cluster(RedisCluster):
+    """A Redis Cluster client that routes FCALL by its keys, as redis-py routes EVALSHA.
+
+    redis-py finds EVAL's and EVALSHA's keys from their arguments, but asks a node for any
+    other command whose keys move (``COMMAND GETKEYS``, every argument sent again): for FCALL,
+    one more round trip before each call, in turn inside a pipeline. Every jobtier function
+    names its keys first (``numkeys``, then the keys, all in one slot), so the slot is worked
+    out here; anything else goes the usual way."""
+
+    async def _determine_slot(self, command: str, *args: Any) -> int:
+        if isinstance(command, str) and command.upper() in ("FCALL", "FCALL_RO"):
+            # FCALL <function> <numkeys> <key>...
+            numkeys = int(args[1]) if len(args) > 1 else 0
+            slots = {self.keyslot(k) for k in args[2 : 2 + numkeys]}
+            if len(slots) == 1:
+                return slots.pop()
+        return await super()._determine_slot(command, *args)
+
+
+def connect(settings: Settings, **kwargs: Any) -> RedisClient:
+    """A client for ``settings.redis_url``; bytes in, bytes out (no decoding on hot paths)."""
+    # Retry on connection errors: after a Redis restart every pooled connection is dead and
+    # the first command on each fails before reaching the server. A command that did reach
+    # it and lost only its reply is sent again: transitions from workers are then refused as
+    # stale (harmless), and a submit without an idempotency key may create a second job —
+    # which is why producers that care pass one (documented).
+    options: dict[str, Any] = {
+        "decode_responses": False,
+        "health_check_interval": 0,
+        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
+        "retry_on_error": [RedisConnectionError, RedisTimeoutError],
+    }
+    options.update(kwargs)
+    if settings.redis_cluster:
+        options.pop("health_check_interval", None)
+        options.setdefault("max_connections", settings.redis_max_connections)
+        options.setdefault("connection_class", FastConnection)
+        return Cluster.from_url(settings.redis_url, **options)
+    # a burst of concurrent calls waits for a free connection instead of failing with
+    # "Too many connections" (the default pool raises past its size)
+    pool = BlockingConnectionPool.from_url(
+        settings.redis_url,
+        max_connections=settings.redis_max_connections,
+        timeout=30,
+        connection_class=FastConnection,
+        **options,
+    )
+    return Redis.from_pool(pool)
+
+
+# `jobtier run`'s own Redis (its --redis-port default; a unit test keeps the two in step)
+RUN_REDIS_URL = "redis://127.0.0.1:16379/0"
+DEFAULT_REDIS_URL = Settings.__dataclass_fields__["redis_url"].default
+
+
+def unreachable_message(settings: Settings, exc: BaseException) -> str:
+    """Why we cannot talk to Redis, and where to look next."""
+    message = f"cannot reach Redis at {settings.redis_url}: {exc}."
+    if settings.redis_url == DEFAULT_REDIS_URL:
+        return message + (
+            " That is JOBTIER_REDIS_URL's default (the variable is not set): name your server "
+            f"in JOBTIER_REDIS_URL; to use the Redis that `jobtier run` starts, "
+            f"JOBTIER_REDIS_URL={RUN_REDIS_URL}"
+        )
+    return message + " Is the server running, and is JOBTIER_REDIS_URL right?"
+
+
+async def check_redis(
+    redis: RedisClient, settings: Settings, *, log_every: float = 5.0
+) -> list[str]:
+    """Refuse a Redis that can lose acknowledged jobs. Returns warnings; raises ConfigError.
+
+    A Redis still loading its data (LOADING) is waited for, and one that does not answer
+    for up to ``STARTUP_PATIENCE`` seconds (restarting as this process starts) too, logging
+    one line per try; past that, a Redis that cannot be reached is a ConfigError.
+
+    An evicting memory policy silently drops job hashes and queues under memory pressure,
+    and without AOF a restart forgets everything since the last snapshot.
+
+    A Redis still loading its data after a restart is waited for (it answers only INFO and
+    the like until it is done, and reports ``aof_enabled:0`` meanwhile: Redis turns AOF off
+    while it replays the file), with its progress logged every ``log_every`` seconds.
+    """
+    backoff, since = STARTUP.start(), time.monotonic()
+    logged = -log_every
+    while True:
+        try:
+            version = await _info_values(redis, "server", "redis_version")
+            policies = await _info_values(redis, "memory", "maxmemory_policy")
+            # One snapshot for both: INFO is answered while loading (on a connection opened
+            # before), and until the load ends aof_enabled reads 0 — read apart, a load ending
+            # in between looked like a Redis without AOF.
+            persistence = await _info(redis, "persistence")
+            if any(str(node.get("loading")) == "1" for node in persistence):
+                if time.monotonic() - logged >= log_every:
+                    logged = time.monotonic()
+                    done = ",".join(str(n.get("loading_loaded_perc", "?")) for n in persistence)
+                    log.warning(
+                        "event=redis_loading url=%s percent=%s: Redis is loading its data "
+                        "after a restart; waiting for it",
+                        settings.redis_url, done,
+                    )  # fmt: skip
+                raise BusyLoadingError("Redis is loading the dataset in memory")
+            aof = [str(node.get("aof_enabled", "")) for node in persistence]
+            break
+        except BusyLoadingError:
+            # a restarted Redis reading its AOF: it will serve once loaded, so wait for it
+            # rather than exit (a supervisor would only start us again into the same wait)
+            await asyncio.sleep(min(backoff.next(), 0.5))
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            if time.monotonic() - since > STARTUP_PATIENCE:
+                raise ConfigError(unreachable_message(settings, exc)) from exc
+            wait = backoff.next()
+            log.warning("event=redis_unreachable action=waiting retry_in=%.1fs error=%r", wait, exc)
+            await asyncio.sleep(wait)
+        except RedisError as exc:
+            raise ConfigError(unreachable_message(settings, exc)) from exc
+    problems, warnings = [], []
+    if any(int(v.split(".")[0]) < 7 for v in version):
+        problems.append(f"Redis {', '.join(sorted(set(version)))} is too old: jobtier needs 7.0+")
+    bad = sorted({p for p in policies if p in EVICTING})
+    if bad:
+        problems.append(
+            f"maxmemory-policy is {bad[0]}: Redis would evict jobs under memory pressure; "
+            "set it to noeviction (or a volatile-* policy)"
+        )
+    if any(v != "1" for v in aof):
+        message = (
+            "appendonly is off: a restart of Redis would lose jobs it has acknowledged; turn it "
+            "on in the server's configuration (appendonly yes), or at once with "
+            "`redis-cli CONFIG SET appendonly yes` plus `CONFIG REWRITE`"
+        )
+        if settings.redis_require_aof:
+            problems.append(
+                message + ". Only for a throwaway setup whose jobs may be lost: "
+                "JOBTIER_REDIS_REQUIRE_AOF=0"
+            )
+        else:
+            warnings.append(message)
+    if problems:
+        raise ConfigError("Redis is not fit for jobtier: " + "; ".join(problems))
+    return warnings
+
+
+async def _info(redis: RedisClient, section: str) -> list[dict[str, Any]]:
+    """One INFO section of every primary, one dict per node."""
+    if isinstance(redis, RedisCluster):  # {node name: {field: value}}
+        per_node = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
+        return list(per_node.values())
+    return [await redis.info(section)]
+
+
+async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
+    return [str(node.get(field, "")) for node in await _info(redis, section)]
+
+
+def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str, int], list[str]]:
+    """Group shard channels by the node that serves their slot."""
+    if isinstance(redis, RedisCluster):
+        groups: dict[tuple[str, int], list[str]] = {}
+        for channel in channels:
+            node = redis.get_node_from_key(channel)
+            if node is None:
+                raise ConnectionError(f"no cluster node serves {channel}")
+            groups.setdefault((str(node.host), int(node.port)), []).append(channel)
+        return groups
+    kw = redis.connection_pool.connection_kwargs
+    return {(kw.get("host", "127.0.0.1"), kw.get("port", 6379)): list(channels)}
+
+
+class ShardSubscriber:
+    """Keeps shard-channel subscriptions (SSUBSCRIBE) open and hands every message to a callback.
+
+    One bare connection per Redis node, read in a loop: no per-message bookkeeping of the
+    generic PubSub class, which matters at tens of thousands of status events a second.
+    ``on_message(channel, data)`` runs on the event loop for each message and must not block.
+    ``on_reset()`` runs after every (re)subscription: messages may have been missed while the
+    connection was down, so whoever relies on them must resynchronise. ``on_lost()`` runs as
+    soon as a subscription is found broken, before it is retried.
+
+    A connection can die without a word (a half-open TCP connection after a network fault or
+    a frozen server): every ``PING_INTERVAL`` seconds each subscription sends PING, and one
+    whose answer has not come ``PONG_TIMEOUT`` seconds after it is closed and counted lost.
+    ``live`` is true while every node's subscription is confirmed and answering.
+    """
+
+    PING_INTERVAL = 1.0
+    PONG_TIMEOUT = 3.0
+
+    def __init__(
+        self,
+        redis: RedisClient,
+        channels: Sequence[str],
+        on_message: Callable[[bytes, bytes], None],
+        on_reset: Callable[[], None] | None = None,
+        name: str = "subscriber",
+        on_lost: Callable[[], None] | None = None,
+    ) -> None:
+        self.redis = redis
+        self.channels = list(channels)
+        self.on_message = on_message
+        self.on_reset = on_reset
+        self.on_lost = on_lost
+        self.name = name
+        self._tasks: list[asyncio.Task[None]] = []
+        self._ready: list[asyncio.Event] = []
+        self._closing = False
+        self._down: set[tuple[str, int]] = set()  # nodes whose subscription is not confirmed
+
+    def live(self) -> bool:
+        """Every node's subscription is confirmed, and none has been found broken since."""
+        return bool(self._tasks) and not self._down and not self._closing
+
+    async def start(self, timeout: float = 10.0) -> None:
+        """Subscribe on every node; returns once all subscriptions are confirmed."""
+        if isinstance(self.redis, RedisCluster):
+            # a client that has sent no command yet does not know which node serves a slot
+            await self.redis.initialize()
+        groups = node_channels(self.redis, self.channels)
+        self._down = set(groups)
+        for node, channels in groups.items():
+            ready = asyncio.Event()
+            self._ready.append(ready)
+            self._tasks.append(asyncio.create_task(self._run(node, channels, ready)))
+        async with asyncio.timeout(timeout):
+            await asyncio.gather(*(r.wait() for r in self._ready))
+
+    async def stop(self) -> None:
+        self._closing = True
+        tasks, self._tasks = self._tasks, []
+        await asyncio.gather(*(stop_task(t, f"subscriber {self.name}") for t in tasks))
+
+    def _connection(self, host: str, port: int) -> Connection:
+        if isinstance(self.redis, RedisCluster):
+            kwargs = dict(self.redis.get_default_node().connection_kwargs)
+        else:
+            kwargs = dict(self.redis.connection_pool.connection_kwargs)
+        # RESP2: under RESP3 the messages arrive as push frames that the client library's
+        # push handler consumes instead of returning them to read_response()
+        kwargs.update(host=host, port=port, socket_timeout=None, protocol=2)
+        for key in list(kwargs):
+            if key.startswith(("maint_notifications", "orig_", "oss_cluster")) or key in (
+                "connection_pool",
+                "retry",
+                "himport_registry",
+            ):
+                kwargs.pop(key)
+        return Connection(**kwargs)
+
+    async def _pinger(self, conn: Connection, answered: list[float]) -> None:
+        """PING the subscription every PING_INTERVAL; close it when an answer is overdue
+        (the pending read then fails, and the subscription is retried)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.PING_INTERVAL)
+            if loop.time() - answered[0] > self.PONG_TIMEOUT:
+                log.warning(
+                    "event=subscription_silent subscriber=%s seconds=%.1f: no answer to PING",
+                    self.name, loop.time() - answered[0],
+                )  # fmt: skip
+                await conn.disconnect()
+                return
+            await conn.send_command("PING")
+
+    async def _run(self, node: tuple[str, int], channels: list[str], ready: asyncio.Event) -> None:
+        backoff = SUBSCRIBE.start()
+        loop = asyncio.get_running_loop()
+        while not self._closing:
+            conn = self._connection(*node)
+            pinger: asyncio.Task[None] | None = None
+            try:
+                await conn.connect()  # type: ignore[no-untyped-call]
+                # one SSUBSCRIBE per slot: a cluster node refuses channels of several slots in
+                # one command (CROSSSLOT), even when it serves them all
+                by_slot: dict[int, list[str]] = {}
+                for channel in channels:
+                    by_slot.setdefault(key_slot(channel.encode()), []).append(channel)
+                for group in by_slot.values():
+                    await conn.send_command("SSUBSCRIBE", *group)
+                confirmed = 0
+                while confirmed < len(channels):
+                    reply = await conn.read_response()
+                    if reply and reply[0] == b"ssubscribe":
+                        confirmed += 1
+                self._down.discard(node)
+                if self.on_reset is not None:
+                    self.on_reset()
+                ready.set()
+                backoff.reset()
+                on_message = self.on_message
+                answered = [loop.time()]  # when the last PING was answered
+                pinger = asyncio.create_task(self._pinger(conn, answered))
+                while True:
+                    reply = await conn.read_response()
+                    if reply is None:  # the pinger closed a silent connection
+                        raise ConnectionError("subscription closed: no answer to PING")
+                    if reply[0] == b"smessage":
+                        try:
+                            on_message(reply[1], reply[2])
+                        except Exception:
+                            # one bad message or consumer must not end the subscription
+                            log.exception(
+                                "event=subscriber_callback_failed subscriber=%s", self.name
+                            )
+                    elif reply[0] == b"pong":
+                        answered[0] = loop.time()
+                    elif reply[0] == b"sunsubscribe":
+                        # the slot moved to another node (cluster resharding): resubscribe
+                        raise ConnectionError("shard channel moved")
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError, ConnectionError) as exc:
+                if self._closing:
+                    return
+                self._down.add(node)
+                if self.on_lost is not None:
+                    try:
+                        self.on_lost()
+                    except Exception:
+                        log.exception("event=subscriber_callback_failed subscriber=%s", self.name)
+                wait = backoff.next()
+                log.warning(
+                    "event=subscription_lost subscriber=%s node=%s:%s error=%r retry_in=%.2fs",
+                    self.name, node[0], node[1], exc, wait,
+                )  # fmt: skip
+                await asyncio.sleep(wait)
+                if isinstance(self.redis, RedisCluster):
+                    # a failover or resharding may have moved our slots: regroup and restart
+                    with contextlib.suppress(RedisError, OSError):
+                        await self.redis.initialize()
+                    self._respawn()
+                    return
+            finally:
+                if pinger is not None:
+                    pinger.cancel()
+                    with contextlib.suppress(BaseException):
+                        await pinger
+                with contextlib.suppress(Exception):
+                    await conn.disconnect()
+
+    def _respawn(self) -> None:
+        """(Cluster) rebuild the per-node subscriptions after a topology change."""
+        if self._closing:
+            return
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._tasks = []
+        groups = node_channels(self.redis, self.channels)
+        self._down = set(groups)
+        for node, channels in groups.items():
+            self._tasks.append(asyncio.create_task(self._run(node, channels, asyncio.Event())))

@@ -1,0 +1,177 @@
+"""Claiming from limited queues: global concurrency and rate limits, across every worker.
+
+A queue's jobs live in every shard, but its limits must hold across all of them, so they are
+kept in the queue's home shard as permits (``store/lua/limit.lua``). For each limited queue it
+serves, a worker runs one ``LimitedClaimer`` beside its main claim loop (which leaves limited
+queues alone). A round:
+
+1. read how many ready jobs of the queue each shard holds (one pipelined HMGET);
+2. take as many permits as there are free slots and ready jobs (limit.lua ``acquire``);
+3. claim with the permits as caps, spread over the shards that hold jobs (claim.lua never
+   gives more than its cap), and give back at once the permits that found no job.
+
+A job keeps its permit while it runs; the worker's heartbeat extends it (heartbeat.py) and
+the job's end returns it (reporting.py), which wakes the workers waiting for that queue
+(``l <queue>`` on the wake channel). A worker that dies holds its permits only until their
+lease runs out, like its jobs. When the rate allows no permit now, the claimer sleeps until
+the next token is due; when the concurrency is used up, until a permit comes free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from redis.exceptions import RedisError
+
+from jobtier.core.model import PRIORITIES
+from jobtier.runtime.backoff import CLAIM
+
+if TYPE_CHECKING:
+    from jobtier.worker.claiming import Claiming
+
+log = logging.getLogger("jobtier.worker")
+
+
+@dataclass(slots=True)
+class LimitStats:
+    rounds: int = 0
+    permits: int = 0  # permits taken and used by a job
+    unused: int = 0  # permits given back at once: no job where they were aimed
+    waited: float = 0.0  # seconds spent waiting for the rate or for a permit to come free
+    waits: int = 0
+
+
+@dataclass(slots=True)
+class Permits:
+    """What one acquire call granted."""
+
+    ids: list[str] = field(default_factory=list)
+    wait_ms: int = -1  # when the next rate token is due (or a block ends); -1: not rate-bound
+
+
+def spread(permits: int, ready: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(shard, cap) for a claim round: ``permits`` spread over the shards that hold ready
+    jobs (``ready``: (shard, jobs)), fullest first, each capped at what it holds."""
+    out = []
+    left = permits
+    for shard, n in sorted(ready, key=lambda item: -item[1]):
+        if left <= 0:
+            break
+        take = min(n, left)
+        out.append((shard, take))
+        left -= take
+    return out
+
+
+class LimitedClaimer:
+    """The claim loop of one limited queue inside a worker."""
+
+    def __init__(self, worker: Claiming, queue: str) -> None:
+        self.worker = worker
+        self.queue = queue
+        self.keys = worker.keys
+        self.scripts = worker.scripts
+        self.redis = worker.queue.redis
+        self.home = self.keys.home(queue)
+        self.stats = LimitStats()
+        self.wake = asyncio.Event()  # a job of the queue became ready, or a permit came free
+        self.wake.set()
+        self.idle = False  # its last round found no ready job (a burst worker may finish)
+
+    async def run(self) -> None:
+        backoff = CLAIM.start()
+        w = self.worker
+        while not w.stopping:
+            free = w.free_slots()
+            if free <= 0:
+                await w.wait_for_slot()
+                continue
+            self.wake.clear()
+            try:
+                pause = await self.round(free)
+                backoff.reset()
+            except (RedisError, OSError) as exc:
+                wait = backoff.next()
+                log.warning(
+                    "event=claim_failed worker=%s queue=%s error=%r retry_in=%.2fs",
+                    w.id, self.queue, exc, wait,
+                )  # fmt: skip
+                await w.sleep(wait)
+                continue
+            if pause is None:
+                continue  # claimed something: there may be more
+            started = time.monotonic()
+            await w.sleep(pause, self.wake)
+            if pause > 0:
+                self.stats.waits += 1
+                self.stats.waited += time.monotonic() - started
+
+    async def round(self, free: int) -> float | None:
+        """One claim round; None if it claimed jobs, else how long to wait (seconds) before
+        the next, unless woken."""
+        ready = await self._ready_by_shard()
+        total = sum(n for _, n in ready)
+        self.idle = total == 0
+        if total == 0:
+            self.worker.claimer_idle()
+            return self.worker.idle_poll
+        permits = await self._acquire(min(free, total))
+        if not permits.ids:
+            if permits.wait_ms >= 0:
+                return permits.wait_ms / 1000  # the rate's next token (or a block's end)
+            return self.worker.idle_poll  # every permit is held: woken when one comes free
+        self.stats.rounds += 1
+        reserved = self.worker.reserve(len(permits.ids))
+        try:
+            plan = spread(len(permits.ids), ready)
+            started = await self.worker.claim_limited(self.queue, plan, permits.ids)
+        finally:
+            reserved()
+        unused = permits.ids[len(started) :]
+        self.stats.permits += len(started)
+        self.stats.unused += len(unused)
+        # when each job really started (the rate's window counts from there), and the
+        # permits that found no job back
+        args: list[Any] = ["settle", self.queue, len(started)]
+        for permit, at_ms in started:
+            args += (permit, at_ms)
+        args += unused
+        await self.scripts.call(self.scripts["limit"], self.home, args)
+        return None if started else 0.0
+
+    async def _ready_by_shard(self) -> list[tuple[int, int]]:
+        pipe = self.redis.pipeline(transaction=False)
+        fields = [f"{self.queue}:{p.value}" for p in PRIORITIES]
+        for shard in range(self.keys.shards):
+            pipe.hmget(self.keys.queue_counts(shard), fields)
+        out = []
+        for shard, values in enumerate(await pipe.execute()):
+            n = sum(max(int(v or 0), 0) for v in values)
+            if n:
+                out.append((shard, n))
+        return out
+
+    async def _acquire(self, wanted: int) -> Permits:
+        reply = await self.scripts.call(
+            self.scripts["limit"],
+            self.home,
+            ("acquire", self.queue, self.worker.id, wanted, self.worker.lease_ms),
+        )
+        granted, wait_ms = int(reply[0]), int(reply[1])
+        return Permits([r.decode() for r in reply[2 : 2 + granted]], wait_ms)
+
+
+def limit_calls(
+    scripts: Any, keys: Any, op: str, by_queue: dict[str, list[str]], *extra: Any
+) -> list[tuple[Any, int, Sequence[Any]]]:
+    """limit.lua calls (``extend`` or ``release``) for permits grouped by queue."""
+    return [
+        (scripts["limit"], keys.home(queue), (op, queue, *extra, *ids))
+        for queue, ids in by_queue.items()
+        if ids
+    ]
