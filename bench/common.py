@@ -32,6 +32,7 @@ from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
 from jobtier.store import format as job_format
+from jobtier.store.context import Store
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +103,7 @@ async def script_queue(redis: Redis, url: str, fmt: int = job_format.NEWEST) -> 
     (jobtier/store/format.py; the newest, what a new deployment writes; scripts from before a
     format write an older one whatever this says). ``flush`` keeps the format from phase to
     phase."""
-    queue = Queue(Settings(redis_url=url, shards=16), redis, None, require_known=False)
+    queue = Queue(Store(Settings(redis_url=url, shards=16), redis), require_known=False)
     await set_format(redis, queue.keys, fmt)
     return queue
 

@@ -46,6 +46,7 @@ from jobtier.dev.local_redis import wait_port
 from jobtier.engine.queue import Queue
 from jobtier.status.reader import parse_version
 from jobtier.store import format as job_format
+from jobtier.store.calls import fail_call
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker
@@ -559,9 +560,7 @@ async def make_dead(url: str, n: int) -> list[tuple[str, str]]:
                 if not batch.jobs:
                     break
                 items = [(j.id, j.lease_version, error, -1) for j in batch.jobs]
-                await queue.scripts.call_many(
-                    [queue.scripts.fail_call(shard, "bench-dead", 86400, items)]
-                )
+                await queue.scripts.call_many([fail_call(shard, "bench-dead", 86400, items)])
     finally:
         await queue.close()
     return out

@@ -126,12 +126,12 @@ async def wait_subscribers(queue: Queue, count: int, timeout: float = 30.0) -> N
 async def plain(
     queue: Queue, watcher: Watcher, meter: RedisMeter, n: int, timeout: float
 ) -> dict[str, Any]:
-    items = [queue.prepare(JobSpec(type="echo", payload=i), "default") for i in range(n)]
+    items = [queue.produce.prepare(JobSpec(type="echo", payload=i), "default") for i in range(n)]
     watcher.expect({item.job_id for item in items})
     await meter.start()
     t0 = time.perf_counter()
     for start in range(0, n, 1000):
-        await queue.submit_many_prepared(items[start : start + 1000])
+        await queue.produce.submit_prepared(items[start : start + 1000])
     submitted = time.perf_counter()
     async with asyncio.timeout(timeout):
         await watcher.done.wait()
@@ -150,13 +150,13 @@ async def flow(
     jobs = fan_in(
         FlowJob(type="echo", payload="parent"), [FlowJob(type="echo", payload=i) for i in range(n)]
     )
-    prepared = await queue.prepare_flow(jobs, "default")
+    prepared = await queue.produce.prepare_flow(jobs, "default")
     ids = [item.job_id for item in prepared.items]
     children, parent = set(ids[:-1]), ids[-1]
     watcher.expect({*children, parent})
     await meter.start()
     t0 = time.perf_counter()
-    await queue.submit_flow_prepared(prepared)
+    await queue.produce.submit_flow_prepared(prepared)
     submitted = time.perf_counter()
     async with asyncio.timeout(timeout):
         await watcher.done.wait()  # the parent's success too
@@ -175,10 +175,10 @@ async def flow(
 
 
 async def reference(queue: Queue, watcher: Watcher) -> float:
-    item = queue.prepare(JobSpec(type="echo", payload="alone"), "default")
+    item = queue.produce.prepare(JobSpec(type="echo", payload="alone"), "default")
     watcher.expect({item.job_id})
     await asyncio.sleep(0.05)  # the worker is idle, asleep on its wake channels
-    await queue.submit_many_prepared([item])
+    await queue.produce.submit_prepared([item])
     ack = time.perf_counter()
     async with asyncio.timeout(30):
         await watcher.done.wait()

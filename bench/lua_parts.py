@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jobtier.store.calls import submit_call
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import transitions
@@ -232,11 +234,11 @@ async def one_run(redis: Redis, queue: Queue, args: argparse.Namespace) -> dict[
     await flush(redis)
     shard = 0
     base = queue.keys.base(shard)
-    items = [queue.prepare(JobSpec(type="noop", payload=None), "t1") for _ in range(args.jobs)]
+    items = [
+        queue.produce.prepare(JobSpec(type="noop", payload=None), "t1") for _ in range(args.jobs)
+    ]
     for i in range(0, len(items), 32):
-        await queue.scripts.call_many(
-            [queue.scripts.submit_call(shard, items[i : i + 32], 86_400_000)]
-        )
+        await queue.scripts.call_many([submit_call(shard, items[i : i + 32], 86_400_000)])
     await redis.rpush(base + "bench:ids", *[it.job_id for it in items])
     lib = lib_text(args.rev)
     n = args.jobs * args.reps

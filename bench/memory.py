@@ -32,6 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jobtier.store.calls import complete_call, fail_call, submit_call
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
@@ -75,11 +77,9 @@ async def cell(
         JobSpec(type="noop", payload=payload_of(size), idempotency_key=f"k{i}" if idem else None)
         for i in range(n)
     ]
-    items = [queue.prepare(spec, "tenant-1") for spec in specs]
+    items = [queue.produce.prepare(spec, "tenant-1") for spec in specs]
     for i in range(0, n, 100):
-        call = queue.scripts.submit_call(
-            shard, items[i : i + 100], s.idempotency_ttl_seconds * 1000
-        )
+        call = submit_call(shard, items[i : i + 100], s.idempotency_ttl_seconds * 1000)
         await queue.scripts.call_many([call])
     if state != "waiting":
         claimed: list[Any] = []
@@ -90,13 +90,13 @@ async def cell(
         for i in range(0, n, 100):
             part = claimed[i : i + 100]
             if state == "finished":
-                call = queue.scripts.complete_call(
+                call = complete_call(
                     shard, "worker-1", s.retention_seconds,
                     [(j.id, j.lease_version, b"") for j in part],
                 )  # fmt: skip
             elif state == "dead":
                 error = b'{"type":"ValueError","message":"bad input"}'
-                call = queue.scripts.fail_call(
+                call = fail_call(
                     shard, "worker-1", s.dead_retention_seconds,
                     [(j.id, j.lease_version, error, -1) for j in part],
                 )  # fmt: skip

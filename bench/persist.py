@@ -46,6 +46,8 @@ from typing import Any
 
 from redis.asyncio import Redis
 
+from jobtier.store.calls import claim_call, complete_call, submit_call
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, baseline_tree, environment, proc_cpu
 
@@ -63,7 +65,8 @@ from jobtier.persist.batch import (
 from jobtier.persist.db import AnyConnection, Pool, create_pool, migrate, query
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import lag
-from jobtier.store.scripts import Scripts, SubmitItem
+from jobtier.store.calls import SubmitItem
+from jobtier.store.scripts import Scripts
 from jobtier.streams.entries import LogEntry, parse_entry
 
 SHARDS = 16
@@ -87,21 +90,21 @@ async def submit(scripts: Scripts, keys: Keys, per_shard: dict[int, int]) -> Non
             SubmitItem(keys.new_id(shard), "t1", "bench", "normal", b'{"n":1}', 3, 0, 0, "", "")
             for _ in range(n)
         ]
-        calls.append(scripts.submit_call(shard, items, 60_000))
+        calls.append(submit_call(shard, items, 60_000))
     await scripts.call_many(calls)
 
 
 async def claim(scripts: Scripts, per_shard: dict[int, int]) -> list[tuple[int, Any]]:
     shards = [s for s, n in per_shard.items() if n]
     replies = await scripts.call_many(
-        [scripts.claim_call(s, "bench", per_shard[s], 600_000) for s in shards]
+        [claim_call(s, "bench", per_shard[s], 600_000) for s in shards]
     )
     return [(s, Scripts.parse_claim(s, r).jobs) for s, r in zip(shards, replies, strict=True)]
 
 
 async def complete(scripts: Scripts, claimed: list[tuple[int, Any]]) -> None:
     calls = [
-        scripts.complete_call(s, "bench", 3600, [(j.id, j.lease_version, b"1") for j in jobs])
+        complete_call(s, "bench", 3600, [(j.id, j.lease_version, b"1") for j in jobs])
         for s, jobs in claimed
         if jobs
     ]

@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from jobtier.store.calls import submit_call
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (
     environment,
@@ -54,8 +56,9 @@ from jobtier.core.keys import Keys
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist.db import create_pool, migrate
 from jobtier.persist.persister import Persister
+from jobtier.store.calls import SubmitItem
 from jobtier.store.redis import connect
-from jobtier.store.scripts import Scripts, SubmitItem
+from jobtier.store.scripts import Scripts
 from jobtier.streams.entries import LogEntry
 
 SHARDS = 16
@@ -96,7 +99,7 @@ async def trial(
             committed.clear()
             shard = random.randrange(SHARDS)
             item = SubmitItem(keys.new_id(shard), "t1", "bench", "normal", b"{}", 3, 0, 0, "", "")
-            await scripts.call_many([scripts.submit_call(shard, [item], 60_000)])
+            await scripts.call_many([submit_call(shard, [item], 60_000)])
             await asyncio.wait_for(done.wait(), 30)
             pickups += committed.values()
         await asyncio.sleep(0.5)  # the last acknowledgement and trim

@@ -75,6 +75,8 @@ from typing import Any
 
 import msgspec
 
+from jobtier.store.calls import parse_promote, promote_call
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
@@ -250,12 +252,10 @@ async def poll_loop(url: str, shards: int, interval: float, batch: int = 1000) -
         while not stopping.is_set():
             todo = list(range(shards))
             while todo:  # a full batch: more may be due now, go again at once
-                calls = [queue.scripts.promote_call(s, batch) for s in todo]
+                calls = [promote_call(s, batch) for s in todo]
                 replies = await queue.scripts.call_many(calls)
                 todo = [
-                    s
-                    for s, r in zip(todo, replies, strict=True)
-                    if queue.scripts.parse_promote(r).moved >= batch
+                    s for s, r in zip(todo, replies, strict=True) if parse_promote(r).moved >= batch
                 ]
             tick += interval
             with contextlib.suppress(TimeoutError):
@@ -272,13 +272,15 @@ async def submit(queue: Queue, run_ats: list[int], concurrency: int = 4) -> dict
     items, due = [], {}
     for i in order:
         at = datetime.fromtimestamp(run_ats[i] / 1000, UTC)
-        item = queue.prepare(JobSpec(type="echo", payload={"i": i}, run_at=at), "default")
+        item = queue.produce.prepare(JobSpec(type="echo", payload={"i": i}, run_at=at), "default")
         items.append(item)
         due[item.job_id] = item.run_at_ms
     size = queue.settings.max_batch
     chunks = [items[i : i + size] for i in range(0, len(items), size)]
     for i in range(0, len(chunks), concurrency):
-        await asyncio.gather(*(queue.submit_many_prepared(c) for c in chunks[i : i + concurrency]))
+        await asyncio.gather(
+            *(queue.produce.submit_prepared(c) for c in chunks[i : i + concurrency])
+        )
     return due
 
 
@@ -300,7 +302,7 @@ async def wait_drained(
             rewrites[-1][1] = round(now_s, 1)
         rewriting = busy
         if time.time() * 1000 > after_ms:
-            total = (await queue.stats())["total"]
+            total = (await queue.admin.stats())["total"]
             if total["scheduled"] + total["queued"] + total["running"] == 0:
                 return True, rewrites
         await asyncio.sleep(0.05)

@@ -46,6 +46,8 @@ from typing import Any
 
 import msgspec
 
+from jobtier.store.calls import complete_call
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
@@ -131,9 +133,7 @@ class BaselineWorker:
             ctx = JobContext(job, shard, self.id, loop, lambda data: None)
             result = await t.fn(ctx, _decode(job.payload))
             data = b"" if result is None else encode_json(result)
-            call = self.scripts.complete_call(
-                shard, self.id, retention, [(job.id, job.lease_version, data)]
-            )
+            call = complete_call(shard, self.id, retention, [(job.id, job.lease_version, data)])
             (code,) = await self.scripts.call(*call)
             if Code(code) is Code.OK:
                 st.succeeded += 1
@@ -248,7 +248,7 @@ async def set_limits(queue: Queue, args: argparse.Namespace) -> None:
         return
     limits = QueueLimits(concurrency=args.queue_concurrency, rate=args.queue_rate, per=1.0)
     for name in args.queue_names:
-        await queue.set_limits(name, limits)
+        await queue.admin.set_limits(name, limits)
 
 
 async def submit_batches(queue: Queue, jobs: Sequence[JobSpec], batch: int) -> None:

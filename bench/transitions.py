@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobtier.store.calls import complete_call, submit_call
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
@@ -228,7 +230,7 @@ async def one_variant(
     payload = {"n": 1} if args.payload else None
     specs = [JobSpec(type="noop", payload=payload) for _ in range(args.jobs)]
     shard = 0
-    items = [queue.prepare(s, "t1") for s in specs]
+    items = [queue.produce.prepare(s, "t1") for s in specs]
     s = queue.settings
     claimed: list[Any] = []
 
@@ -236,7 +238,7 @@ async def one_variant(
         for i in range(0, len(items), args.submit_batch):
             await queue.scripts.call_many(
                 [
-                    queue.scripts.submit_call(
+                    submit_call(
                         shard, items[i : i + args.submit_batch], s.idempotency_ttl_seconds * 1000
                     )
                 ]
@@ -252,7 +254,7 @@ async def one_variant(
     async def complete() -> None:
         for i in range(0, len(claimed), args.complete_batch):
             part = claimed[i : i + args.complete_batch]
-            call = queue.scripts.complete_call(
+            call = complete_call(
                 shard, "w1", s.retention_seconds, [(j.id, j.lease_version, b"") for j in part]
             )
             codes = (await queue.scripts.call_many([call]))[0]

@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from jobtier.store.calls import complete_call, submit_call
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import (
@@ -186,7 +188,8 @@ async def main(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             use_sources(queue, git_sources(args.rev) if args.rev else None)
             await queue.scripts.load()
             items = [
-                queue.prepare(JobSpec(type="noop", payload=None), "t1") for _ in range(args.jobs)
+                queue.produce.prepare(JobSpec(type="noop", payload=None), "t1")
+                for _ in range(args.jobs)
             ]
             s = queue.settings
             claimed: list[Any] = []
@@ -194,7 +197,7 @@ async def main(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             async def submit() -> None:
                 for i in range(0, len(items), args.submit_batch):
                     part = items[i : i + args.submit_batch]
-                    call = queue.scripts.submit_call(0, part, s.idempotency_ttl_seconds * 1000)
+                    call = submit_call(0, part, s.idempotency_ttl_seconds * 1000)
                     await queue.scripts.call_many([call])
 
             async def claim() -> None:
@@ -209,7 +212,7 @@ async def main(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
                     done = [
                         (j.id, j.lease_version, b"") for j in claimed[i : i + args.complete_batch]
                     ]
-                    call = queue.scripts.complete_call(0, "w1", s.retention_seconds, done)
+                    call = complete_call(0, "w1", s.retention_seconds, done)
                     await queue.scripts.call_many([call])
 
             work: dict[str, Callable[[], Any]] = {

@@ -68,6 +68,6 @@ async def test_jobs_run_end_to_end(jobtier_queue: Queue, jobtier_worker: BurstWo
     assert status.state == "succeeded" and result["urls"][0].endswith("/32.png")
     assert status.progress == {"done": 1, "of": 1}
     assert (await jobtier_queue.status(gif.job_id)).state == "failed"
-    assert [job.id for job in await jobtier_queue.dead_letters()] == [gif.job_id]
+    assert [job.id for job in await jobtier_queue.jobs.dead_letters()] == [gif.job_id]
     _, digest = await jobtier_queue.result(summed.job_id)
     assert digest == hashlib.sha256(b"abc").hexdigest()

@@ -23,7 +23,7 @@ from typing import Any
 from jobtier.config import Settings
 from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
-from jobtier.store.scripts import Call
+from jobtier.store.calls import Call
 from jobtier.worker.runner import Worker
 from tests.tasks import registry
 
@@ -37,14 +37,14 @@ async def resolver(queue: Queue) -> None:
     real = queue.scripts.call_many
 
     async def half_then_die(calls: Sequence[Call]) -> list[Any]:
-        if any(script.name == "resolve" for script, _, _ in calls):
+        if any(name == "resolve" for name, _, _ in calls):
             half = calls[: max(1, len(calls) // 2)]
             await real(half)  # applied in Redis: these dependents have been told
             die()
         return await real(calls)
 
     queue.scripts.call_many = half_then_die  # type: ignore[method-assign]
-    await Resolver(queue, name="doomed").run()
+    await Resolver(queue.store, name="doomed").run()
 
 
 class DyingWorker(Worker):

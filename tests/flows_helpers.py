@@ -16,7 +16,7 @@ from tests.tasks import registry
 async def run_flows(queue: Queue, resolver: Resolver | None = None, rounds: int = 50) -> None:
     """Run burst workers and resolver passes in turn until neither finds anything to do:
     each round drains the ready jobs, then applies every hand-off their ends made."""
-    resolver = resolver or Resolver(queue, name="test-resolver")
+    resolver = resolver or Resolver(queue.store, name="test-resolver")
     for _ in range(rounds):
         stats = await worker_for(queue, registry, burst=True).run()
         moved = await resolver.drain()

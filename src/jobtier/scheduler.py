@@ -29,8 +29,8 @@ from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.runtime.backoff import SCHEDULER
 from jobtier.runtime.stopping import stop_task
+from jobtier.store.calls import Call, parse_promote, parse_reclaim, promote_call, reclaim_call
 from jobtier.store.redis import ShardSubscriber
-from jobtier.store.scripts import Call
 
 log = logging.getLogger("jobtier.scheduler")
 
@@ -87,7 +87,7 @@ class Scheduler:
         self._stopping = asyncio.Event()
         self.stats = SchedulerStats()
         # the flow resolver shares this scheduler's wake subscription (resolve=False: none)
-        self.resolver = Resolver(queue) if resolve else None
+        self.resolver = Resolver(queue.store) if resolve else None
 
     async def _upgrade_ready_lists(self) -> None:
         """Move jobs still waiting in the ready lists of a jobtier from before named queues
@@ -289,12 +289,10 @@ class Scheduler:
         moved = await self._fire_cron(now)
         promote = [s for s, t in enumerate(self._next_due) if 0 <= t <= now]
         reclaim = [s for s, t in enumerate(self._next_lease) if 0 <= t <= now]
-        calls: list[Call] = [self.scripts.promote_call(s, self.batch) for s in promote]
+        calls: list[Call] = [promote_call(s, self.batch) for s in promote]
         s = self.settings
         calls += [
-            self.scripts.reclaim_call(
-                shard, self.batch, s.retention_seconds, s.dead_retention_seconds
-            )
+            reclaim_call(shard, self.batch, s.retention_seconds, s.dead_retention_seconds)
             for shard in reclaim
         ]
         if not calls:
@@ -308,7 +306,7 @@ class Scheduler:
         received = time.time() * 1000
         lease_ms = s.lease_seconds * 1000
         for shard, reply in zip(promote, replies[: len(promote)], strict=True):
-            r = self.scripts.parse_promote(reply)
+            r = parse_promote(reply)
             self._offset_ms = r.now_ms - (sent + received) / 2
             self.stats.promoted += r.moved
             moved += r.moved
@@ -317,7 +315,7 @@ class Scheduler:
             woke = self._next_due[shard]
             self._next_due[shard] = due if woke < 0 else (woke if due < 0 else min(due, woke))
         for shard, reply in zip(reclaim, replies[len(promote) :], strict=True):
-            r = self.scripts.parse_reclaim(reply)
+            r = parse_reclaim(reply)
             self._offset_ms = r.now_ms - (sent + received) / 2
             self.stats.requeued += r.moved
             self.stats.dead += r.dead

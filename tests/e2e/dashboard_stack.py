@@ -26,6 +26,7 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.retention import ensure_partitions
 from jobtier.scheduler import Scheduler
+from jobtier.store.calls import fail_call
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker
@@ -109,7 +110,7 @@ class Stack:
         error = json.dumps({"type": "LookupError", "message": "no image at s3://media/cat-4.png",
                             "traceback": TRACEBACK})  # fmt: skip
         lease = batch.jobs[0].lease_version
-        call = q.scripts.fail_call(shard, worker, 3600, [(job_id, lease, error, retry_ms)])
+        call = fail_call(shard, worker, 3600, [(job_id, lease, error, retry_ms)])
         expected = b"failed" if retry_ms < 0 else b"scheduled"
         assert await q.scripts.call(*call) == [0, expected]
 

@@ -80,7 +80,7 @@ async def test_jobs_list_show_logs_cancel_retry(
         chatty = (await c.post("/v1/jobs", json={"type": "chatty", "payload": {"n": 2}})).json()
         broken = (await c.post("/v1/jobs", json={"type": "deep_failure"})).json()
         waiting = (await c.post("/v1/jobs", json={"type": "wait_for_cancel"})).json()
-    queue.registry = registry
+    queue.produce.tasks = registry
     background.start(worker_for(queue, registry))
     await until(queue, chatty["id"], State.SUCCEEDED)
     await until(queue, broken["id"], State.FAILED)
@@ -147,7 +147,7 @@ async def test_dead_letters_list_show_replay(pg_api: ApiServer, queue: Queue) ->
         fatal = (await c.post("/v1/jobs", json={"type": "fail", "payload": {"fatal": True}})).json()
     from tests.tasks import registry as test_registry
 
-    queue.registry = None
+    queue.produce.tasks = None
     await worker_for(queue, test_registry, burst=True).run()  # fail
     await worker_for(queue, registry, burst=True).run()  # deep_failure
 
@@ -226,7 +226,7 @@ async def test_the_async_client_does_the_same(
     async with pg_api.client() as c:
         ok = (await c.post("/v1/jobs", json={"type": "chatty", "payload": {"n": 1}})).json()
         bad = (await c.post("/v1/jobs", json={"type": "deep_failure"})).json()
-    queue.registry = registry
+    queue.produce.tasks = registry
     await worker_for(queue, registry, burst=True).run()
     await persister.drain()
     async with (

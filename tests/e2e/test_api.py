@@ -186,7 +186,7 @@ async def test_auth_is_required(api: ApiServer) -> None:
 
 
 async def test_admin_dead_letters_replay_and_stats(api: ApiServer, queue: Queue) -> None:
-    queue.registry = registry
+    queue.produce.tasks = registry
     async with api.client() as c, api.client("admin") as admin:
         job = await submit(c, type="fail", payload={"fatal": True})
         await worker_for(queue, registry, burst=True).run()

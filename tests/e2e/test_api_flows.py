@@ -14,6 +14,7 @@ from jobtier.core.model import FlowJob, State
 from jobtier.engine.queue import Queue
 from jobtier.flows import chain, fan_in
 from jobtier.scheduler import Scheduler
+from jobtier.store.calls import complete_call
 from tests.e2e.test_sse import read_events
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -66,7 +67,7 @@ async def test_the_parents_stream_shows_each_child_finishing(api: ApiServer, que
     stream carries each move."""
     from jobtier.flows.resolver import Resolver
 
-    resolver = Resolver(queue)
+    resolver = Resolver(queue.store)
     async with api.client() as c:
         answer = (await c.post("/v1/flows", json=fan(3))).json()
         parent = answer["jobs"][-1]["id"]
@@ -77,9 +78,7 @@ async def test_the_parents_stream_shows_each_child_finishing(api: ApiServer, que
                 (claimed,) = batch.jobs
                 assert claimed.id == child["id"]  # the oldest ready job of its shard
                 await queue.scripts.call(
-                    *queue.scripts.complete_call(
-                        shard, "w", 60, [(claimed.id, claimed.lease_version, b"1")]
-                    )
+                    *complete_call(shard, "w", 60, [(claimed.id, claimed.lease_version, b"1")])
                 )
                 await resolver.drain()
             await worker_for(queue, registry, burst=True).run()
@@ -141,7 +140,7 @@ async def test_bad_flows_are_problem_documents(start_api: StartApi, queue: Queue
             json={"jobs": [{"type": "echo"}, {"type": "echo", "depends_on": [theirs]}]},
         )
         assert batch.status_code == 422 and batch.json()["field"] == "jobs[1].depends_on"
-    stats = await queue.stats()
+    stats = await queue.admin.stats()
     assert stats["total"]["queued"] == 1  # theirs: nothing of the refused requests was made
 
 
@@ -153,7 +152,7 @@ async def test_cancelling_a_parent_over_http(api: ApiServer, queue: Queue) -> No
         assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
         from jobtier.flows.resolver import Resolver
 
-        await Resolver(queue).drain()
+        await Resolver(queue.store).drain()
         for j in made["jobs"][:-1]:
             doc = (await c.get(f"/v1/jobs/{j['id']}")).json()
             assert doc["state"] == "cancelled" and doc["error"]["type"] == "ParentCancelled"
@@ -174,11 +173,11 @@ async def test_a_compensation_for_a_job_submitted_over_http(
     background.start(worker_for(queue, registry))
 
     async def compensated() -> bool:
-        comp = await queue.compensation_of(sub["id"])
+        comp = await queue.jobs.compensation_of(sub["id"])
         return comp is not None and (await queue.status(comp)).state is State.SUCCEEDED
 
     await wait_for(compensated, timeout=30)
-    comp = await queue.compensation_of(sub["id"])
+    comp = await queue.jobs.compensation_of(sub["id"])
     assert comp is not None
     status, out = await queue.result(comp)
     assert status.type == "refund" and out["job_id"] == sub["id"]

@@ -105,7 +105,7 @@ async def test_admin_queue_routes(api: ApiServer, queue: Queue) -> None:
         assert tasks["thumbnail"]["payload_schema"]["$ref"].endswith("Thumbnail")
         assert tasks["flaky"]["max_attempts"] == 4 and tasks["flaky"]["payload_schema"] is None
         assert (await c.get("/v1/admin/queues")).status_code == 403  # a tenant key
-    assert (await queue.stats())["queues"]["images"]["paused"] is False
+    assert (await queue.admin.stats())["queues"]["images"]["paused"] is False
 
 
 async def test_the_python_client_manages_queues(api: ApiServer) -> None:
@@ -155,7 +155,10 @@ async def test_listing_by_queue_and_schedules_fire_into_their_tasks_queue(
 
     async def fired() -> bool:
         queued: int = (
-            (await queue.stats())["queues"].get("images", {}).get("queued", {}).get("normal", 0)
+            (await queue.admin.stats())["queues"]
+            .get("images", {})
+            .get("queued", {})
+            .get("normal", 0)
         )
         return queued >= 2
 

@@ -86,14 +86,14 @@ async def test_a_schedule_fires_jobs_and_stops_when_deleted(
         ).json()["id"]
 
         async def two_jobs() -> bool:
-            queued: int = (await queue.stats())["total"]["queued"]
+            queued: int = (await queue.admin.stats())["total"]["queued"]
             return queued >= 2
 
         await wait_for(two_jobs, timeout=10)
         got = (await c.get(f"/v1/schedules/{sid}")).json()
         assert got["last_fired_at"] is not None
         assert (await c.delete(f"/v1/schedules/{sid}")).status_code == 204
-        after = (await queue.stats())["total"]["queued"]
+        after = (await queue.admin.stats())["total"]["queued"]
         # gone from Redis, where schedulers fire it, and not restored from Postgres
         assert await scheduler.cron.times([sid]) == {}
         assert await scheduler.reconcile() == 0
@@ -102,7 +102,7 @@ async def test_a_schedule_fires_jobs_and_stops_when_deleted(
         grace = scheduler.misfire_grace_ms
         for shard in range(queue.keys.shards):
             assert await scheduler.cron.fire_due(shard, later, grace) == (0, -1)
-        assert (await queue.stats())["total"]["queued"] == after  # no more firings
+        assert (await queue.admin.stats())["total"]["queued"] == after  # no more firings
 
 
 async def test_scheduler_restores_a_schedule_redis_lost(

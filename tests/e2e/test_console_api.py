@@ -18,6 +18,7 @@ from jobtier.core.model import encode_json
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
+from jobtier.store.calls import fail_call
 from tests import debug_tasks
 from tests.fixtures.api import ADMIN, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -47,7 +48,7 @@ async def fail_with_traceback(queue: Queue, job_id: str, worker: str = "w-test")
     (job,) = batch.jobs
     assert job.id == job_id
     error = json.dumps({"type": "ValueError", "message": "no such image", "traceback": TRACEBACK})
-    call = queue.scripts.fail_call(shard, worker, 3600, [(job_id, job.lease_version, error, -1)])
+    call = fail_call(shard, worker, 3600, [(job_id, job.lease_version, error, -1)])
     assert await queue.scripts.call(*call) == [0, b"failed"]
 
 
@@ -330,7 +331,7 @@ async def test_an_action_while_postgres_is_down_is_done_and_audited_when_it_is_b
     api = await start_api(PostgresExtension(down), database_url=down.database_url)
     async with api.client("admin") as admin:
         assert (await admin.post("/v1/admin/queues/emails/pause")).status_code == 200
-        assert (await queue.stats())["queues"]["emails"]["paused"] is True
+        assert (await queue.admin.stats())["queues"]["emails"]["paused"] is True
         assert (await admin.get("/v1/admin/audit")).status_code == 503
     pending = await queue.redis.lrange(queue.keys.audit_pending(), 0, -1)
     assert len(pending) == 1 and b'"queue.pause"' in pending[0]

@@ -51,7 +51,7 @@ async def test_find_a_failed_job_read_its_traceback_and_replay_it(stack: Stack) 
     await stack.persister.drain()
 
     async def done() -> bool:
-        queued: int = (await stack.queue.stats())["total"]["queued"]
+        queued: int = (await stack.queue.admin.stats())["total"]["queued"]
         return queued == 0
 
     await wait_for(done)
@@ -361,7 +361,7 @@ async def test_phone_width_and_the_keyboard(stack: Stack, width: int) -> None:
         await page.press("Escape")
         await page.wait_for("!document.getElementById('confirm').open")
         await page.wait_for(f"document.activeElement === document.querySelector('{button}')")
-        assert (await stack.queue.stats())["queues"]["bulk"]["queued"]["normal"] == 3
+        assert (await stack.queue.admin.stats())["queues"]["bulk"]["queued"]["normal"] == 3
         # Tab moves through the console's links and buttons in order
         await page.evaluate("document.querySelector('#nav a').focus()")
         seen = [await page.focused()]

@@ -43,7 +43,7 @@ async def stored(queue: Queue) -> list[bytes]:
 async def test_bad_submit_raises_and_changes_nothing(
     queue: Queue, case: str, kwargs: dict[str, Any], error: type[Exception], words: str
 ) -> None:
-    queue.registry = registry
+    queue.produce.tasks = registry
     kwargs = dict(kwargs)
     kind = kwargs.pop("type")
     payload = kwargs.pop("payload", None)
@@ -72,7 +72,7 @@ async def test_one_bad_job_in_a_batch_submits_none(queue: Queue) -> None:
     "job_id", ["", "nope", "01M8KK4FZ54RBHFVYBN6HBV0CZ-99", "../etc", "x" * 500]
 )
 async def test_malformed_or_foreign_ids_are_not_found(queue: Queue, job_id: str) -> None:
-    for call in (queue.status, queue.cancel, queue.replay):
+    for call in (queue.status, queue.cancel, queue.jobs.replay):
         with pytest.raises(JobNotFound):
             await call(job_id)
     assert await stored(queue) == []

@@ -78,7 +78,7 @@ async def test_concurrent_submits_with_one_idempotency_key_create_one_job(
         assert sum(r.created for r in results) == 1
         keys = [k async for k in queues[0].redis.scan_iter(match="jt:*:job:*")]
         assert len(keys) == 1
-        waiting = await queues[0].waiting_by_tenant()
+        waiting = await queues[0].admin.waiting_by_tenant()
         assert waiting == {"default": 1}
     finally:
         for q in queues:

@@ -16,6 +16,7 @@ import pytest
 
 from jobtier.core.model import LogLine, State
 from jobtier.engine.queue import Queue
+from jobtier.store.calls import reclaim_call
 from jobtier.testing import run_task
 from jobtier.worker.attempt import TRACEBACK_CHARS, TRACEBACK_FRAMES, format_traceback
 from jobtier.worker.context import LOG_LINE_CHARS, LOG_LINES
@@ -28,7 +29,7 @@ _lines = msgspec.json.Decoder(LogLine)
 
 @pytest.fixture
 def queue(queue: Queue) -> Queue:
-    queue.registry = registry
+    queue.produce.tasks = registry
     return queue
 
 
@@ -46,7 +47,7 @@ async def until_state(queue: Queue, job_id: str, *states: State) -> None:
 
 
 async def lines_of(queue: Queue, job_id: str) -> list[LogLine]:
-    return [_lines.decode(line) for line in await queue.log_lines(job_id)]
+    return [_lines.decode(line) for line in await queue.jobs.log_lines(job_id)]
 
 
 # --- failures ---------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ async def test_a_failed_attempt_keeps_a_bounded_traceback_everywhere(
     assert len(tb) <= TRACEBACK_CHARS
     assert tb.count('  File "') <= 2 * TRACEBACK_FRAMES
     # the dead-letter listing shows it
-    (dead,) = await queue.dead_letters(10)
+    (dead,) = await queue.jobs.dead_letters(10)
     assert dead.id == sub.job_id and dead.error == error
     # one log record for the failure, carrying the traceback
     records = [r for r in caplog.records if "event=job_failed" in r.getMessage()]
@@ -278,7 +279,7 @@ async def test_a_cancelled_job_whose_worker_died_says_so(queue: Queue) -> None:
     await queue.cancel(sub.job_id)
 
     async def reclaimed() -> bool:
-        call = queue.scripts.reclaim_call(shard, 10, 60, 60)
+        call = reclaim_call(shard, 10, 60, 60)
         await queue.scripts.call_many([call])
         return (await queue.status(sub.job_id)).state is State.CANCELLED
 

@@ -13,6 +13,7 @@ from jobtier.core.model import JobSpec, State
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
+from jobtier.store.calls import complete_call
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
 
@@ -69,7 +70,7 @@ async def test_killed_worker_jobs_are_reclaimed_and_its_late_writes_refused(
             old = leases[i]
             assert old.worker is not None
             (code,) = await queue.scripts.call(
-                *queue.scripts.complete_call(
+                *complete_call(
                     queue.keys.shard_of(i), old.worker, 60, [(i, old.version, b'"stale"')]
                 )
             )

@@ -18,6 +18,7 @@ from jobtier.core.model import ClaimedJob, FlowJob, JobSpec, State
 from jobtier.engine.queue import Queue
 from jobtier.flows import chain, fan_in
 from jobtier.flows.resolver import Resolver
+from jobtier.store.calls import fail_call, parse_pairs, reclaim_call
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import StreamEntries
 from tests.flows_helpers import run_flows, statuses, transitions
@@ -70,14 +71,14 @@ async def test_a_dependent_waits_and_runs_with_its_dependencies_results(fq: Queu
         2,
         0,
     )
-    stats = await fq.stats()
+    stats = await fq.admin.stats()
     assert stats["total"]["waiting"] == 1 and stats["total"]["queued"] == 2
-    assert sum((await fq.waiting_by_tenant()).values()) == 3  # waiting counts as waiting
+    assert sum((await fq.admin.waiting_by_tenant()).values()) == 3  # waiting counts as waiting
 
     # one dependency done: the document moves (a new version), the job still waits
     job_a = await claim(fq, a.job_id)
     await complete(fq, job_a, result=b'{"from":"a"}')
-    await Resolver(fq).drain()
+    await Resolver(fq.store).drain()
     mid = await fq.status(c.job_id)
     assert mid.state is State.WAITING and mid.version > doc.version
     assert mid.dependencies is not None and (mid.dependencies.done, mid.dependencies.failed) == (
@@ -100,12 +101,12 @@ async def test_a_dependent_waits_and_runs_with_its_dependencies_results(fq: Queu
         ("queued", "running"),
         ("running", "succeeded"),
     ]
-    deps = await fq.dependencies(c.job_id)
+    deps = await fq.jobs.dependencies(c.job_id)
     assert [(d.id, d.state, d.child) for d in deps] == [
         (a.job_id, "succeeded", False),
         (b.job_id, "succeeded", False),
     ]
-    assert (await fq.stats())["total"]["waiting"] == 0
+    assert (await fq.admin.stats())["total"]["waiting"] == 0
 
 
 async def test_a_dependency_finished_before_the_dependent_is_linked_at_once(fq: Queue) -> None:
@@ -184,7 +185,7 @@ async def test_a_fan_in_across_every_shard_gives_the_parent_every_result(fq: Que
     assert [v[1] for v in out["dependencies"].values()] == list(range(200))
     assert list(out["dependencies"]) == kids
     assert (await transitions(fq, parent)).count(("waiting", "queued")) == 1
-    assert all(d.child for d in await fq.dependencies(parent))
+    assert all(d.child for d in await fq.jobs.dependencies(parent))
 
 
 async def test_a_chain_passes_each_result_to_the_next_step(fq: Queue) -> None:
@@ -216,7 +217,7 @@ async def test_a_failure_cancels_every_job_downstream_with_its_reason(fq: Queue)
     assert b.error is not None and b.error.type == "DependencyFailed"
     assert a.id in b.error.message and "asked to fail for good" in b.error.message
     assert c.error is not None and c.error.type == "DependencyCancelled" and b.id in c.error.message
-    assert (await fq.stats())["total"]["waiting"] == 0
+    assert (await fq.admin.stats())["total"]["waiting"] == 0
 
 
 async def test_on_dependency_failure_run_runs_the_dependent_with_the_errors(fq: Queue) -> None:
@@ -242,7 +243,7 @@ async def test_cancelling_a_dependency_cancels_its_dependent(fq: Queue) -> None:
     a = await fq.submit("echo", 1)
     b = await fq.submit("echo", 2, depends_on=[a.job_id])
     await fq.cancel(a.job_id)
-    await Resolver(fq).drain()
+    await Resolver(fq.store).drain()
     status = await fq.status(b.job_id)
     assert status.state is State.CANCELLED
     assert status.error is not None and status.error.type == "DependencyCancelled"
@@ -259,20 +260,20 @@ async def test_a_dependency_that_fails_after_a_cancel_request_is_cancelled_for_i
     requested = await fq.cancel(a.job_id)
     assert requested.state is State.RUNNING and requested.cancel_requested
     reply = await fq.scripts.call(
-        *fq.scripts.fail_call(
+        *fail_call(
             fq.keys.shard_of(a.job_id),
             "worker-a",
             60,
             [(a.job_id, started.lease_version, b'{"type":"E","message":"no"}', 0)],
         )
     )
-    assert fq.scripts.parse_pairs(reply)[0][1] == b"cancelled"
+    assert parse_pairs(reply)[0][1] == b"cancelled"
     ended = await fq.status(a.job_id)
     assert ended.state is State.CANCELLED and ended.error is not None
     assert ended.error.type == "Cancelled"
-    assert await fq.compensation_of(a.job_id) is None
-    await Resolver(fq).drain()
-    (dep,) = await fq.dependencies(b.job_id)
+    assert await fq.jobs.compensation_of(a.job_id) is None
+    await Resolver(fq.store).drain()
+    (dep,) = await fq.jobs.dependencies(b.job_id)
     assert dep.state == "cancelled" and dep.error is not None and dep.error.type == "Cancelled"
     assert (await fq.status(b.job_id)).state is State.QUEUED  # "run": it runs all the same
 
@@ -293,7 +294,7 @@ async def test_cancelling_a_parent_cancels_the_children_that_have_not_started(fq
     outsider = await fq.submit("echo", "not a child", depends_on=[g1])  # waits for g1 too
     cancelled = await fq.cancel(parent)
     assert cancelled.state is State.CANCELLED
-    await Resolver(fq).drain()
+    await Resolver(fq.store).drain()
     states = {s.id: s for s in await statuses(fq, sub.ids)}
     assert states[running].state is State.RUNNING and not states[running].cancel_requested
     for child in (queued, subparent, g1, g2):  # the grandchildren through the sub-flow
@@ -307,10 +308,10 @@ async def test_cancelling_a_parent_cancels_the_children_that_have_not_started(fq
     assert other.error.type == "DependencyCancelled"
     # the running child finishes normally; the cancelled parent stays cancelled
     assert await complete(fq, started) == 0
-    await Resolver(fq).drain()
+    await Resolver(fq.store).drain()
     assert (await fq.status(running)).state is State.SUCCEEDED
     assert (await fq.status(parent)).state is State.CANCELLED
-    assert (await fq.stats())["total"]["waiting"] == 0
+    assert (await fq.admin.stats())["total"]["waiting"] == 0
 
 
 # --- idempotency and refusals -------------------------------------------------------------------
@@ -374,7 +375,7 @@ async def test_a_dependent_whose_submit_died_is_linked_by_the_resolver(fq: Queue
     real = fq.scripts.call_many
 
     async def dying(calls: Any) -> Any:
-        if any(script.name == "link" for script, _, _ in calls):
+        if any(name == "link" for name, _, _ in calls):
             raise RedisConnectionError("the submitter died (test)")
         return await real(calls)
 
@@ -391,18 +392,18 @@ async def test_a_dependent_whose_submit_died_is_linked_by_the_resolver(fq: Queue
             )
     finally:
         del fq.scripts.call_many
-    stats = await fq.stats()
+    stats = await fq.admin.stats()
     assert stats["total"]["waiting"] == 2
-    resolver = Resolver(fq)
+    resolver = Resolver(fq.store)
 
     async def all_settled() -> bool:
         await run_flows(fq, resolver)
-        waiting: int = (await fq.stats())["total"]["waiting"]
+        waiting: int = (await fq.admin.stats())["total"]["waiting"]
         return waiting == 0
 
     await wait_for(all_settled, timeout=30)  # past JOBTIER_FLOW_LINK_TIMEOUT_SECONDS (0.3 s)
     assert resolver.stats.relinked == 2
-    assert not await fq.dead_letters()  # nothing failed
+    assert not await fq.jobs.dead_letters()  # nothing failed
     by_payload = {}
     for shard in range(fq.keys.shards):
         for _, fields in cast(StreamEntries, await fq.redis.xrange(fq.keys.log(shard))):
@@ -460,7 +461,7 @@ async def test_a_handoff_applied_twice_changes_nothing(fq: Queue) -> None:
     shard = fq.keys.shard_of(a.job_id)
     entries = cast(StreamEntries, await fq.redis.xrange(fq.keys.flow(shard)))
     assert len(entries) == 1
-    resolver = Resolver(fq)
+    resolver = Resolver(fq.store)
     await resolver.setup()
     replay = [(shard, entry_id, fields) for entry_id, fields in entries]
     await resolver.apply(replay)
@@ -476,7 +477,7 @@ async def test_handoffs_a_dead_resolver_took_are_taken_over(settings: Settings) 
     try:
         sub = await q.submit_flow(fan_in(job("collect"), [job("echo", i) for i in range(12)]))
         await _finish_ready(q)
-        dead = Resolver(q, name="dead-resolver")
+        dead = Resolver(q.store, name="dead-resolver")
         await dead.setup()
         # it reads every hand-off and dies before applying any (nothing acknowledged)
         pipe = q.redis.pipeline(transaction=False)
@@ -484,7 +485,7 @@ async def test_handoffs_a_dead_resolver_took_are_taken_over(settings: Settings) 
             pipe.xreadgroup(dead.group, dead.name, {q.keys.flow(shard): ">"}, count=100)
         taken = sum(len(r[0][1]) for r in await pipe.execute() if r)
         assert taken == 12
-        survivor = Resolver(q, name="survivor")
+        survivor = Resolver(q.store, name="survivor")
 
         async def parent_queued() -> bool:
             await survivor.run_once()
@@ -511,13 +512,13 @@ async def test_a_compensation_is_created_with_the_failure_itself(fq: Queue) -> N
     retried = await fq.submit("charge", {"card": "retry", "fail": True})  # 2 attempts
     await run_flows(fq)
     assert (await fq.status(ok.job_id)).state is State.SUCCEEDED
-    assert await fq.compensation_of(ok.job_id) is None
+    assert await fq.jobs.compensation_of(ok.job_id) is None
     # a failure that is retried is not a failure for good: no compensation (yet)
     assert (await fq.status(retried.job_id)).state is State.SCHEDULED
-    assert await fq.compensation_of(retried.job_id) is None
+    assert await fq.jobs.compensation_of(retried.job_id) is None
     failed = await fq.status(bad.job_id)
     assert failed.state is State.FAILED
-    comp_id = await fq.compensation_of(bad.job_id)
+    comp_id = await fq.jobs.compensation_of(bad.job_id)
     assert comp_id is not None and fq.keys.shard_of(comp_id) == fq.keys.shard_of(bad.job_id)
     status, out = await fq.result(comp_id)
     assert status.type == "refund" and status.state is State.SUCCEEDED
@@ -543,15 +544,15 @@ async def test_the_compensation_is_in_the_same_script_as_the_failure(fq: Queue) 
     claimed = await claim(fq, sub.job_id)
     shard = fq.keys.shard_of(sub.job_id)
     reply = await fq.scripts.call(
-        *fq.scripts.fail_call(
+        *fail_call(
             shard,
             "worker-a",
             60,
             [(sub.job_id, claimed.lease_version, b'{"type":"E","message":"no"}', -1)],
         )
     )
-    assert fq.scripts.parse_pairs(reply)[0][1] == b"failed"
-    comp = await fq.compensation_of(sub.job_id)
+    assert parse_pairs(reply)[0][1] == b"failed"
+    comp = await fq.jobs.compensation_of(sub.job_id)
     assert comp is not None and (await fq.status(comp)).state is State.QUEUED
     # a lease that expires on the last attempt
     await claim(fq, lost.job_id, lease_ms=1)
@@ -560,12 +561,12 @@ async def test_the_compensation_is_in_the_same_script_as_the_failure(fq: Queue) 
 
     async def reclaimed() -> bool:
         await fq.scripts.call(
-            *fq.scripts.reclaim_call(lshard, 100, s.retention_seconds, s.dead_retention_seconds)
+            *reclaim_call(lshard, 100, s.retention_seconds, s.dead_retention_seconds)
         )
         return (await fq.status(lost.job_id)).state is State.FAILED
 
     await wait_for(reclaimed)
-    comp2 = await fq.compensation_of(lost.job_id)
+    comp2 = await fq.jobs.compensation_of(lost.job_id)
     assert comp2 is not None
-    payload = await fq.payload(comp2)
+    payload = await fq.jobs.payload(comp2)
     assert payload["error"]["type"] == "LeaseExpired"

@@ -216,13 +216,13 @@ async def test_a_worker_killed_around_a_failure_leaves_one_compensation_each(
         failed = [s.id for s in await statuses(cq, ids) if s.state is State.FAILED]
         assert failed
         for job_id in failed:  # in Redis before the worker died: no one else ran
-            assert await cq.compensation_of(job_id) is not None
+            assert await cq.jobs.compensation_of(job_id) is not None
     background.start(Scheduler(cq))
     background.start(worker_for(cq, registry))
 
     async def all_compensated() -> bool:
         states = {s.state for s in await statuses(cq, ids)}
-        comps = [await cq.compensation_of(i) for i in ids]
+        comps = [await cq.jobs.compensation_of(i) for i in ids]
         if states != {State.FAILED} or None in comps:
             return False
         return {s.state for s in await statuses(cq, comps)} == {State.SUCCEEDED}  # type: ignore[arg-type]
@@ -232,7 +232,8 @@ async def test_a_worker_killed_around_a_failure_leaves_one_compensation_each(
     assert made == Counter(ids)  # exactly one each
     if role == "worker-fail-unsent":
         errors = {
-            (await cq.payload((await cq.compensation_of(i)) or ""))["error"]["type"] for i in ids
+            (await cq.jobs.payload((await cq.jobs.compensation_of(i)) or ""))["error"]["type"]
+            for i in ids
         }
         assert "LeaseExpired" in errors
 

@@ -63,7 +63,7 @@ async def test_flows_reach_postgres(pg_settings: Settings, pg_pool: Pool) -> Non
 
         reader = PgReader(pg_pool)
         from_pg = await reader.dependencies(parent, "default")
-        from_redis = await q.dependencies(parent)
+        from_redis = await q.jobs.dependencies(parent)
         assert from_pg == from_redis
         cancelled = await reader.dependencies(doomed.ids[1], "default")
         assert cancelled is not None and cancelled[0].state == "failed"

@@ -15,6 +15,7 @@ from jobtier.config import Settings
 from jobtier.core.errors import JobNotFound
 from jobtier.core.model import JobSpec, State, Submitted
 from jobtier.engine.queue import Queue
+from jobtier.store.calls import submit_call
 from jobtier.store.scripts import NAMES, Library, Script, library, run_scripts
 from tests.fixtures.redis import command_calls, on_every_server
 
@@ -75,7 +76,7 @@ async def test_a_lost_library_is_loaded_again_and_each_call_runs_once(queue: Que
             and status.state is State.QUEUED
             and status.version == 1
         )
-    assert await queue.waiting_by_tenant() == {"default": 41}  # each job counted once
+    assert await queue.admin.waiting_by_tenant() == {"default": 41}  # each job counted once
 
 
 def test_the_library_is_named_by_its_code() -> None:
@@ -108,7 +109,7 @@ async def test_a_library_one_node_lost_is_loaded_there_and_kept_elsewhere(queue:
             and status.state is State.QUEUED
             and status.version == 1
         )
-    assert await queue.waiting_by_tenant() == {"default": 60}
+    assert await queue.admin.waiting_by_tenant() == {"default": 60}
     assert all(lib.name.encode() in libraries for libraries in await _libraries(queue))
 
 
@@ -119,10 +120,10 @@ async def test_a_call_refused_beside_a_failed_one_is_not_sent_again(queue: Queue
     refused call is not sent again: the caller, told the batch failed, sends it again, and
     no job was made that it does not know of."""
     await queue.redis.script_flush()
-    item = queue.prepare(JobSpec(type="echo", payload=1), "default")
+    item = queue.produce.prepare(JobSpec(type="echo", payload=1), "default")
     shard = queue.keys.shard_of(item.job_id)
     other = (shard + 1) % queue.keys.shards
-    _, _, args = queue.scripts.submit_call(shard, [item], 60_000)
+    _, _, args = submit_call(shard, [item], 60_000)
     by_evalsha = Script("submit")  # no library: EVALSHA
     calls = [
         (queue.scripts["submit"], queue.scripts._argv(other, [60_000, 1])),  # one job, none given
@@ -132,7 +133,7 @@ async def test_a_call_refused_beside_a_failed_one_is_not_sent_again(queue: Queue
         await run_scripts(queue.redis, calls)
     with pytest.raises(JobNotFound):
         await queue.status(item.job_id)
-    assert await queue.waiting_by_tenant() == {}
+    assert await queue.admin.waiting_by_tenant() == {}
     await run_scripts(queue.redis, calls[1:])  # sent again: made once
     assert (await queue.status(item.job_id)).state is State.QUEUED
 

@@ -22,6 +22,7 @@ from jobtier.engine.queue import Queue
 from jobtier.status.docs import read_doc
 from jobtier.status.reader import StatusReader
 from jobtier.store import format as job_format
+from jobtier.store.context import submit_items
 from tests.fixtures.engine import hold_format_1
 from tests.fixtures.redis import StreamEntries
 from tests.integration.test_transitions import (
@@ -78,7 +79,7 @@ async def assert_format(queue: Queue, job_id: str, fmt: int) -> dict[str, str]:
         assert not {b"c", b"s", b"t"} & set(raw)
         assert raw[b"state"] and raw[b"version"] and raw[b"type"] and raw[b"doc"]
     fields = job_format.job_fields(raw)
-    doc = await queue.status_doc(job_id)
+    doc = await queue.jobs.status_doc(job_id)
     if fmt < 3:
         assert doc == raw[b"doc"]  # the stored document, as it was
     agrees_with_doc(fields, doc)
@@ -100,12 +101,12 @@ async def test_a_redis_without_jobs_is_switched_to_the_newest_format_at_connect(
     sub = await queue.submit("echo", {"n": 1}, concurrency_key="k:1")
     fields = await assert_format(queue, sub.job_id, 3)
     assert fields["ckey"] == "k:1"
-    assert await queue.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
+    assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
     job = await claim(queue, sub.job_id, worker="worker with spaces")
     assert job.payload == b'{"n":1}' and job.attempt == 1
     fields = await assert_format(queue, sub.job_id, 3)
     assert fields["worker"] == "worker with spaces" and fields["state"] == "running"
-    assert await queue.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
+    assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
     code, _ = await heartbeat(queue, job, worker="worker with spaces", progress=b'{"p":5}')
     assert code is Code.OK
     assert (await assert_format(queue, sub.job_id, 3))["progress"] == '{"p":5}'
@@ -113,7 +114,7 @@ async def test_a_redis_without_jobs_is_switched_to_the_newest_format_at_connect(
     status = await queue.status(sub.job_id)
     assert status.state is State.SUCCEEDED and status.progress == {"p": 5}
     await assert_format(queue, sub.job_id, 3)
-    assert await queue.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
+    assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
 
 
 @pytest.mark.parametrize("fmt", [1, 2])
@@ -191,7 +192,7 @@ async def test_jobs_in_every_state_carry_on_after_the_switch(
     # every job's logged versions form one chain: each entry names the one before it; and
     # what a reader gets now is, byte for byte, what its last transition logged
     for sub in (queued, scheduled, running, cancelling, expiring):
-        assert await queue.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
+        assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
         entries = await log_entries(queue, sub.job_id)
         chain = [(int(e[b"pv"]), decode_status(e[b"d"]).version) for e in entries]
         assert chain[0][0] == 0
@@ -301,7 +302,7 @@ async def test_a_shard_held_in_an_older_format_keeps_newer_jobs_as_they_are(queu
     assert (await assert_format(queue, sub.job_id, 3))["progress"] == '{"p":1}'
     assert await complete(queue, job) is Code.OK
     await assert_format(queue, sub.job_id, 3)
-    assert await queue.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
+    assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
     newer = await queue.submit("echo", None)
     await assert_format(queue, newer.job_id, 2)
 
@@ -321,7 +322,7 @@ async def test_a_result_kept_outside_redis_before_the_switch_still_says_where(
     await job_format.upgrade(queue.redis, queue.keys)
     stored = (await held(queue, sub.job_id))[b"doc"]
     assert b'"result_url":"/v1/jobs/' in stored
-    assert await queue.status_doc(sub.job_id) == stored
+    assert await queue.jobs.status_doc(sub.job_id) == stored
     _, doc, result = await read_doc(queue.redis, queue.keys, sub.job_id, "result")
     assert (doc, result) == (stored, b"@ref-1")
 
@@ -335,11 +336,11 @@ async def test_one_read_spans_shards_in_different_formats(queue: Queue) -> None:
     for shard, mark in marks.items():
         await queue.redis.set(keys.job_format(shard), mark)
     items = [
-        queue.prepare(JobSpec(type="echo", payload={"s": shard}), "t1", keys.new_id(shard))
+        queue.produce.prepare(JobSpec(type="echo", payload={"s": shard}), "t1", keys.new_id(shard))
         for shard in range(keys.shards)
         for _ in range(2)
     ]
-    assert {o.code for o in await queue.submit_items(items)} == {Code.OK}
+    assert {o.code for o in await submit_items(queue.store, items)} == {Code.OK}
     ids = [item.job_id for item in items]
     for shard in marks:
         assert b"doc" in await held(queue, ids[2 * shard])

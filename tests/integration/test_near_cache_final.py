@@ -17,6 +17,7 @@ from jobtier.core.model import JobSpec, State, decode_status
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
 from jobtier.status.reader import StatusReader, is_terminal
+from jobtier.store.calls import fail_call
 from jobtier.store.redis import RedisClient, ShardSubscriber
 from tests.fixtures.engine import wait_for
 
@@ -43,9 +44,7 @@ async def dead_job(queue: Queue) -> str:
     shard = queue.keys.shard_of(sub.job_id)
     batch = await queue.scripts.claim(shard, "worker-t", 10, 60_000)
     [job] = [j for j in batch.jobs if j.id == sub.job_id]
-    call = queue.scripts.fail_call(
-        shard, "worker-t", 3600, [(job.id, job.lease_version, ERROR, -1)]
-    )
+    call = fail_call(shard, "worker-t", 3600, [(job.id, job.lease_version, ERROR, -1)])
     assert (await queue.scripts.call_many([call]))[0][0] == 0
     assert (await queue.status(sub.job_id)).state is State.FAILED
     return sub.job_id
@@ -82,7 +81,7 @@ async def test_a_terminal_document_outlives_the_short_ttl_and_follows_a_replay(
     assert await reader.get(job_id) == first
     assert reader.redis_loads == 1  # a near-cache hit
 
-    replayed = await queue.replay(job_id)
+    replayed = await queue.jobs.replay(job_id)
     assert replayed.state is State.QUEUED
 
     async def serves_the_replay() -> bool:
@@ -123,7 +122,7 @@ async def test_a_lost_subscription_empties_the_cache_before_a_replay_could_be_mi
     await wait_for(lambda: near.generation > generation)  # on_lost ran
     assert job_id not in near
     # the replay may land while the subscription is down: its event is then lost
-    replayed = await queue.replay(job_id)
+    replayed = await queue.jobs.replay(job_id)
     await wait_for(subscriber.live)
     status = await reader.get(job_id)
     assert status is not None and status[2] == replayed.version
@@ -170,7 +169,7 @@ async def test_a_redis_restart_empties_the_cache(
         return True
 
     await wait_for(answers, timeout=30)
-    replayed = await queue.replay(job_id)
+    replayed = await queue.jobs.replay(job_id)
 
     async def serves_the_replay() -> bool:
         try:  # the reader's pooled connections died with the old server too

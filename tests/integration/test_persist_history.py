@@ -14,8 +14,9 @@ from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister
+from jobtier.store.calls import SubmitItem, complete_call, heartbeat_call, submit_call
 from jobtier.store.redis import ShardSubscriber
-from jobtier.store.scripts import Scripts, SubmitItem
+from jobtier.store.scripts import Scripts
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import log_entries
 
@@ -31,16 +32,14 @@ async def running_job(scripts: Scripts, keys: Keys) -> tuple[str, int]:
     """A job submitted and claimed on shard 0: (id, lease version)."""
     job_id = keys.new_id(0)
     item = SubmitItem(job_id, "t1", "sleep", "normal", b"{}", 1, 0, 0, "", "h")
-    await scripts.call(*scripts.submit_call(0, [item], 60_000))
+    await scripts.call(*submit_call(0, [item], 60_000))
     batch = await scripts.claim(0, "w1", 1, 60_000)
     assert [j.id for j in batch.jobs] == [job_id]
     return job_id, batch.jobs[0].lease_version
 
 
 async def report(scripts: Scripts, job_id: str, lv: int, progress: int, every_ms: int) -> None:
-    call = scripts.heartbeat_call(
-        0, "w1", 60_000, [(job_id, lv, b'{"pct":%d}' % progress)], every_ms
-    )
+    call = heartbeat_call(0, "w1", 60_000, [(job_id, lv, b'{"pct":%d}' % progress)], every_ms)
     code, _cancel_requested = await scripts.call(*call)
     assert code == 0
 
@@ -83,7 +82,7 @@ async def test_progress_is_coalesced_in_the_log_and_every_report_still_changes_t
         assert b'"progress":{"pct":4}' in await redis.hget(keys.job(job_id), "doc")
         await scripts.cancel(0, "", job_id, 3600)  # 8: a cancel request is always logged
         await report(scripts, job_id, lv, 99, HOUR_MS)  # 9: not logged
-        done = scripts.complete_call(0, "w1", 3600, [(job_id, lv, b"1")])
+        done = complete_call(0, "w1", 3600, [(job_id, lv, b"1")])
         await scripts.call(*done)  # 10: logged, carrying the last progress
 
         async def all_published() -> bool:
@@ -141,7 +140,7 @@ async def test_history_gaps_finds_a_missing_row(
     job_id, lv = await running_job(scripts, keys)
     await scripts.cancel(0, "", job_id, 3600)  # 3
     await report(scripts, job_id, lv, 5, HOUR_MS)  # 4, not logged
-    await scripts.call(*scripts.complete_call(0, "w1", 3600, [(job_id, lv, b"1")]))  # 5 -> 3
+    await scripts.call(*complete_call(0, "w1", 3600, [(job_id, lv, b"1")]))  # 5 -> 3
     await Persister(pg_settings, redis, pg_pool, "p1").drain()
     gaps = query("history_gaps")
     unknown = "01ARZ3NDEKTSV4RRFFQ69G5FAV-0"

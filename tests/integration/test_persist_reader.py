@@ -17,7 +17,8 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import PgReader, decode_cursor, encode_cursor
 from jobtier.status.docs import read_doc
-from jobtier.store.scripts import Scripts, SubmitItem
+from jobtier.store.calls import SubmitItem, complete_call, submit_call
+from jobtier.store.scripts import Scripts
 from tests.fixtures.postgres import LARGE_RESULT, RETENTION, mixed_workload
 
 
@@ -118,11 +119,11 @@ async def test_results_inline_large_null_and_unfinished(
     scripts = Scripts(redis, keys)
     ids = [keys.new_id(0) for _ in range(4)]
     items = [SubmitItem(i, "t1", "echo", "normal", b"{}", 1, 0, 0, "", "") for i in ids]
-    await scripts.call(*scripts.submit_call(0, items, 60_000))
+    await scripts.call(*submit_call(0, items, 60_000))
     batch = await scripts.claim(0, "w", 3, 60_000)
     results = {ids[0]: b'{"small":true}', ids[1]: LARGE_RESULT, ids[2]: b""}
     done = [(j.id, j.lease_version, results[j.id]) for j in batch.jobs]
-    await scripts.call(*scripts.complete_call(0, "w", RETENTION, done))
+    await scripts.call(*complete_call(0, "w", RETENTION, done))
     await Persister(pg_settings, redis, pg_pool, "p1").drain()
 
     reader = PgReader(pg_pool)

@@ -45,7 +45,7 @@ async def test_purge_cancels_every_ready_job_of_the_queue_and_nothing_else(
     claimed = await queue.scripts.claim(shard, "w1", 1, 30_000, queues=[("live", -1)])
     assert [j.id for j in claimed.jobs] == [running]
 
-    purged = await queue.purge("bulk", batch=7)  # several calls per shard
+    purged = await queue.admin.purge("bulk", batch=7)  # several calls per shard
 
     assert (purged.queue, purged.cancelled, purged.remaining) == ("bulk", 60, 0)
     for job_id in doomed:
@@ -54,12 +54,12 @@ async def test_purge_cancels_every_ready_job_of_the_queue_and_nothing_else(
     assert all([(await queue.status(j)).state is State.QUEUED for j in kept])
     assert (await queue.status(later)).state is State.SCHEDULED
     assert (await queue.status(running)).state is State.RUNNING
-    stats = await queue.stats()
+    stats = await queue.admin.stats()
     assert stats["queues"]["bulk"]["queued"] == {p.value: 0 for p in PRIORITIES}
     assert stats["queues"]["other"]["queued"]["normal"] == 5
     assert await ready_keys(queue, "bulk") == []  # lists and rings gone with their jobs
     # the tenants' waiting counts: acme keeps its 5 `other` jobs and the scheduled one
-    assert await queue.waiting_by_tenant() == {"acme": 6, "globex": 0, "initech": 0}
+    assert await queue.admin.waiting_by_tenant() == {"acme": 6, "globex": 0, "initech": 0}
     # every cancellation is in the log for Postgres: queued -> cancelled, made by an admin
     entries = [
         fields
@@ -81,12 +81,12 @@ async def test_purge_takes_parked_jobs_too(queue: Queue) -> None:
     # a worker that only runs `checksum` hands them back: they are parked for one that can
     for s in range(queue.keys.shards):
         await queue.scripts.claim(s, "w", 10, 30_000, queues=[("img", -1)], types=["checksum"])
-    assert (await queue.stats())["queues"]["img"]["parked"] == 6
+    assert (await queue.admin.stats())["queues"]["img"]["parked"] == 6
 
-    purged = await queue.purge("img")
+    purged = await queue.admin.purge("img")
 
     assert (purged.cancelled, purged.remaining) == (6, 0)
-    stats = await queue.stats()
+    stats = await queue.admin.stats()
     assert stats["queues"]["img"]["parked"] == 0 and stats["total"]["parked"] == 0
     assert all([(await queue.status(j)).state is State.CANCELLED for j in jobs])
 
@@ -100,13 +100,13 @@ async def test_jobs_held_behind_a_concurrency_key_are_admitted_and_said_to_remai
     ]
     # one is ready, two wait behind the key: the purge takes the ready one, whose leaving
     # admits the next, which it leaves (it was not ready when the purge began)
-    purged = await queue.purge("keyed")
+    purged = await queue.admin.purge("keyed")
     assert (purged.cancelled, purged.remaining) == (1, 1)
     states = [(await queue.status(j)).state for j in jobs]
     assert states == [State.CANCELLED, State.QUEUED, State.QUEUED]
-    again = await queue.purge("keyed")
+    again = await queue.admin.purge("keyed")
     assert (again.cancelled, again.remaining) == (1, 1)
-    last = await queue.purge("keyed")
+    last = await queue.admin.purge("keyed")
     assert (last.cancelled, last.remaining) == (1, 0)
     assert all([(await queue.status(j)).state is State.CANCELLED for j in jobs])
     shard = queue.keys.shard_of(jobs[0])
@@ -115,7 +115,7 @@ async def test_jobs_held_behind_a_concurrency_key_are_admitted_and_said_to_remai
 
 async def test_a_purge_of_an_empty_or_unknown_queue_does_nothing(queue: Queue) -> None:
     kept = (await queue.submit("echo", 1)).job_id
-    purged = await queue.purge("nothing-here")
+    purged = await queue.admin.purge("nothing-here")
     assert (purged.cancelled, purged.remaining) == (0, 0)
     assert (await queue.status(kept)).state is State.QUEUED
 
@@ -125,4 +125,4 @@ async def test_a_bad_queue_name_is_refused_before_anything_runs(queue: Queue, ba
     from jobtier.core.errors import InvalidRequest
 
     with pytest.raises(InvalidRequest):
-        await queue.purge(bad)
+        await queue.admin.purge(bad)

@@ -11,6 +11,7 @@ from jobtier.core.errors import RateLimited
 from jobtier.core.model import JobSpec, QueueLimits, State
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
+from jobtier.store.calls import complete_call
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -59,7 +60,7 @@ async def test_a_job_goes_to_its_task_queue_and_the_status_says_which(queue: Que
     assert sub.status.queue == "emails"
     assert (await queue.submit("send_email", None, queue="reports")).status.queue == "reports"
     assert (await queue.submit("anything", None)).status.queue == "default"
-    stats = await queue.stats()
+    stats = await queue.admin.stats()
     assert stats["queues"]["emails"]["queued"]["normal"] == 1
     assert stats["queues"]["reports"]["queued"]["normal"] == 1
 
@@ -103,7 +104,7 @@ async def test_pools_sharing_a_queue_hand_jobs_to_the_one_that_has_the_task(
         status = await queue.status(job_id)
         assert status.state is State.SUCCEEDED and status.attempt == 1, status
         assert job_id in ran[pool_name]
-    assert (await queue.stats())["total"]["parked"] == 0
+    assert (await queue.admin.stats())["total"]["parked"] == 0
 
 
 async def test_a_worker_serves_the_queues_it_is_given(queue: Queue) -> None:
@@ -123,7 +124,7 @@ async def test_a_paused_queue_accepts_jobs_and_runs_none_until_resumed(
     queue: Queue, background: Background
 ) -> None:
     ran.clear()
-    await queue.pause("emails")
+    await queue.admin.pause("emails")
     first = await queue.submit(send_email, 1)
     other = await queue.submit(build_report, 1)
     worker = worker_for(queue, TaskRegistry([send_email, build_report]), name="w", idle_poll=0.1)
@@ -141,15 +142,15 @@ async def test_a_paused_queue_accepts_jobs_and_runs_none_until_resumed(
 
     await wait_for(went_round_again)
     assert (await queue.status(first.job_id)).state is State.QUEUED
-    stats = await queue.stats()
+    stats = await queue.admin.stats()
     assert stats["queues"]["emails"]["paused"] is True
-    await queue.resume("emails")
+    await queue.admin.resume("emails")
 
     async def email_done() -> bool:
         return (await queue.status(first.job_id)).state is State.SUCCEEDED
 
     await wait_for(email_done)
-    assert (await queue.stats())["queues"]["emails"]["paused"] is False
+    assert (await queue.admin.stats())["queues"]["emails"]["paused"] is False
 
 
 async def test_pause_lets_running_jobs_finish(queue: Queue, background: Background) -> None:
@@ -162,7 +163,7 @@ async def test_pause_lets_running_jobs_finish(queue: Queue, background: Backgrou
         return (await queue.status(sub.job_id)).state is State.RUNNING
 
     await wait_for(running)
-    await queue.pause("slow")
+    await queue.admin.pause("slow")
     gate.set()
 
     async def done() -> bool:
@@ -181,7 +182,7 @@ async def test_concurrency_key_lets_one_job_of_a_key_run_at_a_time_in_order(
     other = await queue.submit("echo", "free", concurrency_key="account-8")
     shard = queue.keys.shard_of(shard_ids[0])
     assert {queue.keys.shard_of(j) for j in shard_ids} == {shard}  # a key lives in one shard
-    stats = await queue.stats()
+    stats = await queue.admin.stats()
     assert stats["total"]["queued"] == 2  # one of each key is ready, four wait behind theirs
     order = []
     for _ in range(5):
@@ -193,7 +194,7 @@ async def test_concurrency_key_lets_one_job_of_a_key_run_at_a_time_in_order(
         again = await queue.scripts.claim(shard, "w", 10, 30_000)
         assert not [j for j in again.jobs if j.id in shard_ids]
         code = await queue.scripts.call(
-            *queue.scripts.complete_call(shard, "w", 60, [(mine[0].id, mine[0].lease_version, b"")])
+            *complete_call(shard, "w", 60, [(mine[0].id, mine[0].lease_version, b"")])
         )
         assert code == [0]
     assert order == shard_ids  # in submit order
@@ -210,7 +211,7 @@ async def test_concurrency_limit_above_one_and_cancel_of_a_held_job(queue: Queue
     batch = await queue.scripts.claim(shard, "w", 10, 30_000)
     assert [j.id for j in batch.jobs] == ids[:2]
     items = [(j.id, j.lease_version, b"") for j in batch.jobs]
-    await queue.scripts.call(*queue.scripts.complete_call(shard, "w", 60, items[:1]))
+    await queue.scripts.call(*complete_call(shard, "w", 60, items[:1]))
     batch = await queue.scripts.claim(shard, "w", 10, 30_000)
     assert [j.id for j in batch.jobs] == [ids[3]]
     assert (await queue.status(ids[2])).state is State.CANCELLED
@@ -231,7 +232,7 @@ async def test_one_tenants_backlog_does_not_starve_another_tenants_job(queue: Qu
         claims += 1
         found = small.job_id in [j.id for j in batch.jobs]
     assert found and claims == 1
-    assert (await queue.stats())["total"]["queued"] == 100_000 + 1 - 10 * claims
+    assert (await queue.admin.stats())["total"]["queued"] == 100_000 + 1 - 10 * claims
 
 
 # --- limits across every worker ----------------------------------------------------------------
@@ -256,8 +257,8 @@ async def running_in_redis(queue: Queue, name: str) -> int:
 async def test_global_concurrency_limit_holds_across_workers(
     queue: Queue, background: Background
 ) -> None:
-    await queue.set_limits("partner", QueueLimits(concurrency=3))
-    assert (await queue.limits()) == {"partner": QueueLimits(concurrency=3)}
+    await queue.admin.set_limits("partner", QueueLimits(concurrency=3))
+    assert (await queue.admin.limits()) == {"partner": QueueLimits(concurrency=3)}
     ids = [(await queue.submit(call_partner, i)).job_id for i in range(60)]
     for n in range(2):
         background.start(
@@ -268,17 +269,17 @@ async def test_global_concurrency_limit_holds_across_workers(
     async def all_done() -> bool:
         nonlocal most
         most = max(most, await running_in_redis(queue, "partner"))
-        assert await queue.running_permits("partner") <= 3
+        assert await queue.admin.running_permits("partner") <= 3
         return all([(await queue.status(j)).state is State.SUCCEEDED for j in ids])
 
     await wait_for(all_done, timeout=60, interval=0.005)
     assert 1 <= most <= 3
-    assert await queue.running_permits("partner") == 0  # every permit came back
+    assert await queue.admin.running_permits("partner") == 0  # every permit came back
 
 
 async def test_rate_limit_holds_over_any_window(queue: Queue, background: Background) -> None:
     started_at.clear()
-    await queue.set_limits("partner", QueueLimits(rate=5, per=0.5))
+    await queue.admin.set_limits("partner", QueueLimits(rate=5, per=0.5))
     ids = [(await queue.submit(call_partner, i)).job_id for i in range(17)]
     background.start(worker_for(queue, TaskRegistry([call_partner]), concurrency=20))
 
@@ -305,7 +306,7 @@ async def test_a_limit_set_while_workers_run_is_obeyed(
         return (await queue.status(job_id)).state is State.SUCCEEDED
 
     await wait_for(lambda: done(first.job_id))
-    await queue.set_limits("partner", QueueLimits(concurrency=1))
+    await queue.admin.set_limits("partner", QueueLimits(concurrency=1))
     ids = [(await queue.submit(call_partner, i)).job_id for i in range(20)]
     most = 0
 
@@ -316,8 +317,8 @@ async def test_a_limit_set_while_workers_run_is_obeyed(
 
     await wait_for(all_done, timeout=60, interval=0.005)
     assert most == 1
-    await queue.set_limits("partner", QueueLimits())  # lifted: claimed freely again
-    assert await queue.limits() == {}
+    await queue.admin.set_limits("partner", QueueLimits())  # lifted: claimed freely again
+    assert await queue.admin.limits() == {}
     again = await queue.submit(call_partner, 99)
     await wait_for(lambda: done(again.job_id))
 
@@ -344,11 +345,11 @@ async def test_rate_limited_pushes_the_queue_back_without_using_an_attempt(
     background.start(Scheduler(queue))  # it promotes the job when its wait is over
 
     async def blocked_now() -> bool:
-        stats = await queue.stats()
+        stats = await queue.admin.stats()
         return bool(stats["queues"].get("partner", {}).get("blocked_until_ms"))
 
     await wait_for(blocked_now)
-    blocked = (await queue.stats())["queues"]["partner"]["blocked_until_ms"]
+    blocked = (await queue.admin.stats())["queues"]["partner"]["blocked_until_ms"]
     limited_once.add("next")  # the next job would run at once, were the queue not blocked
     second = await queue.submit(slow_down, 2)
     limited_once.add(second.job_id)
@@ -381,11 +382,11 @@ async def test_jobs_left_in_the_ready_lists_of_before_queues_are_moved_and_run(
         shard = keys.shard_of(job_id)
         await r.hdel(keys.job(job_id), "queue")
         await r.lpush(keys.base(shard) + "q:normal", job_id)
-    assert (await queue.stats())["total"]["queued"] == 0  # invisible to today's claims
+    assert (await queue.admin.stats())["total"]["queued"] == 0  # invisible to today's claims
     background.start(Scheduler(queue))
 
     async def moved() -> bool:
-        queued: int = (await queue.stats())["total"]["queued"]
+        queued: int = (await queue.admin.stats())["total"]["queued"]
         return queued == 3
 
     await wait_for(moved)

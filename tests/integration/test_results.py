@@ -4,7 +4,6 @@ record), followed by the client, and deleted with their job."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import cast
 
@@ -37,9 +36,11 @@ def store_settings(pg_settings: Settings) -> Settings:
 
 @pytest.fixture
 async def store_queue(store_settings: Settings) -> AsyncIterator[Queue]:
-    q = await Queue.connect(store_settings)
+    results = await PostgresResultStore.connect(store_settings.database_url)
+    q = await Queue.connect(store_settings, results=results)
     yield q
     await q.close()
+    await results.close()
 
 
 @pytest.fixture
@@ -114,16 +115,17 @@ async def test_a_dependent_task_reads_a_stored_result_with_ctx_result(
 ) -> None:
     """``ctx.dependencies`` and ``ctx.previous`` give a stored result as None (its link);
     ``await ctx.result(id)`` reads it from the store: in a worker that stores results itself,
-    and in one that does not (through its Queue's ``stored_result``, as ``Queue.result``)."""
+    and in one that does not (through the result reader its Queue was given, as
+    ``Queue.result``)."""
     q = store_queue
     big = (await q.submit("big_result", ROWS)).job_id
     small = (await q.submit("echo", [1])).job_id
     await worker_for(q, registry, burst=True).run()
-    plain = await Queue.connect(store_settings.replace(result_store=""))
+    plain = await Queue.connect(store_settings.replace(result_store=""), results=q.jobs.results)
     try:
         for runner in (plain, q):  # a worker without a result store of its own, then with one
             dependent = (await q.submit("read_results", None, depends_on=[small, big])).job_id
-            await Resolver(q, name="test-resolver").drain()  # its dependencies ended: queued
+            await Resolver(q.store, name="test-resolver").drain()  # its dependencies ended: queued
             assert (await q.status(dependent)).state is State.QUEUED
             stats = await worker_for(runner, registry, burst=True).run()
             assert stats.succeeded == 1
@@ -151,37 +153,29 @@ async def test_a_result_an_attempt_stored_after_losing_its_lease_does_not_replac
     assert [c async for c in store.stream(winner)] == [b'"the winner"']
 
 
-async def test_reads_at_once_share_one_opening_of_the_store(
-    store_queue: Queue, store_settings: Settings, monkeypatch: pytest.MonkeyPatch
+async def test_a_queue_reads_stored_results_through_the_store_it_was_given(
+    store_queue: Queue, store_settings: Settings, pool: Pool
 ) -> None:
-    """Queue.stored_result opens the store at the first read; reads made at once wait for that
-    one opening (not one pool each), and close() closes it."""
+    """The engine opens no Postgres pool of its own: a Queue given a result store reads a
+    stored result through it (and None for one the store no longer holds); without one, a
+    stored result is a ConfigError that says what to pass."""
     big = (await store_queue.submit("big_result", ROWS)).job_id
     await worker_for(store_queue, registry, burst=True).run()
     held = cast(bytes | None, await store_queue.redis.hget(store_queue.keys.job(big), "result"))
     assert held is not None and held.startswith(b"@")
-    opened = []
-    connect = PostgresResultStore.connect
-
-    async def counted(url: str) -> PostgresResultStore:
-        opened.append(url)
-        return await connect(url)
-
-    monkeypatch.setattr(PostgresResultStore, "connect", counted)
-    reader = await Queue.connect(store_settings.replace(result_store=""))
+    reader = await Queue.connect(store_settings, results=PostgresResultStore(pool))
     try:
-        reads = await asyncio.gather(*(reader.stored_result(held[1:].decode()) for _ in range(8)))
-        assert reads == [encode_json(BIG)] * 8 and len(opened) == 1
-        assert await reader.stored_result("pg:01JNOSUCHJOB000000000000000-0:1") is None
-        assert len(opened) == 1
+        status, result = await reader.result(big)
+        assert status.state == "succeeded" and result == BIG
+        assert await reader.jobs.stored_result("pg:01JNOSUCHJOB000000000000000-0:1") is None
     finally:
         await reader.close()
-    no_url = await Queue.connect(store_settings.replace(database_url=""))
+    without = await Queue.connect(store_settings)
     try:
-        with pytest.raises(ConfigError, match="JOBTIER_DATABASE_URL"):
-            await no_url.stored_result(held[1:].decode())
+        with pytest.raises(ConfigError, match="results=PostgresResultStore"):
+            await without.result(big)
     finally:
-        await no_url.close()
+        await without.close()
 
 
 async def test_a_dependencys_stored_result_reaches_its_dependent_as_its_link(

@@ -30,6 +30,15 @@ from jobtier.core.keys import Keys
 from jobtier.core.model import PRIORITIES, State, decode_status
 from jobtier.engine.queue import Queue
 from jobtier.status.docs import read_docs
+from jobtier.store.calls import (
+    complete_call,
+    fail_call,
+    heartbeat_call,
+    parse_pairs,
+    promote_call,
+    reclaim_call,
+    stopped_call,
+)
 from tests.fixtures.redis import on_every_server
 
 pytestmark = pytest.mark.contract
@@ -139,7 +148,7 @@ class JobMachine(RuleBasedStateMachine):
         expected = self.expect_lease(job, lv, worker)
         (code,) = self.run(
             self.queue.scripts.call(
-                *self.queue.scripts.complete_call(self.shard(job), worker, 60, [(job.id, lv, b"1")])
+                *complete_call(self.shard(job), worker, 60, [(job.id, lv, b"1")])
             )
         )
         assert Code(code) is expected
@@ -153,7 +162,7 @@ class JobMachine(RuleBasedStateMachine):
         expected = self.expect_lease(job, job.lease_version)
         reply = self.run(
             self.queue.scripts.call(
-                *self.queue.scripts.fail_call(
+                *fail_call(
                     self.shard(job),
                     "w1",
                     60,
@@ -168,7 +177,7 @@ class JobMachine(RuleBasedStateMachine):
                 )
             )
         )
-        code, state = self.queue.scripts.parse_pairs(reply)[0]
+        code, state = parse_pairs(reply)[0]
         assert code is expected
         if expected is Code.OK:
             if job.cancel:  # a pending cancel request wins: no retry, no dead letter
@@ -187,12 +196,12 @@ class JobMachine(RuleBasedStateMachine):
         expected = self.expect_lease(job, job.lease_version)
         reply = self.run(
             self.queue.scripts.call(
-                *self.queue.scripts.heartbeat_call(
+                *heartbeat_call(
                     self.shard(job), "w1", 60_000, [(job.id, job.lease_version, progress.encode())]
                 )
             )
         )
-        code, cancel = self.queue.scripts.parse_pairs(reply)[0]
+        code, cancel = parse_pairs(reply)[0]
         assert code is expected
         if code is Code.OK:
             assert bool(cancel) == job.cancel
@@ -221,12 +230,10 @@ class JobMachine(RuleBasedStateMachine):
         expected = self.expect_lease(job, job.lease_version)
         reply = self.run(
             self.queue.scripts.call(
-                *self.queue.scripts.stopped_call(
-                    self.shard(job), "w1", 60, [(job.id, job.lease_version)]
-                )
+                *stopped_call(self.shard(job), "w1", 60, [(job.id, job.lease_version)])
             )
         )
-        assert self.queue.scripts.parse_pairs(reply)[0][0] is expected
+        assert parse_pairs(reply)[0][0] is expected
         if expected is Code.OK:
             if job.cancel:
                 self.bump(job, state=State.CANCELLED)
@@ -241,9 +248,7 @@ class JobMachine(RuleBasedStateMachine):
         if job.state is State.RUNNING:
             self.run(self.queue.redis.zadd(keys.active(self.shard(job)), {job.id: 1}))
         s = self.queue.settings
-        self.run(
-            self.queue.scripts.call(*self.queue.scripts.reclaim_call(self.shard(job), 100, 60, 60))
-        )
+        self.run(self.queue.scripts.call(*reclaim_call(self.shard(job), 100, 60, 60)))
         del s
         if job.state is State.RUNNING:
             if job.cancel:
@@ -260,7 +265,7 @@ class JobMachine(RuleBasedStateMachine):
         keys = self.queue.keys
         if job.state is State.SCHEDULED:
             self.run(self.queue.redis.zadd(keys.sched(self.shard(job)), {job.id: 1}))
-        self.run(self.queue.scripts.call(*self.queue.scripts.promote_call(self.shard(job), 100)))
+        self.run(self.queue.scripts.call(*promote_call(self.shard(job), 100)))
         if job.state is State.SCHEDULED:
             self.bump(job, state=State.QUEUED)
 
@@ -310,7 +315,7 @@ class JobMachine(RuleBasedStateMachine):
             assert (bid in active) == (job.state is State.RUNNING)
             assert (bid in dead) == (job.state is State.FAILED)
         waiting = sum(j.state in WAITING for j in self.jobs)
-        assert sum(self.run(self.queue.waiting_by_tenant()).values()) == waiting
+        assert sum(self.run(self.queue.admin.waiting_by_tenant()).values()) == waiting
 
 
 def test_state_machine_agrees_with_the_model(settings: Settings) -> None:

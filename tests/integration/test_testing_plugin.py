@@ -252,7 +252,7 @@ async def test_the_fixtures_are_jobtiers_own_and_the_projects_fixtures_are_untou
     # two servers: the plugin's session Redis and the suite's own, each emptied per test
     assert jobtier_queue.settings.redis_url != settings.redis_url
     assert queue.settings is settings and settings.shards == 4  # the suite's fixture
-    assert jobtier_queue.registry is TASKS  # this module's jobtier_tasks
+    assert jobtier_queue.produce.tasks is TASKS  # this module's jobtier_tasks
     await jobtier_queue.submit("ok")
     assert await jobtier_queue.redis.dbsize() > 0
     # (besides the shards' job format marks, set when the queue connected: store/format.py)
@@ -368,7 +368,7 @@ def test_the_fixtures_in_a_users_project(tmp_path: Path) -> None:
                     await asyncio.Event().wait()
 
                 job = await jobtier_queue.submit("double", 1)  # known to the queue
-                jobtier_queue.registry = None
+                jobtier_queue.produce.tasks = None
                 stuck = await jobtier_queue.submit("hangs")
                 with pytest.raises(TimeoutError, match="does a task hang"):
                     await jobtier_worker([hangs, user_tasks.double], timeout=1)

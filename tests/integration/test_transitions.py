@@ -13,9 +13,23 @@ from redis.exceptions import ResponseError
 
 from jobtier.core.errors import Code, IdempotencyConflict, JobNotFound, TransitionRefused
 from jobtier.core.model import ClaimedJob, JobSpec, JobStatus, State, Submitted, decode_status
-from jobtier.engine.queue import SPREAD_FROM, Queue
+from jobtier.engine.queue import Queue
 from jobtier.store import format as job_format
-from jobtier.store.scripts import SubmitItem
+from jobtier.store.calls import (
+    SubmitItem,
+    complete_call,
+    fail_call,
+    heartbeat_call,
+    parse_pairs,
+    parse_promote,
+    parse_reclaim,
+    parse_submit,
+    promote_call,
+    reclaim_call,
+    stopped_call,
+    submit_call,
+)
+from jobtier.store.context import SPREAD_FROM
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import StreamEntries
 
@@ -40,23 +54,21 @@ async def complete(
 ) -> Code:
     shard = queue.keys.shard_of(job.id)
     lv = job.lease_version if version is None else version
-    (code,) = await queue.scripts.call(
-        *queue.scripts.complete_call(shard, worker, 60, [(job.id, lv, result)])
-    )
+    (code,) = await queue.scripts.call(*complete_call(shard, worker, 60, [(job.id, lv, result)]))
     return Code(code)
 
 
 async def fail(queue: Queue, job: ClaimedJob, delay_ms: int, worker: str = W) -> tuple[Code, bytes]:
     shard = queue.keys.shard_of(job.id)
     reply = await queue.scripts.call(
-        *queue.scripts.fail_call(
+        *fail_call(
             shard,
             worker,
             60,
             [(job.id, job.lease_version, b'{"type":"E","message":"boom"}', delay_ms)],
         )
     )
-    return queue.scripts.parse_pairs(reply)[0]
+    return parse_pairs(reply)[0]
 
 
 async def heartbeat(
@@ -64,19 +76,17 @@ async def heartbeat(
 ) -> tuple[Code, int]:
     shard = queue.keys.shard_of(job.id)
     reply = await queue.scripts.call(
-        *queue.scripts.heartbeat_call(
-            shard, worker, 30_000, [(job.id, job.lease_version, progress)]
-        )
+        *heartbeat_call(shard, worker, 30_000, [(job.id, job.lease_version, progress)])
     )
-    return queue.scripts.parse_pairs(reply)[0]
+    return parse_pairs(reply)[0]
 
 
 async def stopped(queue: Queue, job: ClaimedJob, worker: str = W) -> tuple[Code, bytes]:
     shard = queue.keys.shard_of(job.id)
     reply = await queue.scripts.call(
-        *queue.scripts.stopped_call(shard, worker, 60, [(job.id, job.lease_version)])
+        *stopped_call(shard, worker, 60, [(job.id, job.lease_version)])
     )
-    return queue.scripts.parse_pairs(reply)[0]
+    return parse_pairs(reply)[0]
 
 
 async def expire_lease(queue: Queue, job_id: str) -> None:
@@ -92,17 +102,15 @@ async def make_due(queue: Queue, job_id: str) -> None:
 
 async def reclaim(queue: Queue, shard: int) -> Any:
     s = queue.settings
-    return queue.scripts.parse_reclaim(
+    return parse_reclaim(
         await queue.scripts.call(
-            *queue.scripts.reclaim_call(shard, 100, s.retention_seconds, s.dead_retention_seconds)
+            *reclaim_call(shard, 100, s.retention_seconds, s.dead_retention_seconds)
         )
     )
 
 
 async def promote(queue: Queue, shard: int) -> Any:
-    return queue.scripts.parse_promote(
-        await queue.scripts.call(*queue.scripts.promote_call(shard, 100))
-    )
+    return parse_promote(await queue.scripts.call(*promote_call(shard, 100)))
 
 
 async def history(queue: Queue, job_id: str) -> list[tuple[str, str, int]]:
@@ -145,9 +153,9 @@ async def test_submit_refuses_an_id_taken_before_the_call_or_earlier_in_it(queue
     spec = JobSpec(type="echo", payload={"n": 1})
 
     async def submit(*ids: str) -> list[tuple[Code, str, bytes]]:
-        items = [queue.prepare(spec, "t1", job_id=i) for i in ids]
-        reply = await queue.scripts.call(*queue.scripts.submit_call(shard, items, 60_000))
-        return [(o.code, o.job_id, o.doc) for o in queue.scripts.parse_submit(reply)]
+        items = [queue.produce.prepare(spec, "t1", job_id=i) for i in ids]
+        reply = await queue.scripts.call(*submit_call(shard, items, 60_000))
+        return [(o.code, o.job_id, o.doc) for o in parse_submit(reply)]
 
     ((code, _, old_doc),) = await submit(old)
     assert code is Code.OK
@@ -257,7 +265,7 @@ async def test_retryable_failure_schedules_a_retry_then_dead_letters(queue: Queu
     )  # the first attempt's writer is stale
     code, state = await fail(queue, job2, delay_ms=5000)
     assert (code, state) == (Code.OK, b"failed")  # attempts exhausted
-    dead = await queue.dead_letters()
+    dead = await queue.jobs.dead_letters()
     assert [d.id for d in dead] == [sub.job_id]
     assert dead[0].state is State.FAILED
 
@@ -273,12 +281,12 @@ async def test_replay_resets_attempts(queue: Queue) -> None:
     sub = await queue.submit("flaky", None, max_attempts=1)
     job = await claim(queue, sub.job_id)
     await fail(queue, job, delay_ms=0)
-    replayed = await queue.replay(sub.job_id)
+    replayed = await queue.jobs.replay(sub.job_id)
     assert replayed.state is State.QUEUED and replayed.attempt == 0 and replayed.error is None
-    assert await queue.dead_letters() == []
+    assert await queue.jobs.dead_letters() == []
     assert await queue.redis.ttl(queue.keys.job(sub.job_id)) == -1  # no longer expiring
     with pytest.raises(TransitionRefused) as again:
-        await queue.replay(sub.job_id)
+        await queue.jobs.replay(sub.job_id)
     assert again.value.code is Code.WRONG_STATE
     job = await claim(queue, sub.job_id)
     assert job.attempt == 1
@@ -286,7 +294,7 @@ async def test_replay_resets_attempts(queue: Queue) -> None:
 
 async def test_replay_of_unknown_job(queue: Queue) -> None:
     with pytest.raises(JobNotFound):
-        await queue.replay(queue.keys.new_id(0))
+        await queue.jobs.replay(queue.keys.new_id(0))
 
 
 async def test_expired_lease_requeues_or_dead_letters(queue: Queue) -> None:
@@ -330,7 +338,7 @@ async def test_cancel_queued_and_scheduled(queue: Queue) -> None:
     for sub in (queued, later):
         status = await queue.cancel(sub.job_id)
         assert status.state is State.CANCELLED and status.version == 2
-    stats = await queue.stats()
+    stats = await queue.admin.stats()
     assert stats["total"]["queued"] == 0 and stats["total"]["scheduled"] == 0
     shard = queue.keys.shard_of(queued.job_id)
     assert await queue.redis.llen(queue.keys.ready(shard, "default", "normal", "default")) == 0
@@ -339,7 +347,7 @@ async def test_cancel_queued_and_scheduled(queue: Queue) -> None:
     with pytest.raises(TransitionRefused) as refused:
         await queue.cancel(queued.job_id)
     assert refused.value.code is Code.WRONG_STATE
-    assert await queue.waiting_by_tenant() == {"default": 0}
+    assert await queue.admin.waiting_by_tenant() == {"default": 0}
 
 
 async def test_cancel_running_is_a_request_the_worker_acts_on(queue: Queue) -> None:
@@ -500,10 +508,10 @@ async def test_a_spread_call_that_fails_leaves_the_others_run(queue: Queue) -> N
     beside it, in its pipeline and in the others, are made."""
     items: dict[int, SubmitItem] = {}
     for i in range(40):
-        item = queue.prepare(JobSpec(type="echo", payload=i), "default")
+        item = queue.produce.prepare(JobSpec(type="echo", payload=i), "default")
         items.setdefault(queue.keys.shard_of(item.job_id), item)
-    calls = [queue.scripts.submit_call(s, [item], 60_000) for s, item in items.items()]
-    broken = (queue.scripts["submit"], calls[0][1], ["60000"])  # no job count: the script fails
+    calls = [submit_call(s, [item], 60_000) for s, item in items.items()]
+    broken = ("submit", calls[0][1], ["60000"])  # no job count: the script fails
     with pytest.raises(ResponseError):
         await queue.scripts.call_spread([broken, *calls], 1 if len(calls) < 3 else 2)
     for item in items.values():

@@ -22,9 +22,8 @@ from jobtier.webhooks.callbacks import SecretMissing
 from jobtier.webhooks.dispatcher import Dispatcher
 from tests.fixtures.api import KEYS, ApiServer
 from tests.fixtures.engine import wait_for
-from tests.fixtures.receiver import StartReceiver, delivered, deliveries, secret_of
+from tests.fixtures.receiver import StartProducer, StartReceiver, delivered, deliveries, secret_of
 from tests.flows_helpers import run_flows
-from tests.tasks import registry
 
 REFUSED = "http://10.1.2.3/hook"  # a private address: the address policy refuses it
 
@@ -152,12 +151,12 @@ async def test_the_clients_send_a_flows_callbacks(
 
 
 async def test_queue_submit_flow_writes_callbacks_the_dispatcher_delivers(
-    hook_api: ApiServer, hook_settings: Settings, queue: Queue, pool: Pool,
+    callback_producer: StartProducer, hook_api: ApiServer, hook_settings: Settings, queue: Queue, pool: Pool,
     start_receiver: StartReceiver, start_dispatcher: Callable[..., Dispatcher],
 ) -> None:  # fmt: skip
     receiver = await start_receiver()
     hook = CallbackSpec(url=receiver.url)
-    producer = await Queue.connect(hook_settings, registry)
+    producer = await callback_producer(hook_settings)
     try:
         with pytest.raises(SecretMissing):
             await producer.submit_flow([FlowJob(type="echo", callback=hook)], tenant="acme")

@@ -21,9 +21,15 @@ from jobtier.webhooks.signing import new_secret
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import waiting_for_a_lock_on
-from tests.fixtures.receiver import StartReceiver, delivered, deliveries, run_jobs, secret_of
+from tests.fixtures.receiver import (
+    StartProducer,
+    StartReceiver,
+    delivered,
+    deliveries,
+    run_jobs,
+    secret_of,
+)
 from tests.flows_helpers import run_flows
-from tests.tasks import registry
 
 
 async def log_entries(queue: Queue, tenant: str) -> int:
@@ -70,14 +76,14 @@ async def test_an_unmarked_tenants_entries_are_acknowledged_without_postgres(
 
 
 async def test_marked_tenants_are_delivered_beside_skipped_ones(
-    hook_api: ApiServer, hook_settings: Settings, queue: Queue, pool: Pool,
+    callback_producer: StartProducer, hook_api: ApiServer, hook_settings: Settings, queue: Queue, pool: Pool,
     start_receiver: StartReceiver, start_dispatcher: Callable[..., Dispatcher],
 ) -> None:  # fmt: skip
     """acme has a subscription (the API), initech a flow job's callback (the in-process
     ``Queue.submit_flow``), globex nothing: only globex's entries are skipped."""
     receiver = await start_receiver()
     await pool.execute(query("secret_create_if_missing"), "initech", new_secret())
-    producer = await Queue.connect(hook_settings, registry)
+    producer = await callback_producer(hook_settings)
     try:
         async with hook_api.client("acme") as a, hook_api.client("globex") as g:
             r = await a.post("/v1/webhooks", json={"url": receiver.url, "events": "all"})
@@ -187,14 +193,14 @@ async def not_marked(queue: Queue, tenant: str) -> bool:
 
 
 async def test_a_job_callback_keeps_its_tenant_marked_until_it_is_deleted(
-    hook_api: ApiServer, hook_settings: Settings, queue: Queue, pool: Pool,
+    callback_producer: StartProducer, hook_api: ApiServer, hook_settings: Settings, queue: Queue, pool: Pool,
     start_receiver: StartReceiver,
 ) -> None:  # fmt: skip
     """initech's only target is a job's callback (kept with the job: a replay may make more
     transitions); globex's only subscription is disabled (a 410): no target."""
     receiver = await start_receiver()
     await pool.execute(query("secret_create_if_missing"), "initech", new_secret())
-    producer = await Queue.connect(hook_settings, registry)
+    producer = await callback_producer(hook_settings)
     try:
         job = await producer.submit("echo", tenant="initech", callback=receiver.url)
     finally:
@@ -265,7 +271,7 @@ async def test_a_mark_written_again_during_a_clean_up_round_is_kept(
 
 
 async def test_an_unmark_crossing_a_callbacks_write_loses_no_delivery(
-    hook_settings: Settings, queue: Queue, pool: Pool, start_receiver: StartReceiver,
+    callback_producer: StartProducer, hook_settings: Settings, queue: Queue, pool: Pool, start_receiver: StartReceiver,
     start_dispatcher: Callable[..., Dispatcher],
 ) -> None:  # fmt: skip
     """The same race for a job's own callback (``CallbackStore.register``, here through the
@@ -273,7 +279,7 @@ async def test_an_unmark_crossing_a_callbacks_write_loses_no_delivery(
     written before the job is submitted, and the callback delivered."""
     receiver = await start_receiver()
     await pool.execute(query("secret_create_if_missing"), "initech", new_secret())
-    producer = await Queue.connect(hook_settings, registry)
+    producer = await callback_producer(hook_settings)
     try:
         async with pool.acquire() as blocker:
             tx = blocker.transaction()

@@ -15,11 +15,18 @@ from jobtier.core.errors import ConfigError, InvalidRequest
 from jobtier.core.model import CallbackSpec, FlowJob, JobSpec, Submitted
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
-from jobtier.webhooks.callbacks import SecretMissing
+from jobtier.webhooks.callbacks import CallbackStore, SecretMissing
 from jobtier.webhooks.dispatcher import Dispatcher
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for
-from tests.fixtures.receiver import StartReceiver, delivered, deliveries, run_jobs, secret_of
+from tests.fixtures.receiver import (
+    StartProducer,
+    StartReceiver,
+    delivered,
+    deliveries,
+    run_jobs,
+    secret_of,
+)
 from tests.tasks import registry
 
 REFUSED = "http://10.1.2.3/hook"  # a private address: the address policy refuses it
@@ -34,15 +41,15 @@ async def callback_rows(pool: Pool) -> list[tuple[str, str, str, str]]:
 
 async def jobs_in_redis(queue: Queue) -> int:
     """Jobs not started yet, every tenant, every shard."""
-    return sum((await queue.waiting_by_tenant()).values())
+    return sum((await queue.admin.waiting_by_tenant()).values())
 
 
 async def test_queue_submit_writes_the_callback_and_the_dispatcher_delivers_it(
-    hook_api: ApiServer, hook_settings: Settings, queue: Queue, pool: Pool,
+    callback_producer: StartProducer, hook_api: ApiServer, hook_settings: Settings, queue: Queue, pool: Pool,
     start_receiver: StartReceiver, start_dispatcher: Callable[..., Dispatcher],
 ) -> None:  # fmt: skip
     receiver = await start_receiver()
-    producer = await Queue.connect(hook_settings, registry)
+    producer = await callback_producer(hook_settings)
     try:
         # as over HTTP: no signing secret, no callback (and no job)
         with pytest.raises(SecretMissing):
@@ -104,20 +111,24 @@ async def test_queue_submit_writes_the_callback_and_the_dispatcher_delivers_it(
     assert sorted(by_job[every.job_id]) == ["job.queued", "job.running", "job.succeeded"]
 
 
-async def test_without_a_database_url_a_callback_is_refused_and_nothing_is_submitted(
+async def test_without_a_callback_store_a_callback_is_refused_and_nothing_is_submitted(
     settings: Settings, queue: Queue
 ) -> None:
-    bare = await Queue.connect(settings.replace(database_url=""), registry)
+    """A Queue given no callback store opens none behind its caller's back: a job with a
+    callback is refused whole, and a CallbackStore without a database says so."""
+    with pytest.raises(ConfigError, match="JOBTIER_DATABASE_URL"):
+        await CallbackStore.connect(settings.replace(database_url=""), queue.redis, queue.keys)
+    bare = await Queue.connect(settings, registry)
     try:
         hook = CallbackSpec(url="https://hooks.example.com/jobs")
-        with pytest.raises(ConfigError, match="JOBTIER_DATABASE_URL"):
+        with pytest.raises(ConfigError, match="no callback store"):
             await bare.submit("echo", 1, callback=hook)
-        with pytest.raises(ConfigError, match="JOBTIER_DATABASE_URL"):
+        with pytest.raises(ConfigError, match="no callback store"):
             await bare.submit_many([JobSpec(type="echo"), JobSpec(type="echo", callback=hook)])
-        with pytest.raises(ConfigError, match="JOBTIER_DATABASE_URL"):
+        with pytest.raises(ConfigError, match="no callback store"):
             await bare.submit_flow([FlowJob(type="echo", callback=hook)])
         assert await jobs_in_redis(queue) == 0
-        assert (await queue.stats())["total"]["queued"] == 0
+        assert (await queue.admin.stats())["total"]["queued"] == 0
         # without a callback, the same Queue submits as ever
         assert (await bare.submit("echo", 1)).created
         assert await jobs_in_redis(queue) == 1

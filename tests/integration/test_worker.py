@@ -12,6 +12,7 @@ import pytest
 from jobtier.core.model import JobSpec, State, decode_status
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
+from jobtier.store.calls import parse_claim
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.fixtures.redis import StreamEntries
 from tests.tasks import registry
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.contract
 def queue(queue: Queue) -> Queue:
     """The engine queue, validating types against the test tasks (and taking their retry
     policies as the jobs' default max attempts)."""
-    queue.registry = registry
+    queue.produce.tasks = registry
     return queue
 
 
@@ -75,8 +76,8 @@ async def test_retries_follow_the_backoff_then_dead_letter(
         assert plain - 0.002 <= waited <= plain * (1 + policy.jitter) + 0.002, (attempt, waited)
     status = await queue.status(sub.job_id)
     assert status.attempt == 4 and status.error is not None and status.error.type == "RuntimeError"
-    assert [d.id for d in await queue.dead_letters()] == [sub.job_id]
-    await queue.replay(sub.job_id)
+    assert [d.id for d in await queue.jobs.dead_letters()] == [sub.job_id]
+    await queue.jobs.replay(sub.job_id)
     await until_state(queue, sub.job_id, State.FAILED, timeout=20)
 
 
@@ -107,7 +108,7 @@ async def test_non_retryable_errors_and_bad_results_dead_letter_at_once(queue: Q
 
 
 async def test_a_job_of_a_type_the_worker_lacks_is_handed_back_untouched(queue: Queue) -> None:
-    queue.registry = None  # let a type no worker knows through
+    queue.produce.tasks = None  # let a type no worker knows through
     unknown = await queue.submit("not_in_this_worker", None, max_attempts=1)
     known = await queue.submit("echo", "x")
     worker = worker_for(queue, registry, burst=True)
@@ -121,7 +122,7 @@ async def test_a_job_of_a_type_the_worker_lacks_is_handed_back_untouched(queue: 
     )  # no transition, no attempt used
     assert (await queue.status(known.job_id)).state is State.SUCCEEDED
     assert worker.stats.handed_back == 1
-    stats = await queue.stats()
+    stats = await queue.admin.stats()
     assert stats["total"]["parked"] == 1 and stats["total"]["queued"] == 0
     # a second run of the same worker does not meet it again: parked jobs are out of its way
     again = worker_for(queue, registry, burst=True)
@@ -184,13 +185,13 @@ async def test_burst_worker_drains_every_shard(queue: Queue) -> None:
     # first two, which are empty; the jobs wait in the others
     last = queue.keys.shards - 1
     specs = [
-        queue.prepare(JobSpec(type="echo"), "default", job_id=queue.keys.new_id(s))
+        queue.produce.prepare(JobSpec(type="echo"), "default", job_id=queue.keys.new_id(s))
         for s in (last, last - 1)
     ]
-    await queue.submit_many_prepared(specs)
+    await queue.produce.submit_prepared(specs)
     stats = await worker_for(queue, registry, burst=True, concurrency=2).run()
     assert stats.succeeded == 2
-    assert (await queue.stats())["total"]["queued"] == 0
+    assert (await queue.admin.stats())["total"]["queued"] == 0
 
 
 async def test_a_task_waiting_for_cancel_sees_it(queue: Queue, background: Background) -> None:
@@ -229,8 +230,8 @@ async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Que
     meanwhile. Recorded where each call starts its pipeline, which writes it at once."""
 
     async def fill(n: int) -> None:
-        await queue.submit_many_prepared(
-            [queue.prepare(JobSpec(type="echo"), "default") for _ in range(n)]
+        await queue.produce.submit_prepared(
+            [queue.produce.prepare(JobSpec(type="echo"), "default") for _ in range(n)]
         )
 
     # a first run opens the connections both loops use (a connection being opened would
@@ -245,16 +246,16 @@ async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Que
     claim_of: dict[str, int] = {}  # job id -> the number of the claim that gave it
 
     async def spy(calls: Any) -> list[Any]:
-        if any(script.name == "claim" for script, _, _ in calls):
+        if any(name == "claim" for name, _, _ in calls):
             number = sum(1 for kind, _ in sent if kind == "claim") + 1
             sent.append(("claim", number))
             replies = await call_many(calls)
             for (_, s, _), reply in zip(calls, replies, strict=True):
-                for job in scripts.parse_claim(s, reply).jobs:
+                for job in parse_claim(s, reply).jobs:
                     claim_of[job.id] = number
             return replies
         for script, _, args in calls:
-            if script.name == "complete":
+            if script == "complete":
                 sent.append(("complete", max(claim_of[i] for i in args[3::3])))
         return await call_many(calls)
 

@@ -28,6 +28,7 @@ from jobtier.config import Settings
 from jobtier.core.errors import Code
 from jobtier.core.model import State, decode_status
 from jobtier.engine.queue import Queue
+from jobtier.store.calls import complete_call
 from tests import shutdown_tasks
 from tests.fixtures.engine import wait_for, worker_for
 
@@ -82,7 +83,7 @@ class WorkerProcess:
 
 @pytest.fixture
 def queue(queue: Queue) -> Queue:
-    queue.registry = shutdown_tasks.registry
+    queue.produce.tasks = shutdown_tasks.registry
     return queue
 
 
@@ -207,7 +208,7 @@ async def test_the_late_result_of_a_released_sync_task_is_refused(queue: Queue) 
     shard = queue.keys.shard_of(job)
     scripts = queue.scripts
     (code,) = await scripts.call(
-        *scripts.complete_call(shard, worker.id, 60, [(job, token, b'"late result"')])
+        *complete_call(shard, worker.id, 60, [(job, token, b'"late result"')])
     )
     assert code != Code.OK
     assert await queue.status(job) == released

@@ -13,7 +13,8 @@ from jobtier.config import Settings, settings_table
 from jobtier.core.errors import Code, ConfigError
 from jobtier.core.keys import Keys, ulid
 from jobtier.core.names import JOB_ID_RE
-from jobtier.store.scripts import CODES, NAMES, lua_source
+from jobtier.store.calls import CODES
+from jobtier.store.scripts import NAMES, lua_source
 from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
 
 
@@ -301,20 +302,21 @@ def test_prepare_checks_every_name_each_time_and_hashes_only_keyed_requests() ->
     from jobtier.core.errors import InvalidRequest
     from jobtier.core.model import JobSpec
     from jobtier.engine.queue import Queue
+    from jobtier.store.context import Store
     from jobtier.store.redis import connect
 
     settings = Settings.from_env({}, redis_url="redis://127.0.0.1:1/0")
-    queue = Queue(settings, connect(settings), None)
+    queue = Queue(Store(settings, connect(settings)))
     for _ in range(2):
-        item = queue.prepare(JobSpec(type="mail.send", payload=1, queue="q1"), "acme")
+        item = queue.produce.prepare(JobSpec(type="mail.send", payload=1, queue="q1"), "acme")
         assert (item.type, item.queue, item.tenant, item.request_hash) == (
             "mail.send",
             "q1",
             "acme",
             "",
         )
-    one = queue.prepare(JobSpec(type="mail.send", payload=1, idempotency_key="k"), "acme")
-    two = queue.prepare(JobSpec(type="mail.send", payload=2, idempotency_key="k"), "acme")
+    one = queue.produce.prepare(JobSpec(type="mail.send", payload=1, idempotency_key="k"), "acme")
+    two = queue.produce.prepare(JobSpec(type="mail.send", payload=2, idempotency_key="k"), "acme")
     assert len(one.request_hash) == 32 and one.request_hash != two.request_hash
     bad: list[tuple[JobSpec, str]] = [
         (JobSpec(type="mail send", payload=1), "acme"),
@@ -325,7 +327,7 @@ def test_prepare_checks_every_name_each_time_and_hashes_only_keyed_requests() ->
     ]
     for spec, tenant in bad * 2:  # twice: a refused name is not kept as valid
         with pytest.raises(InvalidRequest):
-            queue.prepare(spec, tenant)
+            queue.produce.prepare(spec, tenant)
 
 
 async def test_scripts_that_keep_disappearing_fail_as_a_redis_error() -> None:

@@ -67,7 +67,7 @@ def test_no_import_circle() -> None:
 
 def test_the_graph_sees_real_edges() -> None:
     graph = import_graph()
-    assert "jobtier.store.scripts" in graph["jobtier.engine.queue"]
+    assert "jobtier.engine.produce" in graph["jobtier.engine.queue"]
     assert "jobtier.metrics.histogram" in graph["jobtier.worker.state"]
 
 

@@ -55,7 +55,7 @@ async def dead_letters(request: Request) -> Response:
     require_admin(request)
     query = parse_query(request, DEAD_LETTER_PARAMS)
     queue: Queue = request.state.queue
-    jobs = await queue.dead_letters(
+    jobs = await queue.jobs.dead_letters(
         query.get("limit", 100), type=query.get("type"), since=query.get("since")
     )
     return Response(msgspec.json.encode({"jobs": jobs}), media_type=JSON)
@@ -67,7 +67,7 @@ async def replay_one(request: Request) -> Response:
     queue: Queue = request.state.queue
     async with audited(request, "job.replay", job_id):
         try:
-            doc = await queue.replay_doc(job_id)
+            doc = await queue.jobs.replay_doc(job_id)
         except JobNotFound:
             raise job_not_found(job_id) from None
         except TransitionRefused:
@@ -97,7 +97,7 @@ async def replay_many(request: Request) -> Response:
     what = msgspec.to_builtins(selector)
     target = ",".join(f"{k}={v}" for k, v in what.items() if v is not None and k != "limit")
     async with audited(request, "dead_letters.replay", target or "all") as outcome:
-        replayed = await queue.replay_many(
+        replayed = await queue.jobs.replay_many(
             type=selector.type,
             since=since,
             queue=selector.queue,
@@ -117,9 +117,9 @@ async def collect_stats(request: Request) -> dict[str, Any]:
     """Queue depths per shard and priority, waiting jobs per tenant, live workers, the
     status tier's counters and the write-behind lag."""
     queue: Queue = request.state.queue
-    out = await queue.stats()
-    out["waiting_by_tenant"] = await queue.waiting_by_tenant()
-    out["workers"] = await queue.live_workers()
+    out = await queue.admin.stats()
+    out["waiting_by_tenant"] = await queue.admin.waiting_by_tenant()
+    out["workers"] = await queue.admin.live_workers()
     out["status_reads"] = request.state.reader.stats()
     out["write_behind_lag"] = request.state.admission.lag
     return out

@@ -69,7 +69,7 @@ class Admission:
         await stop_task(self._task, "admission refresh")
 
     async def refresh(self) -> None:
-        self.waiting = await self.queue.waiting_by_tenant()
+        self.waiting = await self.queue.admin.waiting_by_tenant()
         self.total_waiting = sum(self.waiting.values())
         if self.lag_probe is not None:
             self.lag = await self.lag_probe()

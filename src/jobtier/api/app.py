@@ -34,6 +34,7 @@ from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher
 from jobtier.runtime.stopping import bounded
 from jobtier.status.reader import Fallback, StatusReader
+from jobtier.store.context import Store
 from jobtier.store.redis import ShardSubscriber
 
 log = logging.getLogger("jobtier.api")
@@ -110,11 +111,10 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        queue = await Queue.connect(settings)
+        store = await Store.connect(settings)
         # submits take a task's queue, attempts and payload check from what workers advertise
-        catalog = TaskCatalog(queue.redis, queue.keys, ttl=settings.task_catalog_ttl)
-        queue.registry = catalog
-        queue.require_known = settings.require_known_types
+        catalog = TaskCatalog(store.redis, store.keys, ttl=settings.task_catalog_ttl)
+        queue = Queue(store, catalog, require_known=settings.require_known_types)
         await ext.open(settings, queue)
         reader = StatusReader(
             queue.redis,

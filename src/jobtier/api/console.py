@@ -108,12 +108,12 @@ async def cancel(request: Request) -> Response:
     queue: Queue = request.state.queue
     async with audited(request, "job.cancel", job_id) as outcome:
         try:
-            doc = await queue.cancel_doc(job_id)
+            doc = await queue.jobs.cancel_doc(job_id)
         except JobNotFound:
             raise job_not_found(job_id) from None
         except TransitionRefused as exc:
             try:
-                current = await queue.status_doc(job_id)
+                current = await queue.jobs.status_doc(job_id)
             except JobNotFound:  # finished and expired between the two reads
                 raise job_not_found(job_id) from None
             raise Problem(
@@ -139,7 +139,7 @@ async def purge(request: Request) -> Response:
     name = _queue_name(request)
     queue: Queue = request.state.queue
     async with audited(request, "queue.purge", name) as outcome:
-        done = await queue.purge(name)
+        done = await queue.admin.purge(name)
         outcome.detail = {"cancelled": done.cancelled, "remaining": done.remaining}
     body = Purged(name, done.cancelled, done.remaining)
     return Response(msgspec.json.encode(body), media_type=JSON)
@@ -174,7 +174,7 @@ async def worker_list(queue: Queue) -> WorkerList:
                                status.attempt, status.updated_at)
                 )  # fmt: skip
     out = []
-    for w in await queue.live_workers():
+    for w in await queue.admin.live_workers():
         wid = str(w.get("id", ""))
         out.append(
             WorkerInfo(

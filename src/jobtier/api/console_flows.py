@@ -59,7 +59,7 @@ async def flow_view(
     found: list[Dependency] | None = None
     if live:
         try:
-            found = await queue.dependencies(job_id)
+            found = await queue.jobs.dependencies(job_id)
         except JobNotFound:  # expired since the detail read it: Postgres has it now
             found = None
     if found is None:

@@ -27,12 +27,12 @@ from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import UNAVAILABLE, Problem
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
-from jobtier.core.model import Dependencies, JobStatus, LogLine, State
+from jobtier.core.model import Dependencies, JobStatus, LogLine, State, is_ref, ref_of
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE, ULID_RE
 from jobtier.engine.queue import Queue
 from jobtier.persist.audit_store import MAX_AUDIT_LIMIT, AuditRecord, AuditStore
 from jobtier.persist.pg_reader import ID_PREFIX_RE, MAX_LIMIT, AdminTransition, PgReader
-from jobtier.persist.results import is_ref, reader_for, ref_of
+from jobtier.persist.results import reader_for
 from jobtier.status.docs import read_doc
 
 # payloads and results up to this size come with the job; larger ones by their own route
@@ -193,7 +193,7 @@ async def job_detail(request: Request) -> Response:
     reader: PgReader = request.state.pg_reader
     store: AuditStore = request.state.audit_store
     live = await _from_redis(queue, job_id)
-    lines = await queue.log_lines(job_id)
+    lines = await queue.jobs.log_lines(job_id)
     try:
         stored = None if live else await reader.admin_job(job_id, PREVIEW_BYTES)
         if live is None and stored is None:

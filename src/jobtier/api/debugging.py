@@ -29,6 +29,7 @@ from jobtier.api.http import JSON, job_id_of, job_not_found, job_transition
 from jobtier.api.problems import Problem
 from jobtier.core.errors import JobNotFound
 from jobtier.core.model import JobStatus, LogLine
+from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 
 
@@ -54,7 +55,7 @@ async def job_logs(request: Request) -> Response:
     if found is None or found[0] != tenant:
         raise job_not_found(job_id)
     queue: Queue = request.state.queue
-    lines = await queue.log_lines(job_id)
+    lines = await queue.jobs.log_lines(job_id)
     return Response(_lines_body(job_id, lines), media_type=JSON)
 
 
@@ -62,7 +63,7 @@ async def retry(request: Request) -> Response:
     def refused(job_id: str, state: str) -> str:
         return f"job {job_id} has not failed ({state}): only a failed job is retried"
 
-    return await job_transition(request, Queue.replay_doc, refused)
+    return await job_transition(request, JobControl.replay_doc, refused)
 
 
 async def dead_letter(request: Request) -> Response:
@@ -70,7 +71,7 @@ async def dead_letter(request: Request) -> Response:
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
     try:
-        doc, payload, lines = await queue.dead_letter(job_id)
+        doc, payload, lines = await queue.jobs.dead_letter(job_id)
     except JobNotFound:
         raise Problem(
             404, "not-found", f"job {job_id[:64]} is not in the dead-letter set (or expired)"

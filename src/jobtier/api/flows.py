@@ -21,7 +21,7 @@ from jobtier.api.problems import Problem
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.core.model import Dependency, FlowSpec, FlowSubmitted
 from jobtier.engine.queue import Queue
-from jobtier.flows.submit import PreparedFlow, submit_flow_with_callbacks
+from jobtier.flows.submit import PreparedFlow
 from jobtier.webhooks.callbacks import SecretMissing
 
 _flow_decoder = msgspec.json.Decoder(FlowSpec)
@@ -49,7 +49,7 @@ async def submit_flow(request: Request) -> Response:
     body.idempotency_key = idempotency_key(request, body.idempotency_key)
     queue: Queue = st.queue
     try:
-        prepared = await queue.prepare_flow(body.jobs, tenant, body.idempotency_key)
+        prepared = await queue.produce.prepare_flow(body.jobs, tenant, body.idempotency_key)
     except InvalidRequest as exc:
         raise invalid(exc) from None
     st.admission.check(tenant, len(prepared))
@@ -80,7 +80,7 @@ async def _submit(request: Request, queue: Queue, prepared: PreparedFlow) -> Flo
     from jobtier.api.webhooks import PG_DOWN, secret_missing, unavailable
 
     if not any(prepared.callbacks):
-        return await queue.submit_flow_prepared(prepared)
+        return await queue.produce.submit_flow_prepared(prepared)
     service = getattr(request.state, "webhooks", None)
     if service is None:
         index = next(i for i, cb in enumerate(prepared.callbacks) if cb is not None)
@@ -89,7 +89,7 @@ async def _submit(request: Request, queue: Queue, prepared: PreparedFlow) -> Flo
             "without", field=f"jobs[{index}].callback.url",
         )  # fmt: skip
     try:
-        return await submit_flow_with_callbacks(queue, prepared, service.callbacks)
+        return await queue.produce.submit_flow_prepared(prepared, service.callbacks)
     except PG_DOWN:
         raise unavailable() from None
     except SecretMissing as exc:
@@ -103,7 +103,7 @@ async def dependencies(request: Request) -> Response:
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
     try:
-        found = await queue.dependencies(job_id, tenant)
+        found = await queue.jobs.dependencies(job_id, tenant)
     except JobNotFound:
         fallback = getattr(request.state, "dependencies_fallback", None)
         stored = await fallback(job_id, tenant) if fallback is not None else None

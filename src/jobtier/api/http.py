@@ -21,7 +21,8 @@ from jobtier.core.model import TERMINAL
 from jobtier.status.reader import parse_version
 
 if TYPE_CHECKING:
-    from jobtier.engine.queue import Queue
+    from jobtier.engine.control import JobControl
+from jobtier.engine.queue import Queue
 
 JSON = "application/json"
 
@@ -104,10 +105,10 @@ def job_not_found(job_id: str) -> Problem:
 
 async def job_transition(
     request: Request,
-    change: Callable[[Queue, str, str], Awaitable[bytes]],
+    change: Callable[[JobControl, str, str], Awaitable[bytes]],
     refused: Callable[[str, str], str],
 ) -> Response:
-    """A change a client asks of its job (cancel, retry): ``change(queue, job_id, tenant)``
+    """A change a client asks of its job (cancel, retry): ``change(jobs, job_id, tenant)``
     gives the new status document; an unknown job (or another tenant's) is a 404, and a job
     whose state does not allow the change a 409 ``wrong-state`` whose detail is
     ``refused(job_id, state)``, with the job's status document."""
@@ -115,12 +116,12 @@ async def job_transition(
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
     try:
-        doc = await change(queue, job_id, tenant)
+        doc = await change(queue.jobs, job_id, tenant)
     except JobNotFound:
         raise job_not_found(job_id) from None
     except TransitionRefused as exc:
         try:
-            current = await queue.status_doc(job_id, tenant)
+            current = await queue.jobs.status_doc(job_id, tenant)
         except JobNotFound:  # expired between the two reads
             raise job_not_found(job_id) from None
         raise Problem(

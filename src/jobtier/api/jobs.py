@@ -35,10 +35,10 @@ from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.core.model import JobSpec, Submitted
+from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 from jobtier.status.reader import RESYNC, Status, StatusReader, parse_version
-from jobtier.store.scripts import SubmitItem
-from jobtier.webhooks.callbacks import submit_with_callbacks
+from jobtier.store.calls import SubmitItem
 
 _spec_decoder = msgspec.json.Decoder(JobSpec)
 
@@ -57,9 +57,9 @@ async def submit(request: Request) -> Response:
     spec: JobSpec = decode_body(_spec_decoder, await read_json_body(request))
     spec.idempotency_key = idempotency_key(request, spec.idempotency_key)
     queue: Queue = st.queue
-    await queue.ensure_known((spec.type,))
+    await queue.produce.ensure_known((spec.type,))
     try:
-        item = queue.prepare(spec, tenant)
+        item = queue.produce.prepare(spec, tenant)
     except InvalidRequest as exc:
         raise invalid(exc) from None
     st.admission.check(tenant)
@@ -71,14 +71,13 @@ async def _submit(
     request: Request, items: Sequence[SubmitItem], specs: Sequence[JobSpec], batch: bool
 ) -> list[Submitted | IdempotencyConflict]:
     """Submit prepared jobs, their callbacks written first by the API's webhook service
-    (``webhooks/callbacks.py submit_with_callbacks``, as the in-process ``Queue.submit``
-    does). A refused callback names its member: ``callback.url``, or ``jobs[i].callback.url``
+    (``Producer.submit_prepared``, as the in-process ``Queue.submit`` does). A refused callback names its member: ``callback.url``, or ``jobs[i].callback.url``
     in a batch."""
     queue: Queue = request.state.queue
     callbacks = [spec.callback for spec in specs]
     try:
         if all(cb is None for cb in callbacks):
-            return await queue.submit_many_prepared(items, batch=batch)
+            return await queue.produce.submit_prepared(items, batch=batch)
         service = getattr(request.state, "webhooks", None)
         if service is None:
             first = next(i for i, cb in enumerate(callbacks) if cb is not None)
@@ -86,7 +85,9 @@ async def _submit(
                 422, "validation", "callbacks need the API's Postgres part, which this API "
                 "runs without", field=(f"jobs[{first}]." if batch else "") + "callback.url",
             )  # fmt: skip
-        return await submit_with_callbacks(queue, items, callbacks, service, batch=batch)
+        return await queue.produce.submit_prepared(
+            items, batch=batch, callbacks=callbacks, registrar=service
+        )
     except InvalidRequest as exc:  # depends_on names a job the tenant does not have
         raise invalid(exc) from None
 
@@ -131,11 +132,11 @@ async def submit_batch(request: Request) -> Response:
             f"at most {queue.settings.max_batch} jobs per batch (JOBTIER_MAX_BATCH)",
             field="jobs",
         )
-    await queue.ensure_known(spec.type for spec in body.jobs)
+    await queue.produce.ensure_known(spec.type for spec in body.jobs)
     items = []
     for index, spec in enumerate(body.jobs):
         try:
-            items.append(queue.prepare(spec, tenant))
+            items.append(queue.produce.prepare(spec, tenant))
         except InvalidRequest as exc:
             problem = invalid(exc)
             raise Problem(
@@ -360,7 +361,7 @@ async def get_result(request: Request) -> Response:
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
     try:
-        status, raw = await queue.result_raw(job_id, tenant)
+        status, raw = await queue.jobs.result_raw(job_id, tenant)
     except JobNotFound:
         fallback = request.state.result_fallback
         found = await fallback(job_id, tenant) if fallback else None
@@ -385,7 +386,7 @@ async def get_result(request: Request) -> Response:
 async def cancel(request: Request) -> Response:
     return await job_transition(
         request,
-        Queue.cancel_doc,
+        JobControl.cancel_doc,
         lambda job_id, state: f"job {job_id} has already finished ({state})",
     )
 

@@ -41,7 +41,7 @@ from jobtier.core.names import (
     TASK_NAME_RE,
     TENANT_RE,
 )
-from jobtier.engine.queue import MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
+from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
 from jobtier.webhooks.safety import MAX_URL_LENGTH as MAX_URL_LENGTH_CALLBACK
 from jobtier.worker.context import LOG_LINE_CHARS, LOG_LINES
 

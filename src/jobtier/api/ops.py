@@ -19,12 +19,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api.auth import require_admin
+from jobtier.api.gauges import live_gauges
 from jobtier.api.problems import UNAVAILABLE
 from jobtier.api.queues import queue_states
 from jobtier.api.sse import StreamResponse
 from jobtier.core.model import PRIORITIES
 from jobtier.engine.queue import Queue
-from jobtier.metrics.gauges import live_gauges
 from jobtier.metrics.histogram import quantile
 from jobtier.metrics.prometheus import render
 from jobtier.metrics.snapshot import (
@@ -81,9 +81,9 @@ async def dashboard_state(
     once for all the figures (a frame a second per API process)."""
     queue: Queue = request.state.queue
     snapshots = await read_snapshots(queue.redis, queue.keys)
-    stats = await queue.stats()
-    ages = await queue.oldest_queued()
-    workers = await queue.live_workers()
+    stats = await queue.admin.stats()
+    ages = await queue.admin.oldest_queued()
+    workers = await queue.admin.live_workers()
     lag = await _lag_probe(request)
     lag_entries, lag_seconds = (await lag()) if lag is not None else (None, None)
     counters, hists = totals(snapshots)  # histograms since the processes started

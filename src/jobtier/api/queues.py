@@ -44,10 +44,10 @@ async def queue_states(
     """Every known queue: a queue with jobs, limits, or a task that names it. ``stats``,
     ``ages`` and ``workers`` are read from Redis unless given (the dashboard's frame reads
     them once for all its figures)."""
-    stats = stats if stats is not None else await queue.stats()
-    limits = await queue.limits()
-    ages = ages if ages is not None else await queue.oldest_queued()
-    workers = workers if workers is not None else await queue.live_workers()
+    stats = stats if stats is not None else await queue.admin.stats()
+    limits = await queue.admin.limits()
+    ages = ages if ages is not None else await queue.admin.oldest_queued()
+    workers = workers if workers is not None else await queue.admin.live_workers()
     names = set(stats["queues"]) | set(limits)
     if catalog is not None:
         names |= {ad.queue for ad in catalog.ads()}
@@ -91,7 +91,7 @@ async def pause(request: Request) -> Response:
     require_admin(request)
     name = _name(request)
     async with audited(request, "queue.pause", name):
-        await request.state.queue.pause(name)
+        await request.state.queue.admin.pause(name)
     return Response(orjson.dumps({"queue": name, "paused": True}), media_type=JSON)
 
 
@@ -99,7 +99,7 @@ async def resume(request: Request) -> Response:
     require_admin(request)
     name = _name(request)
     async with audited(request, "queue.resume", name):
-        await request.state.queue.resume(name)
+        await request.state.queue.admin.resume(name)
     return Response(orjson.dumps({"queue": name, "paused": False}), media_type=JSON)
 
 
@@ -111,7 +111,7 @@ async def set_limits(request: Request) -> Response:
     async with audited(request, "queue.limits", name) as outcome:
         outcome.detail = msgspec.to_builtins(limits)
         try:
-            await request.state.queue.set_limits(name, limits)
+            await request.state.queue.admin.set_limits(name, limits)
         except InvalidRequest as exc:
             raise invalid(exc) from None
     body = {"queue": name, "limits": msgspec.to_builtins(limits) if limits.limited else None}

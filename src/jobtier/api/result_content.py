@@ -18,9 +18,10 @@ from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
+from jobtier.core.model import is_ref, ref_of
 from jobtier.engine.queue import Queue
 from jobtier.persist.pg_reader import PgReader
-from jobtier.persist.results import is_ref, reader_for, ref_of
+from jobtier.persist.results import reader_for
 from jobtier.status.docs import read_doc
 
 

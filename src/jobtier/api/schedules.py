@@ -97,7 +97,7 @@ async def create(request: Request) -> Response:
     try:
         payload = validate(spec, settings.min_schedule_interval, settings.max_payload_bytes)
         # its jobs' queue and attempts: the spec's, else the task's (as its workers advertise)
-        queue, max_attempts = await request.state.queue.task_defaults(
+        queue, max_attempts = await request.state.queue.produce.task_defaults(
             spec.type, spec.queue, spec.max_attempts, spec.payload
         )
     except InvalidRequest as exc:

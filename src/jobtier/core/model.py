@@ -357,6 +357,24 @@ class FlowSubmitted:
         return [job.job_id for job in self.jobs]
 
 
+# A job's result field that starts with this holds a reference to the result store
+# (persist/results.py), not JSON: JSON never starts with it.
+RESULT_REF = b"@"
+
+
+def is_ref(result: bytes | None) -> bool:
+    return bool(result) and result[:1] == RESULT_REF  # type: ignore[index]
+
+
+def ref_of(result: bytes) -> str:
+    return result[1:].decode()
+
+
+def marker(ref: str) -> bytes:
+    """The value a worker reports as the job's result for a stored one."""
+    return RESULT_REF + ref.encode()
+
+
 json_encoder = msgspec.json.Encoder()
 status_decoder = msgspec.json.Decoder(JobStatus)
 any_decoder = msgspec.json.Decoder()

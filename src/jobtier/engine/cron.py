@@ -228,7 +228,7 @@ class CronMirror:
                 ]  # fmt: skip
                 for slot in slots:
                     args += [slot_job_id(self.keys, schedule_id, slot), slot]
-                calls.append((self.scripts["fire"], shard, args))
+                calls.append(("fire", shard, args))
             for reply in await self.scripts.call_many(calls) if calls else []:
                 created += int(reply[1])
         first = await self.redis.zrange(self.keys.cron(shard), 0, 0, withscores=True)

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
 from jobtier.core.errors import JobNotFound
-from jobtier.core.model import Dependency, JobError
-
-if TYPE_CHECKING:
-    from jobtier.engine.queue import Queue
+from jobtier.core.model import RESULT_REF, Dependency, JobError
+from jobtier.store.context import Store
 
 # lib.lua's state marks (upper case: a child of the job)
-# a stored result that starts with it is a reference (persist/results.py MARKER), not JSON
-RESULT_REF = b"@"
 MARKS = {"s": "succeeded", "f": "failed", "c": "cancelled", "m": "missing"}
 _error_decoder = msgspec.json.Decoder(JobError)
 
@@ -76,16 +70,16 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-async def dependencies(queue: Queue, job_id: str, tenant: str | None) -> list[Dependency]:
-    owner, ids = await queue.redis.hmget(queue.keys.job(job_id), "tenant", "dids")
+async def dependencies(store: Store, job_id: str, tenant: str | None) -> list[Dependency]:
+    owner, ids = await store.redis.hmget(store.keys.job(job_id), "tenant", "dids")
     if owner is None or (tenant is not None and _text(owner) != tenant):
         raise JobNotFound(job_id)
     if not ids:
         return []
-    stored: dict[bytes, bytes] = await queue.redis.hgetall(queue.keys.deps(job_id))  # type: ignore[assignment]
+    stored: dict[bytes, bytes] = await store.redis.hgetall(store.keys.deps(job_id))  # type: ignore[assignment]
     return [from_stored(dep, stored.get(dep.encode())) for dep in _text(ids).split()]
 
 
-async def compensation_of(queue: Queue, job_id: str) -> str | None:
-    found = await queue.redis.hget(queue.keys.job(job_id), "cjob")
+async def compensation_of(store: Store, job_id: str) -> str | None:
+    found = await store.redis.hget(store.keys.job(job_id), "cjob")
     return _text(found) if found is not None else None

@@ -30,7 +30,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -38,11 +38,9 @@ from jobtier.core.errors import Code
 from jobtier.flows.submit import link_calls, linked_calls
 from jobtier.metrics.snapshot import Snapshot
 from jobtier.runtime.backoff import SCHEDULER
-from jobtier.store.scripts import Call
+from jobtier.store.calls import Call, resolve_call
+from jobtier.store.context import Store
 from jobtier.streams.consumer import create_groups
-
-if TYPE_CHECKING:
-    from jobtier.engine.queue import Queue
 
 log = logging.getLogger("jobtier.resolver")
 
@@ -71,12 +69,12 @@ class Resolver:
     resets (``reset``); tests call ``run_once`` / ``drain`` directly.
     """
 
-    def __init__(self, queue: Queue, *, name: str | None = None, batch: int = 500) -> None:
-        self.queue = queue
-        self.keys = queue.keys
-        self.scripts = queue.scripts
-        self.settings = queue.settings
-        self.redis = queue.redis
+    def __init__(self, store: Store, *, name: str | None = None, batch: int = 500) -> None:
+        self.store = store
+        self.keys = store.keys
+        self.scripts = store.scripts
+        self.settings = store.settings
+        self.redis = store.redis
         self.group = self.keys.resolver_group()
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
         self.batch = batch
@@ -234,9 +232,7 @@ class Resolver:
                 if self.keys.valid_id(target):
                     by_shard[self.keys.shard_of(target)].append((kind, target, source, state, data))
         calls: list[Call] = [
-            self.scripts.resolve_call(
-                shard, self.settings.retention_seconds, items[i : i + RESOLVE_CHUNK]
-            )
+            resolve_call(shard, self.settings.retention_seconds, items[i : i + RESOLVE_CHUNK])
             for shard, items in by_shard.items()
             for i in range(0, len(items), RESOLVE_CHUNK)
         ]
@@ -289,11 +285,11 @@ class Resolver:
                 if self.keys.valid_id(dep):
                     links[tenant.decode()].append((dep, job_id))
         calls = [
-            c for tenant, pairs in links.items() for c in link_calls(self.queue, tenant, pairs)
+            c for tenant, pairs in links.items() for c in link_calls(self.store, tenant, pairs)
         ]
         if calls:
             await self.scripts.call_many(calls)
-        await self.scripts.call_many(linked_calls(self.queue, overdue))
+        await self.scripts.call_many(linked_calls(self.store, overdue))
         log.warning(
             "event=dependents_relinked count=%d: their submit was cut short before it linked "
             "them", len(overdue),

@@ -27,7 +27,7 @@ import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
@@ -35,11 +35,16 @@ from jobtier.core.errors import Code, IdempotencyConflict, InvalidRequest
 from jobtier.core.model import CallbackSpec, FlowSubmitted, Submitted
 from jobtier.flows.plan import FlowPlan, derive_id
 from jobtier.status.docs import read_docs
-from jobtier.store.scripts import Call, SubmitItem, SubmitOutcome
-
-if TYPE_CHECKING:
-    from jobtier.engine.queue import Queue
-    from jobtier.webhooks.callbacks import CallbackStore
+from jobtier.store.calls import (
+    Call,
+    SubmitItem,
+    SubmitOutcome,
+    link_call,
+    linked_call,
+    parse_submit,
+    submit_call,
+)
+from jobtier.store.context import Store, submit_items
 
 SUBMIT_CHUNK = 1000  # jobs per submit call (several calls per shard in one pipeline)
 LINK_CHUNK = 2000  # links (or dependents) per link/linked call
@@ -71,100 +76,100 @@ def flow_blob(
     return msgspec.json.encode(blob) if blob else b""
 
 
-async def check_dependencies(queue: Queue, wanted: Iterable[tuple[str, str]], tenant: str) -> None:
+async def check_dependencies(store: Store, wanted: Iterable[tuple[str, str]], tenant: str) -> None:
     """Raise ``InvalidRequest`` (naming ``field``) for the first id of ``wanted`` ((field,
     id) pairs) that is not one of ``tenant``'s jobs held in Redis: another tenant's job is
     refused exactly as an unknown id."""
     pairs = list(wanted)
     if not pairs:
         return
-    pipe = queue.redis.pipeline(transaction=False)
+    pipe = store.redis.pipeline(transaction=False)
     for _, job_id in pairs:
-        pipe.hget(queue.keys.job(job_id), "tenant")
+        pipe.hget(store.keys.job(job_id), "tenant")
     owners = await pipe.execute()
     for (field, job_id), owner in zip(pairs, owners, strict=True):
         if owner is None or owner.decode() != tenant:
             index = field.split("]", 1)[0] + "]: " if field.startswith("jobs[") else ""
             raise InvalidRequest(
                 f"{index}depends_on names {job_id}, which is not a job of yours that Redis "
-                f"still keeps (finished jobs stay {queue.settings.retention_seconds} s: "
+                f"still keeps (finished jobs stay {store.settings.retention_seconds} s: "
                 "JOBTIER_RETENTION_SECONDS)",
                 field=field,
             )
 
 
-def submit_calls(queue: Queue, items: Sequence[SubmitItem]) -> tuple[list[Call], list[list[int]]]:
+def submit_calls(store: Store, items: Sequence[SubmitItem]) -> tuple[list[Call], list[list[int]]]:
     """One submit call per shard and chunk; with each, the indices of its items."""
     by_shard: dict[int, list[int]] = defaultdict(list)
     for i, item in enumerate(items):
-        by_shard[queue.keys.shard_of(item.job_id)].append(i)
-    ttl = queue.settings.idempotency_ttl_seconds * 1000
+        by_shard[store.keys.shard_of(item.job_id)].append(i)
+    ttl = store.settings.idempotency_ttl_seconds * 1000
     calls, groups = [], []
     for shard, idx in by_shard.items():
         for start in range(0, len(idx), SUBMIT_CHUNK):
             chunk = idx[start : start + SUBMIT_CHUNK]
-            calls.append(queue.scripts.submit_call(shard, [items[i] for i in chunk], ttl))
+            calls.append(submit_call(shard, [items[i] for i in chunk], ttl))
             groups.append(chunk)
     return calls, groups
 
 
-def link_calls(queue: Queue, tenant: str, links: Iterable[tuple[str, str]]) -> list[Call]:
+def link_calls(store: Store, tenant: str, links: Iterable[tuple[str, str]]) -> list[Call]:
     """link.lua calls for (dependency, dependent) pairs, by the dependency's shard."""
     by_shard: dict[int, list[tuple[str, str]]] = defaultdict(list)
     for dep, dependent in links:
-        by_shard[queue.keys.shard_of(dep)].append((dep, dependent))
+        by_shard[store.keys.shard_of(dep)].append((dep, dependent))
     return [
-        queue.scripts.link_call(shard, tenant, pairs[start : start + LINK_CHUNK])
+        link_call(shard, tenant, pairs[start : start + LINK_CHUNK])
         for shard, pairs in by_shard.items()
         for start in range(0, len(pairs), LINK_CHUNK)
     ]
 
 
-def linked_calls(queue: Queue, dependents: Iterable[str], head: str = "") -> list[Call]:
+def linked_calls(store: Store, dependents: Iterable[str], head: str = "") -> list[Call]:
     """linked.lua calls: the dependents off their shards' unlinked sets, the head marked."""
     by_shard: dict[int, list[str]] = defaultdict(list)
     for job_id in dependents:
-        by_shard[queue.keys.shard_of(job_id)].append(job_id)
+        by_shard[store.keys.shard_of(job_id)].append(job_id)
     if head:
-        by_shard.setdefault(queue.keys.shard_of(head), [])
-    head_shard = queue.keys.shard_of(head) if head else -1
+        by_shard.setdefault(store.keys.shard_of(head), [])
+    head_shard = store.keys.shard_of(head) if head else -1
     calls = []
     for shard, ids in by_shard.items():
         chunks = [ids[s : s + LINK_CHUNK] for s in range(0, len(ids), LINK_CHUNK)] or [[]]
         for n, chunk in enumerate(chunks):
             mark = head if shard == head_shard and n == 0 else ""
-            calls.append(queue.scripts.linked_call(shard, chunk, mark))
+            calls.append(linked_call(shard, chunk, mark))
     return calls
 
 
 def parse_outcomes(
-    queue: Queue, n: int, groups: Sequence[list[int]], replies: Sequence[Any]
+    store: Store, n: int, groups: Sequence[list[int]], replies: Sequence[Any]
 ) -> list[SubmitOutcome]:
     outcomes: list[SubmitOutcome | None] = [None] * n
     for idx, reply in zip(groups, replies, strict=True):
-        for i, outcome in zip(idx, queue.scripts.parse_submit(reply), strict=True):
+        for i, outcome in zip(idx, parse_submit(reply), strict=True):
             outcomes[i] = outcome
     return [o for o in outcomes if o is not None]
 
 
 async def settle(
-    queue: Queue, tenant: str, dependents: Sequence[tuple[str, Sequence[str]]]
+    store: Store, tenant: str, dependents: Sequence[tuple[str, Sequence[str]]]
 ) -> None:
-    """Steps 3 and 4 for jobs created with ``depends_on`` alone (``Queue.submit_many``):
+    """Steps 3 and 4 for jobs created with ``depends_on`` alone (``Producer.submit_prepared``):
     link each (dependent, its dependencies), then take the dependents off ``unlinked``."""
     if not dependents:
         return
     links = [(dep, job_id) for job_id, deps in dependents for dep in deps]
-    await queue.scripts.call_many(link_calls(queue, tenant, links))
-    await queue.scripts.call_many(linked_calls(queue, [job_id for job_id, _ in dependents]))
+    await store.scripts.call_many(link_calls(store, tenant, links))
+    await store.scripts.call_many(linked_calls(store, [job_id for job_id, _ in dependents]))
 
 
 @dataclass(frozen=True, slots=True)
 class PreparedFlow:
-    """A flow checked and its jobs prepared (``Queue.prepare_flow``): ready to submit."""
+    """A flow checked and its jobs prepared (``Producer.prepare_flow``): ready to submit."""
 
     plan: FlowPlan
-    items: list[SubmitItem]  # each job as Queue.prepare made it (ids, compensation)
+    items: list[SubmitItem]  # each job as Producer.prepare made it (ids, compensation)
     tenant: str
     idempotency_key: str  # '': none
     callbacks: tuple[CallbackSpec | None, ...] = ()  # each job's own, in the flow's order
@@ -173,7 +178,7 @@ class PreparedFlow:
         return len(self.items)
 
 
-def derived_ids(queue: Queue, prepared: PreparedFlow, head_id: str) -> list[str]:
+def derived_ids(store: Store, prepared: PreparedFlow, head_id: str) -> list[str]:
     """The ids of a keyed flow's jobs, all derived from its head's (``plan.py``), so that a
     repeat finds the jobs the first submit made from the head alone."""
     ids = []
@@ -181,57 +186,24 @@ def derived_ids(queue: Queue, prepared: PreparedFlow, head_id: str) -> list[str]
         if node.index == prepared.plan.head:
             ids.append(head_id)
             continue
-        shard = queue.keys.shard_of(item.job_id) if item.concurrency_key else None
-        ids.append(derive_id(queue.keys, head_id, node.index, shard))
+        shard = store.keys.shard_of(item.job_id) if item.concurrency_key else None
+        ids.append(derive_id(store.keys, head_id, node.index, shard))
     return ids
 
 
-def planned_ids(queue: Queue, prepared: PreparedFlow) -> list[str]:
+def planned_ids(store: Store, prepared: PreparedFlow) -> list[str]:
     """The ids the flow's jobs get if this submit creates them (a repeat answers with the
     first submit's instead)."""
     if prepared.idempotency_key:
-        return derived_ids(queue, prepared, prepared.items[prepared.plan.head].job_id)
+        return derived_ids(store, prepared, prepared.items[prepared.plan.head].job_id)
     return [item.job_id for item in prepared.items]
 
 
-async def submit_flow_with_callbacks(
-    queue: Queue, prepared: PreparedFlow, store: CallbackStore
-) -> FlowSubmitted:
-    """``submit_flow`` for a flow some jobs of which have a callback: the callbacks are
-    written first, under the ids the jobs will get (the dispatcher must find a job's callback
-    for its first transition, which the submit itself makes), and deleted again for every id
-    the submit did not create: all of them when it is refused, those a repeat answered with
-    the first submit's jobs. ``InvalidRequest`` or ``SecretMissing`` from the store write
-    none (every callback is checked first)."""
-    ids = planned_ids(queue, prepared)
-    callbacks = [
-        (job_id, cb, f"jobs[{i}].callback.")
-        for i, (job_id, cb) in enumerate(zip(ids, prepared.callbacks, strict=True))
-        if cb is not None
-    ]
-    if not callbacks:
-        return await submit_flow(queue, prepared)
-    await store.register(prepared.tenant, callbacks)
-    ours = [job_id for job_id, _, _ in callbacks]
-    try:
-        outcome = await submit_flow(queue, prepared)
-    except (IdempotencyConflict, InvalidRequest):  # refused before any job of ours was made
-        await store.forget(ours)
-        raise
-    # Any other error (Redis lost mid-submit) keeps them: some jobs of the flow may exist,
-    # and the resolver finishes the flow's links (resolver.py), so its jobs still run.
-    made = {job.job_id for job in outcome.jobs if job.created}
-    unused = [job_id for job_id in ours if job_id not in made]
-    if unused:
-        await store.forget(unused)
-    return outcome
-
-
-async def submit_flow(queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
+async def submit_flow(store: Store, prepared: PreparedFlow) -> FlowSubmitted:
     """Create a prepared flow by the steps of this module's docstring."""
     plan, items, tenant = prepared.plan, prepared.items, prepared.tenant
     idempotency_key = prepared.idempotency_key
-    s = queue.settings
+    s = store.settings
     link_ms = round(s.flow_link_timeout_seconds * 1000)
     nodes = plan.nodes
     keyed = bool(idempotency_key)
@@ -254,19 +226,19 @@ async def submit_flow(queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
     created = True
     if keyed:
         head_item = items[plan.head]
-        ready = with_ids(derived_ids(queue, prepared, head_item.job_id))
+        ready = with_ids(derived_ids(store, prepared, head_item.job_id))
         head = dataclasses.replace(
             ready[plan.head], idempotency_key=idempotency_key, request_hash=plan.request_hash
         )
-        (first,) = await queue.submit_items([head])
+        (first,) = await submit_items(store, [head])
         if first.code is Code.IDEMPOTENCY_CONFLICT:
             raise IdempotencyConflict(idempotency_key, first.job_id)
         if first.code is Code.DUPLICATE:
             created = False
-            ids = derived_ids(queue, prepared, first.job_id)
-            done = await queue.redis.hget(queue.keys.job(first.job_id), "fd")
+            ids = derived_ids(store, prepared, first.job_id)
+            done = await store.redis.hget(store.keys.job(first.job_id), "fd")
             if done is not None:  # the earlier submit finished: the jobs as they are now
-                return await _as_they_are(queue, ids)
+                return await _as_they_are(store, ids)
             ready = with_ids(ids)
         outcomes[plan.head] = first
     else:
@@ -274,25 +246,25 @@ async def submit_flow(queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
     waiting, free = plan.rounds(head_apart=keyed)
     # step 2: the jobs that wait
     if waiting:
-        calls, groups = submit_calls(queue, [ready[i] for i in waiting])
-        replies = await queue.scripts.call_many(calls)
+        calls, groups = submit_calls(store, [ready[i] for i in waiting])
+        replies = await store.scripts.call_many(calls)
         for i, outcome in zip(
-            waiting, parse_outcomes(queue, len(waiting), groups, replies), strict=True
+            waiting, parse_outcomes(store, len(waiting), groups, replies), strict=True
         ):
             outcomes[i] = outcome
     # step 3: the jobs that wait for none, and the links to existing jobs
     links = [(dep, ready[n.index].job_id) for n in nodes for dep in n.depends_on]
-    calls, groups = submit_calls(queue, [ready[i] for i in free])
-    replies = await queue.scripts.call_many([*calls, *link_calls(queue, tenant, links)])
+    calls, groups = submit_calls(store, [ready[i] for i in free])
+    replies = await store.scripts.call_many([*calls, *link_calls(store, tenant, links)])
     for i, outcome in zip(
-        free, parse_outcomes(queue, len(free), groups, replies[: len(calls)]), strict=True
+        free, parse_outcomes(store, len(free), groups, replies[: len(calls)]), strict=True
     ):
         outcomes[i] = outcome
     # step 4: linked
     dependents = [ready[n.index].job_id for n in nodes if n.waits]
     head_id = ready[plan.head].job_id if keyed else ""
     if dependents or head_id:
-        await queue.scripts.call_many(linked_calls(queue, dependents, head_id))
+        await store.scripts.call_many(linked_calls(store, dependents, head_id))
     jobs = []
     for found in outcomes:
         assert found is not None
@@ -300,8 +272,8 @@ async def submit_flow(queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
     return FlowSubmitted(jobs, created)
 
 
-async def _as_they_are(queue: Queue, ids: Sequence[str]) -> FlowSubmitted:
-    docs = await read_docs(queue.redis, queue.keys, ids)
+async def _as_they_are(store: Store, ids: Sequence[str]) -> FlowSubmitted:
+    docs = await read_docs(store.redis, store.keys, ids)
     return FlowSubmitted(
         [
             Submitted(job_id, bytes(doc or b""), False)

@@ -17,9 +17,8 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from jobtier.core.model import json_encoder
+from jobtier.core.model import is_ref, json_encoder, ref_of
 from jobtier.persist.db import AnyConnection, Pool, query, rows_affected
-from jobtier.persist.results import is_ref, ref_of
 from jobtier.streams.entries import LogEntry
 
 INLINE_RESULT_MAX = 64 * 1024  # larger results go to job_results

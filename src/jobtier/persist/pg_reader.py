@@ -23,14 +23,21 @@ import msgspec
 
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
-from jobtier.core.model import Dependency, JobError, JobStatus, State, any_decoder, status_decoder
+from jobtier.core.model import (
+    Dependency,
+    JobError,
+    JobStatus,
+    State,
+    any_decoder,
+    marker,
+    status_decoder,
+)
 from jobtier.core.model import (
     Transition as Transition,  # moved to core/model.py (the client reads it)
 )
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
 from jobtier.flows.reads import dependency
 from jobtier.persist.db import Pool, query
-from jobtier.persist.results import marker
 from jobtier.store.redis import RedisClient
 from jobtier.store.scripts import Script, run_scripts
 

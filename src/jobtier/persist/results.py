@@ -27,7 +27,6 @@ from typing import Protocol
 from jobtier.config import Settings
 from jobtier.persist.db import Pool, create_pool, query
 
-MARKER = b"@"  # a result field that starts with it holds a reference, not JSON
 CHUNK = 256 * 1024
 
 
@@ -41,19 +40,6 @@ class ResultStore(Protocol):
     def stream(self, ref: str) -> AsyncIterator[bytes]: ...
 
     async def close(self) -> None: ...
-
-
-def is_ref(result: bytes | None) -> bool:
-    return bool(result) and result[:1] == MARKER  # type: ignore[index]
-
-
-def marker(ref: str) -> bytes:
-    """The value a worker reports as the job's result for a stored one."""
-    return MARKER + ref.encode()
-
-
-def ref_of(result: bytes) -> str:
-    return result[1:].decode()
 
 
 class PostgresResultStore:

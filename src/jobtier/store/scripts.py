@@ -26,7 +26,6 @@ import asyncio
 import hashlib
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
@@ -35,7 +34,9 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from jobtier.core.errors import Code
 from jobtier.core.keys import Keys
-from jobtier.core.model import DEFAULT_QUEUE, ClaimedJob
+from jobtier.core.model import DEFAULT_QUEUE
+from jobtier.store import calls
+from jobtier.store.calls import Call, ClaimBatch
 from jobtier.store.redis import RedisClient
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
@@ -269,73 +270,6 @@ async def run_scripts(
     raise RedisError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
 
 
-# Made once per job on the submit path, these two are plain (not frozen) dataclasses: a frozen
-# one's __init__ sets each field through object.__setattr__ (SubmitItem: 1.4 against 0.2 us,
-# a tenth of a batch submit's producer CPU). Nothing changes them after they are made.
-@dataclass(slots=True)
-class SubmitOutcome:
-    code: Code  # OK, DUPLICATE, IDEMPOTENCY_CONFLICT or EXISTS
-    job_id: str
-    doc: bytes  # the status document; empty for IDEMPOTENCY_CONFLICT (or an expired original)
-
-
-@dataclass(slots=True)
-class SubmitItem:
-    job_id: str
-    tenant: str
-    type: str
-    priority: str
-    payload: bytes
-    max_attempts: int
-    run_at_ms: int  # 0: none
-    delay_ms: int  # 0: none
-    idempotency_key: str  # '': none
-    request_hash: str
-    queue: str = DEFAULT_QUEUE
-    concurrency_key: str = ""  # '': none
-    concurrency_limit: int = 1
-    # dependencies, dependents, compensation: JSON for lib.lua's flow_create (b"": none)
-    flow: bytes = b""
-    # what the flow part was made from (not sent apart): "<type> <queue> <attempts>" of the
-    # compensation task, and the existing jobs named by depends_on
-    compensation: str = ""
-    depends_on: tuple[str, ...] = ()
-
-    def args(self) -> tuple[Any, ...]:
-        return (
-            self.job_id, self.tenant, self.type, self.queue, self.priority, self.payload,
-            self.max_attempts, self.run_at_ms, self.delay_ms, self.idempotency_key,
-            self.request_hash, self.concurrency_key, self.concurrency_limit, self.flow,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class ClaimBatch:
-    shard: int
-    now_ms: int
-    ready_left: int  # ready jobs still in the shard's served queues after this claim
-    jobs: list[ClaimedJob]
-    handed_back: list[str]  # ids of jobs of types the worker cannot run, left in their queue
-    unaware: list[str]  # limited queues asked without a cap: take permits first (limit.lua)
-    wake_at_ms: int = -1  # when the first block of a served queue ends (-1: none)
-
-
-@dataclass(frozen=True, slots=True)
-class Timed:
-    """Result of promote/reclaim: how many moved, and when the next one falls due."""
-
-    moved: int
-    dead: int
-    next_ms: int  # -1: nothing waiting
-    now_ms: int
-
-
-Call = tuple[Script, int, Sequence[Any]]
-
-# a script's result code -> its Code member, by index (Code(n) is an enum look-up per job)
-CODES = tuple(Code)
-
-
 class Scripts:
     """Runs the transition scripts for one deployment (key layout) on one Redis client."""
 
@@ -358,7 +292,10 @@ class Scripts:
     def _argv(self, shard: int, args: Sequence[Any]) -> tuple[Any, ...]:
         return (1, self.keys.log(shard), self.keys.base(shard), *args)
 
-    async def call(self, script: Script, shard: int, args: Sequence[Any]) -> Any:
+    async def call(self, script: Script | str, shard: int, args: Sequence[Any]) -> Any:
+        """Run one script (by name, or a ``Script``) on ``shard``."""
+        if isinstance(script, str):
+            script = self.by_name[script]
         return await run_script(self.redis, script, self._argv(shard, args))
 
     async def call_many(self, calls: Sequence[Call]) -> list[Any]:
@@ -366,8 +303,9 @@ class Scripts:
         if len(calls) == 1:
             script, shard, args = calls[0]
             return [await self.call(script, shard, args)]
+        by_name = self.by_name
         return await run_scripts(
-            self.redis, [(script, self._argv(shard, args)) for script, shard, args in calls]
+            self.redis, [(by_name[name], self._argv(shard, args)) for name, shard, args in calls]
         )
 
     async def call_spread(self, calls: Sequence[Call], calls_per_pipeline: int) -> list[Any]:
@@ -377,7 +315,7 @@ class Scripts:
         One pipeline is packed whole before its first byte is sent, and Redis waits
         meanwhile. Several go out in turn: Redis runs the first while the rest are packed,
         and the client reads the first's replies while Redis runs the rest (a 500-job
-        submit over 16 shards: bench/throughput.py's enqueue and end-to-end phases)."""
+        submit over 16 shards)."""
         if len(calls) <= calls_per_pipeline:
             return await self.call_many(calls)
         groups = [
@@ -394,61 +332,7 @@ class Scripts:
             out.extend(group_replies)
         return out
 
-    # --- typed wrappers ------------------------------------------------------------------
-    def submit_call(self, shard: int, items: Sequence[SubmitItem], idem_ttl_ms: int) -> Call:
-        args: list[Any] = [idem_ttl_ms, len(items)]
-        for item in items:
-            args.extend(item.args())
-        return (self["submit"], shard, args)
-
-    @staticmethod
-    def parse_submit(reply: list[Any]) -> list[SubmitOutcome]:
-        return [
-            SubmitOutcome(CODES[reply[i]], reply[i + 1].decode(), reply[i + 2] or b"")
-            for i in range(0, len(reply), 3)
-        ]
-
-    def claim_call(
-        self,
-        shard: int,
-        worker: str,
-        count: int,
-        lease_ms: int,
-        queues: Sequence[tuple[str, int]] = ((DEFAULT_QUEUE, -1),),
-        types: Sequence[str] = (),
-    ) -> Call:
-        """``queues``: (name, most jobs to take from it, -1 for no cap), in the order they
-        share the call; ``types``: the task types the worker runs (empty: any, for tools)."""
-        args: list[Any] = [worker, count, lease_ms, len(queues)]
-        for name, cap in queues:
-            args += (name, cap)
-        args.append(len(types))
-        args.extend(types)
-        return (self["claim"], shard, args)
-
-    @staticmethod
-    def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
-        now, claimed, handed = int(reply[0]), int(reply[2]), int(reply[3])
-        end = 6 + 9 * claimed
-        jobs = [
-            ClaimedJob(
-                id=reply[i].decode(),
-                type=reply[i + 1].decode(),
-                payload=reply[i + 2],
-                attempt=int(reply[i + 3]),
-                max_attempts=int(reply[i + 4]),
-                lease_version=int(reply[i + 5]),
-                queued_at_ms=int(reply[i + 6]),
-                claimed_at_ms=now,
-                queue=reply[i + 7].decode(),
-                inputs=(reply[i + 8][0], reply[i + 8][1]) if reply[i + 8] else None,
-            )
-            for i in range(6, end, 9)
-        ]
-        back = [r.decode() for r in reply[end : end + handed]]
-        unaware = [r.decode() for r in reply[end + handed :]]
-        return ClaimBatch(shard, now, int(reply[1]), jobs, back, unaware, int(reply[5]))
-
+    # --- the calls whose reply a caller reads at once -----------------------------------
     async def claim(
         self,
         shard: int,
@@ -458,122 +342,15 @@ class Scripts:
         queues: Sequence[tuple[str, int]] = ((DEFAULT_QUEUE, -1),),
         types: Sequence[str] = (),
     ) -> ClaimBatch:
-        reply = await self.call(*self.claim_call(shard, worker, count, lease_ms, queues, types))
-        return self.parse_claim(shard, reply)
-
-    def heartbeat_call(
-        self,
-        shard: int,
-        worker: str,
-        lease_ms: int,
-        items: Sequence[tuple[str, int, bytes]],
-        history_ms: int = 0,
-    ) -> Call:
-        """items: (job id, lease_version, progress JSON or b''). A progress change goes to
-        the history only when the job's last logged entry is ``history_ms`` old (0: always)."""
-        args: list[Any] = [worker, lease_ms, history_ms, len(items)]
-        for item in items:
-            args.extend(item)
-        return (self["heartbeat"], shard, args)
-
-    @staticmethod
-    def parse_pairs(reply: list[Any]) -> list[tuple[Code, Any]]:
-        return [(CODES[reply[i]], reply[i + 1]) for i in range(0, len(reply), 2)]
-
-    def complete_call(
-        self, shard: int, worker: str, retention_s: int, items: Sequence[tuple[str, int, bytes]]
-    ) -> Call:
-        """items: (job id, lease_version, result JSON or b'')."""
-        args: list[Any] = [worker, retention_s, len(items)]
-        for item in items:
-            args.extend(item)
-        return (self["complete"], shard, args)
-
-    def fail_call(
-        self,
-        shard: int,
-        worker: str,
-        retention_s: int,
-        items: Sequence[tuple[Any, ...]],
-    ) -> Call:
-        """items: (job id, lease_version, error JSON, retry delay ms or -1 for no retry[,
-        refund: 1 when the attempt does not count])."""
-        args: list[Any] = [worker, retention_s, len(items)]
-        for item in items:
-            args.extend(item)
-            if len(item) == 4:
-                args.append(0)
-        return (self["fail"], shard, args)
-
-    def stopped_call(
-        self, shard: int, worker: str, retention_s: int, items: Sequence[tuple[str, int]]
-    ) -> Call:
-        """items: (job id, lease_version): cancelled if a cancel was requested, else released."""
-        args: list[Any] = [worker, retention_s, len(items)]
-        for item in items:
-            args.extend(item)
-        return (self["stopped"], shard, args)
-
-    def joblog_call(
-        self, shard: int, keep: int, items: Sequence[tuple[str, int, Sequence[bytes]]]
-    ) -> Call:
-        """items: (job id, ttl s, its new log lines); a job keeps its latest ``keep`` lines."""
-        args: list[Any] = [keep, len(items)]
-        for job_id, ttl, lines in items:
-            args += (job_id, ttl, len(lines), *lines)
-        return (self["joblog"], shard, args)
+        reply = await self.call(*calls.claim_call(shard, worker, count, lease_ms, queues, types))
+        return calls.parse_claim(shard, reply)
 
     async def cancel(
         self, shard: int, tenant: str, job_id: str, retention_s: int
     ) -> tuple[Code, bytes]:
-        code, doc = await self.call(self["cancel"], shard, (tenant, job_id, retention_s))
-        return Code(code), doc
+        return calls.parse_code_doc(
+            await self.call(*calls.cancel_call(shard, tenant, job_id, retention_s))
+        )
 
     async def replay(self, shard: int, tenant: str, job_id: str) -> tuple[Code, bytes]:
-        code, doc = await self.call(self["replay"], shard, (tenant, job_id))
-        return Code(code), doc
-
-    def purge_call(self, shard: int, queue: str, batch: int, budget: int, retention_s: int) -> Call:
-        """Cancel up to ``batch`` of ``queue``'s ready jobs in ``shard`` (purge.lua); ``budget``
-        -1 on a purge's first call. Reply: parse_purge."""
-        return (self["purge"], shard, (queue, batch, budget, retention_s))
-
-    @staticmethod
-    def parse_purge(reply: list[Any]) -> tuple[int, int, int, int]:
-        """(cancelled by the call, taken out of the lists, budget left, ready and parked jobs
-        of the queue left in the shard)."""
-        return int(reply[0]), int(reply[1]), int(reply[2]), int(reply[3])
-
-    def promote_call(self, shard: int, limit: int) -> Call:
-        return (self["promote"], shard, (limit,))
-
-    def reclaim_call(self, shard: int, limit: int, retention_s: int, dead_s: int) -> Call:
-        return (self["reclaim"], shard, (limit, retention_s, dead_s))
-
-    # --- flows (lib.lua's flows section) --------------------------------------------------
-    def link_call(self, shard: int, tenant: str, links: Sequence[tuple[str, str]]) -> Call:
-        """links: (dependency id of this shard, dependent id)."""
-        args: list[Any] = [tenant, len(links)]
-        for link in links:
-            args.extend(link)
-        return (self["link"], shard, args)
-
-    def linked_call(self, shard: int, dependents: Sequence[str], head: str = "") -> Call:
-        return (self["linked"], shard, [head, len(dependents), *dependents])
-
-    def resolve_call(
-        self, shard: int, retention_s: int, items: Sequence[tuple[str, str, str, str, bytes]]
-    ) -> Call:
-        """items: (kind 'r' or 'x', target id of this shard, source id, state, data)."""
-        args: list[Any] = [retention_s, len(items)]
-        for item in items:
-            args.extend(item)
-        return (self["resolve"], shard, args)
-
-    @staticmethod
-    def parse_promote(reply: list[Any]) -> Timed:
-        return Timed(int(reply[0]), 0, int(reply[1]), int(reply[2]))
-
-    @staticmethod
-    def parse_reclaim(reply: list[Any]) -> Timed:
-        return Timed(int(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]))
+        return calls.parse_code_doc(await self.call(*calls.replay_call(shard, tenant, job_id)))

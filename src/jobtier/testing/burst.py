@@ -74,7 +74,7 @@ class BurstWorker:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         stats = WorkerStats()  # the bursts' together
-        resolver = Resolver(self.queue, name="jobtier-testing")
+        resolver = Resolver(self.queue.store, name="jobtier-testing")
         while True:
             worker = Worker(
                 self.queue, registry, concurrency=concurrency, burst=True, **worker_options

@@ -24,8 +24,8 @@ import msgspec
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
-from jobtier.core.model import ClaimedJob, Dependency, encode_json
-from jobtier.flows.reads import MARKS, RESULT_REF
+from jobtier.core.model import RESULT_REF, ClaimedJob, Dependency, encode_json
+from jobtier.flows.reads import MARKS
 from jobtier.worker.attempt import (
     INTERRUPTED,
     Failure,

@@ -3,30 +3,27 @@
 A job's callback is written before its submit reaches Redis, so the dispatcher finds it for
 the job's first transition (the submit's own); if the submit then makes no job of that id
 (refused, or an idempotent repeat answered with another job), the callback is deleted again.
-The API's submits (``api/jobs.py``, ``api/flows.py``) and the in-process ``Queue.submit``,
-``submit_many`` and ``submit_flow`` share this: plain jobs by ``submit_with_callbacks``
-here, flows by ``flows/submit.py``.
+``CallbackStore`` is the engine's ``Registrar`` (``engine/produce.py``) for the API's submits
+and the in-process ``Queue``'s.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
-from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobtierError
+from jobtier.config import Settings
+from jobtier.core.errors import ConfigError, InvalidRequest, JobtierError
 from jobtier.core.keys import Keys
-from jobtier.core.model import CallbackSpec, Submitted
-from jobtier.persist.db import UNAVAILABLE, Pool, query
+from jobtier.core.model import CallbackSpec
+from jobtier.persist.db import UNAVAILABLE, Pool, create_pool, query
 from jobtier.store.redis import RedisClient
 from jobtier.webhooks import marks
 from jobtier.webhooks.dispatcher import ensure_group
 from jobtier.webhooks.safety import AddressPolicy, Refused
 
-if TYPE_CHECKING:
-    from jobtier.engine.queue import Queue
-    from jobtier.store.scripts import SubmitItem
-
+log = logging.getLogger("jobtier.webhooks")
 EVENTS = ("terminal", "all")
 
 
@@ -44,12 +41,38 @@ class CallbackStore:
     """The callbacks of jobs: ``register`` before their submit, ``forget`` the ids it did
     not create. Postgres errors pass through (the API answers them with 503)."""
 
-    def __init__(self, pool: Pool, redis: RedisClient, keys: Keys, policy: AddressPolicy) -> None:
+    def __init__(
+        self,
+        pool: Pool,
+        redis: RedisClient,
+        keys: Keys,
+        policy: AddressPolicy,
+        *,
+        own_pool: bool = False,
+    ) -> None:
         self.pool = pool
         self.redis = redis
         self.keys = keys
         self.policy = policy
+        self._own = own_pool
         self._group_ready = False
+
+    @classmethod
+    async def connect(cls, settings: Settings, redis: RedisClient, keys: Keys) -> CallbackStore:
+        """A store on a pool of its own (``close`` closes it), for in-process producers:
+        ``Queue.connect(settings, callbacks=await CallbackStore.connect(...))``."""
+        if not settings.database_url:
+            raise ConfigError(
+                "jobs' callbacks are written to Postgres and JOBTIER_DATABASE_URL is empty: set "
+                "it to the deployment's Postgres (the one its dispatcher reads)"
+            )
+        pool = await create_pool(settings.database_url, min_size=0, max_size=2)
+        policy = AddressPolicy(settings.webhook_allowed_hosts)
+        return cls(pool, redis, keys, policy, own_pool=True)
+
+    async def close(self) -> None:
+        if self._own:
+            await self.pool.close()
 
     async def check(self, url: Any, events: Any, field: str) -> None:
         """``InvalidRequest`` naming ``field`` + ``url``/``events`` unless both are acceptable
@@ -99,59 +122,11 @@ class CallbackStore:
         await marks.mark(self.redis, self.keys, [tenant])
 
     async def forget(self, job_ids: Sequence[str]) -> None:
-        """Delete the callbacks of ``job_ids`` (jobs a submit did not create)."""
-        if job_ids:
+        """Delete the callbacks of ``job_ids`` (jobs a submit did not create). An orphan
+        callback names a job that never runs: with Postgres away, it is left and logged."""
+        if not job_ids:
+            return
+        try:
             await self.pool.execute(query("callbacks_delete"), list(job_ids))
-
-
-class Registrar(Protocol):
-    """What writes and deletes a submit's callbacks: a ``CallbackStore`` in process, the
-    API's ``WebhookService`` (its refusals as problems)."""
-
-    async def register(
-        self, tenant: str, callbacks: Sequence[tuple[str, CallbackSpec, str]]
-    ) -> None: ...
-
-    async def forget(self, job_ids: Sequence[str]) -> None: ...
-
-
-async def submit_with_callbacks(
-    queue: Queue,
-    items: Sequence[SubmitItem],
-    callbacks: Sequence[CallbackSpec | None],
-    store: Registrar,
-    *,
-    batch: bool,
-) -> list[Submitted | IdempotencyConflict]:
-    """``Queue.submit_many_prepared`` for jobs (``callbacks``: each one's own, or None) with
-    their callbacks written first, under the ids the jobs will get, and deleted again for
-    every id the submit did not create: all of them when it is refused, a duplicate's (an
-    idempotent repeat answers with the first job, which keeps its own callback). A refused
-    callback names its member (``jobs[i].callback.url`` in a ``batch``, else
-    ``callback.url``); then, or for a tenant without a secret, nothing is written or
-    submitted."""
-    ours = [
-        (item.job_id, cb, f"jobs[{i}].callback." if batch else "callback.")
-        for i, (item, cb) in enumerate(zip(items, callbacks, strict=True))
-        if cb is not None
-    ]
-    if not ours:
-        return await queue.submit_many_prepared(items, batch=batch)
-    await store.register(items[0].tenant, ours)
-    ids = [job_id for job_id, _, _ in ours]
-    try:
-        outcomes = await queue.submit_many_prepared(items, batch=batch)
-    except (IdempotencyConflict, InvalidRequest):  # refused before any job was made
-        await store.forget(ids)
-        raise
-    # Any other error (Redis lost mid-submit) keeps them: the jobs may exist.
-    made = {
-        outcome.job_id for outcome in outcomes if isinstance(outcome, Submitted) and outcome.created
-    }
-    unused = [job_id for job_id in ids if job_id not in made]
-    if unused:
-        # the jobs are submitted: a Postgres that fails now must not make the submit look
-        # failed, and an orphan callback names a job that never runs (harmless)
-        with contextlib.suppress(*UNAVAILABLE):
-            await store.forget(unused)
-    return outcomes
+        except UNAVAILABLE as exc:
+            log.warning("event=callbacks_left jobs=%d error=%r", len(job_ids), exc)

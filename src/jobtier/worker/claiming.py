@@ -32,7 +32,7 @@ from redis.exceptions import RedisError
 from jobtier.core.model import ClaimedJob
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.stopping import stop_task
-from jobtier.store.scripts import Call
+from jobtier.store.calls import Call, claim_call, parse_claim
 from jobtier.worker.attempt import deliver_cancel, run_attempt
 from jobtier.worker.context import JobContext
 from jobtier.worker.permits import LimitedClaimer
@@ -136,15 +136,14 @@ class Claiming(Reporting):
             return 0
         generations = [self._generation[shard] for shard, _ in plan]
         calls: list[Call] = [
-            self.scripts.claim_call(shard, self.id, n, self.lease_ms, queues, self._types)
-            for shard, n in plan
+            claim_call(shard, self.id, n, self.lease_ms, queues, self._types) for shard, n in plan
         ]
         replies = await self.scripts.call_many(calls)
         self.stats.claim_round_trips += 1
         total = 0
         unaware = False
         for (shard, _), gen, reply in zip(plan, generations, replies, strict=True):
-            batch = self.scripts.parse_claim(shard, reply)
+            batch = parse_claim(shard, reply)
             # a wake that arrived while this claim was in flight is newer than its answer
             if self._generation[shard] == gen:
                 self._ready[shard] = batch.ready_left
@@ -196,14 +195,14 @@ class Claiming(Reporting):
         """Claim jobs of a limited queue: (shard, cap) calls, capped by the permits held; each
         job started takes the next permit. Returns (permit, claimed at ms) of those used."""
         calls: list[Call] = [
-            self.scripts.claim_call(shard, self.id, cap, self.lease_ms, [(queue, cap)], self._types)
+            claim_call(shard, self.id, cap, self.lease_ms, [(queue, cap)], self._types)
             for shard, cap in plan
         ]
         replies = await self.scripts.call_many(calls)
         self.stats.claim_round_trips += 1
         used: list[tuple[str, int]] = []
         for (shard, _), reply in zip(plan, replies, strict=True):
-            batch = self.scripts.parse_claim(shard, reply)
+            batch = parse_claim(shard, reply)
             if batch.handed_back:
                 self._handed_back(batch.handed_back)
             for job in batch.jobs:
@@ -330,7 +329,7 @@ class Claiming(Reporting):
         self.stats.claim_wait.observe(waited)
         ctx = JobContext(
             job, shard, self.id, self._loop, lambda data: self._on_progress(job.id, data),
-            self._log_sink, self.queue.stored_result,
+            self._log_sink, self.queue.jobs.stored_result,
         )  # fmt: skip
         running = _Running(
             job, shard, self.registry.get(job.type), ctx, time.monotonic(), permit=permit

@@ -33,6 +33,7 @@ from redis.exceptions import RedisError
 from jobtier.core.errors import Code
 from jobtier.core.model import encode_json
 from jobtier.engine.catalog import publish as publish_tasks
+from jobtier.store.calls import heartbeat_call, joblog_call, parse_pairs
 from jobtier.worker.attempt import deliver_cancel
 from jobtier.worker.claiming import Claiming
 from jobtier.worker.context import LOG_LINES
@@ -110,7 +111,7 @@ class Heartbeat(Claiming):
         if not by_shard and not lines_by_shard:
             return
         calls = [
-            self.scripts.heartbeat_call(shard, self.id, self.lease_ms, items, self.history_ms)
+            heartbeat_call(shard, self.id, self.lease_ms, items, self.history_ms)
             for shard, items in by_shard.items()
         ]
         permits: dict[str, list[str]] = defaultdict(list)
@@ -122,10 +123,7 @@ class Heartbeat(Claiming):
         calls += limit_calls(self.scripts, self.keys, "extend", permits, self.lease_ms)
         # log lines ride along; lost if this beat fails (they are a debugging aid, and the
         # lease, which matters, is retried at the next beat)
-        calls += [
-            self.scripts.joblog_call(shard, LOG_LINES, items)
-            for shard, items in lines_by_shard.items()
-        ]
+        calls += [joblog_call(shard, LOG_LINES, items) for shard, items in lines_by_shard.items()]
         self._beat_idle.clear()
         try:
             replies = (await self.scripts.call_many(calls))[:beats]
@@ -133,9 +131,7 @@ class Heartbeat(Claiming):
             self._beat_idle.set()
         index = {r.job.id: r for r in beating}
         for items, reply in zip(by_shard.values(), replies, strict=True):
-            for (job_id, _, _), (code, cancel) in zip(
-                items, self.scripts.parse_pairs(reply), strict=True
-            ):
+            for (job_id, _, _), (code, cancel) in zip(items, parse_pairs(reply), strict=True):
                 r = index[job_id]
                 if code is not Code.OK:
                     self.stats.leases_lost += 1

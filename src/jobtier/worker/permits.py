@@ -141,7 +141,7 @@ class LimitedClaimer:
         for permit, at_ms in started:
             args += (permit, at_ms)
         args += unused
-        await self.scripts.call(self.scripts["limit"], self.home, args)
+        await self.scripts.call("limit", self.home, args)
         return None if started else 0.0
 
     async def _ready_by_shard(self) -> list[tuple[int, int]]:
@@ -158,7 +158,7 @@ class LimitedClaimer:
 
     async def _acquire(self, wanted: int) -> Permits:
         reply = await self.scripts.call(
-            self.scripts["limit"],
+            "limit",
             self.home,
             ("acquire", self.queue, self.worker.id, wanted, self.worker.lease_ms),
         )
@@ -171,7 +171,7 @@ def limit_calls(
 ) -> list[tuple[Any, int, Sequence[Any]]]:
     """limit.lua calls (``extend`` or ``release``) for permits grouped by queue."""
     return [
-        (scripts["limit"], keys.home(queue), (op, queue, *extra, *ids))
+        ("limit", keys.home(queue), (op, queue, *extra, *ids))
         for queue, ids in by_queue.items()
         if ids
     ]

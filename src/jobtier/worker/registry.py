@@ -85,6 +85,13 @@ class Task:
         check = self.check_payload if self.payload_type is not None else None
         return TaskInfo(self.queue, self.max_attempts, check, self.on_failure)
 
+    def infos(self) -> dict[str, TaskInfo]:
+        """What a producer given this task knows: it and its compensation task."""
+        out = {self.name: self.info()}
+        if self.compensation is not None:
+            out[self.compensation.name] = self.compensation.info()
+        return out
+
     def ad(self, worker: str) -> TaskAd:
         """What a worker advertises of this task (engine/catalog.py)."""
         r = self.retry

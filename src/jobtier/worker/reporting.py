@@ -31,7 +31,14 @@ from redis.exceptions import RedisError
 
 from jobtier.core.errors import Code, RateLimited
 from jobtier.runtime.backoff import REPORT
-from jobtier.store.scripts import Call
+from jobtier.store.calls import (
+    Call,
+    complete_call,
+    fail_call,
+    heartbeat_call,
+    joblog_call,
+    stopped_call,
+)
 from jobtier.worker.attempt import DEFAULT_POLICY, STOPPED, Failure, Stopped
 from jobtier.worker.context import LOG_LINES, JobContext
 from jobtier.worker.permits import limit_calls
@@ -99,10 +106,10 @@ class Reporting(WorkerState):
 
     async def _block(self, queue: str, seconds: float) -> None:
         try:
-            await self.queue.block(queue, seconds)
+            await self.queue.admin.block(queue, seconds)
             if queue in self._claimers:  # its permits wait too (limit.lua)
                 await self.scripts.call(
-                    self.scripts["limit"], self.keys.home(queue),
+                    "limit", self.keys.home(queue),
                     ("block", queue, round(seconds * 1000)),
                 )  # fmt: skip
         except (RedisError, OSError) as exc:
@@ -181,24 +188,16 @@ class Reporting(WorkerState):
                 for shard, items in by_shard.items():
                     if kind == "progress":
                         calls.append(
-                            self.scripts.heartbeat_call(
-                                shard, self.id, self.lease_ms, items, self.history_ms
-                            )
+                            heartbeat_call(shard, self.id, self.lease_ms, items, self.history_ms)
                         )
                     elif kind == "logs":
-                        calls.append(self.scripts.joblog_call(shard, LOG_LINES, items))
+                        calls.append(joblog_call(shard, LOG_LINES, items))
                     elif kind == "complete":
-                        calls.append(
-                            self.scripts.complete_call(shard, self.id, s.retention_seconds, items)
-                        )
+                        calls.append(complete_call(shard, self.id, s.retention_seconds, items))
                     elif kind == "fail":
-                        calls.append(
-                            self.scripts.fail_call(shard, self.id, s.dead_retention_seconds, items)
-                        )
+                        calls.append(fail_call(shard, self.id, s.dead_retention_seconds, items))
                     else:
-                        calls.append(
-                            self.scripts.stopped_call(shard, self.id, s.retention_seconds, items)
-                        )
+                        calls.append(stopped_call(shard, self.id, s.retention_seconds, items))
                     kinds.append((kind, items))
             try:
                 replies = await self.scripts.call_many(calls)

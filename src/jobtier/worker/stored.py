@@ -13,7 +13,8 @@ import asyncio
 import logging
 from concurrent.futures import Executor
 
-from jobtier.persist.results import ResultStore, marker
+from jobtier.core.model import marker
+from jobtier.persist.results import ResultStore
 from jobtier.worker.attempt import INTERRUPTED, AttemptSink, Failure, Stopped, run_attempt
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import Task

@@ -17,7 +17,7 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
     each, running, parked, paused and waiting per queue, waiting (for dependencies),
     scheduled and dead-lettered jobs, live
     workers, and (with Postgres) the write-behind lag."""
-    stats = await queue.stats()
+    stats = await queue.admin.stats()
     total = stats["total"]
     depth, running, parked, paused, waiting = {}, {}, {}, {}, {}
     for name, q in stats["queues"].items():
@@ -29,7 +29,7 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
         paused[labels(queue=name)] = 1.0 if q["paused"] else 0.0
     ages = {
         labels(queue=name, priority=prio): age
-        for (name, prio), age in (await queue.oldest_queued()).items()
+        for (name, prio), age in (await queue.admin.oldest_queued()).items()
     }
     for key in depth:
         ages.setdefault(key, 0.0)
@@ -45,7 +45,7 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
         "running_jobs": {"": total.get("running", 0)},
         "dead_letter_jobs": {"": total.get("dead", 0)},
     }
-    out["workers"] = {"": len(await queue.live_workers())}
+    out["workers"] = {"": len(await queue.admin.live_workers())}
     memory = await redis_memory(queue.redis)
     out["redis_memory_used_bytes"] = {"": memory.used}
     out["redis_memory_max_bytes"] = {"": memory.maxmemory}

@@ -1,0 +1,224 @@
+"""Reading jobs and acting on them: status, result, payload, cancel, replay, dead letters,
+log lines, dependencies."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from typing import Any, Protocol
+
+import msgspec
+
+from jobtier.core.errors import Code, ConfigError, JobNotFound, TransitionRefused
+from jobtier.core.model import Dependency, JobStatus, decode_status, is_ref, ref_of
+from jobtier.flows import reads as flow_reads
+from jobtier.status.docs import read_doc, read_docs
+from jobtier.store.context import Store
+
+
+class ResultReader(Protocol):
+    """Where results kept outside Redis are read (``persist.results.PostgresResultStore``)."""
+
+    async def get(self, ref: str) -> bytes | None: ...
+
+
+class JobControl:
+    """Reads jobs and acts on them. A job of another tenant (``tenant`` given) is a
+    ``JobNotFound``, exactly like an unknown id."""
+
+    def __init__(self, store: Store, results: ResultReader | None = None) -> None:
+        self.store = store
+        self.results = results
+
+    def _check_id(self, job_id: str) -> None:
+        if not self.store.keys.valid_id(job_id):
+            raise JobNotFound(job_id)
+
+    async def status_doc(self, job_id: str, tenant: str | None = None) -> bytes:
+        """The status document as stored (bytes), or ``JobNotFound`` (also for another
+        tenant's job)."""
+        self._check_id(job_id)
+        owner, doc = await read_doc(self.store.redis, self.store.keys, job_id)
+        if doc is None or (tenant is not None and owner != tenant.encode()):
+            raise JobNotFound(job_id)
+        return doc if isinstance(doc, bytes) else str(doc).encode()
+
+    async def status(self, job_id: str, tenant: str | None = None) -> JobStatus:
+        return decode_status(await self.status_doc(job_id, tenant))
+
+    async def result(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, Any]:
+        """(status, result): the result is the task's return value once succeeded, else None."""
+        self._check_id(job_id)
+        owner, doc, result = await read_doc(self.store.redis, self.store.keys, job_id, "result")
+        if doc is None or (tenant is not None and owner != tenant.encode()):
+            raise JobNotFound(job_id)
+        if is_ref(result):  # kept in the result store
+            result = await self.stored_result(ref_of(result))
+        return decode_status(doc), msgspec.json.decode(result) if result else None
+
+    async def result_raw(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, bytes]:
+        """(status, the result's JSON as stored: b"" for none); for a result kept in the
+        result store, b"" too, and the status's ``result_url`` says where it is."""
+        self._check_id(job_id)
+        owner, doc, result = await read_doc(self.store.redis, self.store.keys, job_id, "result")
+        if doc is None or (tenant is not None and owner != tenant.encode()):
+            raise JobNotFound(job_id)
+        raw = result if isinstance(result, bytes) and not is_ref(result) else b""
+        return decode_status(doc), raw
+
+    async def stored_result(self, ref: str) -> bytes | None:
+        """A result kept in the result store, by its reference (None when the store no
+        longer holds it), read through the ``results`` reader this was given."""
+        if self.results is None:
+            raise ConfigError(
+                "this job's result is kept in the result store, and no reader of it was "
+                "given: pass results=PostgresResultStore (jobtier.persist.results)"
+            )
+        return await self.results.get(ref)
+
+    async def payload(self, job_id: str) -> Any:
+        self._check_id(job_id)
+        raw = await self.store.redis.hget(self.store.keys.job(job_id), "payload")
+        if raw is None:
+            raise JobNotFound(job_id)
+        return msgspec.json.decode(raw)
+
+    # --- changes --------------------------------------------------------------------------
+    async def cancel(self, job_id: str, tenant: str | None = None) -> JobStatus:
+        """Cancel a waiting job, or ask the worker running it to stop. Raises
+        ``JobNotFound``, or ``TransitionRefused(WRONG_STATE)`` once it has finished."""
+        return decode_status(await self.cancel_doc(job_id, tenant))
+
+    async def cancel_doc(self, job_id: str, tenant: str | None = None) -> bytes:
+        """``cancel``, returning the status document as stored."""
+        self._check_id(job_id)
+        code, doc = await self.store.scripts.cancel(
+            self.store.keys.shard_of(job_id),
+            tenant or "",
+            job_id,
+            self.store.settings.retention_seconds,
+        )
+        if code is Code.NOT_FOUND:
+            raise JobNotFound(job_id)
+        if code is not Code.OK:
+            raise TransitionRefused(code, job_id, "has already finished")
+        return bytes(doc)
+
+    async def replay(self, job_id: str, tenant: str | None = None) -> JobStatus:
+        """Send a dead-lettered (failed) job back to its queue with its attempts reset."""
+        return decode_status(await self.replay_doc(job_id, tenant))
+
+    async def replay_doc(self, job_id: str, tenant: str | None = None) -> bytes:
+        """``replay``, returning the status document as stored."""
+        self._check_id(job_id)
+        code, doc = await self.store.scripts.replay(
+            self.store.keys.shard_of(job_id), tenant or "", job_id
+        )
+        if code is Code.NOT_FOUND:
+            raise JobNotFound(job_id)
+        if code is not Code.OK:
+            raise TransitionRefused(code, job_id, "is not in the dead-letter set")
+        return bytes(doc)
+
+    async def dead_letters(
+        self,
+        limit: int = 100,
+        *,
+        type: str | None = None,
+        since: datetime | None = None,
+        queue: str | None = None,
+        tenant: str | None = None,
+    ) -> list[JobStatus]:
+        """The most recently dead-lettered jobs still held by Redis, newest first; only those
+        of ``type``, ``queue`` and ``tenant``, dead-lettered at or after ``since``, when given.
+        Each shard's set is read newest first, ``limit`` (at least 100) at a time, until enough
+        match or none are left."""
+        page = max(limit, 100)
+        low: float | str = "-inf" if since is None else int(since.timestamp() * 1000)
+        offsets = dict.fromkeys(range(self.store.keys.shards), 0)
+        found: list[tuple[float, JobStatus]] = []
+        while offsets and len(found) < limit:
+            pipe = self.store.redis.pipeline(transaction=False)
+            for shard, start in offsets.items():
+                pipe.zrevrangebyscore(
+                    self.store.keys.dead(shard), "+inf", low, start=start, num=page, withscores=True
+                )
+            entries = []
+            for shard, rows in zip(list(offsets), await pipe.execute(), strict=True):
+                entries += [(score, member.decode(), shard) for member, score in rows]
+                if len(rows) < page:
+                    del offsets[shard]  # read to the end
+                else:
+                    offsets[shard] += page
+            entries.sort(reverse=True)
+            docs = await read_docs(
+                self.store.redis, self.store.keys, [job_id for _, job_id, _ in entries]
+            )
+            for (score, _, _), (owner, doc) in zip(entries, docs, strict=True):
+                if doc is None:  # expired from Redis (dead retention): Postgres still has it
+                    continue
+                status = decode_status(doc)
+                if (
+                    (type is None or status.type == type)
+                    and (queue is None or status.queue == queue)
+                    and (tenant is None or owner == tenant.encode())
+                ):
+                    found.append((score, status))
+        found.sort(key=lambda item: -item[0])
+        return [status for _, status in found[:limit]]
+
+    async def replay_many(
+        self,
+        *,
+        type: str | None = None,
+        since: datetime | None = None,
+        limit: int = 1000,
+        queue: str | None = None,
+        tenant: str | None = None,
+    ) -> list[str]:
+        """Replay dead-lettered jobs (optionally only those of a type, queue or tenant,
+        dead-lettered since a time); returns the ids replayed."""
+        replayed = []
+        for status in await self.dead_letters(
+            limit, type=type, since=since, queue=queue, tenant=tenant
+        ):
+            try:
+                await self.replay(status.id)
+            except (TransitionRefused, JobNotFound):
+                continue  # replayed or expired meanwhile
+            replayed.append(status.id)
+        return replayed
+
+    async def dead_letter(self, job_id: str) -> tuple[bytes, bytes, list[bytes]]:
+        """One dead-lettered job in full: (status document, payload JSON, log lines JSON);
+        ``JobNotFound`` for a job Redis does not hold in its dead-letter set."""
+        self._check_id(job_id)
+        shard = self.store.keys.shard_of(job_id)
+        pipe = self.store.redis.pipeline(transaction=False)
+        pipe.zscore(self.store.keys.dead(shard), job_id)
+        pipe.lrange(self.store.keys.lines(job_id), 0, -1)
+        # both reads at once: one round trip's wait, as when the document was an HMGET
+        (score, lines), (_, doc, payload) = await asyncio.gather(
+            pipe.execute(), read_doc(self.store.redis, self.store.keys, job_id, "payload")
+        )
+        if score is None or doc is None:
+            raise JobNotFound(job_id)
+        return doc, payload or b"null", lines
+
+    async def log_lines(self, job_id: str) -> list[bytes]:
+        """The job's log lines (``ctx.log``) still in Redis, oldest first, JSON each."""
+        self._check_id(job_id)
+        lines = await self.store.redis.lrange(self.store.keys.lines(job_id), 0, -1)
+        return [line if isinstance(line, bytes) else line.encode() for line in lines]
+
+    async def dependencies(self, job_id: str, tenant: str | None = None) -> list[Dependency]:
+        """A job's dependencies, in order, with their state (and result or error once they
+        finished). ``JobNotFound`` for a job Redis does not hold (or another tenant's)."""
+        self._check_id(job_id)
+        return await flow_reads.dependencies(self.store, job_id, tenant)
+
+    async def compensation_of(self, job_id: str) -> str | None:
+        """The id of the compensation job created when ``job_id`` failed for good (its
+        task's ``on_failure``), or None."""
+        self._check_id(job_id)
+        return await flow_reads.compensation_of(self.store, job_id)

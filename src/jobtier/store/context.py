@@ -1,0 +1,73 @@
+"""The engine context: one deployment's Redis, its key layout and its scripts.
+
+Every part that talks to Redis (the engine's producer, job and queue operations, workers,
+the scheduler, the resolver) holds the ``Store`` it was given; only its owner closes it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from jobtier.config import Settings
+from jobtier.core.keys import Keys
+from jobtier.store import format as job_format
+from jobtier.store.calls import SubmitItem, SubmitOutcome, parse_submit, submit_call
+from jobtier.store.redis import RedisClient, check_redis, connect
+from jobtier.store.scripts import Scripts
+
+
+class Store:
+    __slots__ = ("keys", "redis", "scripts", "settings")
+
+    def __init__(self, settings: Settings, redis: RedisClient) -> None:
+        self.settings = settings
+        self.redis = redis
+        self.keys = Keys(settings.prefix, settings.shards)
+        self.scripts = Scripts(redis, self.keys)
+
+    @classmethod
+    async def connect(cls, settings: Settings, *, check: bool = True) -> Store:
+        """Connect, check that Redis is fit (non-evicting, AOF), load the scripts, and check
+        that the job hashes are in the format they read (``store/format.py``)."""
+        store = cls(settings, connect(settings))
+        try:
+            if check:
+                await check_redis(store.redis, settings)
+            await store.scripts.load()
+            await job_format.adopt(store.redis, store.keys)
+        except BaseException:
+            await store.close()
+            raise
+        return store
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+SPREAD_FROM = 128  # jobs in a submit from which its shards go in several pipelines
+
+
+async def submit_items(store: Store, items: Sequence[SubmitItem]) -> list[SubmitOutcome]:
+    """Run submits already validated: one script call per shard, pipelined; outcomes in
+    order."""
+    by_shard: dict[int, list[int]] = defaultdict(list)
+    for i, item in enumerate(items):
+        by_shard[store.keys.shard_of(item.job_id)].append(i)
+    ttl = store.settings.idempotency_ttl_seconds * 1000
+    calls = [submit_call(shard, [items[i] for i in idx], ttl) for shard, idx in by_shard.items()]
+    # a large batch's shards in four pipelines sent in turn: Redis runs the first while the
+    # others are packed (Scripts.call_spread); a small batch goes in one
+    per = -(-len(calls) // 4) if len(items) >= SPREAD_FROM else len(calls)
+    replies = await store.scripts.call_spread(calls, per)
+    outcomes: list[SubmitOutcome | None] = [None] * len(items)
+    for idx, reply in zip(by_shard.values(), replies, strict=True):
+        for i, outcome in zip(idx, parse_submit(reply), strict=True):
+            outcomes[i] = outcome
+    return [o for o in outcomes if o is not None]
