@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from redis.exceptions import RedisError
 
 from jobtier.engine.cron import CronMirror, mirror_def, to_datetime
-from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.runtime.backoff import SCHEDULER
+from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.calls import Call, parse_promote, parse_reclaim, promote_call, reclaim_call
+from jobtier.store.context import Store
 from jobtier.store.redis import ShardSubscriber
 
 log = logging.getLogger("jobtier.scheduler")
@@ -57,19 +58,19 @@ class Scheduler:
 
     def __init__(
         self,
-        queue: Queue,
+        store: Store,
         *,
         batch: int = 200,
         max_sleep: float = 5.0,
         min_pass_interval: float = 0.005,
-        store: ScheduleStore | None = None,
+        schedules: ScheduleStore | None = None,
         reconcile_every: float = 60.0,
         resolve: bool = True,
     ) -> None:
-        self.queue = queue
-        self.keys = queue.keys
-        self.scripts = queue.scripts
-        self.settings = queue.settings
+        self.store = store
+        self.keys = store.keys
+        self.scripts = store.scripts
+        self.settings = store.settings
         self.batch = batch
         self.max_sleep = max_sleep
         self.min_pass_interval = min_pass_interval
@@ -77,9 +78,9 @@ class Scheduler:
         self._next_due: list[float] = [NOW] * n
         self._next_lease: list[float] = [NOW] * n
         self._next_cron: list[float] = [NOW] * n
-        self.cron = CronMirror(queue.redis, queue.keys, queue.scripts)
+        self.cron = CronMirror(store.redis, store.keys, store.scripts)
         # Postgres holds the schedules' definitions: the mirror is checked against it
-        self.store = store
+        self.schedules = schedules
         self.reconcile_every = reconcile_every
         self.misfire_grace_ms = int(self.settings.cron_misfire_grace_seconds * 1000)
         self._offset_ms = 0.0  # Redis clock minus ours
@@ -87,7 +88,7 @@ class Scheduler:
         self._stopping = asyncio.Event()
         self.stats = SchedulerStats()
         # the flow resolver shares this scheduler's wake subscription (resolve=False: none)
-        self.resolver = Resolver(queue.store) if resolve else None
+        self.resolver = Resolver(store) if resolve else None
 
     async def _upgrade_ready_lists(self) -> None:
         """Move jobs still waiting in the ready lists of a jobtier from before named queues
@@ -152,7 +153,7 @@ class Scheduler:
 
     async def run(self) -> SchedulerStats:
         subscriber = ShardSubscriber(
-            self.queue.redis,
+            self.store.redis,
             [self.keys.wake(s) for s in range(self.keys.shards)],
             self._on_wake,
             self._on_reset,
@@ -163,7 +164,7 @@ class Scheduler:
         await self._upgrade_ready_lists()
         backoff = SCHEDULER.start()
         # Postgres is slow or down at times: reconciling must never hold up promotion
-        reconciler = asyncio.create_task(self._reconcile_loop()) if self.store else None
+        reconciler = asyncio.create_task(self._reconcile_loop()) if self.schedules else None
         resolving = (
             asyncio.create_task(self.resolver.run(), name="jobtier-resolver")
             if self.resolver is not None
@@ -249,9 +250,9 @@ class Scheduler:
     async def reconcile(self) -> int:
         """Restore schedules Postgres has and Redis lost; copy firing times back to Postgres.
         Returns how many schedules were restored."""
-        if self.store is None:
+        if self.schedules is None:
             return 0
-        rows = await self.store.all()
+        rows = await self.schedules.all()
         times = await self.cron.times([s.id for s, _ in rows])
         restored = 0
         now = int(self.redis_now_ms())
@@ -268,19 +269,17 @@ class Scheduler:
             await self.cron.put(schedule.id, definition, payload, next_ms, schedule.paused)
             restored += 1
             log.warning("event=schedule_restored schedule=%s next_fire_ms=%s", schedule.id, next_ms)
-        await self.store.sync_times(
+        await self.schedules.sync_times(
             [(sid, to_datetime(nxt), to_datetime(last)) for sid, (nxt, last, _) in times.items()]
         )
         return restored
 
     async def _reconcile_loop(self) -> None:
-        while True:
-            try:
-                async with asyncio.timeout(RECONCILE_TIMEOUT):
-                    await self.reconcile()
-            except Exception as exc:  # Postgres down or hung: firing goes on from Redis
-                log.warning("event=schedule_reconcile_failed error=%r", exc)
-            await asyncio.sleep(self.reconcile_every)
+        # Postgres down or hung: firing goes on from Redis
+        await every(
+            self.reconcile_every, self.reconcile, event="schedule_reconcile", log=log,
+            faults=(Exception,), timeout=RECONCILE_TIMEOUT,
+        )  # fmt: skip
 
     async def run_once(self) -> int:
         """One pass over the shards that are due; returns the jobs moved."""

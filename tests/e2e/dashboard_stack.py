@@ -143,7 +143,7 @@ async def stack_fixture(
     persister = Persister(pg_settings, queue.redis, pg_pool, "dashboard-persister")
     stack = Stack(api, queue, background, persister)
     background.start(persister)
-    background.start(Scheduler(queue))  # failed attempts come back through the scheduler
+    background.start(Scheduler(queue.store))  # failed attempts come back through the scheduler
     stack.publish("persister", persister)
     try:
         yield stack

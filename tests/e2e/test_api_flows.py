@@ -44,7 +44,7 @@ async def test_a_flow_in_one_request_and_the_parents_stream(
         assert parent["dependencies"] == {"total": 30, "done": 0, "failed": 0}
         assert all(j["state"] == "queued" and "dependencies" not in j for j in answer["jobs"][:-1])
         async with c.stream("GET", f"/v1/jobs/{parent['id']}/events") as stream:
-            background.start(Scheduler(queue))  # it runs the resolver
+            background.start(Scheduler(queue.store))  # it runs the resolver
             background.start(worker_for(queue, registry, concurrency=4))
             events = [e["data"] for e in await read_events(stream) if "data" in e]
         states = [e["state"] for e in events]
@@ -187,7 +187,7 @@ async def test_a_compensation_for_a_job_submitted_over_http(
 async def test_the_clients_submit_flows_and_read_dependencies(
     api: ApiServer, queue: Queue, background: Background
 ) -> None:
-    background.start(Scheduler(queue))
+    background.start(Scheduler(queue.store))
     background.start(worker_for(queue, registry))
     steps = chain(FlowJob(type="add", payload=1), FlowJob(type="add", payload=2))
     async with AsyncClient(api.url, KEYS["acme"]) as jobs:

@@ -151,7 +151,7 @@ async def test_listing_by_queue_and_schedules_fire_into_their_tasks_queue(
             "/v1/schedules", json={"name": "x", "type": "nope", "payload": {}, "interval": 1}
         )
         assert bad.status_code == 422 and bad.json()["field"] == "type"
-    background.start(Scheduler(queue, store=ScheduleStore(pg_pool)))
+    background.start(Scheduler(queue.store, schedules=ScheduleStore(pg_pool)))
 
     async def fired() -> bool:
         queued: int = (

@@ -78,7 +78,7 @@ async def test_bad_schedules_are_422_and_change_nothing(
 async def test_a_schedule_fires_jobs_and_stops_when_deleted(
     pg_api: ApiServer, queue: Queue, pg_pool: Pool, background: Background
 ) -> None:
-    scheduler = Scheduler(queue, store=ScheduleStore(pg_pool))
+    scheduler = Scheduler(queue.store, schedules=ScheduleStore(pg_pool))
     background.start(scheduler)
     async with pg_api.client() as c:
         sid = (
@@ -110,7 +110,7 @@ async def test_scheduler_restores_a_schedule_redis_lost(
 ) -> None:
     async with pg_api.client() as c:
         sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
-    scheduler = Scheduler(queue, store=ScheduleStore(pg_pool))
+    scheduler = Scheduler(queue.store, schedules=ScheduleStore(pg_pool))
     assert await scheduler.reconcile() == 0
     await scheduler.cron.remove(sid)  # as if Redis had lost it
     assert await scheduler.reconcile() == 1

@@ -87,7 +87,7 @@ async def test_a_parents_children_and_a_chains_failed_step(
         plain = await detail(earlier["id"])
         assert plain["dependencies"] == [] and plain["children"] is None
 
-        background.start(Scheduler(queue))  # it runs the resolver
+        background.start(Scheduler(queue.store))  # it runs the resolver
         background.start(worker_for(queue, registry, concurrency=4))
 
         async def ended() -> bool:

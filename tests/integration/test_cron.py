@@ -57,7 +57,7 @@ async def test_two_racing_schedulers_fire_each_slot_once(queue: Queue, settings:
         False,
     )
     second = await Queue.connect(settings)
-    a, b = Scheduler(queue), Scheduler(second)
+    a, b = Scheduler(queue.store), Scheduler(second.store)
     tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
     try:
         # both race for every slot: each wakes for the same next-fire time
@@ -166,7 +166,7 @@ async def test_killed_scheduler_catches_up_once_after_restart(settings: Settings
 
 
 async def test_delayed_jobs_never_start_early(queue: Queue, background: Background) -> None:
-    background.start(Scheduler(queue))
+    background.start(Scheduler(queue.store))
     background.start(worker_for(queue, registry))
     subs = [await queue.submit("echo", i, delay=0.05 * (i % 8)) for i in range(40)]
     ids = {s.job_id for s in subs}
@@ -203,7 +203,7 @@ async def test_a_hung_postgres_does_not_hold_up_promotion(
         f"postgresql://nobody@127.0.0.1:{port}/none", min_size=0, max_size=1, timeout=60
     )
     try:
-        background.start(Scheduler(queue, store=ScheduleStore(pool)))
+        background.start(Scheduler(queue.store, schedules=ScheduleStore(pool)))
         sub = await queue.submit("echo", None, delay=0.2)
 
         async def promoted() -> bool:

@@ -293,7 +293,7 @@ async def test_log_lines_reach_the_job_in_order_with_their_attempts(queue: Queue
     sub = await queue.submit("chatty", {"n": 3, "fail_first": True})
     from jobtier.scheduler import Scheduler
 
-    scheduler = Scheduler(queue)
+    scheduler = Scheduler(queue.store)
     run = asyncio.create_task(scheduler.run())
     try:
         worker = worker_for(queue, registry)

@@ -55,7 +55,7 @@ async def test_killed_worker_jobs_are_reclaimed_and_its_late_writes_refused(
         finally:
             if proc.poll() is None:
                 proc.kill()
-        background.start(Scheduler(queue))
+        background.start(Scheduler(queue.store))
         background.start(worker_for(queue, registry))
 
         async def all_succeeded() -> bool:

@@ -140,7 +140,7 @@ async def test_a_resolver_killed_mid_resolution_loses_nothing(
     assert 0 < len(told) < len(waiting)
     assert await pending_handoffs(cq) == made
 
-    scheduler = Scheduler(cq)  # its resolver takes the dead one's hand-offs over
+    scheduler = Scheduler(cq.store)  # its resolver takes the dead one's hand-offs over
     background.start(scheduler)
     background.start(worker_for(cq, registry))
 
@@ -187,7 +187,7 @@ async def test_a_worker_killed_between_success_and_resolution_loses_nothing(
     assert done and await handoffs(cq) == len(done)
     assert all(s.dependencies.done == 0 for s in await statuses(cq, parents) if s.dependencies)
 
-    background.start(Scheduler(cq))  # requeues the dead worker's other jobs; resolves
+    background.start(Scheduler(cq.store))  # requeues the dead worker's other jobs; resolves
     background.start(worker_for(cq, registry))
 
     async def all_done() -> bool:
@@ -217,7 +217,7 @@ async def test_a_worker_killed_around_a_failure_leaves_one_compensation_each(
         assert failed
         for job_id in failed:  # in Redis before the worker died: no one else ran
             assert await cq.jobs.compensation_of(job_id) is not None
-    background.start(Scheduler(cq))
+    background.start(Scheduler(cq.store))
     background.start(worker_for(cq, registry))
 
     async def all_compensated() -> bool:

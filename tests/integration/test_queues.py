@@ -342,7 +342,7 @@ async def test_rate_limited_pushes_the_queue_back_without_using_an_attempt(
     limited_once.clear()
     first = await queue.submit(slow_down, 1)
     background.start(worker_for(queue, TaskRegistry([slow_down]), name="rl"))
-    background.start(Scheduler(queue))  # it promotes the job when its wait is over
+    background.start(Scheduler(queue.store))  # it promotes the job when its wait is over
 
     async def blocked_now() -> bool:
         stats = await queue.admin.stats()
@@ -383,7 +383,7 @@ async def test_jobs_left_in_the_ready_lists_of_before_queues_are_moved_and_run(
         await r.hdel(keys.job(job_id), "queue")
         await r.lpush(keys.base(shard) + "q:normal", job_id)
     assert (await queue.admin.stats())["total"]["queued"] == 0  # invisible to today's claims
-    background.start(Scheduler(queue))
+    background.start(Scheduler(queue.store))
 
     async def moved() -> bool:
         queued: int = (await queue.admin.stats())["total"]["queued"]

@@ -126,7 +126,7 @@ async def test_while_redis_loads_requests_get_503_and_loops_log_one_line(
     queue = await Queue.connect(settings, test_registry)
     try:
         background.start(worker_for(queue, test_registry, concurrency=4))
-        background.start(Scheduler(queue))
+        background.start(Scheduler(queue.store))
         persister = Persister(pg_settings, queue.redis, pg_pool, "p1")
         background.start(persister)
         async with api.client() as client:

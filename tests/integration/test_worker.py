@@ -55,7 +55,7 @@ async def test_burst_worker_runs_jobs_and_stores_results(queue: Queue) -> None:
 async def test_retries_follow_the_backoff_then_dead_letter(
     queue: Queue, background: Background
 ) -> None:
-    background.start(Scheduler(queue))
+    background.start(Scheduler(queue.store))
     background.start(worker_for(queue, registry))
     sub = await queue.submit("flaky", None)  # fails every attempt; 4 attempts
     await until_state(queue, sub.job_id, State.FAILED, timeout=20)
@@ -82,7 +82,7 @@ async def test_retries_follow_the_backoff_then_dead_letter(
 
 
 async def test_success_after_retries(queue: Queue, background: Background) -> None:
-    background.start(Scheduler(queue))
+    background.start(Scheduler(queue.store))
     background.start(worker_for(queue, registry))
     sub = await queue.submit("flaky", {"succeed_on": 2})
     later = await queue.submit("retry_later", None)
@@ -131,7 +131,7 @@ async def test_a_job_of_a_type_the_worker_lacks_is_handed_back_untouched(queue: 
 
 
 async def test_timeout_counts_as_a_retryable_failure(queue: Queue, background: Background) -> None:
-    background.start(Scheduler(queue))
+    background.start(Scheduler(queue.store))
     background.start(worker_for(queue, registry))
     sub = await queue.submit("too_slow", None)
     await until_state(queue, sub.job_id, State.FAILED)

@@ -12,11 +12,10 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from redis.exceptions import RedisError
-
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
 from jobtier.engine.queue import Queue
+from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.memory import MemoryUse, redis_memory
 
@@ -92,14 +91,7 @@ class Admission:
             )  # fmt: skip
 
     async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            try:
-                await self.refresh()
-            except (RedisError, OSError) as exc:
-                log.warning("event=admission_refresh_failed error=%r", exc)
-            except Exception:
-                log.exception("event=admission_refresh_failed")
+        await every(1.0, self.refresh, event="admission_refresh", log=log, wait_first=True)
 
     def check(self, tenant: str, n: int = 1) -> None:
         """Raise a 429/503 problem if ``tenant`` may not submit ``n`` jobs now."""

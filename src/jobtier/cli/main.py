@@ -143,7 +143,7 @@ def cmd_scheduler(args: argparse.Namespace, settings: Settings) -> int:
         pool = await create_pool(settings.database_url, min_size=0, max_size=2, timeout=10)
         try:
             async with await Queue.connect(settings) as queue:
-                scheduler = Scheduler(queue, batch=args.batch, store=ScheduleStore(pool))
+                scheduler = Scheduler(queue.store, batch=args.batch, schedules=ScheduleStore(pool))
                 _on_signals(scheduler.stop)
                 async with MetricsPublisher(queue.redis, queue.keys, "scheduler", [scheduler]):
                     await scheduler.run()

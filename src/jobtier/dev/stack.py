@@ -262,7 +262,7 @@ async def run_all(
                 queue, registry, concurrency=args.concurrency, shutdown_grace=args.grace
             )
             outcome.worker = worker
-            scheduler = Scheduler(queue, store=ScheduleStore(pool))
+            scheduler = Scheduler(queue.store, schedules=ScheduleStore(pool))
             persister = Persister(settings, queue.redis, pool, "run-persister")
             dispatcher = Dispatcher(settings, queue.redis, pool, "run-dispatcher")
             parts[:] = [worker, scheduler, persister, dispatcher]

@@ -27,11 +27,11 @@ from typing import Any
 import msgspec
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
-from redis.exceptions import RedisError
 
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
 from jobtier.core.model import TaskAd, TaskInfo
+from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.redis import RedisClient
 
@@ -144,9 +144,4 @@ class TaskCatalog:
         await stop_task(self._task, "task catalog refresh")
 
     async def _loop(self) -> None:
-        while True:
-            try:
-                await self.load()
-            except (RedisError, OSError) as exc:
-                log.warning("event=catalog_refresh_failed error=%r", exc)
-            await asyncio.sleep(self.refresh_every)
+        await every(self.refresh_every, self.load, event="catalog_refresh", log=log)

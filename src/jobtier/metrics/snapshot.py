@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 
 from jobtier.core.keys import Keys
 from jobtier.metrics.histogram import merge, minus
+from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import bounded, stop_task
 from jobtier.store.redis import RedisClient
 
@@ -116,14 +117,7 @@ class MetricsPublisher:
         await self.stop()
 
     async def _loop(self) -> None:
-        while True:
-            try:
-                await self.publish()
-            except (RedisError, OSError) as exc:
-                log.warning("event=metrics_publish_failed error=%r", exc)
-            except Exception:
-                log.exception("event=metrics_publish_failed")
-            await asyncio.sleep(PUBLISH_EVERY)
+        await every(PUBLISH_EVERY, self.publish, event="metrics_publish", log=log)
 
 
 _snapshot_decoder = msgspec.json.Decoder(Snapshot)

@@ -1,0 +1,62 @@
+"""Periodic work and the waits of long-running loops.
+
+``every`` runs a step at an interval until it is stopped or cancelled: a fault the caller
+foresaw (Redis or Postgres away) is logged in one line and the next round tries again;
+anything else is logged with its traceback the first time its class is seen, and retried
+too, so a periodic role never ends silently. ``wait_for`` is the stoppable sleep of every
+loop: it returns as soon as its event is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from jobtier.logs import Unforeseen
+
+FAULTS: tuple[type[BaseException], ...] = (RedisError, OSError)
+
+
+async def wait_for(event: asyncio.Event, seconds: float) -> bool:
+    """Wait up to ``seconds`` for ``event``; True once it is set (at once if it already is)."""
+    if not event.is_set() and seconds > 0:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await event.wait()
+    return event.is_set()
+
+
+async def every(
+    seconds: float | Callable[[], float],
+    step: Callable[[], Awaitable[Any]],
+    *,
+    event: str,
+    log: logging.Logger,
+    stop: asyncio.Event | None = None,
+    faults: tuple[type[BaseException], ...] = FAULTS,
+    wait_first: bool = False,
+    timeout: float | None = None,
+) -> None:
+    """Run ``step`` every ``seconds`` (a number, or a function asked before each wait) until
+    ``stop`` is set or the task is cancelled. ``timeout`` bounds one step (a hung server);
+    ``event`` names the step in the log line of a failure."""
+    unforeseen = Unforeseen(log)
+    stop = stop or asyncio.Event()
+    first = True
+    while True:
+        wait = seconds() if callable(seconds) else seconds
+        if (not first or wait_first) and await wait_for(stop, wait):
+            return
+        first = False
+        try:
+            async with asyncio.timeout(timeout):
+                await step()
+        except faults as exc:  # a TimeoutError (past ``timeout``) is an OSError
+            log.warning("event=%s_failed error=%r", event, exc)
+        except Exception as exc:
+            unforeseen(f"event={event}_failed", exc, wait)
