@@ -28,7 +28,7 @@ import msgspec
 from starlette.requests import Request
 
 from jobtier.api.auth import bearer_key, raw_header
-from jobtier.api.problems import UNAVAILABLE, Problem
+from jobtier.api.problems import PG_DOWN, UNAVAILABLE, Problem
 from jobtier.core.keys import ulid
 from jobtier.persist.audit_store import AuditRecord, AuditStore
 
@@ -37,8 +37,6 @@ log = logging.getLogger("jobtier.audit")
 FLUSH_BATCH = 100  # deferred records written per action (a backlog drains over a few)
 _encode = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder(AuditRecord)
-# Postgres down or restarting (as api/records.py PG_DOWN, which imports the app)
-_PG_DOWN: tuple[type[BaseException], ...] = (*UNAVAILABLE, TimeoutError)
 
 
 def fingerprint(key: str) -> str:
@@ -107,7 +105,7 @@ async def record(request: Request, action: str, target: str, outcome: Outcome) -
     pending = queue.keys.audit_pending()
     try:
         await store.insert([rec])
-    except _PG_DOWN as exc:
+    except PG_DOWN as exc:
         await queue.redis.rpush(pending, _encode.encode(rec))
         log.warning("event=audit_deferred id=%s error=%r", rec.id, exc)
         return rec
@@ -135,7 +133,7 @@ async def flush_pending(request: Request) -> int:
             log.error("event=audit_unreadable record=%r", item[:200])
     try:
         await store.insert(records)
-    except _PG_DOWN:
+    except PG_DOWN:
         return 0  # still down: they wait
     pipe = queue.redis.pipeline(transaction=False)
     for item in raw:

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Send
 
-from jobtier.api import openapi as oa
+from jobtier.api import spec as oa
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import JSON, DocResponse, doc_state, invalid, job_id_of, job_not_found

@@ -18,13 +18,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from jobtier.api import openapi as oa
+from jobtier.api import spec as oa
 from jobtier.api.audit import actor_of, flush_pending
 from jobtier.api.auth import require_admin
 from jobtier.api.console_flows import DEPENDENCIES_SHOWN, DependencyView, flow_view
 from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
-from jobtier.api.problems import UNAVAILABLE, Problem
+from jobtier.api.problems import PG_DOWN, Problem, pg_unavailable
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import Dependencies, JobStatus, LogLine, State, is_ref, ref_of
@@ -38,7 +38,6 @@ from jobtier.status.docs import read_doc
 # payloads and results up to this size come with the job; larger ones by their own route
 PREVIEW_BYTES = 64 * 1024
 JOB_AUDIT_SHOWN = 20
-_PG_DOWN: tuple[type[BaseException], ...] = (*UNAVAILABLE, TimeoutError)
 
 LIST_PARAMS = [
     Param("state", "string", "only jobs in this state", values=[s.value for s in State]),
@@ -155,12 +154,6 @@ async def _lag(request: Request) -> dict[str, float]:
     return {"transitions": entries, "seconds": round(seconds, 3)}
 
 
-def _unavailable() -> Problem:
-    return Problem(
-        503, "unavailable", "Postgres is unavailable; try again", headers={"retry-after": "2"}
-    )
-
-
 # --- routes ------------------------------------------------------------------------------------
 async def list_jobs(request: Request) -> Response:
     """Every tenant's jobs from Postgres, newest first, by filter; keyset-paginated, with the
@@ -178,8 +171,8 @@ async def list_jobs(request: Request) -> Response:
         lag_doc = await _lag(request)
     except InvalidRequest as exc:
         raise Problem(400, "bad-request", str(exc), field=exc.field) from None
-    except _PG_DOWN:
-        raise _unavailable() from None
+    except PG_DOWN:
+        raise pg_unavailable() from None
     page = _RawAdminJobPage([_RawAdminJob(t, msgspec.Raw(d)) for t, d in rows], cursor, lag_doc)
     return Response(msgspec.json.encode(page), media_type=JSON)
 
@@ -216,8 +209,8 @@ async def job_detail(request: Request) -> Response:
         flow = await flow_view(
             queue, request.state.reader, reader, job_id, tenant, live is not None
         )
-    except _PG_DOWN:
-        raise _unavailable() from None
+    except PG_DOWN:
+        raise pg_unavailable() from None
     body = _RawAdminJobDetail(
         tenant, msgspec.Raw(doc), source, payload, result, history, actions, lag_doc,
         [msgspec.Raw(line) for line in lines], flow.dependencies, flow.children,
@@ -275,8 +268,8 @@ async def job_value(request: Request) -> Response:
     if doc is None:
         try:
             known, value = await request.state.pg_reader.admin_value(job_id, part)
-        except _PG_DOWN:
-            raise _unavailable() from None
+        except PG_DOWN:
+            raise pg_unavailable() from None
         if not known:
             raise job_not_found(job_id)
     if part == "result" and isinstance(value, bytes) and is_ref(value):
@@ -284,8 +277,8 @@ async def job_value(request: Request) -> Response:
         try:
             store = await reader_for(ref, request.state.pg_extension.pool)
             size = await store.size(ref)
-        except _PG_DOWN:
-            raise _unavailable() from None
+        except PG_DOWN:
+            raise pg_unavailable() from None
         if size is None:
             raise Problem(
                 410, "gone", f"the result of job {job_id} is no longer kept", job_id=job_id
@@ -308,8 +301,8 @@ async def audit_log(request: Request) -> Response:
         )  # fmt: skip
     except InvalidRequest as exc:
         raise Problem(400, "bad-request", str(exc), field=exc.field) from None
-    except _PG_DOWN:
-        raise _unavailable() from None
+    except PG_DOWN:
+        raise pg_unavailable() from None
     page = AuditPage(records, cursor, actor_of(request))
     return Response(msgspec.json.encode(page), media_type=JSON)
 

@@ -17,7 +17,7 @@ from jobtier.api.http import (
     job_not_found,
     read_json_body,
 )
-from jobtier.api.problems import Problem
+from jobtier.api.problems import PG_DOWN, Problem, pg_unavailable, secret_missing
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.core.model import Dependency, FlowSpec, FlowSubmitted
 from jobtier.engine.queue import Queue
@@ -76,9 +76,6 @@ async def submit_flow(request: Request) -> Response:
 
 async def _submit(request: Request, queue: Queue, prepared: PreparedFlow) -> FlowSubmitted:
     """The flow, with its jobs' callbacks written first (as a plain submit's: api/jobs.py)."""
-    # here, not above: api.webhooks imports api.openapi, which imports this module
-    from jobtier.api.webhooks import PG_DOWN, secret_missing, unavailable
-
     if not any(prepared.callbacks):
         return await queue.produce.submit_flow_prepared(prepared)
     service = getattr(request.state, "webhooks", None)
@@ -91,7 +88,7 @@ async def _submit(request: Request, queue: Queue, prepared: PreparedFlow) -> Flo
     try:
         return await queue.produce.submit_flow_prepared(prepared, service.callbacks)
     except PG_DOWN:
-        raise unavailable() from None
+        raise pg_unavailable() from None
     except SecretMissing as exc:
         raise secret_missing(exc) from None
     except InvalidRequest as exc:  # a refused callback (or depends_on): nothing submitted

@@ -118,6 +118,29 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 
+# what Postgres raises when it is down or restarting: routes that read it answer pg_unavailable
+PG_DOWN: tuple[type[BaseException], ...] = (
+    OSError,  # TimeoutError too
+    asyncpg.PostgresConnectionError,
+    asyncpg.CannotConnectNowError,
+    asyncpg.InterfaceError,
+)
+
+
+def pg_unavailable(exc: BaseException | None = None) -> Problem:
+    """A 503 for a route whose Postgres part is away (logged when ``exc`` is given)."""
+    if exc is not None:
+        log.warning("event=postgres_unavailable error=%r", exc)
+    return Problem(
+        503, "unavailable", "Postgres is unavailable; try again", headers={"retry-after": "2"}
+    )
+
+
+def secret_missing(exc: Exception) -> Problem:
+    """A callback given while the tenant has no webhook signing secret."""
+    return Problem(409, "webhook-secret-missing", str(exc), field="callback")
+
+
 async def on_unavailable(request: Request, exc: Exception) -> Response:
     """503 with Retry-After, logged in one line: an expected, passing condition."""
     log.warning(

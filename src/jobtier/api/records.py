@@ -7,7 +7,6 @@ import logging
 import time
 from typing import Any
 
-import asyncpg
 import msgspec
 import orjson
 from starlette.requests import Request
@@ -15,13 +14,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from jobtier.api import console_records, schedules, webhooks
-from jobtier.api import openapi as oa
 from jobtier.api import result_content as results
+from jobtier.api import spec as oa
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
-from jobtier.api.problems import Problem
+from jobtier.api.problems import PG_DOWN, Problem, pg_unavailable
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import Dependency, JobStatus, State
@@ -35,16 +34,6 @@ from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.webhooks.safety import Resolver
 
 log = logging.getLogger("jobtier.api")
-
-# what Postgres raises when it is down or restarting
-PG_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError, TimeoutError)
-
-
-def unavailable(exc: BaseException) -> Problem:
-    log.warning("event=postgres_unavailable error=%r", exc)
-    return Problem(
-        503, "unavailable", "Postgres is unavailable; try again", headers={"retry-after": "2"}
-    )
 
 
 class JobPage(msgspec.Struct):
@@ -122,7 +111,7 @@ class PostgresExtension(Extension):
         try:
             return await self.reader.status_docs(job_ids)
         except PG_DOWN as exc:
-            raise unavailable(exc) from None
+            raise pg_unavailable(exc) from None
 
     async def _result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
         assert self.reader is not None
@@ -130,7 +119,7 @@ class PostgresExtension(Extension):
             found = await self.reader.result(job_id, tenant)
             status = await self.reader.status_doc(job_id) if found else None
         except PG_DOWN as exc:
-            raise unavailable(exc) from None
+            raise pg_unavailable(exc) from None
         if found is None or status is None:
             return None
         doc = orjson.loads(status[1])
@@ -150,7 +139,7 @@ class PostgresExtension(Extension):
         try:
             return await self.reader.dependencies(job_id, tenant)
         except PG_DOWN as exc:
-            raise unavailable(exc) from None
+            raise pg_unavailable(exc) from None
 
     async def _ready(self) -> str | None:
         assert self.pool is not None
@@ -238,7 +227,7 @@ async def list_jobs(request: Request) -> Response:
     except InvalidRequest as exc:
         raise Problem(400, "bad-request", str(exc), field=exc.field) from None
     except PG_DOWN as exc:
-        raise unavailable(exc) from None
+        raise pg_unavailable(exc) from None
     return Response(msgspec.json.encode(page), media_type=JSON)
 
 
@@ -253,7 +242,7 @@ async def history(request: Request) -> Response:
         transitions = await reader.history(job_id, tenant)
         lag_doc = await _lag_document(request)
     except PG_DOWN as exc:
-        raise unavailable(exc) from None
+        raise pg_unavailable(exc) from None
     if transitions is None:
         found = await request.state.reader.get(job_id)
         if found is None or found[0] != tenant:

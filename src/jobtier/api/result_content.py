@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from jobtier.api import openapi as oa
+from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
 from jobtier.api.problems import Problem

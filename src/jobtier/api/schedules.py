@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jobtier.api import openapi as oa
+from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, decode_body, invalid, read_json_body
 from jobtier.api.params import Param, parse_query

@@ -14,17 +14,16 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-import asyncpg
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from jobtier.api import openapi as oa
+from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, decode_body, job_id_of, job_not_found, read_json_body
 from jobtier.api.params import Param, parse_query
-from jobtier.api.problems import Problem, not_found
+from jobtier.api.problems import PG_DOWN, Problem, not_found, pg_unavailable, secret_missing
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import ulid
@@ -39,7 +38,6 @@ from jobtier.webhooks.signing import new_secret
 
 EVENTS = oa.CALLBACK_EVENTS
 MAX_DESCRIPTION = 200
-PG_DOWN = (OSError, asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError, TimeoutError)
 
 
 class WebhookSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -115,12 +113,6 @@ class DeliveryList(msgspec.Struct):
 _spec_decoder = msgspec.json.Decoder(WebhookSpec)
 
 
-def unavailable() -> Problem:
-    return Problem(
-        503, "unavailable", "Postgres is unavailable; try again", headers={"retry-after": "2"}
-    )
-
-
 class WebhookService:
     """What the routes and the submits share: the pool, the address policy, the group, the
     jobs' callbacks (``webhooks/callbacks.py``), with its refusals as problems."""
@@ -152,7 +144,7 @@ class WebhookService:
         try:
             await self.callbacks.register(tenant, callbacks)
         except PG_DOWN:
-            raise unavailable() from None
+            raise pg_unavailable() from None
         except SecretMissing as exc:
             raise secret_missing(exc) from None
         except InvalidRequest as exc:
@@ -163,10 +155,6 @@ class WebhookService:
             await self.callbacks.forget(job_ids)
         except PG_DOWN:  # an orphan callback names a job that never runs: harmless
             pass
-
-
-def secret_missing(exc: SecretMissing) -> Problem:
-    return Problem(409, "webhook-secret-missing", str(exc), field="callback")
 
 
 def _service(request: Request) -> WebhookService:
@@ -228,7 +216,7 @@ async def create(request: Request) -> Response:
         # may have removed the first mark before the row was there (marks.unmark_idle)
         await marks.mark(service.callbacks.redis, service.callbacks.keys, [tenant])
     except PG_DOWN:
-        raise unavailable() from None
+        raise pg_unavailable() from None
     return _json(_webhook(row, secret if made is not None else None), 201)
 
 
@@ -241,7 +229,7 @@ async def list_webhooks(request: Request) -> Response:
             query("subscription_list"), tenant, q.get("after", ""), limit
         )
     except PG_DOWN:
-        raise unavailable() from None
+        raise pg_unavailable() from None
     hooks = [_webhook(r) for r in rows]
     return _json(WebhookList(hooks, hooks[-1].id if len(hooks) == limit else None))
 
@@ -252,7 +240,7 @@ async def get(request: Request) -> Response:
     try:
         row = await _service(request).pool.fetchrow(query("subscription_get"), webhook_id, tenant)
     except PG_DOWN:
-        raise unavailable() from None
+        raise pg_unavailable() from None
     if row is None:
         raise not_found(f"webhook {webhook_id}")
     return _json(_webhook(row))
@@ -266,7 +254,7 @@ async def delete(request: Request) -> Response:
             query("subscription_delete"), webhook_id, tenant
         )
     except PG_DOWN:
-        raise unavailable() from None
+        raise pg_unavailable() from None
     if not gone:
         raise not_found(f"webhook {webhook_id}")
     return Response(status_code=204)
@@ -283,7 +271,7 @@ async def rotate_secret(request: Request) -> Response:
             query("secret_rotate"), tenant, secret, float(settings.webhook_secret_overlap_seconds)
         )
     except PG_DOWN:
-        raise unavailable() from None
+        raise pg_unavailable() from None
     assert row is not None
     return _json(SigningSecret(secret, row["created_at"], row["previous_until"]), 201)
 
@@ -318,7 +306,7 @@ async def webhook_deliveries(request: Request) -> Response:
         rows = await pool.fetch(query("deliveries_of_subscription"), webhook_id, tenant, limit)
         return _json(await _deliveries(pool, rows))
     except PG_DOWN:
-        raise unavailable() from None
+        raise pg_unavailable() from None
 
 
 async def job_deliveries(request: Request) -> Response:
@@ -334,7 +322,7 @@ async def job_deliveries(request: Request) -> Response:
         rows = await pool.fetch(query("deliveries_of_job"), job_id, tenant, limit)
         return _json(await _deliveries(pool, rows))
     except PG_DOWN:
-        raise unavailable() from None
+        raise pg_unavailable() from None
 
 
 routes = [
