@@ -1,22 +1,3 @@
-"""The durable record: Postgres schema, migrations, the write-behind persister and its reads.
-
-``Persister`` moves every transition from the shard log streams into Postgres; ``PgReader``
-serves what only Postgres has (expired jobs, listings, history); ``lag`` says how far behind
-the write-behind is; ``migrate`` brings a database's schema up to date.
-"""
-
-from jobtier.persist.db import create_pool, migrate
-from jobtier.persist.persister import Persister
-from jobtier.persist.pg_reader import PgReader, StoredResult, Transition, lag
-from jobtier.persist.stats import PersisterStats
-
-__all__ = [
-    "Persister",
-    "PersisterStats",
-    "PgReader",
-    "StoredResult",
-    "Transition",
-    "create_pool",
-    "lag",
-    "migrate",
-]
+"""The durable record in Postgres: schema, migrations, the write-behind persister and the
+reads of what only Postgres keeps. Each module is imported by name: a worker that stores a
+result loads the result store, not the persister."""
