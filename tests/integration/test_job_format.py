@@ -315,14 +315,25 @@ async def test_the_command_shows_and_upgrades(queue: Queue, settings: Settings) 
     assert code == 0 and out.strip() == f"readable: {n} of {n} shards (format 3)", out
     job_id = await submit_in(queue, 2, JobSpec(type="echo"))
     doc = await downgrade(queue, job_id, 1)
+    # one whose stored document is not what its fields render (counted, not kept), and an
+    # old ready list that names a job Redis no longer holds (dropped from it)
+    odd = await submit_in(queue, 2, JobSpec(type="echo"))
+    await downgrade(queue, odd, 2, doc=b'{"id":"odd"}')
+    await queue.redis.lpush(f"{queue.keys.base(2)}q:low", queue.keys.new_id(2))
     await queue.redis.set(queue.keys.job_format(2), "1")
     code, out = await jobtier("job-format", settings=settings)
     assert code == 0, out
     assert f"readable: {n - 1} of {n} shards" in out, out
     assert f"needs `jobtier job-format --upgrade`: 1 of {n} shards" in out, out
     assert "shard 2: job hashes in format 1" in out, out
+    assert "shard 2: ready lists from before named queues" in out, out
+    assert "1 jobs wait in the ready lists of before named queues" in out, out
     code, out = await jobtier("job-format", "--upgrade", settings=settings)
     assert code == 0, out
-    assert "rewrote 1 job hashes into format 3; moved 0 jobs" in out, out
+    assert (
+        "rewrote 2 job hashes into format 3 (1 render another document than the one they "
+        "stored); moved 0 jobs from the ready lists of before named queues (1 no longer "
+        f"queued: dropped from them); marked {n} shards format 3"
+    ) in out, out
     assert out.strip().endswith(f"readable: {n} of {n} shards (format 3)"), out
     assert await queue.status_doc(job_id) == doc
