@@ -417,9 +417,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--claim-batch", type=int, default=25, help="most jobs per claim (25)")
     p.add_argument("--complete-batch", type=int, default=25, help="jobs per completion (25)")
     p.add_argument("--payload", action="store_true", help='payload {"n": 1} rather than null')
-    p.add_argument("--before-format", type=int, choices=(1, 2, 3), default=None,
-                   help="job hash format the baseline writes, for scripts from before format "
-                   "3 only (the newest its scripts know)")  # fmt: skip
+    p.add_argument(
+        "--before-format",
+        type=int,
+        choices=(1, 2, 3),
+        default=None,
+        help="job hash format the baseline writes, for scripts from before format 3 only "
+        "(the newest its scripts know)",
+    )
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     return p.parse_args(argv)
 
