@@ -35,7 +35,8 @@ from jobtier.status.nearcache import Entry
 
 SHARDS = 16
 DOC = (
-    b'{"id":"%s","type":"resize","state":"running","version":3,"priority":"normal",'
+    b'{"id":"%s","type":"resize","queue":"default","state":"running","version":3,'
+    b'"priority":"normal",'
     b'"attempt":1,"max_attempts":3,"created_at":"2026-11-29T12:00:00.000Z",'
     b'"updated_at":"2026-11-29T12:00:01.000Z","run_at":null,"progress":{"pct":40},'
     b'"error":null,"cancel_requested":false,"worker":"w-1"}'
@@ -171,8 +172,16 @@ def redis_cases(redis: Redis, keys: Keys, ids: list[str]) -> dict[str, Case]:
 async def fill(redis: Redis, keys: Keys, n: int) -> list[str]:
     ids = [keys.new_id(i % SHARDS) for i in range(n)]
     pipe = redis.pipeline(transaction=False)
+    # the hash submit and claim leave for DOC (core/keys.py, "Job hashes"): read_status.lua
+    # renders DOC from it
+    updated = 1_795_953_601_000  # 2026-11-29T12:00:01.000Z
+    c = "resize normal 3 2026-11-29T12:00:00.000Z default "
+    t = f"running 3 1 {updated}   0 1 2 {updated} w-1"
     for job_id in ids:
-        pipe.hset(keys.job(job_id), mapping={"tenant": "acme", "doc": DOC % job_id.encode()})
+        pipe.hset(
+            keys.job(job_id),
+            mapping={"tenant": "acme", "id": job_id, "c": c, "t": t, "progress": '{"pct":40}'},
+        )
     await pipe.execute()
     return ids
 

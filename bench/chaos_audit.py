@@ -165,7 +165,7 @@ async def audit(redis: Any, pool: Any, keys: Keys, job_ids: Sequence[str]) -> Au
             list(chunk),
         ):
             history[r["job_id"]].append(r)
-        # the document a reader gets: stored (formats 1, 2) or rendered (format 3)
+        # the document a reader gets: rendered from the job's fields
         docs = dict(zip(chunk, [d for _, d in await read_docs(redis, keys, chunk)], strict=True))
         for job_id in chunk:
             h, row, transitions = hashes[job_id], rows.get(job_id), history.get(job_id, [])
@@ -173,7 +173,7 @@ async def audit(redis: Any, pool: Any, keys: Keys, job_ids: Sequence[str]) -> Au
             if not h:
                 (a.vanished_from_redis if row else a.lost).append(job_id)
                 continue
-            fields = job_format.job_fields(h)  # the small fields, whichever format holds them
+            fields = job_format.job_fields(h)  # the packed small fields unpacked
             state, version = fields["state"].encode(), int(fields["version"])
             states[state.decode()] += 1
             if state not in TERMINAL:

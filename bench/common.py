@@ -99,27 +99,27 @@ def drop_ready(r: Any, keys: Any) -> None:
 
 async def script_queue(redis: Redis, url: str, fmt: int = job_format.NEWEST) -> Queue:
     """A Queue on ``redis`` (16 shards) for programs that call the scripts directly rather
-    than through ``Queue.connect``: its shards write job hashes in format ``fmt``
-    (jobtier/store/format.py; the newest, what a new deployment writes; scripts from before a
-    format write an older one whatever this says). ``flush`` keeps the format from phase to
-    phase."""
+    than through ``Queue.connect``, its shards marked format ``fmt`` (``set_format``).
+    ``flush`` keeps the marks from phase to phase."""
     queue = Queue(Store(Settings(redis_url=url, shards=16), redis), require_known=False)
     await set_format(redis, queue.keys, fmt)
     return queue
 
 
 async def set_format(redis: Redis, keys: Keys, fmt: int) -> None:
-    """Mark every shard to write job hashes in format ``fmt`` (jobtier/store/format.py)."""
-    if fmt == job_format.NEWEST:
-        await job_format.upgrade(redis, keys)
-    else:
-        await job_format.hold(redis, keys, fmt)
+    """Mark every shard format ``fmt`` (``jt:{s}:fmt``). This jobtier's scripts write format
+    3 whatever the mark; a baseline's scripts from before it (bench/transitions.py
+    ``git_sources``) write the format the mark names, as that jobtier did."""
+    pipe = redis.pipeline(transaction=False)
+    for shard in range(keys.shards):
+        pipe.set(keys.job_format(shard), str(fmt))
+    await pipe.execute()
 
 
 async def flush(redis: Redis) -> None:
-    """FLUSHALL, keeping each shard's job format mark (jobtier/store/format.py): processes pick
-    the format when they connect, and emptying Redis between phases must not turn a
-    deployment in format 2 back to format 1 under them."""
+    """FLUSHALL, keeping each shard's job format mark (``set_format``): a baseline's scripts
+    read it at every call, and emptying Redis between phases must not turn them to format 1
+    (no mark) under the bench."""
     marks = {key: await redis.get(key) async for key in redis.scan_iter(match="*:fmt")}
     await redis.flushall()
     if marks:

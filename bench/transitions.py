@@ -205,9 +205,13 @@ async def measure_phase(
 
 
 def known_format(sources: Revision) -> int:
-    """The newest job format the scripts in ``sources`` write (lib.lua's marks)."""
-    lib = sources.texts.get("claim", "").lower()  # every script holds lib.lua; the mark is read
-    # into FMT at the top level before the function library, into fmt by begin() since
+    """The newest job format the scripts in ``sources`` write."""
+    lib = sources.texts.get("claim", "")  # every script holds lib.lua
+    if "'fmt'" not in lib:  # they read no mark: format 3 only (today's), or from before format 2
+        return 3 if "T_PATTERN" in lib else 1
+    # they write what jt:{s}:fmt names: read into FMT at the top level before the function
+    # library, into fmt by begin() since
+    lib = lib.lower()
     return 3 if "fmt == '3'" in lib else 2 if "== '2'" in lib else 1
 
 
@@ -287,9 +291,10 @@ async def one_variant(
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     before = git_sources(args.before)
-    # the baseline writes the format asked for, or the newest its scripts know
-    formats = {"before": min(args.before_format or args.format, known_format(before)),
-               "after": args.format}  # fmt: skip
+    # the baseline writes the format asked for, or the newest its scripts know; the working
+    # tree's scripts write format 3 only
+    newest = known_format(before)
+    formats = {"before": min(args.before_format or newest, newest), "after": 3}
     args.formats = formats
     runs: list[dict[str, Any]] = []
     with local_redis(aof=True) as server:
@@ -298,7 +303,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         # Redis would rewrite mid-phase and move the appends to a new file the phase is not
         # reading; each variant starts from its own BGREWRITEAOF instead
         await redis.config_set("auto-aof-rewrite-percentage", 0)
-        queue = await script_queue(redis, server.url, args.format)
+        queue = await script_queue(redis, server.url)
         try:
             for i in range(args.runs):
                 run = {}
@@ -353,7 +358,7 @@ def render(summary: dict[str, Any], args: argparse.Namespace, env: dict[str, Any
         f"Redis AOF `everysec`. Medians of {args.runs} interleaved run(s) of both variants: "
         f"**before** = the scripts at `{args.before}`, job hashes in format "
         f"{args.formats['before']}; **after** = the working tree's, in format "
-        f"{args.formats['after']} (jobtier/store/format.py).\n\n"
+        f'{args.formats["after"]} (core/keys.py, "Job hashes").\n\n'
         "Redis CPU is the server's (INFO cpu), script time the `fcall`/`evalsha` usec of INFO "
         "commandstats (commands inside included), Lua = script time less the commands' own "
         "usec (key building, rendering the document, cjson). AOF bytes are parsed back from "
@@ -415,15 +420,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--complete-batch", type=int, default=25, help="jobs per completion (25)")
     p.add_argument("--payload", action="store_true", help='payload {"n": 1} rather than null')
     p.add_argument(
-        "--format",
+        "--before-format",
         type=int,
         choices=(1, 2, 3),
-        default=3,
-        help="job hash format the working tree's scripts write (3)",
+        default=None,
+        help="job hash format the baseline writes, for scripts from before format 3 only "
+        "(the newest its scripts know)",
     )
-    p.add_argument("--before-format", type=int, choices=(1, 2, 3), default=None,
-                   help="job hash format the baseline writes (--format, or the newest its "
-                   "scripts know)")  # fmt: skip
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     return p.parse_args(argv)
 

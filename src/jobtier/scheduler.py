@@ -90,22 +90,6 @@ class Scheduler:
         # the flow resolver shares this scheduler's wake subscription (resolve=False: none)
         self.resolver = Resolver(store) if resolve else None
 
-    async def _upgrade_ready_lists(self) -> None:
-        """Move jobs still waiting in the ready lists of a jobtier from before named queues
-        (store/lua/upgrade.lua); once a deployment has none, this is one cheap call per shard."""
-        moved = 0
-        try:
-            for shard in range(self.keys.shards):
-                while True:
-                    done, left = await self.scripts.call(self.scripts["upgrade"], shard, (1000,))
-                    moved += int(done)
-                    if not int(left) or not int(done):
-                        break
-        except (RedisError, OSError) as exc:
-            log.warning("event=upgrade_failed error=%r: retried at the next start", exc)
-        if moved:
-            log.info("event=ready_lists_upgraded jobs=%d", moved)
-
     def metrics(self) -> Snapshot:
         """This scheduler's part of its process's metrics snapshot."""
         st = self.stats
@@ -161,7 +145,6 @@ class Scheduler:
         )
         await subscriber.start()
         log.info("event=scheduler_started shards=%d", self.keys.shards)
-        await self._upgrade_ready_lists()
         backoff = SCHEDULER.start()
         # Postgres is slow or down at times: reconciling must never hold up promotion
         reconciler = asyncio.create_task(self._reconcile_loop()) if self.schedules else None

@@ -1,203 +1,110 @@
-"""Job hash formats (core/keys.py, "Job hashes"; store/format.py): what each format holds, the
-switch of a deployment to a newer format with jobs in every state, and when a process
-switches by itself. On the single Redis and on the Redis Cluster."""
+"""The one job-hash format (core/keys.py, "Job hashes"; store/format.py): a new Redis is marked
+with it, a process refuses a deployment that holds older data, and ``jobtier job-format
+--upgrade`` rewrites older hashes (formats 1 and 2) and the ready lists from before named
+queues once, after which every job carries on. On the single Redis and on the Redis Cluster.
+
+Older hashes are written here by hand as the jobtier before this one left them (lib.lua at
+1d30c84): format 1 each small field apart (FIELDS_1, and 'created' in ms), format 2 the
+changing ones packed in 's'; both with the rendered status document in 'doc'. A job is made
+by today's scripts and its hash then rewritten so: its ready list, sets, counters and log
+entries are what either format leaves, since the format did not change them."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import os
 import sys
+from datetime import datetime
 from typing import Any, cast
 
-import msgspec
 import pytest
-from redis.asyncio import RedisCluster
+from redis.typing import EncodableT, FieldT
 
 from jobtier.config import Settings
-from jobtier.core.errors import Code
-from jobtier.core.model import JobSpec, State, decode_status
+from jobtier.core.errors import Code, ConfigError
+from jobtier.core.model import ClaimedJob, JobSpec, State, decode_status
 from jobtier.engine.queue import Queue
 from jobtier.status.docs import read_doc
-from jobtier.status.reader import StatusReader
 from jobtier.store import format as job_format
 from jobtier.store.context import submit_items
-from tests.fixtures.engine import hold_format_1
 from tests.fixtures.redis import StreamEntries
-from tests.integration.test_transitions import (
-    W,
-    claim,
-    complete,
-    expire_lease,
-    fail,
-    heartbeat,
-    reclaim,
-    stopped,
-)
+from tests.integration.test_transitions import W, claim, complete, fail, make_due, promote
 
 pytestmark = pytest.mark.contract
 
-# the format-1 fields a job's document shows, and the document's name for each
-SHOWN = {"state": "state", "version": "version", "attempt": "attempt", "prio": "priority",
-         "max_attempts": "max_attempts", "queue": "queue", "type": "type"}  # fmt: skip
+# what format 3 holds that no older format did, and what only older formats held
+NEW_ONLY = {b"c", b"t"}
+OLD_ONLY = {name.encode() for name in (*job_format.C_FIELDS, *job_format.T_FIELDS)} | {
+    b"created",
+    b"s",
+    b"doc",
+}
 
 
 async def held(queue: Queue, job_id: str) -> dict[bytes, bytes]:
-    raw: dict[bytes, bytes] = await queue.redis.hgetall(queue.keys.job(job_id))  # type: ignore[assignment]
-    return raw
+    return cast(dict[bytes, bytes], await queue.redis.hgetall(queue.keys.job(job_id)))
 
 
-def agrees_with_doc(fields: dict[str, str], doc_bytes: bytes) -> None:
-    """The hash's small fields say what its document says."""
-    doc = msgspec.json.decode(doc_bytes)
-    for field, name in SHOWN.items():
-        assert fields[field] == str(doc[name]), (field, fields[field], doc[name])
-    assert fields["created_iso"] == doc["created_at"]
-    assert (fields.get("worker") or None) == doc["worker"]
+def ms_of(iso: str) -> int:
+    return round(datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp() * 1000)
 
 
-# what only format 1 holds (lib.lua ONLY_1)
-FORMAT_1_ONLY = {
-    b"type", b"prio", b"state", b"version", b"attempt", b"max_attempts", b"updated", b"run_at",
-    b"cancel", b"worker", b"lease_version", b"created_iso", b"run_at_iso", b"lv", b"lt",
-    b"queue", b"ckey", b"created",
-}  # fmt: skip
-
-
-async def assert_format(queue: Queue, job_id: str, fmt: int) -> dict[str, str]:
-    """The job's hash is in format ``fmt`` and nothing of another is left in it; its fields
-    agree with the document a reader gets (rendered from them in format 3)."""
+async def downgrade(
+    queue: Queue, job_id: str, fmt: int, before: tuple[str, ...] = (), doc: bytes | None = None
+) -> bytes:
+    """Rewrite the job's hash as a jobtier before format 3 held it, in format ``fmt``, with
+    the document it stored (``doc``, else the one it reads as now); ``before`` (format 1):
+    fields of a job from before they existed ('queue', 'lv' with 'lt', 'created_iso': then
+    only 'created' says when). Returns the stored document."""
+    key = queue.keys.job(job_id)
     raw = await held(queue, job_id)
-    if fmt == 3:
-        assert b"c" in raw and b"t" in raw
-        assert not ({b"s", b"doc"} | FORMAT_1_ONLY) & set(raw), set(raw)
-    elif fmt == 2:
-        assert b"c" in raw and b"s" in raw and b"doc" in raw
-        assert not ({b"t"} | FORMAT_1_ONLY) & set(raw), set(raw)
-    else:
-        assert not {b"c", b"s", b"t"} & set(raw)
-        assert raw[b"state"] and raw[b"version"] and raw[b"type"] and raw[b"doc"]
+    doc = doc or await queue.jobs.status_doc(job_id)
     fields = job_format.job_fields(raw)
-    doc = await queue.jobs.status_doc(job_id)
-    if fmt < 3:
-        assert doc == raw[b"doc"]  # the stored document, as it was
-    agrees_with_doc(fields, doc)
-    return fields
-
-
-async def last_logged_doc(queue: Queue, job_id: str) -> bytes:
-    entries = await log_entries(queue, job_id)
-    doc: bytes = entries[-1][b"d"]
+    if fmt == 2:
+        old: dict[FieldT, EncodableT] = {"s": raw[b"t"], "doc": doc}
+    else:
+        # a field that holds '' is the same as an absent one to format 1: a new job's empty
+        # fields were not written
+        small = [*job_format.C_FIELDS, *job_format.T_FIELDS]
+        old = {name: fields[name] for name in small if fields[name] != ""}
+        old["created"] = ms_of(fields["created_iso"])
+        old["doc"] = doc
+        for name in before:
+            old.pop(name, None)
+            if name == "lv":
+                old.pop("lt", None)
+    pipe = queue.redis.pipeline(transaction=False)
+    pipe.hdel(key, "t", *(["c"] if fmt == 1 else []))
+    pipe.hset(key, mapping=old)
+    await pipe.execute()
     return doc
 
 
-async def test_a_redis_without_jobs_is_switched_to_the_newest_format_at_connect(
-    queue: Queue,
-) -> None:
-    """Format 3 stores no document: what a reader gets is rendered from the job's fields,
-    byte for byte what the transition logged (and published) for the same version."""
-    assert await job_format.formats(queue.redis, queue.keys) == [3] * queue.keys.shards
-    sub = await queue.submit("echo", {"n": 1}, concurrency_key="k:1")
-    fields = await assert_format(queue, sub.job_id, 3)
-    assert fields["ckey"] == "k:1"
-    assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
-    job = await claim(queue, sub.job_id, worker="worker with spaces")
-    assert job.payload == b'{"n":1}' and job.attempt == 1
-    fields = await assert_format(queue, sub.job_id, 3)
-    assert fields["worker"] == "worker with spaces" and fields["state"] == "running"
-    assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
-    code, _ = await heartbeat(queue, job, worker="worker with spaces", progress=b'{"p":5}')
-    assert code is Code.OK
-    assert (await assert_format(queue, sub.job_id, 3))["progress"] == '{"p":5}'
-    assert await complete(queue, job, worker="worker with spaces") is Code.OK
-    status = await queue.status(sub.job_id)
-    assert status.state is State.SUCCEEDED and status.progress == {"p": 5}
-    await assert_format(queue, sub.job_id, 3)
-    assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
+async def to_old_ready_list(queue: Queue, job_id: str) -> None:
+    """Move a queued job of the default queue to the ready list of before named queues."""
+    r, keys = queue.redis, queue.keys
+    shard = keys.shard_of(job_id)
+    fields = job_format.job_fields(await held(queue, job_id))
+    prio, tenant = fields["prio"], fields["tenant"]
+    ready = keys.ready(shard, "default", prio, tenant)
+    assert await r.lrem(ready, 0, job_id) == 1
+    if not await r.llen(ready):
+        await r.lrem(keys.ring(shard, "default", prio), 0, tenant)
+    await r.hincrby(keys.queue_counts(shard), f"default:{prio}", -1)
+    await r.lpush(f"{keys.base(shard)}q:{prio}", job_id)
 
 
-@pytest.mark.parametrize("fmt", [1, 2])
-async def test_a_deployment_held_in_an_older_format_writes_what_an_older_jobtier_reads(
-    queue: Queue, fmt: int
-) -> None:
-    """Until the switch, every transition writes what a jobtier from before the newer format
-    reads: held in format 2 ('2' in jt:{s}:fmt) the packed fields and the stored document,
-    held in format 1 each value in its own field and the document, never the packed ones."""
-    await job_format.hold(queue.redis, queue.keys, fmt)
-    sub = await queue.submit("flaky", None, max_attempts=2)
-    await assert_format(queue, sub.job_id, fmt)
-    job = await claim(queue, sub.job_id)
-    fields = await assert_format(queue, sub.job_id, fmt)
-    assert fields["lease_version"] == str(job.lease_version)
-    code, state = await fail(queue, job, delay_ms=5000)
-    assert (code, state) == (Code.OK, b"scheduled")
-    fields = await assert_format(queue, sub.job_id, fmt)
-    assert fields["error"] and fields["attempt"] == "1" and fields["run_at_iso"]
+async def mark_all(queue: Queue, value: str) -> None:
+    for shard in range(queue.keys.shards):
+        await queue.redis.set(queue.keys.job_format(shard), value)
 
 
-@pytest.mark.parametrize(("start", "end"), [(1, 3), (2, 3), (1, 2)])
-async def test_jobs_in_every_state_carry_on_after_the_switch(
-    queue: Queue, start: int, end: int
-) -> None:
-    """Jobs written in an older format (queued, scheduled, running, running with a cancel
-    request, one whose lease expires) go on after a switch (`jobtier job-format --upgrade`,
-    or a shard held in format 2 from format 1) as if nothing happened: each is moved to the
-    new format by its first transition, its document and versions carry on, and its history
-    has no gap."""
-    await job_format.hold(queue.redis, queue.keys, start)
-    running = await queue.submit("echo", None)
-    cancelling = await queue.submit("echo", None)
-    expiring = await queue.submit("echo", None)
-    claimed = {}
-    for shard in {queue.keys.shard_of(s.job_id) for s in (running, cancelling, expiring)}:
-        claimed.update({j.id: j for j in (await queue.scripts.claim(shard, W, 10, 30_000)).jobs})
-    jobs = {s: claimed[s.job_id] for s in (running, cancelling, expiring)}
-    queued = await queue.submit("echo", {"q": 1})
-    scheduled = await queue.submit("echo", None, delay=3600)
-    assert (await queue.cancel(cancelling.job_id)).cancel_requested
-    for sub in (queued, scheduled, running, cancelling, expiring):
-        await assert_format(queue, sub.job_id, start)
-    before = {s.job_id: (await queue.status(s.job_id)).version for s in jobs}
-
-    if end == job_format.NEWEST:
-        await job_format.upgrade(queue.redis, queue.keys)
-    else:
-        await job_format.hold(queue.redis, queue.keys, end)
-
-    # queued: the only ready job: claimed and completed; scheduled: cancelled
-    job = await claim(queue, queued.job_id)
-    assert job.payload == b'{"q":1}'
-    assert await complete(queue, job) is Code.OK
-    await assert_format(queue, queued.job_id, end)
-    assert (await queue.cancel(scheduled.job_id)).state is State.CANCELLED
-    await assert_format(queue, scheduled.job_id, end)
-    # running: completes with the lease it was given in format 1
-    assert await complete(queue, jobs[running]) is Code.OK
-    done = await queue.status(running.job_id)
-    assert done.state is State.SUCCEEDED and done.version == before[running.job_id] + 1
-    await assert_format(queue, running.job_id, end)
-    # a cancel requested in format 1 is still seen by the worker's heartbeat, and obeyed
-    assert await heartbeat(queue, jobs[cancelling]) == (Code.OK, 1)
-    assert await stopped(queue, jobs[cancelling]) == (Code.OK, b"cancelled")
-    status = await queue.status(cancelling.job_id)
-    assert status.state is State.CANCELLED and status.cancel_requested
-    assert (await assert_format(queue, cancelling.job_id, end))["cancel"] == "1"
-    # an expired lease is reclaimed and the job runs again
-    await expire_lease(queue, expiring.job_id)
-    await reclaim(queue, queue.keys.shard_of(expiring.job_id))
-    again = await claim(queue, expiring.job_id, worker="worker-b")
-    assert again.attempt == 2
-    await assert_format(queue, expiring.job_id, end)
-    # every job's logged versions form one chain: each entry names the one before it; and
-    # what a reader gets now is, byte for byte, what its last transition logged
-    for sub in (queued, scheduled, running, cancelling, expiring):
-        assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
-        entries = await log_entries(queue, sub.job_id)
-        chain = [(int(e[b"pv"]), decode_status(e[b"d"]).version) for e in entries]
-        assert chain[0][0] == 0
-        for (_, prev), (pv, _) in itertools.pairwise(chain):
-            assert pv == prev, chain
+async def marks(queue: Queue) -> list[bytes | None]:
+    keys = queue.keys
+    return [
+        cast(bytes | None, await queue.redis.get(keys.job_format(s))) for s in range(keys.shards)
+    ]
 
 
 async def log_entries(queue: Queue, job_id: str) -> list[dict[bytes, Any]]:
@@ -209,145 +116,225 @@ async def log_entries(queue: Queue, job_id: str) -> list[dict[bytes, Any]]:
     return out
 
 
-async def test_a_deployment_with_jobs_is_not_switched_by_a_process(
-    settings: Settings, queue_format_1: Queue, caplog: pytest.LogCaptureFixture
+async def assert_history_whole(queue: Queue, job_id: str) -> None:
+    """Every logged entry names the version of the one before (the first: 0), and what a
+    reader gets now is, byte for byte, what the last one logged."""
+    entries = await log_entries(queue, job_id)
+    chain = [(int(e[b"pv"]), decode_status(e[b"d"]).version) for e in entries]
+    assert chain[0][0] == 0, chain
+    for (_, prev), (pv, _) in itertools.pairwise(chain):
+        assert pv == prev, chain
+    assert await queue.jobs.status_doc(job_id) == entries[-1][b"d"]
+
+
+async def submit_in(queue: Queue, shard: int, spec: JobSpec) -> str:
+    item = queue.produce.prepare(spec, "t1", queue.keys.new_id(shard))
+    (outcome,) = await submit_items(queue.store, [item])
+    assert outcome.code is Code.OK
+    return item.job_id
+
+
+# --- a new Redis -------------------------------------------------------------------------------
+async def test_a_new_redis_is_marked_at_connect_and_written_in_format_3(queue: Queue) -> None:
+    """Format 3 stores no document: what a reader gets is rendered from the job's fields,
+    byte for byte what the transition logged (and published) for the same version."""
+    assert await marks(queue) == [b"3"] * queue.keys.shards
+    sub = await queue.submit("echo", {"n": 1}, concurrency_key="k:1")
+    raw = await held(queue, sub.job_id)
+    assert set(raw) >= NEW_ONLY and not OLD_ONLY & set(raw), set(raw)
+    assert job_format.job_fields(raw)["ckey"] == "k:1"
+    job = await claim(queue, sub.job_id, worker="worker with spaces")
+    assert job_format.job_fields(await held(queue, sub.job_id))["worker"] == "worker with spaces"
+    assert await complete(queue, job, worker="worker with spaces") is Code.OK
+    await assert_history_whole(queue, sub.job_id)
+
+
+async def test_empty_logs_made_for_consumer_groups_do_not_count_as_jobs(queue: Queue) -> None:
+    """A persister or dispatcher that starts first creates the log streams empty (for its
+    consumer group): the Redis still holds no job, and is marked; a log whose entries were
+    all trimmed (persisted) once held jobs, and a process refuses it unmarked."""
+    keys = queue.keys
+    await queue.redis.delete(*[keys.job_format(s) for s in range(keys.shards)])
+    for shard in range(keys.shards):
+        await queue.redis.xgroup_create(keys.log(shard), "jt-persister", id="0", mkstream=True)
+    await job_format.adopt(queue.redis, keys)
+    assert await marks(queue) == [b"3"] * keys.shards
+
+    sub = await queue.submit("echo", None)
+    await queue.redis.xtrim(keys.log(keys.shard_of(sub.job_id)), maxlen=0)
+    await queue.redis.delete(*[keys.job_format(s) for s in range(keys.shards)])
+    with pytest.raises(ConfigError, match=f"shard {keys.shard_of(sub.job_id)}: jobs from before"):
+        await job_format.adopt(queue.redis, keys)
+
+
+# --- a deployment this jobtier cannot read ---------------------------------------------------
+@pytest.mark.parametrize("held_by", ["format 1", "format 2", "no mark", "old ready lists"])
+async def test_a_process_refuses_a_deployment_it_cannot_read(
+    queue: Queue, settings: Settings, held_by: str
 ) -> None:
-    """A Redis that holds jobs written by an older jobtier (a log, no mark) stays in format 1
-    when a process of this jobtier connects, which says so; so does one held by hand ('1',
-    '2'); a shard a switched deployment lacks a mark on is switched to the others' format."""
-    keys = queue_format_1.keys
-    await queue_format_1.submit("echo", None)
-    await queue_format_1.redis.delete(*[keys.job_format(s) for s in range(keys.shards)])
-    with caplog.at_level(logging.WARNING, logger="jobtier.store.format"):
-        other = await Queue.connect(settings)
-    try:
-        assert await job_format.formats(other.redis, keys) == [1] * keys.shards
-        assert "jobtier job-format --upgrade" in caplog.text
-        await hold_format_1(other)
-        assert await job_format.adopt(other.redis, keys) == 1
-        # held in format 2, a shard without a mark joins the others, and the process says
-        # that a newer format is there to switch to
-        await job_format.hold(other.redis, keys, 2)
-        await other.redis.delete(keys.job_format(1))
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="jobtier.store.format"):
-            assert await job_format.adopt(other.redis, keys) == 2
-        assert "format=2" in caplog.text and "jobtier job-format --upgrade" in caplog.text
-        assert await job_format.formats(other.redis, keys) == [2] * keys.shards
-        await job_format.upgrade(other.redis, keys)
-        await other.redis.delete(keys.job_format(1))
-        assert await job_format.adopt(other.redis, keys) == 3
-        assert await job_format.formats(other.redis, keys) == [3] * keys.shards
-    finally:
-        await other.close()
+    keys = queue.keys
+    job_id = await submit_in(queue, 1, JobSpec(type="echo"))
+    if held_by == "format 1":
+        await queue.redis.set(keys.job_format(1), "1")
+        problem = "shard 1: job hashes in format 1"
+    elif held_by == "format 2":
+        await queue.redis.set(keys.job_format(1), "2")
+        problem = "shard 1: job hashes in format 2"
+    elif held_by == "no mark":  # a deployment from before marks; shards 0, 2, 3 never logged
+        await queue.redis.delete(*[keys.job_format(s) for s in range(keys.shards)])
+        problem = "shard 1: jobs from before format marks (format 1)"
+    else:
+        await to_old_ready_list(queue, job_id)
+        problem = "shard 1: ready lists from before named queues"
+    with pytest.raises(ConfigError) as refused:
+        await Queue.connect(settings)
+    message = str(refused.value)
+    assert problem in message and "`jobtier job-format --upgrade`" in message, message
+    assert "shard 0" not in message and "shards" not in message, message
+    # what a refusing process found stays as it was (it only marks what never held a job)
+    expected = {"format 1": b"1", "format 2": b"2", "no mark": None}.get(held_by, b"3")
+    assert (await marks(queue))[1] == expected
+    if held_by == "no mark":
+        assert (await marks(queue))[0] == b"3"
 
 
+# --- the upgrade -------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", [1, 2])
+async def test_jobs_in_every_state_carry_on_after_the_upgrade(
+    queue: Queue, settings: Settings, fmt: int
+) -> None:
+    """Jobs written in format 1 or 2 — running, succeeded, succeeded with a result kept
+    outside Redis ('R', and from before the flag), failed and dead-lettered, waiting for a
+    dependency, scheduled, queued, and one queued from before queues, lv and created_iso in
+    the ready lists of before named queues — are rewritten by the upgrade and carry on: each
+    reads as the document it stored, runs, finishes or is replayed, and its history has no
+    gap."""
+    keys = queue.keys
+    # jobs that run first: claimed in one call per shard, before anything else is ready
+    running = await submit_in(queue, 0, JobSpec(type="echo"))
+    done = await submit_in(queue, 0, JobSpec(type="echo", payload={"n": 1}))
+    stored = await submit_in(queue, 1, JobSpec(type="echo"))
+    stored_unflagged = await submit_in(queue, 2, JobSpec(type="echo"))
+    dead = await submit_in(queue, 3, JobSpec(type="flaky", max_attempts=1))
+    claimed: dict[str, ClaimedJob] = {}
+    for shard in range(keys.shards):
+        claimed.update({j.id: j for j in (await queue.scripts.claim(shard, W, 10, 60_000)).jobs})
+    assert set(claimed) == {running, done, stored, stored_unflagged, dead}
+    assert await complete(queue, claimed[done]) is Code.OK
+    assert await complete(queue, claimed[stored], result=b"@ref-1") is Code.OK
+    assert await complete(queue, claimed[stored_unflagged], result=b"@ref-2") is Code.OK
+    assert await fail(queue, claimed[dead], delay_ms=-1) == (Code.OK, b"failed")
+    # a jobtier from before the 'R' flag stored the document, result_url included, and no flag
+    unflagged_doc = await queue.jobs.status_doc(stored_unflagged)
+    await queue.redis.hset(keys.job(stored_unflagged), "wf", "")
+    # jobs that wait
+    waiting = (await queue.submit("echo", None, depends_on=[running], tenant="t1")).job_id
+    scheduled = await submit_in(queue, 2, JobSpec(type="echo", delay=3600))
+    queued = await submit_in(queue, 0, JobSpec(type="echo", payload={"q": 1}))
+    ancient = await submit_in(queue, 1, JobSpec(type="echo", payload={"a": 1}))
+    await to_old_ready_list(queue, ancient)
+    ids = [running, done, stored, stored_unflagged, dead, waiting, scheduled, queued, ancient]
+    versions = {i: (await queue.status(i)).version for i in ids}
+
+    # the deployment as the jobtier before this one left it
+    docs = {i: await downgrade(queue, i, fmt) for i in ids if i not in (ancient, stored_unflagged)}
+    docs[stored_unflagged] = await downgrade(queue, stored_unflagged, fmt, doc=unflagged_doc)
+    docs[ancient] = await downgrade(queue, ancient, 1, ("queue", "lv", "created_iso"))
+    await mark_all(queue, str(fmt))
+    assert b'"result_url":"/v1/jobs/' in docs[stored_unflagged]
+    assert b'"dependencies":{"total":1' in docs[waiting]
+    with pytest.raises(ConfigError, match="jobtier job-format --upgrade"):
+        await Queue.connect(settings)
+
+    upgraded = await job_format.upgrade(queue.redis, keys)
+    assert upgraded == job_format.Upgraded(len(ids), 0, 1, 0, keys.shards)
+    assert await marks(queue) == [b"3"] * keys.shards
+    for i in ids:
+        raw = await held(queue, i)
+        assert set(raw) >= NEW_ONLY and not OLD_ONLY & set(raw), (i, set(raw))
+        assert await queue.jobs.status_doc(i) == docs[i], i  # the document it stored
+    assert job_format.job_fields(await held(queue, ancient))["queue"] == "default"
+    assert b"R" in (await held(queue, stored_unflagged))[b"wf"]
+    for job_id, ref in ((stored, b"@ref-1"), (stored_unflagged, b"@ref-2")):
+        _, doc, result = await read_doc(queue.redis, keys, job_id, "result")
+        assert (doc, result) == (docs[job_id], ref)
+    # a second upgrade finds nothing left to do
+    before = {i: await held(queue, i) for i in ids}
+    assert await job_format.upgrade(queue.redis, keys) == job_format.Upgraded(
+        0, 0, 0, 0, keys.shards
+    )
+    assert {i: await held(queue, i) for i in ids} == before
+    other = await Queue.connect(settings)  # and processes start
+    await other.close()
+
+    # running: completes with the lease it was given before the upgrade
+    assert await complete(queue, claimed[running]) is Code.OK
+    finished = await queue.status(running)
+    assert finished.state is State.SUCCEEDED and finished.version == versions[running] + 1
+    # queued, the ancient one and the scheduled one once due: claimed and completed
+    for job_id, payload in ((queued, b'{"q":1}'), (ancient, b'{"a":1}')):
+        job = await claim(queue, job_id)
+        assert job.payload == payload and job.attempt == 1
+        assert await complete(queue, job) is Code.OK
+    await make_due(queue, scheduled)
+    assert (await promote(queue, 2)).moved == 1
+    assert await complete(queue, await claim(queue, scheduled)) is Code.OK
+    # dead-lettered: replayed; waiting: cancelled
+    assert (await queue.jobs.replay(dead)).state is State.QUEUED
+    assert (await queue.cancel(waiting)).state is State.CANCELLED
+    for job_id in (running, queued, ancient, scheduled, dead, waiting):
+        status = await queue.status(job_id)
+        assert status.version > versions[job_id], job_id
+        await assert_history_whole(queue, job_id)
+    stats = await queue.admin.stats()
+    assert stats["total"]["queued"] == 1  # the replayed job
+    assert stats["total"]["running"] == 0
+
+
+# --- the command ---------------------------------------------------------------------------------
 async def jobtier(*args: str, settings: Settings) -> tuple[int, str]:
-    env = {**os.environ, "JOBTIER_REDIS_URL": settings.redis_url,
-           "JOBTIER_SHARDS": str(settings.shards)}  # fmt: skip
+    env = {
+        **os.environ,
+        "JOBTIER_REDIS_URL": settings.redis_url,
+        "JOBTIER_SHARDS": str(settings.shards),
+    }
     if settings.redis_cluster:
         env["JOBTIER_REDIS_CLUSTER"] = "true"
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jobtier.cli.main", *args, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-    )  # fmt: skip
+        *(sys.executable, "-m", "jobtier.cli.main", *args),
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     out, _ = await proc.communicate()
     return proc.returncode or 0, out.decode()
 
 
-async def test_empty_logs_made_for_consumer_groups_do_not_count_as_jobs(
-    queue: Queue, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A persister or dispatcher that starts first creates the log streams empty (for its
-    consumer group): the Redis still holds no job, and is switched; a log whose entries were
-    all trimmed (persisted) once held jobs, and is not."""
-    keys = queue.keys
-    marks = [keys.job_format(s) for s in range(keys.shards)]
-    await queue.redis.delete(*marks)
-    for shard in range(keys.shards):
-        await queue.redis.xgroup_create(keys.log(shard), "jt-persister", id="0", mkstream=True)
-    assert await job_format.adopt(queue.redis, keys) == 3
-    assert await job_format.formats(queue.redis, keys) == [3] * keys.shards
-
-    await queue.submit("echo", None)
-    for shard in range(keys.shards):
-        await queue.redis.xtrim(keys.log(shard), maxlen=0)
-    await queue.redis.delete(*marks)
-    with caplog.at_level(logging.WARNING, logger="jobtier.store.format"):
-        assert await job_format.adopt(queue.redis, keys) == 1
-    assert "jobtier job-format --upgrade" in caplog.text
-
-
-async def test_the_command_shows_and_switches_the_format(
-    queue_format_1: Queue, settings: Settings
-) -> None:
+async def test_the_command_shows_and_upgrades(queue: Queue, settings: Settings) -> None:
     n = settings.shards
     code, out = await jobtier("job-format", settings=settings)
-    assert code == 0 and f"format 1: {n} of {n} shards" in out and "--upgrade" in out, out
+    assert code == 0 and out.strip() == f"readable: {n} of {n} shards (format 3)", out
+    job_id = await submit_in(queue, 2, JobSpec(type="echo"))
+    doc = await downgrade(queue, job_id, 1)
+    # one whose stored document is not what its fields render (counted, not kept), and an
+    # old ready list that names a job Redis no longer holds (dropped from it)
+    odd = await submit_in(queue, 2, JobSpec(type="echo"))
+    await downgrade(queue, odd, 2, doc=b'{"id":"odd"}')
+    await queue.redis.lpush(f"{queue.keys.base(2)}q:low", queue.keys.new_id(2))
+    await queue.redis.set(queue.keys.job_format(2), "1")
+    code, out = await jobtier("job-format", settings=settings)
+    assert code == 0, out
+    assert f"readable: {n - 1} of {n} shards" in out, out
+    assert f"needs `jobtier job-format --upgrade`: 1 of {n} shards" in out, out
+    assert "shard 2: job hashes in format 1" in out, out
+    assert "shard 2: ready lists from before named queues" in out, out
+    assert "1 jobs wait in the ready lists of before named queues" in out, out
     code, out = await jobtier("job-format", "--upgrade", settings=settings)
-    assert code == 0 and out.strip() == f"format 3: {n} of {n} shards", out
-    keys = queue_format_1.keys
-    assert await job_format.formats(queue_format_1.redis, keys) == [3] * keys.shards
-
-
-async def test_a_shard_held_in_an_older_format_keeps_newer_jobs_as_they_are(queue: Queue) -> None:
-    """Scripts never move a job to an older format: held in format 2 after the switch, a
-    shard still writes a job already in format 3 in format 3 (its document is still rendered,
-    the one logged), and new jobs in format 2."""
-    sub = await queue.submit("echo", None)
-    job = await claim(queue, sub.job_id)
-    await job_format.hold(queue.redis, queue.keys, 2)
-    code, _ = await heartbeat(queue, job, progress=b'{"p":1}')  # published, not logged
-    assert code is Code.OK
-    assert (await assert_format(queue, sub.job_id, 3))["progress"] == '{"p":1}'
-    assert await complete(queue, job) is Code.OK
-    await assert_format(queue, sub.job_id, 3)
-    assert await queue.jobs.status_doc(sub.job_id) == await last_logged_doc(queue, sub.job_id)
-    newer = await queue.submit("echo", None)
-    await assert_format(queue, newer.job_id, 2)
-
-
-async def test_a_result_kept_outside_redis_before_the_switch_still_says_where(
-    queue: Queue,
-) -> None:
-    """A job that succeeded in format 2 with its result in the result store (an older
-    jobtier: no 'R' flag) keeps the document it stored, result_url included, after the
-    switch: read alone, or with its result."""
-    await job_format.hold(queue.redis, queue.keys, 2)
-    sub = await queue.submit("echo", None)
-    job = await claim(queue, sub.job_id)
-    assert await complete(queue, job, result=b"@ref-1") is Code.OK
-    key = queue.keys.job(sub.job_id)
-    await queue.redis.hset(key, "wf", "")  # as a jobtier from before the flag left it
-    await job_format.upgrade(queue.redis, queue.keys)
-    stored = (await held(queue, sub.job_id))[b"doc"]
-    assert b'"result_url":"/v1/jobs/' in stored
-    assert await queue.jobs.status_doc(sub.job_id) == stored
-    _, doc, result = await read_doc(queue.redis, queue.keys, sub.job_id, "result")
-    assert (doc, result) == (stored, b"@ref-1")
-
-
-async def test_one_read_spans_shards_in_different_formats(queue: Queue) -> None:
-    """The status reader reads a batch of jobs in formats 1, 2 and 3 side by side (on a single
-    server in one call across shards; on a cluster one call per shard): each comes back as
-    its transition logged it."""
-    keys = queue.keys
-    marks = {0: "1", 1: "2"}  # the other shards: format 3
-    for shard, mark in marks.items():
-        await queue.redis.set(keys.job_format(shard), mark)
-    items = [
-        queue.produce.prepare(JobSpec(type="echo", payload={"s": shard}), "t1", keys.new_id(shard))
-        for shard in range(keys.shards)
-        for _ in range(2)
-    ]
-    assert {o.code for o in await submit_items(queue.store, items)} == {Code.OK}
-    ids = [item.job_id for item in items]
-    for shard in marks:
-        assert b"doc" in await held(queue, ids[2 * shard])
-    assert b"doc" not in await held(queue, ids[-1])
-    reader = StatusReader(queue.redis, keys, near_cache=False, coalesce=True)
-    found = await asyncio.gather(*(reader.get(i) for i in ids))
-    cluster = isinstance(queue.redis, RedisCluster)
-    assert reader.batches == 1 and reader.script_calls == (keys.shards if cluster else 1)
-    for job_id, status in zip(ids, found, strict=True):
-        assert status is not None and status[1] == await last_logged_doc(queue, job_id)
+    assert code == 0, out
+    assert (
+        "rewrote 2 job hashes into format 3 (1 render another document than the one they "
+        "stored); moved 0 jobs from the ready lists of before named queues (1 no longer "
+        f"queued: dropped from them); marked {n} shards format 3"
+    ) in out, out
+    assert out.strip().endswith(f"readable: {n} of {n} shards (format 3)"), out
+    assert await queue.jobs.status_doc(job_id) == doc

@@ -14,6 +14,8 @@ from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister
+from jobtier.status.docs import read_doc
+from jobtier.store import format as job_format
 from jobtier.store.calls import SubmitItem, complete_call, heartbeat_call, submit_call
 from jobtier.store.redis import ShardSubscriber
 from jobtier.store.scripts import Scripts
@@ -77,9 +79,11 @@ async def test_progress_is_coalesced_in_the_log_and_every_report_still_changes_t
         versions = []
         for pct in range(5):  # the claim was logged just now: none of these is
             await report(scripts, job_id, lv, pct, HOUR_MS)
-            versions.append(int(await redis.hget(keys.job(job_id), "version")))
+            held = await redis.hmget(keys.job(job_id), job_format.small_fields("version"))
+            versions.append(int(job_format.small_field(held, "version") or 0))
         assert versions == [3, 4, 5, 6, 7]  # each is a new status document (ETag)
-        assert b'"progress":{"pct":4}' in await redis.hget(keys.job(job_id), "doc")
+        _, doc = await read_doc(redis, keys, job_id)
+        assert b'"progress":{"pct":4}' in doc
         await scripts.cancel(0, "", job_id, 3600)  # 8: a cancel request is always logged
         await report(scripts, job_id, lv, 99, HOUR_MS)  # 9: not logged
         done = complete_call(0, "w1", 3600, [(job_id, lv, b"1")])
@@ -118,19 +122,6 @@ async def test_every_report_is_logged_with_zero_and_after_the_interval(
     await asyncio.sleep(0.01)  # Redis's clock moves past a 1 ms interval
     await report(scripts, job_id, lv, 4, 1)  # 6: the last logged entry (4) is older: logged
     assert await logged(redis, keys, job_id) == [(1, 0), (2, 1), (3, 2), (4, 3), (6, 4)]
-
-
-async def test_a_job_from_before_the_change_logs_and_links_to_the_previous_version(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
-) -> None:
-    """A job written by the previous jobtier has no lv/lt fields: every version was logged,
-    so its next entry links to version - 1, and progress is logged until lv exists."""
-    scripts = Scripts(redis, keys)
-    job_id, lv = await running_job(scripts, keys)
-    await redis.hdel(keys.job(job_id), "lv", "lt")
-    await report(scripts, job_id, lv, 1, HOUR_MS)  # 3: no lt: logged
-    await report(scripts, job_id, lv, 2, HOUR_MS)  # 4: lt set by 3: not logged
-    assert await logged(redis, keys, job_id) == [(1, 0), (2, 1), (3, 2)]
 
 
 async def test_history_gaps_finds_a_missing_row(

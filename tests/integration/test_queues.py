@@ -15,7 +15,6 @@ from jobtier.store.calls import complete_call
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
-from tests.tasks import registry
 
 pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
 
@@ -363,33 +362,3 @@ async def test_rate_limited_pushes_the_queue_back_without_using_an_attempt(
     assert status.attempt == 1 and status.max_attempts == 1  # the limited attempt did not count
     later = dict(started_at)
     assert later[second.job_id] >= blocked  # it waited for the block to end
-
-
-async def test_jobs_left_in_the_ready_lists_of_before_queues_are_moved_and_run(
-    queue: Queue, background: Background
-) -> None:
-    """A job acknowledged by a jobtier from before named queues waits in jt:{s}:q:<priority>
-    (and its hash has no queue field): a scheduler moves it, a worker runs it."""
-    ids = [(await queue.submit("echo", i)).job_id for i in range(3)]
-    r, keys = queue.redis, queue.keys
-    for shard in {keys.shard_of(i) for i in ids}:  # back to the old layout
-        await r.delete(
-            keys.ready(shard, "default", "normal", "default"),
-            keys.ring(shard, "default", "normal"),
-            keys.queue_counts(shard),
-        )
-    for job_id in ids:
-        shard = keys.shard_of(job_id)
-        await r.hdel(keys.job(job_id), "queue")
-        await r.lpush(keys.base(shard) + "q:normal", job_id)
-    assert (await queue.admin.stats())["total"]["queued"] == 0  # invisible to today's claims
-    background.start(Scheduler(queue.store))
-
-    async def moved() -> bool:
-        queued: int = (await queue.admin.stats())["total"]["queued"]
-        return queued == 3
-
-    await wait_for(moved)
-    await worker_for(queue, registry, burst=True).run()
-    for job_id in ids:
-        assert (await queue.status(job_id)).state is State.SUCCEEDED

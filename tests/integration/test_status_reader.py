@@ -331,10 +331,12 @@ async def test_cluster_batch_is_split_per_node(redis_cluster: LocalCluster) -> N
     nodes = [aioredis.Redis(port=node.port) for node in redis_cluster.nodes]
     try:
         ids = [keys.new_id(shard) for shard in range(16) for _ in range(3)]
+        # job hashes as submit.lua leaves them (core/keys.py, "Job hashes")
+        c = " ".join(["t", "low", "3", "2026-01-01T00:00:00.000Z", "default", ""])
+        t = " ".join(["queued", "4", "0", "1700000000000", "", "", "0", "0", "4", "0", ""])
         for job_id in ids:
-            doc = b'{"id":"%s","type":"t","state":"queued","version":4,"priority":"low"}'
             await client.hset(
-                keys.job(job_id), mapping={"tenant": TENANT, "doc": doc % job_id.encode()}
+                keys.job(job_id), mapping={"tenant": TENANT, "id": job_id, "c": c, "t": t}
             )
         for node in nodes:
             await node.config_resetstat()

@@ -200,45 +200,22 @@ async def test_delayed_job_is_scheduled_then_promoted(queue: Queue) -> None:
 
 
 async def test_run_at_is_rendered_anew_when_a_script_moved_it_behind_the_cache(
-    queue_format_1: Queue,
+    queue: Queue,
 ) -> None:
-    """The rendered run_at is cached in the job hash; a script that moves run_at without
-    touching the cache (an older jobtier during a rolling deploy, so in format 1) must not
-    leave the old date in the documents."""
-    queue = queue_format_1
+    """The rendered run_at is cached in the job hash ('t': '<run_at ms>|<ISO>'); a script that
+    moves run_at without touching the cache (a jobtier of another version during a rolling
+    deploy) must not leave the old date in the documents."""
     sub = await queue.submit("echo", None, delay=3600)
     assert sub.status.run_at is not None
     moved = datetime(2031, 5, 6, 7, 8, 9, 123_000, tzinfo=UTC)
     assert sub.status.run_at != "2031-05-06T07:08:09.123Z"
-    await queue.redis.hset(queue.keys.job(sub.job_id), "run_at", int(moved.timestamp() * 1000))
+    key = queue.keys.job(sub.job_id)
+    values = cast(bytes, await queue.redis.hget(key, "t")).split(b" ")
+    values[job_format.T_FIELDS.index("run_at")] = str(int(moved.timestamp() * 1000)).encode()
+    await queue.redis.hset(key, "t", b" ".join(values))
     cancelled = await queue.cancel(sub.job_id)
     assert cancelled.state is State.CANCELLED and cancelled.run_at == "2031-05-06T07:08:09.123Z"
     assert (await queue.status(sub.job_id)).run_at == cancelled.run_at
-
-
-@pytest.mark.parametrize("claimed_in", ["format 1", "format 2"])
-async def test_a_job_from_before_created_iso_renders_its_creation_time(
-    queue_format_1: Queue, claimed_in: str
-) -> None:
-    """load() no longer reads 'created' (ms): a job written before 'created_iso' existed
-    has its creation time read apart when its document is rendered, and still shows it;
-    claimed after the switch to format 2, it keeps it in 'c' (store/format.py)."""
-    queue = queue_format_1
-    sub = await queue.submit("echo", {"x": 1})
-    await queue.redis.hdel(queue.keys.job(sub.job_id), "created_iso")
-    if claimed_in == "format 2":
-        await job_format.upgrade(queue.redis, queue.keys)
-    job = await claim(queue, sub.job_id)
-    assert job.payload == b'{"x":1}'
-    running = await queue.status(sub.job_id)
-    assert running.state is State.RUNNING and running.created_at == sub.status.created_at
-    held = cast(dict[bytes, bytes], await queue.redis.hgetall(queue.keys.job(sub.job_id)))
-    if claimed_in == "format 2":
-        assert b"created" not in held and b"c" in held
-        fields = job_format.job_fields(held)
-        assert fields["created_iso"] == sub.status.created_at and fields["state"] == "running"
-    else:
-        assert b"c" not in held and held[b"state"] == b"running"
 
 
 async def test_retryable_failure_schedules_a_retry_then_dead_letters(queue: Queue) -> None:

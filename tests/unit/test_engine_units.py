@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+from importlib import resources
 
 import pytest
 from hypothesis import given
@@ -35,65 +36,62 @@ def _function_body(lib: str, signature: str) -> str:
 
 
 def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
-    """lib.lua's load_p() and load_1() name each field by its index in one table constructor
-    (to size the table once) after an HMGET written out in full; a field added to FIELDS or
-    FIELDS_1 but not there, or out of order, would be read into the wrong name."""
+    """lib.lua's load() names each field by its index in one table constructor (to size the
+    table once) after an HMGET written out in full; a field added to FIELDS but not there,
+    or out of order, would be read into the wrong name."""
     lib = lua_source("lib")
-    fields, fields_1 = _lua_list(lib, "FIELDS"), _lua_list(lib, "FIELDS_1")
-    # load_p asks for the packed changing fields by name ('t' in format 3, 's' in format 2)
-    # where FIELDS has 's'; load_1 asks for 's' and 't' after FIELDS_1: set, the job is in
-    # format 2 or 3 after all
-    packed = [f"'{name}'" if name != "s" else "packed" for name in fields]
-    for signature, names in (
-        ("load_p(key, more, packed)", packed),
-        ("load_1(key, more)", [*(f"'{n}'" for n in fields_1), "'s'", "'t'"]),
-    ):
-        body = _function_body(lib, signature)
-        calls = re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", body, re.DOTALL)
-        assert len(calls) == 2, signature
-        listed = [[t.strip() for t in call.split(",")] for call in calls]
-        assert sorted(listed) == sorted([[*names, "more"], names]), signature
-    constructor_1 = _function_body(lib, "load_1(key, more)").split("return {", 1)[1]
-    pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor_1)
-    assert [name for name, _ in pairs] == [*fields_1, "more"]
-    assert [int(i) for _, i in pairs] == [*range(1, len(fields_1) + 1), len(fields_1) + 3]
-    body_1 = _function_body(lib, "load_1(key, more)")
-    assert f"if v[{len(fields_1) + 1}] then\n    return load_p(key, more, 's')" in body_1
-    assert f"if v[{len(fields_1) + 2}] then\n    return load_p(key, more, 't')" in body_1
-    constructor = _function_body(lib, "load_p(key, more, packed)").split("return {", 1)[1]
-    pairs = re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor)
-    at = {name: int(i) for name, i in pairs}
-    assert at == {"id": 1, "tenant": 2, "wf": fields.index("wf") + 1,
-                  "error": fields.index("error") + 1, "progress": fields.index("progress") + 1,
-                  "more": len(fields) + 1}  # fmt: skip
+    fields = _lua_list(lib, "FIELDS")
+    names = [f"'{name}'" for name in fields]
+    body = _function_body(lib, "load(id, more)")
+    calls = re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", body, re.DOTALL)
+    listed = [[t.strip() for t in call.split(",")] for call in calls]
+    assert sorted(listed) == sorted([[*names, "more"], names])
+    at = re.search(r"^local C_AT, T_AT, ERROR_AT, PROGRESS_AT = (.*)$", lib, re.MULTILINE)
+    assert at and [int(i) for i in at.group(1).split(",")] == [
+        fields.index(name) + 1 for name in ("c", "t", "error", "progress")
+    ]
+    constructor = body.split("local j = {", 1)[1]
+    pairs = dict(re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor))
+    assert {name: int(i) for name, i in pairs.items()} == {
+        "id": 1,
+        "tenant": 2,
+        "wf": fields.index("wf") + 1,
+        "error": fields.index("error") + 1,
+        "progress": fields.index("progress") + 1,
+        "more": len(fields) + 1,
+    }
 
 
-def test_what_a_job_loses_when_it_changes_format() -> None:
-    """lib.lua's lists of the fields a job written in a newer format no longer holds:
-    format 1's own fields (ONLY_1), and 'doc' too when it is written in format 3."""
-    lib = lua_source("lib")
-    fields_1 = _lua_list(lib, "FIELDS_1")
-    only_1 = _lua_list(lib, "ONLY_1")
-    # every small field of format 1 but those every format keeps, and 'created' (the
-    # creation ms of a job from before created_iso)
-    kept = {"id", "tenant", "error", "progress", "wf"}
-    assert set(only_1) == (set(fields_1) - kept) | {"created"}
-    assert "j._dropped = j._p == 3 and {'doc', unpack(ONLY_1)} or ONLY_1" in lib
-    assert _lua_list(lib, "ONLY_2") == ["s", "doc"]
+def test_reformat_reads_and_drops_every_field_of_the_formats_before() -> None:
+    """reformat.lua's OLD: format 1's small fields in the order of 'c' and 't' (it copies
+    the first ones by position), then 'created', format 2's 's' and the document; nothing
+    format 3 keeps."""
+    from jobtier.store import format as job_format
+
+    text = (resources.files("jobtier.store") / "lua" / "reformat.lua").read_text()
+    old = _lua_list(text, "OLD")
+    packed = [*job_format.C_FIELDS, *job_format.T_FIELDS]
+    assert old == [*packed, "created", "s", "doc"]
+    assert f"for i = 1, {len(packed)} do" in text
+    hmget = re.search(r"redis\.call\('HMGET', key, (.*?)unpack\(OLD\)\)", text, re.DOTALL)
+    assert hmget
+    assert f"local READ = {hmget.group(1).count(',')}" in text
+    kept = {"id", "tenant", "c", "t", "wf", "error", "progress", "dd", "payload", "result"}
+    assert not kept & set(old)
 
 
 def test_packed_values_are_read_in_the_order_they_are_written() -> None:
-    """Formats 3 and 2's 'c' and 't'/'s' (core/keys.py, "Job hashes"): packed_c/packed_s concatenate j's
-    fields in one order, load() unpacks them with string.match into variables it names in
-    the same order, and job_format.C_FIELDS/S_FIELDS (the Python reader) agree."""
+    """'c' and 't' (core/keys.py, "Job hashes"): packed_c/packed_t concatenate j's fields in
+    one order, load() unpacks them with string.match into variables it names in the same
+    order, and job_format.C_FIELDS/T_FIELDS (the Python reader) agree."""
     from jobtier.store import format as job_format
 
     lib = lua_source("lib")
-    body = _function_body(lib, "load_p(key, more, packed)")
-    constructor = dict(re.findall(r"([a-z_]+) = ([a-z_]+)[,}]", body.split("return {", 1)[1]))
+    body = _function_body(lib, "load(id, more)")
+    constructor = dict(re.findall(r"([a-z_]+) = ([a-z_]+)[,}]", body.split("local j = {", 1)[1]))
     for packed, pattern, names in (
         ("packed_c(j)", "C_PATTERN", job_format.C_FIELDS),
-        ("packed_s(j)", "S_PATTERN", job_format.S_FIELDS),
+        ("packed_t(j)", "T_PATTERN", job_format.T_FIELDS),
     ):
         written = re.findall(r"j\.([a-z_]+)", _function_body(lib, packed))
         assert tuple(written) == names, packed
@@ -145,7 +143,7 @@ def test_the_keys_the_lua_builds_are_the_ones_keys_py_documents() -> None:
             keys.starts("q").split(":starts:")[0] + ":starts:",
             keys.dead(1), keys.waiting(1), keys.log(1), keys.cron(1), keys.events(1),
             keys.wake(1), keys.job_in(1, "x")[:-1], keys.cron_def(1, "x")[:-1],
-            keys.log_refused(1),
+            keys.log_refused(1), keys.job_format(1),
         )
     }  # fmt: skip
     assert from_python - documented == set(), "keys built by core/keys.py but not documented"
@@ -279,20 +277,25 @@ def test_loading_tasks_from_a_module() -> None:
         TaskRegistry.load("jobtier.core.keys")
 
 
-def test_small_field_reads_any_format() -> None:
-    """job_format.small_field: the packed value of format 3 ('t') or 2 ('s') when the hash has
-    one (a worker id with spaces stays whole, last), else format 1's own field."""
+def test_small_field_reads_the_packed_values() -> None:
+    """job_format.small_field: one value of 't' or 'c' (a worker id or a concurrency key with
+    spaces stays whole, last); None for a job Redis does not hold."""
     from jobtier.store import format as job_format
 
-    assert job_format.small_fields("state") == ("t", "s", "state")
-    packed = b"running 3 1 1796067784647   0 2 3 1796067784647 worker with spaces"
-    for values in ((packed, None, b"ignored"), (None, packed, b"ignored")):
-        assert job_format.small_field(values, "state") == b"running"
-        assert job_format.small_field(values, "updated") == b"1796067784647"
-        assert job_format.small_field(values, "run_at") == b""
-        assert job_format.small_field(values, "worker") == b"worker with spaces"
-    assert job_format.small_field((None, None, b"1700000000000"), "updated") == b"1700000000000"
-    assert job_format.small_field((None, None, None), "state") is None
+    assert job_format.small_fields("state") == ("t",)
+    assert job_format.small_fields("queue") == ("c",)
+    t = b"running 3 1 1796067784647   0 2 3 1796067784647 worker with spaces"
+    assert job_format.small_field((t,), "state") == b"running"
+    assert job_format.small_field((t,), "updated") == b"1796067784647"
+    assert job_format.small_field((t,), "run_at") == b""
+    assert job_format.small_field((t,), "worker") == b"worker with spaces"
+    c = b"echo normal 3 2026-01-01T00:00:00.000Z default key with spaces"
+    assert job_format.small_field((c,), "queue") == b"default"
+    assert job_format.small_field((c,), "ckey") == b"key with spaces"
+    assert job_format.small_field((None,), "state") is None
+    fields = job_format.job_fields({b"id": b"x", b"t": t, b"c": c})
+    assert fields["worker"] == "worker with spaces" and fields["type"] == "echo"
+    assert "t" not in fields and "c" not in fields
 
 
 def test_prepare_checks_every_name_each_time_and_hashes_only_keyed_requests() -> None:

@@ -10,7 +10,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,6 +25,7 @@ from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
 
 if TYPE_CHECKING:
     from jobtier.persist.db import Pool
+    from jobtier.store.format import ShardState
     from jobtier.store.redis import RedisClient
 
 log = logging.getLogger("jobtier.cli.main")
@@ -229,30 +230,64 @@ def cmd_job_format(args: argparse.Namespace, settings: Settings) -> int:
     async def main() -> int:
         redis = connect(settings)
         keys = Keys(settings.prefix, settings.shards)
+        done = None
         try:
             if args.upgrade:
-                await job_format.upgrade(redis, keys)
-            shards = await job_format.formats(redis, keys)
+                done = await job_format.upgrade(redis, keys)
+            states = await job_format.shard_states(redis, keys)
         except UNREACHABLE as exc:
+            then = (
+                "run it again once Redis answers: it goes on from where it stopped"
+                if args.upgrade
+                else "nothing changed"
+            )
             print(
-                f"jobtier job-format: Redis unreachable at JOBTIER_REDIS_URL ({exc}); nothing "
-                "changed",
+                f"jobtier job-format: Redis unreachable at JOBTIER_REDIS_URL ({exc}); {then}",
                 file=sys.stderr,
             )
             return 1
         finally:
             await redis.aclose()
-        for fmt in sorted(set(shards)):
-            print(f"format {fmt}: {shards.count(fmt)} of {len(shards)} shards")
-        if min(shards) < job_format.NEWEST:
+        if done is not None:
+            differ = f" ({done.differ:,} render another document than the one they stored)"
+            dropped = f" ({done.dropped:,} no longer queued: dropped from them)"
             print(
-                f"Format {min(shards)} is what an older jobtier reads. Once every process "
-                "(API, worker, scheduler, persister, resolver, dispatcher) runs this jobtier, "
-                f"`jobtier job-format --upgrade` switches to format {job_format.NEWEST}."
+                f"rewrote {done.hashes:,} job hashes into format {job_format.NEWEST}"
+                f"{differ if done.differ else ''}; moved {done.moved:,} jobs from the ready "
+                f"lists of before named queues{dropped if done.dropped else ''}; marked "
+                f"{done.shards} shards format {job_format.NEWEST}"
             )
+        print(_format_states(states))
         return 0
 
     return _run_async(main)
+
+
+def _format_states(states: Sequence[ShardState]) -> str:
+    """``jobtier job-format``'s report of job_format.shard_states."""
+    from jobtier.store import format as job_format
+
+    n = len(states)
+    readable = [s for s in states if s.readable]
+    new = sum(1 for s in readable if s.new)
+    lines = [
+        f"readable: {len(readable)} of {n} shards (format {job_format.NEWEST}"
+        + (f"; {new} never held a job, marked at the first process's start" if new else "")
+        + ")"
+    ]
+    found = job_format.problems_by_kind(states)
+    if found:
+        lines.append(f"needs `{job_format.COMMAND}`: {n - len(readable)} of {n} shards")
+        for problem, shards in found.items():
+            lines.append(f"  {job_format.shard_list(shards)}: {problem}")
+        old = sum(s.old_ready for s in states)
+        if old:
+            lines.append(f"  {old:,} jobs wait in the ready lists of before named queues")
+        lines.append(
+            "Processes of this jobtier refuse to start until it has run (once; "
+            "the processes of the jobtier before this one may keep running meanwhile)."
+        )
+    return "\n".join(lines)
 
 
 def cmd_scripts(args: argparse.Namespace, settings: Settings) -> int:
@@ -718,22 +753,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "job-format",
-        help="show, or switch, the format job records are written in in Redis",
-        description="Show per shard the format the scripts write job records in. Format 3 "
-        "(the newest) packs a job's small fields in two values and stores no status document "
-        "(it is rendered when read): about 15 % less Redis CPU and 39 % less AOF a job than "
-        "format 1, and less memory. Format 2 packs the fields and stores the document; format "
-        "1 is what a jobtier from before format 2 reads. Every process of this jobtier reads "
-        "all three. A Redis that never held a job starts in the newest format by itself; a "
-        "deployment that holds jobs switches with --upgrade, once every process runs this "
-        "jobtier. The switch cannot be undone: an older jobtier must not run against the "
-        "deployment after it.",
+        help="show whether this jobtier can read the job records in Redis; --upgrade them once",
+        description="This jobtier reads and writes job records in Redis in one format (3: a "
+        "job's small fields packed in two values, no stored status document: it is rendered "
+        "when read). Jobtiers before it wrote formats 1 and 2, and, before named queues, kept "
+        "ready jobs in per-priority lists. Without options: per shard, whether this jobtier "
+        "can read it (marked format 3, or never held a job) or what it holds that needs the "
+        "upgrade; every process of this jobtier refuses to start on a deployment that needs "
+        "it, naming this command. With --upgrade: rewrite every older job record into format "
+        "3 and move the old ready lists into the named queues' (each once; safe to run again, "
+        "and to run again after it stopped half-way), then mark every shard format 3. Jobs "
+        "carry on where they were: versions, leases, history and documents are kept. Stop "
+        "processes of a jobtier from before format 3 first; those of the jobtier just before "
+        "this one read format 3 and may keep running.",
     )
     p.add_argument(
         "--upgrade",
         action="store_true",
-        help="switch every shard to the newest format, 3 (only once no older jobtier process "
-        "is running)",
+        help="rewrite older job records into format 3, move the old ready lists, mark every "
+        "shard; then show the result",
     )
     p.set_defaults(func=cmd_job_format)
 

@@ -6,11 +6,10 @@ one shard and Redis Cluster places whole shards on nodes by itself.
 
 Per shard::
 
-    jt:{s}:job:<id>          hash   the job record: its small fields packed (formats 3 and
-                                    2) or one per field (format 1), and in formats 2 and 1
-                                    its rendered status document ("doc"): see "Job hashes"
-    jt:{s}:fmt               string "3" or "2": the format the shard's scripts write job
-                                    hashes in (else format 1)
+    jt:{s}:job:<id>          hash   the job record: its small fields packed, no status
+                                    document (see "Job hashes")
+    jt:{s}:fmt               string "3": the shard holds job hashes in that format only
+                                    (store/format.py: processes refuse any other mark)
     jt:{s}:lines:<id>        list   the job's latest log lines (ctx.log; JSON each), expiring
                                     with the job (joblog.lua)
     jt:{s}:q:<queue>:<priority>:<tenant>
@@ -39,9 +38,9 @@ Per shard::
                                     dependency, by when the resolver links them itself (ms)
     jt:{s}:flow              stream hand-offs of finished jobs to their dependents (and of
                                     cancelled parents to their children), for the resolver
-    jt:{s}:wrr               string before named queues: the priority rotation (upgrade.lua
-                                    moves the old ready lists, jt:{s}:q:<priority>, then
-                                    deletes it)
+    jt:{s}:wrr               string before named queues: the priority rotation
+                                    (``jobtier job-format --upgrade`` moves the old ready
+                                    lists, jt:{s}:q:<priority>, then deletes it)
     jt:{s}:cron              zset   recurring schedules of this shard by next fire time (ms)
     jt:{s}:cron:<id>         hash   a schedule: "def" (JSON), "next", "last" (ms), "paused"
     jt:{s}:log               stream every transition, read by the persister (write-behind)
@@ -56,21 +55,20 @@ Per shard::
                              (hand-offs in jt:{s}:flow)
 
 Before named queues, ready jobs waited in ``jt:{s}:q:<priority>`` with the rotation cursor in
-``jt:{s}:wrr``; ``store/lua/upgrade.lua`` moves them into the layout above (schedulers run it).
+``jt:{s}:wrr``; ``jobtier job-format --upgrade`` (``store/lua/reformat.lua``) moves them into
+the layout above, and processes refuse to start while any are left.
 
-Job hashes. Besides ``id``, ``tenant``, ``payload``, ``result``, ``error``, ``progress`` and
-the flow fields (``wf``, ``dd``, ...), a job's small fields are held in one of three formats.
-Format 3: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (fixed
+Job hashes (format 3). Besides ``id``, ``tenant``, ``payload``, ``result``, ``error``,
+``progress`` and the flow fields (``wf``, ``dd``, ...), a job's small fields are packed in
+two values: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (fixed
 at creation) and ``t`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>
 <run-at ms>|<run-at ISO> <cancel 0/1> <lease version> <last logged version> <its time ms>
-<worker>"``, space-separated (the last value of each is free text; empty values are empty);
-no status document: it is rendered from those fields when read (``read_status.lua``,
-``status/docs.py``), and is then byte for byte the one the transition logged and published.
-Format 2, before it: the same with ``s`` for ``t``, and the rendered document in ``doc``.
-Format 1, before that: each small field in a field of its own (``type``, ``state``, ...),
-and ``doc``. Scripts read all three; they write the format ``jt:{s}:fmt`` names
-(``store/format.py`` says when), and never move a job to an older one.
-``job_format.job_fields`` reads any.
+<worker>"``, space-separated (the last value of each is free text; empty values are empty).
+No status document is stored: it is rendered from those fields when read
+(``read_status.lua``, ``status/docs.py``), and is then byte for byte the one the transition
+logged and published. ``store/format.py`` reads the packed values in Python (``job_fields``);
+hashes of the formats before it (1: a field per value and the document in ``doc``; 2: ``c``,
+``s`` and ``doc``) are read by no script: ``jobtier job-format --upgrade`` rewrites them.
 
 Job ids are ``<ULID>-<shard>``: time-ordered, and any process routes them without a lookup.
 """

@@ -1,10 +1,9 @@
-"""Reading jobs' status documents from Redis, whichever format their hashes are in.
+"""Reading jobs' status documents from Redis.
 
-A job hash in format 3 (store/format.py) stores no status document: ``read_status.lua``
-renders it from the job's fields (lib.lua ``status_of``), and returns the stored one of a job
-in an older format. Every reader of a job's document in Redis goes through here (or through
-the status reader, ``status/reader.py``, which calls the same script), never through an
-HMGET of ``doc``.
+A job hash stores no status document (core/keys.py, "Job hashes"): ``read_status.lua``
+renders it from the job's fields (render.lua ``status_of``). Every reader of a job's document
+in Redis goes through here (or through the status reader, ``status/reader.py``, which calls
+the same script).
 """
 
 from __future__ import annotations

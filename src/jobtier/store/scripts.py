@@ -42,8 +42,8 @@ from jobtier.store.redis import RedisClient
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 NAMES = (
     "submit", "claim", "heartbeat", "complete", "fail", "stopped",
-    "cancel", "promote", "reclaim", "replay", "fire", "limit", "upgrade", "joblog", "purge",
-    "link", "linked", "resolve",
+    "cancel", "promote", "reclaim", "replay", "fire", "limit", "joblog", "purge",
+    "link", "linked", "resolve", "reformat",
 )  # fmt: skip
 
 

@@ -31,8 +31,7 @@ for i = 0, n - 1 do
     redis.call('ZADD', BASE .. 'active', deadline, id)
     if progress ~= '' and progress ~= j.progress then
       j.progress = progress
-      -- lt is '' for a job from before it existed: log
-      local quiet = every > 0 and j.lt ~= '' and NOW - tonumber(j.lt) < every
+      local quiet = every > 0 and NOW - tonumber(j.lt) < every
       commit(j, 'running', worker, nil, quiet)
     end
     if j.cancel == '1' then

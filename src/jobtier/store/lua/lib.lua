@@ -6,8 +6,9 @@
 --            shard's key base (jt:{s}:), so it carries the same hash tag and lives in the same
 --            slot. core/keys.py documents the layout.
 --   Times are Redis's own clock (TIME) in milliseconds: one clock for every process.
---   Each transition goes through commit(): version + 1, status document re-rendered and
---   stored (write-through), an entry appended to the log stream, the new status published.
+--   Each transition goes through commit(): version + 1, the job's fields stored, its status
+--   document rendered (readers render it again from the fields), an entry appended to the
+--   log stream, the new status published.
 --   A progress-only change may be left out of the log (commit's `quiet`); every log entry
 --   names the version of the job's previous logged entry, so the history Postgres keeps can
 --   be proven complete (persist/queries.sql: history_gaps).
@@ -31,163 +32,69 @@ local PRIORITIES = {'critical', 'high', 'normal', 'low'}
 local WAITING = {scheduled = true, queued = true, waiting = true}
 local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 
--- A job's hash, jt:{s}:job:<id>, in one of three formats (core/keys.py documents them):
---   format 3: 'c' the fields fixed at creation, 't' those a transition changes, each packed in
---     one string of space-separated values (the last one free text: a concurrency key, a
---     worker id), beside 'id', 'tenant', 'wf', 'error', 'progress' ('', absent, when empty),
---     'payload', 'result' and the flow fields. No status document: readers render it from
---     the fields (status_of), where every transition used to store it in the hash as well as
---     log and publish it (bench/transitions.py: Redis CPU per job -10 %, AOF bytes -31 %);
---   format 2: the same with the changing fields in 's', and the rendered document in 'doc';
---   format 1: each of those values in a field of its own (FIELDS_1), and 'doc'.
--- Packed, a transition reads 7 fields and writes 2 or 3 where it read 22 and wrote 8 to 13:
--- fewer values for Redis to look up, for Lua to convert and for the AOF to store (measured
--- with bench/transitions.py: Redis CPU and AOF bytes per job down 12 %; bench/memory.py: a
--- finished job's memory down 40 %).
--- Scripts read every format. They write the format the shard's jt:{s}:fmt names ('3', '2', else
--- 1) and never move a job to an older one: a jobtier from before a format cannot read it, so
--- a deployment switches (store/format.py) only when every process runs a jobtier that reads
--- it. A job written in a newer format than it was loaded in loses the fields only the older
--- one has (its format-1 fields, its 's', its 'doc') in the same script.
-local NODOC, PACKED  -- the shard writes format 3 / format 2 or 3 (begin() reads jt:{s}:fmt)
-
--- load()'s HMGET of a job in format 3 ('t' where FIELDS says 's', format 2's name).
--- created_iso keeps the rendered creation time, run_at_iso the rendered run-at (see render):
--- formatting a date is a quarter of a transition's cost in Redis. lv and lt are the version
--- and time (ms) of the job's last logged entry (see commit). wf: the job's flow flags ('' for
--- a job with no dependency, dependent or compensation: the only field a plain job pays for
--- flows; see the flows section).
-local FIELDS = {'id', 'tenant', 'c', 's', 'wf', 'error', 'progress'}
-local C_AT, S_AT, ERROR_AT, PROGRESS_AT = 3, 4, 6, 7
--- 'c' and 't'/'s' are unpacked by C_PATTERN and S_PATTERN, and the document rendered by
+-- A job's hash, jt:{s}:job:<id> (core/keys.py, "Job hashes"): 'c' the fields fixed at
+-- creation, 't' those a transition changes, each packed in one string of space-separated
+-- values (the last one free text: a concurrency key, a worker id), beside 'id', 'tenant',
+-- 'wf', 'error', 'progress' ('', absent, when empty), 'payload', 'result' and the flow fields.
+-- No status document: readers render it from the fields (render.lua status_of), byte for
+-- byte the one commit() logged and published. Packed, a transition reads 7 fields and writes
+-- 2 or 3: fewer values for Redis to look up, for Lua to convert and for the AOF to store.
+--
+-- load()'s HMGET. created_iso keeps the rendered creation time, run_at_iso the rendered
+-- run-at (see render): formatting a date is a large share of a transition's work in Redis.
+-- lv and lt are the version and time (ms) of the job's last logged entry (see commit). wf:
+-- the job's flow flags ('' for a job with no dependency, dependent or compensation: the only
+-- field a plain job pays for flows; see the flows section).
+local FIELDS = {'id', 'tenant', 'c', 't', 'wf', 'error', 'progress'}
+local C_AT, T_AT, ERROR_AT, PROGRESS_AT = 3, 4, 6, 7
+-- 'c' and 't' are unpacked by C_PATTERN and T_PATTERN, and the document rendered by
 -- render(), from render.lua:
 --!include render.lua
-
--- The same fields in format 1. 'created' (ms) is not among them: render() shows created_iso,
--- and reads 'created' only for a job from before created_iso existed.
-local FIELDS_1 = {'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt', 'max_attempts',
-                  'updated', 'run_at', 'error', 'progress', 'cancel', 'worker', 'lease_version',
-                  'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf'}
--- what a job written in a newer format no longer holds (HDEL'd when it changes format): of
--- format 1 when written in format 2, and 'doc' too in format 3; of format 2 in format 3
-local ONLY_1 = {'type', 'prio', 'state', 'version', 'attempt', 'max_attempts', 'updated',
-                'run_at', 'cancel', 'worker', 'lease_version', 'created_iso', 'run_at_iso', 'lv',
-                'lt', 'queue', 'ckey', 'created'}
-local ONLY_2 = {'s', 'doc'}
 
 local function job_key(id)
   return BASE .. 'job:' .. id
 end
 
--- The job at `key` as format 3 (`packed` 't') or 2 ('s') holds it: nil when there is no such
--- job, false when it is not in that format. `more` (a field name or nil): one more field read
--- in the same HMGET, as j.more. j._p is the format commit() writes it in: 3 for a job in
--- format 3, or on a shard that writes 3 (then j._conv: it leaves format 2); else 2.
--- The HMGETs here and in load_1 name their fields as literals rather than unpack(FIELDS)
--- through a helper: that one extra call and unpack per job measured ~2 us more Redis CPU a
--- job (bench/transitions.py); a unit test keeps the literals in step with FIELDS/FIELDS_1.
-local function load_p(key, more, packed)
+-- The job `id` as a table of its fields, or nil when the shard does not hold it. load() keeps
+-- the HMGET reply in j._was: commit() writes only what changed ('t', and 'error' or
+-- 'progress' when they moved), less for the AOF to store and for Lua to hand over. j._key is
+-- the hash's key (create_job sets it too), built once per job.
+-- The table is built by one constructor that names every field: Lua sizes it once, where
+-- filling it in a loop rehashes it as it grows. The HMGET names its fields as literals rather
+-- than unpack(FIELDS), one call less per job; a unit test keeps them in step with FIELDS.
+-- `more` (optional): one more field to read in the same HMGET, as j.more (claim.lua reads the
+-- payload so rather than with an HGET after).
+local function load(id, more)
+  local key = job_key(id)
   local v
   if more then
-    v = redis.call('HMGET', key, 'id', 'tenant', 'c', packed, 'wf', 'error', 'progress', more)
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress', more)
   else
-    v = redis.call('HMGET', key, 'id', 'tenant', 'c', packed, 'wf', 'error', 'progress')
+    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress')
   end
   if not v[1] then
     return nil
   end
-  if not v[S_AT] then
-    return false
+  if not v[T_AT] then
+    -- written by a jobtier before format 3 (store/format.py adopt refuses such a deployment)
+    error('job hash ' .. key .. ' is in a format before 3: run `jobtier job-format --upgrade`')
   end
   local typ, prio, max_attempts, created_iso, queue, ckey = string.match(v[C_AT], C_PATTERN)
   local state, version, attempt, updated, run_at, run_at_iso, cancel, lease_version, lv, lt,
-    worker = string.match(v[S_AT], S_PATTERN)
-  -- keep in step with FIELDS, C_PATTERN and S_PATTERN (a unit test checks)
-  return {id = v[1], tenant = v[2] or '', type = typ, prio = prio, max_attempts = max_attempts,
-          created_iso = created_iso, queue = queue, ckey = ckey, wf = v[5] or '',
-          error = v[6] or '', progress = v[7] or '', state = state, version = version,
-          attempt = attempt, updated = updated, run_at = run_at, run_at_iso = run_at_iso,
-          cancel = cancel, lease_version = lease_version, lv = lv, lt = lt, worker = worker,
-          more = v[8], _was = v, _key = key, _p = (NODOC or packed == 't') and 3 or 2,
-          _conv = NODOC and packed == 's'}
-end
-
--- The same in format 1: FIELDS_1's values, then 's' and 't' (set: the job is in format 2 or 3
--- after all, read again by load_p), then `more`.
-local function load_1(key, more)
-  local v
-  if more then
-    v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
-                   'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
-                   'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
-                   's', 't', more)
-  else
-    v = redis.call('HMGET', key, 'id', 'tenant', 'type', 'prio', 'state', 'version', 'attempt',
-                   'max_attempts', 'updated', 'run_at', 'error', 'progress', 'cancel', 'worker',
-                   'lease_version', 'created_iso', 'run_at_iso', 'lv', 'lt', 'queue', 'ckey', 'wf',
-                   's', 't')
-  end
-  if not v[1] then
-    return nil
-  end
-  if v[24] then
-    return load_p(key, more, 't')
-  end
-  if v[23] then
-    return load_p(key, more, 's')
-  end
-  -- keep in step with FIELDS_1 (a unit test checks)
-  return {id = v[1], tenant = v[2] or '', type = v[3] or '', prio = v[4] or '',
-          state = v[5] or '', version = v[6] or '', attempt = v[7] or '',
-          max_attempts = v[8] or '', updated = v[9] or '', run_at = v[10] or '',
-          error = v[11] or '', progress = v[12] or '', cancel = v[13] or '',
-          worker = v[14] or '', lease_version = v[15] or '', created_iso = v[16] or '',
-          run_at_iso = v[17] or '', lv = v[18] or '', lt = v[19] or '', queue = v[20] or '',
-          ckey = v[21] or '', wf = v[22] or '', more = v[25], _was = v, _key = key,
-          _fmt1 = true, _p = PACKED and (NODOC and 3 or 2)}
-end
-
--- The job `id` as a table of its fields, or nil when the shard does not hold it. load() keeps
--- the HMGET reply in j._was: commit() writes only what changed (one packed value where a claim
--- changes 8 fields, a completion 5), which is less for the AOF to store and less for Lua to
--- hand over. j._key is the hash's key (create_job sets it too), built once per job.
--- The table is built by one constructor that names every field: Lua sizes it once, where
--- filling it in a loop rehashes it five times (load() took 8.8 us in Redis that way, 4.2 so).
--- `more` (optional): one more field to read in the same HMGET, as j.more (claim.lua reads the
--- payload so rather than with an HGET after).
--- A shard holds mostly jobs in the format it writes: each asks first for that one, so a job
--- costs one HMGET whichever the shard's format.
-local function load_key(key, more)
-  local j
-  if NODOC then
-    j = load_p(key, more, 't')
-    if j == false then
-      j = load_p(key, more, 's')
-    end
-  elseif PACKED then
-    j = load_p(key, more, 's')
-    if j == false then
-      j = load_p(key, more, 't')
-    end
-  end
-  if not PACKED or j == false then
-    j = load_1(key, more)
-  end
-  if not j then
-    return nil
-  end
-  if j.queue == '' then  -- a job created before queues existed
-    j.queue = 'default'
-  end
+    worker = string.match(v[T_AT], T_PATTERN)
+  -- keep in step with FIELDS, C_PATTERN and T_PATTERN (a unit test checks)
+  local j = {id = v[1], tenant = v[2] or '', type = typ, prio = prio,
+             max_attempts = max_attempts, created_iso = created_iso, queue = queue,
+             ckey = ckey, wf = v[5] or '', error = v[6] or '', progress = v[7] or '',
+             state = state, version = version, attempt = attempt, updated = updated,
+             run_at = run_at, run_at_iso = run_at_iso, cancel = cancel,
+             lease_version = lease_version, lv = lv, lt = lt, worker = worker, more = v[8],
+             _was = v, _key = key}
   if j.wf ~= '' and string.find(j.wf, 'w', 1, true) then
     -- waits (or waited) for dependencies: its document shows their count (render)
     j.dd = redis.call('HGET', key, 'dd') or ''
   end
   return j
-end
-
-local function load(id, more)
-  return load_key(job_key(id), more)
 end
 
 -- Counters kept in hashes (ready jobs per queue and priority, running jobs per queue, waiting
@@ -259,46 +166,29 @@ end
 -- NOW as the fields store it (begin())
 local NOW_STR
 
--- the fields commit() stores in format 1 (besides the document); a field that holds '' is the
--- same as an absent one to load(), so a new job's empty fields are not written at all
-local COMMITTED = {'state', 'version', 'attempt', 'updated', 'run_at', 'run_at_iso', 'error',
-                   'progress', 'cancel', 'worker', 'lease_version', 'lv', 'lt'}
-local FIELD_AT = {}  -- name -> its index in FIELDS_1 (and in load_1()'s HMGET reply)
--- (no ipairs: loaded as a function library, this top level runs where Lua's library functions
--- are not reachable yet; store/scripts.py Library)
-for i = 1, #FIELDS_1 do
-  FIELD_AT[FIELDS_1[i]] = i
-end
 -- queue -> its running count's field in the queues hash, built once per queue per script
 local RUNNING_FIELD = {}
 local HSET_ARGS = {}  -- commit()'s scratch table
-local NCOMMITTED = #COMMITTED
-local COMMITTED_AT = {}  -- COMMITTED's indices in FIELDS_1: commit() looks none up per job
-for i = 1, NCOMMITTED do
-  COMMITTED_AT[i] = FIELD_AT[COMMITTED[i]]
-end
 
--- format 2's packed values (see FIELDS): j's fixed fields and its changing ones
+-- the packed values (see FIELDS): j's fixed fields and its changing ones
 local function packed_c(j)
   return j.type .. ' ' .. j.prio .. ' ' .. j.max_attempts .. ' ' .. j.created_iso .. ' '
     .. j.queue .. ' ' .. j.ckey
 end
 
-local function packed_s(j)
+local function packed_t(j)
   return j.state .. ' ' .. j.version .. ' ' .. j.attempt .. ' ' .. j.updated .. ' ' .. j.run_at
     .. ' ' .. j.run_at_iso .. ' ' .. j.cancel .. ' ' .. j.lease_version .. ' ' .. j.lv .. ' '
     .. j.lt .. ' ' .. j.worker
 end
 
--- commit()'s HSET arguments for j in format 3 or 2 (j._p), after the n already in args: 't'
--- ('s'), and 'error' and 'progress' where they changed since load() (for a new job: where not
--- empty); 'c' too for a job that was in format 1. A job that leaves an older format loses its
--- fields (j._dropped: see commit). Returns the new n.
-local function changed_p(j, args, n)
-  local was, s = j._was, packed_s(j)
-  local name = j._p == 3 and 't' or 's'
+-- commit()'s HSET arguments for j, after the n already in args: 't', and 'error' and
+-- 'progress' where they changed since load() (for a new job: where not empty). Returns the
+-- new n.
+local function changed(j, args, n)
+  local was, t = j._was, packed_t(j)
   if not was then
-    args[n + 1], args[n + 2] = name, s
+    args[n + 1], args[n + 2] = 't', t
     n = n + 2
     if j.error ~= '' then
       args[n + 1], args[n + 2] = 'error', j.error
@@ -310,27 +200,12 @@ local function changed_p(j, args, n)
     end
     return n
   end
-  if j._fmt1 then
-    -- its first write in format 2: compared with nothing, every value written
-    was = {}
-    j._was, j._fmt1 = was, nil
-    args[n + 1], args[n + 2] = 'c', packed_c(j)
-    n = n + 2
-    was[C_AT] = args[n]
-    -- in format 3, 'doc' too (a table made once in a job's life, at this conversion)
-    j._dropped = j._p == 3 and {'doc', unpack(ONLY_1)} or ONLY_1
-  elseif j._conv then
-    -- format 2 to 3: 't' written whole (compared with nothing), 's' and 'doc' go
-    j._conv = nil
-    was[S_AT] = false
-    j._dropped = ONLY_2
-  end
   -- a value compared as unchanged is exactly what the hash holds (was is updated as it is
   -- written, so a second commit of j in the same script compares with the first)
-  if was[S_AT] ~= s then
-    args[n + 1], args[n + 2] = name, s
+  if was[T_AT] ~= t then
+    args[n + 1], args[n + 2] = 't', t
     n = n + 2
-    was[S_AT] = s
+    was[T_AT] = t
   end
   if (was[ERROR_AT] or '') ~= j.error then
     args[n + 1], args[n + 2] = 'error', j.error
@@ -345,31 +220,10 @@ local function changed_p(j, args, n)
   return n
 end
 
--- the same in format 1: each of COMMITTED that changed (for a new job: that is not empty)
-local function changed_1(j, args, n)
-  local was = j._was
-  for i = 1, NCOMMITTED do
-    local name = COMMITTED[i]
-    local v = j[name]
-    if was then
-      local at = COMMITTED_AT[i]
-      if (was[at] or '') ~= v then
-        args[n + 1], args[n + 2] = name, v
-        n = n + 2
-        was[at] = v
-      end
-    elseif v ~= '' then
-      args[n + 1], args[n + 2] = name, v
-      n = n + 2
-    end
-  end
-  return n
-end
-
 -- Apply a transition already made to j (state and fields): bump the version, store the
--- fields and the re-rendered document, keep the per-tenant waiting count, append to the
--- log, publish. `actor` is who made it (worker id, 'scheduler', 'api'); `extra` adds
--- fields to the log entry (payload at submit, result at success).
+-- fields, render the document, keep the per-tenant waiting count, append to the log,
+-- publish. `actor` is who made it (worker id, 'scheduler', 'api'); `extra` adds fields to
+-- the log entry (payload at submit, result at success).
 -- Every log entry carries 'pv', the version of the job's previous logged entry (0 for the
 -- submit): Postgres follows these links to prove that no logged entry went missing. `quiet`
 -- (only a change within a state may ask it: progress, heartbeat.lua; a dependency count
@@ -377,26 +231,21 @@ end
 -- the log; the next logged entry's document carries it, so only intermediate values are
 -- missing from the history, provably.
 local function commit(j, from, actor, extra, quiet)
-  local prev = j.version
-  j.version = int(tonumber(prev) + 1)
+  local prev = j.lv  -- the version of its last logged entry ('0' for a new job: create_job)
+  j.version = int(tonumber(j.version) + 1)
   j.updated = NOW_STR
   local doc = render(j)
   if not quiet then
-    if j.lv ~= '' then  -- '': a job from before lv existed, when every version was logged
-      prev = j.lv
-    end
     j.lv, j.lt = j.version, NOW_STR
   end
   -- One HSET of what changed since load() (j._was), or for a new job (create_job: no _was)
-  -- of its fixed fields (j._new) and every non-empty one, in j's format (see FIELDS): a job in
-  -- format 2 stays so; one in format 1 moves to format 2 when the shard writes format 2.
-  -- A script that changes a field behind j's back must not rely on commit() to overwrite it
-  -- (none does).
+  -- of its fixed fields (j._new) and every non-empty one. A script that changes a field
+  -- behind j's back must not rely on commit() to overwrite it (none does).
   -- (`_set`: more fields for this HSET, given by the caller, e.g. a success's result.)
   -- A loaded job's arguments go into one table kept for the whole script (HSET_ARGS, read
   -- up to n by unpack; commit() never runs inside itself): a new table per job is grown one
-  -- append at a time, resized at 1, 2, 4, 8 and 16 entries, and left to the collector
-  -- (bench/lua_parts.py has the three ways side by side).
+  -- append at a time, resized as it grows, and left to the collector (bench/lua_parts.py
+  -- has the three ways side by side).
   local args = j._new or j._set
   local n = 0
   if args then
@@ -404,21 +253,9 @@ local function commit(j, from, actor, extra, quiet)
   else
     args = HSET_ARGS
   end
-  if j._p then
-    n = changed_p(j, args, n)
-  else
-    n = changed_1(j, args, n)
-  end
+  n = changed(j, args, n)
   j._new, j._set = nil, nil
-  if j._p ~= 3 then  -- formats 1 and 2 store the document too (format 3: status_of renders it)
-    args[n + 1], args[n + 2] = 'doc', doc
-    n = n + 2
-  end
   redis.call('HSET', j._key, unpack(args, 1, n))
-  if j._dropped then
-    redis.call('HDEL', j._key, unpack(j._dropped))
-    j._dropped = nil
-  end
   if WAITING[from] ~= WAITING[j.state] then
     count(WAITING_COUNTS, j.tenant, WAITING[j.state] and 1 or -1)
   end
@@ -615,9 +452,9 @@ local function create_job(id, tenant, type, queue, prio, payload, max_attempts, 
                           ckey, climit, flow)
   local j = {id = id, tenant = tenant, type = type, queue = queue, prio = prio,
              state = 'queued', version = '0', attempt = '0', max_attempts = max_attempts,
-             created = NOW_STR, run_at = '', error = '', progress = '', cancel = '0',
-             worker = '', lease_version = '0', created_iso = iso_str(NOW_STR), run_at_iso = '',
-             lv = '', lt = '', ckey = ckey or '', _key = job_key(id)}
+             run_at = '', error = '', progress = '', cancel = '0', worker = '',
+             lease_version = '0', created_iso = iso_str(NOW_STR), run_at_iso = '', lv = '0',
+             lt = '', ckey = ckey or '', _key = job_key(id)}
   if due ~= '' then
     j.run_at = int(due)
     if due > NOW then
@@ -625,17 +462,7 @@ local function create_job(id, tenant, type, queue, prio, payload, max_attempts, 
     end
   end
   -- written by commit()'s one HSET, with the fields every transition stores (FIELDS)
-  j._p = PACKED and (NODOC and 3 or 2)
-  if PACKED then
-    j._new = {'id', id, 'tenant', tenant, 'c', packed_c(j), 'payload', payload}
-  else
-    j._new = {'id', id, 'tenant', tenant, 'type', type, 'queue', queue, 'prio', prio,
-              'max_attempts', max_attempts, 'created', j.created, 'created_iso', j.created_iso,
-              'payload', payload}
-    if j.ckey ~= '' then
-      j._new[#j._new + 1], j._new[#j._new + 2] = 'ckey', j.ckey
-    end
-  end
+  j._new = {'id', id, 'tenant', tenant, 'c', packed_c(j), 'payload', payload}
   if idem ~= '' then
     j._new[#j._new + 1], j._new[#j._new + 2] = 'idem', idem
   end
@@ -916,9 +743,6 @@ local function begin(argv)
   local t = redis.call('TIME')
   NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   NOW_STR = int(NOW)
-  local fmt = redis.call('GET', BASE .. 'fmt')
-  NODOC = fmt == '3'
-  PACKED = NODOC or fmt == '2'
   COUNTS = {}
   QUEUES, PARKED, CKEYS = BASE .. 'queues', BASE .. 'parked', BASE .. 'ckeys'
   LOG, EV, WAITING_COUNTS = BASE .. 'log', BASE .. 'ev', BASE .. 'waiting'

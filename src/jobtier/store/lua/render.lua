@@ -1,14 +1,14 @@
 -- render.lua: a job's status document from its hash's fields, and the read of it.
--- Included by lib.lua (every transition renders the document it stores, logs and publishes)
--- and by read_status.lua (a read renders the document of a job in format 3, which stores
--- none: core/keys.py, "Job hashes"). It reads nothing at its top level, so a read that includes
--- it pays for no more than the functions it defines.
+-- Included by lib.lua (every transition renders the document it logs and publishes) and by
+-- read_status.lua (a read renders the document again: a job hash stores none; core/keys.py,
+-- "Job hashes"). It reads nothing at its top level, so a read that includes it pays for no
+-- more than the functions it defines.
 
--- format 3's and 2's packed values ('t' is format 2's 's'):
+-- the packed values:
 -- 'c': type priority max_attempts created_iso queue ckey
 local C_PATTERN = '^(%S*) (%a*) (%d*) (%S*) (%S*) (.*)$'
--- 't' ('s'): state version attempt updated run_at run_at_iso cancel lease_version lv lt worker
-local S_PATTERN = '^(%a*) (%d*) (%d*) (%d*) (%d*) (%S*) (%d*) (%d*) (%d*) (%d*) (.*)$'
+-- 't': state version attempt updated run_at run_at_iso cancel lease_version lv lt worker
+local T_PATTERN = '^(%a*) (%d*) (%d*) (%d*) (%d*) (%S*) (%d*) (%d*) (%d*) (%d*) (.*)$'
 
 -- ISO-8601 UTC from epoch milliseconds (civil-from-days, proleptic Gregorian)
 local function iso(ms)
@@ -77,9 +77,6 @@ local function render(j)
     end
     run_at = '"' .. string.sub(cached, #ms + 2) .. '"'
   end
-  if j.created_iso == '' then  -- a job created before the field existed
-    j.created_iso = iso(j.created or redis.call('HGET', j._key, 'created'))
-  end
   return '{"id":' .. cjson.encode(j.id)
     .. ',"type":' .. cjson.encode(j.type)
     .. ',"queue":' .. cjson.encode(j.queue)
@@ -105,33 +102,29 @@ local function render(j)
 end
 
 -- The tenant and status document of the job hash at `key`, and the value of its field `more`
--- (nil for none); nil when Redis holds no such job. One HMGET whatever the job's format: the
--- fields render() needs when it is in format 3 ('t' set: the document is rendered, and any
--- 'doc' ignored), else the document it stores (formats 2 and 1). What render() gives is
--- byte for byte what commit() logged and published for the same version.
+-- (nil for none); nil when Redis holds no such job. One HMGET of the fields render() needs:
+-- what it gives is byte for byte what commit() logged and published for the same version.
 local function status_of(key, more)
   local v
   if more then
-    v = redis.call('HMGET', key, 'tenant', 't', 'doc', 'id', 'c', 'wf', 'error', 'progress', more)
+    v = redis.call('HMGET', key, 'tenant', 't', 'id', 'c', 'wf', 'error', 'progress', more)
   else
-    v = redis.call('HMGET', key, 'tenant', 't', 'doc', 'id', 'c', 'wf', 'error', 'progress')
+    v = redis.call('HMGET', key, 'tenant', 't', 'id', 'c', 'wf', 'error', 'progress')
   end
-  if not v[1] then  -- every job holds its tenant (lib.lua create_job): there is no such job
+  -- every job holds 't' from its creation (lib.lua create_job): without it there is no job
+  -- (a hash from before format 3 is not read as one: store/format.py adopt)
+  if not v[2] then
     return nil
   end
-  if not v[2] then
-    return v[1], v[3], v[9]
-  end
-  local typ, prio, max_attempts, created_iso, queue = string.match(v[5], C_PATTERN)
+  local typ, prio, max_attempts, created_iso, queue = string.match(v[4], C_PATTERN)
   local state, version, attempt, updated, run_at, run_at_iso, cancel, _, _, _, worker =
-    string.match(v[2], S_PATTERN)
-  local j = {id = v[4], type = typ, queue = queue, prio = prio, max_attempts = max_attempts,
+    string.match(v[2], T_PATTERN)
+  local j = {id = v[3], type = typ, queue = queue, prio = prio, max_attempts = max_attempts,
              created_iso = created_iso, state = state, version = version, attempt = attempt,
              updated = updated, run_at = run_at, run_at_iso = run_at_iso, cancel = cancel,
-             worker = worker, wf = v[6] or '', error = v[7] or '', progress = v[8] or '',
-             _key = key}
+             worker = worker, wf = v[5] or '', error = v[6] or '', progress = v[7] or ''}
   if j.wf ~= '' and string.find(j.wf, 'w', 1, true) then  -- waits for dependencies (lib.lua)
     j.dd = redis.call('HGET', key, 'dd') or ''
   end
-  return v[1], render(j), v[9]
+  return v[1], render(j), v[8]
 end
