@@ -44,7 +44,7 @@ T = TypeVar("T")
 
 
 class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
-    """An asyncio client of the jobtier HTTP API (options: see ``BaseClient.__init__``).
+    """An asyncio client of the jobtier HTTP API (its options: see ``__init__``).
 
     >>> async with AsyncClient("http://127.0.0.1:8000", "my-key") as jobs:
     ...     sub = await jobs.submit("resize", {"image": "a.png"}, idempotency_key="img-a")

@@ -552,15 +552,8 @@ class BaseClient(Generic[TransportT]):
         limit: int,
         order: str,
     ) -> Op[JobPage]:
-        params = query(
-            limit=limit,
-            order=order,
-            state=state,
-            type=type,
-            queue=queue,
-            cursor=cursor,
-            created_after=created_after,
-        )
+        params = query(limit=limit, order=order, state=state, type=type, queue=queue)
+        params |= query(cursor=cursor, created_after=created_after)
         call = Call("GET", "/v1/jobs", params=params)
         return (yield from fetch(call, _page_decoder, "a page of jobs"))
 

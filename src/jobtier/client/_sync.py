@@ -44,8 +44,8 @@ T = TypeVar("T")
 
 
 class Client(BaseClient[httpx.BaseTransport]):
-    """A blocking client of the jobtier HTTP API: the methods of ``AsyncClient``, not
-    awaited (options: see ``BaseClient.__init__``). Safe to share between threads.
+    """A blocking client of the jobtier HTTP API (its options: see ``__init__``): the methods
+    of ``AsyncClient``, not awaited. Safe to share between threads.
 
     >>> with Client("http://127.0.0.1:8000", "my-key") as jobs:
     ...     sub = jobs.submit("resize", {"image": "a.png"}, idempotency_key="img-a")

@@ -245,8 +245,7 @@ class LocalPostgres:
     def start(self) -> LocalPostgres:
         """Initialise (first time), start, and make sure the role and database exist."""
         if self.proc is not None and self.proc.poll() is not None:
-            # a postmaster of ours that died (killed): reaped now, or its zombie's pid would
-            # still look alive to the next postmaster's lock-file check
+            # ours died: reap it now, or its zombie's pid would pass the next lock-file check
             self.proc = None
         self.prepare()
         if not (self.data / "PG_VERSION").exists():

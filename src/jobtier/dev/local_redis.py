@@ -132,8 +132,7 @@ class LocalRedis:
             options |= {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"}
         for name, value in options.items():
             args += [f"--{name}", str(value)]
-        # its own session: Ctrl-C in the terminal reaches `jobtier run`, which stops the
-        # server after the parts that use it, not the server first
+        # its own session: Ctrl-C reaches `jobtier run`, which stops it after the parts
         self.proc = subprocess.Popen(
             tied(args, signal.SIGTERM), stdin=subprocess.DEVNULL, start_new_session=True
         )

@@ -178,14 +178,12 @@ def run(
 ) -> tuple[int, int]:
     """`jobtier run`. Returns the exit code and the worker's ``stuck`` count."""
     registry = TaskRegistry.load(args.tasks)  # a bad module fails before any server starts
-    services = (
-        None
-        if args.external
-        else LocalServices(args.data_dir.resolve(), args.redis_port, args.pg_port)
-    )
+    services: LocalServices | None = None
+    if not args.external:
+        services = LocalServices(args.data_dir.resolve(), args.redis_port, args.pg_port)
     outcome = _Outcome()
-    # until the event loop takes the signals over: SIGTERM and SIGHUP interrupt the start-up
-    # like Ctrl-C does, so that what has started is stopped below
+    # until the event loop takes the signals over, SIGTERM and SIGHUP interrupt the start-up
+    # as Ctrl-C does, so that what has started is stopped below
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     try:

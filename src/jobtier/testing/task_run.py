@@ -209,9 +209,8 @@ class TaskRun:
         """Wait for the attempt to end and return its outcome. Cancelling the caller (a test
         timeout) cancels the attempt too."""
         try:
-            # asyncio.wait, not a plain await: a cancel of the caller must not reach the
-            # attempt as a CancelledError the attempt would absorb (it reads it as one for
-            # the task) and so be lost to the caller
+            # not a plain await: the attempt would absorb a cancel of the caller (reading it as
+            # one for the task), and the caller would never see it
             await asyncio.wait({self._handle})
         except asyncio.CancelledError:
             self._handle.cancel()
@@ -242,8 +241,7 @@ class TaskRun:
 
     def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
         """Called by ``run_attempt``: the outcome a worker and Redis would make of ``end``."""
-        # like a worker, leave a sync task's thread to finish on its own (it cannot be
-        # interrupted) but queue nothing more on it
+        # like a worker: a sync task's thread cannot be interrupted; queue nothing more on it
         self._threads.shutdown(wait=False, cancel_futures=True)
         if isinstance(end, bytes):
             self._ended = self._make("succeeded", result=_decode(end) if end else None)
@@ -255,8 +253,7 @@ class TaskRun:
             else:
                 self._ended = self._make("failed", error=error)
         elif end is INTERRUPTED and not ctx.cancel_requested:
-            # a worker reports "stopped"; stopped.lua, seeing no cancel request, gives the
-            # job back to its queue
+            # reported "stopped", with no cancel request: stopped.lua gives the job back
             self._ended = self._make("released")
         else:  # STOPPED, or INTERRUPTED by the cancel request: stopped.lua cancels the job
             self._ended = self._make("cancelled")
