@@ -8,50 +8,32 @@ worker or the scheduler.
 from __future__ import annotations
 
 import importlib
+import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# name -> the module that defines it
-_EXPORTS: dict[str, str] = {
-    "AsyncClient": "jobtier.client",
-    "Cancelled": "jobtier.core.errors",
-    "Client": "jobtier.client",
-    "Code": "jobtier.core.errors",
-    "ConfigError": "jobtier.core.errors",
-    "Dependency": "jobtier.core.model",
-    "Fatal": "jobtier.core.errors",
-    "FlowJob": "jobtier.core.model",
-    "FlowSubmitted": "jobtier.core.model",
-    "IdempotencyConflict": "jobtier.core.errors",
-    "InvalidRequest": "jobtier.core.errors",
-    "JobContext": "jobtier.worker.context",
-    "JobError": "jobtier.core.model",
-    "JobNotFound": "jobtier.core.errors",
-    "JobSpec": "jobtier.core.model",
-    "JobStatus": "jobtier.core.model",
-    "JobtierError": "jobtier.core.errors",
-    "Overloaded": "jobtier.core.errors",
-    "Priority": "jobtier.core.model",
-    "Queue": "jobtier.engine.queue",
-    "ResultGone": "jobtier.core.errors",
-    "Retry": "jobtier.core.errors",
-    "RetryPolicy": "jobtier.worker.registry",
-    "Schedule": "jobtier.core.schedule",
-    "ScheduleSpec": "jobtier.core.schedule",
-    "Scheduler": "jobtier.scheduler",
-    "Settings": "jobtier.config",
-    "State": "jobtier.core.model",
-    "Submitted": "jobtier.core.model",
-    "Task": "jobtier.worker.registry",
-    "TaskRegistry": "jobtier.worker.registry",
-    "TransitionRefused": "jobtier.core.errors",
-    "UnknownTask": "jobtier.core.errors",
-    "Worker": "jobtier.worker.runner",
-    "chain": "jobtier.flows",
-    "fan_in": "jobtier.flows",
-    "task": "jobtier.worker.registry",
+# module -> the names it defines
+_MODULES = {
+    "jobtier.client": "AsyncClient Client",
+    "jobtier.config": "Settings",
+    "jobtier.core.errors": (
+        "Cancelled Code ConfigError Fatal IdempotencyConflict InvalidRequest JobNotFound "
+        "JobtierError Overloaded ResultGone Retry TransitionRefused UnknownTask"
+    ),
+    "jobtier.core.model": (
+        "Dependency FlowJob FlowSubmitted JobError JobSpec JobStatus Priority State Submitted"
+    ),
+    "jobtier.core.schedule": "Schedule ScheduleSpec",
+    "jobtier.engine.queue": "Queue",
+    "jobtier.flows": "chain fan_in",
+    "jobtier.scheduler": "Scheduler",
+    "jobtier.worker.context": "JobContext",
+    "jobtier.worker.registry": "RetryPolicy Task TaskRegistry task",
+    "jobtier.worker.runner": "Worker",
 }
+_EXPORTS = {name: module for module, names in _MODULES.items() for name in names.split()}
 
 __all__ = [
     "AsyncClient",
@@ -95,13 +77,22 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jobtier' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # once loaded, a plain attribute
-    return value
+def _lazy_exports(module: str, exports: dict[str, str]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` (PEP 562) importing each name of ``exports`` (name -> its
+    module) on first use; once loaded, it is a plain attribute of ``module``."""
+
+    def __getattr__(name: str) -> Any:
+        source = exports.get(name)
+        if source is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(source), name)
+        setattr(sys.modules[module], name, value)
+        return value
+
+    return __getattr__
+
+
+__getattr__ = _lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -251,8 +251,8 @@ class Settings:
             problems.append("JOBTIER_DEFAULT_MAX_ATTEMPTS must be at least 1")
         if self.api_server not in ("granian", "uvicorn"):
             problems.append("JOBTIER_API_SERVER must be granian or uvicorn")
-        for name in ("progress_history_seconds", "pg_history_retention_days",
-                     "pg_job_retention_days"):  # fmt: skip
+        days = ("pg_history_retention_days", "pg_job_retention_days")
+        for name in ("progress_history_seconds", *days):
             if getattr(self, name) < 0:
                 problems.append(f"JOBTIER_{name.upper()} must be 0 (see its help) or more")
         keep = self.pg_job_retention_days * 86400

@@ -19,7 +19,8 @@ _PAIR = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        line = f"{ts}.{int(record.msecs):03d}Z level={record.levelname.lower()} logger={record.name} {record.getMessage()}"
+        level, message = record.levelname.lower(), record.getMessage()
+        line = f"{ts}.{int(record.msecs):03d}Z level={level} logger={record.name} {message}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line

@@ -14,7 +14,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -85,15 +85,12 @@ def _connection(p: argparse.ArgumentParser, key: str) -> None:
 
 
 # --- output ---------------------------------------------------------------------------------
-def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns, two spaces apart, a header line on top."""
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
-    for row in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(lines)
+def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
+    """Left-aligned columns, two spaces apart, a header line on top; cells as ``str`` has them."""
+    cells = [list(headers), *([str(cell) for cell in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def short_time(value: str | datetime | None) -> str:
@@ -108,7 +105,7 @@ def clip(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def error_summary(error: JobError | None, width: int = 60) -> str:
+def error_summary(error: JobError | None, width: int = 50) -> str:
     if error is None:
         return "-"
     return clip(f"{error.type}: {error.message}", width)
@@ -150,60 +147,41 @@ def log_block(lines: Sequence[LogLine]) -> list[str]:
     return out
 
 
-def history_table(history: Sequence[Transition]) -> str:
-    rows = [
-        [
-            str(t.version), short_time(t.at),
-            f"{t.from_state or '-'} -> {t.to_state}", t.worker, str(t.attempt),
-            error_summary(t.error, 50),
-        ]
-        for t in history
-    ]  # fmt: skip
-    return table(["VERSION", "AT", "CHANGE", "BY", "ATTEMPT", "ERROR"], rows)
+def history_row(t: Transition) -> list[object]:
+    change = f"{t.from_state or '-'} -> {t.to_state}"
+    return [t.version, short_time(t.at), change, t.worker, t.attempt, error_summary(t.error)]
 
 
-def job_rows(jobs: Sequence[JobStatus]) -> str:
-    rows = [
-        [
-            j.id, j.type, j.queue, j.state, f"{j.attempt}/{j.max_attempts}",
-            short_time(j.updated_at), error_summary(j.error, 50),
-        ]
-        for j in jobs
-    ]  # fmt: skip
-    return table(["ID", "TYPE", "QUEUE", "STATE", "ATTEMPT", "UPDATED", "ERROR"], rows)
+def job_row(j: JobStatus) -> list[object]:
+    attempt, updated = f"{j.attempt}/{j.max_attempts}", short_time(j.updated_at)
+    return [j.id, j.type, j.queue, j.state, attempt, updated, error_summary(j.error)]
 
 
-def queue_rows(queues: Sequence[QueueInfo]) -> str:
-    rows = []
-    for q in queues:
-        limits = "-"
-        if q.limits is not None:
-            parts = []
-            if q.limits.concurrency is not None:
-                parts.append(f"concurrency {q.limits.concurrency}")
-            if q.limits.rate is not None:
-                parts.append(f"{q.limits.rate}/{q.limits.per:g}s")
-            limits = ", ".join(parts) or "-"
-        age = q.oldest_queued_age_seconds
-        rows.append([
-            q.name, str(q.queued_total), str(q.running), str(q.parked),
-            "-" if age is None else f"{age:.1f}s", str(q.workers),
-            "yes" if q.paused else "no", limits,
-        ])  # fmt: skip
-    return table(
-        ["QUEUE", "READY", "RUNNING", "PARKED", "OLDEST", "WORKERS", "PAUSED", "LIMITS"], rows
-    )
+def queue_row(q: QueueInfo) -> list[object]:
+    parts = []
+    if q.limits is not None and q.limits.concurrency is not None:
+        parts.append(f"concurrency {q.limits.concurrency}")
+    if q.limits is not None and q.limits.rate is not None:
+        parts.append(f"{q.limits.rate}/{q.limits.per:g}s")
+    age = q.oldest_queued_age_seconds
+    oldest = "-" if age is None else f"{age:.1f}s"
+    paused = "yes" if q.paused else "no"
+    limits = ", ".join(parts) or "-"
+    return [q.name, q.queued_total, q.running, q.parked, oldest, q.workers, paused, limits]
+
+
+HISTORY = ["VERSION", "AT", "CHANGE", "BY", "ATTEMPT", "ERROR"]
+JOBS = ["ID", "TYPE", "QUEUE", "STATE", "ATTEMPT", "UPDATED", "ERROR"]
+QUEUES = ["QUEUE", "READY", "RUNNING", "PARKED", "OLDEST", "WORKERS", "PAUSED", "LIMITS"]
 
 
 # --- commands -------------------------------------------------------------------------------
 def jobs_list(c: Client, a: argparse.Namespace) -> Any:
-    page = c.list_jobs(
-        state=a.state, type=a.type, queue=a.queue, created_after=a.since, cursor=a.cursor,
-        limit=a.limit,
-    )  # fmt: skip
+    filters = {"state": a.state, "type": a.type, "queue": a.queue, "created_after": a.since}
+    page = c.list_jobs(**filters, cursor=a.cursor, limit=a.limit)
     if a.json:
         return page
-    lines = [job_rows(page.jobs) if page.jobs else "no jobs"]
+    lines = [table(JOBS, map(job_row, page.jobs)) if page.jobs else "no jobs"]
     if page.next_cursor:
         lines.append(f"more: --cursor {page.next_cursor}")
     if page.lag.get("transitions"):
@@ -225,7 +203,7 @@ def jobs_show(c: Client, a: argparse.Namespace) -> Any:
     if d.history is None:
         lines.append("history:     not available (the API has no Postgres)")
     else:
-        lines += ["history:", history_table(d.history)]
+        lines += ["history:", table(HISTORY, map(history_row, d.history))]
     return "\n".join(lines)
 
 
@@ -252,7 +230,7 @@ def dead_list(c: Client, a: argparse.Namespace) -> Any:
     jobs = c.dead_letters(type=a.type, since=a.since, limit=a.limit)
     if a.json:
         return jobs
-    return job_rows(jobs) if jobs else "no dead letters"
+    return table(JOBS, map(job_row, jobs)) if jobs else "no dead letters"
 
 
 def dead_show(c: Client, a: argparse.Namespace) -> Any:
@@ -281,7 +259,7 @@ def queues_list(c: Client, a: argparse.Namespace) -> Any:
     queues = c.queues()
     if a.json:
         return queues
-    return queue_rows(queues) if queues else "no queues"
+    return table(QUEUES, map(queue_row, queues)) if queues else "no queues"
 
 
 def queues_pause(c: Client, a: argparse.Namespace) -> Any:
@@ -379,9 +357,8 @@ def add_commands(sub: Any, runner: Callable[[argparse.Namespace, Any], int]) -> 
     q.add_argument("--state", choices=STATES, help="only jobs in this state")
     q.add_argument("--type", help="only jobs of this task type")
     q.add_argument("--queue", help="only jobs of this queue")
-    q.add_argument(
-        "--since", type=since_time, help="only jobs created since: ISO 8601, or 30s, 15m, 2h, 7d"
-    )
+    since = "only jobs created since: ISO 8601, or 30s, 15m, 2h, 7d"
+    q.add_argument("--since", type=since_time, help=since)
     q.add_argument("--limit", type=positive_int, default=20, help="most jobs (default 20)")
     q.add_argument("--cursor", help="the next page (printed under a full page)")
     for verb, handler, what in (
@@ -402,19 +379,14 @@ def add_commands(sub: Any, runner: Callable[[argparse.Namespace, Any], int]) -> 
         "JOBTIER_ADMIN_KEY). Redis keeps dead letters JOBTIER_DEAD_RETENTION_SECONDS.",
     )
     group = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    for verb, handler, what in (
-        ("list", dead_list, "dead-lettered jobs, newest first"),
-        ("replay", dead_replay, "replay one dead letter (JOB_ID), or those matching --type/--since"),
-    ):  # fmt: skip
-        q = action(group, verb, handler, ADMIN, what)
-        if verb == "replay":
-            q.add_argument("job_id", metavar="JOB_ID", nargs="?", help="one job to replay")
+    listing = action(group, "list", dead_list, ADMIN, "dead-lettered jobs, newest first")
+    what = "replay one dead letter (JOB_ID), or those matching --type/--since"
+    replaying = action(group, "replay", dead_replay, ADMIN, what)
+    replaying.add_argument("job_id", metavar="JOB_ID", nargs="?", help="one job to replay")
+    since = "only jobs dead-lettered since: ISO 8601, or 30s, 15m, 2h, 7d"
+    for q in (listing, replaying):
         q.add_argument("--type", help="only jobs of this task type")
-        q.add_argument(
-            "--since",
-            type=since_time,
-            help="only jobs dead-lettered since: ISO 8601, or 30s, 15m, 2h, 7d",
-        )
+        q.add_argument("--since", type=since_time, help=since)
         q.add_argument("--limit", type=positive_int, default=100, help="most jobs (default 100)")
     q = action(group, "show", dead_show, ADMIN, "one dead letter: error, traceback, payload, lines")
     q.add_argument("job_id", metavar="JOB_ID")
@@ -428,8 +400,7 @@ def add_commands(sub: Any, runner: Callable[[argparse.Namespace, Any], int]) -> 
     )
     _connection(p, ADMIN)
     group = p.add_subparsers(dest="action", metavar="ACTION")
-    # after add_subparsers, whose own default (None) would otherwise win: without an action,
-    # the list, named as such in messages
+    # after add_subparsers, whose default (None) would win: without an action, the list
     p.set_defaults(func=runner, handler=queues_list, action="list")
     action(
         group, "list", queues_list, ADMIN, "every queue: ready, running, parked, oldest, workers"

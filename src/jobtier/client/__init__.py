@@ -1,12 +1,8 @@
-"""The Python client of the jobtier HTTP API, sync (``Client``) and async (``AsyncClient``).
+"""The Python client of the jobtier HTTP API: ``Client`` (blocking) and ``AsyncClient``.
 
-Both have the same methods — ``submit``, ``submit_many``, ``submit_flow``, ``status``,
-``wait``, ``events``, ``cancel``, ``result``, ``dependencies``; ``list_jobs``, ``show``,
-``history``, ``logs``, ``retry``; with the admin key ``dead_letters``, ``dead_letter``,
-``replay``, ``replay_dead_letters``, ``queues`` and the queue actions; ``close`` — and are
-context managers::
+Both have the same methods and are context managers::
 
-    from jobtier.client import AsyncClient, Client, NotFound
+    from jobtier.client import AsyncClient, Client
 
     async with AsyncClient("http://127.0.0.1:8000", api_key) as jobs:
         sub = await jobs.submit("resize", {"image": "a.png"}, idempotency_key="img-a")
@@ -18,9 +14,9 @@ context managers::
         done = jobs.wait(jobs.submit("echo", 42).id, timeout=30)
 
 Statuses are ``jobtier.core.model.JobStatus``; a submit returns a ``Submission`` (``job`` and
-``created``, False for an idempotent duplicate). Error answers raise ``ApiError`` subclasses
-(see ``jobtier.client._errors``), which also derive from the matching engine exceptions
-(``JobNotFound``, ``IdempotencyConflict``, ``InvalidRequest``, ``Overloaded``).
+``created``, False for an idempotent duplicate). Error answers raise ``ApiError`` subclasses,
+which also derive from the matching engine exceptions (``JobNotFound``,
+``IdempotencyConflict``, ``InvalidRequest``, ``Overloaded``).
 """
 
 from jobtier.client._async import AsyncClient

@@ -43,45 +43,17 @@ from jobtier.core.schedule import Schedule, ScheduleSpec
 T = TypeVar("T")
 
 
-class AsyncClient(BaseClient):
-    """An asyncio client of the jobtier HTTP API.
+class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
+    """An asyncio client of the jobtier HTTP API (its options: see ``__init__``).
 
     >>> async with AsyncClient("http://127.0.0.1:8000", "my-key") as jobs:
     ...     sub = await jobs.submit("resize", {"image": "a.png"}, idempotency_key="img-a")
     ...     done = await jobs.wait(sub.id, timeout=60)
     ...     print(done.state, (await jobs.result(sub.id)).result)
-
-    Options: ``timeout`` (seconds or an ``httpx.Timeout``) for each request; ``retries`` of a
-    submit refused with 429/503, after ``Retry-After`` (capped at ``max_retry_wait``), only
-    when every job carries an idempotency key unless ``retry_unkeyed``; ``reconnects`` of an
-    event stream in a row without an event; ``stream_timeout``, the longest silence on an
-    event stream before it counts as dropped; ``transport`` for httpx (tests, proxies).
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str,
-        *,
-        timeout: float | httpx.Timeout = 10.0,
-        transport: httpx.AsyncBaseTransport | None = None,
-        retries: int = 3,
-        retry_unkeyed: bool = False,
-        max_retry_wait: float = 30.0,
-        reconnects: int = 5,
-        stream_timeout: float = 60.0,
-    ) -> None:
-        super().__init__(
-            base_url,
-            api_key,
-            timeout=timeout,
-            retries=retries,
-            retry_unkeyed=retry_unkeyed,
-            max_retry_wait=max_retry_wait,
-            reconnects=reconnects,
-            stream_timeout=stream_timeout,
-        )
-        self._http = httpx.AsyncClient(transport=transport, **self._http_options())
+    def _open(self, **options: Any) -> None:
+        self._http = httpx.AsyncClient(**options)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -121,10 +93,20 @@ class AsyncClient(BaseClient):
         ``{"url": …, "events": "all"}`` for every transition.
         """
         op = self._submit(
-            type, payload, priority, run_at, delay, max_attempts, idempotency_key,
-            queue, concurrency_key, concurrency_limit, depends_on, on_dependency_failure,
+            type,
+            payload,
+            priority,
+            run_at,
+            delay,
+            max_attempts,
+            idempotency_key,
+            queue,
+            concurrency_key,
+            concurrency_limit,
+            depends_on,
+            on_dependency_failure,
             callback,
-        )  # fmt: skip
+        )
         return await self._run(op)
 
     async def submit_many(
@@ -173,10 +155,9 @@ class AsyncClient(BaseClient):
     async def wait(
         self, job_id: str, timeout: float | None = None, *, poll: float = 30.0
     ) -> JobStatus:
-        """The job's status once it is terminal (succeeded, failed or cancelled), by long-poll
-        requests of up to ``poll`` seconds each (at most the server's
-        ``JOBTIER_LONG_POLL_MAX_SECONDS``, 60 by default). Raises ``WaitTimeout`` (a
-        ``TimeoutError``, with the last status seen) after ``timeout`` seconds."""
+        """The job's status once it is terminal, by long-poll requests of up to ``poll``
+        seconds each (at most the server's ``JOBTIER_LONG_POLL_MAX_SECONDS``). Raises
+        ``WaitTimeout`` (a ``TimeoutError``, with the last status seen) after ``timeout``."""
         return await self._run(self._wait(job_id, timeout, poll))
 
     def events(
@@ -184,17 +165,15 @@ class AsyncClient(BaseClient):
     ) -> AsyncGenerator[JobStatus, None]:
         """The job's status, then each change, until a terminal status (or, resuming from
         ``last_event_id``, nothing if that was the last). A dropped connection is resumed
-        from the last event received.
-
-        Leaving the loop early keeps the connection open until the generator is collected;
-        ``async with contextlib.aclosing(client.events(job_id)) as stream:`` closes it at once.
-        """
+        from the last event received. Leaving the loop early keeps the connection open until
+        the generator is collected: ``async with contextlib.aclosing(client.events(id))``
+        closes it at once."""
         return self._stream(self._events(job_id, last_event_id))
 
     async def cancel(self, job_id: str) -> JobStatus:
         """Cancel a waiting job, or ask the worker running it to stop (``cancel_requested``).
         Raises ``WrongState`` once the job has finished."""
-        return await self._run(self._cancel(job_id))
+        return await self._run(self._job_action(job_id, "cancel"))
 
     async def result(self, job_id: str) -> Result:
         """The job's state, result (once succeeded) and error (once failed)."""
@@ -219,8 +198,8 @@ class AsyncClient(BaseClient):
         return await self._run(op)
 
     async def history(self, job_id: str) -> list[Transition]:
-        """Every persisted change of the job, oldest first (the errors with their
-        tracebacks). Needs an API with Postgres."""
+        """Every persisted change of the job, oldest first (errors with their tracebacks).
+        Needs an API with Postgres."""
         return await self._run(self._history(job_id))
 
     async def logs(self, job_id: str) -> list[LogLine]:
@@ -235,7 +214,7 @@ class AsyncClient(BaseClient):
     async def retry(self, job_id: str) -> JobStatus:
         """Send a failed (dead-lettered) job back to its queue, attempts reset. Raises
         ``WrongState`` for a job that has not failed."""
-        return await self._run(self._retry(job_id))
+        return await self._run(self._job_action(job_id, "retry"))
 
     # --- dead letters (these need the admin key) --------------------------------------------
     async def dead_letters(
@@ -301,35 +280,21 @@ class AsyncClient(BaseClient):
         return await self._run(self._schedules(after, limit))
 
     async def schedule(self, schedule_id: str) -> Schedule:
-        found = await self._run(self._schedule_call("GET", schedule_id))
-        assert found is not None
-        return found
+        return await self._run(self._schedule("GET", schedule_id))
 
     async def pause_schedule(self, schedule_id: str) -> Schedule:
-        paused = await self._run(self._schedule_call("POST", schedule_id, "/pause"))
-        assert paused is not None
-        return paused
+        return await self._run(self._schedule("POST", schedule_id, "/pause"))
 
     async def resume_schedule(self, schedule_id: str) -> Schedule:
         """Resume from the next slot (the paused time is not caught up)."""
-        resumed = await self._run(self._schedule_call("POST", schedule_id, "/resume"))
-        assert resumed is not None
-        return resumed
+        return await self._run(self._schedule("POST", schedule_id, "/resume"))
 
     async def delete_schedule(self, schedule_id: str) -> None:
-        await self._run(self._schedule_call("DELETE", schedule_id))
+        await self._run(self._delete_schedule(schedule_id))
 
     # --- the driver -------------------------------------------------------------------------
     async def _send(self, call: Call) -> httpx.Response:
-        request = self._http.build_request(
-            call.method,
-            call.path,
-            params=call.params,
-            headers=call.headers,
-            content=call.content,
-            timeout=self._timeout_for(call),
-        )
-        response = await self._http.send(request, stream=call.stream)
+        response = await self._http.send(self._request(self._http, call), stream=call.stream)
         if call.stream and response.status_code != 200:
             try:
                 await response.aread()
@@ -345,10 +310,9 @@ class AsyncClient(BaseClient):
                 try:
                     if isinstance(step, Sleep):
                         await asyncio.sleep(step.seconds)
-                    elif isinstance(step, Call):
-                        reply = await self._send(step)
                     else:
-                        raise TypeError(f"{step!r} outside an event stream")
+                        assert isinstance(step, Call), f"{step!r} outside an event stream"
+                        reply = await self._send(step)
                 except httpx.TransportError as exc:
                     step = op.throw(exc)
                     continue

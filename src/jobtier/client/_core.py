@@ -1,11 +1,10 @@
 """What the sync and async clients share: every operation, written once, without I/O.
 
-An operation is a generator that yields *steps* — send this request, sleep this long, read
-the next line of the open stream, hand this status to the caller — and receives each step's
-outcome back (the ``httpx.Response``, the line; a transport error is thrown into it). The
-clients only drive them: ``Client`` with ``httpx.Client`` and ``time.sleep``, ``AsyncClient``
-with ``httpx.AsyncClient`` and ``asyncio.sleep``. Retry, long-poll and reconnect logic thus
-exist once, and the sync client never runs an event loop.
+An operation is a generator that yields *steps* (send this request, sleep this long, read the
+next line of the open stream, hand this status to the caller) and receives each step's outcome
+back: the ``httpx.Response``, the line; a transport error is thrown into it. ``Client`` and
+``AsyncClient`` only drive them, so retry, long-poll and reconnect logic exist once and the
+sync client never runs an event loop.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import metadata
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -40,9 +39,11 @@ from jobtier.core.model import (
     OnDependencyFailure,
     Priority,
     QueueInfo,
+    QueueLimits,
     State,
     TaskAd,
     Transition,
+    any_decoder,
     status_decoder,
 )
 from jobtier.core.schedule import Schedule, ScheduleSpec
@@ -53,6 +54,7 @@ except metadata.PackageNotFoundError:  # running from a source tree
     USER_AGENT = "jobtier-client"
 
 T = TypeVar("T")
+TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
 
 
 class Submission(msgspec.Struct, frozen=True):
@@ -81,11 +83,6 @@ class FlowSubmission(msgspec.Struct, frozen=True):
     @property
     def ids(self) -> list[str]:
         return [job.id for job in self.jobs]
-
-
-class _DependencyList(msgspec.Struct):
-    id: str
-    dependencies: list[Dependency]
 
 
 class Result(msgspec.Struct, frozen=True):
@@ -134,6 +131,12 @@ class DeadLetter(msgspec.Struct, frozen=True):
     lines: list[LogLine]
 
 
+# --- the documents that wrap a list ----------------------------------------------------------
+class _DependencyList(msgspec.Struct):
+    id: str
+    dependencies: list[Dependency]
+
+
 class _History(msgspec.Struct):
     transitions: list[Transition]
 
@@ -150,9 +153,22 @@ class _Replayed(msgspec.Struct):
     replayed: list[str]
 
 
+class _QueueList(msgspec.Struct):
+    queues: list[QueueInfo]
+
+
+class _TaskList(msgspec.Struct):
+    tasks: list[TaskAd]
+
+
+class _ScheduleList(msgspec.Struct):
+    schedules: list[Schedule]
+    next_after: str | None = None
+
+
 class _BatchItem(msgspec.Struct):
     status: int
-    job: msgspec.Raw = msgspec.Raw()  # empty when absent; decoded by ``submission``
+    job: msgspec.Raw = msgspec.Raw()  # empty when absent
     problem: dict[str, Any] | None = None
 
 
@@ -169,17 +185,11 @@ _dead_letter_decoder = msgspec.json.Decoder(DeadLetter)
 _replayed_decoder = msgspec.json.Decoder(_Replayed)
 _result_decoder = msgspec.json.Decoder(Result)
 _flow_decoder = msgspec.json.Decoder(FlowSubmission)
-
-
-def _flow_job(job: FlowJob | Mapping[str, Any]) -> FlowJob | Mapping[str, Any]:
-    """A job of a flow as the body has it: a mapping's ``callback`` may be a bare URL, as
-    ``submit``'s may."""
-    if isinstance(job, FlowJob) or not isinstance(job.get("callback"), str):
-        return job
-    return {**job, "callback": {"url": job["callback"]}}
-
-
 _dependencies_decoder = msgspec.json.Decoder(_DependencyList)
+_queue_list_decoder = msgspec.json.Decoder(_QueueList)
+_task_list_decoder = msgspec.json.Decoder(_TaskList)
+_schedule_decoder = msgspec.json.Decoder(Schedule)
+_schedule_list_decoder = msgspec.json.Decoder(_ScheduleList)
 _encoder = msgspec.json.Encoder()
 
 
@@ -221,10 +231,35 @@ READ_LINE = ReadLine()
 
 
 # --- helpers --------------------------------------------------------------------------------
+def path(prefix: str, name: str, suffix: str = "") -> str:
+    return f"{prefix}/{quote(name, safe='')}{suffix}"
+
+
 def job_path(job_id: str, suffix: str = "") -> str:
     if not job_id:
         raise ValueError("job_id is empty")
-    return f"/v1/jobs/{quote(job_id, safe='')}{suffix}"
+    return path("/v1/jobs", job_id, suffix)
+
+
+def json_call(method: str, where: str, body: Any) -> Call:
+    headers = {"content-type": "application/json"}
+    return Call(method, where, headers=headers, content=_encoder.encode(body))
+
+
+def present(**fields: Any) -> dict[str, Any]:
+    """The fields that are not None."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def time_param(value: datetime | str) -> str:
+    """A time for a query or a body: ISO 8601 (the server takes one without a zone as UTC)."""
+    return value.isoformat() if isinstance(value, datetime) else value
+
+
+def query(**fields: Any) -> dict[str, str]:
+    """Query parameters: the fields that are not None, as text."""
+    fields = present(**fields)
+    return {k: time_param(v) if isinstance(v, datetime) else str(v) for k, v in fields.items()}
 
 
 def check(response: httpx.Response, *, job_id: str = "", key: str = "") -> None:
@@ -235,32 +270,23 @@ def check(response: httpx.Response, *, job_id: str = "", key: str = "") -> None:
         )
 
 
-def decode_status(response: httpx.Response) -> JobStatus:
+def decode(decoder: msgspec.json.Decoder[T], data: bytes | str, what: str, status: int) -> T:
+    """``data`` decoded; an ``ApiError`` naming ``what`` if it is not one."""
     try:
-        return status_decoder.decode(response.content)
+        return decoder.decode(data)
     except msgspec.DecodeError as exc:
-        raise unexpected(response.status_code, f"not a status document: {exc}") from None
+        raise unexpected(status, f"not {what}: {exc}") from None
 
 
-def submission(status: int, doc: bytes, created: bool) -> Submission:
-    try:
-        return Submission(status_decoder.decode(doc), created)
-    except msgspec.DecodeError as exc:
-        raise unexpected(status, f"not a status document: {exc}") from None
+def submission(status: int, doc: bytes) -> Submission:
+    return Submission(decode(status_decoder, doc, "a status document", status), status == 202)
 
 
-def decode_as(decoder: msgspec.json.Decoder[T], response: httpx.Response, what: str) -> T:
-    """The body decoded by ``decoder``; an ``ApiError`` naming ``what`` if it is not one."""
-    try:
-        return decoder.decode(response.content)
-    except msgspec.DecodeError as exc:
-        raise unexpected(response.status_code, f"not {what}: {exc}") from None
-
-
-def time_param(value: datetime | str) -> str:
-    """A time for a query parameter or a body: ISO 8601 (a datetime without a time zone is
-    taken as UTC by the server)."""
-    return value.isoformat() if isinstance(value, datetime) else value
+def fetch(call: Call, decoder: msgspec.json.Decoder[T], what: str, job_id: str = "") -> Op[T]:
+    """Send ``call``: its answer decoded, or the ``ApiError`` it is."""
+    response: httpx.Response = yield call
+    check(response, job_id=job_id)
+    return decode(decoder, response.content, what, response.status_code)
 
 
 def spec_key(spec: JobSpec | Mapping[str, Any]) -> str | None:
@@ -268,32 +294,11 @@ def spec_key(spec: JobSpec | Mapping[str, Any]) -> str | None:
     return key if isinstance(key, str) and key else None
 
 
-class _QueueList(msgspec.Struct):
-    queues: list[QueueInfo]
-
-
-class _TaskList(msgspec.Struct):
-    tasks: list[TaskAd]
-
-
-_queue_list_decoder = msgspec.json.Decoder(_QueueList)
-_task_list_decoder = msgspec.json.Decoder(_TaskList)
-
-
-class _ScheduleList(msgspec.Struct):
-    schedules: list[Schedule]
-    next_after: str | None = None
-
-
-_schedule_decoder = msgspec.json.Decoder(Schedule)
-_schedule_list_decoder = msgspec.json.Decoder(_ScheduleList)
-
-
-def _decode_schedule(response: httpx.Response) -> Schedule:
-    try:
-        return _schedule_decoder.decode(response.content)
-    except msgspec.DecodeError as exc:
-        raise unexpected(response.status_code, f"not a schedule: {exc}") from None
+def _flow_job(job: FlowJob | Mapping[str, Any]) -> FlowJob | Mapping[str, Any]:
+    """A mapping's ``callback`` may be a bare URL, as ``submit``'s may."""
+    if isinstance(job, FlowJob) or not isinstance(job.get("callback"), str):
+        return job
+    return {**job, "callback": {"url": job["callback"]}}
 
 
 class SSEParser:
@@ -333,7 +338,7 @@ class SSEParser:
 
 
 # --- the operations -------------------------------------------------------------------------
-class BaseClient:
+class BaseClient(Generic[TransportT]):
     """Configuration and the operations; ``Client`` and ``AsyncClient`` add the I/O."""
 
     def __init__(
@@ -342,12 +347,19 @@ class BaseClient:
         api_key: str,
         *,
         timeout: float | httpx.Timeout = 10.0,
+        transport: TransportT | None = None,
         retries: int = 3,
         retry_unkeyed: bool = False,
         max_retry_wait: float = 30.0,
         reconnects: int = 5,
         stream_timeout: float = 60.0,
     ) -> None:
+        """``timeout`` (seconds or an ``httpx.Timeout``) bounds each request; ``retries`` of
+        a submit refused with 429/503, after ``Retry-After`` (capped at ``max_retry_wait``),
+        only when every job carries an idempotency key unless ``retry_unkeyed``;
+        ``reconnects`` of an event stream in a row without an event; ``stream_timeout``, the
+        longest silence on an event stream before it counts as dropped; ``transport`` for
+        httpx (tests, proxies)."""
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout if isinstance(timeout, httpx.Timeout) else httpx.Timeout(timeout)
         self.retries = retries
@@ -355,26 +367,33 @@ class BaseClient:
         self.max_retry_wait = max_retry_wait
         self.reconnects = reconnects
         self.stream_timeout = stream_timeout
-        self._headers = {
-            "authorization": f"Bearer {api_key}",
-            "accept": "application/json",
-            "user-agent": USER_AGENT,
-        }
+        headers = {"authorization": f"Bearer {api_key}", "accept": "application/json"}
+        headers["user-agent"] = USER_AGENT
+        self._open(
+            base_url=self.base_url, headers=headers, timeout=self.timeout, transport=transport
+        )
 
-    def _http_options(self) -> dict[str, Any]:
-        return {"base_url": self.base_url, "headers": self._headers, "timeout": self.timeout}
+    def _open(self, **options: Any) -> None:
+        """Make the httpx client (``self._http``)."""
+        raise NotImplementedError
 
-    def _timeout_for(self, call: Call) -> httpx.Timeout:
-        if call.read_timeout is None:
-            return self.timeout
+    def _request(self, http: httpx.Client | httpx.AsyncClient, call: Call) -> httpx.Request:
         t = self.timeout
-        return httpx.Timeout(connect=t.connect, read=call.read_timeout, write=t.write, pool=t.pool)
+        if call.read_timeout is not None:
+            t = httpx.Timeout(connect=t.connect, read=call.read_timeout, write=t.write, pool=t.pool)
+        return http.build_request(
+            call.method,
+            call.path,
+            params=call.params,
+            headers=call.headers,
+            content=call.content,
+            timeout=t,
+        )
 
     def _retrying(self, call: Call, safe: bool) -> Op[httpx.Response]:
         """Send ``call``; when ``safe``, again after a 429 or 503, once ``Retry-After`` has
         passed (without it: jittered exponential back-off). A ``Retry-After`` longer than
-        ``max_retry_wait`` is not waited for: the caller gets the error and its
-        ``retry_after``.
+        ``max_retry_wait`` is not waited for: the caller gets the error.
 
         Only submits use it: a 429/503 from jobtier means nothing was done, but one from a
         proxy might come after the server acted, so a resend is safe only when an idempotency
@@ -406,42 +425,29 @@ class BaseClient:
         delay: float | None,
         max_attempts: int | None,
         idempotency_key: str | None,
-        queue: str | None = None,
-        concurrency_key: str | None = None,
-        concurrency_limit: int | None = None,
-        depends_on: Iterable[str] | None = None,
-        on_dependency_failure: OnDependencyFailure | None = None,
-        callback: str | Mapping[str, Any] | None = None,
+        queue: str | None,
+        concurrency_key: str | None,
+        concurrency_limit: int | None,
+        depends_on: Iterable[str] | None,
+        on_dependency_failure: OnDependencyFailure | None,
+        callback: str | Mapping[str, Any] | None,
     ) -> Op[Submission]:
-        body: dict[str, Any] = {"type": type, "payload": payload, "priority": priority}
-        if callback is not None:
-            body["callback"] = {"url": callback} if isinstance(callback, str) else callback
-        for name, value in (
-            ("queue", queue),
-            ("concurrency_key", concurrency_key),
-            ("concurrency_limit", concurrency_limit),
-            ("depends_on", list(depends_on) if depends_on is not None else None),
-            ("on_dependency_failure", on_dependency_failure),
-        ):
-            if value is not None:
-                body[name] = value
-        if run_at is not None:
-            body["run_at"] = run_at
-        if delay is not None:
-            body["delay"] = delay
-        if max_attempts is not None:
-            body["max_attempts"] = max_attempts
-        if idempotency_key is not None:
-            body["idempotency_key"] = idempotency_key
-        call = Call(
-            "POST",
-            "/v1/jobs",
-            headers={"content-type": "application/json"},
-            content=_encoder.encode(body),
+        body = {"type": type, "payload": payload, "priority": priority} | present(
+            callback={"url": callback} if isinstance(callback, str) else callback,
+            queue=queue,
+            concurrency_key=concurrency_key,
+            concurrency_limit=concurrency_limit,
+            depends_on=None if depends_on is None else list(depends_on),
+            on_dependency_failure=on_dependency_failure,
+            run_at=run_at,
+            delay=delay,
+            max_attempts=max_attempts,
+            idempotency_key=idempotency_key,
         )
+        call = json_call("POST", "/v1/jobs", body)
         response = yield from self._retrying(call, safe=idempotency_key is not None)
         check(response, key=idempotency_key or "")
-        return submission(response.status_code, response.content, response.status_code == 202)
+        return submission(response.status_code, response.content)
 
     def _submit_many(
         self, specs: Iterable[JobSpec | Mapping[str, Any]]
@@ -449,26 +455,19 @@ class BaseClient:
         jobs = list(specs)
         if not jobs:
             return []
-        call = Call(
-            "POST",
-            "/v1/jobs/batch",
-            headers={"content-type": "application/json"},
-            content=_encoder.encode({"jobs": jobs}),
-        )
         keys = [spec_key(spec) for spec in jobs]
+        call = json_call("POST", "/v1/jobs/batch", {"jobs": jobs})
         response = yield from self._retrying(call, safe=all(keys))
         check(response)
-        try:
-            items = _batch_decoder.decode(response.content).results
-        except msgspec.DecodeError as exc:
-            raise unexpected(response.status_code, f"not a batch answer: {exc}") from None
+        status = response.status_code
+        items = decode(_batch_decoder, response.content, "a batch answer", status).results
         if len(items) != len(jobs):
-            raise unexpected(response.status_code, f"{len(items)} results for {len(jobs)} jobs")
+            raise unexpected(status, f"{len(items)} results for {len(jobs)} jobs")
         out: list[Submission | ApiError] = []
         for item, key in zip(items, keys, strict=True):
             if item.job:
                 try:
-                    out.append(submission(item.status, bytes(item.job), item.status == 202))
+                    out.append(submission(item.status, bytes(item.job)))
                 except ApiError as exc:
                     out.append(exc)
             else:
@@ -479,49 +478,38 @@ class BaseClient:
     def _submit_flow(
         self, jobs: Iterable[FlowJob | Mapping[str, Any]], idempotency_key: str | None
     ) -> Op[FlowSubmission]:
-        body: dict[str, Any] = {"jobs": [_flow_job(job) for job in jobs]}
-        if idempotency_key is not None:
-            body["idempotency_key"] = idempotency_key
-        call = Call(
-            "POST",
-            "/v1/flows",
-            headers={"content-type": "application/json"},
-            content=_encoder.encode(body),
-        )
+        body = {"jobs": [_flow_job(job) for job in jobs]}
+        body |= present(idempotency_key=idempotency_key)
+        call = json_call("POST", "/v1/flows", body)
         response = yield from self._retrying(call, safe=idempotency_key is not None)
         check(response, key=idempotency_key or "")
-        try:
-            return _flow_decoder.decode(response.content)
-        except msgspec.DecodeError as exc:
-            raise unexpected(response.status_code, f"not a flow answer: {exc}") from None
+        return decode(_flow_decoder, response.content, "a flow answer", response.status_code)
 
     def _dependencies(self, job_id: str) -> Op[list[Dependency]]:
-        response: httpx.Response = yield Call("GET", job_path(job_id, "/dependencies"))
-        check(response, job_id=job_id)
-        try:
-            return _dependencies_decoder.decode(response.content).dependencies
-        except msgspec.DecodeError as exc:
-            raise unexpected(response.status_code, f"not a dependency list: {exc}") from None
+        call = Call("GET", job_path(job_id, "/dependencies"))
+        found = yield from fetch(call, _dependencies_decoder, "a dependency list", job_id)
+        return found.dependencies
 
     def _status(
         self, job_id: str, if_version: int | None = None, wait: float = 0.0
     ) -> Op[JobStatus | None]:
-        path = job_path(job_id)
+        where = job_path(job_id)
         if if_version is None:
             if wait:
                 raise ValueError("wait needs if_version: the version to wait past")
-            response: httpx.Response = yield Call("GET", path)
+            call = Call("GET", where)
         else:
             params = {"wait": f"{wait:.3f}"} if wait > 0 else None
             read = None
             if wait > 0 and self.timeout.read is not None:
                 read = self.timeout.read + wait  # the server holds the answer up to ``wait``
             headers = {"if-none-match": f'"{if_version}"'}
-            response = yield Call("GET", path, params, headers, read_timeout=read)
-            if response.status_code == 304:
-                return None
+            call = Call("GET", where, params, headers, read_timeout=read)
+        response: httpx.Response = yield call
+        if if_version is not None and response.status_code == 304:
+            return None
         check(response, job_id=job_id)
-        return decode_status(response)
+        return decode(status_decoder, response.content, "a status document", response.status_code)
 
     def _wait(self, job_id: str, timeout: float | None, poll: float) -> Op[JobStatus]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -539,27 +527,18 @@ class BaseClient:
                 status = newer
         return status
 
-    def _cancel(self, job_id: str) -> Op[JobStatus]:
-        response: httpx.Response = yield Call("POST", job_path(job_id, "/cancel"))
-        check(response, job_id=job_id)
-        return decode_status(response)
+    def _job_action(self, job_id: str, action: str) -> Op[JobStatus]:
+        call = Call("POST", job_path(job_id, f"/{action}"))
+        return (yield from fetch(call, status_decoder, "a status document", job_id))
 
     def _result(self, job_id: str) -> Op[Result]:
-        response: httpx.Response = yield Call("GET", job_path(job_id, "/result"))
-        check(response, job_id=job_id)
-        try:
-            found = _result_decoder.decode(response.content)
-        except msgspec.DecodeError as exc:
-            raise unexpected(response.status_code, f"not a result document: {exc}") from None
+        call = Call("GET", job_path(job_id, "/result"))
+        found = yield from fetch(call, _result_decoder, "a result document", job_id)
         if found.result_url is None:
             return found
         # a large result is kept outside Redis: the answer names where it streams from
-        content: httpx.Response = yield Call("GET", found.result_url)
-        check(content, job_id=job_id)
-        try:
-            value = msgspec.json.decode(content.content)
-        except msgspec.DecodeError as exc:
-            raise unexpected(content.status_code, f"not a JSON result: {exc}") from None
+        call = Call("GET", found.result_url)
+        value = yield from fetch(call, any_decoder, "a JSON result", job_id)
         return msgspec.structs.replace(found, result=value)
 
     # --- looking into jobs (tenant key) ---------------------------------------------------
@@ -573,27 +552,18 @@ class BaseClient:
         limit: int,
         order: str,
     ) -> Op[JobPage]:
-        params = {"limit": str(limit), "order": order}
-        for name, value in (
-            ("state", state), ("type", type), ("queue", queue), ("cursor", cursor),
-        ):  # fmt: skip
-            if value is not None:
-                params[name] = str(value)
-        if created_after is not None:
-            params["created_after"] = time_param(created_after)
-        response: httpx.Response = yield Call("GET", "/v1/jobs", params=params)
-        check(response)
-        return decode_as(_page_decoder, response, "a page of jobs")
+        params = query(limit=limit, order=order, state=state, type=type, queue=queue)
+        params |= query(cursor=cursor, created_after=created_after)
+        call = Call("GET", "/v1/jobs", params=params)
+        return (yield from fetch(call, _page_decoder, "a page of jobs"))
 
     def _history(self, job_id: str) -> Op[list[Transition]]:
-        response: httpx.Response = yield Call("GET", job_path(job_id, "/history"))
-        check(response, job_id=job_id)
-        return decode_as(_history_decoder, response, "a history").transitions
+        call = Call("GET", job_path(job_id, "/history"))
+        return (yield from fetch(call, _history_decoder, "a history", job_id)).transitions
 
     def _logs(self, job_id: str) -> Op[list[LogLine]]:
-        response: httpx.Response = yield Call("GET", job_path(job_id, "/logs"))
-        check(response, job_id=job_id)
-        return decode_as(_logs_decoder, response, "log lines").lines
+        call = Call("GET", job_path(job_id, "/logs"))
+        return (yield from fetch(call, _logs_decoder, "log lines", job_id)).lines
 
     def _show(self, job_id: str) -> Op[JobDetails]:
         status = yield from self._status(job_id)
@@ -606,109 +576,65 @@ class BaseClient:
         lines = yield from self._logs(job_id)
         return JobDetails(status, result.result, history, lines)
 
-    def _retry(self, job_id: str) -> Op[JobStatus]:
-        response: httpx.Response = yield Call("POST", job_path(job_id, "/retry"))
-        check(response, job_id=job_id)
-        return decode_status(response)
-
     # --- dead letters (admin key) -----------------------------------------------------------
     def _dead_letters(
         self, type: str | None, since: datetime | str | None, limit: int
     ) -> Op[list[JobStatus]]:
-        params = {"limit": str(limit)}
-        if type is not None:
-            params["type"] = type
-        if since is not None:
-            params["since"] = time_param(since)
-        response: httpx.Response = yield Call("GET", "/v1/admin/dead-letters", params=params)
-        check(response)
-        return decode_as(_dead_letters_decoder, response, "a dead-letter list").jobs
+        params = query(limit=limit, type=type, since=since)
+        call = Call("GET", "/v1/admin/dead-letters", params=params)
+        return (yield from fetch(call, _dead_letters_decoder, "a dead-letter list")).jobs
 
     def _dead_letter(self, job_id: str) -> Op[DeadLetter]:
-        path = f"/v1/admin/dead-letters/{quote(job_id, safe='')}"
-        response: httpx.Response = yield Call("GET", path)
-        check(response, job_id=job_id)
-        return decode_as(_dead_letter_decoder, response, "a dead letter")
+        call = Call("GET", path("/v1/admin/dead-letters", job_id))
+        return (yield from fetch(call, _dead_letter_decoder, "a dead letter", job_id))
 
     def _replay(self, job_id: str) -> Op[JobStatus]:
-        path = f"/v1/admin/dead-letters/{quote(job_id, safe='')}/replay"
-        response: httpx.Response = yield Call("POST", path)
-        check(response, job_id=job_id)
-        return decode_status(response)
+        call = Call("POST", path("/v1/admin/dead-letters", job_id, "/replay"))
+        return (yield from fetch(call, status_decoder, "a status document", job_id))
 
     def _replay_dead_letters(
         self, type: str | None, since: datetime | str | None, limit: int
     ) -> Op[list[str]]:
-        body: dict[str, Any] = {"limit": limit}
-        if type is not None:
-            body["type"] = type
-        if since is not None:
-            body["since"] = time_param(since)
-        raw = yield from self._json("POST", "/v1/admin/dead-letters/replay", body)
-        try:
-            return _replayed_decoder.decode(raw).replayed
-        except msgspec.DecodeError as exc:
-            raise unexpected(200, f"not a replay answer: {exc}") from None
+        body = present(limit=limit, type=type, since=None if since is None else time_param(since))
+        call = json_call("POST", "/v1/admin/dead-letters/replay", body)
+        return (yield from fetch(call, _replayed_decoder, "a replay answer")).replayed
 
     # --- queues (admin key) ----------------------------------------------------------------
-    def _json(self, method: str, path: str, body: Any = None) -> Op[bytes]:
-        headers, content = {}, None
-        if body is not None:
-            headers, content = {"content-type": "application/json"}, _encoder.encode(body)
-        response: httpx.Response = yield Call(method, path, headers=headers, content=content)
-        check(response)
-        return response.content
-
     def _queues(self) -> Op[list[QueueInfo]]:
-        raw = yield from self._json("GET", "/v1/admin/queues")
-        try:
-            return _queue_list_decoder.decode(raw).queues
-        except msgspec.DecodeError as exc:
-            raise unexpected(200, f"not a queue list: {exc}") from None
+        call = Call("GET", "/v1/admin/queues")
+        return (yield from fetch(call, _queue_list_decoder, "a queue list")).queues
 
-    def _queue_action(self, name: str, action: str, body: Any = None) -> Op[bytes]:
-        method = "PUT" if action == "limits" else "POST"
-        path = f"/v1/admin/queues/{quote(name, safe='')}/{action}"
-        return (yield from self._json(method, path, body))
+    def _queue_action(self, name: str, action: str, limits: QueueLimits | None = None) -> Op[None]:
+        where = path("/v1/admin/queues", name, f"/{action}")
+        call = Call("POST", where) if limits is None else json_call("PUT", where, limits)
+        response: httpx.Response = yield call
+        check(response)
 
     def _tasks(self) -> Op[list[TaskAd]]:
-        raw = yield from self._json("GET", "/v1/admin/tasks")
-        try:
-            return _task_list_decoder.decode(raw).tasks
-        except msgspec.DecodeError as exc:
-            raise unexpected(200, f"not a task list: {exc}") from None
+        call = Call("GET", "/v1/admin/tasks")
+        return (yield from fetch(call, _task_list_decoder, "a task list")).tasks
 
     # --- recurring schedules -----------------------------------------------------------------
     def _create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Op[Schedule]:
-        body = _encoder.encode(spec)
-        response: httpx.Response = yield Call(
-            "POST", "/v1/schedules", headers={"content-type": "application/json"}, content=body
-        )
-        check(response)
-        return _decode_schedule(response)
+        call = json_call("POST", "/v1/schedules", spec)
+        return (yield from fetch(call, _schedule_decoder, "a schedule"))
 
     def _schedules(self, after: str, limit: int) -> Op[list[Schedule]]:
-        params = {"limit": str(limit), **({"after": after} if after else {})}
-        response: httpx.Response = yield Call("GET", "/v1/schedules", params=params)
-        check(response)
-        try:
-            return _schedule_list_decoder.decode(response.content).schedules
-        except msgspec.DecodeError as exc:
-            raise unexpected(response.status_code, f"not a schedule list: {exc}") from None
+        call = Call("GET", "/v1/schedules", params=query(limit=limit, after=after or None))
+        return (yield from fetch(call, _schedule_list_decoder, "a schedule list")).schedules
 
-    def _schedule_call(
-        self, method: str, schedule_id: str, suffix: str = ""
-    ) -> Op[Schedule | None]:
-        response: httpx.Response = yield Call(
-            method, f"/v1/schedules/{quote(schedule_id, safe='')}{suffix}"
-        )
+    def _schedule(self, method: str, schedule_id: str, suffix: str = "") -> Op[Schedule]:
+        call = Call(method, path("/v1/schedules", schedule_id, suffix))
+        return (yield from fetch(call, _schedule_decoder, "a schedule", schedule_id))
+
+    def _delete_schedule(self, schedule_id: str) -> Op[None]:
+        response: httpx.Response = yield Call("DELETE", path("/v1/schedules", schedule_id))
         check(response, job_id=schedule_id)
-        return None if response.status_code == 204 else _decode_schedule(response)
 
     def _events(self, job_id: str, last_event_id: int | str | None) -> Op[None]:
         """Stream the job's statuses until a terminal one; resume after a dropped connection
         with ``Last-Event-ID``, up to ``reconnects`` times in a row without an event."""
-        path = job_path(job_id, "/events")
+        where = job_path(job_id, "/events")
         last = None if last_event_id is None else str(last_event_id)
         failures = 0
         delay = 1.0  # until the server's ``retry:`` says otherwise
@@ -718,24 +644,21 @@ class BaseClient:
                 headers = {"accept": "text/event-stream", "cache-control": "no-cache"}
                 if last is not None:
                     headers["last-event-id"] = last
-                read = self.stream_timeout  # well above the server's heartbeat interval
+                # stream_timeout: well above the server's heartbeat interval
                 response: httpx.Response = yield Call(
-                    "GET", path, headers=headers, read_timeout=read, stream=True
+                    "GET", where, headers=headers, read_timeout=self.stream_timeout, stream=True
                 )
                 if response.status_code == 204:
                     return  # we already hold the final status
                 check(response, job_id=job_id)
                 parser = SSEParser()
-                while True:
-                    line: str | None = yield READ_LINE
-                    if line is None:
-                        break
+                while (line := (yield READ_LINE)) is not None:
                     event = parser.feed(line)
                     if parser.retry is not None:
                         delay = parser.retry
                     if event is None or event[0] != "status":
                         continue
-                    status = status_decoder.decode(event[1])
+                    status = decode(status_decoder, event[1], "a status event", 200)
                     last = event[2] if event[2] is not None else str(status.version)
                     failures = 0
                     yield Emit(status)
@@ -743,8 +666,6 @@ class BaseClient:
                         return
             except httpx.TransportError as exc:
                 error = exc
-            except msgspec.DecodeError as exc:
-                raise unexpected(200, f"not a status event: {exc}") from None
             # the stream dropped (or ended early) before a terminal state: resume
             failures += 1
             if failures > self.reconnects:

@@ -1,19 +1,19 @@
 """The client's exceptions: one class per kind of problem document the API answers with.
 
-Each class also derives from the engine exception that means the same thing, so code written
+Each also derives from the engine exception that means the same thing, so code written
 against ``jobtier.Queue`` keeps working against the HTTP client::
 
     JobtierError
-    ├── ApiError                   any error answer (``status``, ``type``, ``title``, ``detail``, ``body``)
-    │   ├── Unauthorized           401, 403: missing, unknown or insufficient API key
-    │   ├── NotFound               404 (also a ``JobNotFound``; ``job_id``)
-    │   ├── Conflict               409
-    │   │   ├── IdempotencyKeyConflict   also an ``IdempotencyConflict`` (``key``, ``job_id``)
-    │   │   └── WrongState              the job has finished (``job``: its status)
-    │   ├── ValidationFailed       400, 413, 415, 422 (also an ``InvalidRequest``; ``field``)
-    │   ├── RateLimited            429 (also ``Overloaded``; ``retry_after``)
-    │   └── Unavailable            503 (also ``Overloaded``; ``retry_after``)
-    └── WaitTimeout                ``wait()`` reached its deadline (also a ``TimeoutError``; ``last``)
+    ├── ApiError                any error answer (status, type, title, detail, body)
+    │   ├── Unauthorized        401, 403: missing, unknown or insufficient API key
+    │   ├── NotFound            404 (also a JobNotFound; job_id)
+    │   ├── Conflict            409
+    │   │   ├── IdempotencyKeyConflict  also an IdempotencyConflict (key, job_id)
+    │   │   └── WrongState              the job has finished (job: its status)
+    │   ├── ValidationFailed    400, 413, 415, 422 (also an InvalidRequest; field)
+    │   ├── RateLimited         429 (also Overloaded; retry_after)
+    │   └── Unavailable         503 (also Overloaded; retry_after)
+    └── WaitTimeout             wait() reached its deadline (also a TimeoutError; last)
 
 Network failures are not wrapped: they are ``httpx.TransportError`` as httpx raises them.
 """

@@ -43,9 +43,9 @@ from jobtier.core.schedule import Schedule, ScheduleSpec
 T = TypeVar("T")
 
 
-class Client(BaseClient):
-    """A blocking client of the jobtier HTTP API; the methods of ``AsyncClient``, not awaited.
-    Safe to share between threads.
+class Client(BaseClient[httpx.BaseTransport]):
+    """A blocking client of the jobtier HTTP API (its options: see ``__init__``): the methods
+    of ``AsyncClient``, not awaited. Safe to share between threads.
 
     >>> with Client("http://127.0.0.1:8000", "my-key") as jobs:
     ...     sub = jobs.submit("resize", {"image": "a.png"}, idempotency_key="img-a")
@@ -53,30 +53,8 @@ class Client(BaseClient):
     ...         print(status.version, status.state, status.progress)
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        api_key: str,
-        *,
-        timeout: float | httpx.Timeout = 10.0,
-        transport: httpx.BaseTransport | None = None,
-        retries: int = 3,
-        retry_unkeyed: bool = False,
-        max_retry_wait: float = 30.0,
-        reconnects: int = 5,
-        stream_timeout: float = 60.0,
-    ) -> None:
-        super().__init__(
-            base_url,
-            api_key,
-            timeout=timeout,
-            retries=retries,
-            retry_unkeyed=retry_unkeyed,
-            max_retry_wait=max_retry_wait,
-            reconnects=reconnects,
-            stream_timeout=stream_timeout,
-        )
-        self._http = httpx.Client(transport=transport, **self._http_options())
+    def _open(self, **options: Any) -> None:
+        self._http = httpx.Client(**options)
 
     def __enter__(self) -> Client:
         return self
@@ -107,10 +85,20 @@ class Client(BaseClient):
     ) -> Submission:
         """Submit one job; see ``AsyncClient.submit``."""
         op = self._submit(
-            type, payload, priority, run_at, delay, max_attempts, idempotency_key,
-            queue, concurrency_key, concurrency_limit, depends_on, on_dependency_failure,
+            type,
+            payload,
+            priority,
+            run_at,
+            delay,
+            max_attempts,
+            idempotency_key,
+            queue,
+            concurrency_key,
+            concurrency_limit,
+            depends_on,
+            on_dependency_failure,
             callback,
-        )  # fmt: skip
+        )
         return self._run(op)
 
     def submit_many(
@@ -125,8 +113,7 @@ class Client(BaseClient):
         *,
         idempotency_key: str | None = None,
     ) -> FlowSubmission:
-        """Submit a flow in one request (a job's ``callback`` as ``submit`` takes it, or a
-        ``CallbackSpec`` on a ``FlowJob``); see ``AsyncClient.submit_flow``."""
+        """Submit a flow in one request; see ``AsyncClient.submit_flow``."""
         return self._run(self._submit_flow(jobs, idempotency_key))
 
     def dependencies(self, job_id: str) -> list[Dependency]:
@@ -158,7 +145,7 @@ class Client(BaseClient):
 
     def cancel(self, job_id: str) -> JobStatus:
         """Cancel the job; see ``AsyncClient.cancel``."""
-        return self._run(self._cancel(job_id))
+        return self._run(self._job_action(job_id, "cancel"))
 
     def result(self, job_id: str) -> Result:
         """The job's state, result and error."""
@@ -176,20 +163,16 @@ class Client(BaseClient):
         limit: int = 50,
         order: str = "desc",
     ) -> JobPage:
-        """A page of the tenant's jobs from Postgres, newest first (``order="asc"``: oldest),
-        filtered by state, type, queue and creation time; pass ``next_cursor`` back as
-        ``cursor`` for the next page. Needs an API with Postgres."""
+        """A page of the tenant's jobs from Postgres; see ``AsyncClient.list_jobs``."""
         op = self._list_jobs(state, type, queue, created_after, cursor, limit, order)
         return self._run(op)
 
     def history(self, job_id: str) -> list[Transition]:
-        """Every persisted change of the job, oldest first (the errors with their
-        tracebacks). Needs an API with Postgres."""
+        """Every persisted change of the job; see ``AsyncClient.history``."""
         return self._run(self._history(job_id))
 
     def logs(self, job_id: str) -> list[LogLine]:
-        """The lines the job's task logged with ``ctx.log()``, oldest first (its latest 200),
-        while Redis holds the job."""
+        """The lines the job's task logged; see ``AsyncClient.logs``."""
         return self._run(self._logs(job_id))
 
     def show(self, job_id: str) -> JobDetails:
@@ -197,16 +180,14 @@ class Client(BaseClient):
         return self._run(self._show(job_id))
 
     def retry(self, job_id: str) -> JobStatus:
-        """Send a failed (dead-lettered) job back to its queue, attempts reset. Raises
-        ``WrongState`` for a job that has not failed."""
-        return self._run(self._retry(job_id))
+        """Send a failed job back to its queue; see ``AsyncClient.retry``."""
+        return self._run(self._job_action(job_id, "retry"))
 
     # --- dead letters (these need the admin key) --------------------------------------------
     def dead_letters(
         self, *, type: str | None = None, since: datetime | str | None = None, limit: int = 100
     ) -> list[JobStatus]:
-        """Dead-lettered jobs still in Redis, newest first: of one ``type``, dead-lettered at
-        or after ``since``, when given."""
+        """Dead-lettered jobs still in Redis; see ``AsyncClient.dead_letters``."""
         return self._run(self._dead_letters(type, since, limit))
 
     def dead_letter(self, job_id: str) -> DeadLetter:
@@ -257,37 +238,25 @@ class Client(BaseClient):
         return self._run(self._create_schedule(spec))
 
     def schedules(self, *, after: str = "", limit: int = 100) -> list[Schedule]:
+        """The tenant's schedules ordered by name, starting after the name ``after``."""
         return self._run(self._schedules(after, limit))
 
     def schedule(self, schedule_id: str) -> Schedule:
-        found = self._run(self._schedule_call("GET", schedule_id))
-        assert found is not None
-        return found
+        return self._run(self._schedule("GET", schedule_id))
 
     def pause_schedule(self, schedule_id: str) -> Schedule:
-        paused = self._run(self._schedule_call("POST", schedule_id, "/pause"))
-        assert paused is not None
-        return paused
+        return self._run(self._schedule("POST", schedule_id, "/pause"))
 
     def resume_schedule(self, schedule_id: str) -> Schedule:
-        resumed = self._run(self._schedule_call("POST", schedule_id, "/resume"))
-        assert resumed is not None
-        return resumed
+        """Resume from the next slot (the paused time is not caught up)."""
+        return self._run(self._schedule("POST", schedule_id, "/resume"))
 
     def delete_schedule(self, schedule_id: str) -> None:
-        self._run(self._schedule_call("DELETE", schedule_id))
+        self._run(self._delete_schedule(schedule_id))
 
     # --- the driver -------------------------------------------------------------------------
     def _send(self, call: Call) -> httpx.Response:
-        request = self._http.build_request(
-            call.method,
-            call.path,
-            params=call.params,
-            headers=call.headers,
-            content=call.content,
-            timeout=self._timeout_for(call),
-        )
-        response = self._http.send(request, stream=call.stream)
+        response = self._http.send(self._request(self._http, call), stream=call.stream)
         if call.stream and response.status_code != 200:
             try:
                 response.read()
@@ -303,10 +272,9 @@ class Client(BaseClient):
                 try:
                     if isinstance(step, Sleep):
                         time.sleep(step.seconds)
-                    elif isinstance(step, Call):
-                        reply = self._send(step)
                     else:
-                        raise TypeError(f"{step!r} outside an event stream")
+                        assert isinstance(step, Call), f"{step!r} outside an event stream"
+                        reply = self._send(step)
                 except httpx.TransportError as exc:
                     step = op.throw(exc)
                     continue

@@ -84,16 +84,12 @@ from jobtier.core.names import JOB_ID_RE
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
 
 
-# every pair of Crockford digits, by the 10 bits it encodes: ulid() builds the 26 digits
-# from 13 lookups rather than 26 shifts of a 128-bit number (3.7 -> 1.5 us; ids were a fifth
-# of a batch submit's CPU in the producer)
+# every pair of Crockford digits, by the 10 bits it encodes: a ULID's digits in 13 lookups
 _PAIRS = [a + b for a in _CROCKFORD for b in _CROCKFORD]
 _TIME_SHIFTS = (40, 30, 20, 10, 0)  # 48-bit time: 10 digits (50 bits, the top 2 zero)
 _ENTROPY_SHIFTS = (70, 60, 50, 40, 30, 20, 10, 0)  # 80 bits: 16 digits
-
-
-# each byte -> the Crockford digit of its low 5 bits: random bytes become random digits (5
-# bits of entropy each) in one C call
+# each byte -> the Crockford digit of its low 5 bits: random bytes become random digits in
+# one C call
 _DIGIT_OF_BYTE = bytes.maketrans(
     bytes(range(256)), bytes(ord(_CROCKFORD[b & 31]) for b in range(256))
 )
@@ -101,8 +97,8 @@ _last_ms: tuple[int, str] = (-1, "")  # the newest millisecond asked for, and it
 
 
 def _time_digits(ms: int) -> str:
-    """The 10 digits of a 48-bit millisecond time; the last one asked for is kept (a batch's
-    ids share it). One tuple is swapped in whole, so threads never see a torn pair."""
+    """The 10 digits of a 48-bit millisecond time; the last one is kept (a batch's ids share
+    it), in one tuple swapped whole so that threads never see a torn pair."""
     global _last_ms
     last = _last_ms
     if last[0] != ms:
@@ -117,15 +113,13 @@ def _now_ms() -> int:
 
 
 def _fresh(ms: int, random: bytes) -> str:
-    """A ULID of ``ms`` whose 16 entropy digits are the first 16 bytes of ``random``, one
-    digit per byte (the same 80 random bits as encoding 10 random bytes, in one C call)."""
+    """A ULID of ``ms`` whose 16 entropy digits come from the first 16 bytes of ``random``."""
     return _time_digits(ms) + random[:16].translate(_DIGIT_OF_BYTE).decode()
 
 
 def ulid(ms: int | None = None, entropy: bytes | None = None) -> str:
-    """A ULID: 48-bit millisecond time and 80 bits of entropy, Crockford base32. Without
-    ``entropy``, 16 random digits (``_fresh``: about 1 us cheaper than encoding 10 random
-    bytes; ids were a fifth of a batch submit's producer CPU)."""
+    """A ULID: 48-bit millisecond time and 80 bits of entropy, Crockford base32 (without
+    ``entropy``, 16 random digits)."""
     ms = _now_ms() if ms is None else ms & 0xFFFF_FFFF_FFFF
     if entropy is None:
         return _fresh(ms, os.urandom(16))
@@ -146,8 +140,7 @@ class Keys:
 
     # --- ids and routing ----------------------------------------------------------------
     def new_id(self, shard: int | None = None) -> str:
-        """A new job id, ``<ULID>-<shard>``; a random shard unless one is given. One read of
-        18 random bytes: 16 digits of entropy, 2 bytes for the shard."""
+        """A new job id, ``<ULID>-<shard>``; a random shard unless one is given."""
         r = os.urandom(18)
         if shard is None:
             shard = (r[16] << 8 | r[17]) % self.shards

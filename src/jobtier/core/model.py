@@ -1,9 +1,8 @@
 """The job's data: states, priorities, the status document, and codecs built once.
 
-The status document is rendered by the Lua scripts (``store/lua/lib.lua: render``) so that Redis
-holds ready-to-serve bytes; ``JobStatus`` is its schema on the Python side. Decoding ignores
-unknown fields, so clients keep working when a newer server adds one; a test checks that
-the rendered document has exactly the Struct's fields.
+The status document is rendered by the Lua scripts (``store/lua/lib.lua: render``);
+``JobStatus`` is its schema on the Python side (a test checks they have the same fields).
+Decoding ignores unknown fields, so clients keep working when a newer server adds one.
 """
 
 from __future__ import annotations
@@ -54,10 +53,8 @@ class JobError(msgspec.Struct, frozen=True, omit_defaults=True):
 
     ``type`` is the exception's class name (``Cancelled`` for a cancelled job, ``LeaseExpired``
     when the worker vanished); ``message`` its text, at most 2,000 characters; ``traceback``
-    the formatted traceback of an exception a task raised, bounded: its last 20 frames (of
-    each exception in a chain) and at most 4,000 characters, the innermost part kept
-    (worker/attempt.py). Absent for errors no exception raised (a refused result, a lease
-    that expired).
+    that of an exception a task raised, bounded (its last 20 frames of each exception in a
+    chain, at most 4,000 characters, the innermost kept); absent when nothing was raised.
     """
 
     type: str
@@ -114,8 +111,7 @@ class JobStatus(msgspec.Struct, frozen=True):
     worker: str | None = None
     queue: str = DEFAULT_QUEUE
     dependencies: Dependencies | None = None
-    # a succeeded job whose result is kept outside Redis (JOBTIER_RESULT_STORE): where to
-    # read it; absent otherwise
+    # where to read a result kept outside Redis (JOBTIER_RESULT_STORE)
     result_url: str | None = None
 
     @property
@@ -152,12 +148,11 @@ class CallbackSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """One job to submit (the body of ``POST /v1/jobs``).
 
-    ``queue`` defaults to the queue of the task (as its workers advertise it), else
-    ``default``. ``concurrency_key``: at most ``concurrency_limit`` (default 1) jobs of the
-    same key (per tenant) are ready or running at once; the others wait their turn.
-    ``depends_on``: ids of existing jobs this one waits for (state ``waiting``); it is queued
-    when the last of them succeeds. One that fails, is cancelled or does not exist cancels
-    it, unless ``on_dependency_failure`` is ``run``: then it runs once they have all finished.
+    ``queue`` defaults to the task's (as its workers advertise it), else ``default``.
+    ``concurrency_key``: at most ``concurrency_limit`` (default 1) jobs of the key (per
+    tenant) are ready or running at once. ``depends_on``: ids of existing jobs this one waits
+    for (state ``waiting``); it is queued when the last succeeds, and cancelled when one fails,
+    is cancelled or does not exist, unless ``on_dependency_failure`` is ``run``.
     """
 
     type: str
@@ -172,17 +167,14 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     concurrency_limit: int | None = None
     depends_on: list[str] | None = None
     on_dependency_failure: OnDependencyFailure | None = None
-
     callback: CallbackSpec | None = None
 
 
 class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """One job of a flow (``POST /v1/flows``): a job as ``JobSpec`` has it, without an
-    idempotency key (the flow has one), with ``ref``, its name in the flow, and ``after``, the
-    refs of the jobs of the same flow it waits for — its children: it receives their results,
-    and cancelling it cancels those that have not started. ``depends_on`` names existing jobs
-    it waits for too (they are not its children). ``callback``: the job's own webhook, as a
-    plain submit's (``JobSpec``).
+    """One job of a flow (``POST /v1/flows``): a ``JobSpec`` without an idempotency key (the
+    flow has one), with ``ref``, its name in the flow, and ``after``, the refs of the jobs of
+    the flow it waits for: its children, whose results it receives and which cancelling it
+    cancels if they have not started. ``depends_on`` names existing jobs it waits for too.
     """
 
     type: str
@@ -198,26 +190,30 @@ class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue: str | None = None
     concurrency_key: str | None = None
     concurrency_limit: int | None = None
-    # last: a flow's request hash leaves it out (plan.py), as a job's leaves out its callback
+    # last: a flow's request hash leaves it out (plan.py)
     callback: CallbackSpec | None = None
 
     def spec(self) -> JobSpec:
         """The job alone (its dependencies apart)."""
         return JobSpec(
-            type=self.type, payload=self.payload, priority=self.priority, run_at=self.run_at,
-            delay=self.delay, max_attempts=self.max_attempts, queue=self.queue,
-            concurrency_key=self.concurrency_key, concurrency_limit=self.concurrency_limit,
-            on_dependency_failure=self.on_dependency_failure, callback=self.callback,
-        )  # fmt: skip
+            type=self.type,
+            payload=self.payload,
+            priority=self.priority,
+            run_at=self.run_at,
+            delay=self.delay,
+            max_attempts=self.max_attempts,
+            queue=self.queue,
+            concurrency_key=self.concurrency_key,
+            concurrency_limit=self.concurrency_limit,
+            on_dependency_failure=self.on_dependency_failure,
+            callback=self.callback,
+        )
 
 
 class FlowSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A flow: jobs and the order between them, submitted at once (``POST /v1/flows``).
-
-    Each job waits for the jobs its ``after`` names (and the existing ones its
-    ``depends_on`` names). A repeated ``idempotency_key`` with the same jobs returns the
-    flow it made first, finishing its submit if that was cut short.
-    """
+    """A flow: jobs and the order between them, submitted at once (``POST /v1/flows``). A
+    repeated ``idempotency_key`` with the same jobs returns the flow it made first, finishing
+    its submit if that was cut short."""
 
     jobs: list[FlowJob]
     idempotency_key: str | None = None
@@ -226,10 +222,9 @@ class FlowSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 class Dependency(msgspec.Struct, frozen=True, kw_only=True):
     """One dependency of a job as the job sees it (``ctx.dependencies``, ``GET
     /v1/jobs/{id}/dependencies``): ``state`` is ``pending`` until it finishes, then
-    ``succeeded`` (with its ``result``), ``failed`` or ``cancelled`` (with its ``error``), or
-    ``missing`` (no such job). ``child``: created in the same flow as the job.
-    ``result_url``: set instead of ``result`` when the dependency's result is kept outside
-    Redis (``JOBTIER_RESULT_STORE``), where to read it, as in its status document."""
+    ``succeeded`` (with its ``result``, or ``result_url`` when it is kept outside Redis),
+    ``failed`` or ``cancelled`` (with its ``error``), or ``missing`` (no such job).
+    ``child``: created in the same flow as the job."""
 
     id: str
     state: str
@@ -240,8 +235,8 @@ class Dependency(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class QueueLimits(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """A queue's flow limits across every worker: at most ``concurrency`` of its jobs running
-    at once; at most ``rate`` job starts per ``per`` seconds. None: no such limit."""
+    """A queue's limits across every worker: at most ``concurrency`` of its jobs running at
+    once; at most ``rate`` job starts per ``per`` seconds. None: no such limit."""
 
     concurrency: int | None = None
     rate: int | None = None
@@ -325,8 +320,8 @@ class ClaimedJob(msgspec.Struct, frozen=True):
     queued_at_ms: int
     claimed_at_ms: int
     queue: str = DEFAULT_QUEUE
-    # its dependencies' outcomes as claim.lua hands them over (lib.lua flow_inputs): their
-    # ids in order (space-separated) and the flat id/outcome pairs; None for a job without
+    # its dependencies' outcomes from claim.lua (lib.lua flow_inputs): their ids in order
+    # (space-separated) and the flat id/outcome pairs; None for a job without
     inputs: tuple[bytes, list[bytes]] | None = None
 
 
@@ -346,8 +341,8 @@ class Submitted:
 @dataclass(frozen=True, slots=True)
 class FlowSubmitted:
     """The outcome of a flow submit: each job's, in the flow's order, and whether this call
-    created the flow (False: an earlier submit with its idempotency key did; a job's
-    ``doc`` is then its document now, ``b""`` for one Redis no longer keeps)."""
+    created the flow (False: an earlier submit with its idempotency key did; a job's ``doc``
+    is then its document now, ``b""`` for one Redis no longer keeps)."""
 
     jobs: list[Submitted]
     created: bool
@@ -357,8 +352,7 @@ class FlowSubmitted:
         return [job.job_id for job in self.jobs]
 
 
-# A job's result field that starts with this holds a reference to the result store
-# (persist/results.py), not JSON: JSON never starts with it.
+# a job's result that starts with this is a reference to the result store, not JSON
 RESULT_REF = b"@"
 
 

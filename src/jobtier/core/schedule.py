@@ -25,25 +25,24 @@ MAX_CATCH_UP = 1000
 MAX_INTERVAL = 366 * 86400  # seconds
 MAX_ATTEMPTS = 100
 
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 # The five cron fields: name, lowest and highest value, and the names allowed for values.
 CRON_FIELDS = (
     ("minute", 0, 59, ()),
     ("hour", 0, 23, ()),
     ("day-of-month", 1, 31, ()),
-    ("month", 1, 12, ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct",
-                      "nov", "dec")),
+    ("month", 1, 12, _MONTHS),
     ("day-of-week", 0, 7, ("sun", "mon", "tue", "wed", "thu", "fri", "sat")),
-)  # fmt: skip
+)
 _CRON_ITEM = re.compile(r"^(\*|[0-9A-Za-z]+(?:-[0-9A-Za-z]+)?)(?:/([0-9]+))?$")
 
 
 def cron_problem(expression: str) -> str | None:
-    """What is wrong with a five-field cron expression, naming the field and its range, or
+    """What is wrong with a five-field cron expression (naming the field and its range), or
     None. Each field is a comma-separated list of ``*``, ``a``, ``a-b``, each with an optional
-    ``/step`` (a step from 1 to the field's highest value); months and weekdays may be named
-    (``jan``, ``mon``); day-of-week 0 and 7 are Sunday; ``L`` (last day) in day-of-month and
-    ``a#n`` (the n-th weekday a of the month) in day-of-week are accepted as croniter reads
-    them."""
+    ``/step`` (1 to the field's highest value); months and weekdays may be named (``jan``,
+    ``mon``); day-of-week 0 and 7 are Sunday; ``L`` in day-of-month and ``a#n`` in day-of-week
+    are accepted as croniter reads them."""
     fields = expression.split()
     if len(fields) != 5:
         return (

@@ -1,22 +1,20 @@
-"""A local Postgres for `jobtier run`, the tests and the benchmarks.
+"""A local Postgres for `jobtier run`, the tests and the benchmarks; never for production.
 
-It runs from the installed server binaries (``/usr/lib/postgresql/<version>/bin``, the highest
-version present), with its data in a folder of the caller's choosing, listening on loopback
-only, its unix socket inside that folder, as a child process tied to ours (it stops when we
-die: ``jobtier.dev.procs``). Nothing here is used in production deployments.
+It runs from the installed server binaries (the highest version under
+``/usr/lib/postgresql``), its data in a folder of the caller's choosing, listening on loopback
+only, as a child process tied to ours (``jobtier.dev.procs``). Local connections are trusted
+(no password): acceptable for a loopback-only development server, never elsewhere.
 
-Postgres refuses to run as root. When we are root, the server runs as an unprivileged user
-(``postgres``, which Debian's server package creates, else ``jobtier-pg`` if it exists, else
-``nobody``) through ``setpriv``; the folder is handed to that user. That user must be able to
-reach the folder: a clone under ``/root`` (0700) is not reachable by anyone else. Then the data
-goes to ``/var/tmp/jobtier-pg-<hash of the folder's path>`` instead (the same place on every
-run of that folder; /var/tmp survives a reboot), a note in the folder says where, and the start
-is logged as ``local_postgres_relocated``. Local connections are trusted (no password):
-acceptable for a loopback-only development server, never elsewhere.
+Postgres refuses to run as root: as root we run it as an unprivileged user (``postgres``,
+else ``jobtier-pg``, else ``nobody``) through ``setpriv`` and hand the folder to that user.
+When that user cannot reach the folder (a clone under ``/root``), the data goes to
+``/var/tmp/jobtier-pg-<hash of the folder's path>`` instead (the same place on every run), a
+note in the folder says where, and the start is logged as ``local_postgres_relocated``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -29,17 +27,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from jobtier.dev.local_redis import PortOwner, free_port
-from jobtier.dev.procs import (
-    LocalServiceError,
-    as_user,
-    pid_alive,
-    process_cwd,
-    process_name,
-    read_pid,
-    tied,
-)
+from jobtier.dev.procs import LocalServiceError, as_user, leftover, stop_child, tied
 
 log = logging.getLogger("jobtier.dev")
 
@@ -72,11 +63,8 @@ def pg_bin_dir(root: Path = PG_ROOT) -> Path:
 def _service_user() -> str:
     """The unprivileged user to run Postgres as when we are root."""
     for name in SERVICE_USERS:
-        try:
-            pwd.getpwnam(name)
-            return name
-        except KeyError:
-            continue
+        with contextlib.suppress(KeyError):
+            return pwd.getpwnam(name).pw_name
     raise LocalServiceError(
         "Postgres cannot run as root and none of the users "
         f"{', '.join(SERVICE_USERS)} exists to run it as: create one (useradd --system postgres)"
@@ -90,18 +78,20 @@ def relocated_folder(folder: Path) -> Path:
     return base / f"jobtier-pg-{digest}"
 
 
+def _quiet(command: list[str], **options: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` without input, its output captured."""
+    return subprocess.run(
+        command, stdin=subprocess.DEVNULL, capture_output=True, text=True, **options
+    )
+
+
 class LocalPostgres:
     """One Postgres server: ``start()`` initialises the folder on first use, then runs it.
 
-    ``durable=False`` turns off fsync and synchronous commit: right for tests (fast, and a
-    crash of the test machine loses nothing of value), wrong for benchmarks that claim numbers.
-
-    ``collation`` is the database's LC_COLLATE, fixed when the folder is first initialised
-    (the character classes are ``C.UTF-8`` either way). ``C`` compares text byte by byte,
-    which for UTF-8 is the order of code points, the order ``C.UTF-8`` gives too; but
-    Postgres takes its fast path only for ``C``, and compares under any other collation
-    through the C library. The write-behind compares keys at every index entry it writes
-    (``bench/compare.py --persister --collations C,C.UTF-8`` measures what that costs).
+    ``durable=False`` turns off fsync and synchronous commit: right for tests, wrong for
+    benchmarks. ``collation`` is the database's LC_COLLATE, fixed when the folder is first
+    initialised: ``C`` orders UTF-8 text as ``C.UTF-8`` does, but only ``C`` takes Postgres's
+    fast path for comparisons, which the write-behind makes at every index entry.
     """
 
     def __init__(
@@ -163,17 +153,8 @@ class LocalPostgres:
         return Path(tempfile.mkdtemp(prefix="jtpg-"))
 
     # --- running --------------------------------------------------------------------------
-    def _tool(self, name: str, *args: str) -> list[str]:
-        return as_user([str(self.bin_dir / name), *args], self.run_as)
-
     def _run(self, name: str, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            self._tool(name, *args),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            cwd="/",
-        )
+        result = _quiet(as_user([str(self.bin_dir / name), *args], self.run_as), cwd="/")
         if check and result.returncode != 0:
             raise RuntimeError(
                 f"{name} {' '.join(args)} failed ({result.returncode}): "
@@ -182,7 +163,6 @@ class LocalPostgres:
         return result
 
     def _hand_over(self, path: Path) -> None:
-        """Give ``path`` and everything in it to ``run_as``."""
         assert self.run_as is not None
         entry = pwd.getpwnam(self.run_as)
         shutil.chown(path, entry.pw_uid, entry.pw_gid)
@@ -190,12 +170,9 @@ class LocalPostgres:
             os.chown(sub, entry.pw_uid, entry.pw_gid, follow_symlinks=False)
 
     def _reachable(self, path: Path) -> bool:
-        """Can ``run_as`` write in ``path`` (every folder above it searchable)?"""
-        probe = subprocess.run(
-            as_user(["test", "-w", str(path), "-a", "-x", str(path)], self.run_as),
-            stdin=subprocess.DEVNULL, capture_output=True, cwd="/",
-        )  # fmt: skip
-        return probe.returncode == 0
+        """Can ``run_as`` write in ``path`` (and search every folder above it)?"""
+        probe = as_user(["test", "-w", str(path), "-a", "-x", str(path)], self.run_as)
+        return _quiet(probe, cwd="/").returncode == 0
 
     def prepare(self) -> None:
         """Make the folder ready for ``run_as`` (moving it if need be); idempotent."""
@@ -215,10 +192,8 @@ class LocalPostgres:
         assert self.run_as is not None
         target = relocated_folder(self.requested)
         entry = pwd.getpwnam(self.run_as)
-        try:
+        with contextlib.suppress(FileExistsError):
             target.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
         # /var/tmp is writable by everyone: use only a real folder that we or run_as own
         st = target.lstat()
         if not stat.S_ISDIR(st.st_mode) or st.st_uid not in (0, entry.pw_uid):
@@ -237,14 +212,14 @@ class LocalPostgres:
         log.info(
             "event=local_postgres_relocated from=%s to=%s user=%s: the folder is not reachable "
             "by the user Postgres runs as; its data lives there instead",
-            self.requested, target, self.run_as,
-        )  # fmt: skip
+            self.requested,
+            target,
+            self.run_as,
+        )
 
     def _initdb(self) -> None:
-        args = [
-            "-D", str(self.data), "-U", SUPERUSER, "--auth=trust", "--encoding=UTF8",
-            "--locale=C.UTF-8", f"--lc-collate={self.collation}", "--no-instructions",
-        ]  # fmt: skip
+        args = ["-D", str(self.data), "-U", SUPERUSER, "--auth=trust", "--encoding=UTF8"]
+        args += ["--locale=C.UTF-8", f"--lc-collate={self.collation}", "--no-instructions"]
         if not self.durable:
             args.append("--no-sync")
         self._run("initdb", *args)
@@ -265,28 +240,29 @@ class LocalPostgres:
         conf = self.data / "jobtier.conf"
         conf.write_text("\n".join(lines) + "\n")
         if self.run_as:
-            entry = pwd.getpwnam(self.run_as)
-            os.chown(conf, entry.pw_uid, entry.pw_gid)
+            self._hand_over(conf)
 
     def start(self) -> LocalPostgres:
         """Initialise (first time), start, and make sure the role and database exist."""
         if self.proc is not None and self.proc.poll() is not None:
-            # a postmaster of ours that died (killed): reaped now, or its zombie's pid would
-            # still look alive to the next postmaster's lock-file check
+            # ours died: reap it now, or its zombie's pid would pass the next lock-file check
             self.proc = None
         self.prepare()
         if not (self.data / "PG_VERSION").exists():
             self._initdb()
         self._write_conf()
-        # the postmaster itself is our child (not pg_ctl's, which would detach it), so that
-        # the kernel can stop it when we die; SIGINT is its fast shutdown
+        # the postmaster is our own child (pg_ctl would detach it), so that the kernel can stop
+        # it when we die; SIGINT is its fast shutdown
+        postgres = [str(self.bin_dir / "postgres"), "-D", str(self.data)]
         with self.logfile.open("ab") as logfile:
             self.proc = subprocess.Popen(
-                tied([str(self.bin_dir / "postgres"), "-D", str(self.data)], signal.SIGINT,
-                     self.run_as),
-                stdin=subprocess.DEVNULL, stdout=logfile, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd="/",
-            )  # fmt: skip
+                tied(postgres, signal.SIGINT, self.run_as),
+                stdin=subprocess.DEVNULL,
+                stdout=logfile,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd="/",
+            )
         try:
             self._wait_ready()
             self._ensure_database()
@@ -318,15 +294,8 @@ class LocalPostgres:
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server (``fast``: disconnect clients, clean shutdown; ``immediate``: crash)."""
-        sig = _STOP_SIGNALS[mode]
         if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.send_signal(sig)
-                try:
-                    self.proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+            stop_child(self.proc, _STOP_SIGNALS[mode])
             self.proc = None
         elif self.running:  # not started by this object
             self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
@@ -344,26 +313,13 @@ class LocalPostgres:
         return self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode == 0
 
     def leftover_pid(self) -> int | None:
-        """The pid of a postmaster still running on this folder that we did not start (a
-        previous run's), from its ``postmaster.pid`` and its working folder (the data)."""
-        pid = read_pid(self.data / "postmaster.pid")
-        if pid is None or pid == self.pid or not pid_alive(pid):
-            return None
-        if process_name(pid).startswith("postgres") and process_cwd(pid) == self.data.resolve():
-            return pid
-        return None
+        """The pid of a postmaster of this folder that we did not start (an earlier run's)."""
+        return leftover(self.data / "postmaster.pid", "postgres", self.data, self.pid)
 
     def describe_port(self) -> PortOwner:
         """Ask whatever listens on our port who it is: a Postgres, with which data folder."""
-        result = subprocess.run(
-            [
-                str(self.bin_dir / "psql"), "-X", "-w", "-tA", "-h", "127.0.0.1",
-                "-p", str(self.port), "-U", SUPERUSER, "-d", "postgres",
-                "-c", "SHOW data_directory",
-            ],
-            stdin=subprocess.DEVNULL, capture_output=True, text=True,
-            env={**os.environ, "PGCONNECT_TIMEOUT": "3"},
-        )  # fmt: skip
+        command = self._psql("postgres", "-w", "-c", "SHOW data_directory")
+        result = _quiet(command, env={**os.environ, "PGCONNECT_TIMEOUT": "3"})
         if result.returncode == 0 and result.stdout.strip():
             folder = Path(result.stdout.strip())
             return PortOwner(f"a Postgres with data folder {folder}", folder)
@@ -372,17 +328,14 @@ class LocalPostgres:
 
     def psql(self, sql: str, database: str = "postgres") -> str:
         """Run SQL as the superuser; returns the unaligned output."""
-        result = subprocess.run(
-            [
-                str(self.bin_dir / "psql"), "-X", "-q", "-v", "ON_ERROR_STOP=1", "-tA",
-                "-h", "127.0.0.1", "-p", str(self.port), "-U", SUPERUSER, "-d", database,
-                "-c", sql,
-            ],
-            stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        )  # fmt: skip
+        result = _quiet(self._psql(database, "-q", "-v", "ON_ERROR_STOP=1", "-c", sql))
         if result.returncode != 0:
             raise RuntimeError(f"psql failed: {result.stderr.strip()}")
         return result.stdout
+
+    def _psql(self, database: str, *args: str) -> list[str]:
+        server = f"-h 127.0.0.1 -p {self.port} -U {SUPERUSER}".split()
+        return [str(self.bin_dir / "psql"), "-X", "-tA", *server, "-d", database, *args]
 
     def _ensure_database(self) -> None:
         user, db = self.user, self.database

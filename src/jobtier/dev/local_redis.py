@@ -1,8 +1,6 @@
-"""Local Redis servers (and a Redis Cluster) for `jobtier run` and for the tests.
-
-They run as child processes from the installed binaries, with their data in a folder of the
-caller's choosing and on loopback ports, tied to the process that started them (they stop
-when it dies: ``jobtier.dev.procs``). Nothing here is used in production deployments.
+"""Local Redis servers (and a Redis Cluster) for `jobtier run` and the tests; never for
+production. They run from the installed binaries, data in a folder of the caller's choosing,
+on loopback ports, tied to the process that started them (``jobtier.dev.procs``).
 """
 
 from __future__ import annotations
@@ -16,16 +14,15 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import redis as syncredis
 
-from jobtier.dev.procs import pid_alive, process_cwd, process_name, read_pid, tied
+from jobtier.dev.procs import leftover, process_cwd, stop_child, tied
 
 log = logging.getLogger("jobtier.dev")
 
 LOCAL_CONF = "redis.local.conf"  # optional, in the data folder: the user's own settings
-
-
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + this (the bus)
 
 
@@ -63,6 +60,12 @@ def wait_port(
         except OSError:
             time.sleep(0.02)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def _connect(port: int, timeout: float = 5.0, **options: Any) -> syncredis.Redis:
+    return syncredis.Redis(
+        host="127.0.0.1", port=port, socket_timeout=timeout, socket_connect_timeout=2, **options
+    )
 
 
 def redis_server_binary() -> str:
@@ -112,23 +115,24 @@ class LocalRedis:
         args = [redis_server_binary()]
         if (self.folder / LOCAL_CONF).exists():
             args += ["--include", str(self.folder / LOCAL_CONF)]
-        args += [
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--dir", str(self.folder),
-            "--appendonly", "yes",
-            "--appendfsync", "everysec",
-            "--save", "",
-            "--maxmemory-policy", "noeviction",
-            "--protected-mode", "no",
-            "--daemonize", "no",
-            "--pidfile", str(self.pidfile),
-            "--logfile", str(self.folder / "redis.log"),
-        ]  # fmt: skip
+        options = {
+            "port": self.port,
+            "bind": "127.0.0.1",
+            "dir": self.folder,
+            "appendonly": "yes",
+            "appendfsync": "everysec",
+            "save": "",
+            "maxmemory-policy": "noeviction",
+            "protected-mode": "no",
+            "daemonize": "no",
+            "pidfile": self.pidfile,
+            "logfile": self.folder / "redis.log",
+        }
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-        # its own session: Ctrl-C in the terminal reaches `jobtier run`, which stops the
-        # server after the parts that use it, not the server first
+            options |= {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"}
+        for name, value in options.items():
+            args += [f"--{name}", str(value)]
+        # its own session: Ctrl-C reaches `jobtier run`, which stops it after the parts
         self.proc = subprocess.Popen(
             tied(args, signal.SIGTERM), stdin=subprocess.DEVNULL, start_new_session=True
         )
@@ -145,9 +149,7 @@ class LocalRedis:
         """Return once the server answers commands. While it loads its data (it then answers
         only INFO and the like, with ``loading:1``) wait, logging the progress; give up only
         when it neither answers nor progresses for ``stalled`` seconds."""
-        client = syncredis.Redis(
-            host="127.0.0.1", port=self.port, socket_timeout=5, socket_connect_timeout=2
-        )
+        client = _connect(self.port)
         deadline = time.monotonic() + stalled
         logged = 0.0
         try:
@@ -175,40 +177,27 @@ class LocalRedis:
                     log.info(
                         "event=local_redis_loading port=%d percent=%s: waiting for Redis to "
                         "load its append-only file",
-                        self.port, info.get("loading_loaded_perc", "?"),
-                    )  # fmt: skip
+                        self.port,
+                        info.get("loading_loaded_perc", "?"),
+                    )
                 time.sleep(0.1)
         finally:
             client.close()
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(60)  # SIGTERM: Redis fsyncs its AOF first
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """Stop it (SIGTERM: Redis fsyncs its AOF first)."""
+        if self.proc:
+            stop_child(self.proc, sig)
         self.proc = None
 
     def restart(self) -> None:
-        """Stop (SIGTERM: Redis flushes its AOF) and start again on the same port and data."""
+        """Stop and start again on the same port and data."""
         self.stop()
         self.start()
 
     def leftover_pid(self) -> int | None:
-        """The pid of a redis-server still running on this folder that we did not start (a
-        previous run's, killed before it could stop it), identified by its pidfile and its
-        working folder (Redis works in its ``dir``)."""
-        pid = read_pid(self.pidfile)
-        if pid is None or pid == self.pid or not pid_alive(pid):
-            return None
-        if (
-            process_name(pid).startswith("redis-server")
-            and process_cwd(pid) == self.folder.resolve()
-        ):
-            return pid
-        return None
+        """The pid of a redis-server of this folder that we did not start (an earlier run's)."""
+        return leftover(self.pidfile, "redis-server", self.folder, self.pid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,10 +211,7 @@ class PortOwner:
 
 def redis_at(port: int) -> PortOwner:
     """Ask whatever listens on ``port`` who it is: a Redis, and with which data folder."""
-    client = syncredis.Redis(
-        host="127.0.0.1", port=port, socket_timeout=3, socket_connect_timeout=2,
-        decode_responses=True,
-    )  # fmt: skip
+    client = _connect(port, 3.0, decode_responses=True)
     try:
         info = client.info("server")
         pid = int(info.get("process_id", 0)) or None
@@ -273,13 +259,9 @@ class LocalCluster:
         return self
 
     def wait_ok(self, timeout: float = 30.0) -> None:
-        """Return once every node reports ``cluster_state:ok``.
-
-        Each node turns ok on its own: a primary waits two seconds after it started before
-        it does (Redis's writable delay), so one started later turns ok later. Until then it
-        answers keyed commands with CLUSTERDOWN, which a client pipeline does not retry:
-        asking only the first node let callers start while the last one still refused.
-        """
+        """Return once every node reports ``cluster_state:ok``: each turns ok on its own,
+        some time after it started, and answers keyed commands with CLUSTERDOWN until then
+        (which a client pipeline does not retry)."""
         waiting = list(self.nodes)
         deadline = time.monotonic() + timeout
         while True:
@@ -300,9 +282,7 @@ class LocalCluster:
 
 
 def _cluster_ok(port: int) -> bool:
-    client = syncredis.Redis(
-        host="127.0.0.1", port=port, socket_timeout=5, socket_connect_timeout=2
-    )
+    client = _connect(port)
     try:
         info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
     except syncredis.RedisError:

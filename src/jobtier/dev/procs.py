@@ -1,26 +1,19 @@
 """Process plumbing for the development servers: tying a server's life to ours, identifying
 a process by its pid, and the lock that gives one `jobtier run` a data folder.
 
-Why servers die with us: `jobtier run` starts Redis and Postgres as child processes; if it is
-killed (SIGKILL, an OOM kill, a crash in C code) no Python code runs, and children would
-live on, holding their ports and data. Each server is therefore started through ``setpriv
---pdeathsig SIG`` (util-linux, on every Debian system), which sets the kernel's
-parent-death signal (``PR_SET_PDEATHSIG``) and then execs the server in the same process:
-when we die, however we die, the kernel sends the server SIG (Redis: SIGTERM, a clean
-shutdown with its AOF flushed; Postgres: SIGINT, its fast shutdown). The same ``setpriv``
-drops root for Postgres (``--reuid``), before the death signal is set: a change of user
-clears it, so the order matters and ``setpriv`` applies it last.
+Servers die with us: if `jobtier run` is killed (SIGKILL, an OOM kill, a crash in C code) no
+Python code runs, and its children would live on, holding their ports and data. Each server
+is therefore started through ``setpriv --pdeathsig SIG`` (util-linux), which sets the kernel's
+parent-death signal and execs the server in the same process: however we die, the kernel
+sends it SIG (Redis: SIGTERM, its AOF flushed; Postgres: SIGINT, its fast shutdown). The same
+``setpriv`` drops root for Postgres; a change of user clears the death signal, and
+``setpriv`` applies the signal last.
 
-Two limits, both handled where they matter:
-
-- the kernel's "parent" is the *thread* that forked, not the process: a server started from
-  a pool thread would get its signal when that thread ends. A server is tied only when it is
-  started from the main thread (`jobtier run` starts its servers there); from other threads
-  (a test restarting a server through ``asyncio.to_thread``) it is left untied, and stopped
-  by whoever started it;
-- a signal that kills us in the few milliseconds between fork and ``prctl`` is missed; the
-  next `jobtier run` of the same data folder finds that server and restarts it (see
-  ``jobtier.dev.stack``).
+Two limits: the kernel's "parent" is the *thread* that forked, so a server is tied only when
+started from the main thread (`jobtier run` does; a test restarting one from a pool thread
+leaves it untied and stops it itself); and a signal that kills us between fork and ``prctl``
+is missed: the next `jobtier run` of that folder finds the server and restarts it
+(``jobtier.dev.stack``).
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ import os
 import pwd
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -76,8 +70,7 @@ def as_user(command: list[str], user: str | None) -> list[str]:
 
 # --- identifying processes ------------------------------------------------------------------
 def pid_alive(pid: int) -> bool:
-    """Is ``pid`` a running process? A zombie (dead, not yet reaped: the parent of a killed
-    run's servers may be slow to reap them) is not."""
+    """Is ``pid`` a running process? A zombie (dead, not yet reaped) is not."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -86,8 +79,7 @@ def pid_alive(pid: int) -> bool:
 
 
 def process_cwd(pid: int) -> Path | None:
-    """The working folder of ``pid`` (Redis and Postgres both chdir into their data folder),
-    or None when it is gone or not ours to look at."""
+    """The working folder of ``pid``, or None when it is gone or not ours to look at."""
     try:
         return Path(os.readlink(f"/proc/{pid}/cwd"))
     except OSError:
@@ -101,6 +93,17 @@ def process_name(pid: int) -> str:
         return ""
 
 
+def leftover(pidfile: Path, name: str, folder: Path, ours: int | None) -> int | None:
+    """The pid in ``pidfile`` when it is a live ``name`` process, not ``ours``, working in
+    ``folder`` (Redis and Postgres work in their data folder): an earlier run's server."""
+    pid = read_pid(pidfile)
+    if pid is None or pid == ours or not pid_alive(pid):
+        return None
+    if process_name(pid).startswith(name) and process_cwd(pid) == folder.resolve():
+        return pid
+    return None
+
+
 def read_pid(path: Path) -> int | None:
     """The pid on the first line of a pidfile, if any."""
     try:
@@ -108,6 +111,17 @@ def read_pid(path: Path) -> int | None:
         return int(first) if first else None
     except (OSError, ValueError):
         return None
+
+
+def stop_child(proc: subprocess.Popen[bytes], sig: int, timeout: float = 60.0) -> None:
+    """Signal a child and wait for it to exit; SIGKILL after ``timeout``."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def stop_pid(pid: int, sig: int, timeout: float = 60.0) -> bool:
@@ -134,9 +148,9 @@ def stop_pid(pid: int, sig: int, timeout: float = 60.0) -> bool:
 class FolderLock:
     """An exclusive ``flock`` on ``<folder>/run.lock`` for the life of this process.
 
-    The kernel drops it when the process ends, however it ends, so a held lock always means a
-    live `jobtier run`, and a server of this folder found while we hold it is a leftover. The
-    servers do not inherit it (file descriptors are not passed to children).
+    The kernel drops it however the process ends, so a held lock always means a live
+    `jobtier run`, and a server of this folder found while we hold it is a leftover (servers
+    do not inherit the descriptor).
     """
 
     def __init__(self, folder: Path) -> None:

@@ -1,21 +1,16 @@
 """`jobtier run`: local Redis and Postgres, then every jobtier part in one event loop.
 
 For development and the README tour: the API (uvicorn, in-process), a worker with the demo
-tasks, the scheduler, the persister and the webhook dispatcher share one process (webhooks
-may go to loopback receivers unless JOBTIER_WEBHOOK_ALLOWED_HOSTS says otherwise). The local servers keep their data
-under ``--data-dir`` for the next run. Production runs each part as its own process
-(`jobtier api|worker|scheduler|persister|dispatcher`).
+tasks, the scheduler, the persister and the webhook dispatcher share one process (webhooks may
+go to loopback receivers unless JOBTIER_WEBHOOK_ALLOWED_HOSTS says otherwise); the servers
+keep their data under ``--data-dir``. Production runs each part as its own process.
 
-The servers belong to the run that started them, for its whole life and no longer:
-
-- they are its children, tied to it by the kernel (``jobtier.dev.procs``): whatever ends
-  `jobtier run` (Ctrl-C once or twice, SIGTERM, SIGHUP when its terminal closes, an
-  exception in a part, SIGKILL) ends them, after the parts on an orderly stop;
-- it never uses a server it did not start. One run per data folder (a lock in it); a server
-  of this folder still running from an earlier run (killed before it could stop it) is
-  stopped and started again as this run's child: restarted rather than adopted, because an
-  adopted server is not tied to this run and would outlive it again; anything else on a port
-  is refused, saying what answers there and what to do.
+The servers belong to the run that started them, for its whole life and no longer: they are
+its children, tied to it by the kernel (``jobtier.dev.procs``), so whatever ends the run ends
+them, after the parts on an orderly stop. It never uses a server it did not start: one run per
+data folder (a lock in it); a server of this folder left by an earlier run is stopped and
+started again as this run's child (an adopted one would outlive this run too); anything else
+on a port is refused, saying what answers there.
 """
 
 from __future__ import annotations
@@ -39,7 +34,7 @@ import uvicorn
 
 from jobtier.config import Settings
 from jobtier.dev.local_postgres import LocalPostgres
-from jobtier.dev.local_redis import LocalRedis, redis_at
+from jobtier.dev.local_redis import LocalRedis, PortOwner, redis_at
 from jobtier.dev.procs import FolderLock, LocalServiceError, pid_alive, process_cwd, stop_pid
 from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
@@ -111,11 +106,7 @@ class LocalServices:
                 # this folder's, without its pidfile
                 self._stop_leftover("redis", owner.pid, redis.folder, signal.SIGTERM)
             else:
-                raise LocalServiceError(
-                    f"port {port} is in use by {owner.description}, not by a Redis of "
-                    f"{redis.folder}. jobtier run uses only servers it starts itself: stop "
-                    "that server, or give this run a free port with --redis-port PORT"
-                )
+                raise _port_taken(port, owner, f"a Redis of {redis.folder}", "--redis-port")
         redis.start()
         log.info("event=local_redis_started port=%d pid=%s data=%s", port, redis.pid, redis.folder)
 
@@ -124,12 +115,7 @@ class LocalServices:
         pg.prepare()  # first: it may move the data folder (see jobtier.dev.local_postgres)
         self._stop_leftover("postgres", pg.leftover_pid(), pg.data, signal.SIGINT)
         if _listening(port):
-            owner = pg.describe_port()
-            raise LocalServiceError(
-                f"port {port} is in use by {owner.description}, not by a Postgres of "
-                f"{pg.data}. jobtier run uses only servers it starts itself: stop that "
-                "server, or give this run a free port with --pg-port PORT"
-            )
+            raise _port_taken(port, pg.describe_port(), f"a Postgres of {pg.data}", "--pg-port")
         pg.start()
         log.info("event=local_postgres_started port=%d pid=%s data=%s", port, pg.pid, pg.data)
 
@@ -142,8 +128,10 @@ class LocalServices:
             "event=local_%s_leftover pid=%d data=%s action=restart: a server of this folder "
             "outlived its run; restarting it as this run's own (an adopted one would not "
             "stop with this run)",
-            name, pid, folder,
-        )  # fmt: skip
+            name,
+            pid,
+            folder,
+        )
         if not stop_pid(pid, sig):
             raise LocalServiceError(f"could not stop the leftover {name} server (pid {pid})")
 
@@ -167,6 +155,14 @@ class LocalServices:
                     os.kill(pid, sig)
 
 
+def _port_taken(port: int, owner: PortOwner, wanted: str, option: str) -> LocalServiceError:
+    return LocalServiceError(
+        f"port {port} is in use by {owner.description}, not by {wanted}. jobtier run uses "
+        f"only servers it starts itself: stop that server, or give this run a free port "
+        f"with {option} PORT"
+    )
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
@@ -182,14 +178,12 @@ def run(
 ) -> tuple[int, int]:
     """`jobtier run`. Returns the exit code and the worker's ``stuck`` count."""
     registry = TaskRegistry.load(args.tasks)  # a bad module fails before any server starts
-    services = (
-        None
-        if args.external
-        else LocalServices(args.data_dir.resolve(), args.redis_port, args.pg_port)
-    )
+    services: LocalServices | None = None
+    if not args.external:
+        services = LocalServices(args.data_dir.resolve(), args.redis_port, args.pg_port)
     outcome = _Outcome()
-    # until the event loop takes the signals over: SIGTERM and SIGHUP interrupt the start-up
-    # like Ctrl-C does, so that what has started is stopped below
+    # until the event loop takes the signals over, SIGTERM and SIGHUP interrupt the start-up
+    # as Ctrl-C does, so that what has started is stopped below
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _raise_interrupt)
     try:
@@ -270,9 +264,14 @@ async def run_all(
             publisher.start()
             app = create_app(settings, postgres_extension(settings))
             config = uvicorn.Config(
-                app, host=settings.api_host, port=settings.api_port, loop="none",
-                lifespan="on", log_config=None, access_log=False,
-            )  # fmt: skip
+                app,
+                host=settings.api_host,
+                port=settings.api_port,
+                loop="none",
+                lifespan="on",
+                log_config=None,
+                access_log=False,
+            )
             server = EmbeddedServer(config)
             runs = [
                 asyncio.create_task(worker.run(), name="worker"),

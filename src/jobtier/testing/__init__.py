@@ -15,23 +15,19 @@ fixtures start a throw-away ``redis-server`` (once per session, emptied before e
 ``jobtier_settings``, ``jobtier_queue`` and ``jobtier_worker`` (a burst worker over your
 tasks); see ``jobtier.testing.plugin``.
 
-The names load on first use, so the plugin costs nothing in a session that does not use it.
+The names load on first use, so the plugin costs nothing in a session that does not use them.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-_EXPORTS: dict[str, str] = {
-    "BurstWorker": "jobtier.testing.burst",
-    "Outcome": "jobtier.testing.task_run",
-    "TaskError": "jobtier.testing.task_run",
-    "TaskRun": "jobtier.testing.task_run",
-    "run_task": "jobtier.testing.task_run",
-    "run_task_sync": "jobtier.testing.task_run",
-    "start_task": "jobtier.testing.task_run",
-}
+from jobtier import _lazy_exports
+
+_TASK_RUN = ("Outcome", "TaskError", "TaskRun", "run_task", "run_task_sync", "start_task")
+_EXPORTS = {"BurstWorker": "jobtier.testing.burst"} | dict.fromkeys(
+    _TASK_RUN, "jobtier.testing.task_run"
+)
 
 __all__ = [
     "BurstWorker",
@@ -44,13 +40,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'jobtier.testing' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_exports(__name__, _EXPORTS)
 
 
 def __dir__() -> list[str]:

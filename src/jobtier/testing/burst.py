@@ -38,12 +38,10 @@ def as_registry(tasks: Tasks) -> TaskRegistry:
 class BurstWorker:
     """``await jobtier_worker()`` runs a ``Worker(burst=True)`` over the tasks until no job is
     ready or running, and returns its ``WorkerStats``. Flows run to their end: between bursts
-    a resolver tells the dependents of the jobs that finished (flows/resolver.py), and the
-    burst starts again while that made jobs ready.
-
-    A failed attempt with retries left is *scheduled* (for its retry delay), not ready: the
-    burst ends without it, and the job's state says ``scheduled``. Nothing here runs the
-    scheduler; test a task's later attempts with ``run_task(..., attempt=n)``.
+    a resolver tells the dependents of the finished jobs, and a burst runs again while that
+    made jobs ready. A failed attempt with retries left is *scheduled*, not ready: the burst
+    ends without it (nothing runs the scheduler; test later attempts with
+    ``run_task(..., attempt=n)``).
     """
 
     def __init__(self, queue: Queue, tasks: Tasks | None = None) -> None:

@@ -4,15 +4,13 @@ off with ``-p no:jobtier``).
 
 Fixtures, all named ``jobtier_*`` so they clash with nobody's ``redis`` or ``queue``:
 
-- ``jobtier_redis`` (session): a ``redis-server`` started from ``PATH`` on a free loopback
-  port, data in the session's temporary folder, AOF on, as jobtier requires; stopped at the
-  end of the session. Without ``redis-server`` the tests that use it are skipped with the
-  way to install it (``jobtier_require_redis = true`` in the pytest configuration makes
-  that an error instead, for CI).
+- ``jobtier_redis`` (session): a ``redis-server`` from ``PATH`` on a free loopback port, AOF
+  on, stopped at the end of the session. Without ``redis-server`` the tests that use it are
+  skipped, saying how to install it (``jobtier_require_redis = true`` in the pytest
+  configuration makes that an error, for CI).
 - ``jobtier_settings``: ``Settings`` (defaults) pointed at that server, emptied first.
-- ``jobtier_queue`` (async): a connected ``Queue`` on those settings, closed afterwards;
-  with the ``jobtier_tasks`` as its registry, like an in-process producer that knows the
-  tasks (types are checked, ``max_attempts`` defaults to the task's ``retries + 1``).
+- ``jobtier_queue`` (async): a connected ``Queue`` on those settings with ``jobtier_tasks``
+  as its registry (types are checked, ``max_attempts`` defaults to the task's), closed after.
 - ``jobtier_worker``: ``await jobtier_worker()`` runs a burst worker over the tasks until no
   job is ready or running (``jobtier.testing.BurstWorker``).
 - ``jobtier_tasks``: override it to name your tasks (a module, ``"module[:attr]"``, a
@@ -21,8 +19,8 @@ Fixtures, all named ``jobtier_*`` so they clash with nobody's ``redis`` or ``que
 Async fixtures need an async test runner: with pytest-asyncio, set ``asyncio_mode = auto``
 or mark the tests ``@pytest.mark.asyncio``.
 
-Loading the plugin imports nothing of jobtier's engine and starts nothing: the server starts
-when a test first asks for one of these fixtures.
+Loading the plugin imports nothing of jobtier's engine and starts nothing until a test asks
+for one of these fixtures.
 """
 
 from __future__ import annotations
@@ -75,8 +73,7 @@ def jobtier_redis(
 
     server = LocalRedis(Path(tmp_path_factory.mktemp("jobtier-redis")))
     try:
-        # inside the try: a server that started but never listened is stopped too
-        server.start()
+        server.start()  # inside the try: one that started but never listened is stopped too
         yield server
     finally:
         server.stop()

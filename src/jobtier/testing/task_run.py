@@ -1,11 +1,10 @@
 """Run one attempt of a task in this process, with a real ``JobContext``, and see its outcome.
 
 No Redis, no worker loop: the attempt goes through the worker's own code
-(``jobtier.worker.attempt``), so the outcome — result encoding and size limit, which
-exceptions are retried and after what delay, what a cancel request does — is the one a
-worker would report. Where Redis decides (a retryable failure on the last attempt is
-dead-lettered; a stop after a cancel request cancels the job), the outcome states the
-decision the transition script would make.
+(``jobtier.worker.attempt``), so the outcome (result encoding and size limit, which exceptions
+are retried and after what delay, what a cancel request does) is the one a worker would
+report. Where Redis decides (a retryable failure on the last attempt; a stop after a cancel
+request), the outcome states the decision the transition script would make.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ from jobtier.worker.registry import task as as_task
 State = Literal["succeeded", "retry", "failed", "cancelled", "released"]
 _decode = msgspec.json.Decoder().decode
 _encode_error = msgspec.json.Encoder().encode
-# lib.lua's mark of each finished state (upper case: a child of the job), as claim.lua hands
-# them to a worker (flows/reads.py's MARKS, which from_stored reads them back by)
+# lib.lua's mark of each finished state as claim.lua hands it to a worker (upper case: a
+# child of the job)
 _MARKS = {state: mark for mark, state in MARKS.items()}
 _STORED = "jobtier.testing:"  # the references of results "kept in the result store" here
 
@@ -60,9 +59,9 @@ def dependency_inputs(
     for dep_id, value in dependencies.items():
         if not isinstance(dep_id, str) or dep_id.split() != [dep_id]:
             raise ValueError(f"dependencies: {dep_id!r} is not a job id")
-        dep = value if isinstance(value, Dependency) else Dependency(
-            id=dep_id, state="succeeded", result=value
-        )  # fmt: skip
+        dep = value
+        if not isinstance(dep, Dependency):
+            dep = Dependency(id=dep_id, state="succeeded", result=value)
         if dep.id != dep_id:
             raise ValueError(f"dependencies: the Dependency under {dep_id!r} has id {dep.id!r}")
         mark = _MARKS.get(dep.state)
@@ -157,10 +156,9 @@ class TaskRun:
     ) -> None:
         self.task = task
         self._loop = asyncio.get_running_loop()
-        self.ctx = JobContext(
-            job, shard, f"jobtier.testing:{os.getpid()}", self._loop, self._on_progress,
-            self._on_log, read_result,
-        )  # fmt: skip
+        worker = f"jobtier.testing:{os.getpid()}"
+        on_progress, on_log = self._on_progress, self._on_log
+        self.ctx = JobContext(job, shard, worker, self._loop, on_progress, on_log, read_result)
         self.progress: list[Any] = []  # every report so far, in order
         self.logs: list[str] = []  # every ctx.log() message so far, as the job keeps each
         self._cancel_after = cancel_after_progress
@@ -211,9 +209,8 @@ class TaskRun:
         """Wait for the attempt to end and return its outcome. Cancelling the caller (a test
         timeout) cancels the attempt too."""
         try:
-            # asyncio.wait, not a plain await: a cancel of the caller must not reach the
-            # attempt as a CancelledError the attempt would absorb (it reads it as one for
-            # the task) and so be lost to the caller
+            # not a plain await: the attempt would absorb a cancel of the caller (reading it as
+            # one for the task), and the caller would never see it
             await asyncio.wait({self._handle})
         except asyncio.CancelledError:
             self._handle.cancel()
@@ -244,8 +241,7 @@ class TaskRun:
 
     def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
         """Called by ``run_attempt``: the outcome a worker and Redis would make of ``end``."""
-        # like a worker, leave a sync task's thread to finish on its own (it cannot be
-        # interrupted) but queue nothing more on it
+        # like a worker: a sync task's thread cannot be interrupted; queue nothing more on it
         self._threads.shutdown(wait=False, cancel_futures=True)
         if isinstance(end, bytes):
             self._ended = self._make("succeeded", result=_decode(end) if end else None)
@@ -257,8 +253,7 @@ class TaskRun:
             else:
                 self._ended = self._make("failed", error=error)
         elif end is INTERRUPTED and not ctx.cancel_requested:
-            # a worker reports "stopped"; stopped.lua, seeing no cancel request, gives the
-            # job back to its queue
+            # reported "stopped", with no cancel request: stopped.lua gives the job back
             self._ended = self._make("released")
         else:  # STOPPED, or INTERRUPTED by the cancel request: stopped.lua cancels the job
             self._ended = self._make("cancelled")
