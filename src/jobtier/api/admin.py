@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Any
 
 import msgspec
 import orjson
@@ -21,7 +20,7 @@ from jobtier.api.http import (
     job_not_found,
     read_json_body,
 )
-from jobtier.api.params import Param, parse_query
+from jobtier.api.params import TYPE, date_time, limit_param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.core.errors import JobNotFound, TransitionRefused
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
@@ -41,14 +40,12 @@ class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
 
 
 _filter_decoder = msgspec.json.Decoder(ReplayFilter)
-
-
 REPLAY_MAX = 10_000
 DEAD_LETTER_PARAMS = [
-    Param("type", "string", "only jobs of this type", max_length=128, pattern=TASK_NAME_RE.pattern),
-    Param("since", "date-time", "only jobs dead-lettered at or after this time (ISO 8601)", max_length=40),
-    Param("limit", "integer", "most jobs to list (default 100)", minimum=1, maximum=1000),
-]  # fmt: skip
+    TYPE,
+    date_time("since", "only jobs dead-lettered at or after this time (ISO 8601)"),
+    limit_param("most jobs to list (default 100)", 1000),
+]
 
 
 async def dead_letters(request: Request) -> Response:
@@ -71,9 +68,8 @@ async def replay_one(request: Request) -> Response:
         except JobNotFound:
             raise job_not_found(job_id) from None
         except TransitionRefused:
-            raise Problem(
-                409, "wrong-state", f"job {job_id} is not in the dead-letter set"
-            ) from None
+            detail = f"job {job_id} is not in the dead-letter set"
+            raise Problem(409, "wrong-state", detail) from None
     return DocResponse(doc, parse_version(doc))
 
 
@@ -94,35 +90,26 @@ async def replay_many(request: Request) -> Response:
     since = selector.since
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=UTC)
-    what = msgspec.to_builtins(selector)
+    what = msgspec.to_builtins(selector)  # the filter as given, for the audit
     target = ",".join(f"{k}={v}" for k, v in what.items() if v is not None and k != "limit")
     async with audited(request, "dead_letters.replay", target or "all") as outcome:
-        replayed = await queue.jobs.replay_many(
-            type=selector.type,
-            since=since,
-            queue=selector.queue,
-            tenant=selector.tenant,
-            limit=selector.limit,
-        )
+        given = msgspec.structs.asdict(selector) | {"since": since}  # replay_many's arguments
+        replayed = await queue.jobs.replay_many(**given)
         outcome.detail = {"filter": what, "count": len(replayed), "replayed": replayed[:100]}
     return Response(orjson.dumps({"replayed": replayed, "count": len(replayed)}), media_type=JSON)
 
 
 async def stats(request: Request) -> Response:
-    require_admin(request)
-    return Response(orjson.dumps(await collect_stats(request)), media_type=JSON)
-
-
-async def collect_stats(request: Request) -> dict[str, Any]:
     """Queue depths per shard and priority, waiting jobs per tenant, live workers, the
     status tier's counters and the write-behind lag."""
+    require_admin(request)
     queue: Queue = request.state.queue
     out = await queue.admin.stats()
     out["waiting_by_tenant"] = await queue.admin.waiting_by_tenant()
     out["workers"] = await queue.admin.live_workers()
     out["status_reads"] = request.state.reader.stats()
     out["write_behind_lag"] = request.state.admission.lag
-    return out
+    return Response(orjson.dumps(out), media_type=JSON)
 
 
 routes = [

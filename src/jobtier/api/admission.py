@@ -1,8 +1,9 @@
 """Who may submit now: per-tenant rate limit and waiting-jobs cap, global back-pressure.
 
-Counts come from Redis (per-tenant waiting counts kept by the scripts; the write-behind
-lag; how full Redis's memory is) and are refreshed in the background about once a second, so
-a submit pays nothing for them. A refused submit is a 429 (this tenant) or 503 (everyone) with ``Retry-After``.
+Counts come from Redis (per-tenant waiting counts kept by the scripts, the write-behind lag,
+how full Redis's memory is) and are refreshed in the background once a second, so a submit
+pays nothing for them. A refused submit is a 429 (this tenant) or 503 (everyone) with
+``Retry-After``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,13 @@ from jobtier.store.memory import MemoryUse, redis_memory
 
 log = logging.getLogger("jobtier.api")
 
-LagProbe = Callable[[], Awaitable[int]]
-"""Transitions not yet in Postgres (the write-behind backlog)."""
+LagProbe = Callable[[], Awaitable[int]]  # transitions not yet in Postgres
+
+_MEMORY_HIGH = (
+    "event=redis_memory_high used=%d maxmemory=%d ratio=%.3f refusing_submits=%s: Redis is "
+    "filling up; submits are refused past JOBTIER_REDIS_MEMORY_REFUSE_RATIO=%g. Raise "
+    "maxmemory, shorten JOBTIER_RETENTION_SECONDS, or add workers (README: Sizing Redis)"
+)
 
 
 class TokenBucket:
@@ -48,6 +54,8 @@ class TokenBucket:
 
 
 class Admission:
+    """Admission control for submits (``check``), from counts ``refresh`` reads."""
+
     def __init__(self, settings: Settings, queue: Queue, lag: LagProbe | None = None) -> None:
         self.settings = settings
         self.queue = queue
@@ -62,7 +70,8 @@ class Admission:
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="jobtier-admission")
+        refreshes = every(1.0, self.refresh, event="admission_refresh", log=log, wait_first=True)
+        self._task = asyncio.create_task(refreshes, name="jobtier-admission")
 
     async def stop(self) -> None:
         await stop_task(self._task, "admission refresh")
@@ -79,50 +88,38 @@ class Admission:
         """A warning once a minute while Redis is past the warning ratio."""
         s, m = self.settings, self.memory
         now = time.monotonic()
-        if m.ratio > s.redis_memory_warn_ratio and now - self._memory_warned >= 60:
-            self._memory_warned = now
-            refusing = m.ratio > s.redis_memory_refuse_ratio
-            log.warning(
-                "event=redis_memory_high used=%d maxmemory=%d ratio=%.3f refusing_submits=%s: "
-                "Redis is filling up; submits are refused past JOBTIER_REDIS_MEMORY_REFUSE_RATIO"
-                "=%g. Raise maxmemory, shorten JOBTIER_RETENTION_SECONDS, or add workers "
-                "(README: Sizing Redis)",
-                m.used, m.maxmemory, m.ratio, refusing, s.redis_memory_refuse_ratio,
-            )  # fmt: skip
-
-    async def _loop(self) -> None:
-        await every(1.0, self.refresh, event="admission_refresh", log=log, wait_first=True)
+        if m.ratio <= s.redis_memory_warn_ratio or now - self._memory_warned < 60:
+            return
+        self._memory_warned = now
+        refusing = m.ratio > s.redis_memory_refuse_ratio
+        log.warning(
+            _MEMORY_HIGH, m.used, m.maxmemory, m.ratio, refusing, s.redis_memory_refuse_ratio
+        )
 
     def check(self, tenant: str, n: int = 1) -> None:
         """Raise a 429/503 problem if ``tenant`` may not submit ``n`` jobs now."""
-        s = self.settings
-        if self.total_waiting + n > s.max_waiting_total:
-            raise Problem(
-                503, "overloaded",
-                f"{self.total_waiting} jobs are waiting; the limit is {s.max_waiting_total}",
-                headers={"retry-after": "2"},
-            )  # fmt: skip
-        if self.memory.ratio > s.redis_memory_refuse_ratio:
-            m = self.memory
-            raise Problem(
-                503, "overloaded",
+        s, m = self.settings, self.memory
+        waiting = self.waiting.get(tenant, 0)
+        if self.total_waiting + n > (cap := s.max_waiting_total):
+            raise _refused(
+                503, "overloaded", f"{self.total_waiting} jobs are waiting; the limit is {cap}"
+            )
+        if m.ratio > s.redis_memory_refuse_ratio:
+            raise _refused(
+                503,
+                "overloaded",
                 f"Redis memory is {m.ratio:.0%} full ({m.used} of {m.maxmemory} bytes); submits "
                 f"are refused past {s.redis_memory_refuse_ratio:.0%} "
                 "(JOBTIER_REDIS_MEMORY_REFUSE_RATIO) so that accepted jobs can still finish",
-                headers={"retry-after": "5"},
-            )  # fmt: skip
-        if self.lag > s.persist_max_lag:
-            raise Problem(
-                503, "overloaded",
-                f"{self.lag} transitions wait to be written to Postgres; the limit is {s.persist_max_lag}",
-                headers={"retry-after": "2"},
-            )  # fmt: skip
-        if s.max_waiting_per_tenant and self.waiting.get(tenant, 0) + n > s.max_waiting_per_tenant:
-            raise Problem(
-                429, "tenant-limit",
-                f"tenant {tenant} has {self.waiting.get(tenant, 0)} waiting jobs; the cap is {s.max_waiting_per_tenant}",
-                headers={"retry-after": "2"},
-            )  # fmt: skip
+                retry_after=5,
+            )
+        if self.lag > (cap := s.persist_max_lag):
+            detail = f"{self.lag} transitions wait to be written to Postgres; the limit is {cap}"
+            raise _refused(503, "overloaded", detail)
+        if (cap := s.max_waiting_per_tenant) and waiting + n > cap:
+            raise _refused(
+                429, "tenant-limit", f"tenant {tenant} has {waiting} waiting jobs; the cap is {cap}"
+            )
         if s.rate_limit_per_second > 0:
             bucket = self._buckets.get(tenant)
             if bucket is None:
@@ -130,11 +127,12 @@ class Admission:
                 bucket = self._buckets[tenant] = TokenBucket(rate, max(rate, s.max_batch))
             wait = bucket.take(n)
             if wait:
-                raise Problem(
-                    429, "rate-limited",
-                    f"tenant {tenant} is limited to {s.rate_limit_per_second:g} jobs/s",
-                    headers={"retry-after": str(max(1, round(wait + 0.5)))},
-                )  # fmt: skip
+                detail = f"tenant {tenant} is limited to {s.rate_limit_per_second:g} jobs/s"
+                raise _refused(429, "rate-limited", detail, retry_after=max(1, round(wait + 0.5)))
         # count what we let through, so a burst between refreshes cannot overshoot much
-        self.waiting[tenant] = self.waiting.get(tenant, 0) + n
+        self.waiting[tenant] = waiting + n
         self.total_waiting += n
+
+
+def _refused(status: int, slug: str, detail: str, retry_after: int = 2) -> Problem:
+    return Problem(status, slug, detail, headers={"retry-after": str(retry_after)})

@@ -1,17 +1,14 @@
-"""The audit of admin actions: a log line each, and a row in Postgres.
+"""The audit of admin actions: a log line each (``event=admin_action``), and a row in Postgres.
 
-Every route that changes something with the admin key (cancel, replay, pause, resume,
-limits, purge) runs its action inside ``audited(request, action, target)``: once the action
-is done — or refused, or failed — the record says who (``admin:<fingerprint>``: the first 12
-hex digits of the SHA-256 of the key, never the key), when, what, on what, the HTTP status
+Every route that changes something with the admin key runs its action inside
+``audited(request, action, target)``: once the action is done, refused or failed, the record
+says who (``admin:<fingerprint>``, never the key), when, what, on what, the HTTP status
 answered and what it did. The answer goes out only after the record is stored.
 
-Where it is stored: the log always (``event=admin_action``); Postgres when the API has it
-(``audit`` table, ``GET /v1/admin/audit``). When Postgres is down the action still runs — an
-operator may need to pause a queue during an outage — and its record waits in Redis
-(``jt:audit:pending``, kept by the append-only file like everything acknowledged) until the
-next action or audit read of any API process finds Postgres back and writes it (a record
-written twice is one row: the id is its key).
+When Postgres is down the action still runs (an operator may need to pause a queue during an
+outage) and its record waits in Redis (``jt:audit:pending``) until a later action or audit read
+of any API process finds Postgres back and writes it (the id is the row's key: a record written
+twice is one row).
 """
 
 from __future__ import annotations
@@ -37,6 +34,9 @@ log = logging.getLogger("jobtier.audit")
 FLUSH_BATCH = 100  # deferred records written per action (a backlog drains over a few)
 _encode = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder(AuditRecord)
+_ADMIN_ACTION = (
+    "event=admin_action id=%s actor=%s action=%s target=%s status=%d source=%s detail=%s"
+)
 
 
 def fingerprint(key: str) -> str:
@@ -59,10 +59,9 @@ class Outcome:
 
 @contextlib.asynccontextmanager
 async def audited(request: Request, action: str, target: str) -> AsyncIterator[Outcome]:
-    """Run an admin action and record it: ``async with audited(request, "queue.purge",
-    name) as outcome: ...; outcome.detail = {...}``. A ``Problem`` the action raises is
-    recorded with its status; any other error as 503 (it may or may not have taken effect),
-    and raised on."""
+    """Run an admin action in the block, then record it; the block sets ``outcome.detail``.
+    A ``Problem`` it raises is recorded with its status, any other error as 503 (a backend
+    outage: it may or may not have taken effect) or 500; either is raised on."""
     outcome = Outcome()
     try:
         yield outcome
@@ -82,7 +81,6 @@ async def audited(request: Request, action: str, target: str) -> AsyncIterator[O
 
 async def record(request: Request, action: str, target: str, outcome: Outcome) -> AuditRecord:
     """Log the action and store its record (Postgres, or Redis until Postgres is back)."""
-    client = request.client
     rec = AuditRecord(
         id=ulid(),
         at=datetime.now(UTC),
@@ -91,22 +89,20 @@ async def record(request: Request, action: str, target: str, outcome: Outcome) -
         target=target,
         status=outcome.status,
         detail=outcome.detail,
-        source=client.host if client else None,
+        source=request.client.host if request.client else None,
     )
+    detail = _encode.encode(rec.detail).decode()
     log.info(
-        "event=admin_action id=%s actor=%s action=%s target=%s status=%d source=%s detail=%s",
-        rec.id, rec.actor, rec.action, rec.target, rec.status, rec.source,
-        _encode.encode(rec.detail).decode(),
-    )  # fmt: skip
+        _ADMIN_ACTION, rec.id, rec.actor, rec.action, rec.target, rec.status, rec.source, detail
+    )
     store: AuditStore | None = getattr(request.state, "audit_store", None)
     if store is None:
         return rec  # an API without Postgres: the log is the audit
     queue = request.state.queue
-    pending = queue.keys.audit_pending()
     try:
         await store.insert([rec])
     except PG_DOWN as exc:
-        await queue.redis.rpush(pending, _encode.encode(rec))
+        await queue.redis.rpush(queue.keys.audit_pending(), _encode.encode(rec))
         log.warning("event=audit_deferred id=%s error=%r", rec.id, exc)
         return rec
     await flush_pending(request)

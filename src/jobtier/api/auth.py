@@ -1,7 +1,6 @@
 """API keys: ``Authorization: Bearer <key>`` maps to a tenant; admin routes need the admin key.
 
-Keys are compared through a dict lookup keyed by the presented key. Headers are read from
-the raw ASGI scope: this runs on every status read.
+Headers are read from the raw ASGI scope: this runs on every status read.
 """
 
 from __future__ import annotations
@@ -42,10 +41,6 @@ def _unauthorized(detail: str) -> Problem:
     )
 
 
-def _presented_key(request: Request) -> str:
-    return _key_of(raw_header(request, b"authorization"))
-
-
 def known_tenant(tenants: dict[str, str], header: bytes | None) -> str | None:
     """The tenant of a ``Bearer`` key in an ``Authorization`` header; None for none or an
     unknown key (the caller then answers 401 through ``tenant_for``)."""
@@ -54,9 +49,7 @@ def known_tenant(tenants: dict[str, str], header: bytes | None) -> str | None:
 
 
 def tenant_for(tenants: dict[str, str], header: bytes | None) -> str:
-    """The tenant of an ``Authorization`` header's API key, or a 401 problem.
-
-    For the status route, which reads its headers from the scope in one pass."""
+    """The tenant of an ``Authorization`` header's API key, or a 401 problem."""
     tenant = tenants.get(_key_of(header))
     if tenant is None:
         raise _unauthorized("unknown API key")
@@ -69,7 +62,8 @@ def tenant_of(request: Request) -> str:
 
 
 def require_admin(request: Request) -> None:
-    key = _presented_key(request)
+    """A 401 problem unless the request carries the admin key (403 for a tenant's key)."""
+    key = _key_of(raw_header(request, b"authorization"))
     admin: str = request.state.admin_key
     if not admin or not hmac.compare_digest(key.encode(), admin.encode()):
         if key in request.state.tenants:

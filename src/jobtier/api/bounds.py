@@ -1,11 +1,8 @@
 """Limits the app enforces on every request, each answered with a problem document.
 
-URL and header sizes: the HTTP servers have limits of their own, and answer past them by
-themselves, before the app sees the request and without a problem document (measured:
-granian answers a 70 KB URL with an empty 414 and 120 headers with an empty 431; uvicorn's
-h11 a plain-text 400 for a request head it must buffer past 16 KiB). The app's limits are
-set below those, so a request that is too large is refused here, as a problem document, in
-every case the server lets through (README, "HTTP API").
+URL and header sizes: the HTTP servers refuse requests past limits of their own, without a
+problem document; the app's limits are set below those, so every too-large request the
+server lets through is refused here as a problem document (README, "HTTP API").
 
 JSON nesting: a decoder recursing through a body nested a thousand deep raises
 ``RecursionError``; ``check_depth`` refuses such a body first, with the limit in the answer.
@@ -58,18 +55,14 @@ def too_large(scope: Scope) -> Problem | None:
     if url > MAX_URL_BYTES:
         return Problem(414, "uri-too-long", f"the URL is {url} bytes; the limit is {MAX_URL_BYTES}")
     headers = scope["headers"]
-    if len(headers) > MAX_HEADERS:
-        return Problem(
-            431, "headers-too-large",
-            f"the request has {len(headers)} headers; the limit is {MAX_HEADERS}",
-        )  # fmt: skip
     size = sum(len(name) + len(value) for name, value in headers)
-    if size > MAX_HEADER_BYTES:
-        return Problem(
-            431, "headers-too-large",
-            f"the headers are {size} bytes; the limit is {MAX_HEADER_BYTES}",
-        )  # fmt: skip
-    return None
+    if len(headers) > MAX_HEADERS:
+        detail = f"the request has {len(headers)} headers; the limit is {MAX_HEADERS}"
+    elif size > MAX_HEADER_BYTES:
+        detail = f"the headers are {size} bytes; the limit is {MAX_HEADER_BYTES}"
+    else:
+        return None
+    return Problem(431, "headers-too-large", detail)
 
 
 def check_depth(body: bytes) -> None:
@@ -88,9 +81,5 @@ def check_depth(body: bytes) -> None:
         if not peeled or len(peeled) == len(brackets):
             return  # within the limit, or not JSON (the decoder says so)
         brackets = peeled
-    raise Problem(
-        422,
-        "validation",
-        f"the body nests arrays and objects deeper than the limit of {MAX_JSON_DEPTH} levels",
-        limit=MAX_JSON_DEPTH,
-    )
+    detail = f"the body nests arrays and objects deeper than the limit of {MAX_JSON_DEPTH} levels"
+    raise Problem(422, "validation", detail, limit=MAX_JSON_DEPTH)

@@ -1,15 +1,13 @@
 """The console's routes that Redis alone serves (admin key): cancel any tenant's job, purge a
 queue's ready jobs, the live workers with the jobs they run, and a stream of chosen jobs'
-changes (the job list's in-flight rows and the job page follow it).
-
-The Postgres part — listing, job detail, audit — is ``console_records.py``. Every action
-here is audited (``audit.py``).
+changes. Every action is audited; the Postgres part is ``console_records.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -22,14 +20,15 @@ from starlette.types import Send
 from jobtier.api import spec as oa
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import JSON, DocResponse, doc_state, invalid, job_id_of, job_not_found
+from jobtier.api.http import JSON, DocResponse, doc_state, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
+from jobtier.api.queues import queue_name
 from jobtier.api.sse import StreamResponse
 from jobtier.config import Settings
-from jobtier.core.errors import InvalidRequest, JobNotFound, TransitionRefused
+from jobtier.core.errors import JobNotFound, TransitionRefused
 from jobtier.core.model import DEFAULT_QUEUE
-from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
+from jobtier.core.names import JOB_ID_RE
 from jobtier.engine.queue import Queue
 from jobtier.status.docs import read_docs
 from jobtier.status.reader import RESYNC, StatusReader, parse_version
@@ -37,15 +36,15 @@ from jobtier.status.reader import RESYNC, StatusReader, parse_version
 MAX_FOLLOWED = 100  # jobs one event stream follows (a page of the job list, in flight)
 RUNNING_SHOWN = 2000  # running jobs the workers view lists (per shard at most this)
 _ID = JOB_ID_RE.pattern.strip("^$")
-EVENT_PARAMS = [
-    Param(
-        "ids", "string", f"the jobs to follow: up to {MAX_FOLLOWED} ids, comma-separated",
-        max_length=MAX_FOLLOWED * 32, pattern=f"^{_ID}(,{_ID}){{0,{MAX_FOLLOWED - 1}}}$",
-    ),
-]  # fmt: skip
+_IDS = Param(
+    "ids",
+    "string",
+    f"the jobs to follow: up to {MAX_FOLLOWED} ids, comma-separated",
+    max_length=MAX_FOLLOWED * 32,
+    pattern=f"^{_ID}(,{_ID}){{0,{MAX_FOLLOWED - 1}}}$",
+)
 
 
-# --- bodies -----------------------------------------------------------------------------------
 class Purged(msgspec.Struct):
     """What a purge did: the queue's ready (and parked) jobs cancelled, and those ready when
     it ended (submitted meanwhile, or admitted from behind a concurrency key)."""
@@ -86,7 +85,7 @@ class WorkerList(msgspec.Struct):
 
 
 class _RunningDoc(msgspec.Struct):
-    """The members of a status document the workers view needs (the rest is skipped)."""
+    """The members of a status document the workers view needs."""
 
     id: str
     type: str
@@ -100,7 +99,6 @@ class _RunningDoc(msgspec.Struct):
 _running_doc = msgspec.json.Decoder(_RunningDoc)
 
 
-# --- cancel and purge ---------------------------------------------------------------------------
 async def cancel(request: Request) -> Response:
     """Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat."""
     require_admin(request)
@@ -116,27 +114,16 @@ async def cancel(request: Request) -> Response:
                 current = await queue.jobs.status_doc(job_id)
             except JobNotFound:  # finished and expired between the two reads
                 raise job_not_found(job_id) from None
-            raise Problem(
-                409, "wrong-state", f"job {job_id} has already finished ({doc_state(current)})",
-                job=orjson.loads(current),
-            ) from exc  # fmt: skip
+            detail = f"job {job_id} has already finished ({doc_state(current)})"
+            raise Problem(409, "wrong-state", detail, job=orjson.loads(current)) from exc
         outcome.detail = {"state": doc_state(doc)}
     return DocResponse(doc, parse_version(doc))
-
-
-def _queue_name(request: Request) -> str:
-    name: str = request.path_params["name"]
-    if not QUEUE_NAME_RE.fullmatch(name):
-        raise invalid(
-            InvalidRequest(f"queue name must match {QUEUE_NAME_RE.pattern}", field="name")
-        )
-    return name
 
 
 async def purge(request: Request) -> Response:
     """Cancel every ready job of the queue (``Queue.purge``), each as a cancel would."""
     require_admin(request)
-    name = _queue_name(request)
+    name = queue_name(request)
     queue: Queue = request.state.queue
     async with audited(request, "queue.purge", name) as outcome:
         done = await queue.admin.purge(name)
@@ -145,7 +132,6 @@ async def purge(request: Request) -> Response:
     return Response(msgspec.json.encode(body), media_type=JSON)
 
 
-# --- workers --------------------------------------------------------------------------------
 async def workers(request: Request) -> Response:
     require_admin(request)
     return Response(msgspec.json.encode(await worker_list(request.state.queue)), media_type=JSON)
@@ -169,27 +155,27 @@ async def worker_list(queue: Queue) -> WorkerList:
                 continue  # finished and expired between the two reads
             status = _running_doc.decode(doc)
             if status.worker is not None and status.state == "running":
-                by_worker[status.worker].append(
-                    RunningJob(status.id, tenant.decode(), status.type, status.queue,
-                               status.attempt, status.updated_at)
-                )  # fmt: skip
+                job = (status.id, tenant.decode(), status.type, status.queue, status.attempt)
+                by_worker[status.worker].append(RunningJob(*job, status.updated_at))
     out = []
     for w in await queue.admin.live_workers():
         wid = str(w.get("id", ""))
-        out.append(
-            WorkerInfo(
-                id=wid, host=str(w.get("host", "")), pid=int(w.get("pid", 0)),
-                queues=list(w.get("queues", [])), tasks=list(w.get("tasks", [])),
-                concurrency=int(w.get("concurrency", 0)), running=int(w.get("running", 0)),
-                seen_at=float(w.get("seen_at", 0.0)),
-                jobs=sorted(by_worker.get(wid, []), key=lambda j: j.since),
-            )
-        )  # fmt: skip
+        info = WorkerInfo(
+            id=wid,
+            host=str(w.get("host", "")),
+            pid=int(w.get("pid", 0)),
+            queues=list(w.get("queues", [])),
+            tasks=list(w.get("tasks", [])),
+            concurrency=int(w.get("concurrency", 0)),
+            running=int(w.get("running", 0)),
+            seen_at=float(w.get("seen_at", 0.0)),
+            jobs=sorted(by_worker.get(wid, []), key=lambda j: j.since),
+        )
+        out.append(info)
     listed = sum(len(jobs) for jobs in by_worker.values())
     return WorkerList(out, total, listed)
 
 
-# --- events of chosen jobs -------------------------------------------------------------------
 class JobsStream(StreamResponse):
     """The current status of each followed job that exists (``start`` reads them), then every
     change of any of them, until the client goes away (a failed job may be replayed: no
@@ -211,7 +197,7 @@ class JobsStream(StreamResponse):
         for job_id, listener in self.listeners.items():
             reader.add_listener(job_id, listener)
 
-    def _listener(self, job_id: str) -> Any:
+    def _listener(self, job_id: str) -> Callable[[int, str, bytes], None]:
         def offer(version: int, tenant: str, doc: bytes) -> None:
             held = self.pending.get(job_id)
             if version == RESYNC or held is None or version > held[0]:
@@ -225,9 +211,8 @@ class JobsStream(StreamResponse):
             self.reader.remove_listener(job_id, listener)
 
     async def _read(self, ids: list[str]) -> None:
-        for job_id, found in zip(
-            ids, await asyncio.gather(*map(self.reader.get, ids)), strict=True
-        ):
+        statuses = await asyncio.gather(*map(self.reader.get, ids))
+        for job_id, found in zip(ids, statuses, strict=True):
             if found is not None:
                 held = self.pending.get(job_id)
                 if held is None or held[0] == RESYNC or found[2] > held[0]:
@@ -235,13 +220,20 @@ class JobsStream(StreamResponse):
 
     async def start(self) -> bool:
         """Read every followed job's status (after listening: nothing in between is lost);
-        whether any of them exists."""
-        await self._read(self.ids)
+        whether any of them exists. If none does, or the read fails, it stops listening."""
+        try:
+            await self._read(self.ids)
+        finally:
+            if not self.pending:
+                self._cleanup()
         return bool(self.pending)
 
     async def _pump(self, send: Send) -> None:
+        async def write(body: bytes) -> None:
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": b"retry: 1000\n\n", "more_body": True})
+        await write(b"retry: 1000\n\n")
         while True:
             pending, self.pending = self.pending, {}
             resync = [job_id for job_id, (v, _) in pending.items() if v == RESYNC]
@@ -254,76 +246,70 @@ class JobsStream(StreamResponse):
                     chunks.append(b"event: status\ndata: %s\n\n" % doc)
                     self.sent[job_id] = version
             if chunks:
-                await send(
-                    {"type": "http.response.body", "body": b"".join(chunks), "more_body": True}
-                )
+                await write(b"".join(chunks))
             if not self.pending:
                 self.ready.clear()
                 try:
                     async with asyncio.timeout(self.heartbeat):
                         await self.ready.wait()
                 except TimeoutError:
-                    await send(
-                        {"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True}
-                    )  # fmt: skip
+                    await write(b": keep-alive\n\n")
 
 
 async def job_events(request: Request) -> Response:
     """Server-Sent Events of the jobs named in ``ids``, whatever their tenant; a 404 when
     none of them exists (an unknown id among known ones is left out)."""
     require_admin(request)
-    query = parse_query(request, EVENT_PARAMS)
+    query = parse_query(request, [_IDS])
     if "ids" not in query:
         raise Problem(400, "bad-request", "name the jobs to follow: ids=<id>,<id>…", field="ids")
     keys = request.state.queue.keys
-    # an id of a shard this deployment lacks is a job nobody has: nothing to send, as for an
-    # unknown one
+    # an id of a shard this deployment lacks is a job nobody has, like an unknown one
     ids = [job_id for job_id in dict.fromkeys(query["ids"].split(",")) if keys.valid_id(job_id)]
     heartbeat: float = request.state.settings.sse_heartbeat_seconds
     stream = JobsStream(request.state.reader, ids, heartbeat)
-    try:
-        found = await stream.start()
-    except BaseException:
-        stream._cleanup()
-        raise
-    if not found:
-        stream._cleanup()
+    if not await stream.start():
         raise Problem(404, "not-found", "none of these jobs exists (ids)")
     return stream
 
 
-# --- the OpenAPI document -----------------------------------------------------------------------
 OPENAPI_TYPES: list[type] = [Purged, WorkerList]
 
 
 def openapi_paths(settings: Settings) -> dict[str, Any]:
-    s, op = settings, oa.operation
-    events = op(s, f"Server-Sent Events: the status of each of up to {MAX_FOLLOWED} jobs (any tenant), then every change of any of them, until the client closes", {
-        "200": oa.event_stream("event: status, data: the status document of one of the jobs", "status", oa.ref("JobStatus")),
-        "404": oa.problem("none of the jobs exists"),
-    }, auth="admin", params=EVENT_PARAMS)  # fmt: skip
+    paths = oa.Paths(settings, auth="admin")
+    paths.add(
+        "POST /v1/admin/jobs/{job_id}/cancel",
+        "Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat "
+        "(audited)",
+        oa.returns(200, "JobStatus", "cancelled, or running with cancel_requested"),
+        oa.refuses(404, "unknown job (or a malformed id)"),
+        oa.refuses(409, "the job has already finished (job: its status)"),
+    )
+    paths.add(
+        "POST /v1/admin/queues/{name}/purge",
+        "Cancel every ready (or parked) job of the queue, oldest first, each as a cancel would; "
+        "scheduled and running jobs stay (audited)",
+        oa.returns(200, "Purged", "how many were cancelled, and how many are ready now"),
+        oa.refuses(422, "a queue name that breaks its pattern"),
+    )
+    paths.add(
+        "GET /v1/admin/workers",
+        "Live workers: host, pid, queues, tasks, concurrency, last heartbeat, and the jobs each "
+        "runs",
+        oa.returns(200, "WorkerList", "the workers, newest heartbeat first"),
+    )
+    status = "event: status, data: the status document of one of the jobs"
+    events = paths.add(
+        "GET /v1/admin/events",
+        f"Server-Sent Events: the status of each of up to {MAX_FOLLOWED} jobs (any tenant), then "
+        "every change of any of them, until the client closes",
+        (200, oa.event_stream(status, "status", oa.ref("JobStatus"))),
+        oa.refuses(404, "none of the jobs exists"),
+        params=[_IDS],
+    )
     events["parameters"][0]["required"] = True
-    return {
-        "/v1/admin/jobs/{job_id}/cancel": {
-            "post": op(s, "Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat (audited)", {
-                "200": oa.json_response("JobStatus", "cancelled, or running with cancel_requested"),
-                "404": oa.problem("unknown job (or a malformed id)"),
-                "409": oa.problem("the job has already finished (job: its status)"),
-            }, auth="admin", path=[oa.JOB_ID]),
-        },
-        "/v1/admin/queues/{name}/purge": {
-            "post": op(s, "Cancel every ready (or parked) job of the queue, oldest first, each as a cancel would; scheduled and running jobs stay (audited)", {
-                "200": oa.json_response("Purged", "how many were cancelled, and how many are ready now"),
-                "422": oa.problem("a queue name that breaks its pattern"),
-            }, auth="admin", path=[oa.QUEUE_NAME]),
-        },
-        "/v1/admin/workers": {
-            "get": op(s, "Live workers: host, pid, queues, tasks, concurrency, last heartbeat, and the jobs each runs", {
-                "200": oa.json_response("WorkerList", "the workers, newest heartbeat first"),
-            }, auth="admin"),
-        },
-        "/v1/admin/events": {"get": events},
-    }  # fmt: skip
+    return paths.paths
 
 
 routes = [

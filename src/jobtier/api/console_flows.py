@@ -1,16 +1,14 @@
-"""A job's flow as the console's job page shows it (admin: any tenant): the jobs it waits for,
-each with its outcome (the error's type and message, or whether it left a result) and, until
-it finishes, the state its own status document has now; and, for a parent, how many of its
-children (the dependencies made in the same flow) are done.
-
-The flows reads behind ``GET /v1/jobs/{id}/dependencies`` serve it: Redis while it holds the
-job, Postgres after (``PgReader.dependencies``). Results are never copied here: a
-dependency's page has its own.
+"""A job's flow as the console's job page shows it (any tenant): the jobs it waits for, each
+with its outcome (the error's type and message, or whether it left a result) or, while
+pending, the state its own status document has now; and, for a parent, how many of its
+children are done. Read as ``GET /v1/jobs/{id}/dependencies`` reads it: from Redis while it
+holds the job, Postgres after.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import msgspec
 
@@ -43,9 +41,8 @@ class DependencyView(msgspec.Struct, kw_only=True):
 
 
 class FlowView(msgspec.Struct):
-    """``dependencies``: the first ``DEPENDENCIES_SHOWN``, in the job's order (none: a job
-    that waits for nothing); ``children``: of its children, how many there are, are done,
-    and did not succeed (null: it has none)."""
+    """The first ``DEPENDENCIES_SHOWN`` dependencies, in order; for a parent, how many of its
+    children there are, are done and did not succeed (else None)."""
 
     dependencies: list[DependencyView]
     children: Dependencies | None
@@ -58,10 +55,8 @@ async def flow_view(
     Postgres errors propagate (the caller answers 503)."""
     found: list[Dependency] | None = None
     if live:
-        try:
+        with contextlib.suppress(JobNotFound):  # expired since the detail read: Postgres has it
             found = await queue.jobs.dependencies(job_id)
-        except JobNotFound:  # expired since the detail read it: Postgres has it now
-            found = None
     if found is None:
         found = await pg.dependencies(job_id, tenant) or []
     children = [d for d in found if d.child]
@@ -72,8 +67,7 @@ async def flow_view(
         summary = Dependencies(len(children), len(done), failed)
     shown = found[:DEPENDENCIES_SHOWN]
     pending = [d.id for d in shown if d.state == "pending"]
-    # the state a pending one is in now (waiting in a chain, queued, running): its own
-    # document, through the status tier (near cache, then Redis, then Postgres)
+    # a pending one's state now (waiting in a chain, queued, running), through the status tier
     docs = await asyncio.gather(*map(reader.get, pending))
     now = {i: doc_state(status[1]) for i, status in zip(pending, docs, strict=True) if status}
     return FlowView([_view(d, now.get(d.id)) for d in shown], summary)

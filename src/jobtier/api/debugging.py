@@ -1,15 +1,11 @@
 """Routes for looking into a job and acting on it once it went wrong.
 
 - ``GET /v1/jobs/{id}/logs`` (tenant key): the lines its task logged with ``ctx.log()``. They
-  live in Redis only (``jt:{s}:lines:<id>``, written by workers apart from the transitions,
-  expiring with the job): a debugging aid for the recent runs, which the write-behind to
-  Postgres need not carry. A job Redis no longer holds but Postgres does has no lines left
-  (an empty list, not a 404).
-- ``POST /v1/jobs/{id}/retry`` (tenant key): a failed (dead-lettered) job of the tenant's back
-  to its queue, its attempts reset: the replay an operator makes with the admin key, for the
-  job's own tenant.
-- ``GET /v1/admin/dead-letters/{id}`` (admin key): one dead letter in full — its status (the
-  error with its traceback), its payload and its log lines.
+  live in Redis only, expiring with the job (a debugging aid the write-behind need not carry):
+  a job only Postgres still holds has none left (an empty list, not a 404).
+- ``POST /v1/jobs/{id}/retry`` (tenant key): the admin's replay, for the job's own tenant.
+- ``GET /v1/admin/dead-letters/{id}`` (admin key): one dead letter in full, its status (the
+  error with its traceback), payload and log lines.
 
 Another tenant's job is a 404, exactly like an unknown id, as on every job route.
 """
@@ -41,22 +37,17 @@ class DeadLetter(msgspec.Struct):
     lines: list[LogLine]
 
 
-def _lines_body(job_id: str, lines: list[bytes]) -> bytes:
-    # the lines are stored as JSON (core/model.py LogLine): served as they are
-    return b'{"id":' + orjson.dumps(job_id) + b',"lines":[' + b",".join(lines) + b"]}"
-
-
 async def job_logs(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
-    # the owner from the status tier (near cache, then Redis, then Postgres): a job whose
-    # hash expired still answers, with whatever lines are left (none)
+    # the owner from the status tier, down to Postgres: an expired job answers with no lines
     found = await request.state.reader.get(job_id)
     if found is None or found[0] != tenant:
         raise job_not_found(job_id)
     queue: Queue = request.state.queue
-    lines = await queue.jobs.log_lines(job_id)
-    return Response(_lines_body(job_id, lines), media_type=JSON)
+    lines = await queue.jobs.log_lines(job_id)  # stored as JSON (LogLine): sent as they are
+    body = b'{"id":' + orjson.dumps(job_id) + b',"lines":[' + b",".join(lines) + b"]}"
+    return Response(body, media_type=JSON)
 
 
 async def retry(request: Request) -> Response:
@@ -73,9 +64,8 @@ async def dead_letter(request: Request) -> Response:
     try:
         doc, payload, lines = await queue.jobs.dead_letter(job_id)
     except JobNotFound:
-        raise Problem(
-            404, "not-found", f"job {job_id[:64]} is not in the dead-letter set (or expired)"
-        ) from None
+        detail = f"job {job_id[:64]} is not in the dead-letter set (or expired)"
+        raise Problem(404, "not-found", detail) from None
     body = b'{"job":' + doc + b',"payload":' + payload + b',"lines":[' + b",".join(lines) + b"]}"
     return Response(body, media_type=JSON)
 

@@ -17,7 +17,7 @@ from jobtier.api.http import (
     job_not_found,
     read_json_body,
 )
-from jobtier.api.problems import PG_DOWN, Problem, pg_unavailable, secret_missing
+from jobtier.api.problems import Problem, postgres_or_503, secret_missing
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.core.model import Dependency, FlowSpec, FlowSubmitted
 from jobtier.engine.queue import Queue
@@ -25,14 +25,6 @@ from jobtier.flows.submit import PreparedFlow
 from jobtier.webhooks.callbacks import SecretMissing
 
 _flow_decoder = msgspec.json.Decoder(FlowSpec)
-
-
-class FlowResponse(msgspec.Struct):
-    """A submitted flow: ``created`` False for a repeat of an earlier submit with the same
-    idempotency key; ``jobs`` each job's status document, in the order of the request."""
-
-    created: bool
-    jobs: list[msgspec.Raw]
 
 
 class DependencyList(msgspec.Struct):
@@ -63,14 +55,13 @@ async def submit_flow(request: Request) -> Response:
         if not doc:  # a repeat whose job Redis no longer keeps: Postgres may
             found = await st.reader.get(job.job_id)
             if found is None or found[0] != tenant:
-                raise Problem(
-                    410, "gone",
-                    f"this idempotency key made a flow whose job {job.job_id} is no longer "
-                    "kept", job_id=job.job_id,
-                )  # fmt: skip
+                detail = (
+                    f"this idempotency key made a flow whose job {job.job_id} is no longer kept"
+                )
+                raise Problem(410, "gone", detail, job_id=job.job_id)
             doc = bytes(found[1])
         docs.append(msgspec.Raw(doc))
-    body_out = msgspec.json.encode(FlowResponse(outcome.created, docs))
+    body_out = msgspec.json.encode({"created": outcome.created, "jobs": docs})  # FlowResponse
     return Response(body_out, 202 if outcome.created else 200, media_type=JSON)
 
 
@@ -81,14 +72,11 @@ async def _submit(request: Request, queue: Queue, prepared: PreparedFlow) -> Flo
     service = getattr(request.state, "webhooks", None)
     if service is None:
         index = next(i for i, cb in enumerate(prepared.callbacks) if cb is not None)
-        raise Problem(
-            422, "validation", "callbacks need the API's Postgres part, which this API runs "
-            "without", field=f"jobs[{index}].callback.url",
-        )  # fmt: skip
+        detail = "callbacks need the API's Postgres part, which this API runs without"
+        raise Problem(422, "validation", detail, field=f"jobs[{index}].callback.url")
     try:
-        return await queue.produce.submit_flow_prepared(prepared, service.callbacks)
-    except PG_DOWN:
-        raise pg_unavailable() from None
+        with postgres_or_503():
+            return await queue.produce.submit_flow_prepared(prepared, service.callbacks)
     except SecretMissing as exc:
         raise secret_missing(exc) from None
     except InvalidRequest as exc:  # a refused callback (or depends_on): nothing submitted

@@ -1,5 +1,4 @@
-"""Gauges read from Redis at scrape time: queue depths, oldest waiting job, dead letters,
-live workers, and the write-behind lag."""
+"""The gauges ``/metrics`` reads from Redis at scrape time."""
 
 from __future__ import annotations
 
@@ -13,10 +12,10 @@ from jobtier.store.memory import redis_memory
 
 
 async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, dict[str, float]]:
-    """Gauges read from Redis now: depths per queue and priority, the oldest waiting job of
-    each, running, parked, paused and waiting per queue, waiting (for dependencies),
-    scheduled and dead-lettered jobs, live
-    workers, and (with Postgres) the write-behind lag."""
+    """{metric: {labels: value}} read now: per queue its depth by priority and oldest waiting
+    job, running, parked, paused and waiting jobs; the totals of waiting (for dependencies),
+    scheduled and dead-lettered jobs; live workers, Redis's memory and (with ``lag``, when
+    the API has Postgres) the write-behind lag."""
     stats = await queue.admin.stats()
     total = stats["total"]
     depth, running, parked, paused, waiting = {}, {}, {}, {}, {}

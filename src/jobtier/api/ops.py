@@ -36,7 +36,7 @@ from jobtier.metrics.snapshot import (
 )
 
 
-async def _lag_probe(request: Request) -> Any:
+def _lag_probe(request: Request) -> Any:
     ext = getattr(request.state, "pg_extension", None)
     return ext.current_lag if ext is not None else None
 
@@ -48,15 +48,19 @@ async def metrics(request: Request) -> Response:
     queue: Queue = request.state.queue
     await request.state.metrics_publisher.publish()  # this process's own, fresh
     snapshots = await read_snapshots(queue.redis, queue.keys)
-    gauges = await live_gauges(queue, await _lag_probe(request))
+    gauges = await live_gauges(queue, _lag_probe(request))
     return Response(render(snapshots, gauges), media_type=CONTENT_TYPE_LATEST)
 
 
 # the job counters the console turns into per-queue rates (metrics/transitions.py)
 QUEUE_COUNTERS = (
-    "jobs_submitted_total", "jobs_claimed_total", "jobs_succeeded_total", "jobs_failed_total",
-    "jobs_dead_lettered_total", "jobs_cancelled_total",
-)  # fmt: skip
+    "jobs_submitted_total",
+    "jobs_claimed_total",
+    "jobs_succeeded_total",
+    "jobs_failed_total",
+    "jobs_dead_lettered_total",
+    "jobs_cancelled_total",
+)
 
 
 def queue_counters(snapshots: list[Snapshot]) -> dict[str, dict[str, float]]:
@@ -66,7 +70,7 @@ def queue_counters(snapshots: list[Snapshot]) -> dict[str, dict[str, float]]:
         for name in QUEUE_COUNTERS:
             for key, value in snap.counters.get(name, {}).items():
                 queue = parse_labels(key).get("queue")
-                if queue is not None:  # counted by a persister from before the label
+                if queue is not None:  # None: counted by a persister from before the label
                     out[queue][name] += value
     return {q: dict(c) for q, c in out.items()}
 
@@ -77,14 +81,13 @@ async def dashboard_state(
     """One frame of the dashboard: current gauges and cumulative counters (the page turns
     successive frames into rates); p99s over ``window`` (the last minute) when given, else
     since the processes started. ``queues`` is what ``GET /v1/admin/queues`` answers, each
-    with its job counters (``counters``: the page's per-queue rates). Each Redis read is made
-    once for all the figures (a frame a second per API process)."""
+    with its job counters. Each Redis read is made once for all the figures."""
     queue: Queue = request.state.queue
     snapshots = await read_snapshots(queue.redis, queue.keys)
     stats = await queue.admin.stats()
     ages = await queue.admin.oldest_queued()
     workers = await queue.admin.live_workers()
-    lag = await _lag_probe(request)
+    lag = _lag_probe(request)
     lag_entries, lag_seconds = (await lag()) if lag is not None else (None, None)
     counters, hists = totals(snapshots)  # histograms since the processes started
     span = None
@@ -162,9 +165,9 @@ async def dashboard_stream(request: Request) -> Response:
     return DashboardStream(request, 1.0)
 
 
-# The page's parts, in src/jobtier/api/static/: the markup, its style sheet and its scripts,
-# which run in this order in one scope (each defines what the later ones use).
-SCRIPTS = (
+# The page's scripts in static/, run in this order in one scope (each defines what the later
+# ones use).
+SCRIPTS = [
     "core",
     "stream",
     "charts",
@@ -175,7 +178,7 @@ SCRIPTS = (
     "workers",
     "audit",
     "app",
-)
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,9 +202,8 @@ def console_page() -> Page:
     )
     script = f'(() => {{\n"use strict";\n{script}\n}})();\n'
     markup = (static / "dashboard.html").read_text(encoding="utf-8")
-    page = markup.replace("<!--style-->", f"<style>{style}</style>").replace(
-        "<!--script-->", f"<script>{script}</script>"
-    )
+    markup = markup.replace("<!--style-->", f"<style>{style}</style>")
+    page = markup.replace("<!--script-->", f"<script>{script}</script>")
 
     def digest(text: str) -> str:
         return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"

@@ -1,7 +1,7 @@
 """Query parameters: one parser for every route, and the OpenAPI description of each.
 
-A route declares its parameters as ``Param`` values and reads them with ``parse_query``.
-The checks are the ones the document states, because both come from the same ``Param``:
+A route declares its parameters as ``Param`` values and reads them with ``parse_query``, so
+the checks are the ones the document states:
 
 * integers are ASCII digits only (``str.isdigit()`` also accepts '²', which ``int()``
   refuses), numbers are finite decimals, both within their range;
@@ -9,7 +9,7 @@ The checks are the ones the document states, because both come from the same ``P
   characters (a NUL would reach Redis or Postgres, which refuses it);
 * an unknown parameter, or one given twice, is refused too.
 
-Every refusal is a 400 problem naming the parameter (``field``). A bound that is a setting
+Every refusal is a 400 problem naming the parameter (``field``); a bound that is a setting
 is named by its ``JOBTIER_*`` variable, so the message says what to change.
 """
 
@@ -26,6 +26,8 @@ from starlette.requests import Request
 
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
+from jobtier.core.model import State
+from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
 
 Kind = Literal["integer", "number", "string", "date-time"]
 Bound = float | str  # a number, or the name of the setting that holds it
@@ -39,11 +41,7 @@ def setting_value(settings: Settings, bound: Bound) -> float:
     return float(getattr(settings, bound) if isinstance(bound, str) else bound)
 
 
-def env_name(setting: str) -> str:
-    return f"JOBTIER_{setting.upper()}"
-
-
-def bad(name: str, detail: str) -> Problem:
+def bad(name: str | None, detail: str) -> Problem:
     return Problem(400, "bad-request", detail, field=name)
 
 
@@ -64,28 +62,25 @@ class Param:
 
     def parse(self, raw: str, settings: Settings) -> Any:
         """The value of ``raw``, or a 400 problem saying what is wrong with it."""
+        name = self.name
         if self.kind == "integer":
             if not _DIGITS.fullmatch(raw):
-                raise bad(self.name, f"{self.name} must be a whole number{self._range(settings)}")
+                raise bad(name, f"{name} must be a whole number{self._range(settings)}")
             return self._in_range(int(raw), settings)
         if self.kind == "number":
             if len(raw) > 40 or not _DECIMAL.fullmatch(raw) or not math.isfinite(float(raw)):
-                raise bad(self.name, f"{self.name} must be a number{self._range(settings)}")
+                raise bad(name, f"{name} must be a number{self._range(settings)}")
             return self._in_range(float(raw), settings)
         if self.values:
             if raw not in self.values:
-                raise bad(self.name, f"{self.name} must be one of {', '.join(self.values)}")
+                raise bad(name, f"{name} must be one of {', '.join(self.values)}")
             return raw
         if not self.min_length <= len(raw) <= self.max_length or _CONTROL.search(raw):
-            raise bad(
-                self.name,
-                f"{self.name} must be {self.min_length} to {self.max_length} printable characters",
-            )
+            length = f"{self.min_length} to {self.max_length}"
+            raise bad(name, f"{name} must be {length} printable characters")
         if self.pattern is not None and not re.fullmatch(self.pattern, raw):
-            raise bad(self.name, f"{self.name} must match {self.pattern}")
-        if self.kind == "date-time":
-            return _date_time(self.name, raw)
-        return raw
+            raise bad(name, f"{name} must match {self.pattern}")
+        return _date_time(name, raw) if self.kind == "date-time" else raw
 
     def _in_range(self, value: float, settings: Settings) -> Any:
         low = None if self.minimum is None else setting_value(settings, self.minimum)
@@ -99,7 +94,7 @@ class Param:
             return ""
         high = f"{setting_value(settings, self.maximum):g}"
         if isinstance(self.maximum, str):
-            high += f" ({env_name(self.maximum)})"
+            high += f" (JOBTIER_{self.maximum.upper()})"
         return f" from {setting_value(settings, self.minimum):g} to {high}"
 
     def openapi(self, settings: Settings) -> dict[str, Any]:
@@ -107,10 +102,9 @@ class Param:
         schema: dict[str, Any]
         if self.kind in ("integer", "number"):
             schema = {"type": self.kind}
-            if self.minimum is not None:
-                schema["minimum"] = _number(setting_value(settings, self.minimum), self.kind)
-            if self.maximum is not None:
-                schema["maximum"] = _number(setting_value(settings, self.maximum), self.kind)
+            for key, bound in (("minimum", self.minimum), ("maximum", self.maximum)):
+                if bound is not None:
+                    schema[key] = _number(setting_value(settings, bound), self.kind)
         elif self.values:
             schema = {"type": "string", "enum": list(self.values)}
         else:
@@ -129,8 +123,7 @@ def _number(value: float, kind: Kind) -> float | int:
 def _date_time(name: str, raw: str) -> datetime:
     try:
         value = datetime.fromisoformat(raw)
-        # in UTC now: a time at the edge of the calendar with an offset overflows here,
-        # not later in the database driver
+        # to UTC here: a time at the edge of the calendar overflows now, not in the driver
         return (value if value.tzinfo else value.replace(tzinfo=UTC)).astimezone(UTC)
     except (ValueError, OverflowError):
         raise bad(name, f"{name} must be an ISO-8601 time, e.g. 2024-05-01T12:00:00Z") from None
@@ -153,5 +146,25 @@ def parse_query(request: Request, params: Sequence[Param]) -> dict[str, Any]:
     return values
 
 
-def openapi_params(params: Sequence[Param], settings: Settings) -> list[dict[str, Any]]:
-    return [p.openapi(settings) for p in params]
+def limit_param(description: str, maximum: Bound) -> Param:
+    """The ``limit`` of a listing: a whole number from 1 to ``maximum``."""
+    return Param("limit", "integer", description, minimum=1, maximum=maximum)
+
+
+def date_time(name: str, description: str) -> Param:
+    return Param(name, "date-time", description, max_length=40)
+
+
+def matching(name: str, description: str, regex: re.Pattern[str], max_length: int) -> Param:
+    """A string parameter that must match ``regex`` (anchored)."""
+    return Param(name, "string", description, max_length=max_length, pattern=regex.pattern)
+
+
+# the filters the job listings share
+STATE = Param("state", "string", "only jobs in this state", values=[s.value for s in State])
+TYPE = matching("type", "only jobs of this type", TASK_NAME_RE, 128)
+QUEUE = matching("queue", "only jobs of this queue", QUEUE_NAME_RE, 64)
+CURSOR = Param(
+    "cursor", "string", "the next_cursor of the previous page", pattern=r"^[A-Za-z0-9_-]+$"
+)
+ORDER = Param("order", "string", "desc (newest first, the default) or asc", values=["desc", "asc"])

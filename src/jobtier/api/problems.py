@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import asyncpg
@@ -43,10 +44,6 @@ TITLES = {
 }
 
 
-def problem_type(slug: str) -> str:
-    return f"urn:jobtier:problem:{slug}"
-
-
 class Problem(Exception):
     """Raise in a handler to answer with a problem document."""
 
@@ -68,7 +65,7 @@ class Problem(Exception):
 
     def document(self) -> dict[str, Any]:
         return {
-            "type": problem_type(self.slug),
+            "type": f"urn:jobtier:problem:{self.slug}",
             "title": TITLES.get(self.slug, self.slug),
             "status": self.status,
             "detail": self.detail,
@@ -110,14 +107,12 @@ async def on_http_exception(request: Request, exc: Exception) -> Response:
 
 # a backing service is down or restarting: the client should retry, the server is fine
 UNAVAILABLE: tuple[type[BaseException], ...] = (
-    RedisConnectionError,  # BusyLoadingError (LOADING: a restarted Redis reads its AOF) too
+    RedisConnectionError,  # BusyLoadingError (a restarted Redis loading its AOF) too
     RedisTimeoutError,
     asyncpg.PostgresConnectionError,
     asyncpg.CannotConnectNowError,
     OSError,
 )
-
-
 # what Postgres raises when it is down or restarting: routes that read it answer pg_unavailable
 PG_DOWN: tuple[type[BaseException], ...] = (
     OSError,  # TimeoutError too
@@ -125,15 +120,23 @@ PG_DOWN: tuple[type[BaseException], ...] = (
     asyncpg.CannotConnectNowError,
     asyncpg.InterfaceError,
 )
+RETRY_SOON = {"retry-after": "2"}
 
 
 def pg_unavailable(exc: BaseException | None = None) -> Problem:
     """A 503 for a route whose Postgres part is away (logged when ``exc`` is given)."""
     if exc is not None:
         log.warning("event=postgres_unavailable error=%r", exc)
-    return Problem(
-        503, "unavailable", "Postgres is unavailable; try again", headers={"retry-after": "2"}
-    )
+    return Problem(503, "unavailable", "Postgres is unavailable; try again", headers=RETRY_SOON)
+
+
+@contextlib.contextmanager
+def postgres_or_503() -> Iterator[None]:
+    """Answer ``pg_unavailable`` (unlogged) if Postgres is down within the block."""
+    try:
+        yield
+    except PG_DOWN:
+        raise pg_unavailable() from None
 
 
 def secret_missing(exc: Exception) -> Problem:
@@ -143,16 +146,12 @@ def secret_missing(exc: Exception) -> Problem:
 
 async def on_unavailable(request: Request, exc: Exception) -> Response:
     """503 with Retry-After, logged in one line: an expected, passing condition."""
-    log.warning(
-        "event=backend_unavailable method=%s path=%s error=%r",
-        request.method,
-        request.url.path,
-        exc,
-    )
+    path = request.url.path
+    log.warning("event=backend_unavailable method=%s path=%s error=%r", request.method, path, exc)
     detail = "a backing service is unavailable; try again"
     if isinstance(exc, BusyLoadingError):
         detail = "Redis is loading its data after a restart; try again"
-    return Problem(503, "unavailable", detail, headers={"retry-after": "2"}).response()
+    return Problem(503, "unavailable", detail, headers=RETRY_SOON).response()
 
 
 async def on_error(request: Request, exc: Exception) -> Response:
@@ -162,9 +161,8 @@ async def on_error(request: Request, exc: Exception) -> Response:
     return Problem(500, "internal", "the server failed to handle this request").response()
 
 
-# The unavailable classes get a handler of their own: Starlette runs an `Exception` handler
-# in its outermost middleware, which answers with it and then raises the exception again for
-# the server to log — a full traceback for every request made while Redis restarts.
+# The unavailable classes get a handler of their own: Starlette's `Exception` handler re-raises
+# for the server to log, a full traceback for every request made while Redis restarts.
 HANDLERS: dict[Any, Any] = {
     Problem: on_problem,
     HTTPException: on_http_exception,

@@ -22,9 +22,20 @@ from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.queue import Queue
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
+# a queue Redis has no counts for: known by its limits or a task's advert
+_NO_COUNTS: dict[str, Any] = {
+    "queued": {p.value: 0 for p in PRIORITIES},
+    "parked": 0,
+    "waiting": 0,
+    "running": 0,
+    "paused": False,
+    "limited": False,
+    "blocked_until_ms": 0,
+}
 
 
-def _name(request: Request) -> str:
+def queue_name(request: Request) -> str:
+    """The ``{name}`` of the path: a 422 problem unless it is a valid queue name."""
     name: str = request.path_params["name"]
     if not QUEUE_NAME_RE.fullmatch(name):
         raise invalid(
@@ -48,16 +59,12 @@ async def queue_states(
     limits = await queue.admin.limits()
     ages = ages if ages is not None else await queue.admin.oldest_queued()
     workers = workers if workers is not None else await queue.admin.live_workers()
-    names = set(stats["queues"]) | set(limits)
-    if catalog is not None:
-        names |= {ad.queue for ad in catalog.ads()}
+    ads = catalog.ads() if catalog is not None else []
     out = []
-    for name in sorted(names):
-        q = stats["queues"].get(name) or {
-            "queued": {p.value: 0 for p in PRIORITIES}, "parked": 0, "waiting": 0, "running": 0,
-            "paused": False, "limited": False, "blocked_until_ms": 0,
-        }  # fmt: skip
+    for name in sorted(set(stats["queues"]) | set(limits) | {ad.queue for ad in ads}):
+        q = stats["queues"].get(name) or _NO_COUNTS
         blocked = q["blocked_until_ms"] / 1000
+        oldest = max((age for (qn, _), age in ages.items() if qn == name), default=None)
         out.append(
             {
                 "name": name,
@@ -69,13 +76,9 @@ async def queue_states(
                 "paused": q["paused"],
                 "limits": msgspec.to_builtins(limits[name]) if name in limits else None,
                 "blocked_until": blocked if blocked > time.time() else None,
-                "oldest_queued_age_seconds": max(
-                    (age for (qn, _), age in ages.items() if qn == name), default=None
-                ),
+                "oldest_queued_age_seconds": oldest,
                 "workers": sum(1 for w in workers if name in w.get("queues", ())),
-                "tasks": sorted(ad.type for ad in catalog.ads() if ad.queue == name)
-                if catalog is not None
-                else [],
+                "tasks": sorted(ad.type for ad in ads if ad.queue == name),
             }
         )
     return out
@@ -87,26 +90,27 @@ async def list_queues(request: Request) -> Response:
     return Response(orjson.dumps({"queues": states}), media_type=JSON)
 
 
-async def pause(request: Request) -> Response:
+async def _set_paused(request: Request, paused: bool) -> Response:
     require_admin(request)
-    name = _name(request)
-    async with audited(request, "queue.pause", name):
-        await request.state.queue.admin.pause(name)
-    return Response(orjson.dumps({"queue": name, "paused": True}), media_type=JSON)
+    name = queue_name(request)
+    admin = request.state.queue.admin
+    async with audited(request, "queue.pause" if paused else "queue.resume", name):
+        await (admin.pause if paused else admin.resume)(name)
+    return Response(orjson.dumps({"queue": name, "paused": paused}), media_type=JSON)
+
+
+async def pause(request: Request) -> Response:
+    return await _set_paused(request, True)
 
 
 async def resume(request: Request) -> Response:
-    require_admin(request)
-    name = _name(request)
-    async with audited(request, "queue.resume", name):
-        await request.state.queue.admin.resume(name)
-    return Response(orjson.dumps({"queue": name, "paused": False}), media_type=JSON)
+    return await _set_paused(request, False)
 
 
 async def set_limits(request: Request) -> Response:
     """PUT the queue's limits (``{}`` lifts them)."""
     require_admin(request)
-    name = _name(request)
+    name = queue_name(request)
     limits: QueueLimits = decode_body(_limits_decoder, await read_json_body(request))
     async with audited(request, "queue.limits", name) as outcome:
         outcome.detail = msgspec.to_builtins(limits)

@@ -25,34 +25,32 @@ from jobtier.persist.results import reader_for
 from jobtier.status.docs import read_doc
 
 
-def _not_succeeded(job_id: str, state: str) -> Problem:
-    return Problem(409, "wrong-state", f"job {job_id} has no result: it is {state}, not succeeded")
-
-
 async def content(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
-    owner, doc, result = await read_doc(queue.redis, queue.keys, job_id, "result")  # bytes
+    owner, doc, value = await read_doc(queue.redis, queue.keys, job_id, "result")
     if doc is not None:
         if owner != tenant.encode():
             raise job_not_found(job_id)
         state = doc_state(doc)
-        if state != "succeeded":
-            raise _not_succeeded(job_id, state)
-        if not is_ref(result):
-            return Response(result or b"null", media_type=JSON)
-        ref = ref_of(result)
-    else:  # no longer in Redis: Postgres has the record
+        ref = ref_of(value) if is_ref(value) else None
+    else:  # no longer in Redis: Postgres has it
         reader: PgReader = request.state.pg_reader
         found = await reader.result(job_id, tenant)
         if found is None:
             raise job_not_found(job_id)
-        if found.state.value != "succeeded":
-            raise _not_succeeded(job_id, found.state.value)
-        if found.ref is None:
-            return Response(found.result or b"null", media_type=JSON)
-        ref = found.ref
+        state, value, ref = found.state.value, found.result, found.ref
+    if state != "succeeded":
+        detail = f"job {job_id} has no result: it is {state}, not succeeded"
+        raise Problem(409, "wrong-state", detail)
+    if ref is None:
+        return Response(value or b"null", media_type=JSON)
+    return await stored_result(request, job_id, ref)
+
+
+async def stored_result(request: Request, job_id: str, ref: str) -> Response:
+    """A result the result store keeps, streamed byte for byte; 410 once it no longer does."""
     store = await reader_for(ref, request.state.pg_extension.pool)
     size = await store.size(ref)
     if size is None:
@@ -65,13 +63,14 @@ routes = [Route("/v1/jobs/{job_id}/result/content", content, methods=["GET"])]
 
 
 def openapi_paths(settings: Settings) -> dict[str, Any]:
-    return {
-        "/v1/jobs/{job_id}/result/content": {
-            "get": oa.operation(settings, "A succeeded job's result, exactly as the task's result was encoded (streamed; the status document's result_url for a result kept outside Redis)", {
-                "200": {"description": "the result (JSON)", "content": {"application/json": {"schema": {}}}},
-                "404": oa.problem("unknown job (or another tenant's, or a malformed id)"),
-                "409": oa.problem("the job has not succeeded"),
-                "410": oa.problem("the result is no longer kept (job_id)"),
-            }, path=[oa.JOB_ID]),
-        },
-    }  # fmt: skip
+    paths = oa.Paths(settings)
+    paths.add(
+        "GET /v1/jobs/{job_id}/result/content",
+        "A succeeded job's result, exactly as the task's result was encoded (streamed; the "
+        "status document's result_url for a result kept outside Redis)",
+        (200, oa.content("the result (JSON)", "application/json", {})),
+        oa.JOB_404,
+        oa.refuses(409, "the job has not succeeded"),
+        oa.refuses(410, "the result is no longer kept (job_id)"),
+    )
+    return paths.paths

@@ -1,11 +1,10 @@
 """One route per path: every method of a path answered by the same ``Resource``.
 
-Starlette matches routes one by one and a route whose path matches but whose method does not
-is only a partial match, so a later route with a parameter wins: ``GET /v1/jobs/batch`` was
-answered by ``GET /v1/jobs/{job_id}`` (a 404 for a job named "batch"), and a 405 listed only
-the methods of the first partial match in ``Allow``. A ``Resource`` matches its path for
-every method and answers a method it lacks with a 405 problem whose ``Allow`` names all of
-the path's methods, gathered from every route list (the core's and an extension's).
+Starlette takes a route whose path matches but whose method does not as a partial match only,
+so a later route with a parameter would win (``GET /v1/jobs/batch`` answered as the job
+"batch"), and a 405 would list only the first partial match's methods in ``Allow``. A
+``Resource`` matches its path for every method and answers a method it lacks with a 405
+problem whose ``Allow`` names all of the path's methods, from every route list.
 """
 
 from __future__ import annotations
@@ -22,8 +21,8 @@ class Resource(Route):
     """All the methods of one path; ``methods`` lists them (HEAD with GET)."""
 
     def __init__(self, path: str, routes: Sequence[Route]) -> None:
-        first = routes[0]
-        super().__init__(path, first.endpoint, methods=[m for r in routes for m in r.methods or ()])
+        methods = [m for r in routes for m in r.methods or ()]
+        super().__init__(path, routes[0].endpoint, methods=methods)
         self.handlers: dict[str, ASGIApp] = {}
         for route in routes:
             app = request_response(route.endpoint)
@@ -39,11 +38,8 @@ class Resource(Route):
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self.handlers.get(scope["method"])
         if handler is None:
-            raise Problem(
-                405, "method-not-allowed",
-                f"{scope['method'][:16]} is not allowed on {self.path}; allowed: {self.allow}",
-                headers={"allow": self.allow},
-            )  # fmt: skip
+            detail = f"{scope['method'][:16]} is not allowed on {self.path}; allowed: {self.allow}"
+            raise Problem(405, "method-not-allowed", detail, headers={"allow": self.allow})
         await handler(scope, receive, send)
 
 

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, decode_body, invalid, read_json_body
-from jobtier.api.params import Param, parse_query
+from jobtier.api.params import limit_param, matching, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
@@ -71,22 +71,15 @@ async def _with_redis_times(request: Request, schedules: list[Schedule]) -> list
     for s in schedules:
         if s.id in times:
             nxt, last, _ = times[s.id]
-            s = msgspec.structs.replace(
-                s, next_fire_at=to_datetime(nxt), last_fired_at=to_datetime(last) or s.last_fired_at
-            )
+            last_fired = to_datetime(last) or s.last_fired_at
+            s = msgspec.structs.replace(s, next_fire_at=to_datetime(nxt), last_fired_at=last_fired)
         out.append(s)
     return out
 
 
 LIST_PARAMS = [
-    Param(
-        "after",
-        "string",
-        "the next_after of the previous page",
-        max_length=100,
-        pattern=SCHEDULE_NAME_RE.pattern,
-    ),
-    Param("limit", "integer", "most schedules per page (default 100)", minimum=1, maximum=1000),
+    matching("after", "the next_after of the previous page", SCHEDULE_NAME_RE, 100),
+    limit_param("most schedules per page (default 100)", 1000),
 ]
 
 
@@ -103,13 +96,10 @@ async def create(request: Request) -> Response:
     except InvalidRequest as exc:
         raise invalid(exc) from None
     created = now_ms()
-    schedule = Schedule(
-        id=new_schedule_id(), tenant=tenant, name=spec.name, type=spec.type, payload=spec.payload,
-        priority=spec.priority, max_attempts=max_attempts, queue=queue, cron=spec.cron,
-        timezone=spec.timezone, interval=spec.interval, misfire=spec.misfire, paused=spec.paused,
-        next_fire_at=None, last_fired_at=None, created_at=to_datetime(created) or datetime.now(UTC),
-        updated_at=to_datetime(created) or datetime.now(UTC),
-    )  # fmt: skip
+    at = to_datetime(created) or datetime.now(UTC)
+    given = msgspec.structs.asdict(spec) | {"queue": queue, "max_attempts": max_attempts}
+    given |= {"next_fire_at": None, "last_fired_at": None, "created_at": at, "updated_at": at}
+    schedule = Schedule(**given, id=new_schedule_id(), tenant=tenant)
     definition = mirror_def(schedule, settings.default_max_attempts)
     next_ms = None if spec.paused else definition.timing().next_after(created)
     schedule = msgspec.structs.replace(schedule, next_fire_at=to_datetime(next_ms))
@@ -117,9 +107,8 @@ async def create(request: Request) -> Response:
     try:
         schedule = await store.insert(schedule, payload)
     except DuplicateName:
-        raise Problem(
-            409, "conflict", f"a schedule named {spec.name!r} exists already", field="name"
-        ) from None
+        detail = f"a schedule named {spec.name!r} exists already"
+        raise Problem(409, "conflict", detail, field="name") from None
     try:
         await _mirror(request).put(schedule.id, definition, payload, next_ms, spec.paused)
     except Exception:
@@ -195,42 +184,39 @@ routes = [
     Route("/v1/schedules/{schedule_id}/resume", resume, methods=["POST"]),
 ]
 
-_SCHEDULE_ID = {
-    "name": "schedule_id",
-    "in": "path",
-    "required": True,
-    "description": "a schedule id (a malformed or unknown one is a 404)",
-    "schema": {"type": "string", "pattern": ULID_RE.pattern},
-}
-_NOT_FOUND = oa.problem("unknown schedule (or another tenant's, or a malformed id)")
-
 
 def openapi_paths(settings: Settings) -> dict[str, Any]:
     """The schedule routes of the OpenAPI document."""
     s = settings
-    op = oa.operation
-    return {
-        "/v1/schedules": {
-            "post": op(s, "Create a recurring schedule (cron in a time zone, or a fixed interval)", {
-                "201": oa.json_response("Schedule", "created"),
-                "409": oa.problem("the tenant has a schedule of this name"),
-                "413": oa.too_large(s, oa.payload_too_large(s)),
-            }, body="ScheduleSpec"),
-            "get": op(s, "The tenant's schedules by name", {
-                "200": oa.json_response("ScheduleList", "a page; next_after is null on the last"),
-            }, params=LIST_PARAMS),
-        },
-        "/v1/schedules/{schedule_id}": {
-            "get": op(s, "One schedule", {"200": oa.json_response("Schedule", "the schedule"), "404": _NOT_FOUND}, path=[_SCHEDULE_ID]),
-            "delete": op(s, "Delete a schedule: it fires no more", {"204": {"description": "deleted"}, "404": _NOT_FOUND}, path=[_SCHEDULE_ID]),
-        },
-        "/v1/schedules/{schedule_id}/pause": {
-            "post": op(s, "Pause: no firing until resumed", {"200": oa.json_response("Schedule", "paused"), "404": _NOT_FOUND}, path=[_SCHEDULE_ID]),
-        },
-        "/v1/schedules/{schedule_id}/resume": {
-            "post": op(s, "Resume from the next slot (the paused time is not caught up)", {"200": oa.json_response("Schedule", "resumed"), "404": _NOT_FOUND}, path=[_SCHEDULE_ID]),
-        },
-    }  # fmt: skip
+    paths = oa.Paths(s)
+    unknown = oa.refuses(404, "unknown schedule (or another tenant's, or a malformed id)")
+    paths.add(
+        "POST /v1/schedules",
+        "Create a recurring schedule (cron in a time zone, or a fixed interval)",
+        oa.returns(201, "Schedule", "created"),
+        oa.refuses(409, "the tenant has a schedule of this name"),
+        (413, oa.too_large(s, oa.payload_too_large(s))),
+        body="ScheduleSpec",
+    )
+    paths.add(
+        "GET /v1/schedules",
+        "The tenant's schedules by name",
+        oa.returns(200, "ScheduleList", "a page; next_after is null on the last"),
+        params=LIST_PARAMS,
+    )
+    one = "/v1/schedules/{schedule_id}"
+    paths.add(f"GET {one}", "One schedule", oa.returns(200, "Schedule", "the schedule"), unknown)
+    deleted = (204, {"description": "deleted"})
+    paths.add(f"DELETE {one}", "Delete a schedule: it fires no more", deleted, unknown)
+    paused = oa.returns(200, "Schedule", "paused")
+    paths.add(f"POST {one}/pause", "Pause: no firing until resumed", paused, unknown)
+    paths.add(
+        f"POST {one}/resume",
+        "Resume from the next slot (the paused time is not caught up)",
+        oa.returns(200, "Schedule", "resumed"),
+        unknown,
+    )
+    return paths.paths
 
 
 def constrain(components: dict[str, Any], settings: Settings) -> None:

@@ -1,9 +1,10 @@
 """The building blocks of the OpenAPI document (``openapi.py`` assembles it): response
-bodies, parameters, and ``operation()``, which gives each operation the error answers the
-server gives for what it does. Route modules describe themselves with these."""
+bodies, parameters, answers, and ``operation()``, which gives each operation the error
+answers the server gives for what it does. Route modules describe themselves with these."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -13,7 +14,7 @@ from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MA
 from jobtier.api.params import Param
 from jobtier.config import Settings
 from jobtier.core.model import JobStatus, QueueInfo, QueueLimits, TaskAd
-from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
+from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE, ULID_RE, WEBHOOK_ID_RE
 
 
 class Problem(msgspec.Struct):
@@ -101,42 +102,44 @@ def ref(name: str) -> dict[str, str]:
 def event_stream(description: str, event: str, data: dict[str, Any]) -> dict[str, Any]:
     """A ``text/event-stream`` answer: its schema is each event's (OpenAPI 3.1), whose
     ``data`` is a JSON document of schema ``data``."""
+    data_schema = {"type": "string", "contentMediaType": "application/json", "contentSchema": data}
     schema = {
         "type": "object",
         "required": ["event", "data"],
         "properties": {
             "event": {"const": event},
             "id": {"type": "string", "pattern": "^[0-9]+$"},
-            "data": {
-                "type": "string",
-                "contentMediaType": "application/json",
-                "contentSchema": data,
-            },
+            "data": data_schema,
         },
     }
     return {"description": description, "content": {"text/event-stream": {"schema": schema}}}
 
 
-def json_response(
-    name: str, description: str, headers: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    answer: dict[str, Any] = {
-        "description": description,
-        "content": {"application/json": {"schema": ref(name)}},
-    }
-    if headers:
-        answer["headers"] = headers
-    return answer
+def content(description: str, media_type: str, schema: Any, headers: Any = None) -> dict[str, Any]:
+    """An answer with a body of ``media_type``."""
+    answer = {"description": description, "content": {media_type: {"schema": schema}}}
+    return {**answer, "headers": headers} if headers else answer
 
 
-def problem(description: str, headers: dict[str, Any] | None = None) -> dict[str, Any]:
-    answer: dict[str, Any] = {
-        "description": description,
-        "content": {"application/problem+json": {"schema": ref("Problem")}},
-    }
-    if headers:
-        answer["headers"] = headers
-    return answer
+def json_response(name: str, description: str, headers: Any = None) -> dict[str, Any]:
+    return content(description, "application/json", ref(name), headers)
+
+
+def problem(description: str, headers: Any = None) -> dict[str, Any]:
+    return content(description, "application/problem+json", ref("Problem"), headers)
+
+
+Answer = tuple[int, dict[str, Any]]  # an answer of an operation and its status
+
+
+def returns(status: int, schema: str, description: str, headers: Any = None) -> Answer:
+    """A JSON answer whose body is the component ``schema``."""
+    return status, json_response(schema, description, headers)
+
+
+def refuses(status: int, description: str, headers: Any = None) -> Answer:
+    """A problem document answer."""
+    return status, problem(description, headers)
 
 
 def header(description: str, *, required: bool = False, pattern: str | None = None) -> Any:
@@ -146,18 +149,33 @@ def header(description: str, *, required: bool = False, pattern: str | None = No
     return {"description": description, "required": required, "schema": schema}
 
 
-RETRY_AFTER = {"Retry-After": header("seconds to wait before trying again", pattern="^[0-9]+$")}
-JOB_ID: dict[str, Any] = {
-    "name": "job_id", "in": "path", "required": True,
-    "description": "a job id as submit returned it (a malformed or unknown one is a 404)",
-    "schema": {"type": "string", "pattern": JOB_ID_RE.pattern},
-}  # fmt: skip
+def path_param(name: str, description: str, pattern: re.Pattern[str]) -> dict[str, Any]:
+    schema = {"type": "string", "pattern": pattern.pattern}
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "description": description,
+        "schema": schema,
+    }
 
-QUEUE_NAME = {
-    "name": "name", "in": "path", "required": True,
-    "description": "a queue name",
-    "schema": {"type": "string", "pattern": QUEUE_NAME_RE.pattern},
-}  # fmt: skip
+
+RETRY_AFTER = {"Retry-After": header("seconds to wait before trying again", pattern="^[0-9]+$")}
+JOB_ID = path_param(
+    "job_id", "a job id as submit returned it (a malformed or unknown one is a 404)", JOB_ID_RE
+)
+# every path parameter by name: Paths.add describes those its path has
+PATH_PARAMS = {
+    "job_id": JOB_ID,
+    "name": path_param("name", "a queue name", QUEUE_NAME_RE),
+    "schedule_id": path_param(
+        "schedule_id", "a schedule id (a malformed or unknown one is a 404)", ULID_RE
+    ),
+    "webhook_id": path_param(
+        "webhook_id", "a subscription id (a malformed or unknown one is a 404)", WEBHOOK_ID_RE
+    ),
+}
+JOB_404 = refuses(404, "unknown job (or another tenant's, or a malformed id)")
 
 Auth = Literal["tenant", "admin", "none"]
 
@@ -201,12 +219,11 @@ def operation(
     if params:
         errors["400"] = problem("a query parameter is unknown, repeated or malformed (field)")
     if body is not None:
-        limit = settings.max_request_bytes
         out["requestBody"] = {
             "required": body_required,
             "description": (
-                f"JSON, at most {limit} bytes (JOBTIER_MAX_REQUEST_BYTES), arrays and "
-                f"objects nested at most {MAX_JSON_DEPTH} deep"
+                f"JSON, at most {settings.max_request_bytes} bytes (JOBTIER_MAX_REQUEST_BYTES), "
+                f"arrays and objects nested at most {MAX_JSON_DEPTH} deep"
             ),
             "content": {"application/json": {"schema": ref(body)}},
         }
@@ -219,10 +236,8 @@ def operation(
             "of yours that Redis keeps, …); field names the member"
         )
     if auth != "none":
-        errors["401"] = problem(
-            "missing or unknown API key",
-            {"WWW-Authenticate": header("Bearer realm")},
-        )
+        unauthorized = {"WWW-Authenticate": header("Bearer realm")}
+        errors["401"] = problem("missing or unknown API key", unauthorized)
     out["security"] = {"tenant": [{"tenantKey": []}], "admin": [{"adminKey": []}], "none": []}[auth]
     if auth == "admin":
         errors["403"] = problem("a tenant key on an admin route")
@@ -230,6 +245,29 @@ def operation(
         errors["503"] = problem("Redis or Postgres is unavailable; try again", RETRY_AFTER)
     out["responses"] = {**errors, **responses}
     return out
+
+
+_PATH_PARAM = re.compile(r"{(\w+)}")
+
+
+class Paths:
+    """The operations of an API part, added one by one: ``add("GET /v1/…", summary,
+    *answers, **options)`` (``operation``'s options; ``defaults`` apply to each). The path's
+    parameters are described from ``PATH_PARAMS``."""
+
+    def __init__(self, settings: Settings, **defaults: Any) -> None:
+        self.settings = settings
+        self.defaults = defaults
+        self.paths: dict[str, Any] = {}
+
+    def add(self, route: str, summary: str, *answers: Answer, **options: Any) -> dict[str, Any]:
+        """Add the operation and return it."""
+        method, path = route.split(" ")
+        responses = {str(status): answer for status, answer in answers}
+        options = {"path": [PATH_PARAMS[p] for p in _PATH_PARAM.findall(path)], **options}
+        op = operation(self.settings, summary, responses, **{**self.defaults, **options})
+        self.paths.setdefault(path, {})[method.lower()] = op
+        return op
 
 
 def constrain(components: dict[str, Any], struct: str, field: str, **constraints: Any) -> None:

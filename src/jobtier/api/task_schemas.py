@@ -1,12 +1,11 @@
-"""The OpenAPI document with the task catalogue in it: each task's job body, payload schema
-included, so a client (or a fuzzer) knows exactly what a submit of each type must carry.
+"""The OpenAPI document with the task catalogue in it, so a client (or a fuzzer) knows what a
+submit of each type must carry.
 
-The document the app builds at start describes a job (``JobSpec``) with any ``type`` and any
-``payload``. While workers advertise their tasks (engine/catalog.py) and the API refuses types none
-of them runs (``JOBTIER_REQUIRE_KNOWN_TYPES``, the default), that is not what the server
-accepts: this rewrites ``JobSpec`` (and ``ScheduleSpec``, when schedules are served) as one
-variant per known task — ``type`` that task's name, ``payload`` its schema — with the
-payload types' definitions as components. Rebuilt when the catalogue changes.
+While the API refuses types no worker advertises (``JOBTIER_REQUIRE_KNOWN_TYPES``, the
+default), a ``JobSpec`` with any ``type`` and ``payload`` is not what it accepts: this
+rewrites ``JobSpec`` (and ``FlowJob``, ``ScheduleSpec`` where served) as one variant per known
+task, ``type`` its name and ``payload`` its schema, with the payload types' definitions as
+components. Rebuilt when the catalogue changes.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Webhook routes (tenant-scoped): subscriptions, the signing secret, deliveries; and the
 check of a submit's ``callback``.
 
-Postgres holds it all (migration 0007); the dispatcher (``jobtier dispatcher``) reads it.
-A URL is checked here when it is given (``webhooks/safety.py``: it must resolve to public
-addresses, unless JOBTIER_WEBHOOK_ALLOWED_HOSTS names it) and again by the dispatcher at
-each delivery. A job's callback is written before its submit reaches Redis and deleted
-again if the submit makes no job of that id (``webhooks/callbacks.py``).
+Postgres holds it all; the dispatcher (``jobtier dispatcher``) reads it. A URL is checked
+here when it is given (``webhooks/safety.py``: it must resolve to public addresses, unless
+JOBTIER_WEBHOOK_ALLOWED_HOSTS names it) and again by the dispatcher at each delivery. A job's
+callback is written before its submit reaches Redis and deleted again if the submit makes no
+job of that id (``webhooks/callbacks.py``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from starlette.routing import Route
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, decode_body, job_id_of, job_not_found, read_json_body
-from jobtier.api.params import Param, parse_query
-from jobtier.api.problems import PG_DOWN, Problem, not_found, pg_unavailable, secret_missing
+from jobtier.api.params import limit_param, matching, parse_query
+from jobtier.api.problems import PG_DOWN, Problem, not_found, postgres_or_503, secret_missing
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import ulid
@@ -36,7 +36,6 @@ from jobtier.webhooks.callbacks import CallbackStore, SecretMissing
 from jobtier.webhooks.safety import MAX_URL_LENGTH, AddressPolicy, Resolver
 from jobtier.webhooks.signing import new_secret
 
-EVENTS = oa.CALLBACK_EVENTS
 MAX_DESCRIPTION = 200
 
 
@@ -130,11 +129,7 @@ class WebhookService:
         try:
             await self.callbacks.check(url, events, field)
         except InvalidRequest as exc:
-            raise Problem(422, "validation", str(exc), field=exc.field) from None
-
-    async def ensure_group(self) -> None:
-        """The dispatchers' group exists before the first webhook is accepted."""
-        await self.callbacks.ensure_group()
+            raise _refused(exc) from None
 
     async def register(
         self, tenant: str, callbacks: Sequence[tuple[str, CallbackSpec, str]]
@@ -142,19 +137,22 @@ class WebhookService:
         """Write a submit's callbacks ((job id, callback, field prefix)) before the submit:
         422 for a refused one, 409 if the tenant has no secret (then none is written)."""
         try:
-            await self.callbacks.register(tenant, callbacks)
-        except PG_DOWN:
-            raise pg_unavailable() from None
+            with postgres_or_503():
+                await self.callbacks.register(tenant, callbacks)
         except SecretMissing as exc:
             raise secret_missing(exc) from None
         except InvalidRequest as exc:
-            raise Problem(422, "validation", str(exc), field=exc.field) from None
+            raise _refused(exc) from None
 
     async def forget(self, job_ids: Sequence[str]) -> None:
         try:
             await self.callbacks.forget(job_ids)
         except PG_DOWN:  # an orphan callback names a job that never runs: harmless
             pass
+
+
+def _refused(exc: InvalidRequest) -> Problem:
+    return Problem(422, "validation", str(exc), field=exc.field)
 
 
 def _service(request: Request) -> WebhookService:
@@ -170,24 +168,20 @@ def _webhook_id(request: Request) -> str:
 
 
 def _webhook(row: Any, secret: str | None = None) -> Webhook:
-    return Webhook(
-        id=row["id"], url=row["url"], events=row["events"], created_at=row["created_at"],
-        description=row["description"], disabled_at=row["disabled_at"], secret=secret,
-    )  # fmt: skip
+    return Webhook(**{name: row[name] for name in _WEBHOOK_COLUMNS}, secret=secret)
 
 
 def _json(value: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(value), status, media_type=JSON)
 
 
+_WEBHOOK_COLUMNS = [name for name in Webhook.__struct_fields__ if name != "secret"]
+_DELIVERY_COLUMNS = [name for name in Delivery.__struct_fields__ if name != "attempt_log"]
 LIST_PARAMS = [
-    Param("after", "string", "the next_after of the previous page", max_length=40,
-          pattern=WEBHOOK_ID_RE.pattern),
-    Param("limit", "integer", "most subscriptions per page (default 100)", minimum=1, maximum=1000),
-]  # fmt: skip
-DELIVERY_PARAMS = [
-    Param("limit", "integer", "most deliveries (default 100)", minimum=1, maximum=1000),
+    matching("after", "the next_after of the previous page", WEBHOOK_ID_RE, 40),
+    limit_param("most subscriptions per page (default 100)", 1000),
 ]
+DELIVERY_PARAMS = [limit_param("most deliveries (default 100)", 1000)]
 
 
 async def create(request: Request) -> Response:
@@ -196,27 +190,22 @@ async def create(request: Request) -> Response:
     service = _service(request)
     await service.check(spec.url, spec.events, "")
     if spec.description is not None and len(spec.description) > MAX_DESCRIPTION:
-        raise Problem(
-            422, "validation", f"description is over {MAX_DESCRIPTION} characters",
-            field="description",
-        )  # fmt: skip
+        detail = f"description is over {MAX_DESCRIPTION} characters"
+        raise Problem(422, "validation", detail, field="description")
     secret = new_secret()
-    try:
-        await service.ensure_group()
-        # before the row: the dispatcher then decodes this tenant's entries
-        # (webhooks/marks.py); a mark left by a failed insert only costs the old path
-        await marks.mark(service.callbacks.redis, service.callbacks.keys, [tenant])
+    redis, keys = service.callbacks.redis, service.callbacks.keys
+    with postgres_or_503():
+        await service.callbacks.ensure_group()
+        # before the row, so the dispatcher decodes this tenant's entries (webhooks/marks.py);
+        # a mark left by a failed insert only costs the old path
+        await marks.mark(redis, keys, [tenant])
         async with service.pool.acquire() as conn, conn.transaction():
             made = await conn.fetchrow(query("secret_create_if_missing"), tenant, secret)
-            row = await conn.fetchrow(
-                query("subscription_insert"), f"wh_{ulid()}", tenant, spec.url, spec.events,
-                spec.description,
-            )  # fmt: skip
-        # and again once the row is committed, before the answer: a dispatcher's clean-up
-        # may have removed the first mark before the row was there (marks.unmark_idle)
-        await marks.mark(service.callbacks.redis, service.callbacks.keys, [tenant])
-    except PG_DOWN:
-        raise pg_unavailable() from None
+            new = (f"wh_{ulid()}", tenant, spec.url, spec.events, spec.description)
+            row = await conn.fetchrow(query("subscription_insert"), *new)
+        # again once the row is committed: a dispatcher's clean-up may have removed the first
+        # mark before the row was there (marks.unmark_idle)
+        await marks.mark(redis, keys, [tenant])
     return _json(_webhook(row, secret if made is not None else None), 201)
 
 
@@ -224,12 +213,10 @@ async def list_webhooks(request: Request) -> Response:
     tenant = tenant_of(request)
     q = parse_query(request, LIST_PARAMS)
     limit: int = q.get("limit", 100)
-    try:
+    with postgres_or_503():
         rows = await _service(request).pool.fetch(
             query("subscription_list"), tenant, q.get("after", ""), limit
         )
-    except PG_DOWN:
-        raise pg_unavailable() from None
     hooks = [_webhook(r) for r in rows]
     return _json(WebhookList(hooks, hooks[-1].id if len(hooks) == limit else None))
 
@@ -237,10 +224,8 @@ async def list_webhooks(request: Request) -> Response:
 async def get(request: Request) -> Response:
     tenant = tenant_of(request)
     webhook_id = _webhook_id(request)
-    try:
+    with postgres_or_503():
         row = await _service(request).pool.fetchrow(query("subscription_get"), webhook_id, tenant)
-    except PG_DOWN:
-        raise pg_unavailable() from None
     if row is None:
         raise not_found(f"webhook {webhook_id}")
     return _json(_webhook(row))
@@ -249,12 +234,10 @@ async def get(request: Request) -> Response:
 async def delete(request: Request) -> Response:
     tenant = tenant_of(request)
     webhook_id = _webhook_id(request)
-    try:
+    with postgres_or_503():
         gone = await _service(request).pool.fetchval(
             query("subscription_delete"), webhook_id, tenant
         )
-    except PG_DOWN:
-        raise pg_unavailable() from None
     if not gone:
         raise not_found(f"webhook {webhook_id}")
     return Response(status_code=204)
@@ -264,65 +247,54 @@ async def rotate_secret(request: Request) -> Response:
     """Create the tenant's signing secret, or replace it (the old one keeps signing for
     JOBTIER_WEBHOOK_SECRET_OVERLAP_SECONDS). The secret is in this answer only."""
     tenant = tenant_of(request)
-    settings: Settings = request.state.settings
+    overlap = float(request.state.settings.webhook_secret_overlap_seconds)
     secret = new_secret()
-    try:
-        row = await _service(request).pool.fetchrow(
-            query("secret_rotate"), tenant, secret, float(settings.webhook_secret_overlap_seconds)
-        )
-    except PG_DOWN:
-        raise pg_unavailable() from None
+    with postgres_or_503():
+        row = await _service(request).pool.fetchrow(query("secret_rotate"), tenant, secret, overlap)
     assert row is not None
     return _json(SigningSecret(secret, row["created_at"], row["previous_until"]), 201)
 
 
 async def _deliveries(pool: Pool, rows: Sequence[Any]) -> DeliveryList:
     attempts: dict[str, list[DeliveryAttempt]] = {}
-    if rows:
-        for a in await pool.fetch(query("attempts_of"), [r["id"] for r in rows]):
-            attempts.setdefault(a["delivery_id"], []).append(DeliveryAttempt(
-                a["attempt"], a["at"], round(float(a["duration_ms"]), 3), a["status"],
-                a["error"], a["response"],
-            ))  # fmt: skip
-    return DeliveryList([
-        Delivery(
-            r["id"], r["job_id"], r["job_version"], r["subscription_id"], r["url"], r["event"],
-            r["state"], r["attempts"], r["created_at"], r["occurred_at"], r["next_attempt_at"],
-            r["last_status"], r["last_error"], r["finished_at"], attempts.get(r["id"], []),
-        )
-        for r in rows
-    ])  # fmt: skip
+    found = await pool.fetch(query("attempts_of"), [r["id"] for r in rows]) if rows else []
+    for a in found:
+        duration = round(float(a["duration_ms"]), 3)
+        attempt = (a["attempt"], a["at"], duration, a["status"], a["error"], a["response"])
+        attempts.setdefault(a["delivery_id"], []).append(DeliveryAttempt(*attempt))
+    return DeliveryList(
+        [
+            Delivery(**{c: r[c] for c in _DELIVERY_COLUMNS}, attempt_log=attempts.get(r["id"], []))
+            for r in rows
+        ]
+    )
 
 
 async def webhook_deliveries(request: Request) -> Response:
     """A subscription's deliveries, newest first."""
     tenant = tenant_of(request)
     webhook_id = _webhook_id(request)
-    limit: int = parse_query(request, DELIVERY_PARAMS).get("limit", 100)
+    most: int = parse_query(request, DELIVERY_PARAMS).get("limit", 100)
     pool = _service(request).pool
-    try:
+    with postgres_or_503():
         if await pool.fetchrow(query("subscription_get"), webhook_id, tenant) is None:
             raise not_found(f"webhook {webhook_id}")
-        rows = await pool.fetch(query("deliveries_of_subscription"), webhook_id, tenant, limit)
+        rows = await pool.fetch(query("deliveries_of_subscription"), webhook_id, tenant, most)
         return _json(await _deliveries(pool, rows))
-    except PG_DOWN:
-        raise pg_unavailable() from None
 
 
 async def job_deliveries(request: Request) -> Response:
     """A job's deliveries (its callback's and its tenant's subscriptions'), oldest first."""
     tenant = tenant_of(request)
     job_id = job_id_of(request)
-    limit: int = parse_query(request, DELIVERY_PARAMS).get("limit", 100)
+    most: int = parse_query(request, DELIVERY_PARAMS).get("limit", 100)
     found = await request.state.reader.get(job_id)
     if found is None or found[0] != tenant:
         raise job_not_found(job_id)
     pool = _service(request).pool
-    try:
-        rows = await pool.fetch(query("deliveries_of_job"), job_id, tenant, limit)
+    with postgres_or_503():
+        rows = await pool.fetch(query("deliveries_of_job"), job_id, tenant, most)
         return _json(await _deliveries(pool, rows))
-    except PG_DOWN:
-        raise pg_unavailable() from None
 
 
 routes = [
@@ -335,12 +307,6 @@ routes = [
     Route("/v1/jobs/{job_id}/deliveries", job_deliveries, methods=["GET"]),
 ]
 
-WEBHOOK_ID = {
-    "name": "webhook_id", "in": "path", "required": True,
-    "description": "a subscription id (a malformed or unknown one is a 404)",
-    "schema": {"type": "string", "pattern": WEBHOOK_ID_RE.pattern},
-}  # fmt: skip
-_NOT_FOUND = oa.problem("unknown subscription (or another tenant's, or a malformed id)")
 REFUSED = (
     "the body does not fit its schema, or the URL is refused: not http(s), or its host does "
     "not resolve, or resolves to a loopback, private, link-local or otherwise non-public "
@@ -350,40 +316,57 @@ REFUSED = (
 
 def openapi_paths(settings: Settings) -> dict[str, Any]:
     """The webhook routes of the OpenAPI document."""
-    s = settings
-    op = oa.operation
-    return {
-        "/v1/webhooks": {
-            "post": op(s, "Subscribe a URL to the tenant's jobs: terminal states, or every transition", {
-                "201": oa.json_response("Webhook", "created; secret is set when this created the tenant's signing secret (shown once)"),
-                "422": oa.problem(REFUSED),
-            }, body="WebhookSpec"),
-            "get": op(s, "The tenant's subscriptions, oldest first", {
-                "200": oa.json_response("WebhookList", "a page; next_after is null on the last"),
-            }, params=LIST_PARAMS),
-        },
-        "/v1/webhooks/{webhook_id}": {
-            "get": op(s, "One subscription", {"200": oa.json_response("Webhook", "the subscription"), "404": _NOT_FOUND}, path=[WEBHOOK_ID]),
-            "delete": op(s, "Unsubscribe: its waiting deliveries are cancelled", {"204": {"description": "deleted"}, "404": _NOT_FOUND}, path=[WEBHOOK_ID]),
-        },
-        "/v1/webhooks/{webhook_id}/deliveries": {
-            "get": op(s, "The subscription's deliveries, newest first, each with its attempts", {
-                "200": oa.json_response("DeliveryList", "the deliveries"),
-                "404": _NOT_FOUND,
-            }, path=[WEBHOOK_ID], params=DELIVERY_PARAMS),
-        },
-        "/v1/webhook-secret": {
-            "post": op(s, "Create or rotate the tenant's webhook signing secret (whsec_…, shown once; the previous one keeps signing for JOBTIER_WEBHOOK_SECRET_OVERLAP_SECONDS)", {
-                "201": oa.json_response("SigningSecret", "the new secret"),
-            }),
-        },
-        "/v1/jobs/{job_id}/deliveries": {
-            "get": op(s, "The job's webhook deliveries (its callback's and the subscriptions'), each with its attempts", {
-                "200": oa.json_response("DeliveryList", "the deliveries so far"),
-                "404": oa.problem("unknown job (or another tenant's, or a malformed id)"),
-            }, path=[oa.JOB_ID], params=DELIVERY_PARAMS),
-        },
-    }  # fmt: skip
+    paths = oa.Paths(settings)
+    unknown = oa.refuses(404, "unknown subscription (or another tenant's, or a malformed id)")
+    paths.add(
+        "POST /v1/webhooks",
+        "Subscribe a URL to the tenant's jobs: terminal states, or every transition",
+        oa.returns(
+            201,
+            "Webhook",
+            "created; secret is set when this created the tenant's signing secret (shown once)",
+        ),
+        oa.refuses(422, REFUSED),
+        body="WebhookSpec",
+    )
+    paths.add(
+        "GET /v1/webhooks",
+        "The tenant's subscriptions, oldest first",
+        oa.returns(200, "WebhookList", "a page; next_after is null on the last"),
+        params=LIST_PARAMS,
+    )
+    one = "/v1/webhooks/{webhook_id}"
+    paths.add(
+        f"GET {one}", "One subscription", oa.returns(200, "Webhook", "the subscription"), unknown
+    )
+    paths.add(
+        f"DELETE {one}",
+        "Unsubscribe: its waiting deliveries are cancelled",
+        (204, {"description": "deleted"}),
+        unknown,
+    )
+    paths.add(
+        f"GET {one}/deliveries",
+        "The subscription's deliveries, newest first, each with its attempts",
+        oa.returns(200, "DeliveryList", "the deliveries"),
+        unknown,
+        params=DELIVERY_PARAMS,
+    )
+    paths.add(
+        "POST /v1/webhook-secret",
+        "Create or rotate the tenant's webhook signing secret (whsec_…, shown once; the previous "
+        "one keeps signing for JOBTIER_WEBHOOK_SECRET_OVERLAP_SECONDS)",
+        oa.returns(201, "SigningSecret", "the new secret"),
+    )
+    paths.add(
+        "GET /v1/jobs/{job_id}/deliveries",
+        "The job's webhook deliveries (its callback's and the subscriptions'), each with its "
+        "attempts",
+        oa.returns(200, "DeliveryList", "the deliveries so far"),
+        oa.JOB_404,
+        params=DELIVERY_PARAMS,
+    )
+    return paths.paths
 
 
 def constrain(components: dict[str, Any]) -> None:
@@ -396,5 +379,10 @@ def constrain(components: dict[str, Any]) -> None:
 
 
 OPENAPI_TYPES: list[type] = [
-    WebhookSpec, Webhook, WebhookList, SigningSecret, Delivery, DeliveryList,
-]  # fmt: skip
+    WebhookSpec,
+    Webhook,
+    WebhookList,
+    SigningSecret,
+    Delivery,
+    DeliveryList,
+]
