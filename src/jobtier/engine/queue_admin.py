@@ -234,16 +234,10 @@ class QueueAdmin:
         keys, redis = self.store.keys, self.store.redis
         conf = keys.limit(queue)
         if limits.limited:
-            fields: dict[str | bytes, int] = {}
-            gone = []
-            if limits.concurrency is not None:
-                fields["concurrency"] = limits.concurrency
-            else:
-                gone.append("concurrency")
-            if limits.rate is not None:
-                fields.update(rate=limits.rate, period=round(limits.per * 1000))
-            else:
-                gone += ["rate", "period"]
+            period = None if limits.rate is None else round(limits.per * 1000)
+            values = {"concurrency": limits.concurrency, "rate": limits.rate, "period": period}
+            fields = {name: v for name, v in values.items() if v is not None}
+            gone = [name for name, v in values.items() if v is None]
             # enforced first (the home shard's permits: limit.lua), then announced to workers
             # (the catalogue), then required in every shard: a claim without permits (from a
             # worker that has not heard yet) takes nothing from it

@@ -69,16 +69,8 @@ def _named(flows: Sequence[list[FlowJob]]) -> list[list[FlowJob]]:
 
     out = []
     for flow in flows:
-        renamed: dict[str, str] = {}
-        refs = []
-        for job in flow:
-            if job.ref is None or GENERATED.fullmatch(job.ref):
-                ref = fresh()
-                if job.ref is not None:
-                    renamed[job.ref] = ref
-                refs.append(ref)
-            else:
-                refs.append(job.ref)
+        refs = [fresh() if j.ref is None or GENERATED.fullmatch(j.ref) else j.ref for j in flow]
+        renamed = {j.ref: ref for j, ref in zip(flow, refs, strict=True) if j.ref is not None}
         out.append(
             [
                 msgspec.structs.replace(

@@ -329,19 +329,15 @@ class PgReader:
             return [] if known is not None else None
         out = []
         for r in rows:
-            state = r["state"]
-            if state is None:  # pruned, or not written behind yet
-                out.append(Dependency(id=r["depends_on"], state="missing", child=r["child"]))
-            elif state in ("succeeded", "failed", "cancelled"):
-                if state != "succeeded":
-                    data = r["error"] or b""
-                elif r["result_ref"] is not None:  # kept in the result store
-                    data = b"@" + r["result_ref"].encode()
-                else:
-                    data = r["result"] or b""
-                out.append(dependency(r["depends_on"], state, data, r["child"]))
+            dep, state, child = r["depends_on"], r["state"], r["child"]
+            if state not in ("succeeded", "failed", "cancelled"):  # None: pruned, or not written
+                out.append(Dependency(id=dep, state="pending" if state else "missing", child=child))
+            elif state != "succeeded":
+                out.append(dependency(dep, state, r["error"] or b"", child))
+            elif r["result_ref"] is not None:  # kept in the result store
+                out.append(dependency(dep, state, b"@" + r["result_ref"].encode(), child))
             else:
-                out.append(Dependency(id=r["depends_on"], state="pending", child=r["child"]))
+                out.append(dependency(dep, state, r["result"] or b"", child))
         return out
 
     # the console's reads: any tenant
@@ -351,15 +347,7 @@ class PgReader:
         row = await self.pool.fetchrow(query("admin_job"), job_id, preview_bytes)
         if row is None:
             return None
-        return StoredJob(
-            tenant=row["tenant"],
-            doc=bytes(row["doc"]),
-            payload_size=row["payload_size"],
-            payload=row["payload"],
-            result_size=row["result_size"],
-            result=row["result"],
-            result_ref=row["result_ref"],
-        )
+        return StoredJob(**dict(row, doc=bytes(row["doc"])))  # its columns are the fields
 
     async def admin_value(self, job_id: str, part: str) -> tuple[bool, bytes | None]:
         """(whether Postgres knows the job, its whole payload or result JSON or None). A result
@@ -374,21 +362,15 @@ class PgReader:
     async def admin_history(self, job_id: str) -> list[AdminTransition]:
         """Every persisted change of the job, oldest first, whatever its tenant, with each
         error as the worker recorded it (every member, a traceback too); [] if unknown."""
-        rows = await self.pool.fetch(query("admin_history"), job_id)
+        rows = await self.pool.fetch(query("admin_history"), job_id)  # columns: the fields
         return [
-            AdminTransition(
-                version=r["version"],
-                from_state=r["from_state"],
-                to_state=r["to_state"],
-                at=r["at"],
-                worker=r["worker"],
-                attempt=r["attempt"],
-                error=msgspec.Raw(r["error"]) if r["error"] is not None else None,
-                progress=msgspec.Raw(r["progress"]) if r["progress"] is not None else None,
-                cancel_requested=r["cancel_requested"],
-            )
+            AdminTransition(**dict(r, error=_raw(r["error"]), progress=_raw(r["progress"])))
             for r in rows
         ]
+
+
+def _raw(value: bytes | None) -> msgspec.Raw | None:
+    return None if value is None else msgspec.Raw(value)
 
 
 LAG_EXACT_UP_TO = 100  # undelivered entries per shard counted one by one (log_lag.lua)
