@@ -99,7 +99,6 @@ def to_datetime(ms: int | None) -> datetime | None:
     return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
 
 
-# --- the Redis mirror -------------------------------------------------------------------------
 class MirrorDef(msgspec.Struct, kw_only=True):
     """What the scheduler needs to fire a schedule, as kept in Redis (``def``)."""
 

@@ -17,6 +17,7 @@ from jobtier.engine.validate import check_name
 from jobtier.store import format as job_format
 from jobtier.store.calls import parse_purge, purge_call
 from jobtier.store.context import Store
+from jobtier.store.redis import read_live
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
 WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease
@@ -165,21 +166,14 @@ class QueueAdmin:
 
         A worker killed without signing off stops advertising: it is no longer live after
         ``WORKER_FRESH_SECONDS`` and its entry is deleted after ``WORKER_FORGET_SECONDS``."""
-        now = time.time()
-        live, gone = [], []
-        for worker_id, raw in (await self.store.redis.hgetall(self.store.keys.workers())).items():
-            try:
-                info = msgspec.json.decode(raw)
-                age = now - float(info.get("seen_at", 0))
-            except (msgspec.DecodeError, TypeError, ValueError, AttributeError):
-                gone.append(worker_id)
-                continue
-            if age <= WORKER_FRESH_SECONDS:
-                live.append(info)
-            elif age > WORKER_FORGET_SECONDS:
-                gone.append(worker_id)
-        if gone:
-            await self.store.redis.hdel(self.store.keys.workers(), *gone)
+
+        def seen(raw: bytes) -> tuple[dict[str, Any], float]:
+            info = msgspec.json.decode(raw)
+            return info, float(info.get("seen_at", 0))
+
+        key = self.store.keys.workers()
+        fresh, forget = WORKER_FRESH_SECONDS, WORKER_FORGET_SECONDS
+        live = await read_live(self.store.redis, key, seen, fresh, forget)
         live.sort(key=lambda w: -float(w.get("seen_at", 0)))
         return live
 

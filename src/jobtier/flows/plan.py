@@ -135,7 +135,7 @@ def find_cycle(nodes: Sequence[Node]) -> list[int]:
     for start in range(len(nodes)):
         if colour[start] != WHITE:
             continue
-        # iterative depth-first search: a 10,000-job chain must not hit the recursion limit
+        # iterative depth-first search: a long chain must not hit the recursion limit
         path: list[int] = []
         stack: list[tuple[int, int]] = [(start, 0)]
         colour[start] = GREY

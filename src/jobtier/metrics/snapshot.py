@@ -25,7 +25,7 @@ from jobtier.core.keys import Keys
 from jobtier.metrics.histogram import merge, minus
 from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import bounded, stop_task
-from jobtier.store.redis import RedisClient
+from jobtier.store.redis import RedisClient, read_live
 
 log = logging.getLogger("jobtier.metrics")
 
@@ -120,21 +120,12 @@ _snapshot_decoder = msgspec.json.Decoder(Snapshot)
 
 async def read_snapshots(redis: RedisClient, keys: Keys) -> list[Snapshot]:
     """Every live process's latest snapshot; forgets processes gone for an hour."""
-    now = time.time()
-    live, gone = [], []
-    for field, raw in (await redis.hgetall(keys.metrics())).items():
-        try:
-            snap = _snapshot_decoder.decode(raw)
-        except msgspec.DecodeError:
-            gone.append(field)
-            continue
-        if now - snap.at <= FRESH_SECONDS:
-            live.append(snap)
-        elif now - snap.at > FORGET_SECONDS:
-            gone.append(field)
-    if gone:
-        await redis.hdel(keys.metrics(), *gone)
-    return live
+
+    def seen(raw: bytes) -> tuple[Snapshot, float]:
+        snap = _snapshot_decoder.decode(raw)
+        return snap, snap.at
+
+    return await read_live(redis, keys.metrics(), seen, FRESH_SECONDS, FORGET_SECONDS)
 
 
 def totals(snapshots: Iterable[Snapshot]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:

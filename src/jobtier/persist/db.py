@@ -118,7 +118,6 @@ def migrations() -> list[tuple[str, str]]:
     return [(name, sql) for _, name, sql in found]
 
 
-# --- connections ----------------------------------------------------------------------------
 def _encode_json(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
@@ -156,7 +155,6 @@ async def connect(dsn: str, **kwargs: Any) -> Connection:
     return conn
 
 
-# --- migrations -----------------------------------------------------------------------------
 FAST_COLLATIONS = ("C", "POSIX")  # byte order: Postgres compares text without the C library
 
 

@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
@@ -27,6 +27,7 @@ from jobtier.runtime.stopping import stop_task
 log = logging.getLogger("jobtier.redis")
 
 RedisClient = Redis | RedisCluster
+T = TypeVar("T")
 
 EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 STARTUP_PATIENCE = 30.0  # seconds a starting process waits for a Redis that does not answer
@@ -190,6 +191,33 @@ async def info_of_primaries(redis: RedisClient, section: str) -> list[dict[str, 
 
 async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
     return [str(node.get(field, "")) for node in await info_of_primaries(redis, section)]
+
+
+async def read_live(
+    redis: RedisClient,
+    key: str,
+    seen: Callable[[Any], tuple[T, float]],
+    fresh: float,
+    forget: float,
+) -> list[T]:
+    """The entries of the hash ``key`` written at most ``fresh`` seconds ago; ``seen`` decodes
+    one into (value, when it was written), raising ValueError for one it cannot read. Those
+    unreadable, or older than ``forget`` seconds (their writer is gone), are deleted."""
+    now = time.time()
+    live, gone = [], []
+    for field, raw in (await redis.hgetall(key)).items():
+        try:
+            value, at = seen(raw)
+        except (ValueError, TypeError, AttributeError):
+            gone.append(field)
+            continue
+        if now - at <= fresh:
+            live.append(value)
+        elif now - at > forget:
+            gone.append(field)
+    if gone:
+        await redis.hdel(key, *gone)
+    return live
 
 
 def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str, int], list[str]]:
