@@ -308,14 +308,10 @@ class ShardSubscriber:
         # RESP2: under RESP3 the messages arrive as push frames that the client library's
         # push handler consumes instead of returning them to read_response()
         kwargs.update(host=host, port=port, socket_timeout=None, protocol=2)
-        for key in list(kwargs):
-            if key.startswith(("maint_notifications", "orig_", "oss_cluster")) or key in (
-                "connection_pool",
-                "retry",
-                "himport_registry",
-            ):
-                kwargs.pop(key)
-        return Connection(**kwargs)
+        dropped = ("connection_pool", "retry", "himport_registry")
+        prefixes = ("maint_notifications", "orig_", "oss_cluster")
+        kept = {k: v for k, v in kwargs.items() if k not in dropped and not k.startswith(prefixes)}
+        return Connection(**kept)
 
     async def _pinger(self, conn: Connection, answered: list[float]) -> None:
         """PING the subscription every PING_INTERVAL; close it when an answer is overdue
