@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import msgspec
 
 from jobtier.core.errors import JobNotFound
@@ -71,7 +73,7 @@ async def dependencies(store: Store, job_id: str, tenant: str | None) -> list[De
         raise JobNotFound(job_id)
     if not ids:
         return []
-    stored: dict[bytes, bytes] = await store.redis.hgetall(store.keys.deps(job_id))  # type: ignore[assignment]
+    stored = cast(dict[bytes, bytes], await store.redis.hgetall(store.keys.deps(job_id)))
     return [from_stored(dep, stored.get(dep.encode())) for dep in _text(ids).split()]
 
 
