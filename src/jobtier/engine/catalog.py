@@ -2,19 +2,11 @@
 schemas, so that producers that do not import the tasks (the HTTP API) apply them at submit.
 
 Workers write one entry per task to the hash ``jt:tasks`` when they start and at every full
-heartbeat (``publish``): queue, attempts, back-off, timeout, non-retryable classes and the
-payload's JSON Schema when the task annotates its payload. The API reads it (``TaskCatalog``,
-refreshed in the background and on a miss) and, at submit:
-
-* refuses a type that no live or recently seen worker runs (422 naming the known types),
-  unless ``JOBTIER_REQUIRE_KNOWN_TYPES=0`` (producers that deploy before their workers);
-* gives a job without ``max_attempts`` its task's, and without ``queue`` its task's queue;
-* refuses a payload that does not fit the task's schema (422 naming the field);
-* gives a job of a task with ``on_failure`` its compensation (the task, its queue, its
-  attempts), created atomically with the job's failure (lib.lua ``compensate``).
-
-During a deploy two versions of a task may advertise different policies: the latest writer
-wins, and a worker's own policy still governs the retries it decides.
+heartbeat (``publish``). The API reads it (``TaskCatalog``, refreshed in the background and
+on a miss) to refuse unknown types (unless ``JOBTIER_REQUIRE_KNOWN_TYPES=0``) and payloads
+that do not fit the task's schema, and to give jobs their task's queue, attempts and
+compensation. During a deploy two versions of a task may advertise different policies: the
+latest writer wins, and a worker's own policy still governs the retries it decides.
 """
 
 from __future__ import annotations
@@ -36,8 +28,6 @@ from jobtier.runtime.stopping import stop_task
 from jobtier.store.redis import RedisClient
 
 log = logging.getLogger("jobtier.engine.catalog")
-
-
 _ad_decoder = msgspec.json.Decoder(TaskAd)
 
 
@@ -91,7 +81,6 @@ class TaskCatalog:
         self._loaded_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
-    # --- reading --------------------------------------------------------------------------
     def info(self, type: str) -> TaskInfo | None:
         ad = self._ads.get(type)
         if ad is None or time.time() - ad.seen_at > self.ttl:
@@ -103,7 +92,7 @@ class TaskCatalog:
         return sorted(t for t, ad in self._ads.items() if now - ad.seen_at <= self.ttl)
 
     def ads(self) -> list[TaskAd]:
-        """Every live entry, for the admin API and the OpenAPI document."""
+        """Every live entry (the admin API, the OpenAPI document)."""
         now = time.time()
         return [ad for _, ad in sorted(self._ads.items()) if now - ad.seen_at <= self.ttl]
 
@@ -136,7 +125,6 @@ class TaskCatalog:
         self._ads, self._infos = ads, infos
         self._loaded_at = time.monotonic()
 
-    # --- background refresh ---------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="jobtier-catalog")
 

@@ -22,6 +22,15 @@ class ResultReader(Protocol):
     async def get(self, ref: str) -> bytes | None: ...
 
 
+def _changed(job_id: str, reply: tuple[Code, bytes], refusal: str) -> bytes:
+    code, doc = reply
+    if code is Code.NOT_FOUND:
+        raise JobNotFound(job_id)
+    if code is not Code.OK:
+        raise TransitionRefused(code, job_id, refusal)
+    return bytes(doc)
+
+
 class JobControl:
     """Reads jobs and acts on them. A job of another tenant (``tenant`` given) is a
     ``JobNotFound``, exactly like an unknown id."""
@@ -34,13 +43,17 @@ class JobControl:
         if not self.store.keys.valid_id(job_id):
             raise JobNotFound(job_id)
 
-    async def status_doc(self, job_id: str, tenant: str | None = None) -> bytes:
-        """The status document as stored (bytes), or ``JobNotFound`` (also for another
-        tenant's job)."""
+    async def _read(self, job_id: str, tenant: str | None, more: str = "") -> tuple[Any, ...]:
+        """(status document, value of ``more``), or ``JobNotFound``."""
         self._check_id(job_id)
-        owner, doc = await read_doc(self.store.redis, self.store.keys, job_id)
+        owner, doc, *rest = await read_doc(self.store.redis, self.store.keys, job_id, more)
         if doc is None or (tenant is not None and owner != tenant.encode()):
             raise JobNotFound(job_id)
+        return doc, *rest
+
+    async def status_doc(self, job_id: str, tenant: str | None = None) -> bytes:
+        """The status document as stored, or ``JobNotFound``."""
+        (doc,) = await self._read(job_id, tenant)
         return doc if isinstance(doc, bytes) else str(doc).encode()
 
     async def status(self, job_id: str, tenant: str | None = None) -> JobStatus:
@@ -48,27 +61,20 @@ class JobControl:
 
     async def result(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, Any]:
         """(status, result): the result is the task's return value once succeeded, else None."""
-        self._check_id(job_id)
-        owner, doc, result = await read_doc(self.store.redis, self.store.keys, job_id, "result")
-        if doc is None or (tenant is not None and owner != tenant.encode()):
-            raise JobNotFound(job_id)
-        if is_ref(result):  # kept in the result store
+        doc, result = await self._read(job_id, tenant, "result")
+        if is_ref(result):
             result = await self.stored_result(ref_of(result))
         return decode_status(doc), msgspec.json.decode(result) if result else None
 
     async def result_raw(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, bytes]:
-        """(status, the result's JSON as stored: b"" for none); for a result kept in the
-        result store, b"" too, and the status's ``result_url`` says where it is."""
-        self._check_id(job_id)
-        owner, doc, result = await read_doc(self.store.redis, self.store.keys, job_id, "result")
-        if doc is None or (tenant is not None and owner != tenant.encode()):
-            raise JobNotFound(job_id)
+        """(status, the result's JSON as stored, b"" for none); b"" too for a result kept in
+        the result store: the status's ``result_url`` says where it is."""
+        doc, result = await self._read(job_id, tenant, "result")
         raw = result if isinstance(result, bytes) and not is_ref(result) else b""
         return decode_status(doc), raw
 
     async def stored_result(self, ref: str) -> bytes | None:
-        """A result kept in the result store, by its reference (None when the store no
-        longer holds it), read through the ``results`` reader this was given."""
+        """A result kept in the result store (None once the store no longer holds it)."""
         if self.results is None:
             raise ConfigError(
                 "this job's result is kept in the result store, and no reader of it was "
@@ -83,7 +89,6 @@ class JobControl:
             raise JobNotFound(job_id)
         return msgspec.json.decode(raw)
 
-    # --- changes --------------------------------------------------------------------------
     async def cancel(self, job_id: str, tenant: str | None = None) -> JobStatus:
         """Cancel a waiting job, or ask the worker running it to stop. Raises
         ``JobNotFound``, or ``TransitionRefused(WRONG_STATE)`` once it has finished."""
@@ -92,17 +97,13 @@ class JobControl:
     async def cancel_doc(self, job_id: str, tenant: str | None = None) -> bytes:
         """``cancel``, returning the status document as stored."""
         self._check_id(job_id)
-        code, doc = await self.store.scripts.cancel(
+        reply = await self.store.scripts.cancel(
             self.store.keys.shard_of(job_id),
             tenant or "",
             job_id,
             self.store.settings.retention_seconds,
         )
-        if code is Code.NOT_FOUND:
-            raise JobNotFound(job_id)
-        if code is not Code.OK:
-            raise TransitionRefused(code, job_id, "has already finished")
-        return bytes(doc)
+        return _changed(job_id, reply, "has already finished")
 
     async def replay(self, job_id: str, tenant: str | None = None) -> JobStatus:
         """Send a dead-lettered (failed) job back to its queue with its attempts reset."""
@@ -111,14 +112,9 @@ class JobControl:
     async def replay_doc(self, job_id: str, tenant: str | None = None) -> bytes:
         """``replay``, returning the status document as stored."""
         self._check_id(job_id)
-        code, doc = await self.store.scripts.replay(
-            self.store.keys.shard_of(job_id), tenant or "", job_id
-        )
-        if code is Code.NOT_FOUND:
-            raise JobNotFound(job_id)
-        if code is not Code.OK:
-            raise TransitionRefused(code, job_id, "is not in the dead-letter set")
-        return bytes(doc)
+        shard = self.store.keys.shard_of(job_id)
+        reply = await self.store.scripts.replay(shard, tenant or "", job_id)
+        return _changed(job_id, reply, "is not in the dead-letter set")
 
     async def dead_letters(
         self,
@@ -129,32 +125,30 @@ class JobControl:
         queue: str | None = None,
         tenant: str | None = None,
     ) -> list[JobStatus]:
-        """The most recently dead-lettered jobs still held by Redis, newest first; only those
-        of ``type``, ``queue`` and ``tenant``, dead-lettered at or after ``since``, when given.
-        Each shard's set is read newest first, ``limit`` (at least 100) at a time, until enough
-        match or none are left."""
+        """The most recently dead-lettered jobs still in Redis, newest first; only those of
+        ``type``, ``queue`` and ``tenant``, dead-lettered at or after ``since``, when given."""
+        # each shard's set is read newest first, a page at a time, until enough match
+        keys, redis = self.store.keys, self.store.redis
         page = max(limit, 100)
         low: float | str = "-inf" if since is None else int(since.timestamp() * 1000)
-        offsets = dict.fromkeys(range(self.store.keys.shards), 0)
+        offsets = dict.fromkeys(range(keys.shards), 0)
         found: list[tuple[float, JobStatus]] = []
         while offsets and len(found) < limit:
-            pipe = self.store.redis.pipeline(transaction=False)
+            pipe = redis.pipeline(transaction=False)
             for shard, start in offsets.items():
                 pipe.zrevrangebyscore(
-                    self.store.keys.dead(shard), "+inf", low, start=start, num=page, withscores=True
+                    keys.dead(shard), "+inf", low, start=start, num=page, withscores=True
                 )
             entries = []
             for shard, rows in zip(list(offsets), await pipe.execute(), strict=True):
-                entries += [(score, member.decode(), shard) for member, score in rows]
+                entries += [(score, member.decode()) for member, score in rows]
                 if len(rows) < page:
-                    del offsets[shard]  # read to the end
+                    del offsets[shard]
                 else:
                     offsets[shard] += page
             entries.sort(reverse=True)
-            docs = await read_docs(
-                self.store.redis, self.store.keys, [job_id for _, job_id, _ in entries]
-            )
-            for (score, _, _), (owner, doc) in zip(entries, docs, strict=True):
+            docs = await read_docs(redis, keys, [job_id for _, job_id in entries])
+            for (score, _), (owner, doc) in zip(entries, docs, strict=True):
                 if doc is None:  # expired from Redis (dead retention): Postgres still has it
                     continue
                 status = decode_status(doc)
@@ -176,8 +170,7 @@ class JobControl:
         queue: str | None = None,
         tenant: str | None = None,
     ) -> list[str]:
-        """Replay dead-lettered jobs (optionally only those of a type, queue or tenant,
-        dead-lettered since a time); returns the ids replayed."""
+        """Replay the dead letters ``dead_letters`` selects; returns the ids replayed."""
         replayed = []
         for status in await self.dead_letters(
             limit, type=type, since=since, queue=queue, tenant=tenant
@@ -191,15 +184,14 @@ class JobControl:
 
     async def dead_letter(self, job_id: str) -> tuple[bytes, bytes, list[bytes]]:
         """One dead-lettered job in full: (status document, payload JSON, log lines JSON);
-        ``JobNotFound`` for a job Redis does not hold in its dead-letter set."""
+        ``JobNotFound`` unless Redis holds it in its dead-letter set."""
         self._check_id(job_id)
-        shard = self.store.keys.shard_of(job_id)
-        pipe = self.store.redis.pipeline(transaction=False)
-        pipe.zscore(self.store.keys.dead(shard), job_id)
-        pipe.lrange(self.store.keys.lines(job_id), 0, -1)
-        # both reads at once: one round trip's wait, as when the document was an HMGET
+        keys, redis = self.store.keys, self.store.redis
+        pipe = redis.pipeline(transaction=False)
+        pipe.zscore(keys.dead(keys.shard_of(job_id)), job_id)
+        pipe.lrange(keys.lines(job_id), 0, -1)
         (score, lines), (_, doc, payload) = await asyncio.gather(
-            pipe.execute(), read_doc(self.store.redis, self.store.keys, job_id, "payload")
+            pipe.execute(), read_doc(redis, keys, job_id, "payload")
         )
         if score is None or doc is None:
             raise JobNotFound(job_id)
@@ -218,7 +210,6 @@ class JobControl:
         return await flow_reads.dependencies(self.store, job_id, tenant)
 
     async def compensation_of(self, job_id: str) -> str | None:
-        """The id of the compensation job created when ``job_id`` failed for good (its
-        task's ``on_failure``), or None."""
+        """The id of the compensation job created when ``job_id`` failed for good, or None."""
         self._check_id(job_id)
         return await flow_reads.compensation_of(self.store, job_id)

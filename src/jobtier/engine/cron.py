@@ -45,8 +45,7 @@ class Timing:
         return round(nxt.timestamp() * 1000)
 
     def last_at_or_before(self, at_ms: int) -> int:
-        """The latest slot at or before ``at_ms`` (for interval schedules, not before the
-        anchor)."""
+        """The latest slot at or before ``at_ms`` (not before an interval's anchor)."""
         if self.interval_ms is not None:
             k = max(0, (at_ms - self.anchor_ms) // self.interval_ms)
             return self.anchor_ms + k * self.interval_ms
@@ -74,10 +73,8 @@ def slot_job_id(keys: Keys, schedule_id: str, slot_ms: int) -> str:
 def plan(
     timing: Timing, misfire: str, due_ms: int, now_ms: int, grace_ms: int
 ) -> tuple[list[int], int, int | None]:
-    """What to do with a schedule whose next firing ``due_ms`` has come.
-
-    Returns (slots to fire, new next-fire time, slot to record as last fired or None).
-    """
+    """What to do with a schedule whose next firing ``due_ms`` has come: (slots to fire, new
+    next-fire time, slot to record as last fired or None)."""
     if now_ms - due_ms <= grace_ms:
         return [due_ms], timing.next_after(due_ms), due_ms
     resume = timing.next_after(now_ms)
@@ -102,7 +99,6 @@ def to_datetime(ms: int | None) -> datetime | None:
     return None if ms is None else datetime.fromtimestamp(ms / 1000, UTC)
 
 
-# --- the Redis mirror -------------------------------------------------------------------------
 class MirrorDef(msgspec.Struct, kw_only=True):
     """What the scheduler needs to fire a schedule, as kept in Redis (``def``)."""
 
@@ -161,11 +157,14 @@ class CronMirror:
         """Create or replace a schedule's mirror, and wake the schedulers for its next slot."""
         s = self.shard(schedule_id)
         key = self.keys.cron_def(s, schedule_id)
+        fields = {
+            "def": msgspec.json.encode(definition),
+            "payload": payload,
+            "next": "" if next_ms is None else str(next_ms),
+            "paused": "1" if paused else "0",
+        }
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping={
-            "def": msgspec.json.encode(definition), "payload": payload,
-            "next": "" if next_ms is None else str(next_ms), "paused": "1" if paused else "0",
-        })  # fmt: skip
+        pipe.hset(key, mapping=fields)
         if paused or next_ms is None:
             pipe.zrem(self.keys.cron(s), schedule_id)
         else:
@@ -189,17 +188,12 @@ class CronMirror:
             pipe.hmget(
                 self.keys.cron_def(self.shard(schedule_id), schedule_id), "next", "last", "paused"
             )
-        out = {}
-        for schedule_id, (nxt, last, paused) in zip(
-            schedule_ids, await pipe.execute(), strict=True
-        ):
-            if paused is not None:
-                out[schedule_id] = (
-                    int(nxt) if nxt else None,
-                    int(last) if last else None,
-                    paused == b"1",
-                )
-        return out
+        replies = await pipe.execute()
+        return {
+            schedule_id: (int(nxt) if nxt else None, int(last) if last else None, paused == b"1")
+            for schedule_id, (nxt, last, paused) in zip(schedule_ids, replies, strict=True)
+            if paused is not None
+        }
 
     async def fire_due(
         self, shard: int, now: int, grace_ms: int, limit: int = 100
@@ -222,10 +216,9 @@ class CronMirror:
                 schedule_id = raw_id.decode()
                 d = _def_decoder.decode(raw_def)
                 slots, new_next, last = plan(d.timing(), d.misfire, int(nxt), now, grace_ms)
-                args: list[Any] = [
-                    schedule_id, nxt.decode(), new_next, "" if last is None else last,
-                    d.tenant, d.type, d.priority, payload, d.max_attempts, d.queue, len(slots),
-                ]  # fmt: skip
+                firing = (schedule_id, nxt.decode(), new_next, "" if last is None else last)
+                job = (d.tenant, d.type, d.priority, payload, d.max_attempts, d.queue)
+                args: list[Any] = [*firing, *job, len(slots)]
                 for slot in slots:
                     args += [slot_job_id(self.keys, schedule_id, slot), slot]
                 calls.append(("fire", shard, args))

@@ -2,9 +2,8 @@
 
 Input is validated before anything is sent: a bad request raises ``InvalidRequest`` (or
 ``UnknownTask``) and changes nothing. A job's own webhook (``callback``) is written before
-its submit reaches Redis, through the ``Registrar`` the producer was given, so the
-dispatcher finds it for the job's first transition; it is deleted again for every id the
-submit did not create.
+its submit reaches Redis, so the dispatcher finds it for the job's first transition; it is
+deleted again for every id the submit did not create.
 """
 
 from __future__ import annotations
@@ -53,10 +52,9 @@ Callbacks = Sequence[tuple[str, CallbackSpec, str]]  # (job id, callback, field 
 class Registrar(Protocol):
     """Where jobs' callbacks are written before their submit (``webhooks/callbacks.py``).
 
-    ``register`` checks every callback before it writes any: a refused one raises
-    ``InvalidRequest`` naming its field, and nothing is written. ``forget`` deletes those of
-    jobs a submit did not create; an orphan callback names a job that never runs, so a
-    store that cannot be reached then is logged, not raised."""
+    ``register`` checks every callback before it writes any (``InvalidRequest`` naming the
+    field). ``forget`` deletes those of jobs a submit did not create, logging rather than
+    raising when the store is away (an orphan callback names a job that never runs)."""
 
     async def register(self, tenant: str, callbacks: Callbacks) -> None: ...
 
@@ -81,9 +79,8 @@ class Describes(Protocol):
 class Producer:
     """Submits jobs to one deployment.
 
-    ``tasks`` is where a submit finds a task's queue, attempts and payload check: the tasks
-    this process imports (a ``TaskRegistry``), or what the workers advertise (a
-    ``TaskCatalog``); with ``require_known``, a type it does not know is refused.
+    ``tasks`` gives a task's queue, attempts and payload check (a ``TaskRegistry``, or the
+    workers' ``TaskCatalog``); with ``require_known``, a type it does not know is refused.
     ``callbacks`` writes jobs' own webhooks; without it, a job given one is refused."""
 
     def __init__(
@@ -100,12 +97,11 @@ class Producer:
         self.tasks = tasks
         self.require_known = require_known
         self.callbacks = callbacks
-        # tasks handed to submit() as objects (and their compensations): known without tasks
+        # tasks handed to submit() as objects, and their compensations
         self._local: dict[str, TaskInfo] = {}
 
     def know(self, task: Describes) -> None:
-        """Know ``task`` (and its compensation task) without a registry: submits of its type
-        get its queue, attempts and compensation."""
+        """Know ``task`` and its compensation task without a registry."""
         self._local.update(task.infos())
 
     def _task_info(self, type: str) -> TaskInfo | None:
@@ -113,8 +109,8 @@ class Producer:
         return info if info is not None else self._local.get(type)
 
     async def ensure_known(self, types: Iterable[Any]) -> None:
-        """Before ``prepare``: let the catalogue look again for types it does not know yet
-        (a worker that just started). A no-op for an in-process registry."""
+        """Before ``prepare``: let a catalogue look again for types it does not know yet (a
+        worker that just started)."""
         ensure = getattr(self.tasks, "ensure", None)
         if ensure is not None:
             await ensure({t for t in types if isinstance(t, str)})
@@ -122,9 +118,8 @@ class Producer:
     async def task_defaults(
         self, type: str, queue: str | None, max_attempts: int | None, payload: Any = None
     ) -> tuple[str, int]:
-        """(queue, attempts) for jobs of ``type`` (a schedule's): those given, else the task's,
-        else the defaults; ``InvalidRequest`` for a type not known (when it must be) or a
-        payload that does not fit the task's."""
+        """(queue, attempts) for a schedule's jobs: those given, else the task's, else the
+        defaults; ``InvalidRequest`` as ``prepare``."""
         await self.ensure_known((type,))
         spec = JobSpec(type=type, payload=payload, queue=queue, max_attempts=max_attempts)
         item = self.prepare(spec, DEFAULT_TENANT)
@@ -160,7 +155,7 @@ class Producer:
                 field="payload",
             )
         if task is not None:
-            task.validate(spec.payload)  # its annotated payload type, when it has one
+            task.validate(spec.payload)
         attempts = validate.max_attempts(
             spec.max_attempts, task.max_attempts if task else s.default_max_attempts
         )
@@ -173,9 +168,8 @@ class Producer:
             validate.check_name("queue", queue, QUEUE_NAME_RE, 70, "queue")
         ckey, climit = validate.concurrency(spec)
         if job_id is None:
-            # A job with a concurrency key lives in the key's shard: the key's count and its
-            # waiting jobs must be in the one shard its scripts touch. Its idempotency record
-            # lives there too (with both, the idempotency key is scoped to the concurrency key).
+            # a concurrency key's count and waiting jobs live in one shard, so its jobs do too
+            # (and their idempotency records: the idempotency key is then scoped to it)
             if ckey:
                 shard: int | None = self.keys.shard_for(tenant, "\x01ck", ckey)
             else:
@@ -196,12 +190,24 @@ class Producer:
             link_ms=round(s.flow_link_timeout_seconds * 1000),
         )
         return SubmitItem(
-            job_id, tenant, spec.type, spec.priority, payload, attempts, run_at_ms, delay_ms,
-            key, validate.request_hash(spec, payload, deps) if key else "", queue, ckey,
-            climit, flow, compensation, tuple(deps),
-        )  # fmt: skip
+            job_id,
+            tenant,
+            spec.type,
+            spec.priority,
+            payload,
+            attempts,
+            run_at_ms,
+            delay_ms,
+            key,
+            validate.request_hash(spec, payload, deps) if key else "",
+            queue,
+            ckey,
+            climit,
+            flow,
+            compensation,
+            tuple(deps),
+        )
 
-    # --- submit ---------------------------------------------------------------------------
     async def submit(
         self,
         type: str | Describes,
@@ -221,10 +227,9 @@ class Producer:
         callback: CallbackSpec | str | None = None,
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
-        returns the original job (``created`` False); with a different one it raises
-        ``IdempotencyConflict``. Given a task, its queue and attempts are the defaults.
-        ``depends_on``: ids of jobs it waits for (see ``JobSpec``). ``callback``: the job's
-        own webhook (a URL alone: its terminal state)."""
+        returns the original job (``created`` False); with another, ``IdempotencyConflict``.
+        Given a task, its queue and attempts are the defaults. ``depends_on``: ids of jobs it
+        waits for. ``callback``: the job's own webhook (a URL alone: its terminal state)."""
         if not isinstance(type, str):
             self.know(type)
             queue = type.queue if queue is None else queue
@@ -260,10 +265,9 @@ class Producer:
     async def submit_many(
         self, specs: Sequence[JobSpec], *, tenant: str = DEFAULT_TENANT
     ) -> list[Submitted | IdempotencyConflict]:
-        """Submit jobs in one round trip per Redis node (one script call per shard).
-
-        Every spec is validated first: one bad spec raises ``InvalidRequest`` (naming its
-        index) and nothing is submitted. Idempotency conflicts are returned in place."""
+        """Submit jobs in one round trip per Redis node. Every spec is validated first: one
+        bad spec raises ``InvalidRequest`` naming its index, and nothing is submitted.
+        Idempotency conflicts are returned in place."""
         if len(specs) > self.settings.max_batch:
             raise InvalidRequest(f"at most {self.settings.max_batch} jobs per batch", field="jobs")
         await self.ensure_known(spec.type for spec in specs)
@@ -286,10 +290,9 @@ class Producer:
         registrar: Registrar | None = None,
     ) -> list[Submitted | IdempotencyConflict]:
         """Submit jobs validated by ``prepare``, each with its ``callbacks`` entry (written
-        through ``registrar``, else the producer's own). The jobs their ``depends_on`` names
-        must be the tenant's and held in Redis (else ``InvalidRequest`` naming
-        ``jobs[i].depends_on``, or ``depends_on`` when not ``batch``); the new dependents
-        are linked to them before this returns."""
+        through ``registrar``, else the producer's). The jobs their ``depends_on`` names must
+        be the tenant's and in Redis (else ``InvalidRequest`` naming ``jobs[i].depends_on``,
+        or ``depends_on`` when not ``batch``); dependents are linked before this returns."""
         if batch is None:
             batch = len(items) > 1
 
@@ -331,7 +334,6 @@ class Producer:
             registrar, items[0].tenant if items else "", ours, send, made
         )
 
-    # --- flows ----------------------------------------------------------------------------
     async def prepare_flow(
         self, jobs: Sequence[FlowJob], tenant: str, idempotency_key: str | None = None
     ) -> flows.PreparedFlow:
@@ -365,9 +367,9 @@ class Producer:
         idempotency_key: str | None = None,
     ) -> FlowSubmitted:
         """Submit a flow: jobs that wait for others of the flow (``after``, by ``ref``) or
-        for existing jobs (``depends_on``). A job runs once everything it waits for has
-        succeeded, and its task finds their results in ``ctx.dependencies``. Build chains and
-        fan-ins with ``jobtier.flows.chain`` and ``fan_in``.
+        for existing jobs (``depends_on``). A job runs once all it waits for has succeeded,
+        and finds their results in ``ctx.dependencies``. ``jobtier.flows.chain`` and
+        ``fan_in`` build flows.
 
         ``InvalidRequest`` (nothing submitted) for a cycle, an unknown ref or id, a flow over
         ``JOBTIER_MAX_FLOW_JOBS``, or a job that does not validate. A repeated
@@ -381,8 +383,7 @@ class Producer:
     async def submit_flow_prepared(
         self, prepared: flows.PreparedFlow, registrar: Registrar | None = None
     ) -> FlowSubmitted:
-        """Submit a flow checked by ``prepare_flow``, its jobs' callbacks written first under
-        the ids the jobs will get."""
+        """Submit a flow checked by ``prepare_flow``, its callbacks written first."""
         ours = []
         if any(prepared.callbacks):
             ids = flows.planned_ids(self.store, prepared)
@@ -408,8 +409,7 @@ class Producer:
         made: Callable[[T], set[str]],
     ) -> T:
         """``send`` the submit with ``callbacks`` written first, and deleted again for every
-        id it did not create: all of them when it is refused, a duplicate's (an idempotent
-        repeat answers with the first job, which keeps its own callback)."""
+        id it did not create (all when refused; a duplicate's, whose first job keeps its own)."""
         if not callbacks:
             return await send()
         registrar = registrar or self.callbacks
@@ -427,8 +427,7 @@ class Producer:
         except (IdempotencyConflict, InvalidRequest):  # refused before any job was made
             await registrar.forget(ids)
             raise
-        # Any other error (Redis lost mid-submit) keeps them: the jobs may exist (and a
-        # flow's links are finished by the resolver).
+        # any other error (Redis lost mid-submit) keeps them: the jobs may exist
         created = made(outcome)
         unused = [job_id for job_id in ids if job_id not in created]
         if unused:

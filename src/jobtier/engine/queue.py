@@ -1,13 +1,12 @@
-"""``Queue``: the engine for in-process callers, one deployment's three faces over one Store.
+"""``Queue``: the engine for in-process callers, three faces over one Store.
 
 - ``produce`` (``Producer``): prepare and submit jobs, batches and flows;
-- ``jobs`` (``JobControl``): read jobs and act on them (status, result, cancel, replay, dead
-  letters, log lines, dependencies);
+- ``jobs`` (``JobControl``): status, result, cancel, replay, dead letters, log lines,
+  dependencies;
 - ``admin`` (``QueueAdmin``): queues' state, pause, purge, flow limits, live workers.
 
-The calls a producer makes most are on the queue itself. The stores the engine needs beside
-Redis are given, never opened behind the caller's back: ``results`` reads results kept
-outside Redis, ``callbacks`` writes jobs' own webhooks.
+The stores the engine needs beside Redis are given, never opened behind the caller's back:
+``results`` reads results kept outside Redis, ``callbacks`` writes jobs' own webhooks.
 """
 
 from __future__ import annotations
@@ -41,9 +40,10 @@ class Queue:
         callbacks: Registrar | None = None,
     ) -> None:
         self.store = store
-        self.settings, self.redis, self.keys, self.scripts = (
-            store.settings, store.redis, store.keys, store.scripts,
-        )  # fmt: skip
+        self.settings = store.settings
+        self.redis = store.redis
+        self.keys = store.keys
+        self.scripts = store.scripts
         self.produce = Producer(store, tasks, require_known=require_known, callbacks=callbacks)
         self.jobs = JobControl(store, results)
         self.admin = QueueAdmin(store)

@@ -17,11 +17,12 @@ from jobtier.engine.validate import check_name
 from jobtier.store import format as job_format
 from jobtier.store.calls import parse_purge, purge_call
 from jobtier.store.context import Store
+from jobtier.store.redis import read_live
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
-WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease (10 s)
+WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease
 WORKER_FORGET_SECONDS = 900.0  # the entry of a worker gone this long is deleted
-PURGE_BATCH = 500  # jobs per purge.lua call: a few ms of Redis time
+PURGE_BATCH = 500  # jobs per purge.lua call: a short run of Redis time
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +44,17 @@ class QueueAdmin:
     def __init__(self, store: Store) -> None:
         self.store = store
 
+    async def _each_shard(self, *command: Any, wake: str = "") -> list[Any]:
+        """``command`` (a hash command, its field and values) on every shard's queue counts,
+        then ``wake`` published to every shard's workers, in one round trip."""
+        keys = self.store.keys
+        pipe = self.store.redis.pipeline(transaction=False)
+        for shard in range(keys.shards if command else 0):
+            pipe.execute_command(command[0], keys.queue_counts(shard), *command[1:])
+        for shard in range(keys.shards if wake else 0):
+            pipe.execute_command("SPUBLISH", keys.wake(shard), wake)
+        return await pipe.execute()
+
     async def stats(self) -> dict[str, Any]:
         """Jobs by state, per shard, per queue and in total.
 
@@ -52,21 +64,21 @@ class QueueAdmin:
         ``waiting``, ``running`` and ``paused``. ``shards``: per shard, ready jobs by priority
         and the waiting, scheduled, running and dead counts.
         """
+        keys = self.store.keys
         pipe = self.store.redis.pipeline(transaction=False)
-        for shard in range(self.store.keys.shards):
-            pipe.hgetall(self.store.keys.queue_counts(shard))
-            pipe.hgetall(self.store.keys.parked(shard))
-            pipe.zcard(self.store.keys.sched(shard))
-            pipe.zcard(self.store.keys.active(shard))
-            pipe.zcard(self.store.keys.dead(shard))
+        for shard in range(keys.shards):
+            pipe.hgetall(keys.queue_counts(shard))
+            pipe.hgetall(keys.parked(shard))
+            pipe.zcard(keys.sched(shard))
+            pipe.zcard(keys.active(shard))
+            pipe.zcard(keys.dead(shard))
         values = await pipe.execute()
         total: dict[str, int] = defaultdict(int)
         queues: dict[str, dict[str, Any]] = {}
 
         def queue_entry(name: str) -> dict[str, Any]:
-            entry = queues.get(name)
-            if entry is None:
-                entry = queues[name] = {
+            if name not in queues:
+                queues[name] = {
                     "queued": {p.value: 0 for p in PRIORITIES},
                     "parked": 0,
                     "waiting": 0,
@@ -75,13 +87,14 @@ class QueueAdmin:
                     "limited": False,
                     "blocked_until_ms": 0,
                 }
-            return entry
+            return queues[name]
 
         shards = []
-        for shard in range(self.store.keys.shards):
+        for shard in range(keys.shards):
             counts, parked, scheduled, running, dead = values[shard * 5 : shard * 5 + 5]
             by_priority = {p.value: 0 for p in PRIORITIES}
-            held = 0  # waiting for dependencies
+            row: dict[str, Any] = {"shard": shard, "queued": by_priority, "waiting": 0}
+            row.update(scheduled=scheduled, running=running, dead=dead)
             for raw_field, raw_value in counts.items():
                 name, _, what = raw_field.decode().rpartition(":")
                 entry = queue_entry(name)
@@ -89,26 +102,20 @@ class QueueAdmin:
                     n = max(int(raw_value), 0)
                     entry["queued"][what] += n
                     by_priority[what] += n
-                elif what == "running":
-                    entry["running"] += max(int(raw_value), 0)
-                elif what == "waiting":
-                    entry["waiting"] += max(int(raw_value), 0)
-                    held += max(int(raw_value), 0)
-                elif what == "paused":
-                    entry["paused"] = entry["paused"] or raw_value == b"1"
-                elif what == "limited":
-                    entry["limited"] = entry["limited"] or raw_value == b"1"
+                elif what in ("running", "waiting"):
+                    entry[what] += max(int(raw_value), 0)
+                    if what == "waiting":
+                        row["waiting"] += max(int(raw_value), 0)
+                elif what in ("paused", "limited"):
+                    entry[what] = entry[what] or raw_value == b"1"
                 elif what == "blocked":
                     entry["blocked_until_ms"] = max(entry["blocked_until_ms"], int(raw_value))
             for raw_field, raw_value in parked.items():
                 name = raw_field.decode().split(":", 1)[0]
                 queue_entry(name)["parked"] += max(int(raw_value), 0)
                 total["parked"] += max(int(raw_value), 0)
-            shards.append(
-                {"shard": shard, "queued": by_priority, "waiting": held,
-                 "scheduled": scheduled, "running": running, "dead": dead}
-            )  # fmt: skip
-            total["waiting"] += held
+            shards.append(row)
+            total["waiting"] += row["waiting"]
             for p, n in by_priority.items():
                 total[f"queued_{p}"] += n
             total["scheduled"] += scheduled
@@ -122,11 +129,8 @@ class QueueAdmin:
         """Seconds the oldest ready job of each (queue, priority) has waited (since it became
         ready), looking at the first ``tenants`` tenants of each rotation."""
         keys, redis = self.store.keys, self.store.redis
-        pipe = redis.pipeline(transaction=False)
-        for shard in range(keys.shards):
-            pipe.hgetall(keys.queue_counts(shard))
         rings: list[tuple[int, str, str]] = []
-        for shard, counts in enumerate(await pipe.execute()):
+        for shard, counts in enumerate(await self._each_shard("HGETALL")):
             for raw_field, raw_value in counts.items():
                 name, _, what = raw_field.decode().rpartition(":")
                 if what in PRIORITIES and int(raw_value) > 0:
@@ -162,54 +166,36 @@ class QueueAdmin:
 
         A worker killed without signing off stops advertising: it is no longer live after
         ``WORKER_FRESH_SECONDS`` and its entry is deleted after ``WORKER_FORGET_SECONDS``."""
-        now = time.time()
-        live, gone = [], []
-        for worker_id, raw in (await self.store.redis.hgetall(self.store.keys.workers())).items():
-            try:
-                info = msgspec.json.decode(raw)
-                age = now - float(info.get("seen_at", 0))
-            except (msgspec.DecodeError, TypeError, ValueError, AttributeError):
-                gone.append(worker_id)
-                continue
-            if age <= WORKER_FRESH_SECONDS:
-                live.append(info)
-            elif age > WORKER_FORGET_SECONDS:
-                gone.append(worker_id)
-        if gone:
-            await self.store.redis.hdel(self.store.keys.workers(), *gone)
+
+        def seen(raw: bytes) -> tuple[dict[str, Any], float]:
+            info = msgspec.json.decode(raw)
+            return info, float(info.get("seen_at", 0))
+
+        key = self.store.keys.workers()
+        fresh, forget = WORKER_FRESH_SECONDS, WORKER_FORGET_SECONDS
+        live = await read_live(self.store.redis, key, seen, fresh, forget)
         live.sort(key=lambda w: -float(w.get("seen_at", 0)))
         return live
 
     async def pause(self, queue: str) -> None:
         """Stop every claim from ``queue``: submits are still accepted, running jobs finish.
-
-        The flag is written in every shard (each claim script reads its own shard's), so once
-        this returns no worker claims from the queue."""
+        Once this returns no worker claims from it (the flag is in every shard)."""
         _check_queue(queue)
-        pipe = self.store.redis.pipeline(transaction=False)
-        for shard in range(self.store.keys.shards):
-            pipe.hset(self.store.keys.queue_counts(shard), f"{queue}:paused", "1")
-        await pipe.execute()
+        await self._each_shard("HSET", f"{queue}:paused", "1")
 
     async def resume(self, queue: str) -> None:
         """Let workers claim from ``queue`` again (and wake those that sleep)."""
         _check_queue(queue)
-        pipe = self.store.redis.pipeline(transaction=False)
-        for shard in range(self.store.keys.shards):
-            pipe.hdel(self.store.keys.queue_counts(shard), f"{queue}:paused")
-        for shard in range(self.store.keys.shards):
-            pipe.execute_command("SPUBLISH", self.store.keys.wake(shard), f"q {queue}")
-        await pipe.execute()
+        await self._each_shard("HDEL", f"{queue}:paused", wake=f"q {queue}")
 
     async def purge(self, queue: str, *, batch: int = PURGE_BATCH) -> Purged:
-        """Cancel every ready (or parked) job of ``queue``, oldest first, in every shard
-        (purge.lua: each job as a cancel would, logged, so Postgres sees it cancelled).
+        """Cancel every ready (or parked) job of ``queue``, oldest first, in every shard, each
+        as a cancel would (logged: Postgres sees it cancelled).
 
-        Each script call takes at most ``batch`` jobs out of one shard (Redis serves others
-        between calls); the shards are purged side by side, one round trip per round. Jobs
-        submitted while it runs are left, as are scheduled and running ones: ``remaining``
-        says how many are ready when it ends (jobs held behind a concurrency key are admitted
-        as the purged ones leave, and stay)."""
+        A script call takes at most ``batch`` jobs out of one shard (Redis serves others
+        between calls); the shards go side by side. Jobs submitted meanwhile are left, as are
+        scheduled and running ones: ``remaining`` counts the ready jobs left (jobs held behind
+        a concurrency key are admitted as the purged ones leave, and stay)."""
         _check_queue(queue)
         if not 1 <= batch <= 10_000:
             raise InvalidRequest("batch must be between 1 and 10000", field="batch")
@@ -230,13 +216,8 @@ class QueueAdmin:
         return Purged(queue, cancelled, sum(left.values()))
 
     async def set_limits(self, queue: str, limits: QueueLimits) -> QueueLimits:
-        """Limit ``queue`` across every worker (or lift its limits: ``QueueLimits()``).
-
-        The values go to the queue's home shard, where workers take permits (limit.lua); the
-        catalogue tells workers which queues need permits; a flag in every shard makes a
-        claim without permits take nothing from it (a worker that has not heard yet). Jobs
-        already running when a limit is set finish outside it.
-        """
+        """Limit ``queue`` across every worker (or lift its limits: ``QueueLimits()``). Jobs
+        already running when a limit is set finish outside it."""
         _check_queue(queue)
         if limits.concurrency is not None and not 1 <= limits.concurrency <= 1_000_000:
             raise InvalidRequest("concurrency must be between 1 and 1000000", field="concurrency")
@@ -247,36 +228,23 @@ class QueueAdmin:
         keys, redis = self.store.keys, self.store.redis
         conf = keys.limit(queue)
         if limits.limited:
-            fields: dict[str | bytes, int] = {}
-            gone = []
-            if limits.concurrency is not None:
-                fields["concurrency"] = limits.concurrency
-            else:
-                gone.append("concurrency")
-            if limits.rate is not None:
-                fields.update(rate=limits.rate, period=round(limits.per * 1000))
-            else:
-                gone += ["rate", "period"]
-            # enforced first (home shard), then announced, then required in every shard
+            period = None if limits.rate is None else round(limits.per * 1000)
+            values = {"concurrency": limits.concurrency, "rate": limits.rate, "period": period}
+            fields = {name: v for name, v in values.items() if v is not None}
+            gone = [name for name, v in values.items() if v is None]
+            # enforced first (the home shard's permits: limit.lua), then announced to workers
+            # (the catalogue), then required in every shard: a claim without permits (from a
+            # worker that has not heard yet) takes nothing from it
             await redis.hset(conf, mapping=fields)  # type: ignore[arg-type]
             if gone:
                 await redis.hdel(conf, *gone)
             await redis.hset(keys.queue_limits(), queue, msgspec.json.encode(limits))
-            pipe = redis.pipeline(transaction=False)
-            for shard in range(keys.shards):
-                pipe.hset(keys.queue_counts(shard), f"{queue}:limited", "1")
-            await pipe.execute()
+            await self._each_shard("HSET", f"{queue}:limited", "1")
         else:
-            pipe = redis.pipeline(transaction=False)
-            for shard in range(keys.shards):
-                pipe.hdel(keys.queue_counts(shard), f"{queue}:limited")
-            await pipe.execute()
+            await self._each_shard("HDEL", f"{queue}:limited")
             await redis.hdel(keys.queue_limits(), queue)
             await redis.hdel(conf, "concurrency", "rate", "period")
-            pipe = redis.pipeline(transaction=False)
-            for shard in range(keys.shards):
-                pipe.execute_command("SPUBLISH", keys.wake(shard), f"q {queue}")
-            await pipe.execute()
+            await self._each_shard(wake=f"q {queue}")
         return limits
 
     async def limits(self) -> dict[str, QueueLimits]:
@@ -296,16 +264,11 @@ class QueueAdmin:
         shard's claims skip it until then. Returns when the block ends, ms since the epoch."""
         _check_queue(queue)
         until = int((time.time() + seconds) * 1000)
-        pipe = self.store.redis.pipeline(transaction=False)
-        for shard in range(self.store.keys.shards):
-            pipe.hget(self.store.keys.queue_counts(shard), f"{queue}:blocked")
-        current = max((int(v) for v in await pipe.execute() if v), default=0)
+        field = f"{queue}:blocked"
+        current = max((int(v) for v in await self._each_shard("HGET", field) if v), default=0)
         if until <= current:
             return current
-        pipe = self.store.redis.pipeline(transaction=False)
-        for shard in range(self.store.keys.shards):
-            pipe.hset(self.store.keys.queue_counts(shard), f"{queue}:blocked", until)
-        await pipe.execute()
+        await self._each_shard("HSET", field, until)
         return until
 
     async def waiting_by_tenant(self) -> dict[str, int]:

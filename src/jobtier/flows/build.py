@@ -35,15 +35,9 @@ def _flow(step: Step) -> list[FlowJob]:
     if isinstance(step, JobSpec):
         if step.idempotency_key is not None:
             raise ValueError("a job of a flow has no idempotency key: give one to the flow")
-        return [
-            FlowJob(
-                type=step.type, payload=step.payload, priority=step.priority,
-                run_at=step.run_at, delay=step.delay, max_attempts=step.max_attempts,
-                queue=step.queue, concurrency_key=step.concurrency_key,
-                concurrency_limit=step.concurrency_limit, depends_on=step.depends_on,
-                on_dependency_failure=step.on_dependency_failure, callback=step.callback,
-            )
-        ]  # fmt: skip
+        fields = msgspec.structs.asdict(step)
+        del fields["idempotency_key"]
+        return [FlowJob(**fields)]
     jobs = list(step)
     if not jobs or not all(isinstance(j, FlowJob) for j in jobs):
         raise ValueError("a step is a FlowJob, a JobSpec or a non-empty list of FlowJobs")
@@ -75,16 +69,8 @@ def _named(flows: Sequence[list[FlowJob]]) -> list[list[FlowJob]]:
 
     out = []
     for flow in flows:
-        renamed: dict[str, str] = {}
-        refs = []
-        for job in flow:
-            if job.ref is None or GENERATED.fullmatch(job.ref):
-                ref = fresh()
-                if job.ref is not None:
-                    renamed[job.ref] = ref
-                refs.append(ref)
-            else:
-                refs.append(job.ref)
+        refs = [fresh() if j.ref is None or GENERATED.fullmatch(j.ref) else j.ref for j in flow]
+        renamed = {j.ref: ref for j, ref in zip(flow, refs, strict=True) if j.ref is not None}
         out.append(
             [
                 msgspec.structs.replace(
@@ -112,7 +98,7 @@ def chain(*steps: Step) -> list[FlowJob]:
     for flow in flows[1:]:
         end = out[-1].ref
         assert end is not None
-        # the step's first jobs (those that wait for nothing in it) wait for the end before
+        # the step's first jobs (those that wait for nothing in it) wait for the previous end
         inside = {j.ref for j in flow}
         out.extend(_waits_for(j, [end]) if not set(j.after or ()) & inside else j for j in flow)
     return out

@@ -1,19 +1,16 @@
 """A flow checked and laid out before anything is sent: refs, cycles, sizes, ids, order.
 
-Pure functions over the request (no I/O): a bad flow raises ``InvalidRequest`` naming the
-job and member (``jobs[3].after``) and changes nothing.
+Pure functions (no I/O): a bad flow raises ``InvalidRequest`` naming the job and member
+(``jobs[3].after``) and changes nothing.
 
-Creation order (``FlowPlan.rounds``) is what makes a flow safe to cut short: every job that
-waits for others is created before any job it waits for can finish. Jobs with dependencies
-(``waiting``) go first, each knowing its dependencies; the jobs without any go next, each
-created already knowing its dependents (``lib.lua flow_create``), so however fast one of
-them finishes, its dependents exist to be told. The flow's head — the job its idempotency
-record names — is created alone before the rest when the flow has an idempotency key: if
-the head is not there, nothing of the flow is.
-
-Ids: with an idempotency key every job's id derives from the head's (``derive_id``), so a
-repeated submit that finds the head makes the same ids, and finishing a cut-short submit
-creates exactly the jobs that are missing (``EXISTS`` for the others).
+Creation order (``FlowPlan.rounds``) makes a flow safe to cut short: every job that waits
+for others is created before any job it waits for can finish. Jobs with dependencies go
+first; the jobs without any go next, each created knowing its dependents (``lib.lua
+flow_create``), so however fast one finishes, its dependents exist to be told. With an
+idempotency key the flow's head (the job its idempotency record names) is created alone
+first: if the head is not there, nothing of the flow is. Every other job's id then derives
+from the head's (``derive_id``), so a repeat that finds the head makes the same ids, and
+finishing a cut-short submit creates exactly the jobs that are missing.
 """
 
 from __future__ import annotations
@@ -67,13 +64,13 @@ class FlowPlan:
         return list(dict.fromkeys(d for n in self.nodes for d in n.depends_on))
 
 
-def _field(index: int, name: str) -> str:
-    return f"jobs[{index}].{name}"
+def _bad(index: int, member: str, message: str) -> InvalidRequest:
+    return InvalidRequest(f"jobs[{index}]: {message}", field=f"jobs[{index}].{member}")
 
 
 def plan_flow(jobs: Sequence[FlowJob], keys: Keys, max_jobs: int) -> FlowPlan:
     """Check a flow's shape: size, refs, ``after`` and ``depends_on`` (well-formed ids), no
-    cycle. Ids named in ``depends_on`` are checked against Redis later (``Queue``)."""
+    cycle. Ids named in ``depends_on`` are checked against Redis later."""
     if not jobs:
         raise InvalidRequest("a flow needs at least one job", field="jobs")
     if len(jobs) > max_jobs:
@@ -87,14 +84,9 @@ def plan_flow(jobs: Sequence[FlowJob], keys: Keys, max_jobs: int) -> FlowPlan:
         if job.ref is None:
             continue
         if not isinstance(job.ref, str) or not REF_RE.fullmatch(job.ref):
-            raise InvalidRequest(
-                f"jobs[{i}]: ref must match {REF_RE.pattern}", field=_field(i, "ref")
-            )
+            raise _bad(i, "ref", f"ref must match {REF_RE.pattern}")
         if job.ref in by_ref:
-            raise InvalidRequest(
-                f"jobs[{i}]: ref {job.ref!r} is also jobs[{by_ref[job.ref]}]'s",
-                field=_field(i, "ref"),
-            )
+            raise _bad(i, "ref", f"ref {job.ref!r} is also jobs[{by_ref[job.ref]}]'s")
         by_ref[job.ref] = i
     nodes = [Node(i, job.spec()) for i, job in enumerate(jobs)]
     for i, job in enumerate(jobs):
@@ -102,39 +94,29 @@ def plan_flow(jobs: Sequence[FlowJob], keys: Keys, max_jobs: int) -> FlowPlan:
         for ref in dict.fromkeys(job.after or ()):
             j = by_ref.get(ref) if isinstance(ref, str) else None
             if j is None:
-                raise InvalidRequest(
-                    f"jobs[{i}]: after names {str(ref)[:70]!r}, which no job of the flow has "
-                    "as its ref",
-                    field=_field(i, "after"),
-                )
+                message = f"after names {str(ref)[:70]!r}, which no job of the flow has as its ref"
+                raise _bad(i, "after", message)
             if j == i:
-                raise InvalidRequest(
-                    f"jobs[{i}]: a job cannot wait for itself", field=_field(i, "after")
-                )
+                raise _bad(i, "after", "a job cannot wait for itself")
             node.after.append(j)
             nodes[j].dependents.append(i)
         for dep in dict.fromkeys(job.depends_on or ()):
             if not isinstance(dep, str) or not keys.valid_id(dep):
-                raise InvalidRequest(
-                    f"jobs[{i}]: depends_on names {str(dep)[:70]!r}, which is not a job id",
-                    field=_field(i, "depends_on"),
-                )
+                message = f"depends_on names {str(dep)[:70]!r}, which is not a job id"
+                raise _bad(i, "depends_on", message)
             node.depends_on.append(dep)
         if len(node.after) + len(node.depends_on) > max_jobs:
-            raise InvalidRequest(
-                f"jobs[{i}]: a job waits for at most {max_jobs} others (JOBTIER_MAX_FLOW_JOBS)",
-                field=_field(i, "after"),
-            )
+            message = f"a job waits for at most {max_jobs} others (JOBTIER_MAX_FLOW_JOBS)"
+            raise _bad(i, "after", message)
     cycle = find_cycle(nodes)
     if cycle:
         names = " -> ".join(
             f"jobs[{i}]" + (f" ({jobs[i].ref})" if jobs[i].ref else "") for i in cycle
         )
-        raise InvalidRequest(f"the flow has a cycle: {names}", field=_field(cycle[0], "after"))
+        raise InvalidRequest(f"the flow has a cycle: {names}", field=f"jobs[{cycle[0]}].after")
     head = next((n.index for n in nodes if n.waits), 0)
-    # "the same flow" is the same jobs, whatever their callbacks (as for a job with an
-    # idempotency key): a repeat answers with the first submit's jobs, which keep its callbacks;
-    # the member is dropped, not nulled, so a flow without callbacks hashes as it always did
+    # "the same flow" is the same jobs, whatever their callbacks (a repeat answers with the
+    # first submit's jobs, which keep theirs); dropped, not nulled, to keep older hashes
     hashed = [_without_callback(job) for job in jobs]
     digest = hashlib.blake2b(msgspec.json.encode(hashed), digest_size=16).hexdigest()
     return FlowPlan(nodes, head, "flow:" + digest)
@@ -153,7 +135,7 @@ def find_cycle(nodes: Sequence[Node]) -> list[int]:
     for start in range(len(nodes)):
         if colour[start] != WHITE:
             continue
-        # iterative depth-first search: a 10,000-job chain must not hit the recursion limit
+        # iterative depth-first search: a long chain must not hit the recursion limit
         path: list[int] = []
         stack: list[tuple[int, int]] = [(start, 0)]
         colour[start] = GREY

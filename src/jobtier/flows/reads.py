@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import msgspec
 
 from jobtier.core.errors import JobNotFound
@@ -17,16 +19,11 @@ def dependency(dep_id: str, state: str, data: bytes, child: bool) -> Dependency:
     """One dependency from its outcome: the result of a success, else the error."""
     if state == "succeeded":
         if data[:1] == RESULT_REF:
-            # kept in the result store (persist/results.py): not copied into the dependent,
-            # which reads it where the dependency's status document says
-            return Dependency(
-                id=dep_id, state=state, child=child,
-                result_url=f"/v1/jobs/{dep_id}/result/content",
-            )  # fmt: skip
-        return Dependency(
-            id=dep_id, state=state, result=msgspec.json.decode(data) if data else None,
-            child=child,
-        )  # fmt: skip
+            # kept in the result store: not copied into the dependent, which reads it there
+            url = f"/v1/jobs/{dep_id}/result/content"
+            return Dependency(id=dep_id, state=state, child=child, result_url=url)
+        result = msgspec.json.decode(data) if data else None
+        return Dependency(id=dep_id, state=state, result=result, child=child)
     error = None
     if data:
         try:
@@ -54,8 +51,8 @@ def from_inputs(inputs: tuple[bytes, list[bytes]] | None) -> dict[str, Dependenc
 
 
 def stored_refs(inputs: tuple[bytes, list[bytes]] | None) -> dict[str, str]:
-    """The result-store references (persist/results.py) of the dependencies whose results are
-    kept there (``result_url`` set), by id, from what claim.lua hands a worker."""
+    """The result-store references of the dependencies whose results are kept there, by id,
+    from what claim.lua hands a worker."""
     if not inputs:
         return {}
     _, flat = inputs
@@ -76,7 +73,7 @@ async def dependencies(store: Store, job_id: str, tenant: str | None) -> list[De
         raise JobNotFound(job_id)
     if not ids:
         return []
-    stored: dict[bytes, bytes] = await store.redis.hgetall(store.keys.deps(job_id))  # type: ignore[assignment]
+    stored = cast(dict[bytes, bytes], await store.redis.hgetall(store.keys.deps(job_id)))
     return [from_stored(dep, stored.get(dep.encode())) for dep in _text(ids).split()]
 
 

@@ -16,9 +16,8 @@ and no script spans two shards, so a submit is a few steps, each one script call
    done).
 
 A submitter that dies between two steps leaves dependents in ``unlinked``; past their
-deadline the resolver links them itself (``resolver.py``), and a dependency that was never
-created then resolves as missing, which cancels its dependent. Nothing acknowledged is
-lost: a submit answers only after step 4.
+deadline the resolver links them itself, and a dependency never created resolves as missing,
+which cancels its dependent. A submit answers only after step 4.
 """
 
 from __future__ import annotations
@@ -35,16 +34,8 @@ from jobtier.core.errors import Code, IdempotencyConflict, InvalidRequest
 from jobtier.core.model import CallbackSpec, FlowSubmitted, Submitted
 from jobtier.flows.plan import FlowPlan, derive_id
 from jobtier.status.docs import read_docs
-from jobtier.store.calls import (
-    Call,
-    SubmitItem,
-    SubmitOutcome,
-    link_call,
-    linked_call,
-    parse_submit,
-    submit_call,
-)
-from jobtier.store.context import Store, submit_items
+from jobtier.store.calls import Call, SubmitItem, SubmitOutcome, link_call, linked_call
+from jobtier.store.context import Store, in_order, submit_calls, submit_items
 
 SUBMIT_CHUNK = 1000  # jobs per submit call (several calls per shard in one pipeline)
 LINK_CHUNK = 2000  # links (or dependents) per link/linked call
@@ -98,21 +89,6 @@ async def check_dependencies(store: Store, wanted: Iterable[tuple[str, str]], te
             )
 
 
-def submit_calls(store: Store, items: Sequence[SubmitItem]) -> tuple[list[Call], list[list[int]]]:
-    """One submit call per shard and chunk; with each, the indices of its items."""
-    by_shard: dict[int, list[int]] = defaultdict(list)
-    for i, item in enumerate(items):
-        by_shard[store.keys.shard_of(item.job_id)].append(i)
-    ttl = store.settings.idempotency_ttl_seconds * 1000
-    calls, groups = [], []
-    for shard, idx in by_shard.items():
-        for start in range(0, len(idx), SUBMIT_CHUNK):
-            chunk = idx[start : start + SUBMIT_CHUNK]
-            calls.append(submit_call(shard, [items[i] for i in chunk], ttl))
-            groups.append(chunk)
-    return calls, groups
-
-
 def link_calls(store: Store, tenant: str, links: Iterable[tuple[str, str]]) -> list[Call]:
     """link.lua calls for (dependency, dependent) pairs, by the dependency's shard."""
     by_shard: dict[int, list[tuple[str, str]]] = defaultdict(list)
@@ -140,16 +116,6 @@ def linked_calls(store: Store, dependents: Iterable[str], head: str = "") -> lis
             mark = head if shard == head_shard and n == 0 else ""
             calls.append(linked_call(shard, chunk, mark))
     return calls
-
-
-def parse_outcomes(
-    store: Store, n: int, groups: Sequence[list[int]], replies: Sequence[Any]
-) -> list[SubmitOutcome]:
-    outcomes: list[SubmitOutcome | None] = [None] * n
-    for idx, reply in zip(groups, replies, strict=True):
-        for i, outcome in zip(idx, parse_submit(reply), strict=True):
-            outcomes[i] = outcome
-    return [o for o in outcomes if o is not None]
 
 
 async def settle(
@@ -203,8 +169,7 @@ async def submit_flow(store: Store, prepared: PreparedFlow) -> FlowSubmitted:
     """Create a prepared flow by the steps of this module's docstring."""
     plan, items, tenant = prepared.plan, prepared.items, prepared.tenant
     idempotency_key = prepared.idempotency_key
-    s = store.settings
-    link_ms = round(s.flow_link_timeout_seconds * 1000)
+    link_ms = round(store.settings.flow_link_timeout_seconds * 1000)
     nodes = plan.nodes
     keyed = bool(idempotency_key)
 
@@ -225,8 +190,7 @@ async def submit_flow(store: Store, prepared: PreparedFlow) -> FlowSubmitted:
     outcomes: list[SubmitOutcome | None] = [None] * len(nodes)
     created = True
     if keyed:
-        head_item = items[plan.head]
-        ready = with_ids(derived_ids(store, prepared, head_item.job_id))
+        ready = with_ids(derived_ids(store, prepared, items[plan.head].job_id))
         head = dataclasses.replace(
             ready[plan.head], idempotency_key=idempotency_key, request_hash=plan.request_hash
         )
@@ -244,23 +208,20 @@ async def submit_flow(store: Store, prepared: PreparedFlow) -> FlowSubmitted:
     else:
         ready = with_ids([item.job_id for item in items])
     waiting, free = plan.rounds(head_apart=keyed)
-    # step 2: the jobs that wait
-    if waiting:
-        calls, groups = submit_calls(store, [ready[i] for i in waiting])
-        replies = await store.scripts.call_many(calls)
-        for i, outcome in zip(
-            waiting, parse_outcomes(store, len(waiting), groups, replies), strict=True
-        ):
+
+    async def create(indices: list[int], links: Sequence[Call] = ()) -> None:
+        calls, groups = submit_calls(store, [ready[i] for i in indices], SUBMIT_CHUNK)
+        replies = await store.scripts.call_many([*calls, *links])
+        made = in_order(len(indices), groups, replies[: len(calls)])
+        for i, outcome in zip(indices, made, strict=True):
             outcomes[i] = outcome
+
+    if waiting:  # step 2
+        await create(waiting)
     # step 3: the jobs that wait for none, and the links to existing jobs
     links = [(dep, ready[n.index].job_id) for n in nodes for dep in n.depends_on]
-    calls, groups = submit_calls(store, [ready[i] for i in free])
-    replies = await store.scripts.call_many([*calls, *link_calls(store, tenant, links)])
-    for i, outcome in zip(
-        free, parse_outcomes(store, len(free), groups, replies[: len(calls)]), strict=True
-    ):
-        outcomes[i] = outcome
-    # step 4: linked
+    await create(free, link_calls(store, tenant, links))
+    # step 4
     dependents = [ready[n.index].job_id for n in nodes if n.waits]
     head_id = ready[plan.head].job_id if keyed else ""
     if dependents or head_id:
@@ -274,10 +235,5 @@ async def submit_flow(store: Store, prepared: PreparedFlow) -> FlowSubmitted:
 
 async def _as_they_are(store: Store, ids: Sequence[str]) -> FlowSubmitted:
     docs = await read_docs(store.redis, store.keys, ids)
-    return FlowSubmitted(
-        [
-            Submitted(job_id, bytes(doc or b""), False)
-            for job_id, (_, doc) in zip(ids, docs, strict=True)
-        ],
-        False,
-    )
+    jobs = [Submitted(i, bytes(doc or b""), False) for i, (_, doc) in zip(ids, docs, strict=True)]
+    return FlowSubmitted(jobs, False)

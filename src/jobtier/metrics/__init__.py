@@ -1,11 +1,10 @@
-"""Metrics: every process publishes through Redis; the API serves them all at ``/metrics``.
+"""Metrics: every process publishes snapshots through Redis; the API serves them at ``/metrics``.
 
 - ``histogram``: the histogram every part observes into, and the arithmetic on snapshots;
 - ``snapshot``: the per-process snapshot, its publisher and its readers;
 - ``transitions``: job counters by type, from what the persister commits;
-- ``prometheus``: rendering for ``/metrics``;
-- ``gauges``: what is read from Redis at scrape time.
+- ``prometheus``: rendering for ``/metrics`` (the live gauges come from ``api/gauges.py``).
 
-Each part (worker, scheduler, persister, status reader) builds its own snapshot in its
-``metrics()`` method; a process hands its parts to one ``MetricsPublisher``.
+Each part builds its own snapshot (``metrics()``); a process hands its parts to one
+``MetricsPublisher``.
 """

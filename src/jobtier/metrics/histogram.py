@@ -7,26 +7,8 @@ import bisect
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-SECONDS_BUCKETS = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1,
-    2.5,
-    5,
-    10,
-    30,
-    60,
-    300,
-    1800,
-    3600,
-)
+_SUBSECOND = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
+SECONDS_BUCKETS = (*_SUBSECOND, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
 SIZE_BUCKETS = (1, 10, 50, 100, 250, 500, 1000, 2000, 5000)
 
 
@@ -47,12 +29,11 @@ class Histogram:
         self.count += 1
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "bounds": self.bounds,
-            "counts": list(self.counts),
-            "sum": self.sum,
-            "count": self.count,
-        }
+        return _snapshot(self.bounds, list(self.counts), self.sum, self.count)
+
+
+def _snapshot(bounds: Any, counts: list[int], total: float, count: int) -> dict[str, Any]:
+    return {"bounds": bounds, "counts": counts, "sum": total, "count": count}
 
 
 def quantile(hist: dict[str, Any], q: float) -> float | None:
@@ -76,10 +57,7 @@ def merge(parts: Iterable[dict[str, dict[str, Any]]]) -> dict[str, dict[str, Any
         for name, h in part.items():
             acc = out.get(name)
             if acc is None:
-                out[name] = {
-                    "bounds": h["bounds"], "counts": list(h["counts"]),
-                    "sum": h["sum"], "count": h["count"],
-                }  # fmt: skip
+                out[name] = _snapshot(h["bounds"], list(h["counts"]), h["sum"], h["count"])
             elif list(acc["bounds"]) == list(h["bounds"]):
                 acc["counts"] = [a + b for a, b in zip(acc["counts"], h["counts"], strict=True)]
                 acc["sum"] += h["sum"]
@@ -91,11 +69,6 @@ def minus(h: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
     if base is None:
         return h
     if list(base["bounds"]) != list(h["bounds"]):
-        return {"bounds": h["bounds"], "counts": [0] * len(h["counts"]), "sum": 0.0, "count": 0}
+        return _snapshot(h["bounds"], [0] * len(h["counts"]), 0.0, 0)
     counts = [max(0, a - b) for a, b in zip(h["counts"], base["counts"], strict=True)]
-    return {
-        "bounds": h["bounds"],
-        "counts": counts,
-        "sum": max(0.0, h["sum"] - base["sum"]),
-        "count": sum(counts),
-    }
+    return _snapshot(h["bounds"], counts, max(0.0, h["sum"] - base["sum"]), sum(counts))

@@ -65,6 +65,13 @@ HELP = {
 }
 
 
+FAMILIES = {
+    "counters": CounterMetricFamily,  # which strips a name's _total
+    "gauges": GaugeMetricFamily,
+    "histograms": HistogramMetricFamily,
+}
+
+
 class SnapshotCollector(Collector):
     """prometheus_client collector over the process snapshots and the live gauges."""
 
@@ -73,45 +80,35 @@ class SnapshotCollector(Collector):
         self.gauges = gauges
 
     def collect(self) -> Iterator[Metric]:
-        counters: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
-        gauges: dict[str, list[tuple[dict[str, str], float]]] = defaultdict(list)
-        hists: dict[str, list[tuple[dict[str, str], dict[str, Any]]]] = defaultdict(list)
+        kinds: dict[str, dict[str, list[tuple[dict[str, str], Any]]]] = {
+            kind: defaultdict(list) for kind in FAMILIES
+        }
         for snap in self.snapshots:
             own = {"process": snap.process, "role": snap.role}
-            for name, series in snap.counters.items():
-                counters[name] += [({**own, **parse_labels(k)}, v) for k, v in series.items()]
-            for name, series in snap.gauges.items():
-                gauges[name] += [({**own, **parse_labels(k)}, v) for k, v in series.items()]
-            for name, per_label in snap.histograms.items():
-                hists[name] += [({**own, **parse_labels(k)}, h) for k, h in per_label.items()]
+            for kind, samples in kinds.items():
+                for name, series in getattr(snap, kind).items():
+                    samples[name] += [({**own, **parse_labels(k)}, v) for k, v in series.items()]
         for name, series in self.gauges.items():
-            gauges[name] += [(parse_labels(k), v) for k, v in series.items()]
-        for name, samples in sorted(counters.items()):
-            names = _label_names(samples)
-            family = CounterMetricFamily(
-                f"jobtier_{name.removesuffix('_total')}", HELP.get(name, name), labels=names
-            )
-            for lv, value in samples:
-                family.add_metric([lv.get(n, "") for n in names], value)
-            yield family
-        for name, samples in sorted(gauges.items()):
-            names = _label_names(samples)
-            g = GaugeMetricFamily(f"jobtier_{name}", HELP.get(name, name), labels=names)
-            for lv, value in samples:
-                g.add_metric([lv.get(n, "") for n in names], value)
-            yield g
-        for name, hsamples in sorted(hists.items()):
-            names = _label_names(hsamples)
-            h = HistogramMetricFamily(f"jobtier_{name}", HELP.get(name, name), labels=names)
-            for lv, hist in hsamples:
-                cumulative, buckets = 0, []
-                for bound, n in zip([*hist["bounds"], float("inf")], hist["counts"], strict=True):
-                    cumulative += n
-                    buckets.append(
-                        ("+Inf" if bound == float("inf") else repr(float(bound)), cumulative)
-                    )
-                h.add_metric([lv.get(n, "") for n in names], buckets, hist["sum"])
-            yield h
+            kinds["gauges"][name] += [(parse_labels(k), v) for k, v in series.items()]
+        for kind, samples in kinds.items():
+            for name, rows in sorted(samples.items()):
+                names = _label_names(rows)
+                family = FAMILIES[kind](f"jobtier_{name}", HELP.get(name, name), labels=names)
+                for lv, value in rows:
+                    values = [lv.get(n, "") for n in names]
+                    if kind == "histograms":
+                        family.add_metric(values, _buckets(value), value["sum"])
+                    else:
+                        family.add_metric(values, value)
+                yield family
+
+
+def _buckets(hist: dict[str, Any]) -> list[tuple[str, float]]:
+    cumulative, buckets = 0, []
+    for bound, n in zip([*hist["bounds"], float("inf")], hist["counts"], strict=True):
+        cumulative += n
+        buckets.append(("+Inf" if bound == float("inf") else repr(float(bound)), cumulative))
+    return buckets
 
 
 def _label_names(samples: Sequence[tuple[dict[str, str], Any]]) -> list[str]:

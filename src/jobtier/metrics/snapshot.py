@@ -1,10 +1,9 @@
 """Process snapshots: what every jobtier process publishes to Redis, and how it is read back.
 
-Workers, schedulers, persisters and API processes each keep their counters in memory and
-write a snapshot to the hash ``jt:metrics`` every couple of seconds (``MetricsPublisher``).
-Readers (the Prometheus endpoint, the dashboard, ``jobtier check``) take every live
-process's latest snapshot; each series stays labelled with its ``process``, so a restart is
-that series' counter reset, not a drop.
+Every process keeps its counters in memory and writes a snapshot to the hash ``jt:metrics``
+every couple of seconds (``MetricsPublisher``). Readers take every live process's latest
+snapshot; each series stays labelled with its ``process``, so a restart is that series'
+counter reset, not a drop.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from jobtier.core.keys import Keys
 from jobtier.metrics.histogram import merge, minus
 from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import bounded, stop_task
-from jobtier.store.redis import RedisClient
+from jobtier.store.redis import RedisClient, read_live
 
 log = logging.getLogger("jobtier.metrics")
 
@@ -65,19 +64,15 @@ def process_host(process: str) -> str:
 
 
 class Source(Protocol):
-    """A part of a process that has metrics: a worker, a scheduler, a persister, a status
-    reader. Each builds its own snapshot from its own state."""
+    """A part of a process that builds its own metrics snapshot (a worker, a persister…)."""
 
     def metrics(self) -> Snapshot: ...
 
 
 class MetricsPublisher:
-    """Writes this process's snapshot to Redis every ``PUBLISH_EVERY`` seconds.
-
-    ``parts`` are the parts running in the process (`jobtier run` hosts them all); their
-    snapshots are merged. Use as ``async with MetricsPublisher(...):`` around the process's
-    life: it publishes a last time on the way out (the final counts of a process that stops).
-    """
+    """Writes this process's snapshot (its ``parts``' merged) to Redis every
+    ``PUBLISH_EVERY`` seconds. Use as ``async with MetricsPublisher(...):`` around the
+    process's life: it publishes a last time on the way out."""
 
     def __init__(self, redis: RedisClient, keys: Keys, role: str, parts: Sequence[Source]) -> None:
         self.redis = redis
@@ -103,8 +98,8 @@ class MetricsPublisher:
         self._task = asyncio.create_task(self._loop(), name="jobtier-metrics")
 
     async def stop(self) -> None:
-        """End the loop, then publish a last snapshot (skipped if Redis does not take it
-        within ``STOP_TIMEOUT``: a restart must not hold up the process's exit)."""
+        """End the loop, then publish a last snapshot (given up if Redis does not take it in
+        time: a restart must not hold up the process's exit)."""
         await stop_task(self._task, "metrics publisher")
         with contextlib.suppress(RedisError, OSError):
             await bounded("last metrics snapshot", self.publish())
@@ -125,21 +120,12 @@ _snapshot_decoder = msgspec.json.Decoder(Snapshot)
 
 async def read_snapshots(redis: RedisClient, keys: Keys) -> list[Snapshot]:
     """Every live process's latest snapshot; forgets processes gone for an hour."""
-    now = time.time()
-    live, gone = [], []
-    for field, raw in (await redis.hgetall(keys.metrics())).items():
-        try:
-            snap = _snapshot_decoder.decode(raw)
-        except msgspec.DecodeError:
-            gone.append(field)
-            continue
-        if now - snap.at <= FRESH_SECONDS:
-            live.append(snap)
-        elif now - snap.at > FORGET_SECONDS:
-            gone.append(field)
-    if gone:
-        await redis.hdel(keys.metrics(), *gone)
-    return live
+
+    def seen(raw: bytes) -> tuple[Snapshot, float]:
+        snap = _snapshot_decoder.decode(raw)
+        return snap, snap.at
+
+    return await read_live(redis, keys.metrics(), seen, FRESH_SECONDS, FORGET_SECONDS)
 
 
 def totals(snapshots: Iterable[Snapshot]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:
@@ -156,12 +142,10 @@ class HistogramWindow:
     """Histograms over the last ``seconds``, from the processes' cumulative snapshots, fed one
     sample per dashboard frame.
 
-    Per process (as Prometheus's ``rate()`` works per series): its latest totals minus those
-    of its newest sample at least ``seconds`` old, or of its first sample when it appeared
-    later; then summed. A process that appears (a new worker, a restart: the process id
-    carries the pid) counts from its first sample, not its whole life; one that stops
-    publishing leaves without taking the others' counts with it. A bucket that went down
-    counts 0.
+    Per process (as Prometheus's ``rate()``): its latest totals minus those of its newest
+    sample at least ``seconds`` old (or its first, for a process that appeared since), then
+    summed. A process that stops publishing leaves without taking the others' counts with
+    it; a bucket that went down counts 0.
     """
 
     def __init__(self, seconds: float = 60.0) -> None:

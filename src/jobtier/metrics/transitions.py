@@ -16,13 +16,11 @@ from jobtier.metrics.snapshot import labels
 
 
 class TransitionCounter:
-    """Counts jobs by type, queue and outcome from persisted transitions (the persister's
-    commits)."""
+    """Counts jobs by type, queue and outcome from the persister's commits."""
 
     def __init__(self) -> None:
         self.counts: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-        # the label set of each (type, queue) seen: made once, not once per transition (a
-        # persister counts tens of thousands a second; labels() was 1 µs of each)
+        # the label set of each (type, queue) seen, made once rather than per transition
         self._kinds: dict[tuple[str, str], str] = {}
 
     def observe(self, entries: Iterable[Any], _wall: float = 0.0) -> None:

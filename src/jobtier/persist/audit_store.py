@@ -84,17 +84,10 @@ class AuditStore:
             raise InvalidRequest("cursor is not one this API returned", field="cursor")
         sql = query("list_audit").replace("/*filters*/", " ".join(filters))
         rows = await self.pool.fetch(sql, *params)
-        records = [
-            AuditRecord(
-                id=r["id"],
-                at=r["at"],
-                actor=r["actor"],
-                action=r["action"],
-                target=r["target"],
-                status=r["status"],
-                detail=None if r["detail"] is None else _any.decode(r["detail"]),
-                source=r["source"],
-            )
-            for r in rows[:limit]
-        ]
+        records = []
+        for row in rows[:limit]:
+            fields = dict(row)  # the columns are the record's fields
+            if row["detail"] is not None:
+                fields["detail"] = _any.decode(row["detail"])
+            records.append(AuditRecord(**fields))
         return records, (records[-1].id if len(rows) > limit else None)

@@ -15,11 +15,9 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
-# Postgres is away or cannot take work now — the connection or the server, not the data:
-# keep the batch and write it again after a back-off. asyncpg's InternalClientError belongs
-# here: a connection lost in the middle of a COPY is left mid-protocol, and the next
-# statement on it (the transaction's ROLLBACK, the pool's reset) fails with "cannot switch
-# to state 15; another operation (2) is in progress".
+# Postgres is away or cannot take work now (the connection or the server, not the data):
+# write again after a back-off. InternalClientError too: a connection lost mid-COPY is left
+# mid-protocol, and its next statement (ROLLBACK, the pool's reset) fails with it.
 UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError,
     TimeoutError,
@@ -37,8 +35,8 @@ log = logging.getLogger("jobtier.persist")
 _NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 _MIGRATION = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
-# pg_advisory_xact_lock key of `migrate`: "jobtier" in ASCII, well clear of small integers
-# that other tools sharing the database might pick.
+# advisory lock key of `migrate`: "jobtier" in ASCII, clear of the small integers that other
+# tools sharing the database might pick
 MIGRATION_LOCK = 0x6A6F6274696572
 
 # asyncpg's classes are generic only to the type checker (asyncpg-stubs)
@@ -75,8 +73,7 @@ QUERY_FILES = ("queries.sql", "webhooks.sql")
 
 @functools.cache
 def queries() -> dict[str, str]:
-    """Every named query of ``QUERY_FILES`` (read once per process); a name is unique across
-    them."""
+    """Every named query of ``QUERY_FILES`` (read once); a name is unique across them."""
     out: dict[str, str] = {}
     for name in QUERY_FILES:
         found = parse_queries(_package_text(name))
@@ -115,14 +112,12 @@ def migrations() -> list[tuple[str, str]]:
             raise ValueError(f"migration file {entry.name!r} is not named NNNN_name.sql")
     found.sort()
     numbers = [n for n, _, _ in found]
-    # a gap is allowed (work under way elsewhere reserves its numbers); a number twice is not:
-    # the order between the two would be their names'
+    # a gap is allowed (work elsewhere reserves numbers); a number twice is not
     if len(set(numbers)) != len(numbers) or (numbers and numbers[0] != 1):
         raise ValueError(f"migrations must be numbered from 0001, each number once: {numbers}")
     return [(name, sql) for _, name, sql in found]
 
 
-# --- connections ----------------------------------------------------------------------------
 def _encode_json(value: bytes | str) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
@@ -132,11 +127,8 @@ def _decode_json(value: bytes) -> bytes:
 
 
 async def init_connection(conn: Connection) -> None:
-    """Codecs of every jobtier connection: ``json`` columns travel as raw bytes both ways.
-
-    Payloads, results and documents come from Redis as bytes and go back to clients as bytes;
-    decoding them to Python objects in between would only cost time (and could change them).
-    """
+    """Codecs of every jobtier connection: ``json`` columns travel as raw bytes both ways
+    (they come from Redis and go to clients as bytes: decoding them would only cost time)."""
     await conn.set_type_codec(
         "json", schema="pg_catalog", encoder=_encode_json, decoder=_decode_json, format="binary"
     )
@@ -146,7 +138,7 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, **kwar
     """An asyncpg pool with jobtier's codecs (see ``init_connection``)."""
     settings = {"application_name": "jobtier"}
     settings.update(kwargs.pop("server_settings", {}))
-    pool = await asyncpg.create_pool(
+    return await asyncpg.create_pool(
         dsn,
         min_size=min_size,
         max_size=max_size,
@@ -154,7 +146,6 @@ async def create_pool(dsn: str, *, min_size: int = 1, max_size: int = 10, **kwar
         server_settings=settings,
         **kwargs,
     )
-    return pool
 
 
 async def connect(dsn: str, **kwargs: Any) -> Connection:
@@ -164,18 +155,15 @@ async def connect(dsn: str, **kwargs: Any) -> Connection:
     return conn
 
 
-# --- migrations -----------------------------------------------------------------------------
 FAST_COLLATIONS = ("C", "POSIX")  # byte order: Postgres compares text without the C library
 
 
 async def migrate(dsn: str) -> list[str]:
     """Apply the pending migrations; returns their names (empty when the schema is current).
 
-    All pending migrations run in one transaction under an advisory lock: two processes
-    migrating at once (several `jobtier migrate` in a rolling deploy) serialise, and the second
-    finds nothing left to do; a failing migration leaves the database as it was.
-    Migrations therefore must not use statements that refuse to run inside a transaction
-    (``CREATE INDEX CONCURRENTLY``).
+    All run in one transaction under an advisory lock: two processes migrating at once
+    serialise (the second finds nothing to do), and a failing migration leaves the database
+    as it was. So no migration may use ``CREATE INDEX CONCURRENTLY`` and the like.
     """
     conn = await connect(dsn)
     try:
@@ -203,9 +191,8 @@ async def migrate(dsn: str) -> list[str]:
     for name in done:
         log.info("event=migration_applied name=%s", name)
     if collation not in FAST_COLLATIONS:
-        # Postgres compares text byte by byte only under C; under any other collation each
-        # comparison goes through the C library, and the write-behind makes one at every level
-        # of every index entry it writes (dev/local_postgres.py: LocalPostgres says what it costs)
+        # under any other collation each text comparison goes through the C library, and the
+        # write-behind makes one at every level of every index entry it writes
         log.info(
             "event=database_collation collation=%s hint=a_database_created_with_LC_COLLATE_C"
             "_takes_less_CPU_per_transition_written_(README:_Postgres_collation)",

@@ -1,12 +1,9 @@
 """Reads of the durable record, for the API: status fallback, listing, history, results, lag.
 
 Redis holds every live job; Postgres holds every job. The API asks here for a job whose hash
-expired from Redis (``status_doc``), for listings and history (only Postgres has them), and
-asks ``lag`` how far behind the write-behind is (the listing says so, and submit answers 503
-past ``persist_max_lag``).
-
-Every tenant-facing read takes the caller's tenant: another tenant's job is answered exactly
-like an unknown one.
+expired from Redis, for listings and history (only Postgres has them), and how far behind
+the write-behind is (``lag``). Every tenant-facing read takes the caller's tenant: another
+tenant's job is answered exactly like an unknown one.
 """
 
 from __future__ import annotations
@@ -32,9 +29,7 @@ from jobtier.core.model import (
     marker,
     status_decoder,
 )
-from jobtier.core.model import (
-    Transition as Transition,  # moved to core/model.py (the client reads it)
-)
+from jobtier.core.model import Transition as Transition  # the API imports it from here
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
 from jobtier.flows.reads import dependency
 from jobtier.persist.db import Pool, query
@@ -52,8 +47,7 @@ _error_decoder = msgspec.json.Decoder(JobError)
 
 class AdminTransition(msgspec.Struct, frozen=True):
     """One change of a job as the console shows it: a ``Transition`` whose error and progress
-    are the JSON as stored (an error has every member the worker recorded: ``type``,
-    ``message`` and, from workers that send one, ``traceback``)."""
+    are the JSON as stored (every member the worker recorded, a traceback too)."""
 
     version: int
     from_state: str | None
@@ -87,7 +81,6 @@ class StoredResult:
     ref: str | None = None  # instead, where the result store keeps it (persist/results.py)
 
 
-# --- cursors --------------------------------------------------------------------------------
 def encode_cursor(order: str, created_at: datetime, job_id: str) -> str:
     """Opaque keyset position: after (before, newest first) this (created_at, id)."""
     micros = (created_at - _EPOCH) // timedelta(microseconds=1)
@@ -197,10 +190,9 @@ def _filters(
 
 
 def _by_state(listing: str, state: str | None) -> str:
-    """The query of a listing: by a state other than ``succeeded``, the one that finds its page
-    in ``jobs_by_state`` (schema.sql: no index of ``jobs`` covers ``state``), for the tenant's
-    listing and the console's alike; succeeded jobs, nearly all of them, are filtered in
-    created_at order."""
+    """The query of a listing: by a state other than ``succeeded``, the one that pages through
+    ``jobs_by_state`` (no index of ``jobs`` covers ``state``); succeeded jobs, nearly all of
+    them, are filtered in created_at order."""
     return "list_jobs_by_state" if state is not None and state != "succeeded" else listing
 
 
@@ -211,11 +203,8 @@ class PgReader:
         self.pool = pool
 
     async def status_doc(self, job_id: str) -> tuple[str, bytes] | None:
-        """(tenant, status document bytes) of a job, or None if Postgres never saw it.
-
-        The document is the one Redis served at the job's last persisted version; the caller
-        checks the tenant (another tenant's job must look unknown).
-        """
+        """(tenant, status document) of a job at its last persisted version, or None if
+        Postgres never saw it; the caller checks the tenant."""
         row = await self.pool.fetchrow(query("status_doc"), job_id)
         return None if row is None else (row["tenant"], row["doc"])
 
@@ -235,19 +224,22 @@ class PgReader:
         limit: int = 50,
         order: str = "desc",
     ) -> tuple[list[JobStatus], str | None]:
-        """A page of the tenant's jobs, newest first (``order="asc"``: oldest first).
-
-        Keyset pagination on (created_at, id): pages stay consistent while jobs are added, and
-        the cost of a page does not grow with its depth. Returns (jobs, cursor of the next page
-        or None). Bad parameters raise ``InvalidRequest`` (a 400) naming the field.
+        """A page of the tenant's jobs, newest first (``order="asc"``: oldest first), and the
+        cursor of the next page or None. Keyset pagination on (created_at, id): pages stay
+        consistent while jobs are added, and a page costs the same at any depth. Bad
+        parameters raise ``InvalidRequest`` naming the field.
         """
-        params: list[Any] = [_limit(limit) + 1]  # one more: is there a next page?
-        filters = _filters(
-            params, tenant=tenant, state=state, type=type, queue=queue,
-            created_after=created_after, cursor=cursor, order=order,
-        )  # fmt: skip
-        name = _by_state("list_jobs", state)
-        rows, next_cursor = await self._page(name, params, filters, limit, order)
+        rows, next_cursor = await self._page(
+            "list_jobs",
+            limit,
+            order,
+            tenant=tenant,
+            state=state,
+            type=type,
+            queue=queue,
+            created_after=created_after,
+            cursor=cursor,
+        )
         return [status_decoder.decode(r["doc"]) for r in rows], next_cursor
 
     async def admin_list_jobs(
@@ -267,20 +259,27 @@ class PgReader:
         """A page of every tenant's jobs for the console: (tenant, status document) pairs,
         newest first, keyset-paginated as ``list_jobs``. ``id_prefix`` matches the start of
         the id (case-insensitive, as ULIDs are); the time range is on ``created_at``."""
-        params: list[Any] = [_limit(limit) + 1]  # one more: is there a next page?
-        filters = _filters(
-            params, tenant=tenant, state=state, type=type, queue=queue,
-            created_after=created_after, created_before=created_before, id_prefix=id_prefix,
-            cursor=cursor, order=order,
-        )  # fmt: skip
-        name = _by_state("admin_list_jobs", state)
-        rows, next_cursor = await self._page(name, params, filters, limit, order)
+        rows, next_cursor = await self._page(
+            "admin_list_jobs",
+            limit,
+            order,
+            tenant=tenant,
+            state=state,
+            type=type,
+            queue=queue,
+            created_after=created_after,
+            created_before=created_before,
+            id_prefix=id_prefix,
+            cursor=cursor,
+        )
         return [(r["tenant"], bytes(r["doc"])) for r in rows], next_cursor
 
     async def _page(
-        self, name: str, params: list[Any], filters: list[str], limit: int, order: str
+        self, listing: str, limit: int, order: str, **where: Any
     ) -> tuple[list[Any], str | None]:
-        sql = query(name).replace("/*filters*/", " ".join(filters))
+        params: list[Any] = [_limit(limit) + 1]  # one more: is there a next page?
+        filters = _filters(params, order=order, **where)
+        sql = query(_by_state(listing, where["state"])).replace("/*filters*/", " ".join(filters))
         sql = sql.replace("/*dir*/", "DESC" if order == "desc" else "ASC")
         rows = await self.pool.fetch(sql, *params)
         next_cursor = None
@@ -330,42 +329,29 @@ class PgReader:
             return [] if known is not None else None
         out = []
         for r in rows:
-            state = r["state"]
-            if state is None:  # pruned, or not written behind yet
-                out.append(Dependency(id=r["depends_on"], state="missing", child=r["child"]))
-            elif state in ("succeeded", "failed", "cancelled"):
-                if state != "succeeded":
-                    data = r["error"] or b""
-                elif r["result_ref"] is not None:  # kept in the result store
-                    data = b"@" + r["result_ref"].encode()
-                else:
-                    data = r["result"] or b""
-                out.append(dependency(r["depends_on"], state, data, r["child"]))
+            dep, state, child = r["depends_on"], r["state"], r["child"]
+            if state not in ("succeeded", "failed", "cancelled"):  # None: pruned, or not written
+                out.append(Dependency(id=dep, state="pending" if state else "missing", child=child))
+            elif state != "succeeded":
+                out.append(dependency(dep, state, r["error"] or b"", child))
+            elif r["result_ref"] is not None:  # kept in the result store
+                out.append(dependency(dep, state, b"@" + r["result_ref"].encode(), child))
             else:
-                out.append(Dependency(id=r["depends_on"], state="pending", child=r["child"]))
+                out.append(dependency(dep, state, r["result"] or b"", child))
         return out
 
-    # --- the console (admin: any tenant) ------------------------------------------------------
+    # the console's reads: any tenant
     async def admin_job(self, job_id: str, preview_bytes: int) -> StoredJob | None:
         """The job as Postgres has it, whatever its tenant: its document, and its payload and
         result when at most ``preview_bytes`` (else only their sizes); None if unknown."""
         row = await self.pool.fetchrow(query("admin_job"), job_id, preview_bytes)
         if row is None:
             return None
-        return StoredJob(
-            tenant=row["tenant"],
-            doc=bytes(row["doc"]),
-            payload_size=row["payload_size"],
-            payload=row["payload"],
-            result_size=row["result_size"],
-            result=row["result"],
-            result_ref=row["result_ref"],
-        )
+        return StoredJob(**dict(row, doc=bytes(row["doc"])))  # its columns are the fields
 
     async def admin_value(self, job_id: str, part: str) -> tuple[bool, bytes | None]:
-        """(whether Postgres knows the job, its whole payload or result JSON or None). A
-        result kept in the result store comes as Redis holds it: its reference after the
-        marker (``results.marker``), for the caller to stream it from the store."""
+        """(whether Postgres knows the job, its whole payload or result JSON or None). A result
+        kept in the result store comes as Redis holds it (``marker`` and its reference)."""
         row = await self.pool.fetchrow(query("admin_job_value"), job_id)
         if row is None:
             return False, None
@@ -376,24 +362,17 @@ class PgReader:
     async def admin_history(self, job_id: str) -> list[AdminTransition]:
         """Every persisted change of the job, oldest first, whatever its tenant, with each
         error as the worker recorded it (every member, a traceback too); [] if unknown."""
-        rows = await self.pool.fetch(query("admin_history"), job_id)
+        rows = await self.pool.fetch(query("admin_history"), job_id)  # columns: the fields
         return [
-            AdminTransition(
-                version=r["version"],
-                from_state=r["from_state"],
-                to_state=r["to_state"],
-                at=r["at"],
-                worker=r["worker"],
-                attempt=r["attempt"],
-                error=msgspec.Raw(r["error"]) if r["error"] is not None else None,
-                progress=msgspec.Raw(r["progress"]) if r["progress"] is not None else None,
-                cancel_requested=r["cancel_requested"],
-            )
+            AdminTransition(**dict(r, error=_raw(r["error"]), progress=_raw(r["progress"])))
             for r in rows
         ]
 
 
-# --- lag of the write-behind ----------------------------------------------------------------
+def _raw(value: bytes | None) -> msgspec.Raw | None:
+    return None if value is None else msgspec.Raw(value)
+
+
 LAG_EXACT_UP_TO = 100  # undelivered entries per shard counted one by one (log_lag.lua)
 _LAG = Script("log_lag")
 
@@ -405,20 +384,14 @@ def _id_ms(entry_id: bytes) -> int:
 async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> tuple[int, float]:
     """(entries not yet acknowledged by the persisters, age in seconds of the oldest one).
 
-    Per shard, one read-only script call (``store/lua/log_lag.lua``, all shards in one pipeline):
-    the group's pending entries plus the entries after its last-delivered id — counted in
-    the stream, so a restart from the AOF that leaves Redis's own ``lag`` counter stale
-    cannot make it report entries that do not exist (0 once the logs are drained). Up to
-    ``LAG_EXACT_UP_TO`` undelivered entries per shard are counted exactly; beyond that it is
-    Redis's ``lag`` bounded by the entries present and not pending, so the cost stays a few
-    hundred entry reads per call however long the backlog. The age comes from the oldest
-    waiting entry's id (Redis's clock) against this process's clock. Callers on hot paths
-    should cache it for a second (the API does).
-
-    ``exact`` (at least 1) lowers that bound for a caller that wants the age and whether
-    anything waits, not the count: each counted entry is read whole (about 450 bytes), and
-    a sampler calling 20 times a second with a backlog read 1,600 entries a call. The age
-    and a count of 0 stay exact whatever the bound.
+    One read-only script call per shard (``log_lag.lua``, one pipeline): the group's pending
+    entries plus those after its last-delivered id, counted in the stream (Redis's own ``lag``
+    counter can be stale after a restart from the AOF). Up to ``exact`` undelivered entries
+    per shard are counted one by one; beyond, Redis's ``lag`` bounded by the entries present,
+    so a call's cost stays bounded however long the backlog. A caller that wants only the age
+    and whether anything waits passes a lower ``exact``: the age and a count of 0 stay exact
+    whatever the bound. The age is the oldest entry's id (Redis's clock) against this
+    process's clock. Callers on hot paths should cache it for a second.
     """
     group = keys.persist_group()
     exact = max(1, exact)

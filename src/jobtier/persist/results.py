@@ -1,22 +1,18 @@
 """Results kept outside Redis (``JOBTIER_RESULT_STORE``).
 
 A worker whose task returns more than ``JOBTIER_RESULT_STORE_THRESHOLD_BYTES`` writes the
-encoded result to the store first, and only once it is durable (committed) reports the
-success, carrying a reference instead of the bytes: the result never sits in Redis, and a
-succeeded job's result is always readable. The reference travels as the job's ``result``
-field in the form ``@<ref>`` — JSON never starts with ``@``, so nothing else reads as one —
-through complete.lua (which adds ``result_url`` to the status document), the log entry and
-the persister (``jobs.result_ref``). The API streams it back byte for byte from
-``result_url`` (``GET /v1/jobs/{id}/result/content``).
+result to the store, and only once it is committed reports the success, with a reference
+instead of the bytes: a succeeded job's result is always readable. The reference travels as
+the job's ``result`` field, ``@<ref>`` (JSON never starts with ``@``), through complete.lua
+(which adds ``result_url`` to the status), the log and the persister; the API streams it
+back from ``result_url``.
 
 A reference names the attempt (the worker's fencing token) as well as the job: an attempt
-whose lease was lost may still write its result, but under its own reference, which Redis
-then refuses with the rest of that attempt's success, so it can never replace the result
-of the attempt that won.
+whose lease was lost writes under its own reference, which Redis refuses with the rest of
+its success, so it never replaces the result of the attempt that won.
 
-Stores are pluggable (``ResultStore``); the one here keeps results in Postgres
-(``result_blobs``, stored uncompressed so that they stream in slices). Retention deletes
-them with their jobs (a trigger on ``jobs``, migration 0007).
+``PostgresResultStore`` keeps results in ``result_blobs``, uncompressed so that they stream
+in slices; retention deletes them with their jobs.
 """
 
 from __future__ import annotations
@@ -66,7 +62,7 @@ class PostgresResultStore:
         return job_id, int(token)
 
     async def put(self, job_id: str, token: int, data: bytes) -> str:
-        await self.pool.execute(query("result_blob_put"), job_id, token, data)  # committed
+        await self.pool.execute(query("result_blob_put"), job_id, token, data)
         return f"pg:{job_id}:{token}"
 
     async def size(self, ref: str) -> int | None:

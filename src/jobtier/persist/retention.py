@@ -2,42 +2,30 @@
 
 One pass (``prune``) does, in this order:
 
-1. **Partitions ahead.** ``job_transitions`` is partitioned by UTC day on ``at``. The pass
-   keeps a partition ready for yesterday, today and ``PARTITIONS_AHEAD`` days ahead, so the
-   default partition (which takes any row no daily partition covers: a write is never refused)
-   stays empty. Each is created as a plain table and then attached: ``ATTACH PARTITION`` takes
-   only SHARE UPDATE EXCLUSIVE on the parent, which the persister's inserts (ROW EXCLUSIVE) do
-   not conflict with, where ``CREATE TABLE … PARTITION OF`` would take ACCESS EXCLUSIVE.
-   Rows the default partition holds for that day are moved into it first, in the same
-   transaction (ATTACH would refuse them).
-2. **History.** Partitions that end at least ``pg_history_retention_days`` ago are dropped, or
-   detached when ``pg_history_detach`` (an operator archives and drops them). Why not
-   ``DETACH PARTITION … CONCURRENTLY``: Postgres refuses it on a table with a default
-   partition. A plain DROP or DETACH takes ACCESS EXCLUSIVE on the parent, for the
-   catalog change only (milliseconds), but waiting for that lock would queue the
-   persister's inserts behind it. Every DDL statement therefore runs with a short
-   ``lock_timeout`` (``LOCK_TIMEOUT_MS``): behind a long transaction it gives up, the writes
-   go on, and the partition is tried again a moment later or at the next pass (it is
-   reported as skipped). Old rows in the default partition are deleted in small batches.
-3. **Finished jobs** (succeeded, failed, cancelled) that finished ``pg_job_retention_days``
-   ago are deleted, in one pass over the jobs created before then in created_at order,
-   ``DELETE_BATCH`` jobs read per transaction (no index covers a job's state or when it
-   finished: they change with every transition), rows a persister holds skipped
-   (``SKIP LOCKED``: the pass never waits on a write); their large results in
-   ``job_results`` go with them (ON DELETE CASCADE). Waiting and running jobs are never
-   deleted, whatever their age.
+1. **Partitions ahead.** ``job_transitions`` is partitioned by UTC day on ``at``; a partition
+   is kept ready from yesterday to ``PARTITIONS_AHEAD`` days ahead, so the default partition
+   (which takes any row no daily one covers) stays empty. Each is created as a plain table
+   and then attached: ATTACH takes only SHARE UPDATE EXCLUSIVE on the parent, which the
+   persister's inserts do not conflict with (``CREATE TABLE … PARTITION OF`` would take
+   ACCESS EXCLUSIVE). The default partition's rows for that day move in first (ATTACH would
+   refuse them).
+2. **History.** Partitions that end ``pg_history_retention_days`` ago are dropped (or
+   detached, with ``pg_history_detach``). DETACH CONCURRENTLY is refused on a table with a
+   default partition, and a plain DROP or DETACH takes ACCESS EXCLUSIVE on the parent: waiting
+   for it would queue the persister's inserts behind it. So every DDL statement runs with a
+   short ``lock_timeout``: behind a long transaction it gives up, and the partition is tried
+   again later (reported as skipped). Old rows of the default partition go in small batches.
+3. **Finished jobs** that finished ``pg_job_retention_days`` ago are deleted, in one pass over
+   the jobs created before then in created_at order, a window per transaction (no index
+   covers a job's state or when it finished), skipping rows a persister holds (SKIP LOCKED);
+   their results go with them (ON DELETE CASCADE). Unfinished jobs are never deleted.
 
-Why a partition per day: the retention is set in days, so a day is dropped as soon as it
-expires (at most one day more than asked is kept), and 30 days of retention make ~40
-partitions. A history read by job id cannot be pruned to one partition (only to those since
-the job's creation: queries.sql, history), so it probes one small index per partition: ~40
-is cheap, where hourly partitions (~750) would burden every plan, and weekly ones would keep
-up to a week more than asked.
+A partition per day: retention is set in days, and a history read by job id probes an
+index per partition (hourly ones would burden every plan; weekly ones keep a week too long).
 
-Only one pass runs at a time across every persister and ``jobtier prune``: the pass holds a
-session advisory lock (``PRUNE_LOCK``) on its own connection; another finds it taken and
-skips its turn. The persister runs a pass at start and every ``prune_interval_seconds``
-(``run_pruning``); ``jobtier prune`` runs one on demand (``--dry-run`` only reports).
+One pass at a time across every persister and ``jobtier prune``: a pass holds a session
+advisory lock (``PRUNE_LOCK``), and another finds it taken and skips its turn. The persister
+runs a pass at start and every ``prune_interval_seconds`` (``run_pruning``).
 """
 
 from __future__ import annotations
@@ -101,9 +89,8 @@ class PruneReport:
     def lines(self) -> list[str]:
         """A human summary, one line per change (what would change, for a dry run)."""
         dry = self.dry_run
-        drop = ("would detach" if dry else "detached") if self.detach else (
-            "would drop" if dry else "dropped"
-        )  # fmt: skip
+        verbs = ("detach", "detached") if self.detach else ("drop", "dropped")
+        drop = f"would {verbs[0]}" if dry else verbs[1]
         delete, create = ("would delete", "would create") if dry else ("deleted", "created")
         out = []
         if self.history_cutoff is None:
@@ -159,9 +146,8 @@ def _covered(parts: list[Partition], lo: datetime, hi: datetime) -> bool:
 
 class _Ddl:
     """Runs a pass's DDL, each statement in a transaction that waits at most
-    ``lock_timeout_ms`` for a lock, a few tries each. Once a statement gives up, the rest of
-    the pass's DDL is not tried (the same long transaction would hold it up): it is
-    reported as skipped, and the next pass tries again."""
+    ``lock_timeout_ms`` for a lock, a few tries each. Once one gives up, the rest of the
+    pass's DDL is skipped (the same long transaction would hold it up)."""
 
     def __init__(self, conn: AnyConnection, lock_timeout_ms: int) -> None:
         self.conn, self.lock_timeout_ms, self.busy = conn, int(lock_timeout_ms), False
@@ -181,8 +167,9 @@ class _Ddl:
             log.warning(
                 "event=history_partitions_busy lock_timeout_ms=%d tries=%d "
                 "hint=a_long_transaction_holds_job_transitions;tried_again_next_pass",
-                self.lock_timeout_ms, DDL_TRIES,
-            )  # fmt: skip
+                self.lock_timeout_ms,
+                DDL_TRIES,
+            )
         return False
 
 
@@ -221,8 +208,8 @@ async def ensure_partitions(
 
 
 async def _delete_batches(conn: AnyConnection, sql: str, cutoff: datetime, batch: int) -> int:
-    """Run a bounded DELETE (``$1`` cutoff, ``$2`` batch) until it finds fewer than a batch:
-    each batch is its own short transaction."""
+    """Run a bounded DELETE (``$1`` cutoff, ``$2`` batch), each batch its own transaction,
+    until it finds fewer than a batch."""
     total = 0
     while True:
         n = rows_affected(await conn.execute(sql, cutoff, batch))
@@ -232,8 +219,8 @@ async def _delete_batches(conn: AnyConnection, sql: str, cutoff: datetime, batch
 
 
 async def _delete_finished(conn: AnyConnection, cutoff: datetime, batch: int) -> int:
-    """Delete the jobs finished before ``cutoff``, window by window of ``batch`` jobs created
-    before it (queries.sql: delete_finished_jobs), each its own short transaction."""
+    """Delete the jobs finished before ``cutoff``, a window of ``batch`` jobs created before it
+    per transaction."""
     if batch < 1:
         raise ValueError("batch must be 1 or more")
     total = 0
@@ -257,9 +244,8 @@ async def prune(
     lock_timeout_ms: int = LOCK_TIMEOUT_MS,
 ) -> PruneReport | None:
     """One retention pass on ``conn`` (a connection of its own: it holds the session advisory
-    lock). Returns what it did, or None when another pass holds the lock. ``now`` defaults
-    to the current time (tests move it forward). A dry run takes no lock and changes nothing.
-    """
+    lock). Returns what it did, or None when another pass holds the lock. A dry run takes no
+    lock and changes nothing."""
     now = now or datetime.now(UTC)
     days = settings.pg_history_retention_days
     history_cutoff = now - timedelta(days=days) if days else None
@@ -293,9 +279,11 @@ async def prune(
     if not dry_run and (report.removed or report.jobs or report.default_rows or report.skipped):
         log.info(
             "event=pruned partitions=%s skipped=%s default_rows=%d jobs=%d",
-            ",".join(report.removed) or "-", ",".join(report.skipped) or "-",
-            report.default_rows, report.jobs,
-        )  # fmt: skip
+            ",".join(report.removed) or "-",
+            ",".join(report.skipped) or "-",
+            report.default_rows,
+            report.jobs,
+        )
     return report
 
 
@@ -327,9 +315,9 @@ PASS_FAILED: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresEr
 
 
 async def run_pruning(settings: Settings, stop: asyncio.Event) -> None:
-    """The persister's schedule: a pass at once (partitions ahead before the first writes),
-    then every ``prune_interval_seconds`` until ``stop`` is set. A failed pass (Postgres
-    away) is logged and tried again after ``RETRY_AFTER_FAILURE`` seconds."""
+    """A pass at once (partitions ahead before the first writes), then every
+    ``prune_interval_seconds`` until ``stop`` is set; a failed pass is tried again after
+    ``RETRY_AFTER_FAILURE`` seconds."""
     while not stop.is_set():
         wait = settings.prune_interval_seconds
         conn: Connection | None = None
@@ -339,9 +327,7 @@ async def run_pruning(settings: Settings, stop: asyncio.Event) -> None:
         except PASS_FAILED as exc:
             wait = min(wait, RETRY_AFTER_FAILURE)
             log.warning("event=prune_failed retry_in=%.0fs error=%r", wait, exc)
-        except Exception:
-            # anything else (a bug): logged with its stack
-            # and tried again later; the pruning schedule must not end with the persister alive
+        except Exception:  # a bug: its stack logged, and the schedule goes on
             wait = min(wait, RETRY_AFTER_FAILURE)
             log.exception("event=prune_failed retry_in=%.0fs", wait)
         finally:
@@ -352,8 +338,7 @@ async def run_pruning(settings: Settings, stop: asyncio.Event) -> None:
 
 
 async def _close(conn: Connection) -> None:
-    """Close politely; on cancellation or a dead server, just drop the socket (the server
-    ends the session, and with it the advisory lock, either way)."""
+    """Close politely, else drop the socket (the session and its lock end either way)."""
     try:
         await asyncio.wait_for(conn.close(), 5)
     except asyncio.CancelledError:

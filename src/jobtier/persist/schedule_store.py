@@ -46,14 +46,13 @@ class ScheduleStore:
         self.pool = pool
 
     async def insert(self, schedule: Schedule, payload: bytes) -> Schedule:
+        s = schedule
+        job = (s.id, s.tenant, s.name, s.type, payload, s.priority.value, s.max_attempts)
+        timing = (s.cron, s.timezone, s.interval, s.misfire, s.paused, s.next_fire_at)
         try:
             row = await self.pool.fetchrow(
-                query("insert_schedule"),
-                schedule.id, schedule.tenant, schedule.name, schedule.type, payload,
-                schedule.priority.value, schedule.max_attempts, schedule.cron, schedule.timezone,
-                schedule.interval, schedule.misfire, schedule.paused, schedule.next_fire_at,
-                schedule.created_at, schedule.queue,
-            )  # fmt: skip
+                query("insert_schedule"), *job, *timing, s.created_at, s.queue
+            )
         except asyncpg.UniqueViolationError:
             raise DuplicateName(schedule.name) from None
         assert row is not None

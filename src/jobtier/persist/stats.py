@@ -22,10 +22,8 @@ class PersisterStats:
     parked: int = 0  # entries Postgres refused, moved to the shard's log:refused stream
     errors: dict[str, int] = field(default_factory=dict)  # failures retried, by error class
     batch_sizes: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS), repr=False)
-    # where a committed batch's time went (its oldest transition's lag when committed is about
-    # their sum): how old that transition was when the write began (in the log, then in the
-    # buffer until one of the concurrent writes was free), and how long the write took (a pool
-    # connection, the commit and any retries included)
+    # where a committed batch's time went: its oldest transition's age when the write began,
+    # and the write itself (a pool connection, the commit and any retries included)
     batch_waits: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS), repr=False)
     batch_writes: Histogram = field(default_factory=lambda: Histogram(SECONDS_BUCKETS), repr=False)
     job_counts: TransitionCounter = field(default_factory=TransitionCounter, repr=False)
@@ -39,20 +37,19 @@ class PersisterStats:
         """The persister's part of its process's metrics snapshot, with the job counters by
         type counted from what it committed."""
         counters = {name: dict(series) for name, series in self.job_counts.counts.items()}
-        counters.update({
-            "persister_batches_total": {"": self.batches},
-            "persister_retries_total": {"": self.retries},
-            "persister_claimed_total": {"": self.claimed},
-            "persister_bad_entries_total": {"": self.bad_entries},
-            "persister_parked_total": {"": self.parked},
-            "persister_errors_total": {labels(error=k): v for k, v in self.errors.items()},
-        })  # fmt: skip
-        return Snapshot(
-            "", "", 0.0,
-            counters=counters,
-            histograms={
-                "persister_batch_size": {"": self.batch_sizes.snapshot()},
-                "persister_batch_wait_seconds": {"": self.batch_waits.snapshot()},
-                "persister_batch_write_seconds": {"": self.batch_writes.snapshot()},
-            },
-        )  # fmt: skip
+        totals = {
+            "persister_batches_total": self.batches,
+            "persister_retries_total": self.retries,
+            "persister_claimed_total": self.claimed,
+            "persister_bad_entries_total": self.bad_entries,
+            "persister_parked_total": self.parked,
+        }
+        counters.update({name: {"": n} for name, n in totals.items()})
+        counters["persister_errors_total"] = {labels(error=k): v for k, v in self.errors.items()}
+        histograms = {
+            "persister_batch_size": self.batch_sizes,
+            "persister_batch_wait_seconds": self.batch_waits,
+            "persister_batch_write_seconds": self.batch_writes,
+        }
+        hists = {name: {"": h.snapshot()} for name, h in histograms.items()}
+        return Snapshot("", "", 0.0, counters=counters, histograms=hists)

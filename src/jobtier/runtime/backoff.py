@@ -1,16 +1,9 @@
 """Back-off for loops that retry a failing call (Redis or Postgres away for a while).
 
-One mechanism, one policy per caller. A policy says how long the first wait is, how fast it
-grows and where it stops; ``jitter`` spreads the retries of processes that failed together
-(every worker of a fleet losing Redis at once must not come back as one burst).
-
-    backoff = CLAIM.start()
-    while True:
-        try:
-            await claim()
-            backoff.reset()
-        except RedisError:
-            await asyncio.sleep(backoff.next())
+One mechanism, one policy per caller: the first wait, how fast it grows and where it stops;
+``jitter`` spreads the retries of processes that failed together (a fleet losing Redis at
+once must not come back as one burst). ``policy.start()`` gives a loop its ``Backoff``:
+``next()`` after each failure, ``reset()`` after a success.
 """
 
 from __future__ import annotations
@@ -49,7 +42,7 @@ class Backoff:
 
     @property
     def delay(self) -> float:
-        """The wait the next call to ``next()`` will return, before jitter (for log lines)."""
+        """The wait ``next()`` will return, before jitter (for log lines)."""
         return self._delay
 
     def next(self, rng: random.Random | None = None) -> float:
@@ -61,12 +54,11 @@ class Backoff:
         return wait + (rng or random).uniform(0, wait * p.jitter) if p.jitter else wait
 
     def reset(self) -> None:
-        """The call succeeded: the next failure starts from the first wait again."""
+        """After a success: the next failure starts from the first wait again."""
         self._delay = self.policy.first
         self.failures = 0
 
 
-# The policies of jobtier's own loops.
 CLAIM = BackoffPolicy(first=0.05, cap=5.0)  # a worker's claims while Redis is away
 REPORT = BackoffPolicy(first=0.05, cap=5.0)  # a worker's outcomes (kept, sent again)
 SCHEDULER = BackoffPolicy(first=0.05, cap=5.0)  # promote / reclaim / fire passes

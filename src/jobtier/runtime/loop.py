@@ -1,10 +1,9 @@
 """Periodic work and the waits of long-running loops.
 
-``every`` runs a step at an interval until it is stopped or cancelled: a fault the caller
-foresaw (Redis or Postgres away) is logged in one line and the next round tries again;
-anything else is logged with its traceback the first time its class is seen, and retried
-too, so a periodic role never ends silently. ``wait_for`` is the stoppable sleep of every
-loop: it returns as soon as its event is set.
+``every`` runs a step at an interval until stopped: a foreseen fault (Redis or Postgres
+away) is logged in one line, anything else with its traceback the first time its class is
+seen, and the next round tries again, so a periodic role never ends silently. ``wait_for``
+is the stoppable sleep of every loop.
 """
 
 from __future__ import annotations

@@ -1,17 +1,14 @@
 """Stopping background loops and shutdown steps within a bound, whatever Redis is doing.
 
-A process stopped while Redis restarts, loads or is frozen must still exit promptly, and
-say in its log what it left behind. Two things stood in the way:
+A process stopped while Redis restarts, loads or is frozen must still exit promptly, and say
+in its log what it left behind:
 
-* A cancellation can be lost. On Python 3.11, ``asyncio.wait_for`` returns the inner
-  call's result when the cancel arrives just as that call finished (CPython gh-86296, fixed
-  in 3.12), and redis-py sends every command through ``wait_for`` once ``socket_timeout``
-  is set (its default). A loop cancelled at that moment carries on as if nothing happened,
-  and ``task.cancel(); await task`` then waits forever: an API stopped on a loaded machine
-  hung in its lifespan shutdown that way. ``stop_task`` cancels again while the task runs.
-* A shutdown step that talks to Redis (the last metrics snapshot) or closes connections can
-  take a client timeout per retry against a server that does not answer. ``bounded`` gives
-  each step ``STOP_TIMEOUT`` seconds and moves on to the next one.
+* A cancellation can be lost: on Python 3.11, ``asyncio.wait_for`` returns the inner call's
+  result when the cancel arrives just as it finished (CPython gh-86296), and redis-py sends
+  every command through ``wait_for``. ``task.cancel(); await task`` can then wait forever;
+  ``stop_task`` cancels again while the task runs.
+* A shutdown step that talks to a server that does not answer can take a client timeout per
+  retry: ``bounded`` gives each step ``STOP_TIMEOUT`` seconds and moves on.
 """
 
 from __future__ import annotations
@@ -30,11 +27,8 @@ RECANCEL_EVERY = 1.0  # a task still running this long after a cancel has lost i
 async def stop_task(
     task: asyncio.Task[Any] | None, part: str, timeout: float = STOP_TIMEOUT
 ) -> bool:
-    """Cancel ``task`` and wait until it ends, cancelling again every ``RECANCEL_EVERY``
-    seconds while it runs (a lost cancellation, see the module's docstring). True once it
-    has ended; False if it still runs after ``timeout`` seconds: it is left behind, with a
-    warning naming ``part``. An exception it ended with is logged, not raised: the rest of
-    the shutdown still runs."""
+    """``stop_tasks`` of one task; an exception it ended with is logged, not raised (the rest
+    of the shutdown still runs)."""
     if task is None:
         return True
     if not await stop_tasks([task], part, timeout):
@@ -47,11 +41,10 @@ async def stop_task(
 async def stop_tasks(
     tasks: Iterable[asyncio.Task[Any]], part: str, timeout: float = STOP_TIMEOUT
 ) -> bool:
-    """Cancel every one of ``tasks`` and wait until all have ended, cancelling again every
-    ``RECANCEL_EVERY`` seconds those still running (a lost cancellation). What they ended
-    with is retrieved, neither raised nor logged (their owner reports its own errors). True
-    once all have ended; False if some still run after ``timeout`` seconds: they are left
-    behind, with a warning naming ``part``."""
+    """Cancel ``tasks`` and wait until all have ended, cancelling again every
+    ``RECANCEL_EVERY`` seconds those still running. True once all have ended; False if some
+    still run after ``timeout`` seconds: they are left behind, with a warning naming
+    ``part``. What they ended with is neither raised nor logged."""
     tasks = list(tasks)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -62,8 +55,10 @@ async def stop_tasks(
             log.warning(
                 "event=shutdown_abandoned part=%s tasks=%d seconds=%.1f: still running after "
                 "they were cancelled; left behind",
-                part, len(running), timeout,
-            )  # fmt: skip
+                part,
+                len(running),
+                timeout,
+            )
             return False
         for task in running:
             task.cancel()
@@ -82,9 +77,7 @@ async def bounded(part: str, step: Awaitable[Any], timeout: float = STOP_TIMEOUT
         async with asyncio.timeout(timeout):
             await step
     except TimeoutError:
-        log.warning(
-            "event=shutdown_abandoned part=%s seconds=%.1f: did not finish in time; cut short",
-            part, timeout,
-        )  # fmt: skip
+        message = "event=shutdown_abandoned part=%s seconds=%.1f: did not finish in time; cut short"
+        log.warning(message, part, timeout)
         return False
     return True

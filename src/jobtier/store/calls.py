@@ -16,12 +16,12 @@ from jobtier.core.model import DEFAULT_QUEUE, ClaimedJob
 
 Call = tuple[str, int, Sequence[Any]]  # (script name, shard, arguments after the key base)
 
-# a script's result code -> its Code member, by index (Code(n) is an enum look-up per job)
+# a script's result code -> its Code member, by index (cheaper than Code(n) per job)
 CODES = tuple(Code)
 
 
-# Made once per job on the submit path, these two are plain (not frozen) dataclasses: a frozen
-# one's __init__ sets each field through object.__setattr__, several times slower.
+# not frozen: made once per job on the submit path, and a frozen dataclass's __init__ sets
+# each field through object.__setattr__, which is slower
 @dataclass(slots=True)
 class SubmitOutcome:
     code: Code  # OK, DUPLICATE, IDEMPOTENCY_CONFLICT or EXISTS
@@ -53,10 +53,21 @@ class SubmitItem:
 
     def args(self) -> tuple[Any, ...]:
         return (
-            self.job_id, self.tenant, self.type, self.queue, self.priority, self.payload,
-            self.max_attempts, self.run_at_ms, self.delay_ms, self.idempotency_key,
-            self.request_hash, self.concurrency_key, self.concurrency_limit, self.flow,
-        )  # fmt: skip
+            self.job_id,
+            self.tenant,
+            self.type,
+            self.queue,
+            self.priority,
+            self.payload,
+            self.max_attempts,
+            self.run_at_ms,
+            self.delay_ms,
+            self.idempotency_key,
+            self.request_hash,
+            self.concurrency_key,
+            self.concurrency_limit,
+            self.flow,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +233,6 @@ def parse_reclaim(reply: list[Any]) -> Timed:
     return Timed(int(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]))
 
 
-# --- flows (lib.lua's flows section) ------------------------------------------------------
 def link_call(shard: int, tenant: str, links: Sequence[tuple[str, str]]) -> Call:
     """links: (dependency id of this shard, dependent id)."""
     return ("link", shard, _flat([tenant, len(links)], links))

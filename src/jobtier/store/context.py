@@ -1,18 +1,19 @@
 """The engine context: one deployment's Redis, its key layout and its scripts.
 
-Every part that talks to Redis (the engine's producer, job and queue operations, workers,
-the scheduler, the resolver) holds the ``Store`` it was given; only its owner closes it.
+Every part that talks to Redis (producer, job and queue operations, workers, the scheduler,
+the resolver) holds the ``Store`` it was given; only its owner closes it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.store import format as job_format
-from jobtier.store.calls import SubmitItem, SubmitOutcome, parse_submit, submit_call
+from jobtier.store.calls import Call, SubmitItem, SubmitOutcome, parse_submit, submit_call
 from jobtier.store.redis import RedisClient, check_redis, connect
 from jobtier.store.scripts import Scripts
 
@@ -54,20 +55,39 @@ class Store:
 SPREAD_FROM = 128  # jobs in a submit from which its shards go in several pipelines
 
 
-async def submit_items(store: Store, items: Sequence[SubmitItem]) -> list[SubmitOutcome]:
-    """Run submits already validated: one script call per shard, pipelined; outcomes in
-    order."""
+def submit_calls(
+    store: Store, items: Sequence[SubmitItem], chunk: int = 0
+) -> tuple[list[Call], list[list[int]]]:
+    """One submit call per shard (per ``chunk`` jobs of a shard, when given); with each, the
+    indices of its items."""
     by_shard: dict[int, list[int]] = defaultdict(list)
     for i, item in enumerate(items):
         by_shard[store.keys.shard_of(item.job_id)].append(i)
     ttl = store.settings.idempotency_ttl_seconds * 1000
-    calls = [submit_call(shard, [items[i] for i in idx], ttl) for shard, idx in by_shard.items()]
-    # a large batch's shards in four pipelines sent in turn: Redis runs the first while the
-    # others are packed (Scripts.call_spread); a small batch goes in one
-    per = -(-len(calls) // 4) if len(items) >= SPREAD_FROM else len(calls)
-    replies = await store.scripts.call_spread(calls, per)
-    outcomes: list[SubmitOutcome | None] = [None] * len(items)
-    for idx, reply in zip(by_shard.values(), replies, strict=True):
+    calls, groups = [], []
+    for shard, idx in by_shard.items():
+        step = chunk or len(idx)
+        for start in range(0, len(idx), step):
+            group = idx[start : start + step] if step < len(idx) else idx
+            calls.append(submit_call(shard, [items[i] for i in group], ttl))
+            groups.append(group)
+    return calls, groups
+
+
+def in_order(n: int, groups: Sequence[list[int]], replies: Sequence[Any]) -> list[SubmitOutcome]:
+    """The outcomes of ``n`` items from their calls' replies, in the items' order."""
+    outcomes: list[SubmitOutcome | None] = [None] * n
+    for idx, reply in zip(groups, replies, strict=True):
         for i, outcome in zip(idx, parse_submit(reply), strict=True):
             outcomes[i] = outcome
     return [o for o in outcomes if o is not None]
+
+
+async def submit_items(store: Store, items: Sequence[SubmitItem]) -> list[SubmitOutcome]:
+    """Run submits already validated: one script call per shard, pipelined; outcomes in
+    order."""
+    calls, groups = submit_calls(store, items)
+    # a large batch's shards in four pipelines sent in turn: Redis runs the first while the
+    # others are packed (Scripts.call_spread)
+    per = -(-len(calls) // 4) if len(items) >= SPREAD_FROM else len(calls)
+    return in_order(len(items), groups, await store.scripts.call_spread(calls, per))

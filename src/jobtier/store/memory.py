@@ -1,18 +1,15 @@
 """How full Redis is: ``used_memory / maxmemory`` from INFO memory, on every primary.
 
-jobtier requires ``noeviction`` (store/redis.py): past ``maxmemory`` Redis refuses every write
-with an OOM error, transitions of running jobs included. Submits are what fills it, so the API
-refuses them first, with a clear 503, while there is still room for the jobs already accepted
-to finish (admission.py); a gauge and a log warning say so earlier still.
+jobtier requires ``noeviction`` (store/redis.py): past ``maxmemory`` Redis refuses every write,
+transitions of running jobs included. Submits are what fills it, so the API refuses them
+first, while there is still room for the jobs already accepted to finish (admission.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from redis.asyncio.cluster import RedisCluster
-
-from jobtier.store.redis import RedisClient
+from jobtier.store.redis import RedisClient, info_of_primaries
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,12 +26,7 @@ class MemoryUse:
 
 
 async def redis_memory(redis: RedisClient) -> MemoryUse:
-    """INFO memory of each primary; the one nearest its limit (a cluster refuses writes as
-    soon as one node is full: that node's shards)."""
-    if isinstance(redis, RedisCluster):
-        per_node = await redis.info("memory", target_nodes=RedisCluster.PRIMARIES)
-        infos = list(per_node.values())
-    else:
-        infos = [await redis.info("memory")]
+    """The primary nearest its limit (a cluster refuses writes as soon as one node is full)."""
+    infos = await info_of_primaries(redis, "memory")
     uses = [MemoryUse(int(i.get("used_memory", 0)), int(i.get("maxmemory", 0))) for i in infos]
     return max(uses, key=lambda u: (u.ratio, u.used))

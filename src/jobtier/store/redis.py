@@ -7,7 +7,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
@@ -27,16 +27,16 @@ from jobtier.runtime.stopping import stop_task
 log = logging.getLogger("jobtier.redis")
 
 RedisClient = Redis | RedisCluster
+T = TypeVar("T")
 
 EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 STARTUP_PATIENCE = 30.0  # seconds a starting process waits for a Redis that does not answer
 
 
 class FastConnection(Connection):
-    """Packs commands with hiredis: the same bytes as redis-py's pure-Python packer, about
-    ten times faster on the batched script calls of the hot paths (a 50-job completion: 161
-    → 20 µs of client CPU; bench/throughput.py). Anything hiredis refuses (a command name
-    with a space, a value of a type it does not know) goes the usual way."""
+    """Packs commands with hiredis: the same bytes as redis-py's pure-Python packer, much
+    faster on the batched script calls of the hot paths. Anything hiredis refuses (a command
+    name with a space, a value of a type it does not know) goes the usual way."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
         name = args[0]
@@ -51,11 +51,9 @@ class FastConnection(Connection):
 class Cluster(RedisCluster):
     """A Redis Cluster client that routes FCALL by its keys, as redis-py routes EVALSHA.
 
-    redis-py finds EVAL's and EVALSHA's keys from their arguments, but asks a node for any
-    other command whose keys move (``COMMAND GETKEYS``, every argument sent again): for FCALL,
-    one more round trip before each call, in turn inside a pipeline. Every jobtier function
-    names its keys first (``numkeys``, then the keys, all in one slot), so the slot is worked
-    out here; anything else goes the usual way."""
+    redis-py asks a node for the keys of FCALL (``COMMAND GETKEYS``): one more round trip
+    before each call. Every jobtier function names its keys first (``numkeys``, then the
+    keys, all in one slot), so the slot is worked out here."""
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         if isinstance(command, str) and command.upper() in ("FCALL", "FCALL_RO"):
@@ -69,11 +67,9 @@ class Cluster(RedisCluster):
 
 def connect(settings: Settings, **kwargs: Any) -> RedisClient:
     """A client for ``settings.redis_url``; bytes in, bytes out (no decoding on hot paths)."""
-    # Retry on connection errors: after a Redis restart every pooled connection is dead and
-    # the first command on each fails before reaching the server. A command that did reach
-    # it and lost only its reply is sent again: transitions from workers are then refused as
-    # stale (harmless), and a submit without an idempotency key may create a second job —
-    # which is why producers that care pass one (documented).
+    # Retry on connection errors: after a Redis restart every pooled connection is dead. A
+    # command that reached Redis and lost only its reply is sent again: a worker's transition
+    # is then refused as stale, and a submit without an idempotency key may make a second job.
     options: dict[str, Any] = {
         "decode_responses": False,
         "health_check_interval": 0,
@@ -118,18 +114,12 @@ def unreachable_message(settings: Settings, exc: BaseException) -> str:
 async def check_redis(
     redis: RedisClient, settings: Settings, *, log_every: float = 5.0
 ) -> list[str]:
-    """Refuse a Redis that can lose acknowledged jobs. Returns warnings; raises ConfigError.
+    """Refuse a Redis that can lose acknowledged jobs (an evicting memory policy, no AOF).
+    Returns warnings; raises ConfigError.
 
-    A Redis still loading its data (LOADING) is waited for, and one that does not answer
-    for up to ``STARTUP_PATIENCE`` seconds (restarting as this process starts) too, logging
-    one line per try; past that, a Redis that cannot be reached is a ConfigError.
-
-    An evicting memory policy silently drops job hashes and queues under memory pressure,
-    and without AOF a restart forgets everything since the last snapshot.
-
-    A Redis still loading its data after a restart is waited for (it answers only INFO and
-    the like until it is done, and reports ``aof_enabled:0`` meanwhile: Redis turns AOF off
-    while it replays the file), with its progress logged every ``log_every`` seconds.
+    A Redis still loading its data is waited for, its progress logged every ``log_every``
+    seconds; one that does not answer is waited for up to ``STARTUP_PATIENCE`` seconds (it
+    may be restarting as this process starts), then is a ConfigError.
     """
     backoff, since = STARTUP.start(), time.monotonic()
     logged = -log_every
@@ -137,10 +127,9 @@ async def check_redis(
         try:
             version = await _info_values(redis, "server", "redis_version")
             policies = await _info_values(redis, "memory", "maxmemory_policy")
-            # One snapshot for both: INFO is answered while loading (on a connection opened
-            # before), and until the load ends aof_enabled reads 0 — read apart, a load ending
-            # in between looked like a Redis without AOF.
-            persistence = await _info(redis, "persistence")
+            # loading and aof_enabled from one snapshot: aof_enabled reads 0 until a load ends,
+            # so read apart, a load ending in between would look like a Redis without AOF
+            persistence = await info_of_primaries(redis, "persistence")
             if any(str(node.get("loading")) == "1" for node in persistence):
                 if time.monotonic() - logged >= log_every:
                     logged = time.monotonic()
@@ -148,14 +137,14 @@ async def check_redis(
                     log.warning(
                         "event=redis_loading url=%s percent=%s: Redis is loading its data "
                         "after a restart; waiting for it",
-                        settings.redis_url, done,
-                    )  # fmt: skip
+                        settings.redis_url,
+                        done,
+                    )
                 raise BusyLoadingError("Redis is loading the dataset in memory")
             aof = [str(node.get("aof_enabled", "")) for node in persistence]
             break
         except BusyLoadingError:
-            # a restarted Redis reading its AOF: it will serve once loaded, so wait for it
-            # rather than exit (a supervisor would only start us again into the same wait)
+            # it will serve once loaded (exiting would only restart us into the same wait)
             await asyncio.sleep(min(backoff.next(), 0.5))
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             if time.monotonic() - since > STARTUP_PATIENCE:
@@ -192,7 +181,7 @@ async def check_redis(
     return warnings
 
 
-async def _info(redis: RedisClient, section: str) -> list[dict[str, Any]]:
+async def info_of_primaries(redis: RedisClient, section: str) -> list[dict[str, Any]]:
     """One INFO section of every primary, one dict per node."""
     if isinstance(redis, RedisCluster):  # {node name: {field: value}}
         per_node = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
@@ -201,7 +190,34 @@ async def _info(redis: RedisClient, section: str) -> list[dict[str, Any]]:
 
 
 async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
-    return [str(node.get(field, "")) for node in await _info(redis, section)]
+    return [str(node.get(field, "")) for node in await info_of_primaries(redis, section)]
+
+
+async def read_live(
+    redis: RedisClient,
+    key: str,
+    seen: Callable[[Any], tuple[T, float]],
+    fresh: float,
+    forget: float,
+) -> list[T]:
+    """The entries of the hash ``key`` written at most ``fresh`` seconds ago; ``seen`` decodes
+    one into (value, when it was written), raising ValueError for one it cannot read. Those
+    unreadable, or older than ``forget`` seconds (their writer is gone), are deleted."""
+    now = time.time()
+    live, gone = [], []
+    for field, raw in (await redis.hgetall(key)).items():
+        try:
+            value, at = seen(raw)
+        except (ValueError, TypeError, AttributeError):
+            gone.append(field)
+            continue
+        if now - at <= fresh:
+            live.append(value)
+        elif now - at > forget:
+            gone.append(field)
+    if gone:
+        await redis.hdel(key, *gone)
+    return live
 
 
 def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str, int], list[str]]:
@@ -221,17 +237,16 @@ def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str
 class ShardSubscriber:
     """Keeps shard-channel subscriptions (SSUBSCRIBE) open and hands every message to a callback.
 
-    One bare connection per Redis node, read in a loop: no per-message bookkeeping of the
-    generic PubSub class, which matters at tens of thousands of status events a second.
-    ``on_message(channel, data)`` runs on the event loop for each message and must not block.
-    ``on_reset()`` runs after every (re)subscription: messages may have been missed while the
-    connection was down, so whoever relies on them must resynchronise. ``on_lost()`` runs as
-    soon as a subscription is found broken, before it is retried.
+    One bare connection per Redis node, read in a loop, without the generic PubSub class's
+    per-message bookkeeping. ``on_message(channel, data)`` runs on the event loop for each
+    message and must not block. ``on_reset()`` runs after every (re)subscription: messages may
+    have been missed meanwhile, so whoever relies on them must resynchronise. ``on_lost()``
+    runs as soon as a subscription is found broken, before it is retried.
 
-    A connection can die without a word (a half-open TCP connection after a network fault or
-    a frozen server): every ``PING_INTERVAL`` seconds each subscription sends PING, and one
-    whose answer has not come ``PONG_TIMEOUT`` seconds after it is closed and counted lost.
-    ``live`` is true while every node's subscription is confirmed and answering.
+    A connection can die without a word (half-open TCP, a frozen server): each subscription
+    sends PING every ``PING_INTERVAL`` seconds and is closed and counted lost when an answer
+    is ``PONG_TIMEOUT`` seconds late. ``live`` is true while every node's subscription is
+    confirmed and answering.
     """
 
     PING_INTERVAL = 1.0
@@ -253,7 +268,6 @@ class ShardSubscriber:
         self.on_lost = on_lost
         self.name = name
         self._tasks: list[asyncio.Task[None]] = []
-        self._ready: list[asyncio.Event] = []
         self._closing = False
         self._down: set[tuple[str, int]] = set()  # nodes whose subscription is not confirmed
 
@@ -266,14 +280,20 @@ class ShardSubscriber:
         if isinstance(self.redis, RedisCluster):
             # a client that has sent no command yet does not know which node serves a slot
             await self.redis.initialize()
+        ready = self._spawn()
+        async with asyncio.timeout(timeout):
+            await asyncio.gather(*(r.wait() for r in ready))
+
+    def _spawn(self) -> list[asyncio.Event]:
+        """A task per node for the channels it serves; the events set once they subscribed."""
         groups = node_channels(self.redis, self.channels)
         self._down = set(groups)
-        for node, channels in groups.items():
-            ready = asyncio.Event()
-            self._ready.append(ready)
-            self._tasks.append(asyncio.create_task(self._run(node, channels, ready)))
-        async with asyncio.timeout(timeout):
-            await asyncio.gather(*(r.wait() for r in self._ready))
+        ready = {node: asyncio.Event() for node in groups}
+        self._tasks = [
+            asyncio.create_task(self._run(node, channels, ready[node]))
+            for node, channels in groups.items()
+        ]
+        return list(ready.values())
 
     async def stop(self) -> None:
         self._closing = True
@@ -288,14 +308,10 @@ class ShardSubscriber:
         # RESP2: under RESP3 the messages arrive as push frames that the client library's
         # push handler consumes instead of returning them to read_response()
         kwargs.update(host=host, port=port, socket_timeout=None, protocol=2)
-        for key in list(kwargs):
-            if key.startswith(("maint_notifications", "orig_", "oss_cluster")) or key in (
-                "connection_pool",
-                "retry",
-                "himport_registry",
-            ):
-                kwargs.pop(key)
-        return Connection(**kwargs)
+        dropped = ("connection_pool", "retry", "himport_registry")
+        prefixes = ("maint_notifications", "orig_", "oss_cluster")
+        kept = {k: v for k, v in kwargs.items() if k not in dropped and not k.startswith(prefixes)}
+        return Connection(**kept)
 
     async def _pinger(self, conn: Connection, answered: list[float]) -> None:
         """PING the subscription every PING_INTERVAL; close it when an answer is overdue
@@ -304,10 +320,12 @@ class ShardSubscriber:
         while True:
             await asyncio.sleep(self.PING_INTERVAL)
             if loop.time() - answered[0] > self.PONG_TIMEOUT:
+                silent = loop.time() - answered[0]
                 log.warning(
                     "event=subscription_silent subscriber=%s seconds=%.1f: no answer to PING",
-                    self.name, loop.time() - answered[0],
-                )  # fmt: skip
+                    self.name,
+                    silent,
+                )
                 await conn.disconnect()
                 return
             await conn.send_command("PING")
@@ -371,8 +389,11 @@ class ShardSubscriber:
                 wait = backoff.next()
                 log.warning(
                     "event=subscription_lost subscriber=%s node=%s:%s error=%r retry_in=%.2fs",
-                    self.name, node[0], node[1], exc, wait,
-                )  # fmt: skip
+                    self.name,
+                    *node,
+                    exc,
+                    wait,
+                )
                 await asyncio.sleep(wait)
                 if isinstance(self.redis, RedisCluster):
                     # a failover or resharding may have moved our slots: regroup and restart
@@ -397,7 +418,4 @@ class ShardSubscriber:
             if task is not current:
                 task.cancel()
         self._tasks = []
-        groups = node_channels(self.redis, self.channels)
-        self._down = set(groups)
-        for node, channels in groups.items():
-            self._tasks.append(asyncio.create_task(self._run(node, channels, asyncio.Event())))
+        self._spawn()

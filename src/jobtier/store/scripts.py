@@ -1,23 +1,18 @@
-"""The Lua transitions: loaded once, one typed async wrapper per script.
+"""The Lua transitions: loaded once, run by name.
 
 Each script lives in ``store/lua/<name>.lua`` and opens with a header of its KEYS, ARGV and
-returns; ``--!include lib.lua`` pulls in the shared helpers (lib.lua includes ``render.lua``
-in turn). Wrappers take and return Python values and ``Code`` members, never bare integers.
+returns; ``--!include lib.lua`` pulls in the shared helpers (lib.lua includes ``render.lua``).
 
 The scripts that include lib.lua are loaded as one Redis function library (``Library``) and
-run by FCALL: lib.lua's top level (its ~100 helpers and tables) then runs once, when the
-library is loaded, where a script run by EVALSHA runs it at every call (~16 us of Redis CPU
-a call; bench/lua_parts.py). Each function starts with lib.lua's ``begin(ARGV)``, which sets
-what a call may change. The library's name and its functions' names carry a digest of its
-code: processes of two versions (a rolling deploy) each call their own. A version's library
-stays in Redis after its last process stops (one per deployed version; ``FUNCTION LIST``,
-``FUNCTION DELETE`` to remove one no process runs).
+run by FCALL, so lib.lua's top level runs once at load rather than at every EVALSHA. Each
+function starts with lib.lua's ``begin(ARGV)``. The library's and functions' names carry a
+digest of its code: two versions in a rolling deploy each call their own (an old version's
+library stays until ``prune_libraries`` deletes it).
 
-Why not ``register_script()``: its pipeline path sends SCRIPT EXISTS before every pipeline
-execution, a second round trip on the paths we batch (claim, complete, submit). We FCALL (or
-EVALSHA) directly and, when Redis does not have the function or script (a Redis restarted
-without its data, a node added to a cluster, FUNCTION FLUSH), load it and re-send only the
-calls that were refused — they did not run, so re-sending them is safe.
+Not ``register_script()``: its pipelines send SCRIPT EXISTS first, a second round trip on the
+batched paths. We FCALL (or EVALSHA) directly and, when Redis lacks the function (restarted
+without its data, a new cluster node, FUNCTION FLUSH), load it and re-send only the refused
+calls: they did not run, so re-sending them is safe.
 """
 
 from __future__ import annotations
@@ -40,13 +35,11 @@ from jobtier.store.calls import Call, ClaimBatch
 from jobtier.store.redis import RedisClient
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
-NAMES = (
-    "submit", "claim", "heartbeat", "complete", "fail", "stopped",
-    "cancel", "promote", "reclaim", "replay", "fire", "limit", "joblog", "purge",
-    "link", "linked", "resolve", "reformat",
-)  # fmt: skip
-
-
+_SCRIPTS = (  # store/lua/<name>.lua of every transition script
+    "submit claim heartbeat complete fail stopped cancel promote reclaim replay fire limit"
+    " joblog purge link linked resolve reformat"
+)
+NAMES = tuple(_SCRIPTS.split())
 _LIB = "--!include lib.lua"
 LIBRARIES = "jobtier_*"  # every jobtier version's function library (FUNCTION LIST LIBRARYNAME)
 
@@ -68,23 +61,19 @@ def _expand(text: str, begin: str, read: Callable[[str], str] = _read) -> str:
 
 def lua_source(name: str, read: Callable[[str], str] = _read) -> str:
     """The script as EVAL runs it: its includes expanded, and lib.lua's ``begin(ARGV)``
-    called where lib.lua's text ends. ``read`` (a file's text by its name; this jobtier's
-    by default) may give another revision's files: one whose lib.lua has no begin() (before
-    the function library) gets no call of it."""
+    called where lib.lua's text ends. ``read`` (a file's text by name) may give another
+    revision's files; one whose lib.lua has no begin() gets no call of it."""
     has_begin = "local function begin(" in read("lib.lua")
     return _expand(read(f"{name}.lua"), "\nbegin(ARGV)" if has_begin else "", read)
 
 
-# one script in the library: its function, which starts as the script did (begin(ARGV))
 _WRAP = "\nredis.register_function('{function}', function(KEYS, ARGV)\n{body}\nend)\n"
 
 
 class Library:
     """The scripts of ``names`` (each includes lib.lua) as one Redis function library: lib.lua
-    once, then one function per script, ``function(KEYS, ARGV)`` around its code, which
-    starts with ``begin(ARGV)`` where the script included lib.lua. ``read`` (a file's text by
-    its name; this jobtier's by default) may give another revision's files (a benchmark's
-    baseline)."""
+    once, then one function per script, which calls ``begin(ARGV)`` where the script included
+    lib.lua. ``read`` may give another revision's files (a benchmark's baseline)."""
 
     __slots__ = ("code", "functions", "name")
 
@@ -156,10 +145,9 @@ async def _primaries(redis: RedisClient) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def load_library(redis: RedisClient, lib: Library) -> None:
-    """FUNCTION LOAD ``lib`` on every primary that does not have it. Without REPLACE: Redis
-    refuses a name it holds before it compiles anything, and a name stands for one code (its
-    digest), so a node that has it is left as it is, and a fleet of processes starting at
-    once costs Redis one compilation, not one each."""
+    """FUNCTION LOAD ``lib`` on every primary that does not have it. Without REPLACE: a name
+    stands for one code (its digest), and Redis refuses a name it holds before compiling, so
+    a fleet of processes starting at once costs one compilation, not one each."""
     for _, where in await _primaries(redis):
         try:
             await redis.execute_command("FUNCTION LOAD", lib.code, **where)
@@ -196,9 +184,8 @@ async def libraries(redis: RedisClient) -> list[tuple[str, list[str]]]:
 
 async def prune_libraries(redis: RedisClient, keep: str, deleted: list[tuple[str, str]]) -> None:
     """FUNCTION DELETE every jobtier library but ``keep`` on every primary, appending (node,
-    library) to ``deleted`` as each goes: a caller that meets an error half-way still knows
-    what was done. Safe while a process of another version runs: its next call is refused
-    as missing, and it loads its library again and sends the call again."""
+    library) to ``deleted`` as each goes (a caller that meets an error still knows what was
+    done). Safe while another version runs: it loads its library again when refused."""
     for node, where, names in await _listed(redis):
         for name in names:
             if name == keep:
@@ -213,16 +200,14 @@ async def prune_libraries(redis: RedisClient, keep: str, deleted: list[tuple[str
 
 
 def _missing(exc: BaseException) -> bool:
-    """Whether Redis refused a call because it does not have the script or function (the
-    call did not run)."""
+    """Whether Redis refused a call for want of its script or function (it did not run)."""
     return isinstance(exc, NoScriptError) or (
         isinstance(exc, ResponseError) and str(exc).startswith("Function not found")
     )
 
 
 async def run_script(redis: RedisClient, script: Script, argv: Sequence[Any]) -> Any:
-    """Run ``script`` (FCALL or EVALSHA) with ``argv`` (numkeys, keys, args); loads it and
-    sends the call again when Redis does not have it (the call did not run)."""
+    """Run ``script`` with ``argv`` (numkeys, keys, args), loading it first if Redis lacks it."""
     try:
         return await redis.execute_command(*script.command(), *argv)
     except ResponseError as exc:
@@ -235,16 +220,14 @@ async def run_script(redis: RedisClient, script: Script, argv: Sequence[Any]) ->
 async def run_scripts(
     redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]
 ) -> list[Any]:
-    """Several script calls (FCALL or EVALSHA) in one pipeline (one round trip per node),
-    their replies in order; the calls refused because Redis did not have their script or
-    function are sent again, alone, once it is loaded (on every primary of a cluster).
+    """Several script calls in one pipeline (one round trip per node), replies in order; the
+    calls refused for want of their script are sent again once it is loaded.
 
-    Any other error is raised at once, and the calls refused beside it are not sent again:
-    the caller, told the batch failed, sends it again, and a call that never ran cannot have
-    made a job it does not know of (a submit without an idempotency key) or a claim whose
-    jobs it drops (their leases would hold them until they expire). The calls that ran
-    beside the error did run: a claim's or a completion's are then refused as stale when
-    sent again, and a submit's are why producers that care pass an idempotency key."""
+    Any other error is raised at once, and the refused calls beside it are not sent again:
+    the caller, told the batch failed, sends it again, so a call that never ran cannot have
+    made a job or a claim the caller does not know of. Calls that ran beside the error are
+    refused as stale when sent again (claims, completions), or made idempotent by a key
+    (submits)."""
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for _ in range(3):
@@ -288,7 +271,6 @@ class Scripts:
         for script in {s.unit: s for s in self.by_name.values()}.values():
             await script.load(self.redis)
 
-    # --- running ------------------------------------------------------------------------
     def _argv(self, shard: int, args: Sequence[Any]) -> tuple[Any, ...]:
         return (1, self.keys.log(shard), self.keys.base(shard), *args)
 
@@ -309,13 +291,9 @@ class Scripts:
         )
 
     async def call_spread(self, calls: Sequence[Call], calls_per_pipeline: int) -> list[Any]:
-        """Run independent calls (none reads what another writes: each on a shard of its
-        own) in pipelines of ``calls_per_pipeline``, all at once; replies in order.
-
-        One pipeline is packed whole before its first byte is sent, and Redis waits
-        meanwhile. Several go out in turn: Redis runs the first while the rest are packed,
-        and the client reads the first's replies while Redis runs the rest (a 500-job
-        submit over 16 shards)."""
+        """Run independent calls (each on a shard of its own) in pipelines of
+        ``calls_per_pipeline``, all at once; replies in order. Redis runs the first pipeline
+        while the rest are packed, where one pipeline is packed whole before it is sent."""
         if len(calls) <= calls_per_pipeline:
             return await self.call_many(calls)
         groups = [
@@ -332,7 +310,6 @@ class Scripts:
             out.extend(group_replies)
         return out
 
-    # --- the calls whose reply a caller reads at once -----------------------------------
     async def claim(
         self,
         shard: int,

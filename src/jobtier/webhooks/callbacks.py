@@ -1,10 +1,8 @@
 """Jobs' own callbacks (``webhook_job_callbacks``): checked, written, forgotten.
 
-A job's callback is written before its submit reaches Redis, so the dispatcher finds it for
-the job's first transition (the submit's own); if the submit then makes no job of that id
-(refused, or an idempotent repeat answered with another job), the callback is deleted again.
-``CallbackStore`` is the engine's ``Registrar`` (``engine/produce.py``) for the API's submits
-and the in-process ``Queue``'s.
+``CallbackStore`` is the engine's ``Registrar`` (``engine/produce.py``): a job's callback is
+written before its submit reaches Redis, so the dispatcher finds it for the job's first
+transition, and deleted again if the submit makes no job of that id.
 """
 
 from __future__ import annotations
@@ -76,7 +74,7 @@ class CallbackStore:
 
     async def check(self, url: Any, events: Any, field: str) -> None:
         """``InvalidRequest`` naming ``field`` + ``url``/``events`` unless both are acceptable
-        (the URL by the address policy: ``webhooks/safety.py``)."""
+        (the URL by the address policy)."""
         if not isinstance(url, str):
             raise InvalidRequest("url must be a string", field=f"{field}url")
         if events not in EVENTS:
@@ -112,18 +110,17 @@ class CallbackStore:
         # marked before the rows (and so before the submit): the dispatcher reads the mark
         # after the submit's log entry and decodes it (webhooks/marks.py)
         await marks.mark(self.redis, self.keys, [tenant])
-        await self.pool.execute(
-            query("callbacks_insert"), [job_id for job_id, _, _ in callbacks],
-            [tenant] * len(callbacks), [cb.url for _, cb, _ in callbacks],
-            [cb.events for _, cb, _ in callbacks],
-        )  # fmt: skip
+        ids = [job_id for job_id, _, _ in callbacks]
+        urls = [cb.url for _, cb, _ in callbacks]
+        events = [cb.events for _, cb, _ in callbacks]
+        await self.pool.execute(query("callbacks_insert"), ids, [tenant] * len(ids), urls, events)
         # and again once the rows are in: a dispatcher's clean-up may have removed the first
-        # mark before they were (marks.unmark_idle says why this one cannot be)
+        # mark meanwhile (marks.unmark_idle)
         await marks.mark(self.redis, self.keys, [tenant])
 
     async def forget(self, job_ids: Sequence[str]) -> None:
-        """Delete the callbacks of ``job_ids`` (jobs a submit did not create). An orphan
-        callback names a job that never runs: with Postgres away, it is left and logged."""
+        """Delete the callbacks of ``job_ids`` (jobs a submit did not create); with Postgres
+        away they are left (they name jobs that never run) and logged."""
         if not job_ids:
             return
         try:

@@ -1,15 +1,15 @@
 """Postgres access for webhooks: targets, deliveries and their attempts, secrets.
 
-Deliveries wait in Postgres, not Redis, between attempts. They are a record the API must
-show (each attempt, its status code and timing) for as long as the job is kept, retries wait
-for hours, and a delivery is rare next to a transition: Postgres keeps them durably in one
-place, indexed for "what is due" (a partial index on pending rows), and lets any number of
-dispatchers share the due ones (``FOR UPDATE SKIP LOCKED``) with a lease that a dead
-dispatcher's deliveries outlive. Redis stays the jobs' hot path only.
+Deliveries wait in Postgres, not Redis, between attempts: they are a record the API shows
+for as long as the job is kept, retries wait for hours, and a delivery is rare next to a
+transition. Postgres keeps them durably, indexed for "what is due", and lets any number of
+dispatchers share the due ones (``FOR UPDATE SKIP LOCKED``) under a lease that outlives a
+dead dispatcher.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -21,7 +21,8 @@ from jobtier.persist.db import Pool, query
 
 @dataclass(slots=True)
 class NewDelivery:
-    """A delivery made from one log entry for one target."""
+    """A delivery made from one log entry for one target (fields in deliveries_insert's
+    order)."""
 
     id: str
     tenant: str
@@ -51,7 +52,7 @@ class Attempt:
 
 @dataclass(slots=True)
 class Outcome:
-    """What one attempt came to, for ``record``."""
+    """What one attempt came to, for ``record`` (fields in deliveries_record's order)."""
 
     id: str
     lease: str
@@ -66,6 +67,11 @@ class Outcome:
 
 def new_lease() -> str:
     return os.urandom(12).hex()
+
+
+def _columns(items: Sequence[Any]) -> list[list[Any]]:
+    """Dataclass items as one array per field, in field order (the order of the unnest)."""
+    return [[getattr(item, f.name) for item in items] for f in dataclasses.fields(items[0])]
 
 
 class DeliveryStore:
@@ -99,13 +105,7 @@ class DeliveryStore:
         were new."""
         if not items:
             return 0
-        rows = await self.pool.fetch(
-            query("deliveries_insert"),
-            [d.id for d in items], [d.tenant for d in items], [d.job_id for d in items],
-            [d.job_version for d in items], [d.subscription_id for d in items],
-            [d.url for d in items], [d.event for d in items], [d.body for d in items],
-            [d.occurred_at for d in items],
-        )  # fmt: skip
+        rows = await self.pool.fetch(query("deliveries_insert"), *_columns(items))
         return len(rows)
 
     async def lease_due(self, limit: int, lease_seconds: float) -> list[Attempt]:
@@ -114,33 +114,14 @@ class DeliveryStore:
             return []
         lease = new_lease()
         rows = await self.pool.fetch(query("deliveries_lease_due"), limit, lease_seconds, lease)
-        return [
-            Attempt(
-                r["id"],
-                r["tenant"],
-                r["job_id"],
-                r["subscription_id"],
-                r["url"],
-                bytes(r["body"]),
-                r["attempts"],
-                r["occurred_at"],
-                lease,
-            )
-            for r in rows
-        ]
+        return [Attempt(**dict(r, body=bytes(r["body"])), lease=lease) for r in rows]
 
     async def record(self, outcomes: Sequence[Outcome]) -> int:
         """Record attempts' outcomes; returns how many were recorded (a lease lost to
         another dispatcher is not)."""
         if not outcomes:
             return 0
-        o = outcomes
-        rows = await self.pool.fetch(
-            query("deliveries_record"),
-            [x.id for x in o], [x.lease for x in o], [x.state for x in o], [x.at for x in o],
-            [x.duration_ms for x in o], [x.status for x in o], [x.error for x in o],
-            [x.response for x in o], [x.next_attempt_at for x in o],
-        )  # fmt: skip
+        rows = await self.pool.fetch(query("deliveries_record"), *_columns(outcomes))
         return len(rows)
 
     async def disable_subscription(self, subscription_id: str) -> None:

@@ -1,20 +1,15 @@
 """Which tenants may have webhook targets: one Redis hash (``Keys.webhook_tenants``).
 
-Most transitions have no target. Without this, the dispatcher decoded every log entry and
-asked Postgres for the targets of every batch; with it, an entry whose tenant (its ``tn``
-field) is not marked is acknowledged undecoded, and Postgres is not asked.
+Most transitions have no target: the dispatcher acknowledges an entry whose tenant (its
+``tn`` field) is not marked without decoding it or asking Postgres.
 
 A tenant is marked BEFORE its first target is written, and again once it is written (before
-the API answers, before the job's submit): the API marks it around a subscription's row,
-``CallbackStore.register`` around callback rows, and the dispatcher's start-up marks every
-tenant Postgres already has targets for (a deployment upgraded with webhooks in place keeps
-them). Each write of a mark holds a new value (the time it was written and a random part).
-
-The dispatchers remove the marks of tenants left without a target (``unmark_idle``): a
-tenant that deleted its last subscription, whose jobs' callbacks retention deleted with the
-jobs, no longer costs a decode and a look-up per transition. Upgrade the API (and in-process
-producers) before the dispatchers: an older one writes targets without the second mark,
-which is what makes the removal safe (``unmark_idle`` says why).
+the API answers, before the job's submit): the API around a subscription's row,
+``CallbackStore.register`` around callback rows, and the dispatcher's start-up for every
+tenant Postgres already has targets for. Each write holds a new value (its time and a
+random part). The dispatchers remove the marks of tenants left without a target
+(``unmark_idle``), which the second mark makes safe: upgrade the API (and in-process
+producers) before the dispatchers, since an older one does not write it.
 """
 
 from __future__ import annotations
@@ -28,7 +23,7 @@ from jobtier.store.redis import RedisClient
 from jobtier.store.scripts import Script, run_script
 from jobtier.webhooks.deliveries import DeliveryStore
 
-CHUNK = 1000  # tenants per HSET at start-up, per HSCAN page and Postgres question when unmarking
+CHUNK = 1000  # tenants per HSET, per HSCAN page and per Postgres question
 _UNMARK = Script("unmark")
 
 
@@ -39,8 +34,7 @@ def new_value() -> str:
 
 
 def written_at(value: bytes) -> float:
-    """When a mark was written (s since the epoch); 0 for one written without a time (the
-    "1" of marks older than the clean-up)."""
+    """When a mark was written (s since the epoch); 0 for an older mark without a time."""
     stamp, dot, _ = value.partition(b".")
     try:
         return int(stamp) / 1000 if dot else 0.0
@@ -61,15 +55,11 @@ async def mark(redis: RedisClient, keys: Keys, tenants: Iterable[str]) -> None:
 async def marked(redis: RedisClient, keys: Keys, tenants: Sequence[bytes]) -> set[bytes]:
     """The ``tenants`` (as the log's ``tn`` fields hold them) that are marked.
 
-    Call it only after the reply of the XREADGROUP/XAUTOCLAIM that returned the entries.
-    A mark is written, and acknowledged, once its target's row is committed and before the
-    job's submit is sent, and stays while the target exists (``unmark_idle``); so every
-    entry of a marked tenant's job was appended to its log after the mark, and this read,
-    sent once the entry has been read, comes later still and sees the mark. That is ordering in real time, not within one server, so it holds on a Redis
-    Cluster too, where the hash and the logs live on different nodes (each node answers
-    commands in the order they arrive; nothing here reads a replica). Sent in the same
-    pipeline as the XREADGROUP, the read could reach the hash's node before the entry's
-    XADD reached the log's, and miss a mark written just before that submit.
+    Call it only after the reply of the XREADGROUP/XAUTOCLAIM that returned the entries: a
+    mark is acknowledged before the job's submit is sent, so this read, sent after the entry
+    was read, sees it. That is ordering in real time, so it holds on a Cluster too, where the
+    hash and the logs live on different nodes; sent in the same pipeline as the XREADGROUP,
+    the read could reach the hash's node before the entry's XADD reached the log's.
     """
     if not tenants:
         return set()
@@ -78,22 +68,16 @@ async def marked(redis: RedisClient, keys: Keys, tenants: Sequence[bytes]) -> se
 
 
 async def unmark_idle(redis: RedisClient, keys: Keys, store: DeliveryStore, min_age: float) -> int:
-    """Remove the marks, written at least ``min_age`` seconds ago, of tenants that have no
-    live subscription and no job's callback in Postgres; returns how many were removed.
+    """Remove the marks, written at least ``min_age`` seconds ago, of tenants with no live
+    subscription and no job's callback in Postgres; returns how many were removed.
 
-    The race this guards against: a target created while its tenant is being unmarked. The
-    writer marks, inserts its row, then marks again; this reads each mark's value, then asks
-    Postgres, then deletes a mark only if it still holds the value read (``store/lua/unmark.lua``,
-    atomically). Postgres can answer "no target" for a row committed a moment later, and the
-    mark removed then may be the writer's first; but the writer's second mark comes after its
-    commit, so either it is written after the removal (the mark is back before the API
-    answers or the job is submitted), or it is written before it: then it changed the value
-    if it came after the read (the removal skips the tenant), or, if it came before, the read
-    came after the commit and Postgres sees the row (no removal). So from the writer's
-    second mark on, the tenant stays marked while its target exists, which is what
-    ``marked`` relies on. ``min_age`` (a mark written lately is kept) also spares the first
-    mark while the row is being written, when a transition of another of the tenant's jobs
-    could be skipped before the subscription's creation has been answered.
+    The race: a target created while its tenant is being unmarked. The writer marks, inserts
+    its row, then marks again; this reads each mark's value, then asks Postgres, then deletes
+    a mark only if it still holds the value read (unmark.lua, atomically). The writer's second
+    mark comes after its commit: written after the removal, it restores the mark before the
+    API answers; written after the read, it changed the value (no removal); written before the
+    read, Postgres sees the row (no removal). ``min_age`` also spares the first mark while
+    the row is being written.
     """
     hash_key = keys.webhook_tenants()
     now = time.time()

@@ -1,18 +1,12 @@
 """Outbound safety: which addresses a callback may reach, checked after DNS resolution.
 
 A callback URL comes from a tenant, and the dispatcher sends to it from inside our network:
-without a check, a tenant could make it POST to a database's HTTP port, a cloud metadata
-service (169.254.169.254) or anything else only reachable from inside (server-side request
-forgery). So:
-
-* at subscribe time (the API) the URL's host is resolved and every address must be public;
-* at delivery time (the dispatcher) it is resolved again and only public addresses are
-  used, and the connection is made to the very address that was checked (``PinnedResolver``):
-  a name that resolved to a public address for the check cannot resolve to 127.0.0.1 for the
-  connection (DNS rebinding), because there is no second resolution.
-
-``JOBTIER_WEBHOOK_ALLOWED_HOSTS`` lists exceptions (host names, addresses, CIDR networks), for
-development receivers on loopback or a private network.
+unchecked, a tenant could make it POST to a database's HTTP port or a cloud metadata service
+(server-side request forgery). So at subscribe time (the API) every address the host
+resolves to must be public; at delivery time (the dispatcher) it is resolved again, only
+public addresses are used, and the connection is made to the very address checked
+(``PinnedResolver``): with no second resolution, DNS rebinding cannot redirect it.
+``JOBTIER_WEBHOOK_ALLOWED_HOSTS`` lists exceptions (host names, addresses, CIDR networks).
 """
 
 from __future__ import annotations
@@ -28,8 +22,7 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
-# host, port -> the addresses the name resolves to (a seam: the API's fuzz test resolves no
-# random names through the machine's DNS)
+# host, port -> the addresses the name resolves to (a seam for tests)
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 MAX_URL_LENGTH = 2000
@@ -53,7 +46,7 @@ async def system_resolve(host: str, port: int) -> list[str]:
 
 
 def _plain(ip: IPAddress) -> IPAddress:
-    # ::ffff:127.0.0.1 reaches 127.0.0.1: judge the IPv4 address it carries
+    """The IPv4 address an IPv4-mapped one carries (::ffff:127.0.0.1 reaches 127.0.0.1)."""
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
@@ -156,11 +149,10 @@ class AddressPolicy:
 
 
 class PinnedResolver(AbstractResolver):
-    """aiohttp's resolver for deliveries: resolves the host itself, checks the addresses with
-    the policy and hands the connector only the allowed ones, so the address checked is the
-    address connected to (no second resolution to rebind). TLS still verifies the
-    certificate against the host name (aiohttp keeps it as the ``hostname``). aiohttp does
-    not ask a resolver about IP literals: ``Sender.post`` checks those itself."""
+    """aiohttp's resolver for deliveries: hands the connector only the addresses the policy
+    allows, so the address checked is the address connected to. TLS still verifies the
+    certificate against the host name. aiohttp asks no resolver about IP literals:
+    ``Sender.post`` checks those itself."""
 
     def __init__(self, policy: AddressPolicy) -> None:
         self.policy = policy

@@ -1,15 +1,9 @@
 """One HTTP attempt of a delivery: pinned to a checked address, bounded in time and size.
 
-aiohttp sends: its connector takes a resolver, and ``PinnedResolver`` is where the host is
-resolved and checked, so the connector only ever connects to a checked address (an IP
-literal, which aiohttp never resolves, is checked here before the request). One connector
-keeps connections alive across deliveries. Redirects are not followed (the Standard
-Webhooks advice: a 3xx is a failure). At most ``max_response_bytes`` of an answer are read;
-the attempt as a whole, connection included, is bounded by ``timeout``.
-
-(httpcore, which the clients use through httpx, was this module's first transport: its pool
-looks at every idle connection's socket on each request, and with tens of keep-alive
-connections that scan was most of the dispatcher's CPU.)
+aiohttp's connector resolves through ``PinnedResolver``, so it only ever connects to a
+checked address (an IP literal, which aiohttp never resolves, is checked here). One connector
+keeps connections alive across deliveries. Redirects are not followed (a 3xx is a failure).
+At most ``max_response_bytes`` of an answer are read; ``timeout`` bounds the whole attempt.
 """
 
 from __future__ import annotations

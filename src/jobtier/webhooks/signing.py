@@ -25,27 +25,18 @@ def new_secret() -> str:
     return PREFIX + base64.b64encode(_secrets.token_bytes(SECRET_BYTES)).decode()
 
 
-def secret_key(secret: str) -> bytes:
-    """The HMAC key a ``whsec_…`` secret stands for."""
-    return base64.b64decode(secret.removeprefix(PREFIX), validate=True)
-
-
 def signature(secret: str, msg_id: str, timestamp: int, body: bytes) -> str:
     """One ``v1,<base64>`` signature of the attempt."""
-    signed = f"{msg_id}.{timestamp}.".encode() + body
-    mac = hmac.new(secret_key(secret), signed, hashlib.sha256).digest()
+    key = base64.b64decode(secret.removeprefix(PREFIX), validate=True)
+    mac = hmac.new(key, f"{msg_id}.{timestamp}.".encode() + body, hashlib.sha256).digest()
     return "v1," + base64.b64encode(mac).decode()
 
 
-def signature_header(secrets: Sequence[str], msg_id: str, timestamp: int, body: bytes) -> str:
-    """The ``webhook-signature`` value: a signature per secret in force, space-separated."""
-    return " ".join(signature(s, msg_id, timestamp, body) for s in secrets)
-
-
 def headers(secrets: Sequence[str], msg_id: str, timestamp: int, body: bytes) -> dict[str, str]:
-    """The three Standard Webhooks headers of one attempt."""
+    """The three Standard Webhooks headers of one attempt: a signature per secret in force."""
+    signatures = " ".join(signature(s, msg_id, timestamp, body) for s in secrets)
     return {
         "webhook-id": msg_id,
         "webhook-timestamp": str(timestamp),
-        "webhook-signature": signature_header(secrets, msg_id, timestamp, body),
+        "webhook-signature": signatures,
     }
