@@ -16,7 +16,7 @@ from jobtier.core.names import QUEUE_NAME_RE
 from jobtier.engine.validate import check_name
 from jobtier.store import format as job_format
 from jobtier.store.calls import parse_purge, purge_call
-from jobtier.store.context import Store
+from jobtier.store.context import Store, block_queue
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
 WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease (10 s)
@@ -295,18 +295,7 @@ class QueueAdmin:
         """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``): every
         shard's claims skip it until then. Returns when the block ends, ms since the epoch."""
         _check_queue(queue)
-        until = int((time.time() + seconds) * 1000)
-        pipe = self.store.redis.pipeline(transaction=False)
-        for shard in range(self.store.keys.shards):
-            pipe.hget(self.store.keys.queue_counts(shard), f"{queue}:blocked")
-        current = max((int(v) for v in await pipe.execute() if v), default=0)
-        if until <= current:
-            return current
-        pipe = self.store.redis.pipeline(transaction=False)
-        for shard in range(self.store.keys.shards):
-            pipe.hset(self.store.keys.queue_counts(shard), f"{queue}:blocked", until)
-        await pipe.execute()
-        return until
+        return await block_queue(self.store, queue, seconds)
 
     async def waiting_by_tenant(self) -> dict[str, int]:
         """Jobs not started yet (waiting, scheduled, queued) per tenant, summed over shards."""

@@ -6,6 +6,7 @@ the scheduler, the resolver) holds the ``Store`` it was given; only its owner cl
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -71,3 +72,20 @@ async def submit_items(store: Store, items: Sequence[SubmitItem]) -> list[Submit
         for i, outcome in zip(idx, parse_submit(reply), strict=True):
             outcomes[i] = outcome
     return [o for o in outcomes if o is not None]
+
+
+async def block_queue(store: Store, queue: str, seconds: float) -> int:
+    """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``): every
+    shard's claims skip it until then. Returns when the block ends, ms since the epoch."""
+    until = int((time.time() + seconds) * 1000)
+    pipe = store.redis.pipeline(transaction=False)
+    for shard in range(store.keys.shards):
+        pipe.hget(store.keys.queue_counts(shard), f"{queue}:blocked")
+    current = max((int(v) for v in await pipe.execute() if v), default=0)
+    if until <= current:
+        return current
+    pipe = store.redis.pipeline(transaction=False)
+    for shard in range(store.keys.shards):
+        pipe.hset(store.keys.queue_counts(shard), f"{queue}:blocked", until)
+    await pipe.execute()
+    return until
