@@ -18,11 +18,6 @@ Races guarded here:
   of the queue could start while Redis still counts this one as running (over the limit);
 - a task that raised ``RateLimited`` blocks its queue on every worker (``_block``), without
   using the job's attempt.
-
-``attempt_ended`` wakes the claim loops (``slot_free``) before it queues the outcome, and the
-send waits one turn of the event loop: the claim for the freed slots goes to Redis ahead of
-their outcomes, so that Redis answers it first and the worker starts those jobs while Redis
-records the outcomes (bench/throughput.py measures it).
 """
 
 from __future__ import annotations
@@ -84,7 +79,6 @@ class Reporter:
         self._idle.set()
         self._blocks: set[asyncio.Task[None]] = set()
 
-    # --- running ----------------------------------------------------------------------------
     def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
         """Called by ``run_attempt`` as each job's attempt ends: report it, free the slot."""
         r = self._running.pop(ctx.job.id, None)
@@ -146,7 +140,6 @@ class Reporter:
         except (RedisError, OSError) as exc:
             log.warning("event=queue_block_failed queue=%s error=%r", queue, exc)
 
-    # --- reporting --------------------------------------------------------------------------
     def report(self, kind: str, r: Running, extra: tuple[Any, ...]) -> None:
         """Queue the outcome ``kind`` (complete, fail, stopped) of ``r`` for the next send."""
         if r.released:
@@ -192,8 +185,9 @@ class Reporter:
         """Send everything in the outbox in one pipeline; keep it on a Redis error."""
         backoff = REPORT.start()
         while True:
-            # one turn of the event loop first: the claim for the slots these ends freed,
-            # woken in the same turn, goes to Redis ahead of their outcomes
+            # one turn of the event loop first: the claim for the slots these ends freed
+            # (attempt_ended wakes the claim loops first) goes to Redis ahead of their
+            # outcomes, and the worker starts those jobs while Redis records the outcomes
             await asyncio.sleep(0)
             # a heartbeat in flight may carry the last progress of a job reported here:
             # the outcome must reach Redis after it
