@@ -108,7 +108,7 @@ async def measure(
         await Queue.connect(settings, REGISTRY) as producer,
         await Queue.connect(settings, REGISTRY) as engine,
     ):
-        worker = Worker(engine, REGISTRY, concurrency=10, cancel_push=mode == "push")
+        worker = Worker(engine.store, REGISTRY, concurrency=10, cancel_push=mode == "push")
         running = asyncio.create_task(worker.run())
         timeout = settings.lease_seconds + 10
         try:

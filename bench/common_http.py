@@ -435,7 +435,7 @@ async def fill(url: str, n: int) -> list[tuple[str, str]]:
                 assert not isinstance(result, Exception)
                 out.append((result.job_id, tenant))
             if start + size == done:
-                await Worker(queue, REGISTRY, concurrency=500, burst=True).run()
+                await Worker(queue.store, REGISTRY, concurrency=500, burst=True).run()
     finally:
         await queue.close()
     return out
@@ -475,7 +475,7 @@ def churn_worker_main(url: str, seconds: float) -> None:
 
     async def run() -> None:
         queue = await Queue.connect(settings_for(url), REGISTRY)
-        worker = Worker(queue, REGISTRY, concurrency=50, shutdown_grace=0.5)
+        worker = Worker(queue.store, REGISTRY, concurrency=50, shutdown_grace=0.5)
         asyncio.get_running_loop().call_later(seconds, worker.stop)
         await worker.run()
         await queue.close()

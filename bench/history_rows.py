@@ -53,7 +53,7 @@ async def measure(base: Settings, pool: Pool, every: float, jobs: int, seconds: 
     await pool.execute("TRUNCATE jobs, jobs_by_state, job_transitions, job_results CASCADE")
     async with await Queue.connect(settings, registry) as queue:
         await fresh(queue.redis)
-        worker = Worker(queue, registry, concurrency=jobs)
+        worker = Worker(queue.store, registry, concurrency=jobs)
         persister = Persister(settings, queue.redis, pool, "bench-persister")
         running = [asyncio.create_task(worker.run()), asyncio.create_task(persister.run())]
         try:

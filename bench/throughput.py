@@ -163,7 +163,11 @@ async def _child(args: argparse.Namespace) -> None:
         worker = BaselineWorker(queue, registry, args.concurrency, args.name)
     else:
         worker = Worker(
-            queue, registry, concurrency=args.concurrency, name=args.name, queues=args.queue_names
+            queue.store,
+            registry,
+            concurrency=args.concurrency,
+            name=args.name,
+            queues=args.queue_names,
         )
     print("ready", flush=True)
     await loop.run_in_executor(None, sys.stdin.readline)  # go

@@ -169,7 +169,7 @@ async def caught_up(queue: Queue, pool: Any) -> bool:
 
 async def drain(queue: Queue, registry: TaskRegistry) -> float:
     start = time.perf_counter()
-    await Worker(queue, registry, concurrency=50, burst=True).run()
+    await Worker(queue.store, registry, concurrency=50, burst=True).run()
     return time.perf_counter() - start
 
 

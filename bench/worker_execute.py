@@ -1,6 +1,6 @@
 """Microbenchmark: the worker's in-process cost per job, this tree against a git revision.
 
-No Redis: jobs are handed to ``Worker._start`` directly and their reports are dropped, so
+No Redis: jobs are handed to the worker's launcher directly and their reports are dropped, so
 what is measured is the Python path a claimed job takes through the worker (context, task,
 attempt, classification, result encoding, bookkeeping): the part that Redis round trips
 hide in ``throughput.py``. The baseline is ``--baseline``'s ``src/jobtier``, extracted with
@@ -66,7 +66,7 @@ def measurer(top: str, jobs: int) -> dict[str, Callable[[], Awaitable[float]]]:
     """For the jobtier package named ``top``: a measure per case, CPU µs per job."""
     mod = {
         name: __import__(f"{top}.{name}", fromlist=["_"])
-        for name in ("config", "keys", "model", "worker.registry", "worker.runner")
+        for name in ("config", "core.keys", "core.model", "worker.registry", "worker.runner")
     }
     reg = mod["worker.registry"]
 
@@ -81,23 +81,35 @@ def measurer(top: str, jobs: int) -> dict[str, Callable[[], Awaitable[float]]]:
 
     registry = reg.TaskRegistry([reg.task(echo), reg.task(retries=5)(boom), reg.task(sync_echo)])
     settings = mod["config"].Settings.from_env({})
-    queue = types.SimpleNamespace(scripts=None, keys=mod["keys"].Keys("jt", 16), settings=settings)
-    claimed = mod["model"].ClaimedJob
+    # what the Worker reads of its Store (of its Queue, ``jobs`` too, in older trees)
+    keys, control = mod["core.keys"].Keys("jt", 16), types.SimpleNamespace(stored_result=None)
+    store = types.SimpleNamespace(
+        scripts=None, redis=None, keys=keys, settings=settings, jobs=control
+    )
+    claimed = mod["core.model"].ClaimedJob
 
     def measure(kind: str) -> Callable[[], Awaitable[float]]:
         batch = [claimed(f"job-{i}", kind, b'{"n":1}', 1, 6, 2, 0, 0) for i in range(jobs)]
 
         async def run() -> float:
-            worker = mod["worker.runner"].Worker(queue, registry, concurrency=BATCH)
-            worker._loop = asyncio.get_running_loop()
-            worker._report = lambda *args: None  # no Redis: the outcome is dropped
+            worker = mod["worker.runner"].Worker(store, registry, concurrency=BATCH)
+            loop = asyncio.get_running_loop()
+            if hasattr(worker, "launcher"):  # the worker as parts (worker/launcher.py)
+                worker.launcher.loop = loop
+                worker.reporter.report = lambda *args: None  # no Redis: the outcome is dropped
+                launcher, running = worker.launcher, worker.state.running
+                start_job, threads = launcher.start, launcher.threads
+            else:
+                worker._loop = loop
+                worker._report = lambda *args: None
+                start_job, running, threads = worker._start, worker._running, worker._threads
             start = time.process_time()
             for i in range(0, jobs, BATCH):
                 for job in batch[i : i + BATCH]:
-                    worker._start(job, 0, 0)
-                await asyncio.gather(*(r.handle for r in list(worker._running.values())))
+                    start_job(job, 0, 0)
+                await asyncio.gather(*(r.handle for r in list(running.values())))
             took = time.process_time() - start
-            worker._threads.shutdown()
+            threads.shutdown()
             return took / jobs * 1e6
 
         return run

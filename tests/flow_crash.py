@@ -25,6 +25,7 @@ from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from jobtier.store.calls import Call
 from jobtier.worker.runner import Worker
+from jobtier.worker.state import Running
 from tests.tasks import registry
 
 
@@ -47,31 +48,29 @@ async def resolver(queue: Queue) -> None:
     await Resolver(queue.store, name="doomed").run()
 
 
-class DyingWorker(Worker):
-    """Dies right after Redis answered a report of ``kind`` whose job reached ``state``
-    (``unsent``: as soon as a report of ``kind`` is made, before it is sent)."""
+async def worker(queue: Queue, dies_on: str, reached: bytes, unsent: bool = False) -> None:
+    """A worker that dies right after Redis answered a report of kind ``dies_on`` whose job
+    ``reached`` that state (``unsent``: as soon as such a report is made, before it is sent)."""
+    dying = Worker(queue.store, registry, concurrency=4)
+    reporter = dying.reporter
+    report, account = reporter.report, reporter.account
 
-    kind = ""
-    state = b""
-    unsent = False
-
-    def _report(self, kind: str, r: Any, extra: tuple[Any, ...]) -> None:
-        if self.unsent and kind == self.kind:
+    def report_or_die(kind: str, r: Running, extra: tuple[Any, ...]) -> None:
+        if unsent and kind == dies_on:
             die()
-        super()._report(kind, r, extra)
+        report(kind, r, extra)
 
-    def _account(self, kind: str, items: list[tuple[Any, ...]], reply: list[Any]) -> None:
-        super()._account(kind, items, reply)
-        if kind != self.kind:
+    def account_then_die(kind: str, items: list[tuple[Any, ...]], reply: list[Any]) -> None:
+        account(kind, items, reply)
+        if kind != dies_on:
             return
         states = [b"succeeded"] * len(reply) if kind == "complete" else reply[1::2]
-        if self.state in states:
+        if reached in states:
             die()
 
-
-async def worker(queue: Queue, kind: str, state: bytes, unsent: bool = False) -> None:
-    DyingWorker.kind, DyingWorker.state, DyingWorker.unsent = kind, state, unsent
-    await DyingWorker(queue, registry, concurrency=4).run()
+    reporter.report = report_or_die  # type: ignore[method-assign]
+    reporter.account = account_then_die  # type: ignore[method-assign]
+    await dying.run()
 
 
 async def main(role: str) -> None:

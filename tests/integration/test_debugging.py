@@ -160,7 +160,7 @@ async def test_a_push_acts_only_on_the_worker_that_runs_the_job(
     await queue.cancel(sub.job_id)
     await until_state(queue, sub.job_id, State.CANCELLED)
     assert a.stats.cancelled == 1 and b.stats.cancelled == 0
-    assert not b._early_cancels  # it heard the push and let it be: not its job
+    assert not b.launcher.early_cancels  # it heard the push and let it be: not its job
 
 
 async def test_a_push_that_overtakes_the_claim_reply_is_delivered_when_the_job_starts(
@@ -169,7 +169,7 @@ async def test_a_push_that_overtakes_the_claim_reply_is_delivered_when_the_job_s
     """The push travels on the subscriber's connection, the claim reply on the command
     connection: the push may be read first. The worker keeps it for the job it will start."""
     worker = worker_for(queue, registry, name="worker-early")
-    worker._loop = asyncio.get_running_loop()
+    worker.launcher.loop = asyncio.get_running_loop()
     sub = await queue.submit("wait_for_cancel", None)
     shard = queue.keys.shard_of(sub.job_id)
     batch = await queue.scripts.claim(shard, worker.id, 1, 600_000)
@@ -177,13 +177,13 @@ async def test_a_push_that_overtakes_the_claim_reply_is_delivered_when_the_job_s
     # the cancel (and its push) land before the worker has read the claim reply
     await queue.cancel(sub.job_id)
     worker._on_wake(queue.keys.wake(shard).encode(), f"x {job.id} {worker.id}".encode())
-    assert job.id in worker._early_cancels
-    worker._start(job, shard, batch.now_ms)
-    running = worker._running[job.id]
-    assert not worker._early_cancels and running.handle is not None
+    assert job.id in worker.launcher.early_cancels
+    worker.launcher.start(job, shard, batch.now_ms)
+    running = worker.state.running[job.id]
+    assert not worker.launcher.early_cancels and running.handle is not None
     await asyncio.wait({running.handle})
     assert running.ctx.cancel_requested
-    await worker._send_outbox()  # the stop the attempt reported
+    await worker.reporter._send()  # the stop the attempt reported
     assert (await queue.status(job.id)).state is State.CANCELLED
 
 

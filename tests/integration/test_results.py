@@ -115,13 +115,13 @@ async def test_a_dependent_task_reads_a_stored_result_with_ctx_result(
 ) -> None:
     """``ctx.dependencies`` and ``ctx.previous`` give a stored result as None (its link);
     ``await ctx.result(id)`` reads it from the store: in a worker that stores results itself,
-    and in one that does not (through the result reader its Queue was given, as
-    ``Queue.result``)."""
+    and in one that does not (through the reader it opens on JOBTIER_DATABASE_URL at start:
+    its Queue was given no reader)."""
     q = store_queue
     big = (await q.submit("big_result", ROWS)).job_id
     small = (await q.submit("echo", [1])).job_id
     await worker_for(q, registry, burst=True).run()
-    plain = await Queue.connect(store_settings.replace(result_store=""), results=q.jobs.results)
+    plain = await Queue.connect(store_settings.replace(result_store=""))
     try:
         for runner in (plain, q):  # a worker without a result store of its own, then with one
             dependent = (await q.submit("read_results", None, depends_on=[small, big])).job_id

@@ -225,7 +225,7 @@ async def test_a_job_released_at_shutdown_ends_without_an_error_in_the_loop(
 
 async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Queue) -> None:
     """Jobs that end free their slots and queue their outcomes in the same turn of the event
-    loop: the claim for those slots must reach Redis first (reporting.py, _send_outbox), so
+    loop: the claim for those slots must reach Redis first (reporter.py, _send), so
     that Redis answers it while it records the outcomes and the worker starts the new jobs
     meanwhile. Recorded where each call starts its pipeline, which writes it at once."""
 
@@ -240,7 +240,7 @@ async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Que
     assert (await worker_for(queue, registry, burst=True, concurrency=50).run()).succeeded == 100
     await fill(600)
     worker = worker_for(queue, registry, burst=True, concurrency=50)
-    scripts = worker.scripts
+    scripts = worker.state.scripts
     call_many = scripts.call_many
     sent: list[tuple[str, int]] = []  # ('claim', its number) / ('complete', its jobs' claim)
     claim_of: dict[str, int] = {}  # job id -> the number of the claim that gave it

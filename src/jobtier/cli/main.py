@@ -108,7 +108,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
     async def main() -> int:
         async with await Queue.connect(settings, registry) as queue:
             worker = Worker(
-                queue,
+                queue.store,
                 registry,
                 queues=args.queues,
                 concurrency=args.concurrency,

@@ -253,7 +253,7 @@ async def run_all(
     try:
         async with await Queue.connect(settings, registry) as queue:
             worker = Worker(
-                queue, registry, concurrency=args.concurrency, shutdown_grace=args.grace
+                queue.store, registry, concurrency=args.concurrency, shutdown_grace=args.grace
             )
             outcome.worker = worker
             scheduler = Scheduler(queue.store, schedules=ScheduleStore(pool))

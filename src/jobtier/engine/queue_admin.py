@@ -16,7 +16,7 @@ from jobtier.core.names import QUEUE_NAME_RE
 from jobtier.engine.validate import check_name
 from jobtier.store import format as job_format
 from jobtier.store.calls import parse_purge, purge_call
-from jobtier.store.context import Store
+from jobtier.store.context import Store, block_queue
 from jobtier.store.redis import read_live
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
@@ -263,13 +263,7 @@ class QueueAdmin:
         """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``): every
         shard's claims skip it until then. Returns when the block ends, ms since the epoch."""
         _check_queue(queue)
-        until = int((time.time() + seconds) * 1000)
-        field = f"{queue}:blocked"
-        current = max((int(v) for v in await self._each_shard("HGET", field) if v), default=0)
-        if until <= current:
-            return current
-        await self._each_shard("HSET", field, until)
-        return until
+        return await block_queue(self.store, queue, seconds)
 
     async def waiting_by_tenant(self) -> dict[str, int]:
         """Jobs not started yet (waiting, scheduled, queued) per tenant, summed over shards."""

@@ -3,7 +3,8 @@
 ``every`` runs a step at an interval until stopped: a foreseen fault (Redis or Postgres
 away) is logged in one line, anything else with its traceback the first time its class is
 seen, and the next round tries again, so a periodic role never ends silently. ``wait_for``
-is the stoppable sleep of every loop.
+is the stoppable sleep of every loop; ``wait_any`` returns as soon as one of several events
+is set.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -28,6 +29,17 @@ async def wait_for(event: asyncio.Event, seconds: float) -> bool:
             async with asyncio.timeout(seconds):
                 await event.wait()
     return event.is_set()
+
+
+async def wait_any(events: Iterable[asyncio.Event], seconds: float | None = None) -> bool:
+    """Wait up to ``seconds`` (None: no bound) until one of ``events`` is set; True if one is."""
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        done, _ = await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    return bool(done)
 
 
 async def every(

@@ -6,6 +6,7 @@ the resolver) holds the ``Store`` it was given; only its owner closes it.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -91,3 +92,20 @@ async def submit_items(store: Store, items: Sequence[SubmitItem]) -> list[Submit
     # others are packed (Scripts.call_spread)
     per = -(-len(calls) // 4) if len(items) >= SPREAD_FROM else len(calls)
     return in_order(len(items), groups, await store.scripts.call_spread(calls, per))
+
+
+async def block_queue(store: Store, queue: str, seconds: float) -> int:
+    """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``): every
+    shard's claims skip it until then. Returns when the block ends, ms since the epoch."""
+    until = int((time.time() + seconds) * 1000)
+    pipe = store.redis.pipeline(transaction=False)
+    for shard in range(store.keys.shards):
+        pipe.hget(store.keys.queue_counts(shard), f"{queue}:blocked")
+    current = max((int(v) for v in await pipe.execute() if v), default=0)
+    if until <= current:
+        return current
+    pipe = store.redis.pipeline(transaction=False)
+    for shard in range(store.keys.shards):
+        pipe.hset(store.keys.queue_counts(shard), f"{queue}:blocked", until)
+    await pipe.execute()
+    return until

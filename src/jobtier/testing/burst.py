@@ -73,11 +73,9 @@ class BurstWorker:
         deadline = loop.time() + timeout
         stats = WorkerStats()  # the bursts' together
         resolver = Resolver(self.queue.store, name="jobtier-testing")
+        options = dict(worker_options, concurrency=concurrency, burst=True, stats=stats)
         while True:
-            worker = Worker(
-                self.queue, registry, concurrency=concurrency, burst=True, **worker_options
-            )
-            worker.stats = stats
+            worker = Worker(self.queue.store, registry, **options)
             await self._burst(worker, max(deadline - loop.time(), 0.0), timeout)
             if not await resolver.drain():  # no dependent was told: nothing more to run
                 return stats
@@ -92,7 +90,7 @@ class BurstWorker:
             await asyncio.wait({run}, timeout=worker.shutdown_grace + 10)
             raise
         if not done:
-            running = sorted(worker._running)
+            running = sorted(worker.state.running)
             worker.stop()
             await run
             raise TimeoutError(

@@ -8,8 +8,7 @@ what a cancel request does).
 
 ``run_attempt`` is the coroutine of the job's asyncio task itself, not one more layer under
 the worker's: a coroutine per running job more would be one more object for the garbage
-collector to carry per job in flight (measured: ~13% more CPU per job for plain ``def``
-tasks; bench/worker_execute.py).
+collector to carry per job in flight (bench/worker_execute.py measures it).
 
 What happens next is Redis's: ``fail.lua`` retries a failure only while attempts remain
 and no cancel was requested (``fail_state`` states its rule in Python for the tests), and

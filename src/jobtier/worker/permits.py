@@ -3,7 +3,8 @@
 A queue's jobs live in every shard, but its limits must hold across all of them, so they are
 kept in the queue's home shard as permits (``store/lua/limit.lua``). For each limited queue it
 serves, a worker runs one ``LimitedClaimer`` beside its main claim loop (which leaves limited
-queues alone). A round:
+queues alone); ``LimitedQueues`` holds them, started and ended as the catalogue says which
+queues are limited. A round:
 
 1. read how many ready jobs of the queue each shard holds (one pipelined HMGET);
 2. take as many permits as there are free slots and ready jobs (limit.lua ``acquire``);
@@ -11,7 +12,7 @@ queues alone). A round:
    gives more than its cap), and give back at once the permits that found no job.
 
 A job keeps its permit while it runs; the worker's heartbeat extends it (heartbeat.py) and
-the job's end returns it (reporting.py), which wakes the workers waiting for that queue
+the job's end returns it (reporter.py), which wakes the workers waiting for that queue
 (``l <queue>`` on the wake channel). A worker that dies holds its permits only until their
 lease runs out, like its jobs. When the rate allows no permit now, the claimer sleeps until
 the next token is due; when the concurrency is used up, until a permit comes free.
@@ -24,17 +25,88 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from redis.exceptions import RedisError
 
+from jobtier.core.keys import Keys
 from jobtier.core.model import PRIORITIES
 from jobtier.runtime.backoff import CLAIM
-
-if TYPE_CHECKING:
-    from jobtier.worker.claiming import Claiming
+from jobtier.runtime.loop import wait_for
+from jobtier.store.calls import Call
+from jobtier.worker.state import WorkerState
 
 log = logging.getLogger("jobtier.worker")
+
+
+class Claims(Protocol):
+    """What a limited queue's loop asks of the worker's claimer (claimer.py)."""
+
+    def claimer_idle(self) -> None: ...
+    async def claim_limited(
+        self, queue: str, plan: list[tuple[int, int]], permits: list[str]
+    ) -> list[tuple[str, int]]: ...
+
+
+class LimitedQueues:
+    """A worker's limited queues, by queue, each claimed by its own loop."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+        self.claimers: dict[str, LimitedClaimer] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.over = False  # the loops end: the worker stops, or a burst found nothing more
+
+    def __contains__(self, queue: str) -> bool:
+        return queue in self.claimers
+
+    def idle(self) -> bool:
+        return all(c.idle for c in self.claimers.values())
+
+    def wake(self) -> None:
+        for claimer in self.claimers.values():
+            claimer.wake.set()
+
+    async def refresh(self, claims: Claims) -> bool:
+        """Read which of the worker's queues are limited (the catalogue jt:queues); start a
+        loop for each new one, end those of queues no longer limited (True if any)."""
+        state = self.state
+        raw = await state.redis.hmget(state.keys.queue_limits(), state.queues)
+        limited = {q for q, conf in zip(state.queues, raw, strict=True) if conf}
+        for q in limited - self.claimers.keys():
+            claimer = self.claimers[q] = LimitedClaimer(self, claims, q)
+            self._tasks[q] = asyncio.create_task(claimer.run(), name=f"claim {q}")
+            log.info("event=queue_limited worker=%s queue=%s", state.id, q)
+        ended = set(self.claimers) - limited
+        for q in ended:
+            del self.claimers[q]
+            task = self._tasks.pop(q, None)
+            if task is not None:
+                task.cancel()
+            log.info("event=queue_unlimited worker=%s queue=%s", state.id, q)
+        return bool(ended)
+
+    def end(self) -> None:
+        """The loops end after their claim in flight, if any."""
+        self.over = True
+        self.wake()
+
+    async def stop(self) -> None:
+        """End the loops and wait for them, not past the shutdown's deadline (a Redis that
+        stopped answering)."""
+        self.end()
+        self.state.slot_free.set()
+        tasks = list(self._tasks.values())
+        if not tasks:
+            return
+        deadline = self.state.deadline
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        _, pending = await asyncio.wait(tasks, timeout=left)
+        for task in pending:
+            log.warning(
+                "event=claim_abandoned worker=%s: a limited queue's claim in flight", self.state.id
+            )
+            task.cancel()
 
 
 @dataclass(slots=True)
@@ -69,27 +141,29 @@ def spread(permits: int, ready: Sequence[tuple[int, int]]) -> list[tuple[int, in
 
 
 class LimitedClaimer:
-    """The claim loop of one limited queue inside a worker."""
+    """The claim loop of one limited queue inside a worker. ``wake`` is set when a job of
+    the queue became ready, a permit came free, or the worker stops."""
 
-    def __init__(self, worker: Claiming, queue: str) -> None:
-        self.worker = worker
+    def __init__(self, limits: LimitedQueues, claims: Claims, queue: str) -> None:
+        self.limits = limits
+        self.claims = claims
         self.queue = queue
-        self.keys = worker.keys
-        self.scripts = worker.scripts
-        self.redis = worker.queue.redis
+        self.state = state = limits.state
+        self.keys = state.keys
+        self.scripts = state.scripts
         self.home = self.keys.home(queue)
         self.stats = LimitStats()
-        self.wake = asyncio.Event()  # a job of the queue became ready, or a permit came free
+        self.wake = asyncio.Event()
         self.wake.set()
         self.idle = False  # its last round found no ready job (a burst worker may finish)
 
     async def run(self) -> None:
         backoff = CLAIM.start()
-        w = self.worker
-        while not w.stopping:
-            free = w.free_slots()
+        state = self.state
+        while not self.limits.over:
+            free = state.free_slots()
             if free <= 0:
-                await w.wait_for_slot()
+                await state.wait_for_slot()
                 continue
             self.wake.clear()
             try:
@@ -99,14 +173,14 @@ class LimitedClaimer:
                 wait = backoff.next()
                 log.warning(
                     "event=claim_failed worker=%s queue=%s error=%r retry_in=%.2fs",
-                    w.id, self.queue, exc, wait,
+                    state.id, self.queue, exc, wait,
                 )  # fmt: skip
-                await w.sleep(wait)
+                await wait_for(state.stopping, wait)  # a back-off ends at a stop, no sooner
                 continue
             if pause is None:
                 continue  # claimed something: there may be more
             started = time.monotonic()
-            await w.sleep(pause, self.wake)
+            await wait_for(self.wake, pause)
             if pause > 0:
                 self.stats.waits += 1
                 self.stats.waited += time.monotonic() - started
@@ -118,18 +192,18 @@ class LimitedClaimer:
         total = sum(n for _, n in ready)
         self.idle = total == 0
         if total == 0:
-            self.worker.claimer_idle()
-            return self.worker.idle_poll
+            self.claims.claimer_idle()
+            return self.state.idle_poll
         permits = await self._acquire(min(free, total))
         if not permits.ids:
             if permits.wait_ms >= 0:
                 return permits.wait_ms / 1000  # the rate's next token (or a block's end)
-            return self.worker.idle_poll  # every permit is held: woken when one comes free
+            return self.state.idle_poll  # every permit is held: woken when one comes free
         self.stats.rounds += 1
-        reserved = self.worker.reserve(len(permits.ids))
+        reserved = self.state.reserve(len(permits.ids))
         try:
             plan = spread(len(permits.ids), ready)
-            started = await self.worker.claim_limited(self.queue, plan, permits.ids)
+            started = await self.claims.claim_limited(self.queue, plan, permits.ids)
         finally:
             reserved()
         unused = permits.ids[len(started) :]
@@ -145,7 +219,7 @@ class LimitedClaimer:
         return None if started else 0.0
 
     async def _ready_by_shard(self) -> list[tuple[int, int]]:
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.state.redis.pipeline(transaction=False)
         fields = [f"{self.queue}:{p.value}" for p in PRIORITIES]
         for shard in range(self.keys.shards):
             pipe.hmget(self.keys.queue_counts(shard), fields)
@@ -157,18 +231,13 @@ class LimitedClaimer:
         return out
 
     async def _acquire(self, wanted: int) -> Permits:
-        reply = await self.scripts.call(
-            "limit",
-            self.home,
-            ("acquire", self.queue, self.worker.id, wanted, self.worker.lease_ms),
-        )
+        args = ("acquire", self.queue, self.state.id, wanted, self.state.lease_ms)
+        reply = await self.scripts.call("limit", self.home, args)
         granted, wait_ms = int(reply[0]), int(reply[1])
         return Permits([r.decode() for r in reply[2 : 2 + granted]], wait_ms)
 
 
-def limit_calls(
-    scripts: Any, keys: Any, op: str, by_queue: dict[str, list[str]], *extra: Any
-) -> list[tuple[Any, int, Sequence[Any]]]:
+def limit_calls(keys: Keys, op: str, by_queue: dict[str, list[str]], *extra: Any) -> list[Call]:
     """limit.lua calls (``extend`` or ``release``) for permits grouped by queue."""
     return [
         ("limit", keys.home(queue), (op, queue, *extra, *ids))

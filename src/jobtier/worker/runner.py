@@ -1,33 +1,10 @@
 """The worker: claims jobs in batches, runs them with bounded concurrency, reports in batches.
 
-Three loops share one event loop:
-
-- the claim loop asks the shards for as many jobs as there are free slots, in one pipelined
-  round trip, and sleeps on the shards' wake channels when every queue it saw was empty
-  (no polling: an idle worker costs nothing, yet a new job reaches it in one publish);
-- the reporter sends finished jobs' outcomes (complete / fail / stopped), batched per shard
-  in one pipeline, while the next ones accumulate;
-- the heartbeat loop extends the leases of all running jobs every third of the lease,
-  carries progress reports and the tasks' log lines, and learns of cancel requests and of
-  lost leases.
-
-Each loop has its own module, a layer of the one ``Worker`` class (state.py says how the
-layers share their state): claiming.py, reporting.py and heartbeat.py. This module is the
-worker's life: start-up (``run``), the wake channel's listener (``_on_wake``), ``stop()``,
-and the drain and releases at shutdown.
-
-A cancel request reaches the worker sooner than a heartbeat: ``cancel.lua`` publishes
-``x <job id> <worker id>`` on the shard's wake channel, which every worker already listens
-to, and the worker named there stops the task at once (``_on_wake``). Pub/sub can drop a
-message (a reconnect); the heartbeat, which reports the request too, is the safety net.
-
-Shutdown (``stop()``, SIGTERM) keeps to a deadline fixed when it is asked for: claiming stops
-at once, running jobs get until then to finish, and the rest are released to the fronts of
-their queues (no attempt used) by one ``stopped`` call per shard. ``stop(now=True)`` (a second
-signal) moves the deadline to now. A sync task in the thread pool cannot be interrupted: its
-job is released all the same and whatever the thread produces later is dropped here, and
-would be refused by Redis anyway (the release moved the job past the attempt's fencing token).
-``stuck`` then counts what is still running, so the command can exit without joining it.
+``Worker`` wires its parts, a module each, over one ``WorkerState`` (state.py): the
+``Claimer`` (claimer.py; limited queues: ``LimitedQueues``, permits.py) starts the jobs it
+claims through the ``Launcher`` (launcher.py), whose attempts end into the ``Reporter``
+(reporter.py); the ``Heartbeat`` (heartbeat.py) keeps the leases and hears cancel requests.
+This module is the worker's life: start-up, the wake channel's listener, ``stop()``.
 
 Every write carries the job's ``lease_version`` (fencing token from the claim): a refusal
 means this worker lost the job (its lease expired and the job moved on); its result is
@@ -40,33 +17,69 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
 from jobtier.metrics.snapshot import Snapshot, labels
-from jobtier.persist.results import open_store
 from jobtier.runtime.stopping import stop_task
+from jobtier.store.context import Store
 from jobtier.store.redis import ShardSubscriber
+from jobtier.worker.claimer import Claimer
 from jobtier.worker.heartbeat import Heartbeat
-from jobtier.worker.state import UNKNOWN, WorkerStats
+from jobtier.worker.launcher import Launcher
+from jobtier.worker.permits import LimitedQueues
+from jobtier.worker.registry import TaskRegistry
+from jobtier.worker.reporter import Reporter
+from jobtier.worker.state import WorkerState, WorkerStats
 
 __all__ = ["Worker", "WorkerStats"]
 
 log = logging.getLogger("jobtier.worker")
 
-FINISH_AFTER_CANCEL = 1.0  # s a cancelled task gets to run its cleanup before we move on
 
+class Worker:
+    """Runs the tasks of ``registry`` for jobs claimed from ``store``'s shards.
 
-class Worker(Heartbeat):
-    """Runs the tasks of ``registry`` for jobs claimed from ``queue``'s shards.
-
-    ``burst=True`` drains the ready queues and returns (tests, one-off runs).
-    ``stop()`` (SIGTERM) stops claiming, lets running jobs finish until ``shutdown_grace``
-    seconds after it was called, then releases the rest back to their queues;
-    ``stop(now=True)`` releases them at once.
+    ``burst=True`` drains the ready queues and returns (tests, one-off runs). ``stats``:
+    counters to add to (a burst run over several workers shares one).
     """
 
-    # --- lifecycle --------------------------------------------------------------------------
+    def __init__(
+        self,
+        store: Store,
+        registry: TaskRegistry,
+        *,
+        concurrency: int = 50,
+        burst: bool = False,
+        name: str | None = None,
+        shutdown_grace: float = 30.0,
+        idle_poll: float = 5.0,
+        threads: int | None = None,
+        progress_interval: float = 0.2,
+        queues: Sequence[str] | None = None,
+        cancel_push: bool = True,
+        stats: WorkerStats | None = None,
+    ) -> None:
+        state = WorkerState(store, registry, concurrency, burst, name, idle_poll, queues, stats)
+        self.state = state
+        self.limits = LimitedQueues(state)
+        self.reporter = Reporter(state, self.limits)
+        self.launcher = Launcher(state, self.reporter, threads)
+        self.claimer = Claimer(state, self.launcher, self.limits)
+        self.heartbeat = Heartbeat(state, self.claimer, self.launcher, progress_interval)
+        self.id = state.id
+        self.queues = state.queues  # served in turn
+        self.shutdown_grace = shutdown_grace
+        # act on cancel pushes (False: learn of requests at heartbeats only, as before the
+        # push existed; bench/cancel.py measures one against the other)
+        self.cancel_push = cancel_push
+        self.stuck = 0  # after run(): tasks and threads that did not end when asked (see stop)
+
+    @property
+    def stats(self) -> WorkerStats:
+        return self.state.stats
+
     def metrics(self) -> Snapshot:
         """This worker's part of its process's metrics snapshot."""
         st = self.stats
@@ -88,12 +101,12 @@ class Worker(Heartbeat):
                 "worker_handed_back_total": {"": st.handed_back},
                 "worker_rate_limited_total": {"": st.rate_limited},
                 "queue_limit_wait_seconds_total": {
-                    labels(queue=q): c.stats.waited for q, c in self._claimers.items()
+                    labels(queue=q): c.stats.waited for q, c in self.limits.claimers.items()
                 },
             },
             gauges={
-                "worker_running_jobs": {"": len(self._running)},
-                "worker_concurrency": {"": self.concurrency},
+                "worker_running_jobs": {"": len(self.state.running)},
+                "worker_concurrency": {"": self.state.concurrency},
             },
             histograms={
                 "claim_wait_seconds": {"": st.claim_wait.snapshot()},
@@ -105,140 +118,85 @@ class Worker(Heartbeat):
     def idle(self) -> bool:
         """True while the worker waits for a wake: every queue it knows of was empty (jobs
         it already runs may still be running)."""
-        return self._idle
+        return self.claimer.idle
 
     def stop(self, *, now: bool = False) -> None:
         """Stop claiming. Jobs running get until ``shutdown_grace`` seconds after the first
         call to finish (a wall-clock bound, however busy the slots), then are cancelled and
         released to their queues. ``now=True``: release them at once (a second signal)."""
         at = time.monotonic()
-        if not self._stopping.is_set():
-            self._deadline = at + self.shutdown_grace
-            self._stopping.set()
-            self._wake.set()
-            self._slot_free.set()  # a claim loop waiting for a slot stops now (claiming.py)
+        state = self.state
+        if not state.stopping.is_set():
+            state.deadline = at + self.shutdown_grace
+            state.stopping.set()
+            self.claimer.stop()
+            state.slot_free.set()  # a claim loop waiting for a slot stops now (claimer.py)
             log.info(
                 "event=worker_draining worker=%s running=%d grace=%gs",
-                self.id, len(self._running), self.shutdown_grace,
+                self.id, len(state.running), self.shutdown_grace,
             )  # fmt: skip
-        if now and not self._stop_now.is_set():
-            self._deadline = at
-            self._stop_now.set()
+        if now and not state.stop_now.is_set():
+            state.deadline = at
+            state.stop_now.set()
             log.warning(
                 "event=worker_stop_now worker=%s running=%d: releasing running jobs now",
-                self.id, len(self._running),
+                self.id, len(state.running),
             )  # fmt: skip
 
     async def run(self) -> WorkerStats:
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        self._subscriber = ShardSubscriber(
-            self.queue.redis,
-            [self.keys.wake(s) for s in range(self.keys.shards)],
+        state = self.state
+        subscriber = ShardSubscriber(
+            state.redis,
+            [state.keys.wake(s) for s in range(state.keys.shards)],
             self._on_wake,
-            self._on_reset,
+            self.claimer.on_reset,
             name=f"worker-wake {self.id}",
         )
-        await self._subscriber.start()
-        self._results = await open_store(self.settings)  # JOBTIER_RESULT_STORE, if set
-        await self._advertise()
-        await self._refresh_limits()
-        reporter = asyncio.create_task(self._report_loop(), name="jobtier-reporter")
-        heart = asyncio.create_task(self._heartbeat_loop(), name="jobtier-heartbeat")
+        await subscriber.start()
+        await self.launcher.open()  # the result stores
+        await self.heartbeat.advertise()
+        await self.claimer.refresh_limits()
+        reporter = asyncio.create_task(self.reporter.run(), name="jobtier-reporter")
+        heart = asyncio.create_task(self.heartbeat.run(), name="jobtier-heartbeat")
         log.info(
             "event=worker_started worker=%s concurrency=%d queues=%s tasks=%s burst=%s",
-            self.id, self.concurrency, ",".join(self.queues), ",".join(self._types), self.burst,
+            self.id, state.concurrency, ",".join(state.queues), ",".join(state.types), state.burst,
         )  # fmt: skip
         try:
-            await self._claim_until_stopped()
-            await self._stop_claimers()
-            await self._drain()
+            await self.claimer.run()
+            self.stuck = await self.launcher.drain()
         finally:
-            if self._running:  # the claim loop crashed: give back what we hold
-                self._release_all("worker_failed")
+            if state.running:  # the claim loop crashed: give back what we hold
+                self.launcher.release_all("worker_failed")
             # stopped by a flag, not cancelled: a cancellation landing inside the Redis client
-            # during a beat was seen to be swallowed there, the loop went on, and run()
-            # waited for it forever
-            self._heart_stop.set()
-            self._progress.set()
-            done, _ = await asyncio.wait({heart}, timeout=1.0 if self._stop_now.is_set() else 10.0)
+            # during a beat can be swallowed there, and run() would wait for it forever
+            self.heartbeat.stop()
+            done, _ = await asyncio.wait({heart}, timeout=1.0 if state.stop_now.is_set() else 10.0)
             if done:
-                heart.result()  # a crash of the loop surfaces here, as before
+                heart.result()  # a crash of the loop surfaces here
             else:
                 heart.cancel()
-            await self._flush_outbox()
+            await self.reporter.flush()
             # its Redis writes can swallow a cancel the same way (runtime/stopping.py): cancelled
             # until it ends, left behind after STOP_TIMEOUT
             await stop_task(reporter, "worker metrics reporter")
-            await self._subscriber.stop()
+            await subscriber.stop()
             with contextlib.suppress(RedisError, OSError):
-                await self.queue.redis.hdel(self.keys.workers(), self.id)
-            self._threads.shutdown(wait=False, cancel_futures=True)
-            self.stuck += self._threads.busy
-            if self._results is not None:
-                await self._results.close()
+                await state.redis.hdel(state.keys.workers(), self.id)
+            self.stuck += await self.launcher.close()
+            st = self.stats
             log.info(
                 "event=worker_stopped worker=%s succeeded=%d failed=%d retried=%d released=%d "
                 "stuck=%d",
-                self.id, self.stats.succeeded, self.stats.failed, self.stats.retried,
-                self.stats.released, self.stuck,
+                self.id, st.succeeded, st.failed, st.retried, st.released, self.stuck,
             )  # fmt: skip
         return self.stats
 
     def _on_wake(self, channel: bytes, data: bytes) -> None:
-        # "q <queue>": a queue of the shard had no ready job and now has some;
-        # "l <queue>": a permit of a limited queue came free;
-        # "x <job id> <worker id>": a cancel was requested for a job that worker runs
+        # "x <job id> <worker id>": a cancel was requested for a job that worker runs; the
+        # rest is the claimer's
         if data[:2] == b"x ":
             if self.cancel_push:
-                self._on_cancel_push(data)
+                self.heartbeat.on_cancel_push(data)
             return
-        if data[2:] not in self._served:
-            return
-        claimer = self._claimers.get(data[2:].decode())
-        if claimer is not None:
-            claimer.wake.set()
-            return
-        if data[:2] == b"q ":
-            shard = int(channel[channel.index(b"{") + 1 : channel.index(b"}")])
-            self._ready[shard] = UNKNOWN
-            self._generation[shard] += 1
-            self._wake.set()
-
-    # --- shutdown ---------------------------------------------------------------------------
-    async def _drain(self) -> None:
-        """After the claim loop: running jobs finish by the deadline, or are released."""
-        while self._running and self._deadline is not None:
-            left = self._deadline - time.monotonic()
-            if left <= 0 or self._stop_now.is_set():
-                break
-            self._slot_free.clear()
-            await self._first(self._slot_free.wait(), self._stop_now.wait(), timeout=left)
-        if not self._running:
-            return
-        handles = [r.handle for r in self._running.values() if r.handle is not None]
-        self._release_all("stop_now" if self._stop_now.is_set() else "grace_over")
-        # the cancelled tasks run their cleanup (finally blocks) while the releases are sent;
-        # one that ignores its cancellation is left behind and counted in stuck (as are the
-        # threads of sync tasks, whose awaiting end this cancel does stop)
-        if handles:
-            _, pending = await asyncio.wait(handles, timeout=FINISH_AFTER_CANCEL)
-            self.stuck = len(pending)
-
-    def _release_all(self, reason: str) -> None:
-        """Give every running job back to its queue (the ``stopped`` script: queued again at
-        the front, attempt not counted) and stop its task."""
-        log.info(
-            "event=worker_releasing worker=%s jobs=%d reason=%s",
-            self.id, len(self._running), reason,
-        )  # fmt: skip
-        for r in list(self._running.values()):
-            self._report("stopped", r, ())
-            r.released = True
-            del self._running[r.job.id]  # no more heartbeats for it
-            log.info("event=job_released worker=%s job=%s type=%s", self.id, r.job.id, r.job.type)
-            # a sync task sees the request at its next ctx.check_cancelled(), if it makes one:
-            # its thread cannot be interrupted
-            r.ctx._request_cancel()
-            if r.handle is not None:
-                r.handle.cancel()
+        self.claimer.on_wake(channel, data)

@@ -1,4 +1,4 @@
-"""How each attempt ended, reported to Redis: the outbox and the reporter loop.
+"""How each attempt ended, reported to Redis: the outbox and the reporter's loop.
 
 ``run_attempt`` (attempt.py) hands each attempt's end to ``attempt_ended``, which frees the
 slot and queues the outcome (``complete``, ``fail`` or ``stopped``) in the outbox, per kind
@@ -11,7 +11,7 @@ Races guarded here:
 
 - a job's last progress and log lines go ahead of its outcome, in the same pipeline on one
   connection, so Redis applies them first; and the reporter waits for a heartbeat in flight
-  (``_beat_idle``), which may carry that progress, before it sends;
+  (``beat_idle``), which may carry that progress, before it sends;
 - an outcome of a job released at shutdown (or whose lease was lost) is dropped here: the job
   is back in its queue under a newer fencing token, and Redis would refuse it anyway;
 - a limited queue's permit is returned only once the outcome is in Redis: before, another job
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import defaultdict
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -39,43 +40,68 @@ from jobtier.store.calls import (
     joblog_call,
     stopped_call,
 )
+from jobtier.store.context import block_queue
 from jobtier.worker.attempt import DEFAULT_POLICY, STOPPED, Failure, Stopped
 from jobtier.worker.context import LOG_LINES, JobContext
-from jobtier.worker.permits import limit_calls
-from jobtier.worker.state import WorkerState, _Running
+from jobtier.worker.permits import LimitedQueues, limit_calls
+from jobtier.worker.state import Running, WorkerState
 
 log = logging.getLogger("jobtier.worker")
 
 FLUSH_AFTER_STOP_NOW = 5.0  # s the last reports (the releases) get after stop(now=True)
 
 
-class Reporting(WorkerState):
-    """The worker's outcome reporting (see the module docstring)."""
+class Reporter:
+    """The outbox of a worker's outcomes and its loop (see the module docstring); the
+    ``AttemptSink`` its attempts end into."""
 
-    # --- running ----------------------------------------------------------------------------
+    def __init__(self, state: WorkerState, limits: LimitedQueues) -> None:
+        self.state = state
+        self.limits = limits
+        self.id = state.id
+        self._running = state.running
+        self._slot_free = state.slot_free
+        self._stats = state.stats
+        # "progress" and "logs" first: _send sends the kinds in this order (report)
+        self._outbox: dict[str, dict[int, list[tuple[Any, ...]]]] = {
+            "progress": defaultdict(list),
+            "logs": defaultdict(list),
+            "complete": defaultdict(list),
+            "fail": defaultdict(list),
+            "stopped": defaultdict(list),
+        }
+        # a limited queue's permits (queue -> ids): of jobs whose outcome is in the outbox,
+        # then of jobs whose outcome Redis has (to give back)
+        self._pending_permits: dict[str, list[str]] = defaultdict(list)
+        self._to_release: dict[str, list[str]] = defaultdict(list)
+        self._ready = asyncio.Event()  # an outcome is queued
+        self._idle = asyncio.Event()  # everything queued is sent (the shutdown's flush)
+        self._idle.set()
+        self._blocks: set[asyncio.Task[None]] = set()
+
     def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
         """Called by ``run_attempt`` as each job's attempt ends: report it, free the slot."""
         r = self._running.pop(ctx.job.id, None)
-        if r is None:  # released at shutdown (_release_all): its stop is reported already
+        if r is None:  # released at shutdown (Launcher.release_all): its stop is reported
             return
-        # the slot is free: the claim loops wake ahead of the reporter (see _send_outbox)
+        # the slot is free: the claim loops wake ahead of the reporter (see _send)
         self._slot_free.set()
         try:
             if isinstance(end, bytes):
-                self._report("complete", r, (end,))
+                self.report("complete", r, (end,))
             elif isinstance(end, Failure):
                 self._fail(r, end)
             elif end is STOPPED or not r.lost:
                 # STOPPED: the task gave up for a cancel request; INTERRUPTED: a cancel
                 # request, or a shutdown (release); a lost lease has nothing to report
-                self._report("stopped", r, ())
+                self.report("stopped", r, ())
         finally:
-            self.stats.run_time.observe(time.monotonic() - r.started)
+            self._stats.run_time.observe(time.monotonic() - r.started)
             if r.permit is not None:  # no outcome sent (a lost lease): give it back now
                 self._to_release[r.job.queue].append(r.permit)
-                self._outbox_ready.set()
+                self._ready.set()
 
-    def _fail(self, r: _Running, failure: Failure) -> None:
+    def _fail(self, r: Running, failure: Failure) -> None:
         if isinstance(failure.exc, RateLimited):
             self._rate_limited(r, failure, failure.exc)
             return
@@ -87,9 +113,9 @@ class Reporting(WorkerState):
             failure.message[:200], delay_ms,
             exc_info=failure.exc if failure.raised else None,
         )  # fmt: skip
-        self._report("fail", r, (failure.error_json(), delay_ms))
+        self.report("fail", r, (failure.error_json(), delay_ms))
 
-    def _rate_limited(self, r: _Running, failure: Failure, exc: RateLimited) -> None:
+    def _rate_limited(self, r: Running, failure: Failure, exc: RateLimited) -> None:
         """The task says the downstream wants us to wait: the job runs again then, without
         using an attempt, and its queue starts nothing meanwhile, on every worker."""
         delay_ms = round(exc.retry_after * 1000)
@@ -98,25 +124,24 @@ class Reporting(WorkerState):
             "event=queue_rate_limited job=%s type=%s queue=%s retry_in_ms=%d",
             r.job.id, r.job.type, r.job.queue, delay_ms,
         )  # fmt: skip
-        self._report("fail", r, (error, delay_ms, 1))
-        self.stats.rate_limited += 1
+        self.report("fail", r, (error, delay_ms, 1))
+        self._stats.rate_limited += 1
         task = asyncio.create_task(self._block(r.job.queue, exc.retry_after))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._blocks.add(task)
+        task.add_done_callback(self._blocks.discard)
 
     async def _block(self, queue: str, seconds: float) -> None:
+        state = self.state
         try:
-            await self.queue.admin.block(queue, seconds)
-            if queue in self._claimers:  # its permits wait too (limit.lua)
-                await self.scripts.call(
-                    "limit", self.keys.home(queue),
-                    ("block", queue, round(seconds * 1000)),
-                )  # fmt: skip
+            await block_queue(state.store, queue, seconds)
+            if queue in self.limits:  # its permits wait too (limit.lua)
+                args = ("block", queue, round(seconds * 1000))
+                await state.scripts.call("limit", state.keys.home(queue), args)
         except (RedisError, OSError) as exc:
             log.warning("event=queue_block_failed queue=%s error=%r", queue, exc)
 
-    # --- reporting --------------------------------------------------------------------------
-    def _report(self, kind: str, r: _Running, extra: tuple[Any, ...]) -> None:
+    def report(self, kind: str, r: Running, extra: tuple[Any, ...]) -> None:
+        """Queue the outcome ``kind`` (complete, fail, stopped) of ``r`` for the next send."""
         if r.released:
             # released at shutdown: the job is back in its queue under a newer version, and
             # this outcome's fencing token is stale (Redis would refuse it): drop it here
@@ -131,7 +156,7 @@ class Reporting(WorkerState):
         lines = r.ctx._take_logs() if r.ctx._log is not None else None
         if lines:
             # the last lines go ahead of the outcome, and expire with the job as it ends
-            s = self.settings
+            s = self.state.settings
             ttl = s.dead_retention_seconds if kind == "fail" else s.retention_seconds
             self._outbox["logs"][r.shard].append((r.job.id, ttl, lines))
         if r.progress is not None:
@@ -146,36 +171,33 @@ class Reporting(WorkerState):
             # start while Redis still counts this one as running (over the limit)
             self._pending_permits[r.job.queue].append(r.permit)
             r.permit = None
-        self._outbox_idle.clear()
-        self._outbox_ready.set()
+        self._idle.clear()
+        self._ready.set()
 
-    async def _report_loop(self) -> None:
+    async def run(self) -> None:
+        """Send what is queued, as it is queued, until cancelled."""
         while True:
-            await self._outbox_ready.wait()
-            self._outbox_ready.clear()
-            await self._send_outbox()
+            await self._ready.wait()
+            self._ready.clear()
+            await self._send()
 
-    async def _send_outbox(self) -> None:
+    async def _send(self) -> None:
         """Send everything in the outbox in one pipeline; keep it on a Redis error."""
         backoff = REPORT.start()
         while True:
-            # One turn of the event loop first, so that the claim for the slots these ends
-            # freed, woken in the same turn (attempt_ended wakes the claim loops first), goes
-            # to Redis ahead of their outcomes: Redis answers it first, and the worker starts
-            # those jobs while Redis records the outcomes. Sent the other way round, Redis
-            # and the worker take turns, each idle while the other works: end to end with one
-            # worker and 20K no-op jobs, the claim first measured 7-11 % more jobs/s per run,
-            # a drain of queued jobs ~25 % (bench/compare.py --baseline, bench/throughput.py).
+            # one turn of the event loop first: the claim for the slots these ends freed
+            # (attempt_ended wakes the claim loops first) goes to Redis ahead of their
+            # outcomes, and the worker starts those jobs while Redis records the outcomes
             await asyncio.sleep(0)
             # a heartbeat in flight may carry the last progress of a job reported here:
             # the outcome must reach Redis after it
-            await self._beat_idle.wait()
+            await self.state.beat_idle.wait()
             batches = {kind: dict(by_shard) for kind, by_shard in self._outbox.items() if by_shard}
             if not batches:
                 if self._to_release and not await self._release_permits():
                     await asyncio.sleep(backoff.next())
                     continue
-                self._outbox_idle.set()
+                self._idle.set()
                 return
             for by_shard in self._outbox.values():
                 by_shard.clear()
@@ -183,12 +205,13 @@ class Reporting(WorkerState):
             self._pending_permits.clear()
             calls: list[Call] = []
             kinds: list[tuple[str, list[tuple[Any, ...]]]] = []
-            s = self.settings
+            state = self.state
+            s = state.settings
             for kind, by_shard in batches.items():
                 for shard, items in by_shard.items():
                     if kind == "progress":
                         calls.append(
-                            heartbeat_call(shard, self.id, self.lease_ms, items, self.history_ms)
+                            heartbeat_call(shard, self.id, state.lease_ms, items, state.history_ms)
                         )
                     elif kind == "logs":
                         calls.append(joblog_call(shard, LOG_LINES, items))
@@ -200,7 +223,7 @@ class Reporting(WorkerState):
                         calls.append(stopped_call(shard, self.id, s.retention_seconds, items))
                     kinds.append((kind, items))
             try:
-                replies = await self.scripts.call_many(calls)
+                replies = await state.scripts.call_many(calls)
             except (RedisError, OSError) as exc:
                 # nothing was lost: put the batch back and try again (a lease that expires
                 # meanwhile makes the scheduler requeue the job; our late write is refused)
@@ -216,18 +239,16 @@ class Reporting(WorkerState):
                 await asyncio.sleep(wait)
                 continue
             for (kind, items), reply in zip(kinds, replies, strict=True):
-                self._account(kind, items, reply)
+                self.account(kind, items, reply)
             for queue_name, ids in permits.items():
                 self._to_release[queue_name] += ids
 
     async def _release_permits(self) -> bool:
-        """Return the permits of finished jobs (limits.py); False if Redis refused (kept)."""
+        """Return the permits of finished jobs (permits.py); False if Redis refused (kept)."""
         by_queue = {q: ids for q, ids in self._to_release.items() if ids}
         self._to_release.clear()
         try:
-            await self.scripts.call_many(
-                limit_calls(self.scripts, self.keys, "release", by_queue, 0)
-            )
+            await self.state.scripts.call_many(limit_calls(self.state.keys, "release", by_queue, 0))
         except (RedisError, OSError) as exc:
             for q, ids in by_queue.items():
                 self._to_release[q] += ids
@@ -235,10 +256,11 @@ class Reporting(WorkerState):
             return False
         return True
 
-    def _account(self, kind: str, items: list[tuple[Any, ...]], reply: list[Any]) -> None:
+    def account(self, kind: str, items: list[tuple[Any, ...]], reply: list[Any]) -> None:
+        """Count what Redis made of the reports of ``kind``: one reply per call."""
         if kind in ("progress", "logs"):
             return  # if refused, the outcome sent behind it is refused too, and counted
-        st = self.stats
+        st = self._stats
         if kind == "complete":  # a code per job; OK means succeeded
             codes, states = reply, [b"succeeded"] * len(reply)
         else:  # (code, state) per job
@@ -262,17 +284,17 @@ class Reporting(WorkerState):
             elif state == b"queued":
                 st.released += 1
 
-    async def _flush_outbox(self) -> None:
+    async def flush(self) -> None:
         """Until every report is sent: 30 s at most, ``FLUSH_AFTER_STOP_NOW`` after a
         ``stop(now=True)`` (what is still unsent then is left to lease expiry)."""
         start = time.monotonic()
-        while not self._outbox_idle.is_set() or any(self._outbox.values()):
-            limit = FLUSH_AFTER_STOP_NOW if self._stop_now.is_set() else 30.0
+        while not self._idle.is_set() or any(self._outbox.values()):
+            limit = FLUSH_AFTER_STOP_NOW if self.state.stop_now.is_set() else 30.0
             if time.monotonic() - start >= limit:
                 log.warning(
                     "event=reports_unsent worker=%s: Redis did not take the last reports; "
                     "their jobs return to their queues when their leases expire", self.id,
                 )  # fmt: skip
                 return
-            self._outbox_ready.set()
+            self._ready.set()
             await asyncio.sleep(0.005)

@@ -1,0 +1,307 @@
+"""Claiming: the claim loop, its wake-ups, and the limited queues' claim loops.
+
+The claim loop asks the shards for as many jobs as there are free slots, in one pipelined
+round trip (``_plan`` picks the shards), and sleeps on the shards' wake channels when every
+queue it saw was empty: no polling, so an idle worker costs nothing, yet a new job reaches it
+in one publish (``idle_poll`` is only the safety net). A limited queue (global concurrency or
+rate) is claimed by its own loop (permits.py), which shares the slots through ``reserve``.
+
+Races guarded here:
+
+- a wake that arrives while a claim is in flight is newer than that claim's answer: each
+  shard's ``_generation`` is bumped by every wake, and a reply only sets the shard's count of
+  ready jobs if no wake came since it was asked;
+- a (re)subscription may have missed wakes: ``on_reset`` marks every shard unknown;
+- slots promised to claims in flight are reserved, so the main loop and the limited queues'
+  loops never start more jobs than ``concurrency`` between them;
+- a claim still in flight at the shutdown's deadline is abandoned: a Redis that stopped
+  answering must not hold the shutdown past its bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from redis.exceptions import RedisError
+
+from jobtier.runtime.backoff import CLAIM
+from jobtier.runtime.loop import wait_any, wait_for
+from jobtier.runtime.stopping import stop_task
+from jobtier.store.calls import Call, claim_call, parse_claim
+from jobtier.worker.launcher import Launcher
+from jobtier.worker.permits import LimitedQueues
+from jobtier.worker.state import WorkerState
+
+log = logging.getLogger("jobtier.worker")
+
+UNKNOWN = 1 << 30  # a shard whose queue length we don't know: worth asking
+PROBE_MIN = 16  # fewest jobs asked of a shard whose count is unknown (see _plan)
+
+
+class Claimer:
+    """A worker's claim loops (see the module docstring); the ``Claims`` of its limited
+    queues' loops."""
+
+    def __init__(self, state: WorkerState, launcher: Launcher, limits: LimitedQueues) -> None:
+        self.state = state
+        self.id = state.id
+        self.limits = limits
+        self._start = launcher.start
+        self._scripts = state.scripts
+        self._shards = state.keys.shards
+        self._limited = limits.claimers
+        self.wake = asyncio.Event()  # a shard has new jobs (or a stop)
+        self.idle = False  # waiting for a wake: every queue it knows of was empty
+        self._ready = [UNKNOWN] * self._shards  # known ready jobs per shard
+        self._generation = [0] * self._shards  # bumped by each wake of the shard
+        self._start_shard = 0  # where the next round of claims begins (see _plan)
+        self._queue_turn = 0
+        self._unblock: asyncio.TimerHandle | None = None  # a look when a queue's block ends
+        self._unblock_ms = 0
+
+    def on_wake(self, channel: bytes, data: bytes) -> None:
+        """``q <queue>``: a queue of the shard had no ready job and now has some;
+        ``l <queue>``: a permit of a limited queue came free."""
+        if data[2:] not in self.state.served:
+            return
+        claimer = self._limited.get(data[2:].decode())
+        if claimer is not None:
+            claimer.wake.set()
+            return
+        if data[:2] == b"q ":
+            shard = int(channel[channel.index(b"{") + 1 : channel.index(b"}")])
+            self._ready[shard] = UNKNOWN
+            self._generation[shard] += 1
+            self.wake.set()
+
+    def on_reset(self) -> None:
+        # (re)subscribed: wakes may have been missed while the connection was down
+        self._ready = [UNKNOWN] * self._shards
+        self._generation = [g + 1 for g in self._generation]
+        self._wake_all()
+
+    def stop(self) -> None:
+        """Claim loops end (after their claim in flight, if any)."""
+        self.wake.set()
+        self.limits.end()
+
+    def _wake_all(self) -> None:
+        self.wake.set()
+        self.limits.wake()
+
+    # --- claiming ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        """The claim loop until the worker stops (or a burst worker runs out of jobs), given up
+        at the deadline if a claim is still in flight then (a Redis that stopped answering
+        must not hold the shutdown past its bound); then the limited queues' loops end."""
+        state = self.state
+        claims = asyncio.create_task(self._claim_loop(), name="jobtier-claims")
+        stopping = asyncio.ensure_future(state.stopping.wait())
+        now = asyncio.ensure_future(state.stop_now.wait())
+        try:
+            await asyncio.wait({claims, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not claims.done():  # stopping: the loop ends after the claim in flight, if any
+                left = max(0.0, (state.deadline or 0.0) - time.monotonic())
+                await asyncio.wait({claims, now}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            now.cancel()
+        if not claims.done():
+            log.warning("event=claim_abandoned worker=%s: a claim was still in flight", self.id)
+            # a claim in flight is a Redis call, which can swallow the cancel (runtime/stopping.py)
+            await stop_task(claims, "claim loop")
+        else:
+            claims.result()  # a crash of the loop surfaces here
+        await self.limits.stop()
+
+    async def _claim_loop(self) -> None:
+        state = self.state
+        slot_free = state.slot_free
+        backoff = CLAIM.start()
+        while not state.stopping.is_set():
+            free = state.free_slots()
+            if free <= 0:
+                # every slot busy: wake for a free slot or for a stop, which must not wait
+                # for a job to end (it would wait a whole job, past the grace): stop() sets
+                # slot_free too. Waited on directly, so that the loop wakes in the turn the
+                # slot frees, ahead of the reporter (reporter.py: _send)
+                slot_free.clear()
+                await slot_free.wait()
+                continue
+            self.wake.clear()
+            reserved = state.reserve(free)
+            try:
+                claimed = await self._claim(free)
+                backoff.reset()
+            except (RedisError, OSError) as exc:
+                wait = backoff.next()
+                log.warning(
+                    "event=claim_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, wait
+                )
+                await wait_for(state.stopping, wait)
+                continue
+            finally:
+                reserved()
+            if claimed or any(self._ready):
+                continue  # more to claim, or shards this round did not ask
+            if state.burst:
+                if not state.running and self.limits.idle():
+                    return
+                slot_free.clear()
+                await wait_any((slot_free, self.wake))  # a stop sets both
+                continue
+            # every queue we know of is empty: sleep until a wake (a stop sets it too), or
+            # the safety net
+            self.idle = True
+            try:
+                woke = await wait_for(self.wake, state.idle_poll)
+            finally:
+                self.idle = False
+            if not woke:
+                self._ready = [UNKNOWN] * self._shards
+
+    async def _claim(self, free: int) -> int:
+        """One pipelined round of claims over the shards believed to hold ready jobs."""
+        plan = self._plan(free)
+        if not plan:
+            return 0
+        state = self.state
+        served = state.queues
+        turn = self._queue_turn
+        self._queue_turn = (turn + 1) % len(served)
+        queues = [(q, -1) for q in served[turn:] + served[:turn] if q not in self._limited]
+        if not queues:
+            self._ready = [0] * self._shards  # every queue is limited: their loops claim
+            return 0
+        generations = [self._generation[shard] for shard, _ in plan]
+        calls: list[Call] = [
+            claim_call(shard, self.id, n, state.lease_ms, queues, state.types) for shard, n in plan
+        ]
+        replies = await self._scripts.call_many(calls)
+        state.stats.claim_round_trips += 1
+        total = 0
+        unaware = False
+        for (shard, _), gen, reply in zip(plan, generations, replies, strict=True):
+            batch = parse_claim(shard, reply)
+            # a wake that arrived while this claim was in flight is newer than its answer
+            if self._generation[shard] == gen:
+                self._ready[shard] = batch.ready_left
+            if batch.handed_back:
+                self._handed_back(batch.handed_back)
+            if batch.wake_at_ms > 0:  # a blocked queue: look again when its block ends
+                self._wake_at(batch.wake_at_ms, batch.now_ms)
+            for job in batch.jobs:
+                self._start(job, shard, batch.now_ms)
+            total += len(batch.jobs)
+            unaware = unaware or bool(batch.unaware)
+        if unaware:
+            await self.refresh_limits()  # a queue became limited: claim it with permits
+        return total
+
+    # --- limited queues (permits.py) --------------------------------------------------------
+    def claimer_idle(self) -> None:
+        """A limited queue's loop found nothing ready: a burst worker may be done."""
+        if self.state.burst:
+            self.wake.set()
+
+    async def claim_limited(
+        self, queue: str, plan: list[tuple[int, int]], permits: list[str]
+    ) -> list[tuple[str, int]]:
+        """Claim jobs of a limited queue: (shard, cap) calls, capped by the permits held; each
+        job started takes the next permit. Returns (permit, claimed at ms) of those used."""
+        state = self.state
+        calls: list[Call] = [
+            claim_call(shard, self.id, cap, state.lease_ms, [(queue, cap)], state.types)
+            for shard, cap in plan
+        ]
+        replies = await self._scripts.call_many(calls)
+        state.stats.claim_round_trips += 1
+        used: list[tuple[str, int]] = []
+        for (shard, _), reply in zip(plan, replies, strict=True):
+            batch = parse_claim(shard, reply)
+            if batch.handed_back:
+                self._handed_back(batch.handed_back)
+            for job in batch.jobs:
+                permit = permits[len(used)]
+                self._start(job, shard, batch.now_ms, permit)
+                used.append((permit, batch.now_ms))
+        return used
+
+    async def refresh_limits(self) -> None:
+        """Claim the limited queues with permits, and again here those no longer limited."""
+        if await self.limits.refresh(self):
+            self._ready = [UNKNOWN] * self._shards
+            self.wake.set()
+
+    def _wake_at(self, at_ms: int, now_ms: int) -> None:
+        """Look at every shard again at ``at_ms`` (Redis's clock), once per moment."""
+        if self._unblock is not None and self._unblock_ms <= at_ms:
+            return  # an earlier (or the same) look is already due
+        if self._unblock is not None:
+            self._unblock.cancel()
+        self._unblock_ms = at_ms
+
+        def look() -> None:
+            self._unblock = None
+            self.on_reset()
+
+        delay = max((at_ms - now_ms) / 1000, 0.0)
+        self._unblock = asyncio.get_running_loop().call_later(delay, look)
+
+    def _handed_back(self, ids: list[str]) -> None:
+        """The claim script left jobs this worker cannot run in their queue (another pool
+        serves the same queue, or a deploy is in progress): say so, loudly but not per job."""
+        state = self.state
+        state.stats.handed_back += len(ids)
+        log.warning(
+            "event=jobs_handed_back worker=%s count=%d first=%s tasks=%s queues=%s: "
+            "they stay queued for a worker that has their task",
+            self.id, len(ids), ids[0], ",".join(state.types), ",".join(state.queues),
+        )  # fmt: skip
+
+    def _plan(self, free: int) -> list[tuple[int, int]]:
+        """(shard, jobs to ask for) for one round of claims.
+
+        Few shards per round, each asked for many jobs: a script call's fixed cost in Redis
+        is several times what one job costs inside it. Shards whose count is unknown (just
+        woken, or never asked) come first, ``PROBE_MIN`` jobs each (not an even share of
+        the slots): a wake means new jobs, perhaps urgent ones, that a deep queue elsewhere
+        must not hold back. Shards known to hold ready jobs then fill what is left, greedily;
+        slots still free go to the probes. Each round starts one shard further on.
+        """
+        shards = self._shards
+        start = self._start_shard
+        self._start_shard = (start + 1) % shards
+        unknown: list[int] = []
+        known: list[int] = []
+        for i in range(shards):
+            shard = (start + i) % shards
+            ready = self._ready[shard]
+            if ready >= UNKNOWN:
+                unknown.append(shard)
+            elif ready > 0:
+                known.append(shard)
+        asks: dict[int, int] = {}
+        left = free
+        probes: list[int] = []
+        for shard in unknown:
+            if left <= 0:
+                break
+            asks[shard] = min(PROBE_MIN, left)
+            left -= asks[shard]
+            probes.append(shard)
+        for shard in known:
+            if left <= 0:
+                break
+            asks[shard] = min(self._ready[shard], left)
+            left -= asks[shard]
+        if left > 0 and probes:
+            # slots that no known job can fill go to the probes, which may find more
+            extra = -(-left // len(probes))
+            for shard in probes:
+                n = min(extra, left)
+                asks[shard] += n
+                left -= n
+        return list(asks.items())
