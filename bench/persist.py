@@ -279,7 +279,7 @@ class Run:
         await self.reset()
         await prefill(self.redis_url, transitions)
         persister = self._persister()
-        await persister.setup()
+        await persister.consumer.setup()
         started, cpu, pg_cpu = time.monotonic(), time.process_time(), self.pg_cpu()
         task = asyncio.create_task(persister.run())
         while persister.stats.transitions < transitions and time.monotonic() - started < budget:
@@ -323,7 +323,7 @@ class Run:
     async def sustained(self, rate: float, seconds: float, drain_budget: float) -> dict[str, Any]:
         await self.reset()
         persister = self._persister()
-        await persister.setup()
+        await persister.consumer.setup()
         self.lags, self.committed = [], set()
         task = asyncio.create_task(persister.run())
         gen = await asyncio.create_subprocess_exec(

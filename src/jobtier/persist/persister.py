@@ -14,59 +14,41 @@ away. Everything downstream of the read is idempotent, which is what makes the r
   restart (same name), and any persister takes them over once idle for
   ``persist_claim_idle_seconds`` (XAUTOCLAIM).
 
-With nothing to read, a persister waits in Redis for the next entry (one blocking XREADGROUP
-naming every stream, ``group.wait_idle``), so the first transition of a burst is read as it is
-written; on a Redis Cluster, whose shards no one command can name, it naps between polls.
-
-Each batch is one transaction: COPY into staging tables, then one upsert per table
-(``batch.write_batch``; why COPY rather than array parameters is measured there). Here: what
-goes into a batch and when, and what to do when it fails; ``acks.py``: what Redis is then
-owed (XACKs, parked copies); ``stats.py``: the counts and the metrics made from them.
+The reading, claiming, acknowledging and waiting in Redis while idle are its ``Consumer``'s
+(``streams/consumer.py``). Each batch is one transaction: COPY into staging tables, then one
+upsert per table (``batch.write_batch``; why COPY rather than array parameters is measured
+there). Here: what goes into a batch and when, and what to do when it fails; ``stats.py``:
+the counts and the metrics made from them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import operator
 import time
 from collections.abc import Callable, Sequence
 
 import asyncpg
-from redis.exceptions import RedisError
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot
-from jobtier.persist.acks import Acks
 from jobtier.persist.batch import BATCH_TIMEOUT, attached_meanwhile, write_on
 from jobtier.persist.db import UNAVAILABLE, Pool
 from jobtier.persist.retention import run_pruning
 from jobtier.persist.stats import PersisterStats
-from jobtier.runtime.backoff import PERSIST_POSTGRES, PERSIST_REDIS
+from jobtier.runtime.backoff import PERSIST_POSTGRES
+from jobtier.runtime.loop import FAULTS
 from jobtier.store.redis import RedisClient
-from jobtier.streams.consumer import (
-    claim_idle,
-    create_groups,
-    forget_idle_consumers,
-    read_group,
-    replay_refused,
-    trim,
-    wait_idle,
-)
+from jobtier.streams.consumer import Consumer
 from jobtier.streams.entries import MALFORMED, LogEntry, parse_entry
-
-__all__ = ["Persister", "PersisterStats", "replay_refused"]
 
 log = logging.getLogger("jobtier.persist")
 
-IDLE_SLEEP_MIN = 0.005
-IDLE_SLEEP_MAX = 0.1  # longest nap when every stream is empty: idle CPU stays near zero
 READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
 TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries
-FORGET_EVERY = 60.0  # seconds between sweeps of the consumer group's stopped members
 FORGET_IDLE_MIN = 120.0  # least idle time (s) of a member forgotten (and 4x the claim idle)
 
 # This entry's data cannot be stored (no retry will help): isolate it, keep the others moving
@@ -107,39 +89,27 @@ class Persister:
         batch_timeout: float = BATCH_TIMEOUT,
     ) -> None:
         self.settings = settings
-        self.redis = redis
         self.pool = pool
         self.name = name
-        self.keys = keys or Keys(settings.prefix, settings.shards)
-        self.group = self.keys.persist_group()
+        self.keys = keys = keys or Keys(settings.prefix, settings.shards)
         self.batch_size = max(1, settings.persist_batch_size)
         self.interval = settings.persist_interval
-        self.claim_idle_ms = int(settings.persist_claim_idle_seconds * 1000)
         self.on_commit = on_commit
         self.concurrency = max(1, concurrency)  # batches written at once (connections used)
         self.batch_timeout = batch_timeout
-        self.forget_idle_ms = int(
-            max(FORGET_IDLE_MIN, 4 * settings.persist_claim_idle_seconds) * 1000
-        )
         self.stats = PersisterStats()
-        self._streams = [self.keys.log(s) for s in range(self.keys.shards)]
-        # b"0": still reading back this consumer's own pending entries (a previous life's)
-        self._cursor = [b"0"] * self.keys.shards
-        self._claim_cursor = [b"0-0"] * self.keys.shards
+        idle = settings.persist_claim_idle_seconds
+        self.consumer = Consumer(
+            redis, [keys.log(s) for s in range(keys.shards)], keys.persist_group(), name,
+            claim_idle_ms=int(idle * 1000), log=log, counts=self.stats,
+            forget_idle_ms=int(max(FORGET_IDLE_MIN, 4 * idle) * 1000),
+            refused=[keys.log_refused(s) for s in range(keys.shards)],
+        )  # fmt: skip
         self._buffer: list[LogEntry] = []
         self._held: set[tuple[int, bytes]] = set()  # (shard, id) buffered or being written
         self._inflight: set[asyncio.Task[None]] = set()  # flushes being committed
         self._first_at = 0.0  # when the oldest buffered entry was read
-        self._acks = Acks(
-            redis, self._streams, [self.keys.log_refused(s) for s in range(self.keys.shards)],
-            self.group,
-        )  # fmt: skip
-        self._stop = asyncio.Event()
-        self._ready = False
-        self._next_claim = 0.0
-        self._next_forget = 0.0
         self._next_trim = 0.0
-        self._waited_in_vain = False  # the last wait in Redis found nothing
         self._explain = Unforeseen(log)  # a traceback once per error class
 
     # --- life cycle -----------------------------------------------------------------------
@@ -147,49 +117,15 @@ class Persister:
         """This persister's part of its process's metrics snapshot (``PersisterStats``)."""
         return self.stats.snapshot()
 
-    async def setup(self) -> None:
-        """Create the consumer group on every shard stream (from the first entry) if missing."""
-        await create_groups(self.redis, self._streams, self.group)
-        self._ready = True
-
     def stop(self) -> None:
-        self._stop.set()
+        self.consumer.stop()
 
     async def run(self) -> None:
         """Persist until ``stop()``; what is buffered then is written once more, without retries."""
         log.info("event=persister_started name=%s shards=%d", self.name, self.keys.shards)
-        pruning = asyncio.create_task(run_pruning(self.settings, self._stop))  # retention.py
-        backoff, idle = PERSIST_REDIS.start(), IDLE_SLEEP_MIN
+        pruning = asyncio.create_task(run_pruning(self.settings, self.consumer.stopping))
         try:
-            while not self._stop.is_set():
-                try:
-                    if not self._ready:
-                        await self.setup()
-                    # idle: wait in Redis for the next entry (here, so that its failures,
-                    # a flushed or restarted Redis, are handled as the step's are)
-                    moved = await self.step() or await self._wait_for_entries()
-                    backoff.reset()
-                except Exception as exc:
-                    # Redis away or loading its data (one line), or anything else (its
-                    # traceback once): never a reason to stop, nothing would drain the logs.
-                    wait = backoff.next()
-                    self.stats.failed(exc)
-                    if isinstance(exc, RedisError | OSError):
-                        log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
-                    else:
-                        self._explain("event=loop_failed", exc, wait)
-                    # A lost XREADGROUP reply leaves entries pending to us that we never saw:
-                    # read our pending entries again (held ones are skipped). A restarted or
-                    # flushed Redis may have lost the group: create it again.
-                    self._reread()
-                    self._ready = False
-                    await self._sleep(wait)
-                    continue
-                if moved:
-                    idle = IDLE_SLEEP_MIN
-                else:
-                    await self._sleep(idle)
-                    idle = min(idle * 2, IDLE_SLEEP_MAX)
+            await self.consumer.run(self._round, self._failed)
             if self._inflight:  # they give up their retries now that we are stopping
                 await asyncio.wait(self._inflight)
             self._reap()
@@ -204,6 +140,30 @@ class Persister:
             pruning.cancel()
         log.info("event=persister_stopped name=%s", self.name)
 
+    def _failed(self, exc: Exception, wait: float) -> bool:
+        """Redis away or loading its data (one line), or anything else (its traceback once):
+        never a reason to stop, nothing would drain the logs. Counted by class."""
+        self.stats.failed(exc)
+        if isinstance(exc, FAULTS):
+            log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
+        else:
+            self._explain("event=loop_failed", exc, wait)
+        return True
+
+    async def _round(self) -> bool:
+        """A step; idle (nothing buffered, none being written: its acknowledgement would wait
+        too), a wait in Redis for the next entry, taking what comes. False: nap."""
+        if await self.step():
+            return True
+        if self._inflight or self._buffer:
+            return False
+        items = await self.consumer.wait(self._read_count())
+        if items is None:
+            return False
+        for shard, entry_id, fields in items:
+            self._accept(shard, entry_id, fields)
+        return True
+
     async def step(self) -> bool:
         """One round: acknowledge, claim, read, start a flush, trim. False when idle.
 
@@ -213,15 +173,10 @@ class Persister:
         """
         now = time.monotonic()
         self._reap()
-        if self._acks:
+        if self.consumer.acks:
             await self._ack()
-        if now >= self._next_claim:
-            self._next_claim = now + max(0.05, self.claim_idle_ms / 2000)
-            await self._claim()
-        more = False
-        if len(self._buffer) < self.batch_size and not self._waited_in_vain:
-            more = await self._read()
-        self._waited_in_vain = False
+        await self.consumer.claim_due(self.batch_size, self._accept)
+        more = await self._read() if len(self._buffer) < self.batch_size else False
         moved = more
         if self._buffer:
             waited = time.monotonic() - self._first_at
@@ -237,11 +192,11 @@ class Persister:
                 moved = True
             elif not ready and not more:
                 # gather for the rest of the interval: fewer, larger transactions
-                await self._sleep(max(0.0, self.interval - waited))
+                await self.consumer.sleep(self.interval - waited)
                 moved = True
         if now >= self._next_trim:
             self._next_trim = now + TRIM_EVERY
-            await self.trim()
+            await self.consumer.trim()
         return moved
 
     async def drain(self) -> int:
@@ -250,11 +205,11 @@ class Persister:
         For tests and `jobtier persister --burst`: no sleeping, and no waiting for other
         consumers' entries to become idle beyond one XAUTOCLAIM pass.
         """
-        if not self._ready:
-            await self.setup()
+        if not self.consumer.ready:
+            await self.consumer.setup()
         before = self.stats.transitions
         try:
-            await self._claim()
+            await self.consumer.claim(self.batch_size, self._accept)
             while True:
                 self._reap()
                 await self._ack()
@@ -266,24 +221,17 @@ class Persister:
                 elif not more and not self._buffer:
                     break
             await self._ack()
-            await self.trim()
+            await self.consumer.trim()
         finally:
             self._cancel_flushes()
         return self.stats.transitions - before
-
-    async def _sleep(self, seconds: float) -> bool:
-        """Sleep unless stopped; True once ``stop()`` was called."""
-        if seconds > 0:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), seconds)
-        return self._stop.is_set()
 
     # --- reading --------------------------------------------------------------------------
     def _accept(self, shard: int, entry_id: bytes, fields: dict[bytes, bytes] | None) -> bool:
         if (shard, entry_id) in self._held:
             return False  # claimed back while we still hold it (a long Postgres outage)
         if not fields:  # pending, but trimmed from the stream: nothing left to write
-            self._acks.add(shard, entry_id)
+            self.consumer.acks.add(shard, entry_id)
             return False
         try:
             entry = parse_entry(shard, entry_id, fields)
@@ -291,10 +239,7 @@ class Persister:
             # Left pending, never acknowledged: a persister that understands it (a newer
             # version, in a rolling deploy) takes it over after the idle timeout.
             self.stats.bad_entries += 1
-            log.error(
-                "event=bad_log_entry stream=%s id=%s error=%r",
-                self._streams[shard], entry_id.decode(), exc,
-            )  # fmt: skip
+            self.consumer.bad_entry(shard, entry_id, exc)
             return False
         if not self._buffer:
             self._first_at = time.monotonic()
@@ -303,61 +248,16 @@ class Persister:
         return True
 
     async def _read(self) -> bool:
-        """XREADGROUP every shard in one pipeline. True if some shard may have more."""
-        more, items = await read_group(
-            self.redis, self.group, self.name, self._streams, self._cursor, self._read_count()
-        )
+        """Read every shard (``Consumer.read``). True if some shard may have more."""
+        more, items = await self.consumer.read(self._read_count())
         for shard, entry_id, fields in items:
             self._accept(shard, entry_id, fields)
-        return more
-
-    async def _wait_for_entries(self) -> bool:
-        """Idle (nothing buffered, nothing more to read): wait in Redis for the next entry of
-        any stream, up to ``IDLE_SLEEP_MAX`` (``group.wait_idle``), taking what comes; True
-        once waited. False when it cannot wait so (a Redis Cluster; our own pending entries
-        still being read back) or must not (stopping; a batch being written, whose
-        acknowledgement would wait too): the caller naps instead."""
-        if self._stop.is_set() or self._inflight or self._buffer:
-            return False
-        items = await wait_idle(
-            self.redis, self.group, self.name, self._streams, self._cursor, self._read_count(),
-            IDLE_SLEEP_MAX, self._sleep,
-        )  # fmt: skip
-        if items is None:
-            return False
-        for shard, entry_id, fields in items:
-            self._accept(shard, entry_id, fields)
-        # it read every stream and found nothing: no poll before the next wait (idle CPU)
-        self._waited_in_vain = not items
-        return True
+        return bool(more)
 
     def _read_count(self) -> int:
         """Entries to ask each stream for: the room left in the buffer, spread over them."""
         room = self.batch_size - len(self._buffer)
-        return max(-(-room // len(self._streams)), READ_MIN)
-
-    async def _claim(self) -> None:
-        """Take over entries idle longer than the claim timeout (their persister died)."""
-        claimed = await claim_idle(
-            self.redis, self.group, self.name, self._streams, self._claim_cursor,
-            self.claim_idle_ms, self.batch_size,
-        )  # fmt: skip
-        for shard, items in enumerate(claimed):
-            taken = sum(self._accept(shard, entry_id, fields) for entry_id, fields in items)
-            if taken:
-                self.stats.claimed += taken
-                log.info("event=entries_claimed stream=%s count=%d", self._streams[shard], taken)
-        if time.monotonic() >= self._next_forget:
-            self._next_forget = time.monotonic() + FORGET_EVERY
-            await self._forget_dead_consumers()
-
-    async def _forget_dead_consumers(self) -> int:
-        """Remove consumers that hold nothing and were idle ``forget_idle_ms``: persisters that
-        stopped (a restart under a new name leaves the old one behind). One with pending
-        entries is kept: ``_claim`` takes those over first."""
-        return await forget_idle_consumers(
-            self.redis, self._streams, self.group, self.name, self.forget_idle_ms
-        )
+        return max(-(-room // self.keys.shards), READ_MIN)
 
     # --- writing --------------------------------------------------------------------------
     async def persist(self, entries: Sequence[LogEntry]) -> None:
@@ -387,12 +287,7 @@ class Persister:
             if exc is not None:
                 self.stats.failed(exc)
                 log.error("event=flush_failed error=%r", exc, exc_info=exc)
-                self._reread()
-
-    def _reread(self) -> None:
-        """Read our own pending entries again from the start (held ones are skipped)."""
-        self._cursor = [b"0"] * len(self._streams)
-        self._waited_in_vain = False
+                self.consumer.reread()  # held ones are skipped
 
     def _cancel_flushes(self) -> None:
         # a cancelled flush either committed (its entries stay pending: replayed harmlessly
@@ -412,7 +307,7 @@ class Persister:
                 self._held.discard((e.shard, e.entry_id))
         if written is None:  # stopped while Postgres was away: the entries stay pending
             return
-        self._acks.add_many((e.shard, e.entry_id) for e in written)
+        self.consumer.acks.add_many((e.shard, e.entry_id) for e in written)
         stats = self.stats
         stats.batches += 1
         stats.transitions += len(written)
@@ -468,7 +363,7 @@ class Persister:
                     )  # fmt: skip
                 else:
                     self._explain("event=batch_failed", exc, wait, batch=len(batch))
-                if await self._sleep(wait):
+                if await self.consumer.sleep(wait):
                     return None
 
     def _written_on_retry(
@@ -508,21 +403,18 @@ class Persister:
         self.stats.bad_entries += 1
         log.error(
             "event=entry_refused stream=%s id=%s job=%s version=%d error=%r parked_in=%s",
-            self._streams[entry.shard], entry.entry_id.decode(), entry.status.id,
+            self.keys.log(entry.shard), entry.entry_id.decode(), entry.status.id,
             entry.status.version, exc, self.keys.log_refused(entry.shard),
         )  # fmt: skip
-        self._acks.park(entry.shard, entry.entry_id, repr(exc))
+        self.consumer.acks.park(entry.shard, entry.entry_id, repr(exc))
 
     async def _ack(self) -> None:
-        """Send what Redis is owed: parked copies of refused entries, then XACKs (acks.py)."""
+        """Send what Redis is owed: parked copies of refused entries, then XACKs."""
+        acks = self.consumer.acks
         try:
-            await self._acks.flush()
+            await acks.flush()
         finally:
-            self.stats.parked = self._acks.parked
-
-    async def trim(self) -> None:
-        """Drop log entries every consumer group has acknowledged (``group.trim``)."""
-        await trim(self.redis, self._streams)
+            self.stats.parked = acks.parked
 
 
 def _age(batch: Sequence[LogEntry]) -> float:
