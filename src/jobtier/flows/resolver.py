@@ -81,10 +81,17 @@ class Resolver:
         n = self.keys.shards
         # hand-offs are deleted once applied: no group but this one reads the flow streams
         self.consumer = Consumer(
-            store.redis, [self.keys.flow(s) for s in range(n)], self.keys.resolver_group(),
-            self.name, claim_idle_ms=max(1, int(idle * 1000)), log=log, counts=self.stats,
-            claimed_event="handoffs_taken_over", policy=SCHEDULER, delete=True,
-        )  # fmt: skip
+            store.redis,
+            [self.keys.flow(s) for s in range(n)],
+            self.keys.resolver_group(),
+            self.name,
+            claim_idle_ms=max(1, int(idle * 1000)),
+            log=log,
+            counts=self.stats,
+            claimed_event="handoffs_taken_over",
+            policy=SCHEDULER,
+            delete=True,
+        )
         self._dirty: set[int] = set(range(n))
         self._wake = asyncio.Event()
         self._next_sweep = 0.0
@@ -105,26 +112,19 @@ class Resolver:
         self._wake.set()
 
     def metrics(self) -> Snapshot:
-        st = self.stats
-        return Snapshot(
-            "", "", 0.0,
-            counters={
-                "resolver_handoffs_total": {"": st.handoffs},
-                "resolver_applied_total": {"": st.applied},
-                "resolver_repeated_total": {"": st.repeated},
-                "resolver_moot_total": {"": st.moot},
-                "resolver_claimed_total": {"": st.claimed},
-                "resolver_relinked_total": {"": st.relinked},
-            },
-        )  # fmt: skip
+        names = ("handoffs", "applied", "repeated", "moot", "claimed", "relinked")
+        counters = {f"resolver_{n}_total": {"": getattr(self.stats, n)} for n in names}
+        return Snapshot("", "", 0.0, counters=counters)
 
     async def run(self) -> ResolverStats:
         log.info("event=resolver_started name=%s shards=%d", self.name, self.keys.shards)
         await self.consumer.run(self.run_once, self._failed, idle=self._idle)
         log.info(
             "event=resolver_stopped name=%s handoffs=%d applied=%d",
-            self.name, self.stats.handoffs, self.stats.applied,
-        )  # fmt: skip
+            self.name,
+            self.stats.handoffs,
+            self.stats.applied,
+        )
         return self.stats
 
     def _failed(self, exc: Exception, wait: float) -> bool:
@@ -240,9 +240,9 @@ class Resolver:
             await self.scripts.call_many(calls)
         await self.scripts.call_many(linked_calls(self.store, overdue))
         log.warning(
-            "event=dependents_relinked count=%d: their submit was cut short before it linked "
-            "them", len(overdue),
-        )  # fmt: skip
+            "event=dependents_relinked count=%d: their submit was cut short before it linked them",
+            len(overdue),
+        )
         return len(overdue)
 
     async def _redis_time(self) -> tuple[int, int]:

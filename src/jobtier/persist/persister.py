@@ -1,9 +1,9 @@
 """The write-behind persister: shard log streams in Redis -> Postgres, in batches.
 
 Every transition script appends an entry to its shard's log stream (``store/lua/lib.lua: commit``).
-Persisters read all shards' streams through one consumer group, write each batch in one
-Postgres transaction, and only then acknowledge the entries; acknowledged entries are trimmed
-away. Everything downstream of the read is idempotent, which is what makes the rest simple:
+Persisters read all shards' streams through one consumer group (their ``Consumer``), write
+each batch in one Postgres transaction, and only then acknowledge the entries; acknowledged
+entries are trimmed away. Everything downstream of the read is idempotent:
 
 * a replayed entry (committed, then the persister died before XACK) hits the
   ``job_transitions`` key and the ``jobs`` version guard, and changes nothing;
@@ -14,18 +14,14 @@ away. Everything downstream of the read is idempotent, which is what makes the r
   restart (same name), and any persister takes them over once idle for
   ``persist_claim_idle_seconds`` (XAUTOCLAIM).
 
-The reading, claiming, acknowledging and waiting in Redis while idle are its ``Consumer``'s
-(``streams/consumer.py``). Each batch is one transaction: COPY into staging tables, then one
-upsert per table (``batch.write_batch``; why COPY rather than array parameters is measured
-there). Here: what goes into a batch and when, and what to do when it fails; ``stats.py``:
-the counts and the metrics made from them.
+Here: what goes into a batch and when, and what to do when it fails; ``batch.py``: the
+writing; ``stats.py``: the counts and the metrics made from them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import operator
 import time
 from collections.abc import Callable, Sequence
 
@@ -35,7 +31,7 @@ from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot
-from jobtier.persist.batch import BATCH_TIMEOUT, attached_meanwhile, write_on
+from jobtier.persist.batch import BATCH_TIMEOUT, POISON, attached_meanwhile, write_on
 from jobtier.persist.db import UNAVAILABLE, Pool
 from jobtier.persist.retention import run_pruning
 from jobtier.persist.stats import PersisterStats
@@ -43,7 +39,7 @@ from jobtier.runtime.backoff import PERSIST_POSTGRES
 from jobtier.runtime.loop import FAULTS
 from jobtier.store.redis import RedisClient
 from jobtier.streams.consumer import Consumer
-from jobtier.streams.entries import MALFORMED, LogEntry, parse_entry
+from jobtier.streams.entries import MALFORMED, LogEntry, age, parse_entry
 
 log = logging.getLogger("jobtier.persist")
 
@@ -51,29 +47,16 @@ READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
 TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries
 FORGET_IDLE_MIN = 120.0  # least idle time (s) of a member forgotten (and 4x the claim idle)
 
-# This entry's data cannot be stored (no retry will help): isolate it, keep the others moving
-# (but a row refused by a partition attached meanwhile is written again: attached_meanwhile).
-POISON: tuple[type[BaseException], ...] = (
-    asyncpg.exceptions.DataError,
-    asyncpg.exceptions.IntegrityConstraintViolationError,
-)
-# Anything else (a missing table before `jobtier migrate`, an error nobody foresaw) is
-# retried like an outage too, logged and counted by class: a persister never exits on its
-# own, because nothing would drain the logs after it.
-
 
 class Persister:
     """One member of the persister consumer group. ``await run()`` until ``stop()``.
 
-    ``name`` is its consumer name. `jobtier persister` defaults to one with the pid in it, so
-    two persisters on a host never share a name; a dead one's unfinished entries are then
-    taken over by the others after ``persist_claim_idle_seconds``. A name kept stable across
-    restarts (``--name``: host and slot) lets a restarted persister pick up its own at once.
-    ``on_commit(entries, wall_time)`` is called after each commit (benchmarks).
-
-    It never stops on its own: whatever fails — Redis, Postgres, a batch, a flush task — is
-    logged, counted in ``stats.errors`` by class and retried after a back-off, except an
-    entry Postgres refuses for its data, which is parked (see ``_poisoned``).
+    ``name`` is its consumer name: a dead one's unfinished entries are taken over by the
+    others after ``persist_claim_idle_seconds``; one restarted under its name (``--name``)
+    picks up its own at once. ``on_commit(entries, wall_time)`` is called after each commit
+    (benchmarks). It never stops on its own: whatever fails is logged, counted in
+    ``stats.errors`` by class and retried after a back-off, except an entry Postgres refuses
+    for its data, which is parked (``_poisoned``).
     """
 
     def __init__(
@@ -100,11 +83,16 @@ class Persister:
         self.stats = PersisterStats()
         idle = settings.persist_claim_idle_seconds
         self.consumer = Consumer(
-            redis, [keys.log(s) for s in range(keys.shards)], keys.persist_group(), name,
-            claim_idle_ms=int(idle * 1000), log=log, counts=self.stats,
+            redis,
+            [keys.log(s) for s in range(keys.shards)],
+            keys.persist_group(),
+            name,
+            claim_idle_ms=int(idle * 1000),
+            log=log,
+            counts=self.stats,
             forget_idle_ms=int(max(FORGET_IDLE_MIN, 4 * idle) * 1000),
             refused=[keys.log_refused(s) for s in range(keys.shards)],
-        )  # fmt: skip
+        )
         self._buffer: list[LogEntry] = []
         self._held: set[tuple[int, bytes]] = set()  # (shard, id) buffered or being written
         self._inflight: set[asyncio.Task[None]] = set()  # flushes being committed
@@ -141,8 +129,7 @@ class Persister:
         log.info("event=persister_stopped name=%s", self.name)
 
     def _failed(self, exc: Exception, wait: float) -> bool:
-        """Redis away or loading its data (one line), or anything else (its traceback once):
-        never a reason to stop, nothing would drain the logs. Counted by class."""
+        """Logged (Redis away: one line; else its traceback once) and counted by class."""
         self.stats.failed(exc)
         if isinstance(exc, FAULTS):
             log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
@@ -151,8 +138,8 @@ class Persister:
         return True
 
     async def _round(self) -> bool:
-        """A step; idle (nothing buffered, none being written: its acknowledgement would wait
-        too), a wait in Redis for the next entry, taking what comes. False: nap."""
+        """A step; idle (nothing buffered, none being written: its ack would wait too), a
+        wait in Redis for the next entry."""
         if await self.step():
             return True
         if self._inflight or self._buffer:
@@ -165,12 +152,9 @@ class Persister:
         return True
 
     async def step(self) -> bool:
-        """One round: acknowledge, claim, read, start a flush, trim. False when idle.
-
-        Up to ``concurrency`` batches are written at once, each in its own transaction on its
-        own connection, while reading goes on: Postgres's time per batch is most of the cost,
-        and it overlaps with decoding the next batch (and with itself, on a second core).
-        """
+        """One round: acknowledge, claim, read, start a flush, trim. False when idle. Up to
+        ``concurrency`` batches are written at once, each on its own connection, while reading
+        goes on: Postgres's time per batch, most of the cost, overlaps with decoding the next."""
         now = time.monotonic()
         self._reap()
         if self.consumer.acks:
@@ -200,11 +184,8 @@ class Persister:
         return moved
 
     async def drain(self) -> int:
-        """Persist everything readable now; returns the number of entries committed.
-
-        For tests and `jobtier persister --burst`: no sleeping, and no waiting for other
-        consumers' entries to become idle beyond one XAUTOCLAIM pass.
-        """
+        """Persist everything readable now (tests, `--burst`): no sleeping, one claim pass;
+        returns the number of entries committed."""
         if not self.consumer.ready:
             await self.consumer.setup()
         before = self.stats.transitions
@@ -248,7 +229,7 @@ class Persister:
         return True
 
     async def _read(self) -> bool:
-        """Read every shard (``Consumer.read``). True if some shard may have more."""
+        """True if some shard may have more."""
         more, items = await self.consumer.read(self._read_count())
         for shard, entry_id, fields in items:
             self._accept(shard, entry_id, fields)
@@ -261,8 +242,7 @@ class Persister:
 
     # --- writing --------------------------------------------------------------------------
     async def persist(self, entries: Sequence[LogEntry]) -> None:
-        """Write entries to Postgres in one transaction (no acknowledgement): ``write_on``,
-        with ``batch_timeout`` as the longest wait for a connection or for the commit."""
+        """Write entries in one transaction (``write_on``), no acknowledgement."""
         self.stats.jobs += await write_on(self.pool, entries, self.batch_timeout)
 
     def _take(self) -> list[LogEntry]:
@@ -276,9 +256,8 @@ class Persister:
         self._inflight.add(task)
 
     def _reap(self) -> None:
-        """Forget finished flushes. One that failed (its retries are inside it, so this is a
-        bug of ours) is logged with its traceback and counted; its entries are read back
-        from our pending ones and written again. It never takes the persister down."""
+        """Forget finished flushes. One that failed (a bug of ours: its retries are inside it)
+        is logged and counted, and its entries read back from our pending ones."""
         for task in [t for t in self._inflight if t.done()]:
             self._inflight.discard(task)
             if task.cancelled():
@@ -298,7 +277,7 @@ class Persister:
 
     async def _flush(self, batch: list[LogEntry], retry: bool = True) -> None:
         """Commit a batch (retrying through outages), then queue its XACKs."""
-        waited = _age(batch)
+        waited = age(batch)
         started = time.monotonic()
         try:
             written = await self._commit(batch, retry)
@@ -319,17 +298,14 @@ class Persister:
             self.on_commit(written, time.time())
 
     async def _commit(self, batch: Sequence[LogEntry], retry: bool) -> Sequence[LogEntry] | None:
-        """Write the batch, retrying through Postgres outages with capped exponential back-off.
-
-        Returns the entries written (a poisoned entry is left out: not written, not acked), or
-        None when stopped before the batch could be committed: it stays pending in Redis.
-        """
+        """Write the batch, retrying through Postgres outages with a back-off: the entries
+        written (a poisoned one left out), or None when stopped first (they stay pending)."""
         backoff, down_since, outage = PERSIST_POSTGRES.start(), 0.0, False
         while True:
             try:
                 await self.persist(batch)
                 if backoff.failures:
-                    self._written_on_retry(batch, down_since, backoff.failures, outage)
+                    self._written_on_retry(len(batch), down_since, backoff.failures, outage)
                 return batch
             except Exception as exc:
                 raced = attached_meanwhile(exc)
@@ -349,40 +325,38 @@ class Persister:
                 if raced:  # not a failure of Postgres, nor of the data: batch_written_again
                     log.info(
                         "event=partition_attached_meanwhile table=%s retry_in=%.1fs batch=%d",
-                        getattr(exc, "table_name", ""), wait, len(batch),
-                    )  # fmt: skip
+                        getattr(exc, "table_name", ""),
+                        wait,
+                        len(batch),
+                    )
                 elif isinstance(exc, UNAVAILABLE):
                     log.warning(
                         "event=postgres_unavailable retry_in=%.1fs batch=%d error=%r",
-                        wait, len(batch), exc,
-                    )  # fmt: skip
+                        wait,
+                        len(batch),
+                        exc,
+                    )
                 elif isinstance(exc, asyncpg.PostgresError):  # e.g. no table: run jobtier migrate
                     log.warning(
                         "event=batch_failed retry_in=%.1fs batch=%d error=%r",
-                        wait, len(batch), exc,
-                    )  # fmt: skip
+                        wait,
+                        len(batch),
+                        exc,
+                    )
                 else:
                     self._explain("event=batch_failed", exc, wait, batch=len(batch))
                 if await self.consumer.sleep(wait):
                     return None
 
-    def _written_on_retry(
-        self, batch: Sequence[LogEntry], since: float, retries: int, outage: bool
-    ) -> None:
+    def _written_on_retry(self, n: int, since: float, retries: int, outage: bool) -> None:
         """Log a batch committed after failed attempts as what it was: Postgres back after an
-        outage (it could not be reached, or refused work), or the batch written again after
-        failures of another kind (a partition attached meanwhile, a missing table), while
-        Postgres was available all along."""
+        outage, or the batch written again after failures of another kind (a partition
+        attached meanwhile, a missing table), Postgres available all along."""
         took = time.monotonic() - since
         if outage:
             log.warning("event=postgres_available down_for=%.1fs retries=%d", took, retries)
         else:
-            log.info(
-                "event=batch_written_again after=%.1fs retries=%d batch=%d",
-                took,
-                retries,
-                len(batch),
-            )
+            log.info("event=batch_written_again after=%.1fs retries=%d batch=%d", took, retries, n)
 
     async def _isolate(self, batch: Sequence[LogEntry], retry: bool) -> Sequence[LogEntry] | None:
         """A batch was refused for its data: write entry by entry to find the bad ones."""
@@ -395,17 +369,20 @@ class Persister:
         return written
 
     def _poisoned(self, entry: LogEntry, exc: BaseException) -> None:
-        """Postgres refused this entry for its data, alone in its batch. It is parked: copied
-        to the shard's ``log:refused`` stream with the error, then acknowledged. Left pending
-        it would hold back trimming of its stream for good (Redis memory grows) and keep the
-        persister lag's age growing; parked, an operator can read it and, once the cause is
-        fixed, send it back with ``jobtier persister --replay-refused``."""
+        """Postgres refused this entry for its data, alone in its batch: parked (``Acks.park``).
+        Left pending it would hold back trimming of its stream for good and keep the lag's age
+        growing; parked, an operator can read it and, once the cause is fixed, send it back
+        with ``jobtier persister --replay-refused``."""
         self.stats.bad_entries += 1
         log.error(
             "event=entry_refused stream=%s id=%s job=%s version=%d error=%r parked_in=%s",
-            self.keys.log(entry.shard), entry.entry_id.decode(), entry.status.id,
-            entry.status.version, exc, self.keys.log_refused(entry.shard),
-        )  # fmt: skip
+            self.keys.log(entry.shard),
+            entry.entry_id.decode(),
+            entry.status.id,
+            entry.status.version,
+            exc,
+            self.keys.log_refused(entry.shard),
+        )
         self.consumer.acks.park(entry.shard, entry.entry_id, repr(exc))
 
     async def _ack(self) -> None:
@@ -415,16 +392,3 @@ class Persister:
             await acks.flush()
         finally:
             self.stats.parked = acks.parked
-
-
-def _age(batch: Sequence[LogEntry]) -> float:
-    """Seconds since the batch's oldest transition: its log entry's id, Redis's clock against
-    ours, as ``pg_reader.lag`` reads it. The least id is the oldest, compared as bytes (their
-    milliseconds have 13 digits until 2286), and only it is parsed: parsing every id took
-    1.2 ms a 2,000-entry batch, comparing them 0.1 ms."""
-    if not batch:
-        return 0.0
-    return max(0.0, time.time() - min(batch, key=_ENTRY_ID).ms / 1000)
-
-
-_ENTRY_ID = operator.attrgetter("entry_id")

@@ -1,17 +1,13 @@
-"""One member of a consumer group over one stream per shard: the mechanics the persister,
-the webhook dispatcher and the flow resolver share.
+"""One member of a consumer group over one stream per shard: what the persister, the
+webhook dispatcher and the flow resolver share. What to do with the entries is the role's.
 
-A ``Consumer`` creates its group, reads new entries (its own pending ones first: after a
-restart under the same name, or a failure, what it read and never acknowledged comes back),
-takes over the entries idle too long in members that died (XAUTOCLAIM), owes and sends the
-acknowledgements (``acks.py``), and, with nothing to read, waits in Redis for the next entry:
-one blocking XREADGROUP naming every stream, so an idle member sees the first entry of a
-burst as it is written and sends one command per wait instead of one per stream per nap. A
-Redis Cluster cannot do that (one command names the streams of one node), so there it naps.
-
-``run`` is the loop the roles share: a role's step until ``stop()``, failures backed off
-and retried (a role never exits on its own: nothing else would drain its streams), naps
-while idle. What to do with the entries is the role's.
+It reads its own pending entries first (what it read before a restart under the same name,
+or a failure, and never acknowledged), takes over those idle too long in members that died
+(XAUTOCLAIM), acknowledges (``acks.py``) and, idle, waits in Redis: one blocking XREADGROUP
+naming every stream, so the first entry of a burst is read as it is written and an idle
+member sends one command per wait, not one per stream per nap. A Redis Cluster cannot (one
+command names the streams of one node): there it naps. ``run`` is the roles' loop: it never
+ends on a failure (nothing else would drain the streams), it backs off and retries.
 """
 
 from __future__ import annotations
@@ -43,13 +39,10 @@ class Counts(Protocol):
 
 
 class Consumer:
-    """Member ``name`` of ``group`` on ``streams`` (one per shard).
-
-    ``claim_idle_ms``: how long an entry stays pending in a member before another takes it
-    over. ``forget_idle_ms``: members holding nothing and idle that long are removed from
-    the group at claim time (None: never). ``refused``: per shard, where ``acks.park`` copies
-    an entry (the persister's). ``delete``: acknowledged entries are deleted too.
-    """
+    """Member ``name`` of ``group`` on ``streams`` (one per shard). ``claim_idle_ms``: how
+    long an entry stays pending in a member before another takes it over. ``forget_idle_ms``:
+    members holding nothing and idle that long are removed from the group when claiming
+    (None: never). ``refused``, ``delete``: see ``Acks``. ``counts.claimed`` counts takeovers."""
 
     def __init__(
         self,
@@ -101,8 +94,7 @@ class Consumer:
         self.ready = True
 
     def reread(self) -> None:
-        """Read our own pending entries again from the start (after a failure: what was read
-        but not acknowledged is among them)."""
+        """Read our own pending entries again from the start (after a failure)."""
         self._cursor = [b"0"] * len(self.streams)
         self._waited_in_vain = False
 
@@ -144,9 +136,12 @@ class Consumer:
             return None
         began = time.monotonic()
         reply = await self.redis.xreadgroup(
-            self.group, self.name, dict.fromkeys(self.streams, ">"), count=count,
+            self.group,
+            self.name,
+            dict.fromkeys(self.streams, ">"),
+            count=count,
             block=int(NAP_MAX * 1000),
-        )  # fmt: skip
+        )
         shard_of = {stream: shard for shard, stream in enumerate(self.streams)}
         out: list[Taken] = []
         # [[stream, entries], …] (RESP2, as our clients speak); a stream's name comes back as
@@ -184,9 +179,11 @@ class Consumer:
             if taken:
                 self.counts.claimed += len(taken)
                 self.log.info(
-                    "event=%s stream=%s count=%d", self.claimed_event, self.streams[shard],
+                    "event=%s stream=%s count=%d",
+                    self.claimed_event,
+                    self.streams[shard],
                     len(taken),
-                )  # fmt: skip
+                )
             out += taken
         if self.forget_idle_ms is not None and time.monotonic() >= self._next_forget:
             self._next_forget = time.monotonic() + FORGET_EVERY
@@ -231,8 +228,10 @@ class Consumer:
     def bad_entry(self, shard: int, entry_id: bytes, exc: BaseException) -> None:
         self.log.error(
             "event=bad_log_entry stream=%s id=%s error=%r",
-            self.streams[shard], entry_id.decode(), exc,
-        )  # fmt: skip
+            self.streams[shard],
+            entry_id.decode(),
+            exc,
+        )
 
     async def run(
         self,

@@ -1,10 +1,6 @@
-"""The dispatcher's second half: deliveries in Postgres -> signed HTTP POSTs.
-
-Due deliveries are leased from Postgres (``FOR UPDATE SKIP LOCKED``, shared by every
-dispatcher), up to ``webhook_concurrency`` attempts run at once, and each outcome is recorded
-in batches; a failed one waits in Postgres for its next attempt. A delivery leased by a
-dispatcher that died comes due again when its lease ends.
-"""
+"""The dispatcher's second half: deliveries in Postgres -> signed HTTP POSTs. Due deliveries
+are leased (shared by every dispatcher), attempted ``webhook_concurrency`` at once, and their
+outcomes recorded in batches; a failed one waits in Postgres for its next attempt."""
 
 from __future__ import annotations
 

@@ -5,10 +5,8 @@ persisters', so it never slows a transition: the scripts append to the log as th
 did, and the dispatcher follows in its own process. For each batch of entries it looks up
 the targets (the tenants' subscriptions, the jobs' own callbacks) in Postgres, inserts one
 delivery per (transition, target) with an id made of the job id, its version and the target,
-and only then acknowledges the entries. Deliveries are then leased from Postgres and sent;
-each attempt's outcome is recorded; failed ones wait there for their next attempt
-(``attempts.py``). Reading, claiming, acknowledging and waiting in Redis while idle are its
-``Consumer``'s (``streams/consumer.py``), as a persister's are.
+and only then acknowledges the entries (through its ``Consumer``, as a persister does).
+Deliveries are then leased from Postgres and sent (``attempts.py``).
 
 Crash safety, at least once:
 
@@ -115,10 +113,14 @@ class Dispatcher:
         )
         self.stats = DispatcherStats()
         self.consumer = Consumer(
-            redis, [keys.log(s) for s in range(keys.shards)], group_name(keys), name,
-            claim_idle_ms=int(settings.persist_claim_idle_seconds * 1000), log=log,
+            redis,
+            [keys.log(s) for s in range(keys.shards)],
+            group_name(keys),
+            name,
+            claim_idle_ms=int(settings.persist_claim_idle_seconds * 1000),
+            log=log,
             counts=self.stats,
-        )  # fmt: skip
+        )
         self.attempts = Attempts(settings, self.store, self.sender, self.consumer.stopping)
         self._explain = Unforeseen(log)  # a traceback once per error class
 
@@ -171,9 +173,14 @@ class Dispatcher:
         ]
         if unmark_every > 0:
             unmark = every(
-                unmark_every, self._unmark, event="unmark", log=log, stop=consumer.stopping,
-                faults=UNMARK_FAULTS, wait_first=True,
-            )  # fmt: skip
+                unmark_every,
+                self._unmark,
+                event="unmark",
+                log=log,
+                stop=consumer.stopping,
+                faults=UNMARK_FAULTS,
+                wait_first=True,
+            )
             parts.append(asyncio.create_task(unmark, name="dispatcher-unmark"))
         recording = asyncio.create_task(attempts.record(), name="dispatcher-record")
         try:
