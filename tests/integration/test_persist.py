@@ -15,9 +15,8 @@ from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.persist.pg_reader import lag
 from jobtier.streams.entries import LogEntry, parse_entry
-from jobtier.streams.group import replay_refused
+from jobtier.streams.group import lag, replay_refused
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_pg_matches_redis,

@@ -27,7 +27,7 @@ from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.persist.pg_reader import LAG_EXACT_UP_TO, lag
+from jobtier.streams.group import LAG_EXACT_UP_TO, lag
 from tests.fixtures.api import StartApi
 from tests.fixtures.postgres import assert_pg_matches_redis, simple_jobs
 

@@ -1,13 +1,13 @@
 """The durable record: Postgres schema, migrations, the write-behind persister and its reads.
 
 ``Persister`` moves every transition from the shard log streams into Postgres; ``PgReader``
-serves what only Postgres has (expired jobs, listings, history); ``lag`` says how far behind
-the write-behind is; ``migrate`` brings a database's schema up to date.
+serves what only Postgres has (expired jobs, listings, history); ``migrate`` brings a
+database's schema up to date. How far behind the write-behind is: ``streams.group.lag``.
 """
 
 from jobtier.persist.db import create_pool, migrate
 from jobtier.persist.persister import Persister
-from jobtier.persist.pg_reader import PgReader, StoredResult, Transition, lag
+from jobtier.persist.pg_reader import PgReader, StoredResult, Transition
 from jobtier.persist.stats import PersisterStats
 
 __all__ = [
@@ -17,6 +17,5 @@ __all__ = [
     "StoredResult",
     "Transition",
     "create_pool",
-    "lag",
     "migrate",
 ]

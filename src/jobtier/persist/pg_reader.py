@@ -1,9 +1,7 @@
-"""Reads of the durable record, for the API: status fallback, listing, history, results, lag.
+"""Reads of the durable record, for the API: status fallback, listing, history, results.
 
 Redis holds every live job; Postgres holds every job. The API asks here for a job whose hash
-expired from Redis (``status_doc``), for listings and history (only Postgres has them), and
-asks ``lag`` how far behind the write-behind is (the listing says so, and submit answers 503
-past ``persist_max_lag``).
+expired from Redis (``status_doc``), and for listings and history (only Postgres has them).
 
 Every tenant-facing read takes the caller's tenant: another tenant's job is answered exactly
 like an unknown one.
@@ -14,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -22,7 +19,6 @@ from typing import Any
 import msgspec
 
 from jobtier.core.errors import InvalidRequest
-from jobtier.core.keys import Keys
 from jobtier.core.model import (
     Dependency,
     JobError,
@@ -38,8 +34,6 @@ from jobtier.core.model import (
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
 from jobtier.flows.reads import dependency
 from jobtier.persist.db import Pool, query
-from jobtier.store.redis import RedisClient
-from jobtier.store.scripts import Script, run_scripts
 
 MAX_LIMIT = 500
 MAX_TYPE_LENGTH = 200
@@ -391,43 +385,3 @@ class PgReader:
             )
             for r in rows
         ]
-
-
-# --- lag of the write-behind ----------------------------------------------------------------
-LAG_EXACT_UP_TO = 100  # undelivered entries per shard counted one by one (log_lag.lua)
-_LAG = Script("log_lag")
-
-
-def _id_ms(entry_id: bytes) -> int:
-    return int(entry_id.split(b"-", 1)[0])
-
-
-async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> tuple[int, float]:
-    """(entries not yet acknowledged by the persisters, age in seconds of the oldest one).
-
-    Per shard, one read-only script call (``store/lua/log_lag.lua``, all shards in one pipeline):
-    the group's pending entries plus the entries after its last-delivered id — counted in
-    the stream, so a restart from the AOF that leaves Redis's own ``lag`` counter stale
-    cannot make it report entries that do not exist (0 once the logs are drained). Up to
-    ``LAG_EXACT_UP_TO`` undelivered entries per shard are counted exactly; beyond that it is
-    Redis's ``lag`` bounded by the entries present and not pending, so the cost stays a few
-    hundred entry reads per call however long the backlog. The age comes from the oldest
-    waiting entry's id (Redis's clock) against this process's clock. Callers on hot paths
-    should cache it for a second (the API does).
-
-    ``exact`` (at least 1) lowers that bound for a caller that wants the age and whether
-    anything waits, not the count: each counted entry is read whole (about 450 bytes), and
-    a sampler calling 20 times a second with a backlog read 1,600 entries a call. The age
-    and a count of 0 stay exact whatever the bound.
-    """
-    group = keys.persist_group()
-    exact = max(1, exact)
-    calls = [(_LAG, (1, keys.log(s), group, exact)) for s in range(keys.shards)]
-    total, oldest_ms = 0, None
-    for waiting, oldest in await run_scripts(redis, calls):
-        total += int(waiting)
-        if oldest:
-            ms = _id_ms(oldest)
-            oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
-    age = 0.0 if oldest_ms is None else max(0.0, time.time() - oldest_ms / 1000)
-    return total, age

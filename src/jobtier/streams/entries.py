@@ -77,7 +77,7 @@ _ENTRY_ID = operator.attrgetter("entry_id")
 
 def age(entries: Sequence[LogEntry]) -> float:
     """Seconds since the oldest of ``entries`` happened: its id, Redis's clock against ours,
-    as ``pg_reader.lag`` reads it. The least id is the oldest, compared as bytes (their
+    as ``group.lag`` reads it. The least id is the oldest, compared as bytes (their
     milliseconds have 13 digits until 2286): only it is parsed, on the persister's hot path."""
     if not entries:
         return 0.0
