@@ -121,10 +121,8 @@ class Resolver:
         await self.consumer.run(self.run_once, self._failed, idle=self._idle)
         log.info(
             "event=resolver_stopped name=%s handoffs=%d applied=%d",
-            self.name,
-            self.stats.handoffs,
-            self.stats.applied,
-        )
+            self.name, self.stats.handoffs, self.stats.applied,
+        )  # fmt: skip
         return self.stats
 
     def _failed(self, exc: Exception, wait: float) -> bool:
@@ -240,9 +238,9 @@ class Resolver:
             await self.scripts.call_many(calls)
         await self.scripts.call_many(linked_calls(self.store, overdue))
         log.warning(
-            "event=dependents_relinked count=%d: their submit was cut short before it linked them",
-            len(overdue),
-        )
+            "event=dependents_relinked count=%d: their submit was cut short before it linked "
+            "them", len(overdue),
+        )  # fmt: skip
         return len(overdue)
 
     async def _redis_time(self) -> tuple[int, int]:
