@@ -130,20 +130,13 @@ def _id_ms(entry_id: bytes) -> int:
 async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> tuple[int, float]:
     """(entries not yet acknowledged by the persisters, age in seconds of the oldest one).
 
-    Per shard, one read-only script call (``store/lua/log_lag.lua``, all shards in one pipeline):
-    the group's pending entries plus the entries after its last-delivered id — counted in
-    the stream, so a restart from the AOF that leaves Redis's own ``lag`` counter stale
-    cannot make it report entries that do not exist (0 once the logs are drained). Up to
-    ``LAG_EXACT_UP_TO`` undelivered entries per shard are counted exactly; beyond that it is
-    Redis's ``lag`` bounded by the entries present and not pending, so the cost stays a few
-    hundred entry reads per call however long the backlog. The age comes from the oldest
-    waiting entry's id (Redis's clock) against this process's clock. Callers on hot paths
-    should cache it for a second (the API does).
-
-    ``exact`` (at least 1) lowers that bound for a caller that wants the age and whether
-    anything waits, not the count: each counted entry is read whole (about 450 bytes), and
-    a sampler calling 20 times a second with a backlog read 1,600 entries a call. The age
-    and a count of 0 stay exact whatever the bound.
+    Per shard, one read-only script call (``store/lua/log_lag.lua``, all in one pipeline): the
+    group's pending entries plus those after its last-delivered id, counted in the stream (a
+    restart from the AOF can leave Redis's own ``lag`` counter stale). Up to ``exact``
+    undelivered entries per shard are counted one by one, each read whole; beyond that it is
+    Redis's ``lag`` bounded by the entries present, so a call costs the same however long
+    the backlog. The age and a count of 0 stay exact whatever the bound: a caller that wants
+    only those passes a small ``exact``. Callers on hot paths cache it (the API, a second).
     """
     group = keys.persist_group()
     exact = max(1, exact)
