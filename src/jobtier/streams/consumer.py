@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import KW_ONLY, dataclass
 from typing import Protocol, cast
 
 from redis.asyncio import RedisCluster
@@ -38,42 +39,34 @@ class Counts(Protocol):
     claimed: int  # entries taken over from members that died
 
 
+@dataclass(eq=False)
 class Consumer:
     """Member ``name`` of ``group`` on ``streams`` (one per shard). ``claim_idle_ms``: how
     long an entry stays pending in a member before another takes it over. ``forget_idle_ms``:
     members holding nothing and idle that long are removed from the group when claiming
     (None: never). ``refused``, ``delete``: see ``Acks``. ``counts.claimed`` counts takeovers."""
 
-    def __init__(
-        self,
-        redis: RedisClient,
-        streams: Sequence[str],
-        group: str,
-        name: str,
-        *,
-        claim_idle_ms: int,
-        log: logging.Logger,
-        counts: Counts,
-        claimed_event: str = "entries_claimed",
-        policy: BackoffPolicy = PERSIST_REDIS,
-        forget_idle_ms: int | None = None,
-        refused: Sequence[str] = (),
-        delete: bool = False,
-    ) -> None:
-        self.redis = redis
-        self.streams = list(streams)
-        self.group = group
-        self.name = name
-        self.claim_idle_ms = claim_idle_ms
-        self.forget_idle_ms = forget_idle_ms
-        self.log = log
-        self.counts = counts
-        self.claimed_event = claimed_event
-        self.policy = policy
-        self.acks = Acks(redis, self.streams, group, refused=refused, delete=delete)
+    redis: RedisClient
+    streams: list[str]
+    group: str
+    name: str
+    _: KW_ONLY
+    claim_idle_ms: int
+    log: logging.Logger
+    counts: Counts
+    claimed_event: str = "entries_claimed"
+    policy: BackoffPolicy = PERSIST_REDIS
+    forget_idle_ms: int | None = None
+    refused: Sequence[str] = ()
+    delete: bool = False
+
+    def __post_init__(self) -> None:
+        self.acks = Acks(
+            self.redis, self.streams, self.group, refused=self.refused, delete=self.delete
+        )
         self.stopping = asyncio.Event()
         self.ready = False  # the group made (and whatever the role's setup adds)
-        self.blocking = not isinstance(redis, RedisCluster)  # may wait in Redis when idle
+        self.blocking = not isinstance(self.redis, RedisCluster)  # may wait in Redis when idle
         n = len(self.streams)
         self._cursor = [b"0"] * n  # b"0": own pending entries first; then b">", new ones
         self._claim_cursor = [b"0-0"] * n
