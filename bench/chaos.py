@@ -53,8 +53,8 @@ from jobtier.core.keys import Keys
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.dev.local_redis import LocalRedis, free_port
 from jobtier.persist.db import create_pool
-from jobtier.persist.pg_reader import lag
 from jobtier.store.redis import connect
+from jobtier.streams.group import lag
 
 HERE = Path(__file__).resolve().parent
 API_KEY, TENANT, ADMIN_KEY = "chaos-key", "chaos", "chaos-admin"

@@ -24,9 +24,9 @@ from typing import Any
 import asyncpg
 
 from jobtier.core.keys import Keys
-from jobtier.persist.pg_reader import lag
 from jobtier.status.docs import read_docs
 from jobtier.store import format as job_format
+from jobtier.streams.group import lag
 
 TERMINAL = {b"succeeded", b"failed", b"cancelled"}
 CHUNK = 2000

@@ -402,7 +402,7 @@ class PersistHook:
     """(``--persister``) The persister beside the end-to-end phase: ``jobtier persister`` in
     a process of its own on the bench's Postgres (tables emptied first), and the write-behind
     lag sampled every ``LAG_SAMPLE`` s from the first submit until every transition is in
-    Postgres: the age of the oldest transition not yet written (``pg_reader.lag``), so each
+    Postgres: the age of the oldest transition not yet written (``streams.group.lag``), so each
     sample bounds the lag of every transition waiting then."""
 
     def __init__(
@@ -455,7 +455,7 @@ class PersistHook:
         self.task = asyncio.create_task(self._sample())
 
     async def _sample(self) -> None:
-        from jobtier.persist.pg_reader import lag
+        from jobtier.streams.group import lag
 
         while not self.done.is_set():
             # exact=1: the age only, one entry read per shard. Counting up to 100 waiting
@@ -467,7 +467,7 @@ class PersistHook:
                 await asyncio.wait_for(self.done.wait(), LAG_SAMPLE)
 
     async def stop(self, end: float) -> dict[str, Any]:
-        from jobtier.persist.pg_reader import lag
+        from jobtier.streams.group import lag
 
         deadline = time.monotonic() + self.args.timeout
         while time.monotonic() < deadline:

@@ -46,7 +46,7 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from jobtier.store.calls import claim_call, complete_call, submit_call
+from jobtier.store.calls import claim_call, complete_call, parse_claim, submit_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import ROOT, baseline_tree, environment, proc_cpu
@@ -64,10 +64,10 @@ from jobtier.persist.batch import (
 )
 from jobtier.persist.db import AnyConnection, Pool, create_pool, migrate, query
 from jobtier.persist.persister import Persister
-from jobtier.persist.pg_reader import lag
 from jobtier.store.calls import SubmitItem
 from jobtier.store.scripts import Scripts
 from jobtier.streams.entries import LogEntry, parse_entry
+from jobtier.streams.group import lag
 
 SHARDS = 16
 RESULTS = Path(__file__).parent / "results"
@@ -99,7 +99,7 @@ async def claim(scripts: Scripts, per_shard: dict[int, int]) -> list[tuple[int, 
     replies = await scripts.call_many(
         [claim_call(s, "bench", per_shard[s], 600_000) for s in shards]
     )
-    return [(s, Scripts.parse_claim(s, r).jobs) for s, r in zip(shards, replies, strict=True)]
+    return [(s, parse_claim(s, r).jobs) for s, r in zip(shards, replies, strict=True)]
 
 
 async def complete(scripts: Scripts, claimed: list[tuple[int, Any]]) -> None:
@@ -279,7 +279,7 @@ class Run:
         await self.reset()
         await prefill(self.redis_url, transitions)
         persister = self._persister()
-        await persister.setup()
+        await persister.consumer.setup()
         started, cpu, pg_cpu = time.monotonic(), time.process_time(), self.pg_cpu()
         task = asyncio.create_task(persister.run())
         while persister.stats.transitions < transitions and time.monotonic() - started < budget:
@@ -323,7 +323,7 @@ class Run:
     async def sustained(self, rate: float, seconds: float, drain_budget: float) -> dict[str, Any]:
         await self.reset()
         persister = self._persister()
-        await persister.setup()
+        await persister.consumer.setup()
         self.lags, self.committed = [], set()
         task = asyncio.create_task(persister.run())
         gen = await asyncio.create_subprocess_exec(

@@ -4,11 +4,9 @@ Starts its own Redis and a durable Postgres (fsync on) in temporary folders and 
 persister in this process, two ways, alternated trial by trial:
 
 * ``waits``: this code. With nothing to read, the persister is blocked in one XREADGROUP
-  naming every shard's stream (``persist.group.wait_idle``) and reads an entry as it is
-  written;
+  naming every shard's stream (``Consumer.wait``) and reads an entry as it is written;
 * ``naps``: the same persister with that wait taken out (``NappingPersister`` below): it
-  naps between polls, from 5 ms doubling to ``IDLE_SLEEP_MAX``, as every persister did
-  before.
+  naps between polls, from 5 ms doubling to ``NAP_MAX``, as every persister did before.
 
 A trial: the persister idle for a random 0.3 to 0.6 s (long enough to reach its longest nap),
 then one job submitted through the real submit script; pickup = the commit of its log entry
@@ -67,8 +65,9 @@ SHARDS = 16
 class NappingPersister(Persister):
     """The persister without its wait in Redis: idle, it naps between polls."""
 
-    async def _wait_for_entries(self) -> bool:
-        return False
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.consumer.blocking = False
 
 
 VARIANTS: dict[str, type[Persister]] = {"waits": Persister, "naps": NappingPersister}
@@ -89,7 +88,7 @@ async def trial(
         done.set()
 
     persister = VARIANTS[variant](settings, redis, pool, f"bench-{variant}", on_commit=on_commit)
-    await persister.setup()
+    await persister.consumer.setup()
     task = asyncio.create_task(persister.run())
     pickups: list[float] = []
     try:

@@ -462,7 +462,7 @@ async def test_a_handoff_applied_twice_changes_nothing(fq: Queue) -> None:
     entries = cast(StreamEntries, await fq.redis.xrange(fq.keys.flow(shard)))
     assert len(entries) == 1
     resolver = Resolver(fq.store)
-    await resolver.setup()
+    await resolver.consumer.setup()
     replay = [(shard, entry_id, fields) for entry_id, fields in entries]
     await resolver.apply(replay)
     once = await fq.status(c.job_id)
@@ -478,11 +478,11 @@ async def test_handoffs_a_dead_resolver_took_are_taken_over(settings: Settings) 
         sub = await q.submit_flow(fan_in(job("collect"), [job("echo", i) for i in range(12)]))
         await _finish_ready(q)
         dead = Resolver(q.store, name="dead-resolver")
-        await dead.setup()
+        await dead.consumer.setup()
         # it reads every hand-off and dies before applying any (nothing acknowledged)
         pipe = q.redis.pipeline(transaction=False)
         for shard in range(q.keys.shards):
-            pipe.xreadgroup(dead.group, dead.name, {q.keys.flow(shard): ">"}, count=100)
+            pipe.xreadgroup(dead.consumer.group, dead.name, {q.keys.flow(shard): ">"}, count=100)
         taken = sum(len(r[0][1]) for r in await pipe.execute() if r)
         assert taken == 12
         survivor = Resolver(q.store, name="survivor")

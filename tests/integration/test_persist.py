@@ -14,9 +14,9 @@ import pytest
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.persist.db import Pool
-from jobtier.persist.persister import Persister, replay_refused
-from jobtier.persist.pg_reader import lag
+from jobtier.persist.persister import Persister
 from jobtier.streams.entries import LogEntry, parse_entry
+from jobtier.streams.group import lag, replay_refused
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_pg_matches_redis,
@@ -155,7 +155,7 @@ async def test_crash_between_commit_and_ack_is_replayed_without_doubles(
 
     class Doomed(Persister):
         async def _ack(self) -> None:
-            if self._acks:
+            if self.consumer.acks:
                 raise Crash  # committed, and the process dies before acknowledging
 
     doomed = Doomed(pg_settings, redis, pg_pool, "p1")
@@ -175,7 +175,7 @@ async def test_entries_of_a_dead_persister_are_claimed_after_the_idle_timeout(
 ) -> None:
     job_ids = await simple_jobs(redis, keys, 100)
     group = keys.persist_group()
-    await Persister(pg_settings, redis, pg_pool, "setup").setup()
+    await Persister(pg_settings, redis, pg_pool, "setup").consumer.setup()
     for shard in range(keys.shards):  # a persister read these, then died
         await redis.xreadgroup(group, "dead", {keys.log(shard): ">"}, count=10)
 
@@ -347,11 +347,11 @@ async def test_consumers_of_stopped_persisters_are_forgotten(
     await simple_jobs(redis, keys, 8)
     new = Persister(pg_settings, redis, pg_pool, "persister-new")
     await new.drain()
-    assert new.forget_idle_ms >= 120_000
-    assert await new._forget_dead_consumers() == 0  # idle for less than that: kept
+    assert new.consumer.forget_idle_ms is not None and new.consumer.forget_idle_ms >= 120_000
+    assert await new.consumer.forget() == 0  # idle for less than that: kept
     assert "persister-old" in await consumers()
-    new.forget_idle_ms = 0
-    assert await new._forget_dead_consumers() == keys.shards
+    new.consumer.forget_idle_ms = 0
+    assert await new.consumer.forget() == keys.shards
     assert await consumers() == {"persister-new"}
 
 
@@ -362,16 +362,16 @@ async def test_a_consumer_holding_entries_is_never_forgotten(
     unwritten): one that holds any is kept however long it was idle, and checked in the same
     atomic step that removes the others."""
     keys = Keys(pg_settings.prefix, pg_settings.shards)
-    await Persister(pg_settings, redis, pg_pool, "sweeper").setup()
+    await Persister(pg_settings, redis, pg_pool, "sweeper").consumer.setup()
     job_ids = await simple_jobs(redis, keys, 8)
     for shard in range(keys.shards):  # a persister that read, then died before writing
         await redis.xreadgroup(keys.persist_group(), "dead-holder", {keys.log(shard): ">"})
     sweeper = Persister(pg_settings, redis, pg_pool, "sweeper")
-    sweeper.forget_idle_ms = 0
-    assert await sweeper._forget_dead_consumers() == 0
+    sweeper.consumer.forget_idle_ms = 0
+    assert await sweeper.consumer.forget() == 0
     rows = await redis.xinfo_consumers(keys.log(0), keys.persist_group())
     assert [r["pending"] for r in rows if r["name"] in (b"dead-holder", "dead-holder")] == [6]
-    sweeper.claim_idle_ms = 0
+    sweeper.consumer.claim_idle_ms = 0
     await sweeper.drain()  # takes the entries over (then forgets it) and writes them
     rows = await redis.xinfo_consumers(keys.log(0), keys.persist_group())
     assert [r["name"] for r in rows] in ([b"sweeper"], ["sweeper"])

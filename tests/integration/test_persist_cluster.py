@@ -14,8 +14,8 @@ from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalCluster
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.persist.pg_reader import lag
 from jobtier.store.redis import connect
+from jobtier.streams.group import lag
 from tests.fixtures.postgres import assert_pg_matches_redis, mixed_workload
 from tests.fixtures.redis import flushall
 

@@ -21,7 +21,7 @@ from jobtier.core.keys import Keys
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist.db import Pool, create_pool, migrate
 from jobtier.persist.persister import Persister
-from jobtier.persist.pg_reader import lag
+from jobtier.streams.group import lag
 from tests.fixtures.postgres import assert_pg_matches_redis, simple_jobs
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.persist.pg_reader import LAG_EXACT_UP_TO, lag
+from jobtier.streams.group import LAG_EXACT_UP_TO, lag
 from tests.fixtures.api import StartApi
 from tests.fixtures.postgres import assert_pg_matches_redis, simple_jobs
 
@@ -152,7 +152,7 @@ async def test_lag_after_a_restart_from_the_aof_counts_only_what_waits(
         assert reply.status_code == 202, reply.text
         job_ids.append(reply.json()["id"])
 
-    persister.claim_idle_ms = 0  # take p2's entries over now
+    persister.consumer.claim_idle_ms = 0  # take p2's entries over now
     await persister.drain()
     assert await lag(redis, keys) == (0, 0.0)
     assert await lag(redis, keys, exact=1) == (0, 0.0)  # nothing waits: 0 whatever the bound
@@ -167,7 +167,7 @@ async def test_lag_of_a_long_backlog_is_exact_with_a_sound_counter(
     """Past LAG_EXACT_UP_TO undelivered entries per shard the count comes from Redis's
     counter (bounded by the entries that exist); with no restart in between, it is exact."""
     persister = Persister(pg_settings, redis, pg_pool, "p1")
-    await persister.setup()
+    await persister.consumer.setup()
     jobs_per_shard = LAG_EXACT_UP_TO  # 3 entries each: 3x the exact count per shard
     await simple_jobs(redis, keys, jobs_per_shard * keys.shards)
     for shard in range(keys.shards):
@@ -179,7 +179,7 @@ async def test_lag_of_a_long_backlog_is_exact_with_a_sound_counter(
     # one entry per shard counted (a sampler's bound): the rest from the sound counter, the
     # age from the same oldest entry
     await assert_same_age(redis, keys, truth)
-    persister.claim_idle_ms = 0
+    persister.consumer.claim_idle_ms = 0
     await persister.drain()
     assert await lag(redis, keys) == (0, 0.0)
     assert await lag(redis, keys, exact=1) == (0, 0.0)

@@ -230,5 +230,5 @@ async def test_the_persister_keeps_log_entries_until_the_dispatchers_have_read_t
         assert await dispatcher.drain() == 18
     finally:
         await dispatcher.sender.close()
-    await persister.trim()
+    await persister.consumer.trim()
     assert await log_length() == 0

@@ -29,8 +29,9 @@ from jobtier.engine.cron import CronMirror
 from jobtier.engine.queue import Queue
 from jobtier.persist.audit_store import AuditStore
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
-from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition, lag
+from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition
 from jobtier.persist.schedule_store import ScheduleStore
+from jobtier.streams.group import lag
 from jobtier.webhooks.safety import Resolver
 
 log = logging.getLogger("jobtier.api")

@@ -344,8 +344,9 @@ def cmd_scripts(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
-    from jobtier.persist.persister import Persister, replay_refused
+    from jobtier.persist.persister import Persister
     from jobtier.store.redis import connect
+    from jobtier.streams.group import replay_refused
 
     if args.replay_refused:
 

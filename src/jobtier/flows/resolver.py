@@ -16,13 +16,13 @@ shard, batched) and only then acknowledge and delete it. What makes that safe:
 
 No polling: the finishing script publishes ``f`` on its shard's wake channel and the
 scheduler, which runs the resolver, wakes it for that shard; a sweep every half claim-idle
-period takes over abandoned hand-offs and overdue links.
+period takes over abandoned hand-offs and overdue links. Reading, taking over and
+acknowledging are its ``Consumer``'s (``streams/consumer.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import socket
@@ -32,22 +32,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from jobtier.core.errors import Code
 from jobtier.flows.submit import link_calls, linked_calls
 from jobtier.metrics.snapshot import Snapshot
 from jobtier.runtime.backoff import SCHEDULER
+from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.store.calls import Call, resolve_call
 from jobtier.store.context import Store
-from jobtier.streams.consumer import create_groups
+from jobtier.streams.consumer import Consumer, Taken
 
 log = logging.getLogger("jobtier.resolver")
 
 RESOLVE_CHUNK = 1000  # hand-offs per resolve.lua call
 RELINK_BATCH = 200  # overdue dependents linked per shard and sweep
 
-Entry = tuple[int, bytes, dict[bytes, bytes]]  # (shard, stream entry id, fields)
 Item = tuple[str, str, str, str, bytes]  # resolve.lua's: kind, target, source, state, data
 
 
@@ -75,18 +73,27 @@ class Resolver:
         self.scripts = store.scripts
         self.settings = store.settings
         self.redis = store.redis
-        self.group = self.keys.resolver_group()
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"
         self.batch = batch
-        self.claim_idle_ms = max(1, int(self.settings.resolver_claim_idle_seconds * 1000))
-        self.sweep_every = max(0.05, self.settings.resolver_claim_idle_seconds / 2)
+        idle = self.settings.resolver_claim_idle_seconds
+        self.sweep_every = max(0.05, idle / 2)
         self.stats = ResolverStats()
         n = self.keys.shards
-        self._streams = [self.keys.flow(s) for s in range(n)]
+        # hand-offs are deleted once applied: no group but this one reads the flow streams
+        self.consumer = Consumer(
+            store.redis,
+            [self.keys.flow(s) for s in range(n)],
+            self.keys.resolver_group(),
+            self.name,
+            claim_idle_ms=max(1, int(idle * 1000)),
+            log=log,
+            counts=self.stats,
+            claimed_event="handoffs_taken_over",
+            policy=SCHEDULER,
+            delete=True,
+        )
         self._dirty: set[int] = set(range(n))
         self._wake = asyncio.Event()
-        self._stopping = asyncio.Event()
-        self._ready = False
         self._next_sweep = 0.0
 
     # --- life cycle -----------------------------------------------------------------------
@@ -101,79 +108,59 @@ class Resolver:
         self._wake.set()
 
     def stop(self) -> None:
-        self._stopping.set()
+        self.consumer.stop()
         self._wake.set()
 
     def metrics(self) -> Snapshot:
-        st = self.stats
-        return Snapshot(
-            "", "", 0.0,
-            counters={
-                "resolver_handoffs_total": {"": st.handoffs},
-                "resolver_applied_total": {"": st.applied},
-                "resolver_repeated_total": {"": st.repeated},
-                "resolver_moot_total": {"": st.moot},
-                "resolver_claimed_total": {"": st.claimed},
-                "resolver_relinked_total": {"": st.relinked},
-            },
-        )  # fmt: skip
-
-    async def setup(self) -> None:
-        """Create the consumer group on every shard's flow stream if missing."""
-        await create_groups(self.redis, self._streams, self.group)
-        self._ready = True
+        names = ("handoffs", "applied", "repeated", "moot", "claimed", "relinked")
+        counters = {f"resolver_{n}_total": {"": getattr(self.stats, n)} for n in names}
+        return Snapshot("", "", 0.0, counters=counters)
 
     async def run(self) -> ResolverStats:
         log.info("event=resolver_started name=%s shards=%d", self.name, self.keys.shards)
-        backoff = SCHEDULER.start()
-        while not self._stopping.is_set():
-            try:
-                moved = await self.run_once()
-                backoff.reset()
-            except (RedisError, OSError) as exc:
-                wait = backoff.next()
-                log.warning("event=resolver_pass_failed error=%r retry_in=%.2fs", exc, wait)
-                self._ready = False  # a restarted Redis may have lost the groups
-                self.reset()
-                await self._sleep(wait)
-                continue
-            except Exception:  # a bug: the hand-offs stay pending; keep resolving the others
-                wait = backoff.next()
-                log.exception("event=resolver_pass_crashed retry_in=%.2fs", wait)
-                self.reset()
-                await self._sleep(wait)
-                continue
-            if not moved and not self._dirty:
-                await self._sleep(self._next_sweep - time.monotonic())
+        await self.consumer.run(self.run_once, self._failed, idle=self._idle)
         log.info(
             "event=resolver_stopped name=%s handoffs=%d applied=%d",
             self.name, self.stats.handoffs, self.stats.applied,
         )  # fmt: skip
         return self.stats
 
-    async def _sleep(self, seconds: float) -> None:
-        if seconds > 0 and not self._wake.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(seconds):
-                    await self._wake.wait()
+    def _failed(self, exc: Exception, wait: float) -> bool:
+        self.reset()  # wake messages may have been missed meanwhile
+        if isinstance(exc, FAULTS):
+            log.warning("event=resolver_pass_failed error=%r retry_in=%.2fs", exc, wait)
+            return True  # a restarted Redis may have lost the group
+        # a bug: the hand-offs stay pending; keep resolving the others
+        log.error("event=resolver_pass_crashed retry_in=%.2fs", wait, exc_info=exc)
+        return False
+
+    async def _idle(self) -> None:
+        """Nothing applied: wait for a wake message, or the next sweep."""
+        if not self._dirty:
+            await wait_for(self._wake, self._next_sweep - time.monotonic())
 
     # --- one pass ---------------------------------------------------------------------------
     async def run_once(self) -> int:
         """Apply what the woken shards hold (and, when due, what is abandoned or overdue);
         returns the hand-offs applied."""
-        if not self._ready:
-            await self.setup()
+        if not self.consumer.ready:
+            await self.consumer.setup()
         self.stats.passes += 1
         moved = 0
         if time.monotonic() >= self._next_sweep:
+            # hand-offs idle past the claim timeout: their resolver died before acknowledging
             self._next_sweep = time.monotonic() + self.sweep_every
-            moved += await self._take_over()
+            moved += await self.apply(await self.consumer.claim(self.batch))
+            if not self.consumer.swept:
+                self._next_sweep = 0.0  # more may be abandoned: the next pass looks
             self.stats.relinked += await self.relink()
         self._wake.clear()
         shards = sorted(self._dirty)
         self._dirty.clear()
         if shards:
-            moved += await self._read(shards)
+            more, entries = await self.consumer.read(self.batch, shards)
+            self._dirty.update(more)  # more may be waiting there
+            moved += await self.apply(entries)
         return moved
 
     async def drain(self) -> int:
@@ -185,40 +172,10 @@ class Resolver:
             self.reset()
             moved = await self.run_once()
             total += moved
-            if not moved:
+            if not moved and not self._dirty:  # dirty: own pending read back, new ones next
                 return total
 
-    async def _read(self, shards: Sequence[int]) -> int:
-        pipe = self.redis.pipeline(transaction=False)
-        for shard in shards:
-            pipe.xreadgroup(self.group, self.name, {self._streams[shard]: ">"}, count=self.batch)
-        entries: list[Entry] = []
-        for shard, reply in zip(shards, await pipe.execute(), strict=True):
-            items = reply[0][1] if reply else []
-            if len(items) >= self.batch:
-                self._dirty.add(shard)  # more may be waiting
-            entries += [(shard, entry_id, fields) for entry_id, fields in items]
-        return await self.apply(entries)
-
-    async def _take_over(self) -> int:
-        """Hand-offs idle past the claim timeout: their resolver died before acknowledging."""
-        pipe = self.redis.pipeline(transaction=False)
-        for stream in self._streams:
-            pipe.xautoclaim(
-                stream, self.group, self.name, self.claim_idle_ms, "0-0", count=self.batch
-            )
-        entries: list[Entry] = []
-        for shard, reply in enumerate(await pipe.execute()):
-            items = reply[1]
-            if items:
-                log.info("event=handoffs_taken_over shard=%d count=%d", shard, len(items))
-                self.stats.claimed += len(items)
-            if len(items) >= self.batch:
-                self._next_sweep = 0.0  # more may be abandoned there: the next pass looks
-            entries += [(shard, entry_id, fields) for entry_id, fields in items]
-        return await self.apply(entries)
-
-    async def apply(self, entries: Sequence[Entry]) -> int:
+    async def apply(self, entries: Sequence[Taken]) -> int:
         """Apply hand-offs on their targets' shards, then acknowledge (and delete) them."""
         if not entries:
             return 0
@@ -239,7 +196,7 @@ class Resolver:
         if calls:
             for reply in await self.scripts.call_many(calls):
                 self._count(reply)
-        await self._acknowledge(entries)
+        await self.consumer.ack((shard, entry_id) for shard, entry_id, _ in entries)
         self.stats.handoffs += len(entries)
         return len(entries)
 
@@ -251,16 +208,6 @@ class Resolver:
                 self.stats.repeated += 1
             else:  # WRONG_STATE, NOT_FOUND
                 self.stats.moot += 1
-
-    async def _acknowledge(self, entries: Sequence[Entry]) -> None:
-        by_shard: dict[int, list[bytes]] = defaultdict(list)
-        for shard, entry_id, _ in entries:
-            by_shard[shard].append(entry_id)
-        pipe = self.redis.pipeline(transaction=False)
-        for shard, ids in by_shard.items():
-            pipe.xack(self._streams[shard], self.group, *ids)
-            pipe.xdel(self._streams[shard], *ids)
-        await pipe.execute()
 
     # --- reconciliation -------------------------------------------------------------------
     async def relink(self) -> int:

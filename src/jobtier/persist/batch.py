@@ -210,6 +210,15 @@ def _terminate(conn: AnyConnection) -> None:
             conn.terminate()
 
 
+# This entry's data cannot be stored (no retry will help): isolate it, keep the others moving
+# (but a row refused by a partition attached meanwhile is written again: attached_meanwhile).
+# Anything else (a missing table before `jobtier migrate`, a bug) is retried like an outage.
+POISON: tuple[type[BaseException], ...] = (
+    asyncpg.exceptions.DataError,
+    asyncpg.exceptions.IntegrityConstraintViolationError,
+)
+
+
 def attached_meanwhile(exc: BaseException) -> bool:
     """Whether Postgres refused rows for the default history partition because a pass
     attached their day's partition while the batch waited for the default one's lock

@@ -1,9 +1,10 @@
-"""Reads of the durable record, for the API: status fallback, listing, history, results, lag.
+"""Reads of the durable record, for the API: status fallback, listing, history, results.
 
 Redis holds every live job; Postgres holds every job. The API asks here for a job whose hash
-expired from Redis, for listings and history (only Postgres has them), and how far behind
-the write-behind is (``lag``). Every tenant-facing read takes the caller's tenant: another
-tenant's job is answered exactly like an unknown one.
+expired from Redis (``status_doc``), and for listings and history (only Postgres has them).
+
+Every tenant-facing read takes the caller's tenant: another tenant's job is answered exactly
+like an unknown one.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -19,7 +19,6 @@ from typing import Any
 import msgspec
 
 from jobtier.core.errors import InvalidRequest
-from jobtier.core.keys import Keys
 from jobtier.core.model import (
     Dependency,
     JobError,
@@ -33,8 +32,6 @@ from jobtier.core.model import Transition as Transition  # the API imports it fr
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
 from jobtier.flows.reads import dependency
 from jobtier.persist.db import Pool, query
-from jobtier.store.redis import RedisClient
-from jobtier.store.scripts import Script, run_scripts
 
 MAX_LIMIT = 500
 MAX_TYPE_LENGTH = 200
@@ -371,36 +368,3 @@ class PgReader:
 
 def _raw(value: bytes | None) -> msgspec.Raw | None:
     return None if value is None else msgspec.Raw(value)
-
-
-LAG_EXACT_UP_TO = 100  # undelivered entries per shard counted one by one (log_lag.lua)
-_LAG = Script("log_lag")
-
-
-def _id_ms(entry_id: bytes) -> int:
-    return int(entry_id.split(b"-", 1)[0])
-
-
-async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> tuple[int, float]:
-    """(entries not yet acknowledged by the persisters, age in seconds of the oldest one).
-
-    One read-only script call per shard (``log_lag.lua``, one pipeline): the group's pending
-    entries plus those after its last-delivered id, counted in the stream (Redis's own ``lag``
-    counter can be stale after a restart from the AOF). Up to ``exact`` undelivered entries
-    per shard are counted one by one; beyond, Redis's ``lag`` bounded by the entries present,
-    so a call's cost stays bounded however long the backlog. A caller that wants only the age
-    and whether anything waits passes a lower ``exact``: the age and a count of 0 stay exact
-    whatever the bound. The age is the oldest entry's id (Redis's clock) against this
-    process's clock. Callers on hot paths should cache it for a second.
-    """
-    group = keys.persist_group()
-    exact = max(1, exact)
-    calls = [(_LAG, (1, keys.log(s), group, exact)) for s in range(keys.shards)]
-    total, oldest_ms = 0, None
-    for waiting, oldest in await run_scripts(redis, calls):
-        total += int(waiting)
-        if oldest:
-            ms = _id_ms(oldest)
-            oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
-    age = 0.0 if oldest_ms is None else max(0.0, time.time() - oldest_ms / 1000)
-    return total, age

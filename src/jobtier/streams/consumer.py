@@ -1,224 +1,263 @@
-"""Reading the shard log streams as a consumer group, and the groups' housekeeping.
+"""One member of a consumer group over one stream per shard: what the persister, the
+webhook dispatcher and the flow resolver share. What to do with the entries is the role's.
 
-Reading (``read_group``, ``claim_idle``) serves both groups that consume the logs: the
-persisters and the webhook dispatchers. Housekeeping: trimming what every group has
-acknowledged, forgetting the members that stopped, and sending the entries Postgres refused
-back to the logs. The persister runs the first two from its loop; ``jobtier persister
---replay-refused`` runs the third.
+It reads its own pending entries first (what it read before a restart under the same name,
+or a failure, and never acknowledged), takes over those idle too long in members that died
+(XAUTOCLAIM), acknowledges (``acks.py``) and, idle, waits in Redis: one blocking XREADGROUP
+naming every stream, so the first entry of a burst is read as it is written and an idle
+member sends one command per wait, not one per stream per nap. A Redis Cluster cannot (one
+command names the streams of one node): there it naps. ``run`` is the roles' loop: it never
+ends on a failure (nothing else would drain the streams), it backs off and retries.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, cast
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import KW_ONLY, dataclass
+from typing import Protocol, cast
 
 from redis.asyncio import RedisCluster
-from redis.exceptions import ResponseError
 
-from jobtier.core.keys import Keys
+from jobtier.runtime.backoff import PERSIST_REDIS, BackoffPolicy
+from jobtier.runtime.loop import wait_for
 from jobtier.store.redis import RedisClient
-from jobtier.store.scripts import Script, run_scripts
-
-log = logging.getLogger("jobtier.persist")
-
-_FORGET = Script("forget_consumers")
+from jobtier.streams.acks import Acks
+from jobtier.streams.group import create_groups, forget_idle_consumers, trim
 
 Fields = dict[bytes, bytes] | None  # an entry's fields; None: pending, but trimmed meanwhile
+Taken = tuple[int, bytes, Fields]  # (shard, entry id, fields)
+
+NAP_MIN = 0.005
+NAP_MAX = 0.1  # longest nap, and longest wait in Redis, when idle: idle CPU stays near zero
+FORGET_EVERY = 60.0  # seconds between sweeps of the group's stopped members
 
 
-async def create_groups(
-    redis: RedisClient, streams: Sequence[str], group: str, start: str = "0"
-) -> None:
-    """Create consumer group ``group`` on every stream (made if missing) from ``start``;
-    a group that exists already is left as it is (BUSYGROUP)."""
-    pipe = redis.pipeline(transaction=False)
-    for stream in streams:
-        pipe.xgroup_create(stream, group, id=start, mkstream=True)
-    for reply in await pipe.execute(raise_on_error=False):
-        if isinstance(reply, ResponseError) and "BUSYGROUP" in str(reply):
-            continue
-        if isinstance(reply, Exception):
-            raise reply
+class Counts(Protocol):
+    claimed: int  # entries taken over from members that died
 
 
-async def read_group(
-    redis: RedisClient,
-    group: str,
-    name: str,
-    streams: Sequence[str],
-    cursors: list[bytes],
-    count: int,
-) -> tuple[bool, list[tuple[int, bytes, Fields]]]:
-    """XREADGROUP every stream in one pipeline, up to ``count`` entries each, as member
-    ``name``: (True if some stream may have more, [(shard, entry id, fields)]).
+@dataclass(eq=False)
+class Consumer:
+    """Member ``name`` of ``group`` on ``streams`` (one per shard). ``claim_idle_ms``: how
+    long an entry stays pending in a member before another takes it over. ``forget_idle_ms``:
+    members holding nothing and idle that long are removed from the group when claiming
+    (None: never). ``refused``, ``delete``: see ``Acks``. ``counts.claimed`` counts takeovers."""
 
-    ``cursors`` (one per stream, moved on here) start at ``b"0"``: the member's own pending
-    entries, from a previous life, are read again first; once a stream has none left, its
-    cursor is ``b">"``, new entries.
-    """
-    pipe = redis.pipeline(transaction=False)
-    for stream, cursor in zip(streams, cursors, strict=True):
-        pipe.xreadgroup(group, name, {stream: cursor}, count=count)
-    more = False
-    out: list[tuple[int, bytes, Fields]] = []
-    for shard, reply in enumerate(await pipe.execute()):
-        items = reply[0][1] if reply else []
-        if cursors[shard] != b">":
-            # own pending entries from a previous life, then new ones
-            cursors[shard] = items[-1][0] if items else b">"
-            more = True
-        elif len(items) == count:
-            more = True
-        out += [(shard, entry_id, fields) for entry_id, fields in items]
-    return more, out
+    redis: RedisClient
+    streams: list[str]
+    group: str
+    name: str
+    _: KW_ONLY
+    claim_idle_ms: int
+    log: logging.Logger
+    counts: Counts
+    claimed_event: str = "entries_claimed"
+    policy: BackoffPolicy = PERSIST_REDIS
+    forget_idle_ms: int | None = None
+    refused: Sequence[str] = ()
+    delete: bool = False
 
+    def __post_init__(self) -> None:
+        self.acks = Acks(
+            self.redis, self.streams, self.group, refused=self.refused, delete=self.delete
+        )
+        self.stopping = asyncio.Event()
+        self.ready = False  # the group made (and whatever the role's setup adds)
+        self.blocking = not isinstance(self.redis, RedisCluster)  # may wait in Redis when idle
+        n = len(self.streams)
+        self._cursor = [b"0"] * n  # b"0": own pending entries first; then b">", new ones
+        self._claim_cursor = [b"0-0"] * n
+        self._waited_in_vain = False  # the last wait in Redis found nothing
+        self._next_claim = 0.0
+        self._next_forget = 0.0
 
-async def wait_idle(
-    redis: RedisClient,
-    group: str,
-    name: str,
-    streams: Sequence[str],
-    cursors: Sequence[bytes],
-    count: int,
-    block: float,
-    nap: Callable[[float], Awaitable[object]],
-) -> list[tuple[int, bytes, Fields]] | None:
-    """For a member with nothing to do: one XREADGROUP naming every stream, blocked in Redis
-    for up to ``block`` seconds until one of them has new entries, ``count`` at most each:
-    [(shard, entry id, fields)], empty when none came.
+    def stop(self) -> None:
+        self.stopping.set()
 
-    It sees the first entry of a burst as it is written, and an idle member sends one
-    command per ``block`` instead of one per stream per nap. None, at once, when it cannot
-    wait so, and the caller naps instead: on a Redis Cluster (one command names streams of
-    one node only), or while the member's own pending entries are still being read back
-    (``cursors`` not all at ``>``). Should Redis answer empty at once (something between us
-    and it that does not block), ``nap`` the rest rather than spin.
-    """
-    if isinstance(redis, RedisCluster) or any(c != b">" for c in cursors):
-        return None
-    began = time.monotonic()
-    reply = await redis.xreadgroup(
-        group, name, dict.fromkeys(streams, ">"), count=count, block=max(1, int(block * 1000))
-    )
-    shard_of = {stream: shard for shard, stream in enumerate(streams)}
-    out: list[tuple[int, bytes, Fields]] = []
-    # [[stream, entries], …] (RESP2, as our clients speak); a stream's name comes back as
-    # bytes, or as str from a client that decodes replies
-    for stream, items in cast(list[tuple[bytes | str, list[tuple[bytes, Fields]]]], reply or []):
-        shard = shard_of[stream.decode() if isinstance(stream, bytes) else stream]
-        out += [(shard, entry_id, fields) for entry_id, fields in items]
-    waited = time.monotonic() - began
-    if not out and waited < block / 2:
-        await nap(block - waited)
-    return out
+    async def sleep(self, seconds: float) -> bool:
+        """Sleep unless stopped; True once ``stop()`` was called."""
+        return await wait_for(self.stopping, seconds)
 
+    async def setup(self) -> None:
+        """Create the group on every stream (from its first entry) if missing."""
+        await create_groups(self.redis, self.streams, self.group)
+        self.ready = True
 
-async def claim_idle(
-    redis: RedisClient,
-    group: str,
-    name: str,
-    streams: Sequence[str],
-    starts: list[bytes],
-    idle_ms: int,
-    count: int,
-) -> list[list[tuple[bytes, Fields]]]:
-    """XAUTOCLAIM every stream in one pipeline: the entries pending longer than ``idle_ms``
-    in another member of ``group`` (it died) become ``name``'s. Per stream, the (entry id,
-    fields) taken over; ``starts`` (one per stream, moved on here) is where each scan goes on
-    at the next call."""
-    pipe = redis.pipeline(transaction=False)
-    for stream, start in zip(streams, starts, strict=True):
-        pipe.xautoclaim(stream, group, name, idle_ms, start, count=count)
-    out = []
-    for shard, reply in enumerate(await pipe.execute()):
-        starts[shard] = reply[0]
-        out.append(reply[1])
-    return out
+    def reread(self) -> None:
+        """Read our own pending entries again from the start (after a failure)."""
+        self._cursor = [b"0"] * len(self.streams)
+        self._waited_in_vain = False
 
+    async def read(
+        self, count: int, shards: Iterable[int] | None = None
+    ) -> tuple[list[int], list[Taken]]:
+        """XREADGROUP up to ``count`` entries from each stream (or those of ``shards``) in one
+        pipeline: (the shards that may have more, the entries). Nothing right after a wait
+        in Redis that found nothing: it read every stream just now."""
+        if self._waited_in_vain:
+            self._waited_in_vain = False
+            return [], []
+        shards = range(len(self.streams)) if shards is None else list(shards)
+        cursors = self._cursor
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in shards:
+            pipe.xreadgroup(
+                self.group, self.name, {self.streams[shard]: cursors[shard]}, count=count
+            )
+        more: list[int] = []
+        out: list[Taken] = []
+        for shard, reply in zip(shards, await pipe.execute(), strict=True):
+            items = reply[0][1] if reply else []
+            if cursors[shard] != b">":
+                # own pending entries from a previous life, then new ones
+                cursors[shard] = items[-1][0] if items else b">"
+                more.append(shard)
+            elif len(items) == count:
+                more.append(shard)
+            out += [(shard, entry_id, fields) for entry_id, fields in items]
+        return more, out
 
-def _next_id(entry_id: bytes) -> bytes:
-    ms, _, seq = entry_id.partition(b"-")
-    return b"%s-%d" % (ms, int(seq or b"0") + 1)
+    async def wait(self, count: int) -> list[Taken] | None:
+        """Idle: one XREADGROUP naming every stream, blocked in Redis up to ``NAP_MAX`` until
+        one has new entries (``count`` at most each); empty when none came. None, at once,
+        when it cannot wait so (a Redis Cluster; our own pending entries still being read
+        back; stopping): the caller naps instead."""
+        if not self.blocking or self.stopping.is_set() or any(c != b">" for c in self._cursor):
+            return None
+        began = time.monotonic()
+        reply = await self.redis.xreadgroup(
+            self.group,
+            self.name,
+            dict.fromkeys(self.streams, ">"),
+            count=count,
+            block=int(NAP_MAX * 1000),
+        )
+        shard_of = {stream: shard for shard, stream in enumerate(self.streams)}
+        out: list[Taken] = []
+        # [[stream, entries], …] (RESP2, as our clients speak); a stream's name comes back as
+        # bytes, or as str from a client that decodes replies
+        for stream, items in cast(
+            list[tuple[bytes | str, list[tuple[bytes, Fields]]]], reply or []
+        ):
+            shard = shard_of[stream.decode() if isinstance(stream, bytes) else stream]
+            out += [(shard, entry_id, fields) for entry_id, fields in items]
+        waited = time.monotonic() - began
+        if not out and waited < NAP_MAX / 2:
+            # answered empty at once (something between us and Redis that does not block):
+            # nap the rest rather than spin
+            await self.sleep(NAP_MAX - waited)
+        self._waited_in_vain = not out
+        return out
 
+    async def claim(
+        self, count: int, keep: Callable[[int, bytes, Fields], bool] | None = None
+    ) -> list[Taken]:
+        """XAUTOCLAIM every stream in one pipeline: the entries pending longer than the claim
+        idle time in another member (it died) become ours, up to ``count`` a stream; those
+        ``keep`` accepts (all without it) are counted, logged and returned. Each stream's scan
+        goes on where it stopped at the next call; then, when due, the stopped members are
+        forgotten."""
+        pipe = self.redis.pipeline(transaction=False)
+        for stream, start in zip(self.streams, self._claim_cursor, strict=True):
+            pipe.xautoclaim(stream, self.group, self.name, self.claim_idle_ms, start, count=count)
+        out: list[Taken] = []
+        for shard, (start, items, *_) in enumerate(await pipe.execute()):
+            self._claim_cursor[shard] = start
+            taken = [(shard, entry_id, fields) for entry_id, fields in items]
+            if keep is not None:
+                taken = [t for t in taken if keep(*t)]
+            if taken:
+                self.counts.claimed += len(taken)
+                self.log.info(
+                    "event=%s stream=%s count=%d",
+                    self.claimed_event,
+                    self.streams[shard],
+                    len(taken),
+                )
+            out += taken
+        if self.forget_idle_ms is not None and time.monotonic() >= self._next_forget:
+            self._next_forget = time.monotonic() + FORGET_EVERY
+            await self.forget()
+        return out
 
-def _key(entry_id: bytes) -> tuple[int, int]:
-    ms, _, seq = entry_id.partition(b"-")
-    return int(ms), int(seq or b"0")
+    async def claim_due(
+        self, count: int, keep: Callable[[int, bytes, Fields], bool] | None = None
+    ) -> list[Taken]:
+        """``claim`` every half claim idle time (at most every 50 ms); else nothing."""
+        now = time.monotonic()
+        if now < self._next_claim:
+            return []
+        self._next_claim = now + max(0.05, self.claim_idle_ms / 2000)
+        return await self.claim(count, keep)
 
+    @property
+    def swept(self) -> bool:
+        """Did the last ``claim`` scan every stream's pending entries to the end?"""
+        return all(c == b"0-0" for c in self._claim_cursor)
 
-async def trim(redis: RedisClient, streams: Sequence[str]) -> None:
-    """Drop log entries every consumer group has acknowledged.
+    async def forget(self) -> int:
+        """Remove the members that hold nothing and were idle ``forget_idle_ms`` (stopped:
+        a restart under a new name leaves the old one behind). One with pending entries is
+        kept: ``claim`` takes those over first."""
+        removed = await forget_idle_consumers(
+            self.redis, self.streams, self.group, self.name, self.forget_idle_ms or 0
+        )
+        if removed:
+            self.log.info("event=dead_consumers_removed count=%d", removed)
+        return removed
 
-    Per shard and group, everything below the lowest pending id has been delivered (groups
-    deliver in id order) and is no longer pending, so it was acknowledged; with nothing
-    pending, everything up to the last delivered id was. XINFO GROUPS runs before XPENDING
-    on the same connection: an entry delivered between the two has an id above the
-    last-delivered id we read, so it cannot be trimmed while still pending.
-    """
-    pipe = redis.pipeline(transaction=False)
-    for stream in streams:
-        pipe.xinfo_groups(stream)
-    infos = await pipe.execute(raise_on_error=False)
-    pipe = redis.pipeline(transaction=False)
-    asked: list[tuple[int, bytes]] = []
-    for shard, groups in enumerate(infos):
-        if isinstance(groups, Exception) or not groups:
-            continue
-        for g in groups:
-            pipe.xpending(streams[shard], g["name"])
-            asked.append((shard, g["last-delivered-id"]))
-    floors: dict[int, bytes] = {}
-    for (shard, delivered), pending in zip(asked, await pipe.execute(), strict=True):
-        floor = pending["min"] if pending["pending"] else _next_id(delivered)
-        if shard not in floors or _key(floor) < _key(floors[shard]):
-            floors[shard] = floor
-    pipe = redis.pipeline(transaction=False)
-    for shard, floor in floors.items():
-        pipe.xtrim(streams[shard], minid=floor, approximate=False)
-    if floors:
-        await pipe.execute()
+    async def trim(self) -> None:
+        """Drop the entries every group on the streams has acknowledged (``group.trim``)."""
+        await trim(self.redis, self.streams)
 
+    async def ack(self, entries: Iterable[tuple[int, bytes]]) -> None:
+        """Acknowledge (shard, entry id)s now, with whatever else is owed."""
+        self.acks.add_many(entries)
+        await self.acks.flush()
 
-async def forget_idle_consumers(
-    redis: RedisClient, streams: Sequence[str], group: str, keep: str, idle_ms: int
-) -> int:
-    """Remove the group's consumers that hold no pending entry and were idle ``idle_ms``
-    (``keep``, the caller, excepted); returns how many. Checked and removed atomically per
-    stream (``store/lua/forget_consumers.lua`` says why that matters)."""
-    calls = [(_FORGET, (1, stream, group, idle_ms, keep)) for stream in streams]
-    removed = sum(len(names) for names in await run_scripts(redis, calls))
-    if removed:
-        log.info("event=dead_consumers_removed count=%d", removed)
-    return removed
+    def bad_entry(self, shard: int, entry_id: bytes, exc: BaseException) -> None:
+        self.log.error(
+            "event=bad_log_entry stream=%s id=%s error=%r",
+            self.streams[shard],
+            entry_id.decode(),
+            exc,
+        )
 
-
-async def replay_refused(redis: RedisClient, keys: Keys) -> int:
-    """Send every parked entry (``log:refused``) back to its shard's log, for the persisters
-    to try again once the cause is fixed (a migration, a constraint). Each entry is added to
-    the log before it is deleted from the parked stream: interrupted, an entry is at worst
-    sent twice, which the persisters' writes make harmless. Returns the entries moved."""
-    moved = 0
-    for shard in range(keys.shards):
-        source, target = keys.log_refused(shard), keys.log(shard)
-        newest: Any = await redis.xrevrange(source, count=1)
-        if not newest:
-            continue
-        last = newest[0][0]  # entries refused again meanwhile come after it: not this run's
-        while True:
-            entries: Any = await redis.xrange(source, max=last, count=500)  # [(id, fields)]
-            if not entries:
-                break
-            pipe = redis.pipeline(transaction=False)
-            for entry_id, fields in entries:
-                kept: dict[Any, Any] = {
-                    k: v for k, v in fields.items() if not k.startswith(b"refused_")
-                }
-                pipe.xadd(target, kept)
-                pipe.xdel(source, entry_id)
-            await pipe.execute()
-            moved += len(entries)
-    if moved:
-        log.info("event=refused_entries_replayed count=%d", moved)
-    return moved
+    async def run(
+        self,
+        step: Callable[[], Awaitable[object]],
+        failed: Callable[[Exception, float], bool],
+        *,
+        setup: Callable[[], Awaitable[None]] | None = None,
+        idle: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        """Until ``stop()``: ``setup`` (``self.setup`` by default; it sets ``ready``) while not
+        ready, then ``step`` (True when it did something). A failure is handed to ``failed``
+        with the back-off's wait, to be logged (True: the group may be gone, a restarted or
+        flushed Redis: set up again); our pending entries are read again and the wait slept.
+        Idle, ``idle()`` is awaited, or a nap from ``NAP_MIN`` doubling to ``NAP_MAX``."""
+        backoff, nap = self.policy.start(), NAP_MIN
+        while not self.stopping.is_set():
+            try:
+                if not self.ready:
+                    await (setup or self.setup)()
+                moved = await step()
+                backoff.reset()
+            except Exception as exc:
+                wait = backoff.next()
+                if failed(exc, wait):
+                    self.ready = False
+                # a lost XREADGROUP reply leaves entries pending to us that we never saw
+                self.reread()
+                await self.sleep(wait)
+                continue
+            if moved:
+                nap = NAP_MIN
+            elif idle is not None:
+                await idle()
+            else:
+                await self.sleep(nap)
+                nap = min(nap * 2, NAP_MAX)

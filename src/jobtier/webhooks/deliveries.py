@@ -1,4 +1,5 @@
-"""Postgres access for webhooks: targets, deliveries and their attempts, secrets.
+"""Postgres access for webhooks: targets, deliveries and their attempts, secrets; and the
+deliveries a batch of log entries makes (``made_from``).
 
 Deliveries wait in Postgres, not Redis, between attempts: they are a record the API shows
 for as long as the job is kept, retries wait for hours, and a delivery is rare next to a
@@ -13,10 +14,18 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
-from jobtier.persist.db import Pool, query
+import asyncpg
+import msgspec
+
+from jobtier.core.model import TERMINAL
+from jobtier.persist.db import UNAVAILABLE, Pool, query
+from jobtier.streams.entries import LogEntry
+
+# Postgres is unreachable or refusing work for now: keep the work and try again later
+PG_UNAVAILABLE: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
 
 
 @dataclass(slots=True)
@@ -72,6 +81,60 @@ def new_lease() -> str:
 def _columns(items: Sequence[Any]) -> list[list[Any]]:
     """Dataclass items as one array per field, in field order (the order of the unnest)."""
     return [[getattr(item, f.name) for item in items] for f in dataclasses.fields(items[0])]
+
+
+def event_type(entry: LogEntry) -> str:
+    """``job.<state>`` for a change of state (the submit included), ``job.updated`` for a
+    change within one (progress, a cancel request)."""
+    state = entry.status.state.value
+    return f"job.{state}" if entry.from_state != state else "job.updated"
+
+
+def delivery_id(job_id: str, version: int, target: str | None) -> str:
+    """The webhook-id: one per (transition, target), the same however often it is made."""
+    return f"msg_{job_id}_{version}_{target or 'job'}"
+
+
+def body_of(entry: LogEntry, event: str) -> bytes:
+    """``{"type", "timestamp", "data"}`` (the Standard Webhooks shape); data is the status
+    document exactly as the status tier serves it."""
+    stamp = msgspec.json.encode(entry.status.updated_at)
+    return (
+        b'{"type":"' + event.encode() + b'","timestamp":' + stamp + b',"data":' + entry.doc + b"}"
+    )
+
+
+def made_from(
+    entries: Sequence[LogEntry], subs: Sequence[Any], callbacks: Sequence[Any]
+) -> list[NewDelivery]:
+    """One delivery per (entry, target) among ``DeliveryStore.targets``' answer: a job's
+    callback, and its tenant's subscriptions (those made before the transition)."""
+    by_tenant: dict[str, list[Any]] = {}
+    for s in subs:
+        by_tenant.setdefault(s["tenant"], []).append(s)
+    by_job = {c["job_id"]: c for c in callbacks}
+    out: list[NewDelivery] = []
+    for e in entries:
+        terminal = e.status.state in TERMINAL
+        at = datetime.fromtimestamp(e.ms / 1000, UTC)
+        targets: list[tuple[str | None, str]] = []
+        cb = by_job.get(e.status.id)
+        if cb is not None and cb["tenant"] == e.tenant and (terminal or cb["events"] == "all"):
+            targets.append((None, cb["url"]))
+        for s in by_tenant.get(e.tenant, ()):
+            # a subscription sees the transitions made after it was created
+            if (terminal or s["events"] == "all") and s["created_at"] <= at:
+                targets.append((s["id"], s["url"]))
+        if not targets:
+            continue
+        event = event_type(e)
+        body = body_of(e, event)
+        for sub_id, url in targets:
+            out.append(NewDelivery(
+                delivery_id(e.status.id, e.status.version, sub_id), e.tenant, e.status.id,
+                e.status.version, sub_id, url, event, body, at,
+            ))  # fmt: skip
+    return out
 
 
 class DeliveryStore:

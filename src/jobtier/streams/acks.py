@@ -1,11 +1,12 @@
-"""What a persister owes Redis once Postgres has answered: acknowledgements, and parking.
+"""What a consumer owes Redis once its work is done: acknowledgements, and parking.
 
-An entry is acknowledged (XACK) only after the batch holding it committed, or when there is
-nothing left to write (pending, but trimmed from its stream meanwhile). An entry Postgres
-refused for its data is first copied, with the error, to its shard's ``log:refused`` stream
-(``jobtier persister --replay-refused`` sends it back), then acknowledged. Whatever fails on
-the way stays owed and is sent again on the next call: a second XACK, or a second copy of a
-parked entry, is harmless; a lost one would hold back trimming of the stream for good.
+An entry is acknowledged (XACK, and XDEL for a group that deletes what it has handled) only
+once its work is done, or when there is nothing left to do (pending, but trimmed from its
+stream meanwhile). An entry the persister's Postgres refused for its data is first copied,
+with the error, to its shard's ``log:refused`` stream (``jobtier persister --replay-refused``
+sends it back), then acknowledged. Whatever fails on the way stays owed and is sent again on
+the next flush: a second XACK, or a second copy of a parked entry, is harmless; a lost one
+would hold back trimming of the stream for good.
 """
 
 from __future__ import annotations
@@ -16,24 +17,31 @@ from jobtier.store.redis import RedisClient
 
 
 class Acks:
-    """The XACKs and parkings one persister owes, per shard, sent by ``flush``."""
+    """The XACKs and parkings one consumer owes, per shard, sent by ``flush``."""
 
     def __init__(
-        self, redis: RedisClient, streams: Sequence[str], refused: Sequence[str], group: str
+        self,
+        redis: RedisClient,
+        streams: Sequence[str],
+        group: str,
+        *,
+        refused: Sequence[str] = (),
+        delete: bool = False,
     ) -> None:
         self.redis = redis
-        self.streams = streams  # per shard: its log stream
+        self.streams = streams  # per shard: its stream
         self.refused = refused  # per shard: where its refused entries are parked
         self.group = group
+        self.delete = delete  # XDEL what is acknowledged (no other group reads the stream)
         self.parked = 0  # entries parked so far
-        self._to_ack: dict[int, list[bytes]] = {}  # committed, XACK not yet confirmed
+        self._to_ack: dict[int, list[bytes]] = {}  # done, XACK not yet confirmed
         self._to_park: dict[int, list[tuple[bytes, str]]] = {}  # refused: (id, error)
 
     def __bool__(self) -> bool:
         return bool(self._to_ack or self._to_park)
 
     def add(self, shard: int, entry_id: bytes) -> None:
-        """Owe an XACK for this entry (its batch committed, or it has nothing to write)."""
+        """Owe an XACK for this entry (its work is done, or it has none left)."""
         self._to_ack.setdefault(shard, []).append(entry_id)
 
     def add_many(self, entries: Iterable[tuple[int, bytes]]) -> None:
@@ -59,10 +67,12 @@ class Acks:
         pipe = self.redis.pipeline(transaction=False)
         for shard, ids in todo.items():
             pipe.xack(self.streams[shard], self.group, *ids)
+            if self.delete:
+                pipe.xdel(self.streams[shard], *ids)
         try:
             await pipe.execute()
         except BaseException:
-            # committed but not acknowledged: keep the ids; a replay would be harmless anyway
+            # done but not acknowledged: keep the ids; doing it again would be harmless anyway
             for shard, ids in todo.items():
                 self._to_ack.setdefault(shard, []).extend(ids)
             raise

@@ -1,0 +1,151 @@
+"""A consumer group's housekeeping on its streams: creating it, trimming what every group
+has acknowledged, forgetting the members that stopped, and sending the entries Postgres
+refused back to the logs. The persister runs the middle two from its loop (through its
+``Consumer``); ``jobtier persister --replay-refused`` runs the last. And ``lag``: how far
+behind the persisters' group is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from redis.exceptions import ResponseError
+
+from jobtier.core.keys import Keys
+from jobtier.store.redis import RedisClient
+from jobtier.store.scripts import Script, run_scripts
+
+log = logging.getLogger("jobtier.persist")
+
+_FORGET = Script("forget_consumers")
+_LAG = Script("log_lag")
+LAG_EXACT_UP_TO = 100  # undelivered entries per shard counted one by one (log_lag.lua)
+
+
+async def create_groups(
+    redis: RedisClient, streams: Sequence[str], group: str, start: str = "0"
+) -> None:
+    """Create consumer group ``group`` on every stream (made if missing) from ``start``;
+    a group that exists already is left as it is (BUSYGROUP)."""
+    pipe = redis.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xgroup_create(stream, group, id=start, mkstream=True)
+    for reply in await pipe.execute(raise_on_error=False):
+        if isinstance(reply, ResponseError) and "BUSYGROUP" in str(reply):
+            continue
+        if isinstance(reply, Exception):
+            raise reply
+
+
+def _next_id(entry_id: bytes) -> bytes:
+    ms, _, seq = entry_id.partition(b"-")
+    return b"%s-%d" % (ms, int(seq or b"0") + 1)
+
+
+def _key(entry_id: bytes) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition(b"-")
+    return int(ms), int(seq or b"0")
+
+
+async def trim(redis: RedisClient, streams: Sequence[str]) -> None:
+    """Drop log entries every consumer group has acknowledged.
+
+    Per shard and group, everything below the lowest pending id has been delivered (groups
+    deliver in id order) and is no longer pending, so it was acknowledged; with nothing
+    pending, everything up to the last delivered id was. XINFO GROUPS runs before XPENDING
+    on the same connection: an entry delivered between the two has an id above the
+    last-delivered id we read, so it cannot be trimmed while still pending.
+    """
+    pipe = redis.pipeline(transaction=False)
+    for stream in streams:
+        pipe.xinfo_groups(stream)
+    infos = await pipe.execute(raise_on_error=False)
+    pipe = redis.pipeline(transaction=False)
+    asked: list[tuple[int, bytes]] = []
+    for shard, groups in enumerate(infos):
+        if isinstance(groups, Exception) or not groups:
+            continue
+        for g in groups:
+            pipe.xpending(streams[shard], g["name"])
+            asked.append((shard, g["last-delivered-id"]))
+    floors: dict[int, bytes] = {}
+    for (shard, delivered), pending in zip(asked, await pipe.execute(), strict=True):
+        floor = pending["min"] if pending["pending"] else _next_id(delivered)
+        if shard not in floors or _key(floor) < _key(floors[shard]):
+            floors[shard] = floor
+    pipe = redis.pipeline(transaction=False)
+    for shard, floor in floors.items():
+        pipe.xtrim(streams[shard], minid=floor, approximate=False)
+    if floors:
+        await pipe.execute()
+
+
+async def forget_idle_consumers(
+    redis: RedisClient, streams: Sequence[str], group: str, keep: str, idle_ms: int
+) -> int:
+    """Remove the group's consumers that hold no pending entry and were idle ``idle_ms``
+    (``keep``, the caller, excepted); returns how many. Checked and removed atomically per
+    stream (``store/lua/forget_consumers.lua`` says why that matters)."""
+    calls = [(_FORGET, (1, stream, group, idle_ms, keep)) for stream in streams]
+    return sum(len(names) for names in await run_scripts(redis, calls))
+
+
+async def replay_refused(redis: RedisClient, keys: Keys) -> int:
+    """Send every parked entry (``log:refused``) back to its shard's log, for the persisters
+    to try again once the cause is fixed (a migration, a constraint). Each entry is added to
+    the log before it is deleted from the parked stream: interrupted, an entry is at worst
+    sent twice, which the persisters' writes make harmless. Returns the entries moved."""
+    moved = 0
+    for shard in range(keys.shards):
+        source, target = keys.log_refused(shard), keys.log(shard)
+        newest: Any = await redis.xrevrange(source, count=1)
+        if not newest:
+            continue
+        last = newest[0][0]  # entries refused again meanwhile come after it: not this run's
+        while True:
+            entries: Any = await redis.xrange(source, max=last, count=500)  # [(id, fields)]
+            if not entries:
+                break
+            pipe = redis.pipeline(transaction=False)
+            for entry_id, fields in entries:
+                kept: dict[Any, Any] = {
+                    k: v for k, v in fields.items() if not k.startswith(b"refused_")
+                }
+                pipe.xadd(target, kept)
+                pipe.xdel(source, entry_id)
+            await pipe.execute()
+            moved += len(entries)
+    if moved:
+        log.info("event=refused_entries_replayed count=%d", moved)
+    return moved
+
+
+def _id_ms(entry_id: bytes) -> int:
+    return int(entry_id.split(b"-", 1)[0])
+
+
+async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> tuple[int, float]:
+    """(entries not yet acknowledged by the persisters, age in seconds of the oldest one).
+
+    Per shard, one read-only script call (``store/lua/log_lag.lua``, all in one pipeline): the
+    group's pending entries plus those after its last-delivered id, counted in the stream (a
+    restart from the AOF can leave Redis's own ``lag`` counter stale). Up to ``exact``
+    undelivered entries per shard are counted one by one, each read whole; beyond that it is
+    Redis's ``lag`` bounded by the entries present, so a call costs the same however long
+    the backlog. The age and a count of 0 stay exact whatever the bound: a caller that wants
+    only those passes a small ``exact``. Callers on hot paths cache it (the API, a second).
+    """
+    group = keys.persist_group()
+    exact = max(1, exact)
+    calls = [(_LAG, (1, keys.log(s), group, exact)) for s in range(keys.shards)]
+    total, oldest_ms = 0, None
+    for waiting, oldest in await run_scripts(redis, calls):
+        total += int(waiting)
+        if oldest:
+            ms = _id_ms(oldest)
+            oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
+    age = 0.0 if oldest_ms is None else max(0.0, time.time() - oldest_ms / 1000)
+    return total, age
