@@ -156,7 +156,7 @@ async def fill(queue: Queue, n: int, tenant: str = DEFAULT_TENANT) -> None:
 async def caught_up(queue: Queue, pool: Any) -> bool:
     """The dispatchers' group has read and acknowledged every log entry, and no delivery is
     pending: a dispatcher started now has no backlog left from an earlier run."""
-    from jobtier.webhooks.dispatcher import group_name
+    from jobtier.webhooks.callbacks import group_name
 
     name = group_name(queue.keys).encode()
     for shard in range(queue.keys.shards):
@@ -198,7 +198,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         registry = TaskRegistry([noop])
         pool = await create_pool(pg.dsn, min_size=0, max_size=2)
         queue = await Queue.connect(settings, registry)
-        from jobtier.webhooks.dispatcher import ensure_group
+        from jobtier.webhooks.callbacks import ensure_group
         from jobtier.webhooks.signing import new_secret
 
         tenant = DEFAULT_TENANT

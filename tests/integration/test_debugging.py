@@ -14,12 +14,11 @@ import logging
 import msgspec
 import pytest
 
-from jobtier.core.model import LogLine, State
+from jobtier.core.model import LOG_LINE_CHARS, LOG_LINES, LogLine, State
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import reclaim_call
 from jobtier.testing import run_task
 from jobtier.worker.attempt import TRACEBACK_CHARS, TRACEBACK_FRAMES, format_traceback
-from jobtier.worker.context import LOG_LINE_CHARS, LOG_LINES
 from tests.debug_tasks import gate, registry
 from tests.fixtures.engine import Background, wait_for, worker_for
 

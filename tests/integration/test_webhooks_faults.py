@@ -20,7 +20,8 @@ from jobtier.config import Settings, env_name
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.webhooks.dispatcher import Dispatcher, ensure_group
+from jobtier.webhooks.callbacks import ensure_group
+from jobtier.webhooks.dispatcher import Dispatcher
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import wait_for
 from tests.fixtures.receiver import StartReceiver, deliveries, run_jobs, secret_of

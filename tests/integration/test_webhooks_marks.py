@@ -15,8 +15,9 @@ from jobtier.core.model import CallbackSpec, FlowJob
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool, query
 from jobtier.webhooks import marks
+from jobtier.webhooks.callbacks import group_name
 from jobtier.webhooks.deliveries import DeliveryStore
-from jobtier.webhooks.dispatcher import Dispatcher, group_name
+from jobtier.webhooks.dispatcher import Dispatcher
 from jobtier.webhooks.signing import new_secret
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for

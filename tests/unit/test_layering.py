@@ -137,12 +137,16 @@ def test_a_worker_loads_neither_the_api_nor_the_persister_nor_aiohttp() -> None:
     assert not {n for n in loaded if n.startswith(("jobtier.api", "jobtier.persist.persister"))}
 
 
-def test_the_api_loads_no_worker_runtime_and_the_persister_no_worker() -> None:
-    api = {n for n in _loaded("jobtier.api.app") if n.startswith("jobtier.worker")}
-    # the task definitions' names and limits describe the API; running tasks is not its part
-    assert api <= {"jobtier.worker", "jobtier.worker.registry", "jobtier.worker.context"}, api
-    persister = _loaded("jobtier.persist.persister")
-    assert not {n for n in persister if n.startswith(("jobtier.worker", "jobtier.api"))}
+def test_the_api_loads_neither_the_worker_nor_the_roles_nor_aiohttp() -> None:
+    loaded = _loaded("jobtier.api.app")
+    assert not _top(loaded) & {"aiohttp", "croniter"}
+    roles = ("jobtier.worker", "jobtier.persist.persister", "jobtier.webhooks.dispatcher")
+    assert not {n for n in loaded if n.startswith(roles)}
+
+
+def test_the_persister_loads_no_worker_and_no_api() -> None:
+    loaded = _loaded("jobtier.persist.persister")
+    assert not {n for n in loaded if n.startswith(("jobtier.worker", "jobtier.api"))}
 
 
 def test_production_code_does_not_import_the_development_servers() -> None:

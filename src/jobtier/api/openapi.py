@@ -31,7 +31,15 @@ from jobtier.api.debugging import DeadLetter
 from jobtier.api.flows import DependencyList
 from jobtier.api.jobs import STATUS_PARAMS, BatchBody
 from jobtier.config import Settings
-from jobtier.core.model import FlowSpec, JobLogs, JobSpec, JobStatus, QueueLimits
+from jobtier.core.model import (
+    LOG_LINE_CHARS,
+    LOG_LINES,
+    FlowSpec,
+    JobLogs,
+    JobSpec,
+    JobStatus,
+    QueueLimits,
+)
 from jobtier.core.names import (
     IDEMPOTENCY_KEY_RE,
     JOB_ID_RE,
@@ -42,7 +50,6 @@ from jobtier.core.names import (
 )
 from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
 from jobtier.webhooks.safety import MAX_URL_LENGTH as MAX_URL_LENGTH_CALLBACK
-from jobtier.worker.context import LOG_LINE_CHARS, LOG_LINES
 
 # the Structs the core routes decode and encode with (what they refuse, unknown members, is
 # stated too)

@@ -62,6 +62,10 @@ class JobError(msgspec.Struct, frozen=True, omit_defaults=True):
     traceback: str | None = None
 
 
+LOG_LINES = 200  # a job keeps its latest lines (ctx.log), of all its attempts
+LOG_LINE_CHARS = 1000  # a longer line is cut and ends with "…"
+
+
 class LogLine(msgspec.Struct, frozen=True):
     """One line a task logged with ``ctx.log()``: when (ISO 8601, UTC), in which attempt."""
 

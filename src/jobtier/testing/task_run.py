@@ -23,7 +23,7 @@ import msgspec
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
-from jobtier.core.model import RESULT_REF, ClaimedJob, Dependency, encode_json
+from jobtier.core.model import LOG_LINES, RESULT_REF, ClaimedJob, Dependency, encode_json
 from jobtier.flows.reads import MARKS
 from jobtier.worker.attempt import (
     INTERRUPTED,
@@ -33,7 +33,7 @@ from jobtier.worker.attempt import (
     fail_state,
     run_attempt,
 )
-from jobtier.worker.context import LOG_LINES, JobContext
+from jobtier.worker.context import JobContext
 from jobtier.worker.registry import Task
 from jobtier.worker.registry import task as as_task
 

@@ -17,12 +17,25 @@ from jobtier.core.keys import Keys
 from jobtier.core.model import CallbackSpec
 from jobtier.persist.db import UNAVAILABLE, Pool, create_pool, query
 from jobtier.store.redis import RedisClient
+from jobtier.streams.group import create_groups
 from jobtier.webhooks import marks
-from jobtier.webhooks.dispatcher import ensure_group
 from jobtier.webhooks.safety import AddressPolicy, Refused
 
 log = logging.getLogger("jobtier.webhooks")
 EVENTS = ("terminal", "all")
+
+
+def group_name(keys: Keys) -> str:
+    """The dispatchers' consumer group on every shard log."""
+    return f"{keys.prefix}-dispatcher"
+
+
+async def ensure_group(redis: RedisClient, keys: Keys, start: str = "0") -> None:
+    """Create the dispatchers' group on every shard log if missing. The API calls it (with
+    ``$``) before it accepts the first webhook, so that the logs keep the entries a
+    dispatcher will need even before one first runs."""
+    streams = [keys.log(s) for s in range(keys.shards)]
+    await create_groups(redis, streams, group_name(keys), start)
 
 
 class SecretMissing(JobtierError):

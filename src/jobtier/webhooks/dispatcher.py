@@ -43,9 +43,9 @@ from jobtier.runtime.stopping import stop_tasks
 from jobtier.store.redis import RedisClient
 from jobtier.streams.consumer import Consumer, Taken
 from jobtier.streams.entries import MALFORMED, LogEntry, parse_entry
-from jobtier.streams.group import create_groups
 from jobtier.webhooks import marks
 from jobtier.webhooks.attempts import Attempts
+from jobtier.webhooks.callbacks import group_name
 from jobtier.webhooks.deliveries import PG_UNAVAILABLE, DeliveryStore, made_from
 from jobtier.webhooks.safety import AddressPolicy, Resolver
 from jobtier.webhooks.sender import Sender
@@ -55,19 +55,6 @@ log = logging.getLogger("jobtier.webhooks")
 READ_COUNT = 200  # entries per shard per XREADGROUP
 CLAIM_COUNT = 500  # entries per shard per XAUTOCLAIM
 UNMARK_FAULTS: tuple[type[BaseException], ...] = (*FAULTS, *PG_UNAVAILABLE)
-
-
-def group_name(keys: Keys) -> str:
-    """The dispatchers' consumer group on every shard log."""
-    return f"{keys.prefix}-dispatcher"
-
-
-async def ensure_group(redis: RedisClient, keys: Keys, start: str = "0") -> None:
-    """Create the dispatchers' group on every shard log if missing. The API calls it (with
-    ``$``) before it accepts the first webhook, so that the logs keep the entries a
-    dispatcher will need even before one first runs."""
-    streams = [keys.log(s) for s in range(keys.shards)]
-    await create_groups(redis, streams, group_name(keys), start)
 
 
 @dataclass

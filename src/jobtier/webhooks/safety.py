@@ -5,7 +5,7 @@ unchecked, a tenant could make it POST to a database's HTTP port or a cloud meta
 (server-side request forgery). So at subscribe time (the API) every address the host
 resolves to must be public; at delivery time (the dispatcher) it is resolved again, only
 public addresses are used, and the connection is made to the very address checked
-(``PinnedResolver``): with no second resolution, DNS rebinding cannot redirect it.
+(``sender.PinnedResolver``): with no second resolution, DNS rebinding cannot redirect it.
 ``JOBTIER_WEBHOOK_ALLOWED_HOSTS`` lists exceptions (host names, addresses, CIDR networks).
 """
 
@@ -17,8 +17,6 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
-
-from aiohttp.abc import AbstractResolver, ResolveResult
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -146,38 +144,3 @@ class AddressPolicy:
         target = self.parse(url)
         await self.addresses(target, strict=True)
         return target
-
-
-class PinnedResolver(AbstractResolver):
-    """aiohttp's resolver for deliveries: hands the connector only the addresses the policy
-    allows, so the address checked is the address connected to. TLS still verifies the
-    certificate against the host name. aiohttp asks no resolver about IP literals:
-    ``Sender.post`` checks those itself."""
-
-    def __init__(self, policy: AddressPolicy) -> None:
-        self.policy = policy
-        self.pinned: list[str] = []  # the last few addresses handed to the connector (tests)
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        target = Target("", host.lower().strip("[]").rstrip("."), port)
-        try:
-            addresses = await self.policy.addresses(target, strict=False)
-        except Refused as exc:
-            raise RefusedConnect(f"refused: {exc}") from exc
-        self.pinned = [*self.pinned[-15:], *addresses]
-        return [
-            ResolveResult(
-                hostname=host,
-                host=a,
-                port=port,
-                proto=0,
-                flags=socket.AI_NUMERICHOST,
-                family=socket.AF_INET6 if ":" in a else socket.AF_INET,
-            )
-            for a in addresses
-        ]
-
-    async def close(self) -> None:
-        pass

@@ -10,17 +10,54 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import socket
 import time
 from dataclasses import dataclass
 
 import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-from jobtier.webhooks.safety import AddressPolicy, PinnedResolver, Refused, RefusedConnect
+from jobtier.webhooks.safety import AddressPolicy, Refused, RefusedConnect, Target
 
 USER_AGENT = "jobtier-webhooks/1"
 RESPONSE_KEPT = 500  # characters of an answer's body kept in the attempt's record
+
+
+class PinnedResolver(AbstractResolver):
+    """aiohttp's resolver for deliveries: hands the connector only the addresses the policy
+    allows, so the address checked is the address connected to. TLS still verifies the
+    certificate against the host name. aiohttp asks no resolver about IP literals:
+    ``Sender.post`` checks those itself."""
+
+    def __init__(self, policy: AddressPolicy) -> None:
+        self.policy = policy
+        self.pinned: list[str] = []  # the last few addresses handed to the connector (tests)
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        target = Target("", host.lower().strip("[]").rstrip("."), port)
+        try:
+            addresses = await self.policy.addresses(target, strict=False)
+        except Refused as exc:
+            raise RefusedConnect(f"refused: {exc}") from exc
+        self.pinned = [*self.pinned[-15:], *addresses]
+        return [
+            ResolveResult(
+                hostname=host,
+                host=a,
+                port=port,
+                proto=0,
+                flags=socket.AI_NUMERICHOST,
+                family=socket.AF_INET6 if ":" in a else socket.AF_INET,
+            )
+            for a in addresses
+        ]
+
+    async def close(self) -> None:
+        pass
 
 
 @dataclass(slots=True)

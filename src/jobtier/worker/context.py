@@ -12,15 +12,20 @@ from typing import Any
 import msgspec
 
 from jobtier.core.errors import Cancelled, ResultGone
-from jobtier.core.model import ClaimedJob, Dependency, LogLine, encode_json
+from jobtier.core.model import (
+    LOG_LINE_CHARS,
+    LOG_LINES,
+    ClaimedJob,
+    Dependency,
+    LogLine,
+    encode_json,
+)
 from jobtier.flows.reads import from_inputs, stored_refs
 
 # A job's log lines (ctx.log): it keeps its latest LOG_LINES lines, of all its attempts, each
 # at most LOG_LINE_CHARS characters (a longer one is cut and ends with "…"). A task that logs
 # more than LOG_LINES lines between two sends of its worker (every ~0.2 s) loses the oldest
 # of them, and a line says how many.
-LOG_LINES = 200
-LOG_LINE_CHARS = 1000
 _encode_line = msgspec.json.Encoder().encode
 _log_lock = threading.Lock()  # ctx.log may be called from a sync task's thread
 

@@ -30,13 +30,12 @@ from collections import defaultdict
 from redis.exceptions import RedisError
 
 from jobtier.core.errors import Code
-from jobtier.core.model import encode_json
+from jobtier.core.model import LOG_LINES, encode_json
 from jobtier.engine.catalog import publish as publish_tasks
 from jobtier.runtime.loop import wait_for
 from jobtier.store.calls import heartbeat_call, joblog_call, parse_pairs
 from jobtier.worker.attempt import deliver_cancel
 from jobtier.worker.claimer import Claimer
-from jobtier.worker.context import LOG_LINES
 from jobtier.worker.launcher import Launcher
 from jobtier.worker.permits import limit_calls
 from jobtier.worker.state import WorkerState

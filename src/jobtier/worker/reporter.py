@@ -31,6 +31,7 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from jobtier.core.errors import Code, RateLimited
+from jobtier.core.model import LOG_LINES
 from jobtier.runtime.backoff import REPORT
 from jobtier.store.calls import (
     Call,
@@ -42,7 +43,7 @@ from jobtier.store.calls import (
 )
 from jobtier.store.context import block_queue
 from jobtier.worker.attempt import DEFAULT_POLICY, STOPPED, Failure, Stopped
-from jobtier.worker.context import LOG_LINES, JobContext
+from jobtier.worker.context import JobContext
 from jobtier.worker.permits import LimitedQueues, limit_calls
 from jobtier.worker.state import Running, WorkerState
 
