@@ -191,8 +191,10 @@ class Scheduler:
             await subscriber.stop()
             log.info(
                 "event=scheduler_stopped promoted=%d requeued=%d dead=%d",
-                self.stats.promoted, self.stats.requeued, self.stats.dead,
-            )  # fmt: skip
+                self.stats.promoted,
+                self.stats.requeued,
+                self.stats.dead,
+            )
         return self.stats
 
     def _seconds_to_next(self) -> float:
@@ -260,9 +262,13 @@ class Scheduler:
     async def _reconcile_loop(self) -> None:
         # Postgres down or hung: firing goes on from Redis
         await every(
-            self.reconcile_every, self.reconcile, event="schedule_reconcile", log=log,
-            faults=(Exception,), timeout=RECONCILE_TIMEOUT,
-        )  # fmt: skip
+            self.reconcile_every,
+            self.reconcile,
+            event="schedule_reconcile",
+            log=log,
+            faults=(Exception,),
+            timeout=RECONCILE_TIMEOUT,
+        )
 
     async def run_once(self) -> int:
         """One pass over the shards that are due; returns the jobs moved."""
@@ -305,8 +311,10 @@ class Scheduler:
             if r.moved or r.dead:
                 log.info(
                     "event=leases_expired shard=%d requeued=%d dead_lettered=%d",
-                    shard, r.moved, r.dead,
-                )  # fmt: skip
+                    shard,
+                    r.moved,
+                    r.dead,
+                )
             if r.moved + r.dead >= self.batch:
                 self._next_lease[shard] = NOW
             else:

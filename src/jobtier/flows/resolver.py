@@ -121,8 +121,10 @@ class Resolver:
         await self.consumer.run(self.run_once, self._failed, idle=self._idle)
         log.info(
             "event=resolver_stopped name=%s handoffs=%d applied=%d",
-            self.name, self.stats.handoffs, self.stats.applied,
-        )  # fmt: skip
+            self.name,
+            self.stats.handoffs,
+            self.stats.applied,
+        )
         return self.stats
 
     def _failed(self, exc: Exception, wait: float) -> bool:
@@ -238,9 +240,9 @@ class Resolver:
             await self.scripts.call_many(calls)
         await self.scripts.call_many(linked_calls(self.store, overdue))
         log.warning(
-            "event=dependents_relinked count=%d: their submit was cut short before it linked "
-            "them", len(overdue),
-        )  # fmt: skip
+            "event=dependents_relinked count=%d: their submit was cut short before it linked them",
+            len(overdue),
+        )
         return len(overdue)
 
     async def _redis_time(self) -> tuple[int, int]:

@@ -325,18 +325,21 @@ class Persister:
                 if raced:  # not a failure of Postgres, nor of the data: batch_written_again
                     log.info(
                         "event=partition_attached_meanwhile table=%s retry_in=%.1fs batch=%d",
-                        getattr(exc, "table_name", ""), wait, len(batch),
-                    )  # fmt: skip
+                        getattr(exc, "table_name", ""),
+                        wait,
+                        len(batch),
+                    )
                 elif isinstance(exc, UNAVAILABLE):
                     log.warning(
                         "event=postgres_unavailable retry_in=%.1fs batch=%d error=%r",
-                        wait, len(batch), exc,
-                    )  # fmt: skip
+                        wait,
+                        len(batch),
+                        exc,
+                    )
                 elif isinstance(exc, asyncpg.PostgresError):  # e.g. no table: run jobtier migrate
                     log.warning(
-                        "event=batch_failed retry_in=%.1fs batch=%d error=%r",
-                        wait, len(batch), exc,
-                    )  # fmt: skip
+                        "event=batch_failed retry_in=%.1fs batch=%d error=%r", wait, len(batch), exc
+                    )
                 else:
                     self._explain("event=batch_failed", exc, wait, batch=len(batch))
                 if await self.consumer.sleep(wait):
@@ -370,9 +373,13 @@ class Persister:
         self.stats.bad_entries += 1
         log.error(
             "event=entry_refused stream=%s id=%s job=%s version=%d error=%r parked_in=%s",
-            self.keys.log(entry.shard), entry.entry_id.decode(), entry.status.id,
-            entry.status.version, exc, self.keys.log_refused(entry.shard),
-        )  # fmt: skip
+            self.keys.log(entry.shard),
+            entry.entry_id.decode(),
+            entry.status.id,
+            entry.status.version,
+            exc,
+            self.keys.log_refused(entry.shard),
+        )
         self.consumer.acks.park(entry.shard, entry.entry_id, repr(exc))
 
     async def _ack(self) -> None:

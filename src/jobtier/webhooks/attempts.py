@@ -155,12 +155,26 @@ class Attempts:
         log.log(
             logging.DEBUG if state == "delivered" else logging.INFO,
             "event=webhook_attempt delivery=%s job=%s attempt=%d status=%s outcome=%s error=%s",
-            a.id, a.job_id, made, status, kind, answer.error,
-        )  # fmt: skip
-        self._outcomes.append(Outcome(
-            a.id, a.lease, state, now, answer.duration_ms, status, answer.error, answer.body,
-            next_at,
-        ))  # fmt: skip
+            a.id,
+            a.job_id,
+            made,
+            status,
+            kind,
+            answer.error,
+        )
+        self._outcomes.append(
+            Outcome(
+                a.id,
+                a.lease,
+                state,
+                now,
+                answer.duration_ms,
+                status,
+                answer.error,
+                answer.body,
+                next_at,
+            )
+        )
         if len(self._outcomes) >= 200:
             self._recorded.set()
 

@@ -130,10 +130,19 @@ def made_from(
         event = event_type(e)
         body = body_of(e, event)
         for sub_id, url in targets:
-            out.append(NewDelivery(
-                delivery_id(e.status.id, e.status.version, sub_id), e.tenant, e.status.id,
-                e.status.version, sub_id, url, event, body, at,
-            ))  # fmt: skip
+            out.append(
+                NewDelivery(
+                    delivery_id(e.status.id, e.status.version, sub_id),
+                    e.tenant,
+                    e.status.id,
+                    e.status.version,
+                    sub_id,
+                    url,
+                    event,
+                    body,
+                    at,
+                )
+            )
     return out
 
 

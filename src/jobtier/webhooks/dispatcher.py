@@ -116,7 +116,9 @@ class Dispatcher:
         """This dispatcher's part of its process's metrics snapshot."""
         st, at = self.stats, self.attempts.stats
         return Snapshot(
-            "", "", 0.0,
+            "",
+            "",
+            0.0,
             counters={
                 "dispatcher_entries_total": {"": st.entries},
                 "dispatcher_entries_skipped_total": {"": st.skipped},
@@ -135,7 +137,7 @@ class Dispatcher:
                 "webhook_delivery_latency_seconds": {"": at.latency.snapshot()},
                 "webhook_attempt_seconds": {"": at.attempt_time.snapshot()},
             },
-        )  # fmt: skip
+        )
 
     def stop(self) -> None:
         self.consumer.stop()

@@ -258,8 +258,12 @@ class Claimer:
         log.warning(
             "event=jobs_handed_back worker=%s count=%d first=%s tasks=%s queues=%s: "
             "they stay queued for a worker that has their task",
-            self.id, len(ids), ids[0], ",".join(state.types), ",".join(state.queues),
-        )  # fmt: skip
+            self.id,
+            len(ids),
+            ids[0],
+            ",".join(state.types),
+            ",".join(state.queues),
+        )
 
     def _plan(self, free: int) -> list[tuple[int, int]]:
         """(shard, jobs to ask for) for one round of claims.

@@ -52,10 +52,20 @@ class JobContext:
     """
 
     __slots__ = (
-        "_cancelled", "_dependencies", "_log", "_loop", "_loop_thread", "_on_log", "_on_progress",
-        "_read_result", "_refs", "_waiter",
-        "job", "shard", "worker_id",
-    )  # fmt: skip
+        "_cancelled",
+        "_dependencies",
+        "_log",
+        "_loop",
+        "_loop_thread",
+        "_on_log",
+        "_on_progress",
+        "_read_result",
+        "_refs",
+        "_waiter",
+        "job",
+        "shard",
+        "worker_id",
+    )
 
     def __init__(
         self,

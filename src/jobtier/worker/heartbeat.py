@@ -146,8 +146,10 @@ class Heartbeat:
                     state.stats.leases_lost += 1
                     log.warning(
                         "event=lease_lost worker=%s job=%s code=%s: stopping it, its outcome will be dropped",
-                        self.id, job_id, code.name,
-                    )  # fmt: skip
+                        self.id,
+                        job_id,
+                        code.name,
+                    )
                     r.lost = True
                     if r.handle is not None:
                         r.handle.cancel()

@@ -16,6 +16,7 @@ is counted (``Worker.stuck``), so the command can exit without joining it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -118,10 +119,8 @@ class Launcher:
         stats.claimed += 1
         stats.claim_wait.observe(max(now_ms - job.queued_at_ms, 0) / 1000)
         on_progress = self._on_progress
-        ctx = JobContext(
-            job, shard, self.id, self.loop, lambda data: on_progress(job.id, data),
-            self._on_log, self._read,
-        )  # fmt: skip
+        progress = functools.partial(on_progress, job.id)
+        ctx = JobContext(job, shard, self.id, self.loop, progress, self._on_log, self._read)
         task = self._task_of(job.type)
         running = Running(job, shard, task, ctx, time.monotonic(), permit=permit)
         self._running[job.id] = running
@@ -130,9 +129,14 @@ class Launcher:
             attempt = run_attempt(task, ctx, self.threads, limit, self.reporter)
         else:  # large results go to the result store before the success is reported
             attempt = run_attempt_storing(
-                task, ctx, self.threads, limit, self.reporter, self.results,
+                task,
+                ctx,
+                self.threads,
+                limit,
+                self.reporter,
+                self.results,
                 self.state.settings.result_store_threshold_bytes,
-            )  # fmt: skip
+            )
         running.handle = asyncio.create_task(attempt, name=f"job {job.id}")
         if self.early_cancels and self.early_cancels.pop(job.id, False) is None:
             log.info("event=cancel_requested worker=%s job=%s via=push", self.id, job.id)
@@ -173,8 +177,10 @@ class Launcher:
         the front, attempt not counted) and stop its task."""
         log.info(
             "event=worker_releasing worker=%s jobs=%d reason=%s",
-            self.id, len(self._running), reason,
-        )  # fmt: skip
+            self.id,
+            len(self._running),
+            reason,
+        )
         for r in list(self._running.values()):
             self.reporter.report("stopped", r, ())
             r.released = True

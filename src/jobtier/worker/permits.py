@@ -173,8 +173,11 @@ class LimitedClaimer:
                 wait = backoff.next()
                 log.warning(
                     "event=claim_failed worker=%s queue=%s error=%r retry_in=%.2fs",
-                    state.id, self.queue, exc, wait,
-                )  # fmt: skip
+                    state.id,
+                    self.queue,
+                    exc,
+                    wait,
+                )
                 await wait_for(state.stopping, wait)  # a back-off ends at a stop, no sooner
                 continue
             if pause is None:

@@ -110,10 +110,15 @@ class Reporter:
         # one record per failed attempt, with the traceback of what the task raised
         log.info(
             "event=job_failed job=%s type=%s attempt=%d/%d error=%s message=%r retry_in_ms=%d",
-            r.job.id, r.job.type, r.job.attempt, r.job.max_attempts, failure.type,
-            failure.message[:200], delay_ms,
+            r.job.id,
+            r.job.type,
+            r.job.attempt,
+            r.job.max_attempts,
+            failure.type,
+            failure.message[:200],
+            delay_ms,
             exc_info=failure.exc if failure.raised else None,
-        )  # fmt: skip
+        )
         self.report("fail", r, (failure.error_json(), delay_ms))
 
     def _rate_limited(self, r: Running, failure: Failure, exc: RateLimited) -> None:
@@ -123,8 +128,11 @@ class Reporter:
         error = failure.error_json()
         log.info(
             "event=queue_rate_limited job=%s type=%s queue=%s retry_in_ms=%d",
-            r.job.id, r.job.type, r.job.queue, delay_ms,
-        )  # fmt: skip
+            r.job.id,
+            r.job.type,
+            r.job.queue,
+            delay_ms,
+        )
         self.report("fail", r, (error, delay_ms, 1))
         self._stats.rate_limited += 1
         task = asyncio.create_task(self._block(r.job.queue, exc.retry_after))
@@ -150,8 +158,10 @@ class Reporter:
                 log.info(
                     "event=late_outcome_dropped worker=%s job=%s report=%s: the job was "
                     "released at shutdown",
-                    self.id, r.job.id, kind,
-                )  # fmt: skip
+                    self.id,
+                    r.job.id,
+                    kind,
+                )
             return
         # (_log is None unless the task ever logged: nothing to look at for most jobs)
         lines = r.ctx._take_logs() if r.ctx._log is not None else None
@@ -272,8 +282,11 @@ class Reporter:
                 st.refused += 1
                 log.warning(
                     "event=stale_write_refused worker=%s job=%s report=%s code=%s",
-                    self.id, item[0], kind, Code(code).name,
-                )  # fmt: skip
+                    self.id,
+                    item[0],
+                    kind,
+                    Code(code).name,
+                )
             elif state == b"succeeded":
                 st.succeeded += 1
             elif state == b"scheduled":
@@ -294,8 +307,9 @@ class Reporter:
             if time.monotonic() - start >= limit:
                 log.warning(
                     "event=reports_unsent worker=%s: Redis did not take the last reports; "
-                    "their jobs return to their queues when their leases expire", self.id,
-                )  # fmt: skip
+                    "their jobs return to their queues when their leases expire",
+                    self.id,
+                )
                 return
             self._ready.set()
             await asyncio.sleep(0.005)

@@ -91,7 +91,9 @@ class Worker:
             labels(outcome="released"): st.released,
         }
         return Snapshot(
-            "", "", 0.0,
+            "",
+            "",
+            0.0,
             counters={
                 "worker_jobs_started_total": {"": st.claimed},
                 "worker_claim_round_trips_total": {"": st.claim_round_trips},
@@ -112,7 +114,7 @@ class Worker:
                 "claim_wait_seconds": {"": st.claim_wait.snapshot()},
                 "run_time_seconds": {"": st.run_time.snapshot()},
             },
-        )  # fmt: skip
+        )
 
     @property
     def idle(self) -> bool:
@@ -133,15 +135,18 @@ class Worker:
             state.slot_free.set()  # a claim loop waiting for a slot stops now (claimer.py)
             log.info(
                 "event=worker_draining worker=%s running=%d grace=%gs",
-                self.id, len(state.running), self.shutdown_grace,
-            )  # fmt: skip
+                self.id,
+                len(state.running),
+                self.shutdown_grace,
+            )
         if now and not state.stop_now.is_set():
             state.deadline = at
             state.stop_now.set()
             log.warning(
                 "event=worker_stop_now worker=%s running=%d: releasing running jobs now",
-                self.id, len(state.running),
-            )  # fmt: skip
+                self.id,
+                len(state.running),
+            )
 
     async def run(self) -> WorkerStats:
         state = self.state
@@ -160,8 +165,12 @@ class Worker:
         heart = asyncio.create_task(self.heartbeat.run(), name="jobtier-heartbeat")
         log.info(
             "event=worker_started worker=%s concurrency=%d queues=%s tasks=%s burst=%s",
-            self.id, state.concurrency, ",".join(state.queues), ",".join(state.types), state.burst,
-        )  # fmt: skip
+            self.id,
+            state.concurrency,
+            ",".join(state.queues),
+            ",".join(state.types),
+            state.burst,
+        )
         try:
             await self.claimer.run()
             self.stuck = await self.launcher.drain()
@@ -188,8 +197,13 @@ class Worker:
             log.info(
                 "event=worker_stopped worker=%s succeeded=%d failed=%d retried=%d released=%d "
                 "stuck=%d",
-                self.id, st.succeeded, st.failed, st.retried, st.released, self.stuck,
-            )  # fmt: skip
+                self.id,
+                st.succeeded,
+                st.failed,
+                st.retried,
+                st.released,
+                self.stuck,
+            )
         return self.stats
 
     def _on_wake(self, channel: bytes, data: bytes) -> None:
