@@ -20,7 +20,6 @@ which also derive from the matching engine exceptions (``JobNotFound``,
 """
 
 from jobtier.client._async import AsyncClient
-from jobtier.client._core import DeadLetter, FlowSubmission, JobDetails, JobPage, Result, Submission
 from jobtier.client._errors import (
     ApiError,
     Conflict,
@@ -34,6 +33,14 @@ from jobtier.client._errors import (
     WrongState,
 )
 from jobtier.client._sync import Client
+from jobtier.client._types import (
+    DeadLetter,
+    FlowSubmission,
+    JobDetails,
+    JobPage,
+    Result,
+    Submission,
+)
 from jobtier.core.schedule import Schedule, ScheduleSpec
 
 __all__ = [

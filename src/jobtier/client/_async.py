@@ -9,21 +9,16 @@ from typing import Any, TypeVar, overload
 
 import httpx
 
-from jobtier.client._core import (
-    BaseClient,
-    Call,
+from jobtier.client._core import BaseClient, Call, Emit, Op, ReadLine, Sleep
+from jobtier.client._errors import ApiError
+from jobtier.client._types import (
     DeadLetter,
-    Emit,
     FlowSubmission,
     JobDetails,
     JobPage,
-    Op,
-    ReadLine,
     Result,
-    Sleep,
     Submission,
 )
-from jobtier.client._errors import ApiError
 from jobtier.core.model import (
     Dependency,
     FlowJob,

@@ -29,10 +29,32 @@ from jobtier.client._errors import (
     retry_after,
     unexpected,
 )
+from jobtier.client._types import (
+    DeadLetter,
+    FlowSubmission,
+    JobDetails,
+    JobPage,
+    Result,
+    Submission,
+    batch_decoder,
+    dead_letter_decoder,
+    dead_letters_decoder,
+    dependencies_decoder,
+    encoder,
+    flow_decoder,
+    history_decoder,
+    logs_decoder,
+    page_decoder,
+    queue_list_decoder,
+    replayed_decoder,
+    result_decoder,
+    schedule_decoder,
+    schedule_list_decoder,
+    task_list_decoder,
+)
 from jobtier.core.model import (
     Dependency,
     FlowJob,
-    JobError,
     JobSpec,
     JobStatus,
     LogLine,
@@ -55,142 +77,6 @@ except metadata.PackageNotFoundError:  # running from a source tree
 
 T = TypeVar("T")
 TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
-
-
-class Submission(msgspec.Struct, frozen=True):
-    """The outcome of a submit: the job's status, and whether this call created it.
-
-    ``created`` is False for a duplicate: an earlier submit with the same idempotency key
-    (and the same type and payload) made the job, and ``job`` is that job's status now.
-    """
-
-    job: JobStatus
-    created: bool
-
-    @property
-    def id(self) -> str:
-        return self.job.id
-
-
-class FlowSubmission(msgspec.Struct, frozen=True):
-    """The outcome of a flow submit: each job's status, in the order of the flow, and
-    whether this call created the flow (False: a repeat of an earlier submit with the same
-    idempotency key; ``jobs`` are then the flow's jobs as they are now)."""
-
-    created: bool
-    jobs: list[JobStatus]
-
-    @property
-    def ids(self) -> list[str]:
-        return [job.id for job in self.jobs]
-
-
-class Result(msgspec.Struct, frozen=True):
-    """``GET /v1/jobs/{id}/result``: ``result`` is the task's return value once the job has
-    succeeded (else None); ``error`` says why it failed."""
-
-    id: str
-    state: State
-    version: int
-    result: Any = None
-    error: JobError | None = None
-    # the result kept outside Redis: where the server streams it (``result()`` follows it)
-    result_url: str | None = None
-
-    @property
-    def terminal(self) -> bool:
-        return self.state.terminal
-
-
-class JobPage(msgspec.Struct, frozen=True):
-    """A page of ``GET /v1/jobs`` (from Postgres): ``next_cursor`` for the next page (None on
-    the last); ``lag`` says how far behind the write-behind is (``transitions``,
-    ``seconds``): jobs changed within it may show an older state."""
-
-    jobs: list[JobStatus]
-    next_cursor: str | None
-    lag: dict[str, float]
-
-
-class JobDetails(msgspec.Struct, frozen=True):
-    """Everything about one job (``show``): its status, its result (once succeeded), its
-    history (None when the API has no Postgres), and its log lines (``ctx.log``)."""
-
-    status: JobStatus
-    result: Any
-    history: list[Transition] | None
-    lines: list[LogLine]
-
-
-class DeadLetter(msgspec.Struct, frozen=True):
-    """One dead-lettered job in full (admin): its status (the error and its traceback), its
-    payload and its log lines."""
-
-    job: JobStatus
-    payload: Any
-    lines: list[LogLine]
-
-
-# --- the documents that wrap a list ----------------------------------------------------------
-class _DependencyList(msgspec.Struct):
-    id: str
-    dependencies: list[Dependency]
-
-
-class _History(msgspec.Struct):
-    transitions: list[Transition]
-
-
-class _Logs(msgspec.Struct):
-    lines: list[LogLine]
-
-
-class _DeadLetters(msgspec.Struct):
-    jobs: list[JobStatus]
-
-
-class _Replayed(msgspec.Struct):
-    replayed: list[str]
-
-
-class _QueueList(msgspec.Struct):
-    queues: list[QueueInfo]
-
-
-class _TaskList(msgspec.Struct):
-    tasks: list[TaskAd]
-
-
-class _ScheduleList(msgspec.Struct):
-    schedules: list[Schedule]
-    next_after: str | None = None
-
-
-class _BatchItem(msgspec.Struct):
-    status: int
-    job: msgspec.Raw = msgspec.Raw()  # empty when absent
-    problem: dict[str, Any] | None = None
-
-
-class _BatchResults(msgspec.Struct):
-    results: list[_BatchItem]
-
-
-_batch_decoder = msgspec.json.Decoder(_BatchResults)
-_page_decoder = msgspec.json.Decoder(JobPage)
-_history_decoder = msgspec.json.Decoder(_History)
-_logs_decoder = msgspec.json.Decoder(_Logs)
-_dead_letters_decoder = msgspec.json.Decoder(_DeadLetters)
-_dead_letter_decoder = msgspec.json.Decoder(DeadLetter)
-_replayed_decoder = msgspec.json.Decoder(_Replayed)
-_result_decoder = msgspec.json.Decoder(Result)
-_flow_decoder = msgspec.json.Decoder(FlowSubmission)
-_dependencies_decoder = msgspec.json.Decoder(_DependencyList)
-_queue_list_decoder = msgspec.json.Decoder(_QueueList)
-_task_list_decoder = msgspec.json.Decoder(_TaskList)
-_schedule_decoder = msgspec.json.Decoder(Schedule)
-_schedule_list_decoder = msgspec.json.Decoder(_ScheduleList)
-_encoder = msgspec.json.Encoder()
 
 
 # --- steps ----------------------------------------------------------------------------------
@@ -243,7 +129,7 @@ def job_path(job_id: str, suffix: str = "") -> str:
 
 def json_call(method: str, where: str, body: Any) -> Call:
     headers = {"content-type": "application/json"}
-    return Call(method, where, headers=headers, content=_encoder.encode(body))
+    return Call(method, where, headers=headers, content=encoder.encode(body))
 
 
 def present(**fields: Any) -> dict[str, Any]:
@@ -460,7 +346,7 @@ class BaseClient(Generic[TransportT]):
         response = yield from self._retrying(call, safe=all(keys))
         check(response)
         status = response.status_code
-        items = decode(_batch_decoder, response.content, "a batch answer", status).results
+        items = decode(batch_decoder, response.content, "a batch answer", status).results
         if len(items) != len(jobs):
             raise unexpected(status, f"{len(items)} results for {len(jobs)} jobs")
         out: list[Submission | ApiError] = []
@@ -471,7 +357,7 @@ class BaseClient(Generic[TransportT]):
                 except ApiError as exc:
                     out.append(exc)
             else:
-                problem = _encoder.encode(item.problem or {})
+                problem = encoder.encode(item.problem or {})
                 out.append(api_error(item.status, problem, {}, key=key or ""))
         return out
 
@@ -483,11 +369,11 @@ class BaseClient(Generic[TransportT]):
         call = json_call("POST", "/v1/flows", body)
         response = yield from self._retrying(call, safe=idempotency_key is not None)
         check(response, key=idempotency_key or "")
-        return decode(_flow_decoder, response.content, "a flow answer", response.status_code)
+        return decode(flow_decoder, response.content, "a flow answer", response.status_code)
 
     def _dependencies(self, job_id: str) -> Op[list[Dependency]]:
         call = Call("GET", job_path(job_id, "/dependencies"))
-        found = yield from fetch(call, _dependencies_decoder, "a dependency list", job_id)
+        found = yield from fetch(call, dependencies_decoder, "a dependency list", job_id)
         return found.dependencies
 
     def _status(
@@ -533,7 +419,7 @@ class BaseClient(Generic[TransportT]):
 
     def _result(self, job_id: str) -> Op[Result]:
         call = Call("GET", job_path(job_id, "/result"))
-        found = yield from fetch(call, _result_decoder, "a result document", job_id)
+        found = yield from fetch(call, result_decoder, "a result document", job_id)
         if found.result_url is None:
             return found
         # a large result is kept outside Redis: the answer names where it streams from
@@ -555,15 +441,15 @@ class BaseClient(Generic[TransportT]):
         params = query(limit=limit, order=order, state=state, type=type, queue=queue)
         params |= query(cursor=cursor, created_after=created_after)
         call = Call("GET", "/v1/jobs", params=params)
-        return (yield from fetch(call, _page_decoder, "a page of jobs"))
+        return (yield from fetch(call, page_decoder, "a page of jobs"))
 
     def _history(self, job_id: str) -> Op[list[Transition]]:
         call = Call("GET", job_path(job_id, "/history"))
-        return (yield from fetch(call, _history_decoder, "a history", job_id)).transitions
+        return (yield from fetch(call, history_decoder, "a history", job_id)).transitions
 
     def _logs(self, job_id: str) -> Op[list[LogLine]]:
         call = Call("GET", job_path(job_id, "/logs"))
-        return (yield from fetch(call, _logs_decoder, "log lines", job_id)).lines
+        return (yield from fetch(call, logs_decoder, "log lines", job_id)).lines
 
     def _show(self, job_id: str) -> Op[JobDetails]:
         status = yield from self._status(job_id)
@@ -582,11 +468,11 @@ class BaseClient(Generic[TransportT]):
     ) -> Op[list[JobStatus]]:
         params = query(limit=limit, type=type, since=since)
         call = Call("GET", "/v1/admin/dead-letters", params=params)
-        return (yield from fetch(call, _dead_letters_decoder, "a dead-letter list")).jobs
+        return (yield from fetch(call, dead_letters_decoder, "a dead-letter list")).jobs
 
     def _dead_letter(self, job_id: str) -> Op[DeadLetter]:
         call = Call("GET", path("/v1/admin/dead-letters", job_id))
-        return (yield from fetch(call, _dead_letter_decoder, "a dead letter", job_id))
+        return (yield from fetch(call, dead_letter_decoder, "a dead letter", job_id))
 
     def _replay(self, job_id: str) -> Op[JobStatus]:
         call = Call("POST", path("/v1/admin/dead-letters", job_id, "/replay"))
@@ -597,12 +483,12 @@ class BaseClient(Generic[TransportT]):
     ) -> Op[list[str]]:
         body = present(limit=limit, type=type, since=None if since is None else time_param(since))
         call = json_call("POST", "/v1/admin/dead-letters/replay", body)
-        return (yield from fetch(call, _replayed_decoder, "a replay answer")).replayed
+        return (yield from fetch(call, replayed_decoder, "a replay answer")).replayed
 
     # --- queues (admin key) ----------------------------------------------------------------
     def _queues(self) -> Op[list[QueueInfo]]:
         call = Call("GET", "/v1/admin/queues")
-        return (yield from fetch(call, _queue_list_decoder, "a queue list")).queues
+        return (yield from fetch(call, queue_list_decoder, "a queue list")).queues
 
     def _queue_action(self, name: str, action: str, limits: QueueLimits | None = None) -> Op[None]:
         where = path("/v1/admin/queues", name, f"/{action}")
@@ -612,20 +498,20 @@ class BaseClient(Generic[TransportT]):
 
     def _tasks(self) -> Op[list[TaskAd]]:
         call = Call("GET", "/v1/admin/tasks")
-        return (yield from fetch(call, _task_list_decoder, "a task list")).tasks
+        return (yield from fetch(call, task_list_decoder, "a task list")).tasks
 
     # --- recurring schedules -----------------------------------------------------------------
     def _create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Op[Schedule]:
         call = json_call("POST", "/v1/schedules", spec)
-        return (yield from fetch(call, _schedule_decoder, "a schedule"))
+        return (yield from fetch(call, schedule_decoder, "a schedule"))
 
     def _schedules(self, after: str, limit: int) -> Op[list[Schedule]]:
         call = Call("GET", "/v1/schedules", params=query(limit=limit, after=after or None))
-        return (yield from fetch(call, _schedule_list_decoder, "a schedule list")).schedules
+        return (yield from fetch(call, schedule_list_decoder, "a schedule list")).schedules
 
     def _schedule(self, method: str, schedule_id: str, suffix: str = "") -> Op[Schedule]:
         call = Call(method, path("/v1/schedules", schedule_id, suffix))
-        return (yield from fetch(call, _schedule_decoder, "a schedule", schedule_id))
+        return (yield from fetch(call, schedule_decoder, "a schedule", schedule_id))
 
     def _delete_schedule(self, schedule_id: str) -> Op[None]:
         response: httpx.Response = yield Call("DELETE", path("/v1/schedules", schedule_id))

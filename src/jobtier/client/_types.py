@@ -1,0 +1,155 @@
+"""The bodies the client decodes: what a submit, a result, a listing answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from jobtier.core.model import (
+    Dependency,
+    JobError,
+    JobStatus,
+    LogLine,
+    QueueInfo,
+    State,
+    TaskAd,
+    Transition,
+)
+from jobtier.core.schedule import Schedule
+
+
+class Submission(msgspec.Struct, frozen=True):
+    """The outcome of a submit: the job's status, and whether this call created it.
+
+    ``created`` is False for a duplicate: an earlier submit with the same idempotency key
+    (and the same type and payload) made the job, and ``job`` is that job's status now.
+    """
+
+    job: JobStatus
+    created: bool
+
+    @property
+    def id(self) -> str:
+        return self.job.id
+
+
+class FlowSubmission(msgspec.Struct, frozen=True):
+    """The outcome of a flow submit: each job's status, in the order of the flow, and
+    whether this call created the flow (False: a repeat of an earlier submit with the same
+    idempotency key; ``jobs`` are then the flow's jobs as they are now)."""
+
+    created: bool
+    jobs: list[JobStatus]
+
+    @property
+    def ids(self) -> list[str]:
+        return [job.id for job in self.jobs]
+
+
+class Result(msgspec.Struct, frozen=True):
+    """``GET /v1/jobs/{id}/result``: ``result`` is the task's return value once the job has
+    succeeded (else None); ``error`` says why it failed."""
+
+    id: str
+    state: State
+    version: int
+    result: Any = None
+    error: JobError | None = None
+    # the result kept outside Redis: where the server streams it (``result()`` follows it)
+    result_url: str | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state.terminal
+
+
+class JobPage(msgspec.Struct, frozen=True):
+    """A page of ``GET /v1/jobs`` (from Postgres): ``next_cursor`` for the next page (None on
+    the last); ``lag`` says how far behind the write-behind is (``transitions``,
+    ``seconds``): jobs changed within it may show an older state."""
+
+    jobs: list[JobStatus]
+    next_cursor: str | None
+    lag: dict[str, float]
+
+
+class JobDetails(msgspec.Struct, frozen=True):
+    """Everything about one job (``show``): its status, its result (once succeeded), its
+    history (None when the API has no Postgres), and its log lines (``ctx.log``)."""
+
+    status: JobStatus
+    result: Any
+    history: list[Transition] | None
+    lines: list[LogLine]
+
+
+class DeadLetter(msgspec.Struct, frozen=True):
+    """One dead-lettered job in full (admin): its status (the error and its traceback), its
+    payload and its log lines."""
+
+    job: JobStatus
+    payload: Any
+    lines: list[LogLine]
+
+
+# --- the documents that wrap a list ----------------------------------------------------------
+class _DependencyList(msgspec.Struct):
+    id: str
+    dependencies: list[Dependency]
+
+
+class _History(msgspec.Struct):
+    transitions: list[Transition]
+
+
+class _Logs(msgspec.Struct):
+    lines: list[LogLine]
+
+
+class _DeadLetters(msgspec.Struct):
+    jobs: list[JobStatus]
+
+
+class _Replayed(msgspec.Struct):
+    replayed: list[str]
+
+
+class _QueueList(msgspec.Struct):
+    queues: list[QueueInfo]
+
+
+class _TaskList(msgspec.Struct):
+    tasks: list[TaskAd]
+
+
+class _ScheduleList(msgspec.Struct):
+    schedules: list[Schedule]
+    next_after: str | None = None
+
+
+class _BatchItem(msgspec.Struct):
+    status: int
+    job: msgspec.Raw = msgspec.Raw()  # empty when absent
+    problem: dict[str, Any] | None = None
+
+
+class _BatchResults(msgspec.Struct):
+    results: list[_BatchItem]
+
+
+batch_decoder = msgspec.json.Decoder(_BatchResults)
+page_decoder = msgspec.json.Decoder(JobPage)
+history_decoder = msgspec.json.Decoder(_History)
+logs_decoder = msgspec.json.Decoder(_Logs)
+dead_letters_decoder = msgspec.json.Decoder(_DeadLetters)
+dead_letter_decoder = msgspec.json.Decoder(DeadLetter)
+replayed_decoder = msgspec.json.Decoder(_Replayed)
+result_decoder = msgspec.json.Decoder(Result)
+flow_decoder = msgspec.json.Decoder(FlowSubmission)
+dependencies_decoder = msgspec.json.Decoder(_DependencyList)
+queue_list_decoder = msgspec.json.Decoder(_QueueList)
+task_list_decoder = msgspec.json.Decoder(_TaskList)
+schedule_decoder = msgspec.json.Decoder(Schedule)
+schedule_list_decoder = msgspec.json.Decoder(_ScheduleList)
+encoder = msgspec.json.Encoder()
