@@ -22,7 +22,7 @@ from starlette.types import Send
 from jobtier.api import openapi as oa
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import JSON, DocResponse, doc_state, invalid, job_id_of, job_not_found
+from jobtier.api.http import JSON, doc_state, invalid, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.api.sse import StreamResponse
@@ -31,6 +31,7 @@ from jobtier.core.errors import InvalidRequest, JobNotFound, TransitionRefused
 from jobtier.core.model import DEFAULT_QUEUE
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
 from jobtier.engine.queue import Queue
+from jobtier.status.answer import DocResponse
 from jobtier.status.docs import read_docs
 from jobtier.status.reader import RESYNC, StatusReader, parse_version
 

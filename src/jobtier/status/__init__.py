@@ -1,5 +1,6 @@
-"""The status read path: near cache, then per-tick coalescing (the singleflight of the read
-path), composed by StatusReader (redis_reader.py)."""
+"""The status tier: near cache, then per-tick coalescing (the singleflight of the read path),
+composed by StatusReader (reader.py); the HTTP answer (answer.py) and the fast path that
+sends it ahead of Starlette (fastpath.py)."""
 
 from jobtier.status.coalescer import Coalescer
 from jobtier.status.nearcache import Entry, NearCache
