@@ -31,7 +31,7 @@ from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.core.model import JobSpec, Submitted
 from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
-from jobtier.status.answer import DocResponse, StatusResponse, answer
+from jobtier.status.answer import DocResponse, StatusResponse, status_answer
 from jobtier.status.fastpath import StatusFastPath, status_headers
 from jobtier.status.reader import NOTHING, StatusReader, is_terminal, parse_version
 from jobtier.store.calls import SubmitItem
@@ -175,7 +175,7 @@ async def get_job(request: Request) -> Response:
     )
     reader: StatusReader = state["reader"]
     owner, doc, version = await reader.get(job_id) or NOTHING
-    start = answer(tenant, held, owner, doc, version)
+    start = status_answer(tenant, held, owner, doc, version)
     if start is None:
         raise job_not_found(job_id)
     if wait > 0 and start["status"] == 304 and not is_terminal(doc):

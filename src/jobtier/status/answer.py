@@ -38,7 +38,7 @@ def etag_matches(header: bytes, version: int) -> bool:
     return False
 
 
-def answer(
+def status_answer(
     tenant: str, held: bytes | None, owner: str | None, doc: bytes, version: int
 ) -> Message | None:
     """The ``http.response.start`` message answering ``tenant``'s read of a job whose status
@@ -53,7 +53,7 @@ def answer(
 
 
 class StatusResponse(Response):
-    """:func:`answer`'s message as a Starlette response (the route's answer)."""
+    """:func:`status_answer`'s message as a Starlette response (the route's answer)."""
 
     def __init__(self, start: Message, doc: bytes) -> None:
         self.status_code = start["status"]

@@ -1,4 +1,5 @@
-"""Plain ``GET /v1/jobs/{id}`` answered in raw ASGI, ahead of all of Starlette."""
+"""Plain ``GET /v1/jobs/{id}`` answered in raw ASGI, ahead of all of Starlette
+(``app.JobtierApp`` calls it first)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from starlette.types import Receive, Scope, Send
 
 from jobtier.core.errors import JobNotFound
-from jobtier.status.answer import answer
+from jobtier.status.answer import status_answer
 from jobtier.status.reader import NOTHING, StatusReader
 
 ErrorAnswer = Callable[[Scope, Receive, Send, Exception], Awaitable[None]]
@@ -35,18 +36,14 @@ def status_headers(
 
 
 class StatusFastPath:
-    """The status reads that need nothing of Starlette (``app.JobtierApp`` calls it first).
+    """Answers the plain status read as the route does (``status_answer``), and declines
+    (``None`` from :meth:`match`) everything else, which the app then serves: no or an
+    unknown API key (401), a query string (long-poll), paths that are not a job id, other
+    methods, a URL or headers over the app's limits. ``errors`` answers its errors as the
+    app does (a 503 while Redis is down).
 
-    It answers what the route answers (:func:`answer.answer`) and declines (``None`` from
-    :meth:`match`) everything else, which the app then serves: no or an unknown API key
-    (401), a query string (long-poll), paths that are not a job id, other methods, a URL or
-    headers over the app's limits (the app answers those: here the check costs one addition
-    per header, in the pass that finds the two we need). Errors, a read's included, are
-    answered by ``errors`` as the app answers them (a 503 while Redis is down).
-
-    Most reads are near-cache hits: those run no coroutine of their own and send two raw
-    ASGI messages, the cost of a Response object and of Starlette's middleware being a
-    sizeable share of a read's CPU.
+    A Response object and Starlette's middleware are a sizeable share of a read's CPU: a
+    near-cache hit here runs no coroutine of its own and sends two raw ASGI messages.
     """
 
     __slots__ = ("errors", "max_header_bytes", "max_headers", "max_url_bytes", "tenant_of")
@@ -78,6 +75,7 @@ class StatusFastPath:
             job_id = path[_JOBS_LEN:]
             if path.startswith(_JOBS) and job_id and "/" not in job_id and job_id != "batch":
                 headers = scope["headers"]
+                # the limits cost one addition a header here, in the pass that finds ours
                 authorization, held, size = status_headers(headers)
                 tenant = self.tenant_of(authorization)
                 if (
@@ -105,10 +103,10 @@ class StatusFastPath:
             entry = reader.near_hit(job_id)
             if entry is not None:
                 doc = entry.doc
-                start = answer(tenant, held, entry.tenant, doc, entry.version)
+                start = status_answer(tenant, held, entry.tenant, doc, entry.version)
             else:
                 owner, doc, version = await reader.load(job_id) or NOTHING
-                start = answer(tenant, held, owner, doc, version)
+                start = status_answer(tenant, held, owner, doc, version)
             started = True
             if start is None:
                 await self.errors(scope, receive, send, JobNotFound(job_id))

@@ -67,13 +67,10 @@ class StatusReader:
 
     1. Near cache (``near_cache=True``): a hit returns at once, no task, no future, no I/O.
     2. A miss goes to the coalescer (``coalesce=True``): every id missed in this event-loop
-       tick is read in one round trip, and concurrent misses of one id share that read. A
-       batch is one call of the read-only ``read_status.lua`` (HMGET of every job hash
-       inside Redis, the document rendered there for a job in format 3, which stores none:
-       status/docs.py): on one server one call for the whole batch, on a cluster one call per
-       shard, pipelined (a script's keys must share a slot there); one script call costs the
-       client far less than a pipeline of HMGETs. With ``coalesce=False`` each miss sends its
-       own call: the plain baseline the benchmarks compare against.
+       tick is read in one round trip, and concurrent misses of one id share that read: one
+       call of the read-only ``read_status.lua`` (status/docs.py), which costs the client far
+       less than a pipeline of HMGETs; on a cluster one call per shard, pipelined. With
+       ``coalesce=False`` each miss sends its own call: the baseline the benchmarks measure.
     3. Ids Redis no longer holds go to ``fallback`` (the Postgres reader), itself coalesced
        and singleflighted, one id's fallback failing only that id's readers. An id the
        fallback does not know either is remembered as absent for ``absent_ttl`` seconds
@@ -263,18 +260,12 @@ class StatusReader:
         self.redis_loads += len(ids)
         if len(ids) == 1 or not self._cluster:
             # one server: one call for the batch, whatever shards (hash tags) its keys carry
-            flat = await self._read_status([keys.job_in(int(i[_SHARD_AT:]), i) for i in ids])
+            job_keys = [keys.job_in(int(i[_SHARD_AT:]), i) for i in ids]
+            flat = await run_script(self.redis, READ_STATUS, read_status_args(job_keys))
+            self.script_calls += 1
             return list(zip(flat[0::2], flat[1::2], strict=True))
-        return await self._read_status_per_shard(ids)
-
-    async def _read_status(self, job_keys: list[str]) -> list[Any]:
-        flat = await run_script(self.redis, READ_STATUS, read_status_args(job_keys))
-        self.script_calls += 1
-        return flat  # type: ignore[no-any-return]
-
-    async def _read_status_per_shard(self, ids: list[str]) -> list[Any]:
-        """(Cluster) one script call per shard in one pipeline: one batch per node."""
-        found = await read_docs(self.redis, self.keys, ids)
+        # a cluster: one call per shard (a script's keys share a slot), in one pipeline
+        found = await read_docs(self.redis, keys, ids)
         self.script_calls += len({job_id[_SHARD_AT:] for job_id in ids})
         return found
 
