@@ -84,11 +84,8 @@ class StatusReader:
     for that id (long-poll, SSE). ``on_lost`` (a subscription broke) and ``on_reset`` (after
     a resubscription) empty the cache.
 
-    Terminal documents are kept for ``final_ttl`` rather than ``ttl`` when they were stored
-    while ``events_live()`` held (every subscription confirmed and answering its pings):
-    a terminal job changes only through a replay, which publishes. Stored while a
-    subscription was down, they get the short ``ttl`` — and the resubscription empties the
-    cache anyway.
+    A terminal document stored while ``events_live()`` holds (every subscription confirmed
+    and answering its pings) is a final entry, kept for ``final_ttl`` (nearcache.py).
 
     Races it guards (besides those of the parts):
 
