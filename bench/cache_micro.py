@@ -30,8 +30,9 @@ from redis.asyncio import BlockingConnectionPool, Redis
 
 from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalRedis
-from jobtier.status import Coalescer, NearCache, StatusReader
-from jobtier.status.nearcache import Entry
+from jobtier.status.coalescer import Coalescer
+from jobtier.status.nearcache import Entry, NearCache
+from jobtier.status.reader import StatusReader
 
 SHARDS = 16
 DOC = (

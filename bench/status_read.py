@@ -19,8 +19,11 @@ load modes
           200 keep-alive connections, latency from the intended send time; requests never
           sent or answered count as infinitely slow.
 configurations
-  jobtier        as built: near cache + singleflight/coalescing, ``jobs.StatusFastPath``
-                 answering status reads ahead of the router, granian, gc.freeze;
+  jobtier        as built: near cache + singleflight/coalescing, the status fast path
+                 (``status.fastpath.StatusFastPath``) answering status reads ahead of the
+                 router, granian, gc.freeze;
+  jobtier-before the same at the git revision of ``--before REV`` (its ``src`` first on the
+                 server's PYTHONPATH), interleaved with the others in each run;
   jobtier-routed the same with the fast path turned off (``create_app(...,
                  status_fast_path=False)``, through the ``sitecustomize`` below): every read
                  goes through Starlette's router and request objects;
@@ -47,8 +50,10 @@ on hot keys, 90 against 123 ms on spread keys, both within this machine's noise.
     .venv/bin/python bench/status_read.py                  # everything, 3 runs (~50 min)
     .venv/bin/python bench/status_read.py --quick          # 1 run, short cells: smoke test
     .venv/bin/python bench/status_read.py --configs jobtier,baseline --mixes hot
+    .venv/bin/python bench/status_read.py --quick --runs 3 --configs jobtier --phases read \
+        --before main                                     # this tree against main
 
-Results: bench/results/status_read.json and .md.
+Results: bench/results/status_read.json and .md (status_read-quick.* for --quick).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -72,7 +78,16 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import drop_ready, environment, header_markdown, local_redis, median, save, table
+from common import (
+    baseline_tree,
+    drop_ready,
+    environment,
+    header_markdown,
+    local_redis,
+    median,
+    save,
+    table,
+)
 from common import fmt as _fmt
 from common_http import (
     HOT,
@@ -110,6 +125,7 @@ ALL_MIXES, ALL_MODES, SHORT_MODES = (
     ("closed", "open10k"),
 )
 BASELINE = {"JOBTIER_NEAR_CACHE": "0", "JOBTIER_COALESCE": "0"}
+BEFORE = "jobtier-before"  # jobtier at --before REV
 
 
 @dataclass(frozen=True)
@@ -126,8 +142,9 @@ CONFIGS = {
     "jobtier": Config(
         "granian", {}, note="as built: near cache + coalescing + fast path, gc.freeze"
     ),
+    BEFORE: Config("granian", {}, note="as built, at the git revision of --before"),
     "jobtier-routed": Config(
-        "granian", {"BENCH_ROUTED": "1"}, note="without jobs.StatusFastPath (see below)"
+        "granian", {"BENCH_ROUTED": "1"}, note="without the status fast path (see below)"
     ),
     "baseline": Config("granian", BASELINE, note="one Redis call per request"),
     "jobtier-final2s": Config(
@@ -346,7 +363,8 @@ def server_env(url: str, port: int, extra: dict[str, str], site: Path) -> dict[s
         # no Postgres in this bench: status reads of jobs Redis holds never need it; the
         # closed port makes its probes (readiness, write-behind lag) fail fast
         "JOBTIER_DATABASE_URL": "postgresql://jobtier@127.0.0.1:9/jobtier",
-        "PYTHONPATH": str(site),
+        # BENCH_SRC: another revision's code (--before), ahead of this tree's
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(site), extra.get("BENCH_SRC")])),
         **extra,
     }
 
@@ -375,7 +393,9 @@ def read_runs(
     rows: list[dict[str, Any]] = []
     hot_ids = random.Random(1).sample(fill_ids, HOT)
     for run in range(args.runs):
-        for name in args.configs:
+        # each run starts with the next config: none always takes the first (coldest) turn
+        turn = run % len(args.configs)
+        for name in args.configs[turn:] + args.configs[:turn]:
             c = CONFIGS[name]
             api = start_api(name, url, site, tmp)
             try:
@@ -762,7 +782,9 @@ def render(
     ]
     if notes:
         md += ["Configurations:", "", *notes, ""]
-    main_configs = [c for c in ("jobtier", "jobtier-routed", "baseline") if c in args.configs]
+    main_configs = [
+        c for c in ("jobtier", BEFORE, "jobtier-routed", "baseline") if c in args.configs
+    ]
     md += [
         "## Status reads: jobtier against the baseline",
         "",
@@ -770,6 +792,15 @@ def render(
         "",
     ]
     md += ["### Targets (jobtier as built)", "", *targets(summary, "jobtier"), ""]
+    if BEFORE in args.configs:
+        md += [
+            f"## This tree against git revision {args.before} (`--before`)",
+            "",
+            "Medians over the runs; the change is this tree's figure against the revision's.",
+            "",
+            before_table(summary),
+            "",
+        ]
     if "jobtier-2w" in args.configs:
         md += [
             "## Two server processes (JOBTIER_API_WORKERS=2, not pinned)",
@@ -793,6 +824,26 @@ def render(
         md += submit_section(submits)
     md += ["## The read path: what changed", "", CHANGES, ""]
     return "\n".join(md)
+
+
+def before_table(summary: list[dict[str, Any]]) -> str:
+    cells = {(s["config"], s["mix"], s["mode"]): s for s in summary}
+    rows = []
+    for mix in ALL_MIXES:
+        for mode in ALL_MODES:
+            now, then = cells.get(("jobtier", mix, mode)), cells.get((BEFORE, mix, mode))
+            if now is None or then is None:
+                continue
+            row = [mix, mode]
+            for key, digits in (("rps", 0), ("p50", 2), ("p99", 2), ("server_cpu_us_per_req", 1)):
+                a, b = now[key], then[key]
+                change = f"{a / b - 1:+.1%}" if a is not None and b else "-"
+                row += [fmt(b, digits), fmt(a, digits), change]
+            rows.append(row)
+    headers = ["mix", "mode"]
+    for what in ("req/s", "p50 ms", "p99 ms", "cpu µs/req"):
+        headers += [f"{what} before", f"{what} now", "change"]
+    return table(headers, rows)
 
 
 def server_section(summary: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
@@ -1023,10 +1074,12 @@ them in its pool's get and release.
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--jobs", type=int, default=100_000, help="jobs filled (100000)")
-    p.add_argument("--runs", type=int, default=3, help="runs; figures are medians (3)")
+    p.add_argument("--runs", type=int, help="runs; figures are medians (3; --quick: 1)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds per measured cell (10)")
     p.add_argument(
-        "--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}"
+        "--configs",
+        default=",".join(c for c in CONFIGS if c != BEFORE),
+        help=f"comma list of {', '.join(CONFIGS)}",
     )
     p.add_argument("--mixes", default="hot,spread,churn")
     p.add_argument("--modes", default="closed,open10k,open20k")
@@ -1035,7 +1088,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--memory-warm", type=float, default=20.0, help="cache-filling run before it (20)"
     )
-    p.add_argument("--quick", action="store_true", help="1 run, 4 s cells, 20K jobs: a smoke test")
+    p.add_argument(
+        "--before",
+        metavar="REV",
+        help=f"also measure jobtier at this git revision ({BEFORE}), in the same runs",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="1 run (unless --runs), 4 s cells, 20K jobs"
+    )
     p.add_argument("--no-save", action="store_true", help="print only")
     p.add_argument(
         "--render",
@@ -1045,9 +1105,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     if args.quick:
-        args.runs, args.duration, args.jobs = 1, 4.0, 20_000
+        args.duration, args.jobs = 4.0, 20_000
         args.memory_seconds, args.memory_warm = 20.0, 5.0
+    args.runs = args.runs or (1 if args.quick else 3)
     args.configs = [c for c in args.configs.split(",") if c]
+    if args.before:
+        tree = baseline_tree(args.before)
+        CONFIGS[BEFORE] = dataclasses.replace(CONFIGS[BEFORE], env={"BENCH_SRC": str(tree / "src")})
+        if BEFORE not in args.configs:
+            at = args.configs.index("jobtier") + 1 if "jobtier" in args.configs else 0
+            args.configs.insert(at, BEFORE)
+    elif BEFORE in args.configs:
+        p.error(f"{BEFORE} needs --before REV")
     unknown = set(args.configs) - set(CONFIGS)
     if unknown:
         p.error(f"unknown configs: {', '.join(sorted(unknown))}")
@@ -1067,7 +1136,12 @@ def rerender(path: Path) -> None:
     env = {k: data[k] for k in ("command", "date", "machine", "versions", "commit")}
     markdown = render(data["summary"], data["memory"], data["submits"], args, env)
     print(markdown)
-    save("status_read", data, markdown)
+    save(results_name(args), data, markdown)
+
+
+def results_name(args: argparse.Namespace) -> str:
+    """A smoke test's results never replace the full run's."""
+    return "status_read-quick" if getattr(args, "quick", False) else "status_read"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -1125,7 +1199,7 @@ def main(argv: list[str] | None = None) -> None:
             "submits": submits,
             "runs": rows,
         }
-        for path in save("status_read", data, markdown):
+        for path in save(results_name(args), data, markdown):
             print(f"saved {path}")
 
 

@@ -13,12 +13,12 @@ import pytest
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from jobtier.api import jobs
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.core.model import State
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
+from jobtier.status.fastpath import StatusFastPath
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.tasks import registry
@@ -247,7 +247,7 @@ async def test_job_state_visible_while_running(
 async def test_status_reads_while_redis_is_down_are_503_then_recover(
     start_api: StartApi, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The status read is answered ahead of the router (jobs.StatusFastPath); a read that
+    """The status read is answered ahead of the router (StatusFastPath); a read that
     fails there still gets the API's problem, not a bare 500."""
     own = LocalRedis(tmp_path / "redis").start()
     try:
@@ -273,17 +273,19 @@ async def test_status_reads_while_redis_is_down_are_503_then_recover(
 async def test_status_fast_path_answers_as_the_route_does(
     start_api: StartApi, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``GET /v1/jobs/{id}`` answered ahead of Starlette (app.JobtierApp, jobs.StatusFastPath)
+    """``GET /v1/jobs/{id}`` answered ahead of Starlette (app.JobtierApp, StatusFastPath)
     and through the router (``status_fast_path=False``): the same status, headers and body
     for every kind of status read, and the fast path answered the ones it takes."""
     answered: list[str] = []
-    answer = jobs.StatusFastPath.answer
+    answer = StatusFastPath.answer
 
-    async def counted(scope: Scope, receive: Receive, send: Send, *read: Any) -> None:
+    async def counted(
+        fast: StatusFastPath, scope: Scope, receive: Receive, send: Send, *read: Any
+    ) -> None:
         answered.append(scope["path"])
-        await answer(scope, receive, send, *read)
+        await answer(fast, scope, receive, send, *read)
 
-    monkeypatch.setattr(jobs.StatusFastPath, "answer", staticmethod(counted))
+    monkeypatch.setattr(StatusFastPath, "answer", counted)
     fast = await start_api()
     routed = await start_api(status_fast_path=False)
     async with fast.client() as c:

@@ -54,11 +54,7 @@ async def dead_job(queue: Queue) -> str:
 async def reader(settings: Settings, redis: RedisClient) -> AsyncIterator[StatusReader]:
     keys = Keys(settings.prefix, settings.shards)
     reader = StatusReader(redis, keys, ttl=2.0, final_ttl=3600.0, clock=Clock())
-    subscriber = ShardSubscriber(
-        redis, [keys.events(s) for s in range(keys.shards)], reader.on_event, reader.on_reset,
-        name="test-final", on_lost=reader.on_lost,
-    )  # fmt: skip
-    reader.events_live = subscriber.live
+    subscriber = reader.subscription("test-final")
     reader.subscriber = subscriber  # type: ignore[attr-defined]
     await subscriber.start()
     yield reader

@@ -1,6 +1,6 @@
-"""Which requests ``jobs.StatusFastPath`` takes ahead of Starlette (``match``): pure, on
-ASGI scopes; its answers against the route's are compared over HTTP in
-tests/e2e/test_api.py."""
+"""Which requests the status fast path (status/fastpath.py) takes ahead of Starlette
+(``match``): pure, on ASGI scopes; its answers against the route's are compared over HTTP
+in tests/e2e/test_api.py."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
-from jobtier.api.jobs import StatusFastPath
+from jobtier.api.jobs import status_fast_path
 
 JOB = "01M8PR73G5B43M9V4VJ335A99S-3"
-TENANTS = {"key-acme": "acme"}
+FAST_PATH = status_fast_path({"key-acme": "acme"})
 
 
 def scope(**changes: Any) -> dict[str, Any]:
@@ -24,23 +24,22 @@ def scope(**changes: Any) -> dict[str, Any]:
         "query_string": b"",
         "root_path": "",
         "headers": [(b"host", b"api"), (b"authorization", b"Bearer key-acme")],
-        "state": {"tenants": TENANTS},
     }
     base.update(changes)
     return base
 
 
 def test_a_plain_status_read_is_taken() -> None:
-    assert StatusFastPath.match(scope()) == (JOB, "acme", None)
+    assert FAST_PATH.match(scope()) == (JOB, "acme", None)
     held = scope(headers=[(b"if-none-match", b'"3"'), (b"authorization", b"bearer  key-acme")])
-    assert StatusFastPath.match(held) == (JOB, "acme", b'"3"')
+    assert FAST_PATH.match(held) == (JOB, "acme", b'"3"')
     # the first of a repeated header wins, as raw_header() reads it
     twice = scope(headers=[(b"authorization", b"Bearer key-acme"), (b"authorization", b"x")])
-    assert StatusFastPath.match(twice) == (JOB, "acme", None)
+    assert FAST_PATH.match(twice) == (JOB, "acme", None)
     # no root_path key at all (a server that leaves it out)
     bare = scope()
     del bare["root_path"], bare["raw_path"]
-    assert StatusFastPath.match(bare) == (JOB, "acme", None)
+    assert FAST_PATH.match(bare) == (JOB, "acme", None)
 
 
 @pytest.mark.parametrize(
@@ -65,4 +64,4 @@ def test_a_plain_status_read_is_taken() -> None:
     ],
 )
 def test_everything_else_is_left_to_the_app(changes: dict[str, Any]) -> None:
-    assert StatusFastPath.match(scope(**changes)) is None
+    assert FAST_PATH.match(scope(**changes)) is None

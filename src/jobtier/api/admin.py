@@ -14,7 +14,6 @@ from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import (
     JSON,
-    DocResponse,
     decode_body,
     job_id_of,
     job_not_found,
@@ -25,6 +24,7 @@ from jobtier.api.problems import Problem
 from jobtier.core.errors import JobNotFound, TransitionRefused
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
 from jobtier.engine.queue import Queue
+from jobtier.status.answer import DocResponse
 from jobtier.status.reader import parse_version
 
 

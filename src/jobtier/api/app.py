@@ -33,9 +33,9 @@ from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher
 from jobtier.runtime.stopping import bounded
+from jobtier.status.fastpath import StatusFastPath
 from jobtier.status.reader import Fallback, StatusReader
 from jobtier.store.context import Store
-from jobtier.store.redis import ShardSubscriber
 
 log = logging.getLogger("jobtier.api")
 
@@ -126,15 +126,7 @@ def create_app(
             final_ttl=settings.near_cache_final_ttl,
             fallback=ext.status_fallback,
         )
-        subscriber = ShardSubscriber(
-            queue.redis,
-            [queue.keys.events(s) for s in range(queue.keys.shards)],
-            reader.on_event,
-            reader.on_reset,
-            name="api-status",
-            on_lost=reader.on_lost,
-        )
-        reader.events_live = subscriber.live
+        subscriber = reader.subscription("api-status")
         admission = Admission(settings, queue, ext.lag)
         publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader])
         try:
@@ -187,21 +179,23 @@ def create_app(
         # the same limits itself, and leaves a request over them to this)
         middleware=[Middleware(RequestLimits)],
     )
-    app.status_fast_path = status_fast_path
+    if status_fast_path:
+        app.status_fast_path = jobs.status_fast_path(tenants)
     return app
 
 
 class JobtierApp(Starlette):
     """The Starlette app, with the status read — most of the traffic — answered ahead of
-    all of it (``jobs.StatusFastPath``: the same answers as the route, for less CPU);
-    every other request goes through Starlette as usual."""
+    all of it (``StatusFastPath``: the same answers as the route, for less CPU); every
+    other request goes through Starlette as usual."""
 
-    status_fast_path = True  # False: every status read through the router (a/b, tests)
+    status_fast_path: StatusFastPath | None = None  # None: status reads through the router
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.status_fast_path:
-            read = jobs.StatusFastPath.match(scope)
+        fast = self.status_fast_path
+        if fast is not None:
+            read = fast.match(scope)
             if read is not None:
-                await jobs.StatusFastPath.answer(scope, receive, send, *read)
+                await fast.answer(scope, receive, send, *read)
                 return
         await super().__call__(scope, receive, send)

@@ -31,8 +31,8 @@ _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 class RequestLimits:
     """ASGI middleware: a URL or headers over the app's limits get a 414 or 431 problem
-    before the router runs. ``jobs.StatusFastPath``, ahead of the whole app, leaves a
-    request over the limits to it."""
+    before the router runs. The status fast path (status/fastpath.py), ahead of the whole
+    app, leaves a request over the limits to it."""
 
     __slots__ = ("app",)
 

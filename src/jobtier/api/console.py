@@ -20,7 +20,7 @@ from starlette.types import Send
 from jobtier.api import spec as oa
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import JSON, DocResponse, doc_state, job_id_of, job_not_found
+from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.api.queues import queue_name
@@ -30,6 +30,7 @@ from jobtier.core.errors import JobNotFound, TransitionRefused
 from jobtier.core.model import DEFAULT_QUEUE
 from jobtier.core.names import JOB_ID_RE
 from jobtier.engine.queue import Queue
+from jobtier.status.answer import DocResponse
 from jobtier.status.docs import read_docs
 from jobtier.status.reader import RESYNC, StatusReader, parse_version
 

@@ -1,5 +1,5 @@
-"""HTTP helpers shared by the API's routes: the status-document response, ETag matching,
-and reading a JSON body with its limits and problem documents."""
+"""HTTP helpers shared by the API's routes: path ids, a job's transitions, and reading a
+JSON body with its limits and problem documents."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from jobtier.api.auth import raw_header, tenant_of
 from jobtier.api.bounds import check_depth
 from jobtier.api.problems import Problem, not_found
 from jobtier.core.errors import InvalidRequest, JobNotFound, PayloadTooLarge, TransitionRefused
-from jobtier.core.model import TERMINAL
+from jobtier.status.answer import DocResponse
 from jobtier.status.reader import parse_version
 
 if TYPE_CHECKING:
@@ -27,65 +27,9 @@ from jobtier.engine.queue import Queue
 JSON = "application/json"
 
 
-class DocResponse(Response):
-    """A status document with its ``ETag`` (or, for 304, the ``ETag`` alone), its headers
-    built as bytes in one step.
-
-    It is most of what the API sends (every status read), and Starlette's generic header
-    handling (a dict, then lower-casing and encoding each pair) was ~3 us of a ~16 us
-    near-cache hit in the ASGI app (bench/results/status_read.md).
-    """
-
-    media_type = JSON
-
-    def __init__(self, doc: bytes, version: int, status_code: int = 200, **headers: str) -> None:
-        self.status_code = status_code
-        self.background = None
-        self.body = b"" if status_code == 304 else doc
-        raw = doc_headers(version, None if status_code == 304 else doc)
-        for name, value in headers.items():
-            raw.append((name.lower().encode("latin-1"), value.encode("latin-1")))
-        self.raw_headers = raw
-
-
-_NO_CACHE = (b"cache-control", b"no-cache")
-_JSON_TYPE = (b"content-type", b"application/json")
-
-
-def doc_headers(version: int, doc: bytes | None) -> list[tuple[bytes, bytes]]:
-    """The raw headers of a status document's answer (``doc`` None: of its 304), the one
-    place they are built: ``DocResponse`` and the status fast path (jobs.py) send these."""
-    etag = (b"etag", b'"%d"' % version)
-    if doc is None:
-        return [etag, _NO_CACHE]
-    return [etag, _NO_CACHE, (b"content-length", b"%d" % len(doc)), _JSON_TYPE]
-
-
-def not_modified(version: int) -> Response:
-    return DocResponse(b"", version, 304)
-
-
 def doc_state(doc: bytes) -> str:
     start = doc.find(b'"state":"') + 9
     return doc[start : doc.find(b'"', start)].decode()
-
-
-TERMINAL_STATES = frozenset(s.value for s in TERMINAL)
-
-
-def etag_matches(header: bytes, version: int) -> bool:
-    """If-None-Match: ``*``, or a list of (weak or strong) tags one of which is ours."""
-    text = header.decode("latin-1").strip()
-    if text == "*":
-        return True
-    ours = str(version)
-    for tag in text.split(","):
-        tag = tag.strip()
-        if tag.startswith("W/"):
-            tag = tag[2:]
-        if tag.strip('"') == ours:
-            return True
-    return False
 
 
 # --- path ids -------------------------------------------------------------------------------

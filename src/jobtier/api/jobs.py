@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -17,18 +17,12 @@ from jobtier.api.auth import known_tenant, tenant_for, tenant_of
 from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.http import (
     JSON,
-    TERMINAL_STATES,
-    DocResponse,
     decode_body,
-    doc_headers,
-    doc_state,
-    etag_matches,
     idempotency_key,
     invalid,
     job_id_of,
     job_not_found,
     job_transition,
-    not_modified,
     read_json_body,
 )
 from jobtier.api.params import Param, parse_query
@@ -37,7 +31,9 @@ from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.core.model import JobSpec, Submitted
 from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
-from jobtier.status.reader import RESYNC, Status, StatusReader, parse_version
+from jobtier.status.answer import DocResponse, StatusResponse, status_answer
+from jobtier.status.fastpath import StatusFastPath, status_headers
+from jobtier.status.reader import NOTHING, StatusReader, is_terminal, parse_version
 from jobtier.store.calls import SubmitItem
 
 _spec_decoder = msgspec.json.Decoder(JobSpec)
@@ -108,8 +104,8 @@ async def _submitted(
 
 async def _stored_doc(request: Request, job_id: str, tenant: str) -> bytes:
     """The document of an idempotent duplicate whose job Redis no longer holds."""
-    found = await request.state.reader.get(job_id)
-    if found is None or found[0] != tenant:
+    found = await request.state.reader.get_for(job_id, tenant)
+    if found is None:
         raise Problem(
             410, "gone",
             f"this idempotency key created job {job_id}, which is no longer kept",
@@ -165,14 +161,12 @@ async def submit_batch(request: Request) -> Response:
 
 # --- status ---------------------------------------------------------------------------------
 async def get_job(request: Request) -> Response:
-    """The hot path: near cache, coalesced Redis read, ETag, optional long-poll.
-
-    Reads the scope directly (one pass over the headers, the lifespan state as a dict):
-    at tens of thousands of reads a second the per-request bookkeeping is the cost.
-    """
+    """The status read through the router: the fast path's answer (status/answer.py), and
+    the long-poll. Reads the scope directly (one pass over the headers, the lifespan state
+    as a dict): the bookkeeping of a Request is much of a read's cost."""
     scope = request.scope
     state = scope["state"]
-    authorization, held, _ = _status_headers(scope["headers"])
+    authorization, held, _ = status_headers(scope["headers"])
     tenant = tenant_for(state["tenants"], authorization)
     job_id: str = scope["path_params"]["job_id"]
     # parameters are checked before the read: ?wait=-1 is refused whatever the job's state
@@ -180,136 +174,41 @@ async def get_job(request: Request) -> Response:
         parse_query(request, STATUS_PARAMS).get("wait", 0.0) if scope["query_string"] else 0.0
     )
     reader: StatusReader = state["reader"]
-    found = await reader.get(job_id)
-    response = status_answer(job_id, tenant, held, found)
-    if response.status_code != 304:
-        return response
-    assert found is not None  # a 304 answers a job the caller may read
-    if wait <= 0 or doc_state(found[1]) in TERMINAL_STATES:
-        return response
-    return await _long_poll(reader, job_id, tenant, found[2], wait)
+    owner, doc, version = await reader.get(job_id) or NOTHING
+    start = status_answer(tenant, held, owner, doc, version)
+    if start is None:
+        raise job_not_found(job_id)
+    if wait > 0 and start["status"] == 304 and not is_terminal(doc):
+        found = await reader.wait_past(job_id, tenant, version, wait)
+        if found is None:
+            raise job_not_found(job_id)
+        if found[2] > version:
+            return DocResponse(found[1], found[2])
+    return StatusResponse(start, doc)
 
 
-def status_answer(job_id: str, tenant: str, held: bytes | None, found: Status | None) -> Response:
-    """The answer to a status read of what the reader found: the document with its ETag, a
-    304 when ``If-None-Match`` holds the current version, or the 404 problem (an unknown id
-    and another tenant's job look the same). Shared by the route and the fast path."""
-    if found is None or found[0] != tenant:
-        return job_not_found(job_id).response()
-    if held is None or not etag_matches(held, found[2]):
-        return DocResponse(found[1], found[2])
-    return not_modified(found[2])
+def status_fast_path(tenants: dict[str, str]) -> StatusFastPath:
+    """The fast path for the API keys ``tenants``, within the app's limits (``RequestLimits``
+    answers past them), its errors answered as the app answers them."""
+    return StatusFastPath(
+        partial(known_tenant, tenants),
+        answer_error,
+        max_url_bytes=MAX_URL_BYTES,
+        max_headers=MAX_HEADERS,
+        max_header_bytes=MAX_HEADER_BYTES,
+    )
 
 
-class StatusFastPath:
-    """Plain ``GET /v1/jobs/{id}`` answered ahead of all of Starlette (``app.JobtierApp``
-    calls it first, before its error middleware, router and request objects).
-
-    It answers exactly what ``get_job`` answers for the common case — the document with its
-    ETag, 304, or the 404 problem — and declines (``None`` from :meth:`match`) everything
-    else, which the app then serves: no or an unknown API key (401), a query string
-    (long-poll), paths that are not a job id, other methods, a URL or headers over the
-    app's limits (``limits.RequestLimits`` answers those: here the check costs one addition
-    per header, in the pass that finds the two we need). A read that fails is answered as
-    the app's own error handlers answer it (a 503 problem while Redis is down), and so is
-    any other error raised before the answer starts.
-
-    The answer goes out as two raw ASGI messages with the header list built in one step,
-    the headers ``DocResponse`` sends (``http.doc_headers``): at 20K reads a second on one
-    core the Response object, Starlette's ``ServerErrorMiddleware`` (a closure around
-    ``send`` for every request) and the coroutine of a near-cache hit were a measurable share
-    of the server's CPU (bench/results/status_read-open20k.md).
-    """
-
-    __slots__ = ()
-
-    @staticmethod
-    def match(scope: Scope) -> tuple[str, str, bytes | None] | None:
-        """(job id, tenant, If-None-Match) of a status read this path answers, else None."""
-        if (
-            scope["type"] == "http"
-            and scope["method"] == "GET"
-            and not scope["query_string"]
-            and not scope.get("root_path")
-        ):
-            path: str = scope["path"]
-            job_id = path[_JOBS_LEN:]
-            if path.startswith(_JOBS) and job_id and "/" not in job_id and job_id != "batch":
-                headers = scope["headers"]
-                authorization, held, size = _status_headers(headers)
-                tenant = known_tenant(scope["state"]["tenants"], authorization)
-                if (
-                    tenant is not None
-                    and size <= MAX_HEADER_BYTES
-                    and len(headers) <= MAX_HEADERS
-                    and len(scope.get("raw_path") or path) <= MAX_URL_BYTES
-                ):
-                    return job_id, tenant, held
-        return None
-
-    @staticmethod
-    async def answer(
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        job_id: str,
-        tenant: str,
-        held: bytes | None,
-    ) -> None:
-        """Send the answer to a request :meth:`match` accepted."""
-        started = False
-        try:
-            reader: StatusReader = scope["state"]["reader"]
-            entry = reader.near_hit(job_id)  # a hit without a coroutine: most reads
-            if entry is not None:
-                found_tenant, doc, version = entry.tenant, entry.doc, entry.version
-            else:
-                found = await reader.load(job_id)
-                if found is None:
-                    found_tenant, doc, version = None, b"", 0
-                else:
-                    found_tenant, doc, version = found
-            if found_tenant != tenant:  # unknown, or another tenant's: the same 404
-                response = job_not_found(job_id).response()
-                started = True
-                await response(scope, receive, send)
-                return
-            if held is None or not etag_matches(held, version):
-                status, headers = 200, doc_headers(version, doc)
-            else:
-                status, headers, doc = 304, doc_headers(version, None), b""
-            started = True
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": doc})
-        except Exception as exc:
-            if started:  # the answer is on its way (the client went away): the server's
-                raise
-            if isinstance(exc, Problem):
-                response = exc.response()
-            else:  # answered as the app answers it (503 while Redis or Postgres is down)
-                response = await on_error(Request(scope, receive), exc)
-            await response(scope, receive, send)
-
-
-_JOBS = "/v1/jobs/"
-_JOBS_LEN = len(_JOBS)
-
-
-def _status_headers(
-    headers: Iterable[tuple[bytes, bytes]],
-) -> tuple[bytes | None, bytes | None, int]:
-    """(Authorization, If-None-Match, size of all the headers) in one pass over the raw
-    headers; the first of each wins, as in ``raw_header()``."""
-    authorization = held = None
-    size = 0
-    for name, value in headers:
-        size += len(name) + len(value)
-        if name == b"authorization":
-            if authorization is None:
-                authorization = value
-        elif name == b"if-none-match" and held is None:
-            held = value
-    return authorization, held, size
+async def answer_error(scope: Scope, receive: Receive, send: Send, exc: Exception) -> None:
+    """The fast path's errors as the app's handlers answer them: the 404 problem of a status
+    read, a raised problem, else a 503 while Redis or Postgres is down, or a 500."""
+    if isinstance(exc, JobNotFound):
+        response = job_not_found(exc.job_id).response()
+    elif isinstance(exc, Problem):
+        response = exc.response()
+    else:
+        response = await on_error(Request(scope, receive), exc)
+    await response(scope, receive, send)
 
 
 STATUS_PARAMS = [
@@ -319,41 +218,6 @@ STATUS_PARAMS = [
         minimum=0, maximum="long_poll_max_seconds",
     )
 ]  # fmt: skip
-
-
-async def _long_poll(
-    reader: StatusReader, job_id: str, tenant: str, held: int, wait: float
-) -> Response:
-    """Answer as soon as the job's version moves past ``held``, or 304 at the timeout."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
-    changed: asyncio.Future[None] = loop.create_future()
-
-    def listener(version: int, _tenant: str, _doc: bytes) -> None:
-        if (version > held or version == RESYNC) and not changed.done():
-            changed.set_result(None)
-
-    reader.add_listener(job_id, listener)
-    try:
-        while True:
-            # read after registering: a change between the first read and now is not lost
-            found = await reader.get(job_id)
-            if found is None or found[0] != tenant:
-                raise job_not_found(job_id)
-            if found[2] > held:
-                return DocResponse(found[1], found[2])
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            try:
-                async with asyncio.timeout(left):
-                    await asyncio.shield(changed)
-            except TimeoutError:
-                break
-            changed = loop.create_future()
-    finally:
-        reader.remove_listener(job_id, listener)
-    return not_modified(held)
 
 
 async def get_result(request: Request) -> Response:

@@ -245,8 +245,7 @@ async def history(request: Request) -> Response:
     except PG_DOWN as exc:
         raise pg_unavailable(exc) from None
     if transitions is None:
-        found = await request.state.reader.get(job_id)
-        if found is None or found[0] != tenant:
+        if await request.state.reader.get_for(job_id, tenant) is None:
             raise job_not_found(job_id)
         transitions = []
     return Response(msgspec.json.encode(History(job_id, transitions, lag_doc)), media_type=JSON)

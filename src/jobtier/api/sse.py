@@ -23,8 +23,8 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import raw_header, tenant_of
-from jobtier.api.http import TERMINAL_STATES, doc_state, job_id_of, job_not_found
-from jobtier.status.reader import RESYNC, StatusReader
+from jobtier.api.http import job_id_of, job_not_found
+from jobtier.status.reader import RESYNC, StatusReader, is_terminal
 
 PENDING = 16
 
@@ -130,8 +130,8 @@ class EventStream(StreamResponse):
             version, doc = item
             if version == RESYNC:
                 # the subscription was re-established: events may be lost, read the job again
-                found = await self.reader.get(self.job_id)
-                if found is None or found[0] != self.tenant:
+                found = await self.reader.get_for(self.job_id, self.tenant)
+                if found is None:
                     break
                 version, doc = found[2], found[1]
             if version <= self.sent:
@@ -139,7 +139,7 @@ class EventStream(StreamResponse):
             body = b"id: %d\nevent: status\ndata: %s\n\n" % (version, doc)
             await send({"type": "http.response.body", "body": body, "more_body": True})
             self.sent = version
-            if doc_state(doc) in TERMINAL_STATES:
+            if is_terminal(doc):
                 break
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -164,8 +164,8 @@ async def events(request: Request) -> Response:
     # listen before reading: a change between the read and the registration is not lost
     reader.add_listener(job_id, mailbox.offer)
     try:
-        found = await reader.get(job_id)
-        if found is None or found[0] != tenant:
+        found = await reader.get_for(job_id, tenant)
+        if found is None:
             raise job_not_found(job_id)
     except BaseException:
         reader.remove_listener(job_id, mailbox.offer)
@@ -174,7 +174,7 @@ async def events(request: Request) -> Response:
     _, doc, version = found
     if version > sent:
         mailbox.offer(version, tenant, doc)
-    elif doc_state(doc) in TERMINAL_STATES:
+    elif is_terminal(doc):
         # the client already has the final status: 204 tells an EventSource not to reconnect
         reader.remove_listener(job_id, mailbox.offer)
         return Response(status_code=204)

@@ -1,19 +1,3 @@
-"""The status read path: near cache, then per-tick coalescing (the singleflight of the read
-path), composed by StatusReader (redis_reader.py)."""
-
-from jobtier.status.coalescer import Coalescer
-from jobtier.status.nearcache import Entry, NearCache
-from jobtier.status.reader import Fallback, Listener, Status, StatusReader, parse_version
-from jobtier.status.singleflight import LoadCancelled
-
-__all__ = [
-    "Coalescer",
-    "Entry",
-    "Fallback",
-    "Listener",
-    "LoadCancelled",
-    "NearCache",
-    "Status",
-    "StatusReader",
-    "parse_version",
-]
+"""The status tier: the near cache, per-tick coalescing (the singleflight of the read path)
+and the Postgres fallback composed by the StatusReader (reader.py); the one answer to a
+status read (answer.py), which the route and the raw-ASGI fast path (fastpath.py) send."""

@@ -25,15 +25,10 @@ class Coalescer(Generic[K, V]):
     a task of its own. Missing keys (absent from the returned mapping) give ``None``.
 
     It is a singleflight at the same time: a key already pending in this tick, or in a batch
-    still loading, is joined, never requested twice (singleflight.py: the same guarantees):
-
-    * a cancelled waiter never cancels the batch (each batch runs in its own task);
-    * all waiters of a batch cancelled: the batch completes, its results are dropped, its
-      keys are removed; the task never ends with an unretrieved exception;
-    * ``load_many`` raises: each waiter of that batch gets the exception raised once, and
-      the keys are removed first, so the error is not cached;
-    * ``load_many`` hangs: with ``timeout``, the batch is cancelled after that long, its
-      waiters get ``TimeoutError`` and its keys are freed.
+    still loading, is joined, never requested twice, with singleflight.py's guarantees (a
+    batch runs in its own task, which no cancelled waiter cancels). A batch's keys are
+    removed before its waiters wake, so an error — ``TimeoutError`` past ``timeout`` for a
+    batch that hangs — is not cached.
 
     Race it guards: a key joined while its batch is loading gets that batch's value, which
     may predate the join by up to one round trip. Callers that must not see a value older

@@ -11,8 +11,8 @@ import msgspec
 
 class Entry(msgspec.Struct, frozen=True, gc=False):
     """One cached status. ``gc=False``: it holds only str/int/bytes/float, so it can never be
-    part of a reference cycle, and 100K of them stay out of the cyclic collector's scans
-    (the collector was most of the status route's latency tail in the measurements)."""
+    part of a reference cycle, and 100K of them stay out of the cyclic collector's scans,
+    whose pauses make the read path's latency tail."""
 
     tenant: str
     version: int
@@ -35,7 +35,7 @@ class NearCache:
     stored while the subscriptions were live) is kept for ``final_ttl`` instead, bounded by
     ``maxsize`` like any other: a terminal job changes only through a replay, which publishes
     its event, and a subscription found lost empties the cache before its events could be
-    missed for long (store/redis.py: ShardSubscriber pings, redis_reader.py: on_lost).
+    missed for long (store/redis.py: ShardSubscriber pings, reader.py: on_lost).
 
     Races it guards:
 
@@ -48,8 +48,8 @@ class NearCache:
 
     Eviction is FIFO by first insertion; a hit does not reorder (a dict lookup is the whole
     cost of a hit). When full, the oldest 1/64 of the entries go at once: a dict popping its
-    oldest key one at a time rescans the deleted slots at its front on every pop (measured
-    ~6 us per insert at 100K entries), while a batch pays that scan once per many inserts.
+    oldest key one at a time rescans the deleted slots at its front on every pop, while a
+    batch pays that scan once per many inserts.
     An evicted hot job costs one reload. Expired entries are dropped when read.
     """
 

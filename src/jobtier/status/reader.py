@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -14,13 +15,15 @@ from jobtier.metrics.snapshot import Snapshot
 from jobtier.status.coalescer import Coalescer
 from jobtier.status.docs import READ_STATUS, read_docs, read_status_args
 from jobtier.status.nearcache import Entry, NearCache
-from jobtier.store.redis import RedisClient
+from jobtier.store.redis import RedisClient, ShardSubscriber
 from jobtier.store.scripts import run_script
 
 log = logging.getLogger("jobtier.status")
 
 Status = tuple[str, bytes, int]
 """(tenant, status document, version)."""
+NOTHING: tuple[None, bytes, int] = (None, b"", 0)
+"""What ``get(job_id) or NOTHING`` unpacks to for a job not found."""
 Fallback = Callable[[list[str]], Awaitable[Mapping[str, tuple[str, bytes]]]]
 """Ids Redis no longer holds -> {id: (tenant, document)} for those found (Postgres)."""
 Listener = Callable[[int, str, bytes], None]
@@ -64,14 +67,10 @@ class StatusReader:
 
     1. Near cache (``near_cache=True``): a hit returns at once, no task, no future, no I/O.
     2. A miss goes to the coalescer (``coalesce=True``): every id missed in this event-loop
-       tick is read in one round trip, and concurrent misses of one id share that read. A
-       batch is one call of the read-only ``read_status.lua`` (HMGET of every job hash
-       inside Redis, the document rendered there for a job in format 3, which stores none:
-       status/docs.py): on one server one call for the whole batch, on a cluster one call per
-       shard, pipelined (a script's keys must share a slot there). In redis-py a pipeline of
-       HMGETs costs ~16 us of client CPU per id at 20 ids (~13 at 100), the script ~5 us (~2
-       at 100): bench/results/status_read.md. With ``coalesce=False`` each miss sends its own
-       call: the plain baseline the benchmarks compare against.
+       tick is read in one round trip, and concurrent misses of one id share that read: one
+       call of the read-only ``read_status.lua`` (status/docs.py), which costs the client far
+       less than a pipeline of HMGETs; on a cluster one call per shard, pipelined. With
+       ``coalesce=False`` each miss sends its own call: the baseline the benchmarks measure.
     3. Ids Redis no longer holds go to ``fallback`` (the Postgres reader), itself coalesced
        and singleflighted, one id's fallback failing only that id's readers. An id the
        fallback does not know either is remembered as absent for ``absent_ttl`` seconds
@@ -80,16 +79,13 @@ class StatusReader:
        first, so a job that appears meanwhile is seen at once.
     4. What was read is put into the near cache.
 
-    Freshness: the process's shard subscription calls ``on_event`` for every published
-    change; it advances cached entries and calls the listeners registered for that id
-    (long-poll, SSE). ``on_lost`` (a subscription broke) and ``on_reset`` (after a
-    resubscription) empty the cache.
+    Freshness: the process's shard subscription (:meth:`subscription`) calls ``on_event`` for
+    every published change; it advances cached entries and calls the listeners registered
+    for that id (long-poll, SSE). ``on_lost`` (a subscription broke) and ``on_reset`` (after
+    a resubscription) empty the cache.
 
-    Terminal documents are kept for ``final_ttl`` rather than ``ttl`` when they were stored
-    while ``events_live()`` held (every subscription confirmed and answering its pings):
-    a terminal job changes only through a replay, which publishes. Stored while a
-    subscription was down, they get the short ``ttl`` — and the resubscription empties the
-    cache anyway.
+    A terminal document stored while ``events_live()`` holds (every subscription confirmed
+    and answering its pings) is a final entry, kept for ``final_ttl`` (nearcache.py).
 
     Races it guards (besides those of the parts):
 
@@ -124,8 +120,8 @@ class StatusReader:
         self.near: NearCache | None = (
             NearCache(cache_size, ttl, clock, final_ttl) if near_cache else None
         )
-        # whether every event subscription is live now: the subscriber's ``live`` (app.py);
-        # without a subscriber nothing is kept past the short ttl
+        # whether every event subscription is live now (see subscription); without a
+        # subscriber nothing is kept past the short ttl
         self.events_live: Callable[[], bool] = lambda: False
         self.coalescer: Coalescer[str, Status] | None = (
             Coalescer(self._load, max_batch=max_batch, timeout=timeout) if coalesce else None
@@ -154,7 +150,7 @@ class StatusReader:
     def near_hit(self, job_id: str) -> Entry | None:
         """The near cache's entry for ``job_id``, counted as a request, or None: then
         :meth:`load` answers (and counts) it. ``get`` in two steps, for a caller that
-        answers most reads without a coroutine (api/jobs.py, StatusFastPath)."""
+        answers most reads without a coroutine (fastpath.py)."""
         near = self.near
         if near is not None:
             entry = near.get(job_id, self._clock())
@@ -173,6 +169,41 @@ class StatusReader:
         if entry is not None:
             return entry.tenant, entry.doc, entry.version
         return await self.load(job_id)
+
+    async def get_for(self, job_id: str, tenant: str) -> Status | None:
+        """``get``, None also for another tenant's job."""
+        found = await self.get(job_id)
+        return found if found is not None and found[0] == tenant else None
+
+    async def wait_past(
+        self, job_id: str, tenant: str, version: int, timeout: float
+    ) -> Status | None:
+        """The job's status (``get_for``) as soon as a read finds it past ``version`` or
+        gone, or as last read at the timeout (long-poll)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        changed: asyncio.Future[None] = loop.create_future()
+
+        def listener(new: int, _tenant: str, _doc: bytes) -> None:
+            if (new > version or new == RESYNC) and not changed.done():
+                changed.set_result(None)
+
+        self.add_listener(job_id, listener)
+        try:
+            while True:
+                # read after registering: a change since the caller's read is not lost
+                found = await self.get_for(job_id, tenant)
+                left = deadline - loop.time()
+                if found is None or found[2] > version or left <= 0:
+                    return found
+                try:
+                    async with asyncio.timeout(left):
+                        await asyncio.shield(changed)
+                except TimeoutError:
+                    return found
+                changed = loop.create_future()
+        finally:
+            self.remove_listener(job_id, listener)
 
     async def load(self, job_id: str) -> Status | None:
         """``get`` past the near cache: after ``near_hit`` gave None (Redis, coalesced; then
@@ -226,18 +257,12 @@ class StatusReader:
         self.redis_loads += len(ids)
         if len(ids) == 1 or not self._cluster:
             # one server: one call for the batch, whatever shards (hash tags) its keys carry
-            flat = await self._read_status([keys.job_in(int(i[_SHARD_AT:]), i) for i in ids])
+            job_keys = [keys.job_in(int(i[_SHARD_AT:]), i) for i in ids]
+            flat = await run_script(self.redis, READ_STATUS, read_status_args(job_keys))
+            self.script_calls += 1
             return list(zip(flat[0::2], flat[1::2], strict=True))
-        return await self._read_status_per_shard(ids)
-
-    async def _read_status(self, job_keys: list[str]) -> list[Any]:
-        flat = await run_script(self.redis, READ_STATUS, read_status_args(job_keys))
-        self.script_calls += 1
-        return flat  # type: ignore[no-any-return]
-
-    async def _read_status_per_shard(self, ids: list[str]) -> list[Any]:
-        """(Cluster) one script call per shard in one pipeline: one batch per node."""
-        found = await read_docs(self.redis, self.keys, ids)
+        # a cluster: one call per shard (a script's keys share a slot), in one pipeline
+        found = await read_docs(self.redis, keys, ids)
         self.script_calls += len({job_id[_SHARD_AT:] for job_id in ids})
         return found
 
@@ -314,6 +339,20 @@ class StatusReader:
                     listener(RESYNC, "", b"")
                 except Exception:
                     log.exception("event=status_listener_failed job=%s", job_id)
+
+    def subscription(self, name: str) -> ShardSubscriber:
+        """The shard subscription that keeps this reader fresh (one a process; start it)."""
+        keys = self.keys
+        subscriber = ShardSubscriber(
+            self.redis,
+            [keys.events(shard) for shard in range(keys.shards)],
+            self.on_event,
+            self.on_reset,
+            name=name,
+            on_lost=self.on_lost,
+        )
+        self.events_live = subscriber.live
+        return subscriber
 
     def add_listener(self, job_id: str, callback: Listener) -> None:
         self._listeners.setdefault(job_id, set()).add(callback)
