@@ -7,8 +7,8 @@ worker makes (which exceptions are retried, after what delay, which results are 
 what a cancel request does).
 
 ``run_attempt`` is the coroutine of the job's asyncio task itself, not one more layer under
-the worker's: a coroutine per running job more would be one more object for the garbage
-collector to carry per job in flight (bench/worker_execute.py measures it).
+the worker's: one more coroutine per running job would be one more object for the garbage
+collector to carry per job in flight.
 
 What happens next is Redis's: ``fail.lua`` retries a failure only while attempts remain
 and no cancel was requested (``fail_state`` states its rule in Python for the tests), and
@@ -41,7 +41,7 @@ MESSAGE_LIMIT = 2000  # characters of an exception's message kept in the job's e
 # A failed attempt's traceback, as the job's error keeps it: the last TRACEBACK_FRAMES frames
 # of each exception in the chain, then at most TRACEBACK_CHARS characters, the end kept (the
 # innermost frames and the exception line). The error is part of the status document every
-# poll serves: these caps keep it within ~6 KB of JSON however deep the failure.
+# poll serves: these caps bound it however deep the failure.
 TRACEBACK_FRAMES = 20
 TRACEBACK_CHARS = 4000
 DEFAULT_POLICY = RetryPolicy()  # for a job whose type this worker does not know
