@@ -51,19 +51,28 @@ from redis.asyncio import Redis
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import environment, flush, header_markdown, percentile, save, table  # noqa: E402
+from common import (  # noqa: E402
+    environment,
+    flush,
+    header_markdown,
+    percentile,
+    save,
+    set_format,
+    table,
+)
 from common_http import ApiProcess  # noqa: E402
 from persist import prefill  # noqa: E402
 
 from jobtier.config import Settings  # noqa: E402
-from jobtier.core.keys import ulid  # noqa: E402
+from jobtier.core.keys import Keys, ulid  # noqa: E402
 from jobtier.dev.local_postgres import LocalPostgres  # noqa: E402
 from jobtier.dev.local_redis import LocalRedis, free_port  # noqa: E402
 from jobtier.persist.batch import JOB_COLUMNS  # noqa: E402
 from jobtier.persist.db import Pool, connect, create_pool, migrations, query  # noqa: E402
 from jobtier.persist.persister import Persister  # noqa: E402
-from jobtier.persist.pg_reader import PgReader, _by_state, _filters  # noqa: E402
+from jobtier.persist.pg_reader import _by_state, encode_cursor, listing_sql  # noqa: E402
 from jobtier.persist.retention import ensure_partitions  # noqa: E402
+from jobtier.store import format as job_format  # noqa: E402
 
 SHARDS = 16
 # the migration measured: listings by state from jobs_by_state, no index of jobs over state
@@ -227,18 +236,16 @@ async def page_of(
     pool: Pool, filters: dict[str, Any], cursor: str | None, current: bool
 ) -> tuple[list[Any], str | None]:
     """A page of 50, newest first, as ``PgReader.admin_list_jobs`` reads it."""
-    params: list[Any] = [51]
-    where = _filters(params, **filters, cursor=cursor)
-    return await PgReader(pool)._page(listing_query(filters, current), params, where, 50, "desc")
+    name = listing_query(filters, current)
+    sql, params = listing_sql(name, 50, "desc", **filters, cursor=cursor)
+    rows = await pool.fetch(sql, *params)
+    if len(rows) <= 50:
+        return rows, None
+    return rows[:50], encode_cursor("desc", rows[49]["created_at"], rows[49]["id"])
 
 
-async def explain(
-    pool: Pool, filters: dict[str, Any], current: bool, limit: int = 50
-) -> dict[str, Any]:
-    params: list[Any] = [limit + 1]
-    where = _filters(params, **filters)
-    sql = query(listing_query(filters, current))
-    sql = sql.replace("/*filters*/", " ".join(where)).replace("/*dir*/", "DESC")
+async def explain(pool: Pool, filters: dict[str, Any], current: bool) -> dict[str, Any]:
+    sql, params = listing_sql(listing_query(filters, current), 50, "desc", **filters)
     raw = await pool.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}", *params)
     plan = json.loads(raw)[0]
     return {
@@ -299,6 +306,8 @@ async def drain_rate(
     one persister into the filled table: transitions a second, and Postgres CPU each."""
     redis = Redis.from_url(redis_url)
     await flush(redis)
+    # marked as Queue.connect marks a new deployment's shards: the API started later reads them
+    await set_format(redis, Keys("jt", SHARDS), job_format.NEWEST)
     await prefill(redis_url, transitions)
     # retention off: a pruning pass would delete the oldest filled jobs mid-measure
     settings = Settings.from_env(
@@ -306,7 +315,7 @@ async def drain_rate(
         pg_job_retention_days=0, pg_history_retention_days=0,
     )  # fmt: skip
     persister = Persister(settings, redis, pool, "bench")
-    await persister.setup()
+    await persister.consumer.setup()
     cpu = pg_cpu(pg)
     started = time.monotonic()
     task = asyncio.create_task(persister.run())
