@@ -1,19 +1,20 @@
 """Benchmark: the console with a million jobs in Postgres.
 
-Starts its own Redis (AOF on) and a durable Postgres in temporary folders, migrates to 0008
-(the schema before listings by state moved to ``jobs_by_state``), fills ``jobs`` with
-``--jobs`` rows by COPY (tenants, types, queues and states skewed as a busy deployment's are,
-created over 30 days), then:
+Starts its own Redis (AOF on) and a durable Postgres in temporary folders. The schema comes
+in steps from the migration files of git revision ``--before`` (default ``4ffac07``, the last
+with the migrations that were since squashed into one): 0001-0008 first, the schema before
+listings by state moved to ``jobs_by_state``; it fills ``jobs`` with ``--jobs`` rows by COPY
+(tenants, types, queues and states skewed as a busy deployment's are, created over 30 days),
+then:
 
 1. the listing's queries per filter (``PgReader.admin_list_jobs``, what ``GET /v1/admin/jobs``
-   runs): time per page, p50 and p99 of ``--reps`` runs, on the schema before migration 0009
-   (the baseline, same run: a state filter on ``jobs`` itself, through its state indexes) and
-   after it, with the plan of each (``EXPLAIN ANALYZE``: the indexes it uses, or a
-   sequential scan);
-2. what migration 0009 changes for the write-behind: the migration's time on the filled
-   table, and the drain rate and Postgres CPU per transition before and after (no index
-   entry for an update that stays on its page, a row in ``jobs_by_state`` while a job is
-   not succeeded);
+   runs): time per page, p50 and p99 of ``--reps`` runs, on that schema (the baseline, same
+   run: a state filter on ``jobs`` itself, through its state indexes) and after migration
+   0009 (today's schema), with the plan of each (``EXPLAIN ANALYZE``: the indexes it uses,
+   or a sequential scan);
+2. what 0009 changes for the write-behind: the migration's time on the filled table, and
+   the drain rate and Postgres CPU per transition before and after (no index entry for an
+   update that stays on its page, a row in ``jobs_by_state`` while a job is not succeeded);
 3. the page over HTTP (``jobtier api``, granian): its size, the time to its first frame
    (a frame is built once a second per API process, whatever the number of pages), the
    first page of jobs and one job's detail;
@@ -51,23 +52,34 @@ from redis.asyncio import Redis
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import environment, flush, header_markdown, percentile, save, table  # noqa: E402
+from common import (  # noqa: E402
+    environment,
+    flush,
+    header_markdown,
+    percentile,
+    save,
+    set_format,
+    table,
+)
 from common_http import ApiProcess  # noqa: E402
 from persist import prefill  # noqa: E402
 
 from jobtier.config import Settings  # noqa: E402
-from jobtier.core.keys import ulid  # noqa: E402
+from jobtier.core.keys import Keys, ulid  # noqa: E402
 from jobtier.dev.local_postgres import LocalPostgres  # noqa: E402
 from jobtier.dev.local_redis import LocalRedis, free_port  # noqa: E402
 from jobtier.persist.batch import JOB_COLUMNS  # noqa: E402
-from jobtier.persist.db import Pool, connect, create_pool, migrations, query  # noqa: E402
+from jobtier.persist.db import Pool, connect, create_pool, query  # noqa: E402
 from jobtier.persist.persister import Persister  # noqa: E402
-from jobtier.persist.pg_reader import PgReader, _by_state, _filters  # noqa: E402
+from jobtier.persist.pg_reader import _by_state, encode_cursor, listing_sql  # noqa: E402
 from jobtier.persist.retention import ensure_partitions  # noqa: E402
+from jobtier.store import format as job_format  # noqa: E402
 
 SHARDS = 16
-# the migration measured: listings by state from jobs_by_state, no index of jobs over state
+# the migration measured, of --before's: listings by state from jobs_by_state, no index of
+# jobs over state (today's schema, 0001_initial, is what it left)
 BEFORE, AFTER = 8, 9
+MIGRATIONS = "src/jobtier/persist/migrations"
 BY_STATE_SIZE = "SELECT pg_total_relation_size('jobs_by_state')"
 TENANTS = 200
 TYPES = 30
@@ -145,8 +157,23 @@ def job_records(n: int, seed: int, now: datetime) -> Any:
         yield chunk
 
 
-async def migrate_to(dsn: str, last: int) -> float:
-    """Apply the migrations numbered up to ``last`` (as db.migrate would, in one transaction);
+def migrations_at(rev: str) -> list[tuple[str, str]]:
+    """(name, SQL) of the migrations at git revision ``rev``, in order."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=HERE.parent, capture_output=True, text=True, check=True
+        ).stdout
+
+    files = sorted(git("ls-tree", "--name-only", f"{rev}:{MIGRATIONS}").split())
+    found = [(f[:-4], git("show", f"{rev}:{MIGRATIONS}/{f}")) for f in files if f.endswith(".sql")]
+    if not any(name.startswith(f"{AFTER:04d}_") for name, _ in found):
+        raise SystemExit(f"--before {rev}: no migration {AFTER:04d} in {MIGRATIONS}")
+    return found
+
+
+async def migrate_to(dsn: str, steps: list[tuple[str, str]], last: int) -> float:
+    """Apply the ``steps`` numbered up to ``last`` (as db.migrate would, in one transaction);
     seconds."""
     conn = await connect(dsn)
     started = time.monotonic()
@@ -154,7 +181,7 @@ async def migrate_to(dsn: str, last: int) -> float:
         async with conn.transaction():
             await conn.execute(query("create_migrations_table"))
             done = {r["name"] for r in await conn.fetch(query("applied_migrations"))}
-            for name, sql in migrations():
+            for name, sql in steps:
                 if int(name[:4]) <= last and name not in done:
                     await conn.execute(sql)
                     await conn.execute(query("record_migration"), name)
@@ -219,7 +246,7 @@ def plan_indexes(node: dict[str, Any], out: list[str]) -> list[str]:
 
 def listing_query(filters: dict[str, Any], current: bool) -> str:
     """The listing's query for these filters: this tree's choice, or (``current`` False) the
-    one query of the schema before 0009, a state filter on ``jobs`` itself."""
+    one query of the schema before migration 0009, a state filter on ``jobs`` itself."""
     return "admin_list_jobs" if not current else _by_state("admin_list_jobs", filters.get("state"))
 
 
@@ -227,18 +254,16 @@ async def page_of(
     pool: Pool, filters: dict[str, Any], cursor: str | None, current: bool
 ) -> tuple[list[Any], str | None]:
     """A page of 50, newest first, as ``PgReader.admin_list_jobs`` reads it."""
-    params: list[Any] = [51]
-    where = _filters(params, **filters, cursor=cursor)
-    return await PgReader(pool)._page(listing_query(filters, current), params, where, 50, "desc")
+    name = listing_query(filters, current)
+    sql, params = listing_sql(name, 50, "desc", **filters, cursor=cursor)
+    rows = await pool.fetch(sql, *params)
+    if len(rows) <= 50:
+        return rows, None
+    return rows[:50], encode_cursor("desc", rows[49]["created_at"], rows[49]["id"])
 
 
-async def explain(
-    pool: Pool, filters: dict[str, Any], current: bool, limit: int = 50
-) -> dict[str, Any]:
-    params: list[Any] = [limit + 1]
-    where = _filters(params, **filters)
-    sql = query(listing_query(filters, current))
-    sql = sql.replace("/*filters*/", " ".join(where)).replace("/*dir*/", "DESC")
+async def explain(pool: Pool, filters: dict[str, Any], current: bool) -> dict[str, Any]:
+    sql, params = listing_sql(listing_query(filters, current), 50, "desc", **filters)
     raw = await pool.fetchval(f"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {sql}", *params)
     plan = json.loads(raw)[0]
     return {
@@ -299,6 +324,8 @@ async def drain_rate(
     one persister into the filled table: transitions a second, and Postgres CPU each."""
     redis = Redis.from_url(redis_url)
     await flush(redis)
+    # marked as Queue.connect marks a new deployment's shards: the API started later reads them
+    await set_format(redis, Keys("jt", SHARDS), job_format.NEWEST)
     await prefill(redis_url, transitions)
     # retention off: a pruning pass would delete the oldest filled jobs mid-measure
     settings = Settings.from_env(
@@ -306,7 +333,7 @@ async def drain_rate(
         pg_job_retention_days=0, pg_history_retention_days=0,
     )  # fmt: skip
     persister = Persister(settings, redis, pool, "bench")
-    await persister.setup()
+    await persister.consumer.setup()
     cpu = pg_cpu(pg)
     started = time.monotonic()
     task = asyncio.create_task(persister.run())
@@ -429,7 +456,8 @@ async def postgres_phase(
 ) -> list[tuple[str, dict[str, Any]]]:
     """Fill, time the listing before and after 0009, and the write-behind's drain; the
     filters (for the HTTP phase)."""
-    await migrate_to(pg.dsn, BEFORE)
+    steps = migrations_at(args.before)
+    await migrate_to(pg.dsn, steps, BEFORE)
     pool = await create_pool(pg.dsn, min_size=1, max_size=4)
     async with pool.acquire() as conn:  # the history's partitions, before any write
         await ensure_partitions(conn, datetime.now(UTC))
@@ -447,7 +475,7 @@ async def postgres_phase(
 
     print(f"migration {AFTER:04d}…", flush=True)
     await pool.close()
-    result["migration_seconds"] = round(await migrate_to(pg.dsn, AFTER), 1)
+    result["migration_seconds"] = round(await migrate_to(pg.dsn, steps, AFTER), 1)
     pool = await create_pool(pg.dsn, min_size=1, max_size=4)
     await pool.execute("VACUUM ANALYZE jobs")
     await pool.execute("VACUUM ANALYZE jobs_by_state")
@@ -523,7 +551,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     folder = Path(tempfile.mkdtemp(prefix="jobtier-bench-console-"))
     pg = LocalPostgres(Path(tempfile.mkdtemp(prefix="jobtier-bench-pg-")), durable=True)
     redis = LocalRedis(folder / "redis").start()
-    result: dict[str, Any] = {"jobs": args.jobs}
+    result: dict[str, Any] = {"jobs": args.jobs, "migrations_of": args.before}
     try:
         pg.start()
         named = asyncio.run(postgres_phase(args, pg, redis, result))
@@ -542,7 +570,8 @@ def report(r: dict[str, Any], env: dict[str, Any], args: argparse.Namespace) -> 
     ]
     out.append(
         f"{r['jobs']:,} jobs COPYed in {r['fill_seconds']} s ({r['table_mb']} MiB with the "
-        f"indexes of 0001-{BEFORE:04d}; {r['table_mb_after']} MiB after {AFTER:04d}, and "
+        f"indexes of `{args.before}`'s 0001-{BEFORE:04d}; {r['table_mb_after']} MiB after "
+        f"{AFTER:04d}, and "
         f"{r.get('by_state_mb', '-')} MiB of jobs_by_state). {TENANTS} tenants and "
         f"{TYPES} types (Zipf-skewed), {len(QUEUES)} queues, created over {DAYS} days; "
         "96 % succeeded, 2 % failed, 1 % cancelled, the rest waiting or running.\n"
@@ -632,6 +661,12 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1_000_000)
     parser.add_argument("--reps", type=int, default=50, help="runs of each listing query")
     parser.add_argument("--baseline-reps", type=int, default=5, help=f"runs before {AFTER:04d}")
+    parser.add_argument(
+        "--before",
+        metavar="REV",
+        default="4ffac07",
+        help=f"the git revision whose migrations 0001-{AFTER:04d} make the schema in steps",
+    )
     parser.add_argument("--transitions", type=int, default=60_000, help="backlog drained")
     parser.add_argument("--locust-seconds", type=int, default=60)
     parser.add_argument("--users", type=int, default=40, help="poller-mix users")

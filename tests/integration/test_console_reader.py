@@ -14,9 +14,9 @@ from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys, ulid
 from jobtier.core.model import decode_status
 from jobtier.persist.audit_store import AuditRecord, AuditStore
-from jobtier.persist.db import Pool, query
+from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.persist.pg_reader import PgReader, _by_state, _filters, id_prefix_range
+from jobtier.persist.pg_reader import PgReader, _by_state, id_prefix_range, listing_sql
 from tests.fixtures.postgres import mixed_workload
 
 
@@ -118,10 +118,9 @@ def nodes(plan: dict[str, Any]) -> list[dict[str, Any]]:
 async def test_each_filter_of_the_listing_has_an_index_that_serves_it(
     pg_pool: Pool, filters: dict[str, Any], index: str, sorted_after: bool
 ) -> None:
-    params: list[Any] = [51]
-    listing = query(_by_state("admin_list_jobs", filters.get("state")))
-    sql = listing.replace("/*filters*/", " ".join(_filters(params, **filters)))
-    sql = sql.replace("/*dir*/", "DESC")
+    sql, params = listing_sql(
+        _by_state("admin_list_jobs", filters.get("state")), 50, "desc", **filters
+    )
     async with pg_pool.acquire() as conn, conn.transaction():
         # (a sort too, but where one is needed: then the index that finds the rows counts)
         for scan in ("seqscan", "bitmapscan", *(() if sorted_after else ("sort",))):

@@ -1,7 +1,7 @@
-"""Listings by state without an index of ``jobs`` over ``state`` (migration 0009): a job's
-later transitions are heap-only updates of its row, and ``jobs_by_state`` follows every
-writer of ``jobs``, whatever order its batches commit in (tests/fixtures/postgres.py's
-``assert_listed_by_state``, which ``assert_pg_matches_redis`` runs, checks it there too)."""
+"""Listings by state without an index of ``jobs`` over ``state``: a job's later transitions
+are heap-only updates of its row, and ``jobs_by_state`` follows every writer of ``jobs``,
+whatever order its batches commit in (tests/fixtures/postgres.py's ``assert_listed_by_state``,
+which ``assert_pg_matches_redis`` runs, checks it there too)."""
 
 from __future__ import annotations
 

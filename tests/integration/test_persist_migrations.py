@@ -1,10 +1,10 @@
-"""The numbered migrations produce exactly schema.sql; migrate is idempotent and race-free."""
+"""migrate is idempotent and race-free, knows the migrations folded into 0001, and the schema
+it makes lists jobs by state through triggers while a job's row changes in place."""
 
 from __future__ import annotations
 
 import asyncio
 import re
-import subprocess
 import uuid
 from collections.abc import Iterator
 from typing import cast
@@ -12,7 +12,7 @@ from typing import cast
 import pytest
 from asyncpg import Record
 
-from jobtier.dev.local_postgres import SUPERUSER, LocalPostgres
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist import db
 
 
@@ -23,41 +23,6 @@ def empty_db(pg_server: LocalPostgres) -> Iterator[str]:
     pg_server.psql(f'CREATE DATABASE "{name}" TEMPLATE template0 OWNER "{pg_server.user}"')
     yield name
     pg_server.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-def schema_dump(server: LocalPostgres, database: str) -> str:
-    out = subprocess.run(
-        [
-            str(server.bin_dir / "pg_dump"), "--schema-only", "--no-owner", "--no-privileges",
-            "--exclude-table=schema_migrations", "-h", "127.0.0.1", "-p", str(server.port),
-            "-U", SUPERUSER, database,
-        ],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
-    # drop comments, blank lines and the random key of \restrict (newer pg_dump): nothing
-    # else differs between two databases with the same schema
-    lines = [
-        ln
-        for ln in out.splitlines()
-        if ln.strip() and not ln.startswith(("--", "\\restrict", "\\unrestrict"))
-    ]
-    return "\n".join(lines)
-
-
-async def test_migrations_produce_exactly_the_schema(
-    pg_server: LocalPostgres, empty_db: str
-) -> None:
-    # the session's template database was built by migrate(); build another from schema.sql
-    conn = await db.connect(pg_server.dsn_for(empty_db))
-    try:
-        await conn.execute(db.schema_sql())
-    finally:
-        await conn.close()
-    from_schema = schema_dump(pg_server, empty_db)
-    from_migrations = schema_dump(pg_server, "jobtier_template")
-    assert "CREATE TABLE public.jobs" in from_schema
-    assert "CREATE INDEX jobs_by_state_tenant_idx" in from_schema
-    assert from_migrations == from_schema
 
 
 async def test_migrate_is_idempotent_and_two_migrators_do_not_race(
@@ -146,23 +111,33 @@ def test_every_migration_is_numbered_in_order() -> None:
         assert "CONCURRENTLY" not in sql.upper()  # migrations run inside a transaction
 
 
-async def test_0009_lists_the_jobs_not_succeeded_and_indexes_no_state(
-    pg_server: LocalPostgres, empty_db: str
+async def test_migrations_folded_into_0001_are_known(
+    pg_server: LocalPostgres, empty_db: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A deployment with jobs in every state before 0009: afterwards jobs_by_state holds those
-    not succeeded, and no index of `jobs` covers a column a transition changes (so updates
-    can be heap-only); from then on the triggers keep it in step."""
+    """A database migrated before the squash has the names folded into 0001 recorded: known,
+    while a name this code does not have is the sign of a newer database."""
     dsn = pg_server.dsn_for(empty_db)
-    known = db.migrations()
-    (at,) = [i for i, (name, _) in enumerate(known) if name.startswith("0009_")]
-    # writers wait from its first statement: no batch commits between the copy and the triggers
-    sql = known[at][1]
-    assert sql.index("LOCK TABLE jobs IN SHARE ROW EXCLUSIVE MODE;") < sql.index("INSERT INTO")
-    conn = await db.connect(dsn)
+    assert await db.migrate(dsn) == ["0001_initial"]
+    for recorded, warned in ((db.FOLDED, False), (("0010_from_newer_code",), True)):
+        conn = await db.connect(dsn)
+        try:
+            for name in recorded:
+                await conn.execute(db.query("record_migration"), name)
+        finally:
+            await conn.close()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="jobtier.persist"):
+            assert await db.migrate(dsn) == []
+        assert ("event=unknown_migrations names=0010_from_newer_code " in caplog.text) is warned
+
+
+async def test_jobs_by_state_lists_the_jobs_not_succeeded_and_jobs_indexes_no_state(
+    pg_dsn: str,
+) -> None:
+    """jobs_by_state holds the jobs not succeeded, kept in step by the triggers; no index of
+    `jobs` covers a column a transition changes, so its updates are heap-only (HOT)."""
+    conn = await db.connect(pg_dsn)
     try:
-        async with conn.transaction():
-            for _, sql in known[:at]:
-                await conn.execute(sql)
         insert = (
             "INSERT INTO jobs (id, tenant, type, priority, state, version, attempt, max_attempts,"
             " created_at, updated_at, doc, queue)"
@@ -171,8 +146,6 @@ async def test_0009_lists_the_jobs_not_succeeded_and_indexes_no_state(
         states = ["waiting", "scheduled", "queued", "running", "succeeded", "failed", "cancelled"]
         for i, state in enumerate(states):
             await conn.execute(insert, f"J{i}", f"t{i % 2}", state, f"q{i % 3}")
-        async with conn.transaction():
-            await conn.execute(known[at][1])
         listed = await conn.fetch("SELECT id, tenant, state, queue FROM jobs_by_state ORDER BY id")
         assert [tuple(r) for r in listed] == [
             (f"J{i}", f"t{i % 2}", s, f"q{i % 3}") for i, s in enumerate(states) if s != "succeeded"
@@ -190,15 +163,23 @@ async def test_0009_lists_the_jobs_not_succeeded_and_indexes_no_state(
             )
             == 0
         )
-        # a version that changes nothing listed (progress) writes no new version of its row
-        seen = "SELECT xmin::text, ctid::text FROM jobs_by_state WHERE id = 'J2'"
-        before = tuple(cast(Record, await conn.fetchrow(seen)))
-        await conn.execute("UPDATE jobs SET progress = '1', version = 2 WHERE id = 'J2'")
-        assert tuple(cast(Record, await conn.fetchrow(seen))) == before
-        # the triggers from now on: a running job succeeds, a succeeded one is replayed
-        await conn.execute("UPDATE jobs SET state = 'succeeded' WHERE id = 'J3'")
-        await conn.execute("UPDATE jobs SET state = 'queued' WHERE id = 'J4'")
-        await conn.execute("DELETE FROM jobs WHERE id = 'J5'")
+        options = "SELECT reloptions FROM pg_class WHERE oid = 'jobs'::regclass"
+        assert await conn.fetchval(options) == ["fillfactor=50"]  # room for the next versions
+        async with conn.transaction():
+            # a version that changes nothing listed (progress) writes no new version of its row
+            seen = "SELECT xmin::text, ctid::text FROM jobs_by_state WHERE id = 'J2'"
+            before = tuple(cast(Record, await conn.fetchrow(seen)))
+            await conn.execute("UPDATE jobs SET progress = '1', version = 2 WHERE id = 'J2'")
+            assert tuple(cast(Record, await conn.fetchrow(seen))) == before
+            # the triggers: a running job succeeds, a succeeded one is replayed, one is deleted
+            await conn.execute("UPDATE jobs SET state = 'succeeded' WHERE id = 'J3'")
+            await conn.execute("UPDATE jobs SET state = 'queued' WHERE id = 'J4'")
+            await conn.execute("DELETE FROM jobs WHERE id = 'J5'")
+            counted = await conn.fetchrow(
+                "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables"
+                " WHERE relid = 'jobs'::regclass"
+            )
+            assert tuple(cast(Record, counted)) == (3, 3)  # every update heap-only
         after = await conn.fetch("SELECT id, state FROM jobs_by_state ORDER BY id")
         assert [tuple(r) for r in after] == [
             ("J0", "waiting"), ("J1", "scheduled"), ("J2", "queued"), ("J4", "queued"),

@@ -10,8 +10,7 @@ import asyncio
 import logging
 import subprocess
 import sys
-import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any, cast
 
@@ -20,15 +19,7 @@ import pytest
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
 from jobtier.core.keys import Keys
-from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist import db
-from jobtier.persist.batch import (
-    JOB_COLUMNS,
-    TRANSITION_COLUMNS,
-    collapse,
-    job_records,
-    transition_records,
-)
 from jobtier.persist.db import AnyConnection, Connection, Pool, query
 from jobtier.persist.persister import Persister
 from jobtier.persist.retention import (
@@ -367,67 +358,6 @@ async def test_the_persister_prunes_on_its_own(
         persister.stop()
         await asyncio.wait_for(task, 10)
     assert today() in {p.name for p in await partitions(conn)}
-
-
-# --- migrating an existing deployment -----------------------------------------------------------
-@pytest.fixture
-def bare_db(pg_server: LocalPostgres) -> Iterator[str]:
-    name = f"jt_bare_{uuid.uuid4().hex[:12]}"
-    pg_server.psql(f'CREATE DATABASE "{name}" TEMPLATE template0 OWNER "{pg_server.user}"')
-    yield pg_server.dsn_for(name)
-    pg_server.psql(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-async def test_migration_keeps_every_row_of_an_existing_history(
-    settings: Settings, redis: Any, keys: Keys, bare_db: str
-) -> None:
-    # a deployment at migration 0001, with history written the way it was then
-    first_name, first_sql = db.migrations()[0]
-    old = await db.connect(bare_db)
-    try:
-        await old.execute(first_sql)
-        await old.execute(query("create_migrations_table"))
-        await old.execute(query("record_migration"), first_name)
-        job_ids = await simple_jobs(redis, keys, 50)
-        entries = parsed(await log_entries(redis, keys))
-        # the jobs columns of then: queue and result_ref came with later migrations
-        then = [c for c in JOB_COLUMNS if c not in ("queue", "result_ref")]
-        rows = [r[: len(then)] for r in job_records(collapse(entries))]
-        await old.copy_records_to_table("jobs", records=rows, columns=then)
-        without_prev = [c for c in TRANSITION_COLUMNS if c != "prev_version"]
-        records = [r[:2] + r[3:] for r in transition_records(entries)]
-        await old.copy_records_to_table("job_transitions", records=records, columns=without_prev)
-    finally:
-        await old.close()
-
-    assert await db.migrate(bare_db) == [name for name, _ in db.migrations()[1:]]
-    settings = settings.replace(database_url=bare_db)
-    pool = await db.create_pool(bare_db, max_size=2)
-    conn = await db.connect(bare_db)
-    try:
-        assert await where_rows_are(pool) == {"job_transitions_legacy": 150}
-        assert (
-            await pool.fetchval("SELECT count(*) FROM job_transitions WHERE prev_version IS NULL")
-            == 150
-        )
-        assert await gaps(pool, job_ids) == []  # NULL reads as version - 1: complete
-        # the persister replays what it had written: nothing doubles
-        await Persister(settings, redis, pool, "p1").persist(entries)
-        assert await pool.fetchval("SELECT count(*) FROM job_transitions") == 150
-        # new writes and passes go on; the legacy partition covers up to the day after its
-        # newest row, so daily partitions start there
-        report = await prune(conn, settings)
-        assert report is not None and today() not in report.created
-        more = await simple_jobs(redis, keys, 10)
-        await Persister(settings, redis, pool, "p1").drain()
-        assert await gaps(pool, job_ids + more) == []
-        # and it is dropped whole once its last day is past the retention
-        report = await prune(conn, settings, now=datetime.now(UTC) + timedelta(days=40))
-        assert report is not None and "job_transitions_legacy" in report.removed
-        assert await pool.fetchval("SELECT count(*) FROM job_transitions") == 0
-    finally:
-        await conn.close()
-        await pool.close()
 
 
 class CountingConnection:

@@ -16,22 +16,15 @@ from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import JSON, decode_body, invalid, read_json_body
 from jobtier.core.errors import InvalidRequest
-from jobtier.core.model import PRIORITIES, QueueLimits
+from jobtier.core.model import QueueLimits
 from jobtier.core.names import QUEUE_NAME_RE
 from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.queue import Queue
+from jobtier.engine.queue_admin import no_counts
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
 # a queue Redis has no counts for: known by its limits or a task's advert
-_NO_COUNTS: dict[str, Any] = {
-    "queued": {p.value: 0 for p in PRIORITIES},
-    "parked": 0,
-    "waiting": 0,
-    "running": 0,
-    "paused": False,
-    "limited": False,
-    "blocked_until_ms": 0,
-}
+_NO_COUNTS = no_counts()
 
 
 def queue_name(request: Request) -> str:

@@ -78,6 +78,7 @@ from __future__ import annotations
 import os
 import time
 import zlib
+from collections.abc import Callable
 
 from jobtier.core.names import JOB_ID_RE
 
@@ -128,6 +129,24 @@ def ulid(ms: int | None = None, entropy: bytes | None = None) -> str:
     return _time_digits(ms) + "".join([p[(e >> s) & 1023] for s in _ENTROPY_SHIFTS])
 
 
+def _in_shard(name: str) -> Callable[[Keys, int], str]:
+    """The method of a per-shard key, ``jt:{s}:<name>``."""
+
+    def key(self: Keys, shard: int) -> str:
+        return self._bases[shard] + name
+
+    return key
+
+
+def _of_job(kind: str) -> Callable[[Keys, str], str]:
+    """The method of a job's own key, ``jt:{s}:<kind>:<id>`` in the shard of its id."""
+
+    def key(self: Keys, job_id: str) -> str:
+        return f"{self._bases[self.shard_of(job_id)]}{kind}:{job_id}"
+
+    return key
+
+
 class Keys:
     """Key and channel names for one deployment (prefix and shard count)."""
 
@@ -166,23 +185,13 @@ class Keys:
         """A stable shard for a name (idempotency key, schedule id): crc32, same everywhere."""
         return zlib.crc32("\x00".join(parts).encode()) % self.shards
 
-    # --- per-shard keys -----------------------------------------------------------------
+    # --- per-shard keys (the table above) ---------------------------------------------------
     def base(self, shard: int) -> str:
         """``jt:{s}:`` — the Lua scripts build job keys from it."""
         return self._bases[shard]
 
-    def job(self, job_id: str) -> str:
-        return f"{self._bases[self.shard_of(job_id)]}job:{job_id}"
-
-    def job_format(self, shard: int) -> str:
-        return self.base(shard) + "fmt"
-
     def job_in(self, shard: int, job_id: str) -> str:
         return f"{self._bases[shard]}job:{job_id}"
-
-    def lines(self, job_id: str) -> str:
-        """list: the job's log lines (``ctx.log``)."""
-        return f"{self._bases[self.shard_of(job_id)]}lines:{job_id}"
 
     def ready(self, shard: int, queue: str, priority: str, tenant: str) -> str:
         return f"{self._bases[shard]}q:{queue}:{priority}:{tenant}"
@@ -190,15 +199,8 @@ class Keys:
     def ring(self, shard: int, queue: str, priority: str) -> str:
         return f"{self._bases[shard]}ring:{queue}:{priority}"
 
-    def queue_counts(self, shard: int) -> str:
-        """hash: per queue, ready jobs by priority, running jobs, paused flag, cursor."""
-        return self._bases[shard] + "queues"
-
     def park(self, shard: int, queue: str, type: str) -> str:
         return f"{self._bases[shard]}park:{queue}:{type}"
-
-    def parked(self, shard: int) -> str:
-        return self._bases[shard] + "parked"
 
     def home(self, queue: str) -> int:
         """The shard that keeps a queue's limits and permits (limit.lua)."""
@@ -216,51 +218,28 @@ class Keys:
     def ck(self, shard: int, tenant: str, key: str) -> str:
         return f"{self._bases[shard]}ck:{tenant}:{key}"
 
-    def ckeys(self, shard: int) -> str:
-        return self._bases[shard] + "ckeys"
-
-    def sched(self, shard: int) -> str:
-        return self._bases[shard] + "sched"
-
-    def active(self, shard: int) -> str:
-        return self._bases[shard] + "active"
-
-    def dead(self, shard: int) -> str:
-        return self._bases[shard] + "dead"
-
-    def waiting(self, shard: int) -> str:
-        return self._bases[shard] + "waiting"
-
-    def log(self, shard: int) -> str:
-        return self._bases[shard] + "log"
-
-    def log_refused(self, shard: int) -> str:
-        """Log entries Postgres refused for their data, parked by the persister."""
-        return self._bases[shard] + "log:refused"
-
-    def cron(self, shard: int) -> str:
-        return self._bases[shard] + "cron"
-
     def cron_def(self, shard: int, schedule_id: str) -> str:
         return f"{self._bases[shard]}cron:{schedule_id}"
 
-    def events(self, shard: int) -> str:
-        return self._bases[shard] + "ev"
-
-    def wake(self, shard: int) -> str:
-        return self._bases[shard] + "wake"
-
-    def deps(self, job_id: str) -> str:
-        return f"{self._bases[self.shard_of(job_id)]}deps:{job_id}"
-
-    def dependents(self, job_id: str) -> str:
-        return f"{self._bases[self.shard_of(job_id)]}dnt:{job_id}"
-
-    def unlinked(self, shard: int) -> str:
-        return self._bases[shard] + "unlinked"
-
-    def flow(self, shard: int) -> str:
-        return self._bases[shard] + "flow"
+    job = _of_job("job")
+    lines = _of_job("lines")
+    deps = _of_job("deps")
+    dependents = _of_job("dnt")
+    job_format = _in_shard("fmt")
+    queue_counts = _in_shard("queues")
+    parked = _in_shard("parked")
+    ckeys = _in_shard("ckeys")
+    sched = _in_shard("sched")
+    active = _in_shard("active")
+    dead = _in_shard("dead")
+    waiting = _in_shard("waiting")
+    log = _in_shard("log")
+    log_refused = _in_shard("log:refused")
+    cron = _in_shard("cron")
+    events = _in_shard("ev")
+    wake = _in_shard("wake")
+    unlinked = _in_shard("unlinked")
+    flow = _in_shard("flow")
 
     # --- global (not sharded) keys ------------------------------------------------------
     def workers(self) -> str:

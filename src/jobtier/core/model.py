@@ -198,20 +198,9 @@ class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     callback: CallbackSpec | None = None
 
     def spec(self) -> JobSpec:
-        """The job alone (its dependencies apart)."""
-        return JobSpec(
-            type=self.type,
-            payload=self.payload,
-            priority=self.priority,
-            run_at=self.run_at,
-            delay=self.delay,
-            max_attempts=self.max_attempts,
-            queue=self.queue,
-            concurrency_key=self.concurrency_key,
-            concurrency_limit=self.concurrency_limit,
-            on_dependency_failure=self.on_dependency_failure,
-            callback=self.callback,
-        )
+        """The job alone: its fields that ``JobSpec`` has, but its dependencies."""
+        shared = [f for f in self.__struct_fields__ if f in JobSpec.__struct_fields__]
+        return JobSpec(**{f: getattr(self, f) for f in shared if f != "depends_on"})
 
 
 class FlowSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

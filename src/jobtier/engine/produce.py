@@ -86,10 +86,9 @@ class Producer:
     def __init__(
         self,
         store: Store,
-        tasks: TaskLookup | None = None,
-        *,
-        require_known: bool = True,
-        callbacks: Registrar | None = None,
+        tasks: TaskLookup | None,
+        require_known: bool,
+        callbacks: Registrar | None,
     ) -> None:
         self.store = store
         self.settings = store.settings

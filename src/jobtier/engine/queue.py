@@ -11,16 +11,22 @@ The stores the engine needs beside Redis are given, never opened behind the call
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import TypedDict, Unpack
 
 from jobtier.config import Settings
-from jobtier.core.errors import IdempotencyConflict
-from jobtier.core.model import FlowJob, FlowSubmitted, JobSpec, JobStatus, Submitted, TaskLookup
+from jobtier.core.model import TaskLookup
 from jobtier.engine.control import JobControl, ResultReader
-from jobtier.engine.produce import DEFAULT_TENANT, Describes, Producer, Registrar
+from jobtier.engine.produce import Producer, Registrar
 from jobtier.engine.queue_admin import QueueAdmin
 from jobtier.store.context import Store
+
+
+class QueueOptions(TypedDict, total=False):
+    """A ``Queue``'s options beside its store (or settings) and tasks."""
+
+    require_known: bool  # refuse a job whose type ``tasks`` does not know (default: True)
+    results: ResultReader | None  # reads results kept outside Redis
+    callbacks: Registrar | None  # writes jobs' own webhooks (without: such a job is refused)
 
 
 class Queue:
@@ -31,22 +37,27 @@ class Queue:
     """
 
     def __init__(
-        self,
-        store: Store,
-        tasks: TaskLookup | None = None,
-        *,
-        require_known: bool = True,
-        results: ResultReader | None = None,
-        callbacks: Registrar | None = None,
+        self, store: Store, tasks: TaskLookup | None = None, **options: Unpack[QueueOptions]
     ) -> None:
+        if unknown := options.keys() - QueueOptions.__annotations__.keys():
+            raise TypeError(f"no such option of Queue: {', '.join(sorted(unknown))}")
         self.store = store
         self.settings = store.settings
         self.redis = store.redis
         self.keys = store.keys
         self.scripts = store.scripts
-        self.produce = Producer(store, tasks, require_known=require_known, callbacks=callbacks)
-        self.jobs = JobControl(store, results)
+        self.close = store.close
+        require_known, callbacks = options.get("require_known", True), options.get("callbacks")
+        self.produce = Producer(store, tasks, require_known, callbacks)
+        self.jobs = JobControl(store, options.get("results"))
         self.admin = QueueAdmin(store)
+        # the calls most used, on the queue itself
+        self.submit = self.produce.submit
+        self.submit_many = self.produce.submit_many
+        self.submit_flow = self.produce.submit_flow
+        self.status = self.jobs.status
+        self.result = self.jobs.result
+        self.cancel = self.jobs.cancel
 
     @classmethod
     async def connect(
@@ -55,49 +66,13 @@ class Queue:
         tasks: TaskLookup | None = None,
         *,
         check: bool = True,
-        results: ResultReader | None = None,
-        callbacks: Registrar | None = None,
+        **options: Unpack[QueueOptions],
     ) -> Queue:
         """Connect to the deployment's Redis (``Store.connect``); ``close`` closes it."""
-        store = await Store.connect(settings, check=check)
-        return cls(store, tasks, results=results, callbacks=callbacks)
-
-    async def close(self) -> None:
-        await self.store.close()
+        return cls(await Store.connect(settings, check=check), tasks, **options)
 
     async def __aenter__(self) -> Queue:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-    async def submit(self, type: str | Describes, payload: Any = None, **options: Any) -> Submitted:
-        """``Producer.submit``: one job."""
-        return await self.produce.submit(type, payload, **options)
-
-    async def submit_many(
-        self, specs: Sequence[JobSpec], *, tenant: str = DEFAULT_TENANT
-    ) -> list[Submitted | IdempotencyConflict]:
-        """``Producer.submit_many``: a batch, validated whole before any is sent."""
-        return await self.produce.submit_many(specs, tenant=tenant)
-
-    async def submit_flow(
-        self,
-        jobs: Sequence[FlowJob],
-        *,
-        tenant: str = DEFAULT_TENANT,
-        idempotency_key: str | None = None,
-    ) -> FlowSubmitted:
-        """``Producer.submit_flow``: jobs that wait for others."""
-        return await self.produce.submit_flow(jobs, tenant=tenant, idempotency_key=idempotency_key)
-
-    async def status(self, job_id: str, tenant: str | None = None) -> JobStatus:
-        return await self.jobs.status(job_id, tenant)
-
-    async def result(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, Any]:
-        """(status, result): the result is the task's return value once succeeded, else None."""
-        return await self.jobs.result(job_id, tenant)
-
-    async def cancel(self, job_id: str, tenant: str | None = None) -> JobStatus:
-        """Cancel a waiting job, or ask the worker running it to stop."""
-        return await self.jobs.cancel(job_id, tenant)

@@ -34,6 +34,19 @@ class Purged:
     remaining: int
 
 
+def no_counts() -> dict[str, Any]:
+    """A queue's entry in ``QueueAdmin.stats`` before any of its counts is read."""
+    return {
+        "queued": {p.value: 0 for p in PRIORITIES},
+        "parked": 0,
+        "waiting": 0,
+        "running": 0,
+        "paused": False,
+        "limited": False,
+        "blocked_until_ms": 0,
+    }
+
+
 def _check_queue(queue: str) -> None:
     check_name("queue", queue, QUEUE_NAME_RE, 70, "queue")
 
@@ -78,15 +91,7 @@ class QueueAdmin:
 
         def queue_entry(name: str) -> dict[str, Any]:
             if name not in queues:
-                queues[name] = {
-                    "queued": {p.value: 0 for p in PRIORITIES},
-                    "parked": 0,
-                    "waiting": 0,
-                    "running": 0,
-                    "paused": False,
-                    "limited": False,
-                    "blocked_until_ms": 0,
-                }
+                queues[name] = no_counts()
             return queues[name]
 
         shards = []

@@ -1,4 +1,4 @@
-"""The audit of admin actions in Postgres (table ``audit``, migration 0005).
+"""The audit of admin actions in Postgres (table ``audit``).
 
 ``api/audit.py`` makes the records (who, when, what, on what, with which answer) and writes
 them here; this module only stores and lists them.

@@ -14,7 +14,7 @@ import binascii
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import msgspec
 
@@ -132,21 +132,29 @@ def id_prefix_range(prefix: str) -> tuple[str, str]:
     return low, low[:-1] + chr(ord(low[-1]) + 1)
 
 
-def _filters(
-    params: list[Any],
-    *,
-    tenant: str | None = None,
-    state: str | None = None,
-    type: str | None = None,
-    queue: str | None = None,
-    created_after: datetime | str | None = None,
-    created_before: datetime | str | None = None,
-    id_prefix: str | None = None,
-    cursor: str | None = None,
-    order: str = "desc",
-) -> list[str]:
+class TenantFilters(TypedDict, total=False):
+    """The filters of a tenant's listing (``PgReader.list_jobs``); None, or left out: any."""
+
+    state: str | None
+    type: str | None
+    queue: str | None
+    created_after: datetime | str | None
+    cursor: str | None
+
+
+class Filters(TenantFilters, total=False):
+    """The filters of the console's listing (``PgReader.admin_list_jobs``)."""
+
+    tenant: str | None
+    created_before: datetime | str | None
+    id_prefix: str | None
+
+
+def _filters(params: list[Any], order: str = "desc", **where: Unpack[Filters]) -> list[str]:
     """The WHERE fragments of a listing (fixed text, never caller input), their values
     appended to ``params``; ``InvalidRequest`` naming the field for a bad one."""
+    if unknown := where.keys() - Filters.__annotations__.keys():
+        raise TypeError(f"no such filter: {', '.join(sorted(unknown))}")
     if order not in ("asc", "desc"):
         raise InvalidRequest("order must be asc or desc", field="order")
     filters = []
@@ -158,32 +166,43 @@ def _filters(
             numbers.append(f"${len(params)}")
         filters.append(fragment.format(*numbers))
 
-    if tenant is not None:
+    if (tenant := where.get("tenant")) is not None:
         add("AND tenant = {}", tenant)
-    if state is not None:
+    if (state := where.get("state")) is not None:
         if state not in _STATES:
             raise InvalidRequest(
                 f"state must be one of {', '.join(s.value for s in State)}", field="state"
             )
         add("AND state = {}", state)
-    if type is not None:
+    if (type := where.get("type")) is not None:
         if not (isinstance(type, str) and 0 < len(type) <= MAX_TYPE_LENGTH):
             raise InvalidRequest("type must be a non-empty job type name", field="type")
         add("AND type = {}", type)
-    if queue is not None:
+    if (queue := where.get("queue")) is not None:
         if not (isinstance(queue, str) and QUEUE_NAME_RE.fullmatch(queue)):
             raise InvalidRequest(f"queue must match {QUEUE_NAME_RE.pattern}", field="queue")
         add("AND queue = {}", queue)
-    if created_after is not None:
-        add("AND created_at > {}", _time(created_after, "created_after"))
-    if created_before is not None:
-        add("AND created_at < {}", _time(created_before, "created_before"))
-    if id_prefix is not None:
+    if (after := where.get("created_after")) is not None:
+        add("AND created_at > {}", _time(after, "created_after"))
+    if (before := where.get("created_before")) is not None:
+        add("AND created_at < {}", _time(before, "created_before"))
+    if (id_prefix := where.get("id_prefix")) is not None:
         add('AND id COLLATE "C" >= {} AND id COLLATE "C" < {}', *id_prefix_range(id_prefix))
-    if cursor is not None:
+    if (cursor := where.get("cursor")) is not None:
         op = "<" if order == "desc" else ">"
         add(f"AND (created_at, id) {op} ({{}}, {{}})", *decode_cursor(cursor, order))
     return filters
+
+
+def listing_sql(
+    name: str, limit: int, order: str, **where: Unpack[Filters]
+) -> tuple[str, list[Any]]:
+    """The SQL of listing ``name`` (of queries.sql) for a page of ``limit`` and one more (is
+    there a next page?), and its parameters."""
+    params: list[Any] = [_limit(limit) + 1]
+    filters = _filters(params, order, **where)
+    sql = query(name).replace("/*filters*/", " ".join(filters))
+    return sql.replace("/*dir*/", "DESC" if order == "desc" else "ASC"), params
 
 
 def _by_state(listing: str, state: str | None) -> str:
@@ -211,73 +230,30 @@ class PgReader:
         return {r["id"]: (r["tenant"], r["doc"]) for r in rows}
 
     async def list_jobs(
-        self,
-        tenant: str,
-        state: str | None = None,
-        type: str | None = None,
-        created_after: datetime | str | None = None,
-        queue: str | None = None,
-        cursor: str | None = None,
-        limit: int = 50,
-        order: str = "desc",
+        self, tenant: str, *, limit: int = 50, order: str = "desc", **where: Unpack[TenantFilters]
     ) -> tuple[list[JobStatus], str | None]:
         """A page of the tenant's jobs, newest first (``order="asc"``: oldest first), and the
         cursor of the next page or None. Keyset pagination on (created_at, id): pages stay
         consistent while jobs are added, and a page costs the same at any depth. Bad
         parameters raise ``InvalidRequest`` naming the field.
         """
-        rows, next_cursor = await self._page(
-            "list_jobs",
-            limit,
-            order,
-            tenant=tenant,
-            state=state,
-            type=type,
-            queue=queue,
-            created_after=created_after,
-            cursor=cursor,
-        )
+        rows, next_cursor = await self._page("list_jobs", limit, order, tenant=tenant, **where)
         return [status_decoder.decode(r["doc"]) for r in rows], next_cursor
 
     async def admin_list_jobs(
-        self,
-        *,
-        tenant: str | None = None,
-        state: str | None = None,
-        type: str | None = None,
-        queue: str | None = None,
-        created_after: datetime | str | None = None,
-        created_before: datetime | str | None = None,
-        id_prefix: str | None = None,
-        cursor: str | None = None,
-        limit: int = 50,
-        order: str = "desc",
+        self, *, limit: int = 50, order: str = "desc", **where: Unpack[Filters]
     ) -> tuple[list[tuple[str, bytes]], str | None]:
         """A page of every tenant's jobs for the console: (tenant, status document) pairs,
         newest first, keyset-paginated as ``list_jobs``. ``id_prefix`` matches the start of
         the id (case-insensitive, as ULIDs are); the time range is on ``created_at``."""
-        rows, next_cursor = await self._page(
-            "admin_list_jobs",
-            limit,
-            order,
-            tenant=tenant,
-            state=state,
-            type=type,
-            queue=queue,
-            created_after=created_after,
-            created_before=created_before,
-            id_prefix=id_prefix,
-            cursor=cursor,
-        )
+        rows, next_cursor = await self._page("admin_list_jobs", limit, order, **where)
         return [(r["tenant"], bytes(r["doc"])) for r in rows], next_cursor
 
     async def _page(
-        self, listing: str, limit: int, order: str, **where: Any
+        self, listing: str, limit: int, order: str, **where: Unpack[Filters]
     ) -> tuple[list[Any], str | None]:
-        params: list[Any] = [_limit(limit) + 1]  # one more: is there a next page?
-        filters = _filters(params, order=order, **where)
-        sql = query(_by_state(listing, where["state"])).replace("/*filters*/", " ".join(filters))
-        sql = sql.replace("/*dir*/", "DESC" if order == "desc" else "ASC")
+        name = _by_state(listing, where.get("state"))
+        sql, params = listing_sql(name, limit, order, **where)
         rows = await self.pool.fetch(sql, *params)
         next_cursor = None
         if len(rows) > limit:

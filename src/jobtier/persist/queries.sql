@@ -351,7 +351,7 @@ WHERE created_at < $1 AND state IN ('succeeded', 'failed', 'cancelled') AND upda
 -- name: delete_finished_jobs
 -- One window of jobs created before $1 in created_at order, after ($3, $4) (where the previous
 -- window ended): $2 rows at most, read through jobs_created_idx. Of those, the jobs that
--- finished before $1 are deleted (no index covers `state` or `updated_at`: schema.sql says
+-- finished before $1 are deleted (no index covers `state` or `updated_at`: migrations/0001 says
 -- why). A pass reads each job created before $1 once, so jobs that stay (waiting, scheduled
 -- far ahead, running, or finished later) are never read again in that pass. Rows a persister
 -- is writing are skipped, not waited for (the next pass takes them); the state is checked on

@@ -19,26 +19,14 @@ class DuplicateName(Exception):
     """The tenant already has a schedule of this name."""
 
 
+# the columns of `schedules` (each a field of Schedule) that Schedule names otherwise
+_RENAMED = {"interval_seconds": "interval", "misfire_policy": "misfire"}
+
+
 def to_schedule(row: asyncpg.Record) -> Schedule:
-    return Schedule(
-        id=row["id"],
-        tenant=row["tenant"],
-        name=row["name"],
-        type=row["type"],
-        payload=_any.decode(row["payload"]),
-        priority=Priority(row["priority"]),
-        max_attempts=row["max_attempts"],
-        cron=row["cron"],
-        timezone=row["timezone"],
-        interval=row["interval_seconds"],
-        misfire=row["misfire_policy"],
-        paused=row["paused"],
-        next_fire_at=row["next_fire_at"],
-        last_fired_at=row["last_fired_at"],
-        created_at=row["created_at"],
-        updated_at=row["updated_at"],
-        queue=row["queue"],
-    )
+    fields = {_RENAMED.get(column, column): value for column, value in row.items()}
+    fields.update(payload=_any.decode(row["payload"]), priority=Priority(row["priority"]))
+    return Schedule(**fields)
 
 
 class ScheduleStore:

@@ -1,4 +1,4 @@
--- Webhooks: subscriptions, job callbacks, signing secrets and deliveries (migration 0007).
+-- Webhooks: subscriptions, job callbacks, signing secrets and deliveries.
 -- Used by the API (api/webhooks.py) and the dispatcher (webhooks/deliveries.py).
 
 -- name: secret_get

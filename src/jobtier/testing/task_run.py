@@ -16,7 +16,7 @@ import time
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import msgspec
 
@@ -46,6 +46,8 @@ _MARKS = {state: mark for mark, state in MARKS.items()}
 _STORED = "jobtier.testing:"  # the references of results "kept in the result store" here
 
 Inputs = tuple[bytes, list[bytes]]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def dependency_inputs(
@@ -271,6 +273,16 @@ class TaskRun:
         )
 
 
+def _takes(start: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """For the type checker: the function decorated takes the arguments of ``start`` (and
+    hands them on to it)."""
+
+    def same(fn: Callable[..., R]) -> Callable[P, R]:
+        return fn
+
+    return same
+
+
 def start_task(
     task: Task | Callable[..., Any],
     payload: Any = None,
@@ -318,17 +330,8 @@ def start_task(
     return TaskRun(t, job, shard, s.max_result_bytes, cancel_after_progress, read_result)
 
 
-async def run_task(
-    task: Task | Callable[..., Any],
-    payload: Any = None,
-    *,
-    attempt: int = 1,
-    max_attempts: int | None = None,
-    job_id: str | None = None,
-    settings: Settings | None = None,
-    cancel_after_progress: int | None = None,
-    dependencies: Mapping[str, Any] | None = None,
-) -> Outcome:
+@_takes(start_task)
+async def run_task(task: Task | Callable[..., Any], payload: Any = None, **options: Any) -> Outcome:
     """Run one attempt of ``task`` with ``payload`` as a worker would, and return its outcome.
 
     >>> outcome = await run_task(resize, {"image": "a.png"})
@@ -355,29 +358,11 @@ async def run_task(
       store: the task sees it as a worker would (no ``result`` in ``ctx.dependencies``),
       and ``await ctx.result(id)`` reads its ``result``.
     """
-    return await start_task(
-        task,
-        payload,
-        attempt=attempt,
-        max_attempts=max_attempts,
-        job_id=job_id,
-        settings=settings,
-        cancel_after_progress=cancel_after_progress,
-        dependencies=dependencies,
-    )
+    return await start_task(task, payload, **options)
 
 
-def run_task_sync(
-    task: Task | Callable[..., Any],
-    payload: Any = None,
-    *,
-    attempt: int = 1,
-    max_attempts: int | None = None,
-    job_id: str | None = None,
-    settings: Settings | None = None,
-    cancel_after_progress: int | None = None,
-    dependencies: Mapping[str, Any] | None = None,
-) -> Outcome:
+@_takes(start_task)
+def run_task_sync(task: Task | Callable[..., Any], payload: Any = None, **options: Any) -> Outcome:
     """``run_task`` for a test with no event loop: runs the attempt in a new loop
     (``asyncio.run``). Inside a coroutine, ``await run_task(...)`` instead."""
     try:
@@ -389,15 +374,4 @@ def run_task_sync(
             "run_task_sync() was called inside a running event loop "
             f"(thread {threading.current_thread().name}): use `await run_task(...)`"
         )
-    return asyncio.run(
-        run_task(
-            task,
-            payload,
-            attempt=attempt,
-            max_attempts=max_attempts,
-            job_id=job_id,
-            settings=settings,
-            cancel_after_progress=cancel_after_progress,
-            dependencies=dependencies,
-        )
-    )
+    return asyncio.run(run_task(task, payload, **options))
