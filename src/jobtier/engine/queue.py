@@ -11,22 +11,12 @@ The stores the engine needs beside Redis are given, never opened behind the call
 
 from __future__ import annotations
 
-from typing import TypedDict, Unpack
-
 from jobtier.config import Settings
 from jobtier.core.model import TaskLookup
 from jobtier.engine.control import JobControl, ResultReader
 from jobtier.engine.produce import Producer, Registrar
 from jobtier.engine.queue_admin import QueueAdmin
 from jobtier.store.context import Store
-
-
-class QueueOptions(TypedDict, total=False):
-    """A ``Queue``'s options beside its store (or settings) and tasks."""
-
-    require_known: bool  # refuse a job whose type ``tasks`` does not know (default: True)
-    results: ResultReader | None  # reads results kept outside Redis
-    callbacks: Registrar | None  # writes jobs' own webhooks (without: such a job is refused)
 
 
 class Queue:
@@ -37,19 +27,26 @@ class Queue:
     """
 
     def __init__(
-        self, store: Store, tasks: TaskLookup | None = None, **options: Unpack[QueueOptions]
+        self,
+        store: Store,
+        tasks: TaskLookup | None = None,
+        *,
+        require_known: bool = True,
+        results: ResultReader | None = None,
+        callbacks: Registrar | None = None,
     ) -> None:
-        if unknown := options.keys() - QueueOptions.__annotations__.keys():
-            raise TypeError(f"no such option of Queue: {', '.join(sorted(unknown))}")
+        """``tasks``: where submits find a task's queue, attempts and payload check (with
+        ``require_known``, a type it does not know is refused); ``results`` reads results
+        kept outside Redis; ``callbacks`` writes jobs' own webhooks (without: such a job is
+        refused)."""
         self.store = store
         self.settings = store.settings
         self.redis = store.redis
         self.keys = store.keys
         self.scripts = store.scripts
         self.close = store.close
-        require_known, callbacks = options.get("require_known", True), options.get("callbacks")
         self.produce = Producer(store, tasks, require_known, callbacks)
-        self.jobs = JobControl(store, options.get("results"))
+        self.jobs = JobControl(store, results)
         self.admin = QueueAdmin(store)
         # the calls most used, on the queue itself
         self.submit = self.produce.submit
@@ -66,10 +63,13 @@ class Queue:
         tasks: TaskLookup | None = None,
         *,
         check: bool = True,
-        **options: Unpack[QueueOptions],
+        require_known: bool = True,
+        results: ResultReader | None = None,
+        callbacks: Registrar | None = None,
     ) -> Queue:
         """Connect to the deployment's Redis (``Store.connect``); ``close`` closes it."""
-        return cls(await Store.connect(settings, check=check), tasks, **options)
+        store = await Store.connect(settings, check=check)
+        return cls(store, tasks, require_known=require_known, results=results, callbacks=callbacks)
 
     async def __aenter__(self) -> Queue:
         return self
