@@ -8,7 +8,6 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
@@ -110,11 +109,3 @@ async def stats(request: Request) -> Response:
     out["status_reads"] = request.state.reader.stats()
     out["write_behind_lag"] = request.state.admission.lag
     return Response(orjson.dumps(out), media_type=JSON)
-
-
-routes = [
-    Route("/v1/admin/dead-letters", dead_letters, methods=["GET"]),
-    Route("/v1/admin/dead-letters/replay", replay_many, methods=["POST"]),
-    Route("/v1/admin/dead-letters/{job_id}/replay", replay_one, methods=["POST"]),
-    Route("/v1/admin/stats", stats, methods=["GET"]),
-]

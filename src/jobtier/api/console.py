@@ -8,13 +8,11 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Send
 
 from jobtier.api import spec as oa
@@ -277,10 +275,11 @@ async def job_events(request: Request) -> Response:
 OPENAPI_TYPES: list[type] = [Purged, WorkerList]
 
 
-def openapi_paths(settings: Settings) -> dict[str, Any]:
+def operations(settings: Settings) -> oa.Paths:
     paths = oa.Paths(settings, auth="admin")
     paths.add(
         "POST /v1/admin/jobs/{job_id}/cancel",
+        cancel,
         "Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat "
         "(audited)",
         oa.returns(200, "JobStatus", "cancelled, or running with cancel_requested"),
@@ -289,6 +288,7 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "POST /v1/admin/queues/{name}/purge",
+        purge,
         "Cancel every ready (or parked) job of the queue, oldest first, each as a cancel would; "
         "scheduled and running jobs stay (audited)",
         oa.returns(200, "Purged", "how many were cancelled, and how many are ready now"),
@@ -296,6 +296,7 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "GET /v1/admin/workers",
+        workers,
         "Live workers: host, pid, queues, tasks, concurrency, last heartbeat, and the jobs each "
         "runs",
         oa.returns(200, "WorkerList", "the workers, newest heartbeat first"),
@@ -303,6 +304,7 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     status = "event: status, data: the status document of one of the jobs"
     events = paths.add(
         "GET /v1/admin/events",
+        job_events,
         f"Server-Sent Events: the status of each of up to {MAX_FOLLOWED} jobs (any tenant), then "
         "every change of any of them, until the client closes",
         (200, oa.event_stream(status, "status", oa.ref("JobStatus"))),
@@ -310,12 +312,4 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
         params=[_IDS],
     )
     events["parameters"][0]["required"] = True
-    return paths.paths
-
-
-routes = [
-    Route("/v1/admin/jobs/{job_id}/cancel", cancel, methods=["POST"]),
-    Route("/v1/admin/queues/{name}/purge", purge, methods=["POST"]),
-    Route("/v1/admin/workers", workers, methods=["GET"]),
-    Route("/v1/admin/events", job_events, methods=["GET"]),
-]
+    return paths

@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api import spec as oa
 from jobtier.api.audit import actor_of, flush_pending
@@ -271,11 +270,12 @@ async def audit_log(request: Request) -> Response:
 OPENAPI_TYPES: list[type] = [AdminJobPage, AdminJobDetail, AuditPage]
 
 
-def openapi_paths(settings: Settings) -> dict[str, Any]:
+def operations(settings: Settings) -> oa.Paths:
     paths = oa.Paths(settings, auth="admin")
     unknown = oa.refuses(404, "unknown job (or a malformed id)")
     paths.add(
         "GET /v1/admin/jobs",
+        list_jobs,
         "Every tenant's jobs from Postgres, newest first, by state, type, queue, tenant, time "
         "range or id prefix; says how far behind the write-behind is",
         oa.returns(200, "AdminJobPage", "a page; next_cursor is null on the last"),
@@ -283,6 +283,7 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "GET /v1/admin/jobs/{job_id}",
+        job_detail,
         "One job of any tenant: its status (live from Redis while held there), every persisted "
         "change with each attempt's error as recorded, payload and result (up to "
         f"{PREVIEW_BYTES} bytes each: larger ones by their routes), its admin actions, and the "
@@ -292,10 +293,15 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
         unknown,
     )
     paths.add(
-        "GET /v1/admin/jobs/{job_id}/payload", "The job's whole payload", (200, ANY_JSON), unknown
+        "GET /v1/admin/jobs/{job_id}/payload",
+        job_value,
+        "The job's whole payload",
+        (200, ANY_JSON),
+        unknown,
     )
     paths.add(
         "GET /v1/admin/jobs/{job_id}/result",
+        job_value,
         "The job's whole result (null until it succeeds; streamed from the result store for one "
         "kept there)",
         (200, ANY_JSON),
@@ -304,18 +310,10 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "GET /v1/admin/audit",
+        audit_log,
         "Admin actions, newest first: who (a fingerprint of the admin key), when, what, on what, "
         "the status answered and what it did",
         oa.returns(200, "AuditPage", "a page; next_cursor is null on the last"),
         params=AUDIT_PARAMS,
     )
-    return paths.paths
-
-
-routes = [
-    Route("/v1/admin/jobs", list_jobs, methods=["GET"]),
-    Route("/v1/admin/jobs/{job_id}", job_detail, methods=["GET"]),
-    Route("/v1/admin/jobs/{job_id}/payload", job_value, methods=["GET"]),
-    Route("/v1/admin/jobs/{job_id}/result", job_value, methods=["GET"]),
-    Route("/v1/admin/audit", audit_log, methods=["GET"]),
-]
+    return paths

@@ -18,7 +18,6 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.auth import require_admin, tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found, job_transition
@@ -68,10 +67,3 @@ async def dead_letter(request: Request) -> Response:
         raise Problem(404, "not-found", detail) from None
     body = b'{"job":' + doc + b',"payload":' + payload + b',"lines":[' + b",".join(lines) + b"]}"
     return Response(body, media_type=JSON)
-
-
-routes = [
-    Route("/v1/jobs/{job_id}/logs", job_logs, methods=["GET"]),
-    Route("/v1/jobs/{job_id}/retry", retry, methods=["POST"]),
-    Route("/v1/admin/dead-letters/{job_id}", dead_letter, methods=["GET"]),
-]

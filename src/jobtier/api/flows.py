@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import (
@@ -96,9 +95,3 @@ async def dependencies(request: Request) -> Response:
             raise job_not_found(job_id) from None
         found = stored
     return Response(msgspec.json.encode(DependencyList(job_id, found)), media_type=JSON)
-
-
-routes = [
-    Route("/v1/flows", submit_flow, methods=["POST"]),
-    Route("/v1/jobs/{job_id}/dependencies", dependencies, methods=["GET"]),
-]

@@ -10,7 +10,6 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import known_tenant, tenant_for, tenant_of
@@ -253,12 +252,3 @@ async def cancel(request: Request) -> Response:
         JobControl.cancel_doc,
         lambda job_id, state: f"job {job_id} has already finished ({state})",
     )
-
-
-routes = [
-    Route("/v1/jobs", submit, methods=["POST"]),
-    Route("/v1/jobs/batch", submit_batch, methods=["POST"]),
-    Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
-    Route("/v1/jobs/{job_id}/result", get_result, methods=["GET"]),
-    Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
-]

@@ -16,7 +16,6 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.auth import require_admin
 from jobtier.api.gauges import live_gauges
@@ -227,10 +226,3 @@ async def dashboard(request: Request) -> Response:
     the admin routes with it (the key never goes into a URL)."""
     page = console_page()
     return Response(page.body, media_type="text/html; charset=utf-8", headers=page.headers)
-
-
-routes = [
-    Route("/metrics", metrics, methods=["GET"]),
-    Route("/dashboard", dashboard, methods=["GET"]),
-    Route("/v1/admin/dashboard/stream", dashboard_stream, methods=["GET"]),
-]

@@ -10,7 +10,6 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
@@ -129,12 +128,3 @@ async def tasks(request: Request) -> Response:
     catalog: TaskCatalog = request.state.catalog
     await catalog.load()
     return Response(msgspec.json.encode({"tasks": catalog.ads()}), media_type=JSON)
-
-
-routes = [
-    Route("/v1/admin/queues", list_queues, methods=["GET"]),
-    Route("/v1/admin/queues/{name}/pause", pause, methods=["POST"]),
-    Route("/v1/admin/queues/{name}/resume", resume, methods=["POST"]),
-    Route("/v1/admin/queues/{name}/limits", set_limits, methods=["PUT"]),
-    Route("/v1/admin/tasks", tasks, methods=["GET"]),
-]

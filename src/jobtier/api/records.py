@@ -11,7 +11,6 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api import console_records, schedules, webhooks
 from jobtier.api import result_content as results
@@ -19,12 +18,20 @@ from jobtier.api import spec as oa
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found
-from jobtier.api.params import Param, parse_query
+from jobtier.api.params import (
+    CURSOR,
+    ORDER,
+    QUEUE,
+    STATE,
+    TYPE,
+    date_time,
+    limit_param,
+    parse_query,
+)
 from jobtier.api.problems import PG_DOWN, Problem, pg_unavailable
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
-from jobtier.core.model import Dependency, JobStatus, State
-from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
+from jobtier.core.model import Dependency, JobStatus
 from jobtier.engine.cron import CronMirror
 from jobtier.engine.queue import Queue
 from jobtier.persist.audit_store import AuditStore
@@ -58,21 +65,13 @@ class PostgresExtension(Extension):
         self.queue: Queue | None = None
         self._lag = (0, 0.0)
         self._lag_at = 0.0
-        self.routes = [
-            Route("/v1/jobs", list_jobs, methods=["GET"]),
-            Route("/v1/jobs/{job_id}/history", history, methods=["GET"]),
-            *schedules.routes,
-            *webhooks.routes,
-            *results.routes,
-            *console_records.routes,
+        self.operations = [
+            operations(settings),
+            schedules.operations(settings),
+            webhooks.operations(settings),
+            results.operations(settings),
+            console_records.operations(settings),
         ]
-        self.openapi_paths = {
-            **openapi_paths(settings),
-            **schedules.openapi_paths(settings),
-            **webhooks.openapi_paths(settings),
-            **results.openapi_paths(settings),
-            **console_records.openapi_paths(settings),
-        }
         self.openapi_types = [
             JobPage,
             History,
@@ -169,33 +168,36 @@ class PostgresExtension(Extension):
         return (await self.current_lag())[0]
 
 
-def openapi_paths(settings: Settings) -> dict[str, Any]:
-    """The listing and history routes of the OpenAPI document."""
-    s = settings
-    return {
-        "/v1/jobs": {
-            "get": oa.operation(s, "The tenant's jobs from Postgres, newest first; says how far behind the write-behind is", {
-                "200": oa.json_response("JobPage", "a page; next_cursor is null on the last"),
-            }, params=LIST_PARAMS),
-        },
-        "/v1/jobs/{job_id}/history": {
-            "get": oa.operation(s, "Every persisted change of the job, oldest first, and the write-behind lag (a job not yet persisted has an empty history)", {
-                "200": oa.json_response("History", "the transitions persisted so far"),
-                "404": oa.problem("unknown job (or another tenant's, or a malformed id)"),
-            }, path=[oa.JOB_ID]),
-        },
-    }  # fmt: skip
+def operations(settings: Settings) -> oa.Paths:
+    """The tenant's listing and a job's history."""
+    paths = oa.Paths(settings)
+    paths.add(
+        "GET /v1/jobs",
+        list_jobs,
+        "The tenant's jobs from Postgres, newest first; says how far behind the write-behind is",
+        oa.returns(200, "JobPage", "a page; next_cursor is null on the last"),
+        params=LIST_PARAMS,
+    )
+    paths.add(
+        "GET /v1/jobs/{job_id}/history",
+        history,
+        "Every persisted change of the job, oldest first, and the write-behind lag (a job not "
+        "yet persisted has an empty history)",
+        oa.returns(200, "History", "the transitions persisted so far"),
+        oa.JOB_404,
+    )
+    return paths
 
 
 LIST_PARAMS = [
-    Param("state", "string", "only jobs in this state", values=[s.value for s in State]),
-    Param("type", "string", "only jobs of this type", max_length=128, pattern=TASK_NAME_RE.pattern),
-    Param("queue", "string", "only jobs of this queue", max_length=64, pattern=QUEUE_NAME_RE.pattern),
-    Param("created_after", "date-time", "only jobs created after this time (ISO 8601)", max_length=40),
-    Param("cursor", "string", "the next_cursor of the previous page", max_length=200, pattern=r"^[A-Za-z0-9_-]+$"),
-    Param("limit", "integer", "most jobs per page (default 50)", minimum=1, maximum=MAX_LIMIT),
-    Param("order", "string", "desc (newest first, the default) or asc", values=["desc", "asc"]),
-]  # fmt: skip
+    STATE,
+    TYPE,
+    QUEUE,
+    date_time("created_after", "only jobs created after this time (ISO 8601)"),
+    CURSOR,
+    limit_param("most jobs per page (default 50)", MAX_LIMIT),
+    ORDER,
+]
 
 
 def postgres_extension(settings: Settings) -> PostgresExtension:

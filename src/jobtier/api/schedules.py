@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
@@ -175,23 +174,14 @@ async def delete(request: Request) -> Response:
     return Response(status_code=204)
 
 
-routes = [
-    Route("/v1/schedules", create, methods=["POST"]),
-    Route("/v1/schedules", list_schedules, methods=["GET"]),
-    Route("/v1/schedules/{schedule_id}", get, methods=["GET"]),
-    Route("/v1/schedules/{schedule_id}", delete, methods=["DELETE"]),
-    Route("/v1/schedules/{schedule_id}/pause", pause, methods=["POST"]),
-    Route("/v1/schedules/{schedule_id}/resume", resume, methods=["POST"]),
-]
-
-
-def openapi_paths(settings: Settings) -> dict[str, Any]:
+def operations(settings: Settings) -> oa.Paths:
     """The schedule routes of the OpenAPI document."""
     s = settings
     paths = oa.Paths(s)
     unknown = oa.refuses(404, "unknown schedule (or another tenant's, or a malformed id)")
     paths.add(
         "POST /v1/schedules",
+        create,
         "Create a recurring schedule (cron in a time zone, or a fixed interval)",
         oa.returns(201, "Schedule", "created"),
         oa.refuses(409, "the tenant has a schedule of this name"),
@@ -200,23 +190,27 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "GET /v1/schedules",
+        list_schedules,
         "The tenant's schedules by name",
         oa.returns(200, "ScheduleList", "a page; next_after is null on the last"),
         params=LIST_PARAMS,
     )
     one = "/v1/schedules/{schedule_id}"
-    paths.add(f"GET {one}", "One schedule", oa.returns(200, "Schedule", "the schedule"), unknown)
+    paths.add(
+        f"GET {one}", get, "One schedule", oa.returns(200, "Schedule", "the schedule"), unknown
+    )
     deleted = (204, {"description": "deleted"})
-    paths.add(f"DELETE {one}", "Delete a schedule: it fires no more", deleted, unknown)
+    paths.add(f"DELETE {one}", delete, "Delete a schedule: it fires no more", deleted, unknown)
     paused = oa.returns(200, "Schedule", "paused")
-    paths.add(f"POST {one}/pause", "Pause: no firing until resumed", paused, unknown)
+    paths.add(f"POST {one}/pause", pause, "Pause: no firing until resumed", paused, unknown)
     paths.add(
         f"POST {one}/resume",
+        resume,
         "Resume from the next slot (the paused time is not caught up)",
         oa.returns(200, "Schedule", "resumed"),
         unknown,
     )
-    return paths.paths
+    return paths
 
 
 def constrain(components: dict[str, Any], settings: Settings) -> None:

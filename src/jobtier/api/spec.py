@@ -5,10 +5,12 @@ answers the server gives for what it does. Route modules describe themselves wit
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
 
 from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
 from jobtier.api.params import Param
@@ -181,7 +183,6 @@ Auth = Literal["tenant", "admin", "none"]
 
 # a callback URL (a submit's callback, a subscription's url): webhooks/safety.py checks the rest
 CALLBACK_URL = r"^https?://[^\s]+$"
-CALLBACK_EVENTS = ("terminal", "all")
 
 
 def too_large(settings: Settings, *more: str) -> dict[str, Any]:
@@ -248,26 +249,40 @@ def operation(
 
 
 _PATH_PARAM = re.compile(r"{(\w+)}")
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 class Paths:
-    """The operations of an API part, added one by one: ``add("GET /v1/…", summary,
-    *answers, **options)`` (``operation``'s options; ``defaults`` apply to each). The path's
-    parameters are described from ``PATH_PARAMS``."""
+    """The operations of an API part, each declared once: ``add("GET /v1/…", endpoint,
+    summary, *answers, **options)`` routes the method and path to ``endpoint`` and describes
+    the operation (``operation``'s options; ``defaults`` apply to each; the path's parameters
+    from ``PATH_PARAMS``)."""
 
     def __init__(self, settings: Settings, **defaults: Any) -> None:
         self.settings = settings
         self.defaults = defaults
-        self.paths: dict[str, Any] = {}
+        self.paths: dict[str, Any] = {}  # the document's
+        self.endpoints: dict[str, dict[str, Endpoint]] = {}  # path -> method -> endpoint
 
-    def add(self, route: str, summary: str, *answers: Answer, **options: Any) -> dict[str, Any]:
+    def add(
+        self, route: str, endpoint: Endpoint, summary: str, *answers: Answer, **options: Any
+    ) -> dict[str, Any]:
         """Add the operation and return it."""
         method, path = route.split(" ")
         responses = {str(status): answer for status, answer in answers}
         options = {"path": [PATH_PARAMS[p] for p in _PATH_PARAM.findall(path)], **options}
         op = operation(self.settings, summary, responses, **{**self.defaults, **options})
         self.paths.setdefault(path, {})[method.lower()] = op
+        self.endpoints.setdefault(path, {})[method] = endpoint
         return op
+
+    def include(self, *parts: Paths) -> Paths:
+        """Add the operations of ``parts``, in order (a path's after those it has)."""
+        for part in parts:
+            for path, item in part.paths.items():
+                self.paths.setdefault(path, {}).update(item)
+                self.endpoints.setdefault(path, {}).update(part.endpoints[path])
+        return self
 
 
 def constrain(components: dict[str, Any], struct: str, field: str, **constraints: Any) -> None:

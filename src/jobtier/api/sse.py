@@ -19,7 +19,6 @@ from collections import deque
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import raw_header, tenant_of
@@ -180,6 +179,3 @@ async def events(request: Request) -> Response:
         return Response(status_code=204)
     heartbeat: float = request.state.settings.sse_heartbeat_seconds
     return EventStream(reader, job_id, tenant, mailbox, sent, heartbeat)
-
-
-routes = [Route("/v1/jobs/{job_id}/events", events, methods=["GET"])]

@@ -17,7 +17,6 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
@@ -32,7 +31,7 @@ from jobtier.core.names import WEBHOOK_ID_RE
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool, query
 from jobtier.webhooks import marks
-from jobtier.webhooks.callbacks import CallbackStore, SecretMissing
+from jobtier.webhooks.callbacks import EVENTS, CallbackStore, SecretMissing
 from jobtier.webhooks.safety import MAX_URL_LENGTH, AddressPolicy, Resolver
 from jobtier.webhooks.signing import new_secret
 
@@ -297,16 +296,6 @@ async def job_deliveries(request: Request) -> Response:
         return _json(await _deliveries(pool, rows))
 
 
-routes = [
-    Route("/v1/webhooks", create, methods=["POST"]),
-    Route("/v1/webhooks", list_webhooks, methods=["GET"]),
-    Route("/v1/webhooks/{webhook_id}", get, methods=["GET"]),
-    Route("/v1/webhooks/{webhook_id}", delete, methods=["DELETE"]),
-    Route("/v1/webhooks/{webhook_id}/deliveries", webhook_deliveries, methods=["GET"]),
-    Route("/v1/webhook-secret", rotate_secret, methods=["POST"]),
-    Route("/v1/jobs/{job_id}/deliveries", job_deliveries, methods=["GET"]),
-]
-
 REFUSED = (
     "the body does not fit its schema, or the URL is refused: not http(s), or its host does "
     "not resolve, or resolves to a loopback, private, link-local or otherwise non-public "
@@ -314,12 +303,13 @@ REFUSED = (
 )
 
 
-def openapi_paths(settings: Settings) -> dict[str, Any]:
+def operations(settings: Settings) -> oa.Paths:
     """The webhook routes of the OpenAPI document."""
     paths = oa.Paths(settings)
     unknown = oa.refuses(404, "unknown subscription (or another tenant's, or a malformed id)")
     paths.add(
         "POST /v1/webhooks",
+        create,
         "Subscribe a URL to the tenant's jobs: terminal states, or every transition",
         oa.returns(
             201,
@@ -331,22 +321,29 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "GET /v1/webhooks",
+        list_webhooks,
         "The tenant's subscriptions, oldest first",
         oa.returns(200, "WebhookList", "a page; next_after is null on the last"),
         params=LIST_PARAMS,
     )
     one = "/v1/webhooks/{webhook_id}"
     paths.add(
-        f"GET {one}", "One subscription", oa.returns(200, "Webhook", "the subscription"), unknown
+        f"GET {one}",
+        get,
+        "One subscription",
+        oa.returns(200, "Webhook", "the subscription"),
+        unknown,
     )
     paths.add(
         f"DELETE {one}",
+        delete,
         "Unsubscribe: its waiting deliveries are cancelled",
         (204, {"description": "deleted"}),
         unknown,
     )
     paths.add(
         f"GET {one}/deliveries",
+        webhook_deliveries,
         "The subscription's deliveries, newest first, each with its attempts",
         oa.returns(200, "DeliveryList", "the deliveries"),
         unknown,
@@ -354,19 +351,21 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "POST /v1/webhook-secret",
+        rotate_secret,
         "Create or rotate the tenant's webhook signing secret (whsec_…, shown once; the previous "
         "one keeps signing for JOBTIER_WEBHOOK_SECRET_OVERLAP_SECONDS)",
         oa.returns(201, "SigningSecret", "the new secret"),
     )
     paths.add(
         "GET /v1/jobs/{job_id}/deliveries",
+        job_deliveries,
         "The job's webhook deliveries (its callback's and the subscriptions'), each with its "
         "attempts",
         oa.returns(200, "DeliveryList", "the deliveries so far"),
         oa.JOB_404,
         params=DELIVERY_PARAMS,
     )
-    return paths.paths
+    return paths
 
 
 def constrain(components: dict[str, Any]) -> None:
@@ -374,7 +373,7 @@ def constrain(components: dict[str, Any]) -> None:
     CallbackSpec gets the same in openapi.py)."""
     c = components
     oa.constrain(c, "WebhookSpec", "url", maxLength=MAX_URL_LENGTH, pattern=oa.CALLBACK_URL)
-    c["WebhookSpec"]["properties"]["events"]["enum"] = list(oa.CALLBACK_EVENTS)
+    c["WebhookSpec"]["properties"]["events"]["enum"] = list(EVENTS)
     oa.constrain(c, "WebhookSpec", "description", maxLength=MAX_DESCRIPTION)
 
 
