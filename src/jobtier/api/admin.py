@@ -24,7 +24,6 @@ from jobtier.core.errors import JobNotFound, TransitionRefused
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse
-from jobtier.status.reader import parse_version
 
 
 class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
@@ -69,7 +68,7 @@ async def replay_one(request: Request) -> Response:
         except TransitionRefused:
             detail = f"job {job_id} is not in the dead-letter set"
             raise Problem(409, "wrong-state", detail) from None
-    return DocResponse(doc, parse_version(doc))
+    return DocResponse(doc)
 
 
 async def replay_many(request: Request) -> Response:

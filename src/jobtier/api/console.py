@@ -30,7 +30,7 @@ from jobtier.core.names import JOB_ID_RE
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse
 from jobtier.status.docs import read_docs
-from jobtier.status.reader import RESYNC, StatusReader, parse_version
+from jobtier.status.reader import RESYNC, StatusReader
 
 MAX_FOLLOWED = 100  # jobs one event stream follows (a page of the job list, in flight)
 RUNNING_SHOWN = 2000  # running jobs the workers view lists (per shard at most this)
@@ -116,7 +116,7 @@ async def cancel(request: Request) -> Response:
             detail = f"job {job_id} has already finished ({doc_state(current)})"
             raise Problem(409, "wrong-state", detail, job=orjson.loads(current)) from exc
         outcome.detail = {"state": doc_state(doc)}
-    return DocResponse(doc, parse_version(doc))
+    return DocResponse(doc)
 
 
 async def purge(request: Request) -> Response:
@@ -283,7 +283,7 @@ def operations(settings: Settings) -> oa.Paths:
         "Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat "
         "(audited)",
         oa.returns(200, "JobStatus", "cancelled, or running with cancel_requested"),
-        oa.refuses(404, "unknown job (or a malformed id)"),
+        oa.unknown("job", tenants=False),
         oa.refuses(409, "the job has already finished (job: its status)"),
     )
     paths.add(

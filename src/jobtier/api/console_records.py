@@ -272,13 +272,13 @@ OPENAPI_TYPES: list[type] = [AdminJobPage, AdminJobDetail, AuditPage]
 
 def operations(settings: Settings) -> oa.Paths:
     paths = oa.Paths(settings, auth="admin")
-    unknown = oa.refuses(404, "unknown job (or a malformed id)")
+    unknown = oa.unknown("job", tenants=False)
     paths.add(
         "GET /v1/admin/jobs",
         list_jobs,
         "Every tenant's jobs from Postgres, newest first, by state, type, queue, tenant, time "
         "range or id prefix; says how far behind the write-behind is",
-        oa.returns(200, "AdminJobPage", "a page; next_cursor is null on the last"),
+        oa.page("AdminJobPage"),
         params=LIST_PARAMS,
     )
     paths.add(
@@ -313,7 +313,7 @@ def operations(settings: Settings) -> oa.Paths:
         audit_log,
         "Admin actions, newest first: who (a fingerprint of the admin key), when, what, on what, "
         "the status answered and what it did",
-        oa.returns(200, "AuditPage", "a page; next_cursor is null on the last"),
+        oa.page("AuditPage"),
         params=AUDIT_PARAMS,
     )
     return paths

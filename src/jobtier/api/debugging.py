@@ -40,8 +40,7 @@ async def job_logs(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     # the owner from the status tier, down to Postgres: an expired job answers with no lines
-    found = await request.state.reader.get(job_id)
-    if found is None or found[0] != tenant:
+    if await request.state.reader.get_for(job_id, tenant) is None:
         raise job_not_found(job_id)
     queue: Queue = request.state.queue
     lines = await queue.jobs.log_lines(job_id)  # stored as JSON (LogLine): sent as they are

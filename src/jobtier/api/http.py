@@ -4,8 +4,8 @@ JSON body with its limits and problem documents."""
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import msgspec.inspect
@@ -17,11 +17,12 @@ from jobtier.api.auth import raw_header, tenant_of
 from jobtier.api.bounds import check_depth
 from jobtier.api.problems import Problem, not_found
 from jobtier.core.errors import InvalidRequest, JobNotFound, PayloadTooLarge, TransitionRefused
+from jobtier.core.model import CallbackSpec, FlowSpec, JobSpec
 from jobtier.status.answer import DocResponse
-from jobtier.status.reader import parse_version
 
 if TYPE_CHECKING:
     from jobtier.engine.control import JobControl
+    from jobtier.engine.produce import Registrar
 from jobtier.engine.queue import Queue
 
 JSON = "application/json"
@@ -71,7 +72,7 @@ async def job_transition(
         raise Problem(
             409, "wrong-state", refused(job_id, doc_state(current)), job=orjson.loads(current)
         ) from exc
-    return DocResponse(doc, parse_version(doc))
+    return DocResponse(doc)
 
 
 # --- body reading ---------------------------------------------------------------------------
@@ -175,18 +176,46 @@ def invalid(exc: InvalidRequest) -> Problem:
     return Problem(422, "validation", str(exc), **extra)
 
 
-def idempotency_key(request: Request, in_body: str | None) -> str | None:
-    """A submit's idempotency key: the ``Idempotency-Key`` header or the body's
+# --- submits -------------------------------------------------------------------------------
+Submit = TypeVar("Submit", JobSpec, FlowSpec)
+
+
+async def submit_body(request: Request, decoder: msgspec.json.Decoder[Submit]) -> Submit:
+    """A submit's body, its idempotency key the ``Idempotency-Key`` header's or the body's
     ``idempotency_key``; both given and different is a 400."""
+    body: Submit = decode_body(decoder, await read_json_body(request))
     header = raw_header(request, b"idempotency-key")
-    if header is None:
-        return in_body
-    key = header.decode("latin-1")
-    if in_body not in (None, key):
-        raise Problem(
-            400,
-            "bad-request",
-            "the Idempotency-Key header and the body's idempotency_key differ",
-            field="idempotency_key",
-        )
-    return key
+    if header is not None:
+        key = header.decode("latin-1")
+        if body.idempotency_key not in (None, key):
+            raise Problem(
+                400,
+                "bad-request",
+                "the Idempotency-Key header and the body's idempotency_key differ",
+                field="idempotency_key",
+            )
+        body.idempotency_key = key
+    return body
+
+
+def registrar(
+    request: Request, callbacks: Sequence[CallbackSpec | None], prefix: str
+) -> Registrar | None:
+    """What writes a submit's callbacks before it: the API's webhook service. Without its
+    Postgres part the API has none, and refuses the first callback given (a 422 naming it,
+    ``prefix`` formatted with its index)."""
+    service: Registrar | None = getattr(request.state, "webhooks", None)
+    first = next((i for i, cb in enumerate(callbacks) if cb is not None), None)
+    if service is None and first is not None:
+        detail = "callbacks need the API's Postgres part, which this API runs without"
+        raise Problem(422, "validation", detail, field=f"{prefix.format(first)}callback.url")
+    return service
+
+
+async def repeat_doc(request: Request, job_id: str, tenant: str, gone: str) -> bytes:
+    """The status document of a repeated submit's job that Redis no longer keeps (Postgres
+    may); a 410 whose detail is ``gone`` when nothing does."""
+    found = await request.state.reader.get_for(job_id, tenant)
+    if found is None:
+        raise Problem(410, "gone", gone, job_id=job_id)
+    return bytes(found[1])

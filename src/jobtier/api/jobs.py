@@ -17,12 +17,14 @@ from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.http import (
     JSON,
     decode_body,
-    idempotency_key,
     invalid,
     job_id_of,
     job_not_found,
     job_transition,
     read_json_body,
+    registrar,
+    repeat_doc,
+    submit_body,
 )
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
@@ -32,7 +34,7 @@ from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse, StatusResponse, status_answer
 from jobtier.status.fastpath import StatusFastPath, status_headers
-from jobtier.status.reader import NOTHING, StatusReader, is_terminal, parse_version
+from jobtier.status.reader import NOTHING, StatusReader, is_terminal
 from jobtier.store.calls import SubmitItem
 
 _spec_decoder = msgspec.json.Decoder(JobSpec)
@@ -49,8 +51,7 @@ _batch_decoder = msgspec.json.Decoder(BatchBody)
 async def submit(request: Request) -> Response:
     tenant = tenant_of(request)
     st = request.state
-    spec: JobSpec = decode_body(_spec_decoder, await read_json_body(request))
-    spec.idempotency_key = idempotency_key(request, spec.idempotency_key)
+    spec = await submit_body(request, _spec_decoder)
     queue: Queue = st.queue
     await queue.produce.ensure_known((spec.type,))
     try:
@@ -59,27 +60,22 @@ async def submit(request: Request) -> Response:
         raise invalid(exc) from None
     st.admission.check(tenant)
     (outcome,) = await _submit(request, [item], [spec], False)
-    return await _submitted(request, outcome, tenant)
+    if isinstance(outcome, IdempotencyConflict):
+        raise Problem(409, "idempotency-conflict", str(outcome), job_id=outcome.job_id)
+    doc = outcome.doc or await _kept_doc(request, outcome.job_id, tenant)
+    location = f"/v1/jobs/{outcome.job_id}"
+    return DocResponse(doc, status_code=202 if outcome.created else 200, location=location)
 
 
 async def _submit(
     request: Request, items: Sequence[SubmitItem], specs: Sequence[JobSpec], batch: bool
 ) -> list[Submitted | IdempotencyConflict]:
-    """Submit prepared jobs, their callbacks written first by the API's webhook service
-    (``Producer.submit_prepared``, as the in-process ``Queue.submit`` does). A refused callback names its member: ``callback.url``, or ``jobs[i].callback.url``
-    in a batch."""
+    """Submit prepared jobs, their callbacks written first (``http.registrar``). A refused
+    callback names its member: ``callback.url``, or ``jobs[i].callback.url`` in a batch."""
     queue: Queue = request.state.queue
     callbacks = [spec.callback for spec in specs]
+    service = registrar(request, callbacks, "jobs[{}]." if batch else "")
     try:
-        if all(cb is None for cb in callbacks):
-            return await queue.produce.submit_prepared(items, batch=batch)
-        service = getattr(request.state, "webhooks", None)
-        if service is None:
-            first = next(i for i, cb in enumerate(callbacks) if cb is not None)
-            raise Problem(
-                422, "validation", "callbacks need the API's Postgres part, which this API "
-                "runs without", field=(f"jobs[{first}]." if batch else "") + "callback.url",
-            )  # fmt: skip
         return await queue.produce.submit_prepared(
             items, batch=batch, callbacks=callbacks, registrar=service
         )
@@ -87,30 +83,10 @@ async def _submit(
         raise invalid(exc) from None
 
 
-async def _submitted(
-    request: Request, outcome: Submitted | IdempotencyConflict, tenant: str
-) -> Response:
-    if isinstance(outcome, IdempotencyConflict):
-        raise Problem(409, "idempotency-conflict", str(outcome), job_id=outcome.job_id)
-    doc = outcome.doc or await _stored_doc(request, outcome.job_id, tenant)
-    return DocResponse(
-        doc,
-        parse_version(doc),
-        202 if outcome.created else 200,
-        location=f"/v1/jobs/{outcome.job_id}",
-    )
-
-
-async def _stored_doc(request: Request, job_id: str, tenant: str) -> bytes:
-    """The document of an idempotent duplicate whose job Redis no longer holds."""
-    found = await request.state.reader.get_for(job_id, tenant)
-    if found is None:
-        raise Problem(
-            410, "gone",
-            f"this idempotency key created job {job_id}, which is no longer kept",
-            job_id=job_id,
-        )  # fmt: skip
-    return bytes(found[1])
+async def _kept_doc(request: Request, job_id: str, tenant: str) -> bytes:
+    """The document of an idempotent duplicate whose job Redis no longer keeps."""
+    gone = f"this idempotency key created job {job_id}, which is no longer kept"
+    return await repeat_doc(request, job_id, tenant, gone)
 
 
 async def submit_batch(request: Request) -> Response:
@@ -149,7 +125,7 @@ async def submit_batch(request: Request) -> Response:
             results.append(b'{"status":409,"problem":' + orjson.dumps(problem.document()) + b"}")
         else:
             try:
-                doc = outcome.doc or await _stored_doc(request, outcome.job_id, tenant)
+                doc = outcome.doc or await _kept_doc(request, outcome.job_id, tenant)
             except Problem as gone:
                 results.append(b'{"status":410,"problem":' + orjson.dumps(gone.document()) + b"}")
                 continue

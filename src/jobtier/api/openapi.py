@@ -339,7 +339,7 @@ def _admin_paths(settings: Settings) -> oa.Paths:
         admin.replay_one,
         "Send a dead-lettered job back to its queue, attempts reset",
         oa.returns(200, "JobStatus", "queued again"),
-        oa.refuses(404, "unknown job (or a malformed id)"),
+        oa.unknown("job", tenants=False),
         oa.refuses(409, "the job is not dead-lettered"),
     )
     add(

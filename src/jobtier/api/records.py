@@ -175,7 +175,7 @@ def operations(settings: Settings) -> oa.Paths:
         "GET /v1/jobs",
         list_jobs,
         "The tenant's jobs from Postgres, newest first; says how far behind the write-behind is",
-        oa.returns(200, "JobPage", "a page; next_cursor is null on the last"),
+        oa.page("JobPage"),
         params=LIST_PARAMS,
     )
     paths.add(

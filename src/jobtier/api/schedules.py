@@ -178,7 +178,7 @@ def operations(settings: Settings) -> oa.Paths:
     """The schedule routes of the OpenAPI document."""
     s = settings
     paths = oa.Paths(s)
-    unknown = oa.refuses(404, "unknown schedule (or another tenant's, or a malformed id)")
+    unknown = oa.unknown("schedule")
     paths.add(
         "POST /v1/schedules",
         create,
@@ -192,7 +192,7 @@ def operations(settings: Settings) -> oa.Paths:
         "GET /v1/schedules",
         list_schedules,
         "The tenant's schedules by name",
-        oa.returns(200, "ScheduleList", "a page; next_after is null on the last"),
+        oa.page("ScheduleList", "next_after"),
         params=LIST_PARAMS,
     )
     one = "/v1/schedules/{schedule_id}"

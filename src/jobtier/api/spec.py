@@ -123,10 +123,6 @@ def content(description: str, media_type: str, schema: Any, headers: Any = None)
     return {**answer, "headers": headers} if headers else answer
 
 
-def json_response(name: str, description: str, headers: Any = None) -> dict[str, Any]:
-    return content(description, "application/json", ref(name), headers)
-
-
 def problem(description: str, headers: Any = None) -> dict[str, Any]:
     return content(description, "application/problem+json", ref("Problem"), headers)
 
@@ -136,7 +132,12 @@ Answer = tuple[int, dict[str, Any]]  # an answer of an operation and its status
 
 def returns(status: int, schema: str, description: str, headers: Any = None) -> Answer:
     """A JSON answer whose body is the component ``schema``."""
-    return status, json_response(schema, description, headers)
+    return status, content(description, "application/json", ref(schema), headers)
+
+
+def page(schema: str, cursor: str = "next_cursor") -> Answer:
+    """A page of a listing, whose ``cursor`` member asks for the next."""
+    return returns(200, schema, f"a page; {cursor} is null on the last")
 
 
 def refuses(status: int, description: str, headers: Any = None) -> Answer:
@@ -162,13 +163,19 @@ def path_param(name: str, description: str, pattern: re.Pattern[str]) -> dict[st
     }
 
 
+def unknown(what: str, *, tenants: bool = True) -> Answer:
+    """The 404 of an id naming no ``what``: one malformed too, and, on a tenant's routes,
+    another tenant's."""
+    others = "another tenant's, or " if tenants else ""
+    return refuses(404, f"unknown {what} (or {others}a malformed id)")
+
+
 RETRY_AFTER = {"Retry-After": header("seconds to wait before trying again", pattern="^[0-9]+$")}
-JOB_ID = path_param(
-    "job_id", "a job id as submit returned it (a malformed or unknown one is a 404)", JOB_ID_RE
-)
 # every path parameter by name: Paths.add describes those its path has
 PATH_PARAMS = {
-    "job_id": JOB_ID,
+    "job_id": path_param(
+        "job_id", "a job id as submit returned it (a malformed or unknown one is a 404)", JOB_ID_RE
+    ),
     "name": path_param("name", "a queue name", QUEUE_NAME_RE),
     "schedule_id": path_param(
         "schedule_id", "a schedule id (a malformed or unknown one is a 404)", ULID_RE
@@ -177,7 +184,7 @@ PATH_PARAMS = {
         "webhook_id", "a subscription id (a malformed or unknown one is a 404)", WEBHOOK_ID_RE
     ),
 }
-JOB_404 = refuses(404, "unknown job (or another tenant's, or a malformed id)")
+JOB_404 = unknown("job")
 
 Auth = Literal["tenant", "admin", "none"]
 

@@ -20,9 +20,9 @@ from starlette.responses import Response
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import JSON, decode_body, job_id_of, job_not_found, read_json_body
+from jobtier.api.http import JSON, decode_body, invalid, job_id_of, job_not_found, read_json_body
 from jobtier.api.params import limit_param, matching, parse_query
-from jobtier.api.problems import PG_DOWN, Problem, not_found, postgres_or_503, secret_missing
+from jobtier.api.problems import Problem, not_found, postgres_or_503, secret_missing
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import ulid
@@ -119,7 +119,6 @@ class WebhookService:
         self, pool: Pool, queue: Queue, settings: Settings, resolver: Resolver | None = None
     ) -> None:
         self.pool = pool
-        self.queue = queue
         self.policy = AddressPolicy(settings.webhook_allowed_hosts, resolver)
         self.callbacks = CallbackStore(pool, queue.redis, queue.keys, self.policy)
 
@@ -128,7 +127,7 @@ class WebhookService:
         try:
             await self.callbacks.check(url, events, field)
         except InvalidRequest as exc:
-            raise _refused(exc) from None
+            raise invalid(exc) from None
 
     async def register(
         self, tenant: str, callbacks: Sequence[tuple[str, CallbackSpec, str]]
@@ -141,17 +140,11 @@ class WebhookService:
         except SecretMissing as exc:
             raise secret_missing(exc) from None
         except InvalidRequest as exc:
-            raise _refused(exc) from None
+            raise invalid(exc) from None
 
     async def forget(self, job_ids: Sequence[str]) -> None:
-        try:
-            await self.callbacks.forget(job_ids)
-        except PG_DOWN:  # an orphan callback names a job that never runs: harmless
-            pass
-
-
-def _refused(exc: InvalidRequest) -> Problem:
-    return Problem(422, "validation", str(exc), field=exc.field)
+        """Postgres away: left and logged (an orphan callback names a job that never runs)."""
+        await self.callbacks.forget(job_ids)
 
 
 def _service(request: Request) -> WebhookService:
@@ -287,8 +280,7 @@ async def job_deliveries(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     most: int = parse_query(request, DELIVERY_PARAMS).get("limit", 100)
-    found = await request.state.reader.get(job_id)
-    if found is None or found[0] != tenant:
+    if await request.state.reader.get_for(job_id, tenant) is None:
         raise job_not_found(job_id)
     pool = _service(request).pool
     with postgres_or_503():
@@ -306,7 +298,7 @@ REFUSED = (
 def operations(settings: Settings) -> oa.Paths:
     """The webhook routes of the OpenAPI document."""
     paths = oa.Paths(settings)
-    unknown = oa.refuses(404, "unknown subscription (or another tenant's, or a malformed id)")
+    unknown = oa.unknown("subscription")
     paths.add(
         "POST /v1/webhooks",
         create,
@@ -323,7 +315,7 @@ def operations(settings: Settings) -> oa.Paths:
         "GET /v1/webhooks",
         list_webhooks,
         "The tenant's subscriptions, oldest first",
-        oa.returns(200, "WebhookList", "a page; next_after is null on the last"),
+        oa.page("WebhookList", "next_after"),
         params=LIST_PARAMS,
     )
     one = "/v1/webhooks/{webhook_id}"
