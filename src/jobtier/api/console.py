@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Send
 
 from jobtier.api import spec as oa
 from jobtier.api.audit import audited
@@ -25,7 +24,7 @@ from jobtier.api.queues import queue_name
 from jobtier.api.sse import StreamResponse
 from jobtier.config import Settings
 from jobtier.core.errors import JobNotFound, TransitionRefused
-from jobtier.core.model import DEFAULT_QUEUE
+from jobtier.core.model import JobStatus, State
 from jobtier.core.names import JOB_ID_RE
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse
@@ -83,19 +82,7 @@ class WorkerList(msgspec.Struct):
     running_listed: int  # of which listed under their workers (at most RUNNING_SHOWN a shard)
 
 
-class _RunningDoc(msgspec.Struct):
-    """The members of a status document the workers view needs."""
-
-    id: str
-    type: str
-    state: str
-    attempt: int
-    updated_at: str
-    worker: str | None = None
-    queue: str = DEFAULT_QUEUE
-
-
-_running_doc = msgspec.json.Decoder(_RunningDoc)
+_status = msgspec.json.Decoder(JobStatus)
 
 
 async def cancel(request: Request) -> Response:
@@ -146,14 +133,14 @@ async def worker_list(queue: Queue) -> WorkerList:
         pipe.zrange(keys.active(shard), 0, RUNNING_SHOWN - 1)
     replies = await pipe.execute()
     total = sum(replies[0::2])
-    ids = [(shard, member.decode()) for shard, rows in enumerate(replies[1::2]) for member in rows]
+    ids = [member.decode() for members in replies[1::2] for member in members]
     by_worker: dict[str, list[RunningJob]] = defaultdict(list)
     if ids:
-        for tenant, doc in await read_docs(redis, keys, [job_id for _, job_id in ids]):
+        for tenant, doc in await read_docs(redis, keys, ids):
             if doc is None:
                 continue  # finished and expired between the two reads
-            status = _running_doc.decode(doc)
-            if status.worker is not None and status.state == "running":
+            status = _status.decode(doc)
+            if status.worker is not None and status.state == State.RUNNING:
                 job = (status.id, tenant.decode(), status.type, status.queue, status.attempt)
                 by_worker[status.worker].append(RunningJob(*job, status.updated_at))
     out = []
@@ -175,7 +162,7 @@ async def worker_list(queue: Queue) -> WorkerList:
     return WorkerList(out, total, listed)
 
 
-class JobsStream(StreamResponse):
+class JobsStream:
     """The current status of each followed job that exists (``start`` reads them), then every
     change of any of them, until the client goes away (a failed job may be replayed: no
     state is the last).
@@ -183,11 +170,8 @@ class JobsStream(StreamResponse):
     Changes are kept per job, latest only: a job changing faster than the client reads sends
     its newest status, never a backlog."""
 
-    def __init__(self, reader: StatusReader, ids: list[str], heartbeat: float) -> None:
-        super().__init__()
+    def __init__(self, reader: StatusReader, ids: list[str]) -> None:
         self.reader = reader
-        self.ids = ids
-        self.heartbeat = heartbeat
         self.sent: dict[str, int] = {}
         self.pending: dict[str, tuple[int, bytes]] = {}
         self.ready = asyncio.Event()
@@ -205,7 +189,8 @@ class JobsStream(StreamResponse):
 
         return offer
 
-    def _cleanup(self) -> None:
+    def stop(self) -> None:
+        """Stop listening."""
         for job_id, listener in self.listeners.items():
             self.reader.remove_listener(job_id, listener)
 
@@ -221,18 +206,16 @@ class JobsStream(StreamResponse):
         """Read every followed job's status (after listening: nothing in between is lost);
         whether any of them exists. If none does, or the read fails, it stops listening."""
         try:
-            await self._read(self.ids)
+            await self._read(list(self.listeners))
         finally:
             if not self.pending:
-                self._cleanup()
+                self.stop()
         return bool(self.pending)
 
-    async def _pump(self, send: Send) -> None:
-        async def write(body: bytes) -> None:
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        await write(b"retry: 1000\n\n")
+    async def chunks(self, heartbeat: float) -> AsyncGenerator[bytes, None]:
+        """The stream's text: the statuses, and a comment after ``heartbeat`` seconds of
+        nothing."""
+        yield b"retry: 1000\n\n"
         while True:
             pending, self.pending = self.pending, {}
             resync = [job_id for job_id, (v, _) in pending.items() if v == RESYNC]
@@ -245,14 +228,14 @@ class JobsStream(StreamResponse):
                     chunks.append(b"event: status\ndata: %s\n\n" % doc)
                     self.sent[job_id] = version
             if chunks:
-                await write(b"".join(chunks))
+                yield b"".join(chunks)
             if not self.pending:
                 self.ready.clear()
                 try:
-                    async with asyncio.timeout(self.heartbeat):
+                    async with asyncio.timeout(heartbeat):
                         await self.ready.wait()
                 except TimeoutError:
-                    await write(b": keep-alive\n\n")
+                    yield b": keep-alive\n\n"
 
 
 async def job_events(request: Request) -> Response:
@@ -265,11 +248,10 @@ async def job_events(request: Request) -> Response:
     keys = request.state.queue.keys
     # an id of a shard this deployment lacks is a job nobody has, like an unknown one
     ids = [job_id for job_id in dict.fromkeys(query["ids"].split(",")) if keys.valid_id(job_id)]
-    heartbeat: float = request.state.settings.sse_heartbeat_seconds
-    stream = JobsStream(request.state.reader, ids, heartbeat)
+    stream = JobsStream(request.state.reader, ids)
     if not await stream.start():
         raise Problem(404, "not-found", "none of these jobs exists (ids)")
-    return stream
+    return StreamResponse(stream.chunks(request.state.settings.sse_heartbeat_seconds), stream.stop)
 
 
 OPENAPI_TYPES: list[type] = [Purged, WorkerList]
