@@ -11,13 +11,7 @@ from starlette.responses import Response
 
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import (
-    JSON,
-    decode_body,
-    job_id_of,
-    job_not_found,
-    read_json_body,
-)
+from jobtier.api.http import JSON, decode_body, encoded, job_id_of, job_not_found, read_json_body
 from jobtier.api.params import TYPE, date_time, limit_param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.core.errors import JobNotFound, TransitionRefused
@@ -53,7 +47,7 @@ async def dead_letters(request: Request) -> Response:
     jobs = await queue.jobs.dead_letters(
         query.get("limit", 100), type=query.get("type"), since=query.get("since")
     )
-    return Response(msgspec.json.encode({"jobs": jobs}), media_type=JSON)
+    return encoded({"jobs": jobs})
 
 
 async def replay_one(request: Request) -> Response:

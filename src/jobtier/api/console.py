@@ -17,7 +17,7 @@ from starlette.responses import Response
 from jobtier.api import spec as oa
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
+from jobtier.api.http import doc_state, encoded, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.api.queues import queue_name
@@ -115,12 +115,12 @@ async def purge(request: Request) -> Response:
         done = await queue.admin.purge(name)
         outcome.detail = {"cancelled": done.cancelled, "remaining": done.remaining}
     body = Purged(name, done.cancelled, done.remaining)
-    return Response(msgspec.json.encode(body), media_type=JSON)
+    return encoded(body)
 
 
 async def workers(request: Request) -> Response:
     require_admin(request)
-    return Response(msgspec.json.encode(await worker_list(request.state.queue)), media_type=JSON)
+    return encoded(await worker_list(request.state.queue))
 
 
 async def worker_list(queue: Queue) -> WorkerList:

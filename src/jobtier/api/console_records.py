@@ -20,7 +20,7 @@ from jobtier.api import spec as oa
 from jobtier.api.audit import actor_of, flush_pending
 from jobtier.api.auth import require_admin
 from jobtier.api.console_flows import DEPENDENCIES_SHOWN, DependencyView, flow_view
-from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
+from jobtier.api.http import JSON, doc_state, encoded, job_id_of, job_not_found
 from jobtier.api.params import (
     CURSOR,
     ORDER,
@@ -140,11 +140,6 @@ def _preview(size: int | None, value: bytes | None, kind: type[P]) -> P:
     return kind(size, msgspec.Raw(value or b"null"))
 
 
-async def _lag(request: Request) -> dict[str, float]:
-    entries, seconds = await request.state.pg_extension.current_lag()
-    return {"transitions": entries, "seconds": round(seconds, 3)}
-
-
 async def list_jobs(request: Request) -> Response:
     """Every tenant's jobs from Postgres, newest first, by filter; keyset-paginated, with the
     write-behind lag (a job changed within it may show an older state here)."""
@@ -154,12 +149,12 @@ async def list_jobs(request: Request) -> Response:
     try:
         with postgres_or_503():
             rows, cursor = await reader.admin_list_jobs(**query)
-            lag = await _lag(request)
+            lag = await request.state.pg_extension.lag_document()
     except InvalidRequest as exc:
         raise bad(exc.field, str(exc)) from None
     jobs = [{"tenant": tenant, "job": msgspec.Raw(doc)} for tenant, doc in rows]
     page = {"jobs": jobs, "next_cursor": cursor, "lag": lag}
-    return Response(msgspec.json.encode(page), media_type=JSON)
+    return encoded(page)
 
 
 async def job_detail(request: Request) -> Response:
@@ -186,7 +181,7 @@ async def job_detail(request: Request) -> Response:
                 result = ResultPreview(None, ref=stored.result_ref)
         history = await reader.admin_history(job_id)
         actions, _ = await request.state.audit_store.list(target=job_id, limit=JOB_AUDIT_SHOWN)
-        lag = await _lag(request)
+        lag = await request.state.pg_extension.lag_document()
         if result.ref is not None:
             store = await reader_for(result.ref, request.state.pg_extension.pool)
             result.size = await store.size(result.ref)
@@ -195,7 +190,7 @@ async def job_detail(request: Request) -> Response:
     values: tuple[Any, ...] = (tenant, msgspec.Raw(doc), source, payload, result, history)
     values += (actions, lag, lines, flow.dependencies, flow.children)
     body = dict(zip(AdminJobDetail.__struct_fields__, values, strict=True))
-    return Response(msgspec.json.encode(body), media_type=JSON)
+    return encoded(body)
 
 
 async def _from_redis(
@@ -264,7 +259,7 @@ async def audit_log(request: Request) -> Response:
     except InvalidRequest as exc:
         raise bad(exc.field, str(exc)) from None
     page = AuditPage(records, cursor, actor_of(request))
-    return Response(msgspec.json.encode(page), media_type=JSON)
+    return encoded(page)
 
 
 OPENAPI_TYPES: list[type] = [AdminJobPage, AdminJobDetail, AuditPage]

@@ -9,6 +9,7 @@ from starlette.responses import Response
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import (
     JSON,
+    encoded,
     invalid,
     job_id_of,
     job_not_found,
@@ -66,4 +67,4 @@ async def dependencies(request: Request) -> Response:
         if stored is None:
             raise job_not_found(job_id) from None
         found = stored
-    return Response(msgspec.json.encode(DependencyList(job_id, found)), media_type=JSON)
+    return encoded(DependencyList(job_id, found))

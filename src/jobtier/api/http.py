@@ -28,6 +28,11 @@ from jobtier.engine.queue import Queue
 JSON = "application/json"
 
 
+def encoded(value: Any, status: int = 200) -> Response:
+    """A JSON answer: ``value`` (a Struct, or what msgspec encodes) encoded."""
+    return Response(msgspec.json.encode(value), status, media_type=JSON)
+
+
 def doc_state(doc: bytes) -> str:
     start = doc.find(b'"state":"') + 9
     return doc[start : doc.find(b'"', start)].decode()

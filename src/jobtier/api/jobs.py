@@ -17,6 +17,7 @@ from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.http import (
     JSON,
     decode_body,
+    encoded,
     invalid,
     job_id_of,
     job_not_found,
@@ -97,25 +98,16 @@ async def submit_batch(request: Request) -> Response:
     if not body.jobs:
         raise Problem(422, "validation", "jobs is empty", field="jobs")
     if len(body.jobs) > queue.settings.max_batch:
-        raise Problem(
-            413,
-            "payload-too-large",
-            f"at most {queue.settings.max_batch} jobs per batch (JOBTIER_MAX_BATCH)",
-            field="jobs",
-        )
+        detail = f"at most {queue.settings.max_batch} jobs per batch (JOBTIER_MAX_BATCH)"
+        raise Problem(413, "payload-too-large", detail, field="jobs")
     await queue.produce.ensure_known(spec.type for spec in body.jobs)
     items = []
     for index, spec in enumerate(body.jobs):
         try:
             items.append(queue.produce.prepare(spec, tenant))
-        except InvalidRequest as exc:
-            problem = invalid(exc)
-            raise Problem(
-                problem.status,
-                problem.slug,
-                f"jobs[{index}]: {exc}",
-                field=f"jobs[{index}].{exc.field or ''}".rstrip("."),
-            ) from None
+        except InvalidRequest as exc:  # the same refusal, naming the job
+            field = f"jobs[{index}].{exc.field or ''}".rstrip(".")
+            raise invalid(type(exc)(f"jobs[{index}]: {exc}", field=field)) from None
     st.admission.check(tenant, len(items))
     outcomes = await _submit(request, items, body.jobs, True)
     results = []
@@ -215,7 +207,7 @@ async def get_result(request: Request) -> Response:
     }
     if status.result_url is not None:  # kept outside Redis: streamed from there
         body.update(result=None, result_url=status.result_url)
-        return Response(msgspec.json.encode(body), media_type=JSON)
+        return encoded(body)
     # the stored JSON as it is, not decoded and encoded again
     return Response(
         msgspec.json.encode(body)[:-1] + b',"result":' + (raw or b"null") + b"}", media_type=JSON

@@ -13,7 +13,7 @@ from starlette.responses import Response
 
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import JSON, decode_body, invalid, read_json_body
+from jobtier.api.http import JSON, decode_body, encoded, invalid, read_json_body
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import PRIORITIES, QueueLimits
 from jobtier.core.names import QUEUE_NAME_RE
@@ -127,4 +127,4 @@ async def tasks(request: Request) -> Response:
     require_admin(request)
     catalog: TaskCatalog = request.state.catalog
     await catalog.load()
-    return Response(msgspec.json.encode({"tasks": catalog.ads()}), media_type=JSON)
+    return encoded({"tasks": catalog.ads()})

@@ -17,18 +17,19 @@ from jobtier.api import result_content as results
 from jobtier.api import spec as oa
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import JSON, job_id_of, job_not_found
+from jobtier.api.http import encoded, job_id_of, job_not_found
 from jobtier.api.params import (
     CURSOR,
     ORDER,
     QUEUE,
     STATE,
     TYPE,
+    bad,
     date_time,
     limit_param,
     parse_query,
 )
-from jobtier.api.problems import PG_DOWN, Problem, pg_unavailable
+from jobtier.api.problems import PG_DOWN, postgres_or_503
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import Dependency, JobStatus
@@ -108,18 +109,14 @@ class PostgresExtension(Extension):
 
     async def _status_docs(self, job_ids: list[str]) -> dict[str, tuple[str, bytes]]:
         assert self.reader is not None
-        try:
+        with postgres_or_503(logged=True):
             return await self.reader.status_docs(job_ids)
-        except PG_DOWN as exc:
-            raise pg_unavailable(exc) from None
 
     async def _result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
         assert self.reader is not None
-        try:
+        with postgres_or_503(logged=True):
             found = await self.reader.result(job_id, tenant)
             status = await self.reader.status_doc(job_id) if found else None
-        except PG_DOWN as exc:
-            raise pg_unavailable(exc) from None
         if found is None or status is None:
             return None
         doc = orjson.loads(status[1])
@@ -136,10 +133,8 @@ class PostgresExtension(Extension):
 
     async def _dependencies(self, job_id: str, tenant: str) -> list[Dependency] | None:
         assert self.reader is not None
-        try:
+        with postgres_or_503(logged=True):
             return await self.reader.dependencies(job_id, tenant)
-        except PG_DOWN as exc:
-            raise pg_unavailable(exc) from None
 
     async def _ready(self) -> str | None:
         assert self.pool is not None
@@ -166,6 +161,11 @@ class PostgresExtension(Extension):
 
     async def _lag_entries(self) -> int:
         return (await self.current_lag())[0]
+
+    async def lag_document(self) -> dict[str, float]:
+        """The lag as the listings and a job's history show it."""
+        entries, seconds = await self.current_lag()
+        return {"transitions": entries, "seconds": round(seconds, 3)}
 
 
 def operations(settings: Settings) -> oa.Paths:
@@ -204,11 +204,6 @@ def postgres_extension(settings: Settings) -> PostgresExtension:
     return PostgresExtension(settings)
 
 
-async def _lag_document(request: Request) -> dict[str, float]:
-    entries, seconds = await request.state.pg_extension.current_lag()
-    return {"transitions": entries, "seconds": round(seconds, 3)}
-
-
 async def list_jobs(request: Request) -> Response:
     """The tenant's jobs from Postgres, newest first, keyset-paginated; says how far behind
     the write-behind is (jobs changed within that window may show an older state)."""
@@ -216,22 +211,12 @@ async def list_jobs(request: Request) -> Response:
     q = parse_query(request, LIST_PARAMS)
     reader: PgReader = request.state.pg_reader
     try:
-        jobs, cursor = await reader.list_jobs(
-            tenant,
-            state=q.get("state"),
-            type=q.get("type"),
-            queue=q.get("queue"),
-            created_after=q.get("created_after"),
-            cursor=q.get("cursor"),
-            limit=q.get("limit", 50),
-            order=q.get("order", "desc"),
-        )
-        page = JobPage(jobs, cursor, await _lag_document(request))
+        with postgres_or_503(logged=True):
+            jobs, cursor = await reader.list_jobs(tenant, **q)  # named as its arguments
+            page = JobPage(jobs, cursor, await request.state.pg_extension.lag_document())
     except InvalidRequest as exc:
-        raise Problem(400, "bad-request", str(exc), field=exc.field) from None
-    except PG_DOWN as exc:
-        raise pg_unavailable(exc) from None
-    return Response(msgspec.json.encode(page), media_type=JSON)
+        raise bad(exc.field, str(exc)) from None
+    return encoded(page)
 
 
 async def history(request: Request) -> Response:
@@ -241,13 +226,11 @@ async def history(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     reader: PgReader = request.state.pg_reader
-    try:
+    with postgres_or_503(logged=True):
         transitions = await reader.history(job_id, tenant)
-        lag_doc = await _lag_document(request)
-    except PG_DOWN as exc:
-        raise pg_unavailable(exc) from None
+        lag_doc = await request.state.pg_extension.lag_document()
     if transitions is None:
         if await request.state.reader.get_for(job_id, tenant) is None:
             raise job_not_found(job_id)
         transitions = []
-    return Response(msgspec.json.encode(History(job_id, transitions, lag_doc)), media_type=JSON)
+    return encoded(History(job_id, transitions, lag_doc))

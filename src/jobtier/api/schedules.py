@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import JSON, decode_body, invalid, read_json_body
+from jobtier.api.http import decode_body, encoded, invalid, read_json_body
 from jobtier.api.params import limit_param, matching, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
@@ -50,10 +50,6 @@ def _store(request: Request) -> ScheduleStore:
 def _mirror(request: Request) -> CronMirror:
     mirror: CronMirror = request.state.cron
     return mirror
-
-
-def _encode(schedule: Schedule, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(schedule), status, media_type=JSON)
 
 
 def _schedule_id(request: Request) -> str:
@@ -113,7 +109,7 @@ async def create(request: Request) -> Response:
     except Exception:
         await store.delete(schedule.id, tenant)  # nothing half-made stays behind
         raise
-    return _encode(schedule, 201)
+    return encoded(schedule, 201)
 
 
 async def list_schedules(request: Request) -> Response:
@@ -125,7 +121,7 @@ async def list_schedules(request: Request) -> Response:
         request, await _store(request).for_tenant(tenant, after, limit)
     )
     next_after = schedules[-1].name if len(schedules) == limit else None
-    return Response(msgspec.json.encode(ScheduleList(schedules, next_after)), media_type=JSON)
+    return encoded(ScheduleList(schedules, next_after))
 
 
 async def get(request: Request) -> Response:
@@ -133,7 +129,7 @@ async def get(request: Request) -> Response:
     found = await _store(request).get(_schedule_id(request), tenant)
     if found is None:
         raise not_found(f"schedule {request.path_params['schedule_id']}")
-    return _encode((await _with_redis_times(request, [found]))[0])
+    return encoded((await _with_redis_times(request, [found]))[0])
 
 
 async def _set_paused(request: Request, paused: bool) -> Response:
@@ -152,7 +148,7 @@ async def _set_paused(request: Request, paused: bool) -> Response:
         raise not_found(f"schedule {schedule_id}")
     payload = msgspec.json.encode(found.payload)
     await _mirror(request).put(schedule_id, definition, payload, next_ms, paused)
-    return _encode((await _with_redis_times(request, [updated]))[0])
+    return encoded((await _with_redis_times(request, [updated]))[0])
 
 
 async def pause(request: Request) -> Response:

@@ -20,7 +20,14 @@ from starlette.responses import Response
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import JSON, decode_body, invalid, job_id_of, job_not_found, read_json_body
+from jobtier.api.http import (
+    decode_body,
+    encoded,
+    invalid,
+    job_id_of,
+    job_not_found,
+    read_json_body,
+)
 from jobtier.api.params import limit_param, matching, parse_query
 from jobtier.api.problems import Problem, not_found, postgres_or_503, secret_missing
 from jobtier.config import Settings
@@ -163,10 +170,6 @@ def _webhook(row: Any, secret: str | None = None) -> Webhook:
     return Webhook(**{name: row[name] for name in _WEBHOOK_COLUMNS}, secret=secret)
 
 
-def _json(value: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(value), status, media_type=JSON)
-
-
 _WEBHOOK_COLUMNS = [name for name in Webhook.__struct_fields__ if name != "secret"]
 _DELIVERY_COLUMNS = [name for name in Delivery.__struct_fields__ if name != "attempt_log"]
 LIST_PARAMS = [
@@ -198,7 +201,7 @@ async def create(request: Request) -> Response:
         # again once the row is committed: a dispatcher's clean-up may have removed the first
         # mark before the row was there (marks.unmark_idle)
         await marks.mark(redis, keys, [tenant])
-    return _json(_webhook(row, secret if made is not None else None), 201)
+    return encoded(_webhook(row, secret if made is not None else None), 201)
 
 
 async def list_webhooks(request: Request) -> Response:
@@ -210,7 +213,7 @@ async def list_webhooks(request: Request) -> Response:
             query("subscription_list"), tenant, q.get("after", ""), limit
         )
     hooks = [_webhook(r) for r in rows]
-    return _json(WebhookList(hooks, hooks[-1].id if len(hooks) == limit else None))
+    return encoded(WebhookList(hooks, hooks[-1].id if len(hooks) == limit else None))
 
 
 async def get(request: Request) -> Response:
@@ -220,7 +223,7 @@ async def get(request: Request) -> Response:
         row = await _service(request).pool.fetchrow(query("subscription_get"), webhook_id, tenant)
     if row is None:
         raise not_found(f"webhook {webhook_id}")
-    return _json(_webhook(row))
+    return encoded(_webhook(row))
 
 
 async def delete(request: Request) -> Response:
@@ -244,7 +247,7 @@ async def rotate_secret(request: Request) -> Response:
     with postgres_or_503():
         row = await _service(request).pool.fetchrow(query("secret_rotate"), tenant, secret, overlap)
     assert row is not None
-    return _json(SigningSecret(secret, row["created_at"], row["previous_until"]), 201)
+    return encoded(SigningSecret(secret, row["created_at"], row["previous_until"]), 201)
 
 
 async def _deliveries(pool: Pool, rows: Sequence[Any]) -> DeliveryList:
@@ -272,7 +275,7 @@ async def webhook_deliveries(request: Request) -> Response:
         if await pool.fetchrow(query("subscription_get"), webhook_id, tenant) is None:
             raise not_found(f"webhook {webhook_id}")
         rows = await pool.fetch(query("deliveries_of_subscription"), webhook_id, tenant, most)
-        return _json(await _deliveries(pool, rows))
+        return encoded(await _deliveries(pool, rows))
 
 
 async def job_deliveries(request: Request) -> Response:
@@ -285,7 +288,7 @@ async def job_deliveries(request: Request) -> Response:
     pool = _service(request).pool
     with postgres_or_503():
         rows = await pool.fetch(query("deliveries_of_job"), job_id, tenant, most)
-        return _json(await _deliveries(pool, rows))
+        return encoded(await _deliveries(pool, rows))
 
 
 REFUSED = (
