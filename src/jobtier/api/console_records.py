@@ -22,13 +22,11 @@ from jobtier.api.auth import require_admin
 from jobtier.api.console_flows import DEPENDENCIES_SHOWN, DependencyView, flow_view
 from jobtier.api.http import JSON, doc_state, encoded, job_id_of, job_not_found
 from jobtier.api.params import (
-    CURSOR,
-    ORDER,
-    QUEUE,
-    STATE,
-    TYPE,
+    CREATED_AFTER,
+    JOB_FILTERS,
     bad,
     date_time,
+    job_page,
     limit_param,
     matching,
     parse_query,
@@ -51,16 +49,12 @@ JOB_AUDIT_SHOWN = 20
 _PRINTABLE = re.compile(r"^[^\x00-\x1f\x7f]+$")
 
 LIST_PARAMS = [
-    STATE,
-    TYPE,
-    QUEUE,
+    *JOB_FILTERS,
     matching("tenant", "only this tenant's jobs", TENANT_RE, 64),
-    date_time("created_after", "only jobs created after this time (ISO 8601)"),
+    CREATED_AFTER,
     date_time("created_before", "only jobs created before this time (ISO 8601)"),
     matching("id_prefix", "only jobs whose id starts so (case-insensitive)", ID_PREFIX_RE, 31),
-    CURSOR,
-    limit_param("most jobs per page (default 50)", MAX_LIMIT),
-    ORDER,
+    *job_page(MAX_LIMIT),
 ]
 _ACTIONS = (
     "only this action (job.cancel, job.replay, dead_letters.replay, queue.pause, queue.resume, "

@@ -49,6 +49,15 @@ def job_id_of(request: Request) -> str:
     return job_id
 
 
+def path_id(request: Request, name: str, pattern: re.Pattern[str], what: str) -> str:
+    """The ``{name}`` of the path; one that does not match ``pattern`` is a 404, as an unknown
+    ``what`` is."""
+    value: str = request.path_params[name]
+    if not pattern.fullmatch(value):
+        raise not_found(f"{what} {value[:40]}")
+    return value
+
+
 def job_not_found(job_id: str) -> Problem:
     return not_found(f"job {job_id[:64]}")
 

@@ -19,14 +19,10 @@ from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import encoded, job_id_of, job_not_found
 from jobtier.api.params import (
-    CURSOR,
-    ORDER,
-    QUEUE,
-    STATE,
-    TYPE,
+    CREATED_AFTER,
+    JOB_FILTERS,
     bad,
-    date_time,
-    limit_param,
+    job_page,
     parse_query,
 )
 from jobtier.api.problems import PG_DOWN, postgres_or_503
@@ -189,15 +185,7 @@ def operations(settings: Settings) -> oa.Paths:
     return paths
 
 
-LIST_PARAMS = [
-    STATE,
-    TYPE,
-    QUEUE,
-    date_time("created_after", "only jobs created after this time (ISO 8601)"),
-    CURSOR,
-    limit_param("most jobs per page (default 50)", MAX_LIMIT),
-    ORDER,
-]
+LIST_PARAMS = [*JOB_FILTERS, CREATED_AFTER, *job_page(MAX_LIMIT)]
 
 
 def postgres_extension(settings: Settings) -> PostgresExtension:

@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import decode_body, encoded, invalid, read_json_body
+from jobtier.api.http import decode_body, encoded, invalid, path_id, read_json_body
 from jobtier.api.params import limit_param, matching, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
@@ -50,13 +50,6 @@ def _store(request: Request) -> ScheduleStore:
 def _mirror(request: Request) -> CronMirror:
     mirror: CronMirror = request.state.cron
     return mirror
-
-
-def _schedule_id(request: Request) -> str:
-    schedule_id: str = request.path_params["schedule_id"]
-    if not ULID_RE.fullmatch(schedule_id):
-        raise not_found(f"schedule {schedule_id[:40]}")
-    return schedule_id
 
 
 async def _with_redis_times(request: Request, schedules: list[Schedule]) -> list[Schedule]:
@@ -124,31 +117,37 @@ async def list_schedules(request: Request) -> Response:
     return encoded(ScheduleList(schedules, next_after))
 
 
-async def get(request: Request) -> Response:
+async def _found(request: Request) -> tuple[str, Schedule]:
+    """The tenant and the path's schedule: a 404 for another tenant's, or a malformed id."""
     tenant = tenant_of(request)
-    found = await _store(request).get(_schedule_id(request), tenant)
+    schedule_id = path_id(request, "schedule_id", ULID_RE, "schedule")
+    found = await _store(request).get(schedule_id, tenant)
     if found is None:
-        raise not_found(f"schedule {request.path_params['schedule_id']}")
-    return encoded((await _with_redis_times(request, [found]))[0])
+        raise not_found(f"schedule {schedule_id}")
+    return tenant, found
+
+
+async def _one(request: Request, schedule: Schedule) -> Response:
+    return encoded((await _with_redis_times(request, [schedule]))[0])
+
+
+async def get(request: Request) -> Response:
+    _, found = await _found(request)
+    return await _one(request, found)
 
 
 async def _set_paused(request: Request, paused: bool) -> Response:
-    tenant = tenant_of(request)
-    schedule_id = _schedule_id(request)
-    store = _store(request)
-    found = await store.get(schedule_id, tenant)
-    if found is None:
-        raise not_found(f"schedule {schedule_id}")
+    tenant, found = await _found(request)
     settings: Settings = request.state.settings
     definition = mirror_def(found, settings.default_max_attempts)
     # a resumed schedule starts from its next slot: the paused time is not caught up
     next_ms = None if paused else definition.timing().next_after(now_ms())
-    updated = await store.set_paused(schedule_id, tenant, paused, to_datetime(next_ms))
+    updated = await _store(request).set_paused(found.id, tenant, paused, to_datetime(next_ms))
     if updated is None:
-        raise not_found(f"schedule {schedule_id}")
+        raise not_found(f"schedule {found.id}")
     payload = msgspec.json.encode(found.payload)
-    await _mirror(request).put(schedule_id, definition, payload, next_ms, paused)
-    return encoded((await _with_redis_times(request, [updated]))[0])
+    await _mirror(request).put(found.id, definition, payload, next_ms, paused)
+    return await _one(request, updated)
 
 
 async def pause(request: Request) -> Response:
@@ -160,13 +159,9 @@ async def resume(request: Request) -> Response:
 
 
 async def delete(request: Request) -> Response:
-    tenant = tenant_of(request)
-    schedule_id = _schedule_id(request)
-    store = _store(request)
-    if await store.get(schedule_id, tenant) is None:
-        raise not_found(f"schedule {schedule_id}")
-    await _mirror(request).remove(schedule_id)  # first: it must not fire again
-    await store.delete(schedule_id, tenant)
+    tenant, found = await _found(request)
+    await _mirror(request).remove(found.id)  # first: it must not fire again
+    await _store(request).delete(found.id, tenant)
     return Response(status_code=204)
 
 

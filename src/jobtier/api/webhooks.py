@@ -26,6 +26,7 @@ from jobtier.api.http import (
     invalid,
     job_id_of,
     job_not_found,
+    path_id,
     read_json_body,
 )
 from jobtier.api.params import limit_param, matching, parse_query
@@ -160,10 +161,7 @@ def _service(request: Request) -> WebhookService:
 
 
 def _webhook_id(request: Request) -> str:
-    webhook_id: str = request.path_params["webhook_id"]
-    if not WEBHOOK_ID_RE.fullmatch(webhook_id):
-        raise not_found(f"webhook {webhook_id[:40]}")
-    return webhook_id
+    return path_id(request, "webhook_id", WEBHOOK_ID_RE, "webhook")
 
 
 def _webhook(row: Any, secret: str | None = None) -> Webhook:
