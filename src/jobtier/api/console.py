@@ -21,7 +21,7 @@ from jobtier.api.http import doc_state, encoded, job_id_of, job_not_found
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.api.queues import queue_name
-from jobtier.api.sse import StreamResponse
+from jobtier.api.sse import StreamResponse, woken
 from jobtier.config import Settings
 from jobtier.core.errors import JobNotFound, TransitionRefused
 from jobtier.core.model import JobStatus, State
@@ -229,13 +229,8 @@ class JobsStream:
                     self.sent[job_id] = version
             if chunks:
                 yield b"".join(chunks)
-            if not self.pending:
-                self.ready.clear()
-                try:
-                    async with asyncio.timeout(heartbeat):
-                        await self.ready.wait()
-                except TimeoutError:
-                    yield b": keep-alive\n\n"
+            if not self.pending and not await woken(self.ready, heartbeat):
+                yield b": keep-alive\n\n"
 
 
 async def job_events(request: Request) -> Response:
@@ -274,7 +269,7 @@ def operations(settings: Settings) -> oa.Paths:
         "Cancel every ready (or parked) job of the queue, oldest first, each as a cancel would; "
         "scheduled and running jobs stay (audited)",
         oa.returns(200, "Purged", "how many were cancelled, and how many are ready now"),
-        oa.refuses(422, "a queue name that breaks its pattern"),
+        oa.BAD_QUEUE_NAME,
     )
     paths.add(
         "GET /v1/admin/workers",

@@ -363,20 +363,19 @@ def _admin_paths(settings: Settings) -> oa.Paths:
         "workers, tasks",
         oa.returns(200, "QueueList", "the queues"),
     )
-    bad_name = oa.refuses(422, "a queue name that breaks its pattern")
     add(
         "POST /v1/admin/queues/{name}/pause",
         queues.pause,
         "Pause a queue: submits are accepted, nothing is claimed from it, running jobs finish",
         oa.returns(200, "QueuePaused", "paused"),
-        bad_name,
+        oa.BAD_QUEUE_NAME,
     )
     add(
         "POST /v1/admin/queues/{name}/resume",
         queues.resume,
         "Resume a paused queue",
         oa.returns(200, "QueuePaused", "resumed"),
-        bad_name,
+        oa.BAD_QUEUE_NAME,
     )
     add(
         "PUT /v1/admin/queues/{name}/limits",

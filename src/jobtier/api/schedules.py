@@ -190,8 +190,7 @@ def operations(settings: Settings) -> oa.Paths:
     paths.add(
         f"GET {one}", get, "One schedule", oa.returns(200, "Schedule", "the schedule"), unknown
     )
-    deleted = (204, {"description": "deleted"})
-    paths.add(f"DELETE {one}", delete, "Delete a schedule: it fires no more", deleted, unknown)
+    paths.add(f"DELETE {one}", delete, "Delete a schedule: it fires no more", oa.DELETED, unknown)
     paused = oa.returns(200, "Schedule", "paused")
     paths.add(f"POST {one}/pause", pause, "Pause: no firing until resumed", paused, unknown)
     paths.add(

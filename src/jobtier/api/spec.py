@@ -185,6 +185,8 @@ PATH_PARAMS = {
     ),
 }
 JOB_404 = unknown("job")
+BAD_QUEUE_NAME = refuses(422, "a queue name that breaks its pattern")
+DELETED: Answer = (204, {"description": "deleted"})
 
 Auth = Literal["tenant", "admin", "none"]
 

@@ -51,14 +51,20 @@ class Mailbox:
 
     async def take(self, timeout: float) -> tuple[int, bytes] | None:
         """The oldest pending document, or None after ``timeout`` seconds of nothing."""
-        if not self._items:
-            self._ready.clear()
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._ready.wait()
-            except TimeoutError:
-                return None
+        if not self._items and not await woken(self._ready, timeout):
+            return None
         return self._items.popleft()
+
+
+async def woken(ready: asyncio.Event, timeout: float) -> bool:
+    """Whether ``ready``, cleared first, is set again within ``timeout`` seconds."""
+    ready.clear()
+    try:
+        async with asyncio.timeout(timeout):
+            await ready.wait()
+    except TimeoutError:
+        return False
+    return True
 
 
 class StreamResponse(Response):

@@ -331,7 +331,7 @@ def operations(settings: Settings) -> oa.Paths:
         f"DELETE {one}",
         delete,
         "Unsubscribe: its waiting deliveries are cancelled",
-        (204, {"description": "deleted"}),
+        oa.DELETED,
         unknown,
     )
     paths.add(
