@@ -10,22 +10,21 @@ from collections import defaultdict
 from collections.abc import AsyncGenerator, Callable
 
 import msgspec
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api import spec as oa
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import doc_state, encoded, job_id_of, job_not_found
+from jobtier.api.http import doc_state, encoded, finished, job_id_of, transition
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.api.queues import queue_name
 from jobtier.api.sse import StreamResponse, woken
 from jobtier.config import Settings
-from jobtier.core.errors import JobNotFound, TransitionRefused
 from jobtier.core.model import JobStatus, State
 from jobtier.core.names import JOB_ID_RE
+from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse
 from jobtier.status.docs import read_docs
@@ -91,17 +90,7 @@ async def cancel(request: Request) -> Response:
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
     async with audited(request, "job.cancel", job_id) as outcome:
-        try:
-            doc = await queue.jobs.cancel_doc(job_id)
-        except JobNotFound:
-            raise job_not_found(job_id) from None
-        except TransitionRefused as exc:
-            try:
-                current = await queue.jobs.status_doc(job_id)
-            except JobNotFound:  # finished and expired between the two reads
-                raise job_not_found(job_id) from None
-            detail = f"job {job_id} has already finished ({doc_state(current)})"
-            raise Problem(409, "wrong-state", detail, job=orjson.loads(current)) from exc
+        doc = await transition(queue, job_id, None, JobControl.cancel_doc, finished)
         outcome.detail = {"state": doc_state(doc)}
     return DocResponse(doc)
 

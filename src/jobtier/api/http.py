@@ -62,20 +62,19 @@ def job_not_found(job_id: str) -> Problem:
     return not_found(f"job {job_id[:64]}")
 
 
-async def job_transition(
-    request: Request,
-    change: Callable[[JobControl, str, str], Awaitable[bytes]],
-    refused: Callable[[str, str], str],
-) -> Response:
-    """A change a client asks of its job (cancel, retry): ``change(jobs, job_id, tenant)``
-    gives the new status document; an unknown job (or another tenant's) is a 404, and a job
-    whose state does not allow the change a 409 ``wrong-state`` whose detail is
-    ``refused(job_id, state)``, with the job's status document."""
-    tenant = tenant_of(request)
-    job_id = job_id_of(request)
-    queue: Queue = request.state.queue
+Change = Callable[["JobControl", str, str | None], Awaitable[bytes]]
+Refused = Callable[[str, str], str]  # (job id, its state) -> why the change is refused
+
+
+async def transition(
+    queue: Queue, job_id: str, tenant: str | None, change: Change, refused: Refused
+) -> bytes:
+    """The job's status document after ``change(jobs, job_id, tenant)`` (``tenant`` None: any
+    tenant's job). An unknown job (or another tenant's) is a 404, and a job whose state does
+    not allow the change a 409 ``wrong-state`` whose detail is ``refused(job_id, state)``,
+    with the job's status document."""
     try:
-        doc = await change(queue.jobs, job_id, tenant)
+        return await change(queue.jobs, job_id, tenant)
     except JobNotFound:
         raise job_not_found(job_id) from None
     except TransitionRefused as exc:
@@ -83,10 +82,20 @@ async def job_transition(
             current = await queue.jobs.status_doc(job_id, tenant)
         except JobNotFound:  # expired between the two reads
             raise job_not_found(job_id) from None
-        raise Problem(
-            409, "wrong-state", refused(job_id, doc_state(current)), job=orjson.loads(current)
-        ) from exc
-    return DocResponse(doc)
+        detail = refused(job_id, doc_state(current))
+        raise Problem(409, "wrong-state", detail, job=orjson.loads(current)) from exc
+
+
+async def job_transition(request: Request, change: Change, refused: Refused) -> Response:
+    """``transition`` of the tenant's job, the change a client asks of it (cancel, retry)."""
+    tenant = tenant_of(request)
+    job_id = job_id_of(request)
+    return DocResponse(await transition(request.state.queue, job_id, tenant, change, refused))
+
+
+def finished(job_id: str, state: str) -> str:
+    """Why a cancel is refused."""
+    return f"job {job_id} has already finished ({state})"
 
 
 # --- body reading ---------------------------------------------------------------------------

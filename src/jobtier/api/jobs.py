@@ -18,6 +18,7 @@ from jobtier.api.http import (
     JSON,
     decode_body,
     encoded,
+    finished,
     invalid,
     job_id_of,
     job_not_found,
@@ -215,8 +216,4 @@ async def get_result(request: Request) -> Response:
 
 
 async def cancel(request: Request) -> Response:
-    return await job_transition(
-        request,
-        JobControl.cancel_doc,
-        lambda job_id, state: f"job {job_id} has already finished ({state})",
-    )
+    return await job_transition(request, JobControl.cancel_doc, finished)
