@@ -1,6 +1,7 @@
 """The building blocks of the OpenAPI document (``openapi.py`` assembles it): response
 bodies, parameters, answers, and ``operation()``, which gives each operation the error
-answers the server gives for what it does. Route modules describe themselves with these."""
+answers the server gives for what it does. Route modules declare their routes with these
+(``Paths``: each endpoint with its description)."""
 
 from __future__ import annotations
 
