@@ -8,24 +8,16 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import (
-    JSON,
-    decode_body,
-    job_id_of,
-    job_not_found,
-    read_json_body,
-)
+from jobtier.api.http import JSON, decode_body, encoded, job_id_of, job_not_found, read_json_body
 from jobtier.api.params import TYPE, date_time, limit_param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.core.errors import JobNotFound, TransitionRefused
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse
-from jobtier.status.reader import parse_version
 
 
 class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
@@ -55,7 +47,7 @@ async def dead_letters(request: Request) -> Response:
     jobs = await queue.jobs.dead_letters(
         query.get("limit", 100), type=query.get("type"), since=query.get("since")
     )
-    return Response(msgspec.json.encode({"jobs": jobs}), media_type=JSON)
+    return encoded({"jobs": jobs})
 
 
 async def replay_one(request: Request) -> Response:
@@ -70,7 +62,7 @@ async def replay_one(request: Request) -> Response:
         except TransitionRefused:
             detail = f"job {job_id} is not in the dead-letter set"
             raise Problem(409, "wrong-state", detail) from None
-    return DocResponse(doc, parse_version(doc))
+    return DocResponse(doc)
 
 
 async def replay_many(request: Request) -> Response:
@@ -110,11 +102,3 @@ async def stats(request: Request) -> Response:
     out["status_reads"] = request.state.reader.stats()
     out["write_behind_lag"] = request.state.admission.lag
     return Response(orjson.dumps(out), media_type=JSON)
-
-
-routes = [
-    Route("/v1/admin/dead-letters", dead_letters, methods=["GET"]),
-    Route("/v1/admin/dead-letters/replay", replay_many, methods=["POST"]),
-    Route("/v1/admin/dead-letters/{job_id}/replay", replay_one, methods=["POST"]),
-    Route("/v1/admin/stats", stats, methods=["GET"]),
-]

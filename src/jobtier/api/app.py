@@ -1,4 +1,6 @@
-"""``create_app(settings)``: the Starlette application, composed from route lists.
+"""``create_app(settings)``: the Starlette application, its routes the operations the
+OpenAPI document describes (``openapi.operations`` and an extension's: each route declared
+once, with its description).
 
 The lifespan opens what every request shares — the engine's Redis client, the status reader
 (near cache, singleflight, coalescer), the process's one shard subscription feeding it, the
@@ -17,14 +19,14 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.routing import BaseRoute
 from starlette.types import Receive, Scope, Send
 
-from jobtier.api import admin, console, debugging, flows, health, jobs, openapi, ops, queues, sse
+from jobtier.api import jobs, openapi, ops
 from jobtier.api.admission import Admission
 from jobtier.api.bounds import RequestLimits
 from jobtier.api.problems import HANDLERS
 from jobtier.api.routing import resources
+from jobtier.api.spec import Paths
 from jobtier.api.task_schemas import TaskDocument
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
@@ -39,21 +41,6 @@ from jobtier.store.context import Store
 
 log = logging.getLogger("jobtier.api")
 
-ROUTES: list[BaseRoute] = [
-    *jobs.routes,
-    *flows.routes,
-    *sse.routes,
-    *admin.routes,
-    # after admin's: the literal /v1/admin/dead-letters/replay must match before
-    # /v1/admin/dead-letters/{job_id} (routing.py: one route per path, in order)
-    *debugging.routes,
-    *queues.routes,
-    *console.routes,
-    *health.routes,
-    *openapi.routes,
-    *ops.routes,
-]
-
 
 class Extension:
     """What later parts plug into the API: the Postgres fallback for status reads and
@@ -61,7 +48,7 @@ class Extension:
     close with the app."""
 
     def __init__(self) -> None:
-        self.routes: list[BaseRoute] = []
+        self.operations: list[Paths] = []  # the extra routes, each with its description
         self.status_fallback: Fallback | None = None
         self.result_fallback: Callable[[str, str], Awaitable[dict[str, Any] | None]] | None = None
         # a job's dependencies once Redis no longer keeps it (job id, tenant)
@@ -71,7 +58,6 @@ class Extension:
         self.postgres_ready: Callable[[], Awaitable[str | None]] | None = None
         self.lag: Callable[[], Awaitable[int]] | None = None
         self.state: dict[str, Any] = {}
-        self.openapi_paths: dict[str, Any] = {}
         self.openapi_types: list[type] = []
         # add rules JSON Schema can state to the generated schemas of openapi_types
         self.openapi_constraints: list[Callable[[dict[str, Any]], None]] = []
@@ -99,13 +85,9 @@ def create_app(
             "`jobtier run` makes development keys for you"
         )
     ext = extension or Extension()
+    api = openapi.operations(settings).include(*ext.operations)
     openapi_document = TaskDocument(
-        openapi.document(
-            settings,
-            {**console.openapi_paths(settings), **ext.openapi_paths},
-            [*console.OPENAPI_TYPES, *ext.openapi_types],
-            ext.openapi_constraints,
-        ),
+        openapi.document(settings, api.paths, ext.openapi_types, ext.openapi_constraints),
         settings.require_known_types,
     )
 
@@ -172,7 +154,7 @@ def create_app(
             await bounded("redis connections", queue.close())
 
     app = JobtierApp(
-        routes=resources([*ROUTES, *ext.routes]),
+        routes=resources(api.endpoints),
         exception_handlers=HANDLERS,
         lifespan=lifespan,
         # over-long URLs and headers refused before routing (the status fast path checks

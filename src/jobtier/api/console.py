@@ -7,32 +7,28 @@ from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
 
 import msgspec
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
-from starlette.types import Send
 
 from jobtier.api import spec as oa
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
+from jobtier.api.http import doc_state, encoded, finished, job_id_of, transition
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.api.queues import queue_name
-from jobtier.api.sse import StreamResponse
+from jobtier.api.sse import StreamResponse, woken
 from jobtier.config import Settings
-from jobtier.core.errors import JobNotFound, TransitionRefused
-from jobtier.core.model import DEFAULT_QUEUE
+from jobtier.core.model import JobStatus, State
 from jobtier.core.names import JOB_ID_RE
+from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse
 from jobtier.status.docs import read_docs
-from jobtier.status.reader import RESYNC, StatusReader, parse_version
+from jobtier.status.reader import RESYNC, StatusReader
 
 MAX_FOLLOWED = 100  # jobs one event stream follows (a page of the job list, in flight)
 RUNNING_SHOWN = 2000  # running jobs the workers view lists (per shard at most this)
@@ -85,19 +81,7 @@ class WorkerList(msgspec.Struct):
     running_listed: int  # of which listed under their workers (at most RUNNING_SHOWN a shard)
 
 
-class _RunningDoc(msgspec.Struct):
-    """The members of a status document the workers view needs."""
-
-    id: str
-    type: str
-    state: str
-    attempt: int
-    updated_at: str
-    worker: str | None = None
-    queue: str = DEFAULT_QUEUE
-
-
-_running_doc = msgspec.json.Decoder(_RunningDoc)
+_status = msgspec.json.Decoder(JobStatus)
 
 
 async def cancel(request: Request) -> Response:
@@ -106,19 +90,9 @@ async def cancel(request: Request) -> Response:
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
     async with audited(request, "job.cancel", job_id) as outcome:
-        try:
-            doc = await queue.jobs.cancel_doc(job_id)
-        except JobNotFound:
-            raise job_not_found(job_id) from None
-        except TransitionRefused as exc:
-            try:
-                current = await queue.jobs.status_doc(job_id)
-            except JobNotFound:  # finished and expired between the two reads
-                raise job_not_found(job_id) from None
-            detail = f"job {job_id} has already finished ({doc_state(current)})"
-            raise Problem(409, "wrong-state", detail, job=orjson.loads(current)) from exc
+        doc = await transition(queue, job_id, None, JobControl.cancel_doc, finished)
         outcome.detail = {"state": doc_state(doc)}
-    return DocResponse(doc, parse_version(doc))
+    return DocResponse(doc)
 
 
 async def purge(request: Request) -> Response:
@@ -130,12 +104,12 @@ async def purge(request: Request) -> Response:
         done = await queue.admin.purge(name)
         outcome.detail = {"cancelled": done.cancelled, "remaining": done.remaining}
     body = Purged(name, done.cancelled, done.remaining)
-    return Response(msgspec.json.encode(body), media_type=JSON)
+    return encoded(body)
 
 
 async def workers(request: Request) -> Response:
     require_admin(request)
-    return Response(msgspec.json.encode(await worker_list(request.state.queue)), media_type=JSON)
+    return encoded(await worker_list(request.state.queue))
 
 
 async def worker_list(queue: Queue) -> WorkerList:
@@ -148,14 +122,14 @@ async def worker_list(queue: Queue) -> WorkerList:
         pipe.zrange(keys.active(shard), 0, RUNNING_SHOWN - 1)
     replies = await pipe.execute()
     total = sum(replies[0::2])
-    ids = [(shard, member.decode()) for shard, rows in enumerate(replies[1::2]) for member in rows]
+    ids = [member.decode() for members in replies[1::2] for member in members]
     by_worker: dict[str, list[RunningJob]] = defaultdict(list)
     if ids:
-        for tenant, doc in await read_docs(redis, keys, [job_id for _, job_id in ids]):
+        for tenant, doc in await read_docs(redis, keys, ids):
             if doc is None:
                 continue  # finished and expired between the two reads
-            status = _running_doc.decode(doc)
-            if status.worker is not None and status.state == "running":
+            status = _status.decode(doc)
+            if status.worker is not None and status.state == State.RUNNING:
                 job = (status.id, tenant.decode(), status.type, status.queue, status.attempt)
                 by_worker[status.worker].append(RunningJob(*job, status.updated_at))
     out = []
@@ -177,7 +151,7 @@ async def worker_list(queue: Queue) -> WorkerList:
     return WorkerList(out, total, listed)
 
 
-class JobsStream(StreamResponse):
+class JobsStream:
     """The current status of each followed job that exists (``start`` reads them), then every
     change of any of them, until the client goes away (a failed job may be replayed: no
     state is the last).
@@ -185,11 +159,8 @@ class JobsStream(StreamResponse):
     Changes are kept per job, latest only: a job changing faster than the client reads sends
     its newest status, never a backlog."""
 
-    def __init__(self, reader: StatusReader, ids: list[str], heartbeat: float) -> None:
-        super().__init__()
+    def __init__(self, reader: StatusReader, ids: list[str]) -> None:
         self.reader = reader
-        self.ids = ids
-        self.heartbeat = heartbeat
         self.sent: dict[str, int] = {}
         self.pending: dict[str, tuple[int, bytes]] = {}
         self.ready = asyncio.Event()
@@ -207,7 +178,8 @@ class JobsStream(StreamResponse):
 
         return offer
 
-    def _cleanup(self) -> None:
+    def stop(self) -> None:
+        """Stop listening."""
         for job_id, listener in self.listeners.items():
             self.reader.remove_listener(job_id, listener)
 
@@ -223,18 +195,16 @@ class JobsStream(StreamResponse):
         """Read every followed job's status (after listening: nothing in between is lost);
         whether any of them exists. If none does, or the read fails, it stops listening."""
         try:
-            await self._read(self.ids)
+            await self._read(list(self.listeners))
         finally:
             if not self.pending:
-                self._cleanup()
+                self.stop()
         return bool(self.pending)
 
-    async def _pump(self, send: Send) -> None:
-        async def write(body: bytes) -> None:
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        await write(b"retry: 1000\n\n")
+    async def chunks(self, heartbeat: float) -> AsyncGenerator[bytes, None]:
+        """The stream's text: the statuses, and a comment after ``heartbeat`` seconds of
+        nothing."""
+        yield b"retry: 1000\n\n"
         while True:
             pending, self.pending = self.pending, {}
             resync = [job_id for job_id, (v, _) in pending.items() if v == RESYNC]
@@ -247,14 +217,9 @@ class JobsStream(StreamResponse):
                     chunks.append(b"event: status\ndata: %s\n\n" % doc)
                     self.sent[job_id] = version
             if chunks:
-                await write(b"".join(chunks))
-            if not self.pending:
-                self.ready.clear()
-                try:
-                    async with asyncio.timeout(self.heartbeat):
-                        await self.ready.wait()
-                except TimeoutError:
-                    await write(b": keep-alive\n\n")
+                yield b"".join(chunks)
+            if not self.pending and not await woken(self.ready, heartbeat):
+                yield b": keep-alive\n\n"
 
 
 async def job_events(request: Request) -> Response:
@@ -267,35 +232,37 @@ async def job_events(request: Request) -> Response:
     keys = request.state.queue.keys
     # an id of a shard this deployment lacks is a job nobody has, like an unknown one
     ids = [job_id for job_id in dict.fromkeys(query["ids"].split(",")) if keys.valid_id(job_id)]
-    heartbeat: float = request.state.settings.sse_heartbeat_seconds
-    stream = JobsStream(request.state.reader, ids, heartbeat)
+    stream = JobsStream(request.state.reader, ids)
     if not await stream.start():
         raise Problem(404, "not-found", "none of these jobs exists (ids)")
-    return stream
+    return StreamResponse(stream.chunks(request.state.settings.sse_heartbeat_seconds), stream.stop)
 
 
 OPENAPI_TYPES: list[type] = [Purged, WorkerList]
 
 
-def openapi_paths(settings: Settings) -> dict[str, Any]:
+def operations(settings: Settings) -> oa.Paths:
     paths = oa.Paths(settings, auth="admin")
     paths.add(
         "POST /v1/admin/jobs/{job_id}/cancel",
+        cancel,
         "Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat "
         "(audited)",
         oa.returns(200, "JobStatus", "cancelled, or running with cancel_requested"),
-        oa.refuses(404, "unknown job (or a malformed id)"),
+        oa.unknown("job", tenants=False),
         oa.refuses(409, "the job has already finished (job: its status)"),
     )
     paths.add(
         "POST /v1/admin/queues/{name}/purge",
+        purge,
         "Cancel every ready (or parked) job of the queue, oldest first, each as a cancel would; "
         "scheduled and running jobs stay (audited)",
         oa.returns(200, "Purged", "how many were cancelled, and how many are ready now"),
-        oa.refuses(422, "a queue name that breaks its pattern"),
+        oa.BAD_QUEUE_NAME,
     )
     paths.add(
         "GET /v1/admin/workers",
+        workers,
         "Live workers: host, pid, queues, tasks, concurrency, last heartbeat, and the jobs each "
         "runs",
         oa.returns(200, "WorkerList", "the workers, newest heartbeat first"),
@@ -303,6 +270,7 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     status = "event: status, data: the status document of one of the jobs"
     events = paths.add(
         "GET /v1/admin/events",
+        job_events,
         f"Server-Sent Events: the status of each of up to {MAX_FOLLOWED} jobs (any tenant), then "
         "every change of any of them, until the client closes",
         (200, oa.event_stream(status, "status", oa.ref("JobStatus"))),
@@ -310,12 +278,4 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
         params=[_IDS],
     )
     events["parameters"][0]["required"] = True
-    return paths.paths
-
-
-routes = [
-    Route("/v1/admin/jobs/{job_id}/cancel", cancel, methods=["POST"]),
-    Route("/v1/admin/queues/{name}/purge", purge, methods=["POST"]),
-    Route("/v1/admin/workers", workers, methods=["GET"]),
-    Route("/v1/admin/events", job_events, methods=["GET"]),
-]
+    return paths

@@ -15,21 +15,18 @@ from typing import Any, TypeVar
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api import spec as oa
 from jobtier.api.audit import actor_of, flush_pending
 from jobtier.api.auth import require_admin
 from jobtier.api.console_flows import DEPENDENCIES_SHOWN, DependencyView, flow_view
-from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
+from jobtier.api.http import JSON, doc_state, encoded, job_id_of, job_not_found
 from jobtier.api.params import (
-    CURSOR,
-    ORDER,
-    QUEUE,
-    STATE,
-    TYPE,
+    CREATED_AFTER,
+    JOB_FILTERS,
     bad,
     date_time,
+    job_page,
     limit_param,
     matching,
     parse_query,
@@ -52,16 +49,12 @@ JOB_AUDIT_SHOWN = 20
 _PRINTABLE = re.compile(r"^[^\x00-\x1f\x7f]+$")
 
 LIST_PARAMS = [
-    STATE,
-    TYPE,
-    QUEUE,
+    *JOB_FILTERS,
     matching("tenant", "only this tenant's jobs", TENANT_RE, 64),
-    date_time("created_after", "only jobs created after this time (ISO 8601)"),
+    CREATED_AFTER,
     date_time("created_before", "only jobs created before this time (ISO 8601)"),
     matching("id_prefix", "only jobs whose id starts so (case-insensitive)", ID_PREFIX_RE, 31),
-    CURSOR,
-    limit_param("most jobs per page (default 50)", MAX_LIMIT),
-    ORDER,
+    *job_page(MAX_LIMIT),
 ]
 _ACTIONS = (
     "only this action (job.cancel, job.replay, dead_letters.replay, queue.pause, queue.resume, "
@@ -141,11 +134,6 @@ def _preview(size: int | None, value: bytes | None, kind: type[P]) -> P:
     return kind(size, msgspec.Raw(value or b"null"))
 
 
-async def _lag(request: Request) -> dict[str, float]:
-    entries, seconds = await request.state.pg_extension.current_lag()
-    return {"transitions": entries, "seconds": round(seconds, 3)}
-
-
 async def list_jobs(request: Request) -> Response:
     """Every tenant's jobs from Postgres, newest first, by filter; keyset-paginated, with the
     write-behind lag (a job changed within it may show an older state here)."""
@@ -155,12 +143,12 @@ async def list_jobs(request: Request) -> Response:
     try:
         with postgres_or_503():
             rows, cursor = await reader.admin_list_jobs(**query)
-            lag = await _lag(request)
+            lag = await request.state.pg_extension.lag_document()
     except InvalidRequest as exc:
         raise bad(exc.field, str(exc)) from None
     jobs = [{"tenant": tenant, "job": msgspec.Raw(doc)} for tenant, doc in rows]
     page = {"jobs": jobs, "next_cursor": cursor, "lag": lag}
-    return Response(msgspec.json.encode(page), media_type=JSON)
+    return encoded(page)
 
 
 async def job_detail(request: Request) -> Response:
@@ -187,7 +175,7 @@ async def job_detail(request: Request) -> Response:
                 result = ResultPreview(None, ref=stored.result_ref)
         history = await reader.admin_history(job_id)
         actions, _ = await request.state.audit_store.list(target=job_id, limit=JOB_AUDIT_SHOWN)
-        lag = await _lag(request)
+        lag = await request.state.pg_extension.lag_document()
         if result.ref is not None:
             store = await reader_for(result.ref, request.state.pg_extension.pool)
             result.size = await store.size(result.ref)
@@ -196,7 +184,7 @@ async def job_detail(request: Request) -> Response:
     values: tuple[Any, ...] = (tenant, msgspec.Raw(doc), source, payload, result, history)
     values += (actions, lag, lines, flow.dependencies, flow.children)
     body = dict(zip(AdminJobDetail.__struct_fields__, values, strict=True))
-    return Response(msgspec.json.encode(body), media_type=JSON)
+    return encoded(body)
 
 
 async def _from_redis(
@@ -265,24 +253,26 @@ async def audit_log(request: Request) -> Response:
     except InvalidRequest as exc:
         raise bad(exc.field, str(exc)) from None
     page = AuditPage(records, cursor, actor_of(request))
-    return Response(msgspec.json.encode(page), media_type=JSON)
+    return encoded(page)
 
 
 OPENAPI_TYPES: list[type] = [AdminJobPage, AdminJobDetail, AuditPage]
 
 
-def openapi_paths(settings: Settings) -> dict[str, Any]:
+def operations(settings: Settings) -> oa.Paths:
     paths = oa.Paths(settings, auth="admin")
-    unknown = oa.refuses(404, "unknown job (or a malformed id)")
+    unknown = oa.unknown("job", tenants=False)
     paths.add(
         "GET /v1/admin/jobs",
+        list_jobs,
         "Every tenant's jobs from Postgres, newest first, by state, type, queue, tenant, time "
         "range or id prefix; says how far behind the write-behind is",
-        oa.returns(200, "AdminJobPage", "a page; next_cursor is null on the last"),
+        oa.page("AdminJobPage"),
         params=LIST_PARAMS,
     )
     paths.add(
         "GET /v1/admin/jobs/{job_id}",
+        job_detail,
         "One job of any tenant: its status (live from Redis while held there), every persisted "
         "change with each attempt's error as recorded, payload and result (up to "
         f"{PREVIEW_BYTES} bytes each: larger ones by their routes), its admin actions, and the "
@@ -292,10 +282,15 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
         unknown,
     )
     paths.add(
-        "GET /v1/admin/jobs/{job_id}/payload", "The job's whole payload", (200, ANY_JSON), unknown
+        "GET /v1/admin/jobs/{job_id}/payload",
+        job_value,
+        "The job's whole payload",
+        (200, ANY_JSON),
+        unknown,
     )
     paths.add(
         "GET /v1/admin/jobs/{job_id}/result",
+        job_value,
         "The job's whole result (null until it succeeds; streamed from the result store for one "
         "kept there)",
         (200, ANY_JSON),
@@ -304,18 +299,10 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "GET /v1/admin/audit",
+        audit_log,
         "Admin actions, newest first: who (a fingerprint of the admin key), when, what, on what, "
         "the status answered and what it did",
-        oa.returns(200, "AuditPage", "a page; next_cursor is null on the last"),
+        oa.page("AuditPage"),
         params=AUDIT_PARAMS,
     )
-    return paths.paths
-
-
-routes = [
-    Route("/v1/admin/jobs", list_jobs, methods=["GET"]),
-    Route("/v1/admin/jobs/{job_id}", job_detail, methods=["GET"]),
-    Route("/v1/admin/jobs/{job_id}/payload", job_value, methods=["GET"]),
-    Route("/v1/admin/jobs/{job_id}/result", job_value, methods=["GET"]),
-    Route("/v1/admin/audit", audit_log, methods=["GET"]),
-]
+    return paths

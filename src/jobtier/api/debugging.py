@@ -18,7 +18,6 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.auth import require_admin, tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found, job_transition
@@ -41,8 +40,7 @@ async def job_logs(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     # the owner from the status tier, down to Postgres: an expired job answers with no lines
-    found = await request.state.reader.get(job_id)
-    if found is None or found[0] != tenant:
+    if await request.state.reader.get_for(job_id, tenant) is None:
         raise job_not_found(job_id)
     queue: Queue = request.state.queue
     lines = await queue.jobs.log_lines(job_id)  # stored as JSON (LogLine): sent as they are
@@ -68,10 +66,3 @@ async def dead_letter(request: Request) -> Response:
         raise Problem(404, "not-found", detail) from None
     body = b'{"job":' + doc + b',"payload":' + payload + b',"lines":[' + b",".join(lines) + b"]}"
     return Response(body, media_type=JSON)
-
-
-routes = [
-    Route("/v1/jobs/{job_id}/logs", job_logs, methods=["GET"]),
-    Route("/v1/jobs/{job_id}/retry", retry, methods=["POST"]),
-    Route("/v1/admin/dead-letters/{job_id}", dead_letter, methods=["GET"]),
-]

@@ -7,7 +7,6 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.http import JSON
 
@@ -34,6 +33,3 @@ async def readyz(request: Request) -> Response:
         ok = ok and problem is None
     body = orjson.dumps({"status": "ok" if ok else "unavailable", "checks": checks})
     return Response(body, 200 if ok else 503, media_type=JSON)
-
-
-routes = [Route("/healthz", healthz, methods=["GET"]), Route("/readyz", readyz, methods=["GET"])]

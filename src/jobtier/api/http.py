@@ -4,8 +4,8 @@ JSON body with its limits and problem documents."""
 from __future__ import annotations
 
 import re
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import msgspec.inspect
@@ -17,14 +17,20 @@ from jobtier.api.auth import raw_header, tenant_of
 from jobtier.api.bounds import check_depth
 from jobtier.api.problems import Problem, not_found
 from jobtier.core.errors import InvalidRequest, JobNotFound, PayloadTooLarge, TransitionRefused
+from jobtier.core.model import CallbackSpec, FlowSpec, JobSpec
 from jobtier.status.answer import DocResponse
-from jobtier.status.reader import parse_version
 
 if TYPE_CHECKING:
     from jobtier.engine.control import JobControl
+    from jobtier.engine.produce import Registrar
 from jobtier.engine.queue import Queue
 
 JSON = "application/json"
+
+
+def encoded(value: Any, status: int = 200) -> Response:
+    """A JSON answer: ``value`` (a Struct, or what msgspec encodes) encoded."""
+    return Response(msgspec.json.encode(value), status, media_type=JSON)
 
 
 def doc_state(doc: bytes) -> str:
@@ -43,24 +49,32 @@ def job_id_of(request: Request) -> str:
     return job_id
 
 
+def path_id(request: Request, name: str, pattern: re.Pattern[str], what: str) -> str:
+    """The ``{name}`` of the path; one that does not match ``pattern`` is a 404, as an unknown
+    ``what`` is."""
+    value: str = request.path_params[name]
+    if not pattern.fullmatch(value):
+        raise not_found(f"{what} {value[:40]}")
+    return value
+
+
 def job_not_found(job_id: str) -> Problem:
     return not_found(f"job {job_id[:64]}")
 
 
-async def job_transition(
-    request: Request,
-    change: Callable[[JobControl, str, str], Awaitable[bytes]],
-    refused: Callable[[str, str], str],
-) -> Response:
-    """A change a client asks of its job (cancel, retry): ``change(jobs, job_id, tenant)``
-    gives the new status document; an unknown job (or another tenant's) is a 404, and a job
-    whose state does not allow the change a 409 ``wrong-state`` whose detail is
-    ``refused(job_id, state)``, with the job's status document."""
-    tenant = tenant_of(request)
-    job_id = job_id_of(request)
-    queue: Queue = request.state.queue
+Change = Callable[["JobControl", str, str | None], Awaitable[bytes]]
+Refused = Callable[[str, str], str]  # (job id, its state) -> why the change is refused
+
+
+async def transition(
+    queue: Queue, job_id: str, tenant: str | None, change: Change, refused: Refused
+) -> bytes:
+    """The job's status document after ``change(jobs, job_id, tenant)`` (``tenant`` None: any
+    tenant's job). An unknown job (or another tenant's) is a 404, and a job whose state does
+    not allow the change a 409 ``wrong-state`` whose detail is ``refused(job_id, state)``,
+    with the job's status document."""
     try:
-        doc = await change(queue.jobs, job_id, tenant)
+        return await change(queue.jobs, job_id, tenant)
     except JobNotFound:
         raise job_not_found(job_id) from None
     except TransitionRefused as exc:
@@ -68,10 +82,20 @@ async def job_transition(
             current = await queue.jobs.status_doc(job_id, tenant)
         except JobNotFound:  # expired between the two reads
             raise job_not_found(job_id) from None
-        raise Problem(
-            409, "wrong-state", refused(job_id, doc_state(current)), job=orjson.loads(current)
-        ) from exc
-    return DocResponse(doc, parse_version(doc))
+        detail = refused(job_id, doc_state(current))
+        raise Problem(409, "wrong-state", detail, job=orjson.loads(current)) from exc
+
+
+async def job_transition(request: Request, change: Change, refused: Refused) -> Response:
+    """``transition`` of the tenant's job, the change a client asks of it (cancel, retry)."""
+    tenant = tenant_of(request)
+    job_id = job_id_of(request)
+    return DocResponse(await transition(request.state.queue, job_id, tenant, change, refused))
+
+
+def finished(job_id: str, state: str) -> str:
+    """Why a cancel is refused."""
+    return f"job {job_id} has already finished ({state})"
 
 
 # --- body reading ---------------------------------------------------------------------------
@@ -175,18 +199,46 @@ def invalid(exc: InvalidRequest) -> Problem:
     return Problem(422, "validation", str(exc), **extra)
 
 
-def idempotency_key(request: Request, in_body: str | None) -> str | None:
-    """A submit's idempotency key: the ``Idempotency-Key`` header or the body's
+# --- submits -------------------------------------------------------------------------------
+Submit = TypeVar("Submit", JobSpec, FlowSpec)
+
+
+async def submit_body(request: Request, decoder: msgspec.json.Decoder[Submit]) -> Submit:
+    """A submit's body, its idempotency key the ``Idempotency-Key`` header's or the body's
     ``idempotency_key``; both given and different is a 400."""
+    body: Submit = decode_body(decoder, await read_json_body(request))
     header = raw_header(request, b"idempotency-key")
-    if header is None:
-        return in_body
-    key = header.decode("latin-1")
-    if in_body not in (None, key):
-        raise Problem(
-            400,
-            "bad-request",
-            "the Idempotency-Key header and the body's idempotency_key differ",
-            field="idempotency_key",
-        )
-    return key
+    if header is not None:
+        key = header.decode("latin-1")
+        if body.idempotency_key not in (None, key):
+            raise Problem(
+                400,
+                "bad-request",
+                "the Idempotency-Key header and the body's idempotency_key differ",
+                field="idempotency_key",
+            )
+        body.idempotency_key = key
+    return body
+
+
+def registrar(
+    request: Request, callbacks: Sequence[CallbackSpec | None], prefix: str
+) -> Registrar | None:
+    """What writes a submit's callbacks before it: the API's webhook service. Without its
+    Postgres part the API has none, and refuses the first callback given (a 422 naming it,
+    ``prefix`` formatted with its index)."""
+    service: Registrar | None = getattr(request.state, "webhooks", None)
+    first = next((i for i, cb in enumerate(callbacks) if cb is not None), None)
+    if service is None and first is not None:
+        detail = "callbacks need the API's Postgres part, which this API runs without"
+        raise Problem(422, "validation", detail, field=f"{prefix.format(first)}callback.url")
+    return service
+
+
+async def repeat_doc(request: Request, job_id: str, tenant: str, gone: str) -> bytes:
+    """The status document of a repeated submit's job that Redis no longer keeps (Postgres
+    may); a 410 whose detail is ``gone`` when nothing does."""
+    found = await request.state.reader.get_for(job_id, tenant)
+    if found is None:
+        raise Problem(410, "gone", gone, job_id=job_id)
+    return bytes(found[1])

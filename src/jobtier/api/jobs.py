@@ -10,7 +10,6 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import known_tenant, tenant_for, tenant_of
@@ -18,12 +17,16 @@ from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.http import (
     JSON,
     decode_body,
-    idempotency_key,
+    encoded,
+    finished,
     invalid,
     job_id_of,
     job_not_found,
     job_transition,
     read_json_body,
+    registrar,
+    repeat_doc,
+    submit_body,
 )
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
@@ -33,7 +36,7 @@ from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse, StatusResponse, status_answer
 from jobtier.status.fastpath import StatusFastPath, status_headers
-from jobtier.status.reader import NOTHING, StatusReader, is_terminal, parse_version
+from jobtier.status.reader import NOTHING, StatusReader, is_terminal
 from jobtier.store.calls import SubmitItem
 
 _spec_decoder = msgspec.json.Decoder(JobSpec)
@@ -50,8 +53,7 @@ _batch_decoder = msgspec.json.Decoder(BatchBody)
 async def submit(request: Request) -> Response:
     tenant = tenant_of(request)
     st = request.state
-    spec: JobSpec = decode_body(_spec_decoder, await read_json_body(request))
-    spec.idempotency_key = idempotency_key(request, spec.idempotency_key)
+    spec = await submit_body(request, _spec_decoder)
     queue: Queue = st.queue
     await queue.produce.ensure_known((spec.type,))
     try:
@@ -60,27 +62,22 @@ async def submit(request: Request) -> Response:
         raise invalid(exc) from None
     st.admission.check(tenant)
     (outcome,) = await _submit(request, [item], [spec], False)
-    return await _submitted(request, outcome, tenant)
+    if isinstance(outcome, IdempotencyConflict):
+        raise Problem(409, "idempotency-conflict", str(outcome), job_id=outcome.job_id)
+    doc = outcome.doc or await _kept_doc(request, outcome.job_id, tenant)
+    location = f"/v1/jobs/{outcome.job_id}"
+    return DocResponse(doc, status_code=202 if outcome.created else 200, location=location)
 
 
 async def _submit(
     request: Request, items: Sequence[SubmitItem], specs: Sequence[JobSpec], batch: bool
 ) -> list[Submitted | IdempotencyConflict]:
-    """Submit prepared jobs, their callbacks written first by the API's webhook service
-    (``Producer.submit_prepared``, as the in-process ``Queue.submit`` does). A refused callback names its member: ``callback.url``, or ``jobs[i].callback.url``
-    in a batch."""
+    """Submit prepared jobs, their callbacks written first (``http.registrar``). A refused
+    callback names its member: ``callback.url``, or ``jobs[i].callback.url`` in a batch."""
     queue: Queue = request.state.queue
     callbacks = [spec.callback for spec in specs]
+    service = registrar(request, callbacks, "jobs[{}]." if batch else "")
     try:
-        if all(cb is None for cb in callbacks):
-            return await queue.produce.submit_prepared(items, batch=batch)
-        service = getattr(request.state, "webhooks", None)
-        if service is None:
-            first = next(i for i, cb in enumerate(callbacks) if cb is not None)
-            raise Problem(
-                422, "validation", "callbacks need the API's Postgres part, which this API "
-                "runs without", field=(f"jobs[{first}]." if batch else "") + "callback.url",
-            )  # fmt: skip
         return await queue.produce.submit_prepared(
             items, batch=batch, callbacks=callbacks, registrar=service
         )
@@ -88,30 +85,10 @@ async def _submit(
         raise invalid(exc) from None
 
 
-async def _submitted(
-    request: Request, outcome: Submitted | IdempotencyConflict, tenant: str
-) -> Response:
-    if isinstance(outcome, IdempotencyConflict):
-        raise Problem(409, "idempotency-conflict", str(outcome), job_id=outcome.job_id)
-    doc = outcome.doc or await _stored_doc(request, outcome.job_id, tenant)
-    return DocResponse(
-        doc,
-        parse_version(doc),
-        202 if outcome.created else 200,
-        location=f"/v1/jobs/{outcome.job_id}",
-    )
-
-
-async def _stored_doc(request: Request, job_id: str, tenant: str) -> bytes:
-    """The document of an idempotent duplicate whose job Redis no longer holds."""
-    found = await request.state.reader.get_for(job_id, tenant)
-    if found is None:
-        raise Problem(
-            410, "gone",
-            f"this idempotency key created job {job_id}, which is no longer kept",
-            job_id=job_id,
-        )  # fmt: skip
-    return bytes(found[1])
+async def _kept_doc(request: Request, job_id: str, tenant: str) -> bytes:
+    """The document of an idempotent duplicate whose job Redis no longer keeps."""
+    gone = f"this idempotency key created job {job_id}, which is no longer kept"
+    return await repeat_doc(request, job_id, tenant, gone)
 
 
 async def submit_batch(request: Request) -> Response:
@@ -122,25 +99,16 @@ async def submit_batch(request: Request) -> Response:
     if not body.jobs:
         raise Problem(422, "validation", "jobs is empty", field="jobs")
     if len(body.jobs) > queue.settings.max_batch:
-        raise Problem(
-            413,
-            "payload-too-large",
-            f"at most {queue.settings.max_batch} jobs per batch (JOBTIER_MAX_BATCH)",
-            field="jobs",
-        )
+        detail = f"at most {queue.settings.max_batch} jobs per batch (JOBTIER_MAX_BATCH)"
+        raise Problem(413, "payload-too-large", detail, field="jobs")
     await queue.produce.ensure_known(spec.type for spec in body.jobs)
     items = []
     for index, spec in enumerate(body.jobs):
         try:
             items.append(queue.produce.prepare(spec, tenant))
-        except InvalidRequest as exc:
-            problem = invalid(exc)
-            raise Problem(
-                problem.status,
-                problem.slug,
-                f"jobs[{index}]: {exc}",
-                field=f"jobs[{index}].{exc.field or ''}".rstrip("."),
-            ) from None
+        except InvalidRequest as exc:  # the same refusal, naming the job
+            field = f"jobs[{index}].{exc.field or ''}".rstrip(".")
+            raise invalid(type(exc)(f"jobs[{index}]: {exc}", field=field)) from None
     st.admission.check(tenant, len(items))
     outcomes = await _submit(request, items, body.jobs, True)
     results = []
@@ -150,7 +118,7 @@ async def submit_batch(request: Request) -> Response:
             results.append(b'{"status":409,"problem":' + orjson.dumps(problem.document()) + b"}")
         else:
             try:
-                doc = outcome.doc or await _stored_doc(request, outcome.job_id, tenant)
+                doc = outcome.doc or await _kept_doc(request, outcome.job_id, tenant)
             except Problem as gone:
                 results.append(b'{"status":410,"problem":' + orjson.dumps(gone.document()) + b"}")
                 continue
@@ -240,7 +208,7 @@ async def get_result(request: Request) -> Response:
     }
     if status.result_url is not None:  # kept outside Redis: streamed from there
         body.update(result=None, result_url=status.result_url)
-        return Response(msgspec.json.encode(body), media_type=JSON)
+        return encoded(body)
     # the stored JSON as it is, not decoded and encoded again
     return Response(
         msgspec.json.encode(body)[:-1] + b',"result":' + (raw or b"null") + b"}", media_type=JSON
@@ -248,17 +216,4 @@ async def get_result(request: Request) -> Response:
 
 
 async def cancel(request: Request) -> Response:
-    return await job_transition(
-        request,
-        JobControl.cancel_doc,
-        lambda job_id, state: f"job {job_id} has already finished ({state})",
-    )
-
-
-routes = [
-    Route("/v1/jobs", submit, methods=["POST"]),
-    Route("/v1/jobs/batch", submit_batch, methods=["POST"]),
-    Route("/v1/jobs/{job_id}", get_job, methods=["GET"]),
-    Route("/v1/jobs/{job_id}/result", get_result, methods=["GET"]),
-    Route("/v1/jobs/{job_id}/cancel", cancel, methods=["POST"]),
-]
+    return await job_transition(request, JobControl.cancel_doc, finished)

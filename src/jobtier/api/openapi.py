@@ -1,4 +1,6 @@
-"""The OpenAPI document of the API, served at ``/v1/openapi.json``.
+"""The OpenAPI document of the API, served at ``/v1/openapi.json``, and the core routes:
+each declared once, its endpoint with its description (``spec.Paths.add``), so the app serves
+what the document describes and nothing else.
 
 Built from what the server checks with, so the two cannot drift:
 
@@ -11,8 +13,7 @@ Built from what the server checks with, so the two cannot drift:
   routes); one with query parameters with 400; one with a body with 400/413/415/422; one
   that reads Redis or Postgres with 503.
 
-A test checks that every route of the app is described and nothing else is; the fuzzer
-(tests/e2e/test_api_fuzz.py) checks the server's answers against this document.
+The fuzzer (tests/e2e/test_api_fuzz.py) checks the server's answers against this document.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
+from jobtier.api import admin, console, debugging, flows, health, jobs, ops, queues, sse
 from jobtier.api import spec as oa
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
 from jobtier.api.debugging import DeadLetter
@@ -49,6 +50,7 @@ from jobtier.core.names import (
     TENANT_RE,
 )
 from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT, MAX_CONCURRENCY_LIMIT
+from jobtier.webhooks.callbacks import EVENTS
 from jobtier.webhooks.safety import MAX_URL_LENGTH as MAX_URL_LENGTH_CALLBACK
 
 # the Structs the core routes decode and encode with (what they refuse, unknown members, is
@@ -105,7 +107,8 @@ def _flow_constraints(c: dict[str, Any], settings: Settings) -> None:
 
 def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
-        [*_CORE_TYPES, *extra_types], ref_template="#/components/schemas/{name}"
+        [*_CORE_TYPES, *console.OPENAPI_TYPES, *extra_types],
+        ref_template="#/components/schemas/{name}",
     )
     c = components
     oa.constrain(c, "JobSpec", "type", pattern=TASK_NAME_RE.pattern)
@@ -141,7 +144,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(
         c, "CallbackSpec", "url", maxLength=MAX_URL_LENGTH_CALLBACK, pattern=oa.CALLBACK_URL
     )
-    c["CallbackSpec"]["properties"]["events"]["enum"] = list(oa.CALLBACK_EVENTS)
+    c["CallbackSpec"]["properties"]["events"]["enum"] = list(EVENTS)
     return components
 
 
@@ -170,11 +173,12 @@ _BACK_PRESSURE = oa.refuses(
 _ANY_OBJECT = {"type": "object"}
 
 
-def _job_paths(s: Settings) -> dict[str, Any]:
+def _job_paths(s: Settings) -> oa.Paths:
     paths = oa.Paths(s)
     payload_413 = (413, oa.too_large(s, oa.payload_too_large(s)))
     paths.add(
         "POST /v1/jobs",
+        jobs.submit,
         "Submit a job",
         oa.returns(202, "JobStatus", "created", _LOCATION),
         oa.returns(
@@ -201,6 +205,7 @@ def _job_paths(s: Settings) -> dict[str, Any]:
     )
     paths.add(
         "POST /v1/jobs/batch",
+        jobs.submit_batch,
         f"Submit up to {s.max_batch} jobs (JOBTIER_MAX_BATCH); one outcome each",
         oa.returns(200, "BatchResponse", "one result per job, in order"),
         oa.refuses(
@@ -215,6 +220,7 @@ def _job_paths(s: Settings) -> dict[str, Any]:
     )
     paths.add(
         "POST /v1/flows",
+        flows.submit_flow,
         f"Submit a flow: up to {s.max_flow_jobs} jobs (JOBTIER_MAX_FLOW_JOBS), each running once "
         "the jobs it waits for have succeeded",
         oa.returns(202, "FlowResponse", "created: each job's status, in the order of the request"),
@@ -249,12 +255,14 @@ def _job_paths(s: Settings) -> dict[str, Any]:
     add = paths.add
     add(
         "GET /v1/jobs/{job_id}/dependencies",
+        flows.dependencies,
         "The jobs this one waits for, in order: pending, or their outcome (result or error)",
         oa.returns(200, "DependencyList", "the dependencies (empty for a job without any)"),
         oa.JOB_404,
     )
     add(
         "GET /v1/jobs/{job_id}",
+        jobs.get_job,
         "The job's status document",
         oa.returns(200, "JobStatus", "the status", _ETAG),
         (304, {"description": "not changed since the version in If-None-Match", "headers": _ETAG}),
@@ -264,6 +272,7 @@ def _job_paths(s: Settings) -> dict[str, Any]:
     )
     add(
         "GET /v1/jobs/{job_id}/result",
+        jobs.get_result,
         "The job's result (null until it succeeds; a result kept outside Redis is null here and "
         "result_url says where it streams from)",
         oa.returns(200, "ResultResponse", "state, result (or result_url) and error"),
@@ -271,6 +280,7 @@ def _job_paths(s: Settings) -> dict[str, Any]:
     )
     add(
         "POST /v1/jobs/{job_id}/cancel",
+        jobs.cancel,
         "Cancel a waiting job, or ask the worker running it to stop",
         oa.returns(200, "JobStatus", "cancelled, or running with cancel_requested"),
         oa.JOB_404,
@@ -278,6 +288,7 @@ def _job_paths(s: Settings) -> dict[str, Any]:
     )
     add(
         "GET /v1/jobs/{job_id}/logs",
+        debugging.job_logs,
         f"The lines the job's task logged (ctx.log), oldest first: the latest {LOG_LINES}, each "
         f"at most {LOG_LINE_CHARS} characters, while Redis holds the job",
         oa.returns(200, "JobLogs", "the lines (empty once the job left Redis)"),
@@ -285,6 +296,7 @@ def _job_paths(s: Settings) -> dict[str, Any]:
     )
     add(
         "POST /v1/jobs/{job_id}/retry",
+        debugging.retry,
         "Retry a failed (dead-lettered) job: back to its queue, attempts reset",
         oa.returns(200, "JobStatus", "queued again"),
         oa.JOB_404,
@@ -295,39 +307,44 @@ def _job_paths(s: Settings) -> dict[str, Any]:
     )
     add(
         "GET /v1/jobs/{job_id}/events",
+        sse.events,
         "Server-Sent Events: the status, then every change until a terminal state",
         (200, events),
         (204, {"description": "Last-Event-ID is the final status: nothing more will come"}),
         oa.JOB_404,
         headers=[_LAST_EVENT_ID],
     )
-    return paths.paths
+    return paths
 
 
-def _admin_paths(settings: Settings) -> dict[str, Any]:
+def _admin_paths(settings: Settings) -> oa.Paths:
     paths = oa.Paths(settings, auth="admin")
     add = paths.add
     add(
         "GET /v1/admin/dead-letters",
+        admin.dead_letters,
         "Dead-lettered jobs, newest first",
         oa.returns(200, "DeadLetters", "the jobs"),
         params=DEAD_LETTER_PARAMS,
     )
     add(
         "GET /v1/admin/dead-letters/{job_id}",
+        debugging.dead_letter,
         "One dead-lettered job in full: its status (error and traceback), payload and log lines",
         oa.returns(200, "DeadLetter", "the dead letter"),
         oa.refuses(404, "not in the dead-letter set (or expired from Redis, or a malformed id)"),
     )
     add(
         "POST /v1/admin/dead-letters/{job_id}/replay",
+        admin.replay_one,
         "Send a dead-lettered job back to its queue, attempts reset",
         oa.returns(200, "JobStatus", "queued again"),
-        oa.refuses(404, "unknown job (or a malformed id)"),
+        oa.unknown("job", tenants=False),
         oa.refuses(409, "the job is not dead-lettered"),
     )
     add(
         "POST /v1/admin/dead-letters/replay",
+        admin.replay_many,
         "Replay dead-lettered jobs matching a filter (no body: all, up to 100)",
         oa.returns(200, "Replayed", "the ids replayed"),
         body="ReplayFilter",
@@ -335,30 +352,34 @@ def _admin_paths(settings: Settings) -> dict[str, Any]:
     )
     add(
         "GET /v1/admin/stats",
+        admin.stats,
         "Queue depth per shard and priority, waiting per tenant, workers, status-tier counters",
         (200, oa.content("statistics", "application/json", _ANY_OBJECT)),
     )
     add(
         "GET /v1/admin/queues",
+        queues.list_queues,
         "Every queue: ready jobs by priority, parked, running, paused, limits, oldest age, "
         "workers, tasks",
         oa.returns(200, "QueueList", "the queues"),
     )
-    bad_name = oa.refuses(422, "a queue name that breaks its pattern")
     add(
         "POST /v1/admin/queues/{name}/pause",
+        queues.pause,
         "Pause a queue: submits are accepted, nothing is claimed from it, running jobs finish",
         oa.returns(200, "QueuePaused", "paused"),
-        bad_name,
+        oa.BAD_QUEUE_NAME,
     )
     add(
         "POST /v1/admin/queues/{name}/resume",
+        queues.resume,
         "Resume a paused queue",
         oa.returns(200, "QueuePaused", "resumed"),
-        bad_name,
+        oa.BAD_QUEUE_NAME,
     )
     add(
         "PUT /v1/admin/queues/{name}/limits",
+        queues.set_limits,
         "Limit a queue across every worker (global concurrency, starts per period); {} lifts "
         "the limits",
         oa.returns(200, "QueueLimitsSet", "the limits now in force"),
@@ -366,20 +387,22 @@ def _admin_paths(settings: Settings) -> dict[str, Any]:
     )
     add(
         "GET /v1/admin/tasks",
+        queues.tasks,
         "The task catalogue: every task a live or recently seen worker runs, its queue, policies "
         "and payload schema",
         oa.returns(200, "TaskList", "the tasks"),
     )
-    return paths.paths
+    return paths
 
 
-def _ops_paths(s: Settings) -> dict[str, Any]:
+def _ops_paths(s: Settings) -> oa.Paths:
     paths = oa.Paths(s)
     add = paths.add
     static = {"auth": "none", "backend": False}
-    add("GET /healthz", "Liveness", oa.returns(200, "Health", "alive"), **static)
+    add("GET /healthz", health.healthz, "Liveness", oa.returns(200, "Health", "alive"), **static)
     add(
         "GET /readyz",
+        health.readyz,
         "Readiness: Redis (and Postgres, its migrations applied) reachable",
         oa.returns(200, "Readiness", "ready"),
         oa.returns(503, "Readiness", "not ready: checks says what is wrong"),
@@ -387,6 +410,7 @@ def _ops_paths(s: Settings) -> dict[str, Any]:
     )
     add(
         "GET /metrics",
+        ops.metrics,
         "Prometheus metrics of every live jobtier process, and queue gauges (admin key unless "
         "JOBTIER_METRICS_PUBLIC)",
         (200, oa.content("Prometheus text format", "text/plain", {"type": "string"})),
@@ -394,6 +418,7 @@ def _ops_paths(s: Settings) -> dict[str, Any]:
     )
     add(
         "GET /dashboard",
+        ops.dashboard,
         "The live dashboard page (asks for the admin key)",
         (200, oa.content("HTML", "text/html", {"type": "string"})),
         **static,
@@ -401,27 +426,31 @@ def _ops_paths(s: Settings) -> dict[str, Any]:
     frames = oa.event_stream("event: frame, data: the dashboard's figures", "frame", _ANY_OBJECT)
     add(
         "GET /v1/admin/dashboard/stream",
+        ops.dashboard_stream,
         "Server-Sent Events: a dashboard frame a second",
         (200, frames),
         auth="admin",
     )
     openapi = oa.content("OpenAPI 3.1", "application/json", _ANY_OBJECT)
-    add("GET /v1/openapi.json", "This document", (200, openapi), **static)
-    return paths.paths
+    add("GET /v1/openapi.json", serve, "This document", (200, openapi), **static)
+    return paths
+
+
+def operations(settings: Settings) -> oa.Paths:
+    """The core routes (Redis alone serves them), each with its description."""
+    s = settings
+    return _job_paths(s).include(_admin_paths(s), _ops_paths(s), console.operations(s))
 
 
 def document(
     settings: Settings,
-    extra_paths: dict[str, Any] | None = None,
+    paths: dict[str, Any],
     extra_types: Sequence[type] = (),
     extra_constraints: Sequence[Callable[[dict[str, Any]], None]] = (),
 ) -> dict[str, Any]:
-    """The document of an app with ``settings`` serving the core routes plus ``extra_paths``,
-    whose bodies are the msgspec Structs ``extra_types`` (``extra_constraints`` add the rules
-    JSON Schema can state to their generated schemas)."""
-    paths = {**_job_paths(settings), **_admin_paths(settings), **_ops_paths(settings)}
-    for path, item in (extra_paths or {}).items():
-        paths.setdefault(path, {}).update(item)
+    """The document of an app with ``settings`` serving ``paths`` (``operations``' and an
+    extension's), whose bodies are the core's msgspec Structs and ``extra_types``
+    (``extra_constraints`` add the rules JSON Schema can state to their generated schemas)."""
     components = _components(settings, extra_types)
     for add_rules in extra_constraints:
         add_rules(components)
@@ -464,6 +493,3 @@ async def serve(request: Request) -> Response:
     """The document, with each task the workers advertise (task_schemas.py)."""
     body = request.state.openapi.render(request.state.catalog.ads())
     return Response(body, media_type="application/json")
-
-
-routes = [Route("/v1/openapi.json", serve, methods=["GET"])]

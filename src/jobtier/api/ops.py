@@ -8,6 +8,7 @@ import functools
 import hashlib
 import time
 from collections import defaultdict
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -16,7 +17,6 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.auth import require_admin
 from jobtier.api.gauges import live_gauges
@@ -139,30 +139,22 @@ class FrameCache:
             return self.frame
 
 
-class DashboardStream(StreamResponse):
+async def _frames(request: Request) -> AsyncGenerator[bytes, None]:
     """A frame a second for as long as the page is open."""
-
-    def __init__(self, request: Request, interval: float) -> None:
-        super().__init__()
-        self.request = request
-        self.interval = interval
-
-    async def _pump(self, send: Any) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        frames: FrameCache = self.request.state.dashboard_frames
-        while True:
-            try:
-                body = b"event: frame\ndata: %s\n\n" % await frames.get(self.request)
-            except UNAVAILABLE as exc:
-                # Redis or Postgres hiccup: say so and keep the stream (the page shows it)
-                body = b": frame skipped: %s\n\n" % type(exc).__name__.encode()
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-            await asyncio.sleep(self.interval)
+    frames: FrameCache = request.state.dashboard_frames
+    while True:
+        try:
+            body = b"event: frame\ndata: %s\n\n" % await frames.get(request)
+        except UNAVAILABLE as exc:
+            # Redis or Postgres hiccup: say so and keep the stream (the page shows it)
+            body = b": frame skipped: %s\n\n" % type(exc).__name__.encode()
+        yield body
+        await asyncio.sleep(1.0)
 
 
 async def dashboard_stream(request: Request) -> Response:
     require_admin(request)
-    return DashboardStream(request, 1.0)
+    return StreamResponse(_frames(request))
 
 
 # The page's scripts in static/, run in this order in one scope (each defines what the later
@@ -227,10 +219,3 @@ async def dashboard(request: Request) -> Response:
     the admin routes with it (the key never goes into a URL)."""
     page = console_page()
     return Response(page.body, media_type="text/html; charset=utf-8", headers=page.headers)
-
-
-routes = [
-    Route("/metrics", metrics, methods=["GET"]),
-    Route("/dashboard", dashboard, methods=["GET"]),
-    Route("/v1/admin/dashboard/stream", dashboard_stream, methods=["GET"]),
-]

@@ -160,11 +160,22 @@ def matching(name: str, description: str, regex: re.Pattern[str], max_length: in
     return Param(name, "string", description, max_length=max_length, pattern=regex.pattern)
 
 
-# the filters the job listings share
-STATE = Param("state", "string", "only jobs in this state", values=[s.value for s in State])
+# what the job listings share: these filters first, the page last
 TYPE = matching("type", "only jobs of this type", TASK_NAME_RE, 128)
-QUEUE = matching("queue", "only jobs of this queue", QUEUE_NAME_RE, 64)
-CURSOR = Param(
-    "cursor", "string", "the next_cursor of the previous page", pattern=r"^[A-Za-z0-9_-]+$"
-)
-ORDER = Param("order", "string", "desc (newest first, the default) or asc", values=["desc", "asc"])
+JOB_FILTERS = [
+    Param("state", "string", "only jobs in this state", values=[s.value for s in State]),
+    TYPE,
+    matching("queue", "only jobs of this queue", QUEUE_NAME_RE, 64),
+]
+CREATED_AFTER = date_time("created_after", "only jobs created after this time (ISO 8601)")
+
+
+def job_page(most: int) -> list[Param]:
+    """Where a page of jobs starts, how many it holds (at most ``most``), which way it runs."""
+    return [
+        Param(
+            "cursor", "string", "the next_cursor of the previous page", pattern=r"^[A-Za-z0-9_-]+$"
+        ),
+        limit_param("most jobs per page (default 50)", most),
+        Param("order", "string", "desc (newest first, the default) or asc", values=["desc", "asc"]),
+    ]

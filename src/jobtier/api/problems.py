@@ -123,20 +123,16 @@ PG_DOWN: tuple[type[BaseException], ...] = (
 RETRY_SOON = {"retry-after": "2"}
 
 
-def pg_unavailable(exc: BaseException | None = None) -> Problem:
-    """A 503 for a route whose Postgres part is away (logged when ``exc`` is given)."""
-    if exc is not None:
-        log.warning("event=postgres_unavailable error=%r", exc)
-    return Problem(503, "unavailable", "Postgres is unavailable; try again", headers=RETRY_SOON)
-
-
 @contextlib.contextmanager
-def postgres_or_503() -> Iterator[None]:
-    """Answer ``pg_unavailable`` (unlogged) if Postgres is down within the block."""
+def postgres_or_503(logged: bool = False) -> Iterator[None]:
+    """A 503 if Postgres is down within the block (``logged``: and a log line)."""
     try:
         yield
-    except PG_DOWN:
-        raise pg_unavailable() from None
+    except PG_DOWN as exc:
+        if logged:
+            log.warning("event=postgres_unavailable error=%r", exc)
+        detail = "Postgres is unavailable; try again"
+        raise Problem(503, "unavailable", detail, headers=RETRY_SOON) from None
 
 
 def secret_missing(exc: Exception) -> Problem:

@@ -10,11 +10,10 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import JSON, decode_body, invalid, read_json_body
+from jobtier.api.http import JSON, decode_body, encoded, invalid, read_json_body
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import QueueLimits
 from jobtier.core.names import QUEUE_NAME_RE
@@ -121,13 +120,4 @@ async def tasks(request: Request) -> Response:
     require_admin(request)
     catalog: TaskCatalog = request.state.catalog
     await catalog.load()
-    return Response(msgspec.json.encode({"tasks": catalog.ads()}), media_type=JSON)
-
-
-routes = [
-    Route("/v1/admin/queues", list_queues, methods=["GET"]),
-    Route("/v1/admin/queues/{name}/pause", pause, methods=["POST"]),
-    Route("/v1/admin/queues/{name}/resume", resume, methods=["POST"]),
-    Route("/v1/admin/queues/{name}/limits", set_limits, methods=["PUT"]),
-    Route("/v1/admin/tasks", tasks, methods=["GET"]),
-]
+    return encoded({"tasks": catalog.ads()})

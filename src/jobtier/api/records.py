@@ -11,20 +11,24 @@ import msgspec
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api import console_records, schedules, webhooks
 from jobtier.api import result_content as results
 from jobtier.api import spec as oa
 from jobtier.api.app import Extension
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import JSON, job_id_of, job_not_found
-from jobtier.api.params import Param, parse_query
-from jobtier.api.problems import PG_DOWN, Problem, pg_unavailable
+from jobtier.api.http import encoded, job_id_of, job_not_found
+from jobtier.api.params import (
+    CREATED_AFTER,
+    JOB_FILTERS,
+    bad,
+    job_page,
+    parse_query,
+)
+from jobtier.api.problems import PG_DOWN, postgres_or_503
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
-from jobtier.core.model import Dependency, JobStatus, State
-from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
+from jobtier.core.model import Dependency, JobStatus
 from jobtier.engine.cron import CronMirror
 from jobtier.engine.queue import Queue
 from jobtier.persist.audit_store import AuditStore
@@ -58,21 +62,13 @@ class PostgresExtension(Extension):
         self.queue: Queue | None = None
         self._lag = (0, 0.0)
         self._lag_at = 0.0
-        self.routes = [
-            Route("/v1/jobs", list_jobs, methods=["GET"]),
-            Route("/v1/jobs/{job_id}/history", history, methods=["GET"]),
-            *schedules.routes,
-            *webhooks.routes,
-            *results.routes,
-            *console_records.routes,
+        self.operations = [
+            operations(settings),
+            schedules.operations(settings),
+            webhooks.operations(settings),
+            results.operations(settings),
+            console_records.operations(settings),
         ]
-        self.openapi_paths = {
-            **openapi_paths(settings),
-            **schedules.openapi_paths(settings),
-            **webhooks.openapi_paths(settings),
-            **results.openapi_paths(settings),
-            **console_records.openapi_paths(settings),
-        }
         self.openapi_types = [
             JobPage,
             History,
@@ -109,18 +105,14 @@ class PostgresExtension(Extension):
 
     async def _status_docs(self, job_ids: list[str]) -> dict[str, tuple[str, bytes]]:
         assert self.reader is not None
-        try:
+        with postgres_or_503(logged=True):
             return await self.reader.status_docs(job_ids)
-        except PG_DOWN as exc:
-            raise pg_unavailable(exc) from None
 
     async def _result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
         assert self.reader is not None
-        try:
+        with postgres_or_503(logged=True):
             found = await self.reader.result(job_id, tenant)
             status = await self.reader.status_doc(job_id) if found else None
-        except PG_DOWN as exc:
-            raise pg_unavailable(exc) from None
         if found is None or status is None:
             return None
         doc = orjson.loads(status[1])
@@ -137,10 +129,8 @@ class PostgresExtension(Extension):
 
     async def _dependencies(self, job_id: str, tenant: str) -> list[Dependency] | None:
         assert self.reader is not None
-        try:
+        with postgres_or_503(logged=True):
             return await self.reader.dependencies(job_id, tenant)
-        except PG_DOWN as exc:
-            raise pg_unavailable(exc) from None
 
     async def _ready(self) -> str | None:
         assert self.pool is not None
@@ -168,43 +158,38 @@ class PostgresExtension(Extension):
     async def _lag_entries(self) -> int:
         return (await self.current_lag())[0]
 
-
-def openapi_paths(settings: Settings) -> dict[str, Any]:
-    """The listing and history routes of the OpenAPI document."""
-    s = settings
-    return {
-        "/v1/jobs": {
-            "get": oa.operation(s, "The tenant's jobs from Postgres, newest first; says how far behind the write-behind is", {
-                "200": oa.json_response("JobPage", "a page; next_cursor is null on the last"),
-            }, params=LIST_PARAMS),
-        },
-        "/v1/jobs/{job_id}/history": {
-            "get": oa.operation(s, "Every persisted change of the job, oldest first, and the write-behind lag (a job not yet persisted has an empty history)", {
-                "200": oa.json_response("History", "the transitions persisted so far"),
-                "404": oa.problem("unknown job (or another tenant's, or a malformed id)"),
-            }, path=[oa.JOB_ID]),
-        },
-    }  # fmt: skip
+    async def lag_document(self) -> dict[str, float]:
+        """The lag as the listings and a job's history show it."""
+        entries, seconds = await self.current_lag()
+        return {"transitions": entries, "seconds": round(seconds, 3)}
 
 
-LIST_PARAMS = [
-    Param("state", "string", "only jobs in this state", values=[s.value for s in State]),
-    Param("type", "string", "only jobs of this type", max_length=128, pattern=TASK_NAME_RE.pattern),
-    Param("queue", "string", "only jobs of this queue", max_length=64, pattern=QUEUE_NAME_RE.pattern),
-    Param("created_after", "date-time", "only jobs created after this time (ISO 8601)", max_length=40),
-    Param("cursor", "string", "the next_cursor of the previous page", max_length=200, pattern=r"^[A-Za-z0-9_-]+$"),
-    Param("limit", "integer", "most jobs per page (default 50)", minimum=1, maximum=MAX_LIMIT),
-    Param("order", "string", "desc (newest first, the default) or asc", values=["desc", "asc"]),
-]  # fmt: skip
+def operations(settings: Settings) -> oa.Paths:
+    """The tenant's listing and a job's history."""
+    paths = oa.Paths(settings)
+    paths.add(
+        "GET /v1/jobs",
+        list_jobs,
+        "The tenant's jobs from Postgres, newest first; says how far behind the write-behind is",
+        oa.page("JobPage"),
+        params=LIST_PARAMS,
+    )
+    paths.add(
+        "GET /v1/jobs/{job_id}/history",
+        history,
+        "Every persisted change of the job, oldest first, and the write-behind lag (a job not "
+        "yet persisted has an empty history)",
+        oa.returns(200, "History", "the transitions persisted so far"),
+        oa.JOB_404,
+    )
+    return paths
+
+
+LIST_PARAMS = [*JOB_FILTERS, CREATED_AFTER, *job_page(MAX_LIMIT)]
 
 
 def postgres_extension(settings: Settings) -> PostgresExtension:
     return PostgresExtension(settings)
-
-
-async def _lag_document(request: Request) -> dict[str, float]:
-    entries, seconds = await request.state.pg_extension.current_lag()
-    return {"transitions": entries, "seconds": round(seconds, 3)}
 
 
 async def list_jobs(request: Request) -> Response:
@@ -214,22 +199,12 @@ async def list_jobs(request: Request) -> Response:
     q = parse_query(request, LIST_PARAMS)
     reader: PgReader = request.state.pg_reader
     try:
-        jobs, cursor = await reader.list_jobs(
-            tenant,
-            state=q.get("state"),
-            type=q.get("type"),
-            queue=q.get("queue"),
-            created_after=q.get("created_after"),
-            cursor=q.get("cursor"),
-            limit=q.get("limit", 50),
-            order=q.get("order", "desc"),
-        )
-        page = JobPage(jobs, cursor, await _lag_document(request))
+        with postgres_or_503(logged=True):
+            jobs, cursor = await reader.list_jobs(tenant, **q)  # named as its arguments
+            page = JobPage(jobs, cursor, await request.state.pg_extension.lag_document())
     except InvalidRequest as exc:
-        raise Problem(400, "bad-request", str(exc), field=exc.field) from None
-    except PG_DOWN as exc:
-        raise pg_unavailable(exc) from None
-    return Response(msgspec.json.encode(page), media_type=JSON)
+        raise bad(exc.field, str(exc)) from None
+    return encoded(page)
 
 
 async def history(request: Request) -> Response:
@@ -239,13 +214,11 @@ async def history(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     reader: PgReader = request.state.pg_reader
-    try:
+    with postgres_or_503(logged=True):
         transitions = await reader.history(job_id, tenant)
-        lag_doc = await _lag_document(request)
-    except PG_DOWN as exc:
-        raise pg_unavailable(exc) from None
+        lag_doc = await request.state.pg_extension.lag_document()
     if transitions is None:
         if await request.state.reader.get_for(job_id, tenant) is None:
             raise job_not_found(job_id)
         transitions = []
-    return Response(msgspec.json.encode(History(job_id, transitions, lag_doc)), media_type=JSON)
+    return encoded(History(job_id, transitions, lag_doc))

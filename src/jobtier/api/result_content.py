@@ -7,11 +7,9 @@ result was encoded, streamed from wherever it is kept (the result store for a la
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
@@ -59,13 +57,11 @@ async def stored_result(request: Request, job_id: str, ref: str) -> Response:
     return StreamingResponse(chunks, media_type=JSON, headers={"content-length": str(size)})
 
 
-routes = [Route("/v1/jobs/{job_id}/result/content", content, methods=["GET"])]
-
-
-def openapi_paths(settings: Settings) -> dict[str, Any]:
+def operations(settings: Settings) -> oa.Paths:
     paths = oa.Paths(settings)
     paths.add(
         "GET /v1/jobs/{job_id}/result/content",
+        content,
         "A succeeded job's result, exactly as the task's result was encoded (streamed; the "
         "status document's result_url for a result kept outside Redis)",
         (200, oa.content("the result (JSON)", "application/json", {})),
@@ -73,4 +69,4 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
         oa.refuses(409, "the job has not succeeded"),
         oa.refuses(410, "the result is no longer kept (job_id)"),
     )
-    return paths.paths
+    return paths

@@ -4,30 +4,31 @@ Starlette takes a route whose path matches but whose method does not as a partia
 so a later route with a parameter would win (``GET /v1/jobs/batch`` answered as the job
 "batch"), and a 405 would list only the first partial match's methods in ``Allow``. A
 ``Resource`` matches its path for every method and answers a method it lacks with a 405
-problem whose ``Allow`` names all of the path's methods, from every route list.
+problem whose ``Allow`` names all of the path's methods.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping
 
-from starlette.routing import BaseRoute, Match, Route, request_response
+from starlette.routing import Match, Route, request_response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jobtier.api.problems import Problem
+from jobtier.api.spec import Endpoint
 
 
 class Resource(Route):
-    """All the methods of one path; ``methods`` lists them (HEAD with GET)."""
+    """All the methods of one path, each to its endpoint; ``methods`` lists them (HEAD with
+    GET)."""
 
-    def __init__(self, path: str, routes: Sequence[Route]) -> None:
-        methods = [m for r in routes for m in r.methods or ()]
-        super().__init__(path, routes[0].endpoint, methods=methods)
-        self.handlers: dict[str, ASGIApp] = {}
-        for route in routes:
-            app = request_response(route.endpoint)
-            for method in route.methods or ():
-                self.handlers[method] = app
+    def __init__(self, path: str, endpoints: Mapping[str, Endpoint]) -> None:
+        super().__init__(path, next(iter(endpoints.values())), methods=list(endpoints))
+        self.handlers: dict[str, ASGIApp] = {
+            method: request_response(endpoint) for method, endpoint in endpoints.items()
+        }
+        if "GET" in self.handlers:  # and HEAD, as Route's methods have it
+            self.handlers["HEAD"] = self.handlers["GET"]
         self.allow = ", ".join(sorted(self.handlers))
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
@@ -43,18 +44,8 @@ class Resource(Route):
         await handler(scope, receive, send)
 
 
-def resources(routes: Sequence[BaseRoute]) -> list[BaseRoute]:
-    """``routes`` with those of one path merged into one ``Resource``, in the order each path
-    first appears (a literal path such as ``/v1/jobs/batch`` stays ahead of
-    ``/v1/jobs/{job_id}``)."""
-    by_path: dict[str, list[Route]] = {}
-    out: list[BaseRoute | str] = []
-    for route in routes:
-        if isinstance(route, Route):
-            if route.path not in by_path:
-                by_path[route.path] = []
-                out.append(route.path)
-            by_path[route.path].append(route)
-        else:
-            out.append(route)
-    return [Resource(item, by_path[item]) if isinstance(item, str) else item for item in out]
+def resources(endpoints: Mapping[str, Mapping[str, Endpoint]]) -> list[Resource]:
+    """A ``Resource`` for each path of ``endpoints`` (path -> method -> endpoint), a path with
+    fewer parameters first: a literal segment wins over a parameter (``/v1/jobs/batch`` is
+    not the job "batch", ``/v1/admin/dead-letters/replay`` not the dead letter "replay")."""
+    return [Resource(p, endpoints[p]) for p in sorted(endpoints, key=lambda p: p.count("{"))]

@@ -14,11 +14,10 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import JSON, decode_body, invalid, read_json_body
+from jobtier.api.http import decode_body, encoded, invalid, path_id, read_json_body
 from jobtier.api.params import limit_param, matching, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
@@ -51,17 +50,6 @@ def _store(request: Request) -> ScheduleStore:
 def _mirror(request: Request) -> CronMirror:
     mirror: CronMirror = request.state.cron
     return mirror
-
-
-def _encode(schedule: Schedule, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(schedule), status, media_type=JSON)
-
-
-def _schedule_id(request: Request) -> str:
-    schedule_id: str = request.path_params["schedule_id"]
-    if not ULID_RE.fullmatch(schedule_id):
-        raise not_found(f"schedule {schedule_id[:40]}")
-    return schedule_id
 
 
 async def _with_redis_times(request: Request, schedules: list[Schedule]) -> list[Schedule]:
@@ -114,7 +102,7 @@ async def create(request: Request) -> Response:
     except Exception:
         await store.delete(schedule.id, tenant)  # nothing half-made stays behind
         raise
-    return _encode(schedule, 201)
+    return encoded(schedule, 201)
 
 
 async def list_schedules(request: Request) -> Response:
@@ -126,34 +114,40 @@ async def list_schedules(request: Request) -> Response:
         request, await _store(request).for_tenant(tenant, after, limit)
     )
     next_after = schedules[-1].name if len(schedules) == limit else None
-    return Response(msgspec.json.encode(ScheduleList(schedules, next_after)), media_type=JSON)
+    return encoded(ScheduleList(schedules, next_after))
+
+
+async def _found(request: Request) -> tuple[str, Schedule]:
+    """The tenant and the path's schedule: a 404 for another tenant's, or a malformed id."""
+    tenant = tenant_of(request)
+    schedule_id = path_id(request, "schedule_id", ULID_RE, "schedule")
+    found = await _store(request).get(schedule_id, tenant)
+    if found is None:
+        raise not_found(f"schedule {schedule_id}")
+    return tenant, found
+
+
+async def _one(request: Request, schedule: Schedule) -> Response:
+    return encoded((await _with_redis_times(request, [schedule]))[0])
 
 
 async def get(request: Request) -> Response:
-    tenant = tenant_of(request)
-    found = await _store(request).get(_schedule_id(request), tenant)
-    if found is None:
-        raise not_found(f"schedule {request.path_params['schedule_id']}")
-    return _encode((await _with_redis_times(request, [found]))[0])
+    _, found = await _found(request)
+    return await _one(request, found)
 
 
 async def _set_paused(request: Request, paused: bool) -> Response:
-    tenant = tenant_of(request)
-    schedule_id = _schedule_id(request)
-    store = _store(request)
-    found = await store.get(schedule_id, tenant)
-    if found is None:
-        raise not_found(f"schedule {schedule_id}")
+    tenant, found = await _found(request)
     settings: Settings = request.state.settings
     definition = mirror_def(found, settings.default_max_attempts)
     # a resumed schedule starts from its next slot: the paused time is not caught up
     next_ms = None if paused else definition.timing().next_after(now_ms())
-    updated = await store.set_paused(schedule_id, tenant, paused, to_datetime(next_ms))
+    updated = await _store(request).set_paused(found.id, tenant, paused, to_datetime(next_ms))
     if updated is None:
-        raise not_found(f"schedule {schedule_id}")
+        raise not_found(f"schedule {found.id}")
     payload = msgspec.json.encode(found.payload)
-    await _mirror(request).put(schedule_id, definition, payload, next_ms, paused)
-    return _encode((await _with_redis_times(request, [updated]))[0])
+    await _mirror(request).put(found.id, definition, payload, next_ms, paused)
+    return await _one(request, updated)
 
 
 async def pause(request: Request) -> Response:
@@ -165,33 +159,20 @@ async def resume(request: Request) -> Response:
 
 
 async def delete(request: Request) -> Response:
-    tenant = tenant_of(request)
-    schedule_id = _schedule_id(request)
-    store = _store(request)
-    if await store.get(schedule_id, tenant) is None:
-        raise not_found(f"schedule {schedule_id}")
-    await _mirror(request).remove(schedule_id)  # first: it must not fire again
-    await store.delete(schedule_id, tenant)
+    tenant, found = await _found(request)
+    await _mirror(request).remove(found.id)  # first: it must not fire again
+    await _store(request).delete(found.id, tenant)
     return Response(status_code=204)
 
 
-routes = [
-    Route("/v1/schedules", create, methods=["POST"]),
-    Route("/v1/schedules", list_schedules, methods=["GET"]),
-    Route("/v1/schedules/{schedule_id}", get, methods=["GET"]),
-    Route("/v1/schedules/{schedule_id}", delete, methods=["DELETE"]),
-    Route("/v1/schedules/{schedule_id}/pause", pause, methods=["POST"]),
-    Route("/v1/schedules/{schedule_id}/resume", resume, methods=["POST"]),
-]
-
-
-def openapi_paths(settings: Settings) -> dict[str, Any]:
+def operations(settings: Settings) -> oa.Paths:
     """The schedule routes of the OpenAPI document."""
     s = settings
     paths = oa.Paths(s)
-    unknown = oa.refuses(404, "unknown schedule (or another tenant's, or a malformed id)")
+    unknown = oa.unknown("schedule")
     paths.add(
         "POST /v1/schedules",
+        create,
         "Create a recurring schedule (cron in a time zone, or a fixed interval)",
         oa.returns(201, "Schedule", "created"),
         oa.refuses(409, "the tenant has a schedule of this name"),
@@ -200,23 +181,26 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "GET /v1/schedules",
+        list_schedules,
         "The tenant's schedules by name",
-        oa.returns(200, "ScheduleList", "a page; next_after is null on the last"),
+        oa.page("ScheduleList", "next_after"),
         params=LIST_PARAMS,
     )
     one = "/v1/schedules/{schedule_id}"
-    paths.add(f"GET {one}", "One schedule", oa.returns(200, "Schedule", "the schedule"), unknown)
-    deleted = (204, {"description": "deleted"})
-    paths.add(f"DELETE {one}", "Delete a schedule: it fires no more", deleted, unknown)
+    paths.add(
+        f"GET {one}", get, "One schedule", oa.returns(200, "Schedule", "the schedule"), unknown
+    )
+    paths.add(f"DELETE {one}", delete, "Delete a schedule: it fires no more", oa.DELETED, unknown)
     paused = oa.returns(200, "Schedule", "paused")
-    paths.add(f"POST {one}/pause", "Pause: no firing until resumed", paused, unknown)
+    paths.add(f"POST {one}/pause", pause, "Pause: no firing until resumed", paused, unknown)
     paths.add(
         f"POST {one}/resume",
+        resume,
         "Resume from the next slot (the paused time is not caught up)",
         oa.returns(200, "Schedule", "resumed"),
         unknown,
     )
-    return paths.paths
+    return paths
 
 
 def constrain(components: dict[str, Any], settings: Settings) -> None:

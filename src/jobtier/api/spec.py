@@ -1,14 +1,17 @@
 """The building blocks of the OpenAPI document (``openapi.py`` assembles it): response
 bodies, parameters, answers, and ``operation()``, which gives each operation the error
-answers the server gives for what it does. Route modules describe themselves with these."""
+answers the server gives for what it does. Route modules declare their routes with these
+(``Paths``: each endpoint with its description)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
 
 from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
 from jobtier.api.params import Param
@@ -121,10 +124,6 @@ def content(description: str, media_type: str, schema: Any, headers: Any = None)
     return {**answer, "headers": headers} if headers else answer
 
 
-def json_response(name: str, description: str, headers: Any = None) -> dict[str, Any]:
-    return content(description, "application/json", ref(name), headers)
-
-
 def problem(description: str, headers: Any = None) -> dict[str, Any]:
     return content(description, "application/problem+json", ref("Problem"), headers)
 
@@ -134,7 +133,12 @@ Answer = tuple[int, dict[str, Any]]  # an answer of an operation and its status
 
 def returns(status: int, schema: str, description: str, headers: Any = None) -> Answer:
     """A JSON answer whose body is the component ``schema``."""
-    return status, json_response(schema, description, headers)
+    return status, content(description, "application/json", ref(schema), headers)
+
+
+def page(schema: str, cursor: str = "next_cursor") -> Answer:
+    """A page of a listing, whose ``cursor`` member asks for the next."""
+    return returns(200, schema, f"a page; {cursor} is null on the last")
 
 
 def refuses(status: int, description: str, headers: Any = None) -> Answer:
@@ -160,13 +164,19 @@ def path_param(name: str, description: str, pattern: re.Pattern[str]) -> dict[st
     }
 
 
+def unknown(what: str, *, tenants: bool = True) -> Answer:
+    """The 404 of an id naming no ``what``: one malformed too, and, on a tenant's routes,
+    another tenant's."""
+    others = "another tenant's, or " if tenants else ""
+    return refuses(404, f"unknown {what} (or {others}a malformed id)")
+
+
 RETRY_AFTER = {"Retry-After": header("seconds to wait before trying again", pattern="^[0-9]+$")}
-JOB_ID = path_param(
-    "job_id", "a job id as submit returned it (a malformed or unknown one is a 404)", JOB_ID_RE
-)
 # every path parameter by name: Paths.add describes those its path has
 PATH_PARAMS = {
-    "job_id": JOB_ID,
+    "job_id": path_param(
+        "job_id", "a job id as submit returned it (a malformed or unknown one is a 404)", JOB_ID_RE
+    ),
     "name": path_param("name", "a queue name", QUEUE_NAME_RE),
     "schedule_id": path_param(
         "schedule_id", "a schedule id (a malformed or unknown one is a 404)", ULID_RE
@@ -175,13 +185,14 @@ PATH_PARAMS = {
         "webhook_id", "a subscription id (a malformed or unknown one is a 404)", WEBHOOK_ID_RE
     ),
 }
-JOB_404 = refuses(404, "unknown job (or another tenant's, or a malformed id)")
+JOB_404 = unknown("job")
+BAD_QUEUE_NAME = refuses(422, "a queue name that breaks its pattern")
+DELETED: Answer = (204, {"description": "deleted"})
 
 Auth = Literal["tenant", "admin", "none"]
 
 # a callback URL (a submit's callback, a subscription's url): webhooks/safety.py checks the rest
 CALLBACK_URL = r"^https?://[^\s]+$"
-CALLBACK_EVENTS = ("terminal", "all")
 
 
 def too_large(settings: Settings, *more: str) -> dict[str, Any]:
@@ -248,26 +259,40 @@ def operation(
 
 
 _PATH_PARAM = re.compile(r"{(\w+)}")
+Endpoint = Callable[[Request], Awaitable[Response]]
 
 
 class Paths:
-    """The operations of an API part, added one by one: ``add("GET /v1/…", summary,
-    *answers, **options)`` (``operation``'s options; ``defaults`` apply to each). The path's
-    parameters are described from ``PATH_PARAMS``."""
+    """The operations of an API part, each declared once: ``add("GET /v1/…", endpoint,
+    summary, *answers, **options)`` routes the method and path to ``endpoint`` and describes
+    the operation (``operation``'s options; ``defaults`` apply to each; the path's parameters
+    from ``PATH_PARAMS``)."""
 
     def __init__(self, settings: Settings, **defaults: Any) -> None:
         self.settings = settings
         self.defaults = defaults
-        self.paths: dict[str, Any] = {}
+        self.paths: dict[str, Any] = {}  # the document's
+        self.endpoints: dict[str, dict[str, Endpoint]] = {}  # path -> method -> endpoint
 
-    def add(self, route: str, summary: str, *answers: Answer, **options: Any) -> dict[str, Any]:
+    def add(
+        self, route: str, endpoint: Endpoint, summary: str, *answers: Answer, **options: Any
+    ) -> dict[str, Any]:
         """Add the operation and return it."""
         method, path = route.split(" ")
         responses = {str(status): answer for status, answer in answers}
         options = {"path": [PATH_PARAMS[p] for p in _PATH_PARAM.findall(path)], **options}
         op = operation(self.settings, summary, responses, **{**self.defaults, **options})
         self.paths.setdefault(path, {})[method.lower()] = op
+        self.endpoints.setdefault(path, {})[method] = endpoint
         return op
+
+    def include(self, *parts: Paths) -> Paths:
+        """Add the operations of ``parts``, in order (a path's after those it has)."""
+        for part in parts:
+            for path, item in part.paths.items():
+                self.paths.setdefault(path, {}).update(item)
+                self.endpoints.setdefault(path, {}).update(part.endpoints[path])
+        return self
 
 
 def constrain(components: dict[str, Any], struct: str, field: str, **constraints: Any) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
+from collections.abc import AsyncGenerator, Callable
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import raw_header, tenant_of
@@ -50,28 +51,38 @@ class Mailbox:
 
     async def take(self, timeout: float) -> tuple[int, bytes] | None:
         """The oldest pending document, or None after ``timeout`` seconds of nothing."""
-        if not self._items:
-            self._ready.clear()
-            try:
-                async with asyncio.timeout(timeout):
-                    await self._ready.wait()
-            except TimeoutError:
-                return None
+        if not self._items and not await woken(self._ready, timeout):
+            return None
         return self._items.popleft()
 
 
+async def woken(ready: asyncio.Event, timeout: float) -> bool:
+    """Whether ``ready``, cleared first, is set again within ``timeout`` seconds."""
+    ready.clear()
+    try:
+        async with asyncio.timeout(timeout):
+            await ready.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
 class StreamResponse(Response):
-    """A text/event-stream response: ``_pump`` writes it, while the client's disconnect is
+    """A text/event-stream response writing ``chunks``, while the client's disconnect is
     watched for at the same time (servers speaking ASGI 2.4 tell a streaming response of a
     gone client only when a write fails — an idle stream would linger until its next
-    heartbeat); ``_cleanup`` runs however the stream ends."""
+    heartbeat); ``cleanup`` runs however the stream ends."""
 
     media_type = "text/event-stream"
 
-    def __init__(self) -> None:
+    def __init__(
+        self, chunks: AsyncGenerator[bytes, None], cleanup: Callable[[], None] = lambda: None
+    ) -> None:
         # no body attribute: init_headers must not declare a Content-Length for a stream
         self.status_code = 200
         self.background = None
+        self.chunks = chunks
+        self.cleanup = cleanup
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -82,66 +93,44 @@ class StreamResponse(Response):
         finally:
             for task in (pump, watch):
                 task.cancel()
-            for task in (pump, watch):
-                with contextlib.suppress(asyncio.CancelledError, OSError):
-                    await task
-            self._cleanup()
-
-    async def _pump(self, send: Send) -> None:
-        raise NotImplementedError
-
-    def _cleanup(self) -> None:
-        """Release what the stream held."""
-
-
-class EventStream(StreamResponse):
-    """Streams a job's events; stops at a terminal state or when the client goes away."""
-
-    def __init__(
-        self,
-        reader: StatusReader,
-        job_id: str,
-        tenant: str,
-        mailbox: Mailbox,
-        sent: int,
-        heartbeat: float,
-    ) -> None:
-        super().__init__()
-        self.reader = reader
-        self.job_id = job_id
-        self.tenant = tenant
-        self.mailbox = mailbox
-        self.sent = sent
-        self.heartbeat = heartbeat
-
-    def _cleanup(self) -> None:
-        self.reader.remove_listener(self.job_id, self.mailbox.offer)
+            try:
+                for task in (pump, watch):
+                    with contextlib.suppress(asyncio.CancelledError, OSError):
+                        await task
+            finally:
+                await self.chunks.aclose()
+                self.cleanup()
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": b"retry: 1000\n\n", "more_body": True})
-        while True:
-            item = await self.mailbox.take(self.heartbeat)
-            if item is None:
-                await send(
-                    {"type": "http.response.body", "body": b": keep-alive\n\n", "more_body": True}
-                )
-                continue
-            version, doc = item
-            if version == RESYNC:
-                # the subscription was re-established: events may be lost, read the job again
-                found = await self.reader.get_for(self.job_id, self.tenant)
-                if found is None:
-                    break
-                version, doc = found[2], found[1]
-            if version <= self.sent:
-                continue
-            body = b"id: %d\nevent: status\ndata: %s\n\n" % (version, doc)
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-            self.sent = version
-            if is_terminal(doc):
-                break
+        async for chunk in self.chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _job_events(
+    reader: StatusReader, job_id: str, tenant: str, mailbox: Mailbox, sent: int, heartbeat: float
+) -> AsyncGenerator[bytes, None]:
+    """The job's events past version ``sent``, until a terminal state."""
+    yield b"retry: 1000\n\n"
+    while True:
+        item = await mailbox.take(heartbeat)
+        if item is None:
+            yield b": keep-alive\n\n"
+            continue
+        version, doc = item
+        if version == RESYNC:
+            # the subscription was re-established: events may be lost, read the job again
+            found = await reader.get_for(job_id, tenant)
+            if found is None:
+                return
+            version, doc = found[2], found[1]
+        if version <= sent:
+            continue
+        yield b"id: %d\nevent: status\ndata: %s\n\n" % (version, doc)
+        sent = version
+        if is_terminal(doc):
+            return
 
 
 async def _until_disconnect(receive: Receive) -> None:
@@ -163,12 +152,13 @@ async def events(request: Request) -> Response:
     mailbox = Mailbox()
     # listen before reading: a change between the read and the registration is not lost
     reader.add_listener(job_id, mailbox.offer)
+    stop = partial(reader.remove_listener, job_id, mailbox.offer)
     try:
         found = await reader.get_for(job_id, tenant)
         if found is None:
             raise job_not_found(job_id)
     except BaseException:
-        reader.remove_listener(job_id, mailbox.offer)
+        stop()
         raise
     sent = _last_event_id(request)
     _, doc, version = found
@@ -176,10 +166,7 @@ async def events(request: Request) -> Response:
         mailbox.offer(version, tenant, doc)
     elif is_terminal(doc):
         # the client already has the final status: 204 tells an EventSource not to reconnect
-        reader.remove_listener(job_id, mailbox.offer)
+        stop()
         return Response(status_code=204)
     heartbeat: float = request.state.settings.sse_heartbeat_seconds
-    return EventStream(reader, job_id, tenant, mailbox, sent, heartbeat)
-
-
-routes = [Route("/v1/jobs/{job_id}/events", events, methods=["GET"])]
+    return StreamResponse(_job_events(reader, job_id, tenant, mailbox, sent, heartbeat), stop)

@@ -17,13 +17,20 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
-from jobtier.api.http import JSON, decode_body, job_id_of, job_not_found, read_json_body
+from jobtier.api.http import (
+    decode_body,
+    encoded,
+    invalid,
+    job_id_of,
+    job_not_found,
+    path_id,
+    read_json_body,
+)
 from jobtier.api.params import limit_param, matching, parse_query
-from jobtier.api.problems import PG_DOWN, Problem, not_found, postgres_or_503, secret_missing
+from jobtier.api.problems import Problem, not_found, postgres_or_503, secret_missing
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import ulid
@@ -32,7 +39,7 @@ from jobtier.core.names import WEBHOOK_ID_RE
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool, query
 from jobtier.webhooks import marks
-from jobtier.webhooks.callbacks import CallbackStore, SecretMissing
+from jobtier.webhooks.callbacks import EVENTS, CallbackStore, SecretMissing
 from jobtier.webhooks.safety import MAX_URL_LENGTH, AddressPolicy, Resolver
 from jobtier.webhooks.signing import new_secret
 
@@ -120,7 +127,6 @@ class WebhookService:
         self, pool: Pool, queue: Queue, settings: Settings, resolver: Resolver | None = None
     ) -> None:
         self.pool = pool
-        self.queue = queue
         self.policy = AddressPolicy(settings.webhook_allowed_hosts, resolver)
         self.callbacks = CallbackStore(pool, queue.redis, queue.keys, self.policy)
 
@@ -129,7 +135,7 @@ class WebhookService:
         try:
             await self.callbacks.check(url, events, field)
         except InvalidRequest as exc:
-            raise _refused(exc) from None
+            raise invalid(exc) from None
 
     async def register(
         self, tenant: str, callbacks: Sequence[tuple[str, CallbackSpec, str]]
@@ -142,17 +148,11 @@ class WebhookService:
         except SecretMissing as exc:
             raise secret_missing(exc) from None
         except InvalidRequest as exc:
-            raise _refused(exc) from None
+            raise invalid(exc) from None
 
     async def forget(self, job_ids: Sequence[str]) -> None:
-        try:
-            await self.callbacks.forget(job_ids)
-        except PG_DOWN:  # an orphan callback names a job that never runs: harmless
-            pass
-
-
-def _refused(exc: InvalidRequest) -> Problem:
-    return Problem(422, "validation", str(exc), field=exc.field)
+        """Postgres away: left and logged (an orphan callback names a job that never runs)."""
+        await self.callbacks.forget(job_ids)
 
 
 def _service(request: Request) -> WebhookService:
@@ -161,18 +161,11 @@ def _service(request: Request) -> WebhookService:
 
 
 def _webhook_id(request: Request) -> str:
-    webhook_id: str = request.path_params["webhook_id"]
-    if not WEBHOOK_ID_RE.fullmatch(webhook_id):
-        raise not_found(f"webhook {webhook_id[:40]}")
-    return webhook_id
+    return path_id(request, "webhook_id", WEBHOOK_ID_RE, "webhook")
 
 
 def _webhook(row: Any, secret: str | None = None) -> Webhook:
     return Webhook(**{name: row[name] for name in _WEBHOOK_COLUMNS}, secret=secret)
-
-
-def _json(value: Any, status: int = 200) -> Response:
-    return Response(msgspec.json.encode(value), status, media_type=JSON)
 
 
 _WEBHOOK_COLUMNS = [name for name in Webhook.__struct_fields__ if name != "secret"]
@@ -206,7 +199,7 @@ async def create(request: Request) -> Response:
         # again once the row is committed: a dispatcher's clean-up may have removed the first
         # mark before the row was there (marks.unmark_idle)
         await marks.mark(redis, keys, [tenant])
-    return _json(_webhook(row, secret if made is not None else None), 201)
+    return encoded(_webhook(row, secret if made is not None else None), 201)
 
 
 async def list_webhooks(request: Request) -> Response:
@@ -218,7 +211,7 @@ async def list_webhooks(request: Request) -> Response:
             query("subscription_list"), tenant, q.get("after", ""), limit
         )
     hooks = [_webhook(r) for r in rows]
-    return _json(WebhookList(hooks, hooks[-1].id if len(hooks) == limit else None))
+    return encoded(WebhookList(hooks, hooks[-1].id if len(hooks) == limit else None))
 
 
 async def get(request: Request) -> Response:
@@ -228,7 +221,7 @@ async def get(request: Request) -> Response:
         row = await _service(request).pool.fetchrow(query("subscription_get"), webhook_id, tenant)
     if row is None:
         raise not_found(f"webhook {webhook_id}")
-    return _json(_webhook(row))
+    return encoded(_webhook(row))
 
 
 async def delete(request: Request) -> Response:
@@ -252,7 +245,7 @@ async def rotate_secret(request: Request) -> Response:
     with postgres_or_503():
         row = await _service(request).pool.fetchrow(query("secret_rotate"), tenant, secret, overlap)
     assert row is not None
-    return _json(SigningSecret(secret, row["created_at"], row["previous_until"]), 201)
+    return encoded(SigningSecret(secret, row["created_at"], row["previous_until"]), 201)
 
 
 async def _deliveries(pool: Pool, rows: Sequence[Any]) -> DeliveryList:
@@ -280,7 +273,7 @@ async def webhook_deliveries(request: Request) -> Response:
         if await pool.fetchrow(query("subscription_get"), webhook_id, tenant) is None:
             raise not_found(f"webhook {webhook_id}")
         rows = await pool.fetch(query("deliveries_of_subscription"), webhook_id, tenant, most)
-        return _json(await _deliveries(pool, rows))
+        return encoded(await _deliveries(pool, rows))
 
 
 async def job_deliveries(request: Request) -> Response:
@@ -288,24 +281,13 @@ async def job_deliveries(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     most: int = parse_query(request, DELIVERY_PARAMS).get("limit", 100)
-    found = await request.state.reader.get(job_id)
-    if found is None or found[0] != tenant:
+    if await request.state.reader.get_for(job_id, tenant) is None:
         raise job_not_found(job_id)
     pool = _service(request).pool
     with postgres_or_503():
         rows = await pool.fetch(query("deliveries_of_job"), job_id, tenant, most)
-        return _json(await _deliveries(pool, rows))
+        return encoded(await _deliveries(pool, rows))
 
-
-routes = [
-    Route("/v1/webhooks", create, methods=["POST"]),
-    Route("/v1/webhooks", list_webhooks, methods=["GET"]),
-    Route("/v1/webhooks/{webhook_id}", get, methods=["GET"]),
-    Route("/v1/webhooks/{webhook_id}", delete, methods=["DELETE"]),
-    Route("/v1/webhooks/{webhook_id}/deliveries", webhook_deliveries, methods=["GET"]),
-    Route("/v1/webhook-secret", rotate_secret, methods=["POST"]),
-    Route("/v1/jobs/{job_id}/deliveries", job_deliveries, methods=["GET"]),
-]
 
 REFUSED = (
     "the body does not fit its schema, or the URL is refused: not http(s), or its host does "
@@ -314,12 +296,13 @@ REFUSED = (
 )
 
 
-def openapi_paths(settings: Settings) -> dict[str, Any]:
+def operations(settings: Settings) -> oa.Paths:
     """The webhook routes of the OpenAPI document."""
     paths = oa.Paths(settings)
-    unknown = oa.refuses(404, "unknown subscription (or another tenant's, or a malformed id)")
+    unknown = oa.unknown("subscription")
     paths.add(
         "POST /v1/webhooks",
+        create,
         "Subscribe a URL to the tenant's jobs: terminal states, or every transition",
         oa.returns(
             201,
@@ -331,22 +314,29 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "GET /v1/webhooks",
+        list_webhooks,
         "The tenant's subscriptions, oldest first",
-        oa.returns(200, "WebhookList", "a page; next_after is null on the last"),
+        oa.page("WebhookList", "next_after"),
         params=LIST_PARAMS,
     )
     one = "/v1/webhooks/{webhook_id}"
     paths.add(
-        f"GET {one}", "One subscription", oa.returns(200, "Webhook", "the subscription"), unknown
+        f"GET {one}",
+        get,
+        "One subscription",
+        oa.returns(200, "Webhook", "the subscription"),
+        unknown,
     )
     paths.add(
         f"DELETE {one}",
+        delete,
         "Unsubscribe: its waiting deliveries are cancelled",
-        (204, {"description": "deleted"}),
+        oa.DELETED,
         unknown,
     )
     paths.add(
         f"GET {one}/deliveries",
+        webhook_deliveries,
         "The subscription's deliveries, newest first, each with its attempts",
         oa.returns(200, "DeliveryList", "the deliveries"),
         unknown,
@@ -354,19 +344,21 @@ def openapi_paths(settings: Settings) -> dict[str, Any]:
     )
     paths.add(
         "POST /v1/webhook-secret",
+        rotate_secret,
         "Create or rotate the tenant's webhook signing secret (whsec_…, shown once; the previous "
         "one keeps signing for JOBTIER_WEBHOOK_SECRET_OVERLAP_SECONDS)",
         oa.returns(201, "SigningSecret", "the new secret"),
     )
     paths.add(
         "GET /v1/jobs/{job_id}/deliveries",
+        job_deliveries,
         "The job's webhook deliveries (its callback's and the subscriptions'), each with its "
         "attempts",
         oa.returns(200, "DeliveryList", "the deliveries so far"),
         oa.JOB_404,
         params=DELIVERY_PARAMS,
     )
-    return paths.paths
+    return paths
 
 
 def constrain(components: dict[str, Any]) -> None:
@@ -374,7 +366,7 @@ def constrain(components: dict[str, Any]) -> None:
     CallbackSpec gets the same in openapi.py)."""
     c = components
     oa.constrain(c, "WebhookSpec", "url", maxLength=MAX_URL_LENGTH, pattern=oa.CALLBACK_URL)
-    c["WebhookSpec"]["properties"]["events"]["enum"] = list(oa.CALLBACK_EVENTS)
+    c["WebhookSpec"]["properties"]["events"]["enum"] = list(EVENTS)
     oa.constrain(c, "WebhookSpec", "description", maxLength=MAX_DESCRIPTION)
 
 

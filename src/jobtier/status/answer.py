@@ -7,6 +7,8 @@ from typing import Any
 
 from starlette.responses import Response
 
+from jobtier.status.reader import parse_version
+
 Message = dict[str, Any]
 """An ASGI message."""
 
@@ -63,16 +65,19 @@ class StatusResponse(Response):
 
 
 class DocResponse(Response):
-    """A status document with its ETag, and ``headers`` (e.g. Location) after them; the
-    answer of a submit or a change, with the headers of a status read."""
+    """A status document with its ETag (``version``, else read from the document), and
+    ``headers`` (e.g. Location) after them; the answer of a submit or a change, with the
+    headers of a status read."""
 
     media_type = "application/json"
 
-    def __init__(self, doc: bytes, version: int, status_code: int = 200, **headers: str) -> None:
+    def __init__(
+        self, doc: bytes, version: int | None = None, status_code: int = 200, **headers: str
+    ) -> None:
         self.status_code = status_code
         self.background = None
         self.body = doc
-        raw = doc_headers(version, doc)
+        raw = doc_headers(parse_version(doc) if version is None else version, doc)
         for name, value in headers.items():
             raw.append((name.lower().encode("latin-1"), value.encode("latin-1")))
         self.raw_headers = raw

@@ -82,79 +82,71 @@ function windowText() {
   return s >= 110 ? "last 2 min" : `last ${s} s`;
 }
 
+/** Show a figure in its tile, formatted by `fmt`; the figure, for its sparkline. */
+function figure(id, value, fmt) {
+  show(id, value, fmt(value));
+  return value;
+}
+
 function renderOverview(f) {
   const t = f.at;
   const depth = PRIORITIES.map((p) => f.queue_depth?.[p] ?? 0);
   const total = depth.reduce((a, b) => a + b, 0);
-  show("queue-depth", total, fmtCount(total));
+  figure("queue-depth", total, fmtCount);
   PRIORITIES.forEach((p, i) => {
-    show(`depth-${p}`, depth[i], fmtCount(depth[i]));
+    record(`depth-${p}`, t, figure(`depth-${p}`, depth[i], fmtCount));
     $("depth-split").children[i].style.width = total ? `${(100 * depth[i]) / total}%` : "0";
-    record(`depth-${p}`, t, depth[i]);
   });
-  show("oldest-age", f.oldest_queued_age_seconds, fmtSeconds(f.oldest_queued_age_seconds));
-  show("scheduled", f.scheduled, fmtCount(f.scheduled));
+  figure("oldest-age", f.oldest_queued_age_seconds, fmtSeconds);
+  figure("scheduled", f.scheduled, fmtCount);
 
   // Rates need two frames. The job counters come from the persister (it sees every
   // transition once) and each appears only once it is non-zero: with some present, an
   // absent one is 0; with none, nobody counts them (no persister) and they stay unknown.
   const enough = frames.length > 1;
   const jobs = jobsCounted();
-  const submitted = jobs ? rate("jobs_submitted_total") : null;
+  const jobRate = (name) => (jobs ? rate(name) : null);
   const completed = jobs ? COMPLETED.reduce((sum, n) => sum + rate(n), 0) : null;
-  show("rate-submitted", submitted, fmtRate(submitted));
-  show("rate-completed", completed, fmtRate(completed));
-  const succeeded = jobs ? rate("jobs_succeeded_total") : null;
-  const claimed = jobs ? rate("jobs_claimed_total") : null;
-  show("rate-succeeded", succeeded, fmtRate(succeeded));
-  show("rate-claimed", claimed, fmtRate(claimed));
-  record("submitted", t, submitted);
-  record("completed", t, completed);
+  record("submitted", t, figure("rate-submitted", jobRate("jobs_submitted_total"), fmtRate));
+  record("completed", t, figure("rate-completed", completed, fmtRate));
+  figure("rate-succeeded", jobRate("jobs_succeeded_total"), fmtRate);
+  figure("rate-claimed", jobRate("jobs_claimed_total"), fmtRate);
 
-  const failed = jobs ? rate("jobs_failed_total") : null;
-  const retried = jobs ? rate("jobs_retried_total") : null;
   const failRatio = jobs ? ratio("jobs_failed_total", "jobs_claimed_total") : null;
-  show("failure-ratio", failRatio, fmtRatio(failRatio));
-  show("rate-failed", failed, fmtRate(failed));
-  show("rate-retried", retried, fmtRate(retried));
-  record("failure", t, failRatio);
+  record("failure", t, figure("failure-ratio", failRatio, fmtRatio));
+  figure("rate-failed", jobRate("jobs_failed_total"), fmtRate);
+  figure("rate-retried", jobRate("jobs_retried_total"), fmtRate);
 
-  show("dead-letters", f.dead_letters, fmtCount(f.dead_letters));
+  record("dead", t, figure("dead-letters", f.dead_letters, fmtCount));
   const [deadNew] = increase("jobs_dead_lettered_total", WINDOW_S);
   show("dead-new", jobs ? deadNew : null, jobs ? ["+" + fmtCount(deadNew)[0], ""] : ["—", ""]);
-  record("dead", t, f.dead_letters);
 
-  show("workers", f.workers, fmtCount(f.workers));
-  show("running", f.running, fmtCount(f.running));
-  record("running", t, f.running);
+  figure("workers", f.workers, fmtCount);
+  record("running", t, figure("running", f.running, fmtCount));
 
   const hasPg = f.lag_transitions !== null && f.lag_transitions !== undefined;
   show("lag-seconds", f.lag_seconds, hasPg ? fmtSeconds(f.lag_seconds) : ["n/a", ""]);
-  show("lag-transitions", f.lag_transitions, fmtCount(f.lag_transitions));
+  figure("lag-transitions", f.lag_transitions, fmtCount);
   $("lag-transitions").hidden = !hasPg;
   $("lag-note").lastChild.textContent = hasPg
     ? " transitions not yet in Postgres"
     : "no Postgres configured: nothing is written behind";
   record("lag", t, hasPg ? f.lag_seconds : null);
 
-  show("p99-claim-wait", f.p99_claim_wait_seconds, fmtSeconds(f.p99_claim_wait_seconds));
-  show("p99-run-time", f.p99_run_time_seconds, fmtSeconds(f.p99_run_time_seconds));
+  record("wait", t, figure("p99-claim-wait", f.p99_claim_wait_seconds, fmtSeconds));
+  record("run", t, figure("p99-run-time", f.p99_run_time_seconds, fmtSeconds));
   // the workers publish these histograms; the server keeps the last minute of them
   const windowed = known(f.p99_window_seconds);
   const span = windowed ? `last ${Math.round(f.p99_window_seconds)} s` : "since the workers started";
   const idle = windowed ? `no jobs in the ${span}` : "no worker has reported one yet";
   $("wait-note").textContent = known(f.p99_claim_wait_seconds) ? `queued → claimed, ${span}` : idle;
   $("run-note").textContent = known(f.p99_run_time_seconds) ? `task duration, ${span}` : idle;
-  record("wait", t, f.p99_claim_wait_seconds);
-  record("run", t, f.p99_run_time_seconds);
 
   const reads = enough ? rate("status_requests_total") : null;
-  const loads = enough ? rate("status_redis_loads_total") : null;
+  record("reads", t, figure("rate-status-reads", reads, fmtRate));
+  figure("rate-redis-loads", enough ? rate("status_redis_loads_total") : null, fmtRate);
   const hits = enough ? ratio("status_near_cache_hits_total", "status_requests_total") : null;
-  show("rate-status-reads", reads, fmtRate(reads));
-  show("rate-redis-loads", loads, fmtRate(loads));
-  show("near-cache-ratio", hits, fmtRatio(hits));
-  record("reads", t, reads);
+  figure("near-cache-ratio", hits, fmtRatio);
 
   if (!$("view-overview").hidden) {
     mountQueueTable($("queue-summary"), f.queues || [], { actions: false });
