@@ -27,6 +27,7 @@ from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
+from jobtier.store import format as job_format
 from jobtier.streams.group import LAG_EXACT_UP_TO, lag
 from tests.fixtures.api import StartApi
 from tests.fixtures.postgres import assert_pg_matches_redis, simple_jobs
@@ -50,6 +51,8 @@ def settings(own_redis: LocalRedis) -> Settings:
 @pytest.fixture
 async def redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
     client = aioredis.Redis.from_url(settings.redis_url)
+    # marked as a process's start marks a new Redis: the scripts below run without one
+    await job_format.adopt(client, Keys(settings.prefix, settings.shards))
     yield client
     await client.aclose()
 
