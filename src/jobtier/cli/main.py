@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,29 +59,10 @@ def arg(*flags: str, **options: Any) -> Arg:
     return flags, options
 
 
-class Command:
-    """A subcommand: ``help`` in the list of commands, ``description`` atop its own --help,
-    then its arguments."""
-
-    def __init__(
-        self,
-        name: str,
-        func: Callable[[argparse.Namespace, Settings], int],
-        help: str,
-        description: str,
-        *args: Arg,
-        formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter,
-    ) -> None:
-        self.name = name
-        self.func = func
-        self.help = help
-        self.description = description
-        self.args = args
-        self.formatter = formatter
-
-
-COMMANDS = (
-    Command(
+# Each command: its name, its function, its help (in the list of commands), its description
+# (atop its own --help; one with line breaks keeps them), then its arguments.
+COMMANDS: tuple[tuple[Any, ...], ...] = (
+    (
         "run",
         cmd_run,
         "everything in one process, with a local Redis and Postgres (development)",
@@ -115,7 +95,7 @@ COMMANDS = (
             "rest are released to their queues (default: 30)",
         ),
     ),
-    Command(
+    (
         "api",
         cmd_api,
         "serve the HTTP API",
@@ -130,7 +110,7 @@ COMMANDS = (
             help="ASGI server (default: JOBTIER_API_SERVER)",
         ),
     ),
-    Command(
+    (
         "worker",
         cmd_worker,
         "run tasks",
@@ -159,7 +139,7 @@ COMMANDS = (
             "their queues (default: 30). A second signal releases them at once",
         ),
     ),
-    Command(
+    (
         "scheduler",
         cmd_scheduler,
         "promote due jobs and reclaim expired leases",
@@ -169,7 +149,7 @@ COMMANDS = (
             "--batch", type=int, default=200, help="most jobs moved per script call (default: 200)"
         ),
     ),
-    Command(
+    (
         "persister",
         cmd_persister,
         "write every transition to Postgres (write-behind)",
@@ -184,7 +164,7 @@ COMMANDS = (
             "back to the logs for the persisters to try again, then exit",
         ),
     ),
-    Command(
+    (
         "dispatcher",
         cmd_dispatcher,
         "send webhooks: signed POSTs of job transitions, retried for hours",
@@ -200,7 +180,7 @@ COMMANDS = (
             "--name", help="consumer name (default: dispatcher-host-pid); reuse it after a restart"
         ),
     ),
-    Command(
+    (
         "prune",
         cmd_prune,
         "apply the Postgres retention now (persisters also do it, hourly by default)",
@@ -217,14 +197,14 @@ COMMANDS = (
             "nothing",
         ),
     ),
-    Command(
+    (
         "migrate",
         cmd_migrate,
         "apply pending database migrations",
         "Apply the pending migrations to JOBTIER_DATABASE_URL, in one transaction, under a lock: "
         "safe to run from several deploys at once.",
     ),
-    Command(
+    (
         "job-format",
         cmd_job_format,
         "show whether this jobtier can read the job records in Redis; --upgrade them once",
@@ -247,7 +227,7 @@ COMMANDS = (
             "shard; then show the result",
         ),
     ),
-    Command(
+    (
         "scripts",
         cmd_scripts,
         "list, or prune, the Redis function libraries of jobtier versions",
@@ -260,7 +240,7 @@ COMMANDS = (
         "deploy has finished, from the version deployed.",
         arg("--prune", action="store_true", help="delete every jobtier library but this version's"),
     ),
-    Command(
+    (
         "bench",
         cmd_bench,
         "run a benchmark (each starts its own local services; results go to bench/results/)",
@@ -271,9 +251,8 @@ COMMANDS = (
         + "\n".join(f"  {name:12} {what}" for name, what in BENCHMARKS.items()),
         arg("name", choices=sorted(BENCHMARKS), metavar="NAME", help="which benchmark"),
         arg("args", nargs=argparse.REMAINDER, help="its own arguments"),
-        formatter=argparse.RawDescriptionHelpFormatter,
     ),
-    Command(
+    (
         "check",
         cmd_check,
         "health check: is a ROLE process on this host alive?",
@@ -286,7 +265,7 @@ COMMANDS = (
         arg("--max-age", type=float, default=15.0, help="seconds since the last publication (15)"),
         arg("--any-host", action="store_true", help="a process on any host will do (fleet check)"),
     ),
-    Command(
+    (
         "config",
         cmd_config,
         "print the settings in effect (secrets masked)",
@@ -304,16 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in COMMANDS:
-        p = sub.add_parser(
-            command.name,
-            help=command.help,
-            description=command.description,
-            formatter_class=command.formatter,
-        )
-        for flags, options in command.args:
+    for name, func, help, description, *args in COMMANDS:
+        raw = "\n" in description
+        formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
+        p = sub.add_parser(name, help=help, description=description, formatter_class=formatter)
+        for flags, options in args:
             p.add_argument(*flags, **options)
-        p.set_defaults(func=command.func)
+        p.set_defaults(func=func)
     manage.add_commands(sub)
     return parser
 
