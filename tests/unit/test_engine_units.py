@@ -37,13 +37,15 @@ def _function_body(lib: str, signature: str) -> str:
 
 def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
     """lib.lua's load() names each field by its index in one table constructor (to size the
-    table once) after an HMGET written out in full; a field added to FIELDS but not there,
-    or out of order, would be read into the wrong name."""
+    table once) after an HMGET written out in full (render.lua's job_fields); a field added
+    to FIELDS but not there, or out of order, would be read into the wrong name."""
     lib = lua_source("lib")
     fields = _lua_list(lib, "FIELDS")
     names = [f"'{name}'" for name in fields]
     body = _function_body(lib, "load(id, more)")
-    calls = re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", body, re.DOTALL)
+    assert "job_fields(key, more)" in body
+    hmget = _function_body(lib, "job_fields(key, more)")
+    calls = re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", hmget, re.DOTALL)
     listed = [[t.strip() for t in call.split(",")] for call in calls]
     assert sorted(listed) == sorted([[*names, "more"], names])
     at = re.search(r"^local C_AT, T_AT, ERROR_AT, PROGRESS_AT = (.*)$", lib, re.MULTILINE)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 from jobtier import logs
-from jobtier.cli import manage as cli_admin
+from jobtier.cli import manage
 from jobtier.cli.maintenance import (
     BENCHMARKS,
     cmd_bench,
@@ -31,23 +31,10 @@ from jobtier.cli.roles import (
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
 
-log = logging.getLogger("jobtier.cli.main")
-
 DESCRIPTION = """\
 jobtier: asynchronous jobs for Python services, with a status tier that serves every
 job's state in milliseconds. Configuration comes from JOBTIER_* environment variables
 (`jobtier config` lists them with their values in effect)."""
-
-# what a command meets when Redis is not there (a cluster client that reaches no node raises
-# RedisClusterException, which is not a RedisError)
-
-
-# --- commands -------------------------------------------------------------------------------
-
-
-def cmd_admin(args: argparse.Namespace, settings: Settings) -> int:
-    """``jobs``, ``dead-letters``, ``queues``: through the HTTP API (cli/manage.py)."""
-    return cli_admin.run(args)
 
 
 # --- parser ---------------------------------------------------------------------------------
@@ -64,6 +51,231 @@ def _queue_list(text: str) -> list[str]:
     return names
 
 
+Arg = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def arg(*flags: str, **options: Any) -> Arg:
+    """One ``add_argument`` call's arguments."""
+    return flags, options
+
+
+# Each command: its name, its function, its help (in the list of commands), its description
+# (atop its own --help; one with line breaks keeps them), then its arguments.
+COMMANDS: tuple[tuple[Any, ...], ...] = (
+    (
+        "run",
+        cmd_run,
+        "everything in one process, with a local Redis and Postgres (development)",
+        "Start a local Redis and Postgres (data under --data-dir, loopback ports), then the API, "
+        "a worker, the scheduler and the persister in one process. The servers are this "
+        "command's own: it stops them when it ends, however it ends (Ctrl-C, SIGTERM, the "
+        "terminal closing, even SIGKILL), and it never uses a server it did not start: a port "
+        "taken by another server is refused (pick another with --redis-port/--pg-port). Ctrl-C "
+        "once stops gracefully (running jobs get --grace seconds), twice at once.",
+        arg("--tasks", default="jobtier.demo", help="task module[:attr] (default: the demo tasks)"),
+        arg(
+            "--data-dir",
+            type=Path,
+            default=Path(".data"),
+            help="local services' data (default: .data)",
+        ),
+        arg(
+            "--external",
+            action="store_true",
+            help="use JOBTIER_REDIS_URL / JOBTIER_DATABASE_URL; start no local services",
+        ),
+        arg("--redis-port", type=int, default=16379, help="local Redis port (default: 16379)"),
+        arg("--pg-port", type=int, default=15432, help="local Postgres port (default: 15432)"),
+        arg("--concurrency", type=int, default=50, help="worker concurrency (default: 50)"),
+        arg(
+            "--grace",
+            type=float,
+            default=30.0,
+            help="seconds from Ctrl-C/SIGTERM by which the worker's running jobs must end; the "
+            "rest are released to their queues (default: 30)",
+        ),
+    ),
+    (
+        "api",
+        cmd_api,
+        "serve the HTTP API",
+        "Serve the HTTP API (submit, status, SSE, admin, metrics, dashboard) with granian or "
+        "uvicorn. Needs JOBTIER_API_KEYS (key:tenant,…) and JOBTIER_ADMIN_KEY.",
+        arg("--host", help="listen address (default: JOBTIER_API_HOST, 127.0.0.1)"),
+        arg("--port", type=int, help="port (default: JOBTIER_API_PORT, 8000)"),
+        arg("--workers", type=int, help="server processes (default: JOBTIER_API_WORKERS, 1)"),
+        arg(
+            "--server",
+            choices=["granian", "uvicorn"],
+            help="ASGI server (default: JOBTIER_API_SERVER)",
+        ),
+    ),
+    (
+        "worker",
+        cmd_worker,
+        "run tasks",
+        "Claim jobs and run them with the tasks of MODULE (every @task in it) or MODULE:ATTR (a "
+        "TaskRegistry, a Task or a list of Tasks). It serves the queues of its tasks "
+        "(@task(queue=...); 'default' for those that name none) unless --queues says otherwise, "
+        "and never runs a job whose task it lacks: such a job is handed back, untouched, to a "
+        "worker that has it. SIGTERM (or SIGINT, SIGHUP) stops claiming at once, lets running "
+        "jobs finish until --grace seconds after it, then cancels and releases the rest to "
+        "their queues (no attempt used); a second signal releases them at once.",
+        arg("tasks", metavar="MODULE[:ATTR]", help="where the tasks are, e.g. myapp.tasks"),
+        arg(
+            "--queues",
+            "-q",
+            type=_queue_list,
+            help="comma-separated queues to serve, in turn (default: the queues of its tasks)",
+        ),
+        arg("--concurrency", "-c", type=int, default=50, help="jobs run at once (default: 50)"),
+        arg("--burst", action="store_true", help="drain the ready queues, then exit"),
+        arg("--name", help="worker id (default: host:pid:random)"),
+        arg(
+            "--grace",
+            type=float,
+            default=30.0,
+            help="seconds from SIGTERM by which running jobs must end; the rest are released to "
+            "their queues (default: 30). A second signal releases them at once",
+        ),
+    ),
+    (
+        "scheduler",
+        cmd_scheduler,
+        "promote due jobs and reclaim expired leases",
+        "Promote scheduled jobs when due and requeue jobs whose worker stopped heartbeating. "
+        "Run as many as you like: every move is an atomic script.",
+        arg(
+            "--batch", type=int, default=200, help="most jobs moved per script call (default: 200)"
+        ),
+    ),
+    (
+        "persister",
+        cmd_persister,
+        "write every transition to Postgres (write-behind)",
+        "Read the shards' transition logs and write them to Postgres in batches, acknowledging "
+        "only after commit. Run several: they share the work as one consumer group, and take "
+        "over a dead one's pending entries.",
+        arg("--name", help="consumer name (default: persister-host-pid); reuse it after a restart"),
+        arg(
+            "--replay-refused",
+            action="store_true",
+            help="send the entries Postgres refused (parked in each shard's log:refused stream) "
+            "back to the logs for the persisters to try again, then exit",
+        ),
+    ),
+    (
+        "dispatcher",
+        cmd_dispatcher,
+        "send webhooks: signed POSTs of job transitions, retried for hours",
+        "Follow the shards' transition logs as the dispatchers' consumer group and deliver "
+        "webhooks: a job's own callback (its submit's `callback`) and the tenant's subscriptions "
+        "(/v1/webhooks), signed the Standard Webhooks way with the tenant's secret. Deliveries "
+        "and every attempt are recorded in Postgres (GET /v1/jobs/{id}/deliveries); a failed one "
+        "is retried on JOBTIER_WEBHOOK_RETRY_SCHEDULE. Callback URLs must resolve to public "
+        "addresses unless JOBTIER_WEBHOOK_ALLOWED_HOSTS names them. Run several: they share the "
+        "logs as one group and the deliveries through Postgres, and a dead one's work is taken "
+        "over. Needs JOBTIER_REDIS_URL and JOBTIER_DATABASE_URL (migrated).",
+        arg(
+            "--name", help="consumer name (default: dispatcher-host-pid); reuse it after a restart"
+        ),
+    ),
+    (
+        "prune",
+        cmd_prune,
+        "apply the Postgres retention now (persisters also do it, hourly by default)",
+        "Apply the retention settings to JOBTIER_DATABASE_URL once: create the history's daily "
+        "partitions ahead, drop (or, with JOBTIER_PG_HISTORY_DETACH=1, detach) those older than "
+        "JOBTIER_PG_HISTORY_RETENTION_DAYS, and delete the jobs that finished more than "
+        "JOBTIER_PG_JOB_RETENTION_DAYS ago, in small batches (0 keeps either forever). Waiting "
+        "and running jobs are never deleted. Persisters do the same every "
+        "JOBTIER_PRUNE_INTERVAL_SECONDS; one pass runs at a time.",
+        arg(
+            "--dry-run",
+            action="store_true",
+            help="print what would be created, dropped and deleted, with row counts; change "
+            "nothing",
+        ),
+    ),
+    (
+        "migrate",
+        cmd_migrate,
+        "apply pending database migrations",
+        "Apply the pending migrations to JOBTIER_DATABASE_URL, in one transaction, under a lock: "
+        "safe to run from several deploys at once.",
+    ),
+    (
+        "job-format",
+        cmd_job_format,
+        "show whether this jobtier can read the job records in Redis; --upgrade them once",
+        "This jobtier reads and writes job records in Redis in one format (3: a job's small "
+        "fields packed in two values, no stored status document: it is rendered when read). "
+        "Jobtiers before it wrote formats 1 and 2, and, before named queues, kept ready jobs in "
+        "per-priority lists. Without options: per shard, whether this jobtier can read it "
+        "(marked format 3, or never held a job) or what it holds that needs the upgrade; every "
+        "process of this jobtier refuses to start on a deployment that needs it, naming this "
+        "command. With --upgrade: rewrite every older job record into format 3 and move the old "
+        "ready lists into the named queues' (each once; safe to run again, and to run again "
+        "after it stopped half-way), then mark every shard format 3. Jobs carry on where they "
+        "were: versions, leases, history and documents are kept. Stop processes of a jobtier "
+        "from before format 3 first; those of the jobtier just before this one read format 3 "
+        "and may keep running.",
+        arg(
+            "--upgrade",
+            action="store_true",
+            help="rewrite older job records into format 3, move the old ready lists, mark every "
+            "shard; then show the result",
+        ),
+    ),
+    (
+        "scripts",
+        cmd_scripts,
+        "list, or prune, the Redis function libraries of jobtier versions",
+        "The transition scripts are one Redis function library per jobtier version "
+        "(jobtier_<digest of its code>), loaded by every process as it connects. A version's "
+        "library stays in Redis after its last process stops. Without options: the jobtier "
+        "libraries on each primary, this version's (the jobtier that runs this command) marked. "
+        "With --prune: delete every one but this version's. Safe at any time: a process of "
+        "another version still running loads its own again at its next call; run it after a "
+        "deploy has finished, from the version deployed.",
+        arg("--prune", action="store_true", help="delete every jobtier library but this version's"),
+    ),
+    (
+        "bench",
+        cmd_bench,
+        "run a benchmark (each starts its own local services; results go to bench/results/)",
+        "Run a benchmark program of the source tree. Each starts its own local Redis (and "
+        "Postgres, servers, workers) on loopback ports, prints a table, compares against a "
+        "baseline measured in the same run, and saves its results under bench/results/. "
+        "Arguments after NAME go to the program (try `jobtier bench NAME --help`).\n\n"
+        + "\n".join(f"  {name:12} {what}" for name, what in BENCHMARKS.items()),
+        arg("name", choices=sorted(BENCHMARKS), metavar="NAME", help="which benchmark"),
+        arg("args", nargs=argparse.REMAINDER, help="its own arguments"),
+    ),
+    (
+        "check",
+        cmd_check,
+        "health check: is a ROLE process on this host alive?",
+        "Exit 0 if a jobtier process of ROLE on this host published its metrics to Redis within "
+        "--max-age seconds (every process does so every 2 s from its event loop, so a hung loop "
+        "or a lost Redis connection fails the check), else 1 with the reason. For container "
+        "health checks of the processes that serve no port: worker, scheduler, persister, "
+        "dispatcher.",
+        arg("role", choices=ROLES, metavar="ROLE", help=", ".join(ROLES)),
+        arg("--max-age", type=float, default=15.0, help="seconds since the last publication (15)"),
+        arg("--any-host", action="store_true", help="a process on any host will do (fleet check)"),
+    ),
+    (
+        "config",
+        cmd_config,
+        "print the settings in effect (secrets masked)",
+        "Print every setting as the JOBTIER_* variable that sets it, with the value this "
+        "environment gives it (API keys, the admin key and the database URL masked).",
+        arg("--table", action="store_true", help="print every setting as a markdown table"),
+    ),
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jobtier",
@@ -71,245 +283,14 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-
-    p = sub.add_parser(
-        "run",
-        help="everything in one process, with a local Redis and Postgres (development)",
-        description="Start a local Redis and Postgres (data under --data-dir, loopback ports), "
-        "then the API, a worker, the scheduler and the persister in one process. The servers "
-        "are this command's own: it stops them when it ends, however it ends (Ctrl-C, SIGTERM, "
-        "the terminal closing, even SIGKILL), and it never uses a server it did not start: a "
-        "port taken by another server is refused (pick another with --redis-port/--pg-port). "
-        "Ctrl-C once stops gracefully (running jobs get --grace seconds), twice at once.",
-    )
-    p.add_argument(
-        "--tasks", default="jobtier.demo", help="task module[:attr] (default: the demo tasks)"
-    )
-    p.add_argument(
-        "--data-dir", type=Path, default=Path(".data"), help="local services' data (default: .data)"
-    )
-    p.add_argument(
-        "--external",
-        action="store_true",
-        help="use JOBTIER_REDIS_URL / JOBTIER_DATABASE_URL; start no local services",
-    )
-    p.add_argument(
-        "--redis-port", type=int, default=16379, help="local Redis port (default: 16379)"
-    )
-    p.add_argument(
-        "--pg-port", type=int, default=15432, help="local Postgres port (default: 15432)"
-    )
-    p.add_argument("--concurrency", type=int, default=50, help="worker concurrency (default: 50)")
-    p.add_argument(
-        "--grace",
-        type=float,
-        default=30.0,
-        help="seconds from Ctrl-C/SIGTERM by which the worker's running jobs must end; the rest "
-        "are released to their queues (default: 30)",
-    )
-    p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser(
-        "api",
-        help="serve the HTTP API",
-        description="Serve the HTTP API (submit, status, SSE, admin, metrics, dashboard) with "
-        "granian or uvicorn. Needs JOBTIER_API_KEYS (key:tenant,…) and JOBTIER_ADMIN_KEY.",
-    )
-    p.add_argument("--host", help="listen address (default: JOBTIER_API_HOST, 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port (default: JOBTIER_API_PORT, 8000)")
-    p.add_argument("--workers", type=int, help="server processes (default: JOBTIER_API_WORKERS, 1)")
-    p.add_argument(
-        "--server", choices=["granian", "uvicorn"], help="ASGI server (default: JOBTIER_API_SERVER)"
-    )
-    p.set_defaults(func=cmd_api)
-
-    p = sub.add_parser(
-        "worker",
-        help="run tasks",
-        description="Claim jobs and run them with the tasks of MODULE (every @task in it) or "
-        "MODULE:ATTR (a TaskRegistry, a Task or a list of Tasks). It serves the queues of its "
-        "tasks (@task(queue=...); 'default' for those that name none) unless --queues says "
-        "otherwise, and never runs a job whose task it lacks: such a job is handed back, "
-        "untouched, to a worker that has it. SIGTERM (or SIGINT, SIGHUP) stops claiming at "
-        "once, lets running jobs finish until --grace seconds after it, then cancels and "
-        "releases the rest to their queues (no attempt used); a second signal releases them "
-        "at once.",
-    )
-    p.add_argument("tasks", metavar="MODULE[:ATTR]", help="where the tasks are, e.g. myapp.tasks")
-    p.add_argument(
-        "--queues",
-        "-q",
-        type=_queue_list,
-        help="comma-separated queues to serve, in turn (default: the queues of its tasks)",
-    )
-    p.add_argument(
-        "--concurrency", "-c", type=int, default=50, help="jobs run at once (default: 50)"
-    )
-    p.add_argument("--burst", action="store_true", help="drain the ready queues, then exit")
-    p.add_argument("--name", help="worker id (default: host:pid:random)")
-    p.add_argument(
-        "--grace",
-        type=float,
-        default=30.0,
-        help="seconds from SIGTERM by which running jobs must end; the rest are released to "
-        "their queues (default: 30). A second signal releases them at once",
-    )
-    p.set_defaults(func=cmd_worker)
-
-    p = sub.add_parser(
-        "scheduler",
-        help="promote due jobs and reclaim expired leases",
-        description="Promote scheduled jobs when due and requeue jobs whose worker stopped "
-        "heartbeating. Run as many as you like: every move is an atomic script.",
-    )
-    p.add_argument(
-        "--batch", type=int, default=200, help="most jobs moved per script call (default: 200)"
-    )
-    p.set_defaults(func=cmd_scheduler)
-
-    p = sub.add_parser(
-        "persister",
-        help="write every transition to Postgres (write-behind)",
-        description="Read the shards' transition logs and write them to Postgres in batches, "
-        "acknowledging only after commit. Run several: they share the work as one consumer "
-        "group, and take over a dead one's pending entries.",
-    )
-    p.add_argument(
-        "--name", help="consumer name (default: persister-host-pid); reuse it after a restart"
-    )
-    p.add_argument(
-        "--replay-refused",
-        action="store_true",
-        help="send the entries Postgres refused (parked in each shard's log:refused stream) "
-        "back to the logs for the persisters to try again, then exit",
-    )
-    p.set_defaults(func=cmd_persister)
-
-    p = sub.add_parser(
-        "dispatcher",
-        help="send webhooks: signed POSTs of job transitions, retried for hours",
-        description="Follow the shards' transition logs as the dispatchers' consumer group and "
-        "deliver webhooks: a job's own callback (its submit's `callback`) and the tenant's "
-        "subscriptions (/v1/webhooks), signed the Standard Webhooks way with the tenant's "
-        "secret. Deliveries and every attempt are recorded in Postgres (GET "
-        "/v1/jobs/{id}/deliveries); a failed one is retried on JOBTIER_WEBHOOK_RETRY_SCHEDULE. "
-        "Callback URLs must resolve to public addresses unless JOBTIER_WEBHOOK_ALLOWED_HOSTS "
-        "names them. Run several: they share the logs as one group and the deliveries through "
-        "Postgres, and a dead one's work is taken over. Needs JOBTIER_REDIS_URL and "
-        "JOBTIER_DATABASE_URL (migrated).",
-    )
-    p.add_argument(
-        "--name", help="consumer name (default: dispatcher-host-pid); reuse it after a restart"
-    )
-    p.set_defaults(func=cmd_dispatcher)
-
-    p = sub.add_parser(
-        "prune",
-        help="apply the Postgres retention now (persisters also do it, hourly by default)",
-        description="Apply the retention settings to JOBTIER_DATABASE_URL once: create the "
-        "history's daily partitions ahead, drop (or, with JOBTIER_PG_HISTORY_DETACH=1, "
-        "detach) those older than JOBTIER_PG_HISTORY_RETENTION_DAYS, and delete the jobs "
-        "that finished more than JOBTIER_PG_JOB_RETENTION_DAYS ago, in small batches (0 "
-        "keeps either forever). Waiting and running jobs are never deleted. Persisters do "
-        "the same every JOBTIER_PRUNE_INTERVAL_SECONDS; one pass runs at a time.",
-    )
-    p.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="print what would be created, dropped and deleted, with row counts; change nothing",
-    )
-    p.set_defaults(func=cmd_prune)
-
-    p = sub.add_parser(
-        "migrate",
-        help="apply pending database migrations",
-        description="Apply the pending migrations to JOBTIER_DATABASE_URL, in one transaction, "
-        "under a lock: safe to run from several deploys at once.",
-    )
-    p.set_defaults(func=cmd_migrate)
-
-    p = sub.add_parser(
-        "job-format",
-        help="show whether this jobtier can read the job records in Redis; --upgrade them once",
-        description="This jobtier reads and writes job records in Redis in one format (3: a "
-        "job's small fields packed in two values, no stored status document: it is rendered "
-        "when read). Jobtiers before it wrote formats 1 and 2, and, before named queues, kept "
-        "ready jobs in per-priority lists. Without options: per shard, whether this jobtier "
-        "can read it (marked format 3, or never held a job) or what it holds that needs the "
-        "upgrade; every process of this jobtier refuses to start on a deployment that needs "
-        "it, naming this command. With --upgrade: rewrite every older job record into format "
-        "3 and move the old ready lists into the named queues' (each once; safe to run again, "
-        "and to run again after it stopped half-way), then mark every shard format 3. Jobs "
-        "carry on where they were: versions, leases, history and documents are kept. Stop "
-        "processes of a jobtier from before format 3 first; those of the jobtier just before "
-        "this one read format 3 and may keep running.",
-    )
-    p.add_argument(
-        "--upgrade",
-        action="store_true",
-        help="rewrite older job records into format 3, move the old ready lists, mark every "
-        "shard; then show the result",
-    )
-    p.set_defaults(func=cmd_job_format)
-
-    p = sub.add_parser(
-        "scripts",
-        help="list, or prune, the Redis function libraries of jobtier versions",
-        description="The transition scripts are one Redis function library per jobtier "
-        "version (jobtier_<digest of its code>), loaded by every process as it connects. A "
-        "version's library stays in Redis after its last process stops. Without options: "
-        "the jobtier libraries on each primary, this version's (the jobtier that runs this "
-        "command) marked. With --prune: delete every one but this version's. Safe at any "
-        "time: a process of another version still running loads its own again at its next "
-        "call; run it after a deploy has finished, from the version deployed.",
-    )
-    p.add_argument(
-        "--prune", action="store_true", help="delete every jobtier library but this version's"
-    )
-    p.set_defaults(func=cmd_scripts)
-
-    p = sub.add_parser(
-        "bench",
-        help="run a benchmark (each starts its own local services; results go to bench/results/)",
-        description="Run a benchmark program of the source tree. Each starts its own local Redis "
-        "(and Postgres, servers, workers) on loopback ports, prints a table, compares against a "
-        "baseline measured in the same run, and saves its results under bench/results/. "
-        "Arguments after NAME go to the program (try `jobtier bench NAME --help`).\n\n"
-        + "\n".join(f"  {name:12} {what}" for name, what in BENCHMARKS.items()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("name", choices=sorted(BENCHMARKS), metavar="NAME", help="which benchmark")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="its own arguments")
-    p.set_defaults(func=cmd_bench)
-
-    p = sub.add_parser(
-        "check",
-        help="health check: is a ROLE process on this host alive?",
-        description="Exit 0 if a jobtier process of ROLE on this host published its metrics "
-        "to Redis within --max-age seconds (every process does so every 2 s from its event "
-        "loop, so a hung loop or a lost Redis connection fails the check), else 1 with the "
-        "reason. For container health checks of the processes that serve no port: worker, "
-        "scheduler, persister, dispatcher.",
-    )
-    p.add_argument("role", choices=ROLES, metavar="ROLE", help=", ".join(ROLES))
-    p.add_argument(
-        "--max-age", type=float, default=15.0, help="seconds since the last publication (15)"
-    )
-    p.add_argument(
-        "--any-host", action="store_true", help="a process on any host will do (fleet check)"
-    )
-    p.set_defaults(func=cmd_check)
-
-    p = sub.add_parser(
-        "config",
-        help="print the settings in effect (secrets masked)",
-        description="Print every setting as the JOBTIER_* variable that sets it, with the value "
-        "this environment gives it (API keys, the admin key and the database URL masked).",
-    )
-    p.add_argument("--table", action="store_true", help="print every setting as a markdown table")
-    p.set_defaults(func=cmd_config)
-
-    cli_admin.add_commands(sub, cmd_admin)
+    for name, func, help, description, *args in COMMANDS:
+        raw = "\n" in description
+        formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
+        p = sub.add_parser(name, help=help, description=description, formatter_class=formatter)
+        for flags, options in args:
+            p.add_argument(*flags, **options)
+        p.set_defaults(func=func)
+    manage.add_commands(sub)
     return parser
 
 

@@ -292,8 +292,9 @@ def queues_limit(c: Client, a: argparse.Namespace) -> Any:
 
 
 # --- running --------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> int:
-    """Run one admin command: connect, call, print; the errors as one line on stderr."""
+def run(args: argparse.Namespace, settings: object = None) -> int:
+    """Run one admin command: connect, call, print; the errors as one line on stderr (the
+    settings ``jobtier`` passes every command are not needed)."""
     import httpx
 
     from jobtier.client import ApiError, Client
@@ -333,16 +334,16 @@ def run(args: argparse.Namespace) -> int:
 Handler = Callable[["Client", argparse.Namespace], Any]
 
 
-def add_commands(sub: Any, runner: Callable[[argparse.Namespace, Any], int]) -> None:
-    """Add ``jobs``, ``dead-letters`` and ``queues`` to the ``jobtier`` parser; ``runner`` is
-    the function every command calls (``cli/main.py``'s, which passes the settings along)."""
+def add_commands(sub: Any) -> None:
+    """Add ``jobs``, ``dead-letters`` and ``queues`` to the ``jobtier`` parser: each command
+    runs ``run``."""
 
     def action(
         group: Any, name: str, handler: Handler, key: str, help: str
     ) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = group.add_parser(name, help=help, description=help)
         _connection(p, key)
-        p.set_defaults(func=runner, handler=handler, action=name)
+        p.set_defaults(func=run, handler=handler, action=name)
         return p
 
     # jobs (a tenant's key)
@@ -401,7 +402,7 @@ def add_commands(sub: Any, runner: Callable[[argparse.Namespace, Any], int]) -> 
     _connection(p, ADMIN)
     group = p.add_subparsers(dest="action", metavar="ACTION")
     # after add_subparsers, whose default (None) would win: without an action, the list
-    p.set_defaults(func=runner, handler=queues_list, action="list")
+    p.set_defaults(func=run, handler=queues_list, action="list")
     action(
         group, "list", queues_list, ADMIN, "every queue: ready, running, parked, oldest, workers"
     )

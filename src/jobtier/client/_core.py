@@ -75,6 +75,37 @@ try:
 except metadata.PackageNotFoundError:  # running from a source tree
     USER_AGENT = "jobtier-client"
 
+# what the clients (jobtier.client) take from here: the steps, what the operations take and give
+__all__ = [
+    "BaseClient",
+    "Call",
+    "DeadLetter",
+    "Dependency",
+    "Emit",
+    "FlowJob",
+    "FlowSubmission",
+    "JobDetails",
+    "JobPage",
+    "JobSpec",
+    "JobStatus",
+    "LogLine",
+    "OnDependencyFailure",
+    "Op",
+    "Priority",
+    "QueueInfo",
+    "QueueLimits",
+    "ReadLine",
+    "Result",
+    "Schedule",
+    "ScheduleSpec",
+    "Sleep",
+    "State",
+    "Submission",
+    "TaskAd",
+    "Transition",
+    "kept",
+]
+
 T = TypeVar("T")
 TransportT = TypeVar("TransportT", httpx.BaseTransport, httpx.AsyncBaseTransport)
 
@@ -114,6 +145,11 @@ class Emit:
 Step = Call | Sleep | ReadLine | Emit
 Op = Generator[Step, Any, T]
 READ_LINE = ReadLine()
+
+
+def kept(op: Op[T], into: list[T]) -> Op[None]:
+    """``op``, its value appended to ``into``: a driver of statuses (events) runs any op."""
+    into.append((yield from op))
 
 
 # --- helpers --------------------------------------------------------------------------------

@@ -28,6 +28,8 @@ from jobtier.runtime.stopping import stop_task
 from jobtier.store.redis import RedisClient
 
 log = logging.getLogger("jobtier.engine.catalog")
+REFRESH_EVERY = 5.0  # seconds between loads of the catalogue
+MISS_REFRESH = 1.0  # least seconds between loads for a type it does not know
 _ad_decoder = msgspec.json.Decoder(TaskAd)
 
 
@@ -57,24 +59,14 @@ async def publish(redis: RedisClient, keys: Keys, ads: list[TaskAd]) -> None:
 
 
 class TaskCatalog:
-    """The catalogue as the API reads it: refreshed every ``refresh`` seconds, and at once
-    (at most every ``miss_refresh`` seconds) when a submit names a type it does not know.
+    """The catalogue as the API reads it: refreshed every ``REFRESH_EVERY`` seconds, and at
+    once (at most every ``MISS_REFRESH`` seconds) when a submit names a type it does not know.
     An entry counts while its last advert is at most ``ttl`` seconds old."""
 
-    def __init__(
-        self,
-        redis: RedisClient,
-        keys: Keys,
-        *,
-        ttl: float = 86400.0,
-        refresh: float = 5.0,
-        miss_refresh: float = 1.0,
-    ) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, *, ttl: float = 86400.0) -> None:
         self.redis = redis
         self.keys = keys
         self.ttl = ttl
-        self.refresh_every = refresh
-        self.miss_refresh = miss_refresh
         self._ads: dict[str, TaskAd] = {}
         self._infos: dict[str, TaskInfo] = {}
         self._checks: dict[str, tuple[bytes, Any]] = {}  # type -> (schema JSON, check)
@@ -99,7 +91,7 @@ class TaskCatalog:
     async def ensure(self, types: set[str]) -> None:
         """Refresh now if a type is unknown and the last load is old enough."""
         if any(self.info(t) is None for t in types) and (
-            time.monotonic() - self._loaded_at >= self.miss_refresh
+            time.monotonic() - self._loaded_at >= MISS_REFRESH
         ):
             await self.load()
 
@@ -132,4 +124,4 @@ class TaskCatalog:
         await stop_task(self._task, "task catalog refresh")
 
     async def _loop(self) -> None:
-        await every(self.refresh_every, self.load, event="catalog_refresh", log=log)
+        await every(REFRESH_EVERY, self.load, event="catalog_refresh", log=log)

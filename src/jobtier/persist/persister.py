@@ -66,7 +66,6 @@ class Persister:
         pool: Pool,
         name: str,
         *,
-        keys: Keys | None = None,
         on_commit: Callable[[Sequence[LogEntry], float], None] | None = None,
         concurrency: int = 2,
         batch_timeout: float = BATCH_TIMEOUT,
@@ -74,7 +73,7 @@ class Persister:
         self.settings = settings
         self.pool = pool
         self.name = name
-        self.keys = keys = keys or Keys(settings.prefix, settings.shards)
+        self.keys = keys = Keys(settings.prefix, settings.shards)
         self.batch_size = max(1, settings.persist_batch_size)
         self.interval = settings.persist_interval
         self.on_commit = on_commit

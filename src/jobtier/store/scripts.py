@@ -29,7 +29,6 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from jobtier.core.errors import Code
 from jobtier.core.keys import Keys
-from jobtier.core.model import DEFAULT_QUEUE
 from jobtier.store import calls
 from jobtier.store.calls import Call, ClaimBatch
 from jobtier.store.redis import RedisClient
@@ -310,16 +309,10 @@ class Scripts:
             out.extend(group_replies)
         return out
 
-    async def claim(
-        self,
-        shard: int,
-        worker: str,
-        count: int,
-        lease_ms: int,
-        queues: Sequence[tuple[str, int]] = ((DEFAULT_QUEUE, -1),),
-        types: Sequence[str] = (),
-    ) -> ClaimBatch:
-        reply = await self.call(*calls.claim_call(shard, worker, count, lease_ms, queues, types))
+    async def claim(self, shard: int, *args: Any, **options: Any) -> ClaimBatch:
+        """A claim on ``shard`` (after it, ``calls.claim_call``'s arguments), its reply parsed:
+        for tests and tools (a worker's claims go through ``call_many``)."""
+        reply = await self.call(*calls.claim_call(shard, *args, **options))
         return calls.parse_claim(shard, reply)
 
     async def cancel(

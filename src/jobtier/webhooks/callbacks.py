@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from jobtier.config import Settings
@@ -48,25 +49,19 @@ class SecretMissing(JobtierError):
         )
 
 
+@dataclass(eq=False)
 class CallbackStore:
     """The callbacks of jobs: ``register`` before their submit, ``forget`` the ids it did
-    not create. Postgres errors pass through (the API answers them with 503)."""
+    not create. Postgres errors pass through (the API answers them with 503). ``own_pool``:
+    ``close`` closes the pool."""
 
-    def __init__(
-        self,
-        pool: Pool,
-        redis: RedisClient,
-        keys: Keys,
-        policy: AddressPolicy,
-        *,
-        own_pool: bool = False,
-    ) -> None:
-        self.pool = pool
-        self.redis = redis
-        self.keys = keys
-        self.policy = policy
-        self._own = own_pool
-        self._group_ready = False
+    pool: Pool
+    redis: RedisClient
+    keys: Keys
+    policy: AddressPolicy
+    _: KW_ONLY
+    own_pool: bool = False
+    _group_ready: bool = field(default=False, init=False)
 
     @classmethod
     async def connect(cls, settings: Settings, redis: RedisClient, keys: Keys) -> CallbackStore:
@@ -82,7 +77,7 @@ class CallbackStore:
         return cls(pool, redis, keys, policy, own_pool=True)
 
     async def close(self) -> None:
-        if self._own:
+        if self.own_pool:
             await self.pool.close()
 
     async def check(self, url: Any, events: Any, field: str) -> None:
@@ -115,8 +110,8 @@ class CallbackStore:
         """Write (job id, callback, field prefix) triples before their submit. Every one is
         checked before any is written: one refused (``InvalidRequest`` naming its field) or
         a tenant without a secret (``SecretMissing``) writes none."""
-        for _, cb, field in callbacks:
-            await self.check(cb.url, cb.events, field)
+        for _, cb, where in callbacks:
+            await self.check(cb.url, cb.events, where)
         if await self.pool.fetchrow(query("secret_get"), tenant) is None:
             raise SecretMissing()
         await self.ensure_group()

@@ -47,7 +47,7 @@ from jobtier.webhooks import marks
 from jobtier.webhooks.attempts import Attempts
 from jobtier.webhooks.callbacks import group_name
 from jobtier.webhooks.deliveries import PG_UNAVAILABLE, DeliveryStore, made_from
-from jobtier.webhooks.safety import AddressPolicy, Resolver
+from jobtier.webhooks.safety import AddressPolicy
 from jobtier.webhooks.sender import Sender
 
 log = logging.getLogger("jobtier.webhooks")
@@ -71,27 +71,15 @@ class DispatcherStats:
 
 
 class Dispatcher:
-    """One member of the dispatchers' consumer group. ``await run()`` until ``stop()``.
+    """One member of the dispatchers' consumer group. ``await run()`` until ``stop()``."""
 
-    ``resolver`` replaces the system's DNS for the address checks (tests).
-    """
-
-    def __init__(
-        self,
-        settings: Settings,
-        redis: RedisClient,
-        pool: Pool,
-        name: str,
-        *,
-        keys: Keys | None = None,
-        resolver: Resolver | None = None,
-    ) -> None:
+    def __init__(self, settings: Settings, redis: RedisClient, pool: Pool, name: str) -> None:
         self.settings = settings
         self.redis = redis
         self.store = DeliveryStore(pool)
         self.name = name
-        self.keys = keys = keys or Keys(settings.prefix, settings.shards)
-        self.policy = AddressPolicy(settings.webhook_allowed_hosts, resolver)
+        self.keys = keys = Keys(settings.prefix, settings.shards)
+        self.policy = AddressPolicy(settings.webhook_allowed_hosts)
         self.sender = Sender(
             self.policy,
             timeout=settings.webhook_timeout_seconds,
@@ -115,29 +103,26 @@ class Dispatcher:
     def metrics(self) -> Snapshot:
         """This dispatcher's part of its process's metrics snapshot."""
         st, at = self.stats, self.attempts.stats
-        return Snapshot(
-            "",
-            "",
-            0.0,
-            counters={
-                "dispatcher_entries_total": {"": st.entries},
-                "dispatcher_entries_skipped_total": {"": st.skipped},
-                "dispatcher_target_lookups_total": {"": st.lookups},
-                "dispatcher_tenants_unmarked_total": {"": st.unmarked},
-                "dispatcher_claimed_total": {"": st.claimed},
-                "dispatcher_bad_entries_total": {"": st.bad_entries},
-                "webhook_deliveries_created_total": {"": st.created},
-                "webhook_attempts_total": {labels(outcome=k): v for k, v in at.attempts.items()},
-            },
-            gauges={
-                "webhook_deliveries_pending": {"": at.pending},
-                "webhook_attempts_in_flight": {"": len(self.attempts.running)},
-            },
-            histograms={
-                "webhook_delivery_latency_seconds": {"": at.latency.snapshot()},
-                "webhook_attempt_seconds": {"": at.attempt_time.snapshot()},
-            },
-        )
+        totals = {
+            "dispatcher_entries_total": st.entries,
+            "dispatcher_entries_skipped_total": st.skipped,
+            "dispatcher_target_lookups_total": st.lookups,
+            "dispatcher_tenants_unmarked_total": st.unmarked,
+            "dispatcher_claimed_total": st.claimed,
+            "dispatcher_bad_entries_total": st.bad_entries,
+            "webhook_deliveries_created_total": st.created,
+        }
+        counters: dict[str, dict[str, float]] = {name: {"": n} for name, n in totals.items()}
+        counters["webhook_attempts_total"] = {labels(outcome=k): v for k, v in at.attempts.items()}
+        gauges: dict[str, dict[str, float]] = {
+            "webhook_deliveries_pending": {"": at.pending},
+            "webhook_attempts_in_flight": {"": len(self.attempts.running)},
+        }
+        histograms = {
+            "webhook_delivery_latency_seconds": {"": at.latency.snapshot()},
+            "webhook_attempt_seconds": {"": at.attempt_time.snapshot()},
+        }
+        return Snapshot("", "", 0.0, counters, gauges, histograms)
 
     def stop(self) -> None:
         self.consumer.stop()

@@ -178,11 +178,7 @@ class JobContext:
         It appears in the job's status document within a fraction of a second; reports made
         faster than that are merged, the latest winning.
         """
-        data = encode_json(value)
-        if threading.get_ident() == self._loop_thread:
-            self._on_progress(data)
-        else:
-            self._loop.call_soon_threadsafe(self._on_progress, data)
+        self._on_loop(self._on_progress, encode_json(value))
 
     def log(self, message: Any) -> None:
         """Add a line to the job's log: ``GET /v1/jobs/{id}/logs``, ``Client.logs()`` and
@@ -206,10 +202,14 @@ class JobContext:
                 buffer.dropped += 1  # the deque drops its oldest line
             buffer.lines.append(line)
         if first and self._on_log is not None:
-            if threading.get_ident() == self._loop_thread:
-                self._on_log(self)
-            else:
-                self._loop.call_soon_threadsafe(self._on_log, self)
+            self._on_loop(self._on_log, self)
+
+    def _on_loop(self, call: Callable[[Any], None], arg: Any) -> None:
+        """``call(arg)`` on the worker's event loop: now when on its thread, else soon."""
+        if threading.get_ident() == self._loop_thread:
+            call(arg)
+        else:
+            self._loop.call_soon_threadsafe(call, arg)
 
     def _take_logs(self) -> list[bytes]:
         """The lines logged since the last call (JSON ``LogLine`` each), oldest first; a line

@@ -22,31 +22,21 @@ local j = load(id)
 if not j or (tenant ~= '' and j.tenant ~= tenant) then
   return {NOT_FOUND, ''}
 end
-local key = job_key(id)
-local from = j.state
-if from == 'queued' then
-  remove_ready(j)
-elseif from == 'scheduled' then
-  redis.call('ZREM', BASE .. 'sched', id)
-elseif from == 'waiting' then  -- for its dependencies (finish cancels its unstarted children)
-  unwait(j)
-elseif from == 'running' then
+if j.state == 'running' then
   if j.cancel ~= '1' then
     j.cancel = '1'
-    local doc = commit(j, from, 'api')
+    local doc = commit(j, 'running', 'api')
     -- the push: only the worker named here acts on it (worker/runner.py _on_wake)
     redis.call('SPUBLISH', BASE .. 'wake', 'x ' .. id .. ' ' .. j.worker)
     flush()
     return {OK, doc}
   end
-  return {OK, (select(2, status_of(key)))}
-else
-  return {WRONG_STATE, (select(2, status_of(key)))}
+  return {OK, (select(2, status_of(j._key)))}
+elseif not WAITING[j.state] then
+  return {WRONG_STATE, (select(2, status_of(j._key)))}
 end
-j.state = 'cancelled'
-j.cancel = '1'
-j.error = cancelled_error('cancelled on request while ' .. from)
-local doc = commit(j, from, 'api')
-finish(j, ARGV[4])
+-- a waiting one (for its dependencies): finish cancels its unstarted children
+local why = 'cancelled on request while ' .. j.state
+local doc = cancel_unstarted(j, 'api', ARGV[4], error_json('Cancelled', why))
 flush()
 return {OK, doc}

@@ -154,15 +154,7 @@ local nout = #out
 local handed = {}  -- ids handed back, pushed back once every pop is done
 local claimed = 0
 local deadline = NOW + lease
--- leases go into the active set in one ZADD per 1,000 jobs rather than one per job (each
--- redis.call has a fixed cost; unpack() stays far below Lua's C-stack limit)
-local active = {}
-local function add_active()
-  if #active > 0 then
-    redis.call('ZADD', BASE .. 'active', unpack(active))
-    active = {}
-  end
-end
+local active = {}  -- (deadline, id) of each lease, for the active set: ZADDs of CHUNK values
 
 local function claim_ids(ids)
   for _, id in ipairs(ids) do
@@ -181,9 +173,6 @@ local function claim_ids(ids)
         j.lease_version = int(tonumber(j.version) + 1)
         commit(j, 'queued', worker)
         active[#active + 1], active[#active + 2] = deadline, id
-        if #active >= 2000 then
-          add_active()
-        end
         local k = nout
         out[k + 1], out[k + 2], out[k + 3], out[k + 4] = id, j.type, j.more, j.attempt
         out[k + 5], out[k + 6], out[k + 7] = j.max_attempts, j.lease_version, queued_at
@@ -250,7 +239,7 @@ while claimed < wanted and left > 0 and popped_total < 2 * wanted do
   end
   claim_ids(ids)
 end
-add_active()
+chunked('ZADD', BASE .. 'active', active)
 for _, j in ipairs(handed) do
   local field = j.queue .. ':' .. j.type
   redis.call('LPUSH', BASE .. 'park:' .. field, j.id)

@@ -11,46 +11,25 @@
 -- dropped, never applied. A success wins over a pending cancel request (documented).
 --!include lib.lua
 
-local worker, ttl, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
-local out = {}
--- finished jobs leave the active set in one ZREM per 1,000 rather than one call per job
-local done = {}
-local function remove_active()
-  if #done > 0 then
-    redis.call('ZREM', BASE .. 'active', unpack(done))
-    done = {}
-  end
-end
-for i = 0, n - 1 do
-  local a = 5 + i * 3
-  local id, result = ARGV[a], ARGV[a + 2]
-  local j = load(id)
-  local code = check_lease(j, ARGV[a + 1], worker)
-  if code == OK then
-    done[#done + 1] = id
-    if #done >= 1000 then
-      remove_active()
+local worker, ttl = ARGV[2], ARGV[3]
+local out = let_go(ARGV, 3, function(j, a)
+  local result = ARGV[a + 2]
+  j.state = 'succeeded'
+  -- a null result (the task returned None) is the field's absence, which readers take as
+  -- null too: no write, and nothing for the append-only file; a result is written by
+  -- commit()'s HSET with the job's fields (one call, one AOF entry)
+  if result ~= '' then
+    j._set = {'result', result}
+    -- a result kept outside Redis (persist/results.py) comes as '@' .. its reference (JSON
+    -- never starts with '@'): flagged 'R' in wf, so that its document (lib.lua render) says
+    -- where to read it, whenever it is rendered
+    if string.byte(result, 1) == 64 then
+      j.wf = j.wf .. 'R'
+      j._set[3], j._set[4] = 'wf', j.wf
     end
-    ck_release(j)
-    j.state = 'succeeded'
-    -- a null result (the task returned None) is the field's absence, which readers take as
-    -- null too: no write, and nothing for the append-only file; a result is written by
-    -- commit()'s HSET with the job's fields (one call, one AOF entry)
-    if result ~= '' then
-      j._set = {'result', result}
-      -- a result kept outside Redis (persist/results.py) comes as '@' .. its reference (JSON
-      -- never starts with '@'): flagged 'R' in wf, so that its document (lib.lua render) says
-      -- where to read it, whenever it is rendered
-      if string.byte(result, 1) == 64 then
-        j.wf = j.wf .. 'R'
-        j._set[3], j._set[4] = 'wf', j.wf
-      end
-    end
-    commit(j, 'running', worker, {'r', result})
-    finish(j, ttl)
   end
-  out[#out + 1] = code
-end
-remove_active()
+  commit(j, 'running', worker, {'r', result})
+  finish(j, ttl)
+end)
 flush()
 return out

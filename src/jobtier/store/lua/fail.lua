@@ -16,47 +16,34 @@
 -- Returns  per job: code, new state ('' when refused)
 --!include lib.lua
 
-local worker, ttl, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
-local out = {}
-for i = 0, n - 1 do
-  local a = 5 + i * 5
-  local id, delay = ARGV[a], tonumber(ARGV[a + 3])
-  local j = load(id)
-  local code = check_lease(j, ARGV[a + 1], worker)
-  local state = ''
-  if code == OK then
-    redis.call('ZREM', BASE .. 'active', id)
-    ck_release(j)
-    j.error = ARGV[a + 2]
-    if ARGV[a + 4] == '1' then
-      j.attempt = int(tonumber(j.attempt) - 1)
-    end
-    if j.cancel == '1' then
-      -- asked to stop: no retry, no dead letter (the failure may well be the stop itself)
-      local ok, failed = pcall(cjson.decode, ARGV[a + 2])
-      if not ok or type(failed) ~= 'table' then
-        failed = {}
-      end
-      j.state = 'cancelled'
-      j.error = cancelled_error('cancelled on request while running (attempt ' .. j.attempt
-                                .. ', which then failed with ' .. tostring(failed.type or 'an error')
-                                .. ')', failed.traceback)
-      commit(j, 'running', worker)
-      finish(j, ttl)
-    elseif delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
-      j.state = 'scheduled'
-      j.run_at = int(NOW + delay)
-      commit(j, 'running', worker)
-      add_timed('sched', j, NOW + delay)
-    else
-      j.state = 'failed'
-      commit(j, 'running', worker)
-      redis.call('ZADD', BASE .. 'dead', NOW, id)
-      finish(j, ttl)
-    end
-    state = j.state
+local worker, ttl = ARGV[2], ARGV[3]
+local out = let_go(ARGV, 5, function(j, a)
+  local delay = tonumber(ARGV[a + 3])
+  j.error = ARGV[a + 2]
+  if ARGV[a + 4] == '1' then
+    j.attempt = int(tonumber(j.attempt) - 1)
   end
-  out[#out + 1], out[#out + 2] = code, state
-end
+  if j.cancel == '1' then
+    -- asked to stop: no retry, no dead letter (the failure may well be the stop itself)
+    local ok, failed = pcall(cjson.decode, ARGV[a + 2])
+    if not ok or type(failed) ~= 'table' then
+      failed = {}
+    end
+    local why = 'cancelled on request while running (attempt ' .. j.attempt
+      .. ', which then failed with ' .. tostring(failed.type or 'an error') .. ')'
+    cancel_job(j, 'running', worker, ttl, error_json('Cancelled', why, failed.traceback))
+  elseif delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
+    j.state = 'scheduled'
+    j.run_at = int(NOW + delay)
+    commit(j, 'running', worker)
+    add_timed('sched', j, NOW + delay)
+  else
+    j.state = 'failed'
+    commit(j, 'running', worker)
+    redis.call('ZADD', BASE .. 'dead', NOW, j.id)
+    finish(j, ttl)
+  end
+  return j.state
+end, true)
 flush()
 return out

@@ -40,15 +40,14 @@ local TERMINAL = {succeeded = true, failed = true, cancelled = true}
 -- byte the one commit() logged and published. Packed, a transition reads 7 fields and writes
 -- 2 or 3: fewer values for Redis to look up, for Lua to convert and for the AOF to store.
 --
--- load()'s HMGET. created_iso keeps the rendered creation time, run_at_iso the rendered
--- run-at (see render): formatting a date is a large share of a transition's work in Redis.
--- lv and lt are the version and time (ms) of the job's last logged entry (see commit). wf:
--- the job's flow flags ('' for a job with no dependency, dependent or compensation: the only
--- field a plain job pays for flows; see the flows section).
+-- created_iso keeps the rendered creation time, run_at_iso the rendered run-at (see render):
+-- formatting a date is a large share of a transition's work in Redis. lv and lt are the
+-- version and time (ms) of the job's last logged entry (see commit). wf: the job's flow flags
+-- ('' for a job with no dependency, dependent or compensation: the only field a plain job
+-- pays for flows; see the flows section).
 local FIELDS = {'id', 'tenant', 'c', 't', 'wf', 'error', 'progress'}
-local C_AT, T_AT, ERROR_AT, PROGRESS_AT = 3, 4, 6, 7
--- 'c' and 't' are unpacked by C_PATTERN and T_PATTERN, and the document rendered by
--- render(), from render.lua:
+-- job_fields() reads them, C_PATTERN and T_PATTERN unpack 'c' and 't', render() renders the
+-- document: render.lua's.
 --!include render.lua
 
 local function job_key(id)
@@ -60,18 +59,11 @@ end
 -- 'progress' when they moved), less for the AOF to store and for Lua to hand over. j._key is
 -- the hash's key (create_job sets it too), built once per job.
 -- The table is built by one constructor that names every field: Lua sizes it once, where
--- filling it in a loop rehashes it as it grows. The HMGET names its fields as literals rather
--- than unpack(FIELDS), one call less per job; a unit test keeps them in step with FIELDS.
--- `more` (optional): one more field to read in the same HMGET, as j.more (claim.lua reads the
--- payload so rather than with an HGET after).
+-- filling it in a loop rehashes it as it grows. `more` (optional): one more field to read in
+-- the same HMGET, as j.more (claim.lua reads the payload so rather than with an HGET after).
 local function load(id, more)
   local key = job_key(id)
-  local v
-  if more then
-    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress', more)
-  else
-    v = redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress')
-  end
+  local v = job_fields(key, more)
   if not v[1] then
     return nil
   end
@@ -90,10 +82,7 @@ local function load(id, more)
              run_at = run_at, run_at_iso = run_at_iso, cancel = cancel,
              lease_version = lease_version, lv = lv, lt = lt, worker = worker, more = v[8],
              _was = v, _key = key}
-  if j.wf ~= '' and string.find(j.wf, 'w', 1, true) then
-    -- waits (or waited) for dependencies: its document shows their count (render)
-    j.dd = redis.call('HGET', key, 'dd') or ''
-  end
+  read_deps(j, key)
   return j
 end
 
@@ -433,6 +422,16 @@ local function pop_ready(queue, prio, n, out)
   return got
 end
 
+-- Run `command key ...` over `values` in calls of up to CHUNK of them: a few calls for many
+-- values (each redis.call has a fixed cost), and never so many at once that unpack() passes
+-- Lua's C-stack limit (a fan-in's 10,000 ids).
+local CHUNK = 1000  -- even: (score, member) pairs stay whole
+local function chunked(command, key, values)
+  for i = 1, #values, CHUNK do
+    redis.call(command, key, unpack(values, i, math.min(i + CHUNK - 1, #values)))
+  end
+end
+
 -- Put j in a sorted set scored by `at`; tell the scheduler when `at` is the new earliest.
 local function add_timed(set, j, at)
   redis.call('ZADD', BASE .. set, at, j.id)
@@ -519,16 +518,56 @@ local function next_score(set)
   return -1
 end
 
--- The error of a cancelled job (cancel.lua, stopped.lua, fail.lua, reclaim.lua). It replaces
--- whatever an earlier attempt left in `error`, which would otherwise read as why the job
--- ended: a cancelled job's error is always of type Cancelled. `traceback`: the failure of the
--- attempt that was running, when it failed after the request (fail.lua), else nil.
-local function cancelled_error(message, traceback)
+-- A job's error as its document shows it (core/model.py JobError); `traceback` may be nil.
+local function error_json(kind, message, traceback)
   local tb = ''
   if type(traceback) == 'string' then
     tb = ',"traceback":' .. cjson.encode(traceback)
   end
-  return '{"type":"Cancelled","message":' .. cjson.encode(message) .. tb .. '}'
+  return '{"type":"' .. kind .. '","message":' .. cjson.encode(message) .. tb .. '}'
+end
+
+-- j is cancelled (from state `from`, by `actor`). `error` (JSON; nil keeps j's) replaces
+-- whatever an earlier attempt left, which would otherwise read as why the job ended: a
+-- cancel on request's is a Cancelled error (error_json('Cancelled', ...)), with the
+-- traceback of the attempt that failed after the request (fail.lua). Returns its document.
+local function cancel_job(j, from, actor, ttl, error)
+  j.state = 'cancelled'
+  j.cancel = '1'
+  if error then
+    j.error = error
+  end
+  local doc = commit(j, from, actor)
+  finish(j, ttl)
+  return doc
+end
+
+-- A worker's batch about jobs it holds (complete.lua, fail.lua, stopped.lua): argv[2] its id,
+-- argv[4] how many jobs, then `width` values per job from argv[5], the first two its id and
+-- lease version. Each job whose lease holds (check_lease) leaves the active set (one ZREM per
+-- CHUNK ids) and its concurrency key's place, and apply(j, a) moves it (a: the place of its
+-- first value in argv) and returns its new state. Returns per job: its code, then, when
+-- `with_state`, that state ('' when refused).
+local function let_go(argv, width, apply, with_state)
+  local worker, n = argv[2], tonumber(argv[4])
+  local out, gone = {}, {}
+  for i = 0, n - 1 do
+    local a = 5 + i * width
+    local j = load(argv[a])
+    local code = check_lease(j, argv[a + 1], worker)
+    local state = ''
+    if code == OK then
+      gone[#gone + 1] = j.id
+      ck_release(j)
+      state = apply(j, a)
+    end
+    out[#out + 1] = code
+    if with_state then
+      out[#out + 1] = state
+    end
+  end
+  chunked('ZREM', BASE .. 'active', gone)
+  return out
 end
 
 -- --- Flows: dependencies, fan-in, compensation ------------------------------------------
@@ -551,7 +590,6 @@ end
 -- hand-off applied twice (a resolver died before acknowledging) changes nothing.
 local FLOW, UNLINKED  -- BASE .. 'flow', BASE .. 'unlinked' (begin())
 local STATE_MARK = {succeeded = 's', failed = 'f', cancelled = 'c', missing = 'm'}
-local CHUNK = 1000  -- arguments per call built with unpack(): far below Lua's C-stack limit
 
 local function has_flag(j, flag)
   return j.wf ~= '' and string.find(j.wf, flag, 1, true) ~= nil
@@ -566,14 +604,6 @@ local function handoff(kind, source, state, data, targets)
   if not flow_woken then
     flow_woken = true
     redis.call('SPUBLISH', BASE .. 'wake', 'f')
-  end
-end
-
--- Run `command key ...` over `values` in chunks (a fan-in's 10,000 ids in one call would pass
--- Lua's C-stack limit in unpack).
-local function chunked(command, key, values)
-  for i = 1, #values, CHUNK do
-    redis.call(command, key, unpack(values, i, math.min(i + CHUNK - 1, #values)))
   end
 end
 
@@ -644,6 +674,20 @@ end
 local function unwait(j)
   count(QUEUES, j.queue .. ':waiting', -1)
   redis.call('ZREM', UNLINKED, j.id)
+end
+
+-- j, not started (queued, scheduled or waiting), leaves where it waits and is cancelled
+-- (cancel_job): cancel.lua, resolve.lua.
+local function cancel_unstarted(j, actor, ttl, error)
+  local from = j.state
+  if from == 'queued' then
+    remove_ready(j)
+  elseif from == 'scheduled' then
+    redis.call('ZREM', BASE .. 'sched', j.id)
+  else
+    unwait(j)
+  end
+  return cancel_job(j, from, actor, ttl, error)
 end
 
 -- Crockford base32 of a millisecond time: the first 10 characters of a ULID (core/keys.py ulid).

@@ -66,10 +66,7 @@ local function cancel_ids(ids)
     -- invariant, as claim.lua's does; anything else is dropped from the list, not changed
     if j and j.state == 'queued' then
       ck_release(j)  -- may admit a job held behind the same key: it becomes ready (it stays)
-      j.state = 'cancelled'
-      j.cancel = '1'
-      commit(j, 'queued', 'admin')
-      finish(j, ttl)
+      cancel_job(j, 'queued', 'admin', ttl)
       cancelled = cancelled + 1
     end
   end

@@ -23,12 +23,10 @@ for _, id in ipairs(ids) do
     j.worker = ''
     ck_release(j)
     if j.cancel == '1' then
-      j.state = 'cancelled'
-      j.error = cancelled_error('cancelled on request; its worker ' .. lost .. ' stopped heartbeating')
-      commit(j, 'running', lost)
-      finish(j, ARGV[3])
+      local why = 'cancelled on request; its worker ' .. lost .. ' stopped heartbeating'
+      cancel_job(j, 'running', lost, ARGV[3], error_json('Cancelled', why))
     else
-      j.error = '{"type":"LeaseExpired","message":' .. cjson.encode('lease expired on worker ' .. lost) .. '}'
+      j.error = error_json('LeaseExpired', 'lease expired on worker ' .. lost)
       if tonumber(j.attempt) < tonumber(j.max_attempts) then
         j.state = 'queued'
         commit(j, 'running', lost)

@@ -4,6 +4,9 @@
 -- "Job hashes"). It reads nothing at its top level, so a read that includes it pays for no
 -- more than the functions it defines.
 
+-- places in job_fields' reply (below) of the fields lib.lua's load() and status_of() read
+local C_AT, T_AT, ERROR_AT, PROGRESS_AT = 3, 4, 6, 7
+
 -- the packed values:
 -- 'c': type priority max_attempts created_iso queue ckey
 local C_PATTERN = '^(%S*) (%a*) (%d*) (%S*) (%S*) (.*)$'
@@ -101,30 +104,41 @@ local function render(j)
     .. '}'
 end
 
+-- The fields of the job hash at `key` a transition reads (lib.lua FIELDS), and its field
+-- `more` after them when given: one HMGET naming them as literals (one call less per job than
+-- unpack(FIELDS); a unit test keeps them in step).
+local function job_fields(key, more)
+  if more then
+    return redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress', more)
+  end
+  return redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress')
+end
+
+-- j waits (or waited) for dependencies: its document shows their count (render, from 'dd')
+local function read_deps(j, key)
+  if j.wf ~= '' and string.find(j.wf, 'w', 1, true) then
+    j.dd = redis.call('HGET', key, 'dd') or ''
+  end
+end
+
 -- The tenant and status document of the job hash at `key`, and the value of its field `more`
 -- (nil for none); nil when Redis holds no such job. One HMGET of the fields render() needs:
 -- what it gives is byte for byte what commit() logged and published for the same version.
 local function status_of(key, more)
-  local v
-  if more then
-    v = redis.call('HMGET', key, 'tenant', 't', 'id', 'c', 'wf', 'error', 'progress', more)
-  else
-    v = redis.call('HMGET', key, 'tenant', 't', 'id', 'c', 'wf', 'error', 'progress')
-  end
+  local v = job_fields(key, more)
   -- every job holds 't' from its creation (lib.lua create_job): without it there is no job
   -- (a hash from before format 3 is not read as one: store/format.py adopt)
-  if not v[2] then
+  if not v[T_AT] then
     return nil
   end
-  local typ, prio, max_attempts, created_iso, queue = string.match(v[4], C_PATTERN)
+  local typ, prio, max_attempts, created_iso, queue = string.match(v[C_AT], C_PATTERN)
   local state, version, attempt, updated, run_at, run_at_iso, cancel, _, _, _, worker =
-    string.match(v[2], T_PATTERN)
-  local j = {id = v[3], type = typ, queue = queue, prio = prio, max_attempts = max_attempts,
+    string.match(v[T_AT], T_PATTERN)
+  local j = {id = v[1], type = typ, queue = queue, prio = prio, max_attempts = max_attempts,
              created_iso = created_iso, state = state, version = version, attempt = attempt,
              updated = updated, run_at = run_at, run_at_iso = run_at_iso, cancel = cancel,
-             worker = worker, wf = v[5] or '', error = v[6] or '', progress = v[7] or ''}
-  if j.wf ~= '' and string.find(j.wf, 'w', 1, true) then  -- waits for dependencies (lib.lua)
-    j.dd = redis.call('HGET', key, 'dd') or ''
-  end
-  return v[1], render(j), v[8]
+             worker = worker, wf = v[5] or '', error = v[ERROR_AT] or '',
+             progress = v[PROGRESS_AT] or ''}
+  read_deps(j, key)
+  return v[2], render(j), v[8]
 end

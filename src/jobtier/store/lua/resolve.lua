@@ -38,36 +38,18 @@ local function target(id)
 end
 
 local function failure_error(source, state, data)
+  local dependency = 'dependency ' .. source
   if state == 'missing' then
-    return '{"type":"DependencyMissing","message":' .. cjson.encode(
-      'dependency ' .. source .. ' does not exist (or is no longer kept)') .. '}'
+    return error_json('DependencyMissing', dependency .. ' does not exist (or is no longer kept)')
   elseif state == 'cancelled' then
-    return '{"type":"DependencyCancelled","message":' .. cjson.encode(
-      'dependency ' .. source .. ' was cancelled') .. '}'
+    return error_json('DependencyCancelled', dependency .. ' was cancelled')
   end
   local why = ''
   local ok, e = pcall(cjson.decode, data)
   if ok and type(e) == 'table' then
     why = ': ' .. tostring(e.type or 'Error') .. ': ' .. tostring(e.message or '')
   end
-  return '{"type":"DependencyFailed","message":' .. cjson.encode(
-    'dependency ' .. source .. ' failed' .. why) .. '}'
-end
-
-local function cancel(j, error)
-  local from = j.state
-  if from == 'queued' then
-    remove_ready(j)
-  elseif from == 'scheduled' then
-    redis.call('ZREM', BASE .. 'sched', j.id)
-  else
-    unwait(j)
-  end
-  j.state = 'cancelled'
-  j.cancel = '1'
-  j.error = error
-  commit(j, from, 'resolver')
-  finish(j, ttl)
+  return error_json('DependencyFailed', dependency .. ' failed' .. why)
 end
 
 for i = 0, n - 1 do
@@ -80,8 +62,8 @@ for i = 0, n - 1 do
     code = NOT_FOUND
   elseif kind == 'x' then
     if j.state == 'queued' or j.state == 'scheduled' or j.state == 'waiting' then
-      cancel(j, '{"type":"ParentCancelled","message":' .. cjson.encode(
-        'its parent ' .. source .. ' was cancelled') .. '}')
+      local why = 'its parent ' .. source .. ' was cancelled'
+      cancel_unstarted(j, 'resolver', ttl, error_json('ParentCancelled', why))
     else
       code = WRONG_STATE
     end
@@ -124,7 +106,7 @@ for _, j in ipairs(dirty) do
     j.dd = deps_doc(f.n, f.pending, f.failed)
     redis.call('HSET', job_key(j.id), 'dd', j.dd)
     if f.error and not f.run then
-      cancel(j, f.error)
+      cancel_unstarted(j, 'resolver', ttl, f.error)
     elseif f.pending <= 0 then
       unwait(j)
       local due = tonumber(j.run_at ~= '' and j.run_at or '0')

@@ -12,32 +12,19 @@
 -- A released job goes to the front of its queue: it already waited its turn.
 --!include lib.lua
 
-local worker, ttl, n = ARGV[2], ARGV[3], tonumber(ARGV[4])
-local out = {}
-for i = 0, n - 1 do
-  local a = 5 + i * 2
-  local id = ARGV[a]
-  local j = load(id)
-  local code = check_lease(j, ARGV[a + 1], worker)
-  local state = ''
-  if code == OK then
-    redis.call('ZREM', BASE .. 'active', id)
-    ck_release(j)
-    if j.cancel == '1' then
-      j.state = 'cancelled'
-      j.error = cancelled_error('cancelled on request while running (attempt ' .. j.attempt .. ')')
-      commit(j, 'running', worker)
-      finish(j, ttl)
-    else
-      j.state = 'queued'
-      j.attempt = int(tonumber(j.attempt) - 1)
-      j.worker = ''
-      commit(j, 'running', worker)
-      make_ready(j, true)
-    end
-    state = j.state
+local worker, ttl = ARGV[2], ARGV[3]
+local out = let_go(ARGV, 2, function(j)
+  if j.cancel == '1' then
+    local why = 'cancelled on request while running (attempt ' .. j.attempt .. ')'
+    cancel_job(j, 'running', worker, ttl, error_json('Cancelled', why))
+  else
+    j.state = 'queued'
+    j.attempt = int(tonumber(j.attempt) - 1)
+    j.worker = ''
+    commit(j, 'running', worker)
+    make_ready(j, true)
   end
-  out[#out + 1], out[#out + 2] = code, state
-end
+  return j.state
+end, true)
 flush()
 return out
