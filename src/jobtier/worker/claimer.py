@@ -136,11 +136,7 @@ class Claimer:
                 claimed = await self._claim(free)
                 backoff.reset()
             except (RedisError, OSError) as exc:
-                wait = backoff.next()
-                log.warning(
-                    "event=claim_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, wait
-                )
-                await wait_for(state.stopping, wait)
+                await state.claim_failed(backoff, exc)
                 continue
             finally:
                 reserved()

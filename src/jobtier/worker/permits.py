@@ -170,15 +170,7 @@ class LimitedClaimer:
                 pause = await self.round(free)
                 backoff.reset()
             except (RedisError, OSError) as exc:
-                wait = backoff.next()
-                log.warning(
-                    "event=claim_failed worker=%s queue=%s error=%r retry_in=%.2fs",
-                    state.id,
-                    self.queue,
-                    exc,
-                    wait,
-                )
-                await wait_for(state.stopping, wait)  # a back-off ends at a stop, no sooner
+                await state.claim_failed(backoff, exc, f" queue={self.queue}")
                 continue
             if pause is None:
                 continue  # claimed something: there may be more

@@ -15,6 +15,7 @@ was refused) and ``released`` (given back at shutdown) drop it, its fencing toke
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -24,9 +25,13 @@ from jobtier.core.errors import ConfigError
 from jobtier.core.model import ClaimedJob
 from jobtier.core.names import QUEUE_NAME_RE
 from jobtier.metrics.histogram import Histogram
+from jobtier.runtime.backoff import Backoff
+from jobtier.runtime.loop import wait_for
 from jobtier.store.context import Store
 from jobtier.worker.context import JobContext
 from jobtier.worker.registry import Task, TaskRegistry
+
+log = logging.getLogger("jobtier.worker")
 
 
 @dataclass(slots=True)
@@ -124,6 +129,14 @@ class WorkerState:
     async def wait_for_slot(self) -> None:
         self.slot_free.clear()
         await self.slot_free.wait()  # a stop sets it too
+
+    async def claim_failed(self, backoff: Backoff, exc: BaseException, where: str = "") -> None:
+        """Log a claim Redis refused and wait out its back-off (a stop ends the wait)."""
+        wait = backoff.next()
+        log.warning(
+            "event=claim_failed worker=%s%s error=%r retry_in=%.2fs", self.id, where, exc, wait
+        )
+        await wait_for(self.stopping, wait)
 
     # the job context's callbacks (on the event loop's thread)
     def on_progress(self, job_id: str, data: bytes) -> None:
