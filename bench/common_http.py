@@ -47,7 +47,7 @@ from jobtier.engine.queue import Queue
 from jobtier.status.reader import parse_version
 from jobtier.store import format as job_format
 from jobtier.store.calls import fail_call
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker
 

@@ -67,7 +67,7 @@ from jobtier.core.errors import Code
 from jobtier.core.model import JobSpec, QueueLimits, encode_json
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker, WorkerStats
 

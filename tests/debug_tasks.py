@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from jobtier import demo
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests import tasks
 

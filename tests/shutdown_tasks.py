@@ -8,7 +8,7 @@ import threading
 import time
 from typing import Any
 
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 
 # the in-process test opens the gate of `gated` and learns when its thread is done

@@ -10,7 +10,7 @@ import msgspec
 
 from jobtier import demo
 from jobtier.core.errors import Retry
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 
 

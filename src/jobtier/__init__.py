@@ -29,7 +29,7 @@ _MODULES = {
     "jobtier.engine.queue": "Queue",
     "jobtier.flows": "chain fan_in",
     "jobtier.scheduler": "Scheduler",
-    "jobtier.worker.context": "JobContext",
+    "jobtier.worker.job_context": "JobContext",
     "jobtier.worker.registry": "RetryPolicy Task TaskRegistry task",
     "jobtier.worker.runner": "Worker",
 }
@@ -132,6 +132,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from jobtier.engine.queue import Queue
     from jobtier.flows import chain, fan_in
     from jobtier.scheduler import Scheduler
-    from jobtier.worker.context import JobContext
+    from jobtier.worker.job_context import JobContext
     from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
     from jobtier.worker.runner import Worker

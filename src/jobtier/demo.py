@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from jobtier.core.errors import Fatal
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import task
 
 

@@ -27,7 +27,7 @@ from jobtier.persist.persister import Persister
 from jobtier.persist.retention import ensure_partitions
 from jobtier.scheduler import Scheduler
 from jobtier.store.calls import fail_call
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker
 from tests.e2e.cdp import Page, find_chromium

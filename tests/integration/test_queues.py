@@ -12,7 +12,7 @@ from jobtier.core.model import JobSpec, QueueLimits, State
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
 from jobtier.store.calls import complete_call
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
 

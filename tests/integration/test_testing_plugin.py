@@ -31,7 +31,7 @@ from jobtier.core.errors import Cancelled, Fatal, Retry
 from jobtier.core.model import JobStatus
 from jobtier.engine.queue import Queue
 from jobtier.testing import BurstWorker, Outcome, run_task
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import Task, TaskRegistry, task
 from tests.fixtures.engine import wait_for
 

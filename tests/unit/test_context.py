@@ -13,7 +13,7 @@ import pytest
 from jobtier.core.errors import Cancelled, Fatal
 from jobtier.core.model import ClaimedJob
 from jobtier.worker.attempt import failure
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 
 
 def context() -> JobContext:

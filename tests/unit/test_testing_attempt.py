@@ -9,7 +9,7 @@ from typing import Any
 
 from jobtier.core.model import ClaimedJob
 from jobtier.worker.attempt import Failure, Stopped, fail_state, run_attempt
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import task
 
 freed: list[str] = []

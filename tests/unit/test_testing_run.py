@@ -14,7 +14,7 @@ from jobtier.core.errors import Cancelled, Fatal, InvalidRequest, Retry
 from jobtier.core.model import Dependency, JobError
 from jobtier.core.names import JOB_ID_RE
 from jobtier.testing import Outcome, run_task, run_task_sync, start_task
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import task
 
 # --- tasks ------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from jobtier.worker.attempt import (
     fail_state,
     run_attempt,
 )
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import Task
 from jobtier.worker.registry import task as as_task
 

@@ -34,7 +34,7 @@ import msgspec
 
 from jobtier.core.errors import Cancelled, Fatal, RateLimited, Retry
 from jobtier.core.model import encode_json
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import RetryPolicy, Task
 
 MESSAGE_LIMIT = 2000  # characters of an exception's message kept in the job's error

@@ -29,7 +29,7 @@ from jobtier.core.model import ClaimedJob
 from jobtier.persist.results import PostgresResultStore, open_store
 from jobtier.runtime.loop import wait_any
 from jobtier.worker.attempt import deliver_cancel, run_attempt
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.reporter import Reporter
 from jobtier.worker.state import Running, WorkerState
 from jobtier.worker.stored import run_attempt_storing

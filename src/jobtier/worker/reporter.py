@@ -43,7 +43,7 @@ from jobtier.store.calls import (
 )
 from jobtier.store.context import block_queue
 from jobtier.worker.attempt import DEFAULT_POLICY, STOPPED, Failure, Stopped
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.permits import LimitedQueues, limit_calls
 from jobtier.worker.state import Running, WorkerState
 

@@ -28,7 +28,7 @@ from jobtier.metrics.histogram import Histogram
 from jobtier.runtime.backoff import Backoff
 from jobtier.runtime.loop import wait_for
 from jobtier.store.context import Store
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import Task, TaskRegistry
 
 log = logging.getLogger("jobtier.worker")

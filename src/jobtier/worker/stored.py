@@ -16,7 +16,7 @@ from concurrent.futures import Executor
 from jobtier.core.model import marker
 from jobtier.persist.results import ResultStore
 from jobtier.worker.attempt import INTERRUPTED, AttemptSink, Failure, Stopped, run_attempt
-from jobtier.worker.context import JobContext
+from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import Task
 
 log = logging.getLogger("jobtier.worker")
