@@ -153,3 +153,26 @@ def test_production_code_does_not_import_the_development_servers() -> None:
     for name, deps in import_graph().items():
         if not name.startswith(("jobtier.dev", "jobtier.testing", "jobtier.cli")):
             assert not {d for d in deps if d.startswith("jobtier.dev")}, name
+
+
+def test_modules_fit_in_one_read_and_no_two_share_a_name() -> None:
+    paths = [p for p in SRC.rglob("*.py") if p.name != "__init__.py"]
+    names = [p.name for p in paths]
+    assert not {n for n in names if names.count(n) > 1}
+    assert not {str(p.relative_to(SRC)) for p in paths if len(p.read_text().splitlines()) > 600}
+
+
+def test_no_engine_class_over_25_methods() -> None:
+    """The HTTP clients mirror the API, one method per operation: they are left out."""
+    big = set()
+    for path in SRC.rglob("*.py"):
+        if path.parent.name in ("client", "dev"):  # the API's mirror; local servers for tests
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                methods = [
+                    n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                ]
+                if len(methods) > 25:
+                    big.add(f"{path.relative_to(SRC)}:{node.name} ({len(methods)})")
+    assert not big
