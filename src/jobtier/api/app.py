@@ -120,7 +120,7 @@ def create_app(
             if settings.gc_freeze:
                 # Start-up objects (modules, routes, compiled schemas) never die: moving them
                 # out of the collector's generations shortens every later collection, the
-                # main source of tail latency on the status path (bench/status_read.py).
+                # main source of tail latency on the status path.
                 gc.collect()
                 gc.freeze()
             log.info(

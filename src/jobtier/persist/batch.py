@@ -25,7 +25,7 @@ INLINE_RESULT_MAX = 64 * 1024  # larger results go to job_results
 # A batch not committed within this many seconds is on a connection that will not answer (a
 # Postgres host gone without closing it: a failover, a partition). Its connection is
 # terminated — which fails whatever waits on it, a ROLLBACK included — and the batch is
-# written again on a new one. A healthy 2,000-entry batch commits in well under a second.
+# written again on a new one. A healthy batch commits in well under a second.
 BATCH_TIMEOUT = 60.0
 
 
@@ -112,14 +112,8 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
     """Write entries in one transaction; returns the number of job rows in it.
 
     The batch is COPYed (binary) into per-session temporary staging tables and moved from
-    there with one statement per table. Measured against the same statements fed by array
-    parameters (``unnest``), 2,000-entry batches, durable Postgres, 2 shared cores
-    (bench/results/persist.md): COPY drained a backlog at 29.8K transitions/s against 26.0K
-    (medians of three runs of two alternated samples) and used 52 us of CPU per transition
-    against 59 (persister 14 vs 21, Postgres 38 vs 38). asyncpg checks every array element
-    it encodes against collection ABCs; COPY records skip that. Most of Postgres's share is
-    the upsert into ``jobs``, and most of that is its secondary indexes (the same file's
-    ``--profile`` table: 17 of 22 us a transition).
+    there with one statement per table: cheaper than array parameters (``unnest``), whose
+    every element asyncpg checks against collection ABCs (bench/results/persist.md).
     """
     rows = collapse(entries)
     async with conn.transaction():

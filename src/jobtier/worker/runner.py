@@ -71,8 +71,7 @@ class Worker:
         self.id = state.id
         self.queues = state.queues  # served in turn
         self.shutdown_grace = shutdown_grace
-        # act on cancel pushes (False: learn of requests at heartbeats only, as before the
-        # push existed; bench/cancel.py measures one against the other)
+        # act on cancel pushes (False: learn of requests at heartbeats only)
         self.cancel_push = cancel_push
         self.stuck = 0  # after run(): tasks and threads that did not end when asked (see stop)
 

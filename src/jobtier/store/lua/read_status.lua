@@ -1,12 +1,11 @@
 #!lua flags=no-writes
 -- read_status.lua: the tenant and status document of many jobs in one call (read-only).
 --   The status reader's batched load: one script call reads every job hash of a batch, where
---   a pipeline of HMGETs costs the client ~13 us of CPU per job (redis-py parses, allocates
---   and matches a reply object per command) against ~2 us per job here. A job hash stores
---   no document: render.lua's status_of renders it from the job's fields ('t' and 'c').
---   Not a transition: its KEYS are job hashes, not a log stream, and it writes nothing. It
---   includes render.lua only, not lib.lua, whose top level (the shard's clock, its tables
---   and functions) would cost every call ~16 us.
+--   a pipeline of HMGETs would cost the client a parsed reply object per command. A job hash
+--   stores no document: render.lua's status_of renders it from the job's fields ('t' and
+--   'c'). Not a transition: its KEYS are job hashes, not a log stream, and it writes nothing.
+--   It includes render.lua only, not lib.lua, whose top level (the shard's clock, its tables
+--   and functions) every call would pay for.
 --   `no-writes` (the shebang line above): it declares that it only reads, so Redis refuses
 --   any write in it and runs it wherever plain reads may run (a replica, a server that
 --   refuses writes for lack of memory under noeviction).
