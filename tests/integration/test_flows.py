@@ -472,6 +472,23 @@ async def test_a_handoff_applied_twice_changes_nothing(fq: Queue) -> None:
     assert twice == once and twice.dependencies is not None and twice.dependencies.done == 1
 
 
+async def test_a_malformed_handoff_is_set_aside_and_the_next_ones_resolve(fq: Queue) -> None:
+    """A hand-off no resolver can apply (fields missing) is logged and acknowledged: it does
+    not hold up the hand-offs after it."""
+    a = await fq.submit("echo", 1)
+    c = await fq.submit("collect", None, depends_on=[a.job_id])
+    shard = fq.keys.shard_of(a.job_id)
+    resolver = Resolver(fq.store)
+    await resolver.consumer.setup()
+    await fq.redis.xadd(fq.keys.flow(shard), {b"x": b"1"})  # no kind, source or targets
+    await complete(fq, await claim(fq, a.job_id), result=b"1")
+    await resolver.drain()
+    assert resolver.stats.handoffs == 2 and resolver.stats.applied == 1
+    assert (await fq.status(c.job_id)).state is State.QUEUED
+    pending = await fq.redis.xpending(fq.keys.flow(shard), fq.keys.resolver_group())
+    assert pending["pending"] == 0
+
+
 async def test_handoffs_a_dead_resolver_took_are_taken_over(settings: Settings) -> None:
     q = await Queue.connect(settings.replace(resolver_claim_idle_seconds=0.2), registry)
     try:

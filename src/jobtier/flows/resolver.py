@@ -118,7 +118,11 @@ class Resolver:
 
     async def run(self) -> ResolverStats:
         log.info("event=resolver_started name=%s shards=%d", self.name, self.keys.shards)
-        await self.consumer.run(self.run_once, self._failed, idle=self._idle)
+        # a pass that failed for a bug leaves its hand-offs pending (the sweep takes them up
+        # again); reading them back at once would hold up every later one behind them
+        await self.consumer.run(
+            self.run_once, self._failed, idle=self._idle, reread_after_bug=False
+        )
         log.info(
             "event=resolver_stopped name=%s handoffs=%d applied=%d",
             self.name,
@@ -182,12 +186,22 @@ class Resolver:
         if not entries:
             return 0
         by_shard: dict[int, list[Item]] = defaultdict(list)
-        for _, _, fields in entries:
+        for shard, entry_id, fields in entries:
             if not fields:  # pending but deleted from the stream: nothing left to apply
                 continue
-            kind, source = fields[b"k"].decode(), fields[b"j"].decode()
-            state, data = fields[b"s"].decode(), fields.get(b"v", b"")
-            for target in fields[b"t"].decode().split():
+            try:
+                kind, source = fields[b"k"].decode(), fields[b"j"].decode()
+                state, data = fields[b"s"].decode(), fields.get(b"v", b"")
+                targets = fields[b"t"].decode().split()
+            except (KeyError, UnicodeDecodeError) as exc:  # never applicable: acknowledged
+                log.error(
+                    "event=handoff_malformed stream=%s id=%s error=%r",
+                    self.keys.flow(shard),
+                    entry_id.decode(),
+                    exc,
+                )
+                continue
+            for target in targets:
                 if self.keys.valid_id(target):
                     by_shard[self.keys.shard_of(target)].append((kind, target, source, state, data))
         calls: list[Call] = [

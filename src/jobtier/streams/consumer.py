@@ -22,7 +22,7 @@ from typing import Protocol, cast
 from redis.asyncio import RedisCluster
 
 from jobtier.runtime.backoff import PERSIST_REDIS, BackoffPolicy
-from jobtier.runtime.loop import wait_for
+from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.store.redis import RedisClient
 from jobtier.streams.acks import Acks
 from jobtier.streams.group import create_groups, forget_idle_consumers, trim
@@ -233,12 +233,14 @@ class Consumer:
         *,
         setup: Callable[[], Awaitable[None]] | None = None,
         idle: Callable[[], Awaitable[object]] | None = None,
+        reread_after_bug: bool = True,
     ) -> None:
         """Until ``stop()``: ``setup`` (``self.setup`` by default; it sets ``ready``) while not
         ready, then ``step`` (True when it did something). A failure is handed to ``failed``
         with the back-off's wait, to be logged (True: the group may be gone, a restarted or
-        flushed Redis: set up again); our pending entries are read again and the wait slept.
-        Idle, ``idle()`` is awaited, or a nap from ``NAP_MIN`` doubling to ``NAP_MAX``."""
+        flushed Redis: set up again); our pending entries are read again (after a failure of
+        Redis, or any with ``reread_after_bug``) and the wait slept. Idle, ``idle()`` is
+        awaited, or a nap from ``NAP_MIN`` doubling to ``NAP_MAX``."""
         backoff, nap = self.policy.start(), NAP_MIN
         while not self.stopping.is_set():
             try:
@@ -248,10 +250,12 @@ class Consumer:
                 backoff.reset()
             except Exception as exc:
                 wait = backoff.next()
-                if failed(exc, wait):
+                gone = failed(exc, wait)
+                if gone:
                     self.ready = False
                 # a lost XREADGROUP reply leaves entries pending to us that we never saw
-                self.reread()
+                if gone or reread_after_bug or isinstance(exc, FAULTS):
+                    self.reread()
                 await self.sleep(wait)
                 continue
             if moved:
