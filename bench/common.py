@@ -110,6 +110,9 @@ async def set_format(redis: Redis, keys: Keys, fmt: int) -> None:
     """Mark every shard format ``fmt`` (``jt:{s}:fmt``). This jobtier's scripts write format
     3 whatever the mark; a baseline's scripts from before it (bench/transitions.py
     ``git_sources``) write the format the mark names, as that jobtier did."""
+    if fmt == job_format.NEWEST:  # done too, so that a process of this jobtier starts on it
+        await job_format.mark(redis, keys)
+        return
     pipe = redis.pipeline(transaction=False)
     for shard in range(keys.shards):
         pipe.set(keys.job_format(shard), str(fmt))
@@ -120,7 +123,11 @@ async def flush(redis: Redis) -> None:
     """FLUSHALL, keeping each shard's job format mark (``set_format``): a baseline's scripts
     read it at every call, and emptying Redis between phases must not turn them to format 1
     (no mark) under the bench."""
-    marks = {key: await redis.get(key) async for key in redis.scan_iter(match="*:fmt")}
+    marks = {
+        key: await redis.get(key)
+        for pattern in ("*:fmt", "*:fmt:done")
+        async for key in redis.scan_iter(match=pattern)
+    }
     await redis.flushall()
     if marks:
         pipe = redis.pipeline(transaction=False)

@@ -168,7 +168,9 @@ async def test_empty_logs_made_for_consumer_groups_do_not_count_as_jobs(queue: Q
 
 
 # --- a deployment this jobtier cannot read ---------------------------------------------------
-@pytest.mark.parametrize("held_by", ["format 1", "format 2", "no mark", "old ready lists"])
+@pytest.mark.parametrize(
+    "held_by", ["format 1", "format 2", "no mark", "old ready lists", "not looked over"]
+)
 async def test_a_process_refuses_a_deployment_it_cannot_read(
     queue: Queue, settings: Settings, held_by: str
 ) -> None:
@@ -183,6 +185,9 @@ async def test_a_process_refuses_a_deployment_it_cannot_read(
     elif held_by == "no mark":  # a deployment from before marks; shards 0, 2, 3 never logged
         await queue.redis.delete(*[keys.job_format(s) for s in range(keys.shards)])
         problem = "shard 1: jobs from before format marks (format 1)"
+    elif held_by == "not looked over":  # marked "3" by an earlier jobtier, or mid-upgrade
+        await queue.redis.delete(keys.format_done(1))
+        problem = "shard 1: marked format 3 by an earlier jobtier, not yet looked over"
     else:
         await to_old_ready_list(queue, job_id)
         problem = "shard 1: ready lists from before named queues"
@@ -194,8 +199,47 @@ async def test_a_process_refuses_a_deployment_it_cannot_read(
     # what a refusing process found stays as it was (it only marks what never held a job)
     expected = {"format 1": b"1", "format 2": b"2", "no mark": None}.get(held_by, b"3")
     assert (await marks(queue))[1] == expected
+    if held_by == "not looked over":
+        assert not await queue.redis.exists(keys.format_done(1))
     if held_by == "no mark":
         assert (await marks(queue))[0] == b"3"
+    await job_format.upgrade(queue.redis, keys)
+    await (await Queue.connect(settings)).close()  # readable once upgraded
+    assert await queue.redis.exists(keys.format_done(1))
+
+
+async def test_a_log_that_cannot_be_read_is_not_taken_for_a_new_redis(
+    queue: Queue, settings: Settings
+) -> None:
+    """Only "no such key" says a shard's log was never written: another refusal (here a key
+    of another type) raises, and nothing is marked."""
+    keys = queue.keys
+    await queue.redis.delete(keys.job_format(2), keys.format_done(2))
+    await queue.redis.set(keys.log(2), "not a stream")
+    with pytest.raises(Exception, match="WRONGTYPE"):
+        await Queue.connect(settings)
+    assert (await marks(queue))[2] is None
+
+
+async def test_the_upgrade_gives_a_job_the_logged_version_an_earlier_jobtier_left_empty(
+    queue: Queue,
+) -> None:
+    """A format-3 hash of a job last changed before 'lv' existed has it empty: the upgrade
+    writes what that jobtier read in its place (its version, then its time), and the job
+    carries on, its history chained."""
+    sub = await queue.submit("echo", 1)
+    key = queue.keys.job(sub.job_id)
+    t = cast(bytes, await queue.redis.hget(key, "t")).split(b" ", len(job_format.T_FIELDS) - 1)
+    lv = job_format.T_FIELDS.index("lv")
+    t[lv], t[lv + 1] = b"", b""
+    await queue.redis.hset(key, "t", b" ".join(t))
+    done = await job_format.upgrade(queue.redis, queue.keys)
+    assert done.hashes == 1
+    fields = job_format.job_fields(await held(queue, sub.job_id))
+    assert (fields["lv"], fields["lt"]) == (fields["version"], fields["updated"])
+    job = await claim(queue, sub.job_id)
+    assert await complete(queue, job) is Code.OK
+    await assert_history_whole(queue, sub.job_id)
 
 
 # --- the upgrade -------------------------------------------------------------------------------

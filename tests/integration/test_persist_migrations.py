@@ -12,6 +12,7 @@ from typing import cast
 import pytest
 from asyncpg import Record
 
+from jobtier.core.errors import ConfigError
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist import db
 
@@ -129,6 +130,23 @@ async def test_migrations_folded_into_0001_are_known(
         with caplog.at_level("INFO", logger="jobtier.persist"):
             assert await db.migrate(dsn) == []
         assert ("event=unknown_migrations names=0010_from_newer_code " in caplog.text) is warned
+
+
+async def test_a_database_half_way_through_the_folded_migrations_is_refused(
+    pg_server: LocalPostgres, empty_db: str
+) -> None:
+    """Part of the old migrations applied (up to 0005, say): 0001_initial, recorded already,
+    would not add the rest, so migrate says what is missing and changes nothing."""
+    dsn = pg_server.dsn_for(empty_db)
+    await db.migrate(dsn)
+    conn = await db.connect(dsn)
+    try:
+        for name in db.FOLDED[:3]:
+            await conn.execute(db.query("record_migration"), name)
+    finally:
+        await conn.close()
+    with pytest.raises(ConfigError, match="missing: 0005_console, 0007_webhooks_results"):
+        await db.migrate(dsn)
 
 
 async def test_jobs_by_state_lists_the_jobs_not_succeeded_and_jobs_indexes_no_state(

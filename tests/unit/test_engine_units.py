@@ -145,7 +145,7 @@ def test_the_keys_the_lua_builds_are_the_ones_keys_py_documents() -> None:
             keys.starts("q").split(":starts:")[0] + ":starts:",
             keys.dead(1), keys.waiting(1), keys.log(1), keys.cron(1), keys.events(1),
             keys.wake(1), keys.job_in(1, "x")[:-1], keys.cron_def(1, "x")[:-1],
-            keys.log_refused(1), keys.job_format(1),
+            keys.log_refused(1), keys.job_format(1), keys.format_done(1),
         )
     }  # fmt: skip
     assert from_python - documented == set(), "keys built by core/keys.py but not documented"

@@ -77,7 +77,7 @@ def _format_states(states: Sequence[ShardState]) -> str:
 
     n = len(states)
     readable = [s for s in states if s.readable]
-    new = sum(1 for s in readable if s.new)
+    new = sum(1 for s in readable if s.new and not (s.mark == job_format.MARK and s.done))
     lines = [
         f"readable: {len(readable)} of {n} shards (format {job_format.NEWEST}"
         + (f"; {new} never held a job, marked at the first process's start" if new else "")

@@ -8,8 +8,10 @@ Per shard::
 
     jt:{s}:job:<id>          hash   the job record: its small fields packed, no status
                                     document (see "Job hashes")
-    jt:{s}:fmt               string "3": the shard holds job hashes in that format only
+    jt:{s}:fmt               string "3": the shard's scripts write job hashes in that format
                                     (store/format.py: processes refuse any other mark)
+    jt:{s}:fmt:done          string "1": it holds no hash in an older format (set with the
+                                    mark on a new shard, or by `jobtier job-format --upgrade`)
     jt:{s}:lines:<id>        list   the job's latest log lines (ctx.log; JSON each), expiring
                                     with the job (joblog.lua)
     jt:{s}:q:<queue>:<priority>:<tenant>
@@ -226,6 +228,7 @@ class Keys:
     deps = _of_job("deps")
     dependents = _of_job("dnt")
     job_format = _in_shard("fmt")
+    format_done = _in_shard("fmt:done")
     queue_counts = _in_shard("queues")
     parked = _in_shard("parked")
     ckeys = _in_shard("ckeys")
@@ -256,7 +259,7 @@ class Keys:
         return f"{self.prefix}:queues"
 
     def metrics(self) -> str:
-        """hash process id -> JSON metrics snapshot (see metrics.py)."""
+        """hash process id -> JSON metrics snapshot (see metrics/snapshot.py)."""
         return f"{self.prefix}:metrics"
 
     def audit_pending(self) -> str:

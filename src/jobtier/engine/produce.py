@@ -230,6 +230,8 @@ class Producer:
         Given a task, its queue and attempts are the defaults. ``depends_on``: ids of jobs it
         waits for. ``callback``: the job's own webhook (a URL alone: its terminal state)."""
         if not isinstance(type, str):
+            if not hasattr(type, "infos"):  # checked by prepare() as any bad name is
+                raise InvalidRequest(f"type {str(type)[:140]!r} is not a task name", field="type")
             self.know(type)
             queue = type.queue if queue is None else queue
             max_attempts = type.max_attempts if max_attempts is None else max_attempts

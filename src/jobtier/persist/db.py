@@ -15,6 +15,8 @@ from typing import Any, TypeAlias
 
 import asyncpg
 
+from jobtier.core.errors import ConfigError
+
 # Postgres is away or cannot take work now (the connection or the server, not the data):
 # write again after a back-off. InternalClientError too: a connection lost mid-COPY is left
 # mid-protocol, and its next statement (ROLLBACK, the pool's reset) fails with it.
@@ -179,6 +181,14 @@ async def migrate(dsn: str) -> list[str]:
             await conn.execute(query("create_migrations_table"))
             applied = {r["name"] for r in await conn.fetch(query("applied_migrations"))}
             known = migrations()
+            folded = applied & set(FOLDED)
+            if folded and folded != set(FOLDED):
+                # part of the old migrations: 0001_initial (today's) would not add the rest
+                raise ConfigError(
+                    "this database applied only part of the migrations that 0001_initial "
+                    f"now holds (missing: {', '.join(sorted(set(FOLDED) - folded))}): migrate "
+                    "it with the jobtier it was made by (0.1.0 before the squash) first"
+                )
             unknown = applied - {name for name, _ in known} - set(FOLDED)
             if unknown:
                 log.warning(

@@ -7,13 +7,16 @@ the document in ``doc``; 2: ``c``, ``s`` and ``doc``), which ``jt:{s}:fmt`` ("1"
 mark at all) names, and kept ready jobs, before named queues, in ``jt:{s}:q:<priority>``.
 So:
 
-* ``adopt``, as every process starts (``Queue.connect``), marks the shards of a Redis that
-  never held a job ``"3"``, and refuses (``ConfigError``) a deployment that holds what this
-  jobtier cannot read, naming ``jobtier job-format --upgrade``;
+* ``adopt``, as every process starts (``Store.connect``), marks the shards of a Redis that
+  holds no job ``"3"`` and done (``jt:{s}:fmt:done``), and refuses (``ConfigError``) a
+  deployment that holds what this jobtier cannot read, or may (a shard marked "3" by an
+  earlier jobtier, not yet looked over), naming ``jobtier job-format --upgrade``;
 * ``upgrade`` (that command) rewrites every older job hash into format 3 and moves the old
-  ready lists (``store/lua/reformat.lua``), then marks every shard ``"3"``. A process of the
-  jobtier just before this one reads format 3 too, and writes it once its shard is marked:
-  it may keep running meanwhile. One from before format 3 must be stopped first.
+  ready lists (``store/lua/reformat.lua``), marks every shard ``"3"``, looks the hashes over
+  once more, and only then marks the shards done: a process of this jobtier never starts on
+  a shard that may still hold an older hash. A process of the jobtier just before this one
+  reads format 3 too, and writes it once its shard is marked: it may keep running
+  meanwhile. One from before format 3 must be stopped first.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from jobtier.core.errors import ConfigError
 from jobtier.core.keys import Keys
+from jobtier.core.model import PRIORITIES
 from jobtier.store.redis import RedisClient
 from jobtier.store.scripts import Scripts
 
@@ -53,8 +57,6 @@ T_FIELDS = (
     "lt",
     "worker",
 )
-
-PRIORITIES = ("critical", "high", "normal", "low")
 
 
 def job_fields(raw: Mapping[bytes, bytes]) -> dict[str, str]:
@@ -95,17 +97,18 @@ def old_ready(keys: Keys, shard: int) -> list[str]:
 class ShardState:
     shard: int
     mark: str | None  # jt:{s}:fmt
+    done: bool  # jt:{s}:fmt:done: no hash in an older format is left
     logged: bool  # its transition log has had an entry (trimmed ones count)
     old_ready: int  # jobs in its ready lists from before named queues
 
     @property
     def new(self) -> bool:
-        """It never held a job (its mark is set at the first process's start)."""
-        return self.mark is None and not self.logged and not self.old_ready
+        """It holds no job (its marks are set at the first process's start)."""
+        return (self.mark is None or self.mark == MARK) and not self.logged and not self.old_ready
 
     @property
     def readable(self) -> bool:
-        return (self.mark == MARK or self.new) and not self.old_ready
+        return ((self.mark == MARK and self.done) or self.new) and not self.old_ready
 
     def problems(self) -> list[str]:
         """Why this jobtier cannot read the shard (none when it can)."""
@@ -115,6 +118,8 @@ class ShardState:
         elif self.mark is not None and self.mark != MARK:
             # what the scripts of the jobtiers that wrote it made of the mark
             out.append(f"job hashes in format {2 if self.mark == '2' else 1}")
+        elif self.mark == MARK and not self.done and self.logged:
+            out.append("marked format 3 by an earlier jobtier, not yet looked over")
         if self.old_ready:
             out.append("ready lists from before named queues")
         return out
@@ -126,25 +131,26 @@ async def shard_states(redis: RedisClient, keys: Keys) -> list[ShardState]:
     pipe = redis.pipeline(transaction=False)
     for shard in range(keys.shards):
         pipe.get(keys.job_format(shard))
-        pipe.xinfo_stream(keys.log(shard))  # an error when there is no such stream
+        pipe.exists(keys.format_done(shard))
+        pipe.xinfo_stream(keys.log(shard))  # "no such key" when there is no such stream
         for key in old_ready(keys, shard):
             pipe.llen(key)
     replies = await pipe.execute(raise_on_error=False)
-    width = 2 + len(PRIORITIES)
+    width = 3 + len(PRIORITIES)
     out = []
     for shard in range(keys.shards):
-        mark, info, *lengths = replies[shard * width : (shard + 1) * width]
-        for reply in (mark, *lengths):
+        mark, done, info, *lengths = replies[shard * width : (shard + 1) * width]
+        for reply in (mark, done, *lengths):
             if isinstance(reply, Exception):
                 raise reply
+        if isinstance(info, Exception) and "no such key" not in str(info).lower():
+            raise info  # a refusal (an ACL, a key of another type) says nothing of the jobs
         # "No job yet": the persister and the dispatcher create the log streams empty, for
         # their consumer groups, before any job; entries since trimmed count, by the last id
         logged = isinstance(info, dict) and _text(info.get("last-generated-id")) != "0-0"
-        out.append(
-            ShardState(
-                shard, None if mark is None else _text(mark), logged, sum(int(n) for n in lengths)
-            )
-        )
+        lengths_sum = sum(int(n) for n in lengths)
+        mark_text = None if mark is None else _text(mark)
+        out.append(ShardState(shard, mark_text, bool(done), logged, lengths_sum))
     return out
 
 
@@ -184,12 +190,9 @@ async def adopt(redis: RedisClient, keys: Keys) -> None:
     empty Redis at the same moment, which a deployment that has never run a job does not
     produce."""
     states = await shard_states(redis, keys)
-    new = [s.shard for s in states if s.new]
+    new = [s.shard for s in states if s.new and (s.mark != MARK or not s.done)]
     if new:
-        pipe = redis.pipeline(transaction=False)
-        for shard in new:
-            pipe.set(keys.job_format(shard), MARK, nx=True)
-        await pipe.execute()
+        await mark(redis, keys, new)
         log.info("event=job_format format=%d marked=%d", NEWEST, len(new))
     found = problems_by_kind(states)
     if found:
@@ -198,6 +201,15 @@ async def adopt(redis: RedisClient, keys: Keys) -> None:
             f"Redis holds job data this jobtier cannot read ({what}). Run `{COMMAND}` once "
             f"(it rewrites it into format {NEWEST}), then start this process again."
         )
+
+
+async def mark(redis: RedisClient, keys: Keys, shards: Sequence[int] | None = None) -> None:
+    """Mark ``shards`` (every one by default) format 3, and done: they hold no older hash."""
+    pipe = redis.pipeline(transaction=False)
+    for shard in range(keys.shards) if shards is None else shards:
+        pipe.set(keys.job_format(shard), MARK)
+        pipe.set(keys.format_done(shard), "1")
+    await pipe.execute()
 
 
 # --- the upgrade ----------------------------------------------------------------------------
@@ -220,29 +232,36 @@ def _glob(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
-async def _job_keys(redis: RedisClient, keys: Keys, shard: int) -> AsyncIterator[list[Any]]:
-    """The shard's job hash keys, in batches: SCAN over its hash tag (on a cluster, on the
-    node that holds the shard only)."""
-    where: dict[str, Any] = {}
+async def _job_keys(redis: RedisClient, keys: Keys) -> AsyncIterator[tuple[int, list[Any]]]:
+    """(shard, a batch of its job hash keys): one SCAN over every shard's job keys (on a
+    cluster, one per primary node)."""
+    nodes: list[dict[str, Any]] = [{}]
     if isinstance(redis, RedisCluster):
         await redis.initialize()
-        where["target_nodes"] = redis.get_node_from_key(keys.log(shard))
-    batch: list[Any] = []
-    async for key in redis.scan_iter(match=_glob(keys.base(shard)) + "job:*", count=1000, **where):
-        batch.append(key)
-        if len(batch) >= BATCH:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+        nodes = [{"target_nodes": node} for node in redis.get_primaries()]
+    prefix = f"{keys.prefix}:{{"
+    pattern = _glob(prefix) + "*}:job:*"
+    for where in nodes:
+        batches: dict[int, list[Any]] = {}
+        async for key in redis.scan_iter(match=pattern, count=1000, **where):
+            text = key.decode() if isinstance(key, bytes) else key
+            shard_text = text[len(prefix) :].split("}", 1)[0]
+            if not shard_text.isdigit() or int(shard_text) >= keys.shards:
+                continue  # another deployment's prefix that the pattern also matched
+            batch = batches.setdefault(int(shard_text), [])
+            batch.append(key)
+            if len(batch) >= BATCH:
+                yield int(shard_text), batches.pop(int(shard_text))
+        for shard, batch in batches.items():
+            yield shard, batch
 
 
-async def _rewrite(scripts: Scripts, shard: int) -> tuple[int, int]:
-    """Rewrite the shard's job hashes from before format 3: (rewritten, documents that
-    differ)."""
+async def _rewrite(scripts: Scripts) -> tuple[int, int]:
+    """Rewrite the job hashes from before format 3 (and fill a job's ``lv`` an earlier
+    jobtier left empty): (rewritten, documents that differ)."""
     rewritten = differ = 0
-    async for batch in _job_keys(scripts.redis, scripts.keys, shard):
-        reply = await scripts.call(scripts["reformat"], shard, (0, len(batch), *batch))
+    async for shard, batch in _job_keys(scripts.redis, scripts.keys):
+        reply = await scripts.call("reformat", shard, (0, len(batch), *batch))
         rewritten, differ = rewritten + int(reply[0]), differ + int(reply[1])
     return rewritten, differ
 
@@ -253,15 +272,15 @@ async def upgrade(redis: RedisClient, keys: Keys) -> Upgraded:
     --upgrade``). Idempotent: what is done already is left as it is, so a second run (or one
     after a run that stopped half-way) changes nothing more than what is left.
 
-    After the marks, the hashes are looked over once more: a process of the jobtier before
-    this one, still running, wrote its shard's older format until the mark changed."""
+    After the marks, the hashes are looked over once more (a process of the jobtier before
+    this one, still running, wrote its shard's older format until the mark changed), and only
+    then are the shards marked done."""
     scripts = Scripts(redis, keys)
-    hashes = differ = moved = dropped = 0
+    hashes, differ = await _rewrite(scripts)
+    moved = dropped = 0
     for shard in range(keys.shards):
-        done, off = await _rewrite(scripts, shard)
-        hashes, differ = hashes + done, differ + off
         while True:
-            reply = await scripts.call(scripts["reformat"], shard, (1000, 0))
+            reply = await scripts.call("reformat", shard, (1000, 0))
             done, off, n, taken, left = (int(x) for x in reply)
             hashes, differ = hashes + done, differ + off
             moved, dropped = moved + n, dropped + taken - n
@@ -271,9 +290,9 @@ async def upgrade(redis: RedisClient, keys: Keys) -> Upgraded:
     for shard in range(keys.shards):
         pipe.set(keys.job_format(shard), MARK)
     await pipe.execute()
-    for shard in range(keys.shards):
-        done, off = await _rewrite(scripts, shard)
-        hashes, differ = hashes + done, differ + off
+    done, off = await _rewrite(scripts)
+    hashes, differ = hashes + done, differ + off
+    await mark(redis, keys)  # only now may a process of this jobtier start on them
     result = Upgraded(hashes, differ, moved, dropped, keys.shards)
     log.info(
         "event=job_format_upgraded hashes=%d differ=%d moved=%d dropped=%d shards=%d",

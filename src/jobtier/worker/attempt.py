@@ -118,7 +118,7 @@ def failure(exc: Exception, task: Task | None) -> Failure:
     retried, everything else is (a timeout included), ``Retry`` with the delay it names."""
     if isinstance(exc, TimeoutError) and task is not None and task.timeout is not None:
         return Failure(exc, "TimeoutError", f"attempt timed out after {task.timeout:g}s", True)
-    if isinstance(exc, RateLimited):  # the worker also holds the queue back (reporting.py)
+    if isinstance(exc, RateLimited):  # the worker also holds the queue back (reporter.py)
         message = str(exc)[:MESSAGE_LIMIT]
         return Failure(exc, "RateLimited", message, True, exc.retry_after, refund=True)
     retry = not (

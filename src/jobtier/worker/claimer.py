@@ -108,13 +108,16 @@ class Claimer:
         finally:
             stopping.cancel()
             now.cancel()
-        if not claims.done():
-            log.warning("event=claim_abandoned worker=%s: a claim was still in flight", self.id)
-            # a claim in flight is a Redis call, which can swallow the cancel (runtime/stopping.py)
-            await stop_task(claims, "claim loop")
-        else:
-            claims.result()  # a crash of the loop surfaces here
-        await self.limits.stop()
+        try:
+            if not claims.done():
+                log.warning("event=claim_abandoned worker=%s: a claim was still in flight", self.id)
+                # a claim in flight is a Redis call, which can swallow the cancel
+                # (runtime/stopping.py)
+                await stop_task(claims, "claim loop")
+            else:
+                claims.result()  # a crash of the loop surfaces here
+        finally:
+            await self.limits.stop()
 
     async def _claim_loop(self) -> None:
         state = self.state

@@ -157,9 +157,14 @@ class Worker:
             name=f"worker-wake {self.id}",
         )
         await subscriber.start()
-        await self.launcher.open()  # the result stores
-        await self.heartbeat.advertise()
-        await self.claimer.refresh_limits()
+        try:
+            await self.launcher.open()  # the result stores
+            await self.heartbeat.advertise()
+            await self.claimer.refresh_limits()
+        except BaseException:  # not started: nothing of it outlives the failure
+            await subscriber.stop()
+            self.stuck += await self.launcher.close()
+            raise
         reporter = asyncio.create_task(self.reporter.run(), name="jobtier-reporter")
         heart = asyncio.create_task(self.heartbeat.run(), name="jobtier-heartbeat")
         log.info(

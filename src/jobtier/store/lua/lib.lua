@@ -299,7 +299,7 @@ end
 -- once; the others wait, oldest first, in jt:{s}:ck:<tenant>:<key> (they stay `queued`).
 -- jt:{s}:ckeys holds per '<tenant>:<key>' how many are ready or running, and under
 -- '<tenant>:<key>:limit' the limit last submitted. A job with a key lives in the key's shard
--- (engine/queue.py routes it), so all of this is one script's atomic work.
+-- (engine/produce.py routes it), so all of this is one script's atomic work.
 local CKEYS  -- BASE .. 'ckeys' (begin())
 
 local function ck_name(j)

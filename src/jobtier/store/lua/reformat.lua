@@ -9,7 +9,9 @@
 --   Before named queues, ready jobs waited in jt:{s}:q:<priority> (LPUSH new, RPOP oldest)
 --   with the priority rotation in jt:{s}:wrr: they move, oldest first, to their queue's ready
 --   lists (push_ready: the `default` queue, their tenant's list).
---   Idempotent: a hash in format 3, a key gone, empty old lists are left as they are.
+--   A hash in format 3 whose 'lv' an earlier jobtier left empty (a job last changed before
+--   lv existed) gets it, as that jobtier read it. Idempotent: a hash in format 3, a key
+--   gone, empty old lists are left as they are.
 --
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
@@ -35,8 +37,19 @@ local differ = 0
 local function reformat(key)
   local v = redis.call('HMGET', key, 'id', 't', 'c', 'wf', 'error', 'progress', 'dd',
                        unpack(OLD))
-  if not v[1] or v[2] then  -- gone, or in format 3 already
+  if not v[1] then
     return false
+  end
+  if v[2] then  -- format 3 already: only a job last changed before lv existed is rewritten
+    local j = {}
+    j.state, j.version, j.attempt, j.updated, j.run_at, j.run_at_iso, j.cancel,
+      j.lease_version, j.lv, j.lt, j.worker = string.match(v[2], T_PATTERN)
+    if j.lv ~= '' then
+      return false
+    end
+    j.lv, j.lt = j.version, j.updated
+    redis.call('HSET', key, 't', packed_t(j))
+    return true
   end
   local f = {}
   for i = 1, #OLD do
