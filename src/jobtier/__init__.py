@@ -23,7 +23,8 @@ _MODULES = {
         "JobtierError Overloaded ResultGone Retry TransitionRefused UnknownTask"
     ),
     "jobtier.core.model": (
-        "Dependency FlowJob FlowSubmitted JobError JobSpec JobStatus Priority State Submitted"
+        "CallbackSpec Dependency FlowJob FlowSubmitted JobError JobSpec JobStatus Priority State"
+        " Submitted"
     ),
     "jobtier.core.schedule": "Schedule ScheduleSpec",
     "jobtier.engine.queue": "Queue",
@@ -37,6 +38,7 @@ _EXPORTS = {name: module for module, names in _MODULES.items() for name in names
 
 __all__ = [
     "AsyncClient",
+    "CallbackSpec",
     "Cancelled",
     "Client",
     "Code",
@@ -118,6 +120,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         UnknownTask,
     )
     from jobtier.core.model import (
+        CallbackSpec,
         Dependency,
         FlowJob,
         FlowSubmitted,
