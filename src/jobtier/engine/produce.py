@@ -155,17 +155,27 @@ class Producer:
             )
         if task is not None:
             task.validate(spec.payload)
-        attempts = validate.max_attempts(
-            spec.max_attempts, task.max_attempts if task else s.default_max_attempts
-        )
-        run_at_ms, delay_ms = validate.timing(spec, s)
-        key = validate.check_key(spec.idempotency_key, "idempotency_key")
+        # the checks of options left unset (most jobs) are skipped: this runs once per job
+        attempts = spec.max_attempts
+        if attempts is None:
+            attempts = task.max_attempts if task else s.default_max_attempts
+        else:
+            attempts = validate.max_attempts(attempts)
+        if spec.run_at is None and spec.delay is None:
+            run_at_ms = delay_ms = 0
+        else:
+            run_at_ms, delay_ms = validate.timing(spec, s)
+        key = spec.idempotency_key
+        key = "" if key is None else validate.check_key(key, "idempotency_key")
         queue = spec.queue
         if queue is None:
             queue = task.queue if task else DEFAULT_QUEUE
         else:
             validate.check_name("queue", queue, QUEUE_NAME_RE, 70, "queue")
-        ckey, climit = validate.concurrency(spec)
+        if spec.concurrency_key is None and spec.concurrency_limit is None:
+            ckey, climit = "", 1
+        else:
+            ckey, climit = validate.concurrency(spec)
         if job_id is None:
             # a concurrency key's count and waiting jobs live in one shard, so its jobs do too
             # (and their idempotency records: the idempotency key is then scoped to it)
@@ -174,7 +184,9 @@ class Producer:
             else:
                 shard = self.keys.shard_for(tenant, key) if key else None
             job_id = self.keys.new_id(shard)
-        deps = validate.depends_on(spec, self.keys, s.max_flow_jobs)
+        deps: list[str] = []
+        if spec.depends_on is not None or spec.on_dependency_failure is not None:
+            deps = validate.depends_on(spec, self.keys, s.max_flow_jobs)
         compensation = ""
         if task is not None and task.on_failure:
             comp = self._task_info(task.on_failure)

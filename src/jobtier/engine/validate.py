@@ -48,9 +48,7 @@ def check_key(key: str | None, field: str) -> str:
     return key
 
 
-def max_attempts(given: Any, default: int) -> int:
-    if given is None:
-        return default
+def max_attempts(given: Any) -> int:
     if isinstance(given, bool) or not 1 <= given <= MAX_ATTEMPTS_LIMIT:
         raise InvalidRequest(
             f"max_attempts must be between 1 and {MAX_ATTEMPTS_LIMIT}", field="max_attempts"
