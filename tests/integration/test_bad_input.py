@@ -36,7 +36,7 @@ BAD: list[tuple[str, dict[str, Any], type[Exception], str]] = [
 
 async def stored(queue: Queue) -> list[bytes]:
     """What Redis holds besides the shards' job format marks (set at connect: store/format.py)."""
-    return [k async for k in queue.redis.scan_iter() if not k.endswith(b":fmt")]
+    return [k async for k in queue.redis.scan_iter() if not k.endswith((b":fmt", b":fmt:done"))]
 
 
 @pytest.mark.parametrize(("case", "kwargs", "error", "words"), BAD, ids=[b[0] for b in BAD])

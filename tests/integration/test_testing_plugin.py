@@ -256,7 +256,9 @@ async def test_the_fixtures_are_jobtiers_own_and_the_projects_fixtures_are_untou
     await jobtier_queue.submit("ok")
     assert await jobtier_queue.redis.dbsize() > 0
     # (besides the shards' job format marks, set when the queue connected: store/format.py)
-    assert [k async for k in queue.redis.scan_iter() if not k.endswith(b":fmt")] == []
+    assert [
+        k async for k in queue.redis.scan_iter() if not k.endswith((b":fmt", b":fmt:done"))
+    ] == []
 
 
 # --- a user's project, run by pytest in a subprocess ------------------------------------------
@@ -352,7 +354,7 @@ def test_the_fixtures_in_a_users_project(tmp_path: Path) -> None:
             async def test_two_sees_an_empty_redis(jobtier_redis, jobtier_queue):
                 remember(jobtier_redis)
                 held = [k async for k in jobtier_queue.redis.scan_iter()]
-                assert [k for k in held if not k.endswith(b":fmt")] == []  # (format marks)
+                assert [k for k in held if not k.endswith((b":fmt", b":fmt:done"))] == []  # (format marks)
 
             async def test_unknown_types_are_refused_by_the_queue(jobtier_queue):
                 from jobtier.core.errors import UnknownTask

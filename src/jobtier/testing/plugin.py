@@ -109,7 +109,8 @@ async def jobtier_queue(
     jobtier_settings: Settings, jobtier_tasks: Tasks | None
 ) -> AsyncIterator[Queue]:
     """A ``Queue`` connected to the session's Redis (emptied: it holds only the shards' job
-    format marks, ``jt:{s}:fmt``, which connecting sets), closed after the test."""
+    format marks, ``jt:{s}:fmt`` and ``:fmt:done``, which connecting sets), closed after the
+    test."""
     from jobtier.engine.queue import Queue
     from jobtier.testing.burst import as_registry
 
