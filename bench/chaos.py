@@ -195,7 +195,7 @@ class Stack:
             "JOBTIER_LOG_LEVEL": "INFO",
         }
         self.env = env
-        cli = [sys.executable, "-m", "jobtier.cli.main"]
+        cli = [sys.executable, "-m", "jobtier.cli"]
         self.procs = [
             Proc("api", "api", [*cli, "api"], env, self.logs),
             Proc("scheduler", "scheduler", [*cli, "scheduler"], env, self.logs),
@@ -219,7 +219,7 @@ class Stack:
         self.redis.start()
         self.pg.start()
         subprocess.run(
-            [sys.executable, "-m", "jobtier.cli.main", "migrate"], env=self.env, check=True,
+            [sys.executable, "-m", "jobtier.cli", "migrate"], env=self.env, check=True,
             stdout=subprocess.DEVNULL,
         )  # fmt: skip
 

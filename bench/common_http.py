@@ -3,7 +3,7 @@ a workload to serve (jobs of several tenants, jobs that keep changing).
 
 Not a library: pieces that keep ``status_read.py`` about what it measures.
 
-* ``ApiProcess``: ``python -m jobtier.cli.main api`` with a given environment, optionally pinned to
+* ``ApiProcess``: ``python -m jobtier.cli api`` with a given environment, optionally pinned to
   CPUs with ``taskset``; its CPU time and resident memory read from ``/proc``.
 * ``run_wrk``: wrk (closed loop) with ``wrk_rotate.lua``, which replays a file of raw HTTP
   requests round-robin and prints its summary as JSON (p99.9 included).
@@ -164,7 +164,7 @@ class ApiProcess:
         cmd = [
             sys.executable,
             "-m",
-            "jobtier.cli.main",
+            "jobtier.cli",
             "api",
             "--server",
             server,

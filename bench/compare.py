@@ -431,7 +431,7 @@ class PersistHook:
             "JOBTIER_LOG_LEVEL": "WARNING",
         }  # fmt: skip
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "jobtier.cli.main", "persister", env=env, start_new_session=True
+            sys.executable, "-m", "jobtier.cli", "persister", env=env, start_new_session=True
         )
         _groups.add(self.proc.pid)
         group = self.queue.keys.persist_group()

@@ -509,7 +509,7 @@ def http_phase(
     api = ApiProcess(free_port(), env, log=folder / "api.log").wait_ready()
     # the write-behind runs as in production: Postgres is writing while it is read
     persister = subprocess.Popen(
-        [sys.executable, "-m", "jobtier.cli.main", "persister"], env={**os.environ, **env},
+        [sys.executable, "-m", "jobtier.cli", "persister"], env={**os.environ, **env},
         stdout=(folder / "persister.log").open("wb"), stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip

@@ -109,7 +109,7 @@ def start_process(kind: str, url: str, shards: int) -> subprocess.Popen[bytes]:
     }
     args = ["worker", "jobtier.demo", "--concurrency", "50"] if kind == "worker" else [kind]
     return subprocess.Popen(
-        [sys.executable, "-m", "jobtier.cli.main", *args], env=env, start_new_session=True
+        [sys.executable, "-m", "jobtier.cli", *args], env=env, start_new_session=True
     )
 
 

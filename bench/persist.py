@@ -374,7 +374,7 @@ class PersisterProcess:
             "JOBTIER_REDIS_REQUIRE_AOF": "0", "JOBTIER_LOG_LEVEL": "WARNING",
         }  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "jobtier.cli.main", "persister", "--name", "bench",
+            sys.executable, "-m", "jobtier.cli", "persister", "--name", "bench",
             env=env, start_new_session=True,
         )  # fmt: skip
         try:

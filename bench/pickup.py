@@ -105,7 +105,7 @@ def start_process(
     if kind == "worker" and queues:
         args += ["--queues", ",".join(queues)]
     return subprocess.Popen(
-        [sys.executable, "-m", "jobtier.cli.main", *args], env=env, start_new_session=True
+        [sys.executable, "-m", "jobtier.cli", *args], env=env, start_new_session=True
     )
 
 

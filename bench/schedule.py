@@ -139,7 +139,7 @@ def start_processes(
 ) -> dict[str, subprocess.Popen[bytes]]:
     """The scheduler (or the poller) and the workers, each in its own process group."""
     env = _env(url, args.shards)
-    cli = [sys.executable, "-m", "jobtier.cli.main"]
+    cli = [sys.executable, "-m", "jobtier.cli"]
     commands: dict[str, list[str]] = {}
     if variant.startswith("jobtier"):
         batch = 100 if variant == "jobtier-b100" else args.scheduler_batch

@@ -96,7 +96,7 @@ async def one_run(
         PYTHONPATH=os.pathsep.join(path),
     )
     worker = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jobtier.cli.main", "worker", "bench_shutdown_tasks",
+        sys.executable, "-m", "jobtier.cli", "worker", "bench_shutdown_tasks",
         "-c", str(args.concurrency), "--grace", str(case.grace),
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -117,7 +117,7 @@ def env_of(settings: Settings) -> dict[str, str]:
 
 def spawn(role: str, settings: Settings) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "jobtier.cli.main", role], env=env_of(settings),
+        [sys.executable, "-m", "jobtier.cli", role], env=env_of(settings),
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
 
