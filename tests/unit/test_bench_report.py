@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -199,7 +200,33 @@ def test_the_headline_takes_per_run_ratios_from_a_fake_set(
 def test_the_readme_block_is_replaced_between_its_markers_only() -> None:
     text = f"# jobtier\n\nbefore\n{report.START}\nold 1.285\n{report.END}\nafter\n"
     assert report.readme_with(text, "new 1.188\n") == (
-        f"# jobtier\n\nbefore\n{report.START}\nnew 1.188\n{report.END}\nafter\n"
+        f"# jobtier\n\nbefore\n{report.START}\n\nnew 1.188\n\n{report.END}\nafter\n"
     )
+    again = report.readme_with(report.readme_with(text, "new\n"), "new\n")
+    assert again == report.readme_with(text, "new\n")  # regenerating changes nothing
     assert report.readme_with("# no markers\n", "x") is None
     assert report.readme_with(f"{report.END}\n{report.START}\n", "x") is None
+
+
+def test_the_command_fills_readme_markers_and_check_catches_a_hand_edit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    readme, page = tmp_path / "README.md", tmp_path / "docs" / "benchmarks.md"
+    readme.write_text(f"# jobtier\n\n{report.START}\nold figures\n{report.END}\n\nmore\n")
+    monkeypatch.setattr(report, "README", readme)
+    monkeypatch.setattr(report, "PAGE", page)
+    assert report.main([]) == 0
+    assert "rewrote README.md's bench-report block" in capsys.readouterr().out
+    text = readme.read_text()
+    assert "old figures" not in text and text.endswith(f"{report.END}\n\nmore\n")
+    assert "jobtier with its persister vs BullMQ" in text
+    assert report.main(["--check"]) == 0
+    figure = re.search(r"\*\*(\d\.\d\d)\N{MULTIPLICATION SIGN}\*\*", text)
+    assert figure is not None
+    readme.write_text(text.replace(figure.group(0), "**9.99\N{MULTIPLICATION SIGN}**", 1))
+    assert report.main(["--check"]) == 1
+    assert "README.md's bench-report block differs" in capsys.readouterr().err
+    readme.write_text("# no markers\n")
+    assert report.main([]) == 0
+    assert "no <!-- bench-report:start -->" in capsys.readouterr().out
+    assert readme.read_text() == "# no markers\n"
