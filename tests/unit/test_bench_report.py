@@ -230,3 +230,22 @@ def test_the_command_fills_readme_markers_and_check_catches_a_hand_edit(
     assert report.main([]) == 0
     assert "no <!-- bench-report:start -->" in capsys.readouterr().out
     assert readme.read_text() == "# no markers\n"
+
+
+def test_compare_summarises_each_ratio_as_the_median_of_per_run_ratios() -> None:
+    """bench/compare.py's own summary (what it prints and saves), not only this page."""
+    compare = _load("compare")
+    runs = _runs([(300, 100), (200, 100), (100, 200), (150, 150), (110, 100)])
+    for run, saq in zip(runs, (50, 40, 50, 30, 60), strict=True):
+        run["saq"] = {"everysec": {"e2e_jobs_per_s": saq}}
+    for run in runs:  # the other fields compare.py takes medians of
+        for modes in run.values():
+            for fields in modes.values():
+                fields.update({f: 1.0 for f in compare.FIELDS if f != "e2e_jobs_per_s"})
+    s = compare.summarise(runs)["jobtier"]["everysec"]
+    assert s["e2e_vs_bullmq_runs"] == pytest.approx([3.0, 2.0, 0.5, 1.0, 1.1])
+    assert s["e2e_vs_bullmq"] == pytest.approx(1.1)
+    assert s["e2e_vs_bullmq_of_medians"] == 1.5  # 150 / 100: kept, under its own name
+    assert s["e2e_vs"]["saq"]["runs"] == pytest.approx([6.0, 5.0, 2.0, 5.0, 110 / 60])
+    assert s["e2e_vs"]["saq"]["median"] == 5.0
+    assert "e2e_vs" not in compare.summarise(runs)["saq"]["everysec"]  # jobtier's rows only
