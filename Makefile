@@ -9,7 +9,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test fuzz check lint types format bench setup system-deps clean
+.PHONY: run test fuzz check lint types format bench bench-report setup system-deps clean
 
 run: setup
 	$(BIN)/jobtier run
@@ -39,6 +39,11 @@ format: setup
 
 bench: setup
 	$(BIN)/python bench/throughput.py
+
+# docs/benchmarks.md (and README's block between the bench-report markers) from the results
+# files in bench/results; standard library only, so no set-up needed
+bench-report:
+	$(PYTHON) bench/report.py
 
 setup: system-deps $(STAMP)
 

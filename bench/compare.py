@@ -24,7 +24,8 @@ notion, the producer in a process of its own. For each (system, Redis mode, run)
 
 Runs are interleaved round-robin (run 1: every system in every mode, then run 2, ...) so a
 slow spell on this shared machine lands on all of them; figures are medians of the runs, and
-each system's end-to-end rate is also given as a ratio to BullMQ's in the same mode.
+each system's end-to-end rate is also given against BullMQ's in the same mode: the median of
+the per-run ratios (run i against run i; ``ratios.py``), each run's ratio kept in the JSON.
 
 The peers are driven by small programs of ours under ``bench/compare/`` written against their
 documented APIs; each file's docstring says how it enqueues and what it counts as finished:
@@ -94,6 +95,7 @@ from common import (
     table,
     tree_cpu,
 )
+from ratios import median_ratio, per_run_ratios
 
 from jobtier.config import Settings
 from jobtier.dev.local_redis import LocalRedis
@@ -706,6 +708,30 @@ def batch_cell(s: dict[str, Any]) -> str:
     return f"{fmt(batches)} ({fmt(size)}): {fmt(wait)} + {fmt(write)}"
 
 
+def ratio_table(
+    summary: dict[str, Any], args: argparse.Namespace, known: dict[str, System]
+) -> list[str]:
+    """jobtier's end-to-end rate (alone, at --baseline, with the persister) over each other
+    system's: the median of the per-run ratios, then the ratios run by run."""
+    rows = []
+    for mode in args.modes:
+        for name in args.systems:
+            vs = summary.get(name, {}).get(mode, {}).get("e2e_vs") or {}
+            for other, got in vs.items():
+                rows.append([
+                    known[name].label, known[other].label,
+                    "AOF off" if mode == "off" else "AOF everysec",
+                    f"{got['median']:.2f}x", ", ".join(f"{r:.2f}" for r in got["runs"]),
+                ])  # fmt: skip
+    if not rows:
+        return []
+    return [
+        "End to end, one system over another: the median of the per-run ratios (run i "
+        "against run i), then each run's ratio in run order.\n",
+        table(["system", "over", "Redis", "median of per-run ratios", "per run"], rows) + "\n",
+    ]
+
+
 def capacity(
     summary: dict[str, Any], args: argparse.Namespace, known: dict[str, Any], cores: int
 ) -> list[str]:
@@ -771,11 +797,24 @@ def summarise(runs: list[dict[str, dict[str, dict[str, Any]]]]) -> dict[str, Any
             s["runs_ok"] = len(cell["ok"])
             s["errors"] = [r["error"] for r in cell["errors"]]
             out.setdefault(name, {})[mode] = s
-    for modes in out.values():
+    ours = [n for n in out if n == "jobtier" or n == BASELINE or n.startswith(PERSIST)]
+    for name, modes in out.items():
         for mode, s in modes.items():
+            # each run against BullMQ's in the same run, then the median of those ratios (a
+            # ratio of medians would pair runs from different spells of this shared machine)
+            got = per_run_ratios(runs, name, "bullmq", mode)
+            s["e2e_vs_bullmq_runs"] = got
+            s["e2e_vs_bullmq"] = median_ratio(got)
             bull = out.get("bullmq", {}).get(mode, {}).get("e2e_jobs_per_s", float("nan"))
-            ratio = s["e2e_jobs_per_s"] / bull if bull else float("nan")
-            s["e2e_vs_bullmq"] = ratio if math.isfinite(ratio) else None
+            of_medians = s["e2e_jobs_per_s"] / bull if bull else float("nan")
+            s["e2e_vs_bullmq_of_medians"] = of_medians if math.isfinite(of_medians) else None
+            if name not in ours:
+                continue
+            s["e2e_vs"] = {}  # every other system of the set, as in "jobtier 5x SAQ"
+            for other in out:
+                ratios = per_run_ratios(runs, name, other, mode) if other != name else []
+                if ratios:
+                    s["e2e_vs"][other] = {"median": median_ratio(ratios), "runs": ratios}
     return out
 
 
@@ -806,7 +845,8 @@ def render(
         f"{args.jobs:,} no-op jobs per phase, one worker process, concurrency "
         f"{args.concurrency} where the system has the notion; producer in a process of its "
         f"own. A fresh redis-server per (system, mode, run): AOF off or `everysec`, "
-        f"`noeviction`. {args.runs} interleaved run(s); medians. Enqueue: producer alone, "
+        f"`noeviction`. {args.runs} interleaved run(s); medians, and each ratio the median of the "
+        "per-run ratios (run i of one system over run i of the other, same mode). Enqueue: producer alone, "
         "first enqueue to last. End to end: worker started and idle, then the producer; first "
         "enqueue to the last job finished as the system reports it. Redis CPU, commands "
         "(inside Lua scripts included) and AOF bytes (the redis-server process's file writes) "
@@ -841,6 +881,7 @@ def render(
                 ]
             )
     out.append(table(HEADERS, rows) + "\n")
+    out.extend(ratio_table(summary, args, known))
     lag_rows = []
     for mode, name in [(m, n) for m in args.modes for n in args.persist_systems]:
         s = summary.get(name, {}).get(mode)

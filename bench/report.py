@@ -1,0 +1,808 @@
+"""The benchmarks page, generated from the results files: ``make bench-report``.
+
+Reads every ``bench/results/*.json`` (the source of truth; the ``.md`` beside each is what the
+bench printed) and writes ``docs/benchmarks.md``:
+
+* each file's command, commit, machine and date, and whether its figures still describe the
+  code: ``STALE`` when a commit after the recorded one changed a path the bench measures
+  (``MEASURES``; ``git log <commit>..<as-of> -- <paths>``), ``unbacked`` when the recorded
+  commit is not in the history or none is recorded, ``+local`` when the tree had uncommitted
+  changes;
+* every ratio between systems as the median of the per-run ratios (``ratios.py``) where the
+  file keeps per-run figures; where it keeps medians only the page says so and gives the
+  medians, no ratio made from them;
+* the headline (``HEADLINE``): jobtier against BullMQ without and with its persister, each
+  with the command that produced it.
+
+The same block is written into README.md between ``<!-- bench-report:start -->`` and
+``<!-- bench-report:end -->`` when both markers are there; without them only the page is
+written, and the command says so.
+
+Which file stands for each bench is chosen in one table, ``CHOSEN``; every other file is
+listed as earlier or superseded. The stale check runs against the commit the page names
+(HEAD when generated, kept in the page), so the page regenerates the same later on;
+``--check`` regenerates in memory and fails when the committed page or README block differ.
+
+Standard library only: no Redis, Postgres or jobtier import.
+
+    python bench/report.py            # writes docs/benchmarks.md (and README's block)
+    python bench/report.py --check    # exit 1 if either differs from a regeneration
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ratios import median_ratio, per_run_ratios
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+README = ROOT / "README.md"
+START, END = "<!-- bench-report:start -->", "<!-- bench-report:end -->"
+AS_OF = re.compile(r"<!-- bench-report as-of: ([0-9a-f]{40}) -->")
+X = "\N{MULTIPLICATION SIGN}"
+
+# --- what each bench measures: a commit after the recorded one that touched these = STALE ----
+JOB_PATH = (
+    "src/jobtier/store", "src/jobtier/engine", "src/jobtier/worker", "src/jobtier/streams",
+    "src/jobtier/core", "src/jobtier/config.py",
+)  # fmt: skip
+STATUS_PATH = (  # a status read: the near cache, the fast path, a miss's script
+    "src/jobtier/status", "src/jobtier/api/asgi.py", "src/jobtier/api/app.py",
+    "src/jobtier/api/jobs.py", "src/jobtier/store/lua",
+)  # fmt: skip
+MEASURES: dict[str, tuple[str, ...]] = {
+    "compare": (*JOB_PATH, "src/jobtier/persist"),  # the persister rows too
+    "throughput": JOB_PATH,
+    "queues": JOB_PATH,
+    "pickup": JOB_PATH,
+    "cancel": (*JOB_PATH, "src/jobtier/api/jobs.py"),
+    "flows": (*JOB_PATH, "src/jobtier/flows"),
+    "schedule": (*JOB_PATH, "src/jobtier/scheduler.py"),
+    "shutdown": ("src/jobtier/worker", "src/jobtier/runtime", "src/jobtier/cli"),
+    "worker_execute": ("src/jobtier/worker",),
+    "webhooks": (*JOB_PATH, "src/jobtier/webhooks"),
+    "transitions": ("src/jobtier/store",),
+    "transitions_profile": ("src/jobtier/store",),
+    "lua_parts": ("src/jobtier/store",),
+    "memory": ("src/jobtier/store",),
+    "status_read": STATUS_PATH,
+    "status_asgi": STATUS_PATH,
+    "nearcache_memory": ("src/jobtier/status",),
+    "api_scaling": ("src/jobtier/api", "src/jobtier/status"),
+    "persist": ("src/jobtier/persist", "src/jobtier/streams"),
+    "persist_pickup": ("src/jobtier/persist", "src/jobtier/streams"),
+    "history_rows": ("src/jobtier/persist", "src/jobtier/worker"),
+    "console": (
+        "src/jobtier/api/console.py",
+        "src/jobtier/api/console_records.py",
+        "src/jobtier/api/console_flows.py",
+        "src/jobtier/api/admin.py",
+        "src/jobtier/persist/pg_reader.py",
+        "src/jobtier/persist/queries.sql",
+        "src/jobtier/persist/migrations",
+    ),
+    "chaos": ("src/jobtier",),
+}
+
+# --- which file stands for each bench (every other file: earlier, or another setting) --------
+CHOSEN: dict[str, str] = {
+    "compare-6ceea3b": "the newest sets against BullMQ (the headline), first of two",
+    "compare-6ceea3b-2": "the newest sets against BullMQ (the headline), second of two",
+    "compare-redesign": "the newest jobtier set (against its code at 4ffac07; no peer)",
+    "throughput": "the only file",
+    "queues": "the only file",
+    "pickup": "one queue (pickup-10-queues: ten)",
+    "cancel": "the only file",
+    "flows": "the only file",
+    "schedule": "the only file",
+    "shutdown": "the only file",
+    "worker_execute": "the only file",
+    "webhooks": "quiet machine (webhooks-loaded: under the test suite's load)",
+    "transitions": "the newest (15 runs against 1d30c84)",
+    "transitions_profile": "this code's profile (-main: the scripts at main)",
+    "lua_parts": "the only file",
+    "memory": "the only file",
+    "status_read": "10K req/s open loop, hot / spread / churn",
+    "status_read-open20k-format3": "the newest 20K req/s set",
+    "status_asgi": "the only file",
+    "nearcache_memory": "the only file",
+    "api_scaling": "the only file",
+    "persist": "the newest backlog drain (no sustained-rate lag in it)",
+    "persist-40c7fab": "the newest with the lag at a sustained 5K and 10K transitions/s",
+    "persist_pickup": "the only file",
+    "history_rows": "the only file",
+    "console": "the only file",
+    "chaos": "the only file",
+}
+HEADLINE = ("compare-6ceea3b", "compare-6ceea3b-2")  # the same command twice at one commit
+NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
+PERSISTER = "jobtier-persist"  # compare.py's name for jobtier with its persister
+
+
+# --- reading the files ----------------------------------------------------------------------
+@dataclass
+class Result:
+    """One results file: what it records of itself, and its standing against the history."""
+
+    stem: str
+    bench: str
+    data: dict[str, Any]
+    command: str | None = None
+    commit: str | None = None  # as recorded
+    date: str | None = None
+    machine: str | None = None
+    status: str = ""  # current / STALE ... / unbacked ...
+    stale: bool = False
+    unbacked: bool = False
+    local: bool = False
+    changed_by: list[str] = field(default_factory=list)  # commits since, on measured paths
+
+    @property
+    def label(self) -> str:
+        tags = [self.status] + ["tree had local changes (+local)"] * self.local
+        return "; ".join(tags)
+
+
+def bench_of(stem: str) -> str:
+    """The bench a results file belongs to: the longest known name it starts with."""
+    for name in sorted(MEASURES, key=len, reverse=True):
+        if stem == name or stem.startswith(name + "-"):
+            return name
+    return stem.split("-")[0]
+
+
+def provenance(data: dict[str, Any]) -> dict[str, Any]:
+    """command, commit, date and machine, wherever the bench put them (at the top, or in its
+    ``environment`` / ``env``); None for what the file does not record."""
+    found: dict[str, Any] = {}
+    for where in (data, data.get("environment"), data.get("env")):
+        if isinstance(where, dict):
+            for key in ("command", "commit", "date", "machine"):
+                if found.get(key) is None and where.get(key) is not None:
+                    found[key] = where[key]
+    return found
+
+
+def machine_text(machine: Any) -> str | None:
+    if not isinstance(machine, dict):
+        return None
+    kernel = str(machine.get("platform", "")).removeprefix("Linux-").split("-x86_64")[0]
+    load = machine.get("load_average_at_start") or []
+    text = f"{machine.get('nproc', '?')} CPUs {machine.get('cpu', '?')}, kernel {kernel}"
+    return text + (f", load {load[0]} at start" if load else "")
+
+
+Git = Callable[[Sequence[str]], "str | None"]
+
+
+def run_git(args: Sequence[str]) -> str | None:
+    """git's output in the repository, or None when it fails (an unknown commit)."""
+    done = subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True)
+    return done.stdout if done.returncode == 0 else None
+
+
+def judge(result: Result, as_of: str, git: Git = run_git) -> None:
+    """Set ``result``'s status from its recorded commit and the history up to ``as_of``."""
+    recorded = result.commit or ""
+    result.local = "+local" in recorded
+    sha = re.match(r"[0-9a-f]{7,40}\b", recorded)
+    if sha is None:
+        result.status, result.unbacked = "unbacked: no commit recorded", True
+        return
+    if git(["rev-parse", "-q", "--verify", f"{sha.group()}^{{commit}}"]) is None:
+        result.status, result.unbacked = "unbacked: commit not in history", True
+        return
+    paths = MEASURES.get(result.bench)
+    if paths is None:
+        result.status = "not checked: no measured paths known for this bench"
+        return
+    log = git(["log", "--format=%h", f"{sha.group()}..{as_of}", "--", *paths]) or ""
+    result.changed_by = log.split()
+    if result.changed_by:
+        result.stale = True
+        n = len(result.changed_by)
+        result.status = (
+            f"STALE: {n} later commit{'s' * (n > 1)} changed the measured path "
+            f"(newest `{result.changed_by[0]}`)"
+        )
+    else:
+        result.status = "current"
+
+
+def load(results: Path = RESULTS, as_of: str = "HEAD", git: Git = run_git) -> list[Result]:
+    out = []
+    for path in sorted(results.glob("*.json")):
+        data = json.loads(path.read_text())
+        found = provenance(data)
+        result = Result(
+            stem=path.stem,
+            bench=bench_of(path.stem),
+            data=data,
+            command=found.get("command"),
+            commit=found.get("commit"),
+            date=found.get("date"),
+            machine=machine_text(found.get("machine")),
+        )
+        judge(result, as_of, git)
+        out.append(result)
+    return out
+
+
+def markdown_only(results: Path = RESULTS) -> list[str]:
+    """Results pages with no .json beside them: printed figures, nothing to read."""
+    return sorted(p.stem for p in results.glob("*.md") if not p.with_suffix(".json").exists())
+
+
+# --- formatting -----------------------------------------------------------------------------
+def num(value: Any, digits: int = 0) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}{X}"
+
+
+def runs_text(ratios: Sequence[float]) -> str:
+    return ", ".join(f"{r:.2f}" for r in ratios) or "-"
+
+
+def cell(text: Any) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def code(text: str | None) -> str:
+    return f"`{text}`" if text else "(not recorded)"
+
+
+def median(values: Sequence[float]) -> float | None:
+    return median_ratio(values)  # the same median, for figures that are not ratios
+
+
+def dig(data: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+# --- compare: ratios from the runs ----------------------------------------------------------
+def compare_ratio(result: Result, system: str, peer: str, mode: str) -> list[float]:
+    return per_run_ratios(result.data.get("runs") or [], system, peer, mode)
+
+
+def compare_median(result: Result, system: str, mode: str, key: str = "e2e_jobs_per_s") -> Any:
+    return dig(result.data, "summary", system, mode, key)
+
+
+def headline(by_stem: dict[str, Result], in_readme: bool = True) -> str:
+    """The README block's text (also the page's first section): jobtier against BullMQ
+    without and with its persister, each file's command beside its figures."""
+    sets = [by_stem[s] for s in HEADLINE if s in by_stem]
+    if not sets:
+        return "No headline results file (HEADLINE in bench/report.py) is in bench/results.\n"
+    rows, pooled_alone, pooled_persist = [], [], []
+    for r in sets:
+        alone = compare_ratio(r, "jobtier", "bullmq", "everysec")
+        persist = compare_ratio(r, PERSISTER, "bullmq", "everysec")
+        pooled_alone += alone
+        pooled_persist += persist
+        rates = " / ".join(
+            num(compare_median(r, s, "everysec")) for s in ("jobtier", PERSISTER, "bullmq")
+        )
+        rows.append([
+            f"`bench/results/{r.stem}.json`, {len(r.data.get('runs') or [])} runs, {r.date}",
+            f"**{times(median_ratio(alone))}** ({runs_text(alone)})",
+            f"**{times(median_ratio(persist))}** ({runs_text(persist)})",
+            rates, code(r.command),
+        ])  # fmt: skip
+    if len(sets) > 1:
+        rows.append([
+            f"the {len(sets)} sets together, {len(pooled_alone)} runs",
+            f"**{times(median_ratio(pooled_alone))}**",
+            f"**{times(median_ratio(pooled_persist))}**", "", "",
+        ])  # fmt: skip
+    commits = sorted({r.commit or "(not recorded)" for r in sets})
+    newer = ""
+    if any(r.stale for r in sets) and NEWEST_JOBTIER in by_stem:
+        r = by_stem[NEWEST_JOBTIER]
+        base = compare_ratio(r, "jobtier", "jobtier-baseline", "everysec")
+        newer = (
+            f" (the newest jobtier set, `{r.stem}` at `{r.commit}`, has no peer: "
+            f"{times(median_ratio(base))} the code of "
+            f"`{dig(r.data, 'arguments', 'baseline')}`, {r.status})"
+        )
+    standing = sorted({r.label for r in sets})
+    return (
+        "End to end against BullMQ: no-op jobs, one worker process at concurrency 50, Redis "
+        "AOF `everysec`, producer, worker, Redis (and Postgres) sharing the machine's 2 "
+        "cores. Each ratio is the median of the per-run ratios (run i of jobtier over run i of "
+        "BullMQ in the same interleaved set); each run's ratio in brackets. *With its "
+        "persister*: `jobtier persister` writing every transition to a durable Postgres during "
+        "the run, the record jobtier keeps; BullMQ keeps its jobs in Redis only.\n\n"
+        + table(
+            [
+                "set",
+                "jobtier vs BullMQ",
+                "jobtier with its persister vs BullMQ",
+                "jobs/s, medians: jobtier / with persister / BullMQ",
+                "command",
+            ],
+            rows,
+        )
+        + f"\n\nMeasured at {', '.join(f'`{c}`' for c in commits)}; standing: "
+        f"**{'; '.join(standing)}**{newer}. "
+        + (
+            "Generated by `make bench-report` from the results files (all of them: "
+            "docs/benchmarks.md); edit those, not this block.\n"
+            if in_readme
+            else "\n"
+        )
+    )
+
+
+def compare_section(results: list[Result]) -> str:
+    rows, others = [], []
+    for r in sorted(results, key=lambda r: r.date or "", reverse=True):
+        if r.bench != "compare":
+            continue
+        runs = r.data.get("runs") or []
+        systems = list(dig(r.data, "summary") or {})
+        if "bullmq" not in systems:
+            others.append(r)
+            continue
+        for mode in dig(r.data, "arguments", "modes") or ["everysec"]:
+            alone = compare_ratio(r, "jobtier", "bullmq", mode)
+            persist = compare_ratio(r, PERSISTER, "bullmq", mode)
+            saq = compare_ratio(r, "jobtier", "saq", mode)
+            saved = compare_median(r, "jobtier", mode, "e2e_vs_bullmq")
+            rows.append([
+                f"`{r.stem}`" + (" (chosen)" if r.stem in CHOSEN else ""), r.commit or "-",
+                r.date or "-", "AOF off" if mode == "off" else "AOF everysec", len(runs),
+                num(compare_median(r, "jobtier", mode)), num(compare_median(r, "bullmq", mode)),
+                f"{times(median_ratio(alone))} ({runs_text(alone)})",
+                f"{times(median_ratio(persist))} ({runs_text(persist)})" if persist else "-",
+                f"{times(median_ratio(saq))}" if saq else "-",
+                times(saved) if isinstance(saved, int | float) else "-",
+                num(compare_median(r, PERSISTER, mode, "lag_p99_ms")),
+                r.label,
+            ])  # fmt: skip
+    out = [
+        "## Every set against BullMQ\n",
+        "Every `bench/compare.py` file with BullMQ in it, newest first. Ratios recomputed here from each file's runs: the median of the "
+        "per-run ratios. *Saved* is the ratio the file itself saved: until `0a61ca6`, "
+        "compare.py printed a ratio of medians, which differs where runs spread.\n",
+        table(
+            [
+                "file",
+                "commit",
+                "date",
+                "Redis",
+                "runs",
+                "jobtier jobs/s (median)",
+                "BullMQ jobs/s (median)",
+                "jobtier vs BullMQ (per run)",
+                "with persister vs BullMQ (per run)",
+                "jobtier vs SAQ",
+                "saved by the file",
+                "persister lag p99 ms (median)",
+                "standing",
+            ],
+            rows,
+        ),
+    ]
+    for r in others:
+        base = compare_ratio(r, "jobtier", "jobtier-baseline", "everysec")
+        out.append(
+            f"\n`{r.stem}` ({r.label}), no peer: jobtier at `{r.commit}` "
+            f"{num(compare_median(r, 'jobtier', 'everysec'))} jobs/s against "
+            f"{num(compare_median(r, 'jobtier-baseline', 'everysec'))} for the code of "
+            f"`{dig(r.data, 'arguments', 'baseline')}` (medians), **{times(median_ratio(base))}** "
+            f"it (per run {runs_text(base)}); {code(r.command)}."
+        )
+    return "\n".join(out) + "\n"
+
+
+# --- the other benches' figures ---------------------------------------------------------------
+def throughput_figures(r: Result) -> list[str]:
+    s = r.data.get("summary") or {}
+    runs = r.data.get("runs") or []
+    ratio = [
+        run["e2e"]["jobs_per_s"] / run["baseline"]["jobs_per_s"]
+        for run in runs
+        if dig(run, "e2e", "jobs_per_s") and dig(run, "baseline", "jobs_per_s")
+    ]
+    return [
+        f"end to end {num(dig(s, 'e2e', 'jobs_per_s'))} jobs/s (AOF off "
+        f"{num(dig(s, 'e2e_aof_off', 'jobs_per_s'))}), drain {num(dig(s, 'drain', 'jobs_per_s'))}, "
+        f"enqueue {num(dig(s, 'enqueue_batch'))} (medians of {len(runs)} runs)",
+        f"claim round trips a job {num(dig(s, 'e2e', 'claim_round_trips_per_job'), 3)}; the "
+        f"baseline (one job per claim, one per completion) "
+        f"{num(dig(s, 'baseline', 'claim_round_trips_per_job'), 3)} at "
+        f"{num(dig(s, 'baseline', 'jobs_per_s'))} jobs/s",
+        f"end to end over the baseline: **{times(median_ratio(ratio))}** (per run "
+        f"{runs_text(ratio)})",
+    ]
+
+
+def persist_figures(r: Result) -> list[str]:
+    medians = r.data.get("medians") or {}
+    runs = r.data.get("runs") or []
+    out = []
+    for variant, got in medians.items():
+        t = got.get("throughput") or {}
+        line = (
+            f"`{variant}`: backlog drained at {num(t.get('per_second'))} transitions/s, "
+            f"CPU {num(t.get('persister_cpu_us'), 1)} (persister) + "
+            f"{num(t.get('postgres_cpu_us'), 1)} (Postgres) µs a transition"
+        )
+        for key, sustained in got.items():
+            if key.startswith("sustained_"):
+                line += (
+                    f"; offered {num(sustained.get('rate'))}/s: reached "
+                    f"{num(sustained.get('achieved_rate'))}/s, lag p50 "
+                    f"{num(sustained.get('p50_ms'))} ms, p99 {num(sustained.get('p99_ms'))} ms"
+                    f", {num(sustained.get('unpersisted'))} left unwritten"
+                )
+        out.append(line)
+    before, after = ("process-before", "process-after")
+    ratio = [
+        run[after]["throughput"]["per_second"] / run[before]["throughput"]["per_second"]
+        for run in runs
+        if dig(run, after, "throughput", "per_second")
+        and dig(run, before, "throughput", "per_second")
+    ]
+    if ratio:
+        out.append(
+            f"this tree's persister over the code of `{r.data.get('before')}`, backlog drained: "
+            f"**{times(median_ratio(ratio))}** (per run {runs_text(ratio)})"
+        )
+    out.append(f"medians of {len(runs)} runs")
+    return out
+
+
+def latency(s: Any, unit: str = "ms") -> str:
+    return f"p50 {num(dig(s, 'p50'), 2)} {unit}, p99 {num(dig(s, 'p99'), 2)} {unit}"
+
+
+def pickup_figures(r: Result) -> list[str]:
+    s = r.data.get("summary") or {}
+    return [
+        f"submit → running: {latency(s.get('pickup_ms'))} ({num(dig(s, 'pickup_ms', 'n'))} jobs)",
+        f"a delayed job's lateness: {latency(s.get('lateness_ms'))}",
+    ]
+
+
+def cancel_figures(r: Result) -> list[str]:
+    s = r.data.get("summary") or {}
+    return [f"`{k}` request → cancelled: {latency(v.get('cancelled_ms'))}" for k, v in s.items()]
+
+
+def persist_pickup_figures(r: Result) -> list[str]:
+    out = []
+    for k, v in (r.data.get("summary") or {}).items():
+        out.append(
+            f"`{k}`: a lone transition to its commit p50 {num(v.get('pickup_p50_ms'), 1)} ms, "
+            f"p90 {num(v.get('pickup_p90_ms'), 1)} ms, max {num(v.get('pickup_max_ms'), 1)} ms; "
+            f"idle CPU persister {num(v.get('idle_persister_ms_per_s'), 1)} ms/s, Redis "
+            f"{num(v.get('idle_redis_ms_per_s'), 1)} ms/s ({num(v.get('trials'))} trials)"
+        )
+    return out
+
+
+def status_read_figures(r: Result) -> list[str]:
+    rows = [
+        row for row in r.data.get("summary") or [] if str(row.get("mode", "")).startswith("open")
+    ]
+    return [
+        f"`{row.get('config')}` {row.get('mix')} at {row.get('mode')}: p50 {num(row.get('p50'), 2)} "
+        f"ms, p99 {num(row.get('p99'), 2)} ms, {num(row.get('errors'))} errors "
+        f"({row.get('runs')} runs; medians as the file keeps them)"
+        for row in rows
+    ]
+
+
+def webhooks_figures(r: Result) -> list[str]:
+    per = r.data.get("jobs_per_second") or {}
+    off = per.get("off") or []
+    out = [f"deliveries {num(r.data.get('deliveries_per_second'))}/s"]
+    for key, what in (("on", "delivering every job's webhook"), ("follow", "following only")):
+        got = [a / b for a, b in zip(per.get(key) or [], off, strict=False) if b]
+        out.append(f"no-op jobs with the dispatcher {what}, over dispatcher off: "
+                   f"**{times(median_ratio(got))}** (per run {runs_text(got)})")  # fmt: skip
+    return out
+
+
+def schedule_figures(r: Result) -> list[str]:
+    out = []
+    for variant, got in (r.data.get("summary") or {}).items():
+        out.append(
+            f"`{variant}`: 100K due over a minute, start lateness p50 "
+            f"{num(got.get('spread.start_lateness_ms.p50'))} ms, p99 "
+            f"{num(got.get('spread.start_lateness_ms.p99'))} ms, max "
+            f"{num(got.get('spread.start_lateness_ms.max'))} ms"
+        )
+    return out
+
+
+def flows_figures(r: Result) -> list[str]:
+    s = r.data.get("summary") or {}
+    return [
+        f"a 10K-child fan-in, last child done → parent running: {latency(s.get('fan_in_ms'))}"
+        f" (Redis's clock: {latency(s.get('fan_in_redis_ms'))})",
+        f"the children end to end {num(s.get('children_jobs_per_s'))} jobs/s, "
+        f"{num(s.get('flow_redis_cpu_us_per_job'))} µs of Redis CPU each; plain jobs "
+        f"{num(s.get('plain_jobs_per_s'))} jobs/s, {num(s.get('plain_redis_cpu_us_per_job'))} µs",
+    ]
+
+
+def transitions_figures(r: Result) -> list[str]:
+    """The three transitions together, before (the baseline's scripts) and after, summed
+    from the file's medians; Redis CPU after over before run by run."""
+    parts = ("submit", "claim", "complete")
+
+    def total(side: Any, key: str) -> float | None:
+        got = [dig(side, p, key) for p in parts]
+        return sum(got) if all(isinstance(g, int | float) for g in got) else None
+
+    s = r.data.get("summary") or {}
+    out = []
+    for side in ("before", "after"):
+        out.append(
+            f"{side} (medians, summed over the three transitions): Redis CPU "
+            f"{num(total(s.get(side), 'redis_cpu_us_per_job'))} µs / script "
+            f"{num(total(s.get(side), 'script_us_per_job'), 1)} µs / AOF "
+            f"{num(total(s.get(side), 'aof_bytes_per_job'))} B / "
+            f"{num(total(s.get(side), 'commands_per_job'), 2)} commands a job; a status read "
+            f"{num(dig(s, side, 'read', 'redis_cpu_us_per_job'))} µs"
+        )
+    ratio = []
+    for run in r.data.get("runs") or []:
+        a, b = (
+            total(run.get("after"), "redis_cpu_us_per_job"),
+            total(run.get("before"), "redis_cpu_us_per_job"),
+        )
+        if a is not None and b:
+            ratio.append(a / b)
+    out.append(
+        f"Redis CPU a job, after over before: **{times(median_ratio(ratio))}** (per run "
+        f"{runs_text(ratio)}; {sum(x < 1 for x in ratio)} of {len(ratio)} runs lower)"
+    )
+    return out
+
+
+def queues_figures(r: Result) -> list[str]:
+    out = []
+    for case, runs in (r.data.get("results") or {}).items():
+        rates = [
+            run["jobs_per_s"] for run in runs if isinstance(run.get("jobs_per_s"), int | float)
+        ]
+        out.append(f"{case}: {num(median(rates))} jobs/s (median of {len(rates)} runs)")
+    return out
+
+
+def nearcache_figures(r: Result) -> list[str]:
+    runs = r.data.get("runs") or []
+    mib = 1 << 20
+    py = median([run["python_bytes"] / mib for run in runs])
+    rss = median([run["rss_bytes"] / mib for run in runs])
+    return [f"near cache full: {num(py, 1)} MiB of Python objects, {num(rss, 1)} MiB RSS "
+            f"(medians of {len(runs)} processes)"]  # fmt: skip
+
+
+FIGURES: dict[str, Callable[[Result], list[str]]] = {
+    "schedule": schedule_figures,
+    "flows": flows_figures,
+    "transitions": transitions_figures,
+    "queues": queues_figures,
+    "nearcache_memory": nearcache_figures,
+    "throughput": throughput_figures,
+    "persist": persist_figures,
+    "pickup": pickup_figures,
+    "cancel": cancel_figures,
+    "persist_pickup": persist_pickup_figures,
+    "status_read": status_read_figures,
+    "webhooks": webhooks_figures,
+}
+
+
+def figures_section(results: list[Result]) -> str:
+    out = [
+        "## The chosen file of each bench\n",
+        "One file stands for each bench (`CHOSEN` in bench/report.py says which and why). "
+        "Figures are read from the file; where a file keeps only medians they are given as "
+        "medians, and no ratio is made from them. Benches with no reader here: see their "
+        ".md.\n",
+    ]
+    for r in results:
+        if r.stem not in CHOSEN or r.bench == "compare":
+            continue
+        out.append(f"### `{r.stem}`: {CHOSEN[r.stem]}\n")
+        out.append(
+            f"- {code(r.command)}, commit {code(r.commit)}, {r.date or '(date not recorded)'}"
+            f", {r.machine or '(machine not recorded)'}"
+        )
+        out.append(f"- standing: **{r.label}**")
+        reader = FIGURES.get(r.bench)
+        try:
+            got = reader(r) if reader else ["(no reader here: see the file's .md)"]
+        except (KeyError, TypeError, ZeroDivisionError) as exc:
+            got = [f"(the file's shape is not the one this reader knows: {exc!r})"]
+        out.extend(f"- {line}" for line in got)
+        out.append("")
+    return "\n".join(out)
+
+
+SETTINGS = frozenset({"environment", "env", "machine", "versions", "arguments", "args", "settings"})
+
+
+def keeps_runs(data: Any) -> bool:
+    """Whether a file keeps figures run by run (somewhere a list of two or more figures or
+    records, outside its settings), not only their medians."""
+    if isinstance(data, dict):
+        return any(keeps_runs(v) for k, v in data.items() if k not in SETTINGS)
+    if isinstance(data, list):
+        figures = [x for x in data if isinstance(x, int | float | dict) and not isinstance(x, bool)]
+        return len(figures) >= 2 or any(keeps_runs(x) for x in data)
+    return False
+
+
+def files_section(results: list[Result], md_only: list[str]) -> str:
+    rows = [
+        [f"`{r.stem}`", r.bench, "chosen" if r.stem in CHOSEN else "earlier / other setting",
+         code(r.command), r.commit or "(not recorded)", r.date or "(not recorded)",
+         r.machine or "(not recorded)", "yes" if keeps_runs(r.data) else "no",
+         r.label]
+        for r in results
+    ]  # fmt: skip
+    out = [
+        "## Every results file\n",
+        "What each `bench/results/*.json` records of itself. *Standing*: `current` when no "
+        "commit after the recorded one changed a path the bench measures (`MEASURES` in "
+        "bench/report.py); `STALE` when one did, so the figures describe older code; "
+        "`unbacked` when the recorded commit is not in the history or none is recorded; "
+        "`+local` when the tree had uncommitted changes, so the commit does not fully name "
+        "the code measured.\n",
+        table(
+            [
+                "file",
+                "bench",
+                "role",
+                "command",
+                "commit",
+                "date",
+                "machine",
+                "per-run figures kept",
+                "standing",
+            ],
+            rows,
+        ),
+    ]
+    if md_only:
+        out.append(
+            "\nPages with no .json (printed figures, nothing a reader can check): "
+            + ", ".join(f"`{s}.md`" for s in md_only)
+            + "."
+        )
+    return "\n".join(out) + "\n"
+
+
+def page(results: list[Result], md_only: list[str], as_of: str) -> str:
+    by_stem = {r.stem: r for r in results}
+    chosen = [r for r in results if r.stem in CHOSEN]
+    stale = [r.stem for r in chosen if r.stale]
+    unbacked = [r.stem for r in chosen if r.unbacked]
+    local = [r.stem for r in chosen if r.local]
+    missing = sorted(set(CHOSEN) - set(by_stem))
+    summary = [
+        f"- STALE ({len(stale)}): " + (", ".join(f"`{s}`" for s in stale) or "none"),
+        f"- unbacked ({len(unbacked)}): " + (", ".join(f"`{s}`" for s in unbacked) or "none"),
+        f"- measured on a tree with local changes ({len(local)}): "
+        + (", ".join(f"`{s}`" for s in local) or "none"),
+    ]
+    if missing:
+        summary.append("- chosen but missing: " + ", ".join(f"`{s}`" for s in missing))
+    return "\n".join([
+        "# Benchmarks\n",
+        f"<!-- bench-report as-of: {as_of} -->\n",
+        "Generated by `make bench-report` (bench/report.py) from `bench/results/*.json`: edit "
+        "or re-measure those, not this page. Every bench saves its command, commit, machine and "
+        f"date beside its figures; the standing of each file is checked against commit "
+        f"`{as_of[:7]}`, when this page was made.\n",
+        "## Headline\n",
+        headline(by_stem, in_readme=False),
+        "## Standing of the chosen files\n",
+        *summary,
+        "",
+        compare_section(results),
+        figures_section(results),
+        files_section(results, md_only),
+    ]).rstrip() + "\n"  # fmt: skip
+
+
+# --- README ---------------------------------------------------------------------------------
+def readme_with(text: str, block: str) -> str | None:
+    """``text`` with ``block`` between the markers; None if it has not both, in order."""
+    start, end = text.find(START), text.find(END)
+    if start < 0 or end < 0 or end < start:
+        return None
+    return text[: start + len(START)] + "\n\n" + block.rstrip() + "\n\n" + text[end:]
+
+
+def generate(
+    results_dir: Path = RESULTS, as_of: str | None = None, git: Git = run_git
+) -> tuple[str, str]:
+    """(the page, the README block) as they are generated now."""
+    if as_of is None:
+        as_of = (git(["rev-parse", "HEAD"]) or "").strip()
+    results = load(results_dir, as_of, git)
+    by_stem = {r.stem: r for r in results}
+    return page(results, markdown_only(results_dir), as_of), headline(by_stem)
+
+
+def committed_as_of(path: Path | None = None) -> str | None:
+    """The commit the committed page (``PAGE`` unless ``path``) checked its files against."""
+    path = path or PAGE
+    found = AS_OF.search(path.read_text()) if path.exists() else None
+    return found.group(1) if found else None
+
+
+def shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--check", action="store_true", help="exit 1 if the page or README differ")
+    p.add_argument("--as-of", help="check staleness against this commit (default HEAD; with "
+                   "--check, the commit the committed page names)")  # fmt: skip
+    args = p.parse_args(argv)
+    as_of = args.as_of or (committed_as_of() if args.check else None)
+    if as_of is not None:
+        as_of = (run_git(["rev-parse", as_of]) or as_of).strip()
+    text, block = generate(as_of=as_of)
+    readme = README.read_text()
+    new_readme = readme_with(readme, block)
+    if args.check:
+        bad = [] if PAGE.exists() and PAGE.read_text() == text else [shown(PAGE)]
+        if new_readme is not None and new_readme != readme:
+            bad.append("README.md's bench-report block")
+        for what in bad:
+            print(f"{what} differs from its regeneration: run make bench-report", file=sys.stderr)
+        return 1 if bad else 0
+    PAGE.parent.mkdir(parents=True, exist_ok=True)
+    PAGE.write_text(text)
+    print(f"wrote {shown(PAGE)}")
+    if new_readme is None:
+        print(f"README.md has no {START} ... {END} markers: wrote the page only")
+    elif new_readme != readme:
+        README.write_text(new_readme)
+        print("rewrote README.md's bench-report block")
+    else:
+        print("README.md's bench-report block already up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
