@@ -28,15 +28,15 @@ fuzz: setup
 check: setup lint types docs test
 
 lint: setup
-	$(BIN)/ruff check src tests bench loadtest
-	$(BIN)/ruff format --check src tests bench loadtest
+	$(BIN)/ruff check src tests bench loadtest scripts
+	$(BIN)/ruff format --check src tests bench loadtest scripts
 
 types: setup
-	$(BIN)/mypy src tests
+	$(BIN)/mypy src tests scripts/docs_hooks.py
 
 format: setup
-	$(BIN)/ruff format src tests bench loadtest
-	$(BIN)/ruff check --fix src tests bench loadtest
+	$(BIN)/ruff format src tests bench loadtest scripts
+	$(BIN)/ruff check --fix src tests bench loadtest scripts
 
 bench: setup
 	$(BIN)/python bench/throughput.py

@@ -112,7 +112,10 @@ def render_openapi(document: dict[str, Any]) -> str:
             out += [f"**Key:** {_security(op, document)}.", ""]
             params = op.get("parameters", [])
             if params:
-                out += ["| parameter | in | schema | required | description |", "|---|---|---|---|---|"]
+                out += [
+                    "| parameter | in | schema | required | description |",
+                    "|---|---|---|---|---|",
+                ]
                 for p in params:
                     out.append(
                         f"| `{p['name']}` | {p['in']} | {_cell(_schema_text(p.get('schema', {})))} "
@@ -141,7 +144,7 @@ def render_openapi(document: dict[str, Any]) -> str:
             out.append("")
     out += ["### Schemas", ""]
     for name, schema in document["components"]["schemas"].items():
-        out += [f'#### `{name}` {{ #schema-{name.lower()} }}', ""]
+        out += [f"#### `{name}` {{ #schema-{name.lower()} }}", ""]
         if schema.get("description"):
             out += [_cell(schema["description"]), ""]
         props = schema.get("properties")
@@ -180,9 +183,10 @@ def _render_command(parser: argparse.ArgumentParser, depth: int, out: list[str])
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)):
             continue
-        name = ", ".join(action.option_strings) or action.metavar or action.dest
+        metavar = action.metavar if isinstance(action.metavar, str) else None
+        name = ", ".join(action.option_strings) or metavar or action.dest
         if action.option_strings and action.nargs != 0:
-            name += f" {action.metavar or action.dest.upper()}"
+            name += f" {metavar or action.dest.upper()}"
         text = _cell(action.help or "")
         if action.choices:
             text += f" (one of {', '.join(f'`{c}`' for c in action.choices)})"
