@@ -115,6 +115,11 @@ def _local(code: str, run: JobtierRun) -> str:
     )
 
 
+def run_database_url(run: JobtierRun) -> str:
+    """The Postgres of the run, as `jobtier run` names it to its parts."""
+    return f"postgresql://jobtier@127.0.0.1:{run.pg_port}/jobtier"
+
+
 def _job(run: JobtierRun) -> str:
     tenant, _ = _keys(run)
     reply = httpx.post(
@@ -154,6 +159,8 @@ def _run_sh(block: Block, run: JobtierRun, tmp_path: Path) -> None:
         "JOBTIER_KEY": tenant,
         "JOBTIER_ADMIN_KEY": admin,
         "AUTH": f"Authorization: Bearer {tenant}",
+        "JOBTIER_REDIS_URL": f"redis://127.0.0.1:{run.redis_port}/0",
+        "JOBTIER_DATABASE_URL": run_database_url(run),
         "PATH": os.pathsep.join([str(bin_dir), env.get("PATH", "")]),
     }
     script = _script(block, run, _job(run))
