@@ -47,13 +47,13 @@ def _schema_text(schema: dict[str, Any]) -> str:
     for combo in ("anyOf", "oneOf"):
         if combo in schema:
             return " or ".join(_schema_text(s) for s in schema[combo])
-    kind = schema.get("type", "any")
+    kind = schema.get("type", "any" if "enum" not in schema else "")
     if isinstance(kind, list):
         kind = " or ".join(kind)
     if kind == "array" and "items" in schema:
         text = f"array of {_schema_text(schema['items'])}"
     else:
-        text = f"`{kind}`"
+        text = f"`{kind}`" if kind else ""
     rules = []
     if "enum" in schema:
         rules.append("one of " + ", ".join(f"`{json.dumps(v)}`" for v in schema["enum"]))
@@ -75,6 +75,8 @@ def _schema_text(schema: dict[str, Any]) -> str:
         rules.append(f"format `{schema['format']}`")
     if "default" in schema:
         rules.append(f"default `{json.dumps(schema['default'])}`")
+    if not text:
+        return "; ".join(rules)
     return text + (f" ({'; '.join(rules)})" if rules else "")
 
 

@@ -236,6 +236,23 @@ def test_the_two_commands_and_cli_commands_exist() -> None:
             assert used in commands_, (page.name, used)
 
 
+def test_the_pages_name_real_operations_and_settings() -> None:
+    """`METHOD /path` in the text is an operation the server serves; every JOBTIER_ name
+    is a setting (or one of the client's: the URL and key of the CLI, JOBTIER_MAX_WAITING_*)."""
+    operations = _operations()
+    settings = {name for name, _, _ in settings_table()}
+    client = {"JOBTIER_URL", "JOBTIER_KEY", "JOBTIER_MAX_WAITING_"}
+    for page in pages():
+        text = page.read_text()
+        for method, path in re.findall(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`\s]*)", text):
+            path = path.split("?")[0]
+            assert any(m == method and p.fullmatch(path) for m, p in operations), (
+                f"{page.name}: {method} {path}"
+            )
+        for name in set(re.findall(r"JOBTIER_[A-Z_]+", text)):
+            assert name in settings | client, (page.name, name)
+
+
 def test_the_readme_is_short_and_keeps_the_bench_report_markers() -> None:
     assert len(README.splitlines()) <= 250
     start = README.index("<!-- bench-report:start -->")
