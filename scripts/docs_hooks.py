@@ -179,7 +179,11 @@ def _usage(parser: argparse.ArgumentParser) -> str:
 def _render_command(parser: argparse.ArgumentParser, depth: int, out: list[str]) -> None:
     out += ["#" * depth + f" `{parser.prog}`", ""]
     if parser.description:
-        out += [parser.description.strip(), ""]
+        # a description with line breaks keeps them (a list, as bench's): those lines as text
+        prose, _, listing = parser.description.strip().partition("\n\n")
+        out += [prose, ""]
+        if listing:
+            out += ["```text", listing, "```", ""]
     out += ["```text", _usage(parser), "```", ""]
     rows = []
     for action in parser._actions:
