@@ -259,5 +259,9 @@ def test_the_readme_is_short_and_keeps_the_bench_report_markers() -> None:
     end = README.index("<!-- bench-report:end -->")
     headline = README[start:end]
     assert "bench/results/" in headline and "python bench/" in headline
-    for link in re.findall(r"\]\(((?:docs|bench/results)/[^)#]+)", README):
+    for link, anchor in re.findall(r"\]\(((?:docs|bench/results)/[^)#]+)(?:#([^)]+))?\)", README):
         assert (ROOT / link).is_file(), link
+        if anchor:  # as MkDocs's toc makes a heading's id
+            headings = re.findall(r"^#+ (.+)$", (ROOT / link).read_text(), flags=re.M)
+            ids = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
+            assert anchor in ids, f"{link}#{anchor}"
