@@ -2,6 +2,7 @@
 #   make run    local Redis + Postgres (in .data/), then API, worker, scheduler, persister
 #   make test   the whole test suite against real Redis and Postgres
 #   make fuzz   the API fuzzer alone, thousands of cases (make test runs a bounded share)
+#   make docs   the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link fails
 # Both are idempotent: a second run reuses the virtualenv, packages and data that are there.
 
 PYTHON ?= python3
@@ -9,7 +10,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test fuzz check lint types format bench bench-report setup system-deps clean
+.PHONY: run test fuzz check lint types format bench bench-report docs setup system-deps clean
 
 run: setup
 	$(BIN)/jobtier run
@@ -24,18 +25,18 @@ FUZZ_EXAMPLES ?= 200
 fuzz: setup
 	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -rA --timeout 0 tests/e2e/test_api_fuzz.py
 
-check: setup lint types test
+check: setup lint types docs test
 
 lint: setup
-	$(BIN)/ruff check src tests bench loadtest
-	$(BIN)/ruff format --check src tests bench loadtest
+	$(BIN)/ruff check src tests bench loadtest scripts
+	$(BIN)/ruff format --check src tests bench loadtest scripts
 
 types: setup
-	$(BIN)/mypy src tests
+	$(BIN)/mypy src tests scripts/docs_hooks.py
 
 format: setup
-	$(BIN)/ruff format src tests bench loadtest
-	$(BIN)/ruff check --fix src tests bench loadtest
+	$(BIN)/ruff format src tests bench loadtest scripts
+	$(BIN)/ruff check --fix src tests bench loadtest scripts
 
 bench: setup
 	$(BIN)/python bench/throughput.py
@@ -44,6 +45,11 @@ bench: setup
 # files in bench/results; standard library only, so no set-up needed
 bench-report:
 	$(PYTHON) bench/report.py
+
+# the site: pages from docs/, the HTTP API, CLI and Python reference pages generated from the
+# code (scripts/docs_hooks.py, mkdocstrings); --strict: a broken link, anchor or page fails
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 setup: system-deps $(STAMP)
 
@@ -58,4 +64,4 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 clean:
-	rm -rf .data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf .data .pytest_cache .mypy_cache .ruff_cache site

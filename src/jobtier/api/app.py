@@ -85,11 +85,8 @@ def create_app(
             "`jobtier run` makes development keys for you"
         )
     ext = extension or Extension()
-    api = openapi.operations(settings).include(*ext.operations)
-    openapi_document = TaskDocument(
-        openapi.document(settings, api.paths, ext.openapi_types, ext.openapi_constraints),
-        settings.require_known_types,
-    )
+    api = _operations(settings, ext)
+    served_document = TaskDocument(openapi_document(settings, ext), settings.require_known_types)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -137,7 +134,7 @@ def create_app(
                 "result_fallback": ext.result_fallback,
                 "dependencies_fallback": ext.dependencies_fallback,
                 "postgres_ready": ext.postgres_ready,
-                "openapi": openapi_document,
+                "openapi": served_document,
                 "metrics_publisher": publisher,
                 "catalog": catalog,
                 "dashboard_frames": ops.FrameCache(),
@@ -164,6 +161,19 @@ def create_app(
     if status_fast_path:
         app.status_fast_path = jobs.status_fast_path(tenants)
     return app
+
+
+def _operations(settings: Settings, ext: Extension) -> Paths:
+    return openapi.operations(settings).include(*ext.operations)
+
+
+def openapi_document(settings: Settings, extension: Extension | None = None) -> dict[str, Any]:
+    """The OpenAPI document ``create_app(settings, extension)`` serves at ``/v1/openapi.json``,
+    before the payload schemas of the tasks the workers advertise are added to it (the
+    documentation site renders it at build time)."""
+    ext = extension or Extension()
+    api = _operations(settings, ext)
+    return openapi.document(settings, api.paths, ext.openapi_types, ext.openapi_constraints)
 
 
 class JobtierApp(Starlette):
