@@ -99,8 +99,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
 
 # --- which file stands for each bench (every other file: earlier, or another setting) --------
 CHOSEN: dict[str, str] = {
-    "compare-6ceea3b": "the newest sets against BullMQ (the headline), first of two",
-    "compare-6ceea3b-2": "the newest sets against BullMQ (the headline), second of two",
+    "compare-2c37326": "the newest set against BullMQ (the headline), after the redesign",
     "compare-redesign": "the newest jobtier set (against its code at 4ffac07; no peer)",
     "throughput": "the only file",
     "queues": "the only file",
@@ -127,7 +126,7 @@ CHOSEN: dict[str, str] = {
     "console": "the only file",
     "chaos": "the only file",
 }
-HEADLINE = ("compare-6ceea3b", "compare-6ceea3b-2")  # the same command twice at one commit
+HEADLINE = ("compare-2c37326",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
 PERSISTER = "jobtier-persist"  # compare.py's name for jobtier with its persister
 
