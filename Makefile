@@ -3,6 +3,8 @@
 #   make test   the whole test suite against real Redis and Postgres
 #   make fuzz   the API fuzzer alone, thousands of cases (make test runs a bounded share)
 # Both are idempotent: a second run reuses the virtualenv, packages and data that are there.
+# The `jobtier` command is .venv/bin/jobtier: `. .venv/bin/activate` puts it on PATH (the
+# banner of `make run` prints that line); nothing is written outside the clone.
 
 PYTHON ?= python3
 VENV   := .venv
