@@ -119,6 +119,9 @@ async def test_jobs_list_show_logs_cancel_retry(
     assert last.startswith("ValueError: the record is incomplete xxx")
     shown = await cli.json("jobs", "show", waiting["id"])
     assert shown["status"]["error"]["type"] == "Cancelled"
+    code, out, _ = await cli("jobs", "show", waiting["id"])  # the request is named as such
+    (asked,) = [line for line in out.splitlines() if "cancel requested" in line.split("  ")]
+    assert code == 0 and asked.split()[-3] == "api" and "running -> running" not in out, out
 
     # logs
     code, out, _ = await cli("jobs", "logs", chatty["id"])

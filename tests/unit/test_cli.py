@@ -95,3 +95,25 @@ def test_run_banner_says_how_to_get_the_command(
     stack._welcome(settings)
     err = capsys.readouterr().err
     assert "export PATH" not in err and "JOBTIER_ADMIN_KEY=admin-k" in err
+
+
+def test_history_names_a_change_within_a_state() -> None:
+    from datetime import UTC, datetime
+
+    from jobtier.cli.manage import history_rows
+    from jobtier.core.model import State, Transition
+
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    running = {"from_state": State.RUNNING, "to_state": State.RUNNING, "at": at, "attempt": 1}
+    rows = history_rows([
+        Transition(1, None, State.QUEUED, at, "api", 0),
+        Transition(2, State.QUEUED, State.RUNNING, at, "w1", 1),
+        Transition(3, **running, worker="w1", progress={"pct": 5}),
+        Transition(4, **running, worker="api", progress={"pct": 5}, cancel_requested=True),
+        Transition(5, **running, worker="w1", progress={"pct": 6}, cancel_requested=True),
+        Transition(6, State.RUNNING, State.CANCELLED, at, "w1", 1, cancel_requested=True),
+    ])  # fmt: skip
+    assert [row[2] for row in rows] == [
+        "- -> queued", "queued -> running", "running: progress", "cancel requested",
+        "running: progress", "running -> cancelled",
+    ]  # fmt: skip

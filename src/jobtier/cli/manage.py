@@ -152,9 +152,21 @@ def log_block(lines: Sequence[LogLine]) -> list[str]:
     return out
 
 
-def history_row(t: Transition) -> list[object]:
+def history_row(t: Transition, before: Transition | None = None) -> list[object]:
+    """One row of ``jobs show``'s history; ``before`` the row above it. A change within a state
+    is named for what it was: the cancel request, or a progress report."""
     change = f"{t.from_state or '-'} -> {t.to_state}"
+    if t.from_state == t.to_state:
+        asked = t.cancel_requested and not (before is not None and before.cancel_requested)
+        if asked:
+            change = "cancel requested"
+        elif t.progress is not None:
+            change = f"{t.to_state}: progress"
     return [t.version, short_time(t.at), change, t.worker, t.attempt, error_summary(t.error)]
+
+
+def history_rows(history: Sequence[Transition]) -> list[list[object]]:
+    return [history_row(t, history[i - 1] if i else None) for i, t in enumerate(history)]
 
 
 def job_row(j: JobStatus) -> list[object]:
@@ -208,7 +220,7 @@ def jobs_show(c: Client, a: argparse.Namespace) -> Any:
     if d.history is None:
         lines.append("history:     not available (the API has no Postgres)")
     else:
-        lines += ["history:", table(HISTORY, map(history_row, d.history))]
+        lines += ["history:", table(HISTORY, history_rows(d.history))]
     return "\n".join(lines)
 
 
