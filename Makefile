@@ -20,11 +20,13 @@ test: setup
 	$(BIN)/pytest -q
 
 # schemathesis against the live API (tests/e2e/test_api_fuzz.py): FUZZ_EXAMPLES random cases
-# per operation on top of the schema's examples and boundary values; same seed every run; no
+# per operation on top of the schema's examples and boundary values; a new seed every run,
+# printed (`fuzz seed …`), and `make fuzz FUZZ_SEED=<seed>` replays that run's cases; no
 # per-test timeout (a deep run takes minutes)
 FUZZ_EXAMPLES ?= 200
+FUZZ_SEED ?=
 fuzz: setup
-	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -rA --timeout 0 tests/e2e/test_api_fuzz.py
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_SEED=$(FUZZ_SEED) $(BIN)/pytest -q -rA --timeout 0 tests/e2e/test_api_fuzz.py
 
 check: setup lint types test
 
