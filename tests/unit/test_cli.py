@@ -104,14 +104,14 @@ def test_history_names_a_change_within_a_state() -> None:
     from jobtier.core.model import State, Transition
 
     at = datetime(2026, 1, 1, tzinfo=UTC)
-    running = {"from_state": State.RUNNING, "to_state": State.RUNNING, "at": at, "attempt": 1}
+    run = State.RUNNING
     rows = history_rows([
         Transition(1, None, State.QUEUED, at, "api", 0),
-        Transition(2, State.QUEUED, State.RUNNING, at, "w1", 1),
-        Transition(3, **running, worker="w1", progress={"pct": 5}),
-        Transition(4, **running, worker="api", progress={"pct": 5}, cancel_requested=True),
-        Transition(5, **running, worker="w1", progress={"pct": 6}, cancel_requested=True),
-        Transition(6, State.RUNNING, State.CANCELLED, at, "w1", 1, cancel_requested=True),
+        Transition(2, State.QUEUED, run, at, "w1", 1),
+        Transition(3, run, run, at, "w1", 1, progress={"pct": 5}),
+        Transition(4, run, run, at, "api", 1, progress={"pct": 5}, cancel_requested=True),
+        Transition(5, run, run, at, "w1", 1, progress={"pct": 6}, cancel_requested=True),
+        Transition(6, run, State.CANCELLED, at, "w1", 1, cancel_requested=True),
     ])  # fmt: skip
     assert [row[2] for row in rows] == [
         "- -> queued", "queued -> running", "running: progress", "cancel requested",

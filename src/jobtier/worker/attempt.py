@@ -103,7 +103,7 @@ class Failure:
 
 
 def _folder(module: Any) -> str:
-    return os.path.dirname(module.__file__) + os.sep
+    return os.path.dirname(str(module.__file__)) + os.sep
 
 
 _JOBTIER = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
