@@ -161,13 +161,14 @@ async def test_dead_letters_list_show_replay(pg_api: ApiServer, queue: Queue) ->
     # the admin key is needed, and the message says so (once)
     code, _, err = await cli("dead-letters", "list")
     assert code == 1 and "HTTP 403" in err and "needs the admin key" in err
-    assert err.count("admin key") == 1 and "set JOBTIER_ADMIN_KEY" in err, err
+    assert err.count("admin key") == 1 and "the key from JOBTIER_KEY is not it" in err, err
+    assert "(give it in --key or JOBTIER_ADMIN_KEY)" in err, err
     # the exports `jobtier run` prints: JOBTIER_KEY a tenant's, JOBTIER_ADMIN_KEY the admin key;
     # admin commands take the latter, and no httpx line per request on stderr
     code, out, err = await cli("dead-letters", "list", admin_key=ADMIN)
     assert code == 0 and deep["id"] in out and err == "", err
     code, _, err = await cli("dead-letters", "list", "--key", KEYS["acme"], admin_key=ADMIN)
-    assert code == 1 and "HTTP 403" in err  # an explicit --key wins
+    assert code == 1 and "HTTP 403" in err and "from --key" in err  # an explicit --key wins
 
     code, out, _ = await cli("dead-letters", "list", key=ADMIN)
     assert code == 0 and deep["id"] in out and fatal["id"] in out and "ValueError" in out

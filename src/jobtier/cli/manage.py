@@ -340,8 +340,10 @@ def run(args: argparse.Namespace, settings: object = None) -> int:
         if exc.status == 401:
             hint = f": this command needs {KEY_HELP[args.key_kind]}"
         elif exc.status == 403:
-            # the API's detail already names the key the route needs: say what to do instead
-            hint = f": the key given is not it; pass --key or set {names[0]}"
+            # the API's detail already names the key the route needs: say where the wrong one
+            # came from, and where the right one goes
+            source = "--key" if args.key else next(n for n in names if os.environ.get(n))
+            hint = f": the key from {source} is not it (give it in --key or {names[0]})"
         print(f"{name}: {exc.detail or exc.title} (HTTP {exc.status}){hint}", file=sys.stderr)
         return 1
     except httpx.HTTPError as exc:
