@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import itertools
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -116,7 +117,7 @@ async def test_history_lists_every_version(
         assert history[0].from_state is None and history[0].worker == "api"
         assert history[-1].to_state is status.state
         # an error on the transitions that record one only, the last one's the job's own
-        for before, t in zip(history, history[1:], strict=False):
+        for before, t in itertools.pairwise(history):
             assert (t.error is not None) == records_error(before, t), (job_id, t)
         assert history[-1].error in (None, status.error)
         assert history[-1].progress == status.progress
