@@ -4,6 +4,8 @@
 #   make fuzz   the API fuzzer alone, thousands of cases (make test runs a bounded share)
 #   make docs   the documentation site (mkdocs.yml, docs/) into site/, strictly: a broken link fails
 # Both are idempotent: a second run reuses the virtualenv, packages and data that are there.
+# The `jobtier` command is .venv/bin/jobtier: `. .venv/bin/activate` puts it on PATH (the
+# banner of `make run` prints that line); nothing is written outside the clone.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -19,11 +21,13 @@ test: setup
 	$(BIN)/pytest -q
 
 # schemathesis against the live API (tests/e2e/test_api_fuzz.py): FUZZ_EXAMPLES random cases
-# per operation on top of the schema's examples and boundary values; same seed every run; no
+# per operation on top of the schema's examples and boundary values; a new seed every run,
+# printed (`fuzz seed …`), and `make fuzz FUZZ_SEED=<seed>` replays that run's cases; no
 # per-test timeout (a deep run takes minutes)
 FUZZ_EXAMPLES ?= 200
+FUZZ_SEED ?=
 fuzz: setup
-	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(BIN)/pytest -q -rA --timeout 0 tests/e2e/test_api_fuzz.py
+	FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) FUZZ_SEED=$(FUZZ_SEED) $(BIN)/pytest -q -rA --timeout 0 tests/e2e/test_api_fuzz.py
 
 check: setup lint types docs test
 

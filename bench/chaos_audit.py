@@ -198,7 +198,7 @@ async def audit(redis: Any, pool: Any, keys: Keys, job_ids: Sequence[str]) -> Au
             claims = sum(
                 t["to_state"] == "running" and t["from_state"] != "running" for t in transitions
             )
-            expired = sum(  # (later transitions keep the error: count the requeue only)
+            expired = sum(  # the requeue (or dead letter) carries the error, no later row
                 t["from_state"] == "running" and t["to_state"] in ("queued", "failed")
                 and t["error"] == "LeaseExpired"
                 for t in transitions

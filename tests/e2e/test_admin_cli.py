@@ -40,17 +40,21 @@ async def persister(pg_settings: Settings, queue: Queue, pg_pool: Pool) -> Async
 
 
 class Cli:
-    """``python -m jobtier.cli.main`` with ``JOBTIER_URL`` and ``JOBTIER_KEY`` set, nothing else of
-    jobtier's from this environment."""
+    """``python -m jobtier.cli.main`` with ``JOBTIER_URL`` and ``JOBTIER_KEY`` (and
+    ``JOBTIER_ADMIN_KEY`` when given) set, nothing else of jobtier's from this environment."""
 
     def __init__(self, api: ApiServer) -> None:
         self.api = api
 
-    async def __call__(self, *args: str, key: str | None = KEYS["acme"]) -> tuple[int, str, str]:
+    async def __call__(
+        self, *args: str, key: str | None = KEYS["acme"], admin_key: str | None = None
+    ) -> tuple[int, str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")}
         env["JOBTIER_URL"] = self.api.url
         if key is not None:
             env["JOBTIER_KEY"] = key
+        if admin_key is not None:
+            env["JOBTIER_ADMIN_KEY"] = admin_key
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "jobtier.cli.main", *args, env=env,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -115,6 +119,9 @@ async def test_jobs_list_show_logs_cancel_retry(
     assert last.startswith("ValueError: the record is incomplete xxx")
     shown = await cli.json("jobs", "show", waiting["id"])
     assert shown["status"]["error"]["type"] == "Cancelled"
+    code, out, _ = await cli("jobs", "show", waiting["id"])  # the request is named as such
+    (asked,) = [line for line in out.splitlines() if "cancel requested" in line.split("  ")]
+    assert code == 0 and asked.split()[-3] == "api" and "running -> running" not in out, out
 
     # logs
     code, out, _ = await cli("jobs", "logs", chatty["id"])
@@ -151,9 +158,17 @@ async def test_dead_letters_list_show_replay(pg_api: ApiServer, queue: Queue) ->
     await worker_for(queue, test_registry, burst=True).run()  # fail
     await worker_for(queue, registry, burst=True).run()  # deep_failure
 
-    # the admin key is needed, and the message says so
+    # the admin key is needed, and the message says so (once)
     code, _, err = await cli("dead-letters", "list")
     assert code == 1 and "HTTP 403" in err and "needs the admin key" in err
+    assert err.count("admin key") == 1 and "the key from JOBTIER_KEY is not it" in err, err
+    assert "(give it in --key or JOBTIER_ADMIN_KEY)" in err, err
+    # the exports `jobtier run` prints: JOBTIER_KEY a tenant's, JOBTIER_ADMIN_KEY the admin key;
+    # admin commands take the latter, and no httpx line per request on stderr
+    code, out, err = await cli("dead-letters", "list", admin_key=ADMIN)
+    assert code == 0 and deep["id"] in out and err == "", err
+    code, _, err = await cli("dead-letters", "list", "--key", KEYS["acme"], admin_key=ADMIN)
+    assert code == 1 and "HTTP 403" in err and "from --key" in err  # an explicit --key wins
 
     code, out, _ = await cli("dead-letters", "list", key=ADMIN)
     assert code == 0 and deep["id"] in out and fatal["id"] in out and "ValueError" in out
@@ -188,7 +203,8 @@ async def test_queues_list_pause_resume_limit(pg_api: ApiServer, queue: Queue) -
     cli = Cli(pg_api)
     async with pg_api.client() as c:
         await c.post("/v1/jobs", json={"type": "echo", "payload": 1})
-    code, out, _ = await cli("queues", key=ADMIN)
+    code, out, err = await cli("queues", admin_key=ADMIN)
+    assert err == "", err
     header, *rows = out.splitlines()
     assert code == 0 and header.split()[:3] == ["QUEUE", "READY", "RUNNING"]
     (default,) = [r.split() for r in rows if r.split()[0] == "default"]

@@ -15,8 +15,10 @@ key on admin routes. A case fails on:
 * a route that ignores a missing key, or a method it lacks answered with anything but a 405
   with ``Allow`` (``ignored_auth``, ``unsupported_method``, ``allow_header_conformance``).
 
-Bounded and reproducible: a fixed seed and derandomized generation, ``FUZZ_EXAMPLES`` cases
-per operation for the fuzzing phase (``make test``: the default; ``make fuzz``: thousands).
+Bounded and replayable: ``FUZZ_EXAMPLES`` cases per operation for the fuzzing phase (``make
+test``: the default; ``make fuzz``: thousands), drawn from a new seed each run so that runs
+together try more than one would. The seed is printed before and after the cases
+(``fuzz seed …``); ``FUZZ_SEED=<seed>`` draws that run's cases again.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import secrets
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -44,7 +47,7 @@ from jobtier.dev.local_redis import free_port
 from tests.fixtures.api import ADMIN, KEYS, advertise_tasks_sync
 
 FUZZ_EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "12"))
-SEED = 20240501
+SEED = int(os.environ.get("FUZZ_SEED") or secrets.randbits(32))
 
 # Rules the document states only in words (JSON Schema cannot say them), by the member they
 # name and the status a refusal has: a run-at in the past, a cron expression, a time zone, a
@@ -145,13 +148,9 @@ def fuzz_config(base_url: str) -> SchemathesisConfig:
                     "adminKey": {"bearer": ADMIN},
                 }
             },
-            "generation": {
-                "mode": "all",
-                "max-examples": FUZZ_EXAMPLES,
-                "deterministic": True,
-                "database": "none",
-            },
-            # no learning from the server's answers (ids, times): the same cases every run
+            "generation": {"mode": "all", "max-examples": FUZZ_EXAMPLES, "database": "none"},
+            # no learning from the server's answers (ids, times): a seed draws the same cases
+            # every run
             "phases": {
                 phase: {
                     "extra-data-sources": {"responses": False},
@@ -197,13 +196,21 @@ CASES: Counter[str] = Counter()
 
 @pytest.fixture(scope="module", autouse=True)
 def report_cases(pytestconfig: pytest.Config) -> Iterator[None]:
-    """Say how many cases ran (in the terminal summary's place: not captured)."""
-    yield
+    """Say the seed before the cases (a run that hangs or is killed still told it), and how
+    many cases ran with it after (not captured: in the terminal summary's place)."""
     reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
     capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None and CASES:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(f"\nfuzzed {CASES.total()} cases over {len(CASES)} operations")
+
+    def say(line: str) -> None:
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(line)
+
+    replay = f"fuzz seed {SEED} (FUZZ_SEED={SEED} replays these cases)"
+    say(f"\n{replay}")
+    yield
+    if CASES:
+        say(f"\nfuzzed {CASES.total()} cases over {len(CASES)} operations; {replay}")
 
 
 # One test item runs every operation's cases (~12,700 with the schema's examples): 300 s, the

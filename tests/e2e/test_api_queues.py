@@ -66,14 +66,17 @@ async def test_a_payload_that_does_not_fit_the_tasks_type_is_refused(
     api: ApiServer, queue: Queue
 ) -> None:
     async with api.client() as c:
-        for payload, field in [
-            ({"width": 3}, "payload"),  # url missing
-            ({"url": 7}, "payload.url"),
-            ("a string", "payload"),
+        for payload, field, said in [
+            ({"width": 3}, "payload.url", "required, and missing"),  # the missing field named
+            ({"url": 7}, "payload.url", "7 is not of type"),
+            ({"url": None}, "payload.url", "null is not of type"),  # JSON's word, not Python's
+            ("a string", "payload", "is not of type 'object'"),
         ]:
             r = await c.post("/v1/jobs", json={"type": "thumbnail", "payload": payload})
             assert r.status_code == 422, (payload, r.text)
             assert r.json()["field"] == field, r.json()
+            assert r.json()["detail"].startswith(f"{field}: ") and said in r.json()["detail"]
+            assert "None" not in r.json()["detail"]
         r = await c.post("/v1/jobs", json={"type": "thumbnail", "payload": {"url": "b.png"}})
         job_id = r.json()["id"]
     await worker_for(queue, registry, burst=True).run()

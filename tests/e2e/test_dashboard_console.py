@@ -377,3 +377,35 @@ async def test_phone_width_and_the_keyboard(stack: Stack, width: int) -> None:
             "a:Audit",
         ], seen
         assert page.errors == [], page.errors
+
+
+async def test_the_header_fits_one_row_its_chips_are_explained_and_the_id_hint_is_real(
+    stack: Stack,
+) -> None:
+    """A 1280-pixel screen with a scrollbar (1265 wide) kept the header on one row only
+    without the scrollbar; the process chips said nothing of what they are; the id filter's
+    hint did not look like the ids of the jobs it would find."""
+    stack.publish("worker", stack.persister)  # a second chip, as with a worker running
+    async with stack.api.client() as acme:
+        job = (await acme.post("/v1/jobs", json={"type": "echo", "queue": "nobody"})).json()
+    assert CHROMIUM is not None
+    async with chromium_page(CHROMIUM, width=1280, height=900) as page:
+        await open_console(page, stack.api.url, ADMIN, "#/jobs")
+        await page.wait_for("document.querySelectorAll('#processes .chip').length >= 2")
+        one_row = (
+            "(() => { const brand = document.querySelector('.brand').getBoundingClientRect();"
+            " return [...document.querySelectorAll('header.top > *')].filter((e) => !e.hidden)"
+            ".every((e) => e.getBoundingClientRect().top < brand.bottom); })()"
+        )
+        for width in (1280, 1265):
+            await page.resize(width, 900)
+            assert await page.evaluate(one_row), width
+        titles = await page.evaluate(
+            "[...document.querySelectorAll('#processes .chip')].map((c) => c.title)"
+        )
+        assert all(t.startswith("Reporting: ") for t in titles), titles
+        assert "jobtier api" in " ".join(titles) and "jobtier worker" in " ".join(titles)
+        assert await page.evaluate("document.getElementById('processes').title")
+        hint = await page.evaluate("document.getElementById('f-id').placeholder")
+        assert hint == job["id"][:4] + "…", (hint, job["id"])
+        assert page.errors == [], page.errors

@@ -7,6 +7,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +84,17 @@ def test_run_serves_the_demo_and_stops_cleanly(
         lambda: bool(httpx.get(f"{run.base}/v1/jobs", headers=auth).json()["jobs"]),
         "the job in Postgres",
     )
+    # the banner's exports are all the admin commands need, the admin ones included
+    wait_until(lambda: "  export JOBTIER_URL=" in run.text(), "the banner")
+    (line,) = [x for x in run.text().splitlines() if x.startswith("  export JOBTIER_URL=")]
+    exports = dict(pair.split("=", 1) for pair in line.split()[1:])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")} | exports
+    for command in (["jobs", "show", job], ["queues"], ["dead-letters", "list"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "jobtier.cli.main", *command],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stderr == "", (command, done.stderr)
     run.proc.send_signal(signal.SIGTERM)
     assert run.exit_code() == 0, run.text()[-3000:]
     assert_gone(servers)

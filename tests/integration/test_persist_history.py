@@ -16,7 +16,15 @@ from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister
 from jobtier.status.docs import read_doc
 from jobtier.store import format as job_format
-from jobtier.store.calls import SubmitItem, complete_call, heartbeat_call, submit_call
+from jobtier.store.calls import (
+    SubmitItem,
+    complete_call,
+    fail_call,
+    heartbeat_call,
+    promote_call,
+    stopped_call,
+    submit_call,
+)
 from jobtier.store.redis import ShardSubscriber
 from jobtier.store.scripts import Scripts
 from tests.fixtures.engine import wait_for
@@ -142,3 +150,54 @@ async def test_history_gaps_finds_a_missing_row(
     assert [tuple(r) for r in await pg_pool.fetch(gaps, [job_id])] == [(job_id, 3, 5)]
     await pg_pool.execute("DELETE FROM job_transitions WHERE job_id = $1 AND version = 5", job_id)
     assert [tuple(r) for r in await pg_pool.fetch(gaps, [job_id])] == [(job_id, 5, None)]
+
+
+async def test_an_error_is_on_the_transition_that_failed_only(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """The document keeps an attempt's error until the next one fails; the history shows it on
+    the failure's row alone: not on the promotion, the claims, a release by a stopping worker
+    nor the success that follow."""
+    scripts = Scripts(redis, keys)
+    job_id = keys.new_id(0)
+    item = SubmitItem(job_id, "t1", "sleep", "normal", b"{}", 3, 0, 0, "", "h")
+    await scripts.call(*submit_call(0, [item], 60_000))  # 1 queued
+
+    async def claimed() -> int:
+        batch = await scripts.claim(0, "w1", 1, 60_000)
+        assert [j.id for j in batch.jobs] == [job_id]
+        return batch.jobs[0].lease_version
+
+    lv = await claimed()  # 2 running
+    boom = b'{"type":"ValueError","message":"boom"}'
+    await scripts.call(*fail_call(0, "w1", 3600, [(job_id, lv, boom, 0)]))  # 3 scheduled
+
+    async def promoted() -> bool:  # run_at is now: due once Redis's clock reaches it
+        await scripts.call(*promote_call(0, 10))
+        return await redis.zscore(keys.base(0) + "sched", job_id) is None
+
+    await wait_for(promoted)  # 4 queued
+    lv = await claimed()  # 5 running
+    await scripts.call(*stopped_call(0, "w1", 3600, [(job_id, lv)]))  # 6 queued, released
+    lv = await claimed()  # 7 running
+    await scripts.call(*complete_call(0, "w1", 3600, [(job_id, lv, b"1")]))  # 8 succeeded
+    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+
+    rows = await pg_pool.fetch(
+        "SELECT from_state, to_state, error->>'message' AS error FROM job_transitions"
+        " WHERE job_id = $1 ORDER BY version",
+        job_id,
+    )
+    assert [(r["from_state"], r["to_state"], r["error"]) for r in rows] == [
+        (None, "queued", None),
+        ("queued", "running", None),
+        ("running", "scheduled", "boom"),
+        ("scheduled", "queued", None),
+        ("queued", "running", None),
+        ("running", "queued", None),
+        ("queued", "running", None),
+        ("running", "succeeded", None),
+    ]
+    # the status document still tells the last failure, as it did
+    _, doc = await read_doc(redis, keys, job_id)
+    assert b'"message":"boom"' in doc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import itertools
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -12,7 +13,7 @@ import pytest
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
-from jobtier.core.model import State, decode_status
+from jobtier.core.model import State, Transition, decode_status
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import PgReader, decode_cursor, encode_cursor
@@ -93,6 +94,16 @@ async def test_listing_filters(persisted: list[str], pg_pool: Pool) -> None:
     assert await reader.list_jobs("nobody") == ([], None)
 
 
+def records_error(before: Transition, t: Transition) -> bool:
+    """A failure (to failed, or back for a retry or an expired lease) or a cancel; not a
+    release by a stopping worker (running -> queued, its attempt given back)."""
+    if t.to_state in (State.FAILED, State.CANCELLED):
+        return True
+    released = t.to_state is State.QUEUED and t.attempt < before.attempt
+    back = t.to_state in (State.SCHEDULED, State.QUEUED)
+    return t.from_state is State.RUNNING and back and not released
+
+
 async def test_history_lists_every_version(
     persisted: list[str], redis: Any, pg_pool: Pool, keys: Keys
 ) -> None:
@@ -105,7 +116,10 @@ async def test_history_lists_every_version(
         assert [t.version for t in history] == list(range(1, status.version + 1))
         assert history[0].from_state is None and history[0].worker == "api"
         assert history[-1].to_state is status.state
-        assert history[-1].error == status.error
+        # an error on the transitions that record one only, the last one's the job's own
+        for before, t in itertools.pairwise(history):
+            assert (t.error is not None) == records_error(before, t), (job_id, t)
+        assert history[-1].error in (None, status.error)
         assert history[-1].progress == status.progress
         # another tenant's job is unknown, exactly like a missing one
         assert await reader.history(job_id, "someone-else") is None

@@ -67,6 +67,29 @@ async def test_refused_addresses_are_refused_at_subscribe_time(
     assert inside.requests == []
 
 
+async def test_a_host_dns_cannot_encode_is_a_422_naming_the_field(
+    start_api: StartApi, hook_settings: Settings, queue: Queue, pg_pool: Pool
+) -> None:
+    """Found by the fuzzer (schemathesis seed 11) as two 500s: the system resolver raised
+    UnicodeError for a label over 63 characters and for a character IDNA refuses."""
+    api = await api_with(start_api, hook_settings, "")  # the system's resolver
+    hosts = ["a" * 64 + ".example", "\x80x.example", "a..example"]
+    async with api.client() as c:
+        await secret_of(c)
+        for host in hosts:
+            url = f"http://{host}/hook"
+            r = await c.post("/v1/webhooks", json={"url": url})
+            assert r.status_code == 422 and r.json()["field"] == "url", (url, r.text)
+            assert "not a valid DNS name" in r.json()["detail"]
+            r = await c.post("/v1/jobs", json={"type": "echo", "callback": {"url": url}})
+            assert r.status_code == 422 and r.json()["field"] == "callback.url", (url, r.text)
+        # nothing written: no subscription, no job, no callback row
+        assert (await c.get("/v1/webhooks")).json()["webhooks"] == []
+    logs = [await queue.redis.xlen(queue.keys.log(shard)) for shard in range(queue.keys.shards)]
+    assert logs == [0] * queue.keys.shards
+    assert await pg_pool.fetchval("SELECT count(*) FROM webhook_job_callbacks") == 0
+
+
 async def test_the_dispatcher_checks_again_after_resolving_and_never_contacts_a_refused_address(
     start_api: StartApi, hook_settings: Settings, queue: Queue, start_receiver: StartReceiver,
     start_dispatcher: Callable[..., Dispatcher],

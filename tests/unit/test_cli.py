@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -66,3 +67,53 @@ def test_bad_input_is_a_clear_error() -> None:
 def test_config_masks_secrets() -> None:
     r = run("config", env={"JOBTIER_API_KEYS": "sekret:acme", "PATH": ""})
     assert r.returncode == 0 and "sekret" not in r.stdout and "JOBTIER_API_KEYS=***" in r.stdout
+
+
+def test_run_banner_says_how_to_get_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from jobtier.config import Settings
+    from jobtier.dev import stack
+
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    (bin_dir / "jobtier").write_text("#!/bin/sh\n")
+    (bin_dir / "jobtier").chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
+    settings = Settings(api_keys="dev-k:acme", admin_key="admin-k")
+
+    # not on PATH (make run): one line puts the virtualenv's bin first, then the exports
+    monkeypatch.setenv("PATH", "/nonexistent")
+    stack._welcome(settings)
+    err = capsys.readouterr().err
+    assert err.count("jobtier command") == 1
+    assert f'export PATH={bin_dir}:"$PATH"' in err and f". {bin_dir}/activate" in err
+    assert "JOBTIER_KEY=dev-k JOBTIER_ADMIN_KEY=admin-k" in err and "jobtier queues" in err
+
+    # on PATH already: nothing to say
+    monkeypatch.setenv("PATH", str(bin_dir))
+    stack._welcome(settings)
+    err = capsys.readouterr().err
+    assert "export PATH" not in err and "JOBTIER_ADMIN_KEY=admin-k" in err
+
+
+def test_history_names_a_change_within_a_state() -> None:
+    from datetime import UTC, datetime
+
+    from jobtier.cli.manage import history_rows
+    from jobtier.core.model import State, Transition
+
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    run = State.RUNNING
+    rows = history_rows([
+        Transition(1, None, State.QUEUED, at, "api", 0),
+        Transition(2, State.QUEUED, run, at, "w1", 1),
+        Transition(3, run, run, at, "w1", 1, progress={"pct": 5}),
+        Transition(4, run, run, at, "api", 1, progress={"pct": 5}, cancel_requested=True),
+        Transition(5, run, run, at, "w1", 1, progress={"pct": 6}, cancel_requested=True),
+        Transition(6, run, State.CANCELLED, at, "w1", 1, cancel_requested=True),
+    ])  # fmt: skip
+    assert [row[2] for row in rows] == [
+        "- -> queued", "queued -> running", "running: progress", "cancel requested",
+        "running: progress", "running -> cancelled",
+    ]  # fmt: skip

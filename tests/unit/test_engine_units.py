@@ -6,14 +6,16 @@ import random
 import re
 from importlib import resources
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from jobtier.config import Settings, settings_table
-from jobtier.core.errors import Code, ConfigError
+from jobtier.core.errors import Code, ConfigError, InvalidRequest
 from jobtier.core.keys import Keys, ulid
 from jobtier.core.names import JOB_ID_RE
+from jobtier.engine.catalog import schema_check
 from jobtier.store.calls import CODES
 from jobtier.store.scripts import NAMES, lua_source
 from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
@@ -365,3 +367,42 @@ async def test_scripts_that_keep_disappearing_fail_as_a_redis_error() -> None:
     with pytest.raises(RedisError, match="keep disappearing"):
         await run_scripts(redis, [(Script("submit"), (1, "k", "b")), (Script("claim"), ())])  # type: ignore[arg-type]
     assert redis.loads == 6  # both scripts loaded again each round
+
+
+class _Link(msgspec.Struct):
+    url: str
+
+
+class _Page(msgspec.Struct):
+    url: str
+    width: int = 128
+    link: _Link | None = None
+    links: list[_Link] = []
+
+
+@pytest.mark.parametrize(
+    ("payload", "field", "said"),
+    [
+        ({}, "payload.url", "required, and missing"),
+        ({"url": "x", "link": {}}, "payload.link.url", "required, and missing"),
+        ({"url": None}, "payload.url", "null"),
+        ({"url": "x", "link": {"url": None}}, "payload.link.url", "null"),
+        ({"url": "x", "links": [{"url": 1}]}, "payload.links[0].url", "str"),
+        (None, "payload", "null"),
+    ],
+)
+def test_a_payload_error_names_the_field_in_json_words(
+    payload: object, field: str, said: str
+) -> None:
+    """Both checks, the worker's (msgspec) and the API's (the catalogue's JSON Schema), name the
+    field at fault (the missing one, not the object that lacks it) and speak JSON."""
+
+    @task
+    async def page(ctx: object, payload: _Page) -> None: ...
+
+    for check in (page.check_payload, schema_check(msgspec.json.schema(_Page))):
+        with pytest.raises(InvalidRequest) as refused:
+            check(payload)
+        assert refused.value.field == field
+        assert str(refused.value).startswith(f"{field}: ") and said in str(refused.value)
+        assert "None" not in str(refused.value)

@@ -49,7 +49,8 @@ async def test_the_allow_list_takes_names_addresses_and_networks() -> None:
 @pytest.mark.parametrize(
     "url",
     ["ftp://a.example/", "http://", "http://u:p@a.example/", "http://a.example/#x",
-     "http://a.example:99999/", "http://a .example/", "https://a.example/" + "x" * 2000],
+     "http://a.example:99999/", "http://a .example/", "https://a.example/" + "x" * 2000,
+     "http://" + "a" * 64 + ".example/", "http://\x80x.example/", "http://a..example/"],
 )  # fmt: skip
 def test_urls_no_callback_may_have(url: str) -> None:
     with pytest.raises(Refused):

@@ -1,9 +1,10 @@
 """``jobtier jobs``, ``jobtier dead-letters`` and ``jobtier queues``: admin from the terminal.
 
 They talk to the HTTP API through the Python client (``jobtier.client.Client``): ``--url`` (or
-``JOBTIER_URL``, default http://127.0.0.1:8000) and ``--key`` (or ``JOBTIER_KEY``). ``jobs``
-acts on one tenant's jobs and needs that tenant's key (one of ``JOBTIER_API_KEYS``);
-``dead-letters`` and ``queues`` need the admin key (``JOBTIER_ADMIN_KEY``). Each prints a
+``JOBTIER_URL``, default http://127.0.0.1:8000) and ``--key``. ``jobs`` acts on one tenant's
+jobs and needs that tenant's key (``--key``, else ``JOBTIER_KEY``: one of ``JOBTIER_API_KEYS``);
+``dead-letters`` and ``queues`` need the admin key (``--key``, else ``JOBTIER_ADMIN_KEY``, else
+``JOBTIER_KEY``), so the exports ``jobtier run`` prints serve both kinds. Each prints a
 table for people, or ``--json`` one JSON document for scripts. Exit codes: 0 done, 1 the
 API refused or could not be reached (the message says why), 2 bad arguments.
 """
@@ -11,6 +12,7 @@ API refused or could not be reached (the message says why), 2 bad arguments.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 import sys
@@ -31,6 +33,8 @@ KEY_HELP = {
     TENANT: "a tenant's API key (one of the server's JOBTIER_API_KEYS)",
     ADMIN: "the admin key (the server's JOBTIER_ADMIN_KEY)",
 }
+# where each kind of command looks for its key when --key is not given, first found wins
+KEY_ENV = {TENANT: ("JOBTIER_KEY",), ADMIN: ("JOBTIER_ADMIN_KEY", "JOBTIER_KEY")}
 _RELATIVE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 STATES = ("waiting", "scheduled", "queued", "running", "succeeded", "failed", "cancelled")
@@ -79,7 +83,8 @@ def _connection(p: argparse.ArgumentParser, key: str) -> None:
         default=None,
         help=f"the API's address (default: JOBTIER_URL, else {DEFAULT_URL})",
     )
-    p.add_argument("--key", default=None, help=f"{KEY_HELP[key]} (default: JOBTIER_KEY)")
+    default = ", else ".join(KEY_ENV[key])
+    p.add_argument("--key", default=None, help=f"{KEY_HELP[key]} (default: {default})")
     p.add_argument("--json", action="store_true", help="print JSON for scripts, not a table")
     p.set_defaults(key_kind=key)
 
@@ -147,9 +152,21 @@ def log_block(lines: Sequence[LogLine]) -> list[str]:
     return out
 
 
-def history_row(t: Transition) -> list[object]:
+def history_row(t: Transition, before: Transition | None = None) -> list[object]:
+    """One row of ``jobs show``'s history; ``before`` the row above it. A change within a state
+    is named for what it was: the cancel request, or a progress report."""
     change = f"{t.from_state or '-'} -> {t.to_state}"
+    if t.from_state == t.to_state:
+        asked = t.cancel_requested and not (before is not None and before.cancel_requested)
+        if asked:
+            change = "cancel requested"
+        elif t.progress is not None:
+            change = f"{t.to_state}: progress"
     return [t.version, short_time(t.at), change, t.worker, t.attempt, error_summary(t.error)]
+
+
+def history_rows(history: Sequence[Transition]) -> list[list[object]]:
+    return [history_row(t, history[i - 1] if i else None) for i, t in enumerate(history)]
 
 
 def job_row(j: JobStatus) -> list[object]:
@@ -203,7 +220,7 @@ def jobs_show(c: Client, a: argparse.Namespace) -> Any:
     if d.history is None:
         lines.append("history:     not available (the API has no Postgres)")
     else:
-        lines += ["history:", table(HISTORY, map(history_row, d.history))]
+        lines += ["history:", table(HISTORY, history_rows(d.history))]
     return "\n".join(lines)
 
 
@@ -301,13 +318,17 @@ def run(args: argparse.Namespace, settings: object = None) -> int:
 
     name = f"jobtier {args.command} {args.action}"
     url = args.url or os.environ.get("JOBTIER_URL") or DEFAULT_URL
-    key = args.key or os.environ.get("JOBTIER_KEY")
+    names = KEY_ENV[args.key_kind]
+    key = args.key or next(filter(None, map(os.environ.get, names)), None)
     if not key:
         print(
-            f"{name}: no API key: pass --key or set JOBTIER_KEY to {KEY_HELP[args.key_kind]}",
+            f"{name}: no API key: pass --key or set {names[0]} to {KEY_HELP[args.key_kind]}",
             file=sys.stderr,
         )
         return 2
+    # one INFO line per request on stderr would bury the answer
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         with Client(url, key, timeout=30.0) as client:
             out = args.handler(client, args)
@@ -316,8 +337,13 @@ def run(args: argparse.Namespace, settings: object = None) -> int:
         return 2
     except ApiError as exc:
         hint = ""
-        if exc.status in (401, 403):
-            hint = f" (this command needs {KEY_HELP[args.key_kind]})"
+        if exc.status == 401:
+            hint = f": this command needs {KEY_HELP[args.key_kind]}"
+        elif exc.status == 403:
+            # the API's detail already names the key the route needs: say where the wrong one
+            # came from, and where the right one goes
+            source = "--key" if args.key else next(n for n in names if os.environ.get(n))
+            hint = f": the key from {source} is not it (give it in --key or {names[0]})"
         print(f"{name}: {exc.detail or exc.title} (HTTP {exc.status}){hint}", file=sys.stderr)
         return 1
     except httpx.HTTPError as exc:
@@ -376,8 +402,8 @@ def add_commands(sub: Any) -> None:
         "dead-letters",
         help="list, show and replay dead-lettered jobs (the admin key)",
         description="The dead-letter set, every tenant's, through the HTTP API "
-        "(--url/JOBTIER_URL) with the admin key (--key/JOBTIER_KEY, the server's "
-        "JOBTIER_ADMIN_KEY). Redis keeps dead letters JOBTIER_DEAD_RETENTION_SECONDS.",
+        "(--url/JOBTIER_URL) with the admin key (the server's JOBTIER_ADMIN_KEY: --key, else "
+        "JOBTIER_ADMIN_KEY, else JOBTIER_KEY). Redis keeps dead letters JOBTIER_DEAD_RETENTION_SECONDS.",
     )
     group = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = action(group, "list", dead_list, ADMIN, "dead-lettered jobs, newest first")
@@ -397,7 +423,8 @@ def add_commands(sub: Any) -> None:
         "queues",
         help="queues: depth, age, workers; pause, resume, limit (the admin key)",
         description="Every queue through the HTTP API (--url/JOBTIER_URL) with the admin key "
-        "(--key/JOBTIER_KEY, the server's JOBTIER_ADMIN_KEY). Without an action: the list.",
+        "(the server's JOBTIER_ADMIN_KEY: --key, else JOBTIER_ADMIN_KEY, else JOBTIER_KEY). "
+        "Without an action: the list.",
     )
     _connection(p, ADMIN)
     group = p.add_subparsers(dest="action", metavar="ACTION")

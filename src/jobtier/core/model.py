@@ -128,6 +128,9 @@ class Transition(msgspec.Struct, frozen=True):
 
     ``worker`` is who made the change: a worker id, or ``api``, ``scheduler``, ``admin``.
     Progress reports and cancel requests are changes too (``from_state == to_state``).
+    ``error`` is set on the transitions that record one only: an attempt's failure (to
+    ``failed``, or back to ``scheduled``/``queued`` for a retry or an expired lease) and a
+    cancel's reason; not on the claims, promotions or success that follow a failed attempt.
     """
 
     version: int

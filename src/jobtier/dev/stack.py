@@ -22,6 +22,8 @@ import json
 import logging
 import os
 import secrets
+import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -321,18 +323,36 @@ class EmbeddedServer(uvicorn.Server):
         yield
 
 
+def command_hint() -> str:
+    """The shell line that gives another terminal this install's ``jobtier`` command, or "" when
+    PATH finds it already (``make run`` runs ``.venv/bin/jobtier``, which no shell has on PATH
+    unless the virtualenv is activated)."""
+    bin_dir = Path(sys.executable).parent
+    script = bin_dir / "jobtier"
+    found = shutil.which("jobtier")
+    if found is not None and Path(found).absolute() == script.absolute():
+        return ""
+    if script.exists():
+        where = shlex.quote(str(bin_dir.absolute()))
+        return f'export PATH={where}:"$PATH"   # the jobtier command (or: . {where}/activate)'
+    return f"alias jobtier='{sys.executable} -m jobtier.cli.main'   # the jobtier command"
+
+
 def _welcome(settings: Settings) -> None:
     key = next(iter(settings.tenant_keys()), "<your key>")
     base = f"http://{settings.api_host}:{settings.api_port}"
+    hint = command_hint()
+    path = f"  {hint}\n" if hint else ""
     print(
         f"""
 jobtier is running: API {base}  (Ctrl-C stops everything)
 
-  export JOBTIER_URL={base} JOBTIER_KEY={key} JOBTIER_ADMIN_KEY={settings.admin_key}
+{path}  export JOBTIER_URL={base} JOBTIER_KEY={key} JOBTIER_ADMIN_KEY={settings.admin_key}
   curl -s -X POST $JOBTIER_URL/v1/jobs -H "Authorization: Bearer $JOBTIER_KEY" \\
        -H 'Content-Type: application/json' -d '{{"type": "sleep", "payload": {{"seconds": 3}}}}'
   curl -s $JOBTIER_URL/v1/jobs/<id> -H "Authorization: Bearer $JOBTIER_KEY"
   curl -sN $JOBTIER_URL/v1/jobs/<id>/events -H "Authorization: Bearer $JOBTIER_KEY"
+  jobtier jobs show <id>   # also: jobtier queues, jobtier dead-letters list (JOBTIER_ADMIN_KEY)
 
   dashboard: {base}/dashboard (it asks for the admin key)
 """,

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError
+from jsonschema.exceptions import SchemaError, best_match
 
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
@@ -43,12 +43,35 @@ def schema_check(schema: dict[str, Any]) -> Any:
     validator = Draft202012Validator(schema)
 
     def check(payload: Any) -> None:
-        error = next(iter(validator.iter_errors(payload)), None)
+        # best_match descends into anyOf (an optional nested object) to the field at fault
+        error = best_match(validator.iter_errors(payload))
         if error is not None:
-            path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.path)
-            raise InvalidRequest(f"payload{path}: {error.message[:300]}", field=f"payload{path}")
+            where = "payload" + "".join(
+                f"[{p}]" if isinstance(p, int) else f".{p}" for p in error.absolute_path
+            )
+            message = error.message
+            if error.validator == "required" and isinstance(error.instance, dict):
+                missing = [k for k in error.validator_value if k not in error.instance]
+                if missing:
+                    where, message = f"{where}.{missing[0]}", "required, and missing"
+            else:
+                message = json_words(message, error.instance)
+            raise InvalidRequest(f"{where}: {message[:300]}", field=where)
 
     return check
+
+
+def json_words(message: str, instance: Any) -> str:
+    """A jsonschema message that opens with the value's Python repr (``None``, ``True``,
+    ``{'a': 1}``) opens with its JSON instead: the client sent JSON."""
+    text = repr(instance)
+    if not message.startswith(text):
+        return message
+    try:
+        shown = msgspec.json.encode(instance).decode()
+    except (TypeError, msgspec.EncodeError):
+        return message
+    return (shown if len(shown) <= 80 else shown[:79] + "…") + message[len(text) :]
 
 
 async def publish(redis: RedisClient, keys: Keys, ads: list[TaskAd]) -> None:

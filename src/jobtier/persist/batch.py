@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from jobtier.core.model import is_ref, json_encoder, ref_of
+from jobtier.core.model import State, is_ref, json_encoder, ref_of
 from jobtier.persist.db import AnyConnection, Pool, query, rows_affected
 from jobtier.streams.entries import LogEntry
 
@@ -93,15 +93,33 @@ def job_records(rows: Sequence[JobRow]) -> list[tuple[Any, ...]]:
     return out
 
 
+# The transitions that record an error of their own: an attempt failed (running -> failed,
+# scheduled for a retry, or queued again when its lease expired), or a cancel, which gives
+# its reason. Every other one (a claim, a promotion, a success) shows in its document the
+# error an earlier attempt left, which in the history would read as a failure of its own.
+ENDS_IN_ERROR = frozenset({State.FAILED, State.CANCELLED})
+RETRIED = frozenset({State.SCHEDULED, State.QUEUED})
+
+
+def own_error(e: LogEntry) -> bool:
+    """Whether the error in ``e``'s document is its transition's (see ENDS_IN_ERROR)."""
+    to = e.status.state
+    if to in ENDS_IN_ERROR:
+        return True
+    return e.from_state == State.RUNNING and to in RETRIED and not e.released
+
+
 def transition_records(entries: Sequence[LogEntry]) -> list[tuple[Any, ...]]:
-    """``transitions_staging`` records (TRANSITION_COLUMNS order), one per entry."""
+    """``transitions_staging`` records (TRANSITION_COLUMNS order), one per entry; the error
+    only on the transitions that record one (``own_error``)."""
     out = []
     ts = datetime.fromisoformat
     for e in entries:
         s = e.status
+        error = None if s.error is None or not own_error(e) else json_encoder.encode(s.error)
         out.append((
             s.id, s.version, e.prev_version, e.from_state, s.state, ts(s.updated_at), e.actor,
-            s.attempt, None if s.error is None else json_encoder.encode(s.error),
+            s.attempt, error,
             None if s.progress is None else json_encoder.encode(s.progress),
             s.cancel_requested,
         ))  # fmt: skip

@@ -37,7 +37,9 @@ log = logging.getLogger("jobtier.persist")
 _NAME = re.compile(r"^--\s*name:\s*([a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 _MIGRATION = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 # migrations squashed into 0001_initial before 0.1.0 (a database that applied them has their
-# names in schema_migrations): known, not a sign of a database newer than this code
+# names in schema_migrations): known, not a sign of a database newer than this code. No 0006
+# ever shipped (the old numbering skipped it). The next migration is 0010: no number then
+# names two different migrations in a database that applied these.
 FOLDED = (
     "0002_partitioned_history",
     "0003_queues",

@@ -35,6 +35,7 @@ class LogEntry(msgspec.Struct, gc=False):
     result: bytes | None = None  # success only; b"" means a null result
     dependencies: list[str] | None = None  # submit of a job that waits for others
     children: str = ""  # per dependency, '1' for a child of the job (same flow), else '0'
+    released: bool = False  # running -> queued by a worker that stopped, nothing failed
 
     @property
     def ms(self) -> int:
@@ -69,6 +70,7 @@ def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogE
         fields.get(b"r"),
         dp.decode().split() if dp else None,
         dk.decode() if dk else "",
+        b"rl" in fields,
     )
 
 

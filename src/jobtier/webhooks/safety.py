@@ -105,8 +105,15 @@ class AddressPolicy:
             raise Refused("the URL may not carry credentials (user:password@)")
         if parts.fragment:
             raise Refused("the URL may not have a #fragment")
+        host = parts.hostname.lower().rstrip(".")
+        try:  # as the resolver will: a label over 63 characters, or one IDNA refuses
+            host.encode("idna")
+        except UnicodeError as exc:
+            # the codec's own words ("label empty or too long"), without its wrapper's
+            reason = str(exc).rpartition("UnicodeError: ")[2].rstrip(")") or str(exc)
+            raise Refused(f"the URL's host is not a valid DNS name ({reason})") from None
         default = 443 if parts.scheme == "https" else 80
-        return Target(parts.scheme, parts.hostname.lower().rstrip("."), port or default)
+        return Target(parts.scheme, host, port or default)
 
     async def addresses(self, target: Target, *, strict: bool) -> list[str]:
         """The addresses a delivery to ``target`` may connect to.
@@ -126,7 +133,7 @@ class AddressPolicy:
             return [str(literal)]
         try:
             found = await self.resolve(target.host, target.port)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, UnicodeError) as exc:
             raise Refused(f"{target.host} does not resolve ({exc})") from None
         if not found:
             raise Refused(f"{target.host} does not resolve")

@@ -24,7 +24,9 @@ the request reached its worker succeeds: a success wins over a request not yet d
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
+import os
 import traceback
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -100,10 +102,43 @@ class Failure:
         return round(1000 * delay)
 
 
+def _folder(module: Any) -> str:
+    return os.path.dirname(str(module.__file__)) + os.sep
+
+
+_JOBTIER = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# Frames a task's failure passes through before the task's own: jobtier's (run_attempt) and,
+# for a plain def task, the executor's thread and asyncio's future. Dropped from the start of
+# each traceback, so that the reader sees their own code first.
+RUNNER_FRAMES = (_JOBTIER, *(_folder(m) for m in (asyncio, concurrent.futures)))
+
+
+def _drop_runner_frames(te: traceback.TracebackException) -> None:
+    seen: set[int] = set()
+    todo = [te]
+    while todo:
+        t = todo.pop()
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
+        leading = 0
+        for frame in t.stack:
+            if not frame.filename.startswith(RUNNER_FRAMES):
+                break
+            leading += 1
+        if leading < len(t.stack):  # all runner frames: the runner raised it, keep them
+            del t.stack[:leading]
+        todo += [c for c in (t.__cause__, t.__context__) if c is not None]
+        todo += getattr(t, "exceptions", None) or []
+
+
 def format_traceback(exc: BaseException) -> str:
-    """``exc``'s traceback, chained causes included, bounded: the last ``TRACEBACK_FRAMES``
-    frames of each, then the last ``TRACEBACK_CHARS`` characters (cut at a line start)."""
-    text = "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES))
+    """``exc``'s traceback, chained causes included, without the runner's frames that lead to
+    the task's, bounded: the last ``TRACEBACK_FRAMES`` frames of each, then the last
+    ``TRACEBACK_CHARS`` characters (cut at a line start)."""
+    te = traceback.TracebackException.from_exception(exc, limit=-TRACEBACK_FRAMES)
+    _drop_runner_frames(te)
+    text = "".join(te.format())
     if len(text) > TRACEBACK_CHARS:
         tail = text[-(TRACEBACK_CHARS - 2) :]
         newline = tail.find("\n")

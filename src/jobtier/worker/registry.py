@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import random
+import re
 import time
 import typing
 from collections.abc import Callable, Iterable, Iterator
@@ -16,6 +17,8 @@ import msgspec
 from jobtier.core.errors import ConfigError, InvalidRequest
 from jobtier.core.model import DEFAULT_QUEUE, Backoff, TaskAd, TaskInfo
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
+
+_MISSING = re.compile(r"Object missing required field `(.+)`")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,8 +80,11 @@ class Task:
             msgspec.convert(payload, self.payload_type)
         except msgspec.ValidationError as exc:
             message = str(exc)
-            _, at, path = message.rpartition(" - at `$")
+            text, at, path = message.rpartition(" - at `$")
             where = "payload" + (path.rstrip("`") if at else "")
+            missing = _MISSING.fullmatch(text if at else message)
+            if missing:  # the field named is the one missing, not the object that lacks it
+                where, message = f"{where}.{missing.group(1)}", "required, and missing"
             raise InvalidRequest(f"{where}: {message[:300]}", field=where) from None
 
     def info(self) -> TaskInfo:

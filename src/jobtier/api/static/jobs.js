@@ -96,8 +96,23 @@ function showJobs(mode, params) {
   $("f-after").value = localInput(jobsView.filters.after);
   $("f-before").value = localInput(jobsView.filters.before);
   $("f-id").value = jobsView.filters.id;
+  $("f-id").placeholder = idPrefixNow() + "…";
   fillKnownNames();
   loadJobs();
+}
+
+/** What the ids of jobs made about now start with: a job id is a ULID (its first ten
+ *  characters the time in milliseconds, Crockford base32) then "-shard"; the first four
+ *  change every twelve days or so, so they match the recent jobs an example should. */
+function idPrefixNow() {
+  const digits = "0123456789ABCDEFGHJKMNPQRSTVWXYZ";
+  let ms = Date.now();
+  let out = "";
+  for (let i = 0; i < 10; i++) {
+    out = digits[ms % 32] + out;
+    ms = Math.floor(ms / 32);
+  }
+  return out.slice(0, 4);
 }
 
 function hideJobs() {

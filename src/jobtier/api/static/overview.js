@@ -154,9 +154,21 @@ function renderOverview(f) {
   drawSparks();
 }
 
+// what each chip in the header stands for (its tooltip): a process's role
+const ROLES = {
+  api: "the HTTP API (jobtier api)",
+  worker: "workers running tasks (jobtier worker)",
+  scheduler: "the scheduler: delayed jobs and schedules (jobtier scheduler)",
+  persister: "the persister: history into Postgres (jobtier persister)",
+  dispatcher: "the webhook dispatcher (jobtier dispatcher)",
+  resolver: "the resolver: flows' dependencies (jobtier resolver)",
+  run: "jobtier run: every part in one process (development)",
+};
+
 /** The header: processes reporting, time of the last frame, the dead-letter badge. */
 function renderChrome(f) {
-  $("processes").replaceChildren(...(f.processes || []).map((p) => h("span", { class: "chip" }, p)));
+  const chip = (p) => h("span", { class: "chip", title: `Reporting: ${ROLES[p] || p}` }, p);
+  $("processes").replaceChildren(...(f.processes || []).map(chip));
   $("updated").textContent = "updated " + timeFmt.format(new Date(f.at * 1000));
   const dead = $("nav-dead");
   dead.hidden = !f.dead_letters;

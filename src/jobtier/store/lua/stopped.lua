@@ -13,6 +13,7 @@
 --!include lib.lua
 
 local worker, ttl = ARGV[2], ARGV[3]
+local RELEASED = {'rl', '1'}
 local out = let_go(ARGV, 2, function(j)
   if j.cancel == '1' then
     local why = 'cancelled on request while running (attempt ' .. j.attempt .. ')'
@@ -21,7 +22,9 @@ local out = let_go(ARGV, 2, function(j)
     j.state = 'queued'
     j.attempt = int(tonumber(j.attempt) - 1)
     j.worker = ''
-    commit(j, 'running', worker)
+    -- 'rl': nothing failed, so the error the document still shows is an earlier attempt's,
+    -- not this transition's (the only running -> queued that reclaim.lua's is not)
+    commit(j, 'running', worker, RELEASED)
     make_ready(j, true)
   end
   return j.state
