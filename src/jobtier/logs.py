@@ -69,5 +69,6 @@ def setup(level: str = "INFO", fmt: str = "text") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    for noisy in ("asyncio", "uvicorn.access", "_granian", "granian.access"):
+    # httpx logs one INFO line per request: the dispatcher's deliveries log their own
+    for noisy in ("asyncio", "uvicorn.access", "_granian", "granian.access", "httpx", "httpcore"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -67,7 +67,7 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         cmd_run,
         "everything in one process, with a local Redis and Postgres (development)",
         "Start a local Redis and Postgres (data under --data-dir, loopback ports), then the API, "
-        "a worker, the scheduler and the persister in one process. The servers are this "
+        "a worker, the scheduler, the persister and the webhook dispatcher in one process. The servers are this "
         "command's own: it stops them when it ends, however it ends (Ctrl-C, SIGTERM, the "
         "terminal closing, even SIGKILL), and it never uses a server it did not start: a port "
         "taken by another server is refused (pick another with --redis-port/--pg-port). Ctrl-C "
