@@ -98,8 +98,9 @@ from common import (
 )
 
 from jobtier.config import Settings
+from jobtier.core.model import JobSpec
 from jobtier.dev.local_redis import terminate
-from jobtier.engine.queue import JobSpec, Queue
+from jobtier.engine.queue import Queue
 
 VARIANTS = ("jobtier", "jobtier-b100", "poll1s", "poll10ms")
 DEFAULT_VARIANTS = ("jobtier", "poll1s")

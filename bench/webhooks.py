@@ -47,7 +47,8 @@ from jobtier.config import Settings, env_name
 from jobtier.core.model import JobSpec
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.dev.local_redis import LocalRedis, free_port
-from jobtier.engine.queue import DEFAULT_TENANT, Queue
+from jobtier.engine.produce import DEFAULT_TENANT
+from jobtier.engine.queue import Queue
 from jobtier.persist.db import create_pool, migrate, query
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker
