@@ -5,7 +5,9 @@ bench printed) and writes ``docs/benchmarks.md``:
 
 * each file's command, commit, machine and date, and whether its figures still describe the
   code: ``STALE`` when a commit after the recorded one changed a path the bench measures
-  (``MEASURES``; ``git log <commit>..<as-of> -- <paths>``), ``unbacked`` when the recorded
+  (``MEASURES``; ``git log --no-merges <commit>..<as-of> -- <paths>``: a merge is not a
+  change of its own, the commits it brings in are; without ``--no-merges`` merging main into
+  a branch that forked before the measurement would name the merge), ``unbacked`` when the recorded
   commit is not in the history or none is recorded, ``+local`` when the tree had uncommitted
   changes;
 * every ratio between systems as the median of the per-run ratios (``ratios.py``) where the
@@ -208,7 +210,7 @@ def judge(result: Result, as_of: str, git: Git = run_git) -> None:
     if paths is None:
         result.status = "not checked: no measured paths known for this bench"
         return
-    log = git(["log", "--format=%h", f"{sha.group()}..{as_of}", "--", *paths]) or ""
+    log = git(["log", "--no-merges", "--format=%h", f"{sha.group()}..{as_of}", "--", *paths]) or ""
     result.changed_by = log.split()
     if result.changed_by:
         result.stale = True

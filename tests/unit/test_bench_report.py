@@ -165,6 +165,43 @@ def test_a_file_is_stale_once_a_later_commit_changes_what_it_measures(
     assert as_of_c2["fake"].status == "current"
 
 
+def test_merging_main_into_a_branch_does_not_make_its_measurements_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A branch that merged main, then main measured, then the branch merged main again: the
+    first merge differs from the branch's side on the measured path (it brought main's change
+    in, from before the measurement) but changes nothing of its own."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q", "-b", "main")
+    _commit(repo, "src/measured.py", "one\n")
+    _git(repo, "checkout", "-q", "-b", "side")
+    _commit(repo, "docs/page.md", "docs\n")
+    _git(repo, "checkout", "-q", "main")
+    _commit(repo, "src/measured.py", "two\n")
+    merge = ["-c", "user.name=t", "-c", "user.email=t@t", "merge", "-q", "--no-edit", "main"]
+    _git(repo, "checkout", "-q", "side")
+    _git(repo, *merge)
+    _git(repo, "checkout", "-q", "main")
+    measured = _commit(repo, "bench/results/fake.md", "measured here\n")
+    _git(repo, "checkout", "-q", "side")
+    _git(repo, *merge)
+    monkeypatch.setattr(report, "MEASURES", {"fake": ("src/measured.py",)})
+
+    def git(args: Sequence[str]) -> str | None:
+        done = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        return done.stdout if done.returncode == 0 else None
+
+    results = tmp_path / "results"
+    results.mkdir()
+    _save(results, "fake", measured, {})
+    (got,) = report.load(results, "HEAD", git)
+    assert got.status == "current", got.status
+    later = _commit(repo, "src/measured.py", "three\n")
+    (got,) = report.load(results, "HEAD", git)
+    assert got.stale and got.changed_by == [later]
+
+
 def test_the_page_shows_each_files_provenance_and_standing(history: dict[str, Any]) -> None:
     results = history["results"]
     _save(results, "fake", history["c1"], {})
