@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -138,3 +139,24 @@ async def test_the_cli_prints_the_number_and_its_inputs(api: ApiServer) -> None:
     assert code == 1 and "never-named" in err and "HTTP 404" in err, err
     code, _, err = await cli("queues", "scaling", "images", "--min", "4", "--max", "2", key=ADMIN)
     assert code == 1 and "min (4) is above max (2)" in err, err
+
+
+async def test_the_scaled_objects_urls_are_answered_with_a_count(api: ApiServer) -> None:
+    """What KEDA reads in deploy/kubernetes (each rendering's ScaledObjects): the path and
+    query of its URL, answered by the API with a whole number where valueLocation points."""
+    from tests.unit.test_kubernetes import RENDERINGS, rendered
+
+    async with api.client("admin") as admin, api.client() as c:
+        seen = 0
+        for name in RENDERINGS:
+            for so in (d for d in rendered(name) if d["kind"] == "ScaledObject"):
+                for trigger in so["spec"]["triggers"]:
+                    url = urlsplit(trigger["metadata"]["url"])
+                    queue = url.path.split("/")[4]
+                    await submit(c, 1, "echo", queue)  # known from its first job on
+                    r = await admin.get(f"{url.path}?{url.query}")
+                    assert r.status_code == 200, (name, url, r.text)
+                    value = r.json()[trigger["metadata"]["valueLocation"]]
+                    assert isinstance(value, int) and value >= 1, (name, url, r.text)
+                    seen += 1
+        assert seen >= 2 * len(RENDERINGS)  # a pool per queue, in the base and each overlay
