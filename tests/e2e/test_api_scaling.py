@@ -98,6 +98,13 @@ async def test_slots_from_live_workers_and_the_age_raise(
         assert (s["desired_workers"], s["decided_by"], s["live_workers"]) == (6, "age", 3)
         s = await scaling(admin, "scale", target_age=0.2, max=5)
         assert (s["desired_workers"], s["decided_by"]) == (5, "max")
+        # at the queue's concurrency limit, more workers could claim nothing: no age raise
+        r = await admin.put("/v1/admin/queues/scale/limits", json={"concurrency": 3})
+        assert r.status_code == 200
+        s = await scaling(admin, "scale", target_age=0.2)
+        assert (s["desired_workers"], s["decided_by"], s["demand"]) == (3, "demand", 3)
+        assert (await admin.put("/v1/admin/queues/scale/limits", json={})).status_code == 200
+        assert (await scaling(admin, "scale", target_age=0.2))["decided_by"] == "age"
         # paused, waiting is no reason for more workers: only the running jobs count
         assert (await admin.post("/v1/admin/queues/scale/pause")).status_code == 200
         s = await scaling(admin, "scale", target_age=0.2)
