@@ -426,6 +426,8 @@ def check_scaling(docs: list[Doc], namespace: str) -> list[str]:
             problems.append(f"{what}: scales {target}, which is no worker Deployment")
             continue
         worker = jobtier_args(workers[target])
+        if "replicas" in _get(docs, "Deployment", target)["spec"]:
+            problems.append(f"{target}: sets replicas, which every apply would reset under KEDA")
         low, high = spec.get("minReplicaCount", 0), spec.get("maxReplicaCount", 100)
         if not 0 <= low <= high:
             problems.append(f"{what}: replicas from {low} to {high}")
@@ -676,6 +678,7 @@ BREAKAGES: list[tuple[str, str, Callable[[list[Doc]], None]]] = [
         "not an AverageValue",
         lambda d: _scaled(d)["spec"]["triggers"][0].update(metricType="Value"),
     ),
+    ("scaling", "which every apply would reset", lambda d: _worker(d)["spec"].update(replicas=2)),
     ("scaling", "0 ScaledObjects", lambda d: d.remove(_scaled(d, "bulk"))),
     ("scaling", "scale-down window", lambda d: _scaled(d)["spec"].pop("advanced")),
     ("scaling", "bearer", lambda d: _scaled(d)["spec"]["triggers"][0]["metadata"].pop("authMode")),
