@@ -9,6 +9,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 
 from jobtier.engine.queue import Queue
 from tests.e2e.test_admin_cli import Cli
@@ -167,3 +168,15 @@ async def test_the_scaled_objects_urls_are_answered_with_a_count(api: ApiServer)
                     assert isinstance(value, int) and value >= 1, (name, url, r.text)
                     seen += 1
         assert seen >= 2 * len(RENDERINGS)  # a pool per queue, in the base and each overlay
+
+
+async def test_the_python_client_reads_it(api: ApiServer) -> None:
+    from jobtier.client import AsyncClient, NotFound
+
+    async with api.client() as c:
+        await submit(c, 3, "thumbnail", "images", {"url": "c.png"})
+    async with AsyncClient(api.url, ADMIN) as admin:
+        s = await admin.queue_scaling("images", slots=2, max=5)
+        assert (s.desired_workers, s.ready, s.slots_from, s.max) == (2, 3, "query", 5)
+        with pytest.raises(NotFound):
+            await admin.queue_scaling("never-named")
