@@ -173,6 +173,11 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(admin, "PUT", "/v1/admin/queues/{name}/limits", 200, ids=q, json={})
         await check(admin, "POST", "/v1/admin/queues/{name}/resume", 200, ids=q)
         await check(admin, "GET", "/v1/admin/tasks", 200)
+        scaling = "/v1/admin/queues/{name}/scaling"
+        await check(admin, "GET", scaling, 200, ids=q, params={"slots": 4, "max": 10})
+        await check(admin, "GET", scaling, 404, ids={"name": "never-named"})
+        await check(admin, "GET", scaling, 422, ids=q, params={"min": 3, "max": 2})
+        await check(admin, "GET", scaling, 400, ids=q, params={"slots": 0})
         await check(admin, "GET", "/metrics", 200)
 
         # the console's routes

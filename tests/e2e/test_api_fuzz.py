@@ -59,6 +59,7 @@ PROSE_RULES = {
     "idempotency_key": 400,
     "depends_on": 422, "ref": 422, "after": 422,
     "url": 422,  # a callback URL that does not resolve to a public address (webhooks/safety.py)
+    "min": 422,  # the scaling read's min above its max (api/scaling.py)
 }  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)

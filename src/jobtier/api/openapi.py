@@ -25,7 +25,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from jobtier.api import admin, console, debugging, flows, health, jobs, ops, queues, sse
+from jobtier.api import admin, console, debugging, flows, health, jobs, ops, queues, scaling, sse
 from jobtier.api import spec as oa
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
 from jobtier.api.debugging import DeadLetter
@@ -40,6 +40,7 @@ from jobtier.core.model import (
     JobSpec,
     JobStatus,
     QueueLimits,
+    QueueScaling,
 )
 from jobtier.core.names import (
     IDEMPOTENCY_KEY_RE,
@@ -71,6 +72,7 @@ _CORE_TYPES = (
     oa.QueuePaused,
     QueueLimits,
     oa.QueueLimitsSet,
+    QueueScaling,
     oa.TaskList,
     FlowSpec,
     oa.FlowResponse,
@@ -384,6 +386,17 @@ def _admin_paths(settings: Settings) -> oa.Paths:
         "the limits",
         oa.returns(200, "QueueLimitsSet", "the limits now in force"),
         body="QueueLimits",
+    )
+    add(
+        "GET /v1/admin/queues/{name}/scaling",
+        scaling.scaling,
+        "The workers the queue's pool wants now, from its ready and running jobs, its oldest "
+        "job's wait and the slots a worker has, with the inputs (docs/kubernetes.md: the "
+        "formula); what KEDA's metrics-api scaler reads",
+        oa.returns(200, "QueueScaling", "the desired worker count and its inputs"),
+        oa.refuses(404, "no job, limit or task has named the queue"),
+        oa.refuses(422, "a queue name that breaks its pattern, or min above max (field)"),
+        params=scaling.SCALING_PARAMS,
     )
     add(
         "GET /v1/admin/tasks",

@@ -308,6 +308,29 @@ def queues_limit(c: Client, a: argparse.Namespace) -> Any:
     return f"{a.name}: " + ", ".join(parts)
 
 
+def queues_scaling(c: Client, a: argparse.Namespace) -> Any:
+    s = c.queue_scaling(a.name, slots=a.slots, min=a.min, max=a.max, target_age=a.target_age)
+    if a.json:
+        return s
+    age = "-" if s.oldest_age_seconds is None else f"{s.oldest_age_seconds:g} s"
+    use = "-" if s.utilisation is None else f"{s.utilisation:.0%}"
+    bounds = f"{s.min} to {'-' if s.max is None else s.max}"
+    rows = [
+        ("desired workers", f"{s.desired_workers} (by {s.decided_by})"),
+        ("ready", f"{s.ready}{' (paused: not counted)' if s.paused else ''}"),
+        ("running", s.running),
+        ("demand", s.demand),
+        ("concurrency limit", "-" if s.concurrency_limit is None else s.concurrency_limit),
+        ("oldest ready job", f"{age} (target {s.target_age_seconds:g} s)"),
+        ("live workers", s.live_workers),
+        ("slots per worker", f"{'-' if s.slots is None else s.slots} (from {s.slots_from})"),
+        ("utilisation", use),
+        ("bounds", bounds),
+        ("parked", s.parked),
+    ]
+    return "\n".join([f"queue {s.queue}", *(f"  {k:<18} {v}" for k, v in rows)])
+
+
 # --- running --------------------------------------------------------------------------------
 def run(args: argparse.Namespace, settings: object = None) -> int:
     """Run one admin command: connect, call, print; the errors as one line on stderr (the
@@ -421,7 +444,7 @@ def add_commands(sub: Any) -> None:
     # queues (the admin key)
     p = sub.add_parser(
         "queues",
-        help="queues: depth, age, workers; pause, resume, limit (the admin key)",
+        help="queues: depth, age, workers; pause, resume, limit, scaling (the admin key)",
         description="Every queue through the HTTP API (--url/JOBTIER_URL) with the admin key "
         "(the server's JOBTIER_ADMIN_KEY: --key, else JOBTIER_ADMIN_KEY, else JOBTIER_KEY). "
         "Without an action: the list.",
@@ -439,6 +462,19 @@ def add_commands(sub: Any) -> None:
     ):
         q = action(group, verb, handler, ADMIN, what)
         q.add_argument("name", metavar="QUEUE")
+    what = "the workers a queue's pool wants now, and the inputs (docs: Kubernetes)"
+    q = action(group, "scaling", queues_scaling, ADMIN, what)
+    q.add_argument("name", metavar="QUEUE")
+    q.add_argument(
+        "--slots", type=positive_int, help="jobs a worker runs at once (default: the workers')"
+    )
+    q.add_argument("--min", type=int, help="fewest workers to ask for (default 0)")
+    q.add_argument("--max", type=positive_int, help="most workers to ask for (default: none)")
+    q.add_argument(
+        "--target-age",
+        type=positive_float,
+        help="seconds the oldest job may wait before more workers are asked for (default 60)",
+    )
     q = action(group, "limit", queues_limit, ADMIN, "limit a queue across every worker")
     q.add_argument("name", metavar="QUEUE")
     q.add_argument("--concurrency", type=positive_int, help="at most this many running at once")

@@ -41,6 +41,8 @@ from jobtier.client._core import (
 from jobtier.client._errors import (
     ApiError,
 )
+from jobtier.client._scaling import queue_scaling_op
+from jobtier.core.model import QueueScaling
 
 T = TypeVar("T")
 
@@ -264,6 +266,20 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         starts per ``per`` seconds, across every worker; with neither, lift the limits."""
         limits = QueueLimits(concurrency=concurrency, rate=rate, per=per)
         await self._run(self._queue_action(name, "limits", limits))
+
+    async def queue_scaling(
+        self,
+        name: str,
+        *,
+        slots: int | None = None,
+        min: int | None = None,
+        max: int | None = None,
+        target_age: float | None = None,
+    ) -> QueueScaling:
+        """The workers the queue's pool wants now and the inputs of the formula
+        (docs/kubernetes.md): ``slots`` per worker (default: what live workers advertise),
+        bounded by ``min``/``max``, raised while the oldest job waits over ``target_age`` s."""
+        return await self._run(queue_scaling_op(name, slots, min, max, target_age))
 
     async def tasks(self) -> list[TaskAd]:
         """The task catalogue: each task a live or recently seen worker runs, with its

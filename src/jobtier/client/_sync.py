@@ -41,6 +41,8 @@ from jobtier.client._core import (
 from jobtier.client._errors import (
     ApiError,
 )
+from jobtier.client._scaling import queue_scaling_op
+from jobtier.core.model import QueueScaling
 
 T = TypeVar("T")
 
@@ -229,6 +231,20 @@ class Client(BaseClient[httpx.BaseTransport]):
         """Limit the queue across every worker; see ``AsyncClient.set_queue_limits``."""
         limits = QueueLimits(concurrency=concurrency, rate=rate, per=per)
         self._run(self._queue_action(name, "limits", limits))
+
+    def queue_scaling(
+        self,
+        name: str,
+        *,
+        slots: int | None = None,
+        min: int | None = None,
+        max: int | None = None,
+        target_age: float | None = None,
+    ) -> QueueScaling:
+        """The workers the queue's pool wants now and the inputs of the formula
+        (docs/kubernetes.md): ``slots`` per worker (default: what live workers advertise),
+        bounded by ``min``/``max``, raised while the oldest job waits over ``target_age`` s."""
+        return self._run(queue_scaling_op(name, slots, min, max, target_age))
 
     def tasks(self) -> list[TaskAd]:
         """The task catalogue; see ``AsyncClient.tasks``."""

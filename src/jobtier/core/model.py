@@ -304,6 +304,31 @@ class QueueInfo(msgspec.Struct, frozen=True, kw_only=True):
     tasks: list[str] = []  # task types the workers advertise for it
 
 
+class QueueScaling(msgspec.Struct, frozen=True, kw_only=True):
+    """How many workers a queue's pool wants, as ``GET /v1/admin/queues/{name}/scaling``
+    answers, with every input the answer came from (docs/kubernetes.md: the formula)."""
+
+    queue: str
+    desired_workers: int
+    # which clause set desired_workers: "demand" (ready and running jobs over slots), "age"
+    # (the oldest ready job waited over target_age), "min" or "max" (a bound)
+    decided_by: str
+    ready: int  # jobs ready to be claimed (none of them counted while paused)
+    running: int
+    parked: int  # handed back by workers that lack their task: more of them would not help
+    paused: bool
+    concurrency_limit: int | None  # the queue's limit across every worker, which caps demand
+    demand: int  # jobs that could run at once: min(ready + running, concurrency_limit)
+    oldest_age_seconds: float | None  # the oldest ready job's wait
+    live_workers: int  # workers serving the queue that advertised themselves lately
+    slots: int | None  # jobs one worker runs at once; None: no live worker and none given
+    slots_from: str  # "query", "workers" (the fewest a live one has) or "none"
+    utilisation: float | None  # running / (live_workers * slots); None without either
+    target_age_seconds: float
+    min: int
+    max: int | None
+
+
 class ClaimedJob(msgspec.Struct, frozen=True):
     """A job handed to a worker by the claim script; ``lease_version`` is its fencing token."""
 
