@@ -59,6 +59,20 @@ def load_rules(path: Path = RULES) -> list[dict[str, Any]]:
     return [rule for group in doc["groups"] for rule in group["rules"]]
 
 
+def rules_test_series_labels() -> dict[str, set[frozenset[str]]]:
+    """The label names of each metric the rules' tests feed promtool (less the scrape's own
+    ``job`` and ``instance``): metric -> the label-name sets its input series have."""
+    doc = yaml.safe_load(RULES_TESTS.read_text())
+    out: dict[str, set[frozenset[str]]] = {}
+    for test in doc["tests"]:
+        for series in test["input_series"]:
+            m = re.fullmatch(r"([\w:]+)(?:\{(.*)\})?", series["series"])
+            assert m is not None, series["series"]
+            names = frozenset(re.findall(r'(\w+)="', m.group(2) or "")) - {"job", "instance"}
+            out.setdefault(m.group(1), set()).add(names)
+    return out
+
+
 def load_dashboard(path: Path = DASHBOARD) -> dict[str, Any]:
     loaded: dict[str, Any] = json.loads(path.read_text())
     return loaded
