@@ -34,7 +34,7 @@ import msgspec
 
 from jobtier.core.errors import Cancelled, Fatal, RateLimited, Retry
 from jobtier.core.model import encode_json
-from jobtier.core.sealing import PREFIX, KeyMissing, Keyring, SealError, open_compensation, unseal
+from jobtier.core.sealing import PREFIX, Keyring, SealError, open_compensation, unseal
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import RetryPolicy, Task
 
@@ -195,22 +195,18 @@ async def run_attempt(
             # and may have cut its work short, so the job ends cancelled, its result dropped
             # (a request that reaches the worker after the return loses: the job succeeds)
             sink.attempt_ended(ctx, STOPPED)
-        elif sealed or task.encrypt:  # (task is not None here: it ran)
+        elif keyring is not None and (sealed or task.encrypt):  # (task: not None, it ran)
+            # (a worker with an encrypt=True task has keys: WorkerState refuses to start
+            # without; jobtier.testing runs one without, its result left plain)
             sink.attempt_ended(ctx, _sealed(encode_result(result, max_result_bytes), ctx, keyring))
         else:
             sink.attempt_ended(ctx, encode_result(result, max_result_bytes))
 
 
-def _sealed(end: bytes | Failure, ctx: JobContext, keyring: Keyring | None) -> bytes | Failure:
+def _sealed(end: bytes | Failure, ctx: JobContext, keyring: Keyring) -> bytes | Failure:
     """An encrypted job's result as it is kept: sealed (``b""``, no result, as it is)."""
     if not end or isinstance(end, Failure):
         return end
-    if keyring is None:
-        exc = KeyMissing(
-            f"the result of job {ctx.job.id} is to be encrypted, and this worker has no "
-            "JOBTIER_ENCRYPTION_KEYS"
-        )
-        return Failure(exc, exc.kind, str(exc), retry=False, raised=False)
     return keyring.seal(ctx.job.id, "result", end)
 
 
