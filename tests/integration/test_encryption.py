@@ -77,7 +77,9 @@ async def collect(ctx: JobContext, payload: Any) -> dict[str, Any]:
     return {dep_id: dep.result for dep_id, dep in ctx.dependencies.items()}
 
 
-registry = TaskRegistry([secret_echo, vault_echo, plain_echo, secret_big, undo, secret_fail, collect])
+registry = TaskRegistry(
+    [secret_echo, vault_echo, plain_echo, secret_big, undo, secret_fail, collect]
+)
 BIG = {"rows": [f"{RESULT_SECRET}-{i}" for i in range(100)]}
 
 
@@ -105,9 +107,7 @@ async def crypt_queue(crypt_settings: Settings) -> AsyncIterator[Queue]:
 
 
 @pytest.fixture
-async def crypt_api(
-    start_api: StartApi, crypt_settings: Settings, crypt_queue: Queue
-) -> ApiServer:
+async def crypt_api(start_api: StartApi, crypt_settings: Settings, crypt_queue: Queue) -> ApiServer:
     s = crypt_settings
     return await start_api(
         PostgresExtension(s), database_url=s.database_url, encryption_keys=s.encryption_keys,
@@ -129,7 +129,9 @@ async def _pg_text(pool: Pool, job_id: str) -> str:
         ("job_results", "job_id"),
         ("job_dependencies", "job_id"),
     ):
-        found = await pool.fetch(f"SELECT row_to_json(t)::text AS r FROM {table} t WHERE {column} = $1", job_id)  # noqa: E501
+        found = await pool.fetch(
+            f"SELECT row_to_json(t)::text AS r FROM {table} t WHERE {column} = $1", job_id
+        )
         rows += [r["r"] for r in found]
     for r in await pool.fetch("SELECT data FROM result_blobs WHERE job_id = $1", job_id):
         rows.append(bytes(r["data"]).decode())
@@ -172,7 +174,9 @@ async def test_encrypted_jobs_are_ciphertext_at_rest_and_plaintext_for_worker_an
             assert is_sealed(held) and RESULT_SECRET.encode() not in held
         big_ref = (await _hash(q, ids["secret_big"]))[b"result"]
         assert big_ref.startswith(b"@pg:")
-        blob = await pg_pool.fetchval("SELECT data FROM result_blobs WHERE job_id = $1", ids["secret_big"])  # noqa: E501
+        blob = await pg_pool.fetchval(
+            "SELECT data FROM result_blobs WHERE job_id = $1", ids["secret_big"]
+        )
         assert is_sealed(bytes(blob)) and RESULT_SECRET.encode() not in bytes(blob)
 
         # the tenant reads plaintext: the result, its content, the large one from the store
@@ -349,4 +353,3 @@ async def test_encryption_is_refused_where_it_cannot_hold(
     assert info.value.field == "type"
     with pytest.raises(InvalidRequest, match="schedules do not support"):
         await crypt_queue.produce.task_defaults("plain_echo", "vault", None, None)
-

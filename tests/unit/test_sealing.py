@@ -13,8 +13,8 @@ from jobtier.core.errors import ConfigError
 from jobtier.core.sealing import (
     MASK,
     PREFIX,
-    Keyring,
     KeyMissing,
+    Keyring,
     SealError,
     is_sealed,
     masked,
@@ -80,7 +80,7 @@ def test_rotation_seals_with_the_first_key_and_opens_with_any() -> None:
     after = rotated.seal(JOB, "payload", PLAIN)
     assert json.loads(after)["kid"] == "k2" and rotated.sealing_kid == "k2"
     assert rotated.open(JOB, "payload", before) == PLAIN
-    with pytest.raises(KeyMissing, match="key id 'k2'.*holds k1") as info:
+    with pytest.raises(KeyMissing, match=r"key id 'k2'.*holds k1") as info:
         old.open(JOB, "payload", after)
     assert info.value.kind == "EncryptionKeyMissing"
     with pytest.raises(KeyMissing, match="no JOBTIER_ENCRYPTION_KEYS"):
