@@ -299,6 +299,11 @@ async def test_rotation_keeps_old_jobs_readable_and_a_missing_key_fails_the_job(
         assert status.state is State.FAILED and status.attempt == 1
         assert status.error is not None and status.error.type == "EncryptionKeyMissing"
         assert "key id 'k1'" in status.error.message and "holds k2" in status.error.message
+        # given the key back, the job replayed from the dead letters runs (its id, so its
+        # ciphertext's binding, unchanged)
+        await old.jobs.replay(lost)
+        stats = await worker_for(rotated, registry, burst=True, queues=["vault"]).run()
+        assert stats.succeeded == 1 and SEEN[-1] == {"n": 3}
     finally:
         await rotated.close()
         await only_new.close()
