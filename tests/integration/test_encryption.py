@@ -339,7 +339,7 @@ async def test_flows_and_compensations_hand_plaintext_to_the_next_task(
 
 
 async def test_encryption_is_refused_where_it_cannot_hold(
-    settings: Settings, crypt_queue: Queue
+    settings: Settings, crypt_queue: Queue, crypt_api: ApiServer
 ) -> None:
     # a worker with an encrypt=True task and no keys does not start
     plain = await Queue.connect(settings)
@@ -353,6 +353,16 @@ async def test_encryption_is_refused_where_it_cannot_hold(
     finally:
         await plain.close()
     # a schedule keeps its payload to make every slot's job from: refused for encrypted tasks
+    # (and queues), through the API with a 422 naming the field, nothing stored
+    async with crypt_api.client() as acme:
+        for body in (
+            {"name": "s1", "type": "secret_echo", "payload": {"card": SECRET}, "interval": 60},
+            {"name": "s2", "type": "plain_echo", "queue": "vault", "interval": 60},
+        ):
+            r = await acme.post("/v1/schedules", json=body)
+            assert r.status_code == 422, r.text
+            assert "schedules do not support" in r.text and r.json()["field"] == "type"
+        assert (await acme.get("/v1/schedules")).json()["schedules"] == []
     with pytest.raises(InvalidRequest, match="schedules do not support") as info:
         await crypt_queue.produce.task_defaults("secret_echo", None, None, {"card": SECRET})
     assert info.value.field == "type"
