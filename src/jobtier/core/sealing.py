@@ -141,7 +141,7 @@ class Keyring:
         cipher = self._ciphers.get(kid)
         if cipher is None:
             raise KeyMissing(
-                f"the {part} of job {job_id} is encrypted with key id {str(kid)[:64]!r}, which "
+                f"the {part} of job {job_id} is encrypted with key id {kid[:64]!r}, which "
                 f"JOBTIER_ENCRYPTION_KEYS does not hold (it holds {', '.join(self.kids)})"
             )
         try:
