@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages jobtier's local services and tests need, only when missing:
-# redis-server and redis-cli (Debian redis-server), PostgreSQL server binaries, and
-# Chromium for the dashboard test.
+# redis-server and redis-cli (Debian redis-server), PostgreSQL server binaries, Chromium for
+# the dashboard test, and Prometheus with promtool (Debian prometheus) for deploy/'s tests.
 set -euo pipefail
 
 missing=()
@@ -10,6 +10,8 @@ command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
 # the dashboard's browser test; fonts-liberation is only a "Recommends" of chromium
 command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-liberation fonts-dejavu-core)
+# deploy/'s rules and dashboard: promtool checks and tests them, a prometheus evaluates them
+command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jobtier.core.errors import ConfigError
+from jobtier.core.names import QUEUE_NAME_RE
+from jobtier.core.sealing import Keyring
 
 ENV_PREFIX = "JOBTIER_"
 
@@ -212,6 +214,19 @@ class Settings:
         65536, "Results larger than this go to JOBTIER_RESULT_STORE (when one is set)."
     )
 
+    # --- Encryption at rest (docs/encryption.md) -------------------------------------------
+    encryption_keys: str = _setting(
+        "",
+        "Keys that encrypt payloads and results at rest: 'kid1:base64key,kid2:base64key' "
+        "(AES-GCM, 16, 24 or 32 bytes each); the first encrypts, every one decrypts.",
+        secret=True,
+    )
+    encrypted_queues: str = _setting(
+        "",
+        "Queues whose jobs' payloads and results are encrypted (comma-separated); a task "
+        "opts in alone with @task(encrypt=True). Needs JOBTIER_ENCRYPTION_KEYS.",
+    )
+
     # --- Operations ------------------------------------------------------------------------
     metrics_public: bool = _setting(
         False, "Serve /metrics without the admin key (for scrapers on a private network)."
@@ -296,6 +311,7 @@ class Settings:
             self.tenant_keys()
         except ConfigError as exc:
             problems.append(str(exc))
+        problems.extend(self._encryption_problems())
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -308,6 +324,28 @@ class Settings:
                 raise ConfigError(f"JOBTIER_API_KEYS entry {item[:4]}… is not 'key:tenant'")
             keys[key] = tenant
         return keys
+
+    def _encryption_problems(self) -> list[str]:
+        try:
+            keys = Keyring.parse_keys(self.encryption_keys)
+        except ConfigError as exc:
+            return [str(exc)]
+        queues = self.encrypted_queue_names()
+        bad = [q for q in queues if not QUEUE_NAME_RE.fullmatch(q)]
+        if bad:
+            return [f"JOBTIER_ENCRYPTED_QUEUES: {bad[0][:70]!r} is not a queue name"]
+        if queues and not keys:
+            return ["JOBTIER_ENCRYPTED_QUEUES needs JOBTIER_ENCRYPTION_KEYS"]
+        return []
+
+    def encrypted_queue_names(self) -> frozenset[str]:
+        """``encrypted_queues`` parsed."""
+        return frozenset(filter(None, (q.strip() for q in self.encrypted_queues.split(","))))
+
+    def keyring(self) -> Keyring | None:
+        """The keys of ``encryption_keys`` (None: none); built once per process, by its
+        ``Store``."""
+        return Keyring.from_text(self.encryption_keys)
 
     def webhook_retry_delays(self) -> list[float]:
         """``webhook_retry_schedule`` parsed: seconds before each retry."""

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jobtier.core.model import JobError, JobStatus, Priority, State
 from jobtier.metrics.histogram import Histogram, quantile
 from jobtier.metrics.prometheus import render
-from jobtier.metrics.snapshot import HistogramWindow, Snapshot, labels, totals
+from jobtier.metrics.snapshot import ROLES, HistogramWindow, Snapshot, labels, totals
 from jobtier.metrics.transitions import TransitionCounter
 
 
@@ -88,6 +88,20 @@ def test_render_labels_each_process_and_parses_as_prometheus() -> None:
     ]
     counters, hists = totals(snaps)
     assert counters["jobs_claimed_total"] == 12 and hists["claim_wait_seconds"]["count"] == 1
+
+
+def test_live_processes_by_role_with_a_zero_for_a_role_with_none() -> None:
+    snaps = [
+        Snapshot("worker:a:1", "worker", 0.0),
+        Snapshot("worker:b:2", "worker", 0.0),
+        Snapshot("api:a:3", "api", 0.0),
+    ]
+    text = render(snaps, {}).decode()
+    family = {f.name: f for f in text_string_to_metric_families(text)}["jobtier_processes"]
+    got = {s.labels["role"]: s.value for s in family.samples}
+    assert got["worker"] == 2 and got["api"] == 1
+    # no persister published: its 0 is there for an alert to see
+    assert got["persister"] == 0 and set(got) == set(ROLES)
 
 
 def snap(process: str, hist: Histogram, at: float = 0.0) -> Snapshot:

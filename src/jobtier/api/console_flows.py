@@ -56,7 +56,7 @@ async def flow_view(
     found: list[Dependency] | None = None
     if live:
         with contextlib.suppress(JobNotFound):  # expired since the detail read: Postgres has it
-            found = await queue.jobs.dependencies(job_id)
+            found = await queue.jobs.dependencies(job_id, reveal=False)  # states only
     if found is None:
         found = await pg.dependencies(job_id, tenant) or []
     children = [d for d in found if d.child]

@@ -37,6 +37,7 @@ from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import Dependencies, JobStatus, LogLine, State, is_ref, ref_of
 from jobtier.core.names import TENANT_RE, ULID_RE
+from jobtier.core.sealing import masked
 from jobtier.engine.queue import Queue
 from jobtier.persist.audit_store import MAX_AUDIT_LIMIT, AuditRecord, AuditStore
 from jobtier.persist.pg_reader import ID_PREFIX_RE, MAX_LIMIT, AdminTransition, PgReader
@@ -131,7 +132,8 @@ def _preview(size: int | None, value: bytes | None, kind: type[P]) -> P:
         return kind(None)
     if size > PREVIEW_BYTES or value is None:
         return kind(size, None, truncated=size > PREVIEW_BYTES)
-    return kind(size, msgspec.Raw(value or b"null"))
+    # an encrypted value as "[encrypted]": the console never opens one (docs/encryption.md)
+    return kind(size, msgspec.Raw(masked(value) or b"null"))
 
 
 async def list_jobs(request: Request) -> Response:
@@ -216,13 +218,14 @@ async def _from_redis(
             result = ResultPreview(result_size, None, truncated=True)
         else:  # an empty field: the task returned nothing (null)
             raw = values.get("result") or b"null"
-            result = ResultPreview(len(raw), msgspec.Raw(raw))
+            result = ResultPreview(len(raw), msgspec.Raw(masked(raw) or raw))
     return tenant.decode(), doc, _preview(payload_size, values.get("payload"), Preview), result
 
 
 async def job_value(request: Request) -> Response:
     """The whole payload or result of one job, as JSON (``null``: no result); a result kept
-    in the result store is streamed from there, byte for byte."""
+    in the result store is streamed from there, byte for byte; an encrypted one is
+    ``"[encrypted]"``."""
     require_admin(request)
     job_id = job_id_of(request)
     part = "payload" if request.url.path.endswith("/payload") else "result"
@@ -236,7 +239,7 @@ async def job_value(request: Request) -> Response:
     if part == "result" and isinstance(value, bytes) and is_ref(value):
         with postgres_or_503():
             return await stored_result(request, job_id, ref_of(value))
-    return Response(value or b"null", media_type=JSON)
+    return Response(masked(value) or b"null", media_type=JSON)
 
 
 async def audit_log(request: Request) -> Response:

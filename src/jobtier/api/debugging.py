@@ -24,6 +24,7 @@ from jobtier.api.http import JSON, job_id_of, job_not_found, job_transition
 from jobtier.api.problems import Problem
 from jobtier.core.errors import JobNotFound
 from jobtier.core.model import JobStatus, LogLine
+from jobtier.core.sealing import masked
 from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 
@@ -64,5 +65,6 @@ async def dead_letter(request: Request) -> Response:
     except JobNotFound:
         detail = f"job {job_id[:64]} is not in the dead-letter set (or expired)"
         raise Problem(404, "not-found", detail) from None
+    payload = masked(payload) or payload  # the admin's: never opened (docs/encryption.md)
     body = b'{"job":' + doc + b',"payload":' + payload + b',"lines":[' + b",".join(lines) + b"]}"
     return Response(body, media_type=JSON)

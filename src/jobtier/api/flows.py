@@ -18,6 +18,7 @@ from jobtier.api.http import (
     submit_body,
 )
 from jobtier.api.problems import Problem
+from jobtier.api.sealed import seal_problems
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.core.model import Dependency, FlowSpec
 from jobtier.engine.queue import Queue
@@ -59,12 +60,13 @@ async def dependencies(request: Request) -> Response:
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
-    try:
-        found = await queue.jobs.dependencies(job_id, tenant)
-    except JobNotFound:
-        fallback = getattr(request.state, "dependencies_fallback", None)
-        stored = await fallback(job_id, tenant) if fallback is not None else None
-        if stored is None:
-            raise job_not_found(job_id) from None
-        found = stored
+    with seal_problems(job_id):  # the tenant's own: encrypted results opened
+        try:
+            found = await queue.jobs.dependencies(job_id, tenant)
+        except JobNotFound:
+            fallback = getattr(request.state, "dependencies_fallback", None)
+            stored = await fallback(job_id, tenant) if fallback is not None else None
+            if stored is None:
+                raise job_not_found(job_id) from None
+            found = stored
     return encoded(DependencyList(job_id, found))

@@ -30,6 +30,7 @@ from jobtier.api.http import (
 )
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
+from jobtier.api.sealed import opened
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.core.model import JobSpec, Submitted
 from jobtier.engine.control import JobControl
@@ -209,6 +210,8 @@ async def get_result(request: Request) -> Response:
     if status.result_url is not None:  # kept outside Redis: streamed from there
         body.update(result=None, result_url=status.result_url)
         return encoded(body)
+    if raw:  # the tenant's own: an encrypted result opened
+        raw = opened(queue.store.keyring, job_id, "result", raw)
     # the stored JSON as it is, not decoded and encoded again
     return Response(
         msgspec.json.encode(body)[:-1] + b',"result":' + (raw or b"null") + b"}", media_type=JSON

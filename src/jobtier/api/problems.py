@@ -41,6 +41,7 @@ TITLES = {
     "overloaded": "Service overloaded",
     "unavailable": "Service unavailable",
     "internal": "Internal error",
+    "encryption": "An encrypted value cannot be opened",
 }
 
 

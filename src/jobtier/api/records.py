@@ -26,11 +26,13 @@ from jobtier.api.params import (
     parse_query,
 )
 from jobtier.api.problems import PG_DOWN, postgres_or_503
+from jobtier.api.sealed import opened
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import Dependency, JobStatus
 from jobtier.engine.cron import CronMirror
 from jobtier.engine.queue import Queue
+from jobtier.flows.reads import open_dependency
 from jobtier.persist.audit_store import AuditStore
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition
@@ -116,11 +118,15 @@ class PostgresExtension(Extension):
         if found is None or status is None:
             return None
         doc = orjson.loads(status[1])
+        result = found.result
+        if result is not None:  # the tenant's own: an encrypted result opened
+            assert self.queue is not None
+            result = opened(self.queue.store.keyring, job_id, "result", result)
         answer = {
             "id": job_id,
             "state": found.state.value,
             "version": found.version,
-            "result": orjson.loads(found.result) if found.result is not None else None,
+            "result": orjson.loads(result) if result is not None else None,
             "error": doc.get("error"),
         }
         if found.ref is not None:  # kept in the result store: streamed from result_url
@@ -128,9 +134,11 @@ class PostgresExtension(Extension):
         return answer
 
     async def _dependencies(self, job_id: str, tenant: str) -> list[Dependency] | None:
-        assert self.reader is not None
+        assert self.reader is not None and self.queue is not None
         with postgres_or_503(logged=True):
-            return await self.reader.dependencies(job_id, tenant)
+            found = await self.reader.dependencies(job_id, tenant)
+        keyring = self.queue.store.keyring
+        return None if found is None else [open_dependency(d, keyring) for d in found]
 
     async def _ready(self) -> str | None:
         assert self.pool is not None

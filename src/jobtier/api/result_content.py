@@ -15,8 +15,10 @@ from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, doc_state, job_id_of, job_not_found
 from jobtier.api.problems import Problem
+from jobtier.api.sealed import opened
 from jobtier.config import Settings
 from jobtier.core.model import is_ref, ref_of
+from jobtier.core.sealing import MASK, Keyring, is_sealed
 from jobtier.engine.queue import Queue
 from jobtier.persist.pg_reader import PgReader
 from jobtier.persist.results import reader_for
@@ -42,19 +44,40 @@ async def content(request: Request) -> Response:
     if state != "succeeded":
         detail = f"job {job_id} has no result: it is {state}, not succeeded"
         raise Problem(409, "wrong-state", detail)
+    keyring = queue.store.keyring  # the tenant's own: an encrypted result opened
     if ref is None:
-        return Response(value or b"null", media_type=JSON)
-    return await stored_result(request, job_id, ref)
+        return Response(opened(keyring, job_id, "result", value or b"null"), media_type=JSON)
+    return await stored_result(request, job_id, ref, keyring)
 
 
-async def stored_result(request: Request, job_id: str, ref: str) -> Response:
-    """A result the result store keeps, streamed byte for byte; 410 once it no longer does."""
+async def stored_result(
+    request: Request, job_id: str, ref: str, keyring: Keyring | None = None
+) -> Response:
+    """A result the result store keeps, streamed byte for byte; 410 once it no longer does.
+    An encrypted one is read whole and opened with ``keyring``, or without one shown as
+    ``"[encrypted]"`` (the admin routes: docs/encryption.md)."""
     store = await reader_for(ref, request.state.pg_extension.pool)
     size = await store.size(ref)
     if size is None:
         raise Problem(410, "gone", f"the result of job {job_id} is no longer kept", job_id=job_id)
     chunks: AsyncIterator[bytes] = store.stream(ref)
-    return StreamingResponse(chunks, media_type=JSON, headers={"content-length": str(size)})
+    first = await anext(chunks, b"")
+    if is_sealed(first):
+        if keyring is None:
+            return Response(MASK, media_type=JSON)
+        whole = first + b"".join([chunk async for chunk in chunks])
+        return Response(opened(keyring, job_id, "result", whole), media_type=JSON)
+    return StreamingResponse(
+        _again(first, chunks), media_type=JSON, headers={"content-length": str(size)}
+    )
+
+
+async def _again(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The stream whose first chunk was read already."""
+    if first:
+        yield first
+    async for chunk in rest:
+        yield chunk
 
 
 def operations(settings: Settings) -> oa.Paths:

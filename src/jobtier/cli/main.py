@@ -19,7 +19,6 @@ from jobtier.cli.maintenance import (
     cmd_scripts,
 )
 from jobtier.cli.roles import (
-    ROLES,
     cmd_api,
     cmd_check,
     cmd_dispatcher,
@@ -30,6 +29,7 @@ from jobtier.cli.roles import (
 )
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
+from jobtier.metrics.snapshot import ROLES
 
 DESCRIPTION = """\
 jobtier: asynchronous jobs for Python services, with a status tier that serves every

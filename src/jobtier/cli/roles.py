@@ -217,9 +217,6 @@ def _run_log_consumer(
     return run_async(main)
 
 
-ROLES = ("api", "worker", "scheduler", "persister", "dispatcher", "run")
-
-
 def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     """Exit 0 when a process of ``args.role`` on this host published its metrics lately."""
     import socket

@@ -263,6 +263,7 @@ class TaskAd(msgspec.Struct, frozen=True, kw_only=True):
     seen_at: float = 0.0
     worker: str = ""
     on_failure: str | None = None  # the task whose job compensates a failed one
+    encrypt: bool = False  # its payloads and results are encrypted at rest (core/sealing.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,6 +274,7 @@ class TaskInfo:
     max_attempts: int
     check: Any = None  # callable(payload) raising InvalidRequest, or None
     on_failure: str | None = None  # compensation task type
+    encrypt: bool = False  # its jobs' payloads are encrypted at submit (core/sealing.py)
 
     def validate(self, payload: Any) -> None:
         if self.check is not None:

@@ -136,7 +136,7 @@ class TaskCatalog:
                 if cached is None or cached[0] != encoded:
                     cached = self._checks[name] = (encoded, schema_check(ad.payload_schema))
                 check = cached[1]
-            infos[name] = TaskInfo(ad.queue, ad.max_attempts, check, ad.on_failure)
+            infos[name] = TaskInfo(ad.queue, ad.max_attempts, check, ad.on_failure, ad.encrypt)
         self._ads, self._infos = ads, infos
         self._loaded_at = time.monotonic()
 

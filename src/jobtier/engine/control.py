@@ -11,6 +11,7 @@ import msgspec
 
 from jobtier.core.errors import Code, ConfigError, JobNotFound, TransitionRefused
 from jobtier.core.model import Dependency, JobStatus, decode_status, is_ref, ref_of
+from jobtier.core.sealing import unseal
 from jobtier.flows import reads as flow_reads
 from jobtier.status.docs import read_doc, read_docs
 from jobtier.store.context import Store
@@ -64,11 +65,14 @@ class JobControl:
         doc, result = await self._read(job_id, tenant, "result")
         if is_ref(result):
             result = await self.stored_result(ref_of(result))
+        if result:  # an encrypted one opened with this process's keys (docs/encryption.md)
+            result = unseal(self.store.keyring, job_id, "result", result)
         return decode_status(doc), msgspec.json.decode(result) if result else None
 
     async def result_raw(self, job_id: str, tenant: str | None = None) -> tuple[JobStatus, bytes]:
-        """(status, the result's JSON as stored, b"" for none); b"" too for a result kept in
-        the result store: the status's ``result_url`` says where it is."""
+        """(status, the result's JSON as stored — encrypted ones too, ``core/sealing.py`` —,
+        b"" for none); b"" too for a result kept in the result store: the status's
+        ``result_url`` says where it is."""
         doc, result = await self._read(job_id, tenant, "result")
         raw = result if isinstance(result, bytes) and not is_ref(result) else b""
         return decode_status(doc), raw
@@ -87,7 +91,8 @@ class JobControl:
         raw = await self.store.redis.hget(self.store.keys.job(job_id), "payload")
         if raw is None:
             raise JobNotFound(job_id)
-        return msgspec.json.decode(raw)
+        data = raw if isinstance(raw, bytes) else raw.encode()
+        return msgspec.json.decode(unseal(self.store.keyring, job_id, "payload", data))
 
     async def cancel(self, job_id: str, tenant: str | None = None) -> JobStatus:
         """Cancel a waiting job, or ask the worker running it to stop. Raises
@@ -203,11 +208,18 @@ class JobControl:
         lines = await self.store.redis.lrange(self.store.keys.lines(job_id), 0, -1)
         return [line if isinstance(line, bytes) else line.encode() for line in lines]
 
-    async def dependencies(self, job_id: str, tenant: str | None = None) -> list[Dependency]:
+    async def dependencies(
+        self, job_id: str, tenant: str | None = None, *, reveal: bool = True
+    ) -> list[Dependency]:
         """A job's dependencies, in order, with their state (and result or error once they
-        finished). ``JobNotFound`` for a job Redis does not hold (or another tenant's)."""
+        finished). ``JobNotFound`` for a job Redis does not hold (or another tenant's).
+        Encrypted results are opened, unless not to ``reveal`` them (then left sealed)."""
         self._check_id(job_id)
-        return await flow_reads.dependencies(self.store, job_id, tenant)
+        found = await flow_reads.dependencies(self.store, job_id, tenant)
+        if not reveal:
+            return found
+        keyring = self.store.keyring
+        return [flow_reads.open_dependency(dep, keyring) for dep in found]
 
     async def compensation_of(self, job_id: str) -> str | None:
         """The id of the compensation job created when ``job_id`` failed for good, or None."""

@@ -98,6 +98,14 @@ class Producer:
         self.callbacks = callbacks
         # tasks handed to submit() as objects, and their compensations
         self._local: dict[str, TaskInfo] = {}
+        # encryption at rest (docs/encryption.md): the queues whose jobs are sealed, and the
+        # keys (a task's own opt-in, @task(encrypt=True), comes with its TaskInfo)
+        self._sealed_queues = self.settings.encrypted_queue_names()
+        keyring = store.keyring
+        self._seal: Callable[[str, bytes], bytes] | None = None
+        if keyring is not None:
+            seal = keyring.seal
+            self._seal = lambda job_id, payload: seal(job_id, "payload", payload)
 
     def know(self, task: Describes) -> None:
         """Know ``task`` and its compensation task without a registry."""
@@ -122,6 +130,14 @@ class Producer:
         await self.ensure_known((type,))
         spec = JobSpec(type=type, payload=payload, queue=queue, max_attempts=max_attempts)
         item = self.prepare(spec, DEFAULT_TENANT)
+        if item.seal is not None:
+            # a schedule's payload is kept (Redis, Postgres) to make each slot's job from,
+            # and would be kept in the clear
+            raise InvalidRequest(
+                f"task {type!r} in queue {item.queue!r} has its payloads encrypted, which "
+                "schedules do not support (docs/encryption.md)",
+                field="type",
+            )
         return item.queue, item.max_attempts
 
     def prepare(self, spec: JobSpec, tenant: str, job_id: str | None = None) -> SubmitItem:
@@ -184,6 +200,9 @@ class Producer:
             else:
                 shard = self.keys.shard_for(tenant, key) if key else None
             job_id = self.keys.new_id(shard)
+        seal = None
+        if (task is not None and task.encrypt) or queue in self._sealed_queues:
+            seal = self._sealer(spec.type)
         deps: list[str] = []
         if spec.depends_on is not None or spec.on_dependency_failure is not None:
             deps = validate.depends_on(spec, self.keys, s.max_flow_jobs)
@@ -217,7 +236,16 @@ class Producer:
             flow,
             compensation,
             tuple(deps),
+            seal,
         )
+
+    def _sealer(self, type: str) -> Callable[[str, bytes], bytes]:
+        if self._seal is None:
+            raise ConfigError(
+                f"task {type!r} has its payloads encrypted (@task(encrypt=True)) and this "
+                "producer has no JOBTIER_ENCRYPTION_KEYS to encrypt them with"
+            )
+        return self._seal
 
     async def submit(
         self,

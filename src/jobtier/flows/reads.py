@@ -8,6 +8,7 @@ import msgspec
 
 from jobtier.core.errors import JobNotFound
 from jobtier.core.model import RESULT_REF, Dependency, JobError
+from jobtier.core.sealing import Keyring, is_envelope, open_value
 from jobtier.store.context import Store
 
 # lib.lua's state marks (upper case: a child of the job)
@@ -31,6 +32,19 @@ def dependency(dep_id: str, state: str, data: bytes, child: bool) -> Dependency:
         except msgspec.DecodeError:  # not ours: keep the job readable
             error = JobError("Error", data.decode(errors="replace")[:2000])
     return Dependency(id=dep_id, state=state, error=error, child=child)
+
+
+def open_dependency(dep: Dependency, keyring: Keyring | None) -> Dependency:
+    """``dep`` with its encrypted result opened (``SealError`` when it cannot be): for the
+    worker and the tenant, who hold the keys (docs/encryption.md)."""
+    if not is_envelope(dep.result):
+        return dep
+    return msgspec.structs.replace(dep, result=open_value(keyring, dep.id, "result", dep.result))
+
+
+def opened(deps: dict[str, Dependency], keyring: Keyring | None) -> dict[str, Dependency]:
+    """``open_dependency`` of each of ``deps``."""
+    return {dep_id: open_dependency(dep, keyring) for dep_id, dep in deps.items()}
 
 
 def from_stored(dep_id: str, value: bytes | None) -> Dependency:

@@ -14,7 +14,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from jobtier.metrics.snapshot import Snapshot, parse_labels
+from jobtier.metrics.snapshot import Snapshot, live_processes, parse_labels
 
 HELP = {
     "jobs_submitted_total": "Jobs created (submit, batch submit, schedule firings).",
@@ -43,6 +43,7 @@ HELP = {
     "queue_running_jobs": "Jobs of the queue running now.",
     "queue_parked_jobs": "Jobs handed back by workers that lack their task, waiting for one that has it.",
     "queue_paused": "1 while the queue is paused.",
+    "processes": "Live jobtier processes by role (those whose metrics snapshot is fresh); 0 for a role with none.",
     "redis_memory_used_bytes": "used_memory of the fullest Redis primary.",
     "redis_memory_max_bytes": "maxmemory of that primary (0: no limit).",
     "redis_memory_used_ratio": "used_memory / maxmemory of the fullest primary (0 without a limit); submits are refused past JOBTIER_REDIS_MEMORY_REFUSE_RATIO.",
@@ -88,7 +89,8 @@ class SnapshotCollector(Collector):
             for kind, samples in kinds.items():
                 for name, series in getattr(snap, kind).items():
                     samples[name] += [({**own, **parse_labels(k)}, v) for k, v in series.items()]
-        for name, series in self.gauges.items():
+        gauges = {**self.gauges, "processes": live_processes(self.snapshots)}
+        for name, series in gauges.items():
             kinds["gauges"][name] += [(parse_labels(k), v) for k, v in series.items()]
         for kind, samples in kinds.items():
             for name, rows in sorted(samples.items()):

@@ -32,6 +32,8 @@ log = logging.getLogger("jobtier.metrics")
 PUBLISH_EVERY = 2.0
 FRESH_SECONDS = 15.0  # a snapshot older than this belongs to a process that is gone
 FORGET_SECONDS = 3600.0  # ... and is deleted from Redis after this long
+# the roles a process publishes under (``jobtier <role>``; ``run`` is all of them in one)
+ROLES = ("api", "worker", "scheduler", "persister", "dispatcher", "run")
 
 
 class Snapshot(msgspec.Struct):
@@ -126,6 +128,16 @@ async def read_snapshots(redis: RedisClient, keys: Keys) -> list[Snapshot]:
         return snap, snap.at
 
     return await read_live(redis, keys.metrics(), seen, FRESH_SECONDS, FORGET_SECONDS)
+
+
+def live_processes(snapshots: Iterable[Snapshot]) -> dict[str, float]:
+    """Live processes by role, every known role included: a role with none is a 0, which an
+    alert can see, rather than a series that is not there."""
+    out = {labels(role=role): 0.0 for role in ROLES}
+    for snap in snapshots:
+        key = labels(role=snap.role)
+        out[key] = out.get(key, 0.0) + 1
+    return out
 
 
 def totals(snapshots: Iterable[Snapshot]) -> tuple[dict[str, float], dict[str, dict[str, Any]]]:

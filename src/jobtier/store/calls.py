@@ -7,7 +7,7 @@ bare integers, so no caller knows a script's argument layout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,15 +50,19 @@ class SubmitItem:
     # compensation task, and the existing jobs named by depends_on
     compensation: str = ""
     depends_on: tuple[str, ...] = ()
+    # encrypts the payload (job id, plain JSON) as it is sent: a keyed flow's jobs get their
+    # ids after they are prepared, and the ciphertext is bound to the id (core/sealing.py)
+    seal: Callable[[str, bytes], bytes] | None = None
 
     def args(self) -> tuple[Any, ...]:
+        payload = self.payload if self.seal is None else self.seal(self.job_id, self.payload)
         return (
             self.job_id,
             self.tenant,
             self.type,
             self.queue,
             self.priority,
-            self.payload,
+            payload,
             self.max_attempts,
             self.run_at_ms,
             self.delay_ms,

@@ -20,10 +20,12 @@ from jobtier.store.scripts import Scripts
 
 
 class Store:
-    __slots__ = ("keys", "redis", "scripts", "settings")
+    __slots__ = ("keyring", "keys", "redis", "scripts", "settings")
 
     def __init__(self, settings: Settings, redis: RedisClient) -> None:
         self.settings = settings
+        # the keys that seal and open payloads and results (docs/encryption.md); None: none
+        self.keyring = settings.keyring()
         self.redis = redis
         self.keys = Keys(settings.prefix, settings.shards)
         self.scripts = Scripts(redis, self.keys)

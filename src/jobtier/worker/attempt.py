@@ -36,6 +36,7 @@ import msgspec
 
 from jobtier.core.errors import Cancelled, Fatal, RateLimited, Retry
 from jobtier.core.model import encode_json
+from jobtier.core.sealing import PREFIX, Keyring, SealError, open_compensation, unseal
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import RetryPolicy, Task
 
@@ -157,7 +158,8 @@ def failure(exc: Exception, task: Task | None) -> Failure:
         message = str(exc)[:MESSAGE_LIMIT]
         return Failure(exc, "RateLimited", message, True, exc.retry_after, refund=True)
     retry = not (
-        isinstance(exc, Fatal) or (task is not None and isinstance(exc, task.non_retryable))
+        isinstance(exc, Fatal | SealError)  # no retry brings a key back, or mends a ciphertext
+        or (task is not None and isinstance(exc, task.non_retryable))
     )
     delay = exc.delay if isinstance(exc, Retry) else None
     return Failure(exc, type(exc).__name__, str(exc)[:MESSAGE_LIMIT], retry, delay)
@@ -175,19 +177,28 @@ async def run_attempt(
     executor: Executor,
     max_result_bytes: int,
     sink: AttemptSink,
+    keyring: Keyring | None = None,
 ) -> None:
     """Run one attempt of ``task`` for ``ctx``'s job, as a worker does, and tell ``sink``
     how it ended (exactly once, before returning; a cancellation of this coroutine ends it
     too, as ``INTERRUPTED``: the sink knows why it cancelled and what that means).
 
     An ``async def`` task runs on the event loop, a plain ``def`` in ``executor``; the task's
-    ``timeout`` bounds either.
+    ``timeout`` bounds either. An encrypted payload is opened with ``keyring`` first, and the
+    result of such a job (or of a task with ``encrypt=True``) sealed (docs/encryption.md).
     """
+    sealed = False
     try:
         if task is None:
             raise LookupError(f"no task {ctx.type!r} in this worker ({ctx.worker_id})")
+        payload = ctx.job.payload
+        if payload[:13] == PREFIX:  # (is_sealed, without its call per job)
+            sealed = True
+            payload = unseal(keyring, ctx.job.id, "payload", payload)
+        elif payload[:10] == b'{"job_id":':  # perhaps a compensation's, holding a sealed one
+            payload = open_compensation(keyring, payload)
         try:
-            decoded = task.decode_payload(ctx.job.payload)  # into its annotated type, if any
+            decoded = task.decode_payload(payload)  # into its annotated type, if any
         except msgspec.ValidationError as exc:
             raise Fatal(f"the payload does not fit {task.name}'s payload type: {exc}") from None
         if task.is_async:
@@ -204,6 +215,8 @@ async def run_attempt(
     # cycle per failed job for the garbage collector to find.
     except asyncio.CancelledError:
         sink.attempt_ended(ctx, INTERRUPTED)
+    except SealError as exc:  # the message names the job and key id, never a plain byte
+        sink.attempt_ended(ctx, Failure(exc, exc.kind, str(exc), False, raised=False))
     except Cancelled as exc:
         if ctx.cancel_requested:
             sink.attempt_ended(ctx, STOPPED)
@@ -217,8 +230,19 @@ async def run_attempt(
             # and may have cut its work short, so the job ends cancelled, its result dropped
             # (a request that reaches the worker after the return loses: the job succeeds)
             sink.attempt_ended(ctx, STOPPED)
+        elif keyring is not None and (sealed or task.encrypt):  # (task: not None, it ran)
+            # (a worker with an encrypt=True task has keys: WorkerState refuses to start
+            # without; jobtier.testing runs one without, its result left plain)
+            sink.attempt_ended(ctx, _sealed(encode_result(result, max_result_bytes), ctx, keyring))
         else:
             sink.attempt_ended(ctx, encode_result(result, max_result_bytes))
+
+
+def _sealed(end: bytes | Failure, ctx: JobContext, keyring: Keyring) -> bytes | Failure:
+    """An encrypted job's result as it is kept: sealed (``b""``, no result, as it is)."""
+    if not end or isinstance(end, Failure):
+        return end
+    return keyring.seal(ctx.job.id, "result", end)
 
 
 def encode_result(result: Any, max_result_bytes: int) -> bytes | Failure:

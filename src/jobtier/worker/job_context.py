@@ -20,7 +20,8 @@ from jobtier.core.model import (
     LogLine,
     encode_json,
 )
-from jobtier.flows.reads import from_inputs, stored_refs
+from jobtier.core.sealing import Keyring, unseal
+from jobtier.flows.reads import from_inputs, opened, stored_refs
 
 # A job's log lines (ctx.log): it keeps its latest LOG_LINES lines, of all its attempts, each
 # at most LOG_LINE_CHARS characters (a longer one is cut and ends with "…"). A task that logs
@@ -54,6 +55,7 @@ class JobContext:
     __slots__ = (
         "_cancelled",
         "_dependencies",
+        "_keyring",
         "_log",
         "_loop",
         "_loop_thread",
@@ -76,6 +78,7 @@ class JobContext:
         on_progress: Callable[[bytes], None],
         on_log: Callable[[JobContext], None] | None = None,
         read_result: Callable[[str], Awaitable[bytes | None]] | None = None,
+        keyring: Keyring | None = None,
     ) -> None:
         self.job = job
         self.shard = shard
@@ -94,6 +97,7 @@ class JobContext:
         # a result kept in the result store, by its reference (``result``): the worker's
         self._read_result = read_result
         self._refs: dict[str, str] | None = None  # their references, found on first use
+        self._keyring = keyring  # opens the dependencies' encrypted results
 
     @property
     def job_id(self) -> str:
@@ -120,7 +124,7 @@ class JobContext:
         result kept in the result store (``JOBTIER_RESULT_STORE``) is not copied here: its
         ``result_url`` says where to read it. Empty for a job without dependencies."""
         if self._dependencies is None:
-            self._dependencies = from_inputs(self.job.inputs)
+            self._dependencies = opened(from_inputs(self.job.inputs), self._keyring)
         return self._dependencies
 
     @property
@@ -170,7 +174,7 @@ class JobContext:
         data = await self._read_result(self._refs[dependency])
         if data is None:
             raise ResultGone(f"the result store no longer holds the result of {dependency}")
-        return msgspec.json.decode(data)
+        return msgspec.json.decode(unseal(self._keyring, dependency, "result", data))
 
     def progress(self, value: Any) -> None:
         """Report progress (any JSON value, e.g. 0.4 or {"done": 40, "of": 100}).

@@ -93,6 +93,7 @@ class Launcher:
         self._on_log = state.on_log  # bound once, not once per job
         self._task_of = state.registry.get
         self._max_result = state.settings.max_result_bytes
+        self._keyring = state.store.keyring  # opens payloads, seals results (encrypted jobs)
 
     async def open(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -120,13 +121,16 @@ class Launcher:
         stats.claim_wait.observe(max(now_ms - job.queued_at_ms, 0) / 1000)
         on_progress = self._on_progress
         progress = functools.partial(on_progress, job.id)
-        ctx = JobContext(job, shard, self.id, self.loop, progress, self._on_log, self._read)
+        keyring = self._keyring
+        ctx = JobContext(
+            job, shard, self.id, self.loop, progress, self._on_log, self._read, keyring
+        )
         task = self._task_of(job.type)
         running = Running(job, shard, task, ctx, time.monotonic(), permit=permit)
         self._running[job.id] = running
         limit = self._max_result
         if self.results is None:
-            attempt = run_attempt(task, ctx, self.threads, limit, self.reporter)
+            attempt = run_attempt(task, ctx, self.threads, limit, self.reporter, keyring)
         else:  # large results go to the result store before the success is reported
             attempt = run_attempt_storing(
                 task,
@@ -136,6 +140,7 @@ class Launcher:
                 self.reporter,
                 self.results,
                 self.state.settings.result_store_threshold_bytes,
+                keyring,
             )
         running.handle = asyncio.create_task(attempt, name=f"job {job.id}")
         if self.early_cancels and self.early_cancels.pop(job.id, False) is None:

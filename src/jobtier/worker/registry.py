@@ -61,6 +61,8 @@ class Task:
     # the task whose job is created when a job of this one fails for good (compensation)
     on_failure: str | None = None
     compensation: Task | None = field(default=None, repr=False, compare=False)
+    # its payloads and results are encrypted at rest (docs/encryption.md)
+    encrypt: bool = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -89,7 +91,7 @@ class Task:
 
     def info(self) -> TaskInfo:
         check = self.check_payload if self.payload_type is not None else None
-        return TaskInfo(self.queue, self.max_attempts, check, self.on_failure)
+        return TaskInfo(self.queue, self.max_attempts, check, self.on_failure, self.encrypt)
 
     def infos(self) -> dict[str, TaskInfo]:
         """What a producer given this task knows: it and its compensation task."""
@@ -112,6 +114,7 @@ class Task:
             seen_at=time.time(),
             worker=worker,
             on_failure=self.on_failure,
+            encrypt=self.encrypt,
         )
 
 
@@ -155,6 +158,7 @@ def task(
     timeout: float | None = None,
     queue: str = DEFAULT_QUEUE,
     on_failure: str | Task | None = None,
+    encrypt: bool = False,
 ) -> Callable[[Callable[..., Any]], Task]: ...
 
 
@@ -171,6 +175,7 @@ def task(
     timeout: float | None = None,
     queue: str = DEFAULT_QUEUE,
     on_failure: str | Task | None = None,
+    encrypt: bool = False,
 ) -> Any:
     """Declare a task: ``async def fn(ctx, payload)`` (or a plain ``def``, run in a thread).
 
@@ -182,6 +187,8 @@ def task(
     ``on_failure`` names a task (or is one) whose job is created, in the same atomic step,
     when a job of this one fails for good: its payload is ``{"job_id", "type", "payload",
     "error"}`` of the failed job (a compensation: undo what the failed job did).
+    ``encrypt=True``: its jobs' payloads and results are encrypted at rest with
+    ``JOBTIER_ENCRYPTION_KEYS`` (docs/encryption.md).
 
     Usable bare (``@task``) or with options (``@task(retries=5, timeout=30)``).
     """
@@ -222,6 +229,7 @@ def task(
             payload_type=payload_type,
             on_failure=comp_name,
             compensation=compensation,
+            encrypt=encrypt,
             **({"decode_payload": decoder.decode} if decoder is not None else {}),
         )
 

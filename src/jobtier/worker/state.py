@@ -88,6 +88,12 @@ class WorkerState:
                 raise ConfigError(f"queue {q!r} must match {QUEUE_NAME_RE.pattern}")
         if not served:
             raise ConfigError("a worker must serve at least one queue")
+        sealed = [t.name for t in registry if t.encrypt]
+        if sealed and store.keyring is None:
+            raise ConfigError(
+                f"task {sealed[0]} encrypts its payloads and results (encrypt=True): set "
+                "JOBTIER_ENCRYPTION_KEYS (docs/encryption.md)"
+            )
         self.store = store
         self.settings = store.settings
         self.redis = store.redis

@@ -4,7 +4,7 @@ With ``JOBTIER_RESULT_STORE`` set, a result over ``JOBTIER_RESULT_STORE_THRESHOL
 written to the store (committed) while the job is still this worker's — in ``_running``,
 heartbeating, its lease kept — and only then reported, as a reference
 (``persist/results.py``): the bytes never reach Redis, and a job reported succeeded always
-has its result.
+has its result. An encrypted job's result is stored sealed (its size counted sealed).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 from concurrent.futures import Executor
 
 from jobtier.core.model import marker
+from jobtier.core.sealing import Keyring
 from jobtier.persist.results import ResultStore
 from jobtier.worker.attempt import INTERRUPTED, AttemptSink, Failure, Stopped, run_attempt
 from jobtier.worker.job_context import JobContext
@@ -39,11 +40,12 @@ async def run_attempt_storing(
     sink: AttemptSink,
     store: ResultStore,
     threshold: int,
+    keyring: Keyring | None = None,
 ) -> None:
     """``run_attempt``, with a result over ``threshold`` bytes stored first. A store that
     fails makes the attempt a retryable failure (the result is lost with it, not the job)."""
     ended = _Ended()
-    await run_attempt(task, ctx, executor, max_result_bytes, ended)
+    await run_attempt(task, ctx, executor, max_result_bytes, ended, keyring)
     end = ended.end
     if isinstance(end, bytes) and len(end) > threshold:
         job = ctx.job
