@@ -97,6 +97,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "src/jobtier/persist/migrations",
     ),
     "chaos": ("src/jobtier",),
+    "encryption": JOB_PATH,  # core/sealing.py, the submit and the worker
 }
 
 # --- which file stands for each bench (every other file: earlier, or another setting) --------
@@ -127,6 +128,7 @@ CHOSEN: dict[str, str] = {
     "history_rows": "the only file",
     "console": "the only file",
     "chaos": "the only file",
+    "encryption": "the only file",
 }
 HEADLINE = ("compare-2c37326",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set

@@ -7,7 +7,8 @@ The rule (``figures`` and ``units`` below):
   out. A *unit* is a paragraph, a list item or a table row. A unit that links a results file
   (``](bench/results/<name>.md)``) is checked against the files it links; a list or table
   that follows a paragraph ending in ``:`` also answers to that paragraph's files (its items
-  are what the paragraph introduces).
+  are what the paragraph introduces), and so does a paragraph with no link of its own (it
+  continues the introduction, and passes it on if it ends in ``:`` too).
 * **What is a figure**: every number in the unit's prose, except numbers inside code spans
   (commands, settings, commits), inside a link's target, in a date, or glued to letters (a
   commit such as 85fa2cc, p99, open20k), and except an integer 0-9 with no unit after it: such
@@ -230,19 +231,18 @@ def units(page: str, text: str) -> list[Unit]:
             pieces = [(start + j, line) for j, line in enumerate(block)]
         else:
             pieces = [(start, "\n".join(block))]
+        files: tuple[str, ...] = ()
         for line_no, piece in pieces:
             own = tuple(dict.fromkeys(Path(m).name for m in LINK.findall(piece)))
-            inherited = introduced if (is_list or is_table) else ()
+            # a list or table, or a paragraph of no link of its own, continues what the
+            # paragraph before it introduced
+            inherited = introduced if (is_list or is_table or not own) else ()
             files = tuple(dict.fromkeys(own + inherited))
             if files:
                 out.append(Unit(page, line_no + 1, piece, files))
         if not (is_list or is_table):
             body = COMMENT.sub("", "\n".join(block)).rstrip()
-            introduced = (
-                tuple(dict.fromkeys(Path(m).name for m in LINK.findall(body)))
-                if body.endswith(":")
-                else ()
-            )
+            introduced = files if body.endswith(":") else ()
     return out
 
 
@@ -357,3 +357,16 @@ def test_the_generated_readme_block_is_not_read(fake: Path) -> None:
         f"# r\n\n{START}\n\n[fake](bench/results/fake.md): 9.99\N{MULTIPLICATION SIGN}\n\n{END}\n"
     )
     assert units("README.md", page) == []
+
+
+def test_a_table_after_an_unlinked_paragraph_still_answers_to_the_introduction(
+    fake: Path,
+) -> None:
+    page = (
+        "Measured by [fake](bench/results/fake.md):\n\nOn a loaded machine, medians:\n\n"
+        "| what | figure |\n|---|---|\n| p99 ms | 3.71 |\n"
+    )
+    assert unbacked("docs/x.md", page, fake) == []
+    assert unbacked("docs/x.md", page.replace("3.71", "3.72"), fake) == [
+        "docs/x.md:7: '3.72' is in none of fake"
+    ]
