@@ -3,9 +3,10 @@
 Tracing is on in a process once a TracerProvider is there to trace with: one the application
 set (``opentelemetry.trace.set_tracer_provider``), one a ``jobtier`` role set up from
 ``JOBTIER_OTEL=1`` and the ``OTEL_*`` settings (``setup``), or one given to ``install``.
-Otherwise it is off, and costs a dict lookup: an application that set a provider has imported
-``opentelemetry.trace``, so until some code has, jobtier imports nothing of OpenTelemetry
-(it need not be installed).
+Otherwise it is off. jobtier imports nothing of OpenTelemetry to find out (it need not be
+installed): an application that set a provider has imported ``opentelemetry.trace``, so until
+some code has, the check is a dict lookup; after (redis-py imports it when it is installed),
+a look at the global provider, until one is set.
 
 What is traced: a submit inside a span hands that span's W3C ``traceparent`` to the jobs it
 creates (``traceparent``; store/context.py sends it with the submit, and each job keeps it as
