@@ -66,7 +66,8 @@ class TracedWorker:
     def exported(self) -> list[dict[str, Any]]:
         """The spans printed so far: JSON documents one after another (a last one still
         being written is left for the next look)."""
-        text, decoder, spans, at = self.spans.read_text(), json.JSONDecoder(), [], 0
+        text, decoder, at = self.spans.read_text(), json.JSONDecoder(), 0
+        spans: list[dict[str, Any]] = []
         while True:
             while at < len(text) and text[at].isspace():
                 at += 1
