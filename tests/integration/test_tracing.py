@@ -81,7 +81,6 @@ async def test_a_python_submit_in_a_span_makes_each_attempt_its_child(
             "jobtier.job.type": one.status.type,
             "jobtier.queue": "default",
             "jobtier.job.attempt": 1,
-            "jobtier.job.max_attempts": 1,
             "jobtier.outcome": "succeeded",
         }
         assert span.status.status_code is StatusCode.UNSET

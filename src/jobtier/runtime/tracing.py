@@ -92,13 +92,23 @@ def _w3c() -> Any:
 def context_of(traceparent: str | None) -> Context:
     """The context whose (remote) span is the one ``traceparent`` names: a span started in
     it is its child. For none, an empty context (a span started in it starts a trace); a
-    malformed one is ignored so too, as the W3C specification asks."""
-    if not traceparent:
-        from opentelemetry.context import Context
+    malformed one is ignored so too, as the W3C specification asks.
 
-        return Context()
-    ctx: Context = _w3c().extract({"traceparent": traceparent})
-    return ctx
+    Parsed here rather than by the propagator (once per attempt: its regular expression
+    costs several times this); the value is one ``traceparent()`` wrote."""
+    from opentelemetry import trace
+    from opentelemetry.context import Context
+
+    parts = traceparent.split("-") if traceparent else ()
+    if len(parts) == 4 and parts[0] == "00" and len(parts[1]) == 32 and len(parts[2]) == 16:
+        try:
+            trace_id, span_id, flags = int(parts[1], 16), int(parts[2], 16), int(parts[3], 16)
+        except ValueError:
+            return Context()
+        if trace_id and span_id:
+            remote = trace.SpanContext(trace_id, span_id, True, trace.TraceFlags(flags & 0xFF))
+            return trace.set_span_in_context(trace.NonRecordingSpan(remote), Context())
+    return Context()
 
 
 def context_from_headers(headers: Iterable[tuple[bytes, bytes]]) -> Context | None:
@@ -141,6 +151,17 @@ def kind(name: str) -> Any:
     from opentelemetry.trace import SpanKind
 
     return SpanKind[name]
+
+
+def consumer() -> Any:
+    """``SpanKind.CONSUMER``, looked up once (the kind of every attempt's span)."""
+    global _consumer
+    if _consumer is None:
+        _consumer = kind("CONSUMER")
+    return _consumer
+
+
+_consumer: Any = None
 
 
 # --- the roles' own provider (JOBTIER_OTEL=1) -----------------------------------------------

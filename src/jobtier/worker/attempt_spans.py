@@ -25,13 +25,13 @@ def start(tracer: Tracer, job: ClaimedJob) -> Span:
     return tracer.start_span(
         f"attempt {job.type}",
         context=tracing.context_of(job.trace),
-        kind=tracing.kind("CONSUMER"),
+        kind=tracing.consumer(),
+        # few attributes: the SDK checks each one, a large share of a span's cost
         attributes={
             "jobtier.job.id": job.id,
             "jobtier.job.type": job.type,
             "jobtier.queue": job.queue,
             "jobtier.job.attempt": job.attempt,
-            "jobtier.job.max_attempts": job.max_attempts,
         },
     )
 
