@@ -7,6 +7,7 @@ The tracing of separate processes is test_tracing_processes.py's."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -110,8 +111,13 @@ async def test_a_failed_attempt_is_an_exception_event_and_an_error(
         assert event.attributes["exception.type"] == "ValueError"
         assert event.attributes["exception.message"] == f"boom on attempt {attempt}"
         assert "traced_fail" in str(event.attributes["exception.stacktrace"])
-    # both attempts are children of the one submit
+    # both attempts are children of the one submit, and so is a replay's (the hash keeps it)
     assert first.parent == second.parent and first.parent is not None
+    await queue.jobs.replay(job.job_id)
+    assert await finished(queue, job.job_id) is State.FAILED
+    replayed = (await attempts(traced, job.job_id, 4))[2]
+    assert replayed.parent == first.parent
+    assert (replayed.attributes or {})["jobtier.job.attempt"] == 1
 
 
 async def test_a_compensation_runs_in_the_trace_of_the_job_it_compensates(
@@ -239,4 +245,31 @@ def test_on_once_the_application_sets_a_provider() -> None:
         "with trace.get_tracer('app').start_as_current_span('s') as s:\n"
         "    tp = tracing.traceparent()\n"
         "    assert tp.split('-')[2] == format(s.get_span_context().span_id, '016x'), tp\n"
+    )
+
+
+def _jobtier(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("JOBTIER_", "OTEL_"))}
+    return subprocess.run(
+        [sys.executable, "-m", "jobtier.cli.main", *args],
+        capture_output=True, text=True, env={**base, **env}, timeout=60,
+    )  # fmt: skip
+
+
+def test_the_roles_refuse_an_exporter_they_cannot_make_before_starting() -> None:
+    done = _jobtier(
+        "worker", "jobtier.demo",
+        JOBTIER_OTEL="1", OTEL_TRACES_EXPORTER="no-such-exporter",
+        JOBTIER_REDIS_URL="redis://127.0.0.1:1",
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "configuration error" in done.stderr and "no installed exporter" in done.stderr
+
+
+def test_config_shows_the_otel_settings_under_their_own_names() -> None:
+    done = _jobtier("config", OTEL_SERVICE_NAME="shop", JOBTIER_OTEL="1")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert {"JOBTIER_OTEL=True", "OTEL_SERVICE_NAME=shop", "OTEL_TRACES_EXPORTER=otlp"} <= set(
+        lines
     )

@@ -17,7 +17,7 @@ the API's requests are server spans (api/server_spans.py), and the persister's b
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from importlib import import_module
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
@@ -229,8 +229,3 @@ def shutdown() -> None:
     application's own is the application's to shut down)."""
     if _configured is not None:
         _configured.shutdown()
-
-
-def attributes(values: Mapping[str, Any]) -> dict[str, Any]:
-    """``values`` without the None ones (OpenTelemetry refuses None as a value)."""
-    return {k: v for k, v in values.items() if v is not None}
