@@ -128,7 +128,10 @@ def claim_call(
 
 def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
     now, claimed, handed = int(reply[0]), int(reply[2]), int(reply[3])
-    end = 6 + 10 * claimed
+    # 10 values per job; 9 from the scripts before the trace context (a benchmark's baseline
+    # runs them: bench/transitions.py)
+    width = (len(reply) - 6 - handed - int(reply[4])) // claimed if claimed else 10
+    end = 6 + width * claimed
     jobs = [
         ClaimedJob(
             id=reply[i].decode(),
@@ -141,9 +144,9 @@ def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
             claimed_at_ms=now,
             queue=reply[i + 7].decode(),
             inputs=(reply[i + 8][0], reply[i + 8][1]) if reply[i + 8] else None,
-            trace=reply[i + 9].decode() if reply[i + 9] else None,
+            trace=reply[i + 9].decode() if width > 9 and reply[i + 9] else None,
         )
-        for i in range(6, end, 10)
+        for i in range(6, end, width)
     ]
     back = [r.decode() for r in reply[end : end + handed]]
     unaware = [r.decode() for r in reply[end + handed :]]
