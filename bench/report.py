@@ -95,6 +95,12 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "src/jobtier/persist/migrations",
     ),
     "chaos": ("src/jobtier",),
+    "tracing": (
+        "src/jobtier/runtime/tracing.py",
+        "src/jobtier/worker",
+        "src/jobtier/store",
+        "src/jobtier/engine",
+    ),
 }
 
 # --- which file stands for each bench (every other file: earlier, or another setting) --------
@@ -125,6 +131,7 @@ CHOSEN: dict[str, str] = {
     "history_rows": "the only file",
     "console": "the only file",
     "chaos": "the only file",
+    "tracing": "the only file",
 }
 HEADLINE = ("compare-2c37326",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
