@@ -32,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jobtier.store.calls import complete_call, fail_call, submit_call
+from jobtier.store.calls import complete_call, fail_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -48,7 +48,7 @@ from common import (
     table,
 )
 from redis.asyncio import Redis
-from transitions import git_sources, known_format, use_sources
+from transitions import Revision, git_sources, known_format, submit_for, use_sources
 
 from jobtier.core.model import JobSpec
 from jobtier.engine.queue import Queue
@@ -66,7 +66,13 @@ def payload_of(size: int) -> Any:
 
 
 async def cell(
-    redis: Redis, queue: Queue, n: int, size: int, state: str, idem: bool
+    redis: Redis,
+    queue: Queue,
+    n: int,
+    size: int,
+    state: str,
+    idem: bool,
+    sources: Revision | None = None,
 ) -> dict[str, float]:
     await flush(redis)
     await queue.scripts.load()
@@ -79,7 +85,7 @@ async def cell(
     ]
     items = [queue.produce.prepare(spec, "tenant-1") for spec in specs]
     for i in range(0, n, 100):
-        call = submit_call(shard, items[i : i + 100], s.idempotency_ttl_seconds * 1000)
+        call = submit_for(sources, shard, items[i : i + 100], s.idempotency_ttl_seconds * 1000)
         await queue.scripts.call_many([call])
     if state != "waiting":
         claimed: list[Any] = []
@@ -138,9 +144,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     for size in args.payloads:
                         for state in STATES:
                             key = f"{value}/{variant}/{size}/{state}"
-                            out[key] = await cell(redis, queue, args.jobs, size, state, False)
+                            out[key] = await cell(
+                                redis, queue, args.jobs, size, state, False, sources
+                            )
                     key = f"{value}/{variant}/100/waiting+idem"
-                    out[key] = await cell(redis, queue, args.jobs, 100, "waiting", True)
+                    out[key] = await cell(redis, queue, args.jobs, 100, "waiting", True, sources)
                     print(f"listpack-value {value} {variant}: done", file=sys.stderr, flush=True)
         finally:
             await redis.aclose()

@@ -98,6 +98,12 @@ MEASURES: dict[str, tuple[str, ...]] = {
     ),
     "chaos": ("src/jobtier",),
     "encryption": JOB_PATH,  # core/sealing.py, the submit and the worker
+    "tracing": (
+        "src/jobtier/runtime/tracing.py",
+        "src/jobtier/worker",
+        "src/jobtier/store",
+        "src/jobtier/engine",
+    ),
 }
 
 # --- which file stands for each bench (every other file: earlier, or another setting) --------
@@ -129,6 +135,7 @@ CHOSEN: dict[str, str] = {
     "console": "the only file",
     "chaos": "the only file",
     "encryption": "the only file",
+    "tracing": "the only file",
 }
 HEADLINE = ("compare-2c37326",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set

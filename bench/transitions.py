@@ -37,12 +37,12 @@ import os
 import subprocess
 import sys
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobtier.store.calls import complete_call, submit_call
+from jobtier.store.calls import Call, SubmitItem, complete_call, submit_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -98,6 +98,19 @@ def git_sources(rev: str) -> Revision:
     if "local function begin(" in show("lib.lua"):
         lib = Library([n for n in NAMES if n in texts], read=show)
     return Revision(texts, lib)
+
+
+def submit_for(
+    sources: Revision | None, shard: int, items: Sequence[SubmitItem], ttl_ms: int
+) -> Call:
+    """A submit call as ``sources``' submit.lua takes it (None: the working tree's): one from
+    before jobs kept a trace context read the job count from ARGV[3], where the traceparent
+    now goes, so it is left out."""
+    call = submit_call(shard, items, ttl_ms)
+    if sources is None or "traceparent" in sources.texts.get("submit", "traceparent"):
+        return call
+    name, shard, args = call
+    return (name, shard, [args[0], *args[2:]])
 
 
 def use_sources(queue: Queue, sources: Revision | None) -> None:
@@ -242,8 +255,11 @@ async def one_variant(
         for i in range(0, len(items), args.submit_batch):
             await queue.scripts.call_many(
                 [
-                    submit_call(
-                        shard, items[i : i + args.submit_batch], s.idempotency_ttl_seconds * 1000
+                    submit_for(
+                        sources,
+                        shard,
+                        items[i : i + args.submit_batch],
+                        s.idempotency_ttl_seconds * 1000,
                     )
                 ]
             )

@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from jobtier.store.calls import complete_call, submit_call
+from jobtier.store.calls import complete_call
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -64,7 +64,7 @@ from common import (
     table,
 )
 from redis.asyncio import Redis
-from transitions import PHASES, git_sources, use_sources
+from transitions import PHASES, git_sources, submit_for, use_sources
 
 from jobtier.core.model import JobSpec
 
@@ -185,7 +185,8 @@ async def main(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             pid = int((await redis.info("server"))["process_id"])
             binary = os.readlink(f"/proc/{pid}/exe")
             queue = await script_queue(redis, server.url)  # a new deployment's job format
-            use_sources(queue, git_sources(args.rev) if args.rev else None)
+            sources = git_sources(args.rev) if args.rev else None
+            use_sources(queue, sources)
             await queue.scripts.load()
             items = [
                 queue.produce.prepare(JobSpec(type="noop", payload=None), "t1")
@@ -197,7 +198,7 @@ async def main(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             async def submit() -> None:
                 for i in range(0, len(items), args.submit_batch):
                     part = items[i : i + args.submit_batch]
-                    call = submit_call(0, part, s.idempotency_ttl_seconds * 1000)
+                    call = submit_for(sources, 0, part, s.idempotency_ttl_seconds * 1000)
                     await queue.scripts.call_many([call])
 
             async def claim() -> None:

@@ -231,6 +231,22 @@ class Settings:
     metrics_public: bool = _setting(
         False, "Serve /metrics without the admin key (for scrapers on a private network)."
     )
+    otel: bool = _setting(
+        False,
+        "Trace with OpenTelemetry: the jobtier roles set up a tracer provider from the OTEL_* "
+        "settings (needs jobtier[otel]; see the tracing page).",
+    )
+    otel_exporter: str = _setting(
+        "otlp",
+        "Where JOBTIER_OTEL=1 sends spans: otlp (to OTEL_EXPORTER_OTLP_ENDPOINT; needs "
+        "jobtier[otlp]), console (stdout), none, or an exporter package's name; comma-separated.",
+        env="OTEL_TRACES_EXPORTER",
+    )
+    otel_service_name: str = _setting(
+        "",
+        "The service name of the spans under JOBTIER_OTEL=1 ('': jobtier-<role>).",
+        env="OTEL_SERVICE_NAME",
+    )
     log_level: str = _setting("INFO", "Log level.")
     log_format: str = _setting("text", "Log format: text (key=value) or json.")
 

@@ -44,18 +44,18 @@ def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
     lib = lua_source("lib")
     fields = _lua_list(lib, "FIELDS")
     names = [f"'{name}'" for name in fields]
-    body = _function_body(lib, "load(id, more)")
-    assert "job_fields(key, more)" in body
-    hmget = _function_body(lib, "job_fields(key, more)")
+    body = _function_body(lib, "load(id, more, more2)")
+    assert "job_fields(key, more, more2)" in body
+    hmget = _function_body(lib, "job_fields(key, more, more2)")
     calls = re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", hmget, re.DOTALL)
     listed = [[t.strip() for t in call.split(",")] for call in calls]
-    assert sorted(listed) == sorted([[*names, "more"], names])
+    assert sorted(listed) == sorted([[*names, "more", "more2"], [*names, "more"], names])
     at = re.search(r"^local C_AT, T_AT, ERROR_AT, PROGRESS_AT = (.*)$", lib, re.MULTILINE)
     assert at and [int(i) for i in at.group(1).split(",")] == [
         fields.index(name) + 1 for name in ("c", "t", "error", "progress")
     ]
     constructor = body.split("local j = {", 1)[1]
-    pairs = dict(re.findall(r"([a-z_]+) = v\[(\d+)\]", constructor))
+    pairs = dict(re.findall(r"([a-z_][a-z_0-9]*) = v\[(\d+)\]", constructor))
     assert {name: int(i) for name, i in pairs.items()} == {
         "id": 1,
         "tenant": 2,
@@ -63,6 +63,7 @@ def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
         "error": fields.index("error") + 1,
         "progress": fields.index("progress") + 1,
         "more": len(fields) + 1,
+        "more2": len(fields) + 2,
     }
 
 
@@ -91,7 +92,7 @@ def test_packed_values_are_read_in_the_order_they_are_written() -> None:
     from jobtier.store import format as job_format
 
     lib = lua_source("lib")
-    body = _function_body(lib, "load(id, more)")
+    body = _function_body(lib, "load(id, more, more2)")
     constructor = dict(re.findall(r"([a-z_]+) = ([a-z_]+)[,}]", body.split("local j = {", 1)[1]))
     for packed, pattern, names in (
         ("packed_c(j)", "C_PATTERN", job_format.C_FIELDS),

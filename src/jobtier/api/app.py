@@ -26,6 +26,7 @@ from jobtier.api.admission import Admission
 from jobtier.api.bounds import RequestLimits
 from jobtier.api.problems import HANDLERS
 from jobtier.api.routing import resources
+from jobtier.api.server_spans import ServerSpans
 from jobtier.api.spec import Paths
 from jobtier.api.task_schemas import TaskDocument
 from jobtier.config import Settings
@@ -34,6 +35,7 @@ from jobtier.core.model import Dependency
 from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher
+from jobtier.runtime import tracing
 from jobtier.runtime.stopping import bounded
 from jobtier.status.fastpath import StatusFastPath
 from jobtier.status.reader import Fallback, StatusReader
@@ -160,6 +162,9 @@ def create_app(
     )
     if status_fast_path:
         app.status_fast_path = jobs.status_fast_path(tenants)
+    tracer = tracing.tracer()
+    if tracer is not None:  # decided once: an untraced API pays nothing per request
+        app.server_spans = ServerSpans(app.serve, tracer)
     return app
 
 
@@ -182,12 +187,24 @@ class JobtierApp(Starlette):
     other request goes through Starlette as usual."""
 
     status_fast_path: StatusFastPath | None = None  # None: status reads through the router
+    server_spans: ServerSpans | None = None  # tracing on: a span around each request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.server_spans is not None:
+            await self.server_spans(scope, receive, send)
+        else:
+            await self.serve(scope, receive, send)
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         fast = self.status_fast_path
         if fast is not None:
             read = fast.match(scope)
             if read is not None:
+                if self.server_spans is not None:
+                    scope["route"] = STATUS_ROUTE  # the span's name (as routing.py sets it)
                 await fast.answer(scope, receive, send, *read)
                 return
         await super().__call__(scope, receive, send)
+
+
+STATUS_ROUTE = "/v1/jobs/{job_id}"

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from jobtier import logs
 from jobtier.config import Settings
+from jobtier.runtime import tracing
 
 if TYPE_CHECKING:
     from jobtier.api.app import JobtierApp
@@ -18,4 +19,5 @@ def app_from_env() -> JobtierApp:
 
     settings = Settings.from_env()
     logs.setup(settings.log_level, settings.log_format)
+    tracing.setup(settings, "api")  # JOBTIER_OTEL=1: this server process's own provider
     return create_app(settings, postgres_extension(settings))

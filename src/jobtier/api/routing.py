@@ -33,8 +33,11 @@ class Resource(Route):
 
     def matches(self, scope: Scope) -> tuple[Match, Scope]:
         match, child = super().matches(scope)
+        if match is Match.NONE:
+            return match, child
+        child["route"] = self.path  # the template, for the server span's name (server_spans.py)
         # the path is ours: another route must not answer it for a method we lack
-        return (Match.FULL if match is Match.PARTIAL else match), child
+        return Match.FULL, child
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         handler = self.handlers.get(scope["method"])

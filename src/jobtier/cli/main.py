@@ -30,6 +30,7 @@ from jobtier.cli.roles import (
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
 from jobtier.metrics.snapshot import ROLES
+from jobtier.runtime import tracing
 
 DESCRIPTION = """\
 jobtier: asynchronous jobs for Python services, with a status tier that serves every
@@ -299,7 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
         logs.setup(settings.log_level, settings.log_format)
-        return int(args.func(args, settings))
+        if settings.otel and args.command in ROLES:
+            tracing.setup(settings, args.command)
+        try:
+            return int(args.func(args, settings))
+        finally:
+            tracing.shutdown()  # its last spans sent (a no-op unless setup made a provider)
     except ConfigError as exc:
         print(f"jobtier: configuration error: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ bench."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from jobtier.cli.process import UNREACHABLE, run_async
-from jobtier.config import Settings, settings_table
+from jobtier.config import Settings, env_name, settings_table
 
 if TYPE_CHECKING:
     from jobtier.store.format import ShardState
@@ -230,6 +231,7 @@ def cmd_config(args: argparse.Namespace, settings: Settings) -> int:
         for name, default, meaning in settings_table():
             print(f"| `{name}` | `{default}` | {meaning} |")
         return 0
-    for key, value in settings.public().items():
-        print(f"JOBTIER_{key.upper()}={value}")
+    values = settings.public()
+    for f in dataclasses.fields(settings):  # by each one's variable (OTEL_*: not JOBTIER_)
+        print(f"{env_name(f)}={values[f.name]}")
     return 0

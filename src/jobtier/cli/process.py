@@ -14,6 +14,7 @@ from typing import Any
 from redis.exceptions import RedisClusterException, RedisError
 
 from jobtier.config import Settings
+from jobtier.runtime import tracing
 
 log = logging.getLogger("jobtier.cli")
 
@@ -69,6 +70,7 @@ def exit_now_if_stuck(stuck: int, code: int) -> None:
     them, past the grace. Everything else has been closed by now."""
     if stuck:
         log.warning("event=exit_without_waiting stuck=%d: tasks still running were released", stuck)
+        tracing.shutdown()
         logging.shutdown()
         sys.stdout.flush()
         os._exit(code)

@@ -61,7 +61,9 @@ Before named queues, ready jobs waited in ``jt:{s}:q:<priority>`` with the rotat
 the layout above, and processes refuse to start while any are left.
 
 Job hashes (format 3). Besides ``id``, ``tenant``, ``payload``, ``result``, ``error``,
-``progress`` and the flow fields (``wf``, ``dd``, ...), a job's small fields are packed in
+``progress``, the flow fields (``wf``, ``dd``, ...) and ``tp`` (the W3C traceparent of a
+submit made inside a traced span, absent otherwise: runtime/tracing.py; optional, so no
+format change), a job's small fields are packed in
 two values: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (fixed
 at creation) and ``t`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>
 <run-at ms>|<run-at ISO> <cancel 0/1> <lease version> <last logged version> <its time ms>

@@ -346,6 +346,8 @@ class ClaimedJob(msgspec.Struct, frozen=True):
     # its dependencies' outcomes from claim.lua (lib.lua flow_inputs): their ids in order
     # (space-separated) and the flat id/outcome pairs; None for a job without
     inputs: tuple[bytes, list[bytes]] | None = None
+    # the W3C traceparent of its submit, when that was traced (runtime/tracing.py)
+    trace: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

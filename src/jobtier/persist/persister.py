@@ -35,6 +35,7 @@ from jobtier.persist.batch import BATCH_TIMEOUT, POISON, attached_meanwhile, wri
 from jobtier.persist.db import UNAVAILABLE, Pool
 from jobtier.persist.retention import run_pruning
 from jobtier.persist.stats import PersisterStats
+from jobtier.runtime import tracing
 from jobtier.runtime.backoff import PERSIST_POSTGRES
 from jobtier.runtime.loop import FAULTS
 from jobtier.store.redis import RedisClient
@@ -98,6 +99,7 @@ class Persister:
         self._first_at = 0.0  # when the oldest buffered entry was read
         self._next_trim = 0.0
         self._explain = Unforeseen(log)  # a traceback once per error class
+        self._tracer = tracing.tracer()  # a span per batch when tracing is on
 
     # --- life cycle -----------------------------------------------------------------------
     def metrics(self) -> Snapshot:
@@ -275,7 +277,22 @@ class Persister:
         self._inflight.clear()
 
     async def _flush(self, batch: list[LogEntry], retry: bool = True) -> None:
-        """Commit a batch (retrying through outages), then queue its XACKs."""
+        """Commit a batch (retrying through outages), then queue its XACKs; a span of its
+        own when tracing is on (what failed in it recorded: start_as_current_span)."""
+        if self._tracer is None:
+            await self._write(batch, retry)
+            return
+        with self._tracer.start_as_current_span(
+            "persist batch",
+            tracing.context_of(None),  # a batch holds many jobs' entries: no trace of its own
+            attributes={"jobtier.batch.entries": len(batch)},
+        ) as span:
+            written = await self._write(batch, retry)
+            span.set_attribute("jobtier.batch.written", -1 if written is None else written)
+
+    async def _write(self, batch: list[LogEntry], retry: bool) -> int | None:
+        """``_flush``'s work: the entries written, None when stopped while Postgres was away
+        (they stay pending)."""
         waited = age(batch)
         started = time.monotonic()
         try:
@@ -284,7 +301,7 @@ class Persister:
             for e in batch:
                 self._held.discard((e.shard, e.entry_id))
         if written is None:  # stopped while Postgres was away: the entries stay pending
-            return
+            return None
         self.consumer.acks.add_many((e.shard, e.entry_id) for e in written)
         stats = self.stats
         stats.batches += 1
@@ -295,6 +312,7 @@ class Persister:
         stats.job_counts.observe(written)
         if self.on_commit is not None:
             self.on_commit(written, time.time())
+        return len(written)
 
     async def _commit(self, batch: Sequence[LogEntry], retry: bool) -> Sequence[LogEntry] | None:
         """Write the batch, retrying through Postgres outages with a back-off: the entries

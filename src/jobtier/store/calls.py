@@ -101,8 +101,10 @@ def _flat(head: list[Any], items: Sequence[Sequence[Any]]) -> list[Any]:
     return head
 
 
-def submit_call(shard: int, items: Sequence[SubmitItem], idem_ttl_ms: int) -> Call:
-    return ("submit", shard, _flat([idem_ttl_ms, len(items)], [item.args() for item in items]))
+def submit_call(shard: int, items: Sequence[SubmitItem], idem_ttl_ms: int, trace: str = "") -> Call:
+    """``trace``: the submit's W3C traceparent, which every job it creates keeps ('': none)."""
+    args = _flat([idem_ttl_ms, trace, len(items)], [item.args() for item in items])
+    return ("submit", shard, args)
 
 
 def parse_submit(reply: list[Any]) -> list[SubmitOutcome]:
@@ -130,7 +132,10 @@ def claim_call(
 
 def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
     now, claimed, handed = int(reply[0]), int(reply[2]), int(reply[3])
-    end = 6 + 9 * claimed
+    # 10 values per job; 9 from the scripts before the trace context (a benchmark's baseline
+    # runs them: bench/transitions.py)
+    width = (len(reply) - 6 - handed - int(reply[4])) // claimed if claimed else 10
+    end = 6 + width * claimed
     jobs = [
         ClaimedJob(
             id=reply[i].decode(),
@@ -143,8 +148,9 @@ def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
             claimed_at_ms=now,
             queue=reply[i + 7].decode(),
             inputs=(reply[i + 8][0], reply[i + 8][1]) if reply[i + 8] else None,
+            trace=reply[i + 9].decode() if width > 9 and reply[i + 9] else None,
         )
-        for i in range(6, end, 9)
+        for i in range(6, end, width)
     ]
     back = [r.decode() for r in reply[end : end + handed]]
     unaware = [r.decode() for r in reply[end + handed :]]

@@ -13,6 +13,7 @@ from typing import Any
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
+from jobtier.runtime import tracing
 from jobtier.store import format as job_format
 from jobtier.store.calls import Call, SubmitItem, SubmitOutcome, parse_submit, submit_call
 from jobtier.store.redis import RedisClient, check_redis, connect
@@ -62,17 +63,19 @@ def submit_calls(
     store: Store, items: Sequence[SubmitItem], chunk: int = 0
 ) -> tuple[list[Call], list[list[int]]]:
     """One submit call per shard (per ``chunk`` jobs of a shard, when given); with each, the
-    indices of its items."""
+    indices of its items. Inside a traced span, the jobs keep its traceparent
+    (runtime/tracing.py)."""
     by_shard: dict[int, list[int]] = defaultdict(list)
     for i, item in enumerate(items):
         by_shard[store.keys.shard_of(item.job_id)].append(i)
     ttl = store.settings.idempotency_ttl_seconds * 1000
+    trace = tracing.traceparent()
     calls, groups = [], []
     for shard, idx in by_shard.items():
         step = chunk or len(idx)
         for start in range(0, len(idx), step):
             group = idx[start : start + step] if step < len(idx) else idx
-            calls.append(submit_call(shard, [items[i] for i in group], ttl))
+            calls.append(submit_call(shard, [items[i] for i in group], ttl, trace))
             groups.append(group)
     return calls, groups
 

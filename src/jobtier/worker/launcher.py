@@ -16,6 +16,7 @@ is counted (``Worker.stuck``), so the command can exit without joining it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import threading
@@ -27,7 +28,9 @@ from typing import Any
 from jobtier.core.errors import ConfigError
 from jobtier.core.model import ClaimedJob
 from jobtier.persist.results import PostgresResultStore, open_store
+from jobtier.runtime import tracing
 from jobtier.runtime.loop import wait_any
+from jobtier.worker import attempt_spans
 from jobtier.worker.attempt import deliver_cancel, run_attempt
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.reporter import Reporter
@@ -49,12 +52,16 @@ class TaskThreads(ThreadPoolExecutor):
         super().__init__(max_workers, prefix)
         self._busy = 0
         self._busy_lock = threading.Lock()
+        self.carry_context = False  # run each call in its caller's context (tracing: its span)
 
     @property
     def busy(self) -> int:
         return self._busy
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self.carry_context:  # run_in_executor does not carry contextvars to the thread
+            fn, args = contextvars.copy_context().run, (fn, *args)
+
         def counted() -> Any:
             with self._busy_lock:
                 self._busy += 1
@@ -94,9 +101,12 @@ class Launcher:
         self._task_of = state.registry.get
         self._max_result = state.settings.max_result_bytes
         self._keyring = state.store.keyring  # opens payloads, seals results (encrypted jobs)
+        self._tracer: Any = None  # set by open() when tracing is on
 
     async def open(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self._tracer = tracing.tracer()
+        self.threads.carry_context = self._tracer is not None
         settings = self.state.settings
         self.results = await open_store(settings)
         if self.results is not None:
@@ -142,7 +152,15 @@ class Launcher:
                 self.state.settings.result_store_threshold_bytes,
                 keyring,
             )
-        running.handle = asyncio.create_task(attempt, name=f"job {job.id}")
+        if self._tracer is None:
+            running.handle = asyncio.create_task(attempt, name=f"job {job.id}")
+        else:  # the task starts with the attempt's span current (create_task copies it)
+            running.span = span = attempt_spans.start(self._tracer, job)
+            token = tracing.attach(span, tracing.context_of(None))
+            try:
+                running.handle = asyncio.create_task(attempt, name=f"job {job.id}")
+            finally:
+                tracing.detach(token)
         if self.early_cancels and self.early_cancels.pop(job.id, False) is None:
             log.info("event=cancel_requested worker=%s job=%s via=push", self.id, job.id)
             # once the attempt has started: a task cancelled before its first step never
@@ -189,6 +207,8 @@ class Launcher:
         for r in list(self._running.values()):
             self.reporter.report("stopped", r, ())
             r.released = True
+            if r.span is not None:
+                attempt_spans.end(r.span, "released")
             del self._running[r.job.id]  # no more heartbeats for it
             log.info("event=job_released worker=%s job=%s type=%s", self.id, r.job.id, r.job.type)
             # a sync task sees the request at its next ctx.check_cancelled(), if it makes one:

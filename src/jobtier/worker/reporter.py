@@ -42,7 +42,8 @@ from jobtier.store.calls import (
     stopped_call,
 )
 from jobtier.store.context import block_queue
-from jobtier.worker.attempt import DEFAULT_POLICY, STOPPED, Failure, Stopped
+from jobtier.worker import attempt_spans
+from jobtier.worker.attempt import DEFAULT_POLICY, STOPPED, Failure, Stopped, fail_state
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.permits import LimitedQueues, limit_calls
 from jobtier.worker.state import Running, WorkerState
@@ -87,25 +88,31 @@ class Reporter:
             return
         # the slot is free: the claim loops wake ahead of the reporter (see _send)
         self._slot_free.set()
+        outcome = "lost"  # (its span's: attempt_spans.py)
         try:
             if isinstance(end, bytes):
                 self.report("complete", r, (end,))
+                outcome = "succeeded"
             elif isinstance(end, Failure):
-                self._fail(r, end)
+                outcome = self._fail(r, end)
             elif end is STOPPED or not r.lost:
                 # STOPPED: the task gave up for a cancel request; INTERRUPTED: a cancel
                 # request, or a shutdown (release); a lost lease has nothing to report
                 self.report("stopped", r, ())
+                outcome = "cancelled" if end is STOPPED else "interrupted"
         finally:
             self._stats.run_time.observe(time.monotonic() - r.started)
+            if r.span is not None:
+                attempt_spans.end(r.span, outcome, end if isinstance(end, Failure) else None)
             if r.permit is not None:  # no outcome sent (a lost lease): give it back now
                 self._to_release[r.job.queue].append(r.permit)
                 self._ready.set()
 
-    def _fail(self, r: Running, failure: Failure) -> None:
+    def _fail(self, r: Running, failure: Failure) -> str:
+        """Report a failed attempt; "retry" when fail.lua will retry it, else "failed"."""
         if isinstance(failure.exc, RateLimited):
             self._rate_limited(r, failure, failure.exc)
-            return
+            return "retry"
         delay_ms = failure.delay_ms(r.task.retry if r.task else DEFAULT_POLICY, r.job.attempt)
         # one record per failed attempt, with the traceback of what the task raised
         log.info(
@@ -120,6 +127,8 @@ class Reporter:
             exc_info=failure.exc if failure.raised else None,
         )
         self.report("fail", r, (failure.error_json(), delay_ms))
+        retried = fail_state(delay_ms, r.job.attempt, r.job.max_attempts) == "scheduled"
+        return "retry" if retried else "failed"
 
     def _rate_limited(self, r: Running, failure: Failure, exc: RateLimited) -> None:
         """The task says the downstream wants us to wait: the job runs again then, without

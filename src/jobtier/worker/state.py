@@ -20,6 +20,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from jobtier.core.errors import ConfigError
 from jobtier.core.model import ClaimedJob
@@ -64,6 +65,7 @@ class Running:
     lost: bool = False  # a heartbeat was refused: stop and drop the outcome
     released: bool = False  # given back at shutdown: any later outcome is dropped
     permit: str | None = None  # a limited queue's permit (permits.py), returned at the end
+    span: Any = None  # the attempt's span, when tracing is on (attempt_spans.py)
 
 
 class WorkerState:

@@ -16,7 +16,7 @@
 --           when the first block of a served queue ends (ms; -1: none blocked),
 --           then per job: id, type, payload, attempt, max_attempts, lease_version,
 --           queued at ms, queue, dependencies (lib.lua flow_inputs: '' for none, else
---           {ids, flat id/outcome pairs});
+--           {ids, flat id/outcome pairs}), the submit's traceparent ('' for none);
 --           then the h ids handed back; then the l queue names}
 --
 -- A queue with a global concurrency or rate limit is flagged limited in every shard
@@ -158,8 +158,9 @@ local active = {}  -- (deadline, id) of each lease, for the active set: ZADDs of
 
 local function claim_ids(ids)
   for _, id in ipairs(ids) do
-    -- the payload comes in load()'s HMGET: one call per job rather than HMGET + HGET
-    local j = load(id, 'payload')
+    -- the payload and the trace context come in load()'s HMGET: one call per job rather
+    -- than HMGET + HGET
+    local j = load(id, 'payload', 'tp')
     -- a ready list holds only queued jobs (cancel and expiry remove them); the check guards
     -- the invariant rather than trusting it
     if j and j.state == 'queued' then
@@ -176,8 +177,8 @@ local function claim_ids(ids)
         local k = nout
         out[k + 1], out[k + 2], out[k + 3], out[k + 4] = id, j.type, j.more, j.attempt
         out[k + 5], out[k + 6], out[k + 7] = j.max_attempts, j.lease_version, queued_at
-        out[k + 8], out[k + 9] = j.queue, flow_inputs(j)
-        nout = k + 9
+        out[k + 8], out[k + 9], out[k + 10] = j.queue, flow_inputs(j), j.more2 or ''
+        nout = k + 10
         claimed = claimed + 1
       end
     end

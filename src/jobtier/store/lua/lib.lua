@@ -60,10 +60,11 @@ end
 -- the hash's key (create_job sets it too), built once per job.
 -- The table is built by one constructor that names every field: Lua sizes it once, where
 -- filling it in a loop rehashes it as it grows. `more` (optional): one more field to read in
--- the same HMGET, as j.more (claim.lua reads the payload so rather than with an HGET after).
-local function load(id, more)
+-- the same HMGET, as j.more (claim.lua reads the payload so rather than with an HGET after),
+-- and `more2` as j.more2 (claim.lua: the trace context, 'tp').
+local function load(id, more, more2)
   local key = job_key(id)
-  local v = job_fields(key, more)
+  local v = job_fields(key, more, more2)
   if not v[1] then
     return nil
   end
@@ -81,7 +82,7 @@ local function load(id, more)
              state = state, version = version, attempt = attempt, updated = updated,
              run_at = run_at, run_at_iso = run_at_iso, cancel = cancel,
              lease_version = lease_version, lv = lv, lt = lt, worker = worker, more = v[8],
-             _was = v, _key = key}
+             more2 = v[9], _was = v, _key = key}
   read_deps(j, key)
   return j
 end
@@ -443,10 +444,11 @@ end
 local flow_create, flow_finished
 
 -- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future, or waiting
--- when `flow` (JSON, '' or nil for none: see flow_create) gives it dependencies.
+-- when `flow` (JSON, '' or nil for none: see flow_create) gives it dependencies. `trace`: the
+-- W3C traceparent of the submit ('tp'; '' or nil for none: an untraced job stores nothing).
 -- Returns its status document.
 local function create_job(id, tenant, type, queue, prio, payload, max_attempts, due, idem, actor,
-                          ckey, climit, flow)
+                          ckey, climit, flow, trace)
   local j = {id = id, tenant = tenant, type = type, queue = queue, prio = prio,
              state = 'queued', version = '0', attempt = '0', max_attempts = max_attempts,
              run_at = '', error = '', progress = '', cancel = '0', worker = '',
@@ -462,6 +464,9 @@ local function create_job(id, tenant, type, queue, prio, payload, max_attempts, 
   j._new = {'id', id, 'tenant', tenant, 'c', packed_c(j), 'payload', payload}
   if idem ~= '' then
     j._new[#j._new + 1], j._new[#j._new + 2] = 'idem', idem
+  end
+  if trace and trace ~= '' then
+    j._new[#j._new + 1], j._new[#j._new + 2] = 'tp', trace
   end
   if j.ckey ~= '' then
     redis.call('HSET', CKEYS, ck_name(j) .. ':limit', climit)
@@ -716,7 +721,8 @@ end
 -- j failed for good and names a compensation task: create its job now, in this script.
 local function compensate(j)
   local key = job_key(j.id)
-  local v = redis.call('HMGET', key, 'comp', 'payload')
+  -- its trace context too: the compensation runs in the trace of the job it compensates
+  local v = redis.call('HMGET', key, 'comp', 'payload', 'tp')
   local ctype, cqueue, attempts = string.match(v[1] or '', '^(%S+) (%S+) (%d+)$')
   if not ctype then
     return
@@ -725,7 +731,7 @@ local function compensate(j)
     .. ',"payload":' .. raw_or_null(v[2] or '') .. ',"error":' .. raw_or_null(j.error) .. '}'
   local id = derived_id(j)
   create_job(id, j.tenant, ctype, cqueue, j.prio, payload, attempts, '', '', 'compensation', '',
-             1, nil)
+             1, nil, v[3])
   redis.call('HSET', key, 'cjob', id)
 end
 

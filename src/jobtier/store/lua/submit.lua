@@ -4,7 +4,9 @@
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  idempotency record lifetime, ms
--- ARGV[3]  number of jobs n, then 14 fields per job:
+-- ARGV[3]  the submit's W3C traceparent, kept by each job it creates as 'tp' ('' none: the
+--          submit was not traced; one per call, since one call is one submit's)
+-- ARGV[4]  number of jobs n, then 14 fields per job:
 --            id, tenant, type, queue, priority, payload (JSON), max_attempts,
 --            run_at ms (0: none), delay ms (0: none),
 --            idempotency key ('' none), request hash (identifies "the same request"),
@@ -19,7 +21,8 @@
 --!include lib.lua
 
 local idem_ttl = ARGV[2]
-local n = tonumber(ARGV[3])
+local trace = ARGV[3]
+local n = tonumber(ARGV[4])
 local out = {}
 -- Whether any of the ids is taken, asked once for the call (EXISTS of every job key, in
 -- chunks: lib.lua chunked): a fresh id (the common case) then costs no EXISTS of its own.
@@ -29,7 +32,7 @@ local taken = false
 do
   local keys = {}
   for i = 0, n - 1 do
-    keys[#keys + 1] = job_key(ARGV[4 + i * 14])
+    keys[#keys + 1] = job_key(ARGV[5 + i * 14])
   end
   for i = 1, #keys, CHUNK do
     if redis.call('EXISTS', unpack(keys, i, math.min(i + CHUNK - 1, #keys))) > 0 then
@@ -40,7 +43,7 @@ do
 end
 local made = {}
 for i = 0, n - 1 do
-  local a = 4 + i * 14
+  local a = 5 + i * 14
   local id, tenant, idem, hash = ARGV[a], ARGV[a + 1], ARGV[a + 9], ARGV[a + 10]
   local code = OK
   local idem_key
@@ -78,7 +81,7 @@ for i = 0, n - 1 do
     end
     local doc = create_job(id, tenant, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5],
                            ARGV[a + 6], due, idem, 'api', ARGV[a + 11], ARGV[a + 12],
-                           ARGV[a + 13])
+                           ARGV[a + 13], trace)
     out[#out + 1], out[#out + 2], out[#out + 3] = OK, id, doc
     made[id] = true
   end
