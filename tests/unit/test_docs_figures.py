@@ -6,9 +6,9 @@ The rule (``figures`` and ``units`` below):
   generated ``bench-report`` block. Fenced code blocks, HTML comments and headings are left
   out. A *unit* is a paragraph, a list item or a table row. A unit that links a results file
   (``](bench/results/<name>.md)``) is checked against the files it links; a list or table
-  that follows a paragraph ending in ``:`` also answers to that paragraph's files (its items
-  are what the paragraph introduces), and so does a paragraph with no link of its own (it
-  continues the introduction, and passes it on if it ends in ``:`` too).
+  right after a paragraph that links files answers to those files too (its rows are what the
+  paragraph cites); a paragraph ending in ``:`` passes its files on through the paragraphs
+  with no link of their own that follow it, and the lists and tables after them.
 * **What is a figure**: every number in the unit's prose, except numbers inside code spans
   (commands, settings, commits), inside a link's target, in a date, or glued to letters (a
   commit such as 85fa2cc, p99, open20k), and except an integer 0-9 with no unit after it: such
@@ -214,9 +214,10 @@ def units(page: str, text: str) -> list[Unit]:
 
     out: list[Unit] = []
     introduced: tuple[str, ...] = ()  # the files of a paragraph ending in ':'
+    just_before: tuple[str, ...] = ()  # the files of the paragraph right before
     for start, block in blocks:
         if block == ["#"]:
-            introduced = ()
+            introduced = just_before = ()
             continue
         is_list = bool(ITEM.match(block[0]))
         is_table = block[0].lstrip().startswith("|")
@@ -236,13 +237,18 @@ def units(page: str, text: str) -> list[Unit]:
             own = tuple(dict.fromkeys(Path(m).name for m in LINK.findall(piece)))
             # a list or table, or a paragraph of no link of its own, continues what the
             # paragraph before it introduced
-            inherited = introduced if (is_list or is_table or not own) else ()
+            if is_list or is_table:
+                inherited = introduced or just_before
+            else:
+                inherited = introduced if not own else ()
             files = tuple(dict.fromkeys(own + inherited))
             if files:
                 out.append(Unit(page, line_no + 1, piece, files))
+        just_before = ()
         if not (is_list or is_table):
             body = COMMENT.sub("", "\n".join(block)).rstrip()
             introduced = files if body.endswith(":") else ()
+            just_before = files
     return out
 
 
@@ -370,3 +376,13 @@ def test_a_table_after_an_unlinked_paragraph_still_answers_to_the_introduction(
     assert unbacked("docs/x.md", page.replace("3.71", "3.72"), fake) == [
         "docs/x.md:7: '3.72' is in none of fake"
     ]
+
+
+def test_a_table_right_after_a_citing_paragraph_answers_to_its_file(fake: Path) -> None:
+    page = "See [the results](bench/results/fake.md).\n\n| p99 ms | 3.71 |\n|---|---|\n"
+    assert unbacked("docs/x.md", page, fake) == []
+    assert unbacked("docs/x.md", page.replace("3.71", "3.17"), fake) == [
+        "docs/x.md:3: '3.17' is in none of fake"
+    ]
+    apart = "See [the results](bench/results/fake.md).\n\nText.\n\n| p99 ms | 3.17 |\n"
+    assert units("docs/x.md", apart)[1:] == []  # a table two paragraphs on is not the file's
