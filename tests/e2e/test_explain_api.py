@@ -94,7 +94,9 @@ async def test_a_held_concurrency_key_through_the_cli(api: ApiServer, queue: Que
         )  # fmt: skip
         assert held["holders"] == [{"id": first, "state": "running"}]
         code, out, _ = await Cli(api)("jobs", "explain", second)
-        assert "its concurrency key 'account-7' is held: 1 of 1" in out and first in out
+        assert (
+            "its concurrency key 'account-7' is held: 1 of 1 places taken" in out and first in out
+        )
         lease = batch.jobs[0].lease_version
         assert await queue.scripts.call(*complete_call(shard, "w", 60, [(first, lease, b"")])) == [
             0

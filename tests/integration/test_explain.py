@@ -252,7 +252,7 @@ async def test_no_live_worker_for_the_queue_or_for_the_type(one: Queue) -> None:
     assert (r.queue, r.workers) == ("mail", 0)
     await advertise(one, "elsewhere", ["default"], ["send"])
     assert (
-        "1 live worker serve other queues"
+        "1 live worker serves other queues"
         in reason(await one.explain(job), ReasonCode.NO_WORKER_FOR_QUEUE).message
     )
     await advertise(one, "other-pool", ["mail"], ["resize"])
@@ -309,7 +309,7 @@ async def test_nth_in_line_with_the_workers_busy(one: Queue, background: Backgro
     e = await one.explain(ids[4])
     r = reason(e, ReasonCode.IN_LINE)
     assert e.position == 3 and (r.ahead, r.workers, r.slots, r.in_use) == (2, 1, 2, 2)
-    assert "3rd in line" in r.message and "busy: 2 of 2 slots" in r.message
+    assert "3rd in line" in r.message and "its worker is busy: 2 of 2 slots in use" in r.message
     assert codes(e) == {ReasonCode.IN_LINE}
     gates["send"].set()
     await wait_for(lambda: _state_is(one, ids[4], State.SUCCEEDED))

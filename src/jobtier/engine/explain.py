@@ -114,12 +114,14 @@ class Explainer:
             others = len(live)
             message = f"no live worker serves queue {queue!r}"
             if others:
-                message += f" ({plural(others, 'live worker')} serve other queues)"
+                serve = "serves" if others == 1 else "serve"
+                message += f" ({plural(others, 'live worker')} {serve} other queues)"
             out.append(Reason(ReasonCode.NO_WORKER_FOR_QUEUE, message, queue=queue, workers=0))
         elif not able:
+            n = len(serving)
             message = (
-                f"{plural(len(serving), 'live worker')} serve queue {queue!r}, but none runs "
-                f"task {facts['type']!r}"
+                f"{plural(n, 'live worker')} {'serves' if n == 1 else 'serve'} queue {queue!r}, "
+                f"but none runs task {facts['type']!r}"
             )
             reason = Reason(ReasonCode.NO_WORKER_FOR_TYPE, message, queue=queue)
             out.append(msgspec.structs.replace(reason, type=facts["type"], workers=0))
@@ -186,13 +188,14 @@ class Explainer:
         found = [JobRef(str(i), str(s)) for i, s in facts.get("holders") or []]
         holders = await self._states([h.id for h in found])
         message = (
-            f"its concurrency key {key!r} is held: {admitted} of {limit} running or about to "
-            f"run under it"
+            f"its concurrency key {key!r} is held: {admitted} of {limit} places taken "
+            "(jobs running or ready under it)"
         )
         if holders:
-            message += f" ({_ids(holders)})"
+            message += f", by {_ids(holders)}"
         if ahead:
-            message += f"; {plural(ahead, 'job')} of the key wait before it"
+            waits = "waits" if ahead == 1 else "wait"
+            message += f"; {plural(ahead, 'job')} of the key {waits} before it"
         reason = Reason(ReasonCode.CONCURRENCY_KEY_HELD, message, key=key, holders=holders)
         return msgspec.structs.replace(reason, running=admitted, limit=limit, ahead=ahead)
 
@@ -250,8 +253,11 @@ def _in_line(facts: dict[str, Any], position: int, able: list[dict[str, Any]]) -
     else:
         message = f"it is first in line in {where} on its shard"
     if able and busy == len(able):
-        message += f"; its {plural(len(able), 'worker')} are busy: {in_use} of {slots} slots"
+        whose = "its worker is" if len(able) == 1 else f"its {len(able)} workers are"
+        message += f"; {whose} busy: {in_use} of {slots} slots in use"
     elif able:
-        message += f"; {plural(len(able) - busy, 'worker')} with a free slot will claim it"
+        free = len(able) - busy
+        verb = "has" if free == 1 else "have"
+        message += f"; {plural(free, 'worker')} that can run it {verb} a free slot"
     reason = Reason(ReasonCode.IN_LINE, message, queue=queue, ahead=ahead)
     return msgspec.structs.replace(reason, workers=len(able), busy=busy, slots=slots, in_use=in_use)
