@@ -296,6 +296,16 @@ async def test_other_tenants_jobs_ahead_by_the_tenants_turns(one: Queue) -> None
     assert await claim(one) == [c]
 
 
+async def test_tenants_take_turns_when_claims_take_one_job(one: Queue) -> None:
+    """A claim of one job (a worker with one free slot) serves the tenant at the head of the
+    ring and sends it to the back: one tenant's backlog does not hold another's job."""
+    a = [(await one.submit("send", i, queue="mail", tenant="a")).job_id for i in range(3)]
+    b = (await one.submit("send", 0, queue="mail", tenant="b")).job_id
+    assert (await one.explain(b)).position == 2
+    order = [*(await claim(one)), *(await claim(one)), *(await claim(one)), *(await claim(one))]
+    assert order == [a[0], b, a[1], a[2]]
+
+
 async def test_nth_in_line_with_the_workers_busy(one: Queue, background: Background) -> None:
     ids = [(await one.submit(send, i)).job_id for i in range(5)]
     background.start(worker_for(one, TaskRegistry([send]), concurrency=2, name="busy"))
@@ -315,16 +325,18 @@ async def test_nth_in_line_with_the_workers_busy(one: Queue, background: Backgro
     await wait_for(lambda: _state_is(one, ids[4], State.SUCCEEDED))
 
 
-async def test_positions_follow_the_priorities_rotation_claim_by_claim(one: Queue) -> None:
-    """Every ready job's position, from a mix of priorities, is the claim that takes it when
-    jobs are claimed one at a time."""
+async def test_positions_follow_the_priorities_and_tenants_turns_claim_by_claim(
+    one: Queue,
+) -> None:
+    """Every ready job's position, from a mix of priorities and tenants, is the claim that
+    takes it when jobs are claimed one at a time."""
     rng = random.Random(7)
     prios = ["critical", "high", "normal", "low"]
     ids = []
-    for _ in range(60):
-        ids.append(
-            (await one.submit("send", None, queue="mail", priority=rng.choice(prios))).job_id
-        )
+    for _ in range(80):
+        prio, tenant = rng.choice(prios), rng.choice("abc")
+        sub = await one.submit("send", None, queue="mail", priority=prio, tenant=tenant)
+        ids.append(sub.job_id)
     assert await claim(one, 3)  # the rotation's cursor is somewhere other than its start
     ready = [i for i in ids if (await one.status(i)).state is State.QUEUED]
     positions: dict[str, int] = {}
