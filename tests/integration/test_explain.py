@@ -24,7 +24,9 @@ from jobtier.store.calls import complete_call
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
-from tests.fixtures.redis import command_calls
+from tests.fixtures.redis import command_calls, on_every_server
+
+pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
 
 LEASE_MS = 30_000
 gates: dict[str, asyncio.Event] = {}  # one per test: an Event belongs to one event loop
@@ -359,9 +361,12 @@ async def test_explain_writes_nothing(one: Queue) -> None:
     await one.admin.set_limits("mail", QueueLimits(concurrency=1, rate=5))
 
     async def dump() -> dict[Any, Any]:
-        return {k: await one.redis.dump(k) for k in sorted(await one.redis.keys("jt:*"))}
+        found = [k for keys in await on_every_server(one.redis, "KEYS", "jt:*") for k in keys]
+        return {k: await one.redis.dump(k) for k in sorted(found)}
 
     before, calls = await dump(), await command_calls(one.redis, "fcall_ro")
+    # the jobs, their shard's lines and counts, the queue's home shard: all of them compared
+    assert {one.keys.job(job).encode(), one.keys.limit("mail").encode()} <= set(before)
     for job_id in (job, held):
         await one.explain(job_id)
     assert await dump() == before
