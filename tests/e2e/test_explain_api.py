@@ -1,6 +1,6 @@
 """``GET /v1/jobs/{id}/explain``, its admin twin, ``Client.explain`` and ``jobtier jobs explain``
 against a real API (loopback uvicorn) and Redis: a paused queue and a held concurrency key
-explained, then the cause removed and the job claimed."""
+explained, then the cause removed and the job claimed; a job only Postgres keeps."""
 
 from __future__ import annotations
 
@@ -10,11 +10,17 @@ import time
 import msgspec
 import pytest
 
+from jobtier.api.records import PostgresExtension
 from jobtier.client import AsyncClient, NotFound, ReasonCode
+from jobtier.config import Settings
 from jobtier.engine.queue import Queue
+from jobtier.persist.db import Pool
+from jobtier.persist.persister import Persister
 from jobtier.store.calls import complete_call
 from tests.e2e.test_admin_cli import Cli
-from tests.fixtures.api import ADMIN, KEYS, ApiServer
+from tests.fixtures.api import ADMIN, KEYS, ApiServer, StartApi
+from tests.fixtures.engine import worker_for
+from tests.tasks import registry
 
 LEASE_MS = 30_000
 
@@ -105,3 +111,22 @@ async def test_a_held_concurrency_key_through_the_cli(api: ApiServer, queue: Que
         assert [r.code for r in e.reasons] == [ReasonCode.IN_LINE]
         batch = await queue.scripts.claim(shard, "w", 10, LEASE_MS)
         assert [j.id for j in batch.jobs] == [second]
+
+
+async def test_a_job_only_postgres_keeps_is_not_waiting(
+    start_api: StartApi, pg_settings: Settings, queue: Queue, pg_pool: Pool
+) -> None:
+    """A job whose retention in Redis has passed: the status tier's fallback finds it finished
+    (for its tenant only)."""
+    api = await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
+    async with api.client() as c:
+        job = (await c.post("/v1/jobs", json={"type": "echo", "payload": 1})).json()
+    await worker_for(queue, registry, burst=True).run()
+    await Persister(pg_settings, queue.redis, pg_pool, "test-persister").drain()
+    await queue.redis.delete(queue.keys.job(job["id"]))  # as when its retention has passed
+    async with api.client() as c, api.client("globex") as other:
+        assert (await other.get(f"/v1/jobs/{job['id']}/explain")).status_code == 404
+        body = (await c.get(f"/v1/jobs/{job['id']}/explain")).json()
+    assert (body["state"], body["waiting"], body["position"]) == ("succeeded", False, None)
+    assert [r["code"] for r in body["reasons"]] == ["not_waiting"]
+    assert "only Postgres keeps it" in body["reasons"][0]["message"]

@@ -20,7 +20,7 @@ from jobtier.core.model import QueueLimits, State
 from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from jobtier.scheduler import Scheduler
-from jobtier.store.calls import complete_call
+from jobtier.store.calls import complete_call, fail_call
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -236,6 +236,16 @@ async def test_a_scheduled_job_says_when_then_is_claimed(
     later = (await one.submit("send", None, queue="mail", delay=3600)).job_id
     r = reason(await one.explain(later), ReasonCode.SCHEDULED)
     assert r.seconds is not None and 3590 < r.seconds <= 3600 and r.until is not None
+    # a failed attempt's retry, waiting for its backoff
+    retried = (await one.submit("send", None, queue="mail")).job_id
+    assert await claim(one) == [retried]
+    lease = (await one.status(retried)).version
+    error = '{"type": "OSError", "message": "down"}'
+    failed = await one.scripts.call(*fail_call(0, "w", 60, [(retried, lease, error, 600_000)]))
+    assert failed == [0, b"scheduled"]
+    r = reason(await one.explain(retried), ReasonCode.SCHEDULED)
+    assert r.seconds is not None and 590 < r.seconds <= 600
+    assert r.message.startswith("its attempt 2 is scheduled for")
     soon = (await one.submit("send", None, queue="mail", delay=0.3)).job_id
     assert ReasonCode.SCHEDULED in codes(await one.explain(soon))
     background.start(Scheduler(one.store))

@@ -220,7 +220,10 @@ def _blocked(queue: str, until: int, now: int) -> Reason:
 def _scheduled(facts: dict[str, Any], now: int) -> Reason:
     run_at = int(facts["run_at"])
     seconds = (run_at - now) / 1000
-    if seconds > 0:
+    attempt = int(facts.get("attempt") or 0)
+    if seconds > 0 and attempt:  # a failed attempt's retry waits for its backoff
+        message = f"its attempt {attempt + 1} is scheduled for {iso(run_at)} (in {seconds:.3f} s)"
+    elif seconds > 0:
         message = f"it is scheduled for {iso(run_at)} (in {seconds:.3f} s)"
     else:
         message = (
