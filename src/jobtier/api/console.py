@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api import spec as oa
+from jobtier.api import why
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import doc_state, encoded, finished, job_id_of, transition
@@ -251,6 +252,13 @@ def operations(settings: Settings) -> oa.Paths:
         oa.returns(200, "JobStatus", "cancelled, or running with cancel_requested"),
         oa.unknown("job", tenants=False),
         oa.refuses(409, "the job has already finished (job: its status)"),
+    )
+    paths.add(
+        "GET /v1/admin/jobs/{job_id}/explain",
+        why.admin_explain,
+        "Why any tenant's job has not started (GET /v1/jobs/{job_id}/explain's answer)",
+        oa.returns(200, "Explanation", "the reasons, each in words and numbers"),
+        oa.unknown("job", tenants=False),
     )
     paths.add(
         "POST /v1/admin/queues/{name}/purge",

@@ -25,13 +25,26 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from jobtier.api import admin, console, debugging, flows, health, jobs, ops, queues, scaling, sse
+from jobtier.api import (
+    admin,
+    console,
+    debugging,
+    flows,
+    health,
+    jobs,
+    ops,
+    queues,
+    scaling,
+    sse,
+    why,
+)
 from jobtier.api import spec as oa
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
 from jobtier.api.debugging import DeadLetter
 from jobtier.api.flows import DependencyList
 from jobtier.api.jobs import STATUS_PARAMS, BatchBody
 from jobtier.config import Settings
+from jobtier.core.explanation import Explanation
 from jobtier.core.model import (
     LOG_LINE_CHARS,
     LOG_LINES,
@@ -79,6 +92,7 @@ _CORE_TYPES = (
     DependencyList,
     JobLogs,
     DeadLetter,
+    Explanation,
 )
 
 
@@ -271,6 +285,16 @@ def _job_paths(s: Settings) -> oa.Paths:
         oa.JOB_404,
         params=STATUS_PARAMS,
         headers=[{"name": "If-None-Match", "in": "header", "schema": {"type": "string"}}],
+    )
+    add(
+        "GET /v1/jobs/{job_id}/explain",
+        why.explain,
+        "Why the job has not started: its queue paused, at its concurrency or rate limit, its "
+        "concurrency key held (by which jobs), its dependencies (their states), its run_at, no "
+        "live worker for its queue or type, other tenants' turns, its place in line; a job "
+        "running or finished says it is not waiting",
+        oa.returns(200, "Explanation", "the reasons, each in words and numbers"),
+        oa.JOB_404,
     )
     add(
         "GET /v1/jobs/{job_id}/result",

@@ -224,6 +224,16 @@ def jobs_show(c: Client, a: argparse.Namespace) -> Any:
     return "\n".join(lines)
 
 
+def jobs_explain(c: Client, a: argparse.Namespace) -> Any:
+    e = c.explain(a.job_id)
+    if a.json:
+        return e
+    position = "" if e.position is None else f", position {e.position}"
+    lines = [f"{e.id}: {e.state}{position} (checked {short_time(e.checked_at)})"]
+    lines += [f"  {r.code}: {r.message}" for r in e.reasons]
+    return "\n".join(lines)
+
+
 def jobs_logs(c: Client, a: argparse.Namespace) -> Any:
     lines = c.logs(a.job_id)
     return lines if a.json else "\n".join(log_block(lines))
@@ -414,6 +424,7 @@ def add_commands(sub: Any) -> None:
     for verb, handler, what in (
         ("show", jobs_show, "a job's status, error and traceback, result, log lines, history"),
         ("logs", jobs_logs, "the lines a job's task logged (ctx.log)"),
+        ("explain", jobs_explain, "why a job has not started: each reason, with its numbers"),
         ("cancel", jobs_cancel, "cancel a waiting job, or ask the worker running it to stop"),
         ("retry", jobs_retry, "send a failed (dead-lettered) job back to its queue"),
     ):

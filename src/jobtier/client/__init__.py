@@ -43,6 +43,7 @@ from jobtier.client._errors import (
     WrongState,
 )
 from jobtier.client._sync import Client
+from jobtier.core.explanation import Explanation, Reason, ReasonCode
 
 __all__ = [
     "ApiError",
@@ -50,12 +51,15 @@ __all__ = [
     "Client",
     "Conflict",
     "DeadLetter",
+    "Explanation",
     "FlowSubmission",
     "IdempotencyKeyConflict",
     "JobDetails",
     "JobPage",
     "NotFound",
     "RateLimited",
+    "Reason",
+    "ReasonCode",
     "Result",
     "Schedule",
     "ScheduleSpec",

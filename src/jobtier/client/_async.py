@@ -41,7 +41,9 @@ from jobtier.client._core import (
 from jobtier.client._errors import (
     ApiError,
 )
+from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
+from jobtier.core.explanation import Explanation
 from jobtier.core.model import QueueScaling
 
 T = TypeVar("T")
@@ -214,6 +216,12 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
     async def show(self, job_id: str) -> JobDetails:
         """Everything about the job: status, result, history (None without Postgres), lines."""
         return await self._run(self._show(job_id))
+
+    async def explain(self, job_id: str) -> Explanation:
+        """Why the job has not started: each reason (its queue paused or limited, its
+        concurrency key held, its dependencies, its run_at, no worker for it, other tenants'
+        turns, its place in line) in words and numbers; ``waiting`` False once it runs."""
+        return await self._run(explain_op(job_id))
 
     async def retry(self, job_id: str) -> JobStatus:
         """Send a failed (dead-lettered) job back to its queue, attempts reset. Raises

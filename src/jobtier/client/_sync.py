@@ -41,7 +41,9 @@ from jobtier.client._core import (
 from jobtier.client._errors import (
     ApiError,
 )
+from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
+from jobtier.core.explanation import Explanation
 from jobtier.core.model import QueueScaling
 
 T = TypeVar("T")
@@ -182,6 +184,10 @@ class Client(BaseClient[httpx.BaseTransport]):
     def show(self, job_id: str) -> JobDetails:
         """Everything about the job: status, result, history (None without Postgres), lines."""
         return self._run(self._show(job_id))
+
+    def explain(self, job_id: str) -> Explanation:
+        """Why the job has not started; see ``AsyncClient.explain``."""
+        return self._run(explain_op(job_id))
 
     def retry(self, job_id: str) -> JobStatus:
         """Send a failed job back to its queue; see ``AsyncClient.retry``."""

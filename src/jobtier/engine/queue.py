@@ -3,7 +3,8 @@
 - ``produce`` (``Producer``): prepare and submit jobs, batches and flows;
 - ``jobs`` (``JobControl``): status, result, cancel, replay, dead letters, log lines,
   dependencies;
-- ``admin`` (``QueueAdmin``): queues' state, pause, purge, flow limits, live workers.
+- ``admin`` (``QueueAdmin``): queues' state, pause, purge, flow limits, live workers;
+- ``explain``: why a job has not started (``engine/explain.py``).
 
 The stores the engine needs beside Redis are given, never opened behind the caller's back:
 ``results`` reads results kept outside Redis, ``callbacks`` writes jobs' own webhooks.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from jobtier.config import Settings
 from jobtier.core.model import TaskLookup
 from jobtier.engine.control import JobControl, ResultReader
+from jobtier.engine.explain import Explainer
 from jobtier.engine.produce import Producer, Registrar
 from jobtier.engine.queue_admin import QueueAdmin
 from jobtier.store.context import Store
@@ -48,6 +50,7 @@ class Queue:
         self.produce = Producer(store, tasks, require_known, callbacks)
         self.jobs = JobControl(store, results)
         self.admin = QueueAdmin(store)
+        self.explain = Explainer(store, self.admin).explain
         # the calls most used, on the queue itself
         self.submit = self.produce.submit
         self.submit_many = self.produce.submit_many

@@ -36,9 +36,12 @@ from jobtier.store.redis import RedisClient
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 _SCRIPTS = (  # store/lua/<name>.lua of every transition script
     "submit claim heartbeat complete fail stopped cancel promote reclaim replay fire limit"
-    " joblog purge link linked resolve reformat"
+    " joblog purge link linked resolve reformat explain"
 )
 NAMES = tuple(_SCRIPTS.split())
+# scripts that only read: their functions carry the no-writes flag and run by FCALL_RO (Redis
+# refuses any write in them, and runs them where only reads may run)
+READ_ONLY = frozenset({"explain"})
 _LIB = "--!include lib.lua"
 LIBRARIES = "jobtier_*"  # every jobtier version's function library (FUNCTION LIST LIBRARYNAME)
 
@@ -63,10 +66,15 @@ def lua_source(name: str, read: Callable[[str], str] = _read) -> str:
     called where lib.lua's text ends. ``read`` (a file's text by name) may give another
     revision's files; one whose lib.lua has no begin() gets no call of it."""
     has_begin = "local function begin(" in read("lib.lua")
-    return _expand(read(f"{name}.lua"), "\nbegin(ARGV)" if has_begin else "", read)
+    text = _expand(read(f"{name}.lua"), "\nbegin(ARGV)" if has_begin else "", read)
+    return "#!lua flags=no-writes\n" + text if name in READ_ONLY else text
 
 
 _WRAP = "\nredis.register_function('{function}', function(KEYS, ARGV)\n{body}\nend)\n"
+_WRAP_RO = (
+    "\nredis.register_function{{function_name='{function}', flags={{'no-writes'}},"
+    " callback=function(KEYS, ARGV)\n{body}\nend}}\n"
+)
 
 
 class Library:
@@ -85,12 +93,14 @@ class Library:
             bodies[name] = _expand(text.replace(_LIB, "begin(ARGV)"), "", read)
         lib = _expand(_LIB, "", read)
         # the digest covers the wrapper as well as the Lua: a change to either is a new name
-        digest = hashlib.sha1("\0".join([_WRAP, lib, *bodies.values()]).encode()).hexdigest()[:16]
+        wraps = "\0".join([_WRAP, _WRAP_RO])
+        digest = hashlib.sha1("\0".join([wraps, lib, *bodies.values()]).encode()).hexdigest()[:16]
         self.name = f"jobtier_{digest}"
         self.functions = {name: f"jt_{digest}_{name}" for name in names}
         parts = [f"#!lua name={self.name}\n", lib]
         for name, body in bodies.items():
-            parts.append(_WRAP.format(function=self.functions[name], body=body))
+            wrap = _WRAP_RO if name in READ_ONLY else _WRAP
+            parts.append(wrap.format(function=self.functions[name], body=body))
         self.code = "".join(parts)
 
 
@@ -124,7 +134,10 @@ class Script:
         return self.library.name if self.library is not None else self.sha
 
     def command(self) -> tuple[str, str]:
-        return ("FCALL", self.function) if self.function else ("EVALSHA", self.sha)
+        read_only = self.name in READ_ONLY
+        if self.function:
+            return ("FCALL_RO" if read_only else "FCALL", self.function)
+        return ("EVALSHA_RO" if read_only else "EVALSHA", self.sha)
 
     async def load(self, redis: RedisClient) -> None:
         """Load it (its library, or the script) on the server (every primary of a cluster)."""

@@ -2,7 +2,8 @@
 // lines its task logged (ctx.log), the jobs it waits for (a flow's: each one's state and
 // outcome, and a parent's children done), the full history with times and durations, payload,
 // result (or the link to one kept in the result store), related jobs and the admin actions
-// taken on it; live: its status follows /v1/admin/events, its history is read again as it
+// taken on it; for a job not started yet, why not (/v1/admin/jobs/<id>/explain: each reason
+// in words and numbers, read again every few seconds while it waits); live: its status follows /v1/admin/events, its history is read again as it
 // changes, and its log lines every few seconds while it runs. Members of the status document
 // this page does not know (a newer server's) are shown as they are, so nothing is hidden.
 
@@ -10,6 +11,10 @@ const KNOWN_FIELDS = new Set(["id", "type", "queue", "state", "version", "priori
   "max_attempts", "created_at", "updated_at", "run_at", "progress", "error", "cancel_requested", "worker", "result_url", "dependencies"]);
 // a running job's log lines come without a change of its status: read again this often
 const LINES_EVERY_MS = 5000;
+// a job not started yet: its explanation (its place in line, its queue's state) is read again
+// this often, as it changes without a change of the job's status
+const WHY_EVERY_MS = 5000;
+const NOT_STARTED = new Set(["queued", "scheduled", "waiting"]);
 // times to the millisecond (an attempt's changes and lines are close together)
 const preciseFmt = new Intl.DateTimeFormat(undefined, {
   year: "numeric", month: "short", day: "numeric", hour: "2-digit", minute: "2-digit", second: "2-digit",
@@ -18,7 +23,7 @@ const preciseFmt = new Intl.DateTimeFormat(undefined, {
 const clockFmt = new Intl.DateTimeFormat(undefined, {
   hour: "2-digit", minute: "2-digit", second: "2-digit", fractionalSecondDigits: 3,
 });
-const jobView = { id: null, data: null, feed: null, timer: null, linesTimer: null, fetchedAt: 0, loading: 0, open: new Map(), sigs: {} };
+const jobView = { id: null, data: null, feed: null, timer: null, linesTimer: null, whyTimer: null, fetchedAt: 0, loading: 0, open: new Map(), sigs: {} };
 
 function showJob(id) {
   hideJob();
@@ -40,8 +45,10 @@ function hideJob() {
   jobView.feed = null;
   clearTimeout(jobView.timer);
   clearTimeout(jobView.linesTimer);
+  clearTimeout(jobView.whyTimer);
   jobView.timer = null;
   jobView.linesTimer = null;
+  jobView.whyTimer = null;
   jobView.id = null;
 }
 
@@ -63,15 +70,44 @@ async function loadJob() {
     return;
   }
   if (mine !== jobView.loading || id !== jobView.id) return;
+  if (NOT_STARTED.has(data.job.state)) data.explain = await explainOf(id);
+  if (mine !== jobView.loading || id !== jobView.id) return;
   jobView.fetchedAt = Date.now();
   // a status the stream brought meanwhile may be newer than the one just read
   if (jobView.data && jobView.data.job.version > data.job.version) data.job = jobView.data.job;
   jobView.data = data;
   renderJob();
   clearTimeout(jobView.linesTimer);
+  clearTimeout(jobView.whyTimer);
+  if (data.explain) jobView.whyTimer = setTimeout(() => loadWhy(id), WHY_EVERY_MS);
   if (data.job.state === "running") {
     jobView.linesTimer = setTimeout(() => { if (!document.hidden) loadJob(); else onHiddenRunning(); }, LINES_EVERY_MS);
   }
+}
+
+/** Why the job has not started (null when it cannot be read: the page shows the rest). */
+async function explainOf(id) {
+  try {
+    return await api(`/v1/admin/jobs/${encodeURIComponent(id)}/explain`);
+  } catch {
+    return null;
+  }
+}
+
+/** The explanation read again while the job waits (its place in line moves without a change
+ * of its status); a hidden tab reads it when it is shown. */
+async function loadWhy(id) {
+  if (document.hidden) {
+    document.addEventListener("visibilitychange", () => { if (jobView.id === id) loadWhy(id); }, { once: true });
+    return;
+  }
+  const explain = await explainOf(id);
+  const data = jobView.data;
+  if (id !== jobView.id || !data || !NOT_STARTED.has(data.job.state)) return;
+  data.explain = explain;
+  renderJob();
+  clearTimeout(jobView.whyTimer);
+  if (explain) jobView.whyTimer = setTimeout(() => loadWhy(id), WHY_EVERY_MS);
 }
 
 /** A hidden tab reads nothing; it reads the job again when it is shown. */
@@ -104,7 +140,7 @@ function section(key, signature, build) {
   holder.replaceWith(placeholder);
 }
 
-const JOB_SECTIONS = ["head", "facts", "now", "flow", "attempts", "lines", "history", "relations", "data", "audit"];
+const JOB_SECTIONS = ["head", "why", "facts", "now", "flow", "attempts", "lines", "history", "relations", "data", "audit"];
 
 function renderJob() {
   const data = jobView.data;
@@ -114,6 +150,8 @@ function renderJob() {
     root.replaceChildren(...JOB_SECTIONS.map((key) => h("div", { hidden: true, dataset: { section: key } })));
   }
   section("head", JSON.stringify([job.state, job.version]), () => jobHead(data));
+  const why = data.explain && NOT_STARTED.has(job.state) ? [data.explain.reasons, data.explain.position] : null;
+  section("why", JSON.stringify(why), () => jobWhy(data));
   section("facts", JSON.stringify([job, data.tenant, data.source, data.lag]), () => jobFacts(data));
   section("now", JSON.stringify([job.state, job.progress, job.error]), () => jobNow(job));
   section("flow", JSON.stringify([data.dependencies, data.children, job.dependencies]), () => jobFlow(data));
@@ -167,6 +205,32 @@ function jobFacts(data) {
       ? `Postgres ${joinFmt(fmtSeconds(data.lag.seconds))} behind`
       : "up to date"),
   ));
+}
+
+const REASON_TITLES = {
+  queue_paused: "Queue paused", queue_concurrency_full: "Queue at its concurrency limit",
+  rate_limited: "Rate-limited", concurrency_key_held: "Concurrency key held",
+  waiting_for_dependencies: "Waiting for dependencies", scheduled: "Scheduled",
+  no_worker_for_queue: "No worker for its queue", no_worker_for_type: "No worker for its task",
+  tenant_turn: "Other tenants' turns", in_line: "In line", unknown: "In no line",
+};
+
+/** Why a job not started yet has not: each reason in words (its numbers are in the words),
+ * the jobs it names as links, and its place in line. */
+function jobWhy(data) {
+  const e = data.explain;
+  if (!e || !e.waiting || !NOT_STARTED.has(data.job.state)) return null;
+  const jobs = (label, refs) => (refs?.length
+    ? h("div", { class: "muted" }, `${label}: `, refs.flatMap((r, i) => [i ? ", " : "", jobLink(r.id), ` (${r.state || "no longer kept"})`]))
+    : null);
+  const items = e.reasons.map((r) => h("li", { dataset: { code: r.code } },
+    h("strong", {}, REASON_TITLES[r.code] || r.code), " — ", h("span", { class: "why-msg" }, r.message),
+    jobs("Held by", r.holders), jobs("Waits for", r.dependencies)));
+  return h("section", { class: "panel", id: "job-why", "aria-labelledby": "h-why" },
+    h("h2", { id: "h-why" }, "Why it has not started"),
+    e.position ? h("p", { id: "why-position" }, `Position ${plain.format(e.position)} in line`) : null,
+    h("ul", { id: "why-reasons" }, items),
+    h("p", { class: "muted" }, "Read ", timeEl(e.checked_at, { ago: true }), " from the Redis state the claim script decides by."));
 }
 
 /** Progress and the latest error, with its traceback. */

@@ -387,7 +387,9 @@ local function pop_ready(queue, prio, n, out)
     if got >= n then
       break
     end
-    local tenants = redis.call('LRANGE', ring, 0, n - got - 1)
+    -- two tenants at least: a claim of one job must see whether its tenant is alone in the
+    -- ring, or it would keep its place and be served until its list is empty
+    local tenants = redis.call('LRANGE', ring, 0, math.max(n - got - 1, 1))
     if #tenants == 0 then
       break
     end

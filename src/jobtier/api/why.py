@@ -1,0 +1,49 @@
+"""Why a job has not started: ``GET /v1/jobs/{id}/explain`` (the tenant's job) and
+``GET /v1/admin/jobs/{id}/explain`` (any tenant's, for the console's job page), answered by
+``Queue.explain`` (engine/explain.py)."""
+
+from __future__ import annotations
+
+import time
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from jobtier.api.auth import require_admin, tenant_of
+from jobtier.api.http import doc_state, encoded, job_id_of, job_not_found
+from jobtier.core.errors import JobNotFound
+from jobtier.core.explanation import Explanation, Reason, ReasonCode
+from jobtier.engine.explain import iso
+from jobtier.engine.queue import Queue
+from jobtier.status.reader import StatusReader
+
+
+async def _answer(request: Request, tenant: str | None) -> Response:
+    job_id = job_id_of(request)
+    queue: Queue = request.state.queue
+    try:
+        return encoded(await queue.explain(job_id, tenant))
+    except JobNotFound:
+        pass
+    # Redis no longer holds it: a job kept only in Postgres (the status tier's fallback) has
+    # finished long ago
+    reader: StatusReader = request.state.reader
+    found = await reader.get(job_id)
+    if found is None or (tenant is not None and found[0] != tenant):
+        raise job_not_found(job_id) from None
+    state = doc_state(found[1])
+    message = f"it is not waiting: it has finished ({state}), and only Postgres keeps it now"
+    reason = Reason(ReasonCode.NOT_WAITING, message)
+    now = iso(int(time.time() * 1000))
+    return encoded(Explanation(job_id, state, False, [reason], None, now))
+
+
+async def explain(request: Request) -> Response:
+    """The tenant's job: another tenant's is a 404, as an unknown id."""
+    return await _answer(request, tenant_of(request))
+
+
+async def admin_explain(request: Request) -> Response:
+    """Any tenant's job (the console's job page)."""
+    require_admin(request)
+    return await _answer(request, None)
