@@ -93,13 +93,54 @@ def test_decoded_values_and_compensation_payloads_open_and_mask() -> None:
     assert open_value(keys, JOB, "result", json.loads(sealed)) == {"card": "4111 1111 1111 1111"}
     assert open_value(keys, JOB, "result", [1]) == [1]
     assert masked(sealed) == MASK and masked(PLAIN) == PLAIN and masked(None) is None
-    # lib.lua's compensation payload, the failed job's sealed payload inside it
+    # lib.lua's compensation payload, the failed job's sealed payload inside it: opened as
+    # the failed job's Redis recorded (claim.lua hands its id over)
     inner = keys.seal(JOB, "payload", PLAIN)
     comp = b'{"job_id":"' + JOB.encode() + b'","type":"t","payload":' + inner + b',"error":null}'
-    opened = json.loads(open_compensation(keys, comp))
+    opened = json.loads(open_compensation(keys, comp, JOB))
     assert opened == {"job_id": JOB, "type": "t", "payload": json.loads(PLAIN), "error": None}
     plain_comp = b'{"job_id":"x","type":"t","payload":[1],"error":null}'
-    assert open_compensation(keys, plain_comp) is plain_comp
+    assert open_compensation(keys, plain_comp, "x") is plain_comp
+
+
+def test_a_compensation_payload_opens_only_as_the_recorded_failed_job() -> None:
+    keys = ring(f"k1:{K1}")
+    inner = keys.seal(JOB, "payload", PLAIN)
+    comp = b'{"job_id":"' + JOB.encode() + b'","type":"t","payload":' + inner + b',"error":null}'
+    # a payload naming JOB in a compensation Redis made for OTHER: left sealed, not opened
+    assert open_compensation(keys, comp, OTHER) is comp
+    # the envelope copied under OTHER's id: bound to JOB, it fails authentication
+    moved = comp.replace(JOB.encode(), OTHER.encode(), 1)
+    with pytest.raises(SealError, match="fails authentication"):
+        open_compensation(keys, moved, OTHER)
+
+
+def test_decrypt_only_keys_open_and_never_seal() -> None:
+    new = ring(f"k2:{K2}")
+    phase1 = Keyring.from_text(f"k1:{K1}", f"k2:{K2}")
+    assert phase1 is not None and phase1.kids == ["k1", "k2"]
+    assert phase1.sealing_kid == "k1"
+    assert json.loads(phase1.seal(JOB, "payload", PLAIN))["kid"] == "k1"
+    # what a process already promoted to k2 seals, one still in phase 1 opens
+    assert phase1.open(JOB, "payload", new.seal(JOB, "payload", PLAIN)) == PLAIN
+    s = Settings.from_env(
+        {"JOBTIER_ENCRYPTION_KEYS": f"k1:{K1}", "JOBTIER_DECRYPTION_KEYS": f"k2:{K2}"}
+    )
+    keys = s.keyring()
+    assert keys is not None and keys.kids == ["k1", "k2"] and keys.sealing_kid == "k1"
+    assert s.public()["decryption_keys"] == "***"
+    with pytest.raises(ConfigError, match="JOBTIER_DECRYPTION_KEYS needs JOBTIER_ENCRYPTION"):
+        Settings.from_env({"JOBTIER_DECRYPTION_KEYS": f"k2:{K2}"})
+    with pytest.raises(ConfigError, match="JOBTIER_DECRYPTION_KEYS: key 'k2' is not base64"):
+        Settings.from_env(
+            {"JOBTIER_ENCRYPTION_KEYS": f"k1:{K1}", "JOBTIER_DECRYPTION_KEYS": "k2:!!"}
+        )
+    with pytest.raises(ConfigError, match="name the same key id"):
+        Keyring.from_text(f"k1:{K1}", f"k1:{K2}")
+    with pytest.raises(ConfigError, match="name the same key id"):
+        Settings.from_env(
+            {"JOBTIER_ENCRYPTION_KEYS": f"k1:{K1}", "JOBTIER_DECRYPTION_KEYS": f"k1:{K2}"}
+        )
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ from jobtier.core.model import (
     encode_json,
 )
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
+from jobtier.core.sealing import KeysNotConfigured
 from jobtier.engine import validate
 from jobtier.flows import submit as flows
 from jobtier.flows.plan import plan_flow
@@ -241,9 +242,10 @@ class Producer:
 
     def _sealer(self, type: str) -> Callable[[str, bytes], bytes]:
         if self._seal is None:
-            raise ConfigError(
-                f"task {type!r} has its payloads encrypted (@task(encrypt=True)) and this "
-                "producer has no JOBTIER_ENCRYPTION_KEYS to encrypt them with"
+            raise KeysNotConfigured(
+                f"task {type!r} has its payloads encrypted (@task(encrypt=True) or "
+                "JOBTIER_ENCRYPTED_QUEUES) and this producer has no JOBTIER_ENCRYPTION_KEYS "
+                "to encrypt them with"
             )
         return self._seal
 
