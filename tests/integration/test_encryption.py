@@ -528,3 +528,24 @@ async def test_an_api_without_keys_answers_503_naming_them_and_writes_nothing(
             assert RESULT_SECRET not in r.text
     async with keyless.client("admin") as admin:
         assert (await admin.get(f"/v1/admin/jobs/{big}/result")).json() == "[encrypted]"
+
+
+async def test_a_plain_payload_marked_as_an_envelope_is_refused_unless_it_is_sealed(
+    crypt_api: ApiServer, crypt_queue: Queue
+) -> None:
+    q = crypt_queue
+    marked = {"$enc": "v1", "kid": "k1", "n": "AAAA", "c": "AAAA"}
+    async with crypt_api.client() as acme:
+        r = await acme.post("/v1/jobs", json={"type": "plain_echo", "payload": marked})
+        assert r.status_code == 422, r.text
+        assert r.json()["field"] == "payload" and '"$enc": "v1"' in r.json()["detail"]
+        # another member first: a plain payload like any other
+        reordered = {"note": 1, **marked}
+        r = await acme.post("/v1/jobs", json={"type": "plain_echo", "payload": reordered})
+        assert r.status_code == 202, r.text
+        # an encrypted task's payload is sealed whatever it is: it arrives as it was sent
+        r = await acme.post("/v1/jobs", json={"type": "secret_echo", "payload": marked})
+        assert r.status_code == 202, r.text
+    stats = await worker_for(q, registry, burst=True).run()
+    assert stats.succeeded == 2 and stats.failed == 0  # the refused one never ran
+    assert sorted(SEEN, key=len) == [marked, reordered]
