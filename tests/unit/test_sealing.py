@@ -22,6 +22,8 @@ from jobtier.core.sealing import (
     open_value,
     unseal,
 )
+from jobtier.worker.attempt import failure
+from jobtier.worker.registry import RetryPolicy
 
 K1 = base64.b64encode(bytes(range(32))).decode()
 K2 = base64.b64encode(bytes(range(100, 132))).decode()
@@ -172,3 +174,11 @@ def test_the_settings_hold_the_keys_as_a_secret_and_need_them_for_encrypted_queu
     keys = s.keyring()
     assert keys is not None and keys.kids == ["k1"]
     assert Settings.from_env({}).keyring() is None
+
+
+def test_a_missing_key_is_retried_and_a_failed_authentication_is_not() -> None:
+    # a task that opens a dependency's result meets the same errors as the worker does
+    missing = KeyMissing("the result of job x is encrypted with key id 'k9'")
+    broken = SealError("the result of job x fails authentication")
+    assert failure(missing, None).retry and failure(missing, None).delay_ms(RetryPolicy(), 1) > 0
+    assert not failure(broken, None).retry

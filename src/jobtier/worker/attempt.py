@@ -157,16 +157,18 @@ def format_traceback(exc: BaseException) -> str:
 
 
 def failure(exc: Exception, task: Task | None) -> Failure:
-    """Classify what a task raised: ``Fatal`` and the task's ``non_retryable`` classes are not
-    retried, everything else is (a timeout included), ``Retry`` with the delay it names."""
+    """Classify what a task raised: ``Fatal``, a ciphertext that fails authentication and the
+    task's ``non_retryable`` classes are not retried, everything else is (a timeout and a
+    missing encryption key included), ``Retry`` with the delay it names."""
     if isinstance(exc, TimeoutError) and task is not None and task.timeout is not None:
         return Failure(exc, "TimeoutError", f"attempt timed out after {task.timeout:g}s", True)
     if isinstance(exc, RateLimited):  # the worker also holds the queue back (reporter.py)
         message = str(exc)[:MESSAGE_LIMIT]
         return Failure(exc, "RateLimited", message, True, exc.retry_after, refund=True)
-    retry = isinstance(exc, KeyMissing) or not (
+    retry = not (
+        isinstance(exc, Fatal)
         # no retry mends a ciphertext; a missing key may come with the worker's next deploy
-        isinstance(exc, Fatal | SealError)
+        or (isinstance(exc, SealError) and not isinstance(exc, KeyMissing))
         or (task is not None and isinstance(exc, task.non_retryable))
     )
     delay = exc.delay if isinstance(exc, Retry) else None
