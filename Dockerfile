@@ -15,7 +15,9 @@ WORKDIR /src
 # README.md is the package's long description; the wildcard lets a tree without one build
 COPY pyproject.toml README.md* ./
 COPY src ./src
-RUN pip install . && rm -rf /src
+# the extras a deployment may switch on by setting alone: encryption at rest
+# (JOBTIER_ENCRYPTION_KEYS) and OTLP tracing
+RUN pip install ".[crypto,otlp]" && rm -rf /src
 
 USER jobtier
 WORKDIR /home/jobtier

@@ -221,6 +221,12 @@ class Settings:
         "(AES-GCM, 16, 24 or 32 bytes each); the first encrypts, every one decrypts.",
         secret=True,
     )
+    decryption_keys: str = _setting(
+        "",
+        "Keys that only decrypt, as JOBTIER_ENCRYPTION_KEYS: a new key goes here on every "
+        "process first, then becomes the first encryption key (docs/encryption.md, rotation).",
+        secret=True,
+    )
     encrypted_queues: str = _setting(
         "",
         "Queues whose jobs' payloads and results are encrypted (comma-separated); a task "
@@ -344,8 +350,13 @@ class Settings:
     def _encryption_problems(self) -> list[str]:
         try:
             keys = Keyring.parse_keys(self.encryption_keys)
+            more = Keyring.parse_keys(self.decryption_keys, "JOBTIER_DECRYPTION_KEYS")
         except ConfigError as exc:
             return [str(exc)]
+        if more and not keys:
+            return ["JOBTIER_DECRYPTION_KEYS needs JOBTIER_ENCRYPTION_KEYS"]
+        if {k for k, _ in keys} & {k for k, _ in more}:
+            return ["JOBTIER_ENCRYPTION_KEYS and JOBTIER_DECRYPTION_KEYS name the same key id"]
         queues = self.encrypted_queue_names()
         bad = [q for q in queues if not QUEUE_NAME_RE.fullmatch(q)]
         if bad:
@@ -361,7 +372,7 @@ class Settings:
     def keyring(self) -> Keyring | None:
         """The keys of ``encryption_keys`` (None: none); built once per process, by its
         ``Store``."""
-        return Keyring.from_text(self.encryption_keys)
+        return Keyring.from_text(self.encryption_keys, self.decryption_keys)
 
     def webhook_retry_delays(self) -> list[float]:
         """``webhook_retry_schedule`` parsed: seconds before each retry."""

@@ -22,10 +22,12 @@ from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
+from jobtier.store.calls import promote_call
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import worker_for
+from tests.fixtures.postgres import redis_clock_passes
 
 K1 = "k1:" + base64.b64encode(bytes(range(32))).decode()
 K2 = "k2:" + base64.b64encode(bytes(range(50, 82))).decode()
@@ -72,13 +74,41 @@ async def secret_fail(ctx: JobContext, payload: Any) -> None:
     raise Fatal("declined")
 
 
+@task(queue="vault", retries=0)  # a compensation made by Lua, in an encrypted queue
+async def vault_undo(ctx: JobContext, payload: Any) -> dict[str, Any]:
+    SEEN.append(payload)
+    return {"undone": RESULT_SECRET}
+
+
+@task(encrypt=True, retries=0, on_failure=vault_undo)
+async def secret_fail_vault(ctx: JobContext, payload: Any) -> None:
+    raise Fatal("declined")
+
+
+# retried soon: a worker without the key gives the job back for a later attempt
+@task(queue="vault", retries=2, backoff_base=0.05, jitter=0.0)
+async def vault_retried(ctx: JobContext, payload: Any) -> dict[str, Any]:
+    return _echo(payload)
+
+
 @task(retries=0)
 async def collect(ctx: JobContext, payload: Any) -> dict[str, Any]:
     return {dep_id: dep.result for dep_id, dep in ctx.dependencies.items()}
 
 
 registry = TaskRegistry(
-    [secret_echo, vault_echo, plain_echo, secret_big, undo, secret_fail, collect]
+    [
+        secret_echo,
+        vault_echo,
+        plain_echo,
+        secret_big,
+        undo,
+        secret_fail,
+        vault_undo,
+        secret_fail_vault,
+        vault_retried,
+        collect,
+    ]
 )
 BIG = {"rows": [f"{RESULT_SECRET}-{i}" for i in range(100)]}
 
@@ -368,3 +398,154 @@ async def test_encryption_is_refused_where_it_cannot_hold(
     assert info.value.field == "type"
     with pytest.raises(InvalidRequest, match="schedules do not support"):
         await crypt_queue.produce.task_defaults("plain_echo", "vault", None, None)
+
+
+async def _run_flows(q: Queue) -> None:
+    """Workers and the resolver until nothing is left to do (compensations included)."""
+    resolver = Resolver(q.store, name="test-resolver")
+    for _ in range(10):
+        stats = await worker_for(q, registry, burst=True).run()
+        if not await resolver.drain() and not stats.claimed:
+            return
+    raise AssertionError("the flow did not settle")
+
+
+async def test_a_copied_envelope_in_a_submitted_payload_is_never_opened(
+    crypt_queue: Queue,
+) -> None:
+    q = crypt_queue
+    victim = (await q.submit("secret_echo", {"card": SECRET}, tenant="acme")).job_id
+    envelope = json.loads((await _hash(q, victim))[b"payload"])
+    # another tenant's payload in the shape of lib.lua's compensation payload, naming the
+    # victim and holding its envelope: to the compensation task's type and to a plain one
+    forged = {"job_id": victim, "type": "secret_echo", "payload": envelope, "error": None}
+    for kind in ("undo", "plain_echo"):
+        await q.submit(kind, forged, tenant="globex")
+    # a real compensation in the same run: the failed job's payload opened for its task
+    failing = (await q.submit("secret_fail", {"card": SECRET}, tenant="acme")).job_id
+    await _run_flows(q)
+
+    assert len(SEEN) == 4  # victim's, the two forged ones, the compensation's
+    opened = [p for p in SEEN if isinstance(p, dict) and p.get("payload") == {"card": SECRET}]
+    assert [p["job_id"] for p in opened] == [failing]  # the real compensation's only
+    forged_seen = [p for p in SEEN if isinstance(p, dict) and p.get("job_id") == victim]
+    assert len(forged_seen) == 2 and all(p["payload"] == envelope for p in forged_seen)
+    assert all(SECRET not in json.dumps(p) for p in forged_seen)
+
+
+async def test_lua_made_jobs_in_an_encrypted_queue_keep_their_results_sealed(
+    crypt_queue: Queue,
+) -> None:
+    q = crypt_queue
+    failing = (await q.submit("secret_fail_vault", {"card": SECRET})).job_id
+    await _run_flows(q)
+    comp = await q.jobs.compensation_of(failing)
+    assert comp is not None
+    (seen,) = SEEN
+    assert seen["job_id"] == failing and seen["payload"] == {"card": SECRET}
+    fields = await _hash(q, comp)
+    assert not is_sealed(fields[b"payload"])  # Lua wrote it; only its inner part is sealed
+    assert is_sealed(fields[b"result"]) and RESULT_SECRET.encode() not in fields[b"result"]
+    status, result = await q.result(comp)
+    assert status.state is State.SUCCEEDED and result == {"undone": RESULT_SECRET}
+
+
+async def test_rotation_in_two_phases_and_a_missing_key_retried(
+    crypt_settings: Settings, crypt_queue: Queue
+) -> None:
+    s = crypt_settings.replace(result_store="")
+    old = crypt_queue  # k1 only: a process the rotation has not reached yet
+    # phase 1, everywhere: k2 added as decrypt-only; k1 still seals
+    phase1 = await Queue.connect(s.replace(decryption_keys=K2), registry)
+    # phase 2: k2 promoted to the sealing key, k1 kept to open what it sealed
+    phase2 = await Queue.connect(s.replace(encryption_keys=f"{K2},{K1}"), registry)
+    try:
+        assert phase1.store.keyring is not None and phase1.store.keyring.sealing_kid == "k1"
+        early = (await phase1.submit("vault_retried", {"n": 1})).job_id
+        late = (await phase2.submit("vault_retried", {"n": 2})).job_id
+        assert json.loads((await _hash(old, early))[b"payload"])["kid"] == "k1"
+        assert json.loads((await _hash(old, late))[b"payload"])["kid"] == "k2"
+
+        # a worker not yet deployed with k2 (the mistake two phases avoid): the job it cannot
+        # open is retried with the task's back-off, not dead-lettered
+        stats = await worker_for(old, registry, burst=True, queues=["vault"]).run()
+        assert stats.claimed == 2 and SEEN == [{"n": 1}]
+        status = await old.status(late)
+        assert status.state is State.SCHEDULED and status.attempt == 1
+        assert status.error is not None and status.error.type == "EncryptionKeyMissing"
+        assert "key id 'k2'" in status.error.message
+
+        # once due, a phase-1 worker (k2 decrypt-only) opens it; its result sealed with k1
+        await redis_clock_passes(old.redis, 100)
+        shards = range(old.keys.shards)
+        await old.scripts.call_many([promote_call(shard, 100) for shard in shards])
+        stats = await worker_for(phase1, registry, burst=True, queues=["vault"]).run()
+        assert stats.succeeded == 1 and SEEN[-1] == {"n": 2}
+        status = await old.status(late)
+        assert status.state is State.SUCCEEDED and status.attempt == 2
+        assert json.loads((await _hash(old, late))[b"result"])["kid"] == "k1"
+        assert (await phase2.result(late))[1]["echo"] == {"n": 2}
+    finally:
+        await phase1.close()
+        await phase2.close()
+
+
+async def test_an_api_without_keys_answers_503_naming_them_and_writes_nothing(
+    start_api: StartApi, crypt_settings: Settings, crypt_queue: Queue
+) -> None:
+    q = crypt_queue
+    done = (await q.submit("secret_echo", {"card": SECRET}, tenant="acme")).job_id
+    big = (await q.submit("secret_big", None, tenant="acme")).job_id
+    stats = await worker_for(q, registry, burst=True).run()
+    assert stats.succeeded == 2
+    s = crypt_settings
+    keyless = await start_api(
+        PostgresExtension(s), database_url=s.database_url, result_store=s.result_store,
+        result_store_threshold_bytes=s.result_store_threshold_bytes,
+    )  # fmt: skip
+
+    async def job_keys() -> list[bytes]:
+        return [k async for k in q.redis.scan_iter(match=f"{s.prefix}*job:*")]
+
+    before = sorted(await job_keys())
+    async with keyless.client() as acme:
+        r = await acme.post("/v1/jobs", json={"type": "secret_echo", "payload": {"card": 1}})
+        assert r.status_code == 503, r.text
+        problem = r.json()
+        assert problem["type"] == "urn:jobtier:problem:encryption-keys-missing"
+        assert "JOBTIER_ENCRYPTION_KEYS" in problem["detail"]
+        assert sorted(await job_keys()) == before  # nothing written
+
+        # the tenant's results: the same problem from Redis, and from the result store
+        # (not "[encrypted]", the admin's mask)
+        for url in (f"/v1/jobs/{done}/result", f"/v1/jobs/{done}/result/content",
+                    f"/v1/jobs/{big}/result/content"):  # fmt: skip
+            r = await acme.get(url)
+            assert r.status_code == 503, (url, r.text)
+            problem = r.json()
+            assert problem["type"] == "urn:jobtier:problem:encryption-keys-missing"
+            assert "no JOBTIER_ENCRYPTION_KEYS" in problem["detail"]
+            assert RESULT_SECRET not in r.text
+    async with keyless.client("admin") as admin:
+        assert (await admin.get(f"/v1/admin/jobs/{big}/result")).json() == "[encrypted]"
+
+
+async def test_a_plain_payload_marked_as_an_envelope_is_refused_unless_it_is_sealed(
+    crypt_api: ApiServer, crypt_queue: Queue
+) -> None:
+    q = crypt_queue
+    marked = {"$enc": "v1", "kid": "k1", "n": "AAAA", "c": "AAAA"}
+    async with crypt_api.client() as acme:
+        r = await acme.post("/v1/jobs", json={"type": "plain_echo", "payload": marked})
+        assert r.status_code == 422, r.text
+        assert r.json()["field"] == "payload" and '"$enc": "v1"' in r.json()["detail"]
+        # another member first: a plain payload like any other
+        reordered = {"note": 1, **marked}
+        r = await acme.post("/v1/jobs", json={"type": "plain_echo", "payload": reordered})
+        assert r.status_code == 202, r.text
+        # an encrypted task's payload is sealed whatever it is: it arrives as it was sent
+        r = await acme.post("/v1/jobs", json={"type": "secret_echo", "payload": marked})
+        assert r.status_code == 202, r.text
+    stats = await worker_for(q, registry, burst=True).run()
+    assert stats.succeeded == 2 and stats.failed == 0  # the refused one never ran
+    assert sorted(SEEN, key=len) == [marked, reordered]

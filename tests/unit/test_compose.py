@@ -17,6 +17,7 @@ import dataclasses
 import io
 import re
 import shlex
+import tomllib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -358,6 +359,28 @@ def check_commands(doc: Doc) -> list[str]:
     return problems
 
 
+# extras a deployment switches on by a setting alone: the image must hold their packages
+IMAGE_EXTRAS = ("crypto", "otlp")
+
+
+def _extras_problems(installs: list[str]) -> list[str]:
+    """The package's install names the extras of IMAGE_EXTRAS, each one pyproject has."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    extras: list[str] = []
+    for args in installs:
+        for word in shlex.split(args):
+            found = re.fullmatch(r"\.\[([\w,-]+)\]", word)
+            if found:
+                extras += found.group(1).split(",")
+    problems = [f"the image installs extra {e!r}, which pyproject lacks" for e in extras]
+    problems = [p for p, e in zip(problems, extras, strict=True) if e not in declared]
+    problems += [f"the image installs the package without the {e} extra" for e in IMAGE_EXTRAS
+                 if e not in extras]  # fmt: skip
+    return problems
+
+
 def check_dockerfile(text: str, ignore: str) -> list[str]:
     instructions = dockerfile_instructions(text)
     problems = []
@@ -370,8 +393,10 @@ def check_dockerfile(text: str, ignore: str) -> list[str]:
     users = [args for inst, args in instructions if inst == "USER"]
     if not users or users[-1].split(":")[0] in ("root", "0"):
         problems.append("the image runs as root")
-    if not any(inst == "RUN" and "pip install" in args for inst, args in instructions):
+    installs = [args for inst, args in instructions if inst == "RUN" and "pip install" in args]
+    if not installs:
         problems.append("the image does not pip install the package")
+    problems += _extras_problems(installs)
     ignored = {line.strip().rstrip("/") for line in ignore.splitlines()}
     ignored.discard("")
     for inst, args in instructions:
@@ -543,7 +568,10 @@ def test_a_service_may_run_the_built_image_without_building_it() -> None:
         ("FROM python:3.11-slim", "FROM python:3.12", "FROM python:3.11-slim"),
         ("COPY src ./src", "COPY srcs ./src", "COPY srcs: not in the repository"),
         ("COPY pyproject.toml README.md* ./", "COPY READ*.txt ./", "copies nothing"),
-        ("RUN pip install .", "RUN true", "does not pip install"),
+        ('RUN pip install ".[crypto,otlp]"', "RUN true", "does not pip install"),
+        ('".[crypto,otlp]"', ".", "without the crypto extra"),
+        ('".[crypto,otlp]"', '".[crypto]"', "without the otlp extra"),
+        ('".[crypto,otlp]"', '".[crypto,otlp,nope]"', "extra 'nope', which pyproject lacks"),
         ("ENV JOBTIER_API_HOST=", "ENV JOBTIER_API_HOSTNAME=", "ENV JOBTIER_API_HOSTNAME"),
     ],
 )

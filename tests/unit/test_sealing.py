@@ -22,6 +22,8 @@ from jobtier.core.sealing import (
     open_value,
     unseal,
 )
+from jobtier.worker.attempt import failure
+from jobtier.worker.registry import RetryPolicy
 
 K1 = base64.b64encode(bytes(range(32))).decode()
 K2 = base64.b64encode(bytes(range(100, 132))).decode()
@@ -93,13 +95,54 @@ def test_decoded_values_and_compensation_payloads_open_and_mask() -> None:
     assert open_value(keys, JOB, "result", json.loads(sealed)) == {"card": "4111 1111 1111 1111"}
     assert open_value(keys, JOB, "result", [1]) == [1]
     assert masked(sealed) == MASK and masked(PLAIN) == PLAIN and masked(None) is None
-    # lib.lua's compensation payload, the failed job's sealed payload inside it
+    # lib.lua's compensation payload, the failed job's sealed payload inside it: opened as
+    # the failed job's Redis recorded (claim.lua hands its id over)
     inner = keys.seal(JOB, "payload", PLAIN)
     comp = b'{"job_id":"' + JOB.encode() + b'","type":"t","payload":' + inner + b',"error":null}'
-    opened = json.loads(open_compensation(keys, comp))
+    opened = json.loads(open_compensation(keys, comp, JOB))
     assert opened == {"job_id": JOB, "type": "t", "payload": json.loads(PLAIN), "error": None}
     plain_comp = b'{"job_id":"x","type":"t","payload":[1],"error":null}'
-    assert open_compensation(keys, plain_comp) is plain_comp
+    assert open_compensation(keys, plain_comp, "x") is plain_comp
+
+
+def test_a_compensation_payload_opens_only_as_the_recorded_failed_job() -> None:
+    keys = ring(f"k1:{K1}")
+    inner = keys.seal(JOB, "payload", PLAIN)
+    comp = b'{"job_id":"' + JOB.encode() + b'","type":"t","payload":' + inner + b',"error":null}'
+    # a payload naming JOB in a compensation Redis made for OTHER: left sealed, not opened
+    assert open_compensation(keys, comp, OTHER) is comp
+    # the envelope copied under OTHER's id: bound to JOB, it fails authentication
+    moved = comp.replace(JOB.encode(), OTHER.encode(), 1)
+    with pytest.raises(SealError, match="fails authentication"):
+        open_compensation(keys, moved, OTHER)
+
+
+def test_decrypt_only_keys_open_and_never_seal() -> None:
+    new = ring(f"k2:{K2}")
+    phase1 = Keyring.from_text(f"k1:{K1}", f"k2:{K2}")
+    assert phase1 is not None and phase1.kids == ["k1", "k2"]
+    assert phase1.sealing_kid == "k1"
+    assert json.loads(phase1.seal(JOB, "payload", PLAIN))["kid"] == "k1"
+    # what a process already promoted to k2 seals, one still in phase 1 opens
+    assert phase1.open(JOB, "payload", new.seal(JOB, "payload", PLAIN)) == PLAIN
+    s = Settings.from_env(
+        {"JOBTIER_ENCRYPTION_KEYS": f"k1:{K1}", "JOBTIER_DECRYPTION_KEYS": f"k2:{K2}"}
+    )
+    keys = s.keyring()
+    assert keys is not None and keys.kids == ["k1", "k2"] and keys.sealing_kid == "k1"
+    assert s.public()["decryption_keys"] == "***"
+    with pytest.raises(ConfigError, match="JOBTIER_DECRYPTION_KEYS needs JOBTIER_ENCRYPTION"):
+        Settings.from_env({"JOBTIER_DECRYPTION_KEYS": f"k2:{K2}"})
+    with pytest.raises(ConfigError, match="JOBTIER_DECRYPTION_KEYS: key 'k2' is not base64"):
+        Settings.from_env(
+            {"JOBTIER_ENCRYPTION_KEYS": f"k1:{K1}", "JOBTIER_DECRYPTION_KEYS": "k2:!!"}
+        )
+    with pytest.raises(ConfigError, match="name the same key id"):
+        Keyring.from_text(f"k1:{K1}", f"k1:{K2}")
+    with pytest.raises(ConfigError, match="name the same key id"):
+        Settings.from_env(
+            {"JOBTIER_ENCRYPTION_KEYS": f"k1:{K1}", "JOBTIER_DECRYPTION_KEYS": f"k1:{K2}"}
+        )
 
 
 @pytest.mark.parametrize(
@@ -131,3 +174,11 @@ def test_the_settings_hold_the_keys_as_a_secret_and_need_them_for_encrypted_queu
     keys = s.keyring()
     assert keys is not None and keys.kids == ["k1"]
     assert Settings.from_env({}).keyring() is None
+
+
+def test_a_missing_key_is_retried_and_a_failed_authentication_is_not() -> None:
+    # a task that opens a dependency's result meets the same errors as the worker does
+    missing = KeyMissing("the result of job x is encrypted with key id 'k9'")
+    broken = SealError("the result of job x fails authentication")
+    assert failure(missing, None).retry and failure(missing, None).delay_ms(RetryPolicy(), 1) > 0
+    assert not failure(broken, None).retry

@@ -183,7 +183,9 @@ _KEY_DIFFERS = oa.refuses(
 _RATE_LIMITED = oa.refuses(429, "the tenant's rate limit or waiting-jobs cap", oa.RETRY_AFTER)
 _BACK_PRESSURE = oa.refuses(
     503,
-    "back-pressure (too many waiting jobs, write-behind lag) or Redis unavailable",
+    "back-pressure (too many waiting jobs, write-behind lag), Redis unavailable, or a job "
+    "to encrypt and no JOBTIER_ENCRYPTION_KEYS here (type …:encryption-keys-missing; nothing "
+    "is submitted)",
     oa.RETRY_AFTER,
 )
 _ANY_OBJECT = {"type": "object"}
@@ -275,6 +277,7 @@ def _job_paths(s: Settings) -> oa.Paths:
         "The jobs this one waits for, in order: pending, or their outcome (result or error)",
         oa.returns(200, "DependencyList", "the dependencies (empty for a job without any)"),
         oa.JOB_404,
+        *oa.SEALED,
     )
     add(
         "GET /v1/jobs/{job_id}",
@@ -303,6 +306,7 @@ def _job_paths(s: Settings) -> oa.Paths:
         "result_url says where it streams from)",
         oa.returns(200, "ResultResponse", "state, result (or result_url) and error"),
         oa.JOB_404,
+        *oa.SEALED,
     )
     add(
         "POST /v1/jobs/{job_id}/cancel",

@@ -16,6 +16,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from jobtier.core.sealing import KeysNotConfigured
+
 log = logging.getLogger("jobtier.api")
 
 PROBLEM = "application/problem+json"
@@ -42,6 +44,7 @@ TITLES = {
     "unavailable": "Service unavailable",
     "internal": "Internal error",
     "encryption": "An encrypted value cannot be opened",
+    "encryption-keys-missing": "This server lacks the encryption key configuration it needs",
 }
 
 
@@ -151,6 +154,13 @@ async def on_unavailable(request: Request, exc: Exception) -> Response:
     return Problem(503, "unavailable", detail, headers=RETRY_SOON).response()
 
 
+async def on_keys_not_configured(request: Request, exc: Exception) -> Response:
+    """A job to encrypt and no JOBTIER_ENCRYPTION_KEYS here: the server's configuration is
+    at fault, not the request (nothing was written)."""
+    log.warning("event=encryption_keys_missing path=%s error=%s", request.url.path, exc)
+    return Problem(503, "encryption-keys-missing", str(exc)).response()
+
+
 async def on_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, UNAVAILABLE):
         return await on_unavailable(request, exc)
@@ -164,5 +174,6 @@ HANDLERS: dict[Any, Any] = {
     Problem: on_problem,
     HTTPException: on_http_exception,
     **dict.fromkeys(UNAVAILABLE, on_unavailable),
+    KeysNotConfigured: on_keys_not_configured,
     Exception: on_error,
 }

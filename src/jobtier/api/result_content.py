@@ -47,15 +47,16 @@ async def content(request: Request) -> Response:
     keyring = queue.store.keyring  # the tenant's own: an encrypted result opened
     if ref is None:
         return Response(opened(keyring, job_id, "result", value or b"null"), media_type=JSON)
-    return await stored_result(request, job_id, ref, keyring)
+    return await stored_result(request, job_id, ref, keyring, mask=False)
 
 
 async def stored_result(
-    request: Request, job_id: str, ref: str, keyring: Keyring | None = None
+    request: Request, job_id: str, ref: str, keyring: Keyring | None = None, mask: bool = True
 ) -> Response:
     """A result the result store keeps, streamed byte for byte; 410 once it no longer does.
-    An encrypted one is read whole and opened with ``keyring``, or without one shown as
-    ``"[encrypted]"`` (the admin routes: docs/encryption.md)."""
+    An encrypted one is read whole and opened with ``keyring``; without one, shown as
+    ``"[encrypted]"`` when ``mask`` (the admin routes: docs/encryption.md), else the problem
+    the tenant's other result routes answer (a 503 naming the missing keys)."""
     store = await reader_for(ref, request.state.pg_extension.pool)
     size = await store.size(ref)
     if size is None:
@@ -63,7 +64,7 @@ async def stored_result(
     chunks: AsyncIterator[bytes] = store.stream(ref)
     first = await anext(chunks, b"")
     if is_sealed(first):
-        if keyring is None:
+        if keyring is None and mask:
             return Response(MASK, media_type=JSON)
         whole = first + b"".join([chunk async for chunk in chunks])
         return Response(opened(keyring, job_id, "result", whole), media_type=JSON)
@@ -91,5 +92,6 @@ def operations(settings: Settings) -> oa.Paths:
         oa.JOB_404,
         oa.refuses(409, "the job has not succeeded"),
         oa.refuses(410, "the result is no longer kept (job_id)"),
+        *oa.SEALED,
     )
     return paths

@@ -7,15 +7,18 @@ import contextlib
 from collections.abc import Iterator
 
 from jobtier.api.problems import Problem
-from jobtier.core.sealing import Keyring, SealError, unseal
+from jobtier.core.sealing import KeyMissing, Keyring, SealError, unseal
 
 
 @contextlib.contextmanager
 def seal_problems(job_id: str) -> Iterator[None]:
-    """A value this API cannot open answers 500 with why (a key id it lacks, a ciphertext
-    that fails authentication), never a plain byte of it."""
+    """A value this API cannot open answers with why, never a plain byte of it: 503 for a
+    key this API lacks (its configuration: another replica, or its next deploy, has it), 500
+    for a ciphertext that fails authentication."""
     try:
         yield
+    except KeyMissing as exc:
+        raise Problem(503, "encryption-keys-missing", str(exc), job_id=job_id) from None
     except SealError as exc:
         raise Problem(500, "encryption", str(exc), job_id=job_id) from None
 

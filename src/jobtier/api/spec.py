@@ -186,6 +186,16 @@ PATH_PARAMS = {
     ),
 }
 JOB_404 = unknown("job")
+# an encrypted value the API cannot open (docs/encryption.md), for the tenant's routes
+SEALED = (
+    refuses(500, "an encrypted value fails authentication (type …:encryption; job_id)"),
+    refuses(
+        503,
+        "Redis or Postgres is unavailable; try again — or an encrypted value this server "
+        "lacks the key of (type …:encryption-keys-missing; job_id)",
+        RETRY_AFTER,
+    ),
+)
 BAD_QUEUE_NAME = refuses(422, "a queue name that breaks its pattern")
 DELETED: Answer = (204, {"description": "deleted"})
 

@@ -348,6 +348,9 @@ class ClaimedJob(msgspec.Struct, frozen=True):
     inputs: tuple[bytes, list[bytes]] | None = None
     # the W3C traceparent of its submit, when that was traced (runtime/tracing.py)
     trace: str | None = None
+    # a compensation's: the id of the failed job it compensates, as Redis recorded it when it
+    # created the compensation (never read from the payload, which a submitter could write)
+    compensates: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

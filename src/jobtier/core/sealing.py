@@ -8,7 +8,8 @@ transition log Postgres copies, and in the result store::
 Its associated data binds the job id and the part (``payload`` or ``result``): a ciphertext
 copied to another job, or from a payload to a result, fails authentication. ``kid`` names
 the key it was sealed with, so a ``Keyring`` holding the old keys still opens it after a
-rotation; the first key of a keyring seals.
+rotation; the first key of a keyring seals. Decrypt-only keys (``JOBTIER_DECRYPTION_KEYS``)
+open and never seal: a rotation adds the new key so everywhere first, then promotes it.
 
 ``cryptography`` is imported only when a keyring is built (the ``jobtier[crypto]`` extra):
 processes without keys, and the client, never load it.
@@ -59,6 +60,11 @@ class KeyMissing(SealError):
     kind = "EncryptionKeyMissing"
 
 
+class KeysNotConfigured(ConfigError):
+    """A value this process must encrypt, and it has no ``JOBTIER_ENCRYPTION_KEYS`` (the API
+    answers 503: its configuration, not the request, is at fault)."""
+
+
 def is_sealed(data: bytes | None) -> bool:
     return bool(data) and data[: len(PREFIX)] == PREFIX  # type: ignore[index]
 
@@ -68,9 +74,11 @@ def _aad(job_id: str, part: str) -> bytes:
 
 
 class Keyring:
-    """Named AES-GCM keys: the first seals, every one opens."""
+    """Named AES-GCM keys: the first of ``keys`` seals, every one (``opening`` too) opens."""
 
-    def __init__(self, keys: list[tuple[str, bytes]]) -> None:
+    def __init__(
+        self, keys: list[tuple[str, bytes]], opening: list[tuple[str, bytes]] | None = None
+    ) -> None:
         try:
             from cryptography.exceptions import InvalidTag
             from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -82,42 +90,49 @@ class Keyring:
         if not keys:
             raise ConfigError("a keyring needs at least one key")
         self._invalid = InvalidTag
-        self.kids = [kid for kid, _ in keys]
-        self._ciphers = {kid: AESGCM(key) for kid, key in keys}
+        both: list[tuple[str, bytes]] = [*keys, *(opening or [])]
+        self.kids = [kid for kid, _ in both]
+        if len(set(self.kids)) < len(self.kids):
+            raise ConfigError(
+                "JOBTIER_ENCRYPTION_KEYS and JOBTIER_DECRYPTION_KEYS name the same key id"
+            )
+        self._ciphers = {kid: AESGCM(key) for kid, key in both}
         self._sealing = self.kids[0]
         self._cipher = self._ciphers[self._sealing]
 
     @staticmethod
-    def parse_keys(text: str) -> list[tuple[str, bytes]]:
+    def parse_keys(text: str, name: str = "JOBTIER_ENCRYPTION_KEYS") -> list[tuple[str, bytes]]:
         """``kid1:base64key,kid2:base64key`` as (kid, key) pairs; ``ConfigError`` naming the
-        bad entry (never its key)."""
+        setting and the bad entry (never its key)."""
         keys: list[tuple[str, bytes]] = []
         for item in filter(None, (p.strip() for p in text.split(","))):
             kid, sep, encoded = item.partition(":")
             if not sep or not KID_RE.fullmatch(kid):
                 raise ConfigError(
-                    "JOBTIER_ENCRYPTION_KEYS entries are 'kid:base64key', the kid matching "
-                    f"{KID_RE.pattern}"
+                    f"{name} entries are 'kid:base64key', the kid matching {KID_RE.pattern}"
                 )
             try:
                 key = base64.b64decode(encoded, validate=True)
             except (binascii.Error, ValueError):
-                raise ConfigError(f"JOBTIER_ENCRYPTION_KEYS: key {kid!r} is not base64") from None
+                raise ConfigError(f"{name}: key {kid!r} is not base64") from None
             if len(key) not in KEY_SIZES:
                 raise ConfigError(
-                    f"JOBTIER_ENCRYPTION_KEYS: key {kid!r} is {len(key)} bytes; AES-GCM takes "
-                    "16, 24 or 32"
+                    f"{name}: key {kid!r} is {len(key)} bytes; AES-GCM takes 16, 24 or 32"
                 )
             if kid in (k for k, _ in keys):
-                raise ConfigError(f"JOBTIER_ENCRYPTION_KEYS names key {kid!r} twice")
+                raise ConfigError(f"{name} names key {kid!r} twice")
             keys.append((kid, key))
         return keys
 
     @classmethod
-    def from_text(cls, text: str) -> Keyring | None:
-        """The keyring of a ``JOBTIER_ENCRYPTION_KEYS`` value; None for none."""
+    def from_text(cls, text: str, opening: str = "") -> Keyring | None:
+        """The keyring of a ``JOBTIER_ENCRYPTION_KEYS`` value and a
+        ``JOBTIER_DECRYPTION_KEYS`` one; None for none."""
         keys = cls.parse_keys(text)
-        return cls(keys) if keys else None
+        more = cls.parse_keys(opening, "JOBTIER_DECRYPTION_KEYS")
+        if more and not keys:
+            raise ConfigError("JOBTIER_DECRYPTION_KEYS needs JOBTIER_ENCRYPTION_KEYS")
+        return cls(keys, more) if keys else None
 
     @property
     def sealing_kid(self) -> str:
@@ -142,7 +157,8 @@ class Keyring:
         if cipher is None:
             raise KeyMissing(
                 f"the {part} of job {job_id} is encrypted with key id {kid[:64]!r}, which "
-                f"JOBTIER_ENCRYPTION_KEYS does not hold (it holds {', '.join(self.kids)})"
+                f"this process does not hold (it holds {', '.join(self.kids)}; a worker retries "
+                "the job later, after its deploy may have brought the key)"
             )
         try:
             return bytes(cipher.decrypt(nonce, sealed, _aad(job_id, part)))
@@ -183,14 +199,18 @@ def open_value(keyring: Keyring | None, job_id: str, part: str, value: Any) -> A
     return msgspec.json.decode(unseal(keyring, job_id, part, msgspec.json.encode(value)))
 
 
-def open_compensation(keyring: Keyring | None, payload: bytes) -> bytes:
+def open_compensation(keyring: Keyring | None, payload: bytes, failed_id: str) -> bytes:
     """A compensation job's payload (lib.lua: ``{"job_id", "type", "payload", "error"}``)
-    with the failed job's sealed payload opened; any other payload as it is."""
-    if payload[:10] != b'{"job_id":' or b'"payload":{"$enc":"v1",' not in payload:
+    with the failed job's sealed payload opened as ``failed_id``'s.
+
+    ``failed_id`` is the one Redis recorded when it created the compensation (claim.lua hands
+    it over); a payload whose own ``job_id`` differs is not the server's, and is left as it is:
+    a submitter must never get a copied envelope opened by naming its job in a payload."""
+    if b'"payload":{"$enc":"v1",' not in payload:
         return payload
     value = _decode(payload)
     inner = value.get("payload")
-    if not is_envelope(inner) or not isinstance(value.get("job_id"), str):
+    if not is_envelope(inner) or value.get("job_id") != failed_id:
         return payload
-    value["payload"] = open_value(keyring, value["job_id"], "payload", inner)
+    value["payload"] = open_value(keyring, failed_id, "payload", inner)
     return msgspec.json.encode(value)

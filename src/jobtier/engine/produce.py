@@ -37,6 +37,7 @@ from jobtier.core.model import (
     encode_json,
 )
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
+from jobtier.core.sealing import PREFIX, KeysNotConfigured
 from jobtier.engine import validate
 from jobtier.flows import submit as flows
 from jobtier.flows.plan import plan_flow
@@ -203,6 +204,14 @@ class Producer:
         seal = None
         if (task is not None and task.encrypt) or queue in self._sealed_queues:
             seal = self._sealer(spec.type)
+        elif payload[:13] == PREFIX:
+            # a worker takes a payload so marked for a sealed one and would fail the job
+            # (a sealed job's is sealed again: it arrives as it was sent)
+            raise InvalidRequest(
+                'payload: an object whose first member is "$enc": "v1" reads as an encrypted '
+                "value (docs/encryption.md); put another member first, or wrap it",
+                field="payload",
+            )
         deps: list[str] = []
         if spec.depends_on is not None or spec.on_dependency_failure is not None:
             deps = validate.depends_on(spec, self.keys, s.max_flow_jobs)
@@ -241,9 +250,10 @@ class Producer:
 
     def _sealer(self, type: str) -> Callable[[str, bytes], bytes]:
         if self._seal is None:
-            raise ConfigError(
-                f"task {type!r} has its payloads encrypted (@task(encrypt=True)) and this "
-                "producer has no JOBTIER_ENCRYPTION_KEYS to encrypt them with"
+            raise KeysNotConfigured(
+                f"task {type!r} has its payloads encrypted (@task(encrypt=True) or "
+                "JOBTIER_ENCRYPTED_QUEUES) and this producer has no JOBTIER_ENCRYPTION_KEYS "
+                "to encrypt them with"
             )
         return self._seal
 

@@ -132,9 +132,9 @@ def claim_call(
 
 def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
     now, claimed, handed = int(reply[0]), int(reply[2]), int(reply[3])
-    # 10 values per job; 9 from the scripts before the trace context (a benchmark's baseline
-    # runs them: bench/transitions.py)
-    width = (len(reply) - 6 - handed - int(reply[4])) // claimed if claimed else 10
+    # 11 values per job; 9 from the scripts before the trace context, 10 before the
+    # compensated job's id (a benchmark's baseline runs them: bench/transitions.py)
+    width = (len(reply) - 6 - handed - int(reply[4])) // claimed if claimed else 11
     end = 6 + width * claimed
     jobs = [
         ClaimedJob(
@@ -149,6 +149,7 @@ def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
             queue=reply[i + 7].decode(),
             inputs=(reply[i + 8][0], reply[i + 8][1]) if reply[i + 8] else None,
             trace=reply[i + 9].decode() if width > 9 and reply[i + 9] else None,
+            compensates=reply[i + 10].decode() if width > 10 and reply[i + 10] else None,
         )
         for i in range(6, end, width)
     ]

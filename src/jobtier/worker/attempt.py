@@ -36,7 +36,14 @@ import msgspec
 
 from jobtier.core.errors import Cancelled, Fatal, RateLimited, Retry
 from jobtier.core.model import encode_json
-from jobtier.core.sealing import PREFIX, Keyring, SealError, open_compensation, unseal
+from jobtier.core.sealing import (
+    PREFIX,
+    KeyMissing,
+    Keyring,
+    SealError,
+    open_compensation,
+    unseal,
+)
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import RetryPolicy, Task
 
@@ -150,15 +157,18 @@ def format_traceback(exc: BaseException) -> str:
 
 
 def failure(exc: Exception, task: Task | None) -> Failure:
-    """Classify what a task raised: ``Fatal`` and the task's ``non_retryable`` classes are not
-    retried, everything else is (a timeout included), ``Retry`` with the delay it names."""
+    """Classify what a task raised: ``Fatal``, a ciphertext that fails authentication and the
+    task's ``non_retryable`` classes are not retried, everything else is (a timeout and a
+    missing encryption key included), ``Retry`` with the delay it names."""
     if isinstance(exc, TimeoutError) and task is not None and task.timeout is not None:
         return Failure(exc, "TimeoutError", f"attempt timed out after {task.timeout:g}s", True)
     if isinstance(exc, RateLimited):  # the worker also holds the queue back (reporter.py)
         message = str(exc)[:MESSAGE_LIMIT]
         return Failure(exc, "RateLimited", message, True, exc.retry_after, refund=True)
     retry = not (
-        isinstance(exc, Fatal | SealError)  # no retry brings a key back, or mends a ciphertext
+        isinstance(exc, Fatal)
+        # no retry mends a ciphertext; a missing key may come with the worker's next deploy
+        or (isinstance(exc, SealError) and not isinstance(exc, KeyMissing))
         or (task is not None and isinstance(exc, task.non_retryable))
     )
     delay = exc.delay if isinstance(exc, Retry) else None
@@ -178,6 +188,7 @@ async def run_attempt(
     max_result_bytes: int,
     sink: AttemptSink,
     keyring: Keyring | None = None,
+    sealed_queue: bool = False,
 ) -> None:
     """Run one attempt of ``task`` for ``ctx``'s job, as a worker does, and tell ``sink``
     how it ended (exactly once, before returning; a cancellation of this coroutine ends it
@@ -185,9 +196,10 @@ async def run_attempt(
 
     An ``async def`` task runs on the event loop, a plain ``def`` in ``executor``; the task's
     ``timeout`` bounds either. An encrypted payload is opened with ``keyring`` first, and the
-    result of such a job (or of a task with ``encrypt=True``) sealed (docs/encryption.md).
+    result of such a job (or of a task with ``encrypt=True``, or of a job in an encrypted
+    queue: ``sealed_queue``) sealed (docs/encryption.md).
     """
-    sealed = False
+    sealed = sealed_queue
     try:
         if task is None:
             raise LookupError(f"no task {ctx.type!r} in this worker ({ctx.worker_id})")
@@ -195,8 +207,8 @@ async def run_attempt(
         if payload[:13] == PREFIX:  # (is_sealed, without its call per job)
             sealed = True
             payload = unseal(keyring, ctx.job.id, "payload", payload)
-        elif payload[:10] == b'{"job_id":':  # perhaps a compensation's, holding a sealed one
-            payload = open_compensation(keyring, payload)
+        elif ctx.job.compensates is not None:  # a compensation's, perhaps holding a sealed one
+            payload = open_compensation(keyring, payload, ctx.job.compensates)
         try:
             decoded = task.decode_payload(payload)  # into its annotated type, if any
         except msgspec.ValidationError as exc:
@@ -216,7 +228,10 @@ async def run_attempt(
     except asyncio.CancelledError:
         sink.attempt_ended(ctx, INTERRUPTED)
     except SealError as exc:  # the message names the job and key id, never a plain byte
-        sink.attempt_ended(ctx, Failure(exc, exc.kind, str(exc), False, raised=False))
+        # a missing key is retried with the task's back-off: during a rolling deploy the
+        # next worker to claim the job may hold it; a ciphertext that fails never opens
+        retry = isinstance(exc, KeyMissing)
+        sink.attempt_ended(ctx, Failure(exc, exc.kind, str(exc), retry, raised=False))
     except Cancelled as exc:
         if ctx.cancel_requested:
             sink.attempt_ended(ctx, STOPPED)

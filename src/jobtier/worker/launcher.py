@@ -101,6 +101,9 @@ class Launcher:
         self._task_of = state.registry.get
         self._max_result = state.settings.max_result_bytes
         self._keyring = state.store.keyring  # opens payloads, seals results (encrypted jobs)
+        # their results sealed whoever made the job (Lua makes compensations and schedule
+        # firings, with plain payloads)
+        self._sealed_queues = state.settings.encrypted_queue_names()
         self._tracer: Any = None  # set by open() when tracing is on
 
     async def open(self) -> None:
@@ -139,8 +142,9 @@ class Launcher:
         running = Running(job, shard, task, ctx, time.monotonic(), permit=permit)
         self._running[job.id] = running
         limit = self._max_result
+        in_sealed = job.queue in self._sealed_queues
         if self.results is None:
-            attempt = run_attempt(task, ctx, self.threads, limit, self.reporter, keyring)
+            attempt = run_attempt(task, ctx, self.threads, limit, self.reporter, keyring, in_sealed)
         else:  # large results go to the result store before the success is reported
             attempt = run_attempt_storing(
                 task,
@@ -151,6 +155,7 @@ class Launcher:
                 self.results,
                 self.state.settings.result_store_threshold_bytes,
                 keyring,
+                in_sealed,
             )
         if self._tracer is None:
             running.handle = asyncio.create_task(attempt, name=f"job {job.id}")

@@ -41,11 +41,12 @@ async def run_attempt_storing(
     store: ResultStore,
     threshold: int,
     keyring: Keyring | None = None,
+    sealed_queue: bool = False,
 ) -> None:
     """``run_attempt``, with a result over ``threshold`` bytes stored first. A store that
     fails makes the attempt a retryable failure (the result is lost with it, not the job)."""
     ended = _Ended()
-    await run_attempt(task, ctx, executor, max_result_bytes, ended, keyring)
+    await run_attempt(task, ctx, executor, max_result_bytes, ended, keyring, sealed_queue)
     end = ended.end
     if isinstance(end, bytes) and len(end) > threshold:
         job = ctx.job

@@ -178,7 +178,14 @@ local function claim_ids(ids)
         out[k + 1], out[k + 2], out[k + 3], out[k + 4] = id, j.type, j.more, j.attempt
         out[k + 5], out[k + 6], out[k + 7] = j.max_attempts, j.lease_version, queued_at
         out[k + 8], out[k + 9], out[k + 10] = j.queue, flow_inputs(j), j.more2 or ''
-        nout = k + 10
+        -- the failed job a compensation compensates (lib.lua compensate), read only for a
+        -- payload of a compensation's shape: one HGET for those, none for the others
+        local cof = ''
+        if string.sub(j.more or '', 1, 10) == '{"job_id":' then
+          cof = redis.call('HGET', j._key, 'cof') or ''
+        end
+        out[k + 11] = cof
+        nout = k + 11
         claimed = claimed + 1
       end
     end

@@ -735,6 +735,10 @@ local function compensate(j)
   create_job(id, j.tenant, ctype, cqueue, j.prio, payload, attempts, '', '', 'compensation', '',
              1, nil, v[3])
   redis.call('HSET', key, 'cjob', id)
+  -- 'cof': the job it compensates, written only here: claim.lua hands it to the worker, which
+  -- opens an encrypted payload inside a payload only for a job that has it (a submitter can
+  -- write a payload of this shape, never this field)
+  redis.call('HSET', job_key(id), 'cof', j.id)
 end
 
 flow_finished = function(j, ttl)
