@@ -78,7 +78,7 @@ class Explainer:
             owner = await self.store.redis.hget(keys.job(job_id), "tenant")
             if owner is None:
                 raise JobNotFound(job_id)
-            if owner.decode() != tenant:
+            if owner != tenant.encode():
                 raise OtherTenants(job_id)
         args = ("job", job_id, LISTED, SCANNED, HOLDER_READS, LINE_BOUND)
         facts: dict[str, Any] = msgspec.json.decode(
