@@ -5,6 +5,7 @@ to decide once. And ``jobtier queues scaling``, the same read from the terminal.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -38,7 +39,7 @@ async def test_demand_bounds_pause_and_limit_without_workers(api: ApiServer) -> 
         # images is known by its task's advert, and empty
         s = await scaling(admin, "images")
         assert (s["desired_workers"], s["decided_by"], s["demand"]) == (0, "demand", 0)
-        assert (s["live_workers"], s["slots"], s["slots_from"]) == (0, None, "none")
+        assert (s["live_workers"], s["slots"], s["slots_from"]) == (0, 50, "default")
         assert s["utilisation"] is None and s["oldest_age_seconds"] is None
         assert (await scaling(admin, "images", min=2))["desired_workers"] == 2
         assert (await scaling(admin, "images", min=2))["decided_by"] == "min"
@@ -50,14 +51,18 @@ async def test_demand_bounds_pause_and_limit_without_workers(api: ApiServer) -> 
         assert (s["slots"], s["slots_from"], s["demand"]) == (3, "query", 7)
         s = await scaling(admin, "images", slots=3, max=2)
         assert (s["desired_workers"], s["decided_by"], s["max"]) == (2, "max", 2)
-        # no live worker and no slots given: one worker, which will advertise its slots
+        # no live worker and no slots given: a worker's default concurrency (50) is assumed
         s = await scaling(admin, "images")
-        assert (s["desired_workers"], s["slots_from"]) == (1, "none")
+        assert (s["desired_workers"], s["slots"], s["slots_from"]) == (1, 50, "default")
+        await submit(c, 50, "thumbnail", "images", {"url": "a.png"})
+        await submit(c, 50, "thumbnail", "images", {"url": "a.png"})
+        s = await scaling(admin, "images")  # ceil(107 / 50), not one worker for any backlog
+        assert (s["desired_workers"], s["decided_by"], s["ready"]) == (3, "demand", 107)
 
         # paused: its ready jobs cannot be claimed, so they ask for nobody
         assert (await admin.post("/v1/admin/queues/images/pause")).status_code == 200
         s = await scaling(admin, "images", slots=3)
-        assert (s["desired_workers"], s["paused"], s["ready"], s["demand"]) == (0, True, 7, 0)
+        assert (s["desired_workers"], s["paused"], s["ready"], s["demand"]) == (0, True, 107, 0)
         assert (await admin.post("/v1/admin/queues/images/resume")).status_code == 200
 
         # a concurrency limit caps the demand: more workers than it lets run would idle
@@ -110,6 +115,63 @@ async def test_slots_from_live_workers_and_the_age_raise(
         assert (await admin.post("/v1/admin/queues/scale/pause")).status_code == 200
         s = await scaling(admin, "scale", target_age=0.2)
         assert (s["desired_workers"], s["decided_by"], s["demand"]) == (3, "demand", 3)
+        assert (await admin.post("/v1/admin/queues/scale/resume")).status_code == 200
+
+        # a rate limit of 1 start per 10 s lets ceil(0.1 * target_age) = 1 ready job start
+        # within target_age: 5 ready ask for one slot beside the 3 running, and their age is
+        # the rate's doing, so no age raise (6 without the limit)
+        await submit(c, 4, "wait_for_cancel", "scale")
+        limits = {"rate": 1, "per": 10}
+        assert (await admin.put("/v1/admin/queues/scale/limits", json=limits)).status_code == 200
+        s = await scaling(admin, "scale", target_age=0.2)
+        assert (s["desired_workers"], s["decided_by"], s["ready"], s["demand"]) == (
+            4,
+            "rate",
+            5,
+            4,
+        )
+        assert (s["rate_per_second"], s["rate_allowance"]) == (0.1, 1)
+        # over a longer target_age the rate lets every ready job start: demand decides
+        s = await scaling(admin, "scale", target_age=3600)
+        assert (s["desired_workers"], s["decided_by"], s["rate_allowance"]) == (8, "demand", 360)
+        assert (await admin.put("/v1/admin/queues/scale/limits", json={})).status_code == 200
+        s = await scaling(admin, "scale", target_age=0.2)
+        assert (s["desired_workers"], s["decided_by"], s["rate_per_second"]) == (8, "demand", None)
+
+        # blocked (a task raised RateLimited): no ready job can start, only the running count
+        await queue.admin.block("scale", 600)
+        s = await scaling(admin, "scale", target_age=0.2)
+        assert (s["desired_workers"], s["decided_by"], s["demand"]) == (3, "blocked", 3)
+        assert s["blocked_until"] is not None and s["blocked_until"] > time.time() + 500
+
+
+async def test_the_oldest_age_reads_past_a_hundred_tenants(api: ApiServer, queue: Queue) -> None:
+    """A claim sends the tenant it served to the back of its priority's rotation: the oldest
+    ready job can belong to a tenant deeper in it than any first hundred."""
+
+    async def put(tenant: str, n: int = 0) -> None:
+        # an idempotency key picks the shard: every tenant's jobs in one rotation
+        key = next(k for i in range(1000) if queue.keys.shard_for(tenant, k := f"{n}.{i}") == 0)
+        await queue.submit("echo", n, queue="old", tenant=tenant, idempotency_key=key)
+
+    await put("first")
+    await put("first", 1)
+    async with api.client("admin") as admin:
+
+        async def aged() -> bool:
+            age = (await scaling(admin, "old"))["oldest_age_seconds"]
+            return age is not None and age >= 0.5
+
+        await wait_for(aged, timeout=30, interval=0.05)
+        for i in range(101):
+            await put(f"t{i}")
+        # a claim takes the first tenant's oldest job and sends it behind the 101 others
+        batch = await queue.scripts.claim(0, "w", 1, 30_000, [("old", -1)], [])
+        assert len(batch.jobs) == 1
+        s = await scaling(admin, "old")
+        assert s["ready"] == 102 and s["oldest_age_seconds"] >= 0.5, s
+        ages = await queue.admin.oldest_queued(tenants=100)  # as it read before: too young
+        assert ages[("old", "normal")] < 0.5
 
 
 async def test_bad_requests_name_their_field_and_unknown_queues_are_404(api: ApiServer) -> None:

@@ -17,6 +17,8 @@ from jobtier.config import Settings
 from jobtier.core.errors import JobNotFound
 from jobtier.core.explanation import Explanation, Reason, ReasonCode
 from jobtier.core.model import QueueLimits, State
+from jobtier.engine import explain as explain_module
+from jobtier.engine.explain import OtherTenants
 from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from jobtier.scheduler import Scheduler
@@ -108,6 +110,76 @@ async def test_unknown_and_another_tenants_jobs_are_not_found(one: Queue) -> Non
     for job_id, tenant in ((job, "globex"), (one.keys.new_id(), None), ("nope", None)):
         with pytest.raises(JobNotFound):
             await one.explain(job_id, tenant)
+    # another tenant's job, or an unknown id asked by a tenant: one HGET, the script never runs
+    calls, reads = (
+        await command_calls(one.redis, "fcall_ro"),
+        await command_calls(one.redis, "hget"),
+    )
+    for job_id in (job, one.keys.new_id()):
+        with pytest.raises(JobNotFound) as caught:
+            await one.explain(job_id, "globex")
+        assert isinstance(caught.value, OtherTenants) is (job_id == job)
+    assert await command_calls(one.redis, "fcall_ro") == calls
+    assert await command_calls(one.redis, "hget") == reads + 2
+
+
+async def test_a_line_longer_than_the_scripts_bound_answers_at_least(
+    one: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LPOS reads LINE_BOUND entries from each end of a line: a job at either end gets its
+    exact place, one in the middle of a longer line a lower bound and no position."""
+    monkeypatch.setattr(explain_module, "LINE_BOUND", 3)
+    await advertise(one, "w1", ["mail"], ["send"])
+    ids = [(await one.submit("send", i, queue="mail")).job_id for i in range(10)]
+    # the oldest three and the newest three are within reach
+    for n in (0, 2, 7, 9):
+        e = await one.explain(ids[n])
+        r = reason(e, ReasonCode.IN_LINE)
+        assert (e.position, r.ahead, r.at_least) == (n + 1, n, None), (n, e)
+    for n in (3, 6):  # neither end's LPOS finds them: at least 3 ahead, no position
+        e = await one.explain(ids[n])
+        r = reason(e, ReasonCode.IN_LINE)
+        assert (e.position, r.ahead, r.at_least) == (None, 3, True), (n, e)
+        assert "at least 3 ahead" in r.message
+    # a line within twice the bound is read whole: a job it lacks is in no line
+    monkeypatch.setattr(explain_module, "LINE_BOUND", 5)
+    assert (await one.explain(ids[4])).position == 5
+    # the scheduler agrees with the lower bound: three claims take the three oldest
+    monkeypatch.setattr(explain_module, "LINE_BOUND", 3)
+    assert await claim(one, 3) == ids[:3]
+    assert (await one.explain(ids[3])).position == 1
+
+
+async def test_a_long_key_line_and_the_holder_scan_are_bounded(
+    one: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await advertise(one, "w1", ["mail"], ["send"])
+    keyed = [
+        (await one.submit("send", i, queue="mail", concurrency_key="acct")).job_id for i in range(9)
+    ]
+    assert await claim(one) == keyed[:1]  # it holds the key; the others wait behind it
+    plain = [(await one.submit("send", i, queue="mail")).job_id for i in range(6)]
+    assert await claim(one, 6) == plain  # running: the holder scan reads them too
+
+    async def hmgets(holder_reads: int, line_bound: int) -> tuple[Reason, int]:
+        monkeypatch.setattr(explain_module, "HOLDER_READS", holder_reads)
+        monkeypatch.setattr(explain_module, "LINE_BOUND", line_bound)
+        before = await command_calls(one.redis, "hmget")
+        e = await one.explain(keyed[5])
+        return reason(e, ReasonCode.CONCURRENCY_KEY_HELD), await command_calls(
+            one.redis, "hmget"
+        ) - before
+
+    whole, unbounded = await hmgets(1000, 1000)
+    assert (whole.ahead, whole.at_least) == (4, None)
+    assert whole.holders is not None and [h.id for h in whole.holders] == keyed[:1]
+    bounded_holders, bounded = await hmgets(3, 1000)
+    # the holder first in the active set is still found; four fewer jobs are read for it
+    assert bounded_holders.holders is not None
+    assert [h.id for h in bounded_holders.holders] == keyed[:1]
+    assert unbounded - bounded == (1 + len(plain)) - 3
+    deep, _ = await hmgets(3, 2)
+    assert (deep.ahead, deep.at_least) == (2, True) and "at least 2 jobs" in deep.message
 
 
 async def test_the_queues_concurrency_limit_is_full_until_a_running_job_ends(

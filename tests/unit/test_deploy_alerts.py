@@ -72,6 +72,9 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
         ("JobtierHighFailureRate", "or\n", "and\n"),
         ("JobtierQueueBacklog", "unless on (job, queue)", "or on (job, queue)"),
         ("JobtierPersisterDown", 'role=~"persister|run"', 'role="persister"'),
+        # a scale-down with nothing waiting, and a paused queue's pool, would fire
+        ("JobtierWorkersDropped", "> 120", ">= 0"),
+        ("JobtierWorkersDropped", "unless on (job, queue)", "or on (job, queue)"),
     ],
 )
 def test_a_broken_rule_fails_its_promtool_tests(

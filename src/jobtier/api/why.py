@@ -13,7 +13,7 @@ from jobtier.api.auth import require_admin, tenant_of
 from jobtier.api.http import doc_state, encoded, job_id_of, job_not_found
 from jobtier.core.errors import JobNotFound
 from jobtier.core.explanation import Explanation, Reason, ReasonCode
-from jobtier.engine.explain import iso
+from jobtier.engine.explain import OtherTenants, iso
 from jobtier.engine.queue import Queue
 from jobtier.status.reader import StatusReader
 
@@ -23,6 +23,8 @@ async def _answer(request: Request, tenant: str | None) -> Response:
     queue: Queue = request.state.queue
     try:
         return encoded(await queue.explain(job_id, tenant))
+    except OtherTenants:
+        raise job_not_found(job_id) from None
     except JobNotFound:
         pass
     # Redis no longer holds it: a job kept only in Postgres (the status tier's fallback) has

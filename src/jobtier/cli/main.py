@@ -29,6 +29,7 @@ from jobtier.cli.roles import (
 )
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
+from jobtier.core.model import WORKER_CONCURRENCY
 from jobtier.metrics.snapshot import ROLES
 from jobtier.runtime import tracing
 
@@ -87,7 +88,12 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         ),
         arg("--redis-port", type=int, default=16379, help="local Redis port (default: 16379)"),
         arg("--pg-port", type=int, default=15432, help="local Postgres port (default: 15432)"),
-        arg("--concurrency", type=int, default=50, help="worker concurrency (default: 50)"),
+        arg(
+            "--concurrency",
+            type=int,
+            default=WORKER_CONCURRENCY,
+            help=f"worker concurrency (default: {WORKER_CONCURRENCY})",
+        ),
         arg(
             "--grace",
             type=float,
@@ -129,7 +135,13 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
             type=_queue_list,
             help="comma-separated queues to serve, in turn (default: the queues of its tasks)",
         ),
-        arg("--concurrency", "-c", type=int, default=50, help="jobs run at once (default: 50)"),
+        arg(
+            "--concurrency",
+            "-c",
+            type=int,
+            default=WORKER_CONCURRENCY,
+            help=f"jobs run at once (default: {WORKER_CONCURRENCY})",
+        ),
         arg("--burst", action="store_true", help="drain the ready queues, then exit"),
         arg("--name", help="worker id (default: host:pid:random)"),
         arg(

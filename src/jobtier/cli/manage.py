@@ -325,15 +325,21 @@ def queues_scaling(c: Client, a: argparse.Namespace) -> Any:
     age = "-" if s.oldest_age_seconds is None else f"{s.oldest_age_seconds:g} s"
     use = "-" if s.utilisation is None else f"{s.utilisation:.0%}"
     bounds = f"{s.min} to {'-' if s.max is None else s.max}"
+    held = " (paused: not counted)" if s.paused else ""
+    held = " (blocked: not counted)" if s.blocked_until is not None and not held else held
+    rate = "-"
+    if s.rate_per_second is not None:
+        rate = f"{s.rate_per_second:g}/s ({s.rate_allowance} may start within the target age)"
     rows = [
         ("desired workers", f"{s.desired_workers} (by {s.decided_by})"),
-        ("ready", f"{s.ready}{' (paused: not counted)' if s.paused else ''}"),
+        ("ready", f"{s.ready}{held}"),
         ("running", s.running),
         ("demand", s.demand),
         ("concurrency limit", "-" if s.concurrency_limit is None else s.concurrency_limit),
+        ("rate limit", rate),
         ("oldest ready job", f"{age} (target {s.target_age_seconds:g} s)"),
         ("live workers", s.live_workers),
-        ("slots per worker", f"{'-' if s.slots is None else s.slots} (from {s.slots_from})"),
+        ("slots per worker", f"{s.slots} (from {s.slots_from})"),
         ("utilisation", use),
         ("bounds", bounds),
         ("parked", s.parked),

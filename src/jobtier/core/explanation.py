@@ -53,6 +53,9 @@ class Reason(msgspec.Struct, omit_defaults=True):
     total: int | None = None
     failed: int | None = None
     ahead: int | None = None  # jobs that go before it (in its line, or behind the key)
+    # in_line, tenant_turn, concurrency_key_held: ``ahead`` is a lower bound (true), the job
+    # is deeper in its line than the explain script reads
+    at_least: bool | None = None
     tenants: int | None = None  # tenant_turn: tenants with ready jobs at its priority
     workers: int | None = None  # live workers that could run it (no_worker: that serve others)
     busy: int | None = None  # in_line: of those, how many have no free slot
@@ -64,7 +67,8 @@ class Explanation(msgspec.Struct):
     """Why ``id`` has not started: ``waiting`` is false for a job running or finished (one
     ``not_waiting`` reason says which). ``position``: its place in line in its queue on its
     shard, counted as the claim script takes jobs (1: next), for a job in a ready line or
-    handed back; null otherwise. ``checked_at``: Redis's clock when it was read."""
+    handed back; null otherwise, and null too when it is deeper in its line than the script
+    reads (its reasons' ``at_least``). ``checked_at``: Redis's clock when it was read."""
 
     id: str
     state: str

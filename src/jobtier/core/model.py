@@ -306,29 +306,44 @@ class QueueInfo(msgspec.Struct, frozen=True, kw_only=True):
     tasks: list[str] = []  # task types the workers advertise for it
 
 
+# jobs a worker runs at once unless told (``jobtier worker --concurrency``); the scaling read
+# assumes it of a pool that has not advertised its slots
+WORKER_CONCURRENCY = 50
+
+
 class QueueScaling(msgspec.Struct, frozen=True, kw_only=True):
     """How many workers a queue's pool wants, as ``GET /v1/admin/queues/{name}/scaling``
     answers, with every input the answer came from (docs/kubernetes.md: the formula)."""
 
     queue: str
     desired_workers: int
-    # which clause set desired_workers: "demand" (ready and running jobs over slots), "age"
+    # which clause set desired_workers: "demand" (ready and running jobs over slots), "rate"
+    # (the same, the ready jobs capped by what the queue's rate limit lets start within
+    # target_age), "blocked" (a task raised RateLimited: only the running jobs count), "age"
     # (the oldest ready job waited over target_age), "min" or "max" (a bound)
     decided_by: str
-    ready: int  # jobs ready to be claimed (none of them counted while paused)
+    ready: int  # jobs ready to be claimed (none of them counted while paused or blocked)
     running: int
     parked: int  # handed back by workers that lack their task: more of them would not help
     paused: bool
     concurrency_limit: int | None  # the queue's limit across every worker, which caps demand
-    demand: int  # jobs that could run at once: min(ready + running, concurrency_limit)
+    # jobs that could run at once: running + ready (the ready at most the rate's allowance),
+    # at most concurrency_limit
+    demand: int
     oldest_age_seconds: float | None  # the oldest ready job's wait
     live_workers: int  # workers serving the queue that advertised themselves lately
-    slots: int | None  # jobs one worker runs at once; None: no live worker and none given
-    slots_from: str  # "query", "workers" (the fewest a live one has) or "none"
-    utilisation: float | None  # running / (live_workers * slots); None without either
+    slots: int  # jobs one worker runs at once
+    # "query", "workers" (the fewest a live one has) or "default" (neither: WORKER_CONCURRENCY)
+    slots_from: str
+    utilisation: float | None  # running / (live_workers * slots); None without live workers
     target_age_seconds: float
     min: int
     max: int | None
+    # the queue's rate limit, in job starts per second (rate / per); None: no rate limit
+    rate_per_second: float | None = None
+    # ready jobs the rate lets start within target_age: ceil(rate_per_second * target_age)
+    rate_allowance: int | None = None
+    blocked_until: float | None = None  # a task raised RateLimited: no start before (epoch s)
 
 
 class ClaimedJob(msgspec.Struct, frozen=True):

@@ -27,7 +27,12 @@ from jobtier.status.docs import read_docs
 from jobtier.store.context import Store
 
 LISTED = 20  # dependencies and key holders named in an answer (the counts cover them all)
-SCANNED = 1000  # running jobs, ready jobs and tenants the script reads to find them
+SCANNED = 1000  # tenants of its priority's ring the script reads
+# jobs the script reads (an HMGET each) to find its concurrency key's holders
+HOLDER_READS = 200
+# entries the script's LPOS reads from each end of a line to find the job: a deeper job is
+# answered as "more than LINE_BOUND ahead" (a whole scan holds Redis's one thread for as long)
+LINE_BOUND = 10_000
 _WAITING = ("queued", "scheduled", "waiting")
 
 
@@ -44,6 +49,10 @@ def ordinal(n: int) -> str:
 
 def plural(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+class OtherTenants(JobNotFound):
+    """The job is another tenant's: answered as unknown, and no other store is asked."""
 
 
 def _ids(refs: list[JobRef]) -> str:
@@ -63,7 +72,15 @@ class Explainer:
         keys, scripts = self.store.keys, self.store.scripts
         if not keys.valid_id(job_id):
             raise JobNotFound(job_id)
-        args = ("job", job_id, LISTED, SCANNED)
+        if tenant is not None:
+            # before the script: another tenant's id costs one read, and takes as long as an
+            # unknown one
+            owner = await self.store.redis.hget(keys.job(job_id), "tenant")
+            if owner is None:
+                raise JobNotFound(job_id)
+            if owner != tenant.encode():
+                raise OtherTenants(job_id)
+        args = ("job", job_id, LISTED, SCANNED, HOLDER_READS, LINE_BOUND)
         facts: dict[str, Any] = msgspec.json.decode(
             await scripts.call("explain", keys.shard_of(job_id), args)
         )
@@ -83,10 +100,11 @@ class Explainer:
         elif where == "key":
             reasons.append(await self._key(facts))
         elif where in ("ready", "parked"):
-            position = int(facts["ahead"]) + 1
+            # deeper in its line than the script reads: a lower bound, so no position
+            position = None if facts.get("at_least") else int(facts["ahead"]) + 1
             if facts.get("others"):
                 reasons.append(_tenant_turn(facts))
-            reasons.append(_in_line(facts, position, able))
+            reasons.append(_in_line(facts, int(facts["ahead"]) + 1, able))
         else:
             message = "it is queued, yet in no line Redis keeps: the claim script cannot find it"
             reasons.append(Reason(ReasonCode.UNKNOWN, message, queue=facts["queue"]))
@@ -193,11 +211,15 @@ class Explainer:
         )
         if holders:
             message += f", by {_ids(holders)}"
-        if ahead:
+        at_least = bool(facts.get("at_least"))
+        if at_least:
+            message += f"; at least {ahead} jobs of the key wait before it"
+        elif ahead:
             waits = "waits" if ahead == 1 else "wait"
             message += f"; {plural(ahead, 'job')} of the key {waits} before it"
         reason = Reason(ReasonCode.CONCURRENCY_KEY_HELD, message, key=key, holders=holders)
-        return msgspec.structs.replace(reason, running=admitted, limit=limit, ahead=ahead)
+        reason = msgspec.structs.replace(reason, running=admitted, limit=limit, ahead=ahead)
+        return msgspec.structs.replace(reason, at_least=True) if at_least else reason
 
 
 def _not_waiting(facts: dict[str, Any]) -> str:
@@ -235,14 +257,18 @@ def _scheduled(facts: dict[str, Any], now: int) -> Reason:
 
 def _tenant_turn(facts: dict[str, Any]) -> Reason:
     others, tenants, own = int(facts["others"]), int(facts["tenants"]), int(facts["own"])
+    at_least = bool(facts.get("at_least"))
     message = (
         f"tenants take turns at its priority ({plural(tenants, 'tenant')} with ready jobs): "
-        f"{plural(others, 'job')} of other tenants come before it"
+        f"{'at least ' if at_least else ''}{plural(others, 'job')} of other tenants come "
+        "before it"
     )
-    if own:
+    if at_least:
+        message += f", and at least {own} older of its own tenant"
+    elif own:
         message += f", and {own} older of its own tenant"
     reason = Reason(ReasonCode.TENANT_TURN, message, queue=facts["queue"], ahead=others)
-    return msgspec.structs.replace(reason, tenants=tenants)
+    return msgspec.structs.replace(reason, tenants=tenants, at_least=at_least or None)
 
 
 def _in_line(facts: dict[str, Any], position: int, able: list[dict[str, Any]]) -> Reason:
@@ -251,7 +277,13 @@ def _in_line(facts: dict[str, Any], position: int, able: list[dict[str, Any]]) -
     in_use = sum(min(int(w.get("running", 0)), int(w.get("concurrency", 0))) for w in able)
     busy = sum(int(w.get("running", 0)) >= int(w.get("concurrency", 0)) for w in able)
     where = "its queue's handed-back jobs" if facts["where"] == "parked" else "its queue"
-    if ahead:
+    at_least = bool(facts.get("at_least"))
+    if at_least:
+        message = (
+            f"it is in line in {where} on its shard with at least {ahead} ahead (deeper than "
+            f"the {LINE_BOUND} jobs read from either end of its line)"
+        )
+    elif ahead:
         message = f"it is {ordinal(position)} in line in {where} on its shard ({ahead} ahead)"
     else:
         message = f"it is first in line in {where} on its shard"
@@ -263,4 +295,11 @@ def _in_line(facts: dict[str, Any], position: int, able: list[dict[str, Any]]) -
         verb = "has" if free == 1 else "have"
         message += f"; {plural(free, 'worker')} that can run it {verb} a free slot"
     reason = Reason(ReasonCode.IN_LINE, message, queue=queue, ahead=ahead)
-    return msgspec.structs.replace(reason, workers=len(able), busy=busy, slots=slots, in_use=in_use)
+    return msgspec.structs.replace(
+        reason,
+        workers=len(able),
+        busy=busy,
+        slots=slots,
+        in_use=in_use,
+        at_least=at_least or None,
+    )

@@ -23,6 +23,9 @@ _limits_decoder = msgspec.json.Decoder(QueueLimits)
 WORKER_FRESH_SECONDS = 60.0  # a worker advertises itself every third of a lease
 WORKER_FORGET_SECONDS = 900.0  # the entry of a worker gone this long is deleted
 PURGE_BATCH = 500  # jobs per purge.lua call: a short run of Redis time
+# tenants of one (shard, queue, priority) rotation whose oldest ready job oldest_queued reads:
+# three pipelined commands each, for every scrape, console frame and scaling read
+OLDEST_TENANTS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +133,12 @@ class QueueAdmin:
         total.setdefault("parked", 0)
         return {"total": dict(total), "queues": dict(sorted(queues.items())), "shards": shards}
 
-    async def oldest_queued(self, tenants: int = 100) -> dict[tuple[str, str], float]:
+    async def oldest_queued(self, tenants: int = OLDEST_TENANTS) -> dict[tuple[str, str], float]:
         """Seconds the oldest ready job of each (queue, priority) has waited (since it became
-        ready), looking at the first ``tenants`` tenants of each rotation."""
+        ready): the oldest of each tenant's oldest, for the first ``tenants`` tenants of each
+        rotation. Claims send the tenant they served to the back of the rotation, so the
+        oldest job may be anyone's: all are read up to the bound, beyond which the age is a
+        lower bound."""
         keys, redis = self.store.keys, self.store.redis
         rings: list[tuple[int, str, str]] = []
         for shard, counts in enumerate(await self._each_shard("HGETALL")):

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from redis.exceptions import RedisError
 
+from jobtier.core.model import WORKER_CONCURRENCY
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.context import Store
@@ -50,7 +51,7 @@ class Worker:
         store: Store,
         registry: TaskRegistry,
         *,
-        concurrency: int = 50,
+        concurrency: int = WORKER_CONCURRENCY,
         burst: bool = False,
         name: str | None = None,
         shutdown_grace: float = 30.0,

@@ -4,8 +4,9 @@
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  'job': the job's own shard; ARGV[3] job id, ARGV[4] most ids listed (dependencies,
---          holders of its concurrency key), ARGV[5] most entries scanned for those holders
---          (running jobs of the shard, ready jobs of its tenant) and most tenants read
+--          holders of its concurrency key), ARGV[5] most tenants read, ARGV[6] most jobs
+--          read to find its key's holders (running jobs of the shard, ready jobs of its
+--          tenant), ARGV[7] most entries LPOS reads from each end of a line to find the job
 --          'limit': a limited queue's home shard (limit.lua); ARGV[3] the queue
 -- Returns  a JSON object. 'job': now (ms); nothing more for a job Redis does not hold; else
 --          tenant, state, queue, type, prio, attempt, worker, run_at (ms, 0: none); for a job
@@ -15,6 +16,8 @@
 --                     (other tenants' jobs the tenants' turns take first), tenants (in the
 --                     turn ring), by_priority (jobs taken before it from each priority, with
 --                     those two), parked (handed-back jobs of its type, taken first), ahead
+--                     (own, others and ahead are lower bounds when at_least is set: the job
+--                     is deeper in its line than ARGV[7] from either end)
 --            'parked' handed back by a worker without its type: ahead (parked before it)
 --            'key'    held behind its concurrency key: key, admitted (ready or running under
 --                     it), limit, ahead (held before it), holders ({id, state} found)
@@ -49,14 +52,25 @@ if what == 'limit' then
   return cjson.encode(out)
 end
 
+local BOUND = tonumber(ARGV[7])
+
 -- the place of `id` in the list `key` counted from its tail, where RPOP takes the oldest: how
--- many leave the list before it; nil when it is not there
+-- many leave the list before it; nil when it is not within BOUND of either end. A scan of a
+-- whole line would hold Redis's one thread for as long as the line is: LPOS reads at most
+-- BOUND entries from the tail (the oldest) and BOUND from the head (the newest).
 local function from_tail(key, id)
-  local i = redis.call('LPOS', key, id, 'RANK', -1)
+  local i = redis.call('LPOS', key, id, 'RANK', -1, 'MAXLEN', BOUND)
+    or redis.call('LPOS', key, id, 'MAXLEN', BOUND)
   if not i then
     return nil
   end
   return redis.call('LLEN', key) - 1 - i
+end
+
+-- whether `key` has entries neither end's LPOS reads: a job not found may be there, with at
+-- least BOUND jobs before it
+local function deep(key)
+  return redis.call('LLEN', key) > 2 * BOUND
 end
 
 -- The claims taken before a job of priority p that has `ahead` jobs of p before it, as
@@ -113,7 +127,7 @@ local function key_of(c)
   return key
 end
 
-local id, most, scanned = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
+local id, most, scanned, reads = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local j = load(id)
 if not j then
   return cjson.encode({now = NOW})
@@ -160,9 +174,8 @@ if j.state == 'waiting' then
 end
 
 -- queued: in its ready list, parked, or held behind its concurrency key
-local own = from_tail(ready_list(q, j.prio, j.tenant), id)
-if own then
-  out.where = 'ready'
+local function in_ready(own, at_least)
+  out.where, out.at_least = 'ready', at_least
   -- tenants take turns (lib.lua pop_ready), one job each a turn in the ring's order: a tenant
   -- before this one in the ring has a job taken in each of the own + 1 turns up to this job's,
   -- a tenant after it in the own turns before
@@ -194,42 +207,68 @@ if own then
   out.by_priority, out.ahead = by, before + out.parked
   return cjson.encode(out)
 end
-own = from_tail(BASE .. 'park:' .. q .. ':' .. j.type, id)
-if own then
-  out.where, out.ahead = 'parked', own
-  return cjson.encode(out)
-end
-if j.ckey ~= '' then
-  local name = ck_name(j)
-  own = from_tail(BASE .. 'ck:' .. name, id)
-  if own then
-    out.where, out.key, out.ahead = 'key', j.ckey, own
-    local c = redis.call('HMGET', CKEYS, name, name .. ':limit')
-    out.admitted, out.limit = tonumber(c[1] or '0') or 0, tonumber(c[2] or '1') or 1
-    -- who holds its places: running jobs of the shard and its tenant's ready jobs of its
-    -- queue with the same key (a key's jobs live in one shard: engine/produce.py)
-    local holders = {}
-    local function hold(hid, state)
-      if #holders < most then
-        local h = redis.call('HMGET', job_key(hid), 'tenant', 'c')
-        if h[1] == j.tenant and key_of(h[2]) == j.ckey then
-          holders[#holders + 1] = {hid, state}
-        end
+
+local function behind_key(ck, own, at_least)
+  out.where, out.key, out.ahead, out.at_least = 'key', j.ckey, own, at_least
+  local c = redis.call('HMGET', CKEYS, ck, ck .. ':limit')
+  out.admitted, out.limit = tonumber(c[1] or '0') or 0, tonumber(c[2] or '1') or 1
+  -- who holds its places: running jobs of the shard and its tenant's ready jobs of its queue
+  -- with the same key (a key's jobs live in one shard: engine/produce.py); at most `reads`
+  -- jobs read in all, each an HMGET
+  local holders, left = {}, reads
+  local function hold(hid, state)
+    if #holders < most and left > 0 then
+      left = left - 1
+      local h = redis.call('HMGET', job_key(hid), 'tenant', 'c')
+      if h[1] == j.tenant and key_of(h[2]) == j.ckey then
+        holders[#holders + 1] = {hid, state}
       end
     end
-    for _, hid in ipairs(redis.call('ZRANGE', BASE .. 'active', 0, scanned - 1)) do
-      hold(hid, 'running')
-    end
-    for _, prio in ipairs(PRIORITIES) do
-      for _, hid in ipairs(redis.call('LRANGE', ready_list(q, prio, j.tenant), 0, scanned - 1)) do
+  end
+  for _, hid in ipairs(redis.call('ZRANGE', BASE .. 'active', 0, reads - 1)) do
+    hold(hid, 'running')
+  end
+  for _, prio in ipairs(PRIORITIES) do
+    if left > 0 then
+      for _, hid in ipairs(redis.call('LRANGE', ready_list(q, prio, j.tenant), 0, left - 1)) do
         hold(hid, 'queued')
       end
     end
-    if #holders > 0 then
-      out.holders = holders
-    end
-    return cjson.encode(out)
   end
+  if #holders > 0 then
+    out.holders = holders
+  end
+  return cjson.encode(out)
+end
+
+local ready = ready_list(q, j.prio, j.tenant)
+local own = from_tail(ready, id)
+if own then
+  return in_ready(own, false)
+end
+local park = BASE .. 'park:' .. q .. ':' .. j.type
+own = from_tail(park, id)
+if own then
+  out.where, out.ahead, out.at_least = 'parked', own, false
+  return cjson.encode(out)
+end
+local ck = j.ckey ~= '' and ck_name(j) or nil
+if ck then
+  own = from_tail(BASE .. 'ck:' .. ck, id)
+  if own then
+    return behind_key(ck, own, false)
+  end
+end
+-- at neither end of any of its lines: in the middle of a long one, BOUND or more from its tail
+if deep(ready) then
+  return in_ready(BOUND, true)
+end
+if deep(park) then
+  out.where, out.ahead, out.at_least = 'parked', BOUND, true
+  return cjson.encode(out)
+end
+if ck and deep(BASE .. 'ck:' .. ck) then
+  return behind_key(ck, BOUND, true)
 end
 out.where = 'unknown'
 return cjson.encode(out)
