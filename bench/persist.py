@@ -504,7 +504,7 @@ BEFORE, AFTER = "process-before", "process-after"  # jobtier persister at --befo
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    commit = environment()["commit"]  # the code measured: read before the runs, not after
+    env = environment()  # the code measured and the machine: read before the runs, not after
     before_tree = baseline_tree(args.before) if args.before else None
     folder = Path(tempfile.mkdtemp(prefix="jobtier-bench-"))
     # a folder of its own: Postgres runs as another user, who cannot enter `folder` (0700)
@@ -574,7 +574,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
     return {
         "command": " ".join(["bench/persist.py", *sys.argv[1:]]),
-        "commit": commit,
+        "date": env["date"],
+        "machine": env["machine"],
+        "versions": env["versions"],
+        "commit": env["commit"],
         "before": args.before,
         "runs": runs,
         "medians": _medians(runs),
