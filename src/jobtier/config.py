@@ -68,6 +68,9 @@ class Settings:
     idempotency_ttl_seconds: int = _setting(86400, "How long an idempotency key is remembered.")
     max_payload_bytes: int = _setting(256 * 1024, "Largest accepted job payload (encoded JSON).")
     max_result_bytes: int = _setting(1024 * 1024, "Largest result a task may return.")
+    checkpoint_max_bytes: int = _setting(
+        64 * 1024, "Largest state a task may save with ctx.checkpoint, as JSON bytes."
+    )
     max_batch: int = _setting(1000, "Most jobs in one batch submit.")
     max_future_seconds: int = _setting(
         366 * 86400, "Furthest run-at (or delay) accepted at submit."
@@ -111,6 +114,14 @@ class Settings:
     )
     max_waiting_total: int = _setting(
         5_000_000, "Global back-pressure: submit answers 503 past this many waiting jobs."
+    )
+    shed_waiting_total: int = _setting(
+        0,
+        "Load shedding: past this many waiting jobs, submits of JOBTIER_SHED_PRIORITIES answer "
+        "503; the others go on up to JOBTIER_MAX_WAITING_TOTAL (0: off).",
+    )
+    shed_priorities: str = _setting(
+        "normal,low", "The priorities shed past JOBTIER_SHED_WAITING_TOTAL, comma-separated."
     )
     redis_memory_warn_ratio: float = _setting(
         0.8, "Log a warning while Redis's used_memory / maxmemory is past this (0 < r <= 1)."
@@ -308,6 +319,16 @@ class Settings:
         for name in ("redis_memory_warn_ratio", "redis_memory_refuse_ratio"):
             if not 0 < getattr(self, name) <= 1:
                 problems.append(f"JOBTIER_{name.upper()} must be more than 0 and at most 1")
+        if self.checkpoint_max_bytes < 2:
+            problems.append("JOBTIER_CHECKPOINT_MAX_BYTES must be at least 2")
+        if not 0 <= self.shed_waiting_total <= self.max_waiting_total:
+            problems.append(
+                "JOBTIER_SHED_WAITING_TOTAL must be 0 (off) or at most JOBTIER_MAX_WAITING_TOTAL"
+            )
+        if not self.shed_priority_set() <= {"critical", "high", "normal", "low"}:
+            problems.append(
+                "JOBTIER_SHED_PRIORITIES must name priorities among critical, high, normal, low"
+            )
         if self.prune_interval_seconds < 1:
             problems.append("JOBTIER_PRUNE_INTERVAL_SECONDS must be at least 1")
         try:
@@ -336,6 +357,10 @@ class Settings:
         problems.extend(self._encryption_problems())
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def shed_priority_set(self) -> frozenset[str]:
+        """The priorities load shedding refuses first (JOBTIER_SHED_PRIORITIES)."""
+        return frozenset(p.strip() for p in self.shed_priorities.split(",") if p.strip())
 
     def tenant_keys(self) -> dict[str, str]:
         """API key -> tenant, parsed from ``api_keys``."""

@@ -91,6 +91,16 @@ class Dependencies(msgspec.Struct, frozen=True):
     failed: int
 
 
+class CheckpointMark(msgspec.Struct, frozen=True):
+    """What a job's status document shows of its last checkpoint (``ctx.checkpoint``): when
+    it was saved, by which attempt, and the size of its state; ``GET /v1/jobs/{id}/checkpoint``
+    gives the state itself."""
+
+    at: str
+    attempt: int
+    bytes: int
+
+
 class JobStatus(msgspec.Struct, frozen=True):
     """The status document served by ``GET /v1/jobs/{id}`` and pushed over SSE.
 
@@ -117,6 +127,8 @@ class JobStatus(msgspec.Struct, frozen=True):
     dependencies: Dependencies | None = None
     # where to read a result kept outside Redis (JOBTIER_RESULT_STORE)
     result_url: str | None = None
+    # the last checkpoint saved (docs/checkpoints-and-shedding.md), present once there is one
+    checkpoint: CheckpointMark | None = None
 
     @property
     def terminal(self) -> bool:
@@ -366,6 +378,8 @@ class ClaimedJob(msgspec.Struct, frozen=True):
     # a compensation's: the id of the failed job it compensates, as Redis recorded it when it
     # created the compensation (never read from the payload, which a submitter could write)
     compensates: str | None = None
+    # the state the job's last checkpoint saved (JSON), handed to this attempt; None for none
+    checkpoint: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -164,6 +164,9 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
         deps = dependency_records(entries)
         if deps[0]:
             await conn.execute(query("insert_dependencies"), *deps)
+        checkpoints = checkpoint_records(entries)
+        if checkpoints[0]:
+            await conn.execute(query("insert_checkpoints"), *checkpoints)
     return len(rows)
 
 
@@ -243,6 +246,29 @@ def attached_meanwhile(exc: BaseException) -> bool:
         and not exc.constraint_name
         and bool(exc.table_name)
     )
+
+
+def checkpoint_records(
+    entries: Sequence[LogEntry],
+) -> tuple[list[str], list[int], list[datetime], list[int], list[str], list[bytes]]:
+    """``job_checkpoints`` columns (job, version, at, attempt, worker, state) of the entries
+    that saved a checkpoint."""
+    jobs: list[str] = []
+    versions: list[int] = []
+    ats: list[datetime] = []
+    attempts: list[int] = []
+    workers: list[str] = []
+    states: list[bytes] = []
+    for e in entries:
+        if e.checkpoint is not None:
+            s = e.status
+            jobs.append(s.id)
+            versions.append(s.version)
+            ats.append(datetime.fromisoformat(s.updated_at))
+            attempts.append(s.attempt)
+            workers.append(e.actor)
+            states.append(e.checkpoint)
+    return jobs, versions, ats, attempts, workers, states
 
 
 def dependency_records(

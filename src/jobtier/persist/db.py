@@ -83,7 +83,7 @@ def parse_queries(text: str) -> dict[str, str]:
     return out
 
 
-QUERY_FILES = ("queries.sql", "webhooks.sql")
+QUERY_FILES = ("queries.sql", "webhooks.sql", "checkpoints.sql")
 
 
 @functools.cache

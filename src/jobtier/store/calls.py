@@ -150,6 +150,7 @@ def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
             inputs=(reply[i + 8][0], reply[i + 8][1]) if reply[i + 8] else None,
             trace=reply[i + 9].decode() if width > 9 and reply[i + 9] else None,
             compensates=reply[i + 10].decode() if width > 10 and reply[i + 10] else None,
+            checkpoint=reply[i + 11] if width > 11 and reply[i + 11] else None,
         )
         for i in range(6, end, width)
     ]
@@ -164,10 +165,17 @@ def heartbeat_call(
     lease_ms: int,
     items: Sequence[tuple[str, int, bytes]],
     history_ms: int = 0,
+    checkpoints: Sequence[tuple[int, bytes]] = (),
 ) -> Call:
     """items: (job id, lease_version, progress JSON or b''). A progress change goes to the
-    history only when the job's last logged entry is ``history_ms`` old (0: always)."""
-    return ("heartbeat", shard, _flat([worker, lease_ms, history_ms, len(items)], items))
+    history only when the job's last logged entry is ``history_ms`` old (0: always).
+    ``checkpoints``: (place of the job in ``items``, from 0; its state as JSON), saved under
+    the same lease check (heartbeat.lua)."""
+    args = _flat([worker, lease_ms, history_ms, len(items)], items)
+    if checkpoints:
+        args.append(len(checkpoints))
+        args.extend(_flat([], [(i + 1, state) for i, state in checkpoints]))
+    return ("heartbeat", shard, args)
 
 
 def parse_pairs(reply: list[Any]) -> list[tuple[Code, Any]]:

@@ -36,6 +36,7 @@ class LogEntry(msgspec.Struct, gc=False):
     dependencies: list[str] | None = None  # submit of a job that waits for others
     children: str = ""  # per dependency, '1' for a child of the job (same flow), else '0'
     released: bool = False  # running -> queued by a worker that stopped, nothing failed
+    checkpoint: bytes | None = None  # the state a checkpoint saved (heartbeat.lua 'cp')
 
     @property
     def ms(self) -> int:
@@ -71,6 +72,7 @@ def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogE
         dp.decode().split() if dp else None,
         dk.decode() if dk else "",
         b"rl" in fields,
+        fields.get(b"cp"),
     )
 
 

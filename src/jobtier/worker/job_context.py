@@ -1,4 +1,5 @@
-"""What a running task sees of its job: ids, attempt, progress, log lines, cancellation."""
+"""What a running task sees of its job: ids, attempt, progress, checkpoint, log lines,
+cancellation."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from jobtier.core.model import (
 )
 from jobtier.core.sealing import Keyring, unseal
 from jobtier.flows.reads import from_inputs, opened, stored_refs
+from jobtier.worker.checkpoint import Checkpoint, Saver
 
 # A job's log lines (ctx.log): it keeps its latest LOG_LINES lines, of all its attempts, each
 # at most LOG_LINE_CHARS characters (a longer one is cut and ends with "…"). A task that logs
@@ -54,11 +56,13 @@ class JobContext:
 
     __slots__ = (
         "_cancelled",
+        "_checkpoint",
         "_dependencies",
         "_keyring",
         "_log",
         "_loop",
         "_loop_thread",
+        "_on_checkpoint",
         "_on_log",
         "_on_progress",
         "_read_result",
@@ -79,6 +83,7 @@ class JobContext:
         on_log: Callable[[JobContext], None] | None = None,
         read_result: Callable[[str], Awaitable[bytes | None]] | None = None,
         keyring: Keyring | None = None,
+        on_checkpoint: Saver | None = None,
     ) -> None:
         self.job = job
         self.shard = shard
@@ -98,6 +103,20 @@ class JobContext:
         self._read_result = read_result
         self._refs: dict[str, str] | None = None  # their references, found on first use
         self._keyring = keyring  # opens the dependencies' encrypted results
+        # saves ``checkpoint`` states (worker/checkpoint.py); None keeps them here only
+        self._on_checkpoint = on_checkpoint
+        self._checkpoint: Checkpoint | None = None  # made on first use
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The job's checkpoint: ``await ctx.checkpoint(state)`` saves ``state`` (JSON,
+        at most ``JOBTIER_CHECKPOINT_MAX_BYTES``) under the job's lease;
+        ``ctx.checkpoint.state`` is the last state saved — on a retried or reclaimed
+        attempt, the one an earlier attempt saved (None if none did)."""
+        cp = self._checkpoint
+        if cp is None:
+            cp = self._checkpoint = Checkpoint(self, self.job.checkpoint)
+        return cp
 
     @property
     def job_id(self) -> str:

@@ -32,6 +32,7 @@ from jobtier.runtime import tracing
 from jobtier.runtime.loop import wait_any
 from jobtier.worker import attempt_spans
 from jobtier.worker.attempt import deliver_cancel, run_attempt
+from jobtier.worker.checkpoint_saver import CheckpointSaver
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.reporter import Reporter
 from jobtier.worker.state import Running, WorkerState
@@ -98,6 +99,7 @@ class Launcher:
         self._stats = state.stats
         self._on_progress = state.on_progress
         self._on_log = state.on_log  # bound once, not once per job
+        self._save_checkpoint = CheckpointSaver(state).save
         self._task_of = state.registry.get
         self._max_result = state.settings.max_result_bytes
         self._keyring = state.store.keyring  # opens payloads, seals results (encrypted jobs)
@@ -136,7 +138,15 @@ class Launcher:
         progress = functools.partial(on_progress, job.id)
         keyring = self._keyring
         ctx = JobContext(
-            job, shard, self.id, self.loop, progress, self._on_log, self._read, keyring
+            job,
+            shard,
+            self.id,
+            self.loop,
+            progress,
+            self._on_log,
+            self._read,
+            keyring,
+            self._save_checkpoint,
         )
         task = self._task_of(job.type)
         running = Running(job, shard, task, ctx, time.monotonic(), permit=permit)

@@ -16,7 +16,8 @@
 --           when the first block of a served queue ends (ms; -1: none blocked),
 --           then per job: id, type, payload, attempt, max_attempts, lease_version,
 --           queued at ms, queue, dependencies (lib.lua flow_inputs: '' for none, else
---           {ids, flat id/outcome pairs}), the submit's traceparent ('' for none);
+--           {ids, flat id/outcome pairs}), the submit's traceparent ('' for none),
+--           the compensated job's id ('' for none), the last checkpoint ('' for none);
 --           then the h ids handed back; then the l queue names}
 --
 -- A queue with a global concurrency or rate limit is flagged limited in every shard
@@ -185,7 +186,9 @@ local function claim_ids(ids)
           cof = redis.call('HGET', j._key, 'cof') or ''
         end
         out[k + 11] = cof
-        nout = k + 11
+        -- the last checkpoint a previous attempt saved (heartbeat.lua), '' for none
+        out[k + 12] = has_flag(j, 'K') and (redis.call('HGET', j._key, 'cp') or '') or ''
+        nout = k + 12
         claimed = claimed + 1
       end
     end

@@ -84,6 +84,7 @@ local function load(id, more, more2)
              lease_version = lease_version, lv = lv, lt = lt, worker = worker, more = v[8],
              more2 = v[9], _was = v, _key = key}
   read_deps(j, key)
+  read_checkpoint(j, key)
   return j
 end
 
@@ -588,6 +589,8 @@ end
 --   'c'  it has a compensation: 'comp' holds "<type> <queue> <max attempts>", the job created
 --        (in the same script) when this one fails for good.
 --   'R'  not a flow flag: its success's result is kept outside Redis (complete.lua, render).
+--   'K'  not a flow flag: it saved a checkpoint, 'cp' its state, 'cpm' what its document
+--        shows of it (heartbeat.lua, render.lua read_checkpoint).
 -- Dependents live on any shard, so a finishing job does not touch them: its script appends a
 -- hand-off to its own shard's stream jt:{s}:flow, in the same atomic step as the transition,
 -- and the resolver (flows/resolver.py) applies it on the dependent's shard (resolve.lua),

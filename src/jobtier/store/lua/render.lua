@@ -96,6 +96,7 @@ local function render(j)
     .. ',"cancel_requested":' .. (j.cancel == '1' and 'true' or 'false')
     .. ',"worker":' .. str_or_null(j.worker)
     .. (j.dd and j.dd ~= '' and (',"dependencies":' .. j.dd) or '')
+    .. (j.cpm and j.cpm ~= '' and (',"checkpoint":' .. j.cpm) or '')
     -- a success whose result is kept outside Redis (persist/results.py; complete.lua flags
     -- it 'R' in wf) shows where to read it: a path of the job's (validated) id, JSON-safe as
     -- it is (cjson would write \/)
@@ -125,6 +126,14 @@ local function read_deps(j, key)
   end
 end
 
+-- j saved a checkpoint (heartbeat.lua; flagged 'K' in wf): its document shows when, from
+-- which attempt and how large ('cpm'); the state itself ('cp') is read on request only
+local function read_checkpoint(j, key)
+  if j.wf ~= '' and string.find(j.wf, 'K', 1, true) then
+    j.cpm = redis.call('HGET', key, 'cpm') or ''
+  end
+end
+
 -- The tenant and status document of the job hash at `key`, and the value of its field `more`
 -- (nil for none); nil when Redis holds no such job. One HMGET of the fields render() needs:
 -- what it gives is byte for byte what commit() logged and published for the same version.
@@ -144,5 +153,6 @@ local function status_of(key, more)
              worker = worker, wf = v[5] or '', error = v[ERROR_AT] or '',
              progress = v[PROGRESS_AT] or ''}
   read_deps(j, key)
+  read_checkpoint(j, key)
   return v[2], render(j), v[8]
 end

@@ -1,0 +1,63 @@
+"""The worker's side of ``ctx.checkpoint``: one heartbeat of the job carrying its state.
+
+Saved as a beat of its own rather than at the next periodic beat: the task awaits the save,
+and learns at once whether the state is kept. A refusal (the lease was lost) stops the
+attempt, as a refused periodic beat does (heartbeat.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from jobtier.core.errors import Code
+from jobtier.store.calls import heartbeat_call, parse_pairs
+from jobtier.worker.attempt import deliver_cancel
+from jobtier.worker.checkpoint import CheckpointRefused, CheckpointTooLarge
+from jobtier.worker.job_context import JobContext
+from jobtier.worker.state import WorkerState
+
+log = logging.getLogger("jobtier.worker")
+
+
+class CheckpointSaver:
+    """Saves the checkpoints of a worker's running jobs (``save``: a context's ``Saver``)."""
+
+    def __init__(self, state: WorkerState) -> None:
+        self.state = state
+        self.limit = state.settings.checkpoint_max_bytes
+
+    async def save(self, ctx: JobContext, data: bytes) -> None:
+        if len(data) > self.limit:
+            raise CheckpointTooLarge(
+                f"checkpoint state is {len(data)} bytes as JSON; the limit is {self.limit} "
+                "(JOBTIER_CHECKPOINT_MAX_BYTES)"
+            )
+        state, job = self.state, ctx.job
+        r = state.running.get(job.id)
+        if r is None or r.lost or r.released:
+            raise CheckpointRefused(f"job {job.id} is no longer held by worker {state.id}")
+        # a progress report not sent yet rides along (the beat would carry it anyway)
+        progress, r.progress = r.progress or b"", None
+        call = heartbeat_call(
+            ctx.shard,
+            state.id,
+            state.lease_ms,
+            [(job.id, job.lease_version, progress)],
+            state.history_ms,
+            [(0, data)],
+        )
+        ((code, cancel),) = parse_pairs(await state.scripts.call(*call))
+        if code is not Code.OK:
+            state.stats.leases_lost += 1
+            log.warning(
+                "event=lease_lost worker=%s job=%s code=%s via=checkpoint: stopping it",
+                state.id,
+                job.id,
+                code.name,
+            )
+            r.lost = True
+            if r.handle is not None:
+                r.handle.cancel()
+            raise CheckpointRefused(f"job {job.id} was taken back from worker {state.id}")
+        if cancel and not ctx.cancel_requested:
+            deliver_cancel(ctx, r.task, r.handle)
