@@ -93,6 +93,7 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(c, "GET", "/v1/jobs/{job_id}/result", 200, ids=ids)
         await check(c, "GET", "/v1/jobs/{job_id}/history", 200, ids=ids)
         await check(c, "GET", "/v1/jobs/{job_id}/logs", 200, ids=ids)
+        await check(c, "GET", "/v1/jobs/{job_id}/checkpoint", 200, ids=ids)
         await check(c, "GET", "/v1/jobs/{job_id}/explain", 200, ids=ids)
         await check(admin, "GET", "/v1/admin/jobs/{job_id}/explain", 200, ids=ids)
         await check(c, "GET", "/v1/jobs/{job_id}/explain", 404, ids={"job_id": "x"})

@@ -38,6 +38,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/v1/jobs/{job_id}/history"): TENANT_ITEM,
     ("GET", "/v1/jobs/{job_id}/dependencies"): TENANT_ITEM,
     ("GET", "/v1/jobs/{job_id}/logs"): TENANT_ITEM,
+    ("GET", "/v1/jobs/{job_id}/checkpoint"): TENANT_ITEM,
     ("GET", "/v1/jobs/{job_id}/explain"): TENANT_ITEM,
     ("POST", "/v1/jobs/{job_id}/retry"): TENANT_ITEM,
     ("POST", "/v1/schedules"): TENANT_CREATE,
