@@ -1,9 +1,15 @@
-"""Who may submit now: per-tenant rate limit and waiting-jobs cap, global back-pressure.
+"""Who may submit now: per-tenant rate limit and waiting-jobs cap, global back-pressure,
+load shedding by priority.
 
 Counts come from Redis (per-tenant waiting counts kept by the scripts, the write-behind lag,
 how full Redis's memory is) and are refreshed in the background once a second, so a submit
 pays nothing for them. A refused submit is a 429 (this tenant) or 503 (everyone) with
 ``Retry-After``.
+
+Load shedding (``JOBTIER_SHED_WAITING_TOTAL``) refines the single back-pressure threshold:
+past it, submits holding a job of a shed priority (``JOBTIER_SHED_PRIORITIES``, normal and
+low by default) are refused, while the others go on up to ``JOBTIER_MAX_WAITING_TOTAL``.
+Every refusal is counted per priority and reason (``submits_refused_total``), one per job.
 """
 
 from __future__ import annotations
@@ -11,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
 from jobtier.engine.queue import Queue
+from jobtier.metrics.snapshot import Snapshot, labels, parse_labels
 from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.memory import MemoryUse, redis_memory
@@ -67,6 +75,8 @@ class Admission:
         self._memory_warned = -1e9  # monotonic time of the last warning
         self._buckets: dict[str, TokenBucket] = {}
         self._task: asyncio.Task[None] | None = None
+        self._shed = settings.shed_priority_set()
+        self.refused: Counter[tuple[str, str]] = Counter()  # (priority, reason) -> jobs
 
     async def start(self) -> None:
         await self.refresh()
@@ -96,14 +106,31 @@ class Admission:
             _MEMORY_HIGH, m.used, m.maxmemory, m.ratio, refusing, s.redis_memory_refuse_ratio
         )
 
-    def check(self, tenant: str, n: int = 1) -> None:
-        """Raise a 429/503 problem if ``tenant`` may not submit ``n`` jobs now."""
+    def check(self, tenant: str, n: int = 1, priorities: Sequence[str] = ()) -> None:
+        """Raise a 429/503 problem if ``tenant`` may not submit ``n`` jobs of ``priorities``
+        (one per job; none given: all normal) now; a refusal is counted per priority."""
+        try:
+            self._check(tenant, n, priorities)
+        except Problem as refused:
+            self.refused.update((p, refused.slug) for p in (priorities or ("normal",) * n))
+            raise
+
+    def _check(self, tenant: str, n: int, priorities: Sequence[str]) -> None:
         s, m = self.settings, self.memory
         waiting = self.waiting.get(tenant, 0)
         if self.total_waiting + n > (cap := s.max_waiting_total):
             raise _refused(
                 503, "overloaded", f"{self.total_waiting} jobs are waiting; the limit is {cap}"
             )
+        if (shed_at := s.shed_waiting_total) and self.total_waiting + n > shed_at:
+            shed = sorted({p for p in (priorities or ("normal",)) if p in self._shed})
+            if shed:
+                detail = (
+                    f"{self.total_waiting} jobs are waiting: past {shed_at} "
+                    f"(JOBTIER_SHED_WAITING_TOTAL) submits of priority {', '.join(shed)} are "
+                    f"shed, while the others are accepted up to {cap}"
+                )
+                raise _refused(503, "shed", detail, retry_after=5, priority=shed[0])
         if m.ratio > s.redis_memory_refuse_ratio:
             raise _refused(
                 503,
@@ -133,6 +160,23 @@ class Admission:
         self.waiting[tenant] = waiting + n
         self.total_waiting += n
 
+    def metrics(self) -> Snapshot:
+        """This API process's refused submits, per priority and reason (one per job)."""
+        series = {labels(priority=p, reason=r): float(v) for (p, r), v in self.refused.items()}
+        return Snapshot("", "", 0.0, counters={"submits_refused_total": series} if series else {})
 
-def _refused(status: int, slug: str, detail: str, retry_after: int = 2) -> Problem:
-    return Problem(status, slug, detail, headers={"retry-after": str(retry_after)})
+
+def refused_by_priority(snapshots: Iterable[Snapshot]) -> dict[str, dict[str, float]]:
+    """{reason: {priority: jobs}} of the submits refused, summed over API processes (the
+    console's figures)."""
+    out: dict[str, dict[str, float]] = {}
+    for snap in snapshots:
+        for key, value in snap.counters.get("submits_refused_total", {}).items():
+            kv = parse_labels(key)
+            by = out.setdefault(kv.get("reason", ""), {})
+            by[kv.get("priority", "")] = by.get(kv.get("priority", ""), 0.0) + value
+    return out
+
+
+def _refused(status: int, slug: str, detail: str, retry_after: int = 2, **extra: str) -> Problem:
+    return Problem(status, slug, detail, headers={"retry-after": str(retry_after)}, **extra)

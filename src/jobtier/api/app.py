@@ -109,7 +109,7 @@ def create_app(
         )
         subscriber = reader.subscription("api-status")
         admission = Admission(settings, queue, ext.lag)
-        publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader])
+        publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader, admission])
         try:
             await catalog.load()
             catalog.start()

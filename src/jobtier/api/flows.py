@@ -40,7 +40,7 @@ async def submit_flow(request: Request) -> Response:
     queue: Queue = st.queue
     try:
         prepared = await queue.produce.prepare_flow(body.jobs, tenant, body.idempotency_key)
-        st.admission.check(tenant, len(prepared))
+        st.admission.check(tenant, len(prepared), [i.priority for i in prepared.items])
         # its jobs' callbacks written first, as a plain submit's (api/jobs.py)
         service = registrar(request, prepared.callbacks, "jobs[{}].")
         outcome = await queue.produce.submit_flow_prepared(prepared, service)

@@ -61,7 +61,7 @@ async def submit(request: Request) -> Response:
         item = queue.produce.prepare(spec, tenant)
     except InvalidRequest as exc:
         raise invalid(exc) from None
-    st.admission.check(tenant)
+    st.admission.check(tenant, 1, (item.priority,))
     (outcome,) = await _submit(request, [item], [spec], False)
     if isinstance(outcome, IdempotencyConflict):
         raise Problem(409, "idempotency-conflict", str(outcome), job_id=outcome.job_id)
@@ -110,7 +110,7 @@ async def submit_batch(request: Request) -> Response:
         except InvalidRequest as exc:  # the same refusal, naming the job
             field = f"jobs[{index}].{exc.field or ''}".rstrip(".")
             raise invalid(type(exc)(f"jobs[{index}]: {exc}", field=field)) from None
-    st.admission.check(tenant, len(items))
+    st.admission.check(tenant, len(items), [i.priority for i in items])
     outcomes = await _submit(request, items, body.jobs, True)
     results = []
     for outcome in outcomes:

@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
 
+from jobtier.api.admission import refused_by_priority
 from jobtier.api.auth import require_admin
 from jobtier.api.gauges import live_gauges
 from jobtier.api.problems import UNAVAILABLE
@@ -117,6 +118,8 @@ async def dashboard_state(
         "p99_run_time_seconds": p99.get("run_time_seconds"),
         "p99_window_seconds": span,  # None: since the processes started
         "processes": sorted({s.role for s in snapshots}),
+        # jobs refused per reason and priority ("shed": load shedding), since the APIs started
+        "submits_refused": refused_by_priority(snapshots),
         "postgres": hasattr(request.state, "pg_reader"),  # the console's job pages need it
     }
 
@@ -164,6 +167,7 @@ SCRIPTS = [
     "stream",
     "charts",
     "overview",
+    "shedding",
     "queues",
     "jobs",
     "job",

@@ -41,6 +41,7 @@ TITLES = {
     "rate-limited": "Too many requests",
     "tenant-limit": "Too many waiting jobs for this tenant",
     "overloaded": "Service overloaded",
+    "shed": "Submits of this priority are shed under load",
     "unavailable": "Service unavailable",
     "internal": "Internal error",
     "encryption": "An encrypted value cannot be opened",

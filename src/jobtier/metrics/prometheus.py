@@ -26,6 +26,7 @@ HELP = {
     "jobs_cancelled_total": "Jobs cancelled.",
     "lease_expirations_total": "Running jobs taken back after their worker stopped heartbeating.",
     "transitions_persisted_total": "Transitions written to Postgres.",
+    "submits_refused_total": "Jobs whose submit was refused (429/503), by priority and reason (shed: load shedding).",
     "persister_bad_entries_total": "Log entries that could not be stored (unreadable or refused).",
     "persister_parked_total": "Log entries Postgres refused, moved to the shard's log:refused stream.",
     "dispatcher_entries_total": "Transition log entries a webhook dispatcher read and handled.",

@@ -147,6 +147,7 @@ function renderOverview(f) {
   figure("rate-redis-loads", enough ? rate("status_redis_loads_total") : null, fmtRate);
   const hits = enough ? ratio("status_near_cache_hits_total", "status_requests_total") : null;
   figure("near-cache-ratio", hits, fmtRatio);
+  renderShedding(f);
 
   if (!$("view-overview").hidden) {
     mountQueueTable($("queue-summary"), f.queues || [], { actions: false });
