@@ -33,6 +33,7 @@ from jobtier.worker.attempt import (
     fail_state,
     run_attempt,
 )
+from jobtier.worker.checkpoint import check_size
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import Task
 from jobtier.worker.registry import task as as_task
@@ -130,7 +131,9 @@ class Outcome:
     ``error`` is set for ``"retry"`` and ``"failed"``; ``progress`` holds every
     ``ctx.progress()`` value in the order reported (a worker merges reports made within a
     fraction of a second; here none is lost); ``logs`` the messages of ``ctx.log()`` as the
-    job would keep them (its latest 200, each cut at 1,000 characters).
+    job would keep them (its latest 200, each cut at 1,000 characters); ``checkpoints``
+    every state saved with ``ctx.checkpoint()``, in order (the last one is what the next
+    attempt would start from: ``run_task(..., checkpoint=outcome.checkpoints[-1])``).
     """
 
     state: State
@@ -139,6 +142,7 @@ class Outcome:
     retry_in: float | None = None
     progress: list[Any] = field(default_factory=list)
     logs: list[str] = field(default_factory=list)
+    checkpoints: list[Any] = field(default_factory=list)
     job_id: str = ""
     attempt: int = 1
     max_attempts: int = 1
@@ -155,12 +159,24 @@ class TaskRun:
         max_result_bytes: int,
         cancel_after_progress: int | None,
         read_result: Callable[[str], Awaitable[bytes | None]] | None = None,
+        max_checkpoint_bytes: int = 64 * 1024,
     ) -> None:
         self.task = task
         self._loop = asyncio.get_running_loop()
         worker = f"jobtier.testing:{os.getpid()}"
         on_progress, on_log = self._on_progress, self._on_log
-        self.ctx = JobContext(job, shard, worker, self._loop, on_progress, on_log, read_result)
+        self.ctx = JobContext(
+            job,
+            shard,
+            worker,
+            self._loop,
+            on_progress,
+            on_log,
+            read_result,
+            on_checkpoint=self._on_checkpoint,
+        )
+        self.checkpoints: list[Any] = []  # every state saved so far, in order
+        self._max_checkpoint = max_checkpoint_bytes
         self.progress: list[Any] = []  # every report so far, in order
         self.logs: list[str] = []  # every ctx.log() message so far, as the job keeps each
         self._cancel_after = cancel_after_progress
@@ -234,6 +250,10 @@ class TaskRun:
             # reports and returns without awaiting again has finished first
             self._loop.call_soon(self._deliver_cancel)
 
+    async def _on_checkpoint(self, ctx: JobContext, data: bytes) -> None:
+        check_size(data, self._max_checkpoint)  # as a worker refuses it
+        self.checkpoints.append(_decode(data))
+
     def _on_log(self, ctx: JobContext) -> None:  # on the loop's thread
         self.logs += [_decode(line)["message"] for line in ctx._take_logs()]
 
@@ -266,6 +286,7 @@ class TaskRun:
             state,
             progress=list(self.progress),
             logs=self.logs[-LOG_LINES:],
+            checkpoints=list(self.checkpoints),
             job_id=self.ctx.job_id,
             attempt=self.ctx.attempt,
             max_attempts=self.ctx.max_attempts,
@@ -293,6 +314,7 @@ def start_task(
     settings: Settings | None = None,
     cancel_after_progress: int | None = None,
     dependencies: Mapping[str, Any] | None = None,
+    checkpoint: Any = None,
 ) -> TaskRun:
     """Start one attempt of ``task`` on the running event loop and return at once.
 
@@ -326,8 +348,20 @@ def start_task(
         shard = 0  # an id of the test's own making
     now_ms = time.time_ns() // 1_000_000
     # lease_version 2: the version a job has once claimed (submitted at 1)
-    job = ClaimedJob(job_id, t.name, data, attempt, max_attempts, 2, now_ms, now_ms, inputs=inputs)
-    return TaskRun(t, job, shard, s.max_result_bytes, cancel_after_progress, read_result)
+    saved = None if checkpoint is None else encode_json(checkpoint)
+    job = ClaimedJob(
+        job_id, t.name, data, attempt, max_attempts, 2, now_ms, now_ms, inputs=inputs,
+        checkpoint=saved,
+    )  # fmt: skip
+    return TaskRun(
+        t,
+        job,
+        shard,
+        s.max_result_bytes,
+        cancel_after_progress,
+        read_result,
+        s.checkpoint_max_bytes,
+    )
 
 
 @_takes(start_task)
@@ -357,6 +391,8 @@ async def run_task(task: Task | Callable[..., Any], payload: Any = None, **optio
       succeeded ``Dependency`` with a ``result_url`` stands for a result kept in the result
       store: the task sees it as a worker would (no ``result`` in ``ctx.dependencies``),
       and ``await ctx.result(id)`` reads its ``result``.
+    - ``checkpoint``: the state an earlier attempt saved (``ctx.checkpoint.state``), to
+      test how the task resumes; the states this attempt saves are in ``checkpoints``.
     """
     return await start_task(task, payload, **options)
 

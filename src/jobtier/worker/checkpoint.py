@@ -31,6 +31,15 @@ class CheckpointTooLarge(Fatal, ValueError):
     Raised into the task; uncaught, the job fails without a retry (none would make it fit)."""
 
 
+def check_size(data: bytes, limit: int) -> None:
+    """Raise ``CheckpointTooLarge`` when ``data`` (a state as JSON) is over ``limit`` bytes."""
+    if len(data) > limit:
+        raise CheckpointTooLarge(
+            f"checkpoint state is {len(data)} bytes as JSON; the limit is {limit} "
+            "(JOBTIER_CHECKPOINT_MAX_BYTES)"
+        )
+
+
 class CheckpointRefused(RuntimeError):
     """The worker no longer holds the job (its lease expired and it moved on): nothing was
     saved, and the attempt is being stopped, its outcome dropped."""

@@ -12,7 +12,7 @@ import logging
 from jobtier.core.errors import Code
 from jobtier.store.calls import heartbeat_call, parse_pairs
 from jobtier.worker.attempt import deliver_cancel
-from jobtier.worker.checkpoint import CheckpointRefused, CheckpointTooLarge
+from jobtier.worker.checkpoint import CheckpointRefused, check_size
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.state import WorkerState
 
@@ -27,11 +27,7 @@ class CheckpointSaver:
         self.limit = state.settings.checkpoint_max_bytes
 
     async def save(self, ctx: JobContext, data: bytes) -> None:
-        if len(data) > self.limit:
-            raise CheckpointTooLarge(
-                f"checkpoint state is {len(data)} bytes as JSON; the limit is {self.limit} "
-                "(JOBTIER_CHECKPOINT_MAX_BYTES)"
-            )
+        check_size(data, self.limit)
         state, job = self.state, ctx.job
         r = state.running.get(job.id)
         if r is None or r.lost or r.released:
