@@ -56,6 +56,15 @@ async def test_low_priorities_are_shed_first_and_counted(start_api: StartApi, qu
         batch = {"jobs": [{"type": "echo", "priority": "high"}, {"type": "echo"}]}
         r = await http.post("/v1/jobs/batch", json=batch)
         assert r.status_code == 503 and r.json()["priority"] == "normal"
+        # and a flow likewise
+        flow = {
+            "jobs": [
+                {"type": "echo", "priority": "critical", "ref": "a"},
+                {"type": "echo", "priority": "low", "after": ["a"]},
+            ]
+        }
+        r = await http.post("/v1/flows", json=flow)
+        assert r.status_code == 503 and r.json()["priority"] == "low"
         assert await waiting(queue) == SHED_AT
         # critical and high go on, up to the hard limit, which refuses them too
         for i in range(CAP - SHED_AT):
@@ -65,9 +74,12 @@ async def test_low_priorities_are_shed_first_and_counted(start_api: StartApi, qu
         assert r.status_code == 503 and r.json()["type"] == "urn:jobtier:problem:overloaded"
         assert await waiting(queue) == CAP
 
-        # jobs refused: normal 1 + 1 (the batch's), low 1, high 1 (the batch's) shed; one
-        # critical over the hard limit
-        want = {"shed": {"normal": 2.0, "low": 1.0, "high": 1.0}, "overloaded": {"critical": 1.0}}
+        # jobs refused: normal 1 + 1 (the batch's), low 1 + 1 (the flow's), high 1 (the
+        # batch's) and critical 1 (the flow's) shed; one critical over the hard limit
+        want = {
+            "shed": {"normal": 2.0, "low": 2.0, "high": 1.0, "critical": 1.0},
+            "overloaded": {"critical": 1.0},
+        }
 
         async def published() -> bool:  # each process publishes its counters every ~2 s
             return (await frame(admin)).get("submits_refused") == want
@@ -81,7 +93,7 @@ async def test_low_priorities_are_shed_first_and_counted(start_api: StartApi, qu
             and 'priority="low"' in line
             and 'reason="shed"' in line
         ]
-        assert len(shed_low) == 1 and shed_low[0].endswith(" 1.0"), shed_low
+        assert len(shed_low) == 1 and shed_low[0].endswith(" 2.0"), shed_low
 
 
 async def test_shedding_is_off_by_default(start_api: StartApi, queue: Queue) -> None:

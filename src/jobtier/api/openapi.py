@@ -184,7 +184,8 @@ _KEY_DIFFERS = oa.refuses(
 _RATE_LIMITED = oa.refuses(429, "the tenant's rate limit or waiting-jobs cap", oa.RETRY_AFTER)
 _BACK_PRESSURE = oa.refuses(
     503,
-    "back-pressure (too many waiting jobs, write-behind lag), Redis unavailable, or a job "
+    "back-pressure (too many waiting jobs, write-behind lag; a job of a shed priority past "
+    "JOBTIER_SHED_WAITING_TOTAL: type …:shed), Redis unavailable, or a job "
     "to encrypt and no JOBTIER_ENCRYPTION_KEYS here (type …:encryption-keys-missing; nothing "
     "is submitted)",
     oa.RETRY_AFTER,
