@@ -115,7 +115,8 @@ async def test_a_retried_attempt_resumes_and_postgres_keeps_each_checkpoint(
     try:
         job = await queue.submit("chunked", {"chunks": 4, "fail_after": 2})
         background.start(Scheduler(queue.store))  # promotes the retry when due
-        background.start(worker_for(queue, registry))
+        worker = worker_for(queue, registry)
+        background.start(worker)
 
         async def done() -> bool:
             return (await queue.status(job.job_id)).terminal
@@ -123,6 +124,7 @@ async def test_a_retried_attempt_resumes_and_postgres_keeps_each_checkpoint(
         await wait_for(done, timeout=30)
         _, result = await queue.result(job.job_id)
         assert result == {"attempt": 2, "resumed": True, "resumed_from": 2, "ran": [2, 3], "sum": 6}
+        assert worker.state.stats.checkpoints == 4  # worker_checkpoints_total
 
         entries = [parse_entry(*e) for e in await log_entries(queue.redis, queue.keys)]
         saved = [e for e in entries if e.checkpoint is not None]

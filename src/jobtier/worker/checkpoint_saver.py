@@ -55,5 +55,6 @@ class CheckpointSaver:
             if r.handle is not None:
                 r.handle.cancel()
             raise CheckpointRefused(f"job {job.id} was taken back from worker {state.id}")
+        state.stats.checkpoints += 1
         if cancel and not ctx.cancel_requested:
             deliver_cancel(ctx, r.task, r.handle)

@@ -102,6 +102,7 @@ class Worker:
                 "leases_lost_total": {"": st.leases_lost},
                 "worker_handed_back_total": {"": st.handed_back},
                 "worker_rate_limited_total": {"": st.rate_limited},
+                "worker_checkpoints_total": {"": st.checkpoints},
                 "queue_limit_wait_seconds_total": {
                     labels(queue=q): c.stats.waited for q, c in self.limits.claimers.items()
                 },

@@ -48,6 +48,7 @@ class WorkerStats:
     leases_lost: int = 0
     handed_back: int = 0  # jobs of types this worker cannot run, left in their queue
     rate_limited: int = 0  # tasks that raised RateLimited
+    checkpoints: int = 0  # ctx.checkpoint states saved (checkpoint_saver.py)
     claim_wait: Histogram = field(default_factory=Histogram)  # seconds, since start
     run_time: Histogram = field(default_factory=Histogram)
 
