@@ -288,6 +288,11 @@ class ProcessPool:
         """The live children's process ids."""
         return [c.pid for c in self._children if not c.gone]
 
+    @property
+    def busy(self) -> dict[str, int]:
+        """The process id of each child running a call, by its job's id."""
+        return {c.call.ctx.job.id: c.pid for c in self._children if c.call is not None}
+
     async def run(self, task: Task, ctx: JobContext, payload: Any) -> Any:
         """Call ``task`` with a child's context and ``payload`` in a child; its result, or
         what it raised. Cancelling this ends the child."""
