@@ -76,6 +76,17 @@ async def probe(ctx: JobContext, payload: Any) -> None:
 REGISTRY = TaskRegistry([crunch, probe])
 
 
+def autogroup() -> bool:
+    """Whether the kernel schedules by session (``sched_autogroup``): then every process of
+    this run shares one CPU share against the other sessions' load, and a second process
+    adds CPU only where a core is idle."""
+    try:
+        with open("/proc/sys/kernel/sched_autogroup_enabled") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
 def calibrate(work_ms: float) -> int:
     """Rounds of ``hash_rounds`` that take ``work_ms`` on one core here (the least of a few
     tries: other work on the machine only adds to a try)."""
@@ -272,6 +283,13 @@ def render(s: dict[str, Any], args: argparse.Namespace, env: dict[str, Any], rou
         "loaded** (see the load average above): absolute figures move with it, the ratios "
         "within a run less so.\n"
     )
+    if s["autogroup"]:
+        out.append(
+            "The kernel schedules by session here (`kernel.sched_autogroup_enabled=1`): the "
+            "run's processes share one CPU share against the other sessions' load, so the "
+            "children add CPU, and jobs/s, only while a core is idle. What the pool buys on a "
+            "busy machine is the worker's loop: the other jobs' latency.\n"
+        )
     rows = [
         [
             mode,
@@ -284,6 +302,7 @@ def render(s: dict[str, Any], args: argparse.Namespace, env: dict[str, Any], rou
             fmt(m["lag_max_ms"], 1),
         ]
         for mode, m in s.items()
+        if mode in MODES
     ]
     headers = ["mode", "CPU jobs/s", "per run", "probe claim p50 ms", "p99"]
     headers += ["loop lag p50 ms", "p99", "max"]
@@ -325,6 +344,7 @@ def run(argv: list[str] | None = None) -> None:
     rounds = calibrate(args.work_ms)
     runs = uvloop.run(main(args, rounds))
     summary = summarise(runs)
+    summary["autogroup"] = autogroup()
     text = render(summary, args, env, rounds)
     print(text)
     if not args.no_save:

@@ -9,6 +9,7 @@ import os
 import time
 from typing import Any
 
+from jobtier.core.errors import Retry
 from jobtier.worker.registry import TaskRegistry, task
 
 _held: list[bytes] = []  # what ``leak`` keeps: the child's memory grows job by job
@@ -110,3 +111,19 @@ registry = TaskRegistry(
         echo,
     ]
 )
+
+
+@task(executor="process", retries=0)
+def reads_previous(ctx: Any, payload: Any) -> dict[str, Any]:
+    return {"previous": ctx.previous, "ids": list(ctx.dependencies)}
+
+
+@task(executor="process", retries=1, backoff_base=60)  # the Retry's delay wins over 60 s
+def retry_then_ok(ctx: Any, payload: Any) -> int:
+    if ctx.attempt == 1:
+        raise Retry("come back soon", delay=0.05)
+    return ctx.attempt
+
+
+registry.add(reads_previous)
+registry.add(retry_then_ok)

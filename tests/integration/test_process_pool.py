@@ -210,3 +210,18 @@ async def test_the_worker_option_moves_plain_def_tasks_to_processes(queue: Queue
     await worker.run()
     pid = (await queue.result(in_process.job_id))[1]["pid"]
     assert pid != os.getpid() and pool_of(worker).stats["started"] >= 1
+
+
+async def test_dependencies_and_a_retry_delay_cross_between_worker_and_child(
+    queue: Queue, background: Background
+) -> None:
+    background.start(Scheduler(queue.store))
+    background.start(pool_worker(queue))
+    first = await queue.submit("echo", {"n": 7})
+    after = await queue.submit("reads_previous", None, depends_on=[first.job_id])
+    later = await queue.submit("retry_then_ok", None)
+    await until_state(queue, after.job_id, State.SUCCEEDED)
+    assert (await queue.result(after.job_id))[1] == {"previous": {"n": 7}, "ids": [first.job_id]}
+    # the Retry raised in the child kept its delay: the task's 60 s back-off would time out
+    await until_state(queue, later.job_id, State.SUCCEEDED)
+    assert (await queue.result(later.job_id))[1] == 2

@@ -59,10 +59,8 @@ def test_process_options_refuse_bad_values(options: dict[str, Any], message: str
 
 def test_the_worker_command_takes_the_pool_options(capsys: pytest.CaptureFixture[str]) -> None:
     parser = build_parser()
-    args = parser.parse_args(
-        ["worker", "m", "--executor", "process", "--processes", "3"]
-        + ["--process-max-jobs", "100", "--process-max-rss", "512"]
-    )
+    pool = ["--processes", "3", "--process-max-jobs", "100", "--process-max-rss", "512"]
+    args = parser.parse_args(["worker", "m", "--executor", "process", *pool])
     assert args.executor == "process"
     assert process_options(args) == ProcessOptions(3, 100, 512 * MIB)
     defaults = process_options(parser.parse_args(["worker", "m"]))

@@ -184,11 +184,14 @@ class Child:
                 loop.call_soon_threadsafe(self._on_message, message)
         except (EOFError, OSError):
             pass
+        except RuntimeError:  # the loop is closed: nobody is left to tell
+            self.inbox.close()
+            return
         self.inbox.close()
         self.process.join(5)  # its pipe closed: it has exited, or is about to
         try:
             loop.call_soon_threadsafe(self._on_exit, self.process.exitcode)
-        except RuntimeError:  # the loop is closed: nobody is left to tell
+        except RuntimeError:
             pass
 
     def _on_message(self, message: tuple[Any, ...]) -> None:
