@@ -12,7 +12,9 @@ every ``PROBE_EVERY`` s and a ticker on the worker's loop wakes every ``TICK`` s
 * jobs/s: CPU jobs done per second of the phase (first submit to last ``succeeded``);
 * probe claim latency: submit → the probe task starts, on the worker (a claim, a start);
 * loop lag: how late the ticker wakes. Heartbeats, claims and reports run on this loop:
-  its lag is how late each of them is.
+  its lag is how late each of them is;
+* heartbeat: how long each full heartbeat (every running job's lease extended in Redis)
+  takes from its start, with a lease of ``LEASE`` s (a beat every third of it).
 
 Modes, in the same run, alternating, ``--runs`` times: ``idle`` (probes only: the floor),
 ``threads`` (``--executor thread``, 2 threads) and ``processes`` (``--executor process``,
@@ -51,6 +53,7 @@ IN_FLIGHT = 4  # CPU jobs submitted and not done: two running, two waiting for t
 CONCURRENCY = 10  # the worker's slots: the probes always find one free
 PROBE_EVERY = 0.05  # s between probe submits
 TICK = 0.01  # s between the ticker's wakes
+LEASE = 1.5  # s: a heartbeat every 0.5 s, so that each phase has a few to time
 POOL = 2  # threads, or child processes: one per core of the machine this was written for
 STARTED: dict[str, float] = {}  # probe job id -> perf_counter when its task started
 
@@ -178,11 +181,22 @@ async def phase(
             executor=executor,
             processes=options,
         )
+        beats: list[float] = []
+        beat = worker.heartbeat._beat
+
+        async def timed_beat(progress_only: bool) -> None:
+            start, busy = time.perf_counter(), bool(worker.state.running)
+            await beat(progress_only)
+            if busy and not progress_only:  # a full beat: every running job's lease extended
+                beats.append(1000 * (time.perf_counter() - start))
+
+        worker.heartbeat._beat = timed_beat  # type: ignore[method-assign]
         running = asyncio.create_task(worker.run())
         try:
             warm = [await queue.submit("crunch", {"rounds": rounds}) for _ in range(POOL * 2)]
             for sub in warm:  # the children have started and imported the task
                 await observer.wait(sub.job_id)
+            beats.clear()  # the warm-up's
             lags: list[float] = []
             asked: dict[str, float] = {}
             stop = asyncio.Event()
@@ -214,13 +228,16 @@ async def phase(
         "jobs_per_s": jobs / took if mode != "idle" else float("nan"),
         "probe_ms": probe_ms,
         "lag_ms": lags,
+        "beat_ms": beats,
     }
 
 
 async def main(args: argparse.Namespace, rounds: int) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
     with local_redis(aof=True) as server:
-        settings = Settings.from_env({}, redis_url=server.url, shards=args.shards)
+        settings = Settings.from_env(
+            {}, redis_url=server.url, shards=args.shards, lease_seconds=LEASE
+        )
         observer = Observer()
         async with await Queue.connect(settings) as queue:
             events = ShardSubscriber(
@@ -267,7 +284,11 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "lag_p50_ms": med([percentile(r["lag_ms"], 50) for r in per_run]),
             "lag_p99_ms": med([percentile(r["lag_ms"], 99) for r in per_run]),
             "lag_max_ms": med([max(r["lag_ms"]) for r in per_run]),
+            "beat_p50_ms": med([percentile(r["beat_ms"], 50) for r in per_run]),
+            "beat_max_ms": med([max(r["beat_ms"], default=float("nan")) for r in per_run]),
+            "beats": sum(len(r["beat_ms"]) for r in per_run),
         }
+    out["ratio_runs"] = [r["processes"]["jobs_per_s"] / r["threads"]["jobs_per_s"] for r in runs]
     return out
 
 
@@ -300,20 +321,27 @@ def render(s: dict[str, Any], args: argparse.Namespace, env: dict[str, Any], rou
             fmt(m["lag_p50_ms"], 2),
             fmt(m["lag_p99_ms"], 2),
             fmt(m["lag_max_ms"], 1),
+            fmt(m["beat_p50_ms"], 1),
+            fmt(m["beat_max_ms"], 1),
         ]
         for mode, m in s.items()
         if mode in MODES
     ]
     headers = ["mode", "CPU jobs/s", "per run", "probe claim p50 ms", "p99"]
-    headers += ["loop lag p50 ms", "p99", "max"]
+    headers += ["loop lag p50 ms", "p99", "max", "heartbeat p50 ms", "max"]
     out.append(table(headers, rows) + "\n")
     t, p = s["threads"], s["processes"]
     out.append(
-        f"Processes against threads: {p['jobs_per_s'] / t['jobs_per_s']:.2f} times the CPU jobs/s; "
+        f"Processes against threads: {statistics.median(s['ratio_runs']):.2f} times the CPU "
+        f"jobs/s (median of the runs' ratios: "
+        f"{' / '.join(f'{x:.2f}' for x in s['ratio_runs'])}); "
         f"the other jobs' claim latency p99 {t['probe_p99_ms']:.1f} → {p['probe_p99_ms']:.1f} "
         f"ms and the loop's lag p99 {t['lag_p99_ms']:.1f} → {p['lag_p99_ms']:.1f} ms (idle: "
         f"{s['idle']['probe_p99_ms']:.1f} and {s['idle']['lag_p99_ms']:.1f} ms); "
-        f"{t['probes']} and {p['probes']} probes.\n"
+        f"{t['probes']} and {p['probes']} probes. A heartbeat (every job's lease extended, "
+        f"lease {LEASE:g} s: a beat every {LEASE / 3:g} s) took {t['beat_p50_ms']:.1f} ms "
+        f"(median; max {t['beat_max_ms']:.1f}) beside threads and {p['beat_p50_ms']:.1f} ms "
+        f"(max {p['beat_max_ms']:.1f}) beside processes.\n"
     )
     return "\n".join(out)
 

@@ -169,6 +169,7 @@ class Child:
         self.rss = 0
         self.call: _Call | None = None
         self.gone = False  # ended, ending, retired or died: never given another call
+        self.ending = False  # its SIGTERM/SIGKILL thread has started
         threading.Thread(target=self._read, name=f"jobtier-child-{self.pid}", daemon=True).start()
 
     def _read(self) -> None:
@@ -241,6 +242,9 @@ class Child:
         """SIGTERM, then SIGKILL after the kill grace, in a thread of its own."""
         self.gone = True
         self.call = None
+        if self.ending:
+            return
+        self.ending = True
         grace = self.pool.options.kill_grace
 
         def stop() -> None:
