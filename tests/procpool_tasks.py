@@ -122,7 +122,7 @@ def reads_previous(ctx: Any, payload: Any) -> dict[str, Any]:
 def retry_then_ok(ctx: Any, payload: Any) -> int:
     if ctx.attempt == 1:
         raise Retry("come back soon", delay=0.05)
-    return ctx.attempt
+    return int(ctx.attempt)
 
 
 registry.add(reads_previous)
