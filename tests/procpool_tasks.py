@@ -4,6 +4,7 @@ A child imports this module by name, so each task is a top-level function here."
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import time
@@ -46,6 +47,11 @@ def killed_once(ctx: Any, payload: Any) -> dict[str, int]:
 @task(executor="process", retries=1, backoff_base=0.05, jitter=0)
 def aborts(ctx: Any, payload: Any) -> None:
     os.abort()  # SIGABRT, as a C extension's failed assertion would
+
+
+@task(executor="process", retries=0)
+def segfaults(ctx: Any, payload: Any) -> None:
+    ctypes.string_at(0)  # reads address 0: SIGSEGV, as a broken C extension would
 
 
 @task(executor="process", retries=0)
@@ -126,4 +132,5 @@ def retry_then_ok(ctx: Any, payload: Any) -> int:
 
 
 registry.add(reads_previous)
+registry.add(segfaults)
 registry.add(retry_then_ok)

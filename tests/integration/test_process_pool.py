@@ -8,6 +8,7 @@ pid as the job's progress, so that a test can find (and kill) the process of a j
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import os
 import signal
@@ -119,6 +120,11 @@ async def test_a_crashed_child_fails_the_attempt_retryably_naming_the_signal(
     assert status.attempt == 2 and status.error is not None  # the first was retried
     assert status.error.type == "ProcessDied"
     assert "killed by signal SIGABRT" in status.error.message
+    segv = await queue.submit("segfaults", None)
+    await until_state(queue, segv.job_id, State.FAILED)
+    status = await queue.status(segv.job_id)
+    assert status.error is not None and status.error.type == "ProcessDied"
+    assert "killed by signal SIGSEGV" in status.error.message
 
 
 async def test_a_cancel_ends_a_child_that_does_not_listen(
@@ -225,3 +231,20 @@ async def test_dependencies_and_a_retry_delay_cross_between_worker_and_child(
     # the Retry raised in the child kept its delay: the task's 60 s back-off would time out
     await until_state(queue, later.job_id, State.SUCCEEDED)
     assert (await queue.result(later.job_id))[1] == 2
+
+
+async def test_a_shutdown_releases_a_process_job_and_ends_its_child(queue: Queue) -> None:
+    worker = pool_worker(queue)
+    worker.shutdown_grace = 0.3
+    running = asyncio.create_task(worker.run())
+    try:
+        sub = await queue.submit("spins", None)
+        pool = pool_of(worker)
+        await wait_for(lambda: sub.job_id in pool.busy)
+        pid = pool.busy[sub.job_id]
+    finally:
+        worker.stop()
+        await running
+    status = await queue.status(sub.job_id)
+    assert status.state is State.QUEUED and status.attempt == 0  # released, no attempt used
+    assert not alive(pid) and worker.stuck == 0

@@ -170,10 +170,14 @@ class Child:
         self.call: _Call | None = None
         self.gone = False  # ended, ending, retired or died: never given another call
         self.ending = False  # its SIGTERM/SIGKILL thread has started
+        self.exited = threading.Event()  # set by the reader thread once it has reaped it
         threading.Thread(target=self._read, name=f"jobtier-child-{self.pid}", daemon=True).start()
 
     def _read(self) -> None:
+        """The one thread that waits for this child's process (two waiters of one pid race
+        for its exit status): its messages, then its end."""
         loop = self.pool.loop
+        told = True
         try:
             while True:
                 data = self.inbox.recv_bytes()
@@ -186,14 +190,18 @@ class Child:
         except (EOFError, OSError):
             pass
         except RuntimeError:  # the loop is closed: nobody is left to tell
-            self.inbox.close()
-            return
+            told = False
         self.inbox.close()
         self.process.join(5)  # its pipe closed: it has exited, or is about to
-        try:
-            loop.call_soon_threadsafe(self._on_exit, self.process.exitcode)
-        except RuntimeError:
-            pass
+        if self.process.exitcode is None:  # it closed its end of the pipe and went on
+            self.process.kill()
+            self.process.join()
+        self.exited.set()
+        if told:
+            try:
+                loop.call_soon_threadsafe(self._on_exit, self.process.exitcode)
+            except RuntimeError:
+                pass
 
     def _on_message(self, message: tuple[Any, ...]) -> None:
         call = self.call
@@ -219,6 +227,7 @@ class Child:
         pool = self.pool
         was_gone, self.gone = self.gone, True
         pool.forget(self)
+        self.outbox.close()
         call, self.call = self.call, None
         if call is not None and not call.future.done():
             call.future.set_exception(ProcessDied(died(self.pid, exitcode)))
@@ -239,7 +248,8 @@ class Child:
             return False
 
     def end(self) -> None:
-        """SIGTERM, then SIGKILL after the kill grace, in a thread of its own."""
+        """SIGTERM, then SIGKILL after the kill grace, in a thread of its own (the signals
+        only: the reader thread waits for the exit)."""
         self.gone = True
         self.call = None
         if self.ending:
@@ -248,13 +258,9 @@ class Child:
         grace = self.pool.options.kill_grace
 
         def stop() -> None:
-            process = self.process
-            if process.exitcode is None:
-                process.terminate()
-                process.join(grace)
-            if process.exitcode is None:
-                process.kill()
-                process.join(5)
+            self.process.terminate()
+            if not self.exited.wait(grace):
+                self.process.kill()
 
         threading.Thread(target=stop, name=f"jobtier-end-{self.pid}", daemon=True).start()
 
@@ -269,6 +275,7 @@ class ProcessPool:
         self._slots = asyncio.Semaphore(options.size)
         self._idle: list[Child] = []
         self._children: set[Child] = set()
+        self._ending: set[Child] = set()
         self.closing = False
         # children started, recycled (jobs or memory), ended for their job, died
         self.stats = {"started": 0, "recycled": 0, "ended": 0, "died": 0}
@@ -287,6 +294,8 @@ class ProcessPool:
 
     def forget(self, child: Child) -> None:
         self._children.discard(child)
+        if child.exited.is_set():
+            self._ending.discard(child)
         if child in self._idle:
             self._idle.remove(child)
 
@@ -354,6 +363,7 @@ class ProcessPool:
             log.info("event=process_ended pid=%d", child.pid)
         self.forget(child)
         child.end()
+        self._ending.add(child)  # close() waits for it to be gone
 
     def _put_back(self, child: Child) -> None:
         options = self.options
@@ -378,9 +388,9 @@ class ProcessPool:
     async def close(self) -> None:
         """Ask the children to exit; end those that do not within the kill grace."""
         self.closing = True
-        children = list(self._children)
+        children = [*self._children, *self._ending]
         for child in children:
-            if child.call is None:
+            if child.call is None and not child.ending:
                 child.gone = True
                 child.send(("exit",))
             else:
@@ -389,10 +399,9 @@ class ProcessPool:
 
         def join() -> None:
             for child in children:
-                child.process.join(grace)
-                if child.process.exitcode is None:
+                if not child.exited.wait(grace):
                     child.process.kill()
-                    child.process.join(5)
+                    child.exited.wait(5)
 
         await asyncio.to_thread(join)
         self._idle.clear()
