@@ -49,7 +49,6 @@ def test_which_tasks_run_in_processes() -> None:
         ({"max_jobs": -1}, "0 \\(no limit\\) or more"),
         ({"max_rss_bytes": -1}, "0 \\(no limit\\) or more"),
         ({"kill_grace": -1.0}, "graces must be 0 or more"),
-        ({"start_method": "fork"}, "spawn or forkserver"),
     ],
 )
 def test_process_options_refuse_bad_values(options: dict[str, Any], message: str) -> None:

@@ -77,7 +77,6 @@ class ProcessOptions:
     max_rss_bytes: int = 0  # resident memory after a call past which it is replaced (0: none)
     cancel_grace: float = 1.0  # s a child has to answer a cancel request before it is ended
     kill_grace: float = 2.0  # s from SIGTERM to SIGKILL
-    start_method: Literal["spawn", "forkserver"] = "spawn"
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -86,8 +85,6 @@ class ProcessOptions:
             raise ConfigError("process max jobs and max RSS must be 0 (no limit) or more")
         if self.cancel_grace < 0 or self.kill_grace < 0:
             raise ConfigError("process cancel and kill graces must be 0 or more")
-        if self.start_method not in ("spawn", "forkserver"):
-            raise ConfigError("process start method must be spawn or forkserver")
 
 
 def runs_in_process(task: Task, default: Executor) -> bool:
@@ -153,7 +150,7 @@ class Child:
 
     def __init__(self, pool: ProcessPool) -> None:
         self.pool = pool
-        mp: Any = multiprocessing.get_context(pool.options.start_method)
+        mp: Any = multiprocessing.get_context("spawn")
         self.inbox, child_out = mp.Pipe(duplex=False)
         child_in, self.outbox = mp.Pipe(duplex=False)
         # daemon: should the worker exit without closing its pool, multiprocessing's exit
