@@ -19,6 +19,7 @@ import pytest
 
 from jobtier.core.model import LogLine, State
 from jobtier.engine.queue import Queue
+from jobtier.metrics.snapshot import labels
 from jobtier.scheduler import Scheduler
 from jobtier.worker.procpool import ProcessOptions, ProcessPool
 from jobtier.worker.runner import Worker
@@ -106,6 +107,7 @@ async def test_a_child_killed_mid_job_is_survived(queue: Queue, background: Back
     await until_state(queue, beside.job_id, State.SUCCEEDED)
     pool = pool_of(worker)
     assert pool.stats["died"] == 1 and not alive(victim_pid)
+    assert worker.metrics().counters["worker_processes_total"][labels(event="died")] == 1
     assert len(pool.pids) == 2  # the pool replaced the dead child
 
 

@@ -110,6 +110,7 @@ class Worker:
                 "queue_limit_wait_seconds_total": {
                     labels(queue=q): c.stats.waited for q, c in self.limits.claimers.items()
                 },
+                **self._process_counters(),
             },
             gauges={
                 "worker_running_jobs": {"": len(self.state.running)},
@@ -120,6 +121,13 @@ class Worker:
                 "run_time_seconds": {"": st.run_time.snapshot()},
             },
         )
+
+    def _process_counters(self) -> dict[str, dict[str, float]]:
+        """The process pool's children started, recycled, ended and died (procpool.py)."""
+        pool = self.launcher.processes
+        if pool is None:
+            return {}
+        return {"worker_processes_total": {labels(event=k): v for k, v in pool.stats.items()}}
 
     @property
     def idle(self) -> bool:
