@@ -21,6 +21,7 @@ from jobtier.core.model import LogLine, State
 from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import labels
 from jobtier.scheduler import Scheduler
+from jobtier.store.calls import reclaim_call
 from jobtier.worker.procpool import ProcessOptions, ProcessPool
 from jobtier.worker.runner import Worker
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -250,3 +251,37 @@ async def test_a_shutdown_releases_a_process_job_and_ends_its_child(queue: Queue
     status = await queue.status(sub.job_id)
     assert status.state is State.QUEUED and status.attempt == 0  # released, no attempt used
     assert not alive(pid) and worker.stuck == 0
+
+
+async def test_a_lost_lease_ends_the_child(queue: Queue, background: Background) -> None:
+    # a beat every 0.5 s; the worker's beats are held back until the lease has expired and
+    # the job was taken back, so that the next one is refused
+    queue.settings = queue.settings.replace(lease_seconds=1.5)
+    worker = pool_worker(queue)
+    beat = worker.heartbeat._beat
+    holding = asyncio.Event()
+
+    async def beat_unless_holding(progress_only: bool) -> None:
+        if not holding.is_set():
+            await beat(progress_only)
+
+    worker.heartbeat._beat = beat_unless_holding  # type: ignore[method-assign]
+    background.start(worker)
+    sub = await queue.submit("spins", None)
+    pool = pool_of(worker)
+    await wait_for(lambda: sub.job_id in pool.busy)
+    pid = pool.busy[sub.job_id]
+    holding.set()
+    shard = queue.keys.shard_of(sub.job_id)
+
+    async def taken_back() -> bool:  # its lease expired: a reclaim (the scheduler's) moves it
+        await queue.scripts.call_many([reclaim_call(shard, 10, 60, 60)])
+        status = await queue.status(sub.job_id)
+        return status.state is not State.RUNNING or status.attempt > 1
+
+    await wait_for(taken_back)
+    assert alive(pid) and worker.stats.leases_lost == 0
+    holding.clear()
+    await wait_for(lambda: worker.stats.leases_lost == 1)
+    await wait_for(lambda: not alive(pid))
+    assert pool.stats["ended"] >= 1
