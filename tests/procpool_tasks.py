@@ -134,3 +134,11 @@ def retry_then_ok(ctx: Any, payload: Any) -> int:
 registry.add(reads_previous)
 registry.add(segfaults)
 registry.add(retry_then_ok)
+
+
+@task(executor="process", retries=0)
+def exits(ctx: Any, payload: Any) -> None:
+    raise SystemExit(3)  # the job's failure, not the worker's exit
+
+
+registry.add(exits)

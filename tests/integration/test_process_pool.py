@@ -183,7 +183,11 @@ async def test_progress_logs_and_cancel_requested_work_from_the_child(
 
 async def test_a_task_error_from_the_child_keeps_its_type_and_traceback(queue: Queue) -> None:
     sub = await queue.submit("raises", {"n": 1})
-    await pool_worker(queue, burst=True).run()
+    exits = await queue.submit("exits", None)
+    await pool_worker(queue, burst=True).run()  # returns: the SystemExit stayed the job's
+    status = await queue.status(exits.job_id)
+    assert status.state is State.FAILED and status.error is not None
+    assert (status.error.type, status.error.message) == ("RemoteError", "SystemExit: 3")
     status = await queue.status(sub.job_id)
     assert status.state is State.FAILED and status.error is not None
     assert status.error.type == "ValueError" and status.error.message == "bad input {'n': 1}"

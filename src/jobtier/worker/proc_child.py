@@ -27,6 +27,7 @@ from typing import Any
 
 from jobtier.core.errors import Cancelled
 from jobtier.core.model import LOG_LINE_CHARS, ClaimedJob, Dependency, encode_json
+from jobtier.worker.registry import Task
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -46,10 +47,12 @@ def exception_parts(exc: BaseException) -> tuple[bytes | None, str, str, str]:
     pickled (``__init__`` is not called again: ``RateLimited`` takes a keyword-only
     argument that its ``args`` lack), or None when they do not pickle; its type name,
     message and this process's traceback, for the job's error either way."""
-    try:
-        data: bytes | None = pickle.dumps((type(exc), exc.args, dict(vars(exc))))
-    except Exception:  # a local class, or an attribute that does not pickle
-        data = None
+    data: bytes | None = None
+    if isinstance(exc, Exception):  # a SystemExit raised again in the worker would stop it
+        try:
+            data = pickle.dumps((type(exc), exc.args, dict(vars(exc))))
+        except Exception:  # a local class, or an attribute that does not pickle
+            data = None
     te = traceback.TracebackException.from_exception(exc)
     if te.stack and te.stack[0].filename == __file__:  # this loop's frame: not the task's
         del te.stack[0]
@@ -128,6 +131,7 @@ class _Child:
         self.send_lock = threading.Lock()  # a task's own threads may log too
         self.calls: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self.current: ChildContext | None = None
+        self.cancelled = ""  # the job id of the last cancel request
         self.functions: dict[tuple[str, str], Any] = {}
 
     def send(self, message: tuple[Any, ...]) -> None:
@@ -142,6 +146,8 @@ class _Child:
                 if message[0] == "run":
                     self.calls.put(message)
                 elif message[0] == "cancel":
+                    # kept for a call not started yet too: the request may overtake it
+                    self.cancelled = message[1]
                     ctx = self.current
                     if ctx is not None and ctx.job.id == message[1]:
                         ctx._cancelled = True
@@ -157,7 +163,7 @@ class _Child:
             obj: Any = importlib.import_module(module)
             for part in qualname.split("."):
                 obj = getattr(obj, part)
-            fn = getattr(obj, "fn", obj)  # the module holds the Task that @task made of it
+            fn = obj.fn if isinstance(obj, Task) else obj  # @task put a Task in the module
             self.functions[(module, qualname)] = fn
         return fn
 
@@ -165,7 +171,9 @@ class _Child:
         threading.Thread(target=self.read, name="jobtier-child-pipe", daemon=True).start()
         while (call := self.calls.get()) is not None:
             _, module, qualname, job, shard, worker_id, dependencies, payload = call
-            ctx = self.current = ChildContext(job, shard, worker_id, dependencies, self.send)
+            ctx = ChildContext(job, shard, worker_id, dependencies, self.send)
+            self.current = ctx
+            ctx._cancelled = self.cancelled == job.id
             try:
                 result = self.function(module, qualname)(ctx, payload)
             except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the job's

@@ -128,6 +128,8 @@ def _rebuilt(data: bytes | None, name: str, message: str, text: str) -> BaseExce
             exc.__dict__.update(attrs)
         except Exception:  # the class moved, or its __new__ wants more than its args
             exc = None
+        if not isinstance(exc, Exception):  # never a SystemExit raised in the worker
+            exc = None
     if exc is None:
         if name == "ResultNotSerialisable":
             return ResultNotSerialisable(message)
