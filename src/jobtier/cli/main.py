@@ -18,6 +18,7 @@ from jobtier.cli.maintenance import (
     cmd_prune,
     cmd_scripts,
 )
+from jobtier.cli.process_args import PROCESS_ARGS
 from jobtier.cli.roles import (
     cmd_api,
     cmd_check,
@@ -151,6 +152,7 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
             help="seconds from SIGTERM by which running jobs must end; the rest are released to "
             "their queues (default: 30). A second signal releases them at once",
         ),
+        *PROCESS_ARGS,
     ),
     (
         "scheduler",

@@ -31,6 +31,7 @@ log = logging.getLogger("jobtier.cli")
 
 
 def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
+    from jobtier.cli.process_args import process_options
     from jobtier.engine.queue import Queue
     from jobtier.worker.registry import TaskRegistry
     from jobtier.worker.runner import Worker
@@ -48,6 +49,8 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
                 burst=args.burst,
                 name=args.name,
                 shutdown_grace=args.grace,
+                executor=args.executor,
+                processes=process_options(args),
             )
             on_signals(worker.stop, lambda: worker.stop(now=True))
             freeze_gc(settings)

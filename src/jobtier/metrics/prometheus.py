@@ -52,6 +52,7 @@ HELP = {
     "worker_handed_back_total": "Jobs this worker handed back (their task is not in it).",
     "worker_rate_limited_total": "Tasks that raised RateLimited.",
     "worker_checkpoints_total": "Checkpoint states saved by tasks (ctx.checkpoint).",
+    "worker_processes_total": "Process pool children by event: started, recycled, ended (cancel, timeout, release), died (a crash).",
     "queue_limit_wait_seconds_total": "Seconds a worker waited for a limited queue's permits (rate or concurrency).",
     "waiting_jobs": "Jobs waiting for their dependencies (flows).",
     "queue_waiting_jobs": "Jobs of the queue waiting for their dependencies.",

@@ -30,7 +30,7 @@ import os
 import traceback
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import msgspec
 
@@ -46,6 +46,9 @@ from jobtier.core.sealing import (
 )
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import RetryPolicy, Task
+
+if TYPE_CHECKING:
+    from jobtier.worker.procpool import ProcessPool
 
 MESSAGE_LIMIT = 2000  # characters of an exception's message kept in the job's error
 # A failed attempt's traceback, as the job's error keeps it: the last TRACEBACK_FRAMES frames
@@ -189,13 +192,15 @@ async def run_attempt(
     sink: AttemptSink,
     keyring: Keyring | None = None,
     sealed_queue: bool = False,
+    processes: ProcessPool | None = None,
 ) -> None:
     """Run one attempt of ``task`` for ``ctx``'s job, as a worker does, and tell ``sink``
     how it ended (exactly once, before returning; a cancellation of this coroutine ends it
     too, as ``INTERRUPTED``: the sink knows why it cancelled and what that means).
 
-    An ``async def`` task runs on the event loop, a plain ``def`` in ``executor``; the task's
-    ``timeout`` bounds either. An encrypted payload is opened with ``keyring`` first, and the
+    An ``async def`` task runs on the event loop, a plain ``def`` in ``executor`` (in
+    ``processes``, a pool of child processes, when given); the task's ``timeout`` bounds
+    each. An encrypted payload is opened with ``keyring`` first, and the
     result of such a job (or of a task with ``encrypt=True``, or of a job in an encrypted
     queue: ``sealed_queue``) sealed (docs/encryption.md).
     """
@@ -215,6 +220,8 @@ async def run_attempt(
             raise Fatal(f"the payload does not fit {task.name}'s payload type: {exc}") from None
         if task.is_async:
             call: Any = task.fn(ctx, decoded)
+        elif processes is not None:
+            call = processes.run(task, ctx, decoded)
         else:
             call = ctx._loop.run_in_executor(executor, task.fn, ctx, decoded)
         if task.timeout is not None:

@@ -34,6 +34,13 @@ from jobtier.worker import attempt_spans
 from jobtier.worker.attempt import deliver_cancel, run_attempt
 from jobtier.worker.checkpoint_saver import CheckpointSaver
 from jobtier.worker.job_context import JobContext
+from jobtier.worker.procpool import (
+    Executor,
+    ProcessOptions,
+    ProcessPool,
+    check_importable,
+    runs_in_process,
+)
 from jobtier.worker.reporter import Reporter
 from jobtier.worker.state import Running, WorkerState
 from jobtier.worker.stored import run_attempt_storing
@@ -84,7 +91,14 @@ class Launcher:
 
     loop: asyncio.AbstractEventLoop  # set by open()
 
-    def __init__(self, state: WorkerState, reporter: Reporter, threads: int | None) -> None:
+    def __init__(
+        self,
+        state: WorkerState,
+        reporter: Reporter,
+        threads: int | None,
+        executor: Executor = "thread",
+        processes: ProcessOptions | None = None,
+    ) -> None:
         self.state = state
         self.reporter = reporter
         self.id = state.id
@@ -107,11 +121,20 @@ class Launcher:
         # firings, with plain payloads)
         self._sealed_queues = state.settings.encrypted_queue_names()
         self._tracer: Any = None  # set by open() when tracing is on
+        # the plain def tasks run in child processes (procpool.py), by name; a pool only
+        # for a worker that has some
+        in_process = [t for t in state.registry if runs_in_process(t, executor)]
+        for t in in_process:
+            check_importable(t)
+        self.processes = ProcessPool(processes or ProcessOptions()) if in_process else None
+        self._pool_of = {t.name: self.processes for t in in_process}.get
 
     async def open(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._tracer = tracing.tracer()
         self.threads.carry_context = self._tracer is not None
+        if self.processes is not None:
+            self.processes.start()
         settings = self.state.settings
         self.results = await open_store(settings)
         if self.results is not None:
@@ -125,6 +148,8 @@ class Launcher:
         many sync tasks are still running in it."""
         self.threads.shutdown(wait=False, cancel_futures=True)
         busy = self.threads.busy
+        if self.processes is not None:
+            await self.processes.close()
         for store in (self.results, self._reader):
             if store is not None:
                 await store.close()
@@ -153,8 +178,11 @@ class Launcher:
         self._running[job.id] = running
         limit = self._max_result
         in_sealed = job.queue in self._sealed_queues
+        procs = self._pool_of(job.type)
         if self.results is None:
-            attempt = run_attempt(task, ctx, self.threads, limit, self.reporter, keyring, in_sealed)
+            attempt = run_attempt(
+                task, ctx, self.threads, limit, self.reporter, keyring, in_sealed, procs
+            )
         else:  # large results go to the result store before the success is reported
             attempt = run_attempt_storing(
                 task,
@@ -166,6 +194,7 @@ class Launcher:
                 self.state.settings.result_store_threshold_bytes,
                 keyring,
                 in_sealed,
+                procs,
             )
         if self._tracer is None:
             running.handle = asyncio.create_task(attempt, name=f"job {job.id}")

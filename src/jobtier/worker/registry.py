@@ -63,6 +63,9 @@ class Task:
     compensation: Task | None = field(default=None, repr=False, compare=False)
     # its payloads and results are encrypted at rest (docs/encryption.md)
     encrypt: bool = False
+    # a plain def's: "thread" (the worker's thread pool) or "process" (its process pool,
+    # worker/procpool.py); None: the worker's --executor decides
+    executor: str | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -159,6 +162,7 @@ def task(
     queue: str = DEFAULT_QUEUE,
     on_failure: str | Task | None = None,
     encrypt: bool = False,
+    executor: str | None = None,
 ) -> Callable[[Callable[..., Any]], Task]: ...
 
 
@@ -176,6 +180,7 @@ def task(
     queue: str = DEFAULT_QUEUE,
     on_failure: str | Task | None = None,
     encrypt: bool = False,
+    executor: str | None = None,
 ) -> Any:
     """Declare a task: ``async def fn(ctx, payload)`` (or a plain ``def``, run in a thread).
 
@@ -188,7 +193,10 @@ def task(
     when a job of this one fails for good: its payload is ``{"job_id", "type", "payload",
     "error"}`` of the failed job (a compensation: undo what the failed job did).
     ``encrypt=True``: its jobs' payloads and results are encrypted at rest with
-    ``JOBTIER_ENCRYPTION_KEYS`` (docs/encryption.md).
+    ``JOBTIER_ENCRYPTION_KEYS`` (docs/encryption.md). ``executor="process"``: a plain
+    ``def`` runs in the worker's pool of child processes, not its thread pool, for CPU-bound
+    work (docs/process-pool.md); ``"thread"`` keeps it in a thread whatever the worker's
+    ``--executor``.
 
     Usable bare (``@task``) or with options (``@task(retries=5, timeout=30)``).
     """
@@ -216,6 +224,13 @@ def task(
                 f"task {task_name}: on_failure {comp_name!r} must name a task "
                 f"({TASK_NAME_RE.pattern})"
             )
+        if executor not in (None, "thread", "process"):
+            raise ConfigError(f"task {task_name}: executor must be 'thread' or 'process'")
+        if executor == "process" and inspect.iscoroutinefunction(f):
+            raise ConfigError(
+                f"task {task_name}: executor='process' runs a plain def; an async def task "
+                "runs on the worker's event loop"
+            )
         payload_type = _payload_type(f, task_name)
         decoder = msgspec.json.Decoder(payload_type) if payload_type is not None else None
         return Task(
@@ -230,6 +245,7 @@ def task(
             on_failure=comp_name,
             compensation=compensation,
             encrypt=encrypt,
+            executor=executor,
             **({"decode_payload": decoder.decode} if decoder is not None else {}),
         )
 

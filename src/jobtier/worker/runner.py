@@ -30,6 +30,7 @@ from jobtier.worker.claimer import Claimer
 from jobtier.worker.heartbeat import Heartbeat
 from jobtier.worker.launcher import Launcher
 from jobtier.worker.permits import LimitedQueues
+from jobtier.worker.procpool import Executor, ProcessOptions
 from jobtier.worker.registry import TaskRegistry
 from jobtier.worker.reporter import Reporter
 from jobtier.worker.state import WorkerState, WorkerStats
@@ -61,12 +62,16 @@ class Worker:
         queues: Sequence[str] | None = None,
         cancel_push: bool = True,
         stats: WorkerStats | None = None,
+        executor: Executor = "thread",
+        processes: ProcessOptions | None = None,
     ) -> None:
         state = WorkerState(store, registry, concurrency, burst, name, idle_poll, queues, stats)
         self.state = state
         self.limits = LimitedQueues(state)
         self.reporter = Reporter(state, self.limits)
-        self.launcher = Launcher(state, self.reporter, threads)
+        # executor "process": plain def tasks that name none run in child processes,
+        # ``processes`` says how many and when they are replaced (procpool.py)
+        self.launcher = Launcher(state, self.reporter, threads, executor, processes)
         self.claimer = Claimer(state, self.launcher, self.limits)
         self.heartbeat = Heartbeat(state, self.claimer, self.launcher, progress_interval)
         self.id = state.id
@@ -106,6 +111,7 @@ class Worker:
                 "queue_limit_wait_seconds_total": {
                     labels(queue=q): c.stats.waited for q, c in self.limits.claimers.items()
                 },
+                **self._process_counters(),
             },
             gauges={
                 "worker_running_jobs": {"": len(self.state.running)},
@@ -116,6 +122,13 @@ class Worker:
                 "run_time_seconds": {"": st.run_time.snapshot()},
             },
         )
+
+    def _process_counters(self) -> dict[str, dict[str, float]]:
+        """The process pool's children started, recycled, ended and died (procpool.py)."""
+        pool = self.launcher.processes
+        if pool is None:
+            return {}
+        return {"worker_processes_total": {labels(event=k): v for k, v in pool.stats.items()}}
 
     @property
     def idle(self) -> bool:

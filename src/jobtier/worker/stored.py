@@ -18,6 +18,7 @@ from jobtier.core.sealing import Keyring
 from jobtier.persist.results import ResultStore
 from jobtier.worker.attempt import INTERRUPTED, AttemptSink, Failure, Stopped, run_attempt
 from jobtier.worker.job_context import JobContext
+from jobtier.worker.procpool import ProcessPool
 from jobtier.worker.registry import Task
 
 log = logging.getLogger("jobtier.worker")
@@ -42,11 +43,14 @@ async def run_attempt_storing(
     threshold: int,
     keyring: Keyring | None = None,
     sealed_queue: bool = False,
+    processes: ProcessPool | None = None,
 ) -> None:
     """``run_attempt``, with a result over ``threshold`` bytes stored first. A store that
     fails makes the attempt a retryable failure (the result is lost with it, not the job)."""
     ended = _Ended()
-    await run_attempt(task, ctx, executor, max_result_bytes, ended, keyring, sealed_queue)
+    await run_attempt(
+        task, ctx, executor, max_result_bytes, ended, keyring, sealed_queue, processes
+    )
     end = ended.end
     if isinstance(end, bytes) and len(end) > threshold:
         job = ctx.job

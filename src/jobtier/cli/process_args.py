@@ -1,0 +1,72 @@
+"""``jobtier worker``'s process-pool options (worker/procpool.py, docs/process-pool.md)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from jobtier.worker.procpool import ProcessOptions
+
+MIB = 1024 * 1024
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+PROCESS_ARGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
+    (
+        ("--executor",),
+        {
+            "choices": ["thread", "process"],
+            "default": "thread",
+            "help": "where plain def tasks that name no executor run: the worker's thread pool, "
+            "or a pool of child processes for CPU-bound work (default: thread)",
+        },
+    ),
+    (
+        ("--processes",),
+        {
+            "type": _at_least_one,
+            "help": "child processes of the process pool (default: the CPU count)",
+        },
+    ),
+    (
+        ("--process-max-jobs",),
+        {
+            "type": _count,
+            "default": 0,
+            "help": "jobs a child process runs before it is replaced (default: 0, no limit)",
+        },
+    ),
+    (
+        ("--process-max-rss",),
+        {
+            "type": _count,
+            "default": 0,
+            "metavar": "MIB",
+            "help": "resident memory (MiB) after a job past which a child process is replaced "
+            "(default: 0, no limit)",
+        },
+    ),
+)
+
+
+def process_options(args: argparse.Namespace) -> ProcessOptions:
+    from jobtier.worker.procpool import ProcessOptions
+
+    size = {"size": args.processes} if args.processes is not None else {}
+    return ProcessOptions(
+        max_jobs=args.process_max_jobs, max_rss_bytes=args.process_max_rss * MIB, **size
+    )
