@@ -118,7 +118,7 @@ async def test_migrations_folded_into_0001_are_known(
     """A database migrated before the squash has the names folded into 0001 recorded: known,
     while a name this code does not have is the sign of a newer database."""
     dsn = pg_server.dsn_for(empty_db)
-    assert await db.migrate(dsn) == ["0001_initial"]
+    assert await db.migrate(dsn) == [name for name, _ in db.migrations()]
     for recorded, warned in ((db.FOLDED, False), (("0010_from_newer_code",), True)):
         conn = await db.connect(dsn)
         try:
