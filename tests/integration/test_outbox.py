@@ -7,10 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 import msgspec
@@ -20,6 +22,7 @@ from jobtier import outbox
 from jobtier.config import Settings
 from jobtier.core.errors import JobNotFound
 from jobtier.core.model import JobStatus, State
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.engine.produce import Producer
 from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
@@ -376,3 +379,62 @@ async def test_jobtier_keeps_its_tables_out_of_the_schema_named_like_its_role(
     async with pg_pool.acquire() as conn:  # after the pool's RESET ALL too
         assert await conn.fetchval("SELECT current_schema()") == "public"
     assert await app.fetchval("SELECT to_regclass('public.made_by_jobtier')") is not None
+
+
+async def test_an_application_database_submits_through_postgres_fdw(
+    pg_server: LocalPostgres, pg_dsn: str, relay: OutboxRelay, pg_pool: Pool
+) -> None:
+    """The application's own database reaches jobtier's through postgres_fdw: an INSERT into
+    the imported view jobtier.submissions is a jobtier.submit call in jobtier's database,
+    committed or rolled back with the application's transaction."""
+    await prepared(relay)
+    where = urlsplit(pg_dsn)
+    app_db = f"jt_app_{uuid.uuid4().hex[:12]}"
+    pg_server.psql(f'CREATE DATABASE "{app_db}" OWNER "{pg_server.user}"')
+    try:
+        # what a DBA sets up once (as superuser): the wrapper, the server, the mapping
+        user = pg_server.user
+        pg_server.psql(
+            f"""
+            CREATE EXTENSION postgres_fdw;
+            CREATE SERVER jobtier_db FOREIGN DATA WRAPPER postgres_fdw
+                OPTIONS (host '{where.hostname}', port '{where.port}',
+                         dbname '{where.path.lstrip("/")}');
+            GRANT USAGE ON FOREIGN SERVER jobtier_db TO "{user}";
+            CREATE USER MAPPING FOR "{user}" SERVER jobtier_db
+                OPTIONS (user '{user}', password_required 'false');
+            """,
+            database=app_db,
+        )
+        conn = await asyncpg.connect(pg_server.dsn_for(app_db))
+        try:
+            await conn.execute(
+                """
+                CREATE SCHEMA jobs_remote;
+                IMPORT FOREIGN SCHEMA jobtier LIMIT TO (submissions)
+                    FROM SERVER jobtier_db INTO jobs_remote;
+                CREATE TABLE orders (id int);
+                """
+            )
+            insert = (
+                "INSERT INTO jobs_remote.submissions (type, payload, priority) "
+                "VALUES ('echo', $1::json, 'high') RETURNING id"
+            )
+            tx = conn.transaction()
+            await tx.start()
+            await conn.execute("INSERT INTO orders VALUES (1)")
+            await conn.fetchval(insert, '{"order": 1}')
+            await tx.rollback()
+            assert await outbox_rows(pg_pool) == []
+
+            async with conn.transaction():
+                await conn.execute("INSERT INTO orders VALUES (2)")
+                job_id = await conn.fetchval(insert, '{"order": 2}')
+        finally:
+            await conn.close()
+    finally:
+        pg_server.psql(f'DROP DATABASE IF EXISTS "{app_db}" WITH (FORCE)')
+    assert [r["id"] for r in await outbox_rows(pg_pool)] == [job_id]
+    _, status = await read_status(pg_pool, job_id) or ("", None)
+    assert status is not None and status.state is State.SUBMITTED and status.priority == "high"
+    assert await relay.drain() == 1

@@ -202,6 +202,30 @@ BEGIN
 END
 $$;
 
+-- jobtier.submit for callers that can insert into a table but not call a function: an
+-- application whose own database reaches this one through postgres_fdw, which imports tables
+-- and views, never functions (docs/outbox.md). An INSERT into this view is a jobtier.submit
+-- call; RETURNING id gives the job's id. Reading it shows nothing (it is not a listing).
+CREATE VIEW jobtier.submissions AS
+SELECT NULL::text AS id, NULL::text AS type, NULL::json AS payload, NULL::text AS queue,
+       NULL::text AS priority, NULL::double precision AS delay, NULL::timestamptz AS run_at,
+       NULL::text AS idempotency_key, NULL::integer AS max_attempts, NULL::text[] AS depends_on,
+       NULL::text AS tenant
+WHERE false;
+
+CREATE FUNCTION jobtier.submissions_insert() RETURNS trigger
+LANGUAGE plpgsql SET search_path = pg_catalog, pg_temp AS $$
+BEGIN
+    NEW.id := jobtier.submit(NEW.type, coalesce(NEW.payload, 'null'), NEW.queue,
+                             coalesce(NEW.priority, 'normal'), NEW.delay, NEW.run_at,
+                             NEW.idempotency_key, NEW.max_attempts, NEW.depends_on, NEW.tenant);
+    RETURN NEW;
+END
+$$;
+
+CREATE TRIGGER submissions_insert INSTEAD OF INSERT ON jobtier.submissions
+    FOR EACH ROW EXECUTE FUNCTION jobtier.submissions_insert();
+
 -- Executing it is granted role by role (docs/outbox.md): it writes as its owner, so a role
 -- allowed to call it needs no right on the outbox table itself.
 REVOKE ALL ON FUNCTION jobtier.submit(text, json, text, text, double precision, timestamptz,
