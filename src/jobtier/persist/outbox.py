@@ -37,7 +37,7 @@ from jobtier.core.model import JobSpec, Priority
 from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.produce import Producer
 from jobtier.metrics.snapshot import Snapshot, labels
-from jobtier.persist.db import UNAVAILABLE, Pool, query
+from jobtier.persist.db import UNAVAILABLE, Connection, Pool, connect, query
 from jobtier.runtime.backoff import PERSIST_POSTGRES
 from jobtier.runtime.loop import FAULTS
 from jobtier.store.calls import SubmitItem
@@ -48,7 +48,8 @@ log = logging.getLogger("jobtier.persist.outbox")
 
 CHANNEL = "jobtier_outbox"
 PRUNE_EVERY = 60.0  # seconds between deletions of rows that served their time
-PRUNE_BATCH = 5000  # rows deleted per statement (short locks, short transactions)
+PRUNE_BATCH = 5000
+LISTEN_RETRY = 10.0  # seconds between attempts to listen again while Postgres refuses  # rows deleted per statement (short locks, short transactions)
 _payload = msgspec.json.Decoder()
 
 # a pass that failed for Redis' or Postgres' sake, or for a Redis not fit to run on: the
@@ -142,12 +143,18 @@ class OutboxRelay:
         """Listen, relay, prune until ``stop()``; Postgres or Redis away: retried after a
         back-off (the rows wait in the outbox meanwhile)."""
         log.info("event=outbox_relay_started batch=%d", self.batch_size)
-        listener: Any = None  # a pool connection held for LISTEN
+        listener: Connection | None = None  # a connection of its own, for LISTEN
+        listen_at = 0.0  # when to try to listen again after a failure
         backoff = PERSIST_POSTGRES.start()
         next_prune = 0.0
         ready = False
         try:
             while not self.stopping.is_set():
+                if (listener is None or listener.is_closed()) and time.monotonic() >= listen_at:
+                    listener = await self._listen()
+                    if listener is None:
+                        listen_at = time.monotonic() + LISTEN_RETRY
+                    self._wake.set()  # rows committed while nobody listened
                 try:
                     if not ready:  # the submit scripts, and what workers advertise
                         await self.producer.store.scripts.load()
@@ -155,9 +162,6 @@ class OutboxRelay:
                             await self._catalog.load()
                             self._catalog.start()
                         ready = True
-                    if listener is None:
-                        listener = await self._listen()
-                        self._wake.set()  # rows committed while nobody listened
                     if time.monotonic() >= next_prune:
                         next_prune = time.monotonic() + PRUNE_EVERY
                         await self.prune()
@@ -170,9 +174,6 @@ class OutboxRelay:
                     wait = backoff.next()
                     self._count(exc)
                     log.warning("event=outbox_relay_failed retry_in=%.1fs error=%r", wait, exc)
-                    if listener is not None and isinstance(exc, UNAVAILABLE):
-                        await self._unlisten(listener)
-                        listener = None
                     await self._sleep(wait)
                     continue
                 # a notification, or the poll interval as a safety net for a lost one
@@ -180,28 +181,28 @@ class OutboxRelay:
                     await asyncio.wait_for(self._wake.wait(), self.poll)
         finally:
             if listener is not None:
-                await self._unlisten(listener)
+                listener.terminate()
             if ready and self._catalog is not None:
                 await self._catalog.stop()
             log.info("event=outbox_relay_stopped relayed=%d", self.stats.relayed)
 
-    async def _listen(self) -> Any:
-        conn = await self.pool.acquire(timeout=10)
+    async def _listen(self) -> Connection | None:
+        """A connection of its own listening for commits (not the pool's: it would hold one
+        of the persister's for good); None when Postgres cannot be reached now: the relay
+        polls every ``poll`` seconds meanwhile."""
+        conn: Connection | None = None
         try:
+            conn = await connect(self.settings.database_url, timeout=10)
             await conn.add_listener(CHANNEL, self._notified)
-            await self._record_shards(conn)
-        except BaseException:
-            await self._unlisten(conn)
-            raise
+        except RETRIED as exc:
+            if conn is not None:
+                conn.terminate()
+            log.warning(
+                "event=outbox_listen_failed retry_in=%.0fs polling_every=%.1fs error=%r",
+                LISTEN_RETRY, self.poll, exc,
+            )  # fmt: skip
+            return None
         return conn
-
-    async def _unlisten(self, conn: Any) -> None:
-        """Give the listening connection back (the pool's reset ends the LISTEN); a broken
-        one is dropped."""
-        try:
-            await asyncio.wait_for(self.pool.release(conn), 5)
-        except Exception:  # gone either way
-            conn.terminate()
 
     def _notified(self, *_: Any) -> None:
         self._wake.set()
@@ -214,16 +215,8 @@ class OutboxRelay:
         name = type(exc).__name__
         self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 
-    async def _record_shards(self, conn: Any) -> None:
-        """jobtier.submit makes ids of this many shards (it cannot read JOBTIER_SHARDS)."""
-        await conn.execute(query("outbox_record_shards"), self.settings.shards)
-        self._recorded = True
-
     async def drain(self) -> int:
         """Relay every row committed now (tests, benchmarks); the rows handled."""
-        if not self._recorded:
-            async with self.pool.acquire() as conn:
-                await self._record_shards(conn)
         total = 0
         while n := await self.relay_once():
             total += n
@@ -234,21 +227,28 @@ class OutboxRelay:
         """Lock a batch of committed rows, submit them into Redis, mark them, commit; the rows
         handled (0: none waiting). An error (Redis or Postgres away) leaves every row of the
         batch as it was: the next pass submits them again, idempotently."""
+        record = not self._recorded
+        relayed: list[str] = []
+        refused: list[tuple[str, str]] = []
+        duplicates = 0
         async with self.pool.acquire() as conn, conn.transaction():
+            if record:  # jobtier.submit makes ids of this many shards (it cannot read ours)
+                await conn.execute(query("outbox_record_shards"), self.settings.shards)
             rows = await conn.fetch(query("outbox_take"), self.batch_size)
-            if not rows:
-                return 0
-            relayed, refused, duplicates = await self._submit(rows)
-            if self.after_submit is not None:
-                done = self.after_submit(relayed)
-                if done is not None:
-                    await done
-            if relayed:
-                await conn.execute(query("outbox_relayed"), relayed)
-            if refused:
-                await conn.execute(
-                    query("outbox_refused"), [i for i, _ in refused], [r for _, r in refused]
-                )
+            if rows:
+                relayed, refused, duplicates = await self._submit(rows)
+                if self.after_submit is not None:
+                    done = self.after_submit(relayed)
+                    if done is not None:
+                        await done
+                if relayed:
+                    await conn.execute(query("outbox_relayed"), relayed)
+                if refused:
+                    ids, reasons = [i for i, _ in refused], [r for _, r in refused]
+                    await conn.execute(query("outbox_refused"), ids, reasons)
+        self._recorded = True  # committed
+        if not rows:
+            return 0
         stats = self.stats
         stats.batches += 1
         stats.relayed += len(relayed)
