@@ -3,6 +3,7 @@ transaction on real Postgres, relayed into real Redis, run by a real worker."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -438,3 +439,32 @@ async def test_an_application_database_submits_through_postgres_fdw(
     _, status = await read_status(pg_pool, job_id) or ("", None)
     assert status is not None and status.state is State.SUBMITTED and status.priority == "high"
     assert await relay.drain() == 1
+
+
+async def test_a_session_may_leave_the_notification_out(
+    app: Any, relay: OutboxRelay, pg_dsn: str
+) -> None:
+    await prepared(relay)
+    heard: list[str] = []
+    second = asyncio.Event()
+    listener = await asyncpg.connect(pg_dsn)
+
+    def notified(*_: Any) -> None:
+        heard.append("n")
+        second.set()
+
+    try:
+        await listener.add_listener("jobtier_outbox", notified)
+        await app.execute("SET jobtier.notify = off")
+        quiet = await outbox.submit(app, "echo", {})
+        await app.execute("RESET jobtier.notify")
+        loud = await outbox.submit(app, "echo", {})
+        async with asyncio.timeout(10):
+            await second.wait()
+        # both commits came before this query: a notification of the quiet one would have
+        # been delivered before its answer
+        assert await listener.fetchval("SELECT 1") == 1
+        assert heard == ["n"]
+    finally:
+        await listener.close()
+    assert quiet != loud and await relay.drain() == 2

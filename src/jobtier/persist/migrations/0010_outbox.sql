@@ -193,8 +193,12 @@ BEGIN
                 submit.idempotency_key, submit.max_attempts, submit.depends_on)
         ON CONFLICT (tenant, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING;
         IF FOUND THEN
-            -- delivered at commit, once per transaction however many jobs it submitted
-            PERFORM pg_notify('jobtier_outbox', '');
+            -- delivered at commit, once per transaction however many jobs it submitted; a
+            -- session with jobtier.notify = off leaves the relay to find the row by polling
+            -- (Postgres serialises the commits of notifying transactions: docs/outbox.md)
+            IF coalesce(current_setting('jobtier.notify', true), '') <> 'off' THEN
+                PERFORM pg_notify('jobtier_outbox', '');
+            END IF;
             RETURN job;
         END IF;
         -- another transaction committed this key meanwhile: answer with its job
