@@ -36,6 +36,7 @@ from jobtier.core.errors import ConfigError, IdempotencyConflict, InvalidRequest
 from jobtier.core.model import JobSpec, Priority
 from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.produce import Producer
+from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.persist.db import UNAVAILABLE, Connection, Pool, connect, query
 from jobtier.runtime.backoff import PERSIST_POSTGRES
@@ -120,6 +121,7 @@ class OutboxRelay:
         self._wake = asyncio.Event()
         self._recorded = False
         self._catalog: TaskCatalog | None = None
+        self._explain = Unforeseen(log)
 
     @classmethod
     def of_persister(cls, settings: Settings, redis: RedisClient, pool: Pool) -> OutboxRelay:
@@ -170,10 +172,15 @@ class OutboxRelay:
                         if self.stopping.is_set():
                             return
                     backoff.reset()
-                except RETRIED as exc:
+                except Exception as exc:
+                    # Redis or Postgres away, or Redis refusing (a tenant over its waiting
+                    # cap): the rows wait; anything else is a bug, its stack logged once a class
                     wait = backoff.next()
                     self._count(exc)
-                    log.warning("event=outbox_relay_failed retry_in=%.1fs error=%r", wait, exc)
+                    if isinstance(exc, RETRIED):
+                        log.warning("event=outbox_relay_failed retry_in=%.1fs error=%r", wait, exc)
+                    else:
+                        self._explain("event=outbox_relay_failed", exc, wait)
                     await self._sleep(wait)
                     continue
                 # a notification, or the poll interval as a safety net for a lost one
