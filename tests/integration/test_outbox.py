@@ -468,3 +468,19 @@ async def test_a_session_may_leave_the_notification_out(
     finally:
         await listener.close()
     assert quiet != loud and await relay.drain() == 2
+
+
+async def test_relayed_rows_are_pruned_after_the_idempotency_ttl_refused_ones_kept(
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    settings = pg_settings.replace(idempotency_ttl_seconds=0, pg_job_retention_days=30)
+    relay = await prepared(
+        OutboxRelay(settings, pg_pool, Producer(queue.store, registry, True, None))
+    )
+    relayed = await outbox.submit(app, "echo", {}, idempotency_key="k")
+    refused = await outbox.submit(app, "no_such_task", {})
+    assert await relay.drain() == 2
+    assert await relay.prune() == 1
+    assert [r["id"] for r in await outbox_rows(pg_pool)] == [refused]
+    # its key forgotten with its row, as Redis forgets it after the TTL
+    assert await outbox.submit(app, "echo", {}, idempotency_key="k") != relayed
