@@ -484,3 +484,24 @@ async def test_relayed_rows_are_pruned_after_the_idempotency_ttl_refused_ones_ke
     assert [r["id"] for r in await outbox_rows(pg_pool)] == [refused]
     # its key forgotten with its row, as Redis forgets it after the TTL
     assert await outbox.submit(app, "echo", {}, idempotency_key="k") != relayed
+
+
+async def test_two_relays_share_the_rows_without_submitting_one_twice(
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    def relay() -> OutboxRelay:
+        producer = Producer(queue.store, registry, True, None)
+        return OutboxRelay(pg_settings, pg_pool, producer, batch_size=20)
+
+    first, second = relay(), relay()
+    await prepared(first)
+    async with app.transaction():
+        ids = await app.fetchval(
+            "SELECT array_agg(jobtier.submit('echo', json_build_object('n', n)))"
+            " FROM generate_series(1, 200) n"
+        )
+    counts = await asyncio.gather(first.drain(), second.drain())
+    assert sum(counts) == 200
+    assert first.stats.relayed + second.stats.relayed == 200
+    assert first.stats.duplicates + second.stats.duplicates == 0
+    assert await redis_job_ids(queue) == set(ids)
