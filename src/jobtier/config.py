@@ -183,6 +183,15 @@ class Settings:
     prune_interval_seconds: float = _setting(
         3600.0, "How often a persister prunes Postgres and creates history partitions ahead."
     )
+    outbox_relay: bool = _setting(
+        True,
+        "Run the outbox relay (jobs of SELECT jobtier.submit(...) into Redis) in each persister "
+        "(docs/outbox.md); 0 turns it off.",
+    )
+    outbox_batch_size: int = _setting(500, "Most outbox rows the relay submits per transaction.")
+    outbox_poll_seconds: float = _setting(
+        1.0, "Longest wait of the outbox relay between reads when no notification comes."
+    )
 
     # --- Webhooks (jobtier dispatcher) -------------------------------------------------------
     webhook_allowed_hosts: str = _setting(

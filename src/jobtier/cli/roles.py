@@ -170,7 +170,11 @@ def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
             concurrency=settings.persist_concurrency,
         )
 
-    return _run_log_consumer(settings, "persister", settings.persist_concurrency + 1, persister)
+    # the outbox relay holds one connection to listen on and takes one per batch
+    relay = 2 if settings.outbox_relay else 0
+    return _run_log_consumer(
+        settings, "persister", settings.persist_concurrency + 1 + relay, persister
+    )
 
 
 def cmd_dispatcher(args: argparse.Namespace, settings: Settings) -> int:

@@ -16,6 +16,8 @@ import msgspec
 
 
 class State(StrEnum):
+    # committed by jobtier.submit in SQL and not yet relayed into Redis (docs/outbox.md)
+    SUBMITTED = "submitted"
     WAITING = "waiting"  # for its dependencies (flows); queued once they are done
     SCHEDULED = "scheduled"
     QUEUED = "queued"

@@ -83,7 +83,7 @@ def parse_queries(text: str) -> dict[str, str]:
     return out
 
 
-QUERY_FILES = ("queries.sql", "webhooks.sql", "checkpoints.sql")
+QUERY_FILES = ("queries.sql", "webhooks.sql", "checkpoints.sql", "outbox.sql")
 
 
 @functools.cache
@@ -137,6 +137,19 @@ def _decode_json(value: bytes) -> bytes:
     return value
 
 
+# The schema `jobtier` (0010_outbox: jobtier.submit) is also "$user", the first entry of the
+# default search_path, for a role named jobtier: 0010 sets that role's search_path without it,
+# and a migrator whose session began before (one waiting on the migration lock) leaves it
+# out of its own path here, or it would make schema_migrations anew in that schema.
+PIN_SEARCH_PATH = """
+SELECT set_config('search_path',
+                  coalesce(string_agg(quote_ident(s), ', ' ORDER BY n), 'public'), false)
+FROM unnest(current_schemas(false)) WITH ORDINALITY AS t(s, n)
+WHERE s <> 'jobtier'
+HAVING 'jobtier' = ANY (current_schemas(false)) AND to_regclass('jobtier.jobs') IS NULL
+"""
+
+
 async def init_connection(conn: Connection) -> None:
     """Codecs of every jobtier connection: ``json`` columns travel as raw bytes both ways
     (they come from Redis and go to clients as bytes: decoding them would only cost time)."""
@@ -180,6 +193,7 @@ async def migrate(dsn: str) -> list[str]:
     try:
         async with conn.transaction():
             await conn.execute(query("migration_lock"), MIGRATION_LOCK)
+            await conn.execute(PIN_SEARCH_PATH)
             await conn.execute(query("create_migrations_table"))
             applied = {r["name"] for r in await conn.fetch(query("applied_migrations"))}
             known = migrations()

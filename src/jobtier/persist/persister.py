@@ -33,6 +33,7 @@ from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.batch import BATCH_TIMEOUT, POISON, attached_meanwhile, write_on
 from jobtier.persist.db import UNAVAILABLE, Pool
+from jobtier.persist.outbox import OutboxRelay
 from jobtier.persist.retention import run_pruning
 from jobtier.persist.stats import PersisterStats
 from jobtier.runtime import tracing
@@ -100,19 +101,29 @@ class Persister:
         self._next_trim = 0.0
         self._explain = Unforeseen(log)  # a traceback once per error class
         self._tracer = tracing.tracer()  # a span per batch when tracing is on
+        # jobs of SELECT jobtier.submit(...) into Redis (docs/outbox.md; JOBTIER_OUTBOX_RELAY)
+        self.relay = (
+            OutboxRelay.of_persister(settings, redis, pool) if settings.outbox_relay else None
+        )
 
     # --- life cycle -----------------------------------------------------------------------
     def metrics(self) -> Snapshot:
         """This persister's part of its process's metrics snapshot (``PersisterStats``)."""
-        return self.stats.snapshot()
+        snap = self.stats.snapshot()
+        if self.relay is not None:
+            snap.counters.update(self.relay.metrics().counters)
+        return snap
 
     def stop(self) -> None:
         self.consumer.stop()
+        if self.relay is not None:
+            self.relay.stop()
 
     async def run(self) -> None:
         """Persist until ``stop()``; what is buffered then is written once more, without retries."""
         log.info("event=persister_started name=%s shards=%d", self.name, self.keys.shards)
         pruning = asyncio.create_task(run_pruning(self.settings, self.consumer.stopping))
+        relay = asyncio.create_task(self.relay.run()) if self.relay is not None else None
         try:
             await self.consumer.run(self._round, self._failed)
             if self._inflight:  # they give up their retries now that we are stopping
@@ -127,6 +138,9 @@ class Persister:
         finally:
             self._cancel_flushes()
             pruning.cancel()
+            if relay is not None:  # stopped with the consumer; cancelled if it failed first
+                relay.cancel()
+                await asyncio.gather(relay, return_exceptions=True)
         log.info("event=persister_stopped name=%s", self.name)
 
     def _failed(self, exc: Exception, wait: float) -> bool:

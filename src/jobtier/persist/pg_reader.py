@@ -32,6 +32,7 @@ from jobtier.core.model import Transition as Transition  # the API imports it fr
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
 from jobtier.flows.reads import dependency
 from jobtier.persist.db import Pool, query
+from jobtier.persist.outbox_docs import outbox_docs
 
 MAX_LIMIT = 500
 MAX_TYPE_LENGTH = 200
@@ -225,9 +226,14 @@ class PgReader:
         return None if row is None else (row["tenant"], row["doc"])
 
     async def status_docs(self, job_ids: list[str]) -> dict[str, tuple[str, bytes]]:
-        """``status_doc`` for many jobs in one query: {id: (tenant, doc)} for those found."""
+        """``status_doc`` for many jobs in one query: {id: (tenant, doc)} for those found;
+        an id found only in the outbox reads as ``submitted``, or ``failed`` when its relay
+        refused it (``outbox_docs.py``)."""
         rows = await self.pool.fetch(query("status_docs"), job_ids)
-        return {r["id"]: (r["tenant"], r["doc"]) for r in rows}
+        found = {r["id"]: (r["tenant"], r["doc"]) for r in rows}
+        if len(found) < len(job_ids):
+            found.update(await outbox_docs([i for i in job_ids if i not in found], self.pool))
+        return found
 
     async def list_jobs(
         self, tenant: str, *, limit: int = 50, order: str = "desc", **where: Unpack[TenantFilters]

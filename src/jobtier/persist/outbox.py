@@ -1,0 +1,364 @@
+"""The outbox relay: jobs an application submitted in its own transaction -> Redis.
+
+``jobtier.submit(...)`` (``migrations/0010_outbox.sql``) writes an outbox row in the caller's
+transaction and notifies ``jobtier_outbox`` at its commit. The relay listens on that channel
+and reads committed rows in batches (``FOR UPDATE SKIP LOCKED``: relays in several persisters
+share them), submits each into Redis under the job id the row was given and an idempotency
+key, then marks the rows relayed in the same Postgres transaction that locked them.
+
+Crash safety: a relay that dies after its Redis submit and before its commit leaves the rows
+unmarked (Postgres rolls the transaction back when the connection drops); the next pass
+submits them again with the same id and key, and Redis answers with the job it made the
+first time (``created`` false): one job, not two. The key is the caller's idempotency key,
+else the job id itself (the outbox row's id).
+
+What only the relay can check (the task catalogue: an unknown type, a payload the task's
+schema refuses or too large) is refused here: the row keeps the reason, and the job reads
+as ``failed`` with it (``outbox_docs.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from jobtier.config import Settings
+from jobtier.core.errors import ConfigError, IdempotencyConflict, InvalidRequest
+from jobtier.core.model import JobSpec, Priority
+from jobtier.engine.catalog import TaskCatalog
+from jobtier.engine.produce import Producer
+from jobtier.logs import Unforeseen
+from jobtier.metrics.snapshot import Snapshot, labels
+from jobtier.persist.db import UNAVAILABLE, Connection, Pool, connect, query
+from jobtier.runtime.backoff import PERSIST_POSTGRES
+from jobtier.runtime.loop import FAULTS
+from jobtier.store.calls import SubmitItem
+from jobtier.store.context import Store
+from jobtier.store.redis import RedisClient
+
+log = logging.getLogger("jobtier.persist.outbox")
+
+CHANNEL = "jobtier_outbox"
+PRUNE_EVERY = 60.0  # seconds between deletions of rows that served their time
+PRUNE_BATCH = 5000
+LISTEN_RETRY = 10.0  # seconds between attempts to listen again while Postgres refuses  # rows deleted per statement (short locks, short transactions)
+_payload = msgspec.json.Decoder()
+
+# a pass that failed for Redis' or Postgres' sake, or for a Redis not fit to run on: the
+# rows stay in the outbox, and the pass is tried again after a back-off
+RETRIED: tuple[type[BaseException], ...] = (
+    *UNAVAILABLE,
+    *FAULTS,
+    asyncpg.PostgresError,
+    ConfigError,
+)
+
+AfterSubmit = Callable[[Sequence[str]], Awaitable[None] | None]
+"""Called with the ids just submitted into Redis, before the rows are marked (tests inflict a
+crash there)."""
+
+
+@dataclass(slots=True)
+class RelayStats:
+    """Counts since start: the ``jobtier_outbox_*`` metrics of the persister's process."""
+
+    relayed: int = 0  # rows submitted into Redis and marked
+    duplicates: int = 0  # of those, Redis already had (a pass after a crash)
+    refused: int = 0  # rows refused for their content: their jobs are failed
+    batches: int = 0
+    errors: dict[str, int] = field(default_factory=dict)  # failed passes, by error class
+
+    def snapshot(self) -> Snapshot:
+        counters: dict[str, dict[str, float]] = {
+            name: {"": n}
+            for name, n in (
+                ("outbox_relayed_total", self.relayed),
+                ("outbox_duplicates_total", self.duplicates),
+                ("outbox_refused_total", self.refused),
+                ("outbox_batches_total", self.batches),
+            )
+        }
+        counters["outbox_errors_total"] = {labels(error=k): v for k, v in self.errors.items()}
+        return Snapshot("", "", 0.0, counters=counters)
+
+
+class OutboxRelay:
+    """Relays committed outbox rows until ``stop()``. ``drain()`` relays what is there now.
+
+    ``producer`` prepares and submits (its task catalogue refuses unknown types and bad
+    payloads, as the API's does). ``after_submit`` is the test hook of the crash window.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: Pool,
+        producer: Producer,
+        *,
+        batch_size: int | None = None,
+        poll: float | None = None,
+        after_submit: AfterSubmit | None = None,
+        on_relayed: Callable[[Sequence[str], float], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.producer = producer
+        self.batch_size = max(1, batch_size or settings.outbox_batch_size)
+        self.poll = poll if poll is not None else settings.outbox_poll_seconds
+        self.after_submit = after_submit
+        self.on_relayed = on_relayed  # (ids, wall time of the commit) after each batch
+        self.stats = RelayStats()
+        self.stopping = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._recorded = False
+        self._catalog: TaskCatalog | None = None
+        self._explain = Unforeseen(log)
+
+    @classmethod
+    def of_persister(cls, settings: Settings, redis: RedisClient, pool: Pool) -> OutboxRelay:
+        """The relay a persister runs, on its Redis client and Postgres pool: submits checked
+        against the task catalogue as the API checks them."""
+        store = Store(settings, redis)
+        catalog = TaskCatalog(redis, store.keys, ttl=settings.task_catalog_ttl)
+        relay = cls(settings, pool, Producer(store, catalog, settings.require_known_types, None))
+        relay._catalog = catalog
+        return relay
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self._wake.set()
+
+    def metrics(self) -> Snapshot:
+        return self.stats.snapshot()
+
+    # --- the loop -------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Listen, relay, prune until ``stop()``; Postgres or Redis away: retried after a
+        back-off (the rows wait in the outbox meanwhile)."""
+        log.info("event=outbox_relay_started batch=%d", self.batch_size)
+        listener: Connection | None = None  # a connection of its own, for LISTEN
+        listen_at = 0.0  # when to try to listen again after a failure
+        backoff = PERSIST_POSTGRES.start()
+        next_prune = 0.0
+        ready = False
+        try:
+            while not self.stopping.is_set():
+                if (listener is None or listener.is_closed()) and time.monotonic() >= listen_at:
+                    listener = await self._listen()
+                    if listener is None:
+                        listen_at = time.monotonic() + LISTEN_RETRY
+                    self._wake.set()  # rows committed while nobody listened
+                try:
+                    if not ready:  # the submit scripts, and what workers advertise
+                        await self.producer.store.scripts.load()
+                        if self._catalog is not None:
+                            await self._catalog.load()
+                            self._catalog.start()
+                        ready = True
+                    if time.monotonic() >= next_prune:
+                        next_prune = time.monotonic() + PRUNE_EVERY
+                        await self.prune()
+                    self._wake.clear()
+                    while await self.relay_once() >= self.batch_size:
+                        if self.stopping.is_set():
+                            return
+                    backoff.reset()
+                except Exception as exc:
+                    # Redis or Postgres away, or Redis refusing (a tenant over its waiting
+                    # cap): the rows wait; anything else is a bug, its stack logged once a class
+                    wait = backoff.next()
+                    self._count(exc)
+                    if isinstance(exc, RETRIED):
+                        log.warning("event=outbox_relay_failed retry_in=%.1fs error=%r", wait, exc)
+                    else:
+                        self._explain("event=outbox_relay_failed", exc, wait)
+                    await self._sleep(wait)
+                    continue
+                # a notification, or the poll interval as a safety net for a lost one
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.poll)
+        finally:
+            if listener is not None:
+                listener.terminate()
+            if ready and self._catalog is not None:
+                await self._catalog.stop()
+            log.info("event=outbox_relay_stopped relayed=%d", self.stats.relayed)
+
+    async def _listen(self) -> Connection | None:
+        """A connection of its own listening for commits (not the pool's: it would hold one
+        of the persister's for good); None when Postgres cannot be reached now: the relay
+        polls every ``poll`` seconds meanwhile."""
+        conn: Connection | None = None
+        try:
+            conn = await connect(self.settings.database_url, timeout=10)
+            await conn.add_listener(CHANNEL, self._notified)
+        except RETRIED as exc:
+            if conn is not None:
+                conn.terminate()
+            log.warning(
+                "event=outbox_listen_failed retry_in=%.0fs polling_every=%.1fs error=%r",
+                LISTEN_RETRY, self.poll, exc,
+            )  # fmt: skip
+            return None
+        return conn
+
+    def _notified(self, *_: Any) -> None:
+        self._wake.set()
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stopping.wait(), seconds)
+
+    def _count(self, exc: BaseException) -> None:
+        name = type(exc).__name__
+        self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
+
+    async def drain(self) -> int:
+        """Relay every row committed now (tests, benchmarks); the rows handled."""
+        total = 0
+        while n := await self.relay_once():
+            total += n
+        return total
+
+    # --- one batch ------------------------------------------------------------------------
+    async def relay_once(self) -> int:
+        """Lock a batch of committed rows, submit them into Redis, mark them, commit; the rows
+        handled (0: none waiting). An error (Redis or Postgres away) leaves every row of the
+        batch as it was: the next pass submits them again, idempotently."""
+        record = not self._recorded
+        relayed: list[str] = []
+        refused: list[tuple[str, str]] = []
+        duplicates = 0
+        async with self.pool.acquire() as conn, conn.transaction():
+            if record:  # jobtier.submit makes ids of this many shards (it cannot read ours)
+                await conn.execute(query("outbox_record_shards"), self.settings.shards)
+            rows = await conn.fetch(query("outbox_take"), self.batch_size)
+            if rows:
+                relayed, refused, duplicates = await self._submit(rows)
+                if self.after_submit is not None:
+                    done = self.after_submit(relayed)
+                    if done is not None:
+                        await done
+                if relayed:
+                    await conn.execute(query("outbox_relayed"), relayed)
+                if refused:
+                    ids, reasons = [i for i, _ in refused], [r for _, r in refused]
+                    await conn.execute(query("outbox_refused"), ids, reasons)
+        self._recorded = True  # committed
+        if not rows:
+            return 0
+        stats = self.stats
+        stats.batches += 1
+        stats.relayed += len(relayed)
+        stats.duplicates += duplicates
+        stats.refused += len(refused)
+        for job_id, reason in refused:
+            log.warning("event=outbox_job_refused job=%s reason=%r", job_id, reason)
+        if self.on_relayed is not None:
+            self.on_relayed(relayed, time.time())
+        return len(rows)
+
+    async def _submit(
+        self, rows: Sequence[asyncpg.Record]
+    ) -> tuple[list[str], list[tuple[str, str]], int]:
+        """(ids in Redis, (id, reason) refused, how many Redis already had)."""
+        refused: list[tuple[str, str]] = []
+        plain: list[SubmitItem] = []
+        linked: list[SubmitItem] = []
+        await self.producer.ensure_known({r["type"] for r in rows})
+        for row in rows:
+            try:
+                item = self._prepare(row)
+            except InvalidRequest as exc:
+                refused.append((row["id"], _reason(exc)))
+                continue
+            # a job waiting for others is checked against them in Redis, which may be rows of
+            # this very batch: those go one by one, after the others, in the order written
+            (linked if item.depends_on else plain).append(item)
+        relayed: list[str] = []
+        duplicates = 0
+        groups: list[list[SubmitItem]] = _by_tenant(plain) + [[item] for item in linked]
+        for group in groups:
+            try:
+                outcomes = await self.producer.submit_prepared(group, batch=len(group) > 1)
+            except InvalidRequest as exc:  # a dependency unknown in Redis (one item)
+                refused.append((group[0].job_id, _reason(exc)))
+                continue
+            for item, outcome in zip(group, outcomes, strict=True):
+                if outcome.job_id != item.job_id:  # the key names a job submitted otherwise
+                    what = (
+                        str(outcome)
+                        if isinstance(outcome, IdempotencyConflict)
+                        else f"idempotency key {item.idempotency_key!r} already names job "
+                        f"{outcome.job_id}, submitted another way"
+                    )
+                    refused.append((item.job_id, f"refused by the outbox relay: {what}"))
+                    continue
+                relayed.append(item.job_id)
+                # ours, from a pass that died before its commit (a conflict: its spec then
+                # differed, e.g. a run-at that has since come)
+                if isinstance(outcome, IdempotencyConflict) or not outcome.created:
+                    duplicates += 1
+        return relayed, refused, duplicates
+
+    def _prepare(self, row: asyncpg.Record) -> SubmitItem:
+        run_at: datetime | None = row["run_at"]
+        if run_at is not None and run_at <= datetime.now(UTC):
+            run_at = None  # its time came while it waited in the outbox: due now
+        try:
+            payload = _payload.decode(row["payload"])
+        except msgspec.DecodeError as exc:  # Postgres checked it is JSON: not ours to read
+            raise InvalidRequest(f"payload: {exc}", field="payload") from None
+        spec = JobSpec(
+            type=row["type"],
+            payload=payload,
+            priority=Priority(row["priority"]),
+            run_at=run_at,
+            max_attempts=row["max_attempts"],
+            queue=row["queue"],
+            depends_on=list(row["depends_on"]) if row["depends_on"] is not None else None,
+            # the outbox row's id when the caller gave none: a relay's second submit of the
+            # row finds its first
+            idempotency_key=row["idempotency_key"] or row["id"],
+        )
+        return self.producer.prepare(spec, row["tenant"], row["id"])
+
+    async def prune(self) -> int:
+        """Delete rows whose idempotency keys Redis has forgotten, and refused rows once
+        finished jobs' retention is over; the rows deleted."""
+        now = datetime.now(UTC)
+        relayed = now - timedelta(seconds=self.settings.idempotency_ttl_seconds)
+        days = self.settings.pg_job_retention_days
+        refused = now - timedelta(days=days) if days > 0 else None
+        total = 0
+        while True:
+            status = await self.pool.execute(query("outbox_prune"), relayed, refused, PRUNE_BATCH)
+            deleted = int(status.rsplit(" ", 1)[-1])
+            total += deleted
+            if deleted < PRUNE_BATCH or self.stopping.is_set():
+                return total
+
+    async def pending(self) -> int:
+        """Rows committed and not yet relayed."""
+        return int(await self.pool.fetchval(query("outbox_pending")))
+
+
+def _reason(exc: InvalidRequest) -> str:
+    return f"refused by the outbox relay: {exc}"
+
+
+def _by_tenant(items: Sequence[SubmitItem]) -> list[list[SubmitItem]]:
+    """A submit goes for one tenant (its dependencies and callbacks are checked as its)."""
+    groups: dict[str, list[SubmitItem]] = {}
+    for item in items:
+        groups.setdefault(item.tenant, []).append(item)
+    return list(groups.values())

@@ -1,0 +1,44 @@
+-- The outbox relay's statements (persist/outbox.py; the tables: migrations/0010_outbox.sql).
+
+-- name: outbox_record_shards
+INSERT INTO jobtier.outbox_config (one, shards) VALUES (true, $1)
+ON CONFLICT (one) DO UPDATE SET shards = excluded.shards
+WHERE jobtier.outbox_config.shards IS DISTINCT FROM excluded.shards
+
+-- name: outbox_take
+-- Committed rows not yet relayed, oldest first; rows another relay holds are skipped, so
+-- relays in several persisters share the work without waiting on each other.
+SELECT id, tenant, type, payload, queue, priority, run_at, idempotency_key, max_attempts,
+       depends_on
+FROM jobtier.outbox
+WHERE relayed_at IS NULL
+ORDER BY seq
+LIMIT $1
+FOR UPDATE SKIP LOCKED
+
+-- name: outbox_relayed
+UPDATE jobtier.outbox SET relayed_at = clock_timestamp() WHERE id = ANY($1::text[])
+
+-- name: outbox_refused
+UPDATE jobtier.outbox AS o SET relayed_at = clock_timestamp(), error = r.error
+FROM unnest($1::text[], $2::text[]) AS r(id, error)
+WHERE o.id = r.id
+
+-- name: outbox_pending
+SELECT count(*) FROM jobtier.outbox WHERE relayed_at IS NULL
+
+-- name: outbox_prune
+-- Relayed rows once their idempotency keys are forgotten ($1), refused ones (the only record
+-- of those jobs) with the finished jobs ($2; NULL: kept).
+DELETE FROM jobtier.outbox
+WHERE id IN (
+    SELECT id FROM jobtier.outbox
+    WHERE relayed_at < $1 AND error IS NULL OR relayed_at < $2 AND error IS NOT NULL
+    LIMIT $3
+)
+
+-- name: outbox_status_docs
+-- Jobs still only in the outbox (not relayed yet), and jobs the relay refused.
+SELECT id, tenant, type, queue, priority, run_at, max_attempts, created_at, relayed_at, error
+FROM jobtier.outbox
+WHERE id = ANY($1::text[]) AND (relayed_at IS NULL OR error IS NOT NULL)

@@ -1,0 +1,58 @@
+"""The status document of a job still only in the outbox (``migrations/0010_outbox.sql``).
+
+Between its commit and its relay a job submitted with ``jobtier.submit`` is a row of
+``jobtier.outbox`` only: a status read of its id answers ``submitted`` (version 0: its first
+version in Redis, 1, supersedes it), not 404. A row the relay refused reads as ``failed``
+with the reason, for as long as finished jobs are kept. What the relay takes from the task
+(its queue and attempts when the caller gave none) is not known yet: ``queue`` is the one
+given, else ``default``, and ``max_attempts`` 0.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import msgspec
+
+from jobtier.core.model import DEFAULT_QUEUE, State
+from jobtier.persist.db import Pool, query
+
+_encode = msgspec.json.Encoder().encode
+
+
+def iso(at: datetime) -> str:
+    """A time as the status documents give it (``2026-01-02T03:04:05.678Z``)."""
+    at = at.astimezone(UTC)
+    return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+
+
+def render(row: Any) -> bytes:
+    """The row's status document, in the fields' order of ``render.lua``."""
+    refused = row["error"] is not None
+    created = iso(row["created_at"])
+    return _encode(
+        {
+            "id": row["id"],
+            "type": row["type"],
+            "queue": row["queue"] or DEFAULT_QUEUE,
+            "state": State.FAILED if refused else State.SUBMITTED,
+            "version": 1 if refused else 0,
+            "priority": row["priority"],
+            "attempt": 0,
+            "max_attempts": row["max_attempts"] or 0,
+            "created_at": created,
+            "updated_at": iso(row["relayed_at"]) if refused else created,
+            "run_at": iso(row["run_at"]) if row["run_at"] is not None else None,
+            "progress": None,
+            "error": {"type": "Refused", "message": row["error"][:2000]} if refused else None,
+            "cancel_requested": False,
+            "worker": None,
+        }
+    )
+
+
+async def outbox_docs(job_ids: list[str], pool: Pool) -> dict[str, tuple[str, bytes]]:
+    """{id: (tenant, status document)} of those ids only the outbox has."""
+    rows = await pool.fetch(query("outbox_status_docs"), job_ids)
+    return {r["id"]: (r["tenant"], render(r)) for r in rows}

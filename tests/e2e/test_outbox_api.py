@@ -1,0 +1,69 @@
+"""The outbox seen through the HTTP API: a job only in the outbox reads as submitted (its
+tenant's only), then as Redis has it; a refused one as failed; a rolled back one is a 404."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from jobtier import outbox
+from jobtier.api.records import PostgresExtension
+from jobtier.config import Settings
+from jobtier.engine.produce import Producer
+from jobtier.engine.queue import Queue
+from jobtier.persist.db import Pool
+from jobtier.persist.outbox import OutboxRelay
+from tests.fixtures.api import ApiServer, StartApi
+from tests.fixtures.engine import wait_for
+from tests.tasks import registry
+
+
+@pytest.fixture
+async def pg_api(start_api: StartApi, pg_settings: Settings) -> ApiServer:
+    return await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
+
+
+@pytest.fixture
+async def app(pg_dsn: str) -> AsyncIterator[asyncpg.Connection[Any]]:
+    conn: asyncpg.Connection[Any] = await asyncpg.connect(pg_dsn)
+    yield conn
+    await conn.close()
+
+
+async def test_status_reads_of_outbox_jobs(
+    pg_api: ApiServer, app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
+    assert await relay.drain() == 0  # records the shard count
+    async with app.transaction():
+        job_id = await outbox.submit(app, "echo", {"n": 1}, tenant="acme")
+        refused = await outbox.submit(app, "no_such_task", {}, tenant="acme")
+    tx = app.transaction()
+    await tx.start()
+    gone = await outbox.submit(app, "echo", {"n": 2}, tenant="acme")
+    await tx.rollback()
+
+    async with pg_api.client() as c, pg_api.client("globex") as globex:
+        r = await c.get(f"/v1/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        assert (r.json()["state"], r.json()["version"], r.json()["type"]) == (
+            "submitted",
+            0,
+            "echo",
+        )
+        assert (await globex.get(f"/v1/jobs/{job_id}")).status_code == 404
+        assert (await c.get(f"/v1/jobs/{gone}")).status_code == 404
+
+        assert await relay.drain() == 2
+
+        async def queued() -> bool:
+            return bool((await c.get(f"/v1/jobs/{job_id}")).json()["state"] == "queued")
+
+        await wait_for(queued)
+        r = await c.get(f"/v1/jobs/{refused}")
+        assert r.status_code == 200 and r.json()["state"] == "failed"
+        assert r.json()["error"]["type"] == "Refused"
+        assert "no worker runs task 'no_such_task'" in r.json()["error"]["message"]
