@@ -202,7 +202,8 @@ def _job_paths(s: Settings) -> oa.Paths:
         oa.returns(
             200,
             "JobStatus",
-            "a duplicate of an earlier submit with the same idempotency key",
+            "a duplicate of an earlier submit with the same idempotency key, or a debounced "
+            "submit that the key's pending job took (its id; docs/debounce-throttle.md)",
             _LOCATION,
         ),
         _KEY_DIFFERS,
@@ -213,7 +214,12 @@ def _job_paths(s: Settings) -> oa.Paths:
         ),
         oa.refuses(410, "the idempotency key names a job that is no longer kept (job_id)"),
         payload_413,
-        _RATE_LIMITED,
+        oa.refuses(
+            429,
+            "the tenant's rate limit or waiting-jobs cap, or the job's throttle key is full "
+            "(throttle.on_limit refuse: type …:throttled)",
+            oa.RETRY_AFTER,
+        ),
         _BACK_PRESSURE,
         body="JobSpec",
         headers=[_IDEMPOTENCY_KEY],
