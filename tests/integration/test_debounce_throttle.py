@@ -12,7 +12,7 @@ import pytest
 
 from jobtier.config import Settings
 from jobtier.core.debounce import Debounce, Throttled
-from jobtier.core.errors import InvalidRequest
+from jobtier.core.errors import InvalidRequest, Retry
 from jobtier.core.model import JobSpec, State, Submitted
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
@@ -34,6 +34,11 @@ async def digest(ctx: JobContext, payload: Any) -> Any:
 def ms_of(iso: str | None) -> int:
     assert iso is not None
     return round(datetime.fromisoformat(iso).timestamp() * 1000)
+
+
+@task(queue="digests", retries=2)
+async def again_later(ctx: JobContext, payload: Any) -> None:
+    raise Retry(delay=60)
 
 
 async def redis_ms(queue: Queue) -> int:
@@ -106,6 +111,22 @@ async def test_a_key_whose_job_left_the_schedule_makes_a_new_job(queue: Queue) -
     first = await queue.submit(digest, 1, debounce={"key": "k", "seconds": 60})
     await queue.cancel(first.job_id)
     again = await queue.submit(digest, 2, debounce={"key": "k", "seconds": 60})
+    assert again.created and again.job_id != first.job_id
+
+
+async def test_a_key_whose_job_waits_for_a_retry_makes_a_new_job(
+    queue: Queue, background: Background
+) -> None:
+    first = await queue.submit(again_later, 1, debounce={"key": "k", "seconds": 0.05})
+    background.start(Scheduler(queue.store))
+    background.start(worker_for(queue, TaskRegistry([again_later])))
+
+    async def retrying() -> bool:
+        status = await queue.status(first.job_id)
+        return status.state is State.SCHEDULED and status.attempt == 1
+
+    await wait_for(retrying)  # scheduled again, but it has run: not the key's pending job
+    again = await queue.submit(again_later, 2, debounce={"key": "k", "seconds": 60})
     assert again.created and again.job_id != first.job_id
 
 

@@ -41,7 +41,8 @@ if kind == 'debounce' then
   local db = BASE .. 'db:' .. tenant .. ':' .. queue .. ':' .. key
   local rec = redis.call('HMGET', db, 'id', 'first')
   local j = rec[1] and load(rec[1])
-  if j and j.state == 'scheduled' then
+  -- pending: scheduled and never started (a scheduled retry has run: its payload is spent)
+  if j and j.state == 'scheduled' and j.attempt == '0' then
     local first = tonumber(rec[2]) or NOW
     local due = NOW + quiet
     if max_wait > 0 then
