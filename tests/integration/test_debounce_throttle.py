@@ -67,19 +67,20 @@ async def test_a_debounced_submit_replaces_the_pending_job_and_restarts_its_wait
     assert ms_of(status.run_at) > ms_of(first.status.run_at)
     assert status.version == first.status.version + 1
     assert await stored_payload(queue, first.job_id) == b'{"n":2}'
-    # another key, queue or tenant is another job
+    # another key, type, queue or tenant is another job
     other = [
         await queue.submit(digest, 3, debounce={"key": "user-8", "seconds": 60}),
+        await queue.submit("other", 3, queue="digests", debounce={"key": "user-7", "seconds": 60}),
         await queue.submit(digest, 3, queue="q2", debounce={"key": "user-7", "seconds": 60}),
         await queue.submit(digest, 3, tenant="t2", debounce={"key": "user-7", "seconds": 60}),
     ]
     assert all(s.created for s in other)
-    assert len({s.job_id for s in other} | {first.job_id}) == 4
+    assert len({s.job_id for s in other} | {first.job_id}) == 5
     # one job in the sorted set of scheduled jobs, not one per submit
     scheduled = sum(
         [await queue.redis.zcard(queue.keys.sched(s)) for s in range(queue.keys.shards)]
     )
-    assert scheduled == 4
+    assert scheduled == 5
 
 
 async def test_max_wait_bounds_the_delay_from_the_first_submit(queue: Queue) -> None:

@@ -21,9 +21,9 @@ OnLimit = Literal["refuse", "delay"]
 
 class Debounce(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Run once after a quiet period: a submit with the key of a job still waiting for its
-    run replaces that job's payload (and type, priority, attempts) and restarts its wait of
+    run replaces that job's payload (and priority, attempts) and restarts its wait of
     ``seconds``; ``max_wait`` (seconds from the key's first submit) bounds the total delay.
-    The key is the tenant's, per queue."""
+    The key is the tenant's, per queue and task type."""
 
     key: str
     seconds: Positive

@@ -32,7 +32,7 @@ Per shard::
     jt:{s}:active            zset   running jobs by lease deadline (ms)
     jt:{s}:dead              zset   failed jobs (the dead-letter set) by failure time (ms)
     jt:{s}:idem:<tenant>:<k> string idempotency record: "<job id> <request hash>"
-    jt:{s}:db:<tenant>:<queue>:<key>
+    jt:{s}:db:<tenant>:<queue>:<type> <key>
                              hash   a debounce key: its pending job ('id') and when its
                                     first submit came ('first', ms): keyed.lua
     jt:{s}:th:<tenant>:<key> zset   a throttle key's slots: job id -> when it may start (ms)

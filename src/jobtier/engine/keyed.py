@@ -104,10 +104,10 @@ def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
     return KeyedOption("throttle", key, limit, period, throttle.on_limit)
 
 
-def shard(keys: Keys, tenant: str, queue: str, keyed: KeyedOption) -> int:
-    """The shard of a keyed job: its key's (per tenant; a debounce key per queue too)."""
+def shard(keys: Keys, tenant: str, queue: str, type: str, keyed: KeyedOption) -> int:
+    """The shard of a keyed job: its key's (per tenant; a debounce key per queue and type)."""
     if keyed.kind == "debounce":
-        return keys.shard_for(tenant, "\x02debounce", queue, keyed.key)
+        return keys.shard_for(tenant, "\x02debounce", queue, type, keyed.key)
     return keys.shard_for(tenant, "\x02throttle", keyed.key)
 
 

@@ -202,7 +202,7 @@ class Producer:
             # a concurrency key's count and waiting jobs live in one shard, so its jobs do too
             # (and their idempotency records: the idempotency key is then scoped to it)
             if keyed is not None:  # so do a debounce or throttle key's (engine/keyed.py)
-                shard: int | None = by_key.shard(self.keys, tenant, queue, keyed)
+                shard: int | None = by_key.shard(self.keys, tenant, queue, spec.type, keyed)
             elif ckey:
                 shard = self.keys.shard_for(tenant, "\x01ck", ckey)
             else:

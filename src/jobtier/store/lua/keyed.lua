@@ -17,8 +17,8 @@
 --             job id is that job's, not ARGV[3]); ms: when it now runs
 --   refused   throttle 'refuse': no job made, '' doc; ms: how long until a slot is free
 --
--- jt:{s}:db:<tenant>:<queue>:<key> (hash): 'id' the pending job, 'first' when its first
--- submit came (ms: max_wait counts from it). It outlives the job's due time, never less:
+-- jt:{s}:db:<tenant>:<queue>:<type> <key> (hash; a type has no space, nor has a key): 'id'
+-- the pending job, 'first' when its first submit came (ms: max_wait counts from it). It outlives the job's due time, never less:
 -- an early expiry would let a second job in while the first still waits.
 -- jt:{s}:th:<tenant>:<key> (zset): job id -> the time its slot starts (ms), the slots of the
 -- last period and of the future (delayed jobs). Slots are handed out in time order, so no
@@ -38,7 +38,7 @@ end
 
 if kind == 'debounce' then
   local quiet, max_wait = tonumber(ARGV[12]), tonumber(ARGV[13])
-  local db = BASE .. 'db:' .. tenant .. ':' .. queue .. ':' .. key
+  local db = BASE .. 'db:' .. tenant .. ':' .. queue .. ':' .. typ .. ' ' .. key
   local rec = redis.call('HMGET', db, 'id', 'first')
   local j = rec[1] and load(rec[1])
   -- pending: scheduled and never started (a scheduled retry has run: its payload is spent)
@@ -48,8 +48,8 @@ if kind == 'debounce' then
     if max_wait > 0 then
       due = math.min(due, first + max_wait)
     end
-    -- the last submit wins whole: its type, priority and attempts as well as its payload
-    j.type, j.prio, j.max_attempts = typ, prio, max_attempts
+    -- the last submit wins: its priority and attempts as well as its payload
+    j.prio, j.max_attempts = prio, max_attempts
     j._set = {'c', packed_c(j), 'payload', payload}
     local extra = {'p', payload}
     j.run_at = int(due)
