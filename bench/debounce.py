@@ -15,7 +15,7 @@ Per case: the submit's latency as the producer sees it (median, p99), and Redis'
 per call (INFO commandstats: FCALL's usec over its calls in that block), each as the median
 over the rounds, and its ratio to ``plain`` measured in the same rounds.
 
-    .venv/bin/python bench/debounce.py            # 5 rounds of 400 submits per case
+    .venv/bin/python bench/debounce.py            # 6 rounds of 400 submits per case
     .venv/bin/python bench/debounce.py --quick
 
 Results: bench/results/debounce.json and bench/results/debounce.md.
@@ -105,9 +105,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             await block(queue, "plain", -1, 200)  # warm up: connections, the library
             rounds: list[dict[str, Any]] = []
             for round_ in range(args.rounds):
-                rounds.append(
-                    {case: await block(queue, case, round_, args.samples) for case in CASES}
-                )
+                # each round starts with another case: none is always first after a pause
+                order = CASES[round_ % len(CASES) :] + CASES[: round_ % len(CASES)]
+                got = {case: await block(queue, case, round_, args.samples) for case in order}
+                rounds.append({case: got[case] for case in CASES})
     return {"rounds": rounds}
 
 
@@ -139,6 +140,10 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def spread(ratios: list[float]) -> str:
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
 def render(s: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -> str:
     out = [header_markdown("Debounce and throttle: the cost a key adds to a submit", env)]
     out.append(
@@ -149,16 +154,22 @@ def render(s: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -> 
         "over rounds (each round's ratio in the JSON). *Redis µs/call*: FCALL's time in Redis "
         "(INFO commandstats) over its calls in the block. The machine is shared and was "
         "loaded by other work while this ran (the load average above): the absolute figures "
-        "carry that noise; the ratios, measured side by side, are the result.\n"
+        "carry that noise; the ratios, measured side by side, are the result, and their "
+        "spread over the rounds (min-max) shows how far to trust them: a ratio below 1 is "
+        "that noise, not a keyed submit being cheaper.\n"
     )
     rows = []
     for case in CASES:
         m = s[case]
         rows.append([
             case, fmt(m["p50_us"]), fmt(m["p99_us"]), fmt(m["latency_ratio"], 2) + "x",
-            fmt(m["redis_us_per_call"], 1), fmt(m["redis_ratio"], 2) + "x",
+            spread(m["latency_ratios"]), fmt(m["redis_us_per_call"], 1),
+            fmt(m["redis_ratio"], 2) + "x", spread(m["redis_ratios"]),
         ])  # fmt: skip
-    headers = ["case", "p50 µs", "p99 µs", "p50 / plain", "Redis µs/call", "Redis / plain"]
+    headers = [
+        "case", "p50 µs", "p99 µs", "p50 / plain", "(min-max)", "Redis µs/call",
+        "Redis / plain", "(min-max)",
+    ]  # fmt: skip
     out.append(table(headers, rows) + "\n")
     new, replace = s["debounce new"], s["debounce replace"]
     out.append(
@@ -173,7 +184,7 @@ def render(s: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]) -> 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5, help="rounds of every case (5)")
+    p.add_argument("--rounds", type=int, default=6, help="rounds of every case (6)")
     p.add_argument("--samples", type=int, default=400, help="submits per case per round (400)")
     p.add_argument("--shards", type=int, default=16, help="logical shards (16)")
     p.add_argument("--quick", action="store_true", help="3 rounds of 100")
