@@ -192,6 +192,19 @@ async def test_throttle_delay_schedules_at_the_next_free_slot(queue: Queue) -> N
     assert starts[4] - starts[2] == 30_000
 
 
+async def test_throttle_delay_refuses_a_slot_further_than_a_run_at_may_be(
+    settings: Settings,
+) -> None:
+    async with await Queue.connect(settings.replace(max_future_seconds=60)) as queue:
+        option = {"key": "far", "limit": 1, "period": 50, "on_limit": "delay"}
+        now = await queue.submit(digest, 1, throttle=option)
+        later = await queue.submit(digest, 2, throttle=option)
+        assert ms_of(later.status.run_at) - ms_of(now.status.created_at) >= 50_000
+        with pytest.raises(Throttled) as refused:  # its slot would be 100 s ahead
+            await queue.submit(digest, 3, throttle=option)
+        assert 30 < refused.value.retry_after <= 40  # then it would be 60 s ahead
+
+
 def assert_no_window_over(starts: list[int], limit: int, period: float) -> None:
     """No window of ``period`` seconds holds more than ``limit`` of ``starts`` (ms)."""
     ordered = sorted(starts)

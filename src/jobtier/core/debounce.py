@@ -47,7 +47,7 @@ class Throttled(JobtierError):
 
     def __init__(self, key: str, limit: int, period: float, retry_after: float) -> None:
         super().__init__(
-            f"throttle key {key!r} already has {limit} jobs in {period:g} s; a slot is free "
+            f"throttle key {key!r} is full (at most {limit} jobs per {period:g} s); try again "
             f"in {retry_after:.3f} s"
         )
         self.key = key
@@ -64,9 +64,11 @@ class KeyedOption:
     first: int
     second: int
     on_limit: str = "refuse"  # throttle only: 'refuse' | 'delay'
+    # throttle only: the furthest ahead a delayed job may be put, ms (JOBTIER_MAX_FUTURE_SECONDS)
+    furthest: int = 0
 
     def args(self) -> list[Any]:
         out: list[Any] = [self.kind, self.key, self.first, self.second]
         if self.kind == "throttle":
-            out.append(self.on_limit)
+            out += [self.on_limit, self.furthest]
         return out

@@ -101,7 +101,8 @@ def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
         raise InvalidRequest(
             "throttle.on_limit must be one of refuse, delay", field="throttle.on_limit"
         )
-    return KeyedOption("throttle", key, limit, period, throttle.on_limit)
+    furthest = s.max_future_seconds * 1000  # as far as a run_at may be
+    return KeyedOption("throttle", key, limit, period, throttle.on_limit, furthest)
 
 
 def shard(keys: Keys, tenant: str, queue: str, type: str, keyed: KeyedOption) -> int:

@@ -8,14 +8,17 @@
 -- ARGV[3]  id, ARGV[4] tenant, ARGV[5] type, ARGV[6] queue, ARGV[7] priority,
 -- ARGV[8]  payload (JSON), ARGV[9] max_attempts
 -- ARGV[10] kind: 'debounce' | 'throttle'
--- ARGV[11] key (tenant-scoped by the caller's key name: see below)
+-- ARGV[11] key, as given (the key names below scope it to the tenant, and a debounce key to
+--          the queue and type too)
 --   debounce  ARGV[12] quiet period ms, ARGV[13] most total delay ms (0: none)
---   throttle  ARGV[12] limit, ARGV[13] period ms, ARGV[14] 'refuse' | 'delay'
+--   throttle  ARGV[12] limit, ARGV[13] period ms, ARGV[14] 'refuse' | 'delay',
+--             ARGV[15] the furthest a 'delay' may put the job, ms (further: refused)
 -- Returns  {outcome, job id, status document, ms}
 --   created   a new job (ms: when it runs; a throttle's 'delay' may put it later than now)
 --   replaced  debounce: the key's pending job took this payload and its wait restarted (the
 --             job id is that job's, not ARGV[3]); ms: when it now runs
---   refused   throttle 'refuse': no job made, '' doc; ms: how long until a slot is free
+--   refused   throttle 'refuse', or 'delay' past ARGV[15]: no job made, '' doc; ms: how long
+--             until a slot is free (for 'delay': until one is within ARGV[15])
 --
 -- jt:{s}:db:<tenant>:<queue>:<type> <key> (hash; a type has no space, nor has a key): 'id'
 -- the pending job, 'first' when its first submit came (ms: max_wait counts from it). It outlives the job's due time, never less:
@@ -77,7 +80,8 @@ if kind == 'debounce' then
   flush()
   return {'created', id, doc, due}
 elseif kind == 'throttle' then
-  local limit, period, mode = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14]
+  local limit, period, mode, furthest = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14],
+    tonumber(ARGV[15])
   local th = BASE .. 'th:' .. tenant .. ':' .. key
   redis.call('ZREMRANGEBYSCORE', th, '-inf', NOW - period)
   local slot = NOW
@@ -88,6 +92,9 @@ elseif kind == 'throttle' then
   end
   if slot > NOW and mode ~= 'delay' then
     return {'refused', id, '', slot - NOW}
+  end
+  if slot - NOW > furthest then  -- a 'delay' may ask again once its slot comes near enough
+    return {'refused', id, '', slot - NOW - furthest}
   end
   local doc = create(slot > NOW and slot or '')
   redis.call('ZADD', th, slot, id)
