@@ -5,6 +5,7 @@ never make a second job (debounce) or a slot over the limit (throttle)."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from datetime import datetime
 from typing import Any
 
@@ -262,6 +263,22 @@ async def test_bad_options_are_refused_and_change_nothing(
     assert refused.value.field == field
     for shard in range(queue.keys.shards):
         assert await queue.redis.xlen(queue.keys.log(shard)) == 0
+
+
+async def test_an_encrypted_payload_may_be_throttled_but_not_debounced(
+    settings: Settings,
+) -> None:
+    key = "k1:" + base64.b64encode(bytes(range(32))).decode()
+    sealed = settings.replace(encryption_keys=key, encrypted_queues="digests")
+    async with await Queue.connect(sealed) as queue:
+        with pytest.raises(InvalidRequest) as refused:
+            await queue.submit(digest, {"card": 1}, debounce={"key": "k", "seconds": 5})
+        assert refused.value.field == "debounce"
+        made = await queue.submit(
+            digest, {"card": 1}, throttle={"key": "k", "limit": 1, "period": 5}
+        )
+        assert made.created
+        assert not (await stored_payload(queue, made.job_id)).startswith(b'{"card"')
 
 
 async def test_a_batch_refuses_keyed_jobs(queue: Queue) -> None:
