@@ -70,7 +70,7 @@ async def test_racing_http_submits_of_one_debounce_key_make_one_job(api: ApiServ
         ({"debounce": {"key": "k", "seconds": 5, "max_wait": 2}}, "debounce.max_wait"),
         ({"debounce": {"key": "k", "seconds": 1e12}}, "debounce.seconds"),
         ({"debounce": {"key": "k", "seconds": 5, "colour": 1}}, "debounce"),
-        ({"debounce": {"key": "k", "seconds": 5}, "delay": 1}, "delay"),
+        ({"debounce": {"key": "k", "seconds": 5}, "delay": 1}, "debounce"),
         ({"throttle": {"key": "k", "limit": 1.5, "period": 1}}, "throttle.limit"),
         ({"throttle": {"key": "k", "limit": 1, "period": 1, "on_limit": "queue"}}, "throttle.on_limit"),
         ({"throttle": {"key": "", "limit": 1, "period": 1}}, "throttle.key"),

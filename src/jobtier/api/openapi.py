@@ -154,6 +154,18 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     oa.constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
     _flow_constraints(c, settings)
+    for struct in ("Debounce", "Throttle"):  # docs/debounce-throttle.md
+        oa.constrain(c, struct, "key", pattern=IDEMPOTENCY_KEY_RE.pattern)
+    oa.constrain(c, "Debounce", "seconds", maximum=settings.max_future_seconds)
+    oa.constrain(c, "Debounce", "max_wait", maximum=settings.max_future_seconds)
+    oa.constrain(c, "Throttle", "period", maximum=settings.max_future_seconds)
+    oa.constrain(c, "Throttle", "limit", maximum=MAX_CONCURRENCY_LIMIT)
+    for name in ("debounce", "throttle"):
+        c["JobSpec"]["properties"][name]["description"] = (
+            "not with the other, idempotency_key, concurrency_key, run_at, delay or "
+            "depends_on, nor in a batch; debounce not for an encrypted payload, max_wait not "
+            "below seconds (else 422 naming it; docs/debounce-throttle.md)"
+        )
     oa.constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     oa.constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
     c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)

@@ -69,9 +69,9 @@ def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
     if debounce is not None and throttle is not None:
         raise InvalidRequest("give debounce or throttle, not both", field="throttle")
     name = "debounce" if debounce is not None else "throttle"
-    for field, why in _EXCLUSIVE:
+    for field, why in _EXCLUSIVE:  # the refusal names the keyed option, the message both
         if getattr(spec, field) is not None:
-            raise InvalidRequest(f"{field} cannot be given with {name}: {why}", field=field)
+            raise InvalidRequest(f"{name} cannot be given with {field}: {why}", field=name)
     if debounce is not None:
         key = check_key(debounce.key, "debounce.key")
         quiet = _seconds(debounce.seconds, "debounce.seconds", s)
