@@ -4,6 +4,7 @@ on the single Redis and on the Redis Cluster."""
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime
 from typing import Any
 
 import pytest
@@ -106,6 +107,18 @@ async def test_the_python_clients_pass_both_options(api: ApiServer) -> None:
         assert refused.value.slug == "throttled" and refused.value.retry_after
         with pytest.raises(ValidationFailed):
             await c.submit("echo", debounce={"key": "a", "seconds": 0})
+
+    # with an idempotency key a refused submit is safe to send again: the client waits for
+    # Retry-After and does
+    async with AsyncClient(api.url, KEYS["acme"], retries=2, max_retry_wait=5) as c:
+        short = {"key": "short", "limit": 1, "period": 2}
+        sooner = await c.submit("echo", 1, throttle=short, idempotency_key="s-1")
+        later = await c.submit("echo", 2, throttle=short, idempotency_key="s-2")
+        assert later.created
+        waited = datetime.fromisoformat(later.job.created_at) - datetime.fromisoformat(
+            sooner.job.created_at
+        )
+        assert waited.total_seconds() >= 2  # refused first, admitted once its slot came
 
     def sync() -> None:
         with Client(api.url, KEYS["acme"], retries=0) as c:

@@ -13,7 +13,7 @@ import pytest
 
 from jobtier.config import Settings
 from jobtier.core.debounce import Debounce, Throttled
-from jobtier.core.errors import InvalidRequest, Retry
+from jobtier.core.errors import IdempotencyConflict, InvalidRequest, Retry
 from jobtier.core.model import JobSpec, State, Submitted
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
@@ -179,6 +179,25 @@ async def test_throttle_refuses_beyond_its_limit(queue: Queue) -> None:
     assert stats["queues"]["digests"]["queued"]["normal"] == 3
     # the key is the tenant's: another tenant has its own
     assert (await queue.submit(digest, 1, tenant="t2", throttle=option)).created
+
+
+async def test_a_throttled_repeat_with_its_idempotency_key_takes_no_slot(queue: Queue) -> None:
+    option = {"key": "pay", "limit": 2, "period": 60}
+    first = await queue.submit(digest, {"n": 1}, idempotency_key="order-1", throttle=option)
+    again = await queue.submit(digest, {"n": 1}, idempotency_key="order-1", throttle=option)
+    assert first.created and not again.created and again.job_id == first.job_id
+    with pytest.raises(IdempotencyConflict):
+        await queue.submit(digest, {"n": 2}, idempotency_key="order-1", throttle=option)
+    # the repeats took no slot: one is left
+    assert (
+        await queue.submit(digest, {"n": 3}, idempotency_key="order-2", throttle=option)
+    ).created
+    with pytest.raises(Throttled):
+        await queue.submit(digest, {"n": 4}, idempotency_key="order-3", throttle=option)
+    # a repeat of an admitted submit is still answered once the key is full
+    assert (
+        await queue.submit(digest, {"n": 1}, idempotency_key="order-1", throttle=option)
+    ).job_id == first.job_id
 
 
 async def test_throttle_delay_schedules_at_the_next_free_slot(queue: Queue) -> None:

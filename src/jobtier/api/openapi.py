@@ -162,9 +162,9 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(c, "Throttle", "limit", maximum=MAX_CONCURRENCY_LIMIT)
     for name in ("debounce", "throttle"):
         c["JobSpec"]["properties"][name]["description"] = (
-            "not with the other, idempotency_key, concurrency_key, run_at, delay or "
-            "depends_on, nor in a batch; debounce not for an encrypted payload, max_wait not "
-            "below seconds (else 422 naming it; docs/debounce-throttle.md)"
+            "not with the other, concurrency_key, run_at, delay or depends_on, nor in a "
+            "batch; debounce not with idempotency_key nor for an encrypted payload, max_wait "
+            "not below seconds (else 422 naming it; docs/debounce-throttle.md)"
         )
     oa.constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     oa.constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)

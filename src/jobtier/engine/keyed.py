@@ -3,9 +3,10 @@ raises ``InvalidRequest`` naming the field, before anything is sent.
 
 A keyed job lives in its key's shard, so the key's record and the job are one slot and
 store/lua/keyed.lua decides and creates (or replaces) in one atomic step. That fixes the
-shard, so the options that fix it otherwise (``concurrency_key``, the shard of an
-``idempotency_key``) are refused beside it, as are those that would fight over the run time
-(``run_at``, ``delay``) and a flow's dependencies.
+shard, so ``concurrency_key``, which fixes it otherwise, is refused beside it (a throttled
+job's ``idempotency_key`` record follows it into the key's shard), as are those that would
+fight over the run time (``run_at``, ``delay``) and a flow's dependencies; a debounce, which
+changes a job, has no idempotency key.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from jobtier.core.keys import Keys
 from jobtier.core.model import JobSpec
 from jobtier.engine.validate import MAX_CONCURRENCY_LIMIT, check_key
 
-# what a keyed submit cannot be given, and why
+# what a keyed submit cannot be given, and why (a throttled one may have an idempotency key:
+# its record then lives in the throttle key's shard, so the key is scoped to it)
 _EXCLUSIVE = (
-    ("idempotency_key", "a keyed job's shard is its key's, not its idempotency key's"),
     ("concurrency_key", "a keyed job's shard is its key's, not its concurrency key's"),
     ("run_at", "the key decides when the job runs"),
     ("delay", "the key decides when the job runs"),
@@ -69,6 +70,12 @@ def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
     if debounce is not None and throttle is not None:
         raise InvalidRequest("give debounce or throttle, not both", field="throttle")
     name = "debounce" if debounce is not None else "throttle"
+    if debounce is not None and spec.idempotency_key is not None:
+        raise InvalidRequest(
+            "debounce cannot be given with idempotency_key: a debounced submit changes the "
+            "pending job of its key, where a repeat must change nothing",
+            field=name,
+        )
     for field, why in _EXCLUSIVE:  # the refusal names the keyed option, the message both
         if getattr(spec, field) is not None:
             raise InvalidRequest(f"{name} cannot be given with {field}: {why}", field=name)

@@ -94,8 +94,8 @@ async def submit_items(store: Store, items: Sequence[SubmitItem]) -> list[Submit
     """Run submits already validated: one script call per shard, pipelined; outcomes in
     order."""
     if items and items[0].keyed is not None:  # alone in its submit (engine/keyed.py)
-        item = items[0]
-        return [await submit_keyed(store.scripts, store.keys.shard_of(item.job_id), item)]
+        item, ttl = items[0], store.settings.idempotency_ttl_seconds * 1000
+        return [await submit_keyed(store.scripts, store.keys.shard_of(item.job_id), item, ttl)]
     calls, groups = submit_calls(store, items)
     # a large batch's shards in four pipelines sent in turn: Redis runs the first while the
     # others are packed (Scripts.call_spread)

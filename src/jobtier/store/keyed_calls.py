@@ -14,7 +14,9 @@ from jobtier.store.calls import Call, SubmitItem, SubmitOutcome
 from jobtier.store.scripts import Scripts
 
 
-def keyed_call(shard: int, item: SubmitItem, option: KeyedOption, trace: str = "") -> Call:
+def keyed_call(
+    shard: int, item: SubmitItem, option: KeyedOption, idem_ttl_ms: int, trace: str = ""
+) -> Call:
     payload = item.payload if item.seal is None else item.seal(item.job_id, item.payload)
     args = [
         trace,
@@ -27,12 +29,14 @@ def keyed_call(shard: int, item: SubmitItem, option: KeyedOption, trace: str = "
         item.max_attempts,
         *option.args(),
     ]
+    if option.kind == "throttle":
+        args += [item.idempotency_key, item.request_hash, idem_ttl_ms]
     return ("keyed", shard, args)
 
 
 @dataclass(frozen=True, slots=True)
 class KeyedOutcome:
-    outcome: str  # 'created' | 'replaced' | 'refused'
+    outcome: str  # 'created' | 'replaced' | 'refused' | 'duplicate' | 'conflict'
     job_id: str
     doc: bytes
     ms: int  # created, replaced: when the job runs; refused: ms until a slot is free
@@ -44,20 +48,33 @@ def parse_keyed(reply: list[Any]) -> KeyedOutcome:
 
 
 def as_submit_outcome(option: KeyedOption, got: KeyedOutcome) -> SubmitOutcome:
-    """The outcome as a plain submit's: created (OK), or the key's pending job, which took
-    this payload (DUPLICATE: a job made by an earlier submit); ``Throttled`` when refused."""
+    """The outcome as a plain submit's: created (OK); the key's pending job, which took this
+    payload, or an idempotent repeat's job (DUPLICATE: a job made by an earlier submit); the
+    idempotency key used by another request (IDEMPOTENCY_CONFLICT); ``Throttled`` when
+    refused."""
     if got.outcome == "refused":
         period = option.second / 1000
         raise Throttled(option.key, option.first, period, got.ms / 1000)
-    code = Code.OK if got.outcome == "created" else Code.DUPLICATE
+    code = _CODES[got.outcome]
     return SubmitOutcome(code, got.job_id, got.doc)
 
 
-async def submit_keyed(scripts: Scripts, shard: int, item: SubmitItem) -> SubmitOutcome:
+_CODES = {
+    "created": Code.OK,
+    "replaced": Code.DUPLICATE,
+    "duplicate": Code.DUPLICATE,
+    "conflict": Code.IDEMPOTENCY_CONFLICT,
+}
+
+
+async def submit_keyed(
+    scripts: Scripts, shard: int, item: SubmitItem, idem_ttl_ms: int
+) -> SubmitOutcome:
     """Submit ``item`` (its ``keyed`` set) in ``shard``, its key's; ``Throttled`` when its
     throttle refuses it. The job keeps the submit's traceparent, as a plain submit's."""
     option = item.keyed
     if option is None:
         raise ValueError(f"job {item.job_id} has no debounce or throttle key")
-    reply = await scripts.call(*keyed_call(shard, item, option, tracing.traceparent()))
+    call = keyed_call(shard, item, option, idem_ttl_ms, tracing.traceparent())
+    reply = await scripts.call(*call)
     return as_submit_outcome(option, parse_keyed(reply))

@@ -12,13 +12,18 @@
 --          the queue and type too)
 --   debounce  ARGV[12] quiet period ms, ARGV[13] most total delay ms (0: none)
 --   throttle  ARGV[12] limit, ARGV[13] period ms, ARGV[14] 'refuse' | 'delay',
---             ARGV[15] the furthest a 'delay' may put the job, ms (further: refused)
+--             ARGV[15] the furthest a 'delay' may put the job, ms (further: refused),
+--             ARGV[16] idempotency key ('' none), ARGV[17] request hash, ARGV[18] the
+--             record's lifetime, ms (as submit.lua's; the record lives in this shard)
 -- Returns  {outcome, job id, status document, ms}
 --   created   a new job (ms: when it runs; a throttle's 'delay' may put it later than now)
 --   replaced  debounce: the key's pending job took this payload and its wait restarted (the
 --             job id is that job's, not ARGV[3]); ms: when it now runs
 --   refused   throttle 'refuse', or 'delay' past ARGV[15]: no job made, '' doc; ms: how long
 --             until a slot is free (for 'delay': until one is within ARGV[15])
+--   duplicate throttle: the idempotency key was used by the same request: that job, its doc
+--             (no slot taken)
+--   conflict  throttle: the idempotency key was used by another request: that job's id, ''
 --
 -- jt:{s}:db:<tenant>:<queue>:<type> <key> (hash; a type has no space, nor has a key): 'id'
 -- the pending job, 'first' when its first submit came (ms: max_wait counts from it). It outlives the job's due time, never less:
@@ -33,9 +38,9 @@ local id, tenant, typ, queue, prio = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local payload, max_attempts = ARGV[8], ARGV[9]
 local kind, key = ARGV[10], ARGV[11]
 
-local function create(due)
-  local doc = create_job(id, tenant, typ, queue, prio, payload, max_attempts, due, '', 'api',
-                         '', 1, '', trace)
+local function create(due, idem)
+  local doc = create_job(id, tenant, typ, queue, prio, payload, max_attempts, due, idem or '',
+                         'api', '', 1, '', trace)
   return doc
 end
 
@@ -83,6 +88,21 @@ elseif kind == 'throttle' then
   local limit, period, mode, furthest = tonumber(ARGV[12]), tonumber(ARGV[13]), ARGV[14],
     tonumber(ARGV[15])
   local th = BASE .. 'th:' .. tenant .. ':' .. key
+  local idem, hash = ARGV[16], ARGV[17]
+  local idem_key
+  if idem ~= '' then  -- a repeat takes no slot, as a refused submit takes none
+    idem_key = BASE .. 'idem:' .. tenant .. ':' .. idem
+    local rec = redis.call('GET', idem_key)
+    if rec then
+      local sp = string.find(rec, ' ', 1, true)
+      local old_id, old_hash = string.sub(rec, 1, sp - 1), string.sub(rec, sp + 1)
+      if old_hash ~= hash then
+        return {'conflict', old_id, '', 0}
+      end
+      local _, doc = status_of(job_key(old_id))
+      return {'duplicate', old_id, doc or '', 0}
+    end
+  end
   redis.call('ZREMRANGEBYSCORE', th, '-inf', NOW - period)
   local slot = NOW
   if redis.call('ZCARD', th) >= limit then
@@ -96,7 +116,10 @@ elseif kind == 'throttle' then
   if slot - NOW > furthest then  -- a 'delay' may ask again once its slot comes near enough
     return {'refused', id, '', slot - NOW - furthest}
   end
-  local doc = create(slot > NOW and slot or '')
+  local doc = create(slot > NOW and slot or '', idem)
+  if idem_key then
+    redis.call('SET', idem_key, id .. ' ' .. hash, 'PX', ARGV[18])
+  end
   redis.call('ZADD', th, slot, id)
   redis.call('PEXPIRE', th, slot - NOW + period)
   flush()
