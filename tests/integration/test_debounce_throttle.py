@@ -181,6 +181,20 @@ async def test_throttle_refuses_beyond_its_limit(queue: Queue) -> None:
     assert (await queue.submit(digest, 1, tenant="t2", throttle=option)).created
 
 
+async def test_a_throttle_slot_frees_a_period_after_it(queue: Queue) -> None:
+    option = {"key": "slide", "limit": 1, "period": 0.2}
+    first = await queue.submit(digest, 1, throttle=option)
+    with pytest.raises(Throttled):
+        await queue.submit(digest, 2, throttle=option)
+    freed = ms_of(first.status.created_at) + 200
+
+    async def passed() -> bool:
+        return await redis_ms(queue) >= freed
+
+    await wait_for(passed)  # Redis's clock, the one the window is kept in
+    assert (await queue.submit(digest, 3, throttle=option)).created
+
+
 async def test_a_throttled_repeat_with_its_idempotency_key_takes_no_slot(queue: Queue) -> None:
     option = {"key": "pay", "limit": 2, "period": 60}
     first = await queue.submit(digest, {"n": 1}, idempotency_key="order-1", throttle=option)
