@@ -119,10 +119,10 @@ def shard(keys: Keys, tenant: str, queue: str, type: str, keyed: KeyedOption) ->
     return keys.shard_for(tenant, "\x02throttle", keyed.key)
 
 
-def check_sealed(keyed: KeyedOption | None, sealed: bool) -> None:
-    """A debounced payload replaces another job's, and a sealed payload is bound to its own
-    job's id (core/sealing.py): the two cannot meet."""
-    if sealed and keyed is not None and keyed.kind == "debounce":
+def check_sealed(keyed: KeyedOption | None) -> None:
+    """For a job whose payload is sealed: a debounced payload replaces another job's, and a
+    sealed payload is bound to its own job's id (core/sealing.py), so the two cannot meet."""
+    if keyed is not None and keyed.kind == "debounce":
         raise InvalidRequest(
             "this job's payload is encrypted (docs/encryption.md), which debounce does not "
             "support: a replacing payload would be sealed for another job's id",

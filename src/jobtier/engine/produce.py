@@ -211,7 +211,7 @@ class Producer:
         seal = None
         if (task is not None and task.encrypt) or queue in self._sealed_queues:
             seal = self._sealer(spec.type)
-            by_key.check_sealed(keyed, True)
+            by_key.check_sealed(keyed)
         elif payload[:13] == PREFIX:
             # a worker takes a payload so marked for a sealed one and would fail the job
             # (a sealed job's is sealed again: it arrives as it was sent)
