@@ -93,6 +93,8 @@ async def test_a_batch_refuses_a_keyed_job(api: ApiServer) -> None:
     async with api.client() as c:
         r = await c.post("/v1/jobs/batch", json={"jobs": jobs})
         assert r.status_code == 422 and r.json()["field"] == "jobs[1].throttle"
+        r = await c.post("/v1/jobs/batch", json={"jobs": jobs[1:]})  # alone in it too
+        assert r.status_code == 422 and r.json()["field"] == "jobs[0].throttle"
 
 
 async def test_the_python_clients_pass_both_options(api: ApiServer) -> None:

@@ -360,7 +360,7 @@ class Producer:
         or ``depends_on`` when not ``batch``); dependents are linked before this returns."""
         if batch is None:
             batch = len(items) > 1
-        if len(items) > 1:
+        if batch:  # a batch answers per job, a throttle's refusal for the whole request
             by_key.alone([item.keyed for item in items])
 
         def prefix(i: int) -> str:
