@@ -98,6 +98,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     ),
     "chaos": ("src/jobtier",),
     "encryption": JOB_PATH,  # core/sealing.py, the submit and the worker
+    "debounce": JOB_PATH,  # keyed.lua and the submit path (Queue.submit)
     "tracing": (
         "src/jobtier/runtime/tracing.py",
         "src/jobtier/worker",

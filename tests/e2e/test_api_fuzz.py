@@ -60,6 +60,9 @@ PROSE_RULES = {
     "depends_on": 422, "ref": 422, "after": 422,
     "url": 422,  # a callback URL that does not resolve to a public address (webhooks/safety.py)
     "min": 422,  # the scaling read's min above its max (api/scaling.py)
+    # a keyed submit beside an option it excludes, a max_wait below its seconds, an
+    # encrypted payload debounced (docs/debounce-throttle.md)
+    "debounce": 422, "throttle": 422, "max_wait": 422,
 }  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)

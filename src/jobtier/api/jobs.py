@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
@@ -31,6 +32,7 @@ from jobtier.api.http import (
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
 from jobtier.api.sealed import opened
+from jobtier.core.debounce import Throttled
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
 from jobtier.core.model import JobSpec, Submitted
 from jobtier.engine.control import JobControl
@@ -84,6 +86,10 @@ async def _submit(
         )
     except InvalidRequest as exc:  # depends_on names a job the tenant does not have
         raise invalid(exc) from None
+    except Throttled as exc:  # its throttle key is full and it asked to be refused
+        wait = str(max(1, math.ceil(exc.retry_after)))
+        headers = {"retry-after": wait}
+        raise Problem(429, "throttled", str(exc), field="throttle", headers=headers) from None
 
 
 async def _kept_doc(request: Request, job_id: str, tenant: str) -> bytes:

@@ -155,6 +155,18 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     oa.constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
     _flow_constraints(c, settings)
+    for struct in ("Debounce", "Throttle"):  # docs/debounce-throttle.md
+        oa.constrain(c, struct, "key", pattern=IDEMPOTENCY_KEY_RE.pattern)
+    oa.constrain(c, "Debounce", "seconds", maximum=settings.max_future_seconds)
+    oa.constrain(c, "Debounce", "max_wait", maximum=settings.max_future_seconds)
+    oa.constrain(c, "Throttle", "period", maximum=settings.max_future_seconds)
+    oa.constrain(c, "Throttle", "limit", maximum=MAX_CONCURRENCY_LIMIT)
+    for name in ("debounce", "throttle"):
+        c["JobSpec"]["properties"][name]["description"] = (
+            "not with the other, concurrency_key, run_at, delay or depends_on, nor in a "
+            "batch; debounce not with idempotency_key nor for an encrypted payload, max_wait "
+            "not below seconds (else 422 naming it; docs/debounce-throttle.md)"
+        )
     oa.constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     oa.constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
     c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)
@@ -204,7 +216,8 @@ def _job_paths(s: Settings) -> oa.Paths:
         oa.returns(
             200,
             "JobStatus",
-            "a duplicate of an earlier submit with the same idempotency key",
+            "a duplicate of an earlier submit with the same idempotency key, or a debounced "
+            "submit that the key's pending job took (its id; docs/debounce-throttle.md)",
             _LOCATION,
         ),
         _KEY_DIFFERS,
@@ -215,7 +228,12 @@ def _job_paths(s: Settings) -> oa.Paths:
         ),
         oa.refuses(410, "the idempotency key names a job that is no longer kept (job_id)"),
         payload_413,
-        _RATE_LIMITED,
+        oa.refuses(
+            429,
+            "the tenant's rate limit or waiting-jobs cap, or the job's throttle key is full "
+            "(throttle.on_limit refuse: type …:throttled)",
+            oa.RETRY_AFTER,
+        ),
         _BACK_PRESSURE,
         body="JobSpec",
         headers=[_IDEMPOTENCY_KEY],

@@ -39,6 +39,7 @@ TITLES = {
     "idempotency-conflict": "Idempotency key reused with a different request",
     "wrong-state": "Not possible in the job's state",
     "rate-limited": "Too many requests",
+    "throttled": "Throttled by its key",
     "tenant-limit": "Too many waiting jobs for this tenant",
     "overloaded": "Service overloaded",
     "shed": "Submits of this priority are shed under load",

@@ -37,6 +37,7 @@ from jobtier.client._core import (
     TaskAd,
     Transition,
     kept,
+    present,
 )
 from jobtier.client._errors import (
     ApiError,
@@ -87,6 +88,8 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         depends_on: Iterable[str] | None = None,
         on_dependency_failure: OnDependencyFailure | None = None,
         callback: str | Mapping[str, Any] | None = None,
+        debounce: Mapping[str, Any] | None = None,
+        throttle: Mapping[str, Any] | None = None,
     ) -> Submission:
         """Submit one job. ``run_at`` must carry a time zone; give it or ``delay`` (seconds),
         not both. A repeat of an earlier submit's ``idempotency_key`` returns that job with
@@ -96,7 +99,9 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         ids of your jobs it waits for (state ``waiting``): it is queued when the last one
         succeeds, and cancelled when one fails, unless ``on_dependency_failure="run"``.
         ``callback``: a URL that receives the job's terminal state as a signed webhook, or
-        ``{"url": …, "events": "all"}`` for every transition.
+        ``{"url": …, "events": "all"}`` for every transition. ``debounce`` (``{"key", "seconds",
+        "max_wait"}``) or ``throttle`` (``{"key", "limit", "period", "on_limit"}``): see
+        docs/debounce-throttle.md; a full throttle key that refuses raises ``RateLimited``.
         """
         op = self._submit(
             type,
@@ -112,6 +117,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
             depends_on,
             on_dependency_failure,
             callback,
+            present(debounce=debounce, throttle=throttle),
         )
         return await self._run(op)
 

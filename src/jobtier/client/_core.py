@@ -3,8 +3,7 @@
 An operation is a generator that yields *steps* (send this request, sleep this long, read the
 next line of the open stream, hand this status to the caller) and receives each step's outcome
 back: the ``httpx.Response``, the line; a transport error is thrown into it. ``Client`` and
-``AsyncClient`` only drive them, so retry, long-poll and reconnect logic exist once and the
-sync client never runs an event loop.
+``AsyncClient`` only drive them: retry, long-poll and reconnect exist once, no event loop.
 """
 
 from __future__ import annotations
@@ -353,8 +352,9 @@ class BaseClient(Generic[TransportT]):
         depends_on: Iterable[str] | None,
         on_dependency_failure: OnDependencyFailure | None,
         callback: str | Mapping[str, Any] | None,
+        keyed: Mapping[str, Any],  # debounce, throttle: docs/debounce-throttle.md
     ) -> Op[Submission]:
-        body = {"type": type, "payload": payload, "priority": priority} | present(
+        body = {"type": type, "payload": payload, "priority": priority, **keyed} | present(
             callback={"url": callback} if isinstance(callback, str) else callback,
             queue=queue,
             concurrency_key=concurrency_key,

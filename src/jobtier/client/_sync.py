@@ -37,6 +37,7 @@ from jobtier.client._core import (
     TaskAd,
     Transition,
     kept,
+    present,
 )
 from jobtier.client._errors import (
     ApiError,
@@ -88,6 +89,8 @@ class Client(BaseClient[httpx.BaseTransport]):
         depends_on: Iterable[str] | None = None,
         on_dependency_failure: OnDependencyFailure | None = None,
         callback: str | Mapping[str, Any] | None = None,
+        debounce: Mapping[str, Any] | None = None,
+        throttle: Mapping[str, Any] | None = None,
     ) -> Submission:
         """Submit one job; see ``AsyncClient.submit``."""
         op = self._submit(
@@ -104,6 +107,7 @@ class Client(BaseClient[httpx.BaseTransport]):
             depends_on,
             on_dependency_failure,
             callback,
+            present(debounce=debounce, throttle=throttle),
         )
         return self._run(op)
 

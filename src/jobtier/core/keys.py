@@ -32,6 +32,10 @@ Per shard::
     jt:{s}:active            zset   running jobs by lease deadline (ms)
     jt:{s}:dead              zset   failed jobs (the dead-letter set) by failure time (ms)
     jt:{s}:idem:<tenant>:<k> string idempotency record: "<job id> <request hash>"
+    jt:{s}:db:<tenant>:<queue>:<type> <key>
+                             hash   a debounce key: its pending job ('id') and when its
+                                    first submit came ('first', ms): keyed.lua
+    jt:{s}:th:<tenant>:<key> zset   a throttle key's slots: job id -> when it may start (ms)
     jt:{s}:waiting           hash   tenant -> waiting+queued+scheduled jobs in this shard
     jt:{s}:deps:<id>         hash   a job's dependencies: id -> '0'/'1' (pending; '1': a
                                     child) or a state mark and the result/error (lib.lua)

@@ -14,6 +14,8 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
+from jobtier.core.debounce import Debounce, Throttle
+
 
 class State(StrEnum):
     # committed by jobtier.submit in SQL and not yet relayed into Redis (docs/outbox.md)
@@ -189,6 +191,9 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     depends_on: list[str] | None = None
     on_dependency_failure: OnDependencyFailure | None = None
     callback: CallbackSpec | None = None
+    # by key (core/debounce.py): one job per quiet period, or at most so many per period
+    debounce: Debounce | None = None
+    throttle: Throttle | None = None
 
 
 class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

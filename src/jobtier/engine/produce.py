@@ -8,12 +8,13 @@ deleted again for every id the submit did not create.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from jobtier.core.debounce import Debounce, Throttle, Throttled
 from jobtier.core.errors import (
     Code,
     ConfigError,
@@ -38,6 +39,7 @@ from jobtier.core.model import (
 )
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
 from jobtier.core.sealing import PREFIX, KeysNotConfigured
+from jobtier.engine import keyed as by_key
 from jobtier.engine import validate
 from jobtier.flows import submit as flows
 from jobtier.flows.plan import plan_flow
@@ -193,17 +195,23 @@ class Producer:
             ckey, climit = "", 1
         else:
             ckey, climit = validate.concurrency(spec)
+        keyed = None
+        if spec.debounce is not None or spec.throttle is not None:
+            keyed = by_key.option(spec, s)
         if job_id is None:
             # a concurrency key's count and waiting jobs live in one shard, so its jobs do too
             # (and their idempotency records: the idempotency key is then scoped to it)
-            if ckey:
-                shard: int | None = self.keys.shard_for(tenant, "\x01ck", ckey)
+            if keyed is not None:  # so do a debounce or throttle key's (engine/keyed.py)
+                shard: int | None = by_key.shard(self.keys, tenant, queue, spec.type, keyed)
+            elif ckey:
+                shard = self.keys.shard_for(tenant, "\x01ck", ckey)
             else:
                 shard = self.keys.shard_for(tenant, key) if key else None
             job_id = self.keys.new_id(shard)
         seal = None
         if (task is not None and task.encrypt) or queue in self._sealed_queues:
             seal = self._sealer(spec.type)
+            by_key.check_sealed(keyed)
         elif payload[:13] == PREFIX:
             # a worker takes a payload so marked for a sealed one and would fail the job
             # (a sealed job's is sealed again: it arrives as it was sent)
@@ -246,6 +254,7 @@ class Producer:
             compensation,
             tuple(deps),
             seal,
+            keyed=keyed,
         )
 
     def _sealer(self, type: str) -> Callable[[str, bytes], bytes]:
@@ -274,11 +283,14 @@ class Producer:
         depends_on: Sequence[str] | None = None,
         on_dependency_failure: OnDependencyFailure | None = None,
         callback: CallbackSpec | str | None = None,
+        debounce: Debounce | Mapping[str, Any] | None = None,
+        throttle: Throttle | Mapping[str, Any] | None = None,
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
         returns the original job (``created`` False); with another, ``IdempotencyConflict``.
         Given a task, its queue and attempts are the defaults. ``depends_on``: ids of jobs it
-        waits for. ``callback``: the job's own webhook (a URL alone: its terminal state)."""
+        waits for. ``callback``: the job's own webhook (a URL alone: its terminal state).
+        ``debounce``, ``throttle``: docs/debounce-throttle.md (``Throttled`` when refused)."""
         if not isinstance(type, str):
             if not hasattr(type, "infos"):  # checked by prepare() as any bad name is
                 raise InvalidRequest(f"type {str(type)[:140]!r} is not a task name", field="type")
@@ -307,6 +319,8 @@ class Producer:
             depends_on=list(depends_on) if depends_on is not None else None,
             on_dependency_failure=on_dependency_failure,
             callback=CallbackSpec(url=callback) if isinstance(callback, str) else callback,
+            debounce=by_key.as_option(debounce, Debounce, "debounce"),
+            throttle=by_key.as_option(throttle, Throttle, "throttle"),
         )
         (result,) = await self.submit_many([spec], tenant=tenant)
         if isinstance(result, Exception):
@@ -346,6 +360,8 @@ class Producer:
         or ``depends_on`` when not ``batch``); dependents are linked before this returns."""
         if batch is None:
             batch = len(items) > 1
+        if batch:  # a batch answers per job, a throttle's refusal for the whole request
+            by_key.alone([item.keyed for item in items])
 
         def prefix(i: int) -> str:
             return f"jobs[{i}]." if batch else ""
@@ -475,7 +491,7 @@ class Producer:
         ids = [job_id for job_id, _, _ in callbacks]
         try:
             outcome = await send()
-        except (IdempotencyConflict, InvalidRequest):  # refused before any job was made
+        except (IdempotencyConflict, InvalidRequest, Throttled):  # refused: no job was made
             await registrar.forget(ids)
             raise
         # any other error (Redis lost mid-submit) keeps them: the jobs may exist

@@ -25,7 +25,9 @@ ON CONFLICT (job_id, version, at) DO NOTHING
 -- One row per job (the batch was collapsed to each job's highest version). The row only moves
 -- forward in version: a replay, or an older batch committed after a newer one by another
 -- persister, changes nothing. payload and idempotency_key are known only to the submit entry
--- and result only to the success entry; they are kept whichever version wrote them first.
+-- and result only to the success entry; they are kept whichever version wrote them first,
+-- but a newer payload wins (a debounced submit's entry carries the payload, priority and
+-- attempts that replaced the first: docs/debounce-throttle.md).
 -- Rows are locked in id order, the same in every persister: concurrent batches cannot deadlock.
 INSERT INTO jobs AS j
     (id, tenant, type, priority, state, version, attempt, max_attempts, created_at, updated_at,
@@ -41,9 +43,10 @@ ON CONFLICT (id) DO UPDATE SET
     version = excluded.version,
     attempt = excluded.attempt,
     max_attempts = excluded.max_attempts,
+    priority = excluded.priority,
     updated_at = excluded.updated_at,
     run_at = excluded.run_at,
-    payload = coalesce(j.payload, excluded.payload),
+    payload = coalesce(excluded.payload, j.payload),
     idempotency_key = coalesce(j.idempotency_key, excluded.idempotency_key),
     result = coalesce(excluded.result, j.result),
     result_size = coalesce(excluded.result_size, j.result_size),

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jobtier.core.debounce import KeyedOption
 from jobtier.core.errors import Code
 from jobtier.core.model import DEFAULT_QUEUE, ClaimedJob
 
@@ -53,6 +54,8 @@ class SubmitItem:
     # encrypts the payload (job id, plain JSON) as it is sent: a keyed flow's jobs get their
     # ids after they are prepared, and the ciphertext is bound to the id (core/sealing.py)
     seal: Callable[[str, bytes], bytes] | None = None
+    # submitted alone by keyed.lua under a debounce or throttle key (store/keyed_calls.py)
+    keyed: KeyedOption | None = None
 
     def args(self) -> tuple[Any, ...]:
         payload = self.payload if self.seal is None else self.seal(self.job_id, self.payload)

@@ -16,6 +16,7 @@ from jobtier.core.keys import Keys
 from jobtier.runtime import tracing
 from jobtier.store import format as job_format
 from jobtier.store.calls import Call, SubmitItem, SubmitOutcome, parse_submit, submit_call
+from jobtier.store.keyed_calls import submit_keyed
 from jobtier.store.redis import RedisClient, check_redis, connect
 from jobtier.store.scripts import Scripts
 
@@ -92,6 +93,9 @@ def in_order(n: int, groups: Sequence[list[int]], replies: Sequence[Any]) -> lis
 async def submit_items(store: Store, items: Sequence[SubmitItem]) -> list[SubmitOutcome]:
     """Run submits already validated: one script call per shard, pipelined; outcomes in
     order."""
+    if items and items[0].keyed is not None:  # alone in its submit (engine/keyed.py)
+        item, ttl = items[0], store.settings.idempotency_ttl_seconds * 1000
+        return [await submit_keyed(store.scripts, store.keys.shard_of(item.job_id), item, ttl)]
     calls, groups = submit_calls(store, items)
     # a large batch's shards in four pipelines sent in turn: Redis runs the first while the
     # others are packed (Scripts.call_spread)
