@@ -21,7 +21,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,8 +31,10 @@ from jobtier.persist.results import PostgresResultStore, open_store
 from jobtier.runtime import tracing
 from jobtier.runtime.loop import wait_any
 from jobtier.worker import attempt_spans
-from jobtier.worker.attempt import deliver_cancel, run_attempt
+from jobtier.worker.attempt import AttemptSink, deliver_cancel, run_attempt
+from jobtier.worker.breaker_gate import BreakerGate, MakeAttempt
 from jobtier.worker.job_context import JobContext
+from jobtier.worker.registry import Task
 from jobtier.worker.reporter import Reporter
 from jobtier.worker.state import Running, WorkerState
 from jobtier.worker.stored import run_attempt_storing
@@ -105,6 +107,7 @@ class Launcher:
         # firings, with plain payloads)
         self._sealed_queues = state.settings.encrypted_queue_names()
         self._tracer: Any = None  # set by open() when tracing is on
+        self.breakers = BreakerGate(state)
 
     async def open(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -143,7 +146,9 @@ class Launcher:
         self._running[job.id] = running
         limit = self._max_result
         in_sealed = job.queue in self._sealed_queues
-        if self.results is None:
+        if task is not None and task.breaker is not None:  # its breaker first (breaker_gate.py)
+            attempt = self.breakers.run(task, ctx, self.reporter, self._attempt(task, ctx))
+        elif self.results is None:
             attempt = run_attempt(task, ctx, self.threads, limit, self.reporter, keyring, in_sealed)
         else:  # large results go to the result store before the success is reported
             attempt = run_attempt_storing(
@@ -171,6 +176,31 @@ class Launcher:
             # once the attempt has started: a task cancelled before its first step never
             # runs run_attempt, which then never reports, and the job would stay running
             self.loop.call_soon(deliver_cancel, ctx, task, running.handle)
+
+    def _attempt(self, task: Task, ctx: JobContext) -> MakeAttempt:
+        """The attempt's coroutine given where it ends (as ``start`` makes it): for a task
+        with a breaker, whose gate ends it into a sink of its own first."""
+        limit = self._max_result
+        keyring = self._keyring
+        in_sealed = ctx.job.queue in self._sealed_queues
+        results = self.results
+
+        def make(sink: AttemptSink) -> Coroutine[Any, Any, None]:
+            if results is None:
+                return run_attempt(task, ctx, self.threads, limit, sink, keyring, in_sealed)
+            return run_attempt_storing(
+                task,
+                ctx,
+                self.threads,
+                limit,
+                sink,
+                results,
+                self.state.settings.result_store_threshold_bytes,
+                keyring,
+                in_sealed,
+            )
+
+        return make
 
     def cancel_when_started(self, job_id: str) -> None:
         """A cancel push for a job not running (yet): its claim reply may be on its way."""

@@ -14,6 +14,7 @@ from typing import Any, overload
 
 import msgspec
 
+from jobtier.core.breaker import Breaker
 from jobtier.core.errors import ConfigError, InvalidRequest
 from jobtier.core.model import DEFAULT_QUEUE, Backoff, TaskAd, TaskInfo
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
@@ -63,6 +64,10 @@ class Task:
     compensation: Task | None = field(default=None, repr=False, compare=False)
     # its payloads and results are encrypted at rest (docs/encryption.md)
     encrypt: bool = False
+    # the circuit breaker of the downstream it calls, and the failures that count against it
+    # besides DownstreamDown (docs/breakers.md)
+    breaker: Breaker | None = None
+    breaker_on: tuple[type[BaseException], ...] = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -159,6 +164,8 @@ def task(
     queue: str = DEFAULT_QUEUE,
     on_failure: str | Task | None = None,
     encrypt: bool = False,
+    breaker: str | Breaker | None = None,
+    breaker_on: Iterable[type[BaseException]] = (),
 ) -> Callable[[Callable[..., Any]], Task]: ...
 
 
@@ -176,6 +183,8 @@ def task(
     queue: str = DEFAULT_QUEUE,
     on_failure: str | Task | None = None,
     encrypt: bool = False,
+    breaker: str | Breaker | None = None,
+    breaker_on: Iterable[type[BaseException]] = (),
 ) -> Any:
     """Declare a task: ``async def fn(ctx, payload)`` (or a plain ``def``, run in a thread).
 
@@ -188,7 +197,9 @@ def task(
     when a job of this one fails for good: its payload is ``{"job_id", "type", "payload",
     "error"}`` of the failed job (a compensation: undo what the failed job did).
     ``encrypt=True``: its jobs' payloads and results are encrypted at rest with
-    ``JOBTIER_ENCRYPTION_KEYS`` (docs/encryption.md).
+    ``JOBTIER_ENCRYPTION_KEYS`` (docs/encryption.md). ``breaker`` names the circuit breaker
+    of the downstream it calls (or is a ``Breaker`` with thresholds); ``DownstreamDown`` and
+    the classes of ``breaker_on`` count against it (docs/breakers.md).
 
     Usable bare (``@task``) or with options (``@task(retries=5, timeout=30)``).
     """
@@ -216,6 +227,13 @@ def task(
                 f"task {task_name}: on_failure {comp_name!r} must name a task "
                 f"({TASK_NAME_RE.pattern})"
             )
+        guard = Breaker(breaker) if isinstance(breaker, str) else breaker
+        downstream = tuple(breaker_on)
+        for cls in downstream:
+            if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+                raise ConfigError(f"task {task_name}: breaker_on holds {cls!r}")
+        if downstream and guard is None:
+            raise ConfigError(f"task {task_name}: breaker_on without a breaker")
         payload_type = _payload_type(f, task_name)
         decoder = msgspec.json.Decoder(payload_type) if payload_type is not None else None
         return Task(
@@ -230,6 +248,8 @@ def task(
             on_failure=comp_name,
             compensation=compensation,
             encrypt=encrypt,
+            breaker=guard,
+            breaker_on=downstream,
             **({"decode_payload": decoder.decode} if decoder is not None else {}),
         )
 
