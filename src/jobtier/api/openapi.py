@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 from jobtier.api import (
     admin,
+    breakers,
     console,
     debugging,
     flows,
@@ -123,7 +124,7 @@ def _flow_constraints(c: dict[str, Any], settings: Settings) -> None:
 
 def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
-        [*_CORE_TYPES, *console.OPENAPI_TYPES, *extra_types],
+        [*_CORE_TYPES, *console.OPENAPI_TYPES, *breakers.OPENAPI_TYPES, *extra_types],
         ref_template="#/components/schemas/{name}",
     )
     c = components
@@ -480,7 +481,8 @@ def _ops_paths(s: Settings) -> oa.Paths:
 def operations(settings: Settings) -> oa.Paths:
     """The core routes (Redis alone serves them), each with its description."""
     s = settings
-    return _job_paths(s).include(_admin_paths(s), _ops_paths(s), console.operations(s))
+    parts = (_admin_paths(s), _ops_paths(s), console.operations(s), breakers.operations(s))
+    return _job_paths(s).include(*parts)
 
 
 def document(
