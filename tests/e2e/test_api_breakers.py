@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
@@ -12,6 +14,16 @@ from jobtier.core.breaker import Breaker
 from jobtier.engine.queue import Queue
 from jobtier.store.breaker_state import WAIT, BreakerStates
 from tests.fixtures.api import ApiServer, StartApi
+
+
+def _breaker_state(r: httpx.Response, name: str) -> float:
+    """The value of jobtier_breaker_state for ``name`` in a /metrics answer."""
+    assert r.status_code == 200, r.text
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    (value,) = [
+        s.value for s in families["jobtier_breaker_state"].samples if s.labels["breaker"] == name
+    ]
+    return float(value)
 
 
 @pytest.fixture
@@ -41,12 +53,14 @@ async def test_open_and_close_by_hand_hold_the_workers_and_are_audited(
             "smtp upgrade",
         )
         assert (await states.admit(b, "w", 5000)).verdict == WAIT  # every worker holds its jobs
+        assert _breaker_state(await admin.get("/metrics"), b.name) == 1.0
         r = await admin.post(f"/v1/admin/breakers/{b.name}/open", json={"seconds": 60})
         assert r.json()["open_until"] == pytest.approx(time.time() + 60, abs=5)
         assert r.json()["manual"] is False
         r = await admin.post(f"/v1/admin/breakers/{b.name}/close")
         assert r.status_code == 200 and r.json()["state"] == "closed"
         assert (await states.admit(b, "w", 5000)).runs
+        assert _breaker_state(await admin.get("/metrics"), b.name) == 0.0
 
         assert (await acme.post(f"/v1/admin/breakers/{b.name}/open")).status_code == 403
         page = (await admin.get(f"/v1/admin/audit?target={b.name}")).json()["records"]

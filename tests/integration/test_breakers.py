@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from jobtier.core.breaker import Breaker, DownstreamDown
+from jobtier.core.explanation import ReasonCode
 from jobtier.core.model import State
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
@@ -90,6 +91,16 @@ async def test_downstream_failures_open_the_breaker_and_it_holds_jobs_without_at
     await wait_for(held)
     for s in later:  # an attempt only for a call it made (as a probe)
         assert (await queue.status(s.job_id)).attempt == ds.refused.get(s.job_id, 0)
+
+    async def explained() -> bool:  # the explain answer names the breaker that holds it back
+        for s in later:  # (any: one may be out as a probe just now)
+            e = await queue.explain(s.job_id)
+            if any(r.code == ReasonCode.BREAKER_OPEN for r in e.reasons):
+                (reason,) = [r for r in e.reasons if r.code == ReasonCode.BREAKER_OPEN]
+                return reason.breaker == PAYMENTS.name and "held it back" in reason.message
+        return False
+
+    await wait_for(explained)
     # one probe per open period at most while it stays down: far fewer calls than jobs
     assert ds.calls_while_down - calls_at_open <= 2
     ds.up = True
