@@ -13,7 +13,8 @@ from jobtier.config import Settings
 from jobtier.core.breaker import Breaker
 from jobtier.engine.queue import Queue
 from jobtier.store.breaker_state import WAIT, BreakerStates
-from tests.fixtures.api import ApiServer, StartApi
+from tests.e2e.test_admin_cli import Cli
+from tests.fixtures.api import ADMIN, ApiServer, StartApi
 
 
 def _breaker_state(r: httpx.Response, name: str) -> float:
@@ -91,3 +92,24 @@ async def test_bad_input_is_refused_naming_the_field_and_changes_nothing(
             assert r.json().get("field") == field, r.text
         assert (await states.get("api-bad")).state == "closed"
         assert (await admin.get("/v1/admin/breakers/api-bad/open")).status_code == 405
+
+
+async def test_the_cli_lists_opens_and_closes(pg_api: ApiServer, queue: Queue) -> None:
+    cli = Cli(pg_api)
+    await BreakerStates(queue.store).close("cli-sms", "test start")
+    code, out, err = await cli("breakers", "open", "cli-sms", "--for", "90", key=ADMIN)
+    assert code == 0, err
+    header, row = out.splitlines()
+    assert header.split()[:2] == ["BREAKER", "STATE"] and row.split()[:2] == ["cli-sms", "open"]
+    listed = {b["name"]: b for b in await cli.json("breakers", key=ADMIN)}
+    assert listed["cli-sms"]["open_until"] == pytest.approx(time.time() + 90, abs=10)
+    code, out, _ = await cli("breakers", "open", "cli-sms", "--reason", "vendor outage", key=ADMIN)
+    assert code == 0 and "until closed" in out and "vendor outage" in out
+    closed = await cli.json("breakers", "close", "cli-sms", key=ADMIN)
+    assert closed["state"] == "closed" and closed["reason"] == "closed by hand"
+    code, out, _ = await cli("breakers", "list", key=ADMIN)
+    assert any(line.split()[:2] == ["cli-sms", "closed"] for line in out.splitlines())
+    code, _, err = await cli("breakers", "open", "no:colons", key=ADMIN)
+    assert code == 1 and "breaker name must match" in err
+    code, _, err = await cli("breakers", "open", "cli-sms", "--for", "-1", key=ADMIN)
+    assert code == 2 and "--for" in err
