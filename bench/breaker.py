@@ -205,7 +205,7 @@ async def cell(name: str, url: str, downstream: Downstream, args: argparse.Names
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait_for(part, 30)
         await http.aclose()
-    holds = worker.launcher.breakers.turned_away
+    holds = sum(worker.launcher.breakers.holds.values())
     await queue.close()
     return {
         "calls_while_down": seen["while_down"],

@@ -165,6 +165,7 @@ SCRIPTS = [
     "charts",
     "overview",
     "queues",
+    "breakers",
     "jobs",
     "job",
     "workers",

@@ -51,6 +51,7 @@ HELP = {
     "oldest_queued_age_seconds": "How long the oldest ready job of the queue and priority has waited.",
     "worker_handed_back_total": "Jobs this worker handed back (their task is not in it).",
     "worker_rate_limited_total": "Tasks that raised RateLimited.",
+    "worker_breaker_holds_total": "Jobs a worker did not start because their circuit breaker was open (no call, no attempt).",
     "queue_limit_wait_seconds_total": "Seconds a worker waited for a limited queue's permits (rate or concurrency).",
     "waiting_jobs": "Jobs waiting for their dependencies (flows).",
     "queue_waiting_jobs": "Jobs of the queue waiting for their dependencies.",

@@ -71,7 +71,7 @@ class BreakerGate:
         self.states = BreakerStates(state.store)
         self.worker = state.id
         self.lease_ms = state.lease_ms  # a probe's lease: the job's
-        self.turned_away = 0  # jobs not started for an open breaker
+        self.holds: dict[str, int] = {}  # breaker -> jobs not started because it was open
         self._records: set[asyncio.Task[None]] = set()
 
     async def run(self, task: Task, ctx: JobContext, sink: AttemptSink, make: MakeAttempt) -> None:
@@ -87,7 +87,7 @@ class BreakerGate:
         except (RedisError, OSError) as exc:
             log.warning("event=breaker_unreachable breaker=%s error=%r", breaker.name, exc)
         if admission is not None and not admission.runs:
-            self.turned_away += 1
+            self.holds[breaker.name] = self.holds.get(breaker.name, 0) + 1
             wait = admission.wait_ms / 1000
             wait += random.uniform(0, wait * WAIT_SPREAD)
             held = BreakerOpen(breaker.name, admission.state, round(wait, 3))
