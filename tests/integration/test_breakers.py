@@ -84,9 +84,11 @@ async def test_downstream_failures_open_the_breaker_and_it_holds_jobs_without_at
     # jobs submitted while it is open are held back: the task is not called, no attempt used
     later = [await queue.submit(charge, 10 + i) for i in range(5)]
 
-    async def held() -> bool:
+    async def held() -> bool:  # each held back (BreakerOpen), or handed back and parked
         docs = [await queue.status(s.job_id) for s in later]
-        return all(d.error is not None and d.error.type == "BreakerOpen" for d in docs)
+        back = sum(d.error is not None and d.error.type == "BreakerOpen" for d in docs)
+        parked = (await queue.admin.stats())["queues"]["default"]["parked"]
+        return back + parked >= len(later)
 
     await wait_for(held)
     for s in later:  # an attempt only for a call it made (as a probe)
@@ -97,7 +99,7 @@ async def test_downstream_failures_open_the_breaker_and_it_holds_jobs_without_at
             e = await queue.explain(s.job_id)
             if any(r.code == ReasonCode.BREAKER_OPEN for r in e.reasons):
                 (reason,) = [r for r in e.reasons if r.code == ReasonCode.BREAKER_OPEN]
-                return reason.breaker == PAYMENTS.name and "held it back" in reason.message
+                return reason.breaker == PAYMENTS.name and "holds it back" in reason.message
         return False
 
     await wait_for(explained)
@@ -113,6 +115,50 @@ async def test_downstream_failures_open_the_breaker_and_it_holds_jobs_without_at
     assert (await states.get(PAYMENTS.name)).state == "closed"
     for s in later:  # held back as often as it was: an attempt only for each call it made
         assert (await queue.status(s.job_id)).attempt == 1 + ds.refused.get(s.job_id, 0)
+
+
+MAILS = Breaker("bt-mail", open_for=0.3, max_open=1)
+mailed: list[str] = []
+
+
+@task(breaker=MAILS)
+async def mail(ctx: JobContext, payload: Any) -> None:
+    mailed.append(ctx.job_id)
+
+
+async def test_jobs_of_a_held_type_are_parked_not_claimed_again_and_again(
+    queue: Queue, background: Background
+) -> None:
+    mailed.clear()
+    states = await _reset(queue, MAILS.name)
+    await states.open(MAILS.name, None, "by hand")
+    jobs = [await queue.submit(mail, i) for i in range(40)]
+    worker = worker_for(queue, TaskRegistry([mail]), name="b3", concurrency=4)
+    background.start(worker)
+    background.start(Scheduler(queue.store))  # (the held ones come back through it)
+
+    async def parked() -> bool:
+        return (await queue.admin.stats())["queues"]["default"]["parked"] >= 30
+
+    await wait_for(parked)
+    # a claim's worth was held back (asked, refused: no call, no attempt); the rest were
+    # handed back untouched, and the worker does not claim them while the breaker is open
+    holds = worker.launcher.breakers.holds[MAILS.name]
+    assert 1 <= holds <= 4 and mailed == []
+    assert worker.state.types == ["-"]
+    # the explain answer of a parked job names the breaker by the job's type
+    reasons = (await queue.explain(jobs[-1].job_id)).reasons
+    (held,) = [r for r in reasons if r.code == ReasonCode.BREAKER_OPEN]
+    assert held.breaker == MAILS.name and "until it is closed by hand" in held.message
+    await states.close(MAILS.name, "by hand")
+
+    async def all_done() -> bool:
+        docs = [await queue.status(j.job_id) for j in jobs]
+        return all(d.state == State.SUCCEEDED for d in docs)
+
+    await wait_for(all_done)  # the worker claims its type again when its hold ends
+    assert sorted(mailed) == sorted(j.job_id for j in jobs)
+    assert all([(await queue.status(j.job_id)).attempt == 1 for j in jobs])
 
 
 async def test_a_failed_probe_opens_it_again_for_longer(queue: Queue) -> None:

@@ -38,7 +38,8 @@ class BreakerInfo(msgspec.Struct):
     """A breaker: ``state`` closed, open or half_open (its open period is over: the next job
     is a probe); ``open_until`` (s since the epoch) while open for a period; ``manual`` True
     when opened by hand without one (it stays open until closed by hand); ``trips``: opens
-    since it last closed (the back-off's exponent)."""
+    since it last closed (the back-off's exponent); ``types``: the task types whose jobs
+    recorded against it."""
 
     name: str
     state: str
@@ -48,6 +49,7 @@ class BreakerInfo(msgspec.Struct):
     changed_at: float | None
     reason: str
     thresholds: BreakerThresholds | None
+    types: list[str]
 
 
 class BreakerList(msgspec.Struct):

@@ -92,7 +92,7 @@ class Explainer:
             reason = Reason(ReasonCode.NOT_WAITING, _not_waiting(facts), queue=facts["queue"])
             return Explanation(job_id, state, False, [reason], None, iso(now))
         reasons, able = await self._queue_reasons(facts, now)
-        held = await breaker_reason(self.store, job_id, now)  # (docs/breakers.md)
+        held = await breaker_reason(self.store, job_id, str(facts["type"]), now)
         if held is not None:
             reasons.insert(0, held)
         where = facts.get("where")

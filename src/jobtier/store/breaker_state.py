@@ -42,6 +42,7 @@ class BreakerView:
     changed_at: float | None
     reason: str
     thresholds: dict[str, Any] | None
+    types: tuple[str, ...] = ()  # the task types that recorded against it
 
     @property
     def value(self) -> int:
@@ -58,6 +59,7 @@ class BreakerView:
             "changed_at": self.changed_at,
             "reason": self.reason,
             "thresholds": self.thresholds,
+            "types": list(self.types),
         }
 
 
@@ -99,6 +101,7 @@ def view(name: str, fields: dict[Any, Any], now: float | None = None) -> Breaker
         changed_at=changed / 1000 if changed else None,
         reason=f.get("reason", ""),
         thresholds=_thresholds(f.get("conf", "")),
+        types=tuple(f.get("types", "").split()),
     )
 
 
@@ -115,20 +118,22 @@ class BreakerStates:
     async def _call(self, op: str, name: str, *args: Any) -> Any:
         return await self.store.scripts.call("breaker", self.keys.home(name), (op, name, *args))
 
-    async def admit(self, breaker: Breaker, worker: str, probe_lease_ms: int) -> Admission:
-        """May a job of ``breaker`` start now (see breaker.lua admit)."""
-        reply = await self._call("admit", breaker.name, *breaker.args(), worker, probe_lease_ms)
+    async def admit(
+        self, breaker: Breaker, worker: str, probe_lease_ms: int, type: str = ""
+    ) -> Admission:
+        """May a job (of task ``type``) of ``breaker`` start now (see breaker.lua admit)."""
+        args = (*breaker.args(), worker, probe_lease_ms, type)
+        reply = await self._call("admit", breaker.name, *args)
         return Admission(int(reply[0]), int(reply[1]), _text(reply[2]), _text(reply[3]))
 
     async def record(
-        self, breaker: Breaker, outcome: str, probe: str, reason: str
+        self, breaker: Breaker, outcome: str, probe: str, reason: str, type: str = ""
     ) -> tuple[str, bool]:
-        """How a job's call went: ``f`` the downstream failed, ``s`` it answered, ``n``
-        neither (a probe given back); returns the breaker's state after, and whether this
-        record changed it (opened or closed it)."""
-        reply = await self._call(
-            "record", breaker.name, *breaker.args(), outcome, probe, reason[:200]
-        )
+        """How a job (of task ``type``) called the downstream: ``f`` it failed, ``s`` it
+        answered, ``n`` neither (a probe given back); returns the breaker's state after, and
+        whether this record changed it (opened or closed it)."""
+        args = (*breaker.args(), outcome, probe, reason[:200], type)
+        reply = await self._call("record", breaker.name, *args)
         return _text(reply[0]), len(reply) > 2
 
     async def open(self, name: str, seconds: float | None, reason: str) -> BreakerView:

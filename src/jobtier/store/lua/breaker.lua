@@ -8,11 +8,13 @@
 -- ARGV[1]  shard key base, jt:{h}:
 -- ARGV[2]  operation: admit | record | open | close
 -- ARGV[3]  breaker name
---   admit   ARGV[4..11] thresholds (below), ARGV[12] worker id, ARGV[13] probe lease ms
+--   admit   ARGV[4..11] thresholds (below), ARGV[12] worker id, ARGV[13] probe lease ms,
+--           ARGV[14] the job's task type (kept in 'types' when the job must wait)
 --           Returns {verdict (1 run, 2 run as a probe, 0 wait), wait ms, state, probe id}
 --   record  ARGV[4..11] thresholds, ARGV[12] outcome (f: the downstream failed, s: it
 --           answered, n: neither, a probe given back), ARGV[13] probe id or '',
---           ARGV[14] the failure's text    Returns {state, until ms[, 1 when it changed]}
+--           ARGV[14] the failure's text, ARGV[15] the job's task type
+--                                          Returns {state, until ms[, 1 when it changed]}
 --   open    ARGV[4] ms (0: until closed by hand), ARGV[5] reason  Returns {state, until ms}
 --   close   ARGV[4] reason                                        Returns {state, until ms}
 -- Thresholds: failures, window ms, ratio ('' none), min calls, open ms, back-off factor,
@@ -21,7 +23,8 @@
 -- jt:{h}:breaker:<name> (hash): 'state' closed|open|half_open, 'until' (ms: the open period's
 -- end), 'trips' (opens since it last closed: the back-off's exponent), 'manual' ('1': opened
 -- by hand, stays open until closed by hand), 'changed' (ms), 'reason', 'seq' (probe ids),
--- and the thresholds it last saw ('conf').
+-- the thresholds it last saw ('conf'), and the task types that recorded ('types', each
+-- between spaces: the explain answer finds a job's breaker by its type).
 -- jt:{h}:bfail:<name>, jt:{h}:bok:<name> (zsets): the window's failures and successes (the
 -- successes only with a ratio), member an id, score ms.
 -- jt:{h}:bprobe:<name> (zset): half-open probes out, by lease deadline (a dead worker's
@@ -59,6 +62,14 @@ local function trip(c, trips, reason)
   return {'open', until_ms, 1}
 end
 
+-- the task type `t` among those of the breaker ('types'), once
+local function add_type(t, types)
+  types = types or redis.call('HGET', key, 'types') or ' '
+  if t ~= '' and not string.find(types, ' ' .. t .. ' ', 1, true) then
+    redis.call('HSET', key, 'types', types .. t .. ' ')
+  end
+end
+
 local function close(reason)
   redis.call('HSET', key, 'state', 'closed', 'until', 0, 'trips', 0, 'changed', NOW_STR,
              'reason', reason, 'manual', '')
@@ -76,9 +87,11 @@ if op == 'admit' then
   if state == 'open' then
     local until_ms = tonumber(h[2]) or 0
     if h[3] == '1' then
+      add_type(ARGV[14])
       return {0, c.open, 'open', ''}  -- opened by hand: look again after an open period
     end
     if until_ms > NOW then
+      add_type(ARGV[14])
       return {0, until_ms - NOW, 'open', ''}
     end
     redis.call('HSET', key, 'state', 'half_open', 'changed', NOW_STR)
@@ -92,17 +105,19 @@ if op == 'admit' then
     return {2, 0, 'half_open', id}
   end
   -- the probes are out: the others wait an open period, by when the probes have answered
+  add_type(ARGV[14])
   return {0, c.open, 'half_open', ''}
 elseif op == 'record' then
   local c = conf_of(4)
   local outcome, probe = ARGV[12], ARGV[13]
   redis.call('SADD', BASE .. 'breakers', name)
-  local h = redis.call('HMGET', key, 'state', 'until', 'trips', 'conf')
+  local h = redis.call('HMGET', key, 'state', 'until', 'trips', 'conf', 'types')
   local state = h[1] or 'closed'
   local conf = conf_text(4)
   if h[4] ~= conf then
     redis.call('HSET', key, 'conf', conf)
   end
+  add_type(ARGV[15], h[5] or ' ')
   if not h[1] then
     redis.call('HSET', key, 'state', 'closed', 'until', 0, 'trips', 0, 'changed', NOW_STR)
   end
