@@ -87,7 +87,7 @@ async def test_downstream_failures_open_the_breaker_and_it_holds_jobs_without_at
     async def held() -> bool:  # each held back (BreakerOpen), or handed back and parked
         docs = [await queue.status(s.job_id) for s in later]
         back = sum(d.error is not None and d.error.type == "BreakerOpen" for d in docs)
-        parked = (await queue.admin.stats())["queues"]["default"]["parked"]
+        parked: int = (await queue.admin.stats())["queues"]["default"]["parked"]
         return back + parked >= len(later)
 
     await wait_for(held)
@@ -138,7 +138,8 @@ async def test_jobs_of_a_held_type_are_parked_not_claimed_again_and_again(
     background.start(Scheduler(queue.store))  # (the held ones come back through it)
 
     async def parked() -> bool:
-        return (await queue.admin.stats())["queues"]["default"]["parked"] >= 30
+        count: int = (await queue.admin.stats())["queues"]["default"]["parked"]
+        return count >= 30
 
     await wait_for(parked)
     # a claim's worth was held back (asked, refused: no call, no attempt); the rest were
