@@ -47,6 +47,7 @@ WAIT_SPREAD = 0.2
 # In a claim's list of task types, a name no task can have (TASK_NAME_RE): a worker whose
 # every type is held back claims none of them (an empty list would mean "any type").
 NO_TYPE = "-"
+LIFT_GRACE = 5.0  # s after a hold ends during which a hand-back is still the hold's
 
 MakeAttempt = Callable[[AttemptSink], Coroutine[Any, Any, None]]
 
@@ -107,6 +108,9 @@ class BreakerGate:
             return
         handle.cancel()
         self._set_types()
+        # claims sent with the held list may still hand jobs back: expected a while longer
+        self.state.types_held = True
+        asyncio.get_running_loop().call_later(LIFT_GRACE, self._set_types)
         self.on_lift()
 
     def _set_types(self) -> None:
