@@ -38,12 +38,13 @@ async def test_open_and_close_by_hand_hold_the_workers_and_are_audited(
     states = BreakerStates(queue.store)
     b = Breaker("api-mail", failures=2, open_for=1)
     await states.close(b.name, "test start")
-    await states.record(b, "f", "", "smtp timeout")  # one failure: the worker has said it exists
+    await states.record(b, "f", "", "smtp timeout", "send_mail")  # one failure: it exists now
     async with pg_api.client("admin") as admin, pg_api.client("acme") as acme:
         listed = (await admin.get("/v1/admin/breakers")).json()["breakers"]
         mine = next(x for x in listed if x["name"] == b.name)
         assert mine["state"] == "closed" and mine["thresholds"]["failures"] == 2
         assert mine["thresholds"]["open_ms"] == 1000 and mine["thresholds"]["ratio"] is None
+        assert mine["types"] == ["send_mail"]  # the task type that recorded
 
         r = await admin.post(f"/v1/admin/breakers/{b.name}/open", json={"reason": "smtp upgrade"})
         assert r.status_code == 200, r.text
