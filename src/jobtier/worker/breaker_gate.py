@@ -11,7 +11,9 @@ A worker that met an open breaker also stops claiming its task types until the w
 transition, no attempt, as for a type the worker lacks: claim.lua), so a held job costs one
 hand-back per outage rather than a claim and a reschedule per open period; claims take the
 parked jobs first once the types are claimed again. Each worker learns on its own (the first
-jobs it claims after an open period are asked about, at most a claim's worth held back).
+jobs it claims after an open period are asked about: about a claim's worth held back; the
+worker whose record tripped it holds the types for ``open_for``, not a longer backed-off
+period, and learns the rest from its next claim).
 
 After it ran, a failure the task marks as the downstream's (``DownstreamDown``, the classes of
 ``breaker_on``) is recorded against the breaker; a success is recorded when it was a probe
