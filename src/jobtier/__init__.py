@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 _MODULES = {
     "jobtier.client": "AsyncClient Client",
     "jobtier.config": "Settings",
+    "jobtier.core.breaker": "Breaker BreakerOpen DownstreamDown",
     "jobtier.core.errors": (
         "Cancelled Code ConfigError Fatal IdempotencyConflict InvalidRequest JobNotFound "
         "JobtierError Overloaded ResultGone Retry TransitionRefused UnknownTask"
@@ -38,12 +39,15 @@ _EXPORTS = {name: module for module, names in _MODULES.items() for name in names
 
 __all__ = [
     "AsyncClient",
+    "Breaker",
+    "BreakerOpen",
     "CallbackSpec",
     "Cancelled",
     "Client",
     "Code",
     "ConfigError",
     "Dependency",
+    "DownstreamDown",
     "Fatal",
     "FlowJob",
     "FlowSubmitted",
@@ -104,6 +108,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from jobtier.client import AsyncClient, Client
     from jobtier.config import Settings
+    from jobtier.core.breaker import Breaker, BreakerOpen, DownstreamDown
     from jobtier.core.errors import (
         Cancelled,
         Code,

@@ -177,6 +177,11 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(admin, "PUT", "/v1/admin/queues/{name}/limits", 200, ids=q, json={})
         await check(admin, "POST", "/v1/admin/queues/{name}/resume", 200, ids=q)
         await check(admin, "GET", "/v1/admin/tasks", 200)
+        breaker = {"name": "conformance-breaker"}
+        opened = {"seconds": 30, "reason": "conformance"}
+        await check(admin, "POST", "/v1/admin/breakers/{name}/open", 200, ids=breaker, json=opened)
+        await check(admin, "GET", "/v1/admin/breakers", 200)
+        await check(admin, "POST", "/v1/admin/breakers/{name}/close", 200, ids=breaker)
         scaling = "/v1/admin/queues/{name}/scaling"
         await check(admin, "GET", scaling, 200, ids=q, params={"slots": 4, "max": 10})
         await check(admin, "GET", scaling, 404, ids={"name": "never-named"})

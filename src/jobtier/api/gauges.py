@@ -8,12 +8,13 @@ from typing import Any
 from jobtier.core.model import PRIORITIES
 from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import labels
+from jobtier.store.breaker_state import BreakerStates
 from jobtier.store.memory import redis_memory
 
 
 async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, dict[str, float]]:
     """{metric: {labels: value}} read now: per queue its depth by priority and oldest waiting
-    job, running, parked, paused and waiting jobs; the totals of waiting (for dependencies),
+    job, running, parked, paused and waiting jobs; each circuit breaker's state; the totals of waiting (for dependencies),
     scheduled and dead-lettered jobs; live workers, Redis's memory and (with ``lag``, when
     the API has Postgres) the write-behind lag."""
     stats = await queue.admin.stats()
@@ -45,6 +46,8 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
         "dead_letter_jobs": {"": total.get("dead", 0)},
     }
     out["workers"] = {"": len(await queue.admin.live_workers())}
+    breakers = await BreakerStates(queue.store).all()
+    out["breaker_state"] = {labels(breaker=b.name): float(b.value) for b in breakers}
     memory = await redis_memory(queue.redis)
     out["redis_memory_used_bytes"] = {"": memory.used}
     out["redis_memory_max_bytes"] = {"": memory.maxmemory}

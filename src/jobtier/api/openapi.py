@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 from jobtier.api import (
     admin,
+    breakers,
     checkpoints,
     console,
     debugging,
@@ -124,7 +125,13 @@ def _flow_constraints(c: dict[str, Any], settings: Settings) -> None:
 
 def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
-        [*_CORE_TYPES, *console.OPENAPI_TYPES, *checkpoints.OPENAPI_TYPES, *extra_types],
+        [
+            *_CORE_TYPES,
+            *console.OPENAPI_TYPES,
+            *checkpoints.OPENAPI_TYPES,
+            *breakers.OPENAPI_TYPES,
+            *extra_types,
+        ],
         ref_template="#/components/schemas/{name}",
     )
     c = components
@@ -500,9 +507,14 @@ def _ops_paths(s: Settings) -> oa.Paths:
 def operations(settings: Settings) -> oa.Paths:
     """The core routes (Redis alone serves them), each with its description."""
     s = settings
-    return _job_paths(s).include(
-        _admin_paths(s), _ops_paths(s), console.operations(s), checkpoints.operations(s)
+    parts = (
+        _admin_paths(s),
+        _ops_paths(s),
+        console.operations(s),
+        checkpoints.operations(s),
+        breakers.operations(s),
     )
+    return _job_paths(s).include(*parts)
 
 
 def document(

@@ -169,6 +169,7 @@ SCRIPTS = [
     "overview",
     "shedding",
     "queues",
+    "breakers",
     "jobs",
     "job",
     "workers",

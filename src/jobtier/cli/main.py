@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from jobtier import logs
-from jobtier.cli import manage
+from jobtier.cli import breakers_cmd, manage
 from jobtier.cli.maintenance import (
     BENCHMARKS,
     cmd_bench,
@@ -306,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(*flags, **options)
         p.set_defaults(func=func)
     manage.add_commands(sub)
+    breakers_cmd.add_commands(sub)
     return parser
 
 

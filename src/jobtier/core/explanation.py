@@ -15,6 +15,7 @@ class ReasonCode(StrEnum):
     QUEUE_PAUSED = "queue_paused"
     QUEUE_CONCURRENCY_FULL = "queue_concurrency_full"  # the queue's global concurrency limit
     RATE_LIMITED = "rate_limited"  # the queue's rate limit, or a task raised RateLimited
+    BREAKER_OPEN = "breaker_open"  # the circuit breaker of its downstream held it back
     CONCURRENCY_KEY_HELD = "concurrency_key_held"
     WAITING_FOR_DEPENDENCIES = "waiting_for_dependencies"
     SCHEDULED = "scheduled"
@@ -40,6 +41,7 @@ class Reason(msgspec.Struct, omit_defaults=True):
     queue: str | None = None
     type: str | None = None
     key: str | None = None  # concurrency_key_held: the key
+    breaker: str | None = None  # breaker_open: the breaker's name (its state: ``message``)
     running: int | None = None  # concurrency: running now (or ready under the key)
     limit: int | None = None  # concurrency: the most at once
     holders: list[JobRef] | None = None  # concurrency_key_held: the jobs found holding it

@@ -25,6 +25,12 @@ Per shard::
     jt:{s}:limit:<queue>     hash   a limited queue's limits and rate bucket (home shard)
     jt:{s}:permits:<queue>   zset   the permits held for it, by lease deadline (home shard)
     jt:{s}:starts:<queue>    zset   its permits granted in the last rate period (home shard)
+    jt:{s}:breaker:<name>    hash   a circuit breaker's state (home shard of the name:
+                                    breaker.lua, docs/breakers.md)
+    jt:{s}:bfail:<name>      zset   its failures in the window (home shard)
+    jt:{s}:bok:<name>        zset   its successes in the window, with a ratio (home shard)
+    jt:{s}:bprobe:<name>     zset   its half-open probes out, by lease deadline (home shard)
+    jt:{s}:breakers          set    the breakers homed in this shard (the admin list)
     jt:{s}:ck:<tenant>:<key> list   jobs held behind their concurrency key (oldest first)
     jt:{s}:ckeys             hash   "<tenant>:<key>" -> its jobs ready or running, and
                                     "<tenant>:<key>:limit"

@@ -22,6 +22,7 @@ import msgspec
 from jobtier.core.errors import JobNotFound
 from jobtier.core.explanation import Explanation, JobRef, Reason, ReasonCode
 from jobtier.core.model import decode_status
+from jobtier.engine.breaker_explain import breaker_reason
 from jobtier.engine.queue_admin import QueueAdmin
 from jobtier.status.docs import read_docs
 from jobtier.store.context import Store
@@ -91,6 +92,9 @@ class Explainer:
             reason = Reason(ReasonCode.NOT_WAITING, _not_waiting(facts), queue=facts["queue"])
             return Explanation(job_id, state, False, [reason], None, iso(now))
         reasons, able = await self._queue_reasons(facts, now)
+        held = await breaker_reason(self.store, job_id, str(facts["type"]), now)
+        if held is not None:
+            reasons.insert(0, held)
         where = facts.get("where")
         position = None
         if where == "scheduled":

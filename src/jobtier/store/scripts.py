@@ -36,7 +36,7 @@ from jobtier.store.redis import RedisClient
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 _SCRIPTS = (  # store/lua/<name>.lua of every transition script
     "submit claim heartbeat complete fail stopped cancel promote reclaim replay fire limit"
-    " joblog purge link linked resolve reformat explain keyed"
+    " joblog purge link linked resolve reformat explain keyed breaker"
 )
 NAMES = tuple(_SCRIPTS.split())
 # scripts that only read: their functions carry the no-writes flag and run by FCALL_RO (Redis

@@ -60,6 +60,7 @@ class Claimer:
         self._queue_turn = 0
         self._unblock: asyncio.TimerHandle | None = None  # a look when a queue's block ends
         self._unblock_ms = 0
+        launcher.breakers.on_lift = self.on_reset  # held types come back: claim them
 
     def on_wake(self, channel: bytes, data: bytes) -> None:
         """``q <queue>``: a queue of the shard had no ready job and now has some;
@@ -254,7 +255,9 @@ class Claimer:
         serves the same queue, or a deploy is in progress): say so, loudly but not per job."""
         state = self.state
         state.stats.handed_back += len(ids)
-        log.warning(
+        # (a circuit breaker's held types: parked on purpose, breaker_gate.py)
+        log.log(
+            logging.INFO if state.types_held else logging.WARNING,
             "event=jobs_handed_back worker=%s count=%d first=%s tasks=%s queues=%s: "
             "they stay queued for a worker that has their task",
             self.id,

@@ -21,7 +21,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -31,7 +31,8 @@ from jobtier.persist.results import PostgresResultStore, open_store
 from jobtier.runtime import tracing
 from jobtier.runtime.loop import wait_any
 from jobtier.worker import attempt_spans
-from jobtier.worker.attempt import deliver_cancel, run_attempt
+from jobtier.worker.attempt import AttemptSink, deliver_cancel, run_attempt
+from jobtier.worker.breaker_gate import BreakerGate, MakeAttempt
 from jobtier.worker.checkpoint_saver import CheckpointSaver
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.procpool import (
@@ -41,6 +42,7 @@ from jobtier.worker.procpool import (
     check_importable,
     runs_in_process,
 )
+from jobtier.worker.registry import Task
 from jobtier.worker.reporter import Reporter
 from jobtier.worker.state import Running, WorkerState
 from jobtier.worker.stored import run_attempt_storing
@@ -128,6 +130,7 @@ class Launcher:
             check_importable(t)
         self.processes = ProcessPool(processes or ProcessOptions()) if in_process else None
         self._pool_of = {t.name: self.processes for t in in_process}.get
+        self.breakers = BreakerGate(state)
 
     async def open(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -176,26 +179,11 @@ class Launcher:
         task = self._task_of(job.type)
         running = Running(job, shard, task, ctx, time.monotonic(), permit=permit)
         self._running[job.id] = running
-        limit = self._max_result
-        in_sealed = job.queue in self._sealed_queues
-        procs = self._pool_of(job.type)
-        if self.results is None:
-            attempt = run_attempt(
-                task, ctx, self.threads, limit, self.reporter, keyring, in_sealed, procs
-            )
-        else:  # large results go to the result store before the success is reported
-            attempt = run_attempt_storing(
-                task,
-                ctx,
-                self.threads,
-                limit,
-                self.reporter,
-                self.results,
-                self.state.settings.result_store_threshold_bytes,
-                keyring,
-                in_sealed,
-                procs,
-            )
+        make = self._attempt(task, ctx)
+        if task is not None and task.breaker is not None:  # its breaker first (breaker_gate.py)
+            attempt = self.breakers.run(task, ctx, self.reporter, make)
+        else:
+            attempt = make(self.reporter)
         if self._tracer is None:
             running.handle = asyncio.create_task(attempt, name=f"job {job.id}")
         else:  # the task starts with the attempt's span current (create_task copies it)
@@ -210,6 +198,33 @@ class Launcher:
             # once the attempt has started: a task cancelled before its first step never
             # runs run_attempt, which then never reports, and the job would stay running
             self.loop.call_soon(deliver_cancel, ctx, task, running.handle)
+
+    def _attempt(self, task: Task | None, ctx: JobContext) -> MakeAttempt:
+        """The attempt's coroutine given where it ends (as ``start`` makes it): for a task
+        with a breaker, whose gate ends it into a sink of its own first."""
+        limit = self._max_result
+        keyring = self._keyring
+        in_sealed = ctx.job.queue in self._sealed_queues
+        results = self.results
+        procs = self._pool_of(ctx.job.type)
+
+        def make(sink: AttemptSink) -> Coroutine[Any, Any, None]:
+            if results is None:
+                return run_attempt(task, ctx, self.threads, limit, sink, keyring, in_sealed, procs)
+            return run_attempt_storing(
+                task,
+                ctx,
+                self.threads,
+                limit,
+                sink,
+                results,
+                self.state.settings.result_store_threshold_bytes,
+                keyring,
+                in_sealed,
+                procs,
+            )
+
+        return make
 
     def cancel_when_started(self, job_id: str) -> None:
         """A cancel push for a job not running (yet): its claim reply may be on its way."""

@@ -14,6 +14,7 @@ from typing import Any, overload
 
 import msgspec
 
+from jobtier.core.breaker import Breaker
 from jobtier.core.errors import ConfigError, InvalidRequest
 from jobtier.core.model import DEFAULT_QUEUE, Backoff, TaskAd, TaskInfo
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
@@ -66,6 +67,10 @@ class Task:
     # a plain def's: "thread" (the worker's thread pool) or "process" (its process pool,
     # worker/procpool.py); None: the worker's --executor decides
     executor: str | None = None
+    # the circuit breaker of the downstream it calls, and the failures that count against it
+    # besides DownstreamDown (docs/breakers.md)
+    breaker: Breaker | None = None
+    breaker_on: tuple[type[BaseException], ...] = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
@@ -163,6 +168,8 @@ def task(
     on_failure: str | Task | None = None,
     encrypt: bool = False,
     executor: str | None = None,
+    breaker: str | Breaker | None = None,
+    breaker_on: Iterable[type[BaseException]] = (),
 ) -> Callable[[Callable[..., Any]], Task]: ...
 
 
@@ -181,6 +188,8 @@ def task(
     on_failure: str | Task | None = None,
     encrypt: bool = False,
     executor: str | None = None,
+    breaker: str | Breaker | None = None,
+    breaker_on: Iterable[type[BaseException]] = (),
 ) -> Any:
     """Declare a task: ``async def fn(ctx, payload)`` (or a plain ``def``, run in a thread).
 
@@ -196,7 +205,9 @@ def task(
     ``JOBTIER_ENCRYPTION_KEYS`` (docs/encryption.md). ``executor="process"``: a plain
     ``def`` runs in the worker's pool of child processes, not its thread pool, for CPU-bound
     work (docs/process-pool.md); ``"thread"`` keeps it in a thread whatever the worker's
-    ``--executor``.
+    ``--executor``. ``breaker`` names the circuit breaker
+    of the downstream it calls (or is a ``Breaker`` with thresholds); ``DownstreamDown`` and
+    the classes of ``breaker_on`` count against it (docs/breakers.md).
 
     Usable bare (``@task``) or with options (``@task(retries=5, timeout=30)``).
     """
@@ -231,6 +242,13 @@ def task(
                 f"task {task_name}: executor='process' runs a plain def; an async def task "
                 "runs on the worker's event loop"
             )
+        guard = Breaker(breaker) if isinstance(breaker, str) else breaker
+        downstream = tuple(breaker_on)
+        for cls in downstream:
+            if not (isinstance(cls, type) and issubclass(cls, BaseException)):
+                raise ConfigError(f"task {task_name}: breaker_on holds {cls!r}")
+        if downstream and guard is None:
+            raise ConfigError(f"task {task_name}: breaker_on without a breaker")
         payload_type = _payload_type(f, task_name)
         decoder = msgspec.json.Decoder(payload_type) if payload_type is not None else None
         return Task(
@@ -246,6 +264,8 @@ def task(
             compensation=compensation,
             encrypt=encrypt,
             executor=executor,
+            breaker=guard,
+            breaker_on=downstream,
             **({"decode_payload": decoder.decode} if decoder is not None else {}),
         )
 

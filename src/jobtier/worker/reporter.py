@@ -114,8 +114,10 @@ class Reporter:
             self._rate_limited(r, failure, failure.exc)
             return "retry"
         delay_ms = failure.delay_ms(r.task.retry if r.task else DEFAULT_POLICY, r.job.attempt)
-        # one record per failed attempt, with the traceback of what the task raised
-        log.info(
+        # one record per failed attempt, with the traceback of what the task raised (a
+        # refunded one, a job an open breaker held back, at debug: thousands come at once)
+        log.log(
+            logging.DEBUG if failure.refund else logging.INFO,
             "event=job_failed job=%s type=%s attempt=%d/%d error=%s message=%r retry_in_ms=%d",
             r.job.id,
             r.job.type,
@@ -126,9 +128,11 @@ class Reporter:
             delay_ms,
             exc_info=failure.exc if failure.raised else None,
         )
-        self.report("fail", r, (failure.error_json(), delay_ms))
-        retried = fail_state(delay_ms, r.job.attempt, r.job.max_attempts) == "scheduled"
-        return "retry" if retried else "failed"
+        # refund: the attempt does not count (a job an open breaker held back: breaker_gate.py)
+        refund = 1 if failure.refund else 0
+        self.report("fail", r, (failure.error_json(), delay_ms, refund))
+        state = fail_state(delay_ms, r.job.attempt, r.job.max_attempts, bool(refund))
+        return "retry" if state == "scheduled" else "failed"
 
     def _rate_limited(self, r: Running, failure: Failure, exc: RateLimited) -> None:
         """The task says the downstream wants us to wait: the job runs again then, without

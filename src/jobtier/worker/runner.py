@@ -108,6 +108,9 @@ class Worker:
                 "worker_handed_back_total": {"": st.handed_back},
                 "worker_rate_limited_total": {"": st.rate_limited},
                 "worker_checkpoints_total": {"": st.checkpoints},
+                "worker_breaker_holds_total": {
+                    labels(breaker=b): n for b, n in self.launcher.breakers.holds.items()
+                },
                 "queue_limit_wait_seconds_total": {
                     labels(queue=q): c.stats.waited for q, c in self.limits.claimers.items()
                 },

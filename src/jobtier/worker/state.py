@@ -106,6 +106,9 @@ class WorkerState:
         self.queues = served  # served in turn: each claim round starts one queue further on
         self.served = {q.encode() for q in served}
         self.types = registry.names()  # the claim script hands back jobs of other types
+        # some types are held back by an open circuit breaker (breaker_gate.py): their jobs
+        # handed back are expected, not a deployment's mistake
+        self.types_held = False
         self.concurrency = concurrency
         self.burst = burst
         self.id = name or f"{socket.gethostname()}:{os.getpid()}:{os.urandom(2).hex()}"

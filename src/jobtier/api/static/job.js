@@ -209,7 +209,8 @@ function jobFacts(data) {
 
 const REASON_TITLES = {
   queue_paused: "Queue paused", queue_concurrency_full: "Queue at its concurrency limit",
-  rate_limited: "Rate-limited", concurrency_key_held: "Concurrency key held",
+  rate_limited: "Rate-limited", breaker_open: "Circuit breaker open",
+  concurrency_key_held: "Concurrency key held",
   waiting_for_dependencies: "Waiting for dependencies", scheduled: "Scheduled",
   no_worker_for_queue: "No worker for its queue", no_worker_for_type: "No worker for its task",
   tenant_turn: "Other tenants' turns", in_line: "In line", unknown: "In no line",

@@ -141,6 +141,7 @@ function renderQueuesView() {
   const section = $("view-queues");
   if (section.hidden || !latest) return;
   mountQueueTable($("queues-table"), latest.queues || [], { actions: true });
+  renderBreakersPanel(); // (breakers.js: read every 2 s, not with each frame)
   drawn(section);
 }
 
