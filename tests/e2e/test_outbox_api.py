@@ -67,3 +67,12 @@ async def test_status_reads_of_outbox_jobs(
         assert r.status_code == 200 and r.json()["state"] == "failed"
         assert r.json()["error"]["type"] == "Refused"
         assert "no worker runs task 'no_such_task'" in r.json()["error"]["message"]
+
+
+async def test_listings_refuse_the_submitted_state(pg_api: ApiServer) -> None:
+    """A job only in the outbox is in no listing: the filter is refused, not always empty."""
+    async with pg_api.client() as c:
+        r = await c.get("/v1/jobs", params={"state": "submitted"})
+        assert r.status_code == 400, r.text
+        assert r.json()["field"] == "state"
+        assert (await c.get("/v1/jobs", params={"state": "queued"})).status_code == 200

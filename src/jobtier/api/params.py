@@ -26,7 +26,7 @@ from starlette.requests import Request
 
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
-from jobtier.core.model import State
+from jobtier.core.model import LISTED_STATES
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
 
 Kind = Literal["integer", "number", "string", "date-time"]
@@ -163,7 +163,7 @@ def matching(name: str, description: str, regex: re.Pattern[str], max_length: in
 # what the job listings share: these filters first, the page last
 TYPE = matching("type", "only jobs of this type", TASK_NAME_RE, 128)
 JOB_FILTERS = [
-    Param("state", "string", "only jobs in this state", values=[s.value for s in State]),
+    Param("state", "string", "only jobs in this state", values=list(LISTED_STATES)),
     TYPE,
     matching("queue", "only jobs of this queue", QUEUE_NAME_RE, 64),
 ]

@@ -37,6 +37,10 @@ TERMINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
 # not started yet: counted against the waiting-jobs caps (JOBTIER_MAX_WAITING_*)
 WAITING = frozenset({State.WAITING, State.SCHEDULED, State.QUEUED})
 
+# the states a job listing filters on: a job only in the outbox (submitted) is in no listing
+# until the relay has put it in Redis, so that filter is refused rather than always empty
+LISTED_STATES = tuple(s.value for s in State if s is not State.SUBMITTED)
+
 
 class Priority(StrEnum):
     CRITICAL = "critical"

@@ -20,6 +20,7 @@ import msgspec
 
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import (
+    LISTED_STATES,
     Dependency,
     JobError,
     JobStatus,
@@ -39,7 +40,7 @@ MAX_TYPE_LENGTH = 200
 # the start of a job id (<ULID>-<shard>): what the console's id search takes
 ID_PREFIX_RE = re.compile(r"^[0-9A-Za-z]{1,26}(-[0-9]{0,4})?$")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_STATES = frozenset(s.value for s in State)
+_STATES = frozenset(LISTED_STATES)
 _error_decoder = msgspec.json.Decoder(JobError)
 
 
@@ -172,7 +173,7 @@ def _filters(params: list[Any], order: str = "desc", **where: Unpack[Filters]) -
     if (state := where.get("state")) is not None:
         if state not in _STATES:
             raise InvalidRequest(
-                f"state must be one of {', '.join(s.value for s in State)}", field="state"
+                f"state must be one of {', '.join(LISTED_STATES)}", field="state"
             )
         add("AND state = {}", state)
     if (type := where.get("type")) is not None:
