@@ -741,6 +741,55 @@ local function compensate(j)
   redis.call('HSET', job_key(id), 'cof', j.id)
 end
 
+-- --- Batches: children counted where they finish ---------------------------------------
+-- A batch's child has 'b' in its wf and its batch's id in 'bid' (batch_submit.lua). Children
+-- spread over every shard, so each shard keeps its own share of the counts, in the child's
+-- slot: jt:{s}:bt:<batch> holds 'n' children here, 'left' not finished (plus one while the
+-- submit is still adding children: batch_seal.lua), 's'/'f'/'c' finished by state, and 'e'
+-- the epoch of the shard's last hand-off. A shard whose 'left' reaches 0 tells the batch's
+-- shard through its flow stream (one hand-off per shard, not per child: batch_done.lua); a
+-- retry that brings one back reopens it. Readers sum the shards' counts (flows/batches.py).
+local function batch_handoff(bid, key, state, ttl)
+  local e = redis.call('HINCRBY', key, 'e', 1)
+  local v = redis.call('HMGET', key, 's', 'f', 'c')
+  local shard = string.match(BASE, '{(%d+)}')
+  handoff('b', shard, state, e .. ' ' .. (v[1] or 0) .. ' ' .. (v[2] or 0) .. ' '
+          .. (v[3] or 0), bid)
+  if state == 'done' then
+    redis.call('EXPIRE', key, ttl)
+    redis.call('EXPIRE', BASE .. 'bk:' .. bid, ttl)
+  else
+    redis.call('PERSIST', key)
+    redis.call('PERSIST', BASE .. 'bk:' .. bid)
+  end
+end
+
+-- j, a child, finished (finish() via flow_finished): its shard's counts move.
+local function batch_finished(j, ttl)
+  local bid = redis.call('HGET', j._key, 'bid')
+  if not bid then
+    return
+  end
+  local key = BASE .. 'bt:' .. bid
+  redis.call('HINCRBY', key, STATE_MARK[j.state], 1)
+  if redis.call('HINCRBY', key, 'left', -1) == 0 then
+    batch_handoff(bid, key, 'done', ttl)
+  end
+end
+
+-- j, a finished child, is back in play (a replay): its count returns to 'left'.
+local function batch_revived(j)
+  local bid = redis.call('HGET', j._key, 'bid')
+  if not bid then
+    return
+  end
+  local key = BASE .. 'bt:' .. bid
+  redis.call('HINCRBY', key, STATE_MARK[j.state], -1)
+  if redis.call('HINCRBY', key, 'left', 1) == 1 then
+    batch_handoff(bid, key, 'open', 0)
+  end
+end
+
 flow_finished = function(j, ttl)
   local key = job_key(j.id)
   if has_flag(j, 'd') then
@@ -773,10 +822,16 @@ flow_finished = function(j, ttl)
   if j.state == 'failed' and has_flag(j, 'c') then
     compensate(j)
   end
+  if has_flag(j, 'b') then
+    batch_finished(j, ttl)
+  end
 end
 
 -- A finished job back in play (replay.lua): its flow keys stop expiring with it.
 local function flow_revived(j)
+  if has_flag(j, 'b') then
+    batch_revived(j)
+  end
   if has_flag(j, 'd') then
     redis.call('PERSIST', BASE .. 'dnt:' .. j.id)
   end
