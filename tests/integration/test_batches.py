@@ -6,7 +6,7 @@ were."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -46,7 +46,7 @@ async def children(queue: Queue, batch_id: str) -> list[str]:
     ids: list[str] = []
     for shard in range(queue.keys.shards):
         key = f"{queue.keys.base(shard)}bk:{batch_id}"
-        ids += [i.decode() for i in await queue.redis.lrange(key, 0, -1)]
+        ids += [i.decode() for i in cast(list[bytes], await queue.redis.lrange(key, 0, -1))]
     return ids
 
 
@@ -157,7 +157,7 @@ async def test_hand_offs_applied_twice_change_nothing(bq: Queue) -> None:
     done = await bq.batches.status(b.id)
     assert (done.state, counts(done)) == ("finished", (0, 20, 0, 0))
     record = store_batches.record_key(bq.store, b.id)
-    before = await bq.redis.hgetall(record)
+    before = cast(dict[bytes, bytes], await bq.redis.hgetall(record))
     some = next(k.decode()[2:] for k in before if k.startswith(b"e:"))
     epoch = before[f"e:{some}".encode()].decode()
     # the same hand-off again (a resolver died before it acknowledged), and an older one
@@ -166,7 +166,9 @@ async def test_hand_offs_applied_twice_change_nothing(bq: Queue) -> None:
     reply = await bq.scripts.call("batch_done", shard, [60, 2, *item, *older])
     assert [Code(c) for c in reply] == [Code.DUPLICATE, Code.DUPLICATE]
     assert await bq.redis.hgetall(record) == before
-    missing = await bq.scripts.call("batch_done", shard, [60, 1, bq.keys.new_id(shard), "0", "done", "1 0 0 0"])
+    missing = await bq.scripts.call(
+        "batch_done", shard, [60, 1, bq.keys.new_id(shard), "0", "done", "1 0 0 0"]
+    )
     assert [Code(c) for c in missing] == [Code.NOT_FOUND]
 
 

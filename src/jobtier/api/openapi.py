@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 from jobtier.api import (
     admin,
+    batch_routes,
     console,
     debugging,
     flows,
@@ -123,7 +124,7 @@ def _flow_constraints(c: dict[str, Any], settings: Settings) -> None:
 
 def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
-        [*_CORE_TYPES, *console.OPENAPI_TYPES, *extra_types],
+        [*_CORE_TYPES, *console.OPENAPI_TYPES, *batch_routes.OPENAPI_TYPES, *extra_types],
         ref_template="#/components/schemas/{name}",
     )
     c = components
@@ -154,6 +155,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     oa.constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
     _flow_constraints(c, settings)
+    batch_routes.constrain(c, settings)
     oa.constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     oa.constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
     c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)
@@ -480,7 +482,9 @@ def _ops_paths(s: Settings) -> oa.Paths:
 def operations(settings: Settings) -> oa.Paths:
     """The core routes (Redis alone serves them), each with its description."""
     s = settings
-    return _job_paths(s).include(_admin_paths(s), _ops_paths(s), console.operations(s))
+    return _job_paths(s).include(
+        _admin_paths(s), _ops_paths(s), console.operations(s), batch_routes.operations(s)
+    )
 
 
 def document(

@@ -46,12 +46,12 @@ class BatchControl:
         """Check ``spec`` (``InvalidRequest`` naming the member, ``items[i]`` for a child's
         payload) and encode its children; nothing is written."""
         if len(spec.items) > MAX_BATCH_ITEMS:
-            raise InvalidRequest(f"at most {MAX_BATCH_ITEMS} items per batch", field="items")
+            raise PayloadTooLarge(f"at most {MAX_BATCH_ITEMS} items per batch", field="items")
         payloads = _chunked(spec.items, spec.chunk_size)
         if not payloads:
             raise InvalidRequest("a batch needs at least one item", field="items")
         if len(payloads) > MAX_BATCH_CHILDREN:
-            raise InvalidRequest(
+            raise PayloadTooLarge(
                 f"{len(payloads)} children; at most {MAX_BATCH_CHILDREN} per batch (a "
                 "larger chunk_size makes fewer)",
                 field="items",
@@ -114,7 +114,9 @@ class BatchControl:
         return prepared
 
     def _with_callback(self, prepared: PreparedBatch, cb: BatchCallback) -> None:
-        spec = JobSpec(type=cb.type, payload=cb.payload, queue=cb.queue, max_attempts=cb.max_attempts)
+        spec = JobSpec(
+            type=cb.type, payload=cb.payload, queue=cb.queue, max_attempts=cb.max_attempts
+        )
         try:
             item = self.producer.prepare(spec, prepared.tenant)
         except InvalidRequest as exc:
@@ -185,7 +187,9 @@ class BatchControl:
     async def cancel(self, batch_id: str, tenant: str | None = None) -> BatchChanged:
         """Cancel its children that have not started, ask its running ones to stop."""
         done, asked = await store_batches.cancel_batch(self.store, batch_id, tenant)
-        return BatchChanged(changed=done, requested=asked, batch=await self.status(batch_id, tenant))
+        return BatchChanged(
+            changed=done, requested=asked, batch=await self.status(batch_id, tenant)
+        )
 
     async def retry(self, batch_id: str, tenant: str | None = None) -> BatchChanged:
         """Send its failed children back to their queue, attempts reset."""

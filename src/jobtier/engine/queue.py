@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from jobtier.config import Settings
 from jobtier.core.model import TaskLookup
+from jobtier.engine.batching import BatchControl
 from jobtier.engine.control import JobControl, ResultReader
 from jobtier.engine.explain import Explainer
 from jobtier.engine.produce import Producer, Registrar
-from jobtier.engine.batching import BatchControl
 from jobtier.engine.queue_admin import QueueAdmin
 from jobtier.store.context import Store
 

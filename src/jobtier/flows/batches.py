@@ -31,7 +31,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from jobtier.core.batch_model import BatchNotFound, BatchStatus
 from jobtier.runtime import tracing
@@ -96,7 +96,7 @@ async def submit_batch(store: Store, batch: PreparedBatch) -> BatchStatus:
     for shard in by_shard:
         pipe.hincrby(_counts_key(store, shard, batch.batch_id), "left", 1)
     await pipe.execute()
-    head = [batch.batch_id, batch.tenant, batch.type, batch.queue, batch.priority]
+    head: list[Any] = [batch.batch_id, batch.tenant, batch.type, batch.queue, batch.priority]
     head += [batch.max_attempts, trace]
     calls: list[Call] = []
     for shard, children in by_shard.items():
@@ -120,7 +120,7 @@ async def read_batch(store: Store, batch_id: str, tenant: str | None) -> BatchSt
     or one no longer kept, is ``BatchNotFound``."""
     if not store.keys.valid_id(batch_id):
         raise BatchNotFound(batch_id)
-    rec = await store.redis.hgetall(record_key(store, batch_id))
+    rec = cast(dict[bytes, bytes], await store.redis.hgetall(record_key(store, batch_id)))
     got = {k.decode(): v.decode() for k, v in rec.items()}
     if not got or (tenant is not None and got.get("tenant") != tenant):
         raise BatchNotFound(batch_id)
