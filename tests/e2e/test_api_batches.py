@@ -63,7 +63,11 @@ async def test_a_batch_over_http(api: ApiServer, queue: Queue) -> None:
         ({"type": "echo", "items": [1], "chunk_size": 0}, 422, "chunk_size"),
         ({"type": "nope", "items": [1]}, 422, "type"),
         ({"type": "echo", "items": [1], "priority": "urgent"}, 422, "priority"),
-        ({"type": "echo", "items": [1], "webhook": {"url": "https://e.com/h"}}, 422, "webhook"),
+        (
+            {"type": "echo", "items": [1], "callback": {"type": "echo", "webhook": {"url": 1}}},
+            422,
+            "callback.webhook.url",
+        ),
         ({"type": "echo", "items": [1], "callback": {"type": "nope"}}, 422, "callback.type"),
         # an unknown member at the top: msgspec names it in the detail only
         ({"type": "echo", "items": [1], "extra": 1}, 422, None),
@@ -114,8 +118,7 @@ async def test_the_callback_jobs_webhook_comes_when_the_batch_has_finished(
         body = {
             "type": "echo",
             "items": [1, 2, 3],
-            "callback": {"type": "collect"},
-            "webhook": {"url": receiver.url},
+            "callback": {"type": "collect", "webhook": {"url": receiver.url}},
         }
         r = await c.post("/v1/batches", json=body)
         assert r.status_code == 202, r.text

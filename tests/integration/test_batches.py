@@ -213,10 +213,6 @@ async def test_bad_batches_are_refused_naming_the_member(bq: Queue) -> None:
         (BatchSpec(type="nope", items=[1]), "type"),
         (BatchSpec(type="part", items=["x" * 2_000_000]), "items"),
         (
-            BatchSpec(type="part", items=[1], webhook=msgspec_callback()),
-            "webhook",
-        ),
-        (
             BatchSpec(type="part", items=[1], callback=BatchCallback(type="nope")),
             "callback.type",
         ),
@@ -240,9 +236,3 @@ async def test_an_unknown_or_another_tenants_batch_is_not_found(bq: Queue) -> No
     with pytest.raises(BatchNotFound):
         await bq.batches.cancel(b.id, "other")
     assert (await bq.status((await children(bq, b.id))[0])).state is State.QUEUED
-
-
-def msgspec_callback() -> Any:
-    from jobtier.core.model import CallbackSpec
-
-    return CallbackSpec(url="https://example.com/hook")

@@ -51,8 +51,9 @@ async def submit(request: Request) -> Response:
     try:
         prepared = await queue.batches.prepare(body, tenant)
         st.admission.check(tenant, len(prepared.children))
-        service = registrar(request, [body.webhook], "") if body.webhook else None
-        status = await queue.batches.submit_prepared(prepared, body.webhook, service)
+        hook = body.callback.webhook if body.callback is not None else None
+        service = registrar(request, [hook], "callback.webhook.") if hook else None
+        status = await queue.batches.submit_prepared(prepared, hook, service)
     except InvalidRequest as exc:
         raise invalid(exc) from None
     headers = {"Location": f"/v1/batches/{status.id}"}
@@ -108,8 +109,13 @@ def operations(settings: Settings) -> oa.Paths:
         oa.refuses(
             422,
             "the body does not fit its schema, or a rule it cannot state: no items, a type no "
-            "worker runs, a webhook without a callback, …; field names the member (items, "
-            "callback.type, webhook.url); nothing is submitted",
+            "worker runs, a webhook URL the address policy refuses, …; field names the member "
+            "(items, callback.type, callback.webhook.url); nothing is submitted",
+        ),
+        oa.refuses(
+            409,
+            "a webhook was given and the tenant has no webhook signing secret (nothing was "
+            "submitted)",
         ),
         oa.refuses(429, "the tenant's rate limit or waiting-jobs cap", oa.RETRY_AFTER),
         oa.refuses(503, "back-pressure, or Redis unavailable", oa.RETRY_AFTER),

@@ -46,7 +46,7 @@ from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
-from jobtier.core.model import CallbackSpec, QueueScaling
+from jobtier.core.model import QueueScaling
 
 T = TypeVar("T")
 
@@ -301,15 +301,12 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         queue: str | None = None,
         max_attempts: int | None = None,
         callback: BatchCallback | None = None,
-        webhook: CallbackSpec | str | None = None,
     ) -> BatchStatus:
         """Submit a batch in one request: a child job of ``type`` per item (or per
         ``chunk_size`` items: payload ``{"offset", "items"}``), and ``callback`` created once
-        all have finished (``webhook``: the callback job's own). Returns its status; a bad
+        all have finished (with its own ``webhook``, if given). Returns its status; a bad
         batch is a ``ValidationFailed`` and creates nothing (docs/batches.md)."""
-        op = submit_batch_op(
-            type, items, chunk_size, priority, queue, max_attempts, callback, webhook
-        )
+        op = submit_batch_op(type, items, chunk_size, priority, queue, max_attempts, callback)
         return await self._run(op)
 
     async def batch(self, batch_id: str) -> BatchStatus:

@@ -10,7 +10,6 @@ import msgspec
 
 from jobtier.client._core import Call, Op, fetch, json_call, path, present
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
-from jobtier.core.model import CallbackSpec
 
 status_decoder = msgspec.json.Decoder(BatchStatus)
 changed_decoder = msgspec.json.Decoder(BatchChanged)
@@ -24,9 +23,7 @@ def submit_batch_op(
     queue: str | None,
     max_attempts: int | None,
     callback: BatchCallback | None,
-    webhook: CallbackSpec | str | None,
 ) -> Op[BatchStatus]:
-    hook = CallbackSpec(url=webhook) if isinstance(webhook, str) else webhook
     body = present(
         type=type,
         items=list(items),
@@ -35,7 +32,6 @@ def submit_batch_op(
         queue=queue,
         max_attempts=max_attempts,
         callback=callback,
-        webhook=hook,
     )
     call = json_call("POST", "/v1/batches", body)
     return (yield from fetch(call, status_decoder, "a batch"))

@@ -19,18 +19,19 @@ MAX_BATCH_ITEMS = 1_000_000  # items of one request, when chunk_size groups them
 
 class BatchCallback(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """The job created once every child has finished: its payload is ``{"batch_id", "total",
-    "succeeded", "failed", "cancelled", "payload"}``, ``payload`` this one's."""
+    "succeeded", "failed", "cancelled", "payload"}``, ``payload`` this one's. ``webhook``: its
+    own webhook (the batch's: the callback job is created when the batch finishes)."""
 
     type: str
     payload: Any = None
     queue: str | None = None
     max_attempts: int | None = None
+    webhook: CallbackSpec | None = None
 
 
 class BatchSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A batch: one child job of ``type`` per item of ``items`` or, with ``chunk_size``, per
-    ``chunk_size`` items of it (the child's payload is then ``{"offset", "items"}``).
-    ``webhook``: the callback job's own webhook (needs ``callback``)."""
+    ``chunk_size`` items of it (the child's payload is then ``{"offset", "items"}``)."""
 
     type: str
     items: list[Any]
@@ -39,7 +40,6 @@ class BatchSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue: str | None = None
     max_attempts: int | None = None
     callback: BatchCallback | None = None
-    webhook: CallbackSpec | None = None
 
 
 class BatchStatus(msgspec.Struct, kw_only=True):

@@ -56,10 +56,6 @@ class BatchControl:
                 "larger chunk_size makes fewer)",
                 field="items",
             )
-        if spec.webhook is not None and spec.callback is None:
-            raise InvalidRequest(
-                "a batch's webhook is its callback job's: give a callback too", field="webhook"
-            )
         producer = self.producer
         await producer.ensure_known([spec.type] + ([spec.callback.type] if spec.callback else []))
         first = JobSpec(
@@ -114,9 +110,10 @@ class BatchControl:
         return prepared
 
     def _with_callback(self, prepared: PreparedBatch, cb: BatchCallback) -> None:
-        spec = JobSpec(
-            type=cb.type, payload=cb.payload, queue=cb.queue, max_attempts=cb.max_attempts
-        )
+        # checked as the task will get it: the batch's summary around the payload given
+        summary = {"batch_id": prepared.batch_id, "total": 0, "succeeded": 0, "failed": 0}
+        summary |= {"cancelled": 0, "payload": cb.payload}
+        spec = JobSpec(type=cb.type, payload=summary, queue=cb.queue, max_attempts=cb.max_attempts)
         try:
             item = self.producer.prepare(spec, prepared.tenant)
         except InvalidRequest as exc:
@@ -131,7 +128,7 @@ class BatchControl:
         keys = self.store.keys
         prepared.callback = f"{cb.type} {item.queue} {item.max_attempts}"
         prepared.callback_id = keys.new_id(keys.shard_of(prepared.batch_id))
-        prepared.callback_payload = item.payload
+        prepared.callback_payload = encode_json(cb.payload)
 
     async def submit_prepared(
         self,
@@ -143,7 +140,7 @@ class BatchControl:
         producer's, keyed by the callback job's id)."""
         if webhook is None:
             return await store_batches.submit_batch(self.store, prepared)
-        ours = [(prepared.callback_id, webhook, "webhook.")]
+        ours = [(prepared.callback_id, webhook, "callback.webhook.")]
         return await self.producer._with_callbacks(
             registrar,
             prepared.tenant,
@@ -162,12 +159,11 @@ class BatchControl:
         queue: str | None = None,
         max_attempts: int | None = None,
         callback: BatchCallback | None = None,
-        webhook: CallbackSpec | str | None = None,
         tenant: str = DEFAULT_TENANT,
     ) -> BatchStatus:
         """Submit a batch: one child of ``type`` per item (or per ``chunk_size`` items), and
-        ``callback`` created when all have finished. Returns its status."""
-        hook = CallbackSpec(url=webhook) if isinstance(webhook, str) else webhook
+        ``callback`` created when all have finished (with its webhook, if it has one).
+        Returns its status."""
         spec = BatchSpec(
             type=type,
             items=list(items),
@@ -176,8 +172,8 @@ class BatchControl:
             queue=queue,
             max_attempts=max_attempts,
             callback=callback,
-            webhook=hook,
         )
+        hook = callback.webhook if callback is not None else None
         return await self.submit_prepared(await self.prepare(spec, tenant), hook)
 
     async def status(self, batch_id: str, tenant: str | None = None) -> BatchStatus:
