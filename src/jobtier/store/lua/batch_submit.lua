@@ -20,13 +20,14 @@ local bid, tenant, typ, queue, prio, attempts, trace = ARGV[2], ARGV[3], ARGV[4]
   ARGV[6], ARGV[7], ARGV[8]
 local n = tonumber(ARGV[9])
 local ids = {}
+NEW_FIELDS = {'wf', 'b', 'bid', bid}  -- in each child's creating HSET
 for i = 0, n - 1 do
   local id = ARGV[10 + i * 2]
   create_job(id, tenant, typ, queue, prio, ARGV[11 + i * 2], attempts, '', '', 'api', '', 1,
              nil, trace)
-  redis.call('HSET', job_key(id), 'wf', 'b', 'bid', bid)
   ids[i + 1] = id
 end
+NEW_FIELDS = nil
 local key = BASE .. 'bt:' .. bid
 redis.call('HINCRBY', key, 'n', n)
 redis.call('HINCRBY', key, 'left', n)

@@ -92,6 +92,9 @@ end
 -- jobs costs one HINCRBY per counter touched, not one per job. Every script that changes a
 -- job calls flush() before it returns (a unit test checks).
 local COUNTS  -- begin() empties it
+-- batches' children finished by this call, summed like COUNTS and written by flush() (the
+-- batches section below): BATCH_DONE[counts key] = {bid, ttl, s, f, c, n}
+local BATCH_DONE, batch_flush
 local function count(key, field, delta)
   local h = COUNTS[key]
   if not h then
@@ -136,6 +139,9 @@ local function flush()
     end
   end
   COUNTS = {}
+  if next(BATCH_DONE) then
+    batch_flush()
+  end
 end
 
 -- Versions, attempts and lease versions are small integers, the same for most jobs of a
@@ -449,6 +455,10 @@ local flow_create, flow_finished
 -- when `flow` (JSON, '' or nil for none: see flow_create) gives it dependencies. `trace`: the
 -- W3C traceparent of the submit ('tp'; '' or nil for none: an untraced job stores nothing).
 -- Returns its status document.
+-- more fields for every job create_job makes in this call (batch_submit.lua: the batch's),
+-- written by the same HSET; begin() clears it
+local NEW_FIELDS
+
 local function create_job(id, tenant, type, queue, prio, payload, max_attempts, due, idem, actor,
                           ckey, climit, flow, trace)
   local j = {id = id, tenant = tenant, type = type, queue = queue, prio = prio,
@@ -469,6 +479,11 @@ local function create_job(id, tenant, type, queue, prio, payload, max_attempts, 
   end
   if trace and trace ~= '' then
     j._new[#j._new + 1], j._new[#j._new + 2] = 'tp', trace
+  end
+  if NEW_FIELDS then
+    for _, v in ipairs(NEW_FIELDS) do
+      j._new[#j._new + 1] = v
+    end
   end
   if j.ckey ~= '' then
     redis.call('HSET', CKEYS, ck_name(j) .. ':limit', climit)
@@ -764,17 +779,36 @@ local function batch_handoff(bid, key, state, ttl)
   end
 end
 
--- j, a child, finished (finish() via flow_finished): its shard's counts move.
+-- j, a child, finished (finish() via flow_finished): its shard's counts move, summed over
+-- the call and written once per batch by flush() (a worker reports its jobs in batches)
 local function batch_finished(j, ttl)
   local bid = redis.call('HGET', j._key, 'bid')
   if not bid then
     return
   end
   local key = BASE .. 'bt:' .. bid
-  redis.call('HINCRBY', key, STATE_MARK[j.state], 1)
-  if redis.call('HINCRBY', key, 'left', -1) == 0 then
-    batch_handoff(bid, key, 'done', ttl)
+  local b = BATCH_DONE[key]
+  if not b then
+    b = {bid = bid, ttl = ttl, s = 0, f = 0, c = 0, n = 0}
+    BATCH_DONE[key] = b
   end
+  local mark = STATE_MARK[j.state]
+  b[mark] = b[mark] + 1
+  b.n = b.n + 1
+end
+
+batch_flush = function()
+  for key, b in pairs(BATCH_DONE) do
+    for _, mark in ipairs({'s', 'f', 'c'}) do
+      if b[mark] > 0 then
+        redis.call('HINCRBY', key, mark, b[mark])
+      end
+    end
+    if redis.call('HINCRBY', key, 'left', -b.n) == 0 then
+      batch_handoff(b.bid, key, 'done', b.ttl)
+    end
+  end
+  BATCH_DONE = {}
 end
 
 -- j, a finished child, is back in play (a replay): its count returns to 'left'.
@@ -852,6 +886,7 @@ local function begin(argv)
   NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   NOW_STR = int(NOW)
   COUNTS = {}
+  BATCH_DONE, NEW_FIELDS = {}, nil
   QUEUES, PARKED, CKEYS = BASE .. 'queues', BASE .. 'parked', BASE .. 'ckeys'
   LOG, EV, WAITING_COUNTS = BASE .. 'log', BASE .. 'ev', BASE .. 'waiting'
   FLOW, UNLINKED = BASE .. 'flow', BASE .. 'unlinked'
