@@ -42,12 +42,9 @@ async def run_all(queue: Queue, rounds: int = 50) -> None:
 
 
 async def children(queue: Queue, batch_id: str) -> list[str]:
-    """The batch's children's ids, from every shard's list."""
-    ids: list[str] = []
-    for shard in range(queue.keys.shards):
-        key = f"{queue.keys.base(shard)}bk:{batch_id}"
-        ids += [i.decode() for i in cast(list[bytes], await queue.redis.lrange(key, 0, -1))]
-    return ids
+    """The batch's children's ids (derived from its id: flows/batches.py)."""
+    total = (await queue.batches.status(batch_id)).total
+    return store_batches.child_ids(queue.keys, batch_id, total)
 
 
 def counts(b: BatchStatus) -> tuple[int, int, int, int]:
@@ -177,14 +174,14 @@ async def test_children_finishing_before_the_submit_ends_do_not_end_the_batch(
 ) -> None:
     # the submit's steps by hand: the hold, one child made and finished, then the seal
     keys = bq.keys
-    batch_id, child = keys.new_id(0), keys.new_id(1)
-    prepared = store_batches.PreparedBatch(batch_id, "default", "part", "default", "normal", 1, [])
-    prepared.children = [(child, b'{"n":1}')]
+    batch_id = f"{keys.new_id(0)[: store_batches.PREFIX]}00000000-0"
+    (child,) = store_batches.child_ids(keys, batch_id, 1)
+    assert keys.shard_of(child) == 1
     await bq.redis.hset(
         store_batches.record_key(bq.store, batch_id),
         mapping={"tenant": "default", "total": 1, "shards": "1", "open": 1, "state": "running"},
     )
-    await bq.redis.hincrby(f"{keys.base(1)}bt:{batch_id}", "left", 1)  # the hold
+    await bq.redis.hincrby(f"{keys.base(1)}bt:{batch_id[:18]}", "left", 1)  # the hold
     args = [batch_id, "default", "part", "default", "normal", 1, "", 1, child, b'{"n":1}']
     await bq.scripts.call("batch_submit", 1, args)
     await run_all(bq)

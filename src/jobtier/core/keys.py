@@ -43,9 +43,10 @@ Per shard::
     jt:{s}:batch:<id>        hash   a batch's record, in the batch id's shard: tenant, total,
                                     its children's shards, how many have not finished, each
                                     shard's last hand-off, the callback (flows/batches.py)
-    jt:{s}:bt:<id>           hash   a batch's counts in this shard: "n", "left", "s"/"f"/"c"
-                                    by final state, "e" the epoch of its last hand-off
-    jt:{s}:bk:<id>           list   the ids of a batch's children in this shard
+    jt:{s}:bt:<id prefix>    hash   a batch's counts in this shard ("bid" its id, "n", "left",
+                                    "s"/"f"/"c" by final state, "e" its last hand-off's
+                                    epoch), named by the 18 characters its children's ids
+                                    share with the batch's (flows/batches.py)
     jt:{s}:wrr               string before named queues: the priority rotation
                                     (``jobtier job-format --upgrade`` moves the old ready
                                     lists, jt:{s}:q:<priority>, then deletes it)

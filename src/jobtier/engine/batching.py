@@ -74,6 +74,8 @@ class BatchControl:
         task = producer._task_info(spec.type)
         limit = self.store.settings.max_payload_bytes
         keys = self.store.keys
+        batch_id = store_batches.new_batch_id(keys)
+        ids = store_batches.child_ids(keys, batch_id, len(payloads))
         children: list[tuple[str, bytes]] = []
         for index, item in enumerate(payloads):
             try:
@@ -91,11 +93,10 @@ class BatchControl:
                     task.validate(item)
                 except InvalidRequest as exc:
                     raise type(exc)(f"items[{index}]: {exc}", field="items") from None
-            job_id = keys.new_id()
+            job_id = ids[index]
             if template.seal is not None:
                 payload = template.seal(job_id, payload)
             children.append((job_id, payload))
-        batch_id = keys.new_id()
         prepared = PreparedBatch(
             batch_id,
             tenant,

@@ -1,16 +1,20 @@
 """Batches in Redis: children created in bulk, counted per shard, finished by one hand-off
 per shard (``docs/batches.md``).
 
+Ids: a batch's id is ``<time><8 random digits>00000000-<shard>`` and its i-th child's the
+same 18 characters, then i + 1 in 8 digits, then its shard (the shards taken in turn from the
+batch's): a child's id names its batch's share of the counts (``bt:<those 18>``) with no
+field to store or read, and cancel and retry find every child without a list of them.
+
 Keys (``core/keys.py`` tags them like any shard key):
 
 * ``jt:{b}:batch:<id>``, in the batch's shard ``b``: the record (tenant, total, the shards
   its children live in, how many of them are still ``open``, the callback, each shard's last
   hand-off);
-* ``jt:{s}:bt:<id>`` in each shard ``s`` holding children: their counts there (``n``,
-  ``left``, ``s``/``f``/``c`` by final state), moved by the transition scripts themselves
-  (lib.lua ``batch_finished``), so a child's count changes in the same atomic step as its
-  state, on its own shard, with no message per child;
-* ``jt:{s}:bk:<id>``: the ids of the batch's children in that shard, for cancel and retry.
+* ``jt:{s}:bt:<first 18 characters of the id>`` in each shard ``s`` holding children: their
+  counts there (``n``, ``left``, ``s``/``f``/``c`` by final state), moved by the transition
+  scripts themselves (lib.lua ``batch_finished``), so a child's count changes in the same
+  atomic step as its state, on its own shard, with no message per child.
 
 Why per-shard counters rather than one counter beside the record: the record's slot is on
 one Cluster node, and a child finishing elsewhere cannot touch it in its script. Sending
@@ -34,12 +38,39 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from jobtier.core.batch_model import BatchNotFound, BatchStatus
+from jobtier.core.keys import Keys
 from jobtier.runtime import tracing
 from jobtier.store.calls import Call
 from jobtier.store.context import Store
 
 BATCH_CHUNK = 1000  # children per batch_submit.lua call: Redis serves nobody else meanwhile
-SCAN_CHUNK = 2000  # children looked at per batch_cancel / batch_retry call
+SCAN_CHUNK = 2000  # children per batch_cancel / batch_retry call
+
+
+PREFIX = 18  # characters a batch's id and its children's share: its time and 8 random digits
+_DIGITS = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"  # Crockford's base32, as ULIDs spell
+
+
+def new_batch_id(keys: Keys) -> str:
+    """A batch id in a random shard: a fresh ULID's first 18 characters, then 8 zeros."""
+    job_id = keys.new_id()
+    return f"{job_id[:PREFIX]}00000000-{keys.shard_of(job_id)}"
+
+
+def _index(n: int) -> str:
+    out = []
+    for _ in range(8):
+        n, d = divmod(n, 32)
+        out.append(_DIGITS[d])
+    return "".join(reversed(out))
+
+
+def child_ids(keys: Keys, batch_id: str, count: int) -> list[str]:
+    """The ids of the batch's first ``count`` children, in order; the shards in turn from
+    the one after the batch's."""
+    prefix, first = batch_id[:PREFIX], keys.shard_of(batch_id)
+    shards = keys.shards
+    return [f"{prefix}{_index(i)}-{(first + i) % shards}" for i in range(1, count + 1)]
 
 
 @dataclass(slots=True)
@@ -63,7 +94,7 @@ def record_key(store: Store, batch_id: str) -> str:
 
 
 def _counts_key(store: Store, shard: int, batch_id: str) -> str:
-    return f"{store.keys.base(shard)}bt:{batch_id}"
+    return f"{store.keys.base(shard)}bt:{batch_id[:PREFIX]}"
 
 
 async def submit_batch(store: Store, batch: PreparedBatch) -> BatchStatus:
@@ -156,25 +187,18 @@ async def read_batch(store: Store, batch_id: str, tenant: str | None) -> BatchSt
 async def _each_child(
     store: Store, batch_id: str, script: str, args: Sequence[Any]
 ) -> list[list[Any]]:
-    """Run ``script`` over the batch's children in every shard, ``SCAN_CHUNK`` at a time
-    (one pipeline per round across the shards), until every list is looked at; the replies."""
-    status_shards = await store.redis.hget(record_key(store, batch_id), "shards")
-    shards = [int(s) for s in (status_shards or b"").split()]
-    cursor = dict.fromkeys(shards, 0)
-    replies: list[list[Any]] = []
-    while cursor:
-        calls: list[Call] = [
-            (script, shard, (batch_id, *args[:1], first, SCAN_CHUNK, *args[1:]))
-            for shard, first in cursor.items()
-        ]
-        out = await store.scripts.call_many(calls)
-        for (_, shard, _), reply in zip(calls, out, strict=True):
-            replies.append(reply)
-            if int(reply[-1]) < SCAN_CHUNK:
-                del cursor[shard]
-            else:
-                cursor[shard] += SCAN_CHUNK
-    return replies
+    """Run ``script`` (after ``args``: how many ids, the ids) over every child of the batch,
+    ``SCAN_CHUNK`` per call, every call in one pipeline; the replies."""
+    total = await store.redis.hget(record_key(store, batch_id), "total")
+    by_shard: dict[int, list[str]] = defaultdict(list)
+    for job_id in child_ids(store.keys, batch_id, int(total or 0)):
+        by_shard[store.keys.shard_of(job_id)].append(job_id)
+    calls: list[Call] = [
+        (script, shard, (batch_id, *args, len(chunk), *chunk))
+        for shard, ids in by_shard.items()
+        for chunk in (ids[i : i + SCAN_CHUNK] for i in range(0, len(ids), SCAN_CHUNK))
+    ]
+    return await store.scripts.call_many(calls) if calls else []
 
 
 async def cancel_batch(store: Store, batch_id: str, tenant: str | None) -> tuple[int, int]:

@@ -1,4 +1,5 @@
--- batch_cancel.lua: cancel a batch's children in one shard, a slice of them per call.
+-- batch_cancel.lua: cancel children of a batch in one shard (the caller derives their ids
+-- from the batch's: flows/batches.py child_ids).
 --   queued / scheduled / waiting -> cancelled
 --   running -> running with cancel requested (the worker is told, as cancel.lua does)
 --   finished children are left as they are
@@ -7,20 +8,18 @@
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  batch id
 -- ARGV[3]  tenant ('' = any: admin); another tenant's child is left alone
--- ARGV[4]  first index in the shard's list of the batch's children (jt:{s}:bk:<batch>)
--- ARGV[5]  most children to look at
--- ARGV[6]  retention of finished jobs, s
--- Returns  {cancelled, cancel requested (running), children looked at}
+-- ARGV[4]  retention of finished jobs, s
+-- ARGV[5]  number of children n, then their ids
+-- Returns  {cancelled, cancel requested (running)}
 --!include lib.lua
 
-local bid, tenant, first, most, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]),
-  ARGV[6]
-local ids = redis.call('LRANGE', BASE .. 'bk:' .. bid, first, first + most - 1)
+local bid, tenant, ttl, n = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5])
 local cancelled, requested = 0, 0
 local why = error_json('Cancelled', 'cancelled with its batch ' .. bid)
-for _, id in ipairs(ids) do
+for i = 6, 5 + n do
+  local id = ARGV[i]
   local j = load(id)
-  if j and (tenant == '' or j.tenant == tenant) then
+  if j and has_flag(j, 'b') and (tenant == '' or j.tenant == tenant) then
     if WAITING[j.state] then
       cancel_unstarted(j, 'api', ttl, why)
       cancelled = cancelled + 1
@@ -33,4 +32,4 @@ for _, id in ipairs(ids) do
   end
 end
 flush()
-return {cancelled, requested, #ids}
+return {cancelled, requested}

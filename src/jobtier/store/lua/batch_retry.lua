@@ -1,21 +1,21 @@
--- batch_retry.lua: send a batch's failed children in one shard back to their queue
--- (failed -> queued, attempts reset, as replay.lua does), a slice of them per call.
+-- batch_retry.lua: send failed children of a batch in one shard back to their queue
+-- (failed -> queued, attempts reset, as replay.lua does); the caller derives their ids from
+-- the batch's (flows/batches.py child_ids).
 --
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  batch id
 -- ARGV[3]  tenant ('' = any: admin); another tenant's child is left alone
--- ARGV[4]  first index in the shard's list of the batch's children (jt:{s}:bk:<batch>)
--- ARGV[5]  most children to look at
--- Returns  {children retried, children looked at}
+-- ARGV[4]  number of children n, then their ids
+-- Returns  {children retried}
 --!include lib.lua
 
-local bid, tenant, first, most = ARGV[2], ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5])
-local ids = redis.call('LRANGE', BASE .. 'bk:' .. bid, first, first + most - 1)
+local tenant, n = ARGV[3], tonumber(ARGV[4])
 local retried = 0
-for _, id in ipairs(ids) do
+for i = 5, 4 + n do
+  local id = ARGV[i]
   local j = load(id)
-  if j and j.state == 'failed' and (tenant == '' or j.tenant == tenant) then
+  if j and j.state == 'failed' and has_flag(j, 'b') and (tenant == '' or j.tenant == tenant) then
     redis.call('ZREM', BASE .. 'dead', id)
     redis.call('PERSIST', j._key)
     flow_revived(j)
@@ -29,4 +29,4 @@ for _, id in ipairs(ids) do
   end
 end
 flush()
-return {retried, #ids}
+return {retried}

@@ -10,10 +10,10 @@
 --!include lib.lua
 
 local bid, ttl = ARGV[2], ARGV[3]
-local key = BASE .. 'bt:' .. bid
+local key = batch_key(bid)
 local left = redis.call('HINCRBY', key, 'left', -1)
 if left == 0 then
-  batch_handoff(bid, key, 'done', ttl)
+  batch_handoff(key, 'done', ttl)
 end
 flush()
 return left

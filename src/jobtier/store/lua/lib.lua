@@ -93,7 +93,7 @@ end
 -- job calls flush() before it returns (a unit test checks).
 local COUNTS  -- begin() empties it
 -- batches' children finished by this call, summed like COUNTS and written by flush() (the
--- batches section below): BATCH_DONE[counts key] = {bid, ttl, s, f, c, n}
+-- batches section below): BATCH_DONE[counts key] = {ttl, s, f, c, n}
 local BATCH_DONE, batch_flush
 local function count(key, field, delta)
   local h = COUNTS[key]
@@ -757,39 +757,39 @@ local function compensate(j)
 end
 
 -- --- Batches: children counted where they finish ---------------------------------------
--- A batch's child has 'b' in its wf and its batch's id in 'bid' (batch_submit.lua). Children
--- spread over every shard, so each shard keeps its own share of the counts, in the child's
--- slot: jt:{s}:bt:<batch> holds 'n' children here, 'left' not finished (plus one while the
--- submit is still adding children: batch_seal.lua), 's'/'f'/'c' finished by state, and 'e'
--- the epoch of the shard's last hand-off. A shard whose 'left' reaches 0 tells the batch's
+-- A batch's child has 'b' in its wf, and an id that starts with its batch's first 18
+-- characters (its time and 8 random digits: flows/batches.py draws them so), which names the
+-- shard's share of the batch's counts without a field to read. Children spread over every
+-- shard, so each shard keeps its own share, in the child's slot: jt:{s}:bt:<prefix> holds
+-- 'bid' the batch's id, 'n' children here, 'left' not finished (plus one while the submit
+-- is still adding children: batch_seal.lua), 's'/'f'/'c' finished by state, and 'e' the
+-- epoch of the shard's last hand-off. A shard whose 'left' reaches 0 tells the batch's
 -- shard through its flow stream (one hand-off per shard, not per child: batch_done.lua); a
 -- retry that brings one back reopens it. Readers sum the shards' counts (flows/batches.py).
-local function batch_handoff(bid, key, state, ttl)
+local function batch_key(id)
+  return BASE .. 'bt:' .. string.sub(id, 1, 18)
+end
+
+local function batch_handoff(key, state, ttl)
   local e = redis.call('HINCRBY', key, 'e', 1)
-  local v = redis.call('HMGET', key, 's', 'f', 'c')
+  local v = redis.call('HMGET', key, 's', 'f', 'c', 'bid')
   local shard = string.match(BASE, '{(%d+)}')
   handoff('b', shard, state, e .. ' ' .. (v[1] or 0) .. ' ' .. (v[2] or 0) .. ' '
-          .. (v[3] or 0), bid)
+          .. (v[3] or 0), v[4] or '')
   if state == 'done' then
     redis.call('EXPIRE', key, ttl)
-    redis.call('EXPIRE', BASE .. 'bk:' .. bid, ttl)
   else
     redis.call('PERSIST', key)
-    redis.call('PERSIST', BASE .. 'bk:' .. bid)
   end
 end
 
 -- j, a child, finished (finish() via flow_finished): its shard's counts move, summed over
 -- the call and written once per batch by flush() (a worker reports its jobs in batches)
 local function batch_finished(j, ttl)
-  local bid = redis.call('HGET', j._key, 'bid')
-  if not bid then
-    return
-  end
-  local key = BASE .. 'bt:' .. bid
+  local key = batch_key(j.id)
   local b = BATCH_DONE[key]
   if not b then
-    b = {bid = bid, ttl = ttl, s = 0, f = 0, c = 0, n = 0}
+    b = {ttl = ttl, s = 0, f = 0, c = 0, n = 0}
     BATCH_DONE[key] = b
   end
   local mark = STATE_MARK[j.state]
@@ -805,7 +805,7 @@ batch_flush = function()
       end
     end
     if redis.call('HINCRBY', key, 'left', -b.n) == 0 then
-      batch_handoff(b.bid, key, 'done', b.ttl)
+      batch_handoff(key, 'done', b.ttl)
     end
   end
   BATCH_DONE = {}
@@ -813,14 +813,10 @@ end
 
 -- j, a finished child, is back in play (a replay): its count returns to 'left'.
 local function batch_revived(j)
-  local bid = redis.call('HGET', j._key, 'bid')
-  if not bid then
-    return
-  end
-  local key = BASE .. 'bt:' .. bid
+  local key = batch_key(j.id)
   redis.call('HINCRBY', key, STATE_MARK[j.state], -1)
   if redis.call('HINCRBY', key, 'left', 1) == 1 then
-    batch_handoff(bid, key, 'open', 0)
+    batch_handoff(key, 'open', 0)
   end
 end
 
