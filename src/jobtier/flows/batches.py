@@ -23,8 +23,8 @@ a resolver read and a script call per child; instead a shard hands off once, whe
 child finishes, and readers sum the shards (one HMGET per shard, pipelined).
 
 A submit runs in three steps: the record and a hold (+1 on ``left``) in each shard it will
-use; the children (``batch_submit.lua``, ``BATCH_CHUNK`` per call, pipelined); then the
-holds released (``batch_seal.lua``). The hold keeps a shard whose first children finish
+use; the children (``batch_submit.lua``, in rounds of ``ROUND``: one pipeline per round,
+one call per shard); then the holds released (``batch_seal.lua``). The hold keeps a shard whose first children finish
 before the rest are added from calling its share done. A submitter that dies before the
 last step leaves the batch running until it is cancelled (the children it made run).
 """
@@ -43,7 +43,7 @@ from jobtier.runtime import tracing
 from jobtier.store.calls import Call
 from jobtier.store.context import Store
 
-BATCH_CHUNK = 1000  # children per batch_submit.lua call: Redis serves nobody else meanwhile
+ROUND = 8000  # children per pipeline of batch_submit.lua calls (one call per shard)
 SCAN_CHUNK = 2000  # children per batch_cancel / batch_retry call
 
 
@@ -129,16 +129,19 @@ async def submit_batch(store: Store, batch: PreparedBatch) -> BatchStatus:
     await pipe.execute()
     head: list[Any] = [batch.batch_id, batch.tenant, batch.type, batch.queue, batch.priority]
     head += [batch.max_attempts, trace]
-    calls: list[Call] = []
-    for shard, children in by_shard.items():
-        for start in range(0, len(children), BATCH_CHUNK):
-            chunk = children[start : start + BATCH_CHUNK]
-            args: list[Any] = [*head, len(chunk)]
-            for child in chunk:
-                args.extend(child)
-            calls.append(("batch_submit", shard, args))
-    # several pipelines, so that Redis runs the first while the next is packed
-    await store.scripts.call_spread(calls, max(1, -(-len(calls) // 4)))
+    # in rounds, one pipeline each: a call per shard with the round's children there, so no
+    # call holds Redis long and the requests stay the size of plain batch submits'
+    for start in range(0, len(batch.children), ROUND):
+        calls: dict[int, list[Any]] = {}
+        for child in batch.children[start : start + ROUND]:
+            shard = keys.shard_of(child[0])
+            args = calls.get(shard)
+            if args is None:
+                args = calls[shard] = [*head, 0]
+            args.extend(child)
+        for args in calls.values():
+            args[len(head)] = (len(args) - len(head) - 1) // 2
+        await store.scripts.call_many([("batch_submit", s, a) for s, a in calls.items()])
     ttl = store.settings.retention_seconds
     await store.scripts.call_many(
         [("batch_seal", shard, (batch.batch_id, ttl)) for shard in by_shard]
