@@ -451,14 +451,14 @@ end
 -- Defined in the flows section below, used by create_job and finish.
 local flow_create, flow_finished
 
--- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future, or waiting
--- when `flow` (JSON, '' or nil for none: see flow_create) gives it dependencies. `trace`: the
--- W3C traceparent of the submit ('tp'; '' or nil for none: an untraced job stores nothing).
--- Returns its status document.
 -- more fields for every job create_job makes in this call (batch_submit.lua: the batch's),
 -- written by the same HSET; begin() clears it
 local NEW_FIELDS
 
+-- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future, or waiting
+-- when `flow` (JSON, '' or nil for none: see flow_create) gives it dependencies. `trace`: the
+-- W3C traceparent of the submit ('tp'; '' or nil for none: an untraced job stores nothing).
+-- Returns its status document.
 local function create_job(id, tenant, type, queue, prio, payload, max_attempts, due, idem, actor,
                           ckey, climit, flow, trace)
   local j = {id = id, tenant = tenant, type = type, queue = queue, prio = prio,
