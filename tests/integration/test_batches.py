@@ -17,8 +17,9 @@ from jobtier.core.model import State
 from jobtier.engine.queue import Queue
 from jobtier.flows import batches as store_batches
 from jobtier.flows.resolver import Resolver
+from jobtier.store.calls import reclaim_call
 from tests.batch_tasks import registry
-from tests.fixtures.engine import worker_for
+from tests.fixtures.engine import wait_for, worker_for
 
 pytestmark = pytest.mark.contract
 
@@ -145,6 +146,28 @@ async def test_a_cancel_asks_running_children_to_stop(bq: Queue) -> None:
     out = await bq.batches.cancel(b.id)
     assert (out.changed, out.requested) == (0, 1)
     assert (await bq.status(child)).cancel_requested
+
+
+async def test_a_child_whose_lease_expires_on_its_last_attempt_counts_as_failed(
+    bq: Queue,
+) -> None:
+    b = await bq.submit_batch("part", [{"n": 1}], max_attempts=1)
+    (child,) = await children(bq, b.id)
+    shard = bq.keys.shard_of(child)
+    claimed = await bq.scripts.claim(shard, "worker-a", 1, 1)  # a lease of 1 ms
+    assert [j.id for j in claimed.jobs] == [child]
+    s = bq.settings
+
+    async def reclaimed() -> bool:
+        await bq.scripts.call(
+            *reclaim_call(shard, 100, s.retention_seconds, s.dead_retention_seconds)
+        )
+        return (await bq.status(child)).state is State.FAILED
+
+    await wait_for(reclaimed)
+    await run_all(bq)  # the resolver ends the batch
+    done = await bq.batches.status(b.id)
+    assert (done.state, counts(done)) == ("finished", (0, 0, 1, 0))
 
 
 async def test_hand_offs_applied_twice_change_nothing(bq: Queue) -> None:
