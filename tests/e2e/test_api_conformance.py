@@ -210,6 +210,15 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(admin, "GET", "/v1/admin/events", 404, params={"ids": nobody["job_id"]})
         await check(admin, "GET", "/v1/admin/audit", 200, params={"limit": 3})
 
+        batch_body = {"type": "echo", "items": [1, 2], "callback": {"type": "echo"}}
+        batch = (await check(c, "POST", "/v1/batches", 202, json=batch_body)).json()
+        await check(c, "POST", "/v1/batches", 422, json={"type": "echo", "items": []})
+        bid = {"batch_id": batch["id"]}
+        await check(c, "GET", "/v1/batches/{batch_id}", 200, ids=bid)
+        await check(c, "POST", "/v1/batches/{batch_id}/retry", 200, ids=bid)
+        await check(c, "POST", "/v1/batches/{batch_id}/cancel", 200, ids=bid)
+        await check(c, "GET", "/v1/batches/{batch_id}", 404, ids={"batch_id": nobody["job_id"]})
+
         spec = {"name": "hourly", "type": "echo", "cron": "0 * * * *", "timezone": "Europe/Paris"}
         schedule = (await check(c, "POST", "/v1/schedules", 201, json=spec)).json()
         await check(c, "POST", "/v1/schedules", 409, json=spec)

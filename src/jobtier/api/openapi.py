@@ -27,6 +27,7 @@ from starlette.responses import Response
 
 from jobtier.api import (
     admin,
+    batch_routes,
     breakers,
     checkpoints,
     console,
@@ -130,6 +131,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
             *console.OPENAPI_TYPES,
             *checkpoints.OPENAPI_TYPES,
             *breakers.OPENAPI_TYPES,
+            *batch_routes.OPENAPI_TYPES,
             *extra_types,
         ],
         ref_template="#/components/schemas/{name}",
@@ -174,6 +176,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
             "batch; debounce not with idempotency_key nor for an encrypted payload, max_wait "
             "not below seconds (else 422 naming it; docs/debounce-throttle.md)"
         )
+    batch_routes.constrain(c, settings)
     oa.constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     oa.constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
     c["QueueLimits"]["properties"]["per"].update(minimum=0.001, maximum=86_400)
@@ -513,6 +516,7 @@ def operations(settings: Settings) -> oa.Paths:
         console.operations(s),
         checkpoints.operations(s),
         breakers.operations(s),
+        batch_routes.operations(s),
     )
     return _job_paths(s).include(*parts)
 

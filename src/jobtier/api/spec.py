@@ -178,6 +178,11 @@ PATH_PARAMS = {
         "job_id", "a job id as submit returned it (a malformed or unknown one is a 404)", JOB_ID_RE
     ),
     "name": path_param("name", "a queue name", QUEUE_NAME_RE),
+    "batch_id": path_param(
+        "batch_id",
+        "a batch id as submit returned it (a malformed or unknown one is a 404)",
+        JOB_ID_RE,
+    ),
     "schedule_id": path_param(
         "schedule_id", "a schedule id (a malformed or unknown one is a 404)", ULID_RE
     ),

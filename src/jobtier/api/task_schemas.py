@@ -82,7 +82,32 @@ def with_tasks(document: dict[str, Any], ads: Sequence[TaskAd]) -> dict[str, Any
             ).strip(),
             "oneOf": variants,
         }
+    _batch_variants(components, ads)
     return doc
+
+
+def _batch_variants(components: dict[str, Any], ads: Sequence[TaskAd]) -> None:
+    """``BatchSpec`` as one variant per task (its items each a payload of the task; a typed
+    task's payload is an item, so no chunk_size), and a callback's type one of the untyped
+    tasks (its payload is the batch's summary, which a typed task's schema decides on)."""
+    base, callback = components.get("BatchSpec"), components.get("BatchCallback")
+    if base is None or callback is None:
+        return
+    variants = []
+    for ad in ads:
+        variant = copy.deepcopy(base)
+        variant["title"] = f"BatchSpec of {ad.type}"
+        props = variant["properties"]
+        props["type"] = {"const": ad.type}
+        if ad.payload_schema is not None:
+            props["items"]["items"] = _rebase(ad.payload_schema, ad.type)
+            props["chunk_size"] = {"type": "null", "default": None}
+        variants.append(variant)
+    components["BatchSpec"] = {"title": "BatchSpec", "description": base.get("description", "")}
+    components["BatchSpec"]["oneOf"] = variants
+    untyped = [ad.type for ad in ads if ad.payload_schema is None]
+    allowed: dict[str, Any] = {"enum": untyped} if untyped else {"not": {}}
+    callback["properties"]["type"] = allowed
 
 
 class TaskDocument:

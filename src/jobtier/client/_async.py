@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar, overload
 
 import httpx
 
+from jobtier.client._batches import batch_action_op, batch_op, submit_batch_op
 from jobtier.client._core import (
     BaseClient,
     Call,
@@ -44,6 +45,7 @@ from jobtier.client._errors import (
 )
 from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
+from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
 from jobtier.core.model import QueueScaling
 
@@ -294,6 +296,36 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         (docs/kubernetes.md): ``slots`` per worker (default: what live workers advertise),
         bounded by ``min``/``max``, raised while the oldest job waits over ``target_age`` s."""
         return await self._run(queue_scaling_op(name, slots, min, max, target_age))
+
+    async def submit_batch(
+        self,
+        type: str,
+        items: Sequence[Any],
+        *,
+        chunk_size: int | None = None,
+        priority: str = "normal",
+        queue: str | None = None,
+        max_attempts: int | None = None,
+        callback: BatchCallback | None = None,
+    ) -> BatchStatus:
+        """Submit a batch in one request: a child job of ``type`` per item (or per
+        ``chunk_size`` items: payload ``{"offset", "items"}``), and ``callback`` created once
+        all have finished (with its own ``webhook``, if given). Returns its status; a bad
+        batch is a ``ValidationFailed`` and creates nothing (docs/batches.md)."""
+        op = submit_batch_op(type, items, chunk_size, priority, queue, max_attempts, callback)
+        return await self._run(op)
+
+    async def batch(self, batch_id: str) -> BatchStatus:
+        """The batch's status: its counts by state, summed over the shards now."""
+        return await self._run(batch_op(batch_id))
+
+    async def cancel_batch(self, batch_id: str) -> BatchChanged:
+        """Cancel the batch's children that have not started; ask its running ones to stop."""
+        return await self._run(batch_action_op(batch_id, "cancel"))
+
+    async def retry_batch(self, batch_id: str) -> BatchChanged:
+        """Send the batch's failed children back to their queue, attempts reset."""
+        return await self._run(batch_action_op(batch_id, "retry"))
 
     async def tasks(self) -> list[TaskAd]:
         """The task catalogue: each task a live or recently seen worker runs, with its

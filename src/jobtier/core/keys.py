@@ -50,6 +50,13 @@ Per shard::
                                     dependency, by when the resolver links them itself (ms)
     jt:{s}:flow              stream hand-offs of finished jobs to their dependents (and of
                                     cancelled parents to their children), for the resolver
+    jt:{s}:batch:<id>        hash   a batch's record, in the batch id's shard: tenant, total,
+                                    its children's shards, how many have not finished, each
+                                    shard's last hand-off, the callback (flows/batches.py)
+    jt:{s}:bt:<id prefix>    hash   a batch's counts in this shard ("bid" its id, "n", "left",
+                                    "s"/"f"/"c" by final state, "e" its last hand-off's
+                                    epoch), named by the 18 characters its children's ids
+                                    share with the batch's (flows/batches.py)
     jt:{s}:wrr               string before named queues: the priority rotation
                                     (``jobtier job-format --upgrade`` moves the old ready
                                     lists, jt:{s}:q:<priority>, then deletes it)

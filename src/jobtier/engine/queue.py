@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from jobtier.config import Settings
 from jobtier.core.model import TaskLookup
+from jobtier.engine.batching import BatchControl
 from jobtier.engine.control import JobControl, ResultReader
 from jobtier.engine.explain import Explainer
 from jobtier.engine.produce import Producer, Registrar
@@ -55,6 +56,8 @@ class Queue:
         self.submit = self.produce.submit
         self.submit_many = self.produce.submit_many
         self.submit_flow = self.produce.submit_flow
+        self.batches = BatchControl(store, self.produce)
+        self.submit_batch = self.batches.submit
         self.status = self.jobs.status
         self.result = self.jobs.result
         self.cancel = self.jobs.cancel

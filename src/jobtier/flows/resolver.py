@@ -186,6 +186,7 @@ class Resolver:
         if not entries:
             return 0
         by_shard: dict[int, list[Item]] = defaultdict(list)
+        batches: dict[int, list[tuple[str, str, str, bytes]]] = defaultdict(list)
         for shard, entry_id, fields in entries:
             if not fields:  # pending but deleted from the stream: nothing left to apply
                 continue
@@ -201,6 +202,11 @@ class Resolver:
                     exc,
                 )
                 continue
+            if kind == "b":  # a shard's share of a batch finished (flows/batches.py)
+                for target in targets:
+                    if self.keys.valid_id(target):
+                        batches[self.keys.shard_of(target)].append((target, source, state, data))
+                continue
             for target in targets:
                 if self.keys.valid_id(target):
                     by_shard[self.keys.shard_of(target)].append((kind, target, source, state, data))
@@ -209,6 +215,13 @@ class Resolver:
             for shard, items in by_shard.items()
             for i in range(0, len(items), RESOLVE_CHUNK)
         ]
+        retention = self.settings.retention_seconds
+        for shard, done in batches.items():
+            for i in range(0, len(done), RESOLVE_CHUNK):
+                args: list[Any] = [retention, len(done[i : i + RESOLVE_CHUNK])]
+                for item in done[i : i + RESOLVE_CHUNK]:
+                    args.extend(item)
+                calls.append(("batch_done", shard, args))
         if calls:
             for reply in await self.scripts.call_many(calls):
                 self._count(reply)

@@ -172,9 +172,7 @@ def _filters(params: list[Any], order: str = "desc", **where: Unpack[Filters]) -
         add("AND tenant = {}", tenant)
     if (state := where.get("state")) is not None:
         if state not in _STATES:
-            raise InvalidRequest(
-                f"state must be one of {', '.join(LISTED_STATES)}", field="state"
-            )
+            raise InvalidRequest(f"state must be one of {', '.join(LISTED_STATES)}", field="state")
         add("AND state = {}", state)
     if (type := where.get("type")) is not None:
         if not (isinstance(type, str) and 0 < len(type) <= MAX_TYPE_LENGTH):

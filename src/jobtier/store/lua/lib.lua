@@ -93,6 +93,9 @@ end
 -- jobs costs one HINCRBY per counter touched, not one per job. Every script that changes a
 -- job calls flush() before it returns (a unit test checks).
 local COUNTS  -- begin() empties it
+-- batches' children finished by this call, summed like COUNTS and written by flush() (the
+-- batches section below): BATCH_DONE[counts key] = {ttl, s, f, c, n}
+local BATCH_DONE, batch_flush
 local function count(key, field, delta)
   local h = COUNTS[key]
   if not h then
@@ -137,6 +140,9 @@ local function flush()
     end
   end
   COUNTS = {}
+  if next(BATCH_DONE) then
+    batch_flush()
+  end
 end
 
 -- Versions, attempts and lease versions are small integers, the same for most jobs of a
@@ -446,6 +452,10 @@ end
 -- Defined in the flows section below, used by create_job and finish.
 local flow_create, flow_finished
 
+-- more fields for every job create_job makes in this call (batch_submit.lua: the batch's),
+-- written by the same HSET; begin() clears it
+local NEW_FIELDS
+
 -- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future, or waiting
 -- when `flow` (JSON, '' or nil for none: see flow_create) gives it dependencies. `trace`: the
 -- W3C traceparent of the submit ('tp'; '' or nil for none: an untraced job stores nothing).
@@ -470,6 +480,11 @@ local function create_job(id, tenant, type, queue, prio, payload, max_attempts, 
   end
   if trace and trace ~= '' then
     j._new[#j._new + 1], j._new[#j._new + 2] = 'tp', trace
+  end
+  if NEW_FIELDS then
+    for _, v in ipairs(NEW_FIELDS) do
+      j._new[#j._new + 1] = v
+    end
   end
   if j.ckey ~= '' then
     redis.call('HSET', CKEYS, ck_name(j) .. ':limit', climit)
@@ -744,6 +759,70 @@ local function compensate(j)
   redis.call('HSET', job_key(id), 'cof', j.id)
 end
 
+-- --- Batches: children counted where they finish ---------------------------------------
+-- A batch's child has 'b' in its wf, and an id that starts with its batch's first 18
+-- characters (its time and 8 random digits: flows/batches.py draws them so), which names the
+-- shard's share of the batch's counts without a field to read. Children spread over every
+-- shard, so each shard keeps its own share, in the child's slot: jt:{s}:bt:<prefix> holds
+-- 'bid' the batch's id, 'n' children here, 'left' not finished (plus one while the submit
+-- is still adding children: batch_seal.lua), 's'/'f'/'c' finished by state, and 'e' the
+-- epoch of the shard's last hand-off. A shard whose 'left' reaches 0 tells the batch's
+-- shard through its flow stream (one hand-off per shard, not per child: batch_done.lua); a
+-- retry that brings one back reopens it. Readers sum the shards' counts (flows/batches.py).
+local function batch_key(id)
+  return BASE .. 'bt:' .. string.sub(id, 1, 18)
+end
+
+local function batch_handoff(key, state, ttl)
+  local e = redis.call('HINCRBY', key, 'e', 1)
+  local v = redis.call('HMGET', key, 's', 'f', 'c', 'bid')
+  local shard = string.match(BASE, '{(%d+)}')
+  handoff('b', shard, state, e .. ' ' .. (v[1] or 0) .. ' ' .. (v[2] or 0) .. ' '
+          .. (v[3] or 0), v[4] or '')
+  if state == 'done' then
+    redis.call('EXPIRE', key, ttl)
+  else
+    redis.call('PERSIST', key)
+  end
+end
+
+-- j, a child, finished (finish() via flow_finished): its shard's counts move, summed over
+-- the call and written once per batch by flush() (a worker reports its jobs in batches)
+local function batch_finished(j, ttl)
+  local key = batch_key(j.id)
+  local b = BATCH_DONE[key]
+  if not b then
+    b = {ttl = ttl, s = 0, f = 0, c = 0, n = 0}
+    BATCH_DONE[key] = b
+  end
+  local mark = STATE_MARK[j.state]
+  b[mark] = b[mark] + 1
+  b.n = b.n + 1
+end
+
+batch_flush = function()
+  for key, b in pairs(BATCH_DONE) do
+    for _, mark in ipairs({'s', 'f', 'c'}) do
+      if b[mark] > 0 then
+        redis.call('HINCRBY', key, mark, b[mark])
+      end
+    end
+    if redis.call('HINCRBY', key, 'left', -b.n) == 0 then
+      batch_handoff(key, 'done', b.ttl)
+    end
+  end
+  BATCH_DONE = {}
+end
+
+-- j, a finished child, is back in play (a replay): its count returns to 'left'.
+local function batch_revived(j)
+  local key = batch_key(j.id)
+  redis.call('HINCRBY', key, STATE_MARK[j.state], -1)
+  if redis.call('HINCRBY', key, 'left', 1) == 1 then
+    batch_handoff(key, 'open', 0)
+  end
+end
+
 flow_finished = function(j, ttl)
   local key = job_key(j.id)
   if has_flag(j, 'd') then
@@ -776,10 +855,16 @@ flow_finished = function(j, ttl)
   if j.state == 'failed' and has_flag(j, 'c') then
     compensate(j)
   end
+  if has_flag(j, 'b') then
+    batch_finished(j, ttl)
+  end
 end
 
 -- A finished job back in play (replay.lua): its flow keys stop expiring with it.
 local function flow_revived(j)
+  if has_flag(j, 'b') then
+    batch_revived(j)
+  end
   if has_flag(j, 'd') then
     redis.call('PERSIST', BASE .. 'dnt:' .. j.id)
   end
@@ -800,6 +885,7 @@ local function begin(argv)
   NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   NOW_STR = int(NOW)
   COUNTS = {}
+  BATCH_DONE, NEW_FIELDS = {}, nil
   QUEUES, PARKED, CKEYS = BASE .. 'queues', BASE .. 'parked', BASE .. 'ckeys'
   LOG, EV, WAITING_COUNTS = BASE .. 'log', BASE .. 'ev', BASE .. 'waiting'
   FLOW, UNLINKED = BASE .. 'flow', BASE .. 'unlinked'
