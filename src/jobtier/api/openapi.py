@@ -37,6 +37,7 @@ from jobtier.api import (
     scaling,
     sse,
     why,
+    worker_routes,
 )
 from jobtier.api import spec as oa
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
@@ -123,7 +124,7 @@ def _flow_constraints(c: dict[str, Any], settings: Settings) -> None:
 
 def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
-        [*_CORE_TYPES, *console.OPENAPI_TYPES, *extra_types],
+        [*_CORE_TYPES, *console.OPENAPI_TYPES, *worker_routes.OPENAPI_TYPES, *extra_types],
         ref_template="#/components/schemas/{name}",
     )
     c = components
@@ -480,7 +481,9 @@ def _ops_paths(s: Settings) -> oa.Paths:
 def operations(settings: Settings) -> oa.Paths:
     """The core routes (Redis alone serves them), each with its description."""
     s = settings
-    return _job_paths(s).include(_admin_paths(s), _ops_paths(s), console.operations(s))
+    return _job_paths(s).include(
+        _admin_paths(s), _ops_paths(s), console.operations(s), worker_routes.operations(s)
+    )
 
 
 def document(
@@ -526,6 +529,11 @@ _SECURITY_SCHEMES = {
         "type": "http",
         "scheme": "bearer",
         "description": "the admin key (JOBTIER_ADMIN_KEY), for the admin routes",
+    },
+    "workerKey": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "an HTTP worker's key (JOBTIER_WORKER_KEYS), for the worker routes",
     },
 }
 
