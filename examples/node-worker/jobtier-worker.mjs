@@ -109,6 +109,7 @@ class JobContext {
     this.lost = false;
     this.cancelled = false;
     this.pendingProgress = undefined;
+    this.progressSent = null; // the progress report in flight, if any
   }
 
   progress(value) {
@@ -246,6 +247,7 @@ export class Worker {
     } catch (err) {
       outcome = { ok: false, err };
     }
+    await this.progressFlushed(ctx);
     if (ctx.lost) {
       this.stats.lost += 1;
       return; // the job moved on: anything we said would be refused (409)
@@ -281,19 +283,24 @@ export class Worker {
     }
   }
 
+  // One progress report in flight per job, the latest value winning; the job's outcome
+  // waits for it (ctx.progressSent), else the outcome could overtake it and it be refused.
   sendProgress(ctx) {
-    if (ctx.progressInFlight) return;
-    ctx.progressInFlight = true;
+    if (ctx.progressSent) return;
     const value = ctx.pendingProgress;
     ctx.pendingProgress = undefined;
-    this.client
+    ctx.progressSent = this.client
       .progress(ctx.job, value)
       .then((answer) => this.onAnswer(ctx, answer))
       .catch((err) => this.onBeatError(ctx, err))
       .finally(() => {
-        ctx.progressInFlight = false;
+        ctx.progressSent = null;
         if (ctx.pendingProgress !== undefined) this.sendProgress(ctx);
       });
+  }
+
+  async progressFlushed(ctx) {
+    while (ctx.progressSent) await ctx.progressSent;
   }
 
   onAnswer(ctx, answer) {
