@@ -343,3 +343,48 @@ async def test_a_claiming_worker_is_listed_live(start_api: StartApi) -> None:
         workers = (await admin.get("/v1/admin/workers")).json()["workers"]
     (mine,) = [x for x in workers if x["id"] == "http:w9"]
     assert (mine["tasks"], mine["queues"], mine["concurrency"]) == (["http.add"], ["default"], 3)
+
+
+async def test_the_answers_match_the_document(start_api: StartApi) -> None:
+    from tests.e2e.test_api_conformance import Checked
+
+    api = await serve(start_api)
+    async with api.client() as c:
+        document = (await c.get("/v1/openapi.json")).json()
+    check = Checked(document)
+    ops = {
+        (m.upper(), p) for p, item in document["paths"].items() for m in item if "/v1/worker/" in p
+    }
+    first, second = [await submit(api, {"a": i, "b": 1}) for i in range(2)]
+    job_path = "/v1/worker/jobs/{job_id}/"
+    async with worker_client(api) as w, api.client() as tenant:
+        await check(w, "PUT", "/v1/worker/tasks", 200, json={"worker": "w1", "tasks": [TASK]})
+        body = {"worker": "w1", "types": ["http.add"], "count": 2}
+        r = await check(w, "POST", "/v1/worker/claim", 200, json=body)
+        a, b = r.json()["jobs"]
+        await check(tenant, "POST", "/v1/worker/claim", 403, json=body)
+        await check(w, "POST", "/v1/worker/claim", 422, json={**body, "count": 0})
+        for action, extra in (
+            ("heartbeat", {}),
+            ("progress", {"progress": 1}),
+            ("logs", {"attempt": 1, "lines": ["x"]}),
+        ):
+            ids = {"job_id": a["id"]}
+            await check(w, "POST", job_path + action, 200, ids=ids, json=lease(a, **extra))
+            await check(w, "POST", job_path + action, 409, ids=ids, json=lease(a, "w2", **extra))
+            await check(
+                w, "POST", job_path + action, 404, ids={"job_id": "x"}, json=lease(a, **extra)
+            )
+        big = {"result": "x" * (api.settings.max_result_bytes + 1)}
+        for ids, json in (({"job_id": a["id"]}, lease(a, **big)), ({"job_id": a["id"]}, lease(a))):
+            await check(w, "POST", job_path + "complete", 413 if "result" in json else 200,
+                        ids=ids, json=json)  # fmt: skip
+        await check(w, "POST", job_path + "complete", 409, ids={"job_id": a["id"]}, json=lease(a))
+        error = {"type": "E", "message": "m"}
+        await check(w, "POST", job_path + "fail", 200, ids={"job_id": b["id"]},
+                    json=lease(b, error=error, retryable=False))  # fmt: skip
+        await check(w, "POST", job_path + "fail", 409, ids={"job_id": b["id"]},
+                    json=lease(b, error=error))  # fmt: skip
+        await check(w, "POST", job_path + "stopped", 409, ids={"job_id": b["id"]}, json=lease(b))
+    assert {first, second} == {a["id"], b["id"]}
+    assert ops == {(m, t) for m, t, _ in check.seen}  # every worker route was driven

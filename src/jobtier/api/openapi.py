@@ -162,6 +162,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
         c, "CallbackSpec", "url", maxLength=MAX_URL_LENGTH_CALLBACK, pattern=oa.CALLBACK_URL
     )
     c["CallbackSpec"]["properties"]["events"]["enum"] = list(EVENTS)
+    worker_routes.constrain(c, settings)
     return components
 
 

@@ -486,6 +486,14 @@ async def tasks(request: Request) -> Response:
 
 
 # --- the document -----------------------------------------------------------------------------
+def constrain(c: dict[str, Any], settings: Settings) -> None:
+    """The rules of the worker bodies that are settings, not constants."""
+    wait = c["ClaimRequest"]["properties"]["wait"]
+    wait["maximum"] = settings.long_poll_max_seconds
+    wait["description"] = "seconds to wait for a job (JOBTIER_LONG_POLL_MAX_SECONDS at most)"
+    c["ClaimRequest"]["properties"]["queues"]["default"] = [DEFAULT_QUEUE]
+
+
 _LOST = oa.refuses(
     409,
     "the lease is not this worker's any more (it expired and the job was claimed again, or "
