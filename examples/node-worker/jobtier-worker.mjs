@@ -80,6 +80,12 @@ export class JobtierClient {
     return this.job(job, "complete", { result });
   }
 
+  // several jobs' results in one request: [{id, lease_version, result}] -> one answer each,
+  // in order: {id, status: 200 | 409 | 404, state, detail}
+  completeMany(jobs) {
+    return this.request("POST", "/v1/worker/complete", { worker: this.worker, jobs });
+  }
+
   fail(job, error, { retryable = true, retryIn = null } = {}) {
     const body = {
       error: {
@@ -110,6 +116,8 @@ class JobContext {
     this.cancelled = false;
     this.pendingProgress = undefined;
     this.progressSent = null; // the progress report in flight, if any
+    this.pendingLines = [];
+    this.logsSent = null; // the log lines in flight, if any
   }
 
   progress(value) {
@@ -119,7 +127,8 @@ class JobContext {
 
   log(...parts) {
     const line = parts.map((p) => (typeof p === "string" ? p : JSON.stringify(p))).join(" ");
-    this.worker.client.logs(this.job, [line]).catch((err) => this.worker.onBeatError(this, err));
+    this.pendingLines.push(line); // sent at once, with the others logged meanwhile
+    this.worker.sendLogs(this);
   }
 }
 
@@ -137,10 +146,15 @@ export class Worker {
     this.wait = wait;
     this.log = log;
     this.running = new Map(); // job id -> JobContext
+    this.reporting = new Set(); // per job started: done once its outcome is sent
     this.stopping = false;
     this.claimAbort = new AbortController();
     this.slotFree = null; // resolves when a running job ends
     this.stats = { succeeded: 0, failed: 0, cancelled: 0, lost: 0 };
+    // results waiting for the next batch: one request carries all that ended while the
+    // previous one was in flight (a request per job would make the API the bottleneck)
+    this.outbox = [];
+    this.sending = false;
   }
 
   async register() {
@@ -195,8 +209,8 @@ export class Worker {
     } finally {
       clearInterval(advert);
     }
-    while (this.running.size > 0) {
-      await new Promise((resolve) => (this.slotFree = resolve));
+    while (this.reporting.size > 0) {
+      await Promise.allSettled([...this.reporting]); // the running jobs, and their outcomes
     }
   }
 
@@ -228,13 +242,19 @@ export class Worker {
     const ctx = new JobContext(this, job);
     this.running.set(job.id, ctx);
     const beat = setInterval(() => this.beat(ctx), (leaseSeconds * 1000) / 3);
-    this.execute(ctx)
+    // the slot frees as the task ends, ahead of its outcome's request (as a Python worker's
+    // does): the next claim and the outcome travel side by side
+    ctx.release = () => {
+      clearInterval(beat);
+      if (this.running.delete(job.id)) this.wakeClaimLoop();
+    };
+    const done = this.execute(ctx)
       .catch((err) => this.log.error(`job ${job.id}: ${err.message}`))
       .finally(() => {
-        clearInterval(beat);
-        this.running.delete(job.id);
-        this.wakeClaimLoop();
+        ctx.release();
+        this.reporting.delete(done);
       });
+    this.reporting.add(done);
   }
 
   async execute(ctx) {
@@ -247,7 +267,8 @@ export class Worker {
     } catch (err) {
       outcome = { ok: false, err };
     }
-    await this.progressFlushed(ctx);
+    await this.reportsSent(ctx);
+    ctx.release();
     if (ctx.lost) {
       this.stats.lost += 1;
       return; // the job moved on: anything we said would be refused (409)
@@ -257,7 +278,7 @@ export class Worker {
         await this.client.stopped(job);
         this.stats.cancelled += 1;
       } else if (outcome.ok) {
-        await this.client.complete(job, outcome.result);
+        await this.completeBatched(job, outcome.result);
         this.stats.succeeded += 1;
       } else {
         const err = outcome.err instanceof Error ? outcome.err : new Error(String(outcome.err));
@@ -274,6 +295,37 @@ export class Worker {
     }
   }
 
+  completeBatched(job, result) {
+    return new Promise((resolve, reject) => {
+      this.outbox.push({ job, result, resolve, reject });
+      if (!this.sending) this.sendResults();
+    });
+  }
+
+  async sendResults() {
+    this.sending = true;
+    try {
+      while (this.outbox.length > 0) {
+        const batch = this.outbox.splice(0, 1000);
+        const items = batch.map(({ job, result }) => ({
+          id: job.id,
+          lease_version: job.lease_version,
+          result,
+        }));
+        try {
+          const answer = await this.client.completeMany(items);
+          answer.jobs.forEach((r, i) =>
+            r.status === 200 ? batch[i].resolve(r) : batch[i].reject(new LeaseLost(r.id, r.detail)),
+          );
+        } catch (err) {
+          for (const b of batch) b.reject(err); // their leases expire: the jobs run again
+        }
+      }
+    } finally {
+      this.sending = false;
+    }
+  }
+
   async beat(ctx) {
     try {
       const answer = await this.client.heartbeat(ctx.job);
@@ -283,8 +335,9 @@ export class Worker {
     }
   }
 
-  // One progress report in flight per job, the latest value winning; the job's outcome
-  // waits for it (ctx.progressSent), else the outcome could overtake it and it be refused.
+  // One progress report and one batch of log lines in flight per job, the latest progress
+  // winning; the job's outcome waits for them (reportsSent), else it could overtake them
+  // and they be refused (the job would have ended).
   sendProgress(ctx) {
     if (ctx.progressSent) return;
     const value = ctx.pendingProgress;
@@ -299,8 +352,22 @@ export class Worker {
       });
   }
 
-  async progressFlushed(ctx) {
-    while (ctx.progressSent) await ctx.progressSent;
+  sendLogs(ctx) {
+    if (ctx.logsSent) return;
+    const lines = ctx.pendingLines.splice(0, 200);
+    ctx.logsSent = this.client
+      .logs(ctx.job, lines)
+      .catch((err) => this.onBeatError(ctx, err))
+      .finally(() => {
+        ctx.logsSent = null;
+        if (ctx.pendingLines.length > 0) this.sendLogs(ctx);
+      });
+  }
+
+  async reportsSent(ctx) {
+    while (ctx.progressSent || ctx.logsSent) {
+      await Promise.all([ctx.progressSent, ctx.logsSent]);
+    }
   }
 
   onAnswer(ctx, answer) {

@@ -386,5 +386,55 @@ async def test_the_answers_match_the_document(start_api: StartApi) -> None:
         await check(w, "POST", job_path + "fail", 409, ids={"job_id": b["id"]},
                     json=lease(b, error=error))  # fmt: skip
         await check(w, "POST", job_path + "stopped", 409, ids={"job_id": b["id"]}, json=lease(b))
+        many = {"worker": "w1", "jobs": [{"id": a["id"], "lease_version": a["lease_version"]}]}
+        r = await check(w, "POST", "/v1/worker/complete", 200, json=many)
+        assert r.json()["jobs"][0]["status"] == 409
+        await check(w, "POST", "/v1/worker/complete", 422, json={"worker": "w1", "jobs": []})
     assert {first, second} == {a["id"], b["id"]}
     assert ops == {(m, t) for m, t, _ in check.seen}  # every worker route was driven
+
+
+async def test_a_batch_of_completions_answers_each_job_and_refuses_the_stale_one(
+    start_api: StartApi,
+) -> None:
+    api = await serve(start_api)
+    ids = [await submit(api, {"a": i, "b": 1}) for i in range(5)]
+    async with worker_client(api) as w:
+        body = {"worker": "w1", "types": ["http.add"], "count": 5}
+        jobs = {j["id"]: j for j in (await w.post("/v1/worker/claim", json=body)).json()["jobs"]}
+        assert set(jobs) == set(ids)
+        stale = ids[0]
+        items = [
+            {"id": i, "lease_version": jobs[i]["lease_version"] + (i == stale), "result": n}
+            for n, i in enumerate(ids)
+        ]
+        r = await w.post("/v1/worker/complete", json={"worker": "w1", "jobs": items})
+        answers = r.json()["jobs"]
+        assert [a["id"] for a in answers] == ids  # in the request's order
+        assert [a["status"] for a in answers] == [409, 200, 200, 200, 200]
+        assert answers[0]["state"] is None and "lease lost" in answers[0]["detail"]
+    docs = {i: await status(api, i) for i in ids}
+    assert docs[stale]["state"] == "running"  # the stale item changed nothing
+    assert all(docs[i]["state"] == "succeeded" for i in ids[1:])
+
+
+@pytest.mark.parametrize("bad", ["malformed", "twice", "too large"])
+async def test_a_bad_item_refuses_the_whole_batch(start_api: StartApi, bad: str) -> None:
+    api = await serve(start_api)
+    ids = [await submit(api, {"a": i, "b": 1}) for i in range(2)]
+    async with worker_client(api) as w:
+        body = {"worker": "w1", "types": ["http.add"], "count": 2}
+        jobs = (await w.post("/v1/worker/claim", json=body)).json()["jobs"]
+        items = [{"id": j["id"], "lease_version": j["lease_version"]} for j in jobs]
+        if bad == "malformed":
+            items.append({"id": "nope", "lease_version": 1})
+            code, field = 422, "jobs[2].id"
+        elif bad == "twice":
+            items.append(dict(items[0]))
+            code, field = 422, "jobs[2].id"
+        else:
+            items[1]["result"] = "x" * (api.settings.max_result_bytes + 1)
+            code, field = 413, "jobs[1].result"
+        r = await w.post("/v1/worker/complete", json={"worker": "w1", "jobs": items})
+        assert (r.status_code, r.json()["field"]) == (code, field)
+    assert [(await status(api, i))["state"] for i in ids] == ["running", "running"]

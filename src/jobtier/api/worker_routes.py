@@ -136,6 +136,31 @@ class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     result: Any = None
 
 
+class CompleteItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    id: str
+    lease_version: LeaseVersion
+    result: Any = None
+
+
+class CompleteManyRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    worker: WorkerId
+    jobs: Annotated[list[CompleteItem], msgspec.Meta(min_length=1, max_length=MAX_CLAIM)]
+
+
+class ItemOutcome(msgspec.Struct):
+    """One job's answer in a batch: ``status`` as the one-job route would answer (200, or
+    409 for a lease lost, 404 for a job Redis no longer keeps), ``detail`` for a refusal."""
+
+    id: str
+    status: int
+    state: str | None = None
+    detail: str | None = None
+
+
+class CompleteManyResponse(msgspec.Struct):
+    jobs: list[ItemOutcome]
+
+
 class WorkerError(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     type: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
     message: Annotated[str, msgspec.Meta(max_length=ERROR_CHARS)] = ""
@@ -191,6 +216,8 @@ OPENAPI_TYPES = (
     LogRequest,
     LogResponse,
     CompleteRequest,
+    CompleteManyRequest,
+    CompleteManyResponse,
     FailRequest,
     LeaseRequest,
     Outcome,
@@ -397,6 +424,44 @@ async def complete(request: Request) -> Response:
     return encoded(Outcome(job_id, "succeeded"))
 
 
+async def complete_many(request: Request) -> Response:
+    """Several jobs succeeded: one request, one pipelined script call per shard. Every item
+    is checked before anything is sent: a bad one refuses the whole batch (4xx naming it)."""
+    body: CompleteManyRequest = await _body(request, CompleteManyRequest)
+    queue: Queue = request.state.queue
+    s = queue.settings
+    by_shard: dict[int, list[tuple[str, int, bytes]]] = {}
+    seen: set[str] = set()
+    for i, item in enumerate(body.jobs):
+        if not queue.keys.valid_id(item.id) or item.id in seen:
+            what = "is no job id" if item.id not in seen else "is in the batch twice"
+            raise Problem(422, "validation", f"jobs[{i}].id {what}", field=f"jobs[{i}].id")
+        seen.add(item.id)
+        result = b"" if item.result is None else encode_json(item.result)
+        if len(result) > s.max_result_bytes:
+            where = f"jobs[{i}].result"
+            detail = f"{where} is over {s.max_result_bytes} bytes (JOBTIER_MAX_RESULT_BYTES)"
+            raise Problem(413, "payload-too-large", detail, field=where)
+        by_shard.setdefault(queue.keys.shard_of(item.id), []).append(
+            (item.id, item.lease_version, result)
+        )
+    worker = _redis_id(body.worker)
+    calls = [
+        complete_call(shard, worker, s.retention_seconds, items)
+        for shard, items in by_shard.items()
+    ]
+    replies = await queue.scripts.call_many(calls)
+    answers: dict[str, ItemOutcome] = {}
+    for items, reply in zip(by_shard.values(), replies, strict=True):
+        for (job_id, _, _), code in zip(items, reply, strict=True):
+            if code == Code.OK:
+                answers[job_id] = ItemOutcome(job_id, 200, "succeeded")
+            else:
+                refused = _refused(job_id, Code(code))
+                answers[job_id] = ItemOutcome(job_id, refused.status, None, refused.detail)
+    return encoded(CompleteManyResponse([answers[item.id] for item in body.jobs]))
+
+
 async def fail(request: Request) -> Response:
     body: FailRequest = await _body(request, FailRequest)
     job_id = job_id_of(request)
@@ -569,6 +634,18 @@ def operations(settings: Settings) -> oa.Paths:
             oa.too_large(s, f"a result over {s.max_result_bytes} bytes (JOBTIER_MAX_RESULT_BYTES)"),
         ),
         body="CompleteRequest",
+    )
+    add(
+        "POST /v1/worker/complete",
+        complete_many,
+        f"Several jobs succeeded (up to {MAX_CLAIM}), each with its lease and result: one "
+        "answer per job, in order, each as the one-job route's (200, 409, 404)",
+        oa.returns(200, "CompleteManyResponse", "each job's outcome"),
+        (
+            413,
+            oa.too_large(s, f"a result over {s.max_result_bytes} bytes (JOBTIER_MAX_RESULT_BYTES)"),
+        ),
+        body="CompleteManyRequest",
     )
     add(
         "POST /v1/worker/jobs/{job_id}/fail",
