@@ -130,7 +130,7 @@ async def phase(
     else:
         node = shutil.which("node") or shutil.which("nodejs") or "node"
         argv = [node, str(NODE_WORKER)]
-        env = {**env, "BENCH_QUEUE": name, "JOBTIER_WORKER_CONCURRENCY": str(args.concurrency)}
+        env = {**env, "BENCH_QUEUE": name, "WORKER_CONCURRENCY": str(args.concurrency)}
     async with process(*argv, env=env):
         async with asyncio.timeout(args.timeout):
             await drain.done.wait()
@@ -152,7 +152,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "JOBTIER_API_PORT": str(port),
             "JOBTIER_LOG_LEVEL": "WARNING",
             "JOBTIER_URL": f"http://127.0.0.1:{port}",
-            "JOBTIER_WORKER_KEY": WORKER_KEY,
+            "WORKER_KEY": WORKER_KEY,
         }
         settings = Settings.from_env({}, redis_url=server.url, shards=16, require_known_types=False)
         drain = Drain()

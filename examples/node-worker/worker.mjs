@@ -1,9 +1,9 @@
 // An example jobtier worker in Node: `node worker.mjs`, configured from the environment:
 //
-//   JOBTIER_URL                 the API (default http://127.0.0.1:8000)
-//   JOBTIER_WORKER_KEY          one of the API's JOBTIER_WORKER_KEYS
-//   JOBTIER_WORKER_ID           its name (default node-<pid>)
-//   JOBTIER_WORKER_CONCURRENCY  jobs at once (default 10)
+//   JOBTIER_URL         the API (default http://127.0.0.1:8000)
+//   WORKER_KEY          one of the API's JOBTIER_WORKER_KEYS
+//   WORKER_ID           its name (default node-<pid>)
+//   WORKER_CONCURRENCY  jobs at once (default 10)
 //
 // It prints one line "ready" once its tasks are in the catalogue, and a JSON line of its
 // counts when it stops (SIGTERM or SIGINT: it claims nothing more, its running jobs finish).
@@ -54,9 +54,9 @@ const tasks = {
 
 const worker = new Worker({
   url: process.env.JOBTIER_URL ?? "http://127.0.0.1:8000",
-  key: process.env.JOBTIER_WORKER_KEY,
-  worker: process.env.JOBTIER_WORKER_ID,
-  concurrency: Number(process.env.JOBTIER_WORKER_CONCURRENCY ?? 10),
+  key: process.env.WORKER_KEY,
+  worker: process.env.WORKER_ID,
+  concurrency: Number(process.env.WORKER_CONCURRENCY ?? 10),
   tasks,
 });
 

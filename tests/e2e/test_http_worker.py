@@ -126,7 +126,7 @@ async def test_a_stale_completion_is_refused_and_changes_nothing(start_api: Star
 
         async def requeued() -> bool:
             await queue.scripts.call_many([reclaim_call(shard, 10, 60, 60)])
-            return (await status(api, job_id))["state"] == "queued"
+            return bool((await status(api, job_id))["state"] == "queued")
 
         await wait_for(requeued)
         second = await claim_one(w, "w2")

@@ -74,8 +74,8 @@ async def test_the_node_worker_runs_jobs_end_to_end(
 ) -> None:
     api = await start_api(worker_keys=KEY, lease_seconds=3)  # a heartbeat a second
     background.start(Scheduler(api.server.lifespan.state["queue"].store))  # retries' promotes
-    env = {"JOBTIER_URL": api.url, "JOBTIER_WORKER_KEY": KEY, "JOBTIER_WORKER_ID": "n1"}
-    async with node(str(WORKER), **env, JOBTIER_WORKER_CONCURRENCY="8") as proc:
+    env = {"JOBTIER_URL": api.url, "WORKER_KEY": KEY, "WORKER_ID": "n1"}
+    async with node(str(WORKER), **env, WORKER_CONCURRENCY="8") as proc:
         assert await line(proc) == "ready"  # its tasks are in the catalogue: submits pass
         adds = [await submit(api, "node.add", {"a": i, "b": 10}) for i in range(20)]
         steps = await submit(api, "node.steps", {"steps": 3, "ms": 5})
@@ -87,7 +87,7 @@ async def test_the_node_worker_runs_jobs_end_to_end(
             assert r.status_code == 422 and r.json()["field"] == "payload.b"  # its schema
 
             async def running() -> bool:
-                return (await c.get(f"/v1/jobs/{held}")).json()["state"] == "running"
+                return bool((await c.get(f"/v1/jobs/{held}")).json()["state"] == "running")
 
             await wait_for(running, timeout=30)
             assert (await c.post(f"/v1/jobs/{held}/cancel")).status_code == 200
@@ -135,7 +135,7 @@ async def test_a_stale_completion_from_node_is_refused(start_api: StartApi) -> N
 
             async def requeued() -> bool:
                 await queue.scripts.call_many([reclaim_call(shard, 10, 60, 60)])
-                return (await docs(api, [job_id]))[job_id]["state"] == "queued"
+                return bool((await docs(api, [job_id]))[job_id]["state"] == "queued")
 
             await wait_for(requeued)
             body = {"worker": "python", "types": ["node.slow"]}

@@ -37,6 +37,7 @@ from jobtier.api import (
     scaling,
     sse,
     why,
+    worker_bodies,
     worker_routes,
 )
 from jobtier.api import spec as oa
@@ -124,7 +125,7 @@ def _flow_constraints(c: dict[str, Any], settings: Settings) -> None:
 
 def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, Any]:
     _, components = msgspec.json.schema_components(
-        [*_CORE_TYPES, *console.OPENAPI_TYPES, *worker_routes.OPENAPI_TYPES, *extra_types],
+        [*_CORE_TYPES, *console.OPENAPI_TYPES, *worker_bodies.OPENAPI_TYPES, *extra_types],
         ref_template="#/components/schemas/{name}",
     )
     c = components
@@ -162,7 +163,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
         c, "CallbackSpec", "url", maxLength=MAX_URL_LENGTH_CALLBACK, pattern=oa.CALLBACK_URL
     )
     c["CallbackSpec"]["properties"]["events"]["enum"] = list(EVENTS)
-    worker_routes.constrain(c, settings)
+    worker_bodies.constrain(c, settings)
     return components
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hmac
 import random
 import time
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 import orjson
@@ -24,11 +24,35 @@ from jobtier.api import spec as oa
 from jobtier.api.auth import bearer_key, raw_header
 from jobtier.api.http import decode_body, encoded, job_id_of, read_json_body
 from jobtier.api.problems import Problem
+from jobtier.api.worker_bodies import (
+    ADVERTISE_EVERY,
+    DEFAULT_BACKOFF,
+    MAX_CLAIM,
+    OPENAPI_TYPES,
+    TRACEBACK_CHARS,
+    ClaimRequest,
+    ClaimResponse,
+    CompleteManyRequest,
+    CompleteManyResponse,
+    CompleteRequest,
+    FailRequest,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    ItemOutcome,
+    LeaseRequest,
+    LogRequest,
+    LogResponse,
+    Outcome,
+    ProgressRequest,
+    RetryBackoff,
+    TasksRequest,
+    TasksResponse,
+    WorkerJob,
+)
 from jobtier.api.worker_claims import Claimed, WorkerClaims
 from jobtier.config import Settings
 from jobtier.core.errors import Code, JobNotFound
 from jobtier.core.model import (
-    DEFAULT_QUEUE,
     LOG_LINE_CHARS,
     LOG_LINES,
     Backoff,
@@ -36,11 +60,9 @@ from jobtier.core.model import (
     TaskAd,
     encode_json,
 )
-from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
 from jobtier.core.sealing import is_sealed
 from jobtier.engine.catalog import publish, schema_check
 from jobtier.engine.queue import Queue
-from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT
 from jobtier.store.calls import (
     complete_call,
     fail_call,
@@ -50,180 +72,6 @@ from jobtier.store.calls import (
     stopped_call,
 )
 
-WORKER_ID_RE = r"^[A-Za-z0-9_.:-]{1,64}$"
-MAX_CLAIM = 1000  # jobs one claim may ask for
-MAX_TYPES = 200  # task types (and queues) one claim may name
-TRACEBACK_CHARS = 4000  # a failure's traceback is kept to its last this many characters
-ERROR_CHARS = 4000  # longest error message
-ADVERTISE_EVERY = 5.0  # s: a claiming worker is written to the workers hash at most this often
-DEFAULT_BACKOFF = Backoff(1.0, 2.0, 300.0, 0.1)  # a Python task's default RetryPolicy
-
-WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_RE)]
-TaskName = Annotated[str, msgspec.Meta(pattern=TASK_NAME_RE.pattern)]
-QueueName = Annotated[str, msgspec.Meta(pattern=QUEUE_NAME_RE.pattern)]
-LeaseVersion = Annotated[int, msgspec.Meta(ge=1)]
-
-
-class ClaimRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A long poll for jobs: answered as soon as one is claimed, or empty after ``wait``."""
-
-    worker: WorkerId
-    types: Annotated[list[TaskName], msgspec.Meta(min_length=1, max_length=MAX_TYPES)]
-    # (default: the default queue)
-    queues: Annotated[list[QueueName], msgspec.Meta(min_length=1, max_length=MAX_TYPES)] = (
-        msgspec.field(default_factory=lambda: [DEFAULT_QUEUE])
-    )
-    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_CLAIM)] = 1
-    wait: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    running: Annotated[int, msgspec.Meta(ge=0)] = 0  # jobs it runs now (the workers view)
-
-
-class WorkerJob(msgspec.Struct):
-    """A claimed job: the answers about it carry ``worker`` and ``lease_version``."""
-
-    id: str
-    type: str
-    queue: str
-    payload: msgspec.Raw
-    attempt: int
-    max_attempts: int
-    lease_version: int
-    traceparent: str | None = None
-    compensates: str | None = None
-
-
-class ClaimResponse(msgspec.Struct):
-    jobs: list[WorkerJob]
-    lease_seconds: float
-
-
-class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    worker: WorkerId
-    lease_version: LeaseVersion
-
-
-class HeartbeatRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    worker: WorkerId
-    lease_version: LeaseVersion
-    progress: Any = None  # null: unchanged
-
-
-class ProgressRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    worker: WorkerId
-    lease_version: LeaseVersion
-    progress: Any
-
-
-class HeartbeatResponse(msgspec.Struct):
-    cancel_requested: bool
-    lease_seconds: float
-
-
-class LogRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    worker: WorkerId
-    lease_version: LeaseVersion
-    attempt: Annotated[int, msgspec.Meta(ge=1)]
-    lines: Annotated[list[str], msgspec.Meta(min_length=1, max_length=LOG_LINES)]
-
-
-class LogResponse(msgspec.Struct):
-    written: int
-
-
-class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    worker: WorkerId
-    lease_version: LeaseVersion
-    result: Any = None
-
-
-class CompleteItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    id: str
-    lease_version: LeaseVersion
-    result: Any = None
-
-
-class CompleteManyRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    worker: WorkerId
-    jobs: Annotated[list[CompleteItem], msgspec.Meta(min_length=1, max_length=MAX_CLAIM)]
-
-
-class ItemOutcome(msgspec.Struct):
-    """One job's answer in a batch: ``status`` as the one-job route would answer (200, or
-    409 for a lease lost, 404 for a job Redis no longer keeps), ``detail`` for a refusal."""
-
-    id: str
-    status: int
-    state: str | None = None
-    detail: str | None = None
-
-
-class CompleteManyResponse(msgspec.Struct):
-    jobs: list[ItemOutcome]
-
-
-class WorkerError(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    type: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
-    message: Annotated[str, msgspec.Meta(max_length=ERROR_CHARS)] = ""
-    traceback: str | None = None  # kept to its last TRACEBACK_CHARS characters
-
-
-class FailRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    worker: WorkerId
-    lease_version: LeaseVersion
-    error: WorkerError
-    retryable: bool = True
-    retry_in: Annotated[float, msgspec.Meta(ge=0)] | None = None  # s; null: the task's backoff
-
-
-class Outcome(msgspec.Struct):
-    id: str
-    state: str
-
-
-class RetryBackoff(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """``delay = min(base * factor ** (attempt - 1), cap)`` plus up to ``jitter * delay``."""
-
-    base: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    factor: Annotated[float, msgspec.Meta(ge=1)] = 2.0
-    cap: Annotated[float, msgspec.Meta(ge=0)] = 300.0
-    jitter: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
-
-
-class WorkerTask(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    type: TaskName
-    queue: QueueName = DEFAULT_QUEUE
-    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=MAX_ATTEMPTS_LIMIT)] = 3
-    backoff: RetryBackoff | None = None
-    timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    payload_schema: dict[str, Any] | None = None
-
-
-class TasksRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    worker: WorkerId
-    tasks: Annotated[list[WorkerTask], msgspec.Meta(min_length=1, max_length=MAX_TYPES)]
-
-
-class TasksResponse(msgspec.Struct):
-    tasks: list[TaskAd]
-
-
-OPENAPI_TYPES = (
-    ClaimRequest,
-    ClaimResponse,
-    HeartbeatRequest,
-    ProgressRequest,
-    HeartbeatResponse,
-    LogRequest,
-    LogResponse,
-    CompleteRequest,
-    CompleteManyRequest,
-    CompleteManyResponse,
-    FailRequest,
-    LeaseRequest,
-    Outcome,
-    TasksRequest,
-    TasksResponse,
-)
 _decoders = {t: msgspec.json.Decoder(t) for t in OPENAPI_TYPES if t.__name__.endswith("Request")}
 
 
@@ -551,14 +399,6 @@ async def tasks(request: Request) -> Response:
 
 
 # --- the document -----------------------------------------------------------------------------
-def constrain(c: dict[str, Any], settings: Settings) -> None:
-    """The rules of the worker bodies that are settings, not constants."""
-    wait = c["ClaimRequest"]["properties"]["wait"]
-    wait["maximum"] = settings.long_poll_max_seconds
-    wait["description"] = "seconds to wait for a job (JOBTIER_LONG_POLL_MAX_SECONDS at most)"
-    c["ClaimRequest"]["properties"]["queues"]["default"] = [DEFAULT_QUEUE]
-
-
 _LOST = oa.refuses(
     409,
     "the lease is not this worker's any more (it expired and the job was claimed again, or "
