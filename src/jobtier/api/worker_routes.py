@@ -81,13 +81,13 @@ def require_worker(request: Request) -> None:
     admin key: those never run jobs)."""
     key = bearer_key(raw_header(request, b"authorization"))
     if key is None:
-        raise _unauthorized("send a worker key as 'Authorization: Bearer <key>'")
+        raise _unauthorized("send an API key as 'Authorization: Bearer <key>': a worker key")
     keys: list[str] = request.state.worker_keys
     if any(hmac.compare_digest(key.encode(), k.encode()) for k in keys):
         return
     if key in request.state.tenants or key == request.state.admin_key:
         raise Problem(403, "forbidden", "this route needs a worker key (JOBTIER_WORKER_KEYS)")
-    raise _unauthorized("unknown worker key")
+    raise _unauthorized("unknown API key")
 
 
 def _unauthorized(detail: str) -> Problem:
