@@ -5,6 +5,7 @@ catalogue, and the fencing that refuses a stale worker's answers with a 409."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -438,3 +439,25 @@ async def test_a_bad_item_refuses_the_whole_batch(start_api: StartApi, bad: str)
         r = await w.post("/v1/worker/complete", json={"worker": "w1", "jobs": items})
         assert (r.status_code, r.json()["field"]) == (code, field)
     assert [(await status(api, i))["state"] for i in ids] == ["running", "running"]
+
+
+async def test_a_claim_whose_worker_hung_up_claims_nothing(
+    start_api: StartApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a worker gone while its claim waited would leave what it claims to lease expiry
+    monkeypatch.setattr(worker_claims, "IDLE_LOOK", 3600.0)
+    api = await serve(start_api)
+    claims = api.server.lifespan.state["worker_claims"]
+    connections = api.server.server_state.connections
+    async with worker_client(api) as w:
+        body = {"worker": "w1", "types": ["http.add"], "wait": 30}
+        waiting = asyncio.create_task(w.post("/v1/worker/claim", json=body))
+        await wait_for(lambda: claims.waiting() == 1)
+        open_before = len(connections)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+    await wait_for(lambda: len(connections) < open_before)  # the server saw it go
+    job_id = await submit(api, {"a": 1, "b": 2})  # wakes the claim
+    await wait_for(lambda: claims.waiting() == 0)
+    assert (await status(api, job_id))["state"] == "queued"

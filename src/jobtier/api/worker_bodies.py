@@ -19,6 +19,7 @@ MAX_TYPES = 200  # task types (and queues) one claim may name
 TRACEBACK_CHARS = 4000  # a failure's traceback is kept to its last this many characters
 ERROR_CHARS = 4000  # longest error message
 ADVERTISE_EVERY = 5.0  # s: a claiming worker is written to the workers hash at most this often
+ADVERTISED_KEPT = 10_000  # workers whose last advert an API process remembers
 DEFAULT_BACKOFF = Backoff(1.0, 2.0, 300.0, 0.1)  # a Python task's default RetryPolicy
 
 WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_RE)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import random
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 import msgspec
@@ -26,6 +27,7 @@ from jobtier.api.http import decode_body, encoded, job_id_of, read_json_body
 from jobtier.api.problems import Problem
 from jobtier.api.worker_bodies import (
     ADVERTISE_EVERY,
+    ADVERTISED_KEPT,
     DEFAULT_BACKOFF,
     MAX_CLAIM,
     OPENAPI_TYPES,
@@ -180,6 +182,8 @@ async def _advertise(
     now = time.time()
     if now - claims.advertised.get(worker, 0.0) < ADVERTISE_EVERY:
         return
+    if len(claims.advertised) > ADVERTISED_KEPT:  # workers come and go (ids with a pid)
+        claims.advertised.clear()
     claims.advertised[worker] = now
     client = request.client
     info = {
@@ -235,10 +239,8 @@ async def logs(request: Request) -> Response:
     ((code, _),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
         raise _refused(job_id, code)
-    at = (
-        time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
-        + f".{int(time.time() * 1000) % 1000:03d}Z"
-    )
+    # as ctx.log stamps a Python task's lines
+    at = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     lines = [
         msgspec.json.encode(LogLine(at, body.attempt, _cut(text, LOG_LINE_CHARS)))
         for text in body.lines
