@@ -261,11 +261,26 @@ export class Worker {
     const { job } = ctx;
     const task = this.tasks[job.type];
     let outcome;
+    let timer;
     try {
-      const result = await task.handler(job.payload, ctx);
-      outcome = { ok: true, result: result ?? null };
+      let run = task.handler(job.payload, ctx);
+      if (task.timeout) {
+        // the task's advertised timeout: ctx.signal aborts, and the attempt fails (retried)
+        const late = new Promise((_, reject) => {
+          timer = setTimeout(() => {
+            const err = new Error(`the task ran past its timeout of ${task.timeout} s`);
+            err.name = "TimeoutError";
+            ctx.controller.abort(err);
+            reject(err);
+          }, task.timeout * 1000);
+        });
+        run = Promise.race([run, late]);
+      }
+      outcome = { ok: true, result: (await run) ?? null };
     } catch (err) {
       outcome = { ok: false, err };
+    } finally {
+      clearTimeout(timer);
     }
     await this.reportsSent(ctx);
     ctx.release();

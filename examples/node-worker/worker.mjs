@@ -33,6 +33,12 @@ const tasks = {
     },
   },
   "node.echo": async (payload) => payload,
+  // runs past its timeout: the attempt fails with a TimeoutError (and ctx.signal aborts)
+  "node.slow": {
+    timeout: 0.2,
+    max_attempts: 1,
+    handler: async ({ ms = 5000 }, ctx) => sleep(ms, ctx.signal),
+  },
   // reports progress while it works; stops when a cancel is asked (ctx.signal)
   "node.steps": async ({ steps = 3, ms = 10 }, ctx) => {
     for (let i = 1; i <= steps; i++) {

@@ -5,6 +5,7 @@ catalogue, and the fencing that refuses a stale worker's answers with a 409."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from typing import Any
 
@@ -461,3 +462,19 @@ async def test_a_claim_whose_worker_hung_up_claims_nothing(
     job_id = await submit(api, {"a": 1, "b": 2})  # wakes the claim
     await wait_for(lambda: claims.waiting() == 0)
     assert (await status(api, job_id))["state"] == "queued"
+
+
+async def test_an_encrypted_job_fails_for_good_rather_than_reach_an_http_worker(
+    start_api: StartApi,
+) -> None:
+    key = "k1:" + base64.b64encode(bytes(range(32))).decode()
+    api = await serve(start_api, encryption_keys=key, encrypted_queues="vault")
+    async with api.client() as c:
+        body = {"type": "http.add", "payload": {"a": 1, "b": 2}, "queue": "vault"}
+        job_id = (await c.post("/v1/jobs", json=body)).json()["id"]
+    async with worker_client(api) as w:
+        claim = {"worker": "w1", "types": ["http.add"], "queues": ["vault"]}
+        r = await w.post("/v1/worker/claim", json=claim)
+        assert r.json()["jobs"] == []  # no ciphertext handed out
+    doc = await status(api, job_id)
+    assert (doc["state"], doc["error"]["type"]) == ("failed", "jobtier.EncryptedPayload")

@@ -82,6 +82,7 @@ async def test_the_node_worker_runs_jobs_end_to_end(
         retried = await submit(api, "node.fail", {})
         fatal = await submit(api, "node.fail", {"fatal": True})
         held = await submit(api, "node.steps", {"steps": 1000, "ms": 20})
+        late = await submit(api, "node.slow", {"ms": 60_000})
         async with api.client() as c:
             r = await c.post("/v1/jobs", json={"type": "node.add", "payload": {"a": 1}})
             assert r.status_code == 422 and r.json()["field"] == "payload.b"  # its schema
@@ -91,7 +92,7 @@ async def test_the_node_worker_runs_jobs_end_to_end(
 
             await wait_for(running, timeout=30)
             assert (await c.post(f"/v1/jobs/{held}/cancel")).status_code == 200
-        ids = [*adds, steps, retried, fatal, held]
+        ids = [*adds, steps, retried, fatal, held, late]
 
         async def finished() -> bool:
             return all(d["state"] in TERMINAL for d in (await docs(api, ids)).values())
@@ -115,7 +116,8 @@ async def test_the_node_worker_runs_jobs_end_to_end(
     assert (got[fatal]["state"], got[fatal]["attempt"]) == ("failed", 1)
     assert got[fatal]["error"]["type"] == "NonRetryable"
     assert got[held]["state"] == "cancelled"
-    assert stats == {"succeeded": 21, "failed": 3, "cancelled": 1, "lost": 0}
+    assert (got[late]["state"], got[late]["error"]["type"]) == ("failed", "TimeoutError")
+    assert stats == {"succeeded": 21, "failed": 4, "cancelled": 1, "lost": 0}
 
 
 async def test_a_stale_completion_from_node_is_refused(start_api: StartApi) -> None:
