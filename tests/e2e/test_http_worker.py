@@ -313,6 +313,7 @@ async def test_bad_answers_are_refused_and_change_nothing(start_api: StartApi) -
             ("complete", {"worker": "w1", "lease_version": 0}, 422, "lease_version"),
             ("fail", lease(job, error={"message": "no type"}), 422, "error"),
             ("logs", lease(job, attempt=1, lines=[]), 422, "lines"),
+            ("fail", lease(job, error={"type": "E"}, retry_in=10**9), 422, "retry_in"),
             (
                 "complete",
                 lease(job, result="x" * (api.settings.max_result_bytes + 1)),

@@ -196,3 +196,5 @@ def constrain(c: dict[str, Any], settings: Settings) -> None:
     wait["maximum"] = settings.long_poll_max_seconds
     wait["description"] = "seconds to wait for a job (JOBTIER_LONG_POLL_MAX_SECONDS at most)"
     c["ClaimRequest"]["properties"]["queues"]["default"] = [DEFAULT_QUEUE]
+    retry_in = c["FailRequest"]["properties"]["retry_in"]["anyOf"][0]
+    retry_in["maximum"] = settings.max_future_seconds

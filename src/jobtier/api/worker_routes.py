@@ -87,7 +87,7 @@ def require_worker(request: Request) -> None:
     keys: list[str] = request.state.worker_keys
     if any(hmac.compare_digest(key.encode(), k.encode()) for k in keys):
         return
-    if key in request.state.tenants or key == request.state.admin_key:
+    if key in request.state.tenants or (key and key == request.state.admin_key):
         raise Problem(403, "forbidden", "this route needs a worker key (JOBTIER_WORKER_KEYS)")
     raise _unauthorized("unknown API key")
 
@@ -321,6 +321,9 @@ async def fail(request: Request) -> Response:
     error: dict[str, Any] = {"type": e.type, "message": e.message}
     if e.traceback:
         error["traceback"] = _tail(e.traceback, TRACEBACK_CHARS)
+    if body.retry_in is not None and body.retry_in > s.max_future_seconds:
+        detail = f"retry_in is over {s.max_future_seconds} s (JOBTIER_MAX_FUTURE_SECONDS)"
+        raise Problem(422, "validation", detail, field="retry_in")
     delay_ms = -1
     if body.retryable:
         delay = body.retry_in if body.retry_in is not None else await _backoff(request, job_id)
