@@ -10,7 +10,7 @@ import msgspec
 
 from jobtier.config import Settings
 from jobtier.core.model import DEFAULT_QUEUE, LOG_LINES, Backoff, TaskAd
-from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
+from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE, TASK_NAME_RE
 from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT
 
 WORKER_ID_RE = r"^[A-Za-z0-9_.:-]{1,64}$"
@@ -101,7 +101,7 @@ class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class CompleteItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    id: str
+    id: Annotated[str, msgspec.Meta(pattern=JOB_ID_RE.pattern)]
     lease_version: LeaseVersion
     result: Any = None
 

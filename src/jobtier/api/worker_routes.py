@@ -275,41 +275,45 @@ async def complete(request: Request) -> Response:
 
 
 async def complete_many(request: Request) -> Response:
-    """Several jobs succeeded: one request, one pipelined script call per shard. Every item
-    is checked before anything is sent: a bad one refuses the whole batch (4xx naming it)."""
+    """Several jobs succeeded: one request, one pipelined script call per shard, one answer
+    per item, as the one-job route would give it (an id of no shard of ours: 404; an id
+    twice: the second is refused, 409, the job no longer running). A result over the limit
+    refuses the whole batch (413 naming it) before anything is sent."""
     body: CompleteManyRequest = await _body(request, CompleteManyRequest)
     queue: Queue = request.state.queue
     s = queue.settings
-    by_shard: dict[int, list[tuple[str, int, bytes]]] = {}
-    seen: set[str] = set()
+    answers: list[ItemOutcome | None] = [None] * len(body.jobs)
+    by_shard: dict[int, list[tuple[int, tuple[str, int, bytes]]]] = {}
     for i, item in enumerate(body.jobs):
-        if not queue.keys.valid_id(item.id) or item.id in seen:
-            what = "is no job id" if item.id not in seen else "is in the batch twice"
-            raise Problem(422, "validation", f"jobs[{i}].id {what}", field=f"jobs[{i}].id")
-        seen.add(item.id)
         result = b"" if item.result is None else encode_json(item.result)
         if len(result) > s.max_result_bytes:
             where = f"jobs[{i}].result"
             detail = f"{where} is over {s.max_result_bytes} bytes (JOBTIER_MAX_RESULT_BYTES)"
             raise Problem(413, "payload-too-large", detail, field=where)
+        if not queue.keys.valid_id(item.id):
+            answers[i] = _item_refused(item.id, Code.NOT_FOUND)
+            continue
         by_shard.setdefault(queue.keys.shard_of(item.id), []).append(
-            (item.id, item.lease_version, result)
+            (i, (item.id, item.lease_version, result))
         )
     worker = _redis_id(body.worker)
     calls = [
-        complete_call(shard, worker, s.retention_seconds, items)
+        complete_call(shard, worker, s.retention_seconds, [it for _, it in items])
         for shard, items in by_shard.items()
     ]
     replies = await queue.scripts.call_many(calls)
-    answers: dict[str, ItemOutcome] = {}
     for items, reply in zip(by_shard.values(), replies, strict=True):
-        for (job_id, _, _), code in zip(items, reply, strict=True):
-            if code == Code.OK:
-                answers[job_id] = ItemOutcome(job_id, 200, "succeeded")
-            else:
-                refused = _refused(job_id, Code(code))
-                answers[job_id] = ItemOutcome(job_id, refused.status, None, refused.detail)
-    return encoded(CompleteManyResponse([answers[item.id] for item in body.jobs]))
+        for (i, (job_id, _, _)), code in zip(items, reply, strict=True):
+            ok = code == Code.OK
+            answers[i] = (
+                ItemOutcome(job_id, 200, "succeeded") if ok else _item_refused(job_id, Code(code))
+            )
+    return encoded(CompleteManyResponse([a for a in answers if a is not None]))
+
+
+def _item_refused(job_id: str, code: Code) -> ItemOutcome:
+    refused = _refused(job_id, code)
+    return ItemOutcome(job_id, refused.status, None, refused.detail)
 
 
 async def fail(request: Request) -> Response:
