@@ -85,7 +85,11 @@ def _security(operation: dict[str, Any], document: dict[str, Any]) -> str:
     names = [name for requirement in schemes for name in requirement]
     if not names:
         return "none"
-    words = {"tenantKey": "a tenant's key", "adminKey": "the admin key"}
+    words = {
+        "tenantKey": "a tenant's key",
+        "adminKey": "the admin key",
+        "workerKey": "a worker key",
+    }
     return " or ".join(words.get(name, name) for name in names)
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system packages jobtier's local services and tests need, only when missing:
 # redis-server and redis-cli (Debian redis-server), PostgreSQL server binaries, Chromium for
-# the dashboard test, and Prometheus with promtool (Debian prometheus) for deploy/'s tests.
+# the dashboard test, Prometheus with promtool (Debian prometheus) for deploy/'s tests, and
+# Node (Debian nodejs) for the example HTTP worker's test.
 set -euo pipefail
 
 missing=()
@@ -12,6 +13,8 @@ ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-liberation fonts-dejavu-core)
 # deploy/'s rules and dashboard: promtool checks and tests them, a prometheus evaluates them
 command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+# the example Node worker (examples/node-worker) that tests/e2e/test_node_worker.py runs
+command -v node >/dev/null 2>&1 || missing+=(nodejs)
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

@@ -106,6 +106,11 @@ class Settings:
     api_server: str = _setting("granian", "ASGI server: granian or uvicorn.")
     api_keys: str = _setting("", "Tenant keys: 'key1:tenant1,key2:tenant2'.", secret=True)
     admin_key: str = _setting("", "Key for the admin routes.", secret=True)
+    worker_keys: str = _setting(
+        "",
+        "HTTP workers' keys, for the /v1/worker routes: 'key1,key2' (none: those answer 401).",
+        secret=True,
+    )
     rate_limit_per_second: float = _setting(
         0.0, "Per-tenant submit rate limit in jobs/s per API process (0: unlimited)."
     )
@@ -380,6 +385,10 @@ class Settings:
                 raise ConfigError(f"JOBTIER_API_KEYS entry {item[:4]}… is not 'key:tenant'")
             keys[key] = tenant
         return keys
+
+    def worker_key_list(self) -> list[str]:
+        """The HTTP workers' keys, parsed from ``worker_keys``."""
+        return [k for k in (p.strip() for p in self.worker_keys.split(",")) if k]
 
     def _encryption_problems(self) -> list[str]:
         try:

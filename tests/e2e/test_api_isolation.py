@@ -25,6 +25,7 @@ TENANT_ITEM = "tenant item"  # path names one of the tenant's jobs or schedules
 TENANT_LIST = "tenant list"  # lists the tenant's own things
 TENANT_CREATE = "tenant create"  # makes a thing of the tenant's
 ADMIN = "admin"  # admin key only
+WORKER = "worker"  # a worker key only (JOBTIER_WORKER_KEYS): a tenant's is refused, as on admin
 PUBLIC = "public"  # no key needed
 ROUTES: dict[tuple[str, str], str] = {
     ("POST", "/v1/jobs"): TENANT_CREATE,
@@ -82,6 +83,15 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/readyz"): PUBLIC,
     ("GET", "/dashboard"): PUBLIC,
     ("GET", "/v1/openapi.json"): PUBLIC,
+    ("PUT", "/v1/worker/tasks"): WORKER,
+    ("POST", "/v1/worker/claim"): WORKER,
+    ("POST", "/v1/worker/complete"): WORKER,
+    ("POST", "/v1/worker/jobs/{job_id}/heartbeat"): WORKER,
+    ("POST", "/v1/worker/jobs/{job_id}/progress"): WORKER,
+    ("POST", "/v1/worker/jobs/{job_id}/logs"): WORKER,
+    ("POST", "/v1/worker/jobs/{job_id}/complete"): WORKER,
+    ("POST", "/v1/worker/jobs/{job_id}/fail"): WORKER,
+    ("POST", "/v1/worker/jobs/{job_id}/stopped"): WORKER,
 }
 WRONG_KEY = {"authorization": "Bearer no-such-key"}
 IDEMPOTENCY_KEY = "shared-key-1"
@@ -188,7 +198,7 @@ async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue
                     await call(client, method, path, body), 401, "unauthorized", what
                 )
                 assert detail in problem["detail"], what
-            if kind == ADMIN:
+            if kind in (ADMIN, WORKER):
                 for client in (a, b):
                     assert_problem(await call(client, method, path, body), 403, "forbidden", what)
             elif kind == TENANT_ITEM:

@@ -29,6 +29,7 @@ from jobtier.api.routing import resources
 from jobtier.api.server_spans import ServerSpans
 from jobtier.api.spec import Paths
 from jobtier.api.task_schemas import TaskDocument
+from jobtier.api.worker_claims import WorkerClaims
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
 from jobtier.core.model import Dependency
@@ -110,7 +111,12 @@ def create_app(
         subscriber = reader.subscription("api-status")
         admission = Admission(settings, queue, ext.lag)
         publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader, admission])
+        # HTTP workers' claims (worker_routes.py): their wake subscription only where they may
+        worker_keys = settings.worker_key_list()
+        worker_claims = WorkerClaims(store.redis, store.keys, store.scripts)
         try:
+            if worker_keys:
+                await worker_claims.start()
             await catalog.load()
             catalog.start()
             await subscriber.start()
@@ -140,6 +146,8 @@ def create_app(
                 "metrics_publisher": publisher,
                 "catalog": catalog,
                 "dashboard_frames": ops.FrameCache(),
+                "worker_keys": worker_keys,
+                "worker_claims": worker_claims,
                 **ext.state,
             }
         finally:
@@ -147,7 +155,11 @@ def create_app(
             # or is frozen still exits, and its log names what it left behind. The loops end
             # side by side; their connections close after them.
             await asyncio.gather(
-                publisher.stop(), catalog.stop(), admission.stop(), subscriber.stop()
+                publisher.stop(),
+                catalog.stop(),
+                admission.stop(),
+                subscriber.stop(),
+                worker_claims.stop(),
             )
             await bounded("extension close", ext.close())
             await bounded("redis connections", queue.close())

@@ -40,6 +40,8 @@ from jobtier.api import (
     scaling,
     sse,
     why,
+    worker_bodies,
+    worker_routes,
 )
 from jobtier.api import spec as oa
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
@@ -132,6 +134,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
             *checkpoints.OPENAPI_TYPES,
             *breakers.OPENAPI_TYPES,
             *batch_routes.OPENAPI_TYPES,
+            *worker_bodies.OPENAPI_TYPES,
             *extra_types,
         ],
         ref_template="#/components/schemas/{name}",
@@ -184,6 +187,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
         c, "CallbackSpec", "url", maxLength=MAX_URL_LENGTH_CALLBACK, pattern=oa.CALLBACK_URL
     )
     c["CallbackSpec"]["properties"]["events"]["enum"] = list(EVENTS)
+    worker_bodies.constrain(c, settings)
     return components
 
 
@@ -517,6 +521,7 @@ def operations(settings: Settings) -> oa.Paths:
         checkpoints.operations(s),
         breakers.operations(s),
         batch_routes.operations(s),
+        worker_routes.operations(s),
     )
     return _job_paths(s).include(*parts)
 
@@ -564,6 +569,11 @@ _SECURITY_SCHEMES = {
         "type": "http",
         "scheme": "bearer",
         "description": "the admin key (JOBTIER_ADMIN_KEY), for the admin routes",
+    },
+    "workerKey": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "an HTTP worker's key (JOBTIER_WORKER_KEYS), for the worker routes",
     },
 }
 

@@ -204,7 +204,7 @@ SEALED = (
 BAD_QUEUE_NAME = refuses(422, "a queue name that breaks its pattern")
 DELETED: Answer = (204, {"description": "deleted"})
 
-Auth = Literal["tenant", "admin", "none"]
+Auth = Literal["tenant", "admin", "worker", "none"]
 
 # a callback URL (a submit's callback, a subscription's url): webhooks/safety.py checks the rest
 CALLBACK_URL = r"^https?://[^\s]+$"
@@ -264,9 +264,16 @@ def operation(
     if auth != "none":
         unauthorized = {"WWW-Authenticate": header("Bearer realm")}
         errors["401"] = problem("missing or unknown API key", unauthorized)
-    out["security"] = {"tenant": [{"tenantKey": []}], "admin": [{"adminKey": []}], "none": []}[auth]
+    out["security"] = {
+        "tenant": [{"tenantKey": []}],
+        "admin": [{"adminKey": []}],
+        "worker": [{"workerKey": []}],
+        "none": [],
+    }[auth]
     if auth == "admin":
         errors["403"] = problem("a tenant key on an admin route")
+    elif auth == "worker":
+        errors["403"] = problem("a tenant's or the admin key on a worker route")
     if backend:
         errors["503"] = problem("Redis or Postgres is unavailable; try again", RETRY_AFTER)
     out["responses"] = {**errors, **responses}

@@ -1,0 +1,403 @@
+// A jobtier HTTP worker for Node 18+, with nothing but the standard library (global fetch).
+//
+// JobtierClient speaks the protocol (docs/http-workers.md): one method per /v1/worker route,
+// each answer about a job fenced by its lease_version. Worker runs tasks with it: a claim
+// loop (a long poll for as many jobs as it has free slots), a heartbeat per running job every
+// third of the lease (its answer carries cancel requests), and the job's outcome at its end.
+
+export class LeaseLost extends Error {
+  // the API refused an answer about a job (409): its lease is not ours any more, so the
+  // job moved on (another worker may be running it) and whatever we say of it is dropped
+  constructor(jobId, detail) {
+    super(detail);
+    this.name = "LeaseLost";
+    this.jobId = jobId;
+  }
+}
+
+// Throw it from a task for a failure that no retry can mend: the job is dead-lettered.
+export class NonRetryable extends Error {
+  constructor(message) {
+    super(message);
+    this.name = "NonRetryable";
+  }
+}
+
+export class JobtierClient {
+  constructor({ url, key, worker }) {
+    this.url = url.replace(/\/$/, "");
+    this.key = key;
+    this.worker = worker;
+  }
+
+  async request(method, path, body, signal) {
+    const response = await fetch(this.url + path, {
+      method,
+      headers: { authorization: `Bearer ${this.key}`, "content-type": "application/json" },
+      body: JSON.stringify(body),
+      signal,
+    });
+    const answer = await response.json();
+    if (response.status === 409) {
+      throw new LeaseLost(answer.job_id, answer.detail);
+    }
+    if (!response.ok) {
+      const error = new Error(`${method} ${path}: ${response.status} ${answer.detail}`);
+      error.status = response.status;
+      throw error;
+    }
+    return answer;
+  }
+
+  // tasks: [{type, queue, max_attempts, backoff, timeout, payload_schema}]
+  register(tasks) {
+    return this.request("PUT", "/v1/worker/tasks", { worker: this.worker, tasks });
+  }
+
+  claim({ types, queues, count, wait, running }, signal) {
+    const body = { worker: this.worker, types, queues, count, wait, running };
+    return this.request("POST", "/v1/worker/claim", body, signal);
+  }
+
+  job(job, action, extra = {}) {
+    const body = { worker: this.worker, lease_version: job.lease_version, ...extra };
+    return this.request("POST", `/v1/worker/jobs/${job.id}/${action}`, body);
+  }
+
+  heartbeat(job, progress = null) {
+    return this.job(job, "heartbeat", { progress });
+  }
+
+  progress(job, progress) {
+    return this.job(job, "progress", { progress });
+  }
+
+  logs(job, lines) {
+    return this.job(job, "logs", { attempt: job.attempt, lines });
+  }
+
+  complete(job, result = null) {
+    return this.job(job, "complete", { result });
+  }
+
+  // several jobs' results in one request: [{id, lease_version, result}] -> one answer each,
+  // in order: {id, status: 200 | 409 | 404, state, detail}
+  completeMany(jobs) {
+    return this.request("POST", "/v1/worker/complete", { worker: this.worker, jobs });
+  }
+
+  fail(job, error, { retryable = true, retryIn = null } = {}) {
+    const body = {
+      error: {
+        type: error.name || "Error",
+        message: String(error.message ?? error),
+        traceback: error.stack || null,
+      },
+      retryable,
+      retry_in: retryIn,
+    };
+    return this.job(job, "fail", body);
+  }
+
+  stopped(job) {
+    return this.job(job, "stopped");
+  }
+}
+
+// What a task gets besides its payload: its job, a signal aborted on a cancel request (or a
+// lost lease), and ways to report progress and log lines.
+class JobContext {
+  constructor(worker, job) {
+    this.job = job;
+    this.controller = new AbortController();
+    this.signal = this.controller.signal;
+    this.worker = worker;
+    this.lost = false;
+    this.cancelled = false;
+    this.pendingProgress = undefined;
+    this.progressSent = null; // the progress report in flight, if any
+    this.pendingLines = [];
+    this.logsSent = null; // the log lines in flight, if any
+  }
+
+  progress(value) {
+    this.pendingProgress = value; // sent at once, merged with others in flight
+    this.worker.sendProgress(this);
+  }
+
+  log(...parts) {
+    const line = parts.map((p) => (typeof p === "string" ? p : JSON.stringify(p))).join(" ");
+    this.pendingLines.push(line); // sent at once, with the others logged meanwhile
+    this.worker.sendLogs(this);
+  }
+}
+
+export class Worker {
+  // tasks: {type: handler(payload, ctx) | {handler, queue, max_attempts, backoff, timeout,
+  // payload_schema}}
+  constructor({ url, key, worker, tasks, queues, concurrency = 10, wait = 20, log = console }) {
+    this.client = new JobtierClient({ url, key, worker: worker ?? `node-${process.pid}` });
+    this.tasks = {};
+    for (const [type, spec] of Object.entries(tasks)) {
+      this.tasks[type] = typeof spec === "function" ? { handler: spec } : spec;
+    }
+    this.queues = queues ?? [...new Set(Object.values(this.tasks).map((t) => t.queue ?? "default"))];
+    this.concurrency = concurrency;
+    this.wait = wait;
+    this.log = log;
+    this.running = new Map(); // job id -> JobContext
+    this.reporting = new Set(); // per job started: done once its outcome is sent
+    this.stopping = false;
+    this.claimAbort = new AbortController();
+    this.slotFree = null; // resolves when a running job ends
+    this.stats = { succeeded: 0, failed: 0, cancelled: 0, lost: 0 };
+    // results waiting for the next batch: one request carries all that ended while the
+    // previous one was in flight (a request per job would make the API the bottleneck)
+    this.outbox = [];
+    this.sending = false;
+  }
+
+  async register() {
+    const ads = Object.entries(this.tasks).map(([type, t]) => ({
+      type,
+      queue: t.queue ?? "default",
+      max_attempts: t.max_attempts ?? 3,
+      backoff: t.backoff ?? null,
+      timeout: t.timeout ?? null,
+      payload_schema: t.payload_schema ?? null,
+    }));
+    await this.client.register(ads);
+  }
+
+  // Claim and run jobs until stop(); then wait for the running ones to end.
+  async run() {
+    await this.register();
+    // an advert counts for JOBTIER_TASK_CATALOG_TTL: say it again now and then
+    const advert = setInterval(() => this.register().catch(() => {}), 60_000);
+    let backoff = 100;
+    try {
+      while (!this.stopping) {
+        const free = this.concurrency - this.running.size;
+        if (free <= 0) {
+          await new Promise((resolve) => (this.slotFree = resolve));
+          continue;
+        }
+        let answer;
+        try {
+          answer = await this.client.claim(
+            {
+              types: Object.keys(this.tasks),
+              queues: this.queues,
+              count: free,
+              wait: this.wait,
+              running: this.running.size,
+            },
+            this.claimAbort.signal,
+          );
+          backoff = 100;
+        } catch (err) {
+          if (this.stopping) break;
+          this.log.error(`claim failed: ${err.message}; retrying in ${backoff} ms`);
+          await new Promise((resolve) => setTimeout(resolve, backoff));
+          backoff = Math.min(backoff * 2, 5000);
+          continue;
+        }
+        for (const job of answer.jobs) {
+          this.start(job, answer.lease_seconds);
+        }
+      }
+    } finally {
+      clearInterval(advert);
+    }
+    while (this.reporting.size > 0) {
+      await Promise.allSettled([...this.reporting]); // the running jobs, and their outcomes
+    }
+  }
+
+  // Claim nothing more; jobs running finish (call giveBack() to hand them back instead).
+  stop() {
+    this.stopping = true;
+    this.claimAbort.abort();
+    this.wakeClaimLoop();
+  }
+
+  // Hand every running job back to its queue now (a shutdown that cannot wait for them).
+  async giveBack() {
+    await Promise.all(
+      [...this.running.values()].map((ctx) => {
+        ctx.lost = true; // its outcome is no longer ours to report
+        ctx.controller.abort();
+        return this.client.stopped(ctx.job).catch(() => {});
+      }),
+    );
+  }
+
+  wakeClaimLoop() {
+    const resolve = this.slotFree;
+    this.slotFree = null;
+    if (resolve) resolve();
+  }
+
+  start(job, leaseSeconds) {
+    const ctx = new JobContext(this, job);
+    this.running.set(job.id, ctx);
+    const beat = setInterval(() => this.beat(ctx), (leaseSeconds * 1000) / 3);
+    // the slot frees as the task ends, ahead of its outcome's request (as a Python worker's
+    // does): the next claim and the outcome travel side by side
+    ctx.release = () => {
+      clearInterval(beat);
+      if (this.running.delete(job.id)) this.wakeClaimLoop();
+    };
+    const done = this.execute(ctx)
+      .catch((err) => this.log.error(`job ${job.id}: ${err.message}`))
+      .finally(() => {
+        ctx.release();
+        this.reporting.delete(done);
+      });
+    this.reporting.add(done);
+  }
+
+  async execute(ctx) {
+    const { job } = ctx;
+    const task = this.tasks[job.type];
+    let outcome;
+    let timer;
+    try {
+      let run = task.handler(job.payload, ctx);
+      if (task.timeout) {
+        // the task's advertised timeout: ctx.signal aborts, and the attempt fails (retried)
+        const late = new Promise((_, reject) => {
+          timer = setTimeout(() => {
+            const err = new Error(`the task ran past its timeout of ${task.timeout} s`);
+            err.name = "TimeoutError";
+            ctx.controller.abort(err);
+            reject(err);
+          }, task.timeout * 1000);
+        });
+        run = Promise.race([run, late]);
+      }
+      outcome = { ok: true, result: (await run) ?? null };
+    } catch (err) {
+      outcome = { ok: false, err };
+    } finally {
+      clearTimeout(timer);
+    }
+    await this.reportsSent(ctx);
+    ctx.release();
+    if (ctx.lost) {
+      this.stats.lost += 1;
+      return; // the job moved on: anything we said would be refused (409)
+    }
+    try {
+      if (ctx.cancelled) {
+        await this.client.stopped(job);
+        this.stats.cancelled += 1;
+      } else if (outcome.ok) {
+        await this.completeBatched(job, outcome.result);
+        this.stats.succeeded += 1;
+      } else {
+        const err = outcome.err instanceof Error ? outcome.err : new Error(String(outcome.err));
+        await this.client.fail(job, err, { retryable: !(err instanceof NonRetryable) });
+        this.stats.failed += 1;
+      }
+    } catch (err) {
+      if (err instanceof LeaseLost) {
+        this.stats.lost += 1;
+        this.log.error(`job ${job.id}: outcome refused, ${err.message}`);
+        return;
+      }
+      throw err;
+    }
+  }
+
+  completeBatched(job, result) {
+    return new Promise((resolve, reject) => {
+      this.outbox.push({ job, result, resolve, reject });
+      if (!this.sending) this.sendResults();
+    });
+  }
+
+  async sendResults() {
+    this.sending = true;
+    try {
+      while (this.outbox.length > 0) {
+        const batch = this.outbox.splice(0, 1000);
+        const items = batch.map(({ job, result }) => ({
+          id: job.id,
+          lease_version: job.lease_version,
+          result,
+        }));
+        try {
+          const answer = await this.client.completeMany(items);
+          answer.jobs.forEach((r, i) =>
+            r.status === 200 ? batch[i].resolve(r) : batch[i].reject(new LeaseLost(r.id, r.detail)),
+          );
+        } catch (err) {
+          for (const b of batch) b.reject(err); // their leases expire: the jobs run again
+        }
+      }
+    } finally {
+      this.sending = false;
+    }
+  }
+
+  async beat(ctx) {
+    try {
+      const answer = await this.client.heartbeat(ctx.job);
+      this.onAnswer(ctx, answer);
+    } catch (err) {
+      this.onBeatError(ctx, err);
+    }
+  }
+
+  // One progress report and one batch of log lines in flight per job, the latest progress
+  // winning; the job's outcome waits for them (reportsSent), else it could overtake them
+  // and they be refused (the job would have ended).
+  sendProgress(ctx) {
+    if (ctx.progressSent) return;
+    const value = ctx.pendingProgress;
+    ctx.pendingProgress = undefined;
+    ctx.progressSent = this.client
+      .progress(ctx.job, value)
+      .then((answer) => this.onAnswer(ctx, answer))
+      .catch((err) => this.onBeatError(ctx, err))
+      .finally(() => {
+        ctx.progressSent = null;
+        if (ctx.pendingProgress !== undefined) this.sendProgress(ctx);
+      });
+  }
+
+  sendLogs(ctx) {
+    if (ctx.logsSent) return;
+    const lines = ctx.pendingLines.splice(0, 200);
+    ctx.logsSent = this.client
+      .logs(ctx.job, lines)
+      .catch((err) => this.onBeatError(ctx, err))
+      .finally(() => {
+        ctx.logsSent = null;
+        if (ctx.pendingLines.length > 0) this.sendLogs(ctx);
+      });
+  }
+
+  async reportsSent(ctx) {
+    while (ctx.progressSent || ctx.logsSent) {
+      await Promise.all([ctx.progressSent, ctx.logsSent]);
+    }
+  }
+
+  onAnswer(ctx, answer) {
+    if (answer.cancel_requested && !ctx.cancelled) {
+      ctx.cancelled = true; // the task sees ctx.signal aborted; we then say "stopped"
+      ctx.controller.abort();
+    }
+  }
+
+  onBeatError(ctx, err) {
+    if (err instanceof LeaseLost) {
+      ctx.lost = true;
+      ctx.controller.abort();
+    } else {
+      this.log.error(`job ${ctx.job.id}: heartbeat failed: ${err.message}`);
+    }
+  }
+}

@@ -1,0 +1,200 @@
+"""The bodies of the HTTP worker protocol's requests and answers (worker_routes.py): the
+msgspec Structs the routes decode and encode with, from which the OpenAPI document's
+schemas are generated."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+
+from jobtier.config import Settings
+from jobtier.core.model import DEFAULT_QUEUE, LOG_LINES, Backoff, TaskAd
+from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE, TASK_NAME_RE
+from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT
+
+WORKER_ID_RE = r"^[A-Za-z0-9_.:-]{1,64}$"
+MAX_CLAIM = 1000  # jobs one claim may ask for
+MAX_TYPES = 200  # task types (and queues) one claim may name
+TRACEBACK_CHARS = 4000  # a failure's traceback is kept to its last this many characters
+ERROR_CHARS = 4000  # longest error message
+ADVERTISE_EVERY = 5.0  # s: a claiming worker is written to the workers hash at most this often
+ADVERTISED_KEPT = 10_000  # workers whose last advert an API process remembers
+DEFAULT_BACKOFF = Backoff(1.0, 2.0, 300.0, 0.1)  # a Python task's default RetryPolicy
+
+WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_RE)]
+TaskName = Annotated[str, msgspec.Meta(pattern=TASK_NAME_RE.pattern)]
+QueueName = Annotated[str, msgspec.Meta(pattern=QUEUE_NAME_RE.pattern)]
+LeaseVersion = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ClaimRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A long poll for jobs: answered as soon as one is claimed, or empty after ``wait``."""
+
+    worker: WorkerId
+    types: Annotated[list[TaskName], msgspec.Meta(min_length=1, max_length=MAX_TYPES)]
+    # (default: the default queue)
+    queues: Annotated[list[QueueName], msgspec.Meta(min_length=1, max_length=MAX_TYPES)] = (
+        msgspec.field(default_factory=lambda: [DEFAULT_QUEUE])
+    )
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_CLAIM)] = 1
+    wait: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    running: Annotated[int, msgspec.Meta(ge=0)] = 0  # jobs it runs now (the workers view)
+
+
+class WorkerJob(msgspec.Struct):
+    """A claimed job: the answers about it carry ``worker`` and ``lease_version``."""
+
+    id: str
+    type: str
+    queue: str
+    payload: msgspec.Raw
+    attempt: int
+    max_attempts: int
+    lease_version: int
+    traceparent: str | None = None
+    compensates: str | None = None
+
+
+class ClaimResponse(msgspec.Struct):
+    jobs: list[WorkerJob]
+    lease_seconds: float
+
+
+class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    worker: WorkerId
+    lease_version: LeaseVersion
+
+
+class HeartbeatRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    worker: WorkerId
+    lease_version: LeaseVersion
+    progress: Any = None  # null: unchanged
+
+
+class ProgressRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    worker: WorkerId
+    lease_version: LeaseVersion
+    progress: Any
+
+
+class HeartbeatResponse(msgspec.Struct):
+    cancel_requested: bool
+    lease_seconds: float
+
+
+class LogRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    worker: WorkerId
+    lease_version: LeaseVersion
+    attempt: Annotated[int, msgspec.Meta(ge=1)]
+    lines: Annotated[list[str], msgspec.Meta(min_length=1, max_length=LOG_LINES)]
+
+
+class LogResponse(msgspec.Struct):
+    written: int
+
+
+class CompleteRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    worker: WorkerId
+    lease_version: LeaseVersion
+    result: Any = None
+
+
+class CompleteItem(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    id: Annotated[str, msgspec.Meta(pattern=JOB_ID_RE.pattern)]
+    lease_version: LeaseVersion
+    result: Any = None
+
+
+class CompleteManyRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    worker: WorkerId
+    jobs: Annotated[list[CompleteItem], msgspec.Meta(min_length=1, max_length=MAX_CLAIM)]
+
+
+class ItemOutcome(msgspec.Struct):
+    """One job's answer in a batch: ``status`` as the one-job route would answer (200, or
+    409 for a lease lost, 404 for a job Redis no longer keeps), ``detail`` for a refusal."""
+
+    id: str
+    status: int
+    state: str | None = None
+    detail: str | None = None
+
+
+class CompleteManyResponse(msgspec.Struct):
+    jobs: list[ItemOutcome]
+
+
+class WorkerError(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
+    message: Annotated[str, msgspec.Meta(max_length=ERROR_CHARS)] = ""
+    traceback: str | None = None  # kept to its last TRACEBACK_CHARS characters
+
+
+class FailRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    worker: WorkerId
+    lease_version: LeaseVersion
+    error: WorkerError
+    retryable: bool = True
+    retry_in: Annotated[float, msgspec.Meta(ge=0)] | None = None  # s; null: the task's backoff
+
+
+class Outcome(msgspec.Struct):
+    id: str
+    state: str
+
+
+class RetryBackoff(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """``delay = min(base * factor ** (attempt - 1), cap)`` plus up to ``jitter * delay``."""
+
+    base: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    factor: Annotated[float, msgspec.Meta(ge=1)] = 2.0
+    cap: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    jitter: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+
+
+class WorkerTask(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    type: TaskName
+    queue: QueueName = DEFAULT_QUEUE
+    max_attempts: Annotated[int, msgspec.Meta(ge=1, le=MAX_ATTEMPTS_LIMIT)] = 3
+    backoff: RetryBackoff | None = None
+    timeout: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    payload_schema: dict[str, Any] | None = None
+
+
+class TasksRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    worker: WorkerId
+    tasks: Annotated[list[WorkerTask], msgspec.Meta(min_length=1, max_length=MAX_TYPES)]
+
+
+class TasksResponse(msgspec.Struct):
+    tasks: list[TaskAd]
+
+
+OPENAPI_TYPES = (
+    ClaimRequest,
+    ClaimResponse,
+    HeartbeatRequest,
+    ProgressRequest,
+    HeartbeatResponse,
+    LogRequest,
+    LogResponse,
+    CompleteRequest,
+    CompleteManyRequest,
+    CompleteManyResponse,
+    FailRequest,
+    LeaseRequest,
+    Outcome,
+    TasksRequest,
+    TasksResponse,
+)
+
+
+def constrain(c: dict[str, Any], settings: Settings) -> None:
+    """The rules of the worker bodies that are settings, not constants."""
+    wait = c["ClaimRequest"]["properties"]["wait"]
+    wait["maximum"] = settings.long_poll_max_seconds
+    wait["description"] = "seconds to wait for a job (JOBTIER_LONG_POLL_MAX_SECONDS at most)"
+    c["ClaimRequest"]["properties"]["queues"]["default"] = [DEFAULT_QUEUE]
+    retry_in = c["FailRequest"]["properties"]["retry_in"]["anyOf"][0]
+    retry_in["maximum"] = settings.max_future_seconds

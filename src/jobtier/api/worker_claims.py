@@ -1,0 +1,208 @@
+"""The HTTP workers' claims: a bounded long poll that runs the Python worker's claim script.
+
+A claim asks the shards for jobs in pipelined rounds (the script, its fencing and its lease
+are claim.lua's, as for a Python worker) and, when every shard it knows of is empty, waits
+for a wake on the shards' wake channels (``q <queue>``, the channel Python workers sleep
+on), through one subscription this API process opens for all its waiting claims: no Redis
+connection sits blocked for a waiting worker, and an idle API polls nothing. A safety-net
+look (``IDLE_LOOK``) covers a wake lost between two subscriptions.
+
+Races guarded here, as the Python claim loop (worker/claimer.py) guards them:
+
+- a wake that arrives while a claim is in flight is newer than its answer: each waiter's
+  ``gen`` per shard is bumped by every wake, and a reply sets the shard's count of ready
+  jobs only if no wake came since it was asked;
+- a (re)subscription may have missed wakes: ``_on_reset`` marks every shard unknown for
+  every waiter;
+- a blocked (rate-limited) queue may count ready jobs that no claim takes: a shard that
+  gave nothing is not asked again before a wake, and the wait ends when the block does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from jobtier.core.keys import Keys
+from jobtier.core.model import ClaimedJob
+from jobtier.runtime.loop import wait_for
+from jobtier.store.calls import Call, claim_call, parse_claim
+from jobtier.store.redis import RedisClient, ShardSubscriber
+from jobtier.store.scripts import Scripts
+
+log = logging.getLogger("jobtier.api.workers")
+
+UNKNOWN = 1 << 30  # a shard whose ready jobs we don't know: worth asking
+IDLE_LOOK = 5.0  # s between looks at every shard while no wake comes (the safety net)
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A claim in progress: what it knows of each shard, and its wake-up."""
+
+    queues: frozenset[str]
+    ready: list[int]
+    gen: list[int]
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    wake_at: float = 0.0  # monotonic time a blocked queue's block ends (0: none)
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    job: ClaimedJob
+    shard: int
+
+
+class WorkerClaims:
+    """The claims of the HTTP workers an API process serves (see the module docstring)."""
+
+    def __init__(self, redis: RedisClient, keys: Keys, scripts: Scripts) -> None:
+        self.keys = keys
+        self.scripts = scripts
+        self._waiters: dict[str, set[_Waiter]] = {}  # queue -> the claims waiting for it
+        self._turn = 0  # the shard the next claim starts at: claims spread over the shards
+        self._closing = False
+        self.advertised: dict[str, float] = {}  # worker id -> when it was last advertised
+        self._subscriber = ShardSubscriber(
+            redis,
+            [keys.wake(shard) for shard in range(keys.shards)],
+            self._on_wake,
+            self._on_reset,
+            name="api-worker-claims",
+        )
+
+    async def start(self) -> None:
+        await self._subscriber.start()
+
+    async def stop(self) -> None:
+        """Claims waiting end now with what they have (nothing): the API is stopping."""
+        self._closing = True
+        for waiters in self._waiters.values():
+            for w in waiters:
+                w.event.set()
+        await self._subscriber.stop()
+
+    def waiting(self) -> int:
+        """Claims waiting for a wake now (tests wait for a claim to be parked)."""
+        return len({w for ws in self._waiters.values() for w in ws})
+
+    def _on_wake(self, channel: bytes, data: bytes) -> None:
+        # "q <queue>": a queue of the shard had no ready job and now has some
+        if data[:2] != b"q ":
+            return
+        waiters = self._waiters.get(data[2:].decode())
+        if not waiters:
+            return
+        shard = int(channel[channel.index(b"{") + 1 : channel.index(b"}")])
+        for w in waiters:
+            w.ready[shard] = UNKNOWN
+            w.gen[shard] += 1
+            w.event.set()
+
+    def _on_reset(self) -> None:
+        for waiters in self._waiters.values():
+            for w in waiters:
+                w.ready = [UNKNOWN] * self.keys.shards
+                w.gen = [g + 1 for g in w.gen]
+                w.event.set()
+
+    async def claim(
+        self,
+        worker: str,
+        types: Sequence[str],
+        queues: Sequence[str],
+        count: int,
+        lease_ms: int,
+        wait: float,
+        gone: Callable[[], Awaitable[bool]],
+    ) -> list[Claimed]:
+        """Up to ``count`` jobs, as soon as there is one; none after ``wait`` seconds, or once
+        ``gone()`` says the worker hung up while it waited (its jobs would wait for their
+        leases to expire)."""
+        shards = self.keys.shards
+        w = _Waiter(frozenset(queues), [UNKNOWN] * shards, [0] * shards)
+        deadline = time.monotonic() + wait
+        for q in w.queues:
+            self._waiters.setdefault(q, set()).add(w)
+        try:
+            while True:
+                w.event.clear()
+                jobs = await self._rounds(w, worker, types, queues, count, lease_ms)
+                left = deadline - time.monotonic()
+                if jobs or left <= 0 or self._closing:
+                    return jobs
+                if w.wake_at:
+                    left = min(left, max(w.wake_at - time.monotonic(), 0.0))
+                woke = await wait_for(w.event, min(left, IDLE_LOOK))
+                if not woke:  # the safety net, or a block ended: look everywhere again
+                    w.ready = [UNKNOWN] * shards
+                    w.wake_at = 0.0
+                if self._closing or await gone():
+                    return []
+        finally:
+            for q in w.queues:
+                waiters = self._waiters.get(q)
+                if waiters is not None:
+                    waiters.discard(w)
+                    if not waiters:
+                        del self._waiters[q]
+
+    async def _rounds(
+        self,
+        w: _Waiter,
+        worker: str,
+        types: Sequence[str],
+        queues: Sequence[str],
+        count: int,
+        lease_ms: int,
+    ) -> list[Claimed]:
+        """Pipelined rounds of claims over the shards that may hold ready jobs, until
+        ``count`` are claimed or no shard may hold more."""
+        out: list[Claimed] = []
+        asked = [(q, -1) for q in queues]
+        while len(out) < count:
+            plan = self._plan(w, count - len(out))
+            if not plan:
+                break
+            gens = [w.gen[shard] for shard, _ in plan]
+            calls: list[Call] = [
+                claim_call(shard, worker, n, lease_ms, asked, types) for shard, n in plan
+            ]
+            replies = await self.scripts.call_many(calls)
+            for (shard, _), g, reply in zip(plan, gens, replies, strict=True):
+                batch = parse_claim(shard, reply)
+                if w.gen[shard] == g:
+                    # a shard that gave nothing may still count jobs no claim takes now (a
+                    # blocked queue): asking it again before a wake would spin
+                    w.ready[shard] = batch.ready_left if batch.jobs else 0
+                if batch.wake_at_ms > 0:
+                    at = time.monotonic() + (batch.wake_at_ms - batch.now_ms) / 1000
+                    w.wake_at = min(w.wake_at, at) if w.wake_at else at
+                out.extend(Claimed(job, shard) for job in batch.jobs)
+        return out
+
+    def _plan(self, w: _Waiter, want: int) -> list[tuple[int, int]]:
+        """(shard, jobs to ask of it) for one round: shards known to hold ready jobs first,
+        then unknown ones, the ``want`` spread over them; never more than ``want`` in all, so
+        that a claim takes no job it cannot hand to its worker."""
+        shards = self.keys.shards
+        start = self._turn
+        self._turn = (start + 1) % shards
+        order = [(start + i) % shards for i in range(shards)]
+        known = [s for s in order if 0 < w.ready[s] < UNKNOWN]
+        unknown = [s for s in order if w.ready[s] >= UNKNOWN]
+        asks: dict[int, int] = {}
+        left = want
+        for s in known:
+            if left <= 0:
+                break
+            asks[s] = min(w.ready[s], left)
+            left -= asks[s]
+        probes = unknown[:left]
+        for i, s in enumerate(probes):
+            # an even share of what is left, the first shards taking the remainder
+            asks[s] = left // len(probes) + (1 if i < left % len(probes) else 0)
+        return list(asks.items())

@@ -1,0 +1,480 @@
+"""The HTTP worker protocol (api/worker_routes.py), black-box against a real API and Redis:
+claims (and their long poll), leases, progress, log lines, outcomes, cancel notices, the
+catalogue, and the fencing that refuses a stale worker's answers with a 409."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+from typing import Any
+
+import httpx
+import pytest
+
+from jobtier.api import worker_claims
+from jobtier.store.calls import reclaim_call
+from tests.fixtures.api import ApiServer, StartApi
+from tests.fixtures.engine import wait_for
+
+pytestmark = pytest.mark.contract
+
+WORKER_KEY = "wk-test"
+TASK = {
+    "type": "http.add",
+    "queue": "default",
+    "max_attempts": 2,
+    "backoff": {"base": 0.01, "factor": 1, "cap": 0.01, "jitter": 0},
+    "payload_schema": {
+        "type": "object",
+        "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+        "required": ["a", "b"],
+    },
+}
+
+
+def worker_client(api: ApiServer, key: str = WORKER_KEY) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=api.url, headers={"authorization": f"Bearer {key}"}, timeout=30
+    )
+
+
+async def serve(start_api: StartApi, **overrides: Any) -> ApiServer:
+    api = await start_api(worker_keys=f"other-key,{WORKER_KEY}", **overrides)
+    async with worker_client(api) as w:
+        r = await w.put("/v1/worker/tasks", json={"worker": "w1", "tasks": [TASK]})
+        assert r.status_code == 200, r.text
+    return api
+
+
+async def submit(api: ApiServer, payload: Any, type: str = "http.add") -> str:
+    async with api.client() as c:
+        r = await c.post("/v1/jobs", json={"type": type, "payload": payload})
+        assert r.status_code == 202, r.text
+        job_id: str = r.json()["id"]
+        return job_id
+
+
+async def status(api: ApiServer, job_id: str) -> dict[str, Any]:
+    async with api.client() as c:
+        r = await c.get(f"/v1/jobs/{job_id}")
+        assert r.status_code == 200, r.text
+        doc: dict[str, Any] = r.json()
+        return doc
+
+
+async def claim_one(w: httpx.AsyncClient, worker: str = "w1", wait: float = 5) -> dict[str, Any]:
+    r = await w.post(
+        "/v1/worker/claim", json={"worker": worker, "types": ["http.add"], "wait": wait}
+    )
+    assert r.status_code == 200, r.text
+    (job,) = r.json()["jobs"]
+    return dict(job)
+
+
+def lease(job: dict[str, Any], worker: str = "w1", **more: Any) -> dict[str, Any]:
+    return {"worker": worker, "lease_version": job["lease_version"], **more}
+
+
+async def test_a_job_runs_end_to_end_with_progress_and_log_lines(start_api: StartApi) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 2, "b": 3})
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        assert (job["id"], job["type"], job["payload"], job["attempt"]) == (
+            job_id, "http.add", {"a": 2, "b": 3}, 1,
+        )  # fmt: skip
+        assert (await status(api, job_id))["state"] == "running"
+        base = f"/v1/worker/jobs/{job_id}"
+        r = await w.post(f"{base}/progress", json=lease(job, progress={"done": 1, "of": 2}))
+        assert r.json() == {"cancel_requested": False, "lease_seconds": api.settings.lease_seconds}
+        assert (await status(api, job_id))["progress"] == {"done": 1, "of": 2}
+        r = await w.post(f"{base}/logs", json=lease(job, attempt=1, lines=["one", "two"]))
+        assert r.json() == {"written": 2}
+        r = await w.post(f"{base}/heartbeat", json=lease(job))
+        assert r.status_code == 200 and r.json()["cancel_requested"] is False
+        r = await w.post(f"{base}/complete", json=lease(job, result={"sum": 5}))
+        assert r.json() == {"id": job_id, "state": "succeeded"}
+    async with api.client() as c:
+        result = (await c.get(f"/v1/jobs/{job_id}/result")).json()
+        assert (result["state"], result["result"]) == ("succeeded", {"sum": 5})
+        lines = (await c.get(f"/v1/jobs/{job_id}/logs")).json()["lines"]
+        assert [(x["message"], x["attempt"]) for x in lines] == [("one", 1), ("two", 1)]
+
+
+async def test_the_task_is_in_the_catalogue_and_its_schema_checks_submits(
+    start_api: StartApi,
+) -> None:
+    api = await serve(start_api)
+    async with api.client("admin") as admin:
+        tasks = {t["type"]: t for t in (await admin.get("/v1/admin/tasks")).json()["tasks"]}
+    ad = tasks["http.add"]
+    assert (ad["queue"], ad["max_attempts"], ad["worker"]) == ("default", 2, "http:w1")
+    assert ad["payload_schema"] == TASK["payload_schema"]
+    async with api.client() as c:
+        r = await c.post("/v1/jobs", json={"type": "http.add", "payload": {"a": 1}})
+        assert r.status_code == 422 and r.json()["field"] == "payload.b"
+
+
+async def test_a_stale_completion_is_refused_and_changes_nothing(start_api: StartApi) -> None:
+    # a 1 s lease that nobody extends: the scheduler's reclaim (run here) requeues the job,
+    # another worker claims it, and the first worker's late answers are refused
+    api = await serve(start_api, lease_seconds=1)
+    job_id = await submit(api, {"a": 1, "b": 1})
+    queue = api.server.lifespan.state["queue"]
+    shard = queue.keys.shard_of(job_id)
+    async with worker_client(api) as w:
+        first = await claim_one(w, "w1")
+
+        async def requeued() -> bool:
+            await queue.scripts.call_many([reclaim_call(shard, 10, 60, 60)])
+            return bool((await status(api, job_id))["state"] == "queued")
+
+        await wait_for(requeued)
+        second = await claim_one(w, "w2")
+        assert second["lease_version"] > first["lease_version"]
+        before = await status(api, job_id)
+        base = f"/v1/worker/jobs/{job_id}"
+        for action, body in (
+            ("complete", lease(first, result={"late": True})),
+            ("fail", lease(first, error={"type": "Late", "message": "too late"})),
+            ("heartbeat", lease(first, progress=0.5)),
+            ("logs", lease(first, attempt=1, lines=["late"])),
+            ("stopped", lease(first)),
+        ):
+            r = await w.post(f"{base}/{action}", json=body)
+            assert r.status_code == 409, (action, r.text)
+            assert r.json()["job_id"] == job_id
+        after = await status(api, job_id)
+        assert after == before  # same version: nothing changed
+        # the worker whose lease it is still answers
+        r = await w.post(f"{base}/complete", json=lease(second, "w2", result=2))
+        assert r.json()["state"] == "succeeded"
+    async with api.client() as c:
+        assert (await c.get(f"/v1/jobs/{job_id}/logs")).json()["lines"] == []
+
+
+async def test_failures_retry_by_the_backoff_then_dead_letter_with_the_traceback(
+    start_api: StartApi,
+) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    trace = "Error: boom\n    at task (worker.mjs:1:1)"
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        error = {"type": "Error", "message": "boom", "traceback": trace}
+        r = await w.post(f"/v1/worker/jobs/{job_id}/fail", json=lease(job, error=error))
+        assert r.json() == {"id": job_id, "state": "scheduled"}
+        # the advertised backoff (10 ms): the scheduler's promote makes it ready again
+        queue = api.server.lifespan.state["queue"]
+        job = await _claim_after_promote(w, queue)
+        assert job["attempt"] == 2
+        r = await w.post(f"/v1/worker/jobs/{job_id}/fail", json=lease(job, error=error))
+        assert r.json()["state"] == "failed"  # its two attempts are used
+    doc = await status(api, job_id)
+    assert doc["error"] == {"type": "Error", "message": "boom", "traceback": trace}
+
+
+async def _claim_after_promote(w: httpx.AsyncClient, queue: Any) -> dict[str, Any]:
+    from jobtier.store.calls import promote_call
+
+    jobs: list[dict[str, Any]] = []
+
+    async def claimed() -> bool:
+        await queue.scripts.call_many([promote_call(s, 100) for s in range(queue.keys.shards)])
+        r = await w.post("/v1/worker/claim", json={"worker": "w1", "types": ["http.add"]})
+        jobs.extend(r.json()["jobs"])
+        return bool(jobs)
+
+    await wait_for(claimed)
+    return jobs[0]
+
+
+async def test_a_non_retryable_failure_dead_letters_at_once(start_api: StartApi) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        body = lease(job, error={"type": "Fatal", "message": "no"}, retryable=False)
+        r = await w.post(f"/v1/worker/jobs/{job_id}/fail", json=body)
+        assert r.json()["state"] == "failed"
+    assert (await status(api, job_id))["attempt"] == 1
+
+
+async def test_a_cancel_request_reaches_the_worker_in_the_heartbeat_answer(
+    start_api: StartApi,
+) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        async with api.client() as c:
+            r = await c.post(f"/v1/jobs/{job_id}/cancel")
+            assert r.json()["cancel_requested"] is True
+        r = await w.post(f"/v1/worker/jobs/{job_id}/heartbeat", json=lease(job))
+        assert r.json()["cancel_requested"] is True
+        r = await w.post(f"/v1/worker/jobs/{job_id}/stopped", json=lease(job))
+        assert r.json() == {"id": job_id, "state": "cancelled"}
+
+
+async def test_a_stopped_job_without_a_cancel_goes_back_to_its_queue(start_api: StartApi) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        r = await w.post(f"/v1/worker/jobs/{job_id}/stopped", json=lease(job))
+        assert r.json()["state"] == "queued"
+        again = await claim_one(w)
+        assert again["id"] == job_id and again["attempt"] == 1  # the attempt did not count
+
+
+async def test_a_waiting_claim_is_woken_by_a_submit(
+    start_api: StartApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # no safety-net look during the test: only the wake can hand the job over in time
+    monkeypatch.setattr(worker_claims, "IDLE_LOOK", 3600.0)
+    api = await serve(start_api)
+    claims = api.server.lifespan.state["worker_claims"]
+    async with worker_client(api) as w:
+        body = {"worker": "w1", "types": ["http.add"], "count": 5, "wait": 30}
+        waiting = asyncio.create_task(w.post("/v1/worker/claim", json=body))
+        try:
+            await wait_for(lambda: claims.waiting() == 1)
+            job_id = await submit(api, {"a": 1, "b": 2})
+            r = await asyncio.wait_for(waiting, 20)
+        finally:
+            waiting.cancel()
+        assert [j["id"] for j in r.json()["jobs"]] == [job_id]
+    assert claims.waiting() == 0
+
+
+async def test_a_claim_takes_at_most_count_jobs_and_answers_empty_after_its_wait(
+    start_api: StartApi,
+) -> None:
+    api = await serve(start_api)
+    ids = {await submit(api, {"a": i, "b": i}) for i in range(7)}
+    async with worker_client(api) as w:
+        body = {"worker": "w1", "types": ["http.add"], "count": 4}
+        first = (await w.post("/v1/worker/claim", json=body)).json()["jobs"]
+        second = (await w.post("/v1/worker/claim", json=body)).json()["jobs"]
+        assert len(first) == 4 and len(second) == 3
+        assert {j["id"] for j in first + second} == ids
+        r = await w.post("/v1/worker/claim", json={**body, "wait": 0.2})
+        assert r.json()["jobs"] == []
+
+
+async def test_worker_routes_need_a_worker_key(start_api: StartApi) -> None:
+    api = await serve(start_api)
+    body = {"worker": "w1", "types": ["http.add"]}
+    async with httpx.AsyncClient(base_url=api.url) as anonymous:
+        r = await anonymous.post("/v1/worker/claim", json=body)
+        assert r.status_code == 401 and "www-authenticate" in r.headers
+    async with api.client() as tenant:
+        assert (await tenant.post("/v1/worker/claim", json=body)).status_code == 403
+    async with api.client("admin") as admin:
+        assert (await admin.post("/v1/worker/claim", json=body)).status_code == 403
+    async with worker_client(api, "not-a-key") as stranger:
+        assert (await stranger.post("/v1/worker/claim", json=body)).status_code == 401
+    async with worker_client(api, "other-key") as second_key:
+        assert (await second_key.post("/v1/worker/claim", json=body)).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"worker": "w 1", "types": ["http.add"]}, "worker"),
+        ({"worker": "w1", "types": []}, "types"),
+        ({"worker": "w1", "types": ["http.add"], "count": 0}, "count"),
+        ({"worker": "w1", "types": ["http.add"], "wait": 3600}, "wait"),
+        ({"worker": "w1", "types": ["http.add"], "queues": ["a b"]}, "queues[0]"),
+        ({"worker": "w1", "types": ["http.add"], "extra": 1}, None),
+    ],
+)
+async def test_a_bad_claim_is_a_422_naming_the_field_and_claims_nothing(
+    start_api: StartApi, body: dict[str, Any], field: str | None
+) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    async with worker_client(api) as w:
+        r = await w.post("/v1/worker/claim", json=body)
+        assert r.status_code == 422, r.text
+        assert r.json().get("field") == field
+    assert (await status(api, job_id))["state"] == "queued"
+
+
+async def test_bad_answers_are_refused_and_change_nothing(start_api: StartApi) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        before = await status(api, job_id)
+        base = f"/v1/worker/jobs/{job_id}"
+        cases = [
+            ("complete", {"worker": "w1", "lease_version": 0}, 422, "lease_version"),
+            ("fail", lease(job, error={"message": "no type"}), 422, "error"),
+            ("logs", lease(job, attempt=1, lines=[]), 422, "lines"),
+            ("fail", lease(job, error={"type": "E"}, retry_in=10**9), 422, "retry_in"),
+            (
+                "complete",
+                lease(job, result="x" * (api.settings.max_result_bytes + 1)),
+                413,
+                "result",
+            ),
+            ("complete", lease(job, "w2"), 409, None),  # another worker's id
+            ("complete", lease(job) | {"lease_version": job["lease_version"] + 1}, 409, None),
+        ]
+        for action, body, code, field in cases:
+            r = await w.post(f"{base}/{action}", json=body)
+            assert r.status_code == code, (action, r.text)
+            assert r.json().get("field") == field
+        r = await w.post("/v1/worker/jobs/not-a-job/complete", json=lease(job))
+        assert r.status_code == 404
+        r = await w.put(
+            "/v1/worker/tasks",
+            json={"worker": "w1", "tasks": [{"type": "t", "payload_schema": {"type": 5}}]},
+        )
+        assert r.status_code == 422 and r.json()["field"] == "tasks[0].payload_schema"
+    assert await status(api, job_id) == before
+
+
+async def test_a_claiming_worker_is_listed_live(start_api: StartApi) -> None:
+    api = await serve(start_api)
+    async with worker_client(api) as w:
+        body = {"worker": "w9", "types": ["http.add"], "count": 3, "running": 1}
+        assert (await w.post("/v1/worker/claim", json=body)).status_code == 200
+    async with api.client("admin") as admin:
+        workers = (await admin.get("/v1/admin/workers")).json()["workers"]
+    (mine,) = [x for x in workers if x["id"] == "http:w9"]
+    assert (mine["tasks"], mine["queues"], mine["concurrency"]) == (["http.add"], ["default"], 3)
+
+
+async def test_the_answers_match_the_document(start_api: StartApi) -> None:
+    from tests.e2e.test_api_conformance import Checked
+
+    api = await serve(start_api)
+    async with api.client() as c:
+        document = (await c.get("/v1/openapi.json")).json()
+    check = Checked(document)
+    ops = {
+        (m.upper(), p) for p, item in document["paths"].items() for m in item if "/v1/worker/" in p
+    }
+    first, second = [await submit(api, {"a": i, "b": 1}) for i in range(2)]
+    job_path = "/v1/worker/jobs/{job_id}/"
+    async with worker_client(api) as w, api.client() as tenant:
+        await check(w, "PUT", "/v1/worker/tasks", 200, json={"worker": "w1", "tasks": [TASK]})
+        body = {"worker": "w1", "types": ["http.add"], "count": 2}
+        r = await check(w, "POST", "/v1/worker/claim", 200, json=body)
+        a, b = r.json()["jobs"]
+        await check(tenant, "POST", "/v1/worker/claim", 403, json=body)
+        await check(w, "POST", "/v1/worker/claim", 422, json={**body, "count": 0})
+        for action, extra in (
+            ("heartbeat", {}),
+            ("progress", {"progress": 1}),
+            ("logs", {"attempt": 1, "lines": ["x"]}),
+        ):
+            ids = {"job_id": a["id"]}
+            await check(w, "POST", job_path + action, 200, ids=ids, json=lease(a, **extra))
+            await check(w, "POST", job_path + action, 409, ids=ids, json=lease(a, "w2", **extra))
+            await check(
+                w, "POST", job_path + action, 404, ids={"job_id": "x"}, json=lease(a, **extra)
+            )
+        big = {"result": "x" * (api.settings.max_result_bytes + 1)}
+        for ids, json in (({"job_id": a["id"]}, lease(a, **big)), ({"job_id": a["id"]}, lease(a))):
+            await check(w, "POST", job_path + "complete", 413 if "result" in json else 200,
+                        ids=ids, json=json)  # fmt: skip
+        await check(w, "POST", job_path + "complete", 409, ids={"job_id": a["id"]}, json=lease(a))
+        error = {"type": "E", "message": "m"}
+        await check(w, "POST", job_path + "fail", 200, ids={"job_id": b["id"]},
+                    json=lease(b, error=error, retryable=False))  # fmt: skip
+        await check(w, "POST", job_path + "fail", 409, ids={"job_id": b["id"]},
+                    json=lease(b, error=error))  # fmt: skip
+        await check(w, "POST", job_path + "stopped", 409, ids={"job_id": b["id"]}, json=lease(b))
+        many = {"worker": "w1", "jobs": [{"id": a["id"], "lease_version": a["lease_version"]}]}
+        r = await check(w, "POST", "/v1/worker/complete", 200, json=many)
+        assert r.json()["jobs"][0]["status"] == 409
+        await check(w, "POST", "/v1/worker/complete", 422, json={"worker": "w1", "jobs": []})
+    assert {first, second} == {a["id"], b["id"]}
+    assert ops == {(m, t) for m, t, _ in check.seen}  # every worker route was driven
+
+
+async def test_a_batch_of_completions_answers_each_job_and_refuses_the_stale_one(
+    start_api: StartApi,
+) -> None:
+    api = await serve(start_api)
+    ids = [await submit(api, {"a": i, "b": 1}) for i in range(5)]
+    async with worker_client(api) as w:
+        body = {"worker": "w1", "types": ["http.add"], "count": 5}
+        jobs = {j["id"]: j for j in (await w.post("/v1/worker/claim", json=body)).json()["jobs"]}
+        assert set(jobs) == set(ids)
+        stale = ids[0]
+        items = [
+            {"id": i, "lease_version": jobs[i]["lease_version"] + (i == stale), "result": n}
+            for n, i in enumerate(ids)
+        ]
+        unknown = api.server.lifespan.state["queue"].keys.new_id()
+        extra = [dict(items[1]), {"id": unknown, "lease_version": 1}]  # twice; nobody's
+        r = await w.post("/v1/worker/complete", json={"worker": "w1", "jobs": items + extra})
+        answers = r.json()["jobs"]
+        assert [a["id"] for a in answers] == [*ids, ids[1], unknown]  # in the request's order
+        assert [a["status"] for a in answers] == [409, 200, 200, 200, 200, 409, 404]
+        assert answers[0]["state"] is None and "lease lost" in answers[0]["detail"]
+    docs = {i: await status(api, i) for i in ids}
+    assert docs[stale]["state"] == "running"  # the stale item changed nothing
+    assert all(docs[i]["state"] == "succeeded" for i in ids[1:])
+
+
+@pytest.mark.parametrize("bad", ["malformed", "too large"])
+async def test_a_bad_item_refuses_the_whole_batch(start_api: StartApi, bad: str) -> None:
+    api = await serve(start_api)
+    ids = [await submit(api, {"a": i, "b": 1}) for i in range(2)]
+    async with worker_client(api) as w:
+        body = {"worker": "w1", "types": ["http.add"], "count": 2}
+        jobs = (await w.post("/v1/worker/claim", json=body)).json()["jobs"]
+        items = [{"id": j["id"], "lease_version": j["lease_version"]} for j in jobs]
+        if bad == "malformed":
+            items.append({"id": "nope", "lease_version": 1})
+            code, field = 422, "jobs[2].id"
+        else:
+            items[1]["result"] = "x" * (api.settings.max_result_bytes + 1)
+            code, field = 413, "jobs[1].result"
+        r = await w.post("/v1/worker/complete", json={"worker": "w1", "jobs": items})
+        assert (r.status_code, r.json()["field"]) == (code, field)
+    assert [(await status(api, i))["state"] for i in ids] == ["running", "running"]
+
+
+async def test_a_claim_whose_worker_hung_up_claims_nothing(
+    start_api: StartApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a worker gone while its claim waited would leave what it claims to lease expiry
+    monkeypatch.setattr(worker_claims, "IDLE_LOOK", 3600.0)
+    api = await serve(start_api)
+    claims = api.server.lifespan.state["worker_claims"]
+    connections = api.server.server_state.connections
+    async with worker_client(api) as w:
+        body = {"worker": "w1", "types": ["http.add"], "wait": 30}
+        waiting = asyncio.create_task(w.post("/v1/worker/claim", json=body))
+        await wait_for(lambda: claims.waiting() == 1)
+        open_before = len(connections)
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await waiting
+    await wait_for(lambda: len(connections) < open_before)  # the server saw it go
+    job_id = await submit(api, {"a": 1, "b": 2})  # wakes the claim
+    await wait_for(lambda: claims.waiting() == 0)
+    assert (await status(api, job_id))["state"] == "queued"
+
+
+async def test_an_encrypted_job_fails_for_good_rather_than_reach_an_http_worker(
+    start_api: StartApi,
+) -> None:
+    key = "k1:" + base64.b64encode(bytes(range(32))).decode()
+    api = await serve(start_api, encryption_keys=key, encrypted_queues="vault")
+    async with api.client() as c:
+        body = {"type": "http.add", "payload": {"a": 1, "b": 2}, "queue": "vault"}
+        job_id = (await c.post("/v1/jobs", json=body)).json()["id"]
+    async with worker_client(api) as w:
+        claim = {"worker": "w1", "types": ["http.add"], "queues": ["vault"]}
+        r = await w.post("/v1/worker/claim", json=claim)
+        assert r.json()["jobs"] == []  # no ciphertext handed out
+    doc = await status(api, job_id)
+    assert (doc["state"], doc["error"]["type"]) == ("failed", "jobtier.EncryptedPayload")

@@ -1,0 +1,156 @@
+"""The Node worker of examples/node-worker against the real API on loopback: it registers its
+tasks, runs jobs end to end (results, progress, log lines, retries, dead letters, a cancel),
+and a completion it sends after its lease went stale is refused (409) and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jobtier.scheduler import Scheduler
+from jobtier.store.calls import reclaim_call
+from tests.fixtures.api import ApiServer, StartApi
+from tests.fixtures.engine import Background, wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = ROOT / "examples" / "node-worker" / "worker.mjs"
+STALE = ROOT / "tests" / "node" / "stale_completion.mjs"
+NODE = shutil.which("node") or shutil.which("nodejs")
+KEY = "wk-node"
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+pytestmark = pytest.mark.skipif(
+    NODE is None, reason="no node found (scripts/system-deps.sh installs Debian's nodejs)"
+)
+
+
+@contextlib.asynccontextmanager
+async def node(*args: str, **env: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A node process, killed on every way out of the block that left it running."""
+    assert NODE is not None
+    proc = await asyncio.create_subprocess_exec(
+        NODE, *args,
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, **env},
+    )  # fmt: skip
+    try:
+        yield proc
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+async def line(proc: asyncio.subprocess.Process) -> str:
+    assert proc.stdout is not None
+    async with asyncio.timeout(20):
+        return (await proc.stdout.readline()).decode().strip()
+
+
+async def submit(api: ApiServer, type: str, payload: Any) -> str:
+    async with api.client() as c:
+        r = await c.post("/v1/jobs", json={"type": type, "payload": payload})
+        assert r.status_code == 202, r.text
+        job_id: str = r.json()["id"]
+        return job_id
+
+
+async def docs(api: ApiServer, ids: list[str]) -> dict[str, dict[str, Any]]:
+    async with api.client() as c:
+        return {i: (await c.get(f"/v1/jobs/{i}")).json() for i in ids}
+
+
+async def test_the_node_worker_runs_jobs_end_to_end(
+    start_api: StartApi, background: Background
+) -> None:
+    api = await start_api(worker_keys=KEY, lease_seconds=3)  # a heartbeat a second
+    background.start(Scheduler(api.server.lifespan.state["queue"].store))  # retries' promotes
+    env = {"JOBTIER_URL": api.url, "WORKER_KEY": KEY, "WORKER_ID": "n1"}
+    async with node(str(WORKER), **env, WORKER_CONCURRENCY="8") as proc:
+        assert await line(proc) == "ready"  # its tasks are in the catalogue: submits pass
+        adds = [await submit(api, "node.add", {"a": i, "b": 10}) for i in range(20)]
+        steps = await submit(api, "node.steps", {"steps": 3, "ms": 5})
+        retried = await submit(api, "node.fail", {})
+        fatal = await submit(api, "node.fail", {"fatal": True})
+        held = await submit(api, "node.steps", {"steps": 1000, "ms": 20})
+        late = await submit(api, "node.slow", {"ms": 60_000})
+        async with api.client() as c:
+            r = await c.post("/v1/jobs", json={"type": "node.add", "payload": {"a": 1}})
+            assert r.status_code == 422 and r.json()["field"] == "payload.b"  # its schema
+
+            async def running() -> bool:
+                return bool((await c.get(f"/v1/jobs/{held}")).json()["state"] == "running")
+
+            await wait_for(running, timeout=30)
+            assert (await c.post(f"/v1/jobs/{held}/cancel")).status_code == 200
+        ids = [*adds, steps, retried, fatal, held, late]
+
+        async def finished() -> bool:
+            return all(d["state"] in TERMINAL for d in (await docs(api, ids)).values())
+
+        await wait_for(finished, timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        stats = json.loads(await line(proc))
+        async with asyncio.timeout(20):
+            assert await proc.wait() == 0
+    got = await docs(api, ids)
+    async with api.client() as c:
+        for i, job_id in enumerate(adds):
+            result = (await c.get(f"/v1/jobs/{job_id}/result")).json()["result"]
+            assert result == {"sum": i + 10, "by": "node"}
+        logs = (await c.get(f"/v1/jobs/{adds[3]}/logs")).json()["lines"]
+        assert [x["message"] for x in logs] == ["adding 3 and 10"]
+    assert got[steps]["state"] == "succeeded" and got[steps]["progress"] == {"done": 3, "of": 3}
+    assert (got[retried]["state"], got[retried]["attempt"]) == ("failed", 2)
+    assert got[retried]["error"]["message"] == "failed on purpose"
+    assert "worker.mjs" in got[retried]["error"]["traceback"]  # the JavaScript stack
+    assert (got[fatal]["state"], got[fatal]["attempt"]) == ("failed", 1)
+    assert got[fatal]["error"]["type"] == "NonRetryable"
+    assert got[held]["state"] == "cancelled"
+    assert (got[late]["state"], got[late]["error"]["type"]) == ("failed", "TimeoutError")
+    assert stats == {"succeeded": 21, "failed": 4, "cancelled": 1, "lost": 0}
+
+
+async def test_a_stale_completion_from_node_is_refused(start_api: StartApi) -> None:
+    # a 1 s lease the script never extends: reclaim (the scheduler's script, run here)
+    # requeues the job and another worker claims it before the script's late completion
+    api = await start_api(worker_keys=KEY, lease_seconds=1)
+    async with api.client() as w:
+        w.headers["authorization"] = f"Bearer {KEY}"
+        task = {"type": "node.slow", "max_attempts": 3}
+        assert (await w.put("/v1/worker/tasks", json={"worker": "t", "tasks": [task]})).is_success
+        job_id = await submit(api, "node.slow", {"n": 1})
+        async with node(str(STALE), api.url, KEY, "node.slow") as proc:
+            claimed = json.loads(await line(proc))
+            assert claimed["id"] == job_id
+            queue = api.server.lifespan.state["queue"]
+            shard = queue.keys.shard_of(job_id)
+
+            async def requeued() -> bool:
+                await queue.scripts.call_many([reclaim_call(shard, 10, 60, 60)])
+                return bool((await docs(api, [job_id]))[job_id]["state"] == "queued")
+
+            await wait_for(requeued)
+            body = {"worker": "python", "types": ["node.slow"]}
+            (again,) = (await w.post("/v1/worker/claim", json=body)).json()["jobs"]
+            before = (await docs(api, [job_id]))[job_id]
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            answer = json.loads(await line(proc))
+            assert answer["refused"] is True and answer["job_id"] == job_id
+            assert (await docs(api, [job_id]))[job_id] == before  # nothing changed
+            assert before["state"] == "running" and before["attempt"] == 2
+            lease = {"worker": "python", "lease_version": again["lease_version"], "result": 1}
+            r = await w.post(f"/v1/worker/jobs/{job_id}/complete", json=lease)
+            assert r.json()["state"] == "succeeded"
+            async with asyncio.timeout(20):
+                assert await proc.wait() == 0
