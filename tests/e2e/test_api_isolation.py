@@ -56,6 +56,10 @@ ROUTES: dict[tuple[str, str], str] = {
     ("DELETE", "/v1/webhooks/{webhook_id}"): TENANT_ITEM,
     ("GET", "/v1/webhooks/{webhook_id}/deliveries"): TENANT_ITEM,
     ("POST", "/v1/webhook-secret"): TENANT_CREATE,
+    ("POST", "/v1/batches"): TENANT_CREATE,
+    ("GET", "/v1/batches/{batch_id}"): TENANT_ITEM,
+    ("POST", "/v1/batches/{batch_id}/cancel"): TENANT_ITEM,
+    ("POST", "/v1/batches/{batch_id}/retry"): TENANT_ITEM,
     ("GET", "/v1/admin/dead-letters"): ADMIN,
     ("POST", "/v1/admin/dead-letters/replay"): ADMIN,
     ("POST", "/v1/admin/dead-letters/{job_id}/replay"): ADMIN,
@@ -78,6 +82,9 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/v1/admin/workers"): ADMIN,
     ("GET", "/v1/admin/events"): ADMIN,
     ("GET", "/v1/admin/audit"): ADMIN,
+    ("GET", "/v1/admin/breakers"): ADMIN,
+    ("POST", "/v1/admin/breakers/{name}/open"): ADMIN,
+    ("POST", "/v1/admin/breakers/{name}/close"): ADMIN,
     ("GET", "/metrics"): ADMIN,
     ("GET", "/healthz"): PUBLIC,
     ("GET", "/readyz"): PUBLIC,
@@ -104,6 +111,7 @@ BODIES: dict[tuple[str, str], Any] = {
         "idempotency_key": "shared-flow-key",  # keys are shared by jobs and flows
     },
     ("POST", "/v1/schedules"): SCHEDULE,
+    ("POST", "/v1/batches"): {"type": "echo", "items": [{"n": 1}, {"n": 2}]},
     ("POST", "/v1/admin/dead-letters/replay"): {},
     ("POST", "/v1/webhooks"): {"url": "http://127.0.0.1:9/hook"},  # allowed below, never sent
 }
@@ -145,12 +153,13 @@ def assert_problem(r: httpx.Response, status: int, slug: str, what: str) -> dict
     return doc
 
 
-async def tenant_a_state(a: httpx.AsyncClient, job_id: str, schedule_id: str) -> Any:
-    """What tenant A sees of its job and schedule: a probe by B must change none of it."""
-    job = (await a.get(f"/v1/jobs/{job_id}")).json()
-    schedule = (await a.get(f"/v1/schedules/{schedule_id}")).json()
+async def tenant_a_state(a: httpx.AsyncClient, ids: dict[str, str]) -> Any:
+    """What tenant A sees of its job, schedule and batch: a probe by B must change none of it."""
+    job = (await a.get(f"/v1/jobs/{ids['job_id']}")).json()
+    schedule = (await a.get(f"/v1/schedules/{ids['schedule_id']}")).json()
     webhooks = (await a.get("/v1/webhooks")).json()
-    return job, schedule, webhooks
+    batch = (await a.get(f"/v1/batches/{ids['batch_id']}")).json()
+    return job, schedule, webhooks, batch
 
 
 async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue) -> None:
@@ -173,17 +182,20 @@ async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue
         schedule = made.json()
         hook = await a.post("/v1/webhooks", json=BODIES[("POST", "/v1/webhooks")])
         assert hook.status_code == 201, hook.text
+        batch = await a.post("/v1/batches", json=BODIES[("POST", "/v1/batches")])
+        assert batch.status_code == 202, batch.text
         a_ids = {
             "job_id": job["id"], "schedule_id": schedule["id"], "name": "default",
-            "webhook_id": hook.json()["id"],
+            "webhook_id": hook.json()["id"], "batch_id": batch.json()["id"],
         }  # fmt: skip
         unknown_ids = {
             "job_id": queue.keys.new_id(),
             "schedule_id": "01M8KK4FZ54RBHFVYBN6HBV0CZ",
             "name": "none",
             "webhook_id": "wh_01M8KK4FZ54RBHFVYBN6HBV0ZZ",
+            "batch_id": queue.keys.new_id(),
         }
-        before = await tenant_a_state(a, job["id"], schedule["id"])
+        before = await tenant_a_state(a, a_ids)
 
         for method, template in operations:
             kind = ROUTES[(method, template)]
@@ -207,8 +219,10 @@ async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue
                 unknown = await call(b, method, fill(template, unknown_ids), body)
                 got = assert_problem(foreign, 404, "not-found", what)
                 expected = assert_problem(unknown, 404, "not-found", what)
-                for name in a_ids:
-                    expected["detail"] = expected["detail"].replace(unknown_ids[name], a_ids[name])
+                for name in a_ids:  # the unknown id named in the problem, as A's
+                    for member, value in expected.items():
+                        if isinstance(value, str):
+                            expected[member] = value.replace(unknown_ids[name], a_ids[name])
                 assert got == expected, what
             elif kind == TENANT_LIST:
                 r = await b.request(method, path)
@@ -224,4 +238,4 @@ async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue
                 assert not [i for i in a_ids.values() if len(i) > 10 and i in r.text], what
             else:  # pragma: no cover - a kind added above without a probe
                 raise AssertionError(f"{what}: no probe for {kind!r}")
-            assert await tenant_a_state(a, job["id"], schedule["id"]) == before, what
+            assert await tenant_a_state(a, a_ids) == before, what
