@@ -99,6 +99,12 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "chaos": ("src/jobtier",),
     "encryption": JOB_PATH,  # core/sealing.py, the submit and the worker
     "debounce": JOB_PATH,  # keyed.lua and the submit path (Queue.submit)
+    "breaker": (*JOB_PATH, "src/jobtier/core/breaker.py"),  # breaker.lua and the worker's gate
+    "batches": (*JOB_PATH, "src/jobtier/flows"),  # batch_*.lua, lib.lua's counts, hand-offs
+    "checkpoint": ("src/jobtier/store", "src/jobtier/worker"),  # heartbeat.lua's save
+    "process_pool": ("src/jobtier/worker",),
+    "http_worker": (*JOB_PATH, "src/jobtier/api", "examples/node-worker"),
+    "outbox": ("src/jobtier/persist", "src/jobtier/outbox", "src/jobtier/engine/produce.py"),
     "tracing": (
         "src/jobtier/runtime/tracing.py",
         "src/jobtier/worker",
@@ -137,6 +143,13 @@ CHOSEN: dict[str, str] = {
     "chaos": "the only file",
     "encryption": "the only file",
     "tracing": "the only file",
+    "debounce": "the only file",
+    "breaker": "the only file",
+    "batches": "the only file",
+    "checkpoint": "the only file",
+    "process_pool": "the only file",
+    "http_worker": "the only file",
+    "outbox": "the only file",
 }
 HEADLINE = ("compare-c806a1d",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
