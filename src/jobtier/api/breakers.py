@@ -4,6 +4,8 @@ open holds every job of the breaker on every worker, as a tripped one does."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -59,7 +61,7 @@ class BreakerList(msgspec.Struct):
 class BreakerOpenBody(msgspec.Struct, forbid_unknown_fields=True):
     """How long (``seconds``; absent or null: until closed by hand) and why."""
 
-    seconds: float | None = None
+    seconds: Annotated[float, msgspec.Meta(gt=0, le=MAX_OPEN_SECONDS)] | None = None
     reason: str | None = None
 
 
