@@ -166,7 +166,14 @@ export class Worker {
       timeout: t.timeout ?? null,
       payload_schema: t.payload_schema ?? null,
     }));
-    await this.client.register(ads);
+    try {
+      await this.client.register(ads);
+    } catch (err) {
+      // a 409: a live Python worker advertises one of these types, and its entry is kept
+      // (docs/http-workers.md); the worker still claims them
+      if (!(err instanceof LeaseLost)) throw err;
+      this.log.error(`tasks not advertised: ${err.message}`);
+    }
   }
 
   // Claim and run jobs until stop(); then wait for the running ones to end.

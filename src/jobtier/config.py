@@ -365,9 +365,11 @@ class Settings:
         if not self.prefix or any(c in self.prefix for c in "{} "):
             problems.append("JOBTIER_PREFIX must be non-empty, without braces or spaces")
         try:
-            self.tenant_keys()
+            tenants = self.tenant_keys()
         except ConfigError as exc:
             problems.append(str(exc))
+            tenants = {}
+        problems.extend(self._worker_key_problems(tenants))
         problems.extend(self._encryption_problems())
         if problems:
             raise ConfigError("; ".join(problems))
@@ -389,6 +391,16 @@ class Settings:
     def worker_key_list(self) -> list[str]:
         """The HTTP workers' keys, parsed from ``worker_keys``."""
         return [k for k in (p.strip() for p in self.worker_keys.split(",")) if k]
+
+    def _worker_key_problems(self, tenants: dict[str, str]) -> list[str]:
+        # a key that is both would let a tenant's key run (and answer for) any job
+        workers = set(self.worker_key_list())
+        problems = []
+        if workers & tenants.keys():
+            problems.append("JOBTIER_WORKER_KEYS and JOBTIER_API_KEYS share a key")
+        if self.admin_key and self.admin_key in workers:
+            problems.append("JOBTIER_WORKER_KEYS and JOBTIER_ADMIN_KEY share a key")
+        return problems
 
     def _encryption_problems(self) -> list[str]:
         try:

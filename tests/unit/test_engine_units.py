@@ -232,6 +232,12 @@ def test_settings_from_environment() -> None:
         Settings.from_env({"JOBTIER_SHARDS": "0"})
     with pytest.raises(ConfigError, match="key:tenant"):
         Settings.from_env({"JOBTIER_API_KEYS": "just-a-key"})
+    with pytest.raises(ConfigError, match="JOBTIER_WORKER_KEYS and JOBTIER_API_KEYS share"):
+        Settings.from_env({"JOBTIER_API_KEYS": "k1:acme", "JOBTIER_WORKER_KEYS": "w1, k1"})
+    with pytest.raises(ConfigError, match="JOBTIER_WORKER_KEYS and JOBTIER_ADMIN_KEY share"):
+        Settings.from_env({"JOBTIER_ADMIN_KEY": "adm", "JOBTIER_WORKER_KEYS": "adm"})
+    both = {"JOBTIER_API_KEYS": "k1:acme", "JOBTIER_ADMIN_KEY": "adm"}
+    assert Settings.from_env({**both, "JOBTIER_WORKER_KEYS": "w1"}).worker_key_list() == ["w1"]
     with pytest.raises(ConfigError, match="unknown settings"):
         Settings.from_env({}, no_such_setting=1)
     keys = Settings.from_env({"JOBTIER_API_KEYS": "k1:acme, k2:globex"}).tenant_keys()

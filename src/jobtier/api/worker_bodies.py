@@ -4,6 +4,7 @@ schemas are generated."""
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 import msgspec
@@ -21,6 +22,10 @@ ERROR_CHARS = 4000  # longest error message
 ADVERTISE_EVERY = 5.0  # s: a claiming worker is written to the workers hash at most this often
 ADVERTISED_KEPT = 10_000  # workers whose last advert an API process remembers
 DEFAULT_BACKOFF = Backoff(1.0, 2.0, 300.0, 0.1)  # a Python task's default RetryPolicy
+MAX_BACKOFF_SECONDS = (
+    366 * 86400.0
+)  # an advertised base or cap: JOBTIER_MAX_FUTURE_SECONDS' default
+MAX_BACKOFF_FACTOR = 100.0  # an advertised growth per attempt
 
 WorkerId = Annotated[str, msgspec.Meta(pattern=WORKER_ID_RE)]
 TaskName = Annotated[str, msgspec.Meta(pattern=TASK_NAME_RE.pattern)]
@@ -147,10 +152,24 @@ class Outcome(msgspec.Struct):
 class RetryBackoff(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """``delay = min(base * factor ** (attempt - 1), cap)`` plus up to ``jitter * delay``."""
 
-    base: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    factor: Annotated[float, msgspec.Meta(ge=1)] = 2.0
-    cap: Annotated[float, msgspec.Meta(ge=0)] = 300.0
+    base: Annotated[float, msgspec.Meta(ge=0, le=MAX_BACKOFF_SECONDS)] = 1.0
+    factor: Annotated[float, msgspec.Meta(ge=1, le=MAX_BACKOFF_FACTOR)] = 2.0
+    cap: Annotated[float, msgspec.Meta(ge=0, le=MAX_BACKOFF_SECONDS)] = 300.0
     jitter: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+
+
+def retry_delay(b: Backoff, attempt: int, most: float, jitter: float) -> float:
+    """``RetryBackoff``'s delay after ``attempt`` (``jitter`` in [0, 1) draws its share of the
+    jitter), never over ``most`` seconds: a catalogue entry may hold any figures (one
+    written before the bounds, or by a Python worker), and a delay past ``most`` would
+    overflow or be refused by fail.lua."""
+    try:
+        grown = b.base * b.factor ** max(attempt - 1, 0) if b.base > 0 else 0.0
+    except OverflowError:  # factor ** attempt past a float's range
+        grown = math.inf
+    plain = min(grown, b.cap)
+    delay = plain + plain * b.jitter * jitter
+    return delay if 0 <= delay <= most else most  # (NaN compares false: it is clamped too)
 
 
 class WorkerTask(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -25,6 +25,7 @@ from jobtier.api import spec as oa
 from jobtier.api.auth import bearer_key, raw_header
 from jobtier.api.http import decode_body, encoded, job_id_of, read_json_body
 from jobtier.api.problems import Problem
+from jobtier.api.worker_adverts import guarded
 from jobtier.api.worker_bodies import (
     ADVERTISE_EVERY,
     ADVERTISED_KEPT,
@@ -50,6 +51,7 @@ from jobtier.api.worker_bodies import (
     TasksRequest,
     TasksResponse,
     WorkerJob,
+    retry_delay,
 )
 from jobtier.api.worker_claims import Claimed, WorkerClaims
 from jobtier.config import Settings
@@ -364,9 +366,9 @@ async def _backoff(request: Request, job_id: str) -> float:
     ads = {ad.type: ad for ad in request.state.catalog.ads()}
     ad = ads.get(doc.get("type"))
     b = ad.backoff if ad is not None else DEFAULT_BACKOFF
-    plain = min(b.base * b.factor ** max(int(doc.get("attempt") or 1) - 1, 0), b.cap)
     # jitter spreads the retries of jobs that failed together, as a Python worker's do
-    return plain + random.uniform(0, plain * b.jitter)
+    attempt = int(doc.get("attempt") or 1)
+    return retry_delay(b, attempt, queue.settings.max_future_seconds, random.random())
 
 
 async def stopped(request: Request) -> Response:
@@ -402,6 +404,7 @@ async def tasks(request: Request) -> Response:
             )
         )  # fmt: skip
     queue: Queue = request.state.queue
+    ads = await guarded(queue, ads)
     await publish(queue.redis, queue.keys, ads)
     await request.state.catalog.load()  # this API knows them at once
     return encoded(TasksResponse(ads))
@@ -440,6 +443,7 @@ def operations(settings: Settings) -> oa.Paths:
         "Advertise the worker's tasks (queue, attempts, backoff, payload schema) in the task "
         "catalogue; again every few minutes, as an advert counts for JOBTIER_TASK_CATALOG_TTL",
         oa.returns(200, "TasksResponse", "the catalogue entries written"),
+        oa.refuses(409, "a task a live Python worker advertises: nothing written"),
         body="TasksRequest",
     )
     add(
