@@ -80,6 +80,44 @@ async def test_a_row_waiting_for_a_row_another_relay_holds_stays_pending(
     assert relay.metrics().counters["outbox_deferred_total"][""] >= 1
 
 
+class SlowProducer(Producer):
+    """A producer that lets another relay run a pass before each submit into Redis: the
+    window in which a relay holds rows whose jobs Redis does not have yet."""
+
+    def __init__(self, *args: Any, meanwhile: Any) -> None:
+        super().__init__(*args)
+        self.meanwhile = meanwhile
+
+    async def submit_prepared(self, *args: Any, **kwargs: Any) -> Any:
+        await self.meanwhile()
+        return await super().submit_prepared(*args, **kwargs)
+
+
+@pytest.mark.contract
+async def test_two_relays_a_dependent_taken_while_the_other_holds_its_parent(
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    """The reviewer's case: relay 1 has locked the parent's row and not yet submitted it;
+    relay 2 takes the dependent meanwhile."""
+    second = await relay_of(pg_settings, pg_pool, queue)
+    seen: list[int] = []
+
+    async def second_pass() -> None:
+        seen.append(await second.drain())
+
+    producer = SlowProducer(queue.store, registry, True, None, meanwhile=second_pass)
+    first = OutboxRelay(pg_settings, pg_pool, producer, batch_size=1)
+    async with app.transaction():
+        parent = await outbox.submit(app, "echo", {"step": 1})
+        child = await outbox.submit(app, "echo", {"step": 2}, depends_on=[parent])
+
+    assert await first.relay_once() == 1  # the parent; the second relay ran before its submit
+    assert seen == [0] and second.stats.refused == 0 and second.stats.deferred == 1
+    assert (await row(pg_pool, child))["relayed_at"] is None
+    assert await second.drain() == 1 and second.stats.refused == 0
+    assert (await queue.status(child)).state is State.WAITING
+
+
 async def test_an_encrypted_task_without_keys_is_refused_alone(
     app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
 ) -> None:
@@ -100,6 +138,7 @@ async def test_an_encrypted_task_without_keys_is_refused_alone(
     assert refused["error"].startswith("refused by the outbox relay")
 
 
+@pytest.mark.contract
 async def test_the_relay_pauses_past_the_waiting_cap(
     app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
 ) -> None:
@@ -120,6 +159,7 @@ async def test_the_relay_pauses_past_the_waiting_cap(
     assert (await queue.status(job_id)).state is State.QUEUED
 
 
+@pytest.mark.contract
 async def test_the_relay_pauses_while_redis_memory_is_past_the_refuse_ratio(
     app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
 ) -> None:
