@@ -159,6 +159,18 @@ async def test_the_relay_pauses_past_the_waiting_cap(
     assert (await queue.status(job_id)).state is State.QUEUED
 
 
+async def test_the_relay_counts_what_it_relays_between_readings(
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    settings = pg_settings.replace(max_waiting_total=2, outbox_batch_size=1)
+    relay = await relay_of(settings, pg_pool, queue)
+    async with app.transaction():
+        ids = [await outbox.submit(app, "echo", {"n": n}) for n in range(3)]
+    # read empty a moment ago (or read again: two waiting), the cap stops it at two
+    assert await relay.drain() == 2
+    assert await relay.pending() == 1 and (await row(pg_pool, ids[2]))["relayed_at"] is None
+
+
 @pytest.mark.contract
 async def test_the_relay_pauses_while_redis_memory_is_past_the_refuse_ratio(
     app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue

@@ -282,6 +282,7 @@ class OutboxRelay:
         stats.duplicates += duplicates
         stats.refused += len(refused)
         stats.deferred += deferred
+        self.gate.admitted(len(relayed))
         for job_id, reason in refused:
             log.warning("event=outbox_job_refused job=%s reason=%r", job_id, reason)
         if self.on_relayed is not None:

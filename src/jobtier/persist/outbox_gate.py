@@ -25,41 +25,44 @@ LOG_EVERY = 60.0  # seconds between warnings while the relay stays paused
 
 
 class RelayGate:
-    """``closed()``: why the relay must wait now (``waiting``, ``memory``), or None."""
+    """``closed()``: why the relay must wait now (``waiting``, ``memory``), or None;
+    ``admitted(n)``: jobs just submitted, counted until the next reading (as the API counts
+    what it lets through, so a backlog relayed between readings cannot overshoot much)."""
 
     def __init__(self, settings: Settings, store: Store) -> None:
         self.settings = settings
         self.store = store
         self.admin = QueueAdmin(store)
         self._read_at = -REFRESH
-        self._reason: str | None = None
-        self._detail = ""
+        self._waiting = 0
+        self._memory_ratio = 0.0
         self._warned: dict[str, float] = {}
 
     async def closed(self) -> str | None:
         now = time.monotonic()
         if now - self._read_at >= REFRESH:
-            self._reason, self._detail = await self._read()
+            self._waiting = sum((await self.admin.waiting_by_tenant()).values())
+            self._memory_ratio = (await redis_memory(self.store.redis)).ratio
             self._read_at = now
-        if self._reason is not None and now - self._warned.get(self._reason, -LOG_EVERY) >= (
-            LOG_EVERY
-        ):
-            self._warned[self._reason] = now
+        s = self.settings
+        if self._waiting >= s.max_waiting_total:
+            reason, detail = "waiting", f"waiting={self._waiting} limit={s.max_waiting_total}"
+        elif self._memory_ratio > s.redis_memory_refuse_ratio:
+            reason = "memory"
+            detail = (
+                f"redis_memory_ratio={self._memory_ratio:.3f} "
+                f"refuse_ratio={s.redis_memory_refuse_ratio}"
+            )
+        else:
+            return None
+        if now - self._warned.get(reason, -LOG_EVERY) >= LOG_EVERY:
+            self._warned[reason] = now
             log.warning(
                 "event=outbox_relay_paused reason=%s %s: the rows wait in the outbox",
-                self._reason,
-                self._detail,
+                reason,
+                detail,
             )
-        return self._reason
+        return reason
 
-    async def _read(self) -> tuple[str | None, str]:
-        s = self.settings
-        waiting = sum((await self.admin.waiting_by_tenant()).values())
-        if waiting >= s.max_waiting_total:
-            return "waiting", f"waiting={waiting} limit={s.max_waiting_total}"
-        memory = await redis_memory(self.store.redis)
-        if memory.ratio > s.redis_memory_refuse_ratio:
-            return "memory", (
-                f"redis_memory_ratio={memory.ratio:.3f} refuse_ratio={s.redis_memory_refuse_ratio}"
-            )
-        return None, ""
+    def admitted(self, n: int) -> None:
+        self._waiting += n
