@@ -212,15 +212,17 @@ async def test_a_relay_killed_between_redis_submit_and_outbox_update_makes_one_j
 
 
 async def test_what_only_the_relay_can_check_fails_the_job_with_the_reason(
-    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+    app: Any, relay: OutboxRelay, pg_settings: Settings, pg_pool: Pool, queue: Queue
 ) -> None:
-    small = pg_settings.replace(max_payload_bytes=64)
-    producer = Producer(Store(small, queue.redis), registry, True, None)
-    relay = await prepared(OutboxRelay(small, pg_pool, producer))
+    await prepared(relay)
     async with app.transaction():
         unknown = await outbox.submit(app, "no_such_task", {})
         large = await outbox.submit(app, "echo", {"text": "x" * 100})
         fine = await outbox.submit(app, "echo", {})
+    # the limit lowered after the rows were written (jobtier.submit checked the old one)
+    small = pg_settings.replace(max_payload_bytes=64)
+    producer = Producer(Store(small, queue.redis), registry, True, None)
+    relay = OutboxRelay(small, pg_pool, producer)
 
     assert await relay.drain() == 3
     assert relay.stats.refused == 2 and relay.stats.relayed == 1

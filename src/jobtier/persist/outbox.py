@@ -13,8 +13,11 @@ first time (``created`` false): one job, not two. The key is the caller's idempo
 else the job id itself (the outbox row's id).
 
 What only the relay can check (the task catalogue: an unknown type, a payload the task's
-schema refuses or too large) is refused here: the row keeps the reason, and the job reads
-as ``failed`` with it (``outbox_docs.py``).
+schema refuses or too large, an encrypted task this persister has no keys for) is refused
+here: the row keeps the reason, and the job reads as ``failed`` with it (``outbox_docs.py``).
+A row waiting for a job that is itself a row not relayed yet (another relay holds it) stays
+pending for a later pass. While the API would refuse every submit (too many jobs waiting,
+Redis's memory nearly full: ``outbox_gate.py``) the relay takes no rows.
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ import msgspec
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError, IdempotencyConflict, InvalidRequest
 from jobtier.core.model import JobSpec, Priority
+from jobtier.core.sealing import KeysNotConfigured
 from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.produce import Producer
 from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot, labels
-from jobtier.persist.db import UNAVAILABLE, Connection, Pool, connect, query
+from jobtier.persist.db import UNAVAILABLE, AnyConnection, Connection, Pool, connect, query
+from jobtier.persist.outbox_gate import RelayGate
 from jobtier.runtime.backoff import PERSIST_POSTGRES
 from jobtier.runtime.loop import FAULTS
 from jobtier.store.calls import SubmitItem
@@ -75,6 +80,8 @@ class RelayStats:
     duplicates: int = 0  # of those, Redis already had (a pass after a crash)
     refused: int = 0  # rows refused for their content: their jobs are failed
     batches: int = 0
+    deferred: int = 0  # rows left pending: a job they wait for is a row not relayed yet
+    paused: dict[str, int] = field(default_factory=dict)  # passes that took no rows, by why
     errors: dict[str, int] = field(default_factory=dict)  # failed passes, by error class
 
     def snapshot(self) -> Snapshot:
@@ -85,8 +92,10 @@ class RelayStats:
                 ("outbox_duplicates_total", self.duplicates),
                 ("outbox_refused_total", self.refused),
                 ("outbox_batches_total", self.batches),
+                ("outbox_deferred_total", self.deferred),
             )
         }
+        counters["outbox_paused_total"] = {labels(reason=k): v for k, v in self.paused.items()}
         counters["outbox_errors_total"] = {labels(error=k): v for k, v in self.errors.items()}
         return Snapshot("", "", 0.0, counters=counters)
 
@@ -122,6 +131,7 @@ class OutboxRelay:
         self._recorded = False
         self._catalog: TaskCatalog | None = None
         self._explain = Unforeseen(log)
+        self.gate = RelayGate(settings, producer.store)
 
     @classmethod
     def of_persister(cls, settings: Settings, redis: RedisClient, pool: Pool) -> OutboxRelay:
@@ -223,7 +233,8 @@ class OutboxRelay:
         self.stats.errors[name] = self.stats.errors.get(name, 0) + 1
 
     async def drain(self) -> int:
-        """Relay every row committed now (tests, benchmarks); the rows handled."""
+        """Relay every row committed now (tests, benchmarks); the rows handled (rows left
+        pending for a dependency not relayed yet are not: they may remain)."""
         total = 0
         while n := await self.relay_once():
             total += n
@@ -237,13 +248,22 @@ class OutboxRelay:
         record = not self._recorded
         relayed: list[str] = []
         refused: list[tuple[str, str]] = []
-        duplicates = 0
+        duplicates = deferred = 0
+        paused = await self.gate.closed()
+        if paused is not None:
+            self.stats.paused[paused] = self.stats.paused.get(paused, 0) + 1
+            if not record:
+                return 0
+        rows: Sequence[asyncpg.Record] = ()
         async with self.pool.acquire() as conn, conn.transaction():
-            if record:  # jobtier.submit makes ids of this many shards (it cannot read ours)
-                await conn.execute(query("outbox_record_shards"), self.settings.shards)
-            rows = await conn.fetch(query("outbox_take"), self.batch_size)
+            if record:  # jobtier.submit makes ids of this many shards and checks these limits
+                s = self.settings  # (it cannot read ours)
+                limits = (s.shards, s.max_payload_bytes, s.max_flow_jobs)
+                await conn.execute(query("outbox_record_config"), *limits)
+            if paused is None:
+                rows = await conn.fetch(query("outbox_take"), self.batch_size)
             if rows:
-                relayed, refused, duplicates = await self._submit(rows)
+                relayed, refused, duplicates, deferred = await self._submit(conn, rows)
                 if self.after_submit is not None:
                     done = self.after_submit(relayed)
                     if done is not None:
@@ -261,16 +281,20 @@ class OutboxRelay:
         stats.relayed += len(relayed)
         stats.duplicates += duplicates
         stats.refused += len(refused)
+        stats.deferred += deferred
+        self.gate.admitted(len(relayed))
         for job_id, reason in refused:
             log.warning("event=outbox_job_refused job=%s reason=%r", job_id, reason)
         if self.on_relayed is not None:
             self.on_relayed(relayed, time.time())
-        return len(rows)
+        # rows left pending are not counted: a pass of only those is "nothing to do now"
+        return len(rows) - deferred
 
     async def _submit(
-        self, rows: Sequence[asyncpg.Record]
-    ) -> tuple[list[str], list[tuple[str, str]], int]:
-        """(ids in Redis, (id, reason) refused, how many Redis already had)."""
+        self, conn: AnyConnection, rows: Sequence[asyncpg.Record]
+    ) -> tuple[list[str], list[tuple[str, str]], int, int]:
+        """(ids in Redis, (id, reason) refused, how many Redis already had, rows left
+        pending for a later pass)."""
         refused: list[tuple[str, str]] = []
         plain: list[SubmitItem] = []
         linked: list[SubmitItem] = []
@@ -278,20 +302,28 @@ class OutboxRelay:
         for row in rows:
             try:
                 item = self._prepare(row)
-            except InvalidRequest as exc:
+            except (InvalidRequest, KeysNotConfigured) as exc:
+                # the row's own fault, or an encrypted task without keys here: refused alone,
+                # not a failed pass that would hold back every row after it for good
                 refused.append((row["id"], _reason(exc)))
                 continue
             # a job waiting for others is checked against them in Redis, which may be rows of
             # this very batch: those go one by one, after the others, in the order written
             (linked if item.depends_on else plain).append(item)
         relayed: list[str] = []
-        duplicates = 0
+        duplicates = deferred = 0
         groups: list[list[SubmitItem]] = _by_tenant(plain) + [[item] for item in linked]
         for group in groups:
             try:
                 outcomes = await self.producer.submit_prepared(group, batch=len(group) > 1)
             except InvalidRequest as exc:  # a dependency unknown in Redis (one item)
-                refused.append((group[0].job_id, _reason(exc)))
+                item = group[0]
+                # a row another relay holds (or this pass left pending) is not relayed yet
+                deps = list(item.depends_on)
+                if await conn.fetchval(query("outbox_unrelayed"), deps, item.tenant):
+                    deferred += 1
+                    continue
+                refused.append((item.job_id, _reason(exc)))
                 continue
             for item, outcome in zip(group, outcomes, strict=True):
                 if outcome.job_id != item.job_id:  # the key names a job submitted otherwise
@@ -308,7 +340,7 @@ class OutboxRelay:
                 # differed, e.g. a run-at that has since come)
                 if isinstance(outcome, IdempotencyConflict) or not outcome.created:
                     duplicates += 1
-        return relayed, refused, duplicates
+        return relayed, refused, duplicates, deferred
 
     def _prepare(self, row: asyncpg.Record) -> SubmitItem:
         run_at: datetime | None = row["run_at"]
@@ -352,7 +384,7 @@ class OutboxRelay:
         return int(await self.pool.fetchval(query("outbox_pending")))
 
 
-def _reason(exc: InvalidRequest) -> str:
+def _reason(exc: Exception) -> str:
     return f"refused by the outbox relay: {exc}"
 
 

@@ -1,9 +1,15 @@
 -- The outbox relay's statements (persist/outbox.py; the tables: migrations/0010_outbox.sql).
 
--- name: outbox_record_shards
-INSERT INTO jobtier.outbox_config (one, shards) VALUES (true, $1)
-ON CONFLICT (one) DO UPDATE SET shards = excluded.shards
-WHERE jobtier.outbox_config.shards IS DISTINCT FROM excluded.shards
+-- name: outbox_record_config
+-- The shard count and the API's limits (JOBTIER_MAX_PAYLOAD_BYTES, JOBTIER_MAX_FLOW_JOBS),
+-- which jobtier.submit checks and cannot read from the settings.
+INSERT INTO jobtier.outbox_config AS c (one, shards, max_payload_bytes, max_depends_on)
+VALUES (true, $1, $2, $3)
+ON CONFLICT (one) DO UPDATE
+SET shards = excluded.shards, max_payload_bytes = excluded.max_payload_bytes,
+    max_depends_on = excluded.max_depends_on
+WHERE (c.shards, c.max_payload_bytes, c.max_depends_on)
+    IS DISTINCT FROM (excluded.shards, excluded.max_payload_bytes, excluded.max_depends_on)
 
 -- name: outbox_take
 -- Committed rows not yet relayed, oldest first; rows another relay holds are skipped, so
@@ -23,6 +29,14 @@ UPDATE jobtier.outbox SET relayed_at = clock_timestamp() WHERE id = ANY($1::text
 UPDATE jobtier.outbox AS o SET relayed_at = clock_timestamp(), error = r.error
 FROM unnest($1::text[], $2::text[]) AS r(id, error)
 WHERE o.id = r.id
+
+-- name: outbox_unrelayed
+-- Whether one of these ids is the tenant's row not relayed yet (locked by another relay, or
+-- left pending by this one): a job waiting for it is left pending rather than refused.
+SELECT EXISTS (
+    SELECT 1 FROM jobtier.outbox
+    WHERE id = ANY($1::text[]) AND tenant = $2 AND relayed_at IS NULL
+)
 
 -- name: outbox_pending
 SELECT count(*) FROM jobtier.outbox WHERE relayed_at IS NULL

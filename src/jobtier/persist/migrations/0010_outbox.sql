@@ -26,14 +26,18 @@ BEGIN
 END
 $$;
 
--- The deployment's shard count, which a job id names (<ULID>-<shard>): written by every relay
--- when it starts, as only the processes know it (JOBTIER_SHARDS).
+-- The deployment's shard count, which a job id names (<ULID>-<shard>), and the API's limits
+-- jobtier.submit checks (JOBTIER_MAX_PAYLOAD_BYTES, JOBTIER_MAX_FLOW_JOBS): written by every
+-- relay when it starts, as only the processes know them.
 CREATE TABLE jobtier.outbox_config (
-    one    boolean NOT NULL DEFAULT true,
-    shards integer NOT NULL,
+    one               boolean NOT NULL DEFAULT true,
+    shards            integer NOT NULL,
+    max_payload_bytes integer NOT NULL,
+    max_depends_on    integer NOT NULL,
     CONSTRAINT outbox_config_pkey PRIMARY KEY (one),
     CONSTRAINT outbox_config_one CHECK (one),
-    CONSTRAINT outbox_config_shards CHECK (shards BETWEEN 1 AND 10000)
+    CONSTRAINT outbox_config_shards CHECK (shards BETWEEN 1 AND 10000),
+    CONSTRAINT outbox_config_limits CHECK (max_payload_bytes > 0 AND max_depends_on > 0)
 );
 
 -- One row per job submitted through jobtier.submit. `relayed_at` is set when the relay has
@@ -88,9 +92,10 @@ END
 $$;
 
 -- jobtier.submit: the options of POST /v1/jobs. What SQL can check is checked here (the
--- error names the argument, and the caller's transaction fails with it); what needs the task
--- catalogue (an unknown type, a payload its schema refuses, a payload too large) is checked by
--- the relay, which then marks the job failed with the reason.
+-- error names the argument, and the caller's transaction fails with it), the sizes against
+-- the limits the relay recorded; what needs the task catalogue (an unknown type, a payload
+-- its schema refuses) is checked by the relay, which then marks the job failed with the
+-- reason.
 CREATE FUNCTION jobtier.submit(
     type            text,
     payload         json        DEFAULT 'null',
@@ -111,10 +116,31 @@ DECLARE
                          'default');
     pinned text := nullif(current_setting('jobtier.tenant', true), '');
     n integer;
+    max_payload integer;
+    max_deps integer;
     job text;
     earlier record;
     dep text;
 BEGIN
+    SELECT c.shards, c.max_payload_bytes, c.max_depends_on INTO n, max_payload, max_deps
+    FROM jobtier.outbox_config c;
+    IF n IS NULL THEN
+        RAISE EXCEPTION 'jobtier.submit: no relay has started on this database yet, so the '
+            'deployment''s shard count is unknown'
+            USING ERRCODE = 'object_not_in_prerequisite_state',
+                  HINT = 'start a persister (its outbox relay records it), then submit';
+    END IF;
+    -- bounded before anything else reads them: the relay would hold them in memory
+    IF octet_length(coalesce(submit.payload::text, 'null')) > max_payload THEN
+        RAISE EXCEPTION 'jobtier.submit: payload is % bytes as written; the limit is % '
+            '(JOBTIER_MAX_PAYLOAD_BYTES)', octet_length(submit.payload::text), max_payload
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'payload';
+    END IF;
+    IF cardinality(submit.depends_on) > max_deps THEN
+        RAISE EXCEPTION 'jobtier.submit: depends_on names % jobs; the limit is % '
+            '(JOBTIER_MAX_FLOW_JOBS)', cardinality(submit.depends_on), max_deps
+            USING ERRCODE = 'invalid_parameter_value', COLUMN = 'depends_on';
+    END IF;
     IF submit.type IS NULL OR submit.type !~ '^[A-Za-z_][A-Za-z0-9_.:-]{0,127}$' THEN
         RAISE EXCEPTION 'jobtier.submit: type % is not a task name', quote_nullable(submit.type)
             USING ERRCODE = 'invalid_parameter_value', COLUMN = 'type';
@@ -160,14 +186,6 @@ BEGIN
                 USING ERRCODE = 'invalid_parameter_value', COLUMN = 'depends_on';
         END IF;
     END LOOP;
-
-    SELECT c.shards INTO n FROM jobtier.outbox_config c;
-    IF n IS NULL THEN
-        RAISE EXCEPTION 'jobtier.submit: no relay has started on this database yet, so the '
-            'deployment''s shard count is unknown'
-            USING ERRCODE = 'object_not_in_prerequisite_state',
-                  HINT = 'start a persister (its outbox relay records it), then submit';
-    END IF;
 
     LOOP
         IF submit.idempotency_key IS NOT NULL THEN
