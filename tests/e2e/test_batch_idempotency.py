@@ -1,0 +1,31 @@
+"""``idempotency_key`` on ``POST /v1/batches``: a repeat answers with the first batch and
+makes nothing; the key with another request is a 409 naming the batch; a bad key a 422
+naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobtier.engine.queue import Queue
+from tests.e2e.test_load_shedding import waiting
+from tests.fixtures.api import ApiServer
+
+pytestmark = pytest.mark.contract
+
+
+async def test_a_repeated_key_answers_with_the_first_batch(api: ApiServer, queue: Queue) -> None:
+    body = {"type": "echo", "items": [1, 2, 3], "idempotency_key": "import-7"}
+    async with api.client() as c:
+        first = await c.post("/v1/batches", json=body)
+        assert first.status_code == 202, first.text
+        again = await c.post("/v1/batches", json=body)
+        assert again.status_code == 202, again.text
+        assert again.json()["id"] == first.json()["id"]
+        assert await waiting(queue) == 3
+        other = await c.post("/v1/batches", json=body | {"items": [1, 2]})
+        assert other.status_code == 409, other.text
+        assert other.json()["batch_id"] == first.json()["id"]
+        bad = await c.post("/v1/batches", json=body | {"idempotency_key": "has space"})
+        assert bad.status_code == 422, bad.text
+        assert "idempotency_key" in bad.text
+        assert await waiting(queue) == 3
