@@ -129,7 +129,9 @@ async def test_an_idempotency_key_answers_a_retried_submit_with_the_first_batch(
     assert (status.id, status.total) == (first.batch_id, 12)
     assert not await bq.redis.exists(store_batches.record_key(bq.store, again.batch_id))
     with pytest.raises(IdempotencyConflict) as conflict:
-        await bq.batches.submit_prepared(await bq.batches.prepare(spec(13, "nightly-42"), "default"))
+        await bq.batches.submit_prepared(
+            await bq.batches.prepare(spec(13, "nightly-42"), "default")
+        )
     assert conflict.value.job_id == first.batch_id
     # another tenant's key is its own
     other = await bq.batches.prepare(spec(12, "nightly-42"), "tenant-b")
