@@ -4,11 +4,14 @@ naming the field."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
+from jobtier.client import AsyncClient, Client
 from jobtier.engine.queue import Queue
 from tests.e2e.test_load_shedding import waiting
-from tests.fixtures.api import ApiServer
+from tests.fixtures.api import KEYS, ApiServer
 
 pytestmark = pytest.mark.contract
 
@@ -29,3 +32,18 @@ async def test_a_repeated_key_answers_with_the_first_batch(api: ApiServer, queue
         assert bad.status_code == 422, bad.text
         assert "idempotency_key" in bad.text
         assert await waiting(queue) == 3
+
+
+async def test_the_clients_pass_the_key(api: ApiServer) -> None:
+    async with AsyncClient(api.url, KEYS["acme"]) as jobs:
+        first = await jobs.submit_batch("echo", [1, 2], idempotency_key="k-async")
+        again = await jobs.submit_batch("echo", [1, 2], idempotency_key="k-async")
+        assert again.id == first.id
+        assert (await jobs.submit_batch("echo", [1, 2])).id != first.id
+
+    def blocking() -> None:
+        with Client(api.url, KEYS["acme"]) as sync_jobs:
+            one = sync_jobs.submit_batch("echo", [3], idempotency_key="k-sync")
+            assert sync_jobs.submit_batch("echo", [3], idempotency_key="k-sync").id == one.id
+
+    await asyncio.to_thread(blocking)

@@ -76,6 +76,8 @@ async def test_a_batch_whose_submit_broke_off_ends_when_cancelled(
         await bq.batches.submit_prepared(prepared)
     monkeypatch.undo()
     batch_id = prepared.batch_id
+    record = store_batches.record_key(bq.store, batch_id)
+    assert not await bq.redis.hexists(record, "sealed")
     await run_all(bq)  # the two rounds made run; the batch cannot end by itself
     stuck = await bq.batches.status(batch_id)
     assert (stuck.state, counts(stuck)) == ("running", (10, 10, 0, 0))
@@ -105,6 +107,7 @@ async def test_a_cancel_during_the_submit_stops_its_later_rounds(
     rounds = break_round(bq, monkeypatch, at=2, before=cancel)
     status = await bq.batches.submit_prepared(prepared)
     assert rounds == [1, 2, 3, 4]  # the submit went on to its end
+    assert await bq.redis.hget(store_batches.record_key(bq.store, status.id), "sealed") == b"1"
     assert changed == [(20, 0)]  # the five made cancelled, the fifteen others never made
     ids = await children(bq, status.id)
     assert [await bq.redis.exists(bq.keys.job(i)) for i in ids[5:]] == [0] * 15

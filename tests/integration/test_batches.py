@@ -212,7 +212,7 @@ async def test_children_finishing_before_the_submit_ends_do_not_end_the_batch(
     await run_all(bq)
     status = await bq.batches.status(batch_id)
     assert (status.state, counts(status)) == ("running", (0, 1, 0, 0))  # not sealed yet
-    assert await bq.scripts.call("batch_seal", 1, [batch_id, 60]) == 0
+    assert await bq.scripts.call("batch_seal", 1, [batch_id]) == 0
     await run_all(bq)
     assert (await bq.batches.status(batch_id)).state == "finished"
 

@@ -173,10 +173,7 @@ async def submit_batch(store: Store, batch: PreparedBatch) -> BatchStatus:
         for args in calls.values():
             args[len(head)] = (len(args) - len(head) - 1) // 2
         await store.scripts.call_many([("batch_submit", s, a) for s, a in calls.items()])
-    ttl = store.settings.retention_seconds
-    await store.scripts.call_many(
-        [("batch_seal", shard, (batch.batch_id, ttl)) for shard in by_shard]
-    )
+    await store.scripts.call_many([("batch_seal", shard, (batch.batch_id,)) for shard in by_shard])
     await store.redis.hset(record, "sealed", "1")
     return await read_batch(store, batch.batch_id, batch.tenant)
 

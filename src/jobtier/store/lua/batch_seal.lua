@@ -6,7 +6,6 @@
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  batch id
--- ARGV[3]  (unused: kept so a caller of the previous version still fits)
 -- Returns  the shard's children not finished
 --!include lib.lua
 
