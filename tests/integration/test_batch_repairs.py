@@ -171,3 +171,29 @@ async def test_a_retry_does_not_rebuild_counts_no_longer_kept(bq: Queue) -> None
     assert (await bq.batches.retry(b.id)).changed == 1
     assert (await bq.status(child)).state == State.QUEUED
     assert not await bq.redis.exists(counts_key)
+
+
+async def test_a_submit_that_wrote_nothing_frees_its_idempotency_key(
+    bq: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis = bq.store.redis
+    real = redis.pipeline
+
+    def pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = real(*args, **kwargs)
+        monkeypatch.setattr(redis, "pipeline", real)  # the first only: the submit's step 1
+
+        async def execute(*_: Any, **__: Any) -> Any:
+            raise Broken("connection lost before the record was written")
+
+        pipe.execute = execute  # type: ignore[method-assign]
+        return pipe
+
+    monkeypatch.setattr(redis, "pipeline", pipeline)
+    first = await bq.batches.prepare(spec(3, "k-1"), "default")
+    with pytest.raises(Broken):
+        await bq.batches.submit_prepared(first)
+    monkeypatch.undo()
+    again = await bq.batches.prepare(spec(3, "k-1"), "default")
+    status = await bq.batches.submit_prepared(again)
+    assert (status.id, status.total) == (again.batch_id, 3)

@@ -22,15 +22,24 @@ each finish there through the flow stream (as flows do for dependents) would cos
 a resolver read and a script call per child; instead a shard hands off once, when its last
 child finishes, and readers sum the shards (one HMGET per shard, pipelined).
 
-A submit runs in three steps: the record and a hold (+1 on ``left``) in each shard it will
-use; the children (``batch_submit.lua``, in rounds of ``ROUND``: one pipeline per round,
-one call per shard); then the holds released (``batch_seal.lua``). The hold keeps a shard whose first children finish
-before the rest are added from calling its share done. A submitter that dies before the
-last step leaves the batch running until it is cancelled (the children it made run).
+A submit runs in three steps: the record and a hold (``hold``, and +1 on ``left``) in each
+shard it will use; the children (``batch_submit.lua``, in rounds of ``ROUND``: one pipeline
+per round, one call per shard); then the holds released (``batch_seal.lua``) and the record
+marked ``sealed``. The hold keeps a shard whose first children finish before the rest are
+added from calling its share done. A submitter that dies before the last step leaves the
+batch running until it is cancelled (the children it made run): ``batch_cancel.lua`` counts
+the children not made as cancelled, stops a submit still running from making them, and
+releases the holds itself (each is released once, by whichever comes first).
+
+With an idempotency key, ``jt:{k}:bidem:<tenant>:<key>`` (``k`` from the tenant and key)
+holds ``"<batch id> <digest of the request>"`` for ``idempotency_ttl_seconds``: a repeat
+answers with that batch, even one whose submit broke off (so a client can retry, then
+cancel it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -157,7 +166,17 @@ async def submit_batch(store: Store, batch: PreparedBatch) -> BatchStatus:
         counts = _counts_key(store, shard, batch.batch_id)
         pipe.hset(counts, mapping={"bid": batch.batch_id, "hold": 1})
         pipe.hincrby(counts, "left", 1)
-    await pipe.execute()
+    try:
+        await pipe.execute()
+    except Exception:
+        # no record written: free the key, so that a retry makes the batch rather than
+        # answering with one that does not exist (a record written answers it: cancel it)
+        if batch.idempotency_key:
+            key = _idempotency_key(store, batch.tenant, batch.idempotency_key)
+            with contextlib.suppress(Exception):
+                if not await store.redis.exists(record):
+                    await store.redis.delete(key)
+        raise
     head: list[Any] = [batch.batch_id, batch.tenant, batch.type, batch.queue, batch.priority]
     head += [batch.max_attempts, trace]
     # in rounds, one pipeline each: a call per shard with the round's children there, so no
