@@ -125,7 +125,8 @@ async def _first_with_key(store: Store, batch: PreparedBatch) -> str | None:
     held = cast(bytes | None, await store.redis.get(key))
     first, _, digest = (held or b"").decode().partition(" ")
     if not first:  # expired between the two calls: ours now
-        return None if await store.redis.set(key, mine, nx=True, ex=ttl) else first
+        await store.redis.set(key, mine, ex=ttl)
+        return None
     if digest != batch.digest:
         raise IdempotencyConflict(batch.idempotency_key, first)
     return first
@@ -242,7 +243,8 @@ async def _each_child(
     args: Sequence[Any],
     where: Callable[[int, int], tuple[int, ...]] = lambda first, count: (),
 ) -> list[list[Any]]:
-    """Run ``script`` (after ``args``: how many ids, the ids) over every child of the batch,
+    """Run ``script`` (after ``args``, then ``where(position in its shard of the call's
+    first id, the shard's children)``: how many ids, the ids) over every child of the batch,
     ``SCAN_CHUNK`` per call, every call in one pipeline; the replies."""
     total = await store.redis.hget(record_key(store, batch_id), "total")
     by_shard: dict[int, list[str]] = defaultdict(list)
