@@ -204,13 +204,15 @@ async def test_children_finishing_before_the_submit_ends_do_not_end_the_batch(
         store_batches.record_key(bq.store, batch_id),
         mapping={"tenant": "default", "total": 1, "shards": "1", "open": 1, "state": "running"},
     )
-    await bq.redis.hincrby(f"{keys.base(1)}bt:{batch_id[:18]}", "left", 1)  # the hold
+    counts_key = f"{keys.base(1)}bt:{batch_id[:18]}"
+    await bq.redis.hset(counts_key, mapping={"bid": batch_id, "hold": 1})  # the hold
+    await bq.redis.hincrby(counts_key, "left", 1)
     args = [batch_id, "default", "part", "default", "normal", 1, "", 1, child, b'{"n":1}']
     await bq.scripts.call("batch_submit", 1, args)
     await run_all(bq)
     status = await bq.batches.status(batch_id)
     assert (status.state, counts(status)) == ("running", (0, 1, 0, 0))  # not sealed yet
-    assert await bq.scripts.call("batch_seal", 1, [batch_id, 60]) == 0
+    assert await bq.scripts.call("batch_seal", 1, [batch_id]) == 0
     await run_all(bq)
     assert (await bq.batches.status(batch_id)).state == "finished"
 

@@ -106,13 +106,19 @@ class Admission:
             _MEMORY_HIGH, m.used, m.maxmemory, m.ratio, refusing, s.redis_memory_refuse_ratio
         )
 
-    def check(self, tenant: str, n: int = 1, priorities: Sequence[str] = ()) -> None:
+    def check(
+        self, tenant: str, n: int = 1, priorities: Sequence[str] = (), *, priority: str = ""
+    ) -> None:
         """Raise a 429/503 problem if ``tenant`` may not submit ``n`` jobs of ``priorities``
-        (one per job; none given: all normal) now; a refusal is counted per priority."""
+        (one per job), or all of ``priority`` (a batch's: no list as long as the batch;
+        neither given: all normal) now; a refusal is counted per priority."""
         try:
-            self._check(tenant, n, priorities)
+            self._check(tenant, n, priorities or (priority or "normal",))
         except Problem as refused:
-            self.refused.update((p, refused.slug) for p in (priorities or ("normal",) * n))
+            if priorities:
+                self.refused.update((p, refused.slug) for p in priorities)
+            else:
+                self.refused[(priority or "normal", refused.slug)] += n
             raise
 
     def _check(self, tenant: str, n: int, priorities: Sequence[str]) -> None:
@@ -123,7 +129,7 @@ class Admission:
                 503, "overloaded", f"{self.total_waiting} jobs are waiting; the limit is {cap}"
             )
         if (shed_at := s.shed_waiting_total) and self.total_waiting + n > shed_at:
-            shed = sorted({p for p in (priorities or ("normal",)) if p in self._shed})
+            shed = sorted({p for p in priorities if p in self._shed})
             if shed:
                 detail = (
                     f"{self.total_waiting} jobs are waiting: past {shed_at} "

@@ -23,8 +23,8 @@ from jobtier.core.batch_model import (
     BatchSpec,
     BatchStatus,
 )
-from jobtier.core.errors import InvalidRequest
-from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE
+from jobtier.core.errors import IdempotencyConflict, InvalidRequest
+from jobtier.core.names import IDEMPOTENCY_KEY_RE, QUEUE_NAME_RE, TASK_NAME_RE
 from jobtier.engine.queue import Queue
 from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT
 
@@ -50,12 +50,18 @@ async def submit(request: Request) -> Response:
     body: BatchSpec = decode_body(_decoder, await read_json_body(request))
     try:
         prepared = await queue.batches.prepare(body, tenant)
-        st.admission.check(tenant, len(prepared.children))
+        st.admission.check(tenant, len(prepared.children), priority=prepared.priority)
         hook = body.callback.webhook if body.callback is not None else None
         service = registrar(request, [hook], "callback.webhook.") if hook else None
         status = await queue.batches.submit_prepared(prepared, hook, service)
     except InvalidRequest as exc:
         raise invalid(exc) from None
+    except IdempotencyConflict as exc:
+        detail = f"idempotency key {exc.key!r} was used for another request (batch {exc.job_id})"
+        raise Problem(409, "idempotency-conflict", detail, batch_id=exc.job_id) from None
+    except BatchNotFound as exc:
+        gone = f"this idempotency key made batch {exc.batch_id}, which is no longer kept"
+        raise Problem(409, "idempotency-conflict", gone, batch_id=exc.batch_id) from None
     headers = {"Location": f"/v1/batches/{status.id}"}
     return Response(msgspec.json.encode(status), 202, headers, media_type="application/json")
 
@@ -115,7 +121,8 @@ def operations(settings: Settings) -> oa.Paths:
         oa.refuses(
             409,
             "a webhook was given and the tenant has no webhook signing secret (nothing was "
-            "submitted)",
+            "submitted); or the idempotency_key was used for another request, or made a batch "
+            "no longer kept",
         ),
         oa.refuses(429, "the tenant's rate limit or waiting-jobs cap", oa.RETRY_AFTER),
         oa.refuses(503, "back-pressure, or Redis unavailable", oa.RETRY_AFTER),
@@ -152,6 +159,7 @@ def constrain(c: dict[str, Any], settings: Settings) -> None:
     oa.constrain(c, "BatchSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     oa.constrain(c, "BatchSpec", "max_attempts", minimum=1, maximum=MAX_ATTEMPTS_LIMIT)
     oa.constrain(c, "BatchSpec", "chunk_size", minimum=1, maximum=MAX_BATCH_ITEMS)
+    oa.constrain(c, "BatchSpec", "idempotency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     c["BatchSpec"]["properties"]["items"].update(minItems=1, maxItems=MAX_BATCH_ITEMS)
     c["BatchSpec"]["properties"]["priority"]["enum"] = ["critical", "high", "normal", "low"]
     oa.constrain(c, "BatchCallback", "type", pattern=TASK_NAME_RE.pattern)

@@ -307,12 +307,16 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         queue: str | None = None,
         max_attempts: int | None = None,
         callback: BatchCallback | None = None,
+        idempotency_key: str | None = None,
     ) -> BatchStatus:
         """Submit a batch in one request: a child job of ``type`` per item (or per
         ``chunk_size`` items: payload ``{"offset", "items"}``), and ``callback`` created once
         all have finished (with its own ``webhook``, if given). Returns its status; a bad
-        batch is a ``ValidationFailed`` and creates nothing (docs/batches.md)."""
-        op = submit_batch_op(type, items, chunk_size, priority, queue, max_attempts, callback)
+        batch is a ``ValidationFailed`` and creates nothing; a repeated ``idempotency_key``
+        answers with the first batch (docs/batches.md)."""
+        op = submit_batch_op(
+            type, items, chunk_size, priority, queue, max_attempts, callback, idempotency_key
+        )
         return await self._run(op)
 
     async def batch(self, batch_id: str) -> BatchStatus:

@@ -23,6 +23,7 @@ def submit_batch_op(
     queue: str | None,
     max_attempts: int | None,
     callback: BatchCallback | None,
+    idempotency_key: str | None = None,
 ) -> Op[BatchStatus]:
     body = present(
         type=type,
@@ -32,6 +33,7 @@ def submit_batch_op(
         queue=queue,
         max_attempts=max_attempts,
         callback=callback,
+        idempotency_key=idempotency_key,
     )
     call = json_call("POST", "/v1/batches", body)
     return (yield from fetch(call, status_decoder, "a batch"))

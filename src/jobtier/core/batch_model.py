@@ -40,6 +40,9 @@ class BatchSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     queue: str | None = None
     max_attempts: int | None = None
     callback: BatchCallback | None = None
+    # a repeat (same tenant and key, same request) answers with the batch the first made,
+    # even one whose submit broke off part-way: a client may retry a failed submit safely
+    idempotency_key: str | None = None
 
 
 class BatchStatus(msgspec.Struct, kw_only=True):

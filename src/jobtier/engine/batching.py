@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,7 @@ from jobtier.core.batch_model import (
 from jobtier.core.errors import InvalidRequest, PayloadTooLarge
 from jobtier.core.model import CallbackSpec, JobSpec, encode_json
 from jobtier.engine.produce import DEFAULT_TENANT, Producer, Registrar
+from jobtier.engine.validate import check_key
 from jobtier.flows import batches as store_batches
 from jobtier.flows.batches import PreparedBatch
 from jobtier.store.context import Store
@@ -77,6 +79,7 @@ class BatchControl:
         batch_id = store_batches.new_batch_id(keys)
         ids = store_batches.child_ids(keys, batch_id, len(payloads))
         children: list[tuple[str, bytes]] = []
+        digest = hashlib.blake2b(digest_size=16) if spec.idempotency_key is not None else None
         for index, item in enumerate(payloads):
             try:
                 payload = encode_json(item)
@@ -94,6 +97,9 @@ class BatchControl:
                 except InvalidRequest as exc:
                     raise type(exc)(f"items[{index}]: {exc}", field="items") from None
             job_id = ids[index]
+            if digest is not None:  # of the payload as given: a sealed one differs each time
+                digest.update(len(payload).to_bytes(4, "big"))
+                digest.update(payload)
             if template.seal is not None:
                 payload = template.seal(job_id, payload)
             children.append((job_id, payload))
@@ -108,6 +114,12 @@ class BatchControl:
         )
         if spec.callback is not None:
             self._with_callback(prepared, spec.callback)
+        if digest is not None:
+            prepared.idempotency_key = check_key(spec.idempotency_key, "idempotency_key")
+            head = (prepared.type, prepared.queue, prepared.priority, prepared.max_attempts)
+            digest.update(repr((*head, prepared.callback)).encode())
+            digest.update(prepared.callback_payload)
+            prepared.digest = digest.hexdigest()
         return prepared
 
     def _with_callback(self, prepared: PreparedBatch, cb: BatchCallback) -> None:
@@ -161,9 +173,11 @@ class BatchControl:
         max_attempts: int | None = None,
         callback: BatchCallback | None = None,
         tenant: str = DEFAULT_TENANT,
+        idempotency_key: str | None = None,
     ) -> BatchStatus:
         """Submit a batch: one child of ``type`` per item (or per ``chunk_size`` items), and
-        ``callback`` created when all have finished (with its webhook, if it has one).
+        ``callback`` created when all have finished (with its webhook, if it has one). A
+        repeated ``idempotency_key`` with the same request returns the first batch's status.
         Returns its status."""
         spec = BatchSpec(
             type=type,
@@ -173,6 +187,7 @@ class BatchControl:
             queue=queue,
             max_attempts=max_attempts,
             callback=callback,
+            idempotency_key=idempotency_key,
         )
         hook = callback.webhook if callback is not None else None
         return await self.submit_prepared(await self.prepare(spec, tenant), hook)

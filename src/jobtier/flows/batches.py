@@ -22,22 +22,32 @@ each finish there through the flow stream (as flows do for dependents) would cos
 a resolver read and a script call per child; instead a shard hands off once, when its last
 child finishes, and readers sum the shards (one HMGET per shard, pipelined).
 
-A submit runs in three steps: the record and a hold (+1 on ``left``) in each shard it will
-use; the children (``batch_submit.lua``, in rounds of ``ROUND``: one pipeline per round,
-one call per shard); then the holds released (``batch_seal.lua``). The hold keeps a shard whose first children finish
-before the rest are added from calling its share done. A submitter that dies before the
-last step leaves the batch running until it is cancelled (the children it made run).
+A submit runs in three steps: the record and a hold (``hold``, and +1 on ``left``) in each
+shard it will use; the children (``batch_submit.lua``, in rounds of ``ROUND``: one pipeline
+per round, one call per shard); then the holds released (``batch_seal.lua``) and the record
+marked ``sealed``. The hold keeps a shard whose first children finish before the rest are
+added from calling its share done. A submitter that dies before the last step leaves the
+batch running until it is cancelled (the children it made run): ``batch_cancel.lua`` counts
+the children not made as cancelled, stops a submit still running from making them, and
+releases the holds itself (each is released once, by whichever comes first).
+
+With an idempotency key, ``jt:{k}:bidem:<tenant>:<key>`` (``k`` from the tenant and key)
+holds ``"<batch id> <digest of the request>"`` for ``idempotency_ttl_seconds``: a repeat
+answers with that batch, even one whose submit broke off (so a client can retry, then
+cancel it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 from jobtier.core.batch_model import BatchNotFound, BatchStatus
+from jobtier.core.errors import IdempotencyConflict
 from jobtier.core.keys import Keys
 from jobtier.runtime import tracing
 from jobtier.store.calls import Call
@@ -87,6 +97,8 @@ class PreparedBatch:
     callback: str = ""  # "<type> <queue> <attempts>" of the callback job ('': none)
     callback_id: str = ""  # the id its callback job gets (drawn now: its webhook is keyed so)
     callback_payload: bytes = b""
+    idempotency_key: str = ""  # '' none
+    digest: str = ""  # of the request, to tell a repeat from another use of the key
 
 
 def record_key(store: Store, batch_id: str) -> str:
@@ -97,8 +109,35 @@ def _counts_key(store: Store, shard: int, batch_id: str) -> str:
     return f"{store.keys.base(shard)}bt:{batch_id[:PREFIX]}"
 
 
+def _idempotency_key(store: Store, tenant: str, key: str) -> str:
+    keys = store.keys
+    return f"{keys.base(keys.shard_for(tenant, key))}bidem:{tenant}:{key}"
+
+
+async def _first_with_key(store: Store, batch: PreparedBatch) -> str | None:
+    """Claim the batch's idempotency key for it: None, or the id of the batch that has it
+    (``IdempotencyConflict`` if that one was another request)."""
+    key = _idempotency_key(store, batch.tenant, batch.idempotency_key)
+    mine = f"{batch.batch_id} {batch.digest}"
+    ttl = store.settings.idempotency_ttl_seconds
+    if await store.redis.set(key, mine, nx=True, ex=ttl):
+        return None
+    held = cast(bytes | None, await store.redis.get(key))
+    first, _, digest = (held or b"").decode().partition(" ")
+    if not first:  # expired between the two calls: ours now
+        await store.redis.set(key, mine, ex=ttl)
+        return None
+    if digest != batch.digest:
+        raise IdempotencyConflict(batch.idempotency_key, first)
+    return first
+
+
 async def submit_batch(store: Store, batch: PreparedBatch) -> BatchStatus:
-    """Create the batch by the module's three steps; its status after them."""
+    """Create the batch by the module's three steps; its status after them. With an
+    idempotency key another submit already used for the same request: that batch's status
+    (``BatchNotFound`` if it is no longer kept)."""
+    if batch.idempotency_key and (first := await _first_with_key(store, batch)):
+        return await read_batch(store, first, batch.tenant)
     keys = store.keys
     by_shard: dict[int, list[tuple[str, bytes]]] = defaultdict(list)
     for child in batch.children:
@@ -125,8 +164,20 @@ async def submit_batch(store: Store, batch: PreparedBatch) -> BatchStatus:
         },
     )
     for shard in by_shard:
-        pipe.hincrby(_counts_key(store, shard, batch.batch_id), "left", 1)
-    await pipe.execute()
+        counts = _counts_key(store, shard, batch.batch_id)
+        pipe.hset(counts, mapping={"bid": batch.batch_id, "hold": 1})
+        pipe.hincrby(counts, "left", 1)
+    try:
+        await pipe.execute()
+    except Exception:
+        # no record written: free the key, so that a retry makes the batch rather than
+        # answering with one that does not exist (a record written answers it: cancel it)
+        if batch.idempotency_key:
+            key = _idempotency_key(store, batch.tenant, batch.idempotency_key)
+            with contextlib.suppress(Exception):
+                if not await store.redis.exists(record):
+                    await store.redis.delete(key)
+        raise
     head: list[Any] = [batch.batch_id, batch.tenant, batch.type, batch.queue, batch.priority]
     head += [batch.max_attempts, trace]
     # in rounds, one pipeline each: a call per shard with the round's children there, so no
@@ -142,10 +193,8 @@ async def submit_batch(store: Store, batch: PreparedBatch) -> BatchStatus:
         for args in calls.values():
             args[len(head)] = (len(args) - len(head) - 1) // 2
         await store.scripts.call_many([("batch_submit", s, a) for s, a in calls.items()])
-    ttl = store.settings.retention_seconds
-    await store.scripts.call_many(
-        [("batch_seal", shard, (batch.batch_id, ttl)) for shard in by_shard]
-    )
+    await store.scripts.call_many([("batch_seal", shard, (batch.batch_id,)) for shard in by_shard])
+    await store.redis.hset(record, "sealed", "1")
     return await read_batch(store, batch.batch_id, batch.tenant)
 
 
@@ -188,20 +237,31 @@ async def read_batch(store: Store, batch_id: str, tenant: str | None) -> BatchSt
 
 
 async def _each_child(
-    store: Store, batch_id: str, script: str, args: Sequence[Any]
+    store: Store,
+    batch_id: str,
+    script: str,
+    args: Sequence[Any],
+    where: Callable[[int, int], tuple[int, ...]] = lambda first, count: (),
 ) -> list[list[Any]]:
-    """Run ``script`` (after ``args``: how many ids, the ids) over every child of the batch,
+    """Run ``script`` (after ``args``, then ``where(position in its shard of the call's
+    first id, the shard's children)``: how many ids, the ids) over every child of the batch,
     ``SCAN_CHUNK`` per call, every call in one pipeline; the replies."""
     total = await store.redis.hget(record_key(store, batch_id), "total")
     by_shard: dict[int, list[str]] = defaultdict(list)
     for job_id in child_ids(store.keys, batch_id, int(total or 0)):
         by_shard[store.keys.shard_of(job_id)].append(job_id)
     calls: list[Call] = [
-        (script, shard, (batch_id, *args, len(chunk), *chunk))
+        (script, shard, (batch_id, *args, *where(i, len(ids)), len(chunk), *chunk))
         for shard, ids in by_shard.items()
-        for chunk in (ids[i : i + SCAN_CHUNK] for i in range(0, len(ids), SCAN_CHUNK))
+        for i, chunk in ((i, ids[i : i + SCAN_CHUNK]) for i in range(0, len(ids), SCAN_CHUNK))
     ]
     return await store.scripts.call_many(calls) if calls else []
+
+
+def _position(first: int, count: int) -> tuple[int, int]:
+    """A chunk's place among its shard's children: its first's position, and 1 if it ends
+    with the shard's last (batch_cancel.lua counts the children not made from them)."""
+    return first, int(first + SCAN_CHUNK >= count)
 
 
 async def cancel_batch(store: Store, batch_id: str, tenant: str | None) -> tuple[int, int]:
@@ -209,7 +269,8 @@ async def cancel_batch(store: Store, batch_id: str, tenant: str | None) -> tuple
     await read_batch(store, batch_id, tenant)  # NotFound before anything changes
     await store.redis.hset(record_key(store, batch_id), "cancel", "1")
     ttl = store.settings.retention_seconds
-    replies = await _each_child(store, batch_id, "batch_cancel", (tenant or "", ttl))
+    args = (tenant or "", ttl)
+    replies = await _each_child(store, batch_id, "batch_cancel", args, _position)
     return sum(int(r[0]) for r in replies), sum(int(r[1]) for r in replies)
 
 

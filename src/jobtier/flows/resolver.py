@@ -187,6 +187,7 @@ class Resolver:
             return 0
         by_shard: dict[int, list[Item]] = defaultdict(list)
         batches: dict[int, list[tuple[str, str, str, bytes]]] = defaultdict(list)
+        expiring: list[tuple[int, str]] = []  # (shard, batch id)
         for shard, entry_id, fields in entries:
             if not fields:  # pending but deleted from the stream: nothing left to apply
                 continue
@@ -201,6 +202,9 @@ class Resolver:
                     entry_id.decode(),
                     exc,
                 )
+                continue
+            if kind == "E":  # a batch finished: its shards' counts may expire now
+                expiring.extend((int(s), source) for s in data.decode().split() if s.isdigit())
                 continue
             if kind == "b":  # a shard's share of a batch finished (flows/batches.py)
                 for target in targets:
@@ -225,6 +229,11 @@ class Resolver:
         if calls:
             for reply in await self.scripts.call_many(calls):
                 self._count(reply)
+        if expiring:
+            keep = self.settings.dead_retention_seconds
+            expire: list[Call] = [("batch_expire", s, (bid, keep)) for s, bid in expiring]
+            await self.scripts.call_many(expire)
+            self.stats.applied += len(expiring)
         await self.consumer.ack((shard, entry_id) for shard, entry_id, _ in entries)
         self.stats.handoffs += len(entries)
         return len(entries)

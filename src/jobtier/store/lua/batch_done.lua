@@ -1,7 +1,8 @@
 -- batch_done.lua: apply the shards' batch hand-offs (lib.lua batch_handoff) to the batch
 -- records of this shard (the resolver sends them: flows/resolver.py).
 --   running -> finished    every shard's share has finished: the callback job (if any) is
---                          created, once per batch, in this script
+--                          created, once per batch, in this script, and a hand-off ('E')
+--                          sent to expire the shards' counts
 --   finished -> running    a retry brought a child back in a shard
 --
 -- KEYS[1]  shard log stream (routing)
@@ -43,6 +44,9 @@ local function complete(bid, rec)
     redis.call('HSET', rec, 'cbdone', '1')
   end
   redis.call('EXPIRE', rec, ttl)
+  -- the shards' counts were kept while any shard could still reopen: now they may expire
+  -- (batch_expire.lua in each, by the resolver; a retry before then keeps them)
+  handoff('E', bid, 'done', v[2] or '', bid)
 end
 
 for i = 0, n - 1 do

@@ -94,7 +94,7 @@ end
 -- job calls flush() before it returns (a unit test checks).
 local COUNTS  -- begin() empties it
 -- batches' children finished by this call, summed like COUNTS and written by flush() (the
--- batches section below): BATCH_DONE[counts key] = {ttl, s, f, c, n}
+-- batches section below): BATCH_DONE[counts key] = {s, f, c, n}
 local BATCH_DONE, batch_flush
 local function count(key, field, delta)
   local h = COUNTS[key]
@@ -764,35 +764,36 @@ end
 -- characters (its time and 8 random digits: flows/batches.py draws them so), which names the
 -- shard's share of the batch's counts without a field to read. Children spread over every
 -- shard, so each shard keeps its own share, in the child's slot: jt:{s}:bt:<prefix> holds
--- 'bid' the batch's id, 'n' children here, 'left' not finished (plus one while the submit
--- is still adding children: batch_seal.lua), 's'/'f'/'c' finished by state, and 'e' the
--- epoch of the shard's last hand-off. A shard whose 'left' reaches 0 tells the batch's
--- shard through its flow stream (one hand-off per shard, not per child: batch_done.lua); a
--- retry that brings one back reopens it. Readers sum the shards' counts (flows/batches.py).
+-- 'bid' the batch's id, 'n' children here, 'left' not finished (plus the 'hold', one while
+-- the submit is still adding children: batch_seal.lua), 'mk' children made, 'x' cancelled
+-- (batch_cancel.lua), 's'/'f'/'c' finished by state, and 'e' the epoch of the shard's last
+-- hand-off. A shard whose 'left' reaches 0 tells the batch's shard through its flow stream
+-- (one hand-off per shard, not per child: batch_done.lua); a retry that brings one back
+-- reopens it. Readers sum the shards' counts (flows/batches.py). The key outlives the
+-- shard's share: it expires only once the whole batch has finished (batch_expire.lua), as a
+-- retry elsewhere may still bring the batch back.
 local function batch_key(id)
   return BASE .. 'bt:' .. string.sub(id, 1, 18)
 end
 
-local function batch_handoff(key, state, ttl)
+local function batch_handoff(key, state)
   local e = redis.call('HINCRBY', key, 'e', 1)
   local v = redis.call('HMGET', key, 's', 'f', 'c', 'bid')
   local shard = string.match(BASE, '{(%d+)}')
   handoff('b', shard, state, e .. ' ' .. (v[1] or 0) .. ' ' .. (v[2] or 0) .. ' '
           .. (v[3] or 0), v[4] or '')
-  if state == 'done' then
-    redis.call('EXPIRE', key, ttl)
-  else
-    redis.call('PERSIST', key)
+  if state == 'open' then
+    redis.call('PERSIST', key)  -- a retry after the batch had finished and expired its keys
   end
 end
 
 -- j, a child, finished (finish() via flow_finished): its shard's counts move, summed over
 -- the call and written once per batch by flush() (a worker reports its jobs in batches)
-local function batch_finished(j, ttl)
+local function batch_finished(j)
   local key = batch_key(j.id)
   local b = BATCH_DONE[key]
   if not b then
-    b = {ttl = ttl, s = 0, f = 0, c = 0, n = 0}
+    b = {s = 0, f = 0, c = 0, n = 0}
     BATCH_DONE[key] = b
   end
   local mark = STATE_MARK[j.state]
@@ -808,18 +809,23 @@ batch_flush = function()
       end
     end
     if redis.call('HINCRBY', key, 'left', -b.n) == 0 then
-      batch_handoff(key, 'done', b.ttl)
+      batch_handoff(key, 'done')
     end
   end
   BATCH_DONE = {}
 end
 
--- j, a finished child, is back in play (a replay): its count returns to 'left'.
+-- j, a finished child, is back in play (a replay): its count returns to 'left'. Counts no
+-- longer kept (the batch finished and they expired) are not rebuilt: a key without its
+-- 'bid' would send a hand-off no batch can take, and its counts would be wrong.
 local function batch_revived(j)
   local key = batch_key(j.id)
+  if redis.call('HEXISTS', key, 'bid') == 0 then
+    return
+  end
   redis.call('HINCRBY', key, STATE_MARK[j.state], -1)
   if redis.call('HINCRBY', key, 'left', 1) == 1 then
-    batch_handoff(key, 'open', 0)
+    batch_handoff(key, 'open')
   end
 end
 
@@ -856,7 +862,7 @@ flow_finished = function(j, ttl)
     compensate(j)
   end
   if has_flag(j, 'b') then
-    batch_finished(j, ttl)
+    batch_finished(j)
   end
 end
 
