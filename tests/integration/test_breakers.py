@@ -256,3 +256,26 @@ async def test_only_the_downstreams_failures_count(queue: Queue, background: Bac
     await wait_for(opened)  # two HttpErrors (breaker_on), the threshold
     view = await states.get("bt-http")
     assert "502" in view.reason
+
+
+async def test_the_successes_of_a_window_stay_bounded_without_failures(queue: Queue) -> None:
+    """Steady successes and no failure: the set of successes holds only the window's, and a
+    breaker without a ratio keeps none at all."""
+    states = await _reset(queue, "bt-bounded", "bt-count")
+    keys = queue.store.keys
+    ratio = Breaker("bt-bounded", ratio=0.5, min_calls=4, window=0.2)
+    oks = f"{keys.base(keys.home(ratio.name))}bok:{ratio.name}"
+    burst = 30
+    for _ in range(burst):
+        await states.record(ratio, "s", "", "")
+    assert await queue.store.redis.zcard(oks) == burst
+
+    async def trimmed() -> bool:  # successes keep coming; those older than the window go
+        await states.record(ratio, "s", "", "")
+        return int(await queue.store.redis.zcard(oks)) < burst
+
+    await wait_for(trimmed)
+    counting = Breaker("bt-count", failures=3, window=60)
+    for _ in range(5):
+        await states.record(counting, "s", "", "")
+    assert not await queue.store.redis.exists(f"{keys.base(keys.home(counting.name))}bok:bt-count")

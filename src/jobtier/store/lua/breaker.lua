@@ -137,14 +137,20 @@ elseif op == 'record' then
   if state ~= 'closed' then
     return {state, tonumber(h[2]) or 0}  -- open: a job that started before it opened
   end
-  local id = redis.call('HINCRBY', key, 'seq', 1)
   local from = NOW - c.window
-  redis.call('ZADD', outcome == 'f' and fails or oks, NOW, id)
-  redis.call('ZREMRANGEBYSCORE', fails, '-inf', from)
-  redis.call('PEXPIRE', outcome == 'f' and fails or oks, c.window)
   if outcome ~= 'f' then
+    -- successes count only toward a ratio; trimmed here too, or steady traffic with no
+    -- failure would grow the set for ever (its expiry is pushed back by every success)
+    if c.ratio then
+      redis.call('ZADD', oks, NOW, redis.call('HINCRBY', key, 'seq', 1))
+      redis.call('ZREMRANGEBYSCORE', oks, '-inf', from)
+      redis.call('PEXPIRE', oks, c.window)
+    end
     return {'closed', 0}
   end
+  redis.call('ZADD', fails, NOW, redis.call('HINCRBY', key, 'seq', 1))
+  redis.call('ZREMRANGEBYSCORE', fails, '-inf', from)
+  redis.call('PEXPIRE', fails, c.window)
   local failed = redis.call('ZCARD', fails)
   local opens
   if c.ratio then
