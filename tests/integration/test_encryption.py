@@ -577,8 +577,8 @@ async def test_an_encrypted_job_s_checkpoint_is_sealed_at_rest_and_opened_for_it
         held = (await _hash(q, job_id))[b"cp"]
         assert is_sealed(held) and SECRET.encode() not in held
         shard = q.keys.shard_of(job_id)
-        log = await q.redis.xrange(q.keys.log(shard))
-        assert all(SECRET.encode() not in v for _, e in log for v in e.values())
+        log = cast(list[tuple[bytes, dict[bytes, bytes]]], await q.redis.xrange(q.keys.log(shard)))
+        assert log and all(SECRET.encode() not in v for _, e in log for v in e.values())
         # its tenant reads the state opened
         r = await acme.get(f"/v1/jobs/{job_id}/checkpoint")
         assert r.status_code == 200 and r.json()["state"] == {"card": SECRET}, r.text
