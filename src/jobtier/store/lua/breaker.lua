@@ -6,7 +6,7 @@
 --
 -- KEYS[1]  shard log stream of the home shard (routing)
 -- ARGV[1]  shard key base, jt:{h}:
--- ARGV[2]  operation: admit | record | open | close
+-- ARGV[2]  operation: admit | record | extend | open | close
 -- ARGV[3]  breaker name
 --   admit   ARGV[4..11] thresholds (below), ARGV[12] worker id, ARGV[13] probe lease ms,
 --           ARGV[14] the job's task type (kept in 'types' when the job must wait)
@@ -15,6 +15,8 @@
 --           answered, n: neither, a probe given back), ARGV[13] probe id or '',
 --           ARGV[14] the failure's text, ARGV[15] the job's task type
 --                                          Returns {state, until ms[, 1 when it changed]}
+--   extend  ARGV[4] probe id, ARGV[5] lease ms: a probe still running keeps its place
+--           (its worker extends it as it heartbeats the job)   Returns 1, 0 when it is gone
 --   open    ARGV[4] ms (0: until closed by hand), ARGV[5] reason  Returns {state, until ms}
 --   close   ARGV[4] reason                                        Returns {state, until ms}
 -- Thresholds: failures, window ms, ratio ('' none), min calls, open ms, back-off factor,
@@ -164,6 +166,17 @@ elseif op == 'record' then
     return trip(c, 1, ARGV[14])
   end
   return {'closed', 0}
+elseif op == 'extend' then
+  local lease = tonumber(ARGV[5])
+  -- a probe already answered, or expired and dropped, is not brought back
+  if not redis.call('ZSCORE', probes, ARGV[4]) then
+    return 0
+  end
+  redis.call('ZADD', probes, NOW + lease, ARGV[4])
+  if redis.call('PTTL', probes) < lease then
+    redis.call('PEXPIRE', probes, lease)
+  end
+  return 1
 elseif op == 'open' then
   local ms = tonumber(ARGV[4])
   local until_ms = ms > 0 and NOW + ms or 0
