@@ -3,10 +3,12 @@ Redis by every worker, holding jobs back without using their attempts, probing h
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
 
+from jobtier.config import Settings
 from jobtier.core.breaker import Breaker, DownstreamDown
 from jobtier.core.explanation import ReasonCode
 from jobtier.core.model import State
@@ -256,3 +258,76 @@ async def test_only_the_downstreams_failures_count(queue: Queue, background: Bac
     await wait_for(opened)  # two HttpErrors (breaker_on), the threshold
     view = await states.get("bt-http")
     assert "502" in view.reason
+
+
+async def test_the_successes_of_a_window_stay_bounded_without_failures(queue: Queue) -> None:
+    """Steady successes and no failure: the set of successes holds only the window's, and a
+    breaker without a ratio keeps none at all."""
+    states = await _reset(queue, "bt-bounded", "bt-count")
+    keys = queue.store.keys
+    ratio = Breaker("bt-bounded", ratio=0.5, min_calls=4, window=0.2)
+    oks = f"{keys.base(keys.home(ratio.name))}bok:{ratio.name}"
+    burst = 30
+    for _ in range(burst):
+        await states.record(ratio, "s", "", "")
+    assert await queue.store.redis.zcard(oks) == burst
+
+    async def trimmed() -> bool:  # successes keep coming; those older than the window go
+        await states.record(ratio, "s", "", "")
+        return int(await queue.store.redis.zcard(oks)) < burst
+
+    await wait_for(trimmed)
+    counting = Breaker("bt-count", failures=3, window=60)
+    for _ in range(5):
+        await states.record(counting, "s", "", "")
+    assert not await queue.store.redis.exists(f"{keys.base(keys.home(counting.name))}bok:bt-count")
+
+
+LONG = Breaker("bt-long", failures=1, open_for=0.05, probes=1)
+probe_may_end = asyncio.Event()
+
+
+@task(breaker=LONG, retries=3, backoff_base=0.05, backoff_cap=0.1)
+async def long_call(ctx: JobContext, payload: Any) -> str:
+    await probe_may_end.wait()
+    return "answered"
+
+
+async def test_a_probe_longer_than_the_lease_keeps_its_place(
+    settings: Settings, background: Background
+) -> None:
+    global probe_may_end
+    probe_may_end = asyncio.Event()
+    queue = await Queue.connect(settings.replace(lease_seconds=1.0))
+    try:
+        states = await _reset(queue, LONG.name)
+        await states.record(LONG, "f", "", "down")
+        probes = f"{queue.keys.base(queue.keys.home(LONG.name))}bprobe:{LONG.name}"
+        background.start(Scheduler(queue.store))
+        background.start(worker_for(queue, TaskRegistry([long_call])))
+        job = await queue.submit(long_call, None)
+
+        async def probing() -> bool:  # the job runs as the breaker's one probe
+            return int(await queue.redis.zcard(probes)) == 1
+
+        await wait_for(probing)
+        scores = await queue.redis.zrange(probes, 0, 0, withscores=True)
+        first_deadline = int(scores[0][1])
+
+        async def past_the_first_lease() -> bool:
+            seconds, micros = await queue.redis.time()
+            return int(seconds) * 1000 + int(micros) // 1000 > first_deadline + 100
+
+        await wait_for(past_the_first_lease)
+        # the probe still runs: its place is kept, no second probe gets through
+        assert (await states.admit(LONG, "w2", 5000)).verdict == WAIT
+        probe_may_end.set()
+
+        async def done() -> bool:
+            return (await queue.status(job.job_id)).state is State.SUCCEEDED
+
+        await wait_for(done)
+        assert (await states.get(LONG.name)).state == "closed"
+    finally:
+        await background.stop()
+        await queue.close()

@@ -13,10 +13,11 @@ import pytest
 
 from jobtier.config import Settings
 from jobtier.core.debounce import Debounce, Throttled
-from jobtier.core.errors import IdempotencyConflict, InvalidRequest, Retry
+from jobtier.core.errors import IdempotencyConflict, InvalidRequest, RateLimited, Retry
 from jobtier.core.model import JobSpec, State, Submitted
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
+from jobtier.store.calls import promote_call
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -130,6 +131,34 @@ async def test_a_key_whose_job_waits_for_a_retry_makes_a_new_job(
     await wait_for(retrying)  # scheduled again, but it has run: not the key's pending job
     again = await queue.submit(again_later, 2, debounce={"key": "k", "seconds": 60})
     assert again.created and again.job_id != first.job_id
+
+
+@task(queue="slowed", retries=2)
+async def slowed_down(ctx: JobContext, payload: Any) -> None:
+    ran.append(payload)  # it ran part-way on this payload before the downstream said no
+    raise RateLimited(retry_after=60)
+
+
+async def test_a_key_whose_job_ran_and_was_refunded_makes_a_new_job(
+    queue: Queue, background: Background
+) -> None:
+    ran.clear()
+    first = await queue.submit(slowed_down, 1, debounce={"key": "k", "seconds": 60})
+    # due now, the key's record still held (it lives on past the quiet period)
+    shard = queue.keys.shard_of(first.job_id)
+    await queue.redis.zadd(queue.keys.sched(shard), {first.job_id: 0})
+    await queue.scripts.call(*promote_call(shard, 100))
+    background.start(worker_for(queue, TaskRegistry([slowed_down])))
+
+    async def refunded() -> bool:  # back in the schedule, its attempt given back
+        status = await queue.status(first.job_id)
+        return status.state is State.SCHEDULED and status.error is not None
+
+    await wait_for(refunded)
+    assert (await queue.status(first.job_id)).attempt == 0 and ran == [1]
+    again = await queue.submit(slowed_down, 2, debounce={"key": "k", "seconds": 60})
+    assert again.created and again.job_id != first.job_id
+    assert await stored_payload(queue, first.job_id) == b"1"  # what it ran with, kept
 
 
 async def test_racing_debounced_submits_make_one_job(settings: Settings) -> None:

@@ -91,6 +91,16 @@ async def vault_retried(ctx: JobContext, payload: Any) -> dict[str, Any]:
     return _echo(payload)
 
 
+@task(encrypt=True, retries=1, backoff_base=0.05, jitter=0.0)
+async def secret_resume(ctx: JobContext, payload: Any) -> Any:
+    """Saves a checkpoint holding the secret, fails its first attempt; the retry returns the
+    state it resumed from."""
+    if ctx.attempt == 1:
+        await ctx.checkpoint({"card": SECRET})
+        raise RuntimeError("the downstream is out")
+    return {"resumed": ctx.checkpoint.resumed, "state": ctx.checkpoint.state}
+
+
 @task(retries=0)
 async def collect(ctx: JobContext, payload: Any) -> dict[str, Any]:
     return {dep_id: dep.result for dep_id, dep in ctx.dependencies.items()}
@@ -107,6 +117,7 @@ registry = TaskRegistry(
         vault_undo,
         secret_fail_vault,
         vault_retried,
+        secret_resume,
         collect,
     ]
 )
@@ -549,3 +560,43 @@ async def test_a_plain_payload_marked_as_an_envelope_is_refused_unless_it_is_sea
     stats = await worker_for(q, registry, burst=True).run()
     assert stats.succeeded == 2 and stats.failed == 0  # the refused one never ran
     assert sorted(SEEN, key=len) == [marked, reordered]
+
+
+async def test_an_encrypted_job_s_checkpoint_is_sealed_at_rest_and_opened_for_it(
+    crypt_api: ApiServer, crypt_queue: Queue, pg_pool: Pool, crypt_settings: Settings
+) -> None:
+    q = crypt_queue
+    async with crypt_api.client() as acme:
+        r = await acme.post("/v1/jobs", json={"type": "secret_resume", "payload": None})
+        assert r.status_code == 202, r.text
+        job_id = r.json()["id"]
+        await worker_for(q, registry, burst=True).run()
+        status = await q.status(job_id)
+        assert status.state is State.SCHEDULED and status.attempt == 1
+        # Redis: the job hash and the shard's log stream hold the envelope, not the state
+        held = (await _hash(q, job_id))[b"cp"]
+        assert is_sealed(held) and SECRET.encode() not in held
+        shard = q.keys.shard_of(job_id)
+        log = cast(list[tuple[bytes, dict[bytes, bytes]]], await q.redis.xrange(q.keys.log(shard)))
+        assert log and all(SECRET.encode() not in v for _, e in log for v in e.values())
+        # its tenant reads the state opened
+        r = await acme.get(f"/v1/jobs/{job_id}/checkpoint")
+        assert r.status_code == 200 and r.json()["state"] == {"card": SECRET}, r.text
+
+        # the retry resumes from the state, opened for the task
+        await redis_clock_passes(q.redis, 100)
+        await q.scripts.call_many([promote_call(s, 100) for s in range(q.keys.shards)])
+        await worker_for(q, registry, burst=True).run()
+        assert (await q.result(job_id))[1] == {"resumed": True, "state": {"card": SECRET}}
+
+        # Postgres: job_checkpoints (and every other row of the job) hold ciphertext only
+        await Persister(crypt_settings, q.redis, pg_pool, "p1").drain()
+        rows = await pg_pool.fetch(
+            "SELECT state::text AS s FROM job_checkpoints WHERE job_id = $1", job_id
+        )
+        assert rows and all('"$enc"' in r["s"] and SECRET not in r["s"] for r in rows)
+        assert SECRET not in await _pg_text(pg_pool, job_id)
+        # once Redis forgets the job, the route opens the state Postgres keeps
+        await q.redis.delete(q.keys.job(job_id))
+        r = await acme.get(f"/v1/jobs/{job_id}/checkpoint")
+        assert r.status_code == 200 and r.json()["state"] == {"card": SECRET}, r.text

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import os
 import signal
+import threading
 from typing import Any
 
 import msgspec
@@ -23,6 +24,7 @@ from jobtier.metrics.snapshot import labels
 from jobtier.scheduler import Scheduler
 from jobtier.store.calls import reclaim_call
 from jobtier.worker.procpool import ProcessOptions, ProcessPool
+from jobtier.worker.registry import TaskRegistry
 from jobtier.worker.runner import Worker
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.procpool_tasks import registry
@@ -289,3 +291,64 @@ async def test_a_lost_lease_ends_the_child(queue: Queue, background: Background)
     await wait_for(lambda: worker.stats.leases_lost == 1)
     await wait_for(lambda: not alive(pid))
     assert pool.stats["ended"] >= 1
+
+
+async def test_a_large_payload_to_a_child_not_reading_yet_leaves_the_loop_free(
+    queue: Queue, background: Background
+) -> None:
+    worker = pool_worker(queue, size=1)
+    background.start(worker)
+    pool = pool_of(worker)
+
+    async def spawned() -> bool:
+        return bool(pool.pids)
+
+    await wait_for(spawned)
+    (pid,) = pool.pids
+    # a child that reads nothing (as one still importing): the payload overfills its pipe
+    os.kill(pid, signal.SIGSTOP)
+    resumed = threading.Event()
+
+    def resume() -> None:  # the guard: a blocked loop cannot resume the child itself
+        resumed.set()
+        os.kill(pid, signal.SIGCONT)
+
+    guard = threading.Timer(5.0, resume)
+    guard.start()
+    try:
+        payload = "x" * (200 * 1024)
+        job = await queue.submit("size_of", payload)
+
+        async def sending() -> bool:
+            return bool(pool.busy)
+
+        await wait_for(sending)
+        # the worker is writing to the stopped child; the loop still answers
+        await queue.redis.ping()
+        assert not resumed.is_set(), "the event loop was held until the child read"
+    finally:
+        guard.cancel()
+        os.kill(pid, signal.SIGCONT)
+    await until_state(queue, job.job_id, State.SUCCEEDED)
+    assert (await queue.result(job.job_id))[1] == len(payload)
+
+
+async def test_a_child_reads_the_checkpoint_an_earlier_attempt_saved(
+    queue: Queue, background: Background
+) -> None:
+    from tests.procpool_tasks import resumes_in_child, resumes_on_loop
+
+    background.start(Scheduler(queue.store))
+    job = await queue.submit("resumes", None)
+    # attempt 1 on the event loop saves a state; attempt 2 runs in a child
+    await worker_for(queue, TaskRegistry([resumes_on_loop]), burst=True).run()
+    await until_state(queue, job.job_id, State.SCHEDULED, State.QUEUED)
+    background.start(
+        worker_for(queue, TaskRegistry([resumes_in_child]), processes=ProcessOptions(size=1))
+    )
+    await until_state(queue, job.job_id, State.SUCCEEDED, State.FAILED)
+    status, result = await queue.result(job.job_id)
+    assert status.state is State.SUCCEEDED and status.attempt == 2
+    assert result["state"] == {"next": 3} and result["resumed"] is True
+    assert result["saves"] == 0
+    assert "await it from an async task" in result["refused"]

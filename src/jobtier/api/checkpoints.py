@@ -17,6 +17,7 @@ from starlette.responses import Response
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found
+from jobtier.api.sealed import opened
 from jobtier.config import Settings
 from jobtier.engine.checkpoint_reads import SavedCheckpoint, read_checkpoint
 from jobtier.persist.db import query
@@ -32,6 +33,8 @@ async def job_checkpoint(request: Request) -> Response:
     found = await read_checkpoint(request.state.queue.store, job_id)
     if found is not None:
         state, mark = found
+        # an encrypted job's state is sealed at rest: its tenant reads it opened, as a result
+        state = opened(request.state.queue.store.keyring, job_id, "checkpoint", state)
         saved = SavedCheckpoint(job_id, msgspec.Raw(state), mark.at, mark.attempt, mark.bytes)
         return Response(_encode(saved), media_type=JSON)
     pg: Any = getattr(request.state, "pg_reader", None)
@@ -41,7 +44,7 @@ async def job_checkpoint(request: Request) -> Response:
     if row is None:
         return Response(_encode(SavedCheckpoint(job_id, None)), media_type=JSON)
     at = row["at"].isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    state = bytes(row["state"])
+    state = opened(request.state.queue.store.keyring, job_id, "checkpoint", bytes(row["state"]))
     saved = SavedCheckpoint(job_id, msgspec.Raw(state), at, row["attempt"], len(state))
     return Response(_encode(saved), media_type=JSON)
 

@@ -136,6 +136,11 @@ class BreakerStates:
         reply = await self._call("record", breaker.name, *args)
         return _text(reply[0]), len(reply) > 2
 
+    async def extend(self, name: str, probe: str, lease_ms: int) -> bool:
+        """Keep ``probe`` of breaker ``name`` out for ``lease_ms`` more (its job still runs);
+        False when it is no longer out."""
+        return bool(await self._call("extend", name, probe, lease_ms))
+
     async def open(self, name: str, seconds: float | None, reason: str) -> BreakerView:
         """Open ``name`` by hand, for ``seconds`` (None: until it is closed by hand)."""
         await self._call("open", name, round(seconds * 1000) if seconds else 0, reason[:200])

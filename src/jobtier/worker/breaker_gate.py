@@ -145,7 +145,12 @@ class BreakerGate:
             return
         probe = admission.probe if admission is not None else ""
         ended = _Ended()
-        await make(ended)
+        keeper = asyncio.create_task(self._keep(breaker.name, probe)) if probe else None
+        try:
+            await make(ended)
+        finally:
+            if keeper is not None:
+                keeper.cancel()
         end = ended.end
         outcome = outcome_of(task, end, probe)
         if outcome is not None:
@@ -154,6 +159,18 @@ class BreakerGate:
             self._records.add(record)
             record.add_done_callback(self._records.discard)
         sink.attempt_ended(ctx, end)
+
+    async def _keep(self, name: str, probe: str) -> None:
+        """Extend a running probe's place as the job's heartbeats extend its lease: a job
+        longer than the lease would otherwise let another probe through."""
+        interval = self.lease_ms / 3000  # as often as the heartbeat (a third of the lease)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if not await self.states.extend(name, probe, self.lease_ms):
+                    return  # answered, or the breaker closed or opened again
+            except (RedisError, OSError) as exc:
+                log.warning("event=breaker_extend_failed breaker=%s error=%r", name, exc)
 
     async def _record(self, task: Task, outcome: str, probe: str, reason: str, type: str) -> None:
         breaker = task.breaker

@@ -20,6 +20,7 @@ import msgspec
 
 from jobtier.core.errors import Fatal
 from jobtier.core.model import encode_json
+from jobtier.core.sealing import unseal
 
 # saves a checkpoint of the job of a context (a JobContext: not imported here, which imports
 # this), its state encoded; the worker's is CheckpointSaver.save
@@ -64,7 +65,11 @@ class Checkpoint:
         none was ever saved."""
         if self._data is None:
             return None
-        return msgspec.json.decode(self._data)
+        # an encrypted job's saved state comes sealed (checkpoint_saver.py)
+        data = unseal(
+            getattr(self._ctx, "_keyring", None), self._ctx.job.id, "checkpoint", self._data
+        )
+        return msgspec.json.decode(data)
 
     @property
     def resumed(self) -> bool:

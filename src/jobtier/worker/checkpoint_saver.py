@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from jobtier.core.errors import Code
+from jobtier.core.sealing import PREFIX
 from jobtier.store.calls import heartbeat_call, parse_pairs
 from jobtier.worker.attempt import deliver_cancel
 from jobtier.worker.checkpoint import CheckpointRefused, check_size
@@ -25,6 +26,8 @@ class CheckpointSaver:
     def __init__(self, state: WorkerState) -> None:
         self.state = state
         self.limit = state.settings.checkpoint_max_bytes
+        self.keyring = state.store.keyring
+        self.sealed_queues = state.settings.encrypted_queue_names()
 
     async def save(self, ctx: JobContext, data: bytes) -> None:
         check_size(data, self.limit)
@@ -32,6 +35,15 @@ class CheckpointSaver:
         r = state.running.get(job.id)
         if r is None or r.lost or r.released:
             raise CheckpointRefused(f"job {job.id} is no longer held by worker {state.id}")
+        # an encrypted job's state is sealed as its result is (attempt.py): no plaintext
+        # byte of it reaches Redis, the transition log or Postgres (docs/encryption.md)
+        keyring = self.keyring
+        if keyring is not None and (
+            (r.task is not None and r.task.encrypt)
+            or job.queue in self.sealed_queues
+            or job.payload[: len(PREFIX)] == PREFIX
+        ):
+            data = keyring.seal(job.id, "checkpoint", data)
         # a progress report not sent yet rides along (the beat would carry it anyway)
         progress, r.progress = r.progress or b"", None
         call = heartbeat_call(

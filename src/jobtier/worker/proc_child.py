@@ -25,6 +25,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+import msgspec
+
 from jobtier.core.errors import Cancelled
 from jobtier.core.model import LOG_LINE_CHARS, ClaimedJob, Dependency, encode_json
 from jobtier.worker.registry import Task
@@ -60,12 +62,36 @@ def exception_parts(exc: BaseException) -> tuple[bytes | None, str, str, str]:
     return data, type(exc).__name__, str(exc), text
 
 
+class ChildCheckpoint:
+    """``ctx.checkpoint`` in a child: the state an earlier attempt saved, read only. Saving
+    is refused as in the thread pool (it saves on the worker's event loop)."""
+
+    __slots__ = ("_data",)
+    saves = 0  # a child's attempt saves none
+
+    def __init__(self, data: bytes | None) -> None:
+        self._data = data  # opened by the worker (procpool.py) for an encrypted job
+
+    @property
+    def state(self) -> Any:
+        return None if self._data is None else msgspec.json.decode(self._data)
+
+    @property
+    def resumed(self) -> bool:
+        return self._data is not None
+
+    def __call__(self, state: Any) -> None:
+        raise RuntimeError(
+            "ctx.checkpoint() saves on the worker's event loop: await it from an async task"
+        )
+
+
 class ChildContext:
     """``ctx`` of a task run in a child process: what a plain ``def`` task may use of
     ``JobContext`` — its ids and attempt, ``progress``, ``log``, ``cancel_requested``,
-    ``check_cancelled``, ``dependencies`` and ``previous``."""
+    ``check_cancelled``, ``dependencies``, ``previous`` and ``checkpoint`` (read only)."""
 
-    __slots__ = ("_cancelled", "_send", "dependencies", "job", "shard", "worker_id")
+    __slots__ = ("_cancelled", "_send", "checkpoint", "dependencies", "job", "shard", "worker_id")
 
     def __init__(
         self,
@@ -81,6 +107,7 @@ class ChildContext:
         self.dependencies = dependencies
         self._send = send
         self._cancelled = False  # set by the pipe's reader thread
+        self.checkpoint = ChildCheckpoint(job.checkpoint)
 
     @property
     def job_id(self) -> str:

@@ -31,16 +31,22 @@ import pickle
 import signal
 import threading
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Literal
 
 import msgspec
 
 from jobtier.core.errors import Cancelled, ConfigError, Fatal
+from jobtier.core.sealing import unseal
 from jobtier.worker import proc_child
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import Task
 
 log = logging.getLogger("jobtier.worker")
+
+# A message this size or smaller fits the pipe's buffer, which holds at most one call's
+# message at a time: it is written at once. A larger one goes from a thread (see run).
+INLINE_SEND_BYTES = 16 * 1024
 
 Executor = Literal["thread", "process"]
 EXECUTORS: tuple[Executor, ...] = ("thread", "process")
@@ -240,8 +246,11 @@ class Child:
             )
 
     def send(self, message: tuple[Any, ...]) -> bool:
+        return self.send_bytes(bytes(ForkingPickler.dumps(message)))
+
+    def send_bytes(self, data: bytes) -> bool:
         try:
-            self.outbox.send(message)
+            self.outbox.send_bytes(data)
             return True
         except (OSError, ValueError):  # it died: its reader thread says so
             return False
@@ -315,11 +324,21 @@ class ProcessPool:
             child = self._take()
             call = child.call = _Call(ctx, self.loop.create_future())
             fn = task.fn
-            job = msgspec.structs.replace(ctx.job, payload=b"", inputs=None)
+            checkpoint = ctx.job.checkpoint
+            if checkpoint is not None:  # the child holds no keys: an encrypted job's, opened
+                checkpoint = unseal(ctx._keyring, ctx.job.id, "checkpoint", checkpoint)
+            job = msgspec.structs.replace(ctx.job, payload=b"", inputs=None, checkpoint=checkpoint)
             deps = ctx.dependencies if ctx.job.inputs is not None else {}
             message = ("run", fn.__module__, fn.__qualname__, job, ctx.shard, ctx.worker_id)
-            child.send((*message, deps, payload))
+            data = bytes(ForkingPickler.dumps((*message, deps, payload)))
             try:
+                if len(data) <= INLINE_SEND_BYTES:
+                    child.send_bytes(data)
+                else:
+                    # a child just spawned reads nothing until it has imported jobtier: a
+                    # write over the pipe's buffer would hold the event loop (and every
+                    # running job's heartbeat) until then
+                    await self.loop.run_in_executor(None, child.send_bytes, data)
                 return await self._answer(child, call, ctx)
             except BaseException:
                 if not call.future.done():  # a timeout, a release, a lost lease: end it

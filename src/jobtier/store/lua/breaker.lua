@@ -6,7 +6,7 @@
 --
 -- KEYS[1]  shard log stream of the home shard (routing)
 -- ARGV[1]  shard key base, jt:{h}:
--- ARGV[2]  operation: admit | record | open | close
+-- ARGV[2]  operation: admit | record | extend | open | close
 -- ARGV[3]  breaker name
 --   admit   ARGV[4..11] thresholds (below), ARGV[12] worker id, ARGV[13] probe lease ms,
 --           ARGV[14] the job's task type (kept in 'types' when the job must wait)
@@ -15,6 +15,8 @@
 --           answered, n: neither, a probe given back), ARGV[13] probe id or '',
 --           ARGV[14] the failure's text, ARGV[15] the job's task type
 --                                          Returns {state, until ms[, 1 when it changed]}
+--   extend  ARGV[4] probe id, ARGV[5] lease ms: a probe still running keeps its place
+--           (its worker extends it as it heartbeats the job)   Returns 1, 0 when it is gone
 --   open    ARGV[4] ms (0: until closed by hand), ARGV[5] reason  Returns {state, until ms}
 --   close   ARGV[4] reason                                        Returns {state, until ms}
 -- Thresholds: failures, window ms, ratio ('' none), min calls, open ms, back-off factor,
@@ -137,14 +139,20 @@ elseif op == 'record' then
   if state ~= 'closed' then
     return {state, tonumber(h[2]) or 0}  -- open: a job that started before it opened
   end
-  local id = redis.call('HINCRBY', key, 'seq', 1)
   local from = NOW - c.window
-  redis.call('ZADD', outcome == 'f' and fails or oks, NOW, id)
-  redis.call('ZREMRANGEBYSCORE', fails, '-inf', from)
-  redis.call('PEXPIRE', outcome == 'f' and fails or oks, c.window)
   if outcome ~= 'f' then
+    -- successes count only toward a ratio; trimmed here too, or steady traffic with no
+    -- failure would grow the set for ever (its expiry is pushed back by every success)
+    if c.ratio then
+      redis.call('ZADD', oks, NOW, redis.call('HINCRBY', key, 'seq', 1))
+      redis.call('ZREMRANGEBYSCORE', oks, '-inf', from)
+      redis.call('PEXPIRE', oks, c.window)
+    end
     return {'closed', 0}
   end
+  redis.call('ZADD', fails, NOW, redis.call('HINCRBY', key, 'seq', 1))
+  redis.call('ZREMRANGEBYSCORE', fails, '-inf', from)
+  redis.call('PEXPIRE', fails, c.window)
   local failed = redis.call('ZCARD', fails)
   local opens
   if c.ratio then
@@ -158,6 +166,17 @@ elseif op == 'record' then
     return trip(c, 1, ARGV[14])
   end
   return {'closed', 0}
+elseif op == 'extend' then
+  local lease = tonumber(ARGV[5])
+  -- a probe already answered, or expired and dropped, is not brought back
+  if not redis.call('ZSCORE', probes, ARGV[4]) then
+    return 0
+  end
+  redis.call('ZADD', probes, NOW + lease, ARGV[4])
+  if redis.call('PTTL', probes) < lease then
+    redis.call('PEXPIRE', probes, lease)
+  end
+  return 1
 elseif op == 'open' then
   local ms = tonumber(ARGV[4])
   local until_ms = ms > 0 and NOW + ms or 0

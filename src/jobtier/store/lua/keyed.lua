@@ -49,8 +49,10 @@ if kind == 'debounce' then
   local db = BASE .. 'db:' .. tenant .. ':' .. queue .. ':' .. typ .. ' ' .. key
   local rec = redis.call('HMGET', db, 'id', 'first')
   local j = rec[1] and load(rec[1])
-  -- pending: scheduled and never started (a scheduled retry has run: its payload is spent)
-  if j and j.state == 'scheduled' and j.attempt == '0' then
+  -- pending: scheduled and never claimed (a scheduled retry has run: its payload is spent).
+  -- Its lease version, not its attempt: a refunded attempt (RateLimited, BreakerOpen) is
+  -- given back, yet the task may have run part-way (and saved a checkpoint) on that payload
+  if j and j.state == 'scheduled' and j.lease_version == '0' then
     local first = tonumber(rec[2]) or NOW
     local due = NOW + quiet
     if max_wait > 0 then
