@@ -150,25 +150,3 @@ def size_of(ctx: Any, payload: Any) -> int:
 
 
 registry.add(size_of)
-
-
-@task(name="resumes", executor="process", retries=1)
-def resumes_in_child(ctx: Any, payload: Any) -> dict[str, Any]:
-    """Attempt 2 of ``resumes`` (attempt 1 saved a state on the event loop: the test's
-    ``resumes_on_loop``): what the child's ``ctx.checkpoint`` shows, and that it cannot save."""
-    try:
-        ctx.checkpoint({"next": 99})
-        refused = ""
-    except RuntimeError as exc:
-        refused = str(exc)
-    cp = ctx.checkpoint
-    return {"state": cp.state, "resumed": cp.resumed, "saves": cp.saves, "refused": refused}
-
-
-registry.add(resumes_in_child)
-
-
-@task(name="resumes", retries=1)
-async def resumes_on_loop(ctx: Any, payload: Any) -> None:
-    await ctx.checkpoint({"next": 3})
-    raise Retry("again, in a child", delay=0.05)

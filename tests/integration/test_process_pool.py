@@ -336,10 +336,10 @@ async def test_a_large_payload_to_a_child_not_reading_yet_leaves_the_loop_free(
 async def test_a_child_reads_the_checkpoint_an_earlier_attempt_saved(
     queue: Queue, background: Background
 ) -> None:
-    from tests.procpool_tasks import resumes_in_child, resumes_on_loop
+    from tests.procpool_resume_tasks import resumes_in_child, resumes_on_loop
 
     background.start(Scheduler(queue.store))
-    job = await queue.submit("resumes", None)
+    job = await queue.submit(resumes_in_child, None)
     # attempt 1 on the event loop saves a state; attempt 2 runs in a child
     await worker_for(queue, TaskRegistry([resumes_on_loop]), burst=True).run()
     await until_state(queue, job.job_id, State.SCHEDULED, State.QUEUED)
