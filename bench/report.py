@@ -115,7 +115,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
 
 # --- which file stands for each bench (every other file: earlier, or another setting) --------
 CHOSEN: dict[str, str] = {
-    "compare-c806a1d": "the newest set against BullMQ (the headline), with issues 31 and 33 in",
+    "compare-e9c8c99": "the newest set against BullMQ (the headline), with issues 30 and 32 in",
     "compare-redesign": "the newest jobtier set (against its code at 4ffac07; no peer)",
     "throughput": "the only file",
     "queues": "the only file",
@@ -151,7 +151,7 @@ CHOSEN: dict[str, str] = {
     "http_worker": "the only file",
     "outbox": "the only file",
 }
-HEADLINE = ("compare-c806a1d",)  # one set; more stems pool their runs
+HEADLINE = ("compare-e9c8c99",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
 PERSISTER = "jobtier-persist"  # compare.py's name for jobtier with its persister
 
