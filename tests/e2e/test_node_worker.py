@@ -14,8 +14,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from jobtier.scheduler import Scheduler
 from jobtier.store.calls import reclaim_call
 from tests.fixtures.api import ApiServer, StartApi
@@ -28,15 +26,14 @@ NODE = shutil.which("node") or shutil.which("nodejs")
 KEY = "wk-node"
 TERMINAL = {"succeeded", "failed", "cancelled"}
 
-pytestmark = pytest.mark.skipif(
-    NODE is None, reason="no node found (scripts/system-deps.sh installs Debian's nodejs)"
-)
+# no skip without Node: the set-up installs it (scripts/system-deps.sh), and the issue's promise
+# is that the Node worker runs in CI, which a skip would quietly drop
 
 
 @contextlib.asynccontextmanager
 async def node(*args: str, **env: str) -> AsyncIterator[asyncio.subprocess.Process]:
     """A node process, killed on every way out of the block that left it running."""
-    assert NODE is not None
+    assert NODE is not None, "no node found: scripts/system-deps.sh installs Debian's nodejs"
     proc = await asyncio.create_subprocess_exec(
         NODE, *args,
         stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
