@@ -33,6 +33,14 @@ class Settings:
         "Redis URL (one node of the cluster when JOBTIER_REDIS_CLUSTER=1).",
     )
     redis_cluster: bool = _setting(False, "Talk to a Redis Cluster instead of a single server.")
+    redis_sentinels: str = _setting(
+        "",
+        "Sentinels that name the master (host:port,…): a single master with replicas that "
+        "fails over. JOBTIER_REDIS_URL then gives only the database, user and password.",
+    )
+    redis_sentinel_master: str = _setting(
+        "mymaster", "The master's name in the sentinels' configuration (`sentinel monitor`)."
+    )
     redis_require_aof: bool = _setting(
         True, "Refuse to start unless Redis has AOF on (acknowledged jobs must survive a restart)."
     )
@@ -303,12 +311,35 @@ class Settings:
         new.validate()
         return new
 
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        """JOBTIER_REDIS_SENTINELS as (host, port) pairs; ValueError when malformed."""
+        pairs = []
+        for item in self.redis_sentinels.split(","):
+            host, _, port = item.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"not host:port: {item!r}")
+            pairs.append((host.strip("[]"), int(port)))
+        return pairs
+
     def validate(self) -> None:
         problems = []
         if not 1 <= self.shards <= 4096:
             problems.append("JOBTIER_SHARDS must be between 1 and 4096")
         if self.lease_seconds < 1:
             problems.append("JOBTIER_LEASE_SECONDS must be at least 1")
+        if self.redis_sentinels:
+            if self.redis_cluster:
+                problems.append(
+                    "JOBTIER_REDIS_SENTINELS and JOBTIER_REDIS_CLUSTER=1 exclude each other: a "
+                    "Redis Cluster fails over by itself"
+                )
+            try:
+                self.sentinel_addresses()
+            except ValueError:
+                problems.append(
+                    "JOBTIER_REDIS_SENTINELS must be comma-separated host:port pairs, "
+                    "e.g. 10.0.0.1:26379,10.0.0.2:26379"
+                )
         if self.default_max_attempts < 1:
             problems.append("JOBTIER_DEFAULT_MAX_ATTEMPTS must be at least 1")
         if self.api_server not in ("granian", "uvicorn"):

@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import Connection, parse_url
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
 from redis.exceptions import BusyLoadingError, RedisError
@@ -46,6 +47,21 @@ class FastConnection(Connection):
             except TypeError:
                 pass
         return list(super().pack_command(*args))
+
+
+class FastSentinelConnection(SentinelManagedConnection, FastConnection):
+    """A connection to whichever node the sentinels name master, packing with hiredis."""
+
+
+class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """The sentinels' master pool, waiting for a free connection past its size as the
+    single-server pool does; closing the client closes its connections to the sentinels."""
+
+    async def disconnect(self, inuse_connections: bool = True) -> None:
+        await super().disconnect(inuse_connections)
+        if inuse_connections:  # the client's close (a new master only drops idle ones)
+            for sentinel in self.sentinel_manager.sentinels:
+                await sentinel.aclose()
 
 
 class Cluster(RedisCluster):
@@ -82,6 +98,8 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
         options.setdefault("max_connections", settings.redis_max_connections)
         options.setdefault("connection_class", FastConnection)
         return Cluster.from_url(settings.redis_url, **options)
+    if settings.redis_sentinels:
+        return _sentinel_master(settings, options)
     # a burst of concurrent calls waits for a free connection instead of failing with
     # "Too many connections" (the default pool raises past its size)
     pool = BlockingConnectionPool.from_url(
@@ -92,6 +110,41 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
         **options,
     )
     return Redis.from_pool(pool)
+
+
+def _sentinel_master(settings: Settings, options: dict[str, Any]) -> Redis:
+    """A client of the master the sentinels name (JOBTIER_REDIS_SENTINELS): after a failover
+    its connections find the promoted replica (a connection to a demoted master is refused
+    with READONLY, dropped, and made again to the new one). The URL gives the database, user
+    and password; its host is not used."""
+    url = parse_url(settings.redis_url)
+    auth = {k: url[k] for k in ("username", "password") if url.get(k)}
+    sentinels = Sentinel(  # type: ignore[no-untyped-call]
+        settings.sentinel_addresses(),
+        sentinel_kwargs={"socket_timeout": 2.0, "socket_connect_timeout": 2.0},
+    )
+    pool = BlockingSentinelPool(  # type: ignore[no-untyped-call]
+        settings.redis_sentinel_master,
+        sentinels,
+        max_connections=settings.redis_max_connections,
+        timeout=30,
+        connection_class=FastSentinelConnection,
+        db=url.get("db", 0),
+        **auth,
+        **options,
+    )
+    return Redis.from_pool(pool)
+
+
+async def master_address(redis: RedisClient) -> tuple[str, int]:
+    """(Not a cluster) the address of the server ``redis`` sends its commands to: for a
+    client of the sentinels, the master they name now."""
+    pool = redis.connection_pool  # type: ignore[union-attr]
+    if isinstance(pool, SentinelConnectionPool):
+        host, port = await pool.get_master_address()  # type: ignore[no-untyped-call]
+        return str(host), int(port)
+    kw = pool.connection_kwargs
+    return str(kw.get("host", "127.0.0.1")), int(kw.get("port", 6379))
 
 
 # `jobtier run`'s own Redis (its --redis-port default; a unit test keeps the two in step)
