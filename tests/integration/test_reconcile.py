@@ -14,20 +14,23 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
 
 from jobtier.config import Settings
 from jobtier.core.errors import JobNotFound
-from jobtier.core.model import State
+from jobtier.core.model import State, decode_status
 from jobtier.engine.queue import Queue
 from jobtier.persist import reconcile as reconcile_module
 from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister
-from jobtier.persist.reconcile import reconcile
+from jobtier.persist.reconcile import Reconciler, Report, _batches, reconcile
+from jobtier.status.reader import StatusReader
 from jobtier.store import calls
 from tests.fixtures.engine import wait_for, worker_for
+from tests.flows_helpers import run_flows
 from tests.tasks import registry
 
 pytestmark = pytest.mark.contract
@@ -117,6 +120,10 @@ async def finish_from(q: Queue, job_id: str, queue: str, result: bytes) -> None:
     call = calls.complete_call(q.keys.shard_of(job_id), "w-lost", 86400, [(job_id, lease, result)])
     (codes,) = await q.scripts.call_many([call])
     assert codes == [0]
+
+
+def since(seconds: float) -> datetime:
+    return datetime.now(UTC) - timedelta(seconds=seconds)
 
 
 async def redis_state(q: Queue, job_id: str) -> tuple[str, int] | None:
@@ -288,3 +295,113 @@ async def test_the_cli(q: Queue, pg_settings: Settings, pg_pool: Pool) -> None:
     assert await redis_state(q, lost.done) == ("succeeded", 3)
     r = await asyncio.to_thread(run)
     assert r.returncode == 0 and "repaired 0" in r.stdout, r.stdout
+
+
+async def test_the_script_refuses_a_job_redis_holds_as_new(
+    q: Queue, pg_settings: Settings, pg_pool: Pool
+) -> None:
+    """reconcile.lua checks the version itself: the same repairs sent twice (a live
+    transition, or another pass, got there between the comparison and the script) change
+    nothing the second time."""
+    await failover(q, pg_settings, pg_pool)
+    reconciler = Reconciler(pg_settings, q.redis)
+    async with pg_pool.acquire() as conn:
+        rows = [r async for batch in _batches(conn, since(WINDOW), 100) for r in batch]
+        first = Report()
+        behind = await reconciler._behind(rows, first)
+        assert len(behind) == 6
+        await reconciler._restore(conn, behind, first)
+        assert first.total == 6
+        before = {job.id: await q.jobs.status_doc(job.id) for job in behind}
+        second = Report()
+        await reconciler._restore(conn, behind, second)
+    assert second.total == 0 and second.skipped == 6
+    assert {job.id: await q.jobs.status_doc(job.id) for job in behind} == before
+
+
+async def test_dependents_are_not_left_waiting(
+    q: Queue, pg_settings: Settings, pg_pool: Pool
+) -> None:
+    """A dependent Redis lost while it waited is relinked by the resolver; a finished job
+    Redis lost is restored with its dependents, whose hand-off is made again."""
+    p = Persister(pg_settings, q.redis, pg_pool, "p1")
+    first = (await q.submit("echo", 1)).job_id
+    await p.drain()
+    saved = await snapshot(q.redis)
+    waits = (await q.submit("echo", 2, depends_on=[first])).job_id  # lost while waiting
+    gone = (await q.submit("echo", 3, queue=LOST + "-g")).job_id
+    after_gone = (await q.submit("echo", 4, depends_on=[gone])).job_id
+    await finish_from(q, gone, LOST + "-g", b'"g"')  # its hand-off not applied before it
+    await p.drain()
+    await restore(q.redis, saved)
+    assert await redis_state(q, waits) is None and await redis_state(q, after_gone) is None
+
+    async with pg_pool.acquire() as conn:
+        report = await reconcile(pg_settings, q.redis, conn, WINDOW)
+    assert report.repaired == {"restored": 3, "advanced": 0, "requeued": 0}, report
+    assert await redis_state(q, waits) == ("waiting", 1)
+    assert await redis_state(q, gone) == ("succeeded", 3)
+    assert await redis_state(q, after_gone) == ("waiting", 1)
+    # both relinked by the resolver: gone's outcome handed to after_gone again
+    await run_flows(q)
+    for job_id in (first, waits, after_gone):
+        assert (await q.status(job_id)).state is State.SUCCEEDED, job_id
+    assert (await q.result(waits))[1] == 2
+
+
+async def test_the_status_tier_hears_the_repairs(
+    q: Queue, pg_settings: Settings, pg_pool: Pool
+) -> None:
+    """Each repair is published like a transition: a near cache holding a job's old
+    document (its lifetime far from over) is advanced by the event, with no read of Redis."""
+    lost = await failover(q, pg_settings, pg_pool)
+    reader = StatusReader(q.redis, q.keys, ttl=3600.0, final_ttl=3600.0, clock=lambda: 1000.0)
+    subscriber = reader.subscription("test-reconcile")
+    await subscriber.start()
+    try:
+        watched = (lost.finished, lost.claimed)
+        for job_id in watched:
+            cached = await reader.get(job_id)
+            assert cached is not None and cached[2] == 1
+        loads = reader.redis_loads
+        async with pg_pool.acquire() as conn:
+            await reconcile(pg_settings, q.redis, conn, WINDOW)
+
+        async def advanced() -> bool:
+            versions = []
+            for job_id in watched:
+                found = await reader.get(job_id)
+                versions.append(found[2] if found else None)
+            return versions == [3, 3]
+
+        await wait_for(advanced)
+        assert reader.redis_loads == loads
+        found = await reader.get(lost.finished)
+        assert found is not None and decode_status(found[1]).state is State.SUCCEEDED
+    finally:
+        await subscriber.stop()
+
+
+async def test_a_running_job_with_a_cancel_request_is_cancelled(
+    q: Queue, pg_settings: Settings, pg_pool: Pool
+) -> None:
+    """Running in Postgres with a cancel requested: nobody runs it any more (as when its
+    lease expires), so it ends cancelled rather than going back to its queue."""
+    p = Persister(pg_settings, q.redis, pg_pool, "p1")
+    job_id = (await q.submit("echo", "x", queue=LOST)).job_id
+    await p.drain()
+    saved = await snapshot(q.redis)
+    await claim(q, job_id)
+    await q.cancel(job_id)
+    await p.drain()
+    assert await pg_state(pg_pool, job_id) == ("running", 3)
+    await restore(q.redis, saved)
+    async with pg_pool.acquire() as conn:
+        report = await reconcile(pg_settings, q.redis, conn, WINDOW)
+    assert report.repaired["requeued"] == 1
+    status = await q.status(job_id)
+    assert (status.state, status.version, status.cancel_requested) == (State.CANCELLED, 4, True)
+    assert status.error is not None and status.error.type == "Cancelled"
+    await Persister(pg_settings, q.redis, pg_pool, "p2").drain()
+    assert await pg_state(pg_pool, job_id) == ("cancelled", 4)
+    assert await pg_pool.fetch(query("history_gaps"), [job_id]) == []

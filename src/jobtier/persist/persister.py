@@ -127,9 +127,7 @@ class Persister:
         pruning = asyncio.create_task(run_pruning(self.settings, self.consumer.stopping))
         # after a failover, the jobs Redis lost and Postgres kept go back (persist/reconcile.py)
         reconciling = asyncio.create_task(
-            run_reconciling(
-                self.settings, self.redis, self.pool, self.consumer.stopping, self.stats.repaired
-            )
+            run_reconciling(self.settings, self.redis, self.consumer.stopping, self.stats.repaired)
         )
         relay = asyncio.create_task(self.relay.run()) if self.relay is not None else None
         try:

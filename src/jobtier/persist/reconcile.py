@@ -38,7 +38,7 @@ import msgspec
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.core.model import RESULT_REF
-from jobtier.persist.db import AnyConnection, Connection, Pool, connect
+from jobtier.persist.db import AnyConnection, Connection, connect
 from jobtier.runtime.loop import FAULTS
 from jobtier.store.calls import Call
 from jobtier.store.redis import RedisClient, info_of_primaries
@@ -395,7 +395,6 @@ async def run_ids(redis: RedisClient) -> frozenset[str]:
 async def run_reconciling(
     settings: Settings,
     redis: RedisClient,
-    pool: Pool,
     stop: asyncio.Event,
     on_repair: Callable[[str], None] | None = None,
 ) -> None:
@@ -418,14 +417,8 @@ async def run_reconciling(
                 due = True
             known = seen if known is None else known | seen
             if due:
-                async with pool.acquire() as conn:
-                    await reconcile(
-                        settings,
-                        redis,
-                        conn,
-                        settings.reconcile_window_seconds,
-                        on_repair=on_repair,
-                    )
+                # a connection of its own, as pruning's: the pool's serve the write-behind
+                await reconcile_once(settings, redis, settings.reconcile_window_seconds, on_repair)
                 due = False
         except _PASS_FAILED as exc:
             log.warning("event=reconcile_failed retry_in=%.1fs error=%r", every, exc)
@@ -436,11 +429,19 @@ async def run_reconciling(
 
 
 async def reconcile_once(
-    settings: Settings, redis: RedisClient, since: float, *, dry_run: bool = False
+    settings: Settings,
+    redis: RedisClient,
+    since: float,
+    on_repair: Callable[[str], None] | None = None,
+    *,
+    dry_run: bool = False,
 ) -> Report:
-    """A pass on a connection of its own (``jobtier reconcile``)."""
+    """A pass on a connection of its own (``jobtier reconcile``, a persister's pass)."""
     conn: Connection = await connect(settings.database_url, timeout=10)
     try:
-        return await reconcile(settings, redis, conn, since, dry_run=dry_run)
+        return await reconcile(settings, redis, conn, since, dry_run=dry_run, on_repair=on_repair)
     finally:
-        await conn.close()
+        try:
+            await asyncio.wait_for(conn.close(), 5)
+        except Exception:  # gone with Postgres: drop the socket
+            conn.terminate()
