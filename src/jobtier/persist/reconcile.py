@@ -15,8 +15,9 @@ atomic, version-checked script per batch and shard, which never moves a job back
 * a finished job Redis no longer holds because its retention ran out is not brought back.
 
 ``jobtier reconcile`` runs one pass (``--dry-run``: the comparison only). A persister runs
-one whenever the run id of a Redis primary it knows changes (``run_reconciling``): a
-replica promoted, a server restarted without its data, a node replaced. Each repair is
+one whenever a Redis primary has a run id it has not seen (``run_reconciling``): a replica
+promoted, a server restarted without its data, a node replaced; and a second one a minute
+later, for the transitions Postgres received meanwhile from batches read before. Each repair is
 logged (``event=reconciled``) and counted in ``jobtier_reconciled_total{kind}``.
 """
 
@@ -38,6 +39,7 @@ import msgspec
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.core.model import RESULT_REF
+from jobtier.persist.batch import BATCH_TIMEOUT
 from jobtier.persist.db import AnyConnection, Connection, connect
 from jobtier.runtime.loop import FAULTS
 from jobtier.store.calls import Call
@@ -48,6 +50,9 @@ log = logging.getLogger("jobtier.reconcile")
 
 # what makes a persister's pass fail and be tried again: Redis or Postgres away
 _PASS_FAILED: tuple[type[BaseException], ...] = (*FAULTS, asyncpg.PostgresError, TimeoutError)
+# a persister's second pass after a failover, once every batch read before it has committed
+# or been given up (persist/batch.py BATCH_TIMEOUT)
+SETTLE_SECONDS = BATCH_TIMEOUT
 BATCH_SIZE = 500  # jobs compared per Redis round trip (and restored per script call)
 KINDS = ("restored", "advanced", "requeued")  # what a repair was (reconcile.lua)
 FINISHED = frozenset({"succeeded", "failed", "cancelled"})
@@ -398,15 +403,17 @@ async def run_reconciling(
     stop: asyncio.Event,
     on_repair: Callable[[str], None] | None = None,
 ) -> None:
-    """Every ``reconcile_seconds``, the primaries' run ids; a pass over the last
-    ``reconcile_window_seconds`` when one is new (the first look only remembers them: a
-    persister starting is no sign of a failover). A pass that fails is tried again at the
-    next look, until one completes."""
+    """Every ``reconcile_seconds``, the primaries' run ids; when one is new, a pass over the
+    last ``reconcile_window_seconds`` at once and another ``SETTLE_SECONDS`` later (the
+    first look only remembers them: a persister starting is no sign of a failover). The
+    second pass catches the transitions that reached Postgres after the first: batches read
+    from the old primary and committed late, by this persister or another. A pass that fails
+    is tried again at the next look, until one completes."""
     every = settings.reconcile_seconds
     if every <= 0:
         return
     known: frozenset[str] | None = None
-    due = False
+    due: list[float] = []  # when the passes still to run are due (monotonic)
     while not stop.is_set():
         try:
             seen = await run_ids(redis)
@@ -414,12 +421,13 @@ async def run_reconciling(
                 log.warning(
                     "event=redis_primary_changed new_run_ids=%s", ",".join(sorted(seen - known))
                 )
-                due = True
+                now = time.monotonic()
+                due = [now, now + SETTLE_SECONDS]
             known = seen if known is None else known | seen
-            if due:
+            if due and time.monotonic() >= due[0]:
                 # a connection of its own, as pruning's: the pool's serve the write-behind
                 await reconcile_once(settings, redis, settings.reconcile_window_seconds, on_repair)
-                due = False
+                due.pop(0)
         except _PASS_FAILED as exc:
             log.warning("event=reconcile_failed retry_in=%.1fs error=%r", every, exc)
         except Exception:  # a bug: its stack logged, and the schedule goes on
@@ -443,5 +451,8 @@ async def reconcile_once(
     finally:
         try:
             await asyncio.wait_for(conn.close(), 5)
+        except asyncio.CancelledError:
+            conn.terminate()
+            raise
         except Exception:  # gone with Postgres: drop the socket
             conn.terminate()
