@@ -23,6 +23,7 @@ from jobtier.config import Settings
 from jobtier.core.errors import JobNotFound
 from jobtier.core.model import State, decode_status
 from jobtier.engine.queue import Queue
+from jobtier.metrics.prometheus import render
 from jobtier.persist import reconcile as reconcile_module
 from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister
@@ -256,10 +257,13 @@ async def test_a_persister_reconciles_when_a_primary_is_new(
             return await redis_state(q, lost.done) is not None
 
         await wait_for(restored)
-        counters = persister.metrics().counters["reconciled_total"]
         await wait_for(lambda: sum(persister.metrics().counters["reconciled_total"].values()) == 6)
         counters = persister.metrics().counters["reconciled_total"]
         assert counters == {"kind=restored": 3, "kind=advanced": 1, "kind=requeued": 2}
+        snapshot_ = persister.metrics()
+        snapshot_.process, snapshot_.role = "persister:h:1", "persister"
+        text = render([snapshot_], {}).decode()
+        assert 'jobtier_reconciled_total{kind="requeued",process="persister:h:1"' in text, text
     finally:
         persister.stop()
         await asyncio.wait_for(task, 30)
