@@ -37,7 +37,7 @@ _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 _SCRIPTS = (  # store/lua/<name>.lua of every transition script
     "submit claim heartbeat complete fail stopped cancel promote reclaim replay fire limit"
     " joblog purge link linked resolve reformat explain keyed breaker"
-    " batch_submit batch_seal batch_done batch_cancel batch_retry batch_expire"
+    " batch_submit batch_seal batch_done batch_cancel batch_retry batch_expire reconcile"
 )
 NAMES = tuple(_SCRIPTS.split())
 # scripts that only read: their functions carry the no-writes flag and run by FCALL_RO (Redis
