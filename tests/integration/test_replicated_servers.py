@@ -7,7 +7,7 @@ from __future__ import annotations
 import redis as syncredis
 
 from jobtier.config import Settings
-from jobtier.dev.local_redis import LocalCluster, LocalSentinels
+from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
 from jobtier.store.redis import connect, master_address
 
 
