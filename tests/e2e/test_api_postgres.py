@@ -142,6 +142,7 @@ async def test_postgres_stopped_under_the_api_is_a_503_not_a_500_until_it_is_bac
     api = await start_api(PostgresExtension(settings), database_url=settings.database_url)
     pool = await create_pool(settings.database_url, min_size=0, max_size=2)  # the test's
     persister = Persister(settings, queue.redis, pool, "test-persister")
+    readers: Readers | None = None
     try:
         async with api.client() as c:
             before = (await c.post("/v1/jobs", json={"type": "echo", "payload": 1})).json()
@@ -186,6 +187,8 @@ async def test_postgres_stopped_under_the_api_is_a_503_not_a_500_until_it_is_bac
             assert listed == [during_id, before["id"]]
         await assert_pg_matches_redis(queue.redis, pool, queue.keys, [before["id"], during_id])
     finally:
+        if readers is not None:
+            await readers.stop()  # (again) on a failure: no request left running
         await pool.close()
 
 

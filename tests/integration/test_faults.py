@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +141,25 @@ async def test_killed_worker_jobs_are_reclaimed_and_its_late_writes_refused(
 
 
 # --- Redis SIGKILLed under load ---------------------------------------------------------------
+StartRole = Callable[..., RoleProcess]
+
+
+@pytest.fixture
+def roles(tmp_path: Path) -> Iterator[StartRole]:
+    """Start `jobtier <role>` processes (settings, then the command's arguments), each
+    logging to its own file in tmp_path; all stopped at the end whatever happened."""
+    started: list[RoleProcess] = []
+
+    def start(settings: Settings, *command: str) -> RoleProcess:
+        logfile = tmp_path / f"{command[0]}-{len(started)}.log"
+        started.append(RoleProcess(settings, logfile, *command))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
 class Submitter:
     """Submits jobs over HTTP without pause (several requests always in flight) until
     stopped: every id the API acknowledged (202, or 200 for a submit the client library sent
@@ -210,7 +230,7 @@ async def test_acknowledged_jobs_survive_redis_sigkilled_under_load(
     start_api: StartApi,
     pg_dsn: str,
     pg_pool: Pool,
-    tmp_path: Path,
+    roles: StartRole,
     background: Background,
 ) -> None:
     """Redis SIGKILLed (no shutdown, no final AOF write) twice while a `jobtier worker`
@@ -219,7 +239,9 @@ async def test_acknowledged_jobs_survive_redis_sigkilled_under_load(
     and data. Nobody helps them back: the test reloads no script and restarts no process.
     Every job the API acknowledged, before, during or after a kill, ends succeeded; every
     job Redis holds ends terminal, and Postgres holds each as Redis does; the API answers
-    only 202 or 503 + Retry-After meanwhile; the processes are alive throughout.
+    submits only with 202, 200 (a submit the client library sent again across the kill,
+    answered as the job it made) or 503 + Retry-After; the processes are alive throughout
+    and log no traceback.
 
     The Redis runs with ``appendfsync always`` (``redis_to_kill``): every write is in its AOF
     before its reply. Under ``everysec`` a SIGKILL may lose writes Redis acknowledged in its
@@ -237,12 +259,10 @@ async def test_acknowledged_jobs_survive_redis_sigkilled_under_load(
     )
     keys = Keys(settings.prefix, settings.shards)
     api = await start_api(redis_url=redis_to_kill.url)
-    queue = await Queue.connect(settings, registry)  # the scheduler's
     plain = connect(settings)  # the test's reads: plain commands only
-    worker = RoleProcess(
-        settings, tmp_path / "worker.log", "worker", "tests.tasks:registry", "--concurrency", "20"
-    )
-    persister = RoleProcess(settings, tmp_path / "persister.log", "persister", "--name", "p1")
+    worker = roles(settings, "worker", "tests.tasks:registry", "--concurrency", "20")
+    persister = roles(settings, "persister", "--name", "p1")
+    queue = await Queue.connect(settings, registry)  # the scheduler's
 
     def explain() -> str:
         return worker.explain() + "\n" + persister.explain()
@@ -307,8 +327,6 @@ async def test_acknowledged_jobs_survive_redis_sigkilled_under_load(
         await background.stop()  # the scheduler uses the queue: it stops first
         await queue.close()
         await plain.aclose()
-        worker.stop()
-        persister.stop()
 
 
 async def succeeded(redis: Any, keys: Keys) -> list[str]:
