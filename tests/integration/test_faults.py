@@ -268,6 +268,8 @@ async def test_acknowledged_jobs_survive_redis_sigkilled_under_load(
         return worker.explain() + "\n" + persister.explain()
 
     try:
+        # every write in the AOF before its reply (see redis_to_kill)
+        assert await plain.config_get("appendfsync") == {"appendfsync": "always"}
         background.start(Scheduler(queue.store))
         async with api.client() as client:
             load = Submitter(client)
