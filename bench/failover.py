@@ -447,7 +447,8 @@ def category(r: Reply) -> str:
 
 def status_counts(replies: Sequence[Reply], failovers: list[Failover]) -> dict[str, Any]:
     """Responses by kind and status; each failure also by where it fell: on the shards of
-    the master killed last before it was sent, or on other shards."""
+    the master killed last before it was answered (a request sent just before a kill fails
+    because of it), or on other shards."""
     kills = [(f.killed_mono, set(f.shards)) for f in failovers]
     out: dict[str, dict[str, Any]] = {}
     for r in replies:
@@ -457,7 +458,7 @@ def status_counts(replies: Sequence[Reply], failovers: list[Failover]) -> dict[s
         kind["by_status"][what] += 1
         if what == "2xx" or what.startswith("4"):
             continue
-        shards = next((s for at, s in reversed(kills) if at <= r.start), set())
+        shards = next((s for at, s in reversed(kills) if at <= r.end), set())
         where = LOST_SHARDS if r.shard in shards else OTHER_SHARDS
         kind["failures"].setdefault(what, Counter())[where] += 1
     return {
@@ -661,7 +662,8 @@ def report(data: dict[str, Any]) -> str:
     md += (
         "## Seconds to recover per failover\n\nFrom the kill: until the replica was promoted; "
         "until a submit on the lost master's shards, sent after the kill, succeeded; until a "
-        "job submitted there after the kill completed. Median / max over the failovers.\n\n"
+        "job submitted there after the kill completed (a job may complete before the answer to its "
+        "submit reaches the producer). Median / max over the failovers.\n\n"
         + table(["set-up", "durable", "promoted", "submits succeed", "a job completes"], rows)
         + "\n\n"
     )
@@ -692,8 +694,8 @@ def report(data: dict[str, Any]) -> str:
             ])  # fmt: skip
     md += (
         "## Responses by status\n\nEach failure is placed on the shards of the master killed "
-        "last before the request was sent (*lost*) or on the others (*other*; also before the "
-        "first kill). With Sentinel one master holds every shard.\n\n"
+        "last before the request was answered (*lost*) or on the others (*other*; also before "
+        "the first kill). With Sentinel one master holds every shard.\n\n"
         + table(
             [
                 "set-up",
