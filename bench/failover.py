@@ -536,6 +536,7 @@ async def one_run(args: argparse.Namespace, stack: FailoverStack) -> dict[str, A
         load_start = time.monotonic()
         failovers = await run_failovers(stack, producer, args, rng, stack.t0)
         load_seconds = time.monotonic() - load_start
+        generated = len(producer.bodies) / (time.monotonic() - stack.t0)
         log(f"{name}: {len(failovers)} failovers in {load_seconds:.0f} s; settling")
         settled, settle_seconds, left = await settle(stack, producer, redis, args.settle)
         log(f"{name}: settled={settled} in {settle_seconds:.0f} s ({left}); auditing")
@@ -558,6 +559,8 @@ async def one_run(args: argparse.Namespace, stack: FailoverStack) -> dict[str, A
             "durable": stack.durable,
             "durable_setting_seen": stack.durable_as_seen(),
             "load_seconds": round(load_seconds, 1),
+            # jobs generated a second: under --rate when the machine could not keep up
+            "submit_rate": round(generated, 1),
             "settled": settled,
             "settle_seconds": round(settle_seconds, 1),
             "left": left,
@@ -625,7 +628,7 @@ def report(data: dict[str, Any]) -> str:
         a = r["audit"]
         rows.append([
             r["setup"], "on" if r["durable"] else "off", str(len(r["failovers"])),
-            f"{a['acknowledged']:,}", f"**{a['lost']['count']}**",
+            f"{r['submit_rate']:g}", f"{a['acknowledged']:,}", f"**{a['lost']['count']}**",
             str(a["vanished_from_redis"]["count"]), f"{a['duplicate_executions']:,}",
             str(a["double_success"]["count"]), str(a["not_terminal"]["count"]),
             str(a["history_problems"]["count"]), str(a["pg_differs"]["count"]),
@@ -633,12 +636,14 @@ def report(data: dict[str, Any]) -> str:
     md += (
         "## Jobs\n\n*Lost*: acknowledged, and at the end in neither Redis nor Postgres; "
         "*only in Postgres*: Redis lost it, the persister had written it; *run twice*: "
-        "claims beyond those the task's own failures explain.\n\n"
+        "claims beyond those the task's own failures explain; *jobs/s*: new submits a second "
+        "the producer made (under `--rate` when the machine could not keep up).\n\n"
         + table(
             [
                 "set-up",
                 "durable",
                 "failovers",
+                "jobs/s",
                 "acknowledged",
                 "lost",
                 "only in Postgres",
