@@ -347,6 +347,7 @@ async def run_failovers(
         f = Failover(n, victim.port, shards, 0.0, time.time(), time.monotonic())
         f.at = round(f.killed_mono - t0, 3)
         done.append(f)
+        seen = len(producer.replies)  # a request sent after the kill is answered after it
         stack.servers.kill(victim)
         log(f"failover {n}: killed master {victim.port} (shards {shards})")
         try:
@@ -363,13 +364,13 @@ async def run_failovers(
         # the measure: until submits on its shards succeed again (bounded: counted, not fatal)
         limit = f.killed_mono + args.recover_timeout
         while time.monotonic() < limit:
-            if first_submit_back(producer.replies, f, float("inf")) is not None:
+            if first_submit_back(producer.replies[seen:], f, float("inf")) is not None:
                 break
             await asyncio.sleep(0.1)
         log(
             f"failover {n}: {f.promoted} promoted after {f.promoted_after} s, "
             f"{victim.port} a replica again after {f.revived_after} s, submits back after "
-            f"{first_submit_back(producer.replies, f, float('inf'))} s"
+            f"{first_submit_back(producer.replies[seen:], f, float('inf'))} s"
         )
         await asyncio.sleep(args.gap)  # steady load on the healed set-up before the next kill
     return done
