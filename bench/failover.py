@@ -73,7 +73,8 @@ from common import environment, header_markdown, save, table
 from chaos import TENANT, Producer, Stack, _cancellable, log_counts
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
-from jobtier.dev.local_redis import LocalCluster, LocalRedis, LocalSentinels
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
 from jobtier.persist.db import create_pool
 from jobtier.store import format as job_format
 from jobtier.store.redis import connect
