@@ -1,0 +1,567 @@
+"""Scaling out: the CPU each role spends per job against a 1-master and a 3-master Redis
+Cluster, the cost of ``WAIT 1`` per submit, and what 10K and 100K jobs/s would need.
+
+Two measurements, then a projection:
+
+* **Per job, per role** (``--rate`` jobs/s offered for ``--seconds``, after a warm-up): the
+  real ``jobtier api`` and ``jobtier worker`` processes (no-op tasks, concurrency 50) against
+  a cluster of one master (every slot on one node) and of three, the two topologies
+  interleaved in each of ``--runs`` runs. Each submit (``POST /v1/jobs``) is followed by one
+  status read of its job (``GET /v1/jobs/{id}``). CPU is read from /proc/<pid>/stat for the
+  API (with its children), the worker and every Redis node; per job is that CPU over the
+  jobs submitted in the window (the workers keep up at this rate: the backlog at the end is
+  recorded). Medians over the runs.
+* **WAIT 1 per submit**: a master with one replica (AOF everysec on both); submits of one job
+  each (``Queue.submit_many``, one connection), sequential, alone and each followed by
+  ``WAIT 1 1000`` on the same connection, interleaved; this process's CPU plus the master's
+  per submit, and the latency of each submit (with its WAIT).
+* **Projection** (``sizing``): per role, cores = rate x CPU per job / (1 - headroom), each of
+  the API, worker and Redis master processes using one core at most (they are single
+  threaded); the persister's and Postgres's CPU per transition are copied from
+  ``bench/results/persist-40c7fab.json`` (batched persister, backlog drain), times
+  ``--transitions-per-job``. The assumptions are saved with the figures.
+
+    .venv/bin/python bench/scaling_out.py                  # ~4 min
+    .venv/bin/python bench/scaling_out.py --runs 5 --rate 400
+
+Results: bench/results/scaling_out.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis as syncredis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import (
+    RESULTS,
+    environment,
+    fmt,
+    header_markdown,
+    median,
+    percentile,
+    proc_cpu,
+    save,
+    table,
+    tree_cpu,
+)
+
+from chaos import API_KEY, TENANT, Proc
+from jobtier.config import Settings
+from jobtier.core.model import JobSpec
+from jobtier.dev.local_redis import LocalCluster, LocalRedis, free_port
+from jobtier.engine.queue import Queue
+
+HERE = Path(__file__).resolve().parent
+PERSIST_FILE = "persist-40c7fab"  # the batched persister's CPU per transition
+TOPOLOGIES = (1, 3)
+
+
+# --- Redis -------------------------------------------------------------------------------------
+def one_master_cluster(folder: Path) -> tuple[list[LocalRedis], str]:
+    """A cluster of one node serving every slot (redis-cli makes no cluster under three)."""
+    node = LocalRedis(folder / "node0", cluster=True).start()
+    with syncredis.Redis(port=node.port) as r:
+        r.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        deadline = time.monotonic() + 30
+        while b"cluster_state:ok" not in r.execute_command("CLUSTER", "INFO"):
+            if time.monotonic() > deadline:
+                node.stop()
+                raise RuntimeError("a one-node cluster did not come up")
+            time.sleep(0.05)
+    return [node], node.url
+
+
+@contextlib.contextmanager
+def cluster(masters: int, folder: Path) -> Any:
+    """(the nodes, a URL) of a fresh cluster of ``masters`` masters, no replicas."""
+    if masters == 1:
+        nodes, url = one_master_cluster(folder)
+        try:
+            yield nodes, url
+        finally:
+            for node in nodes:
+                node.stop()
+        return
+    group = LocalCluster(folder, masters=masters).start()
+    try:
+        yield group.nodes, group.url
+    finally:
+        group.stop()
+
+
+# --- one cell: api + worker against one topology ------------------------------------------------
+class Load:
+    """Submits at a fixed rate over HTTP, each followed by a status read of its job."""
+
+    def __init__(self, url: str, rate: float) -> None:
+        self.client = httpx.AsyncClient(
+            base_url=url,
+            headers={"authorization": f"Bearer {API_KEY}"},
+            timeout=10.0,
+            limits=httpx.Limits(max_connections=64),
+        )
+        self.rate = rate
+        self.submitted = 0
+        self.reads = 0
+        self.failed = 0
+        self.last_id = ""
+
+    async def one(self, n: int) -> None:
+        try:
+            reply = await self.client.post("/v1/jobs", json={"type": "noop", "payload": {"n": n}})
+            if reply.status_code not in (200, 202):
+                self.failed += 1
+                return
+            job_id = reply.json()["id"]
+            self.submitted += 1
+            self.last_id = job_id
+            read = await self.client.get(f"/v1/jobs/{job_id}")
+            if read.status_code == 200:
+                self.reads += 1
+            else:
+                self.failed += 1
+        except httpx.HTTPError:
+            self.failed += 1
+
+    async def run(self, seconds: float) -> None:
+        """Open loop: a request every 1/rate seconds whatever the answers' pace."""
+        loop = asyncio.get_running_loop()
+        start, pending = loop.time(), set()
+        n = 0
+        while (now := loop.time()) < start + seconds:
+            due = start + n / self.rate
+            if due > now:
+                await asyncio.sleep(due - now)
+            task = asyncio.create_task(self.one(n))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+            n += 1
+        if pending:
+            await asyncio.wait(pending, timeout=10)
+
+
+async def until_ready(url: str, timeout: float = 60.0) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=2.0) as client:
+        deadline = time.monotonic() + timeout
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if (await client.get("/healthz")).status_code == 200:
+                    return
+            if time.monotonic() > deadline:
+                raise RuntimeError("the API did not come up")
+            await asyncio.sleep(0.1)
+
+
+async def backlog(redis_url: str) -> int:
+    """Jobs not yet terminal (queued or running), over the cluster."""
+    settings = Settings.from_env({}, redis_url=redis_url, redis_cluster=True, shards=16)
+    queue = await Queue.connect(settings)
+    try:
+        total = (await queue.admin.stats())["total"]
+    finally:
+        await queue.close()
+    return int(total.get("queued", 0)) + int(total.get("running", 0))
+
+
+async def until_drained(redis_url: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while await backlog(redis_url):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the workers did not drain the warm-up's jobs")
+        await asyncio.sleep(0.2)
+
+
+async def cell(masters: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One topology: the processes started, warmed up, measured, stopped."""
+    with (
+        tempfile.TemporaryDirectory(prefix="jobtier-scaling-") as tmp,
+        cluster(masters, Path(tmp) / "redis") as (nodes, redis_url),
+    ):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+            "JOBTIER_REDIS_URL": redis_url,
+            "JOBTIER_REDIS_CLUSTER": "1",
+            "JOBTIER_SHARDS": "16",
+            "JOBTIER_API_KEYS": f"{API_KEY}:{TENANT}",
+            "JOBTIER_ADMIN_KEY": "scaling-admin",
+            "JOBTIER_API_PORT": str(port),
+            "JOBTIER_LOG_LEVEL": "WARNING",
+        }
+        logs = Path(tmp) / "logs"
+        logs.mkdir()
+        cli = [sys.executable, "-m", "jobtier.cli"]
+        api = Proc("api", "api", [*cli, "api"], env, logs)
+        worker_argv = [*cli, "worker", "chaos_tasks", "--concurrency", "50"]
+        worker = Proc("worker", "worker", worker_argv, env, logs)
+        try:
+            api.start()
+            worker.start()
+            try:
+                await until_ready(url)
+            except RuntimeError as exc:
+                raise RuntimeError(
+                    f"the API did not come up:\n{api.tail()}\n{worker.tail()}"
+                ) from exc
+            await Load(url, args.rate).run(args.warmup)
+            assert api.proc is not None and worker.proc is not None
+            pids = [n.pid for n in nodes if n.pid is not None]
+
+            def cpu() -> tuple[float, float, list[float]]:
+                assert api.proc is not None and worker.proc is not None
+                return (
+                    tree_cpu(api.proc.pid),
+                    proc_cpu(worker.proc.pid),
+                    [proc_cpu(p) for p in pids],
+                )
+
+            # idle: what the processes spend with no jobs (pings, polls, heartbeats), per second
+            await until_drained(redis_url)
+            idle0, t_idle = cpu(), time.monotonic()
+            await asyncio.sleep(args.idle)
+            idle1, idle_s = cpu(), time.monotonic() - t_idle
+            cpu0 = cpu()
+            load = Load(url, args.rate)
+            t0 = time.monotonic()
+            await load.run(args.seconds)
+            elapsed = max(time.monotonic() - t0, args.seconds)
+            cpu1 = cpu()
+            left = await backlog(redis_url)
+            await load.client.aclose()
+        finally:
+            worker.stop()
+            api.stop()
+        jobs = max(load.submitted, 1)
+        redis_each = [1e6 * (b - a) / jobs for a, b in zip(cpu0[2], cpu1[2], strict=True)]
+        idle = {
+            "api": (idle1[0] - idle0[0]) / idle_s,
+            "worker": (idle1[1] - idle0[1]) / idle_s,
+            "redis": (sum(idle1[2]) - sum(idle0[2])) / idle_s,
+        }
+
+        def marginal(total_us: float, role: str) -> float:
+            """CPU per job less the idle CPU of the same span, spread over the jobs."""
+            return round(total_us - 1e6 * idle[role] * elapsed / jobs, 1)
+
+        return {
+            "masters": masters,
+            "jobs": load.submitted,
+            "reads": load.reads,
+            "failed": load.failed,
+            # over the window and the wait for the last answers
+            "jobs_per_second": round(load.submitted / elapsed, 1),
+            "backlog_at_end": left,
+            "api_cpu_us_per_job": round(1e6 * (cpu1[0] - cpu0[0]) / jobs, 1),
+            "worker_cpu_us_per_job": round(1e6 * (cpu1[1] - cpu0[1]) / jobs, 1),
+            "redis_cpu_us_per_job": round(sum(redis_each), 1),
+            "redis_cpu_us_per_job_per_node": [round(x, 1) for x in redis_each],
+            "idle_cpu_share": {k: round(v, 4) for k, v in idle.items()},
+            "api_marginal_us_per_job": marginal(1e6 * (cpu1[0] - cpu0[0]) / jobs, "api"),
+            "worker_marginal_us_per_job": marginal(1e6 * (cpu1[1] - cpu0[1]) / jobs, "worker"),
+            "redis_marginal_us_per_job": marginal(sum(redis_each), "redis"),
+        }
+
+
+# --- WAIT 1 -------------------------------------------------------------------------------------
+async def wait_cost(args: argparse.Namespace) -> dict[str, Any]:
+    """Submits alone and each followed by WAIT 1 on one connection, interleaved rounds."""
+    with tempfile.TemporaryDirectory(prefix="jobtier-wait-") as tmp:
+        master = LocalRedis(Path(tmp) / "master").start()
+        replica = LocalRedis(
+            Path(tmp) / "replica", options={"replicaof": ("127.0.0.1", master.port)}
+        )
+        try:
+            replica.start()
+            with syncredis.Redis(port=master.port) as r:
+                deadline = time.monotonic() + 30
+                while r.info("replication").get("slave0", {}).get("state") != "online":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the replica did not connect")
+                    time.sleep(0.05)
+            settings = Settings.from_env(
+                {}, redis_url=master.url, shards=16, redis_max_connections=1
+            )
+            queue = await Queue.connect(settings)
+            try:
+                samples: dict[str, dict[str, list[float]]] = {
+                    v: {"lat": [], "client": [], "redis": [], "replica": []}
+                    for v in ("submit", "submit+WAIT")
+                }
+                for round_ in range(args.wait_rounds * 2):
+                    variant = ("submit", "submit+WAIT")[round_ % 2]
+                    await wait_round(queue, master, replica, variant, args, samples[variant])
+            finally:
+                await queue.close()
+        finally:
+            replica.stop()
+            master.stop()
+    out: dict[str, Any] = {}
+    for variant, s in samples.items():
+        out[variant] = {
+            "latency_p50_us": round(percentile(s["lat"], 50), 1),
+            "latency_p99_us": round(percentile(s["lat"], 99), 1),
+            "client_cpu_us": round(median(s["client"]), 1),
+            "master_cpu_us": round(median(s["redis"]), 1),
+            "replica_cpu_us": round(median(s["replica"]), 1),
+        }
+    a, b = out["submit"], out["submit+WAIT"]
+    out["wait_adds"] = {
+        "client_plus_master_cpu_us": round(
+            b["client_cpu_us"] + b["master_cpu_us"] - a["client_cpu_us"] - a["master_cpu_us"], 1
+        ),
+        "latency_p50_us": round(b["latency_p50_us"] - a["latency_p50_us"], 1),
+        "latency_p99_us": round(b["latency_p99_us"] - a["latency_p99_us"], 1),
+    }
+    return out
+
+
+async def wait_round(
+    queue: Queue,
+    master: LocalRedis,
+    replica: LocalRedis,
+    variant: str,
+    args: argparse.Namespace,
+    samples: dict[str, list[float]],
+) -> None:
+    """``args.wait_submits`` sequential submits; per-submit CPU of this process and of the
+    master (median of rounds), and every submit's latency."""
+    redis = queue.redis
+    spec = [JobSpec(type="noop", payload={"n": 1})]
+    assert master.pid is not None and replica.pid is not None
+    c0, m0, r0 = time.process_time(), proc_cpu(master.pid), proc_cpu(replica.pid)
+    for _ in range(args.wait_submits):
+        t = time.perf_counter()
+        [sub] = await queue.submit_many(spec, tenant=TENANT)
+        assert not isinstance(sub, Exception)
+        if variant == "submit+WAIT":
+            acked = await redis.execute_command("WAIT", 1, 1000)  # type: ignore[no-untyped-call]
+            assert int(acked) >= 1
+        samples["lat"].append(1e6 * (time.perf_counter() - t))
+    n = args.wait_submits
+    samples["client"].append(1e6 * (time.process_time() - c0) / n)
+    samples["redis"].append(1e6 * (proc_cpu(master.pid) - m0) / n)
+    samples["replica"].append(1e6 * (proc_cpu(replica.pid) - r0) / n)
+
+
+# --- projection ---------------------------------------------------------------------------------
+def persist_costs() -> dict[str, Any]:
+    data = json.loads((RESULTS / f"{PERSIST_FILE}.json").read_text())
+    t = data["medians"]["batched"]["throughput"]
+    return {
+        "source": f"bench/results/{PERSIST_FILE}.json medians.batched.throughput",
+        "persister_cpu_us_per_transition": t["persister_cpu_us"],
+        "postgres_cpu_us_per_transition": t["postgres_cpu_us"],
+    }
+
+
+def sizing(
+    per_job: dict[str, float], wait_us: float, persist: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Processes (cores) per role at 10K and 100K jobs/s from the 3-master marginal CPU per
+    job (idle CPU left out: at those rates it is spread over many more jobs). The WAIT 1
+    figure is client and master CPU together, all put on the master: a bound, not a split."""
+    usable = 1.0 - args.headroom
+    tpj = args.transitions_per_job
+    roles = {
+        "Redis masters": per_job["redis_marginal_us_per_job"],
+        "Redis masters, durable submit (WAIT 1)": per_job["redis_marginal_us_per_job"] + wait_us,
+        "API processes": per_job["api_marginal_us_per_job"],
+        "worker processes (no-op tasks)": per_job["worker_marginal_us_per_job"],
+        "persisters": tpj * persist["persister_cpu_us_per_transition"],
+        "Postgres cores": tpj * persist["postgres_cpu_us_per_transition"],
+    }
+    out: dict[str, Any] = {}
+    for role, us in roles.items():
+        out[role] = {
+            "cpu_us_per_job": round(us, 1),
+            **{
+                f"at_{rate // 1000}k": math.ceil(rate * us / 1e6 / usable)
+                for rate in (10_000, 100_000)
+            },
+        }
+    return out
+
+
+# --- main ---------------------------------------------------------------------------------------
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    env = environment()
+    runs: list[dict[str, Any]] = []
+    for i in range(args.runs):
+        order = TOPOLOGIES if i % 2 == 0 else TOPOLOGIES[::-1]
+        run = {}
+        for masters in order:
+            print(f"run {i + 1}/{args.runs}: {masters} master(s)", flush=True)
+            run[str(masters)] = await cell(masters, args)
+            print("  ", run[str(masters)], flush=True)
+        runs.append(run)
+    medians = {
+        str(m): {
+            key: round(median([r[str(m)][key] for r in runs]), 1)
+            for key in (
+                "api_cpu_us_per_job", "worker_cpu_us_per_job", "redis_cpu_us_per_job",
+                "api_marginal_us_per_job", "worker_marginal_us_per_job",
+                "redis_marginal_us_per_job", "jobs_per_second", "backlog_at_end",
+            )
+        }
+        for m in TOPOLOGIES
+    }  # fmt: skip
+    print("WAIT 1 per submit", flush=True)
+    wait = await wait_cost(args)
+    persist = persist_costs()
+    assumptions = {
+        "headroom": args.headroom,
+        "transitions_per_job": args.transitions_per_job,
+        "status_reads_per_job": 1,
+        "per_core": "figures are CPU on this machine's cores; one API, worker or Redis master "
+        "process uses one core at most",
+        "shards": "16 shards spread evenly over the masters; submits spread evenly over shards",
+        "tasks": "no-op tasks: a real task's own CPU adds to the workers",
+        "near_cache": "one status read per submit, right after it (a near-cache miss mostly); "
+        "more reads of a job between its changes are near-cache hits, costing the API only",
+    }
+    return {
+        **env,
+        "args": dict(vars(args)),
+        "runs": runs,
+        "medians": medians,
+        "wait": wait,
+        "persist": persist,
+        "assumptions": assumptions,
+        "sizing": sizing(
+            medians["3"], wait["wait_adds"]["client_plus_master_cpu_us"], persist, args
+        ),
+    }
+
+
+def report(data: dict[str, Any]) -> str:
+    out = [header_markdown("Scaling out: CPU per job per role, WAIT 1, sizing", data)]
+    a = data["args"]
+    out.append(
+        f"\n## CPU per job ({a['rate']} jobs/s offered for {a['seconds']} s, one status read "
+        f"per submit; medians of {a['runs']} interleaved runs)\n"
+    )
+    rows = [
+        [
+            f"{m} master(s)",
+            f"{fmt(med['api_cpu_us_per_job'], 1)} / {fmt(med['api_marginal_us_per_job'], 1)}",
+            f"{fmt(med['worker_cpu_us_per_job'], 1)} / {fmt(med['worker_marginal_us_per_job'], 1)}",
+            f"{fmt(med['redis_cpu_us_per_job'], 1)} / {fmt(med['redis_marginal_us_per_job'], 1)}",
+            fmt(med["jobs_per_second"], 1),
+            fmt(med["backlog_at_end"], 0),
+        ]
+        for m, med in data["medians"].items()
+    ]
+    out.append(
+        table(
+            [
+                "Redis",
+                "API µs/job",
+                "worker µs/job",
+                "Redis µs/job (all nodes)",
+                "jobs/s",
+                "backlog at end",
+            ],
+            rows,
+        )
+    )
+    out.append(
+        "\nEach CPU cell: all the process's CPU over the jobs / marginal (less its idle CPU "
+        "over the same span: pings, polls, heartbeats)."
+    )
+    w = data["wait"]
+    out.append("\n## WAIT 1 per submit (a master with one replica, one connection, sequential)\n")
+    out.append(
+        table(
+            [
+                "",
+                "latency p50 µs",
+                "latency p99 µs",
+                "client CPU µs",
+                "master CPU µs",
+                "replica CPU µs",
+            ],
+            [
+                [
+                    v,
+                    fmt(w[v]["latency_p50_us"], 1),
+                    fmt(w[v]["latency_p99_us"], 1),
+                    fmt(w[v]["client_cpu_us"], 1),
+                    fmt(w[v]["master_cpu_us"], 1),
+                    fmt(w[v]["replica_cpu_us"], 1),
+                ]
+                for v in ("submit", "submit+WAIT")
+            ],
+        )
+    )
+    add = w["wait_adds"]
+    out.append(
+        f"\nWAIT 1 adds {fmt(add['client_plus_master_cpu_us'], 1)} µs of client + master CPU "
+        f"and {fmt(add['latency_p50_us'], 1)} µs at p50 ({fmt(add['latency_p99_us'], 1)} µs "
+        "at p99) per submit.\n"
+    )
+    p = data["persist"]
+    out.append(
+        f"\n## Sizing (from the 3-master marginal medians; headroom {data['assumptions']['headroom']}, "
+        f"{data['assumptions']['transitions_per_job']} transitions per job; persister "
+        f"{p['persister_cpu_us_per_transition']} µs and Postgres "
+        f"{p['postgres_cpu_us_per_transition']} µs per transition from `{p['source']}`)\n"
+    )
+    out.append(
+        table(
+            ["role", "CPU µs per job", "at 10K jobs/s", "at 100K jobs/s"],
+            [
+                [role, fmt(s["cpu_us_per_job"], 1), str(s["at_10k"]), str(s["at_100k"])]
+                for role, s in data["sizing"].items()
+            ],
+        )
+    )
+    out.append("\nAssumptions:\n")
+    out += [f"- {k}: {v}" for k, v in data["assumptions"].items()]
+    return "\n".join(out)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--rate", type=float, default=300.0, help="jobs/s offered")
+    p.add_argument("--seconds", type=float, default=15.0)
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--idle", type=float, default=3.0, help="seconds of idle CPU measured")
+    p.add_argument("--wait-rounds", type=int, default=5)
+    p.add_argument("--wait-submits", type=int, default=2000)
+    p.add_argument("--headroom", type=float, default=0.5, help="share of each core kept free")
+    p.add_argument("--transitions-per-job", type=int, default=3)
+    p.add_argument("--name", default="scaling_out")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    # a SIGTERM unwinds like Ctrl-C: the cells' finally blocks stop the processes and servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    data = asyncio.run(bench(args))
+    markdown = report(data)
+    print(markdown)
+    for path in save(args.name, data, markdown):
+        print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()
