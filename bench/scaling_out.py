@@ -17,9 +17,10 @@ Two measurements, then a projection:
   per submit, and the latency of each submit (with its WAIT).
 * **Projection** (``sizing``): per role, cores = rate x CPU per job / (1 - headroom), each of
   the API, worker and Redis master processes using one core at most (they are single
-  threaded); the persister's and Postgres's CPU per transition are copied from
-  ``bench/results/persist-40c7fab.json`` (batched persister, backlog drain), times
-  ``--transitions-per-job``. The assumptions are saved with the figures.
+  threaded); from this run's per-job CPU, and from the headline set's
+  (``bench/results/compare-e9c8c99.json``: Redis and the worker at saturation, the persister
+  and Postgres per transition, times ``--transitions-per-job``). The assumptions are saved
+  with the figures.
 
     .venv/bin/python bench/scaling_out.py                  # ~4 min
     .venv/bin/python bench/scaling_out.py --runs 5 --rate 400
@@ -67,7 +68,9 @@ from jobtier.dev.local_redis import LocalCluster, LocalRedis, free_port
 from jobtier.engine.queue import Queue
 
 HERE = Path(__file__).resolve().parent
-PERSIST_FILE = "persist-40c7fab"  # the batched persister's CPU per transition
+# per-job CPU at saturation (one producer process submitting in batches, one worker), and the
+# persister's and Postgres's per transition with the jobs flowing: the headline set
+BATCHED_FILE = "compare-e9c8c99"
 TOPOLOGIES = (1, 3)
 
 
@@ -350,9 +353,8 @@ async def wait_cost(args: argparse.Namespace) -> dict[str, Any]:
         }
     a, b = out["submit"], out["submit+WAIT"]
     out["wait_adds"] = {
-        "client_plus_master_cpu_us": round(
-            b["client_cpu_us"] + b["master_cpu_us"] - a["client_cpu_us"] - a["master_cpu_us"], 1
-        ),
+        "client_cpu_us": round(b["client_cpu_us"] - a["client_cpu_us"], 1),
+        "master_cpu_us": round(b["master_cpu_us"] - a["master_cpu_us"], 1),
         "latency_p50_us": round(b["latency_p50_us"] - a["latency_p50_us"], 1),
         "latency_p99_us": round(b["latency_p99_us"] - a["latency_p99_us"], 1),
     }
@@ -388,41 +390,65 @@ async def wait_round(
 
 
 # --- projection ---------------------------------------------------------------------------------
-def persist_costs() -> dict[str, Any]:
-    data = json.loads((RESULTS / f"{PERSIST_FILE}.json").read_text())
-    t = data["medians"]["batched"]["throughput"]
+def batched_costs() -> dict[str, Any]:
+    """Per-job CPU of Redis and the worker, and per-transition CPU of the persister and
+    Postgres, from the headline set (medians of its runs, AOF everysec)."""
+    data = json.loads((RESULTS / f"{BATCHED_FILE}.json").read_text())["summary"]
+    alone, persist = data["jobtier"]["everysec"], data["jobtier-persist"]["everysec"]
     return {
-        "source": f"bench/results/{PERSIST_FILE}.json medians.batched.throughput",
-        "persister_cpu_us_per_transition": t["persister_cpu_us"],
-        "postgres_cpu_us_per_transition": t["postgres_cpu_us"],
+        "source": f"bench/results/{BATCHED_FILE}.json summary, everysec",
+        "redis_cpu_us_per_job": round(alone["redis_cpu_us_per_job"], 1),
+        "worker_cpu_us_per_job": round(alone["worker_cpu_us_per_job"], 1),
+        "persister_cpu_us_per_transition": round(persist["persister_cpu_us_per_transition"], 1),
+        "postgres_cpu_us_per_transition": round(persist["postgres_cpu_us_per_transition"], 1),
     }
 
 
 def sizing(
-    per_job: dict[str, float], wait_us: float, persist: dict[str, Any], args: argparse.Namespace
+    per_job: dict[str, float],
+    wait: dict[str, float],
+    batched: dict[str, Any],
+    args: argparse.Namespace,
 ) -> dict[str, Any]:
-    """Processes (cores) per role at 10K and 100K jobs/s from the 3-master marginal CPU per
-    job (idle CPU left out: at those rates it is spread over many more jobs). The WAIT 1
-    figure is client and master CPU together, all put on the master: a bound, not a split."""
+    """Processes (cores) per role at 10K and 100K jobs/s, from two per-job costs: this run's
+    3-master marginal CPU (``measured``: submits one by one over HTTP at ``--rate``, each
+    script call alone) and the headline set's (``batched``: the same scripts at saturation,
+    claims and completions batched). The API has only the first (the headline set has no
+    API). Durable submit adds WAIT 1's client CPU to the API and its master CPU to Redis."""
     usable = 1.0 - args.headroom
     tpj = args.transitions_per_job
-    roles = {
-        "Redis masters": per_job["redis_marginal_us_per_job"],
-        "Redis masters, durable submit (WAIT 1)": per_job["redis_marginal_us_per_job"] + wait_us,
-        "API processes": per_job["api_marginal_us_per_job"],
-        "worker processes (no-op tasks)": per_job["worker_marginal_us_per_job"],
-        "persisters": tpj * persist["persister_cpu_us_per_transition"],
-        "Postgres cores": tpj * persist["postgres_cpu_us_per_transition"],
+    persister = tpj * batched["persister_cpu_us_per_transition"]
+    postgres = tpj * batched["postgres_cpu_us_per_transition"]
+    redis, api = per_job["redis_marginal_us_per_job"], per_job["api_marginal_us_per_job"]
+    roles: dict[str, tuple[float, float]] = {
+        "Redis masters": (redis, batched["redis_cpu_us_per_job"]),
+        "Redis masters, durable submit (WAIT 1)": (
+            redis + wait["master_cpu_us"],
+            batched["redis_cpu_us_per_job"] + wait["master_cpu_us"],
+        ),
+        "API processes": (api, api),
+        "API processes, durable submit (WAIT 1)": (
+            api + wait["client_cpu_us"],
+            api + wait["client_cpu_us"],
+        ),
+        "worker processes (no-op tasks)": (
+            per_job["worker_marginal_us_per_job"],
+            batched["worker_cpu_us_per_job"],
+        ),
+        "persisters": (persister, persister),
+        "Postgres cores": (postgres, postgres),
     }
     out: dict[str, Any] = {}
-    for role, us in roles.items():
-        out[role] = {
-            "cpu_us_per_job": round(us, 1),
-            **{
-                f"at_{rate // 1000}k": math.ceil(rate * us / 1e6 / usable)
-                for rate in (10_000, 100_000)
-            },
-        }
+    for role, costs in roles.items():
+        out[role] = {}
+        for name, us in zip(("measured", "batched"), costs, strict=True):
+            out[role][name] = {
+                "cpu_us_per_job": round(us, 1),
+                **{
+                    f"at_{rate // 1000}k": math.ceil(rate * us / 1e6 / usable)
+                    for rate in (10_000, 100_000)
+                },
+            }
     return out
 
 
@@ -451,7 +477,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     print("WAIT 1 per submit", flush=True)
     wait = await wait_cost(args)
-    persist = persist_costs()
+    batched = batched_costs()
     assumptions = {
         "headroom": args.headroom,
         "transitions_per_job": args.transitions_per_job,
@@ -469,11 +495,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "runs": runs,
         "medians": medians,
         "wait": wait,
-        "persist": persist,
+        "batched": batched,
         "assumptions": assumptions,
-        "sizing": sizing(
-            medians["3"], wait["wait_adds"]["client_plus_master_cpu_us"], persist, args
-        ),
+        "sizing": sizing(medians["3"], wait["wait_adds"], batched, args),
     }
 
 
@@ -539,24 +563,41 @@ def report(data: dict[str, Any]) -> str:
     )
     add = w["wait_adds"]
     out.append(
-        f"\nWAIT 1 adds {fmt(add['client_plus_master_cpu_us'], 1)} µs of client + master CPU "
-        f"and {fmt(add['latency_p50_us'], 1)} µs at p50 ({fmt(add['latency_p99_us'], 1)} µs "
+        f"\nWAIT 1 adds {fmt(add['client_cpu_us'], 1)} µs of client CPU, "
+        f"{fmt(add['master_cpu_us'], 1)} µs of the master's and {fmt(add['latency_p50_us'], 1)} µs at p50 ({fmt(add['latency_p99_us'], 1)} µs "
         "at p99) per submit.\n"
     )
-    p = data["persist"]
+    b = data["batched"]
     out.append(
-        f"\n## Sizing (from the 3-master marginal medians; headroom {data['assumptions']['headroom']}, "
-        f"{data['assumptions']['transitions_per_job']} transitions per job; persister "
-        f"{p['persister_cpu_us_per_transition']} µs and Postgres "
-        f"{p['postgres_cpu_us_per_transition']} µs per transition from `{p['source']}`)\n"
+        f"\n## Sizing: processes (cores) at 10K and 100K jobs/s, headroom "
+        f"{data['assumptions']['headroom']}\n\n"
+        "measured: this run's 3-master marginal CPU per job (submits one by one over HTTP). "
+        f"batched: from `{b['source']}` (Redis {b['redis_cpu_us_per_job']} µs and the worker "
+        f"{b['worker_cpu_us_per_job']} µs per job at saturation; the persister "
+        f"{b['persister_cpu_us_per_transition']} µs and Postgres "
+        f"{b['postgres_cpu_us_per_transition']} µs per transition, "
+        f"{data['assumptions']['transitions_per_job']} transitions per job, in both columns); "
+        "the API's cost is this run's in both.\n"
     )
+    rows = []
+    for role, both in data["sizing"].items():
+        m, bb = both["measured"], both["batched"]
+        rows.append([
+            role, fmt(m["cpu_us_per_job"], 1), str(m["at_10k"]), str(m["at_100k"]),
+            fmt(bb["cpu_us_per_job"], 1), str(bb["at_10k"]), str(bb["at_100k"]),
+        ])  # fmt: skip
     out.append(
         table(
-            ["role", "CPU µs per job", "at 10K jobs/s", "at 100K jobs/s"],
             [
-                [role, fmt(s["cpu_us_per_job"], 1), str(s["at_10k"]), str(s["at_100k"])]
-                for role, s in data["sizing"].items()
+                "role",
+                "measured µs/job",
+                "10K jobs/s",
+                "100K jobs/s",
+                "batched µs/job",
+                "10K jobs/s",
+                "100K jobs/s",
             ],
+            rows,
         )
     )
     out.append("\nAssumptions:\n")
