@@ -71,6 +71,8 @@ HERE = Path(__file__).resolve().parent
 # per-job CPU at saturation (one producer process submitting in batches, one worker), and the
 # persister's and Postgres's per transition with the jobs flowing: the headline set
 BATCHED_FILE = "compare-e9c8c99"
+EVENTS_FILE = "api_scaling"  # an API process's CPU per status event
+RATES = (10_000, 100_000)
 TOPOLOGIES = (1, 3)
 
 
@@ -404,17 +406,40 @@ def batched_costs() -> dict[str, Any]:
     }
 
 
+def event_cost() -> dict[str, Any]:
+    """CPU an API process spends on one status event (a job it does not cache), from
+    ``bench/results/api_scaling.json``: every process receives every shard's events."""
+    data = json.loads((RESULTS / f"{EVENTS_FILE}.json").read_text())
+    return {
+        "source": f"bench/results/{EVENTS_FILE}.json event_us_absent",
+        "event_us": round(data["event_us_absent"], 2),
+    }
+
+
+def processes(rate: int, us: float, usable: float, share: float = 0.0) -> int | None:
+    """Single-threaded processes for ``rate`` jobs/s at ``us`` CPU each, a core each, of which
+    ``usable`` may be used and ``share`` goes to work every process does whatever its load
+    (status events); None when that work alone takes the usable part."""
+    if share >= usable:
+        return None
+    return math.ceil(rate * us / 1e6 / (usable - share))
+
+
 def sizing(
     per_job: dict[str, float],
     wait: dict[str, float],
     batched: dict[str, Any],
+    events: dict[str, Any],
     args: argparse.Namespace,
 ) -> dict[str, Any]:
     """Processes (cores) per role at 10K and 100K jobs/s, from two per-job costs: this run's
     3-master marginal CPU (``measured``: submits one by one over HTTP at ``--rate``, each
     script call alone) and the headline set's (``batched``: the same scripts at saturation,
     claims and completions batched). The API has only the first (the headline set has no
-    API). Durable submit adds WAIT 1's client CPU to the API and its master CPU to Redis."""
+    API). Durable submit adds WAIT 1's client CPU to the API and its master CPU to Redis.
+
+    Every API process receives every status event (one a transition, ``--transitions-per-job``
+    a job): that share of its core is taken first, at each rate."""
     usable = 1.0 - args.headroom
     tpj = args.transitions_per_job
     persister = tpj * batched["persister_cpu_us_per_transition"]
@@ -438,15 +463,19 @@ def sizing(
         "persisters": (persister, persister),
         "Postgres cores": (postgres, postgres),
     }
-    out: dict[str, Any] = {}
+    share = {rate: rate * tpj * events["event_us"] / 1e6 for rate in RATES}
+    out: dict[str, Any] = {
+        "api_events_core_share": {f"at_{r // 1000}k": round(share[r], 3) for r in RATES}
+    }
     for role, costs in roles.items():
         out[role] = {}
         for name, us in zip(("measured", "batched"), costs, strict=True):
+            api = role.startswith("API")
             out[role][name] = {
                 "cpu_us_per_job": round(us, 1),
                 **{
-                    f"at_{rate // 1000}k": math.ceil(rate * us / 1e6 / usable)
-                    for rate in (10_000, 100_000)
+                    f"at_{rate // 1000}k": processes(rate, us, usable, share[rate] if api else 0)
+                    for rate in RATES
                 },
             }
     return out
@@ -478,6 +507,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     print("WAIT 1 per submit", flush=True)
     wait = await wait_cost(args)
     batched = batched_costs()
+    events = event_cost()
     assumptions = {
         "headroom": args.headroom,
         "transitions_per_job": args.transitions_per_job,
@@ -497,7 +527,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "wait": wait,
         "batched": batched,
         "assumptions": assumptions,
-        "sizing": sizing(medians["3"], wait["wait_adds"], batched, args),
+        "events": events,
+        "sizing": sizing(medians["3"], wait["wait_adds"], batched, events, args),
     }
 
 
@@ -579,12 +610,25 @@ def report(data: dict[str, Any]) -> str:
         f"{data['assumptions']['transitions_per_job']} transitions per job, in both columns); "
         "the API's cost is this run's in both.\n"
     )
+    share = data["sizing"]["api_events_core_share"]
+    out.append(
+        f"Every API process handles every status event ({data['events']['event_us']} µs each, "
+        f"from `{data['events']['source']}`): {fmt(100 * share['at_10k'], 1)}% of its core at "
+        f"10K jobs/s, {fmt(100 * share['at_100k'], 1)}% at 100K, taken before its requests. "
+        "`none`: the events alone take the usable part of every process's core.\n"
+    )
+
+    def n(value: int | None) -> str:
+        return "none" if value is None else str(value)
+
     rows = []
     for role, both in data["sizing"].items():
+        if role == "api_events_core_share":
+            continue
         m, bb = both["measured"], both["batched"]
         rows.append([
-            role, fmt(m["cpu_us_per_job"], 1), str(m["at_10k"]), str(m["at_100k"]),
-            fmt(bb["cpu_us_per_job"], 1), str(bb["at_10k"]), str(bb["at_100k"]),
+            role, fmt(m["cpu_us_per_job"], 1), n(m["at_10k"]), n(m["at_100k"]),
+            fmt(bb["cpu_us_per_job"], 1), n(bb["at_10k"]), n(bb["at_100k"]),
         ])  # fmt: skip
     out.append(
         table(
