@@ -106,6 +106,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "process_pool": ("src/jobtier/worker",),
     "http_worker": (*JOB_PATH, "src/jobtier/api", "examples/node-worker"),
     "outbox": ("src/jobtier/persist", "src/jobtier/outbox", "src/jobtier/engine/produce.py"),
+    "scaling_out": (*JOB_PATH, "src/jobtier/api", "src/jobtier/status"),  # api, worker, Redis
     "tracing": (
         "src/jobtier/runtime/tracing.py",
         "src/jobtier/worker",
@@ -152,6 +153,7 @@ CHOSEN: dict[str, str] = {
     "process_pool": "the only file",
     "http_worker": "the only file",
     "outbox": "the only file",
+    "scaling_out": "the only file",
 }
 HEADLINE = ("compare-e9c8c99",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set

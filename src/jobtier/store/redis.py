@@ -238,6 +238,8 @@ async def info_of_primaries(redis: RedisClient, section: str) -> list[dict[str, 
     """One INFO section of every primary, one dict per node."""
     if isinstance(redis, RedisCluster):  # {node name: {field: value}}
         per_node = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
+        if len(redis.get_primaries()) == 1:
+            return [per_node]  # redis-py answers one node's INFO as is, not by node name
         return list(per_node.values())
     return [await redis.info(section)]
 
