@@ -64,7 +64,8 @@ from common import (
 from chaos import API_KEY, TENANT, Proc
 from jobtier.config import Settings
 from jobtier.core.model import JobSpec
-from jobtier.dev.local_redis import LocalCluster, LocalRedis, free_port
+from jobtier.dev.local_redis import LocalRedis, free_port
+from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.queue import Queue
 
 HERE = Path(__file__).resolve().parent

@@ -22,7 +22,8 @@ from redis.crc import key_slot
 
 from jobtier.config import Settings
 from jobtier.core.model import JobSpec
-from jobtier.dev.local_redis import LocalCluster, LocalRedis
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.queue import Queue
 from jobtier.status.reader import StatusReader
 from jobtier.store.redis import ShardSubscriber
