@@ -236,11 +236,59 @@ async def run_scripts(
     """Several script calls in one pipeline (one round trip per node), replies in order; the
     calls refused for want of their script are sent again once it is loaded.
 
-    Any other error is raised at once, and the refused calls beside it are not sent again:
-    the caller, told the batch failed, sends it again, so a call that never ran cannot have
-    made a job or a claim the caller does not know of. Calls that ran beside the error are
-    refused as stale when sent again (claims, completions), or made idempotent by a key
-    (submits)."""
+    Any other error is raised, and the refused calls beside it are not sent again: the
+    caller, told the batch failed, sends it again, so a call that never ran cannot have made
+    a job or a claim the caller does not know of. Calls that ran beside the error (on a
+    node of a cluster that answered) are refused as stale when sent again (claims,
+    completions), or made idempotent by a key (submits). ``run_scripts_each`` tells apart
+    the calls that failed from those that ran."""
+    results = await run_scripts_each(redis, calls)
+    for reply in results:
+        if isinstance(reply, Exception):
+            raise reply
+    return results
+
+
+async def run_scripts_each(
+    redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]
+) -> list[Any]:
+    """``run_scripts``, but a failed call's reply is its exception, in its place.
+
+    On a cluster the calls go in one pipeline per node, side by side: a node that is down
+    (a master failing over) fails only its own calls, the others' replies come back."""
+    groups = _by_node(redis, calls) if isinstance(redis, RedisCluster) else []
+    if len(groups) < 2:
+        return await _run_batch(redis, calls)
+    parts = await asyncio.gather(*(_run_batch(redis, [calls[i] for i in at]) for at in groups))
+    results: list[Any] = [None] * len(calls)
+    for at, replies in zip(groups, parts, strict=True):
+        for i, reply in zip(at, replies, strict=True):
+            results[i] = reply
+    return results
+
+
+def _by_node(redis: RedisCluster, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[list[int]]:
+    """The calls' indexes grouped by the node that serves their keys' slot (as the client
+    knows it now; a call that moved is redirected by the pipeline as usual)."""
+    groups: dict[str, list[int]] = {}
+    for i, (_, argv) in enumerate(calls):
+        name = ""
+        if argv and int(argv[0]) > 0:
+            try:
+                node = redis.nodes_manager.get_node_from_slot(redis.keyslot(argv[1]))
+                name = node.name
+            except (RedisError, IndexError, KeyError):
+                name = ""
+        groups.setdefault(name, []).append(i)
+    return list(groups.values())
+
+
+async def _run_batch(
+    redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]
+) -> list[Any]:
+    """One pipeline of ``calls``: replies in order, an exception in place of a failed call's
+    (the pipeline's own for every call when it failed whole). The calls refused for want of
+    their script are sent again once it is loaded, unless another call failed beside them."""
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for _ in range(3):
@@ -248,22 +296,39 @@ async def run_scripts(
         for i in todo:
             script, argv = calls[i]
             pipe.execute_command(*script.command(), *argv)
-        replies = await pipe.execute(raise_on_error=False)
+        try:
+            replies = await pipe.execute(raise_on_error=False)
+        except RedisError as exc:
+            for i in todo:
+                results[i] = exc
+            return results
         retry = []
+        failed: Exception | None = None
         for i, reply in zip(todo, replies, strict=True):
             if _missing(reply):
                 retry.append(i)
             elif isinstance(reply, Exception):
-                raise reply
-            else:
-                results[i] = reply
+                failed = failed or reply
+            results[i] = reply
         if not retry:
             return results
-        for script in {calls[i][0].unit: calls[i][0] for i in retry}.values():
-            await script.load(redis)
+        if failed is not None:
+            for i in retry:
+                results[i] = failed  # not sent again (run_scripts' docstring)
+            return results
+        try:
+            for script in {calls[i][0].unit: calls[i][0] for i in retry}.values():
+                await script.load(redis)
+        except RedisError as exc:
+            for i in retry:
+                results[i] = exc
+            return results
         todo = retry
     # a RedisError, as any other failure of Redis: callers back off and try again
-    raise RedisError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
+    error = RedisError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
+    for i in todo:
+        results[i] = error
+    return results
 
 
 class Scripts:
