@@ -54,6 +54,7 @@ API_KEY, TENANT, ADMIN_KEY = "failover-key", "failover", "failover-admin"
 TERMINAL = {"succeeded", "failed", "cancelled"}
 HANG_GUARD = 120.0  # s: only stops a broken test from hanging
 RATE = 40.0  # submits a second (each followed by a status read)
+HEALTHY_SLOWEST = 1.5  # s: an answer for a shard of a master that is up, during a failover
 
 
 @dataclass
@@ -64,6 +65,7 @@ class Answer:
     status: int
     retry_after: str | None
     problem: str
+    took: float  # seconds
 
 
 @dataclass
@@ -108,7 +110,7 @@ class Load:
             self._queue.put_nowait(f"fo-{n}")
             await asyncio.sleep(1 / RATE)
 
-    def _record(self, kind: str, shard: int, reply: httpx.Response) -> None:
+    def _record(self, kind: str, shard: int, reply: httpx.Response, began: float) -> None:
         problem = ""
         if reply.status_code >= 400:
             with contextlib.suppress(ValueError):
@@ -116,7 +118,7 @@ class Load:
         self.answers.append(
             Answer(
                 time.monotonic(), kind, shard, reply.status_code,
-                reply.headers.get("retry-after"), problem,
+                reply.headers.get("retry-after"), problem, time.monotonic() - began,
             )
         )  # fmt: skip
 
@@ -126,13 +128,14 @@ class Load:
             while True:
                 key = await self._queue.get()
                 shard = self.shard_of_key(key)
+                began = time.monotonic()
                 try:
                     reply = await http.post(
                         "/v1/jobs",
                         json={"type": "noop", "payload": {"ms": 1}, "max_attempts": 10},
                         headers={"idempotency-key": key},
                     )
-                    self._record("submit", shard, reply)
+                    self._record("submit", shard, reply, began)
                     if reply.status_code not in (200, 201, 202):
                         loop.call_later(0.2, self._queue.put_nowait, key)
                         continue
@@ -140,7 +143,8 @@ class Load:
                     assert self.keys.shard_of(job_id) == shard
                     self.acked.setdefault(key, job_id)
                     self.acked_at.setdefault(key, time.monotonic())
-                    self._record("status", shard, await http.get(f"/v1/jobs/{job_id}"))
+                    began = time.monotonic()
+                    self._record("status", shard, await http.get(f"/v1/jobs/{job_id}"), began)
                 except httpx.HTTPError as exc:
                     self.errors[type(exc).__name__] += 1
                     loop.call_later(0.2, self._queue.put_nowait, key)
@@ -286,14 +290,28 @@ def shard_masters(cluster: LocalCluster, keys: Keys) -> dict[int, int]:
     return out
 
 
-def check_answers(load: Load, allowed_503: Callable[[Answer], bool]) -> Counter[str]:
-    """No 5xx but a 503 with Retry-After, each allowed; the answers counted by status."""
-    counts: Counter[str] = Counter(f"{a.kind} {a.status}" for a in load.answers)
+def check_answers(load: Load, allowed_503: Callable[[Answer], bool]) -> None:
+    """No 5xx but a 503 with Retry-After, each allowed."""
+    counts = Counter(f"{a.kind} {a.status}" for a in load.answers)
     bad = [a for a in load.answers if a.status >= 500 and (a.status != 503 or not a.retry_after)]
     assert not bad, (bad[:10], counts)
     stray = [a for a in load.answers if a.status == 503 and not allowed_503(a)]
     assert not stray, (stray[:10], counts)
-    return counts
+
+
+def check_healthy_shards(load: Load, failovers: list[Failover], everywhere: set[int]) -> None:
+    """While a master was being replaced, the other masters' shards were served as usual:
+    their requests succeeded, none slower than HEALTHY_SLOWEST."""
+    for f in failovers:
+        healthy = everywhere - f.shards
+        if not healthy:
+            continue  # one master serves every shard (sentinels)
+        during = [a for a in load.answers if f.killed_at <= a.at <= f.promoted_at]
+        served = [a for a in during if a.shard in healthy]
+        assert served, "no request for the other masters' shards during the failover"
+        assert all(a.status < 300 for a in served), Counter(a.status for a in served)
+        slow = sorted(a.took for a in served if a.took > HEALTHY_SLOWEST)
+        assert not slow, (len(slow), len(served), slow[-5:])
 
 
 async def settle(load: Load, url: str, killed_at: float) -> dict[str, Any]:
@@ -379,12 +397,14 @@ async def ride(roles: Roles, keys: Keys, setup: str, kill: Callable[[], Failover
             f.killed_at <= a.at <= f.promoted_at + 1.0 and a.shard in f.shards for f in failovers
         )
 
-    counts = check_answers(load, allowed)
+    counts = Counter(f"{a.kind} {a.status}" for a in load.answers)
+    print("failover_outcome", json.dumps({"setup": setup, **outcome, **counts}))
+    check_answers(load, allowed)
+    check_healthy_shards(load, failovers, everywhere=set(range(keys.shards)))
     for proc in roles.procs:
         text = roles.logs(proc.name)
         assert "event=internal_error" not in text, text[-6000:]
         assert "Traceback" not in text, text[-6000:]
-    print("failover_outcome", json.dumps({"setup": setup, **outcome, **counts}))
 
 
 async def test_every_role_rides_through_a_cluster_master_failover(
