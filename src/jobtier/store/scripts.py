@@ -18,13 +18,14 @@ calls: they did not run, so re-sending them is safe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from jobtier.core.errors import Code
@@ -258,40 +259,61 @@ async def run_scripts_each(
     (a master failing over) fails only its own calls, the others' replies come back."""
     groups = _by_node(redis, calls) if isinstance(redis, RedisCluster) else []
     if len(groups) < 2:
-        return await _run_batch(redis, calls)
-    parts = await asyncio.gather(*(_run_batch(redis, [calls[i] for i in at]) for at in groups))
+        node = groups[0][0] if groups else None
+        return await _run_batch(redis, calls, node)
+    parts = await asyncio.gather(
+        *(_run_batch(redis, [calls[i] for i in at], node) for node, at in groups)
+    )
     results: list[Any] = [None] * len(calls)
-    for at, replies in zip(groups, parts, strict=True):
+    for (_, at), replies in zip(groups, parts, strict=True):
         for i, reply in zip(at, replies, strict=True):
             results[i] = reply
     return results
 
 
-def _by_node(redis: RedisCluster, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[list[int]]:
+def _by_node(
+    redis: RedisCluster, calls: Sequence[tuple[Script, Sequence[Any]]]
+) -> list[tuple[ClusterNode | None, list[int]]]:
     """The calls' indexes grouped by the node that serves their keys' slot (as the client
     knows it now; a call that moved is redirected by the pipeline as usual)."""
-    groups: dict[str, list[int]] = {}
+    groups: dict[str, tuple[ClusterNode | None, list[int]]] = {}
     for i, (_, argv) in enumerate(calls):
-        name = ""
+        node: ClusterNode | None = None
         if argv and int(argv[0]) > 0:
-            try:
+            with contextlib.suppress(RedisError, IndexError, KeyError):
                 node = redis.nodes_manager.get_node_from_slot(redis.keyslot(argv[1]))
-                name = node.name
-            except (RedisError, IndexError, KeyError):
-                name = ""
-        groups.setdefault(name, []).append(i)
+        groups.setdefault(node.name if node else "", (node, []))[1].append(i)
     return list(groups.values())
 
 
+async def _load_on(redis: RedisClient, script: Script, node: ClusterNode | None) -> None:
+    """Load ``script`` on ``node`` only (a cluster's node that refused it), or everywhere
+    (``Script.load``): a node down elsewhere must not stop the load where it is needed."""
+    if node is None:
+        await script.load(redis)
+    elif script.library is not None:
+        try:
+            await redis.execute_command("FUNCTION LOAD", script.library.code, target_nodes=node)
+        except ResponseError as exc:
+            if "already exists" not in str(exc):
+                raise
+    else:
+        await redis.execute_command("SCRIPT LOAD", script.text, target_nodes=node)
+
+
 async def _run_batch(
-    redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]
+    redis: RedisClient,
+    calls: Sequence[tuple[Script, Sequence[Any]]],
+    node: ClusterNode | None = None,
 ) -> list[Any]:
-    """One pipeline of ``calls``: replies in order, an exception in place of a failed call's
-    (the pipeline's own for every call when it failed whole). The calls refused for want of
-    their script are sent again once it is loaded, unless another call failed beside them."""
+    """One pipeline of ``calls`` (those of cluster ``node``): replies in order, an exception
+    in place of a failed call's (the pipeline's own for every call when it failed whole).
+    The calls refused for want of their script are sent again once it is loaded (on
+    ``node``; everywhere at the last try: a call may have been redirected), unless another
+    call failed beside them."""
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
-    for _ in range(3):
+    for attempt in range(3):
         pipe = redis.pipeline(transaction=False)
         for i in todo:
             script, argv = calls[i]
@@ -318,7 +340,7 @@ async def _run_batch(
             return results
         try:
             for script in {calls[i][0].unit: calls[i][0] for i in retry}.values():
-                await script.load(redis)
+                await _load_on(redis, script, node if attempt == 0 else None)
         except RedisError as exc:
             for i in retry:
                 results[i] = exc
@@ -365,6 +387,14 @@ class Scripts:
             return [await self.call(script, shard, args)]
         by_name = self.by_name
         return await run_scripts(
+            self.redis, [(by_name[name], self._argv(shard, args)) for name, shard, args in calls]
+        )
+
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
+        """``call_many``, a failed call's reply its exception (``run_scripts_each``): on a
+        cluster, the calls of a node that is down fail, the others' replies come back."""
+        by_name = self.by_name
+        return await run_scripts_each(
             self.redis, [(by_name[name], self._argv(shard, args)) for name, shard, args in calls]
         )
 
