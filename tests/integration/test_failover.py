@@ -1,10 +1,10 @@
 """Every role rides through a Redis master's failover by itself.
 
-The roles run as the real processes (``python -m jobtier.cli api|worker|persister|scheduler``,
-bench/chaos.py's ``Proc``) against a replicated Redis: the ``failover_cluster`` (3 masters,
-3 replicas) or the ``sentinels`` (a master and its replica). A steady stream of submits, each
-followed by a read of its status, goes through the HTTP API while a master is SIGKILLed and
-its replica promoted. Then:
+The roles run as the real processes (``python -m jobtier.cli`` api, worker, persister,
+scheduler (with the flow resolver) and dispatcher; bench/chaos.py's ``Proc``) against a
+replicated Redis: the ``failover_cluster`` (3 masters, 3 replicas) or the ``sentinels`` (a
+master and its replica). A steady stream of submits, each followed by a read of its status,
+goes through the HTTP API while a master is SIGKILLed and its replica promoted. Then:
 
 * no answer was a 5xx other than a 503 with Retry-After;
 * on the cluster, the 503s were all for shards of the lost master (a submit's shard is
@@ -183,7 +183,9 @@ class Roles:
             chaos.Proc("api", "api", [*cli, "api"], self.env, logs),
             chaos.Proc("worker", "worker", [*cli, *worker], self.env, logs),
             chaos.Proc("persister", "persister", [*cli, "persister"], self.env, logs),
+            # the scheduler runs the flow resolver too
             chaos.Proc("scheduler", "scheduler", [*cli, "scheduler"], self.env, logs),
+            chaos.Proc("dispatcher", "dispatcher", [*cli, "dispatcher"], self.env, logs),
         ]
 
     def start(self) -> None:

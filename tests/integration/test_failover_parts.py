@@ -16,7 +16,8 @@ from redis.exceptions import RedisError
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
-from jobtier.dev.local_redis import LocalCluster, LocalRedis, LocalSentinels
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
 from jobtier.engine.queue import Queue
 from jobtier.status.nearcache import Entry
 from jobtier.status.reader import RESYNC, StatusReader
@@ -71,6 +72,15 @@ async def test_commands_to_healthy_nodes_go_on_while_a_pipeline_fails_on_a_dead_
     for s in range(keys.shards):
         await redis.set(keys.base(s) + "probe", s)
     failover_cluster.kill(victim)
+    try:
+        await _healthy_reads_go_on(redis, keys, healthy)
+    finally:  # the fixture revives the victim once its replica took over
+        await asyncio.to_thread(failover_cluster.wait_promoted, victim)
+    # the promoted replica serves the lost shards: a command finds it by itself
+    await wait_for(lambda: _reads(redis, keys, sorted(lost)), timeout=30)
+
+
+async def _healthy_reads_go_on(redis: Cluster, keys: Keys, healthy: list[int]) -> None:
     errors: list[BaseException] = []
     done = 0
     stop = time.monotonic() + 1.5  # well inside the 2 s node timeout: nothing promoted yet
@@ -96,9 +106,6 @@ async def test_commands_to_healthy_nodes_go_on_while_a_pipeline_fails_on_a_dead_
     await asyncio.gather(*(healthy_reads() for _ in range(8)), failing_pipelines())
     assert errors == [], errors[:5]
     assert done > 0
-    await asyncio.to_thread(failover_cluster.wait_promoted, victim)
-    # the promoted replica serves the lost shards: a command finds it by itself
-    await wait_for(lambda: _reads(redis, keys, sorted(lost)), timeout=30)
 
 
 async def _reads(redis: Cluster, keys: Keys, shards: list[int]) -> bool:
@@ -123,15 +130,17 @@ async def test_a_status_batch_is_answered_for_the_nodes_that_are_up(
     victim, lost = victim_of(failover_cluster, keys)
     reader = StatusReader(queue.redis, keys, near_cache=False)
     failover_cluster.kill(victim)
-    # one coalesced batch: every id asked in this tick, read in one round trip per node
-    results = await asyncio.gather(*(reader.get(j) for j in jobs), return_exceptions=True)
+    try:
+        # one coalesced batch: every id asked in this tick, read in one round trip per node
+        results = await asyncio.gather(*(reader.get(j) for j in jobs), return_exceptions=True)
+    finally:  # the fixture revives the victim once its replica took over
+        await asyncio.to_thread(failover_cluster.wait_promoted, victim)
     for job_id, result in zip(jobs, results, strict=True):
         if keys.shard_of(job_id) in lost:
             assert isinstance(result, RedisError), (job_id, result)
         else:
             assert isinstance(result, tuple) and result[2] >= 1, (job_id, result)
     assert reader.coalescer is not None and reader.coalescer.batches == 1
-    await asyncio.to_thread(failover_cluster.wait_promoted, victim)
 
     async def all_read() -> bool:
         found = await asyncio.gather(*(reader.get(j) for j in jobs), return_exceptions=True)
@@ -155,13 +164,15 @@ async def test_a_claim_round_starts_the_jobs_of_the_nodes_that_are_up(
     scripts: Scripts = queue.store.scripts
     failover_cluster.kill(victim)
     calls = [claim_call(shard, "w1", 10, 5000) for shard in range(keys.shards)]
-    replies = await scripts.call_many_each(calls)
+    try:
+        replies = await scripts.call_many_each(calls)
+    finally:  # the fixture revives the victim once its replica took over
+        await asyncio.to_thread(failover_cluster.wait_promoted, victim)
     for shard, reply in enumerate(replies):
         if shard in lost:
             assert isinstance(reply, RedisError), (shard, reply)
         else:
             assert parse_claim(shard, reply).jobs, (shard, reply)
-    await asyncio.to_thread(failover_cluster.wait_promoted, victim)
 
 
 async def test_the_status_subscription_follows_the_sentinels_master(
