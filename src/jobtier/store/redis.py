@@ -103,7 +103,7 @@ class Cluster(RedisCluster):
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
         if shard_hint:
             raise RedisClusterException("shard_hint is deprecated in cluster mode")
-        return _Pipeline(self, transaction)  # type: ignore[abstract]
+        return ClusterPipe(self, transaction)  # type: ignore[abstract]
 
     async def aclose(self) -> None:
         if _IN_COMMAND.get():
@@ -152,7 +152,7 @@ class Cluster(RedisCluster):
         return await super()._determine_slot(command, *args)
 
 
-class _Pipeline(ClusterPipeline):
+class ClusterPipe(ClusterPipeline):
     """A Cluster's pipeline: its retries' ``aclose()`` is the client's soft one."""
 
     __slots__ = ()
@@ -163,6 +163,35 @@ class _Pipeline(ClusterPipeline):
             return await super().execute(raise_on_error, allow_redirections)
         finally:
             _IN_COMMAND.reset(token)
+
+    async def execute_once(self) -> list[Any]:
+        """``execute(raise_on_error=False)`` without redis-py's retries of a node that failed
+        (each sleeps 0.25 s and re-reads the topology): a batch of one node's calls fails
+        soon when its node is down, and the caller decides (a 503, a back-off). A refused
+        connection is tried once more at once (a pooled connection a restart left dead);
+        redirections (MOVED, ASK) are followed as usual."""
+        token = _IN_COMMAND.set(True)
+        strategy: Any = self._execution_strategy
+        client = self.cluster_client
+        try:
+            if not strategy._command_queue:
+                return []
+            for attempt in (1, 2):
+                if client._initialize:
+                    await client.initialize()
+                try:
+                    replies: list[Any] = await strategy._execute(
+                        client, strategy._command_queue, raise_on_error=False
+                    )
+                    return replies
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    client._initialize = True  # re-read (at most every REFRESH_EVERY)
+                    if attempt == 2 or isinstance(exc, RedisTimeoutError):
+                        raise
+            raise AssertionError("unreachable")
+        finally:
+            _IN_COMMAND.reset(token)
+            await self.reset()  # type: ignore[no-untyped-call]
 
 
 def connect(settings: Settings, **kwargs: Any) -> RedisClient:

@@ -32,7 +32,7 @@ from jobtier.core.errors import Code
 from jobtier.core.keys import Keys
 from jobtier.store import calls
 from jobtier.store.calls import Call, ClaimBatch
-from jobtier.store.redis import RedisClient
+from jobtier.store.redis import ClusterPipe, RedisClient
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 _SCRIPTS = (  # store/lua/<name>.lua of every transition script
@@ -319,7 +319,10 @@ async def _run_batch(
             script, argv = calls[i]
             pipe.execute_command(*script.command(), *argv)
         try:
-            replies = await pipe.execute(raise_on_error=False)
+            if isinstance(pipe, ClusterPipe):  # one cluster node's calls: no retry in redis-py
+                replies = await pipe.execute_once()
+            else:
+                replies = await pipe.execute(raise_on_error=False)
         except RedisError as exc:
             for i in todo:
                 results[i] = exc
