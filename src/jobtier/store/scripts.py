@@ -237,13 +237,13 @@ async def run_scripts(
     """Several script calls in one pipeline (one round trip per node), replies in order; the
     calls refused for want of their script are sent again once it is loaded.
 
-    Any other error is raised, and the refused calls beside it are not sent again: the
-    caller, told the batch failed, sends it again, so a call that never ran cannot have made
-    a job or a claim the caller does not know of. Calls that ran beside the error (on a
-    node of a cluster that answered) are refused as stale when sent again (claims,
+    Any other error is raised, and the refused calls beside it (on any node) are not sent
+    again: the caller, told the batch failed, sends it again, so a call that never ran
+    cannot have made a job or a claim the caller does not know of. Calls that ran beside the
+    error (on a cluster node that answered) are refused as stale when sent again (claims,
     completions), or made idempotent by a key (submits). ``run_scripts_each`` tells apart
     the calls that failed from those that ran."""
-    results = await run_scripts_each(redis, calls)
+    results = await run_scripts_each(redis, calls, resend_beside_errors=False)
     for reply in results:
         if isinstance(reply, Exception):
             raise reply
@@ -251,24 +251,75 @@ async def run_scripts(
 
 
 async def run_scripts_each(
-    redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]
+    redis: RedisClient,
+    calls: Sequence[tuple[Script, Sequence[Any]]],
+    *,
+    resend_beside_errors: bool = True,
 ) -> list[Any]:
-    """``run_scripts``, but a failed call's reply is its exception, in its place.
+    """``run_scripts``, but a failed call's reply is its exception, in its place, and the
+    calls refused for want of their script are sent again even beside failed ones (the
+    caller sees each call's outcome); ``resend_beside_errors=False``: not then.
 
-    On a cluster the calls go in one pipeline per node, side by side: a node that is down
-    (a master failing over) fails only its own calls, the others' replies come back."""
-    groups = _by_node(redis, calls) if isinstance(redis, RedisCluster) else []
-    if len(groups) < 2:
-        node = groups[0][0] if groups else None
-        return await _run_batch(redis, calls, node)
-    parts = await asyncio.gather(
-        *(_run_batch(redis, [calls[i] for i in at], node) for node, at in groups)
-    )
+    On a cluster the calls go in one pipeline per node, side by side, each sent once (no
+    retry sleeps in the client): a node that is down (a master failing over) fails only its
+    own calls, at once, and the others' replies come back."""
+    results: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for attempt in range(3):
+        replies = await _send(redis, [calls[i] for i in todo])
+        retry: list[int] = []
+        failed: Exception | None = None
+        for i, reply in zip(todo, replies, strict=True):
+            if _missing(reply):
+                retry.append(i)
+            elif isinstance(reply, Exception):
+                failed = failed or reply
+            results[i] = reply
+        if not retry:
+            return results
+        if failed is not None and not resend_beside_errors:
+            for i in retry:
+                results[i] = failed  # not sent again (run_scripts' docstring)
+            return results
+        try:
+            await _load_refused(redis, [calls[i] for i in retry], everywhere=attempt > 0)
+        except RedisError as exc:
+            for i in retry:
+                results[i] = exc
+            return results
+        todo = retry
+    # a RedisError, as any other failure of Redis: callers back off and try again
+    error = RedisError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
+    for i in todo:
+        results[i] = error
+    return results
+
+
+async def _send(redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
+    """The calls' replies in order, an exception in place of a failed call's: one pipeline
+    (one per node of a cluster, side by side); a pipeline that failed whole gives its
+    error to each of its calls."""
+    if not isinstance(redis, RedisCluster):
+        return await _pipeline(redis, calls)
+    groups = _by_node(redis, calls)
+    parts = await asyncio.gather(*(_pipeline(redis, [calls[i] for i in at]) for _, at in groups))
     results: list[Any] = [None] * len(calls)
     for (_, at), replies in zip(groups, parts, strict=True):
         for i, reply in zip(at, replies, strict=True):
             results[i] = reply
     return results
+
+
+async def _pipeline(redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
+    pipe = redis.pipeline(transaction=False)
+    for script, argv in calls:
+        pipe.execute_command(*script.command(), *argv)
+    try:
+        if isinstance(pipe, ClusterPipe):  # one cluster node's calls: no retry sleeps
+            return await pipe.execute_once()
+        return list(await pipe.execute(raise_on_error=False))
+    except RedisError as exc:
+        return [exc] * len(calls)
 
 
 def _by_node(
@@ -286,9 +337,23 @@ def _by_node(
     return list(groups.values())
 
 
+async def _load_refused(
+    redis: RedisClient, refused: Sequence[tuple[Script, Sequence[Any]]], *, everywhere: bool
+) -> None:
+    """Load the scripts of the ``refused`` calls: on a cluster, on the nodes that refused
+    them (a node down elsewhere must not stop the load where it is needed), or
+    ``everywhere`` (``Script.load``: a call may have been redirected)."""
+    if everywhere or not isinstance(redis, RedisCluster):
+        for script in {s.unit: s for s, _ in refused}.values():
+            await script.load(redis)
+        return
+    for node, at in _by_node(redis, refused):
+        for script in {refused[i][0].unit: refused[i][0] for i in at}.values():
+            await _load_on(redis, script, node)
+
+
 async def _load_on(redis: RedisClient, script: Script, node: ClusterNode | None) -> None:
-    """Load ``script`` on ``node`` only (a cluster's node that refused it), or everywhere
-    (``Script.load``): a node down elsewhere must not stop the load where it is needed."""
+    """Load ``script`` on cluster ``node`` only (or everywhere: ``Script.load``)."""
     if node is None:
         await script.load(redis)
     elif script.library is not None:
@@ -299,61 +364,6 @@ async def _load_on(redis: RedisClient, script: Script, node: ClusterNode | None)
                 raise
     else:
         await redis.execute_command("SCRIPT LOAD", script.text, target_nodes=node)
-
-
-async def _run_batch(
-    redis: RedisClient,
-    calls: Sequence[tuple[Script, Sequence[Any]]],
-    node: ClusterNode | None = None,
-) -> list[Any]:
-    """One pipeline of ``calls`` (those of cluster ``node``): replies in order, an exception
-    in place of a failed call's (the pipeline's own for every call when it failed whole).
-    The calls refused for want of their script are sent again once it is loaded (on
-    ``node``; everywhere at the last try: a call may have been redirected), unless another
-    call failed beside them."""
-    results: list[Any] = [None] * len(calls)
-    todo = list(range(len(calls)))
-    for attempt in range(3):
-        pipe = redis.pipeline(transaction=False)
-        for i in todo:
-            script, argv = calls[i]
-            pipe.execute_command(*script.command(), *argv)
-        try:
-            if isinstance(pipe, ClusterPipe):  # one cluster node's calls: no retry in redis-py
-                replies = await pipe.execute_once()
-            else:
-                replies = await pipe.execute(raise_on_error=False)
-        except RedisError as exc:
-            for i in todo:
-                results[i] = exc
-            return results
-        retry = []
-        failed: Exception | None = None
-        for i, reply in zip(todo, replies, strict=True):
-            if _missing(reply):
-                retry.append(i)
-            elif isinstance(reply, Exception):
-                failed = failed or reply
-            results[i] = reply
-        if not retry:
-            return results
-        if failed is not None:
-            for i in retry:
-                results[i] = failed  # not sent again (run_scripts' docstring)
-            return results
-        try:
-            for script in {calls[i][0].unit: calls[i][0] for i in retry}.values():
-                await _load_on(redis, script, node if attempt == 0 else None)
-        except RedisError as exc:
-            for i in retry:
-                results[i] = exc
-            return results
-        todo = retry
-    # a RedisError, as any other failure of Redis: callers back off and try again
-    error = RedisError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
-    for i in todo:
-        results[i] = error
-    return results
 
 
 class Scripts:
