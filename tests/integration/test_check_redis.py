@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import redis as syncredis
-from redis.asyncio import Redis
+from redis.asyncio import Redis, RedisCluster
 
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
 from jobtier.dev.local_redis import LOCAL_CONF, LocalRedis
+from jobtier.dev.local_replicas import LocalCluster
 from jobtier.store.redis import check_redis, connect
 from tests.e2e.jobtier_run import wait_until
 
@@ -115,3 +116,22 @@ async def test_a_cluster_of_one_master_is_checked(tmp_path: Path) -> None:
         if client is not None:
             await client.aclose()
         server.stop()
+
+
+async def test_a_cluster_requiring_full_coverage_is_warned_of(tmp_path: Path) -> None:
+    """With cluster-require-full-coverage yes (Redis's default) a failover stops every node,
+    not only the lost master's slots: the start-up check says so, and how to change it."""
+    cluster = LocalCluster(tmp_path / "cluster", masters=3).start()
+    client = RedisCluster.from_url(cluster.url)
+    try:
+        await client.initialize()
+        settings = Settings.from_env({}, redis_url=cluster.url, redis_cluster=True)
+        (warning,) = await check_redis(client, settings)
+        assert "cluster-require-full-coverage is yes" in warning
+        await client.config_set(
+            "cluster-require-full-coverage", "no", target_nodes=RedisCluster.PRIMARIES
+        )
+        assert await check_redis(client, settings) == []
+    finally:
+        await client.aclose()
+        cluster.stop()

@@ -6,6 +6,7 @@ the resolver) holds the ``Store`` it was given; only its owner closes it.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -19,6 +20,8 @@ from jobtier.store.calls import Call, SubmitItem, SubmitOutcome, parse_submit, s
 from jobtier.store.keyed_calls import submit_keyed
 from jobtier.store.redis import RedisClient, check_redis, connect
 from jobtier.store.scripts import Scripts
+
+log = logging.getLogger("jobtier.redis")
 
 
 class Store:
@@ -39,7 +42,8 @@ class Store:
         store = cls(settings, connect(settings))
         try:
             if check:
-                await check_redis(store.redis, settings)
+                for warning in await check_redis(store.redis, settings):
+                    log.warning("event=redis_warning: %s", warning)
             await store.scripts.load()
             await job_format.adopt(store.redis, store.keys)
         except BaseException:

@@ -344,7 +344,30 @@ async def check_redis(
             warnings.append(message)
     if problems:
         raise ConfigError("Redis is not fit for jobtier: " + "; ".join(problems))
+    if await _full_coverage_required(redis):
+        warnings.append(
+            "cluster-require-full-coverage is yes: while one master fails over, every node "
+            "refuses every key (CLUSTERDOWN), not only the lost master's slots; set it to no "
+            "(`CONFIG SET cluster-require-full-coverage no` on each node, plus CONFIG REWRITE)"
+        )
     return warnings
+
+
+async def _full_coverage_required(redis: RedisClient) -> bool:
+    """(A cluster of several masters) whether a node requires full slot coverage; False when
+    CONFIG is not allowed (a managed service decides for itself)."""
+    if not isinstance(redis, RedisCluster) or len(redis.get_primaries()) < 2:
+        return False
+    try:
+        replies = await redis.config_get(
+            "cluster-require-full-coverage", target_nodes=RedisCluster.PRIMARIES
+        )
+    except RedisError:
+        return False
+    values: list[Any] = []  # {node: {name: value}}
+    for reply in (replies or {}).values():
+        values += reply.values() if isinstance(reply, dict) else [reply]
+    return any((v.decode() if isinstance(v, bytes) else str(v)) == "yes" for v in values)
 
 
 async def info_of_primaries(redis: RedisClient, section: str) -> list[dict[str, Any]]:
