@@ -44,6 +44,7 @@ TITLES = {
     "overloaded": "Service overloaded",
     "shed": "Submits of this priority are shed under load",
     "unavailable": "Service unavailable",
+    "replicas-unconfirmed": "Not confirmed by enough Redis replicas in time",
     "internal": "Internal error",
     "encryption": "An encrypted value cannot be opened",
     "encryption-keys-missing": "This server lacks the encryption key configuration it needs",
