@@ -105,6 +105,12 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "process_pool": ("src/jobtier/worker",),
     "http_worker": (*JOB_PATH, "src/jobtier/api", "examples/node-worker"),
     "outbox": ("src/jobtier/persist", "src/jobtier/outbox", "src/jobtier/engine/produce.py"),
+    # the submit's script call and WAIT (store/scripts.py, store/durable.py), the header
+    "durable_submit": (
+        "src/jobtier/store",
+        "src/jobtier/api/durable.py",
+        "src/jobtier/api/jobs.py",
+    ),
     "tracing": (
         "src/jobtier/runtime/tracing.py",
         "src/jobtier/worker",
@@ -150,6 +156,7 @@ CHOSEN: dict[str, str] = {
     "process_pool": "the only file",
     "http_worker": "the only file",
     "outbox": "the only file",
+    "durable_submit": "the only file",
 }
 HEADLINE = ("compare-e9c8c99",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set

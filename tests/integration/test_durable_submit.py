@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import httpx
@@ -66,6 +66,26 @@ def cut(replica: LocalRedis) -> None:
 def mend(replica: LocalRedis) -> None:
     with sync(replica) as r:
         r.config_set("masterauth", "")
+
+
+Cut = Callable[[LocalRedis], None]
+
+
+@pytest.fixture
+def cutter() -> Iterator[Cut]:
+    """``cut``, the replicas it cut mended after the test whatever its end (before the
+    server fixtures, set up first, check that every replica is attached again)."""
+    done: list[LocalRedis] = []
+
+    def cut_off(replica: LocalRedis) -> None:
+        done.append(replica)
+        cut(replica)
+
+    yield cut_off
+    for replica in done:
+        if replica.pid is not None:
+            with suppress(syncredis.RedisError):
+                mend(replica)
 
 
 # --- every submit route, against a server without replicas ------------------------------------
@@ -176,7 +196,7 @@ async def test_wait_counts_the_submits_own_write(sq: Queue, sentinels: LocalSent
 
 
 async def test_a_durable_submit_is_never_acknowledged_and_lost(
-    sq: Queue, sentinels: LocalSentinels
+    sq: Queue, sentinels: LocalSentinels, cutter: Cut
 ) -> None:
     """(a) Durable submits acknowledged before the replica fell behind survive the master's
     loss; those made after it are refused (the replicas did not confirm them), none is
@@ -187,7 +207,7 @@ async def test_a_durable_submit_is_never_acknowledged_and_lost(
         job_id, state = await submit(sq, f"before-{i}", 1)
         assert (state.confirmed, state.short) == (1, False)
         acknowledged.append(job_id)
-    cut(replica)
+    cutter(replica)
     for i in range(5):
         job_id, state = await submit(sq, f"after-{i}", 1)
         assert state.short and state.confirmed == 0  # the API answers 503: not acknowledged
@@ -203,13 +223,13 @@ async def test_a_durable_submit_is_never_acknowledged_and_lost(
 
 
 async def test_without_durable_submit_an_acknowledged_job_can_be_lost(
-    sq: Queue, sentinels: LocalSentinels
+    sq: Queue, sentinels: LocalSentinels, cutter: Cut
 ) -> None:
     """(b) The window durable submit closes: submits acknowledged while the replica lagged
     are gone once the master dies and that replica is promoted."""
     master, replica = pair(sentinels)
     before, _ = await submit(sq, "before", 1)
-    cut(replica)
+    cutter(replica)
     lagged = [(await submit(sq, f"lagged-{i}", 0))[0] for i in range(10)]
     assert kept(master, sq.keys, lagged) == lagged  # acknowledged, on the master
     await fail_over(sentinels, master, replica)
@@ -225,7 +245,7 @@ def caught_up(master: LocalRedis, replica: LocalRedis) -> bool:
 
 @pytest.mark.parametrize("lost", ["claim", "completion"])
 async def test_a_lost_transition_runs_the_job_again(
-    sq: Queue, sentinels: LocalSentinels, lost: str
+    sq: Queue, sentinels: LocalSentinels, lost: str, cutter: Cut
 ) -> None:
     """(c) Transitions stay asynchronous: a claim, or a completion, made on the master while
     the replica lagged is lost with the master. The job is not: it is queued again (its claim
@@ -237,11 +257,11 @@ async def test_a_lost_transition_runs_the_job_again(
     shard, s = sq.keys.shard_of(job_id), sq.settings
     lease_ms = 1000
     if lost == "claim":
-        cut(replica)
+        cutter(replica)
     (job,) = (await sq.scripts.claim(shard, "w1", 1, lease_ms)).jobs  # run 1
     if lost == "completion":
         await wait_for(lambda: caught_up(master, replica))
-        cut(replica)
+        cutter(replica)
     done = complete_call(shard, "w1", s.retention_seconds, [(job.id, job.lease_version, b"1")])
     await sq.scripts.call(*done)
     assert (await sq.status(job_id)).state == "succeeded"  # on the master, not on the replica
@@ -324,7 +344,7 @@ async def test_the_wait_goes_to_the_node_of_the_submits_slot(
 
 
 async def test_cluster_failover_keeps_what_durable_submit_acknowledged(
-    start_api: StartApi, failover_cluster: LocalCluster
+    start_api: StartApi, failover_cluster: LocalCluster, cutter: Cut
 ) -> None:
     """(a) and (b) on a cluster: one master's replica cut off, that master SIGKILLed and the
     stale replica promoted. Durable submits acknowledged before are kept, those after were
@@ -340,7 +360,7 @@ async def test_cluster_failover_keeps_what_durable_submit_acknowledged(
             r = await post(c, key, 1)
             assert r.status_code == 202, r.text
             acknowledged.append(r.json()["id"])
-        cut(replica)
+        cutter(replica)
         for key in refused:
             assert (await post(c, key, 1)).status_code == 503
         for key in plain:
