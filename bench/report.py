@@ -156,7 +156,7 @@ CHOSEN: dict[str, str] = {
     "process_pool": "the only file",
     "http_worker": "the only file",
     "outbox": "the only file",
-    "durable_submit": "250 submits/s, loaded machine (-1000-loaded: 1K/s, not sustained)",
+    "durable_submit": "250 submits/s (-1000: 1K/s, past what the one API process sustained)",
 }
 HEADLINE = ("compare-e9c8c99",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set

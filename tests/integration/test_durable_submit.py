@@ -17,20 +17,27 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from typing import Any
 
+import asyncpg
 import httpx
 import pytest
 import redis as syncredis
 from redis.crc import key_slot
 
+from jobtier import outbox
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.core.model import ClaimedJob
 from jobtier.dev.local_redis import LocalCluster, LocalRedis, LocalSentinels
+from jobtier.engine.produce import Producer
 from jobtier.engine.queue import Queue
+from jobtier.persist.db import Pool
+from jobtier.persist.outbox import OutboxRelay
 from jobtier.store import durable
 from jobtier.store.calls import complete_call, promote_call, reclaim_call
+from jobtier.store.durable import Unreplicated
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
+from tests.tasks import registry
 
 REPLICAS = "Jobtier-Replicas"
 
@@ -372,3 +379,28 @@ async def test_cluster_failover_keeps_what_durable_submit_acknowledged(
     assert await asyncio.to_thread(failover_cluster.wait_promoted, victim) is replica
     assert kept(replica, keys, acknowledged) == acknowledged
     assert kept(replica, keys, lagged) == []
+
+
+# --- the outbox relay -----------------------------------------------------------------------------
+async def test_the_outbox_relay_marks_rows_relayed_only_once_replicated(
+    pg_settings: Settings, pg_pool: Pool, pg_dsn: str, queue: Queue
+) -> None:
+    """With JOBTIER_SUBMIT_REPLICAS=1 and no replica to confirm, the relay's pass fails and
+    the row stays in the outbox, not relayed; relayed again once it can be (same id)."""
+    durable_settings = pg_settings.replace(submit_replicas=1, submit_replicas_timeout_ms=50)
+    relay = OutboxRelay(durable_settings, pg_pool, Producer(queue.store, registry, True, None))
+    assert await relay.drain() == 0  # the first pass records the shard count
+    app = await asyncpg.connect(pg_dsn)
+    try:
+        job_id = await outbox.submit(app, "echo", {"n": 1})
+    finally:
+        await app.close()
+    with pytest.raises(Unreplicated, match="0 of 1 replicas"):
+        await relay.relay_once()
+    (row,) = await pg_pool.fetch("SELECT id, relayed_at FROM jobtier.outbox")
+    assert (row["id"], row["relayed_at"]) == (job_id, None)
+    plain = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
+    assert await plain.drain() == 1
+    (row,) = await pg_pool.fetch("SELECT id, relayed_at FROM jobtier.outbox")
+    assert row["relayed_at"] is not None
+    assert (await queue.status(job_id)).state == "queued"
