@@ -101,11 +101,12 @@ async def test_every_submit_route_waits_for_its_replicas(start_api: StartApi) ->
     after the timeout, saying how many replicas confirmed and that the job may exist; a
     request's header 0 opts out, one asking for more replicas than there are is a 400."""
     api = await start_api(submit_replicas=1, submit_replicas_timeout_ms=50)
+    flow = [{"type": "echo", "ref": "a"}, {"type": "echo", "after": ["a"]}]
     routes: list[tuple[str, dict[str, Any]]] = [
-        ("/v1/jobs", {"type": "echo", "payload": 1}),
+        ("/v1/jobs", {"type": "echo", "payload": 1, "idempotency_key": "j"}),
         ("/v1/jobs/batch", {"jobs": [{"type": "echo"}, {"type": "echo"}]}),
-        ("/v1/flows", {"jobs": [{"type": "echo", "ref": "a"}, {"type": "echo", "after": ["a"]}]}),
-        ("/v1/batches", {"type": "echo", "items": [1, 2, 3]}),
+        ("/v1/flows", {"jobs": flow, "idempotency_key": "f"}),
+        ("/v1/batches", {"type": "echo", "items": [1, 2, 3], "idempotency_key": "b"}),
     ]
     async with api.client() as c:
         for path, body in routes:
@@ -119,6 +120,9 @@ async def test_every_submit_route_waits_for_its_replicas(start_api: StartApi) ->
             assert r.headers["retry-after"] == "1"
             r = await c.post(path, json=body, headers={REPLICAS: "0"})
             assert r.status_code in (200, 202), (path, r.text)
+            if "idempotency_key" in body:  # a repeat writes nothing, and still waits
+                r = await c.post(path, json=body)
+                assert r.status_code == 503, (path, r.text)
         r = await c.post("/v1/jobs", json={"type": "echo"}, headers={REPLICAS: "2"})
         assert r.status_code == 400 and r.json()["field"] == REPLICAS
         assert "more replicas than" in r.json()["detail"]

@@ -21,6 +21,7 @@ from jobtier.api.problems import Problem
 from jobtier.config import Settings
 from jobtier.store import durable
 from jobtier.store.redis import RedisClient, info_of_primaries
+from jobtier.store.scripts import Scripts
 
 log = logging.getLogger("jobtier.api")
 
@@ -109,6 +110,11 @@ async def replicated(request: Request) -> AsyncIterator[None]:
     settings: Settings = request.state.settings
     with durable.waiting(wanted, settings.submit_replicas_timeout_ms) as state:
         yield
+        if not state.waits:
+            # it wrote nothing (a repeat of a submit, answered from what the first made):
+            # those writes may not have reached the replicas yet
+            scripts: Scripts = request.state.queue.store.scripts
+            await scripts.confirm(range(scripts.keys.shards))
     if state.short:
         raise unconfirmed(state, settings)
 

@@ -397,6 +397,18 @@ class Scripts:
             return await run_durably(self.redis, prepared, durable)
         return await run_scripts(self.redis, prepared)
 
+    async def confirm(self, shards: Sequence[int]) -> None:
+        """While a durable submit runs: the marker write and WAIT on the nodes of ``shards``,
+        for a submit that wrote nothing itself (an idempotent repeat), whose first writes may
+        still be on the master alone (``store/durable.py``)."""
+        durable = current()
+        if durable is None or not shards:
+            return
+        bases = [self.keys.base(shard) for shard in shards]
+        for reply in await _send_waiting(self.redis, [marker(b) for b in bases], bases, durable):
+            if isinstance(reply, Exception):
+                raise reply
+
     async def write(self, shard: int, *command: Any) -> Any:
         """A plain write command on ``shard`` (its key in the shard's slot), followed by WAIT
         while a durable submit runs (``store/durable.py``)."""
