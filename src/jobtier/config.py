@@ -204,6 +204,14 @@ class Settings:
     prune_interval_seconds: float = _setting(
         3600.0, "How often a persister prunes Postgres and creates history partitions ahead."
     )
+    reconcile_seconds: float = _setting(
+        5.0,
+        "How often a persister compares Redis's run ids with the last it saw; on a change (a "
+        "failover, a restart without data) it runs `jobtier reconcile` (0: never).",
+    )
+    reconcile_window_seconds: int = _setting(
+        900, "The jobs a persister's reconcile pass compares: those Postgres changed this recently."
+    )
     outbox_relay: bool = _setting(
         True,
         "Run the outbox relay (jobs of SELECT jobtier.submit(...) into Redis) in each persister "

@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import cast
 
+import httpx
 import pytest
 from starlette.routing import Route
 
 from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.engine.queue import Queue
-from jobtier.persist.db import Pool
+from jobtier.persist.db import Pool, create_pool
 from jobtier.persist.persister import Persister
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import wait_for, worker_for
+from tests.fixtures.postgres import assert_pg_matches_redis
 from tests.tasks import registry
 
 
@@ -100,21 +104,92 @@ async def test_listing_and_history(pg_api: ApiServer, queue: Queue, persister: P
             assert r.headers["content-type"] == "application/problem+json"
 
 
-async def test_postgres_down_is_a_503_not_a_500(
-    start_api: StartApi, pg_settings: Settings, queue: Queue
+class Readers:
+    """Reads ``paths`` without pause, several at once, until stopped: every status answered,
+    and that each 503 carried Retry-After."""
+
+    def __init__(self, client: httpx.AsyncClient, paths: list[str], concurrent: int = 4) -> None:
+        self.client = client
+        self.paths = paths
+        self.statuses: set[int] = set()
+        self.answered = 0
+        self._running = True
+        self._tasks = [asyncio.create_task(self._run(n)) for n in range(concurrent)]
+
+    async def _run(self, n: int) -> None:
+        while self._running:
+            r = await self.client.get(self.paths[n % len(self.paths)])
+            self.answered += 1
+            self.statuses.add(r.status_code)
+            if r.status_code == 503:
+                assert r.headers["retry-after"]
+
+    async def stop(self) -> set[int]:
+        self._running = False
+        await asyncio.gather(*self._tasks)
+        return self.statuses
+
+
+async def test_postgres_stopped_under_the_api_is_a_503_not_a_500_until_it_is_back(
+    start_api: StartApi, pg_settings: Settings, queue: Queue, pg_to_stop: LocalPostgres
 ) -> None:
-    down = pg_settings.replace(database_url="postgresql://nobody@127.0.0.1:1/none")
-    api = await start_api(PostgresExtension(down), database_url=down.database_url)
-    async with api.client() as c:
-        job = (await c.post("/v1/jobs", json={"type": "echo"})).json()  # Redis alone takes submits
-        assert (await c.get(f"/v1/jobs/{job['id']}")).status_code == 200
-        r = await c.get(f"/v1/jobs/{queue.keys.new_id()}")  # not in Redis: only Postgres could say
-        assert r.status_code == 503 and r.headers["retry-after"]
-        assert (await c.get("/v1/jobs")).status_code == 503
-        ready = await c.get("/readyz")
-        assert ready.status_code == 503 and ready.json()["checks"]["postgres"].startswith(
-            "unreachable"
-        )
+    """A live Postgres stopped under a running API (``-m immediate``: a crash, connections
+    reset) and started again: meanwhile Redis alone takes submits and answers what it holds,
+    what only Postgres can answer is a 503 with Retry-After (never a 500), and readiness says
+    why; once Postgres is back the same API answers from it again by itself, and Postgres
+    holds every job as Redis does."""
+    settings = pg_settings.replace(database_url=pg_to_stop.dsn)
+    api = await start_api(PostgresExtension(settings), database_url=settings.database_url)
+    pool = await create_pool(settings.database_url, min_size=0, max_size=2)  # the test's
+    persister = Persister(settings, queue.redis, pool, "test-persister")
+    readers: Readers | None = None
+    try:
+        async with api.client() as c:
+            before = (await c.post("/v1/jobs", json={"type": "echo", "payload": 1})).json()
+            await worker_for(queue, registry, burst=True).run()
+            await persister.drain()
+            assert [j["id"] for j in (await c.get("/v1/jobs")).json()["jobs"]] == [before["id"]]
+            assert (await c.get(f"/v1/jobs/{queue.keys.new_id()}")).status_code == 404
+            assert (await c.get("/readyz")).status_code == 200  # its pool holds a connection
+
+            readers = Readers(c, ["/v1/jobs", f"/v1/jobs/{queue.keys.new_id()}"])
+            await wait_for(lambda: readers.answered >= 20)  # reads in flight at the stop
+            await asyncio.to_thread(pg_to_stop.stop, "immediate")
+            during = await c.post("/v1/jobs", json={"type": "echo", "payload": 2})
+            assert during.status_code == 202  # Redis alone takes submits
+            during_id = during.json()["id"]
+            assert (await c.get(f"/v1/jobs/{during_id}")).status_code == 200
+            for path in (  # what only Postgres could answer
+                f"/v1/jobs/{queue.keys.new_id()}",
+                "/v1/jobs",
+                f"/v1/jobs/{before['id']}/history",
+            ):
+                r = await c.get(path)
+                assert r.status_code == 503 and r.headers["retry-after"], (path, r.text)
+            ready = await c.get("/readyz")
+            assert ready.status_code == 503 and ready.json()["checks"]["postgres"].startswith(
+                "unreachable"
+            )
+
+            await asyncio.to_thread(pg_to_stop.start)
+
+            async def answers_from_postgres() -> bool:
+                return (await c.get("/v1/jobs")).status_code == 200
+
+            await wait_for(answers_from_postgres, timeout=30)
+            statuses = await readers.stop()
+            assert statuses <= {200, 404, 503} and 503 in statuses, statuses
+            assert (await c.get(f"/v1/jobs/{queue.keys.new_id()}")).status_code == 404
+            assert (await c.get("/readyz")).status_code == 200
+            await worker_for(queue, registry, burst=True).run()
+            await persister.drain()
+            listed = [j["id"] for j in (await c.get("/v1/jobs")).json()["jobs"]]
+            assert listed == [during_id, before["id"]]
+        await assert_pg_matches_redis(queue.redis, pool, queue.keys, [before["id"], during_id])
+    finally:
+        if readers is not None:
+            await readers.stop()  # (again) on a failure: no request left running
+        await pool.close()
 
 
 async def test_openapi_describes_the_postgres_routes_too(pg_api: ApiServer) -> None:

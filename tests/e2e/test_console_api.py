@@ -4,6 +4,7 @@ live workers and the followed-jobs event stream."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from datetime import datetime, timedelta
@@ -15,6 +16,7 @@ from jobtier.api.audit import fingerprint
 from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
 from jobtier.core.model import encode_json
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
@@ -325,21 +327,38 @@ async def test_actions_are_audited_with_who_what_and_the_answer(
 
 
 async def test_an_action_while_postgres_is_down_is_done_and_audited_when_it_is_back(
-    start_api: StartApi, pg_settings: Settings, queue: Queue
+    start_api: StartApi, pg_settings: Settings, queue: Queue, pg_to_stop: LocalPostgres
 ) -> None:
-    down = pg_settings.replace(database_url="postgresql://nobody@127.0.0.1:1/none")
-    api = await start_api(PostgresExtension(down), database_url=down.database_url)
+    """A live Postgres stopped under a running API (``-m immediate``: a crash): an admin
+    action is done meanwhile (it needs Redis only), its audit record waits in Redis and the
+    audit read is a 503 with Retry-After; once Postgres is back the same API writes the
+    record by itself at the next read, once."""
+    settings = pg_settings.replace(database_url=pg_to_stop.dsn)
+    api = await start_api(PostgresExtension(settings), database_url=settings.database_url)
     async with api.client("admin") as admin:
+        assert (await admin.post("/v1/admin/queues/emails/resume")).status_code == 200
+        first = (await admin.get("/v1/admin/audit")).json()["records"]
+        assert [(x["action"], x["target"]) for x in first] == [("queue.resume", "emails")]
+
+        await asyncio.to_thread(pg_to_stop.stop, "immediate")
         assert (await admin.post("/v1/admin/queues/emails/pause")).status_code == 200
         assert (await queue.admin.stats())["queues"]["emails"]["paused"] is True
-        assert (await admin.get("/v1/admin/audit")).status_code == 503
-    pending = await queue.redis.lrange(queue.keys.audit_pending(), 0, -1)
-    assert len(pending) == 1 and b'"queue.pause"' in pending[0]
-    # Postgres is back (another API process, with the database): the next read writes it
-    up = await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
-    async with up.client("admin") as admin:
+        r = await admin.get("/v1/admin/audit")
+        assert r.status_code == 503 and r.headers["retry-after"]
+        pending = await queue.redis.lrange(queue.keys.audit_pending(), 0, -1)
+        assert len(pending) == 1 and b'"queue.pause"' in pending[0]
+
+        await asyncio.to_thread(pg_to_stop.start)
+
+        async def audit_answers() -> bool:
+            return (await admin.get("/v1/admin/audit")).status_code == 200
+
+        await wait_for(audit_answers, timeout=30)
         records = (await admin.get("/v1/admin/audit")).json()["records"]
-        assert [(x["action"], x["target"]) for x in records] == [("queue.pause", "emails")]
+        assert [(x["action"], x["target"]) for x in records] == [
+            ("queue.pause", "emails"),
+            ("queue.resume", "emails"),
+        ]
         assert (await admin.get("/v1/admin/audit")).json()["records"] == records  # written once
     assert await queue.redis.llen(queue.keys.audit_pending()) == 0
 

@@ -14,7 +14,7 @@ from redis.crc import key_slot
 
 from jobtier.config import Settings
 from jobtier.core.model import JobSpec
-from jobtier.dev.local_redis import LocalCluster
+from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.queue import Queue
 from jobtier.store.redis import ShardSubscriber, node_channels
 from tests.fixtures.api import StartApi

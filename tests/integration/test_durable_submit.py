@@ -27,7 +27,8 @@ from jobtier import outbox
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.core.model import ClaimedJob
-from jobtier.dev.local_redis import LocalCluster, LocalRedis, LocalSentinels
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
 from jobtier.engine.produce import Producer
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
@@ -140,7 +141,7 @@ def test_the_settings_are_checked() -> None:
 
 
 # --- Sentinel: one master, one replica ----------------------------------------------------------
-# (through the engine: the API's status subscription does not follow the sentinels yet)
+# (through the engine: the store layer's WAIT, without the API around it)
 WAIT_MS = 300
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import signal
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -13,8 +14,10 @@ import pytest
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
+from jobtier.dev.local_redis import LocalRedis
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
+from jobtier.store.redis import connect
 from jobtier.streams.entries import LogEntry, parse_entry
 from jobtier.streams.group import lag, replay_refused
 from tests.fixtures.engine import wait_for
@@ -237,30 +240,46 @@ async def test_an_idle_persister_waits_in_redis_for_the_next_entry(
     assert persister.stats.errors == {}
 
 
-async def test_a_persister_waiting_in_redis_outlives_a_flush_and_a_restart(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+async def test_a_persister_waiting_in_redis_outlives_a_flush_and_a_sigkill(
+    pg_settings: Settings, pg_pool: Pool, redis_to_kill: LocalRedis
 ) -> None:
-    """Redis flushed (the wait is answered with an error: the stream is gone) or its
-    connection lost while the persister waits in it: the error is counted and retried as
-    any Redis failure is, the consumer group made again, and what comes after is written."""
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    """Redis flushed while the persister waits in it (the wait is answered with an error:
+    the stream is gone), then SIGKILLed under it (no shutdown, no final AOF write) with
+    transitions it has not written yet, and started again from its AOF on the same port and
+    data: each error is counted and retried as any Redis failure is (a lost connection is
+    retried by the client itself), the consumer group made again, and every transition made
+    before the kill and after the restart is written. A
+    Redis of the test's own (``redis_to_kill``: every write in its AOF before its reply)."""
+    settings = pg_settings.replace(redis_url=redis_to_kill.url)
+    keys = Keys(settings.prefix, settings.shards)
+    redis = connect(settings)
+    persister = Persister(settings, redis, pg_pool, "p1")
     task = asyncio.create_task(persister.run())
     try:
         await wait_for(lambda: _blocked_reading(redis))
         await redis.flushall()
         await wait_for(lambda: persister.stats.errors.get("ResponseError", 0) >= 1)
         await wait_for(lambda: _blocked_reading(redis))  # back to waiting, the group made
-        # every connection of the persister's dropped while it waits (as a restart does)
-        for client in await redis.client_list():
-            if client.get("cmd") == "xreadgroup":
-                await redis.client_kill_filter(_id=client["id"])
         job_ids = await simple_jobs(redis, keys, 20)
         await _until(lambda: persister.stats.transitions >= len(job_ids) * 3)
+        await wait_for(lambda: _blocked_reading(redis))  # waiting in Redis when it dies
+        job_ids += await simple_jobs(redis, keys, 20)  # in the log, maybe not read yet
+        first_run = (await redis.info("server"))["run_id"]
+        redis_to_kill.stop(signal.SIGKILL)
+        await asyncio.to_thread(redis_to_kill.start)
+        job_ids += await simple_jobs(redis, keys, 20)
+
+        async def drained() -> bool:
+            return await lag(redis, keys) == (0, 0.0)
+
+        await wait_for(drained, timeout=60)
         assert not task.done()
+        assert (await redis.info("server"))["run_id"] != first_run  # another server process
     finally:
         persister.stop()
         await asyncio.wait_for(task, 10)
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    await redis.aclose()
 
 
 async def _blocked_reading(redis: Any) -> bool:

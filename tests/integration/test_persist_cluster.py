@@ -11,7 +11,7 @@ from redis.asyncio.cluster import ClusterNode
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
-from jobtier.dev.local_redis import LocalCluster
+from jobtier.dev.local_replicas import LocalCluster
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store.redis import connect

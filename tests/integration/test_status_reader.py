@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.core.model import JobSpec, State, decode_status
-from jobtier.dev.local_redis import LocalCluster
+from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.queue import Queue
 from jobtier.status.docs import read_doc
 from jobtier.status.reader import StatusReader, parse_version

@@ -15,6 +15,7 @@ from jobtier.cli.main import build_parser, main
 COMMANDS = [
     "run", "api", "worker", "scheduler", "persister", "dispatcher", "migrate", "prune", "bench",
     "config", "check", "jobs", "dead-letters", "queues", "job-format", "scripts", "breakers",
+    "reconcile",
 ]  # fmt: skip
 
 
@@ -117,3 +118,9 @@ def test_history_names_a_change_within_a_state() -> None:
         "- -> queued", "queued -> running", "running: progress", "cancel requested",
         "running: progress", "running -> cancelled",
     ]  # fmt: skip
+
+
+def test_reconcile_refuses_a_window_that_is_not_a_duration() -> None:
+    for bad in ("soon", "0", "-5m", "15x"):
+        r = run("reconcile", f"--since={bad}")
+        assert r.returncode == 2 and "is not a duration" in r.stderr, (bad, r.stderr)

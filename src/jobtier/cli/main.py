@@ -16,7 +16,9 @@ from jobtier.cli.maintenance import (
     cmd_job_format,
     cmd_migrate,
     cmd_prune,
+    cmd_reconcile,
     cmd_scripts,
+    duration,
 )
 from jobtier.cli.process_args import PROCESS_ARGS
 from jobtier.cli.roles import (
@@ -210,6 +212,30 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
             action="store_true",
             help="print what would be created, dropped and deleted, with row counts; change "
             "nothing",
+        ),
+    ),
+    (
+        "reconcile",
+        cmd_reconcile,
+        "put back into Redis the jobs a failover lost and Postgres kept",
+        "Compare the jobs Postgres changed in the last --since with Redis, and write back those "
+        "Redis lacks or holds at an older version (a replica promoted after its primary died "
+        "may lack the primary's last writes, which Postgres already has): waiting jobs to their "
+        "queues, running ones back to their queue (they run again: at-least-once), finished ones "
+        "with their final state and result. Never moves a job back: one Redis holds at "
+        "Postgres's version or later is left alone. Safe to run at any time, and again. "
+        "Persisters run it themselves when a Redis primary's run id changes "
+        "(JOBTIER_RECONCILE_SECONDS).",
+        arg(
+            "--since",
+            type=duration,
+            default=900.0,
+            help="how far back to look: 90s, 15m, 2h, 1d (default: 15m)",
+        ),
+        arg(
+            "--dry-run",
+            action="store_true",
+            help="report what would be repaired; change nothing",
         ),
     ),
     (

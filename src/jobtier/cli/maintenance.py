@@ -1,5 +1,5 @@
-"""The commands that look after a deployment: migrate, job-format, scripts, prune, config,
-bench."""
+"""The commands that look after a deployment: migrate, job-format, scripts, prune, reconcile,
+config, bench."""
 
 from __future__ import annotations
 
@@ -178,6 +178,61 @@ def cmd_prune(args: argparse.Namespace, settings: Settings) -> int:
         if report is None:
             print("another prune pass (a persister's) is running now; nothing done")
             return 0
+        print(
+            "\n".join(
+                ("dry run: nothing changed", *report.lines()) if args.dry_run else report.lines()
+            )
+        )
+        return 0
+
+    return run_async(main)
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration(text: str) -> float:
+    """Seconds from '90', '90s', '15m', '2h' or '1d' (an argparse type)."""
+    value, unit = text.strip(), "s"
+    if value[-1:].lower() in _UNITS:
+        value, unit = value[:-1], value[-1].lower()
+    try:
+        seconds = float(value) * _UNITS[unit]
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration: a positive number, optionally followed by s, m, h or d"
+        )
+    return seconds
+
+
+def cmd_reconcile(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncpg
+
+    from jobtier.persist.reconcile import reconcile_once
+    from jobtier.store.redis import connect
+
+    async def main() -> int:
+        redis = connect(settings)
+        try:
+            report = await reconcile_once(settings, redis, args.since, dry_run=args.dry_run)
+        except UNREACHABLE as exc:
+            print(
+                f"jobtier reconcile: Redis unreachable at JOBTIER_REDIS_URL ({exc}); nothing "
+                "changed",
+                file=sys.stderr,
+            )
+            return 1
+        except (TimeoutError, asyncpg.PostgresError) as exc:
+            print(
+                f"jobtier reconcile: cannot read Postgres at JOBTIER_DATABASE_URL ({exc}); "
+                "nothing changed",
+                file=sys.stderr,
+            )
+            return 1
+        finally:
+            await redis.aclose()
         print(
             "\n".join(
                 ("dry run: nothing changed", *report.lines()) if args.dry_run else report.lines()

@@ -65,6 +65,7 @@ HELP = {
     "resolver_claimed_total": "Hand-offs taken over from a resolver that stopped before acknowledging them.",
     "resolver_relinked_total": "Dependents linked by a resolver because their submit was cut short.",
     "persister_errors_total": "Failures the persister retried (Postgres, Redis, its own tasks), by error class.",
+    "reconciled_total": "Jobs a persister's reconcile pass put back into Redis from Postgres after a failover, by kind (restored, advanced, requeued).",
     "persister_batch_size": "Transitions per batch the persister committed.",
     "persister_batch_wait_seconds": "Age of a committed batch's oldest transition when its write began (in the log, then in the persister until one of its concurrent writes was free; an entry taken over from a stopped persister counts from when it was made).",
     "persister_batch_write_seconds": "Time to write a batch to Postgres, commit and retries included.",

@@ -34,6 +34,7 @@ from jobtier.metrics.snapshot import Snapshot
 from jobtier.persist.batch import BATCH_TIMEOUT, POISON, attached_meanwhile, write_on
 from jobtier.persist.db import UNAVAILABLE, Pool
 from jobtier.persist.outbox import OutboxRelay
+from jobtier.persist.reconcile import run_reconciling
 from jobtier.persist.retention import run_pruning
 from jobtier.persist.stats import PersisterStats
 from jobtier.runtime import tracing
@@ -74,6 +75,7 @@ class Persister:
     ) -> None:
         self.settings = settings
         self.pool = pool
+        self.redis = redis
         self.name = name
         self.keys = keys = Keys(settings.prefix, settings.shards)
         self.batch_size = max(1, settings.persist_batch_size)
@@ -123,6 +125,10 @@ class Persister:
         """Persist until ``stop()``; what is buffered then is written once more, without retries."""
         log.info("event=persister_started name=%s shards=%d", self.name, self.keys.shards)
         pruning = asyncio.create_task(run_pruning(self.settings, self.consumer.stopping))
+        # after a failover, the jobs Redis lost and Postgres kept go back (persist/reconcile.py)
+        reconciling = asyncio.create_task(
+            run_reconciling(self.settings, self.redis, self.consumer.stopping, self.stats.repaired)
+        )
         relay = asyncio.create_task(self.relay.run()) if self.relay is not None else None
         try:
             await self.consumer.run(self._round, self._failed)
@@ -138,6 +144,7 @@ class Persister:
         finally:
             self._cancel_flushes()
             pruning.cancel()
+            reconciling.cancel()
             if relay is not None:  # stopped with the consumer; cancelled if it failed first
                 relay.cancel()
                 await asyncio.gather(relay, return_exceptions=True)

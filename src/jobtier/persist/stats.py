@@ -21,6 +21,7 @@ class PersisterStats:
     bad_entries: int = 0  # entries that cannot be stored (logged; parked when refused)
     parked: int = 0  # entries Postgres refused, moved to the shard's log:refused stream
     errors: dict[str, int] = field(default_factory=dict)  # failures retried, by error class
+    reconciled: dict[str, int] = field(default_factory=dict)  # jobs put back (reconcile.py)
     batch_sizes: Histogram = field(default_factory=lambda: Histogram(SIZE_BUCKETS), repr=False)
     # where a committed batch's time went: its oldest transition's age when the write began,
     # and the write itself (a pool connection, the commit and any retries included)
@@ -32,6 +33,10 @@ class PersisterStats:
         """Count a failure that is retried, by its class."""
         name = type(exc).__name__
         self.errors[name] = self.errors.get(name, 0) + 1
+
+    def repaired(self, kind: str) -> None:
+        """Count a job put back into Redis by a reconcile pass, by kind."""
+        self.reconciled[kind] = self.reconciled.get(kind, 0) + 1
 
     def snapshot(self) -> Snapshot:
         """The persister's part of its process's metrics snapshot, with the job counters by
@@ -46,6 +51,7 @@ class PersisterStats:
         }
         counters.update({name: {"": n} for name, n in totals.items()})
         counters["persister_errors_total"] = {labels(error=k): v for k, v in self.errors.items()}
+        counters["reconciled_total"] = {labels(kind=k): v for k, v in self.reconciled.items()}
         histograms = {
             "persister_batch_size": self.batch_sizes,
             "persister_batch_wait_seconds": self.batch_waits,

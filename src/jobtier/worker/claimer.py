@@ -179,11 +179,19 @@ class Claimer:
         calls: list[Call] = [
             claim_call(shard, self.id, n, state.lease_ms, queues, state.types) for shard, n in plan
         ]
-        replies = await self._scripts.call_many(calls)
+        # each shard's reply on its own: a cluster node that is down (a master failing over)
+        # fails its shards' claims, the jobs claimed on the others start at once
+        replies = await self._scripts.call_many_each(calls)
         state.stats.claim_round_trips += 1
+        failed = [reply for reply in replies if isinstance(reply, Exception)]
+        if len(failed) == len(replies):
+            raise failed[0]
         total = 0
         unaware = False
         for (shard, _), gen, reply in zip(plan, generations, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._ready[shard] = UNKNOWN  # asked again at the next round
+                continue
             batch = parse_claim(shard, reply)
             # a wake that arrived while this claim was in flight is newer than its answer
             if self._generation[shard] == gen:
