@@ -160,7 +160,7 @@ CHOSEN: dict[str, str] = {
     "http_worker": "the only file",
     "outbox": "the only file",
     "scaling_out": "the only file",
-    "durable_submit": "250 submits/s (-1000: 1K/s, past what the one API process sustained)",
+    "durable_submit": "250 submits/s (-1000: 1K/s, its tail the shared machine's)",
 }
 HEADLINE = ("compare-e9c8c99",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
