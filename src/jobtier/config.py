@@ -136,6 +136,14 @@ class Settings:
     shed_priorities: str = _setting(
         "normal,low", "The priorities shed past JOBTIER_SHED_WAITING_TOTAL, comma-separated."
     )
+    submit_replicas: int = _setting(
+        0,
+        "Durable submit: a submit is acknowledged only once its writes reached this many Redis "
+        "replicas (WAIT), else 503; a request's Jobtier-Replicas header overrides it (0: off).",
+    )
+    submit_replicas_timeout_ms: int = _setting(
+        500, "How long a durable submit waits for its replicas before answering 503 (ms)."
+    )
     redis_memory_warn_ratio: float = _setting(
         0.8, "Log a warning while Redis's used_memory / maxmemory is past this (0 < r <= 1)."
     )
@@ -348,6 +356,10 @@ class Settings:
                     "JOBTIER_REDIS_SENTINELS must be comma-separated host:port pairs, "
                     "e.g. 10.0.0.1:26379,10.0.0.2:26379"
                 )
+        if not 0 <= self.submit_replicas <= 999:
+            problems.append("JOBTIER_SUBMIT_REPLICAS must be from 0 (off) to 999")
+        if not 1 <= self.submit_replicas_timeout_ms <= 60_000:
+            problems.append("JOBTIER_SUBMIT_REPLICAS_TIMEOUT_MS must be from 1 to 60000")
         if self.default_max_attempts < 1:
             problems.append("JOBTIER_DEFAULT_MAX_ATTEMPTS must be at least 1")
         if self.api_server not in ("granian", "uvicorn"):

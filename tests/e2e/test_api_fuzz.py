@@ -63,6 +63,8 @@ PROSE_RULES = {
     # a keyed submit beside an option it excludes, a max_wait below its seconds, an
     # encrypted payload debounced (docs/debounce-throttle.md)
     "debounce": 422, "throttle": 422, "max_wait": 422,
+    # a durable submit asking for more replicas than the deployment's masters have
+    "Jobtier-Replicas": 400,
 }  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from jobtier.api import jobs, openapi, ops
 from jobtier.api.admission import Admission
 from jobtier.api.bounds import RequestLimits
+from jobtier.api.durable import ReplicaCount
 from jobtier.api.problems import HANDLERS
 from jobtier.api.routing import resources
 from jobtier.api.server_spans import ServerSpans
@@ -114,6 +115,7 @@ def create_app(
         # HTTP workers' claims (worker_routes.py): their wake subscription only where they may
         worker_keys = settings.worker_key_list()
         worker_claims = WorkerClaims(store.redis, store.keys, store.scripts)
+        replicas = ReplicaCount(store.redis)  # the bound of a durable submit's Jobtier-Replicas
         try:
             if worker_keys:
                 await worker_claims.start()
@@ -122,6 +124,12 @@ def create_app(
             await subscriber.start()
             await admission.start()
             publisher.start()
+            if await replicas.count() < settings.submit_replicas:
+                log.warning(
+                    "event=submit_replicas_unmet wanted=%d replicas=%d: durable submits answer "
+                    "503 until JOBTIER_SUBMIT_REPLICAS replicas confirm them",
+                    settings.submit_replicas, replicas.known,
+                )  # fmt: skip
             if settings.gc_freeze:
                 # Start-up objects (modules, routes, compiled schemas) never die: moving them
                 # out of the collector's generations shortens every later collection, the
@@ -148,6 +156,7 @@ def create_app(
                 "dashboard_frames": ops.FrameCache(),
                 "worker_keys": worker_keys,
                 "worker_claims": worker_claims,
+                "replicas": replicas,
                 **ext.state,
             }
         finally:

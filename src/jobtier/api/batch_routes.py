@@ -9,8 +9,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from jobtier.api import durable
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
+from jobtier.api.durable import replicated
 from jobtier.api.http import decode_body, encoded, invalid, read_json_body, registrar
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
@@ -53,7 +55,8 @@ async def submit(request: Request) -> Response:
         st.admission.check(tenant, len(prepared.children), priority=prepared.priority)
         hook = body.callback.webhook if body.callback is not None else None
         service = registrar(request, [hook], "callback.webhook.") if hook else None
-        status = await queue.batches.submit_prepared(prepared, hook, service)
+        async with replicated(request):
+            status = await queue.batches.submit_prepared(prepared, hook, service)
     except InvalidRequest as exc:
         raise invalid(exc) from None
     except IdempotencyConflict as exc:
@@ -124,9 +127,13 @@ def operations(settings: Settings) -> oa.Paths:
             "submitted); or the idempotency_key was used for another request, or made a batch "
             "no longer kept",
         ),
+        oa.refuses(400, "malformed JSON, or " + durable.REFUSED_400),
         oa.refuses(429, "the tenant's rate limit or waiting-jobs cap", oa.RETRY_AFTER),
-        oa.refuses(503, "back-pressure, or Redis unavailable", oa.RETRY_AFTER),
+        oa.refuses(
+            503, "back-pressure, Redis unavailable, or " + durable.UNCONFIRMED_503, oa.RETRY_AFTER
+        ),
         body="BatchSpec",
+        headers=[durable.PARAMETER],
     )
     one = "/v1/batches/{batch_id}"
     paths.add(

@@ -7,6 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api.auth import tenant_of
+from jobtier.api.durable import replicated
 from jobtier.api.http import (
     JSON,
     encoded,
@@ -43,7 +44,8 @@ async def submit_flow(request: Request) -> Response:
         st.admission.check(tenant, len(prepared), [i.priority for i in prepared.items])
         # its jobs' callbacks written first, as a plain submit's (api/jobs.py)
         service = registrar(request, prepared.callbacks, "jobs[{}].")
-        outcome = await queue.produce.submit_flow_prepared(prepared, service)
+        async with replicated(request):
+            outcome = await queue.produce.submit_flow_prepared(prepared, service)
     except InvalidRequest as exc:
         raise invalid(exc) from None
     except IdempotencyConflict as exc:

@@ -15,6 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import known_tenant, tenant_for, tenant_of
 from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
+from jobtier.api.durable import replicated
 from jobtier.api.http import (
     JSON,
     decode_body,
@@ -81,9 +82,10 @@ async def _submit(
     callbacks = [spec.callback for spec in specs]
     service = registrar(request, callbacks, "jobs[{}]." if batch else "")
     try:
-        return await queue.produce.submit_prepared(
-            items, batch=batch, callbacks=callbacks, registrar=service
-        )
+        async with replicated(request):
+            return await queue.produce.submit_prepared(
+                items, batch=batch, callbacks=callbacks, registrar=service
+            )
     except InvalidRequest as exc:  # depends_on names a job the tenant does not have
         raise invalid(exc) from None
     except Throttled as exc:  # its throttle key is full and it asked to be refused

@@ -32,6 +32,7 @@ from jobtier.api import (
     checkpoints,
     console,
     debugging,
+    durable,
     flows,
     health,
     jobs,
@@ -205,7 +206,9 @@ _LAST_EVENT_ID = {
     "schema": {"type": "string"},
 }
 _KEY_DIFFERS = oa.refuses(
-    400, "malformed JSON, or the Idempotency-Key header and the body's idempotency_key differ"
+    400,
+    "malformed JSON, or the Idempotency-Key header and the body's idempotency_key differ, or "
+    + durable.REFUSED_400,
 )
 _RATE_LIMITED = oa.refuses(429, "the tenant's rate limit or waiting-jobs cap", oa.RETRY_AFTER)
 _BACK_PRESSURE = oa.refuses(
@@ -213,7 +216,7 @@ _BACK_PRESSURE = oa.refuses(
     "back-pressure (too many waiting jobs, write-behind lag; a job of a shed priority past "
     "JOBTIER_SHED_WAITING_TOTAL: type …:shed), Redis unavailable, or a job "
     "to encrypt and no JOBTIER_ENCRYPTION_KEYS here (type …:encryption-keys-missing; nothing "
-    "is submitted)",
+    "is submitted), or " + durable.UNCONFIRMED_503,
     oa.RETRY_AFTER,
 )
 _ANY_OBJECT = {"type": "object"}
@@ -250,7 +253,7 @@ def _job_paths(s: Settings) -> oa.Paths:
         ),
         _BACK_PRESSURE,
         body="JobSpec",
-        headers=[_IDEMPOTENCY_KEY],
+        headers=[_IDEMPOTENCY_KEY, durable.PARAMETER],
     )
     batch_413 = oa.too_large(
         s, oa.payload_too_large(s), f"more than {s.max_batch} jobs (JOBTIER_MAX_BATCH)"
@@ -265,10 +268,12 @@ def _job_paths(s: Settings) -> oa.Paths:
             "a job has a callback and the tenant has no webhook signing secret (nothing was "
             "submitted)",
         ),
+        oa.refuses(400, "malformed JSON, or " + durable.REFUSED_400),
         (413, batch_413),
         _RATE_LIMITED,
         _BACK_PRESSURE,
         body="BatchBody",
+        headers=[durable.PARAMETER],
     )
     paths.add(
         "POST /v1/flows",
@@ -302,7 +307,7 @@ def _job_paths(s: Settings) -> oa.Paths:
         _RATE_LIMITED,
         _BACK_PRESSURE,
         body="FlowSpec",
-        headers=[_IDEMPOTENCY_KEY],
+        headers=[_IDEMPOTENCY_KEY, durable.PARAMETER],
     )
     add = paths.add
     add(

@@ -55,6 +55,7 @@ TITLES = {
     "shed": "Submits of this priority are shed under load",
     "unavailable": "Service unavailable",
     "failing-over": "A Redis node is failing over",
+    "replicas-unconfirmed": "Not confirmed by enough Redis replicas in time",
     "internal": "Internal error",
     "encryption": "An encrypted value cannot be opened",
     "encryption-keys-missing": "This server lacks the encryption key configuration it needs",

@@ -31,6 +31,9 @@ class Problem(msgspec.Struct):
     job_id: str | None = None  # idempotency conflict, gone: the job the key names
     job: JobStatus | None = None  # wrong state: the job as it is
     limit: int | None = None  # nesting too deep: the limit
+    # a durable submit not confirmed in time (Jobtier-Replicas): how many replicas did, of how many
+    replicas_confirmed: int | None = None
+    replicas_wanted: int | None = None
 
 
 class BatchItem(msgspec.Struct):

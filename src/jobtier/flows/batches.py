@@ -194,7 +194,8 @@ async def submit_batch(store: Store, batch: PreparedBatch) -> BatchStatus:
             args[len(head)] = (len(args) - len(head) - 1) // 2
         await store.scripts.call_many([("batch_submit", s, a) for s, a in calls.items()])
     await store.scripts.call_many([("batch_seal", shard, (batch.batch_id,)) for shard in by_shard])
-    await store.redis.hset(record, "sealed", "1")
+    # the last write: with a durable submit, followed by WAIT (store/durable.py)
+    await store.scripts.write(keys.shard_of(batch.batch_id), "HSET", record, "sealed", "1")
     return await read_batch(store, batch.batch_id, batch.tenant)
 
 

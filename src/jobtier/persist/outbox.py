@@ -36,7 +36,7 @@ import msgspec
 
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError, IdempotencyConflict, InvalidRequest
-from jobtier.core.model import JobSpec, Priority
+from jobtier.core.model import JobSpec, Priority, Submitted
 from jobtier.core.sealing import KeysNotConfigured
 from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.produce import Producer
@@ -46,8 +46,10 @@ from jobtier.persist.db import UNAVAILABLE, AnyConnection, Connection, Pool, con
 from jobtier.persist.outbox_gate import RelayGate
 from jobtier.runtime.backoff import PERSIST_POSTGRES
 from jobtier.runtime.loop import FAULTS
+from jobtier.store import durable
 from jobtier.store.calls import SubmitItem
 from jobtier.store.context import Store
+from jobtier.store.durable import Unreplicated
 from jobtier.store.redis import RedisClient
 
 log = logging.getLogger("jobtier.persist.outbox")
@@ -315,7 +317,7 @@ class OutboxRelay:
         groups: list[list[SubmitItem]] = _by_tenant(plain) + [[item] for item in linked]
         for group in groups:
             try:
-                outcomes = await self.producer.submit_prepared(group, batch=len(group) > 1)
+                outcomes = await self._submit_group(group)
             except InvalidRequest as exc:  # a dependency unknown in Redis (one item)
                 item = group[0]
                 # a row another relay holds (or this pass left pending) is not relayed yet
@@ -341,6 +343,20 @@ class OutboxRelay:
                 if isinstance(outcome, IdempotencyConflict) or not outcome.created:
                     duplicates += 1
         return relayed, refused, duplicates, deferred
+
+    async def _submit_group(self, group: list[SubmitItem]) -> list[Submitted | IdempotencyConflict]:
+        """Submit ``group``; with JOBTIER_SUBMIT_REPLICAS, only once its writes reached that
+        many replicas (``store/durable.py``), else ``Unreplicated``: the pass fails and its
+        rows stay in the outbox, relayed again later (the same ids: no second job)."""
+        wanted = self.settings.submit_replicas
+        with durable.waiting(wanted, self.settings.submit_replicas_timeout_ms) as state:
+            outcomes = await self.producer.submit_prepared(group, batch=len(group) > 1)
+        if state.short:
+            raise Unreplicated(
+                f"{state.confirmed or 0} of {wanted} replicas confirmed the relayed jobs within "
+                f"{state.timeout_ms} ms (JOBTIER_SUBMIT_REPLICAS)"
+            )
+        return outcomes
 
     def _prepare(self, row: asyncpg.Record) -> SubmitItem:
         run_at: datetime | None = row["run_at"]

@@ -25,13 +25,21 @@ from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.exceptions import NoScriptError, RedisError, ResponseError
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
+from redis.exceptions import (
+    AskError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from jobtier.core.errors import Code
 from jobtier.core.keys import Keys
 from jobtier.store import calls
 from jobtier.store.calls import Call, ClaimBatch
+from jobtier.store.durable import Durable, current, marker
 from jobtier.store.redis import ClusterPipe, RedisClient
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
@@ -366,6 +374,86 @@ async def _load_on(redis: RedisClient, script: Script, node: ClusterNode | None)
         await redis.execute_command("SCRIPT LOAD", script.text, target_nodes=node)
 
 
+_REDIRECTED = (MovedError, AskError, TryAgainError)  # refused by a node: it did not run
+
+
+async def _send_waiting(
+    redis: RedisClient, commands: Sequence[Sequence[Any]], bases: Sequence[str], durable: Durable
+) -> list[Any]:
+    """Send ``commands`` (``bases[i]``: the base key of command i's shard), each node's
+    followed by the marker write and WAIT on the same connection; replies in order, errors
+    in place. Each WAIT's count goes to ``durable`` (an error in place of a count: 0)."""
+    wait = ("WAIT", durable.wanted, durable.timeout_ms)
+    if not isinstance(redis, RedisCluster):
+        # a pipeline is sent on one connection (retried whole on a new one after an error)
+        pipe = redis.pipeline(transaction=False)
+        for command in commands:
+            pipe.execute_command(*command)
+        pipe.execute_command(*marker(bases[0]))
+        pipe.execute_command(*wait)
+        replies = await pipe.execute(raise_on_error=False)
+        _count(durable, replies[-1])
+        return list(replies[: len(commands)])
+    await redis.initialize()
+    groups: dict[str, tuple[ClusterNode, list[PipelineCommand]]] = {}
+    for i, (command, base) in enumerate(zip(commands, bases, strict=True)):
+        node = redis.nodes_manager.get_node_from_slot(redis.keyslot(base))
+        groups.setdefault(node.name, (node, []))[1].append(PipelineCommand(i, *command))
+    for _, group in groups.values():
+        key = bases[group[0].position]
+        group += [PipelineCommand(-1, *marker(key)), PipelineCommand(-1, *wait)]
+    try:
+        # a node's commands go on one of its connections, in order: WAIT after the calls
+        await asyncio.gather(*(node.execute_pipeline(group) for node, group in groups.values()))
+    except (ConnectionError, OSError, RedisError):
+        redis._initialize = True  # learn the topology again before the next command
+        raise
+    out: list[Any] = [None] * len(commands)
+    for _, group in groups.values():
+        for cmd in group[:-2]:
+            out[cmd.position] = cmd.result
+        _count(durable, group[-1].result)
+    return out
+
+
+def _count(durable: Durable, reply: Any) -> None:
+    durable.saw(reply if isinstance(reply, int) else 0)
+
+
+async def run_durably(
+    redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]], durable: Durable
+) -> list[Any]:
+    """``run_scripts`` with WAIT after each node's calls (``store/durable.py``): the calls
+    refused for want of their script, or by a node that no longer serves their slot, are
+    sent again (with their WAIT); any other error is raised, as ``run_scripts`` does."""
+    results: list[Any] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    for _ in range(3):
+        commands = [(*calls[i][0].command(), *calls[i][1]) for i in todo]
+        bases = [str(calls[i][1][2]) for i in todo]  # argv: numkeys, log key, base key, ...
+        replies = await _send_waiting(redis, commands, bases, durable)
+        retry, moved, missing = [], False, {}
+        for i, reply in zip(todo, replies, strict=True):
+            if _missing(reply):
+                missing[calls[i][0].unit] = calls[i][0]
+                retry.append(i)
+            elif isinstance(reply, _REDIRECTED):
+                moved = True
+                retry.append(i)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                results[i] = reply
+        if not retry:
+            return results
+        if moved and isinstance(redis, RedisCluster):
+            await redis.nodes_manager.initialize()
+        for script in missing.values():
+            await script.load(redis)
+        todo = retry
+    raise RedisError("scripts keep disappearing from Redis, or their slots keep moving")
+
+
 class Scripts:
     """Runs the transition scripts for one deployment (key layout) on one Redis client."""
 
@@ -391,6 +479,10 @@ class Scripts:
         """Run one script (by name, or a ``Script``) on ``shard``."""
         if isinstance(script, str):
             script = self.by_name[script]
+        durable = current()
+        if durable is not None and script.name not in READ_ONLY:
+            (reply,) = await run_durably(self.redis, [(script, self._argv(shard, args))], durable)
+            return reply
         return await run_script(self.redis, script, self._argv(shard, args))
 
     async def call_many(self, calls: Sequence[Call]) -> list[Any]:
@@ -399,9 +491,34 @@ class Scripts:
             script, shard, args = calls[0]
             return [await self.call(script, shard, args)]
         by_name = self.by_name
-        return await run_scripts(
-            self.redis, [(by_name[name], self._argv(shard, args)) for name, shard, args in calls]
-        )
+        prepared = [(by_name[name], self._argv(shard, args)) for name, shard, args in calls]
+        durable = current()
+        if durable is not None and any(s.name not in READ_ONLY for s, _ in prepared):
+            return await run_durably(self.redis, prepared, durable)
+        return await run_scripts(self.redis, prepared)
+
+    async def confirm(self, shards: Sequence[int]) -> None:
+        """While a durable submit runs: the marker write and WAIT on the nodes of ``shards``,
+        for a submit that wrote nothing itself (an idempotent repeat), whose first writes may
+        still be on the master alone (``store/durable.py``)."""
+        durable = current()
+        if durable is None or not shards:
+            return
+        bases = [self.keys.base(shard) for shard in shards]
+        for reply in await _send_waiting(self.redis, [marker(b) for b in bases], bases, durable):
+            if isinstance(reply, Exception):
+                raise reply
+
+    async def write(self, shard: int, *command: Any) -> Any:
+        """A plain write command on ``shard`` (its key in the shard's slot), followed by WAIT
+        while a durable submit runs (``store/durable.py``)."""
+        durable = current()
+        if durable is None:
+            return await self.redis.execute_command(*command)
+        (reply,) = await _send_waiting(self.redis, [command], [self.keys.base(shard)], durable)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
 
     async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
         """``call_many``, a failed call's reply its exception (``run_scripts_each``): on a
