@@ -115,13 +115,17 @@ class FailoverStack(Stack):
             self.env.pop(name, None)  # the caller's own environment decides nothing here
         if setup == "cluster":
             self.servers = LocalCluster(
-                folder / "cluster", masters=3, replicas=1, node_timeout_ms=args.node_timeout_ms
+                folder / "cluster",
+                masters=3,
+                replicas=args.replicas,
+                node_timeout_ms=args.node_timeout_ms,
             )
             redis_env = {"JOBTIER_REDIS_URL": self.servers.url, "JOBTIER_REDIS_CLUSTER": "1"}
             overrides: dict[str, Any] = {"redis_url": self.servers.url, "redis_cluster": True}
         else:
             self.servers = LocalSentinels(
                 folder / "sentinels",
+                replicas=args.replicas,
                 down_after_ms=args.down_after_ms,
                 failover_timeout_ms=args.failover_timeout_ms,
             )
@@ -617,7 +621,8 @@ def report(data: dict[str, Any]) -> str:
     md = header_markdown("Failover bench", data["environment"])
     md += (
         f"\n{p['failovers']} master SIGKILLs per run (`--failovers`), each a real failover: "
-        "the master's replica in sync before the kill, promoted by the cluster "
+        f"{p.get('replicas', 1)} replica(s) per master, one in sync before the kill, "
+        "promoted by the cluster "
         f"(cluster-node-timeout {p['node_timeout_ms']} ms) or by the sentinels "
         f"(down-after {p['down_after_ms']} ms), the killed node started again as a replica. "
         f"Load: {p['rate']:g} submits/s over HTTP with idempotency keys (a refused submit "
@@ -812,6 +817,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--failovers", type=int, default=30, help="master kills per run (30)")
+    p.add_argument(
+        "--replicas", type=int, default=1,
+        help="replicas per master (1); with 2, a promoted master still has a replica, so "
+        "durable submits need not wait for the killed node to come back",
+    )  # fmt: skip
     p.add_argument(
         "--setups", type=_names(SETUPS), default=list(SETUPS),
         help="comma-separated: cluster (3 masters + 3 replicas), sentinel (a master, a "
