@@ -15,7 +15,12 @@ Races guarded here:
 - slots promised to claims in flight are reserved, so the main loop and the limited queues'
   loops never start more jobs than ``concurrency`` between them;
 - a claim still in flight at the shutdown's deadline is abandoned: a Redis that stopped
-  answering must not hold the shutdown past its bound.
+  answering must not hold the shutdown past its bound;
+- a round whose replies were lost (the connection died, the client library's own resends
+  failed too: a failover) may have leased jobs: the next round sends the same calls again,
+  with their claim tokens, and claim.lua answers a token it served with the jobs it leased
+  then (store/calls.py claim_call), so they come to this worker rather than waiting out
+  their lease, an attempt lost.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ class Claimer:
         self._queue_turn = 0
         self._unblock: asyncio.TimerHandle | None = None  # a look when a queue's block ends
         self._unblock_ms = 0
+        # (plan, calls) of the last round if its replies never came (see the module docstring)
+        self._unanswered: tuple[list[tuple[int, int]], list[Call]] | None = None
         launcher.breakers.on_lift = self.on_reset  # held types come back: claim them
 
     def on_wake(self, channel: bytes, data: bytes) -> None:
@@ -163,23 +170,20 @@ class Claimer:
                 self._ready = [UNKNOWN] * self._shards
 
     async def _claim(self, free: int) -> int:
-        """One pipelined round of claims over the shards believed to hold ready jobs."""
-        plan = self._plan(free)
-        if not plan:
+        """One pipelined round of claims over the shards believed to hold ready jobs (or the
+        last round again, if its replies were lost)."""
+        round_ = self._resend(free) or self._new_round(free)
+        if round_ is None:
             return 0
+        plan, calls = round_
         state = self.state
-        served = state.queues
-        turn = self._queue_turn
-        self._queue_turn = (turn + 1) % len(served)
-        queues = [(q, -1) for q in served[turn:] + served[:turn] if q not in self._limited]
-        if not queues:
-            self._ready = [0] * self._shards  # every queue is limited: their loops claim
-            return 0
         generations = [self._generation[shard] for shard, _ in plan]
-        calls: list[Call] = [
-            claim_call(shard, self.id, n, state.lease_ms, queues, state.types) for shard, n in plan
-        ]
-        replies = await self._scripts.call_many(calls)
+        try:
+            replies = await self._scripts.call_many(calls)
+        except (RedisError, OSError):
+            # it may have run, its replies lost with the connection: send it again next time
+            self._unanswered = round_
+            raise
         state.stats.claim_round_trips += 1
         total = 0
         unaware = False
@@ -199,6 +203,44 @@ class Claimer:
         if unaware:
             await self.refresh_limits()  # a queue became limited: claim it with permits
         return total
+
+    def _resend(self, free: int) -> tuple[list[tuple[int, int]], list[Call]] | None:
+        """The last round, whose replies were lost, to send again as it was (its tokens),
+        unless it asked for more jobs than the slots now free (a limited queue's loop took
+        some meanwhile): a call that did not run would then lease more than there is room for.
+        """
+        round_, self._unanswered = self._unanswered, None
+        if round_ is None:
+            return None
+        plan, _ = round_
+        if sum(n for _, n in plan) > free:
+            log.warning(
+                "event=claim_not_resent worker=%s shards=%s: fewer slots free than it asked; "
+                "jobs it may have leased return when their lease expires",
+                self.id,
+                ",".join(str(shard) for shard, _ in plan),
+            )
+            return None
+        return round_
+
+    def _new_round(self, free: int) -> tuple[list[tuple[int, int]], list[Call]] | None:
+        """(plan, calls) of a round of claims over the shards believed to hold ready jobs;
+        None when there is nothing to ask."""
+        plan = self._plan(free)
+        if not plan:
+            return None
+        state = self.state
+        served = state.queues
+        turn = self._queue_turn
+        self._queue_turn = (turn + 1) % len(served)
+        queues = [(q, -1) for q in served[turn:] + served[:turn] if q not in self._limited]
+        if not queues:
+            self._ready = [0] * self._shards  # every queue is limited: their loops claim
+            return None
+        calls: list[Call] = [
+            claim_call(shard, self.id, n, state.lease_ms, queues, state.types) for shard, n in plan
+        ]
+        return plan, calls
 
     # --- limited queues (permits.py) --------------------------------------------------------
     def claimer_idle(self) -> None:
