@@ -239,8 +239,8 @@ async def run_scripts(
     Any other error is raised at once, and the refused calls beside it are not sent again:
     the caller, told the batch failed, sends it again, so a call that never ran cannot have
     made a job or a claim the caller does not know of. Calls that ran beside the error are
-    refused as stale when sent again (claims, completions), or made idempotent by a key
-    (submits)."""
+    refused as stale when sent again (completions), answer as they did (a claim sent again
+    with its token: claim.lua), or are made idempotent by a key (submits)."""
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for _ in range(3):
