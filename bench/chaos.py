@@ -293,6 +293,7 @@ class Producer:
 
     async def _generate(self) -> None:
         n = 0
+        start = time.monotonic()
         while self.generating:
             n += 1
             key = f"chaos-{n}"
@@ -311,7 +312,9 @@ class Producer:
             self.bodies[key] = body
             self.unacked.add(key)
             self._queue.put_nowait(key)
-            await asyncio.sleep(1 / self.rate)
+            # on a clock: the n-th job is due at start + n / rate however late the loop wakes
+            # (a plain sleep of 1 / rate each falls short of the rate on a busy machine)
+            await asyncio.sleep(max(0.0, start + n / self.rate - time.monotonic()))
 
     async def _send(self) -> None:
         loop = asyncio.get_running_loop()

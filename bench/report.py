@@ -97,6 +97,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
         "src/jobtier/persist/migrations",
     ),
     "chaos": ("src/jobtier",),
+    "failover": ("src/jobtier",),  # the whole deployment on replicated Redis, as chaos
     "encryption": JOB_PATH,  # core/sealing.py, the submit and the worker
     "debounce": JOB_PATH,  # keyed.lua and the submit path (Queue.submit)
     "breaker": (*JOB_PATH, "src/jobtier/core/breaker.py"),  # breaker.lua and the worker's gate
@@ -105,6 +106,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "process_pool": ("src/jobtier/worker",),
     "http_worker": (*JOB_PATH, "src/jobtier/api", "examples/node-worker"),
     "outbox": ("src/jobtier/persist", "src/jobtier/outbox", "src/jobtier/engine/produce.py"),
+    "scaling_out": (*JOB_PATH, "src/jobtier/api", "src/jobtier/status"),  # api, worker, Redis
     "tracing": (
         "src/jobtier/runtime/tracing.py",
         "src/jobtier/worker",
@@ -141,6 +143,7 @@ CHOSEN: dict[str, str] = {
     "history_rows": "the only file",
     "console": "the only file",
     "chaos": "the only file",
+    "failover": "the only file",
     "encryption": "the only file",
     "tracing": "the only file",
     "debounce": "the only file",
@@ -150,6 +153,7 @@ CHOSEN: dict[str, str] = {
     "process_pool": "the only file",
     "http_worker": "the only file",
     "outbox": "the only file",
+    "scaling_out": "the only file",
 }
 HEADLINE = ("compare-e9c8c99",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
@@ -635,6 +639,25 @@ def nearcache_figures(r: Result) -> list[str]:
             f"(medians of {len(runs)} processes)"]  # fmt: skip
 
 
+def failover_figures(r: Result) -> list[str]:
+    """Per run (set-up, durable submit on or off): jobs lost and run twice, and the seconds
+    from a master's kill until submits on its shards succeed again."""
+    out = []
+    for run in r.data.get("runs") or []:
+        if run.get("error"):
+            out.append(f"{run.get('setup')}: did not take place ({run['error'].splitlines()[0]})")
+            continue
+        a, back = run.get("audit") or {}, dig(run, "recovery", "submits_back") or {}
+        out.append(
+            f"{run.get('setup')}, durable {'on' if run.get('durable') else 'off'}: "
+            f"{len(run.get('failovers') or [])} failovers, {num(dig(a, 'lost', 'count'))} of "
+            f"{num(a.get('acknowledged'))} acknowledged submits lost, "
+            f"{num(a.get('duplicate_executions'))} jobs run twice; submits back after "
+            f"{num(back.get('median'), 2)} s median, {num(back.get('max'), 2)} s max"
+        )
+    return out
+
+
 FIGURES: dict[str, Callable[[Result], list[str]]] = {
     "schedule": schedule_figures,
     "flows": flows_figures,
@@ -648,6 +671,7 @@ FIGURES: dict[str, Callable[[Result], list[str]]] = {
     "persist_pickup": persist_pickup_figures,
     "status_read": status_read_figures,
     "webhooks": webhooks_figures,
+    "failover": failover_figures,
 }
 
 

@@ -14,7 +14,7 @@ from redis.asyncio import Redis
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
 from jobtier.dev.local_redis import LOCAL_CONF, LocalRedis
-from jobtier.store.redis import check_redis
+from jobtier.store.redis import check_redis, connect
 from tests.e2e.jobtier_run import wait_until
 
 KEYS = 20_000
@@ -88,4 +88,30 @@ async def test_a_redis_without_aof_is_refused_with_the_way_to_fix_it(tmp_path: P
         assert "appendonly is off" in warning
     finally:
         await client.aclose()
+        server.stop()
+
+
+async def test_a_cluster_of_one_master_is_checked(tmp_path: Path) -> None:
+    """One node serving every slot: redis-py answers INFO of the primaries with that node's
+    fields, not keyed by node name; the check reads both shapes (it used to fail here, so no
+    process started against such a cluster)."""
+    server = LocalRedis(tmp_path / "node", cluster=True).start()
+    client = None
+    try:
+        with syncredis.Redis(port=server.port) as admin:
+            admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            wait_until(
+                lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"),
+                "the one-node cluster",
+            )
+        settings = Settings.from_env({}, redis_url=server.url, redis_cluster=True)
+        client = connect(settings)
+        assert await check_redis(client, settings) == []
+        with syncredis.Redis(port=server.port) as admin:
+            admin.config_set("appendonly", "no")
+        with pytest.raises(ConfigError, match="appendonly is off"):
+            await check_redis(client, settings)
+    finally:
+        if client is not None:
+            await client.aclose()
         server.stop()

@@ -5,10 +5,12 @@ over a killed master, the sentinels promote the replica of theirs, and a client 
 from __future__ import annotations
 
 import redis as syncredis
+from redis.asyncio.sentinel import MasterNotFoundError
 
 from jobtier.config import Settings
 from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
 from jobtier.store.redis import connect, master_address
+from tests.fixtures.engine import wait_for
 
 
 def test_the_cluster_has_a_replica_per_master(redis_cluster: LocalCluster) -> None:
@@ -39,7 +41,14 @@ async def test_a_sentinel_client_follows_the_promoted_master(
         sentinels.kill(first)
         promoted = sentinels.wait_promoted(first)
         assert promoted is not first
-        assert await master_address(redis) == ("127.0.0.1", promoted.port)
+
+        async def names_the_promoted() -> bool:  # each sentinel learns of it in its turn
+            try:
+                return await master_address(redis) == ("127.0.0.1", promoted.port)
+            except MasterNotFoundError:
+                return False
+
+        await wait_for(names_the_promoted, timeout=30)
         # the pool's connections to the dead master are retried against the promoted one
         for _ in range(50):
             try:

@@ -242,24 +242,32 @@ async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Que
     worker = worker_for(queue, registry, burst=True, concurrency=50)
     scripts = worker.state.scripts
     call_many = scripts.call_many
+    call_many_each = scripts.call_many_each  # the claim round's (each shard's reply apart)
     sent: list[tuple[str, int]] = []  # ('claim', its number) / ('complete', its jobs' claim)
     claim_of: dict[str, int] = {}  # job id -> the number of the claim that gave it
 
+    async def claim(calls: Any, send: Any) -> list[Any]:
+        number = sum(1 for kind, _ in sent if kind == "claim") + 1
+        sent.append(("claim", number))
+        replies: list[Any] = await send(calls)
+        for (_, s, _), reply in zip(calls, replies, strict=True):
+            for job in parse_claim(s, reply).jobs:
+                claim_of[job.id] = number
+        return replies
+
     async def spy(calls: Any) -> list[Any]:
         if any(name == "claim" for name, _, _ in calls):
-            number = sum(1 for kind, _ in sent if kind == "claim") + 1
-            sent.append(("claim", number))
-            replies = await call_many(calls)
-            for (_, s, _), reply in zip(calls, replies, strict=True):
-                for job in parse_claim(s, reply).jobs:
-                    claim_of[job.id] = number
-            return replies
+            return await claim(calls, call_many)
         for script, _, args in calls:
             if script == "complete":
                 sent.append(("complete", max(claim_of[i] for i in args[3::3])))
         return await call_many(calls)
 
+    async def spy_each(calls: Any) -> list[Any]:
+        return await claim(calls, call_many_each)
+
     scripts.call_many = spy  # type: ignore[method-assign]
+    scripts.call_many_each = spy_each  # type: ignore[method-assign]
     assert (await worker.run()).succeeded == 600
     # the last round's outcomes have no claim to wait for: the queues are empty by then
     # the last round's outcomes have no claim to wait for: the queues are empty by then

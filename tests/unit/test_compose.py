@@ -587,3 +587,78 @@ def test_dockerignore_check_catches_its_breakage() -> None:
     assert check_dockerfile(DOCKERFILE.read_text(), ignore.replace(".venv\n", "")) != []
     problems = check_dockerfile(DOCKERFILE.read_text(), ignore + "src\n")
     assert any("excluded by .dockerignore" in p for p in problems), problems
+
+
+# --- the `replicas` profile: a replica and three sentinels ---------------------------------------
+PROFILE = "replicas"
+SENTINEL_PORT = 26379
+
+
+def _options(argv: list[str]) -> dict[str, list[str]]:
+    """``--name value...`` options of a redis-server command line."""
+    out: dict[str, list[str]] = {}
+    name = ""
+    for arg in argv[1:]:
+        if arg.startswith("--"):
+            name = arg[2:]
+            out[name] = []
+        elif name:
+            out[name].append(arg)
+    return out
+
+
+def _sentinel_conf(service: Doc) -> dict[str, list[str]]:
+    """The sentinel's configuration lines its command writes, by directive (``sentinel
+    monitor`` as ``monitor``)."""
+    script = command(service)[-1]
+    conf: dict[str, list[str]] = {}
+    for line in script.splitlines():
+        words = line.split()
+        if words and words[0] == "sentinel":
+            conf[words[1]] = words[2:]
+        elif words and words[0] == "port":
+            conf["port"] = words[1:]
+    return conf
+
+
+def test_the_default_stack_has_no_profile_service() -> None:
+    """`docker compose up` (no profile) runs what it ran before the profile existed."""
+    services = load_compose()["services"]
+    default = {name for name, s in services.items() if not s.get("profiles")}
+    assert default == SERVICES
+
+
+def test_the_replicas_profile_runs_a_durable_replica_and_three_sentinels() -> None:
+    services = load_compose()["services"]
+    profiled = {name for name, s in services.items() if PROFILE in (s.get("profiles") or [])}
+    sentinels = sorted(name for name in profiled if name.startswith("sentinel-"))
+    assert profiled == {"redis-replica", *sentinels} and len(sentinels) == 3
+    replica = _options(command(services["redis-replica"]))
+    assert replica["replicaof"] == ["redis", "6379"]
+    # promoted, it must keep acknowledged jobs as the master did
+    assert replica["appendonly"] == ["yes"] and replica["maxmemory-policy"] == ["noeviction"]
+    for name in sentinels:
+        argv = command(services[name])
+        assert argv[:2] == ["sh", "-c"] and "--sentinel" in argv[-1], name
+        conf = _sentinel_conf(services[name])
+        assert conf["port"] == [str(SENTINEL_PORT)]
+        master, host, port, quorum = conf["monitor"]
+        assert (host, port, quorum) == ("redis", "6379", "2"), name
+        assert master == Settings().redis_sentinel_master  # the name jobtier asks for
+        assert conf["resolve-hostnames"] == ["yes"]  # `redis` is a name, not an address
+        assert (services[name].get("healthcheck") or {}).get("test") == [
+            "CMD", "redis-cli", "-p", str(SENTINEL_PORT), "ping"
+        ]  # fmt: skip
+
+
+def test_jobtier_services_use_the_sentinels_only_when_named() -> None:
+    services = load_compose()["services"]
+    sentinels = sorted(name for name in services if name.startswith("sentinel-"))
+    named = ",".join(f"{name}:{SENTINEL_PORT}" for name in sentinels)
+    for name in JOBTIER_SERVICES:
+        raw = services[name].get("environment") or {}
+        off = Settings.from_env({k: interpolate(str(v)) for k, v in raw.items()})
+        assert off.redis_sentinels == "", name
+        host_env = {"JOBTIER_REDIS_SENTINELS": named}
+        on = Settings.from_env({k: interpolate(str(v), host_env) for k, v in raw.items()})
+        assert on.sentinel_addresses() == [(s, SENTINEL_PORT) for s in sentinels], name

@@ -9,9 +9,19 @@ from typing import Any
 
 import asyncpg
 import orjson
-from redis.exceptions import BusyLoadingError
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    ClusterError,
+    MovedError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.sentinel import MasterNotFoundError
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -44,6 +54,7 @@ TITLES = {
     "overloaded": "Service overloaded",
     "shed": "Submits of this priority are shed under load",
     "unavailable": "Service unavailable",
+    "failing-over": "A Redis node is failing over",
     "internal": "Internal error",
     "encryption": "An encrypted value cannot be opened",
     "encryption-keys-missing": "This server lacks the encryption key configuration it needs",
@@ -127,6 +138,35 @@ PG_DOWN: tuple[type[BaseException], ...] = (
     asyncpg.InterfaceError,
 )
 RETRY_SOON = {"retry-after": "2"}
+RETRY_FAILOVER = {"retry-after": "1"}
+
+# what Redis answers while a master fails over: the cluster down or its slots moving
+# (CLUSTERDOWN, TRYAGAIN, MOVED/ASK past redis-py's redirections, ClusterError "TTL
+# exhausted"), a demoted master (READONLY), no master known yet (sentinels; a
+# RedisClusterException from a topology that cannot be read)
+FAILOVER: tuple[type[BaseException], ...] = (
+    ClusterError,  # ClusterDownError, MasterDownError, SlotNotCoveredError, "TTL exhausted"
+    TryAgainError,
+    MovedError,
+    AskError,
+    ReadOnlyError,
+    MasterNotFoundError,
+    RedisClusterException,
+)
+# the same, said in a reply's first word (a ResponseError that redis-py does not classify)
+FAILOVER_REPLIES = ("CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "READONLY", "MASTERDOWN", "LOADING")
+
+
+def failing_over(exc: BaseException) -> bool:
+    """Whether ``exc`` is Redis failing over, or a connection to one cluster node failing
+    (its master killed, until its replica is promoted): a 503 to retry, not a defect."""
+    if isinstance(exc, FAILOVER):
+        return True
+    if isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in FAILOVER_REPLIES:
+        return True
+    return isinstance(exc, RedisConnectionError) and bool(
+        getattr(exc, "last_failed_node_name", None)
+    )
 
 
 @contextlib.contextmanager
@@ -149,11 +189,27 @@ def secret_missing(exc: Exception) -> Problem:
 async def on_unavailable(request: Request, exc: Exception) -> Response:
     """503 with Retry-After, logged in one line: an expected, passing condition."""
     path = request.url.path
+    if failing_over(exc):
+        return await on_failover(request, exc)
     log.warning("event=backend_unavailable method=%s path=%s error=%r", request.method, path, exc)
     detail = "a backing service is unavailable; try again"
     if isinstance(exc, BusyLoadingError):
         detail = "Redis is loading its data after a restart; try again"
     return Problem(503, "unavailable", detail, headers=RETRY_SOON).response()
+
+
+async def on_failover(request: Request, exc: Exception) -> Response:
+    """A Redis failover under way: 503 with Retry-After, logged in one line. On a cluster
+    only the requests for the shards of the lost master get it, until its replica is
+    promoted; with sentinels every request, until they name the new master."""
+    path = request.url.path
+    node = getattr(exc, "last_failed_node_name", None)
+    log.warning(
+        "event=redis_failing_over method=%s path=%s node=%s error=%r",
+        request.method, path, node or "-", exc,
+    )  # fmt: skip
+    detail = "the Redis node serving this request's shard is failing over; try again"
+    return Problem(503, "failing-over", detail, headers=RETRY_FAILOVER).response()
 
 
 async def on_keys_not_configured(request: Request, exc: Exception) -> Response:
@@ -166,6 +222,8 @@ async def on_keys_not_configured(request: Request, exc: Exception) -> Response:
 async def on_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, UNAVAILABLE):
         return await on_unavailable(request, exc)
+    if failing_over(exc):
+        return await on_failover(request, exc)
     log.exception("event=internal_error method=%s path=%s", request.method, request.url.path)
     return Problem(500, "internal", "the server failed to handle this request").response()
 
@@ -176,6 +234,7 @@ HANDLERS: dict[Any, Any] = {
     Problem: on_problem,
     HTTPException: on_http_exception,
     **dict.fromkeys(UNAVAILABLE, on_unavailable),
+    **dict.fromkeys(FAILOVER, on_failover),
     KeysNotConfigured: on_keys_not_configured,
     Exception: on_error,
 }

@@ -42,11 +42,16 @@ class LocalCluster:
     ) -> None:
         self.folder = Path(folder)
         self.replicas = replicas
-        options = {"cluster-node-timeout": node_timeout_ms}
+        options: dict[str, int | str] = {"cluster-node-timeout": node_timeout_ms}
         if replicas:
             # a replica serves no reads here (jobtier reads its masters); one that lost its
-            # master for long still takes over, as a production cluster's would
-            options |= {"cluster-replica-validity-factor": 0}
+            # master for long still takes over, as a production cluster's would. The other
+            # masters keep serving their slots while one is down (with full coverage
+            # required, every node answers CLUSTERDOWN until its replica is promoted)
+            options |= {
+                "cluster-replica-validity-factor": 0,
+                "cluster-require-full-coverage": "no",
+            }
         self.nodes = [
             LocalRedis(self.folder / f"node{i}", cluster=True, options=options)
             for i in range(masters * (1 + replicas))

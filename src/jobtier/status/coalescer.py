@@ -11,7 +11,7 @@ from jobtier.status.singleflight import Flight, LoadCancelled, settle, wait
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
-LoadMany = Callable[[list[K]], Awaitable[Mapping[K, V | None]]]
+LoadMany = Callable[[list[K]], Awaitable[Mapping[K, V | BaseException | None]]]
 
 
 class Coalescer(Generic[K, V]):
@@ -22,7 +22,9 @@ class Coalescer(Generic[K, V]):
     Everything else that runs in the same tick (every request task the server woke in this
     iteration of the loop) joins that list; the flush runs in the next iteration and hands
     the list, cut into batches of at most ``max_batch`` keys, to ``load_many``, each batch in
-    a task of its own. Missing keys (absent from the returned mapping) give ``None``.
+    a task of its own. Missing keys (absent from the returned mapping) give ``None``; a key
+    whose value is an exception failed alone (its waiters get the exception, the batch's
+    other keys their values).
 
     It is a singleflight at the same time: a key already pending in this tick, or in a batch
     still loading, is joined, never requested twice, with singleflight.py's guarantees (a
@@ -112,7 +114,7 @@ class Coalescer(Generic[K, V]):
         self.keys_loaded += len(keys)
         if len(keys) > self.max_batch_size:
             self.max_batch_size = len(keys)
-        values: list[V | None] | None = None
+        values: list[V | BaseException | None] | None = None
         error: BaseException | None = None
         try:
             async with asyncio.timeout(self.timeout):
@@ -131,4 +133,8 @@ class Coalescer(Generic[K, V]):
                 # forget the key before waking its waiters: errors are not cached
                 if flights.get(key) is flight:
                     del flights[key]
-                settle(flight, None if values is None else values[i], error)
+                value = None if values is None else values[i]
+                if isinstance(value, BaseException):  # this key's load failed alone
+                    settle(flight, None, value)
+                else:
+                    settle(flight, value, error)

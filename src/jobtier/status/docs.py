@@ -13,7 +13,7 @@ from typing import Any
 
 from jobtier.core.keys import Keys
 from jobtier.store.redis import RedisClient
-from jobtier.store.scripts import Script, run_scripts
+from jobtier.store.scripts import Script, run_scripts, run_scripts_each
 
 READ_STATUS = Script("read_status")
 
@@ -24,11 +24,13 @@ def read_status_args(job_keys: Sequence[str], more: str = "") -> tuple[Any, ...]
 
 
 async def read_docs(
-    redis: RedisClient, keys: Keys, job_ids: Sequence[str], more: str = ""
-) -> list[tuple[Any, ...]]:
+    redis: RedisClient, keys: Keys, job_ids: Sequence[str], more: str = "", *, each: bool = False
+) -> list[Any]:
     """(tenant, document) of each job, in order — (tenant, document, value of ``more``) when
     ``more`` names another field of the job hash ('payload', 'result') — with ``None`` for
-    what Redis does not hold. One script call per shard, in one pipeline."""
+    what Redis does not hold. One script call per shard, in one pipeline (one per node of a
+    cluster). A failure is raised; with ``each``, a failed job's entry is the exception
+    instead (the jobs of a cluster node that is down), the others' are read."""
     by_shard: dict[int, list[int]] = {}
     for index, job_id in enumerate(job_ids):
         by_shard.setdefault(keys.shard_of(job_id), []).append(index)
@@ -40,15 +42,21 @@ async def read_docs(
         )
         for shard, at in groups
     ]
-    replies = await run_scripts(redis, calls) if calls else []
+    run = run_scripts_each if each else run_scripts
+    replies = await run(redis, calls) if calls else []
     stride = 3 if more else 2
-    out: list[tuple[Any, ...]] = [()] * len(job_ids)
+    out: list[Any] = [()] * len(job_ids)
     for (_, at), flat in zip(groups, replies, strict=True):
         for n, i in enumerate(at):
-            out[i] = tuple(flat[stride * n : stride * n + stride])
+            out[i] = (
+                flat
+                if isinstance(flat, Exception)
+                else tuple(flat[stride * n : stride * n + stride])
+            )
     return out
 
 
 async def read_doc(redis: RedisClient, keys: Keys, job_id: str, more: str = "") -> tuple[Any, ...]:
     """``read_docs`` of one job."""
-    return (await read_docs(redis, keys, [job_id], more))[0]
+    found: tuple[Any, ...] = (await read_docs(redis, keys, [job_id], more))[0]
+    return found

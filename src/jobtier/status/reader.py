@@ -214,7 +214,10 @@ class StatusReader:
         if self.coalescer is not None:
             status = await self.coalescer.get(job_id)
         else:
-            status = (await self._load([job_id])).get(job_id)
+            loaded = (await self._load([job_id])).get(job_id)
+            if isinstance(loaded, BaseException):
+                raise loaded
+            status = loaded
         if status is None and self.fallback_coalescer is not None:
             until = self._absent.get(job_id)
             if until is not None:
@@ -225,9 +228,10 @@ class StatusReader:
             status = await self.fallback_coalescer.get(job_id)
         return status
 
-    async def _load(self, ids: list[str]) -> dict[str, Status]:
+    async def _load(self, ids: list[str]) -> dict[str, Status | BaseException]:
         """The tenant and document of every id in one round trip (read_status.lua); cache what
-        was found."""
+        was found. An id of a cluster node that failed maps to the exception: the reads of
+        that node's shards fail (a 503), the others are answered."""
         near = self.near
         generation = near.generation if near is not None else 0
         loading = self._loading
@@ -236,12 +240,17 @@ class StatusReader:
         try:
             replies = await self._fetch(ids)
             found: dict[str, Status] = {}
-            for job_id, (tenant, doc) in zip(ids, replies, strict=True):
+            failed: dict[str, BaseException] = {}
+            for job_id, reply in zip(ids, replies, strict=True):
+                if isinstance(reply, BaseException):
+                    failed[job_id] = reply
+                    continue
+                tenant, doc = reply
                 if tenant and doc:  # None for a missing job (False from the script on RESP3)
                     found[job_id] = (tenant.decode(), doc, parse_version(doc))
             if near is not None and near.generation == generation:
                 self._store(near, found)
-            return found
+            return {**found, **failed}
         finally:
             for job_id in ids:
                 left = loading[job_id] - 1
@@ -262,7 +271,7 @@ class StatusReader:
             self.script_calls += 1
             return list(zip(flat[0::2], flat[1::2], strict=True))
         # a cluster: one call per shard (a script's keys share a slot), in one pipeline
-        found = await read_docs(self.redis, keys, ids)
+        found = await read_docs(self.redis, keys, ids, each=True)
         self.script_calls += len({job_id[_SHARD_AT:] for job_id in ids})
         return found
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -11,12 +12,13 @@ from typing import Any, TypeVar
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
+from redis.asyncio.cluster import ClusterPipeline
 from redis.asyncio.connection import Connection, parse_url
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
 from redis.crc import key_slot
-from redis.exceptions import BusyLoadingError, RedisError
+from redis.exceptions import BusyLoadingError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -64,12 +66,81 @@ class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
                 await sentinel.aclose()
 
 
+# set while a command or pipeline of a Cluster runs: an aclose() then comes from redis-py's
+# own error handling, not from the client's owner (see Cluster.aclose)
+_IN_COMMAND: contextvars.ContextVar[bool] = contextvars.ContextVar("in_command", default=False)
+REFRESH_EVERY = 0.25  # seconds: at most one topology refresh (CLUSTER SLOTS) in this time
+
+
 class Cluster(RedisCluster):
-    """A Redis Cluster client that routes FCALL by its keys, as redis-py routes EVALSHA.
+    """A Redis Cluster client that routes FCALL by its keys, as redis-py routes EVALSHA,
+    and rides through a master's failover.
 
     redis-py asks a node for the keys of FCALL (``COMMAND GETKEYS``): one more round trip
     before each call. Every jobtier function names its keys first (``numkeys``, then the
-    keys, all in one slot), so the slot is worked out here."""
+    keys, all in one slot), so the slot is worked out here.
+
+    Failover: on CLUSTERDOWN, or a pipeline that failed on one node, redis-py closes the
+    whole client (``aclose()``): every connection to every node, those other commands are
+    using included. Those commands then fail on healthy nodes too (a write to a closed
+    connection raises ``AttributeError: 'NoneType' object has no attribute 'writelines'``),
+    and every command waits for a new topology. Here an ``aclose()`` made from inside a
+    command only asks for the topology to be read again, and connections are recycled
+    lazily (redis-py marks them for reconnect once they are free). A node that refuses
+    connections (a killed master) makes every command sent to it ask for a refresh: they
+    are made at most once per ``REFRESH_EVERY`` seconds, so the other nodes' traffic is not
+    held behind a CLUSTER SLOTS per failed command."""
+
+    _refreshed_at = -REFRESH_EVERY  # monotonic time of the last topology refresh
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        token = _IN_COMMAND.set(True)
+        try:
+            return await super().execute_command(*args, **kwargs)
+        finally:
+            _IN_COMMAND.reset(token)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        return ClusterPipe(self, transaction)  # type: ignore[abstract]
+
+    async def aclose(self) -> None:
+        if _IN_COMMAND.get():
+            # redis-py's reaction to CLUSTERDOWN or a failed pipeline: re-read the topology
+            # at the next command, closing nothing other commands are using
+            self._initialize = True
+            return
+        await super().aclose()
+
+    async def initialize(
+        self,
+        additional_startup_nodes_info: list[tuple[str, int]] | None = None,
+        last_failed_node_name: str | None = None,
+    ) -> Cluster:
+        """Read the topology (CLUSTER SLOTS) when asked to, at most once per REFRESH_EVERY;
+        a failure closes nothing (redis-py's closes every node's connections)."""
+        if not self._initialize:
+            return self
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if not self._initialize:
+                return self
+            known = self.nodes_manager.default_node is not None
+            if known and time.monotonic() - self._refreshed_at < REFRESH_EVERY:
+                self._initialize = False  # read just now: the command goes by it
+                return self
+            await self.nodes_manager.initialize(
+                additional_startup_nodes_info=additional_startup_nodes_info,
+                last_failed_node_name=last_failed_node_name,
+            )
+            await self.commands_parser.initialize(self.nodes_manager.default_node)
+            self._refreshed_at = time.monotonic()
+            self._initialize = False
+            if known:
+                log.info("event=redis_topology_refreshed nodes=%d", len(self.get_primaries()))
+        return self
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         if isinstance(command, str) and command.upper() in ("FCALL", "FCALL_RO"):
@@ -79,6 +150,48 @@ class Cluster(RedisCluster):
             if len(slots) == 1:
                 return slots.pop()
         return await super()._determine_slot(command, *args)
+
+
+class ClusterPipe(ClusterPipeline):
+    """A Cluster's pipeline: its retries' ``aclose()`` is the client's soft one."""
+
+    __slots__ = ()
+
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> Any:
+        token = _IN_COMMAND.set(True)
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        finally:
+            _IN_COMMAND.reset(token)
+
+    async def execute_once(self) -> list[Any]:
+        """``execute(raise_on_error=False)`` without redis-py's retries of a node that failed
+        (each sleeps 0.25 s and re-reads the topology): a batch of one node's calls fails
+        soon when its node is down, and the caller decides (a 503, a back-off). A refused
+        connection is tried once more at once (a pooled connection a restart left dead);
+        redirections (MOVED, ASK) are followed as usual."""
+        token = _IN_COMMAND.set(True)
+        strategy: Any = self._execution_strategy
+        client = self.cluster_client
+        try:
+            if not strategy._command_queue:
+                return []
+            for attempt in (1, 2):
+                if client._initialize:
+                    await client.initialize()
+                try:
+                    replies: list[Any] = await strategy._execute(
+                        client, strategy._command_queue, raise_on_error=False
+                    )
+                    return replies
+                except (RedisConnectionError, RedisTimeoutError) as exc:
+                    client._initialize = True  # re-read (at most every REFRESH_EVERY)
+                    if attempt == 2 or isinstance(exc, RedisTimeoutError):
+                        raise
+            raise AssertionError("unreachable")
+        finally:
+            _IN_COMMAND.reset(token)
+            await self.reset()  # type: ignore[no-untyped-call]
 
 
 def connect(settings: Settings, **kwargs: Any) -> RedisClient:
@@ -238,6 +351,8 @@ async def info_of_primaries(redis: RedisClient, section: str) -> list[dict[str, 
     """One INFO section of every primary, one dict per node."""
     if isinstance(redis, RedisCluster):  # {node name: {field: value}}
         per_node = await redis.info(section, target_nodes=RedisCluster.PRIMARIES)
+        if len(redis.get_primaries()) == 1:
+            return [per_node]  # redis-py answers one node's INFO as is, not by node name
         return list(per_node.values())
     return [await redis.info(section)]
 
@@ -287,6 +402,22 @@ def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str
     return {(kw.get("host", "127.0.0.1"), kw.get("port", 6379)): list(channels)}
 
 
+async def node_groups(
+    redis: RedisClient, channels: Sequence[str]
+) -> dict[tuple[str, int], list[str]]:
+    """``node_channels``, asking the sentinels for the master now (a client of theirs has
+    no fixed address: after a failover the master is another server)."""
+    if isinstance(redis, RedisCluster):
+        return node_channels(redis, channels)
+    return {await master_address(redis): list(channels)}
+
+
+def _sentinel_client(redis: RedisClient) -> bool:
+    return not isinstance(redis, RedisCluster) and isinstance(
+        redis.connection_pool, SentinelConnectionPool
+    )
+
+
 class ShardSubscriber:
     """Keeps shard-channel subscriptions (SSUBSCRIBE) open and hands every message to a callback.
 
@@ -333,13 +464,17 @@ class ShardSubscriber:
         if isinstance(self.redis, RedisCluster):
             # a client that has sent no command yet does not know which node serves a slot
             await self.redis.initialize()
-        ready = self._spawn()
         async with asyncio.timeout(timeout):
+            ready = await self._spawn()
             await asyncio.gather(*(r.wait() for r in ready))
 
-    def _spawn(self) -> list[asyncio.Event]:
-        """A task per node for the channels it serves; the events set once they subscribed."""
-        groups = node_channels(self.redis, self.channels)
+    async def _spawn(self) -> list[asyncio.Event]:
+        """A task per node for the channels it serves; the events set once they subscribed.
+        The nodes are found now: a cluster's as the client knows its slots, the sentinels'
+        master as they name it."""
+        return self._start_tasks(await node_groups(self.redis, self.channels))
+
+    def _start_tasks(self, groups: dict[tuple[str, int], list[str]]) -> list[asyncio.Event]:
         self._down = set(groups)
         ready = {node: asyncio.Event() for node in groups}
         self._tasks = [
@@ -448,11 +583,24 @@ class ShardSubscriber:
                     wait,
                 )
                 await asyncio.sleep(wait)
-                if isinstance(self.redis, RedisCluster):
-                    # a failover or resharding may have moved our slots: regroup and restart
-                    with contextlib.suppress(RedisError, OSError):
-                        await self.redis.initialize()
-                    self._respawn()
+                if isinstance(self.redis, RedisCluster) or _sentinel_client(self.redis):
+                    # a failover or resharding may have moved our slots (or the sentinels
+                    # named another master): regroup and restart
+                    if isinstance(self.redis, RedisCluster):
+                        self.redis._initialize = True  # re-read the slots, not a cached map
+                        with contextlib.suppress(RedisError, OSError):
+                            await self.redis.initialize()
+                    try:
+                        await self._respawn()
+                    except (RedisError, OSError, ConnectionError) as again:
+                        # no master known yet (sentinels still electing): this task
+                        # tries again after its next back-off
+                        log.warning(
+                            "event=subscription_regroup_failed subscriber=%s error=%r",
+                            self.name,
+                            again,
+                        )
+                        continue
                     return
             finally:
                 if pinger is not None:
@@ -462,8 +610,11 @@ class ShardSubscriber:
                 with contextlib.suppress(Exception):
                     await conn.disconnect()
 
-    def _respawn(self) -> None:
-        """(Cluster) rebuild the per-node subscriptions after a topology change."""
+    async def _respawn(self) -> None:
+        """(Cluster, sentinels) rebuild the per-node subscriptions after a topology change."""
+        if self._closing:
+            return
+        groups = await node_groups(self.redis, self.channels)  # raises: nothing changed yet
         if self._closing:
             return
         current = asyncio.current_task()
@@ -471,4 +622,4 @@ class ShardSubscriber:
             if task is not current:
                 task.cancel()
         self._tasks = []
-        self._spawn()
+        self._start_tasks(groups)

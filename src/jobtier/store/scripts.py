@@ -18,20 +18,21 @@ calls: they did not run, so re-sending them is safe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import re
 from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from jobtier.core.errors import Code
 from jobtier.core.keys import Keys
 from jobtier.store import calls
 from jobtier.store.calls import Call, ClaimBatch
-from jobtier.store.redis import RedisClient
+from jobtier.store.redis import ClusterPipe, RedisClient
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 _SCRIPTS = (  # store/lua/<name>.lua of every transition script
@@ -236,34 +237,134 @@ async def run_scripts(
     """Several script calls in one pipeline (one round trip per node), replies in order; the
     calls refused for want of their script are sent again once it is loaded.
 
-    Any other error is raised at once, and the refused calls beside it are not sent again:
-    the caller, told the batch failed, sends it again, so a call that never ran cannot have
-    made a job or a claim the caller does not know of. Calls that ran beside the error are
-    refused as stale when sent again (completions), answer as they did (a claim sent again
-    with its token: claim.lua), or are made idempotent by a key (submits)."""
+    Any other error is raised, and the refused calls beside it (on any node) are not sent
+    again: the caller, told the batch failed, sends it again, so a call that never ran
+    cannot have made a job or a claim the caller does not know of. Calls that ran beside the
+    error (on a cluster node that answered) are refused as stale when sent again
+    (completions), answer as they did (a claim sent again with its token: claim.lua), or are
+    made idempotent by a key (submits). ``run_scripts_each`` tells apart the calls that
+    failed from those that ran."""
+    results = await run_scripts_each(redis, calls, resend_beside_errors=False)
+    for reply in results:
+        if isinstance(reply, Exception):
+            raise reply
+    return results
+
+
+async def run_scripts_each(
+    redis: RedisClient,
+    calls: Sequence[tuple[Script, Sequence[Any]]],
+    *,
+    resend_beside_errors: bool = True,
+) -> list[Any]:
+    """``run_scripts``, but a failed call's reply is its exception, in its place, and the
+    calls refused for want of their script are sent again even beside failed ones (the
+    caller sees each call's outcome); ``resend_beside_errors=False``: not then.
+
+    On a cluster the calls go in one pipeline per node, side by side, each sent once (no
+    retry sleeps in the client): a node that is down (a master failing over) fails only its
+    own calls, at once, and the others' replies come back."""
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
-    for _ in range(3):
-        pipe = redis.pipeline(transaction=False)
-        for i in todo:
-            script, argv = calls[i]
-            pipe.execute_command(*script.command(), *argv)
-        replies = await pipe.execute(raise_on_error=False)
-        retry = []
+    for attempt in range(3):
+        replies = await _send(redis, [calls[i] for i in todo])
+        retry: list[int] = []
+        failed: Exception | None = None
         for i, reply in zip(todo, replies, strict=True):
             if _missing(reply):
                 retry.append(i)
             elif isinstance(reply, Exception):
-                raise reply
-            else:
-                results[i] = reply
+                failed = failed or reply
+            results[i] = reply
         if not retry:
             return results
-        for script in {calls[i][0].unit: calls[i][0] for i in retry}.values():
-            await script.load(redis)
+        if failed is not None and not resend_beside_errors:
+            for i in retry:
+                results[i] = failed  # not sent again (run_scripts' docstring)
+            return results
+        try:
+            await _load_refused(redis, [calls[i] for i in retry], everywhere=attempt > 0)
+        except RedisError as exc:
+            for i in retry:
+                results[i] = exc
+            return results
         todo = retry
     # a RedisError, as any other failure of Redis: callers back off and try again
-    raise RedisError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
+    error = RedisError("scripts keep disappearing from Redis (SCRIPT FLUSH in a loop?)")
+    for i in todo:
+        results[i] = error
+    return results
+
+
+async def _send(redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
+    """The calls' replies in order, an exception in place of a failed call's: one pipeline
+    (one per node of a cluster, side by side); a pipeline that failed whole gives its
+    error to each of its calls."""
+    if not isinstance(redis, RedisCluster):
+        return await _pipeline(redis, calls)
+    groups = _by_node(redis, calls)
+    parts = await asyncio.gather(*(_pipeline(redis, [calls[i] for i in at]) for _, at in groups))
+    results: list[Any] = [None] * len(calls)
+    for (_, at), replies in zip(groups, parts, strict=True):
+        for i, reply in zip(at, replies, strict=True):
+            results[i] = reply
+    return results
+
+
+async def _pipeline(redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
+    pipe = redis.pipeline(transaction=False)
+    for script, argv in calls:
+        pipe.execute_command(*script.command(), *argv)
+    try:
+        if isinstance(pipe, ClusterPipe):  # one cluster node's calls: no retry sleeps
+            return await pipe.execute_once()
+        return list(await pipe.execute(raise_on_error=False))
+    except RedisError as exc:
+        return [exc] * len(calls)
+
+
+def _by_node(
+    redis: RedisCluster, calls: Sequence[tuple[Script, Sequence[Any]]]
+) -> list[tuple[ClusterNode | None, list[int]]]:
+    """The calls' indexes grouped by the node that serves their keys' slot (as the client
+    knows it now; a call that moved is redirected by the pipeline as usual)."""
+    groups: dict[str, tuple[ClusterNode | None, list[int]]] = {}
+    for i, (_, argv) in enumerate(calls):
+        node: ClusterNode | None = None
+        if argv and int(argv[0]) > 0:
+            with contextlib.suppress(RedisError, IndexError, KeyError):
+                node = redis.nodes_manager.get_node_from_slot(redis.keyslot(argv[1]))
+        groups.setdefault(node.name if node else "", (node, []))[1].append(i)
+    return list(groups.values())
+
+
+async def _load_refused(
+    redis: RedisClient, refused: Sequence[tuple[Script, Sequence[Any]]], *, everywhere: bool
+) -> None:
+    """Load the scripts of the ``refused`` calls: on a cluster, on the nodes that refused
+    them (a node down elsewhere must not stop the load where it is needed), or
+    ``everywhere`` (``Script.load``: a call may have been redirected)."""
+    if everywhere or not isinstance(redis, RedisCluster):
+        for script in {s.unit: s for s, _ in refused}.values():
+            await script.load(redis)
+        return
+    for node, at in _by_node(redis, refused):
+        for script in {refused[i][0].unit: refused[i][0] for i in at}.values():
+            await _load_on(redis, script, node)
+
+
+async def _load_on(redis: RedisClient, script: Script, node: ClusterNode | None) -> None:
+    """Load ``script`` on cluster ``node`` only (or everywhere: ``Script.load``)."""
+    if node is None:
+        await script.load(redis)
+    elif script.library is not None:
+        try:
+            await redis.execute_command("FUNCTION LOAD", script.library.code, target_nodes=node)
+        except ResponseError as exc:
+            if "already exists" not in str(exc):
+                raise
+    else:
+        await redis.execute_command("SCRIPT LOAD", script.text, target_nodes=node)
 
 
 class Scripts:
@@ -300,6 +401,14 @@ class Scripts:
             return [await self.call(script, shard, args)]
         by_name = self.by_name
         return await run_scripts(
+            self.redis, [(by_name[name], self._argv(shard, args)) for name, shard, args in calls]
+        )
+
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
+        """``call_many``, a failed call's reply its exception (``run_scripts_each``): on a
+        cluster, the calls of a node that is down fail, the others' replies come back."""
+        by_name = self.by_name
+        return await run_scripts_each(
             self.redis, [(by_name[name], self._argv(shard, args)) for name, shard, args in calls]
         )
 

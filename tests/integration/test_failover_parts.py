@@ -1,0 +1,209 @@
+"""The parts that ride through a Redis master's failover, each on its own: the cluster
+client's commands to healthy nodes while one is down, the status reader's batch across
+nodes, a worker's claim round across nodes, and the status subscription following the
+sentinels' master. (The roles together, as processes under load: test_failover.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis as syncredis
+from redis.crc import key_slot
+from redis.exceptions import RedisError
+
+from jobtier.config import Settings
+from jobtier.core.keys import Keys
+from jobtier.dev.local_redis import LocalRedis
+from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
+from jobtier.engine.queue import Queue
+from jobtier.status.nearcache import Entry
+from jobtier.status.reader import RESYNC, StatusReader
+from jobtier.store.calls import claim_call, parse_claim
+from jobtier.store.redis import Cluster, connect
+from jobtier.store.scripts import Scripts
+from tests.fixtures.engine import wait_for
+
+pytestmark = pytest.mark.slow
+
+SHARDS = 16
+
+
+@pytest.fixture
+async def queue(failover_cluster: LocalCluster) -> AsyncIterator[Queue]:
+    settings = Settings.from_env(
+        {}, redis_url=failover_cluster.url, redis_cluster=True, shards=SHARDS, lease_seconds=5.0
+    )
+    async with await Queue.connect(settings) as q:
+        yield q
+
+
+def owners(cluster: LocalCluster, keys: Keys) -> dict[int, int]:
+    """Shard -> the port of the master that serves it."""
+    with syncredis.Redis(port=cluster.running()[0].port) as client:
+        ranges = client.execute_command("CLUSTER", "SLOTS")
+    out = {}
+    for shard in range(keys.shards):
+        slot = key_slot(keys.base(shard).encode())
+        out[shard] = next(int(r[2][1]) for r in ranges if int(r[0]) <= slot <= int(r[1]))
+    return out
+
+
+def victim_of(cluster: LocalCluster, keys: Keys) -> tuple[LocalRedis, set[int]]:
+    """The master serving shard 0, and the shards it serves."""
+    where = owners(cluster, keys)
+    victim = next(m for m in cluster.masters() if m.port == where[0])
+    return victim, {s for s, port in where.items() if port == victim.port}
+
+
+async def test_commands_to_healthy_nodes_go_on_while_a_pipeline_fails_on_a_dead_one(
+    failover_cluster: LocalCluster, queue: Queue
+) -> None:
+    """redis-py answers a pipeline failed on one node by closing the whole client: commands
+    in flight on the other nodes then fail (AttributeError: 'NoneType' object has no
+    attribute 'writelines', or a connection error). Ours only re-reads the topology."""
+    redis = queue.redis
+    assert isinstance(redis, Cluster)
+    keys = queue.keys
+    victim, lost = victim_of(failover_cluster, keys)
+    healthy = [s for s in range(keys.shards) if s not in lost]
+    for s in range(keys.shards):
+        await redis.set(keys.base(s) + "probe", s)
+    failover_cluster.kill(victim)
+    try:
+        await _healthy_reads_go_on(redis, keys, healthy)
+    finally:  # the fixture revives the victim once its replica took over
+        await asyncio.to_thread(failover_cluster.wait_promoted, victim)
+    # the promoted replica serves the lost shards: a command finds it by itself
+    await wait_for(lambda: _reads(redis, keys, sorted(lost)), timeout=30)
+
+
+async def _healthy_reads_go_on(redis: Cluster, keys: Keys, healthy: list[int]) -> None:
+    errors: list[BaseException] = []
+    done = 0
+    stop = time.monotonic() + 1.5  # well inside the 2 s node timeout: nothing promoted yet
+
+    async def healthy_reads() -> None:
+        nonlocal done
+        while time.monotonic() < stop:
+            for s in healthy:
+                try:
+                    assert await redis.get(keys.base(s) + "probe") == str(s).encode()
+                    done += 1
+                except Exception as exc:
+                    errors.append(exc)
+
+    async def failing_pipelines() -> None:
+        while time.monotonic() < stop:
+            pipe = redis.pipeline()
+            for s in range(keys.shards):
+                pipe.get(keys.base(s) + "probe")
+            with pytest.raises(RedisError):
+                await pipe.execute()
+
+    await asyncio.gather(*(healthy_reads() for _ in range(8)), failing_pipelines())
+    assert errors == [], errors[:5]
+    assert done > 0
+
+
+async def _reads(redis: Cluster, keys: Keys, shards: list[int]) -> bool:
+    try:
+        return [await redis.get(keys.base(s) + "probe") for s in shards] == [
+            str(s).encode() for s in shards
+        ]
+    except RedisError:
+        return False
+
+
+async def test_a_status_batch_is_answered_for_the_nodes_that_are_up(
+    failover_cluster: LocalCluster, queue: Queue
+) -> None:
+    keys = queue.keys
+    jobs: list[str] = []
+    for shard in range(keys.shards):  # a job on every shard (ids name their shard)
+        while len(jobs) <= shard:
+            job = await queue.submit("echo", shard)
+            if keys.shard_of(job.job_id) == shard:
+                jobs.append(job.job_id)
+    victim, lost = victim_of(failover_cluster, keys)
+    reader = StatusReader(queue.redis, keys, near_cache=False)
+    failover_cluster.kill(victim)
+    try:
+        # one coalesced batch: every id asked in this tick, read in one round trip per node
+        results = await asyncio.gather(*(reader.get(j) for j in jobs), return_exceptions=True)
+    finally:  # the fixture revives the victim once its replica took over
+        await asyncio.to_thread(failover_cluster.wait_promoted, victim)
+    for job_id, result in zip(jobs, results, strict=True):
+        if keys.shard_of(job_id) in lost:
+            assert isinstance(result, RedisError), (job_id, result)
+        else:
+            assert isinstance(result, tuple) and result[2] >= 1, (job_id, result)
+    assert reader.coalescer is not None and reader.coalescer.batches == 1
+
+    async def all_read() -> bool:
+        found = await asyncio.gather(*(reader.get(j) for j in jobs), return_exceptions=True)
+        return all(isinstance(r, tuple) for r in found)
+
+    await wait_for(all_read, timeout=30)
+
+
+async def test_a_claim_round_starts_the_jobs_of_the_nodes_that_are_up(
+    failover_cluster: LocalCluster, queue: Queue
+) -> None:
+    """The claims of one round go one pipeline per node: a dead node fails its shards'
+    claims only (call_many_each), the others' jobs are claimed."""
+    keys = queue.keys
+    for shard in range(keys.shards):
+        done = False
+        while not done:
+            job = await queue.submit("echo", shard)
+            done = keys.shard_of(job.job_id) == shard
+    victim, lost = victim_of(failover_cluster, keys)
+    scripts: Scripts = queue.store.scripts
+    failover_cluster.kill(victim)
+    calls = [claim_call(shard, "w1", 10, 5000) for shard in range(keys.shards)]
+    try:
+        replies = await scripts.call_many_each(calls)
+    finally:  # the fixture revives the victim once its replica took over
+        await asyncio.to_thread(failover_cluster.wait_promoted, victim)
+    for shard, reply in enumerate(replies):
+        if shard in lost:
+            assert isinstance(reply, RedisError), (shard, reply)
+        else:
+            assert parse_claim(shard, reply).jobs, (shard, reply)
+
+
+async def test_the_status_subscription_follows_the_sentinels_master(
+    sentinels: LocalSentinels, sentinel_settings: Settings
+) -> None:
+    redis = connect(sentinel_settings)
+    keys = Keys(sentinel_settings.prefix, sentinel_settings.shards)
+    reader = StatusReader(redis, keys)
+    subscriber = reader.subscription("test")
+    heard: list[int] = []
+    reader.add_listener("job-x", lambda version, _t, _d: heard.append(version))
+    await subscriber.start()
+    try:
+        assert reader.near is not None
+        reader.near.put("job-x", Entry("t", 1, b"{}", time.monotonic(), False))
+        first = sentinels.master()
+        sentinels.kill(first)
+        # lost at once: the cache no longer serves what the old master said
+        await wait_for(lambda: not subscriber.live(), timeout=10)
+        assert reader.near.get("job-x", time.monotonic()) is None
+        promoted = await asyncio.to_thread(sentinels.wait_promoted, first)
+        await wait_for(subscriber.live, timeout=30)
+        assert RESYNC in heard  # listeners told to read again
+        # the subscription is on the promoted master: its events arrive
+        with syncredis.Redis(port=promoted.port) as client:
+
+            def published() -> bool:
+                client.execute_command("SPUBLISH", keys.events(0), b"job-x 7 t\n{}")
+                return 7 in heard
+
+            await wait_for(published, timeout=10, interval=0.1)
+    finally:
+        await subscriber.stop()
+        await redis.aclose()

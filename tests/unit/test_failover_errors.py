@@ -1,0 +1,88 @@
+"""What Redis raises while a master fails over is answered 503 with Retry-After, with the
+``failing-over`` problem type, never a 500; any other Redis reply error stays a 500."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    MasterDownError,
+    MovedError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.sentinel import MasterNotFoundError
+from starlette.requests import Request
+
+from jobtier.api.problems import HANDLERS, on_error
+
+
+def request() -> Request:
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/v1/jobs/x",
+        "headers": [],
+        "query_string": b"",
+    }
+    return Request(scope)
+
+
+def node_down() -> RedisConnectionError:
+    """A cluster node refusing connections (its master killed), as redis-py marks it."""
+    exc = RedisConnectionError("Error 111 connecting to 127.0.0.1:7001. Connection refused.")
+    exc.last_failed_node_name = "127.0.0.1:7001"  # type: ignore[attr-defined]
+    return exc
+
+
+FAILOVER = [
+    ClusterDownError("The cluster is down"),
+    MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+    SlotNotCoveredError('Slot "12" is not covered by the cluster.'),
+    ClusterError("TTL exhausted."),
+    TryAgainError("Multiple keys request during rehashing of slot"),
+    MovedError("3999 127.0.0.1:6381"),
+    AskError("3999 127.0.0.1:6381"),
+    ReadOnlyError("You can't write against a read only replica."),
+    MasterNotFoundError("No master found for 'jobtier'"),
+    RedisClusterException("Redis Cluster cannot be connected."),
+    ResponseError("CLUSTERDOWN Hash slot not served"),
+    node_down(),
+]
+
+
+def handler_for(exc: Exception):  # type: ignore[no-untyped-def]
+    """The handler Starlette picks: the first class of the exception's MRO registered."""
+    for cls in type(exc).__mro__:
+        if cls in HANDLERS:
+            return HANDLERS[cls]
+    raise AssertionError(type(exc))
+
+
+@pytest.mark.parametrize("exc", FAILOVER, ids=lambda e: type(e).__name__)
+async def test_a_failover_error_is_a_503_with_retry_after(exc: Exception) -> None:
+    for answer in (handler_for(exc), on_error):  # the router's handler, and the fast path's
+        response = await answer(request(), exc)
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
+        problem = orjson.loads(bytes(response.body))
+        assert problem["type"] == "urn:jobtier:problem:failing-over"
+        assert "failing over" in problem["detail"]
+
+
+async def test_another_reply_error_is_still_a_defect() -> None:
+    response = await on_error(request(), ResponseError("ERR wrong number of arguments"))
+    assert response.status_code == 500
+
+
+async def test_a_single_servers_lost_connection_is_the_plain_503() -> None:
+    response = await on_error(request(), RedisConnectionError("Connection reset by peer"))
+    assert response.status_code == 503
+    assert orjson.loads(bytes(response.body))["type"] == "urn:jobtier:problem:unavailable"
