@@ -1,5 +1,7 @@
-"""The HTTP workers' claims (api/worker_claims.py) when Redis fails between two rounds of one
-claim: the jobs the first round leased are answered, not left leased to nobody."""
+"""Claims that fail half-way: a Python worker's claim round whose reply for one shard is lost
+(worker/claimer.py sends that claim again, with its token), and an HTTP worker's claim whose
+later round fails (api/worker_claims.py answers what the earlier rounds took). Either way the
+jobs a claim leased reach a worker rather than waiting out their lease, an attempt lost."""
 
 from __future__ import annotations
 
@@ -12,8 +14,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from jobtier.api.worker_claims import WorkerClaims, _Waiter
 from jobtier.core.model import JobSpec, State
 from jobtier.engine.queue import Queue
-from jobtier.store.calls import Call
+from jobtier.store.calls import Call, parse_claim
 from jobtier.store.scripts import Scripts
+from tests.fixtures.engine import worker_for
+from tests.tasks import registry
 
 
 class FailingSecondRound:
@@ -58,3 +62,36 @@ async def test_jobs_an_earlier_round_leased_are_answered_when_a_later_round_fail
 
 async def _never_gone() -> bool:
     return False
+
+
+async def test_a_worker_sends_again_the_claim_of_a_shard_whose_reply_was_lost(
+    queue: Queue,
+) -> None:
+    """A round's claims ran, one shard's reply was lost (its node went away): the worker
+    starts the others' jobs and, at a later round, sends that shard's claim again as it was
+    (its token), which answers the jobs it leased."""
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(20)])
+    worker = worker_for(queue, registry, burst=True, concurrency=50)
+    scripts = worker.state.scripts
+    call_many_each = scripts.call_many_each
+    rounds: list[list[Call]] = []
+    lost: list[Call] = []
+
+    async def lose_one_reply(calls: Sequence[Call]) -> list[Any]:
+        rounds.append(list(calls))
+        replies: list[Any] = await call_many_each(calls)
+        if not lost:
+            for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
+                if parse_claim(call[1], reply).jobs:  # it leased jobs: its reply is lost
+                    lost.append(call)
+                    replies[i] = RedisConnectionError("Connection closed by server.")
+                    break
+        return replies
+
+    scripts.call_many_each = lose_one_reply  # type: ignore[method-assign]
+    stats = await worker.run()  # no scheduler: a job leased to nobody would never end
+    assert stats.succeeded == 20 and lost
+    assert any(lost[0] in calls for calls in rounds[1:])  # the same call, token and all
+    for sub in subs:
+        status = await queue.status(sub.job_id)
+        assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
