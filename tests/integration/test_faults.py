@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -352,12 +353,16 @@ class ReplyDropper:
     """A TCP proxy in front of Redis that, once ``armed`` with a pattern, forwards the next
     command containing it and then closes the client's connection instead of passing the
     reply on: what a client sees of a Redis killed after it ran a command (its effect in
-    the AOF under ``appendfsync always``) and before it answered."""
+    the AOF under ``appendfsync always``) and before it answered. With ``refuse_on_drop``,
+    every connection after the drop is closed at once until ``refusing`` is cleared: a
+    failover longer than the client library's own resends."""
 
     def __init__(self, redis_port: int) -> None:
         self.redis_port = redis_port
         self.pattern: bytes | None = None
         self.dropped = 0
+        self.refuse_on_drop = False
+        self.refusing = False
         self._server: asyncio.Server | None = None
 
     async def start(self) -> str:
@@ -371,6 +376,9 @@ class ReplyDropper:
             await self._server.wait_closed()
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        if self.refusing:
+            client_w.close()
+            return
         server_r, server_w = await asyncio.open_connection("127.0.0.1", self.redis_port)
         sent = asyncio.Event()  # the armed command went to Redis on this connection
         tasks = {
@@ -401,17 +409,12 @@ class ReplyDropper:
         while data := await reader.read(65536):
             if sent.is_set():  # the armed command's reply: the connection dies instead
                 self.dropped += 1
+                self.refusing = self.refuse_on_drop
                 return
             writer.write(data)
             await writer.drain()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the client library sends a claim again when its reply is lost with the "
-    "connection; the first claim's jobs stay leased to a worker that never heard of them "
-    "until the lease expires (a task without retries is failed, never having run)",
-)
 async def test_a_claim_whose_reply_is_lost_leases_no_job_that_nobody_runs(
     settings: Settings, redis_server: LocalRedis
 ) -> None:
@@ -434,4 +437,43 @@ async def test_a_claim_whose_reply_is_lost_leases_no_job_that_nobody_runs(
         assert claimed == [job.job_id] or status.state is State.QUEUED, (claimed, status)
     finally:
         await queue.close()
+        await dropper.stop()
+
+
+async def test_a_worker_sends_a_claim_round_whose_replies_were_lost_again(
+    settings: Settings, redis_server: LocalRedis, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The claim's reply is lost and Redis stays away longer than the client library's own
+    resends (a failover): the worker's claim loop sends the same round again when Redis is
+    back, and gets the job the lost round leased, rather than leaving it leased to nobody
+    until its lease expires (an attempt lost; a task without retries failed)."""
+    caplog.set_level(logging.WARNING, logger="jobtier.worker")
+    producer = await Queue.connect(settings.replace(redis_url=redis_server.url))
+    dropper = ReplyDropper(redis_server.port)
+    url = await dropper.start()
+    queue = await Queue.connect(settings.replace(redis_url=url, lease_seconds=60.0), registry)
+    worker = worker_for(queue, registry)
+    task: asyncio.Task[Any] | None = None
+    try:
+        job = await producer.submit("echo", "once")  # echo: no retries
+        dropper.refuse_on_drop = True
+        dropper.pattern = b"_claim"
+        task = asyncio.create_task(worker.run())
+        await wait_for(lambda: "event=claim_failed" in caplog.text)
+        assert dropper.dropped == 1
+        dropper.refusing = False  # Redis is back
+
+        async def ended() -> bool:
+            return (await producer.status(job.job_id)).terminal
+
+        # no scheduler runs: a job leased to nobody would stay running (until reclaimed)
+        await wait_for(ended, timeout=20)
+        status = await producer.status(job.job_id)
+        assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
+    finally:
+        worker.stop()
+        if task is not None:
+            await asyncio.wait_for(task, 30)
+        await queue.close()
+        await producer.close()
         await dropper.stop()

@@ -4,6 +4,7 @@ on the single Redis and on the Redis Cluster (the ``contract`` marker runs each 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from datetime import UTC, datetime
 from typing import Any, cast
 
@@ -494,3 +495,85 @@ async def test_a_spread_call_that_fails_leaves_the_others_run(queue: Queue) -> N
         await queue.scripts.call_spread([broken, *calls], 1 if len(calls) < 3 else 2)
     for item in items.values():
         assert (await queue.status(item.job_id)).state is State.QUEUED
+
+
+# --- a claim sent twice (the client library resends a call whose reply was lost) ----------
+async def test_a_claim_resent_with_its_token_answers_the_same_jobs_again(queue: Queue) -> None:
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(40)])
+    per_shard = Counter(queue.keys.shard_of(s.job_id) for s in subs)
+    shard, ready = per_shard.most_common(1)[0]
+    assert ready >= 7
+    scripts = queue.scripts
+    first = await scripts.claim(shard, W, 3, 30_000, token="t-1")
+    assert len(first.jobs) == 3
+    versions = {j.id: (await queue.status(j.id)).version for j in first.jobs}
+
+    again = await scripts.claim(shard, W, 3, 30_000, token="t-1")
+    assert again == first  # the first answer: same jobs, leases, attempts, clock
+    # nothing changed: no transition, no second attempt
+    for job in first.jobs:
+        status = await queue.status(job.id)
+        assert status.version == versions[job.id] and status.attempt == 1
+        assert status.state is State.RUNNING and status.worker == W
+
+    other = await scripts.claim(shard, W, 3, 30_000, token="t-2")  # a new token: new jobs
+    assert len(other.jobs) == 3
+    assert not {j.id for j in other.jobs} & {j.id for j in first.jobs}
+
+    # a job no longer held under that lease (completed here) is not answered again
+    assert await complete(queue, first.jobs[0]) is Code.OK
+    after = await scripts.claim(shard, W, 3, 30_000, token="t-1")
+    assert after.jobs == first.jobs[1:]
+    # nor under another worker's name: the token is the claim's, not a way into its jobs
+    assert (await scripts.claim(shard, "worker-b", 3, 30_000, token="t-1")).jobs == []
+
+
+async def test_a_claim_token_kept_past_its_lease_claims_anew(queue: Queue) -> None:
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(40)])
+    shard = queue.keys.shard_of(subs[0].job_id)
+    kept = queue.keys.base(shard) + "ct:t-short"
+    first = await queue.scripts.claim(shard, W, 2, 200, token="t-short")
+    assert len(first.jobs) == 2
+    assert 0 < await queue.redis.pttl(kept) <= 200  # kept for the claim's lease
+
+    async def gone() -> bool:
+        return await queue.redis.exists(kept) == 0
+
+    await wait_for(gone, timeout=5)
+    late = await queue.scripts.claim(shard, W, 2, 30_000, token="t-short")
+    assert len(late.jobs) == 2 and not {j.id for j in late.jobs} & {j.id for j in first.jobs}
+
+
+async def test_a_claim_without_a_token_or_that_leased_nothing_keeps_nothing(queue: Queue) -> None:
+    sub = await queue.submit("echo", None)
+    shard = queue.keys.shard_of(sub.job_id)
+    base = queue.keys.base(shard)
+    nothing = [("nothing-here", -1)]
+    empty = await queue.scripts.claim(shard, W, 5, 30_000, nothing, token="t-empty")
+    assert empty.jobs == [] and await queue.redis.exists(base + "ct:t-empty") == 0
+    # resent when there is work, a claim that leased nothing claims it
+    resent = await queue.scripts.claim(shard, W, 5, 30_000, token="t-empty")
+    assert [j.id for j in resent.jobs] == [sub.job_id]
+    sub2 = await queue.submit("echo", None)
+    shard2 = queue.keys.shard_of(sub2.job_id)
+    kept = queue.keys.base(shard2) + "ct:*"
+    before = await queue.redis.keys(kept)
+    untokened = await queue.scripts.claim(shard2, W, 5, 30_000, token="")
+    assert [j.id for j in untokened.jobs] == [sub2.job_id]
+    assert await queue.redis.keys(kept) == before
+
+
+async def test_worker_writes_resent_after_they_ran_are_refused_or_harmless(queue: Queue) -> None:
+    """What a resend of the other worker transitions does: a completion or a failure that ran
+    is refused as stale (its lease is gone), a heartbeat extends the same lease again."""
+    a = await queue.submit("echo", None)
+    job_a = await claim(queue, a.job_id)
+    b = await queue.submit("echo", None, max_attempts=3)
+    job_b = await claim(queue, b.job_id)
+    assert (await heartbeat(queue, job_a))[0] is Code.OK
+    assert (await heartbeat(queue, job_a))[0] is Code.OK
+    assert await complete(queue, job_a) is Code.OK
+    assert await complete(queue, job_a) is Code.WRONG_STATE
+    assert (await fail(queue, job_b, 60_000))[0] is Code.OK
+    assert (await fail(queue, job_b, 60_000))[0] is Code.WRONG_STATE
+    assert (await queue.status(b.job_id)).attempt == 1

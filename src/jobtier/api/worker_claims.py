@@ -26,6 +26,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from redis.exceptions import RedisError
+
 from jobtier.core.keys import Keys
 from jobtier.core.model import ClaimedJob
 from jobtier.runtime.loop import wait_for
@@ -171,7 +173,23 @@ class WorkerClaims:
             calls: list[Call] = [
                 claim_call(shard, worker, n, lease_ms, asked, types) for shard, n in plan
             ]
-            replies = await self.scripts.call_many(calls)
+            try:
+                # each call carries its claim token (claim_call): sent again by the client
+                # library when a reply is lost, it answers the jobs it leased, no others
+                replies = await self.scripts.call_many(calls)
+            except (RedisError, OSError) as exc:
+                if not out:
+                    raise
+                # jobs an earlier round leased are the worker's: answer them, or they would
+                # wait out their lease, an attempt lost
+                log.warning(
+                    "event=claim_round_failed worker=%s claimed=%d error=%r: answering the "
+                    "jobs already claimed",
+                    worker,
+                    len(out),
+                    exc,
+                )
+                break
             for (shard, _), g, reply in zip(plan, gens, replies, strict=True):
                 batch = parse_claim(shard, reply)
                 if w.gen[shard] == g:

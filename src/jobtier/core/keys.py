@@ -36,6 +36,8 @@ Per shard::
                                     "<tenant>:<key>:limit"
     jt:{s}:sched             zset   scheduled jobs by run-at (ms)
     jt:{s}:active            zset   running jobs by lease deadline (ms)
+    jt:{s}:ct:<token>        string what a claim with that token leased (msgpack), kept for
+                                    its lease: the call sent again answers it again (claim.lua)
     jt:{s}:dead              zset   failed jobs (the dead-letter set) by failure time (ms)
     jt:{s}:idem:<tenant>:<k> string idempotency record: "<job id> <request hash>"
     jt:{s}:db:<tenant>:<queue>:<type> <key>

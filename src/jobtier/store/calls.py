@@ -7,6 +7,7 @@ bare integers, so no caller knows a script's argument layout.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,6 +118,12 @@ def parse_submit(reply: list[Any]) -> list[SubmitOutcome]:
     ]
 
 
+def claim_token() -> str:
+    """A claim's token, unique per call: 96 random bits (a worker's processes fork, so no
+    per-process counter would do)."""
+    return secrets.token_urlsafe(12)
+
+
 def claim_call(
     shard: int,
     worker: str,
@@ -124,12 +131,19 @@ def claim_call(
     lease_ms: int,
     queues: Sequence[tuple[str, int]] = ((DEFAULT_QUEUE, -1),),
     types: Sequence[str] = (),
+    token: str | None = None,
 ) -> Call:
     """``queues``: (name, most jobs to take from it, -1 for no cap), in the order they share
-    the call; ``types``: the task types the worker runs (empty: any, for tools)."""
+    the call; ``types``: the task types the worker runs (empty: any, for tools).
+
+    ``token`` (a fresh one if None; '' for none) makes the call safe to send twice: the
+    client library sends it again, the same bytes, when the connection dies before its reply,
+    and claim.lua answers a token it already served with the jobs it leased then rather than
+    leasing more (which would stay leased to a worker that never heard of them)."""
     args = _flat([worker, count, lease_ms, len(queues)], queues)
     args.append(len(types))
     args.extend(types)
+    args.append(claim_token() if token is None else token)
     return ("claim", shard, args)
 
 

@@ -248,9 +248,10 @@ async def run_scripts(
     Any other error is raised, and the refused calls beside it (on any node) are not sent
     again: the caller, told the batch failed, sends it again, so a call that never ran
     cannot have made a job or a claim the caller does not know of. Calls that ran beside the
-    error (on a cluster node that answered) are refused as stale when sent again (claims,
-    completions), or made idempotent by a key (submits). ``run_scripts_each`` tells apart
-    the calls that failed from those that ran."""
+    error (on a cluster node that answered) are refused as stale when sent again
+    (completions), answer as they did (a claim sent again with its token: claim.lua), or are
+    made idempotent by a key (submits). ``run_scripts_each`` tells apart the calls that
+    failed from those that ran."""
     results = await run_scripts_each(redis, calls, resend_beside_errors=False)
     for reply in results:
         if isinstance(reply, Exception):

@@ -15,7 +15,12 @@ Races guarded here:
 - slots promised to claims in flight are reserved, so the main loop and the limited queues'
   loops never start more jobs than ``concurrency`` between them;
 - a claim still in flight at the shutdown's deadline is abandoned: a Redis that stopped
-  answering must not hold the shutdown past its bound.
+  answering must not hold the shutdown past its bound;
+- a claim whose reply was lost (the connection died, and the client library did not send
+  it again or failed to: a failover) may have leased jobs: the next round sends the same
+  calls again, with their claim tokens, and claim.lua answers a token it served with the
+  jobs it leased then (store/calls.py claim_call), so they come to this worker rather than
+  waiting out their lease, an attempt lost.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 from redis.exceptions import RedisError
 
@@ -38,6 +44,16 @@ log = logging.getLogger("jobtier.worker")
 
 UNKNOWN = 1 << 30  # a shard whose queue length we don't know: worth asking
 PROBE_MIN = 16  # fewest jobs asked of a shard whose count is unknown (see _plan)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unanswered:
+    """A claim whose reply was lost: the jobs it asked, the call, and until when (monotonic)
+    it is sent again."""
+
+    count: int
+    call: Call
+    until: float
 
 
 class Claimer:
@@ -60,6 +76,9 @@ class Claimer:
         self._queue_turn = 0
         self._unblock: asyncio.TimerHandle | None = None  # a look when a queue's block ends
         self._unblock_ms = 0
+        # shard -> the claim whose reply never came (see the module docstring): the next
+        # rounds send it again
+        self._unanswered: dict[int, _Unanswered] = {}
         launcher.breakers.on_lift = self.on_reset  # held types come back: claim them
 
     def on_wake(self, channel: bytes, data: bytes) -> None:
@@ -163,25 +182,37 @@ class Claimer:
                 self._ready = [UNKNOWN] * self._shards
 
     async def _claim(self, free: int) -> int:
-        """One pipelined round of claims over the shards believed to hold ready jobs."""
-        plan = self._plan(free)
+        """One pipelined round of claims over the shards believed to hold ready jobs, and
+        the claims whose replies were lost sent again (``_resend``)."""
+        kept = self._resend(free)
+        asked = sum(u.count for u in kept.values())
+        plan: list[tuple[int, int]] = []
+        calls: list[Call] = []
+        if free > asked:
+            for (shard, n), call in zip(*self._new_round(free - asked), strict=True):
+                if shard not in kept:  # asked again as it was, below
+                    plan.append((shard, n))
+                    calls.append(call)
+        for shard, u in kept.items():
+            plan.append((shard, u.count))
+            calls.append(u.call)
         if not plan:
             return 0
         state = self.state
-        served = state.queues
-        turn = self._queue_turn
-        self._queue_turn = (turn + 1) % len(served)
-        queues = [(q, -1) for q in served[turn:] + served[:turn] if q not in self._limited]
-        if not queues:
-            self._ready = [0] * self._shards  # every queue is limited: their loops claim
-            return 0
         generations = [self._generation[shard] for shard, _ in plan]
-        calls: list[Call] = [
-            claim_call(shard, self.id, n, state.lease_ms, queues, state.types) for shard, n in plan
-        ]
-        # each shard's reply on its own: a cluster node that is down (a master failing over)
-        # fails its shards' claims, the jobs claimed on the others start at once
-        replies = await self._scripts.call_many_each(calls)
+        try:
+            # each shard's reply on its own: a cluster node that is down (a master failing
+            # over) fails its shards' claims, the jobs claimed on the others start at once
+            replies = await self._scripts.call_many_each(calls)
+        except (RedisError, OSError) as exc:
+            replies = [exc] * len(calls)
+        # a failed claim may have run, its reply lost with the connection: sent again as it
+        # was (its token) at the next round
+        until = time.monotonic() + state.lease_ms / 2000
+        for (shard, n), call, reply in zip(plan, calls, replies, strict=True):
+            if isinstance(reply, (RedisError, OSError)):
+                first = kept.get(shard)
+                self._unanswered[shard] = first or _Unanswered(n, call, until)
         state.stats.claim_round_trips += 1
         failed = [reply for reply in replies if isinstance(reply, Exception)]
         if len(failed) == len(replies):
@@ -207,6 +238,47 @@ class Claimer:
         if unaware:
             await self.refresh_limits()  # a queue became limited: claim it with permits
         return total
+
+    def _resend(self, free: int) -> dict[int, _Unanswered]:
+        """The claims whose replies were lost, to send again as they were (their tokens), for
+        half a lease at most: the jobs such a claim leased can still start under their lease,
+        and the slots kept for them meanwhile do not stay idle long (a node down for longer).
+        None of them if they asked for more jobs than the slots now free (a limited queue's
+        loop took some): a call that did not run would lease more than there is room for."""
+        unanswered, self._unanswered = self._unanswered, {}
+        now = time.monotonic()
+        kept = {shard: u for shard, u in unanswered.items() if u.until > now}
+        if sum(u.count for u in kept.values()) > free:
+            kept = {}
+        dropped = [shard for shard in unanswered if shard not in kept]
+        if dropped:
+            log.warning(
+                "event=claim_not_resent worker=%s shards=%s: its reply was lost too long ago, "
+                "or fewer slots are free than it asked; jobs it leased, if any, return when "
+                "their lease expires",
+                self.id,
+                ",".join(map(str, dropped)),
+            )
+        return kept
+
+    def _new_round(self, free: int) -> tuple[list[tuple[int, int]], list[Call]]:
+        """(plan, calls) of a round of claims over the shards believed to hold ready jobs;
+        empty when there is nothing to ask."""
+        plan = self._plan(free)
+        if not plan:
+            return [], []
+        state = self.state
+        served = state.queues
+        turn = self._queue_turn
+        self._queue_turn = (turn + 1) % len(served)
+        queues = [(q, -1) for q in served[turn:] + served[:turn] if q not in self._limited]
+        if not queues:
+            self._ready = [0] * self._shards  # every queue is limited: their loops claim
+            return [], []
+        calls: list[Call] = [
+            claim_call(shard, self.id, n, state.lease_ms, queues, state.types) for shard, n in plan
+        ]
+        return plan, calls
 
     # --- limited queues (permits.py) --------------------------------------------------------
     def claimer_idle(self) -> None:

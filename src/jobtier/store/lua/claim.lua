@@ -10,6 +10,7 @@
 --            queue, the permits the worker holds for this call: limit.lua)
 -- then     number of task types t the worker can run, then the t names (t = 0: any type;
 --          for tools and tests, never a worker)
+-- then     the claim's token: unique per call ('' or absent: none; see below)
 -- Returns  {now ms, ready jobs left in the shard's served queues (that this worker could
 --           run, for parked ones; a limited queue's only when the worker had permits for it),
 --           jobs claimed k, jobs handed back h, limited queues asked without a cap l,
@@ -37,6 +38,16 @@
 -- jt:{s}:park:<queue>:<type>, counted in jt:{s}:parked under '<queue>:<type>'. Parked jobs
 -- are out of the ready counts, so a worker that cannot run them does not keep meeting them;
 -- claims by workers that can run them take them first (they have waited longest).
+--
+-- A claim may run twice: the client library sends a call again when the connection dies
+-- before its reply, and the first call may have run. So a claim that leased jobs keeps what
+-- it answered under its token, jt:{s}:ct:<token> (msgpack: now, ready left, wake_at, then
+-- per job its id, lease_version and queued-at ms), for a lease. The same token sent again
+-- answers those jobs again, rendered as the first answer (its `now`: the lease started
+-- then), without claiming others: only the jobs still running under that lease for this
+-- worker (a lease that expired, a cancel, made them another's). Nothing is handed back or
+-- written by such a replay. A claim that leased nothing keeps nothing (an idle worker's
+-- empty claims write nothing), and a replay of it claims as a new one would.
 --!include lib.lua
 
 local ROTATION = {1, 2, 1, 3, 1, 2, 1, 4, 1, 2, 1, 3, 1, 2, 1}
@@ -55,6 +66,7 @@ for i = 1, nq do
   fields[#fields + 1] = q .. ':blocked'
 end
 local runnable = nil
+local token_key = nil  -- where this claim's answer is kept (nil: no token)
 do
   local a = 6 + 2 * nq
   local t = tonumber(ARGV[a])
@@ -63,6 +75,56 @@ do
     for i = 1, t do
       runnable[ARGV[a + i]] = true
     end
+  end
+  local token = ARGV[a + t + 1]
+  if token and token ~= '' then
+    token_key = BASE .. 'ct:' .. token
+  end
+end
+
+-- a claimed job's reply fields, from `k + 1` of `out`; `j` loaded with its payload and trace
+-- context (load(id, 'payload', 'tp')); returns the index of its last field
+local function render_claimed(out, k, j, queued_at)
+  out[k + 1], out[k + 2], out[k + 3], out[k + 4] = j.id, j.type, j.more, j.attempt
+  out[k + 5], out[k + 6], out[k + 7] = j.max_attempts, j.lease_version, queued_at
+  out[k + 8], out[k + 9], out[k + 10] = j.queue, flow_inputs(j), j.more2 or ''
+  -- the failed job a compensation compensates (lib.lua compensate), read only for a
+  -- payload of a compensation's shape: one HGET for those, none for the others
+  local cof = ''
+  if string.sub(j.more or '', 1, 10) == '{"job_id":' then
+    cof = redis.call('HGET', j._key, 'cof') or ''
+  end
+  out[k + 11] = cof
+  -- the last checkpoint a previous attempt saved (heartbeat.lua), '' for none
+  out[k + 12] = has_flag(j, 'K') and (redis.call('HGET', j._key, 'cp') or '') or ''
+  return k + 12
+end
+
+-- The answer of a claim already run under this token, its jobs rendered again (those still
+-- leased to this worker under the lease it gave), or nil: not run, or its answer expired.
+local function replay()
+  local kept = token_key and redis.call('GET', token_key)
+  if not kept then
+    return nil
+  end
+  local first = cmsgpack.unpack(kept)
+  local out = {first[1], first[2], 0, 0, 0, first[3]}
+  local nout, claimed = #out, 0
+  for i = 4, #first, 3 do
+    local j = load(first[i], 'payload', 'tp')
+    if j and j.state == 'running' and j.worker == worker and j.lease_version == first[i + 1] then
+      nout = render_claimed(out, nout, j, first[i + 2])
+      claimed = claimed + 1
+    end
+  end
+  out[3] = claimed
+  return out
+end
+
+do
+  local again = replay()
+  if again then
+    return again
   end
 end
 
@@ -175,20 +237,7 @@ local function claim_ids(ids)
         j.lease_version = int(tonumber(j.version) + 1)
         commit(j, 'queued', worker)
         active[#active + 1], active[#active + 2] = deadline, id
-        local k = nout
-        out[k + 1], out[k + 2], out[k + 3], out[k + 4] = id, j.type, j.more, j.attempt
-        out[k + 5], out[k + 6], out[k + 7] = j.max_attempts, j.lease_version, queued_at
-        out[k + 8], out[k + 9], out[k + 10] = j.queue, flow_inputs(j), j.more2 or ''
-        -- the failed job a compensation compensates (lib.lua compensate), read only for a
-        -- payload of a compensation's shape: one HGET for those, none for the others
-        local cof = ''
-        if string.sub(j.more or '', 1, 10) == '{"job_id":' then
-          cof = redis.call('HGET', j._key, 'cof') or ''
-        end
-        out[k + 11] = cof
-        -- the last checkpoint a previous attempt saved (heartbeat.lua), '' for none
-        out[k + 12] = has_flag(j, 'K') and (redis.call('HGET', j._key, 'cp') or '') or ''
-        nout = k + 12
+        nout = render_claimed(out, nout, j, queued_at)
         claimed = claimed + 1
       end
     end
@@ -269,6 +318,14 @@ for _, p in ipairs(parked) do
 end
 out[2] = math.max(left, 0)
 out[3], out[4], out[5] = claimed, #handed, #unaware
+if token_key and claimed > 0 then
+  -- what a resent call answers (replay): the jobs' places in `out` are fixed, 12 fields each
+  local kept = {NOW, out[2], wake_at}
+  for k = 7, 6 + 12 * claimed, 12 do
+    kept[#kept + 1], kept[#kept + 2], kept[#kept + 3] = out[k], out[k + 5], out[k + 6]
+  end
+  redis.call('SET', token_key, cmsgpack.pack(kept), 'PX', lease)
+end
 for _, j in ipairs(handed) do
   out[#out + 1] = j.id
 end

@@ -1,0 +1,97 @@
+"""Claims that fail half-way: a Python worker's claim round whose reply for one shard is lost
+(worker/claimer.py sends that claim again, with its token), and an HTTP worker's claim whose
+later round fails (api/worker_claims.py answers what the earlier rounds took). Either way the
+jobs a claim leased reach a worker rather than waiting out their lease, an attempt lost."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, cast
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from jobtier.api.worker_claims import WorkerClaims, _Waiter
+from jobtier.core.model import JobSpec, State
+from jobtier.engine.queue import Queue
+from jobtier.store.calls import Call, parse_claim
+from jobtier.store.scripts import Scripts
+from tests.fixtures.engine import worker_for
+from tests.tasks import registry
+
+
+class FailingSecondRound:
+    """The scripts, but the second pipelined round of claims fails (Redis went away)."""
+
+    def __init__(self, scripts: Scripts) -> None:
+        self.scripts = scripts
+        self.rounds = 0
+
+    async def call_many(self, calls: Sequence[Call]) -> list[Any]:
+        self.rounds += 1
+        if self.rounds == 2:
+            raise RedisConnectionError("Connection closed by server.")
+        return await self.scripts.call_many(calls)
+
+
+class OneShardAtATime(WorkerClaims):
+    """Rounds of one job of one shard each, so that a claim of 2 takes two rounds."""
+
+    shard = 0
+
+    def _plan(self, w: _Waiter, want: int) -> list[tuple[int, int]]:
+        return [(self.shard, 1)]
+
+
+async def test_jobs_an_earlier_round_leased_are_answered_when_a_later_round_fails(
+    queue: Queue,
+) -> None:
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(5)])
+    # five jobs over four shards: one shard holds two
+    shard, n = Counter(queue.keys.shard_of(s.job_id) for s in subs).most_common(1)[0]
+    assert n >= 2
+    scripts = FailingSecondRound(queue.scripts)
+    claims = OneShardAtATime(queue.redis, queue.keys, cast(Scripts, scripts))
+    claims.shard = shard
+    got = await claims.claim("http-w", (), ["default"], 2, 30_000, 0.0, _never_gone)
+    assert scripts.rounds == 2  # the second round was tried, and failed
+    assert len(got) == 1
+    status = await queue.status(got[0].job.id)
+    assert status.state is State.RUNNING and status.worker == "http-w"
+
+
+async def _never_gone() -> bool:
+    return False
+
+
+async def test_a_worker_sends_again_the_claim_of_a_shard_whose_reply_was_lost(
+    queue: Queue,
+) -> None:
+    """A round's claims ran, one shard's reply was lost (its node went away): the worker
+    starts the others' jobs and, at a later round, sends that shard's claim again as it was
+    (its token), which answers the jobs it leased."""
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(20)])
+    worker = worker_for(queue, registry, burst=True, concurrency=50)
+    scripts = worker.state.scripts
+    call_many_each = scripts.call_many_each
+    rounds: list[list[Call]] = []
+    lost: list[Call] = []
+
+    async def lose_one_reply(calls: Sequence[Call]) -> list[Any]:
+        rounds.append(list(calls))
+        replies: list[Any] = await call_many_each(calls)
+        if not lost:
+            for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
+                if parse_claim(call[1], reply).jobs:  # it leased jobs: its reply is lost
+                    lost.append(call)
+                    replies[i] = RedisConnectionError("Connection closed by server.")
+                    break
+        return replies
+
+    scripts.call_many_each = lose_one_reply  # type: ignore[method-assign]
+    stats = await worker.run()  # no scheduler: a job leased to nobody would never end
+    assert stats.succeeded == 20 and lost
+    assert any(lost[0] in calls for calls in rounds[1:])  # the same call, token and all
+    for sub in subs:
+        status = await queue.status(sub.job_id)
+        assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
