@@ -409,3 +409,73 @@ async def test_a_running_job_with_a_cancel_request_is_cancelled(
     await Persister(pg_settings, q.redis, pg_pool, "p2").drain()
     assert await pg_state(pg_pool, job_id) == ("cancelled", 4)
     assert await pg_pool.fetch(query("history_gaps"), [job_id]) == []
+
+
+async def test_a_running_job_whose_lease_redis_kept_is_advanced_in_place(
+    q: Queue, pg_settings: Settings, pg_pool: Pool
+) -> None:
+    """Redis lost only a progress report: it holds the job running at an older version under
+    the same lease (worker, attempt, claim) Postgres has. The worker still runs it, so the
+    job is moved forward where it is, not put back in its queue: the worker's completion is
+    accepted, one attempt runs, and the history has no gap and no version twice."""
+    p = Persister(pg_settings, q.redis, pg_pool, "p1")
+    job_id = (await q.submit("echo", "x", queue=LOST)).job_id
+    lease = await claim(q, job_id)
+    await p.drain()
+    saved = await snapshot(q.redis)
+    shard = q.keys.shard_of(job_id)
+    beat = calls.heartbeat_call(shard, "w-lost", 60_000, [(job_id, lease, b'{"done":1}')])
+    (codes,) = await q.scripts.call_many([beat])
+    assert calls.parse_pairs(codes)[0][0] == 0
+    await p.drain()
+    assert await pg_state(pg_pool, job_id) == ("running", 3)
+    await restore(q.redis, saved)
+    assert await redis_state(q, job_id) == ("running", 2)
+
+    async with pg_pool.acquire() as conn:
+        report = await reconcile(pg_settings, q.redis, conn, WINDOW)
+    assert report.repaired == {"restored": 0, "advanced": 1, "requeued": 0}, report
+    status = await q.status(job_id)
+    assert (status.state, status.version, status.attempt) == (State.RUNNING, 3, 1)
+    assert status.progress == {"done": 1} and status.worker == "w-lost"
+
+    finish = calls.complete_call(shard, "w-lost", 86400, [(job_id, lease, b'"ok"')])
+    (codes,) = await q.scripts.call_many([finish])
+    assert codes == [0]  # the lease still holds
+    await Persister(pg_settings, q.redis, pg_pool, "p2").drain()
+    status = await q.status(job_id)
+    assert (status.state, status.version, status.attempt) == (State.SUCCEEDED, 4, 1)
+    assert await pg_state(pg_pool, job_id) == ("succeeded", 4)
+    twice = await pg_pool.fetch(
+        "SELECT version FROM job_transitions WHERE job_id = $1 GROUP BY version "
+        "HAVING count(*) > 1",
+        job_id,
+    )
+    assert twice == []
+    assert await pg_pool.fetch(query("history_gaps"), [job_id]) == []
+
+
+async def test_a_running_job_claimed_again_after_the_kept_lease_is_requeued(
+    q: Queue, pg_settings: Settings, pg_pool: Pool
+) -> None:
+    """Postgres ahead by a later claim of the same job (its worker gave it back, then took it
+    again: the same worker and attempt, another lease): the lease Redis holds is not the one
+    the worker runs under, so the job goes back to its queue as before."""
+    p = Persister(pg_settings, q.redis, pg_pool, "p1")
+    job_id = (await q.submit("echo", "x", queue=LOST)).job_id
+    lease = await claim(q, job_id)
+    await p.drain()
+    saved = await snapshot(q.redis)
+    shard = q.keys.shard_of(job_id)
+    await q.scripts.call_many([calls.stopped_call(shard, "w-lost", 86400, [(job_id, lease)])])
+    assert await claim(q, job_id) != lease
+    await p.drain()
+    assert await pg_state(pg_pool, job_id) == ("running", 4)
+    await restore(q.redis, saved)
+    assert await redis_state(q, job_id) == ("running", 2)
+
+    async with pg_pool.acquire() as conn:
+        report = await reconcile(pg_settings, q.redis, conn, WINDOW)
+    assert report.repaired == {"restored": 0, "advanced": 0, "requeued": 1}, report
+    assert await redis_state(q, job_id) == ("queued", 5)
+    assert (await q.status(job_id)).attempt == 1

@@ -12,6 +12,9 @@ atomic, version-checked script per batch and shard, which never moves a job back
 * per batch, Redis's version of each job in one pipelined read (one round trip per node);
   only the jobs Redis lacks or holds at a lower version go on (a job Redis holds at a later
   version, not persisted yet, is the normal case and is left alone);
+* a job running in both under the same lease (worker, attempt, and the claim Postgres's
+  history has last) lost only a heartbeat's write (progress, a checkpoint): its worker still
+  runs it, so it is moved forward in place, its lease kept, not put back in its queue;
 * a finished job Redis no longer holds because its retention ran out is not brought back.
 
 ``jobtier reconcile`` runs one pass (``--dry-run``: the comparison only). A persister runs
@@ -68,6 +71,12 @@ _LARGE_RESULTS = "SELECT job_id, result FROM job_results WHERE job_id = ANY($1::
 _DEPENDENCIES = """
 SELECT job_id, depends_on, child FROM job_dependencies
 WHERE job_id = ANY($1::text[]) ORDER BY job_id, position
+"""
+# the version of each job's latest claim (queued -> running): its lease version
+_CLAIMS = """
+SELECT DISTINCT ON (job_id) job_id, version FROM job_transitions
+WHERE job_id = ANY($1::text[]) AND to_state = 'running' AND from_state <> 'running'
+ORDER BY job_id, version DESC
 """
 _DEPENDENTS = """
 SELECT depends_on, job_id FROM job_dependencies WHERE depends_on = ANY($1::text[])
@@ -137,15 +146,37 @@ class _Job:
 
     row: asyncpg.Record
     was: str  # '' absent, else '<state> <version>'
+    held: _Lease | None = None  # the lease Redis holds it under, when running there
+    claimed: int | None = None  # running in Postgres: the version of its latest claim
 
     @property
     def id(self) -> str:
         return str(self.row["id"])
 
+    def same_lease(self) -> bool:
+        """Running in both under the same lease (reconcile.lua same_lease)."""
+        row, held = self.row, self.held
+        return (
+            row["state"] == "running"
+            and held is not None
+            and held.worker == (_doc_decoder.decode(row["doc"]).worker or "")
+            and held.attempt == row["attempt"]
+            and (self.claimed is None or self.claimed == held.version)
+        )
+
     def kind(self) -> str:
-        if self.row["state"] == "running":
+        if self.row["state"] == "running" and not self.same_lease():
             return "requeued"
         return "advanced" if self.was else "restored"
+
+
+@dataclass(frozen=True)
+class _Lease:
+    """A running job's lease as Redis holds it: its worker, attempt and lease version."""
+
+    worker: str
+    attempt: int
+    version: int
 
 
 class Reconciler:
@@ -176,6 +207,7 @@ class Reconciler:
             behind = await self._behind(rows, report)
             if not behind:
                 continue
+            await _claims(conn, behind)
             if dry_run:
                 for job in behind:
                     report.repaired[job.kind()] += 1
@@ -199,19 +231,24 @@ class Reconciler:
         now_ms = int(time.time() * 1000)
         out = []
         for row, t in zip(rows, await pipe.execute(), strict=True):
-            was = ""
+            was, held = "", None
             if t is not None:
-                state, version = (t.decode() if isinstance(t, bytes) else t).split(" ", 2)[:2]
+                # lib.lua packed_t: state version attempt updated run_at run_at_iso cancel
+                # lease_version lv lt worker
+                parts = (t.decode() if isinstance(t, bytes) else t).split(" ", 10)
+                state, version = parts[0], parts[1]
                 if int(version) >= row["version"]:
                     continue
                 was = f"{state} {version}"
+                if state == "running":
+                    held = _Lease(parts[10], int(parts[2]), int(parts[7]))
             elif row["state"] in FINISHED and self._ttl(row, now_ms) <= 0:
                 report.expired += 1
                 continue
             if row["payload"] is None:
                 report.incomplete += 1
                 continue
-            out.append(_Job(row, was))
+            out.append(_Job(row, was, held))
         return out
 
     def _ttl(self, row: asyncpg.Record, now_ms: int) -> int:
@@ -263,7 +300,7 @@ class Reconciler:
         deps: dict[str, list[tuple[str, bool]]],
         dependents: dict[str, list[str]],
     ) -> list[Any]:
-        """reconcile.lua's 23 fields of one job."""
+        """reconcile.lua's 24 fields of one job."""
         row = job.row
         doc = _doc_decoder.decode(row["doc"])
         state = row["state"]
@@ -295,6 +332,7 @@ class Reconciler:
             " ".join(dep for dep, _ in waits),
             "".join("1" if child else "0" for _, child in waits),
             " ".join(dependents.get(job.id, [])) if state in FINISHED else "",
+            "" if job.claimed is None else job.claimed,
         ]
 
 
@@ -340,6 +378,15 @@ async def _extras(
         for r in await conn.fetch(_DEPENDENTS, finished):
             dependents[r["depends_on"]].append(r["job_id"])
     return large, deps, dependents
+
+
+async def _claims(conn: AnyConnection, jobs: Sequence[_Job]) -> None:
+    """Each job running in Postgres and in Redis is given the version of its latest claim
+    in Postgres's history (None when pruned from it: then its worker and attempt decide)."""
+    running = {j.id: j for j in jobs if j.row["state"] == "running" and j.held is not None}
+    if running:
+        for r in await conn.fetch(_CLAIMS, list(running)):
+            running[r["job_id"]].claimed = int(r["version"])
 
 
 async def _batches(

@@ -6,7 +6,12 @@
 -- at that version or later, persisted or not, is left alone):
 --   queued / scheduled / waiting  back where a submit puts it (its ready list, the
 --                                 scheduled set; a waiting job is relinked by the resolver)
---   running                       back to the front of its queue (or cancelled, when a cancel
+--   running                       when Redis holds it running under the same lease (same
+--                                 worker, attempt and claim): moved forward where it is (its
+--                                 version, progress, error, cancel request), lease and
+--                                 deadline kept: only a heartbeat's write was lost and the
+--                                 worker still runs it, its next write accepted. Otherwise
+--                                 back to the front of its queue (or cancelled, when a cancel
 --                                 was requested), attempts kept: the worker that held it
 --                                 lost its lease with the lost write (at-least-once)
 --   succeeded / failed / cancelled its final state, result (or result reference) and
@@ -20,23 +25,25 @@
 --
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
--- ARGV[2]  number of jobs n, then 23 fields per job:
+-- ARGV[2]  number of jobs n, then 24 fields per job:
 --            id, tenant, type, priority, max_attempts, created_at (ISO, as its document),
 --            queue, state, version, attempt, updated ms, run_at ms ('' none), cancel
 --            requested (0/1), worker ('' none), error JSON ('' none), progress JSON ('' none),
 --            payload JSON, idempotency key ('' none), result ('' none; '@<ref>' kept in the
 --            result store), seconds a finished job stays, then the ids it waits for and
 --            their kinds (a waiting job: space-separated ids, one '0'/'1' per id; '' none)
---            and last the ids of its dependents ('' none)
+--            then the ids of its dependents ('' none) and last, for a running job, the
+--            version of its latest claim in Postgres's history (its lease version; '' none)
 -- Returns  per job: its outcome ('restored' absent before, 'advanced' older before,
---            'requeued' running in Postgres, 'skipped' Redis already as new), what Redis
+--            'requeued' running in Postgres and not under Redis's lease, 'skipped' Redis
+--            already as new), what Redis
 --            held ('' absent, else '<state> <version>'), what it holds now
 --            ('<state> <version>')
 -- The concurrency key of a job Redis lost whole is not in Postgres: it comes back without one.
 --!include lib.lua
 
 local n = tonumber(ARGV[2])
-local WIDTH = 23
+local WIDTH = 24
 local RELEASED = {'rl', '1'}
 local out = {}
 
@@ -87,6 +94,42 @@ local function restore_deps(j, ids, kinds)
   j.wf = with_flag(j.wf, 'w')
 end
 
+-- Redis holds j running under the lease Postgres's running copy at a is under: the same
+-- worker and attempt, and the same claim (an attempt can be given back and taken again by
+-- the same worker: stopped.lua, a refunded failure)
+local function same_lease(j, a)
+  local claimed = ARGV[a + 23]
+  return j.state == 'running' and ARGV[a + 7] == 'running' and j.worker == ARGV[a + 13]
+    and j.attempt == ARGV[a + 9] and (claimed == '' or claimed == j.lease_version)
+end
+
+-- j, running under its worker's lease, moved forward to Postgres's copy at a where it is: the
+-- lease (its version, worker, deadline in the active set) and the counts stay as they are,
+-- so the worker's next heartbeat or outcome is accepted. Its 'lv' is the version restored,
+-- which Postgres holds: the worker's next logged entry links to it. Returns its document.
+local function advance_running(j, a)
+  j.version = int(tonumber(ARGV[a + 8]))
+  j.lv, j.updated, j.lt = j.version, ARGV[a + 10], ARGV[a + 10]
+  if ARGV[a + 12] == '1' then
+    j.cancel = '1'  -- a cancel request is never withdrawn
+  end
+  j.error, j.progress = ARGV[a + 14], ARGV[a + 15]
+  local doc = render(j)
+  local fields, gone = {'t', packed_t(j)}, {}
+  for _, field in ipairs({'error', 'progress'}) do
+    if j[field] ~= '' then
+      fields[#fields + 1], fields[#fields + 2] = field, j[field]
+    else
+      gone[#gone + 1] = field
+    end
+  end
+  redis.call('HSET', j._key, unpack(fields))
+  if #gone > 0 then
+    redis.call('HDEL', j._key, unpack(gone))
+  end
+  return doc
+end
+
 for i = 0, n - 1 do
   local a = 3 + i * WIDTH
   local id, version = ARGV[a], tonumber(ARGV[a + 8])
@@ -94,6 +137,11 @@ for i = 0, n - 1 do
   if old and tonumber(old.version) >= version then
     local was = old.state .. ' ' .. old.version
     out[#out + 1], out[#out + 2], out[#out + 3] = 'skipped', was, was
+  elseif old and same_lease(old, a) then
+    local was = old.state .. ' ' .. old.version
+    local doc = advance_running(old, a)
+    redis.call('SPUBLISH', EV, id .. ' ' .. old.version .. ' ' .. old.tenant .. '\n' .. doc)
+    out[#out + 1], out[#out + 2], out[#out + 3] = 'advanced', was, 'running ' .. old.version
   else
     local was = ''
     if old then
