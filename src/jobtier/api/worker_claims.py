@@ -175,22 +175,28 @@ class WorkerClaims:
             ]
             try:
                 # each call carries its claim token (claim_call): sent again by the client
-                # library when a reply is lost, it answers the jobs it leased, no others
-                replies = await self.scripts.call_many(calls)
+                # library when a reply is lost, it answers the jobs it leased, no others.
+                # Each shard's reply on its own: a cluster node failing over fails its
+                # shards' claims, the jobs leased on the healthy nodes are still answered
+                replies = await self.scripts.call_many_each(calls)
             except (RedisError, OSError) as exc:
-                if not out:
-                    raise
-                # jobs an earlier round leased are the worker's: answer them, or they would
-                # wait out their lease, an attempt lost
+                replies = [exc] * len(calls)
+            failed = [r for r in replies if isinstance(r, (RedisError, OSError))]
+            if failed:
+                if len(failed) == len(replies) and not out:
+                    raise failed[0]
                 log.warning(
-                    "event=claim_round_failed worker=%s claimed=%d error=%r: answering the "
-                    "jobs already claimed",
+                    "event=claim_round_failed worker=%s failed_shards=%d claimed=%d "
+                    "error=%r: answering the jobs claimed",
                     worker,
+                    len(failed),
                     len(out),
-                    exc,
+                    failed[0],
                 )
-                break
             for (shard, _), g, reply in zip(plan, gens, replies, strict=True):
+                if isinstance(reply, (RedisError, OSError)):
+                    w.ready[shard] = UNKNOWN  # probed again at the next claim
+                    continue
                 batch = parse_claim(shard, reply)
                 if w.gen[shard] == g:
                     # a shard that gave nothing may still count jobs no claim takes now (a
@@ -200,6 +206,8 @@ class WorkerClaims:
                     at = time.monotonic() + (batch.wake_at_ms - batch.now_ms) / 1000
                     w.wake_at = min(w.wake_at, at) if w.wake_at else at
                 out.extend(Claimed(job, shard) for job in batch.jobs)
+            if failed:
+                break  # the failed shards are asked again at the next claim, not in a loop now
         return out
 
     def _plan(self, w: _Waiter, want: int) -> list[tuple[int, int]]:
