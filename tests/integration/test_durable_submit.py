@@ -142,7 +142,7 @@ def test_the_settings_are_checked() -> None:
 
 # --- Sentinel: one master, one replica ----------------------------------------------------------
 # (through the engine: the store layer's WAIT, without the API around it)
-CONFIRM_MS = 5000  # a WAIT expected to be confirmed: ample on a loaded machine
+CONFIRM_MS = 3000  # a WAIT expected to be confirmed: ample, and below the socket timeout (5 s)
 SHORT_MS = 300  # a WAIT expected to time out (the replica frozen or cut off)
 
 
