@@ -21,7 +21,9 @@ import asyncpg
 import httpx
 import pytest
 import redis as syncredis
+from redis.asyncio.cluster import ClusterNode, PipelineCommand
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobtier import outbox
 from jobtier.config import Settings
@@ -36,6 +38,8 @@ from jobtier.persist.outbox import OutboxRelay
 from jobtier.store import durable
 from jobtier.store.calls import complete_call, promote_call, reclaim_call
 from jobtier.store.durable import Unreplicated
+from jobtier.store.redis import connect
+from jobtier.store.scripts import Scripts
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 from tests.tasks import registry
@@ -420,6 +424,49 @@ async def test_cluster_failover_keeps_what_durable_submit_acknowledged(
     assert await asyncio.to_thread(failover_cluster.wait_promoted, victim) is replica
     assert kept(replica, keys, acknowledged) == acknowledged
     assert kept(replica, keys, lagged) == []
+
+
+async def test_a_nodes_failed_send_is_raised_once_the_other_nodes_answered(
+    failover_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A durable write's pipelines go to every node at once; one node's failure is raised
+    only once the others' pipelines ended, none left running unawaited behind the error."""
+    settings = Settings.from_env({}, **cluster_overrides(failover_cluster))
+    real = ClusterNode.execute_pipeline
+    failing: list[str] = []
+    answered: list[str] = []
+    release = asyncio.Event()
+
+    async def one_node_down(node: ClusterNode, commands: list[PipelineCommand]) -> bool:
+        if not failing or node.name == failing[0]:
+            failing.append(node.name)
+            raise RedisConnectionError("Connection closed by server.")
+        await release.wait()  # the healthy nodes answer after the failure was raised
+        result = await real(node, commands)
+        answered.append(node.name)
+        return result
+
+    async def release_later() -> None:
+        for _ in range(20):  # turns of the event loop, not time
+            await asyncio.sleep(0)
+        release.set()
+
+    redis = connect(settings)
+    releaser = asyncio.create_task(release_later())
+    try:
+        scripts = Scripts(redis, Keys(settings.prefix, settings.shards))
+        monkeypatch.setattr(ClusterNode, "execute_pipeline", one_node_down)
+        with durable.waiting(1, 10), pytest.raises(RedisConnectionError):
+            await scripts.confirm(range(settings.shards))
+        assert len(set(answered)) == len(failover_cluster.masters()) - 1
+    finally:
+        monkeypatch.undo()
+        release.set()
+        await releaser
+        # the failed send asks the client to learn the topology again, and a client in that
+        # state closes nothing: learnt again, its connections are all closed
+        await redis.initialize()
+        await redis.aclose()
 
 
 # --- the outbox relay -----------------------------------------------------------------------------

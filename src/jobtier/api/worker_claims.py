@@ -165,6 +165,7 @@ class WorkerClaims:
         ``count`` are claimed or no shard may hold more."""
         out: list[Claimed] = []
         asked = [(q, -1) for q in queues]
+        down: set[int] = set()  # shards whose call failed: not asked again by this claim
         while len(out) < count:
             plan = self._plan(w, count - len(out))
             if not plan:
@@ -182,20 +183,31 @@ class WorkerClaims:
             except (RedisError, OSError) as exc:
                 replies = [exc] * len(calls)
             failed = [r for r in replies if isinstance(r, (RedisError, OSError))]
-            if failed:
-                if len(failed) == len(replies) and not out:
+            if len(failed) == len(replies):
+                if not out:
                     raise failed[0]
+                # jobs an earlier round leased are the worker's: answer them, or they would
+                # wait out their lease, an attempt lost
                 log.warning(
-                    "event=claim_round_failed worker=%s failed_shards=%d claimed=%d "
-                    "error=%r: answering the jobs claimed",
+                    "event=claim_round_failed worker=%s claimed=%d error=%r: answering the "
+                    "jobs already claimed",
+                    worker,
+                    len(out),
+                    failed[0],
+                )
+                break
+            if failed:
+                # the others' jobs are leased: answered, the failed shards asked again later
+                log.warning(
+                    "event=claim_shards_failed worker=%s shards=%d error=%r",
                     worker,
                     len(failed),
-                    len(out),
                     failed[0],
                 )
             for (shard, _), g, reply in zip(plan, gens, replies, strict=True):
                 if isinstance(reply, (RedisError, OSError)):
-                    w.ready[shard] = UNKNOWN  # probed again at the next claim
+                    w.ready[shard] = 0
+                    down.add(shard)
                     continue
                 batch = parse_claim(shard, reply)
                 if w.gen[shard] == g:
@@ -206,8 +218,8 @@ class WorkerClaims:
                     at = time.monotonic() + (batch.wake_at_ms - batch.now_ms) / 1000
                     w.wake_at = min(w.wake_at, at) if w.wake_at else at
                 out.extend(Claimed(job, shard) for job in batch.jobs)
-            if failed:
-                break  # the failed shards are asked again at the next claim, not in a loop now
+        for shard in down:
+            w.ready[shard] = UNKNOWN  # asked again at the next round of claims
         return out
 
     def _plan(self, w: _Waiter, want: int) -> list[tuple[int, int]]:
