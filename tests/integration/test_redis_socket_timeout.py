@@ -20,6 +20,7 @@ from jobtier.store.redis import connect
 SOCKET_TIMEOUT = 1.1  # the least JOBTIER_SUBMIT_REPLICAS_TIMEOUT_MS=100 allows
 
 
+@pytest.mark.slow  # the client retries: five timeouts in a row
 async def test_a_silent_master_fails_a_pipeline_instead_of_hanging_it(tmp_path: Path) -> None:
     server = LocalRedis(tmp_path / "redis").start()
     try:
