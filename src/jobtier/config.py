@@ -19,6 +19,7 @@ from jobtier.core.names import QUEUE_NAME_RE
 from jobtier.core.sealing import Keyring
 
 ENV_PREFIX = "JOBTIER_"
+WAIT_MARGIN = 1.0  # seconds a socket timeout must leave past the longest WAIT it carries
 
 
 def _setting(default: Any, help: str, *, env: str | None = None, secret: bool = False) -> Any:
@@ -46,6 +47,12 @@ class Settings:
     )
     redis_max_connections: int = _setting(
         64, "Connections per process (per node of a cluster); callers past it wait their turn."
+    )
+    redis_socket_timeout: float = _setting(
+        5.0,
+        "Seconds a Redis command waits for its reply before it fails (and is retried): a master "
+        "gone silent (host down, network cut) fails calls instead of hanging them. At least "
+        "JOBTIER_SUBMIT_REPLICAS_TIMEOUT_MS plus 1 s (a durable submit's WAIT blocks that long).",
     )
     prefix: str = _setting("jt", "Prefix of every Redis key and channel.")
     shards: int = _setting(
@@ -360,6 +367,11 @@ class Settings:
             problems.append("JOBTIER_SUBMIT_REPLICAS must be from 0 (off) to 999")
         if not 1 <= self.submit_replicas_timeout_ms <= 60_000:
             problems.append("JOBTIER_SUBMIT_REPLICAS_TIMEOUT_MS must be from 1 to 60000")
+        if self.redis_socket_timeout < self.submit_replicas_timeout_ms / 1000 + WAIT_MARGIN:
+            problems.append(
+                "JOBTIER_REDIS_SOCKET_TIMEOUT must be at least JOBTIER_SUBMIT_REPLICAS_TIMEOUT_MS "
+                f"+ {WAIT_MARGIN:g} s (a durable submit's WAIT blocks on its connection that long)"
+            )
         if self.default_max_attempts < 1:
             problems.append("JOBTIER_DEFAULT_MAX_ATTEMPTS must be at least 1")
         if self.api_server not in ("granian", "uvicorn"):

@@ -21,7 +21,9 @@ import asyncpg
 import httpx
 import pytest
 import redis as syncredis
+from redis.asyncio.cluster import ClusterNode, PipelineCommand
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobtier import outbox
 from jobtier.config import Settings
@@ -36,6 +38,8 @@ from jobtier.persist.outbox import OutboxRelay
 from jobtier.store import durable
 from jobtier.store.calls import complete_call, promote_call, reclaim_call
 from jobtier.store.durable import Unreplicated
+from jobtier.store.redis import connect
+from jobtier.store.scripts import Scripts
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 from tests.tasks import registry
@@ -142,7 +146,8 @@ def test_the_settings_are_checked() -> None:
 
 # --- Sentinel: one master, one replica ----------------------------------------------------------
 # (through the engine: the store layer's WAIT, without the API around it)
-WAIT_MS = 300
+CONFIRM_MS = 3000  # a WAIT expected to be confirmed: ample, and below the socket timeout (5 s)
+SHORT_MS = 300  # a WAIT expected to time out (the replica frozen or cut off)
 
 
 @pytest.fixture
@@ -162,9 +167,12 @@ async def retrying(call: Any, seconds: float = 30.0) -> Any:
                 await asyncio.sleep(0.05)
 
 
-async def submit(queue: Queue, key: str, replicas: int) -> tuple[str, durable.Durable]:
-    """A submit as the API makes it with ``Jobtier-Replicas: replicas``."""
-    with durable.waiting(replicas, WAIT_MS) as state:
+async def submit(
+    queue: Queue, key: str, replicas: int, wait_ms: int = CONFIRM_MS
+) -> tuple[str, durable.Durable]:
+    """A submit as the API makes it with ``Jobtier-Replicas: replicas``, its WAIT ``wait_ms``
+    at most."""
+    with durable.waiting(replicas, wait_ms) as state:
         job = await queue.produce.submit("echo", key, idempotency_key=key)
     return job.job_id, state
 
@@ -199,7 +207,7 @@ async def test_wait_counts_the_submits_own_write(sq: Queue, sentinels: LocalSent
         # a connection of its own, open before the submit, the replica caught up with it
         assert idle.execute_command("WAIT", 1, 5000) == 1
         with stopped(replica):
-            job_id, state = await submit(sq, "own-write", 1)
+            job_id, state = await submit(sq, "own-write", 1, SHORT_MS)
             assert (state.confirmed, state.short) == (0, True)
             assert idle.execute_command("WAIT", 1, 100) == 1  # another connection: yes
     await asyncio.to_thread(sentinels.wait_replicated)
@@ -221,12 +229,12 @@ async def test_a_durable_submit_is_never_acknowledged_and_lost(
         acknowledged.append(job_id)
     cutter(replica)
     for i in range(5):
-        job_id, state = await submit(sq, f"after-{i}", 1)
+        job_id, state = await submit(sq, f"after-{i}", 1, SHORT_MS)
         assert state.short and state.confirmed == 0  # the API answers 503: not acknowledged
     await fail_over(sentinels, master, replica)
     assert kept(replica, sq.keys, acknowledged) == acknowledged
     # the promoted master has no replica yet: still refused, never acknowledged
-    _, state = await retrying(lambda: submit(sq, "after-0", 1))
+    _, state = await retrying(lambda: submit(sq, "after-0", 1, SHORT_MS))
     assert state.short
     await asyncio.to_thread(sentinels.revive, master)  # back, as the promoted one's replica
     for i in range(5):  # the client retries its refused submits with their keys
@@ -355,6 +363,38 @@ async def test_the_wait_goes_to_the_node_of_the_submits_slot(
         assert r.status_code == 200, r.text  # the job the refused attempt made
 
 
+async def test_a_repeated_flow_waits_on_every_node_holding_its_jobs(
+    start_api: StartApi, failover_cluster: LocalCluster
+) -> None:
+    """A keyed flow repeated after it finished is answered from what the first submit made,
+    whose writes may still be on their masters alone: the repeat WAITs on every node holding
+    the flow's jobs, not only on its head's. With the replica of a master holding some of its
+    jobs (not the head) frozen, the repeat answers 503."""
+    # 2 s: long enough for the first submit's WAIT on a loaded machine, one 503 waits it out
+    api = await start_api(**cluster_overrides(failover_cluster), submit_replicas_timeout_ms=2000)
+    keys = Keys(api.settings.prefix, api.settings.shards)
+    body = {"jobs": [{"type": "echo", "payload": i} for i in range(12)], "idempotency_key": "fl"}
+    headers = {REPLICAS: "1"}
+    async with api.client() as c:
+        r = await c.post("/v1/flows", json=body, headers=headers)
+        assert r.status_code == 202, r.text
+        ids = [j["id"] for j in r.json()["jobs"]]
+        masters = [
+            failover_cluster.master_of_slot(key_slot(keys.base(keys.shard_of(i)).encode()))
+            for i in ids
+        ]
+        head = masters[0]  # a flow of independent jobs: its first is its head
+        others = [m for m in masters if m is not head]
+        assert others, "every job of the flow on the head's master"
+        (replica,) = failover_cluster.replicas_of(others[0])
+        with stopped(replica):
+            r = await c.post("/v1/flows", json=body, headers=headers)
+            assert r.status_code == 503, r.text
+        await asyncio.to_thread(failover_cluster.wait_replicated)
+        r = await c.post("/v1/flows", json=body, headers=headers)
+        assert r.status_code == 200 and [j["id"] for j in r.json()["jobs"]] == ids, r.text
+
+
 async def test_cluster_failover_keeps_what_durable_submit_acknowledged(
     start_api: StartApi, failover_cluster: LocalCluster, cutter: Cut
 ) -> None:
@@ -384,6 +424,49 @@ async def test_cluster_failover_keeps_what_durable_submit_acknowledged(
     assert await asyncio.to_thread(failover_cluster.wait_promoted, victim) is replica
     assert kept(replica, keys, acknowledged) == acknowledged
     assert kept(replica, keys, lagged) == []
+
+
+async def test_a_nodes_failed_send_is_raised_once_the_other_nodes_answered(
+    failover_cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A durable write's pipelines go to every node at once; one node's failure is raised
+    only once the others' pipelines ended, none left running unawaited behind the error."""
+    settings = Settings.from_env({}, **cluster_overrides(failover_cluster))
+    real = ClusterNode.execute_pipeline
+    failing: list[str] = []
+    answered: list[str] = []
+    release = asyncio.Event()
+
+    async def one_node_down(node: ClusterNode, commands: list[PipelineCommand]) -> bool:
+        if not failing or node.name == failing[0]:
+            failing.append(node.name)
+            raise RedisConnectionError("Connection closed by server.")
+        await release.wait()  # the healthy nodes answer after the failure was raised
+        result = await real(node, commands)
+        answered.append(node.name)
+        return result
+
+    async def release_later() -> None:
+        for _ in range(20):  # turns of the event loop, not time
+            await asyncio.sleep(0)
+        release.set()
+
+    redis = connect(settings)
+    releaser = asyncio.create_task(release_later())
+    try:
+        scripts = Scripts(redis, Keys(settings.prefix, settings.shards))
+        monkeypatch.setattr(ClusterNode, "execute_pipeline", one_node_down)
+        with durable.waiting(1, 10), pytest.raises(RedisConnectionError):
+            await scripts.confirm(range(settings.shards))
+        assert len(set(answered)) == len(failover_cluster.masters()) - 1
+    finally:
+        monkeypatch.undo()
+        release.set()
+        await releaser
+        # the failed send asks the client to learn the topology again, and a client in that
+        # state closes nothing: learnt again, its connections are all closed
+        await redis.initialize()
+        await redis.aclose()
 
 
 # --- the outbox relay -----------------------------------------------------------------------------

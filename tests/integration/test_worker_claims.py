@@ -27,11 +27,34 @@ class FailingSecondRound:
         self.scripts = scripts
         self.rounds = 0
 
-    async def call_many(self, calls: Sequence[Call]) -> list[Any]:
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
         self.rounds += 1
         if self.rounds == 2:
             raise RedisConnectionError("Connection closed by server.")
-        return await self.scripts.call_many(calls)
+        return await self.scripts.call_many_each(calls)
+
+
+class OneShardDown:
+    """The scripts, but the calls of one shard fail (its cluster node is failing over) while
+    the others run: ``call_many_each`` answers that shard's calls with their error,
+    ``call_many`` (like ``run_scripts``) raises it after the others ran."""
+
+    def __init__(self, scripts: Scripts, down: int) -> None:
+        self.scripts = scripts
+        self.down = down
+
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
+        up = [call for call in calls if call[1] != self.down]
+        replies = iter(await self.scripts.call_many_each(up))
+        error = RedisConnectionError("Connection closed by server.")
+        return [error if call[1] == self.down else next(replies) for call in calls]
+
+    async def call_many(self, calls: Sequence[Call]) -> list[Any]:
+        replies = await self.call_many_each(calls)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
 
 
 class OneShardAtATime(WorkerClaims):
@@ -58,6 +81,27 @@ async def test_jobs_an_earlier_round_leased_are_answered_when_a_later_round_fail
     assert len(got) == 1
     status = await queue.status(got[0].job.id)
     assert status.state is State.RUNNING and status.worker == "http-w"
+
+
+async def test_a_claim_answers_the_healthy_shards_jobs_when_one_shard_fails(
+    queue: Queue,
+) -> None:
+    """One node failing over fails its shards' claims; the jobs the others leased in the same
+    round are the worker's, not thrown away to wait out their lease."""
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(12)])
+    shard_of = {s.job_id: queue.keys.shard_of(s.job_id) for s in subs}
+    down = shard_of[subs[0].job_id]
+    healthy = {job for job, shard in shard_of.items() if shard != down}
+    assert healthy
+    scripts = OneShardDown(queue.scripts, down)
+    claims = WorkerClaims(queue.redis, queue.keys, cast(Scripts, scripts))
+    got = await claims.claim("http-w", (), ["default"], len(subs), 30_000, 0.0, _never_gone)
+    assert {c.job.id for c in got} == healthy
+    for c in got:
+        status = await queue.status(c.job.id)
+        assert status.state is State.RUNNING and status.worker == "http-w"
+    for job in set(shard_of) - healthy:  # the failed shard's jobs were not leased
+        assert (await queue.status(job)).state is State.QUEUED
 
 
 async def _never_gone() -> bool:

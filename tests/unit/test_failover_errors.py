@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, cast
+
 import orjson
 import pytest
 from redis.exceptions import (
@@ -22,6 +25,8 @@ from redis.sentinel import MasterNotFoundError
 from starlette.requests import Request
 
 from jobtier.api.problems import HANDLERS, on_error
+from jobtier.store import scripts
+from jobtier.store.durable import Durable
 
 
 def request() -> Request:
@@ -86,3 +91,29 @@ async def test_a_single_servers_lost_connection_is_the_plain_503() -> None:
     response = await on_error(request(), RedisConnectionError("Connection reset by peer"))
     assert response.status_code == 503
     assert orjson.loads(bytes(response.body))["type"] == "urn:jobtier:problem:unavailable"
+
+
+@pytest.mark.parametrize("refusal", [TryAgainError, AskError, MovedError])
+async def test_a_durable_submit_whose_slot_keeps_moving_is_a_503(
+    monkeypatch: pytest.MonkeyPatch, refusal: type[Exception]
+) -> None:
+    """A durable call refused by its node (slot migrating or moved) on every attempt raises
+    the node's last refusal, a failing-over 503 to retry, never a plain RedisError (500)."""
+    sends: list[int] = []
+
+    async def refused(
+        redis: Any, commands: Sequence[Any], bases: Sequence[str], durable: Durable
+    ) -> list[Any]:
+        sends.append(len(commands))
+        return [refusal("3999 127.0.0.1:6381") for _ in commands]
+
+    monkeypatch.setattr(scripts, "_send_waiting", refused)
+    monkeypatch.setattr(scripts, "DURABLE_PAUSE", 0.0)
+    submit = scripts.Script("submit", scripts.library())
+    call = (submit, (1, "jt:{0}:log", "jt:{0}", "x"))
+    with pytest.raises(refusal) as caught:
+        await scripts.run_durably(cast(Any, None), [call, call], Durable(1, 50))
+    assert sends == [2] * scripts.DURABLE_ATTEMPTS
+    response = await on_error(request(), caught.value)
+    assert response.status_code == 503
+    assert orjson.loads(bytes(response.body))["type"] == "urn:jobtier:problem:failing-over"

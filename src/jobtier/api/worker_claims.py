@@ -165,6 +165,7 @@ class WorkerClaims:
         ``count`` are claimed or no shard may hold more."""
         out: list[Claimed] = []
         asked = [(q, -1) for q in queues]
+        down: set[int] = set()  # shards whose call failed: not asked again by this claim
         while len(out) < count:
             plan = self._plan(w, count - len(out))
             if not plan:
@@ -175,11 +176,16 @@ class WorkerClaims:
             ]
             try:
                 # each call carries its claim token (claim_call): sent again by the client
-                # library when a reply is lost, it answers the jobs it leased, no others
-                replies = await self.scripts.call_many(calls)
+                # library when a reply is lost, it answers the jobs it leased, no others.
+                # Each shard's reply on its own: a cluster node failing over fails its
+                # shards' claims, the jobs leased on the healthy nodes are still answered
+                replies = await self.scripts.call_many_each(calls)
             except (RedisError, OSError) as exc:
+                replies = [exc] * len(calls)
+            failed = [r for r in replies if isinstance(r, (RedisError, OSError))]
+            if len(failed) == len(replies):
                 if not out:
-                    raise
+                    raise failed[0]
                 # jobs an earlier round leased are the worker's: answer them, or they would
                 # wait out their lease, an attempt lost
                 log.warning(
@@ -187,10 +193,22 @@ class WorkerClaims:
                     "jobs already claimed",
                     worker,
                     len(out),
-                    exc,
+                    failed[0],
                 )
                 break
+            if failed:
+                # the others' jobs are leased: answered, the failed shards asked again later
+                log.warning(
+                    "event=claim_shards_failed worker=%s shards=%d error=%r",
+                    worker,
+                    len(failed),
+                    failed[0],
+                )
             for (shard, _), g, reply in zip(plan, gens, replies, strict=True):
+                if isinstance(reply, (RedisError, OSError)):
+                    w.ready[shard] = 0
+                    down.add(shard)
+                    continue
                 batch = parse_claim(shard, reply)
                 if w.gen[shard] == g:
                     # a shard that gave nothing may still count jobs no claim takes now (a
@@ -200,6 +218,8 @@ class WorkerClaims:
                     at = time.monotonic() + (batch.wake_at_ms - batch.now_ms) / 1000
                     w.wake_at = min(w.wake_at, at) if w.wake_at else at
                 out.extend(Claimed(job, shard) for job in batch.jobs)
+        for shard in down:
+            w.ready[shard] = UNKNOWN  # asked again at the next round of claims
         return out
 
     def _plan(self, w: _Waiter, want: int) -> list[tuple[int, int]]:

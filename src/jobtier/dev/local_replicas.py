@@ -63,13 +63,15 @@ class LocalCluster:
         return self.nodes[0].url
 
     def start(self) -> LocalCluster:
-        for node in self.nodes:
-            node.start()
-        cli = shutil.which("redis-cli")
-        if not cli:
-            raise RuntimeError("redis-cli is not installed (package redis-tools)")
-        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        """Start the nodes and make them a cluster; on any failure the nodes already started
+        are stopped before the error is raised (none is left running)."""
         try:
+            cli = shutil.which("redis-cli")
+            if not cli:
+                raise RuntimeError("redis-cli is not installed (package redis-tools)")
+            for node in self.nodes:
+                node.start()
+            addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
             subprocess.run(
                 [
                     cli,
@@ -209,8 +211,20 @@ class LocalCluster:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        for node in self.nodes:
+        """Stop every node, even when stopping one of them fails (the first error is raised
+        once all were tried)."""
+        _stop_all(self.nodes)
+
+
+def _stop_all(nodes: list[LocalRedis]) -> None:
+    errors: list[BaseException] = []
+    for node in nodes:
+        try:
             node.stop()
+        except BaseException as exc:  # the others are stopped, then it is raised
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def _cluster_roles(port: int) -> dict[int, tuple[str, int | None]]:

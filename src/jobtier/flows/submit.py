@@ -202,6 +202,9 @@ async def submit_flow(store: Store, prepared: PreparedFlow) -> FlowSubmitted:
             ids = derived_ids(store, prepared, first.job_id)
             done = await store.redis.hget(store.keys.job(first.job_id), "fd")
             if done is not None:  # the earlier submit finished: the jobs as they are now
+                # its writes may still be on their masters alone (a durable submit whose
+                # first answer was a 503): WAIT on every node holding them, not only the head's
+                await store.scripts.confirm(sorted({store.keys.shard_of(i) for i in ids}))
                 return await _as_they_are(store, ids)
             ready = with_ids(ids)
         outcomes[plan.head] = first

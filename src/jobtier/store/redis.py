@@ -199,9 +199,15 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
     # Retry on connection errors: after a Redis restart every pooled connection is dead. A
     # command that reached Redis and lost only its reply is sent again: a worker's transition
     # is then refused as stale, and a submit without an idempotency key may make a second job.
+    # a reply overdue past the socket timeout fails the command (a master gone silent, not
+    # closed: host down, network cut) instead of hanging it and every pipeline behind it.
+    # The blocking commands jobtier sends wait less: XREADGROUP BLOCK (streams/consumer.py),
+    # WAIT (JOBTIER_SUBMIT_REPLICAS_TIMEOUT_MS, checked in config.py); the subscribers'
+    # connections have none (ShardSubscriber: a PING of their own)
     options: dict[str, Any] = {
         "decode_responses": False,
         "health_check_interval": 0,
+        "socket_timeout": settings.redis_socket_timeout,
         "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }

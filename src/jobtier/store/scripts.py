@@ -376,6 +376,8 @@ async def _load_on(redis: RedisClient, script: Script, node: ClusterNode | None)
 
 
 _REDIRECTED = (MovedError, AskError, TryAgainError)  # refused by a node: it did not run
+DURABLE_ATTEMPTS = 5  # sends of a durable call whose slot is moving (run_durably)
+DURABLE_PAUSE = 0.02  # seconds before the second, doubled before each later one (20-160 ms)
 
 
 async def _send_waiting(
@@ -403,12 +405,17 @@ async def _send_waiting(
     for _, group in groups.values():
         key = bases[group[0].position]
         group += [PipelineCommand(-1, *marker(key)), PipelineCommand(-1, *wait)]
-    try:
-        # a node's commands go on one of its connections, in order: WAIT after the calls
-        await asyncio.gather(*(node.execute_pipeline(group) for node, group in groups.values()))
-    except (ConnectionError, OSError, RedisError):
-        redis._initialize = True  # learn the topology again before the next command
-        raise
+    # a node's commands go on one of its connections, in order: WAIT after the calls. Every
+    # node's pipeline runs to its end before a failure is raised: none is left running
+    sent = await asyncio.gather(
+        *(node.execute_pipeline(group) for node, group in groups.values()),
+        return_exceptions=True,
+    )
+    for result in sent:
+        if isinstance(result, BaseException):
+            if isinstance(result, (ConnectionError, OSError, RedisError)):
+                redis._initialize = True  # learn the topology again before the next command
+            raise result
     out: list[Any] = [None] * len(commands)
     for _, group in groups.values():
         for cmd in group[:-2]:
@@ -426,10 +433,15 @@ async def run_durably(
 ) -> list[Any]:
     """``run_scripts`` with WAIT after each node's calls (``store/durable.py``): the calls
     refused for want of their script, or by a node that no longer serves their slot, are
-    sent again (with their WAIT); any other error is raised, as ``run_scripts`` does."""
+    sent again (with their WAIT), after a pause that grows while slots move; any other error
+    is raised, as ``run_scripts`` does. Slots still moving after the last attempt raise the
+    last refusal (TRYAGAIN, ASK, MOVED): a failover or migration under way, a 503 to retry."""
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
-    for _ in range(3):
+    redirected: Exception | None = None
+    for attempt in range(DURABLE_ATTEMPTS):
+        if redirected is not None and attempt:
+            await asyncio.sleep(DURABLE_PAUSE * 2 ** (attempt - 1))
         commands = [(*calls[i][0].command(), *calls[i][1]) for i in todo]
         bases = [str(calls[i][1][2]) for i in todo]  # argv: numkeys, log key, base key, ...
         replies = await _send_waiting(redis, commands, bases, durable)
@@ -440,6 +452,7 @@ async def run_durably(
                 retry.append(i)
             elif isinstance(reply, _REDIRECTED):
                 moved = True
+                redirected = reply
                 retry.append(i)
             elif isinstance(reply, Exception):
                 raise reply
@@ -451,8 +464,12 @@ async def run_durably(
             await redis.nodes_manager.initialize()
         for script in missing.values():
             await script.load(redis)
+        if not moved:
+            redirected = None  # only a missing script this time: sent again at once
         todo = retry
-    raise RedisError("scripts keep disappearing from Redis, or their slots keep moving")
+    if redirected is not None:
+        raise redirected
+    raise RedisError("scripts keep disappearing from Redis")
 
 
 class Scripts:
