@@ -22,9 +22,9 @@ from redis.exceptions import (
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.sentinel import MasterNotFoundError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
-from jobtier.api.problems import HANDLERS, on_error
+from jobtier.api.problems import HANDLERS, failing_over, on_error
 from jobtier.store import scripts
 from jobtier.store.durable import Durable
 
@@ -117,3 +117,30 @@ async def test_a_durable_submit_whose_slot_keeps_moving_is_a_503(
     response = await on_error(request(), caught.value)
     assert response.status_code == 503
     assert orjson.loads(bytes(response.body))["type"] == "urn:jobtier:problem:failing-over"
+
+
+async def test_a_connection_closed_under_a_call_is_a_failover() -> None:
+    """redis-py writing to a connection another task closed (a topology refresh after a node
+    failed) raises AttributeError from its own code: a 503 to retry, not a 500; the same
+    AttributeError from anywhere else stays a defect."""
+    from redis.asyncio.connection import Connection
+
+    closed = Connection()  # never connected, as one closed under its writer: no writer
+    with pytest.raises(AttributeError, match="writelines") as raised:
+        await closed._send_packed_command([b"PING"])
+    assert failing_over(raised.value)
+    with pytest.raises(AttributeError) as ours:
+        cast(Any, None).writelines([b"PING"])
+    assert not failing_over(ours.value)
+
+
+async def test_a_client_gone_before_its_body_is_no_internal_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    handler = HANDLERS[ClientDisconnect]
+    scope = {"type": "http", "method": "POST", "path": "/v1/jobs", "headers": []}
+    with caplog.at_level("INFO", logger="jobtier.api"):
+        response = await handler(Request(scope), ClientDisconnect())
+    assert response.status_code == 400
+    assert "event=client_disconnected" in caplog.text
+    assert "internal_error" not in caplog.text

@@ -23,7 +23,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.sentinel import MasterNotFoundError
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from jobtier.core.sealing import KeysNotConfigured
@@ -161,13 +161,25 @@ FAILOVER_REPLIES = ("CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "READONLY", "MAST
 def failing_over(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis failing over, or a connection to one cluster node failing
     (its master killed, until its replica is promoted): a 503 to retry, not a defect."""
-    if isinstance(exc, FAILOVER):
+    if isinstance(exc, FAILOVER) or connection_closed_under_it(exc):
         return True
     if isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in FAILOVER_REPLIES:
         return True
     return isinstance(exc, RedisConnectionError) and bool(
         getattr(exc, "last_failed_node_name", None)
     )
+
+
+def connection_closed_under_it(exc: BaseException) -> bool:
+    """redis-py's AttributeError for a connection another task closed while this one wrote
+    or read on it (``'NoneType' object has no attribute 'writelines'``): the client reset
+    its connections to a node that failed. A connection lost, as far as the caller goes."""
+    if not isinstance(exc, AttributeError) or "'NoneType'" not in str(exc):
+        return False
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and "/redis/" in last.tb_frame.f_code.co_filename
 
 
 @contextlib.contextmanager
@@ -220,6 +232,13 @@ async def on_keys_not_configured(request: Request, exc: Exception) -> Response:
     return Problem(503, "encryption-keys-missing", str(exc)).response()
 
 
+async def on_client_gone(request: Request, exc: Exception) -> Response:
+    """The client went away before its request's body arrived: nothing was done, nobody
+    reads an answer; one line, not an internal error."""
+    log.info("event=client_disconnected method=%s path=%s", request.method, request.url.path)
+    return Problem(400, "bad-request", "the client disconnected before its body arrived").response()
+
+
 async def on_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, UNAVAILABLE):
         return await on_unavailable(request, exc)
@@ -237,5 +256,6 @@ HANDLERS: dict[Any, Any] = {
     **dict.fromkeys(UNAVAILABLE, on_unavailable),
     **dict.fromkeys(FAILOVER, on_failover),
     KeysNotConfigured: on_keys_not_configured,
+    ClientDisconnect: on_client_gone,
     Exception: on_error,
 }

@@ -184,6 +184,12 @@ class ClusterPipe(ClusterPipeline):
                         client, strategy._command_queue, raise_on_error=False
                     )
                     return replies
+                except AttributeError as exc:
+                    # a connection the client closed under this pipeline (a topology
+                    # refresh after a node failed): redis-py's 'NoneType' ... 'writelines'
+                    if "'NoneType'" not in str(exc) or attempt == 2:
+                        raise
+                    client._initialize = True
                 except (RedisConnectionError, RedisTimeoutError) as exc:
                     client._initialize = True  # re-read (at most every REFRESH_EVERY)
                     if attempt == 2 or isinstance(exc, RedisTimeoutError):
