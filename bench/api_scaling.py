@@ -54,7 +54,7 @@ def event_cost(n: int, cached: bool) -> float:
     import tempfile
 
     from jobtier.dev.local_redis import LocalRedis
-    from jobtier.store.redis import ShardSubscriber
+    from jobtier.store.subscriber import ShardSubscriber
 
     keys = Keys("jt", 16)
     ids = [keys.new_id(0) for _ in range(1000)]

@@ -43,7 +43,7 @@ from common import environment, fmt, header_markdown, local_redis, percentile, s
 
 from jobtier.config import Settings
 from jobtier.engine.queue import Queue
-from jobtier.store.redis import ShardSubscriber
+from jobtier.store.subscriber import ShardSubscriber
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from jobtier.worker.runner import Worker

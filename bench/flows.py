@@ -56,7 +56,7 @@ from jobtier.core.model import FlowJob, JobSpec
 from jobtier.dev.local_redis import free_port, terminate
 from jobtier.engine.queue import Queue
 from jobtier.flows import fan_in
-from jobtier.store.redis import ShardSubscriber
+from jobtier.store.subscriber import ShardSubscriber
 
 
 def iso_ms(value: bytes) -> float:

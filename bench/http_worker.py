@@ -42,7 +42,7 @@ from jobtier.config import Settings
 from jobtier.core.model import JobSpec
 from jobtier.dev.local_redis import free_port
 from jobtier.engine.queue import Queue
-from jobtier.store.redis import ShardSubscriber
+from jobtier.store.subscriber import ShardSubscriber
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 

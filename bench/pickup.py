@@ -54,7 +54,7 @@ from jobtier.config import Settings
 from jobtier.core.model import JobStatus, decode_status
 from jobtier.dev.local_redis import terminate
 from jobtier.engine.queue import Queue
-from jobtier.store.redis import ShardSubscriber
+from jobtier.store.subscriber import ShardSubscriber
 
 
 def iso_ms(value: str) -> float:

@@ -31,7 +31,7 @@ from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.calls import Call, parse_promote, parse_reclaim, promote_call, reclaim_call
 from jobtier.store.context import Store
-from jobtier.store.redis import ShardSubscriber
+from jobtier.store.subscriber import ShardSubscriber
 
 log = logging.getLogger("jobtier.scheduler")
 

@@ -16,7 +16,7 @@ from jobtier.config import Settings
 from jobtier.core.model import JobSpec
 from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.queue import Queue
-from jobtier.store.redis import ShardSubscriber, node_channels
+from jobtier.store.subscriber import ShardSubscriber, node_channels
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import command_calls

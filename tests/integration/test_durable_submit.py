@@ -1,4 +1,4 @@
-"""Durable submit (``store/durable.py``, ``api/durable.py``): a submit answers only once its
+"""Durable submit (``store/durable.py``, ``api/durable_submit.py``): a submit answers only once its
 writes reached the replicas asked for, with WAIT on the connection that carried them.
 
 Replicas are made to lag on purpose: SIGSTOP (the replica stays connected and stops

@@ -18,7 +18,8 @@ from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
 from jobtier.status.reader import StatusReader, is_terminal
 from jobtier.store.calls import fail_call
-from jobtier.store.redis import RedisClient, ShardSubscriber
+from jobtier.store.redis import RedisClient
+from jobtier.store.subscriber import ShardSubscriber
 from tests.fixtures.engine import wait_for
 
 TENANT = "acme"

@@ -25,8 +25,8 @@ from jobtier.store.calls import (
     stopped_call,
     submit_call,
 )
-from jobtier.store.redis import ShardSubscriber
 from jobtier.store.scripts import Scripts
+from jobtier.store.subscriber import ShardSubscriber
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import log_entries
 

@@ -27,7 +27,7 @@ from jobtier.dev.local_redis import LocalRedis
 from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.queue import Queue
 from jobtier.status.reader import StatusReader
-from jobtier.store.redis import ShardSubscriber
+from jobtier.store.subscriber import ShardSubscriber
 from tests.fixtures.engine import wait_for
 
 TENANT = "acme"

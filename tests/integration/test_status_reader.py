@@ -18,7 +18,8 @@ from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.queue import Queue
 from jobtier.status.docs import read_doc
 from jobtier.status.reader import StatusReader, parse_version
-from jobtier.store.redis import RedisClient, ShardSubscriber
+from jobtier.store.redis import RedisClient
+from jobtier.store.subscriber import ShardSubscriber
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import command_calls, config_set, flushall, reset_stats
 

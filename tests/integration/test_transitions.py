@@ -422,7 +422,7 @@ async def test_rendered_document_has_exactly_the_status_fields(queue: Queue) -> 
 
 
 async def test_published_event_carries_the_document(queue: Queue) -> None:
-    from jobtier.store.redis import ShardSubscriber
+    from jobtier.store.subscriber import ShardSubscriber
 
     got: list[tuple[bytes, bytes]] = []
     sub_ready = ShardSubscriber(

@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from jobtier.api.problems import HANDLERS, failing_over, on_error
 from jobtier.store import scripts
 from jobtier.store.durable import Durable
+from jobtier.store.redis import connection_closed_under_it
 
 
 def request() -> Request:
@@ -132,6 +133,14 @@ async def test_a_connection_closed_under_a_call_is_a_failover() -> None:
     with pytest.raises(AttributeError) as ours:
         cast(Any, None).writelines([b"PING"])
     assert not failing_over(ours.value)
+
+
+def test_only_the_client_librarys_closed_connection_errors_count() -> None:
+    """uvloop's 'the handler is closed' (seen killing a worker's claim loop in the failover
+    bench) counts only when raised from the client library's code."""
+    with pytest.raises(RuntimeError) as ours:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+    assert not connection_closed_under_it(ours.value)
 
 
 async def test_a_client_gone_before_its_body_is_no_internal_error(

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 from jobtier.api import jobs, openapi, ops
 from jobtier.api.admission import Admission
 from jobtier.api.bounds import RequestLimits
-from jobtier.api.durable import ReplicaCount
+from jobtier.api.durable_submit import ReplicaCount
 from jobtier.api.problems import HANDLERS
 from jobtier.api.routing import resources
 from jobtier.api.server_spans import ServerSpans

@@ -9,10 +9,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from jobtier.api import durable
+from jobtier.api import durable_submit as durable
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
-from jobtier.api.durable import replicated
+from jobtier.api.durable_submit import replicated
 from jobtier.api.http import decode_body, encoded, invalid, read_json_body, registrar
 from jobtier.api.problems import Problem
 from jobtier.config import Settings

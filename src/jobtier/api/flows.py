@@ -7,7 +7,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api.auth import tenant_of
-from jobtier.api.durable import replicated
+from jobtier.api.durable_submit import replicated
 from jobtier.api.http import (
     JSON,
     encoded,

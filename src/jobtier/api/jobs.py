@@ -15,7 +15,7 @@ from starlette.types import Receive, Scope, Send
 
 from jobtier.api.auth import known_tenant, tenant_for, tenant_of
 from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
-from jobtier.api.durable import replicated
+from jobtier.api.durable_submit import replicated
 from jobtier.api.http import (
     JSON,
     decode_body,

@@ -32,7 +32,6 @@ from jobtier.api import (
     checkpoints,
     console,
     debugging,
-    durable,
     flows,
     health,
     jobs,
@@ -43,6 +42,9 @@ from jobtier.api import (
     why,
     worker_bodies,
     worker_routes,
+)
+from jobtier.api import (
+    durable_submit as durable,
 )
 from jobtier.api import spec as oa
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter

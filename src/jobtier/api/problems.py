@@ -27,6 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from jobtier.core.sealing import KeysNotConfigured
+from jobtier.store.redis import connection_closed_under_it
 
 log = logging.getLogger("jobtier.api")
 
@@ -168,18 +169,6 @@ def failing_over(exc: BaseException) -> bool:
     return isinstance(exc, RedisConnectionError) and bool(
         getattr(exc, "last_failed_node_name", None)
     )
-
-
-def connection_closed_under_it(exc: BaseException) -> bool:
-    """redis-py's AttributeError for a connection another task closed while this one wrote
-    or read on it (``'NoneType' object has no attribute 'writelines'``): the client reset
-    its connections to a node that failed. A connection lost, as far as the caller goes."""
-    if not isinstance(exc, AttributeError) or "'NoneType'" not in str(exc):
-        return False
-    tb, last = exc.__traceback__, None
-    while tb is not None:
-        last, tb = tb, tb.tb_next
-    return last is not None and "/redis/" in last.tb_frame.f_code.co_filename
 
 
 @contextlib.contextmanager

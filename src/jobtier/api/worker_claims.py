@@ -32,8 +32,9 @@ from jobtier.core.keys import Keys
 from jobtier.core.model import ClaimedJob
 from jobtier.runtime.loop import wait_for
 from jobtier.store.calls import Call, claim_call, parse_claim
-from jobtier.store.redis import RedisClient, ShardSubscriber
+from jobtier.store.redis import RedisClient
 from jobtier.store.scripts import Scripts
+from jobtier.store.subscriber import ShardSubscriber
 
 log = logging.getLogger("jobtier.api.workers")
 

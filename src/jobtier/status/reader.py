@@ -15,8 +15,9 @@ from jobtier.metrics.snapshot import Snapshot
 from jobtier.status.coalescer import Coalescer
 from jobtier.status.docs import READ_STATUS, read_docs, read_status_args
 from jobtier.status.nearcache import Entry, NearCache
-from jobtier.store.redis import RedisClient, ShardSubscriber
+from jobtier.store.redis import RedisClient
 from jobtier.store.scripts import run_script
+from jobtier.store.subscriber import ShardSubscriber
 
 log = logging.getLogger("jobtier.status")
 

@@ -25,7 +25,7 @@ from jobtier.core.model import WORKER_CONCURRENCY
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.context import Store
-from jobtier.store.redis import ShardSubscriber
+from jobtier.store.subscriber import ShardSubscriber
 from jobtier.worker.claimer import Claimer
 from jobtier.worker.heartbeat import Heartbeat
 from jobtier.worker.launcher import Launcher
