@@ -151,6 +151,7 @@ CHOSEN: dict[str, str] = {
     "chaos": "the only file",
     "failover": "one replica a master, durable submit off, 3 failovers a set-up",
     "failover-replicas2": "two replicas a master, durable submit on",
+    "failover-cluster-6c6fc6b": "two replicas a master, durable on, cluster, after the fixes",
     "encryption": "the only file",
     "tracing": "the only file",
     "debounce": "the only file",
