@@ -51,8 +51,14 @@ from jobtier.store.scripts import Scripts
 
 log = logging.getLogger("jobtier.reconcile")
 
-# what makes a persister's pass fail and be tried again: Redis or Postgres away
-_PASS_FAILED: tuple[type[BaseException], ...] = (*FAULTS, asyncpg.PostgresError, TimeoutError)
+# what makes a persister's pass fail and be tried again: Redis or Postgres away (a Postgres
+# connection lost mid-pass is an InterfaceError, not a PostgresError)
+_PASS_FAILED: tuple[type[BaseException], ...] = (
+    *FAULTS,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+    TimeoutError,
+)
 # a persister's second pass after a failover, once every batch read before it has committed
 # or been given up (persist/batch.py BATCH_TIMEOUT)
 SETTLE_SECONDS = BATCH_TIMEOUT
