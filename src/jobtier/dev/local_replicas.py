@@ -165,18 +165,7 @@ class LocalCluster:
         """Start a killed node again on its port and data: it rejoins as a replica of the
         master that took its slots; return once it replicates with its link up."""
         node.start()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with connect_to(node.port, decode_responses=True) as client:
-                    info = client.info("replication")
-                if info.get("role") == "slave" and info.get("master_link_status") == "up":
-                    break
-            except syncredis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node {node.port} did not rejoin as a replica in {timeout:g}s")
-            time.sleep(0.05)
+        _wait_replicating(node, timeout)
         self.wait_ok(timeout)
 
     def wait_replicated(self, timeout: float = 30.0) -> None:
@@ -225,6 +214,22 @@ def _stop_all(nodes: list[LocalRedis]) -> None:
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+def _wait_replicating(node: LocalRedis, timeout: float) -> None:
+    """Return once ``node`` is a replica with its link to its master up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with connect_to(node.port, decode_responses=True) as client:
+                info = client.info("replication")
+            if info.get("role") == "slave" and info.get("master_link_status") == "up":
+                return
+        except syncredis.RedisError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"node {node.port} did not rejoin as a replica in {timeout:g}s")
+        time.sleep(0.05)
 
 
 def _cluster_roles(port: int) -> dict[int, tuple[str, int | None]]:
@@ -380,18 +385,7 @@ class LocalSentinels:
         an operator brings a failed host back); return once it replicates with its link up."""
         node.options["replicaof"] = ("127.0.0.1", self.master().port)
         node.start()
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                with connect_to(node.port, decode_responses=True) as client:
-                    info = client.info("replication")
-                if info.get("role") == "slave" and info.get("master_link_status") == "up":
-                    return
-            except syncredis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"node {node.port} did not rejoin as a replica in {timeout:g}s")
-            time.sleep(0.05)
+        _wait_replicating(node, timeout)
 
     def wait_replicated(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
