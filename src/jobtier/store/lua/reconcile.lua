@@ -47,6 +47,22 @@ local WIDTH = 24
 local RELEASED = {'rl', '1'}
 local out = {}
 
+-- the job hash gets ``fields`` and j's error and progress (each removed when empty)
+local function write_fields(j, fields)
+  local gone = {}
+  for _, field in ipairs({'error', 'progress'}) do
+    if j[field] ~= '' then
+      fields[#fields + 1], fields[#fields + 2] = field, j[field]
+    else
+      gone[#gone + 1] = field
+    end
+  end
+  redis.call('HSET', j._key, unpack(fields))
+  if #gone > 0 then
+    redis.call('HDEL', j._key, unpack(gone))
+  end
+end
+
 -- j (Redis's older copy) leaves wherever its state keeps it, with its counts
 local function take_out(j)
   local state = j.state
@@ -115,18 +131,7 @@ local function advance_running(j, a)
   end
   j.error, j.progress = ARGV[a + 14], ARGV[a + 15]
   local doc = render(j)
-  local fields, gone = {'t', packed_t(j)}, {}
-  for _, field in ipairs({'error', 'progress'}) do
-    if j[field] ~= '' then
-      fields[#fields + 1], fields[#fields + 2] = field, j[field]
-    else
-      gone[#gone + 1] = field
-    end
-  end
-  redis.call('HSET', j._key, unpack(fields))
-  if #gone > 0 then
-    redis.call('HDEL', j._key, unpack(gone))
-  end
+  write_fields(j, {'t', packed_t(j)})
   return doc
 end
 
@@ -186,18 +191,7 @@ for i = 0, n - 1 do
     if result ~= '' then
       fields[#fields + 1], fields[#fields + 2] = 'result', result
     end
-    local gone = {}
-    for _, field in ipairs({'error', 'progress'}) do
-      if j[field] ~= '' then
-        fields[#fields + 1], fields[#fields + 2] = field, j[field]
-      else
-        gone[#gone + 1] = field
-      end
-    end
-    redis.call('HSET', j._key, unpack(fields))
-    if #gone > 0 then
-      redis.call('HDEL', j._key, unpack(gone))
-    end
+    write_fields(j, fields)
     redis.call('PERSIST', j._key)
     local kind = old and 'advanced' or 'restored'
     if WAITING[state] then
