@@ -276,6 +276,11 @@ class Producer:
         self.failures: Counter[str] = Counter()
         self.ok_times: list[float] = []
         self.generating = True
+        # most submits not yet acknowledged (waiting, in flight or to be retried): at the
+        # bound a tick makes no job, so a stretch of refusals does not leave a backlog that
+        # floods the API once it answers again (None: no bound)
+        self.backlog: int | None = None
+        self.skipped = 0  # ticks that made no job for the bound
         self._queue: asyncio.Queue[str] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -294,7 +299,17 @@ class Producer:
     async def _generate(self) -> None:
         n = 0
         start = time.monotonic()
+        tick = 0
         while self.generating:
+            tick += 1
+            # on a clock: the n-th tick is due at start + n / rate however late the loop wakes
+            # (a plain sleep of 1 / rate each falls short of the rate on a busy machine)
+            await asyncio.sleep(max(0.0, start + tick / self.rate - time.monotonic()))
+            if not self.generating:
+                break
+            if self.backlog is not None and len(self.unacked) >= self.backlog:
+                self.skipped += 1
+                continue
             n += 1
             key = f"chaos-{n}"
             if self.rng.random() < 0.15:
@@ -312,9 +327,6 @@ class Producer:
             self.bodies[key] = body
             self.unacked.add(key)
             self._queue.put_nowait(key)
-            # on a clock: the n-th job is due at start + n / rate however late the loop wakes
-            # (a plain sleep of 1 / rate each falls short of the rate on a busy machine)
-            await asyncio.sleep(max(0.0, start + n / self.rate - time.monotonic()))
 
     async def _send(self) -> None:
         loop = asyncio.get_running_loop()

@@ -537,6 +537,7 @@ async def one_run(args: argparse.Namespace, stack: FailoverStack) -> dict[str, A
             f"settings read it as: {stack.durable_as_seen()}")  # fmt: skip
         stack.t0 = time.monotonic()
         producer = FailoverProducer(stack.url, args.rate, rng, stack.keys)
+        producer.backlog = max(1, round(args.rate * args.backlog))
         producer.start(senders=args.senders)
         await asyncio.sleep(args.warmup)
         load_start = time.monotonic()
@@ -567,6 +568,7 @@ async def one_run(args: argparse.Namespace, stack: FailoverStack) -> dict[str, A
             "load_seconds": round(load_seconds, 1),
             # jobs generated a second: under --rate when the machine could not keep up
             "submit_rate": round(generated, 1),
+            "ticks_skipped": producer.skipped,  # no job made: --backlog submits unacknowledged
             "settled": settled,
             "settle_seconds": round(settle_seconds, 1),
             "left": left,
@@ -644,7 +646,8 @@ def report(data: dict[str, Any]) -> str:
         "## Jobs\n\n*Lost*: acknowledged, and at the end in neither Redis nor Postgres; "
         "*only in Postgres*: Redis lost it, the persister had written it; *run twice*: "
         "claims beyond those the task's own failures explain; *jobs/s*: new submits a second "
-        "the producer made (under `--rate` when the machine could not keep up).\n\n"
+        "the producer made (under `--rate` when the machine could not keep up, or when "
+        "`--backlog` seconds of submits were unacknowledged: it then skips a tick).\n\n"
         + table(
             [
                 "set-up",
@@ -837,6 +840,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--senders", type=int, default=64,
         help="concurrent HTTP senders: enough that requests held through a failover do not "
         "slow the rate (64)",
+    )  # fmt: skip
+    p.add_argument(
+        "--backlog", type=float, default=5.0,
+        help="seconds of --rate the producer may have unacknowledged (waiting, in flight or "
+        "to be retried) before it skips a tick: a long refusal then leaves no flood of "
+        "submits behind it (5)",
     )  # fmt: skip
     p.add_argument(
         "--node-timeout-ms", type=int, default=2500,

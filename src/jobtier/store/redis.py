@@ -120,8 +120,14 @@ class Cluster(RedisCluster):
         additional_startup_nodes_info: list[tuple[str, int]] | None = None,
         last_failed_node_name: str | None = None,
     ) -> Cluster:
-        """Read the topology (CLUSTER SLOTS) when asked to, at most once per REFRESH_EVERY;
-        a failure closes nothing (redis-py's closes every node's connections)."""
+        """Read the topology (CLUSTER SLOTS) when asked to, at most once per REFRESH_EVERY.
+
+        A failure closes nothing (redis-py's closes every node's connections). Once a map is
+        known, a refresh that fails leaves it in use: the command goes by it, and the next
+        refresh is tried REFRESH_EVERY later. Only the first read raises. The command table
+        (COMMAND) is read once, with the first map: redis-py reads it again on every refresh,
+        from the first master listed, which during a failover may be the killed one (every
+        refresh then failed, and with it commands bound for the healthy masters)."""
         if not self._initialize:
             return self
         if self._lock is None:
@@ -129,20 +135,40 @@ class Cluster(RedisCluster):
         async with self._lock:
             if not self._initialize:
                 return self
-            known = self.nodes_manager.default_node is not None
+            known = self.nodes_manager.default_node is not None and bool(
+                self.commands_parser.commands
+            )
             if known and time.monotonic() - self._refreshed_at < REFRESH_EVERY:
                 self._initialize = False  # read just now: the command goes by it
                 return self
-            await self.nodes_manager.initialize(
-                additional_startup_nodes_info=additional_startup_nodes_info,
-                last_failed_node_name=last_failed_node_name,
-            )
-            await self.commands_parser.initialize(self.nodes_manager.default_node)
+            try:
+                await self.nodes_manager.initialize(
+                    additional_startup_nodes_info=additional_startup_nodes_info,
+                    last_failed_node_name=last_failed_node_name,
+                )
+                if not self.commands_parser.commands:
+                    await self.commands_parser.initialize(self.nodes_manager.default_node)
+            except (RedisError, OSError) as exc:
+                if not known:
+                    raise
+                self._refreshed_at = time.monotonic()
+                log.warning("event=redis_topology_unchanged error=%r", exc)
+                return self
+            self.commands_parser.node = self._live_primary(last_failed_node_name)
             self._refreshed_at = time.monotonic()
             self._initialize = False
             if known:
                 log.info("event=redis_topology_refreshed nodes=%d", len(self.get_primaries()))
         return self
+
+    def _live_primary(self, failed: str | None) -> Any:
+        """The node asked for a command's keys (COMMAND GETKEYS, for the few commands whose
+        keys redis-py cannot find by itself): a master other than the one that just failed."""
+        primaries = self.get_primaries()
+        for node in primaries:
+            if node.name != failed:
+                return node
+        return self.nodes_manager.default_node
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
         if isinstance(command, str) and command.upper() in ("FCALL", "FCALL_RO"):
