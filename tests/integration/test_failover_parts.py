@@ -22,7 +22,7 @@ from jobtier.engine.queue import Queue
 from jobtier.status.nearcache import Entry
 from jobtier.status.reader import RESYNC, StatusReader
 from jobtier.store.calls import claim_call, parse_claim
-from jobtier.store.redis import Cluster, connect
+from jobtier.store.redis import REFRESH_EVERY, Cluster, connect
 from jobtier.store.scripts import Scripts
 from tests.fixtures.engine import wait_for
 
@@ -78,6 +78,34 @@ async def test_commands_to_healthy_nodes_go_on_while_a_pipeline_fails_on_a_dead_
         await asyncio.to_thread(failover_cluster.wait_promoted, victim)
     # the promoted replica serves the lost shards: a command finds it by itself
     await wait_for(lambda: _reads(redis, keys, sorted(lost)), timeout=30)
+
+
+async def test_a_topology_refresh_while_the_first_master_is_down_fails_no_healthy_command(
+    failover_cluster: LocalCluster, queue: Queue
+) -> None:
+    """redis-py reads the command table (COMMAND) again on every topology refresh, from the
+    first master listed. With that master killed, every refresh failed until its replica
+    was promoted, and each command that asked for one (any command after a failed one, on
+    any node) failed with it: 503s on the healthy masters' shards. The table is read once;
+    a refresh that fails leaves the known map in use."""
+    redis = queue.redis
+    assert isinstance(redis, Cluster)
+    keys = queue.keys
+    first = redis.nodes_manager.default_node
+    victim = next(m for m in failover_cluster.masters() if m.port == first.port)
+    healthy = [s for s, port in owners(failover_cluster, keys).items() if port != victim.port]
+    assert healthy
+    for s in range(keys.shards):
+        await redis.set(keys.base(s) + "probe", s)
+    failover_cluster.kill(victim)
+    try:
+        for _ in range(3):
+            redis._initialize = True  # a command failed on the dead node: refresh due
+            redis._refreshed_at = -REFRESH_EVERY
+            for s in healthy:
+                assert await redis.get(keys.base(s) + "probe") == str(s).encode()
+    finally:  # the fixture revives the victim once its replica took over
+        await asyncio.to_thread(failover_cluster.wait_promoted, victim)
 
 
 async def _healthy_reads_go_on(redis: Cluster, keys: Keys, healthy: list[int]) -> None:
