@@ -477,6 +477,36 @@ def status_counts(replies: Sequence[Reply], failovers: list[Failover]) -> dict[s
     }
 
 
+def healthy_latency(replies: Sequence[Reply], failovers: list[Failover]) -> dict[str, Any]:
+    """Milliseconds to answer an acknowledged submit on shards the killed master did not
+    serve, sent while a failover was under way (from a kill until submits on its shards
+    succeeded again) and sent at any other time: what a failover costs the healthy
+    masters' clients. With Sentinel one master holds every shard: no such submit."""
+    windows = [
+        (f.killed_mono, f.killed_mono + (f.submits_back or 0.0), set(f.shards)) for f in failovers
+    ]
+    during: list[float] = []
+    outside: list[float] = []
+    for r in replies:
+        if r.kind != "submit" or not r.job_id:
+            continue
+        ms = (r.end - r.start) * 1000
+        hit = next((w for w in windows if w[0] <= r.start < w[1]), None)
+        if hit is None:
+            outside.append(ms)
+        elif r.shard not in hit[2]:
+            during.append(ms)
+
+    def cut(values: list[float]) -> dict[str, Any]:
+        if not values:
+            return {"n": 0, "p50": None, "p99": None, "max": None}
+        ordered = sorted(values)
+        at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)  # noqa: E731
+        return {"n": len(values), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1], 1)}
+
+    return {"during": cut(during), "outside": cut(outside)}
+
+
 def spread(values: Sequence[float | None]) -> dict[str, Any]:
     got = [v for v in values if v is not None]
     return {
@@ -581,6 +611,7 @@ async def one_run(args: argparse.Namespace, stack: FailoverStack) -> dict[str, A
                 "shard_mismatches": producer.shard_mismatches,
             },
             "responses": status_counts(producer.replies, failovers),
+            "healthy_latency_ms": healthy_latency(producer.replies, failovers),
             "recovery": {
                 "promoted": spread([f.promoted_after for f in failovers]),
                 "submits_back": spread([f.submits_back for f in failovers]),
@@ -729,6 +760,26 @@ def report(data: dict[str, Any]) -> str:
         )
         + "\n\n"
     )
+    rows = []
+    for r in done:
+        lat = r.get("healthy_latency_ms")
+        if not lat:
+            continue
+        for when, label in (("during", "during a failover"), ("outside", "at other times")):
+            got = lat[when]
+            rows.append([
+                r["setup"], "on" if r["durable"] else "off", label, f"{got['n']:,}",
+                *(f"{got[k]:g}" if got[k] is not None else "-" for k in ("p50", "p99", "max")),
+            ])  # fmt: skip
+    if rows:
+        md += (
+            "## Submits on the other masters' shards\n\nAcknowledged submits on shards the "
+            "killed master did not serve: sent during a failover (from the kill until submits "
+            "on its shards succeeded again) or at other times; milliseconds from sending to "
+            "the answer, at the producer. With Sentinel one master holds every shard.\n\n"
+            + table(["set-up", "durable", "sent", "submits", "p50 ms", "p99 ms", "max ms"], rows)
+            + "\n\n"
+        )
     rows = []
     for r in done:
         logs = r["logs"]
