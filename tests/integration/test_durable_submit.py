@@ -215,6 +215,33 @@ async def test_wait_counts_the_submits_own_write(sq: Queue, sentinels: LocalSent
     assert again == job_id and not state.short
 
 
+async def test_an_in_process_queue_honours_the_setting(
+    sentinel_settings: Settings, sentinels: LocalSentinels
+) -> None:
+    """``Queue.submit`` (and its other submits) with JOBTIER_SUBMIT_REPLICAS: acknowledged
+    only once the replica confirmed; with the replica frozen, ``Unreplicated``, and the same
+    key once it caught up returns the job the refused call made."""
+    settings = sentinel_settings.replace(
+        require_known_types=False, submit_replicas=1, submit_replicas_timeout_ms=SHORT_MS
+    )
+    _, replica = pair(sentinels)
+    async with await Queue.connect(settings) as queue:
+        first = await queue.submit("echo", "a", idempotency_key="in-process-a")
+        assert first.created
+        with stopped(replica):
+            with pytest.raises(Unreplicated, match="0 of 1 replicas"):
+                await queue.submit("echo", "b", idempotency_key="in-process-b")
+            with pytest.raises(Unreplicated):  # a repeat writes nothing, and is not confirmed
+                await queue.submit("echo", "b", idempotency_key="in-process-b")
+        await asyncio.to_thread(sentinels.wait_replicated)
+        again = await queue.submit("echo", "b", idempotency_key="in-process-b")
+        assert not again.created
+        assert kept(replica, queue.keys, [first.job_id, again.job_id]) == [
+            first.job_id,
+            again.job_id,
+        ]
+
+
 async def test_a_durable_submit_is_never_acknowledged_and_lost(
     sq: Queue, sentinels: LocalSentinels, cutter: Cut
 ) -> None:

@@ -12,6 +12,10 @@ The stores the engine needs beside Redis are given, never opened behind the call
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Awaitable, Callable
+from typing import ParamSpec, TypeVar
+
 from jobtier.config import Settings
 from jobtier.core.model import TaskLookup
 from jobtier.engine.batching import BatchControl
@@ -19,7 +23,11 @@ from jobtier.engine.control import JobControl, ResultReader
 from jobtier.engine.explain import Explainer
 from jobtier.engine.produce import Producer, Registrar
 from jobtier.engine.queue_admin import QueueAdmin
+from jobtier.store import durable
 from jobtier.store.context import Store
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class Queue:
@@ -52,12 +60,13 @@ class Queue:
         self.jobs = JobControl(store, results)
         self.admin = QueueAdmin(store)
         self.explain = Explainer(store, self.admin).explain
-        # the calls most used, on the queue itself
-        self.submit = self.produce.submit
-        self.submit_many = self.produce.submit_many
-        self.submit_flow = self.produce.submit_flow
+        # the calls most used, on the queue itself; its submits honour
+        # JOBTIER_SUBMIT_REPLICAS as the API's do
+        self.submit = self._replicated(self.produce.submit)
+        self.submit_many = self._replicated(self.produce.submit_many)
+        self.submit_flow = self._replicated(self.produce.submit_flow)
         self.batches = BatchControl(store, self.produce)
-        self.submit_batch = self.batches.submit
+        self.submit_batch = self._replicated(self.batches.submit)
         self.status = self.jobs.status
         self.result = self.jobs.result
         self.cancel = self.jobs.cancel
@@ -76,6 +85,34 @@ class Queue:
         """Connect to the deployment's Redis (``Store.connect``); ``close`` closes it."""
         store = await Store.connect(settings, check=check)
         return cls(store, tasks, require_known=require_known, results=results, callbacks=callbacks)
+
+    def _replicated(self, call: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+        """``call`` returning only once its writes reached JOBTIER_SUBMIT_REPLICAS replicas
+        (``store/durable.py``), else raising ``Unreplicated``: the jobs may exist, and a
+        retry with the same idempotency key returns them. Unchanged with the setting 0, or
+        inside a caller's own ``durable.waiting``."""
+        wanted = self.settings.submit_replicas
+        timeout_ms = self.settings.submit_replicas_timeout_ms
+        if not wanted:
+            return call
+
+        @functools.wraps(call)
+        async def replicated(*args: P.args, **kwargs: P.kwargs) -> T:
+            if durable.current() is not None:
+                return await call(*args, **kwargs)
+            with durable.waiting(wanted, timeout_ms) as state:
+                out = await call(*args, **kwargs)
+                if not state.waits:  # a repeat wrote nothing: the first writes' WAIT
+                    await self.scripts.confirm(range(self.keys.shards))
+            if state.short:
+                raise durable.Unreplicated(
+                    f"{state.confirmed or 0} of {wanted} replicas confirmed the submit within "
+                    f"{timeout_ms} ms (JOBTIER_SUBMIT_REPLICAS); the job may exist: submit again "
+                    "with the same idempotency key to get it"
+                )
+            return out
+
+        return replicated
 
     async def __aenter__(self) -> Queue:
         return self
