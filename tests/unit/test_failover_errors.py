@@ -59,6 +59,8 @@ FAILOVER = [
     ReadOnlyError("You can't write against a read only replica."),
     MasterNotFoundError("No master found for 'jobtier'"),
     RedisClusterException("Redis Cluster cannot be connected."),
+    RedisClusterException("All slots are not covered after query all startup_nodes."),
+    RedisClusterException("No targets were found to execute ('GET', 'k') command on"),
     ResponseError("CLUSTERDOWN Hash slot not served"),
     node_down(),
 ]
@@ -86,6 +88,23 @@ async def test_a_failover_error_is_a_503_with_retry_after(exc: Exception) -> Non
 async def test_another_reply_error_is_still_a_defect() -> None:
     response = await on_error(request(), ResponseError("ERR wrong number of arguments"))
     assert response.status_code == 500
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        RedisClusterException("EVALSHA - all keys must map to the same key slot"),
+        RedisClusterException("Invalid args in command: ('GET',)"),
+        RedisClusterException("No way to dispatch this command to Redis Cluster. Missing key."),
+    ],
+    ids=["cross-slot", "invalid-args", "missing-key"],
+)
+async def test_a_cluster_client_error_of_ours_is_a_500_not_a_failover(exc: Exception) -> None:
+    """Only a topology that cannot be read, or has no node for the call, is a failover: a
+    call redis-py cannot route is a defect, and says so (500, logged with its traceback)."""
+    for answer in (handler_for(exc), on_error):
+        response = await answer(request(), exc)
+        assert response.status_code == 500
 
 
 async def test_a_single_servers_lost_connection_is_the_plain_503() -> None:

@@ -17,6 +17,7 @@ from redis.exceptions import (
     ReadOnlyError,
     RedisClusterException,
     ResponseError,
+    SlotNotCoveredError,
     TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -144,16 +145,25 @@ RETRY_FAILOVER = {"retry-after": "1"}
 
 # what Redis answers while a master fails over: the cluster down or its slots moving
 # (CLUSTERDOWN, TRYAGAIN, MOVED/ASK past redis-py's redirections, ClusterError "TTL
-# exhausted"), a demoted master (READONLY), no master known yet (sentinels; a
-# RedisClusterException from a topology that cannot be read)
+# exhausted"), a demoted master (READONLY), no master known yet (sentinels), a slot no node
+# serves yet
 FAILOVER: tuple[type[BaseException], ...] = (
-    ClusterError,  # ClusterDownError, MasterDownError, SlotNotCoveredError, "TTL exhausted"
+    ClusterError,  # ClusterDownError, MasterDownError, "TTL exhausted"
     TryAgainError,
     MovedError,
     AskError,
     ReadOnlyError,
     MasterNotFoundError,
-    RedisClusterException,
+    SlotNotCoveredError,
+)
+# a RedisClusterException is a failover only when it says the topology could not be read or
+# had no node for a call; any other (keys in two slots, arguments redis-py cannot route) is a
+# defect of ours, a 500
+CLUSTER_TOPOLOGY = (
+    "Redis Cluster cannot be connected",
+    "All slots are not covered",
+    "startup_nodes could not agree",
+    "No targets were found",
 )
 # the same, said in a reply's first word (a ResponseError that redis-py does not classify)
 FAILOVER_REPLIES = ("CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "READONLY", "MASTERDOWN", "LOADING")
@@ -163,6 +173,8 @@ def failing_over(exc: BaseException) -> bool:
     """Whether ``exc`` is Redis failing over, or a connection to one cluster node failing
     (its master killed, until its replica is promoted): a 503 to retry, not a defect."""
     if isinstance(exc, FAILOVER) or connection_closed_under_it(exc):
+        return True
+    if isinstance(exc, RedisClusterException) and str(exc).startswith(CLUSTER_TOPOLOGY):
         return True
     if isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in FAILOVER_REPLIES:
         return True
@@ -244,6 +256,7 @@ HANDLERS: dict[Any, Any] = {
     HTTPException: on_http_exception,
     **dict.fromkeys(UNAVAILABLE, on_unavailable),
     **dict.fromkeys(FAILOVER, on_failover),
+    RedisClusterException: on_error,  # a failover (CLUSTER_TOPOLOGY) or a defect
     KeysNotConfigured: on_keys_not_configured,
     ClientDisconnect: on_client_gone,
     Exception: on_error,
