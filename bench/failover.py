@@ -482,8 +482,15 @@ def healthy_latency(replies: Sequence[Reply], failovers: list[Failover]) -> dict
     serve, sent while a failover was under way (from a kill until submits on its shards
     succeeded again) and sent at any other time: what a failover costs the healthy
     masters' clients. With Sentinel one master holds every shard: no such submit."""
+    # a failover whose submits never came back lasts until the next kill (or the end)
+    ends = [f.killed_mono for f in failovers[1:]] + [float("inf")]
     windows = [
-        (f.killed_mono, f.killed_mono + (f.submits_back or 0.0), set(f.shards)) for f in failovers
+        (
+            f.killed_mono,
+            f.killed_mono + f.submits_back if f.submits_back is not None else end,
+            set(f.shards),
+        )
+        for f, end in zip(failovers, ends, strict=True)
     ]
     during: list[float] = []
     outside: list[float] = []
@@ -501,7 +508,10 @@ def healthy_latency(replies: Sequence[Reply], failovers: list[Failover]) -> dict
         if not values:
             return {"n": 0, "p50": None, "p99": None, "max": None}
         ordered = sorted(values)
-        at = lambda q: round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)  # noqa: E731
+
+        def at(q: float) -> float:
+            return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+
         return {"n": len(values), "p50": at(0.5), "p99": at(0.99), "max": round(ordered[-1], 1)}
 
     return {"during": cut(during), "outside": cut(outside)}
@@ -668,7 +678,10 @@ def report(data: dict[str, Any]) -> str:
         a = r["audit"]
         rows.append([
             r["setup"], "on" if r["durable"] else "off", str(len(r["failovers"])),
-            f"{r['submit_rate']:g}", f"{a['acknowledged']:,}", f"**{a['lost']['count']}**",
+            f"{r['submit_rate']:g}" + (
+                f" ({r['ticks_skipped']:,} ticks skipped)" if r.get("ticks_skipped") else ""
+            ),
+            f"{a['acknowledged']:,}", f"**{a['lost']['count']}**",
             str(a["vanished_from_redis"]["count"]), f"{a['duplicate_executions']:,}",
             str(a["double_success"]["count"]), str(a["not_terminal"]["count"]),
             str(a["history_problems"]["count"]), str(a["pg_differs"]["count"]),
@@ -765,7 +778,10 @@ def report(data: dict[str, Any]) -> str:
         lat = r.get("healthy_latency_ms")
         if not lat:
             continue
-        for when, label in (("during", "during a failover"), ("outside", "at other times")):
+        for when, label in (
+            ("during", "during a failover, other shards"),
+            ("outside", "at other times, all shards"),
+        ):
             got = lat[when]
             rows.append([
                 r["setup"], "on" if r["durable"] else "off", label, f"{got['n']:,}",
@@ -773,10 +789,11 @@ def report(data: dict[str, Any]) -> str:
             ])  # fmt: skip
     if rows:
         md += (
-            "## Submits on the other masters' shards\n\nAcknowledged submits on shards the "
-            "killed master did not serve: sent during a failover (from the kill until submits "
-            "on its shards succeeded again) or at other times; milliseconds from sending to "
-            "the answer, at the producer. With Sentinel one master holds every shard.\n\n"
+            "## Submits on the other masters' shards\n\nAcknowledged submits sent during a "
+            "failover (from the kill until submits on its shards succeeded again, or the next "
+            "kill) on shards the killed master did not serve, against every acknowledged submit "
+            "sent at other times; milliseconds from sending to the answer, at the producer. "
+            "With Sentinel one master holds every shard: its row during a failover is empty.\n\n"
             + table(["set-up", "durable", "sent", "submits", "p50 ms", "p99 ms", "max ms"], rows)
             + "\n\n"
         )

@@ -33,6 +33,7 @@ from jobtier.dev.local_redis import LocalRedis
 from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
 from jobtier.engine.produce import Producer
 from jobtier.engine.queue import Queue
+from jobtier.flows import batches
 from jobtier.persist.db import Pool
 from jobtier.persist.outbox import OutboxRelay
 from jobtier.store import durable
@@ -222,8 +223,8 @@ async def test_an_in_process_queue_honours_the_setting(
     only once the replica confirmed; with the replica frozen, ``Unreplicated``, and the same
     key once it caught up returns the job the refused call made."""
     settings = sentinel_settings.replace(
-        require_known_types=False, submit_replicas=1, submit_replicas_timeout_ms=SHORT_MS
-    )
+        require_known_types=False, submit_replicas=1, submit_replicas_timeout_ms=CONFIRM_MS
+    )  # the frozen replica's calls wait it out: long enough for the others on a busy machine
     _, replica = pair(sentinels)
     async with await Queue.connect(settings) as queue:
         first = await queue.submit("echo", "a", idempotency_key="in-process-a")
@@ -420,6 +421,27 @@ async def test_a_repeated_flow_waits_on_every_node_holding_its_jobs(
         await asyncio.to_thread(failover_cluster.wait_replicated)
         r = await c.post("/v1/flows", json=body, headers=headers)
         assert r.status_code == 200 and [j["id"] for j in r.json()["jobs"]] == ids, r.text
+
+
+async def test_a_batchs_idempotency_key_is_confirmed_on_its_own_node(
+    failover_cluster: LocalCluster,
+) -> None:
+    """A batch's idempotency key is a plain SET on the node of its own shard, which may hold
+    none of the batch's writes (whose WAITs then do not cover it): the key gets its own WAIT.
+    With that node's replica frozen, the durable submit counts 0 replicas: a 503."""
+    settings = Settings.from_env({}, **cluster_overrides(failover_cluster))
+    async with await Queue.connect(settings) as queue:
+        store = queue.store
+        master = failover_cluster.masters()[0]
+        (key,) = keys_on(failover_cluster, queue.keys, master, "batch-key", 1)
+        batch = batches.PreparedBatch(
+            batch_id="b1", tenant="acme", type="echo", queue="default", priority="normal",
+            max_attempts=1, children=[], idempotency_key=key, digest="d",
+        )  # fmt: skip
+        (replica,) = failover_cluster.replicas_of(master)
+        with stopped(replica), durable.waiting(1, SHORT_MS) as state:
+            assert await batches._first_with_key(store, batch) is None  # the key is ours
+        assert (state.waits, state.short) == (1, True)
 
 
 async def test_cluster_failover_keeps_what_durable_submit_acknowledged(

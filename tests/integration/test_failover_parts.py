@@ -6,13 +6,16 @@ sentinels' master. (The roles together, as processes under load: test_failover.p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import pytest
 import redis as syncredis
+from redis.asyncio.cluster import NodesManager
 from redis.crc import key_slot
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
@@ -80,14 +83,33 @@ async def test_commands_to_healthy_nodes_go_on_while_a_pipeline_fails_on_a_dead_
     await wait_for(lambda: _reads(redis, keys, sorted(lost)), timeout=30)
 
 
+@contextlib.contextmanager
+def no_promotion(cluster: LocalCluster, master: LocalRedis) -> Iterator[None]:
+    """``master``'s replicas take no part in a failover while the block runs (the test looks
+    at a cluster with that master down as long as it needs, loaded machine or not); then
+    they do again, and the caller waits for the promotion."""
+    replicas = cluster.replicas_of(master)
+    assert replicas
+    for replica in replicas:
+        with syncredis.Redis(port=replica.port) as r:
+            r.config_set("cluster-replica-no-failover", "yes")
+    try:
+        yield
+    finally:
+        for replica in replicas:
+            with syncredis.Redis(port=replica.port) as r:
+                r.config_set("cluster-replica-no-failover", "no")
+
+
 async def test_a_topology_refresh_while_the_first_master_is_down_fails_no_healthy_command(
     failover_cluster: LocalCluster, queue: Queue
 ) -> None:
     """redis-py reads the command table (COMMAND) again on every topology refresh, from the
-    first master listed. With that master killed, every refresh failed until its replica
-    was promoted, and each command that asked for one (any command after a failed one, on
-    any node) failed with it: 503s on the healthy masters' shards. The table is read once;
-    a refresh that fails leaves the known map in use."""
+    first master listed, and asks that node for the keys of XREAD / XREADGROUP (COMMAND
+    GETKEYS). With that master killed, every refresh failed until its replica was promoted,
+    and each command that asked for one (any command after a failed one, on any node)
+    failed with it, as did every stream read: 503s on the healthy masters' shards, a
+    persister that read nothing. The table is read once; stream keys are found here."""
     redis = queue.redis
     assert isinstance(redis, Cluster)
     keys = queue.keys
@@ -97,15 +119,54 @@ async def test_a_topology_refresh_while_the_first_master_is_down_fails_no_health
     assert healthy
     for s in range(keys.shards):
         await redis.set(keys.base(s) + "probe", s)
-    failover_cluster.kill(victim)
+        await redis.xadd(keys.base(s) + "probe-stream", {"n": s})
     try:
+        await _refresh_with_the_first_master_down(failover_cluster, redis, keys, victim, healthy)
+    finally:  # the replica takes over, and the fixture revives the victim
+        await asyncio.to_thread(failover_cluster.wait_promoted, victim)
+
+
+async def _refresh_with_the_first_master_down(
+    cluster: LocalCluster, redis: Cluster, keys: Keys, victim: LocalRedis, healthy: list[int]
+) -> None:
+    with no_promotion(cluster, victim):
+        cluster.kill(victim)
         for _ in range(3):
             redis._initialize = True  # a command failed on the dead node: refresh due
             redis._refreshed_at = -REFRESH_EVERY
             for s in healthy:
                 assert await redis.get(keys.base(s) + "probe") == str(s).encode()
-    finally:  # the fixture revives the victim once its replica took over
-        await asyncio.to_thread(failover_cluster.wait_promoted, victim)
+                read: Any = await redis.xread({keys.base(s) + "probe-stream": "0"}, count=1)
+                assert read[0][1][0][1] == {b"n": str(s).encode()}
+        assert victim.port in {n.port for n in redis.get_primaries()}  # still listed
+
+
+async def test_a_refresh_that_fails_leaves_the_known_map_in_use(
+    failover_cluster: LocalCluster, queue: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No startup node answering CLUSTER SLOTS is, in redis-py, a RedisClusterException (no
+    RedisError): commands still go by the map known, and the refresh is tried again only
+    REFRESH_EVERY later, not before every command."""
+    redis = queue.redis
+    assert isinstance(redis, Cluster)
+    keys = queue.keys
+    for s in range(keys.shards):
+        await redis.set(keys.base(s) + "probe", s)
+    attempts = 0
+
+    async def unreadable(self: NodesManager, *args: object, **kwargs: object) -> None:
+        nonlocal attempts
+        attempts += 1
+        raise RedisClusterException("Redis Cluster cannot be connected. Please provide ...")
+
+    monkeypatch.setattr(NodesManager, "initialize", unreadable)  # slotted: the class
+    monkeypatch.setattr("jobtier.store.redis.REFRESH_EVERY", 3600.0)
+    redis._refreshed_at = -7200.0
+    for _ in range(3):
+        redis._initialize = True
+        for s in range(keys.shards):
+            assert await redis.get(keys.base(s) + "probe") == str(s).encode()
+    assert attempts == 1
 
 
 async def _healthy_reads_go_on(redis: Cluster, keys: Keys, healthy: list[int]) -> None:

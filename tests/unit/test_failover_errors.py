@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect, Request
 from jobtier.api.problems import HANDLERS, failing_over, on_error
 from jobtier.store import scripts
 from jobtier.store.durable import Durable
-from jobtier.store.redis import connection_closed_under_it
+from jobtier.store.redis import _stream_keys, connection_closed_under_it
 
 
 def request() -> Request:
@@ -172,3 +172,20 @@ async def test_a_client_gone_before_its_body_is_no_internal_error(
     assert response.status_code == 400
     assert "event=client_disconnected" in caplog.text
     assert "internal_error" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "keys"),
+    [
+        ("XREADGROUP", ("GROUP", "streams", "c1", "COUNT", 5, "STREAMS", "s1", ">"), ("s1",)),
+        (
+            "XREADGROUP",
+            ("GROUP", "g", "c", "BLOCK", 100, "NOACK", "STREAMS", "a", "b", 0, 0),
+            ("a", "b"),
+        ),
+        ("XREAD", (b"COUNT", 1, b"streams", b"k", b"0"), (b"k",)),
+        ("XREAD", ("FOO", "STREAMS", "k", "0"), ()),  # not read so: redis-py asks a node
+    ],
+)
+def test_stream_keys_are_found_without_asking_a_node(name: str, args: tuple, keys: tuple) -> None:  # type: ignore[type-arg]
+    assert tuple(_stream_keys(name, args)) == keys

@@ -13,6 +13,7 @@ The stores the engine needs beside Redis are given, never opened behind the call
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Awaitable, Callable
 from typing import ParamSpec, TypeVar
 
@@ -25,6 +26,8 @@ from jobtier.engine.produce import Producer, Registrar
 from jobtier.engine.queue_admin import QueueAdmin
 from jobtier.store import durable
 from jobtier.store.context import Store
+
+log = logging.getLogger("jobtier.engine.queue")
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -90,7 +93,7 @@ class Queue:
         """``call`` returning only once its writes reached JOBTIER_SUBMIT_REPLICAS replicas
         (``store/durable.py``), else raising ``Unreplicated``: the jobs may exist, and a
         retry with the same idempotency key returns them. Unchanged with the setting 0, or
-        inside a caller's own ``durable.waiting``."""
+        inside a caller's own ``durable.waiting`` that asks for replicas."""
         wanted = self.settings.submit_replicas
         timeout_ms = self.settings.submit_replicas_timeout_ms
         if not wanted:
@@ -102,9 +105,14 @@ class Queue:
                 return await call(*args, **kwargs)
             with durable.waiting(wanted, timeout_ms) as state:
                 out = await call(*args, **kwargs)
-                if not state.waits:  # a repeat wrote nothing: the first writes' WAIT
+                nothing = isinstance(out, list) and not out  # submit_many([])
+                if not state.waits and not nothing:  # a repeat wrote nothing: the first's
                     await self.scripts.confirm(range(self.keys.shards))
             if state.short:
+                log.warning(
+                    "event=submit_unreplicated wanted=%d confirmed=%d timeout_ms=%d",
+                    wanted, state.confirmed or 0, timeout_ms,
+                )  # fmt: skip
                 raise durable.Unreplicated(
                     f"{state.confirmed or 0} of {wanted} replicas confirmed the submit within "
                     f"{timeout_ms} ms (JOBTIER_SUBMIT_REPLICAS); the job may exist: submit again "

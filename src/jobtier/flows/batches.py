@@ -121,6 +121,9 @@ async def _first_with_key(store: Store, batch: PreparedBatch) -> str | None:
     mine = f"{batch.batch_id} {batch.digest}"
     ttl = store.settings.idempotency_ttl_seconds
     if await store.redis.set(key, mine, nx=True, ex=ttl):
+        # a durable submit (store/durable.py): the key's node may hold none of the batch's
+        # writes, whose WAITs would then not cover it; lost, a retry would make a second batch
+        await store.scripts.confirm([store.keys.shard_for(batch.tenant, batch.idempotency_key)])
         return None
     held = cast(bytes | None, await store.redis.get(key))
     first, _, digest = (held or b"").decode().partition(" ")

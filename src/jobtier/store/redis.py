@@ -6,7 +6,7 @@ import asyncio
 import contextvars
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import hiredis
@@ -148,7 +148,9 @@ class Cluster(RedisCluster):
                 )
                 if not self.commands_parser.commands:
                     await self.commands_parser.initialize(self.nodes_manager.default_node)
-            except (RedisError, OSError) as exc:
+            except (RedisError, RedisClusterException, OSError) as exc:
+                # RedisClusterException is no RedisError: redis-py raises it when no startup
+                # node answered CLUSTER SLOTS, or their answers did not cover every slot
                 if not known:
                     raise
                 self._refreshed_at = time.monotonic()
@@ -171,13 +173,41 @@ class Cluster(RedisCluster):
         return self.nodes_manager.default_node
 
     async def _determine_slot(self, command: str, *args: Any) -> int:
-        if isinstance(command, str) and command.upper() in ("FCALL", "FCALL_RO"):
+        name = command.upper() if isinstance(command, str) else ""
+        keys: Sequence[Any] = ()
+        if name in ("FCALL", "FCALL_RO"):
             # FCALL <function> <numkeys> <key>...
             numkeys = int(args[1]) if len(args) > 1 else 0
-            slots = {self.keyslot(k) for k in args[2 : 2 + numkeys]}
-            if len(slots) == 1:
-                return slots.pop()
+            keys = args[2 : 2 + numkeys]
+        elif name in ("XREAD", "XREADGROUP"):
+            # ... STREAMS <key>... <id>...: keys redis-py asks a node for (COMMAND GETKEYS),
+            # one more round trip each, and a failed call while that node is the killed
+            # master, whichever node the stream lives on
+            keys = _stream_keys(name, args)
+        slots = {self.keyslot(k) for k in keys}
+        if len(slots) == 1:
+            return slots.pop()
         return await super()._determine_slot(command, *args)
+
+
+def _stream_keys(name: str, args: Sequence[Any]) -> Sequence[Any]:
+    """The keys of XREAD / XREADGROUP's arguments (after the command's name): the first half
+    of what follows STREAMS, past the options (and XREADGROUP's GROUP group consumer);
+    none when the arguments are not read so (redis-py then asks a node, as before)."""
+    i = 3 if name == "XREADGROUP" else 0
+    while i < len(args):
+        word = args[i].decode() if isinstance(args[i], bytes) else args[i]
+        word = word.upper() if isinstance(word, str) else ""
+        if word in ("COUNT", "BLOCK"):
+            i += 2
+        elif word == "NOACK":
+            i += 1
+        elif word == "STREAMS":
+            rest = args[i + 1 :]
+            return rest[: len(rest) // 2]
+        else:
+            return ()
+    return ()
 
 
 class ClusterPipe(ClusterPipeline):

@@ -518,7 +518,8 @@ class Scripts:
     async def confirm(self, shards: Sequence[int]) -> None:
         """While a durable submit runs: the marker write and WAIT on the nodes of ``shards``,
         for a submit that wrote nothing itself (an idempotent repeat), whose first writes may
-        still be on the master alone (``store/durable.py``)."""
+        still be on the master alone, or for a write made without a script (a batch's
+        idempotency key) on a node none of the submit's scripts ran on (``store/durable.py``)."""
         durable = current()
         if durable is None or not shards:
             return
