@@ -793,7 +793,9 @@ def report(data: dict[str, Any]) -> str:
             "failover (from the kill until submits on its shards succeeded again, or the next "
             "kill) on shards the killed master did not serve, against every acknowledged submit "
             "sent at other times; milliseconds from sending to the answer, at the producer. "
-            "With Sentinel one master holds every shard: its row during a failover is empty.\n\n"
+            "With Sentinel one master holds every shard: its row during a failover is empty. "
+            "The whole deployment and the producer share the machine (see jobs/s): compare "
+            "the two rows of a set-up, not these figures with a latency bench's.\n\n"
             + table(["set-up", "durable", "sent", "submits", "p50 ms", "p99 ms", "max ms"], rows)
             + "\n\n"
         )
