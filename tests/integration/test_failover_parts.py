@@ -1,14 +1,18 @@
 """The parts that ride through a Redis master's failover, each on its own: the cluster
 client's commands to healthy nodes while one is down, the status reader's batch across
-nodes, a worker's claim round across nodes, and the status subscription following the
-sentinels' master. (The roles together, as processes under load: test_failover.py.)"""
+nodes, a worker's claim round, its outcomes and its lease extensions across nodes, and the
+status subscription following the sentinels' master. (The roles together, as processes
+under load: test_failover.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import logging
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Iterator
 from typing import Any
 
 import pytest
@@ -19,15 +23,20 @@ from redis.exceptions import RedisClusterException, RedisError
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
+from jobtier.core.model import State
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
+from jobtier.engine.produce import DEFAULT_TENANT
 from jobtier.engine.queue import Queue
+from jobtier.scheduler import Scheduler
 from jobtier.status.nearcache import Entry
 from jobtier.status.reader import RESYNC, StatusReader
 from jobtier.store.calls import claim_call, parse_claim
 from jobtier.store.redis import REFRESH_EVERY, Cluster, connect
 from jobtier.store.scripts import Scripts
-from tests.fixtures.engine import wait_for
+from jobtier.worker.job_context import JobContext
+from jobtier.worker.registry import TaskRegistry, task
+from tests.fixtures.engine import Background, wait_for, worker_for
 
 pytestmark = pytest.mark.slow
 
@@ -262,6 +271,146 @@ async def test_a_claim_round_starts_the_jobs_of_the_nodes_that_are_up(
             assert isinstance(reply, RedisError), (shard, reply)
         else:
             assert parse_claim(shard, reply).jobs, (shard, reply)
+
+
+class Held:
+    """The ``held`` task's attempts wait for ``release``; ``runs`` counts them per job."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.runs: Counter[str] = Counter()
+
+
+HELD = Held()
+
+
+@task(name="held", retries=2, backoff_base=0.05)
+async def held(ctx: JobContext, payload: Any) -> str:
+    HELD.runs[ctx.job_id] += 1
+    await HELD.release.wait()
+    return "released"
+
+
+async def held_jobs(queue: Queue) -> dict[int, str]:
+    """One ``held`` job on every shard (an idempotency key picks a job's shard): shard -> id."""
+    global HELD
+    HELD = Held()
+    keys = queue.keys
+    jobs = {}
+    for shard in range(keys.shards):
+        key = next(
+            k
+            for k in (f"held-{shard}-{i}" for i in itertools.count())
+            if keys.shard_for(DEFAULT_TENANT, k) == shard
+        )
+        jobs[shard] = (await queue.submit(held, None, idempotency_key=key)).job_id
+        assert keys.shard_of(jobs[shard]) == shard
+    return jobs
+
+
+@contextlib.asynccontextmanager
+async def down_until_exit(cluster: LocalCluster, victim: LocalRedis) -> AsyncIterator[None]:
+    """Kill ``victim`` with its replicas told not to take over (``no_promotion``), so that it
+    stays down while the test looks; on exit they may, and the promotion is awaited (the
+    fixture then brings the victim back)."""
+    try:
+        with no_promotion(cluster, victim):
+            cluster.kill(victim)
+            yield
+            # nothing was promoted while the test looked
+            assert victim.pid is None and cluster.replicas_of(victim), cluster.roles()
+    finally:
+        if victim.pid is None:
+            await asyncio.to_thread(cluster.wait_promoted, victim)
+
+
+async def states_are(queue: Queue, jobs: Iterable[str], states: Iterable[State]) -> bool:
+    wanted = set(states)
+    try:
+        found = await asyncio.gather(*(queue.status(j) for j in jobs))
+    except RedisError:
+        return False
+    return all(status.state in wanted for status in found)
+
+
+async def test_a_worker_completes_the_jobs_of_the_masters_that_are_up(
+    failover_cluster: LocalCluster,
+    queue: Queue,
+    background: Background,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The outcomes of one report round go one pipeline per node and are taken call by call
+    (call_many_each): the worker knows the jobs on the healthy masters ended while a master
+    is down, and sends again only the lost shards' outcomes. (Taken as one batch, the
+    healthy nodes' completions ran but the batch failed: sent again after the promotion,
+    they were refused as stale.)"""
+    caplog.set_level(logging.INFO, logger="jobtier.worker")
+    jobs = await held_jobs(queue)
+    victim, lost = victim_of(failover_cluster, queue.keys)
+    healthy = [job for shard, job in jobs.items() if shard not in lost]
+    worker = worker_for(queue, TaskRegistry([held]), concurrency=len(jobs))
+    background.start(worker)
+    background.start(Scheduler(queue.store))
+    await wait_for(lambda: len(HELD.runs) == len(jobs))  # every job runs
+    async with down_until_exit(failover_cluster, victim):
+        HELD.release.set()
+        await wait_for(lambda: worker.stats.succeeded == len(healthy))
+        assert await states_are(queue, healthy, [State.SUCCEEDED])
+    # the lost shards' outcomes land on the promoted replica (or their jobs run again)
+    await wait_for(lambda: states_are(queue, jobs.values(), [State.SUCCEEDED]), timeout=30)
+    assert all(HELD.runs[job] == 1 for job in healthy), HELD.runs
+    refused = [r.getMessage() for r in caplog.records if "stale_write_refused" in r.getMessage()]
+    assert not [m for m in refused if any(job in m for job in healthy)], refused
+
+
+async def test_a_worker_beats_for_the_jobs_of_the_masters_that_are_up(
+    failover_cluster: LocalCluster, background: Background, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A beat goes one pipeline per node and its replies are taken call by call
+    (call_many_each): while a master is down, the leases on the healthy masters are extended
+    past the lease they had when it died, none of their jobs is lost or run twice, and the
+    beat's replies for them are acted on (a cancel request, which this worker learns of by
+    its beats alone, stops its job). (Taken as one batch, the healthy nodes' extensions ran
+    but the beat failed: their replies were dropped until the promotion.)"""
+    caplog.set_level(logging.INFO, logger="jobtier.worker")
+    settings = Settings.from_env(
+        {}, redis_url=failover_cluster.url, redis_cluster=True, shards=SHARDS, lease_seconds=3.0
+    )
+    queue = await Queue.connect(settings)
+    try:
+        keys = queue.keys
+        jobs = await held_jobs(queue)
+        victim, lost = victim_of(failover_cluster, keys)
+        healthy = {shard: job for shard, job in jobs.items() if shard not in lost}
+        worker = worker_for(queue, TaskRegistry([held]), concurrency=len(jobs), cancel_push=False)
+        background.start(worker)
+        background.start(Scheduler(queue.store))
+        await wait_for(lambda: len(HELD.runs) == len(jobs))
+
+        async def deadlines() -> list[float]:
+            scores = [await queue.redis.zscore(keys.active(s), j) for s, j in healthy.items()]
+            assert all(score is not None for score in scores), scores
+            return [float(score) for score in scores if score is not None]
+
+        cancelled = next(iter(healthy.values()))
+        async with down_until_exit(failover_cluster, victim):
+            # the local nodes' clock is ours: wait until every lease held at the kill ended
+            ended = max(await deadlines()) + 300
+            await wait_for(lambda: time.time() * 1000 > ended, timeout=15)
+            now = time.time() * 1000
+            assert min(await deadlines()) > now  # extended meanwhile
+            assert worker.stats.leases_lost == 0
+            await queue.cancel(cancelled)
+            await wait_for(lambda: states_are(queue, [cancelled], [State.CANCELLED]))
+        HELD.release.set()
+        others = [job for job in jobs.values() if job != cancelled]
+        await wait_for(lambda: states_are(queue, others, [State.SUCCEEDED]), timeout=30)
+        assert all(HELD.runs[job] == 1 for job in healthy.values()), HELD.runs
+        lost_leases = [r.getMessage() for r in caplog.records if "lease_lost" in r.getMessage()]
+        assert not [m for m in lost_leases if any(j in m for j in healthy.values())], lost_leases
+    finally:
+        await background.stop()
+        await queue.close()
 
 
 async def test_the_status_subscription_follows_the_sentinels_master(

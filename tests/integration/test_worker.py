@@ -242,7 +242,8 @@ async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Que
     worker = worker_for(queue, registry, burst=True, concurrency=50)
     scripts = worker.state.scripts
     call_many = scripts.call_many
-    call_many_each = scripts.call_many_each  # the claim round's (each shard's reply apart)
+    # the claim round's and the reporter's (each call's reply apart)
+    call_many_each = scripts.call_many_each
     sent: list[tuple[str, int]] = []  # ('claim', its number) / ('complete', its jobs' claim)
     claim_of: dict[str, int] = {}  # job id -> the number of the claim that gave it
 
@@ -255,16 +256,20 @@ async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Que
                 claim_of[job.id] = number
         return replies
 
-    async def spy(calls: Any) -> list[Any]:
+    async def spy_on(send: Any, calls: Any) -> list[Any]:
         if any(name == "claim" for name, _, _ in calls):
-            return await claim(calls, call_many)
+            return await claim(calls, send)
         for script, _, args in calls:
             if script == "complete":
                 sent.append(("complete", max(claim_of[i] for i in args[3::3])))
-        return await call_many(calls)
+        replies: list[Any] = await send(calls)
+        return replies
+
+    async def spy(calls: Any) -> list[Any]:
+        return await spy_on(call_many, calls)
 
     async def spy_each(calls: Any) -> list[Any]:
-        return await claim(calls, call_many_each)
+        return await spy_on(call_many_each, calls)
 
     scripts.call_many = spy  # type: ignore[method-assign]
     scripts.call_many_each = spy_each  # type: ignore[method-assign]

@@ -1,7 +1,8 @@
 """The heartbeat: lease renewal, progress and log lines, and cancel requests.
 
 Every third of the lease the heartbeat extends the leases of all running jobs (and the
-permits of limited queues' jobs) in one pipeline, advertises the worker and re-reads which
+permits of limited queues' jobs) in one pipeline (one per cluster node: a node that is down
+fails its shards' extensions only, tried again soon), advertises the worker and re-reads which
 of its queues are limited. Between full beats, a progress beat (at most every
 ``progress_interval``) carries the progress reports and log lines the tasks made. A refused
 beat means the lease was lost (it expired and the job moved on): the task is stopped and its
@@ -130,16 +131,22 @@ class Heartbeat:
                     permits[r.job.queue].append(r.permit)
         beats = len(calls)
         calls += limit_calls(state.keys, "extend", permits, state.lease_ms)
-        # log lines ride along; lost if this beat fails (they are a debugging aid, and the
+        # log lines ride along; lost if their call fails (they are a debugging aid, and the
         # lease, which matters, is retried at the next beat)
         calls += [joblog_call(shard, LOG_LINES, items) for shard, items in lines_by_shard.items()]
         state.beat_idle.clear()
         try:
-            replies = (await state.scripts.call_many(calls))[:beats]
+            # one pipeline per node, each call's reply on its own: a node that is down (a
+            # master failing over) fails its shards' calls only, the others' replies are used
+            replies = await state.scripts.call_many_each(calls)
+        except (RedisError, OSError) as exc:
+            replies = [exc] * len(calls)
         finally:
             state.beat_idle.set()
         index = {r.job.id: r for r in beating}
-        for items, reply in zip(by_shard.values(), replies, strict=True):
+        for items, reply in zip(by_shard.values(), replies[:beats], strict=True):
+            if isinstance(reply, Exception):
+                continue  # its node is down: these leases are retried at the next beat
             for (job_id, _, _), (code, cancel) in zip(items, parse_pairs(reply), strict=True):
                 r = index[job_id]
                 if code is not Code.OK:
@@ -158,6 +165,11 @@ class Heartbeat:
                         "event=cancel_requested worker=%s job=%s via=heartbeat", self.id, job_id
                     )
                     deliver_cancel(r.ctx, r.task, r.handle)
+        failed = next((reply for reply in replies if isinstance(reply, Exception)), None)
+        if failed is not None:  # after the others' replies: run() logs it and tries again
+            if isinstance(failed, (RedisError, OSError)):
+                raise failed
+            raise RedisError(f"a heartbeat call failed: {failed!r}") from failed
 
     async def advertise(self) -> None:
         """Say this worker is alive (``QueueAdmin.live_workers``), and publish its tasks."""

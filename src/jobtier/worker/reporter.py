@@ -2,10 +2,11 @@
 
 ``run_attempt`` (attempt.py) hands each attempt's end to ``attempt_ended``, which frees the
 slot and queues the outcome (``complete``, ``fail`` or ``stopped``) in the outbox, per kind
-and shard; the reporter sends everything queued in one pipeline while the next outcomes
-accumulate, and keeps the batch on a Redis error, to send again (nothing acknowledged is
-lost; a lease that expires meanwhile makes the scheduler requeue the job, and the late write
-is refused).
+and shard; the reporter sends everything queued in one pipeline (one per cluster node) while
+the next outcomes accumulate, and keeps the reports of each call that failed, to send again:
+a node that is down (a master failing over) holds back its shards' reports only (nothing
+acknowledged is lost; a lease that expires meanwhile makes the scheduler requeue the job,
+and the late write is refused).
 
 Races guarded here:
 
@@ -206,7 +207,8 @@ class Reporter:
             await self._send()
 
     async def _send(self) -> None:
-        """Send everything in the outbox in one pipeline; keep it on a Redis error."""
+        """Send everything in the outbox in one pipeline (one per node); keep the reports of
+        the calls that failed, and back off before sending them again."""
         backoff = REPORT.start()
         while True:
             # one turn of the event loop first: the claim for the slots these ends freed
@@ -228,7 +230,7 @@ class Reporter:
             permits = dict(self._pending_permits)
             self._pending_permits.clear()
             calls: list[Call] = []
-            kinds: list[tuple[str, list[tuple[Any, ...]]]] = []
+            kinds: list[tuple[str, int, list[tuple[Any, ...]]]] = []
             state = self.state
             s = state.settings
             for kind, by_shard in batches.items():
@@ -245,27 +247,48 @@ class Reporter:
                         calls.append(fail_call(shard, self.id, s.dead_retention_seconds, items))
                     else:
                         calls.append(stopped_call(shard, self.id, s.retention_seconds, items))
-                    kinds.append((kind, items))
+                    kinds.append((kind, shard, items))
             try:
-                replies = await state.scripts.call_many(calls)
+                # one pipeline per node, each call's reply on its own: a node that is down (a
+                # master failing over) fails its shards' reports only, the others' are taken
+                replies = await state.scripts.call_many_each(calls)
             except (RedisError, OSError) as exc:
-                # nothing was lost: put the batch back and try again (a lease that expires
-                # meanwhile makes the scheduler requeue the job; our late write is refused)
-                for kind, by_shard in batches.items():
-                    for shard, items in by_shard.items():
-                        self._outbox[kind][shard][:0] = items
+                replies = [exc] * len(calls)
+            failed = self._take_replies(kinds, replies)
+            if failed is None:
                 for queue_name, ids in permits.items():
-                    self._pending_permits[queue_name][:0] = ids
-                wait = backoff.next()
-                log.warning(
-                    "event=report_failed worker=%s error=%r retry_in=%.2fs", self.id, exc, wait
-                )
-                await asyncio.sleep(wait)
+                    self._to_release[queue_name] += ids
                 continue
-            for (kind, items), reply in zip(kinds, replies, strict=True):
-                self.account(kind, items, reply)
+            # the permits wait for a round that sends everything: the outcomes they guard
+            # are then in Redis, those that failed now included (a simple rule that never
+            # returns a permit early)
             for queue_name, ids in permits.items():
-                self._to_release[queue_name] += ids
+                self._pending_permits[queue_name][:0] = ids
+            wait = backoff.next()
+            log.warning(
+                "event=report_failed worker=%s error=%r retry_in=%.2fs", self.id, failed, wait
+            )
+            await asyncio.sleep(wait)
+
+    def _take_replies(
+        self, kinds: list[tuple[str, int, list[tuple[Any, ...]]]], replies: list[Any]
+    ) -> Exception | None:
+        """Account the calls that got a reply; put the failed calls' reports back in front of
+        the outbox (in their order), to send again. Returns the first failure, if any.
+
+        Nothing is lost: a failed call that never ran is sent again; an outcome that ran but
+        whose reply was lost (the connection dropped) is refused as stale when sent again,
+        the job having ended under its fencing token (log lines sent again may be kept
+        twice: they are not fenced); a lease that expires meanwhile makes the scheduler
+        requeue the job, and our late write is refused."""
+        failed: Exception | None = None
+        for (kind, shard, items), reply in zip(kinds, replies, strict=True):
+            if isinstance(reply, Exception):
+                self._outbox[kind][shard][:0] = items
+                failed = failed or reply
+            else:
+                self.account(kind, items, reply)
+        return failed
 
     async def _release_permits(self) -> bool:
         """Return the permits of finished jobs (permits.py); False if Redis refused (kept)."""
