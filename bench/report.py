@@ -110,7 +110,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     # the submit's script call and WAIT (store/scripts.py, store/durable.py), the header
     "durable_submit": (
         "src/jobtier/store",
-        "src/jobtier/api/durable.py",
+        "src/jobtier/api/durable_submit.py",
         "src/jobtier/api/jobs.py",
     ),
     "tracing": (

@@ -189,3 +189,38 @@ async def test_a_client_gone_before_its_body_is_no_internal_error(
 )
 def test_stream_keys_are_found_without_asking_a_node(name: str, args: tuple, keys: tuple) -> None:  # type: ignore[type-arg]
     assert tuple(_stream_keys(name, args)) == keys
+
+
+async def test_a_connection_closed_under_a_call_is_answered_without_a_server_traceback() -> None:
+    """uvloop's 'handler is closed' (a RuntimeError) is a failover's 503; answered by the
+    exception middleware, not the server-error one, which sends the 503 and then re-raises
+    for the server to log a traceback per request. A RuntimeError of ours is still a 500."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.routing import Route
+
+    from jobtier.api.problems import HANDLERS
+
+    # raised where redis-py's would be (connection_closed_under_it looks at the frames)
+    where: dict[str, Any] = {}
+    code = (
+        "def send():\n    raise RuntimeError('unable to perform operation on <TCPTransport "
+        "closed=True reading=False 0x1>; the handler is closed')\n"
+    )
+    exec(compile(code, "/venv/site-packages/redis/asyncio/connection.py", "exec"), where)
+
+    async def closed(request: Request) -> None:
+        where["send"]()
+
+    async def ours(request: Request) -> None:
+        raise RuntimeError("a defect")
+
+    app = Starlette(
+        routes=[Route("/closed", closed), Route("/ours", ours)], exception_handlers=HANDLERS
+    )
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=True)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        response = await client.get("/closed")  # raises if the server-error middleware ran
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
+        assert (await client.get("/ours")).status_code == 500

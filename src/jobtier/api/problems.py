@@ -257,6 +257,11 @@ HANDLERS: dict[Any, Any] = {
     **dict.fromkeys(UNAVAILABLE, on_unavailable),
     **dict.fromkeys(FAILOVER, on_failover),
     RedisClusterException: on_error,  # a failover (CLUSTER_TOPOLOGY) or a defect
+    # a connection closed under a call (connection_closed_under_it) is one of these: a
+    # failover's 503, answered without Starlette re-raising it for the server to log
+    # again; any other is a defect, logged once by on_error with its traceback
+    RuntimeError: on_error,
+    AttributeError: on_error,
     KeysNotConfigured: on_keys_not_configured,
     ClientDisconnect: on_client_gone,
     Exception: on_error,

@@ -34,13 +34,14 @@ from redis.exceptions import (
     ResponseError,
     TryAgainError,
 )
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobtier.core.errors import Code
 from jobtier.core.keys import Keys
 from jobtier.store import calls
 from jobtier.store.calls import Call, ClaimBatch
 from jobtier.store.durable import Durable, current, marker
-from jobtier.store.redis import ClusterPipe, RedisClient
+from jobtier.store.redis import ClusterPipe, RedisClient, connection_closed_under_it
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 _SCRIPTS = (  # store/lua/<name>.lua of every transition script
@@ -413,6 +414,11 @@ async def _send_waiting(
     )
     for result in sent:
         if isinstance(result, BaseException):
+            if connection_closed_under_it(result):  # a refresh recycled it mid-send
+                redis._initialize = True
+                raise RedisConnectionError(f"connection closed under the call: {result}") from (
+                    result
+                )
             if isinstance(result, (ConnectionError, OSError, RedisError)):
                 redis._initialize = True  # learn the topology again before the next command
             raise result
