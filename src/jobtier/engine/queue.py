@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Awaitable, Callable
-from typing import ParamSpec, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar
 
 from jobtier.config import Settings
 from jobtier.core.model import TaskLookup
@@ -89,7 +89,9 @@ class Queue:
         store = await Store.connect(settings, check=check)
         return cls(store, tasks, require_known=require_known, results=results, callbacks=callbacks)
 
-    def _replicated(self, call: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:
+    def _replicated(
+        self, call: Callable[P, Coroutine[Any, Any, T]]
+    ) -> Callable[P, Coroutine[Any, Any, T]]:
         """``call`` returning only once its writes reached JOBTIER_SUBMIT_REPLICAS replicas
         (``store/durable.py``), else raising ``Unreplicated``: the jobs may exist, and a
         retry with the same idempotency key returns them. Unchanged with the setting 0, or
