@@ -74,7 +74,7 @@ from chaos import TENANT, Producer, Stack, _cancellable, log_counts
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalRedis
-from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
+from jobtier.dev.local_replicas import LocalCluster, LocalSentinels, poll
 from jobtier.persist.db import create_pool
 from jobtier.store import format as job_format
 from jobtier.store.redis import connect
@@ -176,30 +176,21 @@ class FailoverStack(Stack):
         """Return once ``master`` has a replica online that has acknowledged every write the
         master had made when this was called (and, for Sentinel, every sentinel sees that
         replica up): its kill is then a real failover with a replica to promote."""
-        deadline = time.monotonic() + timeout
         target: int | None = None
-        while True:
-            try:
-                with syncredis.Redis(port=master.port, socket_timeout=2.0) as client:
-                    info = client.info("replication")
-                if target is None:
-                    target = int(info["master_repl_offset"])
-                replicas = [
-                    v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                ]
-                if (
-                    any(
-                        r.get("state") == "online" and int(r.get("offset", -1)) >= target
-                        for r in replicas
-                    )
-                    and self._sentinels_see_replica()
-                ):
-                    return
-            except syncredis.RedisError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the replica of {master.port} was not in sync in {timeout:g}s")
-            time.sleep(0.05)
+
+        def in_sync() -> bool:
+            nonlocal target
+            with syncredis.Redis(port=master.port, socket_timeout=2.0) as client:
+                info = client.info("replication")
+            if target is None:
+                target = int(info["master_repl_offset"])
+            replicas = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+            caught_up = any(
+                r.get("state") == "online" and int(r.get("offset", -1)) >= target for r in replicas
+            )
+            return caught_up and self._sentinels_see_replica()
+
+        poll(in_sync, timeout, f"the replica of {master.port} was not in sync in {timeout:g}s")
 
     def _sentinels_see_replica(self) -> bool:
         if not isinstance(self.servers, LocalSentinels):

@@ -386,6 +386,34 @@ async def test_the_status_tier_hears_the_repairs(
         await subscriber.stop()
 
 
+async def claimed_then_saved(
+    q: Queue, p: Persister
+) -> tuple[str, int, list[tuple[bytes, int, bytes]], int]:
+    """A job claimed and in Postgres as running; Redis saved as it then was: (its id, its
+    lease, the save, its shard)."""
+    job_id = (await q.submit("echo", "x", queue=LOST)).job_id
+    lease = await claim(q, job_id)
+    await p.drain()
+    return job_id, lease, await snapshot(q.redis), q.keys.shard_of(job_id)
+
+
+async def restored_and_reconciled(
+    q: Queue,
+    saved: list[tuple[bytes, int, bytes]],
+    pg_settings: Settings,
+    pg_pool: Pool,
+    held: tuple[str, tuple[str, int]] | None = None,
+) -> Any:
+    """Redis put back to ``saved`` (the writes since lost, as with a master), then one
+    reconcile pass: its report. ``held``: a job id and the (state, version) Redis must hold
+    for it once restored."""
+    await restore(q.redis, saved)
+    if held is not None:
+        assert await redis_state(q, held[0]) == held[1]
+    async with pg_pool.acquire() as conn:
+        return await reconcile(pg_settings, q.redis, conn, WINDOW)
+
+
 async def test_a_running_job_with_a_cancel_request_is_cancelled(
     q: Queue, pg_settings: Settings, pg_pool: Pool
 ) -> None:
@@ -399,9 +427,7 @@ async def test_a_running_job_with_a_cancel_request_is_cancelled(
     await q.cancel(job_id)
     await p.drain()
     assert await pg_state(pg_pool, job_id) == ("running", 3)
-    await restore(q.redis, saved)
-    async with pg_pool.acquire() as conn:
-        report = await reconcile(pg_settings, q.redis, conn, WINDOW)
+    report = await restored_and_reconciled(q, saved, pg_settings, pg_pool)
     assert report.repaired["requeued"] == 1
     status = await q.status(job_id)
     assert (status.state, status.version, status.cancel_requested) == (State.CANCELLED, 4, True)
@@ -419,21 +445,15 @@ async def test_a_running_job_whose_lease_redis_kept_is_advanced_in_place(
     job is moved forward where it is, not put back in its queue: the worker's completion is
     accepted, one attempt runs, and the history has no gap and no version twice."""
     p = Persister(pg_settings, q.redis, pg_pool, "p1")
-    job_id = (await q.submit("echo", "x", queue=LOST)).job_id
-    lease = await claim(q, job_id)
-    await p.drain()
-    saved = await snapshot(q.redis)
-    shard = q.keys.shard_of(job_id)
+    job_id, lease, saved, shard = await claimed_then_saved(q, p)
     beat = calls.heartbeat_call(shard, "w-lost", 60_000, [(job_id, lease, b'{"done":1}')])
     (codes,) = await q.scripts.call_many([beat])
     assert calls.parse_pairs(codes)[0][0] == 0
     await p.drain()
     assert await pg_state(pg_pool, job_id) == ("running", 3)
-    await restore(q.redis, saved)
-    assert await redis_state(q, job_id) == ("running", 2)
-
-    async with pg_pool.acquire() as conn:
-        report = await reconcile(pg_settings, q.redis, conn, WINDOW)
+    report = await restored_and_reconciled(
+        q, saved, pg_settings, pg_pool, held=(job_id, ("running", 2))
+    )
     assert report.repaired == {"restored": 0, "advanced": 1, "requeued": 0}, report
     status = await q.status(job_id)
     assert (status.state, status.version, status.attempt) == (State.RUNNING, 3, 1)
@@ -462,20 +482,14 @@ async def test_a_running_job_claimed_again_after_the_kept_lease_is_requeued(
     again: the same worker and attempt, another lease): the lease Redis holds is not the one
     the worker runs under, so the job goes back to its queue as before."""
     p = Persister(pg_settings, q.redis, pg_pool, "p1")
-    job_id = (await q.submit("echo", "x", queue=LOST)).job_id
-    lease = await claim(q, job_id)
-    await p.drain()
-    saved = await snapshot(q.redis)
-    shard = q.keys.shard_of(job_id)
+    job_id, lease, saved, shard = await claimed_then_saved(q, p)
     await q.scripts.call_many([calls.stopped_call(shard, "w-lost", 86400, [(job_id, lease)])])
     assert await claim(q, job_id) != lease
     await p.drain()
     assert await pg_state(pg_pool, job_id) == ("running", 4)
-    await restore(q.redis, saved)
-    assert await redis_state(q, job_id) == ("running", 2)
-
-    async with pg_pool.acquire() as conn:
-        report = await reconcile(pg_settings, q.redis, conn, WINDOW)
+    report = await restored_and_reconciled(
+        q, saved, pg_settings, pg_pool, held=(job_id, ("running", 2))
+    )
     assert report.repaired == {"restored": 0, "advanced": 0, "requeued": 1}, report
     assert await redis_state(q, job_id) == ("queued", 5)
     assert (await q.status(job_id)).attempt == 1

@@ -10,7 +10,9 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import redis as syncredis
 
@@ -22,6 +24,8 @@ from jobtier.dev.local_redis import (
     wait_port,
 )
 from jobtier.dev.procs import stop_child, tied
+
+T = TypeVar("T")
 
 
 class LocalCluster:
@@ -147,19 +151,14 @@ class LocalCluster:
         slot = self._killed_slot.get(killed.port)
         if slot is None:
             raise ValueError(f"node {killed.port} was not a master when it was killed")
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                node = self.master_of_slot(slot)
-                if node is not killed and all(_cluster_ok(n.port) for n in self.running()):
-                    return node
-            except (RuntimeError, syncredis.RedisError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"no replica of the killed master {killed.port} took over within {timeout:g}s"
-                )
-            time.sleep(0.05)
+
+        def promoted() -> LocalRedis | None:
+            node = self.master_of_slot(slot)
+            ok = node is not killed and all(_cluster_ok(n.port) for n in self.running())
+            return node if ok else None
+
+        failure = f"no replica of the killed master {killed.port} took over within {timeout:g}s"
+        return poll(promoted, timeout, failure)
 
     def revive(self, node: LocalRedis, timeout: float = 30.0) -> None:
         """Start a killed node again on its port and data: it rejoins as a replica of the
@@ -170,16 +169,11 @@ class LocalCluster:
 
     def wait_replicated(self, timeout: float = 30.0) -> None:
         """Return once every master has its replicas attached with their links up."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if all(len(_replicas_online(m.port)) >= self.replicas for m in self.masters()):
-                    return
-            except (RuntimeError, syncredis.RedisError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the local cluster's replicas did not attach in {timeout:g}s")
-            time.sleep(0.05)
+        poll(
+            lambda: all(len(_replicas_online(m.port)) >= self.replicas for m in self.masters()),
+            timeout,
+            f"the local cluster's replicas did not attach in {timeout:g}s",
+        )
 
     def wait_ok(self, timeout: float = 30.0) -> None:
         """Return once every running node reports ``cluster_state:ok``: each turns ok on its
@@ -218,18 +212,30 @@ def _stop_all(nodes: list[LocalRedis]) -> None:
 
 def _wait_replicating(node: LocalRedis, timeout: float) -> None:
     """Return once ``node`` is a replica with its link to its master up."""
+
+    def replicating() -> bool:
+        with connect_to(node.port, decode_responses=True) as client:
+            info = client.info("replication")
+        return bool(info.get("role") == "slave" and info.get("master_link_status") == "up")
+
+    poll(replicating, timeout, f"node {node.port} did not rejoin as a replica in {timeout:g}s")
+
+
+def poll(check: Callable[[], T | None], timeout: float, failure: str, interval: float = 0.05) -> T:
+    """``check()`` every ``interval`` seconds until it returns a true value, which is returned;
+    a node that refuses or errs meanwhile (RedisError, RuntimeError) counts as not yet.
+    Past ``timeout`` seconds: ``TimeoutError(failure)``."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with connect_to(node.port, decode_responses=True) as client:
-                info = client.info("replication")
-            if info.get("role") == "slave" and info.get("master_link_status") == "up":
-                return
-        except syncredis.RedisError:
+            got = check()
+            if got:
+                return got
+        except (RuntimeError, syncredis.RedisError):
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"node {node.port} did not rejoin as a replica in {timeout:g}s")
-        time.sleep(0.05)
+            raise TimeoutError(failure)
+        time.sleep(interval)
 
 
 def _cluster_roles(port: int) -> dict[int, tuple[str, int | None]]:
@@ -366,19 +372,17 @@ class LocalSentinels:
     def wait_promoted(self, killed: LocalRedis, timeout: float = 30.0) -> LocalRedis:
         """After ``kill`` of the master: wait until the sentinels name another node master and
         that node has taken the role; return it."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                port = self._sentinel_master_port()
-                if port != killed.port:
-                    with connect_to(port, decode_responses=True) as client:
-                        if client.info("replication").get("role") == "master":
-                            return next(n for n in self.nodes if n.port == port)
-            except (RuntimeError, syncredis.RedisError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the sentinels promoted no replica within {timeout:g}s")
-            time.sleep(0.05)
+
+        def promoted() -> LocalRedis | None:
+            port = self._sentinel_master_port()
+            if port == killed.port:
+                return None
+            with connect_to(port, decode_responses=True) as client:
+                if client.info("replication").get("role") != "master":
+                    return None
+            return next(n for n in self.nodes if n.port == port)
+
+        return poll(promoted, timeout, f"the sentinels promoted no replica within {timeout:g}s")
 
     def revive(self, node: LocalRedis, timeout: float = 30.0) -> None:
         """Start a killed node again, as a replica of the master the sentinels promoted (as
@@ -388,17 +392,12 @@ class LocalSentinels:
         _wait_replicating(node, timeout)
 
     def wait_replicated(self, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                master = self.nodes[0] if not self.sentinels else self.master()
-                if len(_replicas_online(master.port)) >= len(self.nodes) - 1:
-                    return
-            except (RuntimeError, syncredis.RedisError):
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the replicas did not attach within {timeout:g}s")
-            time.sleep(0.05)
+
+        def attached() -> bool:
+            master = self.nodes[0] if not self.sentinels else self.master()
+            return len(_replicas_online(master.port)) >= len(self.nodes) - 1
+
+        poll(attached, timeout, f"the replicas did not attach within {timeout:g}s")
 
     def wait_sentinels(self, timeout: float = 30.0) -> None:
         """Return once every sentinel knows the master, its replicas and the other sentinels
