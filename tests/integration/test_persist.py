@@ -15,6 +15,7 @@ import pytest
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalRedis
+from jobtier.persist import batch as batch_module
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store.redis import connect
@@ -395,3 +396,56 @@ async def test_a_consumer_holding_entries_is_never_forgotten(
     rows = await redis.xinfo_consumers(keys.log(0), keys.persist_group())
     assert [r["name"] for r in rows] in ([b"sweeper"], ["sweeper"])
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+
+
+async def _two_jobs_entries(redis: Any, keys: Keys) -> tuple[str, str, dict[tuple[str, int], LogEntry]]:
+    """Two jobs through submit, claim and success: (the older id, the newer, their entries by
+    (job, version))."""
+    older, newer = sorted(await simple_jobs(redis, keys, 2))
+    entries = {(e.status.id, e.status.version): e for e in parsed(await log_entries(redis, keys))}
+    return older, newer, entries
+
+
+async def test_a_new_jobs_row_written_first_by_another_batch_is_merged_after_the_others(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, monkeypatch: Any
+) -> None:
+    """A batch that creates a job Postgres has a later version of already (another persister
+    wrote it first) merges it too, after the rows it merged before, and fills in its payload."""
+    older, newer, e = await _two_jobs_entries(redis, keys)
+    copied: list[tuple[str, bool]] = []
+    copy_new = batch_module.copy_new
+
+    async def spied(conn: Any, table: str, records: Any, columns: Any) -> bool:
+        went = await copy_new(conn, table, records, columns)
+        copied.append((table, went))
+        return went
+
+    monkeypatch.setattr(batch_module, "copy_new", spied)
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    await persister.persist([e[older, 1]])
+    await persister.persist([e[newer, 2]])  # the newer job's row, without its payload
+    copied.clear()
+    await persister.persist([e[older, 2], e[newer, 1]])
+    assert copied == [("jobs", False), ("job_transitions", True)]
+    rows = {r["id"]: r for r in await pg_pool.fetch("SELECT id, version, payload::text FROM jobs")}
+    assert rows[older]["version"] == 2 and rows[newer]["version"] == 2
+    assert rows[newer]["payload"] == (e[newer, 1].payload or b"").decode()
+    await persister.persist([e[older, 3], e[newer, 3]])
+    await assert_pg_matches_redis(redis, pg_pool, keys, [older, newer])
+
+
+async def test_batches_holding_entries_of_the_same_jobs_at_once_do_not_deadlock(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """One batch moves an older job on and creates a newer one; another, written at the same
+    time, moves both on. Each takes its rows' locks in id order, the new job's COPY included,
+    so neither waits for the other in a cycle (Postgres would refuse one: a deadlock)."""
+    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    for _ in range(8):
+        older, newer, e = await _two_jobs_entries(redis, keys)
+        await persister.persist([e[older, 1]])
+        await asyncio.gather(
+            persister.persist([e[older, 2], e[newer, 1]]),
+            persister.persist([e[older, 3], e[newer, 2], e[newer, 3]]),
+        )
+        await assert_pg_matches_redis(redis, pg_pool, keys, [older, newer])

@@ -15,6 +15,7 @@ from jobtier.persist.batch import (
     TRANSITION_COLUMNS,
     collapse,
     job_records,
+    split_created,
     transition_records,
 )
 from jobtier.streams.entries import parse_entry
@@ -140,3 +141,22 @@ def test_pg_bin_dir_picks_the_highest_version(tmp_path: Path) -> None:
     assert pg_bin_dir(tmp_path) == tmp_path / "16" / "bin"
     with pytest.raises(RuntimeError, match="apt-get install postgresql"):
         pg_bin_dir(tmp_path / "missing")
+
+
+def test_new_jobs_go_straight_in_only_after_the_last_row_to_merge() -> None:
+    """split_created keeps a batch's locks in id order: rows to merge, then new jobs' rows."""
+
+    def rows(*kinds: str) -> list:
+        out = []
+        for i, kind in enumerate(kinds):
+            job_id = f"01ARZ3NDEKTSV4RRFFQ69G5FA{i}-1"
+            fields = entry(1 if kind == "new" else 2, fr=b"" if kind == "new" else b"queued")
+            fields[b"d"] = doc(1 if kind == "new" else 2, job_id=job_id)
+            out.append(parse_entry(0, f"{i + 1}-0".encode(), fields))
+        return collapse(out)
+
+    merged, created = split_created(rows("old", "new", "old", "new", "new"))
+    assert [r.created for r in merged] == [False, True, False]
+    assert [r.created for r in created] == [True, True]
+    assert split_created(rows("new", "new")) == ([], rows("new", "new"))
+    assert split_created(rows("old", "old")) == (rows("old", "old"), [])

@@ -31,21 +31,29 @@ BATCH_TIMEOUT = 60.0
 
 class JobRow(msgspec.Struct, gc=False):
     """A job's entries in one batch, collapsed: its latest version plus the fields that only
-    the submit entry (payload, idempotency key) or the success entry (result) carry."""
+    the submit entry (payload, idempotency key) or the success entry (result) carry.
+    ``created``: the batch holds the entry that created the job, so Postgres has no row of it
+    yet unless this batch is a replay or another persister wrote a later version first."""
 
     latest: LogEntry
     payload: bytes | None
     idempotency_key: str | None
     result: bytes | None
+    created: bool
 
 
 def collapse(entries: Iterable[LogEntry]) -> list[JobRow]:
-    """One row per job id, sorted by id (a fixed lock order across concurrent persisters)."""
+    """One row per job id, sorted by id: a fixed lock order across concurrent batches. (The
+    order of the code points, which is the byte order of UTF-8: the statements that take
+    these rows' locks in Postgres order them by ``id COLLATE "C"``, whatever the database's
+    collation.)"""
     rows: dict[str, JobRow] = {}
     for e in entries:
         row = rows.get(e.status.id)
         if row is None:
-            rows[e.status.id] = JobRow(e, e.payload, e.idempotency_key, e.result)
+            rows[e.status.id] = JobRow(
+                e, e.payload, e.idempotency_key, e.result, e.from_state is None
+            )
             continue
         if e.status.version > row.latest.status.version:
             row.latest = e
@@ -53,6 +61,8 @@ def collapse(entries: Iterable[LogEntry]) -> list[JobRow]:
             row.payload, row.idempotency_key = e.payload, e.idempotency_key
         if e.result is not None:
             row.result = e.result
+        if e.from_state is None:
+            row.created = True
     return [rows[job_id] for job_id in sorted(rows)]
 
 
@@ -129,25 +139,24 @@ def transition_records(entries: Sequence[LogEntry]) -> list[tuple[Any, ...]]:
 async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
     """Write entries in one transaction; returns the number of job rows in it.
 
-    The batch is COPYed (binary) into per-session temporary staging tables and moved from
-    there with one statement per table: cheaper than array parameters (``unnest``), whose
-    every element asyncpg checks against collection ABCs (bench/results/persist.md).
+    What is new to Postgres is COPYed (binary) straight into its table: the rows of the jobs
+    this batch creates, and every transition (``copy_new``). Only when one of them is there
+    already (a replay; a job whose later version another persister wrote first) do they take
+    the way every other row takes: COPY into per-session temporary staging tables, then one
+    statement per table that skips or merges what Postgres has (queries.sql). Both are
+    cheaper than array parameters (``unnest``), whose every element asyncpg checks against
+    collection ABCs (bench/results/persist.md); the straight COPY also spares the staging
+    copy and the conflict checks (bench/results/persist-direct.md).
     """
     rows = collapse(entries)
     async with conn.transaction():
-        # IF NOT EXISTS: a session's first batch creates them (a reconnect is a new session)
-        await conn.execute(query("create_staging"))
-        await conn.copy_records_to_table(
-            "jobs_staging", records=job_records(rows), columns=JOB_COLUMNS
-        )
-        await conn.copy_records_to_table(
-            "transitions_staging", records=transition_records(entries), columns=TRANSITION_COLUMNS
-        )
-        # every row inserted, or updated to this batch's version (payload coalesced in): then
-        # no submit entry met a newer row, and fill_submitted would change nothing
-        written = rows_affected(await conn.execute(query("upsert_jobs")))
-        if written < len(rows) and any(r.payload is not None for r in rows):
-            await conn.execute(query("fill_submitted"))
+        merged, created = split_created(rows)
+        if merged:
+            await _merge_jobs(conn, merged)
+        if created and not await copy_new(conn, "jobs", job_records(created), JOB_COLUMNS):
+            if merged:
+                await conn.execute(query("clear_jobs_staging"))
+            await _merge_jobs(conn, created)
         large = [
             r
             for r in rows
@@ -160,7 +169,15 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
                 [r.result for r in large],
                 [len(r.result or b"") for r in large],
             )
-        await conn.execute(query("insert_transitions"))
+        # in key order, as insert_transitions takes its locks: concurrent batches that hold
+        # entries of one job (a replay) wait for each other instead of deadlocking
+        history = transition_records(sorted(entries, key=_key))
+        if not await copy_new(conn, "job_transitions", history, TRANSITION_COLUMNS):
+            await conn.execute(query("create_staging"))
+            await conn.copy_records_to_table(
+                "transitions_staging", records=history, columns=TRANSITION_COLUMNS
+            )
+            await conn.execute(query("insert_transitions"))
         deps = dependency_records(entries)
         if deps[0]:
             await conn.execute(query("insert_dependencies"), *deps)
@@ -168,6 +185,48 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
         if checkpoints[0]:
             await conn.execute(query("insert_checkpoints"), *checkpoints)
     return len(rows)
+
+
+def _key(e: LogEntry) -> tuple[str, int]:
+    return e.status.id, e.status.version
+
+
+def split_created(rows: Sequence[JobRow]) -> tuple[Sequence[JobRow], Sequence[JobRow]]:
+    """(the rows to merge into what Postgres has, the rows of new jobs to COPY straight in):
+    the new jobs after the last row to merge, in id order. Written in that order, a batch
+    takes its rows' locks in id order whichever way each goes, as concurrent batches that
+    hold entries of the same jobs must, or they could deadlock. Ids begin with their
+    creation time, so the jobs a batch creates are nearly all after the older jobs it moves on;
+    the few that are not are merged like the rest (written the same, a little dearer)."""
+    last = len(rows)
+    while last and rows[last - 1].created:
+        last -= 1
+    return rows[:last], rows[last:]
+
+
+async def copy_new(
+    conn: AnyConnection, table: str, records: list[tuple[Any, ...]], columns: Sequence[str]
+) -> bool:
+    """COPY ``records`` straight into ``table`` under a savepoint; False, with nothing
+    written, when the key of one of them is there already (rolled back to the savepoint)."""
+    try:
+        async with conn.transaction():
+            await conn.copy_records_to_table(table, records=records, columns=columns)
+    except asyncpg.UniqueViolationError:
+        return False
+    return True
+
+
+async def _merge_jobs(conn: AnyConnection, rows: Sequence[JobRow]) -> None:
+    """Rows Postgres may have a version of: staged, then upserted (only forward in version),
+    and what only a submit entry knows filled in where a later version was there first."""
+    await conn.execute(query("create_staging"))
+    await conn.copy_records_to_table("jobs_staging", records=job_records(rows), columns=JOB_COLUMNS)
+    # every row inserted, or updated to this batch's version (payload coalesced in): then
+    # no submit entry met a newer row, and fill_submitted would change nothing
+    written = rows_affected(await conn.execute(query("upsert_jobs")))
+    if written < len(rows) and any(r.payload is not None for r in rows):
+        await conn.execute(query("fill_submitted"))
 
 
 async def write_on(pool: Pool, entries: Sequence[LogEntry], timeout: float = BATCH_TIMEOUT) -> int:

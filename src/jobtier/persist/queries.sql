@@ -7,6 +7,10 @@
 CREATE TEMP TABLE IF NOT EXISTS jobs_staging (LIKE jobs) ON COMMIT DELETE ROWS;
 CREATE TEMP TABLE IF NOT EXISTS transitions_staging (LIKE job_transitions) ON COMMIT DELETE ROWS;
 
+-- name: clear_jobs_staging
+-- (batch.write_batch: new jobs' rows merged after all, the others' already were)
+DELETE FROM jobs_staging
+
 -- name: insert_transitions
 -- Replays (a batch committed but not acknowledged before a crash, or an entry claimed by two
 -- persisters) hit the key and are ignored: a replayed entry carries the same document, so the
@@ -18,7 +22,7 @@ INSERT INTO job_transitions
 SELECT job_id, version, prev_version, from_state, to_state, at, worker, attempt, error, progress,
        cancel_requested
 FROM transitions_staging
-ORDER BY job_id, version
+ORDER BY job_id COLLATE "C", version
 ON CONFLICT (job_id, version, at) DO NOTHING
 
 -- name: upsert_jobs
@@ -28,7 +32,8 @@ ON CONFLICT (job_id, version, at) DO NOTHING
 -- and result only to the success entry; they are kept whichever version wrote them first,
 -- but a newer payload wins (a debounced submit's entry carries the payload, priority and
 -- attempts that replaced the first: docs/debounce-throttle.md).
--- Rows are locked in id order, the same in every persister: concurrent batches cannot deadlock.
+-- Rows are locked in id order, the same in every persister and in batch.write_batch's COPY of
+-- new jobs (byte order: COLLATE "C"): concurrent batches cannot deadlock.
 INSERT INTO jobs AS j
     (id, tenant, type, priority, state, version, attempt, max_attempts, created_at, updated_at,
      run_at, payload, idempotency_key, result, result_size, error, progress, cancel_requested,
@@ -37,7 +42,7 @@ SELECT id, tenant, type, priority, state, version, attempt, max_attempts, create
        run_at, payload, idempotency_key, result, result_size, error, progress, cancel_requested,
        worker, doc, queue, result_ref
 FROM jobs_staging
-ORDER BY id
+ORDER BY id COLLATE "C"
 ON CONFLICT (id) DO UPDATE SET
     state = excluded.state,
     version = excluded.version,
