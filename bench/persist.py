@@ -23,7 +23,7 @@ so start-up costs are left out).
     .venv/bin/python bench/persist.py --runs 3        # medians of three runs
     .venv/bin/python bench/persist.py --runs 3 --before main --variants batched
 
-Results go to bench/results/persist.json and bench/results/persist.md.
+Results go to bench/results/persist.json and bench/results/persist.md (``--name`` to change).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from jobtier.persist.batch import (
     TRANSITION_COLUMNS,
     collapse,
     job_records,
+    split_created,
     transition_records,
 )
 from jobtier.persist.db import AnyConnection, Pool, create_pool, migrate, query
@@ -423,16 +424,73 @@ class PersisterProcess:
                 await asyncio.sleep(0.05)
 
 
+STAGED, DIRECT = "staged", "direct"  # the write paths --profile compares (postgres_profile)
+
+
+async def _profiled_batch(
+    conn: AnyConnection,
+    chunk: list[LogEntry],
+    path: str,
+    ms: dict[str, float],
+    wal: dict[str, float],
+) -> None:
+    """One batch's statements, in one transaction: ``STAGED`` as the persister wrote every
+    batch until the straight COPY (every row COPYed into staging tables, then merged), or
+    ``DIRECT`` as ``write_batch`` writes it now (the rows to merge staged, new jobs and the
+    history COPYed straight in, each under a savepoint). COPY is timed from the client;
+    the other statements run under EXPLAIN (ANALYZE, BUFFERS, WAL)."""
+
+    async def timed_copy(label: str, table: str, records: Any, columns: Any) -> None:
+        t0 = time.perf_counter()
+        if path == DIRECT and table in ("jobs", "job_transitions"):
+            async with conn.transaction():  # copy_new's savepoint
+                await conn.copy_records_to_table(table, records=records, columns=columns)
+        else:
+            await conn.copy_records_to_table(table, records=records, columns=columns)
+        ms[label] += (time.perf_counter() - t0) * 1000
+
+    async def explained(name: str) -> None:
+        plan = json.loads(
+            await conn.fetchval("EXPLAIN (ANALYZE, BUFFERS, WAL, FORMAT JSON) " + query(name))
+        )[0]
+        ms[name] += plan["Execution Time"]
+        wal[name] += plan["Plan"].get("WAL Bytes", 0)
+
+    rows = collapse(chunk)
+    merged, created = split_created(rows) if path == DIRECT else (rows, [])
+    history = transition_records(sorted(chunk, key=lambda e: (e.status.id, e.status.version)))
+    async with conn.transaction():
+        await conn.execute(query("create_staging"))
+        if merged:
+            await timed_copy("COPY jobs_staging", "jobs_staging", job_records(merged), JOB_COLUMNS)
+            await explained("upsert_jobs")
+            if any(r.payload is not None for r in merged):
+                await explained("fill_submitted")
+        if created:
+            await timed_copy("COPY jobs (new jobs)", "jobs", job_records(created), JOB_COLUMNS)
+        if path == DIRECT:
+            await timed_copy("COPY job_transitions", "job_transitions", history, TRANSITION_COLUMNS)
+        else:
+            await timed_copy(
+                "COPY transitions_staging", "transitions_staging", history, TRANSITION_COLUMNS
+            )
+            await explained("insert_transitions")
+
+
 async def postgres_profile(run: Run, transitions: int, batch: int) -> dict[str, Any]:
     """(``--profile``) Where Postgres's time per transition goes: a backlog written batch by
-    batch as the persister writes it (``write_batch``'s statements, in its order), each
-    statement run under EXPLAIN (ANALYZE, BUFFERS, WAL); the WAL by record type from
-    pg_walinspect. Then the same with the secondary indexes of ``jobs`` dropped (this is the
-    last thing a bench does with its database), to show what maintaining them costs."""
+    batch, by the staged path and by the direct one (``_profiled_batch``), alternated, twice
+    each; then the direct one with the secondary indexes of ``jobs`` dropped (this is the
+    last thing a bench does with its database), to show what maintaining them costs. The WAL
+    by record type comes from pg_walinspect; the CPU of the whole of Postgres, per
+    transition, from /proc."""
     out: dict[str, Any] = {}
     run.pg.psql("CREATE EXTENSION IF NOT EXISTS pg_walinspect", database=run.pg.database)
-    for label in ("all indexes", "no secondary index on jobs"):
-        if label != "all indexes":
+    samples: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    order = [STAGED, DIRECT, DIRECT, STAGED, "direct, no secondary index on jobs"]
+    for label in order:
+        path = STAGED if label == STAGED else DIRECT
+        if label not in (STAGED, DIRECT):
             for name in await run.pool.fetch(
                 "SELECT indexname FROM pg_indexes WHERE tablename = 'jobs'"
                 " AND indexname <> 'jobs_pkey'"
@@ -448,30 +506,11 @@ async def postgres_profile(run: Run, transitions: int, batch: int) -> dict[str, 
         ms: dict[str, float] = defaultdict(float)
         wal: dict[str, float] = defaultdict(float)
         start = await run.pool.fetchval("SELECT pg_current_wal_lsn()::text")
+        cpu = run.pg_cpu()
         async with run.pool.acquire() as conn:
             for i in range(0, len(entries), batch):
-                chunk = entries[i : i + batch]
-                rows = collapse(chunk)
-                async with conn.transaction():
-                    await conn.execute(query("create_staging"))
-                    for table, records, columns in (
-                        ("jobs_staging", job_records(rows), JOB_COLUMNS),
-                        ("transitions_staging", transition_records(chunk), TRANSITION_COLUMNS),
-                    ):
-                        t0 = time.perf_counter()
-                        await conn.copy_records_to_table(table, records=records, columns=columns)
-                        ms[f"COPY {table} (round trip)"] += (time.perf_counter() - t0) * 1000
-                    names = ["upsert_jobs", "insert_transitions"]
-                    if any(r.payload is not None for r in rows):
-                        names.insert(1, "fill_submitted")
-                    for name in names:
-                        plan = json.loads(
-                            await conn.fetchval(
-                                "EXPLAIN (ANALYZE, BUFFERS, WAL, FORMAT JSON) " + query(name)
-                            )
-                        )[0]
-                        ms[name] += plan["Execution Time"]
-                        wal[name] += plan["Plan"].get("WAL Bytes", 0)
+                await _profiled_batch(conn, entries[i : i + batch], path, ms, wal)
+        cpu = run.pg_cpu() - cpu
         end = await run.pool.fetchval("SELECT pg_current_wal_lsn()::text")
         n = len(entries)
         by_kind = {}
@@ -486,14 +525,34 @@ async def postgres_profile(run: Run, transitions: int, batch: int) -> dict[str, 
                 "bytes": round((int(size) + int(fpi)) / n),
             }
         total = await run.pool.fetchval("SELECT $2::text::pg_lsn - $1::text::pg_lsn", start, end)
-        out[label] = {
+        sample = {
             "us": {k: round(v * 1000 / n, 2) for k, v in ms.items()},
             "wal_bytes": {k: round(v / n) for k, v in wal.items()},
             "wal_by_kind": by_kind,
             "wal_total_bytes": round(float(total) / n),
+            "postgres_cpu_us": round(cpu / n * 1e6, 1),
         }
-        print(f"profile {label}: {out[label]}")
+        samples[label].append(sample)
+        print(f"profile {label}: {sample}")
+    for label, got in samples.items():
+        out[label] = _median_profile(got)
     return out
+
+
+def _median_profile(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The per-key medians of a path's samples (the WAL by record type: the first's)."""
+    first = samples[0]
+    return {
+        "us": {k: statistics.median(s["us"].get(k, 0) for s in samples) for k in first["us"]},
+        "wal_bytes": {
+            k: statistics.median(s["wal_bytes"].get(k, 0) for s in samples)
+            for k in first["wal_bytes"]
+        },
+        "wal_by_kind": first["wal_by_kind"],
+        "wal_total_bytes": statistics.median(s["wal_total_bytes"] for s in samples),
+        "postgres_cpu_us": statistics.median(s["postgres_cpu_us"] for s in samples),
+        "samples": len(samples),
+    }
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -641,28 +700,46 @@ def _profile(profile: dict[str, Any], args: argparse.Namespace) -> list[str]:
     labels = list(profile)
     lines = [
         "",
-        "## Postgres's side, per statement (`--profile`)",
+        "## Where Postgres's µs go, per statement, before and after (`--profile`)",
         "",
         f"A backlog of {args.backlog // 2:,} transitions written in batches of "
-        f"{Settings().persist_batch_size:,} by `write_batch`'s statements, each under EXPLAIN "
-        "(ANALYZE, BUFFERS, WAL): execution time and WAL per transition. COPY is timed from "
-        "the client (its encoding included). Then the same on `jobs` without its secondary "
+        f"{Settings().persist_batch_size:,}, by the path every batch took before the straight "
+        "COPY (`staged`: each row COPYed into a staging table, then merged by `upsert_jobs` "
+        "and `insert_transitions`) and by `write_batch`'s (`direct`: the rows of jobs Postgres "
+        "has merged the same way, new jobs' rows and every transition COPYed straight into "
+        "their tables), alternated in the same run (medians of the samples each got). "
+        "Statements under EXPLAIN (ANALYZE, BUFFERS, WAL), their triggers included: execution "
+        "time and WAL per transition; COPY timed from the client (its encoding and the "
+        "triggers it fires included). Then the direct path on `jobs` without its secondary "
         "indexes (listings, console, retention), to show what maintaining them costs.",
         "",
         "| statement | " + " | ".join(f"{label}: µs / WAL bytes" for label in labels) + " |",
         "|---|" + "---|" * len(labels),
     ]
-    names = list(profile[labels[0]]["us"])
+    names = list(dict.fromkeys(n for label in labels for n in profile[label]["us"]))
     for name in names:
         cells = []
         for label in labels:
             p = profile[label]
-            cells.append(f"{p['us'].get(name, 0):.1f} / {p['wal_bytes'].get(name, 0):,}")
+            if name in p["us"]:
+                cells.append(f"{p['us'][name]:.1f} / {p['wal_bytes'].get(name, 0):,.0f}")
+            else:
+                cells.append("—")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append(
+        "| all statements | "
+        + " | ".join(f"{sum(profile[label]['us'].values()):.1f}" for label in labels)
+        + " |"
+    )
+    lines.append(
+        "| Postgres CPU, every server process (µs a transition) | "
+        + " | ".join(f"{profile[label]['postgres_cpu_us']:.1f}" for label in labels)
+        + " |"
+    )
     lines.append(
         "| WAL written in all, by record type (records: bytes per transition) | "
         + " | ".join(
-            f"{profile[label]['wal_total_bytes']:,}: "
+            f"{profile[label]['wal_total_bytes']:,.0f}: "
             + ", ".join(
                 f"{k} {v['records']:.1f}: {v['bytes']:,}"
                 for k, v in sorted(
@@ -774,6 +851,9 @@ def main() -> None:
         "--before", metavar="REV",
         help="also run `jobtier persister` at git revision REV and at this tree, alternated",
     )  # fmt: skip
+    parser.add_argument(
+        "--name", default="persist", help="results file name in bench/results (persist)"
+    )
     parser.add_argument("--generate", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.generate:
@@ -782,9 +862,9 @@ def main() -> None:
         return
     result = asyncio.run(bench(args))
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "persist.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     md = report(result, args)
-    (RESULTS / "persist.md").write_text(md)
+    (RESULTS / f"{args.name}.md").write_text(md)
     print(md)
 
 

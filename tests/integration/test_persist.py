@@ -398,7 +398,9 @@ async def test_a_consumer_holding_entries_is_never_forgotten(
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
 
 
-async def _two_jobs_entries(redis: Any, keys: Keys) -> tuple[str, str, dict[tuple[str, int], LogEntry]]:
+async def _two_jobs_entries(
+    redis: Any, keys: Keys
+) -> tuple[str, str, dict[tuple[str, int], LogEntry]]:
     """Two jobs through submit, claim and success: (the older id, the newer, their entries by
     (job, version))."""
     older, newer = sorted(await simple_jobs(redis, keys, 2))
