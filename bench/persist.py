@@ -817,8 +817,9 @@ def _in_process(med: dict[str, Any], args: argparse.Namespace) -> list[str]:
         f"given {args.seconds:.0f} s). Sustained: produced at the rate by another process for "
         f"{args.seconds:.0f} s; a",
         "baseline that cannot keep up leaves entries behind, counted with their age so far.",
-        "`batched` writes each batch by binary COPY into staging tables, then one statement",
-        "per table; `unnest` runs the same statements fed by array parameters instead.",
+        "`batched` writes each batch as the persister does (`write_batch`: binary COPY, straight",
+        "into the tables or through staging tables); `unnest` merges every row by statements",
+        "fed by array parameters instead.",
     ]
     if "batched" in med and "unnest" in med:
         c, u = med["batched"]["throughput"], med["unnest"]["throughput"]

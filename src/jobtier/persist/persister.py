@@ -6,7 +6,8 @@ each batch in one Postgres transaction, and only then acknowledge the entries; a
 entries are trimmed away. Everything downstream of the read is idempotent:
 
 * a replayed entry (committed, then the persister died before XACK) hits the
-  ``job_transitions`` key and the ``jobs`` version guard, and changes nothing;
+  ``job_transitions`` key and the ``jobs`` version guard, and changes nothing (the straight
+  COPY of a batch's new rows is refused, and the batch merged instead: ``batch.write_batch``);
 * two persisters may commit versions of one job out of order (each holds different entries of
   the shard): the ``jobs`` row only moves forward, and what only the submit entry knows
   (payload, idempotency key) is filled in whenever it arrives;
