@@ -123,7 +123,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
 
 # --- which file stands for each bench (every other file: earlier, or another setting) --------
 CHOSEN: dict[str, str] = {
-    "compare-e9c8c99": "the newest set against BullMQ (the headline), with issues 30 and 32 in",
+    "compare-5fd8cd0": "the newest set against BullMQ (the headline): the straight COPY in",
+    "compare-e9c8c99": "the set before the straight COPY, with issues 30 and 32 in",
     "compare-redesign": "the newest jobtier set (against its code at 4ffac07; no peer)",
     "throughput": "the only file",
     "queues": "the only file",
@@ -143,7 +144,8 @@ CHOSEN: dict[str, str] = {
     "status_asgi": "the only file",
     "nearcache_memory": "the only file",
     "api_scaling": "the only file",
-    "persist": "the newest backlog drain (no sustained-rate lag in it)",
+    "persist-direct": "the straight COPY against a1d7d85, same run, with where each µs goes",
+    "persist": "an earlier backlog drain (no sustained-rate lag in it)",
     "persist-40c7fab": "the newest with the lag at a sustained 5K and 10K transitions/s",
     "persist_pickup": "the only file",
     "history_rows": "the only file",
@@ -165,7 +167,7 @@ CHOSEN: dict[str, str] = {
     "scaling_out": "the only file",
     "durable_submit": "250 submits/s (-1000: 1K/s, its tail the shared machine's)",
 }
-HEADLINE = ("compare-e9c8c99",)  # one set; more stems pool their runs
+HEADLINE = ("compare-5fd8cd0",)  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
 PERSISTER = "jobtier-persist"  # compare.py's name for jobtier with its persister
 
