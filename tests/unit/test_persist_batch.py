@@ -13,6 +13,7 @@ from jobtier.persist.batch import (
     INLINE_RESULT_MAX,
     JOB_COLUMNS,
     TRANSITION_COLUMNS,
+    JobRow,
     collapse,
     job_records,
     split_created,
@@ -146,7 +147,7 @@ def test_pg_bin_dir_picks_the_highest_version(tmp_path: Path) -> None:
 def test_new_jobs_go_straight_in_only_after_the_last_row_to_merge() -> None:
     """split_created keeps a batch's locks in id order: rows to merge, then new jobs' rows."""
 
-    def rows(*kinds: str) -> list:
+    def rows(*kinds: str) -> list[JobRow]:
         out = []
         for i, kind in enumerate(kinds):
             job_id = f"01ARZ3NDEKTSV4RRFFQ69G5FA{i}-1"
