@@ -25,7 +25,7 @@ then:
     .venv/bin/python bench/console.py                      # 1M jobs, ~10 min
     .venv/bin/python bench/console.py --jobs 100000 --locust-seconds 20   # a quick look
 
-Results: bench/results/console.json and bench/results/console.md.
+Results: bench/results/console.json and bench/results/console.md (``--name`` another name).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from jobtier.core.keys import Keys, ulid  # noqa: E402
 from jobtier.dev.local_postgres import LocalPostgres  # noqa: E402
 from jobtier.dev.local_redis import LocalRedis, free_port  # noqa: E402
 from jobtier.persist.batch import JOB_COLUMNS  # noqa: E402
-from jobtier.persist.db import Pool, connect, create_pool, query  # noqa: E402
+from jobtier.persist.db import Pool, connect, create_pool, migrate, query  # noqa: E402
 from jobtier.persist.persister import Persister  # noqa: E402
 from jobtier.persist.pg_reader import _by_state, encode_cursor, listing_sql  # noqa: E402
 from jobtier.persist.retention import ensure_partitions  # noqa: E402
@@ -230,6 +230,10 @@ async def cases(pool: Pool, now: datetime) -> list[tuple[str, dict[str, Any]]]:
         ("id prefix, full id", {"id_prefix": some}),
         ("state=failed & queue=reports & type=task_02", {"state": "failed", "queue": "reports", "type": "task_02"}),
         (f"state=failed & type={rare_type}", {"state": "failed", "type": rare_type}),
+        (f"state=scheduled & type={rare_type}", {"state": "scheduled", "type": rare_type}),
+        ("state=cancelled & queue=billing", {"state": "cancelled", "queue": "billing"}),
+        # queued jobs are not in 0020's partial indexes: found through the state's index
+        (f"state=queued & type={rare_type}", {"state": "queued", "type": rare_type}),
     ]  # fmt: skip
 
 
@@ -485,6 +489,19 @@ async def postgres_phase(
     result["after"] = await listing(pool, named, args.reps, current=True)
     result["drain_after"] = await drain_rate(redis.url, pg, pool, args.transitions)
     print(f"  drain {result['drain_after']}", flush=True)
+
+    # then this tree's migrations after 0009 (today's schema): 0020's partial indexes serve a
+    # state that jobs collect in with a type or a queue; the same filters again, same run
+    await pool.close()
+    started = time.perf_counter()
+    result["later_migrations"] = await migrate(pg.dsn)
+    result["later_migration_seconds"] = round(time.perf_counter() - started, 1)
+    print(f"this tree's later migrations: {result['later_migrations']}", flush=True)
+    pool = await create_pool(pg.dsn, min_size=1, max_size=4)
+    await pool.execute("VACUUM ANALYZE jobs_by_state")
+    result["today"] = await listing(pool, named, args.reps, current=True)
+    result["drain_today"] = await drain_rate(redis.url, pg, pool, args.transitions)
+    print(f"  drain {result['drain_today']}", flush=True)
     result["failed_job"] = await pool.fetchval("SELECT id FROM jobs WHERE state = 'failed' LIMIT 1")
     await pool.close()
     return named
@@ -595,16 +612,39 @@ def report(r: dict[str, Any], env: dict[str, Any], args: argparse.Namespace) -> 
         ["filter", "rows", "p50 ms", "p99 ms", "page 21 ms", f"plan ({AFTER:04d})", "before: p50 ms", "plan (before)"],
         rows,
     ))  # fmt: skip
+    if "today" in r:
+        later = ", ".join(r["later_migrations"]) or "none"
+        out.append(f"\n### Then this tree's later migrations ({later}), same filters\n")
+        out.append(
+            f"Applied by `jobtier migrate`'s code to the filled database in "
+            f"{r['later_migration_seconds']} s; p50/p99 of {args.reps} runs again, beside "
+            f"{AFTER:04d}'s above.\n"
+        )
+        rows = []
+        for label, t in r["today"].items():
+            a = r["after"][label]
+            rows.append([
+                label, str(t["rows"]), f"{t['p50_ms']:.2f}", f"{t['p99_ms']:.2f}",
+                ", ".join(t["access"]), f"{a['p50_ms']:.2f}", f"{a['p99_ms']:.2f}",
+            ])  # fmt: skip
+        out.append(table(
+            ["filter", "rows", "p50 ms", "p99 ms", "plan (this tree)", f"{AFTER:04d}: p50 ms", f"{AFTER:04d}: p99 ms"],
+            rows,
+        ))  # fmt: skip
     out.append(f"\n## What migration {AFTER:04d} changes for the write-behind\n")
     d0, d1 = r["drain_before"], r["drain_after"]
-    out.append(table(
-        ["", f"before {AFTER:04d}", f"after {AFTER:04d}"],
-        [
-            ["the migration on the filled table", "-", f"{r['migration_seconds']} s"],
-            ["write-behind drain, transitions/s", f"{d0['per_second']:,}", f"{d1['per_second']:,}"],
-            ["Postgres CPU per transition, us", f"{d0['postgres_cpu_us']}", f"{d1['postgres_cpu_us']}"],
-        ],
-    ))  # fmt: skip
+    heads = ["", f"before {AFTER:04d}", f"after {AFTER:04d}"]
+    lines = [
+        ["the migration on the filled table", "-", f"{r['migration_seconds']} s"],
+        ["write-behind drain, transitions/s", f"{d0['per_second']:,}", f"{d1['per_second']:,}"],
+        ["Postgres CPU per transition, us", f"{d0['postgres_cpu_us']}", f"{d1['postgres_cpu_us']}"],
+    ]
+    if (d2 := r.get("drain_today")) is not None:  # and after this tree's later migrations
+        heads.append("this tree")
+        lines[0].append(f"{r['later_migration_seconds']} s")
+        lines[1].append(f"{d2['per_second']:,}")
+        lines[2].append(f"{d2['postgres_cpu_us']}")
+    out.append(table(heads, lines))
     out.append(
         f"\n(a backlog of {args.transitions:,} transitions drained by one persister into the filled table)\n"
     )
@@ -671,12 +711,15 @@ def main() -> None:
     parser.add_argument("--locust-seconds", type=int, default=60)
     parser.add_argument("--users", type=int, default=40, help="poller-mix users")
     parser.add_argument("--operators", type=int, default=10, help="console users")
+    parser.add_argument(
+        "--name", default="console", help="results file name (bench/results/NAME.*)"
+    )
     args = parser.parse_args()
     env = environment()
     result = bench(args)
     markdown = report(result, env, args)
     print(markdown)
-    json_path, md_path = save("console", {"environment": env, "result": result}, markdown)
+    json_path, md_path = save(args.name, {"environment": env, "result": result}, markdown)
     print(f"saved {json_path} and {md_path}")
 
 

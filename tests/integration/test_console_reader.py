@@ -102,6 +102,9 @@ PLANS = [
         "jobs_by_state_tenant_idx|jobs_by_state_state_idx",
         False,
     ),
+    # a state jobs collect in, with a type or a queue: 0020's partial indexes
+    ({"state": "failed", "type": "mail"}, "jobs_by_state_type_idx", False),
+    ({"state": "cancelled", "queue": "default"}, "jobs_by_state_queue_idx", False),
     # succeeded, the state nearly every job ends in: filtered in created_at order
     ({"state": "succeeded"}, "jobs_created_idx", False),
     ({"tenant": "t1", "state": "succeeded"}, "jobs_tenant_created_idx", False),

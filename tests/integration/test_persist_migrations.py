@@ -4,17 +4,24 @@ it makes lists jobs by state through triggers while a job's row changes in place
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 from collections.abc import Iterator
-from typing import cast
+from typing import Any, cast
 
 import pytest
 from asyncpg import Record
 
+from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
+from jobtier.core.keys import Keys
+from jobtier.core.model import decode_status
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist import db
+from jobtier.persist.persister import Persister
+from jobtier.persist.pg_reader import PgReader, _by_state, listing_sql
+from tests.fixtures.postgres import mixed_workload
 
 
 @pytest.fixture
@@ -209,3 +216,105 @@ async def test_jobs_by_state_lists_the_jobs_not_succeeded_and_jobs_indexes_no_st
         await conn.execute("TRUNCATE jobs, jobs_by_state CASCADE")  # both at once, as benches do
     finally:
         await conn.close()
+
+
+async def test_0020_takes_a_filled_database_forward_and_its_listings_use_it(
+    pg_server: LocalPostgres, empty_db: str, settings: Settings, redis: Any
+) -> None:
+    """A database made by the migrations before 0020 and filled by the persister (jobs in
+    every state, their history): migrate adds 0020 alone and changes no row; the listings
+    give the same pages, a state jobs collect in by type or queue now through 0020's partial
+    indexes; and what is written after lands in them."""
+    dsn = pg_server.dsn_for(empty_db)
+    conn = await db.connect(dsn)
+    try:
+        async with conn.transaction():  # as migrate applies them, stopping before 0020
+            await conn.execute(db.query("create_migrations_table"))
+            for name, sql in db.migrations():
+                if name < "0020":
+                    await conn.execute(sql)
+                    await conn.execute(db.query("record_migration"), name)
+    finally:
+        await conn.close()
+    keys = Keys(settings.prefix, settings.shards)
+    pool = await db.create_pool(dsn, min_size=1, max_size=2)
+    try:
+        await mixed_workload(redis, keys, n=150, seed=5)
+        await Persister(settings.replace(database_url=dsn), redis, pool, "p1").drain()
+        reader = PgReader(pool)
+        states = {r["state"] for r in await pool.fetch("SELECT DISTINCT state FROM jobs")}
+        assert {"failed", "cancelled", "succeeded"} <= states, states
+        filters = [
+            {"state": s, **more}
+            for s in sorted(states)
+            for more in (
+                {},
+                {"type": "mail"},
+                {"queue": "default"},
+                {"tenant": "t1", "type": "echo"},
+            )
+        ]
+
+        async def snapshot() -> tuple[Any, ...]:
+            tables = [
+                [tuple(r) for r in await pool.fetch(f"SELECT * FROM {t} ORDER BY 1, 2")]
+                for t in ("jobs", "jobs_by_state", "job_transitions", "job_dependencies")
+            ]
+            pages = [await _every_page(reader, f) for f in filters]
+            return tuple(tables), pages
+
+        before = await snapshot()
+        assert sum(map(len, before[1])) > 0
+        assert await db.migrate(dsn) == ["0020_jobs_by_state_type_queue"]
+        assert await snapshot() == before
+        for state, index in (("failed", "jobs_by_state_type_idx"), ("queued", None)):
+            used = await _indexes_used(pool, {"state": state, "type": "mail"})
+            if index is None:  # not one of the states the partial indexes hold
+                assert not used & {"jobs_by_state_type_idx", "jobs_by_state_queue_idx"}, used
+            else:
+                assert index in used, used
+        assert "jobs_by_state_queue_idx" in await _indexes_used(
+            pool, {"state": "cancelled", "queue": "default"}
+        )
+        # written after the migration: found through the new indexes like the rest
+        await mixed_workload(redis, keys, n=60, seed=6)
+        await Persister(settings.replace(database_url=dsn), redis, pool, "p1").drain()
+        rows = await pool.fetch("SELECT id, state, type, queue FROM jobs")
+        for state in ("failed", "cancelled"):
+            listed = {
+                decode_status(doc).id
+                for doc in await _every_page(reader, {"state": state, "type": "mail"})
+            }
+            assert listed == {r["id"] for r in rows if (r["state"], r["type"]) == (state, "mail")}
+    finally:
+        await pool.close()
+
+
+async def _every_page(reader: PgReader, filters: dict[str, Any]) -> list[bytes]:
+    """The documents of every page of the console's listing for ``filters``, in order."""
+    docs: list[bytes] = []
+    cursor = None
+    while True:
+        page, cursor = await reader.admin_list_jobs(**filters, limit=7, cursor=cursor)
+        docs += [doc for _, doc in page]
+        if cursor is None:
+            return docs
+
+
+async def _indexes_used(pool: db.Pool, filters: dict[str, Any]) -> set[str]:
+    """The indexes the console's listing for ``filters`` reads, with table scans, bitmap
+    scans and sorts made dear (the test's tables are small enough for any plan to win)."""
+    sql, params = listing_sql(
+        _by_state("admin_list_jobs", filters.get("state")), 50, "desc", **filters
+    )
+    async with pool.acquire() as conn, conn.transaction():
+        for scan in ("seqscan", "bitmapscan", "sort"):
+            await conn.execute(f"SET LOCAL enable_{scan} = off")
+        await conn.execute("ANALYZE jobs_by_state")
+        plan = json.loads(await conn.fetchval(f"EXPLAIN (FORMAT JSON) {sql}", *params))[0]["Plan"]
+
+    def names(node: dict[str, Any]) -> set[str]:
+        found = {node["Index Name"]} if "Index Name" in node else set()
+        return found.union(*(names(child) for child in node.get("Plans", [])))
+
+    return names(plan)

@@ -173,7 +173,9 @@ def _filters(params: list[Any], order: str = "desc", **where: Unpack[Filters]) -
     if (state := where.get("state")) is not None:
         if state not in _STATES:
             raise InvalidRequest(f"state must be one of {', '.join(LISTED_STATES)}", field="state")
-        add("AND state = {}", state)
+        # a literal (one of a fixed set): a plan, generic ones too, can then use the partial
+        # indexes of jobs_by_state (migrations/0020)
+        filters.append(f"AND state = '{state}'")
     if (type := where.get("type")) is not None:
         if not (isinstance(type, str) and 0 < len(type) <= MAX_TYPE_LENGTH):
             raise InvalidRequest("type must be a non-empty job type name", field="type")
