@@ -106,6 +106,9 @@ VENVS = HERE / ".venv"
 BULLMQ = HERE / "bullmq"
 BASELINE = "jobtier-baseline"  # jobtier at another git revision (--baseline), same run
 PERSIST = "jobtier-persist"  # jobtier with its persister writing to Postgres (--persister)
+# (--what-if no-by-state) the same, without the triggers that keep jobs_by_state
+NO_BY_STATE = f"{PERSIST}-no-by-state"
+BY_STATE_TRIGGERS = ("jobs_by_state_inserted", "jobs_by_state_updated", "jobs_by_state_deleted")
 LAG_SAMPLE = 0.05  # s between write-behind lag samples
 SYSTEMS = ("jobtier", "bullmq", "saq", "arq", "celery", "rq", "dramatiq")
 MODES = ("off", "everysec")
@@ -171,6 +174,16 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
         )
     }  # fmt: skip
     for name, collation in args.persist_systems.items():
+        if name == NO_BY_STATE:
+            known[name] = System(
+                name,
+                "jobtier + persister, no jobs_by_state (what-if)",
+                "the same as jobtier + persister, with the triggers that keep `jobs_by_state` "
+                "disabled (`--what-if no-by-state`): what the write-behind would cost were the "
+                "live jobs listed by state from elsewhere. Not a set-up jobtier offers: its "
+                "listings by state are then wrong",
+            )
+            continue
         named = len(args.collations) > 1 or collation != "C"  # C: as `jobtier run` makes it
         collated = f" created with LC_COLLATE `{collation}`" if named else ""
         known[name] = System(
@@ -981,6 +994,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "the same interleaved runs, the first as jobtier-persist, the others as "
         "jobtier-persist@NAME (e.g. C,C.UTF-8)",
     )
+    p.add_argument(
+        "--what-if",
+        choices=["no-by-state"],
+        help="with --persister: also measure it on a Postgres of its own whose jobs_by_state "
+        "triggers are disabled (no-by-state), what the listing by state costs the write-behind; "
+        "not a set-up jobtier offers",
+    )
     p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     args = p.parse_args(argv)
@@ -991,10 +1011,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args.persist_systems = {}  # system name: its Postgres's collation
     if args.collations != ["C"] and not args.persister:
         p.error("--collations is for the persister's Postgres: add --persister")
+    if args.what_if and not args.persister:
+        p.error("--what-if is about the persister: add --persister")
     if args.persister:
         args.persist_systems = {
             PERSIST: args.collations[0],
             **{f"{PERSIST}@{c}": c for c in args.collations[1:]},
+            **({NO_BY_STATE: args.collations[0]} if args.what_if == "no-by-state" else {}),
         }
         at = args.systems.index("jobtier") + 1 if "jobtier" in args.systems else 0
         args.systems[at:at] = list(args.persist_systems)
@@ -1107,6 +1130,9 @@ def run(argv: list[str] | None = None, report: Callable[[str], None] = print) ->
             pg.start()
             args.postgres[name] = (pg.dsn, pg.pid)
             uvloop.run(migrate(pg.dsn))
+            if name == NO_BY_STATE:
+                for trigger in BY_STATE_TRIGGERS:
+                    pg.psql(f"ALTER TABLE jobs DISABLE TRIGGER {trigger}", database=pg.database)
         uvloop.run(main(args, programs, finish))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("interrupted: every process it started is stopped; nothing saved", file=sys.stderr)
