@@ -232,7 +232,7 @@ async def cases(pool: Pool, now: datetime) -> list[tuple[str, dict[str, Any]]]:
         (f"state=failed & type={rare_type}", {"state": "failed", "type": rare_type}),
         (f"state=scheduled & type={rare_type}", {"state": "scheduled", "type": rare_type}),
         ("state=cancelled & queue=billing", {"state": "cancelled", "queue": "billing"}),
-        # queued jobs are not in 0020's partial indexes: found through the state's index
+        # queued jobs are not in 0020's partial indexes: found by reading the queued rows
         (f"state=queued & type={rare_type}", {"state": "queued", "type": rare_type}),
     ]  # fmt: skip
 

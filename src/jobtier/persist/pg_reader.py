@@ -40,7 +40,9 @@ MAX_TYPE_LENGTH = 200
 # the start of a job id (<ULID>-<shard>): what the console's id search takes
 ID_PREFIX_RE = re.compile(r"^[0-9A-Za-z]{1,26}(-[0-9]{0,4})?$")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_STATES = frozenset(LISTED_STATES)
+# a state filter as SQL: a literal, from this fixed set only, so that a plan, generic ones
+# too, can use the partial indexes of jobs_by_state (migrations/0020)
+_STATE_SQL = {state: f"AND state = '{state}'" for state in LISTED_STATES}
 _error_decoder = msgspec.json.Decoder(JobError)
 
 
@@ -153,8 +155,9 @@ class Filters(TenantFilters, total=False):
 
 
 def _filters(params: list[Any], order: str = "desc", **where: Unpack[Filters]) -> list[str]:
-    """The WHERE fragments of a listing (fixed text, never caller input), their values
-    appended to ``params``; ``InvalidRequest`` naming the field for a bad one."""
+    """The WHERE fragments of a listing (fixed text, never caller input: a value is a
+    parameter, the state one of a fixed set of literals), their values appended to
+    ``params``; ``InvalidRequest`` naming the field for a bad one."""
     if unknown := where.keys() - Filters.__annotations__.keys():
         raise TypeError(f"no such filter: {', '.join(sorted(unknown))}")
     if order not in ("asc", "desc"):
@@ -171,11 +174,9 @@ def _filters(params: list[Any], order: str = "desc", **where: Unpack[Filters]) -
     if (tenant := where.get("tenant")) is not None:
         add("AND tenant = {}", tenant)
     if (state := where.get("state")) is not None:
-        if state not in _STATES:
+        if not isinstance(state, str) or state not in _STATE_SQL:
             raise InvalidRequest(f"state must be one of {', '.join(LISTED_STATES)}", field="state")
-        # a literal (one of a fixed set): a plan, generic ones too, can then use the partial
-        # indexes of jobs_by_state (migrations/0020)
-        filters.append(f"AND state = '{state}'")
+        filters.append(_STATE_SQL[state])
     if (type := where.get("type")) is not None:
         if not (isinstance(type, str) and 0 < len(type) <= MAX_TYPE_LENGTH):
             raise InvalidRequest("type must be a non-empty job type name", field="type")

@@ -131,8 +131,10 @@ LIMIT $1
 -- name: list_jobs_by_state
 -- list_jobs and admin_list_jobs by a state other than `succeeded` (their filters: jobs_by_state
 -- has each column they name): the page is found in jobs_by_state, by jobs_by_state_tenant_idx
--- (tenant, state, created_at, id) with a tenant, else jobs_by_state_state_idx, then each
--- job's document in `jobs` by its key.
+-- (tenant, state, created_at, id) with a tenant, else jobs_by_state_state_idx, or for a
+-- failed, cancelled, waiting or scheduled state with a type or a queue by 0020's
+-- jobs_by_state_type_idx or jobs_by_state_queue_idx (the planner picks by the statistics),
+-- then each job's document in `jobs` by its key. The state is a literal (pg_reader._filters).
 SELECT p.tenant, j.doc, p.created_at, p.id
 FROM (
     SELECT id, tenant, created_at
