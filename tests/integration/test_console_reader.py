@@ -192,3 +192,50 @@ def test_a_state_is_written_as_one_of_a_fixed_set_of_literals() -> None:
     for state in bad:  # (what a caller outside the type checker may pass)
         with pytest.raises(InvalidRequest, match="state must be one of"):
             listing_sql("admin_list_jobs", 50, "desc", state=state)
+
+
+async def test_queued_jobs_of_a_rare_type_are_read_by_the_types_index(pg_pool: Pool) -> None:
+    """Queued jobs are not in 0020's partial indexes: of a type with fewer jobs than are
+    queued, the listing reads that type's jobs in `jobs`; of a common type, the queued rows of
+    jobs_by_state; both give every job of the filter, newest first. No statistics yet: the way
+    of every state."""
+    insert = (
+        "INSERT INTO jobs (id, tenant, type, priority, state, version, attempt, max_attempts,"
+        " created_at, updated_at, doc, queue)"
+        " SELECT id, 't' || (g % 3), $2::text, 'normal', $3::text, 1, 1, 1,"
+        " now() - g * interval '1 second', now(), convert_to(json_build_object("
+        " 'id', id, 'type', $2::text, 'state', $3::text, 'version', 1, 'priority', 'normal',"
+        " 'attempt', 1, 'max_attempts', 1, 'created_at', '2026-01-01T00:00:00.000Z',"
+        " 'updated_at', '2026-01-01T00:00:00.000Z')::text, 'UTF8'), 'default'"
+        " FROM unnest($1::text[]) WITH ORDINALITY AS u(id, g)"
+    )
+    keys = Keys()
+    for kind, state, n in (
+        ("common", "queued", 300), ("common", "succeeded", 100), ("rare", "queued", 2),
+        ("rare", "failed", 1),
+    ):  # fmt: skip
+        await pg_pool.execute(insert, [keys.new_id() for _ in range(n)], kind, state)
+    reader = PgReader(pg_pool)
+    reader.stats.ttl = 0.0  # read them at every listing
+    rare = {"state": "queued", "type": "rare"}
+    common = {"state": "queued", "type": "common"}
+    assert await reader.listing_query("admin_list_jobs", **rare) == "list_jobs_by_state"
+    await pg_pool.execute("ANALYZE jobs")
+    await pg_pool.execute("ANALYZE jobs_by_state")
+    assert await reader.listing_query("admin_list_jobs", **rare) == "admin_list_jobs"
+    assert await reader.listing_query("list_jobs", tenant="t1", **rare) == "list_jobs"
+    assert await reader.listing_query("admin_list_jobs", **common) == "list_jobs_by_state"
+    # a state the partial indexes hold, or no type or queue: through jobs_by_state
+    for other in ({"state": "failed", "type": "rare"}, {"state": "queued"}):
+        assert await reader.listing_query("admin_list_jobs", **other) == "list_jobs_by_state"
+    rows = await pg_pool.fetch("SELECT id, state, type, created_at FROM jobs")
+    for where in (rare, common):
+        expected = sorted(
+            (r for r in rows if (r["state"], r["type"]) == (where["state"], where["type"])),
+            key=lambda r: (r["created_at"], r["id"]),
+            reverse=True,
+        )
+        listed = [job_id for _, job_id in await all_pages(reader, **where)]
+        assert listed == [r["id"] for r in expected], where
+    with pytest.raises(InvalidRequest, match="type"):  # checked as before, whatever the way
+        await reader.admin_list_jobs(state="queued", type=["rare"])  # type: ignore[arg-type]

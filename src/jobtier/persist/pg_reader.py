@@ -33,6 +33,7 @@ from jobtier.core.model import Transition as Transition  # the API imports it fr
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE
 from jobtier.flows.reads import dependency
 from jobtier.persist.db import Pool, query
+from jobtier.persist.listing_stats import ListingStats
 from jobtier.persist.outbox_docs import outbox_docs
 
 MAX_LIMIT = 500
@@ -220,6 +221,7 @@ class PgReader:
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
+        self.stats = ListingStats(pool)  # which way a listing of queued jobs of a type reads
 
     async def status_doc(self, job_id: str) -> tuple[str, bytes] | None:
         """(tenant, status document) of a job at its last persisted version, or None if
@@ -260,7 +262,7 @@ class PgReader:
     async def _page(
         self, listing: str, limit: int, order: str, **where: Unpack[Filters]
     ) -> tuple[list[Any], str | None]:
-        name = _by_state(listing, where.get("state"))
+        name = await self.listing_query(listing, **where)
         sql, params = listing_sql(name, limit, order, **where)
         rows = await self.pool.fetch(sql, *params)
         next_cursor = None
@@ -268,6 +270,22 @@ class PgReader:
             last = rows[limit - 1]
             next_cursor = encode_cursor(order, last["created_at"], last["id"])
         return rows[:limit], next_cursor
+
+    async def listing_query(self, listing: str, **where: Unpack[Filters]) -> str:
+        """The query (of queries.sql) a page of ``listing`` with these filters reads: by a
+        state other than succeeded, through jobs_by_state (``_by_state``), except queued or
+        running jobs of a type or queue that has fewer jobs than the state has: those are
+        read in ``jobs`` by its type or queue index, the state checked on each
+        (``ListingStats``)."""
+        name = _by_state(listing, state := where.get("state"))
+        kind, queue = where.get("type"), where.get("queue")
+        if (
+            name != listing
+            and isinstance(state, str)
+            and await self.stats.by_type_first(state, kind, queue)
+        ):
+            return listing
+        return name
 
     async def history(self, job_id: str, tenant: str) -> list[Transition] | None:
         """Every persisted change of the job, oldest first; None for an unknown job."""

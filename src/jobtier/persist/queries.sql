@@ -135,6 +135,8 @@ LIMIT $1
 -- failed, cancelled, waiting or scheduled state with a type or a queue by 0020's
 -- jobs_by_state_type_idx or jobs_by_state_queue_idx (the planner picks by the statistics),
 -- then each job's document in `jobs` by its key. The state is a literal (pg_reader._filters).
+-- Queued or running jobs of a type (or queue) with fewer jobs than the state has are read by
+-- list_jobs or admin_list_jobs instead, the state checked on each (persist/listing_stats.py).
 SELECT p.tenant, j.doc, p.created_at, p.id
 FROM (
     SELECT id, tenant, created_at
@@ -145,6 +147,21 @@ FROM (
 ) AS p
 JOIN jobs AS j ON j.id = p.id
 ORDER BY p.created_at /*dir*/, p.id /*dir*/
+
+-- name: listing_stats
+-- The statistics a listing of queued or running jobs with a type or a queue chooses its way by
+-- (persist/listing_stats.py): for jobs.type, jobs.queue and jobs_by_state.state, the table's
+-- estimated rows, the most common values with their share of the rows, the number of distinct
+-- values (negative: a share of the rows) and the share of NULLs. No row for a column not yet
+-- analysed.
+SELECT s.tablename, s.attname, greatest(c.reltuples, 0) AS rows,
+       s.most_common_vals::text::text[] AS vals, s.most_common_freqs AS freqs,
+       s.n_distinct, s.null_frac
+FROM pg_stats AS s
+JOIN pg_namespace AS n ON n.nspname = s.schemaname
+JOIN pg_class AS c ON c.relnamespace = n.oid AND c.relname = s.tablename
+WHERE s.schemaname = current_schema()
+  AND (s.tablename, s.attname) IN (('jobs', 'type'), ('jobs', 'queue'), ('jobs_by_state', 'state'))
 
 -- name: admin_job
 -- One job for the console, whatever its tenant: its document, and its payload and result

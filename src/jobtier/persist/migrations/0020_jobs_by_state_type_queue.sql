@@ -6,9 +6,9 @@
 -- Partial: a job that is only queued and then running, the path of nearly every job, writes
 -- no entry here (a partial index is written only for rows its predicate holds for), so the
 -- write-behind pays for these only on the jobs that fail, are cancelled, wait for others or
--- are scheduled. Queued and running jobs of one type are found as before, by reading that
--- state's rows (through jobs_by_state_state_idx, or the whole table where the planner finds
--- it cheaper): the cost grows with the backlog. The listing names the state as a literal
+-- are scheduled. Queued and running jobs of one type are read either among that state's rows
+-- or among that type's jobs in `jobs` (by its type index), whichever Postgres's statistics
+-- say are fewer (persist/listing_stats.py). The listing names the state as a literal
 -- (pg_reader._filters), which is what lets every plan, generic ones included, use them.
 CREATE INDEX jobs_by_state_type_idx ON jobs_by_state (type, state, created_at, id)
     WHERE state IN ('failed', 'cancelled', 'waiting', 'scheduled');
