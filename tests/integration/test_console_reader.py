@@ -197,8 +197,13 @@ def test_a_state_is_written_as_one_of_a_fixed_set_of_literals() -> None:
 async def test_queued_jobs_of_a_rare_type_are_read_by_the_types_index(pg_pool: Pool) -> None:
     """Queued jobs are not in 0020's partial indexes: of a type with fewer jobs than are
     queued, the listing reads that type's jobs in `jobs`; of a common type, the queued rows of
-    jobs_by_state; both give every job of the filter, newest first. No statistics yet: the way
-    of every state."""
+    jobs_by_state; both give every job of the filter, newest first, page after page. No
+    statistics yet: the way of every state."""
+    reader = PgReader(pg_pool)
+    reader.stats.ttl = 0.0  # read them at every listing
+    rare = {"state": "queued", "type": "rare"}
+    common = {"state": "queued", "type": "common"}
+    assert await reader.listing_query("admin_list_jobs", **rare) == "list_jobs_by_state"
     insert = (
         "INSERT INTO jobs (id, tenant, type, priority, state, version, attempt, max_attempts,"
         " created_at, updated_at, doc, queue)"
@@ -211,15 +216,10 @@ async def test_queued_jobs_of_a_rare_type_are_read_by_the_types_index(pg_pool: P
     )
     keys = Keys()
     for kind, state, n in (
-        ("common", "queued", 300), ("common", "succeeded", 100), ("rare", "queued", 2),
-        ("rare", "failed", 1),
+        ("common", "queued", 400), ("common", "succeeded", 100), ("rare", "queued", 20),
+        ("rare", "failed", 3),
     ):  # fmt: skip
         await pg_pool.execute(insert, [keys.new_id() for _ in range(n)], kind, state)
-    reader = PgReader(pg_pool)
-    reader.stats.ttl = 0.0  # read them at every listing
-    rare = {"state": "queued", "type": "rare"}
-    common = {"state": "queued", "type": "common"}
-    assert await reader.listing_query("admin_list_jobs", **rare) == "list_jobs_by_state"
     await pg_pool.execute("ANALYZE jobs")
     await pg_pool.execute("ANALYZE jobs_by_state")
     assert await reader.listing_query("admin_list_jobs", **rare) == "admin_list_jobs"
@@ -228,14 +228,29 @@ async def test_queued_jobs_of_a_rare_type_are_read_by_the_types_index(pg_pool: P
     # a state the partial indexes hold, or no type or queue: through jobs_by_state
     for other in ({"state": "failed", "type": "rare"}, {"state": "queued"}):
         assert await reader.listing_query("admin_list_jobs", **other) == "list_jobs_by_state"
-    rows = await pg_pool.fetch("SELECT id, state, type, created_at FROM jobs")
+    rows = await pg_pool.fetch("SELECT id, tenant, state, type, created_at FROM jobs")
     for where in (rare, common):
-        expected = sorted(
-            (r for r in rows if (r["state"], r["type"]) == (where["state"], where["type"])),
-            key=lambda r: (r["created_at"], r["id"]),
-            reverse=True,
-        )
-        listed = [job_id for _, job_id in await all_pages(reader, **where)]
-        assert listed == [r["id"] for r in expected], where
+        for tenant in (None, "t1"):
+            expected = [
+                r["id"]
+                for r in sorted(rows, key=lambda r: (r["created_at"], r["id"]), reverse=True)
+                if (r["state"], r["type"]) == (where["state"], where["type"])
+                and tenant in (None, r["tenant"])
+            ]
+            if tenant is None:
+                listed = [job_id for _, job_id in await all_pages(reader, **where)]
+            else:
+                listed = await _tenant_pages(reader, tenant, where)
+            assert listed == expected, (where, tenant)
     with pytest.raises(InvalidRequest, match="type"):  # checked as before, whatever the way
         await reader.admin_list_jobs(state="queued", type=["rare"])  # type: ignore[arg-type]
+
+
+async def _tenant_pages(reader: PgReader, tenant: str, where: dict[str, Any]) -> list[str]:
+    """The ids of every page of a tenant's listing (``PgReader.list_jobs``), 7 a page."""
+    seen, cursor = [], None
+    while True:
+        page, cursor = await reader.list_jobs(tenant, **where, limit=7, cursor=cursor)
+        seen += [job.id for job in page]
+        if cursor is None:
+            return seen

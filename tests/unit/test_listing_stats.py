@@ -25,6 +25,14 @@ def test_distinct_values_as_a_share_of_the_rows_and_nulls() -> None:
     assert stats.rows_of("x") == pytest.approx(1000 * 0.9 / 500)
 
 
+def test_another_value_is_never_more_than_the_least_common_one() -> None:
+    # 3 distinct values, 90 % of the rows left for the third: the planner caps any value not
+    # among the common ones at the least common's share (4 %); n_distinct 0: 200 values
+    stats = ColumnStats.of(1000.0, ["a", "b"], [0.06, 0.04], 3.0, 0.0)
+    assert stats.rows_of("z") == pytest.approx(40)
+    assert ColumnStats.of(1000.0, None, None, 0.0, 0.0).rows_of("z") == pytest.approx(5)
+
+
 def test_no_other_value_left() -> None:
     stats = ColumnStats.of(10.0, ["a"], [1.0], 1.0, 0.0)
     assert stats.rows_of("a") == pytest.approx(10)

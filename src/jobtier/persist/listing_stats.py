@@ -8,17 +8,23 @@ the type, or every job of the type in ``jobs`` by its type (or queue) index, kee
 the state. Which is fewer depends on the data (a rare type during a large backlog; a common
 type while few jobs wait), and the two are different queries, so the planner cannot choose
 between them: ``ListingStats`` does, from the same statistics the planner reads
-(``pg_stats``), read at most once a ``TTL``.
+(``pg_stats``), read about once a ``TTL`` (concurrent listings may each read them when they
+fall due). The counts are across tenants: a tenant's listing is taken to hold its jobs in
+the same proportions. A failed read leaves the listing on ``jobs_by_state``'s way.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
 from jobtier.persist.db import Pool, query
 
+log = logging.getLogger("jobtier.persist")
+
 TTL = 60.0  # seconds between reads of the statistics
+DEFAULT_DISTINCT = 200.0  # the planner's guess when n_distinct is not known
 # the states jobs_by_state's partial indexes (migrations/0020) leave out
 UNINDEXED = frozenset({"queued", "running"})
 
@@ -37,12 +43,17 @@ class ColumnStats:
         cls, rows: float, values: list[str] | None, shares: list[float] | None,
         distinct: float, null_share: float,
     ) -> ColumnStats:  # fmt: skip
-        """From ``pg_stats``: ``distinct`` is ``n_distinct`` (negative: a share of the rows)."""
+        """From ``pg_stats``, as the planner reads it (``var_eq_const``): ``distinct`` is
+        ``n_distinct`` (negative: a share of the rows; 0: not known, taken as 200); any other
+        value has an even part of the rows the common values leave, at most the share of the
+        least common of them."""
         common = dict(zip(values or [], shares or [], strict=True))
-        n = distinct if distinct > 0 else -distinct * rows
+        n = distinct if distinct > 0 else -distinct * rows if distinct < 0 else DEFAULT_DISTINCT
         others = max(1.0, n - len(common))
-        rest = max(0.0, 1.0 - sum(common.values()) - null_share)
-        return cls(rows, common, rest / others)
+        other = max(0.0, 1.0 - sum(common.values()) - null_share) / others
+        if common:
+            other = min(other, min(common.values()))
+        return cls(rows, common, other)
 
     def rows_of(self, value: str) -> float:
         """The estimated rows holding ``value``."""
@@ -82,7 +93,12 @@ class ListingStats:
             return False
         if not all(isinstance(v, str) for v in (type, queue) if v is not None):
             return False  # refused by the listing's own checks, with the field named
-        columns = await self.columns()
+        try:
+            columns = await self.columns()
+        except Exception as exc:  # the listing itself will say what is wrong, or work
+            log.warning("event=listing_stats_unread error=%r", exc)
+            self._read_at = time.monotonic()  # tried again after the TTL
+            return False
         by_state = columns.get(("jobs_by_state", "state"))
         narrowing = [(("jobs", "type"), type), (("jobs", "queue"), queue)]
         found = [(columns.get(c), v) for c, v in narrowing if v is not None]

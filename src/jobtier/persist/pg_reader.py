@@ -262,8 +262,12 @@ class PgReader:
     async def _page(
         self, listing: str, limit: int, order: str, **where: Unpack[Filters]
     ) -> tuple[list[Any], str | None]:
-        name = await self.listing_query(listing, **where)
+        # the filters checked (InvalidRequest) before the statistics are read
+        name = _by_state(listing, where.get("state"))
         sql, params = listing_sql(name, limit, order, **where)
+        chosen = await self.listing_query(listing, **where)
+        if chosen != name:
+            sql, params = listing_sql(chosen, limit, order, **where)
         rows = await self.pool.fetch(sql, *params)
         next_cursor = None
         if len(rows) > limit:

@@ -152,16 +152,18 @@ ORDER BY p.created_at /*dir*/, p.id /*dir*/
 -- The statistics a listing of queued or running jobs with a type or a queue chooses its way by
 -- (persist/listing_stats.py): for jobs.type, jobs.queue and jobs_by_state.state, the table's
 -- estimated rows, the most common values with their share of the rows, the number of distinct
--- values (negative: a share of the rows) and the share of NULLs. No row for a column not yet
--- analysed.
-SELECT s.tablename, s.attname, greatest(c.reltuples, 0) AS rows,
+-- values (negative: a share of the rows) and the share of NULLs. The tables are found as the
+-- listings' unqualified names resolve (to_regclass), whatever schema holds them. No row for a
+-- column not yet analysed.
+SELECT c.relname AS tablename, s.attname, greatest(c.reltuples, 0) AS rows,
        s.most_common_vals::text::text[] AS vals, s.most_common_freqs AS freqs,
        s.n_distinct, s.null_frac
-FROM pg_stats AS s
-JOIN pg_namespace AS n ON n.nspname = s.schemaname
-JOIN pg_class AS c ON c.relnamespace = n.oid AND c.relname = s.tablename
-WHERE s.schemaname = current_schema()
-  AND (s.tablename, s.attname) IN (('jobs', 'type'), ('jobs', 'queue'), ('jobs_by_state', 'state'))
+FROM pg_class AS c
+JOIN pg_namespace AS n ON n.oid = c.relnamespace
+JOIN pg_stats AS s ON s.schemaname = n.nspname AND s.tablename = c.relname
+WHERE c.oid IN (to_regclass('jobs'), to_regclass('jobs_by_state'))
+  AND NOT s.inherited
+  AND (c.relname, s.attname) IN (('jobs', 'type'), ('jobs', 'queue'), ('jobs_by_state', 'state'))
 
 -- name: admin_job
 -- One job for the console, whatever its tenant: its document, and its payload and result
