@@ -68,3 +68,26 @@ async def test_the_fewer_rows_decide_and_only_for_the_unindexed_states() -> None
     assert not await stats.by_type_first("queued", cast(str, ["rare"]), None)  # refused later
     del columns[("jobs", "queue")]  # not analysed yet: as every other state
     assert not await _stats(columns).by_type_first("queued", "common", "rare-queue")
+
+
+class _Pool:
+    """Counts the reads of the statistics."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    async def fetch(self, *args: object) -> list[object]:
+        self.reads += 1
+        return []
+
+
+async def test_the_first_listing_reads_them_whatever_the_ttl_and_then_once_a_ttl() -> None:
+    pool = _Pool()
+    stats = ListingStats(cast(Pool, pool), ttl=60)
+    stats.ttl = 10 * 365 * 86400.0  # raised after it was made (bench/console.py does)
+    await stats.columns()
+    await stats.columns()
+    assert pool.reads == 1
+    stats.ttl = 0.0
+    await stats.columns()
+    assert pool.reads == 2

@@ -16,6 +16,7 @@ the same proportions. A failed read leaves the listing on ``jobs_by_state``'s wa
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass
 
@@ -68,7 +69,7 @@ class ListingStats:
         self.pool = pool
         self.ttl = ttl
         self._columns: dict[tuple[str, str], ColumnStats] = {}
-        self._read_at = -ttl
+        self._read_at = -math.inf  # never: read at the first listing that needs them
 
     async def columns(self) -> dict[tuple[str, str], ColumnStats]:
         now = time.monotonic()
