@@ -253,8 +253,10 @@ def judge(result: Result, as_of: str, git: Git = run_git) -> None:
     if paths is None:
         result.status = "not checked: no measured paths known for this bench"
         return
-    log = git(["log", "--no-merges", "--format=%h", f"{sha.group()}..{as_of}", "--", *paths]) or ""
-    result.changed_by = log.split()
+    log = git(["log", "--no-merges", "--format=%H", f"{sha.group()}..{as_of}", "--", *paths]) or ""
+    # seven hex digits whatever the clone: git's own %h grows with the number of objects, so
+    # the same history printed 8 digits here and 7 on a fresh clone, and the pages differed
+    result.changed_by = [full[:7] for full in log.split()]
     if result.changed_by:
         result.stale = True
         n = len(result.changed_by)

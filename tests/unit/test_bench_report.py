@@ -167,6 +167,19 @@ def test_a_file_is_stale_once_a_later_commit_changes_what_it_measures(
     assert as_of_c2["fake"].status == "current"
 
 
+def test_the_newest_change_is_named_by_seven_digits_whatever_the_clone_abbreviates(
+    history: dict[str, Any],
+) -> None:
+    """git's %h grows with the number of objects in the clone (8 digits in a busy one, 7 in a
+    fresh one): the pages must not depend on it, or a fresh clone regenerates them otherwise."""
+    _git(history["repo"], "config", "core.abbrev", "12")
+    assert len(_git(history["repo"], "log", "-1", "--format=%h")) == 12
+    _save(history["results"], "fake", history["c1"], {})
+    (got,) = report.load(history["results"], "HEAD", history["git"])
+    assert got.changed_by == [history["c3"]] and len(history["c3"]) == 7
+    assert f"(newest `{history['c3']}`)" in got.status
+
+
 def test_merging_main_into_a_branch_does_not_make_its_measurements_stale(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
