@@ -1,4 +1,5 @@
-"""The hiredis command packer sends exactly what redis-py's own would."""
+"""The hiredis command packer sends exactly what redis-py's own would; every client jobtier
+makes uses jobtier's connections, of the kind its URL names."""
 
 from __future__ import annotations
 
@@ -6,11 +7,17 @@ from typing import Any
 
 import pytest
 from redis.asyncio import Redis
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
 from redis.exceptions import DataError
 
 from jobtier.config import Settings
-from jobtier.store.redis import FastConnection, connect
+from jobtier.store.redis import (
+    Cluster,
+    FastConnection,
+    FastSSLConnection,
+    FastUnixConnection,
+    connect,
+)
 
 CASES: list[tuple[Any, ...]] = [
     ("EVALSHA", "a" * 40, 1, "jt:{3}:log", "jt:{3}:", "worker", 50, 30000),
@@ -35,10 +42,41 @@ def test_values_redis_py_refuses_are_still_refused() -> None:
         FastConnection().pack_command("SET", "k", None)
 
 
-def test_clients_use_it() -> None:
-    client = connect(Settings.from_env({}))
+@pytest.mark.parametrize(
+    ("url", "ours", "theirs"),
+    [
+        ("redis://127.0.0.1:6379/0", FastConnection, Connection),
+        ("rediss://cache.internal:6380/0", FastSSLConnection, SSLConnection),
+        ("unix:///run/redis.sock?db=0", FastUnixConnection, UnixDomainSocketConnection),
+    ],
+)
+def test_clients_use_it_of_the_urls_kind(url: str, ours: type, theirs: type) -> None:
+    settings = Settings.from_env({}, redis_url=url)
+    client = connect(settings)
     assert isinstance(client, Redis)
-    assert client.connection_pool.connection_class is FastConnection
+    made = client.connection_pool.connection_class
+    assert made is ours and issubclass(made, theirs)
+    # the URL's parts and the options both reach the connections
+    kwargs = client.connection_pool.connection_kwargs
+    assert kwargs["socket_timeout"] == settings.redis_socket_timeout
+    assert kwargs.get("path", kwargs.get("host")) in {
+        "127.0.0.1",
+        "cache.internal",
+        "/run/redis.sock",
+    }
+
+
+@pytest.mark.parametrize(
+    ("url", "ours"),
+    [("redis://127.0.0.1:7000", FastConnection), ("rediss://127.0.0.1:7000", FastSSLConnection)],
+)
+def test_cluster_nodes_use_it(url: str, ours: type) -> None:
+    """redis-py drops a cluster client's connection_class: the nodes get ours all the same."""
+    client = connect(Settings.from_env({}, redis_url=url, redis_cluster=True))
+    assert isinstance(client, Cluster)
+    assert client.nodes_manager.connection_kwargs["connection_class"] is ours
+    (node,) = client.nodes_manager.startup_nodes.values()
+    assert node.connection_class is ours
 
 
 def test_an_unreachable_default_redis_points_at_the_setting_and_jobtier_run() -> None:

@@ -23,7 +23,6 @@ Redis's memory nearly full: ``outbox_gate.py``) the relay takes no rows.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -45,7 +44,7 @@ from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.persist.db import UNAVAILABLE, AnyConnection, Connection, Pool, connect, query
 from jobtier.persist.outbox_gate import RelayGate
 from jobtier.runtime.backoff import PERSIST_POSTGRES
-from jobtier.runtime.loop import FAULTS
+from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.store import durable
 from jobtier.store.calls import SubmitItem
 from jobtier.store.context import Store
@@ -196,8 +195,7 @@ class OutboxRelay:
                     await self._sleep(wait)
                     continue
                 # a notification, or the poll interval as a safety net for a lost one
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.poll)
+                await wait_for(self._wake, self.poll)
         finally:
             if listener is not None:
                 listener.terminate()
@@ -227,8 +225,7 @@ class OutboxRelay:
         self._wake.set()
 
     async def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.stopping.wait(), seconds)
+        await wait_for(self.stopping, seconds)
 
     def _count(self, exc: BaseException) -> None:
         name = type(exc).__name__

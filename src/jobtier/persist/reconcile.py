@@ -27,7 +27,6 @@ logged (``event=reconciled``) and counted in ``jobtier_reconciled_total{kind}``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import defaultdict
@@ -44,7 +43,7 @@ from jobtier.core.keys import Keys
 from jobtier.core.model import RESULT_REF
 from jobtier.persist.batch import BATCH_TIMEOUT
 from jobtier.persist.db import AnyConnection, Connection, connect
-from jobtier.runtime.loop import FAULTS
+from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.store.calls import Call
 from jobtier.store.redis import RedisClient, info_of_primaries
 from jobtier.store.scripts import Scripts
@@ -485,8 +484,7 @@ async def run_reconciling(
             log.warning("event=reconcile_failed retry_in=%.1fs error=%r", every, exc)
         except Exception:  # a bug: its stack logged, and the schedule goes on
             log.exception("event=reconcile_failed retry_in=%.1fs", every)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), every)
+        await wait_for(stop, every)
 
 
 async def reconcile_once(
@@ -503,7 +501,8 @@ async def reconcile_once(
         return await reconcile(settings, redis, conn, since, dry_run=dry_run, on_repair=on_repair)
     finally:
         try:
-            await asyncio.wait_for(conn.close(), 5)
+            async with asyncio.timeout(5):
+                await conn.close()
         except asyncio.CancelledError:
             conn.terminate()
             raise

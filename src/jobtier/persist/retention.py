@@ -48,6 +48,7 @@ from jobtier.persist.db import (
     query,
     rows_affected,
 )
+from jobtier.runtime.loop import wait_for
 
 log = logging.getLogger("jobtier.persist.retention")
 
@@ -333,14 +334,14 @@ async def run_pruning(settings: Settings, stop: asyncio.Event) -> None:
         finally:
             if conn is not None:
                 await _close(conn)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), wait)
+        await wait_for(stop, wait)
 
 
 async def _close(conn: Connection) -> None:
     """Close politely, else drop the socket (the session and its lock end either way)."""
     try:
-        await asyncio.wait_for(conn.close(), 5)
+        async with asyncio.timeout(5):
+            await conn.close()
     except asyncio.CancelledError:
         conn.terminate()
         raise

@@ -4,9 +4,11 @@ A process stopped while Redis restarts, loads or is frozen must still exit promp
 in its log what it left behind:
 
 * A cancellation can be lost: on Python 3.11, ``asyncio.wait_for`` returns the inner call's
-  result when the cancel arrives just as it finished (CPython gh-86296), and redis-py sends
-  every command through ``wait_for``. ``task.cancel(); await task`` can then wait forever;
-  ``stop_task`` cancels again while the task runs.
+  result when the cancel arrives just as it finished (CPython gh-86296). redis-py writes
+  every command through ``wait_for``; jobtier's connections do not (store/redis.py), and
+  jobtier's own waits use ``asyncio.timeout``, but a library may still lose one, and
+  ``task.cancel(); await task`` would then wait forever: ``stop_task`` cancels again while
+  the task runs.
 * A shutdown step that talks to a server that does not answer can take a client timeout per
   retry: ``bounded`` gives each step ``STOP_TIMEOUT`` seconds and moves on.
 """

@@ -5,14 +5,21 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
 from redis.asyncio.cluster import ClusterPipeline
-from redis.asyncio.connection import Connection, parse_url
+from redis.asyncio.connection import (
+    AbstractConnection,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialBackoff
@@ -33,10 +40,13 @@ EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 STARTUP_PATIENCE = 30.0  # seconds a starting process waits for a Redis that does not answer
 
 
-class FastConnection(Connection):
-    """Packs commands with hiredis: the same bytes as redis-py's pure-Python packer, much
-    faster on the batched script calls of the hot paths. Anything hiredis refuses (a command
-    name with a space, a value of a type it does not know) goes the usual way."""
+class _Fast(AbstractConnection):
+    """What jobtier's connections change of redis-py's (TCP, TLS or a Unix socket alike):
+
+    * commands packed with hiredis: the same bytes as redis-py's pure-Python packer, much
+      faster on the batched script calls of the hot paths. Anything hiredis refuses (a
+      command name with a space, a value of a type it does not know) goes the usual way;
+    * a cancel is never lost in a write (``send_packed_command``)."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
         name = args[0]
@@ -46,6 +56,60 @@ class FastConnection(Connection):
             except TypeError:
                 pass
         return list(super().pack_command(*args))
+
+    async def send_packed_command(
+        self, command: bytes | str | Iterable[bytes], check_health: bool = True
+    ) -> None:
+        """redis-py's, but with the write bounded by ``asyncio.timeout`` where redis-py calls
+        ``asyncio.wait_for``. On Python 3.11 ``wait_for`` returns the inner call's result when
+        a cancel arrives just as that call finished, and the cancel is lost (CPython gh-86296):
+        a deadline around a Redis call (``asyncio.timeout``) then never fired, and a cancelled
+        task went on as if nothing had happened. A plain GET lost more than half the cancels
+        that came while it ran (tests/integration/test_redis_cancel.py)."""
+        if not self.socket_timeout or sys.version_info >= (3, 12):  # no wait_for, or a sound one
+            await super().send_packed_command(command, check_health)
+            return
+        if not self.is_connected:
+            await self.connect_check_health(check_health=False)
+        if check_health:
+            await self.check_health()  # type: ignore[no-untyped-call]
+        if isinstance(command, str):
+            command = command.encode()
+        if isinstance(command, bytes):
+            command = [command]
+        try:
+            async with asyncio.timeout(self.socket_timeout):
+                await self._send_packed_command(command)
+        except TimeoutError:  # before OSError, of which it is a subclass
+            await self.disconnect(nowait=True)
+            raise RedisTimeoutError("Timeout writing to socket") from None
+        except OSError as exc:
+            await self.disconnect(nowait=True)
+            number, text = ("UNKNOWN", exc.args[0]) if len(exc.args) == 1 else exc.args[:2]
+            raise RedisConnectionError(f"Error {number} while writing to socket. {text}.") from exc
+        except BaseException:  # a cancel mid-write: the connection's state is unknown
+            await self.disconnect(nowait=True)
+            raise
+
+
+class FastConnection(_Fast, Connection):
+    """A TCP connection, jobtier's way (``_Fast``)."""
+
+
+class FastSSLConnection(_Fast, SSLConnection):
+    """A TLS connection (``rediss://``), jobtier's way."""
+
+
+class FastUnixConnection(_Fast, UnixDomainSocketConnection):
+    """A Unix socket connection (``unix://``), jobtier's way."""
+
+
+# the class redis-py picks for a URL's scheme -> ours of the same kind
+FAST: dict[type[AbstractConnection], type[AbstractConnection]] = {
+    Connection: FastConnection,
+    SSLConnection: FastSSLConnection,
+    UnixDomainSocketConnection: FastUnixConnection,
+}
 
 
 class FastSentinelConnection(SentinelManagedConnection, FastConnection):
@@ -89,6 +153,16 @@ class Cluster(RedisCluster):
     held behind a CLUSTER SLOTS per failed command."""
 
     _refreshed_at = -REFRESH_EVERY  # monotonic time of the last topology refresh
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # redis-py makes its nodes' connections of its own class whatever it is given
+        # (connection_class is dropped): the nodes it knows and those it finds get ours
+        options = self.nodes_manager.connection_kwargs
+        ours = FAST.get(options["connection_class"], options["connection_class"])
+        options["connection_class"] = ours
+        for node in self.nodes_manager.startup_nodes.values():
+            node.connection_class = ours
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         token = _IN_COMMAND.set(True)
@@ -302,18 +376,16 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
     if settings.redis_cluster:
         options.pop("health_check_interval", None)
         options.setdefault("max_connections", settings.redis_max_connections)
-        options.setdefault("connection_class", FastConnection)
         return Cluster.from_url(settings.redis_url, **options)
     if settings.redis_sentinels:
         return _sentinel_master(settings, options)
     # a burst of concurrent calls waits for a free connection instead of failing with
     # "Too many connections" (the default pool raises past its size)
-    pool = BlockingConnectionPool.from_url(
-        settings.redis_url,
-        max_connections=settings.redis_max_connections,
-        timeout=30,
-        connection_class=FastConnection,
-        **options,
+    # (from_url would take the URL's class over ours: its TLS or Unix socket kind is kept)
+    url = parse_url(settings.redis_url)
+    url["connection_class"] = FAST[url.get("connection_class", Connection)]
+    pool = BlockingConnectionPool(
+        max_connections=settings.redis_max_connections, timeout=30, **{**options, **url}
     )
     return Redis.from_pool(pool)
 
