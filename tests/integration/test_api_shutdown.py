@@ -1,6 +1,7 @@
 """The API's lifespan shutdown is bounded: a background loop that lost its cancellation (on
-Python 3.11 ``asyncio.wait_for``, which redis-py sends every command through, returns the
-inner call's result when the cancel arrives just as that call finished) is cancelled again,
+Python 3.11 ``asyncio.wait_for`` returns the inner call's result when the cancel arrives just
+as that call finished; redis-py writes through it, jobtier's connections no longer do, a
+library still may) is cancelled again,
 and one that never ends is left behind with a log line, instead of holding the process up.
 
 The loop here is the admission refresh, cancelled while it waits in the extension's lag

@@ -66,6 +66,16 @@ def test_clients_use_it_of_the_urls_kind(url: str, ours: type, theirs: type) -> 
     }
 
 
+def test_the_urls_query_options_win_as_from_urls_do() -> None:
+    client = connect(
+        Settings.from_env({}, redis_url="redis://h:6379/2?max_connections=7&timeout=5")
+    )
+    assert isinstance(client, Redis)
+    pool = client.connection_pool
+    assert pool.max_connections == 7 and pool.timeout == 5  # type: ignore[attr-defined]
+    assert pool.connection_kwargs["db"] == 2
+
+
 @pytest.mark.parametrize(
     ("url", "ours"),
     [("redis://127.0.0.1:7000", FastConnection), ("rediss://127.0.0.1:7000", FastSSLConnection)],

@@ -73,11 +73,11 @@ class _Fast(AbstractConnection):
             await self.connect_check_health(check_health=False)
         if check_health:
             await self.check_health()  # type: ignore[no-untyped-call]
-        if isinstance(command, str):
-            command = command.encode()
-        if isinstance(command, bytes):
-            command = [command]
         try:
+            if isinstance(command, str):
+                command = command.encode()
+            if isinstance(command, bytes):
+                command = [command]
             async with asyncio.timeout(self.socket_timeout):
                 await self._send_packed_command(command)
         except TimeoutError:  # before OSError, of which it is a subclass
@@ -85,7 +85,9 @@ class _Fast(AbstractConnection):
             raise RedisTimeoutError("Timeout writing to socket") from None
         except OSError as exc:
             await self.disconnect(nowait=True)
-            number, text = ("UNKNOWN", exc.args[0]) if len(exc.args) == 1 else exc.args[:2]
+            number, text = (
+                ("UNKNOWN", exc.args[0] if exc.args else exc) if len(exc.args) < 2 else exc.args[:2]
+            )
             raise RedisConnectionError(f"Error {number} while writing to socket. {text}.") from exc
         except BaseException:  # a cancel mid-write: the connection's state is unknown
             await self.disconnect(nowait=True)
@@ -384,8 +386,9 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
     # (from_url would take the URL's class over ours: its TLS or Unix socket kind is kept)
     url = parse_url(settings.redis_url)
     url["connection_class"] = FAST[url.get("connection_class", Connection)]
+    # the URL's query options win, as from_url's do (?max_connections=, ?timeout=, ...)
     pool = BlockingConnectionPool(
-        max_connections=settings.redis_max_connections, timeout=30, **{**options, **url}
+        **{"max_connections": settings.redis_max_connections, "timeout": 30, **options, **url}
     )
     return Redis.from_pool(pool)
 
