@@ -7,6 +7,7 @@ to queries by name: ``query("upsert_jobs")``.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import re
@@ -180,6 +181,19 @@ async def connect(dsn: str, **kwargs: Any) -> Connection:
 
 
 FAST_COLLATIONS = ("C", "POSIX")  # byte order: Postgres compares text without the C library
+
+
+async def close(conn: Connection, timeout: float = 5.0) -> None:
+    """Close a connection of its own politely, else drop the socket (Postgres gone, or no
+    answer in ``timeout`` seconds): the session and its locks end either way."""
+    try:
+        async with asyncio.timeout(timeout):
+            await conn.close()
+    except asyncio.CancelledError:
+        conn.terminate()
+        raise
+    except Exception:
+        conn.terminate()
 
 
 async def migrate(dsn: str) -> list[str]:

@@ -42,7 +42,7 @@ from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.core.model import RESULT_REF
 from jobtier.persist.batch import BATCH_TIMEOUT
-from jobtier.persist.db import AnyConnection, Connection, connect
+from jobtier.persist.db import AnyConnection, Connection, close, connect
 from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.store.calls import Call
 from jobtier.store.redis import RedisClient, info_of_primaries
@@ -500,11 +500,4 @@ async def reconcile_once(
     try:
         return await reconcile(settings, redis, conn, since, dry_run=dry_run, on_repair=on_repair)
     finally:
-        try:
-            async with asyncio.timeout(5):
-                await conn.close()
-        except asyncio.CancelledError:
-            conn.terminate()
-            raise
-        except Exception:  # gone with Postgres: drop the socket
-            conn.terminate()
+        await close(conn)

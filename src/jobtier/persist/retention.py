@@ -44,6 +44,7 @@ from jobtier.persist.db import (
     UNAVAILABLE,
     AnyConnection,
     Connection,
+    close,
     connect,
     query,
     rows_affected,
@@ -333,17 +334,5 @@ async def run_pruning(settings: Settings, stop: asyncio.Event) -> None:
             log.exception("event=prune_failed retry_in=%.0fs", wait)
         finally:
             if conn is not None:
-                await _close(conn)
+                await close(conn)
         await wait_for(stop, wait)
-
-
-async def _close(conn: Connection) -> None:
-    """Close politely, else drop the socket (the session and its lock end either way)."""
-    try:
-        async with asyncio.timeout(5):
-            await conn.close()
-    except asyncio.CancelledError:
-        conn.terminate()
-        raise
-    except Exception:  # the connection is gone either way
-        conn.terminate()

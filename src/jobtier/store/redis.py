@@ -40,6 +40,10 @@ EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
 STARTUP_PATIENCE = 30.0  # seconds a starting process waits for a Redis that does not answer
 
 
+# CPython gh-86296, fixed in 3.12, whose asyncio.wait_for is asyncio.timeout underneath
+_WAIT_FOR_LOSES_CANCELS = sys.version_info < (3, 12)
+
+
 class _Fast(AbstractConnection):
     """What jobtier's connections change of redis-py's (TCP, TLS or a Unix socket alike):
 
@@ -66,7 +70,7 @@ class _Fast(AbstractConnection):
         a deadline around a Redis call (``asyncio.timeout``) then never fired, and a cancelled
         task went on as if nothing had happened. A plain GET lost more than half the cancels
         that came while it ran (tests/integration/test_redis_cancel.py)."""
-        if not self.socket_timeout or sys.version_info >= (3, 12):  # no wait_for, or a sound one
+        if not (self.socket_timeout and _WAIT_FOR_LOSES_CANCELS):  # redis-py's is sound then
             await super().send_packed_command(command, check_health)
             return
         if not self.is_connected:
@@ -85,9 +89,7 @@ class _Fast(AbstractConnection):
             raise RedisTimeoutError("Timeout writing to socket") from None
         except OSError as exc:
             await self.disconnect(nowait=True)
-            number, text = (
-                ("UNKNOWN", exc.args[0] if exc.args else exc) if len(exc.args) < 2 else exc.args[:2]
-            )
+            number, text = exc.args[:2] if len(exc.args) > 1 else ("UNKNOWN", exc)
             raise RedisConnectionError(f"Error {number} while writing to socket. {text}.") from exc
         except BaseException:  # a cancel mid-write: the connection's state is unknown
             await self.disconnect(nowait=True)
