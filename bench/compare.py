@@ -535,6 +535,9 @@ class PersistHook:
             "persister_cores": persister_cpu / seconds,
             "postgres_cores": postgres_cpu / seconds,
             "hot_update_share": hot / updates if updates else None,
+            # how often a job's row was updated after its insert: 1 when each job's claim
+            # reached Postgres in the batch of its end, 2 when every claim had a batch of its own
+            "row_updates_per_job": updates / self.args.jobs,
             **batches,
         }
 
@@ -622,7 +625,7 @@ async def measure_jobtier(
             "worker_cpu_us_per_job", "producer_cpu_us_per_job", "redis_cpu_us_per_job",
             "aof_bytes_per_job", "aof_rewrites", "redis_commands_per_job", "commands",
         )},
-        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_", "persister_", "postgres_", "hot_", "batch"))},
+        **{k: v for k, v in e2e.items() if k.startswith(("lag_", "persisted_", "persister_", "postgres_", "hot_", "row_", "batch"))},
     }  # fmt: skip
 
 
@@ -698,9 +701,17 @@ FIELDS = (
 LAG_FIELDS = (
     "lag_p50_ms", "lag_p99_ms", "lag_max_ms", "persisted_after_last_job_s",
     "persister_cpu_us_per_transition", "postgres_cpu_us_per_transition", "persister_cores",
-    "postgres_cores", "hot_update_share", "batches", "batch_mean_size", "batch_wait_mean_ms",
+    "postgres_cores", "hot_update_share", "row_updates_per_job", "batches", "batch_mean_size", "batch_wait_mean_ms",
     "batch_write_mean_ms",
 )  # fmt: skip
+
+
+def hot_cell(s: dict[str, Any]) -> str:
+    """'<HOT share> of <updates a job>'; the share alone (or '-') from an older result."""
+    share, updates = s.get("hot_update_share"), s.get("row_updates_per_job")
+    if share is None:
+        return "-"
+    return f"{100 * share:.0f} %" + ("" if updates is None else f" of {updates:.2f} a job")
 
 
 def cpu_cell(s: dict[str, Any], who: str) -> str:
@@ -915,7 +926,7 @@ def render(
             fmt(s["e2e_jobs_per_s"]), fmt(3 * s["e2e_jobs_per_s"]), fmt(s["lag_p50_ms"]),
             fmt(s["lag_p99_ms"]), fmt(s["lag_max_ms"]), fmt(s["persisted_after_last_job_s"], 2),
             cpu_cell(s, "persister"), cpu_cell(s, "postgres"),
-            "-" if s.get("hot_update_share") is None else f"{100 * s['hot_update_share']:.0f} %",
+            hot_cell(s),
             batch_cell(s),
         ])  # fmt: skip
     if lag_rows:
@@ -929,7 +940,9 @@ def render(
             f"(the machine has {env['machine']['nproc']}, shared with Redis, the worker and the "
             "producer). HOT: the "
             "share of the updates of job rows that were heap-only (no index entry written; "
-            "Postgres's own count). Batches: how many the persister committed (their mean "
+            "Postgres's own count), of how many updates a job's row had after its insert (1 "
+            "when a job's claim reached Postgres in the batch of its end, 2 when in one of its "
+            "own). Batches: how many the persister committed (their mean "
             "size), and on average how old a batch's oldest transition was when its write "
             "began (in the log, then in the persister until one of its concurrent writes was free) plus "
             "how long the write took, commit included: about the lag of that transition when "
@@ -940,7 +953,7 @@ def render(
                    "lag max ms",
                    "all in Postgres after the last job, s",
                    "persister CPU µs a transition (cores)",
-                   "Postgres CPU µs a transition (cores)", "HOT updates",
+                   "Postgres CPU µs a transition (cores)", "HOT updates of the row updates",
                    "batches (mean size): waited + written, ms"], lag_rows) + "\n"
         )  # fmt: skip
         out.extend(capacity(summary, args, known, env["machine"]["nproc"] or 1))

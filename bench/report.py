@@ -86,6 +86,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "api_scaling": ("src/jobtier/api", "src/jobtier/status"),
     "persist": ("src/jobtier/persist", "src/jobtier/streams"),
     "persist_pickup": ("src/jobtier/persist", "src/jobtier/streams"),
+    "persist_shapes": ("src/jobtier/persist",),
     "history_rows": ("src/jobtier/persist", "src/jobtier/worker"),
     "console": (
         "src/jobtier/api/console.py",
@@ -149,6 +150,7 @@ CHOSEN: dict[str, str] = {
     "persist": "an earlier backlog drain (no sustained-rate lag in it)",
     "persist-40c7fab": "the newest with the lag at a sustained 5K and 10K transitions/s",
     "persist_pickup": "the only file",
+    "persist_shapes": "the only file",
     "history_rows": "the only file",
     "console-stats": "this tree: 0020 and the reader's choice by the statistics, against 0009 and the jobs_by_state way in the same run",
     "console-0020": "0020's partial indexes against 0009 in the same run (a noisy host)",

@@ -136,8 +136,12 @@ def transition_records(entries: Sequence[LogEntry]) -> list[tuple[Any, ...]]:
     return out
 
 
-async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
-    """Write entries in one transaction; returns the number of job rows in it.
+async def write_batch(
+    conn: AnyConnection, entries: Sequence[LogEntry], rows: Sequence[JobRow] | None = None
+) -> int:
+    """Write entries in one transaction; returns the number of job rows in it. ``rows``: the
+    job rows to write with them, when not every one ``collapse(entries)`` makes (in id order:
+    bench/persist_shapes.py measures what leaving some out would save).
 
     What is new to Postgres is COPYed (binary) straight into its table: the rows of the jobs
     this batch creates, and every transition (``copy_new``). Only when one of them is there
@@ -148,7 +152,8 @@ async def write_batch(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
     collection ABCs (bench/results/persist.md); the straight COPY also spares the staging
     copy and the conflict checks (bench/results/persist-direct.md).
     """
-    rows = collapse(entries)
+    if rows is None:
+        rows = collapse(entries)
     async with conn.transaction():
         merged, created = split_created(rows)
         if merged:
