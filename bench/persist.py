@@ -200,14 +200,14 @@ UNNEST_TRANSITIONS = query("insert_transitions").replace(
 class UnnestPersister(Persister):
     """The same batches as array parameters (one array per column, unnest in SQL)."""
 
-    async def persist(self, entries: Sequence[LogEntry]) -> None:
-        rows = collapse(entries)
-        job_cols = list(zip(*job_records(rows), strict=True))
+    async def persist(self, entries: Sequence[LogEntry], rows: Any = None) -> None:
+        every = collapse(entries)  # every job's row: the variant holds none back
+        job_cols = list(zip(*job_records(every), strict=True))
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(UNNEST_JOBS, *job_cols)
             await conn.execute(UNNEST_FILL, job_cols[0], job_cols[11], job_cols[12])
             await conn.execute(UNNEST_TRANSITIONS, *zip(*transition_records(entries), strict=True))
-        self.stats.jobs += len(rows)
+        self.stats.jobs += len(every)
 
 
 BASELINE_SQL = f"""
@@ -230,7 +230,8 @@ WHERE j.version < excluded.version
 class BaselinePersister(Persister):
     """The plain way: one statement (history row + job row) per transition, autocommit."""
 
-    async def persist(self, entries: Sequence[LogEntry]) -> None:
+    async def persist(self, entries: Sequence[LogEntry], rows: Any = None) -> None:
+        # every entry's row: the variant holds none back
         async with self.pool.acquire() as conn:
             for e in entries:
                 await self._one(conn, e)

@@ -187,6 +187,12 @@ class Settings:
     persist_batch_size: int = _setting(2000, "Most transitions written per Postgres transaction.")
     persist_interval: float = _setting(0.05, "Longest wait before a partial batch is written.")
     persist_concurrency: int = _setting(2, "Batches a persister writes to Postgres at once.")
+    persist_hold_seconds: float = _setting(
+        1.0,
+        "A live job's row (a claim, a retry) waits this long for a newer version to take its "
+        "place before it is written to Postgres (0: at once; at most half of "
+        "JOBTIER_PERSIST_CLAIM_IDLE_SECONDS); its history never waits.",
+    )
     persist_claim_idle_seconds: float = _setting(
         30.0, "Pending log entries idle this long are taken over from a dead persister."
     )
@@ -406,6 +412,8 @@ class Settings:
             problems.append(
                 "JOBTIER_SHED_PRIORITIES must name priorities among critical, high, normal, low"
             )
+        if self.persist_hold_seconds < 0:
+            problems.append("JOBTIER_PERSIST_HOLD_SECONDS must be 0 (no hold) or more")
         if self.prune_interval_seconds < 1:
             problems.append("JOBTIER_PRUNE_INTERVAL_SECONDS must be at least 1")
         try:

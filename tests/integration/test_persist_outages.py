@@ -329,12 +329,12 @@ async def test_unexpected_errors_are_retried_and_counted_never_fatal(
     failures = 3
 
     class Flaky(Persister):
-        async def persist(self, entries: Any) -> None:
+        async def persist(self, entries: Any, rows: Any = None) -> None:
             nonlocal failures
             if failures:
                 failures -= 1
                 raise error
-            await super().persist(entries)
+            await super().persist(entries, rows)
 
     job_ids = await simple_jobs(redis, keys, 20)
     persister = Flaky(pg_settings, redis, pg_pool, "p1")

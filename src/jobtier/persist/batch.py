@@ -140,8 +140,8 @@ async def write_batch(
     conn: AnyConnection, entries: Sequence[LogEntry], rows: Sequence[JobRow] | None = None
 ) -> int:
     """Write entries in one transaction; returns the number of job rows in it. ``rows``: the
-    job rows to write with them, when not every one ``collapse(entries)`` makes (in id order:
-    bench/persist_shapes.py measures what leaving some out would save).
+    job rows to write with them (in id order), when not the ones ``collapse(entries)`` makes:
+    the persister holds some back and writes some it held before (``holding.py``).
 
     What is new to Postgres is COPYed (binary) straight into its table: the rows of the jobs
     this batch creates, and every transition (``copy_new``). Only when one of them is there
@@ -177,7 +177,7 @@ async def write_batch(
         # in key order, as insert_transitions takes its locks: concurrent batches that hold
         # entries of one job (a replay) wait for each other instead of deadlocking
         history = transition_records(sorted(entries, key=_key))
-        if not await copy_new(conn, "job_transitions", history, TRANSITION_COLUMNS):
+        if history and not await copy_new(conn, "job_transitions", history, TRANSITION_COLUMNS):
             await conn.execute(query("create_staging"))
             await conn.copy_records_to_table(
                 "transitions_staging", records=history, columns=TRANSITION_COLUMNS
@@ -234,7 +234,12 @@ async def _merge_jobs(conn: AnyConnection, rows: Sequence[JobRow]) -> None:
         await conn.execute(query("fill_submitted"))
 
 
-async def write_on(pool: Pool, entries: Sequence[LogEntry], timeout: float = BATCH_TIMEOUT) -> int:
+async def write_on(
+    pool: Pool,
+    entries: Sequence[LogEntry],
+    timeout: float = BATCH_TIMEOUT,
+    rows: Sequence[JobRow] | None = None,
+) -> int:
     """``write_batch`` on a connection of ``pool``; returns the number of job rows written.
 
     A connection whose batch failed other than by Postgres refusing a statement is
@@ -254,7 +259,7 @@ async def write_on(pool: Pool, entries: Sequence[LogEntry], timeout: float = BAT
 
         watchdog = asyncio.get_running_loop().call_later(timeout, expire)
         try:
-            return await write_batch(conn, entries)
+            return await write_batch(conn, entries, rows)
         except BaseException as exc:
             if not _connection_reusable(exc):
                 _terminate(conn)

@@ -32,8 +32,16 @@ from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot
-from jobtier.persist.batch import BATCH_TIMEOUT, POISON, attached_meanwhile, write_on
+from jobtier.persist.batch import (
+    BATCH_TIMEOUT,
+    POISON,
+    JobRow,
+    attached_meanwhile,
+    collapse,
+    write_on,
+)
 from jobtier.persist.db import UNAVAILABLE, Pool
+from jobtier.persist.holding import Batch, Holding
 from jobtier.persist.outbox import OutboxRelay
 from jobtier.persist.reconcile import run_reconciling
 from jobtier.persist.retention import run_pruning
@@ -98,7 +106,11 @@ class Persister:
             refused=[keys.log_refused(s) for s in range(keys.shards)],
         )
         self._buffer: list[LogEntry] = []
-        self._held: set[tuple[int, bytes]] = set()  # (shard, id) buffered or being written
+        # (shard, id) buffered, being written, or waiting for its job's held row (holding.py)
+        self._held: set[tuple[int, bytes]] = set()
+        # live jobs' rows held back; their entries stay pending meanwhile, so not so long that
+        # another persister would take them over
+        self.holding = Holding(min(settings.persist_hold_seconds, idle / 2))
         self._inflight: set[asyncio.Task[None]] = set()  # flushes being committed
         self._first_at = 0.0  # when the oldest buffered entry was read
         self._next_trim = 0.0
@@ -113,6 +125,7 @@ class Persister:
     def metrics(self) -> Snapshot:
         """This persister's part of its process's metrics snapshot (``PersisterStats``)."""
         snap = self.stats.snapshot()
+        snap.counters["persister_rows_collapsed_total"] = {"": self.holding.collapsed}
         if self.relay is not None:
             snap.counters.update(self.relay.metrics().counters)
         return snap
@@ -137,8 +150,8 @@ class Persister:
                 await asyncio.wait(self._inflight)
             self._reap()
             try:
-                while self._buffer:
-                    await self._flush(self._take(), retry=False)
+                while self._buffer or self.holding:
+                    await self._flush(self._take(release_all=True), retry=False)
                 await self._ack()
             except Exception as exc:  # left pending in Redis: written by the next persister
                 log.warning("event=final_flush_skipped error=%r", exc)
@@ -185,8 +198,9 @@ class Persister:
         await self.consumer.claim_due(self.batch_size, self._accept)
         more = await self._read() if len(self._buffer) < self.batch_size else False
         moved = more
-        if self._buffer:
-            waited = time.monotonic() - self._first_at
+        if self._buffer or self.holding.due(time.monotonic()):
+            # nothing buffered: held rows whose hold ran out, written as a batch of their own
+            waited = time.monotonic() - self._first_at if self._buffer else self.interval
             ready = len(self._buffer) >= self.batch_size or waited >= self.interval
             if ready and len(self._inflight) < self.concurrency:
                 self._start_flush()
@@ -218,11 +232,13 @@ class Persister:
                 self._reap()
                 await self._ack()
                 more = await self._read() if len(self._buffer) < self.batch_size else True
-                if self._buffer and len(self._inflight) < self.concurrency:
-                    self._start_flush()
-                elif self._inflight and (self._buffer or not more):
+                # every row written, none held: what is readable now is all in Postgres after
+                pending = self._buffer or self.holding
+                if pending and len(self._inflight) < self.concurrency:
+                    self._start_flush(release_all=True)
+                elif self._inflight and (pending or not more):
                     await asyncio.wait(self._inflight, return_when=asyncio.FIRST_COMPLETED)
-                elif not more and not self._buffer:
+                elif not more and not pending:
                     break
             await self._ack()
             await self.consumer.trim()
@@ -264,18 +280,23 @@ class Persister:
         return max(-(-room // self.keys.shards), READ_MIN)
 
     # --- writing --------------------------------------------------------------------------
-    async def persist(self, entries: Sequence[LogEntry]) -> None:
-        """Write entries in one transaction (``write_on``), no acknowledgement."""
-        self.stats.jobs += await write_on(self.pool, entries, self.batch_timeout)
+    async def persist(
+        self, entries: Sequence[LogEntry], rows: Sequence[JobRow] | None = None
+    ) -> None:
+        """Write entries in one transaction (``write_on``), no acknowledgement; ``rows``: the
+        job rows with them, when not every one they make (``write_batch``)."""
+        self.stats.jobs += await write_on(self.pool, entries, self.batch_timeout, rows)
 
-    def _take(self) -> list[LogEntry]:
+    def _take(self, release_all: bool = False) -> Batch:
+        """The next batch: up to ``batch_size`` buffered entries, their jobs' rows but those
+        held, and the held rows whose hold ran out (every one with ``release_all``)."""
         # what stays behind keeps its _first_at: it has waited at least that long
-        batch = self._buffer[: self.batch_size]
+        entries = self._buffer[: self.batch_size]
         del self._buffer[: self.batch_size]
-        return batch
+        return self.holding.take(entries, time.monotonic(), release_all)
 
-    def _start_flush(self) -> None:
-        task = asyncio.create_task(self._flush(self._take()))
+    def _start_flush(self, release_all: bool = False) -> None:
+        task = asyncio.create_task(self._flush(self._take(release_all)))
         self._inflight.add(task)
 
     def _reap(self) -> None:
@@ -298,7 +319,7 @@ class Persister:
             task.cancel()
         self._inflight.clear()
 
-    async def _flush(self, batch: list[LogEntry], retry: bool = True) -> None:
+    async def _flush(self, batch: Batch, retry: bool = True) -> None:
         """Commit a batch (retrying through outages), then queue its XACKs; a span of its
         own when tracing is on (what failed in it recorded: start_as_current_span)."""
         if self._tracer is None:
@@ -307,52 +328,67 @@ class Persister:
         with self._tracer.start_as_current_span(
             "persist batch",
             tracing.context_of(None),  # a batch holds many jobs' entries: no trace of its own
-            attributes={"jobtier.batch.entries": len(batch)},
+            attributes={"jobtier.batch.entries": len(batch.entries)},
         ) as span:
             written = await self._write(batch, retry)
             span.set_attribute("jobtier.batch.written", -1 if written is None else written)
 
-    async def _write(self, batch: list[LogEntry], retry: bool) -> int | None:
+    async def _write(self, batch: Batch, retry: bool) -> int | None:
         """``_flush``'s work: the entries written, None when stopped while Postgres was away
-        (they stay pending)."""
-        waited = age(batch)
+        (they stay pending). The entries of rows held on (``holding.py``) are acknowledged
+        later, with the batch that writes their rows."""
+        waited = age(batch.entries)
         started = time.monotonic()
         try:
-            written = await self._commit(batch, retry)
+            outcome = await self._commit(batch, retry)
         finally:
-            for e in batch:
-                self._held.discard((e.shard, e.entry_id))
-        if written is None:  # stopped while Postgres was away: the entries stay pending
+            kept = {id(e) for e in batch.entries} - {id(e) for e in batch.acks}
+            for e in (*batch.entries, *batch.released):
+                if id(e) not in kept:
+                    self._held.discard((e.shard, e.entry_id))
+        if outcome is None:  # stopped while Postgres was away: the entries stay pending
             return None
-        self.consumer.acks.add_many((e.shard, e.entry_id) for e in written)
+        written, acks = outcome
+        self.consumer.acks.add_many((e.shard, e.entry_id) for e in acks)
         stats = self.stats
         stats.batches += 1
         stats.transitions += len(written)
-        stats.batch_sizes.observe(len(batch))
-        stats.batch_waits.observe(waited)
+        if batch.entries:  # (not a batch of held rows alone)
+            stats.batch_sizes.observe(len(batch.entries))
+            stats.batch_waits.observe(waited)
         stats.batch_writes.observe(time.monotonic() - started)
         stats.job_counts.observe(written)
         if self.on_commit is not None:
             self.on_commit(written, time.time())
         return len(written)
 
-    async def _commit(self, batch: Sequence[LogEntry], retry: bool) -> Sequence[LogEntry] | None:
-        """Write the batch, retrying through Postgres outages with a back-off: the entries
-        written (a poisoned one left out), or None when stopped first (they stay pending)."""
+    async def _commit(
+        self, batch: Batch, retry: bool
+    ) -> tuple[Sequence[LogEntry], Sequence[LogEntry]] | None:
+        """Write the batch, retrying through Postgres outages with a back-off: (the entries
+        whose history it wrote, those to acknowledge; a poisoned one left out of both), or
+        None when stopped first (they stay pending). A batch refused for its data is written
+        again entry by entry, held ones and those it released included, none held."""
         backoff, down_since, outage = PERSIST_POSTGRES.start(), 0.0, False
+        size = len(batch.entries)
         while True:
             try:
-                await self.persist(batch)
+                await self.persist(batch.entries, batch.rows)
                 if backoff.failures:
-                    self._written_on_retry(len(batch), down_since, backoff.failures, outage)
-                return batch
+                    self._written_on_retry(size, down_since, backoff.failures, outage)
+                return batch.entries, batch.acks
             except Exception as exc:
                 raced = attached_meanwhile(exc)
                 if isinstance(exc, POISON) and not raced:
-                    if len(batch) > 1:
-                        return await self._isolate(batch, retry)
-                    self._poisoned(batch[0], exc)
-                    return []
+                    alone = [*batch.entries, *batch.released]
+                    if len(alone) == 1:
+                        self._poisoned(alone[0], exc)
+                        return [], []
+                    written = await self._isolate(alone, retry)
+                    if written is None:
+                        return None
+                    ids = {id(e) for e in batch.entries}
+                    return [e for e in written if id(e) in ids], written
                 if not retry:
                     raise
                 if not backoff.failures:
@@ -366,21 +402,21 @@ class Persister:
                         "event=partition_attached_meanwhile table=%s retry_in=%.1fs batch=%d",
                         getattr(exc, "table_name", ""),
                         wait,
-                        len(batch),
+                        size,
                     )
                 elif isinstance(exc, UNAVAILABLE):
                     log.warning(
                         "event=postgres_unavailable retry_in=%.1fs batch=%d error=%r",
                         wait,
-                        len(batch),
+                        size,
                         exc,
                     )
                 elif isinstance(exc, asyncpg.PostgresError):  # e.g. no table: run jobtier migrate
                     log.warning(
-                        "event=batch_failed retry_in=%.1fs batch=%d error=%r", wait, len(batch), exc
+                        "event=batch_failed retry_in=%.1fs batch=%d error=%r", wait, size, exc
                     )
                 else:
-                    self._explain("event=batch_failed", exc, wait, batch=len(batch))
+                    self._explain("event=batch_failed", exc, wait, batch=size)
                 if await self.consumer.sleep(wait):
                     return None
 
@@ -394,14 +430,15 @@ class Persister:
         else:
             log.info("event=batch_written_again after=%.1fs retries=%d batch=%d", took, retries, n)
 
-    async def _isolate(self, batch: Sequence[LogEntry], retry: bool) -> Sequence[LogEntry] | None:
-        """A batch was refused for its data: write entry by entry to find the bad ones."""
+    async def _isolate(self, entries: Sequence[LogEntry], retry: bool) -> list[LogEntry] | None:
+        """A batch was refused for its data: write entry by entry (each with its own row) to
+        find the bad ones; the entries written, None when stopped first."""
         written: list[LogEntry] = []
-        for entry in batch:
-            done = await self._commit([entry], retry)
+        for entry in entries:
+            done = await self._commit(Batch([entry], collapse([entry]), acks=[entry]), retry)
             if done is None:
                 return None
-            written.extend(done)
+            written.extend(done[1])
         return written
 
     def _poisoned(self, entry: LogEntry, exc: BaseException) -> None:

@@ -1,0 +1,136 @@
+"""Live jobs' rows held back a moment, so that a newer version can supersede them unwritten.
+
+Every transition's history row is written with its batch. A job's row in ``jobs`` need not
+be: a claim (or any version a job goes through on its way: queued again, scheduled for a
+retry, a checkpoint) is most often followed within a second by the job's end, and writing
+both costs an update of the row and of its line in ``jobs_by_state`` that nobody reads
+(bench/results/persist_shapes.md: about a third of the write-behind's CPU where every claim
+reaches Postgres in a batch before its job's end). So the persister holds such a row for up
+to ``JOBTIER_PERSIST_HOLD_SECONDS``: a later version of the job, in a later batch, takes its
+place, and the row is written once, at the job's end or when the hold runs out.
+
+What is never held: the row a batch creates (a submit: the job is listed at once, and its
+payload is in Postgres for ``reconcile.py``) and the row of a job that ended.
+
+Nothing is lost by holding: the log entries of a held row stay unacknowledged until the row
+(or a newer version of it) is committed, so a persister that dies holding rows leaves their
+entries pending, written again by whoever takes them over. They count in the write-behind's
+lag meanwhile, as the row they stand for is not in Postgres yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from jobtier.core.model import State
+from jobtier.persist.batch import JobRow, collapse
+from jobtier.streams.entries import LogEntry
+
+ENDED = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+
+
+@dataclass(slots=True)
+class Held:
+    """A job's newest row not yet written, the entries it stands for (their history rows are
+    committed; their acknowledgements wait for the row), and when it was first held."""
+
+    row: JobRow
+    entries: list[LogEntry]
+    since: float
+
+
+@dataclass(slots=True)
+class Batch:
+    """What one transaction writes: the history rows of ``entries``, the job rows ``rows``
+    (id order), and which entries are acknowledged once it commits (``acks``: those of
+    ``entries`` whose rows are written, and the held ``released`` ones whose rows are)."""
+
+    entries: list[LogEntry]
+    rows: list[JobRow]
+    released: list[LogEntry] = field(default_factory=list)
+    acks: list[LogEntry] = field(default_factory=list)
+
+
+def merge(old: JobRow, new: JobRow) -> JobRow:
+    """One row from two of a job's collapsed rows, as ``collapse`` folds entries: the newer
+    version wins; what only the submit (payload, idempotency key) or the success (result)
+    carries is kept from whichever has it."""
+    newer = new if new.latest.status.version >= old.latest.status.version else old
+    submitted = new if new.payload is not None else old
+    return JobRow(
+        newer.latest,
+        submitted.payload,
+        submitted.idempotency_key,
+        new.result if new.result is not None else old.result,
+        old.created or new.created,
+    )
+
+
+class Holding:
+    """The rows held by one persister, oldest hold first. ``seconds``: the longest hold (0:
+    none). ``collapsed`` counts held rows a newer version took the place of, unwritten."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = max(0.0, seconds)
+        self._rows: dict[str, Held] = {}  # insertion order is hold order: a re-hold keeps it
+        self.collapsed = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def due(self, now: float) -> bool:
+        """Has the oldest hold run out?"""
+        first = next(iter(self._rows.values()), None)
+        return first is not None and now - first.since >= self.seconds
+
+    def take(self, entries: Sequence[LogEntry], now: float, release_all: bool = False) -> Batch:
+        """The batch that writes ``entries``: each job's row collapsed with the one held for it,
+        written unless it may be held (then held, its entries' acknowledgements with it), and
+        every held row whose hold ran out (all of them with ``release_all``) written too."""
+        rows: list[JobRow] = []
+        released: list[LogEntry] = []
+        holding: dict[str, Held] = {}
+        for row in collapse(entries):
+            job = row.latest.status.id
+            held = self._rows.get(job)
+            since = now
+            if held is not None:
+                self.collapsed += 1
+                row, since = merge(held.row, row), held.since
+            if release_all or not self._may_hold(row, now - since):
+                rows.append(row)
+                if held is not None:
+                    released += held.entries
+                    del self._rows[job]
+            else:
+                holding[job] = Held(row, held.entries if held is not None else [], since)
+        acks = [e for e in entries if e.status.id not in holding]
+        for e in entries:
+            if (h := holding.get(e.status.id)) is not None:
+                h.entries.append(e)
+        self._rows.update(holding)  # an existing key keeps its place: its hold began then
+        extra = self._release(now, release_all)
+        if extra:
+            for held in extra:
+                rows.append(held.row)
+                released += held.entries
+            rows.sort(key=_row_id)  # the lock order write_batch needs (collapse's)
+        return Batch(list(entries), rows, released, acks + released)
+
+    def _may_hold(self, row: JobRow, held_for: float) -> bool:
+        return not row.created and row.latest.status.state not in ENDED and held_for < self.seconds
+
+    def _release(self, now: float, release_all: bool) -> list[Held]:
+        """The held rows whose hold ran out (all with ``release_all``), forgotten here."""
+        out: list[Held] = []
+        for job, held in list(self._rows.items()):
+            if not release_all and now - held.since < self.seconds:
+                break  # later ones were held later
+            out.append(held)
+            del self._rows[job]
+        return out
+
+
+def _row_id(row: JobRow) -> str:
+    return row.latest.status.id

@@ -1,0 +1,139 @@
+"""Live jobs' rows held back by the persister (persist/holding.py), against real Redis and
+Postgres: a claim's row waits for the job's end and is never written, a hold that runs out
+writes it, and a persister that dies or stops holding rows loses none of them."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from jobtier.config import Settings
+from jobtier.core.keys import Keys
+from jobtier.persist.db import Pool
+from jobtier.persist.persister import Persister
+from jobtier.store.calls import SubmitItem, claim_call, complete_call, parse_claim, submit_call
+from jobtier.store.scripts import Scripts
+from jobtier.streams.group import lag
+from tests.fixtures.engine import wait_for
+from tests.fixtures.postgres import assert_pg_matches_redis
+
+N = 6
+
+
+@pytest.fixture
+def keys(settings: Settings) -> Keys:
+    return Keys(settings.prefix, settings.shards)
+
+
+def holding(settings: Settings, seconds: float) -> Settings:
+    # the hold is capped at half the claim idle time: leave it room
+    return settings.replace(persist_hold_seconds=seconds, persist_claim_idle_seconds=600)
+
+
+async def submitted_and_claimed(redis: Any, keys: Keys, persister: Persister) -> tuple[list, list]:  # type: ignore[type-arg]
+    """N jobs submitted, their rows written (``drain``), then claimed: (ids, claims)."""
+    scripts = Scripts(redis, keys)
+    items = [
+        SubmitItem(keys.new_id(0), "t1", "echo", "normal", b'{"n":%d}' % i, 3, 0, 0, "", "")
+        for i in range(N)
+    ]
+    await scripts.call_many([submit_call(0, items, 60_000)])
+    assert await persister.drain() == N
+    [reply] = await scripts.call_many([claim_call(0, "w1", N, 60_000)])
+    return [i.job_id for i in items], parse_claim(0, reply).jobs
+
+
+async def complete(redis: Any, keys: Keys, claims: list) -> None:  # type: ignore[type-arg]
+    done = [(j.id, j.lease_version, b'{"ok":true}') for j in claims]
+    await Scripts(redis, keys).call_many([complete_call(0, "w1", 3600, done)])
+
+
+async def states(pool: Pool) -> list[str]:
+    return [r[0] for r in await pool.fetch("SELECT state FROM jobs ORDER BY id")]
+
+
+async def history(pool: Pool) -> int:
+    return int(await pool.fetchval("SELECT count(*) FROM job_transitions"))
+
+
+async def test_a_claims_row_waits_for_the_jobs_end_and_is_never_written(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    persister = Persister(holding(pg_settings, 60), redis, pg_pool, "p1")
+    ids, claims = await submitted_and_claimed(redis, keys, persister)
+    task = asyncio.create_task(persister.run())
+    try:
+        # the claims' history rows are written; their job rows wait, and so do their entries
+        await wait_for(lambda: _equals(history(pg_pool), 2 * N), 60)
+        assert await states(pg_pool) == ["queued"] * N
+        assert (await lag(redis, keys))[0] == N
+        await complete(redis, keys, claims)
+        await wait_for(lambda: _equals(lag(redis, keys), (0, 0.0)), 60)
+    finally:
+        persister.stop()
+        await task
+    assert await states(pg_pool) == ["succeeded"] * N
+    assert await pg_pool.fetchval("SELECT count(*) FROM jobs_by_state") == 0
+    await assert_pg_matches_redis(redis, pg_pool, keys, ids)  # every history row, in order
+    # each job's row written twice, at its submit and at its end: its claim took no write
+    assert persister.holding.collapsed == N and persister.stats.jobs == 2 * N
+    assert persister.metrics().counters["persister_rows_collapsed_total"] == {"": N}
+
+
+async def test_a_row_whose_hold_runs_out_is_written(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    persister = Persister(holding(pg_settings, 0.3), redis, pg_pool, "p1")
+    ids, _ = await submitted_and_claimed(redis, keys, persister)
+    task = asyncio.create_task(persister.run())
+    try:
+        await wait_for(lambda: _equals(states(pg_pool), ["running"] * N), 60)
+        await wait_for(lambda: _equals(lag(redis, keys), (0, 0.0)), 60)
+    finally:
+        persister.stop()
+        await task
+    await assert_pg_matches_redis(redis, pg_pool, keys, ids)
+    assert persister.holding.collapsed == 0 and len(persister.holding) == 0
+
+
+async def test_a_persister_that_dies_holding_rows_leaves_their_entries_to_the_next(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    settings = holding(pg_settings, 60)
+    persister = Persister(settings, redis, pg_pool, "p1")
+    ids, _ = await submitted_and_claimed(redis, keys, persister)
+    task = asyncio.create_task(persister.run())
+    await wait_for(lambda: _equals(history(pg_pool), 2 * N), 60)
+    task.cancel()  # dies: no final flush, nothing acknowledged
+    await asyncio.gather(task, return_exceptions=True)
+    assert await states(pg_pool) == ["queued"] * N
+    assert (await lag(redis, keys))[0] == N
+    # restarted under its name, it reads back its pending entries: their history rows are
+    # there already (a replay changes nothing), their job rows are written now
+    again = Persister(settings, redis, pg_pool, "p1")
+    assert await again.drain() == N
+    assert await states(pg_pool) == ["running"] * N
+    assert await history(pg_pool) == 2 * N
+    assert await lag(redis, keys) == (0, 0.0)
+    await assert_pg_matches_redis(redis, pg_pool, keys, ids)
+
+
+async def test_a_persister_stopping_writes_the_rows_it_holds(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    persister = Persister(holding(pg_settings, 60), redis, pg_pool, "p1")
+    ids, _ = await submitted_and_claimed(redis, keys, persister)
+    task = asyncio.create_task(persister.run())
+    await wait_for(lambda: _equals(history(pg_pool), 2 * N), 60)
+    assert len(persister.holding) == N
+    persister.stop()
+    await task
+    assert await states(pg_pool) == ["running"] * N
+    assert await lag(redis, keys) == (0, 0.0)
+    await assert_pg_matches_redis(redis, pg_pool, keys, ids)
+
+
+async def _equals(value: Any, expected: Any) -> bool:
+    return bool(await value == expected)

@@ -1,0 +1,128 @@
+"""Holding live jobs' rows (persist/holding.py): which rows wait, what supersedes them, and
+which entries each batch acknowledges."""
+
+from __future__ import annotations
+
+import msgspec
+
+from jobtier.persist.holding import Holding, merge
+from jobtier.streams.entries import LogEntry, parse_entry
+
+A = "01ARZ3NDEKTSV4RRFFQ69G5FAV-1"
+B = "01ARZ3NDEKTSV4RRFFQ69G5FAW-2"
+_seq = iter(range(1, 1_000_000))
+
+
+def entry(job: str, version: int, state: str, frm: str | None, **extra: bytes) -> LogEntry:
+    """A log entry of ``job`` at ``version`` (the submit when ``frm`` is None)."""
+    doc = msgspec.json.encode({
+        "id": job, "type": "echo", "state": state, "version": version, "priority": "normal",
+        "attempt": 1, "max_attempts": 3, "created_at": "2024-05-01T12:00:00.000Z",
+        "updated_at": f"2024-05-01T12:00:0{version}.000Z", "run_at": None, "progress": None,
+        "error": None, "cancel_requested": False, "worker": "w1",
+    })  # fmt: skip
+    fields = {b"d": doc, b"tn": b"t1", b"fr": (frm or "").encode(), b"w": b"w1"}
+    fields.update({k.encode(): v for k, v in extra.items()})
+    return parse_entry(0, b"%d-0" % next(_seq), fields)
+
+
+def submit(job: str) -> LogEntry:
+    return entry(job, 1, "queued", None, p=b'{"n":1}')
+
+
+def claim(job: str) -> LogEntry:
+    return entry(job, 2, "running", "queued")
+
+
+def done(job: str) -> LogEntry:
+    return entry(job, 3, "succeeded", "running", r=b'{"ok":true}')
+
+
+def versions(rows: list) -> list[tuple[str, int]]:  # type: ignore[type-arg]
+    return [(r.latest.status.id, r.latest.status.version) for r in rows]
+
+
+def test_a_claim_waits_and_its_jobs_end_takes_its_place() -> None:
+    holding = Holding(1.0)
+    first = holding.take([submit(A)], now=0.0)
+    assert versions(first.rows) == [(A, 1)] and first.acks == first.entries  # never held
+
+    c = claim(A)
+    held = holding.take([c], now=0.1)
+    assert held.rows == [] and held.acks == [] and len(holding) == 1
+    assert held.entries == [c]  # its history row is written all the same
+
+    d = done(A)
+    end = holding.take([d], now=0.5)
+    assert versions(end.rows) == [(A, 3)] and end.rows[0].result == b'{"ok":true}'
+    assert end.acks == [d, c] and end.released == [c]  # the claim's entry acknowledged now
+    assert len(holding) == 0 and holding.collapsed == 1
+
+
+def test_a_row_is_written_once_its_hold_runs_out() -> None:
+    holding = Holding(1.0)
+    c = claim(A)
+    holding.take([c], now=10.0)
+    assert not holding.due(10.9) and holding.due(11.0)
+    # a later version within the hold joins it without restarting it
+    progressed = entry(A, 3, "running", "running")
+    assert holding.take([progressed], now=10.5).rows == []
+    assert holding.collapsed == 1
+    out = holding.take([], now=11.0)
+    assert versions(out.rows) == [(A, 3)] and out.acks == [c, progressed]
+    assert out.entries == [] and len(holding) == 0
+
+
+def test_a_row_past_its_hold_is_written_with_the_batch_that_holds_a_newer_version() -> None:
+    holding = Holding(1.0)
+    holding.take([claim(A)], now=0.0)
+    retry = entry(A, 3, "scheduled", "running")
+    out = holding.take([retry], now=2.0)  # not ended, but held long enough
+    assert versions(out.rows) == [(A, 3)] and len(holding) == 0
+
+
+def test_submits_and_ends_are_never_held_nor_is_anything_with_no_hold() -> None:
+    holding = Holding(1.0)
+    both = holding.take([submit(B), claim(B)], now=0.0)  # created in this batch: written
+    assert versions(both.rows) == [(B, 2)] and len(holding) == 0
+    failed = entry(A, 4, "failed", "running")
+    assert versions(holding.take([failed], now=0.0).rows) == [(A, 4)]
+    cancelled = entry(B, 5, "cancelled", "running")
+    assert versions(holding.take([cancelled], now=0.0).rows) == [(B, 5)]
+    off = Holding(0.0)
+    c = claim(A)
+    assert versions(off.take([c], now=0.0).rows) == [(A, 2)] and len(off) == 0
+
+
+def test_release_all_writes_every_held_row_in_id_order() -> None:
+    holding = Holding(60.0)
+    cb, ca = claim(B), claim(A)
+    holding.take([cb], now=0.0)
+    holding.take([ca], now=1.0)
+    other = entry("01ARZ3NDEKTSV4RRFFQ69G5FAX-3", 2, "running", "queued")
+    out = holding.take([other], now=2.0, release_all=True)
+    # the lock order write_batch needs: by id, held and new rows together
+    assert [j for j, _ in versions(out.rows)] == sorted([A, B, other.status.id])
+    assert set(map(id, out.acks)) == {id(other), id(ca), id(cb)} and len(holding) == 0
+
+
+def test_only_the_rows_whose_hold_ran_out_are_released_oldest_first() -> None:
+    holding = Holding(1.0)
+    ca, cb = claim(A), claim(B)
+    holding.take([ca], now=0.0)
+    holding.take([cb], now=0.6)
+    # A held again by a newer version keeps the time its hold began
+    pa = entry(A, 3, "running", "running")
+    holding.take([pa], now=0.8)
+    out = holding.take([], now=1.0)
+    assert versions(out.rows) == [(A, 3)] and out.acks == [ca, pa] and len(holding) == 1
+    assert holding.due(1.6) and versions(holding.take([], now=1.6).rows) == [(B, 2)]
+
+
+def test_merge_keeps_the_newer_version_and_what_only_the_submit_or_end_carries() -> None:
+    holding = Holding(1.0)
+    (submitted,) = holding.take([submit(A)], now=0.0).rows
+    (ended,) = holding.take([done(A)], now=0.0).rows
+    both = merge(ended, submitted)  # an older entry read late (taken over from another)
+    assert both.latest.status.version == 3 and both.payload == b'{"n":1}'
+    assert both.result == b'{"ok":true}' and both.created
