@@ -108,6 +108,9 @@ BASELINE = "jobtier-baseline"  # jobtier at another git revision (--baseline), s
 PERSIST = "jobtier-persist"  # jobtier with its persister writing to Postgres (--persister)
 # (--what-if no-by-state) the same, without the triggers that keep jobs_by_state
 NO_BY_STATE = f"{PERSIST}-no-by-state"
+# (--what-if no-hold) the same, every version of a job's row written at once, as before
+# JOBTIER_PERSIST_HOLD_SECONDS (=0)
+NO_HOLD = f"{PERSIST}-no-hold"
 BY_STATE_TRIGGERS = ("jobs_by_state_inserted", "jobs_by_state_updated", "jobs_by_state_deleted")
 LAG_SAMPLE = 0.05  # s between write-behind lag samples
 SYSTEMS = ("jobtier", "bullmq", "saq", "arq", "celery", "rq", "dramatiq")
@@ -182,6 +185,15 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
                 "disabled (`--what-if no-by-state`): what the write-behind would cost were the "
                 "live jobs listed by state from elsewhere. Not a set-up jobtier offers: its "
                 "listings by state are then wrong",
+            )
+            continue
+        if name == NO_HOLD:
+            known[name] = System(
+                name,
+                "jobtier + persister, no hold",
+                "the same as jobtier + persister, with `JOBTIER_PERSIST_HOLD_SECONDS=0` "
+                "(`--what-if no-hold`): every version of a job's row written at once, a claim "
+                "included, as the persister did before it held live jobs' rows",
             )
             continue
         named = len(args.collations) > 1 or collation != "C"  # C: as `jobtier run` makes it
@@ -425,6 +437,7 @@ class PersistHook:
     ):
         self.queue, self.server, self.args, self.aof = queue, server, args, aof
         self.dsn, self.postgres_pid = args.postgres[system]  # its own Postgres (--collations)
+        self.system = system
         self.samples: list[tuple[float, float]] = []  # (monotonic time, age in s) each
         self.proc: asyncio.subprocess.Process | None = None
         self.task: asyncio.Task[None] | None = None
@@ -445,6 +458,8 @@ class PersistHook:
             "JOBTIER_SHARDS": str(SHARDS), "JOBTIER_REDIS_REQUIRE_AOF": "1" if self.aof else "0",
             "JOBTIER_LOG_LEVEL": "WARNING",
         }  # fmt: skip
+        if self.system == NO_HOLD:
+            env["JOBTIER_PERSIST_HOLD_SECONDS"] = "0"
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "jobtier.cli", "persister", env=env, start_new_session=True
         )
@@ -1009,10 +1024,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--what-if",
-        choices=["no-by-state"],
+        choices=["no-by-state", "no-hold"],
         help="with --persister: also measure it on a Postgres of its own whose jobs_by_state "
-        "triggers are disabled (no-by-state), what the listing by state costs the write-behind; "
-        "not a set-up jobtier offers",
+        "triggers are disabled (no-by-state), what the listing by state costs the write-behind, "
+        "not a set-up jobtier offers; or with JOBTIER_PERSIST_HOLD_SECONDS=0 (no-hold), every "
+        "version of a job's row written at once",
     )
     p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
@@ -1031,6 +1047,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             PERSIST: args.collations[0],
             **{f"{PERSIST}@{c}": c for c in args.collations[1:]},
             **({NO_BY_STATE: args.collations[0]} if args.what_if == "no-by-state" else {}),
+            **({NO_HOLD: args.collations[0]} if args.what_if == "no-hold" else {}),
         }
         at = args.systems.index("jobtier") + 1 if "jobtier" in args.systems else 0
         args.systems[at:at] = list(args.persist_systems)

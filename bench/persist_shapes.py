@@ -45,14 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, fmt, header_markdown, save, table
 from persist import SHARDS, Run, prefill
 
-from jobtier.core.model import State
+from jobtier.core.model import TERMINAL
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.persist.batch import collapse, write_batch
 from jobtier.persist.db import AnyConnection, create_pool, migrate
 from jobtier.streams.entries import LogEntry, parse_entry
 
-FINAL = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
 BY_STATE_TRIGGERS = ("jobs_by_state_inserted", "jobs_by_state_updated")
 TODAY, COLLAPSED, ONCE = "today", "claims collapsed", "row once, at the end"
 
@@ -65,7 +64,7 @@ async def today(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
 
 async def claims_collapsed(conn: AnyConnection, entries: Sequence[LogEntry]) -> int:
     """A job's row at its submit (the batch creates it) and at its end only."""
-    rows = [r for r in collapse(entries) if r.created or r.latest.status.state in FINAL]
+    rows = [r for r in collapse(entries) if r.created or r.latest.status.state in TERMINAL]
     return await write_batch(conn, entries, rows)
 
 
@@ -74,7 +73,7 @@ async def once_at_the_end(conn: AnyConnection, entries: Sequence[LogEntry]) -> i
     rows = [
         msgspec.structs.replace(r, created=True)
         for r in collapse(entries)
-        if r.latest.status.state in FINAL
+        if r.latest.status.state in TERMINAL
     ]
     return await write_batch(conn, entries, rows)
 

@@ -13,7 +13,14 @@ from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from jobtier.store.calls import SubmitItem, claim_call, complete_call, parse_claim, submit_call
+from jobtier.store.calls import (
+    SubmitItem,
+    claim_call,
+    complete_call,
+    fail_call,
+    parse_claim,
+    submit_call,
+)
 from jobtier.store.scripts import Scripts
 from jobtier.streams.group import lag
 from tests.fixtures.engine import wait_for
@@ -132,6 +139,47 @@ async def test_a_persister_stopping_writes_the_rows_it_holds(
     await task
     assert await states(pg_pool) == ["running"] * N
     assert await lag(redis, keys) == (0, 0.0)
+    await assert_pg_matches_redis(redis, pg_pool, keys, ids)
+
+
+async def test_a_batch_refused_for_its_data_writes_the_rows_it_would_hold_entry_by_entry(
+    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """A batch Postgres refuses for one entry's data is written again entry by entry: the
+    entries of the rows it would hold, and of the holds they joined, go with it, each with
+    its own row, and nothing stays held."""
+    persister = Persister(holding(pg_settings, 60), redis, pg_pool, "p1")
+    ids, claims = await submitted_and_claimed(redis, keys, persister)
+
+    async def stepped(done: Any) -> bool:
+        await persister.step()
+        return bool(await done())
+
+    async def claims_held() -> bool:
+        return len(persister.holding) == N and not persister._inflight
+
+    await wait_for(lambda: stepped(claims_held), 60)
+    assert await states(pg_pool) == ["queued"] * N and await history(pg_pool) == 2 * N
+    # each job fails, to be retried (a row that would be held again), and a submit whose
+    # payload Postgres refuses comes in the same batch
+    err = b'{"type":"Boom","message":"try again"}'
+    failed = [(j.id, j.lease_version, err, 0) for j in claims]
+    await Scripts(redis, keys).call_many([fail_call(0, "w1", 3600, failed)])
+    one = SubmitItem(keys.new_id(0), "t1", "echo", "normal", b"{}", 3, 0, 0, "", "")
+    await Scripts(redis, keys).call_many([submit_call(0, [one], 60_000)])
+    [(_, submitted)] = await redis.xrevrange(keys.log(0), count=1)  # its submit entry
+    ids.append(one.job_id)
+    bad = {**submitted, b"p": b"{not json"}
+    bad[b"d"] = bad[b"d"].replace(b'"id":"', b'"id":"X', 1)  # another job
+    await redis.xadd(keys.log(0), bad)
+
+    async def refused() -> bool:
+        return persister.stats.parked == 1 and not persister._inflight
+
+    await wait_for(lambda: stepped(refused), 60)
+    # written entry by entry at once: nothing held (the hold is a minute), nothing pending
+    assert len(persister.holding) == 0 and await lag(redis, keys) == (0, 0.0)
+    assert sorted(await states(pg_pool)) == ["queued"] + ["scheduled"] * N
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)
 
 

@@ -51,6 +51,7 @@ def test_a_claim_waits_and_its_jobs_end_takes_its_place() -> None:
     held = holding.take([c], now=0.1)
     assert held.rows == [] and held.acks == [] and len(holding) == 1
     assert held.entries == [c]  # its history row is written all the same
+    holding.committed(held, now=0.2)  # and once it is, the claim's entry joins the hold
 
     d = done(A)
     end = holding.take([d], now=0.5)
@@ -62,11 +63,13 @@ def test_a_claim_waits_and_its_jobs_end_takes_its_place() -> None:
 def test_a_row_is_written_once_its_hold_runs_out() -> None:
     holding = Holding(1.0)
     c = claim(A)
-    holding.take([c], now=10.0)
+    holding.committed(holding.take([c], now=10.0), now=10.1)
     assert not holding.due(10.9) and holding.due(11.0)
     # a later version within the hold joins it without restarting it
     progressed = entry(A, 3, "running", "running")
-    assert holding.take([progressed], now=10.5).rows == []
+    later = holding.take([progressed], now=10.5)
+    assert later.rows == [] and later.acks == []
+    holding.committed(later, now=10.6)
     assert holding.collapsed == 1
     out = holding.take([], now=11.0)
     assert versions(out.rows) == [(A, 3)] and out.acks == [c, progressed]
@@ -75,10 +78,11 @@ def test_a_row_is_written_once_its_hold_runs_out() -> None:
 
 def test_a_row_past_its_hold_is_written_with_the_batch_that_holds_a_newer_version() -> None:
     holding = Holding(1.0)
-    holding.take([claim(A)], now=0.0)
+    c = claim(A)
+    holding.committed(holding.take([c], now=0.0), now=0.0)
     retry = entry(A, 3, "scheduled", "running")
     out = holding.take([retry], now=2.0)  # not ended, but held long enough
-    assert versions(out.rows) == [(A, 3)] and len(holding) == 0
+    assert versions(out.rows) == [(A, 3)] and out.acks == [retry, c] and len(holding) == 0
 
 
 def test_submits_and_ends_are_never_held_nor_is_anything_with_no_hold() -> None:
@@ -97,8 +101,8 @@ def test_submits_and_ends_are_never_held_nor_is_anything_with_no_hold() -> None:
 def test_release_all_writes_every_held_row_in_id_order() -> None:
     holding = Holding(60.0)
     cb, ca = claim(B), claim(A)
-    holding.take([cb], now=0.0)
-    holding.take([ca], now=1.0)
+    holding.committed(holding.take([cb], now=0.0), now=0.0)
+    holding.committed(holding.take([ca], now=1.0), now=1.0)
     other = entry("01ARZ3NDEKTSV4RRFFQ69G5FAX-3", 2, "running", "queued")
     out = holding.take([other], now=2.0, release_all=True)
     # the lock order write_batch needs: by id, held and new rows together
@@ -109,11 +113,11 @@ def test_release_all_writes_every_held_row_in_id_order() -> None:
 def test_only_the_rows_whose_hold_ran_out_are_released_oldest_first() -> None:
     holding = Holding(1.0)
     ca, cb = claim(A), claim(B)
-    holding.take([ca], now=0.0)
-    holding.take([cb], now=0.6)
+    holding.committed(holding.take([ca], now=0.0), now=0.0)
+    holding.committed(holding.take([cb], now=0.6), now=0.6)
     # A held again by a newer version keeps the time its hold began
     pa = entry(A, 3, "running", "running")
-    holding.take([pa], now=0.8)
+    holding.committed(holding.take([pa], now=0.8), now=0.8)
     out = holding.take([], now=1.0)
     assert versions(out.rows) == [(A, 3)] and out.acks == [ca, pa] and len(holding) == 1
     assert holding.due(1.6) and versions(holding.take([], now=1.6).rows) == [(B, 2)]
@@ -126,3 +130,43 @@ def test_merge_keeps_the_newer_version_and_what_only_the_submit_or_end_carries()
     both = merge(ended, submitted)  # an older entry read late (taken over from another)
     assert both.latest.status.version == 3 and both.payload == b'{"n":1}'
     assert both.result == b'{"ok":true}' and both.created
+
+
+def test_an_entry_is_acknowledged_only_once_its_history_and_its_row_are_committed() -> None:
+    holding = Holding(1.0)
+    c, d = claim(A), done(A)
+    first = holding.take([c], now=0.0)  # still being written
+    end = holding.take([d], now=0.1)  # the job's end, in a batch written alongside
+    # the end's row is written, but the claim's history may not be in Postgres yet: only the
+    # end is acknowledged with it
+    assert versions(end.rows) == [(A, 3)] and end.acks == [d] and len(holding) == 0
+    holding.committed(first, now=0.2)
+    # the claim's row is held again (a version Postgres may have already) and acknowledged
+    # with it, once its history is committed
+    assert len(holding) == 1 and not holding.due(1.1) and holding.due(1.2)
+    again = holding.take([], now=1.2)
+    assert versions(again.rows) == [(A, 2)] and again.acks == [c]
+
+
+def test_a_batch_that_does_not_commit_leaves_its_entries_out_of_the_hold() -> None:
+    holding = Holding(1.0)
+    c = claim(A)
+    holding.take([c], now=0.0)  # never committed: no `committed` call
+    out = holding.take([], now=1.0)
+    assert versions(out.rows) == [(A, 2)] and out.acks == []  # pending: read back, written again
+
+
+def test_a_checkpoints_row_is_written_with_it() -> None:
+    holding = Holding(1.0)
+    saved = entry(A, 2, "running", "queued", cp=b'{"step":1}')
+    out = holding.take([saved], now=0.0)
+    assert versions(out.rows) == [(A, 2)] and out.acks == [saved] and len(holding) == 0
+
+
+def test_forgetting_a_hold_gives_back_its_committed_entries() -> None:
+    holding = Holding(1.0)
+    c = claim(A)
+    batch = holding.take([c], now=0.0)
+    holding.committed(batch, now=0.0)
+    assert holding.forget(batch.held) == [c] and len(holding) == 0
+    assert holding.forget([B]) == []

@@ -20,20 +20,18 @@ lag meanwhile, as the row they stand for is not in Postgres yet.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from jobtier.core.model import State
+from jobtier.core.model import TERMINAL
 from jobtier.persist.batch import JobRow, collapse
 from jobtier.streams.entries import LogEntry
-
-ENDED = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
 
 
 @dataclass(slots=True)
 class Held:
-    """A job's newest row not yet written, the entries it stands for (their history rows are
-    committed; their acknowledgements wait for the row), and when it was first held."""
+    """A job's newest row not yet written, the entries it stands for whose history rows are
+    committed (their acknowledgements wait for the row), and when it was first held."""
 
     row: JobRow
     entries: list[LogEntry]
@@ -43,13 +41,16 @@ class Held:
 @dataclass(slots=True)
 class Batch:
     """What one transaction writes: the history rows of ``entries``, the job rows ``rows``
-    (id order), and which entries are acknowledged once it commits (``acks``: those of
-    ``entries`` whose rows are written, and the held ``released`` ones whose rows are)."""
+    (id order), and what it holds back. Once it commits, ``acks`` are acknowledged: those of
+    ``entries`` whose rows it writes, and the ``released`` ones (held before, history
+    committed) whose rows it writes; ``held`` (job: its row as held, and its entries here)
+    join their rows' holds (``Holding.committed``)."""
 
     entries: list[LogEntry]
     rows: list[JobRow]
     released: list[LogEntry] = field(default_factory=list)
     acks: list[LogEntry] = field(default_factory=list)
+    held: dict[str, tuple[JobRow, list[LogEntry]]] = field(default_factory=dict)
 
 
 def merge(old: JobRow, new: JobRow) -> JobRow:
@@ -87,10 +88,14 @@ class Holding:
     def take(self, entries: Sequence[LogEntry], now: float, release_all: bool = False) -> Batch:
         """The batch that writes ``entries``: each job's row collapsed with the one held for it,
         written unless it may be held (then held, its entries' acknowledgements with it), and
-        every held row whose hold ran out (all of them with ``release_all``) written too."""
+        every held row whose hold ran out (all of them with ``release_all``) written too.
+
+        An entry joins its row's hold only once its own batch commits (``committed``): a row
+        released meanwhile is acknowledged for the entries whose history is in Postgres."""
         rows: list[JobRow] = []
         released: list[LogEntry] = []
         holding: dict[str, Held] = {}
+        saved = {e.status.id for e in entries if e.checkpoint is not None}
         for row in collapse(entries):
             job = row.latest.status.id
             held = self._rows.get(job)
@@ -98,17 +103,20 @@ class Holding:
             if held is not None:
                 self.collapsed += 1
                 row, since = merge(held.row, row), held.since
-            if release_all or not self._may_hold(row, now - since):
+            # a checkpoint's row is written with it: job_checkpoints refers to jobs
+            if release_all or job in saved or not self._may_hold(row, now - since):
                 rows.append(row)
                 if held is not None:
                     released += held.entries
                     del self._rows[job]
             else:
                 holding[job] = Held(row, held.entries if held is not None else [], since)
-        acks = [e for e in entries if e.status.id not in holding]
+        batch = Batch(list(entries), rows, released)
         for e in entries:
-            if (h := holding.get(e.status.id)) is not None:
-                h.entries.append(e)
+            if (h := holding.get(e.status.id)) is None:
+                batch.acks.append(e)
+            else:
+                batch.held.setdefault(e.status.id, (h.row, []))[1].append(e)
         self._rows.update(holding)  # an existing key keeps its place: its hold began then
         extra = self._release(now, release_all)
         if extra:
@@ -116,20 +124,42 @@ class Holding:
                 rows.append(held.row)
                 released += held.entries
             rows.sort(key=_row_id)  # the lock order write_batch needs (collapse's)
-        return Batch(list(entries), rows, released, acks + released)
+        batch.acks += released
+        return batch
+
+    def committed(self, batch: Batch, now: float) -> None:
+        """``batch`` committed: the entries whose rows it held join their holds, acknowledged
+        with the row. A hold another batch released meanwhile (its row written, or about to
+        be, by a batch that may not commit) is held again with this batch's row: written
+        later, a version Postgres may already have (changing nothing then)."""
+        for job, (row, entries) in batch.held.items():
+            held = self._rows.get(job)
+            if held is None:
+                self._rows[job] = Held(row, list(entries), now)
+            else:
+                held.entries += entries
+
+    def forget(self, jobs: Iterable[str]) -> list[LogEntry]:
+        """Stop holding these jobs' rows: the entries they stood for (to write again)."""
+        out: list[LogEntry] = []
+        for job in jobs:
+            if (held := self._rows.pop(job, None)) is not None:
+                out += held.entries
+        return out
 
     def _may_hold(self, row: JobRow, held_for: float) -> bool:
-        return not row.created and row.latest.status.state not in ENDED and held_for < self.seconds
+        return (
+            not row.created and row.latest.status.state not in TERMINAL and held_for < self.seconds
+        )
 
     def _release(self, now: float, release_all: bool) -> list[Held]:
         """The held rows whose hold ran out (all with ``release_all``), forgotten here."""
-        out: list[Held] = []
-        for job, held in list(self._rows.items()):
+        gone: list[str] = []
+        for job, held in self._rows.items():
             if not release_all and now - held.since < self.seconds:
                 break  # later ones were held later
-            out.append(held)
-            del self._rows[job]
-        return out
+            gone.append(job)
+        return [self._rows.pop(job) for job in gone]
 
 
 def _row_id(row: JobRow) -> str:

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import asyncpg
 
@@ -54,6 +55,16 @@ from jobtier.streams.consumer import Consumer
 from jobtier.streams.entries import MALFORMED, LogEntry, age, parse_entry
 
 log = logging.getLogger("jobtier.persist")
+
+
+class Outcome(NamedTuple):
+    """A committed batch: the entries whose history it wrote, those to acknowledge (a
+    poisoned one, parked, in neither), and whether it was written entry by entry."""
+
+    written: Sequence[LogEntry]
+    acks: Sequence[LogEntry]
+    isolated: bool = False
+
 
 READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
 TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries
@@ -107,7 +118,7 @@ class Persister:
         )
         self._buffer: list[LogEntry] = []
         # (shard, id) buffered, being written, or waiting for its job's held row (holding.py)
-        self._held: set[tuple[int, bytes]] = set()
+        self._taken: set[tuple[int, bytes]] = set()
         # live jobs' rows held back; their entries stay pending meanwhile, so not so long that
         # another persister would take them over
         self.holding = Holding(min(settings.persist_hold_seconds, idle / 2))
@@ -198,10 +209,11 @@ class Persister:
         await self.consumer.claim_due(self.batch_size, self._accept)
         more = await self._read() if len(self._buffer) < self.batch_size else False
         moved = more
-        if self._buffer or self.holding.due(time.monotonic()):
-            # nothing buffered: held rows whose hold ran out, written as a batch of their own
-            waited = time.monotonic() - self._first_at if self._buffer else self.interval
-            ready = len(self._buffer) >= self.batch_size or waited >= self.interval
+        # nothing buffered, but held rows whose hold ran out: written as a batch of their own
+        due = not self._buffer and self.holding.due(time.monotonic())
+        if self._buffer or due:
+            waited = time.monotonic() - self._first_at if self._buffer else 0.0
+            ready = due or len(self._buffer) >= self.batch_size or waited >= self.interval
             if ready and len(self._inflight) < self.concurrency:
                 self._start_flush()
                 moved = True
@@ -248,7 +260,7 @@ class Persister:
 
     # --- reading --------------------------------------------------------------------------
     def _accept(self, shard: int, entry_id: bytes, fields: dict[bytes, bytes] | None) -> bool:
-        if (shard, entry_id) in self._held:
+        if (shard, entry_id) in self._taken:
             return False  # claimed back while we still hold it (a long Postgres outage)
         if not fields:  # pending, but trimmed from the stream: nothing left to write
             self.consumer.acks.add(shard, entry_id)
@@ -264,7 +276,7 @@ class Persister:
         if not self._buffer:
             self._first_at = time.monotonic()
         self._buffer.append(entry)
-        self._held.add((shard, entry_id))
+        self._taken.add((shard, entry_id))
         return True
 
     async def _read(self) -> bool:
@@ -339,16 +351,21 @@ class Persister:
         later, with the batch that writes their rows."""
         waited = age(batch.entries)
         started = time.monotonic()
+        outcome: Outcome | None = None
         try:
             outcome = await self._commit(batch, retry)
         finally:
-            kept = {id(e) for e in batch.entries} - {id(e) for e in batch.acks}
-            for e in (*batch.entries, *batch.released):
-                if id(e) not in kept:
-                    self._held.discard((e.shard, e.entry_id))
+            # committed whole: its held entries join their rows' holds, still ours; else every
+            # entry it took is let go (pending in Redis: read back, or written by the next)
+            joined = outcome is not None and not outcome.isolated
+            if joined:
+                self.holding.committed(batch, time.monotonic())
+            for e in (*batch.entries, *batch.released, *(outcome.acks if outcome else ())):
+                if not (joined and e.status.id in batch.held and e in batch.held[e.status.id][1]):
+                    self._taken.discard((e.shard, e.entry_id))
         if outcome is None:  # stopped while Postgres was away: the entries stay pending
             return None
-        written, acks = outcome
+        written, acks = outcome.written, outcome.acks
         self.consumer.acks.add_many((e.shard, e.entry_id) for e in acks)
         stats = self.stats
         stats.batches += 1
@@ -362,13 +379,11 @@ class Persister:
             self.on_commit(written, time.time())
         return len(written)
 
-    async def _commit(
-        self, batch: Batch, retry: bool
-    ) -> tuple[Sequence[LogEntry], Sequence[LogEntry]] | None:
-        """Write the batch, retrying through Postgres outages with a back-off: (the entries
-        whose history it wrote, those to acknowledge; a poisoned one left out of both), or
-        None when stopped first (they stay pending). A batch refused for its data is written
-        again entry by entry, held ones and those it released included, none held."""
+    async def _commit(self, batch: Batch, retry: bool) -> Outcome | None:
+        """Write the batch, retrying through Postgres outages with a back-off; None when
+        stopped first (its entries stay pending). A batch refused for its data is written again
+        entry by entry (``isolated``), each with its own row: those it released, and those of
+        the rows it would hold, their holds dropped, included."""
         backoff, down_since, outage = PERSIST_POSTGRES.start(), 0.0, False
         size = len(batch.entries)
         while True:
@@ -376,19 +391,19 @@ class Persister:
                 await self.persist(batch.entries, batch.rows)
                 if backoff.failures:
                     self._written_on_retry(size, down_since, backoff.failures, outage)
-                return batch.entries, batch.acks
+                return Outcome(batch.entries, batch.acks)
             except Exception as exc:
                 raced = attached_meanwhile(exc)
                 if isinstance(exc, POISON) and not raced:
-                    alone = [*batch.entries, *batch.released]
+                    alone = [*batch.entries, *batch.released, *self.holding.forget(batch.held)]
                     if len(alone) == 1:
                         self._poisoned(alone[0], exc)
-                        return [], []
+                        return Outcome([], [], isolated=True)
                     written = await self._isolate(alone, retry)
                     if written is None:
                         return None
                     ids = {id(e) for e in batch.entries}
-                    return [e for e in written if id(e) in ids], written
+                    return Outcome([e for e in written if id(e) in ids], written, isolated=True)
                 if not retry:
                     raise
                 if not backoff.failures:
@@ -438,7 +453,7 @@ class Persister:
             done = await self._commit(Batch([entry], collapse([entry]), acks=[entry]), retry)
             if done is None:
                 return None
-            written.extend(done[1])
+            written.extend(done.acks)
         return written
 
     def _poisoned(self, entry: LogEntry, exc: BaseException) -> None:
