@@ -170,3 +170,18 @@ def test_forgetting_a_hold_gives_back_its_committed_entries() -> None:
     holding.committed(batch, now=0.0)
     assert holding.forget(batch.held) == [c] and len(holding) == 0
     assert holding.forget([B]) == []
+
+
+def test_a_batch_joining_a_hold_of_an_older_row_brings_its_newer_row() -> None:
+    """Three batches at once: X holds the claim (v2), A a later version (v3), B releases the
+    v3 row but is not committed whole; X then holds v2 again, and A joins that hold: the row
+    written for both is A's v3, not v2 (else v3 would be acknowledged unwritten)."""
+    holding = Holding(1.0)
+    c, later = claim(A), entry(A, 3, "running", "running")
+    x = holding.take([c], now=0.0)
+    a = holding.take([later], now=0.1)
+    holding.take([], now=1.0)  # B: released the v3 row, then written entry by entry
+    holding.committed(x, now=1.1)
+    holding.committed(a, now=1.2)
+    out = holding.take([], now=2.1)
+    assert versions(out.rows) == [(A, 3)] and out.acks == [c, later]

@@ -128,15 +128,16 @@ class Holding:
         return batch
 
     def committed(self, batch: Batch, now: float) -> None:
-        """``batch`` committed: the entries whose rows it held join their holds, acknowledged
-        with the row. A hold another batch released meanwhile (its row written, or about to
+        """``batch`` committed: the entries whose rows it held join their holds (the newer of
+        the two rows held), acknowledged with the row. A hold another batch released meanwhile (its row written, or about to
         be, by a batch that may not commit) is held again with this batch's row: written
         later, a version Postgres may already have (changing nothing then)."""
         for job, (row, entries) in batch.held.items():
             held = self._rows.get(job)
             if held is None:
                 self._rows[job] = Held(row, list(entries), now)
-            else:
+            else:  # the hold may be of an older row (held again meanwhile): the newer one
+                held.row = merge(held.row, row)
                 held.entries += entries
 
     def forget(self, jobs: Iterable[str]) -> list[LogEntry]:

@@ -395,11 +395,16 @@ class Persister:
             except Exception as exc:
                 raced = attached_meanwhile(exc)
                 if isinstance(exc, POISON) and not raced:
-                    alone = [*batch.entries, *batch.released, *self.holding.forget(batch.held)]
+                    forgotten = self.holding.forget(batch.held)
+                    alone = [*batch.entries, *batch.released, *forgotten]
                     if len(alone) == 1:
                         self._poisoned(alone[0], exc)
                         return Outcome([], [], isolated=True)
-                    written = await self._isolate(alone, retry)
+                    try:
+                        written = await self._isolate(alone, retry)
+                    finally:  # written, parked, or left pending: no longer held
+                        for e in forgotten:
+                            self._taken.discard((e.shard, e.entry_id))
                     if written is None:
                         return None
                     ids = {id(e) for e in batch.entries}
