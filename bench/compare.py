@@ -108,9 +108,8 @@ BASELINE = "jobtier-baseline"  # jobtier at another git revision (--baseline), s
 PERSIST = "jobtier-persist"  # jobtier with its persister writing to Postgres (--persister)
 # (--what-if no-by-state) the same, without the triggers that keep jobs_by_state
 NO_BY_STATE = f"{PERSIST}-no-by-state"
-# (--what-if no-hold) the same, every version of a job's row written at once, as before
-# JOBTIER_PERSIST_HOLD_SECONDS (=0)
-NO_HOLD = f"{PERSIST}-no-hold"
+# (--what-if hold) the same, live jobs' rows held a second (JOBTIER_PERSIST_HOLD_SECONDS=1)
+HOLD = f"{PERSIST}-hold"
 BY_STATE_TRIGGERS = ("jobs_by_state_inserted", "jobs_by_state_updated", "jobs_by_state_deleted")
 LAG_SAMPLE = 0.05  # s between write-behind lag samples
 SYSTEMS = ("jobtier", "bullmq", "saq", "arq", "celery", "rq", "dramatiq")
@@ -187,13 +186,13 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
                 "listings by state are then wrong",
             )
             continue
-        if name == NO_HOLD:
+        if name == HOLD:
             known[name] = System(
                 name,
-                "jobtier + persister, no hold",
-                "the same as jobtier + persister, with `JOBTIER_PERSIST_HOLD_SECONDS=0` "
-                "(`--what-if no-hold`): every version of a job's row written at once, a claim "
-                "included, as the persister did before it held live jobs' rows",
+                "jobtier + persister, hold 1 s",
+                "the same as jobtier + persister, with `JOBTIER_PERSIST_HOLD_SECONDS=1` "
+                "(`--what-if hold`): a live job's row (its claim) held up to a second for its "
+                "end to take its place unwritten",
             )
             continue
         named = len(args.collations) > 1 or collation != "C"  # C: as `jobtier run` makes it
@@ -458,8 +457,8 @@ class PersistHook:
             "JOBTIER_SHARDS": str(SHARDS), "JOBTIER_REDIS_REQUIRE_AOF": "1" if self.aof else "0",
             "JOBTIER_LOG_LEVEL": "WARNING",
         }  # fmt: skip
-        if self.system == NO_HOLD:
-            env["JOBTIER_PERSIST_HOLD_SECONDS"] = "0"
+        if self.system == HOLD:
+            env["JOBTIER_PERSIST_HOLD_SECONDS"] = "1"
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "jobtier.cli", "persister", env=env, start_new_session=True
         )
@@ -1024,11 +1023,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--what-if",
-        choices=["no-by-state", "no-hold"],
+        choices=["no-by-state", "hold"],
         help="with --persister: also measure it on a Postgres of its own whose jobs_by_state "
         "triggers are disabled (no-by-state), what the listing by state costs the write-behind, "
-        "not a set-up jobtier offers; or with JOBTIER_PERSIST_HOLD_SECONDS=0 (no-hold), every "
-        "version of a job's row written at once",
+        "not a set-up jobtier offers; or with JOBTIER_PERSIST_HOLD_SECONDS=1 (hold), live jobs' "
+        "rows held a second",
     )
     p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
@@ -1047,7 +1046,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             PERSIST: args.collations[0],
             **{f"{PERSIST}@{c}": c for c in args.collations[1:]},
             **({NO_BY_STATE: args.collations[0]} if args.what_if == "no-by-state" else {}),
-            **({NO_HOLD: args.collations[0]} if args.what_if == "no-hold" else {}),
+            **({HOLD: args.collations[0]} if args.what_if == "hold" else {}),
         }
         at = args.systems.index("jobtier") + 1 if "jobtier" in args.systems else 0
         args.systems[at:at] = list(args.persist_systems)

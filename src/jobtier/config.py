@@ -188,10 +188,11 @@ class Settings:
     persist_interval: float = _setting(0.05, "Longest wait before a partial batch is written.")
     persist_concurrency: int = _setting(2, "Batches a persister writes to Postgres at once.")
     persist_hold_seconds: float = _setting(
-        1.0,
+        0.0,
         "A live job's row (a claim, a retry) waits this long for a newer version to take its "
         "place before it is written to Postgres (0: at once; at most half of "
-        "JOBTIER_PERSIST_CLAIM_IDLE_SECONDS); its history never waits.",
+        "JOBTIER_PERSIST_CLAIM_IDLE_SECONDS); its history never waits. Its entries count in "
+        "the lag meanwhile.",
     )
     persist_claim_idle_seconds: float = _setting(
         30.0, "Pending log entries idle this long are taken over from a dead persister."

@@ -2,15 +2,17 @@
 
 Every transition's history row is written with its batch. A job's row in ``jobs`` need not
 be: a claim (or any version a job goes through on its way: queued again, scheduled for a
-retry, a checkpoint) is most often followed within a second by the job's end, and writing
-both costs an update of the row and of its line in ``jobs_by_state`` that nobody reads
-(bench/results/persist_shapes.md: about a third of the write-behind's CPU where every claim
-reaches Postgres in a batch before its job's end). So the persister holds such a row for up
-to ``JOBTIER_PERSIST_HOLD_SECONDS``: a later version of the job, in a later batch, takes its
-place, and the row is written once, at the job's end or when the hold runs out.
+retry) of a job that ends within a second costs an update of the row and of its line in
+``jobs_by_state`` that nobody reads (bench/results/persist_shapes.md: about a third of the
+write-behind's CPU where every claim reaches Postgres in a batch before its job's end). With
+``JOBTIER_PERSIST_HOLD_SECONDS`` above 0 (off by default: with no-op jobs the claims share a
+batch with their ends anyway, and holding only adds lag; docs/operating.md), the persister
+holds such a row that long: a later version of the job, in a later batch, takes its place,
+and the row is written once, at the job's end or when the hold runs out.
 
 What is never held: the row a batch creates (a submit: the job is listed at once, and its
-payload is in Postgres for ``reconcile.py``) and the row of a job that ended.
+payload is in Postgres for ``reconcile.py``), the row of a job that ended, and the row of a
+job whose entry saved a checkpoint (``job_checkpoints`` refers to ``jobs``).
 
 Nothing is lost by holding: the log entries of a held row stay unacknowledged until the row
 (or a newer version of it) is committed, so a persister that dies holding rows leaves their
