@@ -156,6 +156,7 @@ CHOSEN: dict[str, str] = {
     "console-0020": "0020's partial indexes against 0009 in the same run (a noisy host)",
     "console": "an earlier run on a quiet host, before 0020",
     "chaos-direct": "the long soak again at 13c7d5a, the straight COPY in",
+    "chaos-hold": "250 kills with live jobs' rows held a second (JOBTIER_PERSIST_HOLD_SECONDS=1)",
     "chaos": "an earlier soak (before the straight COPY)",
     "failover-durable-on": "two replicas a master, durable submit on, 30 failovers a set-up",
     "failover-durable-off": "one replica a master, durable submit off, 30 failovers a set-up",
