@@ -43,16 +43,26 @@ class Held:
 @dataclass(slots=True)
 class Batch:
     """What one transaction writes: the history rows of ``entries``, the job rows ``rows``
-    (id order), and what it holds back. Once it commits, ``acks`` are acknowledged: those of
-    ``entries`` whose rows it writes, and the ``released`` ones (held before, history
-    committed) whose rows it writes; ``held`` (job: its row as held, and its entries here)
-    join their rows' holds (``Holding.committed``)."""
+    (id order), and what it holds back: ``held`` (job: its row as held, and its entries
+    here), which join their rows' holds once it commits (``Holding.committed``).
+    ``released``: entries held before (history committed) whose rows it writes."""
 
     entries: list[LogEntry]
     rows: list[JobRow]
     released: list[LogEntry] = field(default_factory=list)
-    acks: list[LogEntry] = field(default_factory=list)
     held: dict[str, tuple[JobRow, list[LogEntry]]] = field(default_factory=dict)
+
+    @property
+    def acks(self) -> list[LogEntry]:
+        """What is acknowledged once it commits: its entries whose rows it writes, and the
+        released ones."""
+        if not self.held:
+            return [*self.entries, *self.released]
+        return [e for e in self.entries if e.status.id not in self.held] + self.released
+
+    def deferred(self) -> set[tuple[int, bytes]]:
+        """(shard, id) of its entries whose rows it holds: acknowledged with a later batch."""
+        return {(e.shard, e.entry_id) for _, held in self.held.values() for e in held}
 
 
 def merge(old: JobRow, new: JobRow) -> JobRow:
@@ -94,6 +104,8 @@ class Holding:
 
         An entry joins its row's hold only once its own batch commits (``committed``): a row
         released meanwhile is acknowledged for the entries whose history is in Postgres."""
+        if not self.seconds and not self._rows:  # no hold (the default): every row written
+            return Batch(list(entries), collapse(entries))
         rows: list[JobRow] = []
         released: list[LogEntry] = []
         holding: dict[str, Held] = {}
@@ -115,9 +127,7 @@ class Holding:
                 holding[job] = Held(row, held.entries if held is not None else [], since)
         batch = Batch(list(entries), rows, released)
         for e in entries:
-            if (h := holding.get(e.status.id)) is None:
-                batch.acks.append(e)
-            else:
+            if (h := holding.get(e.status.id)) is not None:
                 batch.held.setdefault(e.status.id, (h.row, []))[1].append(e)
         self._rows.update(holding)  # an existing key keeps its place: its hold began then
         extra = self._release(now, release_all)
@@ -126,13 +136,12 @@ class Holding:
                 rows.append(held.row)
                 released += held.entries
             rows.sort(key=_row_id)  # the lock order write_batch needs (collapse's)
-        batch.acks += released
         return batch
 
     def committed(self, batch: Batch, now: float) -> None:
         """``batch`` committed: the entries whose rows it held join their holds (the newer of
-        the two rows held), acknowledged with the row. A hold another batch released meanwhile (its row written, or about to
-        be, by a batch that may not commit) is held again with this batch's row: written
+        the two rows held), acknowledged with the row. A hold another batch released
+        meanwhile (its row written, or about to be, by a batch that may not commit) is held again with this batch's row: written
         later, a version Postgres may already have (changing nothing then)."""
         for job, (row, entries) in batch.held.items():
             held = self._rows.get(job)

@@ -357,12 +357,13 @@ class Persister:
         finally:
             # committed whole: its held entries join their rows' holds, still ours; else every
             # entry it took is let go (pending in Redis: read back, or written by the next)
-            joined = outcome is not None and not outcome.isolated
-            if joined:
+            kept: set[tuple[int, bytes]] = set()
+            if outcome is not None and not outcome.isolated and batch.held:
                 self.holding.committed(batch, time.monotonic())
+                kept = batch.deferred()
             for e in (*batch.entries, *batch.released, *(outcome.acks if outcome else ())):
-                if not (joined and e.status.id in batch.held and e in batch.held[e.status.id][1]):
-                    self._taken.discard((e.shard, e.entry_id))
+                if (key := (e.shard, e.entry_id)) not in kept:
+                    self._taken.discard(key)
         if outcome is None:  # stopped while Postgres was away: the entries stay pending
             return None
         written, acks = outcome.written, outcome.acks
@@ -455,7 +456,7 @@ class Persister:
         find the bad ones; the entries written, None when stopped first."""
         written: list[LogEntry] = []
         for entry in entries:
-            done = await self._commit(Batch([entry], collapse([entry]), acks=[entry]), retry)
+            done = await self._commit(Batch([entry], collapse([entry])), retry)
             if done is None:
                 return None
             written.extend(done.acks)
