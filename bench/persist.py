@@ -127,6 +127,19 @@ async def prefill(redis_url: str, transitions: int) -> None:
     await redis.aclose()
 
 
+async def backlog(run: Run, transitions: int) -> list[LogEntry]:
+    """A fresh backlog in Redis (``run``'s tables emptied), read back and decoded in log
+    order: what the in-process profiles write batch by batch."""
+    await run.reset()
+    await prefill(run.redis_url, transitions)
+    entries: list[LogEntry] = []
+    for shard in range(SHARDS):
+        for entry_id, fields in await run.redis.xrange(run.keys.log(shard)):
+            entries.append(parse_entry(shard, entry_id, fields))
+    entries.sort(key=lambda e: (e.ms, e.entry_id))
+    return entries
+
+
 async def generate(redis_url: str, rate: float, seconds: float) -> None:
     """(Child process) transitions at `rate` per second for `seconds`: every 10 ms, submit
     the jobs due, claim those submitted SPREAD ago, complete those claimed SPREAD ago."""
@@ -506,13 +519,7 @@ async def postgres_profile(run: Run, transitions: int, batch: int) -> dict[str, 
                 " AND indexname <> 'jobs_pkey'"
             ):
                 await run.pool.execute(f'DROP INDEX "{name[0]}"')
-        await run.reset()
-        await prefill(run.redis_url, transitions)
-        entries: list[LogEntry] = []
-        for s in range(SHARDS):
-            for entry_id, fields in await run.redis.xrange(run.keys.log(s)):
-                entries.append(parse_entry(s, entry_id, fields))
-        entries.sort(key=lambda e: (e.ms, e.entry_id))
+        entries = await backlog(run, transitions)
         ms: dict[str, float] = defaultdict(float)
         wal: dict[str, float] = defaultdict(float)
         start = await run.pool.fetchval("SELECT pg_current_wal_lsn()::text")

@@ -43,14 +43,14 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, fmt, header_markdown, save, table
-from persist import SHARDS, Run, prefill
+from persist import Run, backlog
 
 from jobtier.core.model import TERMINAL
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.persist.batch import collapse, write_batch
 from jobtier.persist.db import AnyConnection, create_pool, migrate
-from jobtier.streams.entries import LogEntry, parse_entry
+from jobtier.streams.entries import LogEntry
 
 BY_STATE_TRIGGERS = ("jobs_by_state_inserted", "jobs_by_state_updated")
 TODAY, COLLAPSED, ONCE = "today", "claims collapsed", "row once, at the end"
@@ -79,18 +79,6 @@ async def once_at_the_end(conn: AnyConnection, entries: Sequence[LogEntry]) -> i
 
 
 SHAPES: dict[str, Writer] = {TODAY: today, COLLAPSED: claims_collapsed, ONCE: once_at_the_end}
-
-
-async def backlog(run: Run, transitions: int) -> list[LogEntry]:
-    """A fresh backlog in Redis (tables emptied), read back and decoded in log order."""
-    await run.reset()
-    await prefill(run.redis_url, transitions)
-    entries: list[LogEntry] = []
-    for shard in range(SHARDS):
-        for entry_id, fields in await run.redis.xrange(run.keys.log(shard)):
-            entries.append(parse_entry(shard, entry_id, fields))
-    entries.sort(key=lambda e: (e.ms, e.entry_id))
-    return entries
 
 
 async def sample(run: Run, shape: str, transitions: int, batch: int) -> dict[str, Any]:
