@@ -21,11 +21,6 @@ from tests.fixtures.postgres import generic_plan, mixed_workload
 
 
 @pytest.fixture
-def keys(settings: Settings) -> Keys:
-    return Keys(settings.prefix, settings.shards)
-
-
-@pytest.fixture
 async def persisted(pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys) -> list[str]:
     job_ids = await mixed_workload(redis, keys, n=150, seed=3)
     await Persister(pg_settings, redis, pg_pool, "p1").drain()

@@ -30,11 +30,6 @@ from tests.fixtures.postgres import (
 )
 
 
-@pytest.fixture
-def keys(settings: Settings) -> Keys:
-    return Keys(settings.prefix, settings.shards)
-
-
 async def snapshot(pool: Pool) -> tuple[list[Any], ...]:
     jobs = await pool.fetch("SELECT *, payload::text, result::text FROM jobs ORDER BY id")
     history = await pool.fetch(

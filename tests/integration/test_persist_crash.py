@@ -48,11 +48,6 @@ asyncio.run(main())
 
 
 @pytest.fixture
-def keys(settings: Settings) -> Keys:
-    return Keys(settings.prefix, settings.shards)
-
-
-@pytest.fixture
 def spawn(pg_settings: Settings) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     """Start persister processes (killed at the end of the test if still running)."""
     procs: list[subprocess.Popen[bytes]] = []

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import pytest
-
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.persist.db import Pool, query
@@ -31,11 +29,6 @@ from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import log_entries
 
 HOUR_MS = 3_600_000
-
-
-@pytest.fixture
-def keys(settings: Settings) -> Keys:
-    return Keys(settings.prefix, settings.shards)
 
 
 async def running_job(scripts: Scripts, keys: Keys) -> tuple[str, int]:

@@ -5,12 +5,13 @@ writes it, and a persister that dies or stops holding rows loses none of them.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
-
-import pytest
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
+from jobtier.core.model import ClaimedJob
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store.calls import (
@@ -29,17 +30,14 @@ from tests.fixtures.postgres import assert_pg_matches_redis
 N = 6
 
 
-@pytest.fixture
-def keys(settings: Settings) -> Keys:
-    return Keys(settings.prefix, settings.shards)
-
-
 def holding(settings: Settings, seconds: float) -> Settings:
     # the hold is capped at half the claim idle time: leave it room
     return settings.replace(persist_hold_seconds=seconds, persist_claim_idle_seconds=600)
 
 
-async def submitted_and_claimed(redis: Any, keys: Keys, persister: Persister) -> tuple[list, list]:  # type: ignore[type-arg]
+async def submitted_and_claimed(
+    redis: Any, keys: Keys, persister: Persister
+) -> tuple[list[str], list[ClaimedJob]]:
     """N jobs submitted, their rows written (``drain``), then claimed: (ids, claims)."""
     scripts = Scripts(redis, keys)
     items = [
@@ -52,9 +50,20 @@ async def submitted_and_claimed(redis: Any, keys: Keys, persister: Persister) ->
     return [i.job_id for i in items], parse_claim(0, reply).jobs
 
 
-async def complete(redis: Any, keys: Keys, claims: list) -> None:  # type: ignore[type-arg]
+async def complete(redis: Any, keys: Keys, claims: list[ClaimedJob]) -> None:
     done = [(j.id, j.lease_version, b'{"ok":true}') for j in claims]
     await Scripts(redis, keys).call_many([complete_call(0, "w1", 3600, done)])
+
+
+@contextlib.asynccontextmanager
+async def running(persister: Persister) -> AsyncIterator[None]:
+    """``persister.run()`` in a task, stopped (its held rows written) on the way out."""
+    task = asyncio.create_task(persister.run())
+    try:
+        yield
+    finally:
+        persister.stop()
+        await task
 
 
 async def states(pool: Pool) -> list[str]:
@@ -70,17 +79,13 @@ async def test_a_claims_row_waits_for_the_jobs_end_and_is_never_written(
 ) -> None:
     persister = Persister(holding(pg_settings, 60), redis, pg_pool, "p1")
     ids, claims = await submitted_and_claimed(redis, keys, persister)
-    task = asyncio.create_task(persister.run())
-    try:
+    async with running(persister):
         # the claims' history rows are written; their job rows wait, and so do their entries
         await wait_for(lambda: _equals(history(pg_pool), 2 * N), 60)
         assert await states(pg_pool) == ["queued"] * N
         assert (await lag(redis, keys))[0] == N
         await complete(redis, keys, claims)
         await wait_for(lambda: _equals(lag(redis, keys), (0, 0.0)), 60)
-    finally:
-        persister.stop()
-        await task
     assert await states(pg_pool) == ["succeeded"] * N
     assert await pg_pool.fetchval("SELECT count(*) FROM jobs_by_state") == 0
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)  # every history row, in order
@@ -94,13 +99,9 @@ async def test_a_row_whose_hold_runs_out_is_written(
 ) -> None:
     persister = Persister(holding(pg_settings, 0.3), redis, pg_pool, "p1")
     ids, _ = await submitted_and_claimed(redis, keys, persister)
-    task = asyncio.create_task(persister.run())
-    try:
+    async with running(persister):
         await wait_for(lambda: _equals(states(pg_pool), ["running"] * N), 60)
         await wait_for(lambda: _equals(lag(redis, keys), (0, 0.0)), 60)
-    finally:
-        persister.stop()
-        await task
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)
     assert persister.holding.collapsed == 0 and len(persister.holding) == 0
 
@@ -132,11 +133,9 @@ async def test_a_persister_stopping_writes_the_rows_it_holds(
 ) -> None:
     persister = Persister(holding(pg_settings, 60), redis, pg_pool, "p1")
     ids, _ = await submitted_and_claimed(redis, keys, persister)
-    task = asyncio.create_task(persister.run())
-    await wait_for(lambda: _equals(history(pg_pool), 2 * N), 60)
-    assert len(persister.holding) == N
-    persister.stop()
-    await task
+    async with running(persister):
+        await wait_for(lambda: _equals(history(pg_pool), 2 * N), 60)
+        assert len(persister.holding) == N
     assert await states(pg_pool) == ["running"] * N
     assert await lag(redis, keys) == (0, 0.0)
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)

@@ -57,11 +57,6 @@ async def redis(settings: Settings) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-@pytest.fixture
-def keys(settings: Settings) -> Keys:
-    return Keys(settings.prefix, settings.shards)
-
-
 async def truly_waiting(redis: Any, keys: Keys) -> int:
     """What waits, counted entry by entry: pending entries plus every entry after the
     group's last-delivered id."""

@@ -79,11 +79,6 @@ class PersisterProcess:
 
 
 @pytest.fixture
-def keys(settings: Settings) -> Keys:
-    return Keys(settings.prefix, settings.shards)
-
-
-@pytest.fixture
 def own_pg() -> Iterator[LocalPostgres]:
     """A Postgres of this test's own, durable: with synchronous_commit off (the session
     server's setting) a crash loses commits already reported, and the persister would have

@@ -24,11 +24,6 @@ from tests.fixtures.postgres import LARGE_RESULT, RETENTION, mixed_workload
 
 
 @pytest.fixture
-def keys(settings: Settings) -> Keys:
-    return Keys(settings.prefix, settings.shards)
-
-
-@pytest.fixture
 async def persisted(pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys) -> list[str]:
     job_ids = await mixed_workload(redis, keys, n=120, seed=1)
     await Persister(pg_settings, redis, pg_pool, "p1").drain()

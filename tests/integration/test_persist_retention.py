@@ -44,11 +44,6 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 @pytest.fixture
-def keys(settings: Settings) -> Keys:
-    return Keys(settings.prefix, settings.shards)
-
-
-@pytest.fixture
 async def conn(pg_dsn: str) -> AsyncIterator[Connection]:
     """A connection of its own, as a prune pass has (it holds a session advisory lock)."""
     c = await db.connect(pg_dsn)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
+from jobtier.persist.batch import JobRow
 from jobtier.persist.holding import Holding, merge
 from jobtier.streams.entries import LogEntry, parse_entry
 
@@ -38,7 +39,7 @@ def done(job: str) -> LogEntry:
     return entry(job, 3, "succeeded", "running", r=b'{"ok":true}')
 
 
-def versions(rows: list) -> list[tuple[str, int]]:  # type: ignore[type-arg]
+def versions(rows: list[JobRow]) -> list[tuple[str, int]]:
     return [(r.latest.status.id, r.latest.status.version) for r in rows]
 
 
