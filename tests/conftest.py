@@ -8,4 +8,5 @@ pytest_plugins = [
     "tests.fixtures.postgres",
     "tests.fixtures.hangs",
     "tests.fixtures.receiver",
+    "tests.fixtures.tls",
 ]

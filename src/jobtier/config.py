@@ -37,7 +37,8 @@ class Settings:
     redis_sentinels: str = _setting(
         "",
         "Sentinels that name the master (host:port,…): a single master with replicas that "
-        "fails over. JOBTIER_REDIS_URL then gives only the database, user and password.",
+        "fails over. JOBTIER_REDIS_URL then gives only the database, user and password, "
+        "and with rediss:// TLS (to the master and the sentinels).",
     )
     redis_sentinel_master: str = _setting(
         "mymaster", "The master's name in the sentinels' configuration (`sentinel monitor`)."
@@ -369,6 +370,11 @@ class Settings:
                 problems.append(
                     "JOBTIER_REDIS_SENTINELS must be comma-separated host:port pairs, "
                     "e.g. 10.0.0.1:26379,10.0.0.2:26379"
+                )
+            if not self.redis_url.startswith(("redis://", "rediss://")):
+                problems.append(
+                    "with JOBTIER_REDIS_SENTINELS, JOBTIER_REDIS_URL must be redis:// (or "
+                    "rediss:// for TLS): the sentinels name the master's host and port"
                 )
         if not 0 <= self.submit_replicas <= 999:
             problems.append("JOBTIER_SUBMIT_REPLICAS must be from 0 (off) to 999")

@@ -11,9 +11,12 @@ from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocket
 from redis.exceptions import DataError
 
 from jobtier.config import Settings
+from jobtier.core.errors import ConfigError
 from jobtier.store.redis import (
     Cluster,
     FastConnection,
+    FastSentinelConnection,
+    FastSentinelSSLConnection,
     FastSSLConnection,
     FastUnixConnection,
     connect,
@@ -87,6 +90,61 @@ def test_cluster_nodes_use_it(url: str, ours: type) -> None:
     assert client.nodes_manager.connection_kwargs["connection_class"] is ours
     (node,) = client.nodes_manager.startup_nodes.values()
     assert node.connection_class is ours
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_sentinel_clients_speak_tls_for_a_rediss_url(tls: bool) -> None:
+    """The master's connections and the sentinels' both: TLS with the URL's ssl_* options
+    for rediss://, plain for redis://; the URL's host is never used."""
+    url = (
+        "rediss://u:pw@ignored:1/3?ssl_ca_certs=/etc/ca.crt" if tls else "redis://u:pw@ignored:1/3"
+    )
+    settings = Settings.from_env({}, redis_url=url, redis_sentinels="10.0.0.1:26379,10.0.0.2:26379")
+    client = connect(settings)
+    assert isinstance(client, Redis)
+    pool = client.connection_pool
+    assert pool.connection_class is (FastSentinelSSLConnection if tls else FastSentinelConnection)
+    kwargs = pool.connection_kwargs
+    assert (kwargs["db"], kwargs["username"], kwargs["password"]) == (3, "u", "pw")
+    assert "host" not in kwargs
+    assert kwargs.get("ssl_ca_certs") == ("/etc/ca.crt" if tls else None)
+    sentinels = pool.sentinel_manager.sentinels  # type: ignore[attr-defined]
+    assert len(sentinels) == 2
+    for sentinel in sentinels:
+        made = sentinel.connection_pool.connection_class
+        assert issubclass(made, SSLConnection) is tls
+        assert sentinel.connection_pool.connection_kwargs.get("ssl_ca_certs") == (
+            "/etc/ca.crt" if tls else None
+        )
+
+
+@pytest.mark.parametrize(
+    ("url", "kind"),
+    [
+        ("redis://h:6379/0", Connection),
+        ("rediss://h:6380/0?ssl_ca_certs=/etc/ca.crt", SSLConnection),
+        ("unix:///run/redis.sock?db=0", UnixDomainSocketConnection),
+    ],
+)
+def test_the_status_subscription_connects_as_the_url_says(url: str, kind: type) -> None:
+    """Its connections are its own, outside the client's pool: of the URL's kind all the same
+    (they were plain TCP whatever the URL: tests/integration/test_redis_tls.py)."""
+    from jobtier.store.subscriber import ShardSubscriber
+
+    subscriber = ShardSubscriber(connect(Settings.from_env({}, redis_url=url)), ["c"], print)
+    conn = subscriber._connection("10.0.0.7", 6380)
+    assert type(conn) is kind
+    if kind is UnixDomainSocketConnection:
+        assert conn.path == "/run/redis.sock"  # type: ignore[attr-defined]
+    else:
+        assert (conn.host, conn.port) == ("10.0.0.7", 6380)  # type: ignore[attr-defined]
+    if kind is SSLConnection:
+        assert conn.ca_certs == "/etc/ca.crt"  # type: ignore[attr-defined]
+
+
+def test_sentinels_refuse_a_unix_socket_url() -> None:
+    with pytest.raises(ConfigError, match="rediss:// for TLS"):
+        Settings.from_env({}, redis_url="unix:///run/redis.sock", redis_sentinels="10.0.0.1:26379")
 
 
 def test_an_unreachable_default_redis_points_at_the_setting_and_jobtier_run() -> None:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -275,12 +276,37 @@ def _replicas_online(port: int) -> list[int]:
     return ports
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A server certificate and its key, and the CA that signed it (PEM files)."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+    def server_options(self) -> dict[str, str | Path]:
+        """What a redis-server (or sentinel) needs to serve TLS and speak it to the others;
+        clients need no certificate of their own."""
+        return {
+            "tls-cert-file": self.cert,
+            "tls-key-file": self.key,
+            "tls-ca-cert-file": self.ca,
+            "tls-auth-clients": "no",
+            "tls-replication": "yes",
+        }
+
+
 class LocalSentinels:
     """One master, ``replicas`` replicas and ``count`` Sentinels watching them, on loopback:
     the single-master deployment that fails over (JOBTIER_REDIS_SENTINELS).
 
     ``down_after_ms`` is how long the sentinels wait before they call a silent master down;
-    ``failover_timeout_ms`` bounds a failover attempt (a second one waits twice that)."""
+    ``failover_timeout_ms`` bounds a failover attempt (a second one waits twice that).
+
+    ``tls``: every server and sentinel also serves TLS on a port of its own, and they speak
+    it among themselves (replication, the sentinels' watch and their hellos), so the
+    sentinels name the TLS ports: ``addresses`` and ``url`` are then a TLS client's. The
+    plain ports stay, for this class's own checks."""
 
     def __init__(
         self,
@@ -291,30 +317,37 @@ class LocalSentinels:
         count: int = 3,
         down_after_ms: int = 2000,
         failover_timeout_ms: int = 4000,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.name = name
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
-        first = LocalRedis(self.folder / "redis0")
-        self.nodes = [first] + [
-            LocalRedis(
-                self.folder / f"redis{i + 1}",
-                options={"replicaof": ("127.0.0.1", first.port)},
-            )
-            for i in range(replicas)
-        ]
+        self.tls = tls
+        self.nodes = [LocalRedis(self.folder / f"redis{i}") for i in range(replicas + 1)]
+        # the port the others reach a node on (its TLS port with ``tls``)
+        self.served = {node.port: free_port() if tls else node.port for node in self.nodes}
+        for node in self.nodes:
+            if tls is not None:
+                node.options |= {"tls-port": self.served[node.port], **tls.server_options()}
+        for node in self.nodes[1:]:
+            node.options["replicaof"] = ("127.0.0.1", self.served[self.nodes[0].port])
         self.sentinel_ports = [free_port() for _ in range(count)]
+        self.sentinel_tls_ports = [free_port() for _ in range(count)] if tls else []
         self.sentinels: list[subprocess.Popen[bytes]] = []
 
     @property
     def addresses(self) -> str:
         """JOBTIER_REDIS_SENTINELS for this set."""
-        return ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        ports = self.sentinel_tls_ports or self.sentinel_ports
+        return ",".join(f"127.0.0.1:{port}" for port in ports)
 
     @property
     def url(self) -> str:
-        """JOBTIER_REDIS_URL beside it: the database (the host is the sentinels' answer)."""
+        """JOBTIER_REDIS_URL beside it: the database (the host is the sentinels' answer), and
+        with ``tls`` the CA to trust."""
+        if self.tls is not None:
+            return f"rediss://127.0.0.1:6379/0?ssl_ca_certs={self.tls.ca}"
         return "redis://127.0.0.1:6379/0"
 
     def start(self) -> LocalSentinels:
@@ -336,10 +369,14 @@ class LocalSentinels:
         folder = self.folder / f"sentinel{i}"
         folder.mkdir(parents=True, exist_ok=True)
         conf = folder / "sentinel.conf"  # a sentinel rewrites its file: it must be its own
-        master = self.nodes[0].port
+        master = self.served[self.nodes[0].port]
+        tls = ""
+        if self.tls is not None:
+            options = {"tls-port": self.sentinel_tls_ports[i], **self.tls.server_options()}
+            tls = "".join(f"{name} {value}\n" for name, value in options.items())
         conf.write_text(
             f"port {port}\nbind 127.0.0.1\ndir {folder}\nprotected-mode no\n"
-            f"logfile {folder / 'sentinel.log'}\n"
+            f"logfile {folder / 'sentinel.log'}\n{tls}"
             f"sentinel monitor {self.name} 127.0.0.1 {master} 2\n"
             f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"
             f"sentinel failover-timeout {self.name} {self.failover_timeout_ms}\n"
@@ -352,8 +389,11 @@ class LocalSentinels:
 
     def master(self) -> LocalRedis:
         """The node the sentinels name master now."""
-        port = self._sentinel_master_port()
-        return next(n for n in self.nodes if n.port == port)
+        return self._node(self._sentinel_master_port())
+
+    def _node(self, served: int) -> LocalRedis:
+        """The node the others reach on port ``served``."""
+        return next(n for n in self.nodes if self.served[n.port] == served)
 
     def _sentinel_master_port(self) -> int:
         for port in self.sentinel_ports:
@@ -374,20 +414,20 @@ class LocalSentinels:
         that node has taken the role; return it."""
 
         def promoted() -> LocalRedis | None:
-            port = self._sentinel_master_port()
-            if port == killed.port:
+            node = self._node(self._sentinel_master_port())
+            if node is killed:
                 return None
-            with connect_to(port, decode_responses=True) as client:
+            with connect_to(node.port, decode_responses=True) as client:
                 if client.info("replication").get("role") != "master":
                     return None
-            return next(n for n in self.nodes if n.port == port)
+            return node
 
         return poll(promoted, timeout, f"the sentinels promoted no replica within {timeout:g}s")
 
     def revive(self, node: LocalRedis, timeout: float = 30.0) -> None:
         """Start a killed node again, as a replica of the master the sentinels promoted (as
         an operator brings a failed host back); return once it replicates with its link up."""
-        node.options["replicaof"] = ("127.0.0.1", self.master().port)
+        node.options["replicaof"] = ("127.0.0.1", self.served[self.master().port])
         node.start()
         _wait_replicating(node, timeout)
 

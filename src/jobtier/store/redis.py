@@ -120,6 +120,10 @@ class FastSentinelConnection(SentinelManagedConnection, FastConnection):
     """A connection to whichever node the sentinels name master, packing with hiredis."""
 
 
+class FastSentinelSSLConnection(SentinelManagedConnection, FastSSLConnection):
+    """The same over TLS (a ``rediss://`` JOBTIER_REDIS_URL beside the sentinels)."""
+
+
 class BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
     """The sentinels' master pool, waiting for a free connection past its size as the
     single-server pool does; closing the client closes its connections to the sentinels."""
@@ -399,21 +403,29 @@ def _sentinel_master(settings: Settings, options: dict[str, Any]) -> Redis:
     """A client of the master the sentinels name (JOBTIER_REDIS_SENTINELS): after a failover
     its connections find the promoted replica (a connection to a demoted master is refused
     with READONLY, dropped, and made again to the new one). The URL gives the database, user
-    and password; its host is not used."""
+    and password; its host is not used. A ``rediss://`` URL speaks TLS to the master and to
+    the sentinels alike, with the URL's ``ssl_*`` options (``?ssl_ca_certs=/path/ca.crt``)."""
     url = parse_url(settings.redis_url)
     auth = {k: url[k] for k in ("username", "password") if url.get(k)}
+    tls = url.get("connection_class") is SSLConnection
+    ssl: dict[str, Any] = {k: v for k, v in url.items() if k.startswith("ssl_")} if tls else {}
     sentinels = Sentinel(  # type: ignore[no-untyped-call]
         settings.sentinel_addresses(),
-        sentinel_kwargs={"socket_timeout": 2.0, "socket_connect_timeout": 2.0},
+        sentinel_kwargs={
+            "socket_timeout": 2.0,
+            "socket_connect_timeout": 2.0,
+            **({"ssl": True, **ssl} if tls else {}),
+        },
     )
     pool = BlockingSentinelPool(  # type: ignore[no-untyped-call]
         settings.redis_sentinel_master,
         sentinels,
         max_connections=settings.redis_max_connections,
         timeout=30,
-        connection_class=FastSentinelConnection,
+        connection_class=FastSentinelSSLConnection if tls else FastSentinelConnection,
         db=url.get("db", 0),
         **auth,
+        **ssl,
         **options,
     )
     return Redis.from_pool(pool)

@@ -9,7 +9,12 @@ import logging
 from collections.abc import Callable, Sequence
 
 from redis.asyncio import RedisCluster
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import (
+    AbstractConnection,
+    Connection,
+    SSLConnection,
+    UnixDomainSocketConnection,
+)
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.crc import key_slot
 from redis.exceptions import RedisError
@@ -121,20 +126,30 @@ class ShardSubscriber:
         tasks, self._tasks = self._tasks, []
         await asyncio.gather(*(stop_task(t, f"subscriber {self.name}") for t in tasks))
 
-    def _connection(self, host: str, port: int) -> Connection:
+    def _connection(self, host: str, port: int) -> AbstractConnection:
+        """A bare connection to the node at ``host``:``port``, of the client's kind: TLS for a
+        ``rediss://`` URL (its ``ssl_*`` options with it), a Unix socket for ``unix://``."""
         if isinstance(self.redis, RedisCluster):
-            kwargs = dict(self.redis.get_default_node().connection_kwargs)
+            node = self.redis.get_default_node()
+            kind: type[AbstractConnection] = node.connection_class
+            kwargs = dict(node.connection_kwargs)
         else:
+            kind = self.redis.connection_pool.connection_class
             kwargs = dict(self.redis.connection_pool.connection_kwargs)
         # RESP2: under RESP3 the messages arrive as push frames that the client library's
         # push handler consumes instead of returning them to read_response()
-        kwargs.update(host=host, port=port, socket_timeout=None, protocol=2)
+        kwargs.update(socket_timeout=None, protocol=2)
         dropped = ("connection_pool", "retry", "himport_registry")
         prefixes = ("maint_notifications", "orig_", "oss_cluster")
         kept = {k: v for k, v in kwargs.items() if k not in dropped and not k.startswith(prefixes)}
+        if issubclass(kind, UnixDomainSocketConnection):  # one node, at its socket's path
+            return UnixDomainSocketConnection(**kept)
+        kept.update(host=host, port=port)
+        if issubclass(kind, SSLConnection):
+            return SSLConnection(**kept)
         return Connection(**kept)
 
-    async def _pinger(self, conn: Connection, answered: list[float]) -> None:
+    async def _pinger(self, conn: AbstractConnection, answered: list[float]) -> None:
         """PING the subscription every PING_INTERVAL; close it when an answer is overdue
         (the pending read then fails, and the subscription is retried)."""
         loop = asyncio.get_running_loop()

@@ -1,0 +1,156 @@
+"""jobtier over TLS (``rediss://``) and over a Unix socket (``unix://``), against real servers:
+a job's whole path (submit, a worker's claim, its success) and the status subscription that
+tells the API's readers of each change; then behind sentinels over TLS, through a failover.
+
+The subscription opens connections of its own, apart from the client's pool: it once opened
+plain TCP ones whatever the URL, so it never came up over TLS or a socket."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis as syncredis
+
+from jobtier.config import Settings
+from jobtier.core.keys import Keys
+from jobtier.core.model import State
+from jobtier.dev.local_redis import LocalRedis, free_port
+from jobtier.dev.local_replicas import LocalSentinels, TlsFiles
+from jobtier.engine.queue import Queue
+from jobtier.status.reader import StatusReader
+from jobtier.store.redis import connect, master_address
+from jobtier.worker.job_context import JobContext
+from jobtier.worker.registry import TaskRegistry, task
+from tests.fixtures.engine import Background, wait_for, worker_for
+
+
+@task(name="tls_echo")
+async def echo(ctx: JobContext, payload: Any) -> Any:
+    return payload
+
+
+@pytest.fixture(scope="module")
+def tls_redis(
+    tmp_path_factory: pytest.TempPathFactory, tls_files: TlsFiles
+) -> Iterator[LocalRedis]:
+    """One server that serves TLS on a port of its own and a Unix socket (its plain port is
+    for nothing but its start-up check)."""
+    folder = tmp_path_factory.mktemp("tls-redis")
+    server = LocalRedis(
+        folder,
+        options={
+            "tls-port": free_port(),
+            **tls_files.server_options(),
+            "unixsocket": folder / "redis.sock",
+            "unixsocketperm": 700,
+        },
+    )
+    server.start()
+    yield server
+    server.stop()
+
+
+def _settings(url: str, **more: Any) -> Settings:
+    return Settings.from_env({}, redis_url=url, shards=4, lease_seconds=5.0, **more)
+
+
+async def _a_job_runs_and_its_readers_hear_it(settings: Settings) -> None:
+    """A job submitted, run and succeeded through ``settings``' Redis; a status reader whose
+    subscription came up hears its versions as they are made."""
+    redis = connect(settings)
+    reader = StatusReader(redis, Keys(settings.prefix, settings.shards))
+    subscriber = reader.subscription("test")
+    background = Background()
+    try:
+        await subscriber.start()
+        assert subscriber.live()
+        async with await Queue.connect(settings) as queue:
+            job = (await queue.submit(echo, {"n": 1})).job_id
+            heard: list[int] = []
+            reader.add_listener(job, lambda version, _t, _d: heard.append(version))
+            background.start(worker_for(queue, TaskRegistry([echo]), concurrency=1))
+
+            async def succeeded() -> bool:
+                return (await queue.status(job)).state == State.SUCCEEDED
+
+            await wait_for(succeeded, timeout=30)
+            # its claim and its success reached the reader through the subscription
+            await wait_for(lambda: len(heard) >= 2, timeout=10)
+            assert heard == sorted(heard)
+            await background.stop()
+    finally:
+        await background.stop()
+        await subscriber.stop()
+        await redis.aclose()
+
+
+async def test_over_tls(tls_redis: LocalRedis, tls_files: TlsFiles) -> None:
+    port = int(tls_redis.options["tls-port"])
+    # the port speaks TLS only: a plain client gets no answer there
+    with pytest.raises(syncredis.ConnectionError):
+        syncredis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2).ping()
+    url = f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={tls_files.ca}"
+    await _a_job_runs_and_its_readers_hear_it(_settings(url))
+
+
+async def test_a_certificate_nobody_trusts_is_refused(tls_redis: LocalRedis) -> None:
+    port = int(tls_redis.options["tls-port"])
+    redis = connect(_settings(f"rediss://127.0.0.1:{port}/0"))  # the system's CAs only
+    try:
+        with pytest.raises(syncredis.ConnectionError) as refused:
+            await redis.ping()
+        assert isinstance(refused.value.__context__, ssl.SSLCertVerificationError)
+        assert "certificate verify failed" in str(refused.value)
+    finally:
+        await redis.aclose()
+
+
+async def test_over_a_unix_socket(tls_redis: LocalRedis) -> None:
+    socket = Path(tls_redis.options["unixsocket"])
+    await _a_job_runs_and_its_readers_hear_it(_settings(f"unix://{socket}?db=0"))
+
+
+@pytest.fixture(scope="module")
+def tls_sentinels(
+    tmp_path_factory: pytest.TempPathFactory, tls_files: TlsFiles
+) -> Iterator[LocalSentinels]:
+    group = LocalSentinels(Path(tmp_path_factory.mktemp("tls-sentinels")), tls=tls_files)
+    group.start()
+    yield group
+    group.stop()
+
+
+async def test_behind_sentinels_over_tls_through_a_failover(tls_sentinels: LocalSentinels) -> None:
+    sentinels = tls_sentinels
+    assert sentinels.url.startswith("rediss://")
+    settings = _settings(
+        sentinels.url, redis_sentinels=sentinels.addresses, redis_sentinel_master=sentinels.name
+    )
+    # the sentinels are asked on their TLS ports, and name the master's
+    first = sentinels.master()
+    redis = connect(settings)
+    try:
+        assert await master_address(redis) == ("127.0.0.1", sentinels.served[first.port])
+        await _a_job_runs_and_its_readers_hear_it(settings)
+
+        sentinels.kill(first)
+        promoted = await asyncio.to_thread(sentinels.wait_promoted, first)
+
+        async def on_the_promoted() -> bool:
+            try:
+                return await master_address(redis) == ("127.0.0.1", sentinels.served[promoted.port])
+            except syncredis.RedisError:
+                return False
+
+        await wait_for(on_the_promoted, timeout=30, interval=0.1)
+        await _a_job_runs_and_its_readers_hear_it(settings)
+    finally:
+        await redis.aclose()
+        for node in sentinels.nodes:
+            if node.pid is None:
+                sentinels.revive(node)
