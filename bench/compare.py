@@ -801,10 +801,12 @@ def capacity(
         )
         if not all(math.isfinite(x) for x in (rate, path, behind)):  # no run of one went well
             continue
+        more_redis = persisted["redis_cpu_us_per_job"] - alone["redis_cpu_us_per_job"]
         rows.append([
             known[name].label, "AOF off" if mode == "off" else "AOF everysec", fmt(rate),
             f"{fmt(path)} ({rate * path / 1e6:.2f})", f"{fmt(behind)} ({rate * behind / 1e6:.2f})",
-            f"{rate * (path + behind) / 1e6:.2f} of {cores}", fmt(cores * 1e6 / (path + behind)),
+            fmt(more_redis), f"{rate * (path + behind) / 1e6:.2f} of {cores}",
+            fmt(cores * 1e6 / (path + behind)),
         ])  # fmt: skip
     if not rows:
         return []
@@ -813,16 +815,19 @@ def capacity(
         "the worker and the producer, from the `jobtier` row) and in the write-behind (the "
         "persister and Postgres for its three transitions, from the persister row), in cores "
         "at the rate jobtier ran end to end without the persister (medians of the same runs). "
-        "Left out: the Redis CPU the persister's reads and acknowledgements cost (the "
-        "persister row's Redis CPU a job is higher by that, and by the lag sampler's reads), "
-        "so the write-behind's column is a floor. Where the two need more than the machine's "
+        "Left out of it: the Redis CPU the persister's reads and acknowledgements cost, so the "
+        "write-behind's column is a floor; the column beside it is how much more Redis CPU a "
+        "job took in the persister row than in the `jobtier` row (their reads and "
+        "acknowledgements, the lag sampler's reads, and whatever sharing the cores with "
+        "Postgres and the persister costs Redis; bench/persist.py splits it by command). Where the two need more than the machine's "
         "cores, the persister cannot keep up at that rate here: the run with it on goes "
         "slower, and the lag follows from how the cores are shared. The last column is an "
         "upper bound: the rate the machine's cores would allow with the write-behind if every "
         "one of them were kept busy, which the path alone does not do (it waits on Redis, "
         "one thread, as one persister is one process).\n",
         table(["system", "Redis", "jobtier alone, jobs/s", "job path µs a job (cores)",
-               "write-behind µs a job (cores)", "cores needed", "jobs/s the cores allow, at most"],
+               "write-behind µs a job (cores)", "Redis µs a job more with the persister",
+               "cores needed", "jobs/s the cores allow, at most"],
               rows) + "\n",
     ]  # fmt: skip
 

@@ -267,6 +267,7 @@ VARIANTS: dict[str, type[Persister]] = {
 class Run:
     def __init__(self, redis: LocalRedis, pg: LocalPostgres, pool: Pool, variant: str) -> None:
         self.redis_url, self.pg, self.pool, self.variant = redis.url, pg, pool, variant
+        self.redis_pid = redis.pid
         self.redis = Redis.from_url(redis.url)
         self.keys = Keys("jt", SHARDS)
         self.settings = Settings.from_env(
@@ -374,6 +375,10 @@ class Run:
         }
 
 
+# the persister's commands on Redis (streams/consumer.py, streams/acks.py, streams/group.py)
+REDIS_COMMANDS = ("xreadgroup", "xack", "xtrim", "xautoclaim", "xpending", "xinfo|groups")
+
+
 class PersisterProcess:
     """``jobtier persister`` in a process of its own, with the code of ``tree`` (None: this
     tree's), draining a backlog: what the persister costs as deployed, start-up left out."""
@@ -398,14 +403,21 @@ class PersisterProcess:
             await self._wait_reading(proc)
             proc.send_signal(signal.SIGSTOP)  # held while the backlog is made
             await prefill(run.redis_url, transitions)
+            await run.redis.config_resetstat()
+            redis_cpu = proc_cpu(run.redis_pid) if run.redis_pid else 0.0
             cpu, pg_cpu, started = proc_cpu(proc.pid), run.pg_cpu(), time.monotonic()
             proc.send_signal(signal.SIGCONT)
             while time.monotonic() - started < budget:
-                if (await lag(run.redis, run.keys))[0] == 0:
+                # exact=1: is anything left, and how old; not a count one by one, which
+                # would cost Redis more than the persister's own reads
+                if (await lag(run.redis, run.keys, exact=1))[0] == 0:
                     break
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.05)
             elapsed = time.monotonic() - started
             cpu, pg_cpu = proc_cpu(proc.pid) - cpu, run.pg_cpu() - pg_cpu
+            if run.redis_pid:
+                redis_cpu = proc_cpu(run.redis_pid) - redis_cpu
+            commands = await run.redis.info("commandstats")
         finally:
             if proc.returncode is None:
                 os.killpg(proc.pid, signal.SIGCONT)
@@ -419,6 +431,14 @@ class PersisterProcess:
             "complete": done >= transitions,
             "persister_cpu_us": round(cpu / done * 1e6, 1),
             "postgres_cpu_us": round(pg_cpu / done * 1e6, 1),
+            # Redis's process, the bench's own lag checks (its EVALSHA) included
+            "redis_cpu_us": round(redis_cpu / done * 1e6, 1),
+            # time in each command (Redis's commandstats), per transition: inside the command
+            # only (its reply written and the AOF fed after it are in redis_cpu_us alone)
+            **{
+                f"redis_{c}_us": round(commands.get(f"cmdstat_{c}", {}).get("usec", 0) / done, 2)
+                for c in REDIS_COMMANDS
+            },
         }
 
     async def _wait_reading(self, proc: asyncio.subprocess.Process) -> None:
@@ -865,15 +885,17 @@ def _before_after(result: dict[str, Any], args: argparse.Namespace) -> list[str]
         f"A backlog of {args.backlog:,} transitions (chunks of 4,000 jobs: submits, then their "
         "claims, then completions), drained by `jobtier persister` in a process of its own "
         "(held with SIGSTOP while the backlog is made; start-up not counted). CPU: the "
-        "persister process's (/proc) and Postgres's (every server process), per transition.",
+        "persister process's (/proc), Postgres's (every server process) and Redis's (its "
+        "process: the persister's reads and acknowledgements, and the bench's checks of what "
+        "is left, every 50 ms), per transition.",
         "",
         "| code | backlog drained (transitions/s) | CPU µs per transition: persister + Postgres "
-        "= total | load average at each sample |",
+        "+ Redis = total | load average at each sample |",
         "|---|---|---|---|",
     ]
     for variant, label in ((BEFORE, f"`{args.before}`"), (AFTER, "this tree")):
         t = med[variant]["throughput"]
-        total = t["persister_cpu_us"] + t["postgres_cpu_us"]
+        total = t["persister_cpu_us"] + t["postgres_cpu_us"] + t["redis_cpu_us"]
         samples = [
             str(r[variant]["samples"][k]["load_average"])
             for r in result["runs"]
@@ -881,8 +903,25 @@ def _before_after(result: dict[str, Any], args: argparse.Namespace) -> list[str]
         ]
         lines.append(
             f"| {label} | {t['per_second']:,.0f} | {t['persister_cpu_us']:.1f} + "
-            f"{t['postgres_cpu_us']:.1f} = {total:.1f} | {', '.join(samples)} |"
+            f"{t['postgres_cpu_us']:.1f} + {t['redis_cpu_us']:.1f} = {total:.1f} | "
+            f"{', '.join(samples)} |"
         )
+    lines += [
+        "",
+        "Redis's side, command by command: the time spent inside each command per transition "
+        "(`INFO commandstats`), which is wall time on Redis's clock, so it can exceed the "
+        "process's CPU when the cores are shared; writing the replies and feeding the AOF "
+        "happen outside the commands.",
+        "",
+        "| code | "
+        + " | ".join(f"{c.replace('|', ' ')} µs" for c in REDIS_COMMANDS)
+        + " | Redis process CPU µs |",
+        "|---|" + "---|" * (len(REDIS_COMMANDS) + 1),
+    ]
+    for variant, label in ((BEFORE, f"`{args.before}`"), (AFTER, "this tree")):
+        t = med[variant]["throughput"]
+        cells = [f"{t.get(f'redis_{c}_us', 0.0):.2f}" for c in REDIS_COMMANDS]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {t['redis_cpu_us']:.1f} |")
     lines.append("")
     return lines
 

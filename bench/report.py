@@ -147,6 +147,7 @@ CHOSEN: dict[str, str] = {
     "nearcache_memory": "the only file",
     "api_scaling": "the only file",
     "persist-direct": "the straight COPY against a1d7d85, same run, with where each µs goes",
+    "persist-redis": "the persister as deployed, with Redis's part of the write-behind, command by command (an A/A pair: 9d7ea37 has this tree's persister)",
     "persist": "an earlier backlog drain (no sustained-rate lag in it)",
     "persist-40c7fab": "the newest with the lag at a sustained 5K and 10K transitions/s",
     "persist_pickup": "the only file",
