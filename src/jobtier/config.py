@@ -371,7 +371,7 @@ class Settings:
                     "JOBTIER_REDIS_SENTINELS must be comma-separated host:port pairs, "
                     "e.g. 10.0.0.1:26379,10.0.0.2:26379"
                 )
-            if not self.redis_url.startswith(("redis://", "rediss://")):
+            if not self.redis_url.lower().startswith(("redis://", "rediss://")):
                 problems.append(
                     "with JOBTIER_REDIS_SENTINELS, JOBTIER_REDIS_URL must be redis:// (or "
                     "rediss:// for TLS): the sentinels name the master's host and port"

@@ -142,6 +142,36 @@ def test_the_status_subscription_connects_as_the_url_says(url: str, kind: type) 
         assert conn.ca_certs == "/etc/ca.crt"  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("tls", [False, True])
+def test_the_status_subscription_connects_to_cluster_nodes_as_the_url_says(tls: bool) -> None:
+    from jobtier.store.subscriber import ShardSubscriber
+
+    url = "rediss://127.0.0.1:7000?ssl_ca_certs=/etc/ca.crt" if tls else "redis://127.0.0.1:7000"
+    client = connect(Settings.from_env({}, redis_url=url, redis_cluster=True))
+    assert isinstance(client, Cluster)
+    # the node it would use once the client knows the cluster (start() initialises it)
+    (node,) = client.nodes_manager.startup_nodes.values()
+    client.nodes_manager.default_node = node
+    conn = ShardSubscriber(client, ["c"], print)._connection("10.0.0.7", 7001)
+    assert type(conn) is (SSLConnection if tls else Connection)
+    assert (conn.host, conn.port) == ("10.0.0.7", 7001)
+    if tls:
+        assert conn.ca_certs == "/etc/ca.crt"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_the_status_subscription_connects_to_the_sentinels_master_as_the_url_says(
+    tls: bool,
+) -> None:
+    from jobtier.store.subscriber import ShardSubscriber
+
+    url = "rediss://unused:1/0?ssl_ca_certs=/etc/ca.crt" if tls else "redis://unused:1/0"
+    client = connect(Settings.from_env({}, redis_url=url, redis_sentinels="10.0.0.1:26379"))
+    conn = ShardSubscriber(client, ["c"], print)._connection("10.0.0.7", 6380)
+    assert type(conn) is (SSLConnection if tls else Connection)
+    assert (conn.host, conn.port) == ("10.0.0.7", 6380)
+
+
 def test_sentinels_refuse_a_unix_socket_url() -> None:
     with pytest.raises(ConfigError, match="rediss:// for TLS"):
         Settings.from_env({}, redis_url="unix:///run/redis.sock", redis_sentinels="10.0.0.1:26379")

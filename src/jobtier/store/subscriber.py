@@ -102,6 +102,9 @@ class ShardSubscriber:
         if isinstance(self.redis, RedisCluster):
             # a client that has sent no command yet does not know which node serves a slot
             await self.redis.initialize()
+        # one connection of the client's kind made (not opened) here: an option of the URL its
+        # class refuses fails the start with its own error, not with a timeout
+        self._connection("127.0.0.1", 6379)
         async with asyncio.timeout(timeout):
             ready = await self._spawn()
             await asyncio.gather(*(r.wait() for r in ready))
