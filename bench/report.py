@@ -124,7 +124,9 @@ MEASURES: dict[str, tuple[str, ...]] = {
 
 # --- which file stands for each bench (every other file: earlier, or another setting) --------
 CHOSEN: dict[str, str] = {
-    "compare-474e457": "the newest set against BullMQ (the headline), at this code: a slow spell of the host (absolute figures about 2x lower than on a quiet one; ratios in line with the sets before)",
+    "compare-eb61405": "the newest set against BullMQ, at this code; pooled with compare-b07e823 for the headline (10 runs)",
+    "compare-b07e823": "a set at this code in a noisy spell of the host (jobtier alone only 1.05x itself with the persister); pooled with compare-eb61405 for the headline",
+    "compare-474e457": "a set at 474e457 in a slow spell of the host (absolute figures about 2x lower than on a quiet one)",
     "compare-9a9e596": "the set before, with the what-if without jobs_by_state's triggers; a loaded host (absolute figures about 3x lower)",
     "compare-5fd8cd0": "the set before, on a quiet host: the straight COPY in",
     "compare-e9c8c99": "the set before the straight COPY, with issues 30 and 32 in",
@@ -176,7 +178,7 @@ CHOSEN: dict[str, str] = {
     "scaling_out": "the only file",
     "durable_submit": "250 submits/s (-1000: 1K/s, its tail the shared machine's)",
 }
-HEADLINE = ("compare-474e457",)  # one set; more stems pool their runs
+HEADLINE = ("compare-b07e823", "compare-eb61405")  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
 PERSISTER = "jobtier-persist"  # compare.py's name for jobtier with its persister
 
