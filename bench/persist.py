@@ -267,6 +267,8 @@ VARIANTS: dict[str, type[Persister]] = {
 class Run:
     def __init__(self, redis: LocalRedis, pg: LocalPostgres, pool: Pool, variant: str) -> None:
         self.redis_url, self.pg, self.pool, self.variant = redis.url, pg, pool, variant
+        if redis.pid is None:
+            raise RuntimeError("the bench's Redis is not running")
         self.redis_pid = redis.pid
         self.redis = Redis.from_url(redis.url)
         self.keys = Keys("jt", SHARDS)
@@ -404,7 +406,7 @@ class PersisterProcess:
             proc.send_signal(signal.SIGSTOP)  # held while the backlog is made
             await prefill(run.redis_url, transitions)
             await run.redis.config_resetstat()
-            redis_cpu = proc_cpu(run.redis_pid) if run.redis_pid else 0.0
+            redis_cpu = proc_cpu(run.redis_pid)
             cpu, pg_cpu, started = proc_cpu(proc.pid), run.pg_cpu(), time.monotonic()
             proc.send_signal(signal.SIGCONT)
             while time.monotonic() - started < budget:
@@ -415,8 +417,7 @@ class PersisterProcess:
                 await asyncio.sleep(0.05)
             elapsed = time.monotonic() - started
             cpu, pg_cpu = proc_cpu(proc.pid) - cpu, run.pg_cpu() - pg_cpu
-            if run.redis_pid:
-                redis_cpu = proc_cpu(run.redis_pid) - redis_cpu
+            redis_cpu = proc_cpu(run.redis_pid) - redis_cpu
             commands = await run.redis.info("commandstats")
         finally:
             if proc.returncode is None:
@@ -920,7 +921,7 @@ def _before_after(result: dict[str, Any], args: argparse.Namespace) -> list[str]
     ]
     for variant, label in ((BEFORE, f"`{args.before}`"), (AFTER, "this tree")):
         t = med[variant]["throughput"]
-        cells = [f"{t.get(f'redis_{c}_us', 0.0):.2f}" for c in REDIS_COMMANDS]
+        cells = [f"{t[f'redis_{c}_us']:.2f}" for c in REDIS_COMMANDS]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {t['redis_cpu_us']:.1f} |")
     lines.append("")
     return lines

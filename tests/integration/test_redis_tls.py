@@ -28,6 +28,7 @@ from jobtier.status.reader import StatusReader
 from jobtier.store.redis import RedisClient, connect, master_address
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
+from tests.fixtures.cluster import settings_for
 from tests.fixtures.engine import Background, wait_for, worker_for
 
 
@@ -57,8 +58,8 @@ def tls_redis(
     server.stop()
 
 
-def _settings(url: str, **more: Any) -> Settings:
-    return Settings.from_env({}, redis_url=url, shards=4, lease_seconds=5.0, **more)
+def _settings(url: str) -> Settings:
+    return Settings.from_env({}, redis_url=url, shards=4, lease_seconds=5.0)
 
 
 @contextlib.asynccontextmanager
@@ -144,9 +145,7 @@ async def test_behind_sentinels_over_tls_through_a_failover(tls_sentinels: Local
     to the promoted replica, over TLS."""
     sentinels = tls_sentinels
     assert sentinels.url.startswith("rediss://")
-    settings = _settings(
-        sentinels.url, redis_sentinels=sentinels.addresses, redis_sentinel_master=sentinels.name
-    )
+    settings = settings_for(sentinels)
     first = sentinels.master()
     try:
         async with listening(settings) as (redis, reader):

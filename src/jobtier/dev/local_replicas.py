@@ -327,8 +327,8 @@ class LocalSentinels:
         self.nodes = [LocalRedis(self.folder / f"redis{i}") for i in range(replicas + 1)]
         # the port the others reach a node on (its TLS port with ``tls``)
         self.served = {node.port: free_port() if tls else node.port for node in self.nodes}
-        for node in self.nodes:
-            if tls is not None:
+        if tls is not None:
+            for node in self.nodes:
                 node.options |= {"tls-port": self.served[node.port], **tls.server_options()}
         for node in self.nodes[1:]:
             node.options["replicaof"] = ("127.0.0.1", self.served[self.nodes[0].port])
