@@ -1,6 +1,7 @@
 """jobtier over TLS (``rediss://``) and over a Unix socket (``unix://``), against real servers:
 a job's whole path (submit, a worker's claim, its success) and the status subscription that
-tells the API's readers of each change; then behind sentinels over TLS, through a failover.
+tells the API's readers of each change; on a Redis Cluster over TLS; then behind sentinels
+over TLS, through a failover.
 
 The subscription opens connections of its own, apart from the client's pool: it once opened
 plain TCP ones whatever the URL, so it never came up over TLS or a socket."""
@@ -16,15 +17,16 @@ from typing import Any
 
 import pytest
 import redis as syncredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.core.model import State
 from jobtier.dev.local_redis import LocalRedis, free_port
-from jobtier.dev.local_replicas import LocalSentinels, TlsFiles
+from jobtier.dev.local_replicas import LocalCluster, LocalSentinels, TlsFiles
 from jobtier.engine.queue import Queue
-from jobtier.status.reader import StatusReader
+from jobtier.status.reader import Listener, StatusReader
 from jobtier.store.redis import RedisClient, connect, master_address
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
@@ -77,25 +79,37 @@ async def listening(settings: Settings) -> AsyncIterator[tuple[RedisClient, Stat
         await redis.aclose()
 
 
-async def a_job_runs_and_is_heard(settings: Settings, reader: StatusReader) -> None:
-    """A job submitted, run and succeeded through ``settings``' Redis; ``reader`` hears its
-    claim and its success through its subscription, as they are made."""
+def _recorder(versions: list[int]) -> Listener:
+    return lambda version, _tenant, _doc: versions.append(version)
+
+
+async def a_job_runs_and_is_heard(settings: Settings, reader: StatusReader, jobs: int = 1) -> None:
+    """``jobs`` jobs submitted, run and succeeded through ``settings``' Redis; ``reader`` hears
+    each one's claim and success through its subscription, as they are made."""
     async with await Queue.connect(settings) as queue:
         background = Background()  # stopped before the queue's client closes: the worker uses it
         try:
-            job = (await queue.submit(echo, {"n": 1})).job_id
-            heard: list[int] = []
-            reader.add_listener(job, lambda version, _t, _d: heard.append(version))
-            background.start(worker_for(queue, TaskRegistry([echo]), concurrency=1))
+            heard: dict[str, list[int]] = {}
+            for n in range(jobs):
+                job = (await queue.submit(echo, {"n": n})).job_id
+                heard[job] = []
+                reader.add_listener(job, _recorder(heard[job]))
+            background.start(worker_for(queue, TaskRegistry([echo]), concurrency=4))
 
             async def succeeded() -> bool:
-                return (await queue.status(job)).state == State.SUCCEEDED
+                states = [(await queue.status(job)).state for job in heard]
+                return states == [State.SUCCEEDED] * jobs
 
             await wait_for(succeeded, timeout=30)
+
             # versions, not the RESYNC (-1) a resubscription tells listeners
-            await wait_for(lambda: len([v for v in heard if v > 0]) >= 2, timeout=10)
-            versions = [v for v in heard if v > 0]
-            assert versions == sorted(versions) and versions[-1] >= 3, heard
+            def versions(job: str) -> list[int]:
+                return [v for v in heard[job] if v > 0]
+
+            await wait_for(lambda: all(len(versions(job)) >= 2 for job in heard), timeout=10)
+            for job in heard:
+                assert versions(job) == sorted(versions(job)), heard[job]
+                assert versions(job)[-1] >= 3, heard[job]
         finally:
             await background.stop()
 
@@ -128,6 +142,34 @@ async def test_over_a_unix_socket(tls_redis: LocalRedis) -> None:
     settings = _settings(f"unix://{socket}?db=0")
     async with listening(settings) as (_, reader):
         await a_job_runs_and_is_heard(settings, reader)
+
+
+@pytest.fixture(scope="module")
+def tls_cluster(
+    tmp_path_factory: pytest.TempPathFactory, tls_files: TlsFiles
+) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(Path(tmp_path_factory.mktemp("tls-cluster")), masters=3, tls=tls_files)
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+async def test_a_cluster_over_tls(tls_cluster: LocalCluster) -> None:
+    """16 shards over 3 nodes, every one reached over TLS: the client finds the nodes' TLS
+    ports through the first, and the subscription holds one TLS connection to each."""
+    assert tls_cluster.url.startswith("rediss://")
+    settings = Settings.from_env(
+        {}, redis_url=tls_cluster.url, redis_cluster=True, shards=16, lease_seconds=5.0
+    )
+    async with listening(settings) as (redis, reader):
+        assert isinstance(redis, RedisCluster)
+        # the nodes the client was told of are the TLS ports, and its shards are on all three
+        nodes = {node.port for node in redis.get_primaries()}
+        assert nodes == set(tls_cluster.tls_ports), nodes
+        keys = Keys(settings.prefix, settings.shards)
+        served = {redis.get_node_from_key(keys.base(s)) for s in range(settings.shards)}
+        assert {node.port for node in served if node is not None} == nodes, served
+        await a_job_runs_and_is_heard(settings, reader, jobs=24)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from typing import TypeVar
 import redis as syncredis
 
 from jobtier.dev.local_redis import (
+    CLUSTER_BUS_OFFSET,
     LocalRedis,
     connect_to,
     free_port,
@@ -35,7 +36,12 @@ class LocalCluster:
     For failover tests: ``kill`` a master (SIGKILL, as its host dying), ``wait_promoted`` for
     the cluster to promote its replica, ``revive`` the killed node (it rejoins as a replica of
     the promoted one). ``node_timeout_ms`` is ``cluster-node-timeout``: how long a silent
-    master goes before its replicas may take over (Redis's default is 15 s)."""
+    master goes before its replicas may take over (Redis's default is 15 s).
+
+    ``tls``: every node also serves TLS on a port of its own (``tls_ports``), and the nodes
+    speak it among themselves (the cluster bus on that port + 10000, replication). A client
+    on a TLS port is told the others' TLS ports (CLUSTER SLOTS), one on a plain port their
+    plain ones, which is what the helpers here use."""
 
     def __init__(
         self,
@@ -44,9 +50,11 @@ class LocalCluster:
         *,
         replicas: int = 0,
         node_timeout_ms: int = 15000,
+        tls: TlsFiles | None = None,
     ) -> None:
         self.folder = Path(folder)
         self.replicas = replicas
+        self.tls = tls
         options: dict[str, int | str] = {"cluster-node-timeout": node_timeout_ms}
         if replicas:
             # a replica serves no reads here (jobtier reads its masters); one that lost its
@@ -61,10 +69,19 @@ class LocalCluster:
             LocalRedis(self.folder / f"node{i}", cluster=True, options=options)
             for i in range(masters * (1 + replicas))
         ]
+        self.tls_ports: list[int] = []
+        if tls is not None:
+            for node in self.nodes:
+                port = free_port(65536 - CLUSTER_BUS_OFFSET, also=CLUSTER_BUS_OFFSET)
+                self.tls_ports.append(port)
+                node.options |= {"tls-port": port, "tls-cluster": "yes", **tls.server_options()}
         self._killed_slot: dict[int, int | None] = {}
 
     @property
     def url(self) -> str:
+        """A client's URL: the first node's (its TLS port, with ``tls`` the CA to trust)."""
+        if self.tls is not None:
+            return f"rediss://127.0.0.1:{self.tls_ports[0]}/0?ssl_ca_certs={self.tls.ca}"
         return self.nodes[0].url
 
     def start(self) -> LocalCluster:
@@ -76,13 +93,16 @@ class LocalCluster:
                 raise RuntimeError("redis-cli is not installed (package redis-tools)")
             for node in self.nodes:
                 node.start()
-            addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            # with TLS, met on their TLS ports: the cluster bus is on that port + 10000
+            ports = self.tls_ports or [n.port for n in self.nodes]
+            tls = ["--tls", "--cacert", str(self.tls.ca)] if self.tls is not None else []
             subprocess.run(
                 [
                     cli,
+                    *tls,
                     "--cluster",
                     "create",
-                    *addrs,
+                    *(f"127.0.0.1:{port}" for port in ports),
                     "--cluster-replicas",
                     str(self.replicas),
                     "--cluster-yes",
