@@ -13,6 +13,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from jobtier.core.errors import ConfigError
 from jobtier.core.names import QUEUE_NAME_RE
@@ -515,12 +516,24 @@ class Settings:
         return delays
 
     def public(self) -> dict[str, Any]:
-        """The values in effect, with secrets masked (for logs and `jobtier config`)."""
+        """The values in effect, with secrets masked (for logs and `jobtier config`): the
+        Redis URL's password too (the rest of the URL says where jobtier connects)."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             out[f.name] = "***" if f.metadata.get("secret") and value else value
+        out["redis_url"] = masked_url(self.redis_url)
         return out
+
+
+def masked_url(url: str) -> str:
+    """``url`` with its password, if it has one, shown as ``***`` (for logs and messages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def env_name(f: dataclasses.Field[Any]) -> str:

@@ -23,6 +23,7 @@ from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from jobtier.scheduler import Scheduler
 from jobtier.store.calls import complete_call, fail_call
+from jobtier.store.redis import RedisClient
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -435,7 +436,7 @@ async def test_positions_follow_the_priorities_and_tenants_turns_claim_by_claim(
     assert sorted(positions.values()) == list(range(1, len(ready) + 1))
 
 
-async def test_explain_writes_nothing(one: Queue) -> None:
+async def test_explain_writes_nothing(one: Queue, redis: RedisClient) -> None:
     """A read-only function: Redis runs it by FCALL_RO, and the data set is unchanged."""
     await advertise(one, "w1", ["mail"], ["send"])
     job = (await one.submit("send", None, queue="mail", concurrency_key="k")).job_id
@@ -443,7 +444,7 @@ async def test_explain_writes_nothing(one: Queue) -> None:
     await one.admin.set_limits("mail", QueueLimits(concurrency=1, rate=5))
 
     async def dump() -> dict[Any, Any]:
-        found = [k for keys in await on_every_server(one.redis, "KEYS", "jt:*") for k in keys]
+        found = [k for keys in await on_every_server(redis, "KEYS", "jt:*") for k in keys]
         return {k: await one.redis.dump(k) for k in sorted(found)}
 
     before, calls = await dump(), await command_calls(one.redis, "fcall_ro")

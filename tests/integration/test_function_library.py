@@ -17,7 +17,7 @@ from jobtier.core.model import JobSpec, State, Submitted
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import submit_call
 from jobtier.store.scripts import NAMES, Library, Script, library, run_scripts
-from tests.fixtures.redis import command_calls, on_every_server
+from tests.fixtures.redis import admin, as_default_user, command_calls, on_every_server
 
 pytestmark = pytest.mark.contract
 
@@ -189,10 +189,11 @@ async def test_jobtier_scripts_says_what_redis_refused(settings: Settings, queue
     being unreachable), and nothing is deleted."""
     old = f"#!lua name={OLD}\nredis.register_function('jt_old_submit', function() return 1 end)"
     await on_every_server(queue.redis, "FUNCTION", "LOAD", "REPLACE", old)
-    await on_every_server(queue.redis, "ACL", "SETUSER", "pruner", "on", "nopass", "~*", "&*",
-                          "+@all", "-function|delete")  # fmt: skip
+    async with admin(settings) as redis:
+        await on_every_server(redis, "ACL", "SETUSER", "pruner", "on", "nopass", "~*", "&*",
+                              "+@all", "-function|delete")  # fmt: skip
     try:
-        url = settings.redis_url.replace("redis://", "redis://pruner:x@", 1)
+        url = as_default_user(settings.redis_url).replace("redis://", "redis://pruner:x@", 1)
         code, out = await _jobtier(settings.replace(redis_url=url), "--prune")
         assert code == 1 and "Redis refused" in out and "no permissions" in out, out
         assert "needs FUNCTION LIST, and FUNCTION DELETE for --prune" in out, out
@@ -200,7 +201,8 @@ async def test_jobtier_scripts_says_what_redis_refused(settings: Settings, queue
         for libraries in await _libraries(queue):
             assert OLD.encode() in libraries
     finally:
-        await on_every_server(queue.redis, "ACL", "DELUSER", "pruner")
+        async with admin(settings) as redis:
+            await on_every_server(redis, "ACL", "DELUSER", "pruner")
         await on_every_server(queue.redis, "FUNCTION", "DELETE", OLD)
 
 

@@ -20,6 +20,7 @@ from jobtier.persist.db import Pool
 from jobtier.persist.outbox import OutboxRelay
 from jobtier.persist.pg_reader import PgReader
 from jobtier.store.context import Store
+from jobtier.store.redis import RedisClient
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import wait_for, worker_for
@@ -173,13 +174,13 @@ async def test_the_relay_counts_what_it_relays_between_readings(
 
 @pytest.mark.contract
 async def test_the_relay_pauses_while_redis_memory_is_past_the_refuse_ratio(
-    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue, redis: RedisClient
 ) -> None:
     infos = await on_every_server(queue.redis, "INFO", "memory")
     # room for every write, yet used / maxmemory well past the ratio of this relay
     limit = max(int(i["used_memory"]) for i in infos) * 4
     try:
-        await on_every_server(queue.redis, "CONFIG", "SET", "maxmemory", str(limit))
+        await on_every_server(redis, "CONFIG", "SET", "maxmemory", str(limit))
         settings = pg_settings.replace(redis_memory_refuse_ratio=0.001)
         relay = await relay_of(settings, pg_pool, queue)
         job_id = await outbox.submit(app, "echo", {})
@@ -187,7 +188,7 @@ async def test_the_relay_pauses_while_redis_memory_is_past_the_refuse_ratio(
         assert await relay.pending() == 1
         assert relay.stats.paused.get("memory", 0) >= 1
     finally:
-        await on_every_server(queue.redis, "CONFIG", "SET", "maxmemory", "0")
+        await on_every_server(redis, "CONFIG", "SET", "maxmemory", "0")
 
     async def relayed() -> bool:
         return await relay.drain() == 1

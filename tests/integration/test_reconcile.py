@@ -31,6 +31,7 @@ from jobtier.persist.reconcile import Reconciler, Report, _batches, reconcile
 from jobtier.status.reader import StatusReader
 from jobtier.store import calls
 from tests.fixtures.engine import wait_for, worker_for
+from tests.fixtures.redis import admin
 from tests.flows_helpers import run_flows
 from tests.tasks import registry
 
@@ -40,21 +41,26 @@ LOST = "lost"  # the queue of the jobs claimed by hand (nothing else is claimed 
 WINDOW = 900.0
 
 
-async def snapshot(redis: Any) -> list[tuple[bytes, int, bytes]]:
+async def snapshot(q: Queue) -> list[tuple[bytes, int, bytes]]:
     """Every key of Redis (each node of a cluster): its name, TTL (ms, 0 none) and DUMP."""
     out = []
-    async for key in redis.scan_iter(count=1000):
-        ttl = await redis.pttl(key)
-        out.append((key, max(int(ttl), 0), await redis.dump(key)))
+    async with admin(q.settings) as redis:
+        async for key in redis.scan_iter(count=1000):
+            ttl = await redis.pttl(key)
+            dumped = await redis.dump(key)
+            assert dumped is not None, key  # nothing else writes meanwhile
+            out.append((key, max(int(ttl), 0), dumped))
     return out
 
 
-async def restore(redis: Any, saved: list[tuple[bytes, int, bytes]]) -> None:
-    """Redis as it was at ``snapshot``: what was written since is lost."""
-    async for key in redis.scan_iter(count=1000):
-        await redis.delete(key)
-    for key, ttl, value in saved:
-        await redis.restore(key, ttl, value, replace=True)
+async def restore(q: Queue, saved: list[tuple[bytes, int, bytes]]) -> None:
+    """Redis as it was at ``snapshot``: what was written since is lost. (RESTORE is not for
+    jobtier's own user: the test's client, as the default user.)"""
+    async with admin(q.settings) as redis:
+        async for key in redis.scan_iter(count=1000):
+            await redis.delete(key)
+        for key, ttl, value in saved:
+            await redis.restore(key, ttl, value, replace=True)
 
 
 @dataclass
@@ -86,7 +92,7 @@ async def failover(q: Queue, pg_settings: Settings, pg_pool: Pool) -> Lost:
     lost.claimed = (await q.submit("echo", "claimed", queue=LOST)).job_id
     lost.finished = (await q.submit("echo", "finished", queue=LOST + "-f")).job_id
     await p.drain()
-    saved = await snapshot(q.redis)
+    saved = await snapshot(q)
 
     lost.queued = (await q.submit("echo", "queued", queue=LOST + "-q")).job_id
     lost.scheduled = (await q.submit("echo", "scheduled", delay=3600)).job_id
@@ -97,7 +103,7 @@ async def failover(q: Queue, pg_settings: Settings, pg_pool: Pool) -> Lost:
     lost.done = (await q.submit("echo", "done", queue=LOST + "-d")).job_id
     await finish_from(q, lost.done, LOST + "-d", b'"fine"')
     await p.drain()
-    await restore(q.redis, saved)
+    await restore(q, saved)
 
     p = Persister(pg_settings, q.redis, pg_pool, "p2")
     lost.ahead = (await q.submit("echo", "ahead", queue=LOST + "-a")).job_id
@@ -331,13 +337,13 @@ async def test_dependents_are_not_left_waiting(
     p = Persister(pg_settings, q.redis, pg_pool, "p1")
     first = (await q.submit("echo", 1)).job_id
     await p.drain()
-    saved = await snapshot(q.redis)
+    saved = await snapshot(q)
     waits = (await q.submit("echo", 2, depends_on=[first])).job_id  # lost while waiting
     gone = (await q.submit("echo", 3, queue=LOST + "-g")).job_id
     after_gone = (await q.submit("echo", 4, depends_on=[gone])).job_id
     await finish_from(q, gone, LOST + "-g", b'"g"')  # its hand-off not applied before it
     await p.drain()
-    await restore(q.redis, saved)
+    await restore(q, saved)
     assert await redis_state(q, waits) is None and await redis_state(q, after_gone) is None
 
     async with pg_pool.acquire() as conn:
@@ -394,7 +400,7 @@ async def claimed_then_saved(
     job_id = (await q.submit("echo", "x", queue=LOST)).job_id
     lease = await claim(q, job_id)
     await p.drain()
-    return job_id, lease, await snapshot(q.redis), q.keys.shard_of(job_id)
+    return job_id, lease, await snapshot(q), q.keys.shard_of(job_id)
 
 
 async def restored_and_reconciled(
@@ -407,7 +413,7 @@ async def restored_and_reconciled(
     """Redis put back to ``saved`` (the writes since lost, as with a master), then one
     reconcile pass: its report. ``held``: a job id and the (state, version) Redis must hold
     for it once restored."""
-    await restore(q.redis, saved)
+    await restore(q, saved)
     if held is not None:
         assert await redis_state(q, held[0]) == held[1]
     async with pg_pool.acquire() as conn:
@@ -422,7 +428,7 @@ async def test_a_running_job_with_a_cancel_request_is_cancelled(
     p = Persister(pg_settings, q.redis, pg_pool, "p1")
     job_id = (await q.submit("echo", "x", queue=LOST)).job_id
     await p.drain()
-    saved = await snapshot(q.redis)
+    saved = await snapshot(q)
     await claim(q, job_id)
     await q.cancel(job_id)
     await p.drain()

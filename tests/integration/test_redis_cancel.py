@@ -52,17 +52,17 @@ async def client(settings: Settings) -> Any:
 
 
 async def test_a_deadline_ends_plain_commands_and_pipelines(client: RedisClient) -> None:
-    await client.set("k", "v")
+    await client.set("jt:k", "v")
 
     async def pipeline() -> Any:
         pipe = client.pipeline(transaction=False)
-        pipe.get("k")
-        pipe.get("k")
+        pipe.get("jt:k")
+        pipe.get("jt:k")
         return await pipe.execute()
 
-    for call in (lambda: client.get("k"), lambda: client.hget("h", "f"), pipeline):
+    for call in (lambda: client.get("jt:k"), lambda: client.hget("jt:h", "f"), pipeline):
         assert await deadlines_seen(call) == (ROUNDS, 0)
-    assert await client.get("k") == b"v"  # the client still works after all those cancels
+    assert await client.get("jt:k") == b"v"  # the client still works after all those cancels
 
 
 async def test_a_deadline_ends_status_reads(settings: Settings) -> None:
@@ -84,7 +84,7 @@ async def test_a_cancelled_task_stops_in_its_redis_call(client: RedisClient) -> 
             nonlocal calls
             me = asyncio.current_task()
             while True:
-                await client.get("k")
+                await client.get("jt:k")
                 calls += 1
                 if me is not None and me.cancelling():
                     raise AssertionError("the cancel was lost in the call; the task ran on")

@@ -40,7 +40,7 @@ from jobtier.store.calls import (
     reclaim_call,
     stopped_call,
 )
-from tests.fixtures.redis import on_every_server
+from tests.fixtures.redis import admin, on_every_server
 
 pytestmark = pytest.mark.contract
 
@@ -60,6 +60,12 @@ class ModelJob:
     progress: str = ""
 
 
+async def _flushall(settings: Settings) -> None:
+    """Empty the backend (FLUSHALL is not for jobtier's own user: the test's client)."""
+    async with admin(settings) as redis:
+        await on_every_server(redis, "FLUSHALL")
+
+
 def ready_lists(keys: Keys, shard: int) -> list[str]:
     """The shard's ready lists the machine's jobs can be in (one queue, one tenant)."""
     return [keys.ready(shard, "default", p.value, "default") for p in PRIORITIES]
@@ -75,7 +81,7 @@ class JobMachine(RuleBasedStateMachine):
         # runs hypothesis replays
         s = self.base.replace(shards=1)
         self.queue = self.loop.run_until_complete(Queue.connect(s))
-        self.run(on_every_server(self.queue.redis, "FLUSHALL"))
+        self.run(_flushall(self.base))
         # a new Redis again: marked as connecting marks one (the next example's connect
         # would refuse an unmarked shard whose log had entries)
         self.run(job_format.adopt(self.queue.redis, self.queue.keys))

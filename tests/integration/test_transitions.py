@@ -31,6 +31,7 @@ from jobtier.store.calls import (
     submit_call,
 )
 from jobtier.store.context import SPREAD_FROM
+from jobtier.store.redis import RedisClient
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import StreamEntries
 
@@ -544,7 +545,9 @@ async def test_a_claim_token_kept_past_its_lease_claims_anew(queue: Queue) -> No
     assert len(late.jobs) == 2 and not {j.id for j in late.jobs} & {j.id for j in first.jobs}
 
 
-async def test_a_claim_without_a_token_or_that_leased_nothing_keeps_nothing(queue: Queue) -> None:
+async def test_a_claim_without_a_token_or_that_leased_nothing_keeps_nothing(
+    queue: Queue, redis: RedisClient
+) -> None:
     sub = await queue.submit("echo", None)
     shard = queue.keys.shard_of(sub.job_id)
     base = queue.keys.base(shard)
@@ -557,10 +560,10 @@ async def test_a_claim_without_a_token_or_that_leased_nothing_keeps_nothing(queu
     sub2 = await queue.submit("echo", None)
     shard2 = queue.keys.shard_of(sub2.job_id)
     kept = queue.keys.base(shard2) + "ct:*"
-    before = await queue.redis.keys(kept)
+    before = await redis.keys(kept)
     untokened = await queue.scripts.claim(shard2, W, 5, 30_000, token="")
     assert [j.id for j in untokened.jobs] == [sub2.job_id]
-    assert await queue.redis.keys(kept) == before
+    assert await redis.keys(kept) == before
 
 
 async def test_worker_writes_resent_after_they_ran_are_refused_or_harmless(queue: Queue) -> None:

@@ -21,6 +21,7 @@ from jobtier.webhooks.dispatcher import Dispatcher
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for
 from tests.fixtures.receiver import StartReceiver, delivered, deliveries, run_jobs, secret_of
+from tests.fixtures.redis import admin
 from tests.flows_helpers import run_flows
 
 
@@ -281,6 +282,7 @@ async def _echo_calling_back(c: httpx.AsyncClient, url: str) -> str:
 
 
 async def _blocked_reading(queue: Queue) -> bool:
-    """Is a client blocked in an XREADGROUP? (CLIENT LIST)"""
-    clients = await queue.redis.client_list()
+    """Is a client blocked in an XREADGROUP? (CLIENT LIST, which jobtier's user may not)"""
+    async with admin(queue.settings) as redis:
+        clients = await redis.client_list()
     return any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in clients)

@@ -191,3 +191,30 @@ def test_an_unreachable_default_redis_points_at_the_setting_and_jobtier_run() ->
     elsewhere = Settings.from_env({}, redis_url="redis://cache.internal:6380/0")
     said = unreachable_message(elsewhere, ConnectionError("refused"))
     assert "cache.internal:6380" in said and "16379" not in said
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://jobtier:s3cret@cache:6379/0", "redis://jobtier:***@cache:6379/0"),
+        (
+            "rediss://:s3cret@cache:6380/0?ssl_ca_certs=/ca.crt",
+            "rediss://:***@cache:6380/0?ssl_ca_certs=/ca.crt",
+        ),
+        ("redis://jobtier:p%40ss@[::1]:6379/2", "redis://jobtier:***@[::1]:6379/2"),
+        ("redis://cache:6379/0", "redis://cache:6379/0"),
+        ("redis://jobtier@cache:6379/0", "redis://jobtier@cache:6379/0"),
+        ("unix:///run/redis.sock?db=0", "unix:///run/redis.sock?db=0"),
+    ],
+)
+def test_a_redis_password_is_never_shown(url: str, shown: str) -> None:
+    """`jobtier config`, the message for an unreachable Redis and the log while it loads
+    name the URL without its password."""
+    from jobtier.config import masked_url
+    from jobtier.store.redis import unreachable_message
+
+    assert masked_url(url) == shown
+    settings = Settings.from_env({}, redis_url=url)
+    assert settings.public()["redis_url"] == shown
+    said = unreachable_message(settings, ConnectionError("refused"))
+    assert shown in said and ("s3cret" not in said and "p%40ss" not in said)

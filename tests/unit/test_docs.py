@@ -26,6 +26,7 @@ import yaml
 from jobtier.cli.main import build_parser
 from jobtier.config import settings_table
 from tests.docs_blocks import ROOT, Block, all_blocks, blocks, commands, pages
+from tests.fixtures.redis import JOBTIER_ACL
 
 DOCS = ROOT / "docs"
 README = (ROOT / "README.md").read_text()
@@ -265,3 +266,12 @@ def test_the_readme_is_short_and_keeps_the_bench_report_markers() -> None:
             headings = re.findall(r"^#+ (.+)$", (ROOT / link).read_text(), flags=re.M)
             ids = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-") for h in headings}
             assert anchor in ids, f"{link}#{anchor}"
+
+
+def test_the_redis_user_the_docs_give_is_the_one_the_tests_run_as() -> None:
+    """operating.md's least-privileged Redis user has the rules jobtier's clients are given
+    on the tests' single server and cluster (tests/fixtures/redis.py): every process the
+    suite builds from its settings runs under them."""
+    found = re.findall(r"^\s*ACL SETUSER jobtier on >\S+ (.+)$", _page_text("operating.md"), re.M)
+    assert found, "operating.md gives no ACL SETUSER line"
+    assert [line.split() for line in found] == [list(JOBTIER_ACL)]

@@ -286,7 +286,8 @@ def _cluster_roles(port: int) -> dict[int, tuple[str, int | None]]:
 
 
 def _replicas_online(port: int) -> list[int]:
-    """The ports of the replicas attached to the master on ``port`` with their links up."""
+    """The ports of the replicas attached to the master on ``port`` with their links up (the
+    ports they announce: their TLS ones under ``tls-replication``)."""
     with connect_to(port, decode_responses=True) as client:
         info = client.info("replication")
     ports = []

@@ -27,7 +27,7 @@ from redis.exceptions import BusyLoadingError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from jobtier.config import Settings
+from jobtier.config import Settings, masked_url
 from jobtier.core.errors import ConfigError
 from jobtier.runtime.backoff import STARTUP
 
@@ -449,7 +449,7 @@ DEFAULT_REDIS_URL = Settings.__dataclass_fields__["redis_url"].default
 
 def unreachable_message(settings: Settings, exc: BaseException) -> str:
     """Why we cannot talk to Redis, and where to look next."""
-    message = f"cannot reach Redis at {settings.redis_url}: {exc}."
+    message = f"cannot reach Redis at {masked_url(settings.redis_url)}: {exc}."
     if settings.redis_url == DEFAULT_REDIS_URL:
         return message + (
             " That is JOBTIER_REDIS_URL's default (the variable is not set): name your server "
@@ -485,7 +485,7 @@ async def check_redis(
                     log.warning(
                         "event=redis_loading url=%s percent=%s: Redis is loading its data "
                         "after a restart; waiting for it",
-                        settings.redis_url,
+                        masked_url(settings.redis_url),
                         done,
                     )
                 raise BusyLoadingError("Redis is loading the dataset in memory")
