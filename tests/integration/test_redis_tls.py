@@ -49,8 +49,7 @@ def tls_redis(
     server = LocalRedis(
         folder,
         options={
-            "tls-port": free_port(),
-            **tls_files.server_options(),
+            **tls_files.server_options(free_port()),
             "unixsocket": folder / "redis.sock",
             "unixsocketperm": 700,
         },
@@ -120,7 +119,7 @@ async def test_over_tls(tls_redis: LocalRedis, tls_files: TlsFiles) -> None:
     plain = syncredis.Redis(port=port, socket_timeout=2, socket_connect_timeout=2)
     with plain, pytest.raises(syncredis.ConnectionError):
         plain.ping()
-    settings = _settings(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={tls_files.ca}")
+    settings = _settings(tls_files.url(port))
     async with listening(settings) as (_, reader):
         await a_job_runs_and_is_heard(settings, reader)
 

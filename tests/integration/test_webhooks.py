@@ -17,11 +17,11 @@ from standardwebhooks.webhooks import WebhookVerificationError
 
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
+from jobtier.store.redis import RedisClient
 from jobtier.webhooks.dispatcher import Dispatcher
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import wait_for
 from tests.fixtures.receiver import StartReceiver, delivered, deliveries, run_jobs, secret_of
-from tests.fixtures.redis import admin
 from tests.flows_helpers import run_flows
 
 
@@ -224,15 +224,15 @@ async def test_a_submits_callbacks_are_kept_only_for_the_jobs_it_made(
 
 async def test_an_idle_dispatcher_waits_in_redis_and_delivers_what_comes(
     hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
-    start_dispatcher: Callable[..., Dispatcher],
+    start_dispatcher: Callable[..., Dispatcher], redis: RedisClient,
 ) -> None:  # fmt: skip
     """Started with nothing to read, the dispatcher is blocked in one XREADGROUP naming every
     stream (not napping between polls), and a job finished meanwhile gets its webhook."""
     receiver = await start_receiver()
-    assert not await _blocked_reading(queue)
+    assert not await _blocked_reading(redis)
     # no taking back its own pending entries meanwhile: what it waited for is handled by it
     dispatcher = start_dispatcher(persist_claim_idle_seconds=60)
-    await wait_for(lambda: _blocked_reading(queue))
+    await wait_for(lambda: _blocked_reading(redis))
     async with hook_api.client() as c:
         await secret_of(c)
         job_id = await _echo_calling_back(c, receiver.url)
@@ -281,8 +281,8 @@ async def _echo_calling_back(c: httpx.AsyncClient, url: str) -> str:
     return job_id
 
 
-async def _blocked_reading(queue: Queue) -> bool:
-    """Is a client blocked in an XREADGROUP? (CLIENT LIST, which jobtier's user may not)"""
-    async with admin(queue.settings) as redis:
-        clients = await redis.client_list()
+async def _blocked_reading(redis: RedisClient) -> bool:
+    """Is a client blocked in an XREADGROUP? (CLIENT LIST: ``redis`` is the test's client,
+    as jobtier's user may not)"""
+    clients = await redis.client_list()
     return any(c.get("cmd") == "xreadgroup" and "b" in c.get("flags", "") for c in clients)

@@ -74,14 +74,14 @@ class LocalCluster:
             for node in self.nodes:
                 port = free_port(65536 - CLUSTER_BUS_OFFSET, also=CLUSTER_BUS_OFFSET)
                 self.tls_ports.append(port)
-                node.options |= {"tls-port": port, "tls-cluster": "yes", **tls.server_options()}
+                node.options |= {"tls-cluster": "yes", **tls.server_options(port)}
         self._killed_slot: dict[int, int | None] = {}
 
     @property
     def url(self) -> str:
         """A client's URL: the first node's (its TLS port, with ``tls`` the CA to trust)."""
         if self.tls is not None:
-            return f"rediss://127.0.0.1:{self.tls_ports[0]}/0?ssl_ca_certs={self.tls.ca}"
+            return self.tls.url(self.tls_ports[0])
         return self.nodes[0].url
 
     def start(self) -> LocalCluster:
@@ -305,16 +305,21 @@ class TlsFiles:
     cert: Path
     key: Path
 
-    def server_options(self) -> dict[str, str | Path]:
-        """What a redis-server (or sentinel) needs to serve TLS and speak it to the others;
-        clients need no certificate of their own."""
+    def server_options(self, port: int) -> dict[str, int | str | Path]:
+        """What a redis-server (or sentinel) needs to serve TLS on ``port`` and speak it to
+        the others; clients need no certificate of their own."""
         return {
+            "tls-port": port,
             "tls-cert-file": self.cert,
             "tls-key-file": self.key,
             "tls-ca-cert-file": self.ca,
             "tls-auth-clients": "no",
             "tls-replication": "yes",
         }
+
+    def url(self, port: int) -> str:
+        """A client's URL for the TLS server on ``port``, trusting this CA."""
+        return f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={self.ca}"
 
 
 class LocalSentinels:
@@ -350,7 +355,7 @@ class LocalSentinels:
         self.served = {node.port: free_port() if tls else node.port for node in self.nodes}
         if tls is not None:
             for node in self.nodes:
-                node.options |= {"tls-port": self.served[node.port], **tls.server_options()}
+                node.options |= tls.server_options(self.served[node.port])
         for node in self.nodes[1:]:
             node.options["replicaof"] = ("127.0.0.1", self.served[self.nodes[0].port])
         self.sentinel_ports = [free_port() for _ in range(count)]
@@ -368,7 +373,7 @@ class LocalSentinels:
         """JOBTIER_REDIS_URL beside it: the database (the host is the sentinels' answer), and
         with ``tls`` the CA to trust."""
         if self.tls is not None:
-            return f"rediss://127.0.0.1:6379/0?ssl_ca_certs={self.tls.ca}"
+            return self.tls.url(6379)
         return "redis://127.0.0.1:6379/0"
 
     def start(self) -> LocalSentinels:
@@ -393,7 +398,7 @@ class LocalSentinels:
         master = self.served[self.nodes[0].port]
         tls = ""
         if self.tls is not None:
-            options = {"tls-port": self.sentinel_tls_ports[i], **self.tls.server_options()}
+            options = self.tls.server_options(self.sentinel_tls_ports[i])
             tls = "".join(f"{name} {value}\n" for name, value in options.items())
         conf.write_text(
             f"port {port}\nbind 127.0.0.1\ndir {folder}\nprotected-mode no\n"
