@@ -36,7 +36,7 @@ lint: setup
 	$(BIN)/ruff format --check src tests bench loadtest scripts
 
 types: setup
-	$(BIN)/mypy src tests scripts/docs_hooks.py
+	$(BIN)/mypy src tests scripts/docs_hooks.py bench
 
 format: setup
 	$(BIN)/ruff format src tests bench loadtest scripts

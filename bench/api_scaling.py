@@ -119,7 +119,7 @@ def publish(url: str, n: int, round_: int) -> None:
         for i in range(start, min(n, start + 1000)):
             v = base + i // 1000
             job = ids[i % 1000].encode()
-            pipe.execute_command(
+            pipe.execute_command(  # type: ignore[no-untyped-call]
                 "SPUBLISH", keys.events(0), b"%s %d t1\n" % (job, v) + DOC % (job, v)
             )
         pipe.execute()

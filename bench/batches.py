@@ -79,7 +79,7 @@ async def finish_all(queue: Queue, n: int) -> None:
 
 
 async def phase(queue: Queue, meter: RedisMeter, name: str, n: int) -> dict[str, Any]:
-    await fresh(queue.redis)  # type: ignore[arg-type]
+    await fresh(queue.redis)
     submit = submit_plain if name == "plain" else submit_batch
     await meter.start()
     t0 = time.perf_counter()

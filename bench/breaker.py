@@ -38,7 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -56,8 +56,18 @@ from common import (  # noqa: E402
 
 from jobtier.worker.job_context import JobContext  # noqa: E402  (the task's annotation)
 
+
+class Thresholds(TypedDict):
+    """The breaker cell's ``Breaker`` arguments."""
+
+    failures: int
+    window: float
+    open_for: float
+    max_open: float
+
+
 CONCURRENCY = 100
-BREAKER = {"failures": 20, "window": 10.0, "open_for": 2.0, "max_open": 8.0}
+BREAKER: Thresholds = {"failures": 20, "window": 10.0, "open_for": 2.0, "max_open": 8.0}
 RETRIES = 8
 CELLS = ("no breaker", "breaker")
 COLUMNS = {
@@ -142,7 +152,9 @@ class Downstream:
 
 
 # --- one cell -------------------------------------------------------------------------------
-async def cell(name: str, url: str, downstream: Downstream, args: argparse.Namespace) -> dict:
+async def cell(
+    name: str, url: str, downstream: Downstream, args: argparse.Namespace
+) -> dict[str, Any]:
     import httpx
 
     from jobtier.config import Settings

@@ -313,7 +313,10 @@ class Producer:
             n += 1
             key = f"chaos-{n}"
             if self.rng.random() < 0.15:
-                body = {"type": "flaky", "payload": {"n": n, "succeed_on": self.rng.choice([2, 3])}}
+                body: dict[str, Any] = {
+                    "type": "flaky",
+                    "payload": {"n": n, "succeed_on": self.rng.choice([2, 3])},
+                }
             else:
                 # a few take longer: a killed worker then often holds some, whose leases expire
                 roll = self.rng.random()

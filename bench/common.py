@@ -33,6 +33,7 @@ from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
 from jobtier.store import format as job_format
 from jobtier.store.context import Store
+from jobtier.store.redis import RedisClient
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,7 +120,7 @@ async def set_format(redis: Redis, keys: Keys, fmt: int) -> None:
     await pipe.execute()
 
 
-async def flush(redis: Redis) -> None:
+async def flush(redis: RedisClient) -> None:
     """FLUSHALL, keeping each shard's job format mark (``set_format``): a baseline's scripts
     read it at every call, and emptying Redis between phases must not turn them to format 1
     (no mark) under the bench."""
@@ -132,11 +133,12 @@ async def flush(redis: Redis) -> None:
     if marks:
         pipe = redis.pipeline(transaction=False)
         for key, value in marks.items():
+            assert value is not None  # SCAN found the key, nothing else writes to this Redis
             pipe.set(key, value)
         await pipe.execute()
 
 
-async def fresh(redis: Redis) -> None:
+async def fresh(redis: RedisClient) -> None:
     """Empty Redis and make its append-only file small again before a measured phase.
 
     Without the rewrite, the AOF of earlier phases grows past Redis's auto-rewrite threshold
@@ -153,7 +155,7 @@ async def fresh(redis: Redis) -> None:
         await wait_aof_rewrite(redis)
 
 
-async def wait_aof_rewrite(redis: Redis) -> None:
+async def wait_aof_rewrite(redis: RedisClient) -> None:
     for _ in range(600):
         p = await redis.info("persistence")
         if not p.get("aof_rewrite_in_progress") and not p.get("aof_rewrite_scheduled"):
@@ -161,7 +163,7 @@ async def wait_aof_rewrite(redis: Redis) -> None:
         await asyncio.sleep(0.05)
 
 
-async def commandstats(redis: Redis) -> dict[str, int]:
+async def commandstats(redis: RedisClient) -> dict[str, int]:
     """Calls per command since the last CONFIG RESETSTAT (commands run by scripts included)."""
     info = await redis.info("commandstats")
     return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items()}
@@ -172,13 +174,13 @@ def delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
-async def redis_cpu(redis: Redis) -> float:
+async def redis_cpu(redis: RedisClient) -> float:
     """Seconds of CPU the Redis server has used (user + system, main and background)."""
     info = await redis.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-async def disk_writes(redis: Redis, pid: int) -> tuple[int, int]:
+async def disk_writes(redis: RedisClient, pid: int) -> tuple[int, int]:
     """(bytes Redis has written to files, AOF rewrites so far): its write() bytes from
     /proc/<pid>/io less what it sent to clients. Unlike ``aof_current_size`` this keeps
     counting across an AOF rewrite (which starts a new, small file)."""
@@ -209,7 +211,7 @@ class RedisMeter:
     scripts included, ``BOOKKEEPING`` and ``ignore`` left out) and the per-command counts.
     """
 
-    def __init__(self, redis: Redis, pid: int, ignore: frozenset[str] = frozenset()) -> None:
+    def __init__(self, redis: RedisClient, pid: int, ignore: frozenset[str] = frozenset()) -> None:
         self.redis, self.pid = redis, pid
         self.ignore = BOOKKEEPING | ignore
 

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import redis
@@ -189,7 +189,7 @@ class ApiProcess:
         """Wait for /healthz (not /readyz: that one also wants Postgres); on failure the
         server is stopped, so a failed start leaves no process behind."""
         try:
-            wait_port(self.port, timeout, proc=self.proc)  # type: ignore[arg-type]
+            wait_port(self.port, timeout, proc=self.proc)
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 with contextlib.suppress(httpx.HTTPError):
@@ -522,7 +522,10 @@ class StalenessProbe(threading.Thread):
                 job_id, tenant = random.choice(self.ids)
                 auth = {"authorization": f"Bearer {KEY_OF[tenant]}"}
                 try:
-                    held = r.hmget(keys.job(job_id), job_format.small_fields("version"))
+                    held = cast(
+                        list[bytes | None],
+                        r.hmget(keys.job(job_id), job_format.small_fields("version")),
+                    )
                     in_redis = int(job_format.small_field(held, "version") or 0)
                     served = int(
                         client.get(f"/v1/jobs/{job_id}", headers=auth).headers["etag"].strip('"')

@@ -74,7 +74,7 @@ async def one_batch(queue: Queue, kind: str, payload: Any, jobs: int) -> dict[st
     redis0, wall0, cpu0 = await redis_cpu(redis), time.perf_counter(), time.process_time()
     ids: list[str] = []
     for i in range(0, jobs, CHUNK):
-        ids += [s.job_id for s in await queue.submit_many(specs[i : i + CHUNK])]  # type: ignore[union-attr]
+        ids += [s.job_id for s in await queue.submit_many(specs[i : i + CHUNK])]
     cpu1 = time.process_time()
     stats = await Worker(queue.store, REGISTRY, burst=True, concurrency=50).run()
     cpu2, wall2 = time.process_time(), time.perf_counter()
@@ -116,8 +116,8 @@ async def measure(url: str, rounds: int, jobs: int) -> dict[str, Any]:
     }
     try:
         for n in SIZES.values():  # warm-up
-            for arm in ARMS.values():
-                await one_batch(queue, arm.name, payload_of(n), min(jobs, 500))
+            for t in ARMS.values():
+                await one_batch(queue, t.name, payload_of(n), min(jobs, 500))
         for r in range(rounds):
             for size, n in SIZES.items():
                 order = list(ARMS.items())

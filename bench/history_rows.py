@@ -77,12 +77,15 @@ async def measure(base: Settings, pool: Pool, every: float, jobs: int, seconds: 
             worker.stop()
             persister.stop()
             await asyncio.gather(*running)
-    rows = dict(
-        await pool.fetch(
+    rows: dict[str, int] = {
+        r[0]: r[1]
+        for r in await pool.fetch(
             "SELECT job_id, count(*) FROM job_transitions WHERE job_id = ANY($1) GROUP BY 1", ids
         )
-    )
-    states = dict(await pool.fetch("SELECT id, state FROM jobs WHERE id = ANY($1)", ids))
+    }
+    states: dict[str, str] = {
+        r[0]: r[1] for r in await pool.fetch("SELECT id, state FROM jobs WHERE id = ANY($1)", ids)
+    }
     gaps = await pool.fetch(query("history_gaps"), ids)
     return {
         "progress_history_seconds": every,

@@ -134,7 +134,8 @@ async def phase(
     async with process(*argv, env=env):
         async with asyncio.timeout(args.timeout):
             await drain.done.wait()
-    return args.jobs / (drain.last - drain.first_running)
+    jobs: int = args.jobs
+    return jobs / (drain.last - drain.first_running)
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -213,7 +213,7 @@ async def timed(redis: Redis, text: str, base: str, calls: int) -> tuple[float, 
     await redis.script_load(text)
     await redis.config_resetstat()
     for _ in range(calls):
-        await redis.execute_command("EVALSHA", sha, 1, base + "log", base)
+        await redis.execute_command("EVALSHA", sha, 1, base + "log", base)  # type: ignore[no-untyped-call]
     s = await stats(redis)
     script = sum(u for k, (_, u) in s.items() if k.startswith("eval"))
     inner = sum(

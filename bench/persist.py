@@ -42,7 +42,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import Redis
 
@@ -73,6 +73,7 @@ from jobtier.streams.group import lag
 SHARDS = 16
 RESULTS = Path(__file__).parent / "results"
 SPREAD = 0.3  # seconds between a job's submit, claim and completion at a sustained rate
+Entries = list[tuple[bytes, dict[bytes, bytes]]]  # an XRANGE reply (decode_responses off)
 
 
 # --- producing transitions --------------------------------------------------------------------
@@ -134,7 +135,7 @@ async def backlog(run: Run, transitions: int) -> list[LogEntry]:
     await prefill(run.redis_url, transitions)
     entries: list[LogEntry] = []
     for shard in range(SHARDS):
-        for entry_id, fields in await run.redis.xrange(run.keys.log(shard)):
+        for entry_id, fields in cast(Entries, await run.redis.xrange(run.keys.log(shard))):
             entries.append(parse_entry(shard, entry_id, fields))
     entries.sort(key=lambda e: (e.ms, e.entry_id))
     return entries
@@ -360,7 +361,7 @@ class Run:
         # entries never committed count with their age so far: a lower bound of their lag
         now, left = time.time(), 0
         for s in range(SHARDS):
-            for entry_id, _ in await self.redis.xrange(self.keys.log(s)):
+            for entry_id, _ in cast(Entries, await self.redis.xrange(self.keys.log(s))):
                 if (s, entry_id) not in self.committed:
                     left += 1
                     self.lags.append(now - int(entry_id.split(b"-")[0]) / 1000)

@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -171,7 +171,7 @@ async def phase(
     settings: Settings, observer: Observer, mode: str, jobs: int, rounds: int, idle_s: float
 ) -> dict[str, Any]:
     async with await Queue.connect(settings, REGISTRY) as queue:
-        executor = "process" if mode == "processes" else "thread"
+        executor: Literal["thread", "process"] = "process" if mode == "processes" else "thread"
         options = ProcessOptions(size=POOL)
         worker = Worker(
             queue.store,

@@ -50,9 +50,10 @@ COLUMNS = {
     "Redis CPU µs/job": "redis_cpu_us_per_job",
     "worker CPU µs/job": "worker_cpu_us_per_job",
 }
+Row = dict[str, float | None]  # a cell's figures by COLUMNS key; None where the table has none
 
 
-def parse_row(output: str) -> dict[str, float]:
+def parse_row(output: str) -> Row:
     """The end-to-end row of throughput.py's table, by column."""
     lines = [ln for ln in output.splitlines() if ln.startswith("|")]
     for i, line in enumerate(lines):
@@ -61,7 +62,7 @@ def parse_row(output: str) -> dict[str, float]:
             for row in lines[i + 2 :]:
                 cells = [c.strip() for c in row.strip("|").split("|")]
                 if cells[0].startswith(ROW):
-                    out = {}
+                    out: Row = {}
                     for name, key in COLUMNS.items():
                         value = cells[header.index(name)].replace(",", "")
                         out[key] = float(value) if re.fullmatch(r"[0-9.]+", value) else None
@@ -92,7 +93,7 @@ def extract(rev: str, into: Path) -> Path:
     return into / "tree"
 
 
-def run_cell(tree: Path, jobs: int, extra: list[str], timeout: float) -> dict[str, float]:
+def run_cell(tree: Path, jobs: int, extra: list[str], timeout: float) -> Row:
     cmd = [
         sys.executable, str(tree / "bench" / "throughput.py"), "--phases", "e2e",
         "--jobs", str(jobs), "--runs", "1", "--no-save", *extra,
@@ -132,12 +133,19 @@ def cells(args: argparse.Namespace, old: Path | None) -> list[tuple[str, Callabl
     return out
 
 
-def render(results: dict[str, list[dict[str, float]]], args: argparse.Namespace, env: Any) -> str:
+def jobs_per_s(row: Row) -> float:
+    """A cell's jobs/s: throughput.py's row always has a number there."""
+    value = row["jobs_per_s"]
+    assert value is not None, row
+    return value
+
+
+def render(results: dict[str, list[Row]], args: argparse.Namespace, env: Any) -> str:
     rows = []
     for name, runs in results.items():
         row = [name]
         for key in COLUMNS.values():
-            values = [r[key] for r in runs if r.get(key) is not None]
+            values = [v for r in runs if (v := r.get(key)) is not None]
             row.append(fmt(median(values), 3 if "trips" in key else 0) if values else "-")
         rows.append(row)
     md = header_markdown("Named queues and flow limits, against the commit before them", env)
@@ -150,8 +158,8 @@ def render(results: dict[str, list[dict[str, float]]], args: argparse.Namespace,
     base = results.get(next(iter(results)), [])
     this = results.get("1 queue", [])
     if base and this and next(iter(results)) != "1 queue":
-        b = median([r["jobs_per_s"] for r in base])
-        t = median([r["jobs_per_s"] for r in this])
+        b = median([jobs_per_s(r) for r in base])
+        t = median([jobs_per_s(r) for r in this])
         md += f"\n- 1 queue against the commit before queues: {t / b:.2f}x jobs/s.\n"
     return md
 
@@ -170,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.jobs, args.runs = min(args.jobs, 5_000), 1
     env = environment()
-    results: dict[str, list[dict[str, float]]] = {}
+    results: dict[str, list[Row]] = {}
     with tempfile.TemporaryDirectory(prefix="jobtier-bench-queues-") as tmp:
         old = extract(args.compare_rev, Path(tmp)) if args.compare_rev else None
         for run in range(args.runs):

@@ -26,6 +26,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,9 @@ async def measure(args: argparse.Namespace, url: str, ids: list[tuple[str, str]]
         started = asyncio.Event()
         await events.put({"type": "lifespan.startup"})
 
-        async def lifespan_send(message: Message, started: asyncio.Event = started) -> None:
+        async def lifespan_send(
+            message: MutableMapping[str, Any], started: asyncio.Event = started
+        ) -> None:
             if message["type"] == "lifespan.startup.complete":
                 started.set()
             elif message["type"].endswith("failed"):

@@ -652,7 +652,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["config"], row["mix"], row["mode"]), []).append(summary_row(row))
-    out = []
+    out: list[dict[str, Any]] = []
     for (config, mix, mode), items in groups.items():
         med = {k: median_or_none([i[k] for i in items]) for k in items[0]}
         for k in ("stale", "probes", "replays_stale", "replays"):  # totals over the runs

@@ -316,7 +316,8 @@ async def measure_enqueue(queue: Queue, args: argparse.Namespace, single: bool) 
         await submit_single(queue, jobs, args.in_flight)
     else:
         await submit_batches(queue, jobs, args.batch)
-    return args.jobs / (time.perf_counter() - t0)
+    count: int = args.jobs
+    return count / (time.perf_counter() - t0)
 
 
 async def measure_run(

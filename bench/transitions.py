@@ -131,12 +131,14 @@ def use_sources(queue: Queue, sources: Revision | None) -> None:
 # --- the AOF, read back ---------------------------------------------------------------------
 async def aof_file(redis: Redis) -> Path:
     """The file Redis appends to now (Redis 7: the last INCR file of the manifest)."""
-    folder = Path((await redis.config_get("dir"))["dir"])
+    folder = (await redis.config_get("dir"))["dir"]
     sub = (await redis.config_get("appenddirname")).get("appenddirname", "appendonlydir")
     name = (await redis.config_get("appendfilename"))["appendfilename"]
-    manifest = (folder / sub / f"{name}.manifest").read_text().splitlines()
+    # CONFIG GET's values are strings; redis-py types them str | None
+    assert folder is not None and sub is not None and name is not None
+    manifest = (Path(folder) / sub / f"{name}.manifest").read_text().splitlines()
     incr = [line.split()[1] for line in manifest if " type i" in line]
-    return folder / sub / incr[-1]
+    return Path(folder) / sub / incr[-1]
 
 
 def resp_commands(data: bytes) -> list[tuple[str, int]]:
@@ -294,7 +296,7 @@ async def one_variant(
             if not all(docs):
                 raise RuntimeError("read_status.lua found no document for a finished job")
 
-    out = {}
+    out: dict[str, Any] = {}
     for name, work in (("submit", submit), ("claim", claim), ("complete", complete), (READ, read)):
         out[name] = await measure_phase(redis, path, len(items), work)
     # what a finished job keeps in Redis, for the record

@@ -222,8 +222,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         start = time.perf_counter()
         await drain(queue, registry)
 
+        deliveries: int = args.deliveries
+
         async def all_delivered() -> bool:
-            return await delivered(pool) >= args.deliveries
+            return await delivered(pool) >= deliveries
 
         await wait_until(all_delivered)
         elapsed = time.perf_counter() - start

@@ -409,7 +409,7 @@ def _sentinel_master(settings: Settings, options: dict[str, Any]) -> Redis:
     auth = {k: url[k] for k in ("username", "password") if url.get(k)}
     tls = url.get("connection_class") is SSLConnection
     ssl: dict[str, Any] = {k: v for k, v in url.items() if k.startswith("ssl_")} if tls else {}
-    sentinels = Sentinel(  # type: ignore[no-untyped-call]
+    sentinels = Sentinel(  # type: ignore[no-untyped-call,unused-ignore]  # typed from redis-py 8.2
         settings.sentinel_addresses(),
         sentinel_kwargs={
             "socket_timeout": 2.0,
