@@ -19,6 +19,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from redis.exceptions import RedisError
 
@@ -78,6 +79,9 @@ class Scheduler:
         self._next_due: list[float] = [NOW] * n
         self._next_lease: list[float] = [NOW] * n
         self._next_cron: list[float] = [NOW] * n
+        # per shard: a shard whose node is down (a master failing over) is retried on its
+        # own back-off while the other shards' jobs are promoted and reclaimed on time
+        self._retry = [SCHEDULER.start() for _ in range(n)]
         self.cron = CronMirror(store.redis, store.keys, store.scripts)
         # Postgres holds the schedules' definitions: the mirror is checked against it
         self.schedules = schedules
@@ -220,17 +224,49 @@ class Scheduler:
         """Fire the recurring schedules that are due (before promoting: their jobs are
         created due now, so a worker can take them in this same pass)."""
         created = 0
-        for shard, due in enumerate(self._next_cron):
-            if 0 <= due <= now:
-                self._next_cron[shard] = -1  # a wake during the call records itself (see below)
+        failed: dict[int, BaseException] = {}
+        fired = [shard for shard, due in enumerate(self._next_cron) if 0 <= due <= now]
+        for shard in fired:
+            self._next_cron[shard] = -1  # a wake during the call records itself (see below)
+            try:
                 made, nxt = await self.cron.fire_due(
                     shard, int(self.redis_now_ms()), self.misfire_grace_ms
                 )
-                created += made
-                self.stats.fired += made
-                woke = self._next_cron[shard]
-                self._next_cron[shard] = nxt if woke < 0 else (woke if nxt < 0 else min(nxt, woke))
+            except (RedisError, OSError) as exc:
+                failed[shard] = exc
+                continue
+            created += made
+            self.stats.fired += made
+            woke = self._next_cron[shard]
+            self._next_cron[shard] = nxt if woke < 0 else (woke if nxt < 0 else min(nxt, woke))
+        self._retry_later(self._next_cron, failed, "fire")
+        self._succeeded(fired, failed)
         return created
+
+    def _retry_later(self, times: list[float], failed: dict[int, BaseException], step: str) -> None:
+        """Shards whose call failed (their node is down): each is looked at again after its
+        own back-off, in ``times``; one log line for them all. A shard whose calls succeed
+        again starts its back-off afresh (``_succeeded``)."""
+        if not failed:
+            return
+        now = self.redis_now_ms()
+        waits = []
+        for shard in failed:
+            wait = self._retry[shard].next()
+            times[shard] = now + wait * 1000
+            waits.append(wait)
+        log.warning(
+            "event=scheduler_shards_failed step=%s shards=%s error=%r retry_in=%.2fs",
+            step,
+            ",".join(map(str, sorted(failed))),
+            next(iter(failed.values())),
+            min(waits),
+        )
+
+    def _succeeded(self, shards: list[int], failed: dict[int, BaseException]) -> None:
+        for shard in shards:
+            if shard not in failed and self._retry[shard].failures:
+                self._retry[shard].reset()
 
     async def reconcile(self) -> int:
         """Restore schedules Postgres has and Redis lost; copy firing times back to Postgres.
@@ -290,10 +326,16 @@ class Scheduler:
             # script looked: -1 lets _on_wake record it, and the answer below keeps it
             self._next_due[shard] = -1
         sent = time.time() * 1000
-        replies = await self.scripts.call_many(calls)
+        # one pipeline per node, each call's reply on its own: while a node is down (a
+        # master failing over) only its shards wait, on their own back-off (_retry_later)
+        replies = await self.scripts.call_many_each(calls)
         received = time.time() * 1000
         lease_ms = s.lease_seconds * 1000
+        unpromoted = _failures(promote, replies[: len(promote)])
+        unreclaimed = _failures(reclaim, replies[len(promote) :])
         for shard, reply in zip(promote, replies[: len(promote)], strict=True):
+            if shard in unpromoted:
+                continue
             r = parse_promote(reply)
             self._offset_ms = r.now_ms - (sent + received) / 2
             self.stats.promoted += r.moved
@@ -303,6 +345,8 @@ class Scheduler:
             woke = self._next_due[shard]
             self._next_due[shard] = due if woke < 0 else (woke if due < 0 else min(due, woke))
         for shard, reply in zip(reclaim, replies[len(promote) :], strict=True):
+            if shard in unreclaimed:
+                continue
             r = parse_reclaim(reply)
             self._offset_ms = r.now_ms - (sent + received) / 2
             self.stats.requeued += r.moved
@@ -322,4 +366,20 @@ class Scheduler:
                 # answer ends no sooner than a full lease from now
                 horizon = r.now_ms + lease_ms
                 self._next_lease[shard] = min(r.next_ms, horizon) if r.next_ms >= 0 else horizon
+        self._retry_later(self._next_due, unpromoted, "promote")
+        self._retry_later(self._next_lease, unreclaimed, "reclaim")
+        self._succeeded(promote, unpromoted)
+        self._succeeded(reclaim, unreclaimed)
         return moved
+
+
+def _failures(shards: list[int], replies: list[Any]) -> dict[int, BaseException]:
+    """The shards whose call failed for want of Redis (a connection error, a node failing
+    over), with their error; any other error is a fault of ours, raised."""
+    failed: dict[int, BaseException] = {}
+    for shard, reply in zip(shards, replies, strict=True):
+        if isinstance(reply, (RedisError, OSError)):
+            failed[shard] = reply
+        elif isinstance(reply, BaseException):
+            raise reply
+    return failed

@@ -92,6 +92,10 @@ class ShardSubscriber:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing = False
         self._down: set[tuple[str, int]] = set()  # nodes whose subscription is not confirmed
+        # since when a subscription has been lost, and the tries since: while a node is down
+        # the retries go on at the back-off's first pace (a cluster's are new tasks after each
+        # regroup), logged once when lost and once when every node is subscribed again
+        self._lost: tuple[float, int] | None = None
 
     def live(self) -> bool:
         """Every node's subscription is confirmed, and none has been found broken since."""
@@ -190,6 +194,7 @@ class ShardSubscriber:
                     if reply and reply[0] == b"ssubscribe":
                         confirmed += 1
                 self._down.discard(node)
+                self._restored()
                 if self.on_reset is not None:
                     self.on_reset()
                 ready.set()
@@ -226,13 +231,23 @@ class ShardSubscriber:
                     except Exception:
                         log.exception("event=subscriber_callback_failed subscriber=%s", self.name)
                 wait = backoff.next()
-                log.warning(
-                    "event=subscription_lost subscriber=%s node=%s:%s error=%r retry_in=%.2fs",
-                    self.name,
-                    *node,
-                    exc,
-                    wait,
-                )
+                if self._lost is None:
+                    self._lost = (loop.time(), 0)
+                    log.warning(
+                        "event=subscription_lost subscriber=%s node=%s:%s error=%r retry_in=%.2fs",
+                        self.name,
+                        *node,
+                        exc,
+                        wait,
+                    )
+                else:
+                    self._lost = (self._lost[0], self._lost[1] + 1)
+                    log.debug(
+                        "event=subscription_retry_failed subscriber=%s node=%s:%s error=%r",
+                        self.name,
+                        *node,
+                        exc,
+                    )
                 await asyncio.sleep(wait)
                 if isinstance(self.redis, RedisCluster) or _sentinel_client(self.redis):
                     # a failover or resharding may have moved our slots (or the sentinels
@@ -260,6 +275,20 @@ class ShardSubscriber:
                         await pinger
                 with contextlib.suppress(Exception):
                     await conn.disconnect()
+
+    def _restored(self) -> None:
+        """Once every node's subscription is confirmed again after a loss: one line saying
+        how long it took."""
+        if self._lost is None or self._down:
+            return
+        since, tries = self._lost
+        self._lost = None
+        log.info(
+            "event=subscription_restored subscriber=%s after=%.2fs failed_tries=%d",
+            self.name,
+            asyncio.get_running_loop().time() - since,
+            tries,
+        )
 
     async def _respawn(self) -> None:
         """(Cluster, sentinels) rebuild the per-node subscriptions after a topology change."""

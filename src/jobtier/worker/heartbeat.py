@@ -89,16 +89,22 @@ class Heartbeat:
                 return
             full = time.monotonic() >= next_beat
             progress.clear()
+            failed: BaseException | None = None
             try:
                 await self._beat(progress_only=not full)
-                if full:
-                    next_beat = time.monotonic() + interval
-                    await self.advertise()
-                    await self.claimer.refresh_limits()
             except (RedisError, OSError) as exc:
-                log.warning("event=heartbeat_failed worker=%s error=%r", self.id, exc)
-                if full:
-                    next_beat = time.monotonic() + 1.0
+                failed = exc
+            if full:
+                # each step on its own: a beat that failed on one node (a master failing
+                # over) must not keep this worker from saying it is alive, elsewhere
+                for step in (self.advertise, self.claimer.refresh_limits):
+                    try:
+                        await step()
+                    except (RedisError, OSError) as exc:
+                        failed = failed or exc
+                next_beat = time.monotonic() + (interval if failed is None else 1.0)
+            if failed is not None:
+                log.warning("event=heartbeat_failed worker=%s error=%r", self.id, failed)
             if not full:  # merge bursts of progress reports
                 await wait_for(self._stop, self.progress_interval)
 
@@ -146,7 +152,13 @@ class Heartbeat:
         index = {r.job.id: r for r in beating}
         for items, reply in zip(by_shard.values(), replies[:beats], strict=True):
             if isinstance(reply, Exception):
-                continue  # its node is down: these leases are retried at the next beat
+                # its node is down: these leases are retried at the next beat, with the
+                # progress they carried unless the task has reported newer since
+                for job_id, _, carried in items:
+                    r = index[job_id]
+                    if carried and r.progress is None:
+                        r.progress = carried
+                continue
             for (job_id, _, _), (code, cancel) in zip(items, parse_pairs(reply), strict=True):
                 r = index[job_id]
                 if code is not Code.OK:
