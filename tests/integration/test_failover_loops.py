@@ -8,6 +8,9 @@
   the beat failed on the lost node, and the progress that beat carried for the lost shards'
   jobs is sent again rather than dropped. (A failed beat skipped both, and its progress was
   lost.)
+- A worker's permits of a limited queue: those of the jobs that ended on the masters that
+  are up are given back while the lost master's outcomes wait. (They waited for a round of
+  outcomes that landed whole: the queue ran below its limit until the master was back.)
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from redis.crc import key_slot
 from redis.exceptions import RedisError
 
 from jobtier.config import Settings
-from jobtier.core.model import State
+from jobtier.core.model import QueueLimits, State
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.produce import DEFAULT_TENANT
@@ -195,3 +198,41 @@ async def test_a_worker_says_it_is_alive_and_keeps_progress_while_a_master_is_do
         await wait_for(lambda: progress_of([ids[s] for s in lost]), timeout=30)
         GATE.release.set()
         await wait_for(lambda: states_are(queue, ids.values(), [State.SUCCEEDED]), timeout=30)
+
+
+@task(name="gated", queue="partner", retries=2)
+async def gated(ctx: JobContext, payload: Any) -> None:
+    GATE.running.add(ctx.job_id)
+    await GATE.release.wait()
+
+
+async def test_a_worker_gives_back_the_permits_of_the_jobs_that_ended_on_the_masters_up(
+    failover_cluster: LocalCluster, queue: Queue, background: Background
+) -> None:
+    global GATE
+    GATE = Gate()
+    await queue.admin.set_limits("partner", QueueLimits(concurrency=SHARDS))
+    ids = {
+        shard: (await queue.submit(gated, None, idempotency_key=key_on(queue, shard, "g"))).job_id
+        for shard in range(SHARDS)
+    }
+    # the victim serves some of the jobs' shards, not the queue's permits
+    where = owners(failover_cluster, queue.keys)
+    home = where[queue.keys.home("partner")]
+    victim = next(m for m in failover_cluster.masters() if m.port != home)
+    lost = {s for s, port in where.items() if port == victim.port}
+    assert lost
+    worker = worker_for(queue, TaskRegistry([gated]), concurrency=SHARDS)
+    background.start(worker)
+    await wait_for(lambda: len(GATE.running) == SHARDS)
+    assert await queue.admin.running_permits("partner") == SHARDS
+
+    async def permits_held(n: int) -> bool:
+        return await queue.admin.running_permits("partner") == n
+
+    async with down_until_exit(failover_cluster, victim):
+        GATE.release.set()
+        await wait_for(lambda: worker.stats.succeeded == SHARDS - len(lost), timeout=30)
+        await wait_for(lambda: permits_held(len(lost)), timeout=30)
+    await wait_for(lambda: states_are(queue, ids.values(), [State.SUCCEEDED]), timeout=30)
+    await wait_for(lambda: permits_held(0), timeout=30)

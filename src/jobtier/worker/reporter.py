@@ -73,9 +73,10 @@ class Reporter:
             "fail": defaultdict(list),
             "stopped": defaultdict(list),
         }
-        # a limited queue's permits (queue -> ids): of jobs whose outcome is in the outbox,
-        # then of jobs whose outcome Redis has (to give back)
-        self._pending_permits: dict[str, list[str]] = defaultdict(list)
+        # a limited queue's permits: of jobs whose outcome is in the outbox (queue -> the
+        # job's shard and the permit's id), then of jobs whose outcome Redis has (queue ->
+        # ids, to give back)
+        self._pending_permits: dict[str, list[tuple[int, str]]] = defaultdict(list)
         self._to_release: dict[str, list[str]] = defaultdict(list)
         self._ready = asyncio.Event()  # an outcome is queued
         self._idle = asyncio.Event()  # everything queued is sent (the shutdown's flush)
@@ -194,7 +195,7 @@ class Reporter:
         if r.permit is not None:
             # returned once the outcome is in Redis: before, a new job of the queue could
             # start while Redis still counts this one as running (over the limit)
-            self._pending_permits[r.job.queue].append(r.permit)
+            self._pending_permits[r.job.queue].append((r.shard, r.permit))
             r.permit = None
         self._idle.clear()
         self._ready.set()
@@ -254,16 +255,19 @@ class Reporter:
                 replies = await state.scripts.call_many_each(calls)
             except (RedisError, OSError) as exc:
                 replies = [exc] * len(calls)
-            failed = self._take_replies(kinds, replies)
+            failed, lost = self._take_replies(kinds, replies)
+            # a permit is given back once every call of its job's shard in the round landed:
+            # its outcome is in Redis then; those of the shards whose node is down (a master
+            # failing over) wait for the round that sends their outcomes again
+            for queue_name, held in permits.items():
+                self._to_release[queue_name] += [p for shard, p in held if shard not in lost]
+                kept = [(shard, p) for shard, p in held if shard in lost]
+                if kept:
+                    self._pending_permits[queue_name][:0] = kept
             if failed is None:
-                for queue_name, ids in permits.items():
-                    self._to_release[queue_name] += ids
                 continue
-            # the permits wait for a round that sends everything: the outcomes they guard
-            # are then in Redis, those that failed now included (a simple rule that never
-            # returns a permit early)
-            for queue_name, ids in permits.items():
-                self._pending_permits[queue_name][:0] = ids
+            if self._to_release:  # now: the lost shards' outcomes may take a while
+                await self._release_permits()
             wait = backoff.next()
             log.warning(
                 "event=report_failed worker=%s error=%r retry_in=%.2fs", self.id, failed, wait
@@ -272,9 +276,10 @@ class Reporter:
 
     def _take_replies(
         self, kinds: list[tuple[str, int, list[tuple[Any, ...]]]], replies: list[Any]
-    ) -> Exception | None:
+    ) -> tuple[Exception | None, set[int]]:
         """Account the calls that got a reply; put the failed calls' reports back in front of
-        the outbox (in their order), to send again. Returns the first failure, if any.
+        the outbox (in their order), to send again. Returns the first failure, if any, and
+        the shards of the failed calls.
 
         Nothing is lost: a failed call that never ran is sent again; an outcome that ran but
         whose reply was lost (the connection dropped) is refused as stale when sent again,
@@ -282,13 +287,15 @@ class Reporter:
         twice: they are not fenced); a lease that expires meanwhile makes the scheduler
         requeue the job, and our late write is refused."""
         failed: Exception | None = None
+        lost: set[int] = set()
         for (kind, shard, items), reply in zip(kinds, replies, strict=True):
             if isinstance(reply, Exception):
                 self._outbox[kind][shard][:0] = items
                 failed = failed or reply
+                lost.add(shard)
             else:
                 self.account(kind, items, reply)
-        return failed
+        return failed, lost
 
     async def _release_permits(self) -> bool:
         """Return the permits of finished jobs (permits.py); False if Redis refused (kept)."""
