@@ -197,7 +197,10 @@ async def test_a_worker_says_it_is_alive_and_keeps_progress_while_a_master_is_do
         # down reaches them, though no task reported again
         await wait_for(lambda: progress_of([ids[s] for s in lost]), timeout=30)
         GATE.release.set()
-        await wait_for(lambda: states_are(queue, ids.values(), [State.SUCCEEDED]), timeout=30)
+        try:
+            await wait_for(lambda: states_are(queue, ids.values(), [State.SUCCEEDED]), timeout=30)
+        finally:  # the worker's last writes (its sign-off) go before the client closes
+            await background.stop()
 
 
 @task(name="gated", queue="partner", retries=2)
