@@ -21,9 +21,11 @@ from tests.fixtures.postgres import generic_plan, mixed_workload
 
 
 @pytest.fixture
-async def persisted(pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys) -> list[str]:
+async def persisted(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> list[str]:
     job_ids = await mixed_workload(redis, keys, n=150, seed=3)
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     return job_ids
 
 

@@ -49,7 +49,7 @@ REPLICAS = "Jobtier-Replicas"
 
 
 def sync(node: LocalRedis) -> syncredis.Redis:
-    return syncredis.Redis(port=node.port, socket_timeout=10)
+    return syncredis.Redis(port=node.port, password=node.password, socket_timeout=10)
 
 
 @contextmanager

@@ -41,6 +41,7 @@ from redis.crc import key_slot
 from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalRedis, free_port
 from jobtier.dev.local_replicas import LocalCluster, LocalSentinels
+from tests.fixtures.cluster import settings_for
 
 pytestmark = pytest.mark.slow
 
@@ -447,7 +448,7 @@ async def test_every_role_rides_through_a_sentinel_failover(
 ) -> None:
     keys = Keys("jt", 4)
     env = {
-        "JOBTIER_REDIS_URL": sentinels.url,
+        "JOBTIER_REDIS_URL": settings_for(sentinels).redis_url,  # as jobtier's user
         "JOBTIER_REDIS_SENTINELS": sentinels.addresses,
         "JOBTIER_REDIS_SENTINEL_MASTER": sentinels.name,
         "JOBTIER_SHARDS": str(keys.shards),

@@ -435,7 +435,7 @@ async def test_the_status_subscription_follows_the_sentinels_master(
         await wait_for(subscriber.live, timeout=30)
         assert RESYNC in heard  # listeners told to read again
         # the subscription is on the promoted master: its events arrive
-        with syncredis.Redis(port=promoted.port) as client:
+        with syncredis.Redis(port=promoted.port, password=promoted.password) as client:
 
             def published() -> bool:
                 client.execute_command("SPUBLISH", keys.events(0), b"job-x 7 t\n{}")

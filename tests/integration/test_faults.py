@@ -30,6 +30,7 @@ from jobtier.streams.group import lag
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.fixtures.postgres import assert_pg_matches_redis
+from tests.fixtures.redis import as_jobtier
 from tests.tasks import registry
 
 
@@ -424,7 +425,7 @@ async def test_a_claim_whose_reply_is_lost_leases_no_job_that_nobody_runs(
     queued for another claim; a job running for a worker that does not know it holds it
     costs an attempt (a task without retries fails by LeaseExpired, never having run)."""
     dropper = ReplyDropper(redis_server.port)
-    url = await dropper.start()
+    url = as_jobtier(await dropper.start())
     queue = await Queue.connect(settings.replace(redis_url=url), registry)
     try:
         job = await queue.submit("echo", "once")  # echo: no retries
@@ -448,9 +449,9 @@ async def test_a_worker_sends_a_claim_round_whose_replies_were_lost_again(
     back, and gets the job the lost round leased, rather than leaving it leased to nobody
     until its lease expires (an attempt lost; a task without retries failed)."""
     caplog.set_level(logging.WARNING, logger="jobtier.worker")
-    producer = await Queue.connect(settings.replace(redis_url=redis_server.url))
+    producer = await Queue.connect(settings.replace(redis_url=as_jobtier(redis_server.url)))
     dropper = ReplyDropper(redis_server.port)
-    url = await dropper.start()
+    url = as_jobtier(await dropper.start())
     queue = await Queue.connect(settings.replace(redis_url=url, lease_seconds=60.0), registry)
     worker = worker_for(queue, registry)
     task: asyncio.Task[Any] | None = None

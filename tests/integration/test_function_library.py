@@ -17,7 +17,13 @@ from jobtier.core.model import JobSpec, State, Submitted
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import submit_call
 from jobtier.store.scripts import NAMES, Library, Script, library, run_scripts
-from tests.fixtures.redis import admin, as_default_user, command_calls, on_every_server
+from tests.fixtures.redis import (
+    JOBTIER_PASSWORD,
+    JOBTIER_USER,
+    admin,
+    command_calls,
+    on_every_server,
+)
 
 pytestmark = pytest.mark.contract
 
@@ -193,7 +199,8 @@ async def test_jobtier_scripts_says_what_redis_refused(settings: Settings, queue
         await on_every_server(redis, "ACL", "SETUSER", "pruner", "on", "nopass", "~*", "&*",
                               "+@all", "-function|delete")  # fmt: skip
     try:
-        url = as_default_user(settings.redis_url).replace("redis://", "redis://pruner:x@", 1)
+        url = settings.redis_url.replace(f"{JOBTIER_USER}:{JOBTIER_PASSWORD}@", "pruner:x@", 1)
+        assert "pruner" in url, url
         code, out = await _jobtier(settings.replace(redis_url=url), "--prune")
         assert code == 1 and "Redis refused" in out and "no permissions" in out, out
         assert "needs FUNCTION LIST, and FUNCTION DELETE for --prune" in out, out

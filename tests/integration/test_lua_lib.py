@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobtier.store.scripts import lua_source
+from tests.fixtures.redis import as_jobtier
 
 
 async def test_iso_matches_python(redis: aioredis.Redis) -> None:
@@ -36,7 +37,7 @@ def test_iso_matches_python_for_any_date(redis_server, samples: list[int]) -> No
         lua_source("lib")
         + "\nlocal out = {}\nfor i = 2, #ARGV do out[#out + 1] = iso(ARGV[i]) end\nreturn out"
     )
-    with syncredis.Redis.from_url(redis_server.url) as client:
+    with syncredis.Redis.from_url(as_jobtier(redis_server.url)) as client:
         got = client.eval(script, 1, "jt:{0}:log", "jt:{0}:", *samples)
     for ms, text in zip(samples, got, strict=True):
         expected = (

@@ -53,9 +53,9 @@ async def dead_job(queue: Queue) -> str:
 
 
 @pytest.fixture
-async def reader(settings: Settings, redis: RedisClient) -> AsyncIterator[StatusReader]:
+async def reader(settings: Settings, redis_as_jobtier: RedisClient) -> AsyncIterator[StatusReader]:
     keys = Keys(settings.prefix, settings.shards)
-    reader = StatusReader(redis, keys, ttl=2.0, final_ttl=3600.0, clock=Clock())
+    reader = StatusReader(redis_as_jobtier, keys, ttl=2.0, final_ttl=3600.0, clock=Clock())
     subscriber = reader.subscription("test-final")
     reader.subscriber = subscriber  # type: ignore[attr-defined]
     await subscriber.start()

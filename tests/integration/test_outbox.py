@@ -346,12 +346,23 @@ async def test_the_psycopg_and_sqlalchemy_helpers(
 
 
 async def test_the_persister_runs_the_relay_and_it_can_be_turned_off(
-    app: Any, pg_settings: Settings, pg_pool: Pool, redis: Any, queue: Queue, background: Background
+    app: Any,
+    pg_settings: Settings,
+    pg_pool: Pool,
+    redis: Any,
+    redis_as_jobtier: Any,
+    queue: Queue,
+    background: Background,
 ) -> None:
-    assert Persister(pg_settings.replace(outbox_relay=False), redis, pg_pool, "p0").relay is None
+    assert (
+        Persister(pg_settings.replace(outbox_relay=False), redis_as_jobtier, pg_pool, "p0").relay
+        is None
+    )
 
     background.start(worker_for(queue, registry))  # advertises the tasks the relay checks
-    persister = Persister(pg_settings.replace(outbox_poll_seconds=60.0), redis, pg_pool, "p1")
+    persister = Persister(
+        pg_settings.replace(outbox_poll_seconds=60.0), redis_as_jobtier, pg_pool, "p1"
+    )
     background.start(persister)
 
     async def shards_recorded() -> bool:

@@ -45,13 +45,15 @@ def parsed(raw: Sequence[tuple[int, bytes, dict[bytes, bytes]]]) -> list[LogEntr
 
 
 async def test_mixed_workload_reaches_postgres_exactly(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     job_ids = await mixed_workload(redis, keys, n=150)
     entries = await log_entries(redis, keys)
     assert (await lag(redis, keys))[0] == len(entries)
 
-    persister = Persister(pg_settings.replace(persist_batch_size=64), redis, pg_pool, "p1")
+    persister = Persister(
+        pg_settings.replace(persist_batch_size=64), redis_as_jobtier, pg_pool, "p1"
+    )
     assert await persister.drain() == len(entries)
 
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
@@ -62,7 +64,7 @@ async def test_mixed_workload_reaches_postgres_exactly(
 
 
 async def test_batch_metrics_tell_how_old_transitions_were_and_how_long_writes_took(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     async def redis_now() -> float:
         seconds, micros = await redis.time()
@@ -79,7 +81,9 @@ async def test_batch_metrics_tell_how_old_transitions_were_and_how_long_writes_t
     await mixed_workload(redis, keys, n=100)
     made = await redis_now()
     await wait_for(lambda: _later_than(redis_now, made + aged))
-    persister = Persister(pg_settings.replace(persist_batch_size=100_000), redis, pg_pool, "p1")
+    persister = Persister(
+        pg_settings.replace(persist_batch_size=100_000), redis_as_jobtier, pg_pool, "p1"
+    )
     began = time.time()
     await persister.drain()
     ended = time.time()
@@ -99,11 +103,11 @@ async def _later_than(now: Any, moment: float) -> bool:
 
 
 async def test_replaying_the_same_entries_changes_nothing(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     await mixed_workload(redis, keys, n=80, seed=3)
     entries = parsed(await log_entries(redis, keys))
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     await persister.drain()
     before = await snapshot(pg_pool)
 
@@ -115,13 +119,13 @@ async def test_replaying_the_same_entries_changes_nothing(
 
 
 async def test_versions_committed_out_of_order_end_in_the_right_state(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     """Several persisters commit a job's versions in any order: the latest state still wins,
     and the submit-only fields (payload, idempotency key) arrive whenever version 1 does."""
     job_ids = await mixed_workload(redis, keys, n=80, seed=5)
     entries = parsed(await log_entries(redis, keys))
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
 
     # newest versions first, one transaction per version number
     for version in sorted({e.status.version for e in entries}, reverse=True):
@@ -130,13 +134,13 @@ async def test_versions_committed_out_of_order_end_in_the_right_state(
 
 
 async def test_random_batches_in_random_order(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     job_ids = await mixed_workload(redis, keys, n=80, seed=11)
     entries = parsed(await log_entries(redis, keys))
     rng = random.Random(2)
     rng.shuffle(entries)
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     batches = [entries[i : i + 17] for i in range(0, len(entries), 17)]
     # and concurrently, as several persisters would (rows are locked in id order: no deadlock)
     await asyncio.gather(*(persister.persist(b) for b in batches))
@@ -148,7 +152,7 @@ class Crash(Exception):
 
 
 async def test_crash_between_commit_and_ack_is_replayed_without_doubles(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     job_ids = await simple_jobs(redis, keys, 200)
 
@@ -157,35 +161,37 @@ async def test_crash_between_commit_and_ack_is_replayed_without_doubles(
             if self.consumer.acks:
                 raise Crash  # committed, and the process dies before acknowledging
 
-    doomed = Doomed(pg_settings, redis, pg_pool, "p1")
+    doomed = Doomed(pg_settings, redis_as_jobtier, pg_pool, "p1")
     with pytest.raises(Crash):
         await doomed.drain()
     assert (await lag(redis, keys))[0] == 600  # nothing acknowledged
 
     # the same name after a restart reads its own pending entries back first
-    reborn = Persister(pg_settings, redis, pg_pool, "p1")
+    reborn = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     assert await reborn.drain() == 600
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
     assert await lag(redis, keys) == (0, 0.0)
 
 
 async def test_entries_of_a_dead_persister_are_claimed_after_the_idle_timeout(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     job_ids = await simple_jobs(redis, keys, 100)
     group = keys.persist_group()
-    await Persister(pg_settings, redis, pg_pool, "setup").consumer.setup()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "setup").consumer.setup()
     for shard in range(keys.shards):  # a persister read these, then died
         await redis.xreadgroup(group, "dead", {keys.log(shard): ">"}, count=10)
 
-    patient = Persister(pg_settings, redis, pg_pool, "p2")  # claim idle timeout: 30 s
+    patient = Persister(pg_settings, redis_as_jobtier, pg_pool, "p2")  # claim idle timeout: 30 s
     await patient.drain()
     pending = sum([(await redis.xpending(keys.log(s), group))["pending"] for s in range(4)])
     assert pending == 40
     # trimming kept every entry still pending
     assert sum([await redis.xlen(keys.log(s)) for s in range(keys.shards)]) >= 40
 
-    quick = Persister(pg_settings.replace(persist_claim_idle_seconds=0.01), redis, pg_pool, "p3")
+    quick = Persister(
+        pg_settings.replace(persist_claim_idle_seconds=0.01), redis_as_jobtier, pg_pool, "p3"
+    )
 
     async def idle_long_enough() -> bool:  # as Redis counts it, which XAUTOCLAIM goes by
         for shard in range(keys.shards):
@@ -203,9 +209,9 @@ async def test_entries_of_a_dead_persister_are_claimed_after_the_idle_timeout(
 
 
 async def test_run_persists_until_stopped(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     task = asyncio.create_task(persister.run())
     job_ids: list[str] = []
     for _ in range(5):
@@ -219,11 +225,11 @@ async def test_run_persists_until_stopped(
 
 
 async def test_an_idle_persister_waits_in_redis_for_the_next_entry(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     """With nothing to read, a persister is blocked in one XREADGROUP naming every stream
     (not napping between polls), and what comes meanwhile is written."""
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     task = asyncio.create_task(persister.run())
     try:
         await wait_for(lambda: _blocked_reading(redis))
@@ -287,7 +293,7 @@ async def _blocked_reading(redis: Any) -> bool:
 
 
 async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, caplog: Any
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys, caplog: Any
 ) -> None:
     """An unreadable entry stays pending (a newer persister may read it); one Postgres
     refuses is parked in log:refused and acknowledged, so it holds back neither trimming nor
@@ -302,7 +308,7 @@ async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     await redis.xadd(keys.log(1), bad)
     caplog.set_level(logging.ERROR, logger="jobtier.persist")
 
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     assert await persister.drain() == 60
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
     assert persister.stats.bad_entries == 2 and persister.stats.parked == 1
@@ -313,7 +319,7 @@ async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     assert parked[1][b"p"] == b"{not json" and parked[1][b"d"] == bad[b"d"]
     assert b"json" in parked[1][b"refused_error"].lower()
 
-    assert await replay_refused(redis, keys) == 1
+    assert await replay_refused(redis_as_jobtier, keys) == 1
     assert await redis.xlen(keys.log_refused(1)) == 0
     (back,) = await redis.xrange(keys.log(1))
     assert back[1] == bad  # as it was, without the parking fields
@@ -321,19 +327,19 @@ async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     assert persister.stats.parked == 2 and await redis.xlen(keys.log_refused(1)) == 1
     # a replay moves what was parked when it began, not what is parked again meanwhile
     refused_again = await redis.xadd(keys.log_refused(1), {**bad, b"refused_error": b"x"})
-    original = redis.xrange
+    original = redis_as_jobtier.xrange
 
     async def xrange_then_refuse(*args: Any, **kwargs: Any) -> Any:
         found = await original(*args, **kwargs)
         if found:  # a running persister refuses the replayed entry at once, parking it anew
-            await redis.xadd(keys.log_refused(1), {**bad, b"refused_error": b"again"})
+            await redis_as_jobtier.xadd(keys.log_refused(1), {**bad, b"refused_error": b"again"})
         return found
 
-    redis.xrange = xrange_then_refuse
+    redis_as_jobtier.xrange = xrange_then_refuse
     try:
-        assert await asyncio.wait_for(replay_refused(redis, keys), 10) == 2
+        assert await asyncio.wait_for(replay_refused(redis_as_jobtier, keys), 10) == 2
     finally:
-        redis.xrange = original
+        redis_as_jobtier.xrange = original
     left = await redis.xrange(keys.log_refused(1))
     assert [f[b"refused_error"] for _, f in left] == [b"again"]
     assert left[0][0] > refused_again
@@ -347,11 +353,11 @@ async def _until(predicate: Any, timeout: float = 30.0) -> None:
 
 
 async def test_consumers_of_stopped_persisters_are_forgotten(
-    pg_settings: Settings, redis: Any, pg_pool: Pool
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool
 ) -> None:
     keys = Keys(pg_settings.prefix, pg_settings.shards)
     await simple_jobs(redis, keys, 8)
-    old = Persister(pg_settings, redis, pg_pool, "persister-old")
+    old = Persister(pg_settings, redis_as_jobtier, pg_pool, "persister-old")
     await old.drain()  # its reads make "persister-old" a consumer of every shard's group
 
     async def consumers() -> set[str]:
@@ -360,7 +366,7 @@ async def test_consumers_of_stopped_persisters_are_forgotten(
 
     assert "persister-old" in await consumers()
     await simple_jobs(redis, keys, 8)
-    new = Persister(pg_settings, redis, pg_pool, "persister-new")
+    new = Persister(pg_settings, redis_as_jobtier, pg_pool, "persister-new")
     await new.drain()
     assert new.consumer.forget_idle_ms is not None and new.consumer.forget_idle_ms >= 120_000
     assert await new.consumer.forget() == 0  # idle for less than that: kept
@@ -371,17 +377,17 @@ async def test_consumers_of_stopped_persisters_are_forgotten(
 
 
 async def test_a_consumer_holding_entries_is_never_forgotten(
-    pg_settings: Settings, redis: Any, pg_pool: Pool
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool
 ) -> None:
     """Removing a consumer drops its pending entries from the group (they would be trimmed
     unwritten): one that holds any is kept however long it was idle, and checked in the same
     atomic step that removes the others."""
     keys = Keys(pg_settings.prefix, pg_settings.shards)
-    await Persister(pg_settings, redis, pg_pool, "sweeper").consumer.setup()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "sweeper").consumer.setup()
     job_ids = await simple_jobs(redis, keys, 8)
     for shard in range(keys.shards):  # a persister that read, then died before writing
         await redis.xreadgroup(keys.persist_group(), "dead-holder", {keys.log(shard): ">"})
-    sweeper = Persister(pg_settings, redis, pg_pool, "sweeper")
+    sweeper = Persister(pg_settings, redis_as_jobtier, pg_pool, "sweeper")
     sweeper.consumer.forget_idle_ms = 0
     assert await sweeper.consumer.forget() == 0
     rows = await redis.xinfo_consumers(keys.log(0), keys.persist_group())
@@ -404,7 +410,12 @@ async def _two_jobs_entries(
 
 
 async def test_a_new_jobs_row_written_first_by_another_batch_is_merged_after_the_others(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, monkeypatch: Any
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    monkeypatch: Any,
 ) -> None:
     """A batch that creates a job Postgres has a later version of already (another persister
     wrote it first) merges it too, after the rows it merged before, and fills in its payload."""
@@ -418,7 +429,7 @@ async def test_a_new_jobs_row_written_first_by_another_batch_is_merged_after_the
         return went
 
     monkeypatch.setattr(batch_module, "copy_new", spied)
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     await persister.persist([e[older, 1]])
     await persister.persist([e[newer, 2]])  # the newer job's row, without its payload
     copied.clear()
@@ -432,12 +443,12 @@ async def test_a_new_jobs_row_written_first_by_another_batch_is_merged_after_the
 
 
 async def test_batches_holding_entries_of_the_same_jobs_at_once_do_not_deadlock(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     """One batch moves an older job on and creates a newer one; another, written at the same
     time, moves both on. Each takes its rows' locks in id order, the new job's COPY included,
     so neither waits for the other in a cycle (Postgres would refuse one: a deadlock)."""
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     for _ in range(8):
         older, newer, e = await _two_jobs_entries(redis, keys)
         await persister.persist([e[older, 1]])

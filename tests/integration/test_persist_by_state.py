@@ -70,7 +70,7 @@ async def test_a_jobs_later_transitions_are_heap_only_updates(
 
 
 async def test_listings_by_state_follow_every_outcome_and_retention(
-    pg_settings: Settings, redis: Any, pg_pool: Pool
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool
 ) -> None:
     """A mixed workload (retries, failures, cancels, replays of dead letters, …) persisted:
     each listing by state gives exactly the jobs Postgres holds in that state, every page
@@ -79,7 +79,7 @@ async def test_listings_by_state_follow_every_outcome_and_retention(
     job_ids = await mixed_workload(redis, keys, n=150, seed=13)
     from jobtier.persist.persister import Persister
 
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
     rows = await pg_pool.fetch("SELECT id, tenant, state FROM jobs")
     states = {r["id"]: r["state"] for r in rows}

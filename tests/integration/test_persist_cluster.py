@@ -17,16 +17,18 @@ from jobtier.persist.persister import Persister
 from jobtier.store.redis import connect
 from jobtier.streams.group import lag
 from tests.fixtures.postgres import assert_pg_matches_redis, mixed_workload
-from tests.fixtures.redis import flushall
+from tests.fixtures.redis import as_jobtier, flushall
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
 async def cluster_client(redis_cluster: LocalCluster) -> AsyncIterator[RedisCluster]:
-    """A client of the session's cluster, emptied first."""
+    """jobtier's client of the session's cluster (as its user), emptied first."""
     flushall(redis_cluster.nodes)
-    settings = Settings.from_env({}, redis_url=redis_cluster.url, redis_cluster=True, shards=8)
+    settings = Settings.from_env(
+        {}, redis_url=as_jobtier(redis_cluster.url), redis_cluster=True, shards=8
+    )
     client = connect(settings)
     assert isinstance(client, RedisCluster)
     await client.initialize()  # learns the slots: get_node_from_key answers from them
@@ -45,7 +47,7 @@ async def test_persister_on_a_cluster(
 
     job_ids = await mixed_workload(cluster_client, keys, n=100)
     settings = Settings.from_env(
-        {}, redis_url=redis_cluster.url, redis_cluster=True, shards=8, database_url=pg_dsn,
+        {}, redis_url=as_jobtier(redis_cluster.url), redis_cluster=True, shards=8, database_url=pg_dsn,
         persist_batch_size=50,
     )  # fmt: skip
     persister = Persister(settings, cluster_client, pg_pool, "p1")

@@ -164,6 +164,7 @@ async def _waiting(redis: Any, keys: Keys) -> int:
 async def test_postgres_outage_loses_nothing_and_the_lag_drains(
     pg_settings: Settings,
     redis: Any,
+    redis_as_jobtier: Any,
     keys: Keys,
     pg_factory: Callable[[], LocalPostgres],
     caplog: Any,
@@ -173,7 +174,7 @@ async def test_postgres_outage_loses_nothing_and_the_lag_drains(
     await migrate(pg.dsn)
     pool = await create_pool(pg.dsn, max_size=2)
     settings = pg_settings.replace(database_url=pg.dsn, persist_batch_size=200)
-    persister = Persister(settings, redis, pool, "p1")
+    persister = Persister(settings, redis_as_jobtier, pool, "p1")
     task = asyncio.create_task(persister.run())
     job_ids: list[str] = []
     producing = True

@@ -67,13 +67,15 @@ async def history(pool: Pool, job_id: str) -> list[tuple[int, int | None, str, A
 
 
 async def test_progress_is_coalesced_in_the_log_and_every_report_still_changes_the_status(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
-    scripts = Scripts(redis, keys)
+    scripts = Scripts(redis_as_jobtier, keys)
     job_id, lv = await running_job(scripts, keys)  # versions 1 (submit), 2 (claim)
     published: list[int] = []  # versions, from the status events every change publishes
     events = ShardSubscriber(
-        redis, [keys.events(0)], lambda _, data: published.append(int(data.split(b" ", 2)[1]))
+        redis_as_jobtier,
+        [keys.events(0)],
+        lambda _, data: published.append(int(data.split(b" ", 2)[1])),
     )
     await events.start()
     try:
@@ -99,7 +101,7 @@ async def test_progress_is_coalesced_in_the_log_and_every_report_still_changes_t
         await events.stop()
 
     assert await logged(redis, keys, job_id) == [(1, 0), (2, 1), (8, 2), (10, 8)]
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     assert await history(pg_pool, job_id) == [
         (1, 0, "queued", None),
         (2, 1, "running", None),
@@ -113,9 +115,9 @@ async def test_progress_is_coalesced_in_the_log_and_every_report_still_changes_t
 
 
 async def test_every_report_is_logged_with_zero_and_after_the_interval(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
-    scripts = Scripts(redis, keys)
+    scripts = Scripts(redis_as_jobtier, keys)
     job_id, lv = await running_job(scripts, keys)
     await report(scripts, job_id, lv, 1, 0)  # 3: interval 0 logs every report
     await report(scripts, job_id, lv, 2, 0)  # 4
@@ -126,14 +128,14 @@ async def test_every_report_is_logged_with_zero_and_after_the_interval(
 
 
 async def test_history_gaps_finds_a_missing_row(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
-    scripts = Scripts(redis, keys)
+    scripts = Scripts(redis_as_jobtier, keys)
     job_id, lv = await running_job(scripts, keys)
     await scripts.cancel(0, "", job_id, 3600)  # 3
     await report(scripts, job_id, lv, 5, HOUR_MS)  # 4, not logged
     await scripts.call(*complete_call(0, "w1", 3600, [(job_id, lv, b"1")]))  # 5 -> 3
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     gaps = query("history_gaps")
     unknown = "01ARZ3NDEKTSV4RRFFQ69G5FAV-0"
     assert [tuple(r) for r in await pg_pool.fetch(gaps, [job_id, unknown])] == [
@@ -146,12 +148,12 @@ async def test_history_gaps_finds_a_missing_row(
 
 
 async def test_an_error_is_on_the_transition_that_failed_only(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     """The document keeps an attempt's error until the next one fails; the history shows it on
     the failure's row alone: not on the promotion, the claims, a release by a stopping worker
     nor the success that follow."""
-    scripts = Scripts(redis, keys)
+    scripts = Scripts(redis_as_jobtier, keys)
     job_id = keys.new_id(0)
     item = SubmitItem(job_id, "t1", "sleep", "normal", b"{}", 3, 0, 0, "", "h")
     await scripts.call(*submit_call(0, [item], 60_000))  # 1 queued
@@ -174,7 +176,7 @@ async def test_an_error_is_on_the_transition_that_failed_only(
     await scripts.call(*stopped_call(0, "w1", 3600, [(job_id, lv)]))  # 6 queued, released
     lv = await claimed()  # 7 running
     await scripts.call(*complete_call(0, "w1", 3600, [(job_id, lv, b"1")]))  # 8 succeeded
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
 
     rows = await pg_pool.fetch(
         "SELECT from_state, to_state, error->>'message' AS error FROM job_transitions"

@@ -75,9 +75,9 @@ async def history(pool: Pool) -> int:
 
 
 async def test_a_claims_row_waits_for_the_jobs_end_and_is_never_written(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
-    persister = Persister(holding(pg_settings, 60), redis, pg_pool, "p1")
+    persister = Persister(holding(pg_settings, 60), redis_as_jobtier, pg_pool, "p1")
     ids, claims = await submitted_and_claimed(redis, keys, persister)
     async with running(persister):
         # the claims' history rows are written; their job rows wait, and so do their entries
@@ -95,9 +95,9 @@ async def test_a_claims_row_waits_for_the_jobs_end_and_is_never_written(
 
 
 async def test_a_row_whose_hold_runs_out_is_written(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
-    persister = Persister(holding(pg_settings, 0.3), redis, pg_pool, "p1")
+    persister = Persister(holding(pg_settings, 0.3), redis_as_jobtier, pg_pool, "p1")
     ids, _ = await submitted_and_claimed(redis, keys, persister)
     async with running(persister):
         await wait_for(lambda: _equals(states(pg_pool), ["running"] * N), 60)
@@ -107,10 +107,10 @@ async def test_a_row_whose_hold_runs_out_is_written(
 
 
 async def test_a_persister_that_dies_holding_rows_leaves_their_entries_to_the_next(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     settings = holding(pg_settings, 60)
-    persister = Persister(settings, redis, pg_pool, "p1")
+    persister = Persister(settings, redis_as_jobtier, pg_pool, "p1")
     ids, _ = await submitted_and_claimed(redis, keys, persister)
     task = asyncio.create_task(persister.run())
     await wait_for(lambda: _equals(history(pg_pool), 2 * N), 60)
@@ -120,7 +120,7 @@ async def test_a_persister_that_dies_holding_rows_leaves_their_entries_to_the_ne
     assert (await lag(redis, keys))[0] == N
     # restarted under its name, it reads back its pending entries: their history rows are
     # there already (a replay changes nothing), their job rows are written now
-    again = Persister(settings, redis, pg_pool, "p1")
+    again = Persister(settings, redis_as_jobtier, pg_pool, "p1")
     assert await again.drain() == N
     assert await states(pg_pool) == ["running"] * N
     assert await history(pg_pool) == 2 * N
@@ -129,9 +129,9 @@ async def test_a_persister_that_dies_holding_rows_leaves_their_entries_to_the_ne
 
 
 async def test_a_persister_stopping_writes_the_rows_it_holds(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
-    persister = Persister(holding(pg_settings, 60), redis, pg_pool, "p1")
+    persister = Persister(holding(pg_settings, 60), redis_as_jobtier, pg_pool, "p1")
     ids, _ = await submitted_and_claimed(redis, keys, persister)
     async with running(persister):
         await wait_for(lambda: _equals(history(pg_pool), 2 * N), 60)
@@ -142,12 +142,12 @@ async def test_a_persister_stopping_writes_the_rows_it_holds(
 
 
 async def test_a_batch_refused_for_its_data_writes_the_rows_it_would_hold_entry_by_entry(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     """A batch Postgres refuses for one entry's data is written again entry by entry: the
     entries of the rows it would hold, and of the holds they joined, go with it, each with
     its own row, and nothing stays held."""
-    persister = Persister(holding(pg_settings, 60), redis, pg_pool, "p1")
+    persister = Persister(holding(pg_settings, 60), redis_as_jobtier, pg_pool, "p1")
     ids, claims = await submitted_and_claimed(redis, keys, persister)
 
     async def stepped(done: Any) -> bool:

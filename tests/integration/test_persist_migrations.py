@@ -218,7 +218,7 @@ async def test_jobs_by_state_lists_the_jobs_not_succeeded_and_jobs_indexes_no_st
 
 
 async def test_0020_takes_a_filled_database_forward_and_its_listings_use_it(
-    pg_server: LocalPostgres, empty_db: str, settings: Settings, redis: Any
+    pg_server: LocalPostgres, empty_db: str, settings: Settings, redis: Any, redis_as_jobtier: Any
 ) -> None:
     """A database made by the migrations before 0020 and filled by the persister (jobs in
     every state, their history): migrate adds 0020 alone and changes no row; the listings
@@ -239,7 +239,7 @@ async def test_0020_takes_a_filled_database_forward_and_its_listings_use_it(
     pool = await db.create_pool(dsn, min_size=1, max_size=2)
     try:
         await mixed_workload(redis, keys, n=150, seed=5)
-        await Persister(settings.replace(database_url=dsn), redis, pool, "p1").drain()
+        await Persister(settings.replace(database_url=dsn), redis_as_jobtier, pool, "p1").drain()
         states = {r["state"] for r in await pool.fetch("SELECT DISTINCT state FROM jobs")}
         assert {"failed", "cancelled", "succeeded"} <= states, states
         tables = ("jobs", "jobs_by_state", "job_transitions", "job_dependencies")
@@ -257,7 +257,7 @@ async def test_0020_takes_a_filled_database_forward_and_its_listings_use_it(
         await _the_partial_indexes_serve(pool)
         # written after the migration: in the indexes like the rest
         await mixed_workload(redis, keys, n=60, seed=6)
-        await Persister(settings.replace(database_url=dsn), redis, pool, "p1").drain()
+        await Persister(settings.replace(database_url=dsn), redis_as_jobtier, pool, "p1").drain()
         await _every_listing_lists_its_jobs(pool, sorted(states))
         await _the_partial_indexes_serve(pool)
     finally:

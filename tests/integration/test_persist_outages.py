@@ -267,7 +267,7 @@ async def test_persister_process_survives_backends_terminated_during_batches(
 
 
 async def test_batch_cancelled_mid_transaction_by_its_timeout_is_written_again(
-    pg_settings: Settings, redis: Any, keys: Keys, pg_pool: Pool, pg_dsn: str
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, keys: Keys, pg_pool: Pool, pg_dsn: str
 ) -> None:
     """A batch that outlives its timeout is cancelled inside its transaction (here: blocked
     behind a lock); asyncpg leaves that connection mid-protocol. The connection is thrown
@@ -275,7 +275,7 @@ async def test_batch_cancelled_mid_transaction_by_its_timeout_is_written_again(
     pool = await create_pool(pg_dsn, min_size=1, max_size=1)  # one connection: must be replaced
     first = cast(Any, pool)._holders[0]._con  # private: not in asyncpg's stubs
     assert first is not None
-    persister = Persister(pg_settings, redis, pool, "p1", batch_timeout=0.5)
+    persister = Persister(pg_settings, redis_as_jobtier, pool, "p1", batch_timeout=0.5)
     locker = await asyncpg.connect(pg_dsn)
     try:
         job_ids = await simple_jobs(redis, keys, 30)
@@ -315,6 +315,7 @@ async def test_unexpected_errors_are_retried_and_counted_never_fatal(
     event: str,
     pg_settings: Settings,
     redis: Any,
+    redis_as_jobtier: Any,
     keys: Keys,
     pg_pool: Pool,
     caplog: Any,
@@ -332,7 +333,7 @@ async def test_unexpected_errors_are_retried_and_counted_never_fatal(
             await super().persist(entries, rows)
 
     job_ids = await simple_jobs(redis, keys, 20)
-    persister = Flaky(pg_settings, redis, pg_pool, "p1")
+    persister = Flaky(pg_settings, redis_as_jobtier, pg_pool, "p1")
     task = asyncio.create_task(persister.run())
     try:
         await until(lambda: _drained(redis, keys), 60, str)
@@ -350,7 +351,7 @@ async def test_unexpected_errors_are_retried_and_counted_never_fatal(
 
 
 async def test_a_failing_flush_task_is_logged_and_counted_and_the_run_goes_on(
-    pg_settings: Settings, redis: Any, keys: Keys, pg_pool: Pool, caplog: Any
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, keys: Keys, pg_pool: Pool, caplog: Any
 ) -> None:
     """A flush task that dies of a bug outside the write (here: the commit hook) does not end
     the run: it is logged with its traceback and counted, our pending entries are read again
@@ -364,7 +365,7 @@ async def test_a_failing_flush_task_is_logged_and_counted_and_the_run_goes_on(
             raise RuntimeError("bug in a commit hook")
 
     job_ids = await simple_jobs(redis, keys, 20)
-    persister = Persister(pg_settings, redis, pg_pool, "p1", on_commit=on_commit)
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1", on_commit=on_commit)
     task = asyncio.create_task(persister.run())
     try:
         await until(lambda: _drained(redis, keys), 60, str)

@@ -24,9 +24,11 @@ from tests.fixtures.postgres import LARGE_RESULT, RETENTION, mixed_workload
 
 
 @pytest.fixture
-async def persisted(pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys) -> list[str]:
+async def persisted(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> list[str]:
     job_ids = await mixed_workload(redis, keys, n=120, seed=1)
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     return job_ids
 
 
@@ -123,7 +125,7 @@ async def test_history_lists_every_version(
 
 
 async def test_results_inline_large_null_and_unfinished(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
     scripts = Scripts(redis, keys)
     ids = [keys.new_id(0) for _ in range(4)]
@@ -133,7 +135,7 @@ async def test_results_inline_large_null_and_unfinished(
     results = {ids[0]: b'{"small":true}', ids[1]: LARGE_RESULT, ids[2]: b""}
     done = [(j.id, j.lease_version, results[j.id]) for j in batch.jobs]
     await scripts.call(*complete_call(0, "w", RETENTION, done))
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
 
     reader = PgReader(pg_pool)
     small, large, null, waiting = [await reader.result(i, "t1") for i in ids]

@@ -85,11 +85,16 @@ def test_retention_settings_are_checked() -> None:
 
 # --- partitions ---------------------------------------------------------------------------------
 async def test_partitions_are_kept_ahead_and_rows_land_in_their_day(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    conn: Connection,
 ) -> None:
     # before any pass, a write still succeeds: the default partition takes it
     job_ids = await simple_jobs(redis, keys, 40)
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     assert await where_rows_are(pg_pool) == {"job_transitions_default": 120}
 
     report = await prune(conn, pg_settings)
@@ -105,7 +110,7 @@ async def test_partitions_are_kept_ahead_and_rows_land_in_their_day(
     assert await gaps(pg_pool, job_ids) == []
 
     more = await simple_jobs(redis, keys, 10)
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     assert await where_rows_are(pg_pool) == {today(): 150}
     assert await gaps(pg_pool, job_ids + more) == []
 
@@ -114,7 +119,13 @@ async def test_partitions_are_kept_ahead_and_rows_land_in_their_day(
 
 
 async def test_a_batch_that_races_the_days_partition_is_written_whole(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, pg_dsn: str, caplog: Any
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    pg_dsn: str,
+    caplog: Any,
 ) -> None:
     """On a fresh database the persister's first pass attaches today's partition while its
     first batches are written. A batch that began before the attach committed routed its rows
@@ -124,7 +135,9 @@ async def test_a_batch_that_races_the_days_partition_is_written_whole(
     says what happened, not that Postgres is available again."""
     caplog.set_level(logging.INFO, logger="jobtier.persist")
     job_ids = await simple_jobs(redis, keys, 1)  # 3 entries; batches of one
-    persister = Persister(pg_settings.replace(persist_batch_size=1), redis, pg_pool, "p1")
+    persister = Persister(
+        pg_settings.replace(persist_batch_size=1), redis_as_jobtier, pg_pool, "p1"
+    )
     day = datetime.now(UTC).date()
     bounds = [datetime.combine(d, datetime.min.time(), UTC) for d in (day, day + timedelta(1))]
     attach = query("create_history_partition").format(
@@ -157,12 +170,17 @@ async def test_a_batch_that_races_the_days_partition_is_written_whole(
 
 
 async def test_replays_stay_harmless_in_a_partitioned_history(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    conn: Connection,
 ) -> None:
     await prune(conn, pg_settings)
     await mixed_workload(redis, keys, n=60, seed=4)
     entries = parsed(await log_entries(redis, keys))
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     await persister.drain()
     count = await pg_pool.fetchval("SELECT count(*) FROM job_transitions")
     assert count == len(entries)
@@ -173,11 +191,16 @@ async def test_replays_stay_harmless_in_a_partitioned_history(
 
 # --- retention ----------------------------------------------------------------------------------
 async def test_expired_history_and_finished_jobs_go_waiting_and_running_jobs_stay(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    conn: Connection,
 ) -> None:
     await prune(conn, pg_settings)
     await mixed_workload(redis, keys, n=120, seed=9)
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     states = dict(cast(list[tuple[str, str]], await pg_pool.fetch("SELECT id, state FROM jobs")))
     unfinished = {i for i, s in states.items() if s not in TERMINAL}
     assert unfinished and len(unfinished) < len(states)  # the workload has both kinds
@@ -208,12 +231,17 @@ async def test_expired_history_and_finished_jobs_go_waiting_and_running_jobs_sta
 
 
 async def test_detach_keeps_the_expired_partition_as_a_table(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    conn: Connection,
 ) -> None:
     settings = pg_settings.replace(pg_history_detach=True)
     await prune(conn, settings)
     await simple_jobs(redis, keys, 20)
-    await Persister(settings, redis, pg_pool, "p1").drain()
+    await Persister(settings, redis_as_jobtier, pg_pool, "p1").drain()
     report = await prune(conn, settings, now=datetime.now(UTC) + timedelta(days=40))
     assert report is not None and today() in report.removed
     assert await pg_pool.fetchval("SELECT count(*) FROM job_transitions") == 0
@@ -223,11 +251,16 @@ async def test_detach_keeps_the_expired_partition_as_a_table(
 
 
 async def test_zero_keeps_everything_and_dry_run_changes_nothing(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    conn: Connection,
 ) -> None:
     await prune(conn, pg_settings)
     await simple_jobs(redis, keys, 30)
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     later = datetime.now(UTC) + timedelta(days=40)
 
     dry = await prune(conn, pg_settings, now=later, dry_run=True)
@@ -252,10 +285,10 @@ async def test_zero_keeps_everything_and_dry_run_changes_nothing(
 
 
 async def test_the_prune_command(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, pg_dsn: str
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys, pg_dsn: str
 ) -> None:
     await simple_jobs(redis, keys, 10)
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     env = {"JOBTIER_DATABASE_URL": pg_dsn, "PATH": ""}
     dry = await asyncio.to_thread(jobtier, "prune", "--dry-run", env=env)
     assert dry.returncode == 0, dry.stderr
@@ -284,14 +317,20 @@ def jobtier(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
 
 
 async def test_a_pass_does_not_wait_behind_a_long_transaction(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection, pg_dsn: str
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    conn: Connection,
+    pg_dsn: str,
 ) -> None:
     """DROP PARTITION needs ACCESS EXCLUSIVE on job_transitions: behind a reader's long
     transaction it gives up after its lock timeout (writes queued behind it go on), reports
     the partition skipped, and the next pass drops it. A job row a writer holds is skipped."""
     await prune(conn, pg_settings)
     job_ids = await simple_jobs(redis, keys, 30)
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     later = datetime.now(UTC) + timedelta(days=40)
 
     other = await db.connect(pg_dsn)
@@ -306,7 +345,7 @@ async def test_a_pass_does_not_wait_behind_a_long_transaction(
         assert report.jobs == 29  # every finished job but the locked one
         # the persister's writes still go through meanwhile
         more = await simple_jobs(redis, keys, 5)
-        await Persister(pg_settings, redis, pg_pool, "p1").drain()
+        await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
         assert await gaps(pg_pool, more) == []
         await reading.rollback()
     finally:
@@ -318,10 +357,16 @@ async def test_a_pass_does_not_wait_behind_a_long_transaction(
 
 
 async def test_one_pass_at_a_time(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection, pg_dsn: str
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    conn: Connection,
+    pg_dsn: str,
 ) -> None:
     await simple_jobs(redis, keys, 10)
-    await Persister(pg_settings, redis, pg_pool, "p1").drain()
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "p1").drain()
     holder = await db.connect(pg_dsn)
     try:
         await holder.execute("SELECT pg_advisory_lock($1)", PRUNE_LOCK)  # another pass runs
@@ -337,9 +382,14 @@ async def test_one_pass_at_a_time(
 
 
 async def test_the_persister_prunes_on_its_own(
-    pg_settings: Settings, redis: Any, pg_pool: Pool, keys: Keys, conn: Connection
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    conn: Connection,
 ) -> None:
-    persister = Persister(pg_settings, redis, pg_pool, "p1")
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     task = asyncio.create_task(persister.run())
     try:
 

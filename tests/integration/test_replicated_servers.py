@@ -35,7 +35,7 @@ async def test_a_sentinel_client_follows_the_promoted_master(
     try:
         first = sentinels.master()
         assert await master_address(redis) == ("127.0.0.1", first.port)
-        await redis.set("before", "1")
+        await redis.set("jt:before", "1")  # jobtier's user has its keys only
         # the write reached the replica before the kill: WAIT says so
         assert await redis.execute_command("WAIT", 1, 5000) == 1
         sentinels.kill(first)
@@ -52,11 +52,11 @@ async def test_a_sentinel_client_follows_the_promoted_master(
         # the pool's connections to the dead master are retried against the promoted one
         for _ in range(50):
             try:
-                await redis.set("after", "2")
+                await redis.set("jt:after", "2")
                 break
             except (syncredis.ConnectionError, syncredis.TimeoutError):
                 continue
-        assert await redis.get("before") == b"1"
-        assert await redis.get("after") == b"2"
+        assert await redis.get("jt:before") == b"1"
+        assert await redis.get("jt:after") == b"2"
     finally:
         await redis.aclose()

@@ -21,7 +21,7 @@ from jobtier.status.reader import StatusReader, parse_version
 from jobtier.store.redis import RedisClient
 from jobtier.store.subscriber import ShardSubscriber
 from tests.fixtures.engine import wait_for
-from tests.fixtures.redis import command_calls, config_set, flushall, reset_stats
+from tests.fixtures.redis import as_jobtier, command_calls, config_set, flushall, reset_stats
 
 pytestmark = pytest.mark.contract
 
@@ -57,10 +57,10 @@ async def subscribed() -> AsyncIterator[list[ShardSubscriber]]:
 
 
 async def test_concurrent_gets_of_one_id_send_one_hmget(
-    queue: Queue, redis: RedisClient, settings: Settings
+    queue: Queue, redis: RedisClient, redis_as_jobtier: RedisClient, settings: Settings
 ) -> None:
     (job_id,) = await submit(queue)
-    reader = StatusReader(redis, keys_of(settings), near_cache=True, coalesce=True)
+    reader = StatusReader(redis_as_jobtier, keys_of(settings), near_cache=True, coalesce=True)
     await reset_stats(redis)
     results = await asyncio.gather(*(reader.get(job_id) for _ in range(2_000)))
     assert await hmget_calls(redis) == 1
@@ -76,12 +76,12 @@ async def test_concurrent_gets_of_one_id_send_one_hmget(
 
 
 async def test_near_hit_then_load_is_get_in_two_steps(
-    queue: Queue, redis: RedisClient, settings: Settings
+    queue: Queue, redis: RedisClient, redis_as_jobtier: RedisClient, settings: Settings
 ) -> None:
     """The status fast path's split of ``get`` (api/jobs.py): ``near_hit`` answers only from
     the near cache and counts only what it answers; ``load`` reads Redis and counts the rest."""
     (job_id,) = await submit(queue)
-    reader = StatusReader(redis, keys_of(settings), near_cache=True, coalesce=True)
+    reader = StatusReader(redis_as_jobtier, keys_of(settings), near_cache=True, coalesce=True)
     assert reader.near_hit(job_id) is None
     assert reader.requests == 0 and reader.near is not None and reader.near.misses == 1
     loaded = await reader.load(job_id)
@@ -92,19 +92,19 @@ async def test_near_hit_then_load_is_get_in_two_steps(
     assert reader.requests == 2 and reader.near_hits == 1 and reader.redis_loads == 1
     assert await reader.load("not-an-id") is None and reader.redis_loads == 1
     # without a near cache every read is a load
-    plain = StatusReader(redis, keys_of(settings), near_cache=False, coalesce=True)
+    plain = StatusReader(redis_as_jobtier, keys_of(settings), near_cache=False, coalesce=True)
     assert plain.near_hit(job_id) is None and plain.requests == 0
     assert await plain.load(job_id) == loaded and plain.requests == 1
 
 
 async def test_distinct_ids_of_one_tick_go_in_one_round_trip(
-    queue: Queue, redis: RedisClient, settings: Settings
+    queue: Queue, redis: RedisClient, redis_as_jobtier: RedisClient, settings: Settings
 ) -> None:
     keys = keys_of(settings)
     ids = await submit(queue, 60)
     assert len({keys.shard_of(i) for i in ids}) > 1  # the batch spans shards
     unknown = keys.new_id(0)
-    reader = StatusReader(redis, keys, near_cache=False, coalesce=True)
+    reader = StatusReader(redis_as_jobtier, keys, near_cache=False, coalesce=True)
     await reset_stats(redis)
     results = await asyncio.gather(*(reader.get(i) for i in [*ids, unknown, "not-an-id"]))
     assert reader.batches == 1 and reader.redis_loads == 61  # the malformed id never went
@@ -122,7 +122,7 @@ async def test_distinct_ids_of_one_tick_go_in_one_round_trip(
 
 
 async def test_a_batch_is_read_by_the_read_only_script(
-    queue: Queue, redis: RedisClient, settings: Settings
+    queue: Queue, redis: RedisClient, redis_as_jobtier: RedisClient, settings: Settings
 ) -> None:
     """On one server a batch spanning shards is one call of read_status.lua (on a cluster
     one call per shard, in one pipeline: a script's keys must share a slot); the script
@@ -133,7 +133,7 @@ async def test_a_batch_is_read_by_the_read_only_script(
     shards = {keys.shard_of(i) for i in [*ids, unknown]}
     assert len(shards) > 1
     per_batch = len(shards) if settings.redis_cluster else 1
-    reader = StatusReader(redis, keys, near_cache=False, coalesce=True)
+    reader = StatusReader(redis_as_jobtier, keys, near_cache=False, coalesce=True)
     await redis.script_flush()  # as after a restart: the first call meets NOSCRIPT
     results = await asyncio.gather(*(reader.get(i) for i in [*ids, unknown]))
     assert reader.batches == 1 and reader.script_calls == per_batch and reader.redis_loads == 41
@@ -153,10 +153,10 @@ async def test_a_batch_is_read_by_the_read_only_script(
 
 
 async def test_baseline_sends_every_get_to_redis(
-    queue: Queue, redis: RedisClient, settings: Settings
+    queue: Queue, redis: RedisClient, redis_as_jobtier: RedisClient, settings: Settings
 ) -> None:
     (job_id,) = await submit(queue)
-    reader = StatusReader(redis, keys_of(settings), near_cache=False, coalesce=False)
+    reader = StatusReader(redis_as_jobtier, keys_of(settings), near_cache=False, coalesce=False)
     await reset_stats(redis)
     results = await asyncio.gather(*(reader.get(job_id) for _ in range(50)))
     assert all(r is not None and r[0] == TENANT for r in results)
@@ -170,14 +170,15 @@ async def test_baseline_sends_every_get_to_redis(
 async def test_near_cache_follows_a_real_transition(
     queue: Queue,
     redis: RedisClient,
+    redis_as_jobtier: RedisClient,
     settings: Settings,
     subscribed: list[ShardSubscriber],
 ) -> None:
     keys = keys_of(settings)
     # a long TTL: only the event can make the cache serve the new version
-    reader = StatusReader(redis, keys, near_cache=True, coalesce=True, ttl=3600)
+    reader = StatusReader(redis_as_jobtier, keys, near_cache=True, coalesce=True, ttl=3600)
     subscriber = ShardSubscriber(
-        redis,
+        redis_as_jobtier,
         [keys.events(s) for s in range(keys.shards)],
         reader.on_event,
         reader.on_reset,
@@ -213,11 +214,17 @@ async def test_near_cache_follows_a_real_transition(
 
 
 async def test_event_during_a_load_is_not_rolled_back(
-    queue: Queue, redis: RedisClient, settings: Settings, monkeypatch: pytest.MonkeyPatch
+    queue: Queue,
+    redis: RedisClient,
+    redis_as_jobtier: RedisClient,
+    settings: Settings,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The job is read (v1) while it changes (v2): its event, which finds no entry to
     advance, must not be lost to the load that stores v1 after it."""
-    reader = StatusReader(redis, keys_of(settings), near_cache=True, coalesce=True, ttl=3600)
+    reader = StatusReader(
+        redis_as_jobtier, keys_of(settings), near_cache=True, coalesce=True, ttl=3600
+    )
     (job_id,) = await submit(queue)
     fetched, gate = asyncio.Event(), asyncio.Event()
     real_fetch = reader._fetch
@@ -235,7 +242,7 @@ async def test_event_during_a_load_is_not_rolled_back(
     await asyncio.wait_for(fetched.wait(), 10)
     assert job_id in reader._loading
     cancelled = await queue.cancel(job_id)
-    _, doc = await read_doc(redis, keys_of(settings), job_id)
+    _, doc = await read_doc(redis_as_jobtier, keys_of(settings), job_id)
     assert cancelled.version == 2 and isinstance(doc, bytes)
     # what the subscription would deliver for the cancel
     reader.on_event(b"ev", b"%s 2 %s\n%s" % (job_id.encode(), TENANT.encode(), doc))
@@ -248,7 +255,7 @@ async def test_event_during_a_load_is_not_rolled_back(
 
 
 async def test_fallback_for_ids_redis_no_longer_holds(
-    queue: Queue, redis: RedisClient, settings: Settings
+    queue: Queue, redis: RedisClient, redis_as_jobtier: RedisClient, settings: Settings
 ) -> None:
     keys = keys_of(settings)
     (in_redis,) = await submit(queue)
@@ -260,7 +267,7 @@ async def test_fallback_for_ids_redis_no_longer_holds(
         asked.append(sorted(ids))
         return {gone: (TENANT, archived % gone.encode())} if gone in ids else {}
 
-    reader = StatusReader(redis, keys, near_cache=True, coalesce=True, fallback=fallback)
+    reader = StatusReader(redis_as_jobtier, keys, near_cache=True, coalesce=True, fallback=fallback)
     results = await asyncio.gather(*(reader.get(i) for i in [in_redis, gone, gone, unknown]))
     assert results[0] is not None and results[0][2] == 1
     assert results[1] == results[2] == (TENANT, archived % gone.encode(), 7)
@@ -271,7 +278,7 @@ async def test_fallback_for_ids_redis_no_longer_holds(
 
 
 async def test_ids_the_fallback_does_not_know_are_remembered_briefly(
-    queue: Queue, redis: RedisClient, settings: Settings
+    queue: Queue, redis: RedisClient, redis_as_jobtier: RedisClient, settings: Settings
 ) -> None:
     keys = keys_of(settings)
     unknown, later = keys.new_id(1), keys.new_id(2)
@@ -283,7 +290,12 @@ async def test_ids_the_fallback_does_not_know_are_remembered_briefly(
         return {}
 
     reader = StatusReader(
-        redis, keys, fallback=fallback, clock=lambda: now[0], absent_ttl=1.0, absent_size=2
+        redis_as_jobtier,
+        keys,
+        fallback=fallback,
+        clock=lambda: now[0],
+        absent_ttl=1.0,
+        absent_size=2,
     )
     assert await reader.get(unknown) is None and await reader.get(later) is None
     for _ in range(50):  # polling an unknown id costs Postgres nothing more for a second
@@ -305,7 +317,7 @@ async def test_ids_the_fallback_does_not_know_are_remembered_briefly(
 
 
 async def test_fallback_failure_reaches_only_its_readers(
-    queue: Queue, redis: RedisClient, settings: Settings
+    queue: Queue, redis: RedisClient, redis_as_jobtier: RedisClient, settings: Settings
 ) -> None:
     keys = keys_of(settings)
     (in_redis,) = await submit(queue)
@@ -314,7 +326,7 @@ async def test_fallback_failure_reaches_only_its_readers(
     async def fallback(ids: list[str]) -> dict[str, tuple[str, bytes]]:
         raise ConnectionError("postgres is down")
 
-    reader = StatusReader(redis, keys, fallback=fallback)
+    reader = StatusReader(redis_as_jobtier, keys, fallback=fallback)
     found, failed = await asyncio.gather(
         reader.get(in_redis), reader.get(gone), return_exceptions=True
     )
@@ -328,8 +340,8 @@ async def test_fallback_failure_reaches_only_its_readers(
 async def test_cluster_batch_is_split_per_node(redis_cluster: LocalCluster) -> None:
     flushall(redis_cluster.nodes)
     keys = Keys("jt", 16)
-    client = aioredis.RedisCluster.from_url(redis_cluster.url)
-    nodes = [aioredis.Redis(port=node.port) for node in redis_cluster.nodes]
+    client = aioredis.RedisCluster.from_url(as_jobtier(redis_cluster.url))
+    nodes = [aioredis.Redis(port=node.port, password=node.password) for node in redis_cluster.nodes]
     try:
         ids = [keys.new_id(shard) for shard in range(16) for _ in range(3)]
         # job hashes as submit.lua leaves them (core/keys.py, "Job hashes")

@@ -108,6 +108,17 @@ class LocalRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     @property
+    def password(self) -> str | None:
+        """The default user's password (``requirepass`` among its options), which this
+        class's own connections give; None when it has none (`jobtier run`'s)."""
+        value = self.options.get("requirepass")
+        return str(value) if value else None
+
+    def client(self, timeout: float = 5.0, **options: Any) -> syncredis.Redis:
+        """A client of it as the default user, with its password when it has one."""
+        return connect_to(self.port, timeout, password=self.password, **options)
+
+    @property
     def pidfile(self) -> Path:
         return self.folder / "redis.pid"
 
@@ -159,7 +170,7 @@ class LocalRedis:
         """Return once the server answers commands. While it loads its data (it then answers
         only INFO and the like, with ``loading:1``) wait, logging the progress; give up only
         when it neither answers nor progresses for ``stalled`` seconds."""
-        client = connect_to(self.port)
+        client = self.client()
         deadline = time.monotonic() + stalled
         logged = 0.0
         try:

@@ -6,6 +6,7 @@ bring the killed node back as a replica.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -41,7 +42,10 @@ class LocalCluster:
     ``tls``: every node also serves TLS on a port of its own (``tls_ports``), and the nodes
     speak it among themselves (the cluster bus on that port + 10000, replication). A client
     on a TLS port is told the others' TLS ports (CLUSTER SLOTS), one on a plain port their
-    plain ones, which is what the helpers here use."""
+    plain ones, which is what the helpers here use.
+
+    A node's ``requirepass`` (``node.options``, the same on every node, with ``masterauth``
+    for replication) is given by this class's own connections and by ``redis-cli``."""
 
     def __init__(
         self,
@@ -96,6 +100,9 @@ class LocalCluster:
             # with TLS, met on their TLS ports: the cluster bus is on that port + 10000
             ports = self.tls_ports or [n.port for n in self.nodes]
             tls = ["--tls", "--cacert", str(self.tls.ca)] if self.tls is not None else []
+            # the password in the environment: ``-a`` would warn that it shows in ps
+            password = self.nodes[0].password
+            auth = {"REDISCLI_AUTH": password} if password else {}
             subprocess.run(
                 [
                     cli,
@@ -109,6 +116,7 @@ class LocalCluster:
                 ],
                 check=True,
                 stdout=subprocess.DEVNULL,
+                env={**os.environ, **auth},
             )
             self.wait_ok()
             if self.replicas:
@@ -126,7 +134,7 @@ class LocalCluster:
         running nodes see it (from CLUSTER NODES of one of them)."""
         for node in self.running():
             try:
-                return _cluster_roles(node.port)
+                return _cluster_roles(node)
             except syncredis.RedisError:
                 continue
         raise RuntimeError("no node of the local cluster answers")
@@ -144,7 +152,7 @@ class LocalCluster:
         """The node that serves ``slot`` now."""
         for node in self.running():
             try:
-                with connect_to(node.port) as client:
+                with node.client() as client:
                     for first, last, main, *_ in client.execute_command("CLUSTER", "SLOTS"):
                         if first <= slot <= last:
                             port = int(main[1])
@@ -160,7 +168,7 @@ class LocalCluster:
 
     def slot_of(self, node: LocalRedis) -> int | None:
         """A slot ``node`` serves (None for a replica)."""
-        with connect_to(node.port) as client:
+        with node.client() as client:
             for first, _last, main, *_ in client.execute_command("CLUSTER", "SLOTS"):
                 if int(main[1]) == node.port:
                     return int(first)
@@ -175,7 +183,7 @@ class LocalCluster:
 
         def promoted() -> LocalRedis | None:
             node = self.master_of_slot(slot)
-            ok = node is not killed and all(_cluster_ok(n.port) for n in self.running())
+            ok = node is not killed and all(_cluster_ok(n) for n in self.running())
             return node if ok else None
 
         failure = f"no replica of the killed master {killed.port} took over within {timeout:g}s"
@@ -191,7 +199,7 @@ class LocalCluster:
     def wait_replicated(self, timeout: float = 30.0) -> None:
         """Return once every master has its replicas attached with their links up."""
         poll(
-            lambda: all(len(_replicas_online(m.port)) >= self.replicas for m in self.masters()),
+            lambda: all(len(_replicas_online(m)) >= self.replicas for m in self.masters()),
             timeout,
             f"the local cluster's replicas did not attach in {timeout:g}s",
         )
@@ -203,7 +211,7 @@ class LocalCluster:
         waiting = self.running()
         deadline = time.monotonic() + timeout
         while True:
-            waiting = [node for node in waiting if not _cluster_ok(node.port)]
+            waiting = [node for node in waiting if not _cluster_ok(node)]
             if not waiting:
                 return
             if time.monotonic() > deadline:
@@ -235,7 +243,7 @@ def _wait_replicating(node: LocalRedis, timeout: float) -> None:
     """Return once ``node`` is a replica with its link to its master up."""
 
     def replicating() -> bool:
-        with connect_to(node.port, decode_responses=True) as client:
+        with node.client(decode_responses=True) as client:
             info = client.info("replication")
         return bool(info.get("role") == "slave" and info.get("master_link_status") == "up")
 
@@ -259,9 +267,9 @@ def poll(check: Callable[[], T | None], timeout: float, failure: str, interval: 
         time.sleep(interval)
 
 
-def _cluster_roles(port: int) -> dict[int, tuple[str, int | None]]:
-    """CLUSTER NODES of the node on ``port``, as port -> (role, master's port)."""
-    with connect_to(port, decode_responses=True) as client:
+def _cluster_roles(node: LocalRedis) -> dict[int, tuple[str, int | None]]:
+    """CLUSTER NODES of ``node``, as port -> (role, master's port)."""
+    with node.client(decode_responses=True) as client:
         text = client.execute_command("CLUSTER", "NODES")
     if isinstance(text, dict):  # redis-py parses the reply into {address: fields}
         lines = [f"{v['node_id']} {addr} {v['flags']} {v['master_id']}" for addr, v in text.items()]
@@ -285,10 +293,10 @@ def _cluster_roles(port: int) -> dict[int, tuple[str, int | None]]:
     return roles
 
 
-def _replicas_online(port: int) -> list[int]:
-    """The ports of the replicas attached to the master on ``port`` with their links up (the
-    ports they announce: their TLS ones under ``tls-replication``)."""
-    with connect_to(port, decode_responses=True) as client:
+def _replicas_online(master: LocalRedis) -> list[int]:
+    """The ports of the replicas attached to ``master`` with their links up (the ports they
+    announce: their TLS ones under ``tls-replication``)."""
+    with master.client(decode_responses=True) as client:
         info = client.info("replication")
     ports = []
     for key, value in info.items():
@@ -332,7 +340,11 @@ class LocalSentinels:
     ``tls``: every server and sentinel also serves TLS on a port of its own, and they speak
     it among themselves (replication, the sentinels' watch and their hellos), so the
     sentinels name the TLS ports: ``addresses`` and ``url`` are then a TLS client's. The
-    plain ports stay, for this class's own checks."""
+    plain ports stay, for this class's own checks.
+
+    A node's ``requirepass`` (``node.options``, the same on every node, with ``masterauth``
+    for replication) is given by this class's own connections and by the sentinels
+    (``auth-pass``); the sentinels themselves ask for none."""
 
     def __init__(
         self,
@@ -400,13 +412,15 @@ class LocalSentinels:
         if self.tls is not None:
             options = self.tls.server_options(self.sentinel_tls_ports[i])
             tls = "".join(f"{name} {value}\n" for name, value in options.items())
+        password = self.nodes[0].password
+        auth = f"sentinel auth-pass {self.name} {password}\n" if password else ""
         conf.write_text(
             f"port {port}\nbind 127.0.0.1\ndir {folder}\nprotected-mode no\n"
             f"logfile {folder / 'sentinel.log'}\n{tls}"
             f"sentinel monitor {self.name} 127.0.0.1 {master} 2\n"
             f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"
             f"sentinel failover-timeout {self.name} {self.failover_timeout_ms}\n"
-            f"sentinel parallel-syncs {self.name} 1\n"
+            f"sentinel parallel-syncs {self.name} 1\n{auth}"
         )
         args = [redis_server_binary(), str(conf), "--sentinel"]
         return subprocess.Popen(
@@ -443,7 +457,7 @@ class LocalSentinels:
             node = self._node(self._sentinel_master_port())
             if node is killed:
                 return None
-            with connect_to(node.port, decode_responses=True) as client:
+            with node.client(decode_responses=True) as client:
                 if client.info("replication").get("role") != "master":
                     return None
             return node
@@ -461,7 +475,7 @@ class LocalSentinels:
 
         def attached() -> bool:
             master = self.nodes[0] if not self.sentinels else self.master()
-            return len(_replicas_online(master.port)) >= len(self.nodes) - 1
+            return len(_replicas_online(master)) >= len(self.nodes) - 1
 
         poll(attached, timeout, f"the replicas did not attach within {timeout:g}s")
 
@@ -503,8 +517,8 @@ class LocalSentinels:
             node.stop()
 
 
-def _cluster_ok(port: int) -> bool:
-    client = connect_to(port)
+def _cluster_ok(node: LocalRedis) -> bool:
+    client = node.client()
     try:
         info = client.execute_command("CLUSTER", "INFO")  # type: ignore[no-untyped-call]
     except syncredis.RedisError:

@@ -1,0 +1,64 @@
+"""The Redis users the tests run as (tests/fixtures/redis.py), on the session's server and
+cluster alike: jobtier's own clients are its user of least privilege, the tests' own the
+default user, who has a password there. So a jobtier client that lost its credentials on
+the way is refused, rather than running as the all-powerful default user unnoticed."""
+
+from __future__ import annotations
+
+import pytest
+from redis.exceptions import AuthenticationError, RedisClusterException
+
+from jobtier.config import Settings
+from jobtier.engine.queue import Queue
+from jobtier.store.redis import connect
+from tests.fixtures.redis import JOBTIER_PASSWORD, JOBTIER_USER, admin, on_every_server
+
+# what a client without credentials meets: NOAUTH, or (jobtier's clients speak RESP3) HELLO
+# refused until the client is authenticated; a cluster client that cannot learn the slots
+# for it says so in its own words, with Redis's
+REFUSED = (AuthenticationError, RedisClusterException)
+UNAUTHENTICATED = "(?i)NOAUTH|authentication required|with the client already authenticated"
+
+
+def without_credentials(settings: Settings) -> Settings:
+    url = settings.redis_url.replace(f"{JOBTIER_USER}:{JOBTIER_PASSWORD}@", "", 1)
+    assert "@" not in url, url
+    return settings.replace(redis_url=url)
+
+
+@pytest.mark.contract
+async def test_jobtier_runs_as_its_user_and_the_tests_as_the_default(
+    settings: Settings, queue: Queue
+) -> None:
+    assert set(await on_every_server(queue.redis, "ACL", "WHOAMI")) == {JOBTIER_USER.encode()}
+    async with admin(settings) as redis:
+        assert set(await on_every_server(redis, "ACL", "WHOAMI")) == {b"default"}
+
+
+@pytest.mark.contract
+async def test_a_jobtier_client_without_credentials_is_refused(settings: Settings) -> None:
+    """Not served as the default user: the default user has a password."""
+    bare = without_credentials(settings)
+    client = connect(bare)
+    try:
+        with pytest.raises(REFUSED, match=UNAUTHENTICATED):
+            await client.ping()
+    finally:
+        await client.aclose()
+
+
+async def test_through_the_sentinels_jobtier_is_its_user_and_needs_its_credentials(
+    sentinel_settings: Settings,
+) -> None:
+    """The sentinels' servers have jobtier's user and the default user's password too."""
+    client = connect(sentinel_settings)
+    try:
+        assert await client.execute_command("ACL", "WHOAMI") == JOBTIER_USER.encode()
+    finally:
+        await client.aclose()
+    client = connect(without_credentials(sentinel_settings))
+    try:
+        with pytest.raises(REFUSED, match=UNAUTHENTICATED):
+            await client.ping()
+    finally:
+        await client.aclose()
