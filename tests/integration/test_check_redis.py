@@ -15,7 +15,8 @@ from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
 from jobtier.dev.local_redis import LOCAL_CONF, LocalRedis
 from jobtier.dev.local_replicas import LocalCluster
-from jobtier.store.redis import check_redis, connect
+from jobtier.store.fitness import check_redis
+from jobtier.store.redis import connect
 from tests.e2e.jobtier_run import wait_until
 
 KEYS = 20_000

@@ -9,6 +9,7 @@ import pytest
 from redis.exceptions import AuthenticationError, RedisClusterException
 
 from jobtier.config import Settings
+from jobtier.core.errors import ConfigError
 from jobtier.engine.queue import Queue
 from jobtier.store.redis import connect
 from tests.fixtures.redis import JOBTIER_PASSWORD, JOBTIER_USER, admin, on_every_server
@@ -62,3 +63,23 @@ async def test_through_the_sentinels_jobtier_is_its_user_and_needs_its_credentia
             await client.ping()
     finally:
         await client.aclose()
+
+
+@pytest.mark.contract
+@pytest.mark.parametrize("password", ["", "wrong"])
+async def test_a_process_refused_its_credentials_stops_at_once_saying_so(
+    settings: Settings, password: str
+) -> None:
+    """Refused credentials are not an unreachable Redis, waited for ``STARTUP_PATIENCE``
+    seconds and then reported as one: the start stops at the refusal, and names it."""
+    bare = without_credentials(settings)
+    if password:
+        bare = bare.replace(
+            redis_url=bare.redis_url.replace("redis://", f"redis://{JOBTIER_USER}:{password}@", 1)
+        )
+    with pytest.raises(ConfigError, match="refused jobtier's credentials") as refused:
+        await Queue.connect(bare)
+    message = str(refused.value)
+    assert "JOBTIER_REDIS_URL" in message
+    if password:
+        assert f":{password}@" not in message  # the URL it shows is masked

@@ -184,7 +184,7 @@ def test_sentinels_refuse_a_unix_socket_url() -> None:
 
 def test_an_unreachable_default_redis_points_at_the_setting_and_jobtier_run() -> None:
     from jobtier.cli.main import build_parser
-    from jobtier.store.redis import RUN_REDIS_URL, unreachable_message
+    from jobtier.store.fitness import RUN_REDIS_URL, unreachable_message
 
     said = unreachable_message(Settings.from_env({}), ConnectionError("refused"))
     assert "cannot reach Redis at redis://127.0.0.1:6379/0: refused." in said
@@ -216,7 +216,7 @@ def test_a_redis_password_is_never_shown(url: str, shown: str) -> None:
     """`jobtier config`, the message for an unreachable Redis and the log while it loads
     name the URL without its password."""
     from jobtier.config import masked_url
-    from jobtier.store.redis import unreachable_message
+    from jobtier.store.fitness import unreachable_message
 
     assert masked_url(url) == shown
     settings = Settings.from_env({}, redis_url=url)

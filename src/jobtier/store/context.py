@@ -17,8 +17,9 @@ from jobtier.core.keys import Keys
 from jobtier.runtime import tracing
 from jobtier.store import format as job_format
 from jobtier.store.calls import Call, SubmitItem, SubmitOutcome, parse_submit, submit_call
+from jobtier.store.fitness import check_redis
 from jobtier.store.keyed_calls import submit_keyed
-from jobtier.store.redis import RedisClient, check_redis, connect
+from jobtier.store.redis import RedisClient, connect
 from jobtier.store.scripts import Scripts
 
 log = logging.getLogger("jobtier.redis")

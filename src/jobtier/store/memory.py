@@ -1,6 +1,6 @@
 """How full Redis is: ``used_memory / maxmemory`` from INFO memory, on every primary.
 
-jobtier requires ``noeviction`` (store/redis.py): past ``maxmemory`` Redis refuses every write,
+jobtier requires ``noeviction`` (store/fitness.py): past ``maxmemory`` Redis refuses every write,
 transitions of running jobs included. Submits are what fills it, so the API refuses them
 first, while there is still room for the jobs already accepted to finish (admission.py).
 """

@@ -1,0 +1,168 @@
+"""Whether a Redis is fit for jobtier, checked as a process starts (``Store.connect``): that it
+answers (a restarting one is waited for a while, one loading its data for as long as it
+loads), that it takes jobtier's credentials, that it is Redis 7 or newer, that it never
+evicts, and that its writes reach an append-only file."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from redis.asyncio import RedisCluster
+from redis.exceptions import (
+    AuthenticationError,
+    BusyLoadingError,
+    RedisClusterException,
+    RedisError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from jobtier.config import Settings, masked_url
+from jobtier.core.errors import ConfigError
+from jobtier.runtime.backoff import STARTUP
+from jobtier.store.redis import RedisClient, info_of_primaries
+
+log = logging.getLogger("jobtier.redis")
+
+STARTUP_PATIENCE = 30.0  # seconds a starting process waits for a Redis that does not answer
+EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+# `jobtier run`'s own Redis (its --redis-port default; a unit test keeps the two in step)
+RUN_REDIS_URL = "redis://127.0.0.1:16379/0"
+DEFAULT_REDIS_URL = Settings.__dataclass_fields__["redis_url"].default
+
+
+def refused_message(settings: Settings, exc: BaseException) -> str:
+    """Redis answered, and refused jobtier's credentials."""
+    return (
+        f"Redis at {masked_url(settings.redis_url)} refused jobtier's credentials: {exc}. "
+        "Check the user and password in JOBTIER_REDIS_URL (redis://user:password@host:port/db) "
+        "and that the user exists and is on (ACL LIST on the server)."
+    )
+
+
+def _refused_credentials(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(
+        sign in text
+        for sign in ("NOAUTH", "WRONGPASS", "invalid username-password", "already authenticated")
+    )
+
+
+def unreachable_message(settings: Settings, exc: BaseException) -> str:
+    """Why we cannot talk to Redis, and where to look next."""
+    message = f"cannot reach Redis at {masked_url(settings.redis_url)}: {exc}."
+    if settings.redis_url == DEFAULT_REDIS_URL:
+        return message + (
+            " That is JOBTIER_REDIS_URL's default (the variable is not set): name your server "
+            f"in JOBTIER_REDIS_URL; to use the Redis that `jobtier run` starts, "
+            f"JOBTIER_REDIS_URL={RUN_REDIS_URL}"
+        )
+    return message + " Is the server running, and is JOBTIER_REDIS_URL right?"
+
+
+async def check_redis(
+    redis: RedisClient, settings: Settings, *, log_every: float = 5.0
+) -> list[str]:
+    """Refuse a Redis that can lose acknowledged jobs (an evicting memory policy, no AOF).
+    Returns warnings; raises ConfigError.
+
+    A Redis still loading its data is waited for, its progress logged every ``log_every``
+    seconds; one that does not answer is waited for up to ``STARTUP_PATIENCE`` seconds (it
+    may be restarting as this process starts), then is a ConfigError.
+    """
+    backoff, since = STARTUP.start(), time.monotonic()
+    logged = -log_every
+    while True:
+        try:
+            version = await _info_values(redis, "server", "redis_version")
+            policies = await _info_values(redis, "memory", "maxmemory_policy")
+            # loading and aof_enabled from one snapshot: aof_enabled reads 0 until a load ends,
+            # so read apart, a load ending in between would look like a Redis without AOF
+            persistence = await info_of_primaries(redis, "persistence")
+            if any(str(node.get("loading")) == "1" for node in persistence):
+                if time.monotonic() - logged >= log_every:
+                    logged = time.monotonic()
+                    done = ",".join(str(n.get("loading_loaded_perc", "?")) for n in persistence)
+                    log.warning(
+                        "event=redis_loading url=%s percent=%s: Redis is loading its data "
+                        "after a restart; waiting for it",
+                        masked_url(settings.redis_url),
+                        done,
+                    )
+                raise BusyLoadingError("Redis is loading the dataset in memory")
+            aof = [str(node.get("aof_enabled", "")) for node in persistence]
+            break
+        except BusyLoadingError:
+            # it will serve once loaded (exiting would only restart us into the same wait)
+            await asyncio.sleep(min(backoff.next(), 0.5))
+        except AuthenticationError as exc:  # a ConnectionError, but waiting will not mend it
+            raise ConfigError(refused_message(settings, exc)) from exc
+        except RedisClusterException as exc:
+            # a cluster client that could not learn the slots from any node says why in its
+            # own words: Redis's refusal of the credentials among them
+            if _refused_credentials(exc):
+                raise ConfigError(refused_message(settings, exc)) from exc
+            raise
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            if time.monotonic() - since > STARTUP_PATIENCE:
+                raise ConfigError(unreachable_message(settings, exc)) from exc
+            wait = backoff.next()
+            log.warning("event=redis_unreachable action=waiting retry_in=%.1fs error=%r", wait, exc)
+            await asyncio.sleep(wait)
+        except RedisError as exc:
+            raise ConfigError(unreachable_message(settings, exc)) from exc
+    problems, warnings = [], []
+    if any(int(v.split(".")[0]) < 7 for v in version):
+        problems.append(f"Redis {', '.join(sorted(set(version)))} is too old: jobtier needs 7.0+")
+    bad = sorted({p for p in policies if p in EVICTING})
+    if bad:
+        problems.append(
+            f"maxmemory-policy is {bad[0]}: Redis would evict jobs under memory pressure; "
+            "set it to noeviction (or a volatile-* policy)"
+        )
+    if any(v != "1" for v in aof):
+        message = (
+            "appendonly is off: a restart of Redis would lose jobs it has acknowledged; turn it "
+            "on in the server's configuration (appendonly yes), or at once with "
+            "`redis-cli CONFIG SET appendonly yes` plus `CONFIG REWRITE`"
+        )
+        if settings.redis_require_aof:
+            problems.append(
+                message + ". Only for a throwaway setup whose jobs may be lost: "
+                "JOBTIER_REDIS_REQUIRE_AOF=0"
+            )
+        else:
+            warnings.append(message)
+    if problems:
+        raise ConfigError("Redis is not fit for jobtier: " + "; ".join(problems))
+    if await _full_coverage_required(redis):
+        warnings.append(
+            "cluster-require-full-coverage is yes: while one master fails over, every node "
+            "refuses every key (CLUSTERDOWN), not only the lost master's slots; set it to no "
+            "(`CONFIG SET cluster-require-full-coverage no` on each node, plus CONFIG REWRITE)"
+        )
+    return warnings
+
+
+async def _full_coverage_required(redis: RedisClient) -> bool:
+    """(A cluster of several masters) whether a node requires full slot coverage; False when
+    CONFIG is not allowed (a managed service decides for itself)."""
+    if not isinstance(redis, RedisCluster) or len(redis.get_primaries()) < 2:
+        return False
+    try:
+        replies = await redis.config_get(
+            "cluster-require-full-coverage", target_nodes=RedisCluster.PRIMARIES
+        )
+    except RedisError:
+        return False
+    values: list[Any] = []  # {node: {name: value}}
+    for reply in (replies or {}).values():
+        values += reply.values() if isinstance(reply, dict) else [reply]
+    return any((v.decode() if isinstance(v, bytes) else str(v)) == "yes" for v in values)
+
+
+async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
+    return [str(node.get(field, "")) for node in await info_of_primaries(redis, section)]
