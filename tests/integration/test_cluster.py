@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import redis as syncredis
+from redis.asyncio import RedisCluster
 from redis.crc import key_slot
 
 from jobtier.config import Settings
@@ -54,6 +55,7 @@ async def test_events_of_every_shard_arrive_subscribed_per_slot(
     async with await Queue.connect(cluster_settings) as queue:
         channels = [queue.keys.events(s) for s in range(16)]
         # each node serves several of the 16 slots: one SSUBSCRIBE per slot on its connection
+        assert isinstance(queue.redis, RedisCluster)
         assert all(len(group) > 1 for group in node_channels(queue.redis, channels).values())
         got: list[bytes] = []
         sub = ShardSubscriber(queue.redis, channels, lambda c, d: got.append(c))

@@ -223,3 +223,22 @@ def test_a_redis_password_is_never_shown(url: str, shown: str) -> None:
     assert settings.public()["redis_url"] == shown
     said = unreachable_message(settings, ConnectionError("refused"))
     assert shown in said and ("s3cret" not in said and "p%40ss" not in said)
+
+
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [
+        ("redis://10.0.0.7:6380/0", ("10.0.0.7", 6380)),
+        ("unix:///run/redis.sock?db=0", ("/run/redis.sock", 0)),
+    ],
+)
+async def test_the_servers_address_is_the_urls(url: str, address: tuple[str, int]) -> None:
+    """What the status subscription names its one node by, and logs: a Unix socket's path
+    (it read 127.0.0.1:6379, an address the client never used)."""
+    from jobtier.store.redis import master_address
+
+    client = connect(Settings.from_env({}, redis_url=url))
+    try:
+        assert await master_address(client) == address
+    finally:
+        await client.aclose()

@@ -431,13 +431,15 @@ def _sentinel_master(settings: Settings, options: dict[str, Any]) -> Redis:
 
 async def master_address(redis: RedisClient) -> tuple[str, int]:
     """(Not a cluster) the address of the server ``redis`` sends its commands to: for a
-    client of the sentinels, the master they name now."""
+    client of the sentinels, the master they name now; for a Unix socket, its path (port 0)."""
     pool = redis.connection_pool  # type: ignore[union-attr]
     if isinstance(pool, SentinelConnectionPool):
         host, port = await pool.get_master_address()  # type: ignore[no-untyped-call]
         return str(host), int(port)
     kw = pool.connection_kwargs
-    return str(kw.get("host", "127.0.0.1")), int(kw.get("port", 6379))
+    if "path" in kw:
+        return str(kw["path"]), 0
+    return str(kw.get("host", "localhost")), int(kw.get("port", 6379))
 
 
 async def info_of_primaries(redis: RedisClient, section: str) -> list[dict[str, Any]]:

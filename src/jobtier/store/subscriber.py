@@ -26,18 +26,15 @@ from jobtier.store.redis import RedisClient, master_address
 log = logging.getLogger("jobtier.redis")
 
 
-def node_channels(redis: RedisClient, channels: Sequence[str]) -> dict[tuple[str, int], list[str]]:
-    """Group shard channels by the node that serves their slot."""
-    if isinstance(redis, RedisCluster):
-        groups: dict[tuple[str, int], list[str]] = {}
-        for channel in channels:
-            node = redis.get_node_from_key(channel)
-            if node is None:
-                raise ConnectionError(f"no cluster node serves {channel}")
-            groups.setdefault((str(node.host), int(node.port)), []).append(channel)
-        return groups
-    kw = redis.connection_pool.connection_kwargs
-    return {(kw.get("host", "127.0.0.1"), kw.get("port", 6379)): list(channels)}
+def node_channels(redis: RedisCluster, channels: Sequence[str]) -> dict[tuple[str, int], list[str]]:
+    """Group shard channels by the cluster node that serves their slot."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for channel in channels:
+        node = redis.get_node_from_key(channel)
+        if node is None:
+            raise ConnectionError(f"no cluster node serves {channel}")
+        groups.setdefault((str(node.host), int(node.port)), []).append(channel)
+    return groups
 
 
 async def node_groups(
