@@ -34,6 +34,7 @@ from jobtier.core.errors import Code
 from jobtier.core.model import LOG_LINES, encode_json
 from jobtier.engine.catalog import publish as publish_tasks
 from jobtier.runtime.loop import wait_for
+from jobtier.runtime.stopping import stop_task
 from jobtier.store.calls import heartbeat_call, joblog_call, parse_pairs
 from jobtier.worker.attempt import deliver_cancel
 from jobtier.worker.claimer import Claimer
@@ -83,30 +84,46 @@ class Heartbeat:
         progress = self.state.progress
         interval = self.state.settings.lease_seconds / 3
         next_beat = time.monotonic() + interval
-        while not self._stop.is_set():
-            await wait_for(progress, next_beat - time.monotonic())
-            if self._stop.is_set():
-                return
-            full = time.monotonic() >= next_beat
-            progress.clear()
-            failed: BaseException | None = None
+        chores: asyncio.Task[None] | None = None
+        try:
+            while not self._stop.is_set():
+                await wait_for(progress, next_beat - time.monotonic())
+                if self._stop.is_set():
+                    return
+                full = time.monotonic() >= next_beat
+                progress.clear()
+                try:
+                    await self._beat(progress_only=not full)
+                    failed = False
+                except (RedisError, OSError) as exc:
+                    log.warning("event=heartbeat_failed worker=%s error=%r", self.id, exc)
+                    failed = True
+                if full:
+                    next_beat = time.monotonic() + (1.0 if failed else interval)
+                    # beside the beats, failed or not: a master failing over must neither
+                    # keep this worker from saying it is alive elsewhere, nor hold up the
+                    # beats with the client's retries of a call to it
+                    if chores is not None and chores.done():
+                        chores.result()  # a defect of ours in it surfaces here, as in a beat
+                    if chores is None or chores.done():
+                        chores = asyncio.create_task(self._chores())
+                if not full:  # merge bursts of progress reports
+                    await wait_for(self._stop, self.progress_interval)
+        finally:
+            await stop_task(chores, "worker advertisement")
+
+    async def _chores(self) -> None:
+        """Advertise this worker and refresh its queues' limits, each on its own."""
+        for step in (self.advertise, self.claimer.refresh_limits):
             try:
-                await self._beat(progress_only=not full)
+                await step()
             except (RedisError, OSError) as exc:
-                failed = exc
-            if full:
-                # each step on its own: a beat that failed on one node (a master failing
-                # over) must not keep this worker from saying it is alive, elsewhere
-                for step in (self.advertise, self.claimer.refresh_limits):
-                    try:
-                        await step()
-                    except (RedisError, OSError) as exc:
-                        failed = failed or exc
-                next_beat = time.monotonic() + (interval if failed is None else 1.0)
-            if failed is not None:
-                log.warning("event=heartbeat_failed worker=%s error=%r", self.id, failed)
-            if not full:  # merge bursts of progress reports
-                await wait_for(self._stop, self.progress_interval)
+                log.warning(
+                    "event=heartbeat_failed worker=%s step=%s error=%r",
+                    self.id,
+                    step.__name__,
+                    exc,
+                )
 
     async def _beat(self, progress_only: bool) -> None:
         by_shard: dict[int, list[tuple[str, int, bytes]]] = defaultdict(list)
