@@ -37,6 +37,8 @@ from jobtier.store.subscriber import ShardSubscriber
 log = logging.getLogger("jobtier.scheduler")
 
 NOW = 0  # "due now": check the shard on the next pass
+# a pass's shards whose calls failed: shard -> (the first error, the steps that failed)
+Failed = dict[int, tuple[BaseException, list[str]]]
 RECONCILE_TIMEOUT = 30.0
 
 
@@ -132,9 +134,13 @@ class Scheduler:
                 self._wake.set()
 
     def _on_reset(self) -> None:
-        # wake messages may have been missed: look at every shard again
-        self._next_due = [NOW] * self.keys.shards
-        self._next_cron = [NOW] * self.keys.shards
+        # wake messages may have been missed: look at every shard again, but for those
+        # waiting out a failure (their node down), whose back-off stands (a cluster's
+        # subscription is made anew every few tens of ms while a node is down)
+        for shard in range(self.keys.shards):
+            if not self._retry[shard].failures:
+                self._next_due[shard] = NOW
+                self._next_cron[shard] = NOW
         self._wake.set()
         if self.resolver is not None:
             self.resolver.reset()
@@ -220,53 +226,68 @@ class Scheduler:
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
 
-    async def _fire_cron(self, now: float) -> int:
+    async def _fire_cron(self, now: float, failed: Failed) -> tuple[int, list[int]]:
         """Fire the recurring schedules that are due (before promoting: their jobs are
-        created due now, so a worker can take them in this same pass)."""
-        created = 0
-        failed: dict[int, BaseException] = {}
-        fired = [shard for shard, due in enumerate(self._next_cron) if 0 <= due <= now]
+        created due now, so a worker can take them in this same pass); returns the jobs
+        made and the shards tried. The shards go side by side, and not those waiting out a
+        failure: their node down, a call to it is retried by the client for a second or
+        more, which would hold up the pass (their promote call, sent once, finds out when
+        the node is back: ``_settle``)."""
+        fired = [
+            shard
+            for shard, due in enumerate(self._next_cron)
+            if 0 <= due <= now and not self._retry[shard].failures
+        ]
+        if not fired:
+            return 0, fired
         for shard in fired:
             self._next_cron[shard] = -1  # a wake during the call records itself (see below)
-            try:
-                made, nxt = await self.cron.fire_due(
-                    shard, int(self.redis_now_ms()), self.misfire_grace_ms
-                )
-            except (RedisError, OSError) as exc:
-                failed[shard] = exc
+        at = int(self.redis_now_ms())
+        replies = await asyncio.gather(
+            *(self.cron.fire_due(shard, at, self.misfire_grace_ms) for shard in fired),
+            return_exceptions=True,
+        )
+        created = 0
+        for shard, reply in zip(fired, replies, strict=True):
+            if isinstance(reply, (RedisError, OSError)):
+                failed.setdefault(shard, (reply, []))[1].append("fire")
                 continue
+            if isinstance(reply, BaseException):
+                raise reply
+            made, nxt = reply
             created += made
             self.stats.fired += made
             woke = self._next_cron[shard]
             self._next_cron[shard] = nxt if woke < 0 else (woke if nxt < 0 else min(nxt, woke))
-        self._retry_later(self._next_cron, failed, "fire")
-        self._succeeded(fired, failed)
-        return created
+        return created, fired
 
-    def _retry_later(self, times: list[float], failed: dict[int, BaseException], step: str) -> None:
-        """Shards whose call failed (their node is down): each is looked at again after its
-        own back-off, in ``times``; one log line for them all. A shard whose calls succeed
-        again starts its back-off afresh (``_succeeded``)."""
+    def _settle(self, failed: Failed, tried: set[int]) -> None:
+        """After a pass: each shard whose call failed (its node down) is looked at again
+        after its own back-off, in the steps that failed and in its promote call, sent once,
+        which finds out when the node is back; one log line for them all. A shard whose
+        calls all succeeded starts its back-off afresh."""
+        for shard in tried - failed.keys():
+            if self._retry[shard].failures:
+                self._retry[shard].reset()
         if not failed:
             return
         now = self.redis_now_ms()
+        times = {"fire": self._next_cron, "promote": self._next_due, "reclaim": self._next_lease}
         waits = []
-        for shard in failed:
+        for shard, (_, steps) in failed.items():
             wait = self._retry[shard].next()
-            times[shard] = now + wait * 1000
+            at = now + wait * 1000
+            for step in {*steps, "promote"}:
+                woke = times[step][shard]
+                times[step][shard] = at if woke < 0 else min(woke, at)
             waits.append(wait)
         log.warning(
-            "event=scheduler_shards_failed step=%s shards=%s error=%r retry_in=%.2fs",
-            step,
+            "event=scheduler_shards_failed shards=%s steps=%s error=%r retry_in=%.2fs",
             ",".join(map(str, sorted(failed))),
-            next(iter(failed.values())),
+            ",".join(sorted({step for _, steps in failed.values() for step in steps})),
+            next(iter(failed.values()))[0],
             min(waits),
         )
-
-    def _succeeded(self, shards: list[int], failed: dict[int, BaseException]) -> None:
-        for shard in shards:
-            if shard not in failed and self._retry[shard].failures:
-                self._retry[shard].reset()
 
     async def reconcile(self) -> int:
         """Restore schedules Postgres has and Redis lost; copy firing times back to Postgres.
@@ -310,31 +331,37 @@ class Scheduler:
         """One pass over the shards that are due; returns the jobs moved."""
         self.stats.passes += 1
         now = self.redis_now_ms()
-        moved = await self._fire_cron(now)
+        failed: Failed = {}
+        moved, fired = await self._fire_cron(now, failed)
         promote = [s for s, t in enumerate(self._next_due) if 0 <= t <= now]
         reclaim = [s for s, t in enumerate(self._next_lease) if 0 <= t <= now]
+        if promote or reclaim:
+            moved += await self._promote_and_reclaim(promote, reclaim, failed)
+        self._settle(failed, {*fired, *promote, *reclaim})
+        return moved
+
+    async def _promote_and_reclaim(
+        self, promote: list[int], reclaim: list[int], failed: Failed
+    ) -> int:
+        moved = 0
         calls: list[Call] = [promote_call(s, self.batch) for s in promote]
         s = self.settings
         calls += [
             reclaim_call(shard, self.batch, s.retention_seconds, s.dead_retention_seconds)
             for shard in reclaim
         ]
-        if not calls:
-            return moved
         for shard in promote:
             # a wake arriving while the call is in flight may name a job added after the
             # script looked: -1 lets _on_wake record it, and the answer below keeps it
             self._next_due[shard] = -1
         sent = time.time() * 1000
         # one pipeline per node, each call's reply on its own: while a node is down (a
-        # master failing over) only its shards wait, on their own back-off (_retry_later)
+        # master failing over) only its shards wait, on their own back-off (_settle)
         replies = await self.scripts.call_many_each(calls)
         received = time.time() * 1000
         lease_ms = s.lease_seconds * 1000
-        unpromoted = _failures(promote, replies[: len(promote)])
-        unreclaimed = _failures(reclaim, replies[len(promote) :])
         for shard, reply in zip(promote, replies[: len(promote)], strict=True):
-            if shard in unpromoted:
+            if _failed(shard, reply, "promote", failed):
                 continue
             r = parse_promote(reply)
             self._offset_ms = r.now_ms - (sent + received) / 2
@@ -345,7 +372,7 @@ class Scheduler:
             woke = self._next_due[shard]
             self._next_due[shard] = due if woke < 0 else (woke if due < 0 else min(due, woke))
         for shard, reply in zip(reclaim, replies[len(promote) :], strict=True):
-            if shard in unreclaimed:
+            if _failed(shard, reply, "reclaim", failed):
                 continue
             r = parse_reclaim(reply)
             self._offset_ms = r.now_ms - (sent + received) / 2
@@ -366,20 +393,16 @@ class Scheduler:
                 # answer ends no sooner than a full lease from now
                 horizon = r.now_ms + lease_ms
                 self._next_lease[shard] = min(r.next_ms, horizon) if r.next_ms >= 0 else horizon
-        self._retry_later(self._next_due, unpromoted, "promote")
-        self._retry_later(self._next_lease, unreclaimed, "reclaim")
-        self._succeeded(promote, unpromoted)
-        self._succeeded(reclaim, unreclaimed)
         return moved
 
 
-def _failures(shards: list[int], replies: list[Any]) -> dict[int, BaseException]:
-    """The shards whose call failed for want of Redis (a connection error, a node failing
-    over), with their error; any other error is a fault of ours, raised."""
-    failed: dict[int, BaseException] = {}
-    for shard, reply in zip(shards, replies, strict=True):
-        if isinstance(reply, (RedisError, OSError)):
-            failed[shard] = reply
-        elif isinstance(reply, BaseException):
-            raise reply
-    return failed
+def _failed(shard: int, reply: Any, step: str, failed: Failed) -> bool:
+    """Whether ``reply`` is an error of Redis (a node down, or a call refused): recorded in
+    ``failed``, for the shard to be looked at again after its back-off, as a whole failed pass
+    was before. Any other error is a fault of ours, raised."""
+    if isinstance(reply, (RedisError, OSError)):
+        failed.setdefault(shard, (reply, []))[1].append(step)
+        return True
+    if isinstance(reply, BaseException):
+        raise reply
+    return False

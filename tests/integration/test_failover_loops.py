@@ -34,7 +34,7 @@ from jobtier.dev.local_redis import LocalRedis
 from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.produce import DEFAULT_TENANT
 from jobtier.engine.queue import Queue
-from jobtier.scheduler import Scheduler
+from jobtier.scheduler import NOW, Scheduler
 from jobtier.store.calls import claim_call, parse_claim
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
@@ -114,6 +114,11 @@ async def test_the_scheduler_promotes_and_reclaims_on_the_masters_that_are_up(
             int(s) for m in failures for s in m.split("shards=", 1)[1].split(" ", 1)[0].split(",")
         }
         assert named <= lost, (named, lost)
+        # the lost shards wait out their back-off: a new subscription (made every few tens
+        # of ms while a node is down) does not make them due again at once
+        assert all(scheduler._retry[s].failures for s in named)
+        scheduler._on_reset()
+        assert all(scheduler._next_due[s] != NOW for s in named), scheduler._next_due
     # the promoted replica serves the lost shards, and the scheduler finds its way there:
     # a job delayed on one of them is promoted too
     shard = min(lost)
@@ -173,33 +178,34 @@ async def test_a_worker_says_it_is_alive_and_keeps_progress_while_a_master_is_do
         healthy = [job for shard, job in ids.items() if shard not in lost]
         worker = worker_for(queue, TaskRegistry([reports]), concurrency=SHARDS)
         background.start(worker)
-        await wait_for(lambda: len(GATE.running) == SHARDS)
-
-        async def seen_since(moment: float) -> bool:
-            """The worker advertised itself after ``moment``."""
-            raw = await queue.redis.hget(queue.keys.workers(), worker.id)
-            return raw is not None and float(msgspec.json.decode(raw)["seen_at"]) > moment
-
-        async def progress_of(job_ids: list[str]) -> bool:
-            try:
-                found = await asyncio.gather(*(queue.status(j) for j in job_ids))
-            except RedisError:  # a lost shard's, until its replica is promoted and known
-                return False
-            return all(status.progress == {"step": 1} for status in found)
-
-        async with down_until_exit(failover_cluster, victim):
-            killed = time.time()
-            GATE.report.set()
-            await wait_for(lambda: progress_of(healthy), timeout=30)
-            # full beats fail on the victim's shards, and the worker is still advertised
-            await wait_for(lambda: seen_since(killed), timeout=30)
-        # the victim's replica serves its shards now: the progress reported while they were
-        # down reaches them, though no task reported again
-        await wait_for(lambda: progress_of([ids[s] for s in lost]), timeout=30)
-        GATE.release.set()
         try:
+            await wait_for(lambda: len(GATE.running) == SHARDS)
+
+            async def seen_since(moment: float) -> bool:
+                """The worker advertised itself after ``moment``."""
+                raw = await queue.redis.hget(queue.keys.workers(), worker.id)
+                return raw is not None and float(msgspec.json.decode(raw)["seen_at"]) > moment
+
+            async def progress_of(job_ids: list[str]) -> bool:
+                try:
+                    found = await asyncio.gather(*(queue.status(j) for j in job_ids))
+                except RedisError:  # a lost shard's, until its replica is promoted and known
+                    return False
+                return all(status.progress == {"step": 1} for status in found)
+
+            async with down_until_exit(failover_cluster, victim):
+                killed = time.time()
+                GATE.report.set()
+                await wait_for(lambda: progress_of(healthy), timeout=30)
+                # full beats fail on the victim's shards, and the worker is still advertised
+                await wait_for(lambda: seen_since(killed), timeout=30)
+            # the victim's replica serves its shards now: the progress reported while they were
+            # down reaches them, though no task reported again
+            await wait_for(lambda: progress_of([ids[s] for s in lost]), timeout=30)
+            GATE.release.set()
             await wait_for(lambda: states_are(queue, ids.values(), [State.SUCCEEDED]), timeout=30)
         finally:  # the worker's last writes (its sign-off) go before the client closes
+            GATE.release.set()
             await background.stop()
 
 

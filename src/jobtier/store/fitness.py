@@ -44,6 +44,8 @@ def refused_message(settings: Settings, exc: BaseException) -> str:
 
 
 def _refused_credentials(exc: BaseException) -> bool:
+    if isinstance(exc.__cause__, AuthenticationError):
+        return True
     text = str(exc)
     return any(
         sign in text

@@ -266,7 +266,10 @@ class Reporter:
                     self._pending_permits[queue_name][:0] = kept
             if failed is None:
                 continue
-            if self._to_release:  # now: the lost shards' outcomes may take a while
+            # now, the lost shards' outcomes may take a while; unless the permits' own home
+            # is lost (the call, retried by the client, would only hold up this loop)
+            homes = {self.state.keys.home(queue_name) for queue_name in self._to_release}
+            if self._to_release and not homes & lost:
                 await self._release_permits()
             wait = backoff.next()
             log.warning(
