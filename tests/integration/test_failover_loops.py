@@ -19,7 +19,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -28,7 +27,6 @@ import redis as syncredis
 from redis.crc import key_slot
 from redis.exceptions import RedisError
 
-from jobtier.config import Settings
 from jobtier.core.model import QueueLimits, State
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.dev.local_replicas import LocalCluster
@@ -38,6 +36,7 @@ from jobtier.scheduler import NOW, Scheduler
 from jobtier.store.calls import claim_call, parse_claim
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
+from tests.fixtures.cluster import FAILOVER_SHARDS, failover_settings
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.integration.test_failover_parts import (
     down_until_exit,
@@ -48,7 +47,7 @@ from tests.integration.test_failover_parts import (
 
 pytestmark = pytest.mark.slow
 
-SHARDS = 16
+SHARDS = FAILOVER_SHARDS
 
 
 @task(name="idle", retries=2)
@@ -57,12 +56,9 @@ async def idle(ctx: JobContext, payload: Any) -> None:
 
 
 @pytest.fixture
-async def queue(failover_cluster: LocalCluster) -> AsyncIterator[Queue]:
-    settings = Settings.from_env(
-        {}, redis_url=failover_cluster.url, redis_cluster=True, shards=SHARDS, lease_seconds=5.0
-    )
-    async with await Queue.connect(settings) as q:
-        yield q
+def queue(failover_queue: Queue) -> Queue:
+    """This module's queue is the failover cluster's."""
+    return failover_queue
 
 
 def key_on(queue: Queue, shard: int, label: str) -> str:
@@ -165,9 +161,7 @@ async def test_a_worker_says_it_is_alive_and_keeps_progress_while_a_master_is_do
 ) -> None:
     global GATE
     GATE = Gate()
-    settings = Settings.from_env(
-        {}, redis_url=failover_cluster.url, redis_cluster=True, shards=SHARDS, lease_seconds=3.0
-    )
+    settings = failover_settings(failover_cluster, lease_seconds=3.0)
     async with await Queue.connect(settings) as queue:
         jobs = {
             shard: (await queue.submit(reports, None, idempotency_key=key_on(queue, shard, "r")))

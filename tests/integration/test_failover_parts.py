@@ -36,20 +36,18 @@ from jobtier.store.redis import REFRESH_EVERY, Cluster, connect
 from jobtier.store.scripts import Scripts
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
+from tests.fixtures.cluster import FAILOVER_SHARDS, failover_settings
 from tests.fixtures.engine import Background, wait_for, worker_for
 
 pytestmark = pytest.mark.slow
 
-SHARDS = 16
+SHARDS = FAILOVER_SHARDS
 
 
 @pytest.fixture
-async def queue(failover_cluster: LocalCluster) -> AsyncIterator[Queue]:
-    settings = Settings.from_env(
-        {}, redis_url=failover_cluster.url, redis_cluster=True, shards=SHARDS, lease_seconds=5.0
-    )
-    async with await Queue.connect(settings) as q:
-        yield q
+def queue(failover_queue: Queue) -> Queue:
+    """This module's queue is the failover cluster's."""
+    return failover_queue
 
 
 def owners(cluster: LocalCluster, keys: Keys) -> dict[int, int]:
@@ -372,9 +370,7 @@ async def test_a_worker_beats_for_the_jobs_of_the_masters_that_are_up(
     its beats alone, stops its job). (Taken as one batch, the healthy nodes' extensions ran
     but the beat failed: their replies were dropped until the promotion.)"""
     caplog.set_level(logging.INFO, logger="jobtier.worker")
-    settings = Settings.from_env(
-        {}, redis_url=failover_cluster.url, redis_cluster=True, shards=SHARDS, lease_seconds=3.0
-    )
+    settings = failover_settings(failover_cluster, lease_seconds=3.0)
     queue = await Queue.connect(settings)
     try:
         keys = queue.keys
