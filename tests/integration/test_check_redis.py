@@ -1,10 +1,14 @@
 """The start-up check of Redis (``check_redis``) against real servers: a Redis still loading
 its AOF after a restart is waited for, not mistaken for one without AOF; a Redis without AOF
-is refused with a message that says how to turn it on."""
+is refused with a message that says how to turn it on; a cluster not up yet is waited for,
+and a client of the wrong kind (cluster or single server) is told which setting to change."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -13,11 +17,14 @@ from redis.asyncio import Redis, RedisCluster
 
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
-from jobtier.dev.local_redis import LOCAL_CONF, LocalRedis
+from jobtier.dev.local_redis import LOCAL_CONF, LocalRedis, free_port
 from jobtier.dev.local_replicas import LocalCluster
+from jobtier.store import fitness
+from jobtier.store.context import Store
 from jobtier.store.fitness import check_redis
 from jobtier.store.redis import connect
 from tests.e2e.jobtier_run import wait_until
+from tests.fixtures.engine import wait_for
 
 KEYS = 20_000
 
@@ -136,3 +143,113 @@ async def test_a_cluster_requiring_full_coverage_is_warned_of(tmp_path: Path) ->
     finally:
         await client.aclose()
         cluster.stop()
+
+
+def _unclosed_nodes(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "Unclosed" in str(w.message)]
+
+
+async def test_a_cluster_client_of_a_single_server_stops_at_once_saying_so(
+    tmp_path: Path,
+) -> None:
+    """JOBTIER_REDIS_CLUSTER=1 against a server that is no cluster node: a configuration error
+    that names the setting, at once (it used to be redis-py's RedisClusterException, with a
+    traceback, and the connection it opened left for the collector)."""
+    server = LocalRedis(tmp_path / "redis").start()
+    try:
+        settings = Settings.from_env({}, redis_url=server.url, redis_cluster=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(ConfigError) as refused:
+                await Store.connect(settings)
+            gc.collect()
+        message = str(refused.value)
+        assert "did not answer CLUSTER SLOTS" in message, message
+        assert "cluster support disabled" in message  # Redis's own reason
+        assert "unset JOBTIER_REDIS_CLUSTER" in message
+        assert _unclosed_nodes(caught) == []
+    finally:
+        server.stop()
+
+
+async def test_a_cluster_node_talked_to_as_a_single_server_is_refused(tmp_path: Path) -> None:
+    """A node of a cluster of several masters with JOBTIER_REDIS_CLUSTER unset: refused at
+    start, naming the setting (it used to start, and fail at the first key another master
+    serves with MOVED)."""
+    cluster = LocalCluster(tmp_path / "cluster", masters=3).start()
+    try:
+        settings = Settings.from_env({}, redis_url=cluster.url)
+        with pytest.raises(ConfigError) as refused:
+            await Store.connect(settings)
+        message = str(refused.value)
+        assert "a Redis Cluster of 3 masters" in message, message
+        assert "Set JOBTIER_REDIS_CLUSTER=1" in message
+    finally:
+        cluster.stop()
+
+
+async def test_the_one_master_of_a_cluster_talked_to_as_a_single_server_is_warned_of(
+    tmp_path: Path,
+) -> None:
+    """Every slot on one node, talked to as a single server: it works (every key is there),
+    so a warning, not a refusal."""
+    server = LocalRedis(tmp_path / "node", cluster=True).start()
+    try:
+        with syncredis.Redis(port=server.port) as admin:
+            admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+            wait_until(
+                lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"),
+                "the one-node cluster",
+            )
+        client = Redis.from_url(server.url)
+        try:
+            (warning,) = await check_redis(client, Settings.from_env({}, redis_url=server.url))
+            assert "one master of a Redis Cluster" in warning
+            assert "JOBTIER_REDIS_CLUSTER=1" in warning
+        finally:
+            await client.aclose()
+    finally:
+        server.stop()
+
+
+async def test_a_process_starting_before_its_cluster_waits_for_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No node up as a process starts (the cluster restarting with it), then nodes that are
+    not a cluster yet, then the cluster: start-up waits, one line per try, as it waits for a
+    single server (it used to exit at once with RedisClusterUnreachableError)."""
+    cluster = LocalCluster(tmp_path / "cluster", masters=3)
+    settings = Settings.from_env({}, redis_url=cluster.url, redis_cluster=True)
+    connecting = asyncio.create_task(Store.connect(settings))
+    try:
+        with caplog.at_level(logging.WARNING, logger="jobtier.redis"):
+            await wait_for(lambda: "event=redis_unreachable" in caplog.text, timeout=60)
+            assert not connecting.done()
+            await asyncio.to_thread(cluster.start)
+            store = await asyncio.wait_for(connecting, 120)
+        try:
+            await store.redis.set("probe", 1)
+            assert await store.redis.get("probe") == b"1"
+        finally:
+            await store.close()
+        assert "RedisClusterUnreachableError" in caplog.text
+        assert not [r for r in caplog.records if r.exc_info]
+    finally:
+        connecting.cancel()
+        await asyncio.gather(connecting, return_exceptions=True)
+        cluster.stop()
+
+
+async def test_a_cluster_that_never_answers_is_a_configuration_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the start-up patience, an unreachable cluster is said as an unreachable single
+    server is: where it was looked for, and what to check."""
+    monkeypatch.setattr(fitness, "STARTUP_PATIENCE", 0.3)
+    settings = Settings.from_env(
+        {}, redis_url=f"redis://127.0.0.1:{free_port()}/0", redis_cluster=True
+    )
+    with pytest.raises(ConfigError) as refused:
+        await Store.connect(settings)
+    assert str(refused.value).startswith(f"cannot reach Redis at {settings.redis_url}: ")
+    assert "Is the server running" in str(refused.value)

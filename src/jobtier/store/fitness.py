@@ -14,8 +14,10 @@ from redis.asyncio import RedisCluster
 from redis.exceptions import (
     AuthenticationError,
     BusyLoadingError,
+    ClusterDownError,
     RedisClusterException,
     RedisError,
+    ResponseError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -51,6 +53,43 @@ def _refused_credentials(exc: BaseException) -> bool:
         sign in text
         for sign in ("NOAUTH", "WRONGPASS", "invalid username-password", "already authenticated")
     )
+
+
+def not_a_cluster_message(settings: Settings, exc: BaseException) -> str:
+    """JOBTIER_REDIS_CLUSTER=1, and the node named did not answer as a cluster node."""
+    reason = next(
+        (str(e) for e in _chain(exc) if isinstance(e, ResponseError)), "it is no cluster node"
+    )
+    return (
+        f"the Redis at {masked_url(settings.redis_url)} did not answer CLUSTER SLOTS as a "
+        f"node of a Redis Cluster ({reason}), and JOBTIER_REDIS_CLUSTER=1 says it is one. For a "
+        "single server, unset JOBTIER_REDIS_CLUSTER; for a cluster, name one of its nodes in "
+        "JOBTIER_REDIS_URL, and let jobtier's user run CLUSTER SLOTS."
+    )
+
+
+def a_cluster_node_message(settings: Settings, masters: int) -> str:
+    """A node of a cluster of several masters, talked to as a single server."""
+    return (
+        f"the Redis at {masked_url(settings.redis_url)} is a node of a Redis Cluster of "
+        f"{masters} masters, and JOBTIER_REDIS_CLUSTER is not set: jobtier would send it the "
+        "keys the other masters serve. Set JOBTIER_REDIS_CLUSTER=1."
+    )
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, nearest first."""
+    seen: list[BaseException] = []
+    at: BaseException | None = exc
+    while at is not None and at not in seen:
+        seen.append(at)
+        at = at.__cause__ or at.__context__
+    return seen
+
+
+def _not_a_cluster(exc: RedisClusterException) -> bool:
+    """redis-py's word for a node that refused CLUSTER SLOTS (no cluster mode, or an ACL)."""
+    return any("Cluster mode is not enabled" in str(e) for e in _chain(exc))
 
 
 def unreachable_message(settings: Settings, exc: BaseException) -> str:
@@ -96,19 +135,36 @@ async def check_redis(
                     )
                 raise BusyLoadingError("Redis is loading the dataset in memory")
             aof = [str(node.get("aof_enabled", "")) for node in persistence]
+            if isinstance(redis, RedisCluster):
+                masters = 0
+                # a cluster being made, or whose nodes have not all seen it whole yet,
+                # answers CLUSTERDOWN to the keys of the nodes that have not
+                if down := await _cluster_down(redis):
+                    raise ClusterDownError(f"cluster_state is not ok on {', '.join(down)}")
+            else:
+                masters = await _cluster_masters(redis)
             break
         except BusyLoadingError:
             # it will serve once loaded (exiting would only restart us into the same wait)
             await asyncio.sleep(min(backoff.next(), 0.5))
         except AuthenticationError as exc:  # a ConnectionError, but waiting will not mend it
             raise ConfigError(refused_message(settings, exc)) from exc
-        except RedisClusterException as exc:
-            # a cluster client that could not learn the slots from any node says why in its
-            # own words: Redis's refusal of the credentials among them
-            if _refused_credentials(exc):
-                raise ConfigError(refused_message(settings, exc)) from exc
-            raise
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        except (
+            RedisClusterException,
+            RedisConnectionError,
+            RedisTimeoutError,
+            OSError,
+            ClusterDownError,
+        ) as exc:
+            if isinstance(exc, RedisClusterException):
+                # a cluster client that could not learn the slots from any node says why in
+                # its own words: Redis's refusal of the credentials, a node that is no
+                # cluster node; else no node answered yet, or their slots did not cover
+                # every one (a cluster being made, a master restarting): waited for
+                if _refused_credentials(exc):
+                    raise ConfigError(refused_message(settings, exc)) from exc
+                if _not_a_cluster(exc):
+                    raise ConfigError(not_a_cluster_message(settings, exc)) from exc
             if time.monotonic() - since > STARTUP_PATIENCE:
                 raise ConfigError(unreachable_message(settings, exc)) from exc
             wait = backoff.next()
@@ -138,6 +194,14 @@ async def check_redis(
             )
         else:
             warnings.append(message)
+    if masters > 1:
+        problems.append(a_cluster_node_message(settings, masters))
+    elif masters == 1:
+        warnings.append(
+            "this Redis is the one master of a Redis Cluster, talked to as a single server: "
+            "set JOBTIER_REDIS_CLUSTER=1, or jobtier will not follow the cluster once it has "
+            "more masters"
+        )
     if problems:
         raise ConfigError("Redis is not fit for jobtier: " + "; ".join(problems))
     if await _full_coverage_required(redis):
@@ -164,6 +228,34 @@ async def _full_coverage_required(redis: RedisClient) -> bool:
     for reply in (replies or {}).values():
         values += reply.values() if isinstance(reply, dict) else [reply]
     return any((v.decode() if isinstance(v, bytes) else str(v)) == "yes" for v in values)
+
+
+async def _cluster_down(redis: RedisCluster) -> list[str]:
+    """The masters whose CLUSTER INFO says the cluster is not ok (none when it may not be
+    read: jobtier's user may not, say)."""
+    try:
+        replies: Any = await redis.cluster_info(target_nodes=RedisCluster.PRIMARIES)
+    except ResponseError:
+        return []
+    if "cluster_state" in replies:  # one master: its reply as is, not by node name
+        replies = {"the master": replies}
+    return sorted(
+        str(node) for node, info in replies.items() if str(info.get("cluster_state")) != "ok"
+    )
+
+
+async def _cluster_masters(redis: RedisClient) -> int:
+    """(A client of a single server) 0 when the server is no cluster node, else the masters
+    of its cluster that serve slots (1 when CLUSTER INFO may not be read)."""
+    if str((await redis.info("cluster")).get("cluster_enabled", 0)) != "1":
+        return 0
+    try:
+        info = await redis.execute_command("CLUSTER", "INFO")
+    except ResponseError:  # jobtier's user may not: a cluster all the same
+        return 1
+    text = info.decode() if isinstance(info, bytes) else str(info)
+    fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
+    return max(int(fields.get("cluster_size", 1)), 1)
 
 
 async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:

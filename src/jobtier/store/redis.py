@@ -193,7 +193,13 @@ class Cluster(RedisCluster):
             # at the next command, closing nothing other commands are using
             self._initialize = True
             return
+        known = self.nodes_manager.default_node is not None
         await super().aclose()
+        if not known:
+            # redis-py closes nothing of a client whose first topology read failed (a node
+            # that is no cluster node, a cluster not up yet): the startup nodes it asked
+            # keep their connections
+            await self.nodes_manager.aclose("startup_nodes")
 
     async def initialize(
         self,
