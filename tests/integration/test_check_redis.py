@@ -145,6 +145,16 @@ async def test_a_cluster_requiring_full_coverage_is_warned_of(tmp_path: Path) ->
         cluster.stop()
 
 
+async def _refusal(settings: Settings) -> str:
+    """The ConfigError of a process starting with ``settings``, its traceback dropped."""
+    try:
+        store = await Store.connect(settings)
+    except ConfigError as exc:
+        return str(exc)
+    await store.close()
+    raise AssertionError("the process started")
+
+
 def _unclosed_nodes(caught: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in caught if "Unclosed" in str(w.message)]
 
@@ -160,10 +170,8 @@ async def test_a_cluster_client_of_a_single_server_stops_at_once_saying_so(
         settings = Settings.from_env({}, redis_url=server.url, redis_cluster=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            with pytest.raises(ConfigError) as refused:
-                await Store.connect(settings)
-            gc.collect()
-        message = str(refused.value)
+            message = await _refusal(settings)
+            gc.collect()  # the client is unreferenced now: an open connection warns
         assert "did not answer CLUSTER SLOTS" in message, message
         assert "cluster support disabled" in message  # Redis's own reason
         assert "unset JOBTIER_REDIS_CLUSTER" in message
