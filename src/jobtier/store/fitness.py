@@ -31,6 +31,7 @@ log = logging.getLogger("jobtier.redis")
 
 STARTUP_PATIENCE = 30.0  # seconds a starting process waits for a Redis that does not answer
 EVICTING = ("allkeys-lru", "allkeys-lfu", "allkeys-random")
+NOT_A_CLUSTER_NODE = -2  # _cluster_masters of a server that is none
 # `jobtier run`'s own Redis (its --redis-port default; a unit test keeps the two in step)
 RUN_REDIS_URL = "redis://127.0.0.1:16379/0"
 DEFAULT_REDIS_URL = Settings.__dataclass_fields__["redis_url"].default
@@ -69,11 +70,20 @@ def not_a_cluster_message(settings: Settings, exc: BaseException) -> str:
 
 
 def a_cluster_node_message(settings: Settings, masters: int) -> str:
-    """A node of a cluster of several masters, talked to as a single server."""
+    """A node of a cluster other than one master serving every slot, talked to as a single
+    server (``masters``: its size, 0 when none serves slots yet, -1 when unknown)."""
+    if masters > 1:
+        what = f"a Redis Cluster of {masters} masters"
+        why = "jobtier would send it the keys the other masters serve"
+    elif masters == 0:
+        what = "a Redis Cluster whose masters serve no slot yet"
+        why = "it would refuse every key"
+    else:
+        what = "a Redis Cluster (cluster_enabled:1; its size could not be read: CLUSTER INFO)"
+        why = "jobtier would send it keys that other masters may serve"
     return (
-        f"the Redis at {masked_url(settings.redis_url)} is a node of a Redis Cluster of "
-        f"{masters} masters, and JOBTIER_REDIS_CLUSTER is not set: jobtier would send it the "
-        "keys the other masters serve. Set JOBTIER_REDIS_CLUSTER=1."
+        f"the Redis at {masked_url(settings.redis_url)} is a node of {what}, and "
+        f"JOBTIER_REDIS_CLUSTER is not set: {why}. Set JOBTIER_REDIS_CLUSTER=1."
     )
 
 
@@ -85,6 +95,30 @@ def _chain(exc: BaseException) -> list[BaseException]:
         seen.append(at)
         at = at.__cause__ or at.__context__
     return seen
+
+
+def _may_pass(exc: RedisClusterException) -> bool:
+    """Whether what kept a cluster client from the slots may pass: the node did not answer
+    (a connection refused or lost, a time-out), or answered with slots that do not cover
+    every one (no error under redis-py's own)."""
+    under = [e for e in _chain(exc)[1:] if not isinstance(e, RedisClusterException)]
+    transient = (RedisConnectionError, RedisTimeoutError, OSError, ClusterDownError)
+    return not under or any(isinstance(e, transient) for e in under)
+
+
+def _reason(exc: BaseException) -> str:
+    """The class and the words of an error (redis-py's own repr gives only a category and
+    the class)."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def cluster_not_ok_message(settings: Settings, exc: BaseException) -> str:
+    """The cluster answers, but some master says it is not whole."""
+    return (
+        f"the Redis Cluster at {masked_url(settings.redis_url)} is not ok: {exc}. Its nodes "
+        "do not all serve every slot, or cannot see most masters (CLUSTER INFO and CLUSTER "
+        "NODES on them say which); jobtier starts once cluster_state is ok on every master."
+    )
 
 
 def _not_a_cluster(exc: RedisClusterException) -> bool:
@@ -111,11 +145,25 @@ async def check_redis(
     Returns warnings; raises ConfigError.
 
     A Redis still loading its data is waited for, its progress logged every ``log_every``
-    seconds; one that does not answer is waited for up to ``STARTUP_PATIENCE`` seconds (it
-    may be restarting as this process starts), then is a ConfigError.
+    seconds; one that does not answer, or a cluster not whole, is waited for up to
+    ``STARTUP_PATIENCE`` seconds (it may be restarting as this process starts; counted from
+    the end of a load), then is a ConfigError.
     """
     backoff, since = STARTUP.start(), time.monotonic()
     logged = -log_every
+
+    def loading(percent: str) -> None:
+        nonlocal logged, since
+        since = time.monotonic()  # it answers: the patience counts from its load's end
+        if time.monotonic() - logged >= log_every:
+            logged = time.monotonic()
+            log.warning(
+                "event=redis_loading url=%s percent=%s: Redis is loading its data after a "
+                "restart; waiting for it",
+                masked_url(settings.redis_url),
+                percent,
+            )
+
     while True:
         try:
             version = await _info_values(redis, "server", "redis_version")
@@ -124,19 +172,11 @@ async def check_redis(
             # so read apart, a load ending in between would look like a Redis without AOF
             persistence = await info_of_primaries(redis, "persistence")
             if any(str(node.get("loading")) == "1" for node in persistence):
-                if time.monotonic() - logged >= log_every:
-                    logged = time.monotonic()
-                    done = ",".join(str(n.get("loading_loaded_perc", "?")) for n in persistence)
-                    log.warning(
-                        "event=redis_loading url=%s percent=%s: Redis is loading its data "
-                        "after a restart; waiting for it",
-                        masked_url(settings.redis_url),
-                        done,
-                    )
+                loading(",".join(str(n.get("loading_loaded_perc", "?")) for n in persistence))
                 raise BusyLoadingError("Redis is loading the dataset in memory")
             aof = [str(node.get("aof_enabled", "")) for node in persistence]
             if isinstance(redis, RedisCluster):
-                masters = 0
+                masters = NOT_A_CLUSTER_NODE
                 # a cluster being made, or whose nodes have not all seen it whole yet,
                 # answers CLUSTERDOWN to the keys of the nodes that have not
                 if down := await _cluster_down(redis):
@@ -157,18 +197,31 @@ async def check_redis(
             ClusterDownError,
         ) as exc:
             if isinstance(exc, RedisClusterException):
-                # a cluster client that could not learn the slots from any node says why in
-                # its own words: Redis's refusal of the credentials, a node that is no
-                # cluster node; else no node answered yet, or their slots did not cover
-                # every one (a cluster being made, a master restarting): waited for
+                # a cluster client that could not learn the slots from the node it was given
+                # says why in its own words, Redis's among them: a refusal of the
+                # credentials, a node that is no cluster node, a node loading its data;
+                # waited for: the node not answering yet, or the slots it knows not covering
+                # every one (a cluster being made, a master restarting)
                 if _refused_credentials(exc):
                     raise ConfigError(refused_message(settings, exc)) from exc
                 if _not_a_cluster(exc):
                     raise ConfigError(not_a_cluster_message(settings, exc)) from exc
+                if any(isinstance(e, BusyLoadingError) for e in _chain(exc)):
+                    loading("?")  # it refuses CLUSTER SLOTS until loaded
+                    await asyncio.sleep(min(backoff.next(), 0.5))
+                    continue
+                if not _may_pass(exc):  # a protocol error, say: no wait will mend it
+                    raise ConfigError(unreachable_message(settings, exc)) from exc
             if time.monotonic() - since > STARTUP_PATIENCE:
+                if isinstance(exc, ClusterDownError):
+                    raise ConfigError(cluster_not_ok_message(settings, exc)) from exc
                 raise ConfigError(unreachable_message(settings, exc)) from exc
             wait = backoff.next()
-            log.warning("event=redis_unreachable action=waiting retry_in=%.1fs error=%r", wait, exc)
+            log.warning(
+                "event=redis_unreachable action=waiting retry_in=%.1fs error=%s",
+                wait,
+                _reason(exc),
+            )
             await asyncio.sleep(wait)
         except RedisError as exc:
             raise ConfigError(unreachable_message(settings, exc)) from exc
@@ -194,14 +247,14 @@ async def check_redis(
             )
         else:
             warnings.append(message)
-    if masters > 1:
-        problems.append(a_cluster_node_message(settings, masters))
-    elif masters == 1:
+    if masters == 1:
         warnings.append(
             "this Redis is the one master of a Redis Cluster, talked to as a single server: "
             "set JOBTIER_REDIS_CLUSTER=1, or jobtier will not follow the cluster once it has "
             "more masters"
         )
+    elif masters != NOT_A_CLUSTER_NODE:
+        problems.append(a_cluster_node_message(settings, masters))
     if problems:
         raise ConfigError("Redis is not fit for jobtier: " + "; ".join(problems))
     if await _full_coverage_required(redis):
@@ -245,17 +298,17 @@ async def _cluster_down(redis: RedisCluster) -> list[str]:
 
 
 async def _cluster_masters(redis: RedisClient) -> int:
-    """(A client of a single server) 0 when the server is no cluster node, else the masters
-    of its cluster that serve slots (1 when CLUSTER INFO may not be read)."""
+    """(A client of a single server) NOT_A_CLUSTER_NODE when the server is none, else the
+    masters of its cluster that serve slots (-1 when CLUSTER INFO may not be read)."""
     if str((await redis.info("cluster")).get("cluster_enabled", 0)) != "1":
-        return 0
+        return NOT_A_CLUSTER_NODE
     try:
         info = await redis.execute_command("CLUSTER", "INFO")
-    except ResponseError:  # jobtier's user may not: a cluster all the same
-        return 1
+    except ResponseError:  # jobtier's user may not
+        return -1
     text = info.decode() if isinstance(info, bytes) else str(info)
     fields = dict(line.split(":", 1) for line in text.split() if ":" in line)
-    return max(int(fields.get("cluster_size", 1)), 1)
+    return int(fields.get("cluster_size", -1))
 
 
 async def _info_values(redis: RedisClient, section: str, field: str) -> list[str]:
