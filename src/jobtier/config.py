@@ -377,6 +377,11 @@ class Settings:
                     "with JOBTIER_REDIS_SENTINELS, JOBTIER_REDIS_URL must be redis:// (or "
                     "rediss:// for TLS): the sentinels name the master's host and port"
                 )
+        if self.redis_cluster and not self.redis_url.lower().startswith(("redis://", "rediss://")):
+            problems.append(
+                "with JOBTIER_REDIS_CLUSTER=1, JOBTIER_REDIS_URL must be redis:// (or rediss:// "
+                "for TLS): a cluster's nodes are reached by host and port, not a Unix socket"
+            )
         if not 0 <= self.submit_replicas <= 999:
             problems.append("JOBTIER_SUBMIT_REPLICAS must be from 0 (off) to 999")
         if not 1 <= self.submit_replicas_timeout_ms <= 60_000:

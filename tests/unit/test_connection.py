@@ -182,6 +182,13 @@ def test_sentinels_refuse_a_unix_socket_url() -> None:
         Settings.from_env({}, redis_url="unix:///run/redis.sock", redis_sentinels="10.0.0.1:26379")
 
 
+def test_a_cluster_refuses_a_unix_socket_url() -> None:
+    # (it used to be redis-py's RedisClusterException, raised from connect())
+    with pytest.raises(ConfigError, match="JOBTIER_REDIS_CLUSTER=1, JOBTIER_REDIS_URL must be"):
+        Settings.from_env({}, redis_url="unix:///run/redis.sock", redis_cluster=True)
+    assert Settings.from_env({}, redis_url="rediss://h:6380/0", redis_cluster=True).redis_cluster
+
+
 def test_an_unreachable_default_redis_points_at_the_setting_and_jobtier_run() -> None:
     from jobtier.cli.main import build_parser
     from jobtier.store.fitness import RUN_REDIS_URL, unreachable_message
