@@ -17,6 +17,7 @@ import schemathesis
 
 from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
+from jobtier.core.names import QUEUE_NAME_RE
 from jobtier.engine.queue import Queue
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import worker_for
@@ -241,3 +242,59 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
     # the worker routes are driven through their answers in test_http_worker.py
     met |= {(m, p) for m, p in documented if p.startswith("/v1/worker/")}
     assert documented - met <= {("GET", "/v1/admin/dashboard/stream")}, documented - met
+
+
+def _request_schemas(document: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every component schema a request body uses, directly or nested, by name."""
+    components = document["components"]["schemas"]
+    names: list[str] = []
+
+    def refs(node: Any) -> None:
+        if isinstance(node, dict):
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/components/schemas/"):
+                name = ref.rsplit("/", 1)[1]
+                if name not in names:
+                    names.append(name)
+                    refs(components[name])
+            for value in node.values():
+                refs(value)
+        elif isinstance(node, list):
+            for value in node:
+                refs(value)
+
+    for operations in document["paths"].values():
+        for operation in operations.values():
+            if isinstance(operation, dict) and "requestBody" in operation:
+                refs(operation["requestBody"])
+    return {name: components[name] for name in names}
+
+
+async def test_every_queue_a_request_names_is_documented_with_its_pattern(
+    pg_api: ApiServer,
+) -> None:
+    """A queue name breaking its pattern is refused (422) wherever a request names one: the
+    document says so wherever it does (the fuzz test found `POST /v1/schedules` saying
+    nothing, and a schedule of queue "" refused as valid data)."""
+    async with pg_api.client(None) as anonymous:
+        document = (await anonymous.get("/v1/openapi.json")).json()
+    named: dict[str, list[Any]] = {}
+
+    def queues(name: str, node: Any) -> None:
+        # a schema's own properties, and those of its variants (JobSpec and ScheduleSpec are
+        # one variant per known task: api/task_schemas.py)
+        if isinstance(node, dict):
+            prop = node.get("properties", {}).get("queue")
+            if prop is not None:
+                strings = [p for p in prop.get("anyOf", [prop]) if p.get("type") == "string"]
+                named.setdefault(name, []).extend(s.get("pattern") for s in strings)
+            for value in node.values():
+                queues(name, value)
+        elif isinstance(node, list):
+            for value in node:
+                queues(name, value)
+
+    for name, schema in _request_schemas(document).items():
+        queues(name, schema)
+    assert "ScheduleSpec" in named and "JobSpec" in named, named
+    assert all(set(patterns) == {QUEUE_NAME_RE.pattern} for patterns in named.values()), named

@@ -22,7 +22,7 @@ from jobtier.api.params import limit_param, matching, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
-from jobtier.core.names import SCHEDULE_NAME_RE, TASK_NAME_RE, ULID_RE
+from jobtier.core.names import QUEUE_NAME_RE, SCHEDULE_NAME_RE, TASK_NAME_RE, ULID_RE
 from jobtier.core.schedule import (
     CRON_FIELDS,
     MAX_ATTEMPTS,
@@ -208,6 +208,7 @@ def constrain(components: dict[str, Any], settings: Settings) -> None:
     c = components
     oa.constrain(c, "ScheduleSpec", "name", pattern=SCHEDULE_NAME_RE.pattern)
     oa.constrain(c, "ScheduleSpec", "type", pattern=TASK_NAME_RE.pattern)
+    oa.constrain(c, "ScheduleSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     oa.constrain(c, "ScheduleSpec", "max_attempts", minimum=1, maximum=MAX_ATTEMPTS)
     oa.constrain(
         c, "ScheduleSpec", "interval", minimum=settings.min_schedule_interval, maximum=MAX_INTERVAL
