@@ -31,11 +31,12 @@ KEYS = 20_000
 
 
 def big_aof(server: LocalRedis) -> None:
-    """KEYS keys in the AOF's base file (loaded key by key at the next start)."""
+    """KEYS keys in the AOF's base file (loaded key by key at the next start). One key a
+    command: a cluster node refuses a cross-slot MSET."""
     client = syncredis.Redis(port=server.port)
     pipe = client.pipeline(transaction=False)
-    for i in range(KEYS // 1000):
-        pipe.mset({f"bulk:{i}:{j}": "x" * 40 for j in range(1000)})
+    for i in range(KEYS):
+        pipe.set(f"bulk:{i}", "x" * 40)
     pipe.execute()
     client.bgrewriteaof()
     wait_until(
@@ -48,6 +49,16 @@ def big_aof(server: LocalRedis) -> None:
         "the AOF rewrite",
     )
     client.close()
+
+
+def one_node_cluster(server: LocalRedis) -> None:
+    """Every slot on ``server``, a cluster node, once its cluster says it is ok."""
+    with syncredis.Redis(port=server.port) as admin:
+        admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        wait_until(
+            lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"),
+            "the one-node cluster",
+        )
 
 
 async def test_a_loading_redis_is_waited_for(
@@ -108,12 +119,7 @@ async def test_a_cluster_of_one_master_is_checked(tmp_path: Path) -> None:
     server = LocalRedis(tmp_path / "node", cluster=True).start()
     client = None
     try:
-        with syncredis.Redis(port=server.port) as admin:
-            admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-            wait_until(
-                lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"),
-                "the one-node cluster",
-            )
+        one_node_cluster(server)
         settings = Settings.from_env({}, redis_url=server.url, redis_cluster=True)
         client = connect(settings)
         assert await check_redis(client, settings) == []
@@ -204,12 +210,7 @@ async def test_the_one_master_of_a_cluster_talked_to_as_a_single_server_is_warne
     so a warning, not a refusal."""
     server = LocalRedis(tmp_path / "node", cluster=True).start()
     try:
-        with syncredis.Redis(port=server.port) as admin:
-            admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-            wait_until(
-                lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"),
-                "the one-node cluster",
-            )
+        one_node_cluster(server)
         client = Redis.from_url(server.url)
         try:
             (warning,) = await check_redis(client, Settings.from_env({}, redis_url=server.url))
@@ -279,26 +280,8 @@ async def test_a_cluster_node_loading_its_data_is_waited_for_past_the_patience(
         tmp_path / "node", cluster=True, options={"cluster-node-timeout": 1000}
     ).start()
     try:
-        with syncredis.Redis(port=server.port) as admin:
-            admin.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
-            wait_until(
-                lambda: b"cluster_state:ok" in admin.execute_command("CLUSTER", "INFO"),
-                "the one-node cluster",
-            )
-            pipe = admin.pipeline(transaction=False)
-            for i in range(KEYS):  # one key a command: a cluster node refuses cross-slot MSET
-                pipe.set(f"bulk:{i}", "x" * 40)
-            pipe.execute()
-            admin.bgrewriteaof()
-            wait_until(
-                lambda: (
-                    not any(
-                        int(admin.info("persistence")[f])
-                        for f in ("aof_rewrite_in_progress", "aof_rewrite_scheduled")
-                    )
-                ),
-                "the AOF rewrite",
-            )
+        one_node_cluster(server)
+        big_aof(server)
         server.stop()
         (server.folder / LOCAL_CONF).write_text(
             "key-load-delay 400\nloading-process-events-interval-bytes 1024\n"
