@@ -12,7 +12,7 @@ from typing import Any, cast
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobtier.api.worker_claims import WorkerClaims, _Waiter
-from jobtier.core.model import JobSpec, State
+from jobtier.core.model import JobSpec, QueueLimits, State
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import Call, parse_claim
 from jobtier.store.scripts import Scripts
@@ -136,6 +136,65 @@ async def test_a_worker_sends_again_the_claim_of_a_shard_whose_reply_was_lost(
     stats = await worker.run()  # no scheduler: a job leased to nobody would never end
     assert stats.succeeded == 20 and lost
     assert any(lost[0] in calls for calls in rounds[1:])  # the same call, token and all
+    for sub in subs:
+        status = await queue.status(sub.job_id)
+        assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
+
+
+async def test_an_acquire_sent_again_answers_the_permits_it_granted_not_more(
+    queue: Queue,
+) -> None:
+    """limit.lua answers an acquire's token it already served with the permits it granted
+    then, those still held, rather than granting more (the client library resends a call
+    whose connection died before its reply)."""
+    await queue.admin.set_limits("default", QueueLimits(concurrency=3))
+    home = queue.keys.home("default")
+
+    async def acquire(wanted: int, token: str) -> list[bytes]:
+        args = ("acquire", "default", "w", wanted, 60_000, token)
+        reply = await queue.scripts.call("limit", home, args)
+        assert int(reply[0]) == len(reply) - 2
+        return list(reply[2:])
+
+    first = await acquire(2, "t1")
+    assert len(first) == 2
+    assert await acquire(2, "t1") == first  # the same permits, none more
+    assert await queue.admin.running_permits("default") == 2
+    assert len(await acquire(3, "t2")) == 1  # the limit's last one
+    await queue.scripts.call("limit", home, ("release", "default", "1", first[0]))
+    assert await acquire(2, "t1") == first[1:]  # only those still held
+    assert await queue.admin.running_permits("default") == 2
+
+
+async def test_a_worker_sends_again_an_acquire_whose_reply_was_lost(queue: Queue) -> None:
+    """A limited queue's acquire ran, its reply was lost: the worker's next round sends it
+    again with its token and uses the permits it granted, which otherwise would hold the
+    queue's capacity, unused, until their lease ran out."""
+    await queue.admin.set_limits("default", QueueLimits(concurrency=2))
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(10)])
+    worker = worker_for(queue, registry, burst=True, concurrency=4)
+    scripts = worker.state.scripts
+    call = scripts.call
+    acquires: list[tuple[tuple[Any, ...], list[bytes]]] = []
+    lost: list[bytes] = []
+
+    async def lose_a_granting_reply(script: Any, shard: int, args: Sequence[Any]) -> Any:
+        reply = await call(script, shard, args)
+        if script == "limit" and args[0] == "acquire":
+            acquires.append((tuple(args), list(reply[2:])))
+            if not lost and int(reply[0]) > 0:
+                lost.extend(reply[2:])
+                raise RedisConnectionError("Connection closed by server.")
+        return reply
+
+    scripts.call = lose_a_granting_reply  # type: ignore[method-assign]
+    stats = await worker.run()
+    assert stats.succeeded == 10 and lost
+    at = next(i for i, (_, granted) in enumerate(acquires) if granted == lost)
+    (sent, _), (resent, granted) = acquires[at], acquires[at + 1]
+    assert resent[5] == sent[5]  # the same token
+    assert set(granted) <= set(lost) and granted  # the permits of the lost reply, used
+    assert await queue.admin.running_permits("default") == 0  # every permit came back
     for sub in subs:
         status = await queue.status(sub.job_id)
         assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status

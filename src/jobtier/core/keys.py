@@ -25,6 +25,9 @@ Per shard::
     jt:{s}:limit:<queue>     hash   a limited queue's limits and rate bucket (home shard)
     jt:{s}:permits:<queue>   zset   the permits held for it, by lease deadline (home shard)
     jt:{s}:starts:<queue>    zset   its permits granted in the last rate period (home shard)
+    jt:{s}:pt:<token>        string the permits an acquire with that token granted (msgpack),
+                                    kept for their lease: sent again, it answers them
+                                    (limit.lua; home shard)
     jt:{s}:breaker:<name>    hash   a circuit breaker's state (home shard of the name:
                                     breaker.lua, docs/breakers.md)
     jt:{s}:bfail:<name>      zset   its failures in the window (home shard)

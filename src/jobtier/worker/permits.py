@@ -33,7 +33,7 @@ from jobtier.core.keys import Keys
 from jobtier.core.model import PRIORITIES
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import wait_for
-from jobtier.store.calls import Call
+from jobtier.store.calls import Call, claim_token
 from jobtier.worker.state import WorkerState
 
 log = logging.getLogger("jobtier.worker")
@@ -156,6 +156,8 @@ class LimitedClaimer:
         self.wake = asyncio.Event()
         self.wake.set()
         self.idle = False  # its last round found no ready job (a burst worker may finish)
+        # the token of an acquire whose reply was lost, and until when it is sent again
+        self._unanswered: tuple[str, float] | None = None
 
     async def run(self) -> None:
         backoff = CLAIM.start()
@@ -226,10 +228,24 @@ class LimitedClaimer:
         return out
 
     async def _acquire(self, wanted: int) -> Permits:
-        args = ("acquire", self.queue, self.state.id, wanted, self.state.lease_ms)
+        """Take up to ``wanted`` permits. An acquire whose reply was lost (Redis went away
+        after running it) is sent again at the next round, with its token, for half a lease
+        at most: limit.lua answers it with the permits it granted then, which would otherwise
+        hold the queue's capacity, unused, until their lease ran out. Those beyond what this
+        round wants go straight back."""
+        now = time.monotonic()
+        lost = self._unanswered
+        token = lost[0] if lost is not None and lost[1] > now else claim_token()
+        self._unanswered = (token, now + self.state.lease_ms / 2000)
+        args = ("acquire", self.queue, self.state.id, wanted, self.state.lease_ms, token)
         reply = await self.scripts.call("limit", self.home, args)
+        self._unanswered = None
         granted, wait_ms = int(reply[0]), int(reply[1])
-        return Permits([r.decode() for r in reply[2 : 2 + granted]], wait_ms)
+        ids = [r.decode() for r in reply[2 : 2 + granted]]
+        if len(ids) > wanted:
+            extra, ids = ids[wanted:], ids[:wanted]
+            await self.scripts.call("limit", self.home, ("release", self.queue, "1", *extra))
+        return Permits(ids, wait_ms)
 
 
 def limit_calls(keys: Keys, op: str, by_queue: dict[str, list[str]], *extra: Any) -> list[Call]:

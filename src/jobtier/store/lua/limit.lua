@@ -11,9 +11,16 @@
 -- ARGV[1]  shard key base, jt:{h}:
 -- ARGV[2]  operation: acquire | extend | release | block
 -- ARGV[3]  queue name
---   acquire  ARGV[4] worker id, ARGV[5] permits wanted, ARGV[6] lease ms
+--   acquire  ARGV[4] worker id, ARGV[5] permits wanted, ARGV[6] lease ms, ARGV[7] the
+--            call's token (unique per call; '' or absent: none)
 --            Returns {granted n, wait ms (-1: none; else when a rate token is next due or a
 --                     block ends), then the n permit ids}
+--            The permits granted under a token are kept under jt:{h}:pt:<token> (msgpack:
+--            wait ms, then the ids) for a lease. The same token sent again (the client library
+--            resends a call whose connection died before its reply; the worker sends an
+--            unanswered acquire again at its next round) is answered with those of them still
+--            held, not with more: permits its worker never heard of would hold the queue's
+--            capacity until their lease ran out.
 --   extend   ARGV[4] lease ms, then permit ids       Returns the number still held
 --   release  ARGV[4] '1' if the permits were never used (they count as no start), then ids
 --            Returns the number released
@@ -40,6 +47,20 @@ local starts = BASE .. 'starts:' .. queue
 
 if op == 'acquire' then
   local worker, wanted, lease = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+  local token_key = ARGV[7] and ARGV[7] ~= '' and BASE .. 'pt:' .. ARGV[7] or nil
+  local kept = token_key and redis.call('GET', token_key)
+  if kept then
+    local was = cmsgpack.unpack(kept)
+    local out = {0, was[1]}
+    for i = 2, #was do
+      local deadline = redis.call('ZSCORE', permits, was[i])
+      if deadline and tonumber(deadline) > NOW then
+        out[#out + 1] = was[i]
+      end
+    end
+    out[1] = #out - 2
+    return out
+  end
   local conf = redis.call('HMGET', conf_key, 'concurrency', 'rate', 'period', 'blocked')
   local blocked = tonumber(conf[4]) or 0
   if blocked > NOW then
@@ -75,6 +96,13 @@ if op == 'acquire' then
     started[#started + 1], started[#started + 2] = deadline, id
   end
   redis.call('ZADD', permits, unpack(leases))
+  if token_key then
+    local was = {wait}
+    for i = 3, #out do
+      was[#was + 1] = out[i]
+    end
+    redis.call('SET', token_key, cmsgpack.pack(was), 'PX', lease)
+  end
   if rate and period then
     redis.call('ZADD', starts, unpack(started))
     redis.call('PEXPIRE', starts, period + lease)
