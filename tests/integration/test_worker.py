@@ -288,3 +288,40 @@ async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Que
     # the reporter waits for its last send's reply go when that reply comes, which can be in
     # the turn the claim loop wakes in, ahead of it.
     assert sum(map(claim_went_first, checked)) >= len(checked) // 2, sent
+
+
+async def test_a_crash_of_the_heartbeat_stops_the_worker_and_releases_its_jobs(
+    queue: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A defect of ours in the heartbeat's loop (not Redis away, which it rides out) leaves
+    the worker unable to keep its leases: it stops at once, its running job released to its
+    queue, and ``run`` raises the crash, logged once (it used to go on claiming, the crash
+    unseen until the worker stopped, its jobs' leases expiring meanwhile)."""
+    queue.settings = queue.settings.replace(lease_seconds=1.5)  # full beats every 0.5 s
+    worker = worker_for(queue, registry)
+    advertise = worker.heartbeat.advertise
+    calls = 0
+
+    async def advertise_then_crash() -> None:
+        nonlocal calls
+        calls += 1
+        if calls > 1:  # the first is the start's own
+            raise RuntimeError("a defect in the chores")
+        await advertise()
+
+    worker.heartbeat.advertise = advertise_then_crash  # type: ignore[method-assign]
+    task = asyncio.create_task(worker.run())
+    try:
+        sub = await queue.submit("sleep", {"seconds": 60})
+        await until_state(queue, sub.job_id, State.RUNNING)
+        with pytest.raises(RuntimeError, match="a defect in the chores"):
+            await asyncio.wait_for(asyncio.shield(task), 60)
+    finally:
+        worker.stop(now=True)
+        await asyncio.gather(task, return_exceptions=True)
+    status = await queue.status(sub.job_id)
+    assert (status.state, status.attempt) == (State.QUEUED, 0), status
+    assert worker.stats.released == 1
+    crash_lines = [r for r in caplog.records if "a defect in the chores" in r.getMessage()]
+    assert len(crash_lines) == 1 and "event=heartbeat_crashed" in crash_lines[0].getMessage()
+    assert not [r for r in caplog.records if "shutdown_step_failed" in r.getMessage()]

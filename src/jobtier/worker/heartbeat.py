@@ -104,7 +104,8 @@ class Heartbeat:
                     # keep this worker from saying it is alive elsewhere, nor hold up the
                     # beats with the client's retries of a call to it
                     if chores is not None and chores.done():
-                        chores.result()  # a defect of ours in it surfaces here, as in a beat
+                        ended, chores = chores, None
+                        ended.result()  # a defect of ours in it surfaces here, as in a beat
                     if chores is None or chores.done():
                         chores = asyncio.create_task(self._chores())
                 if not full:  # merge bursts of progress reports

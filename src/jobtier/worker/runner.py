@@ -185,6 +185,7 @@ class Worker:
             raise
         reporter = asyncio.create_task(self.reporter.run(), name="jobtier-reporter")
         heart = asyncio.create_task(self.heartbeat.run(), name="jobtier-heartbeat")
+        heart.add_done_callback(self._heart_ended)
         log.info(
             "event=worker_started worker=%s concurrency=%d queues=%s tasks=%s burst=%s",
             self.id,
@@ -203,9 +204,8 @@ class Worker:
             # during a beat can be swallowed there, and run() would wait for it forever
             self.heartbeat.stop()
             done, _ = await asyncio.wait({heart}, timeout=1.0 if state.stop_now.is_set() else 10.0)
-            if done:
-                heart.result()  # a crash of the loop surfaces here
-            else:
+            crash = None if not done or heart.cancelled() else heart.exception()
+            if not done:
                 heart.cancel()
             await self.reporter.flush()
             # its Redis writes can swallow a cancel the same way (runtime/stopping.py): cancelled
@@ -226,7 +226,24 @@ class Worker:
                 st.released,
                 self.stuck,
             )
+        if crash is not None:
+            raise crash  # a defect of ours in the heartbeat, once the rest has stopped
         return self.stats
+
+    def _heart_ended(self, heart: asyncio.Task[None]) -> None:
+        """The heartbeat ended; if by a crash (a defect of ours, not Redis away: those it
+        rides out), the worker cannot keep its leases: it stops now, its jobs released to
+        their queues rather than left to run on leases that will expire, and ``run`` raises
+        the crash once the rest has stopped."""
+        if heart.cancelled() or heart.exception() is None or self.state.stop_now.is_set():
+            return
+        log.error(
+            "event=heartbeat_crashed worker=%s error=%r: it cannot keep its jobs' leases; "
+            "stopping now",
+            self.id,
+            heart.exception(),
+        )
+        self.stop(now=True)
 
     def _on_wake(self, channel: bytes, data: bytes) -> None:
         # "x <job id> <worker id>": a cancel was requested for a job that worker runs; the
