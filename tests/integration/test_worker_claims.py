@@ -9,6 +9,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, cast
 
+import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobtier.api.worker_claims import WorkerClaims, _Waiter
@@ -16,6 +17,7 @@ from jobtier.core.model import JobSpec, QueueLimits, State
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import Call, parse_claim
 from jobtier.store.scripts import Scripts
+from jobtier.worker.permits import Claims, LimitedClaimer, LimitedQueues
 from tests.fixtures.engine import worker_for
 from tests.tasks import registry
 
@@ -198,3 +200,52 @@ async def test_a_worker_sends_again_an_acquire_whose_reply_was_lost(queue: Queue
     for sub in subs:
         status = await queue.status(sub.job_id)
         assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
+
+
+async def test_an_acquire_whose_permits_all_lapsed_is_answered_afresh(queue: Queue) -> None:
+    """Sent again once every permit it granted has lapsed (its worker never had them), an
+    acquire is answered as a new one, not with nothing."""
+    await queue.admin.set_limits("default", QueueLimits(concurrency=3))
+    home = queue.keys.home("default")
+    args = ("acquire", "default", "w", 2, 60_000, "t1")
+    first = await queue.scripts.call("limit", home, args)
+    lapsed = dict.fromkeys(first[2:], 1)  # their lease ended long ago
+    await queue.redis.zadd(queue.keys.permits("default"), lapsed)
+    again = await queue.scripts.call("limit", home, args)
+    assert int(again[0]) == 2 and set(again[2:]).isdisjoint(first[2:])
+    assert await queue.admin.running_permits("default") == 2
+    assert await queue.scripts.call("limit", home, args) == again  # kept under the token
+
+
+async def test_a_resent_acquire_answers_its_round_when_its_extra_permits_cannot_go_back(
+    queue: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A resent acquire answers more permits than its round wants (fewer jobs are ready by
+    then); if giving back the extra ones fails too, the round still gets the ones it wants,
+    and the rest lapse with their lease."""
+    await queue.admin.set_limits("default", QueueLimits(concurrency=4))
+    worker = worker_for(queue, registry)
+    call = queue.scripts.call
+    sent: list[Sequence[Any]] = []
+
+    class Flaky:
+        async def call(self, script: Any, shard: int, args: Sequence[Any]) -> Any:
+            sent.append(args)
+            if args[0] == "release":
+                raise RedisConnectionError("Connection closed by server.")
+            reply = await call(script, shard, args)
+            if len(sent) == 1:  # the first acquire ran, its reply is lost
+                raise RedisConnectionError("Connection closed by server.")
+            return reply
+
+    worker.state.scripts = cast(Scripts, Flaky())
+    limits = LimitedQueues(worker.state)
+    claimer = LimitedClaimer(limits, cast(Claims, None), "default")
+    with pytest.raises(RedisConnectionError):
+        await claimer._acquire(3)
+    got = await claimer._acquire(1)
+    assert [args[0] for args in sent] == ["acquire", "acquire", "release"]
+    assert sent[0][5] == sent[1][5]  # the same token
+    assert len(got.ids) == 1 and claimer._unanswered is None
+    assert await queue.admin.running_permits("default") == 3  # the other two lapse later
+    assert "event=permits_not_released" in caplog.text

@@ -235,16 +235,26 @@ class LimitedClaimer:
         round wants go straight back."""
         now = time.monotonic()
         lost = self._unanswered
-        token = lost[0] if lost is not None and lost[1] > now else claim_token()
-        self._unanswered = (token, now + self.state.lease_ms / 2000)
-        args = ("acquire", self.queue, self.state.id, wanted, self.state.lease_ms, token)
+        if lost is None or lost[1] <= now:  # half a lease from the first send, no more
+            lost = self._unanswered = (claim_token(), now + self.state.lease_ms / 2000)
+        args = ("acquire", self.queue, self.state.id, wanted, self.state.lease_ms, lost[0])
         reply = await self.scripts.call("limit", self.home, args)
         self._unanswered = None
         granted, wait_ms = int(reply[0]), int(reply[1])
         ids = [r.decode() for r in reply[2 : 2 + granted]]
         if len(ids) > wanted:
             extra, ids = ids[wanted:], ids[:wanted]
-            await self.scripts.call("limit", self.home, ("release", self.queue, "1", *extra))
+            try:
+                await self.scripts.call("limit", self.home, ("release", self.queue, "1", *extra))
+            except (RedisError, OSError) as exc:  # this round's own go ahead
+                log.warning(
+                    "event=permits_not_released worker=%s queue=%s permits=%d error=%r: "
+                    "they come back when their lease runs out",
+                    self.state.id,
+                    self.queue,
+                    len(extra),
+                    exc,
+                )
         return Permits(ids, wait_ms)
 
 

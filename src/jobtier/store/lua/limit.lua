@@ -20,7 +20,8 @@
 --            resends a call whose connection died before its reply; the worker sends an
 --            unanswered acquire again at its next round) is answered with those of them still
 --            held, not with more: permits its worker never heard of would hold the queue's
---            capacity until their lease ran out.
+--            capacity until their lease ran out. When none is held any more, it is answered
+--            afresh.
 --   extend   ARGV[4] lease ms, then permit ids       Returns the number still held
 --   release  ARGV[4] '1' if the permits were never used (they count as no start), then ids
 --            Returns the number released
@@ -59,7 +60,11 @@ if op == 'acquire' then
       end
     end
     out[1] = #out - 2
-    return out
+    if out[1] > 0 then
+      return out
+    end
+    -- none of them is held any more (their lease ran out): its worker never used them, so
+    -- the call is answered afresh
   end
   local conf = redis.call('HMGET', conf_key, 'concurrency', 'rate', 'period', 'blocked')
   local blocked = tonumber(conf[4]) or 0
