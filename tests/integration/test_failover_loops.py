@@ -239,3 +239,35 @@ async def test_a_worker_gives_back_the_permits_of_the_jobs_that_ended_on_the_mas
         await wait_for(lambda: permits_held(len(lost)), timeout=30)
     await wait_for(lambda: states_are(queue, ids.values(), [State.SUCCEEDED]), timeout=30)
     await wait_for(lambda: permits_held(0), timeout=30)
+
+
+@task(name="limited", queue="partner", retries=2)
+async def limited(ctx: JobContext, payload: Any) -> None:
+    return None
+
+
+async def test_a_limited_queue_is_claimed_on_the_masters_up_while_another_is_down(
+    failover_cluster: LocalCluster, queue: Queue, background: Background
+) -> None:
+    """A limited queue's claim loop reads its ready jobs and claims them shard by shard: the
+    jobs of the masters that are up start while another master is down. (Its read of the
+    ready counts, one pipeline taken whole, failed every round: the queue ran nothing
+    anywhere until the master was back.)"""
+    await queue.admin.set_limits("partner", QueueLimits(concurrency=2))
+    where = owners(failover_cluster, queue.keys)
+    home = where[queue.keys.home("partner")]
+    victim = next(m for m in failover_cluster.masters() if m.port != home)
+    lost = {s for s, port in where.items() if port == victim.port}
+    assert lost
+    worker = worker_for(queue, TaskRegistry([limited]), concurrency=4)
+    background.start(worker)
+    await wait_for(lambda: "partner" in worker.limits)  # its loop runs
+    async with down_until_exit(failover_cluster, victim):
+        up = [
+            (await queue.submit(limited, i, idempotency_key=key_on(queue, shard, f"l{i}"))).job_id
+            for shard in range(SHARDS)
+            if shard not in lost
+            for i in range(3)
+        ]
+        await wait_for(lambda: states_are(queue, up, [State.SUCCEEDED]), timeout=60)
+    assert await queue.admin.running_permits("partner") == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import logging
 import sys
@@ -12,7 +13,7 @@ from typing import Any, TypeVar
 
 import hiredis
 from redis.asyncio import BlockingConnectionPool, Redis, RedisCluster
-from redis.asyncio.cluster import ClusterPipeline
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline
 from redis.asyncio.connection import (
     AbstractConnection,
     Connection,
@@ -346,6 +347,54 @@ class ClusterPipe(ClusterPipeline):
         finally:
             _IN_COMMAND.reset(token)
             await self.reset()  # type: ignore[no-untyped-call]
+
+
+async def commands_each(
+    redis: RedisClient, commands: Sequence[Sequence[Any]], keys: Sequence[Any]
+) -> list[Any]:
+    """The commands' replies in order, an exception in place of a failed command's: one
+    pipeline; on a cluster one per node, side by side, each sent once (no retry sleeps in
+    the client), so that a node that is down (a master failing over) fails only its own
+    commands, at once, and the others' replies come back. A pipeline that failed whole gives
+    its error to each of its commands. ``keys[i]``: the key command i is routed by (None:
+    any node)."""
+    if not isinstance(redis, RedisCluster):
+        return await _pipeline_each(redis, commands)
+    groups = by_node(redis, keys)
+    parts = await asyncio.gather(
+        *(_pipeline_each(redis, [commands[i] for i in at]) for _, at in groups)
+    )
+    results: list[Any] = [None] * len(commands)
+    for (_, at), replies in zip(groups, parts, strict=True):
+        for i, reply in zip(at, replies, strict=True):
+            results[i] = reply
+    return results
+
+
+async def _pipeline_each(redis: RedisClient, commands: Sequence[Sequence[Any]]) -> list[Any]:
+    pipe = redis.pipeline(transaction=False)
+    for command in commands:
+        pipe.execute_command(*command)
+    try:
+        if isinstance(pipe, ClusterPipe):  # one cluster node's commands: no retry sleeps
+            return await pipe.execute_once()
+        return list(await pipe.execute(raise_on_error=False))
+    except RedisError as exc:
+        return [exc] * len(commands)
+
+
+def by_node(redis: RedisCluster, keys: Sequence[Any]) -> list[tuple[ClusterNode | None, list[int]]]:
+    """The indexes of ``keys`` grouped by the node that serves their slot, as the client
+    knows it now (a command that moved is redirected by the pipeline as usual); None: no
+    key, or none the client can place."""
+    groups: dict[str, tuple[ClusterNode | None, list[int]]] = {}
+    for i, key in enumerate(keys):
+        node: ClusterNode | None = None
+        if key is not None:
+            with contextlib.suppress(RedisError, IndexError, KeyError):
+                node = redis.nodes_manager.get_node_from_slot(redis.keyslot(key))
+        groups.setdefault(node.name if node else "", (node, []))[1].append(i)
+    return list(groups.values())
 
 
 def connection_closed_under_it(exc: BaseException) -> bool:

@@ -18,7 +18,6 @@ calls: they did not run, so re-sending them is safe.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import re
 from collections.abc import Callable, Sequence
@@ -41,7 +40,12 @@ from jobtier.core.keys import Keys
 from jobtier.store import calls
 from jobtier.store.calls import Call, ClaimBatch
 from jobtier.store.durable import Durable, current, marker
-from jobtier.store.redis import ClusterPipe, RedisClient, connection_closed_under_it
+from jobtier.store.redis import (
+    RedisClient,
+    by_node,
+    commands_each,
+    connection_closed_under_it,
+)
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 _SCRIPTS = (  # store/lua/<name>.lua of every transition script
@@ -306,45 +310,21 @@ async def run_scripts_each(
 
 
 async def _send(redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
-    """The calls' replies in order, an exception in place of a failed call's: one pipeline
-    (one per node of a cluster, side by side); a pipeline that failed whole gives its
-    error to each of its calls."""
-    if not isinstance(redis, RedisCluster):
-        return await _pipeline(redis, calls)
-    groups = _by_node(redis, calls)
-    parts = await asyncio.gather(*(_pipeline(redis, [calls[i] for i in at]) for _, at in groups))
-    results: list[Any] = [None] * len(calls)
-    for (_, at), replies in zip(groups, parts, strict=True):
-        for i, reply in zip(at, replies, strict=True):
-            results[i] = reply
-    return results
+    """The calls' replies in order, an exception in place of a failed call's (``commands_each``:
+    one pipeline, one per node of a cluster)."""
+    commands = [(*script.command(), *argv) for script, argv in calls]
+    return await commands_each(redis, commands, [_key(argv) for _, argv in calls])
 
 
-async def _pipeline(redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
-    pipe = redis.pipeline(transaction=False)
-    for script, argv in calls:
-        pipe.execute_command(*script.command(), *argv)
-    try:
-        if isinstance(pipe, ClusterPipe):  # one cluster node's calls: no retry sleeps
-            return await pipe.execute_once()
-        return list(await pipe.execute(raise_on_error=False))
-    except RedisError as exc:
-        return [exc] * len(calls)
+def _key(argv: Sequence[Any]) -> Any:
+    """The key a call is routed by: its first (after the number of keys), if any."""
+    return argv[1] if argv and int(argv[0]) > 0 else None
 
 
 def _by_node(
     redis: RedisCluster, calls: Sequence[tuple[Script, Sequence[Any]]]
 ) -> list[tuple[ClusterNode | None, list[int]]]:
-    """The calls' indexes grouped by the node that serves their keys' slot (as the client
-    knows it now; a call that moved is redirected by the pipeline as usual)."""
-    groups: dict[str, tuple[ClusterNode | None, list[int]]] = {}
-    for i, (_, argv) in enumerate(calls):
-        node: ClusterNode | None = None
-        if argv and int(argv[0]) > 0:
-            with contextlib.suppress(RedisError, IndexError, KeyError):
-                node = redis.nodes_manager.get_node_from_slot(redis.keyslot(argv[1]))
-        groups.setdefault(node.name if node else "", (node, []))[1].append(i)
-    return list(groups.values())
+    return by_node(redis, [_key(argv) for _, argv in calls])
 
 
 async def _load_refused(

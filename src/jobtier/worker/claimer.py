@@ -296,10 +296,22 @@ class Claimer:
             claim_call(shard, self.id, cap, state.lease_ms, [(queue, cap)], state.types)
             for shard, cap in plan
         ]
-        replies = await self._scripts.call_many(calls)
+        # each shard's reply on its own, as in the main loop: a node that is down fails its
+        # shards' claims, the jobs the others leased start (their permits are then unused:
+        # a failed claim that ran leased its jobs to no one running them, until their lease
+        # runs out)
+        try:
+            replies = await self._scripts.call_many_each(calls)
+        except (RedisError, OSError) as exc:
+            replies = [exc] * len(calls)
         state.stats.claim_round_trips += 1
+        failed = [reply for reply in replies if isinstance(reply, Exception)]
+        if len(failed) == len(replies):
+            raise failed[0]
         used: list[tuple[str, int]] = []
         for (shard, _), reply in zip(plan, replies, strict=True):
+            if isinstance(reply, Exception):
+                continue
             batch = parse_claim(shard, reply)
             if batch.handed_back:
                 self._handed_back(batch.handed_back)

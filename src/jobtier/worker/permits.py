@@ -6,10 +6,12 @@ serves, a worker runs one ``LimitedClaimer`` beside its main claim loop (which l
 queues alone); ``LimitedQueues`` holds them, started and ended as the catalogue says which
 queues are limited. A round:
 
-1. read how many ready jobs of the queue each shard holds (one pipelined HMGET);
+1. read how many ready jobs of the queue each shard holds (an HMGET a shard, one pipeline
+   per node; a node that is down leaves its shards out of the round);
 2. take as many permits as there are free slots and ready jobs (limit.lua ``acquire``);
 3. claim with the permits as caps, spread over the shards that hold jobs (claim.lua never
-   gives more than its cap), and give back at once the permits that found no job.
+   gives more than its cap; each shard's reply taken on its own), and give back at once the
+   permits that found no job.
 
 A job keeps its permit while it runs; the worker's heartbeat extends it (heartbeat.py) and
 the job's end returns it (reporter.py), which wakes the workers waiting for that queue
@@ -21,6 +23,7 @@ the next token is due; when the concurrency is used up, until a permit comes fre
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -34,6 +37,7 @@ from jobtier.core.model import PRIORITIES
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import wait_for
 from jobtier.store.calls import Call, claim_token
+from jobtier.store.redis import commands_each
 from jobtier.worker.state import WorkerState
 
 log = logging.getLogger("jobtier.worker")
@@ -201,6 +205,12 @@ class LimitedClaimer:
         try:
             plan = spread(len(permits.ids), ready)
             started = await self.claims.claim_limited(self.queue, plan, permits.ids)
+        except (RedisError, OSError):  # every claim failed: the permits back, if Redis takes them
+            with contextlib.suppress(RedisError, OSError):
+                await self.scripts.call(
+                    "limit", self.home, ("release", self.queue, "1", *permits.ids)
+                )
+            raise
         finally:
             reserved()
         unused = permits.ids[len(started) :]
@@ -216,12 +226,21 @@ class LimitedClaimer:
         return None if started else 0.0
 
     async def _ready_by_shard(self) -> list[tuple[int, int]]:
-        pipe = self.state.redis.pipeline(transaction=False)
+        """(shard, ready jobs of the queue) of the shards that hold some, read shard by shard:
+        those of a node that is down (a master failing over) are left out of the round; if
+        every shard's read failed, the first error is raised."""
         fields = [f"{self.queue}:{p.value}" for p in PRIORITIES]
-        for shard in range(self.keys.shards):
-            pipe.hmget(self.keys.queue_counts(shard), fields)
+        keys = [self.keys.queue_counts(shard) for shard in range(self.keys.shards)]
+        replies = await commands_each(
+            self.state.redis, [("HMGET", key, *fields) for key in keys], keys
+        )
+        failed = [reply for reply in replies if isinstance(reply, Exception)]
+        if len(failed) == len(replies):
+            raise failed[0]
         out = []
-        for shard, values in enumerate(await pipe.execute()):
+        for shard, values in enumerate(replies):
+            if isinstance(values, Exception):
+                continue
             n = sum(max(int(v or 0), 0) for v in values)
             if n:
                 out.append((shard, n))
