@@ -270,4 +270,8 @@ async def test_a_limited_queue_is_claimed_on_the_masters_up_while_another_is_dow
             for i in range(3)
         ]
         await wait_for(lambda: states_are(queue, up, [State.SUCCEEDED]), timeout=60)
-    assert await queue.admin.running_permits("partner") == 0
+
+    async def none_held() -> bool:
+        return await queue.admin.running_permits("partner") == 0
+
+    await wait_for(none_held, timeout=30)

@@ -249,3 +249,62 @@ async def test_a_resent_acquire_answers_its_round_when_its_extra_permits_cannot_
     assert len(got.ids) == 1 and claimer._unanswered is None
     assert await queue.admin.running_permits("default") == 3  # the other two lapse later
     assert "event=permits_not_released" in caplog.text
+
+
+class ClaimReplyLost:
+    """The scripts, but one shard's claim replies are lost in the pipelined round (its node
+    went away after running them); a call of its own, sent again, is answered. ``down``:
+    its node was down before the round, which none of its calls reached."""
+
+    def __init__(self, scripts: Scripts, shard: int, down: bool) -> None:
+        self.scripts = scripts
+        self.shard = shard
+        self.down = down
+        self.resent: list[Call] = []
+
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
+        run = [call for call in calls if not (self.down and call[1] == self.shard)]
+        replies = dict(zip(map(id, run), await self.scripts.call_many_each(run), strict=True))
+        error = RedisConnectionError("Connection closed by server.")
+        return [error if call[1] == self.shard else replies[id(call)] for call in calls]
+
+    async def call(self, script: str, shard: int, args: Sequence[Any]) -> Any:
+        if script == "claim":
+            self.resent.append((script, shard, args))
+            if self.down:
+                raise RedisConnectionError("Connection refused.")
+        return await self.scripts.call(script, shard, args)
+
+
+@pytest.mark.parametrize("down", [False, True], ids=["reply-lost", "node-down"])
+async def test_a_limited_claim_takes_each_shards_reply_on_its_own(queue: Queue, down: bool) -> None:
+    """A limited queue's claim round over several shards, one of whose replies is lost: the
+    others' jobs start, and that shard's claim is sent again as it was (its token), which
+    answers the jobs it leased; if its node stays down, its jobs are not leased and its
+    permits go unused. (The round used to fail whole, the jobs the others leased waiting
+    out their lease, an attempt lost.)"""
+    await queue.admin.set_limits("default", QueueLimits(concurrency=20))
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(12)])
+    by_shard = Counter(queue.keys.shard_of(s.job_id) for s in subs)
+    assert len(by_shard) >= 2
+    lost = next(iter(by_shard))
+    worker = worker_for(queue, registry)
+    claimer = worker.claimer
+    scripts = ClaimReplyLost(queue.scripts, lost, down)
+    claimer._scripts = cast(Scripts, scripts)
+    started: list[str] = []
+    claimer._start = lambda job, shard, now_ms, permit=None: started.append(job.id)
+    home = queue.keys.home("default")
+    acquired = await queue.scripts.call(
+        "limit", home, ("acquire", "default", worker.id, 12, 30_000)
+    )
+    permits = [p.decode() for p in acquired[2:]]
+    used = await claimer.claim_limited("default", sorted(by_shard.items()), permits)
+    assert [call[1] for call in scripts.resent] == [lost]
+    healthy = {s.job_id for s in subs if queue.keys.shard_of(s.job_id) != lost}
+    expected = healthy if down else {s.job_id for s in subs}
+    assert set(started) == expected and len(used) == len(expected)
+    assert [permit for permit, _ in used] == permits[: len(expected)]
+    for sub in subs:
+        state = (await queue.status(sub.job_id)).state
+        assert state is (State.RUNNING if sub.job_id in expected else State.QUEUED)

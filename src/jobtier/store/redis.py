@@ -391,7 +391,7 @@ def by_node(redis: RedisCluster, keys: Sequence[Any]) -> list[tuple[ClusterNode 
     for i, key in enumerate(keys):
         node: ClusterNode | None = None
         if key is not None:
-            with contextlib.suppress(RedisError, IndexError, KeyError):
+            with contextlib.suppress(RedisError, RedisClusterException, IndexError, KeyError):
                 node = redis.nodes_manager.get_node_from_slot(redis.keyslot(key))
         groups.setdefault(node.name if node else "", (node, []))[1].append(i)
     return list(groups.values())

@@ -297,14 +297,23 @@ class Claimer:
             for shard, cap in plan
         ]
         # each shard's reply on its own, as in the main loop: a node that is down fails its
-        # shards' claims, the jobs the others leased start (their permits are then unused:
-        # a failed claim that ran leased its jobs to no one running them, until their lease
-        # runs out)
+        # shards' claims, the jobs the others leased start
         try:
             replies = await self._scripts.call_many_each(calls)
         except (RedisError, OSError) as exc:
             replies = [exc] * len(calls)
         state.stats.claim_round_trips += 1
+        for i, reply in enumerate(replies):
+            if isinstance(reply, (RedisError, OSError)):
+                # its reply may be lost with the connection: sent again as it was (its
+                # token), with the client's own retries, it answers the jobs it leased; if it
+                # fails again, its permits go back unused, and any job it leased waits out
+                # its lease (the ready counts leave a node that is down out of the rounds,
+                # so this wait is rare)
+                try:
+                    replies[i] = await self._scripts.call(*calls[i])
+                except (RedisError, OSError) as exc:
+                    replies[i] = exc
         failed = [reply for reply in replies if isinstance(reply, Exception)]
         if len(failed) == len(replies):
             raise failed[0]

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from jobtier.core.keys import Keys
 from jobtier.core.model import PRIORITIES
@@ -175,7 +175,7 @@ class LimitedClaimer:
             try:
                 pause = await self.round(free)
                 backoff.reset()
-            except (RedisError, OSError) as exc:
+            except (RedisError, RedisClusterException, OSError) as exc:
                 await state.claim_failed(backoff, exc, f" queue={self.queue}")
                 continue
             if pause is None:
@@ -205,7 +205,11 @@ class LimitedClaimer:
         try:
             plan = spread(len(permits.ids), ready)
             started = await self.claims.claim_limited(self.queue, plan, permits.ids)
-        except (RedisError, OSError):  # every claim failed: the permits back, if Redis takes them
+        except (
+            RedisError,
+            RedisClusterException,
+            OSError,
+        ):  # every claim failed: the permits back, if Redis takes them
             with contextlib.suppress(RedisError, OSError):
                 await self.scripts.call(
                     "limit", self.home, ("release", self.queue, "1", *permits.ids)
@@ -228,15 +232,14 @@ class LimitedClaimer:
     async def _ready_by_shard(self) -> list[tuple[int, int]]:
         """(shard, ready jobs of the queue) of the shards that hold some, read shard by shard:
         those of a node that is down (a master failing over) are left out of the round; if
-        every shard's read failed, the first error is raised."""
+        the others hold none, the first error is raised (the loop is not idle: jobs may wait
+        on the shards it could not read)."""
         fields = [f"{self.queue}:{p.value}" for p in PRIORITIES]
         keys = [self.keys.queue_counts(shard) for shard in range(self.keys.shards)]
         replies = await commands_each(
             self.state.redis, [("HMGET", key, *fields) for key in keys], keys
         )
         failed = [reply for reply in replies if isinstance(reply, Exception)]
-        if len(failed) == len(replies):
-            raise failed[0]
         out = []
         for shard, values in enumerate(replies):
             if isinstance(values, Exception):
@@ -244,6 +247,8 @@ class LimitedClaimer:
             n = sum(max(int(v or 0), 0) for v in values)
             if n:
                 out.append((shard, n))
+        if failed and not out:  # nothing found, but not everywhere: not idle (a burst ends)
+            raise failed[0]
         return out
 
     async def _acquire(self, wanted: int) -> Permits:
