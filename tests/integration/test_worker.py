@@ -9,10 +9,11 @@ from typing import Any, cast
 
 import pytest
 
-from jobtier.core.model import JobSpec, State, decode_status
+from jobtier.core.model import JobSpec, QueueLimits, State, decode_status
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
 from jobtier.store.calls import parse_claim
+from jobtier.worker.permits import LimitedClaimer
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.fixtures.redis import StreamEntries
 from tests.tasks import registry
@@ -325,3 +326,27 @@ async def test_a_crash_of_the_heartbeat_stops_the_worker_and_releases_its_jobs(
     crash_lines = [r for r in caplog.records if "a defect in the chores" in r.getMessage()]
     assert len(crash_lines) == 1 and "event=heartbeat_crashed" in crash_lines[0].getMessage()
     assert not [r for r in caplog.records if "shutdown_step_failed" in r.getMessage()]
+
+
+async def test_a_crash_of_a_limited_queues_loop_stops_the_worker(
+    queue: Queue, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A defect of ours in a limited queue's claim loop (not Redis away, which it rides out)
+    would leave the queue claimed no more by this worker, unseen: the worker stops, and
+    ``run`` raises the crash, logged once."""
+    await queue.admin.set_limits("default", QueueLimits(concurrency=2))
+
+    async def crash(self: LimitedClaimer, free: int) -> float | None:
+        raise RuntimeError("a defect in the limited loop")
+
+    monkeypatch.setattr(LimitedClaimer, "round", crash)
+    worker = worker_for(queue, registry, shutdown_grace=5.0)
+    task = asyncio.create_task(worker.run())
+    try:
+        with pytest.raises(RuntimeError, match="a defect in the limited loop"):
+            await asyncio.wait_for(asyncio.shield(task), 60)
+    finally:
+        worker.stop(now=True)
+        await asyncio.gather(task, return_exceptions=True)
+    lines = [r for r in caplog.records if "a defect in the limited loop" in r.getMessage()]
+    assert len(lines) == 1 and "event=claim_loop_crashed" in lines[0].getMessage()

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -60,6 +60,9 @@ class LimitedQueues:
         self.claimers: dict[str, LimitedClaimer] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.over = False  # the loops end: the worker stops, or a burst found nothing more
+        # a loop's crash (a defect of ours: Redis away it rides out), and what it then calls
+        self.crash: BaseException | None = None
+        self.on_crash: Callable[[], None] | None = None
 
     def __contains__(self, queue: str) -> bool:
         return queue in self.claimers
@@ -79,7 +82,8 @@ class LimitedQueues:
         limited = {q for q, conf in zip(state.queues, raw, strict=True) if conf}
         for q in limited - self.claimers.keys():
             claimer = self.claimers[q] = LimitedClaimer(self, claims, q)
-            self._tasks[q] = asyncio.create_task(claimer.run(), name=f"claim {q}")
+            loop = self._tasks[q] = asyncio.create_task(claimer.run(), name=f"claim {q}")
+            loop.add_done_callback(self._ended)
             log.info("event=queue_limited worker=%s queue=%s", state.id, q)
         ended = set(self.claimers) - limited
         for q in ended:
@@ -89,6 +93,21 @@ class LimitedQueues:
                 task.cancel()
             log.info("event=queue_unlimited worker=%s queue=%s", state.id, q)
         return bool(ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """A loop ended; if by a crash, its queue is claimed no more: said, kept for the
+        worker's ``run`` to raise, and ``on_crash`` called (the worker stops)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.crash = self.crash or task.exception()
+        log.error(
+            "event=claim_loop_crashed worker=%s loop=%r error=%r: the worker stops",
+            self.state.id,
+            task.get_name(),
+            task.exception(),
+        )
+        if self.on_crash is not None:
+            self.on_crash()
 
     def end(self) -> None:
         """The loops end after their claim in flight, if any."""

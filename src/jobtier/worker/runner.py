@@ -68,6 +68,7 @@ class Worker:
         state = WorkerState(store, registry, concurrency, burst, name, idle_poll, queues, stats)
         self.state = state
         self.limits = LimitedQueues(state)
+        self.limits.on_crash = self.stop  # a limited queue's loop crashed: the worker stops
         self.reporter = Reporter(state, self.limits)
         # executor "process": plain def tasks that name none run in child processes,
         # ``processes`` says how many and when they are replaced (procpool.py)
@@ -226,8 +227,9 @@ class Worker:
                 st.released,
                 self.stuck,
             )
+        crash = crash or self.limits.crash
         if crash is not None:
-            raise crash  # a defect of ours in the heartbeat, once the rest has stopped
+            raise crash  # a defect of ours in a loop, once the rest has stopped
         return self.stats
 
     def _heart_ended(self, heart: asyncio.Task[None]) -> None:
