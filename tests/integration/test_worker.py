@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any, cast
 
 import pytest
+from redis.exceptions import SlotNotCoveredError
 
 from jobtier.core.model import JobSpec, QueueLimits, State, decode_status
 from jobtier.engine.queue import Queue
@@ -298,15 +299,12 @@ async def test_a_crash_of_the_heartbeat_stops_the_worker_and_releases_its_jobs(
     the worker unable to keep its leases: it stops at once, its running job released to its
     queue, and ``run`` raises the crash, logged once (it used to go on claiming, the crash
     unseen until the worker stopped, its jobs' leases expiring meanwhile)."""
-    queue.settings = queue.settings.replace(lease_seconds=1.5)  # full beats every 0.5 s
-    worker = worker_for(queue, registry)
+    worker = worker_for(queue, registry, shutdown_grace=30.0)
     advertise = worker.heartbeat.advertise
-    calls = 0
+    crash = asyncio.Event()  # set once the job runs: the next full beat's chores crash
 
     async def advertise_then_crash() -> None:
-        nonlocal calls
-        calls += 1
-        if calls > 1:  # the first is the start's own
+        if crash.is_set():
             raise RuntimeError("a defect in the chores")
         await advertise()
 
@@ -315,8 +313,10 @@ async def test_a_crash_of_the_heartbeat_stops_the_worker_and_releases_its_jobs(
     try:
         sub = await queue.submit("sleep", {"seconds": 60})
         await until_state(queue, sub.job_id, State.RUNNING)
+        crash.set()
         with pytest.raises(RuntimeError, match="a defect in the chores"):
             await asyncio.wait_for(asyncio.shield(task), 60)
+        assert worker.state.stop_now.is_set()  # at once, not after a 30 s grace
     finally:
         worker.stop(now=True)
         await asyncio.gather(task, return_exceptions=True)
@@ -350,3 +350,56 @@ async def test_a_crash_of_a_limited_queues_loop_stops_the_worker(
         await asyncio.gather(task, return_exceptions=True)
     lines = [r for r in caplog.records if "a defect in the limited loop" in r.getMessage()]
     assert len(lines) == 1 and "event=claim_loop_crashed" in lines[0].getMessage()
+
+
+async def test_a_heartbeat_rides_out_the_cluster_clients_own_errors(queue: Queue) -> None:
+    """redis-py's cluster client raises some faults of Redis away from a class of its own (a
+    slot no node serves, mid-failover), not a RedisError: the heartbeat rides them out as it
+    does a lost connection, rather than stopping the worker."""
+    worker = worker_for(queue, registry)
+    advertise = worker.heartbeat.advertise
+    calls = 0
+
+    async def advertise_once_refused() -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:  # the first is the start's own
+            raise SlotNotCoveredError("Slot 1234 is not covered by the cluster.")
+        await advertise()
+
+    worker.heartbeat.advertise = advertise_once_refused  # type: ignore[method-assign]
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_for(lambda: calls >= 3, timeout=60)  # the chores ran again after it
+        assert not worker.state.stopping.is_set() and not task.done()
+        sub = await queue.submit("echo", "still working")
+        await until_state(queue, sub.job_id, State.SUCCEEDED)
+    finally:
+        worker.stop()
+        await asyncio.gather(task, return_exceptions=True)
+    assert task.exception() is None
+
+
+async def test_a_cancelled_worker_leaves_no_loop_running_and_releases_its_jobs(
+    queue: Queue,
+) -> None:
+    """``run`` cancelled (a task group whose sibling failed, say): its claim loops end with it
+    and its running job goes back to its queue (the loops used to go on claiming, with no
+    heartbeat keeping the leases of what they started)."""
+    await queue.admin.set_limits("partner", QueueLimits(concurrency=2))
+    worker = worker_for(queue, registry, queues=["default", "partner"])
+    task = asyncio.create_task(worker.run())
+    sub = await queue.submit("sleep", {"seconds": 60})
+    await until_state(queue, sub.job_id, State.RUNNING)
+    await wait_for(lambda: "partner" in worker.limits)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+    def loops_left() -> list[str]:
+        names = ("jobtier-claims", "jobtier-heartbeat", "claim partner")
+        return [t.get_name() for t in asyncio.all_tasks() if t.get_name() in names]
+
+    await wait_for(lambda: not loops_left(), timeout=30)
+    status = await queue.status(sub.job_id)
+    assert (status.state, status.attempt) == (State.QUEUED, 0), status

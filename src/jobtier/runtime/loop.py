@@ -15,11 +15,13 @@ import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from jobtier.logs import Unforeseen
 
-FAULTS: tuple[type[BaseException], ...] = (RedisError, OSError)
+# Redis (or the network) away: redis-py's cluster client raises some of its own, such as a
+# slot no node serves in the middle of a failover, from a class of their own
+FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
 
 
 async def wait_for(event: asyncio.Event, seconds: float) -> bool:

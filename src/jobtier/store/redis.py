@@ -379,7 +379,7 @@ async def _pipeline_each(redis: RedisClient, commands: Sequence[Sequence[Any]]) 
         if isinstance(pipe, ClusterPipe):  # one cluster node's commands: no retry sleeps
             return await pipe.execute_once()
         return list(await pipe.execute(raise_on_error=False))
-    except RedisError as exc:
+    except (RedisError, RedisClusterException) as exc:
         return [exc] * len(commands)
 
 

@@ -30,10 +30,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from redis.exceptions import RedisError
-
 from jobtier.runtime.backoff import CLAIM
-from jobtier.runtime.loop import wait_any, wait_for
+from jobtier.runtime.loop import FAULTS, wait_any, wait_for
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.calls import Call, claim_call, parse_claim
 from jobtier.worker.launcher import Launcher
@@ -121,14 +119,16 @@ class Claimer:
         stopping = asyncio.ensure_future(state.stopping.wait())
         now = asyncio.ensure_future(state.stop_now.wait())
         try:
-            await asyncio.wait({claims, stopping}, return_when=asyncio.FIRST_COMPLETED)
-            if not claims.done():  # stopping: the loop ends after the claim in flight, if any
-                left = max(0.0, (state.deadline or 0.0) - time.monotonic())
-                await asyncio.wait({claims, now}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-            now.cancel()
-        try:
+            try:
+                await asyncio.wait({claims, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                if not claims.done():  # stopping: the loop ends after the claim in flight
+                    left = max(0.0, (state.deadline or 0.0) - time.monotonic())
+                    await asyncio.wait(
+                        {claims, now}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                    )
+            finally:
+                stopping.cancel()
+                now.cancel()
             if not claims.done():
                 log.warning("event=claim_abandoned worker=%s: a claim was still in flight", self.id)
                 # a claim in flight is a Redis call, which can swallow the cancel
@@ -137,6 +137,8 @@ class Claimer:
             else:
                 claims.result()  # a crash of the loop surfaces here
         finally:
+            if not claims.done():  # run() itself was cancelled: its loop goes with it
+                claims.cancel()
             await self.limits.stop()
 
     async def _claim_loop(self) -> None:
@@ -158,7 +160,7 @@ class Claimer:
             try:
                 claimed = await self._claim(free)
                 backoff.reset()
-            except (RedisError, OSError) as exc:
+            except FAULTS as exc:
                 await state.claim_failed(backoff, exc)
                 continue
             finally:
@@ -204,13 +206,13 @@ class Claimer:
             # each shard's reply on its own: a cluster node that is down (a master failing
             # over) fails its shards' claims, the jobs claimed on the others start at once
             replies = await self._scripts.call_many_each(calls)
-        except (RedisError, OSError) as exc:
+        except FAULTS as exc:
             replies = [exc] * len(calls)
         # a failed claim may have run, its reply lost with the connection: sent again as it
         # was (its token) at the next round
         until = time.monotonic() + state.lease_ms / 2000
         for (shard, n), call, reply in zip(plan, calls, replies, strict=True):
-            if isinstance(reply, (RedisError, OSError)):
+            if isinstance(reply, FAULTS):
                 first = kept.get(shard)
                 self._unanswered[shard] = first or _Unanswered(n, call, until)
         state.stats.claim_round_trips += 1
@@ -300,11 +302,11 @@ class Claimer:
         # shards' claims, the jobs the others leased start
         try:
             replies = await self._scripts.call_many_each(calls)
-        except (RedisError, OSError) as exc:
+        except FAULTS as exc:
             replies = [exc] * len(calls)
         state.stats.claim_round_trips += 1
         for i, reply in enumerate(replies):
-            if isinstance(reply, (RedisError, OSError)):
+            if isinstance(reply, FAULTS):
                 # its reply may be lost with the connection: sent again as it was (its
                 # token), with the client's own retries, it answers the jobs it leased; if it
                 # fails again, its permits go back unused, and any job it leased waits out
@@ -312,7 +314,7 @@ class Claimer:
                 # so this wait is rare)
                 try:
                     replies[i] = await self._scripts.call(*calls[i])
-                except (RedisError, OSError) as exc:
+                except FAULTS as exc:
                     replies[i] = exc
         failed = [reply for reply in replies if isinstance(reply, Exception)]
         if len(failed) == len(replies):

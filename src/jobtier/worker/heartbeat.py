@@ -33,7 +33,7 @@ from redis.exceptions import RedisError
 from jobtier.core.errors import Code
 from jobtier.core.model import LOG_LINES, encode_json
 from jobtier.engine.catalog import publish as publish_tasks
-from jobtier.runtime.loop import wait_for
+from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.calls import heartbeat_call, joblog_call, parse_pairs
 from jobtier.worker.attempt import deliver_cancel
@@ -95,7 +95,7 @@ class Heartbeat:
                 try:
                     await self._beat(progress_only=not full)
                     failed = False
-                except (RedisError, OSError) as exc:
+                except FAULTS as exc:
                     log.warning("event=heartbeat_failed worker=%s error=%r", self.id, exc)
                     failed = True
                 if full:
@@ -118,7 +118,7 @@ class Heartbeat:
         for step in (self.advertise, self.claimer.refresh_limits):
             try:
                 await step()
-            except (RedisError, OSError) as exc:
+            except FAULTS as exc:
                 log.warning(
                     "event=heartbeat_failed worker=%s step=%s error=%r",
                     self.id,
@@ -163,7 +163,7 @@ class Heartbeat:
             # one pipeline per node, each call's reply on its own: a node that is down (a
             # master failing over) fails its shards' calls only, the others' replies are used
             replies = await state.scripts.call_many_each(calls)
-        except (RedisError, OSError) as exc:
+        except FAULTS as exc:
             replies = [exc] * len(calls)
         finally:
             state.beat_idle.set()
@@ -197,7 +197,7 @@ class Heartbeat:
                     deliver_cancel(r.ctx, r.task, r.handle)
         failed = next((reply for reply in replies if isinstance(reply, Exception)), None)
         if failed is not None:  # after the others' replies: run() logs it and tries again
-            if isinstance(failed, (RedisError, OSError)):
+            if isinstance(failed, FAULTS):
                 raise failed
             raise RedisError(f"a heartbeat call failed: {failed!r}") from failed
 

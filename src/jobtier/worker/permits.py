@@ -30,12 +30,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from redis.exceptions import RedisClusterException, RedisError
-
 from jobtier.core.keys import Keys
 from jobtier.core.model import PRIORITIES
 from jobtier.runtime.backoff import CLAIM
-from jobtier.runtime.loop import wait_for
+from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.store.calls import Call, claim_token
 from jobtier.store.redis import commands_each
 from jobtier.worker.state import WorkerState
@@ -194,7 +192,7 @@ class LimitedClaimer:
             try:
                 pause = await self.round(free)
                 backoff.reset()
-            except (RedisError, RedisClusterException, OSError) as exc:
+            except FAULTS as exc:
                 await state.claim_failed(backoff, exc, f" queue={self.queue}")
                 continue
             if pause is None:
@@ -224,12 +222,8 @@ class LimitedClaimer:
         try:
             plan = spread(len(permits.ids), ready)
             started = await self.claims.claim_limited(self.queue, plan, permits.ids)
-        except (
-            RedisError,
-            RedisClusterException,
-            OSError,
-        ):  # every claim failed: the permits back, if Redis takes them
-            with contextlib.suppress(RedisError, OSError):
+        except FAULTS:  # every claim failed: the permits back, if Redis takes them
+            with contextlib.suppress(*FAULTS):
                 await self.scripts.call(
                     "limit", self.home, ("release", self.queue, "1", *permits.ids)
                 )
@@ -289,7 +283,7 @@ class LimitedClaimer:
             extra, ids = ids[wanted:], ids[:wanted]
             try:
                 await self.scripts.call("limit", self.home, ("release", self.queue, "1", *extra))
-            except (RedisError, OSError) as exc:  # this round's own go ahead
+            except FAULTS as exc:  # this round's own go ahead
                 log.warning(
                     "event=permits_not_released worker=%s queue=%s permits=%d error=%r: "
                     "they come back when their lease runs out",

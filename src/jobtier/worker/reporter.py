@@ -29,11 +29,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from redis.exceptions import RedisError
-
 from jobtier.core.errors import Code, RateLimited
 from jobtier.core.model import LOG_LINES
 from jobtier.runtime.backoff import REPORT
+from jobtier.runtime.loop import FAULTS
 from jobtier.store.calls import (
     Call,
     complete_call,
@@ -161,7 +160,7 @@ class Reporter:
             if queue in self.limits:  # its permits wait too (limit.lua)
                 args = ("block", queue, round(seconds * 1000))
                 await state.scripts.call("limit", state.keys.home(queue), args)
-        except (RedisError, OSError) as exc:
+        except FAULTS as exc:
             log.warning("event=queue_block_failed queue=%s error=%r", queue, exc)
 
     def report(self, kind: str, r: Running, extra: tuple[Any, ...]) -> None:
@@ -253,7 +252,7 @@ class Reporter:
                 # one pipeline per node, each call's reply on its own: a node that is down (a
                 # master failing over) fails its shards' reports only, the others' are taken
                 replies = await state.scripts.call_many_each(calls)
-            except (RedisError, OSError) as exc:
+            except FAULTS as exc:
                 replies = [exc] * len(calls)
             failed, lost = self._take_replies(kinds, replies)
             # a permit is given back once every call of its job's shard in the round landed:
@@ -306,7 +305,7 @@ class Reporter:
         self._to_release.clear()
         try:
             await self.state.scripts.call_many(limit_calls(self.state.keys, "release", by_queue, 0))
-        except (RedisError, OSError) as exc:
+        except FAULTS as exc:
             for q, ids in by_queue.items():
                 self._to_release[q] += ids
             log.warning("event=permit_release_failed worker=%s error=%r", self.id, exc)

@@ -19,10 +19,9 @@ import logging
 import time
 from collections.abc import Sequence
 
-from redis.exceptions import RedisError
-
 from jobtier.core.model import WORKER_CONCURRENCY
 from jobtier.metrics.snapshot import Snapshot, labels
+from jobtier.runtime.loop import FAULTS
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.context import Store
 from jobtier.store.subscriber import ShardSubscriber
@@ -198,6 +197,9 @@ class Worker:
         try:
             await self.claimer.run()
             self.stuck = await self.launcher.drain()
+        except BaseException:  # cancelled, or a loop crashed: nothing of the worker goes on
+            self.stop(now=True)
+            raise
         finally:
             if state.running:  # the claim loop crashed: give back what we hold
                 self.launcher.release_all("worker_failed")
@@ -213,7 +215,7 @@ class Worker:
             # until it ends, left behind after STOP_TIMEOUT
             await stop_task(reporter, "worker metrics reporter")
             await subscriber.stop()
-            with contextlib.suppress(RedisError, OSError):
+            with contextlib.suppress(*FAULTS):
                 await state.redis.hdel(state.keys.workers(), self.id)
             self.stuck += await self.launcher.close()
             st = self.stats
