@@ -97,7 +97,8 @@ class LimitedQueues:
         worker's ``run`` to raise, and ``on_crash`` called (the worker stops)."""
         if task.cancelled() or task.exception() is None:
             return
-        self.crash = self.crash or task.exception()
+        if self.crash is None:
+            self.crash = task.exception()
         log.error(
             "event=claim_loop_crashed worker=%s loop=%r error=%r: the worker stops",
             self.state.id,

@@ -229,7 +229,8 @@ class Worker:
                 st.released,
                 self.stuck,
             )
-        crash = crash or self.limits.crash
+        if crash is None:
+            crash = self.limits.crash
         if crash is not None:
             raise crash  # a defect of ours in a loop, once the rest has stopped
         return self.stats
