@@ -11,10 +11,9 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from redis.exceptions import RedisClusterException, RedisError
-
 from jobtier.config import Settings
 from jobtier.runtime import tracing
+from jobtier.runtime.loop import FAULTS
 
 log = logging.getLogger("jobtier.cli")
 
@@ -76,7 +75,7 @@ def exit_now_if_stuck(stuck: int, code: int) -> None:
         os._exit(code)
 
 
-UNREACHABLE = (RedisError, RedisClusterException, OSError)
+UNREACHABLE = FAULTS  # Redis (or the network) away: a clear line, not a traceback
 
 
 def default_name(role: str) -> str:
