@@ -50,8 +50,10 @@ async def test_an_unanswered_acquire_is_sent_again_for_half_a_lease_from_its_fir
 def counts_read(replies: list[Any], monkeypatch: pytest.MonkeyPatch) -> LimitedClaimer:
     """A claim loop over len(replies) shards whose ready counts read as ``replies``."""
 
-    async def read(redis: Any, commands: Sequence[Any], keys: Sequence[Any]) -> list[Any]:
-        assert list(keys) == [f"counts:{shard}" for shard in range(len(replies))]
+    async def read(redis: Any, commands: Sequence[Any]) -> list[Any]:
+        assert [command[:2] for command in commands] == [
+            ("HMGET", f"counts:{shard}") for shard in range(len(replies))
+        ]
         return replies
 
     monkeypatch.setattr("jobtier.worker.permits.commands_each", read)

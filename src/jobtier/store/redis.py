@@ -349,18 +349,25 @@ class ClusterPipe(ClusterPipeline):
             await self.reset()  # type: ignore[no-untyped-call]
 
 
+def first_key(command: Sequence[Any]) -> Any:
+    """The key a plain command is routed by: its first argument."""
+    return command[1]
+
+
 async def commands_each(
-    redis: RedisClient, commands: Sequence[Sequence[Any]], keys: Sequence[Any]
+    redis: RedisClient,
+    commands: Sequence[Sequence[Any]],
+    key: Callable[[Sequence[Any]], Any] = first_key,
 ) -> list[Any]:
     """The commands' replies in order, an exception in place of a failed command's: one
     pipeline; on a cluster one per node, side by side, each sent once (no retry sleeps in
     the client), so that a node that is down (a master failing over) fails only its own
     commands, at once, and the others' replies come back. A pipeline that failed whole gives
-    its error to each of its commands. ``keys[i]``: the key command i is routed by (None:
-    any node)."""
+    its error to each of its commands. ``key(command)``: the key it is routed by (None: any
+    node), asked on a cluster only."""
     if not isinstance(redis, RedisCluster):
         return await _pipeline_each(redis, commands)
-    groups = by_node(redis, keys)
+    groups = by_node(redis, [key(command) for command in commands])
     parts = await asyncio.gather(
         *(_pipeline_each(redis, [commands[i] for i in at]) for _, at in groups)
     )

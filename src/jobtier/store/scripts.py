@@ -313,11 +313,17 @@ async def _send(redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]
     """The calls' replies in order, an exception in place of a failed call's (``commands_each``:
     one pipeline, one per node of a cluster)."""
     commands = [(*script.command(), *argv) for script, argv in calls]
-    return await commands_each(redis, commands, [_key(argv) for _, argv in calls])
+    return await commands_each(redis, commands, _routed_by)
+
+
+def _routed_by(command: Sequence[Any]) -> Any:
+    """The key a script's command (FCALL or EVALSHA, its name, then its arguments) is routed
+    by: its first key, if any."""
+    return _key(command[2:])
 
 
 def _key(argv: Sequence[Any]) -> Any:
-    """The key a call is routed by: its first (after the number of keys), if any."""
+    """The key a call's arguments are routed by: the first after the number of keys, if any."""
     return argv[1] if argv and int(argv[0]) > 0 else None
 
 

@@ -23,7 +23,6 @@ the next token is due; when the concurrency is used up, until a permit comes fre
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -224,10 +223,7 @@ class LimitedClaimer:
             plan = spread(len(permits.ids), ready)
             started = await self.claims.claim_limited(self.queue, plan, permits.ids)
         except FAULTS:  # every claim failed: the permits back, if Redis takes them
-            with contextlib.suppress(*FAULTS):
-                await self.scripts.call(
-                    "limit", self.home, ("release", self.queue, "1", *permits.ids)
-                )
+            await self._give_back(permits.ids)
             raise
         finally:
             reserved()
@@ -250,9 +246,7 @@ class LimitedClaimer:
         on the shards it could not read)."""
         fields = [f"{self.queue}:{p.value}" for p in PRIORITIES]
         keys = [self.keys.queue_counts(shard) for shard in range(self.keys.shards)]
-        replies = await commands_each(
-            self.state.redis, [("HMGET", key, *fields) for key in keys], keys
-        )
+        replies = await commands_each(self.state.redis, [("HMGET", key, *fields) for key in keys])
         failed = [reply for reply in replies if isinstance(reply, Exception)]
         out = []
         for shard, values in enumerate(replies):
@@ -282,18 +276,23 @@ class LimitedClaimer:
         ids = [r.decode() for r in reply[2 : 2 + granted]]
         if len(ids) > wanted:
             extra, ids = ids[wanted:], ids[:wanted]
-            try:
-                await self.scripts.call("limit", self.home, ("release", self.queue, "1", *extra))
-            except FAULTS as exc:  # this round's own go ahead
-                log.warning(
-                    "event=permits_not_released worker=%s queue=%s permits=%d error=%r: "
-                    "they come back when their lease runs out",
-                    self.state.id,
-                    self.queue,
-                    len(extra),
-                    exc,
-                )
+            await self._give_back(extra)  # this round's own go ahead, whatever becomes of them
         return Permits(ids, wait_ms)
+
+    async def _give_back(self, ids: list[str]) -> None:
+        """Release permits that started no job; if Redis does not take them, they come back
+        when their lease runs out."""
+        try:
+            await self.scripts.call("limit", self.home, ("release", self.queue, "1", *ids))
+        except FAULTS as exc:
+            log.warning(
+                "event=permits_not_released worker=%s queue=%s permits=%d error=%r: "
+                "they come back when their lease runs out",
+                self.state.id,
+                self.queue,
+                len(ids),
+                exc,
+            )
 
 
 def limit_calls(keys: Keys, op: str, by_queue: dict[str, list[str]], *extra: Any) -> list[Call]:
