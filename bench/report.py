@@ -178,7 +178,7 @@ CHOSEN: dict[str, str] = {
     "scaling_out": "the only file",
     "durable_submit": "250 submits/s (-1000: 1K/s, its tail the shared machine's)",
 }
-HEADLINE = ("compare-02d01b3", "compare-02d01b3-2")  # one set; more stems pool their runs
+HEADLINE = ("compare-afc865a", "compare-afc865a-2")  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
 PERSISTER = "jobtier-persist"  # compare.py's name for jobtier with its persister
 
