@@ -5,12 +5,14 @@ jobs a claim leased reach a worker rather than waiting out their lease, an attem
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, cast
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from jobtier.api.worker_claims import WorkerClaims, _Waiter
 from jobtier.core.model import JobSpec, QueueLimits, State
@@ -299,12 +301,158 @@ async def test_a_limited_claim_takes_each_shards_reply_on_its_own(queue: Queue, 
         "limit", home, ("acquire", "default", worker.id, 12, 30_000)
     )
     permits = [p.decode() for p in acquired[2:]]
-    used = await claimer.claim_limited("default", sorted(by_shard.items()), permits)
+    used, failed = await claimer.claim_limited("default", sorted(by_shard.items()), permits)
     assert [call[1] for call in scripts.resent] == [lost]
     healthy = {s.job_id for s in subs if queue.keys.shard_of(s.job_id) != lost}
     expected = healthy if down else {s.job_id for s in subs}
     assert set(started) == expected and len(used) == len(expected)
     assert [permit for permit, _ in used] == permits[: len(expected)]
+    # a claim that failed twice is the loop's to send again (permits.py)
+    assert [(c.shard, c.cap, c.call) for c in failed] == (
+        [(lost, by_shard[lost], scripts.resent[0])] if down else []
+    )
     for sub in subs:
         state = (await queue.status(sub.job_id)).state
         assert state is (State.RUNNING if sub.job_id in expected else State.QUEUED)
+
+
+async def test_a_limited_claim_whose_reply_is_lost_twice_is_sent_again_at_the_next_round(
+    queue: Queue,
+) -> None:
+    """A limited queue's claim ran and leased jobs, but its reply was lost, and so was the
+    reply of the same call sent again at once: the loop keeps as many permits as it asked
+    for, and its next round sends it again as it was (its token), which answers the jobs it
+    leased. (They used to wait out their lease, an attempt lost, while its permits went
+    back.)"""
+    await queue.admin.set_limits("default", QueueLimits(concurrency=4))
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(10)])
+    worker = worker_for(queue, registry, burst=True, concurrency=4)
+    scripts = worker.state.scripts
+    call_many_each, call = scripts.call_many_each, scripts.call
+    rounds: list[list[Call]] = []
+    lost: list[Call] = []
+    error = RedisConnectionError("Connection closed by server.")
+
+    async def lose_a_claims_replies(calls: Sequence[Call]) -> list[Any]:
+        claims = [c for c in calls if c[0] == "claim"]
+        if claims:
+            rounds.append(claims)
+        replies: list[Any] = await call_many_each(calls)
+        if not lost:
+            for i, (c, reply) in enumerate(zip(calls, replies, strict=True)):
+                if c[0] == "claim" and parse_claim(c[1], reply).jobs:  # it leased jobs
+                    lost.append(c)
+                    replies[i] = error
+                    break
+        return replies
+
+    async def lose_the_resend_too(script: Any, shard: int, args: Sequence[Any]) -> Any:
+        reply = await call(script, shard, args)
+        if lost and (script, shard, args) == lost[0] and len(rounds) == 1:
+            raise error
+        return reply
+
+    scripts.call_many_each = lose_a_claims_replies  # type: ignore[method-assign]
+    scripts.call = lose_the_resend_too  # type: ignore[method-assign]
+    async with asyncio.timeout(60):  # no scheduler: a job leased to nobody would never end
+        stats = await worker.run()
+    assert stats.succeeded == 10 and lost
+    assert lost[0] in rounds[1]  # the next round sent the same call, token and all
+    assert await queue.admin.running_permits("default") == 0  # every permit came back
+    for sub in subs:
+        status = await queue.status(sub.job_id)
+        assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
+
+
+async def test_a_shard_refusing_a_limited_queues_claims_does_not_take_every_permit(
+    queue: Queue,
+) -> None:
+    """A shard that answers reads but refuses writes (out of memory, a failing disk) and
+    holds the most jobs: the loop plans it after the others for a while, and their jobs run.
+    (With one permit, the fullest shard took it at every round, and nothing ran.)"""
+    await queue.admin.set_limits("default", QueueLimits(concurrency=1))
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(12)])
+    by_shard = Counter(queue.keys.shard_of(s.job_id) for s in subs)
+    assert len(by_shard) >= 2
+    # the fullest, the first of them in shard order (the loop's plan sorts stably)
+    refusing = max(sorted(by_shard), key=lambda shard: by_shard[shard])
+    worker = worker_for(queue, registry, concurrency=2)
+    scripts = worker.state.scripts
+    call_many_each, call = scripts.call_many_each, scripts.call
+    refused: list[int] = []
+    oom = ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+
+    async def refuse(calls: Sequence[Call]) -> list[Any]:
+        kept = [c for c in calls if (c[0], c[1]) != ("claim", refusing)]
+        replies = iter(await call_many_each(kept))
+        refused.extend(c[1] for c in calls if (c[0], c[1]) == ("claim", refusing))
+        return [oom if (c[0], c[1]) == ("claim", refusing) else next(replies) for c in calls]
+
+    async def refuse_one(script: Any, shard: int, args: Sequence[Any]) -> Any:
+        if (script, shard) == ("claim", refusing):
+            refused.append(shard)
+            raise oom
+        return await call(script, shard, args)
+
+    scripts.call_many_each = refuse  # type: ignore[method-assign]
+    scripts.call = refuse_one  # type: ignore[method-assign]
+    healthy = [s.job_id for s in subs if queue.keys.shard_of(s.job_id) != refusing]
+    running = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(60):
+            for job in healthy:
+                while (await queue.status(job)).state is not State.SUCCEEDED:
+                    await asyncio.wait({running}, timeout=0.05)
+                    assert not running.done(), running
+    finally:
+        worker.stop()
+        await running
+    assert refused  # the refusing shard was asked, and refused
+    for sub in subs:
+        if sub.job_id not in healthy:
+            assert (await queue.status(sub.job_id)).state is State.QUEUED
+    assert await queue.admin.running_permits("default") == 0
+
+
+async def test_the_main_loops_failed_claims_leave_the_slots_to_a_limited_queue(
+    queue: Queue,
+) -> None:
+    """A worker serving a limited queue and another one, whose claims Redis keeps refusing:
+    the main loop backs off, and the limited queue's jobs run meanwhile. (The main loop held
+    every free slot through its back-off, and a limited loop that found none slept until a
+    job ended: with none running, for good.)"""
+    await queue.admin.set_limits("default", QueueLimits(concurrency=2))
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(8)])
+    worker = worker_for(queue, registry, queues=["default", "images"], concurrency=2)
+    scripts = worker.state.scripts
+    call_many_each, call = scripts.call_many_each, scripts.call
+    refused: list[Call] = []
+    oom = ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
+
+    def unlimited(c: Call) -> bool:
+        return c[0] == "claim" and "images" in c[2]
+
+    async def refuse(calls: Sequence[Call]) -> list[Any]:
+        replies = iter(await call_many_each([c for c in calls if not unlimited(c)]))
+        refused.extend(c for c in calls if unlimited(c))
+        return [oom if unlimited(c) else next(replies) for c in calls]
+
+    async def refuse_one(script: Any, shard: int, args: Sequence[Any]) -> Any:
+        if unlimited((script, shard, args)):
+            raise oom
+        return await call(script, shard, args)
+
+    scripts.call_many_each = refuse  # type: ignore[method-assign]
+    scripts.call = refuse_one  # type: ignore[method-assign]
+    running = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(60):
+            for sub in subs:
+                while (await queue.status(sub.job_id)).state is not State.SUCCEEDED:
+                    await asyncio.wait({running}, timeout=0.05)
+                    assert not running.done(), running
+    finally:
+        worker.stop()
+        await running
+    assert refused  # the main loop's claims were refused
+    assert await queue.admin.running_permits("default") == 0

@@ -1,7 +1,8 @@
 """A limited queue's claim loop (worker/permits.py) at its seams: an acquire whose reply was
 lost is sent again with its token at the next rounds, for half a lease from its first send
 (a Redis that never answers, a clock the test moves); the ready counts read shard by shard
-(their replies given by the test)."""
+(their replies given by the test); the claims whose replies were lost, sent again while
+their window lasts and the slots allow; the shards whose claims failed, planned last."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any, cast
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from jobtier.worker.permits import LimitedClaimer, LimitedQueues
+from jobtier.worker.permits import LimitedClaimer, LimitedQueues, LostClaim, spread
 
 
 class Down:
@@ -75,3 +76,43 @@ async def test_the_ready_counts_leave_out_the_shards_whose_read_failed(
         await counts_read([down, [None] * 4, [None] * 4, down], monkeypatch)._ready_by_shard()
     # every shard read, none holds a job: idle
     assert await counts_read([[None] * 4] * 4, monkeypatch)._ready_by_shard() == []
+
+
+def test_the_shards_whose_claims_failed_are_planned_last() -> None:
+    ready = [(0, 5), (1, 2), (2, 1)]
+    assert spread(3, ready) == [(0, 3)]  # fullest first
+    assert spread(3, ready, last={0}) == [(1, 2), (2, 1)]
+    assert spread(4, ready, last={0}) == [(1, 2), (2, 1), (0, 1)]  # still asked, last
+
+
+class Releases:
+    """Scripts that take every release; what was released is kept."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    async def call(self, script: str, shard: int, args: Sequence[Any]) -> Any:
+        assert (script, args[:3]) == ("limit", ("release", "q", "1"))
+        self.released += args[3:]
+        return len(args) - 3
+
+
+async def test_a_lost_claim_is_sent_again_while_its_window_lasts_and_the_slots_allow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("jobtier.worker.permits.time", SimpleNamespace(monotonic=lambda: 100.0))
+    scripts = Releases()
+    state = SimpleNamespace(
+        keys=SimpleNamespace(home=lambda queue: 0), scripts=scripts, id="w", lease_ms=30_000
+    )
+    claimer = LimitedClaimer(cast(LimitedQueues, SimpleNamespace(state=state)), None, "q")  # type: ignore[arg-type]
+
+    def lost(shard: int, until: float, permits: list[str]) -> LostClaim:
+        return LostClaim(shard, len(permits), ("claim", shard, ()), until, None, permits)
+
+    fresh, stale = lost(1, 101.0, ["a", "b"]), lost(2, 99.0, ["c"])
+    claimer._lost = [fresh, stale]
+    assert await claimer._again(5) == [fresh]  # its half lease has not passed
+    assert scripts.released == ["c"] and claimer._lost == [fresh]
+    assert await claimer._again(1) == []  # it asked for two jobs, one slot is free
+    assert scripts.released == ["c", "a", "b"] and claimer._lost == []

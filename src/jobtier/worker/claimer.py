@@ -28,14 +28,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from redis.exceptions import ResponseError
 
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_any, wait_for
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.calls import Call, claim_call, parse_claim
 from jobtier.worker.launcher import Launcher
-from jobtier.worker.permits import LimitedQueues
+from jobtier.worker.permits import LimitedQueues, LostClaim
 from jobtier.worker.state import WorkerState
 
 log = logging.getLogger("jobtier.worker")
@@ -157,14 +160,18 @@ class Claimer:
                 continue
             self.wake.clear()
             reserved = state.reserve(free)
+            failed: BaseException | None = None
             try:
                 claimed = await self._claim(free)
-                backoff.reset()
             except FAULTS as exc:
-                await state.claim_failed(backoff, exc)
-                continue
+                failed = exc
             finally:
                 reserved()
+            if failed is not None:
+                # the slots are not held through the back-off: a limited queue's loop claims
+                await state.claim_failed(backoff, failed)
+                continue
+            backoff.reset()
             if claimed or any(self._ready):
                 continue  # more to claim, or shards this round did not ask
             if state.burst:
@@ -289,48 +296,57 @@ class Claimer:
             self.wake.set()
 
     async def claim_limited(
-        self, queue: str, plan: list[tuple[int, int]], permits: list[str]
-    ) -> list[tuple[str, int]]:
-        """Claim jobs of a limited queue: (shard, cap) calls, capped by the permits held; each
-        job started takes the next permit. Returns (permit, claimed at ms) of those used."""
+        self,
+        queue: str,
+        plan: list[tuple[int, int]],
+        permits: list[str],
+        again: Sequence[LostClaim] = (),
+    ) -> tuple[list[tuple[str, int]], list[LostClaim]]:
+        """Claim jobs of a limited queue: (shard, cap) calls, capped by the permits held, and
+        the claims ``again`` sent again as they were; each job started takes the next permit.
+        Returns (permit, claimed at ms) of those used, and the claims that failed."""
         state = self.state
-        calls: list[Call] = [
-            claim_call(shard, self.id, cap, state.lease_ms, [(queue, cap)], state.types)
+        until = time.monotonic() + state.lease_ms / 2000
+        claims = [
+            LostClaim(
+                shard,
+                cap,
+                claim_call(shard, self.id, cap, state.lease_ms, [(queue, cap)], state.types),
+                until,
+            )
             for shard, cap in plan
         ]
+        claims += again
         # each shard's reply on its own, as in the main loop: a node that is down fails its
         # shards' claims, the jobs the others leased start
         try:
-            replies = await self._scripts.call_many_each(calls)
+            replies = await self._scripts.call_many_each([claim.call for claim in claims])
         except FAULTS as exc:
-            replies = [exc] * len(calls)
+            replies = [exc] * len(claims)
         state.stats.claim_round_trips += 1
-        for i, reply in enumerate(replies):
-            if isinstance(reply, FAULTS):
+        used: list[tuple[str, int]] = []
+        lost: list[LostClaim] = []
+        for claim, reply in zip(claims, replies, strict=True):
+            if isinstance(reply, FAULTS) and not isinstance(reply, ResponseError):
                 # its reply may be lost with the connection: sent again as it was (its
                 # token), with the client's own retries, it answers the jobs it leased; if it
-                # fails again, its permits go back unused, and any job it leased waits out
-                # its lease (the ready counts leave a node that is down out of the rounds,
-                # so this wait is rare)
+                # fails again, the loop sends it again at its next rounds (permits.py)
                 try:
-                    replies[i] = await self._scripts.call(*calls[i])
+                    reply = await self._scripts.call(*claim.call)
                 except FAULTS as exc:
-                    replies[i] = exc
-        failed = [reply for reply in replies if isinstance(reply, Exception)]
-        if len(failed) == len(replies):
-            raise failed[0]
-        used: list[tuple[str, int]] = []
-        for (shard, _), reply in zip(plan, replies, strict=True):
+                    reply = exc
             if isinstance(reply, Exception):
+                claim.error = reply
+                lost.append(claim)
                 continue
-            batch = parse_claim(shard, reply)
+            batch = parse_claim(claim.shard, reply)
             if batch.handed_back:
                 self._handed_back(batch.handed_back)
             for job in batch.jobs:
                 permit = permits[len(used)]
-                self._start(job, shard, batch.now_ms, permit)
+                self._start(job, claim.shard, batch.now_ms, permit)
                 used.append((permit, batch.now_ms))
-        return used
+        return used, lost
 
     async def refresh_limits(self) -> None:
         """Claim the limited queues with permits, and again here those no longer limited."""

@@ -13,6 +13,13 @@ queues are limited. A round:
    gives more than its cap; each shard's reply taken on its own), and give back at once the
    permits that found no job.
 
+A claim whose reply was lost (sent, and sent again at once, both failed: its node went away)
+may have leased jobs: it keeps as many permits as it asked for, and the next rounds send it
+again as it was (its token), for half a lease from its first send; claim.lua answers a token
+it served with the jobs it leased then. A shard whose claim failed is planned after the others
+for half a lease: one that answers reads but refuses writes (out of memory, a failing disk)
+must not take every permit of every round.
+
 A job keeps its permit while it runs; the worker's heartbeat extends it (heartbeat.py) and
 the job's end returns it (reporter.py), which wakes the workers waiting for that queue
 (``l <queue>`` on the wake channel). A worker that dies holds its permits only until their
@@ -25,9 +32,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from redis.exceptions import ResponseError
 
 from jobtier.core.keys import Keys
 from jobtier.core.model import PRIORITIES
@@ -40,13 +49,37 @@ from jobtier.worker.state import WorkerState
 log = logging.getLogger("jobtier.worker")
 
 
+@dataclass(slots=True)
+class LostClaim:
+    """A limited queue's claim that failed (its reply lost, or refused): ``cap`` jobs asked of
+    ``shard`` by ``call``. One whose reply was lost is sent again at the next rounds until
+    ``until`` (monotonic), with the ``permits`` kept for it."""
+
+    shard: int
+    cap: int
+    call: Call
+    until: float
+    error: BaseException | None = None
+    permits: list[str] = field(default_factory=list)
+
+    @property
+    def resendable(self) -> bool:
+        """Its reply may have been lost after it ran (not an answer of Redis's: an error reply
+        says it did not lease)."""
+        return not isinstance(self.error, ResponseError)
+
+
 class Claims(Protocol):
     """What a limited queue's loop asks of the worker's claimer (claimer.py)."""
 
     def claimer_idle(self) -> None: ...
     async def claim_limited(
-        self, queue: str, plan: list[tuple[int, int]], permits: list[str]
-    ) -> list[tuple[str, int]]: ...
+        self,
+        queue: str,
+        plan: list[tuple[int, int]],
+        permits: list[str],
+        again: Sequence[LostClaim] = (),
+    ) -> tuple[list[tuple[str, int]], list[LostClaim]]: ...
 
 
 class LimitedQueues:
@@ -147,12 +180,15 @@ class Permits:
     wait_ms: int = -1  # when the next rate token is due (or a block ends); -1: not rate-bound
 
 
-def spread(permits: int, ready: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def spread(
+    permits: int, ready: Sequence[tuple[int, int]], last: Collection[int] = ()
+) -> list[tuple[int, int]]:
     """(shard, cap) for a claim round: ``permits`` spread over the shards that hold ready
-    jobs (``ready``: (shard, jobs)), fullest first, each capped at what it holds."""
+    jobs (``ready``: (shard, jobs)), fullest first, those in ``last`` after the others, each
+    capped at what it holds."""
     out = []
     left = permits
-    for shard, n in sorted(ready, key=lambda item: -item[1]):
+    for shard, n in sorted(ready, key=lambda item: (item[0] in last, -item[1])):
         if left <= 0:
             break
         take = min(n, left)
@@ -179,6 +215,8 @@ class LimitedClaimer:
         self.idle = False  # its last round found no ready job (a burst worker may finish)
         # the token of an acquire whose reply was lost, and until when it is sent again
         self._unanswered: tuple[str, float] | None = None
+        self._lost: list[LostClaim] = []  # claims whose replies were lost, to send again
+        self._failing: dict[int, float] = {}  # shard -> until when it is planned last
 
     async def run(self) -> None:
         backoff = CLAIM.start()
@@ -202,42 +240,92 @@ class LimitedClaimer:
             if pause > 0:
                 self.stats.waits += 1
                 self.stats.waited += time.monotonic() - started
+        if self._lost:  # the worker stops: their jobs, if any, wait out their lease
+            await self._give_back([p for claim in self._lost for p in claim.permits])
 
     async def round(self, free: int) -> float | None:
         """One claim round; None if it claimed jobs, else how long to wait (seconds) before
         the next, unless woken."""
-        ready = await self._ready_by_shard()
+        again = await self._again(free)
+        held = [p for claim in again for p in claim.permits]
+        busy = {claim.shard for claim in again}  # asked again as they were
+        ready = [(shard, n) for shard, n in await self._ready_by_shard() if shard not in busy]
         total = sum(n for _, n in ready)
-        self.idle = total == 0
-        if total == 0:
+        self.idle = total == 0 and not again
+        if self.idle:
             self.claims.claimer_idle()
             return self.state.idle_poll
-        permits = await self._acquire(min(free, total))
-        if not permits.ids:
+        room = min(free - len(held), total)
+        permits = await self._acquire(room) if room > 0 else Permits()
+        if not permits.ids and not again:
             if permits.wait_ms >= 0:
                 return permits.wait_ms / 1000  # the rate's next token (or a block's end)
             return self.state.idle_poll  # every permit is held: woken when one comes free
         self.stats.rounds += 1
-        reserved = self.state.reserve(len(permits.ids))
+        ids = permits.ids + held
+        now = time.monotonic()
+        last = {shard for shard, until in self._failing.items() if until > now}
+        reserved = self.state.reserve(len(ids))
         try:
-            plan = spread(len(permits.ids), ready)
-            started = await self.claims.claim_limited(self.queue, plan, permits.ids)
-        except FAULTS:  # every claim failed: the permits back, if Redis takes them
-            await self._give_back(permits.ids)
-            raise
+            plan = spread(len(permits.ids), ready, last)
+            started, lost = await self.claims.claim_limited(self.queue, plan, ids, again)
         finally:
             reserved()
-        unused = permits.ids[len(started) :]
+        unused = ids[len(started) :]
+        self._note(lost, [shard for shard, _ in plan] + [claim.shard for claim in again], now)
+        for claim in self._lost:  # each keeps as many permits as it asked for
+            claim.permits, unused = unused[: claim.cap], unused[claim.cap :]
         self.stats.permits += len(started)
         self.stats.unused += len(unused)
-        # when each job really started (the rate's window counts from there), and the
-        # permits that found no job back
-        args: list[Any] = ["settle", self.queue, len(started)]
-        for permit, at_ms in started:
-            args += (permit, at_ms)
-        args += unused
-        await self.scripts.call("limit", self.home, args)
+        if started or unused:
+            # when each job really started (the rate's window counts from there), and the
+            # permits that found no job back
+            args: list[Any] = ["settle", self.queue, len(started)]
+            for permit, at_ms in started:
+                args += (permit, at_ms)
+            args += unused
+            await self.scripts.call("limit", self.home, args)
+        failed = next((claim.error for claim in lost if claim.error is not None), None)
+        if failed is not None and not started:
+            raise failed  # a claim failed and no job started: the loop backs off
         return None if started else 0.0
+
+    async def _again(self, free: int) -> list[LostClaim]:
+        """The claims whose replies were lost, to send again with the permits kept for them:
+        for half a lease from their first send (the jobs such a claim leased can still start
+        under their lease), and none if they asked for more jobs than the slots now free.
+        The others' permits go back."""
+        now = time.monotonic()
+        kept: list[LostClaim] = []
+        dropped: list[LostClaim] = []
+        for claim in self._lost:
+            (kept if claim.until > now else dropped).append(claim)
+        if sum(claim.cap for claim in kept) > free:
+            kept, dropped = [], self._lost
+        self._lost = kept
+        if dropped:
+            log.warning(
+                "event=claim_not_resent worker=%s queue=%s shards=%s: its reply was lost too "
+                "long ago, or fewer slots are free than it asked; jobs it leased, if any, return "
+                "when their lease expires",
+                self.state.id,
+                self.queue,
+                ",".join(str(claim.shard) for claim in dropped),
+            )
+            await self._give_back([p for claim in dropped for p in claim.permits])
+        return kept
+
+    def _note(self, lost: list[LostClaim], asked: list[int], now: float) -> None:
+        """After a round that asked ``asked`` (shards): the lost claims to send again, and the
+        shards planned last (those whose claims failed, for half a lease; those that
+        answered, no more)."""
+        self._lost = [claim for claim in lost if claim.resendable]
+        failed = {claim.shard for claim in lost}
+        for shard in asked:
+            if shard not in failed:
+                self._failing.pop(shard, None)
+        for shard in failed:
+            self._failing[shard] = now + self.state.lease_ms / 2000
 
     async def _ready_by_shard(self) -> list[tuple[int, int]]:
         """(shard, ready jobs of the queue) of the shards that hold some, read shard by shard:

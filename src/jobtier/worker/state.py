@@ -130,11 +130,13 @@ class WorkerState:
         return self.concurrency - len(self.running) - self.reserved
 
     def reserve(self, n: int) -> Callable[[], None]:
-        """Hold ``n`` slots for a claim in flight; call the result when its jobs started."""
+        """Hold ``n`` slots for a claim in flight; call the result when its jobs started.
+        Slots it did not fill are free again: a claim loop waiting for a slot looks again."""
         self.reserved += n
 
         def done() -> None:
             self.reserved -= n
+            self.slot_free.set()
 
         return done
 
