@@ -142,8 +142,6 @@ async def test_timeout_counts_as_a_retryable_failure(queue: Queue, background: B
 
 
 async def test_cancel_a_running_job(queue: Queue, background: Background) -> None:
-    # lease 1.5 s: heartbeats (and so cancel requests) every 0.5 s
-    queue.settings = queue.settings.replace(lease_seconds=1.5)
     background.start(worker_for(queue, registry))
     sub = await queue.submit("sleep", {"seconds": 30})
     await until_state(queue, sub.job_id, State.RUNNING)
@@ -197,7 +195,6 @@ async def test_burst_worker_drains_every_shard(queue: Queue) -> None:
 
 
 async def test_a_task_waiting_for_cancel_sees_it(queue: Queue, background: Background) -> None:
-    queue.settings = queue.settings.replace(lease_seconds=1.5)  # heartbeats every 0.5 s
     background.start(worker_for(queue, registry))
     sub = await queue.submit("wait_for_cancel", None)
     await until_state(queue, sub.job_id, State.RUNNING)

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from jobtier.core.model import WORKER_CONCURRENCY
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.runtime.loop import FAULTS
-from jobtier.runtime.stopping import stop_task
+from jobtier.runtime.stopping import stop_task, stop_tasks
 from jobtier.store.context import Store
 from jobtier.store.subscriber import ShardSubscriber
 from jobtier.worker.claimer import Claimer
@@ -208,8 +208,8 @@ class Worker:
             self.heartbeat.stop()
             done, _ = await asyncio.wait({heart}, timeout=1.0 if state.stop_now.is_set() else 10.0)
             crash = None if not done or heart.cancelled() else heart.exception()
-            if not done:
-                heart.cancel()
+            if not done:  # stuck in a Redis call: cancelled, and waited for (within a bound)
+                await stop_tasks([heart], "worker heartbeat", timeout=1.0)
             await self.reporter.flush()
             # its Redis writes can swallow a cancel the same way (runtime/stopping.py): cancelled
             # until it ends, left behind after STOP_TIMEOUT
