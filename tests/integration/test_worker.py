@@ -333,7 +333,7 @@ async def test_a_crash_of_a_limited_queues_loop_stops_the_worker(
     ``run`` raises the crash, logged once."""
     await queue.admin.set_limits("default", QueueLimits(concurrency=2))
 
-    async def crash(self: LimitedClaimer, free: int) -> float | None:
+    async def crash(self: LimitedClaimer) -> float | None:
         raise RuntimeError("a defect in the limited loop")
 
     monkeypatch.setattr(LimitedClaimer, "round", crash)

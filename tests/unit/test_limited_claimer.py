@@ -6,14 +6,17 @@ their window lasts and the slots allow; the shards whose claims failed, planned 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
+from redis.exceptions import ClusterDownError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from jobtier.worker.permits import LimitedClaimer, LimitedQueues, LostClaim, spread
+from jobtier.worker.state import WorkerState
 
 
 class Down:
@@ -70,12 +73,12 @@ async def test_the_ready_counts_leave_out_the_shards_whose_read_failed(
 ) -> None:
     down = RedisConnectionError("Connection refused.")
     some = [down, [b"2", None, None, None], [None] * 4, down]
-    assert await counts_read(some, monkeypatch)._ready_by_shard() == [(1, 2)]
+    assert await counts_read(some, monkeypatch)._ready_by_shard() == ([(1, 2)], {0, 3})
     # the shards it could read hold nothing: not idle (a burst worker would end), an error
     with pytest.raises(RedisConnectionError):
         await counts_read([down, [None] * 4, [None] * 4, down], monkeypatch)._ready_by_shard()
     # every shard read, none holds a job: idle
-    assert await counts_read([[None] * 4] * 4, monkeypatch)._ready_by_shard() == []
+    assert await counts_read([[None] * 4] * 4, monkeypatch)._ready_by_shard() == ([], set())
 
 
 def test_the_shards_whose_claims_failed_are_planned_last() -> None:
@@ -97,7 +100,7 @@ class Releases:
         return len(args) - 3
 
 
-async def test_a_lost_claim_is_sent_again_while_its_window_lasts_and_the_slots_allow(
+async def test_a_lost_claim_is_sent_again_for_half_a_lease_from_its_first_send(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr("jobtier.worker.permits.time", SimpleNamespace(monotonic=lambda: 100.0))
@@ -108,11 +111,37 @@ async def test_a_lost_claim_is_sent_again_while_its_window_lasts_and_the_slots_a
     claimer = LimitedClaimer(cast(LimitedQueues, SimpleNamespace(state=state)), None, "q")  # type: ignore[arg-type]
 
     def lost(shard: int, until: float, permits: list[str]) -> LostClaim:
-        return LostClaim(shard, len(permits), ("claim", shard, ()), until, None, permits)
+        return LostClaim(
+            shard, len(permits), ("claim", shard, ()), until, ran=True, permits=permits
+        )
 
     fresh, stale = lost(1, 101.0, ["a", "b"]), lost(2, 99.0, ["c"])
     claimer._lost = [fresh, stale]
-    assert await claimer._again(5) == [fresh]  # its half lease has not passed
-    assert scripts.released == ["c"] and claimer._lost == [fresh]
-    assert await claimer._again(1) == []  # it asked for two jobs, one slot is free
-    assert scripts.released == ["c", "a", "b"] and claimer._lost == []
+    await claimer._drop_expired()
+    assert scripts.released == ["c"] and claimer._lost == [fresh]  # its half lease passed
+
+
+def test_a_claim_may_have_run_once_a_send_of_it_lost_its_reply() -> None:
+    """An error reply says that send did not run; an earlier send whose connection died may
+    have (a failover answers CLUSTERDOWN to the next)."""
+    refused = LostClaim(0, 1, ("claim", 0, ()), 1.0)
+    refused.failed(ResponseError("OOM command not allowed when used memory > 'maxmemory'."))
+    assert not refused.ran
+    lost = LostClaim(0, 1, ("claim", 0, ()), 1.0)
+    lost.failed(RedisConnectionError("Connection closed by server."))
+    lost.failed(ClusterDownError("CLUSTERDOWN The cluster is down"))
+    assert lost.ran
+
+
+async def test_a_reservation_that_ends_wakes_a_loop_waiting_for_a_slot() -> None:
+    """A claim's reservation that ends unfilled frees its slots: a claim loop that found none
+    free looks again (it used to sleep until a job ended: with none running, for good)."""
+    state = SimpleNamespace(reserved=0, slot_free=asyncio.Event())
+    done = WorkerState.reserve(state, 2)  # type: ignore[arg-type]
+    waiting = asyncio.create_task(WorkerState.wait_for_slot(state))  # type: ignore[arg-type]
+    await asyncio.sleep(0)  # it waits now
+    assert not waiting.done() and state.reserved == 2
+    done()
+    async with asyncio.timeout(10):
+        await waiting
+    assert state.reserved == 0

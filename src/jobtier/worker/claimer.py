@@ -168,8 +168,13 @@ class Claimer:
             finally:
                 reserved()
             if failed is not None:
-                # the slots are not held through the back-off: a limited queue's loop claims
-                await state.claim_failed(backoff, failed)
+                # through the back-off, only the slots of the claims to send again stay held
+                # (they may have leased jobs for them); a limited queue's loop takes the rest
+                held = state.reserve(min(free, sum(u.count for u in self._unanswered.values())))
+                try:
+                    await state.claim_failed(backoff, failed)
+                finally:
+                    held()
                 continue
             backoff.reset()
             if claimed or any(self._ready):
@@ -221,7 +226,10 @@ class Claimer:
         for (shard, n), call, reply in zip(plan, calls, replies, strict=True):
             if isinstance(reply, FAULTS):
                 first = kept.get(shard)
-                self._unanswered[shard] = first or _Unanswered(n, call, until)
+                if first is not None:
+                    self._unanswered[shard] = first
+                elif not isinstance(reply, ResponseError):  # (an error reply: it did not run)
+                    self._unanswered[shard] = _Unanswered(n, call, until)
         state.stats.claim_round_trips += 1
         failed = [reply for reply in replies if isinstance(reply, Exception)]
         if len(failed) == len(replies):
@@ -326,17 +334,20 @@ class Claimer:
         state.stats.claim_round_trips += 1
         used: list[tuple[str, int]] = []
         lost: list[LostClaim] = []
-        for claim, reply in zip(claims, replies, strict=True):
-            if isinstance(reply, FAULTS) and not isinstance(reply, ResponseError):
+        for i, (claim, reply) in enumerate(zip(claims, replies, strict=True)):
+            if isinstance(reply, Exception):
+                claim.failed(reply)
+            if i < len(plan) and claim.ran:
                 # its reply may be lost with the connection: sent again as it was (its
                 # token), with the client's own retries, it answers the jobs it leased; if it
-                # fails again, the loop sends it again at its next rounds (permits.py)
+                # fails again, the loop sends it again at its next rounds (permits.py), once
+                # its node answers
                 try:
                     reply = await self._scripts.call(*claim.call)
                 except FAULTS as exc:
+                    claim.failed(exc)
                     reply = exc
             if isinstance(reply, Exception):
-                claim.error = reply
                 lost.append(claim)
                 continue
             batch = parse_claim(claim.shard, reply)

@@ -15,8 +15,9 @@ queues are limited. A round:
 
 A claim whose reply was lost (sent, and sent again at once, both failed: its node went away)
 may have leased jobs: it keeps as many permits as it asked for, and the next rounds send it
-again as it was (its token), for half a lease from its first send; claim.lua answers a token
-it served with the jobs it leased then. A shard whose claim failed is planned after the others
+again as it was (its token) once its node answers their reads and the slots it asked for are
+free, for half a lease from its first send; claim.lua answers a token it served with the jobs
+it leased then. One that Redis refused with an error reply every time leased nothing. A shard whose claim failed is planned after the others
 for half a lease: one that answers reads but refuses writes (out of memory, a failing disk)
 must not take every permit of every round.
 
@@ -36,6 +37,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from jobtier.core.keys import Keys
@@ -51,22 +53,24 @@ log = logging.getLogger("jobtier.worker")
 
 @dataclass(slots=True)
 class LostClaim:
-    """A limited queue's claim that failed (its reply lost, or refused): ``cap`` jobs asked of
-    ``shard`` by ``call``. One whose reply was lost is sent again at the next rounds until
-    ``until`` (monotonic), with the ``permits`` kept for it."""
+    """A limited queue's claim that failed: ``cap`` jobs asked of ``shard`` by ``call``. One
+    that may have run (``ran``: a send of it failed as a lost connection does, not with an
+    error reply) is sent again at the next rounds until ``until`` (monotonic), with the
+    ``permits`` kept for it; one Redis refused (an error reply to every send: out of memory,
+    the cluster down) leased nothing."""
 
     shard: int
     cap: int
     call: Call
     until: float
     error: BaseException | None = None
+    ran: bool = False
     permits: list[str] = field(default_factory=list)
 
-    @property
-    def resendable(self) -> bool:
-        """Its reply may have been lost after it ran (not an answer of Redis's: an error reply
-        says it did not lease)."""
-        return not isinstance(self.error, ResponseError)
+    def failed(self, error: BaseException) -> None:
+        self.error = error
+        # an error reply says this send did not run; an earlier one may have, its reply lost
+        self.ran = self.ran or not isinstance(error, ResponseError)
 
 
 class Claims(Protocol):
@@ -219,19 +223,32 @@ class LimitedClaimer:
         self._failing: dict[int, float] = {}  # shard -> until when it is planned last
 
     async def run(self) -> None:
+        try:
+            await self._loop()
+        finally:  # the worker stops: the jobs of lost claims, if any, wait out their lease
+            if self._lost:
+                await self._give_back([p for claim in self._lost for p in claim.permits])
+
+    async def _loop(self) -> None:
         backoff = CLAIM.start()
         state = self.state
         while not self.limits.over:
-            free = state.free_slots()
-            if free <= 0:
+            if state.free_slots() <= 0:
                 await state.wait_for_slot()
                 continue
             self.wake.clear()
             try:
-                pause = await self.round(free)
+                pause = await self.round()
                 backoff.reset()
             except FAULTS as exc:
-                await state.claim_failed(backoff, exc, f" queue={self.queue}")
+                # through the back-off, the slots of the lost claims stay held (they may have
+                # leased jobs for them); the main loop takes the rest
+                lost = sum(claim.cap for claim in self._lost)
+                held = state.reserve(max(0, min(state.free_slots(), lost)))
+                try:
+                    await state.claim_failed(backoff, exc, f" queue={self.queue}")
+                finally:
+                    held()
                 continue
             if pause is None:
                 continue  # claimed something: there may be more
@@ -240,41 +257,64 @@ class LimitedClaimer:
             if pause > 0:
                 self.stats.waits += 1
                 self.stats.waited += time.monotonic() - started
-        if self._lost:  # the worker stops: their jobs, if any, wait out their lease
-            await self._give_back([p for claim in self._lost for p in claim.permits])
 
-    async def round(self, free: int) -> float | None:
+    async def round(self) -> float | None:
         """One claim round; None if it claimed jobs, else how long to wait (seconds) before
         the next, unless woken."""
-        again = await self._again(free)
-        held = [p for claim in again for p in claim.permits]
-        busy = {claim.shard for claim in again}  # asked again as they were
-        ready = [(shard, n) for shard, n in await self._ready_by_shard() if shard not in busy]
+        await self._drop_expired()
+        ready, unread = await self._ready_by_shard()
+        # a lost claim is sent again once its node answers (this round's read of its shard):
+        # a node that is down would hold the round for the client's retries
+        again = [claim for claim in self._lost if claim.shard not in unread]
+        busy = {claim.shard for claim in self._lost}  # asked again as they were, or will be
+        ready = [(shard, n) for shard, n in ready if shard not in busy]
         total = sum(n for _, n in ready)
-        self.idle = total == 0 and not again
+        self.idle = total == 0 and not self._lost
         if self.idle:
             self.claims.claimer_idle()
             return self.state.idle_poll
+        # the slots free now (the main loop may have taken some during the read), held from
+        # here: the lost claims that fit, whole, then as many new permits as the rest allow
+        free = self.state.free_slots()
+        sent: list[LostClaim] = []
+        for claim in again:
+            if claim.cap <= free - sum(c.cap for c in sent):
+                sent.append(claim)
+        held = [p for claim in sent for p in claim.permits]
         room = min(free - len(held), total)
-        permits = await self._acquire(room) if room > 0 else Permits()
-        if not permits.ids and not again:
-            if permits.wait_ms >= 0:
-                return permits.wait_ms / 1000  # the rate's next token (or a block's end)
-            return self.state.idle_poll  # every permit is held: woken when one comes free
-        self.stats.rounds += 1
-        ids = permits.ids + held
-        now = time.monotonic()
-        last = {shard for shard, until in self._failing.items() if until > now}
-        reserved = self.state.reserve(len(ids))
+        if room <= 0 and not sent:
+            if total == 0 and not again:  # the lost claims' nodes did not answer: back off
+                raise RedisConnectionError("the shards of the lost claims did not answer")
+            if free > 0:  # the lost claims wait for more slots than are free
+                self.state.slot_free.clear()
+                await wait_for(self.state.slot_free, self.state.idle_poll)
+            return 0.0  # (none free: the loop waits for one)
+        reserved = self.state.reserve(len(held) + max(room, 0))
         try:
+            permits = await self._acquire(room) if room > 0 else Permits()
+            if not permits.ids and not sent:
+                if permits.wait_ms >= 0:
+                    return permits.wait_ms / 1000  # the rate's next token (or a block's end)
+                return self.state.idle_poll  # every permit is held: woken when one comes free
+            ids = permits.ids + held
+            reserved()  # down to what this round claims (no wait in between)
+            reserved = self.state.reserve(len(ids))
+            self.stats.rounds += 1
+            now = time.monotonic()
+            last = {shard for shard, until in self._failing.items() if until > now}
             plan = spread(len(permits.ids), ready, last)
-            started, lost = await self.claims.claim_limited(self.queue, plan, ids, again)
+            started, lost = await self.claims.claim_limited(self.queue, plan, ids, sent)
         finally:
             reserved()
-        unused = ids[len(started) :]
-        self._note(lost, [shard for shard, _ in plan] + [claim.shard for claim in again], now)
-        for claim in self._lost:  # each keeps as many permits as it asked for
+        used = {permit for permit, _ in started}
+        unused = [permit for permit in ids if permit not in used]
+        waiting = [claim for claim in self._lost if all(claim is not c for c in sent)]
+        self._note(lost, [shard for shard, _ in plan] + [claim.shard for claim in sent], now)
+        for claim in self._lost:  # lost this round: each keeps as many permits as it asked
             claim.permits, unused = unused[: claim.cap], unused[claim.cap :]
+            # no later than a claim sent again, whose older permits it may have taken
+            claim.until = min([claim.until] + [c.until for c in sent])
+        self._lost += waiting
         self.stats.permits += len(started)
         self.stats.unused += len(unused)
         if started or unused:
@@ -290,36 +330,30 @@ class LimitedClaimer:
             raise failed  # a claim failed and no job started: the loop backs off
         return None if started else 0.0
 
-    async def _again(self, free: int) -> list[LostClaim]:
-        """The claims whose replies were lost, to send again with the permits kept for them:
-        for half a lease from their first send (the jobs such a claim leased can still start
-        under their lease), and none if they asked for more jobs than the slots now free.
-        The others' permits go back."""
+    async def _drop_expired(self) -> None:
+        """The lost claims are sent again for half a lease from their first send (the jobs
+        such a claim leased can still start under their lease); after that their permits go
+        back."""
         now = time.monotonic()
-        kept: list[LostClaim] = []
-        dropped: list[LostClaim] = []
-        for claim in self._lost:
-            (kept if claim.until > now else dropped).append(claim)
-        if sum(claim.cap for claim in kept) > free:
-            kept, dropped = [], self._lost
-        self._lost = kept
-        if dropped:
-            log.warning(
-                "event=claim_not_resent worker=%s queue=%s shards=%s: its reply was lost too "
-                "long ago, or fewer slots are free than it asked; jobs it leased, if any, return "
-                "when their lease expires",
-                self.state.id,
-                self.queue,
-                ",".join(str(claim.shard) for claim in dropped),
-            )
-            await self._give_back([p for claim in dropped for p in claim.permits])
-        return kept
+        dropped = [claim for claim in self._lost if claim.until <= now]
+        if not dropped:
+            return
+        self._lost = [claim for claim in self._lost if claim.until > now]
+        log.warning(
+            "event=claim_not_resent worker=%s queue=%s shards=%s: its reply was lost, and its "
+            "node did not answer, or the slots were taken, for half a lease; jobs it leased, if "
+            "any, return when their lease expires",
+            self.state.id,
+            self.queue,
+            ",".join(str(claim.shard) for claim in dropped),
+        )
+        await self._give_back([p for claim in dropped for p in claim.permits])
 
     def _note(self, lost: list[LostClaim], asked: list[int], now: float) -> None:
         """After a round that asked ``asked`` (shards): the lost claims to send again, and the
         shards planned last (those whose claims failed, for half a lease; those that
         answered, no more)."""
-        self._lost = [claim for claim in lost if claim.resendable]
+        self._lost = [claim for claim in lost if claim.ran]
         failed = {claim.shard for claim in lost}
         for shard in asked:
             if shard not in failed:
@@ -327,25 +361,30 @@ class LimitedClaimer:
         for shard in failed:
             self._failing[shard] = now + self.state.lease_ms / 2000
 
-    async def _ready_by_shard(self) -> list[tuple[int, int]]:
-        """(shard, ready jobs of the queue) of the shards that hold some, read shard by shard:
-        those of a node that is down (a master failing over) are left out of the round; if
-        the others hold none, the first error is raised (the loop is not idle: jobs may wait
-        on the shards it could not read)."""
+    async def _ready_by_shard(self) -> tuple[list[tuple[int, int]], set[int]]:
+        """(shard, ready jobs of the queue) of the shards that hold some, read shard by shard,
+        and the shards that could not be read: those of a node that is down (a master failing
+        over) are left out of the round; if the others hold none (and no lost claim waits to
+        be sent again), the first error is raised (the loop is not idle: jobs may wait on
+        the shards it could not read)."""
         fields = [f"{self.queue}:{p.value}" for p in PRIORITIES]
         keys = [self.keys.queue_counts(shard) for shard in range(self.keys.shards)]
         replies = await commands_each(self.state.redis, [("HMGET", key, *fields) for key in keys])
         failed = [reply for reply in replies if isinstance(reply, Exception)]
         out = []
+        unread = set()
         for shard, values in enumerate(replies):
             if isinstance(values, Exception):
+                unread.add(shard)
                 continue
             n = sum(max(int(v or 0), 0) for v in values)
             if n:
                 out.append((shard, n))
-        if failed and not out:  # nothing found, but not everywhere: not idle (a burst ends)
+        if failed and not out and all(claim.shard in unread for claim in self._lost):
+            # nothing found, but not everywhere (and no lost claim to send again): not idle
+            # (a burst worker would end)
             raise failed[0]
-        return out
+        return out, unread
 
     async def _acquire(self, wanted: int) -> Permits:
         """Take up to ``wanted`` permits. An acquire whose reply was lost (Redis went away
