@@ -145,3 +145,29 @@ async def test_a_reservation_that_ends_wakes_a_loop_waiting_for_a_slot() -> None
     async with asyncio.timeout(10):
         await waiting
     assert state.reserved == 0
+
+
+class Slots:
+    """A worker's slots: WorkerState's own accounting, without the rest of it."""
+
+    concurrency = 4
+    keys = SimpleNamespace(home=lambda queue: 0)
+    scripts = None
+    running: dict[str, Any] = {}
+    reserved = 0
+    slot_free = asyncio.Event()
+    free_slots = WorkerState.free_slots
+    reserve = WorkerState.reserve
+
+
+async def test_a_back_off_holds_the_slots_of_the_lost_claims_until_the_next_round() -> None:
+    state = Slots()
+    claimer = LimitedClaimer(cast(LimitedQueues, SimpleNamespace(state=state)), None, "q")  # type: ignore[arg-type]
+    claimer._lost = [LostClaim(0, 3, ("claim", 0, ()), 1.0, ran=True, permits=["a", "b", "c"])]
+    claimer._hold()
+    assert state.reserved == 3 and claimer._held == 3  # the main loop sees one slot free
+    claimer._hold()  # a second back-off: the same slots, not three more
+    assert state.reserved == 3
+    state.slot_free.clear()
+    claimer._let_go()  # the round takes them over
+    assert state.reserved == 0 and claimer._held == 0 and state.slot_free.is_set()

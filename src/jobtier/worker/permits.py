@@ -8,7 +8,8 @@ queues are limited. A round:
 
 1. read how many ready jobs of the queue each shard holds (an HMGET a shard, one pipeline
    per node; a node that is down leaves its shards out of the round);
-2. take as many permits as there are free slots and ready jobs (limit.lua ``acquire``);
+2. take as many permits as there are free slots and ready jobs (limit.lua ``acquire``), less
+   the slots of the lost claims sent again (below);
 3. claim with the permits as caps, spread over the shards that hold jobs (claim.lua never
    gives more than its cap; each shard's reply taken on its own), and give back at once the
    permits that found no job.
@@ -182,6 +183,9 @@ class Permits:
 
     ids: list[str] = field(default_factory=list)
     wait_ms: int = -1  # when the next rate token is due (or a block ends); -1: not rate-bound
+    # (monotonic) half a lease after the acquire was first sent: a resent one answers permits
+    # granted then, whose lease is that much older
+    half_lease: float = float("inf")
 
 
 def spread(
@@ -221,11 +225,14 @@ class LimitedClaimer:
         self._unanswered: tuple[str, float] | None = None
         self._lost: list[LostClaim] = []  # claims whose replies were lost, to send again
         self._failing: dict[int, float] = {}  # shard -> until when it is planned last
+        self._release: Callable[[], None] | None = None  # the slots a back-off holds (_hold)
+        self._held = 0
 
     async def run(self) -> None:
         try:
             await self._loop()
         finally:  # the worker stops: the jobs of lost claims, if any, wait out their lease
+            self._let_go()
             if self._lost:
                 await self._give_back([p for claim in self._lost for p in claim.permits])
 
@@ -233,7 +240,7 @@ class LimitedClaimer:
         backoff = CLAIM.start()
         state = self.state
         while not self.limits.over:
-            if state.free_slots() <= 0:
+            if state.free_slots() + self._held <= 0:
                 await state.wait_for_slot()
                 continue
             self.wake.clear()
@@ -241,15 +248,10 @@ class LimitedClaimer:
                 pause = await self.round()
                 backoff.reset()
             except FAULTS as exc:
-                # through the back-off, the slots of the lost claims stay held (they may have
-                # leased jobs for them); the main loop takes the rest
-                lost = sum(claim.cap for claim in self._lost)
-                held = state.reserve(max(0, min(state.free_slots(), lost)))
-                try:
-                    await state.claim_failed(backoff, exc, f" queue={self.queue}")
-                finally:
-                    held()
+                self._hold()
+                await state.claim_failed(backoff, exc, f" queue={self.queue}")
                 continue
+            self._let_go()
             if pause is None:
                 continue  # claimed something: there may be more
             started = time.monotonic()
@@ -257,6 +259,20 @@ class LimitedClaimer:
             if pause > 0:
                 self.stats.waits += 1
                 self.stats.waited += time.monotonic() - started
+
+    def _hold(self) -> None:
+        """Through a back-off, the slots of the lost claims stay held (they may have leased
+        jobs for them), until the next round takes them (``_let_go`` and its reservation, in
+        one turn); the main loop takes the rest."""
+        self._let_go()
+        n = max(0, min(self.state.free_slots(), sum(claim.cap for claim in self._lost)))
+        if n:
+            self._release, self._held = self.state.reserve(n), n
+
+    def _let_go(self) -> None:
+        if self._release is not None:
+            release, self._release, self._held = self._release, None, 0
+            release()
 
     async def round(self) -> float | None:
         """One claim round; None if it claimed jobs, else how long to wait (seconds) before
@@ -275,6 +291,7 @@ class LimitedClaimer:
             return self.state.idle_poll
         # the slots free now (the main loop may have taken some during the read), held from
         # here: the lost claims that fit, whole, then as many new permits as the rest allow
+        self._let_go()  # (what a back-off held, taken over in this turn)
         free = self.state.free_slots()
         sent: list[LostClaim] = []
         for claim in again:
@@ -312,8 +329,9 @@ class LimitedClaimer:
         self._note(lost, [shard for shard, _ in plan] + [claim.shard for claim in sent], now)
         for claim in self._lost:  # lost this round: each keeps as many permits as it asked
             claim.permits, unused = unused[: claim.cap], unused[claim.cap :]
-            # no later than a claim sent again, whose older permits it may have taken
-            claim.until = min([claim.until] + [c.until for c in sent])
+            # no later than the permits it may have taken: a claim's sent again, or a resent
+            # acquire's
+            claim.until = min([claim.until, permits.half_lease] + [c.until for c in sent])
         self._lost += waiting
         self.stats.permits += len(started)
         self.stats.unused += len(unused)
@@ -404,7 +422,7 @@ class LimitedClaimer:
         if len(ids) > wanted:
             extra, ids = ids[wanted:], ids[:wanted]
             await self._give_back(extra)  # this round's own go ahead, whatever becomes of them
-        return Permits(ids, wait_ms)
+        return Permits(ids, wait_ms, lost[1])
 
     async def _give_back(self, ids: list[str]) -> None:
         """Release permits that started no job; if Redis does not take them, they come back
