@@ -12,6 +12,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from jobtier.core.debounce import KeyedOption
 from jobtier.core.errors import Code
 from jobtier.core.model import DEFAULT_QUEUE, ClaimedJob
@@ -122,6 +124,13 @@ def claim_token() -> str:
     """A claim's token, unique per call: 96 random bits (a worker's processes fork, so no
     per-process counter would do)."""
     return secrets.token_urlsafe(12)
+
+
+def may_have_run(error: BaseException) -> bool:
+    """Whether a call that failed with ``error`` may have run, its reply lost with the
+    connection: an error reply of Redis's (out of memory, CLUSTERDOWN, READONLY) says that
+    send did not run. A claim that may have run is sent again with its token."""
+    return not isinstance(error, ResponseError)
 
 
 def claim_call(

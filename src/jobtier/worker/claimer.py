@@ -31,12 +31,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from redis.exceptions import ResponseError
-
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_any, wait_for
 from jobtier.runtime.stopping import stop_task
-from jobtier.store.calls import Call, claim_call, parse_claim
+from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim
 from jobtier.worker.launcher import Launcher
 from jobtier.worker.permits import LimitedQueues, LostClaim
 from jobtier.worker.state import WorkerState
@@ -228,7 +226,7 @@ class Claimer:
                 first = kept.get(shard)
                 if first is not None:
                     self._unanswered[shard] = first
-                elif not isinstance(reply, ResponseError):  # (an error reply: it did not run)
+                elif may_have_run(reply):
                     self._unanswered[shard] = _Unanswered(n, call, until)
         state.stats.claim_round_trips += 1
         failed = [reply for reply in replies if isinstance(reply, Exception)]

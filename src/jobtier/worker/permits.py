@@ -38,14 +38,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-
 from jobtier.core.keys import Keys
 from jobtier.core.model import PRIORITIES
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_for
-from jobtier.store.calls import Call, claim_token
+from jobtier.store.calls import Call, claim_token, may_have_run
 from jobtier.store.redis import commands_each
 from jobtier.worker.state import WorkerState
 
@@ -70,8 +67,7 @@ class LostClaim:
 
     def failed(self, error: BaseException) -> None:
         self.error = error
-        # an error reply says this send did not run; an earlier one may have, its reply lost
-        self.ran = self.ran or not isinstance(error, ResponseError)
+        self.ran = self.ran or may_have_run(error)  # (an earlier send may have, if not this)
 
 
 class Claims(Protocol):
@@ -300,8 +296,7 @@ class LimitedClaimer:
         held = [p for claim in sent for p in claim.permits]
         room = min(free - len(held), total)
         if room <= 0 and not sent:
-            if total == 0 and not again:  # the lost claims' nodes did not answer: back off
-                raise RedisConnectionError("the shards of the lost claims did not answer")
+            # (every lost claim's node down and nothing else ready: the read raised, above)
             if free > 0:  # the lost claims wait for more slots than are free
                 self.state.slot_free.clear()
                 await wait_for(self.state.slot_free, self.state.idle_poll)
