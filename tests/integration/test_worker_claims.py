@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import pytest
@@ -15,11 +15,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from jobtier.api.worker_claims import WorkerClaims, _Waiter
-from jobtier.core.model import JobSpec, QueueLimits, State
+from jobtier.core.model import JobSpec, QueueLimits, State, Submitted
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import Call, parse_claim
 from jobtier.store.scripts import Scripts
 from jobtier.worker.permits import Claims, LimitedClaimer, LimitedQueues
+from jobtier.worker.runner import Worker
 from tests.fixtures.engine import worker_for
 from tests.tasks import registry
 
@@ -140,9 +141,7 @@ async def test_a_worker_sends_again_the_claim_of_a_shard_whose_reply_was_lost(
     stats = await worker.run()  # no scheduler: a job leased to nobody would never end
     assert stats.succeeded == 20 and lost
     assert any(lost[0] in calls for calls in rounds[1:])  # the same call, token and all
-    for sub in subs:
-        status = await queue.status(sub.job_id)
-        assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
+    await succeeded_at_first_attempt(queue, subs)
 
 
 async def test_an_acquire_sent_again_answers_the_permits_it_granted_not_more(
@@ -199,9 +198,7 @@ async def test_a_worker_sends_again_an_acquire_whose_reply_was_lost(queue: Queue
     assert resent[5] == sent[5]  # the same token
     assert set(granted) <= set(lost) and granted  # the permits of the lost reply, used
     assert await queue.admin.running_permits("default") == 0  # every permit came back
-    for sub in subs:
-        status = await queue.status(sub.job_id)
-        assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
+    await succeeded_at_first_attempt(queue, subs)
 
 
 async def test_an_acquire_whose_permits_all_lapsed_is_answered_afresh(queue: Queue) -> None:
@@ -370,9 +367,7 @@ async def test_a_limited_claim_whose_reply_is_lost_twice_is_sent_again_at_the_ne
     used = {a[3 + 2 * i] for a in settled if a[0] == "settle" for i in range(int(a[2]))}
     assert granted and {p.decode() for p in granted} <= used
     assert await queue.admin.running_permits("default") == 0  # every permit came back
-    for sub in subs:
-        status = await queue.status(sub.job_id)
-        assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
+    await succeeded_at_first_attempt(queue, subs)
 
 
 async def test_a_shard_refusing_a_limited_queues_claims_does_not_take_every_permit(
@@ -388,36 +383,9 @@ async def test_a_shard_refusing_a_limited_queues_claims_does_not_take_every_perm
     # the fullest, the first of them in shard order (the loop's plan sorts stably)
     refusing = max(sorted(by_shard), key=lambda shard: by_shard[shard])
     worker = worker_for(queue, registry, concurrency=2)
-    scripts = worker.state.scripts
-    call_many_each, call = scripts.call_many_each, scripts.call
-    refused: list[int] = []
-    oom = ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
-
-    async def refuse(calls: Sequence[Call]) -> list[Any]:
-        kept = [c for c in calls if (c[0], c[1]) != ("claim", refusing)]
-        replies = iter(await call_many_each(kept))
-        refused.extend(c[1] for c in calls if (c[0], c[1]) == ("claim", refusing))
-        return [oom if (c[0], c[1]) == ("claim", refusing) else next(replies) for c in calls]
-
-    async def refuse_one(script: Any, shard: int, args: Sequence[Any]) -> Any:
-        if (script, shard) == ("claim", refusing):
-            refused.append(shard)
-            raise oom
-        return await call(script, shard, args)
-
-    scripts.call_many_each = refuse  # type: ignore[method-assign]
-    scripts.call = refuse_one  # type: ignore[method-assign]
+    refused = refuse_claims(worker, lambda c: c[1] == refusing)
     healthy = [s.job_id for s in subs if queue.keys.shard_of(s.job_id) != refusing]
-    running = asyncio.create_task(worker.run())
-    try:
-        async with asyncio.timeout(60):
-            for job in healthy:
-                while (await queue.status(job)).state is not State.SUCCEEDED:
-                    await asyncio.wait({running}, timeout=0.05)
-                    assert not running.done(), running
-    finally:
-        worker.stop()
-        await running
+    await run_until_succeeded(worker, queue, healthy)
     assert refused  # the refusing shard was asked, and refused
     for sub in subs:
         if sub.job_id not in healthy:
@@ -435,35 +403,56 @@ async def test_the_main_loops_failed_claims_leave_the_slots_to_a_limited_queue(
     await queue.admin.set_limits("default", QueueLimits(concurrency=2))
     subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(8)])
     worker = worker_for(queue, registry, queues=["default", "images"], concurrency=2)
+    refused = refuse_claims(worker, lambda c: "images" in c[2])  # the unlimited queue's
+    await run_until_succeeded(worker, queue, [sub.job_id for sub in subs])
+    assert refused  # the main loop's claims were refused
+    assert await queue.admin.running_permits("default") == 0
+
+
+async def succeeded_at_first_attempt(queue: Queue, subs: Sequence[Submitted | Exception]) -> None:
+    for sub in subs:
+        assert isinstance(sub, Submitted), sub
+        status = await queue.status(sub.job_id)
+        assert (status.state, status.attempt) == (State.SUCCEEDED, 1), status
+
+
+def refuse_claims(worker: Worker, which: Callable[[Call], bool]) -> list[Call]:
+    """The worker's scripts answer its claims that ``which`` picks with an error reply, as a
+    Redis out of memory does (not run), in a pipeline or alone; returns those refused, as
+    they come."""
     scripts = worker.state.scripts
     call_many_each, call = scripts.call_many_each, scripts.call
     refused: list[Call] = []
     oom = ResponseError("OOM command not allowed when used memory > 'maxmemory'.")
 
-    def unlimited(c: Call) -> bool:
-        return c[0] == "claim" and "images" in c[2]
+    def refusing(c: Call) -> bool:
+        return c[0] == "claim" and which(c)
 
     async def refuse(calls: Sequence[Call]) -> list[Any]:
-        replies = iter(await call_many_each([c for c in calls if not unlimited(c)]))
-        refused.extend(c for c in calls if unlimited(c))
-        return [oom if unlimited(c) else next(replies) for c in calls]
+        replies = iter(await call_many_each([c for c in calls if not refusing(c)]))
+        refused.extend(c for c in calls if refusing(c))
+        return [oom if refusing(c) else next(replies) for c in calls]
 
     async def refuse_one(script: Any, shard: int, args: Sequence[Any]) -> Any:
-        if unlimited((script, shard, args)):
+        if refusing((script, shard, args)):
+            refused.append((script, shard, args))
             raise oom
         return await call(script, shard, args)
 
     scripts.call_many_each = refuse  # type: ignore[method-assign]
     scripts.call = refuse_one  # type: ignore[method-assign]
+    return refused
+
+
+async def run_until_succeeded(worker: Worker, queue: Queue, jobs: Sequence[str]) -> None:
+    """Run the worker until every one of ``jobs`` succeeded (60 s at most), then stop it."""
     running = asyncio.create_task(worker.run())
     try:
         async with asyncio.timeout(60):
-            for sub in subs:
-                while (await queue.status(sub.job_id)).state is not State.SUCCEEDED:
+            for job in jobs:
+                while (await queue.status(job)).state is not State.SUCCEEDED:
                     await asyncio.wait({running}, timeout=0.05)
                     assert not running.done(), running
     finally:
         worker.stop()
         await running
-    assert refused  # the main loop's claims were refused
-    assert await queue.admin.running_permits("default") == 0
