@@ -132,6 +132,7 @@ CHOSEN: dict[str, str] = {
     "compare-e9c8c99": "the set before the straight COPY, with issues 30 and 32 in",
     "compare-redesign": "the newest jobtier set (against its code at 4ffac07; no peer)",
     "compare-09141d0-sameday": "the code before e03ddc5's worker changes, measured in the same spell as the four compare-e03ddc5 sets: their baseline (the spell's lag was longer than the days' before, for both)",
+    "compare-e03ddc5": "four sets at e03ddc5 (with -2, -3, -4), in a spell whose lag was longer for the code before too (compare-09141d0-sameday)",
     "throughput": "the only file",
     "queues": "the only file",
     "pickup": "one queue (pickup-10-queues: ten)",
@@ -179,12 +180,7 @@ CHOSEN: dict[str, str] = {
     "scaling_out": "the only file",
     "durable_submit": "250 submits/s (-1000: 1K/s, its tail the shared machine's)",
 }
-HEADLINE = (  # one set; more stems pool their runs
-    "compare-e03ddc5",
-    "compare-e03ddc5-2",
-    "compare-e03ddc5-3",
-    "compare-e03ddc5-4",
-)
+HEADLINE = ("compare-93ffa67", "compare-93ffa67-2")  # one set; more stems pool their runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
 PERSISTER = "jobtier-persist"  # compare.py's name for jobtier with its persister
 
