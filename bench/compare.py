@@ -110,6 +110,8 @@ PERSIST = "jobtier-persist"  # jobtier with its persister writing to Postgres (-
 NO_BY_STATE = f"{PERSIST}-no-by-state"
 # (--what-if hold) the same, live jobs' rows held a second (JOBTIER_PERSIST_HOLD_SECONDS=1)
 HOLD = f"{PERSIST}-hold"
+# (--persister-env NAME=VALUE,...) the same, its persister run with these settings
+PERSIST_ENV = f"{PERSIST}-env"
 BY_STATE_TRIGGERS = ("jobs_by_state_inserted", "jobs_by_state_updated", "jobs_by_state_deleted")
 LAG_SAMPLE = 0.05  # s between write-behind lag samples
 SYSTEMS = ("jobtier", "bullmq", "saq", "arq", "celery", "rq", "dramatiq")
@@ -193,6 +195,15 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
                 "the same as jobtier + persister, with `JOBTIER_PERSIST_HOLD_SECONDS=1` "
                 "(`--what-if hold`): a live job's row (its claim) held up to a second for its "
                 "end to take its place unwritten",
+            )
+            continue
+        if name == PERSIST_ENV:
+            assigned = ", ".join(f"{k}={v}" for k, v in args.persister_env.items())
+            known[name] = System(
+                name,
+                f"jobtier + persister, {assigned}",
+                f"the same as jobtier + persister, its persister run with `{assigned}` "
+                "(`--persister-env`), on a Postgres of its own",
             )
             continue
         named = len(args.collations) > 1 or collation != "C"  # C: as `jobtier run` makes it
@@ -459,6 +470,8 @@ class PersistHook:
         }  # fmt: skip
         if self.system == HOLD:
             env["JOBTIER_PERSIST_HOLD_SECONDS"] = "1"
+        if self.system == PERSIST_ENV:
+            env.update(self.args.persister_env)
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "jobtier.cli", "persister", env=env, start_new_session=True
         )
@@ -1034,6 +1047,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "not a set-up jobtier offers; or with JOBTIER_PERSIST_HOLD_SECONDS=1 (hold), live jobs' "
         "rows held a second",
     )
+    p.add_argument(
+        "--persister-env",
+        metavar="NAME=VALUE,...",
+        help="with --persister: also measure it with its persister run with these settings "
+        "(JOBTIER_* environment variables, e.g. JOBTIER_PERSIST_BATCH_SIZE=8000), on a Postgres "
+        "of its own, in the same interleaved runs: a setting against its default",
+    )
     p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     args = p.parse_args(argv)
@@ -1046,12 +1066,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--collations is for the persister's Postgres: add --persister")
     if args.what_if and not args.persister:
         p.error("--what-if is about the persister: add --persister")
+    assignments = [a for a in (args.persister_env or "").split(",") if a]
+    args.persister_env = dict(a.split("=", 1) for a in assignments if "=" in a)
+    if assignments and not args.persister:
+        p.error("--persister-env is about the persister: add --persister")
+    if len(args.persister_env) != len(assignments) or not all(
+        k.startswith("JOBTIER_") for k in args.persister_env
+    ):
+        p.error("--persister-env takes JOBTIER_NAME=VALUE assignments, comma-separated")
     if args.persister:
         args.persist_systems = {
             PERSIST: args.collations[0],
             **{f"{PERSIST}@{c}": c for c in args.collations[1:]},
             **({NO_BY_STATE: args.collations[0]} if args.what_if == "no-by-state" else {}),
             **({HOLD: args.collations[0]} if args.what_if == "hold" else {}),
+            **({PERSIST_ENV: args.collations[0]} if args.persister_env else {}),
         }
         at = args.systems.index("jobtier") + 1 if "jobtier" in args.systems else 0
         args.systems[at:at] = list(args.persist_systems)

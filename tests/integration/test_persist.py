@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import signal
 import time
@@ -290,6 +291,40 @@ async def _blocked_reading(redis: Any) -> bool:
         if client.get("cmd") == "xreadgroup" and "b" in client.get("flags", ""):
             return True
     return False
+
+
+async def test_a_batch_refused_for_one_entry_is_halved_down_to_it(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """A batch Postgres refuses for one entry's data is written again in halves, a refused
+    half halved again: the good entries are written in a few commits, about two for each
+    halving (entry by entry, it took one each), and the bad one alone is parked."""
+    job_ids = await simple_jobs(redis, keys, 100)
+    submit = next(f for _, _, f in await log_entries(redis, keys) if f[b"fr"] == b"")
+    bad = {**submit, b"p": b"{not json"}  # a payload Postgres refuses as JSON
+    bad[b"d"] = bad[b"d"].replace(b'"id":"', b'"id":"X', 1)  # another job id
+    await redis.xadd(keys.log(3), bad)
+    n = 3 * 100 + 1
+
+    persister = Persister(
+        pg_settings.replace(persist_batch_size=1000), redis_as_jobtier, pg_pool, "p1"
+    )
+    commits: list[int] = []  # the entries of each transaction tried
+    write = persister.persist
+
+    async def counted(entries: Sequence[LogEntry], rows: Any = None) -> None:
+        commits.append(len(entries))
+        await write(entries, rows)
+
+    persister.persist = counted  # type: ignore[method-assign]
+    assert await persister.drain() == n - 1
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    assert persister.stats.parked == 1 and await redis.xlen(keys.log_refused(3)) == 1
+    assert await lag(redis, keys) == (0, 0.0)
+    # one batch of every entry, refused, then two halves a level down to the bad one alone:
+    # 1 + 2 * ceil(log2(301)) = 19 at most (it was 1 + 301)
+    assert commits[0] == n and len(commits) <= 1 + 2 * math.ceil(math.log2(n)), commits
+    assert sum(commits[1:]) < 2 * n  # a level writes at most half of the level above
 
 
 async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(

@@ -59,7 +59,8 @@ log = logging.getLogger("jobtier.persist")
 
 class Outcome(NamedTuple):
     """A committed batch: the entries whose history it wrote, those to acknowledge (a
-    poisoned one, parked, in neither), and whether it was written entry by entry."""
+    poisoned one, parked, in neither), and whether it was written again in parts
+    (``_isolate``)."""
 
     written: Sequence[LogEntry]
     acks: Sequence[LogEntry]
@@ -383,8 +384,8 @@ class Persister:
     async def _commit(self, batch: Batch, retry: bool) -> Outcome | None:
         """Write the batch, retrying through Postgres outages with a back-off; None when
         stopped first (its entries stay pending). A batch refused for its data is written again
-        entry by entry (``isolated``), each with its own row: those it released, and those of
-        the rows it would hold, their holds dropped, included."""
+        in halves (``isolated``), each with its jobs' rows, down to the bad entries alone: its
+        entries, those it released, and those of the rows it would hold, their holds dropped."""
         backoff, down_since, outage = PERSIST_POSTGRES.start(), 0.0, False
         size = len(batch.entries)
         while True:
@@ -452,11 +453,14 @@ class Persister:
             log.info("event=batch_written_again after=%.1fs retries=%d batch=%d", took, retries, n)
 
     async def _isolate(self, entries: Sequence[LogEntry], retry: bool) -> list[LogEntry] | None:
-        """A batch was refused for its data: write entry by entry (each with its own row) to
-        find the bad ones; the entries written, None when stopped first."""
+        """A batch was refused for its data: written again in halves, each with its jobs'
+        rows, and a half refused halved again (``_commit``), down to the bad entries alone; the
+        entries written, None when stopped first. One bad entry among n costs about
+        2·log2(n) commits, where entry by entry cost n (a batch of 8,000: 26, not 8,000)."""
         written: list[LogEntry] = []
-        for entry in entries:
-            done = await self._commit(Batch([entry], collapse([entry])), retry)
+        half = (len(entries) + 1) // 2
+        for part in (entries[:half], entries[half:]):
+            done = await self._commit(Batch(list(part), collapse(part)), retry)
             if done is None:
                 return None
             written.extend(done.acks)
