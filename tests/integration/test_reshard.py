@@ -20,13 +20,13 @@ import pytest
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from jobtier.api.problems import failing_over
 from jobtier.config import Settings
 from jobtier.core.model import JobSpec
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.dev.local_replicas import LocalCluster
 from jobtier.engine.queue import Queue
 from jobtier.status.reader import StatusReader
+from jobtier.store.faults import failing_over
 from jobtier.store.subscriber import ShardSubscriber
 from tests.fixtures.engine import wait_for
 

@@ -24,10 +24,11 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.sentinel import MasterNotFoundError
 from starlette.requests import ClientDisconnect, Request
 
-from jobtier.api.problems import HANDLERS, failing_over, on_error
+from jobtier.api.problems import HANDLERS, on_error
 from jobtier.store import scripts
 from jobtier.store.durable import Durable
-from jobtier.store.redis import _stream_keys, connection_closed_under_it
+from jobtier.store.faults import connection_closed_under_it, failing_over, fault_event
+from jobtier.store.redis import _stream_keys
 
 
 def request() -> Request:
@@ -229,3 +230,30 @@ async def test_a_connection_closed_under_a_call_is_answered_without_a_server_tra
         assert response.status_code == 503
         assert response.headers["retry-after"] == "1"
         assert (await client.get("/ours")).status_code == 500
+
+
+@pytest.mark.parametrize(
+    ("exc", "event"),
+    [
+        (ResponseError("OOM command not allowed when used memory > 'maxmemory'."), "redis_refused"),
+        (ResponseError("MISCONF Redis is configured to save RDB snapshots"), "redis_refused"),
+        (
+            ResponseError("WRONGTYPE Operation against a key holding the wrong kind"),
+            "redis_refused",
+        ),
+        (ResponseError("NOGROUP No such key or consumer group"), "redis_refused"),
+        (ResponseError("LOADING Redis is loading the dataset in memory"), "redis_unavailable"),
+        (ResponseError("CLUSTERDOWN The cluster is down"), "redis_unavailable"),
+        (ClusterDownError("The cluster is down"), "redis_unavailable"),
+        (ReadOnlyError("You can't write against a read only replica."), "redis_unavailable"),
+        (TryAgainError("Multiple keys request during rehashing of slot"), "redis_unavailable"),
+        (RedisConnectionError("Connection refused"), "redis_unavailable"),
+        (ConnectionRefusedError(111, "refused"), "redis_unavailable"),
+    ],
+)
+def test_a_loops_log_line_says_whether_redis_refused_or_was_away(
+    exc: Exception, event: str
+) -> None:
+    """The persister's and the webhook dispatcher's lines: an error Redis answered for a
+    cause of its own (memory, disk, a wrong key) is not logged as Redis being away."""
+    assert fault_event(exc) == event

@@ -10,25 +10,17 @@ from typing import Any
 import asyncpg
 import orjson
 from redis.exceptions import (
-    AskError,
     BusyLoadingError,
-    ClusterError,
-    MovedError,
-    ReadOnlyError,
     RedisClusterException,
-    ResponseError,
-    SlotNotCoveredError,
-    TryAgainError,
 )
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.sentinel import MasterNotFoundError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from jobtier.core.sealing import KeysNotConfigured
-from jobtier.store.redis import connection_closed_under_it
+from jobtier.store.faults import FAILOVER, failing_over
 
 log = logging.getLogger("jobtier.api")
 
@@ -142,45 +134,6 @@ PG_DOWN: tuple[type[BaseException], ...] = (
 )
 RETRY_SOON = {"retry-after": "2"}
 RETRY_FAILOVER = {"retry-after": "1"}
-
-# what Redis answers while a master fails over: the cluster down or its slots moving
-# (CLUSTERDOWN, TRYAGAIN, MOVED/ASK past redis-py's redirections, ClusterError "TTL
-# exhausted"), a demoted master (READONLY), no master known yet (sentinels), a slot no node
-# serves yet
-FAILOVER: tuple[type[BaseException], ...] = (
-    ClusterError,  # ClusterDownError, MasterDownError, "TTL exhausted"
-    TryAgainError,
-    MovedError,
-    AskError,
-    ReadOnlyError,
-    MasterNotFoundError,
-    SlotNotCoveredError,
-)
-# a RedisClusterException is a failover only when it says the topology could not be read or
-# had no node for a call; any other (keys in two slots, arguments redis-py cannot route) is a
-# defect of ours, a 500
-CLUSTER_TOPOLOGY = (
-    "Redis Cluster cannot be connected",
-    "All slots are not covered",
-    "startup_nodes could not agree",
-    "No targets were found",
-)
-# the same, said in a reply's first word (a ResponseError that redis-py does not classify)
-FAILOVER_REPLIES = ("CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK", "READONLY", "MASTERDOWN", "LOADING")
-
-
-def failing_over(exc: BaseException) -> bool:
-    """Whether ``exc`` is Redis failing over, or a connection to one cluster node failing
-    (its master killed, until its replica is promoted): a 503 to retry, not a defect."""
-    if isinstance(exc, FAILOVER) or connection_closed_under_it(exc):
-        return True
-    if isinstance(exc, RedisClusterException) and str(exc).startswith(CLUSTER_TOPOLOGY):
-        return True
-    if isinstance(exc, ResponseError) and str(exc).split(" ", 1)[0] in FAILOVER_REPLIES:
-        return True
-    return isinstance(exc, RedisConnectionError) and bool(
-        getattr(exc, "last_failed_node_name", None)
-    )
 
 
 @contextlib.contextmanager

@@ -50,6 +50,7 @@ from jobtier.persist.stats import PersisterStats
 from jobtier.runtime import tracing
 from jobtier.runtime.backoff import PERSIST_POSTGRES
 from jobtier.runtime.loop import FAULTS
+from jobtier.store.faults import fault_event
 from jobtier.store.redis import RedisClient
 from jobtier.streams.consumer import Consumer
 from jobtier.streams.entries import MALFORMED, LogEntry, age, parse_entry
@@ -180,7 +181,7 @@ class Persister:
         """Logged (Redis away: one line; else its traceback once) and counted by class."""
         self.stats.failed(exc)
         if isinstance(exc, FAULTS):
-            log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
+            log.warning("event=%s retry_in=%.1fs error=%r", fault_event(exc), wait, exc)
         else:
             self._explain("event=loop_failed", exc, wait)
         return True

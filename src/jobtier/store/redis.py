@@ -32,6 +32,7 @@ from redis.exceptions import (
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jobtier.config import Settings
+from jobtier.store.faults import connection_closed_under_it
 
 log = logging.getLogger("jobtier.redis")
 
@@ -402,25 +403,6 @@ def by_node(redis: RedisCluster, keys: Sequence[Any]) -> list[tuple[ClusterNode 
                 node = redis.nodes_manager.get_node_from_slot(redis.keyslot(key))
         groups.setdefault(node.name if node else "", (node, []))[1].append(i)
     return list(groups.values())
-
-
-def connection_closed_under_it(exc: BaseException) -> bool:
-    """Whether ``exc`` is redis-py writing to or reading from a connection another task closed
-    meanwhile (the cluster client resets a failed node's connections): an AttributeError
-    (``'NoneType' object has no attribute 'writelines'``) or uvloop's RuntimeError (``the
-    handler is closed``), raised from the client library's code. A connection lost, as far
-    as the caller goes."""
-    if isinstance(exc, AttributeError):
-        if "'NoneType'" not in str(exc):
-            return False
-    elif not (isinstance(exc, RuntimeError) and "closed" in str(exc)):
-        return False
-    tb = exc.__traceback__
-    while tb is not None:
-        if "/redis/" in tb.tb_frame.f_code.co_filename:
-            return True
-        tb = tb.tb_next
-    return False
 
 
 def connect(settings: Settings, **kwargs: Any) -> RedisClient:

@@ -40,12 +40,8 @@ from jobtier.core.keys import Keys
 from jobtier.store import calls
 from jobtier.store.calls import Call, ClaimBatch
 from jobtier.store.durable import Durable, current, marker
-from jobtier.store.redis import (
-    RedisClient,
-    by_node,
-    commands_each,
-    connection_closed_under_it,
-)
+from jobtier.store.faults import connection_closed_under_it
+from jobtier.store.redis import RedisClient, by_node, commands_each
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 _SCRIPTS = (  # store/lua/<name>.lua of every transition script

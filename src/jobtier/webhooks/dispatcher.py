@@ -40,6 +40,7 @@ from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.persist.db import Pool
 from jobtier.runtime.loop import FAULTS, every
 from jobtier.runtime.stopping import stop_tasks
+from jobtier.store.faults import fault_event
 from jobtier.store.redis import RedisClient
 from jobtier.streams.consumer import Consumer, Taken
 from jobtier.streams.entries import MALFORMED, LogEntry, parse_entry
@@ -180,7 +181,7 @@ class Dispatcher:
     # --- the logs -> deliveries -----------------------------------------------------------
     def _failed(self, exc: Exception, wait: float) -> bool:
         if isinstance(exc, FAULTS):
-            log.warning("event=redis_unavailable retry_in=%.1fs error=%r", wait, exc)
+            log.warning("event=%s retry_in=%.1fs error=%r", fault_event(exc), wait, exc)
         elif isinstance(exc, PG_UNAVAILABLE):
             log.warning("event=postgres_unavailable retry_in=%.1fs error=%r", wait, exc)
             return False
