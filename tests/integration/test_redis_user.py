@@ -5,11 +5,15 @@ the way is refused, rather than running as the all-powerful default user unnotic
 
 from __future__ import annotations
 
+import stat
+from pathlib import Path
+
 import pytest
 from redis.exceptions import AuthenticationError, RedisClusterException
 
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
+from jobtier.dev.local_redis import SECRETS_CONF, LocalRedis, connect_to
 from jobtier.engine.queue import Queue
 from jobtier.store.redis import connect
 from tests.fixtures.redis import JOBTIER_PASSWORD, JOBTIER_USER, admin, on_every_server
@@ -83,3 +87,22 @@ async def test_a_process_refused_its_credentials_stops_at_once_saying_so(
     assert "JOBTIER_REDIS_URL" in message
     if password:
         assert f":{password}@" not in message  # the URL it shows is masked
+
+
+def test_a_local_servers_password_is_not_on_its_command_line(tmp_path: Path) -> None:
+    """LocalRedis (`jobtier run`, the tests' servers) gives redis-server its passwords in a
+    file only its owner reads: a command line is every user's to read (ps)."""
+    password = 'a pass"word\\with quotes'
+    server = LocalRedis(tmp_path / "redis", options={"requirepass": password}).start()
+    try:
+        assert server.pid is not None
+        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+        assert b"requirepass" not in cmdline and password.encode() not in cmdline
+        secrets = tmp_path / "redis" / SECRETS_CONF
+        assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
+        with server.client() as client:  # as the password is, quotes and all
+            assert client.ping()
+        with connect_to(server.port) as client, pytest.raises(AuthenticationError):
+            client.ping()
+    finally:
+        server.stop()

@@ -23,6 +23,8 @@ from jobtier.dev.procs import leftover, process_cwd, stop_child, tied
 log = logging.getLogger("jobtier.dev")
 
 LOCAL_CONF = "redis.local.conf"  # optional, in the data folder: the user's own settings
+SECRETS_CONF = "redis.secrets.conf"  # written at each start: the passwords among its options
+SECRET_OPTIONS = ("requirepass", "masterauth")
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + this (the bus)
 
 
@@ -60,6 +62,16 @@ def wait_port(
         except OSError:
             time.sleep(0.02)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path``, readable by its owner alone from its first byte (a server's
+    passwords)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # (a file there before keeps its mode otherwise)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def connect_to(port: int, timeout: float = 5.0, **options: Any) -> syncredis.Redis:
@@ -122,6 +134,14 @@ class LocalRedis:
     def pidfile(self) -> Path:
         return self.folder / "redis.pid"
 
+    def _secrets_file(self, secret: dict[str, Any]) -> Path:
+        """``secret`` options written to a file of the data folder, in redis.conf's quoting."""
+        lines = []
+        for name, value in secret.items():
+            quoted = str(value).replace("\\", "\\\\").replace('"', '\\"')
+            lines.append(f'{name} "{quoted}"\n')
+        return write_private(self.folder / SECRETS_CONF, "".join(lines))
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None and self.proc.poll() is None else None
@@ -150,6 +170,11 @@ class LocalRedis:
         if self.cluster:
             options |= {"cluster-enabled": "yes", "cluster-config-file": "nodes.conf"}
         options |= self.options
+        # passwords go in a file only its owner reads, not on the command line, where every
+        # user of the machine sees them (ps, /proc/<pid>/cmdline)
+        secret = {name: options.pop(name) for name in SECRET_OPTIONS if name in options}
+        if secret:
+            args += ["--include", str(self._secrets_file(secret))]
         for name, value in options.items():
             values = value if isinstance(value, tuple) else (value,)  # replicaof: (host, port)
             args += [f"--{name}", *map(str, values)]

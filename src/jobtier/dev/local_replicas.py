@@ -25,6 +25,7 @@ from jobtier.dev.local_redis import (
     free_port,
     redis_server_binary,
     wait_port,
+    write_private,
 )
 from jobtier.dev.procs import stop_child, tied
 
@@ -414,13 +415,14 @@ class LocalSentinels:
             tls = "".join(f"{name} {value}\n" for name, value in options.items())
         password = self.nodes[0].password
         auth = f"sentinel auth-pass {self.name} {password}\n" if password else ""
-        conf.write_text(
+        write_private(
+            conf,
             f"port {port}\nbind 127.0.0.1\ndir {folder}\nprotected-mode no\n"
             f"logfile {folder / 'sentinel.log'}\n{tls}"
             f"sentinel monitor {self.name} 127.0.0.1 {master} 2\n"
             f"sentinel down-after-milliseconds {self.name} {self.down_after_ms}\n"
             f"sentinel failover-timeout {self.name} {self.failover_timeout_ms}\n"
-            f"sentinel parallel-syncs {self.name} 1\n{auth}"
+            f"sentinel parallel-syncs {self.name} 1\n{auth}",
         )
         args = [redis_server_binary(), str(conf), "--sentinel"]
         return subprocess.Popen(
