@@ -8,16 +8,20 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import ReadOnlyError, ResponseError
 
 from jobtier.api.worker_claims import WorkerClaims, _Waiter
+from jobtier.config import Settings
 from jobtier.core.model import JobSpec, QueueLimits, State, Submitted
+from jobtier.dev.local_redis import LocalRedis, free_port
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import Call, parse_claim
+from jobtier.store.redis import FastConnection
 from jobtier.store.scripts import Scripts
 from jobtier.worker.permits import Claims, LimitedClaimer, LimitedQueues
 from jobtier.worker.runner import Worker
@@ -32,11 +36,11 @@ class FailingSecondRound:
         self.scripts = scripts
         self.rounds = 0
 
-    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
+    async def call_many_each(self, calls: Sequence[Call], once: bool = False) -> list[Any]:
         self.rounds += 1
         if self.rounds == 2:
             raise RedisConnectionError("Connection closed by server.")
-        return await self.scripts.call_many_each(calls)
+        return await self.scripts.call_many_each(calls, once=once)
 
 
 class OneShardDown:
@@ -48,9 +52,9 @@ class OneShardDown:
         self.scripts = scripts
         self.down = down
 
-    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
+    async def call_many_each(self, calls: Sequence[Call], once: bool = False) -> list[Any]:
         up = [call for call in calls if call[1] != self.down]
-        replies = iter(await self.scripts.call_many_each(up))
+        replies = iter(await self.scripts.call_many_each(up, once=once))
         error = RedisConnectionError("Connection closed by server.")
         return [error if call[1] == self.down else next(replies) for call in calls]
 
@@ -126,9 +130,9 @@ async def test_a_worker_sends_again_the_claim_of_a_shard_whose_reply_was_lost(
     rounds: list[list[Call]] = []
     lost: list[Call] = []
 
-    async def lose_one_reply(calls: Sequence[Call]) -> list[Any]:
+    async def lose_one_reply(calls: Sequence[Call], once: bool = False) -> list[Any]:
         rounds.append(list(calls))
-        replies: list[Any] = await call_many_each(calls)
+        replies: list[Any] = await call_many_each(calls, once=once)
         if not lost:
             for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
                 if parse_claim(call[1], reply).jobs:  # it leased jobs: its reply is lost
@@ -261,9 +265,10 @@ class ClaimReplyLost:
         self.down = down
         self.resent: list[Call] = []
 
-    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
+    async def call_many_each(self, calls: Sequence[Call], once: bool = False) -> list[Any]:
         run = [call for call in calls if not (self.down and call[1] == self.shard)]
-        replies = dict(zip(map(id, run), await self.scripts.call_many_each(run), strict=True))
+        sent = await self.scripts.call_many_each(run, once=once)
+        replies = dict(zip(map(id, run), sent, strict=True))
         error = RedisConnectionError("Connection closed by server.")
         return [error if call[1] == self.shard else replies[id(call)] for call in calls]
 
@@ -330,11 +335,11 @@ async def test_a_limited_claim_whose_reply_is_lost_twice_is_sent_again_at_the_ne
     lost: list[Call] = []
     error = RedisConnectionError("Connection closed by server.")
 
-    async def lose_a_claims_replies(calls: Sequence[Call]) -> list[Any]:
+    async def lose_a_claims_replies(calls: Sequence[Call], once: bool = False) -> list[Any]:
         claims = [c for c in calls if c[0] == "claim" and "default" in c[2]]  # the limited's
         if claims:
             rounds.append(claims)
-        replies: list[Any] = await call_many_each(calls)
+        replies: list[Any] = await call_many_each(calls, once=once)
         if not lost:
             for i, (c, reply) in enumerate(zip(calls, replies, strict=True)):
                 if c in claims and parse_claim(c[1], reply).jobs:  # it leased jobs
@@ -409,6 +414,80 @@ async def test_the_main_loops_failed_claims_leave_the_slots_to_a_limited_queue(
     assert await queue.admin.running_permits("default") == 0
 
 
+async def test_a_claim_whose_reply_was_lost_is_not_sent_again_by_the_client_library(
+    settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A single server's claim pipeline ran, its reply was lost with the connection, and the
+    server answers READONLY meanwhile (a master demoted in a failover behind one address).
+    Had the client library sent the claim again itself, its READONLY reply would say "not
+    run" and the jobs the first send leased would wait out their lease; sent once, the worker
+    sees the lost connection, keeps the claim and sends it again (its token) at its next
+    rounds, which answer those jobs once the server takes writes again."""
+    server = LocalRedis(tmp_path / "redis").start()
+    try:
+        queue = await Queue.connect(settings.replace(redis_url=server.url))
+        try:
+            await _lose_a_claims_reply_then_refuse_writes(queue, server, monkeypatch)
+        finally:
+            await queue.close()
+    finally:
+        server.stop()
+
+
+async def _lose_a_claims_reply_then_refuse_writes(
+    queue: Queue, server: LocalRedis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(20)])
+    claim = queue.scripts.by_name["claim"].command()[1].encode()
+    admin = server.client()
+    marked: set[int] = set()  # connections whose claim pipeline's reply is to be lost
+    trips: list[str] = []  # "lost", then each "readonly" a claim met
+    send, read = FastConnection.send_packed_command, FastConnection.read_response
+
+    async def sending(self: FastConnection, command: Any, *args: Any, **kwargs: Any) -> None:
+        data = command if isinstance(command, bytes | str) else b"".join(command)
+        if not trips and claim in (data.encode() if isinstance(data, str) else data):
+            marked.add(id(self))
+        await send(self, command, *args, **kwargs)
+
+    async def reading(self: FastConnection, *args: Any, **kwargs: Any) -> Any:
+        try:
+            reply = await read(self, *args, **kwargs)
+        except ReadOnlyError:
+            trips.append("readonly")
+            raise
+        if id(self) in marked:  # the claims ran; their replies go with the connection
+            marked.clear()
+            trips.append("lost")
+            admin.replicaof("127.0.0.1", free_port())  # a master nobody serves: READONLY
+            await self.disconnect()
+            raise RedisConnectionError("Connection closed by server.")
+        return reply
+
+    monkeypatch.setattr(FastConnection, "send_packed_command", sending)
+    monkeypatch.setattr(FastConnection, "read_response", reading)
+    worker = worker_for(queue, registry, concurrency=50)
+    running = asyncio.create_task(worker.run())
+    try:
+        async with asyncio.timeout(60):  # no scheduler: a job leased to nobody never ends
+            while "readonly" not in trips:  # a claim sent again met the demoted server
+                await asyncio.wait({running}, timeout=0.02)
+                assert not running.done(), running
+            admin.replicaof("no", "one")  # writes taken again
+            for sub in subs:
+                assert isinstance(sub, Submitted), sub
+                while (await queue.status(sub.job_id)).state is not State.SUCCEEDED:
+                    await asyncio.wait({running}, timeout=0.05)
+                    assert not running.done(), running
+    finally:
+        admin.replicaof("no", "one")
+        admin.close()
+        worker.stop()
+        await running
+    assert trips[0] == "lost"
+    await succeeded_at_first_attempt(queue, subs)
+
+
 async def succeeded_at_first_attempt(queue: Queue, subs: Sequence[Submitted | Exception]) -> None:
     for sub in subs:
         assert isinstance(sub, Submitted), sub
@@ -428,8 +507,8 @@ def refuse_claims(worker: Worker, which: Callable[[Call], bool]) -> list[Call]:
     def refusing(c: Call) -> bool:
         return c[0] == "claim" and which(c)
 
-    async def refuse(calls: Sequence[Call]) -> list[Any]:
-        replies = iter(await call_many_each([c for c in calls if not refusing(c)]))
+    async def refuse(calls: Sequence[Call], once: bool = False) -> list[Any]:
+        replies = iter(await call_many_each([c for c in calls if not refusing(c)], once=once))
         refused.extend(c for c in calls if refusing(c))
         return [oom if refusing(c) else next(replies) for c in calls]
 

@@ -8,7 +8,7 @@ import contextvars
 import logging
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import hiredis
@@ -94,6 +94,37 @@ class _Fast(AbstractConnection):
         except BaseException:  # a cancel mid-write: the connection's state is unknown
             await self.disconnect(nowait=True)
             raise
+
+
+# inside sent_once(): the client library sends a command once, however it fails
+_SEND_ONCE: contextvars.ContextVar[bool] = contextvars.ContextVar("send_once", default=False)
+
+
+class _Retry(Retry):
+    """redis-py's retries, but none inside ``sent_once()``: its loop asks ``_retries`` after
+    each failure."""
+
+    @property
+    def _retries(self) -> int:
+        return 0 if _SEND_ONCE.get() else self._configured
+
+    @_retries.setter
+    def _retries(self, value: int) -> None:
+        self._configured = value
+
+
+@contextlib.contextmanager
+def sent_once() -> Iterator[None]:
+    """Within it, this task's commands are not sent again by the client library when their
+    connection fails (a command whose reply was lost may have run): the caller sees the
+    connection's error and decides, as a claim does (its token makes it safe to send again,
+    and an error reply to a send the library made again would hide that the first may have
+    run: worker/claimer.py)."""
+    token = _SEND_ONCE.set(True)
+    try:
+        yield
+    finally:
+        _SEND_ONCE.reset(token)
 
 
 class FastConnection(_Fast, Connection):
@@ -359,15 +390,18 @@ async def commands_each(
     redis: RedisClient,
     commands: Sequence[Sequence[Any]],
     key: Callable[[Sequence[Any]], Any] = first_key,
+    *,
+    once: bool = False,
 ) -> list[Any]:
     """The commands' replies in order, an exception in place of a failed command's: one
     pipeline; on a cluster one per node, side by side, each sent once (no retry sleeps in
     the client), so that a node that is down (a master failing over) fails only its own
     commands, at once, and the others' replies come back. A pipeline that failed whole gives
     its error to each of its commands. ``key(command)``: the key it is routed by (None: any
-    node), asked on a cluster only."""
+    node), asked on a cluster only. ``once``: a single server's pipeline too is sent once, its
+    connection's failure its commands' reply (``sent_once``)."""
     if not isinstance(redis, RedisCluster):
-        return await _pipeline_each(redis, commands)
+        return await _pipeline_each(redis, commands, once)
     groups = by_node(redis, [key(command) for command in commands])
     parts = await asyncio.gather(
         *(_pipeline_each(redis, [commands[i] for i in at]) for _, at in groups)
@@ -379,14 +413,17 @@ async def commands_each(
     return results
 
 
-async def _pipeline_each(redis: RedisClient, commands: Sequence[Sequence[Any]]) -> list[Any]:
+async def _pipeline_each(
+    redis: RedisClient, commands: Sequence[Sequence[Any]], once: bool = False
+) -> list[Any]:
     pipe = redis.pipeline(transaction=False)
     for command in commands:
         pipe.execute_command(*command)
     try:
         if isinstance(pipe, ClusterPipe):  # one cluster node's commands: no retry sleeps
             return await pipe.execute_once()
-        return list(await pipe.execute(raise_on_error=False))
+        with sent_once() if once else contextlib.nullcontext():
+            return list(await pipe.execute(raise_on_error=False))
     except (RedisError, RedisClusterException) as exc:
         return [exc] * len(commands)
 
@@ -419,7 +456,7 @@ def connect(settings: Settings, **kwargs: Any) -> RedisClient:
         "decode_responses": False,
         "health_check_interval": 0,
         "socket_timeout": settings.redis_socket_timeout,
-        "retry": Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
+        "retry": _Retry(ExponentialBackoff(cap=1.0, base=0.05), 4),
         "retry_on_error": [RedisConnectionError, RedisTimeoutError],
     }
     options.update(kwargs)

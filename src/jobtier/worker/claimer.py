@@ -16,11 +16,13 @@ Races guarded here:
   loops never start more jobs than ``concurrency`` between them;
 - a claim still in flight at the shutdown's deadline is abandoned: a Redis that stopped
   answering must not hold the shutdown past its bound;
-- a claim whose reply was lost (the connection died, and the client library did not send
-  it again or failed to: a failover) may have leased jobs: the next round sends the same
-  calls again, with their claim tokens, and claim.lua answers a token it served with the
-  jobs it leased then (store/calls.py claim_call), so they come to this worker rather than
-  waiting out their lease, an attempt lost.
+- a claim whose reply was lost (the connection died: a failover) may have leased jobs: the
+  next round sends the same calls again, with their claim tokens, and claim.lua answers a
+  token it served with the jobs it leased then (store/calls.py claim_call), so they come to
+  this worker rather than waiting out their lease, an attempt lost. Claims are sent once by
+  the client library (``once=True``): were it to send them again itself, an error reply to
+  its second send (READONLY, from a master demoted meanwhile) would hide that the first may
+  have run.
 """
 
 from __future__ import annotations
@@ -215,7 +217,7 @@ class Claimer:
         try:
             # each shard's reply on its own: a cluster node that is down (a master failing
             # over) fails its shards' claims, the jobs claimed on the others start at once
-            replies = await self._scripts.call_many_each(calls)
+            replies = await self._scripts.call_many_each(calls, once=True)
         except FAULTS as exc:
             replies = [exc] * len(calls)
         # a failed claim may have run, its reply lost with the connection: sent again as it
@@ -326,7 +328,8 @@ class Claimer:
         # each shard's reply on its own, as in the main loop: a node that is down fails its
         # shards' claims, the jobs the others leased start
         try:
-            replies = await self._scripts.call_many_each([claim.call for claim in claims])
+            calls = [claim.call for claim in claims]
+            replies = await self._scripts.call_many_each(calls, once=True)
         except FAULTS as exc:
             replies = [exc] * len(claims)
         state.stats.claim_round_trips += 1
