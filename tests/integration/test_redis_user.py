@@ -6,7 +6,9 @@ the way is refused, rather than running as the all-powerful default user unnotic
 from __future__ import annotations
 
 import stat
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from redis.exceptions import AuthenticationError, RedisClusterException
@@ -89,18 +91,32 @@ async def test_a_process_refused_its_credentials_stops_at_once_saying_so(
         assert f":{password}@" not in message  # the URL it shows is masked
 
 
-def test_a_local_servers_password_is_not_on_its_command_line(tmp_path: Path) -> None:
+def test_a_local_servers_passwords_are_not_on_its_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """LocalRedis (`jobtier run`, the tests' servers) gives redis-server its passwords in a
-    file only its owner reads: a command line is every user's to read (ps)."""
-    password = 'a pass"word\\with quotes'
-    server = LocalRedis(tmp_path / "redis", options={"requirepass": password}).start()
+    file only its owner reads, not as arguments, which every user of the machine reads (ps)
+    until redis-server sets its process title."""
+    password = 'a pass"word\\with\nquotes'
+    acl = ("someone", "on", f">{password}", "~*", "+@all")
+    started: list[list[str]] = []
+    popen = subprocess.Popen
+
+    def recorded(args: list[str], *rest: Any, **kwargs: Any) -> Any:
+        started.append([str(a) for a in args])
+        return popen(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", recorded)  # (LocalRedis calls subprocess.Popen)
+    options = {"requirepass": password, "user": acl}
+    server = LocalRedis(tmp_path / "redis", options=options).start()
     try:
-        assert server.pid is not None
-        cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
-        assert b"requirepass" not in cmdline and password.encode() not in cmdline
+        (args,) = started
+        assert not [a for a in args if password in a or a in ("--requirepass", "--user")], args
         secrets = tmp_path / "redis" / SECRETS_CONF
         assert stat.S_IMODE(secrets.stat().st_mode) == 0o600
-        with server.client() as client:  # as the password is, quotes and all
+        with server.client() as client:  # the password as it is, quotes, newline and all
+            assert client.ping()
+        with connect_to(server.port, username="someone", password=password) as client:
             assert client.ping()
         with connect_to(server.port) as client, pytest.raises(AuthenticationError):
             client.ping()

@@ -6,6 +6,7 @@ jobs a claim leased reach a worker rather than waiting out their lease, an attem
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,7 +19,7 @@ from redis.exceptions import ReadOnlyError, ResponseError
 from jobtier.api.worker_claims import WorkerClaims, _Waiter
 from jobtier.config import Settings
 from jobtier.core.model import JobSpec, QueueLimits, State, Submitted
-from jobtier.dev.local_redis import LocalRedis, free_port
+from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import Call, parse_claim
 from jobtier.store.redis import FastConnection
@@ -424,42 +425,57 @@ async def test_a_claim_whose_reply_was_lost_is_not_sent_again_by_the_client_libr
     sees the lost connection, keeps the claim and sends it again (its token) at its next
     rounds, which answer those jobs once the server takes writes again."""
     server = LocalRedis(tmp_path / "redis").start()
+    # the master the server is made a replica of: a port bound, not listening (refused)
+    nobody = socket.socket()
     try:
-        queue = await Queue.connect(settings.replace(redis_url=server.url))
+        nobody.bind(("127.0.0.1", 0))
+        # a lease long enough that the kept claim outlives the READONLY spell however slow
+        # the machine (it is kept for half a lease)
+        s = settings.replace(redis_url=server.url, lease_seconds=60.0)
+        queue = await Queue.connect(s)
         try:
-            await _lose_a_claims_reply_then_refuse_writes(queue, server, monkeypatch)
+            await _lose_a_claims_reply_then_refuse_writes(
+                queue, server, nobody.getsockname()[1], monkeypatch
+            )
         finally:
             await queue.close()
     finally:
+        nobody.close()
         server.stop()
 
 
 async def _lose_a_claims_reply_then_refuse_writes(
-    queue: Queue, server: LocalRedis, monkeypatch: pytest.MonkeyPatch
+    queue: Queue, server: LocalRedis, nobody: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(20)])
     claim = queue.scripts.by_name["claim"].command()[1].encode()
     admin = server.client()
-    marked: set[int] = set()  # connections whose claim pipeline's reply is to be lost
+    claiming: set[int] = set()  # connections whose last send held a claim
+    lose: list[int] = []  # the connection whose claims' replies are to be lost
     trips: list[str] = []  # "lost", then each "readonly" a claim met
     send, read = FastConnection.send_packed_command, FastConnection.read_response
 
     async def sending(self: FastConnection, command: Any, *args: Any, **kwargs: Any) -> None:
         data = command if isinstance(command, bytes | str) else b"".join(command)
-        if not trips and claim in (data.encode() if isinstance(data, str) else data):
-            marked.add(id(self))
+        if claim in (data.encode() if isinstance(data, str) else data):
+            claiming.add(id(self))
+            if not trips:
+                lose.append(id(self))
+        else:
+            claiming.discard(id(self))
         await send(self, command, *args, **kwargs)
 
     async def reading(self: FastConnection, *args: Any, **kwargs: Any) -> Any:
         try:
             reply = await read(self, *args, **kwargs)
         except ReadOnlyError:
-            trips.append("readonly")
+            if id(self) in claiming:
+                trips.append("readonly")
             raise
-        if id(self) in marked:  # the claims ran; their replies go with the connection
-            marked.clear()
+        if id(self) in lose:  # the claims ran; their replies go with the connection
+            lose.clear()
             trips.append("lost")
-            admin.replicaof("127.0.0.1", free_port())  # a master nobody serves: READONLY
+            admin.replicaof("127.0.0.1", nobody)  # writes refused: READONLY
             await self.disconnect()
             raise RedisConnectionError("Connection closed by server.")
         return reply

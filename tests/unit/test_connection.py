@@ -3,11 +3,14 @@ makes uses jobtier's connections, of the kind its URL names."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
 from redis.asyncio import Redis
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 
 from jobtier.config import Settings
@@ -19,7 +22,9 @@ from jobtier.store.redis import (
     FastSentinelSSLConnection,
     FastSSLConnection,
     FastUnixConnection,
+    _Retry,
     connect,
+    sent_once,
 )
 
 CASES: list[tuple[Any, ...]] = [
@@ -249,3 +254,30 @@ async def test_the_servers_address_is_the_urls(url: str, address: tuple[str, int
         assert await master_address(client) == address
     finally:
         await client.aclose()
+
+
+async def test_a_call_inside_sent_once_is_made_once_and_copies_keep_their_retries() -> None:
+    """Inside ``sent_once`` a failed call is not made again (its failure handler, which drops
+    the connection, still runs); a copy of the retry object made there, as redis-py 5 makes
+    one for each new connection, retries as configured outside it."""
+    retry = _Retry(NoBackoff(), 3)
+    attempts: list[int] = []
+    handled: list[Exception] = []
+
+    async def do() -> None:
+        attempts.append(1)
+        raise RedisConnectionError("Connection closed by server.")
+
+    async def fail(error: Exception) -> None:
+        handled.append(error)
+
+    with sent_once():
+        made_inside = copy.deepcopy(retry)
+        with pytest.raises(RedisConnectionError):
+            await retry.call_with_retry(do, fail)
+    assert len(attempts) == 1 and len(handled) == 1
+    for r in (retry, made_inside):
+        attempts.clear()
+        with pytest.raises(RedisConnectionError):
+            await r.call_with_retry(do, fail)
+        assert len(attempts) == 4  # once, then 3 retries

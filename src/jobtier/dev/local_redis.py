@@ -24,7 +24,8 @@ log = logging.getLogger("jobtier.dev")
 
 LOCAL_CONF = "redis.local.conf"  # optional, in the data folder: the user's own settings
 SECRETS_CONF = "redis.secrets.conf"  # written at each start: the passwords among its options
-SECRET_OPTIONS = ("requirepass", "masterauth")
+# and the ACL users given at start (``user``: their passwords among its words)
+SECRET_OPTIONS = ("requirepass", "masterauth", "user")
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + this (the bus)
 
 
@@ -62,6 +63,20 @@ def wait_port(
         except OSError:
             time.sleep(0.02)
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout}s")
+
+
+def conf_quoted(value: Any) -> str:
+    """``value`` as one word of a redis.conf line: double-quoted, with a backslash before a
+    quote or a backslash and anything else not printable ASCII (a newline) as \\xHH."""
+    out = []
+    for ch in str(value):
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch.isascii() and ch.isprintable():
+            out.append(ch)
+        else:
+            out.extend(f"\\x{b:02x}" for b in ch.encode())
+    return '"' + "".join(out) + '"'
 
 
 def write_private(path: Path, text: str) -> Path:
@@ -135,11 +150,11 @@ class LocalRedis:
         return self.folder / "redis.pid"
 
     def _secrets_file(self, secret: dict[str, Any]) -> Path:
-        """``secret`` options written to a file of the data folder, in redis.conf's quoting."""
+        """``secret`` options written to a file of the data folder (a tuple: its words)."""
         lines = []
         for name, value in secret.items():
-            quoted = str(value).replace("\\", "\\\\").replace('"', '\\"')
-            lines.append(f'{name} "{quoted}"\n')
+            values = value if isinstance(value, tuple) else (value,)
+            lines.append(" ".join([name, *map(conf_quoted, values)]) + "\n")
         return write_private(self.folder / SECRETS_CONF, "".join(lines))
 
     @property

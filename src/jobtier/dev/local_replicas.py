@@ -21,6 +21,7 @@ import redis as syncredis
 from jobtier.dev.local_redis import (
     CLUSTER_BUS_OFFSET,
     LocalRedis,
+    conf_quoted,
     connect_to,
     free_port,
     redis_server_binary,
@@ -407,6 +408,9 @@ class LocalSentinels:
     def _start_sentinel(self, i: int, port: int) -> subprocess.Popen[bytes]:
         folder = self.folder / f"sentinel{i}"
         folder.mkdir(parents=True, exist_ok=True)
+        # its own folder only: a sentinel rewrites its file at start (umask's mode), and the
+        # file holds the master's password
+        folder.chmod(0o700)
         conf = folder / "sentinel.conf"  # a sentinel rewrites its file: it must be its own
         master = self.served[self.nodes[0].port]
         tls = ""
@@ -414,7 +418,7 @@ class LocalSentinels:
             options = self.tls.server_options(self.sentinel_tls_ports[i])
             tls = "".join(f"{name} {value}\n" for name, value in options.items())
         password = self.nodes[0].password
-        auth = f"sentinel auth-pass {self.name} {password}\n" if password else ""
+        auth = f"sentinel auth-pass {self.name} {conf_quoted(password)}\n" if password else ""
         write_private(
             conf,
             f"port {port}\nbind 127.0.0.1\ndir {folder}\nprotected-mode no\n"

@@ -101,16 +101,21 @@ _SEND_ONCE: contextvars.ContextVar[bool] = contextvars.ContextVar("send_once", d
 
 
 class _Retry(Retry):
-    """redis-py's retries, but none inside ``sent_once()``: its loop asks ``_retries`` after
-    each failure."""
+    """redis-py's retries, but none inside ``sent_once()``: the call is made once, and on a
+    failure its connection is dropped (the library's failure handler) and the error raised.
+    A behaviour of the call, not a field: redis-py (5.x) gives each new connection a deep
+    copy of its pool's retry object, which must not keep what was read inside."""
 
-    @property
-    def _retries(self) -> int:
-        return 0 if _SEND_ONCE.get() else self._configured
-
-    @_retries.setter
-    def _retries(self, value: int) -> None:
-        self._configured = value
+    async def call_with_retry(self, do: Any, fail: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _SEND_ONCE.get():
+            return await super().call_with_retry(do, fail, *args, **kwargs)
+        try:
+            return await do()
+        except self._supported_errors as error:
+            # (redis-py 6+ may ask for the failure count: its handler's second argument)
+            counted = kwargs.get("with_failure_count", args[1] if len(args) > 1 else False)
+            await (fail(error, 1) if counted else fail(error))
+            raise
 
 
 @contextlib.contextmanager
