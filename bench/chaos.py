@@ -565,7 +565,8 @@ def recovery(
 
 
 PERSISTER_EVENTS = (
-    "postgres_unavailable", "redis_unavailable", "batch_failed", "flush_failed", "loop_failed",
+    "postgres_unavailable", "redis_unavailable", "redis_refused", "batch_failed", "flush_failed",
+    "loop_failed",
     "entries_claimed", "dead_consumers_removed",
 )  # fmt: skip
 

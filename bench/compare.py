@@ -112,6 +112,11 @@ NO_BY_STATE = f"{PERSIST}-no-by-state"
 HOLD = f"{PERSIST}-hold"
 # (--persister-env NAME=VALUE,...) the same, its persister run with these settings
 PERSIST_ENV = f"{PERSIST}-env"
+# what the bench gives the persister itself (PersistHook.start)
+BENCH_SETS = frozenset(
+    {"JOBTIER_REDIS_URL", "JOBTIER_DATABASE_URL", "JOBTIER_SHARDS", "JOBTIER_REDIS_REQUIRE_AOF",
+     "JOBTIER_LOG_LEVEL"}
+)  # fmt: skip
 BY_STATE_TRIGGERS = ("jobs_by_state_inserted", "jobs_by_state_updated", "jobs_by_state_deleted")
 LAG_SAMPLE = 0.05  # s between write-behind lag samples
 SYSTEMS = ("jobtier", "bullmq", "saq", "arq", "celery", "rq", "dramatiq")
@@ -215,6 +220,11 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
             f"transition to a durable Postgres (fsync on){collated} on this machine during the "
             "run",
         )
+    if args.inherited_env:  # every jobtier process reads them: said of each jobtier system
+        shell = ", ".join(f"`{k}={v}`" for k, v in sorted(args.inherited_env.items()))
+        for name, s in list(known.items()):
+            if name == "jobtier" or name in args.persist_systems:
+                known[name] = System(s.name, s.label, f"{s.config}; from the shell: {shell}")
     if args.baseline:
         known[BASELINE] = System(
             BASELINE, f"jobtier at `{args.baseline}`",
@@ -1074,6 +1084,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         k.startswith("JOBTIER_") for k in args.persister_env
     ):
         p.error("--persister-env takes JOBTIER_NAME=VALUE assignments, comma-separated")
+    if set_here := sorted(set(args.persister_env) & BENCH_SETS):
+        p.error(f"--persister-env: the bench sets {', '.join(set_here)} itself")
+    # settings every jobtier process here reads from the shell (shown in the report)
+    args.inherited_env = {k: v for k, v in os.environ.items() if k.startswith("JOBTIER_")}
     if args.persister:
         args.persist_systems = {
             PERSIST: args.collations[0],

@@ -17,6 +17,7 @@ from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.persist import batch as batch_module
+from jobtier.persist import persister as persister_module
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store.redis import connect
@@ -321,10 +322,41 @@ async def test_a_batch_refused_for_one_entry_is_halved_down_to_it(
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
     assert persister.stats.parked == 1 and await redis.xlen(keys.log_refused(3)) == 1
     assert await lag(redis, keys) == (0, 0.0)
-    # one batch of every entry, refused, then two halves a level down to the bad one alone:
-    # 1 + 2 * ceil(log2(301)) = 19 at most (it was 1 + 301)
-    assert commits[0] == n and len(commits) <= 1 + 2 * math.ceil(math.log2(n)), commits
-    assert sum(commits[1:]) < 2 * n  # a level writes at most half of the level above
+    # one batch of every entry, refused, then two halves a level down to ALONE entries, then
+    # each of those: 1 + 2 * ceil(log2(301 / 4)) + 4 = 19 at most (it was 1 + 301)
+    halvings = 1 + 2 * math.ceil(math.log2(n / persister_module.ALONE))
+    assert commits[0] == n and len(commits) <= halvings + persister_module.ALONE, commits
+    # a level writes at most half of the level above, rounded up
+    assert sum(commits[1:]) <= 2 * n + math.ceil(math.log2(n)), commits
+
+
+async def test_a_batch_holds_at_most_its_bytes_whatever_its_count(
+    pg_settings: Settings,
+    redis: Any,
+    redis_as_jobtier: Any,
+    pg_pool: Pool,
+    keys: Keys,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Entries with large payloads are written in batches of at most ``BATCH_BYTES`` (a
+    batch of one entry excepted), however many the batch size allows."""
+    monkeypatch.setattr(persister_module, "BATCH_BYTES", 20_000)
+    job_ids = await simple_jobs(redis, keys, 30, pad=3_000)  # submits of over 3 KB each
+    persister = Persister(
+        pg_settings.replace(persist_batch_size=1000), redis_as_jobtier, pg_pool, "p1"
+    )
+    sizes: list[tuple[int, int]] = []  # (entries, bytes) of each transaction
+    write = persister.persist
+
+    async def measured(entries: Sequence[LogEntry], rows: Any = None) -> None:
+        sizes.append((len(entries), sum(persister_module._size(e) for e in entries)))
+        await write(entries, rows)
+
+    persister.persist = measured  # type: ignore[method-assign]
+    assert await persister.drain() == 90
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    assert len(sizes) > 4 and sum(n for n, _ in sizes) == 90, sizes
+    assert all(size <= 20_000 or n == 1 for n, size in sizes), sizes
 
 
 async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(

@@ -141,12 +141,12 @@ async def test_a_persister_stopping_writes_the_rows_it_holds(
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)
 
 
-async def test_a_batch_refused_for_its_data_writes_the_rows_it_would_hold_entry_by_entry(
+async def test_a_batch_refused_for_its_data_writes_the_rows_it_would_hold_in_parts(
     pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
 ) -> None:
-    """A batch Postgres refuses for one entry's data is written again entry by entry: the
-    entries of the rows it would hold, and of the holds they joined, go with it, each with
-    its own row, and nothing stays held."""
+    """A batch Postgres refuses for one entry's data is written again in parts (halves, down
+    to the bad entry alone): the entries of the rows it would hold, and of the holds they
+    joined, go with it, with their rows, and nothing stays held."""
     persister = Persister(holding(pg_settings, 60), redis_as_jobtier, pg_pool, "p1")
     ids, claims = await submitted_and_claimed(redis, keys, persister)
 
@@ -176,7 +176,7 @@ async def test_a_batch_refused_for_its_data_writes_the_rows_it_would_hold_entry_
         return persister.stats.parked == 1 and not persister._inflight
 
     await wait_for(lambda: stepped(refused), 60)
-    # written entry by entry at once: nothing held (the hold is a minute), nothing pending
+    # written in parts at once: nothing held (the hold is a minute), nothing pending
     assert len(persister.holding) == 0 and await lag(redis, keys) == (0, 0.0)
     assert sorted(await states(pg_pool)) == ["queued"] + ["scheduled"] * N
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)

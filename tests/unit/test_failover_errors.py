@@ -10,10 +10,12 @@ import orjson
 import pytest
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
     ClusterDownError,
     ClusterError,
     MasterDownError,
     MovedError,
+    NoPermissionError,
     ReadOnlyError,
     RedisClusterException,
     ResponseError,
@@ -241,7 +243,9 @@ async def test_a_connection_closed_under_a_call_is_answered_without_a_server_tra
             ResponseError("WRONGTYPE Operation against a key holding the wrong kind"),
             "redis_refused",
         ),
-        (ResponseError("NOGROUP No such key or consumer group"), "redis_refused"),
+        (ResponseError("NOGROUP No such key or consumer group"), "redis_unavailable"),
+        (AuthenticationError("WRONGPASS invalid username-password pair"), "redis_refused"),
+        (NoPermissionError("NOPERM this user has no permissions"), "redis_refused"),
         (ResponseError("LOADING Redis is loading the dataset in memory"), "redis_unavailable"),
         (ResponseError("CLUSTERDOWN The cluster is down"), "redis_unavailable"),
         (ClusterDownError("The cluster is down"), "redis_unavailable"),

@@ -181,7 +181,7 @@ def test_a_batch_joining_a_hold_of_an_older_row_brings_its_newer_row() -> None:
     c, later = claim(A), entry(A, 3, "running", "running")
     x = holding.take([c], now=0.0)
     a = holding.take([later], now=0.1)
-    holding.take([], now=1.0)  # B: released the v3 row, then written entry by entry
+    holding.take([], now=1.0)  # B: released the v3 row, then written in parts
     holding.committed(x, now=1.1)
     holding.committed(a, now=1.2)
     out = holding.take([], now=2.1)

@@ -9,7 +9,7 @@ from typing import Any
 
 _SUBSECOND = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5)
 SECONDS_BUCKETS = (*_SUBSECOND, 1, 2.5, 5, 10, 30, 60, 300, 1800, 3600)
-SIZE_BUCKETS = (1, 10, 50, 100, 250, 500, 1000, 2000, 5000)
+SIZE_BUCKETS = (1, 10, 50, 100, 250, 500, 1000, 2000, 5000, 10000)
 
 
 class Histogram:

@@ -69,6 +69,10 @@ class Outcome(NamedTuple):
 
 
 READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
+# most bytes of documents, payloads and results in one batch, whatever its count: a batch of
+# jobs with large payloads or results is written in several (memory, the transaction's size)
+BATCH_BYTES = 32 * 1024 * 1024
+ALONE = 4  # a part of a refused batch this small is written entry by entry (_isolate)
 TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries
 FORGET_IDLE_MIN = 120.0  # least idle time (s) of a member forgotten (and 4x the claim idle)
 
@@ -119,6 +123,7 @@ class Persister:
             refused=[keys.log_refused(s) for s in range(keys.shards)],
         )
         self._buffer: list[LogEntry] = []
+        self._buffered = 0  # their bytes (``_size``)
         # (shard, id) buffered, being written, or waiting for its job's held row (holding.py)
         self._taken: set[tuple[int, bytes]] = set()
         # live jobs' rows held back; their entries stay pending meanwhile, so not so long that
@@ -208,18 +213,18 @@ class Persister:
         self._reap()
         if self.consumer.acks:
             await self._ack()
-        await self.consumer.claim_due(self.batch_size, self._accept)
-        more = await self._read() if len(self._buffer) < self.batch_size else False
+        await self.consumer.claim_due(self._read_count(), self._accept)
+        more = await self._read() if not self._full() else False
         moved = more
         # nothing buffered, but held rows whose hold ran out: written as a batch of their own
         due = not self._buffer and self.holding.due(time.monotonic())
         if self._buffer or due:
             waited = time.monotonic() - self._first_at if self._buffer else 0.0
-            ready = due or len(self._buffer) >= self.batch_size or waited >= self.interval
+            ready = due or self._full() or waited >= self.interval
             if ready and len(self._inflight) < self.concurrency:
                 self._start_flush()
                 moved = True
-            elif ready and (len(self._buffer) >= self.batch_size or not more):
+            elif ready and (self._full() or not more):
                 # every connection busy: wait for a commit rather than poll Redis in a loop
                 await asyncio.wait(
                     self._inflight, timeout=self.interval, return_when=asyncio.FIRST_COMPLETED
@@ -241,11 +246,11 @@ class Persister:
             await self.consumer.setup()
         before = self.stats.transitions
         try:
-            await self.consumer.claim(self.batch_size, self._accept)
+            await self.consumer.claim(self._read_count(), self._accept)
             while True:
                 self._reap()
                 await self._ack()
-                more = await self._read() if len(self._buffer) < self.batch_size else True
+                more = await self._read() if not self._full() else True
                 # every row written, none held: what is readable now is all in Postgres after
                 pending = self._buffer or self.holding
                 if pending and len(self._inflight) < self.concurrency:
@@ -278,6 +283,7 @@ class Persister:
         if not self._buffer:
             self._first_at = time.monotonic()
         self._buffer.append(entry)
+        self._buffered += _size(entry)
         self._taken.add((shard, entry_id))
         return True
 
@@ -287,6 +293,10 @@ class Persister:
         for shard, entry_id, fields in items:
             self._accept(shard, entry_id, fields)
         return bool(more)
+
+    def _full(self) -> bool:
+        """Does the buffer hold a batch (``batch_size`` entries, or ``BATCH_BYTES``)?"""
+        return len(self._buffer) >= self.batch_size or self._buffered >= BATCH_BYTES
 
     def _read_count(self) -> int:
         """Entries to ask each stream for: the room left in the buffer, spread over them."""
@@ -305,8 +315,16 @@ class Persister:
         """The next batch: up to ``batch_size`` buffered entries, their jobs' rows but those
         held, and the held rows whose hold ran out (every one with ``release_all``)."""
         # what stays behind keeps its _first_at: it has waited at least that long
-        entries = self._buffer[: self.batch_size]
-        del self._buffer[: self.batch_size]
+        n, size = 0, 0
+        for entry in self._buffer[: self.batch_size]:  # at least one, however large
+            size += _size(entry)
+            if n and size > BATCH_BYTES:
+                size -= _size(entry)
+                break
+            n += 1
+        entries = self._buffer[:n]
+        del self._buffer[:n]
+        self._buffered -= size
         return self.holding.take(entries, time.monotonic(), release_all)
 
     def _start_flush(self, release_all: bool = False) -> None:
@@ -455,13 +473,18 @@ class Persister:
 
     async def _isolate(self, entries: Sequence[LogEntry], retry: bool) -> list[LogEntry] | None:
         """A batch was refused for its data: written again in halves, each with its jobs'
-        rows, and a half refused halved again (``_commit``), down to the bad entries alone; the
-        entries written, None when stopped first. One bad entry among n costs about
-        2·log2(n) commits, where entry by entry cost n (a batch of 8,000: 26, not 8,000)."""
+        rows, and a half refused halved again (``_commit``), down to ``ALONE`` entries, then
+        entry by entry; the entries written, None when stopped first. One bad entry among n
+        costs about 2·log2(n) commits, where entry by entry cost n (a batch of 8,000: 26, not
+        8,000); when most are bad, about 1.5·n."""
+        if len(entries) <= ALONE:
+            parts = [[entry] for entry in entries]
+        else:
+            half = (len(entries) + 1) // 2
+            parts = [list(entries[:half]), list(entries[half:])]
         written: list[LogEntry] = []
-        half = (len(entries) + 1) // 2
-        for part in (entries[:half], entries[half:]):
-            done = await self._commit(Batch(list(part), collapse(part)), retry)
+        for part in parts:
+            done = await self._commit(Batch(part, collapse(part)), retry)
             if done is None:
                 return None
             written.extend(done.acks)
@@ -491,3 +514,8 @@ class Persister:
             await acks.flush()
         finally:
             self.stats.parked = acks.parked
+
+
+def _size(entry: LogEntry) -> int:
+    """The bytes of an entry a batch carries (its document, payload and result)."""
+    return len(entry.doc) + len(entry.payload or b"") + len(entry.result or b"")

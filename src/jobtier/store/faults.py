@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from redis.exceptions import (
     AskError,
+    AuthenticationError,
+    AuthorizationError,
     ClusterError,
     MovedError,
+    NoPermissionError,
     ReadOnlyError,
     RedisClusterException,
     ResponseError,
@@ -80,8 +83,16 @@ def connection_closed_under_it(exc: BaseException) -> bool:
 def fault_event(exc: BaseException) -> str:
     """How a long-running loop's log line names a Redis fault: ``redis_refused`` when Redis,
     up, answered with an error of its own that will not pass by itself (out of memory under
-    noeviction, MISCONF: its disk failing its snapshots, a key of a wrong type), for an
-    operator to look at; ``redis_unavailable`` when it is away, loading or failing over."""
-    if isinstance(exc, ResponseError) and not failing_over(exc):
+    noeviction, MISCONF: its disk failing its snapshots, a key of a wrong type, credentials or
+    permissions refused), for an operator to look at; ``redis_unavailable`` when it is away,
+    loading or failing over, or restarted without a stream's consumer group (NOGROUP: the
+    loop makes it again)."""
+    if isinstance(exc, AuthenticationError | AuthorizationError | NoPermissionError):
+        return "redis_refused"
+    if isinstance(exc, ResponseError) and not failing_over(exc) and not _regrouped(exc):
         return "redis_refused"
     return "redis_unavailable"
+
+
+def _regrouped(exc: ResponseError) -> bool:
+    return str(exc).startswith("NOGROUP")
