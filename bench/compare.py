@@ -58,6 +58,7 @@ import argparse
 import asyncio
 import atexit
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -97,7 +98,7 @@ from common import (
 )
 from ratios import median_ratio, per_run_ratios
 
-from jobtier.config import Settings
+from jobtier.config import Settings, env_name
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
 
@@ -220,11 +221,15 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
             f"transition to a durable Postgres (fsync on){collated} on this machine during the "
             "run",
         )
-    if args.inherited_env:  # every jobtier process reads them: said of each jobtier system
-        shell = ", ".join(f"`{k}={v}`" for k, v in sorted(args.inherited_env.items()))
-        for name, s in list(known.items()):
-            if name == "jobtier" or name in args.persist_systems:
-                known[name] = System(s.name, s.label, f"{s.config}; from the shell: {shell}")
+    # every jobtier process reads them: said of each jobtier system, but what it sets itself
+    overrides = {HOLD: {"JOBTIER_PERSIST_HOLD_SECONDS"}, PERSIST_ENV: set(args.persister_env)}
+    for name, s in list(known.items()):
+        if name != "jobtier" and name not in args.persist_systems:
+            continue
+        inherited = sorted(set(args.inherited_env) - overrides.get(name, set()))
+        if inherited:
+            shell = ", ".join(f"`{k}={args.inherited_env[k]}`" for k in inherited)
+            known[name] = System(s.name, s.label, f"{s.config}; from the shell: {shell}")
     if args.baseline:
         known[BASELINE] = System(
             BASELINE, f"jobtier at `{args.baseline}`",
@@ -1086,8 +1091,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--persister-env takes JOBTIER_NAME=VALUE assignments, comma-separated")
     if set_here := sorted(set(args.persister_env) & BENCH_SETS):
         p.error(f"--persister-env: the bench sets {', '.join(set_here)} itself")
-    # settings every jobtier process here reads from the shell (shown in the report)
-    args.inherited_env = {k: v for k, v in os.environ.items() if k.startswith("JOBTIER_")}
+    # settings every jobtier process here reads from the shell (shown in the report, secrets
+    # masked), but those the bench gives them itself
+    secret = {env_name(f) for f in dataclasses.fields(Settings) if f.metadata.get("secret")}
+    args.inherited_env = {
+        k: "***" if k in secret else v
+        for k, v in os.environ.items()
+        if k.startswith("JOBTIER_") and k not in BENCH_SETS
+    }
     if args.persister:
         args.persist_systems = {
             PERSIST: args.collations[0],

@@ -359,6 +359,40 @@ async def test_a_batch_holds_at_most_its_bytes_whatever_its_count(
     assert all(size <= 20_000 or n == 1 for n, size in sizes), sizes
 
 
+async def test_a_drain_takes_over_every_entry_a_dead_member_left(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """A member that read entries and died leaves them pending; a drain takes every one of
+    them over (its claims scan each stream to the end), however small its batches."""
+    job_ids = await simple_jobs(redis, keys, 200)
+    dead = Persister(pg_settings, redis_as_jobtier, pg_pool, "dead")
+    await dead.consumer.setup()
+    taken: list[Any] = []
+    for _ in range(3):  # its own pending entries first (none), then the new ones
+        taken += (await dead.consumer.read(1_000))[1]
+    assert len(taken) == 600  # pending under "dead", never written
+
+    async def all_idle() -> bool:  # idle past the claim time (the dead member's are)
+        for s in range(keys.shards):
+            pending = await redis.xpending_range(
+                keys.log(s), keys.persist_group(), "-", "+", 1_000, idle=200
+            )
+            if len(pending) != len([t for t in taken if t[0] == s]):
+                return False
+        return True
+
+    await wait_for(all_idle)
+    live = Persister(
+        pg_settings.replace(persist_batch_size=64, persist_claim_idle_seconds=0.2),
+        redis_as_jobtier,
+        pg_pool,
+        "live",
+    )
+    assert await live.drain() == 600  # one claim pass of 64 a stream took 256 of them
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    assert await lag(redis, keys) == (0, 0.0)
+
+
 async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys, caplog: Any
 ) -> None:

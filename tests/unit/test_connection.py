@@ -281,3 +281,26 @@ async def test_a_call_inside_sent_once_is_made_once_and_copies_keep_their_retrie
         with pytest.raises(RedisConnectionError):
             await r.call_with_retry(do, fail)
         assert len(attempts) == 4  # once, then 3 retries
+
+
+async def test_sent_once_gives_the_failure_handler_what_it_asks_for() -> None:
+    """redis-py 6+ asks its handler for the failure count (``with_failure_count``); a handler
+    that raises (a WATCH broken by the lost connection) raises through."""
+    retry = _Retry(NoBackoff(), 3)
+    counted: list[int] = []
+
+    async def do() -> None:
+        raise RedisConnectionError("Connection closed by server.")
+
+    async def count(error: Exception, failures: int) -> None:
+        counted.append(failures)
+
+    async def broken(error: Exception) -> None:
+        raise RuntimeError("watch broken") from error
+
+    with sent_once():
+        with pytest.raises(RedisConnectionError):
+            await retry.call_with_retry(do, count, with_failure_count=True)
+        with pytest.raises(RuntimeError, match="watch broken"):
+            await retry.call_with_retry(do, broken)
+    assert counted == [1]

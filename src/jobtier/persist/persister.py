@@ -70,7 +70,9 @@ class Outcome(NamedTuple):
 
 READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
 # most bytes of documents, payloads and results in one batch, whatever its count: a batch of
-# jobs with large payloads or results is written in several (memory, the transaction's size)
+# jobs with large payloads or results is written in several (memory, the transaction's size),
+# and reads ask for what fits at the entries' mean size (_read_count). Held rows a batch
+# releases (JOBTIER_PERSIST_HOLD_SECONDS, off by default) come on top.
 BATCH_BYTES = 32 * 1024 * 1024
 ALONE = 4  # a part of a refused batch this small is written entry by entry (_isolate)
 TRIM_EVERY = 1.0  # seconds between trims of acknowledged entries
@@ -124,6 +126,9 @@ class Persister:
         )
         self._buffer: list[LogEntry] = []
         self._buffered = 0  # their bytes (``_size``)
+        # what an entry is thought to hold: the last batch's mean; before the first, as much
+        # as makes the first read the smallest (READ_MIN a stream), whatever the entries hold
+        self._entry_bytes = BATCH_BYTES / (READ_MIN * keys.shards)
         # (shard, id) buffered, being written, or waiting for its job's held row (holding.py)
         self._taken: set[tuple[int, bytes]] = set()
         # live jobs' rows held back; their entries stay pending meanwhile, so not so long that
@@ -214,6 +219,9 @@ class Persister:
         if self.consumer.acks:
             await self._ack()
         await self.consumer.claim_due(self._read_count(), self._accept)
+        if not self.consumer.swept and not self._full():
+            # a dead member's entries are taken a buffer's room at a time: the rest at once
+            self.consumer.claim_soon()
         more = await self._read() if not self._full() else False
         moved = more
         # nothing buffered, but held rows whose hold ran out: written as a batch of their own
@@ -240,17 +248,22 @@ class Persister:
         return moved
 
     async def drain(self) -> int:
-        """Persist everything readable now (tests, `--burst`): no sleeping, one claim pass;
-        returns the number of entries committed."""
+        """Persist everything readable now (tests, `--burst`): no sleeping, one claim sweep
+        (every stream's pending entries scanned once); returns the number of entries
+        committed."""
         if not self.consumer.ready:
             await self.consumer.setup()
         before = self.stats.transitions
         try:
             await self.consumer.claim(self._read_count(), self._accept)
+            while not self.consumer.swept:
+                await self.consumer.claim(self._read_count(), self._accept)
             while True:
                 self._reap()
                 await self._ack()
                 more = await self._read() if not self._full() else True
+                if more and not self._full():
+                    continue  # a whole batch gathered first, however small the reads
                 # every row written, none held: what is readable now is all in Postgres after
                 pending = self._buffer or self.holding
                 if pending and len(self._inflight) < self.concurrency:
@@ -299,9 +312,14 @@ class Persister:
         return len(self._buffer) >= self.batch_size or self._buffered >= BATCH_BYTES
 
     def _read_count(self) -> int:
-        """Entries to ask each stream for: the room left in the buffer, spread over them."""
-        room = self.batch_size - len(self._buffer)
-        return max(-(-room // self.keys.shards), READ_MIN)
+        """Entries to ask each stream for: the room left in the buffer, in entries and in
+        bytes (at the larger of the last batch's and the buffer's mean entry), spread over
+        them."""
+        entry = self._entry_bytes
+        if self._buffer:
+            entry = max(entry, self._buffered / len(self._buffer))
+        room = min(self.batch_size - len(self._buffer), (BATCH_BYTES - self._buffered) / entry)
+        return max(-(-int(room) // self.keys.shards), READ_MIN)
 
     # --- writing --------------------------------------------------------------------------
     async def persist(
@@ -325,6 +343,8 @@ class Persister:
         entries = self._buffer[:n]
         del self._buffer[:n]
         self._buffered -= size
+        if n:
+            self._entry_bytes = size / n
         return self.holding.take(entries, time.monotonic(), release_all)
 
     def _start_flush(self, release_all: bool = False) -> None:

@@ -193,6 +193,10 @@ class Consumer:
         self._next_claim = now + max(0.05, self.claim_idle_ms / 2000)
         return await self.claim(count, keep)
 
+    def claim_soon(self) -> None:
+        """The next ``claim_due`` claims at once (a scan that stopped part-way goes on)."""
+        self._next_claim = 0.0
+
     @property
     def swept(self) -> bool:
         """Did the last ``claim`` scan every stream's pending entries to the end?"""
