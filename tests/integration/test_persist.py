@@ -393,6 +393,36 @@ async def test_a_drain_takes_over_every_entry_a_dead_member_left(
     assert await lag(redis, keys) == (0, 0.0)
 
 
+async def test_an_entry_written_is_not_taken_again_before_its_xack_is_sent(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """A read of the persister's own pending entries (after its start, a takeover, a failed
+    flush) between a batch's commit and its XACK finds the batch's entries still pending in
+    Redis: it does not take them, nor write them, again (a drain wrote a batch twice so)."""
+    job_ids = await simple_jobs(redis, keys, 50)
+    persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
+    await persister.consumer.setup()
+    while await persister._read():
+        pass
+    assert len(persister._buffer) == 150
+    persister._start_flush()
+    await asyncio.gather(*persister._inflight)  # committed; its XACKs owed, not yet sent
+    persister._reap()
+    persister.consumer.reread()  # our pending entries read again from the start
+    while await persister._read():
+        pass
+    assert persister._buffer == []
+    assert persister.stats.transitions == 150
+    await persister._ack()
+    assert await lag(redis, keys) == (0, 0.0)
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    persister.consumer.reread()  # acknowledged: nothing pending, nothing kept
+    while await persister._read():
+        pass
+    assert persister._buffer == []
+    assert persister._taken == set()
+
+
 async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys, caplog: Any
 ) -> None:

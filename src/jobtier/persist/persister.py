@@ -129,7 +129,8 @@ class Persister:
         # what an entry is thought to hold: the last batch's mean; before the first, as much
         # as makes the first read the smallest (READ_MIN a stream), whatever the entries hold
         self._entry_bytes = BATCH_BYTES / (READ_MIN * keys.shards)
-        # (shard, id) buffered, being written, or waiting for its job's held row (holding.py)
+        # (shard, id) buffered, being written, waiting for its job's held row (holding.py),
+        # or written and its XACK not yet sent: a read must not take it again
         self._taken: set[tuple[int, bytes]] = set()
         # live jobs' rows held back; their entries stay pending meanwhile, so not so long that
         # another persister would take them over
@@ -281,7 +282,7 @@ class Persister:
     # --- reading --------------------------------------------------------------------------
     def _accept(self, shard: int, entry_id: bytes, fields: dict[bytes, bytes] | None) -> bool:
         if (shard, entry_id) in self._taken:
-            return False  # claimed back while we still hold it (a long Postgres outage)
+            return False  # ours still: being written (a long outage), or its XACK not yet sent
         if not fields:  # pending, but trimmed from the stream: nothing left to write
             self.consumer.acks.add(shard, entry_id)
             return False
@@ -395,15 +396,16 @@ class Persister:
         try:
             outcome = await self._commit(batch, retry)
         finally:
-            # committed whole: its held entries join their rows' holds, still ours; else every
-            # entry it took is let go (pending in Redis: read back, or written by the next)
-            kept: set[tuple[int, bytes]] = set()
-            if outcome is not None and not outcome.isolated and batch.held:
+            # Committed, every entry it took is held on (its row's hold, when committed whole),
+            # owed an XACK, or parked: ours until Redis has the XACK (``_ack``), else a read of
+            # our pending entries (after a start, a takeover, a failure) meanwhile would take
+            # it again and write it twice. Not committed, every one is let go (pending in
+            # Redis: read back, or written by the next).
+            if outcome is None:
+                for e in (*batch.entries, *batch.released):
+                    self._taken.discard((e.shard, e.entry_id))
+            elif not outcome.isolated and batch.held:
                 self.holding.committed(batch, time.monotonic())
-                kept = batch.deferred()
-            for e in (*batch.entries, *batch.released, *(outcome.acks if outcome else ())):
-                if (key := (e.shard, e.entry_id)) not in kept:
-                    self._taken.discard(key)
         if outcome is None:  # stopped while Postgres was away: the entries stay pending
             return None
         written, acks = outcome.written, outcome.acks
@@ -441,11 +443,13 @@ class Persister:
                     if len(alone) == 1:
                         self._poisoned(alone[0], exc)
                         return Outcome([], [], isolated=True)
+                    written: list[LogEntry] | None = None
                     try:
                         written = await self._isolate(alone, retry)
-                    finally:  # written, parked, or left pending: no longer held
-                        for e in forgotten:
-                            self._taken.discard((e.shard, e.entry_id))
+                    finally:  # no longer held: left pending, or written or parked (``_ack``)
+                        if written is None:
+                            for e in forgotten:
+                                self._taken.discard((e.shard, e.entry_id))
                     if written is None:
                         return None
                     ids = {id(e) for e in batch.entries}
@@ -529,9 +533,11 @@ class Persister:
 
     async def _ack(self) -> None:
         """Send what Redis is owed: parked copies of refused entries, then XACKs."""
-        acks = self.consumer.acks
+        acks, taken = self.consumer.acks, self._taken
         try:
-            await acks.flush()
+            for shard, ids in (await acks.flush()).items():
+                for entry_id in ids:  # done with: a read may take it again only now
+                    taken.discard((shard, entry_id))
         finally:
             self.stats.parked = acks.parked
 

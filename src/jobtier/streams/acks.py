@@ -57,12 +57,13 @@ class Acks:
         """Owe a copy of this refused entry to ``log:refused`` (with ``error``), then its XACK."""
         self._to_park.setdefault(shard, []).append((entry_id, error[:2000]))
 
-    async def flush(self) -> None:
-        """Park what was refused, then acknowledge everything owed (one pipeline each)."""
+    async def flush(self) -> dict[int, list[bytes]]:
+        """Park what was refused, then acknowledge everything owed (one pipeline each); the
+        ids acknowledged, per shard."""
         if self._to_park:
             await self._park()
         if not self._to_ack:
-            return
+            return {}
         todo, self._to_ack = self._to_ack, {}
         pipe = self.redis.pipeline(transaction=False)
         for shard, ids in todo.items():
@@ -76,6 +77,7 @@ class Acks:
             for shard, ids in todo.items():
                 self._to_ack.setdefault(shard, []).extend(ids)
             raise
+        return todo
 
     async def _park(self) -> None:
         """Copy the refused entries to ``log:refused`` and owe their XACKs."""
