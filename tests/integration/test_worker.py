@@ -4,7 +4,6 @@ retries, timeouts, cancellation, shutdown."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from datetime import datetime
 from typing import Any, cast
 
@@ -268,8 +267,8 @@ async def test_the_claim_for_freed_slots_goes_ahead_of_their_outcomes(queue: Que
     async def spy(calls: Any) -> list[Any]:
         return await spy_on(call_many, calls)
 
-    async def spy_each(calls: Any, once: bool = False) -> list[Any]:
-        return await spy_on(functools.partial(call_many_each, once=once), calls)
+    async def spy_each(calls: Any) -> list[Any]:
+        return await spy_on(call_many_each, calls)
 
     scripts.call_many = spy  # type: ignore[method-assign]
     scripts.call_many_each = spy_each  # type: ignore[method-assign]

@@ -37,11 +37,11 @@ class FailingSecondRound:
         self.scripts = scripts
         self.rounds = 0
 
-    async def call_many_each(self, calls: Sequence[Call], once: bool = False) -> list[Any]:
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
         self.rounds += 1
         if self.rounds == 2:
             raise RedisConnectionError("Connection closed by server.")
-        return await self.scripts.call_many_each(calls, once=once)
+        return await self.scripts.call_many_each(calls)
 
 
 class OneShardDown:
@@ -53,9 +53,9 @@ class OneShardDown:
         self.scripts = scripts
         self.down = down
 
-    async def call_many_each(self, calls: Sequence[Call], once: bool = False) -> list[Any]:
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
         up = [call for call in calls if call[1] != self.down]
-        replies = iter(await self.scripts.call_many_each(up, once=once))
+        replies = iter(await self.scripts.call_many_each(up))
         error = RedisConnectionError("Connection closed by server.")
         return [error if call[1] == self.down else next(replies) for call in calls]
 
@@ -131,9 +131,9 @@ async def test_a_worker_sends_again_the_claim_of_a_shard_whose_reply_was_lost(
     rounds: list[list[Call]] = []
     lost: list[Call] = []
 
-    async def lose_one_reply(calls: Sequence[Call], once: bool = False) -> list[Any]:
+    async def lose_one_reply(calls: Sequence[Call]) -> list[Any]:
         rounds.append(list(calls))
-        replies: list[Any] = await call_many_each(calls, once=once)
+        replies: list[Any] = await call_many_each(calls)
         if not lost:
             for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
                 if parse_claim(call[1], reply).jobs:  # it leased jobs: its reply is lost
@@ -266,9 +266,9 @@ class ClaimReplyLost:
         self.down = down
         self.resent: list[Call] = []
 
-    async def call_many_each(self, calls: Sequence[Call], once: bool = False) -> list[Any]:
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
         run = [call for call in calls if not (self.down and call[1] == self.shard)]
-        sent = await self.scripts.call_many_each(run, once=once)
+        sent = await self.scripts.call_many_each(run)
         replies = dict(zip(map(id, run), sent, strict=True))
         error = RedisConnectionError("Connection closed by server.")
         return [error if call[1] == self.shard else replies[id(call)] for call in calls]
@@ -336,11 +336,11 @@ async def test_a_limited_claim_whose_reply_is_lost_twice_is_sent_again_at_the_ne
     lost: list[Call] = []
     error = RedisConnectionError("Connection closed by server.")
 
-    async def lose_a_claims_replies(calls: Sequence[Call], once: bool = False) -> list[Any]:
+    async def lose_a_claims_replies(calls: Sequence[Call]) -> list[Any]:
         claims = [c for c in calls if c[0] == "claim" and "default" in c[2]]  # the limited's
         if claims:
             rounds.append(claims)
-        replies: list[Any] = await call_many_each(calls, once=once)
+        replies: list[Any] = await call_many_each(calls)
         if not lost:
             for i, (c, reply) in enumerate(zip(calls, replies, strict=True)):
                 if c in claims and parse_claim(c[1], reply).jobs:  # it leased jobs
@@ -523,8 +523,8 @@ def refuse_claims(worker: Worker, which: Callable[[Call], bool]) -> list[Call]:
     def refusing(c: Call) -> bool:
         return c[0] == "claim" and which(c)
 
-    async def refuse(calls: Sequence[Call], once: bool = False) -> list[Any]:
-        replies = iter(await call_many_each([c for c in calls if not refusing(c)], once=once))
+    async def refuse(calls: Sequence[Call]) -> list[Any]:
+        replies = iter(await call_many_each([c for c in calls if not refusing(c)]))
         refused.extend(c for c in calls if refusing(c))
         return [oom if refusing(c) else next(replies) for c in calls]
 

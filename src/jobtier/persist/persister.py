@@ -334,13 +334,15 @@ class Persister:
         """The next batch: up to ``batch_size`` buffered entries, their jobs' rows but those
         held, and the held rows whose hold ran out (every one with ``release_all``)."""
         # what stays behind keeps its _first_at: it has waited at least that long
-        n, size = 0, 0
-        for entry in self._buffer[: self.batch_size]:  # at least one, however large
-            size += _size(entry)
-            if n and size > BATCH_BYTES:
-                size -= _size(entry)
-                break
-            n += 1
+        n, size = len(self._buffer), self._buffered
+        if n > self.batch_size or size > BATCH_BYTES:  # else all of it, as a rule
+            n, size = 0, 0
+            for entry in self._buffer[: self.batch_size]:  # at least one, however large
+                size += _size(entry)
+                if n and size > BATCH_BYTES:
+                    size -= _size(entry)
+                    break
+                n += 1
         entries = self._buffer[:n]
         del self._buffer[:n]
         self._buffered -= size

@@ -395,18 +395,16 @@ async def commands_each(
     redis: RedisClient,
     commands: Sequence[Sequence[Any]],
     key: Callable[[Sequence[Any]], Any] = first_key,
-    *,
-    once: bool = False,
 ) -> list[Any]:
     """The commands' replies in order, an exception in place of a failed command's: one
     pipeline; on a cluster one per node, side by side, each sent once (no retry sleeps in
     the client), so that a node that is down (a master failing over) fails only its own
     commands, at once, and the others' replies come back. A pipeline that failed whole gives
     its error to each of its commands. ``key(command)``: the key it is routed by (None: any
-    node), asked on a cluster only. ``once``: a single server's pipeline too is sent once, its
-    connection's failure its commands' reply (``sent_once``)."""
+    node), asked on a cluster only. Inside ``sent_once`` a single server's pipeline too is
+    sent once, its connection's failure its commands' reply."""
     if not isinstance(redis, RedisCluster):
-        return await _pipeline_each(redis, commands, once)
+        return await _pipeline_each(redis, commands)
     groups = by_node(redis, [key(command) for command in commands])
     parts = await asyncio.gather(
         *(_pipeline_each(redis, [commands[i] for i in at]) for _, at in groups)
@@ -418,17 +416,14 @@ async def commands_each(
     return results
 
 
-async def _pipeline_each(
-    redis: RedisClient, commands: Sequence[Sequence[Any]], once: bool = False
-) -> list[Any]:
+async def _pipeline_each(redis: RedisClient, commands: Sequence[Sequence[Any]]) -> list[Any]:
     pipe = redis.pipeline(transaction=False)
     for command in commands:
         pipe.execute_command(*command)
     try:
         if isinstance(pipe, ClusterPipe):  # one cluster node's commands: no retry sleeps
             return await pipe.execute_once()
-        with sent_once() if once else contextlib.nullcontext():
-            return list(await pipe.execute(raise_on_error=False))
+        return list(await pipe.execute(raise_on_error=False))
     except (RedisError, RedisClusterException) as exc:
         return [exc] * len(commands)
 

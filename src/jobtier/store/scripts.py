@@ -265,12 +265,11 @@ async def run_scripts_each(
     calls: Sequence[tuple[Script, Sequence[Any]]],
     *,
     resend_beside_errors: bool = True,
-    once: bool = False,
 ) -> list[Any]:
     """``run_scripts``, but a failed call's reply is its exception, in its place, and the
     calls refused for want of their script are sent again even beside failed ones (the
-    caller sees each call's outcome); ``resend_beside_errors=False``: not then. ``once``:
-    never sent again by the client library when a connection fails (``redis.sent_once``).
+    caller sees each call's outcome); ``resend_beside_errors=False``: not then. Inside
+    ``redis.sent_once`` never sent again by the client library when a connection fails.
 
     On a cluster the calls go in one pipeline per node, side by side, each sent once (no
     retry sleeps in the client): a node that is down (a master failing over) fails only its
@@ -278,7 +277,7 @@ async def run_scripts_each(
     results: list[Any] = [None] * len(calls)
     todo = list(range(len(calls)))
     for attempt in range(3):
-        replies = await _send(redis, [calls[i] for i in todo], once)
+        replies = await _send(redis, [calls[i] for i in todo])
         retry: list[int] = []
         failed: Exception | None = None
         for i, reply in zip(todo, replies, strict=True):
@@ -307,13 +306,11 @@ async def run_scripts_each(
     return results
 
 
-async def _send(
-    redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]], once: bool = False
-) -> list[Any]:
+async def _send(redis: RedisClient, calls: Sequence[tuple[Script, Sequence[Any]]]) -> list[Any]:
     """The calls' replies in order, an exception in place of a failed call's (``commands_each``:
     one pipeline, one per node of a cluster)."""
     commands = [(*script.command(), *argv) for script, argv in calls]
-    return await commands_each(redis, commands, _routed_by, once=once)
+    return await commands_each(redis, commands, _routed_by)
 
 
 def _routed_by(command: Sequence[Any]) -> Any:
@@ -531,15 +528,12 @@ class Scripts:
             raise reply
         return reply
 
-    async def call_many_each(self, calls: Sequence[Call], *, once: bool = False) -> list[Any]:
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
         """``call_many``, a failed call's reply its exception (``run_scripts_each``): on a
-        cluster, the calls of a node that is down fail, the others' replies come back.
-        ``once``: not sent again by the client library when their connection fails."""
+        cluster, the calls of a node that is down fail, the others' replies come back."""
         by_name = self.by_name
         return await run_scripts_each(
-            self.redis,
-            [(by_name[name], self._argv(shard, args)) for name, shard, args in calls],
-            once=once,
+            self.redis, [(by_name[name], self._argv(shard, args)) for name, shard, args in calls]
         )
 
     async def call_spread(self, calls: Sequence[Call], calls_per_pipeline: int) -> list[Any]:

@@ -20,7 +20,7 @@ Races guarded here:
   next round sends the same calls again, with their claim tokens, and claim.lua answers a
   token it served with the jobs it leased then (store/calls.py claim_call), so they come to
   this worker rather than waiting out their lease, an attempt lost. Claims are sent once by
-  the client library (``once=True``): were it to send them again itself, an error reply to
+  the client library (``sent_once``): were it to send them again itself, an error reply to
   its second send (READONLY, from a master demoted meanwhile) would hide that the first may
   have run.
 """
@@ -37,6 +37,7 @@ from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_any, wait_for
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim
+from jobtier.store.redis import sent_once
 from jobtier.worker.launcher import Launcher
 from jobtier.worker.permits import LimitedQueues, LostClaim
 from jobtier.worker.state import WorkerState
@@ -217,7 +218,8 @@ class Claimer:
         try:
             # each shard's reply on its own: a cluster node that is down (a master failing
             # over) fails its shards' claims, the jobs claimed on the others start at once
-            replies = await self._scripts.call_many_each(calls, once=True)
+            with sent_once():
+                replies = await self._scripts.call_many_each(calls)
         except FAULTS as exc:
             replies = [exc] * len(calls)
         # a failed claim may have run, its reply lost with the connection: sent again as it
@@ -329,7 +331,8 @@ class Claimer:
         # shards' claims, the jobs the others leased start
         try:
             calls = [claim.call for claim in claims]
-            replies = await self._scripts.call_many_each(calls, once=True)
+            with sent_once():
+                replies = await self._scripts.call_many_each(calls)
         except FAULTS as exc:
             replies = [exc] * len(claims)
         state.stats.claim_round_trips += 1
