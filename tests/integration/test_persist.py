@@ -322,6 +322,7 @@ async def test_a_batch_refused_for_one_entry_is_halved_down_to_it(
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
     assert persister.stats.parked == 1 and await redis.xlen(keys.log_refused(3)) == 1
     assert await lag(redis, keys) == (0, 0.0)
+    assert persister._taken == set()  # every entry acknowledged, the parked one too
     # one batch of every entry, refused, then two halves a level down to ALONE entries, then
     # each of those: 1 + 2 * ceil(log2(301 / 4)) + 4 = 19 at most (it was 1 + 301)
     halvings = 1 + 2 * math.ceil(math.log2(n / persister_module.ALONE))
@@ -413,6 +414,7 @@ async def test_an_entry_written_is_not_taken_again_before_its_xack_is_sent(
         pass
     assert persister._buffer == []
     assert persister.stats.transitions == 150
+    assert len(persister._taken) == 150  # ours until Redis has their XACKs
     await persister._ack()
     assert await lag(redis, keys) == (0, 0.0)
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
@@ -443,6 +445,7 @@ async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     assert await persister.drain() == 60
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
     assert persister.stats.bad_entries == 2 and persister.stats.parked == 1
+    assert persister._taken == set()  # the parked one too, once acknowledged
     assert "event=bad_log_entry" in caplog.text and "event=entry_refused" in caplog.text
     assert (await lag(redis, keys))[0] == 1  # the unreadable one, never acknowledged
     assert await redis.xlen(keys.log(1)) == 0  # the refused one no longer holds back trimming

@@ -104,6 +104,7 @@ async def test_a_row_whose_hold_runs_out_is_written(
         await wait_for(lambda: _equals(lag(redis, keys), (0, 0.0)), 60)
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)
     assert persister.holding.collapsed == 0 and len(persister.holding) == 0
+    assert persister._taken == set()  # every entry acknowledged: none kept from a read
 
 
 async def test_a_persister_that_dies_holding_rows_leaves_their_entries_to_the_next(
@@ -138,6 +139,7 @@ async def test_a_persister_stopping_writes_the_rows_it_holds(
         assert len(persister.holding) == N
     assert await states(pg_pool) == ["running"] * N
     assert await lag(redis, keys) == (0, 0.0)
+    assert persister._taken == set()
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)
 
 
@@ -178,6 +180,7 @@ async def test_a_batch_refused_for_its_data_writes_the_rows_it_would_hold_in_par
     await wait_for(lambda: stepped(refused), 60)
     # written in parts at once: nothing held (the hold is a minute), nothing pending
     assert len(persister.holding) == 0 and await lag(redis, keys) == (0, 0.0)
+    assert persister._taken == set()  # the parked entry too
     assert sorted(await states(pg_pool)) == ["queued"] + ["scheduled"] * N
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)
 

@@ -60,10 +60,6 @@ class Batch:
             return [*self.entries, *self.released]
         return [e for e in self.entries if e.status.id not in self.held] + self.released
 
-    def deferred(self) -> set[tuple[int, bytes]]:
-        """(shard, id) of its entries whose rows it holds: acknowledged with a later batch."""
-        return {(e.shard, e.entry_id) for _, held in self.held.values() for e in held}
-
 
 def merge(old: JobRow, new: JobRow) -> JobRow:
     """One row from two of a job's collapsed rows, as ``collapse`` folds entries: the newer

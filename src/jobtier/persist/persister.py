@@ -135,7 +135,7 @@ class Persister:
         # live jobs' rows held back; their entries stay pending meanwhile, so not so long that
         # another persister would take them over
         self.holding = Holding(min(settings.persist_hold_seconds, idle / 2))
-        self._inflight: set[asyncio.Task[None]] = set()  # flushes being committed
+        self._inflight: dict[asyncio.Task[None], Batch] = {}  # flushes being committed
         self._first_at = 0.0  # when the oldest buffered entry was read
         self._next_trim = 0.0
         self._explain = Unforeseen(log)  # a traceback once per error class
@@ -351,14 +351,14 @@ class Persister:
         return self.holding.take(entries, time.monotonic(), release_all)
 
     def _start_flush(self, release_all: bool = False) -> None:
-        task = asyncio.create_task(self._flush(self._take(release_all)))
-        self._inflight.add(task)
+        batch = self._take(release_all)
+        self._inflight[asyncio.create_task(self._flush(batch))] = batch
 
     def _reap(self) -> None:
         """Forget finished flushes. One that failed (a bug of ours: its retries are inside it)
         is logged and counted, and its entries read back from our pending ones."""
         for task in [t for t in self._inflight if t.done()]:
-            self._inflight.discard(task)
+            del self._inflight[task]
             if task.cancelled():
                 continue
             exc = task.exception()
@@ -369,9 +369,13 @@ class Persister:
 
     def _cancel_flushes(self) -> None:
         # a cancelled flush either committed (its entries stay pending: replayed harmlessly
-        # later) or did not (they stay pending: written later)
-        for task in self._inflight:
-            task.cancel()
+        # later) or did not (they stay pending: written later); ours no more either way (one
+        # cancelled before it began never reaches _write's own letting go)
+        for task, batch in self._inflight.items():
+            if not task.done():
+                task.cancel()
+                for e in (*batch.entries, *batch.released):
+                    self._taken.discard((e.shard, e.entry_id))
         self._inflight.clear()
 
     async def _flush(self, batch: Batch, retry: bool = True) -> None:
