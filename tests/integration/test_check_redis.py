@@ -252,6 +252,46 @@ async def test_a_process_starting_before_its_cluster_waits_for_it(
         cluster.stop()
 
 
+async def test_a_cluster_a_master_says_is_not_ok_is_waited_for(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every node answers and the slots the client learns cover every one, but a master's
+    CLUSTER INFO says the cluster is not ok (it gave up a slot; a master that lost sight of
+    most others says so too): start-up waits, naming that master, until it is ok again."""
+    monkeypatch.setattr(fitness, "STARTUP_PATIENCE", 600.0)  # the waits below bound it
+    cluster = LocalCluster(tmp_path / "cluster", masters=3).start()
+    other = cluster.nodes[1]  # not the node the client learns the slots from
+    admin = syncredis.Redis(port=other.port)
+    connecting: asyncio.Task[Store] | None = None
+    try:
+        slots = admin.execute_command("CLUSTER", "SLOTS")
+        slot = next(start for start, _, (_, port, *_), *_ in slots if port == other.port)
+        admin.execute_command("CLUSTER", "DELSLOTS", slot)
+        wait_until(
+            lambda: b"cluster_state:fail" in admin.execute_command("CLUSTER", "INFO"),
+            "the master to say the cluster is not ok",
+        )
+        settings = Settings.from_env({}, redis_url=cluster.url, redis_cluster=True)
+        with caplog.at_level(logging.WARNING, logger="jobtier.redis"):
+            connecting = asyncio.create_task(Store.connect(settings))
+            await wait_for(lambda: "cluster_state is not ok on" in caplog.text, timeout=60)
+            assert not connecting.done()
+            assert f"127.0.0.1:{other.port}" in caplog.text  # the master that says so
+            admin.execute_command("CLUSTER", "ADDSLOTS", slot)
+            store = await asyncio.wait_for(connecting, 120)
+        try:
+            await store.redis.set("probe", 1)
+            assert await store.redis.get("probe") == b"1"
+        finally:
+            await store.close()
+    finally:
+        if connecting is not None:
+            connecting.cancel()
+            await asyncio.gather(connecting, return_exceptions=True)
+        admin.close()
+        cluster.stop()
+
+
 async def test_a_cluster_that_never_answers_is_a_configuration_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
