@@ -11,6 +11,7 @@ import logging
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis as syncredis
@@ -261,7 +262,7 @@ async def test_a_cluster_a_master_says_is_not_ok_is_waited_for(
     monkeypatch.setattr(fitness, "STARTUP_PATIENCE", 600.0)  # the waits below bound it
     cluster = LocalCluster(tmp_path / "cluster", masters=3).start()
     other = cluster.nodes[1]  # not the node the client learns the slots from
-    admin = syncredis.Redis(port=other.port)
+    admin: Any = syncredis.Redis(port=other.port)  # (execute_command is untyped)
     connecting: asyncio.Task[Store] | None = None
     try:
         slots = admin.execute_command("CLUSTER", "SLOTS")
