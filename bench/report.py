@@ -133,6 +133,7 @@ CHOSEN: dict[str, str] = {
     "compare-redesign": "the newest jobtier set (against its code at 4ffac07; no peer)",
     "compare-09141d0-sameday": "the code before e03ddc5's worker changes, measured in the same spell as the four compare-e03ddc5 sets: their baseline (the spell's lag was longer than the days' before, for both)",
     "compare-e03ddc5": "four sets at e03ddc5 (with -2, -3, -4), in a spell whose lag was longer for the code before too (compare-09141d0-sameday)",
+    "compare-fa159c5-batch4000": "the default batch (8,000) against 4,000 (--persister-env), in the same runs: 4,000 took more write-behind CPU (129 against 112 us a job), 0.95x end to end, and no shorter lag (p99 800 against 785 ms)",
     "compare-adf1865-batch": "the persister's default batch (8,000 transitions) against the old (2,000, --persister-env), in the same runs: 0.84 of the write-behind's CPU, 1.02x end to end, lag p50 346 against 434 ms but p99 711 against 606",
     "compare-843e831": "the headline: two sets (with -2) at this code, in a quick spell of the host, nothing else running",
     "compare-32cc665": "two sets (with -2) before a written entry stayed the persister's until its XACK and claims were wrapped in sent_once, in a slow spell of the host (absolute figures about a third lower than the compare-3156885 sets', 25 minutes before; the ratios held)",
