@@ -95,6 +95,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobtierRun]:
             os.environ["PYTHONPATH"] = saved
     try:
         started.wait_ready()
+        started.wait_tasks("echo", "sleep", "fetch", "merge", "publish")
         yield started
     finally:
         started.stop()

@@ -59,6 +59,7 @@ def start(runs: list[JobtierRun], data: Path, log: Path, *args: str, **ports: in
 
 
 def submit(run: JobtierRun, type: str, payload: object) -> str:
+    run.wait_tasks(type)  # (the run's worker may advertise it after the API is ready)
     auth = {"authorization": f"Bearer {run.tenant_key()}"}
     reply = httpx.post(f"{run.base}/v1/jobs", json={"type": type, "payload": payload}, headers=auth)
     assert reply.status_code == 202, reply.text
