@@ -8,6 +8,7 @@ pid, not by port.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -107,10 +108,7 @@ class JobtierRun:
         """Until the API knows ``types`` from its worker's advert (``GET /v1/admin/tasks``):
         it refuses a job of a task no worker runs, and the worker of ``jobtier run`` may
         advertise its tasks after the API is ready (its process pool starting first, say)."""
-        import json
-
-        keys = json.loads((self.data / "dev-keys.json").read_text())
-        auth = {"authorization": f"Bearer {keys['admin_key']}"}
+        auth = {"authorization": f"Bearer {self.keys()[1]}"}
 
         def known() -> bool:
             reply = httpx.get(f"{self.base}/v1/admin/tasks", headers=auth)
@@ -129,10 +127,13 @@ class JobtierRun:
         postmaster = int(self.field("local_postgres_started", "pid"))
         return [redis, postmaster, *children(postmaster)]
 
-    def tenant_key(self) -> str:
-        import json
+    def keys(self) -> tuple[str, str]:
+        """(the tenant's key, the admin key) the run made (dev-keys.json)."""
+        keys = json.loads((self.data / "dev-keys.json").read_text())
+        return str(keys["tenant_key"]), str(keys["admin_key"])
 
-        return str(json.loads((self.data / "dev-keys.json").read_text())["tenant_key"])
+    def tenant_key(self) -> str:
+        return self.keys()[0]
 
     def exit_code(self) -> int:
         try:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import inspect
-import json
 import os
 import re
 import shutil
@@ -102,11 +101,6 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[JobtierRun]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _keys(run: JobtierRun) -> tuple[str, str]:
-    keys = json.loads((run.data / "dev-keys.json").read_text())
-    return str(keys["tenant_key"]), str(keys["admin_key"])
-
-
 def _local(code: str, run: JobtierRun) -> str:
     """The block with ``make run``'s addresses replaced by the run's."""
     return (
@@ -122,7 +116,7 @@ def run_database_url(run: JobtierRun) -> str:
 
 
 def _job(run: JobtierRun) -> str:
-    tenant, _ = _keys(run)
+    tenant, _ = run.keys()
     reply = httpx.post(
         f"{run.base}/v1/jobs",
         json={"type": "sleep", "payload": {"seconds": 1}},
@@ -151,7 +145,7 @@ def _script(block: Block, run: JobtierRun, job_id: str) -> str:
 
 
 def _run_sh(block: Block, run: JobtierRun, tmp_path: Path) -> None:
-    tenant, admin = _keys(run)
+    tenant, admin = run.keys()
     bin_dir = Path(sys.executable).parent
     (tmp_path / ".venv").symlink_to(bin_dir.parent)  # the tour's `.venv/bin/jobtier`
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")}
@@ -182,7 +176,7 @@ def _run_sh(block: Block, run: JobtierRun, tmp_path: Path) -> None:
 
 
 def _run_python(block: Block, run: JobtierRun) -> None:
-    tenant, _ = _keys(run)
+    tenant, _ = run.keys()
     namespace: dict[str, Any] = {"__name__": "docs_server_block", "api_key": tenant}
     code = compile(
         _local(block.code, run), block.where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT

@@ -52,6 +52,15 @@ def big_aof(server: LocalRedis) -> None:
     client.close()
 
 
+async def probe_and_close(store: Store) -> None:
+    """The store writes and reads a key; then it is closed."""
+    try:
+        await store.redis.set("probe", 1)
+        assert await store.redis.get("probe") == b"1"
+    finally:
+        await store.close()
+
+
 def one_node_cluster(server: LocalRedis) -> None:
     """Every slot on ``server``, a cluster node, once its cluster says it is ok."""
     with syncredis.Redis(port=server.port) as admin:
@@ -239,11 +248,7 @@ async def test_a_process_starting_before_its_cluster_waits_for_it(
             assert not connecting.done()
             await asyncio.to_thread(cluster.start)
             store = await asyncio.wait_for(connecting, 120)
-        try:
-            await store.redis.set("probe", 1)
-            assert await store.redis.get("probe") == b"1"
-        finally:
-            await store.close()
+        await probe_and_close(store)
         # each try says why, in redis-py's words
         assert "Redis Cluster cannot be connected" in caplog.text
         assert not [r for r in caplog.records if r.exc_info]
@@ -280,11 +285,7 @@ async def test_a_cluster_a_master_says_is_not_ok_is_waited_for(
             assert f"127.0.0.1:{other.port}" in caplog.text  # the master that says so
             admin.execute_command("CLUSTER", "ADDSLOTS", slot)
             store = await asyncio.wait_for(connecting, 120)
-        try:
-            await store.redis.set("probe", 1)
-            assert await store.redis.get("probe") == b"1"
-        finally:
-            await store.close()
+        await probe_and_close(store)
     finally:
         if connecting is not None:
             connecting.cancel()
