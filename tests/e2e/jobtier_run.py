@@ -104,20 +104,6 @@ class JobtierRun:
 
         wait_until(ready, "jobtier run ready")
 
-    def wait_tasks(self, *types: str) -> None:
-        """Until the API knows ``types`` from its worker's advert (``GET /v1/admin/tasks``):
-        it refuses a job of a task no worker runs, and the worker of ``jobtier run`` may
-        advertise its tasks after the API is ready (its process pool starting first, say)."""
-        auth = {"authorization": f"Bearer {self.keys()[1]}"}
-
-        def known() -> bool:
-            reply = httpx.get(f"{self.base}/v1/admin/tasks", headers=auth)
-            return reply.status_code == 200 and set(types) <= {
-                t["type"] for t in reply.json()["tasks"]
-            }
-
-        wait_until(known, f"the tasks {', '.join(types)} advertised")
-
     def wait_logged(self, event: str) -> None:
         wait_until(lambda: event in self.events(), f"{event} logged")
 

@@ -59,7 +59,6 @@ def start(runs: list[JobtierRun], data: Path, log: Path, *args: str, **ports: in
 
 
 def submit(run: JobtierRun, type: str, payload: object) -> str:
-    run.wait_tasks(type)  # (the run's worker may advertise it after the API is ready)
     auth = {"authorization": f"Bearer {run.tenant_key()}"}
     reply = httpx.post(f"{run.base}/v1/jobs", json={"type": type, "payload": payload}, headers=auth)
     assert reply.status_code == 202, reply.text
@@ -100,6 +99,42 @@ def test_run_serves_the_demo_and_stops_cleanly(
     assert run.exit_code() == 0, run.text()[-3000:]
     assert_gone(servers)
     assert "local_redis_reused" not in run.events()
+
+
+SLOW_START = """
+import asyncio
+
+from jobtier.demo import *  # noqa: F403  (echo, sleep, fail, cpu)
+from jobtier.persist.results import PostgresResultStore
+
+_connect = PostgresResultStore.connect.__func__
+
+
+async def _slowly(cls, database_url):  # the worker's results reader, opened at its start
+    await asyncio.sleep(3)
+    return await _connect(cls, database_url)
+
+
+PostgresResultStore.connect = classmethod(_slowly)
+"""
+
+
+def test_the_api_serves_once_the_worker_has_advertised_its_tasks(
+    data: Path, tmp_path: Path, runs: list[JobtierRun], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a worker slow to open its stores (3 s): the API it would advertise its tasks to is
+    # not served before, so a job submitted as soon as it answers is taken, not refused
+    # with 422 "no worker runs task"
+    (tmp_path / "slow_start.py").write_text(SLOW_START)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    )
+    run = start(runs, data, tmp_path / "run.log", "--tasks", "slow_start")
+    run.wait_ready()
+    job = submit(run, "echo", "at once")
+    wait_until(lambda: state(run, job) == "succeeded", "the job succeeds")
+    wait_until(lambda: "jobtier is running" in run.text(), "the banner")
+    assert run.text().index("event=worker_started ") < run.text().index("jobtier is running")
 
 
 @pytest.mark.parametrize("how", ["SIGTERM twice", "SIGINT twice", "SIGHUP"])

@@ -280,12 +280,15 @@ async def run_all(
                 asyncio.create_task(scheduler.run(), name="scheduler"),
                 asyncio.create_task(persister.run(), name="persister"),
                 asyncio.create_task(dispatcher.run(), name="dispatcher"),
-                asyncio.create_task(_serve_api(server, settings), name="api"),
             ]
-            while not server.started and not runs[-1].done():  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-            if server.started:
-                _welcome(settings)
+            # the API once the worker has advertised its tasks: a job submitted as soon as
+            # the API answers is one the API knows a worker for (else 422)
+            if await _worker_started(worker, runs[0]) and not server.should_exit:
+                runs.append(asyncio.create_task(_serve_api(server, settings), name="api"))
+                while not server.started and not runs[-1].done():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+                if server.started:
+                    _welcome(settings)
             for task in asyncio.as_completed(runs):
                 try:
                     await task
@@ -299,6 +302,16 @@ async def run_all(
             async with asyncio.timeout(10):
                 await pool.close()
     return 1 if failed else 0
+
+
+async def _worker_started(worker: Worker, run: asyncio.Task[object]) -> bool:
+    """Until ``worker`` has started (True) or its run has ended, a failure or a stop (False)."""
+    started = asyncio.create_task(worker.started.wait())
+    try:
+        await asyncio.wait({started, run}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        started.cancel()
+    return worker.started.is_set() and not run.done()
 
 
 async def _serve_api(server: EmbeddedServer, settings: Settings) -> None:

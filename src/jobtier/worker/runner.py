@@ -80,6 +80,9 @@ class Worker:
         # act on cancel pushes (False: learn of requests at heartbeats only)
         self.cancel_push = cancel_push
         self.stuck = 0  # after run(): tasks and threads that did not end when asked (see stop)
+        # set once run() has opened its stores and advertised its tasks: the API then knows
+        # them (``jobtier run`` serves its API from then on)
+        self.started = asyncio.Event()
 
     @property
     def stats(self) -> WorkerStats:
@@ -186,6 +189,7 @@ class Worker:
         reporter = asyncio.create_task(self.reporter.run(), name="jobtier-reporter")
         heart = asyncio.create_task(self.heartbeat.run(), name="jobtier-heartbeat")
         heart.add_done_callback(self._heart_ended)
+        self.started.set()
         log.info(
             "event=worker_started worker=%s concurrency=%d queues=%s tasks=%s burst=%s",
             self.id,
