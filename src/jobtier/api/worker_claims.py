@@ -15,7 +15,13 @@ Races guarded here, as the Python claim loop (worker/claimer.py) guards them:
 - a (re)subscription may have missed wakes: ``_on_reset`` marks every shard unknown for
   every waiter;
 - a blocked (rate-limited) queue may count ready jobs that no claim takes: a shard that
-  gave nothing is not asked again before a wake, and the wait ends when the block does.
+  gave nothing is not asked again before a wake, and the wait ends when the block does;
+- a claim whose reply was lost (the connection died: a failover) may have leased jobs: it is
+  sent again as it was, with its token, which claim.lua answers with the jobs it leased then
+  (store/calls.py claim_call), while the claim has no other job to answer and its ``wait``
+  lasts (``RESEND_MIN`` at least, half a lease at most). Claims are sent once by the client library (``sent_once``): were it to
+  send one again itself, an error reply to that second send (READONLY, from a master demoted
+  meanwhile) would hide that the first may have run.
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from redis.exceptions import RedisError
 
 from jobtier.core.keys import Keys
 from jobtier.core.model import ClaimedJob
+from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import wait_for
-from jobtier.store.calls import Call, claim_call, parse_claim
-from jobtier.store.redis import RedisClient
+from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim
+from jobtier.store.redis import RedisClient, sent_once
 from jobtier.store.scripts import Scripts
 from jobtier.store.subscriber import ShardSubscriber
 
@@ -40,6 +47,7 @@ log = logging.getLogger("jobtier.api.workers")
 
 UNKNOWN = 1 << 30  # a shard whose ready jobs we don't know: worth asking
 IDLE_LOOK = 5.0  # s between looks at every shard while no wake comes (the safety net)
+RESEND_MIN = 5.0  # s a claim whose reply was lost is sent again for, however short its wait
 
 
 @dataclass(eq=False)
@@ -133,7 +141,7 @@ class WorkerClaims:
         try:
             while True:
                 w.event.clear()
-                jobs = await self._rounds(w, worker, types, queues, count, lease_ms)
+                jobs = await self._rounds(w, worker, types, queues, count, lease_ms, deadline, gone)
                 left = deadline - time.monotonic()
                 if jobs or left <= 0 or self._closing:
                     return jobs
@@ -161,55 +169,50 @@ class WorkerClaims:
         queues: Sequence[str],
         count: int,
         lease_ms: int,
+        deadline: float,
+        gone: Callable[[], Awaitable[bool]],
     ) -> list[Claimed]:
         """Pipelined rounds of claims over the shards that may hold ready jobs, until
-        ``count`` are claimed or no shard may hold more."""
+        ``count`` are claimed or no shard may hold more. A claim whose reply was lost is sent
+        again as it was (its token) at the next rounds, after a back-off, while no other
+        round has claimed a job, until ``deadline`` (``RESEND_MIN`` from its loss at least,
+        half a lease at most)."""
         out: list[Claimed] = []
         asked = [(q, -1) for q in queues]
-        down: set[int] = set()  # shards whose call failed: not asked again by this claim
-        while len(out) < count:
-            plan = self._plan(w, count - len(out))
-            if not plan:
-                break
-            gens = [w.gen[shard] for shard, _ in plan]
-            calls: list[Call] = [
-                claim_call(shard, worker, n, lease_ms, asked, types) for shard, n in plan
+        down: set[int] = set()  # shards whose call failed: not asked anew by this claim
+        lost: dict[int, tuple[int, Call]] = {}  # shard -> (jobs asked, call): may have run
+        until = 0.0  # when the lost claims are no longer sent again (set at the first loss)
+        backoff = CLAIM.start()
+        while True:
+            kept = sum(n for n, _ in lost.values())
+            plan = self._plan(w, count - len(out) - kept) if len(out) + kept < count else []
+            sends = [
+                (shard, n, claim_call(shard, worker, n, lease_ms, asked, types))
+                for shard, n in plan
+                if shard not in lost  # (a wake meanwhile) asked again as it was, below
             ]
-            try:
-                # each call carries its claim token (claim_call): sent again by the client
-                # library when a reply is lost, it answers the jobs it leased, no others.
-                # Each shard's reply on its own: a cluster node failing over fails its
-                # shards' claims, the jobs leased on the healthy nodes are still answered
-                replies = await self.scripts.call_many_each(calls)
-            except (RedisError, OSError) as exc:
-                replies = [exc] * len(calls)
-            failed = [r for r in replies if isinstance(r, (RedisError, OSError))]
-            if len(failed) == len(replies):
-                if not out:
-                    raise failed[0]
-                # jobs an earlier round leased are the worker's: answer them, or they would
-                # wait out their lease, an attempt lost
-                log.warning(
-                    "event=claim_round_failed worker=%s claimed=%d error=%r: answering the "
-                    "jobs already claimed",
-                    worker,
-                    len(out),
-                    failed[0],
-                )
+            sends += [(shard, n, call) for shard, (n, call) in lost.items()]
+            if not sends:
                 break
-            if failed:
-                # the others' jobs are leased: answered, the failed shards asked again later
-                log.warning(
-                    "event=claim_shards_failed worker=%s shards=%d error=%r",
-                    worker,
-                    len(failed),
-                    failed[0],
-                )
-            for (shard, _), g, reply in zip(plan, gens, replies, strict=True):
+            gens = [w.gen[shard] for shard, _, _ in sends]
+            try:
+                # each shard's reply on its own: a cluster node failing over fails its
+                # shards' claims, the jobs leased on the healthy nodes are still answered
+                with sent_once():
+                    replies = await self.scripts.call_many_each([c for _, _, c in sends])
+            except (RedisError, OSError) as exc:
+                replies = [exc] * len(sends)
+            failed = [r for r in replies if isinstance(r, (RedisError, OSError))]
+            for (shard, n, call), g, reply in zip(sends, gens, replies, strict=True):
                 if isinstance(reply, (RedisError, OSError)):
                     w.ready[shard] = 0
                     down.add(shard)
+                    # its reply lost with the connection, it may have leased jobs; sent
+                    # again, a later send's error reply does not say the first did not run
+                    if shard in lost or may_have_run(reply):
+                        lost[shard] = (n, call)
                     continue
+                lost.pop(shard, None)
                 batch = parse_claim(shard, reply)
                 if w.gen[shard] == g:
                     # a shard that gave nothing may still count jobs no claim takes now (a
@@ -219,6 +222,39 @@ class WorkerClaims:
                     at = time.monotonic() + (batch.wake_at_ms - batch.now_ms) / 1000
                     w.wake_at = min(w.wake_at, at) if w.wake_at else at
                 out.extend(Claimed(job, shard) for job in batch.jobs)
+            if failed:
+                log.warning(
+                    "event=claim_shards_failed worker=%s shards=%d resending=%d claimed=%d "
+                    "error=%r",
+                    worker,
+                    len(failed),
+                    len(lost),
+                    len(out),
+                    failed[0],
+                )
+            if lost:
+                now = time.monotonic()
+                until = until or min(max(deadline, now + RESEND_MIN), now + lease_ms / 2000)
+                # while it has no job to answer: one that has is answered at once, its jobs'
+                # leases running (a node failing over in a cluster can take seconds)
+                if not out and now < until and not self._closing and not await gone():
+                    await asyncio.sleep(min(backoff.next(), until - now))
+                    continue
+                log.warning(
+                    "event=claim_not_resent worker=%s shards=%s claimed=%d: its reply was "
+                    "lost, and it is not sent again (the claim answers what it has, or its "
+                    "time ran out); jobs it leased, if any, return when their lease expires",
+                    worker,
+                    ",".join(map(str, sorted(lost))),
+                    len(out),
+                )
+                lost.clear()
+            if len(failed) == len(replies):
+                if not out:
+                    raise failed[0]
+                # jobs an earlier round leased are the worker's: answer them, or they would
+                # wait out their lease, an attempt lost
+                break
         for shard in down:
             w.ready[shard] = UNKNOWN  # asked again at the next round of claims
         return out
