@@ -3,6 +3,7 @@ its servers stopped on every way out, never someone else's server used."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,8 +103,10 @@ def test_run_serves_the_demo_and_stops_cleanly(
     assert "local_redis_reused" not in run.events()
 
 
-SLOW_START = """
+HELD_START = """
 import asyncio
+import os
+from pathlib import Path
 
 from jobtier.demo import *  # noqa: F403  (echo, sleep, fail, cpu)
 from jobtier.persist.results import PostgresResultStore
@@ -110,26 +114,41 @@ from jobtier.persist.results import PostgresResultStore
 _connect = PostgresResultStore.connect.__func__
 
 
-async def _slowly(cls, database_url):  # the worker's results reader, opened at its start
-    await asyncio.sleep(3)
+async def _held(cls, database_url):  # the worker's results reader, opened at its start
+    Path(os.environ["HELD_START_HELD"]).touch()
+    while not Path(os.environ["HELD_START_RELEASE"]).exists():
+        await asyncio.sleep(0.05)
     return await _connect(cls, database_url)
 
 
-PostgresResultStore.connect = classmethod(_slowly)
+PostgresResultStore.connect = classmethod(_held)
 """
 
 
 def test_the_api_serves_once_the_worker_has_advertised_its_tasks(
     data: Path, tmp_path: Path, runs: list[JobtierRun], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a worker slow to open its stores (3 s): the API it would advertise its tasks to is
-    # not served before, so a job submitted as soon as it answers is taken, not refused
+    # a worker held as it opens its stores: the API it would advertise its tasks to is not
+    # served meanwhile, so a job submitted as soon as the API answers is taken, not refused
     # with 422 "no worker runs task"
-    (tmp_path / "slow_start.py").write_text(SLOW_START)
+    (tmp_path / "held_start.py").write_text(HELD_START)
+    held, release = tmp_path / "held", tmp_path / "release"
+    monkeypatch.setenv("HELD_START_HELD", str(held))
+    monkeypatch.setenv("HELD_START_RELEASE", str(release))
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
     )
-    run = start(runs, data, tmp_path / "run.log", "--tasks", "slow_start")
+    run = start(runs, data, tmp_path / "run.log", "--tasks", "held_start")
+    wait_until(held.exists, "the worker held at its start")
+    # an absence, watched for 2 s: an API started beside the worker answers well within them
+    watched = time.monotonic() + 2.0
+    while time.monotonic() < watched:
+        assert run.proc.poll() is None, run.text()[-3000:]
+        with contextlib.suppress(httpx.TransportError):
+            reply = httpx.get(f"{run.base}/readyz")
+            raise AssertionError(f"the API answered {reply.status_code} before its worker started")
+        time.sleep(0.05)
+    release.touch()
     run.wait_ready()
     job = submit(run, "echo", "at once")
     wait_until(lambda: state(run, job) == "succeeded", "the job succeeds")

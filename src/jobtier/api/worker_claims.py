@@ -19,9 +19,9 @@ Races guarded here, as the Python claim loop (worker/claimer.py) guards them:
 - a claim whose reply was lost (the connection died: a failover) may have leased jobs: it is
   sent again as it was, with its token, which claim.lua answers with the jobs it leased then
   (store/calls.py claim_call), while the claim has no other job to answer and its ``wait``
-  lasts (``RESEND_MIN`` at least, half a lease at most). Claims are sent once by the client library (``sent_once``): were it to
-  send one again itself, an error reply to that second send (READONLY, from a master demoted
-  meanwhile) would hide that the first may have run.
+  lasts (``RESEND_MIN`` at least, half a lease at most). Claims are sent once by the client
+  library (``sent_once``): were it to send one again itself, an error reply to that second
+  send (READONLY, from a master demoted meanwhile) would hide that the first may have run.
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from redis.exceptions import RedisError
-
 from jobtier.core.keys import Keys
 from jobtier.core.model import ClaimedJob
 from jobtier.runtime.backoff import CLAIM
-from jobtier.runtime.loop import wait_for
+from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim
 from jobtier.store.redis import RedisClient, sent_once
 from jobtier.store.scripts import Scripts
@@ -76,6 +74,7 @@ class WorkerClaims:
         self._waiters: dict[str, set[_Waiter]] = {}  # queue -> the claims waiting for it
         self._turn = 0  # the shard the next claim starts at: claims spread over the shards
         self._closing = False
+        self._stopping = asyncio.Event()  # set with _closing: ends a claim's back-off
         self.advertised: dict[str, float] = {}  # worker id -> when it was last advertised
         self._subscriber = ShardSubscriber(
             redis,
@@ -91,6 +90,7 @@ class WorkerClaims:
     async def stop(self) -> None:
         """Claims waiting end now with what they have (nothing): the API is stopping."""
         self._closing = True
+        self._stopping.set()
         for waiters in self._waiters.values():
             for w in waiters:
                 w.event.set()
@@ -200,11 +200,11 @@ class WorkerClaims:
                 # shards' claims, the jobs leased on the healthy nodes are still answered
                 with sent_once():
                     replies = await self.scripts.call_many_each([c for _, _, c in sends])
-            except (RedisError, OSError) as exc:
+            except FAULTS as exc:
                 replies = [exc] * len(sends)
-            failed = [r for r in replies if isinstance(r, (RedisError, OSError))]
+            failed = [r for r in replies if isinstance(r, FAULTS)]
             for (shard, n, call), g, reply in zip(sends, gens, replies, strict=True):
-                if isinstance(reply, (RedisError, OSError)):
+                if isinstance(reply, FAULTS):
                     w.ready[shard] = 0
                     down.add(shard)
                     # its reply lost with the connection, it may have leased jobs; sent
@@ -212,8 +212,15 @@ class WorkerClaims:
                     if shard in lost or may_have_run(reply):
                         lost[shard] = (n, call)
                     continue
-                lost.pop(shard, None)
                 batch = parse_claim(shard, reply)
+                if lost.pop(shard, None) is not None:
+                    log.info(
+                        "event=claim_resent worker=%s shard=%d jobs=%d: a claim whose reply "
+                        "was lost, sent again, answered the jobs it leased",
+                        worker,
+                        shard,
+                        len(batch.jobs),
+                    )
                 if w.gen[shard] == g:
                     # a shard that gave nothing may still count jobs no claim takes now (a
                     # blocked queue): asking it again before a wake would spin
@@ -222,7 +229,7 @@ class WorkerClaims:
                     at = time.monotonic() + (batch.wake_at_ms - batch.now_ms) / 1000
                     w.wake_at = min(w.wake_at, at) if w.wake_at else at
                 out.extend(Claimed(job, shard) for job in batch.jobs)
-            if failed:
+            if failed and not until:  # (once a claim: not at each of its resends)
                 log.warning(
                     "event=claim_shards_failed worker=%s shards=%d resending=%d claimed=%d "
                     "error=%r",
@@ -238,8 +245,9 @@ class WorkerClaims:
                 # while it has no job to answer: one that has is answered at once, its jobs'
                 # leases running (a node failing over in a cluster can take seconds)
                 if not out and now < until and not self._closing and not await gone():
-                    await asyncio.sleep(min(backoff.next(), until - now))
-                    continue
+                    await wait_for(self._stopping, min(backoff.next(), until - now))
+                    if not self._closing and not await gone():
+                        continue
                 log.warning(
                     "event=claim_not_resent worker=%s shards=%s claimed=%d: its reply was "
                     "lost, and it is not sent again (the claim answers what it has, or its "

@@ -283,7 +283,7 @@ async def run_all(
             ]
             # the API once the worker has advertised its tasks: a job submitted as soon as
             # the API answers is one the API knows a worker for (else 422)
-            if await _worker_started(worker, runs[0]) and not server.should_exit:
+            if await _worker_started(worker, runs) and not server.should_exit:
                 runs.append(asyncio.create_task(_serve_api(server, settings), name="api"))
                 while not server.started and not runs[-1].done():  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
@@ -304,14 +304,15 @@ async def run_all(
     return 1 if failed else 0
 
 
-async def _worker_started(worker: Worker, run: asyncio.Task[object]) -> bool:
-    """Until ``worker`` has started (True) or its run has ended, a failure or a stop (False)."""
+async def _worker_started(worker: Worker, runs: list[asyncio.Task[Any]]) -> bool:
+    """Until ``worker`` has started (True), or one of the parts' ``runs`` has ended, a
+    failure or a stop (False: the caller's wait for them all reports it)."""
     started = asyncio.create_task(worker.started.wait())
     try:
-        await asyncio.wait({started, run}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({started, *runs}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         started.cancel()
-    return worker.started.is_set() and not run.done()
+    return worker.started.is_set() and not any(run.done() for run in runs)
 
 
 async def _serve_api(server: EmbeddedServer, settings: Settings) -> None:
