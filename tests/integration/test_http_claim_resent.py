@@ -1,14 +1,17 @@
 """An HTTP worker's claim whose reply was lost (api/worker_claims.py): the API sends it again
 itself, with its token, so that the jobs its first send leased reach the worker instead of
-waiting out their lease, an attempt lost; the client library does not send it again."""
+waiting out their lease, an attempt lost; the client library does not send it again. A claim
+that answers without them (it has other jobs to answer) hands the lost send back: sent again
+in the background, the jobs it leased go back to their queue."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import socket
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -19,7 +22,9 @@ from jobtier.config import Settings
 from jobtier.core.model import JobSpec, State, Submitted
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
+from jobtier.store.calls import Call, parse_claim
 from jobtier.store.redis import FastConnection
+from jobtier.store.scripts import Scripts
 
 
 async def _never_gone() -> bool:
@@ -139,3 +144,60 @@ def _lose_a_claims_reply_then_refuse_writes(
     monkeypatch.setattr(FastConnection, "send_packed_command", sending)
     monkeypatch.setattr(FastConnection, "read_response", reading)
     return trips
+
+
+class LoseOneReply:
+    """The scripts, but the reply of the first claim that leased jobs is lost: it ran, and its
+    node went away before answering (once)."""
+
+    def __init__(self, scripts: Scripts) -> None:
+        self.scripts = scripts
+        self.lost: list[Call] = []
+
+    async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
+        replies = list(await self.scripts.call_many_each(calls))
+        if not self.lost:
+            for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
+                if call[0] == "claim" and parse_claim(call[1], reply).jobs:
+                    self.lost.append(call)
+                    replies[i] = RedisConnectionError("Connection closed by server.")
+                    break
+        return replies
+
+    async def call_many(self, calls: Sequence[Call]) -> list[Any]:
+        return await self.scripts.call_many(calls)
+
+
+async def test_a_lost_replys_jobs_go_back_to_their_queue_when_the_claim_answers_others(
+    queue: Queue,
+) -> None:
+    """One shard's claim ran and its reply was lost, the others answered: the claim answers
+    their jobs at once, and hands the lost one back. Sent again in the background, it answers
+    the jobs it leased (its token), which go back to their queue, their attempt not counted,
+    instead of staying leased to a worker that never heard of them."""
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(16)])
+    ids = []
+    for sub in subs:
+        assert isinstance(sub, Submitted), sub
+        ids.append(sub.job_id)
+    scripts = LoseOneReply(queue.scripts)
+    claims = WorkerClaims(queue.redis, queue.keys, cast(Scripts, scripts))
+    try:
+        got = await claims.claim("http-w", (), ["default"], 16, 30_000, 0.0, _never_gone)
+        assert scripts.lost and got  # a reply lost, the other shards' jobs answered
+        answered = {c.job.id for c in got}
+        async with asyncio.timeout(60):  # no scheduler: a job leased to nobody would stay so
+            while True:
+                states = [await queue.status(job) for job in ids if job not in answered]
+                if not any(s.state is State.RUNNING for s in states):
+                    break
+                await asyncio.sleep(0.05)
+        # the lost claim's jobs were leased, and given back: queued again, attempt 0
+        given_back = [s for s in states if s.version > 1]
+        assert given_back
+        assert all((s.state, s.attempt) == (State.QUEUED, 0) for s in states), states
+        for job in answered:
+            status = await queue.status(job)
+            assert (status.state, status.attempt, status.worker) == (State.RUNNING, 1, "http-w")
+    finally:
+        await claims.stop()

@@ -114,7 +114,9 @@ def create_app(
         publisher = MetricsPublisher(queue.redis, queue.keys, "api", [reader, admission])
         # HTTP workers' claims (worker_routes.py): their wake subscription only where they may
         worker_keys = settings.worker_key_list()
-        worker_claims = WorkerClaims(store.redis, store.keys, store.scripts)
+        worker_claims = WorkerClaims(
+            store.redis, store.keys, store.scripts, settings.retention_seconds
+        )
         replicas = ReplicaCount(store.redis)  # the bound of a durable submit's Jobtier-Replicas
         try:
             if worker_keys:

@@ -21,7 +21,12 @@ Races guarded here, as the Python claim loop (worker/claimer.py) guards them:
   (store/calls.py claim_call), while the claim has no other job to answer and its ``wait``
   lasts (``RESEND_MIN`` at least, half a lease at most). Claims are sent once by the client
   library (``sent_once``): were it to send one again itself, an error reply to that second
-  send (READONLY, from a master demoted meanwhile) would hide that the first may have run.
+  send (READONLY, from a master demoted meanwhile) would hide that the first may have run;
+- a claim answered without the jobs of a send whose reply was lost (it had others to answer,
+  its time ran out, its worker hung up) hands that send over (``_hand_back``): sent again in
+  the background until the lease from its loss would end, the jobs it leased, which no worker
+  heard of, go back to the front of their queues, their attempt not counted (stopped.lua),
+  instead of waiting out their lease.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from jobtier.core.keys import Keys
 from jobtier.core.model import ClaimedJob
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_for
-from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim
+from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim, stopped_call
 from jobtier.store.redis import RedisClient, sent_once
 from jobtier.store.scripts import Scripts
 from jobtier.store.subscriber import ShardSubscriber
@@ -68,9 +73,13 @@ class Claimed:
 class WorkerClaims:
     """The claims of the HTTP workers an API process serves (see the module docstring)."""
 
-    def __init__(self, redis: RedisClient, keys: Keys, scripts: Scripts) -> None:
+    def __init__(
+        self, redis: RedisClient, keys: Keys, scripts: Scripts, retention_s: int = 86400
+    ) -> None:
         self.keys = keys
         self.scripts = scripts
+        self.retention_s = retention_s  # of a job a hand-back finds cancelled (stopped.lua)
+        self._handbacks: set[asyncio.Task[None]] = set()  # sends given back (``_hand_back``)
         self._waiters: dict[str, set[_Waiter]] = {}  # queue -> the claims waiting for it
         self._turn = 0  # the shard the next claim starts at: claims spread over the shards
         self._closing = False
@@ -94,6 +103,9 @@ class WorkerClaims:
         for waiters in self._waiters.values():
             for w in waiters:
                 w.event.set()
+        for task in self._handbacks:  # (their jobs, if any, wait out their lease)
+            task.cancel()
+        await asyncio.gather(*self._handbacks, return_exceptions=True)
         await self._subscriber.stop()
 
     def waiting(self) -> int:
@@ -181,7 +193,7 @@ class WorkerClaims:
         asked = [(q, -1) for q in queues]
         down: set[int] = set()  # shards whose call failed: not asked anew by this claim
         lost: dict[int, tuple[int, Call]] = {}  # shard -> (jobs asked, call): may have run
-        until = 0.0  # when the lost claims are no longer sent again (set at the first loss)
+        lost_at = until = 0.0  # the first loss, and when lost claims are no longer sent again
         backoff = CLAIM.start()
         while True:
             kept = sum(n for n, _ in lost.values())
@@ -241,6 +253,7 @@ class WorkerClaims:
                 )
             if lost:
                 now = time.monotonic()
+                lost_at = lost_at or now
                 until = until or min(max(deadline, now + RESEND_MIN), now + lease_ms / 2000)
                 # while it has no job to answer: one that has is answered at once, its jobs'
                 # leases running (a node failing over in a cluster can take seconds)
@@ -248,14 +261,10 @@ class WorkerClaims:
                     await wait_for(self._stopping, min(backoff.next(), until - now))
                     if not self._closing and not await gone():
                         continue
-                log.warning(
-                    "event=claim_not_resent worker=%s shards=%s claimed=%d: its reply was "
-                    "lost, and it is not sent again (the claim answers what it has, or its "
-                    "time ran out); jobs it leased, if any, return when their lease expires",
-                    worker,
-                    ",".join(map(str, sorted(lost))),
-                    len(out),
-                )
+                if self._closing:
+                    _not_resent(worker, lost, "the API is stopping")
+                else:
+                    self._hand_back(worker, lost, lost_at + lease_ms / 1000)
                 lost.clear()
             if len(failed) == len(replies):
                 if not out:
@@ -266,6 +275,65 @@ class WorkerClaims:
         for shard in down:
             w.ready[shard] = UNKNOWN  # asked again at the next round of claims
         return out
+
+    def _hand_back(self, worker: str, lost: dict[int, tuple[int, Call]], until: float) -> None:
+        """The claims whose replies were lost and that their claim no longer waits for: sent
+        again in the background (``_give_back``) until ``until``, the end of the lease from
+        their loss (after it, their jobs are back in their queues anyway, and their tokens
+        forgotten)."""
+        log.warning(
+            "event=claim_handed_back worker=%s shards=%s: a claim whose reply was lost is "
+            "sent again in the background; the jobs it leased go back to their queues",
+            worker,
+            ",".join(map(str, sorted(lost))),
+        )
+        for shard, (_, call) in lost.items():
+            task = asyncio.create_task(
+                self._give_back(worker, shard, call, until), name=f"claim-hand-back {shard}"
+            )
+            self._handbacks.add(task)
+            task.add_done_callback(self._handbacks.discard)
+
+    async def _give_back(self, worker: str, shard: int, call: Call, until: float) -> None:
+        """Send ``call`` again (its token) until it is answered, then give the jobs it leased
+        back to their queues: nobody heard of them (stopped.lua: released, their attempt not
+        counted; fenced by their lease version, so a second send changes nothing)."""
+        backoff = CLAIM.start()
+        while True:
+            try:
+                with sent_once():
+                    (reply,) = await self.scripts.call_many_each([call])
+            except FAULTS as exc:
+                reply = exc
+            if not isinstance(reply, FAULTS):
+                break
+            left = until - time.monotonic()
+            if left <= 0 or self._closing:
+                _not_resent(worker, {shard: (0, call)}, f"its last send failed: {reply!r}")
+                return
+            await wait_for(self._stopping, min(backoff.next(), left))
+        jobs = parse_claim(shard, reply).jobs
+        if jobs:
+            items = [(job.id, job.lease_version) for job in jobs]
+            try:
+                await self.scripts.call_many([stopped_call(shard, worker, self.retention_s, items)])
+            except FAULTS as exc:
+                log.warning(
+                    "event=claim_hand_back_failed worker=%s shard=%d jobs=%d error=%r: they "
+                    "return when their lease expires",
+                    worker,
+                    shard,
+                    len(jobs),
+                    exc,
+                )
+                return
+        log.info(
+            "event=claim_given_back worker=%s shard=%d jobs=%d: the jobs a claim whose reply "
+            "was lost had leased are back in their queues",
+            worker,
+            shard,
+            len(jobs),
+        )
 
     def _plan(self, w: _Waiter, want: int) -> list[tuple[int, int]]:
         """(shard, jobs to ask of it) for one round: shards known to hold ready jobs first,
@@ -289,3 +357,13 @@ class WorkerClaims:
             # an even share of what is left, the first shards taking the remainder
             asks[s] = left // len(probes) + (1 if i < left % len(probes) else 0)
         return list(asks.items())
+
+
+def _not_resent(worker: str, lost: dict[int, tuple[int, Call]], why: str) -> None:
+    log.warning(
+        "event=claim_not_resent worker=%s shards=%s: its reply was lost, and it is not sent "
+        "again (%s); jobs it leased, if any, return when their lease expires",
+        worker,
+        ",".join(map(str, sorted(lost))),
+        why,
+    )
