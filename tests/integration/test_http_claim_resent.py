@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -22,7 +23,7 @@ from jobtier.config import Settings
 from jobtier.core.model import JobSpec, State, Submitted
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
-from jobtier.store.calls import Call, parse_claim
+from jobtier.store.calls import Call, claim_call, parse_claim
 from jobtier.store.redis import FastConnection
 from jobtier.store.scripts import Scripts
 
@@ -153,6 +154,7 @@ class LoseOneReply:
     def __init__(self, scripts: Scripts) -> None:
         self.scripts = scripts
         self.lost: list[Call] = []
+        self.lost_reply: tuple[int, Any] = (0, None)  # (shard, the reply lost)
 
     async def call_many_each(self, calls: Sequence[Call]) -> list[Any]:
         replies = list(await self.scripts.call_many_each(calls))
@@ -160,6 +162,7 @@ class LoseOneReply:
             for i, (call, reply) in enumerate(zip(calls, replies, strict=True)):
                 if call[0] == "claim" and parse_claim(call[1], reply).jobs:
                     self.lost.append(call)
+                    self.lost_reply = (call[1], reply)
                     replies[i] = RedisConnectionError("Connection closed by server.")
                     break
         return replies
@@ -186,18 +189,35 @@ async def test_a_lost_replys_jobs_go_back_to_their_queue_when_the_claim_answers_
         got = await claims.claim("http-w", (), ["default"], 16, 30_000, 0.0, _never_gone)
         assert scripts.lost and got  # a reply lost, the other shards' jobs answered
         answered = {c.job.id for c in got}
-        async with asyncio.timeout(60):  # no scheduler: a job leased to nobody would stay so
+        async with asyncio.timeout(15):  # no scheduler: a job leased to nobody would stay so
             while True:
                 states = [await queue.status(job) for job in ids if job not in answered]
                 if not any(s.state is State.RUNNING for s in states):
                     break
                 await asyncio.sleep(0.05)
-        # the lost claim's jobs were leased, and given back: queued again, attempt 0
+        # the lost claim's jobs were leased, and given back: queued again, attempt 0; none
+        # other was leased (its send again asked for none)
         given_back = [s for s in states if s.version > 1]
-        assert given_back
+        assert len(given_back) == len(parse_claim(*scripts.lost_reply).jobs) > 0
         assert all((s.state, s.attempt) == (State.QUEUED, 0) for s in states), states
         for job in answered:
             status = await queue.status(job)
             assert (status.state, status.attempt, status.worker) == (State.RUNNING, 1, "http-w")
     finally:
         await claims.stop()
+
+
+async def test_a_send_handed_back_that_never_ran_leases_nothing(queue: Queue) -> None:
+    """A send handed back whose first send never ran (refused before it reached Redis):
+    sent again asking for no job, it leases none afresh, and changes nothing."""
+    subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(8)])
+    shard = queue.keys.shard_of(cast(Submitted, subs[0]).job_id)
+    claims = WorkerClaims(queue.redis, queue.keys, queue.scripts)
+    call = claim_call(shard, "http-w", 8, 30_000, [("default", -1)])
+    try:
+        await claims._give_back("http-w", shard, call, time.monotonic() + 10)
+    finally:
+        await claims.stop()
+    for sub in subs:
+        status = await queue.status(cast(Submitted, sub).job_id)
+        assert (status.state, status.version, status.attempt) == (State.QUEUED, 1, 0), status

@@ -37,11 +37,20 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
+from jobtier.core.errors import Code
 from jobtier.core.keys import Keys
 from jobtier.core.model import ClaimedJob
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_for
-from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim, stopped_call
+from jobtier.runtime.stopping import stop_tasks
+from jobtier.store.calls import (
+    Call,
+    claim_call,
+    may_have_run,
+    parse_claim,
+    parse_pairs,
+    stopped_call,
+)
 from jobtier.store.redis import RedisClient, sent_once
 from jobtier.store.scripts import Scripts
 from jobtier.store.subscriber import ShardSubscriber
@@ -51,6 +60,9 @@ log = logging.getLogger("jobtier.api.workers")
 UNKNOWN = 1 << 30  # a shard whose ready jobs we don't know: worth asking
 IDLE_LOOK = 5.0  # s between looks at every shard while no wake comes (the safety net)
 RESEND_MIN = 5.0  # s a claim whose reply was lost is sent again for, however short its wait
+# sends handed back at once at most (``_hand_back``): during an outage every claim may hand
+# some back, each sent again for a lease; beyond it, their jobs wait out their lease
+MAX_HANDBACKS = 256
 
 
 @dataclass(eq=False)
@@ -103,9 +115,8 @@ class WorkerClaims:
         for waiters in self._waiters.values():
             for w in waiters:
                 w.event.set()
-        for task in self._handbacks:  # (their jobs, if any, wait out their lease)
-            task.cancel()
-        await asyncio.gather(*self._handbacks, return_exceptions=True)
+        # the sends handed back: their jobs, if any, wait out their lease
+        await stop_tasks(list(self._handbacks), "claim hand-backs")
         await self._subscriber.stop()
 
     def waiting(self) -> int:
@@ -279,8 +290,12 @@ class WorkerClaims:
     def _hand_back(self, worker: str, lost: dict[int, tuple[int, Call]], until: float) -> None:
         """The claims whose replies were lost and that their claim no longer waits for: sent
         again in the background (``_give_back``) until ``until``, the end of the lease from
-        their loss (after it, their jobs are back in their queues anyway, and their tokens
-        forgotten)."""
+        the claim's first loss (after it, their jobs are back in their queues anyway, and
+        their tokens forgotten); ``MAX_HANDBACKS`` at once at most."""
+        room = MAX_HANDBACKS - len(self._handbacks)
+        if room < len(lost):
+            _not_resent(worker, lost, f"{MAX_HANDBACKS} sends are being handed back already")
+            return
         log.warning(
             "event=claim_handed_back worker=%s shards=%s: a claim whose reply was lost is "
             "sent again in the background; the jobs it leased go back to their queues",
@@ -292,17 +307,25 @@ class WorkerClaims:
                 self._give_back(worker, shard, call, until), name=f"claim-hand-back {shard}"
             )
             self._handbacks.add(task)
-            task.add_done_callback(self._handbacks.discard)
+            task.add_done_callback(self._handed_back)
+
+    def _handed_back(self, task: asyncio.Task[None]) -> None:
+        self._handbacks.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("event=claim_hand_back_crashed error=%r", exc, exc_info=exc)
 
     async def _give_back(self, worker: str, shard: int, call: Call, until: float) -> None:
-        """Send ``call`` again (its token) until it is answered, then give the jobs it leased
-        back to their queues: nobody heard of them (stopped.lua: released, their attempt not
-        counted; fenced by their lease version, so a second send changes nothing)."""
+        """Send ``call`` again, asking for no job (claim.lua then answers its token with the
+        jobs it leased, and leases none afresh if it never ran), until it is answered; then
+        give those jobs back to the front of their queues: nobody heard of them (stopped.lua:
+        released, their attempt not counted; fenced by their lease version)."""
+        name, _, args = call
+        replay: Call = (name, shard, [args[0], 0, *args[2:]])
         backoff = CLAIM.start()
         while True:
             try:
                 with sent_once():
-                    (reply,) = await self.scripts.call_many_each([call])
+                    (reply,) = await self.scripts.call_many_each([replay])
             except FAULTS as exc:
                 reply = exc
             if not isinstance(reply, FAULTS):
@@ -313,10 +336,14 @@ class WorkerClaims:
                 return
             await wait_for(self._stopping, min(backoff.next(), left))
         jobs = parse_claim(shard, reply).jobs
+        released = 0
         if jobs:
-            items = [(job.id, job.lease_version) for job in jobs]
+            # the oldest first in the claim: pushed to the front in reverse, they keep that order
+            items = [(job.id, job.lease_version) for job in reversed(jobs)]
             try:
-                await self.scripts.call_many([stopped_call(shard, worker, self.retention_s, items)])
+                replies = await self.scripts.call_many(
+                    [stopped_call(shard, worker, self.retention_s, items)]
+                )
             except FAULTS as exc:
                 log.warning(
                     "event=claim_hand_back_failed worker=%s shard=%d jobs=%d error=%r: they "
@@ -327,12 +354,14 @@ class WorkerClaims:
                     exc,
                 )
                 return
+            released = sum(code is Code.OK for code, _ in parse_pairs(replies[0]))
         log.info(
-            "event=claim_given_back worker=%s shard=%d jobs=%d: the jobs a claim whose reply "
-            "was lost had leased are back in their queues",
+            "event=claim_given_back worker=%s shard=%d jobs=%d released=%d: the jobs a claim "
+            "whose reply was lost had leased are back in their queues",
             worker,
             shard,
             len(jobs),
+            released,
         )
 
     def _plan(self, w: _Waiter, want: int) -> list[tuple[int, int]]:
