@@ -203,6 +203,13 @@ async def test_a_lost_replys_jobs_go_back_to_their_queue_when_the_claim_answers_
         for job in answered:
             status = await queue.status(job)
             assert (status.state, status.attempt, status.worker) == (State.RUNNING, 1, "http-w")
+        # at the front of their queue, in the order they were claimed
+        shard, reply = scripts.lost_reply
+        lost = [job.id for job in parse_claim(shard, reply).jobs]
+        (again,) = await queue.scripts.call_many(
+            [claim_call(shard, "http-w2", len(lost), 30_000, [("default", -1)])]
+        )
+        assert [job.id for job in parse_claim(shard, again).jobs] == lost
     finally:
         await claims.stop()
 

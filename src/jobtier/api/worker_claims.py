@@ -292,10 +292,13 @@ class WorkerClaims:
         again in the background (``_give_back``) until ``until``, the end of the lease from
         the claim's first loss (after it, their jobs are back in their queues anyway, and
         their tokens forgotten); ``MAX_HANDBACKS`` at once at most."""
-        room = MAX_HANDBACKS - len(self._handbacks)
+        room = max(MAX_HANDBACKS - len(self._handbacks), 0)
         if room < len(lost):
-            _not_resent(worker, lost, f"{MAX_HANDBACKS} sends are being handed back already")
-            return
+            shards = sorted(lost)
+            over = {shard: lost.pop(shard) for shard in shards[room:]}
+            _not_resent(worker, over, f"{MAX_HANDBACKS} sends are being handed back already")
+            if not lost:
+                return
         log.warning(
             "event=claim_handed_back worker=%s shards=%s: a claim whose reply was lost is "
             "sent again in the background; the jobs it leased go back to their queues",
@@ -332,13 +335,16 @@ class WorkerClaims:
                 break
             left = until - time.monotonic()
             if left <= 0 or self._closing:
-                _not_resent(worker, {shard: (0, call)}, f"its last send failed: {reply!r}")
+                why = "the API is stopping" if self._closing else f"its sends failed: {reply!r}"
+                _not_resent(worker, {shard: (0, call)}, why)
                 return
             await wait_for(self._stopping, min(backoff.next(), left))
         jobs = parse_claim(shard, reply).jobs
         released = 0
         if jobs:
-            # the oldest first in the claim: pushed to the front in reverse, they keep that order
+            # the oldest first in the claim: pushed to the front in reverse, they keep that
+            # order (a job under a concurrency key lets the next one it held go first, as any
+            # release does: stopped.lua)
             items = [(job.id, job.lease_version) for job in reversed(jobs)]
             try:
                 replies = await self.scripts.call_many(
