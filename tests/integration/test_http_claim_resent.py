@@ -16,7 +16,6 @@ from typing import Any, cast
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError
 
 from jobtier.api.worker_claims import Claimed, WorkerClaims
 from jobtier.config import Settings
@@ -24,8 +23,8 @@ from jobtier.core.model import JobSpec, State, Submitted
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import Call, claim_call, parse_claim
-from jobtier.store.redis import FastConnection
 from jobtier.store.scripts import Scripts
+from tests.fixtures.lost_reply import lose_a_claims_reply_then_refuse_writes
 
 
 async def _never_gone() -> bool:
@@ -50,7 +49,7 @@ async def test_an_http_claim_whose_reply_was_lost_answers_the_jobs_it_leased(
         queue = await Queue.connect(settings.replace(redis_url=server.url, lease_seconds=60.0))
         try:
             subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(20)])
-            trips = _lose_a_claims_reply_then_refuse_writes(
+            trips = lose_a_claims_reply_then_refuse_writes(
                 queue, server, nobody.getsockname()[1], monkeypatch
             )
             claims = WorkerClaims(queue.redis, queue.keys, queue.scripts)
@@ -101,50 +100,6 @@ async def _claim_through(
         claim.cancel()
         with contextlib.suppress(BaseException):  # (its failure is the assertion's)
             await claim
-
-
-def _lose_a_claims_reply_then_refuse_writes(
-    queue: Queue, server: LocalRedis, nobody: int, monkeypatch: pytest.MonkeyPatch
-) -> list[str]:
-    """The first claim pipeline's reply is lost with its connection, and the server is made
-    a replica of ``nobody`` (writes refused: READONLY) as it goes. Returns the trips made:
-    "lost", then each "readonly" a claim met."""
-    claim = queue.scripts.by_name["claim"].command()[1].encode()
-    admin = server.client()
-    claiming: set[int] = set()  # connections whose last send held a claim
-    lose: list[int] = []  # the connection whose claims' replies are to be lost
-    trips: list[str] = []
-    send, read = FastConnection.send_packed_command, FastConnection.read_response
-
-    async def sending(self: FastConnection, command: Any, *args: Any, **kwargs: Any) -> None:
-        data = command if isinstance(command, bytes | str) else b"".join(command)
-        if claim in (data.encode() if isinstance(data, str) else data):
-            claiming.add(id(self))
-            if not trips:
-                lose.append(id(self))
-        else:
-            claiming.discard(id(self))
-        await send(self, command, *args, **kwargs)
-
-    async def reading(self: FastConnection, *args: Any, **kwargs: Any) -> Any:
-        try:
-            reply = await read(self, *args, **kwargs)
-        except ReadOnlyError:
-            if id(self) in claiming:
-                trips.append("readonly")
-            raise
-        if id(self) in lose:  # the claims ran; their replies go with the connection
-            lose.clear()
-            trips.append("lost")
-            admin.replicaof("127.0.0.1", nobody)  # writes refused: READONLY
-            admin.close()
-            await self.disconnect()
-            raise RedisConnectionError("Connection closed by server.")
-        return reply
-
-    monkeypatch.setattr(FastConnection, "send_packed_command", sending)
-    monkeypatch.setattr(FastConnection, "read_response", reading)
-    return trips
 
 
 class LoseOneReply:

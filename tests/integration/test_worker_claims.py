@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, ResponseError
+from redis.exceptions import ResponseError
 
 from jobtier.api.worker_claims import WorkerClaims, _Waiter
 from jobtier.config import Settings
@@ -22,11 +22,11 @@ from jobtier.core.model import JobSpec, QueueLimits, State, Submitted
 from jobtier.dev.local_redis import LocalRedis
 from jobtier.engine.queue import Queue
 from jobtier.store.calls import Call, parse_claim
-from jobtier.store.redis import FastConnection
 from jobtier.store.scripts import Scripts
 from jobtier.worker.permits import Claims, LimitedClaimer, LimitedQueues
 from jobtier.worker.runner import Worker
 from tests.fixtures.engine import worker_for
+from tests.fixtures.lost_reply import lose_a_claims_reply_then_refuse_writes
 from tests.tasks import registry
 
 
@@ -454,40 +454,8 @@ async def _lose_a_claims_reply_then_refuse_writes(
     queue: Queue, server: LocalRedis, nobody: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(20)])
-    claim = queue.scripts.by_name["claim"].command()[1].encode()
+    trips = lose_a_claims_reply_then_refuse_writes(queue, server, nobody, monkeypatch)
     admin = server.client()
-    claiming: set[int] = set()  # connections whose last send held a claim
-    lose: list[int] = []  # the connection whose claims' replies are to be lost
-    trips: list[str] = []  # "lost", then each "readonly" a claim met
-    send, read = FastConnection.send_packed_command, FastConnection.read_response
-
-    async def sending(self: FastConnection, command: Any, *args: Any, **kwargs: Any) -> None:
-        data = command if isinstance(command, bytes | str) else b"".join(command)
-        if claim in (data.encode() if isinstance(data, str) else data):
-            claiming.add(id(self))
-            if not trips:
-                lose.append(id(self))
-        else:
-            claiming.discard(id(self))
-        await send(self, command, *args, **kwargs)
-
-    async def reading(self: FastConnection, *args: Any, **kwargs: Any) -> Any:
-        try:
-            reply = await read(self, *args, **kwargs)
-        except ReadOnlyError:
-            if id(self) in claiming:
-                trips.append("readonly")
-            raise
-        if id(self) in lose:  # the claims ran; their replies go with the connection
-            lose.clear()
-            trips.append("lost")
-            admin.replicaof("127.0.0.1", nobody)  # writes refused: READONLY
-            await self.disconnect()
-            raise RedisConnectionError("Connection closed by server.")
-        return reply
-
-    monkeypatch.setattr(FastConnection, "send_packed_command", sending)
-    monkeypatch.setattr(FastConnection, "read_response", reading)
     worker = worker_for(queue, registry, concurrency=50)
     running = asyncio.create_task(worker.run())
     try:
