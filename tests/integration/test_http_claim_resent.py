@@ -52,7 +52,9 @@ async def test_an_http_claim_whose_reply_was_lost_answers_the_jobs_it_leased(
             trips = lose_a_claims_reply_then_refuse_writes(
                 queue, server, nobody.getsockname()[1], monkeypatch
             )
-            claims = WorkerClaims(queue.redis, queue.keys, queue.scripts)
+            claims = WorkerClaims(
+                queue.redis, queue.keys, queue.scripts, queue.settings.retention_seconds
+            )
             await claims.start()
             try:
                 got = await _claim_through(claims, server, trips)
@@ -139,7 +141,9 @@ async def test_a_lost_replys_jobs_go_back_to_their_queue_when_the_claim_answers_
         assert isinstance(sub, Submitted), sub
         ids.append(sub.job_id)
     scripts = LoseOneReply(queue.scripts)
-    claims = WorkerClaims(queue.redis, queue.keys, cast(Scripts, scripts))
+    claims = WorkerClaims(
+        queue.redis, queue.keys, cast(Scripts, scripts), queue.settings.retention_seconds
+    )
     try:
         got = await claims.claim("http-w", (), ["default"], 16, 30_000, 0.0, _never_gone)
         assert scripts.lost and got  # a reply lost, the other shards' jobs answered
@@ -174,7 +178,7 @@ async def test_a_send_handed_back_that_never_ran_leases_nothing(queue: Queue) ->
     sent again asking for no job, it leases none afresh, and changes nothing."""
     subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(8)])
     shard = queue.keys.shard_of(cast(Submitted, subs[0]).job_id)
-    claims = WorkerClaims(queue.redis, queue.keys, queue.scripts)
+    claims = WorkerClaims(queue.redis, queue.keys, queue.scripts, queue.settings.retention_seconds)
     call = claim_call(shard, "http-w", 8, 30_000, [("default", -1)])
     try:
         await claims._give_back("http-w", shard, call, time.monotonic() + 10)

@@ -84,7 +84,9 @@ async def test_jobs_an_earlier_round_leased_are_answered_when_a_later_round_fail
     shard, n = Counter(queue.keys.shard_of(s.job_id) for s in subs).most_common(1)[0]
     assert n >= 2
     scripts = FailingSecondRound(queue.scripts)
-    claims = OneShardAtATime(queue.redis, queue.keys, cast(Scripts, scripts))
+    claims = OneShardAtATime(
+        queue.redis, queue.keys, cast(Scripts, scripts), queue.settings.retention_seconds
+    )
     claims.shard = shard
     try:
         got = await claims.claim("http-w", (), ["default"], 2, 30_000, 0.0, _never_gone)
@@ -107,7 +109,9 @@ async def test_a_claim_answers_the_healthy_shards_jobs_when_one_shard_fails(
     healthy = {job for job, shard in shard_of.items() if shard != down}
     assert healthy
     scripts = OneShardDown(queue.scripts, down)
-    claims = WorkerClaims(queue.redis, queue.keys, cast(Scripts, scripts))
+    claims = WorkerClaims(
+        queue.redis, queue.keys, cast(Scripts, scripts), queue.settings.retention_seconds
+    )
     try:
         got = await claims.claim("http-w", (), ["default"], len(subs), 30_000, 0.0, _never_gone)
     finally:

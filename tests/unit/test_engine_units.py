@@ -16,7 +16,7 @@ from jobtier.core.errors import Code, ConfigError, InvalidRequest
 from jobtier.core.keys import Keys, ulid
 from jobtier.core.names import JOB_ID_RE
 from jobtier.engine.catalog import schema_check
-from jobtier.store.calls import CODES
+from jobtier.store.calls import CODES, claim_call, claim_replay
 from jobtier.store.scripts import NAMES, lua_source
 from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
 
@@ -213,6 +213,14 @@ def test_new_ids_are_valid_random_and_spread_over_every_shard() -> None:
 
 def test_codes_by_index_are_the_code_members() -> None:
     assert len(CODES) == len(Code) and all(CODES[c.value] is c for c in Code)
+
+
+def test_a_claims_replay_is_the_same_claim_asking_for_no_job() -> None:
+    call = claim_call(3, "w", 25, 30_000, [("default", -1), ("media", 4)], ["echo"])
+    name, shard, args = claim_replay(call)
+    assert (name, shard, args[0], args[1]) == ("claim", 3, "w", 0)
+    assert args[2:] == call[2][2:]  # the lease, queues, types and token (claim.lua's ARGV)
+    assert call[2][1] == 25  # the call itself unchanged
 
 
 def test_shard_for_is_stable() -> None:

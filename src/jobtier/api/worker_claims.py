@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jobtier.core.errors import Code
@@ -46,6 +46,7 @@ from jobtier.runtime.stopping import stop_tasks
 from jobtier.store.calls import (
     Call,
     claim_call,
+    claim_replay,
     may_have_run,
     parse_claim,
     parse_pairs,
@@ -85,9 +86,7 @@ class Claimed:
 class WorkerClaims:
     """The claims of the HTTP workers an API process serves (see the module docstring)."""
 
-    def __init__(
-        self, redis: RedisClient, keys: Keys, scripts: Scripts, retention_s: int = 86400
-    ) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, scripts: Scripts, retention_s: int) -> None:
         self.keys = keys
         self.scripts = scripts
         self.retention_s = retention_s  # of a job a hand-back finds cancelled (stopped.lua)
@@ -322,8 +321,7 @@ class WorkerClaims:
         jobs it leased, and leases none afresh if it never ran), until it is answered; then
         give those jobs back to the front of their queues: nobody heard of them (stopped.lua:
         released, their attempt not counted; fenced by their lease version)."""
-        name, _, args = call
-        replay: Call = (name, shard, [args[0], 0, *args[2:]])
+        replay = claim_replay(call)
         backoff = CLAIM.start()
         while True:
             try:
@@ -336,7 +334,7 @@ class WorkerClaims:
             left = until - time.monotonic()
             if left <= 0 or self._closing:
                 why = "the API is stopping" if self._closing else f"its sends failed: {reply!r}"
-                _not_resent(worker, {shard: (0, call)}, why)
+                _not_resent(worker, [shard], why)
                 return
             await wait_for(self._stopping, min(backoff.next(), left))
         jobs = parse_claim(shard, reply).jobs
@@ -394,11 +392,11 @@ class WorkerClaims:
         return list(asks.items())
 
 
-def _not_resent(worker: str, lost: dict[int, tuple[int, Call]], why: str) -> None:
+def _not_resent(worker: str, shards: Iterable[int], why: str) -> None:
     log.warning(
         "event=claim_not_resent worker=%s shards=%s: its reply was lost, and it is not sent "
         "again (%s); jobs it leased, if any, return when their lease expires",
         worker,
-        ",".join(map(str, sorted(lost))),
+        ",".join(map(str, sorted(shards))),
         why,
     )

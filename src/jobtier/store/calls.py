@@ -156,6 +156,13 @@ def claim_call(
     return ("claim", shard, args)
 
 
+def claim_replay(call: Call) -> Call:
+    """``call`` (a ``claim_call``) asking for no job: claim.lua answers its token with the jobs
+    it leased, if it ran, and otherwise leases none and writes nothing."""
+    name, shard, args = call
+    return (name, shard, [args[0], 0, *args[2:]])
+
+
 def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
     now, claimed, handed = int(reply[0]), int(reply[2]), int(reply[3])
     # 11 values per job; 9 from the scripts before the trace context, 10 before the
