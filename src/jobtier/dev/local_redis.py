@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,14 +30,22 @@ SECRET_OPTIONS = ("requirepass", "masterauth", "user")
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + this (the bus)
 
 
+# the ports free_port handed out lately: the kernel may offer a port again as soon as it is
+# released, before whoever asked for it has bound it (a run's Redis and Postgres were once
+# given the same one)
+_GIVEN: deque[int] = deque(maxlen=1024)
+
+
 def free_port(below: int = 65536, *, also: int = 0) -> int:
-    """A free loopback port under ``below``; with ``also``, port + ``also`` is free too (a
-    cluster node's bus port: taken, the node exits at start)."""
+    """A free loopback port under ``below``, not one of the last ones it handed out; with
+    ``also``, port + ``also`` is free too (a cluster node's bus port: taken, the node exits
+    at start)."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = int(s.getsockname()[1])
-        if port < below and (not also or _bindable(port + also)):
+        if port < below and port not in _GIVEN and (not also or _bindable(port + also)):
+            _GIVEN.append(port)
             return port
     raise RuntimeError(f"no free port below {below}")
 
