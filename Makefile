@@ -12,9 +12,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test fuzz check lint types format bench bench-report docs setup system-deps clean
+.PHONY: run test fuzz check lint types format bench bench-report docs setup system-deps run-deps clean
 
-run: setup
+run: run-deps $(STAMP)
 	$(BIN)/jobtier run
 
 test: setup
@@ -60,6 +60,10 @@ setup: system-deps $(STAMP)
 # redis-server (with redis-cli) from Debian when missing; Postgres binaries likewise.
 system-deps:
 	@scripts/system-deps.sh
+
+# what `make run` needs of them: the Redis and Postgres servers only
+run-deps:
+	@scripts/system-deps.sh --run
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

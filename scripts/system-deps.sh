@@ -2,19 +2,23 @@
 # Installs the system packages jobtier's local services and tests need, only when missing:
 # redis-server and redis-cli (Debian redis-server), PostgreSQL server binaries, Chromium for
 # the dashboard test, Prometheus with promtool (Debian prometheus) for deploy/'s tests, and
-# Node (Debian nodejs) for the example HTTP worker's test.
+# Node (Debian nodejs) for the example HTTP worker's test. With --run (`make run`): only
+# what `jobtier run` needs, the Redis and Postgres servers.
 set -euo pipefail
 
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 command -v redis-cli >/dev/null 2>&1 || missing+=(redis-tools)
 ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing+=(postgresql)
-# the dashboard's browser test; fonts-liberation is only a "Recommends" of chromium
-command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-liberation fonts-dejavu-core)
-# deploy/'s rules and dashboard: promtool checks and tests them, a prometheus evaluates them
-command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
-# the example Node worker (examples/node-worker) that tests/e2e/test_node_worker.py runs
-command -v node >/dev/null 2>&1 || missing+=(nodejs)
+
+if [ "${1:-}" != "--run" ]; then
+  # the dashboard's browser test; fonts-liberation is only a "Recommends" of chromium
+  command -v chromium >/dev/null 2>&1 || missing+=(chromium fonts-liberation fonts-dejavu-core)
+  # deploy/'s rules and dashboard: promtool checks and tests them, a prometheus evaluates them
+  command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+  # the example Node worker (examples/node-worker) that tests/e2e/test_node_worker.py runs
+  command -v node >/dev/null 2>&1 || missing+=(nodejs)
+fi
 
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

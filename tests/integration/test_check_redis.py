@@ -8,6 +8,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import signal
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -119,6 +123,36 @@ async def test_a_redis_without_aof_is_refused_with_the_way_to_fix_it(tmp_path: P
         assert "appendonly is off" in warning
     finally:
         await client.aclose()
+        server.stop()
+
+
+@pytest.mark.parametrize("role", ["persister", "dispatcher"])
+def test_the_log_consumers_refuse_a_redis_without_aof_at_start(tmp_path: Path, role: str) -> None:
+    """The persister and the webhook dispatcher make the start-up check every role makes: as
+    deployed (the CLI, a process of its own), each stops at once with the refusal rather
+    than following the logs of a Redis that can lose what it acknowledged."""
+    server = LocalRedis(tmp_path / "redis").start()
+    try:
+        with syncredis.Redis(port=server.port) as admin:
+            admin.config_set("appendonly", "no")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("JOBTIER_")}
+        env["JOBTIER_REDIS_URL"] = server.url
+        # never reached: the check comes first (min_size 0: the pool connects on first use)
+        env["JOBTIER_DATABASE_URL"] = f"postgresql://127.0.0.1:{free_port()}/none"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "jobtier.cli.main", role, "--name", f"{role}-check"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        try:
+            # the old code followed the logs until stopped: the bound is what fails it
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 2, err.decode()
+        assert "configuration error" in err.decode() and "appendonly is off" in err.decode()
+    finally:
         server.stop()
 
 
