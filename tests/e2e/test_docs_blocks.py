@@ -11,7 +11,8 @@ run's worker has the demo tasks and the tasks the pages' flows name (``fetch``, 
 ``publish``). A backgrounded ``jobtier worker`` is waited for until it is live, and stopped
 at the end.
 
-A python block gets ``api_key`` (the tenant's key). An ``sh`` block runs in bash with ``-e``
+A python block runs with that environment too (its ``os.environ``), as the reader's does after
+the exports. An ``sh`` block runs in bash with ``-e``
 and ``pipefail``; every HTTP answer ``curl`` gets is recorded, and a 5xx, a 401, a 404, a
 405 or no answer fails the block (a 409 or 422 may be what the page shows).
 """
@@ -30,6 +31,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import httpx
 import pytest
@@ -175,8 +177,8 @@ def _run_sh(block: Block, run: JobtierRun, tmp_path: Path) -> None:
 
 
 def _run_python(block: Block, run: JobtierRun) -> None:
-    tenant, _ = run.keys()
-    namespace: dict[str, Any] = {"__name__": "docs_server_block", "api_key": tenant}
+    tenant, admin = run.keys()
+    namespace: dict[str, Any] = {"__name__": "docs_server_block"}
     code = compile(
         _local(block.code, run), block.where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
     )
@@ -184,10 +186,12 @@ def _run_python(block: Block, run: JobtierRun) -> None:
         from jobtier import Client
 
         namespace["client"] = Client(run.base, tenant)
+    exports = {"JOBTIER_URL": run.base, "JOBTIER_KEY": tenant, "JOBTIER_ADMIN_KEY": admin}
     try:
-        result = eval(code, namespace)
-        if inspect.iscoroutine(result):
-            asyncio.run(result)
+        with mock.patch.dict(os.environ, exports):
+            result = eval(code, namespace)
+            if inspect.iscoroutine(result):
+                asyncio.run(result)
     finally:
         if "client" in namespace and hasattr(namespace["client"], "close"):
             namespace["client"].close()
