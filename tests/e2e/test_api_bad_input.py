@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
@@ -43,6 +44,11 @@ CASES: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
     ("cancel unknown", "POST", f"/v1/jobs/{JOB}/cancel", None, {}, 404, "not-found"),
     ("result unknown", "GET", f"/v1/jobs/{JOB}/result", None, {}, 404, "not-found"),
     ("bad wait", "GET", f"/v1/jobs/{JOB}?wait=x", None, {"if-none-match": '"1"'}, 400, "bad-request"),
+    # a query parameter an operation does not take is refused, not ignored
+    ("query on a submit", "POST", "/v1/jobs?priority=high", {"type": "echo"}, {}, 400, "bad-request"),
+    ("query on a batch", "POST", "/v1/jobs/batch?delay=5", {"jobs": [{"type": "echo"}]}, {}, 400, "bad-request"),
+    ("query on a cancel", "POST", f"/v1/jobs/{JOB}/cancel?force=1", None, {}, 400, "bad-request"),
+    ("query on log lines", "GET", f"/v1/jobs/{JOB}/logs?limit=1", None, {}, 400, "bad-request"),
 ]  # fmt: skip
 
 
@@ -75,4 +81,35 @@ async def test_bad_request(
     assert problem["type"] == f"urn:jobtier:problem:{slug}"
     assert problem["status"] == status and problem["title"] and problem["detail"]
     assert "Traceback" not in r.text
+    assert await snapshot(queue) == before
+
+
+def _filled(path: str) -> str:
+    """``path`` with each parameter filled in (a value the router takes; the operation's
+    own answer to it does not matter here: the parameter is refused before)."""
+    return re.sub(r"{job_id}", JOB, re.sub(r"{(?!job_id)\w+}", "x1", path))
+
+
+async def test_every_operation_without_query_parameters_refuses_one(
+    api: ApiServer, queue: Queue
+) -> None:
+    """Each operation whose description declares no query parameter answers one with 400
+    naming it, and changes nothing: before, most ignored it (``POST /v1/jobs?priority=high``
+    queued a job of normal priority, ``…/logs?limit=1`` gave every line)."""
+    before = await snapshot(queue)
+    checked = []
+    async with api.client("admin") as c:
+        document = (await c.get("/v1/openapi.json")).json()
+        for path, item in document["paths"].items():
+            for method, op in item.items():
+                if any(p["in"] == "query" for p in op.get("parameters", [])):
+                    continue
+                r = await c.request(method.upper(), f"{_filled(path)}?bogus=1&bogus=2")
+                where = f"{method.upper()} {path}: {r.status_code} {r.text[:200]}"
+                assert r.status_code == 400, where
+                assert r.json()["field"] == "bogus" and "takes: none" in r.json()["detail"], where
+                assert "400" in op["responses"], where
+                checked.append(f"{method} {path}")
+    # submits, cancels, results, admin routes, schedules, workers' routes…: all of them
+    assert len(checked) >= 30 and "post /v1/jobs" in checked, checked
     assert await snapshot(queue) == before

@@ -5,6 +5,7 @@ answers the server gives for what it does. Route modules declare their routes wi
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
@@ -14,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
-from jobtier.api.params import Param
+from jobtier.api.params import Param, parse_query
 from jobtier.config import Settings
 from jobtier.core.model import JobStatus, QueueInfo, QueueLimits, TaskAd
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE, ULID_RE, WEBHOOK_ID_RE
@@ -247,6 +248,8 @@ def operation(
     }
     if params:
         errors["400"] = problem("a query parameter is unknown, repeated or malformed (field)")
+    else:  # one given is refused (Paths.add), not ignored
+        errors["400"] = problem("a query parameter was given: this operation takes none (field)")
     if body is not None:
         out["requestBody"] = {
             "required": body_required,
@@ -256,7 +259,10 @@ def operation(
             ),
             "content": {"application/json": {"schema": ref(body)}},
         }
-        errors["400"] = problem("malformed JSON, or no body")
+        errors["400"] = problem(
+            "malformed JSON, or no body"
+            + ("" if params else "; or a query parameter, which this operation does not take")
+        )
         errors["413"] = too_large(settings)
         errors["415"] = problem("the body is not application/json (or application/*+json)")
         errors["422"] = problem(
@@ -287,6 +293,20 @@ _PATH_PARAM = re.compile(r"{(\w+)}")
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
+def takes_no_query(endpoint: Endpoint) -> Endpoint:
+    """``endpoint``, for an operation without query parameters: one given is refused (400
+    naming it, as ``parse_query`` refuses a parameter its route does not take) rather than
+    ignored: ``POST /v1/jobs?priority=high`` would queue a job of normal priority."""
+
+    @functools.wraps(endpoint)
+    async def checked(request: Request) -> Response:
+        if request.scope["query_string"]:
+            parse_query(request, ())
+        return await endpoint(request)
+
+    return checked
+
+
 class Paths:
     """The operations of an API part, each declared once: ``add("GET /v1/…", endpoint,
     summary, *answers, **options)`` routes the method and path to ``endpoint`` and describes
@@ -302,11 +322,16 @@ class Paths:
     def add(
         self, route: str, endpoint: Endpoint, summary: str, *answers: Answer, **options: Any
     ) -> dict[str, Any]:
-        """Add the operation and return it."""
+        """Add the operation and return it. An operation that declares no query parameters
+        refuses any (``takes_no_query``); one that declares some reads them with
+        ``parse_query``, which refuses those it does not declare."""
         method, path = route.split(" ")
         responses = {str(status): answer for status, answer in answers}
         options = {"path": [PATH_PARAMS[p] for p in _PATH_PARAM.findall(path)], **options}
-        op = operation(self.settings, summary, responses, **{**self.defaults, **options})
+        options = {**self.defaults, **options}
+        if not options.get("params"):
+            endpoint = takes_no_query(endpoint)
+        op = operation(self.settings, summary, responses, **options)
         self.paths.setdefault(path, {})[method.lower()] = op
         self.endpoints.setdefault(path, {})[method] = endpoint
         return op
