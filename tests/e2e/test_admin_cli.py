@@ -184,6 +184,10 @@ async def test_dead_letters_list_show_replay(pg_api: ApiServer, queue: Queue) ->
     shown = await cli.json("dead-letters", "show", deep["id"], key=ADMIN)
     assert shown["payload"] == {"k": 1} and shown["job"]["state"] == "failed"
 
+    # a replay of every dead letter is asked for by name (--all), not by leaving filters out
+    code, _, err = await cli("dead-letters", "replay", key=ADMIN)
+    assert code == 2 and "--all to replay every dead letter" in err
+    assert len(await cli.json("dead-letters", "list", key=ADMIN)) == 2  # none replayed
     # replay by filter: nothing since the future, then the one of its type
     nothing = await cli.json("dead-letters", "replay", "--since", future, key=ADMIN)
     assert nothing == {"replayed": [], "count": 0}
@@ -191,6 +195,8 @@ async def test_dead_letters_list_show_replay(pg_api: ApiServer, queue: Queue) ->
         "dead-letters", "replay", "--type", "fail", "--since", "1h", key=ADMIN
     )
     assert replayed == {"replayed": [fatal["id"]], "count": 1}
+    code, _, err = await cli("dead-letters", "replay", deep["id"], "--all", key=ADMIN)
+    assert code == 2 and "not both" in err
     code, out, _ = await cli("dead-letters", "replay", deep["id"], key=ADMIN)
     assert code == 0 and f"{deep['id']}: queued again" in out
     code, _, err = await cli("dead-letters", "replay", deep["id"], "--type", "x", key=ADMIN)

@@ -174,6 +174,7 @@ async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue
         pg_api.client("acme") as a,
         pg_api.client("globex") as b,
         pg_api.client(None) as nobody,
+        pg_api.client("admin") as admin,
         httpx.AsyncClient(base_url=pg_api.url, headers=WRONG_KEY, timeout=30) as stranger,
     ):
         job = (await a.post("/v1/jobs", json=BODIES[("POST", "/v1/jobs")])).json()
@@ -210,6 +211,12 @@ async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue
                     await call(client, method, path, body), 401, "unauthorized", what
                 )
                 assert detail in problem["detail"], what
+            if kind not in (ADMIN, WORKER):
+                # a tenant's route: the admin key is known, but no tenant's (403, not 401)
+                problem = assert_problem(
+                    await call(admin, method, path, body), 403, "forbidden", what
+                )
+                assert "not the admin key" in problem["detail"], what
             if kind in (ADMIN, WORKER):
                 for client in (a, b):
                     assert_problem(await call(client, method, path, body), 403, "forbidden", what)

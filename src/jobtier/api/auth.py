@@ -48,17 +48,27 @@ def known_tenant(tenants: dict[str, str], header: bytes | None) -> str | None:
     return None if key is None else tenants.get(key)
 
 
-def tenant_for(tenants: dict[str, str], header: bytes | None) -> str:
-    """The tenant of an ``Authorization`` header's API key, or a 401 problem."""
-    tenant = tenants.get(_key_of(header))
+def tenant_for(tenants: dict[str, str], header: bytes | None, admin: str = "") -> str:
+    """The tenant of an ``Authorization`` header's API key, or a 401 problem (403 for the
+    admin key ``admin``: known, but not a tenant's)."""
+    key = _key_of(header)
+    tenant = tenants.get(key)
     if tenant is None:
+        if admin and hmac.compare_digest(key.encode(), admin.encode()):
+            raise Problem(
+                403,
+                "forbidden",
+                "this route needs a tenant's key (one of JOBTIER_API_KEYS), not the admin key",
+            )
         raise _unauthorized("unknown API key")
     return tenant
 
 
 def tenant_of(request: Request) -> str:
-    """The tenant of the request's API key, or a 401 problem."""
-    return tenant_for(request.state.tenants, raw_header(request, b"authorization"))
+    """The tenant of the request's API key, or a 401 problem (403 for the admin key)."""
+    return tenant_for(
+        request.state.tenants, raw_header(request, b"authorization"), request.state.admin_key
+    )
 
 
 def require_admin(request: Request) -> None:

@@ -283,6 +283,8 @@ def operation(
         errors["403"] = problem("a tenant key on an admin route")
     elif auth == "worker":
         errors["403"] = problem("a tenant's or the admin key on a worker route")
+    elif auth == "tenant":
+        errors["403"] = problem("the admin key on a tenant's route (it is no tenant's key)")
     if backend:
         errors["503"] = problem("Redis or Postgres is unavailable; try again", RETRY_AFTER)
     out["responses"] = {**errors, **responses}

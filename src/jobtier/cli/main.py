@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -337,7 +338,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):
+        parser.print_help(sys.stderr)  # the commands, rather than "COMMAND is required"
+        return 2
+    args = parser.parse_args(argv)
     try:
         settings = Settings.from_env()
         logs.setup(settings.log_level, settings.log_format)
@@ -350,6 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"jobtier: configuration error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader of our output stopped early (`jobtier config | head`): no traceback, and
+        # none either from the interpreter flushing stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -272,10 +272,17 @@ def dead_show(c: Client, a: argparse.Namespace) -> Any:
 
 def dead_replay(c: Client, a: argparse.Namespace) -> Any:
     if a.job_id is not None:
-        if a.type is not None or a.since is not None:
-            raise CommandError("give a job id or --type/--since, not both")
+        if a.type is not None or a.since is not None or a.all:
+            raise CommandError("give a job id or --type/--since/--all, not both")
         s = c.replay(a.job_id)
         return s if a.json else f"{s.id}: {s.state} again (attempts reset)"
+    if a.type is None and a.since is None and not a.all:
+        # a bulk action across every tenant is asked for by name, not reached by leaving
+        # the filters out
+        raise CommandError(
+            "give a JOB_ID, --type and/or --since, or --all to replay every dead letter "
+            f"(at most --limit of them: {a.limit})"
+        )
     ids = c.replay_dead_letters(type=a.type, since=a.since, limit=a.limit)
     if a.json:
         return {"replayed": ids, "count": len(ids)}
@@ -447,9 +454,12 @@ def add_commands(sub: Any) -> None:
     )
     group = p.add_subparsers(dest="action", metavar="ACTION", required=True)
     listing = action(group, "list", dead_list, ADMIN, "dead-lettered jobs, newest first")
-    what = "replay one dead letter (JOB_ID), or those matching --type/--since"
+    what = "replay one dead letter (JOB_ID), those matching --type/--since, or --all"
     replaying = action(group, "replay", dead_replay, ADMIN, what)
     replaying.add_argument("job_id", metavar="JOB_ID", nargs="?", help="one job to replay")
+    replaying.add_argument(
+        "--all", action="store_true", help="every dead letter (up to --limit), with no filter"
+    )
     since = "only jobs dead-lettered since: ISO 8601, or 30s, 15m, 2h, 7d"
     for q in (listing, replaying):
         q.add_argument("--type", help="only jobs of this task type")
