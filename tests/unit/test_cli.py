@@ -65,6 +65,30 @@ def test_bad_input_is_a_clear_error() -> None:
     assert r.returncode == 2 and "no API keys" in r.stderr
 
 
+def test_no_command_prints_the_commands() -> None:
+    r = run()
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "usage: jobtier" in r.stderr and "persister" in r.stderr and "dead-letters" in r.stderr
+
+
+@pytest.mark.parametrize("args", [["config"], ["config", "--table"]])
+def test_a_reader_that_stops_early_gets_no_traceback(args: list[str]) -> None:
+    """``jobtier config | head -1``: the reader is gone before the command has written all
+    (here before it writes anything, so that it is so whatever the timing; the output,
+    under or over the stream's buffer, meets it at exit or in the middle)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run(
+            [sys.executable, "-m", "jobtier.cli.main", *args],
+            stdout=write, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "BrokenPipeError" not in r.stderr, r.stderr
+
+
 def test_config_masks_secrets() -> None:
     r = run("config", env={"JOBTIER_API_KEYS": "sekret:acme", "PATH": ""})
     assert r.returncode == 0 and "sekret" not in r.stdout and "JOBTIER_API_KEYS=***" in r.stdout

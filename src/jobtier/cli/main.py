@@ -349,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         if settings.otel and args.command in ROLES:
             tracing.setup(settings, args.command)
         try:
-            return int(args.func(args, settings))
+            code = int(args.func(args, settings))
+            sys.stdout.flush()  # a reader gone is met here rather than at exit
+            return code
         finally:
             tracing.shutdown()  # its last spans sent (a no-op unless setup made a provider)
     except ConfigError as exc:
