@@ -3,6 +3,7 @@ its servers stopped on every way out, never someone else's server used."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -15,6 +16,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import asyncpg
 import httpx
 import pytest
 import redis as syncredis
@@ -154,6 +156,41 @@ def test_the_api_serves_once_the_worker_has_advertised_its_tasks(
     wait_until(lambda: state(run, job) == "succeeded", "the job succeeds")
     wait_until(lambda: "jobtier is running" in run.text(), "the banner")
     assert run.text().index("event=worker_started ") < run.text().index("jobtier is running")
+
+
+async def _history(dsn: str, job_id: str) -> list[tuple[str | None, str]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(
+            "SELECT from_state, to_state FROM job_transitions WHERE job_id = $1 ORDER BY version",
+            job_id,
+        )
+    finally:
+        await conn.close()
+    return [(r["from_state"], r["to_state"]) for r in rows]
+
+
+def test_a_stopped_run_has_written_what_its_worker_did_last(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    """The persister stops after the worker: the job the stopping worker hands back (its
+    grace over) is back in its queue in Postgres once the run has ended, not at the next
+    start. (Before, every part stopped at once, and the release stayed in the Redis log.)"""
+    run = start(runs, data, tmp_path / "run.log", "--grace", "0.5")
+    run.wait_ready()
+    job = submit(run, "sleep", {"seconds": 600})
+    wait_until(lambda: state(run, job) == "running", "the job runs")
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.exit_code() == 0, run.text()[-3000:]
+    # the run's own Postgres, started again on its data to read what it holds
+    pg = LocalPostgres(data / "pg").start()
+    try:
+        history = asyncio.run(_history(pg.dsn, job))
+    finally:
+        pg.stop()
+    assert history[-1] == ("running", "queued"), history
+    events = run.events()
+    assert events.index("worker_stopped") < events.index("persister_stopped"), events
 
 
 @pytest.mark.parametrize("how", ["SIGTERM twice", "SIGINT twice", "SIGHUP"])

@@ -105,7 +105,12 @@ def test_run_banner_says_how_to_get_the_command(
     (bin_dir / "jobtier").write_text("#!/bin/sh\n")
     (bin_dir / "jobtier").chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(bin_dir / "python"))
-    settings = Settings(api_keys="dev-k:acme", admin_key="admin-k")
+    settings = Settings(
+        api_keys="dev-k:acme",
+        admin_key="admin-k",
+        redis_url="redis://127.0.0.1:16379/0",
+        database_url="postgresql://jobtier@127.0.0.1:15432/jobtier",
+    )
 
     # not on PATH (make run): one line puts the virtualenv's bin first, then the exports
     monkeypatch.setenv("PATH", "/nonexistent")
@@ -114,6 +119,9 @@ def test_run_banner_says_how_to_get_the_command(
     assert err.count("jobtier command") == 1
     assert f'export PATH={bin_dir}:"$PATH"' in err and f". {bin_dir}/activate" in err
     assert "JOBTIER_KEY=dev-k JOBTIER_ADMIN_KEY=admin-k" in err and "jobtier queues" in err
+    # a worker of your own started beside it finds the same Redis (not the default 6379)
+    assert "export JOBTIER_REDIS_URL=redis://127.0.0.1:16379/0 " in err
+    assert "JOBTIER_DATABASE_URL=postgresql://jobtier@127.0.0.1:15432/jobtier" in err
 
     # on PATH already: nothing to say
     monkeypatch.setenv("PATH", str(bin_dir))

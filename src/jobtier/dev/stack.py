@@ -40,11 +40,19 @@ from jobtier.dev.local_redis import LocalRedis, PortOwner, redis_at
 from jobtier.dev.procs import FolderLock, LocalServiceError, pid_alive, process_cwd, stop_pid
 from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
+from jobtier.runtime.loop import FAULTS
 from jobtier.scheduler import Scheduler
+from jobtier.store.context import Store
+from jobtier.streams.group import lag
 from jobtier.worker.registry import TaskRegistry
 from jobtier.worker.runner import Worker
 
 log = logging.getLogger("jobtier.run")
+
+# seconds a stopping run gives its persister, once the worker and the scheduler have ended,
+# to write what they logged last (``_stop_after``)
+FINAL_WRITE = 10.0
+_GIVE_UP: tuple[type[BaseException], ...] = (TimeoutError, *FAULTS)
 
 OnSignals = Callable[
     [Callable[[], None], Callable[[], None] | None, Callable[[], None] | None], None
@@ -228,16 +236,22 @@ async def run_all(
 
     main = asyncio.current_task()
     assert main is not None
-    parts: list[Part] = []
+    makers: list[Part] = []  # the worker and the scheduler, which make transitions
+    followers: list[Part] = []  # the persister and the dispatcher, which follow the logs
+    making: list[asyncio.Task[Any]] = []  # the makers' runs
     server: EmbeddedServer | None = None
+    store: Store | None = None
+    stopping: list[asyncio.Task[None]] = []
 
     def stop() -> None:
         if server is None:  # still starting: abandon the start-up
             main.cancel()
             return
         server.should_exit = True
-        for part in parts:
+        for part in makers:
             part.stop()
+        if not stopping:  # the followers once the makers' last transitions are written
+            stopping.append(asyncio.create_task(_stop_after(making, followers, store)))
 
     def stop_now() -> None:
         stop()
@@ -245,6 +259,8 @@ async def run_all(
             server.force_exit = True
         if outcome.worker is not None:
             outcome.worker.stop(now=True)
+        for part in followers:
+            part.stop()
 
     on_signals(stop, stop_now, services.signal_now if services else None)
     applied = await migrate(settings.database_url)
@@ -261,8 +277,9 @@ async def run_all(
             scheduler = Scheduler(queue.store, schedules=ScheduleStore(pool))
             persister = Persister(settings, queue.redis, pool, "run-persister")
             dispatcher = Dispatcher(settings, queue.redis, pool, "run-dispatcher")
-            parts[:] = [worker, scheduler, persister, dispatcher]
-            publisher = MetricsPublisher(queue.redis, queue.keys, "run", parts)
+            store = queue.store
+            makers[:], followers[:] = [worker, scheduler], [persister, dispatcher]
+            publisher = MetricsPublisher(queue.redis, queue.keys, "run", makers + followers)
             publisher.start()
             app = create_app(settings, postgres_extension(settings))
             config = uvicorn.Config(
@@ -275,9 +292,12 @@ async def run_all(
                 access_log=False,
             )
             server = EmbeddedServer(config)
-            runs = [
+            making[:] = [
                 asyncio.create_task(worker.run(), name="worker"),
                 asyncio.create_task(scheduler.run(), name="scheduler"),
+            ]
+            runs = [
+                *making,
                 asyncio.create_task(persister.run(), name="persister"),
                 asyncio.create_task(dispatcher.run(), name="dispatcher"),
             ]
@@ -298,10 +318,36 @@ async def run_all(
                     stop()
             await publisher.stop()
     finally:
+        for task in stopping:
+            task.cancel()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(10):
                 await pool.close()
     return 1 if failed else 0
+
+
+async def _stop_after(
+    making: list[asyncio.Task[Any]], followers: list[Part], store: Store | None
+) -> None:
+    """Stop ``followers`` (the persister, the dispatcher) once the ``making`` runs (the
+    worker's, the scheduler's) have ended and the persister has written what they logged:
+    the releases of the jobs a stopping worker hands back, and what ended in its grace, are
+    in Postgres when the run has stopped, rather than at its next start. Not longer than
+    ``FINAL_WRITE`` once the makers ended (Postgres away: what is left is written by the next
+    run); a second signal stops them at once (``stop_now``)."""
+    try:
+        if making:
+            await asyncio.wait(making)
+        if store is not None:
+            async with asyncio.timeout(FINAL_WRITE):
+                # the lag is Redis's to tell: asked again until none is left
+                while (await lag(store.redis, store.keys, exact=1))[0]:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+    except _GIVE_UP as exc:
+        log.warning("event=final_write_skipped error=%r: the next run writes the rest", exc)
+    finally:
+        for part in followers:
+            part.stop()
 
 
 async def _worker_started(worker: Worker, runs: list[asyncio.Task[Any]]) -> bool:
@@ -362,6 +408,8 @@ def _welcome(settings: Settings) -> None:
 jobtier is running: API {base}  (Ctrl-C stops everything)
 
 {path}  export JOBTIER_URL={base} JOBTIER_KEY={key} JOBTIER_ADMIN_KEY={settings.admin_key}
+  export JOBTIER_REDIS_URL={settings.redis_url} JOBTIER_DATABASE_URL={settings.database_url}
+  # the second line: for `jobtier worker yourtasks` beside this one, and for psql
   curl -s -X POST $JOBTIER_URL/v1/jobs -H "Authorization: Bearer $JOBTIER_KEY" \\
        -H 'Content-Type: application/json' -d '{{"type": "sleep", "payload": {{"seconds": 3}}}}'
   curl -s $JOBTIER_URL/v1/jobs/<id> -H "Authorization: Bearer $JOBTIER_KEY"
