@@ -113,3 +113,24 @@ async def test_every_operation_without_query_parameters_refuses_one(
     # submits, cancels, results, admin routes, schedules, workers' routes…: all of them
     assert len(checked) >= 30 and "post /v1/jobs" in checked, checked
     assert await snapshot(queue) == before
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("/v1/jobs", {"payload": 1}, "type"),
+        ("/v1/jobs", {"type": "echo", "paylod": 1}, "paylod"),
+        ("/v1/jobs/batch", {"jobs": [{"type": "echo"}, {"payload": 1}]}, "jobs[1].type"),
+        ("/v1/jobs/batch", {"jobs": [{"type": "echo", "colour": "red"}]}, "jobs[0].colour"),
+    ],
+)
+async def test_a_missing_or_unknown_member_is_named(
+    api: ApiServer, queue: Queue, path: str, body: Any, field: str
+) -> None:
+    """The problem's ``field`` names the member missing or not known, as it names one of the
+    wrong type: a client shows it beside the right input."""
+    before = await snapshot(queue)
+    async with api.client() as c:
+        r = await c.post(path, json=body)
+    assert r.status_code == 422 and r.json()["field"] == field, r.text
+    assert await snapshot(queue) == before

@@ -70,7 +70,7 @@ async def test_a_batch_over_http(api: ApiServer, queue: Queue) -> None:
         ),
         ({"type": "echo", "items": [1], "callback": {"type": "nope"}}, 422, "callback.type"),
         # an unknown member at the top: msgspec names it in the detail only
-        ({"type": "echo", "items": [1], "extra": 1}, 422, None),
+        ({"type": "echo", "items": [1], "extra": 1}, 422, "extra"),
         ({"type": "echo", "items": list(range(100_001))}, 413, "items"),
     ],
 )

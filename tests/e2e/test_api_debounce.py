@@ -67,10 +67,10 @@ async def test_racing_http_submits_of_one_debounce_key_make_one_job(api: ApiServ
     ("extra", "field"),
     [
         ({"debounce": {"key": "k", "seconds": -1}}, "debounce.seconds"),
-        ({"debounce": {"key": "k"}}, "debounce"),
+        ({"debounce": {"key": "k"}}, "debounce.seconds"),  # missing
         ({"debounce": {"key": "k", "seconds": 5, "max_wait": 2}}, "debounce.max_wait"),
         ({"debounce": {"key": "k", "seconds": 1e12}}, "debounce.seconds"),
-        ({"debounce": {"key": "k", "seconds": 5, "colour": 1}}, "debounce"),
+        ({"debounce": {"key": "k", "seconds": 5, "colour": 1}}, "debounce.colour"),  # unknown
         ({"debounce": {"key": "k", "seconds": 5}, "delay": 1}, "debounce"),
         ({"throttle": {"key": "k", "limit": 1.5, "period": 1}}, "throttle.limit"),
         ({"throttle": {"key": "k", "limit": 1, "period": 1, "on_limit": "queue"}}, "throttle.on_limit"),

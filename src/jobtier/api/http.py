@@ -152,6 +152,9 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         message = str(exc)
         _, at, path = message.rpartition(" - at `$")
         field = path.rstrip("`").lstrip(".") if at and path.strip("`") else None
+        # a member missing or unknown: the object's path is where it is, the member is the field
+        if named := _NAMED_MEMBER.match(message):
+            field = f"{field}.{named.group(1)}" if field else named.group(1)
         if field and message.startswith("Invalid enum value"):
             values = enum_values(decoder.type, field)
             if values:
@@ -162,6 +165,7 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise Problem(400, "invalid-json", f"the body is not valid JSON: {exc}") from None
 
 
+_NAMED_MEMBER = re.compile(r"Object (?:missing required|contains unknown) field `([^`]+)`")
 _PATH_PART = re.compile(r"\.?([A-Za-z_][A-Za-z0-9_]*)|\[([0-9]+)\]")
 
 
