@@ -9,14 +9,14 @@ from typing import Any
 import asyncpg
 import pytest
 
-from jobtier import outbox
+from jobtier import AsyncClient, outbox
 from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
 from jobtier.engine.produce import Producer
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.outbox import OutboxRelay
-from tests.fixtures.api import ApiServer, StartApi
+from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import wait_for
 from tests.tasks import registry
 
@@ -67,6 +67,15 @@ async def test_status_reads_of_outbox_jobs(
         assert r.status_code == 200 and r.json()["state"] == "failed"
         assert r.json()["error"]["type"] == "Refused"
         assert "no worker runs task 'no_such_task'" in r.json()["error"]["message"]
+        # its result reads as its status does (failed, no result), and so `jobtier jobs show`
+        r = await c.get(f"/v1/jobs/{refused}/result")
+        assert r.status_code == 200, r.text
+        assert (r.json()["state"], r.json()["result"]) == ("failed", None)
+        assert r.json()["error"]["type"] == "Refused"
+        assert (await globex.get(f"/v1/jobs/{refused}/result")).status_code == 404
+        async with AsyncClient(pg_api.url, KEYS["acme"]) as client:
+            shown = await client.show(refused)
+        assert shown.status.state == "failed" and shown.result is None and shown.lines == []
 
 
 async def test_listings_refuse_the_submitted_state(pg_api: ApiServer) -> None:

@@ -35,7 +35,7 @@ from jobtier.api.problems import Problem, on_error
 from jobtier.api.sealed import opened
 from jobtier.core.debounce import Throttled
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
-from jobtier.core.model import JobSpec, Submitted
+from jobtier.core.model import JobSpec, Submitted, status_decoder
 from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse, StatusResponse, status_answer
@@ -207,7 +207,7 @@ async def get_result(request: Request) -> Response:
         fallback = request.state.result_fallback
         found = await fallback(job_id, tenant) if fallback else None
         if found is None:
-            raise job_not_found(job_id) from None
+            return await _result_of_status(request, job_id, tenant)
         return Response(orjson.dumps(found), media_type=JSON)
     body: dict[str, Any] = {
         "id": status.id,
@@ -223,6 +223,25 @@ async def get_result(request: Request) -> Response:
     # the stored JSON as it is, not decoded and encoded again
     return Response(
         msgspec.json.encode(body)[:-1] + b',"result":' + (raw or b"null") + b"}", media_type=JSON
+    )
+
+
+async def _result_of_status(request: Request, job_id: str, tenant: str) -> Response:
+    """The result document of a job that neither Redis nor Postgres's jobs hold, and the
+    status tier knows (a row of the outbox, not relayed yet, or refused by its relay: its
+    status says why): no result, as its status reads. Else a 404, as for the status."""
+    known = await request.state.reader.get_for(job_id, tenant)
+    if known is None:
+        raise job_not_found(job_id)
+    status = status_decoder.decode(known[1])
+    return encoded(
+        {
+            "id": status.id,
+            "state": status.state,
+            "version": status.version,
+            "error": status.error,
+            "result": None,
+        }
     )
 
 
