@@ -118,7 +118,7 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         arg(
             "--server",
             choices=["granian", "uvicorn"],
-            help="ASGI server (default: JOBTIER_API_SERVER)",
+            help="ASGI server (default: JOBTIER_API_SERVER, granian)",
         ),
     ),
     (
@@ -160,9 +160,10 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
     (
         "scheduler",
         cmd_scheduler,
-        "promote due jobs and reclaim expired leases",
-        "Promote scheduled jobs when due and requeue jobs whose worker stopped heartbeating. "
-        "Run as many as you like: every move is an atomic script.",
+        "promote due jobs, fire cron schedules, reclaim expired leases",
+        "Promote scheduled jobs when due, fire recurring (cron and interval) schedules, and "
+        "requeue jobs whose worker stopped heartbeating. Run as many as you like: every move "
+        "is an atomic script, and each slot of a schedule fires once however many run.",
         arg(
             "--batch", type=int, default=200, help="most jobs moved per script call (default: 200)"
         ),
