@@ -35,7 +35,7 @@ LagProbe = Callable[[], Awaitable[int]]  # transitions not yet in Postgres
 _MEMORY_HIGH = (
     "event=redis_memory_high used=%d maxmemory=%d ratio=%.3f refusing_submits=%s: Redis is "
     "filling up; submits are refused past JOBTIER_REDIS_MEMORY_REFUSE_RATIO=%g. Raise "
-    "maxmemory, shorten JOBTIER_RETENTION_SECONDS, or add workers (README: Sizing Redis)"
+    "maxmemory, shorten JOBTIER_RETENTION_SECONDS, or add workers (docs/operating.md: Sizing Redis)"
 )
 
 
