@@ -65,6 +65,7 @@ from jobtier.persist.batch import (
 )
 from jobtier.persist.db import AnyConnection, Pool, create_pool, migrate, query
 from jobtier.persist.persister import Persister
+from jobtier.store import format as job_format
 from jobtier.store.calls import SubmitItem
 from jobtier.store.scripts import Scripts
 from jobtier.streams.entries import LogEntry, parse_entry
@@ -120,6 +121,7 @@ async def prefill(redis_url: str, transitions: int) -> None:
     redis = Redis.from_url(redis_url)
     keys = Keys("jt", SHARDS)
     scripts = Scripts(redis, keys)
+    await job_format.mark(redis, keys)  # as jobtier's producers mark a new deployment's shards
     jobs = transitions // 3
     chunk = 4000
     for start in range(0, jobs, chunk):
@@ -147,6 +149,7 @@ async def generate(redis_url: str, rate: float, seconds: float) -> None:
     redis = Redis.from_url(redis_url)
     keys = Keys("jt", SHARDS)
     scripts = Scripts(redis, keys)
+    await job_format.mark(redis, keys)  # as jobtier's producers mark a new deployment's shards
     started = time.monotonic()
     made, shard = 0, 0
     to_claim: deque[tuple[float, dict[int, int]]] = deque()

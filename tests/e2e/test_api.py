@@ -129,6 +129,21 @@ async def test_cancel_result_and_worker_flow(
         assert r.json()["result"] == {"hello": "world"} and r.json()["state"] == "succeeded"
 
 
+async def test_the_result_of_a_job_gone_from_redis_is_not_made_up(
+    api: ApiServer, queue: Queue
+) -> None:
+    """A finished job whose record Redis dropped (its retention over), on an API without
+    Postgres: its last status may still be near-cached, but its result is not known, so the
+    result read is a 404, as it is for the job then, not a document saying "no result"."""
+    async with api.client() as c:
+        job = await submit(c)
+        assert (await c.post(f"/v1/jobs/{job['id']}/cancel")).status_code == 200
+        assert (await c.get(f"/v1/jobs/{job['id']}")).json()["state"] == "cancelled"  # cached
+        assert await queue.redis.delete(queue.keys.job(job["id"])) == 1
+        r = await c.get(f"/v1/jobs/{job['id']}/result")
+        assert r.status_code == 404, r.text
+
+
 async def test_long_poll_wakes_on_change(api: ApiServer, queue: Queue) -> None:
     async with api.client() as c:
         job = await submit(c)

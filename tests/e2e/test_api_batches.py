@@ -69,7 +69,7 @@ async def test_a_batch_over_http(api: ApiServer, queue: Queue) -> None:
             "callback.webhook.url",
         ),
         ({"type": "echo", "items": [1], "callback": {"type": "nope"}}, 422, "callback.type"),
-        # an unknown member at the top: msgspec names it in the detail only
+        # an unknown member at the top: named in field too (msgspec names it in its message)
         ({"type": "echo", "items": [1], "extra": 1}, 422, "extra"),
         ({"type": "echo", "items": list(range(100_001))}, 413, "items"),
     ],

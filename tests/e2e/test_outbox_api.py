@@ -56,6 +56,12 @@ async def test_status_reads_of_outbox_jobs(
         )
         assert (await globex.get(f"/v1/jobs/{job_id}")).status_code == 404
         assert (await c.get(f"/v1/jobs/{gone}")).status_code == 404
+        r = await c.get(f"/v1/jobs/{job_id}/result")  # no result yet, as its status says
+        assert r.status_code == 200 and (r.json()["state"], r.json()["result"]) == (
+            "submitted",
+            None,
+        )
+        assert (await c.get(f"/v1/jobs/{gone}/result")).status_code == 404
 
         assert await relay.drain() == 2
 

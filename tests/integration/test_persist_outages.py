@@ -30,6 +30,7 @@ from jobtier.core.keys import Keys
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist.db import Pool, create_pool, migrate
 from jobtier.persist.persister import Persister
+from jobtier.store import format as job_format
 from jobtier.streams.group import lag
 from tests.fixtures.postgres import assert_pg_matches_redis, simple_jobs
 
@@ -126,6 +127,10 @@ class Load:
         self._task = asyncio.create_task(self._run())
 
     async def _run(self) -> None:
+        # the shards marked as jobtier's producers mark a new deployment's at their start
+        # (Store.connect): else a persister starting after the first jobs would find them
+        # unmarked, and refuse them as records of a jobtier before formats
+        await job_format.mark(self.redis, self.keys)
         while self._running:
             self.job_ids.extend(await simple_jobs(self.redis, self.keys, 40))
             await asyncio.sleep(0.01)

@@ -288,6 +288,13 @@ def operation(
     if backend:
         errors["503"] = problem("Redis or Postgres is unavailable; try again", RETRY_AFTER)
     out["responses"] = {**errors, **responses}
+    if not params and "400" in responses:  # the operation's own 400, and the query's
+        given = responses["400"]
+        out["responses"]["400"] = {
+            **given,
+            "description": f"{given['description']}; or a query parameter, which this "
+            "operation does not take (field)",
+        }
     return out
 
 

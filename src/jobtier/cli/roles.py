@@ -204,29 +204,24 @@ def _run_log_consumer(
 ) -> int:
     """Run a persister or a dispatcher until a signal: its Redis client and Postgres pool
     made here and closed on every way out, its metrics published meanwhile. Its Redis is
-    checked at start as every role's is (``check_redis``): one that could lose acknowledged
-    jobs, or does not answer within the start-up patience, is refused, and the process stops
-    saying why. (The job hashes' format is not its concern: it reads only the logs.)"""
+    checked at start as every role's is (``Store.connect``): one that could lose acknowledged
+    jobs, does not answer within the start-up patience, or holds job records in a format
+    this jobtier cannot read (a persister reads them too: its reconcile pass, its outbox
+    relay's submits) is refused, and the process stops saying why."""
     from jobtier.persist.db import create_pool
-    from jobtier.store.fitness import check_redis
-    from jobtier.store.redis import connect
+    from jobtier.store.context import Store
 
     async def main() -> int:
-        redis = connect(settings)
-        try:
-            for warning in await check_redis(redis, settings):
-                logging.getLogger("jobtier.redis").warning("event=redis_warning: %s", warning)
+        async with await Store.connect(settings) as store:
             pool = await create_pool(settings.database_url, min_size=0, max_size=pool_size)
             try:
-                part = build(redis, pool)
+                part = build(store.redis, pool)
                 on_signals(part.stop)
                 freeze_gc(settings)
-                async with MetricsPublisher(redis, part.keys, role, [part]):
+                async with MetricsPublisher(store.redis, part.keys, role, [part]):
                     await part.run()
             finally:
                 await pool.close()
-        finally:
-            await redis.aclose()
         return 0
 
     return run_async(main)

@@ -40,7 +40,6 @@ from jobtier.dev.local_redis import LocalRedis, PortOwner, redis_at
 from jobtier.dev.procs import FolderLock, LocalServiceError, pid_alive, process_cwd, stop_pid
 from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
-from jobtier.runtime.loop import FAULTS
 from jobtier.scheduler import Scheduler
 from jobtier.store.context import Store
 from jobtier.streams.group import lag
@@ -52,7 +51,6 @@ log = logging.getLogger("jobtier.run")
 # seconds a stopping run gives its persister, once the worker and the scheduler have ended,
 # to write what they logged last (``_stop_after``)
 FINAL_WRITE = 10.0
-_GIVE_UP: tuple[type[BaseException], ...] = (TimeoutError, *FAULTS)
 
 OnSignals = Callable[
     [Callable[[], None], Callable[[], None] | None, Callable[[], None] | None], None
@@ -239,6 +237,7 @@ async def run_all(
     makers: list[Part] = []  # the worker and the scheduler, which make transitions
     followers: list[Part] = []  # the persister and the dispatcher, which follow the logs
     making: list[asyncio.Task[Any]] = []  # the makers' runs
+    persisting: list[asyncio.Task[Any]] = []  # the persister's run
     server: EmbeddedServer | None = None
     store: Store | None = None
     stopping: list[asyncio.Task[None]] = []
@@ -251,7 +250,8 @@ async def run_all(
         for part in makers:
             part.stop()
         if not stopping:  # the followers once the makers' last transitions are written
-            stopping.append(asyncio.create_task(_stop_after(making, followers, store)))
+            stopper = _stop_after(making, persisting, followers, store)
+            stopping.append(asyncio.create_task(stopper))
 
     def stop_now() -> None:
         stop()
@@ -259,6 +259,8 @@ async def run_all(
             server.force_exit = True
         if outcome.worker is not None:
             outcome.worker.stop(now=True)
+        for task in stopping:  # no more waiting for the last writes
+            task.cancel()
         for part in followers:
             part.stop()
 
@@ -296,9 +298,10 @@ async def run_all(
                 asyncio.create_task(worker.run(), name="worker"),
                 asyncio.create_task(scheduler.run(), name="scheduler"),
             ]
+            persisting[:] = [asyncio.create_task(persister.run(), name="persister")]
             runs = [
                 *making,
-                asyncio.create_task(persister.run(), name="persister"),
+                *persisting,
                 asyncio.create_task(dispatcher.run(), name="dispatcher"),
             ]
             # the API once the worker has advertised its tasks: a job submitted as soon as
@@ -316,6 +319,7 @@ async def run_all(
                     failed = True
                     log.error("event=part_failed error=%r: stopping everything", exc)
                     stop()
+            await asyncio.gather(*stopping, return_exceptions=True)  # ended with the runs
             await publisher.stop()
     finally:
         for task in stopping:
@@ -327,27 +331,39 @@ async def run_all(
 
 
 async def _stop_after(
-    making: list[asyncio.Task[Any]], followers: list[Part], store: Store | None
+    making: list[asyncio.Task[Any]],
+    persisting: list[asyncio.Task[Any]],
+    followers: list[Part],
+    store: Store | None,
 ) -> None:
     """Stop ``followers`` (the persister, the dispatcher) once the ``making`` runs (the
     worker's, the scheduler's) have ended and the persister has written what they logged:
     the releases of the jobs a stopping worker hands back, and what ended in its grace, are
     in Postgres when the run has stopped, rather than at its next start. Not longer than
     ``FINAL_WRITE`` once the makers ended (Postgres away: what is left is written by the next
-    run); a second signal stops them at once (``stop_now``)."""
+    run), nor once the persister's run (``persisting``) ended by itself; a second signal
+    cancels the wait (``stop_now``)."""
     try:
         if making:
             await asyncio.wait(making)
         if store is not None:
             async with asyncio.timeout(FINAL_WRITE):
                 # the lag is Redis's to tell: asked again until none is left
-                while (await lag(store.redis, store.keys, exact=1))[0]:  # noqa: ASYNC110
+                while await _unwritten(store, persisting):  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
-    except _GIVE_UP as exc:
+    except Exception as exc:  # a best effort: Redis or Postgres away, the wait over
         log.warning("event=final_write_skipped error=%r: the next run writes the rest", exc)
     finally:
         for part in followers:
             part.stop()
+
+
+async def _unwritten(store: Store, persisting: list[asyncio.Task[Any]]) -> bool:
+    """Are transitions logged and not yet written, while the persister still runs?"""
+    if all(task.done() for task in persisting):
+        return False
+    waiting, _ = await lag(store.redis, store.keys, exact=1)
+    return waiting > 0
 
 
 async def _worker_started(worker: Worker, runs: list[asyncio.Task[Any]]) -> bool:
@@ -408,7 +424,7 @@ def _welcome(settings: Settings) -> None:
 jobtier is running: API {base}  (Ctrl-C stops everything)
 
 {path}  export JOBTIER_URL={base} JOBTIER_KEY={key} JOBTIER_ADMIN_KEY={settings.admin_key}
-  export JOBTIER_REDIS_URL={settings.redis_url} JOBTIER_DATABASE_URL={settings.database_url}
+  export JOBTIER_REDIS_URL={shlex.quote(settings.redis_url)} JOBTIER_DATABASE_URL={shlex.quote(settings.database_url)}
   # the second line: for `jobtier worker yourtasks` beside this one, and for psql
   curl -s -X POST $JOBTIER_URL/v1/jobs -H "Authorization: Bearer $JOBTIER_KEY" \\
        -H 'Content-Type: application/json' -d '{{"type": "sleep", "payload": {{"seconds": 3}}}}'
