@@ -287,7 +287,7 @@ async def test_worker_routes_need_a_worker_key(start_api: StartApi) -> None:
         ({"worker": "w1", "types": ["http.add"], "count": 0}, "count"),
         ({"worker": "w1", "types": ["http.add"], "wait": 3600}, "wait"),
         ({"worker": "w1", "types": ["http.add"], "queues": ["a b"]}, "queues[0]"),
-        ({"worker": "w1", "types": ["http.add"], "extra": 1}, None),
+        ({"worker": "w1", "types": ["http.add"], "extra": 1}, "extra"),  # unknown
     ],
 )
 async def test_a_bad_claim_is_a_422_naming_the_field_and_claims_nothing(
@@ -311,7 +311,7 @@ async def test_bad_answers_are_refused_and_change_nothing(start_api: StartApi) -
         base = f"/v1/worker/jobs/{job_id}"
         cases = [
             ("complete", {"worker": "w1", "lease_version": 0}, 422, "lease_version"),
-            ("fail", lease(job, error={"message": "no type"}), 422, "error"),
+            ("fail", lease(job, error={"message": "no type"}), 422, "error.type"),
             ("logs", lease(job, attempt=1, lines=[]), 422, "lines"),
             ("fail", lease(job, error={"type": "E"}, retry_in=10**9), 422, "retry_in"),
             (
