@@ -134,3 +134,21 @@ async def test_a_missing_or_unknown_member_is_named(
         r = await c.post(path, json=body)
     assert r.status_code == 422 and r.json()["field"] == field, r.text
     assert await snapshot(queue) == before
+
+
+async def test_a_trailing_slash_is_redirected_for_a_read_and_named_for_a_write(
+    api: ApiServer, queue: Queue
+) -> None:
+    """``POST /v1/jobs/`` was a 307 with an empty body: nothing for ``curl -X POST`` to show,
+    and a client that follows it sends the write again elsewhere. A write is now a 404
+    naming the path meant, with nothing done; a read is still sent where it is."""
+    before = await snapshot(queue)
+    async with api.client() as c:
+        r = await c.post("/v1/jobs/", json={"type": "echo"})
+        assert r.status_code == 404 and r.headers["content-type"] == "application/problem+json"
+        assert "did you mean /v1/jobs (without the trailing slash)?" in r.json()["detail"]
+        assert await snapshot(queue) == before
+        r = await c.get(f"/v1/jobs/{JOB}/?wait=1")
+        assert r.status_code == 307 and r.headers["location"] == f"/v1/jobs/{JOB}?wait=1"
+        r = await c.get("/v1/nowhere/")
+        assert r.status_code == 404 and "did you mean" not in r.json()["detail"]

@@ -183,6 +183,9 @@ def create_app(
         # the same limits itself, and leaves a request over them to this)
         middleware=[Middleware(RequestLimits)],
     )
+    # a path with a trailing slash a route answers without: redirected for a read, a 404
+    # saying so for a write (problems.py on_http_exception), not a bare 307 for every method
+    app.router.redirect_slashes = False
     if status_fast_path:
         app.status_fast_path = jobs.status_fast_path(tenants)
     tracer = tracing.tracer()

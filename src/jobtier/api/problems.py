@@ -17,7 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
+from starlette.routing import Match
 
 from jobtier.core.sealing import KeysNotConfigured
 from jobtier.store.faults import FAILOVER, failing_over
@@ -113,8 +114,31 @@ async def on_problem(request: Request, exc: Exception) -> Response:
 async def on_http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     slug = HTTP_SLUGS.get(exc.status_code, "bad-request")
-    detail = exc.detail if exc.status_code != 404 else f"no route {request.url.path}"
-    return Problem(exc.status_code, slug, str(detail), headers=exc.headers).response()
+    detail = str(exc.detail)
+    if exc.status_code == 404:
+        path = request.url.path
+        detail = f"no route {path}"
+        if (bare := _without_slash(request)) is not None:
+            if request.method in ("GET", "HEAD"):  # a page or a read: where it is, for a browser
+                query = request.url.query
+                return RedirectResponse(f"{bare}?{query}" if query else bare, 307)
+            # a write is not sent again to another address behind the client's back: a 307
+            # would be (by a client that follows it), or answered with an empty body
+            detail += f"; did you mean {bare} (without the trailing slash)?"
+    return Problem(exc.status_code, slug, detail, headers=exc.headers).response()
+
+
+def _without_slash(request: Request) -> str | None:
+    """The request's path without its trailing slash, when a route answers that one (as
+    Starlette's ``redirect_slashes`` would redirect to, switched off: see ``create_app``)."""
+    path = request.url.path
+    if len(path) < 2 or not path.endswith("/"):
+        return None
+    scope = {**request.scope, "path": path.rstrip("/")}
+    for route in request.app.router.routes:
+        if route.matches(scope)[0] != Match.NONE:
+            return str(scope["path"])
+    return None
 
 
 # a backing service is down or restarting: the client should retry, the server is fine
