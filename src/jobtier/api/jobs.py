@@ -35,7 +35,7 @@ from jobtier.api.problems import Problem, on_error
 from jobtier.api.sealed import opened
 from jobtier.core.debounce import Throttled
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
-from jobtier.core.model import JobSpec, JobStatus, State, Submitted, status_decoder
+from jobtier.core.model import JobSpec, Submitted
 from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse, StatusResponse, status_answer
@@ -207,7 +207,7 @@ async def get_result(request: Request) -> Response:
         fallback = request.state.result_fallback
         found = await fallback(job_id, tenant) if fallback else None
         if found is None:
-            return await _result_of_status(request, job_id, tenant)
+            raise job_not_found(job_id) from None
         return Response(orjson.dumps(found), media_type=JSON)
     body: dict[str, Any] = {
         "id": status.id,
@@ -224,37 +224,6 @@ async def get_result(request: Request) -> Response:
     return Response(
         msgspec.json.encode(body)[:-1] + b',"result":' + (raw or b"null") + b"}", media_type=JSON
     )
-
-
-async def _result_of_status(request: Request, job_id: str, tenant: str) -> Response:
-    """The result document of a job only the outbox holds (not relayed yet, or refused by
-    the relay: its status says why), as the status tier reads it: no result. Any other job
-    neither Redis nor Postgres's jobs hold is a 404, as before (the status tier may still
-    hold a finished job's last status a while, near-cached, not its result)."""
-    known = await request.state.reader.get_for(job_id, tenant)
-    status = None if known is None else status_decoder.decode(known[1])
-    if status is None or not _outbox_only(status):
-        raise job_not_found(job_id)
-    return encoded(
-        {
-            "id": status.id,
-            "state": status.state,
-            "version": status.version,
-            "error": status.error,
-            "result": None,
-        }
-    )
-
-
-def _outbox_only(status: JobStatus) -> bool:
-    """A status ``persist/outbox_docs.py`` renders: no attempt made, and submitted (its row
-    not relayed yet), or failed with the relay's refusal."""
-    if status.attempt != 0:
-        return False
-    if status.state == State.SUBMITTED:
-        return True
-    error = status.error
-    return status.state == State.FAILED and error is not None and error.type == "Refused"
 
 
 async def cancel(request: Request) -> Response:

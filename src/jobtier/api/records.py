@@ -35,6 +35,7 @@ from jobtier.engine.queue import Queue
 from jobtier.flows.reads import open_dependency
 from jobtier.persist.audit_store import AuditStore
 from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
+from jobtier.persist.outbox_docs import outbox_docs
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.streams.group import lag
@@ -114,8 +115,10 @@ class PostgresExtension(Extension):
         assert self.reader is not None
         with postgres_or_503(logged=True):
             found = await self.reader.result(job_id, tenant)
-            status = await self.reader.status_doc(job_id) if found else None
-        if found is None or status is None:
+            if found is None:
+                return await self._outbox_result(job_id, tenant)
+            status = await self.reader.status_doc(job_id)
+        if status is None:
             return None
         doc = orjson.loads(status[1])
         result = found.result
@@ -132,6 +135,23 @@ class PostgresExtension(Extension):
         if found.ref is not None:  # kept in the result store: streamed from result_url
             answer["result_url"] = f"/v1/jobs/{job_id}/result/content"
         return answer
+
+    async def _outbox_result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
+        """A job only the outbox holds (not relayed yet, or refused by its relay): no
+        result, as its status reads (``outbox_docs``, as ``status_docs`` finds it); None
+        for any other job."""
+        assert self.pool is not None
+        known = (await outbox_docs([job_id], self.pool)).get(job_id)
+        if known is None or known[0] != tenant:
+            return None
+        doc = orjson.loads(known[1])
+        return {
+            "id": job_id,
+            "state": doc["state"],
+            "version": doc["version"],
+            "result": None,
+            "error": doc["error"],
+        }
 
     async def _dependencies(self, job_id: str, tenant: str) -> list[Dependency] | None:
         assert self.reader is not None and self.queue is not None

@@ -246,10 +246,14 @@ def operation(
         "414": problem(f"the URL is over {MAX_URL_BYTES} bytes"),
         "431": problem(f"the headers are over {MAX_HEADER_BYTES} bytes or {MAX_HEADERS} fields"),
     }
-    if params:
-        errors["400"] = problem("a query parameter is unknown, repeated or malformed (field)")
-    else:  # one given is refused (Paths.add), not ignored
-        errors["400"] = problem("a query parameter was given: this operation takes none (field)")
+    # a query parameter is refused, never ignored: one the operation takes but malformed or
+    # repeated, one it does not take (parse_query; Paths.add where it takes none)
+    query = (
+        "a query parameter unknown, repeated or malformed (field)"
+        if params
+        else "a query parameter, which this operation does not take (field)"
+    )
+    errors["400"] = problem(query)
     if body is not None:
         out["requestBody"] = {
             "required": body_required,
@@ -259,10 +263,7 @@ def operation(
             ),
             "content": {"application/json": {"schema": ref(body)}},
         }
-        errors["400"] = problem(
-            "malformed JSON, or no body"
-            + ("" if params else "; or a query parameter, which this operation does not take")
-        )
+        errors["400"] = problem(f"malformed JSON, or no body; or {query}")
         errors["413"] = too_large(settings)
         errors["415"] = problem("the body is not application/json (or application/*+json)")
         errors["422"] = problem(
@@ -288,13 +289,9 @@ def operation(
     if backend:
         errors["503"] = problem("Redis or Postgres is unavailable; try again", RETRY_AFTER)
     out["responses"] = {**errors, **responses}
-    if not params and "400" in responses:  # the operation's own 400, and the query's
+    if "400" in responses:  # the operation's own reasons, and the query's
         given = responses["400"]
-        out["responses"]["400"] = {
-            **given,
-            "description": f"{given['description']}; or a query parameter, which this "
-            "operation does not take (field)",
-        }
+        out["responses"]["400"] = {**given, "description": f"{given['description']}; or {query}"}
     return out
 
 
