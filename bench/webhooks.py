@@ -157,9 +157,7 @@ async def fill(queue: Queue, n: int, tenant: str = DEFAULT_TENANT) -> None:
 async def caught_up(queue: Queue, pool: Any) -> bool:
     """The dispatchers' group has read and acknowledged every log entry, and no delivery is
     pending: a dispatcher started now has no backlog left from an earlier run."""
-    from jobtier.webhooks.callbacks import group_name
-
-    name = group_name(queue.keys).encode()
+    name = queue.keys.dispatch_group().encode()
     for shard in range(queue.keys.shards):
         for group in await queue.redis.xinfo_groups(queue.keys.log(shard)):
             if group["name"] == name and (group["pending"] or group["lag"]):

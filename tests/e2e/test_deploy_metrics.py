@@ -1,6 +1,6 @@
 """deploy/'s rules and dashboard against what jobtier really serves: an API with Postgres (the
-write-behind lag), a worker and a persister that have seen jobs succeed, fail, retry, go to
-the dead-letter set and be cancelled.
+write-behind lag) and webhooks on (the dispatchers' lag), a worker and a persister that have
+seen jobs succeed, fail, retry, go to the dead-letter set and be cancelled.
 
 - The metric names both use are names a real /metrics serves: a renamed metric, or one no
   part of jobtier produces, fails here; and so does a series in the rules' promtool tests
@@ -31,6 +31,7 @@ from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
+from jobtier.webhooks.callbacks import ensure_group
 from jobtier.worker.runner import Worker
 from tests.deploy_files import (
     DASHBOARD_VARIABLES,
@@ -53,8 +54,10 @@ HANG_GUARD = 60.0  # s: only stops a broken test from hanging
 async def busy_api(
     start_api: StartApi, pg_settings: Settings, queue: Queue, persister: Persister
 ) -> tuple[ApiServer, Worker]:
-    """An API with Postgres, after a worker and a persister have seen every kind of outcome."""
+    """An API with Postgres and webhooks on, after a worker and a persister have seen every
+    kind of outcome."""
     api = await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
+    await ensure_group(queue.redis, queue.keys, start="$")  # as the first webhook's accept does
     async with api.client() as c:
         for kind in ("echo", "permanent", "flaky"):  # succeeds; dead-lettered; fails, retried
             assert (await c.post("/v1/jobs", json={"type": kind})).status_code == 202

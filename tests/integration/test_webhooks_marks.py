@@ -15,7 +15,6 @@ from jobtier.core.model import CallbackSpec, FlowJob
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool, query
 from jobtier.webhooks import marks
-from jobtier.webhooks.callbacks import group_name
 from jobtier.webhooks.deliveries import DeliveryStore
 from jobtier.webhooks.dispatcher import Dispatcher
 from jobtier.webhooks.signing import new_secret
@@ -46,7 +45,7 @@ async def pending(queue: Queue) -> int:
     """Entries read by the dispatchers' group and not yet acknowledged."""
     total = 0
     for shard in range(queue.keys.shards):
-        info = await queue.redis.xpending(queue.keys.log(shard), group_name(queue.keys))
+        info = await queue.redis.xpending(queue.keys.log(shard), queue.keys.dispatch_group())
         total += int(info["pending"])
     return total
 

@@ -10,13 +10,15 @@ from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import labels
 from jobtier.store.breaker_state import BreakerStates
 from jobtier.store.memory import redis_memory
+from jobtier.streams.group import group_lag
 
 
 async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, dict[str, float]]:
     """{metric: {labels: value}} read now: per queue its depth by priority and oldest waiting
     job, running, parked, paused and waiting jobs; each circuit breaker's state; the totals of waiting (for dependencies),
-    scheduled and dead-lettered jobs; live workers, Redis's memory and (with ``lag``, when
-    the API has Postgres) the write-behind lag."""
+    scheduled and dead-lettered jobs; live workers, Redis's memory, (with ``lag``, when
+    the API has Postgres) the write-behind lag, and (once any webhook or job callback was
+    accepted: the dispatchers' group exists) the webhook dispatchers' lag."""
     stats = await queue.admin.stats()
     total = stats["total"]
     depth, running, parked, paused, waiting = {}, {}, {}, {}, {}
@@ -56,4 +58,8 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
         entries, seconds = await lag()
         out["persister_lag_transitions"] = {"": entries}
         out["persister_lag_seconds"] = {"": seconds}
+    dispatch = await group_lag(queue.redis, queue.keys, queue.keys.dispatch_group())
+    if dispatch.exists:
+        out["dispatcher_lag_transitions"] = {"": dispatch.entries}
+        out["dispatcher_lag_seconds"] = {"": dispatch.seconds}
     return out

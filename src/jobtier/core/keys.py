@@ -298,7 +298,13 @@ class Keys:
         return f"{self.prefix}:webhook-tenants"
 
     def persist_group(self) -> str:
+        """The persisters' consumer group on every shard log."""
         return f"{self.prefix}-persister"
+
+    def dispatch_group(self) -> str:
+        """The webhook dispatchers' consumer group on every shard log, made before the first
+        webhook or job callback is accepted (webhooks/callbacks.py)."""
+        return f"{self.prefix}-dispatcher"
 
     def resolver_group(self) -> str:
         """The consumer group of the flow streams (flows/resolver.py)."""

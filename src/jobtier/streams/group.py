@@ -1,8 +1,8 @@
 """A consumer group's housekeeping on its streams: creating it, trimming what every group
 has acknowledged, forgetting the members that stopped, and sending the entries Postgres
 refused back to the logs. The persister runs the middle two from its loop (through its
-``Consumer``); ``jobtier persister --replay-refused`` runs the last. And ``lag``: how far
-behind the persisters' group is.
+``Consumer``); ``jobtier persister --replay-refused`` runs the last. And ``group_lag``: how far
+behind a group is (``lag``: the persisters').
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -127,8 +128,28 @@ def _id_ms(entry_id: bytes) -> int:
     return int(entry_id.split(b"-", 1)[0])
 
 
+@dataclass(frozen=True, slots=True)
+class GroupLag:
+    """How far behind a consumer group is: ``entries`` not yet acknowledged by it, the age
+    in ``seconds`` of the oldest one, and whether the group is on any shard's log at all
+    (``exists``; where it is not, every entry counts as waiting for it)."""
+
+    entries: int
+    seconds: float
+    exists: bool
+
+
 async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> tuple[int, float]:
-    """(entries not yet acknowledged by the persisters, age in seconds of the oldest one).
+    """(entries not yet acknowledged by the persisters, age in seconds of the oldest one):
+    ``group_lag`` of their group."""
+    found = await group_lag(redis, keys, keys.persist_group(), exact)
+    return found.entries, found.seconds
+
+
+async def group_lag(
+    redis: RedisClient, keys: Keys, group: str, exact: int = LAG_EXACT_UP_TO
+) -> GroupLag:
+    """How far ``group`` is behind on the transition logs.
 
     Per shard, one read-only script call (``store/lua/log_lag.lua``, all in one pipeline): the
     group's pending entries plus those after its last-delivered id, counted in the stream (a
@@ -138,14 +159,14 @@ async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> t
     the backlog. The age and a count of 0 stay exact whatever the bound: a caller that wants
     only those passes a small ``exact``. Callers on hot paths cache it (the API, a second).
     """
-    group = keys.persist_group()
     exact = max(1, exact)
     calls = [(_LAG, (1, keys.log(s), group, exact)) for s in range(keys.shards)]
-    total, oldest_ms = 0, None
-    for waiting, oldest in await run_scripts(redis, calls):
+    total, oldest_ms, exists = 0, None, False
+    for waiting, oldest, *found in await run_scripts(redis, calls):
         total += int(waiting)
+        exists = exists or bool(found and int(found[0]))
         if oldest:
             ms = _id_ms(oldest)
             oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
     age = 0.0 if oldest_ms is None else max(0.0, time.time() - oldest_ms / 1000)
-    return total, age
+    return GroupLag(total, age, exists)

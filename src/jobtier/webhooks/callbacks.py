@@ -26,17 +26,12 @@ log = logging.getLogger("jobtier.webhooks")
 EVENTS = ("terminal", "all")
 
 
-def group_name(keys: Keys) -> str:
-    """The dispatchers' consumer group on every shard log."""
-    return f"{keys.prefix}-dispatcher"
-
-
 async def ensure_group(redis: RedisClient, keys: Keys, start: str = "0") -> None:
     """Create the dispatchers' group on every shard log if missing. The API calls it (with
     ``$``) before it accepts the first webhook, so that the logs keep the entries a
     dispatcher will need even before one first runs."""
     streams = [keys.log(s) for s in range(keys.shards)]
-    await create_groups(redis, streams, group_name(keys), start)
+    await create_groups(redis, streams, keys.dispatch_group(), start)
 
 
 class SecretMissing(JobtierError):

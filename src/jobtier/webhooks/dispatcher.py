@@ -46,7 +46,6 @@ from jobtier.streams.consumer import Consumer, Taken
 from jobtier.streams.entries import MALFORMED, LogEntry, parse_entry
 from jobtier.webhooks import marks
 from jobtier.webhooks.attempts import Attempts
-from jobtier.webhooks.callbacks import group_name
 from jobtier.webhooks.deliveries import PG_UNAVAILABLE, DeliveryStore, made_from
 from jobtier.webhooks.safety import AddressPolicy
 from jobtier.webhooks.sender import Sender
@@ -91,7 +90,7 @@ class Dispatcher:
         self.consumer = Consumer(
             redis,
             [keys.log(s) for s in range(keys.shards)],
-            group_name(keys),
+            keys.dispatch_group(),
             name,
             claim_idle_ms=int(settings.persist_claim_idle_seconds * 1000),
             log=log,

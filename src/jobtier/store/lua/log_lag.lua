@@ -1,5 +1,6 @@
 #!lua flags=no-writes
--- log_lag.lua: how many entries of one shard's transition log wait for the persisters.
+-- log_lag.lua: how many entries of one shard's transition log wait for a consumer group
+--   (the persisters', or the webhook dispatchers').
 --   Not a transition: it neither includes lib.lua nor follows its KEYS[1]/ARGV[1] convention.
 --   Counted from what the stream holds, not from XINFO GROUPS' `lag` alone: Redis 7.0 keeps
 --   that from a per-group read counter which a restart from the AOF can leave stale (the
@@ -10,14 +11,15 @@
 --   Atomic, so the group's cursor, its pending entries and the count agree with each other.
 --
 -- KEYS[1]  a shard's log stream (jt:{s}:log)
--- ARGV[1]  the persisters' consumer group
+-- ARGV[1]  the consumer group
 -- ARGV[2]  undelivered entries counted exactly at most (each costs a little Redis CPU)
--- Returns  {entries waiting (pending + undelivered), id of the oldest waiting entry or nil}
+-- Returns  {entries waiting (pending + undelivered), id of the oldest waiting entry or nil,
+--           1 if the group exists on this log else 0}
 
 local stream, group, exact = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local length = redis.call('XLEN', stream)
-if length == 0 then
-  return {0, false}
+if length == 0 and redis.call('EXISTS', stream) == 0 then
+  return {0, false, 0}
 end
 
 local function fields(flat)
@@ -31,8 +33,12 @@ for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
   local f = fields(g)
   if f['name'] == group then info = f end
 end
-if info == nil then -- no persister has read this stream yet: all of it waits
-  return {length, redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)[1][1]}
+if info == nil then -- the group is not on this log (none of its members read it yet): all waits
+  if length == 0 then return {0, false, 0} end
+  return {length, redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)[1][1], 0}
+end
+if length == 0 then
+  return {0, false, 1}
 end
 
 local pending = redis.call('XPENDING', stream, group) -- {count, min id, max id, consumers}
@@ -45,4 +51,4 @@ if undelivered == exact then
 end
 local oldest = pending[2]
 if not oldest and after[1] then oldest = after[1][1] end
-return {pending[1] + undelivered, oldest}
+return {pending[1] + undelivered, oldest, 1}
