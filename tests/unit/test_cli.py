@@ -30,6 +30,20 @@ def test_every_command_exists_and_has_help(capsys: pytest.CaptureFixture[str]) -
         assert out.startswith(f"usage: jobtier {command}") and len(out) > 200, command
 
 
+def test_usage_shows_an_action_as_optional_only_where_it_is() -> None:
+    """A command with actions shows ``ACTION`` in its usage where one must be given, and
+    ``[ACTION]`` where without one it does something (``queues`` and ``breakers`` list)."""
+    parsers = cast(dict[str, Any], build_parser()._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    seen = {}
+    for command, parser in parsers.items():
+        actions = [a for a in parser._actions if a.dest == "action"]
+        if actions:
+            usage = parser.format_usage()
+            seen[command] = "[ACTION]" in usage
+            assert ("[ACTION]" in usage) == (not actions[0].required), (command, usage)
+    assert seen["queues"] and seen["breakers"] and not all(seen.values()), seen
+
+
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "jobtier.cli.main", *args],
@@ -87,6 +101,23 @@ def test_a_reader_that_stops_early_gets_no_traceback(args: list[str]) -> None:
         os.close(write)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "BrokenPipeError" not in r.stderr, r.stderr
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_not_hidden(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Only a reader of our output that went away is met quietly: a BrokenPipeError from
+    anything else (a connection a command writes to) is raised like any fault."""
+
+    def broken(args: Any, settings: Any) -> int:
+        raise BrokenPipeError("a peer went away")
+
+    parser = build_parser()
+    monkeypatch.setattr("jobtier.cli.main.build_parser", lambda: parser)
+    commands = cast(dict[str, Any], parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
+    commands["config"].set_defaults(func=broken)
+    with pytest.raises(BrokenPipeError, match="a peer went away"):
+        main(["config"])  # stdout (pytest's capture) is there to write to
 
 
 def test_config_masks_secrets() -> None:

@@ -74,7 +74,7 @@ def add_commands(sub: Any) -> None:
         "list.",
     )
     _connection(p, ADMIN)
-    group = p.add_subparsers(dest="action", metavar="ACTION")
+    group = p.add_subparsers(dest="action", metavar="[ACTION]")
     p.set_defaults(func=run, handler=breakers_list, action="list")
 
     def action(name: str, handler: Any, help: str) -> argparse.ArgumentParser:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import sys
 from pathlib import Path
 from typing import Any
@@ -359,10 +360,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jobtier: configuration error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
+        if not _reader_gone():
+            raise  # not our output's: a fault like any other
         # the reader of our output stopped early (`jobtier config | head`): no traceback, and
         # none either from the interpreter flushing stdout at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (its write end polls POLLERR)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError):  # no descriptor (a test's capture), or a closed one
+        return False
 
 
 if __name__ == "__main__":

@@ -477,7 +477,7 @@ def add_commands(sub: Any) -> None:
         "Without an action: the list.",
     )
     _connection(p, ADMIN)
-    group = p.add_subparsers(dest="action", metavar="ACTION")
+    group = p.add_subparsers(dest="action", metavar="[ACTION]")
     # after add_subparsers, whose default (None) would win: without an action, the list
     p.set_defaults(func=run, handler=queues_list, action="list")
     action(
