@@ -15,6 +15,7 @@ JOB = "01M8KK4FZ54RBHFVYBN6HBV0CZ-1"
 # (case, method, path, body or raw bytes, headers, expected status, problem type)
 CASES: list[tuple[str, str, str, Any, dict[str, str], int, str]] = [
     ("malformed JSON", "POST", "/v1/jobs", b'{"type": "echo",', {}, 400, "invalid-json"),
+    ("lone surrogate", "POST", "/v1/jobs", b'{"type": "echo", "payload": "\\ud800"}', {}, 400, "invalid-json"),
     ("empty body", "POST", "/v1/jobs", b"", {}, 400, "invalid-json"),
     ("not an object", "POST", "/v1/jobs", [1, 2], {}, 422, "validation"),
     ("missing type", "POST", "/v1/jobs", {"payload": 1}, {}, 422, "validation"),
@@ -82,6 +83,22 @@ async def test_bad_request(
     assert problem["status"] == status and problem["title"] and problem["detail"]
     assert "Traceback" not in r.text
     assert await snapshot(queue) == before
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b'{"type": "echo", "payload": "\\ud800"}', "no low surrogate in string: line 1 column 30"),
+        (b'{"type": "echo", "payload": "abc', "unexpected end of data: line 1 column 33"),
+    ],
+)
+async def test_malformed_json_is_told_as_it_is(api: ApiServer, body: bytes, says: str) -> None:
+    """A lone surrogate escape is named, and where it is (msgspec alone calls it "Input data
+    was truncated"); a body that is cut short is said to end early, and where."""
+    async with api.client() as c:
+        r = await c.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert says in r.json()["detail"], r.text
 
 
 def _filled(path: str) -> str:

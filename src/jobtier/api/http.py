@@ -162,7 +162,22 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         extra: dict[str, Any] = {"field": field} if field else {}
         raise Problem(422, "validation", message, **extra) from None
     except msgspec.DecodeError as exc:
-        raise Problem(400, "invalid-json", f"the body is not valid JSON: {exc}") from None
+        raise Problem(
+            400, "invalid-json", f"the body is not valid JSON: {_why(body, exc)}"
+        ) from None
+
+
+def _why(body: bytes, exc: msgspec.DecodeError) -> str:
+    """msgspec's reason, unless it says "truncated" of a body that may not be: a lone
+    surrogate escape (``"\\ud800"`` with no low half after it) reads so to msgspec, and
+    orjson names it, with where it is."""
+    message = str(exc)
+    if "truncated" in message:
+        try:
+            orjson.loads(body)
+        except orjson.JSONDecodeError as precise:
+            return str(precise)
+    return message
 
 
 _NAMED_MEMBER = re.compile(r"Object (?:missing required|contains unknown) field `([^`]+)`")
