@@ -125,7 +125,8 @@ class Settings:
     admin_key: str = _setting("", "Key for the admin routes.", secret=True)
     worker_keys: str = _setting(
         "",
-        "HTTP workers' keys, for the /v1/worker routes: 'key1,key2' (none: those answer 401).",
+        "HTTP workers' keys, for the /v1/worker routes: 'key1,key2' (none: those routes take no "
+        "key; a tenant's or the admin key is a 403 there, any other a 401).",
         secret=True,
     )
     rate_limit_per_second: float = _setting(

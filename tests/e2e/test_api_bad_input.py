@@ -101,6 +101,16 @@ async def test_malformed_json_is_told_as_it_is(api: ApiServer, body: bytes, says
     assert says in r.json()["detail"], r.text
 
 
+@pytest.mark.parametrize(("member", "value"), [("run_at", "2999-01-01T00:00:00Z"), ("delay", 1e12)])
+async def test_too_far_ahead_says_how_far_may_be_and_what_sets_it(
+    api: ApiServer, member: str, value: Any
+) -> None:
+    async with api.client() as c:
+        r = await c.post("/v1/jobs", json={"type": "echo", member: value})
+    assert r.status_code == 422 and r.json()["field"] == member, r.text
+    assert "31622400 s (366 days, JOBTIER_MAX_FUTURE_SECONDS)" in r.json()["detail"], r.text
+
+
 def _filled(path: str) -> str:
     """``path`` with each parameter filled in (a value the router takes; the operation's
     own answer to it does not matter here: the parameter is refused before)."""

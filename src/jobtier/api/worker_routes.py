@@ -67,6 +67,7 @@ from jobtier.core.model import (
 from jobtier.core.sealing import is_sealed
 from jobtier.engine.catalog import publish, schema_check
 from jobtier.engine.queue import Queue
+from jobtier.engine.validate import furthest
 from jobtier.store.calls import (
     complete_call,
     fail_call,
@@ -328,7 +329,7 @@ async def fail(request: Request) -> Response:
     if e.traceback:
         error["traceback"] = _tail(e.traceback, TRACEBACK_CHARS)
     if body.retry_in is not None and body.retry_in > s.max_future_seconds:
-        detail = f"retry_in is over {s.max_future_seconds} s (JOBTIER_MAX_FUTURE_SECONDS)"
+        detail = f"retry_in is over {furthest(s.max_future_seconds)}"
         raise Problem(422, "validation", detail, field="retry_in")
     delay_ms = -1
     if body.retryable:

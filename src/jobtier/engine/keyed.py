@@ -22,7 +22,7 @@ from jobtier.core.debounce import Debounce, KeyedOption, Throttle
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
 from jobtier.core.model import JobSpec
-from jobtier.engine.validate import MAX_CONCURRENCY_LIMIT, check_key
+from jobtier.engine.validate import MAX_CONCURRENCY_LIMIT, check_key, furthest
 
 # what a keyed submit cannot be given, and why (a throttled one may have an idempotency key:
 # its record then lives in the throttle key's shard, so the key is scoped to it)
@@ -55,8 +55,7 @@ def _seconds(value: Any, field: str, s: Settings) -> int:
         raise InvalidRequest(f"{field} must be a number of seconds", field=field)
     if value <= 0 or value > s.max_future_seconds:
         raise InvalidRequest(
-            f"{field} must be more than 0 and at most {s.max_future_seconds} seconds "
-            "(JOBTIER_MAX_FUTURE_SECONDS)",
+            f"{field} must be more than 0 and at most {furthest(s.max_future_seconds)}",
             field=field,
         )
     return max(1, round(value * 1000))

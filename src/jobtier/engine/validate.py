@@ -79,7 +79,7 @@ def timing(spec: JobSpec, s: Settings) -> tuple[int, int]:
             raise InvalidRequest("delay must be a non-negative number of seconds", field="delay")
         if delay > s.max_future_seconds:
             raise InvalidRequest(
-                f"delay is more than {s.max_future_seconds} seconds", field="delay"
+                f"delay is more than {furthest(s.max_future_seconds)}", field="delay"
             )
         return 0, round(delay * 1000)
     if spec.run_at is not None:
@@ -93,10 +93,20 @@ def timing(spec: JobSpec, s: Settings) -> tuple[int, int]:
             )
         if at > now + s.max_future_seconds:
             raise InvalidRequest(
-                f"run_at is more than {s.max_future_seconds} s ahead", field="run_at"
+                f"run_at is more than {furthest(s.max_future_seconds)} ahead", field="run_at"
             )
         return max(round(at * 1000), 1), 0
     return 0, 0
+
+
+def furthest(seconds: int) -> str:
+    """How far ahead a job may be put, as a person reads it, and the setting that says so:
+    ``31622400 s (366 days, JOBTIER_MAX_FUTURE_SECONDS)``."""
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            many = f"{seconds / size:.4g} {unit}{'' if seconds == size else 's'}"
+            return f"{seconds} s ({many}, JOBTIER_MAX_FUTURE_SECONDS)"
+    return f"{seconds} s (JOBTIER_MAX_FUTURE_SECONDS)"
 
 
 def depends_on(spec: JobSpec, keys: Keys, limit: int) -> list[str]:

@@ -242,7 +242,7 @@ async def migrate(dsn: str) -> list[str]:
         # write-behind makes one at every level of every index entry it writes
         log.info(
             "event=database_collation collation=%s hint=a_database_created_with_LC_COLLATE_C"
-            "_takes_less_CPU_per_transition_written_(README:_Postgres_collation)",
+            "_takes_less_CPU_per_transition_written_(docs/operating.md:_Postgres's_collation)",
             collation,
         )
     return done
