@@ -18,7 +18,7 @@ WORKER_ID_RE = r"^[A-Za-z0-9_.:-]{1,64}$"
 MAX_CLAIM = 1000  # jobs one claim may ask for
 MAX_TYPES = 200  # task types (and queues) one claim may name
 TRACEBACK_CHARS = 4000  # a failure's traceback is kept to its last this many characters
-ERROR_CHARS = 4000  # longest error message
+ERROR_CHARS = 4000  # a failure's message is kept to its first this many characters
 ADVERTISE_EVERY = 5.0  # s: a claiming worker is written to the workers hash at most this often
 ADVERTISED_KEPT = 10_000  # workers whose last advert an API process remembers
 DEFAULT_BACKOFF = Backoff(1.0, 2.0, 300.0, 0.1)  # a Python task's default RetryPolicy
@@ -132,7 +132,7 @@ class CompleteManyResponse(msgspec.Struct):
 
 class WorkerError(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     type: Annotated[str, msgspec.Meta(min_length=1, max_length=200)]
-    message: Annotated[str, msgspec.Meta(max_length=ERROR_CHARS)] = ""
+    message: str = ""  # kept to its first ERROR_CHARS characters
     traceback: str | None = None  # kept to its last TRACEBACK_CHARS characters
 
 

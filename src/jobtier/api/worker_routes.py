@@ -30,6 +30,7 @@ from jobtier.api.worker_bodies import (
     ADVERTISE_EVERY,
     ADVERTISED_KEPT,
     DEFAULT_BACKOFF,
+    ERROR_CHARS,
     MAX_CLAIM,
     OPENAPI_TYPES,
     TRACEBACK_CHARS,
@@ -65,7 +66,7 @@ from jobtier.core.model import (
     encode_json,
 )
 from jobtier.core.sealing import is_sealed
-from jobtier.engine.catalog import publish, schema_check
+from jobtier.engine.catalog import publish, schema_problem
 from jobtier.engine.queue import Queue
 from jobtier.engine.validate import furthest
 from jobtier.store.calls import (
@@ -115,11 +116,30 @@ def _refused(job_id: str, code: Code) -> Problem:
     if code is Code.NOT_FOUND:
         return Problem(404, "not-found", f"job {job_id} is not kept in Redis")
     why = {
-        Code.VERSION_CONFLICT: "the job was claimed again since (a newer lease_version)",
+        Code.VERSION_CONFLICT: "its lease_version is not this one (the job was claimed again "
+        "since, or this lease_version was never given)",
         Code.WRONG_STATE: "the job is no longer running",
         Code.NOT_OWNER: "another worker holds the job",
     }.get(code, code.name)
     return Problem(409, "conflict", f"lease lost on job {job_id}: {why}", job_id=job_id)
+
+
+async def _refused_now(queue: Queue, job_id: str, code: Code) -> Problem:
+    """``_refused``, saying what the job is now: its ``state``, ``attempt`` and ``worker``,
+    in the detail and as members. A worker that sent an answer again, its first reply lost,
+    learns from them whether the first was taken (its own worker id and attempt, the state
+    its answer makes)."""
+    problem = _refused(job_id, code)
+    if code is Code.NOT_FOUND:
+        return problem
+    try:
+        doc = orjson.loads(await queue.jobs.status_doc(job_id))
+    except JobNotFound:  # gone since
+        return problem
+    now = {k: doc.get(k) for k in ("state", "attempt", "worker")}
+    by = f", worker {now['worker']}" if now["worker"] else ""
+    detail = f"{problem.detail}; it is {now['state']} now (attempt {now['attempt']}{by})"
+    return Problem(409, "conflict", detail, job_id=job_id, **now)
 
 
 async def _one(queue: Queue, call: Any) -> Any:
@@ -197,6 +217,27 @@ async def _advertise(
     await queue.redis.hset(queue.keys.workers(), worker, encode_json(info))
 
 
+async def _still_live(request: Request, worker: str) -> None:
+    """A worker whose slots are all busy claims nothing, yet it is live: its heartbeats say
+    so. The advert its last claim wrote gets a fresh ``seen_at``, at most every
+    ``ADVERTISE_EVERY`` seconds (a worker never advertised, or forgotten, waits for its next
+    claim: only a claim says what it serves)."""
+    claims: WorkerClaims = request.state.worker_claims
+    now = time.time()
+    if now - claims.advertised.get(worker, 0.0) < ADVERTISE_EVERY:
+        return
+    queue: Queue = request.state.queue
+    raw = await queue.redis.hget(queue.keys.workers(), worker)
+    if raw is None:
+        return
+    info = msgspec.json.decode(raw)
+    info["seen_at"] = now
+    if len(claims.advertised) > ADVERTISED_KEPT:
+        claims.advertised.clear()
+    claims.advertised[worker] = now
+    await queue.redis.hset(queue.keys.workers(), worker, encode_json(info))
+
+
 async def _beat(request: Request, body: HeartbeatRequest | ProgressRequest) -> Response:
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
@@ -213,7 +254,8 @@ async def _beat(request: Request, body: HeartbeatRequest | ProgressRequest) -> R
     )
     ((code, cancel),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
-        raise _refused(job_id, code)
+        raise await _refused_now(queue, job_id, code)
+    await _still_live(request, _redis_id(body.worker))
     return encoded(HeartbeatResponse(bool(cancel), s.lease_seconds))
 
 
@@ -241,7 +283,7 @@ async def logs(request: Request) -> Response:
     )
     ((code, _),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
-        raise _refused(job_id, code)
+        raise await _refused_now(queue, job_id, code)
     # as ctx.log stamps a Python task's lines
     at = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     lines = [
@@ -273,7 +315,7 @@ async def complete(request: Request) -> Response:
         queue, complete_call(shard, _redis_id(body.worker), s.retention_seconds, [item])
     )
     if code != Code.OK:
-        raise _refused(job_id, Code(code))
+        raise await _refused_now(queue, job_id, Code(code))
     return encoded(Outcome(job_id, "succeeded"))
 
 
@@ -325,7 +367,7 @@ async def fail(request: Request) -> Response:
     queue: Queue = request.state.queue
     s = queue.settings
     e = body.error
-    error: dict[str, Any] = {"type": e.type, "message": e.message}
+    error: dict[str, Any] = {"type": e.type, "message": _cut(e.message, ERROR_CHARS)}
     if e.traceback:
         error["traceback"] = _tail(e.traceback, TRACEBACK_CHARS)
     if body.retry_in is not None and body.retry_in > s.max_future_seconds:
@@ -340,7 +382,7 @@ async def fail(request: Request) -> Response:
     call = fail_call(shard, _redis_id(body.worker), s.dead_retention_seconds, [item])
     ((code, state),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
-        raise _refused(job_id, code)
+        raise await _refused_now(queue, job_id, code)
     return encoded(Outcome(job_id, state.decode()))
 
 
@@ -381,7 +423,7 @@ async def stopped(request: Request) -> Response:
     call = stopped_call(shard, _redis_id(body.worker), queue.settings.retention_seconds, [item])
     ((code, state),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
-        raise _refused(job_id, code)
+        raise await _refused_now(queue, job_id, code)
     return encoded(Outcome(job_id, state.decode()))
 
 
@@ -392,10 +434,16 @@ async def tasks(request: Request) -> Response:
     worker = _redis_id(body.worker)
     now = time.time()
     ads = []
+    seen: dict[str, int] = {}
     for i, t in enumerate(body.tasks):
-        if t.payload_schema is not None and schema_check(t.payload_schema) is None:
+        if (first := seen.setdefault(t.type, i)) != i:
+            where = f"tasks[{i}].type"
+            detail = f"{where}: {t.type!r} is advertised twice (tasks[{first}] too)"
+            raise Problem(422, "validation", detail, field=where)
+        if t.payload_schema is not None and (why := schema_problem(t.payload_schema)):
             where = f"tasks[{i}].payload_schema"
-            raise Problem(422, "validation", f"{where} is not a JSON Schema", field=where)
+            detail = f"{where} is not a JSON Schema: {why}"
+            raise Problem(422, "validation", detail, field=where)
         b = t.backoff or RetryBackoff()
         ads.append(
             TaskAd(

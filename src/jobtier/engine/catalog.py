@@ -33,12 +33,20 @@ MISS_REFRESH = 1.0  # least seconds between loads for a type it does not know
 _ad_decoder = msgspec.json.Decoder(TaskAd)
 
 
-def schema_check(schema: dict[str, Any]) -> Any:
-    """A payload check from a JSON Schema: raises InvalidRequest naming the first bad field."""
+def schema_problem(schema: dict[str, Any]) -> str | None:
+    """Why ``schema`` is not a JSON Schema (draft 2020-12), or None if it is one."""
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
-        log.warning("event=bad_payload_schema error=%s", exc.message)
+        where = "".join(f"[{p!r}]" for p in exc.absolute_path)
+        return f"{exc.message[:300]}{f' (at {where})' if where else ''}"
+    return None
+
+
+def schema_check(schema: dict[str, Any]) -> Any:
+    """A payload check from a JSON Schema: raises InvalidRequest naming the first bad field."""
+    if (problem := schema_problem(schema)) is not None:
+        log.warning("event=bad_payload_schema error=%s", problem)
         return None
     validator = Draft202012Validator(schema)
 

@@ -1,0 +1,105 @@
+"""What an HTTP worker is told (api/worker_routes.py), black-box against a real API and
+Redis: a busy worker stays live by its heartbeats, a refused answer says what the job is now
+(so that an answer sent again, its first reply lost, can be told from a lost lease), a long
+failure message is kept cut rather than refused, and an advert says what is wrong with it."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from jobtier.api.worker_claims import WorkerClaims
+from tests.e2e.test_http_worker import claim_one, lease, serve, status, submit, worker_client
+from tests.fixtures.api import StartApi
+
+pytestmark = pytest.mark.contract
+
+
+async def listed(admin: object, worker: str) -> bool:
+    workers = (await admin.get("/v1/admin/workers")).json()["workers"]  # type: ignore[attr-defined]
+    return any(w["id"] == worker for w in workers)
+
+
+async def test_a_worker_busy_with_its_jobs_stays_live_by_their_heartbeats(
+    start_api: StartApi,
+) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    queue = api.server.lifespan.state["queue"]
+    claims: WorkerClaims = api.server.lifespan.state["worker_claims"]
+    async with worker_client(api) as w, api.client("admin") as admin:
+        job = await claim_one(w)  # its one slot busy from now on: it claims no more
+        assert await listed(admin, "http:w1")
+        # a minute on, as the advert its claim wrote has aged (and this API's memory of it)
+        key, raw = queue.keys.workers(), await queue.redis.hget(queue.keys.workers(), "http:w1")
+        info = msgspec.json.decode(raw)
+        info["seen_at"] = time.time() - 120
+        await queue.redis.hset(key, "http:w1", msgspec.json.encode(info))
+        claims.advertised["http:w1"] = 0.0
+        assert not await listed(admin, "http:w1")
+        r = await w.post(f"/v1/worker/jobs/{job_id}/heartbeat", json=lease(job))
+        assert r.status_code == 200, r.text
+        assert await listed(admin, "http:w1")  # live again, as it is
+        (mine,) = [x for x in (await admin.get("/v1/admin/workers")).json()["workers"]
+                   if x["id"] == "http:w1"]  # fmt: skip
+        assert mine["tasks"] == ["http.add"]  # what its claim said it serves, kept
+
+
+async def test_a_refused_answer_says_what_the_job_is_now(start_api: StartApi) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    base = f"/v1/worker/jobs/{job_id}"
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        r = await w.post(f"{base}/complete", json=lease(job, result=3))
+        assert r.status_code == 200, r.text
+        # the same answer again, as a worker whose first reply was lost sends it
+        again = await w.post(f"{base}/complete", json=lease(job, result=3))
+        assert again.status_code == 409, again.text
+        problem = again.json()
+        assert (problem["state"], problem["attempt"], problem["worker"]) == (
+            "succeeded", 1, "http:w1",
+        )  # fmt: skip
+        assert "it is succeeded now (attempt 1, worker http:w1)" in problem["detail"]
+        # a lease_version never given is not said to be a newer claim's
+        made_up = lease(job) | {"lease_version": job["lease_version"] + 7}
+        r = await w.post(f"{base}/heartbeat", json=made_up)
+        assert r.status_code == 409 and r.json()["state"] == "succeeded", r.text
+    assert (await status(api, job_id))["state"] == "succeeded"
+
+
+async def test_a_long_failure_message_is_kept_cut_not_refused(start_api: StartApi) -> None:
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        error = {"type": "Boom", "message": "m" * 10_000}
+        body = lease(job, error=error, retryable=False)
+        r = await w.post(f"/v1/worker/jobs/{job_id}/fail", json=body)
+        assert r.status_code == 200, r.text
+    message = (await status(api, job_id))["error"]["message"]
+    assert len(message) == 4000 and message.endswith("…") and message.startswith("mmm")
+
+
+@pytest.mark.parametrize(
+    ("tasks", "field", "says"),
+    [
+        ([{"type": "t.a"}, {"type": "t.b"}, {"type": "t.a", "queue": "q2"}], "tasks[2].type",
+         "'t.a' is advertised twice (tasks[0] too)"),
+        ([{"type": "t.a", "payload_schema": {"type": "nonsense"}}], "tasks[0].payload_schema",
+         "is not a JSON Schema: 'nonsense' is not valid"),
+    ],
+)  # fmt: skip
+async def test_an_advert_says_what_is_wrong_with_it(
+    start_api: StartApi, tasks: list[dict[str, object]], field: str, says: str
+) -> None:
+    api = await serve(start_api)
+    async with worker_client(api) as w:
+        r = await w.put("/v1/worker/tasks", json={"worker": "w2", "tasks": tasks})
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == field and says in r.json()["detail"], r.text
+    async with api.client("admin") as admin:
+        known = {t["type"] for t in (await admin.get("/v1/admin/tasks")).json()["tasks"]}
+    assert "t.a" not in known  # nothing advertised
