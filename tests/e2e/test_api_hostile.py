@@ -11,9 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
-from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
+from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
+from jobtier.core.json_depth import MAX_JSON_DEPTH
 from jobtier.engine.queue import Queue
 from tests.e2e.test_api_bad_input import snapshot
 from tests.fixtures.api import ApiServer, StartApi

@@ -5,28 +5,22 @@ problem document; the app's limits are set below those, so every too-large reque
 server lets through is refused here as a problem document (README, "HTTP API").
 
 JSON nesting: a decoder recursing through a body nested a thousand deep raises
-``RecursionError``; ``check_depth`` refuses such a body first, with the limit in the answer.
+``RecursionError``; ``check_depth`` refuses such a body first, with the limit in the answer
+(core/json_depth.py).
 """
 
 from __future__ import annotations
 
-import re
-
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jobtier.api.problems import Problem
+from jobtier.core.json_depth import MAX_JSON_DEPTH, nests_deeper
 
 MAX_URL_BYTES = 4096
 """Path plus query string, as sent (percent-encoded)."""
 MAX_HEADER_BYTES = 8192
 """All header names and values together."""
 MAX_HEADERS = 64
-MAX_JSON_DEPTH = 64
-"""Arrays and objects inside one another in a request body (the job's payload included)."""
-
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_LEAF = re.compile(rb"\[\]|\{\}")
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 class RequestLimits:
@@ -66,20 +60,9 @@ def too_large(scope: Scope) -> Problem | None:
 
 
 def check_depth(body: bytes) -> None:
-    """A 422 problem if ``body`` nests arrays and objects deeper than ``MAX_JSON_DEPTH``.
-
-    Cheap for the usual body: with no more brackets than the limit it cannot be too deep.
-    Otherwise the strings are dropped, then the brackets alone are peeled one level a pass
-    (every innermost ``[]``/``{}`` at once): a body still not empty after ``MAX_JSON_DEPTH``
-    passes is too deep. Malformed JSON that stops peeling early is left to the decoder.
-    """
-    if body.count(b"[") + body.count(b"{") <= MAX_JSON_DEPTH:
-        return
-    brackets = _STRING.sub(b"", body).translate(None, _NOT_BRACKETS)
-    for _ in range(MAX_JSON_DEPTH):
-        peeled = _LEAF.sub(b"", brackets)
-        if not peeled or len(peeled) == len(brackets):
-            return  # within the limit, or not JSON (the decoder says so)
-        brackets = peeled
-    detail = f"the body nests arrays and objects deeper than the limit of {MAX_JSON_DEPTH} levels"
-    raise Problem(422, "validation", detail, limit=MAX_JSON_DEPTH)
+    """A 422 problem if ``body`` nests arrays and objects deeper than ``MAX_JSON_DEPTH``."""
+    if nests_deeper(body):
+        detail = (
+            f"the body nests arrays and objects deeper than the limit of {MAX_JSON_DEPTH} levels"
+        )
+        raise Problem(422, "validation", detail, limit=MAX_JSON_DEPTH)

@@ -14,9 +14,10 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_JSON_DEPTH, MAX_URL_BYTES
+from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.params import Param, parse_query
 from jobtier.config import Settings
+from jobtier.core.json_depth import MAX_JSON_DEPTH
 from jobtier.core.model import JobStatus, QueueInfo, QueueLimits, TaskAd
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE, ULID_RE, WEBHOOK_ID_RE
 

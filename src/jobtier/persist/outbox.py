@@ -35,6 +35,7 @@ import msgspec
 
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError, IdempotencyConflict, InvalidRequest
+from jobtier.core.json_depth import MAX_JSON_DEPTH, nests_deeper
 from jobtier.core.model import JobSpec, Priority, Submitted
 from jobtier.core.sealing import KeysNotConfigured
 from jobtier.engine.catalog import TaskCatalog
@@ -54,6 +55,7 @@ from jobtier.store.redis import RedisClient
 log = logging.getLogger("jobtier.persist.outbox")
 
 CHANNEL = "jobtier_outbox"
+PAYLOAD_DEPTH = MAX_JSON_DEPTH - 1  # a payload as deep as a submit's body may hold it
 PRUNE_EVERY = 60.0  # seconds between deletions of rows that served their time
 PRUNE_BATCH = 5000
 LISTEN_RETRY = 10.0  # seconds between attempts to listen again while Postgres refuses  # rows deleted per statement (short locks, short transactions)
@@ -306,6 +308,10 @@ class OutboxRelay:
                 # not a failed pass that would hold back every row after it for good
                 refused.append((row["id"], _reason(exc)))
                 continue
+            except Exception as exc:  # a row no check foresaw: refused alone all the same
+                log.exception("event=outbox_row_unreadable job=%s", row["id"])
+                refused.append((row["id"], _reason(Unreadable(exc))))
+                continue
             # a job waiting for others is checked against them in Redis, which may be rows of
             # this very batch: those go one by one, after the others, in the order written
             (linked if item.depends_on else plain).append(item)
@@ -356,9 +362,13 @@ class OutboxRelay:
         return outcomes
 
     def _prepare(self, row: asyncpg.Record) -> SubmitItem:
-        run_at: datetime | None = row["run_at"]
-        if run_at is not None and run_at <= datetime.now(UTC):
-            run_at = None  # its time came while it waited in the outbox: due now
+        run_at = _run_at(row["run_at"])
+        if nests_deeper(row["payload"], PAYLOAD_DEPTH):
+            raise InvalidRequest(
+                f"payload nests arrays and objects deeper than {PAYLOAD_DEPTH} levels (the "
+                f"limit of a submit's body, {MAX_JSON_DEPTH}, less the body's own)",
+                field="payload",
+            )
         try:
             payload = _payload.decode(row["payload"])
         except msgspec.DecodeError as exc:  # Postgres checked it is JSON: not ours to read
@@ -399,6 +409,27 @@ class OutboxRelay:
 
 def _reason(exc: Exception) -> str:
     return f"refused by the outbox relay: {exc}"
+
+
+class Unreadable(Exception):
+    """A row the relay could not make a job of, for a reason no check of its foresaw."""
+
+    def __init__(self, cause: Exception) -> None:
+        super().__init__(f"the row could not be read ({type(cause).__name__}: {cause})")
+
+
+def _run_at(epoch: float | None) -> datetime | None:
+    """The row's run-at (seconds since the epoch, as ``outbox_take`` reads it); None when
+    none was given or its time came while it waited in the outbox (due now). A time no job
+    can have (an infinity, past what a date holds) is the row's fault: refused alone."""
+    if epoch is None or epoch <= time.time():  # -infinity and years BC: past, due now
+        return None
+    try:
+        return datetime.fromtimestamp(epoch, UTC)  # later than allowed: the producer says so
+    except (OverflowError, OSError, ValueError):  # infinity, or past year 9999
+        raise InvalidRequest(
+            "run_at is not a time a job can have (infinity, or past year 9999)", field="run_at"
+        ) from None
 
 
 def _by_tenant(items: Sequence[SubmitItem]) -> list[list[SubmitItem]]:

@@ -14,7 +14,11 @@ WHERE (c.shards, c.max_payload_bytes, c.max_depends_on)
 -- name: outbox_take
 -- Committed rows not yet relayed, oldest first; rows another relay holds are skipped, so
 -- relays in several persisters share the work without waiting on each other.
-SELECT id, tenant, type, payload, queue, priority, run_at, idempotency_key, max_attempts,
+-- run_at as seconds since the epoch (a double): any timestamptz Postgres took reads, the
+-- infinities and years before 1 included, which a datetime could not hold (a row the batch
+-- could not read would hold back every row after it); the relay refuses those alone.
+SELECT id, tenant, type, payload, queue, priority,
+       extract(epoch FROM run_at)::double precision AS run_at, idempotency_key, max_attempts,
        depends_on
 FROM jobtier.outbox
 WHERE relayed_at IS NULL

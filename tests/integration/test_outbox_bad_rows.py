@@ -1,0 +1,46 @@
+"""Rows jobtier.submit takes that the relay cannot make a job of, against real Postgres and
+Redis: each is refused alone (its job failed, with the reason), and the rows after it are
+relayed in the same pass. Before, any of them failed the whole pass, again every few seconds:
+no row after it was ever relayed, whatever its tenant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jobtier import outbox
+from jobtier.config import Settings
+from jobtier.core.model import State
+from jobtier.engine.queue import Queue
+from jobtier.persist.db import Pool
+from tests.integration.test_outbox_relay_limits import app, relay_of, row
+
+__all__ = ["app"]  # the fixture, used by name
+
+DEEP = "[" * 1000 + "]" * 1000  # JSON Postgres takes; a decoder recursing through it does not
+
+
+async def test_rows_the_relay_cannot_read_are_refused_alone(
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    relay = await relay_of(pg_settings, pg_pool, queue)
+    first = await outbox.submit(app, "echo", {"n": 1})
+
+    async def sql(payload: str, **more: str) -> str:
+        args = "".join(f", {name} => '{value}'" for name, value in more.items())
+        job_id: str = await app.fetchval(f"SELECT jobtier.submit('echo', $1{args})", payload)
+        return job_id
+
+    endless = await sql("{}", run_at="infinity")
+    deep = await sql(DEEP)
+    ancient = await sql('{"n": 2}', run_at="0001-01-01 BC")  # long past: due now
+    never_late = await sql('{"n": 3}', run_at="-infinity")  # likewise
+    other = await outbox.submit(app, "echo", {"n": 4}, tenant="other")
+    assert await relay.drain() == 6
+    assert relay.stats.refused == 2 and relay.stats.relayed == 4
+    for job_id in (first, ancient, never_late, other):
+        assert (await row(pg_pool, job_id))["error"] is None
+        assert (await queue.status(job_id)).state is State.QUEUED
+    refused = {job_id: (await row(pg_pool, job_id))["error"] for job_id in (endless, deep)}
+    assert "run_at is not a time a job can have" in refused[endless], refused
+    assert "payload nests arrays and objects deeper than 63 levels" in refused[deep], refused
+    assert all(r.startswith("refused by the outbox relay") for r in refused.values())
