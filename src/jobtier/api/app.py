@@ -29,6 +29,7 @@ from jobtier.api.problems import HANDLERS
 from jobtier.api.routing import resources
 from jobtier.api.server_spans import ServerSpans
 from jobtier.api.spec import Paths
+from jobtier.api.sse import STOPPING, on_stop_signals
 from jobtier.api.task_schemas import TaskDocument
 from jobtier.api.worker_claims import WorkerClaims
 from jobtier.config import Settings
@@ -118,6 +119,8 @@ def create_app(
             store.redis, store.keys, store.scripts, settings.retention_seconds
         )
         replicas = ReplicaCount(store.redis)  # the bound of a durable submit's Jobtier-Replicas
+        stopping = asyncio.Event()  # set by SIGTERM/SIGINT: the streams end (api/sse.py)
+        undo_signals = on_stop_signals(stopping)
         try:
             if worker_keys:
                 await worker_claims.start()
@@ -159,9 +162,11 @@ def create_app(
                 "worker_keys": worker_keys,
                 "worker_claims": worker_claims,
                 "replicas": replicas,
+                STOPPING: stopping,
                 **ext.state,
             }
         finally:
+            undo_signals()
             # Every step is bounded (runtime/stopping.py): an API stopped while Redis restarts, loads
             # or is frozen still exits, and its log names what it left behind. The loops end
             # side by side; their connections close after them.

@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 from functools import partial
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -67,11 +70,59 @@ async def woken(ready: asyncio.Event, timeout: float) -> bool:
     return True
 
 
+STOPPING = "streams_stopping"
+"""The lifespan state's ``asyncio.Event``, set once the process is told to stop
+(``on_stop_signals``): every stream then ends."""
+
+
+def on_stop_signals(stopping: asyncio.Event) -> Callable[[], None]:
+    """Set ``stopping`` when this process is told to stop (SIGTERM, SIGINT); returns the undo.
+
+    A stopping ASGI server (uvicorn, granian) waits for the responses in flight to end, and a
+    stream never ends by itself: a console open in a tab, or a job's events while it runs,
+    would hold a stopped API up until its client left (a rolling deploy, until its kill).
+    The handler that was there (the server's own, or its event loop's: granian's and
+    ``jobtier run``'s are added to the loop, which still gets the signal) is kept and called
+    after. Outside the main thread (no signals there) this does nothing."""
+    loop = asyncio.get_running_loop()
+    installed: list[tuple[signal.Signals, Any, Any]] = []
+
+    def chained(prev: Any) -> Any:
+        def handler(signum: int, frame: Any) -> None:
+            loop.call_soon_threadsafe(stopping.set)
+            if callable(prev):
+                prev(signum, frame)
+            elif prev == signal.SIG_DFL:  # nobody took it: what it would have done
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        return handler
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        prev = signal.getsignal(sig)
+        if prev is None or prev == signal.SIG_IGN:  # not Python's to chain, or ignored
+            continue
+        handler = chained(prev)
+        try:
+            signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            break
+        installed.append((sig, handler, prev))
+
+    def undo() -> None:
+        for sig, handler, prev in installed:
+            if signal.getsignal(sig) is handler:  # (else another chained on: leave it)
+                signal.signal(sig, prev)
+
+    return undo
+
+
 class StreamResponse(Response):
     """A text/event-stream response writing ``chunks``, while the client's disconnect is
     watched for at the same time (servers speaking ASGI 2.4 tell a streaming response of a
     gone client only when a write fails — an idle stream would linger until its next
-    heartbeat); ``cleanup`` runs however the stream ends."""
+    heartbeat); ``cleanup`` runs however the stream ends. It ends, completed, once the
+    process is told to stop (``STOPPING``): its client reconnects, to another process."""
 
     media_type = "text/event-stream"
 
@@ -86,26 +137,52 @@ class StreamResponse(Response):
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stopping: asyncio.Event | None = scope.get("state", {}).get(STOPPING)
+        self._started = self._ended = False
         pump = asyncio.create_task(self._pump(send))
         watch = asyncio.create_task(_until_disconnect(receive))
+        tasks: list[asyncio.Task[Any]] = [pump, watch]
+        if stopping is not None:
+            tasks.append(asyncio.create_task(stopping.wait()))
+        stopped = False
         try:
-            await asyncio.wait((pump, watch), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            # the process stops and the client is still there: the stream ends cleanly
+            stopped = stopping is not None and stopping.is_set() and not watch.done()
         finally:
-            for task in (pump, watch):
+            for task in tasks:
                 task.cancel()
             try:
-                for task in (pump, watch):
+                for task in tasks:
                     with contextlib.suppress(asyncio.CancelledError, OSError):
                         await task
+                if stopped:
+                    await self._end(send)
             finally:
                 await self.chunks.aclose()
                 self.cleanup()
 
     async def _pump(self, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        self._started = True
         async for chunk in self.chunks:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        self._ended = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _end(self, send: Send) -> None:
+        """The stream's end, written as the process stops (its client then reconnects)."""
+        if self._ended:
+            return
+        with contextlib.suppress(OSError):
+            if not self._started:
+                await send(
+                    {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+                )
+            await send(
+                {"type": "http.response.body", "body": b": the server is stopping\n\n",
+                 "more_body": False}
+            )  # fmt: skip
 
 
 async def _job_events(
