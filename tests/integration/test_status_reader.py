@@ -400,3 +400,38 @@ async def test_events_and_listeners_without_redis(caplog: pytest.LogCaptureFixtu
     assert len(heard) == 1
     stats = reader.stats()
     assert stats["listeners"] == 0 and stats["requests"] == 0 and stats["near_size"] == 0
+
+
+async def test_a_job_reaching_redis_while_the_fallback_answers_is_then_read_as_redis_has_it(
+    redis_as_jobtier: RedisClient, settings: Settings
+) -> None:
+    """A read that missed the job in Redis asks the fallback, and the job reaches Redis
+    meanwhile (an outbox row relayed): its events then are kept. Before, the fallback's older
+    document (submitted, version 0) was cached over them, and every read for the cache's TTL,
+    a long poll's whole wait, saw the job as not yet started."""
+    keys = keys_of(settings)
+    job_id = keys.new_id(1)
+    asking, answer = asyncio.Event(), asyncio.Event()
+
+    def doc(state: str, version: int) -> bytes:
+        return b'{"id":"%s","type":"echo","state":"%s","version":%d,"priority":"normal"}' % (
+            job_id.encode(), state.encode(), version,
+        )  # fmt: skip
+
+    async def fallback(ids: list[str]) -> dict[str, tuple[str, bytes]]:
+        asking.set()
+        await answer.wait()
+        return {job_id: (TENANT, doc("submitted", 0))}  # what the outbox row reads as
+
+    reader = StatusReader(redis_as_jobtier, keys, near_cache=True, coalesce=True, fallback=fallback)
+    reading = asyncio.create_task(reader.get(job_id))
+    await asyncio.wait_for(asking.wait(), 10)
+    # the relay's submit and the job's claim reach Redis: their events, while the fallback answers
+    for state, version in (("queued", 1), ("running", 2)):
+        event = b"%s %d %s\n%s" % (job_id.encode(), version, TENANT.encode(), doc(state, version))
+        reader.on_event(b"jt:{0}:events", event)
+    answer.set()
+    first = await reading
+    assert first is not None and first[2] == 0  # this read asked before the job was there
+    assert await reader.get(job_id) == (TENANT, doc("running", 2), 2)
+    assert reader._loading == {}

@@ -56,7 +56,9 @@ WHERE id IN (
 )
 
 -- name: outbox_status_docs
--- Jobs still only in the outbox (not relayed yet), and jobs the relay refused.
+-- Jobs of the outbox that Postgres has no row of: not relayed yet, refused by the relay, or
+-- relayed a moment ago (a read that missed them in Redis, before the persister wrote their
+-- row: they read as submitted, as they were, rather than not found).
 SELECT id, tenant, type, queue, priority, run_at, max_attempts, created_at, relayed_at, error
 FROM jobtier.outbox
-WHERE id = ANY($1::text[]) AND (relayed_at IS NULL OR error IS NOT NULL)
+WHERE id = ANY($1::text[])

@@ -212,22 +212,38 @@ class StatusReader:
         self.requests += 1
         if not self.keys.valid_id(job_id):
             return None  # never sent to Redis: one bad key in a batch would fail the batch
+        if self.fallback_coalescer is None:
+            return await self._load_redis(job_id)
+        # Loading from Redis, then from the fallback: the job may reach Redis meanwhile (an
+        # outbox row relayed), and its events then are kept (on_event), not lost to a cache
+        # that would hold the fallback's older document (submitted, version 0) for its TTL.
+        loading = self._loading
+        loading[job_id] = loading.get(job_id, 0) + 1
+        try:
+            status = await self._load_redis(job_id)
+            if status is None:
+                until = self._absent.get(job_id)
+                if until is not None:
+                    if until > self._clock():
+                        self.absent_hits += 1
+                        return None
+                    del self._absent[job_id]
+                status = await self.fallback_coalescer.get(job_id)
+            return status
+        finally:
+            left = loading[job_id] - 1
+            if left:
+                loading[job_id] = left
+            else:
+                del loading[job_id]
+
+    async def _load_redis(self, job_id: str) -> Status | None:
         if self.coalescer is not None:
-            status = await self.coalescer.get(job_id)
-        else:
-            loaded = (await self._load([job_id])).get(job_id)
-            if isinstance(loaded, BaseException):
-                raise loaded
-            status = loaded
-        if status is None and self.fallback_coalescer is not None:
-            until = self._absent.get(job_id)
-            if until is not None:
-                if until > self._clock():
-                    self.absent_hits += 1
-                    return None
-                del self._absent[job_id]
-            status = await self.fallback_coalescer.get(job_id)
-        return status
+            return await self.coalescer.get(job_id)
+        loaded = (await self._load([job_id])).get(job_id)
+        if isinstance(loaded, BaseException):
+            raise loaded
+        return loaded
 
     async def _load(self, ids: list[str]) -> dict[str, Status | BaseException]:
         """The tenant and document of every id in one round trip (read_status.lua); cache what
