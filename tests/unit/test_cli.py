@@ -153,6 +153,8 @@ def test_run_banner_says_how_to_get_the_command(
     # a worker of your own started beside it finds the same Redis (not the default 6379)
     assert "export JOBTIER_REDIS_URL=redis://127.0.0.1:16379/0 " in err
     assert "JOBTIER_DATABASE_URL=postgresql://jobtier@127.0.0.1:15432/jobtier" in err
+    # whose key it is: a job submitted for another tenant (SQL's default) is not found with it
+    assert "JOBTIER_KEY is tenant acme's" in err and "tenant => 'acme'" in err
 
     # on PATH already: nothing to say
     monkeypatch.setenv("PATH", str(bin_dir))

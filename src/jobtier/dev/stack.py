@@ -415,7 +415,7 @@ def command_hint() -> str:
 
 
 def _welcome(settings: Settings) -> None:
-    key = next(iter(settings.tenant_keys()), "<your key>")
+    key, tenant = next(iter(settings.tenant_keys().items()), ("<your key>", "<its tenant>"))
     base = f"http://{settings.api_host}:{settings.api_port}"
     hint = command_hint()
     path = f"  {hint}\n" if hint else ""
@@ -426,6 +426,8 @@ jobtier is running: API {base}  (Ctrl-C stops everything)
 {path}  export JOBTIER_URL={base} JOBTIER_KEY={key} JOBTIER_ADMIN_KEY={settings.admin_key}
   export JOBTIER_REDIS_URL={shlex.quote(settings.redis_url)} JOBTIER_DATABASE_URL={shlex.quote(settings.database_url)}
   # the second line: for `jobtier worker yourtasks` beside this one, and for psql
+  # JOBTIER_KEY is tenant {tenant}'s: jobs of another tenant are not found with it (in SQL:
+  #   SELECT jobtier.submit('sleep', '{{"seconds": 3}}', tenant => '{tenant}');)
   curl -s -X POST $JOBTIER_URL/v1/jobs -H "Authorization: Bearer $JOBTIER_KEY" \\
        -H 'Content-Type: application/json' -d '{{"type": "sleep", "payload": {{"seconds": 3}}}}'
   curl -s $JOBTIER_URL/v1/jobs/<id> -H "Authorization: Bearer $JOBTIER_KEY"
