@@ -5,6 +5,12 @@
 // loop (a long poll for as many jobs as it has free slots), a heartbeat per running job every
 // third of the lease (its answer carries cancel requests), and the job's outcome at its end.
 
+import { hostname } from "node:os";
+
+// Results sent in one request at most (their JSON), well under the API's default request
+// limit (JOBTIER_MAX_REQUEST_BYTES, 8 MiB); a batch refused as too large is sent one by one.
+const RESULTS_BYTES = 4 * 1024 * 1024;
+
 export class LeaseLost extends Error {
   // the API refused an answer about a job (409): its lease is not ours any more, so the
   // job moved on (another worker may be running it) and whatever we say of it is dropped
@@ -120,7 +126,7 @@ class JobContext {
     this.logsSent = null; // the log lines in flight, if any
   }
 
-  progress(value) {
+  progress(value = null) {
     this.pendingProgress = value; // sent at once, merged with others in flight
     this.worker.sendProgress(this);
   }
@@ -136,7 +142,9 @@ export class Worker {
   // tasks: {type: handler(payload, ctx) | {handler, queue, max_attempts, backoff, timeout,
   // payload_schema}}
   constructor({ url, key, worker, tasks, queues, concurrency = 10, wait = 20, log = console }) {
-    this.client = new JobtierClient({ url, key, worker: worker ?? `node-${process.pid}` });
+    // the host in the default name: in containers every worker's pid may be 1
+    const name = worker ?? `node-${hostname()}-${process.pid}`;
+    this.client = new JobtierClient({ url, key, worker: name });
     this.tasks = {};
     for (const [type, spec] of Object.entries(tasks)) {
       this.tasks[type] = typeof spec === "function" ? { handler: spec } : spec;
@@ -313,6 +321,15 @@ export class Worker {
         this.log.error(`job ${job.id}: outcome refused, ${err.message}`);
         return;
       }
+      if (err.status === 413 && outcome.ok && !ctx.cancelled) {
+        // its result is over the API's limit: the job fails for good, saying so (run again,
+        // it would make the same result), rather than waiting out its lease to run again
+        const tooLarge = new NonRetryable(`the task's result was refused: ${err.message}`);
+        tooLarge.name = "ResultTooLarge";
+        await this.client.fail(job, tooLarge, { retryable: false });
+        this.stats.failed += 1;
+        return;
+      }
       throw err;
     }
   }
@@ -328,23 +345,50 @@ export class Worker {
     this.sending = true;
     try {
       while (this.outbox.length > 0) {
-        const batch = this.outbox.splice(0, 1000);
-        const items = batch.map(({ job, result }) => ({
-          id: job.id,
-          lease_version: job.lease_version,
-          result,
-        }));
+        const batch = this.takeBatch();
+        const items = batch.map((b) => b.item);
         try {
           const answer = await this.client.completeMany(items);
           answer.jobs.forEach((r, i) =>
             r.status === 200 ? batch[i].resolve(r) : batch[i].reject(new LeaseLost(r.id, r.detail)),
           );
         } catch (err) {
-          for (const b of batch) b.reject(err); // their leases expire: the jobs run again
+          if (batch.length > 1 && err.status >= 400 && err.status < 500) {
+            // refused as a whole (one result over the server's limit, or the body over its
+            // request limit): each alone, so that one result cannot cost the others theirs
+            await Promise.all(batch.map((b) => this.completeAlone(b)));
+          } else {
+            for (const b of batch) b.reject(err); // their leases expire: the jobs run again
+          }
         }
       }
     } finally {
       this.sending = false;
+    }
+  }
+
+  // The outbox's first results, up to 1,000 and about RESULTS_BYTES of JSON (at least one):
+  // a request under the API's JOBTIER_MAX_REQUEST_BYTES (8 MiB by default) however large the
+  // results, each up to JOBTIER_MAX_RESULT_BYTES (1 MiB).
+  takeBatch() {
+    let size = 0;
+    let n = 0;
+    while (n < this.outbox.length && n < 1000) {
+      const b = this.outbox[n];
+      b.item ??= { id: b.job.id, lease_version: b.job.lease_version, result: b.result };
+      b.size ??= Buffer.byteLength(JSON.stringify(b.item));
+      if (n > 0 && size + b.size > RESULTS_BYTES) break;
+      size += b.size;
+      n += 1;
+    }
+    return this.outbox.splice(0, n);
+  }
+
+  async completeAlone(b) {
+    try {
+      b.resolve(await this.client.complete(b.job, b.result));
+    } catch (err) {
+      b.reject(err);
     }
   }
 

@@ -2,7 +2,7 @@
 //
 //   JOBTIER_URL         the API (default http://127.0.0.1:8000)
 //   WORKER_KEY          one of the API's JOBTIER_WORKER_KEYS
-//   WORKER_ID           its name (default node-<pid>)
+//   WORKER_ID           its name (default node-<host>-<pid>)
 //   WORKER_CONCURRENCY  jobs at once (default 10)
 //
 // It prints one line "ready" once its tasks are in the catalogue, and a JSON line of its
@@ -12,11 +12,15 @@ import { NonRetryable, Worker } from "./jobtier-worker.mjs";
 
 const sleep = (ms, signal) =>
   new Promise((resolve, reject) => {
-    const timer = setTimeout(resolve, ms);
-    signal?.addEventListener("abort", () => {
+    const aborted = () => {
       clearTimeout(timer);
       reject(signal.reason);
-    });
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener("abort", aborted); // one listener per sleep, not one more each
+      resolve();
+    }, ms);
+    signal?.addEventListener("abort", aborted, { once: true });
   });
 
 const tasks = {

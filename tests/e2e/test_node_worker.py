@@ -151,3 +151,38 @@ async def test_a_stale_completion_from_node_is_refused(start_api: StartApi) -> N
             assert r.json()["state"] == "succeeded"
             async with asyncio.timeout(20):
                 assert await proc.wait() == 0
+
+
+BIG = ROOT / "tests" / "node" / "big_results.mjs"
+
+
+async def test_results_that_do_not_fit_one_request_lose_no_job(start_api: StartApi) -> None:
+    """Twelve results each under the API's result limit (20 KB here) but together over its
+    request limit (100 KB), and one over the result limit, all ending at once: each of the
+    twelve succeeds at its first attempt, and the one fails for good saying why. Before, the
+    batch's 413 sent every job of it back to wait out its lease and run again (the too-large
+    one too, with no word of why)."""
+    api = await start_api(
+        worker_keys=KEY, max_result_bytes=20_000, max_request_bytes=100_000, lease_seconds=30
+    )
+    async with node(str(BIG), api.url, KEY, "15000", "30000") as proc:
+        assert await line(proc) == "ready"
+        mids = [await submit(api, "node.mid", {"i": i}) for i in range(12)]
+        big = await submit(api, "node.big", {})
+        ids = [*mids, big]
+
+        async def states(wanted: set[str]) -> bool:
+            return all(d["state"] in wanted for d in (await docs(api, ids)).values())
+
+        await wait_for(lambda: states({"running"}))  # every one claimed: they end together
+        assert proc.stdin is not None
+        proc.stdin.write(b"release\n")
+        await wait_for(lambda: states(TERMINAL), timeout=60)
+        found = await docs(api, ids)
+        assert [(found[m]["state"], found[m]["attempt"]) for m in mids] == [("succeeded", 1)] * 12
+        assert (found[big]["state"], found[big]["attempt"]) == ("failed", 1), found[big]
+        assert found[big]["error"]["type"] == "ResultTooLarge", found[big]
+        assert "JOBTIER_MAX_RESULT_BYTES" in found[big]["error"]["message"], found[big]
+        proc.stdin.write(b"stop\n")
+        stats = json.loads(await line(proc))
+        assert (stats["succeeded"], stats["failed"], stats["lost"]) == (12, 1, 0), stats

@@ -1,0 +1,26 @@
+// A worker of the example's library whose tasks end together with results that do not fit
+// one request: "node.mid" results each under the API's result limit but together over its
+// request limit, and one "node.big" result over the result limit. Prints "ready", then its
+// counts as JSON when stdin closes.
+import { createInterface } from "node:readline";
+import { Worker } from "../../examples/node-worker/jobtier-worker.mjs";
+
+const [url, key, midBytes, bigBytes] = process.argv.slice(2);
+let release;
+const together = new Promise((resolve) => (release = resolve)); // every job ends at once
+const tasks = {
+  "node.mid": { max_attempts: 2, handler: async () => { await together; return "m".repeat(Number(midBytes)); } },
+  "node.big": { max_attempts: 2, handler: async () => { await together; return "b".repeat(Number(bigBytes)); } },
+};
+const worker = new Worker({ url, key, worker: "node-big", concurrency: 50, wait: 1, tasks, log: { error() {}, info() {} } });
+await worker.register();
+console.log("ready");
+const running = worker.run();
+const lines = createInterface({ input: process.stdin });
+for await (const line of lines) {
+  if (line === "release") release();
+  if (line === "stop") break;
+}
+worker.stop();
+await running;
+console.log(JSON.stringify(worker.stats));
