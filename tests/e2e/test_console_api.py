@@ -433,3 +433,31 @@ async def test_the_followed_jobs_stream_sends_their_status_then_each_change(
         assert (await admin.get(f"/v1/admin/events?ids={unknown}")).status_code == 404
         async with acme.stream("GET", f"/v1/admin/events?ids={a['id']}") as r:
             assert r.status_code == 403
+
+
+async def first_frame(api: ApiServer) -> dict[str, Any]:
+    """The first frame of the console's stream (a frame a second, each made at most once a
+    second per process)."""
+    async with (
+        api.client("admin") as admin,
+        admin.stream("GET", "/v1/admin/dashboard/stream") as stream,
+    ):
+        async for line in stream.aiter_lines():
+            if line.startswith("data: "):
+                frame: dict[str, Any] = json.loads(line[6:])
+                return frame
+    raise AssertionError("the stream ended without a frame")
+
+
+async def test_the_oldest_wait_is_unknown_when_nothing_waits(api: ApiServer) -> None:
+    """The console's "oldest waiting" tile showed 0 ms on an empty deployment (the queue
+    table, "—"): with no ready job there is no oldest wait, and the frame says so."""
+    assert (await first_frame(api))["oldest_queued_age_seconds"] is None
+    async with api.client() as c:
+        assert (await c.post("/v1/jobs", json={"type": "echo"})).status_code == 202
+
+    async def waiting() -> bool:  # the next frame (the last is cached for up to a second)
+        age = (await first_frame(api))["oldest_queued_age_seconds"]
+        return age is not None and age >= 0
+
+    await wait_for(waiting)

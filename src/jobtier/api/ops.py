@@ -106,7 +106,7 @@ async def dashboard_state(
         "at": time.time(),
         "queue_depth": {p.value: total.get(f"queued_{p.value}", 0) for p in PRIORITIES},
         "queues": queues,
-        "oldest_queued_age_seconds": max(ages.values(), default=0.0),
+        "oldest_queued_age_seconds": max(ages.values(), default=None),  # None: nothing waits
         "scheduled": total.get("scheduled", 0),
         "running": total.get("running", 0),
         "dead_letters": total.get("dead", 0),

@@ -371,7 +371,8 @@ function jobLines(data) {
   if (!lines.length) {
     const why = data.source === "postgres"
       ? "None left: log lines are kept in Redis with the job, and Redis no longer holds it."
-      : !data.job.attempt ? "None yet: the task has not run."
+      : !data.job.attempt
+        ? TERMINAL.has(data.job.state) ? "None: the task never ran." : "None yet: the task has not run."
         : data.job.state === "running" ? "Nothing logged yet. A task logs with ctx.log(\"…\"); its lines show here."
           : "The task logged nothing. A task logs with ctx.log(\"…\"); its lines show here.";
     return h("section", { class: "panel", "aria-labelledby": "h-lines" }, head, h("p", { class: "muted" }, why));

@@ -89,6 +89,13 @@ function showJobs(mode, params) {
   $("h-jobs").textContent = mode === "dead" ? "Dead letters" : "Jobs";
   $("f-state-label").hidden = mode === "dead";
   $("replay-matching").hidden = mode !== "dead";
+  // a replay takes type, queue and tenant only: with an id or time filter the list would
+  // show fewer than it replays, so it is not offered under the name "matching"
+  const unmatched = ["after", "before", "id"].some((k) => jobsView.filters[k]);
+  $("replay-matching").disabled = unmatched;
+  $("replay-matching").title = unmatched
+    ? "A replay cannot apply the id or time filters: clear them to replay by type, queue or tenant"
+    : "";
   $("f-state").value = STATES.includes(jobsView.filters.state) ? jobsView.filters.state : "";
   $("f-type").value = jobsView.filters.type;
   $("f-queue").value = jobsView.filters.queue;
@@ -351,11 +358,10 @@ async function replayMatching() {
   const f = jobsView.filters;
   const by = [f.type && `type ${f.type}`, f.queue && `queue ${f.queue}`, f.tenant && `tenant ${f.tenant}`].filter(Boolean);
   const limit = 1000;
-  const ignored = f.after || f.before || f.id ? " The time range and id filters do not apply to a replay." : "";
   const answer = await act(
     {
       title: by.length ? `Replay the dead letters of ${by.join(", ")}?` : "Replay every dead letter?",
-      text: `Up to ${plain.format(limit)} of the newest dead letters Redis still holds${by.length ? " that match" : ""} go back to their queues with their attempts reset.${ignored}`,
+      text: `Up to ${plain.format(limit)} of the newest dead letters Redis still holds${by.length ? " that match" : ""} go back to their queues with their attempts reset.`,
       ok: "Replay",
     },
     () => api("/v1/admin/dead-letters/replay", {

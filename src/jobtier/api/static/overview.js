@@ -139,8 +139,9 @@ function renderOverview(f) {
   const windowed = known(f.p99_window_seconds);
   const span = windowed ? `last ${Math.round(f.p99_window_seconds)} s` : "since the workers started";
   const idle = windowed ? `no jobs in the ${span}` : "no worker has reported one yet";
-  $("wait-note").textContent = known(f.p99_claim_wait_seconds) ? `queued → claimed, ${span}` : idle;
-  $("run-note").textContent = known(f.p99_run_time_seconds) ? `task duration, ${span}` : idle;
+  // a histogram's p99 is the bound of the bucket it falls in: the figure is "at most"
+  $("wait-note").textContent = known(f.p99_claim_wait_seconds) ? `at most · queued → claimed, ${span}` : idle;
+  $("run-note").textContent = known(f.p99_run_time_seconds) ? `at most · task duration, ${span}` : idle;
 
   const reads = enough ? rate("status_requests_total") : null;
   record("reads", t, figure("rate-status-reads", reads, fmtRate));
