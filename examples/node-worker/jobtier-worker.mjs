@@ -321,6 +321,11 @@ export class Worker {
         this.log.error(`job ${job.id}: outcome refused, ${err.message}`);
         return;
       }
+      if (err.name === "ResultNotJSON") {
+        await this.client.fail(job, err, { retryable: false });
+        this.stats.failed += 1;
+        return;
+      }
       if (err.status === 413 && outcome.ok && !ctx.cancelled) {
         // its result is over the API's limit: the job fails for good, saying so (run again,
         // it would make the same result), rather than waiting out its lease to run again
@@ -347,13 +352,17 @@ export class Worker {
       while (this.outbox.length > 0) {
         const batch = this.takeBatch();
         const items = batch.map((b) => b.item);
+        if (batch.length === 1 && batch[0].unencodable) {
+          batch[0].reject(batch[0].unencodable); // its task's failure, not the others'
+          continue;
+        }
         try {
           const answer = await this.client.completeMany(items);
           answer.jobs.forEach((r, i) =>
             r.status === 200 ? batch[i].resolve(r) : batch[i].reject(new LeaseLost(r.id, r.detail)),
           );
         } catch (err) {
-          if (batch.length > 1 && err.status >= 400 && err.status < 500) {
+          if (batch.length > 1 && err.status === 413) {
             // refused as a whole (one result over the server's limit, or the body over its
             // request limit): each alone, so that one result cannot cost the others theirs
             await Promise.all(batch.map((b) => this.completeAlone(b)));
@@ -376,7 +385,19 @@ export class Worker {
     while (n < this.outbox.length && n < 1000) {
       const b = this.outbox[n];
       b.item ??= { id: b.job.id, lease_version: b.job.lease_version, result: b.result };
-      b.size ??= Buffer.byteLength(JSON.stringify(b.item));
+      if (b.size === undefined) {
+        try {
+          b.size = Buffer.byteLength(JSON.stringify(b.item));
+        } catch (err) {
+          // not JSON (a BigInt, a cycle): its job fails, alone
+          const bad = new NonRetryable(`the task's result cannot be sent as JSON: ${err.message}`);
+          bad.name = "ResultNotJSON";
+          bad.status = 400;
+          b.unencodable = bad;
+          b.size = 0;
+        }
+      }
+      if (b.unencodable) return this.outbox.splice(0, n || 1); // alone, or the ones before it
       if (n > 0 && size + b.size > RESULTS_BYTES) break;
       size += b.size;
       n += 1;

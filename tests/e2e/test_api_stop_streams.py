@@ -40,6 +40,7 @@ async def test_a_stopped_api_ends_its_streams_and_exits(
         "JOBTIER_ADMIN_KEY": ADMIN,
         "JOBTIER_API_PORT": str(port),
         "JOBTIER_API_SERVER": server,
+        "JOBTIER_API_WORKERS": "1",  # one server process (uvicorn's supervisor exits otherwise)
         "JOBTIER_REQUIRE_KNOWN_TYPES": "0",
         "JOBTIER_DATABASE_URL": pg_settings.database_url,
     }

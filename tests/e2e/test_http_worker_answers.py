@@ -53,6 +53,12 @@ async def test_a_refused_answer_says_what_the_job_is_now(start_api: StartApi) ->
     base = f"/v1/worker/jobs/{job_id}"
     async with worker_client(api) as w:
         job = await claim_one(w)
+        # a lease_version never given is not said to be a newer claim's
+        made_up = lease(job) | {"lease_version": job["lease_version"] + 7}
+        r = await w.post(f"{base}/heartbeat", json=made_up)
+        assert r.status_code == 409, r.text
+        assert "or this lease_version was never given" in r.json()["detail"], r.text
+        assert (r.json()["state"], r.json()["worker"]) == ("running", "http:w1"), r.text
         r = await w.post(f"{base}/complete", json=lease(job, result=3))
         assert r.status_code == 200, r.text
         # the same answer again, as a worker whose first reply was lost sends it
@@ -63,10 +69,6 @@ async def test_a_refused_answer_says_what_the_job_is_now(start_api: StartApi) ->
             "succeeded", 1, "http:w1",
         )  # fmt: skip
         assert "it is succeeded now (attempt 1, worker http:w1)" in problem["detail"]
-        # a lease_version never given is not said to be a newer claim's
-        made_up = lease(job) | {"lease_version": job["lease_version"] + 7}
-        r = await w.post(f"{base}/heartbeat", json=made_up)
-        assert r.status_code == 409 and r.json()["state"] == "succeeded", r.text
     assert (await status(api, job_id))["state"] == "succeeded"
 
 

@@ -158,8 +158,9 @@ BIG = ROOT / "tests" / "node" / "big_results.mjs"
 
 async def test_results_that_do_not_fit_one_request_lose_no_job(start_api: StartApi) -> None:
     """Twelve results each under the API's result limit (20 KB here) but together over its
-    request limit (100 KB), and one over the result limit, all ending at once: each of the
-    twelve succeeds at its first attempt, and the one fails for good saying why. Before, the
+    request limit (100 KB), one over the result limit and one JSON cannot encode (a BigInt),
+    all ending at once: each of the twelve succeeds at its first attempt, and the other two
+    fail for good saying why. Before, the
     batch's 413 sent every job of it back to wait out its lease and run again (the too-large
     one too, with no word of why)."""
     api = await start_api(
@@ -169,7 +170,8 @@ async def test_results_that_do_not_fit_one_request_lose_no_job(start_api: StartA
         assert await line(proc) == "ready"
         mids = [await submit(api, "node.mid", {"i": i}) for i in range(12)]
         big = await submit(api, "node.big", {})
-        ids = [*mids, big]
+        odd = await submit(api, "node.bigint", {})
+        ids = [*mids, big, odd]
 
         async def states(wanted: set[str]) -> bool:
             return all(d["state"] in wanted for d in (await docs(api, ids)).values())
@@ -183,6 +185,7 @@ async def test_results_that_do_not_fit_one_request_lose_no_job(start_api: StartA
         assert (found[big]["state"], found[big]["attempt"]) == ("failed", 1), found[big]
         assert found[big]["error"]["type"] == "ResultTooLarge", found[big]
         assert "JOBTIER_MAX_RESULT_BYTES" in found[big]["error"]["message"], found[big]
+        assert (found[odd]["state"], found[odd]["error"]["type"]) == ("failed", "ResultNotJSON")
         proc.stdin.write(b"stop\n")
         stats = json.loads(await line(proc))
-        assert (stats["succeeded"], stats["failed"], stats["lost"]) == (12, 1, 0), stats
+        assert (stats["succeeded"], stats["failed"], stats["lost"]) == (12, 2, 0), stats

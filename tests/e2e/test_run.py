@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,13 @@ import redis as syncredis
 
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.dev.procs import pid_alive
-from tests.e2e.jobtier_run import JobtierRun, assert_gone, copy_pg_template, wait_until
+from tests.e2e.jobtier_run import (
+    HANG_GUARD,
+    JobtierRun,
+    assert_gone,
+    copy_pg_template,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +225,35 @@ def test_every_way_out_stops_the_servers(
         assert code == 0 and "signal=SIGHUP action=graceful_stop" in run.text()
     else:
         assert "action=stop_now" in run.text()
+
+
+def test_a_sighup_ends_an_open_console_stream_and_the_run_stops(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    """A console tab open: a run stopping on SIGHUP (its terminal closed), which is not a
+    signal the API's streams watch, ends the stream itself, and stops. Before, uvicorn
+    waited for the open stream, and with the terminal gone no second signal would come."""
+    run = start(runs, data, tmp_path / "run.log", "--grace", "1")
+    run.wait_ready()
+    _, admin = run.keys()
+    lines: list[str] = []
+    opened = threading.Event()
+
+    def follow() -> None:
+        url = f"http://127.0.0.1:{run.api_port}/v1/admin/dashboard/stream"
+        headers = {"authorization": f"Bearer {admin}"}
+        with httpx.stream("GET", url, headers=headers, timeout=HANG_GUARD) as stream:
+            for line in stream.iter_lines():
+                lines.append(line)
+                opened.set()
+
+    reader = threading.Thread(target=follow, daemon=True)  # a daemon: never holds pytest up
+    reader.start()
+    assert opened.wait(HANG_GUARD), run.text()[-2000:]
+    run.proc.send_signal(signal.SIGHUP)
+    assert run.exit_code() == 0, run.text()[-3000:]
+    reader.join(HANG_GUARD)
+    assert ": the server is stopping" in lines, lines[-3:]
 
 
 def test_a_failing_part_stops_everything(

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from jobtier import outbox
 from jobtier.config import Settings
 from jobtier.core.model import State
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
+from jobtier.persist.pg_reader import PgReader
 from tests.integration.test_outbox_relay_limits import app, relay_of, row
 
 __all__ = ["app"]  # the fixture, used by name
@@ -44,3 +47,29 @@ async def test_rows_the_relay_cannot_read_are_refused_alone(
     assert "run_at is not a time a job can have" in refused[endless], refused
     assert "payload nests arrays and objects deeper than 63 levels" in refused[deep], refused
     assert all(r.startswith("refused by the outbox relay") for r in refused.values())
+
+
+async def test_a_status_read_of_outbox_rows_is_not_failed_by_one_of_them(
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    """The Postgres fallback reads the outbox's rows of every id it is asked at once: a row
+    whose run_at no datetime holds (a date BC) read as none rather than failing the read of
+    them all; and a row relayed long ago whose job neither Redis nor Postgres holds (lost)
+    is not found, rather than submitted for ever."""
+    await relay_of(pg_settings, pg_pool, queue)  # records what jobtier.submit reads
+    fine = await outbox.submit(app, "echo", {"n": 1})
+    ancient: str = await app.fetchval(
+        "SELECT jobtier.submit('echo', '{}', run_at => '0001-01-01 BC')"
+    )
+    found = await PgReader(pg_pool).status_docs([fine, ancient])
+    assert set(found) == {fine, ancient}
+    assert msgspec.json.decode(found[ancient][1])["run_at"] is None
+    # relayed 11 minutes ago, and its job in neither Redis nor Postgres's jobs: not found
+    await pg_pool.execute(
+        "UPDATE jobtier.outbox SET relayed_at = now() - interval '11 minutes' WHERE id = $1", fine
+    )
+    assert fine not in await PgReader(pg_pool).status_docs([fine])
+    await pg_pool.execute(
+        "UPDATE jobtier.outbox SET relayed_at = now() - interval '1 minute' WHERE id = $1", fine
+    )
+    assert fine in await PgReader(pg_pool).status_docs([fine])  # a moment ago: submitted

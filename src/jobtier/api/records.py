@@ -137,9 +137,9 @@ class PostgresExtension(Extension):
         return answer
 
     async def _outbox_result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
-        """A job only the outbox holds (not relayed yet, or refused by its relay): no
-        result, as its status reads (``outbox_docs``, as ``status_docs`` finds it); None
-        for any other job."""
+        """A job only the outbox holds (not relayed yet, refused by its relay, or relayed a
+        moment ago and not yet written by the persister): no result, as its status reads
+        (``outbox_docs``, as ``status_docs`` finds it); None for any other job."""
         assert self.pool is not None
         known = (await outbox_docs([job_id], self.pool)).get(job_id)
         if known is None or known[0] != tenant:

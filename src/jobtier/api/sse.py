@@ -89,7 +89,8 @@ def on_stop_signals(stopping: asyncio.Event) -> Callable[[], None]:
 
     def chained(prev: Any) -> Any:
         def handler(signum: int, frame: Any) -> None:
-            loop.call_soon_threadsafe(stopping.set)
+            with contextlib.suppress(RuntimeError):  # its loop closed: nothing left to end
+                loop.call_soon_threadsafe(stopping.set)
             if callable(prev):
                 prev(signum, frame)
             elif prev == signal.SIG_DFL:  # nobody took it: what it would have done
@@ -115,6 +116,14 @@ def on_stop_signals(stopping: asyncio.Event) -> Callable[[], None]:
                 signal.signal(sig, prev)
 
     return undo
+
+
+def end_streams(state: Any) -> None:
+    """End the streams of the app whose lifespan state is ``state`` (a server stopping by
+    other means than a signal: ``jobtier run`` stopping on SIGHUP, or on a part's failure)."""
+    stopping = state.get(STOPPING) if isinstance(state, dict) else None
+    if stopping is not None:
+        stopping.set()
 
 
 class StreamResponse(Response):

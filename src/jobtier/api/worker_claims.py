@@ -96,6 +96,7 @@ class WorkerClaims:
         self._closing = False
         self._stopping = asyncio.Event()  # set with _closing: ends a claim's back-off
         self.advertised: dict[str, float] = {}  # worker id -> when it was last advertised
+        self.seen: dict[str, float] = {}  # worker id -> when a heartbeat last said it is live
         self._subscriber = ShardSubscriber(
             redis,
             [keys.wake(shard) for shard in range(keys.shards)],

@@ -11,6 +11,7 @@ Redis is ``http:<worker>``, so an HTTP worker can never answer for a Python work
 from __future__ import annotations
 
 import hmac
+import logging
 import random
 import time
 from datetime import UTC, datetime
@@ -69,6 +70,7 @@ from jobtier.core.sealing import is_sealed
 from jobtier.engine.catalog import publish, schema_problem
 from jobtier.engine.queue import Queue
 from jobtier.engine.validate import furthest
+from jobtier.runtime.loop import FAULTS
 from jobtier.store.calls import (
     complete_call,
     fail_call,
@@ -77,11 +79,15 @@ from jobtier.store.calls import (
     parse_pairs,
     stopped_call,
 )
+from jobtier.store.faults import fault_event
 
 _decoders = {t: msgspec.json.Decoder(t) for t in OPENAPI_TYPES if t.__name__.endswith("Request")}
 
 
 # --- auth and helpers -------------------------------------------------------------------------
+log = logging.getLogger("jobtier.api.worker")
+
+
 def require_worker(request: Request) -> None:
     """A 401 problem unless the request carries a worker key (403 for a tenant's or the
     admin key: those never run jobs)."""
@@ -224,18 +230,25 @@ async def _still_live(request: Request, worker: str) -> None:
     claim: only a claim says what it serves)."""
     claims: WorkerClaims = request.state.worker_claims
     now = time.time()
-    if now - claims.advertised.get(worker, 0.0) < ADVERTISE_EVERY:
+    if now - max(claims.seen.get(worker, 0.0), claims.advertised.get(worker, 0.0)) < (
+        ADVERTISE_EVERY
+    ):
         return
+    if len(claims.seen) > ADVERTISED_KEPT:
+        claims.seen.clear()
+    claims.seen[worker] = now  # (a claim's own advert is not held back by it)
     queue: Queue = request.state.queue
-    raw = await queue.redis.hget(queue.keys.workers(), worker)
-    if raw is None:
-        return
-    info = msgspec.json.decode(raw)
-    info["seen_at"] = now
-    if len(claims.advertised) > ADVERTISED_KEPT:
-        claims.advertised.clear()
-    claims.advertised[worker] = now
-    await queue.redis.hset(queue.keys.workers(), worker, encode_json(info))
+    try:
+        raw = await queue.redis.hget(queue.keys.workers(), worker)
+        if raw is None:
+            return
+        info = msgspec.json.decode(raw)
+        info["seen_at"] = now
+        # (a claim's advert written meanwhile may be overwritten by its older self: the
+        # worker's next claim writes it again)
+        await queue.redis.hset(queue.keys.workers(), worker, encode_json(info))
+    except FAULTS as exc:  # the heartbeat itself was applied: its answer still goes out
+        log.info("event=worker_seen_not_written worker=%s error=%s", worker, fault_event(exc))
 
 
 async def _beat(request: Request, body: HeartbeatRequest | ProgressRequest) -> Response:

@@ -369,11 +369,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _reader_gone() -> bool:
-    """Whether stdout is a pipe whose reader has closed it (its write end polls POLLERR)."""
+    """Whether stdout is a pipe whose reader has closed it (its write end polls POLLERR on
+    Linux; POLLHUP elsewhere). Where that cannot be asked, any BrokenPipeError is taken for
+    it, as before."""
     try:
         poller = select.poll()
         poller.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(events & select.POLLERR for _, events in poller.poll(0))
+        gone = select.POLLERR | select.POLLHUP
+        return any(events & gone for _, events in poller.poll(0))
+    except AttributeError:  # no poll() on this system
+        return True
     except (OSError, ValueError):  # no descriptor (a test's capture), or a closed one
         return False
 

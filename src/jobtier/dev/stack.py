@@ -227,6 +227,7 @@ async def run_all(
 ) -> int:
     from jobtier.api.app import create_app
     from jobtier.api.records import postgres_extension
+    from jobtier.api.sse import end_streams
     from jobtier.persist.db import create_pool, migrate
     from jobtier.persist.persister import Persister
     from jobtier.persist.schedule_store import ScheduleStore
@@ -247,6 +248,9 @@ async def run_all(
             main.cancel()
             return
         server.should_exit = True
+        # its open streams end too (a console tab would hold the server up): a signal ends
+        # them by itself, a SIGHUP or a part's failure does not
+        end_streams(getattr(getattr(server, "lifespan", None), "state", None))
         for part in makers:
             part.stop()
         if not stopping:  # the followers once the makers' last transitions are written

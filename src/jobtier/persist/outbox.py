@@ -308,10 +308,11 @@ class OutboxRelay:
                 # not a failed pass that would hold back every row after it for good
                 refused.append((row["id"], _reason(exc)))
                 continue
-            except Exception as exc:  # a row no check foresaw: refused alone all the same
+            except ROW_FAULTS as exc:  # a row no check foresaw: refused alone all the same
                 log.exception("event=outbox_row_unreadable job=%s", row["id"])
                 refused.append((row["id"], _reason(Unreadable(exc))))
                 continue
+            # anything else fails the pass, as a fault of ours would: the rows wait, unrefused
             # a job waiting for others is checked against them in Redis, which may be rows of
             # this very batch: those go one by one, after the others, in the order written
             (linked if item.depends_on else plain).append(item)
@@ -409,6 +410,12 @@ class OutboxRelay:
 
 def _reason(exc: Exception) -> str:
     return f"refused by the outbox relay: {exc}"
+
+
+# What a row's own content can raise in ``_prepare`` that no check of its names: refused alone.
+# (No I/O happens there: an outage cannot raise these. A defect of ours raising something
+# else fails the pass instead, and every row waits for a fix rather than failing for good.)
+ROW_FAULTS = (ValueError, TypeError, OverflowError, RecursionError, msgspec.MsgspecError)
 
 
 class Unreadable(Exception):

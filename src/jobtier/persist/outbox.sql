@@ -57,8 +57,15 @@ WHERE id IN (
 
 -- name: outbox_status_docs
 -- Jobs of the outbox that Postgres has no row of: not relayed yet, refused by the relay, or
--- relayed a moment ago (a read that missed them in Redis, before the persister wrote their
--- row: they read as submitted, as they were, rather than not found).
-SELECT id, tenant, type, queue, priority, run_at, max_attempts, created_at, relayed_at, error
+-- relayed within the last 10 minutes (a read that missed them in Redis just before the relay,
+-- and the persister has not written their row yet: they read as submitted, as they were,
+-- rather than not found; past that, a job neither Redis nor Postgres holds is not found).
+-- run_at only as a datetime holds it (an infinity or a date BC reads as none: due now, or
+-- refused by the relay), so that one such row cannot fail the read of every id with it.
+SELECT id, tenant, type, queue, priority,
+       CASE WHEN run_at BETWEEN '0001-01-02 00:00:00+00' AND '9999-12-30 00:00:00+00'
+            THEN run_at END AS run_at,
+       max_attempts, created_at, relayed_at, error
 FROM jobtier.outbox
 WHERE id = ANY($1::text[])
+  AND (relayed_at IS NULL OR error IS NOT NULL OR relayed_at > now() - interval '10 minutes')
