@@ -1,7 +1,8 @@
-"""Rows jobtier.submit takes that the relay cannot make a job of, against real Postgres and
-Redis: each is refused alone (its job failed, with the reason), and the rows after it are
-relayed in the same pass. Before, any of them failed the whole pass, again every few seconds:
-no row after it was ever relayed, whatever its tenant."""
+"""The outbox against real Postgres and Redis, where it meets the other paths: rows
+jobtier.submit takes that the relay cannot make a job of (each refused alone, its job failed
+with the reason, and the rows after it relayed in the same pass: before, any of them failed
+the whole pass, again every few seconds, for every tenant); the Postgres fallback's read of
+such rows; and an idempotency key used both by SQL and by a submit into Redis."""
 
 from __future__ import annotations
 
@@ -73,3 +74,32 @@ async def test_a_status_read_of_outbox_rows_is_not_failed_by_one_of_them(
         "UPDATE jobtier.outbox SET relayed_at = now() - interval '1 minute' WHERE id = $1", fine
     )
     assert fine in await PgReader(pg_pool).status_docs([fine])  # a moment ago: submitted
+
+
+async def test_an_idempotency_key_names_one_job_whichever_way_it_was_submitted(
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    """A key used over HTTP (here the engine's submit, which the API calls) and then in SQL,
+    or the other way round, names one job. Before, a `jobtier.submit` job's key record was
+    in a random shard: the relay found the HTTP key one time in the shard count, and an HTTP
+    submit never found the SQL one; each made a second job."""
+    relay = await relay_of(pg_settings, pg_pool, queue)
+    tenant = "acme"
+    for i in range(12):  # over the shards: before, most keys' shards differed
+        key = f"order-{i}"
+        # the key's shard, as SQL now computes it, is the one the API uses
+        shard = await app.fetchval(
+            "SELECT jobtier.key_shard($1, $2, $3)", tenant, key, queue.keys.shards
+        )
+        assert shard == queue.keys.shard_for(tenant, key)
+        if i % 2:  # HTTP first: the SQL job's row is refused, naming the HTTP job
+            http = await queue.submit("echo", idempotency_key=key, tenant=tenant)
+            sql = await outbox.submit(app, "echo", None, idempotency_key=key, tenant=tenant)
+            await relay.drain()
+            error = (await row(pg_pool, sql))["error"]
+            assert error is not None and http.job_id in error, (key, error)
+        else:  # SQL first: the HTTP submit answers with the SQL job
+            sql = await outbox.submit(app, "echo", None, idempotency_key=key, tenant=tenant)
+            await relay.drain()
+            http = await queue.submit("echo", idempotency_key=key, tenant=tenant)
+            assert http.job_id == sql, key

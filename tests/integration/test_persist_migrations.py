@@ -221,7 +221,7 @@ async def test_0020_takes_a_filled_database_forward_and_its_listings_use_it(
     pg_server: LocalPostgres, empty_db: str, settings: Settings, redis: Any, redis_as_jobtier: Any
 ) -> None:
     """A database made by the migrations before 0020 and filled by the persister (jobs in
-    every state, their history): migrate adds 0020 alone and changes no row; the listings
+    every state, their history): migrate adds 0020 (and the later ones) and changes no row; the listings
     still give every job of their filters, a state jobs collect in by type or queue through
     0020's partial indexes, in the generic plans too; and what is written after is found so."""
     dsn = pg_server.dsn_for(empty_db)
@@ -251,7 +251,7 @@ async def test_0020_takes_a_filled_database_forward_and_its_listings_use_it(
             ]
 
         before = await rows()
-        assert await db.migrate(dsn) == ["0020_jobs_by_state_type_queue"]
+        assert await db.migrate(dsn) == [n for n, _ in db.migrations() if n >= "0020"]
         assert await rows() == before
         await _every_listing_lists_its_jobs(pool, sorted(states))
         await _the_partial_indexes_serve(pool)
@@ -318,3 +318,39 @@ async def _every_page(reader: PgReader, filters: dict[str, Any]) -> list[bytes]:
 def _index_names(node: dict[str, Any]) -> set[str]:
     found = {node["Index Name"]} if "Index Name" in node else set()
     return found.union(*(_index_names(child) for child in node.get("Plans", [])))
+
+
+async def test_0021_takes_an_outbox_forward_and_keys_its_new_jobs_to_their_shards(
+    pg_server: LocalPostgres, empty_db: str
+) -> None:
+    """An outbox filled before 0021 (a job with an idempotency key, in a random shard):
+    migrate adds 0021 and changes no row; the same key still names that job; a new key's
+    job has its id in the shard keys.py gives the key (where the API keeps it)."""
+    dsn = pg_server.dsn_for(empty_db)
+    shards = 16
+    conn = await db.connect(dsn)
+    try:
+        async with conn.transaction():
+            await conn.execute(db.query("create_migrations_table"))
+            for name, sql in db.migrations():
+                if name < "0021":
+                    await conn.execute(sql)
+                    await conn.execute(db.query("record_migration"), name)
+        await conn.execute(db.query("outbox_record_config"), shards, 262144, 10000)
+        old = [
+            await conn.fetchval("SELECT jobtier.submit('echo', '{}', idempotency_key => $1)", k)
+            for k in ("k-a", "k-b", "k-c", "k-d")
+        ]
+        before = await conn.fetch("SELECT * FROM jobtier.outbox ORDER BY seq")
+        assert await db.migrate(dsn) == [n for n, _ in db.migrations() if n >= "0021"]
+        assert await conn.fetch("SELECT * FROM jobtier.outbox ORDER BY seq") == before
+        again = await conn.fetchval("SELECT jobtier.submit('echo', '{}', idempotency_key => 'k-a')")
+        assert again == old[0]
+        keys = Keys("jt", shards)
+        for key in ("k-e", "order-1", "tenant/42:x~y"):
+            job = await conn.fetchval(
+                "SELECT jobtier.submit('echo', '{}', idempotency_key => $1)", key
+            )
+            assert keys.shard_of(job) == keys.shard_for("default", key), key
+    finally:
+        await conn.close()
