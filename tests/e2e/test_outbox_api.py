@@ -8,6 +8,7 @@ from typing import Any
 
 import asyncpg
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from jobtier import AsyncClient, outbox
 from jobtier.api.records import PostgresExtension
@@ -91,3 +92,32 @@ async def test_listings_refuse_the_submitted_state(pg_api: ApiServer) -> None:
         assert r.status_code == 400, r.text
         assert r.json()["field"] == "state"
         assert (await c.get("/v1/jobs", params={"state": "queued"})).status_code == 200
+
+
+def backlog(text: str) -> tuple[float, float]:
+    """(jobtier_outbox_pending_rows, jobtier_outbox_oldest_pending_seconds) of a /metrics."""
+    found = {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("jobtier_outbox_")
+    }
+    return found["jobtier_outbox_pending_rows"], found["jobtier_outbox_oldest_pending_seconds"]
+
+
+async def test_metrics_show_the_outbox_backlog(
+    pg_api: ApiServer, app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    """Jobs submitted with SQL that no relay has taken show on /metrics, with the oldest's
+    age (what the JobtierOutboxStuck alert watches); none once the relay has run."""
+    relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
+    assert await relay.drain() == 0  # records the shard count
+    async with pg_api.client("admin") as admin:
+        assert backlog((await admin.get("/metrics")).text) == (0, 0)
+        async with app.transaction():
+            for n in range(3):
+                await outbox.submit(app, "echo", {"n": n})
+        rows, age = backlog((await admin.get("/metrics")).text)
+        assert rows == 3 and age > 0, (rows, age)
+        assert await relay.drain() == 3
+        assert backlog((await admin.get("/metrics")).text) == (0, 0)

@@ -13,12 +13,15 @@ from jobtier.store.memory import redis_memory
 from jobtier.streams.group import group_lag
 
 
-async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, dict[str, float]]:
+async def live_gauges(
+    queue: Queue, lag: Callable[[], Any] | None, outbox: Callable[[], Any] | None = None
+) -> dict[str, dict[str, float]]:
     """{metric: {labels: value}} read now: per queue its depth by priority and oldest waiting
     job, running, parked, paused and waiting jobs; each circuit breaker's state; the totals of waiting (for dependencies),
     scheduled and dead-lettered jobs; live workers, Redis's memory, (with ``lag``, when
-    the API has Postgres) the write-behind lag, and (once any webhook or job callback was
-    accepted: the dispatchers' group exists) the webhook dispatchers' lag."""
+    the API has Postgres) the write-behind lag and the outbox's backlog (``outbox``, while
+    Postgres answers), and (once any webhook or job callback was accepted: the dispatchers'
+    group exists) the webhook dispatchers' lag."""
     stats = await queue.admin.stats()
     total = stats["total"]
     depth, running, parked, paused, waiting = {}, {}, {}, {}, {}
@@ -58,6 +61,9 @@ async def live_gauges(queue: Queue, lag: Callable[[], Any] | None) -> dict[str, 
         entries, seconds = await lag()
         out["persister_lag_transitions"] = {"": entries}
         out["persister_lag_seconds"] = {"": seconds}
+    if outbox is not None and (backlog := await outbox()) is not None:
+        out["outbox_pending_rows"] = {"": backlog[0]}
+        out["outbox_oldest_pending_seconds"] = {"": backlog[1]}
     dispatch = await group_lag(queue.redis, queue.keys, queue.keys.dispatch_group())
     if dispatch.exists:
         out["dispatcher_lag_transitions"] = {"": dispatch.entries}

@@ -42,6 +42,11 @@ def _lag_probe(request: Request) -> Any:
     return ext.current_lag if ext is not None else None
 
 
+def _outbox_probe(request: Request) -> Any:
+    ext = getattr(request.state, "pg_extension", None)
+    return ext.outbox_backlog if ext is not None else None
+
+
 async def metrics(request: Request) -> Response:
     """Every live jobtier process's metrics, plus gauges read from Redis now."""
     if not request.state.settings.metrics_public:
@@ -49,7 +54,7 @@ async def metrics(request: Request) -> Response:
     queue: Queue = request.state.queue
     await request.state.metrics_publisher.publish()  # this process's own, fresh
     snapshots = await read_snapshots(queue.redis, queue.keys)
-    gauges = await live_gauges(queue, _lag_probe(request))
+    gauges = await live_gauges(queue, _lag_probe(request), _outbox_probe(request))
     return Response(render(snapshots, gauges), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -7,6 +7,7 @@ import logging
 import time
 from typing import Any
 
+import asyncpg
 import msgspec
 import orjson
 from starlette.requests import Request
@@ -34,7 +35,14 @@ from jobtier.engine.cron import CronMirror
 from jobtier.engine.queue import Queue
 from jobtier.flows.reads import open_dependency
 from jobtier.persist.audit_store import AuditStore
-from jobtier.persist.db import Pool, applied_migrations, create_pool, migrations
+from jobtier.persist.db import (
+    UNAVAILABLE,
+    Pool,
+    applied_migrations,
+    create_pool,
+    migrations,
+    query,
+)
 from jobtier.persist.outbox_docs import outbox_docs
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition
 from jobtier.persist.schedule_store import ScheduleStore
@@ -54,6 +62,10 @@ class History(msgspec.Struct):
     id: str
     transitions: list[Transition]
     lag: dict[str, float]
+
+
+OUTBOX_COUNTED = 1_000_000  # outbox rows counted at most by a scrape
+BACKLOG_UNREAD: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
 
 
 class PostgresExtension(Extension):
@@ -87,6 +99,7 @@ class PostgresExtension(Extension):
         self.dependencies_fallback = self._dependencies
         self.postgres_ready = self._ready
         self.lag = self._lag_entries
+        self.outbox_backlog = self._outbox_backlog
 
     async def open(self, settings: Settings, queue: Queue) -> None:
         self.queue = queue
@@ -185,6 +198,18 @@ class PostgresExtension(Extension):
 
     async def _lag_entries(self) -> int:
         return (await self.current_lag())[0]
+
+    async def _outbox_backlog(self) -> tuple[int, float] | None:
+        """(outbox rows not yet relayed, up to ``OUTBOX_COUNTED``; the oldest's age in
+        seconds, 0 with none), or None while Postgres does not answer it (a scrape goes on;
+        ``/readyz`` says why)."""
+        assert self.pool is not None
+        try:
+            row = await self.pool.fetchrow(query("outbox_backlog"), OUTBOX_COUNTED)
+        except BACKLOG_UNREAD:  # Postgres away, or not migrated yet
+            return None
+        assert row is not None  # one row, always
+        return int(row["rows"]), float(row["age"] or 0.0)
 
     async def lag_document(self) -> dict[str, float]:
         """The lag as the listings and a job's history show it."""

@@ -45,6 +45,14 @@ SELECT EXISTS (
 -- name: outbox_pending
 SELECT count(*) FROM jobtier.outbox WHERE relayed_at IS NULL
 
+-- name: outbox_backlog
+-- Rows committed and not yet relayed (counted up to $1: a scrape costs the same however long
+-- the backlog), and the age in seconds of the oldest (NULL: none), by the pending index.
+SELECT (SELECT count(*) FROM (SELECT 1 FROM jobtier.outbox WHERE relayed_at IS NULL LIMIT $1) p)
+           AS rows,
+       (SELECT extract(epoch FROM clock_timestamp() - created_at)::double precision
+        FROM jobtier.outbox WHERE relayed_at IS NULL ORDER BY seq LIMIT 1) AS age
+
 -- name: outbox_prune
 -- Relayed rows once their idempotency keys are forgotten ($1), refused ones (the only record
 -- of those jobs) with the finished jobs ($2; NULL: kept).
