@@ -121,3 +121,26 @@ async def test_metrics_show_the_outbox_backlog(
         assert rows == 3 and age > 0, (rows, age)
         assert await relay.drain() == 3
         assert backlog((await admin.get("/metrics")).text) == (0, 0)
+
+
+async def test_a_cancel_of_a_job_still_in_the_outbox_says_so(
+    pg_api: ApiServer, app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    """A job submitted with SQL and not relayed yet exists: its cancel is a 409 saying it is
+    still in the outbox (retry after a second), not a 404 "not found"; once relayed, the
+    cancel goes through. A job the relay refused has finished (failed)."""
+    relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
+    assert await relay.drain() == 0  # records the shard count
+    job_id = await outbox.submit(app, "echo", {"n": 1}, tenant="acme", delay=3600)
+    refused = await outbox.submit(app, "no_such_task", {}, tenant="acme")
+    async with pg_api.client() as c, pg_api.client("globex") as globex:
+        r = await c.post(f"/v1/jobs/{job_id}/cancel")
+        assert r.status_code == 409 and r.headers["retry-after"] == "1", r.text
+        assert "still in the outbox" in r.json()["detail"], r.text
+        assert r.json()["job"]["state"] == "submitted"
+        assert (await globex.post(f"/v1/jobs/{job_id}/cancel")).status_code == 404
+        assert await relay.drain() == 2
+        r = await c.post(f"/v1/jobs/{job_id}/cancel")
+        assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+        r = await c.post(f"/v1/jobs/{refused}/cancel")
+        assert r.status_code == 409 and "already finished (failed)" in r.json()["detail"], r.text

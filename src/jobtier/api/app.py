@@ -56,6 +56,8 @@ class Extension:
         self.operations: list[Paths] = []  # the extra routes, each with its description
         self.status_fallback: Fallback | None = None
         self.result_fallback: Callable[[str, str], Awaitable[dict[str, Any] | None]] | None = None
+        # the status document of a job only the outbox holds (job id, tenant), else None
+        self.outbox_doc: Callable[[str, str], Awaitable[bytes | None]] | None = None
         # a job's dependencies once Redis no longer keeps it (job id, tenant)
         self.dependencies_fallback: (
             Callable[[str, str], Awaitable[list[Dependency] | None]] | None
@@ -153,6 +155,7 @@ def create_app(
                 "tenants": tenants,
                 "admin_key": settings.admin_key,
                 "result_fallback": ext.result_fallback,
+                "outbox_doc": ext.outbox_doc,
                 "dependencies_fallback": ext.dependencies_fallback,
                 "postgres_ready": ext.postgres_ready,
                 "openapi": served_document,

@@ -87,10 +87,27 @@ async def transition(
 
 
 async def job_transition(request: Request, change: Change, refused: Refused) -> Response:
-    """``transition`` of the tenant's job, the change a client asks of it (cancel, retry)."""
+    """``transition`` of the tenant's job, the change a client asks of it (cancel, retry).
+    A job Redis does not hold that only the outbox does (submitted with SQL, not relayed yet,
+    or refused by the relay) is a 409 saying so, not a 404: it exists."""
     tenant = tenant_of(request)
     job_id = job_id_of(request)
-    return DocResponse(await transition(request.state.queue, job_id, tenant, change, refused))
+    try:
+        return DocResponse(await transition(request.state.queue, job_id, tenant, change, refused))
+    except Problem as problem:
+        outbox = getattr(request.state, "outbox_doc", None)
+        if problem.status != 404 or outbox is None or not (doc := await outbox(job_id, tenant)):
+            raise
+    state = doc_state(doc)
+    if state != "submitted":  # refused by the relay: failed, for good
+        raise Problem(409, "wrong-state", refused(job_id, state), job=orjson.loads(doc)) from None
+    detail = (
+        f"job {job_id} is still in the outbox: the relay has not taken it into Redis yet (it "
+        "does within a second while a persister runs its relay); send this again then"
+    )
+    raise Problem(
+        409, "wrong-state", detail, job=orjson.loads(doc), headers={"retry-after": "1"}
+    ) from None
 
 
 def finished(job_id: str, state: str) -> str:

@@ -100,6 +100,7 @@ class PostgresExtension(Extension):
         self.postgres_ready = self._ready
         self.lag = self._lag_entries
         self.outbox_backlog = self._outbox_backlog
+        self.outbox_doc = self._outbox_doc
 
     async def open(self, settings: Settings, queue: Queue) -> None:
         self.queue = queue
@@ -148,6 +149,13 @@ class PostgresExtension(Extension):
         if found.ref is not None:  # kept in the result store: streamed from result_url
             answer["result_url"] = f"/v1/jobs/{job_id}/result/content"
         return answer
+
+    async def _outbox_doc(self, job_id: str, tenant: str) -> bytes | None:
+        """The status document of the tenant's job that only the outbox holds, else None."""
+        assert self.pool is not None
+        with postgres_or_503(logged=True):
+            known = (await outbox_docs([job_id], self.pool)).get(job_id)
+        return known[1] if known is not None and known[0] == tenant else None
 
     async def _outbox_result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
         """A job only the outbox holds (not relayed yet, refused by its relay, or relayed a
