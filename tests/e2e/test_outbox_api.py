@@ -128,7 +128,8 @@ async def test_a_cancel_of_a_job_still_in_the_outbox_says_so(
 ) -> None:
     """A job submitted with SQL and not relayed yet exists: its cancel is a 409 saying it is
     still in the outbox (retry after a second), not a 404 "not found"; once relayed, the
-    cancel goes through. A job the relay refused has finished (failed)."""
+    cancel goes through. A job the relay refused is said to be so (its cancel and its retry
+    would change nothing)."""
     relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
     assert await relay.drain() == 0  # records the shard count
     job_id = await outbox.submit(app, "echo", {"n": 1}, tenant="acme", delay=3600)
@@ -142,5 +143,8 @@ async def test_a_cancel_of_a_job_still_in_the_outbox_says_so(
         assert await relay.drain() == 2
         r = await c.post(f"/v1/jobs/{job_id}/cancel")
         assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
-        r = await c.post(f"/v1/jobs/{refused}/cancel")
-        assert r.status_code == 409 and "already finished (failed)" in r.json()["detail"], r.text
+        for action in ("cancel", "retry"):
+            r = await c.post(f"/v1/jobs/{refused}/{action}")
+            assert r.status_code == 409, r.text
+            assert "refused by the outbox relay and never reached Redis" in r.json()["detail"]
+            assert r.json()["job"]["state"] == "failed"

@@ -98,9 +98,12 @@ async def job_transition(request: Request, change: Change, refused: Refused) -> 
         outbox = getattr(request.state, "outbox_doc", None)
         if problem.status != 404 or outbox is None or not (doc := await outbox(job_id, tenant)):
             raise
-    state = doc_state(doc)
-    if state != "submitted":  # refused by the relay: failed, for good
-        raise Problem(409, "wrong-state", refused(job_id, state), job=orjson.loads(doc)) from None
+    if doc_state(doc) != "submitted":  # refused by the relay: failed, for good
+        detail = (
+            f"job {job_id} was refused by the outbox relay and never reached Redis (its error "
+            "says why): there is nothing to change; submit it again once the cause is mended"
+        )
+        raise Problem(409, "wrong-state", detail, job=orjson.loads(doc)) from None
     detail = (
         f"job {job_id} is still in the outbox: the relay has not taken it into Redis yet (it "
         "does within a second while a persister runs its relay); send this again then"
