@@ -113,14 +113,18 @@ async def test_metrics_show_the_outbox_backlog(
     relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
     assert await relay.drain() == 0  # records the shard count
     async with pg_api.client("admin") as admin:
-        assert backlog((await admin.get("/metrics")).text) == (0, 0)
+
+        async def shows(wanted: Any) -> bool:  # (read every 5 s at most, whatever the scrapes)
+            rows, age = backlog((await admin.get("/metrics")).text)
+            return bool(wanted(rows, age))
+
+        assert await shows(lambda rows, age: (rows, age) == (0, 0))
         async with app.transaction():
             for n in range(3):
                 await outbox.submit(app, "echo", {"n": n})
-        rows, age = backlog((await admin.get("/metrics")).text)
-        assert rows == 3 and age > 0, (rows, age)
+        await wait_for(lambda: shows(lambda rows, age: rows == 3 and age > 0))
         assert await relay.drain() == 3
-        assert backlog((await admin.get("/metrics")).text) == (0, 0)
+        await wait_for(lambda: shows(lambda rows, age: (rows, age) == (0, 0)))
 
 
 async def test_a_cancel_of_a_job_still_in_the_outbox_says_so(
@@ -137,8 +141,12 @@ async def test_a_cancel_of_a_job_still_in_the_outbox_says_so(
     async with pg_api.client() as c, pg_api.client("globex") as globex:
         r = await c.post(f"/v1/jobs/{job_id}/cancel")
         assert r.status_code == 409 and r.headers["retry-after"] == "1", r.text
+        assert r.json()["type"] == "urn:jobtier:problem:not-relayed-yet", r.text
         assert "still in the outbox" in r.json()["detail"], r.text
         assert r.json()["job"]["state"] == "submitted"
+        r = await c.post(f"/v1/jobs/{job_id}/retry")  # not failed, and not to be once relayed
+        assert r.status_code == 409 and "retry-after" not in r.headers, r.text
+        assert "has not run" in r.json()["detail"], r.text
         assert (await globex.post(f"/v1/jobs/{job_id}/cancel")).status_code == 404
         assert await relay.drain() == 2
         r = await c.post(f"/v1/jobs/{job_id}/cancel")

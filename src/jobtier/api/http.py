@@ -86,10 +86,14 @@ async def transition(
         raise Problem(409, "wrong-state", detail, job=orjson.loads(current)) from exc
 
 
-async def job_transition(request: Request, change: Change, refused: Refused) -> Response:
+async def job_transition(
+    request: Request, change: Change, refused: Refused, *, once_relayed: bool = False
+) -> Response:
     """``transition`` of the tenant's job, the change a client asks of it (cancel, retry).
-    A job Redis does not hold that only the outbox does (submitted with SQL, not relayed yet,
-    or refused by the relay) is a 409 saying so, not a 404: it exists."""
+    A job Redis does not hold that only the outbox does (submitted with SQL and not relayed
+    yet, or refused by the relay) is a 409 saying so, not a 404: it exists. ``once_relayed``:
+    the change can be made once the relay has taken the job (a cancel, not a retry), which
+    the 409 says, with ``Retry-After``."""
     tenant = tenant_of(request)
     job_id = job_id_of(request)
     try:
@@ -104,13 +108,16 @@ async def job_transition(request: Request, change: Change, refused: Refused) -> 
             "says why): there is nothing to change; submit it again once the cause is mended"
         )
         raise Problem(409, "wrong-state", detail, job=orjson.loads(doc)) from None
-    detail = (
-        f"job {job_id} is still in the outbox: the relay has not taken it into Redis yet (it "
-        "does within a second while a persister runs its relay); send this again then"
-    )
+    detail = f"job {job_id} is still in the outbox: the relay has not taken it into Redis yet"
+    if not once_relayed:
+        raise Problem(
+            409, "not-relayed-yet", f"{detail}, and it has not run", job=orjson.loads(doc)
+        ) from None
     raise Problem(
-        409, "wrong-state", detail, job=orjson.loads(doc), headers={"retry-after": "1"}
-    ) from None
+        409, "not-relayed-yet",
+        f"{detail} (it does within a second while a persister runs its relay): send this again then",
+        job=orjson.loads(doc), headers={"retry-after": "1"},
+    ) from None  # fmt: skip
 
 
 def finished(job_id: str, state: str) -> str:

@@ -43,6 +43,7 @@ TITLES = {
     "gone": "No longer kept",
     "idempotency-conflict": "Idempotency key reused with a different request",
     "wrong-state": "Not possible in the job's state",
+    "not-relayed-yet": "The job is still in the outbox",
     "rate-limited": "Too many requests",
     "throttled": "Throttled by its key",
     "tenant-limit": "Too many waiting jobs for this tenant",

@@ -3,6 +3,7 @@ history, readiness, and the write-behind lag that drives back-pressure."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -64,7 +65,9 @@ class History(msgspec.Struct):
     lag: dict[str, float]
 
 
-OUTBOX_COUNTED = 1_000_000  # outbox rows counted at most by a scrape
+OUTBOX_COUNTED = 100_000  # outbox rows counted at most (the alert watches the oldest's age)
+OUTBOX_EVERY = 5.0  # s: the backlog read at most this often, whatever the scrapes
+OUTBOX_TIMEOUT = 1.0  # s: a backlog read taking longer is skipped
 BACKLOG_UNREAD: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
 
 
@@ -77,6 +80,8 @@ class PostgresExtension(Extension):
         self.queue: Queue | None = None
         self._lag = (0, 0.0)
         self._lag_at = 0.0
+        self._backlog: tuple[int, float] | None = None
+        self._backlog_at = -OUTBOX_EVERY
         self.operations = [
             operations(settings),
             schedules.operations(settings),
@@ -151,10 +156,12 @@ class PostgresExtension(Extension):
         return answer
 
     async def _outbox_doc(self, job_id: str, tenant: str) -> bytes | None:
-        """The status document of the tenant's job that only the outbox holds, else None."""
+        """The status document of the tenant's job that only the outbox holds (not relayed
+        yet, or refused by the relay; not one relayed a moment ago, which Redis has or lost),
+        else None."""
         assert self.pool is not None
         with postgres_or_503(logged=True):
-            known = (await outbox_docs([job_id], self.pool)).get(job_id)
+            known = (await outbox_docs([job_id], self.pool, relayed=False)).get(job_id)
         return known[1] if known is not None and known[0] == tenant else None
 
     async def _outbox_result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
@@ -209,15 +216,26 @@ class PostgresExtension(Extension):
 
     async def _outbox_backlog(self) -> tuple[int, float] | None:
         """(outbox rows not yet relayed, up to ``OUTBOX_COUNTED``; the oldest's age in
-        seconds, 0 with none), or None while Postgres does not answer it (a scrape goes on;
-        ``/readyz`` says why)."""
+        seconds, 0 with none), read at most every ``OUTBOX_EVERY`` seconds, within
+        ``OUTBOX_TIMEOUT`` (a scrape must not wait on Postgres: its Redis gauges go first);
+        None while Postgres does not answer it (``/readyz`` says why)."""
         assert self.pool is not None
+        now = time.monotonic()
+        if now - self._backlog_at < OUTBOX_EVERY:
+            return self._backlog
+        self._backlog_at = now
         try:
-            row = await self.pool.fetchrow(query("outbox_backlog"), OUTBOX_COUNTED)
-        except BACKLOG_UNREAD:  # Postgres away, or not migrated yet
-            return None
-        assert row is not None  # one row, always
-        return int(row["rows"]), float(row["age"] or 0.0)
+            async with asyncio.timeout(OUTBOX_TIMEOUT):
+                row = await self.pool.fetchrow(query("outbox_backlog"), OUTBOX_COUNTED)
+        except asyncpg.UndefinedTableError:  # not migrated yet
+            self._backlog = None
+        except BACKLOG_UNREAD as exc:
+            log.warning("event=outbox_backlog_unread error=%r", exc)
+            self._backlog = None
+        else:
+            assert row is not None  # one row, always
+            self._backlog = int(row["rows"]), float(row["age"] or 0.0)
+        return self._backlog
 
     async def lag_document(self) -> dict[str, float]:
         """The lag as the listings and a job's history show it."""

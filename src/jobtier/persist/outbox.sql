@@ -65,7 +65,7 @@ WHERE id IN (
 
 -- name: outbox_status_docs
 -- Jobs of the outbox that Postgres has no row of: not relayed yet, refused by the relay, or
--- relayed within the last 10 minutes (a read that missed them in Redis just before the relay,
+-- (with $2) relayed within the last 10 minutes (a read that missed them in Redis just before the relay,
 -- and the persister has not written their row yet: they read as submitted, as they were,
 -- rather than not found; past that, a job neither Redis nor Postgres holds is not found).
 -- run_at only as a datetime holds it (an infinity or a date BC reads as none: due now, or
@@ -76,4 +76,5 @@ SELECT id, tenant, type, queue, priority,
        max_attempts, created_at, relayed_at, error
 FROM jobtier.outbox
 WHERE id = ANY($1::text[])
-  AND (relayed_at IS NULL OR error IS NOT NULL OR relayed_at > now() - interval '10 minutes')
+  AND (relayed_at IS NULL OR error IS NOT NULL
+       OR $2 AND relayed_at > now() - interval '10 minutes')

@@ -54,7 +54,10 @@ def render(row: Any) -> bytes:
     )
 
 
-async def outbox_docs(job_ids: list[str], pool: Pool) -> dict[str, tuple[str, bytes]]:
-    """{id: (tenant, status document)} of those ids only the outbox has."""
-    rows = await pool.fetch(query("outbox_status_docs"), job_ids)
+async def outbox_docs(
+    job_ids: list[str], pool: Pool, *, relayed: bool = True
+) -> dict[str, tuple[str, bytes]]:
+    """{id: (tenant, status document)} of those ids only the outbox has; ``relayed``: rows
+    relayed in the last 10 minutes too (a status read's, which Postgres has no row of yet)."""
+    rows = await pool.fetch(query("outbox_status_docs"), job_ids, relayed)
     return {r["id"]: (r["tenant"], render(r)) for r in rows}

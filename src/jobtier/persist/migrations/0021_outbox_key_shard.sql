@@ -26,7 +26,7 @@ $$;
 -- The shard of an idempotency key's record, as keys.py shard_for(tenant, key) computes it.
 CREATE FUNCTION jobtier.key_shard(tenant text, key text, shards integer) RETURNS integer
 LANGUAGE sql IMMUTABLE STRICT SET search_path = pg_catalog, pg_temp AS $$
-    SELECT (jobtier.crc32(convert_to(tenant, 'UTF8') || '\x00'::bytea || convert_to(key, 'UTF8'))
+    SELECT (jobtier.crc32(convert_to(tenant, 'UTF8') || decode('00', 'hex') || convert_to(key, 'UTF8'))
             % shards)::integer
 $$;
 
