@@ -355,7 +355,11 @@ def _job_paths(s: Settings) -> oa.Paths:
         "Cancel a waiting job, or ask the worker running it to stop",
         oa.returns(200, "JobStatus", "cancelled, or running with cancel_requested"),
         oa.JOB_404,
-        oa.refuses(409, "the job has already finished (job: its status)"),
+        oa.refuses(
+            409,
+            "the job has already finished (wrong-state; job: its status), or is still in the "
+            "outbox, submitted with SQL and not yet relayed (not-relayed-yet, with Retry-After)",
+        ),
     )
     add(
         "GET /v1/jobs/{job_id}/logs",
@@ -371,7 +375,11 @@ def _job_paths(s: Settings) -> oa.Paths:
         "Retry a failed (dead-lettered) job: back to its queue, attempts reset",
         oa.returns(200, "JobStatus", "queued again"),
         oa.JOB_404,
-        oa.refuses(409, "the job has not failed (job: its status)"),
+        oa.refuses(
+            409,
+            "the job has not failed (wrong-state; job: its status), or is still in the outbox "
+            "(not-relayed-yet)",
+        ),
     )
     events = oa.event_stream(
         "event: status, id: the version, data: the status document", "status", oa.ref("JobStatus")
