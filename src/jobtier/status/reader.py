@@ -208,20 +208,18 @@ class StatusReader:
 
     async def load(self, job_id: str) -> Status | None:
         """``get`` past the near cache: after ``near_hit`` gave None (Redis, coalesced; then
-        the fallback)."""
+        the fallback). The id counts as loading throughout (``_loading``): an event that
+        arrives meanwhile is kept (``on_event``), not lost to the older document the load then
+        caches (see the class docstring; the job may reach Redis while the fallback answers,
+        an outbox row relayed: the fallback's document is its version 0)."""
         self.requests += 1
         if not self.keys.valid_id(job_id):
             return None  # never sent to Redis: one bad key in a batch would fail the batch
-        if self.fallback_coalescer is None:
-            return await self._load_redis(job_id)
-        # Loading from Redis, then from the fallback: the job may reach Redis meanwhile (an
-        # outbox row relayed), and its events then are kept (on_event), not lost to a cache
-        # that would hold the fallback's older document (submitted, version 0) for its TTL.
         loading = self._loading
         loading[job_id] = loading.get(job_id, 0) + 1
         try:
             status = await self._load_redis(job_id)
-            if status is None:
+            if status is None and self.fallback_coalescer is not None:
                 until = self._absent.get(job_id)
                 if until is not None:
                     if until > self._clock():
@@ -251,30 +249,19 @@ class StatusReader:
         that node's shards fail (a 503), the others are answered."""
         near = self.near
         generation = near.generation if near is not None else 0
-        loading = self._loading
-        for job_id in ids:
-            loading[job_id] = loading.get(job_id, 0) + 1
-        try:
-            replies = await self._fetch(ids)
-            found: dict[str, Status] = {}
-            failed: dict[str, BaseException] = {}
-            for job_id, reply in zip(ids, replies, strict=True):
-                if isinstance(reply, BaseException):
-                    failed[job_id] = reply
-                    continue
-                tenant, doc = reply
-                if tenant and doc:  # None for a missing job (False from the script on RESP3)
-                    found[job_id] = (tenant.decode(), doc, parse_version(doc))
-            if near is not None and near.generation == generation:
-                self._store(near, found)
-            return {**found, **failed}
-        finally:
-            for job_id in ids:
-                left = loading[job_id] - 1
-                if left:
-                    loading[job_id] = left
-                else:
-                    del loading[job_id]
+        replies = await self._fetch(ids)  # (each id counts as loading: ``load`` marks it)
+        found: dict[str, Status] = {}
+        failed: dict[str, BaseException] = {}
+        for job_id, reply in zip(ids, replies, strict=True):
+            if isinstance(reply, BaseException):
+                failed[job_id] = reply
+                continue
+            tenant, doc = reply
+            if tenant and doc:  # None for a missing job (False from the script on RESP3)
+                found[job_id] = (tenant.decode(), doc, parse_version(doc))
+        if near is not None and near.generation == generation:
+            self._store(near, found)
+        return {**found, **failed}
 
     async def _fetch(self, ids: list[str]) -> list[Any]:
         """(tenant, document) of each id, in order; (None, None) for a job Redis lacks."""
