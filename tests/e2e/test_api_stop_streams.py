@@ -17,8 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from jobtier.api import worker_claims
+from jobtier.api.sse import end_streams
 from jobtier.config import Settings
 from jobtier.dev.local_redis import free_port
+from tests.e2e.test_http_worker import serve, submit, worker_client
+from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
 
 KEY, ADMIN = "k-stop", "a-stop"
@@ -97,3 +101,84 @@ async def test_a_stopped_api_ends_its_streams_and_exits(
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         log.close()
+
+
+STARTING_BOUND = 20.0  # s: under STARTUP_PATIENCE (30 s), which ended uvicorn's wait before
+
+
+@pytest.mark.parametrize("server", ["granian", "uvicorn"])
+async def test_an_api_stopped_while_waiting_for_redis_exits_at_once(
+    server: str, tmp_path: Path
+) -> None:
+    """Stopped as a Ctrl-C stops it (SIGINT to every process of the group) while it waits for
+    a Redis that does not answer: the process ends. Before, granian's worker hung for good
+    (its handler, told twice before the server serves, blocks) and uvicorn waited out its
+    patience."""
+    env = {
+        **os.environ,
+        "JOBTIER_REDIS_URL": f"redis://127.0.0.1:{free_port()}",  # nobody listens there
+        "JOBTIER_API_KEYS": f"{KEY}:acme",
+        "JOBTIER_ADMIN_KEY": ADMIN,
+        "JOBTIER_API_PORT": str(free_port()),
+        "JOBTIER_API_SERVER": server,
+        "JOBTIER_API_WORKERS": "1",
+    }
+    env.pop("JOBTIER_DATABASE_URL", None)
+    path = tmp_path / "api.log"
+    log = path.open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jobtier.cli", "api"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+
+        def waiting() -> bool:
+            assert proc.poll() is None, path.read_text()
+            return "event=redis_unreachable" in path.read_text()
+
+        await wait_for(waiting, timeout=HANG_GUARD)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            code = await asyncio.to_thread(proc.wait, STARTING_BOUND)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running {STARTING_BOUND} s after a Ctrl-C:\n{path.read_text()}")
+        text = path.read_text()
+        assert "event=api_stopped_while_starting signal=SIGINT" in text, text
+        # granian's main process stops once its worker has ended; uvicorn's is the worker
+        assert code == (0 if server == "granian" else -signal.SIGINT), text
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        log.close()
+
+
+async def test_long_polls_answer_at_once_once_the_api_is_told_to_stop(
+    start_api: StartApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A status read's ``wait`` and an HTTP worker's claim, parked, answer as at their
+    timeout once the API is told to stop (as its streams end), and later ones do not wait:
+    each held a stopping server up for its whole wait before."""
+    monkeypatch.setattr(worker_claims, "IDLE_LOOK", 3600.0)  # only the stop may end the claim
+    api = await serve(start_api)
+    state = api.server.lifespan.state
+    claims = state["worker_claims"]
+    job = await submit(api, {"a": 1, "b": 2})  # queued: the claim below asks another queue
+    unchanged = {"if-none-match": '"1"'}
+    claim = {"worker": "w1", "types": ["http.add"], "queues": ["idle"], "wait": 60}
+    async with api.client() as c, worker_client(api) as w:
+        poll = asyncio.create_task(c.get(f"/v1/jobs/{job}?wait=60", headers=unchanged))
+        claiming = asyncio.create_task(w.post("/v1/worker/claim", json=claim))
+        await wait_for(lambda: api.reader.stats()["listeners"] == 1 and claims.waiting() == 1)
+        end_streams(state)  # what SIGTERM or SIGINT does (the test above sends them)
+        async with asyncio.timeout(HANG_GUARD):
+            polled, claimed = await poll, await claiming
+            assert polled.status_code == 304, polled.text
+            assert claimed.status_code == 200 and claimed.json()["jobs"] == [], claimed.text
+            again = await c.get(f"/v1/jobs/{job}?wait=60", headers=unchanged)
+            assert again.status_code == 304, again.text
+            claimed = await w.post("/v1/worker/claim", json=claim)
+            assert claimed.status_code == 200 and claimed.json()["jobs"] == [], claimed.text

@@ -77,13 +77,19 @@ class Extension:
 
 
 def create_app(
-    settings: Settings, extension: Extension | None = None, *, status_fast_path: bool = True
+    settings: Settings,
+    extension: Extension | None = None,
+    *,
+    status_fast_path: bool = True,
+    own_process: bool = False,
 ) -> JobtierApp:
     """The API application for ``settings``.
 
     ``extension`` plugs in the parts that need Postgres (fallback reads, listing, history,
     schedules); without it the API serves what Redis holds. ``status_fast_path=False``
     serves status reads through the router too (to compare the two: tests, benchmarks).
+    ``own_process``: the app is its server process's only part (`jobtier api`): told to stop
+    before it is ready (waiting for Redis or Postgres), the process ends at once (sse.py).
     """
     tenants = settings.tenant_keys()
     if not tenants and not settings.admin_key:
@@ -97,11 +103,20 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        store = await Store.connect(settings)
-        # submits take a task's queue, attempts and payload check from what workers advertise
-        catalog = TaskCatalog(store.redis, store.keys, ttl=settings.task_catalog_ttl)
-        queue = Queue(store, catalog, require_known=settings.require_known_types)
-        await ext.open(settings, queue)
+        stopping = asyncio.Event()  # set by SIGTERM/SIGINT: the streams end (api/sse.py)
+        starting = True
+        # its own process: a stop while it waits for Redis or Postgres ends the process at once
+        still_starting = (lambda: starting) if own_process else None
+        undo_signals = on_stop_signals(stopping, end_process=still_starting)
+        try:
+            store = await Store.connect(settings)
+            # a submit takes a task's queue, attempts and payload check from workers' adverts
+            catalog = TaskCatalog(store.redis, store.keys, ttl=settings.task_catalog_ttl)
+            queue = Queue(store, catalog, require_known=settings.require_known_types)
+            await ext.open(settings, queue)
+        except BaseException:
+            undo_signals()
+            raise
         reader = StatusReader(
             queue.redis,
             queue.keys,
@@ -121,8 +136,8 @@ def create_app(
             store.redis, store.keys, store.scripts, settings.retention_seconds
         )
         replicas = ReplicaCount(store.redis)  # the bound of a durable submit's Jobtier-Replicas
-        stopping = asyncio.Event()  # set by SIGTERM/SIGINT: the streams end (api/sse.py)
-        undo_signals = on_stop_signals(stopping)
+        # long polls end at a stop, as the streams do: their clients poll another API
+        polls_end = asyncio.create_task(_end_long_polls(stopping, reader, worker_claims))
         try:
             if worker_keys:
                 await worker_claims.start()
@@ -147,6 +162,7 @@ def create_app(
                 "event=api_ready shards=%d near_cache=%s coalesce=%s tenants=%d",
                 queue.keys.shards, settings.near_cache, settings.coalesce, len(set(tenants.values())),
             )  # fmt: skip
+            starting = False
             yield {
                 "settings": settings,
                 "queue": queue,
@@ -170,6 +186,7 @@ def create_app(
             }
         finally:
             undo_signals()
+            polls_end.cancel()
             # Every step is bounded (runtime/stopping.py): an API stopped while Redis restarts, loads
             # or is frozen still exits, and its log names what it left behind. The loops end
             # side by side; their connections close after them.
@@ -200,6 +217,17 @@ def create_app(
     if tracer is not None:  # decided once: an untraced API pays nothing per request
         app.server_spans = ServerSpans(app.serve, tracer)
     return app
+
+
+async def _end_long_polls(
+    stopping: asyncio.Event, reader: StatusReader, claims: WorkerClaims
+) -> None:
+    """Once the API is told to stop, status reads' ``wait`` and HTTP workers' claims answer
+    at once, as at their timeout: else each would hold the stopping server up to its wait
+    (JOBTIER_LONG_POLL_MAX_SECONDS)."""
+    await stopping.wait()
+    reader.end_polls()
+    claims.end_waits()
 
 
 def _operations(settings: Settings, ext: Extension) -> Paths:

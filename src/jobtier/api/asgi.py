@@ -20,4 +20,4 @@ def app_from_env() -> JobtierApp:
     settings = Settings.from_env()
     logs.setup(settings.log_level, settings.log_format)
     tracing.setup(settings, "api")  # JOBTIER_OTEL=1: this server process's own provider
-    return create_app(settings, postgres_extension(settings))
+    return create_app(settings, postgres_extension(settings), own_process=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 from collections import deque
@@ -29,6 +30,8 @@ from starlette.types import Receive, Scope, Send
 from jobtier.api.auth import raw_header, tenant_of
 from jobtier.api.http import job_id_of, job_not_found
 from jobtier.status.reader import RESYNC, StatusReader, is_terminal
+
+log = logging.getLogger("jobtier.api")
 
 PENDING = 16
 
@@ -75,7 +78,9 @@ STOPPING = "streams_stopping"
 (``on_stop_signals``): every stream then ends."""
 
 
-def on_stop_signals(stopping: asyncio.Event) -> Callable[[], None]:
+def on_stop_signals(
+    stopping: asyncio.Event, end_process: Callable[[], bool] | None = None
+) -> Callable[[], None]:
     """Set ``stopping`` when this process is told to stop (SIGTERM, SIGINT); returns the undo.
 
     A stopping ASGI server (uvicorn, granian) waits for the responses in flight to end, and a
@@ -83,12 +88,28 @@ def on_stop_signals(stopping: asyncio.Event) -> Callable[[], None]:
     would hold a stopped API up until its client left (a rolling deploy, until its kill).
     The handler that was there (the server's own, or its event loop's: granian's and
     ``jobtier run``'s are added to the loop, which still gets the signal) is kept and called
-    after. Outside the main thread (no signals there) this does nothing."""
+    after. Outside the main thread (no signals there) this does nothing.
+
+    ``end_process``: while it says so (an API in a process of its own, not ready yet), the
+    signal ends the process at once, as if unhandled. Neither server stops an app's start:
+    uvicorn waits for it (a Redis that does not answer: ``STARTUP_PATIENCE``), and a granian
+    worker told twice (a Ctrl-C reaches every process of the group, then its main process
+    stops it too) hung for good in its handler, which blocks while the server is not
+    serving. Nothing is lost: an API that is not ready has taken no request."""
     loop = asyncio.get_running_loop()
     installed: list[tuple[signal.Signals, Any, Any]] = []
 
     def chained(prev: Any) -> Any:
         def handler(signum: int, frame: Any) -> None:
+            if end_process is not None and end_process():
+                log.warning(
+                    "event=api_stopped_while_starting signal=%s: not ready, no request taken; "
+                    "the process ends now",
+                    signal.Signals(signum).name,
+                )
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+                return
             with contextlib.suppress(RuntimeError):  # its loop closed: nothing left to end
                 loop.call_soon_threadsafe(stopping.set)
             if callable(prev):

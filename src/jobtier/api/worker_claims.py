@@ -95,6 +95,7 @@ class WorkerClaims:
         self._turn = 0  # the shard the next claim starts at: claims spread over the shards
         self._closing = False
         self._stopping = asyncio.Event()  # set with _closing: ends a claim's back-off
+        self._waits_ended = False  # the API is told to stop: claims answer without waiting
         self.advertised: dict[str, float] = {}  # worker id -> when it was last advertised
         self.seen: dict[str, float] = {}  # worker id -> when a heartbeat last said it is live
         self._subscriber = ShardSubscriber(
@@ -118,6 +119,15 @@ class WorkerClaims:
         # the sends handed back: their jobs, if any, wait out their lease
         await stop_tasks(list(self._handbacks), "claim hand-backs")
         await self._subscriber.stop()
+
+    def end_waits(self) -> None:
+        """The API is told to stop (its server still answers the requests in flight): claims
+        waiting answer now with what they have (nothing; the worker claims again, of another
+        API), and later ones do not wait."""
+        self._waits_ended = True
+        for waiters in self._waiters.values():
+            for w in waiters:
+                w.event.set()
 
     def waiting(self) -> int:
         """Claims waiting for a wake now (tests wait for a claim to be parked)."""
@@ -166,7 +176,7 @@ class WorkerClaims:
                 w.event.clear()
                 jobs = await self._rounds(w, worker, types, queues, count, lease_ms, deadline, gone)
                 left = deadline - time.monotonic()
-                if jobs or left <= 0 or self._closing:
+                if jobs or left <= 0 or self._closing or self._waits_ended:
                     return jobs
                 if w.wake_at:
                     left = min(left, max(w.wake_at - time.monotonic(), 0.0))
@@ -174,7 +184,7 @@ class WorkerClaims:
                 if not woke:  # the safety net, or a block ended: look everywhere again
                     w.ready = [UNKNOWN] * shards
                     w.wake_at = 0.0
-                if self._closing or await gone():
+                if self._closing or self._waits_ended or await gone():
                     return []
         finally:
             for q in w.queues:

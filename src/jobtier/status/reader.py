@@ -138,6 +138,8 @@ class StatusReader:
         )
         self._listeners: dict[str, set[Listener]] = {}
         self._loading: dict[str, int] = {}  # id -> loads in flight that include it
+        self._polls: set[asyncio.Future[None]] = set()  # long polls waiting (``wait_past``)
+        self._polls_ended = False  # the API is stopping: long polls answer at once
         self._cluster = isinstance(redis, RedisCluster)
         self.requests = 0
         self.near_hits = 0
@@ -180,7 +182,7 @@ class StatusReader:
         self, job_id: str, tenant: str, version: int, timeout: float
     ) -> Status | None:
         """The job's status (``get_for``) as soon as a read finds it past ``version`` or
-        gone, or as last read at the timeout (long-poll)."""
+        gone, or as last read at the timeout (long-poll), or once ``end_polls()`` is called."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         changed: asyncio.Future[None] = loop.create_future()
@@ -195,16 +197,27 @@ class StatusReader:
                 # read after registering: a change since the caller's read is not lost
                 found = await self.get_for(job_id, tenant)
                 left = deadline - loop.time()
-                if found is None or found[2] > version or left <= 0:
+                if found is None or found[2] > version or left <= 0 or self._polls_ended:
                     return found
+                self._polls.add(changed)
                 try:
                     async with asyncio.timeout(left):
                         await asyncio.shield(changed)
                 except TimeoutError:
                     return found
+                finally:
+                    self._polls.discard(changed)
                 changed = loop.create_future()
         finally:
             self.remove_listener(job_id, listener)
+
+    def end_polls(self) -> None:
+        """The API is stopping: every long poll answers now with what it has (its client polls
+        again, another API), as at its timeout; later ones do not wait."""
+        self._polls_ended = True
+        for changed in self._polls:
+            if not changed.done():
+                changed.set_result(None)
 
     async def load(self, job_id: str) -> Status | None:
         """``get`` past the near cache: after ``near_hit`` gave None (Redis, coalesced; then
