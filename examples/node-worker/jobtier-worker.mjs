@@ -13,12 +13,24 @@ const RESULTS_BYTES = 4 * 1024 * 1024;
 
 export class LeaseLost extends Error {
   // the API refused an answer about a job (409): its lease is not ours any more, so the
-  // job moved on (another worker may be running it) and whatever we say of it is dropped
-  constructor(jobId, detail) {
+  // job moved on (another worker may be running it) and whatever we say of it is dropped.
+  // `now`: what the job is now, as the API says ({state, attempt, worker})
+  constructor(jobId, detail, now = {}) {
     super(detail);
     this.name = "LeaseLost";
     this.jobId = jobId;
+    this.state = now.state ?? null;
+    this.attempt = now.attempt ?? null;
+    this.worker = now.worker ?? null;
   }
+}
+
+// Whether a request's failure may pass if it is sent again: no answer (the API unreachable,
+// a connection dropped: fetch throws), an answer that is not JSON (a proxy's error page), a
+// 5xx or a 429. A refusal of the request itself (another 4xx) or of the job (409) stays.
+export function mayPass(err) {
+  if (err instanceof LeaseLost) return false;
+  return err.status === undefined || err.status >= 500 || err.status === 429;
 }
 
 // Throw it from a task for a failure that no retry can mend: the job is dead-lettered.
@@ -45,7 +57,7 @@ export class JobtierClient {
     });
     const answer = await response.json();
     if (response.status === 409) {
-      throw new LeaseLost(answer.job_id, answer.detail);
+      throw new LeaseLost(answer.job_id, answer.detail, answer);
     }
     if (!response.ok) {
       const error = new Error(`${method} ${path}: ${response.status} ${answer.detail}`);
@@ -255,6 +267,7 @@ export class Worker {
 
   start(job, leaseSeconds) {
     const ctx = new JobContext(this, job);
+    ctx.leaseMs = leaseSeconds * 1000;
     this.running.set(job.id, ctx);
     const beat = setInterval(() => this.beat(ctx), (leaseSeconds * 1000) / 3);
     // the slot frees as the task ends, ahead of its outcome's request (as a Python worker's
@@ -303,16 +316,20 @@ export class Worker {
       this.stats.lost += 1;
       return; // the job moved on: anything we said would be refused (409)
     }
+    // sent again while its failure may pass, until the lease would have lapsed
+    const until = Date.now() + ctx.leaseMs;
+    const what = `job ${job.id}`;
     try {
       if (ctx.cancelled) {
-        await this.client.stopped(job);
+        await this.withRetries(what, until, () => this.client.stopped(job));
         this.stats.cancelled += 1;
       } else if (outcome.ok) {
-        await this.completeBatched(job, outcome.result);
+        await this.completeBatched(job, outcome.result, until);
         this.stats.succeeded += 1;
       } else {
         const err = outcome.err instanceof Error ? outcome.err : new Error(String(outcome.err));
-        await this.client.fail(job, err, { retryable: !(err instanceof NonRetryable) });
+        const retryable = !(err instanceof NonRetryable);
+        await this.withRetries(what, until, () => this.client.fail(job, err, { retryable }));
         this.stats.failed += 1;
       }
     } catch (err) {
@@ -339,11 +356,39 @@ export class Worker {
     }
   }
 
-  completeBatched(job, result) {
+  completeBatched(job, result, until) {
     return new Promise((resolve, reject) => {
-      this.outbox.push({ job, result, resolve, reject });
+      this.outbox.push({ job, result, until, resolve, reject });
       if (!this.sending) this.sendResults();
     });
+  }
+
+  // An outcome whose request failed in a way that may pass (mayPass) is sent again, with
+  // back-off, until `until` (its job's lease would have lapsed by then): given up at once,
+  // the job would wait out its lease and run again. A resend whose first try was taken (its
+  // reply lost) is refused, saying the job is already as it made it (doneByUs).
+  async withRetries(what, until, send) {
+    let wait = 100;
+    for (;;) {
+      try {
+        return await send();
+      } catch (err) {
+        if (!mayPass(err) || Date.now() + wait >= until) throw err;
+        this.log.error(`${what}: ${err.message}; sending again in ${wait} ms`);
+        await new Promise((resolve) => setTimeout(resolve, wait));
+        wait = Math.min(wait * 2, 5000);
+      }
+    }
+  }
+
+  // Did an earlier send of this job's result succeed it (a 409 whose job is succeeded under
+  // this worker, at this attempt)? Then the job is done, not lost.
+  doneByUs(now, job) {
+    return (
+      now.state === "succeeded" &&
+      now.worker === `http:${this.client.worker}` &&
+      now.attempt === job.attempt
+    );
   }
 
   async sendResults() {
@@ -357,9 +402,13 @@ export class Worker {
           continue;
         }
         try {
-          const answer = await this.client.completeMany(items);
+          const until = Math.min(...batch.map((b) => b.until));
+          const what = `results of ${batch.length} job(s)`;
+          const answer = await this.withRetries(what, until, () => this.client.completeMany(items));
           answer.jobs.forEach((r, i) =>
-            r.status === 200 ? batch[i].resolve(r) : batch[i].reject(new LeaseLost(r.id, r.detail)),
+            r.status === 200 || this.doneByUs(r, batch[i].job)
+              ? batch[i].resolve(r)
+              : batch[i].reject(new LeaseLost(r.id, r.detail, r)),
           );
         } catch (err) {
           if (batch.length > 1 && err.status === 413) {
@@ -407,9 +456,11 @@ export class Worker {
 
   async completeAlone(b) {
     try {
-      b.resolve(await this.client.complete(b.job, b.result));
+      const send = () => this.client.complete(b.job, b.result);
+      b.resolve(await this.withRetries(`job ${b.job.id}`, b.until, send));
     } catch (err) {
-      b.reject(err);
+      if (err instanceof LeaseLost && this.doneByUs(err, b.job)) b.resolve(err);
+      else b.reject(err);
     }
   }
 

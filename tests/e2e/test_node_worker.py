@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from jobtier.scheduler import Scheduler
 from jobtier.store.calls import reclaim_call
 from tests.fixtures.api import ApiServer, StartApi
@@ -189,3 +191,123 @@ async def test_results_that_do_not_fit_one_request_lose_no_job(start_api: StartA
         proc.stdin.write(b"stop\n")
         stats = json.loads(await line(proc))
         assert (stats["succeeded"], stats["failed"], stats["lost"]) == (12, 2, 0), stats
+
+
+CUT = ROOT / "tests" / "node" / "cut_off.mjs"
+
+
+class Cutter:
+    """A TCP forwarder on loopback between the Node worker and the API, to cut them apart as
+    a network does: ``down()`` drops every connection and refuses new ones until ``up()``;
+    ``lose_next_result_reply()`` lets the next ``POST /v1/worker/complete`` reach the API,
+    then drops its connection as the reply comes (the API has answered; the worker never
+    hears it)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.is_down = False
+        self.armed = False
+        self.swallowed = 0  # result replies lost
+        self.refused = 0  # result requests refused while down
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def __aenter__(self) -> Cutter:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+        self.down()
+
+    def down(self) -> None:
+        self.is_down = True
+        for w in list(self.writers):
+            w.close()
+
+    def up(self) -> None:
+        self.is_down = False
+
+    def lose_next_result_reply(self) -> None:
+        self.armed = True
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.is_down:
+            if (await reader.read(65536)).startswith(b"POST /v1/worker/complete "):
+                self.refused += 1
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writers |= {writer, up_writer}
+        losing = False
+
+        async def requests() -> None:
+            nonlocal losing
+            while data := await reader.read(65536):
+                if self.armed and data.startswith(b"POST /v1/worker/complete "):
+                    self.armed, losing = False, True
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def replies() -> None:
+            while data := await up_reader.read(65536):
+                if losing:  # the API answered: the worker never hears it
+                    self.swallowed += 1
+                    return
+                writer.write(data)
+                await writer.drain()
+
+        try:
+            tasks = [asyncio.create_task(requests()), asyncio.create_task(replies())]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in tasks:
+                t.cancel()
+        except OSError:
+            pass
+        finally:
+            for w in (writer, up_writer):
+                self.writers.discard(w)
+                w.close()
+
+
+@pytest.mark.parametrize("fault", ["api out of reach", "reply lost"])
+async def test_results_whose_sends_fail_are_sent_again(start_api: StartApi, fault: str) -> None:
+    """Five jobs end together while the worker cannot reach the API (every connection
+    dropped, new ones refused), or while the reply to their results is lost after the API
+    took them: the worker sends the results again, and every job succeeds at its first
+    attempt, counted as such. Before, a failed send gave the results up: the jobs waited out
+    their leases and ran again, or (their reply lost) were counted as not done."""
+    api = await start_api(worker_keys=KEY, lease_seconds=30)
+    port = int(api.url.rsplit(":", 1)[1])
+    async with Cutter(port) as cut, node(str(CUT), cut.url, KEY) as proc:
+        assert await line(proc) == "ready"
+        ids = [await submit(api, "node.hold", {"i": i}) for i in range(5)]
+
+        async def states(wanted: set[str]) -> bool:
+            return all(d["state"] in wanted for d in (await docs(api, ids)).values())
+
+        await wait_for(lambda: states({"running"}))  # every one claimed: they end together
+        if fault == "api out of reach":
+            cut.down()
+        else:
+            cut.lose_next_result_reply()
+        assert proc.stdin is not None
+        proc.stdin.write(b"release\n")
+        await wait_for(lambda: cut.refused + cut.swallowed > 0, timeout=60)  # a send failed
+        cut.up()
+        await wait_for(lambda: states(TERMINAL), timeout=60)
+        found = await docs(api, ids)
+        assert [(found[i]["state"], found[i]["attempt"]) for i in ids] == [("succeeded", 1)] * 5
+        assert cut.swallowed == (fault == "reply lost")
+        proc.stdin.write(b"stop\n")
+        async with asyncio.timeout(60):
+            while (said := await line(proc)).startswith("log: "):
+                pass
+        stats = json.loads(said)
+        assert (stats["succeeded"], stats["failed"], stats["lost"]) == (5, 0, 0), stats

@@ -3,8 +3,8 @@
 // request limit, one "node.big" result over the result limit, and one "node.bigint" result
 // JSON cannot encode. Prints "ready", then its
 // counts as JSON when stdin closes.
-import { createInterface } from "node:readline";
 import { Worker } from "../../examples/node-worker/jobtier-worker.mjs";
+import { runUntilStopped } from "./harness.mjs";
 
 const [url, key, midBytes, bigBytes] = process.argv.slice(2);
 let release;
@@ -15,14 +15,6 @@ const tasks = {
   "node.bigint": { max_attempts: 2, handler: async () => { await together; return { n: 10n }; } },
 };
 const worker = new Worker({ url, key, worker: "node-big", concurrency: 50, wait: 1, tasks, log: { error() {}, info() {} } });
-await worker.register();
-console.log("ready");
-const running = worker.run();
-const lines = createInterface({ input: process.stdin });
-for await (const line of lines) {
+await runUntilStopped(worker, (line) => {
   if (line === "release") release();
-  if (line === "stop") break;
-}
-worker.stop();
-await running;
-console.log(JSON.stringify(worker.stats));
+});

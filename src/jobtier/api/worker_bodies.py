@@ -118,12 +118,16 @@ class CompleteManyRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=Tr
 
 class ItemOutcome(msgspec.Struct):
     """One job's answer in a batch: ``status`` as the one-job route would answer (200, or
-    409 for a lease lost, 404 for a job Redis no longer keeps), ``detail`` for a refusal."""
+    409 for a lease lost, 404 for a job Redis no longer keeps), ``detail`` for a refusal.
+    A 409 says what the job is now, as the one-job route's does: ``state``, ``attempt`` and
+    ``worker`` (a result sent again, its first reply lost, finds its own)."""
 
     id: str
     status: int
     state: str | None = None
     detail: str | None = None
+    attempt: int | None = None
+    worker: str | None = None
 
 
 class CompleteManyResponse(msgspec.Struct):

@@ -362,16 +362,26 @@ async def complete_many(request: Request) -> Response:
     replies = await queue.scripts.call_many(calls)
     for items, reply in zip(by_shard.values(), replies, strict=True):
         for (i, (job_id, _, _)), code in zip(items, reply, strict=True):
-            ok = code == Code.OK
-            answers[i] = (
-                ItemOutcome(job_id, 200, "succeeded") if ok else _item_refused(job_id, Code(code))
-            )
+            if code == Code.OK:
+                answers[i] = ItemOutcome(job_id, 200, "succeeded")
+            else:
+                answers[i] = await _item_refused_now(queue, job_id, Code(code))
     return encoded(CompleteManyResponse([a for a in answers if a is not None]))
 
 
 def _item_refused(job_id: str, code: Code) -> ItemOutcome:
     refused = _refused(job_id, code)
     return ItemOutcome(job_id, refused.status, None, refused.detail)
+
+
+async def _item_refused_now(queue: Queue, job_id: str, code: Code) -> ItemOutcome:
+    """``_item_refused``, saying what the job is now (``_refused_now``): refusals are few."""
+    refused = await _refused_now(queue, job_id, code)
+    now = refused.extra
+    return ItemOutcome(
+        job_id, refused.status, now.get("state"), refused.detail, now.get("attempt"),
+        now.get("worker"),
+    )  # fmt: skip
 
 
 async def fail(request: Request) -> Response:
