@@ -5,6 +5,7 @@ failure message is kept cut rather than refused, and an advert says what is wron
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
@@ -13,6 +14,8 @@ import pytest
 from jobtier.api.worker_claims import WorkerClaims
 from tests.e2e.test_http_worker import claim_one, lease, serve, status, submit, worker_client
 from tests.fixtures.api import StartApi
+
+HANG_GUARD = 30.0  # s: only stops a broken test from hanging
 
 pytestmark = pytest.mark.contract
 
@@ -105,3 +108,41 @@ async def test_an_advert_says_what_is_wrong_with_it(
     async with api.client("admin") as admin:
         known = {t["type"] for t in (await admin.get("/v1/admin/tasks")).json()["tasks"]}
     assert "t.a" not in known  # nothing advertised
+
+
+async def test_a_limited_queue_is_named_to_http_workers_and_in_explain(
+    start_api: StartApi, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A queue with a concurrency or rate limit gives an HTTP worker none of its jobs (only
+    Python workers take its permits): a claim naming only limited queues is a 409 at once,
+    not a wait for jobs it can never have; a claim naming others too gets theirs, and the
+    limited ones named; explain says that no worker that can take the job serves its queue.
+    Before, the claim waited out its `wait` and answered nothing, and explain said nothing
+    held the job back."""
+    api = await serve(start_api)
+    async with api.client("admin") as admin:
+        r = await admin.put("/v1/admin/queues/lim/limits", json={"concurrency": 2})
+        assert r.status_code == 200, r.text
+    async with api.client() as c:
+        job = {"type": "http.add", "queue": "lim", "payload": {"a": 1, "b": 2}}
+        r = await c.post("/v1/jobs", json=job)
+        assert r.status_code == 202, r.text
+        held = r.json()["id"]
+    free = await submit(api, {"a": 3, "b": 4})  # the default queue: no limit
+    async with worker_client(api) as w:
+        body = {"worker": "w1", "types": ["http.add"], "queues": ["lim"], "wait": 60}
+        async with asyncio.timeout(HANG_GUARD):  # under the claim's wait
+            r = await w.post("/v1/worker/claim", json=body)
+        assert r.status_code == 409, r.text
+        problem = r.json()
+        assert problem["type"].endswith("queue-limited") and problem["queues"] == ["lim"]
+        assert "only Python workers" in problem["detail"]
+        body["queues"] = ["default", "lim"]
+        r = await w.post("/v1/worker/claim", json=body)
+        assert r.status_code == 200, r.text
+        assert [j["id"] for j in r.json()["jobs"]] == [free] and r.json()["limited"] == ["lim"]
+    assert "event=http_claim_limited_queue worker=http:w1 queue=lim" in caplog.text
+    async with api.client() as c:
+        reasons = (await c.get(f"/v1/jobs/{held}/explain")).json()["reasons"]
+    assert [r["code"] for r in reasons if r["code"] == "no_worker_for_queue"], reasons
+    assert any("only Python workers take its permits" in r["message"] for r in reasons), reasons

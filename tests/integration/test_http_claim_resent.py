@@ -95,7 +95,7 @@ async def _claim_through(
                 await asyncio.wait({claim}, timeout=0.02)
                 assert not claim.done(), claim  # (the claim failed: its result raises)
             admin.replicaof("no", "one")  # writes taken again
-            return await claim
+            return (await claim)[0]
     finally:
         admin.replicaof("no", "one")
         admin.close()
@@ -145,7 +145,7 @@ async def test_a_lost_replys_jobs_go_back_to_their_queue_when_the_claim_answers_
         queue.redis, queue.keys, cast(Scripts, scripts), queue.settings.retention_seconds
     )
     try:
-        got = await claims.claim("http-w", (), ["default"], 16, 30_000, 0.0, _never_gone)
+        got, _ = await claims.claim("http-w", (), ["default"], 16, 30_000, 0.0, _never_gone)
         assert scripts.lost and got  # a reply lost, the other shards' jobs answered
         answered = {c.job.id for c in got}
         async with asyncio.timeout(15):  # no scheduler: a job leased to nobody would stay so

@@ -89,7 +89,7 @@ async def test_jobs_an_earlier_round_leased_are_answered_when_a_later_round_fail
     )
     claims.shard = shard
     try:
-        got = await claims.claim("http-w", (), ["default"], 2, 30_000, 0.0, _never_gone)
+        got, _ = await claims.claim("http-w", (), ["default"], 2, 30_000, 0.0, _never_gone)
     finally:
         await claims.stop()  # (its failed round, handed back, is not sent again)
     assert scripts.rounds == 2  # the second round was tried, and failed
@@ -113,7 +113,7 @@ async def test_a_claim_answers_the_healthy_shards_jobs_when_one_shard_fails(
         queue.redis, queue.keys, cast(Scripts, scripts), queue.settings.retention_seconds
     )
     try:
-        got = await claims.claim("http-w", (), ["default"], len(subs), 30_000, 0.0, _never_gone)
+        got, _ = await claims.claim("http-w", (), ["default"], len(subs), 30_000, 0.0, _never_gone)
     finally:
         await claims.stop()  # (the failed shard's claim, handed back, is not sent again)
     assert {c.job.id for c in got} == healthy

@@ -44,6 +44,7 @@ TITLES = {
     "idempotency-conflict": "Idempotency key reused with a different request",
     "wrong-state": "Not possible in the job's state",
     "not-relayed-yet": "The job is still in the outbox",
+    "queue-limited": "The queue's limits are for Python workers",
     "rate-limited": "Too many requests",
     "throttled": "Throttled by its key",
     "tenant-limit": "Too many waiting jobs for this tenant",

@@ -18,10 +18,10 @@ import msgspec
 
 from jobtier.api.problems import Problem
 from jobtier.core.model import TaskAd
+from jobtier.core.names import HTTP_WORKER_PREFIX
 from jobtier.engine.queue import Queue
 from jobtier.engine.queue_admin import WORKER_FRESH_SECONDS
 
-HTTP_PREFIX = "http:"  # the Redis ids of HTTP workers (worker_routes._redis_id)
 _ad = msgspec.json.Decoder(TaskAd)
 _seen = msgspec.json.Decoder(dict[str, object])
 
@@ -39,7 +39,7 @@ async def guarded(queue: Queue, ads: list[TaskAd]) -> list[TaskAd]:
                 current[ad.type] = _ad.decode(value)
             except msgspec.DecodeError:
                 continue  # written by a newer jobtier: its own fields are not ours to keep
-    others = {c.worker for c in current.values() if not c.worker.startswith(HTTP_PREFIX)}
+    others = {c.worker for c in current.values() if not c.worker.startswith(HTTP_WORKER_PREFIX)}
     live = await _live(queue, sorted(others))
     for i, ad in enumerate(ads):
         c = current.get(ad.type)

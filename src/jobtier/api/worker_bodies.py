@@ -62,8 +62,12 @@ class WorkerJob(msgspec.Struct):
 
 
 class ClaimResponse(msgspec.Struct):
+    """The jobs claimed and their lease; ``limited``: the queues asked whose jobs no HTTP
+    worker takes (a concurrency or rate limit: only Python workers take their permits)."""
+
     jobs: list[WorkerJob]
     lease_seconds: float
+    limited: list[str] = msgspec.field(default_factory=list)
 
 
 class LeaseRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -60,6 +60,18 @@ log = logging.getLogger("jobtier.api.workers")
 
 UNKNOWN = 1 << 30  # a shard whose ready jobs we don't know: worth asking
 IDLE_LOOK = 5.0  # s between looks at every shard while no wake comes (the safety net)
+LIMITED_LOG_EVERY = 60.0  # s: a worker claiming from a limited queue is logged this often
+LIMITED_KEPT = 10_000  # (worker, queue) pairs remembered for the log above, at most
+
+
+class QueuesLimited(Exception):
+    """Every queue a claim asked is limited: no HTTP worker can take their jobs."""
+
+    def __init__(self, queues: list[str]) -> None:
+        super().__init__(queues)
+        self.queues = queues
+
+
 RESEND_MIN = 5.0  # s a claim whose reply was lost is sent again for, however short its wait
 # sends handed back at once at most (``_hand_back``): during an outage every claim may hand
 # some back, each sent again for a lease; beyond it, their jobs wait out their lease
@@ -75,6 +87,7 @@ class _Waiter:
     gen: list[int]
     event: asyncio.Event = field(default_factory=asyncio.Event)
     wake_at: float = 0.0  # monotonic time a blocked queue's block ends (0: none)
+    limited: set[str] = field(default_factory=set)  # queues asked that are limited
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +109,7 @@ class WorkerClaims:
         self._closing = False
         self._stopping = asyncio.Event()  # set with _closing: ends a claim's back-off
         self._waits_ended = False  # the API is told to stop: claims answer without waiting
+        self._limited_warned: dict[tuple[str, str], float] = {}  # (worker, queue) -> when
         self.advertised: dict[str, float] = {}  # worker id -> when it was last advertised
         self.seen: dict[str, float] = {}  # worker id -> when a heartbeat last said it is live
         self._subscriber = ShardSubscriber(
@@ -128,6 +142,25 @@ class WorkerClaims:
         for waiters in self._waiters.values():
             for w in waiters:
                 w.event.set()
+
+    def _warn_limited(self, worker: str, limited: Iterable[str]) -> None:
+        """Logged once a minute at most per worker and queue: what its claims cannot take."""
+        now = time.monotonic()
+        for queue in limited:
+            if now - self._limited_warned.get((worker, queue), -LIMITED_LOG_EVERY) < (
+                LIMITED_LOG_EVERY
+            ):
+                continue
+            if len(self._limited_warned) > LIMITED_KEPT:
+                self._limited_warned.clear()
+            self._limited_warned[(worker, queue)] = now
+            log.warning(
+                "event=http_claim_limited_queue worker=%s queue=%s: the queue has a "
+                "concurrency or rate limit, whose permits only Python workers take; this "
+                "HTTP worker gets none of its jobs",
+                worker,
+                queue,
+            )
 
     def waiting(self) -> int:
         """Claims waiting for a wake now (tests wait for a claim to be parked)."""
@@ -162,10 +195,13 @@ class WorkerClaims:
         lease_ms: int,
         wait: float,
         gone: Callable[[], Awaitable[bool]],
-    ) -> list[Claimed]:
+    ) -> tuple[list[Claimed], list[str]]:
         """Up to ``count`` jobs, as soon as there is one; none after ``wait`` seconds, or once
         ``gone()`` says the worker hung up while it waited (its jobs would wait for their
-        leases to expire)."""
+        leases to expire). With them, the queues asked that are limited (a global
+        concurrency or rate limit): an HTTP worker takes none of their jobs, as only a
+        Python worker takes their permits (limit.lua); a claim whose every queue is limited
+        raises ``QueuesLimited`` at once, rather than wait for jobs it can never have."""
         shards = self.keys.shards
         w = _Waiter(frozenset(queues), [UNKNOWN] * shards, [0] * shards)
         deadline = time.monotonic() + wait
@@ -175,9 +211,13 @@ class WorkerClaims:
             while True:
                 w.event.clear()
                 jobs = await self._rounds(w, worker, types, queues, count, lease_ms, deadline, gone)
+                if w.limited:
+                    self._warn_limited(worker, w.limited)
+                    if not jobs and w.limited >= w.queues:
+                        raise QueuesLimited(sorted(w.limited))
                 left = deadline - time.monotonic()
                 if jobs or left <= 0 or self._closing or self._waits_ended:
-                    return jobs
+                    return jobs, sorted(w.limited)
                 if w.wake_at:
                     left = min(left, max(w.wake_at - time.monotonic(), 0.0))
                 woke = await wait_for(w.event, min(left, IDLE_LOOK))
@@ -185,7 +225,7 @@ class WorkerClaims:
                     w.ready = [UNKNOWN] * shards
                     w.wake_at = 0.0
                 if self._closing or self._waits_ended or await gone():
-                    return []
+                    return [], sorted(w.limited)
         finally:
             for q in w.queues:
                 waiters = self._waiters.get(q)
@@ -246,6 +286,7 @@ class WorkerClaims:
                         lost[shard] = (n, call)
                     continue
                 batch = parse_claim(shard, reply)
+                w.limited.update(batch.unaware)
                 if lost.pop(shard, None) is not None:
                     log.info(
                         "event=claim_resent worker=%s shard=%d jobs=%d: a claim whose reply "

@@ -55,7 +55,8 @@ from jobtier.api.worker_bodies import (
     WorkerJob,
     retry_delay,
 )
-from jobtier.api.worker_claims import Claimed, WorkerClaims
+from jobtier.api.worker_claims import Claimed, QueuesLimited, WorkerClaims
+from jobtier.api.worker_refusals import item_refused, item_refused_now, refused_now
 from jobtier.config import Settings
 from jobtier.core.errors import Code, JobNotFound
 from jobtier.core.model import (
@@ -66,6 +67,7 @@ from jobtier.core.model import (
     TaskAd,
     encode_json,
 )
+from jobtier.core.names import HTTP_WORKER_PREFIX
 from jobtier.core.sealing import is_sealed
 from jobtier.engine.catalog import publish, schema_problem
 from jobtier.engine.queue import Queue
@@ -114,38 +116,7 @@ async def _body(request: Request, kind: type[Any]) -> Any:
 
 
 def _redis_id(worker: str) -> str:
-    return f"http:{worker}"
-
-
-def _refused(job_id: str, code: Code) -> Problem:
-    """A stale answer: the job's lease is not this worker's any more (nothing changed)."""
-    if code is Code.NOT_FOUND:
-        return Problem(404, "not-found", f"job {job_id} is not kept in Redis")
-    why = {
-        Code.VERSION_CONFLICT: "its lease_version is not this one (the job was claimed again "
-        "since, or this lease_version was never given)",
-        Code.WRONG_STATE: "the job is no longer running",
-        Code.NOT_OWNER: "another worker holds the job",
-    }.get(code, code.name)
-    return Problem(409, "conflict", f"lease lost on job {job_id}: {why}", job_id=job_id)
-
-
-async def _refused_now(queue: Queue, job_id: str, code: Code) -> Problem:
-    """``_refused``, saying what the job is now: its ``state``, ``attempt`` and ``worker``,
-    in the detail and as members. A worker that sent an answer again, its first reply lost,
-    learns from them whether the first was taken (its own worker id and attempt, the state
-    its answer makes)."""
-    problem = _refused(job_id, code)
-    if code is Code.NOT_FOUND:
-        return problem
-    try:
-        doc = orjson.loads(await queue.jobs.status_doc(job_id))
-    except JobNotFound:  # gone since
-        return problem
-    now = {k: doc.get(k) for k in ("state", "attempt", "worker")}
-    by = f", worker {now['worker']}" if now["worker"] else ""
-    detail = f"{problem.detail}; it is {now['state']} now (attempt {now['attempt']}{by})"
-    return Problem(409, "conflict", detail, job_id=job_id, **now)
+    return HTTP_WORKER_PREFIX + worker
 
 
 async def _one(queue: Queue, call: Any) -> Any:
@@ -169,13 +140,25 @@ async def claim(request: Request) -> Response:
     worker = _redis_id(body.worker)
     await _advertise(request, claims, worker, body)
     lease_ms = int(settings.lease_seconds * 1000)
-    got = await claims.claim(
-        worker, body.types, body.queues, body.count, lease_ms, body.wait, request.is_disconnected
-    )
+    try:
+        got, limited = await claims.claim(
+            worker, body.types, body.queues, body.count, lease_ms, body.wait,
+            request.is_disconnected,
+        )  # fmt: skip
+    except QueuesLimited as exc:
+        names = ", ".join(exc.queues)
+        raise Problem(
+            409,
+            "queue-limited",
+            f"every queue asked is limited ({names}: a concurrency or rate limit, whose "
+            "permits only Python workers take): no HTTP worker gets their jobs",
+            field="queues",
+            queues=exc.queues,
+        ) from None
     jobs = [_job(c) for c in got if not is_sealed(c.job.payload)]
     if len(jobs) < len(got):
         await _refuse_sealed(queue, worker, [c for c in got if is_sealed(c.job.payload)])
-    return encoded(ClaimResponse(jobs, settings.lease_seconds))
+    return encoded(ClaimResponse(jobs, settings.lease_seconds, limited))
 
 
 def _job(c: Claimed) -> WorkerJob:
@@ -267,7 +250,7 @@ async def _beat(request: Request, body: HeartbeatRequest | ProgressRequest) -> R
     )
     ((code, cancel),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
-        raise await _refused_now(queue, job_id, code)
+        raise await refused_now(queue, job_id, code)
     await _still_live(request, _redis_id(body.worker))
     return encoded(HeartbeatResponse(bool(cancel), s.lease_seconds))
 
@@ -296,7 +279,7 @@ async def logs(request: Request) -> Response:
     )
     ((code, _),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
-        raise await _refused_now(queue, job_id, code)
+        raise await refused_now(queue, job_id, code)
     # as ctx.log stamps a Python task's lines
     at = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     lines = [
@@ -328,7 +311,7 @@ async def complete(request: Request) -> Response:
         queue, complete_call(shard, _redis_id(body.worker), s.retention_seconds, [item])
     )
     if code != Code.OK:
-        raise await _refused_now(queue, job_id, Code(code))
+        raise await refused_now(queue, job_id, Code(code))
     return encoded(Outcome(job_id, "succeeded"))
 
 
@@ -349,7 +332,7 @@ async def complete_many(request: Request) -> Response:
             detail = f"{where} is over {s.max_result_bytes} bytes (JOBTIER_MAX_RESULT_BYTES)"
             raise Problem(413, "payload-too-large", detail, field=where)
         if not queue.keys.valid_id(item.id):
-            answers[i] = _item_refused(item.id, Code.NOT_FOUND)
+            answers[i] = item_refused(item.id, Code.NOT_FOUND)
             continue
         by_shard.setdefault(queue.keys.shard_of(item.id), []).append(
             (i, (item.id, item.lease_version, result))
@@ -365,23 +348,8 @@ async def complete_many(request: Request) -> Response:
             if code == Code.OK:
                 answers[i] = ItemOutcome(job_id, 200, "succeeded")
             else:
-                answers[i] = await _item_refused_now(queue, job_id, Code(code))
+                answers[i] = await item_refused_now(queue, job_id, Code(code))
     return encoded(CompleteManyResponse([a for a in answers if a is not None]))
-
-
-def _item_refused(job_id: str, code: Code) -> ItemOutcome:
-    refused = _refused(job_id, code)
-    return ItemOutcome(job_id, refused.status, None, refused.detail)
-
-
-async def _item_refused_now(queue: Queue, job_id: str, code: Code) -> ItemOutcome:
-    """``_item_refused``, saying what the job is now (``_refused_now``): refusals are few."""
-    refused = await _refused_now(queue, job_id, code)
-    now = refused.extra
-    return ItemOutcome(
-        job_id, refused.status, now.get("state"), refused.detail, now.get("attempt"),
-        now.get("worker"),
-    )  # fmt: skip
 
 
 async def fail(request: Request) -> Response:
@@ -405,7 +373,7 @@ async def fail(request: Request) -> Response:
     call = fail_call(shard, _redis_id(body.worker), s.dead_retention_seconds, [item])
     ((code, state),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
-        raise await _refused_now(queue, job_id, code)
+        raise await refused_now(queue, job_id, code)
     return encoded(Outcome(job_id, state.decode()))
 
 
@@ -446,7 +414,7 @@ async def stopped(request: Request) -> Response:
     call = stopped_call(shard, _redis_id(body.worker), queue.settings.retention_seconds, [item])
     ((code, state),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
-        raise await _refused_now(queue, job_id, code)
+        raise await refused_now(queue, job_id, code)
     return encoded(Outcome(job_id, state.decode()))
 
 
@@ -507,6 +475,11 @@ def operations(settings: Settings) -> oa.Paths:
         f"as one is claimed, or with none after wait seconds (at most "
         f"{s.long_poll_max_seconds:g}, JOBTIER_LONG_POLL_MAX_SECONDS)",
         oa.returns(200, "ClaimResponse", "the jobs claimed (maybe none), and their lease"),
+        oa.refuses(
+            409,
+            "every queue asked has a concurrency or rate limit, whose permits only Python "
+            "workers take (queue-limited; queues)",
+        ),
         body="ClaimRequest",
     )
     add(

@@ -19,3 +19,5 @@ REF_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")  # a job's name within its flow
 ULID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")  # schedule and audit ids
 JOB_ID_RE = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}-(0|[1-9][0-9]{0,3})$")  # <ULID>-<shard>
 WEBHOOK_ID_RE = re.compile(r"^wh_[0-9A-HJKMNP-TV-Z]{26}$")
+# an HTTP worker's id in Redis is its name after this (api/worker_routes.py)
+HTTP_WORKER_PREFIX = "http:"

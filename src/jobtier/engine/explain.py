@@ -22,6 +22,7 @@ import msgspec
 from jobtier.core.errors import JobNotFound
 from jobtier.core.explanation import Explanation, JobRef, Reason, ReasonCode
 from jobtier.core.model import decode_status
+from jobtier.core.names import HTTP_WORKER_PREFIX
 from jobtier.engine.breaker_explain import breaker_reason
 from jobtier.engine.queue_admin import QueueAdmin
 from jobtier.status.docs import read_docs
@@ -131,8 +132,20 @@ class Explainer:
             out.append(_blocked(queue, blocked, now))
         live = await self.admin.live_workers()
         serving = [w for w in live if queue in w.get("queues", ())]
+        barred = []  # HTTP workers: only a Python worker takes a limited queue's permits
+        if facts.get("limited"):
+            barred = [w for w in serving if str(w.get("id", "")).startswith(HTTP_WORKER_PREFIX)]
+            serving = [w for w in serving if w not in barred]
         able = [w for w in serving if facts["type"] in w.get("tasks", ())]
-        if not serving:
+        if barred and not serving:
+            n = len(barred)
+            message = (
+                f"no live worker that can take queue {queue!r}'s jobs serves it: "
+                f"{plural(n, 'HTTP worker')} {'serves' if n == 1 else 'serve'} it, but the "
+                "queue is limited (concurrency or rate), and only Python workers take its permits"
+            )
+            out.append(Reason(ReasonCode.NO_WORKER_FOR_QUEUE, message, queue=queue, workers=0))
+        elif not serving:
             others = len(live)
             message = f"no live worker serves queue {queue!r}"
             if others:
