@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import asyncpg
 import msgspec
 
 from jobtier import outbox
@@ -34,7 +35,12 @@ async def test_rows_the_relay_cannot_read_are_refused_alone(
         job_id: str = await app.fetchval(f"SELECT jobtier.submit('echo', $1{args})", payload)
         return job_id
 
-    endless = await sql("{}", run_at="infinity")
+    # a row of before 0022, which refuses it in jobtier.submit now
+    await app.execute("ALTER TABLE jobtier.outbox DISABLE TRIGGER outbox_check")
+    try:
+        endless = await sql("{}", run_at="infinity")
+    finally:
+        await app.execute("ALTER TABLE jobtier.outbox ENABLE TRIGGER outbox_check")
     deep = await sql(DEEP)
     ancient = await sql('{"n": 2}', run_at="0001-01-01 BC")  # long past: due now
     never_late = await sql('{"n": 3}', run_at="-infinity")  # likewise
@@ -103,3 +109,40 @@ async def test_an_idempotency_key_names_one_job_whichever_way_it_was_submitted(
             await relay.drain()
             http = await queue.submit("echo", idempotency_key=key, tenant=tenant)
             assert http.job_id == sql, key
+
+
+async def test_jobtier_submit_refuses_what_the_relay_would_refuse(
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    """What the API refuses in its request, jobtier.submit refuses in the caller's statement
+    (since 0022), naming the argument, and writes nothing: before, each was taken, committed
+    with the caller's transaction, and refused later by the relay, its job failed."""
+    await relay_of(pg_settings, pg_pool, queue)  # it records the bounds jobtier.submit reads
+    s = pg_settings
+    foreign = queue.keys.new_id().rsplit("-", 1)[0] + f"-{s.shards}"  # one shard past the last
+    cases = {
+        "run_at => 'infinity'": ("run_at", "run_at is infinity"),
+        f"run_at => now() + interval '{s.max_future_seconds + 3600} seconds'": (
+            "run_at",
+            f"further ahead than {s.max_future_seconds} s",
+        ),
+        f"delay => {s.max_future_seconds + 3600}": ("run_at", "JOBTIER_MAX_FUTURE_SECONDS"),
+        "max_attempts => 101": ("max_attempts", "between 1 and 100"),
+        f"depends_on => ARRAY['{foreign}']": ("depends_on", f"has {s.shards} shards"),
+    }
+    before = await app.fetchval("SELECT count(*) FROM jobtier.outbox")
+    for args, (column, words) in cases.items():
+        try:
+            await app.fetchval(f"SELECT jobtier.submit('echo', '{{}}', {args})")
+        except asyncpg.InvalidParameterValueError as exc:
+            assert exc.column_name == column and words in str(exc), (args, exc)
+        else:
+            raise AssertionError(f"jobtier.submit took {args}")
+    assert await app.fetchval("SELECT count(*) FROM jobtier.outbox") == before
+    # the bounds themselves are taken, as the API takes them
+    within = f"now() + interval '{s.max_future_seconds - 3600} seconds'"
+    last = queue.keys.new_id().rsplit("-", 1)[0] + f"-{s.shards - 1}"
+    await app.fetchval(f"SELECT jobtier.submit('echo', '{{}}', run_at => {within})")
+    await app.fetchval("SELECT jobtier.submit('echo', '{}', max_attempts => 100)")
+    await app.fetchval(f"SELECT jobtier.submit('echo', '{{}}', depends_on => ARRAY['{last}'])")
+    assert await app.fetchval("SELECT count(*) FROM jobtier.outbox") == before + 3

@@ -336,7 +336,11 @@ async def test_0021_takes_an_outbox_forward_and_keys_its_new_jobs_to_their_shard
                 if name < "0021":
                     await conn.execute(sql)
                     await conn.execute(db.query("record_migration"), name)
-        await conn.execute(db.query("outbox_record_config"), shards, 262144, 10000)
+        await conn.execute(  # as a relay of then recorded it
+            "INSERT INTO jobtier.outbox_config (one, shards, max_payload_bytes, max_depends_on)"
+            " VALUES (true, $1, 262144, 10000)",
+            shards,
+        )
         old = [
             await conn.fetchval("SELECT jobtier.submit('echo', '{}', idempotency_key => $1)", k)
             for k in ("k-a", "k-b", "k-c", "k-d")

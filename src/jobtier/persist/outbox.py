@@ -40,6 +40,7 @@ from jobtier.core.model import JobSpec, Priority, Submitted
 from jobtier.core.sealing import KeysNotConfigured
 from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.produce import Producer
+from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT
 from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.persist.db import UNAVAILABLE, AnyConnection, Connection, Pool, connect, query
@@ -259,7 +260,10 @@ class OutboxRelay:
         async with self.pool.acquire() as conn, conn.transaction():
             if record:  # jobtier.submit makes ids of this many shards and checks these limits
                 s = self.settings  # (it cannot read ours)
-                limits = (s.shards, s.max_payload_bytes, s.max_flow_jobs)
+                limits = (
+                    s.shards, s.max_payload_bytes, s.max_flow_jobs, s.max_future_seconds,
+                    MAX_ATTEMPTS_LIMIT,
+                )  # fmt: skip
                 await conn.execute(query("outbox_record_config"), *limits)
             if paused is None:
                 rows = await conn.fetch(query("outbox_take"), self.batch_size)

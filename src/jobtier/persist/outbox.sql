@@ -1,15 +1,19 @@
 -- The outbox relay's statements (persist/outbox.py; the tables: migrations/0010_outbox.sql).
 
 -- name: outbox_record_config
--- The shard count and the API's limits (JOBTIER_MAX_PAYLOAD_BYTES, JOBTIER_MAX_FLOW_JOBS),
--- which jobtier.submit checks and cannot read from the settings.
-INSERT INTO jobtier.outbox_config AS c (one, shards, max_payload_bytes, max_depends_on)
-VALUES (true, $1, $2, $3)
+-- The shard count and the API's limits (JOBTIER_MAX_PAYLOAD_BYTES, JOBTIER_MAX_FLOW_JOBS,
+-- JOBTIER_MAX_FUTURE_SECONDS, the most attempts a job may have), which jobtier.submit and
+-- the outbox's check (migrations/0022) apply and cannot read from the settings.
+INSERT INTO jobtier.outbox_config AS c (one, shards, max_payload_bytes, max_depends_on,
+                                        max_future_seconds, max_attempts)
+VALUES (true, $1, $2, $3, $4, $5)
 ON CONFLICT (one) DO UPDATE
 SET shards = excluded.shards, max_payload_bytes = excluded.max_payload_bytes,
-    max_depends_on = excluded.max_depends_on
-WHERE (c.shards, c.max_payload_bytes, c.max_depends_on)
-    IS DISTINCT FROM (excluded.shards, excluded.max_payload_bytes, excluded.max_depends_on)
+    max_depends_on = excluded.max_depends_on, max_future_seconds = excluded.max_future_seconds,
+    max_attempts = excluded.max_attempts
+WHERE (c.shards, c.max_payload_bytes, c.max_depends_on, c.max_future_seconds, c.max_attempts)
+    IS DISTINCT FROM (excluded.shards, excluded.max_payload_bytes, excluded.max_depends_on,
+                      excluded.max_future_seconds, excluded.max_attempts)
 
 -- name: outbox_take
 -- Committed rows not yet relayed, oldest first; rows another relay holds are skipped, so
