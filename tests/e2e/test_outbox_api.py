@@ -132,8 +132,8 @@ async def test_a_cancel_of_a_job_still_in_the_outbox_says_so(
 ) -> None:
     """A job submitted with SQL and not relayed yet exists: its cancel is a 409 saying it is
     still in the outbox (retry after a second), not a 404 "not found"; once relayed, the
-    cancel goes through. A job the relay refused is said to be so (its cancel and its retry
-    would change nothing)."""
+    cancel goes through; the console's cancel says the same (it was a 404). A job the relay
+    refused is said to be so (its cancel and its retry would change nothing)."""
     relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
     assert await relay.drain() == 0  # records the shard count
     job_id = await outbox.submit(app, "echo", {"n": 1}, tenant="acme", delay=3600)
@@ -148,6 +148,10 @@ async def test_a_cancel_of_a_job_still_in_the_outbox_says_so(
         assert r.status_code == 409 and "retry-after" not in r.headers, r.text
         assert "has not run" in r.json()["detail"], r.text
         assert (await globex.post(f"/v1/jobs/{job_id}/cancel")).status_code == 404
+        async with pg_api.client("admin") as admin:  # the console's cancel, any tenant's job
+            r = await admin.post(f"/v1/admin/jobs/{job_id}/cancel")
+            assert r.status_code == 409 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["type"] == "urn:jobtier:problem:not-relayed-yet", r.text
         assert await relay.drain() == 2
         r = await c.post(f"/v1/jobs/{job_id}/cancel")
         assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text

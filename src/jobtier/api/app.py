@@ -56,8 +56,9 @@ class Extension:
         self.operations: list[Paths] = []  # the extra routes, each with its description
         self.status_fallback: Fallback | None = None
         self.result_fallback: Callable[[str, str], Awaitable[dict[str, Any] | None]] | None = None
-        # the status document of a job only the outbox holds (job id, tenant), else None
-        self.outbox_doc: Callable[[str, str], Awaitable[bytes | None]] | None = None
+        # the status document of a job only the outbox holds (job id, tenant; None: any
+        # tenant's), else None
+        self.outbox_doc: Callable[[str, str | None], Awaitable[bytes | None]] | None = None
         # a job's dependencies once Redis no longer keeps it (job id, tenant)
         self.dependencies_fallback: (
             Callable[[str, str], Awaitable[list[Dependency] | None]] | None

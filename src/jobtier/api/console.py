@@ -17,7 +17,7 @@ from jobtier.api import spec as oa
 from jobtier.api import why
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import doc_state, encoded, finished, job_id_of, transition
+from jobtier.api.http import doc_state, encoded, finished, job_id_of, outbox_transition
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.api.queues import queue_name
@@ -89,9 +89,9 @@ async def cancel(request: Request) -> Response:
     """Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat."""
     require_admin(request)
     job_id = job_id_of(request)
-    queue: Queue = request.state.queue
     async with audited(request, "job.cancel", job_id) as outcome:
-        doc = await transition(queue, job_id, None, JobControl.cancel_doc, finished)
+        # a job still in the outbox: a 409 saying so, with Retry-After (http.py)
+        doc = await outbox_transition(request, job_id, None, JobControl.cancel_doc, finished, True)
         outcome.detail = {"state": doc_state(doc)}
     return DocResponse(doc)
 

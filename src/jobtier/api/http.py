@@ -89,15 +89,29 @@ async def transition(
 async def job_transition(
     request: Request, change: Change, refused: Refused, *, once_relayed: bool = False
 ) -> Response:
-    """``transition`` of the tenant's job, the change a client asks of it (cancel, retry).
-    A job Redis does not hold that only the outbox does (submitted with SQL and not relayed
-    yet, or refused by the relay) is a 409 saying so, not a 404: it exists. ``once_relayed``:
-    the change can be made once the relay has taken the job (a cancel, not a retry), which
-    the 409 says, with ``Retry-After``."""
-    tenant = tenant_of(request)
-    job_id = job_id_of(request)
+    """``transition`` of the tenant's job, the change a client asks of it (cancel, retry)
+    (``outbox_transition``)."""
+    doc = await outbox_transition(
+        request, job_id_of(request), tenant_of(request), change, refused, once_relayed
+    )
+    return DocResponse(doc)
+
+
+async def outbox_transition(
+    request: Request,
+    job_id: str,
+    tenant: str | None,
+    change: Change,
+    refused: Refused,
+    once_relayed: bool,
+) -> bytes:
+    """``transition`` of the job (the tenant's; any tenant's with None: the console). A job
+    Redis does not hold that only the outbox does (submitted with SQL and not relayed yet, or
+    refused by the relay) is a 409 saying so, not a 404: it exists. ``once_relayed``: the
+    change can be made once the relay has taken the job (a cancel, not a retry), which the
+    409 says, with ``Retry-After``."""
     try:
-        return DocResponse(await transition(request.state.queue, job_id, tenant, change, refused))
+        return await transition(request.state.queue, job_id, tenant, change, refused)
     except Problem as problem:
         outbox = getattr(request.state, "outbox_doc", None)
         if problem.status != 404 or outbox is None or not (doc := await outbox(job_id, tenant)):

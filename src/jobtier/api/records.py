@@ -155,14 +155,16 @@ class PostgresExtension(Extension):
             answer["result_url"] = f"/v1/jobs/{job_id}/result/content"
         return answer
 
-    async def _outbox_doc(self, job_id: str, tenant: str) -> bytes | None:
-        """The status document of the tenant's job that only the outbox holds (not relayed
-        yet, or refused by the relay; not one relayed a moment ago, which Redis has or lost),
-        else None."""
+    async def _outbox_doc(self, job_id: str, tenant: str | None) -> bytes | None:
+        """The status document of the tenant's job (any tenant's with None: the console) that
+        only the outbox holds (not relayed yet, or refused by the relay; not one relayed a
+        moment ago, which Redis has or lost), else None."""
         assert self.pool is not None
         with postgres_or_503(logged=True):
             known = (await outbox_docs([job_id], self.pool, relayed=False)).get(job_id)
-        return known[1] if known is not None and known[0] == tenant else None
+        if known is None or tenant not in (None, known[0]):
+            return None
+        return known[1]
 
     async def _outbox_result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
         """A job only the outbox holds (not relayed yet, refused by its relay, or relayed a
