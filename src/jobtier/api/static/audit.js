@@ -45,14 +45,15 @@ async function loadAudit(more) {
     : emptyState(params.action || params.target ? "No action matches" : "No admin action yet",
       params.action || params.target
         ? "Clear the filters to see every action."
-        : "Cancels, replays, pauses, resumes, limits and purges done with the admin key are recorded here."));
+        : "Cancels, replays, pauses, resumes, limits, purges and breakers opened or closed with the admin key are recorded here."));
   drawn($("view-audit"));
 }
 
 const ACTION_WORDS = {
   "job.cancel": "cancelled a job", "job.replay": "replayed a job", "dead_letters.replay": "replayed dead letters",
   "queue.pause": "paused a queue", "queue.resume": "resumed a queue", "queue.purge": "purged a queue",
-  "queue.limits": "set a queue's limits",
+  "queue.limits": "set a queue's limits", "breaker.open": "opened a circuit breaker",
+  "breaker.close": "closed a circuit breaker",
 };
 
 function auditTable(records, { target }) {
