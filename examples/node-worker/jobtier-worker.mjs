@@ -55,13 +55,24 @@ export class JobtierClient {
       body: JSON.stringify(body),
       signal,
     });
-    const answer = await response.json();
-    if (response.status === 409) {
+    let answer;
+    try {
+      answer = await response.json();
+    } catch {
+      // not the API's answer (a proxy's error page): its status says whether to try again
+      // (mayPass); a 2xx whose body was cut short has none, and is sent again
+      const error = new Error(`${method} ${path}: ${response.status}, an answer that is not JSON`);
+      if (!response.ok) error.status = response.status;
+      throw error;
+    }
+    const problem = typeof answer.type === "string" ? answer.type.split(":").pop() : null;
+    if (response.status === 409 && problem !== "queue-limited") {
       throw new LeaseLost(answer.job_id, answer.detail, answer);
     }
     if (!response.ok) {
       const error = new Error(`${method} ${path}: ${response.status} ${answer.detail}`);
       error.status = response.status;
+      error.problem = problem; // e.g. "queue-limited": every queue claimed is limited
       throw error;
     }
     return answer;
@@ -175,6 +186,7 @@ export class Worker {
     // previous one was in flight (a request per job would make the API the bottleneck)
     this.outbox = [];
     this.sending = false;
+    this.limitedSaid = ""; // the limited queues last logged (a claim answer names them)
   }
 
   async register() {
@@ -224,11 +236,25 @@ export class Worker {
           backoff = 100;
         } catch (err) {
           if (this.stopping) break;
-          this.log.error(`claim failed: ${err.message}; retrying in ${backoff} ms`);
-          await new Promise((resolve) => setTimeout(resolve, backoff));
+          // every queue it serves is limited (their permits are for Python workers): asked
+          // again a minute on, in case a limit is lifted
+          const wait = err.problem === "queue-limited" ? 60_000 : backoff;
+          this.log.error(`claim failed: ${err.message}; retrying in ${wait} ms`);
+          await new Promise((resolve) => {
+            this.slotFree = resolve; // stop() ends the wait
+            setTimeout(resolve, wait);
+          });
           backoff = Math.min(backoff * 2, 5000);
           continue;
         }
+        const limited = (answer.limited ?? []).join(", ");
+        if (limited && limited !== this.limitedSaid) {
+          this.log.error(
+            `queues ${limited} are limited: their permits are for Python workers, so this ` +
+              "worker gets none of their jobs",
+          );
+        }
+        this.limitedSaid = limited;
         for (const job of answer.jobs) {
           this.start(job, answer.lease_seconds);
         }
@@ -268,6 +294,7 @@ export class Worker {
   start(job, leaseSeconds) {
     const ctx = new JobContext(this, job);
     ctx.leaseMs = leaseSeconds * 1000;
+    ctx.leaseEnds = Date.now() + ctx.leaseMs; // moved on by each heartbeat answered
     this.running.set(job.id, ctx);
     const beat = setInterval(() => this.beat(ctx), (leaseSeconds * 1000) / 3);
     // the slot frees as the task ends, ahead of its outcome's request (as a Python worker's
@@ -316,8 +343,9 @@ export class Worker {
       this.stats.lost += 1;
       return; // the job moved on: anything we said would be refused (409)
     }
-    // sent again while its failure may pass, until the lease would have lapsed
-    const until = Date.now() + ctx.leaseMs;
+    // sent again while its failure may pass, until the lease would have lapsed (its last
+    // heartbeat answered, plus a lease)
+    const until = ctx.leaseEnds;
     const what = `job ${job.id}`;
     try {
       if (ctx.cancelled) {
@@ -509,6 +537,7 @@ export class Worker {
   }
 
   onAnswer(ctx, answer) {
+    ctx.leaseEnds = Date.now() + ctx.leaseMs; // (about: it was extended just before we heard)
     if (answer.cancel_requested && !ctx.cancelled) {
       ctx.cancelled = true; // the task sees ctx.signal aborted; we then say "stopped"
       ctx.controller.abort();

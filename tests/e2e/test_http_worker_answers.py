@@ -14,6 +14,7 @@ import pytest
 from jobtier.api.worker_claims import WorkerClaims
 from tests.e2e.test_http_worker import claim_one, lease, serve, status, submit, worker_client
 from tests.fixtures.api import StartApi
+from tests.fixtures.engine import wait_for
 
 HANG_GUARD = 30.0  # s: only stops a broken test from hanging
 
@@ -146,3 +147,30 @@ async def test_a_limited_queue_is_named_to_http_workers_and_in_explain(
         reasons = (await c.get(f"/v1/jobs/{held}/explain")).json()["reasons"]
     assert [r["code"] for r in reasons if r["code"] == "no_worker_for_queue"], reasons
     assert any("only Python workers take its permits" in r["message"] for r in reasons), reasons
+
+
+async def test_a_waiting_claim_names_the_queues_limited_when_it_answers(
+    start_api: StartApi,
+) -> None:
+    """The limited queues a claim names are those its last look found limited: a limit
+    lifted while the claim waits no longer counts (its answer carried the queue as limited
+    along with that queue's job, before)."""
+    api = await serve(start_api)
+    claims: WorkerClaims = api.server.lifespan.state["worker_claims"]
+    async with api.client("admin") as admin:
+        assert (await admin.put("/v1/admin/queues/lim/limits", json={"concurrency": 2})).is_success
+        async with api.client() as c:
+            job = {"type": "http.add", "queue": "lim", "payload": {"a": 1, "b": 2}}
+            held = (await c.post("/v1/jobs", json=job)).json()["id"]
+        async with worker_client(api) as w:
+            body = {"worker": "w1", "types": ["http.add"], "queues": ["default", "lim"], "wait": 20}
+            waiting = asyncio.create_task(w.post("/v1/worker/claim", json=body))
+            try:
+                await wait_for(lambda: claims.waiting() == 1)  # nothing it may take yet
+                assert (await admin.put("/v1/admin/queues/lim/limits", json={})).is_success
+                async with asyncio.timeout(HANG_GUARD):  # its next look (IDLE_LOOK) finds it
+                    r = await waiting
+            finally:
+                waiting.cancel()
+    assert r.status_code == 200, r.text
+    assert [j["id"] for j in r.json()["jobs"]] == [held] and r.json()["limited"] == [], r.text

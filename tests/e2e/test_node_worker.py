@@ -201,7 +201,8 @@ class Cutter:
     a network does: ``down()`` drops every connection and refuses new ones until ``up()``;
     ``lose_next_result_reply()`` lets the next ``POST /v1/worker/complete`` reach the API,
     then drops its connection as the reply comes (the API has answered; the worker never
-    hears it)."""
+    hears it); ``gateway_error_next_result()`` answers the next one itself with a proxy's
+    HTML 502 page, never sending it on."""
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -209,6 +210,8 @@ class Cutter:
         self.armed = False
         self.swallowed = 0  # result replies lost
         self.refused = 0  # result requests refused while down
+        self.gateway = False  # the next result request is answered 502, as a proxy's page
+        self.gateway_errors = 0
         self.writers: set[asyncio.StreamWriter] = set()
         self.server: asyncio.Server | None = None
 
@@ -237,6 +240,9 @@ class Cutter:
     def lose_next_result_reply(self) -> None:
         self.armed = True
 
+    def gateway_error_next_result(self) -> None:
+        self.gateway = True
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.is_down:
             if (await reader.read(65536)).startswith(b"POST /v1/worker/complete "):
@@ -250,6 +256,16 @@ class Cutter:
         async def requests() -> None:
             nonlocal losing
             while data := await reader.read(65536):
+                if self.gateway and data.startswith(b"POST /v1/worker/complete "):
+                    self.gateway = False
+                    self.gateway_errors += 1
+                    page = b"<html><body>502 Bad Gateway</body></html>"
+                    writer.write(
+                        b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/html\r\n"
+                        b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(page), page)
+                    )
+                    await writer.drain()
+                    return
                 if self.armed and data.startswith(b"POST /v1/worker/complete "):
                     self.armed, losing = False, True
                 up_writer.write(data)
@@ -276,11 +292,12 @@ class Cutter:
                 w.close()
 
 
-@pytest.mark.parametrize("fault", ["api out of reach", "reply lost"])
+@pytest.mark.parametrize("fault", ["api out of reach", "reply lost", "a proxy's 502 page"])
 async def test_results_whose_sends_fail_are_sent_again(start_api: StartApi, fault: str) -> None:
     """Five jobs end together while the worker cannot reach the API (every connection
-    dropped, new ones refused), or while the reply to their results is lost after the API
-    took them: the worker sends the results again, and every job succeeds at its first
+    dropped, new ones refused), while the reply to their results is lost after the API took
+    them, or when a proxy answers their send with an HTML 502 page: the worker sends the
+    results again, and every job succeeds at its first
     attempt, counted as such. Before, a failed send gave the results up: the jobs waited out
     their leases and ran again, or (their reply lost) were counted as not done."""
     api = await start_api(worker_keys=KEY, lease_seconds=30)
@@ -295,11 +312,15 @@ async def test_results_whose_sends_fail_are_sent_again(start_api: StartApi, faul
         await wait_for(lambda: states({"running"}))  # every one claimed: they end together
         if fault == "api out of reach":
             cut.down()
-        else:
+        elif fault == "reply lost":
             cut.lose_next_result_reply()
+        else:
+            cut.gateway_error_next_result()
         assert proc.stdin is not None
         proc.stdin.write(b"release\n")
-        await wait_for(lambda: cut.refused + cut.swallowed > 0, timeout=60)  # a send failed
+        await wait_for(  # a send failed
+            lambda: cut.refused + cut.swallowed + cut.gateway_errors > 0, timeout=60
+        )
         cut.up()
         await wait_for(lambda: states(TERMINAL), timeout=60)
         found = await docs(api, ids)

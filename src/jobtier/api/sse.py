@@ -78,6 +78,9 @@ STOPPING = "streams_stopping"
 (``on_stop_signals``): every stream then ends."""
 
 
+END_GRACE = 1.0  # s: an API stopped while it starts ends this long after the signal
+
+
 def on_stop_signals(
     stopping: asyncio.Event, end_process: Callable[[], bool] | None = None
 ) -> Callable[[], None]:
@@ -91,25 +94,56 @@ def on_stop_signals(
     after. Outside the main thread (no signals there) this does nothing.
 
     ``end_process``: while it says so (an API in a process of its own, not ready yet), the
-    signal ends the process at once, as if unhandled. Neither server stops an app's start:
-    uvicorn waits for it (a Redis that does not answer: ``STARTUP_PATIENCE``), and a granian
-    worker told twice (a Ctrl-C reaches every process of the group, then its main process
-    stops it too) hung for good in its handler, which blocks while the server is not
-    serving. Nothing is lost: an API that is not ready has taken no request."""
+    process ends by the signal, as if unhandled, ``END_GRACE`` after it (at once when told
+    again). Neither server stops an app's start: uvicorn waits for it (a Redis that does not
+    answer: ``STARTUP_PATIENCE``), and a granian worker told twice (a Ctrl-C reaches every
+    process of the group, then its main process stops it too) hung for good in its handler,
+    which blocks while the server is not serving: this handler runs before it, and ends the
+    process first. The grace lets granian's main process, told too, stop its worker itself:
+    a worker that ended before was taken for a crash (exit status 1). Nothing is lost: an
+    API that is not ready has taken no request."""
     loop = asyncio.get_running_loop()
     installed: list[tuple[signal.Signals, Any, Any]] = []
+    told: list[int] = []  # the stop signals received while starting
+    said: list[bool] = []  # its log line written (whole)
+
+    def say(signum: int, handler: bool) -> None:
+        if said:
+            return
+        name = signal.Signals(told[0]).name
+        message = (
+            f"event=api_stopped_while_starting signal={name}: not ready, no request taken; "
+            f"the process ends in {END_GRACE:g} s, at once if told again"
+        )
+        if not handler:
+            log.warning(message)
+            said.append(True)  # (a handler cutting the write short writes it again)
+            return
+        # in a signal handler logging's handlers may be locked by the code interrupted:
+        # the line is formatted as they would, and written straight to stderr
+        record = log.makeRecord(log.name, logging.WARNING, __file__, 0, message, (), None)
+        formatter = next((h.formatter for h in logging.getLogger().handlers if h.formatter), None)
+        with contextlib.suppress(OSError):
+            os.write(2, ((formatter or logging.Formatter()).format(record) + "\n").encode())
+
+    def end_now(signum: int) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    def end_soon(signum: int) -> None:  # on the loop
+        say(signum, handler=False)
+        loop.call_later(END_GRACE, end_now, signum)
 
     def chained(prev: Any) -> Any:
         def handler(signum: int, frame: Any) -> None:
             if end_process is not None and end_process():
-                log.warning(
-                    "event=api_stopped_while_starting signal=%s: not ready, no request taken; "
-                    "the process ends now",
-                    signal.Signals(signum).name,
-                )
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
-                return
+                if told:
+                    say(signum, handler=True)
+                    end_now(signum)
+                    return
+                told.append(signum)
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(end_soon, signum)
             with contextlib.suppress(RuntimeError):  # its loop closed: nothing left to end
                 loop.call_soon_threadsafe(stopping.set)
             if callable(prev):

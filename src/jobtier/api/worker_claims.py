@@ -87,7 +87,8 @@ class _Waiter:
     gen: list[int]
     event: asyncio.Event = field(default_factory=asyncio.Event)
     wake_at: float = 0.0  # monotonic time a blocked queue's block ends (0: none)
-    limited: set[str] = field(default_factory=set)  # queues asked that are limited
+    limited: set[str] = field(default_factory=set)  # queues asked that are limited, as of
+    # the last round that had an answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,6 +252,7 @@ class WorkerClaims:
         round has claimed a job, until ``deadline`` (``RESEND_MIN`` from its loss at least,
         half a lease at most)."""
         out: list[Claimed] = []
+        limited: set[str] | None = None  # the limited queues, as the shards answering say
         asked = [(q, -1) for q in queues]
         down: set[int] = set()  # shards whose call failed: not asked anew by this claim
         lost: dict[int, tuple[int, Call]] = {}  # shard -> (jobs asked, call): may have run
@@ -286,7 +288,10 @@ class WorkerClaims:
                         lost[shard] = (n, call)
                     continue
                 batch = parse_claim(shard, reply)
-                w.limited.update(batch.unaware)
+                # every shard says which queues are limited; one still flagged limited while
+                # its limit is lifted shard by shard counts as not limited
+                unaware = set(batch.unaware)
+                limited = unaware if limited is None else limited & unaware
                 if lost.pop(shard, None) is not None:
                     log.info(
                         "event=claim_resent worker=%s shard=%d jobs=%d: a claim whose reply "
@@ -336,6 +341,8 @@ class WorkerClaims:
                 break
         for shard in down:
             w.ready[shard] = UNKNOWN  # asked again at the next round of claims
+        if limited is not None:
+            w.limited = limited
         return out
 
     def _hand_back(self, worker: str, lost: dict[int, tuple[int, Call]], until: float) -> None:

@@ -11,6 +11,7 @@ from jobtier.api.problems import Problem
 from jobtier.api.worker_bodies import ItemOutcome
 from jobtier.core.errors import Code, JobNotFound
 from jobtier.engine.queue import Queue
+from jobtier.status.docs import read_docs
 
 
 def refused(job_id: str, code: Code) -> Problem:
@@ -31,17 +32,13 @@ async def refused_now(queue: Queue, job_id: str, code: Code) -> Problem:
     in the detail and as members. A worker that sent an answer again, its first reply lost,
     learns from them whether the first was taken (its own worker id and attempt, the state
     its answer makes)."""
-    problem = refused(job_id, code)
     if code is Code.NOT_FOUND:
-        return problem
+        return refused(job_id, code)
     try:
-        doc = orjson.loads(await queue.jobs.status_doc(job_id))
+        doc = await queue.jobs.status_doc(job_id)
     except JobNotFound:  # gone since
-        return problem
-    now = {k: doc.get(k) for k in ("state", "attempt", "worker")}
-    by = f", worker {now['worker']}" if now["worker"] else ""
-    detail = f"{problem.detail}; it is {now['state']} now (attempt {now['attempt']}{by})"
-    return Problem(409, "conflict", detail, job_id=job_id, **now)
+        doc = None
+    return _with_now(refused(job_id, code), doc)
 
 
 def item_refused(job_id: str, code: Code) -> ItemOutcome:
@@ -49,11 +46,28 @@ def item_refused(job_id: str, code: Code) -> ItemOutcome:
     return ItemOutcome(job_id, problem.status, None, problem.detail)
 
 
-async def item_refused_now(queue: Queue, job_id: str, code: Code) -> ItemOutcome:
-    """``item_refused``, saying what the job is now (``refused_now``): refusals are few."""
-    problem = await refused_now(queue, job_id, code)
-    now = problem.extra
-    return ItemOutcome(
-        job_id, problem.status, now.get("state"), problem.detail, now.get("attempt"),
-        now.get("worker"),
-    )  # fmt: skip
+async def items_refused_now(queue: Queue, items: list[tuple[str, Code]]) -> list[ItemOutcome]:
+    """``item_refused`` of each, saying what the job is now (``refused_now``): their
+    documents read together (a script call per shard, pipelined), as a batch sent again, its
+    first reply lost, has every item refused."""
+    ids = [job_id for job_id, code in items if code is not Code.NOT_FOUND]
+    docs = dict(zip(ids, await read_docs(queue.redis, queue.keys, ids), strict=True))
+    out = []
+    for job_id, code in items:
+        found = docs.get(job_id)
+        problem = _with_now(refused(job_id, code), found[1] if found else None)
+        now = problem.extra
+        state, attempt, by = now.get("state"), now.get("attempt"), now.get("worker")
+        out.append(ItemOutcome(job_id, problem.status, state, problem.detail, attempt, by))
+    return out
+
+
+def _with_now(problem: Problem, raw: bytes | str | None) -> Problem:
+    """``problem`` (a 409), with what the job's status document ``raw`` says it is now."""
+    if problem.status != 409 or raw is None:
+        return problem
+    doc = orjson.loads(raw)
+    now = {k: doc.get(k) for k in ("state", "attempt", "worker")}
+    by = f", worker {now['worker']}" if now["worker"] else ""
+    detail = f"{problem.detail}; it is {now['state']} now (attempt {now['attempt']}{by})"
+    return Problem(409, "conflict", detail, **problem.extra, **now)

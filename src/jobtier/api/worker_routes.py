@@ -56,7 +56,7 @@ from jobtier.api.worker_bodies import (
     retry_delay,
 )
 from jobtier.api.worker_claims import Claimed, QueuesLimited, WorkerClaims
-from jobtier.api.worker_refusals import item_refused, item_refused_now, refused_now
+from jobtier.api.worker_refusals import item_refused, items_refused_now, refused_now
 from jobtier.config import Settings
 from jobtier.core.errors import Code, JobNotFound
 from jobtier.core.model import (
@@ -343,12 +343,18 @@ async def complete_many(request: Request) -> Response:
         for shard, items in by_shard.items()
     ]
     replies = await queue.scripts.call_many(calls)
+    stale: list[tuple[int, tuple[str, Code]]] = []
     for items, reply in zip(by_shard.values(), replies, strict=True):
         for (i, (job_id, _, _)), code in zip(items, reply, strict=True):
             if code == Code.OK:
                 answers[i] = ItemOutcome(job_id, 200, "succeeded")
             else:
-                answers[i] = await item_refused_now(queue, job_id, Code(code))
+                stale.append((i, (job_id, Code(code))))
+    if stale:
+        for (i, _), answer in zip(
+            stale, await items_refused_now(queue, [it for _, it in stale]), strict=True
+        ):
+            answers[i] = answer
     return encoded(CompleteManyResponse([a for a in answers if a is not None]))
 
 
