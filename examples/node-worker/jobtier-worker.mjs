@@ -187,6 +187,7 @@ export class Worker {
     this.outbox = [];
     this.sending = false;
     this.limitedSaid = ""; // the limited queues last logged (a claim answer names them)
+    this.retryWake = null; // ends the wait before a failed claim is tried again
   }
 
   async register() {
@@ -241,9 +242,13 @@ export class Worker {
           const wait = err.problem === "queue-limited" ? 60_000 : backoff;
           this.log.error(`claim failed: ${err.message}; retrying in ${wait} ms`);
           await new Promise((resolve) => {
-            this.slotFree = resolve; // stop() ends the wait
-            setTimeout(resolve, wait);
+            const timer = setTimeout(resolve, wait);
+            this.retryWake = () => {
+              clearTimeout(timer); // (a pending timer would keep a stopped process up)
+              resolve();
+            };
           });
+          this.retryWake = null;
           backoff = Math.min(backoff * 2, 5000);
           continue;
         }
@@ -272,6 +277,7 @@ export class Worker {
     this.stopping = true;
     this.claimAbort.abort();
     this.wakeClaimLoop();
+    this.retryWake?.(); // a claim's retry waiting out its back-off
   }
 
   // Hand every running job back to its queue now (a shutdown that cannot wait for them).
@@ -438,6 +444,9 @@ export class Worker {
               ? batch[i].resolve(r)
               : batch[i].reject(new LeaseLost(r.id, r.detail, r)),
           );
+          for (const b of batch.slice(answer.jobs.length)) {
+            b.reject(new Error(`job ${b.job.id}: the batch's answer says nothing of it`));
+          }
         } catch (err) {
           if (batch.length > 1 && err.status === 413) {
             // refused as a whole (one result over the server's limit, or the body over its

@@ -186,3 +186,31 @@ async def test_long_polls_answer_at_once_once_the_api_is_told_to_stop(
             assert again.status_code == 304, again.text
             claimed = await w.post("/v1/worker/claim", json=claim)
             assert claimed.status_code == 200 and claimed.json()["jobs"] == [], claimed.text
+
+
+READY_IN_TIME = """
+import asyncio, os, signal
+from jobtier.api.sse import END_GRACE, on_stop_signals
+
+async def main():
+    starting = [True]
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the server's own handler, told too
+    on_stop_signals(asyncio.Event(), end_process=lambda: starting[0])
+    os.kill(os.getpid(), signal.SIGTERM)  # told to stop while it starts...
+    await asyncio.sleep(0.1)
+    starting[0] = False  # ...and ready before the grace ran out
+    await asyncio.sleep(END_GRACE * 2)
+    print("serving", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_an_api_ready_within_the_grace_is_left_to_its_server() -> None:
+    """Told to stop while starting, then ready before the grace ran out: the process is not
+    ended by the signal (its server, told by the same signal, stops it as it stops any,
+    letting the requests in flight finish), where it was, requests and all."""
+    done = subprocess.run(
+        [sys.executable, "-c", READY_IN_TIME], capture_output=True, text=True, timeout=60
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "serving"), done

@@ -107,15 +107,16 @@ def on_stop_signals(
     told: list[int] = []  # the stop signals received while starting
     said: list[bool] = []  # its log line written (whole)
 
-    def say(signum: int, handler: bool) -> None:
+    def say(signum: int, now: bool) -> None:
         if said:
             return
         name = signal.Signals(told[0]).name
+        when = "now, told again" if now else f"in {END_GRACE:g} s, at once if told again"
         message = (
             f"event=api_stopped_while_starting signal={name}: not ready, no request taken; "
-            f"the process ends in {END_GRACE:g} s, at once if told again"
+            f"the process ends {when}"
         )
-        if not handler:
+        if not now:  # (on the loop)
             log.warning(message)
             said.append(True)  # (a handler cutting the write short writes it again)
             return
@@ -131,16 +132,21 @@ def on_stop_signals(
         os.kill(os.getpid(), signum)
 
     def end_soon(signum: int) -> None:  # on the loop
-        say(signum, handler=False)
-        loop.call_later(END_GRACE, end_now, signum)
+        say(signum, now=False)
+        loop.call_later(END_GRACE, end_unless_ready, signum)
+
+    def end_unless_ready(signum: int) -> None:
+        # ready meanwhile: its server, told by the same signal, stops it as it stops any
+        if end_process is not None and end_process():
+            end_now(signum)
 
     def chained(prev: Any) -> Any:
         def handler(signum: int, frame: Any) -> None:
+            if told:  # told again, once told while starting (ready since, or not): at once,
+                say(signum, now=True)  # before granian's handler, which would block
+                end_now(signum)
+                return
             if end_process is not None and end_process():
-                if told:
-                    say(signum, handler=True)
-                    end_now(signum)
-                    return
                 told.append(signum)
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(end_soon, signum)
