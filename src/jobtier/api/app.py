@@ -106,7 +106,7 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
         stopping = asyncio.Event()  # set by SIGTERM/SIGINT: the streams end (api/sse.py)
         starting = True
-        # its own process: a stop while it waits for Redis or Postgres ends the process at once
+        # its own process: a stop while it waits for Redis or Postgres ends the process (sse.py)
         still_starting = (lambda: starting) if own_process else None
         undo_signals = on_stop_signals(stopping, end_process=still_starting)
         try:
