@@ -90,7 +90,8 @@ def create_app(
     schedules); without it the API serves what Redis holds. ``status_fast_path=False``
     serves status reads through the router too (to compare the two: tests, benchmarks).
     ``own_process``: the app is its server process's only part (`jobtier api`): told to stop
-    before it is ready (waiting for Redis or Postgres), the process ends at once (sse.py).
+    before it is ready (waiting for Redis or Postgres), the process ends within a second
+    (sse.py ``on_stop_signals``).
     """
     tenants = settings.tenant_keys()
     if not tenants and not settings.admin_key:

@@ -92,7 +92,7 @@ async def job_transition(
     """``transition`` of the tenant's job, the change a client asks of it (cancel, retry)
     (``outbox_transition``)."""
     doc = await outbox_transition(
-        request, job_id_of(request), tenant_of(request), change, refused, once_relayed
+        request, job_id_of(request), tenant_of(request), change, refused, once_relayed=once_relayed
     )
     return DocResponse(doc)
 
@@ -103,6 +103,7 @@ async def outbox_transition(
     tenant: str | None,
     change: Change,
     refused: Refused,
+    *,
     once_relayed: bool,
 ) -> bytes:
     """``transition`` of the job (the tenant's; any tenant's with None: the console). A job
@@ -123,15 +124,14 @@ async def outbox_transition(
         )
         raise Problem(409, "wrong-state", detail, job=orjson.loads(doc)) from None
     detail = f"job {job_id} is still in the outbox: the relay has not taken it into Redis yet"
-    if not once_relayed:
-        raise Problem(
-            409, "not-relayed-yet", f"{detail}, and it has not run", job=orjson.loads(doc)
-        ) from None
-    raise Problem(
-        409, "not-relayed-yet",
-        f"{detail} (it does within a second while a persister runs its relay): send this again then",
-        job=orjson.loads(doc), headers={"retry-after": "1"},
-    ) from None  # fmt: skip
+    if once_relayed:
+        detail += (
+            " (it does within a second while a persister runs its relay): send this again then"
+        )
+    else:
+        detail += ", and it has not run"
+    headers = {"retry-after": "1"} if once_relayed else None
+    raise Problem(409, "not-relayed-yet", detail, job=orjson.loads(doc), headers=headers) from None
 
 
 def finished(job_id: str, state: str) -> str:

@@ -155,8 +155,7 @@ def on_stop_signals(
             if callable(prev):
                 prev(signum, frame)
             elif prev == signal.SIG_DFL:  # nobody took it: what it would have done
-                signal.signal(signum, signal.SIG_DFL)
-                os.kill(os.getpid(), signum)
+                end_now(signum)
 
         return handler
 

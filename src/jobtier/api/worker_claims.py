@@ -288,13 +288,13 @@ class WorkerClaims:
                         lost[shard] = (n, call)
                     continue
                 batch = parse_claim(shard, reply)
-                resent = lost.pop(shard, None) is not None
-                if not resent:  # (a resent claim is answered as it was: no limited queues)
+                if lost.pop(shard, None) is None:
                     # every shard says which queues are limited; one still flagged limited
-                    # while its limit is lifted shard by shard counts as not limited
+                    # while its limit is lifted shard by shard counts as not limited (a
+                    # resent claim is answered as it was, and says none)
                     unaware = set(batch.unaware)
                     limited = unaware if limited is None else limited & unaware
-                if resent:
+                else:
                     log.info(
                         "event=claim_resent worker=%s shard=%d jobs=%d: a claim whose reply "
                         "was lost, sent again, answered the jobs it leased",

@@ -9,7 +9,7 @@ import orjson
 
 from jobtier.api.problems import Problem
 from jobtier.api.worker_bodies import ItemOutcome
-from jobtier.core.errors import Code, JobNotFound
+from jobtier.core.errors import Code
 from jobtier.engine.queue import Queue
 from jobtier.status.docs import read_docs
 
@@ -32,42 +32,41 @@ async def refused_now(queue: Queue, job_id: str, code: Code) -> Problem:
     in the detail and as members. A worker that sent an answer again, its first reply lost,
     learns from them whether the first was taken (its own worker id and attempt, the state
     its answer makes)."""
-    if code is Code.NOT_FOUND:
-        return refused(job_id, code)
-    try:
-        doc = await queue.jobs.status_doc(job_id)
-    except JobNotFound:  # gone since
-        doc = None
-    return _with_now(refused(job_id, code), doc)
+    (problem,) = await _refusals_now(queue, [(job_id, code)])
+    return problem
 
 
 def item_refused(job_id: str, code: Code) -> ItemOutcome:
-    problem = refused(job_id, code)
-    return ItemOutcome(job_id, problem.status, None, problem.detail)
+    return _as_item(job_id, refused(job_id, code))
 
 
 async def items_refused_now(queue: Queue, items: list[tuple[str, Code]]) -> list[ItemOutcome]:
-    """``item_refused`` of each, saying what the job is now (``refused_now``): their
-    documents read together (a script call per shard, pipelined), as a batch sent again, its
-    first reply lost, has every item refused."""
+    """``item_refused`` of each, saying what the job is now (``refused_now``), as a batch
+    sent again, its first reply lost, has every item refused."""
+    problems = await _refusals_now(queue, items)
+    return [_as_item(job_id, p) for (job_id, _), p in zip(items, problems, strict=True)]
+
+
+async def _refusals_now(queue: Queue, items: list[tuple[str, Code]]) -> list[Problem]:
+    """``refused`` of each, with what its job is now: their documents read together (a
+    script call per shard, pipelined); none for a 404, or a job gone since."""
     ids = [job_id for job_id, code in items if code is not Code.NOT_FOUND]
     docs = dict(zip(ids, await read_docs(queue.redis, queue.keys, ids), strict=True))
     out = []
     for job_id, code in items:
+        problem = refused(job_id, code)
         found = docs.get(job_id)
-        problem = _with_now(refused(job_id, code), found[1] if found else None)
-        now = problem.extra
-        state, attempt, by = now.get("state"), now.get("attempt"), now.get("worker")
-        out.append(ItemOutcome(job_id, problem.status, state, problem.detail, attempt, by))
+        if problem.status == 409 and found and found[1] is not None:
+            doc = orjson.loads(found[1])
+            now = {k: doc.get(k) for k in ("state", "attempt", "worker")}
+            by = f", worker {now['worker']}" if now["worker"] else ""
+            detail = f"{problem.detail}; it is {now['state']} now (attempt {now['attempt']}{by})"
+            problem = Problem(409, "conflict", detail, **problem.extra, **now)
+        out.append(problem)
     return out
 
 
-def _with_now(problem: Problem, raw: bytes | str | None) -> Problem:
-    """``problem`` (a 409), with what the job's status document ``raw`` says it is now."""
-    if problem.status != 409 or raw is None:
-        return problem
-    doc = orjson.loads(raw)
-    now = {k: doc.get(k) for k in ("state", "attempt", "worker")}
-    by = f", worker {now['worker']}" if now["worker"] else ""
-    detail = f"{problem.detail}; it is {now['state']} now (attempt {now['attempt']}{by})"
-    return Problem(409, "conflict", detail, **problem.extra, **now)
+def _as_item(job_id: str, problem: Problem) -> ItemOutcome:
+    now = problem.extra
+    state, attempt, by = now.get("state"), now.get("attempt"), now.get("worker")
+    return ItemOutcome(job_id, problem.status, state, problem.detail, attempt, by)
