@@ -69,9 +69,10 @@ WHERE id IN (
 
 -- name: outbox_status_docs
 -- Jobs of the outbox that Postgres has no row of: not relayed yet, refused by the relay, or
--- (with $2) relayed within the last 10 minutes (a read that missed them in Redis just before the relay,
--- and the persister has not written their row yet: they read as submitted, as they were,
--- rather than not found; past that, a job neither Redis nor Postgres holds is not found).
+-- (with $2) relayed within the last 10 minutes (a read that missed them in Redis just before
+-- the relay, and the persister has not written their row yet: they read as submitted, as
+-- they were, rather than not found; past that, a job neither Redis nor Postgres holds is not
+-- found).
 -- run_at only as a datetime holds it (an infinity or a date BC reads as none: due now, or
 -- refused by the relay), so that one such row cannot fail the read of every id with it.
 SELECT id, tenant, type, queue, priority,

@@ -4,10 +4,10 @@ Between its commit and its relay a job submitted with ``jobtier.submit`` is a ro
 ``jobtier.outbox`` only: a status read of its id answers ``submitted`` (version 0: its first
 version in Redis, 1, supersedes it), not 404; and so does a row relayed in the last 10
 minutes, for a read that missed the job in Redis just before the relay, until the persister
-writes its row (which is read first). A row the relay refused reads as ``failed`` with the reason, for as
-long as finished jobs are kept. What the relay takes from the task
-(its queue and attempts when the caller gave none) is not known yet: ``queue`` is the one
-given, else ``default``, and ``max_attempts`` 0.
+writes its row (which is read first). A row the relay refused reads as ``failed`` with the
+reason, for as long as finished jobs are kept. What the relay takes from the task (its
+queue and attempts when the caller gave none) is not known yet: ``queue`` is the one given,
+else ``default``, and ``max_attempts`` 0.
 """
 
 from __future__ import annotations
