@@ -113,6 +113,8 @@ NO_BY_STATE = f"{PERSIST}-no-by-state"
 HOLD = f"{PERSIST}-hold"
 # (--persister-env NAME=VALUE,...) the same, its persister run with these settings
 PERSIST_ENV = f"{PERSIST}-env"
+# (--pg-settings NAME=VALUE,...) the same, on a Postgres with these settings added
+PG_SET = f"{PERSIST}-pg"
 # what the bench gives the persister itself (PersistHook.start)
 BENCH_SETS = frozenset(
     {"JOBTIER_REDIS_URL", "JOBTIER_DATABASE_URL", "JOBTIER_SHARDS", "JOBTIER_REDIS_REQUIRE_AOF",
@@ -210,6 +212,15 @@ def systems(args: argparse.Namespace) -> dict[str, System]:
                 f"jobtier + persister, {assigned}",
                 f"the same as jobtier + persister, its persister run with `{assigned}` "
                 "(`--persister-env`), on a Postgres of its own",
+            )
+            continue
+        if name == PG_SET:
+            assigned = ", ".join(f"{k} = {v}" for k, v in args.pg_settings.items())
+            known[name] = System(
+                name,
+                f"jobtier + persister, Postgres {assigned}",
+                f"the same as jobtier + persister, on a Postgres of its own whose configuration "
+                f"adds `{assigned}` (`--pg-settings`)",
             )
             continue
         named = len(args.collations) > 1 or collation != "C"  # C: as `jobtier run` makes it
@@ -1069,6 +1080,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "(JOBTIER_* environment variables, e.g. JOBTIER_PERSIST_BATCH_SIZE=8000), on a Postgres "
         "of its own, in the same interleaved runs: a setting against its default",
     )
+    p.add_argument(
+        "--pg-settings",
+        metavar="NAME=VALUE,...",
+        help="with --persister: also measure it on a Postgres of its own whose configuration "
+        "adds these settings (e.g. wal_compression=lz4,max_wal_size=4GB), in the same "
+        "interleaved runs: Postgres's tuning against the configuration the bench gives it",
+    )
     p.add_argument("--quick", action="store_true", help="2,000 jobs, 1 run: a smoke test")
     p.add_argument("--no-save", action="store_true", help="print only; keep results files")
     args = p.parse_args(argv)
@@ -1091,6 +1109,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--persister-env takes JOBTIER_NAME=VALUE assignments, comma-separated")
     if set_here := sorted(set(args.persister_env) & BENCH_SETS):
         p.error(f"--persister-env: the bench sets {', '.join(set_here)} itself")
+    pg_assignments = [a for a in (args.pg_settings or "").split(",") if a]
+    args.pg_settings = dict(a.split("=", 1) for a in pg_assignments if "=" in a)
+    if pg_assignments and not args.persister:
+        p.error("--pg-settings is about the persister's Postgres: add --persister")
+    if len(args.pg_settings) != len(pg_assignments):
+        p.error("--pg-settings takes name=value assignments, comma-separated")
     # settings every jobtier process here reads from the shell (shown in the report, secrets
     # masked), but those the bench gives them itself
     secret = {env_name(f) for f in dataclasses.fields(Settings) if f.metadata.get("secret")}
@@ -1106,6 +1130,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             **({NO_BY_STATE: args.collations[0]} if args.what_if == "no-by-state" else {}),
             **({HOLD: args.collations[0]} if args.what_if == "hold" else {}),
             **({PERSIST_ENV: args.collations[0]} if args.persister_env else {}),
+            **({PG_SET: args.collations[0]} if args.pg_settings else {}),
         }
         at = args.systems.index("jobtier") + 1 if "jobtier" in args.systems else 0
         args.systems[at:at] = list(args.persist_systems)
@@ -1213,7 +1238,11 @@ def run(argv: list[str] | None = None, report: Callable[[str], None] = print) ->
 
             folder = Path(tempfile.mkdtemp(prefix="jobtier-compare-pg-"))
             atexit.register(shutil.rmtree, folder, True)
-            pg = LocalPostgres(folder, durable=True, collation=collation)
+            settings = args.pg_settings if name == PG_SET else None
+            try:
+                pg = LocalPostgres(folder, durable=True, collation=collation, settings=settings)
+            except ValueError as exc:
+                raise SystemExit(f"--pg-settings: {exc}") from None
             servers.append(pg)
             pg.start()
             args.postgres[name] = (pg.dsn, pg.pid)

@@ -26,6 +26,7 @@ import stat
 import subprocess
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ SUPERUSER = "postgres"
 SERVICE_USERS = ("postgres", "jobtier-pg", "nobody")
 RELOCATED_NOTE = "DATA-IS-ELSEWHERE.txt"
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")  # role and database names go into SQL text
+_PLAIN_VALUE = re.compile(r"^[A-Za-z0-9_.:+-]{1,64}$")  # a setting's value, quoted in jobtier.conf
 _STOP_SIGNALS = {"smart": signal.SIGTERM, "fast": signal.SIGINT, "immediate": signal.SIGQUIT}
 
 
@@ -104,10 +106,14 @@ class LocalPostgres:
         durable: bool = True,
         bin_dir: Path | None = None,
         collation: str = "C",
+        settings: Mapping[str, str] | None = None,
     ) -> None:
         for name in (user, database):
             if not _IDENT.match(name):
                 raise ValueError(f"not a plain SQL identifier: {name!r}")
+        for name, value in (settings or {}).items():
+            if not _IDENT.match(name) or not _PLAIN_VALUE.match(value):
+                raise ValueError(f"not a plain Postgres setting: {name}={value!r}")
         self.requested = Path(folder).absolute()
         self.folder = self.requested  # moved by start() when run_as cannot reach it
         self.port = port or free_port()
@@ -115,6 +121,7 @@ class LocalPostgres:
         self.database = database
         self.durable = durable
         self.collation = collation
+        self.settings = dict(settings or {})  # more postgresql.conf lines: name = 'value'
         self.bin_dir = bin_dir or pg_bin_dir()
         self.run_as = _service_user() if os.geteuid() == 0 else None
         self.socket_dir = self._socket_dir()
@@ -237,6 +244,7 @@ class LocalPostgres:
         ]
         if not self.durable:
             lines += ["fsync = off", "synchronous_commit = off", "full_page_writes = off"]
+        lines += [f"{name} = '{value}'" for name, value in self.settings.items()]
         conf = self.data / "jobtier.conf"
         conf.write_text("\n".join(lines) + "\n")
         if self.run_as:
