@@ -181,7 +181,7 @@ export class Worker {
     this.stopping = false;
     this.claimAbort = new AbortController();
     this.slotFree = null; // resolves when a running job ends
-    this.stats = { succeeded: 0, failed: 0, cancelled: 0, lost: 0 };
+    this.stats = { succeeded: 0, failed: 0, cancelled: 0, lost: 0, unsent: 0 };
     // results waiting for the next batch: one request carries all that ended while the
     // previous one was in flight (a request per job would make the API the bottleneck)
     this.outbox = [];
@@ -386,7 +386,11 @@ export class Worker {
         this.stats.failed += 1;
         return;
       }
-      throw err;
+      // given up: refused as a request (another 4xx), or still failing when the lease would
+      // lapse; the job runs again once its lease has lapsed
+      this.stats.unsent += 1;
+      const when = "it runs again once its lease lapses";
+      this.log.error(`job ${job.id}: outcome not sent, ${err.message}; ${when}`);
     }
   }
 

@@ -116,7 +116,7 @@ async def test_the_node_worker_runs_jobs_end_to_end(
     assert got[fatal]["error"]["type"] == "NonRetryable"
     assert got[held]["state"] == "cancelled"
     assert (got[late]["state"], got[late]["error"]["type"]) == ("failed", "TimeoutError")
-    assert stats == {"succeeded": 21, "failed": 4, "cancelled": 1, "lost": 0}
+    assert stats == {"succeeded": 21, "failed": 4, "cancelled": 1, "lost": 0, "unsent": 0}
 
 
 async def test_a_stale_completion_from_node_is_refused(start_api: StartApi) -> None:
@@ -202,7 +202,8 @@ class Cutter:
     ``lose_next_result_reply()`` lets the next ``POST /v1/worker/complete`` reach the API,
     then drops its connection as the reply comes (the API has answered; the worker never
     hears it); ``gateway_error_next_result()`` answers the next one itself with a proxy's
-    HTML 502 page, never sending it on."""
+    HTML 502 page, never sending it on (``status``: another; ``every``: each one until
+    ``up()``)."""
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -210,7 +211,9 @@ class Cutter:
         self.armed = False
         self.swallowed = 0  # result replies lost
         self.refused = 0  # result requests refused while down
-        self.gateway = False  # the next result request is answered 502, as a proxy's page
+        self.gateway = False  # the next result request is answered by a proxy's page
+        self.gateway_status = 502
+        self.gateway_every = False  # every result request, until up()
         self.gateway_errors = 0
         self.writers: set[asyncio.StreamWriter] = set()
         self.server: asyncio.Server | None = None
@@ -236,12 +239,13 @@ class Cutter:
 
     def up(self) -> None:
         self.is_down = False
+        self.gateway = self.gateway_every = False
 
     def lose_next_result_reply(self) -> None:
         self.armed = True
 
-    def gateway_error_next_result(self) -> None:
-        self.gateway = True
+    def gateway_error_next_result(self, status: int = 502, every: bool = False) -> None:
+        self.gateway, self.gateway_status, self.gateway_every = True, status, every
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.is_down:
@@ -257,12 +261,13 @@ class Cutter:
             nonlocal losing
             while data := await reader.read(65536):
                 if self.gateway and data.startswith(b"POST /v1/worker/complete "):
-                    self.gateway = False
+                    self.gateway = self.gateway_every
                     self.gateway_errors += 1
-                    page = b"<html><body>502 Bad Gateway</body></html>"
+                    status = b"%d Proxy Error" % self.gateway_status
+                    page = b"<html><body>%s</body></html>" % status
                     writer.write(
-                        b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/html\r\n"
-                        b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(page), page)
+                        b"HTTP/1.1 %s\r\ncontent-type: text/html\r\nconnection: close\r\n"
+                        b"content-length: %d\r\n\r\n%s" % (status, len(page), page)
                     )
                     await writer.drain()
                     return
@@ -332,3 +337,60 @@ async def test_results_whose_sends_fail_are_sent_again(start_api: StartApi, faul
                 pass
         stats = json.loads(said)
         assert (stats["succeeded"], stats["failed"], stats["lost"]) == (5, 0, 0), stats
+
+
+@pytest.mark.parametrize("fault", ["a proxy's 400 page", "api out of reach past the lease"])
+async def test_results_are_given_up_when_sending_them_again_cannot_help(
+    start_api: StartApi, fault: str
+) -> None:
+    """A result whose send is refused as a request (a proxy's 400 page: not the API's, and
+    not one that passes) is not sent again; one whose send fails until its job's lease would
+    have lapsed (the API out of reach, a 3 s lease) is given up then. Either way the worker
+    says so, counts it unsent, and the job runs again once its lease has lapsed: here the API
+    comes back, the leases are reclaimed, and the worker runs the jobs again."""
+    lease = 30 if fault == "a proxy's 400 page" else 3
+    api = await start_api(worker_keys=KEY, lease_seconds=lease)
+    port = int(api.url.rsplit(":", 1)[1])
+    queue = api.server.lifespan.state["queue"]
+    async with Cutter(port) as cut, node(str(CUT), cut.url, KEY) as proc:
+        assert await line(proc) == "ready"
+        ids = [await submit(api, "node.hold", {"i": i}) for i in range(5)]
+        await wait_for(lambda: _all_in(api, ids, {"running"}))
+        if fault == "a proxy's 400 page":
+            cut.gateway_error_next_result(400, every=True)
+        else:
+            cut.down()
+        assert proc.stdin is not None
+        proc.stdin.write(b"release\n")
+        given_up: list[str] = []
+        async with asyncio.timeout(60):
+            while len(given_up) < 5:
+                said = await line(proc)
+                if "outcome not sent" in said:
+                    given_up.append(said)
+        if fault == "a proxy's 400 page":
+            # each batch sent once: a 400 is not sent again, however long the lease
+            assert 1 <= cut.gateway_errors <= 5, cut.gateway_errors
+        assert await _all_in(api, ids, {"running"})  # nothing reached the API
+        cut.up()
+        shards = {queue.keys.shard_of(i) for i in ids}
+
+        async def run_again() -> bool:
+            await queue.scripts.call_many([reclaim_call(s, 10, 60, 60) for s in shards])
+            return await _all_in(api, ids, TERMINAL)
+
+        if fault == "api out of reach past the lease":
+            await wait_for(run_again, timeout=60)
+            found = await docs(api, ids)
+            assert [(found[i]["state"], found[i]["attempt"]) for i in ids] == [("succeeded", 2)] * 5
+        proc.stdin.write(b"stop\n")
+        async with asyncio.timeout(60):
+            while (said := await line(proc)).startswith("log: "):
+                pass
+        stats = json.loads(said)
+        succeeded = 5 if fault == "api out of reach past the lease" else 0
+        assert (stats["unsent"], stats["succeeded"], stats["lost"]) == (5, succeeded, 0), stats
+
+
+async def _all_in(api: ApiServer, ids: list[str], states: set[str]) -> bool:
+    return all(d["state"] in states for d in (await docs(api, ids)).values())
