@@ -125,8 +125,9 @@ class Settings:
     admin_key: str = _setting("", "Key for the admin routes.", secret=True)
     worker_keys: str = _setting(
         "",
-        "HTTP workers' keys, for the /v1/worker routes: 'key1,key2' (none: those routes take no "
-        "key; a tenant's or the admin key is a 403 there, any other a 401).",
+        "HTTP workers' keys, for the /v1/worker routes: 'key1,key2' (none: no HTTP worker is "
+        "let in, those routes answer every request with a 401 or 403). A tenant's or the admin "
+        "key is a 403 there, any other key a 401.",
         secret=True,
     )
     rate_limit_per_second: float = _setting(

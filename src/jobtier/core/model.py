@@ -166,7 +166,7 @@ class Transition(msgspec.Struct, frozen=True):
 
 class CallbackSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A job's own webhook: ``url`` receives its terminal state, or every transition with
-    ``events="all"``, signed with the tenant's secret (see the README's Webhooks)."""
+    ``events="all"``, signed with the tenant's secret (docs/webhooks.md)."""
 
     url: str
     events: str = "terminal"

@@ -208,7 +208,7 @@ function renderJobRows(items) {
         "A job that fails for good (out of attempts, or a non-retryable error) lands here, to be inspected and replayed.");
     } else {
       empty = emptyState("No jobs in Postgres yet",
-        "Submit one with POST /v1/jobs (the README's tour shows how); it shows here once the persister has written it.");
+        "Submit one with POST /v1/jobs (the getting-started tour shows how); it shows here once the persister has written it.");
     }
     holder.replaceChildren(empty);
     return;
