@@ -95,7 +95,19 @@ async def test_a_long_failure_message_is_kept_cut_not_refused(start_api: StartAp
         ([{"type": "t.a"}, {"type": "t.b"}, {"type": "t.a", "queue": "q2"}], "tasks[2].type",
          "'t.a' is advertised twice (tasks[0] too)"),
         ([{"type": "t.a", "payload_schema": {"type": "nonsense"}}], "tasks[0].payload_schema",
-         "is not a JSON Schema: 'nonsense' is not valid"),
+         "is refused, not a JSON Schema: 'nonsense' is not valid"),
+        # the API applies the schema to every tenant's submits: it reads no file, fetches no
+        # URL, and matches no pattern in more than linear time
+        ([{"type": "t.a", "payload_schema": {"$ref": "file:///etc/hostname"}}],
+         "tasks[0].payload_schema", "'file:///etc/hostname' points out of the schema"),
+        ([{"type": "t.a", "payload_schema": {"properties": {"x": {"$ref": "http://127.0.0.1:9/s"}}}}],
+         "tasks[0].payload_schema", "points out of the schema: only '#…' is followed (at /properties/x)"),
+        ([{"type": "t.a", "payload_schema": {"$ref": "#/$defs/nope"}}], "tasks[0].payload_schema",
+         "'#/$defs/nope' points at nothing in the schema"),
+        ([{"type": "t.a", "payload_schema": {"type": "string", "pattern": "^(?=a)b"}}],
+         "tasks[0].payload_schema", "cannot be matched in linear time (RE2)"),
+        ([{"type": "t.a", "payload_schema": {"patternProperties": {"^(a+)+$": {}}}}],
+         "tasks[0].payload_schema", "patternProperties is not supported here"),
     ],
 )  # fmt: skip
 async def test_an_advert_says_what_is_wrong_with_it(
@@ -174,3 +186,30 @@ async def test_a_waiting_claim_names_the_queues_limited_when_it_answers(
                 waiting.cancel()
     assert r.status_code == 200, r.text
     assert [j["id"] for j in r.json()["jobs"]] == [held] and r.json()["limited"] == [], r.text
+
+
+async def test_an_advertised_schema_reads_nothing_and_matches_in_linear_time(
+    start_api: StartApi,
+) -> None:
+    """A schema an HTTP worker advertises checks every tenant's submits of its task: its local
+    references are followed, its patterns matched by RE2. A pattern that backtracks for ever
+    in Python's `re` (`^(a+)+$` against a long run of a's and a '!') answers at once; before,
+    a 26-character payload held the API's only thread for about 1.5 s, and each more doubled
+    it."""
+    api = await serve(start_api)
+    schema = {
+        "$defs": {"word": {"type": "string", "pattern": "^(a+)+$"}},
+        "type": "object",
+        "properties": {"w": {"$ref": "#/$defs/word"}},
+        "required": ["w"],
+    }
+    async with worker_client(api) as w:
+        task = {"type": "t.re", "queue": "default", "payload_schema": schema}
+        r = await w.put("/v1/worker/tasks", json={"worker": "w3", "tasks": [task]})
+    assert r.status_code == 200, r.text
+    async with api.client() as c:
+        r = await c.post("/v1/jobs", json={"type": "t.re", "payload": {"w": "a" * 200 + "!"}})
+        assert r.status_code == 422 and r.json()["field"] == "payload.w", r.text
+        assert "does not match" in r.json()["detail"]
+        r = await c.post("/v1/jobs", json={"type": "t.re", "payload": {"w": "aaaa"}})
+        assert r.status_code == 202, r.text

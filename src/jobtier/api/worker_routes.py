@@ -439,7 +439,7 @@ async def tasks(request: Request) -> Response:
             raise Problem(422, "validation", detail, field=where)
         if t.payload_schema is not None and (why := schema_problem(t.payload_schema)):
             where = f"tasks[{i}].payload_schema"
-            detail = f"{where} is not a JSON Schema: {why}"
+            detail = f"{where} is refused, {why}"
             raise Problem(422, "validation", detail, field=where)
         b = t.backoff or RetryBackoff()
         ads.append(

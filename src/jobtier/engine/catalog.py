@@ -12,13 +12,19 @@ latest writer wins, and a worker's own policy still governs the retries it decid
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-from jsonschema import Draft202012Validator
-from jsonschema.exceptions import SchemaError, best_match
+import re2
+from jsonschema import Draft202012Validator, validators
+from jsonschema.exceptions import SchemaError, ValidationError, best_match
+from referencing import Registry, Resource
+from referencing.exceptions import NoSuchResource, Unresolvable
+from referencing.jsonschema import DRAFT202012
 
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
@@ -33,14 +39,83 @@ MISS_REFRESH = 1.0  # least seconds between loads for a type it does not know
 _ad_decoder = msgspec.json.Decoder(TaskAd)
 
 
+# A task's schema may come from an HTTP worker (PUT /v1/worker/tasks), and the API applies it
+# to every tenant's submits of the task: it must not make the API read a file or a URL, nor
+# match a pattern in more than linear time. So a schema's references must point inside it
+# (nothing is ever retrieved), its patterns are matched by RE2 (no backtracking), and
+# `patternProperties`, whose keys jsonschema matches with Python's own `re` in several
+# keywords, is refused (a property name's pattern goes in `propertyNames`).
+_RE2 = re2.Options()
+_RE2.log_errors = False  # a pattern RE2 refuses is our answer, not a line on stderr
+_SKIP = frozenset({"const", "enum", "default", "examples"})  # values, not schemas
+_NAMED = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})  # name: schema
+
+
+@functools.lru_cache(maxsize=4096)
+def _linear(pattern: str) -> Any:
+    return re2.compile(pattern, _RE2)
+
+
+def _pattern(validator: Any, pattern: str, instance: Any, schema: Any) -> Iterator[Any]:
+    if validator.is_type(instance, "string") and not _linear(pattern).search(instance):
+        yield ValidationError(f"{instance!r} does not match {pattern!r}")
+
+
+def _refuse(uri: str) -> Resource[Any]:
+    raise NoSuchResource(ref=uri)  # type: ignore[call-arg]
+
+
+_Validator = validators.extend(Draft202012Validator, {"pattern": _pattern})  # type: ignore[no-untyped-call]
+_NOTHING_RETRIEVED: Registry[Any] = Registry(retrieve=_refuse)  # type: ignore[call-arg]
+
+
 def schema_problem(schema: dict[str, Any]) -> str | None:
-    """Why ``schema`` is not a JSON Schema (draft 2020-12), or None if it is one."""
+    """Why ``schema`` cannot check payloads here — not a JSON Schema (draft 2020-12), a
+    reference out of it or to nothing in it, a pattern RE2 cannot match, `patternProperties`
+    — or None."""
     try:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
         where = "".join(f"[{p!r}]" for p in exc.absolute_path)
-        return f"{exc.message[:300]}{f' (at {where})' if where else ''}"
+        return f"not a JSON Schema: {exc.message[:300]}{f' (at {where})' if where else ''}"
+    root = Resource.from_contents(schema, default_specification=DRAFT202012)
+    resolver = _NOTHING_RETRIEVED.with_resource("", root).resolver()
+    for where, key, value in _keywords(schema, ""):
+        at = f" (at {where or '/'})"
+        if key in ("$ref", "$dynamicRef") and isinstance(value, str):
+            if not value.startswith("#"):
+                return f"{key} {value[:200]!r} points out of the schema: only '#…' is followed{at}"
+            try:
+                resolver.lookup(value)
+            except Unresolvable:
+                return f"{key} {value[:200]!r} points at nothing in the schema{at}"
+        elif key == "$id" and where:
+            return f"a $id inside the schema is not supported here{at}"
+        elif key == "patternProperties":
+            return f"patternProperties is not supported here: use propertyNames{at}"
+        elif key == "pattern" and isinstance(value, str):
+            try:
+                _linear(value)
+            except re2.error as exc:
+                why = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else exc
+                return f"pattern {value[:200]!r} cannot be matched in linear time (RE2): {why}{at}"
     return None
+
+
+def _keywords(node: Any, where: str) -> Iterator[tuple[str, str, Any]]:
+    """(where, keyword, value) of every keyword of a schema and of its subschemas (not of
+    the values in ``const``, ``enum``, …; a property's name is not a keyword)."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield where, key, value
+            if key in _NAMED and isinstance(value, dict):
+                for name, sub in value.items():
+                    yield from _keywords(sub, f"{where}/{key}/{name}")
+            elif key not in _SKIP:
+                yield from _keywords(value, f"{where}/{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _keywords(value, f"{where}/{i}")
 
 
 def schema_check(schema: dict[str, Any]) -> Any:
@@ -48,7 +123,7 @@ def schema_check(schema: dict[str, Any]) -> Any:
     if (problem := schema_problem(schema)) is not None:
         log.warning("event=bad_payload_schema error=%s", problem)
         return None
-    validator = Draft202012Validator(schema)
+    validator = _Validator(schema, registry=_NOTHING_RETRIEVED)
 
     def check(payload: Any) -> None:
         # best_match descends into anyOf (an optional nested object) to the field at fault
