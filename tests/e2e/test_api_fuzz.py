@@ -65,6 +65,9 @@ PROSE_RULES = {
     "debounce": 422, "throttle": 422, "max_wait": 422,
     # a durable submit asking for more replicas than the deployment's masters have
     "Jobtier-Replicas": 400,
+    # a concurrency_limit without its concurrency_key; a queue's rate period without a rate
+    # (or a concurrency), which would lift its limits
+    "concurrency_limit": 422, "rate": 422,
 }  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)

@@ -345,7 +345,10 @@ async def test_a_claiming_worker_is_listed_live(start_api: StartApi) -> None:
     async with api.client("admin") as admin:
         workers = (await admin.get("/v1/admin/workers")).json()["workers"]
     (mine,) = [x for x in workers if x["id"] == "http:w9"]
-    assert (mine["tasks"], mine["queues"], mine["concurrency"]) == (["http.add"], ["default"], 3)
+    # its slots: the 3 free it asks to fill, and the 1 in use (was its count alone: a claim
+    # for one free slot made a worker of one slot, and the scaling read 50 times too many)
+    assert (mine["tasks"], mine["queues"], mine["concurrency"]) == (["http.add"], ["default"], 4)
+    assert mine["running"] == 1
 
 
 async def test_the_answers_match_the_document(start_api: StartApi) -> None:

@@ -80,6 +80,9 @@ def test_slot_job_ids_are_deterministic_and_sharded_with_the_schedule() -> None:
         ({"cron": "* * * * *", "interval": 60}, "cron"),
         ({"cron": None, "interval": 0}, "interval"),
         ({"timezone": "Mars/Olympus"}, "timezone"),
+        # a folder of zones, and a name too long for a file (were OSErrors: a 503)
+        ({"timezone": "America"}, "timezone"),
+        ({"timezone": "Asia/" + "x" * 300}, "timezone"),
         ({"name": "has space"}, "name"),
         ({"type": "bad type"}, "type"),
         ({"max_attempts": 0}, "max_attempts"),
@@ -109,6 +112,9 @@ def test_bad_schedules_are_refused(changes: dict[str, object], field: str) -> No
         ("5-1 * * * *", "cron minute field '5-1': the range 5-1 runs backwards"),
         ("1,,2 * * * *", "cron minute field '1,,2': '' is not *, a value, a range a-b, or one"),
         ("* * * *", "cron '* * * *' has 4 fields; it needs five"),
+        # every field in range, yet no date matches (was a 500 at create)
+        ("0 0 30 2 *", "cron '0 0 30 2 *' never fires: no date matches it"),
+        ("0 0 31 4,6 *", "cron '0 0 31 4,6 *' never fires: no date matches it"),
     ],
 )
 def test_cron_fields_are_checked_by_range_steps_included(cron: str, message: str) -> None:
@@ -123,6 +129,7 @@ def test_cron_fields_are_checked_by_range_steps_included(cron: str, message: str
     [
         "*/59 * * * *", "0 9-17/2 * * 1-5", "30 5 1,15 * *", "0 0 L * *", "0 0 * * 5#2",
         "0 0 * JAN,jul mon-fri", "0 0 * * 7", "0 0 * * sun", "15 */23 */31 */12 */7",
+        "0 0 29 2 *",  # every fourth year
     ],
 )  # fmt: skip
 def test_good_cron_expressions_pass(cron: str) -> None:

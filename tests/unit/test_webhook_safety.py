@@ -50,11 +50,18 @@ async def test_the_allow_list_takes_names_addresses_and_networks() -> None:
     "url",
     ["ftp://a.example/", "http://", "http://u:p@a.example/", "http://a.example/#x",
      "http://a.example:99999/", "http://a .example/", "https://a.example/" + "x" * 2000,
-     "http://" + "a" * 64 + ".example/", "http://\x80x.example/", "http://a..example/"],
+     "http://" + "a" * 64 + ".example/", "http://\x80x.example/", "http://a..example/",
+     # IPv4 addresses not written a.b.c.d: resolved, then refused by the sender, for good
+     "https://2130706433/x", "http://0x7f.1/", "http://127.1/", "http://134744072/"],
 )  # fmt: skip
 def test_urls_no_callback_may_have(url: str) -> None:
     with pytest.raises(Refused):
         AddressPolicy.parse(url)
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1/", "http://1e100.example/", "http://[::1]/"])
+def test_addresses_written_plainly_and_names_with_digits_parse(url: str) -> None:
+    AddressPolicy.parse(url)
 
 
 def test_signatures_verify_with_the_reference_library_and_sign_with_every_secret() -> None:

@@ -13,7 +13,7 @@ from jobtier.api import durable_submit as durable
 from jobtier.api import spec as oa
 from jobtier.api.auth import tenant_of
 from jobtier.api.durable_submit import replicated
-from jobtier.api.http import decode_body, encoded, invalid, read_json_body, registrar
+from jobtier.api.http import encoded, invalid, registrar, submit_body
 from jobtier.api.problems import Problem
 from jobtier.config import Settings
 from jobtier.core.batch_model import (
@@ -49,7 +49,7 @@ async def submit(request: Request) -> Response:
     tenant = tenant_of(request)
     st = request.state
     queue: Queue = st.queue
-    body: BatchSpec = decode_body(_decoder, await read_json_body(request))
+    body: BatchSpec = await submit_body(request, _decoder)  # the Idempotency-Key header too
     try:
         prepared = await queue.batches.prepare(body, tenant)
         st.admission.check(tenant, len(prepared.children), priority=prepared.priority)
@@ -127,13 +127,17 @@ def operations(settings: Settings) -> oa.Paths:
             "submitted); or the idempotency_key was used for another request, or made a batch "
             "no longer kept",
         ),
-        oa.refuses(400, "malformed JSON, or " + durable.REFUSED_400),
+        oa.refuses(
+            400,
+            "malformed JSON, or the Idempotency-Key header and the body's idempotency_key "
+            "differ, or " + durable.REFUSED_400,
+        ),
         oa.refuses(429, "the tenant's rate limit or waiting-jobs cap", oa.RETRY_AFTER),
         oa.refuses(
             503, "back-pressure, Redis unavailable, or " + durable.UNCONFIRMED_503, oa.RETRY_AFTER
         ),
         body="BatchSpec",
-        headers=[durable.PARAMETER],
+        headers=[oa.IDEMPOTENCY_KEY, durable.PARAMETER],
     )
     one = "/v1/batches/{batch_id}"
     paths.add(

@@ -62,7 +62,11 @@ def too_large(scope: Scope) -> Problem | None:
 def check_depth(body: bytes) -> None:
     """A 422 problem if ``body`` nests arrays and objects deeper than ``MAX_JSON_DEPTH``."""
     if nests_deeper(body):
-        detail = (
-            f"the body nests arrays and objects deeper than the limit of {MAX_JSON_DEPTH} levels"
-        )
-        raise Problem(422, "validation", detail, limit=MAX_JSON_DEPTH)
+        raise too_deep()
+
+
+def too_deep() -> Problem:
+    """The 422 for a body nested deeper than ``MAX_JSON_DEPTH`` (also for one the decoder
+    failed on for its depth: malformed, it escapes ``nests_deeper``'s count)."""
+    detail = f"the body nests arrays and objects deeper than the limit of {MAX_JSON_DEPTH} levels"
+    return Problem(422, "validation", detail, limit=MAX_JSON_DEPTH)

@@ -91,6 +91,8 @@ def _reason(reason: str | None, default: str) -> str:
     if reason is not None and len(reason) > REASON_CHARS:
         detail = f"reason must be at most {REASON_CHARS} characters"
         raise Problem(422, "validation", detail, field="reason")
+    if reason is not None and "\x00" in reason:
+        raise Problem(422, "validation", "reason must not hold a NUL", field="reason")
     return reason or default
 
 

@@ -14,8 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api.auth import raw_header, tenant_of
-from jobtier.api.bounds import check_depth
+from jobtier.api.bounds import check_depth, too_deep
 from jobtier.api.problems import Problem, not_found
+from jobtier.core.batch_model import BatchSpec
 from jobtier.core.errors import InvalidRequest, JobNotFound, PayloadTooLarge, TransitionRefused
 from jobtier.core.model import CallbackSpec, FlowSpec, JobSpec
 from jobtier.status.answer import DocResponse
@@ -206,6 +207,8 @@ def decode_body(decoder: msgspec.json.Decoder[Any], body: bytes) -> Any:
         raise Problem(
             400, "invalid-json", f"the body is not valid JSON: {_why(body, exc)}"
         ) from None
+    except RecursionError:
+        raise too_deep() from None
 
 
 def _why(body: bytes, exc: msgspec.DecodeError) -> str:
@@ -260,7 +263,7 @@ def invalid(exc: InvalidRequest) -> Problem:
 
 
 # --- submits -------------------------------------------------------------------------------
-Submit = TypeVar("Submit", JobSpec, FlowSpec)
+Submit = TypeVar("Submit", JobSpec, FlowSpec, BatchSpec)
 
 
 async def submit_body(request: Request, decoder: msgspec.json.Decoder[Submit]) -> Submit:

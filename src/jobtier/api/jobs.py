@@ -144,7 +144,7 @@ async def get_job(request: Request) -> Response:
     scope = request.scope
     state = scope["state"]
     authorization, held, _ = status_headers(scope["headers"])
-    tenant = tenant_for(state["tenants"], authorization, state["admin_key"])
+    tenant = tenant_for(state["tenants"], authorization, state["admin_key"], state["worker_keys"])
     job_id: str = scope["path_params"]["job_id"]
     # parameters are checked before the read: ?wait=-1 is refused whatever the job's state
     wait: float = (

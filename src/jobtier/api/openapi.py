@@ -169,6 +169,10 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     oa.constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     oa.constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
+    c["JobSpec"]["properties"]["concurrency_limit"]["description"] = (
+        "at most this many jobs of the concurrency_key at once (default 1); only with a "
+        "concurrency_key (without one: a 422)"
+    )
     _flow_constraints(c, settings)
     for struct in ("Debounce", "Throttle"):  # docs/debounce-throttle.md
         oa.constrain(c, struct, "key", pattern=IDEMPOTENCY_KEY_RE.pattern)
@@ -196,11 +200,6 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
 
 _LOCATION = {"Location": oa.header("the job's URL", required=True)}
 _ETAG = {"ETag": oa.header("the version, quoted", required=True, pattern='^"[0-9]+"$')}
-_IDEMPOTENCY_KEY = {
-    "name": "Idempotency-Key",
-    "in": "header",
-    "schema": {"type": "string", "pattern": IDEMPOTENCY_KEY_RE.pattern},
-}
 _LAST_EVENT_ID = {
     "name": "Last-Event-ID",
     "in": "header",
@@ -255,7 +254,7 @@ def _job_paths(s: Settings) -> oa.Paths:
         ),
         _BACK_PRESSURE,
         body="JobSpec",
-        headers=[_IDEMPOTENCY_KEY, durable.PARAMETER],
+        headers=[oa.IDEMPOTENCY_KEY, durable.PARAMETER],
     )
     batch_413 = oa.too_large(
         s, oa.payload_too_large(s), f"more than {s.max_batch} jobs (JOBTIER_MAX_BATCH)"
@@ -309,7 +308,7 @@ def _job_paths(s: Settings) -> oa.Paths:
         _RATE_LIMITED,
         _BACK_PRESSURE,
         body="FlowSpec",
-        headers=[_IDEMPOTENCY_KEY, durable.PARAMETER],
+        headers=[oa.IDEMPOTENCY_KEY, durable.PARAMETER],
     )
     add = paths.add
     add(
@@ -462,6 +461,11 @@ def _admin_paths(settings: Settings) -> oa.Paths:
         "Limit a queue across every worker (global concurrency, starts per period); {} lifts "
         "the limits",
         oa.returns(200, "QueueLimitsSet", "the limits now in force"),
+        oa.refuses(
+            422,
+            "the body does not fit its schema, or per without rate or concurrency (which would "
+            "lift the limits: {} does that); field names the member",
+        ),
         body="QueueLimits",
     )
     add(

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import JSON, decode_body, encoded, invalid, read_json_body
+from jobtier.api.problems import Problem
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import QueueLimits
 from jobtier.core.names import QUEUE_NAME_RE
@@ -99,11 +100,19 @@ async def resume(request: Request) -> Response:
     return await _set_paused(request, False)
 
 
+_LIFTED = QueueLimits()
+
+
 async def set_limits(request: Request) -> Response:
     """PUT the queue's limits (``{}`` lifts them)."""
     require_admin(request)
     name = queue_name(request)
     limits: QueueLimits = decode_body(_limits_decoder, await read_json_body(request))
+    if not limits.limited and limits.per != _LIFTED.per:
+        # a period alone would lift every limit ({} does; clients that lift send the default
+        # period): say what is missing instead
+        detail = "per is the rate's period: give rate with it ({} lifts the limits)"
+        raise Problem(422, "validation", detail, field="rate")
     async with audited(request, "queue.limits", name) as outcome:
         outcome.detail = msgspec.to_builtins(limits)
         try:

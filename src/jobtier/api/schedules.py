@@ -29,6 +29,7 @@ from jobtier.core.schedule import (
     MAX_INTERVAL,
     Schedule,
     ScheduleSpec,
+    cron_problem,
     validate,
 )
 from jobtier.engine.cron import CronMirror, mirror_def, new_schedule_id, now_ms, to_datetime
@@ -140,6 +141,9 @@ async def _set_paused(request: Request, paused: bool) -> Response:
     tenant, found = await _found(request)
     settings: Settings = request.state.settings
     definition = mirror_def(found, settings.default_max_attempts)
+    if not paused and found.cron is not None and (problem := cron_problem(found.cron)):
+        # made before such a cron was refused (paused: its first slot was never asked for)
+        raise Problem(422, "validation", f"cannot resume: {problem}", field="cron")
     # a resumed schedule starts from its next slot: the paused time is not caught up
     next_ms = None if paused else definition.timing().next_after(now_ms())
     updated = await _store(request).set_paused(found.id, tenant, paused, to_datetime(next_ms))

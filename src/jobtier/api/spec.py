@@ -19,7 +19,13 @@ from jobtier.api.params import Param, parse_query
 from jobtier.config import Settings
 from jobtier.core.json_depth import MAX_JSON_DEPTH
 from jobtier.core.model import JobStatus, QueueInfo, QueueLimits, TaskAd
-from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE, ULID_RE, WEBHOOK_ID_RE
+from jobtier.core.names import (
+    IDEMPOTENCY_KEY_RE,
+    JOB_ID_RE,
+    QUEUE_NAME_RE,
+    ULID_RE,
+    WEBHOOK_ID_RE,
+)
 
 
 class Problem(msgspec.Struct):
@@ -213,6 +219,12 @@ Auth = Literal["tenant", "admin", "worker", "none"]
 
 # a callback URL (a submit's callback, a subscription's url): webhooks/safety.py checks the rest
 CALLBACK_URL = r"^https?://[^\s]+$"
+IDEMPOTENCY_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "description": "the body's idempotency_key, as a header (both given: the same)",
+    "schema": {"type": "string", "pattern": IDEMPOTENCY_KEY_RE.pattern},
+}
 
 
 def too_large(settings: Settings, *more: str) -> dict[str, Any]:

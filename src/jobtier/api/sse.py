@@ -272,6 +272,10 @@ async def _job_events(
                 return
             version, doc = found[2], found[1]
         if version <= sent:
+            if is_terminal(doc):
+                # the client said it has this version or a later one (a Last-Event-ID past
+                # the job's versions): the job has ended all the same, and so does the stream
+                return
             continue
         yield b"id: %d\nevent: status\ndata: %s\n\n" % (version, doc)
         sent = version

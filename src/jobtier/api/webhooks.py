@@ -185,6 +185,9 @@ async def create(request: Request) -> Response:
     if spec.description is not None and len(spec.description) > MAX_DESCRIPTION:
         detail = f"description is over {MAX_DESCRIPTION} characters"
         raise Problem(422, "validation", detail, field="description")
+    if spec.description is not None and "\x00" in spec.description:
+        # (Postgres's text refuses it: it was a 500)
+        raise Problem(422, "validation", "description must not hold a NUL", field="description")
     secret = new_secret()
     redis, keys = service.callbacks.redis, service.callbacks.keys
     with postgres_or_503():

@@ -16,6 +16,7 @@ from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT
 
 WORKER_ID_RE = r"^[A-Za-z0-9_.:-]{1,64}$"
 MAX_CLAIM = 1000  # jobs one claim may ask for
+MAX_RUNNING = 1_000_000  # jobs a worker may say it runs (a claim's `running`)
 MAX_TYPES = 200  # task types (and queues) one claim may name
 TRACEBACK_CHARS = 4000  # a failure's traceback is kept to its last this many characters
 ERROR_CHARS = 4000  # a failure's message is kept to its first this many characters
@@ -44,7 +45,8 @@ class ClaimRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     )
     count: Annotated[int, msgspec.Meta(ge=1, le=MAX_CLAIM)] = 1
     wait: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    running: Annotated[int, msgspec.Meta(ge=0)] = 0  # jobs it runs now (the workers view)
+    # jobs it runs now (the workers view): with count, its slots
+    running: Annotated[int, msgspec.Meta(ge=0, le=MAX_RUNNING)] = 0
 
 
 class WorkerJob(msgspec.Struct):

@@ -70,3 +70,9 @@ def _as_item(job_id: str, problem: Problem) -> ItemOutcome:
     now = problem.extra
     state, attempt, by = now.get("state"), now.get("attempt"), now.get("worker")
     return ItemOutcome(job_id, problem.status, state, problem.detail, attempt, by)
+
+
+async def attempt_now(queue: Queue, job_id: str) -> int | None:
+    """The job's attempt as Redis has it now (None: gone)."""
+    ((_, doc),) = await read_docs(queue.redis, queue.keys, [job_id])
+    return None if doc is None else int(orjson.loads(doc)["attempt"])

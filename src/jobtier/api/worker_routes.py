@@ -56,7 +56,12 @@ from jobtier.api.worker_bodies import (
     retry_delay,
 )
 from jobtier.api.worker_claims import Claimed, QueuesLimited, WorkerClaims
-from jobtier.api.worker_refusals import item_refused, items_refused_now, refused_now
+from jobtier.api.worker_refusals import (
+    attempt_now,
+    item_refused,
+    items_refused_now,
+    refused_now,
+)
 from jobtier.config import Settings
 from jobtier.core.errors import Code, JobNotFound
 from jobtier.core.model import (
@@ -199,8 +204,9 @@ async def _advertise(
     claims.advertised[worker] = now
     client = request.client
     info = {
-        "id": worker, "pid": 0, "host": client.host if client else "", "concurrency": body.count,
-        "running": body.running, "tasks": body.types, "queues": body.queues, "seen_at": now,
+        "id": worker, "pid": 0, "host": client.host if client else "",
+        # its slots: those it asks to fill and those in use (a claim asks for the free ones)
+        "concurrency": body.count + body.running, "running": body.running, "tasks": body.types, "queues": body.queues, "seen_at": now,
     }  # fmt: skip
     queue: Queue = request.state.queue
     await queue.redis.hset(queue.keys.workers(), worker, encode_json(info))
@@ -280,6 +286,11 @@ async def logs(request: Request) -> Response:
     ((code, _),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
         raise await refused_now(queue, job_id, code)
+    if (attempt := await attempt_now(queue, job_id)) != body.attempt:
+        # the lease is this worker's: the attempt it holds is the job's, and lines of another
+        # one would read as that attempt's in the job's logs
+        detail = f"attempt {body.attempt} is not the job's: it is at attempt {attempt}"
+        raise Problem(422, "validation", detail, field="attempt", attempt=attempt)
     # as ctx.log stamps a Python task's lines
     at = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     lines = [

@@ -10,7 +10,7 @@ fires nothing for them, ``fire_once`` the latest once, ``fire_all`` each (at mos
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
@@ -79,10 +79,14 @@ def cron_problem(expression: str) -> str | None:
                 values.append(number)
             if len(values) == 2 and values[0] > values[1]:
                 return f"{where}: the range {base} runs backwards"
-    from croniter import croniter  # only where a schedule is checked: clients need none
+    from croniter import CroniterBadDateError, croniter  # only where a schedule is checked
 
     if not croniter.is_valid(expression):
         return f"cron {expression[:100]!r} is not an expression croniter can read"
+    try:
+        croniter(expression, datetime.now(UTC)).get_next(datetime)
+    except CroniterBadDateError:
+        return f"cron {expression[:100]!r} never fires: no date matches it (such as 30 February)"
     return None
 
 
@@ -142,7 +146,7 @@ def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
         raise InvalidRequest("interval must be at most a year", field="interval")
     try:
         ZoneInfo(spec.timezone)
-    except (ZoneInfoNotFoundError, ValueError):
+    except (ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a folder of zones, a long name
         raise InvalidRequest(
             f"unknown time zone {spec.timezone[:60]!r}", field="timezone"
         ) from None

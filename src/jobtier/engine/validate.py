@@ -65,7 +65,11 @@ def concurrency(spec: JobSpec) -> tuple[str, int]:
             field="concurrency_limit",
         )
     if spec.concurrency_key is None:
-        return "", 1  # a concurrency_limit without a key has nothing to limit
+        # a limit of nothing: the job would run unlimited, as its sender may not expect
+        raise InvalidRequest(
+            "concurrency_limit limits the jobs of a concurrency_key: give one with it",
+            field="concurrency_limit",
+        )
     return check_key(spec.concurrency_key, "concurrency_key"), 1 if limit is None else limit
 
 

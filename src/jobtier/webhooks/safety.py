@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -66,6 +67,17 @@ class Target:
     port: int
 
 
+_NUMERIC_HOST = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+))*")
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 class AddressPolicy:
     """What callbacks may reach: public addresses, plus ``allowed`` (names, IPs, networks)."""
 
@@ -106,6 +118,10 @@ class AddressPolicy:
         if parts.fragment:
             raise Refused("the URL may not have a #fragment")
         host = parts.hostname.lower().rstrip(".")
+        if _NUMERIC_HOST.fullmatch(host) and not _is_ip(host):
+            # 2130706433, 0x7f.1, 127.1: the resolver takes them for addresses, the sender
+            # refuses them (not canonical): such a callback could never be delivered
+            raise Refused("the URL's host is an IPv4 address not written a.b.c.d")
         try:  # as the resolver will: a label over 63 characters, or one IDNA refuses
             host.encode("idna")
         except UnicodeError as exc:
