@@ -9,6 +9,7 @@ and ``jobtier config`` prints the values in effect.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,8 +17,9 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from jobtier.core.errors import ConfigError
-from jobtier.core.names import QUEUE_NAME_RE
-from jobtier.core.sealing import Keyring
+from jobtier.core.sealing import Keyring, settings_problems
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 ENV_PREFIX = "JOBTIER_"
 WAIT_MARGIN = 1.0  # seconds a socket timeout must leave past the longest WAIT it carries
@@ -362,7 +364,7 @@ class Settings:
         return pairs
 
     def validate(self) -> None:
-        problems = []
+        problems = self._server_problems()
         if not 1 <= self.shards <= 4096:
             problems.append("JOBTIER_SHARDS must be between 1 and 4096")
         if self.lease_seconds < 1:
@@ -462,9 +464,35 @@ class Settings:
             problems.append(str(exc))
             tenants = {}
         problems.extend(self._worker_key_problems(tenants))
-        problems.extend(self._encryption_problems())
+        problems.extend(
+            settings_problems(
+                self.encryption_keys, self.decryption_keys, self.encrypted_queue_names()
+            )
+        )
         if problems:
             raise ConfigError("; ".join(problems))
+
+    def _server_problems(self) -> list[str]:
+        """What no process could start with: where it listens, connects and logs."""
+        problems = []
+        if not self.redis_url.lower().startswith(("redis://", "rediss://", "unix://")):
+            problems.append(
+                "JOBTIER_REDIS_URL must start with redis://, rediss:// (TLS) or unix://"
+            )
+        if self.redis_max_connections < 1:
+            problems.append("JOBTIER_REDIS_MAX_CONNECTIONS must be at least 1")
+        if not 1 <= self.api_port <= 65535:
+            problems.append("JOBTIER_API_PORT must be a port, 1 to 65535")
+        if self.api_workers < 1:
+            problems.append("JOBTIER_API_WORKERS must be at least 1")
+        if self.api_server == "granian":
+            try:
+                ipaddress.ip_address(self.api_host)
+            except ValueError:
+                problems.append("JOBTIER_API_HOST must be an IP address for granian, not a name")
+        if self.log_level.upper() not in LOG_LEVELS:
+            problems.append(f"JOBTIER_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
+        return problems
 
     def shed_priority_set(self) -> frozenset[str]:
         """The priorities load shedding refuses first (JOBTIER_SHED_PRIORITIES)."""
@@ -477,7 +505,10 @@ class Settings:
             key, sep, tenant = item.partition(":")
             if not sep or not key or not tenant:
                 raise ConfigError(f"JOBTIER_API_KEYS entry {item[:4]}… is not 'key:tenant'")
-            keys[key] = tenant
+            if keys.setdefault(key, tenant) != tenant:  # the last would win: one for another
+                raise ConfigError(f"JOBTIER_API_KEYS gives key {key[:4]}… to two tenants")
+        if self.admin_key and self.admin_key in keys:
+            raise ConfigError("JOBTIER_ADMIN_KEY is also a tenant's key in JOBTIER_API_KEYS")
         return keys
 
     def worker_key_list(self) -> list[str]:
@@ -493,24 +524,6 @@ class Settings:
         if self.admin_key and self.admin_key in workers:
             problems.append("JOBTIER_WORKER_KEYS and JOBTIER_ADMIN_KEY share a key")
         return problems
-
-    def _encryption_problems(self) -> list[str]:
-        try:
-            keys = Keyring.parse_keys(self.encryption_keys)
-            more = Keyring.parse_keys(self.decryption_keys, "JOBTIER_DECRYPTION_KEYS")
-        except ConfigError as exc:
-            return [str(exc)]
-        if more and not keys:
-            return ["JOBTIER_DECRYPTION_KEYS needs JOBTIER_ENCRYPTION_KEYS"]
-        if {k for k, _ in keys} & {k for k, _ in more}:
-            return ["JOBTIER_ENCRYPTION_KEYS and JOBTIER_DECRYPTION_KEYS name the same key id"]
-        queues = self.encrypted_queue_names()
-        bad = [q for q in queues if not QUEUE_NAME_RE.fullmatch(q)]
-        if bad:
-            return [f"JOBTIER_ENCRYPTED_QUEUES: {bad[0][:70]!r} is not a queue name"]
-        if queues and not keys:
-            return ["JOBTIER_ENCRYPTED_QUEUES needs JOBTIER_ENCRYPTION_KEYS"]
-        return []
 
     def encrypted_queue_names(self) -> frozenset[str]:
         """``encrypted_queues`` parsed."""

@@ -259,17 +259,37 @@ def test_a_sighup_ends_an_open_console_stream_and_the_run_stops(
 def test_a_failing_part_stops_everything(
     data: Path, tmp_path: Path, runs: list[JobtierRun]
 ) -> None:
-    with socket.socket() as taken:  # the API cannot listen: its part fails at start
+    """The run's own Redis killed under it: the run says so and stops, every part and the
+    Postgres with it. Before, every part retried against the closed port for ever, warning
+    three times a second and never saying why, the Redis left a zombie."""
+    run = start(runs, data, tmp_path / "run.log")
+    run.wait_ready()
+    servers = run.server_pids()
+    redis = int(run.field("local_redis_started", "pid"))
+    os.kill(redis, signal.SIGKILL)
+    run.wait_logged("part_failed")
+    assert run.exit_code() == 1
+    assert_gone(servers)
+    assert f"the local Redis (pid {redis}) exited, killed by SIGKILL" in run.text()
+    assert "local_service_exited" in run.events()
+    assert "worker_stopped" in run.events()
+
+
+def test_a_taken_api_port_is_refused_before_anything_starts(
+    data: Path, tmp_path: Path, runs: list[JobtierRun]
+) -> None:
+    with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        run = start(runs, data, tmp_path / "run.log", api_port=taken.getsockname()[1])
-        run.wait_logged("part_failed")
-        servers = run.server_pids()
+        port = taken.getsockname()[1]
+        run = start(runs, data, tmp_path / "run.log", api_port=port)
         assert run.exit_code() == 1
-    assert_gone(servers)
-    assert "is the port free? JOBTIER_API_PORT sets it" in run.text()
-    assert "job_released" not in run.events()  # nothing was running; the rest stopped cleanly
-    assert "worker_stopped" in run.events()
+    text = run.text()
+    assert f"the API cannot listen on 127.0.0.1:{port}" in text and "--api-port" in text
+    # refused first: no server was started to be stopped again (it was, with the migrations
+    # and every part, then all stopped when the API failed)
+    assert "local_redis_started" not in run.events(), text[-2000:]
+    assert "Traceback" not in text
 
 
 def test_sigkill_takes_the_servers_with_it_and_a_leftover_is_restarted(

@@ -68,7 +68,37 @@ def test_bad_input_is_a_clear_error() -> None:
     r = run("worker", "no_such_module_here")
     assert r.returncode == 2 and "cannot import task module 'no_such_module_here'" in r.stderr
     r = run("worker", "jobtier.demo", "--concurrency", "many")
-    assert r.returncode == 2 and "invalid int value" in r.stderr
+    assert r.returncode == 2 and "--concurrency/-c: not a whole number: 'many'" in r.stderr
+    # refused by the arguments, not by a traceback once the servers have started
+    for args, says in [
+        (("worker", "jobtier.demo", "-c", "0"), "--concurrency/-c: must be at least 1, not 0"),
+        (("run", "--concurrency", "-2"), "--concurrency: must be at least 1, not -2"),
+        (("run", "--grace", "-3"), "--grace: must be 0 or more seconds, not -3"),
+        (("run", "--redis-port", "99999"), "--redis-port: must be a port, 1 to 65535"),
+        (("api", "--port", "0"), "--port: must be a port, 1 to 65535, not 0"),
+    ]:
+        r = run(*args)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    # settings no process could start with: one line naming the variable, exit 2
+    for env, says in [
+        ({"JOBTIER_LOG_LEVEL": "LOUD"}, "JOBTIER_LOG_LEVEL must be one of DEBUG"),
+        ({"JOBTIER_REDIS_URL": "notaurl"}, "JOBTIER_REDIS_URL must start with redis://"),
+        ({"JOBTIER_API_PORT": "99999"}, "JOBTIER_API_PORT must be a port, 1 to 65535"),
+        ({"JOBTIER_API_WORKERS": "0"}, "JOBTIER_API_WORKERS must be at least 1"),
+        ({"JOBTIER_API_HOST": "999.1.1.1"}, "JOBTIER_API_HOST must be an IP address"),
+        ({"JOBTIER_REDIS_MAX_CONNECTIONS": "0"}, "JOBTIER_REDIS_MAX_CONNECTIONS must be at"),
+        ({"JOBTIER_API_KEYS": "a:t,a:u"}, "JOBTIER_API_KEYS gives key a… to two tenants"),
+        (
+            {"JOBTIER_API_KEYS": "same:t", "JOBTIER_ADMIN_KEY": "same"},
+            "JOBTIER_ADMIN_KEY is also a tenant's key",
+        ),
+    ]:
+        r = run("config", env={**env, "PATH": ""})
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for url in ("postgresql://x@127.0.0.1:1/db", "garbage"):
+        r = run("migrate", env={"JOBTIER_DATABASE_URL": url, "PATH": ""})
+        assert r.returncode == 1 and "jobtier migrate: cannot connect to Postgres" in r.stderr
+        assert "Traceback" not in r.stderr
     r = run("bench", "nonsense")
     assert r.returncode == 2 and "invalid choice" in r.stderr
     r = run("config", env={"JOBTIER_SHARDS": "zero", "PATH": ""})

@@ -169,10 +169,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(c, "JobSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
     oa.constrain(c, "JobSpec", "concurrency_key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     oa.constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
-    c["JobSpec"]["properties"]["concurrency_limit"]["description"] = (
-        "at most this many jobs of the concurrency_key at once (default 1); only with a "
-        "concurrency_key (without one: a 422)"
-    )
+    c["JobSpec"]["properties"]["concurrency_limit"]["description"] = _CONCURRENCY_LIMIT
     _flow_constraints(c, settings)
     for struct in ("Debounce", "Throttle"):  # docs/debounce-throttle.md
         oa.constrain(c, struct, "key", pattern=IDEMPOTENCY_KEY_RE.pattern)
@@ -221,6 +218,8 @@ _BACK_PRESSURE = oa.refuses(
     oa.RETRY_AFTER,
 )
 _ANY_OBJECT = {"type": "object"}
+_CONCURRENCY_LIMIT = "at most this many of the key's jobs at once (default 1); only with a key"
+_LIMITS_422 = "the body does not fit its schema, or a per alone ({} lifts the limits)"
 
 
 def _job_paths(s: Settings) -> oa.Paths:
@@ -461,11 +460,7 @@ def _admin_paths(settings: Settings) -> oa.Paths:
         "Limit a queue across every worker (global concurrency, starts per period); {} lifts "
         "the limits",
         oa.returns(200, "QueueLimitsSet", "the limits now in force"),
-        oa.refuses(
-            422,
-            "the body does not fit its schema, or per without rate or concurrency (which would "
-            "lift the limits: {} does that); field names the member",
-        ),
+        oa.refuses(422, _LIMITS_422),
         body="QueueLimits",
     )
     add(

@@ -22,7 +22,7 @@ from jobtier.cli.maintenance import (
     cmd_scripts,
     duration,
 )
-from jobtier.cli.process_args import PROCESS_ARGS
+from jobtier.cli.process_args import PROCESS_ARGS, at_least_one, port, seconds
 from jobtier.cli.roles import (
     cmd_api,
     cmd_check,
@@ -91,17 +91,22 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
             action="store_true",
             help="use JOBTIER_REDIS_URL / JOBTIER_DATABASE_URL; start no local services",
         ),
-        arg("--redis-port", type=int, default=16379, help="local Redis port (default: 16379)"),
-        arg("--pg-port", type=int, default=15432, help="local Postgres port (default: 15432)"),
+        arg("--redis-port", type=port, default=16379, help="local Redis port (default: 16379)"),
+        arg("--pg-port", type=port, default=15432, help="local Postgres port (default: 15432)"),
+        arg(
+            "--api-port",
+            type=port,
+            help="the API's port (default: JOBTIER_API_PORT, 8000)",
+        ),
         arg(
             "--concurrency",
-            type=int,
+            type=at_least_one,
             default=WORKER_CONCURRENCY,
             help=f"worker concurrency (default: {WORKER_CONCURRENCY})",
         ),
         arg(
             "--grace",
-            type=float,
+            type=seconds,
             default=30.0,
             help="seconds from Ctrl-C/SIGTERM by which the worker's running jobs must end; the "
             "rest are released to their queues (default: 30)",
@@ -114,8 +119,12 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         "Serve the HTTP API (submit, status, SSE, admin, metrics, dashboard) with granian or "
         "uvicorn. Needs JOBTIER_API_KEYS (key:tenant,…) and JOBTIER_ADMIN_KEY.",
         arg("--host", help="listen address (default: JOBTIER_API_HOST, 127.0.0.1)"),
-        arg("--port", type=int, help="port (default: JOBTIER_API_PORT, 8000)"),
-        arg("--workers", type=int, help="server processes (default: JOBTIER_API_WORKERS, 1)"),
+        arg("--port", type=port, help="port (default: JOBTIER_API_PORT, 8000)"),
+        arg(
+            "--workers",
+            type=at_least_one,
+            help="server processes (default: JOBTIER_API_WORKERS, 1)",
+        ),
         arg(
             "--server",
             choices=["granian", "uvicorn"],
@@ -143,7 +152,7 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         arg(
             "--concurrency",
             "-c",
-            type=int,
+            type=at_least_one,
             default=WORKER_CONCURRENCY,
             help=f"jobs run at once (default: {WORKER_CONCURRENCY})",
         ),
@@ -151,7 +160,7 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         arg("--name", help="worker id (default: host:pid:random)"),
         arg(
             "--grace",
-            type=float,
+            type=seconds,
             default=30.0,
             help="seconds from SIGTERM by which running jobs must end; the rest are released to "
             "their queues (default: 30). A second signal releases them at once",
@@ -166,7 +175,10 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         "requeue jobs whose worker stopped heartbeating. Run as many as you like: every move "
         "is an atomic script, and each slot of a schedule fires once however many run.",
         arg(
-            "--batch", type=int, default=200, help="most jobs moved per script call (default: 200)"
+            "--batch",
+            type=at_least_one,
+            default=200,
+            help="most jobs moved per script call (default: 200)",
         ),
     ),
     (

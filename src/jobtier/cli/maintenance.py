@@ -21,10 +21,18 @@ log = logging.getLogger("jobtier.cli")
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from jobtier.persist.db import migrate
+    from jobtier.persist.db import CONNECT_FAULTS, migrate
 
     async def main() -> int:
-        applied = await migrate(settings.database_url)
+        try:
+            applied = await migrate(settings.database_url)
+        except CONNECT_FAULTS as exc:
+            print(
+                f"jobtier migrate: cannot connect to Postgres at JOBTIER_DATABASE_URL ({exc}); "
+                "check that it runs and that the URL is right",
+                file=sys.stderr,
+            )
+            return 1
         print(f"applied: {', '.join(applied)}" if applied else "the schema is up to date")
         return 0
 

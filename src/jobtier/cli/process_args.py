@@ -11,17 +11,44 @@ if TYPE_CHECKING:
 MIB = 1024 * 1024
 
 
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+
+
 def _count(text: str) -> int:
-    value = int(text)
+    value = _whole(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
     return value
 
 
-def _at_least_one(text: str) -> int:
-    value = int(text)
+def at_least_one(text: str) -> int:
+    """An argument's whole number of at least 1 (a concurrency, a count of processes)."""
+    value = _whole(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def port(text: str) -> int:
+    """An argument's TCP port, 1 to 65535."""
+    value = _whole(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port, 1 to 65535, not {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """An argument's seconds, 0 or more."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be 0 or more seconds, not {text}")
     return value
 
 
@@ -38,7 +65,7 @@ PROCESS_ARGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
     (
         ("--processes",),
         {
-            "type": _at_least_one,
+            "type": at_least_one,
             "help": "child processes of the process pool (default: the CPU count)",
         },
     ),

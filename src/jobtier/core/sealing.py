@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from jobtier.core.errors import ConfigError, JobtierError
+from jobtier.core.names import QUEUE_NAME_RE
 
 PREFIX = b'{"$enc":"v1",'  # every sealed value starts so (``seal`` writes it first)
 MASK = b'"[encrypted]"'  # what readers without the keys show (the console, logs)
@@ -214,3 +215,25 @@ def open_compensation(keyring: Keyring | None, payload: bytes, failed_id: str) -
         return payload
     value["payload"] = open_value(keyring, failed_id, "payload", inner)
     return msgspec.json.encode(value)
+
+
+def settings_problems(
+    encryption_keys: str, decryption_keys: str, encrypted_queues: frozenset[str]
+) -> list[str]:
+    """What is wrong with the encryption settings (``Settings.validate``), in words naming
+    their variables."""
+    try:
+        keys = Keyring.parse_keys(encryption_keys)
+        more = Keyring.parse_keys(decryption_keys, "JOBTIER_DECRYPTION_KEYS")
+    except ConfigError as exc:
+        return [str(exc)]
+    if more and not keys:
+        return ["JOBTIER_DECRYPTION_KEYS needs JOBTIER_ENCRYPTION_KEYS"]
+    if {k for k, _ in keys} & {k for k, _ in more}:
+        return ["JOBTIER_ENCRYPTION_KEYS and JOBTIER_DECRYPTION_KEYS name the same key id"]
+    bad = [q for q in encrypted_queues if not QUEUE_NAME_RE.fullmatch(q)]
+    if bad:
+        return [f"JOBTIER_ENCRYPTED_QUEUES: {bad[0][:70]!r} is not a queue name"]
+    if encrypted_queues and not keys:
+        return ["JOBTIER_ENCRYPTED_QUEUES needs JOBTIER_ENCRYPTION_KEYS"]
+    return []

@@ -51,6 +51,7 @@ log = logging.getLogger("jobtier.run")
 # seconds a stopping run gives its persister, once the worker and the scheduler have ended,
 # to write what they logged last (``_stop_after``)
 FINAL_WRITE = 10.0
+WATCH_EVERY = 0.5  # seconds between looks at the local servers (``_watch``)
 
 OnSignals = Callable[
     [Callable[[], None], Callable[[], None] | None, Callable[[], None] | None], None
@@ -69,6 +70,22 @@ def _listening(port: int) -> bool:
             return True
     except OSError:
         return False
+
+
+def _api_port_taken(host: str, port: int) -> LocalServiceError | None:
+    """Why the API could not listen on ``host:port`` (checked before anything starts: the
+    servers, the migrations and every part would start first, then stop), or None."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((host, port))
+    except OSError as exc:
+        return LocalServiceError(
+            f"the API cannot listen on {host}:{port} ({exc.strerror or exc}): give it a free "
+            "port with --api-port PORT (or JOBTIER_API_PORT)"
+        )
+    return None
 
 
 def dev_keys(folder: Path) -> tuple[str, str]:
@@ -149,11 +166,22 @@ class LocalServices:
             for name, server in (("postgres", self.pg), ("redis", self.redis)):
                 if server.proc is None:  # not started by this run: not ours to stop
                     continue
-                pid = server.pid
+                pid = server.proc.pid
                 server.stop()
                 log.info("event=local_%s_stopped pid=%s", name, pid)
         finally:
             self.lock.release()
+
+    def exited(self) -> str | None:
+        """What ended, when a server this run started has exited under it (killed, crashed):
+        the run cannot go on without it. Its process is reaped here."""
+        for name, server in (("Redis", self.redis), ("Postgres", self.pg)):
+            proc = server.proc
+            if proc is None or (code := proc.poll()) is None:
+                continue
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            return f"the local {name} (pid {proc.pid}) exited, {how}"
+        return None
 
     def signal_now(self) -> None:
         """On the way out without clean-up: ask both to stop, without waiting for them."""
@@ -186,6 +214,10 @@ def run(
 ) -> tuple[int, int]:
     """`jobtier run`. Returns the exit code and the worker's ``stuck`` count."""
     registry = TaskRegistry.load(args.tasks)  # a bad module fails before any server starts
+    if args.api_port is not None:
+        settings = settings.replace(api_port=args.api_port)
+    if (taken := _api_port_taken(settings.api_host, settings.api_port)) is not None:
+        raise taken
     services: LocalServices | None = None
     if not args.external:
         services = LocalServices(args.data_dir.resolve(), args.redis_port, args.pg_port)
@@ -228,7 +260,7 @@ async def run_all(
     from jobtier.api.app import create_app
     from jobtier.api.records import postgres_extension
     from jobtier.api.sse import end_streams
-    from jobtier.persist.db import create_pool, migrate
+    from jobtier.persist.db import CONNECT_FAULTS, create_pool, migrate
     from jobtier.persist.persister import Persister
     from jobtier.persist.schedule_store import ScheduleStore
     from jobtier.webhooks.dispatcher import Dispatcher
@@ -269,7 +301,13 @@ async def run_all(
             part.stop()
 
     on_signals(stop, stop_now, services.signal_now if services else None)
-    applied = await migrate(settings.database_url)
+    try:
+        applied = await migrate(settings.database_url)
+    except CONNECT_FAULTS as exc:
+        raise LocalServiceError(
+            f"cannot connect to Postgres at JOBTIER_DATABASE_URL ({exc}); check that it runs "
+            "and that the URL is right"
+        ) from None
     if applied:
         log.info("event=migrated applied=%s", ",".join(applied))
     pool = await create_pool(settings.database_url, min_size=0, max_size=6)
@@ -308,6 +346,9 @@ async def run_all(
                 *persisting,
                 asyncio.create_task(dispatcher.run(), name="dispatcher"),
             ]
+            if services is not None:
+                watch = _watch(services, stopping)
+                runs.append(asyncio.create_task(watch, name="local services"))
             # the API once the worker has advertised its tasks: a job submitted as soon as
             # the API answers is one the API knows a worker for (else 422)
             if await _worker_started(worker, runs) and not server.should_exit:
@@ -368,6 +409,17 @@ async def _unwritten(store: Store, persisting: list[asyncio.Task[Any]]) -> bool:
         return False
     waiting, _ = await lag(store.redis, store.keys, exact=1)
     return waiting > 0
+
+
+async def _watch(services: LocalServices, stopping: list[asyncio.Task[None]]) -> None:
+    """Until the run stops: raises ``LocalServiceError`` (a part failed: the run stops) once
+    one of its local servers has exited under it, which nothing else would say: the parts
+    would retry against a closed port for ever."""
+    while not stopping:
+        if (why := services.exited()) is not None:
+            log.error("event=local_service_exited %s: stopping everything", why)
+            raise LocalServiceError(why)
+        await asyncio.sleep(WATCH_EVERY)
 
 
 async def _worker_started(worker: Worker, runs: list[asyncio.Task[Any]]) -> bool:

@@ -54,6 +54,16 @@ FOLDED = (
 # advisory lock key of `migrate`: "jobtier" in ASCII, clear of the small integers that other
 # tools sharing the database might pick
 MIGRATION_LOCK = 0x6A6F6274696572
+# what connecting to JOBTIER_DATABASE_URL fails with when it points at no usable database: no
+# server there, a URL asyncpg cannot read (an InterfaceError), a wrong password or database
+CONNECT_FAULTS: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    OSError,
+    asyncpg.InterfaceError,
+    asyncpg.InvalidAuthorizationSpecificationError,
+    asyncpg.InvalidPasswordError,
+    asyncpg.InvalidCatalogNameError,
+)
 
 # asyncpg's classes are generic only to the type checker (asyncpg-stubs)
 Pool: TypeAlias = "asyncpg.Pool[asyncpg.Record]"
