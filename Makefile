@@ -14,8 +14,10 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: run test fuzz check lint types format bench bench-report docs setup system-deps run-deps clean
 
+# ARGS: jobtier run's own options, e.g. make run ARGS="--api-port 8001 --data-dir /tmp/jt"
+ARGS ?=
 run: run-deps $(STAMP)
-	$(BIN)/jobtier run
+	$(BIN)/jobtier run $(ARGS)
 
 test: setup
 	$(BIN)/pytest -q

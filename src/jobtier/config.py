@@ -481,7 +481,7 @@ class Settings:
             )
         if self.redis_max_connections < 1:
             problems.append("JOBTIER_REDIS_MAX_CONNECTIONS must be at least 1")
-        if not 1 <= self.api_port <= 65535:
+        if not 0 <= self.api_port <= 65535:  # (0: any free one, as tests let the OS pick)
             problems.append("JOBTIER_API_PORT must be a port, 1 to 65535")
         if self.api_workers < 1:
             problems.append("JOBTIER_API_WORKERS must be at least 1")

@@ -75,6 +75,9 @@ async def test_a_failed_attempt_keeps_a_bounded_traceback_everywhere(
     records = [r for r in caplog.records if "event=job_failed" in r.getMessage()]
     assert len(records) == 1 and records[0].exc_info is not None
     assert "error=ValueError" in records[0].getMessage()
+    # its last attempt: a dead letter, a warning, no retry to come (was info, "retry_in_ms")
+    assert records[0].levelname == "WARNING" and "dead_lettered=1" in records[0].getMessage()
+    assert "retry_in_ms" not in records[0].getMessage()
 
 
 def test_the_traceback_bound_holds_for_any_depth() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -76,6 +77,8 @@ def test_bad_input_is_a_clear_error() -> None:
         (("run", "--grace", "-3"), "--grace: must be 0 or more seconds, not -3"),
         (("run", "--redis-port", "99999"), "--redis-port: must be a port, 1 to 65535"),
         (("api", "--port", "0"), "--port: must be a port, 1 to 65535, not 0"),
+        # a file's path for the module: a TypeError's traceback (./x.py), or a package 'x'
+        (("worker", "./mytasks.py"), "give the task module's name ('mytasks')"),
     ]:
         r = run(*args)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
@@ -107,6 +110,20 @@ def test_bad_input_is_a_clear_error() -> None:
     assert r.returncode == 1 and "cannot connect to Postgres at JOBTIER_DATABASE_URL" in r.stderr
     r = run("api", env={"PATH": ""})  # no keys configured
     assert r.returncode == 2 and "no API keys" in r.stderr
+
+
+@pytest.mark.parametrize("server", ["granian", "uvicorn"])
+def test_an_api_whose_port_is_taken_says_so_in_one_line(server: str) -> None:
+    """Before: granian's traceback (and a Rust backtrace); uvicorn logged itself ready
+    first. Now refused before the server starts, nothing else tried."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        env = {"JOBTIER_API_KEYS": "k:t", "JOBTIER_ADMIN_KEY": "a", "PATH": ""}
+        r = run("api", "--port", port, "--server", server, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert f"the API cannot listen on 127.0.0.1:{port} (Address already in use)" in r.stderr
 
 
 def test_no_command_prints_the_commands() -> None:

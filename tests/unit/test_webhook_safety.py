@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import ipaddress
+import logging
 import time
 
 import pytest
@@ -75,3 +76,23 @@ def test_signatures_verify_with_the_reference_library_and_sign_with_every_secret
             "type": "job.succeeded",
             "data": {"id": "x"},
         }
+
+
+def test_a_postgres_outage_is_not_taken_for_redis_s(caplog: pytest.LogCaptureFixture) -> None:
+    """A connection Postgres refuses is an OSError, as Redis's are: the dispatcher's reading
+    loop logged it as event=redis_unavailable (and Postgres's own line after it)."""
+    from jobtier.webhooks.dispatcher import Dispatcher, PostgresDown
+
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except ConnectionRefusedError as refused:
+            raise PostgresDown from refused
+    except PostgresDown as exc:
+        down = exc
+    with caplog.at_level(logging.WARNING, logger="jobtier.webhooks"):
+        assert Dispatcher._failed(None, down, 0.1) is False  # type: ignore[arg-type]
+        assert Dispatcher._failed(None, ConnectionRefusedError(111, "x"), 0.1) is True  # type: ignore[arg-type]
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("event=postgres_unavailable") and "Connection refused" in said[0]
+    assert said[1].startswith("event=redis_unavailable"), said  # Redis's own still is

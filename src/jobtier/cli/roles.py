@@ -20,8 +20,10 @@ from jobtier.cli.process import (
     run_async,
 )
 from jobtier.config import Settings
+from jobtier.core.errors import ConfigError
 from jobtier.core.keys import Keys
 from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
+from jobtier.runtime.listen import cannot_listen
 
 if TYPE_CHECKING:
     from jobtier.persist.db import Pool
@@ -99,6 +101,11 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
     }
     settings = settings.replace(**changes)
     create_app(settings)  # fail here, with a clear message, on bad configuration
+    if (why := cannot_listen(settings.api_host, settings.api_port)) is not None:
+        raise ConfigError(
+            f"the API cannot listen on {settings.api_host}:{settings.api_port} ({why}): "
+            "JOBTIER_API_PORT (or --port) and JOBTIER_API_HOST (or --host) set where"
+        )
     for key, value in changes.items():  # the server processes read the environment
         os.environ["JOBTIER_" + key.upper()] = str(value)
     serve_api(settings)

@@ -40,6 +40,7 @@ from jobtier.dev.local_redis import LocalRedis, PortOwner, redis_at
 from jobtier.dev.procs import FolderLock, LocalServiceError, pid_alive, process_cwd, stop_pid
 from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
+from jobtier.runtime.listen import cannot_listen
 from jobtier.scheduler import Scheduler
 from jobtier.store.context import Store
 from jobtier.streams.group import lag
@@ -70,22 +71,6 @@ def _listening(port: int) -> bool:
             return True
     except OSError:
         return False
-
-
-def _api_port_taken(host: str, port: int) -> LocalServiceError | None:
-    """Why the API could not listen on ``host:port`` (checked before anything starts: the
-    servers, the migrations and every part would start first, then stop), or None."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((host, port))
-    except OSError as exc:
-        return LocalServiceError(
-            f"the API cannot listen on {host}:{port} ({exc.strerror or exc}): give it a free "
-            "port with --api-port PORT (or JOBTIER_API_PORT)"
-        )
-    return None
 
 
 def dev_keys(folder: Path) -> tuple[str, str]:
@@ -216,8 +201,12 @@ def run(
     registry = TaskRegistry.load(args.tasks)  # a bad module fails before any server starts
     if args.api_port is not None:
         settings = settings.replace(api_port=args.api_port)
-    if (taken := _api_port_taken(settings.api_host, settings.api_port)) is not None:
-        raise taken
+    if (why := cannot_listen(settings.api_host, settings.api_port)) is not None:
+        # before the servers, the migrations and every part start, to stop again
+        raise LocalServiceError(
+            f"the API cannot listen on {settings.api_host}:{settings.api_port} ({why}): give "
+            "it a free port with --api-port PORT (or JOBTIER_API_PORT)"
+        )
     services: LocalServices | None = None
     if not args.external:
         services = LocalServices(args.data_dir.resolve(), args.redis_port, args.pg_port)

@@ -57,6 +57,11 @@ CLAIM_COUNT = 500  # entries per shard per XAUTOCLAIM
 UNMARK_FAULTS: tuple[type[BaseException], ...] = (*FAULTS, *PG_UNAVAILABLE)
 
 
+class PostgresDown(Exception):
+    """Postgres failed the reading loop (its cause): told apart from Redis's faults, which
+    a connection refused by either would look like."""
+
+
 @dataclass
 class DispatcherStats:
     """What the dispatcher has read since it started (its metrics; the attempts': ``attempts``)."""
@@ -179,6 +184,9 @@ class Dispatcher:
 
     # --- the logs -> deliveries -----------------------------------------------------------
     def _failed(self, exc: Exception, wait: float) -> bool:
+        if isinstance(exc, PostgresDown):  # first: its cause may be an OSError, as Redis's are
+            log.warning("event=postgres_unavailable retry_in=%.1fs error=%r", wait, exc.__cause__)
+            return False
         if isinstance(exc, FAULTS):
             log.warning("event=%s retry_in=%.1fs error=%r", fault_event(exc), wait, exc)
         elif isinstance(exc, PG_UNAVAILABLE):
@@ -242,12 +250,16 @@ class Dispatcher:
                 self.consumer.bad_entry(shard, entry_id, exc)
         if entries:
             self.stats.lookups += 1
-            subs, callbacks = await self.store.targets(
-                sorted({e.tenant for e in entries}), sorted({e.status.id for e in entries})
-            )
-            deliveries = made_from(entries, subs, callbacks)
+            try:
+                subs, callbacks = await self.store.targets(
+                    sorted({e.tenant for e in entries}), sorted({e.status.id for e in entries})
+                )
+                deliveries = made_from(entries, subs, callbacks)
+                if deliveries:
+                    self.stats.created += await self.store.insert(deliveries)
+            except PG_UNAVAILABLE as exc:
+                raise PostgresDown from exc
             if deliveries:
-                self.stats.created += await self.store.insert(deliveries)
                 self.attempts.due()
         await self.consumer.ack((shard, entry_id) for shard, entry_id, _ in taken)
         self.stats.entries += len(taken)

@@ -314,6 +314,14 @@ class TaskRegistry:
         """``module`` (every Task defined in it) or ``module:attr`` (a registry, a Task, or a
         list of Tasks)."""
         module_name, _, attr = spec.partition(":")
+        if module_name.endswith(".py") or "/" in module_name or module_name.startswith("."):
+            # a file's path (./mytasks.py), not a module's name: relative imports fail with
+            # a TypeError, and 'mytasks.py' reads as a package 'mytasks'
+            name = module_name.removesuffix(".py").strip("./").replace("/", ".")
+            raise ConfigError(
+                f"{module_name!r} is a file's path: give the task module's name ({name!r}), "
+                "run from the folder that holds it or with that folder on PYTHONPATH"
+            )
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:

@@ -115,24 +115,29 @@ class Reporter:
             self._rate_limited(r, failure, failure.exc)
             return "retry"
         delay_ms = failure.delay_ms(r.task.retry if r.task else DEFAULT_POLICY, r.job.attempt)
+        # refund: the attempt does not count (a job an open breaker held back: breaker_gate.py)
+        refund = 1 if failure.refund else 0
+        state = fail_state(delay_ms, r.job.attempt, r.job.max_attempts, bool(refund))
         # one record per failed attempt, with the traceback of what the task raised (a
-        # refunded one, a job an open breaker held back, at debug: thousands come at once)
+        # refunded one, a job an open breaker held back, at debug: thousands come at once);
+        # the last one, that fails the job for good (a dead letter), a warning
+        level = logging.DEBUG if failure.refund else logging.INFO
+        then = f"retry_in_ms={delay_ms}"
+        if state == "failed":
+            level, then = logging.WARNING, "dead_lettered=1"
         log.log(
-            logging.DEBUG if failure.refund else logging.INFO,
-            "event=job_failed job=%s type=%s attempt=%d/%d error=%s message=%r retry_in_ms=%d",
+            level,
+            "event=job_failed job=%s type=%s attempt=%d/%d error=%s message=%r %s",
             r.job.id,
             r.job.type,
             r.job.attempt,
             r.job.max_attempts,
             failure.type,
             failure.message[:200],
-            delay_ms,
+            then,
             exc_info=failure.exc if failure.raised else None,
         )
-        # refund: the attempt does not count (a job an open breaker held back: breaker_gate.py)
-        refund = 1 if failure.refund else 0
         self.report("fail", r, (failure.error_json(), delay_ms, refund))
-        state = fail_state(delay_ms, r.job.attempt, r.job.max_attempts, bool(refund))
         return "retry" if state == "scheduled" else "failed"
 
     def _rate_limited(self, r: Running, failure: Failure, exc: RateLimited) -> None:
