@@ -4,14 +4,17 @@ and check (is one alive)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from jobtier.cli.process import (
+    STOP_SIGNALS,
     UNREACHABLE,
     default_name,
     exit_now_if_stuck,
@@ -106,10 +109,56 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
             f"the API cannot listen on {settings.api_host}:{settings.api_port} ({why}): "
             "JOBTIER_API_PORT (or --port) and JOBTIER_API_HOST (or --host) set where"
         )
+    if (told := _wait_for_redis(settings)) is not None:
+        signal.signal(told, signal.SIG_DFL)  # stopped while it waited: it ends by the signal
+        os.kill(os.getpid(), told)
     for key, value in changes.items():  # the server processes read the environment
         os.environ["JOBTIER_" + key.upper()] = str(value)
     serve_api(settings)
     return 0
+
+
+def _wait_for_redis(settings: Settings) -> signal.Signals | None:
+    """Wait for a Redis fit to serve (``check_redis``: up to its patience, then the
+    ConfigError that says why, one line), before any server process starts: in each of them
+    the same failure was tracebacks, and granian's 'Unexpected exit'. The signal that stopped
+    the wait, or None."""
+    from jobtier.store.fitness import check_redis
+    from jobtier.store.redis import connect
+
+    told: list[signal.Signals] = []
+
+    async def wait() -> int:
+        main = asyncio.current_task()
+        assert main is not None
+
+        def stop(sig: signal.Signals) -> None:
+            told.append(sig)
+            main.cancel()
+
+        for sig in STOP_SIGNALS:
+            asyncio.get_running_loop().add_signal_handler(sig, stop, sig)
+        redis = connect(settings)
+        try:
+            await check_redis(redis, settings)  # its warnings are the server processes' to log
+        except asyncio.CancelledError:
+            log.warning(
+                "event=api_stopped_while_starting signal=%s: Redis never answered; no server "
+                "was started",
+                told[0].name if told else "none",
+            )
+        finally:
+            await redis.aclose()
+        return 0
+
+    before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    try:
+        run_async(wait)
+    finally:  # the servers' own handling after it, as with no wait (uvicorn re-raises a
+        # signal it stopped for: under a handler left here, the process would exit 0)
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    return told[0] if told else None
 
 
 def serve_api(settings: Settings) -> None:
