@@ -37,12 +37,26 @@ class JsonFormatter(logging.Formatter):
         pairs = _PAIR.findall(message)
         if pairs and message.startswith(pairs[0][0] + "="):
             for key, value in pairs:
-                out[key] = value.strip("'\"")
+                out[key] = _value(value)
         else:
             out["message"] = message
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(out).decode()
+
+
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]{0,14})(?:\.[0-9]+)?")
+_WORDS: dict[str, object] = {"True": True, "False": False, "None": None}
+
+
+def _value(text: str) -> object:
+    """A pair's value as JSON would have it: a number, true, false or null as such (a
+    ``%d``, ``%s`` of a bool, ``%r`` of None), anything else (quoted ones too) a string."""
+    if text[:1] in ("'", '"'):
+        return text[1:-1]
+    if _NUMBER.fullmatch(text):
+        return float(text) if "." in text else int(text)
+    return _WORDS.get(text, text)
 
 
 class Unforeseen:
@@ -61,6 +75,31 @@ class Unforeseen:
         self.log.error(
             "%s retry_in=%.1fs%s error=%r", event, wait, extra, exc, exc_info=exc if first else None
         )
+
+
+def granian_logging(level: str = "INFO", fmt: str = "text") -> dict[str, object]:
+    """granian's ``log_dictconfig``: its own loggers (its start, its workers, their exits)
+    through the root's handler, as ``setup`` makes it, so that they read as ours do (JSON
+    with ``fmt`` json). granian applies it with ``dictConfig``, which replaces every handler:
+    the root's is made again here."""
+    formatter = f"{__name__}.{'JsonFormatter' if fmt == 'json' else 'TextFormatter'}"
+    return {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"jobtier": {"()": formatter}},
+        "handlers": {
+            "stderr": {
+                "class": "logging.StreamHandler",
+                "formatter": "jobtier",
+                "stream": "ext://sys.stderr",
+            }
+        },
+        "root": {"handlers": ["stderr"], "level": level.upper()},
+        "loggers": {
+            "_granian": {"handlers": [], "propagate": True},
+            "granian.access": {"handlers": [], "propagate": True, "level": "WARNING"},
+        },
+    }
 
 
 def setup(level: str = "INFO", fmt: str = "text") -> None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
+from jobtier import logs
 from jobtier.cli.process import (
     STOP_SIGNALS,
     UNREACHABLE,
@@ -183,6 +184,7 @@ def serve_api(settings: Settings) -> None:
             loop=Loops.uvloop,
             factory=True,
             log_access=False,
+            log_dictconfig=logs.granian_logging(settings.log_level, settings.log_format),
         ).serve()
     else:
         import uvicorn

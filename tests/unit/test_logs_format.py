@@ -1,0 +1,47 @@
+"""The JSON log lines: a pair's number, bool or None as JSON has it, and granian's own lines
+through the same formatter (both were strings of the text format's words: "workers": "1",
+granian's lines plain "[INFO] …" among the JSON ones)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+from jobtier.logs import JsonFormatter
+
+
+def _formatted(message: str, *args: object) -> dict[str, object]:
+    record = logging.LogRecord("jobtier.t", logging.INFO, __file__, 1, message, args, None)
+    out: dict[str, object] = json.loads(JsonFormatter().format(record))
+    return out
+
+
+def test_pairs_keep_their_json_types() -> None:
+    line = _formatted(
+        "event=%s workers=%d ratio=%.2f near_cache=%s gone=%r id=%s msg=%r shards=%s code=%s",
+        "api_ready", 1, 0.5, True, None, "01M952RK1FKMEBM4Z7A6EPN1TV-5", "a b=c", "0,1", "007",
+    )  # fmt: skip
+    assert line["event"] == "api_ready" and line["workers"] == 1 and line["ratio"] == 0.5
+    assert line["near_cache"] is True and line["gone"] is None
+    assert line["id"] == "01M952RK1FKMEBM4Z7A6EPN1TV-5" and line["msg"] == "a b=c"
+    assert line["shards"] == "0,1" and line["code"] == "007"  # not numbers as written
+
+
+def test_granians_own_lines_are_json_too() -> None:
+    code = (
+        "import logging, logging.config\n"
+        "from jobtier.logs import granian_logging\n"
+        "logging.config.dictConfig(granian_logging('INFO', 'json'))\n"
+        "logging.getLogger('_granian').info('Starting granian (main PID: %d)', 7)\n"
+        "logging.getLogger('jobtier.api').info('event=api_ready shards=%d', 16)\n"
+        "logging.getLogger('granian.access').info('an access line, below its level')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    lines = [json.loads(x) for x in r.stderr.splitlines()]
+    assert [(x["logger"], x.get("message") or x.get("event")) for x in lines] == [
+        ("_granian", "Starting granian (main PID: 7)"),
+        ("jobtier.api", "api_ready"),
+    ], r.stderr
+    assert r.stdout == ""  # granian's own handlers wrote to stdout
