@@ -240,6 +240,11 @@ async def test_queues_list_pause_resume_limit(pg_api: ApiServer, queue: Queue) -
     assert queues["default"]["paused"] is False and queues["default"]["limits"] is None
     code, _, err = await cli("queues", "pause", "no:colons", key=ADMIN)
     assert code == 1 and "queue name must match" in err
+    # a name nothing has used: paused all the same (before its first job), but it may be a
+    # typo of one, and the answer says so (it read as any other before)
+    code, out, _ = await cli("queues", "pause", "defualt", key=ADMIN)
+    assert code == 0 and out.startswith("defualt: paused (no job, limit or task had named")
+    assert (await cli.json("queues", "pause", "defualt", key=ADMIN))["known"] is True
 
 
 async def test_the_async_client_does_the_same(

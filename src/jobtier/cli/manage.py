@@ -297,8 +297,16 @@ def queues_list(c: Client, a: argparse.Namespace) -> Any:
 
 
 def queues_pause(c: Client, a: argparse.Namespace) -> Any:
+    known = any(q.name == a.name for q in c.queues())
     c.pause_queue(a.name)
-    return {"queue": a.name, "paused": True} if a.json else f"{a.name}: paused"
+    if a.json:
+        return {"queue": a.name, "paused": True, "known": known}
+    if not known:  # a queue may be paused before its first job, but a typo reads the same
+        return (
+            f"{a.name}: paused (no job, limit or task had named this queue: "
+            f"is {a.name!r} the name you meant? `jobtier queues` lists them)"
+        )
+    return f"{a.name}: paused"
 
 
 def queues_resume(c: Client, a: argparse.Namespace) -> Any:
