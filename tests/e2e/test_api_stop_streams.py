@@ -184,6 +184,7 @@ async def test_an_api_whose_redis_never_answers_says_so_in_one_line(tmp_path: Pa
     assert r.returncode == 2, r.stderr
     assert f"jobtier: configuration error: cannot reach Redis at {url}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "Unexpected exit" not in r.stderr, r.stderr
+    assert "refused.." not in r.stderr  # redis-py's full stop, and ours after it
 
 
 async def test_long_polls_answer_at_once_once_the_api_is_told_to_stop(

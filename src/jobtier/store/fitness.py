@@ -128,7 +128,8 @@ def _not_a_cluster(exc: RedisClusterException) -> bool:
 
 def unreachable_message(settings: Settings, exc: BaseException) -> str:
     """Why we cannot talk to Redis, and where to look next."""
-    message = f"cannot reach Redis at {masked_url(settings.redis_url)}: {exc}."
+    reason = str(exc).rstrip(".")  # redis-py's own ends with one ("Connection refused.")
+    message = f"cannot reach Redis at {masked_url(settings.redis_url)}: {reason}."
     if settings.redis_url == DEFAULT_REDIS_URL:
         return message + (
             " That is JOBTIER_REDIS_URL's default (the variable is not set): name your server "
