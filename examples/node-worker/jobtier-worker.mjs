@@ -372,19 +372,29 @@ export class Worker {
         this.log.error(`job ${job.id}: outcome refused, ${err.message}`);
         return;
       }
+      let failure = null;
       if (err.name === "ResultNotJSON") {
-        await this.client.fail(job, err, { retryable: false });
-        this.stats.failed += 1;
-        return;
-      }
-      if (err.status === 413 && outcome.ok && !ctx.cancelled) {
+        failure = err;
+      } else if (err.status === 413 && outcome.ok && !ctx.cancelled) {
         // its result is over the API's limit: the job fails for good, saying so (run again,
         // it would make the same result), rather than waiting out its lease to run again
-        const tooLarge = new NonRetryable(`the task's result was refused: ${err.message}`);
-        tooLarge.name = "ResultTooLarge";
-        await this.client.fail(job, tooLarge, { retryable: false });
-        this.stats.failed += 1;
-        return;
+        failure = new NonRetryable(`the task's result was refused: ${err.message}`);
+        failure.name = "ResultTooLarge";
+      }
+      if (failure !== null) {
+        try {
+          const send = () => this.client.fail(job, failure, { retryable: false });
+          await this.withRetries(what, until, send);
+          this.stats.failed += 1;
+          return;
+        } catch (again) {
+          if (again instanceof LeaseLost) {
+            this.stats.lost += 1;
+            this.log.error(`job ${job.id}: outcome refused, ${again.message}`);
+            return;
+          }
+          err = again;
+        }
       }
       // given up: refused as a request (another 4xx), or still failing when the lease would
       // lapse; the job runs again once its lease has lapsed

@@ -9,7 +9,6 @@ and ``jobtier config`` prints the values in effect.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -19,7 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 from jobtier.core.errors import ConfigError
 from jobtier.core.sealing import Keyring, settings_problems
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "WARN", "ERROR", "CRITICAL", "FATAL", "NOTSET")
 
 ENV_PREFIX = "JOBTIER_"
 WAIT_MARGIN = 1.0  # seconds a socket timeout must leave past the longest WAIT it carries
@@ -119,7 +118,10 @@ class Settings:
     min_schedule_interval: int = _setting(1, "Shortest interval (seconds) a schedule may have.")
 
     # --- HTTP API --------------------------------------------------------------------------
-    api_host: str = _setting("127.0.0.1", "Address the API listens on.")
+    api_host: str = _setting(
+        "127.0.0.1",
+        "Address the API listens on (an IP address under granian; a name too under uvicorn).",
+    )
     api_port: int = _setting(8000, "Port the API listens on.")
     api_workers: int = _setting(1, "API server processes.")
     api_server: str = _setting("granian", "ASGI server: granian or uvicorn.")
@@ -328,7 +330,7 @@ class Settings:
         "The service name of the spans under JOBTIER_OTEL=1 ('': jobtier-<role>).",
         env="OTEL_SERVICE_NAME",
     )
-    log_level: str = _setting("INFO", "Log level.")
+    log_level: str = _setting("INFO", "Log level: DEBUG, INFO, WARNING, ERROR or CRITICAL.")
     log_format: str = _setting("text", "Log format: text (key=value) or json.")
 
     @classmethod
@@ -485,11 +487,6 @@ class Settings:
             problems.append("JOBTIER_API_PORT must be a port, 1 to 65535")
         if self.api_workers < 1:
             problems.append("JOBTIER_API_WORKERS must be at least 1")
-        if self.api_server == "granian":
-            try:
-                ipaddress.ip_address(self.api_host)
-            except ValueError:
-                problems.append("JOBTIER_API_HOST must be an IP address for granian, not a name")
         if self.log_level.upper() not in LOG_LEVELS:
             problems.append(f"JOBTIER_LOG_LEVEL must be one of {', '.join(LOG_LEVELS)}")
         return problems

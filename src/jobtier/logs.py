@@ -36,8 +36,9 @@ class JsonFormatter(logging.Formatter):
         }
         pairs = _PAIR.findall(message)
         if pairs and message.startswith(pairs[0][0] + "="):
+            typed = _typed(record)
             for key, value in pairs:
-                out[key] = _value(value)
+                out[key] = typed[key] if key in typed else _unquoted(value)
         else:
             out["message"] = message
         if record.exc_info:
@@ -45,18 +46,38 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(out).decode()
 
 
-_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]{0,14})(?:\.[0-9]+)?")
-_WORDS: dict[str, object] = {"True": True, "False": False, "None": None}
+_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*\d*(?:\.\d+)?([diouxXeEfFgGcrsa%])")
 
 
-def _value(text: str) -> object:
-    """A pair's value as JSON would have it: a number, true, false or null as such (a
-    ``%d``, ``%s`` of a bool, ``%r`` of None), anything else (quoted ones too) a string."""
-    if text[:1] in ("'", '"'):
+def _typed(record: logging.LogRecord) -> dict[str, object]:
+    """The pairs whose value the message wrote from a number, a bool or None (one ``%``
+    conversion of such an argument), as JSON has them: the type is the argument's, not a
+    guess from the text (a queue named 2024 stays a string)."""
+    args = record.args
+    if not isinstance(args, tuple) or not args or not isinstance(record.msg, str):
+        return {}
+    specs = [m for m in _SPEC.finditer(record.msg) if m.group(1) != "%"]
+    starts = {m.start(): (i, m) for i, m in enumerate(specs)}
+    out: dict[str, object] = {}
+    for pair in _PAIR.finditer(record.msg):
+        found = starts.get(pair.start(2))
+        if found is None or found[1].end() != pair.end(2) or found[0] >= len(args):
+            continue
+        arg, conversion = args[found[0]], found[1].group(1)
+        if isinstance(arg, bool) or arg is None:
+            out[pair.group(1)] = arg if conversion in "sr" else int(bool(arg))
+        elif isinstance(arg, int | float) and conversion in "diufFeEgG":
+            # as written: %.1f of 0.25 reads 0.2 in the text line, and here
+            number = found[1].group() % arg
+            out[pair.group(1)] = float(number) if conversion in "fFeEgG" else int(arg)
+    return out
+
+
+def _unquoted(text: str) -> str:
+    """A pair's value without the quotes ``%r`` put around it (both ends, the same)."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
-    if _NUMBER.fullmatch(text):
-        return float(text) if "." in text else int(text)
-    return _WORDS.get(text, text)
+    return text
 
 
 class Unforeseen:

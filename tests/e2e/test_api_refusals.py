@@ -9,12 +9,13 @@ import asyncio
 import pytest
 
 from jobtier.api.records import PostgresExtension
+from jobtier.client import AsyncClient
 from jobtier.config import Settings
 from jobtier.engine.queue import Queue
 from tests.e2e.test_api_bad_input import snapshot
 from tests.e2e.test_http_worker import claim_one, lease, serve, submit, worker_client
 from tests.e2e.test_sse import read_events
-from tests.fixtures.api import ApiServer, StartApi
+from tests.fixtures.api import ADMIN, ApiServer, StartApi
 
 
 @pytest.fixture
@@ -75,6 +76,11 @@ async def test_a_rate_period_alone_does_not_lift_the_limits(api: ApiServer) -> N
         queues = (await admin.get("/v1/admin/queues")).json()["queues"]
     (lq9,) = [q for q in queues if q["name"] == "lq9"]
     assert lq9["limits"] == {"rate": 5, "per": 10.0}
+    # the client's lift with a period (its docstring: with neither, lift) still lifts
+    async with AsyncClient(api.url, ADMIN) as client:
+        await client.set_queue_limits("lq9", per=60)
+        limited = [q for q in await client.queues() if q.limits is not None]
+    assert "lq9" not in [q.name for q in limited]  # (a queue known by its limits alone)
 
 
 async def test_a_concurrency_limit_needs_its_key(api: ApiServer, queue: Queue) -> None:

@@ -12,6 +12,8 @@ import msgspec
 import pytest
 
 from jobtier.api.worker_claims import WorkerClaims
+from jobtier.core.model import Backoff, TaskAd
+from jobtier.engine.catalog import publish
 from tests.e2e.test_http_worker import claim_one, lease, serve, status, submit, worker_client
 from tests.fixtures.api import StartApi
 from tests.fixtures.engine import wait_for
@@ -97,17 +99,41 @@ async def test_a_long_failure_message_is_kept_cut_not_refused(start_api: StartAp
         ([{"type": "t.a", "payload_schema": {"type": "nonsense"}}], "tasks[0].payload_schema",
          "is refused, not a JSON Schema: 'nonsense' is not valid"),
         # the API applies the schema to every tenant's submits: it reads no file, fetches no
-        # URL, and matches no pattern in more than linear time
+        # URL, follows only references to its own $defs (without circles or a blow-up), has
+        # nothing that switches jsonschema to a validator of its own, and matches no pattern
+        # in more than linear time
         ([{"type": "t.a", "payload_schema": {"$ref": "file:///etc/hostname"}}],
-         "tasks[0].payload_schema", "'file:///etc/hostname' points out of the schema"),
+         "tasks[0].payload_schema", "'file:///etc/hostname' is not '#/$defs/<name>'"),
         ([{"type": "t.a", "payload_schema": {"properties": {"x": {"$ref": "http://127.0.0.1:9/s"}}}}],
-         "tasks[0].payload_schema", "points out of the schema: only '#…' is followed (at /properties/x)"),
+         "tasks[0].payload_schema", "only those are followed (at /properties/x)"),
         ([{"type": "t.a", "payload_schema": {"$ref": "#/$defs/nope"}}], "tasks[0].payload_schema",
          "'#/$defs/nope' points at nothing in the schema"),
         ([{"type": "t.a", "payload_schema": {"type": "string", "pattern": "^(?=a)b"}}],
-         "tasks[0].payload_schema", "cannot be matched in linear time (RE2)"),
+         "tasks[0].payload_schema", "is not one RE2 matches (in linear time)"),
         ([{"type": "t.a", "payload_schema": {"patternProperties": {"^(a+)+$": {}}}}],
-         "tasks[0].payload_schema", "patternProperties is not supported here"),
+         "tasks[0].payload_schema", "patternProperties (use propertyNames with a pattern) is not"),
+        # a nested $schema made jsonschema validate that part with its stock class, whose
+        # patterns are Python's (backtracking) again
+        ([{"type": "t.a", "payload_schema": {"properties": {"a": {
+            "$schema": "https://json-schema.org/draft/2020-12/schema", "pattern": "^(a+)+$"}}}}],
+         "tasks[0].payload_schema", "a $schema inside the schema is not supported here"),
+        ([{"type": "t.a", "payload_schema": {"properties": {"x": {"$ref": "#"}}}}],
+         "tasks[0].payload_schema", "'#' is not '#/$defs/<name>'"),
+        # into a value keyword, which the checks do not read as a schema
+        ([{"type": "t.a", "payload_schema": {"$ref": "#/default", "default": {
+            "patternProperties": {"^(a+)+$": {}}}}}],
+         "tasks[0].payload_schema", "'#/default' is not '#/$defs/<name>'"),
+        ([{"type": "t.a", "payload_schema": {"$defs": {"a": {"$ref": "#/$defs/b"},
+            "b": {"items": {"$ref": "#/$defs/a"}}}, "$ref": "#/$defs/a"}}],
+         "tasks[0].payload_schema", "refers to itself (through $ref)"),
+        ([{"type": "t.a", "payload_schema": {"$defs": {"a0": {"type": "integer"}, **{
+            f"a{i}": {"allOf": [{"$ref": f"#/$defs/a{i - 1}"}, {"$ref": f"#/$defs/a{i - 1}"}]}
+            for i in range(1, 20)}}, "$ref": "#/$defs/a19"}}],
+         "tasks[0].payload_schema", "once its $refs are followed"),
+        ([{"type": "t.a", "payload_schema": {"type": "array", "uniqueItems": True}}],
+         "tasks[0].payload_schema", "uniqueItems (it compares every pair of items) is not"),
+        ([{"type": "t.a", "payload_schema": {"properties": {"x": {"$id": "http://x/y"}}}}],
+         "tasks[0].payload_schema", "a $id is not supported here (at /properties/x)"),
     ],
 )  # fmt: skip
 async def test_an_advert_says_what_is_wrong_with_it(
@@ -213,3 +239,44 @@ async def test_an_advertised_schema_reads_nothing_and_matches_in_linear_time(
         assert "does not match" in r.json()["detail"]
         r = await c.post("/v1/jobs", json={"type": "t.re", "payload": {"w": "aaaa"}})
         assert r.status_code == 202, r.text
+
+
+async def test_a_payload_its_schema_cannot_judge_is_a_422(start_api: StartApi) -> None:
+    """A number too large for a multipleOf (an OverflowError in jsonschema): the submit is
+    refused, saying so, rather than a 500."""
+    api = await serve(start_api)
+    schema = {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.01}}}
+    async with worker_client(api) as w:
+        task = {"type": "t.big", "queue": "default", "payload_schema": schema}
+        r = await w.put("/v1/worker/tasks", json={"worker": "w4", "tasks": [task]})
+        assert r.status_code == 200, r.text
+    async with api.client() as c:
+        body = b'{"type": "t.big", "payload": {"n": 1' + b"0" * 400 + b"}}"
+        r = await c.post("/v1/jobs", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["field"] == "payload", r.text
+        assert "its task's schema cannot judge it (OverflowError)" in r.json()["detail"]
+
+
+async def test_a_python_workers_schema_keeps_its_own_patterns(start_api: StartApi) -> None:
+    """The subset HTTP workers are held to is not a Python worker's (its schema is its task's
+    own type, deployed by whoever reaches Redis): its patterns stay Python's, as the worker's
+    own check reads them (\\w takes 'José'; a look-ahead is still applied, not dropped)."""
+    api = await serve(start_api)
+    state = api.server.lifespan.state
+    queue = state["queue"]
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "pattern": r"^(?!admin)\w+$"}},
+        "required": ["name"],
+    }
+    ad = TaskAd(
+        type="t.py", queue="default", max_attempts=3, backoff=Backoff(1, 2, 60, 0.1),
+        timeout=None, payload_schema=schema, seen_at=time.time(), worker="host:1:py",
+    )  # fmt: skip
+    await publish(queue.redis, queue.keys, [ad])
+    await state["catalog"].load()
+    async with api.client() as c:
+        r = await c.post("/v1/jobs", json={"type": "t.py", "payload": {"name": "José"}})
+        assert r.status_code == 202, r.text
+        r = await c.post("/v1/jobs", json={"type": "t.py", "payload": {"name": "admin"}})
+        assert r.status_code == 422 and r.json()["field"] == "payload.name", r.text

@@ -77,6 +77,7 @@ def test_bad_input_is_a_clear_error() -> None:
         (("run", "--grace", "-3"), "--grace: must be 0 or more seconds, not -3"),
         (("run", "--redis-port", "99999"), "--redis-port: must be a port, 1 to 65535"),
         (("api", "--port", "0"), "--port: must be a port, 1 to 65535, not 0"),
+        (("api", "--host", "999.1.1.1"), "granian listens on an IP address, not a name"),
         # a file's path for the module: a TypeError's traceback (./x.py), or a package 'x'
         (("worker", "./mytasks.py"), "give the task module's name ('mytasks')"),
     ]:
@@ -88,7 +89,6 @@ def test_bad_input_is_a_clear_error() -> None:
         ({"JOBTIER_REDIS_URL": "notaurl"}, "JOBTIER_REDIS_URL must start with redis://"),
         ({"JOBTIER_API_PORT": "99999"}, "JOBTIER_API_PORT must be a port, 1 to 65535"),
         ({"JOBTIER_API_WORKERS": "0"}, "JOBTIER_API_WORKERS must be at least 1"),
-        ({"JOBTIER_API_HOST": "999.1.1.1"}, "JOBTIER_API_HOST must be an IP address"),
         ({"JOBTIER_REDIS_MAX_CONNECTIONS": "0"}, "JOBTIER_REDIS_MAX_CONNECTIONS must be at"),
         ({"JOBTIER_API_KEYS": "a:t,a:u"}, "JOBTIER_API_KEYS gives key a… to two tenants"),
         (

@@ -15,7 +15,7 @@ from jobtier.config import Settings, settings_table
 from jobtier.core.errors import Code, ConfigError, InvalidRequest
 from jobtier.core.keys import Keys, ulid
 from jobtier.core.names import JOB_ID_RE
-from jobtier.engine.catalog import schema_check
+from jobtier.engine.payload_schema import schema_check
 from jobtier.store.calls import CODES, claim_call, claim_replay
 from jobtier.store.scripts import NAMES, lua_source
 from jobtier.worker.registry import RetryPolicy, Task, TaskRegistry, task
@@ -415,7 +415,9 @@ def test_a_payload_error_names_the_field_in_json_words(
     @task
     async def page(ctx: object, payload: _Page) -> None: ...
 
-    for check in (page.check_payload, schema_check(msgspec.json.schema(_Page))):
+    checks = [schema_check(msgspec.json.schema(_Page), strict) for strict in (False, True)]
+    for check in (page.check_payload, *checks):
+        assert check is not None
         with pytest.raises(InvalidRequest) as refused:
             check(payload)
         assert refused.value.field == field

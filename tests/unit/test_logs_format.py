@@ -20,13 +20,17 @@ def _formatted(message: str, *args: object) -> dict[str, object]:
 
 def test_pairs_keep_their_json_types() -> None:
     line = _formatted(
-        "event=%s workers=%d ratio=%.2f near_cache=%s gone=%r id=%s msg=%r shards=%s code=%s",
+        "event=%s workers=%d ratio=%.2f near_cache=%s gone=%r id=%s msg=%r shards=%s code=%s "
+        "queue=%s detail=%s",
         "api_ready", 1, 0.5, True, None, "01M952RK1FKMEBM4Z7A6EPN1TV-5", "a b=c", "0,1", "007",
+        "2024", "'hello",
     )  # fmt: skip
     assert line["event"] == "api_ready" and line["workers"] == 1 and line["ratio"] == 0.5
     assert line["near_cache"] is True and line["gone"] is None
     assert line["id"] == "01M952RK1FKMEBM4Z7A6EPN1TV-5" and line["msg"] == "a b=c"
-    assert line["shards"] == "0,1" and line["code"] == "007"  # not numbers as written
+    # a string is a string, whatever it reads like: the argument's type decides
+    assert line["shards"] == "0,1" and line["code"] == "007" and line["queue"] == "2024"
+    assert line["detail"] == "'hello"  # one quote, not a pair to strip
 
 
 def test_granians_own_lines_are_json_too() -> None:

@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 from jobtier.api import spec as oa
 from jobtier.api.auth import bearer_key, raw_header
-from jobtier.api.http import decode_body, encoded, job_id_of, read_json_body
+from jobtier.api.http import decode_body, encoded, job_id_of, job_not_found, read_json_body
 from jobtier.api.problems import Problem
 from jobtier.api.worker_adverts import guarded
 from jobtier.api.worker_bodies import (
@@ -74,7 +74,8 @@ from jobtier.core.model import (
 )
 from jobtier.core.names import HTTP_WORKER_PREFIX
 from jobtier.core.sealing import is_sealed
-from jobtier.engine.catalog import publish, schema_problem
+from jobtier.engine.catalog import publish
+from jobtier.engine.payload_schema import schema_problem
 from jobtier.engine.queue import Queue
 from jobtier.engine.validate import furthest
 from jobtier.runtime.loop import FAULTS
@@ -286,7 +287,9 @@ async def logs(request: Request) -> Response:
     ((code, _),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
         raise await refused_now(queue, job_id, code)
-    if (attempt := await attempt_now(queue, job_id)) != body.attempt:
+    if (attempt := await attempt_now(queue, job_id)) is None:
+        raise job_not_found(job_id)  # gone since the lease was checked
+    if attempt != body.attempt:
         # the lease is this worker's: the attempt it holds is the job's, and lines of another
         # one would read as that attempt's in the job's logs
         detail = f"attempt {body.attempt} is not the job's: it is at attempt {attempt}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import os
 import signal
@@ -104,6 +105,11 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
         if value is not None
     }
     settings = settings.replace(**changes)
+    if settings.api_server == "granian" and not _is_ip(settings.api_host):
+        raise ConfigError(
+            f"granian listens on an IP address, not a name: JOBTIER_API_HOST (or --host) "
+            f"{settings.api_host!r} (uvicorn, JOBTIER_API_SERVER=uvicorn, takes names)"
+        )
     create_app(settings)  # fail here, with a clear message, on bad configuration
     if (why := cannot_listen(settings.api_host, settings.api_port)) is not None:
         raise ConfigError(
@@ -117,6 +123,14 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
         os.environ["JOBTIER_" + key.upper()] = str(value)
     serve_api(settings)
     return 0
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _wait_for_redis(settings: Settings) -> signal.Signals | None:
@@ -141,15 +155,15 @@ def _wait_for_redis(settings: Settings) -> signal.Signals | None:
             asyncio.get_running_loop().add_signal_handler(sig, stop, sig)
         redis = connect(settings)
         try:
-            await check_redis(redis, settings)  # its warnings are the server processes' to log
-        except asyncio.CancelledError:
+            try:
+                await check_redis(redis, settings)  # its warnings: the server processes' to log
+            finally:
+                await redis.aclose()
+        except asyncio.CancelledError:  # (a second signal, or one as the connection closes)
             log.warning(
-                "event=api_stopped_while_starting signal=%s: Redis never answered; no server "
-                "was started",
+                "event=api_stopped_while_starting signal=%s: no server was started",
                 told[0].name if told else "none",
             )
-        finally:
-            await redis.aclose()
         return 0
 
     before = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}

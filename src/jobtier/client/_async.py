@@ -280,7 +280,10 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
     ) -> None:
         """At most ``concurrency`` of the queue's jobs running at once, and at most ``rate``
         starts per ``per`` seconds, across every worker; with neither, lift the limits."""
-        limits = QueueLimits(concurrency=concurrency, rate=rate, per=per)
+        # the period only with a rate (alone, the API refuses it: it would read as a lift)
+        limits = QueueLimits(
+            concurrency=concurrency, rate=rate, per=per if rate is not None else 1.0
+        )
         await self._run(self._queue_action(name, "limits", limits))
 
     async def queue_scaling(

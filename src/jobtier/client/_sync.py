@@ -241,7 +241,10 @@ class Client(BaseClient[httpx.BaseTransport]):
         per: float = 1.0,
     ) -> None:
         """Limit the queue across every worker; see ``AsyncClient.set_queue_limits``."""
-        limits = QueueLimits(concurrency=concurrency, rate=rate, per=per)
+        # the period only with a rate (alone, the API refuses it: it would read as a lift)
+        limits = QueueLimits(
+            concurrency=concurrency, rate=rate, per=per if rate is not None else 1.0
+        )
         self._run(self._queue_action(name, "limits", limits))
 
     def queue_scaling(
