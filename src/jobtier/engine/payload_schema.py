@@ -17,7 +17,8 @@ to a subset (``schema_problem(strict=True)``):
 - its patterns are matched by RE2 (no look-arounds or back-references; ``\\w``, ``\\d``, ``\\b``
   are ASCII there), ``\\uXXXX`` read as the character;
 - no ``patternProperties`` (jsonschema matches its keys with Python's ``re`` in several
-  keywords) and no ``uniqueItems`` (compares every pair of items).
+  keywords), no ``uniqueItems`` (compares every pair of items), no ``unevaluated…`` (finds
+  what was evaluated by validating the subschemas again, level by level).
 
 Whatever the source, nothing is ever retrieved (a reference out of the schema fails), and a
 payload the check cannot judge (a recursion too deep, a number too large for ``multipleOf``)
@@ -56,6 +57,9 @@ _REFUSED = {
     "$recursiveRef": "a $recursiveRef",
     "patternProperties": "patternProperties (use propertyNames with a pattern)",
     "uniqueItems": "uniqueItems (it compares every pair of items)",
+    # jsonschema finds what was evaluated by validating the subschemas again, at each level
+    "unevaluatedProperties": "unevaluatedProperties (use additionalProperties)",
+    "unevaluatedItems": "unevaluatedItems (use items)",
 }
 _DEF_REF = re.compile(r"#/\$defs/([^/~]+)")
 _UNICODE_ESCAPE = re.compile(r"(?<!\\)\\u([0-9a-fA-F]{4})")
