@@ -126,6 +126,19 @@ def test_an_api_whose_port_is_taken_says_so_in_one_line(server: str) -> None:
     assert f"the API cannot listen on 127.0.0.1:{port} (Address already in use)" in r.stderr
 
 
+def test_a_misspelled_setting_is_said_with_the_one_it_may_mean() -> None:
+    """A JOBTIER_* variable no setting reads was silently nothing: now a warning naming it
+    (and the setting it is close to), from the commands that read settings to run."""
+    env = {"JOBTIER_LEASE_SECOND": "5", "JOBTIER_NOPE": "1", "JOBTIER_URL": "x", "PATH": ""}
+    r = run("config", env=env)
+    assert r.returncode == 0, r.stderr
+    lines = [x for x in r.stderr.splitlines() if "event=unknown_setting" in x]
+    assert len(lines) == 2, r.stderr  # JOBTIER_URL is the client commands' own
+    assert "name=JOBTIER_LEASE_SECOND" in lines[0]
+    assert lines[0].endswith("did you mean JOBTIER_LEASE_SECONDS?")
+    assert "name=JOBTIER_NOPE" in lines[1] and "did you mean" not in lines[1]
+
+
 def test_no_command_prints_the_commands() -> None:
     r = run()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import difflib
+import logging
 import os
 import select
 import sys
@@ -32,7 +35,7 @@ from jobtier.cli.roles import (
     cmd_scheduler,
     cmd_worker,
 )
-from jobtier.config import Settings
+from jobtier.config import ENV_PREFIX, Settings, env_name
 from jobtier.core.errors import ConfigError
 from jobtier.core.model import WORKER_CONCURRENCY
 from jobtier.metrics.snapshot import ROLES
@@ -42,6 +45,8 @@ DESCRIPTION = """\
 jobtier: asynchronous jobs for Python services, with a status tier that serves every
 job's state in milliseconds. Configuration comes from JOBTIER_* environment variables
 (`jobtier config` lists them with their values in effect)."""
+
+log = logging.getLogger("jobtier.cli")
 
 
 # --- parser ---------------------------------------------------------------------------------
@@ -360,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
         logs.setup(settings.log_level, settings.log_format)
+        if args.command in (*ROLES, "config"):
+            _warn_unknown_settings()
         if settings.otel and args.command in ROLES:
             tracing.setup(settings, args.command)
         try:
@@ -378,6 +385,22 @@ def main(argv: list[str] | None = None) -> int:
         # none either from the interpreter flushing stdout at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+
+
+def _warn_unknown_settings() -> None:
+    """One warning per ``JOBTIER_*`` variable no setting reads (nor the client commands'
+    ``JOBTIER_URL`` and ``JOBTIER_KEY``), with the one it may mean: misspelled, each was
+    silently its default."""
+    known = {env_name(f) for f in dataclasses.fields(Settings)} | {"JOBTIER_URL", "JOBTIER_KEY"}
+    unknown = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k not in known)
+    prefix = len(ENV_PREFIX)  # compared without it: every name shares it
+    names = [env_name(f)[prefix:] for f in dataclasses.fields(Settings)]
+    for name in unknown:
+        near = difflib.get_close_matches(name[prefix:], names, n=1, cutoff=0.8)
+        meant = f"; did you mean JOBTIER_{near[0]}?" if near else ""
+        log.warning(
+            "event=unknown_setting name=%s: no setting reads it, it changes nothing%s", name, meant
+        )
 
 
 def _reader_gone() -> bool:
