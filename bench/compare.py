@@ -1099,22 +1099,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--collations is for the persister's Postgres: add --persister")
     if args.what_if and not args.persister:
         p.error("--what-if is about the persister: add --persister")
-    assignments = [a for a in (args.persister_env or "").split(",") if a]
-    args.persister_env = dict(a.split("=", 1) for a in assignments if "=" in a)
-    if assignments and not args.persister:
-        p.error("--persister-env is about the persister: add --persister")
-    if len(args.persister_env) != len(assignments) or not all(
-        k.startswith("JOBTIER_") for k in args.persister_env
+    for option, what, prefix, form in (  # NAME=VALUE,... as a dict
+        ("persister_env", "the persister", "JOBTIER_", "JOBTIER_NAME=VALUE"),
+        ("pg_settings", "the persister's Postgres", "", "name=value"),
     ):
-        p.error("--persister-env takes JOBTIER_NAME=VALUE assignments, comma-separated")
+        flag = "--" + option.replace("_", "-")
+        items = [a for a in (getattr(args, option) or "").split(",") if a]
+        pairs = dict(a.split("=", 1) for a in items if "=" in a)
+        setattr(args, option, pairs)
+        if items and not args.persister:
+            p.error(f"{flag} is about {what}: add --persister")
+        if len(pairs) != len(items) or not all(k.startswith(prefix) for k in pairs):
+            p.error(f"{flag} takes {form} assignments, comma-separated")
     if set_here := sorted(set(args.persister_env) & BENCH_SETS):
         p.error(f"--persister-env: the bench sets {', '.join(set_here)} itself")
-    pg_assignments = [a for a in (args.pg_settings or "").split(",") if a]
-    args.pg_settings = dict(a.split("=", 1) for a in pg_assignments if "=" in a)
-    if pg_assignments and not args.persister:
-        p.error("--pg-settings is about the persister's Postgres: add --persister")
-    if len(args.pg_settings) != len(pg_assignments):
-        p.error("--pg-settings takes name=value assignments, comma-separated")
     # settings every jobtier process here reads from the shell (shown in the report, secrets
     # masked), but those the bench gives them itself
     secret = {env_name(f) for f in dataclasses.fields(Settings) if f.metadata.get("secret")}
