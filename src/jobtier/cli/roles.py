@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ipaddress
 import logging
 import os
 import signal
@@ -28,7 +27,7 @@ from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
 from jobtier.core.keys import Keys
 from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
-from jobtier.runtime.listen import cannot_listen
+from jobtier.runtime.listen import cannot_listen, is_ip_address
 
 if TYPE_CHECKING:
     from jobtier.persist.db import Pool
@@ -105,7 +104,7 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
         if value is not None
     }
     settings = settings.replace(**changes)
-    if settings.api_server == "granian" and not _is_ip(settings.api_host):
+    if settings.api_server == "granian" and not is_ip_address(settings.api_host):
         raise ConfigError(
             f"granian listens on an IP address, not a name: JOBTIER_API_HOST (or --host) "
             f"{settings.api_host!r} (uvicorn, JOBTIER_API_SERVER=uvicorn, takes names)"
@@ -123,14 +122,6 @@ def cmd_api(args: argparse.Namespace, settings: Settings) -> int:
         os.environ["JOBTIER_" + key.upper()] = str(value)
     serve_api(settings)
     return 0
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
 
 
 def _wait_for_redis(settings: Settings) -> signal.Signals | None:

@@ -1,8 +1,19 @@
-"""Whether a server could listen on an address, told before anything starts."""
+"""Addresses: whether a server could listen on one, told before anything starts, and
+whether a host is written as an IP address."""
 
 from __future__ import annotations
 
+import ipaddress
 import socket
+
+
+def is_ip_address(host: str) -> bool:
+    """Whether ``host`` is an IP address as written (not a name to resolve)."""
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def cannot_listen(host: str, port: int) -> str | None:

@@ -19,6 +19,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from jobtier.runtime.listen import is_ip_address
+
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 # host, port -> the addresses the name resolves to (a seam for tests)
@@ -70,14 +72,6 @@ class Target:
 _NUMERIC_HOST = re.compile(r"(?:0x[0-9a-f]*|[0-9]+)(?:\.(?:0x[0-9a-f]*|[0-9]+))*")
 
 
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 class AddressPolicy:
     """What callbacks may reach: public addresses, plus ``allowed`` (names, IPs, networks)."""
 
@@ -118,7 +112,7 @@ class AddressPolicy:
         if parts.fragment:
             raise Refused("the URL may not have a #fragment")
         host = parts.hostname.lower().rstrip(".")
-        if _NUMERIC_HOST.fullmatch(host) and not _is_ip(host):
+        if _NUMERIC_HOST.fullmatch(host) and not is_ip_address(host):
             # 2130706433, 0x7f.1, 127.1: the resolver takes them for addresses, the sender
             # refuses them (not canonical): such a callback could never be delivered
             raise Refused("the URL's host is an IPv4 address not written a.b.c.d")
