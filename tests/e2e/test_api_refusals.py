@@ -8,23 +8,12 @@ import asyncio
 
 import pytest
 
-from jobtier.api.records import PostgresExtension
 from jobtier.client import AsyncClient
-from jobtier.config import Settings
 from jobtier.engine.queue import Queue
 from tests.e2e.test_api_bad_input import snapshot
 from tests.e2e.test_http_worker import claim_one, lease, serve, submit, worker_client
 from tests.e2e.test_sse import read_events
 from tests.fixtures.api import ADMIN, ApiServer, StartApi
-
-
-@pytest.fixture
-async def pg_api(start_api: StartApi, pg_settings: Settings) -> ApiServer:
-    return await start_api(
-        PostgresExtension(pg_settings),
-        database_url=pg_settings.database_url,
-        webhook_allowed_hosts="127.0.0.1",
-    )
 
 
 async def test_a_worker_key_elsewhere_is_a_403_naming_the_routes_it_serves(
@@ -123,14 +112,14 @@ async def test_a_stream_resumed_past_the_jobs_versions_ends_with_the_job(
         assert [e for e in events if "data" in e] == []
 
 
-async def test_text_postgres_cannot_hold_is_a_422(pg_api: ApiServer, queue: Queue) -> None:
+async def test_text_postgres_cannot_hold_is_a_422(hook_api: ApiServer, queue: Queue) -> None:
     before = await snapshot(queue)
-    async with pg_api.client() as c:
+    async with hook_api.client() as c:
         hook = {"url": "http://127.0.0.1:1/x", "description": "a\u0000b"}
         r = await c.post("/v1/webhooks", json=hook)
         assert r.status_code == 422 and r.json()["field"] == "description", r.text  # a 500
         assert (await c.get("/v1/webhooks")).json()["webhooks"] == []
-    async with pg_api.client("admin") as admin:
+    async with hook_api.client("admin") as admin:
         r = await admin.post("/v1/admin/breakers/mail/open", json={"reason": "a\u0000b"})
         assert r.status_code == 422 and r.json()["field"] == "reason", r.text
     assert await snapshot(queue) == before
@@ -147,10 +136,10 @@ async def test_text_postgres_cannot_hold_is_a_422(pg_api: ApiServer, queue: Queu
     ],
 )
 async def test_a_schedule_that_can_never_work_is_a_422(
-    pg_api: ApiServer, changes: dict[str, str], field: str, says: str
+    hook_api: ApiServer, changes: dict[str, str], field: str, says: str
 ) -> None:
     spec = {"name": "nightly", "type": "echo", "cron": "0 3 * * *", **changes}
-    async with pg_api.client() as c:
+    async with hook_api.client() as c:
         r = await c.post("/v1/schedules", json=spec)
         assert r.status_code == 422, r.text
         assert r.json()["field"] == field and says in r.json()["detail"], r.text
