@@ -207,7 +207,8 @@ async def _advertise(
     info = {
         "id": worker, "pid": 0, "host": client.host if client else "",
         # its slots: those it asks to fill and those in use (a claim asks for the free ones)
-        "concurrency": body.count + body.running, "running": body.running, "tasks": body.types, "queues": body.queues, "seen_at": now,
+        "concurrency": body.count + body.running, "running": body.running,
+        "tasks": body.types, "queues": body.queues, "seen_at": now,
     }  # fmt: skip
     queue: Queue = request.state.queue
     await queue.redis.hset(queue.keys.workers(), worker, encode_json(info))
