@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -143,6 +144,30 @@ def test_no_command_prints_the_commands() -> None:
     r = run()
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "usage: jobtier" in r.stderr and "persister" in r.stderr and "dead-letters" in r.stderr
+
+
+# Run as ``python -m jobtier.cli``, with a Ctrl-C arriving while the commands load: an import
+# hook raises it at the import of cli/main.py, where it lands whatever the machine's speed.
+_CTRL_C_WHILE_LOADING = """
+import runpy, sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "jobtier.cli.main":
+            raise KeyboardInterrupt
+
+sys.meta_path.insert(0, CtrlC())
+runpy.run_module("jobtier.cli", run_name="__main__")
+"""
+
+
+def test_a_ctrl_c_while_the_commands_load_ends_it_without_a_traceback() -> None:
+    r = subprocess.run(
+        [sys.executable, "-c", _CTRL_C_WHILE_LOADING],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == -signal.SIGINT, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("args", [["config"], ["config", "--table"]])

@@ -2,6 +2,6 @@
 
 import sys
 
-from jobtier.cli.main import main
+from jobtier.cli import entry
 
-sys.exit(main())
+sys.exit(entry())
