@@ -49,7 +49,8 @@ class TaskCatalog:
         self.ttl = ttl
         self._ads: dict[str, TaskAd] = {}
         self._infos: dict[str, TaskInfo] = {}
-        self._checks: dict[str, tuple[bytes, Check | None]] = {}  # type -> (schema, check)
+        # type -> ((its schema, whether held to the subset), the check made of them)
+        self._checks: dict[str, tuple[tuple[bytes, bool], Check | None]] = {}
         self._loaded_at = 0.0
         self._task: asyncio.Task[None] | None = None
 
@@ -90,11 +91,11 @@ class TaskCatalog:
             if ad.payload_schema is not None:
                 # an HTTP worker's is held to the subset its key's holder may use
                 strict = ad.worker.startswith(HTTP_WORKER_PREFIX)
-                encoded = msgspec.json.encode(ad.payload_schema) + (b"!" if strict else b"")
+                made_of = (msgspec.json.encode(ad.payload_schema), strict)
                 cached = self._checks.get(name)
-                if cached is None or cached[0] != encoded:
+                if cached is None or cached[0] != made_of:
                     check = schema_check(ad.payload_schema, strict)
-                    cached = self._checks[name] = (encoded, check)
+                    cached = self._checks[name] = (made_of, check)
                 check = cached[1]
             infos[name] = TaskInfo(ad.queue, ad.max_attempts, check, ad.on_failure, ad.encrypt)
         self._ads, self._infos = ads, infos
