@@ -80,8 +80,9 @@ async def test_misfire_policies_with_a_controlled_clock(queue: Queue) -> None:
     for policy, name in [("skip", "A"), ("fire_once", "B"), ("fire_all", "C")]:
         sid = name * 26
         await mirror.put(sid, interval_def(60, policy, anchor=t0), b"null", t0 + 60_000, False)
-    # the scheduler was away for ten minutes: slots t0+1min … t0+10min were missed
-    now = t0 + 10 * 60_000 + 500
+    # the scheduler was away for ten minutes: slots t0+1min … t0+10min were missed, the last
+    # by 10 s, past the 5 s grace (one within it would be on time: fired by every policy)
+    now = t0 + 10 * 60_000 + 10_000
     created = sum(
         [(await mirror.fire_due(s, now, grace_ms=5_000))[0] for s in range(queue.keys.shards)]
     )

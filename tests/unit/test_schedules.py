@@ -30,6 +30,20 @@ def test_cron_slots_in_a_time_zone_across_dst() -> None:
     assert t.next_after(first) == ms("2026-03-29T03:00:00", "Europe/Paris")
 
 
+def test_a_daily_time_the_clocks_go_back_over_fires_once() -> None:
+    """01:30 comes twice in New York on 2026-11-01 (EDT, then EST): a daily 01:30 fires at
+    the first only; an hourly one fires at each hour that passes, both 01:00s included."""
+    daily = Timing("30 1 * * *", "America/New_York", None, 0)
+    first = daily.next_after(ms("2026-10-31T12:00:00", "America/New_York"))
+    assert first == ms("2026-11-01T01:30:00", "America/New_York")  # EDT, 05:30 UTC
+    assert daily.next_after(first) == ms("2026-11-02T01:30:00", "America/New_York")
+    # an hour later (06:45 UTC: the second 01:45) the latest slot is still the first 01:30
+    assert daily.last_at_or_before(first + 75 * MIN) == first
+    hourly = Timing("0 * * * *", "America/New_York", None, 0)
+    one = first - 30 * MIN  # 01:00 EDT; then 01:00 EST, 02:00 EST, 03:00 EST
+    assert hourly.slots(one, one + 3 * 60 * MIN, 10) == [one + k * 60 * MIN for k in range(4)]
+
+
 @given(st.integers(1, 86_400), st.integers(0, 10**12), st.integers(0, 10**12))
 def test_interval_slots_are_anchored_and_strictly_after(
     seconds: int, anchor: int, after: int
@@ -49,7 +63,7 @@ def test_on_time_firing_fires_the_slot() -> None:
 @pytest.mark.parametrize(
     ("policy", "fired"),
     [
-        ("skip", []),
+        ("skip", [T0 + 50 * MIN]),  # only the ones before it were missed
         ("fire_once", [T0 + 50 * MIN]),
         ("fire_all", [T0 + k * 5 * MIN for k in range(11)]),
     ],
@@ -60,6 +74,12 @@ def test_missed_slots_follow_the_policy(policy: str, fired: list[int]) -> None:
     slots, nxt, last = plan(t, policy, T0, now, 60_000)
     assert slots == fired and nxt == T0 + 55 * MIN
     assert last == (fired[-1] if fired else None)
+
+
+def test_skip_fires_nothing_when_the_latest_slot_was_missed_too() -> None:
+    t = Timing("*/5 * * * *", "UTC", None, 0)
+    now = T0 + 52 * MIN  # the latest slot, T0 + 50 min, is two minutes late: past the grace
+    assert plan(t, "skip", T0, now, 60_000) == ([], T0 + 55 * MIN, None)
 
 
 def test_slot_job_ids_are_deterministic_and_sharded_with_the_schedule() -> None:

@@ -40,8 +40,11 @@ class Timing:
             k = max(0, (after_ms - self.anchor_ms) // self.interval_ms + 1)
             return self.anchor_ms + k * self.interval_ms
         assert self.cron is not None
-        start = datetime.fromtimestamp(after_ms / 1000, ZoneInfo(self.timezone))
-        nxt: datetime = croniter(self.cron, start).get_next(datetime)
+        zone = ZoneInfo(self.timezone)
+        slots = croniter(self.cron, datetime.fromtimestamp(after_ms / 1000, zone))
+        nxt: datetime = slots.get_next(datetime)
+        while self._repeated(nxt, zone):
+            nxt = slots.get_next(datetime)
         return round(nxt.timestamp() * 1000)
 
     def last_at_or_before(self, at_ms: int) -> int:
@@ -50,9 +53,24 @@ class Timing:
             k = max(0, (at_ms - self.anchor_ms) // self.interval_ms)
             return self.anchor_ms + k * self.interval_ms
         assert self.cron is not None
-        start = datetime.fromtimestamp((at_ms + 1) / 1000, ZoneInfo(self.timezone))
-        prev: datetime = croniter(self.cron, start).get_prev(datetime)
+        zone = ZoneInfo(self.timezone)
+        slots = croniter(self.cron, datetime.fromtimestamp((at_ms + 1) / 1000, zone))
+        prev: datetime = slots.get_prev(datetime)
+        while self._repeated(prev, zone):
+            prev = slots.get_prev(datetime)
         return round(prev.timestamp() * 1000)
+
+    def _repeated(self, slot: datetime, zone: ZoneInfo) -> bool:
+        """Whether ``slot`` is the second coming of a wall-clock time the clocks went back
+        over, in a cron that names its minutes and hours (no ``*`` starts either field): such
+        a schedule fires once a day at that time, at its first coming, as cron does. One
+        with ``*`` in either field fires by the clock's passing: at both."""
+        assert self.cron is not None
+        minute, hour = self.cron.split()[:2]
+        if minute.startswith("*") or hour.startswith("*"):
+            return False
+        wall = datetime.fromtimestamp(slot.timestamp(), zone)  # fold=1: the second coming
+        return wall.fold == 1 and wall.utcoffset() != wall.replace(fold=0).utcoffset()
 
     def slots(self, first_ms: int, until_ms: int, most: int) -> list[int]:
         """Slots from ``first_ms`` (a slot) up to ``until_ms``, at most ``most``."""
@@ -79,6 +97,10 @@ def plan(
         return [due_ms], timing.next_after(due_ms), due_ms
     resume = timing.next_after(now_ms)
     if misfire == "skip":
+        # the missed ones are skipped; the latest, when on time itself, is not one of them
+        latest = timing.last_at_or_before(now_ms)
+        if now_ms - latest <= grace_ms:
+            return [latest], resume, latest
         return [], resume, None
     if misfire == "fire_once":
         latest = max(due_ms, timing.last_at_or_before(now_ms))
