@@ -40,6 +40,10 @@ NOW = 0  # "due now": check the shard on the next pass
 # a pass's shards whose calls failed: shard -> (the first error, the steps that failed)
 Failed = dict[int, tuple[BaseException, list[str]]]
 RECONCILE_TIMEOUT = 30.0
+# A shard's leases are looked at again at least this often (ms), whatever this scheduler's own
+# lease: a worker run with a shorter JOBTIER_LEASE_SECONDS (a setting every part should share)
+# makes claims that end before a full lease of ours, and its dead claims wait this long at most.
+LEASE_RESCAN_MS = 5_000
 
 
 @dataclass(slots=True)
@@ -390,8 +394,9 @@ class Scheduler:
                 self._next_lease[shard] = NOW
             else:
                 # no lease is known to end sooner than its deadline; a claim made after this
-                # answer ends no sooner than a full lease from now
-                horizon = r.now_ms + lease_ms
+                # answer ends no sooner than a full lease from now, if its worker's lease is
+                # ours (else it is looked at within LEASE_RESCAN_MS)
+                horizon = r.now_ms + min(lease_ms, LEASE_RESCAN_MS)
                 self._next_lease[shard] = min(r.next_ms, horizon) if r.next_ms >= 0 else horizon
         return moved
 
