@@ -14,6 +14,11 @@ from typing import Any
 
 from jobtier.metrics.snapshot import labels
 
+# An attempt given back rather than failed (its count refunded: worker/attempt.py): the task
+# raised RateLimited, or an open circuit breaker held the job back (worker/breaker_gate.py).
+# Counted apart, so that a downstream saying "later" does not read as a failure rate.
+HELD = frozenset({"RateLimited", "BreakerOpen"})
+
 
 class TransitionCounter:
     """Counts jobs by type, queue and outcome from the persister's commits."""
@@ -45,8 +50,11 @@ class TransitionCounter:
                 if to == "succeeded":
                     counts["jobs_succeeded_total"][kind] += 1
                 elif to == "scheduled":
-                    counts["jobs_failed_total"][kind] += 1
-                    counts["jobs_retried_total"][kind] += 1
+                    if doc.error is not None and doc.error.type in HELD:
+                        counts["jobs_held_total"][kind] += 1
+                    else:
+                        counts["jobs_failed_total"][kind] += 1
+                        counts["jobs_retried_total"][kind] += 1
                 elif to == "failed" and not expired:
                     counts["jobs_failed_total"][kind] += 1
             if to == "failed" and frm != "failed":
