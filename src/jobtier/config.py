@@ -74,7 +74,10 @@ class Settings:
         "Seconds a worker's advertised task counts as known after its last heartbeat.",
     )
     lease_seconds: float = _setting(
-        30.0, "A claimed job's lease; a worker heartbeats every third of it."
+        30.0,
+        "A claimed job's lease; a worker heartbeats every third of it. Give every part the "
+        "same: a scheduler looks at leases as if all were its own (one shorter is reclaimed "
+        "up to 5 s late).",
     )
     retention_seconds: int = _setting(
         86400, "How long finished (succeeded/cancelled) jobs stay in Redis; Postgres keeps them."

@@ -106,6 +106,31 @@ async def test_a_delivery_fails_after_the_last_retry(
     assert len(receiver.requests) == 4
 
 
+async def test_a_410_is_recorded_as_its_deliverys_attempt_and_disables_the_subscription(
+    hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
+    start_dispatcher: Callable[..., Dispatcher],
+) -> None:  # fmt: skip
+    receiver = await start_receiver()
+    receiver.default = [410]
+    async with hook_api.client() as c:
+        hook = (await c.post("/v1/webhooks", json={"url": receiver.url})).json()
+        job_id = (await c.post("/v1/jobs", json={"type": "echo"})).json()["id"]
+        await run_jobs(queue)
+        start_dispatcher()
+
+        async def disabled() -> bool:
+            got = (await c.get(f"/v1/webhooks/{hook['id']}")).json()
+            return got.get("disabled_at") is not None
+
+        await wait_for(disabled, timeout=60)
+        (record,) = await deliveries(c, job_id)
+    assert len(receiver.requests) == 1
+    # the attempt that was answered 410 is on its delivery, which failed (not cancelled)
+    assert record["state"] == "failed" and record["attempts"] == 1, record
+    assert [a["status"] for a in record["attempt_log"]] == [410]
+    assert record["last_status"] == 410
+
+
 async def test_a_subscription_sees_only_its_tenants_jobs_and_every_transition_if_asked(
     hook_api: ApiServer, queue: Queue, start_receiver: StartReceiver,
     start_dispatcher: Callable[..., Dispatcher],

@@ -83,6 +83,9 @@ class SigningSecret(msgspec.Struct):
 
 
 class DeliveryAttempt(msgspec.Struct):
+    """One attempt of a delivery: ``at`` is when it ended (its answer came, or its time limit
+    passed), ``duration_ms`` how long it took."""
+
     attempt: int
     at: datetime
     duration_ms: float

@@ -59,6 +59,8 @@ class Attempts:
         self._more_due = False
         self._due = asyncio.Event()  # new deliveries were inserted: lease them now
         self._outcomes: list[Outcome] = []
+        # delivery -> its subscription, disabled once the 410 that asked for it is recorded
+        self._gone: dict[str, str] = {}
         self._recorded = asyncio.Event()
         self._secrets: dict[str, tuple[float, list[str]]] = {}
 
@@ -137,12 +139,12 @@ class Attempts:
             state, kind = "delivered", "delivered"
             self.stats.latency.observe(max(0.0, (now - a.occurred_at).total_seconds()))
         elif status == 410:
-            # the receiver wants no more (Standard Webhooks): its subscription is disabled
+            # the receiver wants no more (Standard Webhooks): its subscription is disabled,
+            # once this attempt is recorded (disabling cancels the subscription's pending
+            # deliveries, which until then include this one: its attempt would go unrecorded)
             state, kind = "failed", "gone"
             if a.subscription_id is not None:
-                task = asyncio.create_task(self._disable(a.subscription_id))
-                self.running.add(task)
-                task.add_done_callback(self.running.discard)
+                self._gone[a.id] = a.subscription_id
         elif made > len(self.schedule):
             state, kind = "failed", "failed"
         else:
@@ -202,6 +204,8 @@ class Attempts:
                 try:
                     await self.store.record(todo)
                     backoff.reset()
+                    for gone in [self._gone.pop(o.id) for o in todo if o.id in self._gone]:
+                        await self._disable(gone)
                     self._due.set()  # a retry due at once (a schedule of 0 s) goes now
                 except PG_UNAVAILABLE as exc:
                     self._outcomes[:0] = todo
