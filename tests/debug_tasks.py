@@ -88,7 +88,24 @@ def chatty_sync(ctx: JobContext, payload: Any) -> str:
     return "logged"
 
 
+@task(retries=0)
+async def cancelled_elsewhere(ctx: JobContext, payload: Any) -> None:
+    """Awaits a future something else cancelled: its CancelledError escapes the task."""
+    inner = asyncio.ensure_future(asyncio.sleep(3600))
+    inner.cancel()
+    await inner
+
+
+@task(retries=0)
+async def too_deep(ctx: JobContext, payload: Any) -> list[Any]:
+    """Returns a result nested deeper than the encoder goes (a RecursionError)."""
+    result: list[Any] = []
+    for _ in range(5000):
+        result = [result]
+    return result
+
+
 registry = TaskRegistry(
     [swallow_cancel, poll_cancel_sync, gated, fail_once, deep_failure, chatty, chatty_sync,
-     tasks.wait_for_cancel, tasks.unserialisable, demo.echo]
+     cancelled_elsewhere, too_deep, tasks.wait_for_cancel, tasks.unserialisable, demo.echo]
 )  # fmt: skip

@@ -80,6 +80,35 @@ async def test_a_failed_attempt_keeps_a_bounded_traceback_everywhere(
     assert "retry_in_ms" not in records[0].getMessage()
 
 
+async def test_a_task_that_raises_cancelled_error_itself_fails_rather_than_being_released(
+    queue: Queue,
+) -> None:
+    """Released as a stop, such a job went back to the front of its queue and failed so again
+    at once, tens of thousands of times, never counting an attempt."""
+    sub = await queue.submit("cancelled_elsewhere", None)
+    await worker_for(queue, registry, burst=True).run()
+    status = await queue.status(sub.job_id)
+    assert status.state is State.FAILED and status.attempt == 1, status
+    assert status.error is not None and status.error.type == "CancelledError"
+    assert status.version == 3  # submitted, claimed, failed: once
+
+
+async def test_a_result_too_deep_to_encode_fails_the_job_rather_than_leaving_it_running(
+    queue: Queue,
+) -> None:
+    sub = await queue.submit("too_deep", None)
+    worker = worker_for(queue, registry)
+    background = asyncio.create_task(worker.run())
+    try:
+        await until_state(queue, sub.job_id, State.FAILED)
+    finally:
+        worker.stop()
+        await background
+    status = await queue.status(sub.job_id)
+    assert status.error is not None and status.error.type == "ResultNotSerialisable"
+    assert "RecursionError" in status.error.message
+
+
 def test_the_traceback_bound_holds_for_any_depth() -> None:
     def fail(depth: int) -> None:
         if depth == 0:

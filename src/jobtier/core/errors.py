@@ -6,6 +6,7 @@ same values (a unit test keeps the two in step), and Python never compares bare 
 
 from __future__ import annotations
 
+import math
 from enum import IntEnum
 
 
@@ -92,6 +93,14 @@ class Retry(JobtierError):
     """Raised by a task to ask for a retry, optionally after a specific delay (seconds)."""
 
     def __init__(self, message: str = "retry requested", *, delay: float | None = None) -> None:
+        if not isinstance(message, str):  # Retry(5): a delay meant, a message made
+            raise TypeError(f"Retry's message is a str; a delay is Retry(delay={message!r})")
+        if delay is not None and (
+            isinstance(delay, bool)
+            or not isinstance(delay, int | float)
+            or not math.isfinite(delay)
+        ):
+            raise TypeError(f"Retry(delay=…) is a number of seconds, not {delay!r}")
         super().__init__(message)
         self.delay = delay
 

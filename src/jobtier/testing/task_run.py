@@ -125,8 +125,10 @@ class Outcome:
       exception, an unserialisable or oversized result, or no attempts left);
     - ``"cancelled"``: a cancel was requested and the task stopped for it, or returned after
       the request reached it (its result is dropped, as a worker drops it);
-    - ``"released"``: the task raised ``asyncio.CancelledError`` with no cancel requested;
-      a worker would give the job back to its queue, to run again — almost always a bug.
+    - ``"released"``: the attempt was cancelled with no cancel requested (the caller of
+      ``outcome()`` was, a test's timeout): a worker that stops gives the job back to its
+      queue so. (A task whose own code raises ``asyncio.CancelledError``, its attempt not
+      being cancelled, fails like any other: ``"retry"`` or ``"failed"``.)
 
     ``error`` is set for ``"retry"`` and ``"failed"``; ``progress`` holds every
     ``ctx.progress()`` value in the order reported (a worker merges reports made within a

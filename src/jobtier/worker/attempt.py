@@ -66,8 +66,9 @@ class Stopped(enum.Enum):
 
     STOPPED = "stopped"  # the task raised ``Cancelled`` for a requested cancel, or returned
     # after the request was delivered to it
-    INTERRUPTED = "interrupted"  # asyncio.CancelledError: a cancel request reached an async
-    # task, the worker is shutting down or lost the lease, or the task raised it itself
+    INTERRUPTED = "interrupted"  # asyncio.CancelledError of the attempt's task: a cancel
+    # request reached an async task, or the worker is shutting down or lost the lease (one
+    # the task's own code raised, its task not being cancelled, is a Failure)
 
 
 STOPPED = Stopped.STOPPED
@@ -106,11 +107,12 @@ class Failure:
         return encode_json(error)
 
     def delay_ms(self, policy: RetryPolicy, attempt: int) -> int:
-        """Milliseconds before the next attempt, or -1 for "do not retry" (fail.lua's ARGV)."""
+        """Milliseconds before the next attempt, or -1 for "do not retry" (fail.lua's ARGV).
+        A delay asked for that has passed already (``Retry(delay=reset_at - now)``) is 0."""
         if not self.retry:
             return -1
         delay = self.delay if self.delay is not None else policy.delay(attempt)
-        return round(1000 * delay)
+        return max(0, round(1000 * delay))
 
 
 def _folder(module: Any) -> str:
@@ -156,17 +158,35 @@ def format_traceback(exc: BaseException) -> str:
         if 0 <= newline < len(tail) - 1:
             tail = tail[newline + 1 :]
         text = "…\n" + tail
-    return text
+    return printable(text)
 
 
-def failure(exc: Exception, task: Task | None) -> Failure:
+def printable(text: str) -> str:
+    """``text`` as UTF-8 can carry it into the job's JSON: a lone surrogate (a file name
+    decoded with ``surrogateescape``, as ``os.listdir`` gives one) as its ``\\udcXX`` escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def message_of(exc: BaseException) -> str:
+    """``str(exc)`` for the job's error, bounded and printable; a placeholder when the
+    exception's ``__str__`` itself raises."""
+    try:
+        text = str(exc)
+    except Exception:
+        text = f"<the {type(exc).__name__}'s message could not be read: its __str__ raised>"
+    return printable(text[:MESSAGE_LIMIT])
+
+
+def failure(exc: BaseException, task: Task | None) -> Failure:
     """Classify what a task raised: ``Fatal``, a ciphertext that fails authentication and the
     task's ``non_retryable`` classes are not retried, everything else is (a timeout and a
-    missing encryption key included), ``Retry`` with the delay it names."""
+    missing encryption key included, and what is no ``Exception``: a ``SystemExit`` or a
+    ``KeyboardInterrupt`` the task raised fails its attempt, not the worker), ``Retry`` with
+    the delay it names."""
     if isinstance(exc, TimeoutError) and task is not None and task.timeout is not None:
         return Failure(exc, "TimeoutError", f"attempt timed out after {task.timeout:g}s", True)
     if isinstance(exc, RateLimited):  # the worker also holds the queue back (reporter.py)
-        message = str(exc)[:MESSAGE_LIMIT]
+        message = message_of(exc)
         return Failure(exc, "RateLimited", message, True, exc.retry_after, refund=True)
     retry = not (
         isinstance(exc, Fatal)
@@ -175,7 +195,7 @@ def failure(exc: Exception, task: Task | None) -> Failure:
         or (task is not None and isinstance(exc, task.non_retryable))
     )
     delay = exc.delay if isinstance(exc, Retry) else None
-    return Failure(exc, type(exc).__name__, str(exc)[:MESSAGE_LIMIT], retry, delay)
+    return Failure(exc, type(exc).__name__, message_of(exc), retry, delay)
 
 
 class AttemptSink(Protocol):
@@ -232,8 +252,16 @@ async def run_attempt(
     # The outcome goes straight to the sink, never into a local: a Failure holds the
     # exception, whose traceback holds this frame, which would then hold the Failure — a
     # cycle per failed job for the garbage collector to find.
-    except asyncio.CancelledError:
-        sink.attempt_ended(ctx, INTERRUPTED)
+    except asyncio.CancelledError as exc:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():  # we were cancelled: a stop
+            sink.attempt_ended(ctx, INTERRUPTED)
+        else:
+            # raised by the task's own code (it awaited a future something else cancelled):
+            # a failure like any other. As a stop it would be given back, to fail so again
+            # at once, over and over, never counting an attempt
+            message = "the task raised asyncio.CancelledError without being cancelled"
+            sink.attempt_ended(ctx, Failure(exc, "CancelledError", message, True))
     except SealError as exc:  # the message names the job and key id, never a plain byte
         # a missing key is retried with the task's back-off: during a rolling deploy the
         # next worker to claim the job may hold it; a ciphertext that fails never opens
@@ -243,9 +271,11 @@ async def run_attempt(
         if ctx.cancel_requested:
             sink.attempt_ended(ctx, STOPPED)
         else:
-            sink.attempt_ended(ctx, Failure(exc, "Cancelled", str(exc)[:MESSAGE_LIMIT], False))
-    except Exception as exc:
+            sink.attempt_ended(ctx, Failure(exc, "Cancelled", message_of(exc), False))
+    except BaseException as exc:  # any Exception; and a SystemExit, KeyboardInterrupt… it raised
         sink.attempt_ended(ctx, failure(exc, task))
+        if isinstance(exc, GeneratorExit) and _closing():
+            raise  # this coroutine is being closed (outside any task), not run: it must end
     else:
         if ctx._cancelled:  # (ctx.cancel_requested, without a property call per job)
             # the task returned after its cancel request was delivered: it was asked to stop
@@ -258,6 +288,15 @@ async def run_attempt(
             sink.attempt_ended(ctx, _sealed(encode_result(result, max_result_bytes), ctx, keyring))
         else:
             sink.attempt_ended(ctx, encode_result(result, max_result_bytes))
+
+
+def _closing() -> bool:
+    """Whether a GeneratorExit met now was thrown in to close the coroutine, no task running
+    it (one a task's code raises as it runs is a failure of the attempt like any other)."""
+    try:
+        return asyncio.current_task() is None
+    except RuntimeError:  # no event loop running
+        return True
 
 
 def _sealed(end: bytes | Failure, ctx: JobContext, keyring: Keyring) -> bytes | Failure:
@@ -273,8 +312,9 @@ def encode_result(result: Any, max_result_bytes: int) -> bytes | Failure:
         return b""
     try:
         data = _encode(result)
-    except (TypeError, msgspec.EncodeError) as exc:
-        return _refused("ResultNotSerialisable", f"result is not JSON-serialisable: {exc}")
+    except Exception as exc:  # also a RecursionError (nested too deep), a UnicodeEncodeError
+        why = f"{type(exc).__name__}: {message_of(exc)}"
+        return _refused("ResultNotSerialisable", f"result is not JSON-serialisable: {why}")
     if len(data) > max_result_bytes:
         return _refused("ResultTooLarge", f"result is {len(data)} bytes; limit {max_result_bytes}")
     return data
