@@ -17,19 +17,24 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """Redis answers (and Postgres with its migrations applied, when configured)."""
+    """Ready while Redis answers: submits, status reads and workers' claims need nothing else.
+    Postgres (reachable, its migrations applied), when configured, is reported, not required:
+    while it is away only listings, history and search answer 503, and a load balancer that
+    took every API process out of service for it would stop all of those too. Its problem
+    makes the status ``degraded``."""
     checks: dict[str, Any] = {}
-    ok = True
+    status = "ok"
     try:
         await request.state.queue.redis.ping()
         checks["redis"] = "ok"
     except Exception as exc:
-        ok = False
+        status = "unavailable"
         checks["redis"] = f"error: {exc}"
     probe = request.state.postgres_ready
     if probe is not None:
         problem = await probe()
         checks["postgres"] = problem or "ok"
-        ok = ok and problem is None
-    body = orjson.dumps({"status": "ok" if ok else "unavailable", "checks": checks})
-    return Response(body, 200 if ok else 503, media_type=JSON)
+        if problem is not None and status == "ok":
+            status = "degraded"
+    body = orjson.dumps({"status": status, "checks": checks})
+    return Response(body, 503 if status == "unavailable" else 200, media_type=JSON)
