@@ -401,6 +401,26 @@ async def test_an_outcome_that_cannot_be_put_in_json_as_it_is_still_ends_the_att
     msgspec.json.encode(outcome.error.message)  # and it is printable as JSON
 
 
+async def test_a_sync_task_past_its_timeout_is_asked_to_stop() -> None:
+    """Its thread cannot be interrupted: the attempt ends at the timeout, and the task sees
+    ``ctx.cancel_requested`` (it never did, and ran on beside the next attempt)."""
+    saw = threading.Event()
+
+    @task(timeout=0.2, retries=0)
+    def slow(ctx: JobContext, payload: Any) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if ctx.cancel_requested:
+                saw.set()
+                return
+            time.sleep(0.01)
+
+    outcome = await run_task(slow, None)
+    assert outcome.state == "failed" and outcome.error is not None
+    assert outcome.error.type == "TimeoutError"
+    assert await asyncio.to_thread(saw.wait, 60)
+
+
 async def test_a_retry_delay_that_has_passed_retries_at_once() -> None:
     @task(retries=3)
     async def late(ctx: JobContext, payload: Any) -> None:

@@ -273,6 +273,10 @@ async def run_attempt(
         else:
             sink.attempt_ended(ctx, Failure(exc, "Cancelled", message_of(exc), False))
     except BaseException as exc:  # any Exception; and a SystemExit, KeyboardInterrupt… it raised
+        if isinstance(exc, TimeoutError) and task is not None and not task.is_async:
+            # a thread cannot be interrupted: it runs on past its timeout unless it stops
+            # for the flag a cancel request raises (ctx.cancel_requested, check_cancelled)
+            ctx._request_cancel()
         sink.attempt_ended(ctx, failure(exc, task))
         if isinstance(exc, GeneratorExit) and _closing():
             raise  # this coroutine is being closed (outside any task), not run: it must end
