@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 
 from jobtier.config import Settings
-from jobtier.core.errors import JobNotFound
+from jobtier.core.errors import IdempotencyConflict, JobNotFound
 from jobtier.core.model import State, decode_status
+from jobtier.engine.produce import DEFAULT_TENANT
 from jobtier.engine.queue import Queue
 from jobtier.metrics.prometheus import render
 from jobtier.persist import reconcile as reconcile_module
@@ -215,6 +216,33 @@ async def test_reconcile_restores_each_kind_and_a_worker_runs_them(
     )
     assert twice == []
     assert await pg_pool.fetch(query("history_gaps"), ids) == []
+
+
+async def test_a_submit_retried_with_its_key_after_a_failover_answers_the_restored_job(
+    q: Queue, pg_settings: Settings, pg_pool: Pool
+) -> None:
+    """Retrying a submit with its idempotency key is the remedy for a failover (docs): once
+    reconcile has put back a job Redis lost whole, its key's record is back too, and the
+    retry answers that job instead of making (and running) a second one. A different request
+    under the key is still a conflict."""
+    p = Persister(pg_settings, q.redis, pg_pool, "p1")
+    await p.drain()
+    saved = await snapshot(q)
+    first = await q.submit("echo", {"order": 42}, idempotency_key="order-42", queue=LOST + "-i")
+    await p.drain()
+    await restore(q, saved)  # the job and its record lost with Redis's last writes
+    assert await redis_state(q, first.job_id) is None
+    async with pg_pool.acquire() as conn:
+        report = await reconcile(pg_settings, q.redis, conn, WINDOW)
+    assert report.repaired["restored"] == 1, report
+    again = await q.submit("echo", {"order": 42}, idempotency_key="order-42", queue=LOST + "-i")
+    assert again.job_id == first.job_id and not again.created
+    with pytest.raises(IdempotencyConflict):
+        await q.submit("echo", {"order": 43}, idempotency_key="order-42", queue=LOST + "-i")
+    # as long as the submit's own record would have lived
+    key = f"{q.keys.base(q.keys.shard_of(first.job_id))}idem:{DEFAULT_TENANT}:order-42"
+    left = await q.redis.pttl(key)
+    assert 0 < left <= pg_settings.idempotency_ttl_seconds * 1000
 
 
 async def test_a_dry_run_changes_nothing(q: Queue, pg_settings: Settings, pg_pool: Pool) -> None:

@@ -7,6 +7,7 @@ import hashlib
 import math
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from jobtier.config import Settings
@@ -139,8 +140,16 @@ def depends_on(spec: JobSpec, keys: Keys, limit: int) -> list[str]:
 def request_hash(spec: JobSpec, payload: bytes, deps: list[str]) -> str:
     """What tells "the same request" apart for an idempotency key (submit.lua compares it):
     the type, the payload, and what it waits for."""
-    material = spec.type.encode() + b"\x00" + payload
+    return request_hash_of(spec.type, payload, deps, spec.on_dependency_failure)
+
+
+def request_hash_of(
+    type: str, payload: bytes, deps: Sequence[str] = (), on_dependency_failure: str | None = None
+) -> str:
+    """``request_hash`` from its parts (persist/reconcile.py makes it again from Postgres's
+    copy of a job, to put back the idempotency record of a job Redis lost)."""
+    material = type.encode() + b"\x00" + payload
     if deps:
-        odf = spec.on_dependency_failure or "cancel"
+        odf = on_dependency_failure or "cancel"
         material += f"\x00{' '.join(deps)}\x00{odf}".encode()
     return hashlib.blake2b(material, digest_size=16).hexdigest()

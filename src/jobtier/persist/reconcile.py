@@ -41,6 +41,8 @@ import msgspec
 from jobtier.config import Settings
 from jobtier.core.keys import Keys
 from jobtier.core.model import RESULT_REF
+from jobtier.core.sealing import PREFIX
+from jobtier.engine.validate import request_hash_of
 from jobtier.persist.batch import BATCH_TIMEOUT
 from jobtier.persist.db import AnyConnection, Connection, close, connect
 from jobtier.runtime.loop import FAULTS, wait_for
@@ -73,6 +75,7 @@ FROM jobs j
 WHERE j.id IN (SELECT t.job_id FROM job_transitions t WHERE t.at >= $1)
 """
 _LARGE_RESULTS = "SELECT job_id, result FROM job_results WHERE job_id = ANY($1::text[])"
+_WAITING_FOR = "SELECT DISTINCT job_id FROM job_dependencies WHERE job_id = ANY($1::text[])"
 _DEPENDENCIES = """
 SELECT job_id, depends_on, child FROM job_dependencies
 WHERE job_id = ANY($1::text[]) ORDER BY job_id, position
@@ -267,6 +270,7 @@ class Reconciler:
     async def _restore(self, conn: AnyConnection, jobs: Sequence[_Job], report: Report) -> None:
         """reconcile.lua for ``jobs``: one call per shard, all in one pipeline."""
         large, deps, dependents = await _extras(conn, jobs)
+        flows = await _in_flows(conn, jobs)
         by_shard: dict[int, list[_Job]] = defaultdict(list)
         for job in jobs:
             by_shard[self.keys.shard_of(job.id)].append(job)
@@ -277,6 +281,7 @@ class Reconciler:
             args: list[Any] = [len(members)]
             for job in members:
                 args += self._fields(job, now_ms, large, deps, dependents)
+                args.append(self._idempotency(job, now_ms, flows))
             calls.append(("reconcile", shard, args))
             order.append(members)
         replies = await self.scripts.call_many(calls)
@@ -297,6 +302,25 @@ class Reconciler:
                     _said(now),
                 )
 
+    def _idempotency(self, job: _Job, now_ms: int, flows: set[str]) -> str:
+        """reconcile.lua's 25th field: the job's idempotency record, '<request hash> <ms
+        left>', made again as the submit made it (``validate.request_hash``), or '' when
+        there is none to put back: no key, its time is up, or the hash cannot be made again
+        (an encrypted payload, whose plain bytes it was made of; a job that waits for others,
+        whose hash took in how, which Postgres does not keep)."""
+        row = job.row
+        key, payload = row["idempotency_key"], row["payload"]
+        if not key or payload is None or job.id in flows:
+            return ""
+        data = payload.encode() if isinstance(payload, str) else bytes(payload)
+        if data.startswith(PREFIX):
+            return ""
+        created = _ms(_doc_decoder.decode(row["doc"]).created_at)
+        left = created + self.settings.idempotency_ttl_seconds * 1000 - now_ms
+        if left <= 0:
+            return ""
+        return f"{request_hash_of(row['type'], data)} {left}"
+
     def _fields(
         self,
         job: _Job,
@@ -305,7 +329,7 @@ class Reconciler:
         deps: dict[str, list[tuple[str, bool]]],
         dependents: dict[str, list[str]],
     ) -> list[Any]:
-        """reconcile.lua's 24 fields of one job."""
+        """reconcile.lua's first 24 fields of one job."""
         row = job.row
         doc = _doc_decoder.decode(row["doc"])
         state = row["state"]
@@ -383,6 +407,15 @@ async def _extras(
         for r in await conn.fetch(_DEPENDENTS, finished):
             dependents[r["depends_on"]].append(r["job_id"])
     return large, deps, dependents
+
+
+async def _in_flows(conn: AnyConnection, jobs: Sequence[_Job]) -> set[str]:
+    """Of the jobs with an idempotency key, those that wait for others (their key's hash
+    took in what they wait for)."""
+    keyed = [j.id for j in jobs if j.row["idempotency_key"]]
+    if not keyed:
+        return set()
+    return {r["job_id"] for r in await conn.fetch(_WAITING_FOR, keyed)}
 
 
 async def _claims(conn: AnyConnection, jobs: Sequence[_Job]) -> None:

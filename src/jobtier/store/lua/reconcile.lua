@@ -25,7 +25,7 @@
 --
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
--- ARGV[2]  number of jobs n, then 24 fields per job:
+-- ARGV[2]  number of jobs n, then 25 fields per job:
 --            id, tenant, type, priority, max_attempts, created_at (ISO, as its document),
 --            queue, state, version, attempt, updated ms, run_at ms ('' none), cancel
 --            requested (0/1), worker ('' none), error JSON ('' none), progress JSON ('' none),
@@ -33,7 +33,11 @@
 --            result store), seconds a finished job stays, then the ids it waits for and
 --            their kinds (a waiting job: space-separated ids, one '0'/'1' per id; '' none)
 --            then the ids of its dependents ('' none) and last, for a running job, the
---            version of its latest claim in Postgres's history (its lease version; '' none)
+--            version of its latest claim in Postgres's history (its lease version; '' none);
+--            then its idempotency record, '<request hash> <ms left>' ('' none: no key, its
+--            time is up, or its hash cannot be made again), put back when Redis lost the job
+--            whole and has no record under its key (a submit retried with the key, the
+--            remedy for a failover, then answers this job rather than making another)
 -- Returns  per job: its outcome ('restored' absent before, 'advanced' older before,
 --            'requeued' running in Postgres and not under Redis's lease, 'skipped' Redis
 --            already as new), what Redis
@@ -43,7 +47,7 @@
 --!include lib.lua
 
 local n = tonumber(ARGV[2])
-local WIDTH = 24
+local WIDTH = 25
 local RELEASED = {'rl', '1'}
 local out = {}
 
@@ -194,6 +198,12 @@ for i = 0, n - 1 do
     write_fields(j, fields)
     redis.call('PERSIST', j._key)
     local kind = old and 'advanced' or 'restored'
+    local idem = ARGV[a + 24]
+    if not old and idem ~= '' then
+      local sp = string.find(idem, ' ', 1, true)
+      redis.call('SET', BASE .. 'idem:' .. j.tenant .. ':' .. ARGV[a + 17],
+                 id .. ' ' .. string.sub(idem, 1, sp - 1), 'PX', string.sub(idem, sp + 1), 'NX')
+    end
     if WAITING[state] then
       count(WAITING_COUNTS, j.tenant, 1)
     end
