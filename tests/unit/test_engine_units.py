@@ -283,6 +283,30 @@ def test_task_decorator_and_registry() -> None:
         task(name="t", non_retryable=["KeyError"])(lambda ctx, p: None)  # type: ignore[list-item]
 
 
+def test_a_task_the_worker_could_not_call_is_refused_when_declared() -> None:
+    """Each was accepted, and failed every job (or raised an unhelpful error) instead."""
+
+    async def no_ctx(payload: object) -> None:
+        return None
+
+    with pytest.raises(ConfigError, match=r"called with \(ctx, payload\); no_ctx\(payload"):
+        task(no_ctx)
+    with pytest.raises(ConfigError, match="decorates a function"):
+        task(42)  # type: ignore[call-overload]
+    with pytest.raises(ConfigError, match="retries is a whole number, not '3'"):
+        task(name="r", retries="3")(lambda ctx, p: None)  # type: ignore[call-overload]
+    with pytest.raises(ConfigError, match="timeout is a number"):
+        task(name="t", timeout="30")(lambda ctx, p: None)  # type: ignore[call-overload]
+    # one class where several may be given
+    one = task(name="one", non_retryable=KeyError, breaker="b", breaker_on=OSError)(
+        lambda ctx, p: None
+    )
+    assert one.non_retryable == (KeyError,) and one.breaker_on == (OSError,)
+    # what binds (ctx, payload) is fine: defaults, *args
+    task(name="extra")(lambda ctx, payload, more=1: None)
+    task(name="star")(lambda *args: None)
+
+
 def test_loading_tasks_from_a_module() -> None:
     demo = TaskRegistry.load("jobtier.demo")
     assert {"echo", "sleep", "fail", "cpu"} <= set(demo.names())

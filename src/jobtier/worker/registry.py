@@ -162,14 +162,14 @@ def task(
     backoff_factor: float = 2.0,
     backoff_cap: float = 300.0,
     jitter: float = 0.1,
-    non_retryable: Iterable[type[BaseException]] = (),
+    non_retryable: Iterable[type[BaseException]] | type[BaseException] = (),
     timeout: float | None = None,
     queue: str = DEFAULT_QUEUE,
     on_failure: str | Task | None = None,
     encrypt: bool = False,
     executor: str | None = None,
     breaker: str | Breaker | None = None,
-    breaker_on: Iterable[type[BaseException]] = (),
+    breaker_on: Iterable[type[BaseException]] | type[BaseException] = (),
 ) -> Callable[[Callable[..., Any]], Task]: ...
 
 
@@ -182,14 +182,14 @@ def task(
     backoff_factor: float = 2.0,
     backoff_cap: float = 300.0,
     jitter: float = 0.1,
-    non_retryable: Iterable[type[BaseException]] = (),
+    non_retryable: Iterable[type[BaseException]] | type[BaseException] = (),
     timeout: float | None = None,
     queue: str = DEFAULT_QUEUE,
     on_failure: str | Task | None = None,
     encrypt: bool = False,
     executor: str | None = None,
     breaker: str | Breaker | None = None,
-    breaker_on: Iterable[type[BaseException]] = (),
+    breaker_on: Iterable[type[BaseException]] | type[BaseException] = (),
 ) -> Any:
     """Declare a task: ``async def fn(ctx, payload)`` (or a plain ``def``, run in a thread).
 
@@ -213,9 +213,19 @@ def task(
     """
 
     def wrap(f: Callable[..., Any]) -> Task:
+        if not callable(f):
+            raise ConfigError(f"@task decorates a function (ctx, payload), not {f!r}")
         task_name = name or f.__name__
         if not TASK_NAME_RE.fullmatch(task_name):
             raise ConfigError(f"task name {task_name!r} must match {TASK_NAME_RE.pattern}")
+        _check_signature(f, task_name)
+        if not isinstance(retries, int) or isinstance(retries, bool):
+            raise ConfigError(f"task {task_name}: retries is a whole number, not {retries!r}")
+        for what, value in (("backoff_base", backoff_base), ("backoff_factor", backoff_factor),
+                            ("backoff_cap", backoff_cap), ("jitter", jitter),
+                            ("timeout", 1 if timeout is None else timeout)):  # fmt: skip
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise ConfigError(f"task {task_name}: {what} is a number, not {value!r}")
         if retries < 0 or backoff_base < 0 or backoff_factor < 1 or jitter < 0:
             raise ConfigError(f"task {task_name}: retries/backoff/jitter out of range")
         if timeout is not None and timeout <= 0:
@@ -224,7 +234,7 @@ def task(
             raise ConfigError(
                 f"task {task_name}: queue {queue!r} must match {QUEUE_NAME_RE.pattern}"
             )
-        classes = tuple(non_retryable)
+        classes = _classes(non_retryable)
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, BaseException)):
                 raise ConfigError(f"task {task_name}: non_retryable holds {cls!r}")
@@ -243,7 +253,7 @@ def task(
                 "runs on the worker's event loop"
             )
         guard = Breaker(breaker) if isinstance(breaker, str) else breaker
-        downstream = tuple(breaker_on)
+        downstream = _classes(breaker_on)
         for cls in downstream:
             if not (isinstance(cls, type) and issubclass(cls, BaseException)):
                 raise ConfigError(f"task {task_name}: breaker_on holds {cls!r}")
@@ -270,6 +280,31 @@ def task(
         )
 
     return wrap(fn) if fn is not None else wrap
+
+
+def _classes(given: Iterable[type[BaseException]] | type[BaseException]) -> tuple[Any, ...]:
+    """``non_retryable=ValueError`` as ``(ValueError,)``: one class, or several."""
+    if isinstance(given, type):
+        return (given,)
+    try:
+        return tuple(given)
+    except TypeError:
+        return (given,)  # not a class either: the caller's check names it
+
+
+def _check_signature(f: Callable[..., Any], name: str) -> None:
+    """A task is called ``f(ctx, payload)``: one that cannot take both would fail every job
+    (with a TypeError, retried) instead of being refused here."""
+    try:
+        signature = inspect.signature(f)
+    except (TypeError, ValueError):  # a builtin or an object it cannot read: let it be
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        raise ConfigError(
+            f"task {name}: a task is called with (ctx, payload); {name}{signature} cannot take them"
+        ) from None
 
 
 class TaskRegistry:
