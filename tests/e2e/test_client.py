@@ -149,6 +149,18 @@ async def test_duplicate_of_an_expired_job_is_not_found(api: ApiServer, queue: Q
         assert isinstance(outcome, NotFound) and outcome.job_id == sub.id
 
 
+async def test_one_dependency_may_be_named_alone(api: ApiServer, queue: Queue) -> None:
+    """``depends_on="<id>"``: that job (a str is also an iterable of characters, which the
+    client sent as ids, each refused)."""
+    async with client(api) as c:
+        first = await c.submit("echo", 1)
+        then = await c.submit("echo", 2, depends_on=first.id)
+        assert then.job.state is State.WAITING
+    own = await queue.submit("echo", 3)  # in-process, the same
+    alone = await queue.submit("echo", 4, depends_on=own.job_id)
+    assert alone.status.state is State.WAITING
+
+
 async def test_submit_timing_and_attempts(api: ApiServer) -> None:
     async with client(api) as c:
         delayed = await c.submit("echo", delay=60, max_attempts=7)

@@ -47,7 +47,7 @@ from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
-from jobtier.core.model import QueueScaling
+from jobtier.core.model import QueueScaling, job_ids
 
 T = TypeVar("T")
 
@@ -106,7 +106,7 @@ class Client(BaseClient[httpx.BaseTransport]):
             queue,
             concurrency_key,
             concurrency_limit,
-            depends_on,
+            job_ids(depends_on),
             on_dependency_failure,
             callback,
             present(debounce=debounce, throttle=throttle),

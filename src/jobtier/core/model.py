@@ -7,6 +7,7 @@ Decoding ignores unknown fields, so clients keep working when a newer server add
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -440,6 +441,14 @@ def marker(ref: str) -> bytes:
 json_encoder = msgspec.json.Encoder()
 status_decoder = msgspec.json.Decoder(JobStatus)
 any_decoder = msgspec.json.Decoder()
+
+
+def job_ids(given: Iterable[str] | None) -> list[str] | None:
+    """``depends_on`` as a list: one id alone is that id (a str is also an iterable of its
+    characters, each of which would be refused as an id)."""
+    if given is None:
+        return None
+    return [given] if isinstance(given, str) else list(given)
 
 
 def encode_json(value: Any) -> bytes:

@@ -36,6 +36,7 @@ from jobtier.core.model import (
     TaskInfo,
     TaskLookup,
     encode_json,
+    job_ids,
 )
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
 from jobtier.core.sealing import PREFIX, KeysNotConfigured
@@ -316,7 +317,7 @@ class Producer:
             queue=queue,
             concurrency_key=concurrency_key,
             concurrency_limit=concurrency_limit,
-            depends_on=list(depends_on) if depends_on is not None else None,
+            depends_on=job_ids(depends_on),
             on_dependency_failure=on_dependency_failure,
             callback=CallbackSpec(url=callback) if isinstance(callback, str) else callback,
             debounce=by_key.as_option(debounce, Debounce, "debounce"),
