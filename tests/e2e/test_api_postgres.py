@@ -11,12 +11,13 @@ import pytest
 from starlette.routing import Route
 
 from jobtier.api.records import PostgresExtension
+from jobtier.client import AsyncClient
 from jobtier.config import Settings
 from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool, create_pool
 from jobtier.persist.persister import Persister
-from tests.fixtures.api import ApiServer, StartApi
+from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import wait_for, worker_for
 from tests.fixtures.postgres import assert_pg_matches_redis
 from tests.tasks import registry
@@ -166,6 +167,10 @@ async def test_postgres_stopped_under_the_api_is_a_503_not_a_500_until_it_is_bac
             ):
                 r = await c.get(path)
                 assert r.status_code == 503 and r.headers["retry-after"], (path, r.text)
+            # `jobtier jobs show`: what Redis has, the history marked unavailable (it failed whole)
+            async with AsyncClient(api.url, KEYS["acme"]) as jobs:
+                details = await jobs.show(during_id)
+            assert details.status.id == during_id and details.history is None
             # still ready (submits and status reads go on), Postgres reported as away
             ready = await c.get("/readyz")
             assert ready.status_code == 200 and ready.json()["status"] == "degraded"

@@ -218,7 +218,7 @@ def jobs_show(c: Client, a: argparse.Namespace) -> Any:
         lines.append(f"result:      {msgspec.json.encode(d.result).decode()}")
     lines += log_block(d.lines)
     if d.history is None:
-        lines.append("history:     not available (the API has no Postgres)")
+        lines.append("history:     not available (the API has no Postgres, or it is away)")
     else:
         lines += ["history:", table(HISTORY, history_rows(d.history))]
     return "\n".join(lines)

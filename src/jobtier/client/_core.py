@@ -22,7 +22,6 @@ import msgspec
 
 from jobtier.client._errors import (
     ApiError,
-    NotFound,
     WaitTimeout,
     api_error,
     retry_after,
@@ -458,8 +457,7 @@ class BaseClient(Generic[TransportT]):
         found = yield from fetch(call, result_decoder, "a result document", job_id)
         if found.result_url is None:
             return found
-        # a large result is kept outside Redis: the answer names where it streams from
-        call = Call("GET", found.result_url)
+        call = Call("GET", found.result_url)  # a large result, kept outside Redis: stream it
         value = yield from fetch(call, any_decoder, "a JSON result", job_id)
         return msgspec.structs.replace(found, result=value)
 
@@ -493,8 +491,10 @@ class BaseClient(Generic[TransportT]):
         result = yield from self._result(job_id)
         try:
             history: list[Transition] | None = yield from self._history(job_id)
-        except NotFound:
-            history = None  # an API without Postgres has no history route
+        except ApiError as exc:  # 404: an API without Postgres; 503: its Postgres is away
+            if exc.status not in (404, 503):
+                raise
+            history = None
         lines = yield from self._logs(job_id)
         return JobDetails(status, result.result, history, lines)
 

@@ -76,7 +76,8 @@ class JobPage(msgspec.Struct, frozen=True):
 
 class JobDetails(msgspec.Struct, frozen=True):
     """Everything about one job (``show``): its status, its result (once succeeded), its
-    history (None when the API has no Postgres), and its log lines (``ctx.log``)."""
+    history (None when the API has no Postgres, or its Postgres is away), and its log lines
+    (``ctx.log``)."""
 
     status: JobStatus
     result: Any
