@@ -13,6 +13,7 @@ assertions.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis.asyncio import RedisCluster
 
 from jobtier.config import Settings
 from jobtier.core.errors import Code
@@ -31,6 +33,7 @@ from jobtier.engine.queue import Queue
 from jobtier.store.calls import complete_call
 from tests import shutdown_tasks
 from tests.fixtures.engine import wait_for, worker_for
+from tests.fixtures.redis import admin
 
 HANG_GUARD = 60.0  # s: only stops a broken test from hanging; far above any grace used here
 LONG = 600  # s: a job that will not end by itself during the test
@@ -212,3 +215,31 @@ async def test_the_late_result_of_a_released_sync_task_is_refused(queue: Queue) 
     )
     assert code != Code.OK
     assert await queue.status(job) == released
+
+
+async def test_a_release_is_logged_once_redis_has_taken_it(
+    queue: Queue, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While Redis takes no write, a stopping worker says it is releasing its jobs, but not
+    that they are released (it did, up to tens of seconds before they were)."""
+    caplog.set_level(logging.INFO, logger="jobtier.worker")
+    worker = worker_for(queue, shutdown_tasks.registry, shutdown_grace=0.1)
+    run = asyncio.create_task(worker.run())
+    job = (await queue.submit("hold", {"seconds": LONG})).job_id
+    await running(queue, [job], 1)
+    async with admin(queue.settings) as redis:  # (jobtier's own user may not pause)
+        pause: dict[str, Any] = {}
+        if isinstance(redis, RedisCluster):
+            pause["target_nodes"] = RedisCluster.PRIMARIES
+        await redis.execute_command("CLIENT", "PAUSE", "60000", "WRITE", **pause)
+        try:
+            worker.stop()
+            await wait_for(lambda: "event=worker_releasing" in caplog.text, HANG_GUARD)
+            assert "event=job_released" not in caplog.text
+        finally:
+            await redis.execute_command("CLIENT", "UNPAUSE", **pause)
+    stats = await run
+    assert stats.released == 1 and f"event=job_released worker={worker.id} job={job}" in (
+        caplog.text
+    )
+    await assert_released(queue, job)

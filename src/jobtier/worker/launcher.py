@@ -269,7 +269,7 @@ class Launcher:
             if r.span is not None:
                 attempt_spans.end(r.span, "released")
             del self._running[r.job.id]  # no more heartbeats for it
-            log.info("event=job_released worker=%s job=%s type=%s", self.id, r.job.id, r.job.type)
+            # (event=job_released is logged once Redis has taken the release: reporter.py)
             # a sync task sees the request at its next ctx.check_cancelled(), if it makes one:
             # its thread cannot be interrupted
             r.ctx._request_cancel()

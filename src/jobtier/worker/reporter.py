@@ -345,8 +345,9 @@ class Reporter:
                 st.failed += 1
             elif state == b"cancelled":
                 st.cancelled += 1
-            elif state == b"queued":
+            elif state == b"queued":  # released (at shutdown): logged once Redis has it
                 st.released += 1
+                log.info("event=job_released worker=%s job=%s", self.id, item[0])
 
     async def flush(self) -> None:
         """Until every report is sent: 30 s at most, ``FLUSH_AFTER_STOP_NOW`` after a
