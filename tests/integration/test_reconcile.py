@@ -303,6 +303,46 @@ async def test_a_persister_reconciles_when_a_primary_is_new(
         await asyncio.wait_for(task, 30)
 
 
+async def test_a_redis_that_lost_its_data_gets_every_live_job_back_and_its_marks(
+    q: Queue, pg_settings: Settings, pg_pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Restarted without its data, Redis lost jobs that last moved long before the window (a
+    job delayed a day, queued since): they are put back, and its shards marked again, so a
+    process started now reads them (it refused them as 'format 1' and stopped)."""
+    p = Persister(pg_settings, q.redis, pg_pool, "p1")
+    old = (await q.submit("echo", "old", delay=3600)).job_id
+    await p.drain()
+    async with pg_pool.acquire() as conn:  # its last move two hours ago: outside the window
+        await conn.execute(
+            "UPDATE job_transitions SET at = at - interval '2 hours' WHERE job_id = $1", old
+        )
+    await restore(q, [])  # every key gone: a restart without data
+    seen = {"ids": frozenset({"old"})}
+    looks = 0
+
+    async def run_ids(redis: Any) -> frozenset[str]:
+        nonlocal looks
+        looks += 1
+        return seen["ids"]
+
+    monkeypatch.setattr(reconcile_module, "run_ids", run_ids)
+    settings = pg_settings.replace(reconcile_seconds=0.02, outbox_relay=False)
+    persister = Persister(settings, q.redis, pg_pool, "p-watch")
+    task = asyncio.create_task(persister.run())
+    try:
+        await wait_for(lambda: looks >= 2)
+        seen["ids"] = frozenset({"new"})
+
+        async def back() -> bool:
+            return await redis_state(q, old) == ("scheduled", 1)
+
+        await wait_for(back)
+        await (await Queue.connect(pg_settings)).close()  # a process starting now: it reads them
+    finally:
+        persister.stop()
+        await asyncio.wait_for(task, 30)
+
+
 async def test_the_cli(q: Queue, pg_settings: Settings, pg_pool: Pool) -> None:
     lost = await failover(q, pg_settings, pg_pool)
     env = {

@@ -46,6 +46,7 @@ from jobtier.engine.validate import request_hash_of
 from jobtier.persist.batch import BATCH_TIMEOUT
 from jobtier.persist.db import AnyConnection, Connection, close, connect
 from jobtier.runtime.loop import FAULTS, wait_for
+from jobtier.store import format as job_format
 from jobtier.store.calls import Call
 from jobtier.store.redis import RedisClient, info_of_primaries
 from jobtier.store.scripts import Scripts
@@ -74,6 +75,13 @@ SELECT j.id, j.tenant, j.type, j.priority, j.state, j.version, j.attempt, j.max_
 FROM jobs j
 WHERE j.id IN (SELECT t.job_id FROM job_transitions t WHERE t.at >= $1)
 """
+# ... and every job not finished, however long ago it last moved (a Redis that lost its data)
+_CHANGED_OR_LIVE = (
+    _CHANGED
+    + """OR j.id IN (SELECT b.id FROM jobs_by_state b
+              WHERE b.state IN ('waiting', 'scheduled', 'queued', 'running'))
+"""
+)
 _LARGE_RESULTS = "SELECT job_id, result FROM job_results WHERE job_id = ANY($1::text[])"
 _WAITING_FOR = "SELECT DISTINCT job_id FROM job_dependencies WHERE job_id = ANY($1::text[])"
 _DEPENDENCIES = """
@@ -205,12 +213,15 @@ class Reconciler:
         self.batch_size = max(1, batch_size)
         self.on_repair = on_repair
 
-    async def run(self, conn: AnyConnection, since: float, *, dry_run: bool = False) -> Report:
-        """One pass over the jobs Postgres changed in the last ``since`` seconds."""
+    async def run(
+        self, conn: AnyConnection, since: float, *, dry_run: bool = False, live: bool = False
+    ) -> Report:
+        """One pass over the jobs Postgres changed in the last ``since`` seconds (and with
+        ``live`` every job not finished, however old)."""
         started = time.monotonic()
         report = Report(dry_run=dry_run)
         cutoff = datetime.now(UTC) - timedelta(seconds=since)
-        async for rows in _batches(conn, cutoff, self.batch_size):
+        async for rows in _batches(conn, cutoff, self.batch_size, live):
             report.checked += len(rows)
             behind = await self._behind(rows, report)
             if not behind:
@@ -428,11 +439,11 @@ async def _claims(conn: AnyConnection, jobs: Sequence[_Job]) -> None:
 
 
 async def _batches(
-    conn: AnyConnection, cutoff: datetime, size: int
+    conn: AnyConnection, cutoff: datetime, size: int, live: bool = False
 ) -> AsyncIterator[list[asyncpg.Record]]:
-    """The changed jobs, ``size`` at a time, from one cursor (one scan of the window)."""
+    """The changed jobs (and the live ones), ``size`` at a time, from one cursor."""
     async with conn.transaction(readonly=True):
-        cursor = await conn.cursor(_CHANGED, cutoff)
+        cursor = await conn.cursor(_CHANGED_OR_LIVE if live else _CHANGED, cutoff)
         while rows := await cursor.fetch(size):
             yield rows
 
@@ -455,10 +466,11 @@ async def reconcile(
     dry_run: bool = False,
     batch_size: int = BATCH_SIZE,
     on_repair: Callable[[str], None] | None = None,
+    live: bool = False,
 ) -> Report:
     """One pass (see the module's docstring); its summary is logged."""
     reconciler = Reconciler(settings, redis, batch_size=batch_size, on_repair=on_repair)
-    report = await reconciler.run(conn, since, dry_run=dry_run)
+    report = await reconciler.run(conn, since, dry_run=dry_run, live=live)
     log.info(
         "event=reconcile_done dry_run=%d checked=%d restored=%d advanced=%d requeued=%d "
         "expired=%d skipped=%d seconds=%.2f",
@@ -493,12 +505,19 @@ async def run_reconciling(
     first look only remembers them: a persister starting is no sign of a failover). The
     second pass catches the transitions that reached Postgres after the first: batches read
     from the old primary and committed late, by this persister or another. A pass that fails
-    is tried again at the next look, until one completes."""
+    is tried again at the next look, until one completes.
+
+    A new primary without the format marks every process sets on a Redis as it starts lost
+    its data whole (a restart without it): its shards are marked again (so that a process
+    started now can read them), and the passes take in every job not finished, however long
+    ago it last moved (a job queued for a day is older than the window, and as lost)."""
     every = settings.reconcile_seconds
     if every <= 0:
         return
+    keys = Keys(settings.prefix, settings.shards)
     known: frozenset[str] | None = None
     due: list[float] = []  # when the passes still to run are due (monotonic)
+    live = False  # they take in every job not finished
     while not stop.is_set():
         try:
             seen = await run_ids(redis)
@@ -506,13 +525,23 @@ async def run_reconciling(
                 log.warning(
                     "event=redis_primary_changed new_run_ids=%s", ",".join(sorted(seen - known))
                 )
+                if emptied := await job_format.unmarked(redis, keys):
+                    await job_format.mark(redis, keys, emptied)
+                    live = True
+                    log.warning(
+                        "event=redis_data_lost shards=%s: their format marked again; every job "
+                        "not finished is put back from Postgres",
+                        job_format.shard_list(emptied).split(" ", 1)[1].replace(", ", ","),
+                    )
                 now = time.monotonic()
                 due = [now, now + SETTLE_SECONDS]
             known = seen if known is None else known | seen
             if due and time.monotonic() >= due[0]:
                 # a connection of its own, as pruning's: the pool's serve the write-behind
-                await reconcile_once(settings, redis, settings.reconcile_window_seconds, on_repair)
+                window = settings.reconcile_window_seconds
+                await reconcile_once(settings, redis, window, on_repair, live=live)
                 due.pop(0)
+                live = live and bool(due)
         except _PASS_FAILED as exc:
             log.warning("event=reconcile_failed retry_in=%.1fs error=%r", every, exc)
         except Exception:  # a bug: its stack logged, and the schedule goes on
@@ -527,10 +556,13 @@ async def reconcile_once(
     on_repair: Callable[[str], None] | None = None,
     *,
     dry_run: bool = False,
+    live: bool = False,
 ) -> Report:
     """A pass on a connection of its own (``jobtier reconcile``, a persister's pass)."""
     conn: Connection = await connect(settings.database_url, timeout=10)
     try:
-        return await reconcile(settings, redis, conn, since, dry_run=dry_run, on_repair=on_repair)
+        return await reconcile(
+            settings, redis, conn, since, dry_run=dry_run, on_repair=on_repair, live=live
+        )
     finally:
         await close(conn)

@@ -203,6 +203,15 @@ async def adopt(redis: RedisClient, keys: Keys) -> None:
         )
 
 
+async def unmarked(redis: RedisClient, keys: Keys) -> list[int]:
+    """The shards without a format mark: on a deployment that has run (every process marks
+    a new Redis as it starts), those whose Redis lost its data (restarted without it)."""
+    pipe = redis.pipeline(transaction=False)
+    for shard in range(keys.shards):
+        pipe.exists(keys.job_format(shard))
+    return [shard for shard, found in enumerate(await pipe.execute()) if not found]
+
+
 async def mark(redis: RedisClient, keys: Keys, shards: Sequence[int] | None = None) -> None:
     """Mark ``shards`` (every one by default) format 3, and done: they hold no older hash."""
     pipe = redis.pipeline(transaction=False)
