@@ -130,3 +130,20 @@ async def test_a_job_only_postgres_keeps_is_not_waiting(
     assert (body["state"], body["waiting"], body["position"]) == ("succeeded", False, None)
     assert [r["code"] for r in body["reasons"]] == ["not_waiting"]
     assert "only Postgres keeps it" in body["reasons"][0]["message"]
+
+
+async def test_a_live_job_redis_lost_is_said_to_be_lost_not_finished(
+    start_api: StartApi, pg_settings: Settings, queue: Queue, pg_pool: Pool
+) -> None:
+    """A queued job Postgres has and Redis lost (a restart without its data): nothing will
+    run it until it is put back, which the answer says, and how."""
+    api = await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
+    async with api.client() as c:
+        job = (await c.post("/v1/jobs", json={"type": "echo", "payload": 1})).json()
+    await Persister(pg_settings, queue.redis, pg_pool, "test-persister").drain()
+    await queue.redis.delete(queue.keys.job(job["id"]))  # as Redis lost it
+    async with api.client() as c:
+        body = (await c.get(f"/v1/jobs/{job['id']}/explain")).json()
+    assert body["state"] == "queued" and [r["code"] for r in body["reasons"]] == ["unknown"]
+    assert "Redis lost it" in body["reasons"][0]["message"]
+    assert "jobtier reconcile" in body["reasons"][0]["message"]

@@ -34,8 +34,16 @@ async def _answer(request: Request, tenant: str | None) -> Response:
     if found is None or (tenant is not None and found[0] != tenant):
         raise job_not_found(job_id) from None
     state = doc_state(found[1])
-    message = f"it is not waiting: it has finished ({state}), and only Postgres keeps it now"
-    reason = Reason(ReasonCode.NOT_WAITING, message)
+    if state in ("succeeded", "failed", "cancelled"):
+        message = f"it is not waiting: it has finished ({state}), and only Postgres keeps it now"
+        reason = Reason(ReasonCode.NOT_WAITING, message)
+    else:  # Redis lost it (a restart without its data, a failover): nothing will move it
+        message = (
+            f"Redis does not hold it, though Postgres has it {state}: Redis lost it (a "
+            "restart without its data, a failover). `jobtier reconcile --since` a time "
+            "before its last change puts it back"
+        )
+        reason = Reason(ReasonCode.UNKNOWN, message)
     now = iso(int(time.time() * 1000))
     return encoded(Explanation(job_id, state, False, [reason], None, now))
 
