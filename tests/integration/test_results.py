@@ -4,6 +4,8 @@ record), followed by the client, and deleted with their job."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import cast
 
@@ -14,13 +16,14 @@ from jobtier.client import AsyncClient
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
 from jobtier.core.model import State, encode_json
+from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.results import PostgresResultStore
 from tests.fixtures.api import KEYS, ApiServer, StartApi
-from tests.fixtures.engine import worker_for
+from tests.fixtures.engine import wait_for, worker_for
 from tests.flows_helpers import run_flows
 from tests.tasks import big_rows, registry
 
@@ -205,3 +208,39 @@ async def test_a_dependencys_stored_result_reaches_its_dependent_as_its_link(
         (dep,) = (await c.get(f"/v1/jobs/{dependent}/dependencies")).json()["dependencies"]
         assert dep["state"] == "succeeded" and dep["result"] is None
         assert dep["result_url"] == url_of(big)
+
+
+async def test_a_result_waits_for_its_store_while_postgres_is_away(
+    pg_to_stop: LocalPostgres, pg_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The task did its work: its result waits for Postgres (the job kept, heartbeated) and
+    the job succeeds once it is back. It failed at once (ResultStoreUnavailable), its work
+    thrown away, dead-lettered with no retries left."""
+    caplog.set_level(logging.WARNING, logger="jobtier.worker")
+    settings = pg_settings.replace(
+        database_url=pg_to_stop.dsn, result_store="postgres", result_store_threshold_bytes=THRESHOLD
+    )
+    results = await PostgresResultStore.connect(settings.database_url)
+    q = await Queue.connect(settings, results=results)
+    try:
+        await asyncio.to_thread(pg_to_stop.stop, "immediate")
+        job = (await q.submit("big_result", 50)).job_id  # retries=0: one attempt
+        worker = worker_for(q, registry)
+        run = asyncio.create_task(worker.run())
+        try:
+            await wait_for(lambda: "event=result_store_waiting" in caplog.text, 60)
+            assert (await q.status(job)).state is State.RUNNING
+            await asyncio.to_thread(pg_to_stop.start)
+
+            async def ended() -> bool:
+                return (await q.status(job)).terminal
+
+            await wait_for(ended, 60)
+        finally:
+            worker.stop()
+            await run
+        status, result = await q.result(job)
+        assert status.state is State.SUCCEEDED and result == big_rows(50), status
+    finally:
+        await q.close()
+        await results.close()
