@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
 from collections.abc import AsyncIterator
 from typing import cast
 
+import asyncpg
 import httpx
 import pytest
 from starlette.routing import Route
@@ -235,3 +239,53 @@ async def test_write_behind_lag_past_its_limit_turns_submits_away(
             return (await c.post("/v1/jobs", json={"type": "echo"})).status_code == 202
 
         await wait_for(accepted, timeout=10)
+
+
+async def test_readiness_waits_for_the_migrations_and_reports_a_silent_postgres(
+    start_api: StartApi, pg_settings: Settings, pg_to_stop: LocalPostgres
+) -> None:
+    """Not ready while this jobtier's migrations are missing (a new image before `jobtier
+    migrate`); ready, reported degraded, while Postgres does not answer at all (its
+    processes stopped: no refusal, only silence), well within a probe's 3 s."""
+    settings = pg_settings.replace(database_url=pg_to_stop.dsn)
+    api = await start_api(PostgresExtension(settings), database_url=settings.database_url)
+    conn = await asyncpg.connect(pg_to_stop.dsn)
+    try:
+        newest = await conn.fetchval("SELECT max(name) FROM schema_migrations")
+        row = await conn.fetchrow("SELECT * FROM schema_migrations WHERE name = $1", newest)
+        assert row is not None
+        await conn.execute("DELETE FROM schema_migrations WHERE name = $1", newest)
+        async with api.client() as c:
+            r = await c.get("/readyz")
+            assert r.status_code == 503, r.text
+            assert r.json()["checks"]["postgres"].startswith("migrations not applied")
+        await conn.execute(
+            f"INSERT INTO schema_migrations ({', '.join(row.keys())}) VALUES "
+            f"({', '.join(f'${i + 1}' for i in range(len(row)))})",
+            *row.values(),
+        )
+        async with api.client() as c:
+            assert (await c.get("/readyz")).status_code == 200
+    finally:
+        await conn.close()
+    stopped = postgres_processes(pg_to_stop)
+    for pid in stopped:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        async with api.client() as c:  # (the readiness probe waited on Postgres: no answer)
+            r = await c.get("/readyz")
+        assert r.status_code == 200 and r.json()["status"] == "degraded", r.text
+        assert r.json()["checks"]["postgres"].startswith("unreachable: no answer within")
+    finally:
+        for pid in stopped:
+            os.kill(pid, signal.SIGCONT)
+
+
+def postgres_processes(server: LocalPostgres) -> list[int]:
+    """The server's postmaster and every process it started."""
+    postmaster = server.pid
+    assert postmaster is not None
+    children = subprocess.run(
+        ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    return [postmaster, *map(int, children)]

@@ -17,11 +17,12 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    """Ready while Redis answers: submits, status reads and workers' claims need nothing else.
-    Postgres (reachable, its migrations applied), when configured, is reported, not required:
-    while it is away only listings, history and search answer 503, and a load balancer that
-    took every API process out of service for it would stop all of those too. Its problem
-    makes the status ``degraded``."""
+    """Ready while Redis answers and Postgres, when configured, has this jobtier's migrations
+    (its queries need them: a new image before ``jobtier migrate`` is not ready). Postgres
+    away (unreachable, or no answer within a second) is reported, as status
+    ``degraded``, not required: submits, status reads and workers' claims need only Redis,
+    and a load balancer that took every API process out of service for an outage would stop
+    those too."""
     checks: dict[str, Any] = {}
     status = "ok"
     try:
@@ -32,9 +33,13 @@ async def readyz(request: Request) -> Response:
         checks["redis"] = f"error: {exc}"
     probe = request.state.postgres_ready
     if probe is not None:
-        problem = await probe()
+        problem = await probe()  # within a second (api/records.py)
         checks["postgres"] = problem or "ok"
-        if problem is not None and status == "ok":
+        if problem is None:
+            pass
+        elif not problem.startswith("unreachable"):  # (records.py: migrations not applied)
+            status = "unavailable"
+        elif status == "ok":
             status = "degraded"
     body = orjson.dumps({"status": status, "checks": checks})
     return Response(body, 503 if status == "unavailable" else 200, media_type=JSON)

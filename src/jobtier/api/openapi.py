@@ -492,7 +492,7 @@ def _ops_paths(s: Settings) -> oa.Paths:
     add(
         "GET /readyz",
         health.readyz,
-        "Readiness: Redis (and Postgres, its migrations applied) reachable",
+        "Readiness: Redis reachable, Postgres's migrations applied (Postgres away: degraded)",
         oa.returns(200, "Readiness", "ready"),
         oa.returns(503, "Readiness", "not ready: checks says what is wrong"),
         **static,

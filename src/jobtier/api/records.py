@@ -68,6 +68,7 @@ class History(msgspec.Struct):
 OUTBOX_COUNTED = 100_000  # outbox rows counted at most (the alert watches the oldest's age)
 OUTBOX_EVERY = 5.0  # s: the backlog read at most this often, whatever the scrapes
 OUTBOX_TIMEOUT = 1.0  # s: a backlog read taking longer is skipped
+READY_SECONDS = 1.0  # s: /readyz's look at Postgres, well inside a probe's limit (3 s in deploy/)
 BACKLOG_UNREAD: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
 
 
@@ -82,6 +83,8 @@ class PostgresExtension(Extension):
         self._lag_at = 0.0
         self._backlog: tuple[int, float] | None = None
         self._backlog_at = -OUTBOX_EVERY
+        self._probe: asyncio.Task[str | None] | None = None  # /readyz's look at Postgres
+        self._probe_began = 0.0
         self.operations = [
             operations(settings),
             schedules.operations(settings),
@@ -122,6 +125,8 @@ class PostgresExtension(Extension):
         )
 
     async def close(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()  # a look at a silent Postgres (its connection let go below)
         if self.pool is not None:
             await self.pool.close()
 
@@ -191,6 +196,20 @@ class PostgresExtension(Extension):
         return None if found is None else [open_dependency(d, keyring) for d in found]
 
     async def _ready(self) -> str | None:
+        """Postgres's problem for /readyz, or None; within ``READY_SECONDS`` whatever it does.
+        A check that gets no answer (a server that went silent) is left to finish in the
+        background, and the next readiness call waits on it rather than starting another: a
+        silent server holds one connection of the pool, not one per probe."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.create_task(self._check_ready())
+            self._probe_began = time.monotonic()
+        done, _ = await asyncio.wait({self._probe}, timeout=READY_SECONDS)
+        if not done:
+            silent = time.monotonic() - self._probe_began
+            return f"unreachable: no answer within {READY_SECONDS:g} s (asked {silent:.0f} s ago)"
+        return self._probe.result()
+
+    async def _check_ready(self) -> str | None:
         assert self.pool is not None
         try:
             async with self.pool.acquire() as conn:
