@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from importlib import resources
+from typing import Any
 
 import msgspec
 import pytest
@@ -302,9 +304,24 @@ def test_a_task_the_worker_could_not_call_is_refused_when_declared() -> None:
         lambda ctx, p: None
     )
     assert one.non_retryable == (KeyError,) and one.breaker_on == (OSError,)
-    # what binds (ctx, payload) is fine: defaults, *args
+    # what binds (ctx, payload) is fine: defaults, *args, a wrapper that supplies more to
+    # what it wraps
     task(name="extra")(lambda ctx, payload, more=1: None)
     task(name="star")(lambda *args: None)
+
+    def with_db(f: Any) -> Any:
+        @functools.wraps(f)
+        async def wrapper(ctx: object, payload: object) -> Any:
+            return await f(ctx, payload, "db")
+
+        return wrapper
+
+    @task
+    @with_db
+    async def uses_db(ctx: object, payload: object, db: str) -> str:
+        return db
+
+    assert uses_db.name == "uses_db"
 
 
 def test_loading_tasks_from_a_module() -> None:
@@ -380,7 +397,6 @@ async def test_scripts_that_keep_disappearing_fail_as_a_redis_error() -> None:
     """A Redis that loses the script after every load (SCRIPT FLUSH in a loop): run_scripts
     gives up after three rounds with a RedisError, which callers' handlers back off from and
     retry, as from any failure of Redis (a RuntimeError ended the worker's claim loop)."""
-    from typing import Any
 
     from redis.exceptions import NoScriptError, RedisError
 

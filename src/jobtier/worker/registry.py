@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import numbers
 import random
 import re
 import time
@@ -219,12 +220,12 @@ def task(
         if not TASK_NAME_RE.fullmatch(task_name):
             raise ConfigError(f"task name {task_name!r} must match {TASK_NAME_RE.pattern}")
         _check_signature(f, task_name)
-        if not isinstance(retries, int) or isinstance(retries, bool):
+        if not isinstance(retries, numbers.Integral) or isinstance(retries, bool):
             raise ConfigError(f"task {task_name}: retries is a whole number, not {retries!r}")
         for what, value in (("backoff_base", backoff_base), ("backoff_factor", backoff_factor),
                             ("backoff_cap", backoff_cap), ("jitter", jitter),
                             ("timeout", 1 if timeout is None else timeout)):  # fmt: skip
-            if not isinstance(value, int | float) or isinstance(value, bool):
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise ConfigError(f"task {task_name}: {what} is a number, not {value!r}")
         if retries < 0 or backoff_base < 0 or backoff_factor < 1 or jitter < 0:
             raise ConfigError(f"task {task_name}: retries/backoff/jitter out of range")
@@ -296,7 +297,9 @@ def _check_signature(f: Callable[..., Any], name: str) -> None:
     """A task is called ``f(ctx, payload)``: one that cannot take both would fail every job
     (with a TypeError, retried) instead of being refused here."""
     try:
-        signature = inspect.signature(f)
+        # the callable itself: a functools.wraps wrapper that supplies more arguments to what
+        # it wraps (``f(ctx, payload, db)`` called as ``wrapper(ctx, payload)``) takes its own
+        signature = inspect.signature(f, follow_wrapped=False)
     except (TypeError, ValueError):  # a builtin or an object it cannot read: let it be
         return
     try:
