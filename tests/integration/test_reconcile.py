@@ -28,9 +28,10 @@ from jobtier.metrics.prometheus import render
 from jobtier.persist import reconcile as reconcile_module
 from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister
-from jobtier.persist.reconcile import Reconciler, Report, _batches, reconcile
+from jobtier.persist.reconcile import _CHANGED, Reconciler, Report, _batches, reconcile
 from jobtier.status.reader import StatusReader
 from jobtier.store import calls
+from jobtier.store import format as job_format
 from tests.fixtures.engine import wait_for, worker_for
 from tests.fixtures.redis import admin
 from tests.flows_helpers import run_flows
@@ -337,10 +338,41 @@ async def test_a_redis_that_lost_its_data_gets_every_live_job_back_and_its_marks
             return await redis_state(q, old) == ("scheduled", 1)
 
         await wait_for(back)
-        await (await Queue.connect(pg_settings)).close()  # a process starting now: it reads them
+        # the running processes write on (a log entry: the shard held jobs), and a process
+        # starting now reads them, marked again ('format 1' before, and it stopped)
+        await q.submit("echo", "after")
+        await (await Queue.connect(pg_settings)).close()
     finally:
         persister.stop()
         await asyncio.wait_for(task, 30)
+
+
+async def test_jobtier_reconcile_puts_back_the_live_jobs_of_the_shards_that_lost_their_data(
+    q: Queue, pg_settings: Settings, pg_pool: Pool
+) -> None:
+    """By hand (no persister saw the restart): only the shards without their marks lost
+    their data; a job of another shard missing from Redis and outside the window is none of
+    this pass's business."""
+    p = Persister(pg_settings, q.redis, pg_pool, "p1")
+    jobs: dict[int, str] = {}
+    while len(jobs) < 2:
+        job_id = (await q.submit("echo", "old", delay=3600)).job_id
+        jobs.setdefault(q.keys.shard_of(job_id), job_id)
+    (lost_shard, lost), (_, elsewhere) = jobs.items()
+    await p.drain()
+    async with pg_pool.acquire() as conn:
+        await conn.execute(
+            "UPDATE job_transitions SET at = at - interval '2 hours' WHERE job_id = ANY($1)",
+            list(jobs.values()),
+        )
+    await restore(q, [])
+    marked = [s for s in range(q.keys.shards) if s != lost_shard]
+    await job_format.mark(q.redis, q.keys, marked)
+    report = await reconcile_module.reconcile_once(pg_settings, q.redis, WINDOW)
+    assert report.repaired["restored"] == 1, report
+    assert await redis_state(q, lost) == ("scheduled", 1)
+    assert await redis_state(q, elsewhere) is None
+    assert await job_format.unmarked(q.redis, q.keys) == []
 
 
 async def test_the_cli(q: Queue, pg_settings: Settings, pg_pool: Pool) -> None:
@@ -384,7 +416,7 @@ async def test_the_script_refuses_a_job_redis_holds_as_new(
     await failover(q, pg_settings, pg_pool)
     reconciler = Reconciler(pg_settings, q.redis)
     async with pg_pool.acquire() as conn:
-        rows = [r async for batch in _batches(conn, since(WINDOW), 100) for r in batch]
+        rows = [r async for b in _batches(conn, _CHANGED, 100, since(WINDOW)) for r in b]
         first = Report()
         behind = await reconciler._behind(rows, first)
         assert len(behind) == 6

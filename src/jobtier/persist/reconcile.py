@@ -68,20 +68,14 @@ BATCH_SIZE = 500  # jobs compared per Redis round trip (and restored per script 
 KINDS = ("restored", "advanced", "requeued")  # what a repair was (reconcile.lua)
 FINISHED = frozenset({"succeeded", "failed", "cancelled"})
 
-# the jobs with a transition at or after $1, as Postgres holds them now
-_CHANGED = """
-SELECT j.id, j.tenant, j.type, j.priority, j.state, j.version, j.attempt, j.max_attempts,
-       j.payload, j.idempotency_key, j.result, j.result_size, j.result_ref, j.doc, j.queue
-FROM jobs j
-WHERE j.id IN (SELECT t.job_id FROM job_transitions t WHERE t.at >= $1)
+_JOBS = """SELECT j.id, j.tenant, j.type, j.priority, j.state, j.version, j.attempt,
+j.max_attempts, j.payload, j.idempotency_key, j.result, j.result_size, j.result_ref, j.doc, j.queue
 """
-# ... and every job not finished, however long ago it last moved (a Redis that lost its data)
-_CHANGED_OR_LIVE = (
-    _CHANGED
-    + """OR j.id IN (SELECT b.id FROM jobs_by_state b
-              WHERE b.state IN ('waiting', 'scheduled', 'queued', 'running'))
-"""
-)
+# the jobs with a transition at or after $1, as Postgres holds them now; every job not
+# finished, however long ago it last moved (for a Redis that lost its data)
+_CHANGED = f"{_JOBS} FROM jobs j WHERE j.id IN (SELECT job_id FROM job_transitions WHERE at >= $1)"
+_LIVE = f"""{_JOBS} FROM jobs_by_state b JOIN jobs j ON j.id = b.id
+WHERE b.state IN ('waiting', 'scheduled', 'queued', 'running')"""
 _LARGE_RESULTS = "SELECT job_id, result FROM job_results WHERE job_id = ANY($1::text[])"
 _WAITING_FOR = "SELECT DISTINCT job_id FROM job_dependencies WHERE job_id = ANY($1::text[])"
 _DEPENDENCIES = """
@@ -214,14 +208,20 @@ class Reconciler:
         self.on_repair = on_repair
 
     async def run(
-        self, conn: AnyConnection, since: float, *, dry_run: bool = False, live: bool = False
+        self,
+        conn: AnyConnection,
+        since: float,
+        *,
+        dry_run: bool = False,
+        live_shards: frozenset[int] = frozenset(),
     ) -> Report:
-        """One pass over the jobs Postgres changed in the last ``since`` seconds (and with
-        ``live`` every job not finished, however old)."""
+        """One pass over the jobs Postgres changed in the last ``since`` seconds, then over
+        every job of ``live_shards`` not finished, however old (shards whose Redis lost its
+        data)."""
         started = time.monotonic()
         report = Report(dry_run=dry_run)
         cutoff = datetime.now(UTC) - timedelta(seconds=since)
-        async for rows in _batches(conn, cutoff, self.batch_size, live):
+        async for rows in self._rows(conn, cutoff, live_shards):
             report.checked += len(rows)
             behind = await self._behind(rows, report)
             if not behind:
@@ -240,6 +240,17 @@ class Reconciler:
             await self._restore(conn, behind, report)
         report.seconds = time.monotonic() - started
         return report
+
+    async def _rows(
+        self, conn: AnyConnection, cutoff: datetime, live_shards: frozenset[int]
+    ) -> AsyncIterator[list[asyncpg.Record]]:
+        async for rows in _batches(conn, _CHANGED, self.batch_size, cutoff):
+            yield rows
+        if live_shards:
+            shard_of = self.keys.shard_of
+            async for rows in _batches(conn, _LIVE, self.batch_size):
+                if mine := [r for r in rows if shard_of(r["id"]) in live_shards]:
+                    yield mine
 
     async def _behind(self, rows: Sequence[asyncpg.Record], report: Report) -> list[_Job]:
         """The jobs of ``rows`` Redis lacks or holds at a lower version: one pipelined HGET
@@ -439,11 +450,11 @@ async def _claims(conn: AnyConnection, jobs: Sequence[_Job]) -> None:
 
 
 async def _batches(
-    conn: AnyConnection, cutoff: datetime, size: int, live: bool = False
+    conn: AnyConnection, sql: str, size: int, *args: Any
 ) -> AsyncIterator[list[asyncpg.Record]]:
-    """The changed jobs (and the live ones), ``size`` at a time, from one cursor."""
+    """The rows of ``sql``, ``size`` at a time, from one cursor (one scan)."""
     async with conn.transaction(readonly=True):
-        cursor = await conn.cursor(_CHANGED_OR_LIVE if live else _CHANGED, cutoff)
+        cursor = await conn.cursor(sql, *args)
         while rows := await cursor.fetch(size):
             yield rows
 
@@ -466,11 +477,11 @@ async def reconcile(
     dry_run: bool = False,
     batch_size: int = BATCH_SIZE,
     on_repair: Callable[[str], None] | None = None,
-    live: bool = False,
+    live_shards: frozenset[int] = frozenset(),
 ) -> Report:
     """One pass (see the module's docstring); its summary is logged."""
     reconciler = Reconciler(settings, redis, batch_size=batch_size, on_repair=on_repair)
-    report = await reconciler.run(conn, since, dry_run=dry_run, live=live)
+    report = await reconciler.run(conn, since, dry_run=dry_run, live_shards=live_shards)
     log.info(
         "event=reconcile_done dry_run=%d checked=%d restored=%d advanced=%d requeued=%d "
         "expired=%d skipped=%d seconds=%.2f",
@@ -507,17 +518,14 @@ async def run_reconciling(
     from the old primary and committed late, by this persister or another. A pass that fails
     is tried again at the next look, until one completes.
 
-    A new primary without the format marks every process sets on a Redis as it starts lost
-    its data whole (a restart without it): its shards are marked again (so that a process
-    started now can read them), and the passes take in every job not finished, however long
-    ago it last moved (a job queued for a day is older than the window, and as lost)."""
+    A new primary that lost its data (``data_lost``): the passes also take in every job of
+    its shards not finished, however long ago it last moved (outside the window, as lost)."""
     every = settings.reconcile_seconds
     if every <= 0:
         return
-    keys = Keys(settings.prefix, settings.shards)
     known: frozenset[str] | None = None
     due: list[float] = []  # when the passes still to run are due (monotonic)
-    live = False  # they take in every job not finished
+    emptied: frozenset[int] = frozenset()  # shards whose every live job they take in
     while not stop.is_set():
         try:
             seen = await run_ids(redis)
@@ -525,28 +533,41 @@ async def run_reconciling(
                 log.warning(
                     "event=redis_primary_changed new_run_ids=%s", ",".join(sorted(seen - known))
                 )
-                if emptied := await job_format.unmarked(redis, keys):
-                    await job_format.mark(redis, keys, emptied)
-                    live = True
-                    log.warning(
-                        "event=redis_data_lost shards=%s: their format marked again; every job "
-                        "not finished is put back from Postgres",
-                        job_format.shard_list(emptied).split(" ", 1)[1].replace(", ", ","),
-                    )
+                emptied = await data_lost(settings, redis)
                 now = time.monotonic()
                 due = [now, now + SETTLE_SECONDS]
             known = seen if known is None else known | seen
             if due and time.monotonic() >= due[0]:
                 # a connection of its own, as pruning's: the pool's serve the write-behind
                 window = settings.reconcile_window_seconds
-                await reconcile_once(settings, redis, window, on_repair, live=live)
+                await reconcile_once(settings, redis, window, on_repair, live_shards=emptied)
                 due.pop(0)
-                live = live and bool(due)
+                emptied = emptied if due else frozenset()
         except _PASS_FAILED as exc:
             log.warning("event=reconcile_failed retry_in=%.1fs error=%r", every, exc)
         except Exception:  # a bug: its stack logged, and the schedule goes on
             log.exception("event=reconcile_failed retry_in=%.1fs", every)
         await wait_for(stop, every)
+
+
+async def data_lost(
+    settings: Settings, redis: RedisClient, *, dry_run: bool = False
+) -> frozenset[int]:
+    """The shards of a Redis that lost its data (restarted without it): those without the
+    format mark every process sets as it starts. Marked again (unless ``dry_run``): what the
+    running processes wrote since is this jobtier's, which a process started now would refuse
+    as an older format."""
+    keys = Keys(settings.prefix, settings.shards)
+    emptied = await job_format.unmarked(redis, keys)
+    if emptied:
+        if not dry_run:
+            await job_format.mark(redis, keys, emptied)
+        log.warning(
+            "event=redis_data_lost shards=%s: %severy job not finished is put back from Postgres",
+            job_format.shard_list(emptied).split(" ", 1)[1].replace(", ", ","),
+            "" if dry_run else "their format marked again; ",
+        )
+    return frozenset(emptied)
 
 
 async def reconcile_once(
@@ -556,13 +577,23 @@ async def reconcile_once(
     on_repair: Callable[[str], None] | None = None,
     *,
     dry_run: bool = False,
-    live: bool = False,
+    live_shards: frozenset[int] | None = None,
 ) -> Report:
-    """A pass on a connection of its own (``jobtier reconcile``, a persister's pass)."""
+    """A pass on a connection of its own (``jobtier reconcile``, a persister's pass); with
+    ``live_shards`` None (``jobtier reconcile``), those of a Redis that lost its data are
+    found (``data_lost``)."""
+    if live_shards is None:
+        live_shards = await data_lost(settings, redis, dry_run=dry_run)
     conn: Connection = await connect(settings.database_url, timeout=10)
     try:
         return await reconcile(
-            settings, redis, conn, since, dry_run=dry_run, on_repair=on_repair, live=live
+            settings,
+            redis,
+            conn,
+            since,
+            dry_run=dry_run,
+            on_repair=on_repair,
+            live_shards=live_shards,
         )
     finally:
         await close(conn)
