@@ -147,3 +147,4 @@ async def test_a_live_job_redis_lost_is_said_to_be_lost_not_finished(
     assert body["state"] == "queued" and [r["code"] for r in body["reasons"]] == ["unknown"]
     assert "Redis lost it" in body["reasons"][0]["message"]
     assert "jobtier reconcile" in body["reasons"][0]["message"]
+    assert body["reasons"][0]["queue"] == "default"

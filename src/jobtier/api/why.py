@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -40,10 +41,10 @@ async def _answer(request: Request, tenant: str | None) -> Response:
     else:  # Redis lost it (a restart without its data, a failover): nothing will move it
         message = (
             f"Redis does not hold it, though Postgres has it {state}: Redis lost it (a "
-            "restart without its data, a failover). `jobtier reconcile --since` a time "
-            "before its last change puts it back"
+            "restart without its data, a failover). `jobtier reconcile` puts it back, its "
+            "--since reaching past the job's last change (e.g. --since 2d)"
         )
-        reason = Reason(ReasonCode.UNKNOWN, message)
+        reason = Reason(ReasonCode.UNKNOWN, message, queue=_queue_of(found[1]))
     now = iso(int(time.time() * 1000))
     return encoded(Explanation(job_id, state, False, [reason], None, now))
 
@@ -57,3 +58,13 @@ async def admin_explain(request: Request) -> Response:
     """Any tenant's job (the console's job page)."""
     require_admin(request)
     return await _answer(request, None)
+
+
+def _queue_of(doc: bytes) -> str | None:
+    """The ``queue`` of a status document (one from Postgres: any version's keeps it)."""
+    queue = msgspec.json.decode(doc, type=_Queued).queue
+    return queue or None
+
+
+class _Queued(msgspec.Struct):
+    queue: str = ""

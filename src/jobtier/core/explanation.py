@@ -23,7 +23,8 @@ class ReasonCode(StrEnum):
     NO_WORKER_FOR_TYPE = "no_worker_for_type"
     TENANT_TURN = "tenant_turn"  # other tenants' jobs come first by the tenants' turns
     IN_LINE = "in_line"  # ready: jobs ahead of it, its workers busy or about to claim it
-    UNKNOWN = "unknown"  # queued, yet Redis holds it in no line (a broken invariant)
+    UNKNOWN = "unknown"  # queued, yet Redis holds it in no line (a broken invariant); or
+    # not finished in Postgres and absent from Redis, which lost it
 
 
 class JobRef(msgspec.Struct):
