@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 from typing import cast
 
@@ -22,6 +24,8 @@ from jobtier.flows.resolver import Resolver
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.results import PostgresResultStore
+from jobtier.worker import stored
+from tests.e2e.test_api_postgres import postgres_processes
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import wait_for, worker_for
 from tests.flows_helpers import run_flows
@@ -224,7 +228,7 @@ async def test_a_result_waits_for_its_store_while_postgres_is_away(
     q = await Queue.connect(settings, results=results)
     try:
         await asyncio.to_thread(pg_to_stop.stop, "immediate")
-        job = (await q.submit("big_result", 50)).job_id  # retries=0: one attempt
+        job = (await q.submit("big_result", 50, max_attempts=1)).job_id
         worker = worker_for(q, registry)
         run = asyncio.create_task(worker.run())
         try:
@@ -242,5 +246,42 @@ async def test_a_result_waits_for_its_store_while_postgres_is_away(
         status, result = await q.result(job)
         assert status.state is State.SUCCEEDED and result == big_rows(50), status
     finally:
+        await q.close()
+        await results.close()
+
+
+async def test_a_silent_result_store_is_waited_for_no_longer_than_the_patience(
+    pg_to_stop: LocalPostgres, pg_settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Postgres that answers nothing (its processes stopped) does not hold the job and its
+    worker slot past the patience (here 1 s): the attempt fails as retryable."""
+    monkeypatch.setattr(stored, "STORE_PATIENCE", 1.0)
+    settings = pg_settings.replace(
+        database_url=pg_to_stop.dsn, result_store="postgres", result_store_threshold_bytes=THRESHOLD
+    )
+    results = await PostgresResultStore.connect(settings.database_url)
+    q = await Queue.connect(settings, results=results)
+    silent = postgres_processes(pg_to_stop)
+    try:
+        for pid in silent:
+            os.kill(pid, signal.SIGSTOP)
+        job = (await q.submit("big_result", 50, max_attempts=1)).job_id
+        worker = worker_for(q, registry)
+        run = asyncio.create_task(worker.run())
+        try:
+
+            async def ended() -> bool:
+                return (await q.status(job)).terminal
+
+            await wait_for(ended, 60)
+        finally:
+            worker.stop()
+            await run
+        status = await q.status(job)
+        assert status.state is State.FAILED and status.error is not None, status
+        assert status.error.type == "ResultStoreUnavailable", status.error
+    finally:
+        for pid in silent:
+            os.kill(pid, signal.SIGCONT)
         await q.close()
         await results.close()

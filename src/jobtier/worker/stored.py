@@ -70,9 +70,17 @@ async def _stored(store: ResultStore, ctx: JobContext, data: bytes) -> bytes | F
     backoff = PERSIST_POSTGRES.start()
     give_up = time.monotonic() + STORE_PATIENCE
     while True:
+        put: asyncio.Future[str] | None = None
         try:
             try:
-                return marker(await store.put(job.id, job.lease_version, data))
+                # bounded whatever the store does (a server gone silent, a pool held): the
+                # put is let go, not awaited, past the patience (its cleanup may wait too)
+                put = asyncio.ensure_future(store.put(job.id, job.lease_version, data))
+                await asyncio.wait({put}, timeout=max(0.1, give_up - time.monotonic()))
+                if not put.done():
+                    put.cancel()
+                    raise TimeoutError(f"no answer within {STORE_PATIENCE:g} s")
+                return marker(put.result())
             except UNAVAILABLE as exc:
                 if time.monotonic() >= give_up:
                     raise
@@ -83,6 +91,8 @@ async def _stored(store: ResultStore, ctx: JobContext, data: bytes) -> bytes | F
                 )
                 await asyncio.sleep(wait)
         except asyncio.CancelledError:  # shutdown or a lost lease, as run_attempt treats it
+            if put is not None:
+                put.cancel()
             return INTERRUPTED
         except Exception as exc:
             log.warning("event=result_store_failed job=%s size=%d error=%r", job.id, len(data), exc)
