@@ -368,6 +368,28 @@ def _nested(depth: int) -> list[Any]:
     return out
 
 
+async def test_an_attempt_closed_while_another_task_runs_ends_quietly() -> None:
+    """Its coroutine closed from outside (as the garbage collector closes one destroyed
+    unfinished): the GeneratorExit thrown in is not taken for one the task raised. The
+    attempt reports nothing and lets the close happen ("coroutine ignored GeneratorExit"
+    before, and a failure reported for a job that was still running)."""
+    started = asyncio.Event()
+
+    @task
+    async def waits(ctx: JobContext, payload: Any) -> None:
+        started.set()
+        await asyncio.Event().wait()
+
+    run = start_task(waits, None)
+    await started.wait()
+    run._handle.get_coro().close()  # from this task, not the attempt's
+    assert run._ended is None
+    # (its task, whose coroutine is gone, can only fail when stepped again: retrieved here)
+    run._handle.cancel()
+    await asyncio.wait({run._handle})
+    assert isinstance(run._handle.exception(), RuntimeError)
+
+
 class _Unprintable(Exception):
     def __str__(self) -> str:
         raise RuntimeError("no words")

@@ -225,6 +225,7 @@ async def run_attempt(
     queue: ``sealed_queue``) sealed (docs/encryption.md).
     """
     sealed = sealed_queue
+    me = asyncio.current_task()  # a GeneratorExit met outside it closes us (_running_in)
     try:
         if task is None:
             raise LookupError(f"no task {ctx.type!r} in this worker ({ctx.worker_id})")
@@ -273,13 +274,13 @@ async def run_attempt(
         else:
             sink.attempt_ended(ctx, Failure(exc, "Cancelled", message_of(exc), False))
     except BaseException as exc:  # any Exception; and a SystemExit, KeyboardInterrupt… it raised
+        if isinstance(exc, GeneratorExit) and not _running_in(me):
+            raise  # this coroutine is being closed (destroyed unfinished), not run: it ends
         if isinstance(exc, TimeoutError) and task is not None and not task.is_async:
             # a thread cannot be interrupted: it runs on past its timeout unless it stops
             # for the flag a cancel request raises (ctx.cancel_requested, check_cancelled)
             ctx._request_cancel()
         sink.attempt_ended(ctx, failure(exc, task))
-        if isinstance(exc, GeneratorExit) and _closing():
-            raise  # this coroutine is being closed (outside any task), not run: it must end
     else:
         if ctx._cancelled:  # (ctx.cancel_requested, without a property call per job)
             # the task returned after its cancel request was delivered: it was asked to stop
@@ -294,13 +295,14 @@ async def run_attempt(
             sink.attempt_ended(ctx, encode_result(result, max_result_bytes))
 
 
-def _closing() -> bool:
-    """Whether a GeneratorExit met now was thrown in to close the coroutine, no task running
-    it (one a task's code raises as it runs is a failure of the attempt like any other)."""
+def _running_in(task: asyncio.Task[Any] | None) -> bool:
+    """Whether the attempt runs in ``task`` now: a GeneratorExit met then is one the task's
+    code raised (a failure like any other); met outside it, it was thrown in to close the
+    coroutine (by the garbage collector, another task running or none)."""
     try:
-        return asyncio.current_task() is None
+        return task is not None and asyncio.current_task() is task
     except RuntimeError:  # no event loop running
-        return True
+        return False
 
 
 def _sealed(end: bytes | Failure, ctx: JobContext, keyring: Keyring) -> bytes | Failure:
