@@ -5,7 +5,6 @@ outcomes recorded in batches; a failed one waits in Postgres for its next attemp
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
@@ -181,9 +180,16 @@ class Attempts:
             self._recorded.set()
 
     async def _disable(self, subscription_id: str) -> None:
-        with contextlib.suppress(*PG_UNAVAILABLE):
+        """Disable a subscription whose receiver answered 410 (its attempt recorded): Postgres
+        away, the next 410 does it; anything else is logged, never the recording's end."""
+        try:
             await self.store.disable_subscription(subscription_id)
-            log.info("event=subscription_disabled id=%s reason=410", subscription_id)
+        except PG_UNAVAILABLE:
+            return
+        except Exception:
+            log.exception("event=subscription_disable_failed id=%s", subscription_id)
+            return
+        log.info("event=subscription_disabled id=%s reason=410", subscription_id)
 
     async def finish(self) -> None:
         """Stopping: the attempts in flight get their time limit to end; then record."""
