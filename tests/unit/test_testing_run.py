@@ -443,6 +443,25 @@ async def test_a_sync_task_past_its_timeout_is_asked_to_stop() -> None:
     assert await asyncio.to_thread(saw.wait, 60)
 
 
+async def test_progress_that_cannot_be_json_is_a_type_error_as_documented() -> None:
+    """ctx.progress and ctx.checkpoint raise TypeError for what cannot be JSON, whatever the
+    encoder raised (a lone surrogate, a value nested too deep)."""
+
+    @task
+    async def reports(ctx: JobContext, payload: Any) -> list[str]:
+        refused = []
+        for value in (b"caf\xe9".decode("utf-8", "surrogateescape"), _nested(5000)):
+            try:
+                ctx.progress({"value": value})
+            except TypeError as exc:
+                refused.append(str(exc).split(":", 2)[1].strip())
+        return refused
+
+    outcome = await run_task(reports, None)
+    assert outcome.state == "succeeded", outcome
+    assert outcome.result == ["UnicodeEncodeError", "RecursionError"]
+
+
 async def test_a_retry_delay_that_has_passed_retries_at_once() -> None:
     @task(retries=3)
     async def late(ctx: JobContext, payload: Any) -> None:

@@ -452,11 +452,14 @@ def job_ids(given: Iterable[str] | None) -> list[str] | None:
 
 
 def encode_json(value: Any) -> bytes:
-    """Encode a payload/result/progress value to compact JSON, or raise TypeError."""
+    """Encode a payload/result/progress value to compact JSON, or raise TypeError (also for
+    a value nested too deep, or a string holding a lone surrogate)."""
     try:
         return json_encoder.encode(value)
     except (TypeError, msgspec.EncodeError) as exc:
         raise TypeError(f"not JSON-serialisable: {exc}") from None
+    except (RecursionError, UnicodeEncodeError) as exc:
+        raise TypeError(f"not JSON-serialisable: {type(exc).__name__}: {exc}") from None
 
 
 def decode_status(doc: bytes | str) -> JobStatus:
