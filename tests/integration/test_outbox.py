@@ -283,7 +283,7 @@ async def test_a_job_may_wait_for_one_submitted_in_the_same_transaction(
     await prepared(relay)
     async with app.transaction():
         parent = await outbox.submit(app, "echo", {"step": 1})
-        child = await outbox.submit(app, "echo", {"step": 2}, depends_on=[parent])
+        child = await outbox.submit(app, "echo", {"step": 2}, depends_on=parent)  # (one id)
     assert await relay.drain() == 2 and relay.stats.refused == 0
     assert (await queue.status(child)).state is State.WAITING
     assert (await worker_for(queue, registry, burst=True).run()).succeeded == 1

@@ -19,5 +19,7 @@ def entry() -> int:
         # ended by the signal, as an uninterrupted Ctrl-C would have: its parent sees SIGINT
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
-        raise  # (not reached: SIGINT's default action ends the process)
+        # still here where the default action does nothing (PID 1 in a container without an
+        # init): the status a shell gives a command a Ctrl-C ended
+        return 128 + signal.SIGINT
     return run()

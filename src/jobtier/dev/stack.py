@@ -456,7 +456,7 @@ def command_hint() -> str:
     if script.exists():
         where = shlex.quote(str(bin_dir.absolute()))
         return f'export PATH={where}:"$PATH"   # the jobtier command (or: . {where}/activate)'
-    return f"alias jobtier='{sys.executable} -m jobtier.cli.main'   # the jobtier command"
+    return f"alias jobtier='{sys.executable} -m jobtier.cli'   # the jobtier command"
 
 
 def _welcome(settings: Settings) -> None:

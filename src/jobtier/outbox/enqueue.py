@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from jobtier.core.model import encode_json
+from jobtier.core.model import encode_json, job_ids
 
 # the argument order of jobtier.submit (migrations/0010_outbox.sql)
 ARGS = (
@@ -52,13 +52,11 @@ def arguments(
     what the drivers would pass on silently wrong (the function checks the rest)."""
     if run_at is not None and run_at.tzinfo is None:
         raise ValueError("run_at needs a time zone (a naive datetime names no instant)")
-    if isinstance(depends_on, str):
-        raise ValueError("depends_on is a list of job ids, not one string")
     try:
         body = encode_json(payload).decode()
     except TypeError as exc:
         raise ValueError(f"payload: {exc}") from None
-    deps = list(depends_on) if depends_on is not None else None
+    deps = job_ids(depends_on)  # one id alone is that id, as for a submit
     if delay is not None:
         if isinstance(delay, bool) or not isinstance(delay, int | float):
             raise ValueError("delay is a number of seconds")
