@@ -239,7 +239,7 @@ async def test_a_release_is_logged_once_redis_has_taken_it(
         finally:
             await redis.execute_command("CLIENT", "UNPAUSE", **pause)
     stats = await run
-    assert stats.released == 1 and f"event=job_released worker={worker.id} job={job}" in (
+    assert stats.released == 1 and f"event=job_released worker={worker.id} job={job} type=hold" in (
         caplog.text
     )
     await assert_released(queue, job)

@@ -81,6 +81,7 @@ class Reporter:
         self._idle = asyncio.Event()  # everything queued is sent (the shutdown's flush)
         self._idle.set()
         self._blocks: set[asyncio.Task[None]] = set()
+        self._stopped_types: dict[str, str] = {}  # job -> type, of stopped reports unsent
 
     def attempt_ended(self, ctx: JobContext, end: bytes | Failure | Stopped) -> None:
         """Called by ``run_attempt`` as each job's attempt ends: report it, free the slot."""
@@ -196,6 +197,8 @@ class Reporter:
             self._outbox["progress"][r.shard].append((r.job.id, r.job.lease_version, r.progress))
             r.progress = None
         self._outbox[kind][r.shard].append((r.job.id, r.job.lease_version, *extra))
+        if kind == "stopped":  # its type, for the line that says it was released (account)
+            self._stopped_types[r.job.id] = r.job.type
         if r.permit is not None:
             # returned once the outcome is in Redis: before, a new job of the queue could
             # start while Redis still counts this one as running (over the limit)
@@ -328,6 +331,7 @@ class Reporter:
             codes, states = reply[0::2], reply[1::2]
         # codes stay ints on this path: a Code built per job only to be compared is waste
         for item, code, state in zip(items, codes, states, strict=True):
+            job_type = self._stopped_types.pop(item[0], "") if kind == "stopped" else ""
             if code != Code.OK:
                 st.refused += 1
                 log.warning(
@@ -347,7 +351,7 @@ class Reporter:
                 st.cancelled += 1
             elif state == b"queued":  # released (at shutdown): logged once Redis has it
                 st.released += 1
-                log.info("event=job_released worker=%s job=%s", self.id, item[0])
+                log.info("event=job_released worker=%s job=%s type=%s", self.id, item[0], job_type)
 
     async def flush(self) -> None:
         """Until every report is sent: 30 s at most, ``FLUSH_AFTER_STOP_NOW`` after a
