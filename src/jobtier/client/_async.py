@@ -98,7 +98,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         ``created`` False, or raises ``IdempotencyKeyConflict`` if the type or payload differ.
         ``queue`` defaults to the task's; ``concurrency_key``: at most ``concurrency_limit``
         (default 1) jobs of the key run at once, the others wait in order. ``depends_on``:
-        ids of your jobs it waits for (state ``waiting``): it is queued when the last one
+        ids (or one id) of your jobs it waits for (``waiting``): it is queued when the last one
         succeeds, and cancelled when one fails, unless ``on_dependency_failure="run"``.
         ``callback``: a URL that receives the job's terminal state as a signed webhook, or
         ``{"url": …, "events": "all"}`` for every transition. ``debounce`` (``{"key", "seconds",

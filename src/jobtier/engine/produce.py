@@ -289,7 +289,7 @@ class Producer:
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
         returns the original job (``created`` False); with another, ``IdempotencyConflict``.
-        Given a task, its queue and attempts are the defaults. ``depends_on``: ids of jobs it
+        Given a task, its queue and attempts are the defaults. ``depends_on``: ids (or one) it
         waits for. ``callback``: the job's own webhook (a URL alone: its terminal state).
         ``debounce``, ``throttle``: docs/debounce-throttle.md (``Throttled`` when refused)."""
         if not isinstance(type, str):
