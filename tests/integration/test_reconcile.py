@@ -368,11 +368,20 @@ async def test_jobtier_reconcile_puts_back_the_live_jobs_of_the_shards_that_lost
     await restore(q, [])
     marked = [s for s in range(q.keys.shards) if s != lost_shard]
     await job_format.mark(q.redis, q.keys, marked)
+    # a pass that cannot read Postgres marks nothing (the shard's loss is not forgotten)
+    away = pg_settings.replace(database_url="postgresql://nobody@127.0.0.1:1/none")
+    with pytest.raises(OSError):
+        await reconcile_module.reconcile_once(
+            away, q.redis, WINDOW, live_shards=frozenset({lost_shard}), mark=True
+        )
+    assert await job_format.unmarked(q.redis, q.keys) == [lost_shard]
     report = await reconcile_module.reconcile_once(pg_settings, q.redis, WINDOW)
     assert report.repaired["restored"] == 1, report
     assert await redis_state(q, lost) == ("scheduled", 1)
     assert await redis_state(q, elsewhere) is None
-    assert await job_format.unmarked(q.redis, q.keys) == []
+    # by hand, the marks are left to `jobtier job-format --upgrade`, which the report names
+    assert report.unmarked == (lost_shard,) and "job-format --upgrade" in report.lines()[-1]
+    assert await job_format.unmarked(q.redis, q.keys) == [lost_shard]
 
 
 async def test_the_cli(q: Queue, pg_settings: Settings, pg_pool: Pool) -> None:

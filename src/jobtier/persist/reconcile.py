@@ -129,6 +129,7 @@ class Report:
     skipped: int = 0  # found behind, but a live transition caught up before the script ran
     incomplete: int = 0  # Postgres lacks their submit (payload): left for the persister
     seconds: float = 0.0
+    unmarked: tuple[int, ...] = ()  # shards without their format mark: their data lost
 
     @property
     def total(self) -> int:
@@ -147,6 +148,9 @@ class Report:
             out.append(f"skipped {self.skipped}: Redis caught up meanwhile")
         if self.incomplete:
             out.append(f"left {self.incomplete} whose submit Postgres has not written yet")
+        if self.unmarked:  # (their Redis lost its data: every job not finished compared)
+            what = job_format.shard_list(self.unmarked)
+            out.append(f"{what}: no format mark; `jobtier job-format --upgrade` sets it")
         return out
 
 
@@ -533,14 +537,16 @@ async def run_reconciling(
                 log.warning(
                     "event=redis_primary_changed new_run_ids=%s", ",".join(sorted(seen - known))
                 )
-                emptied = await data_lost(settings, redis)
+                emptied |= await data_lost(settings, redis)  # until a pass has put them back
                 now = time.monotonic()
                 due = [now, now + SETTLE_SECONDS]
             known = seen if known is None else known | seen
             if due and time.monotonic() >= due[0]:
                 # a connection of its own, as pruning's: the pool's serve the write-behind
                 window = settings.reconcile_window_seconds
-                await reconcile_once(settings, redis, window, on_repair, live_shards=emptied)
+                await reconcile_once(
+                    settings, redis, window, on_repair, live_shards=emptied, mark=True
+                )
                 due.pop(0)
                 emptied = emptied if due else frozenset()
         except _PASS_FAILED as exc:
@@ -550,22 +556,14 @@ async def run_reconciling(
         await wait_for(stop, every)
 
 
-async def data_lost(
-    settings: Settings, redis: RedisClient, *, dry_run: bool = False
-) -> frozenset[int]:
+async def data_lost(settings: Settings, redis: RedisClient) -> frozenset[int]:
     """The shards of a Redis that lost its data (restarted without it): those without the
-    format mark every process sets as it starts. Marked again (unless ``dry_run``): what the
-    running processes wrote since is this jobtier's, which a process started now would refuse
-    as an older format."""
-    keys = Keys(settings.prefix, settings.shards)
-    emptied = await job_format.unmarked(redis, keys)
+    format mark every process sets as it starts."""
+    emptied = await job_format.unmarked(redis, Keys(settings.prefix, settings.shards))
     if emptied:
-        if not dry_run:
-            await job_format.mark(redis, keys, emptied)
         log.warning(
-            "event=redis_data_lost shards=%s: %severy job not finished is put back from Postgres",
+            "event=redis_data_lost shards=%s: every job of theirs not finished is compared",
             job_format.shard_list(emptied).split(" ", 1)[1].replace(", ", ","),
-            "" if dry_run else "their format marked again; ",
         )
     return frozenset(emptied)
 
@@ -578,22 +576,22 @@ async def reconcile_once(
     *,
     dry_run: bool = False,
     live_shards: frozenset[int] | None = None,
+    mark: bool = False,
 ) -> Report:
-    """A pass on a connection of its own (``jobtier reconcile``, a persister's pass); with
-    ``live_shards`` None (``jobtier reconcile``), those of a Redis that lost its data are
-    found (``data_lost``)."""
-    if live_shards is None:
-        live_shards = await data_lost(settings, redis, dry_run=dry_run)
+    """A pass on a connection of its own; ``live_shards`` None (``jobtier reconcile``): found
+    (``data_lost``). ``mark`` (a persister's, whose deployment was format 3 as it started):
+    once the pass is done, they are marked format 3 again, or a process started now would
+    refuse what was written since as an older format."""
     conn: Connection = await connect(settings.database_url, timeout=10)
     try:
-        return await reconcile(
-            settings,
-            redis,
-            conn,
-            since,
-            dry_run=dry_run,
-            on_repair=on_repair,
-            live_shards=live_shards,
-        )
+        if live_shards is None:
+            live_shards = await data_lost(settings, redis)
+        kw: dict[str, Any] = {"dry_run": dry_run, "on_repair": on_repair}
+        report = await reconcile(settings, redis, conn, since, live_shards=live_shards, **kw)
     finally:
         await close(conn)
+    report.unmarked = tuple(sorted(live_shards))
+    if mark and live_shards and not dry_run:
+        await job_format.mark(redis, Keys(settings.prefix, settings.shards), sorted(live_shards))
+        log.warning("event=job_format_marked_again shards=%s", ",".join(map(str, live_shards)))
+    return report
