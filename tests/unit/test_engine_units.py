@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import random
 import re
+from fractions import Fraction
 from importlib import resources
 from typing import Any
 
@@ -322,6 +323,25 @@ def test_a_task_the_worker_could_not_call_is_refused_when_declared() -> None:
         return db
 
     assert uses_db.name == "uses_db"
+
+    def logged(f: Any) -> Any:  # the usual decorator: passes on whatever it is given
+        @functools.wraps(f)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return await f(*args, **kwargs)
+
+        return wrapper
+
+    @logged
+    async def no_ctx_logged(payload: object) -> None:
+        return None
+
+    with pytest.raises(ConfigError, match="called with"):
+        task(no_ctx_logged)
+    # numbers of other types are kept as int and float (they go into the task's advert)
+    odd = task(name="odd", backoff_base=Fraction(1, 2), timeout=Fraction(3, 2))(lambda ctx, p: None)  # type: ignore[call-overload]
+    assert (odd.retry.base, odd.timeout) == (0.5, 1.5)
+    assert type(odd.retry.base) is float and type(odd.timeout) is float
+    msgspec.json.encode(odd.timeout)  # (a Fraction does not encode: its advert would fail)
 
 
 def test_loading_tasks_from_a_module() -> None:

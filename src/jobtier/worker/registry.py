@@ -227,9 +227,13 @@ def task(
                             ("timeout", 1 if timeout is None else timeout)):  # fmt: skip
             if not isinstance(value, numbers.Real) or isinstance(value, bool):
                 raise ConfigError(f"task {task_name}: {what} is a number, not {value!r}")
-        if retries < 0 or backoff_base < 0 or backoff_factor < 1 or jitter < 0:
+        # kept as int and float: a Fraction or a numpy number would not encode in its advert
+        attempts = int(retries) + 1
+        base, factor, cap, jit = map(float, (backoff_base, backoff_factor, backoff_cap, jitter))
+        limit = None if timeout is None else float(timeout)
+        if attempts < 1 or base < 0 or factor < 1 or jit < 0:
             raise ConfigError(f"task {task_name}: retries/backoff/jitter out of range")
-        if timeout is not None and timeout <= 0:
+        if limit is not None and limit <= 0:
             raise ConfigError(f"task {task_name}: timeout must be positive")
         if not QUEUE_NAME_RE.fullmatch(queue):
             raise ConfigError(
@@ -265,9 +269,9 @@ def task(
         return Task(
             name=task_name,
             fn=f,
-            retry=RetryPolicy(retries + 1, backoff_base, backoff_factor, backoff_cap, jitter),
+            retry=RetryPolicy(attempts, base, factor, cap, jit),
             non_retryable=classes,
-            timeout=timeout,
+            timeout=limit,
             is_async=inspect.iscoroutinefunction(f),
             queue=queue,
             payload_type=payload_type,
@@ -298,8 +302,13 @@ def _check_signature(f: Callable[..., Any], name: str) -> None:
     (with a TypeError, retried) instead of being refused here."""
     try:
         # the callable itself: a functools.wraps wrapper that supplies more arguments to what
-        # it wraps (``f(ctx, payload, db)`` called as ``wrapper(ctx, payload)``) takes its own
+        # it wraps (``f(ctx, payload, db)`` called as ``wrapper(ctx, payload)``) takes its own;
+        # one that passes on whatever it is given (``*args, **kwargs``), what it wraps
         signature = inspect.signature(f, follow_wrapped=False)
+        if hasattr(f, "__wrapped__") and all(
+            p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in signature.parameters.values()
+        ):
+            signature = inspect.signature(f)
     except (TypeError, ValueError):  # a builtin or an object it cannot read: let it be
         return
     try:
