@@ -261,6 +261,7 @@ async def test_a_silent_result_store_is_waited_for_no_longer_than_the_patience(
     )
     results = await PostgresResultStore.connect(settings.database_url)
     q = await Queue.connect(settings, results=results)
+    await results.pool.fetchval("SELECT 1")  # a connection in the pool: the put takes it
     silent = postgres_processes(pg_to_stop)
     try:
         for pid in silent:
@@ -280,6 +281,8 @@ async def test_a_silent_result_store_is_waited_for_no_longer_than_the_patience(
         status = await q.status(job)
         assert status.state is State.FAILED and status.error is not None, status
         assert status.error.type == "ResultStoreUnavailable", status.error
+        # the put let go still holds its connection: closing (a worker's stop) ends anyway
+        await asyncio.wait_for(results.close(), 30)
     finally:
         for pid in silent:
             os.kill(pid, signal.SIGCONT)

@@ -125,10 +125,15 @@ class PostgresExtension(Extension):
         )
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()  # a look at a silent Postgres (its connection let go below)
+        probe = self._probe
+        silent = probe is not None and not probe.done()
+        if probe is not None and silent:  # a look at a Postgres that has not answered: its
+            probe.cancel()  # connection would not be handed back, and closing waits for it
         if self.pool is not None:
-            await self.pool.close()
+            if silent:
+                self.pool.terminate()
+            else:
+                await self.pool.close()
 
     async def _status_docs(self, job_ids: list[str]) -> dict[str, tuple[str, bytes]]:
         assert self.reader is not None

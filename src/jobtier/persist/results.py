@@ -17,6 +17,7 @@ in slices; retention deletes them with their jobs.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -38,6 +39,9 @@ class ResultStore(Protocol):
     async def close(self) -> None: ...
 
 
+CLOSE_SECONDS = 5.0  # closing waits this long for the connections held by puts in flight
+
+
 class PostgresResultStore:
     """Results in ``result_blobs``: ref ``pg:<job id>:<token>``."""
 
@@ -51,7 +55,10 @@ class PostgresResultStore:
 
     async def close(self) -> None:
         if self._own:
-            await self.pool.close()
+            try:  # a connection held by a put to a silent server is not waited for long
+                await asyncio.wait_for(self.pool.close(), CLOSE_SECONDS)
+            except TimeoutError:
+                self.pool.terminate()
 
     @staticmethod
     def _parse(ref: str) -> tuple[str, int]:
