@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 from collections.abc import AsyncIterator
 from typing import cast
 
@@ -23,7 +22,7 @@ from jobtier.persist.db import Pool, create_pool
 from jobtier.persist.persister import Persister
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import wait_for, worker_for
-from tests.fixtures.postgres import assert_pg_matches_redis
+from tests.fixtures.postgres import assert_pg_matches_redis, postgres_processes
 from tests.tasks import registry
 
 
@@ -279,13 +278,3 @@ async def test_readiness_waits_for_the_migrations_and_reports_a_silent_postgres(
     finally:
         for pid in stopped:
             os.kill(pid, signal.SIGCONT)
-
-
-def postgres_processes(server: LocalPostgres) -> list[int]:
-    """The server's postmaster and every process it started."""
-    postmaster = server.pid
-    assert postmaster is not None
-    children = subprocess.run(
-        ["pgrep", "-P", str(postmaster)], capture_output=True, text=True, check=False
-    ).stdout.split()
-    return [postmaster, *map(int, children)]

@@ -25,9 +25,9 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.persist.results import PostgresResultStore
 from jobtier.worker import stored
-from tests.e2e.test_api_postgres import postgres_processes
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import wait_for, worker_for
+from tests.fixtures.postgres import postgres_processes
 from tests.flows_helpers import run_flows
 from tests.tasks import big_rows, registry
 

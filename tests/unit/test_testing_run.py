@@ -445,7 +445,10 @@ async def test_a_sync_task_past_its_timeout_is_asked_to_stop() -> None:
 
 async def test_progress_that_cannot_be_json_is_a_type_error_as_documented() -> None:
     """ctx.progress and ctx.checkpoint raise TypeError for what cannot be JSON, whatever the
-    encoder raised (a lone surrogate, a value nested too deep)."""
+    encoder raised (a lone surrogate, a value nested too deep), naming it."""
+
+    def named(exc: TypeError) -> str:
+        return next(n for n in ("UnicodeEncodeError", "RecursionError") if n in str(exc))
 
     @task
     async def reports(ctx: JobContext, payload: Any) -> list[str]:
@@ -454,12 +457,16 @@ async def test_progress_that_cannot_be_json_is_a_type_error_as_documented() -> N
             try:
                 ctx.progress({"value": value})
             except TypeError as exc:
-                refused.append(str(exc).split(":", 2)[1].strip())
+                refused.append(named(exc))
+            try:
+                await ctx.checkpoint({"value": value})
+            except TypeError as exc:
+                refused.append(named(exc))
         return refused
 
     outcome = await run_task(reports, None)
     assert outcome.state == "succeeded", outcome
-    assert outcome.result == ["UnicodeEncodeError", "RecursionError"]
+    assert outcome.result == ["UnicodeEncodeError"] * 2 + ["RecursionError"] * 2
 
 
 async def test_a_retry_delay_that_has_passed_retries_at_once() -> None:
