@@ -243,7 +243,9 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         "may lack the primary's last writes, which Postgres already has): waiting jobs to their "
         "queues, running ones back to their queue (they run again: at-least-once), finished ones "
         "with their final state and result. Never moves a job back: one Redis holds at "
-        "Postgres's version or later is left alone. Safe to run at any time, and again. "
+        "Postgres's version or later is left alone. Shards without their format mark (their "
+        "Redis lost its data) have every unfinished job compared too, however old, and are "
+        "named (`jobtier job-format --upgrade` marks them). Safe to run at any time, and again. "
         "Persisters run it themselves when a Redis primary's run id changes "
         "(JOBTIER_RECONCILE_SECONDS).",
         arg(
