@@ -135,7 +135,8 @@ CHOSEN: dict[str, str] = {
     "compare-e03ddc5": "four sets at e03ddc5 (with -2, -3, -4), in a spell whose lag was longer for the code before too (compare-09141d0-sameday)",
     "compare-fa159c5-batch4000": "the default batch (8,000) against 4,000 (--persister-env), in the same runs: 4,000 took more write-behind CPU (129 against 112 us a job), 0.95x end to end, and no shorter lag (p99 800 against 785 ms)",
     "compare-adf1865-batch": "the persister's default batch (8,000 transitions) against the old (2,000, --persister-env), in the same runs: 0.84 of the write-behind's CPU, 1.02x end to end, lag p50 346 against 434 ms but p99 711 against 606",
-    "compare-43414bf": "the headline: two sets (with -2) at this code, nothing else running",
+    "compare-97f222b": "the headline: three sets (with -2, -3) at this code, nothing else of ours running, in a slower spell of the host than the sets before (BullMQ 13,003 to 13,996 jobs/s against 15,116 and 16,133 at 43414bf; the third set the slowest)",
+    "compare-43414bf": "two sets (with -2) before the last review's mends (the task declaration's checks, the result store's close, reconcile's marks: none on the job path's hot loop), nothing else running",
     "compare-b1857f4": "two sets (with -2) before this stop's changes to the worker, the scheduler's leases, reconcile and the task catalogue, nothing else running",
     "compare-3ec8e16": "two sets (with -2) before the maintainer's read (worker_refusals.py, http.py, and a reflowed comment in persist/outbox.sql, a measured path), nothing else running",
     "compare-3ec8e16-vs-da56af4": "two sets (with -2) measuring this code against da56af4 (--baseline) in the same runs: 0.94x and 1.01x it (median of per-run ratios), jobtier alone 1.55x and 1.44x BullMQ against da56af4's 1.54x and 1.54x; the job path's changes since are a constant in core/names.py and engine/explain.py, which it does not run",
@@ -193,7 +194,7 @@ CHOSEN: dict[str, str] = {
     "scaling_out": "the only file",
     "durable_submit": "250 submits/s (-1000: 1K/s, its tail the shared machine's)",
 }
-HEADLINE = ("compare-43414bf", "compare-43414bf-2")  # one set; more stems pool their runs
+HEADLINE = ("compare-97f222b", "compare-97f222b-2", "compare-97f222b-3")  # pooled runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
 PERSISTER = "jobtier-persist"  # compare.py's name for jobtier with its persister
 
