@@ -354,16 +354,17 @@ async def test_jobtier_reconcile_puts_back_the_live_jobs_of_the_shards_that_lost
     their data; a job of another shard missing from Redis and outside the window is none of
     this pass's business."""
     p = Persister(pg_settings, q.redis, pg_pool, "p1")
-    jobs: dict[int, str] = {}
-    while len(jobs) < 2:
-        job_id = (await q.submit("echo", "old", delay=3600)).job_id
-        jobs.setdefault(q.keys.shard_of(job_id), job_id)
-    (lost_shard, lost), (_, elsewhere) = jobs.items()
+    submitted: list[str] = []
+    while len({q.keys.shard_of(j) for j in submitted}) < 2:  # jobs on two shards at least
+        submitted.append((await q.submit("echo", "old", delay=3600)).job_id)
+    lost_shard = q.keys.shard_of(submitted[0])
+    lost = [j for j in submitted if q.keys.shard_of(j) == lost_shard]
+    elsewhere = [j for j in submitted if q.keys.shard_of(j) != lost_shard]
     await p.drain()
-    async with pg_pool.acquire() as conn:
+    async with pg_pool.acquire() as conn:  # every one last moved two hours ago
         await conn.execute(
             "UPDATE job_transitions SET at = at - interval '2 hours' WHERE job_id = ANY($1)",
-            list(jobs.values()),
+            submitted,
         )
     await restore(q, [])
     marked = [s for s in range(q.keys.shards) if s != lost_shard]
@@ -376,9 +377,11 @@ async def test_jobtier_reconcile_puts_back_the_live_jobs_of_the_shards_that_lost
         )
     assert await job_format.unmarked(q.redis, q.keys) == [lost_shard]
     report = await reconcile_module.reconcile_once(pg_settings, q.redis, WINDOW)
-    assert report.repaired["restored"] == 1, report
-    assert await redis_state(q, lost) == ("scheduled", 1)
-    assert await redis_state(q, elsewhere) is None
+    assert report.repaired["restored"] == len(lost), report
+    for job_id in lost:
+        assert await redis_state(q, job_id) == ("scheduled", 1)
+    for job_id in elsewhere:
+        assert await redis_state(q, job_id) is None
     # by hand, the marks are left to `jobtier job-format --upgrade`, which the report names
     assert report.unmarked == (lost_shard,) and "job-format --upgrade" in report.lines()[-1]
     assert await job_format.unmarked(q.redis, q.keys) == [lost_shard]
