@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -265,28 +266,47 @@ async def test_the_window_bounds_the_pass(q: Queue, pg_settings: Settings, pg_po
     assert report.checked == 0 and report.total == 0
 
 
+@dataclass
+class Primaries:
+    """The run ids the persister's reconcile loop sees (``run_ids``, patched): the test
+    changes them; ``looks`` counts the loop's looks."""
+
+    ids: frozenset[str] = frozenset({"old"})
+    looks: int = 0
+
+    async def run_ids(self, redis: Any) -> frozenset[str]:
+        self.looks += 1
+        return self.ids
+
+
+@asynccontextmanager
+async def watching(
+    q: Queue, pg_settings: Settings, pg_pool: Pool, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[tuple[Primaries, Persister]]:
+    """A persister running, looking at the primaries every 20 ms, whose run ids the test
+    holds; stopped at the end."""
+    primaries = Primaries()
+    monkeypatch.setattr(reconcile_module, "run_ids", primaries.run_ids)
+    settings = pg_settings.replace(reconcile_seconds=0.02, outbox_relay=False)
+    persister = Persister(settings, q.redis, pg_pool, "p-watch")
+    task = asyncio.create_task(persister.run())
+    try:
+        yield primaries, persister
+    finally:
+        persister.stop()
+        await asyncio.wait_for(task, 30)
+
+
 async def test_a_persister_reconciles_when_a_primary_is_new(
     q: Queue, pg_settings: Settings, pg_pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The persister's trigger: a run id it has not seen among the primaries (a promoted
     replica) starts a pass; its repairs are counted in jobtier_reconciled_total{kind}."""
     lost = await failover(q, pg_settings, pg_pool)
-    seen = {"ids": frozenset({"old"})}
-    looks = 0
-
-    async def run_ids(redis: Any) -> frozenset[str]:
-        nonlocal looks
-        looks += 1
-        return seen["ids"]
-
-    monkeypatch.setattr(reconcile_module, "run_ids", run_ids)
-    settings = pg_settings.replace(reconcile_seconds=0.02, outbox_relay=False)
-    persister = Persister(settings, q.redis, pg_pool, "p-watch")
-    task = asyncio.create_task(persister.run())
-    try:
-        await wait_for(lambda: looks >= 3)
+    async with watching(q, pg_settings, pg_pool, monkeypatch) as (primaries, persister):
+        await wait_for(lambda: primaries.looks >= 3)
         assert await redis_state(q, lost.queued) is None  # the same primaries: no pass
-        seen["ids"] = frozenset({"new"})
+        primaries.ids = frozenset({"new"})
 
         async def restored() -> bool:
             return await redis_state(q, lost.done) is not None
@@ -299,9 +319,6 @@ async def test_a_persister_reconciles_when_a_primary_is_new(
         snapshot_.process, snapshot_.role = "persister:h:1", "persister"
         text = render([snapshot_], {}).decode()
         assert 'jobtier_reconciled_total{kind="requeued",process="persister:h:1"' in text, text
-    finally:
-        persister.stop()
-        await asyncio.wait_for(task, 30)
 
 
 async def test_a_redis_that_lost_its_data_gets_every_live_job_back_and_its_marks(
@@ -318,21 +335,9 @@ async def test_a_redis_that_lost_its_data_gets_every_live_job_back_and_its_marks
             "UPDATE job_transitions SET at = at - interval '2 hours' WHERE job_id = $1", old
         )
     await restore(q, [])  # every key gone: a restart without data
-    seen = {"ids": frozenset({"old"})}
-    looks = 0
-
-    async def run_ids(redis: Any) -> frozenset[str]:
-        nonlocal looks
-        looks += 1
-        return seen["ids"]
-
-    monkeypatch.setattr(reconcile_module, "run_ids", run_ids)
-    settings = pg_settings.replace(reconcile_seconds=0.02, outbox_relay=False)
-    persister = Persister(settings, q.redis, pg_pool, "p-watch")
-    task = asyncio.create_task(persister.run())
-    try:
-        await wait_for(lambda: looks >= 2)
-        seen["ids"] = frozenset({"new"})
+    async with watching(q, pg_settings, pg_pool, monkeypatch) as (primaries, _):
+        await wait_for(lambda: primaries.looks >= 2)
+        primaries.ids = frozenset({"new"})
 
         async def back() -> bool:
             return await redis_state(q, old) == ("scheduled", 1)
@@ -342,9 +347,6 @@ async def test_a_redis_that_lost_its_data_gets_every_live_job_back_and_its_marks
         # starting now reads them, marked again ('format 1' before, and it stopped)
         await q.submit("echo", "after")
         await (await Queue.connect(pg_settings)).close()
-    finally:
-        persister.stop()
-        await asyncio.wait_for(task, 30)
 
 
 async def test_jobtier_reconcile_puts_back_the_live_jobs_of_the_shards_that_lost_their_data(

@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import cast
 
 import pytest
@@ -214,6 +215,25 @@ async def test_a_dependencys_stored_result_reaches_its_dependent_as_its_link(
         assert dep["result_url"] == url_of(big)
 
 
+@asynccontextmanager
+async def working(q: Queue) -> AsyncIterator[None]:
+    """A worker of the test tasks running meanwhile; stopped at the end."""
+    worker = worker_for(q, registry)
+    run = asyncio.create_task(worker.run())
+    try:
+        yield
+    finally:
+        worker.stop()
+        await run
+
+
+async def ended(q: Queue, job: str) -> None:
+    async def terminal() -> bool:
+        return (await q.status(job)).terminal
+
+    await wait_for(terminal, 60)
+
+
 async def test_a_result_waits_for_its_store_while_postgres_is_away(
     pg_to_stop: LocalPostgres, pg_settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -229,20 +249,11 @@ async def test_a_result_waits_for_its_store_while_postgres_is_away(
     try:
         await asyncio.to_thread(pg_to_stop.stop, "immediate")
         job = (await q.submit("big_result", 50, max_attempts=1)).job_id
-        worker = worker_for(q, registry)
-        run = asyncio.create_task(worker.run())
-        try:
+        async with working(q):
             await wait_for(lambda: "event=result_store_waiting" in caplog.text, 60)
             assert (await q.status(job)).state is State.RUNNING
             await asyncio.to_thread(pg_to_stop.start)
-
-            async def ended() -> bool:
-                return (await q.status(job)).terminal
-
-            await wait_for(ended, 60)
-        finally:
-            worker.stop()
-            await run
+            await ended(q, job)
         status, result = await q.result(job)
         assert status.state is State.SUCCEEDED and result == big_rows(50), status
     finally:
@@ -267,17 +278,8 @@ async def test_a_silent_result_store_is_waited_for_no_longer_than_the_patience(
         for pid in silent:
             os.kill(pid, signal.SIGSTOP)
         job = (await q.submit("big_result", 50, max_attempts=1)).job_id
-        worker = worker_for(q, registry)
-        run = asyncio.create_task(worker.run())
-        try:
-
-            async def ended() -> bool:
-                return (await q.status(job)).terminal
-
-            await wait_for(ended, 60)
-        finally:
-            worker.stop()
-            await run
+        async with working(q):
+            await ended(q, job)
         status = await q.status(job)
         assert status.state is State.FAILED and status.error is not None, status
         assert status.error.type == "ResultStoreUnavailable", status.error
