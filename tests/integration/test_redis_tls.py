@@ -53,6 +53,7 @@ def tls_redis(
             "unixsocket": folder / "redis.sock",
             "unixsocketperm": 700,
         },
+        free_ports=True,
     )
     server.start()
     yield server

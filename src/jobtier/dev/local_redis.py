@@ -28,6 +28,12 @@ SECRETS_CONF = "redis.secrets.conf"  # written at each start: the passwords amon
 # and the ACL users given at start (``user``: their passwords among its words)
 SECRET_OPTIONS = ("requirepass", "masterauth", "user")
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + this (the bus)
+PORT_OPTIONS = ("port", "tls-port")  # the options a server listens on
+
+
+class PortTaken(RuntimeError):
+    """A local server exited at start because one of its ports was taken (something bound it
+    after the port was chosen free)."""
 
 
 # the ports free_port handed out lately: the kernel may offer a port again as soon as it is
@@ -128,16 +134,22 @@ class LocalRedis:
         *,
         cluster: bool = False,
         options: dict[str, Any] | None = None,
+        free_ports: bool = False,
     ) -> None:
         self.folder = Path(folder).absolute()
-        self.port = port or (
-            free_port(65536 - CLUSTER_BUS_OFFSET, also=CLUSTER_BUS_OFFSET)
-            if cluster
-            else free_port()
-        )
         self.cluster = cluster
+        self.port = port or self._free_port()
         self.options = dict(options or {})  # more server options (a replica's replicaof, ...)
+        # its ports (``port``, ``tls-port``) were chosen free, and nothing has been told them
+        # before its first start: one taken meanwhile is chosen again
+        self.free_ports = free_ports
+        self.started = False
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def _free_port(self) -> int:
+        if self.cluster:  # its cluster bus too (on its port + 10000, or its TLS port's)
+            return free_port(65536 - CLUSTER_BUS_OFFSET, also=CLUSTER_BUS_OFFSET)
+        return free_port()
 
     @property
     def url(self) -> str:
@@ -173,7 +185,27 @@ class LocalRedis:
     def start(self, *, loaded: bool = True) -> LocalRedis:
         """Start it and return once it answers commands (after loading its AOF, however long
         that takes: progress is logged as ``local_redis_loading``); ``loaded=False``: once
-        it listens (for tests of what clients do while it loads)."""
+        it listens (for tests of what clients do while it loads).
+
+        With ``free_ports``, a first start that finds a port taken chooses its ports again
+        (twice at most); otherwise, and after that, it raises ``PortTaken``."""
+        for tries_left in (2, 1, 0):
+            try:
+                self._start(loaded)
+            except PortTaken as exc:
+                if not self.free_ports or self.started or not tries_left:
+                    raise
+                log.info("event=local_redis_port_taken %s: choosing its ports again", exc)
+                self.port = self._free_port()
+                for name in PORT_OPTIONS[1:]:
+                    if name in self.options:
+                        self.options[name] = self._free_port()
+                continue
+            self.started = True
+            break
+        return self
+
+    def _start(self, loaded: bool) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         args = [redis_server_binary()]
         if (self.folder / LOCAL_CONF).exists():
@@ -202,18 +234,39 @@ class LocalRedis:
         for name, value in options.items():
             values = value if isinstance(value, tuple) else (value,)  # replicaof: (host, port)
             args += [f"--{name}", *map(str, values)]
+        logfile = Path(str(options["logfile"]))
+        logged = logfile.stat().st_size if logfile.exists() else 0
         # its own session: Ctrl-C reaches `jobtier run`, which stops it after the parts
         self.proc = subprocess.Popen(
             tied(args, signal.SIGTERM), stdin=subprocess.DEVNULL, start_new_session=True
         )
         try:
-            wait_port(self.port, proc=self.proc)
+            try:
+                wait_port(self.port, proc=self.proc)
+            except RuntimeError:
+                if self.proc.poll() is None:
+                    raise
+                raise self._exit_error(logfile, logged) from None
             if loaded:
                 self.wait_loaded()
         except BaseException:
             self.stop()
             raise
-        return self
+
+    def _exit_error(self, logfile: Path, since: int) -> RuntimeError:
+        """Why it exited at start, from what it logged this time (a taken port: PortTaken)."""
+        try:
+            with logfile.open("rb") as f:
+                f.seek(since)
+                lines = f.read().decode(errors="replace").splitlines()[-6:]
+        except OSError:
+            lines = []
+        code = self.proc.returncode if self.proc is not None else None
+        said = "; ".join(line.strip() for line in lines) or f"nothing in {logfile}"
+        message = f"redis-server on port {self.port} exited with {code} at start: {said}"
+        if any("Address already in use" in line for line in lines):
+            return PortTaken(message)
+        return RuntimeError(message)
 
     def wait_loaded(self, stalled: float = 30.0) -> None:
         """Return once the server answers commands. While it loads its data (it then answers

@@ -71,17 +71,24 @@ class LocalCluster:
                 "cluster-replica-validity-factor": 0,
                 "cluster-require-full-coverage": "no",
             }
+        # a node's ports are told to the others only once it started: one taken before is
+        # chosen again
         self.nodes = [
-            LocalRedis(self.folder / f"node{i}", cluster=True, options=options)
+            LocalRedis(self.folder / f"node{i}", cluster=True, options=options, free_ports=True)
             for i in range(masters * (1 + replicas))
         ]
-        self.tls_ports: list[int] = []
         if tls is not None:
             for node in self.nodes:
                 port = free_port(65536 - CLUSTER_BUS_OFFSET, also=CLUSTER_BUS_OFFSET)
-                self.tls_ports.append(port)
                 node.options |= {"tls-cluster": "yes", **tls.server_options(port)}
         self._killed_slot: dict[int, int | None] = {}
+
+    @property
+    def tls_ports(self) -> list[int]:
+        """The nodes' TLS ports (with ``tls``; final once the cluster has started)."""
+        if self.tls is None:
+            return []
+        return [int(node.options["tls-port"]) for node in self.nodes]
 
     @property
     def url(self) -> str:

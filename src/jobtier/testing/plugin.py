@@ -71,7 +71,7 @@ def jobtier_redis(
         pytest.skip(MISSING)
     from jobtier.dev.local_redis import LocalRedis
 
-    server = LocalRedis(Path(tmp_path_factory.mktemp("jobtier-redis")))
+    server = LocalRedis(Path(tmp_path_factory.mktemp("jobtier-redis")), free_ports=True)
     try:
         server.start()  # inside the try: one that started but never listened is stopped too
         yield server
