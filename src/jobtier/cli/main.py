@@ -37,7 +37,7 @@ from jobtier.cli.roles import (
 )
 from jobtier.config import ENV_PREFIX, Settings, env_name
 from jobtier.core.errors import ConfigError
-from jobtier.core.model import WORKER_CONCURRENCY
+from jobtier.core.model import WORKER_BLOCKED_WARN_SECONDS, WORKER_CONCURRENCY
 from jobtier.metrics.snapshot import ROLES
 from jobtier.runtime import tracing
 
@@ -169,6 +169,15 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
             default=30.0,
             help="seconds from SIGTERM by which running jobs must end; the rest are released to "
             "their queues (default: 30). A second signal releases them at once",
+        ),
+        arg(
+            "--blocked-warn",
+            type=seconds,
+            default=WORKER_BLOCKED_WARN_SECONDS,
+            metavar="SECONDS",
+            help="log event=worker_loop_blocked, naming the job and the line, when a task holds "
+            f"the event loop this long: a blocking call in an async def (default: "
+            f"{WORKER_BLOCKED_WARN_SECONDS:g}; 0: off)",
         ),
         *PROCESS_ARGS,
     ),

@@ -55,6 +55,7 @@ def cmd_worker(args: argparse.Namespace, settings: Settings) -> int:
                 burst=args.burst,
                 name=args.name,
                 shutdown_grace=args.grace,
+                blocked_warn=args.blocked_warn,
                 executor=args.executor,
                 processes=process_options(args),
             )

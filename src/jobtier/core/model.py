@@ -333,6 +333,9 @@ class QueueInfo(msgspec.Struct, frozen=True, kw_only=True):
 # jobs a worker runs at once unless told (``jobtier worker --concurrency``); the scaling read
 # assumes it of a pool that has not advertised its slots
 WORKER_CONCURRENCY = 50
+# a worker's event loop unanswered this long is reported, naming the job that holds it
+# (``jobtier worker --blocked-warn``, worker/loop_watch.py)
+WORKER_BLOCKED_WARN_SECONDS = 1.0
 
 
 class QueueScaling(msgspec.Struct, frozen=True, kw_only=True):

@@ -60,6 +60,7 @@ HELP = {
     "worker_handed_back_total": "Jobs this worker handed back (their task is not in it).",
     "worker_rate_limited_total": "Tasks that raised RateLimited.",
     "worker_checkpoints_total": "Checkpoint states saved by tasks (ctx.checkpoint).",
+    "worker_loop_blocked_total": "Times a worker's event loop went unanswered past its --blocked-warn seconds (a blocking call in an async def task).",
     "worker_processes_total": "Process pool children by event: started, recycled, ended (cancel, timeout, release), died (a crash).",
     "worker_breaker_holds_total": "Jobs a worker did not start because their circuit breaker was open (no call, no attempt).",
     "queue_limit_wait_seconds_total": "Seconds a worker waited for a limited queue's permits (rate or concurrency).",

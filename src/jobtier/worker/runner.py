@@ -19,7 +19,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from jobtier.core.model import WORKER_CONCURRENCY
+from jobtier.core.model import WORKER_BLOCKED_WARN_SECONDS, WORKER_CONCURRENCY
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.runtime.loop import FAULTS
 from jobtier.runtime.stopping import stop_task, stop_tasks
@@ -28,6 +28,7 @@ from jobtier.store.subscriber import ShardSubscriber
 from jobtier.worker.claimer import Claimer
 from jobtier.worker.heartbeat import Heartbeat
 from jobtier.worker.launcher import Launcher
+from jobtier.worker.loop_watch import LoopWatch
 from jobtier.worker.permits import LimitedQueues
 from jobtier.worker.procpool import Executor, ProcessOptions
 from jobtier.worker.registry import TaskRegistry
@@ -63,6 +64,7 @@ class Worker:
         stats: WorkerStats | None = None,
         executor: Executor = "thread",
         processes: ProcessOptions | None = None,
+        blocked_warn: float = WORKER_BLOCKED_WARN_SECONDS,
     ) -> None:
         state = WorkerState(store, registry, concurrency, burst, name, idle_poll, queues, stats)
         self.state = state
@@ -74,6 +76,8 @@ class Worker:
         self.launcher = Launcher(state, self.reporter, threads, executor, processes)
         self.claimer = Claimer(state, self.launcher, self.limits)
         self.heartbeat = Heartbeat(state, self.claimer, self.launcher, progress_interval)
+        # a blocking call in an async def task, named when it holds the loop this long (0: off)
+        self.loop_watch = LoopWatch(state, blocked_warn)
         self.id = state.id
         self.queues = state.queues  # served in turn
         self.shutdown_grace = shutdown_grace
@@ -111,6 +115,7 @@ class Worker:
                 "worker_handed_back_total": {"": st.handed_back},
                 "worker_rate_limited_total": {"": st.rate_limited},
                 "worker_checkpoints_total": {"": st.checkpoints},
+                "worker_loop_blocked_total": {"": st.loop_blocked},
                 "worker_breaker_holds_total": {
                     labels(breaker=b): n for b, n in self.launcher.breakers.holds.items()
                 },
@@ -189,6 +194,7 @@ class Worker:
         reporter = asyncio.create_task(self.reporter.run(), name="jobtier-reporter")
         heart = asyncio.create_task(self.heartbeat.run(), name="jobtier-heartbeat")
         heart.add_done_callback(self._heart_ended)
+        self.loop_watch.start()
         self.started.set()
         log.info(
             "event=worker_started worker=%s concurrency=%d queues=%s tasks=%s burst=%s",
@@ -210,6 +216,7 @@ class Worker:
             # stopped by a flag, not cancelled: a cancellation landing inside the Redis client
             # during a beat can be swallowed there, and run() would wait for it forever
             self.heartbeat.stop()
+            self.loop_watch.stop()
             done, _ = await asyncio.wait({heart}, timeout=1.0 if state.stop_now.is_set() else 10.0)
             crash = None if not done or heart.cancelled() else heart.exception()
             if not done:  # stuck in a Redis call: cancelled, and waited for (within a bound)

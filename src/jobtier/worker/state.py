@@ -49,6 +49,7 @@ class WorkerStats:
     handed_back: int = 0  # jobs of types this worker cannot run, left in their queue
     rate_limited: int = 0  # tasks that raised RateLimited
     checkpoints: int = 0  # ctx.checkpoint states saved (checkpoint_saver.py)
+    loop_blocked: int = 0  # stalls of the event loop past the watch's seconds (loop_watch.py)
     claim_wait: Histogram = field(default_factory=Histogram)  # seconds, since start
     run_time: Histogram = field(default_factory=Histogram)
 
