@@ -4,6 +4,7 @@ by GET /v1/jobs/{id}/checkpoint, and kept in Postgres with their transitions."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -13,6 +14,7 @@ import msgspec
 import pytest
 
 from jobtier.api.records import PostgresExtension
+from jobtier.client import AsyncClient, Client, NotFound
 from jobtier.config import Settings
 from jobtier.core.errors import Code
 from jobtier.core.model import State
@@ -24,7 +26,7 @@ from jobtier.scheduler import Scheduler
 from jobtier.store.calls import heartbeat_call, parse_pairs
 from jobtier.streams.entries import parse_entry
 from tests.checkpoint_tasks import registry
-from tests.fixtures.api import StartApi
+from tests.fixtures.api import KEYS, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
 from tests.fixtures.postgres import log_entries
 
@@ -219,6 +221,17 @@ async def test_the_checkpoint_route_serves_the_state_to_its_tenant_only(
             r = await client.get(f"/v1/jobs/{job.job_id}/checkpoint")
             assert r.status_code == 200
             assert r.json()["state"] == {"next": 3, "sum": 3} and r.json()["attempt"] == 1
+        # the clients' method answers the same, and a job of another tenant is not found
+        async with AsyncClient(api.url, KEYS["acme"]) as ours:
+            saved = await ours.checkpoint(job.job_id)
+            assert saved.state == {"next": 3, "sum": 3} and saved.attempt == 1, saved
+            assert saved.bytes == len(b'{"next":3,"sum":3}') and saved.at == body["at"]
+            assert (await ours.checkpoint(fresh.job_id)).state is None
+        async with AsyncClient(api.url, KEYS["globex"]) as theirs:
+            with pytest.raises(NotFound):
+                await theirs.checkpoint(job.job_id)
+        with Client(api.url, KEYS["acme"]) as sync_jobs:
+            assert await asyncio.to_thread(sync_jobs.checkpoint, job.job_id) == saved
     finally:
         await background.stop()
         await queue.close()

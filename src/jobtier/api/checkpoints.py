@@ -19,7 +19,8 @@ from jobtier.api.auth import tenant_of
 from jobtier.api.http import JSON, job_id_of, job_not_found
 from jobtier.api.sealed import opened
 from jobtier.config import Settings
-from jobtier.engine.checkpoint_reads import SavedCheckpoint, read_checkpoint
+from jobtier.core.model import SavedCheckpoint
+from jobtier.engine.checkpoint_reads import read_checkpoint
 from jobtier.persist.db import query
 
 _encode = msgspec.json.Encoder().encode

@@ -44,6 +44,7 @@ from jobtier.client._errors import (
 )
 from jobtier.client._sync import Client
 from jobtier.core.explanation import Explanation, Reason, ReasonCode
+from jobtier.core.model import SavedCheckpoint
 
 __all__ = [
     "ApiError",
@@ -61,6 +62,7 @@ __all__ = [
     "Reason",
     "ReasonCode",
     "Result",
+    "SavedCheckpoint",
     "Schedule",
     "ScheduleSpec",
     "Submission",

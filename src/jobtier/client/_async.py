@@ -10,6 +10,7 @@ from typing import Any, TypeVar, overload
 import httpx
 
 from jobtier.client._batches import batch_action_op, batch_op, submit_batch_op
+from jobtier.client._checkpoint import checkpoint_op
 from jobtier.client._core import (
     BaseClient,
     Call,
@@ -47,7 +48,7 @@ from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
-from jobtier.core.model import QueueScaling, job_ids
+from jobtier.core.model import QueueScaling, SavedCheckpoint, job_ids
 
 T = TypeVar("T")
 
@@ -224,6 +225,12 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
     async def show(self, job_id: str) -> JobDetails:
         """Everything about the job: status, result, history (None without Postgres), lines."""
         return await self._run(self._show(job_id))
+
+    async def checkpoint(self, job_id: str) -> SavedCheckpoint:
+        """The last state the job saved with ``ctx.checkpoint`` (what its next attempt
+        resumes from), when and by which attempt; ``state`` None when it saved none. From
+        Redis while it holds the job, then from Postgres."""
+        return await self._run(checkpoint_op(job_id))
 
     async def explain(self, job_id: str) -> Explanation:
         """Why the job has not started: each reason (its queue paused or limited, its

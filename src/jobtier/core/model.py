@@ -110,6 +110,17 @@ class CheckpointMark(msgspec.Struct, frozen=True):
     bytes: int
 
 
+class SavedCheckpoint(msgspec.Struct, frozen=True, omit_defaults=True):
+    """``GET /v1/jobs/{id}/checkpoint``: the last state the job saved, when and by which
+    attempt; ``state`` null and the rest absent when it never saved one."""
+
+    id: str
+    state: Any
+    at: str | None = None
+    attempt: int | None = None
+    bytes: int | None = None
+
+
 class JobStatus(msgspec.Struct, frozen=True):
     """The status document served by ``GET /v1/jobs/{id}`` and pushed over SSE.
 

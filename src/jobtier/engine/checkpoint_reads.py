@@ -7,23 +7,10 @@ heartbeat.lua), as long as the job does there; Postgres keeps every state saved
 
 from __future__ import annotations
 
-from typing import Any
-
 import msgspec
 
 from jobtier.core.model import CheckpointMark
 from jobtier.store.context import Store
-
-
-class SavedCheckpoint(msgspec.Struct, frozen=True, omit_defaults=True):
-    """``GET /v1/jobs/{id}/checkpoint``: the last state the job saved, when and by which
-    attempt; ``state`` null and the rest absent when it never saved one."""
-
-    id: str
-    state: Any
-    at: str | None = None
-    attempt: int | None = None
-    bytes: int | None = None
 
 
 async def read_checkpoint(store: Store, job_id: str) -> tuple[bytes, CheckpointMark] | None:
