@@ -239,6 +239,25 @@ async def test_on_dependency_failure_run_runs_the_dependent_with_the_errors(fq: 
     }
 
 
+async def test_a_cancelled_dependent_still_learns_how_its_dependencies_ended(fq: Queue) -> None:
+    """Its dependencies read from Redis showed them pending for good once it was cancelled:
+    the hand-offs that came after were refused whole."""
+    a = await fq.submit("echo", {"from": "a"})
+    b = await fq.submit("echo", {"from": "b"})
+    c = await fq.submit("collect", "c", depends_on=[a.job_id, b.job_id])
+    await fq.cancel(c.job_id)
+    await run_flows(fq)
+    ended = await fq.status(c.job_id)
+    assert ended.state is State.CANCELLED and ended.dependencies is not None
+    assert (ended.dependencies.done, ended.dependencies.failed) == (0, 0)  # as it was cancelled
+    deps = await fq.jobs.dependencies(c.job_id)
+    assert [(d.id, d.state, d.result) for d in deps] == [
+        (a.job_id, "succeeded", {"from": "a"}),
+        (b.job_id, "succeeded", {"from": "b"}),
+    ]
+    assert (await fq.status(c.job_id)).version == ended.version  # nothing else moved
+
+
 async def test_cancelling_a_dependency_cancels_its_dependent(fq: Queue) -> None:
     a = await fq.submit("echo", 1)
     b = await fq.submit("echo", 2, depends_on=[a.job_id])

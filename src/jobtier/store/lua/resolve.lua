@@ -17,7 +17,8 @@
 --            of this shard), source (the dependency or the parent), the source's state
 --            (succeeded, failed, cancelled, missing), data (its result or error JSON; '')
 -- Returns  per hand-off: OK (applied), DUPLICATE (applied before), NOT_FOUND (no such
---          target), WRONG_STATE (the target no longer waits for it, or has started)
+--          target), WRONG_STATE (the target no longer waits for it, or has started; a
+--          dependency's outcome is still recorded among a cancelled target's dependencies)
 -- Idempotent: each dependency of a job resolves once (its entry in jt:{s}:deps:<id> is no
 -- longer pending after), so a hand-off delivered twice (its resolver died before it
 -- acknowledged) finds it resolved and changes nothing; a parent's cancel finds its child
@@ -69,6 +70,16 @@ for i = 0, n - 1 do
     end
   elseif j.state ~= 'waiting' then
     code = WRONG_STATE
+    -- no longer waiting (cancelled): how the dependency ended is still recorded for its
+    -- readers (GET /v1/jobs/{id}/dependencies); the job, its counts and its document stay
+    -- as they were. Only into a pending entry of a hash still there (it expires with the job)
+    local deps = BASE .. 'deps:' .. id
+    local current = redis.call('HGET', deps, source)
+    if current == '0' or current == '1' then
+      local mark = STATE_MARK[state] or 'm'
+      redis.call('HSET', deps, source, current == '1' and string.upper(mark) .. data
+                 or mark .. data)
+    end
   else
     local deps = BASE .. 'deps:' .. id
     local current = redis.call('HGET', deps, source)
