@@ -274,6 +274,7 @@ async def test_a_process_starting_before_its_cluster_waits_for_it(
     single server (it used to exit at once with RedisClusterUnreachableError)."""
     monkeypatch.setattr(fitness, "STARTUP_PATIENCE", 600.0)  # the waits below bound it
     cluster = LocalCluster(tmp_path / "cluster", masters=3)
+    cluster.nodes[0].free_ports = False  # its URL is read before it starts: it must keep it
     settings = Settings.from_env({}, redis_url=cluster.url, redis_cluster=True)
     connecting = asyncio.create_task(Store.connect(settings))
     try:

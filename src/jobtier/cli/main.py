@@ -25,7 +25,7 @@ from jobtier.cli.maintenance import (
     cmd_scripts,
     duration,
 )
-from jobtier.cli.process_args import PROCESS_ARGS, at_least_one, port, seconds
+from jobtier.cli.process_args import PROCESS_ARGS, at_least_one, port, seconds, watch_seconds
 from jobtier.cli.roles import (
     cmd_api,
     cmd_check,
@@ -172,7 +172,7 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         ),
         arg(
             "--blocked-warn",
-            type=seconds,
+            type=watch_seconds,
             default=WORKER_BLOCKED_WARN_SECONDS,
             metavar="SECONDS",
             help="log event=worker_loop_blocked, naming the job and the line, when a task holds "

@@ -52,6 +52,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def watch_seconds(text: str) -> float:
+    """``--blocked-warn``: 0 (off), or at least a tenth of a second."""
+    value = seconds(text)
+    if 0 < value < 0.1:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 0.1 seconds, not {text}")
+    return value
+
+
 PROCESS_ARGS: tuple[tuple[tuple[str, ...], dict[str, Any]], ...] = (
     (
         ("--executor",),

@@ -243,12 +243,14 @@ class LocalRedis:
         try:
             try:
                 wait_port(self.port, proc=self.proc)
-            except RuntimeError:
+                if loaded:
+                    self.wait_loaded()
+            except Exception:
+                # exited: why, from its log. A cluster node binds its bus a moment after its
+                # port, so a taken bus port may show only once its port answered
                 if self.proc.poll() is None:
                     raise
                 raise self._exit_error(logfile, logged) from None
-            if loaded:
-                self.wait_loaded()
         except BaseException:
             self.stop()
             raise

@@ -92,7 +92,8 @@ class LocalCluster:
 
     @property
     def url(self) -> str:
-        """A client's URL: the first node's (its TLS port, with ``tls`` the CA to trust)."""
+        """A client's URL: the first node's (its TLS port, with ``tls`` the CA to trust);
+        final once the cluster has started (a node's port found taken is chosen again)."""
         if self.tls is not None:
             return self.tls.url(self.tls_ports[0])
         return self.nodes[0].url

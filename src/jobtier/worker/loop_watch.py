@@ -4,16 +4,21 @@ Every job of a worker shares one event loop. An ``async def`` task that makes a 
 call (``time.sleep``, ``requests.get``, a long computation) stops all of them, and the
 worker's heartbeats and reports with them: its other jobs stall, its leases may run out and
 its jobs run again elsewhere, and nothing says why. A callback on the loop notes the time
-every ``seconds / 4``; a thread of the watch's own looks at that note as often, and once the
-loop has missed it for ``seconds`` it logs ``event=worker_loop_blocked`` naming the job whose
-code runs (the loop's current task) and where (the innermost line of the loop's thread, and
-the task's own line when that is deeper in a library), then ``event=worker_loop_unblocked``
-with how long it lasted once the loop is back. Each stall counts once in
-``jobtier_worker_loop_blocked_total``.
+every ``seconds / 10``; a thread of the watch's own looks at that note as often. Once the
+loop has missed it for ``seconds``, one asyncio task running at every look for half that
+time at least, it logs ``event=worker_loop_blocked`` naming that task's job and where it is (the innermost line
+of the loop's thread, and the task's own line when that is deeper, in a library), then
+``event=worker_loop_unblocked`` with how long it lasted once the loop is back. Each such
+stall counts once in ``jobtier_worker_loop_blocked_total``.
+
+A loop late with a different task at each look is not blocked but busy (many jobs ready at
+once, or threads of CPU-bound tasks holding the GIL): past twice ``seconds`` it is logged
+once, ``event=worker_loop_busy``, blaming no job.
 
 The thread reads what the loop's thread holds (the running jobs, the current task, its
-frames) without a lock: it only reads, copies before iterating, and treats anything that
-changes under it as unknown.
+frames) without taking anything from it: it copies before iterating and treats anything that
+changes under it as unknown. What both threads write (the stall being reported) is under a
+lock, which the loop takes once a tick.
 """
 
 from __future__ import annotations
@@ -29,18 +34,26 @@ from jobtier.worker.state import Running, WorkerState
 
 log = logging.getLogger("jobtier.worker")
 
+LEAST_SECONDS = 0.1  # a shorter watch would tick more often than it is worth
+TICKS = 10  # looks per ``seconds``: a stall is measured to a tenth of it
+
 
 class LoopWatch:
     """Watches ``state``'s worker loop from a thread (``start`` on the loop, ``stop``)."""
 
     def __init__(self, state: WorkerState, seconds: float) -> None:
-        if seconds < 0:
-            raise ValueError("the loop watch's seconds must be 0 (off) or more")
+        if seconds and not LEAST_SECONDS <= seconds < float("inf"):
+            raise ValueError(
+                f"the loop watch's seconds must be 0 (off) or at least {LEAST_SECONDS:g}, "
+                f"not {seconds!r}"
+            )
         self.state = state
         self.seconds = seconds
-        self.every = seconds / 4
-        self.noted = time.monotonic()
-        self.blocked: float | None = None  # when the loop was last heard of, while reported
+        self.every = seconds / TICKS
+        self._lock = threading.Lock()
+        self.noted = time.monotonic()  # the loop's last tick
+        self.ticks = 0  # the loop's ticks so far
+        self.reported: str | None = None  # the stall being reported: "job=…" or "busy"
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -50,6 +63,7 @@ class LoopWatch:
     def start(self) -> None:
         if not self.seconds or self._thread is not None:
             return
+        self._stopped.clear()
         self._loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
         self._note()
@@ -64,51 +78,82 @@ class LoopWatch:
             self._timer.cancel()
             self._timer = None
         if self._thread is not None:
-            self._thread.join(timeout=max(self.every * 2, 1.0))
+            # it wakes at once; a daemon, it would not hold the process if it did not
+            self._thread.join(timeout=0.2)
             self._thread = None
 
     def _note(self) -> None:
         """On the loop: it answers. Reports the end of a stall the thread reported."""
-        now = time.monotonic()
-        if self.blocked is not None:
-            log.info(
-                "event=worker_loop_unblocked worker=%s seconds=%.2f: the event loop runs again",
-                self.state.id,
-                now - self.blocked,
-            )
-            self.blocked = None
-        self.noted = now
+        with self._lock:
+            now = time.monotonic()
+            if self.reported is not None:
+                log.info(
+                    "event=worker_loop_unblocked worker=%s seconds=%.2f %s: the event loop "
+                    "runs again",
+                    self.state.id,
+                    now - self.noted,
+                    self.reported,
+                )
+                self.reported = None
+            self.noted = now
+            self.ticks += 1
         if not self._stopped.is_set() and self._loop is not None:
             self._timer = self._loop.call_later(self.every, self._note)
 
     def _watch(self) -> None:
+        # (tick, task, since): the task the loop has been running at every look since, the
+        # loop not having ticked meanwhile
+        seen: tuple[int, asyncio.Task[object] | None, float] | None = None
         while not self._stopped.wait(self.every):
-            noted = self.noted
-            late = time.monotonic() - noted
-            if late < self.seconds or self.blocked is not None:
+            ticks, noted = self.ticks, self.noted
+            now = time.monotonic()
+            late = now - noted
+            if late < 2 * self.every or self.reported is not None:
+                seen = None
                 continue
-            self.blocked = noted
-            self.state.stats.loop_blocked += 1
+            loop = self._loop
+            current = asyncio.current_task(loop) if loop is not None else None
+            if seen is None or seen[:2] != (ticks, current):
+                seen = (ticks, current, now)
+            # held: one task all along, for half the watch's time at least (a busy loop's
+            # tasks each run a step and give way)
+            held = now - seen[2] >= self.seconds / 2
+            if late < self.seconds or (not held and late < 2 * self.seconds):
+                continue
             try:
-                job, where = self._culprit()
+                job, where = self._culprit(current) if held else ("", "")
             except Exception as exc:  # what it reads moved under it: the stall still told
                 job, where = "unknown", f"unknown ({type(exc).__name__})"
-            log.warning(
-                "event=worker_loop_blocked worker=%s seconds=%.2f job=%s at=%s: a blocking "
-                "call in an async def task stops every job of this worker, its heartbeats "
-                "and reports; make it a plain def task (run in a thread) or await an "
-                "asyncio equivalent",
-                self.state.id,
-                late,
-                job,
-                where,
-            )
+            with self._lock:
+                if self.ticks != ticks or self.reported is not None:
+                    continue  # the loop came back meanwhile: nothing to tell
+                if held:
+                    self.reported = f"job={job}"
+                    self.state.stats.loop_blocked += 1
+                    log.warning(
+                        "event=worker_loop_blocked worker=%s seconds=%.2f job=%s at=%s: a "
+                        "blocking call in an async def task stops every job of this worker, "
+                        "its heartbeats and reports; make it a plain def task (run in a "
+                        "thread) or await an asyncio equivalent",
+                        self.state.id,
+                        late,
+                        job,
+                        where,
+                    )
+                else:
+                    self.reported = "busy"
+                    log.warning(
+                        "event=worker_loop_busy worker=%s seconds=%.2f running=%d: the event "
+                        "loop answers late, no one job holding it (many jobs ready at once, or "
+                        "threads of CPU-bound tasks holding the GIL)",
+                        self.state.id,
+                        late,
+                        len(self.state.running),
+                    )
 
-    def _culprit(self) -> tuple[str, str]:
-        """The job whose code holds the loop (``id(type)``, or the task's name if it is no
-        job's attempt) and where it is."""
-        loop = self._loop
-        current = asyncio.current_task(loop) if loop is not None else None
+    def _culprit(self, current: asyncio.Task[object] | None) -> tuple[str, str]:
+        """The job whose code holds the loop (``id(type)``; the asyncio task's name if it is
+        no job's attempt: a task a job started itself) and where it is."""
         running: Running | None = None
         for each in list(self.state.running.values()):
             if each.handle is current:
