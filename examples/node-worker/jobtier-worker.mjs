@@ -48,10 +48,14 @@ export class JobtierClient {
     this.worker = worker;
   }
 
-  async request(method, path, body, signal) {
+  // traceparent: the job's trace context (the claim's `traceparent`), for a call about one
+  // job: the API's span of it joins the trace of the job's submit
+  async request(method, path, body, signal, traceparent = null) {
+    const headers = { authorization: `Bearer ${this.key}`, "content-type": "application/json" };
+    if (traceparent) headers.traceparent = traceparent;
     const response = await fetch(this.url + path, {
       method,
-      headers: { authorization: `Bearer ${this.key}`, "content-type": "application/json" },
+      headers,
       body: JSON.stringify(body),
       signal,
     });
@@ -90,7 +94,8 @@ export class JobtierClient {
 
   job(job, action, extra = {}) {
     const body = { worker: this.worker, lease_version: job.lease_version, ...extra };
-    return this.request("POST", `/v1/worker/jobs/${job.id}/${action}`, body);
+    const path = `/v1/worker/jobs/${job.id}/${action}`;
+    return this.request("POST", path, body, undefined, job.traceparent);
   }
 
   heartbeat(job, progress = null) {
@@ -534,7 +539,7 @@ export class Worker {
     ctx.progressSent = this.client
       .progress(ctx.job, value)
       .then((answer) => this.onAnswer(ctx, answer))
-      .catch((err) => this.onBeatError(ctx, err))
+      .catch((err) => this.onBeatError(ctx, err, "progress"))
       .finally(() => {
         ctx.progressSent = null;
         if (ctx.pendingProgress !== undefined) this.sendProgress(ctx);
@@ -546,7 +551,7 @@ export class Worker {
     const lines = ctx.pendingLines.splice(0, 200);
     ctx.logsSent = this.client
       .logs(ctx.job, lines)
-      .catch((err) => this.onBeatError(ctx, err))
+      .catch((err) => this.onBeatError(ctx, err, "log lines"))
       .finally(() => {
         ctx.logsSent = null;
         if (ctx.pendingLines.length > 0) this.sendLogs(ctx);
@@ -567,12 +572,12 @@ export class Worker {
     }
   }
 
-  onBeatError(ctx, err) {
+  onBeatError(ctx, err, what = "heartbeat") {
     if (err instanceof LeaseLost) {
       ctx.lost = true;
       ctx.controller.abort();
     } else {
-      this.log.error(`job ${ctx.job.id}: heartbeat failed: ${err.message}`);
+      this.log.error(`job ${ctx.job.id}: ${what} failed: ${err.message}`);
     }
   }
 }

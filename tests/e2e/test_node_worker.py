@@ -20,6 +20,7 @@ from jobtier.scheduler import Scheduler
 from jobtier.store.calls import reclaim_call
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for
+from tests.tracing_helpers import ids, traced_in_memory
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "examples" / "node-worker" / "worker.mjs"
@@ -117,6 +118,37 @@ async def test_the_node_worker_runs_jobs_end_to_end(
     assert got[held]["state"] == "cancelled"
     assert (got[late]["state"], got[late]["error"]["type"]) == ("failed", "TimeoutError")
     assert stats == {"succeeded": 21, "failed": 4, "cancelled": 1, "lost": 0, "unsent": 0}
+
+
+async def test_a_jobs_calls_from_node_join_the_trace_of_its_submit(start_api: StartApi) -> None:
+    """The claim hands each job's traceparent; the library sends it with the job's own calls
+    (its failure here), whose API spans were roots of traces of their own."""
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    with traced_in_memory() as traced:
+        api = await start_api(worker_keys=KEY)
+        env = {"JOBTIER_URL": api.url, "WORKER_KEY": KEY, "WORKER_ID": "n-traced"}
+        async with node(str(WORKER), **env) as proc:
+            assert await line(proc) == "ready"
+            async with api.client() as c:
+                body = {"type": "node.fail", "payload": {"fatal": True}}
+                made = await c.post("/v1/jobs", json=body, headers={"traceparent": parent})
+                assert made.status_code == 202, made.text
+                job_id = made.json()["id"]
+
+                async def failed() -> bool:
+                    return bool((await c.get(f"/v1/jobs/{job_id}")).json()["state"] == "failed")
+
+                await wait_for(failed, timeout=30)
+        (submit,) = traced.spans("POST /v1/jobs")
+        calls = [
+            s
+            for s in traced.spans()
+            if (s.attributes or {}).get("url.path") == f"/v1/worker/jobs/{job_id}/fail"
+        ]
+        assert calls, [s.name for s in traced.spans()]
+        for call in calls:
+            assert ids(call)[0] == ids(submit)[0], call  # the submit's trace
+            assert call.parent is not None and call.parent.span_id == ids(submit)[1]
 
 
 async def test_a_stale_completion_from_node_is_refused(start_api: StartApi) -> None:

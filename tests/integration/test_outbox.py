@@ -346,6 +346,11 @@ async def test_the_psycopg_and_sqlalchemy_helpers(
     assert await relay.drain() == 4
     with pytest.raises(TypeError, match="asyncpg connection"):
         await outbox.submit(object(), "echo", {})
+    # an option it does not take is named with the call, before anything is sent
+    with pytest.raises(TypeError, match=r"outbox.submit\(\) got .* 'bogus'; it takes queue"):
+        await outbox.submit(object(), "echo", {}, bogus=1)
+    with pytest.raises(TypeError, match=r"outbox.submit_sync\(\) got .* 'prio'"):
+        outbox.submit_sync(object(), "echo", {}, prio="high")
 
 
 async def test_the_persister_runs_the_relay_and_it_can_be_turned_off(

@@ -75,6 +75,7 @@ def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
         # a scale-down with nothing waiting, and a paused queue's pool, would fire
         ("JobtierWorkersDropped", "> 120", ">= 0"),
         ("JobtierWorkersDropped", "unless on (job, queue)", "or on (job, queue)"),
+        ("JobtierOutboxRefused", "[10m]))) > 0", "[10m]))) >= 0"),
     ],
 )
 def test_a_broken_rule_fails_its_promtool_tests(

@@ -75,6 +75,16 @@ def arguments(
     )
 
 
+def _known(options: dict[str, Any], call: str) -> None:
+    """A ``TypeError`` naming ``call`` for an option jobtier.submit does not take."""
+    unknown = sorted(set(options) - set(ARGS[2:]))
+    if unknown:
+        raise TypeError(
+            f"jobtier.outbox.{call}() got an unexpected keyword argument {unknown[0]!r}; it "
+            f"takes {', '.join(ARGS[2:])}"
+        )
+
+
 def _driver(conn: Any) -> str:
     return type(conn).__module__.split(".", 1)[0]
 
@@ -83,6 +93,7 @@ async def submit(conn: Any, type: str, payload: Any = None, **options: Any) -> s
     """Submit a job in ``conn``'s transaction; its id. The options of ``POST /v1/jobs``:
     ``queue``, ``priority``, ``delay`` (seconds) or ``run_at`` (an aware datetime),
     ``idempotency_key``, ``max_attempts``, ``depends_on`` (job ids), and ``tenant``."""
+    _known(options, "submit")
     args = arguments(type, payload, **options)
     driver = _driver(conn)
     if driver == "asyncpg":
@@ -104,6 +115,7 @@ async def submit(conn: Any, type: str, payload: Any = None, **options: Any) -> s
 
 def submit_sync(conn: Any, type: str, payload: Any = None, **options: Any) -> str:
     """``submit`` on a psycopg ``Connection`` or a SQLAlchemy ``Session``/``Connection``."""
+    _known(options, "submit_sync")
     args = arguments(type, payload, **options)
     driver = _driver(conn)
     if driver == "psycopg":
