@@ -15,11 +15,19 @@ from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
 from jobtier.engine.produce import Producer
 from jobtier.engine.queue import Queue
+from jobtier.persist import outbox as outbox_relay
 from jobtier.persist.db import Pool
 from jobtier.persist.outbox import OutboxRelay
 from tests.fixtures.api import KEYS, ApiServer, StartApi
 from tests.fixtures.engine import wait_for
 from tests.tasks import registry
+
+
+@pytest.fixture(autouse=True)
+def refused_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusals here are of a type no worker runs: refused at their first look rather
+    than after waiting for a worker of it (persist/outbox.py)."""
+    monkeypatch.setattr(outbox_relay, "UNKNOWN_TYPE_PATIENCE", 0.0)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ transaction on real Postgres, relayed into real Redis, run by a real worker."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.engine.produce import Producer
 from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
+from jobtier.persist import outbox as outbox_relay
 from jobtier.persist.db import Pool
 from jobtier.persist.outbox import OutboxRelay
 from jobtier.persist.persister import Persister
@@ -212,8 +214,14 @@ async def test_a_relay_killed_between_redis_submit_and_outbox_update_makes_one_j
 
 
 async def test_what_only_the_relay_can_check_fails_the_job_with_the_reason(
-    app: Any, relay: OutboxRelay, pg_settings: Settings, pg_pool: Pool, queue: Queue
+    app: Any,
+    relay: OutboxRelay,
+    pg_settings: Settings,
+    pg_pool: Pool,
+    queue: Queue,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(outbox_relay, "UNKNOWN_TYPE_RECHECK", 0.0)  # looked at each pass
     await prepared(relay)
     async with app.transaction():
         unknown = await outbox.submit(app, "no_such_task", {})
@@ -224,10 +232,18 @@ async def test_what_only_the_relay_can_check_fails_the_job_with_the_reason(
     producer = Producer(Store(small, queue.redis), registry, True, None)
     relay = OutboxRelay(small, pg_pool, producer)
 
-    assert await relay.drain() == 3
+    assert await relay.drain() == 2  # the unknown type's row waits for a worker of it
+    assert relay.stats.refused == 1 and relay.stats.relayed == 1
+    assert await relay.pending() == 1
+    monkeypatch.setattr(outbox_relay, "UNKNOWN_TYPE_PATIENCE", 0.0)  # and has waited enough
+    assert await relay.drain() == 1
     assert relay.stats.refused == 2 and relay.stats.relayed == 1
     assert await redis_job_ids(queue) == {fine}
-    for job_id, words in ((unknown, "no worker runs task 'no_such_task'"), (large, "payload")):
+    for job_id, words in (
+        (unknown, "no worker runs task 'no_such_task'"),
+        (unknown, "s for one)"),
+        (large, "payload"),
+    ):
         _, status = await read_status(pg_pool, job_id) or ("", None)
         assert status is not None and status.state is State.FAILED and status.error is not None
         assert status.error.type == "Refused"
@@ -237,6 +253,48 @@ async def test_what_only_the_relay_can_check_fails_the_job_with_the_reason(
     # asked a moment before the relay) finds it submitted, as it was, rather than not found
     _, relayed = await read_status(pg_pool, fine) or ("", None)
     assert relayed is not None and relayed.state is State.SUBMITTED and relayed.version == 0
+
+
+async def test_a_job_of_a_type_no_worker_advertised_yet_waits_for_one(
+    app: Any,
+    pg_settings: Settings,
+    pg_pool: Pool,
+    queue: Queue,
+    redis_as_jobtier: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    background: Background,
+) -> None:
+    """A producer deployed before its task's first worker: the relay (checking the workers'
+    catalogue, as a persister's does) leaves the row pending rather than refusing it, and
+    relays it once a worker has advertised the type. Its caller's transaction committed long
+    before: a refusal would have lost the job."""
+    monkeypatch.setattr(outbox_relay, "UNKNOWN_TYPE_RECHECK", 0.0)  # looked at each pass
+    caplog.set_level(logging.INFO, logger="jobtier.persist")
+    relay = OutboxRelay.of_persister(pg_settings, redis_as_jobtier, pg_pool)
+    await prepared(relay)
+    job_id = await outbox.submit(app, "echo", {"early": True})
+    assert await relay.drain() == 0  # nothing relayed, nothing refused
+    assert await relay.drain() == 0  # (a second look: still no worker)
+    assert relay.stats.refused == 0 and relay.stats.deferred == 2
+    assert await relay.pending() == 1 and job_id not in await redis_job_ids(queue)
+    said = [r.getMessage() for r in caplog.records if "event=outbox_job_waiting" in r.getMessage()]
+    assert len(said) == 1 and job_id in said[0] and "type=echo" in said[0], said  # once
+
+    background.start(worker_for(queue, registry))  # advertises its tasks as it starts
+
+    async def relayed() -> bool:  # (the catalogue looks again at most once a second)
+        await relay.drain()
+        return relay.stats.relayed == 1
+
+    await wait_for(relayed, timeout=30)
+    assert relay.stats.refused == 0 and await relay.pending() == 0
+
+    async def succeeded() -> bool:
+        return (await queue.status(job_id)).state is State.SUCCEEDED
+
+    await wait_for(succeeded, timeout=30)
+    assert (await queue.result(job_id))[1] == {"early": True}
 
 
 async def test_arguments_sql_can_check_fail_the_callers_transaction(
@@ -493,8 +551,9 @@ async def test_a_session_may_leave_the_notification_out(
 
 
 async def test_relayed_rows_are_pruned_after_the_idempotency_ttl_refused_ones_kept(
-    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(outbox_relay, "UNKNOWN_TYPE_PATIENCE", 0.0)  # refused at once
     settings = pg_settings.replace(idempotency_ttl_seconds=0, pg_job_retention_days=30)
     relay = await prepared(
         OutboxRelay(settings, pg_pool, Producer(queue.store, registry, True, None))

@@ -84,7 +84,7 @@ HELP = {
     "outbox_relayed_total": "Outbox rows (jobs submitted with SQL) the relay made jobs of.",
     "outbox_refused_total": "Outbox rows the relay refused (each marked with its reason).",
     "outbox_duplicates_total": "Outbox rows whose job was there already (relayed again after a pass died before its commit).",
-    "outbox_deferred_total": "Outbox rows left for a later pass: a job they depend on is not relayed yet.",
+    "outbox_deferred_total": "Outbox rows left for a later pass: a job they depend on is not relayed yet, or no worker has advertised their type yet.",
     "outbox_batches_total": "Passes of the outbox relay that took rows.",
     "outbox_paused_total": "Passes the outbox relay skipped, by reason (waiting: too many jobs wait; memory: Redis is too full).",
     "outbox_errors_total": "Outbox relay passes that failed (their rows wait for the next), by error class.",

@@ -34,7 +34,7 @@ import asyncpg
 import msgspec
 
 from jobtier.config import Settings
-from jobtier.core.errors import ConfigError, IdempotencyConflict, InvalidRequest
+from jobtier.core.errors import ConfigError, IdempotencyConflict, InvalidRequest, UnknownTask
 from jobtier.core.json_depth import MAX_JSON_DEPTH, nests_deeper
 from jobtier.core.model import JobSpec, Priority, Submitted
 from jobtier.core.sealing import KeysNotConfigured
@@ -58,8 +58,14 @@ log = logging.getLogger("jobtier.persist.outbox")
 CHANNEL = "jobtier_outbox"
 PAYLOAD_DEPTH = MAX_JSON_DEPTH - 1  # a payload as deep as a submit's body may hold it
 PRUNE_EVERY = 60.0  # seconds between deletions of rows that served their time
-PRUNE_BATCH = 5000
-LISTEN_RETRY = 10.0  # seconds between attempts to listen again while Postgres refuses  # rows deleted per statement (short locks, short transactions)
+PRUNE_BATCH = 5000  # rows deleted per statement (short locks, short transactions)
+LISTEN_RETRY = 10.0  # seconds between attempts to listen again while Postgres refuses
+# A row of a type no worker has advertised (with JOBTIER_REQUIRE_KNOWN_TYPES) waits this long
+# for one, looked at again every UNKNOWN_TYPE_RECHECK seconds, before it is refused: its
+# caller's transaction has committed, and a producer deployed before the task's first worker
+# would otherwise lose its jobs (0023_outbox_waiting_for_a_worker.sql)
+UNKNOWN_TYPE_PATIENCE = 600.0
+UNKNOWN_TYPE_RECHECK = 5.0
 _payload = msgspec.json.Decoder()
 
 # a pass that failed for Redis' or Postgres' sake, or for a Redis not fit to run on: the
@@ -84,7 +90,9 @@ class RelayStats:
     duplicates: int = 0  # of those, Redis already had (a pass after a crash)
     refused: int = 0  # rows refused for their content: their jobs are failed
     batches: int = 0
-    deferred: int = 0  # rows left pending: a job they wait for is a row not relayed yet
+    # rows left pending: a job they wait for is a row not relayed yet, or no worker has
+    # advertised their type yet
+    deferred: int = 0
     paused: dict[str, int] = field(default_factory=dict)  # passes that took no rows, by why
     errors: dict[str, int] = field(default_factory=dict)  # failed passes, by error class
 
@@ -268,7 +276,9 @@ class OutboxRelay:
             if paused is None:
                 rows = await conn.fetch(query("outbox_take"), self.batch_size)
             if rows:
-                relayed, refused, duplicates, deferred = await self._submit(conn, rows)
+                relayed, refused, duplicates, deferred, waiting = await self._submit(conn, rows)
+                if waiting:
+                    await conn.execute(query("outbox_wait"), waiting, UNKNOWN_TYPE_RECHECK)
                 if self.after_submit is not None:
                     done = self.after_submit(relayed)
                     if done is not None:
@@ -297,16 +307,32 @@ class OutboxRelay:
 
     async def _submit(
         self, conn: AnyConnection, rows: Sequence[asyncpg.Record]
-    ) -> tuple[list[str], list[tuple[str, str]], int, int]:
+    ) -> tuple[list[str], list[tuple[str, str]], int, int, list[str]]:
         """(ids in Redis, (id, reason) refused, how many Redis already had, rows left
-        pending for a later pass)."""
+        pending for a later pass, of which the ones waiting for a worker of their type)."""
         refused: list[tuple[str, str]] = []
         plain: list[SubmitItem] = []
         linked: list[SubmitItem] = []
+        waiting: list[str] = []
         await self.producer.ensure_known({r["type"] for r in rows})
         for row in rows:
             try:
                 item = self._prepare(row)
+            except UnknownTask as exc:
+                if row["waited"] < UNKNOWN_TYPE_PATIENCE:
+                    if not row["waited_before"]:
+                        log.info(
+                            "event=outbox_job_waiting job=%s type=%s: no worker has advertised "
+                            "its type yet; it waits for one up to %gs",
+                            row["id"],
+                            row["type"],
+                            UNKNOWN_TYPE_PATIENCE,
+                        )
+                    waiting.append(row["id"])
+                    continue
+                reason = f"{exc} (it waited {row['waited']:.0f}s for one)"
+                refused.append((row["id"], _reason(InvalidRequest(reason))))
+                continue
             except (InvalidRequest, KeysNotConfigured) as exc:
                 # the row's own fault, or an encrypted task without keys here: refused alone,
                 # not a failed pass that would hold back every row after it for good
@@ -350,7 +376,7 @@ class OutboxRelay:
                 # differed, e.g. a run-at that has since come)
                 if isinstance(outcome, IdempotencyConflict) or not outcome.created:
                     duplicates += 1
-        return relayed, refused, duplicates, deferred
+        return relayed, refused, duplicates, deferred + len(waiting), waiting
 
     async def _submit_group(self, group: list[SubmitItem]) -> list[Submitted | IdempotencyConflict]:
         """Submit ``group``; with JOBTIER_SUBMIT_REPLICAS, only once its writes reached that

@@ -21,11 +21,14 @@ WHERE (c.shards, c.max_payload_bytes, c.max_depends_on, c.max_future_seconds, c.
 -- run_at as seconds since the epoch (a double): any timestamptz Postgres took reads, the
 -- infinities and years before 1 included, which a datetime could not hold (a row the batch
 -- could not read would hold back every row after it); the relay refuses those alone.
+-- A row waiting for a worker of its type (0023's not_before) is left until its next look;
+-- waited: the seconds since it was written.
 SELECT id, tenant, type, payload, queue, priority,
        extract(epoch FROM run_at)::double precision AS run_at, idempotency_key, max_attempts,
-       depends_on
+       depends_on, not_before IS NOT NULL AS waited_before,
+       extract(epoch FROM clock_timestamp() - created_at)::double precision AS waited
 FROM jobtier.outbox
-WHERE relayed_at IS NULL
+WHERE relayed_at IS NULL AND (not_before IS NULL OR not_before <= clock_timestamp())
 ORDER BY seq
 LIMIT $1
 FOR UPDATE SKIP LOCKED
@@ -37,6 +40,11 @@ UPDATE jobtier.outbox SET relayed_at = clock_timestamp() WHERE id = ANY($1::text
 UPDATE jobtier.outbox AS o SET relayed_at = clock_timestamp(), error = r.error
 FROM unnest($1::text[], $2::text[]) AS r(id, error)
 WHERE o.id = r.id
+
+-- name: outbox_wait
+-- Rows of types no worker has advertised yet, looked at again $2 seconds from now.
+UPDATE jobtier.outbox SET not_before = clock_timestamp() + make_interval(secs => $2)
+WHERE id = ANY($1::text[])
 
 -- name: outbox_unrelayed
 -- Whether one of these ids is the tenant's row not relayed yet (locked by another relay, or
