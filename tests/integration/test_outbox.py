@@ -221,7 +221,7 @@ async def test_what_only_the_relay_can_check_fails_the_job_with_the_reason(
     queue: Queue,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(outbox_relay, "UNKNOWN_TYPE_RECHECK", 0.0)  # looked at each pass
+    monkeypatch.setattr(outbox_relay, "UNKNOWN_TYPE_PATIENCE", 0.0)  # waits for no worker
     await prepared(relay)
     async with app.transaction():
         unknown = await outbox.submit(app, "no_such_task", {})
@@ -232,11 +232,7 @@ async def test_what_only_the_relay_can_check_fails_the_job_with_the_reason(
     producer = Producer(Store(small, queue.redis), registry, True, None)
     relay = OutboxRelay(small, pg_pool, producer)
 
-    assert await relay.drain() == 2  # the unknown type's row waits for a worker of it
-    assert relay.stats.refused == 1 and relay.stats.relayed == 1
-    assert await relay.pending() == 1
-    monkeypatch.setattr(outbox_relay, "UNKNOWN_TYPE_PATIENCE", 0.0)  # and has waited enough
-    assert await relay.drain() == 1
+    assert await relay.drain() == 3
     assert relay.stats.refused == 2 and relay.stats.relayed == 1
     assert await redis_job_ids(queue) == {fine}
     for job_id, words in (
@@ -255,46 +251,93 @@ async def test_what_only_the_relay_can_check_fails_the_job_with_the_reason(
     assert relayed is not None and relayed.state is State.SUBMITTED and relayed.version == 0
 
 
+async def advertise(queue: Queue, *names: str) -> None:
+    """Put these test tasks in the catalogue, as a worker of them would."""
+    ads: dict[Any, Any] = {
+        t.name: msgspec.json.encode(t.ad("tests")) for t in registry if t.name in names
+    }
+    assert set(ads) == set(names)
+    await queue.redis.hset(queue.keys.tasks(), mapping=ads)
+
+
+async def relayed_once(relay: OutboxRelay, job_ids: set[str], queue: Queue) -> None:
+    """Drain until Redis holds ``job_ids`` (the catalogue looks again at most once a
+    second)."""
+
+    async def there() -> bool:
+        await relay.drain()
+        return job_ids <= await redis_job_ids(queue)
+
+    await wait_for(there, timeout=30)
+
+
+async def waiting_rows(pool: Pool) -> dict[str, float]:
+    """id -> seconds from its submit to when it is read again, of the rows left out."""
+    rows = await pool.fetch(
+        "SELECT id, extract(epoch FROM not_before - created_at)::float8 AS s"
+        " FROM jobtier.outbox WHERE relayed_at IS NULL AND not_before IS NOT NULL"
+    )
+    return {r["id"]: r["s"] for r in rows}
+
+
 async def test_a_job_of_a_type_no_worker_advertised_yet_waits_for_one(
     app: Any,
     pg_settings: Settings,
     pg_pool: Pool,
     queue: Queue,
     redis_as_jobtier: Any,
-    monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
-    background: Background,
 ) -> None:
     """A producer deployed before its task's first worker: the relay (checking the workers'
-    catalogue, as a persister's does) leaves the row pending rather than refusing it, and
-    relays it once a worker has advertised the type. Its caller's transaction committed long
-    before: a refusal would have lost the job."""
-    monkeypatch.setattr(outbox_relay, "UNKNOWN_TYPE_RECHECK", 0.0)  # looked at each pass
+    catalogue, as a persister's does) leaves the row out of its reads rather than refusing
+    it, relays the rows after it meanwhile, and relays it once a worker has advertised the
+    type: a relay started afterwards too. Its caller's transaction committed long before: a
+    refusal would have lost the job."""
     caplog.set_level(logging.INFO, logger="jobtier.persist")
+    await advertise(queue, "flaky")
     relay = OutboxRelay.of_persister(pg_settings, redis_as_jobtier, pg_pool)
     await prepared(relay)
-    job_id = await outbox.submit(app, "echo", {"early": True})
-    assert await relay.drain() == 0  # nothing relayed, nothing refused
-    assert await relay.drain() == 0  # (a second look: still no worker)
-    assert relay.stats.refused == 0 and relay.stats.deferred == 2
-    assert await relay.pending() == 1 and job_id not in await redis_job_ids(queue)
+    early = await outbox.submit(app, "echo", {"early": True})
+    after = await outbox.submit(app, "flaky", {})
+    assert await relay.drain() == 1  # the row after it
+    assert after in await redis_job_ids(queue) and early not in await redis_job_ids(queue)
+    assert await waiting_rows(pg_pool) == {early: outbox_relay.UNKNOWN_TYPE_PATIENCE}
+    assert await relay.drain() == 0 and relay.taken == 0  # left out of the reads
+    assert relay.stats.refused == 0 and relay.stats.deferred == 1
     said = [r.getMessage() for r in caplog.records if "event=outbox_job_waiting" in r.getMessage()]
-    assert len(said) == 1 and job_id in said[0] and "type=echo" in said[0], said  # once
+    assert len(said) == 1 and early in said[0] and "type=echo" in said[0], said
 
-    background.start(worker_for(queue, registry))  # advertises its tasks as it starts
+    # a relay started now (a persister restarted) knows of it from Postgres
+    relay = OutboxRelay.of_persister(pg_settings, redis_as_jobtier, pg_pool)
+    await prepared(relay)
+    await advertise(queue, "echo")
+    await relayed_once(relay, {early}, queue)
+    assert relay.stats.relayed == 1 and relay.stats.refused == 0
+    assert await relay.pending() == 0 and await waiting_rows(pg_pool) == {}
 
-    async def relayed() -> bool:  # (the catalogue looks again at most once a second)
-        await relay.drain()
-        return relay.stats.relayed == 1
 
-    await wait_for(relayed, timeout=30)
+async def test_rows_left_out_do_not_hold_back_the_rows_after_them(
+    app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue, redis_as_jobtier: Any
+) -> None:
+    """Batches of two: the first pass takes two rows that wait for a worker, the next the
+    third and a row that can go, in the same drain; a row depending on a waiting row is
+    left out for a second at a time, and goes once that row has."""
+    await advertise(queue, "flaky")
+    relay = OutboxRelay.of_persister(pg_settings, redis_as_jobtier, pg_pool)
+    relay.batch_size = 2
+    await prepared(relay)
+    waiting = [await outbox.submit(app, "echo", {"n": n}) for n in range(3)]
+    after = await outbox.submit(app, "flaky", {})
+    dependent = await outbox.submit(app, "flaky", {}, depends_on=[waiting[0]])
+    assert await relay.drain() == 1
+    assert await redis_job_ids(queue) == {after}
+    left = await waiting_rows(pg_pool)
+    assert set(left) == {*waiting, dependent}
+    assert left[dependent] < outbox_relay.UNKNOWN_TYPE_PATIENCE / 2  # looked at again soon
+
+    await advertise(queue, "echo")
+    await relayed_once(relay, {*waiting, dependent}, queue)
     assert relay.stats.refused == 0 and await relay.pending() == 0
-
-    async def succeeded() -> bool:
-        return (await queue.status(job_id)).state is State.SUCCEEDED
-
-    await wait_for(succeeded, timeout=30)
-    assert (await queue.result(job_id))[1] == {"early": True}
 
 
 async def test_arguments_sql_can_check_fail_the_callers_transaction(

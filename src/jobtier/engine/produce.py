@@ -119,6 +119,10 @@ class Producer:
         info = self.tasks.info(type) if self.tasks is not None else None
         return info if info is not None else self._local.get(type)
 
+    def known(self, type: str) -> bool:
+        """Whether a submit of ``type`` would find its task (or need none)."""
+        return self.tasks is None or not self.require_known or self._task_info(type) is not None
+
     async def ensure_known(self, types: Iterable[Any]) -> None:
         """Before ``prepare``: let a catalogue look again for types it does not know yet (a
         worker that just started)."""

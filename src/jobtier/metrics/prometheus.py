@@ -53,7 +53,7 @@ HELP = {
     "persister_lag_transitions": "Transitions not yet in Postgres (exported when the API has Postgres).",
     "persister_lag_seconds": "Age of the oldest transition not yet in Postgres.",
     "outbox_pending_rows": "Jobs submitted with SQL (jobtier.submit) whose rows the outbox relay has not taken yet, counted up to 100,000 (exported when the API has Postgres; read every 5 s at most).",
-    "outbox_oldest_pending_seconds": "Age of the oldest outbox row not yet relayed (0 with none).",
+    "outbox_oldest_pending_seconds": "Age of the oldest outbox row not yet relayed that the relay should take now (0 with none; rows waiting for a worker of their type are not counted).",
     "dispatcher_lag_transitions": "Transitions the webhook dispatchers have not yet handled (exported once any webhook or job callback was accepted); the logs keep them in Redis meanwhile.",
     "dispatcher_lag_seconds": "Age of the oldest transition the webhook dispatchers have not yet handled.",
     "oldest_queued_age_seconds": "How long the oldest ready job of the queue and priority has waited.",

@@ -61,11 +61,14 @@ PRUNE_EVERY = 60.0  # seconds between deletions of rows that served their time
 PRUNE_BATCH = 5000  # rows deleted per statement (short locks, short transactions)
 LISTEN_RETRY = 10.0  # seconds between attempts to listen again while Postgres refuses
 # A row of a type no worker has advertised (with JOBTIER_REQUIRE_KNOWN_TYPES) waits this long
-# for one, looked at again every UNKNOWN_TYPE_RECHECK seconds, before it is refused: its
-# caller's transaction has committed, and a producer deployed before the task's first worker
-# would otherwise lose its jobs (0023_outbox_waiting_for_a_worker.sql)
+# from its call for one before it is refused: its caller's transaction has committed, and a
+# producer deployed before the task's first worker would otherwise lose its jobs. It is
+# left out of the relay's reads until then (0023_outbox_waiting_for_a_worker.sql), or until
+# a worker advertises its type, which every pass looks for.
 UNKNOWN_TYPE_PATIENCE = 600.0
-UNKNOWN_TYPE_RECHECK = 5.0
+# A row waiting for a row not relayed yet (its depends_on) is left out this long at a time,
+# so that such rows cannot fill every batch while what they wait for waits
+DEPENDENT_RECHECK = 0.2
 _payload = msgspec.json.Decoder()
 
 # a pass that failed for Redis' or Postgres' sake, or for a Redis not fit to run on: the
@@ -141,6 +144,8 @@ class OutboxRelay:
         self.stopping = asyncio.Event()
         self._wake = asyncio.Event()
         self._recorded = False
+        self.taken = 0  # rows the last pass took (handled or left for later)
+        self._waiting_types: set[str] = set()  # types of rows left waiting for a worker
         self._catalog: TaskCatalog | None = None
         self._explain = Unforeseen(log)
         self.gate = RelayGate(settings, producer.store)
@@ -190,7 +195,10 @@ class OutboxRelay:
                         next_prune = time.monotonic() + PRUNE_EVERY
                         await self.prune()
                     self._wake.clear()
-                    while await self.relay_once() >= self.batch_size:
+                    while True:  # as long as passes take full batches
+                        await self.relay_once()
+                        if self.taken < self.batch_size:
+                            break
                         if self.stopping.is_set():
                             return
                     backoff.reset()
@@ -244,11 +252,13 @@ class OutboxRelay:
 
     async def drain(self) -> int:
         """Relay every row committed now (tests, benchmarks); the rows handled (rows left
-        pending for a dependency not relayed yet are not: they may remain)."""
+        pending, for a dependency not relayed yet or a worker of their type, are not: they
+        may remain)."""
         total = 0
-        while n := await self.relay_once():
-            total += n
-        return total
+        while True:
+            total += await self.relay_once()
+            if not self.taken:
+                return total
 
     # --- one batch ------------------------------------------------------------------------
     async def relay_once(self) -> int:
@@ -256,9 +266,9 @@ class OutboxRelay:
         handled (0: none waiting). An error (Redis or Postgres away) leaves every row of the
         batch as it was: the next pass submits them again, idempotently."""
         record = not self._recorded
-        relayed: list[str] = []
-        refused: list[tuple[str, str]] = []
-        duplicates = deferred = 0
+        self.taken = 0
+        done = Pass()
+        released: list[str] = []
         paused = await self.gate.closed()
         if paused is not None:
             self.stats.paused[paused] = self.stats.paused.get(paused, 0) + 1
@@ -273,62 +283,79 @@ class OutboxRelay:
                     MAX_ATTEMPTS_LIMIT,
                 )  # fmt: skip
                 await conn.execute(query("outbox_record_config"), *limits)
+                # rows an earlier relay left waiting for a worker of their type
+                self._waiting_types.update(await conn.fetchval(query("outbox_waiting_types")))
             if paused is None:
+                released = await self._release_known(conn)
                 rows = await conn.fetch(query("outbox_take"), self.batch_size)
             if rows:
-                relayed, refused, duplicates, deferred, waiting = await self._submit(conn, rows)
-                if waiting:
-                    await conn.execute(query("outbox_wait"), waiting, UNKNOWN_TYPE_RECHECK)
+                done = await self._submit(conn, rows)
+                if done.waiting:
+                    ids = [job_id for job_id, _ in done.waiting]
+                    await conn.execute(query("outbox_wait"), ids, UNKNOWN_TYPE_PATIENCE)
+                if done.later:
+                    await conn.execute(query("outbox_later"), done.later, DEPENDENT_RECHECK)
                 if self.after_submit is not None:
-                    done = self.after_submit(relayed)
-                    if done is not None:
-                        await done
-                if relayed:
-                    await conn.execute(query("outbox_relayed"), relayed)
-                if refused:
-                    ids, reasons = [i for i, _ in refused], [r for _, r in refused]
+                    submitted = self.after_submit(done.relayed)
+                    if submitted is not None:
+                        await submitted
+                if done.relayed:
+                    await conn.execute(query("outbox_relayed"), done.relayed)
+                if done.refused:
+                    ids, reasons = [i for i, _ in done.refused], [r for _, r in done.refused]
                     await conn.execute(query("outbox_refused"), ids, reasons)
         self._recorded = True  # committed
+        self._waiting_types.difference_update(released)
+        self.taken = len(rows)
         if not rows:
             return 0
+        self._waiting_types.update(job_type for _, job_type in done.waiting)
         stats = self.stats
         stats.batches += 1
-        stats.relayed += len(relayed)
-        stats.duplicates += duplicates
-        stats.refused += len(refused)
-        stats.deferred += deferred
-        self.gate.admitted(len(relayed))
-        for job_id, reason in refused:
+        stats.relayed += len(done.relayed)
+        stats.duplicates += done.duplicates
+        stats.refused += len(done.refused)
+        stats.deferred += len(done.later) + len(done.waiting)
+        self.gate.admitted(len(done.relayed))
+        for job_id, job_type in done.waiting:
+            log.info(
+                "event=outbox_job_waiting job=%s type=%s: no worker has advertised its type "
+                "yet; it waits for one up to %gs from its submit",
+                job_id,
+                job_type,
+                UNKNOWN_TYPE_PATIENCE,
+            )
+        for job_id, reason in done.refused:
             log.warning("event=outbox_job_refused job=%s reason=%r", job_id, reason)
         if self.on_relayed is not None:
-            self.on_relayed(relayed, time.time())
+            self.on_relayed(done.relayed, time.time())
         # rows left pending are not counted: a pass of only those is "nothing to do now"
-        return len(rows) - deferred
+        return len(done.relayed) + len(done.refused)
 
-    async def _submit(
-        self, conn: AnyConnection, rows: Sequence[asyncpg.Record]
-    ) -> tuple[list[str], list[tuple[str, str]], int, int, list[str]]:
-        """(ids in Redis, (id, reason) refused, how many Redis already had, rows left
-        pending for a later pass, of which the ones waiting for a worker of their type)."""
-        refused: list[tuple[str, str]] = []
+    async def _release_known(self, conn: AnyConnection) -> list[str]:
+        """The types of rows left waiting that a worker has advertised since: their rows
+        are read again from now on."""
+        if not self._waiting_types:
+            return []
+        await self.producer.ensure_known(self._waiting_types)
+        known = [t for t in self._waiting_types if self.producer.known(t)]
+        if known:
+            await conn.execute(query("outbox_release"), known)
+        return known
+
+    async def _submit(self, conn: AnyConnection, rows: Sequence[asyncpg.Record]) -> Pass:
+        """Submit ``rows`` into Redis: what became of each."""
+        done = Pass()
+        refused = done.refused
         plain: list[SubmitItem] = []
         linked: list[SubmitItem] = []
-        waiting: list[str] = []
         await self.producer.ensure_known({r["type"] for r in rows})
         for row in rows:
             try:
                 item = self._prepare(row)
             except UnknownTask as exc:
                 if row["waited"] < UNKNOWN_TYPE_PATIENCE:
-                    if not row["waited_before"]:
-                        log.info(
-                            "event=outbox_job_waiting job=%s type=%s: no worker has advertised "
-                            "its type yet; it waits for one up to %gs",
-                            row["id"],
-                            row["type"],
-                            UNKNOWN_TYPE_PATIENCE,
-                        )
-                    waiting.append(row["id"])
+                    done.waiting.append((row["id"], row["type"]))
                     continue
                 reason = f"{exc} (it waited {row['waited']:.0f}s for one)"
                 refused.append((row["id"], _reason(InvalidRequest(reason))))
@@ -346,8 +373,7 @@ class OutboxRelay:
             # a job waiting for others is checked against them in Redis, which may be rows of
             # this very batch: those go one by one, after the others, in the order written
             (linked if item.depends_on else plain).append(item)
-        relayed: list[str] = []
-        duplicates = deferred = 0
+        relayed = done.relayed
         groups: list[list[SubmitItem]] = _by_tenant(plain) + [[item] for item in linked]
         for group in groups:
             try:
@@ -357,7 +383,7 @@ class OutboxRelay:
                 # a row another relay holds (or this pass left pending) is not relayed yet
                 deps = list(item.depends_on)
                 if await conn.fetchval(query("outbox_unrelayed"), deps, item.tenant):
-                    deferred += 1
+                    done.later.append(item.job_id)
                     continue
                 refused.append((item.job_id, _reason(exc)))
                 continue
@@ -375,8 +401,8 @@ class OutboxRelay:
                 # ours, from a pass that died before its commit (a conflict: its spec then
                 # differed, e.g. a run-at that has since come)
                 if isinstance(outcome, IdempotencyConflict) or not outcome.created:
-                    duplicates += 1
-        return relayed, refused, duplicates, deferred + len(waiting), waiting
+                    done.duplicates += 1
+        return done
 
     async def _submit_group(self, group: list[SubmitItem]) -> list[Submitted | IdempotencyConflict]:
         """Submit ``group``; with JOBTIER_SUBMIT_REPLICAS, only once its writes reached that
@@ -436,6 +462,19 @@ class OutboxRelay:
     async def pending(self) -> int:
         """Rows committed and not yet relayed."""
         return int(await self.pool.fetchval(query("outbox_pending")))
+
+
+@dataclass(slots=True)
+class Pass:
+    """What a pass made of the rows it took: relayed (ids), refused (id, reason), how many
+    of those relayed Redis had already, and the rows left for later: ``later``, waiting for
+    a row not relayed yet; ``waiting`` (id, type), for a worker of their type."""
+
+    relayed: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+    duplicates: int = 0
+    later: list[str] = field(default_factory=list)
+    waiting: list[tuple[str, str]] = field(default_factory=list)
 
 
 def _reason(exc: Exception) -> str:

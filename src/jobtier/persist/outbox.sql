@@ -21,12 +21,11 @@ WHERE (c.shards, c.max_payload_bytes, c.max_depends_on, c.max_future_seconds, c.
 -- run_at as seconds since the epoch (a double): any timestamptz Postgres took reads, the
 -- infinities and years before 1 included, which a datetime could not hold (a row the batch
 -- could not read would hold back every row after it); the relay refuses those alone.
--- A row waiting for a worker of its type (0023's not_before) is left until its next look;
--- waited: the seconds since it was written.
+-- A row left for later (0023's not_before: waiting for a worker of its type, or for a row
+-- it depends on) is left until then; waited: the seconds since it was written.
 SELECT id, tenant, type, payload, queue, priority,
        extract(epoch FROM run_at)::double precision AS run_at, idempotency_key, max_attempts,
-       depends_on, not_before IS NOT NULL AS waited_before,
-       extract(epoch FROM clock_timestamp() - created_at)::double precision AS waited
+       depends_on, extract(epoch FROM clock_timestamp() - created_at)::double precision AS waited
 FROM jobtier.outbox
 WHERE relayed_at IS NULL AND (not_before IS NULL OR not_before <= clock_timestamp())
 ORDER BY seq
@@ -42,9 +41,25 @@ FROM unnest($1::text[], $2::text[]) AS r(id, error)
 WHERE o.id = r.id
 
 -- name: outbox_wait
--- Rows of types no worker has advertised yet, looked at again $2 seconds from now.
+-- Rows of types no worker has advertised yet: left out until $2 seconds after their submit
+-- (then refused if their type is still unknown), or until outbox_release.
+UPDATE jobtier.outbox SET not_before = created_at + make_interval(secs => $2)
+WHERE id = ANY($1::text[])
+
+-- name: outbox_later
+-- Rows waiting for a row not relayed yet: left out for $2 seconds.
 UPDATE jobtier.outbox SET not_before = clock_timestamp() + make_interval(secs => $2)
 WHERE id = ANY($1::text[])
+
+-- name: outbox_release
+-- The rows left out of types a worker has advertised since: read again.
+UPDATE jobtier.outbox SET not_before = NULL
+WHERE relayed_at IS NULL AND not_before IS NOT NULL AND type = ANY($1::text[])
+
+-- name: outbox_waiting_types
+-- The types of rows left out (a relay starting after another left them).
+SELECT coalesce(array_agg(DISTINCT type), '{}') FROM jobtier.outbox
+WHERE relayed_at IS NULL AND not_before IS NOT NULL
 
 -- name: outbox_unrelayed
 -- Whether one of these ids is the tenant's row not relayed yet (locked by another relay, or
@@ -59,11 +74,15 @@ SELECT count(*) FROM jobtier.outbox WHERE relayed_at IS NULL
 
 -- name: outbox_backlog
 -- Rows committed and not yet relayed (counted up to $1: a scrape costs the same however long
--- the backlog), and the age in seconds of the oldest (NULL: none), by the pending index.
+-- the backlog), and the age in seconds of the oldest the relay should take now (NULL: none;
+-- a row left out until later, waiting for a worker of its type, is not late), by the
+-- pending index.
 SELECT (SELECT count(*) FROM (SELECT 1 FROM jobtier.outbox WHERE relayed_at IS NULL LIMIT $1) p)
            AS rows,
        (SELECT extract(epoch FROM clock_timestamp() - created_at)::double precision
-        FROM jobtier.outbox WHERE relayed_at IS NULL ORDER BY seq LIMIT 1) AS age
+        FROM jobtier.outbox
+        WHERE relayed_at IS NULL AND (not_before IS NULL OR not_before <= clock_timestamp())
+        ORDER BY seq LIMIT 1) AS age
 
 -- name: outbox_prune
 -- Relayed rows once their idempotency keys are forgotten ($1), refused ones (the only record
