@@ -83,7 +83,7 @@ async def test_a_row_waiting_for_a_row_another_relay_holds_stays_pending(
 
 async def drained(relay: OutboxRelay, rows: int) -> None:
     """Drain until ``rows`` more rows were handled: a row left for later (its dependency
-    not relayed yet) is read again DEPENDENT_RECHECK seconds on."""
+    not relayed yet) is read again a moment later (DEPENDENT_RECHECK)."""
     handled = 0
 
     async def done() -> bool:

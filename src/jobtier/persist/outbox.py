@@ -66,9 +66,11 @@ LISTEN_RETRY = 10.0  # seconds between attempts to listen again while Postgres r
 # left out of the relay's reads until then (0023_outbox_waiting_for_a_worker.sql), or until
 # a worker advertises its type, which every pass looks for.
 UNKNOWN_TYPE_PATIENCE = 600.0
-# A row waiting for a row not relayed yet (its depends_on) is left out this long at a time,
-# so that such rows cannot fill every batch while what they wait for waits
-DEPENDENT_RECHECK = 0.2
+# A row waiting for a row not relayed yet (its depends_on) is left out for a tenth of its
+# age so far, within these bounds, so that such rows cannot fill every batch while what they
+# wait for waits (a row waiting for a worker of its type: up to UNKNOWN_TYPE_PATIENCE), nor
+# be written again five times a second all that while
+DEPENDENT_RECHECK = (0.2, 5.0)
 _payload = msgspec.json.Decoder()
 
 # a pass that failed for Redis' or Postgres' sake, or for a Redis not fit to run on: the
@@ -294,7 +296,10 @@ class OutboxRelay:
                     ids = [job_id for job_id, _ in done.waiting]
                     await conn.execute(query("outbox_wait"), ids, UNKNOWN_TYPE_PATIENCE)
                 if done.later:
-                    await conn.execute(query("outbox_later"), done.later, DEPENDENT_RECHECK)
+                    ids, waited = [i for i, _ in done.later], [w for _, w in done.later]
+                    least, most = DEPENDENT_RECHECK
+                    later = [min(max(w / 10, least), most) for w in waited]
+                    await conn.execute(query("outbox_later"), ids, later)
                 if self.after_submit is not None:
                     submitted = self.after_submit(done.relayed)
                     if submitted is not None:
@@ -349,6 +354,7 @@ class OutboxRelay:
         refused = done.refused
         plain: list[SubmitItem] = []
         linked: list[SubmitItem] = []
+        waited = {r["id"]: r["waited"] for r in rows}
         await self.producer.ensure_known({r["type"] for r in rows})
         for row in rows:
             try:
@@ -383,7 +389,7 @@ class OutboxRelay:
                 # a row another relay holds (or this pass left pending) is not relayed yet
                 deps = list(item.depends_on)
                 if await conn.fetchval(query("outbox_unrelayed"), deps, item.tenant):
-                    done.later.append(item.job_id)
+                    done.later.append((item.job_id, waited[item.job_id]))
                     continue
                 refused.append((item.job_id, _reason(exc)))
                 continue
@@ -473,7 +479,7 @@ class Pass:
     relayed: list[str] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
     duplicates: int = 0
-    later: list[str] = field(default_factory=list)
+    later: list[tuple[str, float]] = field(default_factory=list)  # (id, seconds since its call)
     waiting: list[tuple[str, str]] = field(default_factory=list)
 
 

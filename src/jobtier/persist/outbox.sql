@@ -47,9 +47,10 @@ UPDATE jobtier.outbox SET not_before = created_at + make_interval(secs => $2)
 WHERE id = ANY($1::text[])
 
 -- name: outbox_later
--- Rows waiting for a row not relayed yet: left out for $2 seconds.
-UPDATE jobtier.outbox SET not_before = clock_timestamp() + make_interval(secs => $2)
-WHERE id = ANY($1::text[])
+-- Rows waiting for a row not relayed yet: each left out for its seconds of $2.
+UPDATE jobtier.outbox AS o SET not_before = clock_timestamp() + make_interval(secs => l.s)
+FROM unnest($1::text[], $2::float8[]) AS l(id, s)
+WHERE o.id = l.id
 
 -- name: outbox_release
 -- The rows left out of types a worker has advertised since: read again.
