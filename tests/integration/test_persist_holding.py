@@ -5,8 +5,6 @@ writes it, and a persister that dies or stops holding rows loses none of them.""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from typing import Any
 
 from jobtier.config import Settings
@@ -24,7 +22,7 @@ from jobtier.store.calls import (
 )
 from jobtier.store.scripts import Scripts
 from jobtier.streams.group import lag
-from tests.fixtures.engine import wait_for
+from tests.fixtures.engine import running, wait_for
 from tests.fixtures.postgres import assert_pg_matches_redis
 
 N = 6
@@ -53,17 +51,6 @@ async def submitted_and_claimed(
 async def complete(redis: Any, keys: Keys, claims: list[ClaimedJob]) -> None:
     done = [(j.id, j.lease_version, b'{"ok":true}') for j in claims]
     await Scripts(redis, keys).call_many([complete_call(0, "w1", 3600, done)])
-
-
-@contextlib.asynccontextmanager
-async def running(persister: Persister) -> AsyncIterator[None]:
-    """``persister.run()`` in a task, stopped (its held rows written) on the way out."""
-    task = asyncio.create_task(persister.run())
-    try:
-        yield
-    finally:
-        persister.stop()
-        await task
 
 
 async def states(pool: Pool) -> list[str]:

@@ -33,7 +33,7 @@ from jobtier.persist.reconcile import _CHANGED, Reconciler, Report, _batches, re
 from jobtier.status.reader import StatusReader
 from jobtier.store import calls
 from jobtier.store import format as job_format
-from tests.fixtures.engine import wait_for, worker_for
+from tests.fixtures.engine import running, wait_for, worker_for
 from tests.fixtures.redis import admin
 from tests.flows_helpers import run_flows
 from tests.tasks import registry
@@ -289,12 +289,8 @@ async def watching(
     monkeypatch.setattr(reconcile_module, "run_ids", primaries.run_ids)
     settings = pg_settings.replace(reconcile_seconds=0.02, outbox_relay=False)
     persister = Persister(settings, q.redis, pg_pool, "p-watch")
-    task = asyncio.create_task(persister.run())
-    try:
+    async with running(persister):
         yield primaries, persister
-    finally:
-        persister.stop()
-        await asyncio.wait_for(task, 30)
 
 
 async def test_a_persister_reconciles_when_a_primary_is_new(

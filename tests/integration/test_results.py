@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import cast
 
 import pytest
@@ -27,7 +26,7 @@ from jobtier.persist.persister import Persister
 from jobtier.persist.results import PostgresResultStore
 from jobtier.worker import stored
 from tests.fixtures.api import KEYS, ApiServer, StartApi
-from tests.fixtures.engine import wait_for, worker_for
+from tests.fixtures.engine import running, wait_for, worker_for
 from tests.fixtures.postgres import postgres_processes
 from tests.flows_helpers import run_flows
 from tests.tasks import big_rows, registry
@@ -215,18 +214,6 @@ async def test_a_dependencys_stored_result_reaches_its_dependent_as_its_link(
         assert dep["result_url"] == url_of(big)
 
 
-@asynccontextmanager
-async def working(q: Queue) -> AsyncIterator[None]:
-    """A worker of the test tasks running meanwhile; stopped at the end."""
-    worker = worker_for(q, registry)
-    run = asyncio.create_task(worker.run())
-    try:
-        yield
-    finally:
-        worker.stop()
-        await run
-
-
 async def ended(q: Queue, job: str) -> None:
     async def terminal() -> bool:
         return (await q.status(job)).terminal
@@ -249,7 +236,7 @@ async def test_a_result_waits_for_its_store_while_postgres_is_away(
     try:
         await asyncio.to_thread(pg_to_stop.stop, "immediate")
         job = (await q.submit("big_result", 50, max_attempts=1)).job_id
-        async with working(q):
+        async with running(worker_for(q, registry)):
             await wait_for(lambda: "event=result_store_waiting" in caplog.text, 60)
             assert (await q.status(job)).state is State.RUNNING
             await asyncio.to_thread(pg_to_stop.start)
@@ -278,7 +265,7 @@ async def test_a_silent_result_store_is_waited_for_no_longer_than_the_patience(
         for pid in silent:
             os.kill(pid, signal.SIGSTOP)
         job = (await q.submit("big_result", 50, max_attempts=1)).job_id
-        async with working(q):
+        async with running(worker_for(q, registry)):
             await ended(q, job)
         status = await q.status(job)
         assert status.state is State.FAILED and status.error is not None, status
