@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from jobtier.core.model import WORKER_BLOCKED_WARN_LEAST
+
 if TYPE_CHECKING:
     from jobtier.worker.procpool import ProcessOptions
 
@@ -53,10 +55,12 @@ def seconds(text: str) -> float:
 
 
 def watch_seconds(text: str) -> float:
-    """``--blocked-warn``: 0 (off), or at least a tenth of a second."""
+    """``--blocked-warn``: 0 (off), or at least WORKER_BLOCKED_WARN_LEAST seconds."""
     value = seconds(text)
-    if 0 < value < 0.1:
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or at least 0.1 seconds, not {text}")
+    if 0 < value < WORKER_BLOCKED_WARN_LEAST:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 (off) or at least {WORKER_BLOCKED_WARN_LEAST:g} seconds, not {text}"
+        )
     return value
 
 

@@ -347,6 +347,7 @@ WORKER_CONCURRENCY = 50
 # a worker's event loop unanswered this long is reported, naming the job that holds it
 # (``jobtier worker --blocked-warn``, worker/loop_watch.py)
 WORKER_BLOCKED_WARN_SECONDS = 1.0
+WORKER_BLOCKED_WARN_LEAST = 0.1  # shorter, its watch would look more often than it is worth
 
 
 class QueueScaling(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,7 +28,6 @@ SECRETS_CONF = "redis.secrets.conf"  # written at each start: the passwords amon
 # and the ACL users given at start (``user``: their passwords among its words)
 SECRET_OPTIONS = ("requirepass", "masterauth", "user")
 CLUSTER_BUS_OFFSET = 10000  # a cluster node also listens on its port + this (the bus)
-PORT_OPTIONS = ("port", "tls-port")  # the options a server listens on
 
 
 class PortTaken(RuntimeError):
@@ -197,9 +196,8 @@ class LocalRedis:
                     raise
                 log.info("event=local_redis_port_taken %s: choosing its ports again", exc)
                 self.port = self._free_port()
-                for name in PORT_OPTIONS[1:]:
-                    if name in self.options:
-                        self.options[name] = self._free_port()
+                if "tls-port" in self.options:
+                    self.options["tls-port"] = self._free_port()
                 continue
             self.started = True
             break

@@ -30,11 +30,11 @@ import threading
 import time
 from types import FrameType
 
+from jobtier.core.model import WORKER_BLOCKED_WARN_LEAST
 from jobtier.worker.state import Running, WorkerState
 
 log = logging.getLogger("jobtier.worker")
 
-LEAST_SECONDS = 0.1  # a shorter watch would tick more often than it is worth
 TICKS = 10  # looks per ``seconds``: a stall is measured to a tenth of it
 
 
@@ -42,9 +42,9 @@ class LoopWatch:
     """Watches ``state``'s worker loop from a thread (``start`` on the loop, ``stop``)."""
 
     def __init__(self, state: WorkerState, seconds: float) -> None:
-        if seconds and not LEAST_SECONDS <= seconds < float("inf"):
+        if seconds and not WORKER_BLOCKED_WARN_LEAST <= seconds < float("inf"):
             raise ValueError(
-                f"the loop watch's seconds must be 0 (off) or at least {LEAST_SECONDS:g}, "
+                f"the loop watch's seconds must be 0 (off) or at least {WORKER_BLOCKED_WARN_LEAST:g}, "
                 f"not {seconds!r}"
             )
         self.state = state

@@ -38,6 +38,23 @@ local function target(id)
   return j
 end
 
+-- The dependency `source`'s outcome into job `id`'s dependencies (jt:{s}:deps:<id>), if its
+-- entry there is pending; false when it is not (resolved before, not one of its
+-- dependencies, or the hash gone with the job: nothing is written, nothing made anew).
+local function recorded(id, source, state, data)
+  local deps = BASE .. 'deps:' .. id
+  local current = redis.call('HGET', deps, source)
+  if current ~= '0' and current ~= '1' then
+    return false
+  end
+  local mark = STATE_MARK[state] or 'm'
+  if current == '1' then
+    mark = string.upper(mark)  -- a child: the flag outlives its resolution
+  end
+  redis.call('HSET', deps, source, mark .. data)
+  return true
+end
+
 local function failure_error(source, state, data)
   local dependency = 'dependency ' .. source
   if state == 'missing' then
@@ -69,41 +86,26 @@ for i = 0, n - 1 do
       code = WRONG_STATE
     end
   elseif j.state ~= 'waiting' then
-    code = WRONG_STATE
     -- no longer waiting (cancelled): how the dependency ended is still recorded for its
     -- readers (GET /v1/jobs/{id}/dependencies); the job, its counts and its document stay
-    -- as they were. Only into a pending entry of a hash still there (it expires with the job)
-    local deps = BASE .. 'deps:' .. id
-    local current = redis.call('HGET', deps, source)
-    if current == '0' or current == '1' then
-      local mark = STATE_MARK[state] or 'm'
-      redis.call('HSET', deps, source, current == '1' and string.upper(mark) .. data
-                 or mark .. data)
-    end
+    -- as they were
+    code = WRONG_STATE
+    recorded(id, source, state, data)
+  elseif not recorded(id, source, state, data) then
+    code = DUPLICATE  -- resolved before (or not one of its dependencies)
   else
-    local deps = BASE .. 'deps:' .. id
-    local current = redis.call('HGET', deps, source)
-    if current ~= '0' and current ~= '1' then
-      code = DUPLICATE  -- resolved before (or not one of its dependencies)
-    else
-      local mark = STATE_MARK[state] or 'm'
-      if current == '1' then
-        mark = string.upper(mark)  -- a child: the flag outlives its resolution
-      end
-      redis.call('HSET', deps, source, mark .. data)
-      if not j.flow then
-        local v = redis.call('HMGET', job_key(id), 'dn', 'dpend', 'dfail', 'odf')
-        j.flow = {n = tonumber(v[1]), pending = tonumber(v[2]), failed = tonumber(v[3]),
-                  run = v[4] == 'run'}
-        dirty[#dirty + 1] = j
-      end
-      local f = j.flow
-      f.pending = f.pending - 1
-      if state ~= 'succeeded' then
-        f.failed = f.failed + 1
-        if not f.error then
-          f.error = failure_error(source, state, data)
-        end
+    if not j.flow then
+      local v = redis.call('HMGET', job_key(id), 'dn', 'dpend', 'dfail', 'odf')
+      j.flow = {n = tonumber(v[1]), pending = tonumber(v[2]), failed = tonumber(v[3]),
+                run = v[4] == 'run'}
+      dirty[#dirty + 1] = j
+    end
+    local f = j.flow
+    f.pending = f.pending - 1
+    if state ~= 'succeeded' then
+      f.failed = f.failed + 1
+      if not f.error then
+        f.error = failure_error(source, state, data)
       end
     end
   end
