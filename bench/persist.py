@@ -68,7 +68,7 @@ from jobtier.persist.persister import Persister
 from jobtier.store import format as job_format
 from jobtier.store.calls import SubmitItem
 from jobtier.store.scripts import Scripts
-from jobtier.streams.entries import LogEntry, parse_entry
+from jobtier.streams.entries import LogEntry, parse_entries, tenants
 from jobtier.streams.group import lag
 
 SHARDS = 16
@@ -138,7 +138,7 @@ async def backlog(run: Run, transitions: int) -> list[LogEntry]:
     entries: list[LogEntry] = []
     for shard in range(SHARDS):
         for entry_id, fields in cast(Entries, await run.redis.xrange(run.keys.log(shard))):
-            entries.append(parse_entry(shard, entry_id, fields))
+            entries += parse_entries(shard, entry_id, fields)
     entries.sort(key=lambda e: (e.ms, e.entry_id))
     return entries
 
@@ -627,10 +627,10 @@ async def persister_steps(run: Run, transitions: int, batch: int) -> dict[str, f
                     raw += [(s, i, f) for i, f in got]
                     last = got[-1][0]
                     low = "(" + (last.decode() if isinstance(last, bytes) else str(last))
-            n = len(raw)
+            n = sum(len(tenants(f)) for _, _, f in raw)  # transitions (an entry: a call's)
             t = took("read the log (redis-py)", t, n)
-            entries = [parse_entry(s, i, f) for s, i, f in raw]
-            t = took("decode entries (parse_entry)", t, n)
+            entries = [e for s, i, f in raw for e in parse_entries(s, i, f)]
+            t = took("decode entries (parse_entries)", t, n)
             chunks = [entries[i : i + batch] for i in range(0, n, batch)]
             rows = [collapse(c) for c in chunks]
             t = took("collapse per job", t, n)

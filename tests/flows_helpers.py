@@ -3,13 +3,11 @@ happened to a job from its shard's transition log."""
 
 from __future__ import annotations
 
-from typing import cast
-
 from jobtier.core.model import JobStatus, decode_status
 from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from tests.fixtures.engine import worker_for
-from tests.fixtures.redis import StreamEntries
+from tests.fixtures.redis import logged
 from tests.tasks import registry
 
 
@@ -29,7 +27,7 @@ async def transitions(queue: Queue, job_id: str) -> list[tuple[str, str]]:
     """(from, to) of every logged change of the job, in order ('' from: its submit)."""
     shard = queue.keys.shard_of(job_id)
     out = []
-    for _, fields in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
+    for fields in await logged(queue.redis, queue.keys.log(shard)):
         doc = decode_status(fields[b"d"])
         if doc.id == job_id:
             out.append((fields[b"fr"].decode(), doc.state.value))

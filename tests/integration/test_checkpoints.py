@@ -24,7 +24,7 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.scheduler import Scheduler
 from jobtier.store.calls import heartbeat_call, parse_pairs
-from jobtier.streams.entries import parse_entry
+from jobtier.streams.entries import parse_entries
 from tests.checkpoint_tasks import registry
 from tests.fixtures.api import KEYS, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
@@ -128,7 +128,7 @@ async def test_a_retried_attempt_resumes_and_postgres_keeps_each_checkpoint(
         assert result == {"attempt": 2, "resumed": True, "resumed_from": 2, "ran": [2, 3], "sum": 6}
         assert worker.state.stats.checkpoints == 4  # worker_checkpoints_total
 
-        entries = [parse_entry(*e) for e in await log_entries(queue.redis, queue.keys)]
+        entries = [p for e in await log_entries(queue.redis, queue.keys) for p in parse_entries(*e)]
         saved = [e for e in entries if e.checkpoint is not None]
         assert len(saved) == 4  # 2 by each attempt, each logged (never a quiet change)
         persister = Persister(pg_settings, queue.redis, pg_pool, "p1")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import cast
 
 from jobtier.config import Settings
 from jobtier.core.model import JobSpec, State, decode_status
 from jobtier.engine.queue import Queue
 from tests.fixtures.engine import worker_for
-from tests.fixtures.redis import StreamEntries
+from tests.fixtures.redis import logged
 from tests.tasks import registry
 
 
@@ -18,7 +17,7 @@ async def claims_per_attempt(queue: Queue) -> Counter[tuple[str, int]]:
     """(job id, attempt) -> how many queued->running transitions the log holds."""
     seen: Counter[tuple[str, int]] = Counter()
     for shard in range(queue.keys.shards):
-        for _, fields in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
+        for fields in await logged(queue.redis, queue.keys.log(shard)):
             doc = decode_status(fields[b"d"])
             if fields[b"fr"] == b"queued" and doc.state is State.RUNNING:
                 seen[(doc.id, doc.attempt)] += 1

@@ -10,7 +10,6 @@ import subprocess
 import sys
 from collections import Counter
 from datetime import datetime
-from typing import cast
 
 from jobtier.config import Settings
 from jobtier.core.model import State, decode_status
@@ -18,7 +17,7 @@ from jobtier.engine.cron import CronMirror, MirrorDef, now_ms
 from jobtier.engine.queue import Queue
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
-from tests.fixtures.redis import StreamEntries
+from tests.fixtures.redis import logged
 from tests.tasks import registry
 
 
@@ -36,7 +35,7 @@ async def fired(queue: Queue) -> Counter[int]:
     """run_at (slot, ms) -> how many jobs the log says were created for it."""
     slots: Counter[int] = Counter()
     for shard in range(queue.keys.shards):
-        for _, fields in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
+        for fields in await logged(queue.redis, queue.keys.log(shard)):
             doc = decode_status(fields[b"d"])
             if fields[b"fr"] == b"" and doc.run_at:
                 slots[round(datetime.fromisoformat(doc.run_at).timestamp() * 1000)] += 1
@@ -177,7 +176,7 @@ async def test_delayed_jobs_never_start_early(queue: Queue, background: Backgrou
 
     await wait_for(done, timeout=20)
     for shard in range(queue.keys.shards):
-        for _, fields in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
+        for fields in await logged(queue.redis, queue.keys.log(shard)):
             doc = decode_status(fields[b"d"])
             if doc.id in ids and doc.state is State.RUNNING and doc.run_at:
                 started = datetime.fromisoformat(doc.updated_at)

@@ -20,7 +20,7 @@ from jobtier.flows import chain, fan_in
 from jobtier.flows.resolver import Resolver
 from jobtier.store.calls import fail_call, parse_pairs, reclaim_call
 from tests.fixtures.engine import wait_for
-from tests.fixtures.redis import StreamEntries
+from tests.fixtures.redis import StreamEntries, logged
 from tests.flows_helpers import run_flows, statuses, transitions
 from tests.integration.test_transitions import complete
 from tests.tasks import registry
@@ -425,7 +425,7 @@ async def test_a_dependent_whose_submit_died_is_linked_by_the_resolver(fq: Queue
     assert not await fq.jobs.dead_letters()  # nothing failed
     by_payload = {}
     for shard in range(fq.keys.shards):
-        for _, fields in cast(StreamEntries, await fq.redis.xrange(fq.keys.log(shard))):
+        for fields in await logged(fq.redis, fq.keys.log(shard)):
             doc = msgspec.json.decode(fields[b"d"])
             if doc["type"] == "collect":
                 by_payload[doc["id"]] = doc

@@ -24,7 +24,7 @@ from jobtier.engine.queue import Queue
 from jobtier.flows import chain, fan_in
 from jobtier.scheduler import Scheduler
 from tests.fixtures.engine import Background, wait_for, worker_for
-from tests.fixtures.redis import StreamEntries
+from tests.fixtures.redis import logged
 from tests.flows_helpers import statuses, transitions
 from tests.tasks import registry
 
@@ -256,7 +256,7 @@ async def compensations(q: Queue) -> Counter[str]:
     """How many compensation jobs each failed job got (from the submit log entries)."""
     made: Counter[str] = Counter()
     for shard in range(q.keys.shards):
-        for _, fields in cast(StreamEntries, await q.redis.xrange(q.keys.log(shard))):
+        for fields in await logged(q.redis, q.keys.log(shard)):
             if fields[b"fr"] == b"" and decode_status(fields[b"d"]).type == "refund":
                 made[msgspec.json.decode(fields[b"p"])["job_id"]] += 1
     return made

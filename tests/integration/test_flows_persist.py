@@ -13,7 +13,7 @@ from jobtier.flows import chain, fan_in
 from jobtier.persist.db import Pool, query
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import PgReader
-from jobtier.streams.entries import parse_entry
+from jobtier.streams.entries import parse_entries
 from tests.fixtures.postgres import assert_pg_matches_redis, log_entries
 from tests.flows_helpers import run_flows
 from tests.tasks import registry
@@ -44,7 +44,7 @@ async def test_flows_reach_postgres(pg_settings: Settings, pg_pool: Pool) -> Non
         ids = [existing.job_id, *fan.ids, *steps.ids, *doomed.ids, never.job_id]
         assert (await q.status(never.job_id)).state is State.WAITING
 
-        entries = [parse_entry(*e) for e in await log_entries(q.redis, q.keys)]
+        entries = [p for e in await log_entries(q.redis, q.keys) for p in parse_entries(*e)]
         persister = Persister(pg_settings, q.redis, pg_pool, "p1")
         assert await persister.drain() == len(entries)
         await assert_pg_matches_redis(q.redis, pg_pool, q.keys, ids)

@@ -28,7 +28,7 @@ from jobtier.engine.queue import Queue
 from jobtier.status.docs import read_doc
 from jobtier.store import format as job_format
 from jobtier.store.context import submit_items
-from tests.fixtures.redis import StreamEntries
+from tests.fixtures.redis import logged
 from tests.integration.test_transitions import W, claim, complete, fail, make_due, promote
 
 pytestmark = pytest.mark.contract
@@ -110,7 +110,7 @@ async def marks(queue: Queue) -> list[bytes | None]:
 async def log_entries(queue: Queue, job_id: str) -> list[dict[bytes, Any]]:
     shard = queue.keys.shard_of(job_id)
     out = []
-    for _, entry in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
+    for entry in await logged(queue.redis, queue.keys.log(shard)):
         if decode_status(entry[b"d"]).id == job_id:
             out.append(entry)
     return out

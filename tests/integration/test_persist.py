@@ -21,7 +21,7 @@ from jobtier.persist import persister as persister_module
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store.redis import connect
-from jobtier.streams.entries import LogEntry, parse_entry
+from jobtier.streams.entries import LogEntry, parse_entries
 from jobtier.streams.group import lag, replay_refused
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
@@ -30,6 +30,7 @@ from tests.fixtures.postgres import (
     mixed_workload,
     simple_jobs,
 )
+from tests.fixtures.redis import logged
 
 
 async def snapshot(pool: Pool) -> tuple[list[Any], ...]:
@@ -42,8 +43,13 @@ async def snapshot(pool: Pool) -> tuple[list[Any], ...]:
     return tuple([tuple(r) for r in rows] for rows in (jobs, history, results, listed))
 
 
+async def transition_fields(redis: Any, keys: Keys) -> list[dict[bytes, bytes]]:
+    """Every transition in the shard logs, as the fields of an entry of one."""
+    return [p for s in range(keys.shards) for p in await logged(redis, keys.log(s))]
+
+
 def parsed(raw: Sequence[tuple[int, bytes, dict[bytes, bytes]]]) -> list[LogEntry]:
-    return [parse_entry(shard, entry_id, fields) for shard, entry_id, fields in raw]
+    return [e for shard, entry_id, fields in raw for e in parse_entries(shard, entry_id, fields)]
 
 
 async def test_mixed_workload_reaches_postgres_exactly(
@@ -51,12 +57,14 @@ async def test_mixed_workload_reaches_postgres_exactly(
 ) -> None:
     job_ids = await mixed_workload(redis, keys, n=150)
     entries = await log_entries(redis, keys)
-    assert (await lag(redis, keys))[0] == len(entries)
+    transitions = parsed(entries)  # a script's transitions are one entry
+    assert len(entries) < len(transitions)
+    assert (await lag(redis, keys, exact=len(entries)))[0] == len(transitions)
 
     persister = Persister(
         pg_settings.replace(persist_batch_size=64), redis_as_jobtier, pg_pool, "p1"
     )
-    assert await persister.drain() == len(entries)
+    assert await persister.drain() == len(transitions)
 
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
     assert persister.stats.batches > 1
@@ -181,15 +189,15 @@ async def test_entries_of_a_dead_persister_are_claimed_after_the_idle_timeout(
     job_ids = await simple_jobs(redis, keys, 100)
     group = keys.persist_group()
     await Persister(pg_settings, redis_as_jobtier, pg_pool, "setup").consumer.setup()
-    for shard in range(keys.shards):  # a persister read these, then died
-        await redis.xreadgroup(group, "dead", {keys.log(shard): ">"}, count=10)
+    for shard in range(keys.shards):  # a persister read these (submits, claims), then died
+        await redis.xreadgroup(group, "dead", {keys.log(shard): ">"}, count=2)
 
     patient = Persister(pg_settings, redis_as_jobtier, pg_pool, "p2")  # claim idle timeout: 30 s
     await patient.drain()
     pending = sum([(await redis.xpending(keys.log(s), group))["pending"] for s in range(4)])
-    assert pending == 40
+    assert pending == 8  # 2 entries a shard, of 25 transitions each
     # trimming kept every entry still pending
-    assert sum([await redis.xlen(keys.log(s)) for s in range(keys.shards)]) >= 40
+    assert sum([await redis.xlen(keys.log(s)) for s in range(keys.shards)]) >= 8
 
     quick = Persister(
         pg_settings.replace(persist_claim_idle_seconds=0.01), redis_as_jobtier, pg_pool, "p3"
@@ -203,8 +211,8 @@ async def test_entries_of_a_dead_persister_are_claimed_after_the_idle_timeout(
         return True
 
     await wait_for(idle_long_enough)
-    assert await quick.drain() == 40
-    assert quick.stats.claimed == 40
+    assert await quick.drain() == 200
+    assert quick.stats.claimed == 8
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
     assert await lag(redis, keys) == (0, 0.0)
     assert sum([await redis.xlen(keys.log(s)) for s in range(keys.shards)]) == 0
@@ -301,7 +309,7 @@ async def test_a_batch_refused_for_one_entry_is_halved_down_to_it(
     half halved again: the good entries are written in a few commits, about two for each
     halving (entry by entry, it took one each), and the bad one alone is parked."""
     job_ids = await simple_jobs(redis, keys, 100)
-    submit = next(f for _, _, f in await log_entries(redis, keys) if f[b"fr"] == b"")
+    submit = next(p for p in await transition_fields(redis, keys) if p[b"fr"] == b"")
     bad = {**submit, b"p": b"{not json"}  # a payload Postgres refuses as JSON
     bad[b"d"] = bad[b"d"].replace(b'"id":"', b'"id":"X', 1)  # another job id
     await redis.xadd(keys.log(3), bad)
@@ -346,18 +354,23 @@ async def test_a_batch_holds_at_most_its_bytes_whatever_its_count(
     persister = Persister(
         pg_settings.replace(persist_batch_size=1000), redis_as_jobtier, pg_pool, "p1"
     )
-    sizes: list[tuple[int, int]] = []  # (entries, bytes) of each transaction
+    sizes: list[tuple[int, int, int]] = []  # (transitions, bytes, entries) of each transaction
     write = persister.persist
 
     async def measured(entries: Sequence[LogEntry], rows: Any = None) -> None:
-        sizes.append((len(entries), sum(persister_module._size(e) for e in entries)))
+        sizes.append((
+            len(entries),
+            sum(persister_module._size(e) for e in entries),
+            len({(e.shard, e.entry_id) for e in entries}),
+        ))  # fmt: skip
         await write(entries, rows)
 
     persister.persist = measured  # type: ignore[method-assign]
     assert await persister.drain() == 90
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
-    assert len(sizes) > 4 and sum(n for n, _ in sizes) == 90, sizes
-    assert all(size <= 20_000 or n == 1 for n, size in sizes), sizes
+    assert len(sizes) > 4 and sum(n for n, _, _ in sizes) == 90, sizes
+    # a larger one is one entry's (a script's transitions): never cut
+    assert all(size <= 20_000 or n == 1 for _, size, n in sizes), sizes
 
 
 async def test_a_drain_takes_over_every_entry_a_dead_member_left(
@@ -371,7 +384,7 @@ async def test_a_drain_takes_over_every_entry_a_dead_member_left(
     taken: list[Any] = []
     for _ in range(3):  # its own pending entries first (none), then the new ones
         taken += (await dead.consumer.read(1_000))[1]
-    assert len(taken) == 600  # pending under "dead", never written
+    assert len(taken) == len(await log_entries(redis, keys))  # pending under "dead"
 
     async def all_idle() -> bool:  # idle past the claim time (the dead member's are)
         for s in range(keys.shards):
@@ -389,7 +402,7 @@ async def test_a_drain_takes_over_every_entry_a_dead_member_left(
         pg_pool,
         "live",
     )
-    assert await live.drain() == 600  # one claim pass of 64 a stream took 256 of them
+    assert await live.drain() == 600  # the transitions of every entry it took over
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
     assert await lag(redis, keys) == (0, 0.0)
 
@@ -401,6 +414,7 @@ async def test_an_entry_written_is_not_taken_again_before_its_xack_is_sent(
     flush) between a batch's commit and its XACK finds the batch's entries still pending in
     Redis: it does not take them, nor write them, again (a drain wrote a batch twice so)."""
     job_ids = await simple_jobs(redis, keys, 50)
+    entries = len(await log_entries(redis, keys))
     persister = Persister(pg_settings, redis_as_jobtier, pg_pool, "p1")
     await persister.consumer.setup()
     while await persister._read():
@@ -414,7 +428,7 @@ async def test_an_entry_written_is_not_taken_again_before_its_xack_is_sent(
         pass
     assert persister._buffer == []
     assert persister.stats.transitions == 150
-    assert len(persister._taken) == 150  # ours until Redis has their XACKs
+    assert len(persister._taken) == entries  # ours until Redis has their XACKs
     await persister._ack()
     assert await lag(redis, keys) == (0, 0.0)
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
@@ -434,8 +448,7 @@ async def test_bad_entries_do_not_stop_the_rest_and_refused_ones_are_parked(
     job_ids = await simple_jobs(redis, keys, 20)
     await redis.xadd(keys.log(0), {"d": b"{not a document", "tn": "t1", "fr": "", "w": "api"})
     # valid document, but a payload Postgres refuses as JSON: isolated from its batch
-    entries = await log_entries(redis, keys)
-    submit = next(f for _, _, f in entries if f[b"fr"] == b"")
+    submit = next(p for p in await transition_fields(redis, keys) if p[b"fr"] == b"")
     bad = {**submit, b"p": b"{not json"}
     bad[b"d"] = bad[b"d"].replace(b'"id":"', b'"id":"X', 1)  # another job id
     await redis.xadd(keys.log(1), bad)
@@ -525,7 +538,8 @@ async def test_a_consumer_holding_entries_is_never_forgotten(
     sweeper.consumer.forget_idle_ms = 0
     assert await sweeper.consumer.forget() == 0
     rows = await redis.xinfo_consumers(keys.log(0), keys.persist_group())
-    assert [r["pending"] for r in rows if r["name"] in (b"dead-holder", "dead-holder")] == [6]
+    # its 3 entries of shard 0: the submits, the claims, the completions of 2 jobs
+    assert [r["pending"] for r in rows if r["name"] in (b"dead-holder", "dead-holder")] == [3]
     sweeper.consumer.claim_idle_ms = 0
     await sweeper.drain()  # takes the entries over (then forgets it) and writes them
     rows = await redis.xinfo_consumers(keys.log(0), keys.persist_group())
@@ -591,3 +605,32 @@ async def test_batches_holding_entries_of_the_same_jobs_at_once_do_not_deadlock(
             persister.persist([e[older, 3], e[newer, 2], e[newer, 3]]),
         )
         await assert_pg_matches_redis(redis, pg_pool, keys, [older, newer])
+
+
+async def test_an_entry_whose_one_transition_is_refused_is_parked_once_the_rest_are_written(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """An entry holds the transitions of one script call: one of them refused by Postgres
+    parks the entry, whole, once its others are written; it is acknowledged then, neither
+    before nor never."""
+    job_ids = await simple_jobs(redis, keys, 8)
+    first, second = [p for p in await logged(redis, keys.log(1)) if p[b"fr"] == b""]
+    bad = {**first, b"p": b"{not json"}  # a payload Postgres refuses as JSON
+    bad[b"d"] = bad[b"d"].replace(b'"id":"', b'"id":"X', 1)  # another job id
+    entry = {b"n": b"3"}
+    for place, part in enumerate([first, bad, second], 1):  # two submits again, and the bad
+        entry.update({name + b"%d" % place: value for name, value in part.items()})
+    await redis.xadd(keys.log(1), entry)
+
+    persister = Persister(
+        pg_settings.replace(persist_batch_size=1000), redis_as_jobtier, pg_pool, "p1"
+    )
+    assert await persister.drain() == 3 * 8 + 2
+    await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)
+    assert not await pg_pool.fetchval("SELECT count(*) FROM jobs WHERE id LIKE 'X%'")
+    assert persister.stats.parked == 1
+    (parked,) = await redis.xrange(keys.log_refused(1))
+    assert parked[1][b"n"] == b"3" and parked[1][b"p2"] == b"{not json"
+    assert b"json" in parked[1][b"refused_error"].lower()
+    assert await lag(redis, keys) == (0, 0.0)
+    assert persister._taken == set() and persister.parts._left == {}

@@ -15,7 +15,7 @@ from jobtier.persist.batch import write_batch
 from jobtier.persist.db import Connection, Pool
 from jobtier.persist.pg_reader import PgReader
 from jobtier.persist.retention import prune
-from jobtier.streams.entries import parse_entry
+from jobtier.streams.entries import parse_entries
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_listed_by_state,
@@ -45,7 +45,7 @@ async def test_a_jobs_later_transitions_are_heap_only_updates(
     keys = Keys(settings.prefix, settings.shards)
     n = 300
     job_ids = await simple_jobs(redis, keys, n)
-    entries = [parse_entry(s, i, f) for s, i, f in await log_entries(redis, keys)]
+    entries = [e for s, i, f in await log_entries(redis, keys) for e in parse_entries(s, i, f)]
     reader = PgReader(pg_pool)
     async with pg_pool.acquire() as conn:
         for version, state in ((1, "queued"), (2, "running"), (3, "succeeded")):

@@ -21,6 +21,7 @@ from jobtier.store.calls import (
     submit_call,
 )
 from jobtier.store.scripts import Scripts
+from jobtier.streams.entries import split_fields
 from jobtier.streams.group import lag
 from tests.fixtures.engine import running, wait_for
 from tests.fixtures.postgres import assert_pg_matches_redis
@@ -55,6 +56,10 @@ async def complete(redis: Any, keys: Keys, claims: list[ClaimedJob]) -> None:
 
 async def states(pool: Pool) -> list[str]:
     return [r[0] for r in await pool.fetch("SELECT state FROM jobs ORDER BY id")]
+
+
+async def sorted_states(pool: Pool) -> list[str]:
+    return sorted(await states(pool))
 
 
 async def history(pool: Pool) -> int:
@@ -169,6 +174,37 @@ async def test_a_batch_refused_for_its_data_writes_the_rows_it_would_hold_in_par
     assert len(persister.holding) == 0 and await lag(redis, keys) == (0, 0.0)
     assert persister._taken == set()  # the parked entry too
     assert sorted(await states(pg_pool)) == ["queued"] + ["scheduled"] * N
+    await assert_pg_matches_redis(redis, pg_pool, keys, ids)
+
+
+async def test_an_entry_stays_pending_while_a_row_of_one_of_its_transitions_is_held(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """An entry holds one script call's transitions: while a row of one of them is held, the
+    entry stays pending, though its others are written (a persister that died meanwhile
+    leaves it to the next), and it is acknowledged once that row is written too."""
+    persister = Persister(holding(pg_settings, 60), redis_as_jobtier, pg_pool, "p1")
+    ids, claims = await submitted_and_claimed(redis, keys, persister)
+    await complete(redis, keys, claims[:3])
+    # one entry of the claims of N jobs and the successes of 3 of them (a call may mix them)
+    (claimed_id, claimed), (done_id, done) = await redis.xrange(keys.log(0))
+    parts = split_fields(claimed) + split_fields(done)
+    entry = {b"n": b"%d" % len(parts)}
+    for place, part in enumerate(parts, 1):
+        entry.update({name + b"%d" % place: value for name, value in part.items()})
+    await redis.xdel(keys.log(0), claimed_id, done_id)
+    await redis.xadd(keys.log(0), entry)
+    async with running(persister):
+        # the 3 ended jobs' rows are written; the others' wait, and so does the entry
+        await wait_for(
+            lambda: _equals(sorted_states(pg_pool), ["queued"] * 3 + ["succeeded"] * 3), 60
+        )
+        await wait_for(lambda: _equals(history(pg_pool), 2 * N + 3), 60)
+        assert len(persister.holding) == N - 3
+        assert (await lag(redis, keys))[0] == N + 3
+    # stopping writes the held rows: the entry is acknowledged then
+    assert sorted(await states(pg_pool)) == ["running"] * 3 + ["succeeded"] * 3
+    assert await lag(redis, keys) == (0, 0.0)
     await assert_pg_matches_redis(redis, pg_pool, keys, ids)
 
 

@@ -30,7 +30,7 @@ from jobtier.persist.retention import (
     partitions,
     prune,
 )
-from jobtier.streams.entries import LogEntry, parse_entry
+from jobtier.streams.entries import LogEntry, parse_entries
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_listed_by_state,
@@ -52,7 +52,7 @@ async def conn(pg_dsn: str) -> AsyncIterator[Connection]:
 
 
 def parsed(raw: list[tuple[int, bytes, dict[bytes, bytes]]]) -> list[LogEntry]:
-    return [parse_entry(shard, entry_id, fields) for shard, entry_id, fields in raw]
+    return [e for shard, entry_id, fields in raw for e in parse_entries(shard, entry_id, fields)]
 
 
 async def where_rows_are(pool: Pool) -> dict[str, int]:

@@ -33,7 +33,7 @@ from jobtier.store.calls import (
 from jobtier.store.context import SPREAD_FROM
 from jobtier.store.redis import RedisClient
 from tests.fixtures.engine import wait_for
-from tests.fixtures.redis import StreamEntries
+from tests.fixtures.redis import logged
 
 pytestmark = pytest.mark.contract
 
@@ -119,7 +119,7 @@ async def history(queue: Queue, job_id: str) -> list[tuple[str, str, int]]:
     """(from, to, version) of every log entry of the job, in order."""
     shard = queue.keys.shard_of(job_id)
     out = []
-    for _, fields in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
+    for fields in await logged(queue.redis, queue.keys.log(shard)):
         doc = decode_status(fields[b"d"])
         if doc.id == job_id:
             out.append((fields[b"fr"].decode(), doc.state.value, doc.version))
@@ -580,3 +580,45 @@ async def test_worker_writes_resent_after_they_ran_are_refused_or_harmless(queue
     assert (await fail(queue, job_b, 60_000))[0] is Code.OK
     assert (await fail(queue, job_b, 60_000))[0] is Code.WRONG_STATE
     assert (await queue.status(b.job_id)).attempt == 1
+
+
+async def test_a_calls_transitions_are_one_log_entry_of_at_most_a_hundred(queue: Queue) -> None:
+    """A script call's transitions go to the log in one entry ('n' of them, each one's
+    fields named with its place), one transition in an entry of its own fields as before,
+    and a call of more than 100 in entries of 100: every transition in the order made."""
+    shard = 0
+    items = [
+        SubmitItem(queue.keys.new_id(shard), "t1", "echo", "normal", b"%d" % i, 3, 0, 0, "", "")
+        for i in range(250)
+    ]
+    await queue.scripts.call(*submit_call(shard, items, 60_000))
+    raw = cast(list[tuple[bytes, dict[bytes, bytes]]], await queue.redis.xrange(queue.keys.log(0)))
+    assert [f[b"n"] for _, f in raw] == [b"100", b"100", b"50"]
+    assert [k for k in raw[2][1] if k.endswith(b"50")] == [
+        b"d50",
+        b"tn50",
+        b"fr50",
+        b"w50",
+        b"pv50",
+        b"p50",
+    ]
+    parts = await logged(queue.redis, queue.keys.log(0))
+    assert [decode_status(p[b"d"]).id for p in parts] == [i.job_id for i in items]
+    assert [p[b"p"] for p in parts] == [i.payload for i in items]
+    assert {(p[b"fr"], p[b"w"], p[b"pv"], p[b"tn"]) for p in parts} == {(b"", b"api", b"0", b"t1")}
+
+    job = await claim(queue, items[0].job_id)
+    assert await complete(queue, job) is Code.OK
+    # one job a call: entries of one transition, their fields as they always were
+    last = cast(
+        list[tuple[bytes, dict[bytes, bytes]]],
+        await queue.redis.xrevrange(queue.keys.log(0), count=1),
+    )
+    assert (
+        b"n" not in last[0][1] and last[0][1][b"fr"] == b"running" and last[0][1][b"r"] == b'"done"'
+    )
+    assert await history(queue, items[0].job_id) == [
+        ("", "queued", 1),
+        ("queued", "running", 2),
+        ("running", "succeeded", 3),
+    ]

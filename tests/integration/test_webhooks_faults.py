@@ -246,9 +246,10 @@ async def test_the_persister_keeps_log_entries_until_the_dispatchers_have_read_t
     async def log_length() -> int:
         return sum([await queue.redis.xlen(queue.keys.log(x)) for x in range(s.shards)])
 
+    entries = await log_length()  # (the claims' and completions' may hold several)
     persister = Persister(s, queue.redis, pool, "p1")
     assert await persister.drain() == 18  # acknowledged by the persisters, then trimmed...
-    assert await log_length() == 18  # ...but nothing is gone: the dispatchers have not read it
+    assert await log_length() == entries  # ...but nothing is gone: the dispatchers have not read it
     dispatcher = Dispatcher(s, queue.redis, pool, "d1")
     try:
         assert await dispatcher.drain() == 18

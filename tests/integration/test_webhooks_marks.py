@@ -29,6 +29,7 @@ from tests.fixtures.receiver import (
     run_jobs,
     secret_of,
 )
+from tests.fixtures.redis import logged
 from tests.flows_helpers import run_flows
 
 
@@ -36,8 +37,8 @@ async def log_entries(queue: Queue, tenant: str) -> int:
     """The entries of ``tenant``'s jobs in every shard's log now."""
     found = 0
     for shard in range(queue.keys.shards):
-        for _, fields in await queue.redis.xrange(queue.keys.log(shard)) or []:
-            found += fields is not None and fields[b"tn"] == tenant.encode()
+        for fields in await logged(queue.redis, queue.keys.log(shard)):
+            found += fields[b"tn"] == tenant.encode()
     return found
 
 

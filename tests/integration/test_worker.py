@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from redis.exceptions import SlotNotCoveredError
@@ -16,7 +16,7 @@ from jobtier.scheduler import Scheduler
 from jobtier.store.calls import parse_claim
 from jobtier.worker.permits import LimitedClaimer
 from tests.fixtures.engine import Background, wait_for, worker_for
-from tests.fixtures.redis import StreamEntries
+from tests.fixtures.redis import logged
 from tests.tasks import registry
 from tests.unit.loops import LoopErrors
 
@@ -63,7 +63,7 @@ async def test_retries_follow_the_backoff_then_dead_letter(
     await until_state(queue, sub.job_id, State.FAILED, timeout=20)
     shard = queue.keys.shard_of(sub.job_id)
     retries = []
-    for _, fields in cast(StreamEntries, await queue.redis.xrange(queue.keys.log(shard))):
+    for fields in await logged(queue.redis, queue.keys.log(shard)):
         doc = decode_status(fields[b"d"])
         if doc.id == sub.job_id and doc.state is State.SCHEDULED:
             assert doc.run_at is not None

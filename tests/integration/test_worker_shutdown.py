@@ -33,7 +33,7 @@ from jobtier.engine.queue import Queue
 from jobtier.store.calls import complete_call
 from tests import shutdown_tasks
 from tests.fixtures.engine import wait_for, worker_for
-from tests.fixtures.redis import admin
+from tests.fixtures.redis import admin, logged
 
 HANG_GUARD = 60.0  # s: only stops a broken test from hanging; far above any grace used here
 LONG = 600  # s: a job that will not end by itself during the test
@@ -117,8 +117,8 @@ async def running(queue: Queue, job_ids: list[str], n: int) -> None:
 
 async def history(queue: Queue, job_id: str) -> list[tuple[State, int]]:
     """(state, attempt) of each of the job's transitions, from its shard's log."""
-    entries: Any = await queue.redis.xrange(queue.keys.log(queue.keys.shard_of(job_id)))
-    docs = [decode_status(fields[b"d"]) for _, fields in entries]
+    entries = await logged(queue.redis, queue.keys.log(queue.keys.shard_of(job_id)))
+    docs = [decode_status(fields[b"d"]) for fields in entries]
     return [(d.state, d.attempt) for d in docs if d.id == job_id]
 
 

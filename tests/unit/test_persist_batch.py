@@ -19,7 +19,14 @@ from jobtier.persist.batch import (
     split_created,
     transition_records,
 )
-from jobtier.streams.entries import parse_entry
+from jobtier.streams.entries import (
+    MALFORMED,
+    PARTS_MOST,
+    parse_entries,
+    parse_entry,
+    split_fields,
+    tenants,
+)
 
 JOB = "01ARZ3NDEKTSV4RRFFQ69G5FAV-1"
 
@@ -82,6 +89,54 @@ def test_decoded_entries_and_rows_are_left_to_reference_counting() -> None:
 def test_parse_entry_refuses_malformed_entries(fields: dict[bytes, bytes]) -> None:
     with pytest.raises((KeyError, ValueError)):
         parse_entry(0, b"1-0", fields)
+
+
+def bundle(*parts: dict[bytes, bytes]) -> dict[bytes, bytes]:
+    """An entry of several transitions, as lib.lua's write_log makes one."""
+    out = {b"n": b"%d" % len(parts)}
+    for place, part in enumerate(parts, 1):
+        out.update({name + b"%d" % place: value for name, value in part.items()})
+    return out
+
+
+def test_an_entry_of_several_transitions_is_read_in_the_order_they_were_made() -> None:
+    other = "01ARZ3NDEKTSV4RRFFQ69G5FAW-1"
+    parts = [
+        entry(1, fr=b"", w=b"api", p=b'{"a":1}', ik=b"k", pv=b"0"),
+        {**entry(2, r=b"", pv=b"1"), b"tn": b"t2", b"d": doc(2, job_id=other)},
+        entry(4, rl=b"1", cp=b"[1]", pv=b"3"),
+    ]
+    fields = bundle(*parts)
+    got = parse_entries(3, b"7-0", fields)
+    assert [(e.status.id, e.status.version) for e in got] == [(JOB, 1), (other, 2), (JOB, 4)]
+    assert {(e.shard, e.entry_id) for e in got} == {(3, b"7-0")}
+    assert [e.tenant for e in got] == ["t1", "t2", "t1"]
+    assert (
+        got[0].payload == b'{"a":1}' and got[0].idempotency_key == "k" and got[0].from_state is None
+    )
+    assert got[1].result == b"" and got[1].payload is None and got[1].prev_version == 1
+    assert got[2].released and got[2].checkpoint == b"[1]" and not got[0].released
+    # one transition alone is an entry of its own fields, as it always was
+    assert parse_entries(0, b"1-0", parts[0]) == [parse_entry(0, b"1-0", parts[0])]
+    assert split_fields(fields) == parts and split_fields(parts[0]) == [parts[0]]
+    assert tenants(fields) == [b"t1", b"t2", b"t1"] and tenants(parts[0]) == [b"t1"]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {**bundle(entry(1), entry(2)), b"n": b"3"},  # a transition missing
+        {**bundle(entry(1), entry(2)), b"n": b"0"},
+        bundle(*[entry(1)] * (PARTS_MOST + 1)),  # more than a call logs in one entry
+        {**bundle(entry(1), entry(2)), b"n": b"two"},
+        {k: v for k, v in bundle(entry(1), entry(2)).items() if k != b"tn2"},  # no tenant
+    ],
+)
+def test_a_malformed_entry_of_several_transitions_is_refused_whole(
+    fields: dict[bytes, bytes],
+) -> None:
+    with pytest.raises(MALFORMED):
+        parse_entries(0, b"1-0", fields)
 
 
 def test_collapse_keeps_the_latest_version_and_the_submit_and_success_fields() -> None:

@@ -66,6 +66,6 @@ async def live_gauges(
         out["outbox_oldest_pending_seconds"] = {"": backlog[1]}
     dispatch = await group_lag(queue.redis, queue.keys, queue.keys.dispatch_group())
     if dispatch.exists:
-        out["dispatcher_lag_transitions"] = {"": dispatch.entries}
+        out["dispatcher_lag_transitions"] = {"": dispatch.transitions}
         out["dispatcher_lag_seconds"] = {"": dispatch.seconds}
     return out

@@ -67,7 +67,9 @@ Per shard::
                                     lists, jt:{s}:q:<priority>, then deletes it)
     jt:{s}:cron              zset   recurring schedules of this shard by next fire time (ms)
     jt:{s}:cron:<id>         hash   a schedule: "def" (JSON), "next", "last" (ms), "paused"
-    jt:{s}:log               stream every transition, read by the persister (write-behind)
+    jt:{s}:log               stream every transition, read by the persister (write-behind):
+                                    an entry per script call, its transitions in it
+                                    (streams/entries.py)
     jt:{s}:log:refused       stream log entries Postgres refused for their data, parked
     jt:{s}:ev                shard channel: "<id> <version> <tenant>\\n<status document>"
     jt:{s}:wake              shard channel: "q <queue>" (a queue had no ready job and

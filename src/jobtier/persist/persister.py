@@ -42,6 +42,7 @@ from jobtier.persist.batch import (
     write_on,
 )
 from jobtier.persist.db import UNAVAILABLE, Pool
+from jobtier.persist.entry_parts import EntryParts
 from jobtier.persist.holding import Batch, Holding
 from jobtier.persist.outbox import OutboxRelay
 from jobtier.persist.reconcile import run_reconciling
@@ -53,7 +54,7 @@ from jobtier.runtime.loop import FAULTS
 from jobtier.store.faults import fault_event
 from jobtier.store.redis import RedisClient
 from jobtier.streams.consumer import Consumer
-from jobtier.streams.entries import MALFORMED, LogEntry, age, parse_entry
+from jobtier.streams.entries import MALFORMED, LogEntry, age, parse_entries
 
 log = logging.getLogger("jobtier.persist")
 
@@ -132,6 +133,9 @@ class Persister:
         # (shard, id) buffered, being written, waiting for its job's held row (holding.py),
         # or written and its XACK not yet sent: a read must not take it again
         self._taken: set[tuple[int, bytes]] = set()
+        # entries of several transitions (one script's): acknowledged once all are written
+        self.parts = EntryParts(self.consumer.acks)
+        self._per_entry = 1.0  # transitions an entry held, in the last read
         # live jobs' rows held back; their entries stay pending meanwhile, so not so long that
         # another persister would take them over
         self.holding = Holding(min(settings.persist_hold_seconds, idle / 2))
@@ -287,7 +291,7 @@ class Persister:
             self.consumer.acks.add(shard, entry_id)
             return False
         try:
-            entry = parse_entry(shard, entry_id, fields)
+            parts = parse_entries(shard, entry_id, fields)
         except MALFORMED as exc:
             # Left pending, never acknowledged: a persister that understands it (a newer
             # version, in a rolling deploy) takes it over after the idle timeout.
@@ -296,16 +300,20 @@ class Persister:
             return False
         if not self._buffer:
             self._first_at = time.monotonic()
-        self._buffer.append(entry)
-        self._buffered += _size(entry)
+        self._buffer.extend(parts)
+        self._buffered += sum(map(_size, parts))
         self._taken.add((shard, entry_id))
+        self.parts.taken(parts)
         return True
 
     async def _read(self) -> bool:
         """True if some shard may have more."""
         more, items = await self.consumer.read(self._read_count())
+        before = len(self._buffer)
         for shard, entry_id, fields in items:
             self._accept(shard, entry_id, fields)
+        if items:
+            self._per_entry = max(1.0, (len(self._buffer) - before) / len(items))
         return bool(more)
 
     def _full(self) -> bool:
@@ -313,14 +321,14 @@ class Persister:
         return len(self._buffer) >= self.batch_size or self._buffered >= BATCH_BYTES
 
     def _read_count(self) -> int:
-        """Entries to ask each stream for: the room left in the buffer, in entries and in
-        bytes (at the larger of the last batch's and the buffer's mean entry), spread over
-        them."""
+        """Entries to ask each stream for: the room left in the buffer, in transitions and in
+        bytes (at the larger of the last batch's and the buffer's mean transition), spread
+        over them, at as many transitions an entry as the last read's held."""
         entry = self._entry_bytes
         if self._buffer:
             entry = max(entry, self._buffered / len(self._buffer))
         room = min(self.batch_size - len(self._buffer), (BATCH_BYTES - self._buffered) / entry)
-        return max(-(-int(room) // self.keys.shards), READ_MIN)
+        return max(-(-int(room / self._per_entry) // self.keys.shards), READ_MIN)
 
     # --- writing --------------------------------------------------------------------------
     async def persist(
@@ -331,20 +339,34 @@ class Persister:
         self.stats.jobs += await write_on(self.pool, entries, self.batch_timeout, rows)
 
     def _take(self, release_all: bool = False) -> Batch:
-        """The next batch: up to ``batch_size`` buffered entries, their jobs' rows but those
-        held, and the held rows whose hold ran out (every one with ``release_all``)."""
+        """The next batch: up to ``batch_size`` buffered transitions (``BATCH_BYTES``), never
+        cut inside a stream entry (its XACK waits for all its transitions: ``EntryParts``),
+        their jobs' rows but those held, and the held rows whose hold ran out (every one with
+        ``release_all``)."""
         # what stays behind keeps its _first_at: it has waited at least that long
-        n, size = len(self._buffer), self._buffered
+        buffer = self._buffer
+        n, size = len(buffer), self._buffered
         if n > self.batch_size or size > BATCH_BYTES:  # else all of it, as a rule
             n, size = 0, 0
-            for entry in self._buffer[: self.batch_size]:  # at least one, however large
+            for entry in buffer[: self.batch_size]:  # at least one, however large
                 size += _size(entry)
                 if n and size > BATCH_BYTES:
                     size -= _size(entry)
                     break
                 n += 1
-        entries = self._buffer[:n]
-        del self._buffer[:n]
+            if n < len(buffer) and _same(buffer[n], buffer[n - 1]):
+                # back to the start of the entry cut, or, when the batch is that entry,
+                # on to its end: a batch over the bounds holds one entry alone
+                start = n - 1
+                while start and _same(buffer[start - 1], buffer[n]):
+                    start -= 1
+                if start:
+                    n = start
+                while n < len(buffer) and _same(buffer[n], buffer[n - 1]):
+                    n += 1
+                size = sum(map(_size, buffer[:n]))
+        entries = buffer[:n]
+        del buffer[:n]
         self._buffered -= size
         if n:
             self._entry_bytes = size / n
@@ -374,8 +396,7 @@ class Persister:
         for task, batch in self._inflight.items():
             if not task.done():
                 task.cancel()
-                for e in (*batch.entries, *batch.released):
-                    self._taken.discard((e.shard, e.entry_id))
+                self._let_go((*batch.entries, *batch.released))
         self._inflight.clear()
 
     async def _flush(self, batch: Batch, retry: bool = True) -> None:
@@ -408,14 +429,13 @@ class Persister:
             # it again and write it twice. Not committed, every one is let go (pending in
             # Redis: read back, or written by the next).
             if outcome is None:
-                for e in (*batch.entries, *batch.released):
-                    self._taken.discard((e.shard, e.entry_id))
+                self._let_go((*batch.entries, *batch.released))
             elif not outcome.isolated and batch.held:
                 self.holding.committed(batch, time.monotonic())
         if outcome is None:  # stopped while Postgres was away: the entries stay pending
             return None
         written, acks = outcome.written, outcome.acks
-        self.consumer.acks.add_many((e.shard, e.entry_id) for e in acks)
+        self.parts.done(acks)
         stats = self.stats
         stats.batches += 1
         stats.transitions += len(written)
@@ -454,8 +474,7 @@ class Persister:
                         written = await self._isolate(alone, retry)
                     finally:  # no longer held: left pending, or written or parked (``_ack``)
                         if written is None:
-                            for e in forgotten:
-                                self._taken.discard((e.shard, e.entry_id))
+                            self._let_go(forgotten)
                     if written is None:
                         return None
                     ids = {id(e) for e in batch.entries}
@@ -535,7 +554,14 @@ class Persister:
             exc,
             self.keys.log_refused(entry.shard),
         )
-        self.consumer.acks.park(entry.shard, entry.entry_id, repr(exc))
+        self.parts.refused(entry, repr(exc))
+
+    def _let_go(self, entries: Sequence[LogEntry]) -> None:
+        """Entries not written (a batch not committed): pending in Redis, a read may take them
+        again, every transition of their stream entries afresh."""
+        self.parts.let_go(entries)
+        for e in entries:
+            self._taken.discard((e.shard, e.entry_id))
 
     async def _ack(self) -> None:
         """Send what Redis is owed: parked copies of refused entries, then XACKs."""
@@ -546,6 +572,11 @@ class Persister:
                     taken.discard((shard, entry_id))
         finally:
             self.stats.parked = acks.parked
+
+
+def _same(a: LogEntry, b: LogEntry) -> bool:
+    """Do ``a`` and ``b`` come in the same stream entry?"""
+    return a.entry_id == b.entry_id and a.shard == b.shard
 
 
 def _size(entry: LogEntry) -> int:

@@ -54,6 +54,7 @@ NAMES = tuple(_SCRIPTS.split())
 # refuses any write in them, and runs them where only reads may run)
 READ_ONLY = frozenset({"explain"})
 _LIB = "--!include lib.lua"
+_LIB_LINE = re.compile(r"^--!include lib\.lua$", re.MULTILINE)
 LIBRARIES = "jobtier_*"  # every jobtier version's function library (FUNCTION LIST LIBRARYNAME)
 
 
@@ -74,13 +75,24 @@ def _expand(text: str, begin: str, read: Callable[[str], str] = _read) -> str:
 
 def lua_source(name: str, read: Callable[[str], str] = _read) -> str:
     """The script as EVAL runs it: its includes expanded, and lib.lua's ``begin(ARGV)``
-    called where lib.lua's text ends. ``read`` (a file's text by name) may give another
-    revision's files; one whose lib.lua has no begin() gets no call of it."""
-    has_begin = "local function begin(" in read("lib.lua")
-    text = _expand(read(f"{name}.lua"), "\nbegin(ARGV)" if has_begin else "", read)
+    called where lib.lua's text ends; what follows it runs inside lib.lua's ``logged``, which
+    appends the call's log entries when it ends (``_LOGGED``). ``read`` (a file's text by
+    name) may give another revision's files; one whose lib.lua has no begin() gets no call of
+    it, and none without logged() is wrapped."""
+    lib = read("lib.lua")
+    begin = "\nbegin(ARGV)" if "local function begin(" in lib else ""
+    text = read(f"{name}.lua")
+    parts = _LIB_LINE.split(text, 1)
+    if "local function logged(" in lib and name not in READ_ONLY and len(parts) == 2:
+        text = f"{parts[0]}{_LIB}\n{_LOGGED.format(body=parts[1])}"
+        begin = ""  # in the wrapped body, first
+    text = _expand(text, begin, read)
     return "#!lua flags=no-writes\n" + text if name in READ_ONLY else text
 
 
+# A script's body, after lib.lua: begun, run, and its log entries appended at its end whether
+# it returned or failed (lib.lua's logged()). One closure a call: nothing else it allocates.
+_LOGGED = "return logged(pcall(function()\nbegin(ARGV)\n{body}\nend))\n"
 _WRAP = "\nredis.register_function('{function}', function(KEYS, ARGV)\n{body}\nend)\n"
 _WRAP_RO = (
     "\nredis.register_function{{function_name='{function}', flags={{'no-writes'}},"
@@ -91,17 +103,24 @@ _WRAP_RO = (
 class Library:
     """The scripts of ``names`` (each includes lib.lua) as one Redis function library: lib.lua
     once, then one function per script, which calls ``begin(ARGV)`` where the script included
-    lib.lua. ``read`` may give another revision's files (a benchmark's baseline)."""
+    lib.lua and runs the rest inside ``logged`` (``_LOGGED``). ``read`` may give another
+    revision's files (a benchmark's baseline)."""
 
     __slots__ = ("code", "functions", "name")
 
     def __init__(self, names: Sequence[str], read: Callable[[str], str] = _read) -> None:
         bodies = {}
+        wrapped = "local function logged(" in read("lib.lua")  # (not an older revision's)
         for name in names:
             text = read(f"{name}.lua")
             if text.count(_LIB) != 1:
                 raise ValueError(f"{name}.lua must include lib.lua once to be in the library")
-            bodies[name] = _expand(text.replace(_LIB, "begin(ARGV)"), "", read)
+            if name in READ_ONLY or not wrapped:
+                body = text.replace(_LIB, "begin(ARGV)")
+            else:
+                head, rest = _LIB_LINE.split(text, 1)
+                body = head + _LOGGED.format(body=rest)
+            bodies[name] = _expand(body, "", read)
         lib = _expand(_LIB, "", read)
         # the digest covers the wrapper as well as the Lua: a change to either is a new name
         wraps = "\0".join([_WRAP, _WRAP_RO])

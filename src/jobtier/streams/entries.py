@@ -21,7 +21,7 @@ class LogEntry(msgspec.Struct, gc=False):
     """
 
     shard: int
-    entry_id: bytes
+    entry_id: bytes  # the stream entry it came in, which it may share with others of one call
     status: JobStatus
     doc: bytes
     tenant: str
@@ -47,33 +47,93 @@ class LogEntry(msgspec.Struct, gc=False):
 # what parse_entry raises for a malformed entry (a field missing, or not what it should be)
 MALFORMED = (KeyError, ValueError, UnicodeDecodeError, msgspec.DecodeError)
 
+# A script that makes several transitions logs them in one entry (store/lua/lib.lua,
+# write_log): 'n' their number, and each one's fields named with its place after the name,
+# 1 to n ('d1', 'tn1', …). NAMES[i]: the names of place i (0: an entry of one transition).
+_FIELDS = ("d", "tn", "fr", "w", "pv", "p", "ik", "r", "dp", "dk", "rl", "cp")
+PARTS_MOST = 100  # lib.lua's LOG_MOST: an entry of more is malformed
+NAMES = [tuple(f.encode() for f in _FIELDS)] + [
+    tuple(f"{f}{i}".encode() for f in _FIELDS) for i in range(1, PARTS_MOST + 1)
+]
+
 
 def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogEntry:
-    """Decode one stream entry; raises one of ``MALFORMED`` on a malformed one."""
-    doc = fields[b"d"]
+    """Decode an entry of one transition; raises one of ``MALFORMED`` on a malformed one."""
+    return _parse(shard, entry_id, fields, NAMES[0])
+
+
+def parse_entries(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> list[LogEntry]:
+    """Decode an entry: its transitions, in the order they were made (one, or the ``n`` of an
+    entry of several); raises one of ``MALFORMED`` on a malformed one."""
+    n = fields.get(b"n")
+    if n is None:
+        return [_parse(shard, entry_id, fields, NAMES[0])]
+    count = int(n)
+    if not 1 <= count <= PARTS_MOST:
+        raise ValueError(f"an entry of {count} transitions")
+    return [_parse(shard, entry_id, fields, NAMES[i]) for i in range(1, count + 1)]
+
+
+def tenants(fields: dict[bytes, bytes]) -> list[bytes | None]:
+    """The tenant of each transition of an entry (``parse_entries``'s order), undecoded; None
+    where it has none (a malformed entry)."""
+    n = fields.get(b"n")
+    if n is None:
+        return [fields.get(b"tn")]
+    try:
+        count = min(max(int(n), 0), PARTS_MOST)
+    except ValueError:
+        return [None]
+    return [fields.get(NAMES[i][1]) for i in range(1, count + 1)]
+
+
+def _parse(
+    shard: int, entry_id: bytes, fields: dict[bytes, bytes], names: tuple[bytes, ...]
+) -> LogEntry:
+    d, tn, fr, w, pv_, p, ik_, r, dp_, dk_, rl, cp = names
+    doc = fields[d]
     status = status_decoder.decode(doc)
-    ik = fields.get(b"ik")
-    pv = fields.get(b"pv")
-    dp = fields.get(b"dp")
-    dk = fields.get(b"dk")
+    ik = fields.get(ik_)
+    pv = fields.get(pv_)
+    dp = fields.get(dp_)
+    dk = fields.get(dk_)
     # positional: a Struct builds faster from positions than from keywords
     return LogEntry(
         shard,
         entry_id,
         status,
         doc,
-        fields[b"tn"].decode(),
-        fields[b"fr"].decode() or None,
-        fields[b"w"].decode(),
+        fields[tn].decode(),
+        fields[fr].decode() or None,
+        fields[w].decode(),
         int(pv) if pv is not None else None,
-        fields.get(b"p"),
+        fields.get(p),
         ik.decode() if ik else None,
-        fields.get(b"r"),
+        fields.get(r),
         dp.decode().split() if dp else None,
         dk.decode() if dk else "",
-        b"rl" in fields,
-        fields.get(b"cp"),
+        rl in fields,
+        fields.get(cp),
     )
+
+
+def split_fields(fields: dict[bytes, bytes]) -> list[dict[bytes, bytes]]:
+    """An entry's fields per transition, each named as in an entry of one (tests, tools: the
+    log read as it was written before entries held several)."""
+    n = fields.get(b"n")
+    if n is None:
+        return [fields]
+    out = []
+    for i in range(1, int(n) + 1):
+        suffix = str(i).encode()
+        out.append(
+            {
+                k[: -len(suffix)]: v
+                for k, v in fields.items()
+                if k.endswith(suffix) and k[: -len(suffix)].isalpha()
+            }
+        )
+    return out
 
 
 _ENTRY_ID = operator.attrgetter("entry_id")

@@ -23,7 +23,9 @@ log = logging.getLogger("jobtier.persist")
 
 _FORGET = Script("forget_consumers")
 _LAG = Script("log_lag")
-LAG_EXACT_UP_TO = 100  # undelivered entries per shard counted one by one (log_lag.lua)
+# undelivered entries per shard counted one by one (log_lag.lua), each read whole: an entry
+# holds the transitions of one script call, up to 100 of them
+LAG_EXACT_UP_TO = 32
 
 
 async def create_groups(
@@ -130,20 +132,20 @@ def _id_ms(entry_id: bytes) -> int:
 
 @dataclass(frozen=True, slots=True)
 class GroupLag:
-    """How far behind a consumer group is: ``entries`` not yet acknowledged by it, the age
-    in ``seconds`` of the oldest one, and whether the group is on any shard's log at all
-    (``exists``; where it is not, every entry counts as waiting for it)."""
+    """How far behind a consumer group is: the ``transitions`` of the entries it has not yet
+    acknowledged, the age in ``seconds`` of the oldest one, and whether the group is on any
+    shard's log at all (``exists``; where it is not, every entry counts as waiting for it)."""
 
-    entries: int
+    transitions: int
     seconds: float
     exists: bool
 
 
 async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> tuple[int, float]:
-    """(entries not yet acknowledged by the persisters, age in seconds of the oldest one):
-    ``group_lag`` of their group."""
+    """(transitions not yet acknowledged by the persisters, age in seconds of the oldest
+    one): ``group_lag`` of their group."""
     found = await group_lag(redis, keys, keys.persist_group(), exact)
-    return found.entries, found.seconds
+    return found.transitions, found.seconds
 
 
 async def group_lag(
@@ -156,8 +158,10 @@ async def group_lag(
     restart from the AOF can leave Redis's own ``lag`` counter stale). Up to ``exact``
     undelivered entries per shard are counted one by one, each read whole; beyond that it is
     Redis's ``lag`` bounded by the entries present, so a call costs the same however long
-    the backlog. The age and a count of 0 stay exact whatever the bound: a caller that wants
-    only those passes a small ``exact``. Callers on hot paths cache it (the API, a second).
+    the backlog. An entry holds the transitions of one script call: those read are counted
+    exactly, the others at the mean of those read (or of the oldest waiting entry's). The
+    age and a count of 0 stay exact whatever the bound: a caller that wants only those
+    passes a small ``exact``. Callers on hot paths cache it (the API, a second).
     """
     exact = max(1, exact)
     calls = [(_LAG, (1, keys.log(s), group, exact)) for s in range(keys.shards)]

@@ -43,7 +43,7 @@ from jobtier.runtime.stopping import stop_tasks
 from jobtier.store.faults import fault_event
 from jobtier.store.redis import RedisClient
 from jobtier.streams.consumer import Consumer, Taken
-from jobtier.streams.entries import MALFORMED, LogEntry, parse_entry
+from jobtier.streams.entries import MALFORMED, LogEntry, parse_entries, tenants
 from jobtier.webhooks import marks
 from jobtier.webhooks.attempts import Attempts
 from jobtier.webhooks.deliveries import PG_UNAVAILABLE, DeliveryStore, made_from
@@ -66,8 +66,8 @@ class PostgresDown(Exception):
 class DispatcherStats:
     """What the dispatcher has read since it started (its metrics; the attempts': ``attempts``)."""
 
-    entries: int = 0  # log entries read and handled
-    skipped: int = 0  # of which acknowledged undecoded: their tenant is not marked
+    entries: int = 0  # transitions read from the log and handled
+    skipped: int = 0  # of which no delivery can be made for: their tenant is not marked
     lookups: int = 0  # target look-ups in Postgres (one per batch with a marked tenant)
     unmarked: int = 0  # tenants unmarked: they had no target left (webhooks/marks.py)
     claimed: int = 0  # entries taken over from idle dispatchers
@@ -228,26 +228,34 @@ class Dispatcher:
 
     async def handle(self, taken: Sequence[Taken]) -> None:
         """Deliveries for a batch of entries, inserted, then the entries acknowledged.
-        Entries of tenants not marked (``webhooks/marks.py``) are acknowledged undecoded."""
+        Entries of tenants not marked (``webhooks/marks.py``) alone are acknowledged
+        undecoded."""
         # the marks are read in a round trip of their own, after the read's reply: so a mark
         # written before a job's submit is seen with its entries (why: marks.marked)
-        tenants = {f[b"tn"] for _, _, f in taken if f and b"tn" in f}
-        wanted = await marks.marked(self.redis, self.keys, sorted(tenants))
+        named = [tenants(f) if f else [] for _, _, f in taken]
+        wanted = await marks.marked(
+            self.redis, self.keys, sorted({t for ts in named for t in ts if t is not None})
+        )
         entries: list[LogEntry] = []
-        for shard, entry_id, fields in taken:
+        for (shard, entry_id, fields), its in zip(taken, named, strict=True):
             if not fields:  # trimmed while pending: nothing left to deliver
                 continue
-            tenant = fields.get(b"tn")
-            if tenant is not None and tenant not in wanted:
-                self.stats.skipped += 1  # no target can exist for it: acknowledged below
+            if None not in its and wanted.isdisjoint(its):
+                self.stats.skipped += len(its)  # no target can exist: acknowledged below
                 continue
             try:
-                entries.append(parse_entry(shard, entry_id, fields))
+                parts = parse_entries(shard, entry_id, fields)
             except MALFORMED as exc:
                 # acknowledged all the same (below): a pending entry nobody can read would
                 # hold back the log's trimming for good
                 self.stats.bad_entries += 1
                 self.consumer.bad_entry(shard, entry_id, exc)
+                continue
+            for e in parts:  # (one script's transitions: of one tenant or of several)
+                if e.tenant.encode() in wanted:
+                    entries.append(e)
+                else:
+                    self.stats.skipped += 1
         if entries:
             self.stats.lookups += 1
             try:
@@ -262,4 +270,4 @@ class Dispatcher:
             if deliveries:
                 self.attempts.due()
         await self.consumer.ack((shard, entry_id) for shard, entry_id, _ in taken)
-        self.stats.entries += len(taken)
+        self.stats.entries += sum(len(its) or 1 for its in named)  # transitions

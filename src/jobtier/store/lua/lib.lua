@@ -7,8 +7,9 @@
 --            slot. core/keys.py documents the layout.
 --   Times are Redis's own clock (TIME) in milliseconds: one clock for every process.
 --   Each transition goes through commit(): version + 1, the job's fields stored, its status
---   document rendered (readers render it again from the fields), an entry appended to the
---   log stream, the new status published.
+--   document rendered (readers render it again from the fields), the new status published,
+--   and its log entry kept for the call's end, where every transition the call made goes to
+--   the log stream in one entry (logged(), below).
 --   A progress-only change may be left out of the log (commit's `quiet`); every log entry
 --   names the version of the job's previous logged entry, so the history Postgres keeps can
 --   be proven complete (persist/queries.sql: history_gaps).
@@ -162,6 +163,96 @@ end
 -- NOW as the fields store it (begin())
 local NOW_STR
 
+-- The log entries of a call: commit() keeps each transition's (6 values: its document,
+-- tenant, previous state, actor, previous logged version and extra fields or false), and
+-- they are appended to the log together when the call ends (logged(), which store/scripts.py
+-- wraps around every script), or sooner once they hold LOG_MOST transitions or LOG_BYTES
+-- bytes. One transition is an entry of its own fields, as it always was; several are one
+-- entry, 'n' their number and each one's fields named with its place after the name ('d1',
+-- 'tn1', 'fr1', …, 'd2', …): streams/entries.py reads both. A batch of jobs then costs the
+-- log one stream id, one pending entry and one acknowledgement in each consumer group and
+-- one XCLAIM in the append-only file, where each of its transitions cost all of those.
+local LOG_MOST, LOG_BYTES = 100, 256 * 1024
+local LOGGED, LOGGED_N, LOGGED_SIZE  -- begin() empties them
+local LOG_ARGS = {}  -- write_log()'s scratch table
+local LOG_NAMES = {}  -- place -> {'d<place>', 'tn<place>', 'fr<place>', 'w<place>', 'pv<place>'}
+
+local function log_names(i)
+  local names = LOG_NAMES[i]
+  if not names then
+    local s = tostring(i)
+    names = {'d' .. s, 'tn' .. s, 'fr' .. s, 'w' .. s, 'pv' .. s, s}
+    LOG_NAMES[i] = names
+  end
+  return names
+end
+
+local function write_log()
+  local n, L = LOGGED_N, LOGGED
+  if n == 0 then
+    return
+  end
+  if n == 1 then
+    if L[6] then
+      redis.call('XADD', LOG, '*', 'd', L[1], 'tn', L[2], 'fr', L[3], 'w', L[4], 'pv', L[5],
+                 unpack(L[6]))
+    else
+      redis.call('XADD', LOG, '*', 'd', L[1], 'tn', L[2], 'fr', L[3], 'w', L[4], 'pv', L[5])
+    end
+  else
+    local a, k = LOG_ARGS, 2
+    a[1], a[2] = 'n', int(n)
+    for i = 1, n do
+      local b, names = (i - 1) * 6, log_names(i)
+      a[k + 1], a[k + 2], a[k + 3], a[k + 4], a[k + 5] = names[1], L[b + 1], names[2], L[b + 2],
+        names[3]
+      a[k + 6], a[k + 7], a[k + 8], a[k + 9], a[k + 10] = L[b + 3], names[4], L[b + 4], names[5],
+        L[b + 5]
+      k = k + 10
+      local extra = L[b + 6]
+      if extra then
+        local s = names[6]
+        for x = 1, #extra, 2 do
+          a[k + 1], a[k + 2] = extra[x] .. s, extra[x + 1]
+          k = k + 2
+        end
+      end
+    end
+    redis.call('XADD', LOG, '*', unpack(a, 1, k))
+  end
+  LOGGED, LOGGED_N, LOGGED_SIZE = {}, 0, 0
+end
+
+-- Keep a transition's log entry (commit()).
+local function log_entry(doc, tenant, from, actor, prev, extra)
+  local L, b = LOGGED, LOGGED_N * 6
+  L[b + 1], L[b + 2], L[b + 3], L[b + 4], L[b + 5], L[b + 6] = doc, tenant, from, actor, prev,
+    extra or false
+  LOGGED_N = LOGGED_N + 1
+  local size = #doc
+  if extra then
+    for x = 2, #extra, 2 do
+      size = size + #extra[x]
+    end
+  end
+  LOGGED_SIZE = LOGGED_SIZE + size
+  if LOGGED_N >= LOG_MOST or LOGGED_SIZE >= LOG_BYTES then
+    write_log()
+  end
+end
+
+-- Every script's end (store/scripts.py runs each script's body as ``logged(pcall(body))``):
+-- the call's log entries appended, whether it returned or failed half-way (what it changed
+-- before an error stays changed, as Redis does not roll a script back: so is its log), then
+-- its reply or its error.
+local function logged(ok, reply)
+  write_log()
+  if not ok then
+    error(reply, 0)
+  end
+  return reply
+end
+
 -- queue -> its running count's field in the queues hash, built once per queue per script
 local RUNNING_FIELD = {}
 local HSET_ARGS = {}  -- commit()'s scratch table
@@ -263,13 +354,7 @@ local function commit(j, from, actor, extra, quiet)
     count(QUEUES, field, j.state == 'running' and 1 or -1)
   end
   if not quiet then
-    -- the extra fields go straight into the call (no entry table to fill and copy)
-    if extra then
-      redis.call('XADD', LOG, '*', 'd', doc, 'tn', j.tenant, 'fr', from, 'w', actor, 'pv', prev,
-                 unpack(extra))
-    else
-      redis.call('XADD', LOG, '*', 'd', doc, 'tn', j.tenant, 'fr', from, 'w', actor, 'pv', prev)
-    end
+    log_entry(doc, j.tenant, from, actor, prev, extra)
   end
   redis.call('SPUBLISH', EV, j.id .. ' ' .. j.version .. ' ' .. j.tenant .. '\n' .. doc)
   return doc
@@ -894,6 +979,7 @@ local function begin(argv)
   BATCH_DONE, NEW_FIELDS = {}, nil
   QUEUES, PARKED, CKEYS = BASE .. 'queues', BASE .. 'parked', BASE .. 'ckeys'
   LOG, EV, WAITING_COUNTS = BASE .. 'log', BASE .. 'ev', BASE .. 'waiting'
+  LOGGED, LOGGED_N, LOGGED_SIZE = {}, 0, 0
   FLOW, UNLINKED = BASE .. 'flow', BASE .. 'unlinked'
   flow_woken = false
   RUNNING_FIELD = {}  -- a cache by queue name: emptied, so that a library kept for weeks

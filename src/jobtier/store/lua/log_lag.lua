@@ -1,5 +1,5 @@
 #!lua flags=no-writes
--- log_lag.lua: how many entries of one shard's transition log wait for a consumer group
+-- log_lag.lua: how many transitions of one shard's transition log wait for a consumer group
 --   (the persisters', or the webhook dispatchers').
 --   Not a transition: it neither includes lib.lua nor follows its KEYS[1]/ARGV[1] convention.
 --   Counted from what the stream holds, not from XINFO GROUPS' `lag` alone: Redis 7.0 keeps
@@ -8,13 +8,17 @@
 --   reloaded as it was then), so `lag` can report thousands of entries in an empty stream.
 --   Entries after the group's last-delivered id are counted one by one up to ARGV[2]; past
 --   that Redis's `lag` is used, bounded by the entries that exist and are not pending.
---   Atomic, so the group's cursor, its pending entries and the count agree with each other.
+--   An entry holds the transitions of one script call (lib.lua, write_log: its first field
+--   'n' their number when more than one): those read are counted exactly; the rest (pending
+--   ones, and undelivered ones past ARGV[2]) at the mean of those read, or of the oldest
+--   waiting entry when none was. Atomic, so the group's cursor, its pending entries and the
+--   count agree with each other.
 --
 -- KEYS[1]  a shard's log stream (jt:{s}:log)
 -- ARGV[1]  the consumer group
--- ARGV[2]  undelivered entries counted exactly at most (each costs a little Redis CPU)
--- Returns  {entries waiting (pending + undelivered), id of the oldest waiting entry or nil,
---           1 if the group exists on this log else 0}
+-- ARGV[2]  undelivered entries counted exactly at most (each is read whole: its Redis CPU)
+-- Returns  {transitions waiting (in pending and undelivered entries), id of the oldest
+--           waiting entry or nil, 1 if the group exists on this log else 0}
 
 local stream, group, exact = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local length = redis.call('XLEN', stream)
@@ -28,6 +32,15 @@ local function fields(flat)
   return f
 end
 
+-- the transitions of an entry as XRANGE gives it ({id, {field, value, ...}})
+local function transitions(entry)
+  local f = entry[2]
+  if f[1] == 'n' then
+    return tonumber(f[2])
+  end
+  return 1
+end
+
 local info = nil
 for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
   local f = fields(g)
@@ -35,7 +48,13 @@ for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
 end
 if info == nil then -- the group is not on this log (none of its members read it yet): all waits
   if length == 0 then return {0, false, 0} end
-  return {length, redis.call('XRANGE', stream, '-', '+', 'COUNT', 1)[1][1], 0}
+  local first = redis.call('XRANGE', stream, '-', '+', 'COUNT', exact)
+  local counted = 0
+  for _, e in ipairs(first) do counted = counted + transitions(e) end
+  if length > #first then
+    counted = counted + math.floor((length - #first) * counted / #first + 0.5)
+  end
+  return {counted, first[1][1], 0}
 end
 if length == 0 then
   return {0, false, 1}
@@ -51,4 +70,20 @@ if undelivered == exact then
 end
 local oldest = pending[2]
 if not oldest and after[1] then oldest = after[1][1] end
-return {pending[1] + undelivered, oldest, 1}
+if not oldest then
+  return {0, false, 1}
+end
+local counted = 0
+for _, e in ipairs(after) do counted = counted + transitions(e) end
+local rest = pending[1] + undelivered - #after -- entries not read: at the mean of those read
+if rest > 0 then
+  local mean
+  if #after > 0 then
+    mean = counted / #after
+  else
+    local e = redis.call('XRANGE', stream, oldest, '+', 'COUNT', 1)[1]
+    mean = e and transitions(e) or 1
+  end
+  counted = counted + math.floor(rest * mean + 0.5)
+end
+return {counted, oldest, 1}

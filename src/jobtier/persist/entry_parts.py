@@ -1,0 +1,67 @@
+"""The log entries a persister holds several transitions of, until each is written.
+
+A script that makes several transitions logs them in one stream entry (store/lua/lib.lua,
+write_log): its XACK is owed only once every one of them is in Postgres. A batch is never
+cut inside an entry (``Persister._take``), but a row may be held on past its batch
+(``holding.py``), and a batch may be written again in parts (``Persister._isolate``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from jobtier.streams.acks import Acks
+from jobtier.streams.entries import LogEntry
+
+
+class EntryParts:
+    """What is left of each entry of several transitions; ``acks`` is told when none is."""
+
+    __slots__ = ("_left", "_refused", "acks")
+
+    def __init__(self, acks: Acks) -> None:
+        self.acks = acks
+        # per (shard, entry id): its transitions not written yet, by job id and version
+        self._left: dict[tuple[int, bytes], set[tuple[str, int]]] = {}
+        self._refused: dict[tuple[int, bytes], str] = {}  # why one of them was refused
+
+    def taken(self, parts: Sequence[LogEntry]) -> None:
+        """The transitions of one entry, read (none, or every one, written before)."""
+        if len(parts) > 1:
+            first = parts[0]
+            self._left[(first.shard, first.entry_id)] = {
+                (e.status.id, e.status.version) for e in parts
+            }
+
+    def done(self, entries: Iterable[LogEntry]) -> None:
+        """Transitions written (or refused: ``refused``): each entry is owed its XACK once
+        every one of its transitions is, or its parking (``Acks.park``) if one was refused.
+        Told by job and version, not counted: a transition held on may be written again by a
+        copy read later (its entry let go and read again), and counts once."""
+        left = self._left
+        for e in entries:
+            key = (e.shard, e.entry_id)
+            parts = left.get(key)
+            if parts is not None:
+                parts.discard((e.status.id, e.status.version))
+                if parts:
+                    continue
+                del left[key]
+            if (why := self._refused.pop(key, None)) is None:
+                self.acks.add(*key)
+            else:
+                self.acks.park(*key, why)
+
+    def refused(self, entry: LogEntry, why: str) -> None:
+        """Postgres refused ``entry`` alone: its stream entry is parked, not acknowledged,
+        once the rest of its transitions are written."""
+        self._refused[(entry.shard, entry.entry_id)] = why
+        self.done([entry])
+
+    def let_go(self, entries: Iterable[LogEntry]) -> None:
+        """Transitions not written (their batch not committed): their entries, pending in
+        Redis, are read again whole."""
+        for e in entries:
+            key = (e.shard, e.entry_id)
+            self._left.pop(key, None)
+            self._refused.pop(key, None)
