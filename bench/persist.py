@@ -364,10 +364,11 @@ class Run:
         # entries never committed count with their age so far: a lower bound of their lag
         now, left = time.time(), 0
         for s in range(SHARDS):
-            for entry_id, _ in cast(Entries, await self.redis.xrange(self.keys.log(s))):
+            for entry_id, fields in cast(Entries, await self.redis.xrange(self.keys.log(s))):
                 if (s, entry_id) not in self.committed:
-                    left += 1
-                    self.lags.append(now - int(entry_id.split(b"-")[0]) / 1000)
+                    n = len(tenants(fields))  # its transitions (an entry: a call's)
+                    left += n
+                    self.lags += [now - int(entry_id.split(b"-")[0]) / 1000] * n
         lags = sorted(self.lags)
         return {
             "rate": rate,

@@ -101,6 +101,7 @@ from jobtier.config import Settings
 from jobtier.core.model import JobSpec
 from jobtier.dev.local_redis import terminate
 from jobtier.engine.queue import Queue
+from jobtier.streams.entries import split_fields
 
 VARIANTS = ("jobtier", "jobtier-b100", "poll1s", "poll10ms")
 DEFAULT_VARIANTS = ("jobtier", "poll1s")
@@ -322,16 +323,17 @@ async def read_log(
         cursor = "-"
         while True:
             entries: Any = await queue.redis.xrange(key, cursor, "+", count=20000)
-            for entry_id, fields in entries:
-                frm = fields.get(b"fr")
-                if frm == b"scheduled":
-                    target = promoted
-                elif frm == b"queued":
-                    target = started
-                else:
-                    continue
-                job_id = _decode_doc(fields[b"d"]).id
-                target.setdefault(job_id, int(entry_id.split(b"-", 1)[0]))
+            for entry_id, whole in entries:
+                for fields in split_fields(whole):  # (an entry holds a script call's)
+                    frm = fields.get(b"fr")
+                    if frm == b"scheduled":
+                        target = promoted
+                    elif frm == b"queued":
+                        target = started
+                    else:
+                        continue
+                    job_id = _decode_doc(fields[b"d"]).id
+                    target.setdefault(job_id, int(entry_id.split(b"-", 1)[0]))
             if len(entries) < 20000:
                 break
             last = entries[-1][0].decode()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import cast
 
+import pytest
 import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis.exceptions import ResponseError
 
 from jobtier.store.scripts import lua_source
-from tests.fixtures.redis import as_jobtier
+from tests.fixtures.redis import StreamEntries, as_jobtier
 
 
 async def test_iso_matches_python(redis: aioredis.Redis) -> None:
@@ -45,3 +48,30 @@ def test_iso_matches_python_for_any_date(redis_server, samples: list[int]) -> No
             + f"{ms % 1000:03d}Z"
         )
         assert text.decode() == expected, ms
+
+
+async def test_a_call_that_fails_half_way_logs_what_it_changed_and_keeps_its_error(
+    redis: aioredis.Redis,
+) -> None:
+    """A script's body runs inside lib.lua's logged(): the log entries it kept are written
+    though it fails after them (Redis does not roll a script back, so what it changed stays
+    changed), and a failed command's error reaches the caller as it was, its code kept."""
+    await redis.delete("jt:{0}:log", "jt:{0}:k")
+    await redis.set("jt:{0}:k", "not a number")
+    script = lua_source("lib") + (
+        "\nbegin(ARGV)\nreturn logged(pcall(function()\n"
+        "  log_entry('{}', 't1', '', 'api', 0, {'p', '[1]'})\n"
+        "  log_entry('{}', 't2', 'queued', 'w1', 1)\n"
+        "  if ARGV[2] == 'raise' then error('plain') end\n"
+        "  return redis.call('INCR', 'jt:{0}:k')\n"
+        "end))"
+    )
+    with pytest.raises(ResponseError) as failed:
+        await redis.eval(script, 1, "jt:{0}:log", "jt:{0}:", "incr")
+    assert str(failed.value) == "value is not an integer or out of range"  # not "ERR ERR …"
+    with pytest.raises(ResponseError, match="plain"):
+        await redis.eval(script, 1, "jt:{0}:log", "jt:{0}:", "raise")
+    entries = cast(StreamEntries, await redis.xrange("jt:{0}:log"))
+    assert len(entries) == 2
+    for _, fields in entries:
+        assert fields[b"n"] == b"2" and fields[b"p1"] == b"[1]" and fields[b"tn2"] == b"t2"

@@ -59,9 +59,7 @@ class EntryParts:
         self.done([entry])
 
     def let_go(self, entries: Iterable[LogEntry]) -> None:
-        """Transitions not written (their batch not committed): their entries, pending in
-        Redis, are read again whole."""
-        for e in entries:
-            key = (e.shard, e.entry_id)
-            self._left.pop(key, None)
-            self._refused.pop(key, None)
+        """Transitions not written (their batch not committed): nothing is forgotten. They
+        are still in their entry's set, so the entry is not acknowledged before they are
+        written, though others of it are (held on past their batch: ``holding.py``); a read
+        of the entry again (it is pending in Redis) replaces the set (``taken``)."""

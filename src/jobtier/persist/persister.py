@@ -1,6 +1,7 @@
 """The write-behind persister: shard log streams in Redis -> Postgres, in batches.
 
-Every transition script appends an entry to its shard's log stream (``store/lua/lib.lua: commit``).
+Every transition script appends its transitions to its shard's log stream, a call's in one
+entry (``store/lua/lib.lua: write_log``).
 Persisters read all shards' streams through one consumer group (their ``Consumer``), write
 each batch in one Postgres transaction, and only then acknowledge the entries; acknowledged
 entries are trimmed away. Everything downstream of the read is idempotent:
@@ -69,7 +70,7 @@ class Outcome(NamedTuple):
     isolated: bool = False
 
 
-READ_MIN = 32  # smallest per-shard XREADGROUP COUNT
+READ_MIN = 32  # smallest per-shard XREADGROUP COUNT, in transitions
 # most bytes of documents, payloads and results in one batch, whatever its count: a batch of
 # jobs with large payloads or results is written in several (memory, the transaction's size),
 # and reads ask for what fits at the entries' mean size (_read_count). Held rows a batch
@@ -310,10 +311,9 @@ class Persister:
         """True if some shard may have more."""
         more, items = await self.consumer.read(self._read_count())
         before = len(self._buffer)
-        for shard, entry_id, fields in items:
-            self._accept(shard, entry_id, fields)
-        if items:
-            self._per_entry = max(1.0, (len(self._buffer) - before) / len(items))
+        accepted = sum(self._accept(shard, entry_id, fields) for shard, entry_id, fields in items)
+        if accepted:
+            self._per_entry = max(1.0, (len(self._buffer) - before) / accepted)
         return bool(more)
 
     def _full(self) -> bool:
@@ -328,7 +328,8 @@ class Persister:
         if self._buffer:
             entry = max(entry, self._buffered / len(self._buffer))
         room = min(self.batch_size - len(self._buffer), (BATCH_BYTES - self._buffered) / entry)
-        return max(-(-int(room / self._per_entry) // self.keys.shards), READ_MIN)
+        least = max(1, int(READ_MIN / self._per_entry))
+        return max(-(-int(room / self._per_entry) // self.keys.shards), least)
 
     # --- writing --------------------------------------------------------------------------
     async def persist(

@@ -25,7 +25,7 @@ _FORGET = Script("forget_consumers")
 _LAG = Script("log_lag")
 # undelivered entries per shard counted one by one (log_lag.lua), each read whole: an entry
 # holds the transitions of one script call, up to 100 of them
-LAG_EXACT_UP_TO = 32
+LAG_EXACT_UP_TO = 4
 
 
 async def create_groups(
@@ -159,7 +159,8 @@ async def group_lag(
     undelivered entries per shard are counted one by one, each read whole; beyond that it is
     Redis's ``lag`` bounded by the entries present, so a call costs the same however long
     the backlog. An entry holds the transitions of one script call: those read are counted
-    exactly, the others at the mean of those read (or of the oldest waiting entry's). The
+    exactly, the others undelivered at their mean, the pending ones at the mean of the
+    oldest two. The
     age and a count of 0 stay exact whatever the bound: a caller that wants only those
     passes a small ``exact``. Callers on hot paths cache it (the API, a second).
     """

@@ -247,10 +247,15 @@ end
 -- its reply or its error.
 local function logged(ok, reply)
   write_log()
-  if not ok then
-    error(reply, 0)
+  if ok then
+    return reply
   end
-  return reply
+  -- pcall gives a failed command's error as its text: an error reply again, its code (ERR,
+  -- READONLY, OOM, …) kept, as it was before pcall caught it; any other error, raised again
+  if type(reply) == 'string' and string.find(reply, '^%u[%u_]* ') then
+    return redis.error_reply(reply)
+  end
+  error(reply, 0)
 end
 
 -- queue -> its running count's field in the queues hash, built once per queue per script

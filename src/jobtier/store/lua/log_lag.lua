@@ -9,10 +9,10 @@
 --   Entries after the group's last-delivered id are counted one by one up to ARGV[2]; past
 --   that Redis's `lag` is used, bounded by the entries that exist and are not pending.
 --   An entry holds the transitions of one script call (lib.lua, write_log: its first field
---   'n' their number when more than one): those read are counted exactly; the rest (pending
---   ones, and undelivered ones past ARGV[2]) at the mean of those read, or of the oldest
---   waiting entry when none was. Atomic, so the group's cursor, its pending entries and the
---   count agree with each other.
+--   'n' their number when more than one), up to 100 of them, and is read whole: the
+--   undelivered ones read are counted exactly, the others at the mean of those read; the
+--   pending ones at the mean of the oldest SAMPLE of them. Atomic, so the group's cursor,
+--   its pending entries and the count agree with each other.
 --
 -- KEYS[1]  a shard's log stream (jt:{s}:log)
 -- ARGV[1]  the consumer group
@@ -21,6 +21,7 @@
 --           waiting entry or nil, 1 if the group exists on this log else 0}
 
 local stream, group, exact = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local SAMPLE = 2  -- pending entries read for their mean
 local length = redis.call('XLEN', stream)
 if length == 0 and redis.call('EXISTS', stream) == 0 then
   return {0, false, 0}
@@ -73,17 +74,19 @@ if not oldest and after[1] then oldest = after[1][1] end
 if not oldest then
   return {0, false, 1}
 end
+-- pending entries: at the mean of the oldest few (a persister reads a batch ahead at most)
 local counted = 0
-for _, e in ipairs(after) do counted = counted + transitions(e) end
-local rest = pending[1] + undelivered - #after -- entries not read: at the mean of those read
-if rest > 0 then
-  local mean
-  if #after > 0 then
-    mean = counted / #after
-  else
-    local e = redis.call('XRANGE', stream, oldest, '+', 'COUNT', 1)[1]
-    mean = e and transitions(e) or 1
-  end
-  counted = counted + math.floor(rest * mean + 0.5)
+if pending[1] > 0 then
+  local sample = redis.call('XRANGE', stream, pending[2], '+', 'COUNT', SAMPLE)
+  local n = 0
+  for _, e in ipairs(sample) do n = n + transitions(e) end
+  counted = math.floor(pending[1] * (#sample > 0 and n / #sample or 1) + 0.5)
+end
+-- undelivered entries: those read one by one, the rest at their mean
+local read = 0
+for _, e in ipairs(after) do read = read + transitions(e) end
+counted = counted + read
+if undelivered > #after then
+  counted = counted + math.floor((undelivered - #after) * read / #after + 0.5)
 end
 return {counted, oldest, 1}
