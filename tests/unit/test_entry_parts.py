@@ -74,3 +74,18 @@ def test_an_entry_with_a_refused_transition_is_parked_once_the_rest_are_written(
     assert acks.parked == []
     parts.done([b])
     assert acks.parked == [(0, b"2-0", "DataError('bad')")] and acks.added == []
+
+
+def test_an_entry_read_again_forgets_a_refusal_of_an_earlier_read() -> None:
+    """A transition refused, then its batch not committed (a flush failed): the entry, read
+    again whole and written this time, is acknowledged, not parked with the old error."""
+    acks = Acks()
+    parts = EntryParts(cast(Any, acks))
+    a, b = two_jobs(b"2-0")
+    parts.taken([a, b])
+    parts.refused(a, "DataError('bad')")
+    parts.let_go([b])
+    again = two_jobs(b"2-0")
+    parts.taken(again)
+    parts.done(again)
+    assert acks.added == [(0, b"2-0")] and acks.parked == []

@@ -26,12 +26,20 @@ class EntryParts:
         self._refused: dict[tuple[int, bytes], str] = {}  # why one of them was refused
 
     def taken(self, parts: Sequence[LogEntry]) -> None:
-        """The transitions of one entry, read (none, or every one, written before)."""
+        """The transitions of one entry, read (none, or every one, written before); what
+        was known of it from an earlier read is forgotten."""
+        first = parts[0]
+        key = (first.shard, first.entry_id)
+        self._refused.pop(key, None)
         if len(parts) > 1:
-            first = parts[0]
-            self._left[(first.shard, first.entry_id)] = {
-                (e.status.id, e.status.version) for e in parts
-            }
+            self._left[key] = {(e.status.id, e.status.version) for e in parts}
+        else:
+            self._left.pop(key, None)
+
+    def forget(self, shard: int, entry_id: bytes) -> None:
+        """An entry gone from its stream (trimmed while pending): nothing left to write."""
+        self._left.pop((shard, entry_id), None)
+        self._refused.pop((shard, entry_id), None)
 
     def done(self, entries: Iterable[LogEntry]) -> None:
         """Transitions written (or refused: ``refused``): each entry is owed its XACK once

@@ -289,6 +289,7 @@ class Persister:
         if (shard, entry_id) in self._taken:
             return False  # ours still: being written (a long outage), or its XACK not yet sent
         if not fields:  # pending, but trimmed from the stream: nothing left to write
+            self.parts.forget(shard, entry_id)
             self.consumer.acks.add(shard, entry_id)
             return False
         try:

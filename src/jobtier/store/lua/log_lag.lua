@@ -11,8 +11,9 @@
 --   An entry holds the transitions of one script call (lib.lua, write_log: its first field
 --   'n' their number when more than one), up to 100 of them, and is read whole: the
 --   undelivered ones read are counted exactly, the others at the mean of those read; the
---   pending ones at the mean of the oldest SAMPLE of them. Atomic, so the group's cursor,
---   its pending entries and the count agree with each other.
+--   pending ones at the mean of the oldest and the newest of them (an estimate: a count kept
+--   beside the stream would make it exact). Atomic, so the group's cursor, its pending
+--   entries and the count agree with each other.
 --
 -- KEYS[1]  a shard's log stream (jt:{s}:log)
 -- ARGV[1]  the consumer group
@@ -21,7 +22,6 @@
 --           waiting entry or nil, 1 if the group exists on this log else 0}
 
 local stream, group, exact = KEYS[1], ARGV[1], tonumber(ARGV[2])
-local SAMPLE = 2  -- pending entries read for their mean
 local length = redis.call('XLEN', stream)
 if length == 0 and redis.call('EXISTS', stream) == 0 then
   return {0, false, 0}
@@ -74,13 +74,18 @@ if not oldest and after[1] then oldest = after[1][1] end
 if not oldest then
   return {0, false, 1}
 end
--- pending entries: at the mean of the oldest few (a persister reads a batch ahead at most)
+-- pending entries: at the mean of the oldest and the newest (a persister reads a batch
+-- ahead at most); one trimmed meanwhile is left out of the mean
 local counted = 0
 if pending[1] > 0 then
-  local sample = redis.call('XRANGE', stream, pending[2], '+', 'COUNT', SAMPLE)
-  local n = 0
-  for _, e in ipairs(sample) do n = n + transitions(e) end
-  counted = math.floor(pending[1] * (#sample > 0 and n / #sample or 1) + 0.5)
+  local n, found = 0, 0
+  for _, id in ipairs(pending[2] == pending[3] and {pending[2]} or {pending[2], pending[3]}) do
+    local e = redis.call('XRANGE', stream, id, id)[1]
+    if e then
+      n, found = n + transitions(e), found + 1
+    end
+  end
+  counted = math.floor(pending[1] * (found > 0 and n / found or 1) + 0.5)
 end
 -- undelivered entries: those read one by one, the rest at their mean
 local read = 0
