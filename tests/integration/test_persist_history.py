@@ -25,6 +25,7 @@ from jobtier.store.calls import (
 )
 from jobtier.store.scripts import Scripts
 from jobtier.store.subscriber import ShardSubscriber
+from jobtier.streams.entries import split_fields
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import log_entries
 
@@ -50,8 +51,10 @@ async def report(scripts: Scripts, job_id: str, lv: int, progress: int, every_ms
 async def logged(redis: Any, keys: Keys, job_id: str) -> list[tuple[int, int]]:
     """(version, pv) of the job's log entries."""
     out = []
-    for _, _, fields in await log_entries(redis, keys):
-        if job_id.encode() in fields[b"d"][:80]:
+    for _, _, whole in await log_entries(redis, keys):
+        for fields in split_fields(whole):  # (a call's transitions are one entry)
+            if job_id.encode() not in fields[b"d"][:80]:
+                continue
             version = int(fields[b"d"].split(b'"version":', 1)[1].split(b",", 1)[0])
             out.append((version, int(fields[b"pv"])))
     return out

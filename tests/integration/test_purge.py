@@ -10,6 +10,7 @@ import pytest
 
 from jobtier.core.model import PRIORITIES, State, decode_status
 from jobtier.engine.queue import Queue
+from jobtier.streams.entries import split_fields
 from tests.fixtures.postgres import log_entries
 
 pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
@@ -63,7 +64,8 @@ async def test_purge_cancels_every_ready_job_of_the_queue_and_nothing_else(
     # every cancellation is in the log for Postgres: queued -> cancelled, made by an admin
     entries = [
         fields
-        for _, _, fields in await log_entries(queue.redis, queue.keys)
+        for _, _, whole in await log_entries(queue.redis, queue.keys)
+        for fields in split_fields(whole)  # (a call's transitions are one entry)
         if b'"state":"cancelled"' in fields[b"d"]
     ]
     assert sorted(decode_status(f[b"d"]).id for f in entries) == sorted(doomed)
