@@ -68,7 +68,7 @@ from jobtier.persist.persister import Persister
 from jobtier.store import format as job_format
 from jobtier.store.calls import SubmitItem
 from jobtier.store.scripts import Scripts
-from jobtier.streams.entries import LogEntry, parse_entries, tenants
+from jobtier.streams.entries import LogEntry, parse_entries, transition_count
 from jobtier.streams.group import lag
 
 SHARDS = 16
@@ -366,7 +366,7 @@ class Run:
         for s in range(SHARDS):
             for entry_id, fields in cast(Entries, await self.redis.xrange(self.keys.log(s))):
                 if (s, entry_id) not in self.committed:
-                    n = len(tenants(fields))  # its transitions (an entry: a call's)
+                    n = transition_count(fields)  # its transitions (an entry holds a call's)
                     left += n
                     self.lags += [now - int(entry_id.split(b"-")[0]) / 1000] * n
         lags = sorted(self.lags)
@@ -628,7 +628,7 @@ async def persister_steps(run: Run, transitions: int, batch: int) -> dict[str, f
                     raw += [(s, i, f) for i, f in got]
                     last = got[-1][0]
                     low = "(" + (last.decode() if isinstance(last, bytes) else str(last))
-            n = sum(len(tenants(f)) for _, _, f in raw)  # transitions (an entry: a call's)
+            n = sum(transition_count(f) for _, _, f in raw)  # transitions (an entry: a call's)
             t = took("read the log (redis-py)", t, n)
             entries = [e for s, i, f in raw for e in parse_entries(s, i, f)]
             t = took("decode entries (parse_entries)", t, n)

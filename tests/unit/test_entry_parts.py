@@ -49,13 +49,13 @@ def test_an_entry_is_owed_its_xack_once_every_transition_in_it_is_written() -> N
 
 def test_a_transition_let_go_keeps_its_entry_unacknowledged_while_the_others_are_written() -> None:
     """A's row was held past its batch, then the batch that released it was not committed
-    (Postgres away, the persister stopping): B's being written later must not acknowledge
-    the entry, which still holds A's transition, unwritten."""
+    (Postgres away, the persister stopping; nothing is told EntryParts then): B's being
+    written later must not acknowledge the entry, which still holds A's transition,
+    unwritten."""
     acks = Acks()
     parts = EntryParts(cast(Any, acks))
     a, b = two_jobs(b"2-0")
     parts.taken([a, b])
-    parts.let_go([a])
     parts.done([b])
     assert acks.added == [] and acks.parked == []
     # read again (pending in Redis), whole: written, then acknowledged
@@ -83,8 +83,7 @@ def test_an_entry_read_again_forgets_a_refusal_of_an_earlier_read() -> None:
     parts = EntryParts(cast(Any, acks))
     a, b = two_jobs(b"2-0")
     parts.taken([a, b])
-    parts.refused(a, "DataError('bad')")
-    parts.let_go([b])
+    parts.refused(a, "DataError('bad')")  # then b's batch is not committed: b let go
     again = two_jobs(b"2-0")
     parts.taken(again)
     parts.done(again)

@@ -27,14 +27,15 @@ class EntryParts:
 
     def taken(self, parts: Sequence[LogEntry]) -> None:
         """The transitions of one entry, read (none, or every one, written before); what
-        was known of it from an earlier read is forgotten."""
+        was known of it from an earlier read is replaced. (Transitions whose batch was not
+        committed need nothing told here: they are still in their entry's set, so it is not
+        acknowledged before they are written, though others of it are, held on past their
+        batch: ``holding.py``; the entry, pending in Redis, is read again.)"""
         first = parts[0]
         key = (first.shard, first.entry_id)
         self._refused.pop(key, None)
         if len(parts) > 1:
             self._left[key] = {(e.status.id, e.status.version) for e in parts}
-        else:
-            self._left.pop(key, None)
 
     def forget(self, shard: int, entry_id: bytes) -> None:
         """An entry gone from its stream (trimmed while pending): nothing left to write."""
@@ -65,9 +66,3 @@ class EntryParts:
         once the rest of its transitions are written."""
         self._refused[(entry.shard, entry.entry_id)] = why
         self.done([entry])
-
-    def let_go(self, entries: Iterable[LogEntry]) -> None:
-        """Transitions not written (their batch not committed): nothing is forgotten. They
-        are still in their entry's set, so the entry is not acknowledged before they are
-        written, though others of it are (held on past their batch: ``holding.py``); a read
-        of the entry again (it is pending in Redis) replaces the set (``taken``)."""

@@ -136,7 +136,6 @@ class Persister:
         self._taken: set[tuple[int, bytes]] = set()
         # entries of several transitions (one script's): acknowledged once all are written
         self.parts = EntryParts(self.consumer.acks)
-        self._per_entry = 1.0  # transitions an entry held, in the last read
         # live jobs' rows held back; their entries stay pending meanwhile, so not so long that
         # another persister would take them over
         self.holding = Holding(min(settings.persist_hold_seconds, idle / 2))
@@ -311,10 +310,8 @@ class Persister:
     async def _read(self) -> bool:
         """True if some shard may have more."""
         more, items = await self.consumer.read(self._read_count())
-        before = len(self._buffer)
-        accepted = sum(self._accept(shard, entry_id, fields) for shard, entry_id, fields in items)
-        if accepted:
-            self._per_entry = max(1.0, (len(self._buffer) - before) / accepted)
+        for shard, entry_id, fields in items:
+            self._accept(shard, entry_id, fields)
         return bool(more)
 
     def _full(self) -> bool:
@@ -324,13 +321,13 @@ class Persister:
     def _read_count(self) -> int:
         """Entries to ask each stream for: the room left in the buffer, in transitions and in
         bytes (at the larger of the last batch's and the buffer's mean transition), spread
-        over them, at as many transitions an entry as the last read's held."""
+        over them (``Consumer.entries_for``)."""
         entry = self._entry_bytes
         if self._buffer:
             entry = max(entry, self._buffered / len(self._buffer))
         room = min(self.batch_size - len(self._buffer), (BATCH_BYTES - self._buffered) / entry)
-        least = max(1, int(READ_MIN / self._per_entry))
-        return max(-(-int(room / self._per_entry) // self.keys.shards), least)
+        entries = self.consumer.entries_for
+        return max(-(-entries(room) // self.keys.shards), entries(READ_MIN))
 
     # --- writing --------------------------------------------------------------------------
     async def persist(
@@ -561,8 +558,7 @@ class Persister:
     def _let_go(self, entries: Sequence[LogEntry]) -> None:
         """Entries not written (a batch not committed): pending in Redis, a read may take them
         again, every transition of their stream entries afresh."""
-        self.parts.let_go(entries)
-        for e in entries:
+        for e in entries:  # (still unwritten in their entries' parts: EntryParts.taken)
             self._taken.discard((e.shard, e.entry_id))
 
     async def _ack(self) -> None:

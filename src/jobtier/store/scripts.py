@@ -82,9 +82,9 @@ def lua_source(name: str, read: Callable[[str], str] = _read) -> str:
     lib = read("lib.lua")
     begin = "\nbegin(ARGV)" if "local function begin(" in lib else ""
     text = read(f"{name}.lua")
-    parts = _LIB_LINE.split(text, 1)
-    if "local function logged(" in lib and name not in READ_ONLY and len(parts) == 2:
-        text = f"{parts[0]}{_LIB}\n{_LOGGED.format(body=parts[1])}"
+    if "local function logged(" in lib and name not in READ_ONLY and _LIB_LINE.search(text):
+        head, body = _logged(text)
+        text = f"{head}{_LIB}\n{body}"
         begin = ""  # in the wrapped body, first
     text = _expand(text, begin, read)
     return "#!lua flags=no-writes\n" + text if name in READ_ONLY else text
@@ -93,6 +93,14 @@ def lua_source(name: str, read: Callable[[str], str] = _read) -> str:
 # A script's body, after lib.lua: begun, run, and its log entries appended at its end whether
 # it returned or failed (lib.lua's logged()). One closure a call: nothing else it allocates.
 _LOGGED = "return logged(pcall(function()\nbegin(ARGV)\n{body}\nend))\n"
+
+
+def _logged(text: str) -> tuple[str, str]:
+    """(what a script has before its include of lib.lua, the rest wrapped in ``_LOGGED``)."""
+    head, rest = _LIB_LINE.split(text, 1)
+    return head, _LOGGED.format(body=rest)
+
+
 _WRAP = "\nredis.register_function('{function}', function(KEYS, ARGV)\n{body}\nend)\n"
 _WRAP_RO = (
     "\nredis.register_function{{function_name='{function}', flags={{'no-writes'}},"
@@ -118,8 +126,7 @@ class Library:
             if name in READ_ONLY or not wrapped:
                 body = text.replace(_LIB, "begin(ARGV)")
             else:
-                head, rest = _LIB_LINE.split(text, 1)
-                body = head + _LOGGED.format(body=rest)
+                body = "".join(_logged(text))
             bodies[name] = _expand(body, "", read)
         lib = _expand(_LIB, "", read)
         # the digest covers the wrapper as well as the Lua: a change to either is a new name

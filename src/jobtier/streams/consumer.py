@@ -25,6 +25,7 @@ from jobtier.runtime.backoff import PERSIST_REDIS, BackoffPolicy
 from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.store.redis import RedisClient
 from jobtier.streams.acks import Acks
+from jobtier.streams.entries import transition_count
 from jobtier.streams.group import create_groups, forget_idle_consumers, trim
 
 Fields = dict[bytes, bytes] | None  # an entry's fields; None: pending, but trimmed meanwhile
@@ -73,6 +74,19 @@ class Consumer:
         self._waited_in_vain = False  # the last wait in Redis found nothing
         self._next_claim = 0.0
         self._next_forget = 0.0
+        self._per_entry = 1.0  # transitions an entry held, in the last read
+
+    def entries_for(self, wanted: float) -> int:
+        """Entries to ask a stream for to get about ``wanted`` transitions (an entry of a log
+        holds one script call's: at as many an entry as the last read's held); at least 1."""
+        return max(1, int(wanted / self._per_entry))
+
+    def _note(self, out: list[Taken]) -> list[Taken]:
+        """``out``, its entries' mean transitions noted for ``entries_for``."""
+        held = [transition_count(fields) for _, _, fields in out if fields]
+        if held:
+            self._per_entry = sum(held) / len(held)
+        return out
 
     def stop(self) -> None:
         self.stopping.set()
@@ -118,7 +132,7 @@ class Consumer:
             elif len(items) == count:
                 more.append(shard)
             out += [(shard, entry_id, fields) for entry_id, fields in items]
-        return more, out
+        return more, self._note(out)
 
     async def wait(self, count: int) -> list[Taken] | None:
         """Idle: one XREADGROUP naming every stream, blocked in Redis up to ``NAP_MAX`` until
@@ -150,7 +164,7 @@ class Consumer:
             # nap the rest rather than spin
             await self.sleep(NAP_MAX - waited)
         self._waited_in_vain = not out
-        return out
+        return self._note(out)
 
     async def claim(
         self, count: int, keep: Callable[[int, bytes, Fields], bool] | None = None

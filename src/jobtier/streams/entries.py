@@ -62,29 +62,39 @@ def parse_entry(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> LogE
     return _parse(shard, entry_id, fields, NAMES[0])
 
 
-def parse_entries(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> list[LogEntry]:
-    """Decode an entry: its transitions, in the order they were made (one, or the ``n`` of an
-    entry of several); raises one of ``MALFORMED`` on a malformed one."""
+def _places(fields: dict[bytes, bytes]) -> list[tuple[bytes, ...]]:
+    """The field names of each transition of an entry, in the order they were made; raises
+    ValueError for a count no entry holds."""
     n = fields.get(b"n")
     if n is None:
-        return [_parse(shard, entry_id, fields, NAMES[0])]
+        return NAMES[:1]
     count = int(n)
     if not 1 <= count <= PARTS_MOST:
         raise ValueError(f"an entry of {count} transitions")
-    return [_parse(shard, entry_id, fields, NAMES[i]) for i in range(1, count + 1)]
+    return NAMES[1 : count + 1]
+
+
+def parse_entries(shard: int, entry_id: bytes, fields: dict[bytes, bytes]) -> list[LogEntry]:
+    """Decode an entry: its transitions, in the order they were made (one, or the ``n`` of an
+    entry of several); raises one of ``MALFORMED`` on a malformed one."""
+    return [_parse(shard, entry_id, fields, names) for names in _places(fields)]
+
+
+def transition_count(fields: dict[bytes, bytes]) -> int:
+    """How many transitions an entry holds (1 for a malformed one, as a reader sees it)."""
+    try:
+        return len(_places(fields))
+    except ValueError:
+        return 1
 
 
 def tenants(fields: dict[bytes, bytes]) -> list[bytes | None]:
     """The tenant of each transition of an entry (``parse_entries``'s order), undecoded; None
     where it has none (a malformed entry)."""
-    n = fields.get(b"n")
-    if n is None:
-        return [fields.get(b"tn")]
     try:
-        count = min(max(int(n), 0), PARTS_MOST)
+        return [fields.get(names[1]) for names in _places(fields)]
     except ValueError:
         return [None]
-    return [fields.get(NAMES[i][1]) for i in range(1, count + 1)]
 
 
 def _parse(
@@ -120,20 +130,10 @@ def _parse(
 def split_fields(fields: dict[bytes, bytes]) -> list[dict[bytes, bytes]]:
     """An entry's fields per transition, each named as in an entry of one (tests, tools: the
     log read as it was written before entries held several)."""
-    n = fields.get(b"n")
-    if n is None:
-        return [fields]
-    out = []
-    for i in range(1, int(n) + 1):
-        suffix = str(i).encode()
-        out.append(
-            {
-                k[: -len(suffix)]: v
-                for k, v in fields.items()
-                if k.endswith(suffix) and k[: -len(suffix)].isalpha()
-            }
-        )
-    return out
+    return [
+        {name: fields[own] for name, own in zip(NAMES[0], names, strict=True) if own in fields}
+        for names in _places(fields)
+    ]
 
 
 _ENTRY_ID = operator.attrgetter("entry_id")

@@ -160,9 +160,9 @@ async def group_lag(
     Redis's ``lag`` bounded by the entries present, so a call costs the same however long
     the backlog. An entry holds the transitions of one script call: those read are counted
     exactly, the others undelivered at their mean, the pending ones at the mean of the
-    oldest and the newest of them. The
-    age and a count of 0 stay exact whatever the bound: a caller that wants only those
-    passes a small ``exact``. Callers on hot paths cache it (the API, a second).
+    oldest and the newest of them. The age and a count of 0 stay exact whatever the bound: a
+    caller that wants only those passes a small ``exact``. Callers on hot paths cache it
+    (the API, a second).
     """
     exact = max(1, exact)
     calls = [(_LAG, (1, keys.log(s), group, exact)) for s in range(keys.shards)]

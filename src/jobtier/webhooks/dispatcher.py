@@ -52,8 +52,8 @@ from jobtier.webhooks.sender import Sender
 
 log = logging.getLogger("jobtier.webhooks")
 
-# transitions per shard per XREADGROUP, and per XAUTOCLAIM: asked for in entries, at as many
-# transitions an entry as the last read's held (an entry holds one script call's)
+# transitions per shard per XREADGROUP, and per XAUTOCLAIM (asked for in entries:
+# Consumer.entries_for)
 READ_COUNT = 200
 CLAIM_COUNT = 500
 UNMARK_FAULTS: tuple[type[BaseException], ...] = (*FAULTS, *PG_UNAVAILABLE)
@@ -94,7 +94,6 @@ class Dispatcher:
             max_connections=settings.webhook_concurrency,
         )
         self.stats = DispatcherStats()
-        self._per_entry = 1.0  # transitions an entry held, in the last read
         self.consumer = Consumer(
             redis,
             [keys.log(s) for s in range(keys.shards)],
@@ -205,7 +204,7 @@ class Dispatcher:
         """A step; idle, a wait in Redis for the next entry, handling what comes."""
         if await self.step():
             return True
-        items = await self.consumer.wait(self._count(READ_COUNT))
+        items = await self.consumer.wait(self.consumer.entries_for(READ_COUNT))
         if items:
             await self.handle(items)
         return items is not None
@@ -213,16 +212,12 @@ class Dispatcher:
     async def step(self) -> bool:
         """Claim idle entries now and then, read a batch, turn it into deliveries, acknowledge
         it. False when there was nothing to read."""
-        taken = await self.consumer.claim_due(self._count(CLAIM_COUNT))
-        more, read = await self.consumer.read(self._count(READ_COUNT))
+        taken = await self.consumer.claim_due(self.consumer.entries_for(CLAIM_COUNT))
+        more, read = await self.consumer.read(self.consumer.entries_for(READ_COUNT))
         taken += read
         if taken:
             await self.handle(taken)
         return bool(more or taken)
-
-    def _count(self, transitions: int) -> int:
-        """Entries to ask a stream for: about ``transitions`` of them."""
-        return max(1, int(transitions / self._per_entry))
 
     async def drain(self) -> int:
         """Turn every entry readable now into deliveries (tests); returns entries handled."""
@@ -240,8 +235,6 @@ class Dispatcher:
         # the marks are read in a round trip of their own, after the read's reply: so a mark
         # written before a job's submit is seen with its entries (why: marks.marked)
         named = [tenants(f) if f else [] for _, _, f in taken]
-        if read := [len(ts) for ts in named if ts]:
-            self._per_entry = max(1.0, sum(read) / len(read))
         wanted = await marks.marked(
             self.redis, self.keys, sorted({t for ts in named for t in ts if t is not None})
         )
@@ -260,8 +253,8 @@ class Dispatcher:
                 self.stats.bad_entries += 1
                 self.consumer.bad_entry(shard, entry_id, exc)
                 continue
-            for e in parts:  # (one script's transitions: of one tenant or of several)
-                if e.tenant.encode() in wanted:
+            for e, tenant in zip(parts, its, strict=True):  # (a script's: of one tenant or more)
+                if tenant in wanted:
                     entries.append(e)
                 else:
                     self.stats.skipped += 1
