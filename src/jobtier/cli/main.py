@@ -25,7 +25,14 @@ from jobtier.cli.maintenance import (
     cmd_scripts,
     duration,
 )
-from jobtier.cli.process_args import PROCESS_ARGS, at_least_one, port, seconds, watch_seconds
+from jobtier.cli.process_args import (
+    PROCESS_ARGS,
+    at_least_one,
+    port,
+    positive_seconds,
+    seconds,
+    watch_seconds,
+)
 from jobtier.cli.roles import (
     cmd_api,
     cmd_check,
@@ -37,7 +44,12 @@ from jobtier.cli.roles import (
 )
 from jobtier.config import ENV_PREFIX, Settings, env_name
 from jobtier.core.errors import ConfigError
-from jobtier.core.model import WORKER_BLOCKED_WARN_SECONDS, WORKER_CONCURRENCY
+from jobtier.core.model import (
+    MIGRATE_LOCK_TIMEOUT,
+    MIGRATE_PATIENCE,
+    WORKER_BLOCKED_WARN_SECONDS,
+    WORKER_CONCURRENCY,
+)
 from jobtier.metrics.snapshot import ROLES
 from jobtier.runtime import tracing
 
@@ -274,7 +286,25 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         cmd_migrate,
         "apply pending database migrations",
         "Apply the pending migrations to JOBTIER_DATABASE_URL, in one transaction, under a lock: "
-        "safe to run from several deploys at once.",
+        "safe to run from several deploys at once. A lock a migration needs (an ALTER TABLE's) "
+        "is waited for --lock-timeout seconds at a time, so that a transaction left open on a "
+        "table does not stall that table's readers and writers behind the migration; between "
+        "tries it lets go of everything, logs event=migration_waiting naming the sessions that "
+        "hold locks, and after --patience seconds gives up (exit 1), having changed nothing.",
+        arg(
+            "--lock-timeout",
+            type=positive_seconds,
+            default=MIGRATE_LOCK_TIMEOUT,
+            metavar="SECONDS",
+            help=f"longest wait for a lock, a try (default: {MIGRATE_LOCK_TIMEOUT:g})",
+        ),
+        arg(
+            "--patience",
+            type=seconds,
+            default=MIGRATE_PATIENCE,
+            metavar="SECONDS",
+            help=f"give up after this long without the locks (default: {MIGRATE_PATIENCE:g})",
+        ),
     ),
     (
         "job-format",

@@ -21,11 +21,16 @@ log = logging.getLogger("jobtier.cli")
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    from jobtier.persist.db import CONNECT_FAULTS, migrate
+    from jobtier.persist.db import CONNECT_FAULTS, MigrationBlocked, migrate
 
     async def main() -> int:
         try:
-            applied = await migrate(settings.database_url)
+            applied = await migrate(
+                settings.database_url, lock_timeout=args.lock_timeout, patience=args.patience
+            )
+        except MigrationBlocked as exc:
+            print(f"jobtier migrate: {exc}", file=sys.stderr)
+            return 1
         except CONNECT_FAULTS as exc:
             print(
                 f"jobtier migrate: cannot connect to Postgres at JOBTIER_DATABASE_URL ({exc}); "

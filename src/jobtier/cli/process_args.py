@@ -54,6 +54,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def positive_seconds(text: str) -> float:
+    """An argument's seconds, more than 0."""
+    value = seconds(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    return value
+
+
 def watch_seconds(text: str) -> float:
     """``--blocked-warn``: 0 (off), or at least WORKER_BLOCKED_WARN_LEAST seconds."""
     value = seconds(text)

@@ -348,6 +348,10 @@ WORKER_CONCURRENCY = 50
 # (``jobtier worker --blocked-warn``, worker/loop_watch.py)
 WORKER_BLOCKED_WARN_SECONDS = 1.0
 WORKER_BLOCKED_WARN_LEAST = 0.1  # shorter, its watch would look more often than it is worth
+# ``jobtier migrate``: the longest wait for a lock a try, and how long it tries before giving
+# up (persist/db.py: migrate)
+MIGRATE_LOCK_TIMEOUT = 2.0
+MIGRATE_PATIENCE = 300.0
 
 
 class QueueScaling(msgspec.Struct, frozen=True, kw_only=True):

@@ -17,6 +17,7 @@ from typing import Any, TypeAlias
 import asyncpg
 
 from jobtier.core.errors import ConfigError
+from jobtier.core.model import MIGRATE_LOCK_TIMEOUT, MIGRATE_PATIENCE
 
 # Postgres is away or cannot take work now (the connection or the server, not the data):
 # write again after a back-off. InternalClientError too: a connection lost mid-COPY is left
@@ -206,17 +207,75 @@ async def close(conn: Connection, timeout: float = 5.0) -> None:
         conn.terminate()
 
 
-async def migrate(dsn: str) -> list[str]:
+# `migrate`'s waits for the locks its migrations take (an ALTER TABLE's is exclusive): at most
+# LOCK_TIMEOUT seconds a try, for while it waits every other statement on that table queues
+# behind it; between tries it lets go of everything and sleeps (TRY_AGAIN_AFTER, doubling up
+# to TRY_AGAIN_MOST), and it gives up, changing nothing, after LOCK_PATIENCE seconds.
+LOCK_TIMEOUT = MIGRATE_LOCK_TIMEOUT
+LOCK_PATIENCE = MIGRATE_PATIENCE
+TRY_AGAIN_AFTER = 0.5
+TRY_AGAIN_MOST = 15.0
+
+
+class MigrationBlocked(Exception):
+    """``migrate`` gave up: a lock one of its migrations needs stayed held by other sessions
+    (``blockers``, as ``lock_holders`` describes them) for its whole patience."""
+
+    def __init__(self, waited: float, blockers: list[str]) -> None:
+        self.waited, self.blockers = waited, blockers
+        held = "; ".join(blockers) or "sessions that ended before they could be named"
+        super().__init__(
+            f"a lock the migrations need was held for {waited:.0f} s by {held}; nothing was "
+            "changed: end that transaction (or pg_terminate_backend(<pid>)) and migrate again"
+        )
+
+
+async def migrate(
+    dsn: str, *, lock_timeout: float = LOCK_TIMEOUT, patience: float = LOCK_PATIENCE
+) -> list[str]:
     """Apply the pending migrations; returns their names (empty when the schema is current).
 
     All run in one transaction under an advisory lock: two processes migrating at once
     serialise (the second finds nothing to do), and a failing migration leaves the database
     as it was. So no migration may use ``CREATE INDEX CONCURRENTLY`` and the like.
+
+    A lock a migration needs is waited for ``lock_timeout`` seconds a try: a transaction left
+    open on one of the tables (a caller's, idle after its ``jobtier.submit``) would otherwise
+    hold the migration, and behind its lock request every reader and writer of that table,
+    for as long as it stays open. Each try that times out is rolled back and logged
+    (``event=migration_waiting``, naming the sessions that hold locks on the tables), and tried
+    again after a pause, until ``patience`` seconds have passed: then ``MigrationBlocked``.
     """
+    loop_time = asyncio.get_running_loop().time
+    began = loop_time()
+    pause = TRY_AGAIN_AFTER
+    while True:
+        try:
+            return await _migrate(dsn, lock_timeout)
+        except asyncpg.exceptions.LockNotAvailableError:
+            blockers = await lock_holders(dsn, lock_timeout)
+            waited = loop_time() - began
+            if waited + pause > patience:
+                raise MigrationBlocked(waited, blockers) from None
+            log.warning(
+                "event=migration_waiting lock_timeout=%gs retry_in=%gs waited=%.0fs held_by=%s",
+                lock_timeout,
+                pause,
+                waited,
+                " | ".join(blockers) or "-",
+            )
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, TRY_AGAIN_MOST)
+
+
+async def _migrate(dsn: str, lock_timeout: float) -> list[str]:
     conn = await connect(dsn)
     try:
         async with conn.transaction():
             await conn.execute(query("migration_lock"), MIGRATION_LOCK)
+            # after the advisory lock: a second migrator waits for the first however long
+            timeout_ms = f"{max(1, round(lock_timeout * 1000))}ms"
+            await conn.execute("SELECT set_config('lock_timeout', $1, true)", timeout_ms)
             await conn.execute(PIN_SEARCH_PATH)
             await conn.execute(query("create_migrations_table"))
             applied = {r["name"] for r in await conn.fetch(query("applied_migrations"))}
@@ -256,6 +315,29 @@ async def migrate(dsn: str) -> list[str]:
             collation,
         )
     return done
+
+
+async def lock_holders(dsn: str, older_than: float) -> list[str]:
+    """The sessions (at most 5) whose transactions, begun over ``older_than`` seconds ago,
+    hold a lock on a table of this database's: each as ``pid 123 (idle in transaction for 42
+    s, application 'x', user 'y', on outbox; last statement: …)``. Empty when none is found,
+    or Postgres cannot be asked."""
+    try:
+        conn = await connect(dsn)
+    except Exception:  # the holders are named when they can be; the error stands without
+        return []
+    try:
+        rows = await conn.fetch(query("lock_holders"), older_than)
+    except Exception:
+        return []
+    finally:
+        await close(conn)
+    return [
+        f"pid {r['pid']} ({r['state']} for {r['seconds']:.0f} s, application "
+        f"{r['application_name']!r}, user {r['usename']!r}, on {', '.join(r['tables'])}; "
+        f"last statement: {' '.join(r['query'].split())[:120]!r})"
+        for r in rows
+    ]
 
 
 async def applied_migrations(conn: AnyConnection) -> list[str]:
