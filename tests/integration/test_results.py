@@ -277,3 +277,34 @@ async def test_a_silent_result_store_is_waited_for_no_longer_than_the_patience(
             os.kill(pid, signal.SIGCONT)
         await q.close()
         await results.close()
+
+
+async def test_show_while_postgres_is_away_marks_a_stored_result_unavailable(
+    pg_to_stop: LocalPostgres, pg_settings: Settings, start_api: StartApi
+) -> None:
+    """`jobtier jobs show` (Client.show) of a job whose result the store keeps, with the
+    store's Postgres stopped: the status and log lines as Redis has them, the result and the
+    history marked unavailable. It failed whole (the result's 503)."""
+    s = pg_settings.replace(
+        database_url=pg_to_stop.dsn, result_store="postgres", result_store_threshold_bytes=THRESHOLD
+    )
+    api = await start_api(
+        PostgresExtension(s), database_url=s.database_url, result_store=s.result_store,
+        result_store_threshold_bytes=s.result_store_threshold_bytes,
+    )  # fmt: skip
+    results = await PostgresResultStore.connect(s.database_url)
+    q = await Queue.connect(s, results=results)
+    try:
+        job = (await q.submit("big_result", 50, tenant="acme")).job_id
+        await worker_for(q, registry, burst=True).run()
+        async with AsyncClient(api.url, KEYS["acme"]) as client:
+            whole = await client.show(job)
+            assert whole.result == big_rows(50) and whole.result_available
+            assert whole.history is not None
+            await asyncio.to_thread(pg_to_stop.stop, "immediate")
+            away = await client.show(job)
+        assert away.status == whole.status and away.lines == whole.lines
+        assert away.result is None and not away.result_available and away.history is None
+    finally:
+        await q.close()
+        await results.close()

@@ -214,7 +214,9 @@ def jobs_show(c: Client, a: argparse.Namespace) -> Any:
     if a.json:
         return d
     lines = status_block(d.status)
-    if d.result is not None:
+    if not d.result_available:
+        lines.append("result:      not available (kept in the result store, which is away)")
+    elif d.result is not None:
         lines.append(f"result:      {msgspec.json.encode(d.result).decode()}")
     lines += log_block(d.lines)
     if d.history is None:

@@ -41,6 +41,7 @@ from jobtier.client._core import (
     kept,
     present,
 )
+from jobtier.client._details import history_op, logs_op, result_op, show_op
 from jobtier.client._errors import (
     ApiError,
 )
@@ -192,7 +193,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
 
     async def result(self, job_id: str) -> Result:
         """The job's state, result (once succeeded) and error (once failed)."""
-        return await self._run(self._result(job_id))
+        return await self._run(result_op(job_id))
 
     # --- looking into jobs ------------------------------------------------------------------
     async def list_jobs(
@@ -215,16 +216,16 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
     async def history(self, job_id: str) -> list[Transition]:
         """Every persisted change of the job, oldest first (errors with their tracebacks).
         Needs an API with Postgres."""
-        return await self._run(self._history(job_id))
+        return await self._run(history_op(job_id))
 
     async def logs(self, job_id: str) -> list[LogLine]:
         """The lines the job's task logged with ``ctx.log()``, oldest first (its latest 200),
         while Redis holds the job."""
-        return await self._run(self._logs(job_id))
+        return await self._run(logs_op(job_id))
 
     async def show(self, job_id: str) -> JobDetails:
         """Everything about the job: status, result, history (None without Postgres), lines."""
-        return await self._run(self._show(job_id))
+        return await self._run(show_op(job_id))
 
     async def checkpoint(self, job_id: str) -> SavedCheckpoint:
         """The last state the job saved with ``ctx.checkpoint`` (what its next attempt

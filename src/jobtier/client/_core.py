@@ -40,12 +40,9 @@ from jobtier.client._types import (
     dependencies_decoder,
     encoder,
     flow_decoder,
-    history_decoder,
-    logs_decoder,
     page_decoder,
     queue_list_decoder,
     replayed_decoder,
-    result_decoder,
     schedule_decoder,
     schedule_list_decoder,
     task_list_decoder,
@@ -63,7 +60,6 @@ from jobtier.core.model import (
     State,
     TaskAd,
     Transition,
-    any_decoder,
     status_decoder,
 )
 from jobtier.core.schedule import Schedule, ScheduleSpec
@@ -452,15 +448,6 @@ class BaseClient(Generic[TransportT]):
         call = Call("POST", job_path(job_id, f"/{action}"))
         return (yield from fetch(call, status_decoder, "a status document", job_id))
 
-    def _result(self, job_id: str) -> Op[Result]:
-        call = Call("GET", job_path(job_id, "/result"))
-        found = yield from fetch(call, result_decoder, "a result document", job_id)
-        if found.result_url is None:
-            return found
-        call = Call("GET", found.result_url)  # a large result, kept outside Redis: stream it
-        value = yield from fetch(call, any_decoder, "a JSON result", job_id)
-        return msgspec.structs.replace(found, result=value)
-
     # --- looking into jobs (tenant key) ---------------------------------------------------
     def _list_jobs(
         self,
@@ -476,27 +463,6 @@ class BaseClient(Generic[TransportT]):
         params |= query(cursor=cursor, created_after=created_after)
         call = Call("GET", "/v1/jobs", params=params)
         return (yield from fetch(call, page_decoder, "a page of jobs"))
-
-    def _history(self, job_id: str) -> Op[list[Transition]]:
-        call = Call("GET", job_path(job_id, "/history"))
-        return (yield from fetch(call, history_decoder, "a history", job_id)).transitions
-
-    def _logs(self, job_id: str) -> Op[list[LogLine]]:
-        call = Call("GET", job_path(job_id, "/logs"))
-        return (yield from fetch(call, logs_decoder, "log lines", job_id)).lines
-
-    def _show(self, job_id: str) -> Op[JobDetails]:
-        status = yield from self._status(job_id)
-        assert status is not None
-        result = yield from self._result(job_id)
-        try:
-            history: list[Transition] | None = yield from self._history(job_id)
-        except ApiError as exc:  # 404: an API without Postgres; 503: its Postgres is away
-            if exc.status not in (404, 503):
-                raise
-            history = None
-        lines = yield from self._logs(job_id)
-        return JobDetails(status, result.result, history, lines)
 
     # --- dead letters (admin key) -----------------------------------------------------------
     def _dead_letters(

@@ -41,6 +41,7 @@ from jobtier.client._core import (
     kept,
     present,
 )
+from jobtier.client._details import history_op, logs_op, result_op, show_op
 from jobtier.client._errors import (
     ApiError,
 )
@@ -162,7 +163,7 @@ class Client(BaseClient[httpx.BaseTransport]):
 
     def result(self, job_id: str) -> Result:
         """The job's state, result and error."""
-        return self._run(self._result(job_id))
+        return self._run(result_op(job_id))
 
     # --- looking into jobs ------------------------------------------------------------------
     def list_jobs(
@@ -182,15 +183,15 @@ class Client(BaseClient[httpx.BaseTransport]):
 
     def history(self, job_id: str) -> list[Transition]:
         """Every persisted change of the job; see ``AsyncClient.history``."""
-        return self._run(self._history(job_id))
+        return self._run(history_op(job_id))
 
     def logs(self, job_id: str) -> list[LogLine]:
         """The lines the job's task logged; see ``AsyncClient.logs``."""
-        return self._run(self._logs(job_id))
+        return self._run(logs_op(job_id))
 
     def show(self, job_id: str) -> JobDetails:
         """Everything about the job: status, result, history (None without Postgres), lines."""
-        return self._run(self._show(job_id))
+        return self._run(show_op(job_id))
 
     def checkpoint(self, job_id: str) -> SavedCheckpoint:
         """The last state the job saved; see ``AsyncClient.checkpoint``."""

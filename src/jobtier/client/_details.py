@@ -1,0 +1,71 @@
+"""A job's result, history, log lines, and all of them with its status (``show``):
+operations of both clients (``_core`` holds the rest)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from jobtier.client._core import Call, Op, fetch, job_path
+from jobtier.client._errors import ApiError
+from jobtier.client._types import (
+    JobDetails,
+    Result,
+    history_decoder,
+    logs_decoder,
+    result_decoder,
+)
+from jobtier.core.model import LogLine, Transition, any_decoder, status_decoder
+
+# what the API answers for what only Postgres holds when it has none (404), or its Postgres
+# is away (503): ``show`` gives the rest
+AWAY = (404, 503)
+
+
+def result_op(job_id: str) -> Op[Result]:
+    found = yield from _result_document(job_id)
+    if found.result_url is None:
+        return found
+    call = Call("GET", found.result_url)  # a large result, kept outside Redis: stream it
+    value = yield from fetch(call, any_decoder, "a JSON result", job_id)
+    return msgspec.structs.replace(found, result=value)
+
+
+def history_op(job_id: str) -> Op[list[Transition]]:
+    call = Call("GET", job_path(job_id, "/history"))
+    return (yield from fetch(call, history_decoder, "a history", job_id)).transitions
+
+
+def logs_op(job_id: str) -> Op[list[LogLine]]:
+    call = Call("GET", job_path(job_id, "/logs"))
+    return (yield from fetch(call, logs_decoder, "log lines", job_id)).lines
+
+
+def show_op(job_id: str) -> Op[JobDetails]:
+    """The status, result, history and log lines. What the API cannot read without its
+    Postgres (the history; a result kept in the result store, when that is Postgres) is
+    None and said so (``history``, ``result_available``), not a failure of the whole."""
+    call = Call("GET", job_path(job_id))
+    status = yield from fetch(call, status_decoder, "a status document", job_id)
+    found = yield from _result_document(job_id)
+    value, available = found.result, True
+    if found.result_url is not None:
+        try:
+            call = Call("GET", found.result_url)
+            value = yield from fetch(call, any_decoder, "a JSON result", job_id)
+        except ApiError as exc:
+            if exc.status not in AWAY:
+                raise
+            value, available = None, False
+    try:
+        history: list[Transition] | None = yield from history_op(job_id)
+    except ApiError as exc:
+        if exc.status not in AWAY:
+            raise
+        history = None
+    lines = yield from logs_op(job_id)
+    return JobDetails(status, value, history, lines, available)
+
+
+def _result_document(job_id: str) -> Op[Result]:
+    call = Call("GET", job_path(job_id, "/result"))
+    return (yield from fetch(call, result_decoder, "a result document", job_id))
