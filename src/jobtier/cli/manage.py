@@ -126,7 +126,10 @@ def status_block(s: JobStatus) -> list[str]:
         f"type:        {s.type}",
         f"queue:       {s.queue}",
         f"state:       {s.state}" + ("  (cancel requested)" if s.cancel_requested else ""),
-        f"attempt:     {s.attempt} of {s.max_attempts}",
+        # no attempts set: an outbox row not relayed yet, or refused by the relay
+        f"attempt:     {s.attempt} of {s.max_attempts}"
+        if s.max_attempts
+        else "attempt:     none: it never reached a queue",
         f"priority:    {s.priority}",
         f"created:     {short_time(s.created_at)}",
         f"updated:     {short_time(s.updated_at)}",
