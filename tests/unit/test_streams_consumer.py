@@ -78,3 +78,23 @@ async def test_entries_come_back_by_shard_whatever_the_stream_names_type() -> No
             (1, b"1-0", {b"d": b"x"}), (1, b"1-1", {b"d": b"y"}),
         ]  # fmt: skip
         assert naps == []  # entries came: no nap
+
+
+async def test_reads_ask_for_entries_by_the_transitions_the_last_read_held() -> None:
+    """An entry holds one script call's transitions: a reader that wants about N transitions
+    asks each stream for N over the last read's mean entry, at least one."""
+    one = {b"d": b"x"}
+    hundred = {b"n": b"100"}
+    redis, naps = Answers([["s0", [(b"1-0", hundred), (b"1-1", hundred), (b"1-2", one)]]]), Naps()
+    c = consumer(redis, [b">", b">"], naps)
+    assert c.entries_for(200) == 200  # nothing read yet: an entry a transition
+    await c.wait(c.entries_for(200))
+    assert redis.calls[-1]["count"] == 200
+    assert c.entries_for(201) == 3 and c.entries_for(10) == 1  # (100 + 100 + 1) / 3 an entry
+    # entries trimmed while pending (no fields) say nothing of the size; an empty read keeps it
+    redis.reply = [["s0", [(b"1-3", None)]]]
+    await c.wait(5)
+    assert c.entries_for(201) == 3
+    redis.reply = [["s0", [(b"1-4", one), (b"1-5", one)]]]
+    await c.wait(5)
+    assert c.entries_for(201) == 201
