@@ -22,9 +22,13 @@ def status(state: State, error: str | None = None, type_: str = "echo") -> JobSt
 
 
 def entry(
-    frm: str | None, to: State, error: str | None = None, type_: str = "echo"
+    frm: str | None,
+    to: State,
+    error: str | None = None,
+    type_: str = "echo",
+    refunded: bool = False,
 ) -> SimpleNamespace:
-    return SimpleNamespace(from_state=frm, status=status(to, error, type_))
+    return SimpleNamespace(from_state=frm, status=status(to, error, type_), refunded=refunded)
 
 
 def test_histogram_and_quantiles() -> None:
@@ -47,21 +51,26 @@ def test_transition_counter_counts_outcomes_by_type() -> None:
         entry("queued", State.RUNNING), entry("running", State.FAILED, "E"),
         entry("failed", State.QUEUED), entry(None, State.SCHEDULED, type_="other"),
         entry("scheduled", State.CANCELLED, type_="other"),
-        # given back, not failed: a RateLimited task, a job an open breaker held
+        # given back, not failed (fail.lua's 'rf'): a RateLimited task, a job an open
+        # breaker held
+        entry("queued", State.RUNNING),
+        entry("running", State.SCHEDULED, "RateLimited", refunded=True),
+        entry("queued", State.RUNNING),
+        entry("running", State.SCHEDULED, "BreakerOpen", refunded=True),
+        # a task's own exception of that name failed its attempt
         entry("queued", State.RUNNING), entry("running", State.SCHEDULED, "RateLimited"),
-        entry("queued", State.RUNNING), entry("running", State.SCHEDULED, "BreakerOpen"),
     ])  # fmt: skip
     echo, other = labels(type="echo", queue="default"), labels(type="other", queue="default")
     got = {name: dict(series) for name, series in c.counts.items()}
     assert got["jobs_submitted_total"] == {echo: 1, other: 1}
-    assert got["jobs_claimed_total"] == {echo: 5}
-    assert got["jobs_retried_total"] == {echo: 1}
+    assert got["jobs_claimed_total"] == {echo: 6}
+    assert got["jobs_retried_total"] == {echo: 2}
     assert got["jobs_held_total"] == {echo: 2}
-    assert got["jobs_failed_total"] == {echo: 2}
+    assert got["jobs_failed_total"] == {echo: 3}
     assert got["jobs_dead_lettered_total"] == {echo: 1}
     assert got["lease_expirations_total"] == {echo: 1}
     assert got["jobs_cancelled_total"] == {other: 1}
-    assert got["transitions_persisted_total"] == {"": 16}
+    assert got["transitions_persisted_total"] == {"": 18}
     assert "jobs_succeeded_total" not in got
 
 

@@ -14,11 +14,6 @@ from typing import Any
 
 from jobtier.metrics.snapshot import labels
 
-# An attempt given back rather than failed (its count refunded: worker/attempt.py): the task
-# raised RateLimited, or an open circuit breaker held the job back (worker/breaker_gate.py).
-# Counted apart, so that a downstream saying "later" does not read as a failure rate.
-HELD = frozenset({"RateLimited", "BreakerOpen"})
-
 
 class TransitionCounter:
     """Counts jobs by type, queue and outcome from the persister's commits."""
@@ -50,7 +45,12 @@ class TransitionCounter:
                 if to == "succeeded":
                     counts["jobs_succeeded_total"][kind] += 1
                 elif to == "scheduled":
-                    if doc.error is not None and doc.error.type in HELD:
+                    # an attempt given back rather than failed (fail.lua 'rf'): the task
+                    # raised jobtier's RateLimited, or an open circuit breaker held the job
+                    # (worker/breaker_gate.py). Counted apart, so that a downstream saying
+                    # "later" does not read as a failure rate; told by the flag, not by the
+                    # error's name, which a task's own exception may share
+                    if entry.refunded:
                         counts["jobs_held_total"][kind] += 1
                     else:
                         counts["jobs_failed_total"][kind] += 1

@@ -37,6 +37,9 @@ class LogEntry(msgspec.Struct, gc=False):
     children: str = ""  # per dependency, '1' for a child of the job (same flow), else '0'
     released: bool = False  # running -> queued by a worker that stopped, nothing failed
     checkpoint: bytes | None = None  # the state a checkpoint saved (heartbeat.lua 'cp')
+    # running -> scheduled with the attempt given back (fail.lua 'rf': jobtier's RateLimited,
+    # an open breaker), not failed
+    refunded: bool = False
 
     @property
     def ms(self) -> int:
@@ -50,7 +53,7 @@ MALFORMED = (KeyError, ValueError, UnicodeDecodeError, msgspec.DecodeError)
 # A script that makes several transitions logs them in one entry (store/lua/lib.lua,
 # write_log): 'n' their number, and each one's fields named with its place after the name,
 # 1 to n ('d1', 'tn1', …). NAMES[i]: the names of place i (0: an entry of one transition).
-_FIELDS = ("d", "tn", "fr", "w", "pv", "p", "ik", "r", "dp", "dk", "rl", "cp")
+_FIELDS = ("d", "tn", "fr", "w", "pv", "p", "ik", "r", "dp", "dk", "rl", "cp", "rf")
 PARTS_MOST = 100  # lib.lua's LOG_MOST: an entry of more is malformed
 NAMES = [tuple(f.encode() for f in _FIELDS)] + [
     tuple(f"{f}{i}".encode() for f in _FIELDS) for i in range(1, PARTS_MOST + 1)
@@ -100,7 +103,7 @@ def tenants(fields: dict[bytes, bytes]) -> list[bytes | None]:
 def _parse(
     shard: int, entry_id: bytes, fields: dict[bytes, bytes], names: tuple[bytes, ...]
 ) -> LogEntry:
-    d, tn, fr, w, pv_, p, ik_, r, dp_, dk_, rl, cp = names
+    d, tn, fr, w, pv_, p, ik_, r, dp_, dk_, rl, cp, rf = names
     doc = fields[d]
     status = status_decoder.decode(doc)
     ik = fields.get(ik_)
@@ -124,6 +127,7 @@ def _parse(
         dk.decode() if dk else "",
         rl in fields,
         fields.get(cp),
+        rf in fields,
     )
 
 

@@ -17,10 +17,14 @@
 --!include lib.lua
 
 local worker, ttl = ARGV[2], ARGV[3]
+-- 'rf': the attempt was given back, not failed (the task raised jobtier's RateLimited, or an
+-- open breaker held the job): what the persister's counts tell held attempts apart by
+local REFUNDED = {'rf', '1'}
 local out = let_go(ARGV, 5, function(j, a)
   local delay = tonumber(ARGV[a + 3])
+  local refunded = ARGV[a + 4] == '1' and REFUNDED or nil
   j.error = ARGV[a + 2]
-  if ARGV[a + 4] == '1' then
+  if refunded then
     j.attempt = int(tonumber(j.attempt) - 1)
   end
   if j.cancel == '1' then
@@ -35,11 +39,11 @@ local out = let_go(ARGV, 5, function(j, a)
   elseif delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
     j.state = 'scheduled'
     j.run_at = int(NOW + delay)
-    commit(j, 'running', worker)
+    commit(j, 'running', worker, refunded)
     add_timed('sched', j, NOW + delay)
   else
     j.state = 'failed'
-    commit(j, 'running', worker)
+    commit(j, 'running', worker, refunded)
     redis.call('ZADD', BASE .. 'dead', NOW, j.id)
     finish(j, ttl)
   end
