@@ -651,3 +651,25 @@ async def test_the_lag_counts_the_transitions_of_entries_of_several(
         await redis.xadd(keys.log(0), {b"d": b"{}"})
     assert (await lag(redis, keys))[0] == 53
     assert (await lag(redis, keys, exact=1))[0] == 53  # 2 of the 3 at the one read's mean
+
+
+async def test_the_lag_counts_pending_entries_unlike_their_oldest_and_newest(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """Pending entries whose oldest and newest are not like the rest (held claims of one job
+    each, between two batches of 100 in flight): those two counted exactly, the ones between
+    at the mean of those read between them. At the mean of the oldest and the newest, 40
+    entries of one and two of 100 were 4,200 transitions, not 240: past a
+    JOBTIER_PERSIST_MAX_LAG of 1,000 that the real backlog is far from."""
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "setup").consumer.setup()
+    big = {b"n": b"100", **{b"d%d" % i: b"{}" for i in range(1, 101)}}
+    stream = keys.log(0)
+    await redis.xadd(stream, big, id="1000-0")
+    for ms in range(1001, 1041):
+        await redis.xadd(stream, {b"d": b"{}"}, id=f"{ms}-0")
+    await redis.xadd(stream, big, id="1041-0")
+    await redis.xreadgroup(keys.persist_group(), "p2", {stream: ">"}, count=100)
+    assert (await lag(redis, keys))[0] == 240
+    # as few as LAG_PENDING_READ: each counted
+    await redis.xack(stream, keys.persist_group(), *[f"{ms}-0" for ms in range(1002, 1040)])
+    assert (await lag(redis, keys))[0] == 100 + 1 + 1 + 100

@@ -26,6 +26,9 @@ _LAG = Script("log_lag")
 # undelivered entries per shard counted one by one (log_lag.lua), each read whole: an entry
 # holds the transitions of one script call, up to 100 of them
 LAG_EXACT_UP_TO = 4
+# pending entries per shard read (log_lag.lua): all when no more; else the oldest, the newest
+# and the rest at the mean of those between them read
+LAG_PENDING_READ = 4
 
 
 async def create_groups(
@@ -159,13 +162,14 @@ async def group_lag(
     undelivered entries per shard are counted one by one, each read whole; beyond that it is
     Redis's ``lag`` bounded by the entries present, so a call costs the same however long
     the backlog. An entry holds the transitions of one script call: those read are counted
-    exactly, the others undelivered at their mean, the pending ones at the mean of the
-    oldest and the newest of them. The age and a count of 0 stay exact whatever the bound: a
+    exactly, the others undelivered at their mean; of the pending ones, up to
+    ``LAG_PENDING_READ`` are read (the oldest and the newest, and others at even steps of
+    their ids between), the rest counted at the mean of those between. The age and a count of 0 stay exact whatever the bound: a
     caller that wants only those passes a small ``exact``. Callers on hot paths cache it
     (the API, a second).
     """
     exact = max(1, exact)
-    calls = [(_LAG, (1, keys.log(s), group, exact)) for s in range(keys.shards)]
+    calls = [(_LAG, (1, keys.log(s), group, exact, LAG_PENDING_READ)) for s in range(keys.shards)]
     total, oldest_ms, exists = 0, None, False
     for waiting, oldest, *found in await run_scripts(redis, calls):
         total += int(waiting)

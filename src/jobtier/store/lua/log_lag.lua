@@ -10,18 +10,22 @@
 --   that Redis's `lag` is used, bounded by the entries that exist and are not pending.
 --   An entry holds the transitions of one script call (lib.lua, write_log: its first field
 --   'n' their number when more than one), up to 100 of them, and is read whole: the
---   undelivered ones read are counted exactly, the others at the mean of those read; the
---   pending ones at the mean of the oldest and the newest of them (an estimate: a count kept
---   beside the stream would make it exact). Atomic, so the group's cursor, its pending
---   entries and the count agree with each other.
+--   undelivered ones read are counted exactly, the others at the mean of those read. Pending
+--   entries: up to PENDING_READ of them counted exactly; of more, the oldest and the newest
+--   exactly (held rows' claims, a batch in flight: often the odd ones out) and the ones
+--   between at the mean of PENDING_READ - 2 read at even steps of their ids between those
+--   two (an estimate: a count kept beside the stream would make it exact). Atomic, so the
+--   group's cursor, its pending entries and the count agree with each other.
 --
 -- KEYS[1]  a shard's log stream (jt:{s}:log)
 -- ARGV[1]  the consumer group
 -- ARGV[2]  undelivered entries counted exactly at most (each is read whole: its Redis CPU)
+-- ARGV[3]  pending entries read at most (4 if absent; at least 3)
 -- Returns  {transitions waiting (in pending and undelivered entries), id of the oldest
 --           waiting entry or nil, 1 if the group exists on this log else 0}
 
 local stream, group, exact = KEYS[1], ARGV[1], tonumber(ARGV[2])
+local PENDING_READ = tonumber(ARGV[3]) or 4
 local length = redis.call('XLEN', stream)
 if length == 0 and redis.call('EXISTS', stream) == 0 then
   return {0, false, 0}
@@ -40,6 +44,51 @@ local function transitions(entry)
     return tonumber(f[2])
   end
   return 1
+end
+
+-- the transitions in the entry of this id (0: trimmed while pending: nothing to write)
+local function held(id)
+  local e = redis.call('XRANGE', stream, id, id)[1]
+  return e and transitions(e) or 0
+end
+
+-- the id at fraction f of the way from id a to id b (their milliseconds, or their
+-- sequence numbers within one millisecond)
+local function between(a, b, f)
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  if am == bm then
+    return am .. '-' .. string.format('%.0f', as + math.floor((bs - as) * f))
+  end
+  return string.format('%.0f', am + math.floor((bm - am) * f)) .. '-0'
+end
+
+-- the transitions in the group's pending entries (XPENDING's summary)
+local function pending_transitions(summary)
+  local count, oldest, newest = summary[1], summary[2], summary[3]
+  if count <= PENDING_READ then
+    local n = 0
+    for _, p in ipairs(redis.call('XPENDING', stream, group, '-', '+', count)) do
+      n = n + held(p[1])
+    end
+    return n
+  end
+  local middle, read, seen = 0, 0, {[oldest] = true, [newest] = true}
+  for i = 1, PENDING_READ - 2 do
+    -- the first pending entry from that id on not read yet (ids close together, as a
+    -- burst's, can lead several steps to one entry)
+    local from = between(oldest, newest, i / (PENDING_READ - 1))
+    for _, p in ipairs(redis.call('XPENDING', stream, group, from, '+', PENDING_READ)) do
+      if not seen[p[1]] then
+        seen[p[1]] = true
+        middle, read = middle + held(p[1]), read + 1
+        break
+      end
+    end
+  end
+  local ends = held(oldest) + held(newest)
+  local mean = read > 0 and middle / read or ends / 2
+  return ends + math.floor((count - 2) * mean + 0.5)
 end
 
 local info = nil
@@ -74,18 +123,9 @@ if not oldest and after[1] then oldest = after[1][1] end
 if not oldest then
   return {0, false, 1}
 end
--- pending entries: at the mean of the oldest and the newest (a persister reads a batch
--- ahead at most); one trimmed meanwhile is left out of the mean
 local counted = 0
 if pending[1] > 0 then
-  local n, found = 0, 0
-  for _, id in ipairs(pending[2] == pending[3] and {pending[2]} or {pending[2], pending[3]}) do
-    local e = redis.call('XRANGE', stream, id, id)[1]
-    if e then
-      n, found = n + transitions(e), found + 1
-    end
-  end
-  counted = math.floor(pending[1] * (found > 0 and n / found or 1) + 0.5)
+  counted = pending_transitions(pending)
 end
 -- undelivered entries: those read one by one, the rest at their mean
 local read = 0
