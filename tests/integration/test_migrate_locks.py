@@ -76,13 +76,21 @@ async def test_migrate_waits_between_tries_letting_the_table_through_then_applie
     before_last: str, holder: db.Connection, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="jobtier.persist")
+    named = f"pid {holder.get_server_pid()} (idle in transaction"
+
+    def waiting_lines() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "migration_waiting" in r.getMessage()]
+
+    # a session reading another table, in a transaction as old, is no blocker of this one
+    reader = await db.connect(before_last, server_settings={"application_name": "a-report"})
+    await reader.execute("BEGIN; SELECT count(*) FROM jobs")
     migrating = asyncio.create_task(db.migrate(before_last, lock_timeout=0.2, patience=120))
     try:
-        await wait_for(lambda: "event=migration_waiting" in caplog.text, timeout=60)
-        line = next(r.getMessage() for r in caplog.records if "migration_waiting" in r.getMessage())
-        # who holds it, by pid, application, and the table
-        assert f"pid {holder.get_server_pid()} (idle in transaction" in line, line
+        # who holds it, by pid, application, and the table (once a look has seen it waiting)
+        await wait_for(lambda: any(named in line for line in waiting_lines()), timeout=60)
+        line = next(line for line in waiting_lines() if named in line)
         assert "application 'left-open'" in line and "on outbox" in line, line
+        assert "a-report" not in caplog.text
         # between tries nothing waits behind the migration: a caller's submit goes through
         # (before, the ALTER TABLE's request queued every statement on the outbox behind it
         # for as long as the holder stayed open; the bound only keeps a broken test from hanging)
@@ -99,6 +107,7 @@ async def test_migrate_waits_between_tries_letting_the_table_through_then_applie
     finally:
         migrating.cancel()
         await asyncio.gather(migrating, return_exceptions=True)
+        await reader.close()
     assert (await _applied(before_last))[-1] == LAST
 
 
@@ -106,7 +115,7 @@ async def test_migrate_gives_up_after_its_patience_changing_nothing(
     before_last: str, holder: db.Connection
 ) -> None:
     with pytest.raises(db.MigrationBlocked) as raised:
-        await db.migrate(before_last, lock_timeout=0.1, patience=1.0)
+        await db.migrate(before_last, lock_timeout=0.5, patience=2.0)
     blockers = raised.value.blockers
     assert len(blockers) == 1 and f"pid {holder.get_server_pid()} " in blockers[0], blockers
     assert "nothing was changed" in str(raised.value)
@@ -120,14 +129,44 @@ async def test_jobtier_migrate_says_who_holds_the_lock_and_exits_1(
 ) -> None:
     env = {**os.environ, "JOBTIER_DATABASE_URL": before_last}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jobtier.cli", "migrate", "--lock-timeout", "0.1",
-        "--patience", "0.5",
+        sys.executable, "-m", "jobtier.cli", "migrate", "--lock-timeout", "0.5",
+        "--patience", "2",
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode == 1, (out, err)
-    text = err.decode()
+    text = err.decode().strip().splitlines()[-1]  # after the log's event=migration_waiting
     assert text.startswith("jobtier migrate: a lock the migrations need was held"), text
     assert f"pid {holder.get_server_pid()} (idle in transaction" in text, text
     assert "pg_terminate_backend" in text
     assert LAST not in await _applied(before_last)
+
+
+async def test_a_second_migrator_waits_for_the_first_whatever_lock_timeout_the_database_sets(
+    before_last: str, pg_server: LocalPostgres
+) -> None:
+    """The wait for the migration lock is not a table's: a database whose sessions get a
+    lock_timeout of 50 ms (a common production setting) cut it short, and the migrator
+    holding the lock was named as the blocker to terminate."""
+    name = before_last.rsplit("/", 1)[-1].split("?")[0]
+    pg_server.psql(f'ALTER DATABASE "{name}" SET lock_timeout = 50')
+    first = await db.connect(before_last)  # as a migrator holding the lock
+    await first.execute("SELECT pg_advisory_lock($1)", db.MIGRATION_LOCK)
+    migrating = asyncio.create_task(db.migrate(before_last, lock_timeout=0.5, patience=60))
+    try:
+
+        async def waited_long() -> bool:  # its wait, as Postgres sees it: 4x the setting
+            seconds = await first.fetchval(
+                "SELECT max(extract(epoch FROM now() - a.state_change)) FROM pg_locks l"
+                " JOIN pg_stat_activity a ON a.pid = l.pid"
+                " WHERE l.locktype = 'advisory' AND NOT l.granted"
+            )
+            return seconds is not None and seconds >= 0.2
+
+        await wait_for(waited_long, timeout=60)
+        await first.execute("SELECT pg_advisory_unlock($1)", db.MIGRATION_LOCK)
+        assert await asyncio.wait_for(migrating, 60) == [LAST]
+    finally:
+        migrating.cancel()
+        await asyncio.gather(migrating, return_exceptions=True)
+        await first.close()

@@ -673,3 +673,13 @@ async def test_the_lag_counts_pending_entries_unlike_their_oldest_and_newest(
     # as few as LAG_PENDING_READ: each counted
     await redis.xack(stream, keys.persist_group(), *[f"{ms}-0" for ms in range(1002, 1040)])
     assert (await lag(redis, keys))[0] == 100 + 1 + 1 + 100
+    # the ones between close after the oldest (no step finds one from its place on): read
+    # from just after it; one held claim, ten batches of 100, one held claim are 1,002
+    await redis.delete(stream)
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "setup").consumer.setup()
+    await redis.xadd(stream, {b"d": b"{}"}, id="1000-0")
+    for seq in range(10):
+        await redis.xadd(stream, big, id=f"1001-{seq}")
+    await redis.xadd(stream, {b"d": b"{}"}, id="9000-0")
+    await redis.xreadgroup(keys.persist_group(), "p2", {stream: ">"}, count=100)
+    assert (await lag(redis, keys))[0] == 1_002

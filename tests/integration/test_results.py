@@ -299,12 +299,18 @@ async def test_show_while_postgres_is_away_marks_a_stored_result_unavailable(
         await worker_for(q, registry, burst=True).run()
         async with AsyncClient(api.url, KEYS["acme"]) as client:
             whole = await client.show(job)
-            assert whole.result == big_rows(50) and whole.result_available
+            assert whole.result == big_rows(50) and whole.result_missing is None
             assert whole.history is not None
+            # the result no longer kept (its store's record gone): said so, the rest shown
+            await results.pool.execute("DELETE FROM result_blobs")
+            gone = await client.show(job)
+            assert gone.result is None and gone.history == whole.history
+            assert gone.result_missing == "no longer kept in the result store"
             await asyncio.to_thread(pg_to_stop.stop, "immediate")
             away = await client.show(job)
         assert away.status == whole.status and away.lines == whole.lines
-        assert away.result is None and not away.result_available and away.history is None
+        assert away.result is None and away.history is None
+        assert away.result_missing == "kept in the result store, which is away"
     finally:
         await q.close()
         await results.close()

@@ -33,7 +33,7 @@ def test_a_result_the_store_could_not_give_is_said_to_be_unavailable() -> None:
         id="01M8KK4FZ54RBHFVYBN6HBV0CZ-1", type="big", state=State.SUCCEEDED, version=3,
         priority=Priority.NORMAL, attempt=1, max_attempts=3, created_at="", updated_at="",
     )  # fmt: skip
-    away = shown(JobDetails(status, None, None, [], result_available=False))
+    away = shown(JobDetails(status, None, None, [], "kept in the result store, which is away"))
     assert "result:      not available (kept in the result store, which is away)" in away
     assert "history:     not available" in away
     there = shown(JobDetails(status, {"rows": 2}, [], []))

@@ -95,6 +95,9 @@ async def test_reads_ask_for_entries_by_the_transitions_the_last_read_held() -> 
     redis.reply = [["s0", [(b"1-3", None)]]]
     await c.wait(5)
     assert c.entries_for(201) == 3
+    redis.reply = []
+    assert await c.wait(5) == []
+    assert c.entries_for(201) == 3
     redis.reply = [["s0", [(b"1-4", one), (b"1-5", one)]]]
     await c.wait(5)
     assert c.entries_for(201) == 201

@@ -28,8 +28,8 @@ from jobtier.cli.maintenance import (
 from jobtier.cli.process_args import (
     PROCESS_ARGS,
     at_least_one,
+    lock_seconds,
     port,
-    positive_seconds,
     seconds,
     watch_seconds,
 )
@@ -290,10 +290,10 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         "is waited for --lock-timeout seconds at a time, so that a transaction left open on a "
         "table does not stall that table's readers and writers behind the migration; between "
         "tries it lets go of everything, logs event=migration_waiting naming the sessions that "
-        "hold locks, and after --patience seconds gives up (exit 1), having changed nothing.",
+        "blocked it, and after --patience seconds gives up (exit 1), having changed nothing.",
         arg(
             "--lock-timeout",
-            type=positive_seconds,
+            type=lock_seconds,
             default=MIGRATE_LOCK_TIMEOUT,
             metavar="SECONDS",
             help=f"longest wait for a lock, a try (default: {MIGRATE_LOCK_TIMEOUT:g})",

@@ -21,7 +21,12 @@ log = logging.getLogger("jobtier.cli")
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    import asyncpg
+
     from jobtier.persist.db import CONNECT_FAULTS, MigrationBlocked, migrate
+
+    # Postgres lost or shutting down part-way (a restart, a failover): the migrations with it
+    gone = (asyncpg.PostgresConnectionError, asyncpg.exceptions.OperatorInterventionError)
 
     async def main() -> int:
         try:
@@ -35,6 +40,13 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
             print(
                 f"jobtier migrate: cannot connect to Postgres at JOBTIER_DATABASE_URL ({exc}); "
                 "check that it runs and that the URL is right",
+                file=sys.stderr,
+            )
+            return 1
+        except gone as exc:
+            print(
+                f"jobtier migrate: Postgres went away ({exc!r}); nothing was changed: run it "
+                "again once Postgres answers",
                 file=sys.stderr,
             )
             return 1

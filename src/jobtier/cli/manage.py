@@ -217,8 +217,8 @@ def jobs_show(c: Client, a: argparse.Namespace) -> Any:
     if a.json:
         return d
     lines = status_block(d.status)
-    if not d.result_available:
-        lines.append("result:      not available (kept in the result store, which is away)")
+    if d.result_missing is not None:
+        lines.append(f"result:      not available ({d.result_missing})")
     elif d.result is not None:
         lines.append(f"result:      {msgspec.json.encode(d.result).decode()}")
     lines += log_block(d.lines)

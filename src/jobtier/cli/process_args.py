@@ -54,11 +54,17 @@ def seconds(text: str) -> float:
     return value
 
 
-def positive_seconds(text: str) -> float:
-    """An argument's seconds, more than 0."""
+LOCK_TIMEOUT_MOST = 2_147_483  # seconds: Postgres's lock_timeout is a 32-bit count of ms
+
+
+def lock_seconds(text: str) -> float:
+    """An argument's Postgres lock_timeout in seconds: more than 0, at most
+    ``LOCK_TIMEOUT_MOST``."""
     value = seconds(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, not {text}")
+    if not 0 < value <= LOCK_TIMEOUT_MOST:
+        raise argparse.ArgumentTypeError(
+            f"must be more than 0 and at most {LOCK_TIMEOUT_MOST} seconds, not {text}"
+        )
     return value
 
 

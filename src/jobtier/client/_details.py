@@ -19,6 +19,11 @@ from jobtier.core.model import LogLine, Transition, any_decoder, status_decoder
 # what the API answers for what only Postgres holds when it has none (404), or its Postgres
 # is away (503): ``show`` gives the rest
 AWAY = (404, 503)
+# why ``show`` gives no result, by the answer of a result kept in the result store
+MISSING = {
+    (503, "unavailable"): "kept in the result store, which is away",
+    (410, "gone"): "no longer kept in the result store",
+}
 
 
 def result_op(job_id: str) -> Op[Result]:
@@ -43,19 +48,23 @@ def logs_op(job_id: str) -> Op[list[LogLine]]:
 def show_op(job_id: str) -> Op[JobDetails]:
     """The status, result, history and log lines. What the API cannot read without its
     Postgres (the history; a result kept in the result store, when that is Postgres) is
-    None and said so (``history``, ``result_available``), not a failure of the whole."""
+    None and said so (``history``, ``result_missing``), not a failure of the whole."""
     call = Call("GET", job_path(job_id))
     status = yield from fetch(call, status_decoder, "a status document", job_id)
     found = yield from _result_document(job_id)
-    value, available = found.result, True
+    value, missing = found.result, None
     if found.result_url is not None:
         try:
             call = Call("GET", found.result_url)
             value = yield from fetch(call, any_decoder, "a JSON result", job_id)
         except ApiError as exc:
-            if exc.status not in AWAY:
+            # the store away (Postgres, for JOBTIER_RESULT_STORE=postgres), or the result no
+            # longer kept; any other answer (an encrypted result this API has no key for) is
+            # raised as it is, for what it says
+            missing = MISSING.get((exc.status, exc.slug))
+            if missing is None:
                 raise
-            value, available = None, False
+            value = None
     try:
         history: list[Transition] | None = yield from history_op(job_id)
     except ApiError as exc:
@@ -63,7 +72,7 @@ def show_op(job_id: str) -> Op[JobDetails]:
             raise
         history = None
     lines = yield from logs_op(job_id)
-    return JobDetails(status, value, history, lines, available)
+    return JobDetails(status, value, history, lines, missing)
 
 
 def _result_document(job_id: str) -> Op[Result]:

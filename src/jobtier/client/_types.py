@@ -77,15 +77,15 @@ class JobPage(msgspec.Struct, frozen=True):
 class JobDetails(msgspec.Struct, frozen=True):
     """Everything about one job (``show``): its status, its result (once succeeded), its
     history (None when the API has no Postgres, or its Postgres is away), and its log lines
-    (``ctx.log``). ``result_available``: False when the result is kept in the result store
-    and that could not be read (Postgres away, for JOBTIER_RESULT_STORE=postgres): ``result``
-    is None then, not the job's."""
+    (``ctx.log``). ``result_missing``: why a result kept in the result store could not be
+    read (the store away: Postgres, for JOBTIER_RESULT_STORE=postgres; or the result no
+    longer kept), when it could not: ``result`` is None then, not the job's."""
 
     status: JobStatus
     result: Any
     history: list[Transition] | None
     lines: list[LogLine]
-    result_available: bool = True
+    result_missing: str | None = None
 
 
 class DeadLetter(msgspec.Struct, frozen=True):

@@ -249,7 +249,7 @@ async def run_all(
     from jobtier.api.app import create_app
     from jobtier.api.records import postgres_extension
     from jobtier.api.sse import end_streams
-    from jobtier.persist.db import CONNECT_FAULTS, create_pool, migrate
+    from jobtier.persist.db import CONNECT_FAULTS, MigrationBlocked, create_pool, migrate
     from jobtier.persist.persister import Persister
     from jobtier.persist.schedule_store import ScheduleStore
     from jobtier.webhooks.dispatcher import Dispatcher
@@ -297,6 +297,8 @@ async def run_all(
             f"cannot connect to Postgres at JOBTIER_DATABASE_URL ({exc}); check that it runs "
             "and that the URL is right"
         ) from None
+    except MigrationBlocked as exc:
+        raise LocalServiceError(f"jobtier migrate: {exc}") from None
     if applied:
         log.info("event=migrated applied=%s", ",".join(applied))
     pool = await create_pool(settings.database_url, min_size=0, max_size=6)

@@ -219,11 +219,11 @@ TRY_AGAIN_MOST = 15.0
 
 class MigrationBlocked(Exception):
     """``migrate`` gave up: a lock one of its migrations needs stayed held by other sessions
-    (``blockers``, as ``lock_holders`` describes them) for its whole patience."""
+    (``blockers``: what ``Blockers`` saw of them) for its whole patience."""
 
     def __init__(self, waited: float, blockers: list[str]) -> None:
         self.waited, self.blockers = waited, blockers
-        held = "; ".join(blockers) or "sessions that ended before they could be named"
+        held = "; ".join(blockers) or "sessions that could not be seen (ended, or too quick)"
         super().__init__(
             f"a lock the migrations need was held for {waited:.0f} s by {held}; nothing was "
             "changed: end that transaction (or pg_terminate_backend(<pid>)) and migrate again"
@@ -243,39 +243,46 @@ async def migrate(
     open on one of the tables (a caller's, idle after its ``jobtier.submit``) would otherwise
     hold the migration, and behind its lock request every reader and writer of that table,
     for as long as it stays open. Each try that times out is rolled back and logged
-    (``event=migration_waiting``, naming the sessions that hold locks on the tables), and tried
-    again after a pause, until ``patience`` seconds have passed: then ``MigrationBlocked``.
+    (``event=migration_waiting``, naming the sessions that blocked it: ``Blockers``), and
+    tried again after a pause, until ``patience`` seconds have passed: then
+    ``MigrationBlocked``.
     """
     loop_time = asyncio.get_running_loop().time
     began = loop_time()
     pause = TRY_AGAIN_AFTER
-    while True:
-        try:
-            return await _migrate(dsn, lock_timeout)
-        except asyncpg.exceptions.LockNotAvailableError:
-            blockers = await lock_holders(dsn, lock_timeout)
-            waited = loop_time() - began
-            if waited + pause > patience:
-                raise MigrationBlocked(waited, blockers) from None
-            log.warning(
-                "event=migration_waiting lock_timeout=%gs retry_in=%gs waited=%.0fs held_by=%s",
-                lock_timeout,
-                pause,
-                waited,
-                " | ".join(blockers) or "-",
-            )
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, TRY_AGAIN_MOST)
+    blockers = Blockers(dsn, max(0.02, lock_timeout / 4))
+    try:
+        while True:
+            try:
+                return await _migrate(dsn, lock_timeout, blockers)
+            except asyncpg.exceptions.LockNotAvailableError:
+                waited = loop_time() - began
+                if waited + pause > patience:
+                    raise MigrationBlocked(waited, blockers.named()) from None
+                log.warning(
+                    "event=migration_waiting lock_timeout=%gs retry_in=%gs waited=%.0fs held_by=%s",
+                    lock_timeout,
+                    pause,
+                    waited,
+                    " | ".join(blockers.named()) or "-",
+                )
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, TRY_AGAIN_MOST)
+    finally:
+        await blockers.close()
 
 
-async def _migrate(dsn: str, lock_timeout: float) -> list[str]:
+async def _migrate(dsn: str, lock_timeout: float, blockers: Blockers) -> list[str]:
     conn = await connect(dsn)
     try:
         async with conn.transaction():
+            # a second migrator waits for the first however long, whatever lock_timeout the
+            # role or the database sets; then each lock a migration takes, a try's at most
+            await conn.execute("SELECT set_config('lock_timeout', '0', true)")
             await conn.execute(query("migration_lock"), MIGRATION_LOCK)
-            # after the advisory lock: a second migrator waits for the first however long
             timeout_ms = f"{max(1, round(lock_timeout * 1000))}ms"
             await conn.execute("SELECT set_config('lock_timeout', $1, true)", timeout_ms)
+            blockers.watch(conn.get_server_pid())
             await conn.execute(PIN_SEARCH_PATH)
             await conn.execute(query("create_migrations_table"))
             applied = {r["name"] for r in await conn.fetch(query("applied_migrations"))}
@@ -303,6 +310,7 @@ async def _migrate(dsn: str, lock_timeout: float) -> list[str]:
                 done.append(name)
         collation = await conn.fetchval(query("database_collation"))
     finally:
+        blockers.watch(None)
         await conn.close()
     for name in done:
         log.info("event=migration_applied name=%s", name)
@@ -317,27 +325,61 @@ async def _migrate(dsn: str, lock_timeout: float) -> list[str]:
     return done
 
 
-async def lock_holders(dsn: str, older_than: float) -> list[str]:
-    """The sessions (at most 5) whose transactions, begun over ``older_than`` seconds ago,
-    hold a lock on a table of this database's: each as ``pid 123 (idle in transaction for 42
-    s, application 'x', user 'y', on outbox; last statement: …)``. Empty when none is found,
-    or Postgres cannot be asked."""
-    try:
-        conn = await connect(dsn)
-    except Exception:  # the holders are named when they can be; the error stands without
-        return []
-    try:
-        rows = await conn.fetch(query("lock_holders"), older_than)
-    except Exception:
-        return []
-    finally:
-        await close(conn)
-    return [
+class Blockers:
+    """Who blocks a migrating session's lock requests: while one is watched (``watch(pid)``),
+    a connection of its own asks Postgres every ``every`` seconds (``pg_blocking_pids``) and
+    keeps what it learns of each blocker, as ``pid 123 (idle in transaction for 42 s,
+    application 'x', user 'y', on outbox; last statement: …)``. Started at the first watch;
+    a look that fails (Postgres away) is skipped: the names are a help, not the outcome."""
+
+    def __init__(self, dsn: str, every: float) -> None:
+        self.dsn, self.every = dsn, every
+        self.pid: int | None = None
+        self.seen: dict[int, str] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def watch(self, pid: int | None) -> None:
+        self.pid = pid
+        if pid is not None and self._task is None:
+            self._task = asyncio.create_task(self._looking())
+
+    def named(self) -> list[str]:
+        return list(self.seen.values())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _looking(self) -> None:
+        conn: Connection | None = None
+        try:
+            while True:
+                await asyncio.sleep(self.every)
+                if self.pid is None:
+                    continue
+                try:
+                    if conn is None or conn.is_closed():
+                        conn = await connect(self.dsn)
+                    rows = await conn.fetch(query("lock_blockers"), self.pid)
+                except Exception:  # the names are a help: the next look tries again
+                    continue
+                for r in rows:
+                    self.seen[r["pid"]] = _blocker(r)
+        finally:
+            if conn is not None:
+                await close(conn)
+
+
+def _blocker(r: asyncpg.Record) -> str:
+    if r["pid"] == 0:
+        return "a prepared transaction (pg_prepared_xacts: COMMIT PREPARED or ROLLBACK PREPARED)"
+    tables = ", ".join(r["tables"]) or "no table"
+    return (
         f"pid {r['pid']} ({r['state']} for {r['seconds']:.0f} s, application "
-        f"{r['application_name']!r}, user {r['usename']!r}, on {', '.join(r['tables'])}; "
+        f"{r['application_name']!r}, user {r['usename']!r}, on {tables}; "
         f"last statement: {' '.join(r['query'].split())[:120]!r})"
-        for r in rows
-    ]
+    )
 
 
 async def applied_migrations(conn: AnyConnection) -> list[str]:

@@ -261,27 +261,22 @@ WHERE j.id = $1 AND j.tenant = $2
 -- Held until the migrating transaction ends: a second migrator waits, then finds nothing to do.
 SELECT pg_advisory_xact_lock($1)
 
--- name: lock_holders
--- db.migrate, when a lock a migration needs was not granted in time: the other sessions whose
--- transactions, begun over $1 seconds ago, hold a lock on a table of this database (any mode:
--- an ALTER TABLE waits even for a reader's), oldest first. Locks on the catalogues left out.
-SELECT a.pid, coalesce(a.state, '?') AS state, a.application_name, a.usename,
-       extract(epoch FROM now() - a.xact_start)::float8 AS seconds,
+-- name: lock_blockers
+-- db.migrate, while a try waits for a lock: the sessions that block the migrating session $1
+-- (pg_blocking_pids: those holding a conflicting lock, and those ahead of it in the lock's
+-- queue; 0 for a prepared transaction), with the tables each holds locks on.
+SELECT b.pid, coalesce(a.state, '?') AS state, coalesce(a.application_name, '') AS application_name,
+       coalesce(a.usename::text, '') AS usename,
+       coalesce(extract(epoch FROM now() - a.xact_start), 0)::float8 AS seconds,
        coalesce(a.query, '') AS query,
-       array_agg(DISTINCT c.relname::text ORDER BY c.relname::text) AS tables
-FROM pg_locks l
-JOIN pg_class c ON c.oid = l.relation
-JOIN pg_namespace n ON n.oid = c.relnamespace
-JOIN pg_stat_activity a ON a.pid = l.pid
-WHERE l.granted
-  AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
-  AND a.pid <> pg_backend_pid()
-  AND n.nspname NOT IN ('pg_catalog', 'information_schema', 'pg_toast')
-  AND c.relkind IN ('r', 'p')
-  AND a.xact_start < now() - make_interval(secs => $1)
-GROUP BY a.pid, a.state, a.application_name, a.usename, a.xact_start, a.query
-ORDER BY a.xact_start
-LIMIT 5
+       ARRAY(
+           SELECT DISTINCT c.relname::text
+           FROM pg_locks l JOIN pg_class c ON c.oid = l.relation
+           WHERE l.pid = b.pid AND l.granted AND c.relkind IN ('r', 'p')
+           ORDER BY 1
+       ) AS tables
+FROM unnest(pg_blocking_pids($1)) AS b (pid)
+LEFT JOIN pg_stat_activity a ON a.pid = b.pid
 
 -- name: create_migrations_table
 CREATE TABLE IF NOT EXISTS schema_migrations (

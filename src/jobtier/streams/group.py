@@ -164,9 +164,9 @@ async def group_lag(
     the backlog. An entry holds the transitions of one script call: those read are counted
     exactly, the others undelivered at their mean; of the pending ones, up to
     ``LAG_PENDING_READ`` are read (the oldest and the newest, and others at even steps of
-    their ids between), the rest counted at the mean of those between. The age and a count of 0 stay exact whatever the bound: a
-    caller that wants only those passes a small ``exact``. Callers on hot paths cache it
-    (the API, a second).
+    their ids between), the rest counted at the mean of those between. The age and a count
+    of 0 stay exact whatever the bound: a caller that wants only those passes a small
+    ``exact``. Callers on hot paths cache it (the API, a second).
     """
     exact = max(1, exact)
     calls = [(_LAG, (1, keys.log(s), group, exact, LAG_PENDING_READ)) for s in range(keys.shards)]

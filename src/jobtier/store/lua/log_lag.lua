@@ -74,16 +74,21 @@ local function pending_transitions(summary)
     return n
   end
   local middle, read, seen = 0, 0, {[oldest] = true, [newest] = true}
-  for i = 1, PENDING_READ - 2 do
-    -- the first pending entry from that id on not read yet (ids close together, as a
-    -- burst's, can lead several steps to one entry)
-    local from = between(oldest, newest, i / (PENDING_READ - 1))
+  -- the first pending entry from `from` on not read yet, if any
+  local function unread(from)
     for _, p in ipairs(redis.call('XPENDING', stream, group, from, '+', PENDING_READ)) do
       if not seen[p[1]] then
-        seen[p[1]] = true
-        middle, read = middle + held(p[1]), read + 1
-        break
+        return p[1]
       end
+    end
+  end
+  for i = 1, PENDING_READ - 2 do
+    -- from that step on; or, when every entry after it is read already (the ones between
+    -- lie close after the oldest, as a burst's), from just after the oldest
+    local id = unread(between(oldest, newest, i / (PENDING_READ - 1))) or unread('(' .. oldest)
+    if id then
+      seen[id] = true
+      middle, read = middle + held(id), read + 1
     end
   end
   local ends = held(oldest) + held(newest)
