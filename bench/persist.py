@@ -417,7 +417,7 @@ class PersisterProcess:
             while time.monotonic() - started < budget:
                 # exact=1: is anything left, and how old; not a count one by one, which
                 # would cost Redis more than the persister's own reads
-                if (await lag(run.redis, run.keys, exact=1))[0] == 0:
+                if (await lag(run.redis, run.keys, exact=1, pending=2))[0] == 0:
                     break
                 await asyncio.sleep(0.05)
             elapsed = time.monotonic() - started

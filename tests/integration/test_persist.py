@@ -670,6 +670,9 @@ async def test_the_lag_counts_pending_entries_unlike_their_oldest_and_newest(
     await redis.xadd(stream, big, id="1041-0")
     await redis.xreadgroup(keys.persist_group(), "p2", {stream: ">"}, count=100)
     assert (await lag(redis, keys))[0] == 240
+    # the cheapest count (a caller that wants the age, or whether anything waits): the
+    # oldest and the newest read, the rest at their mean
+    assert (await lag(redis, keys, exact=1, pending=2))[0] == 42 * 100
     # as few as LAG_PENDING_READ: each counted
     await redis.xack(stream, keys.persist_group(), *[f"{ms}-0" for ms in range(1002, 1040)])
     assert (await lag(redis, keys))[0] == 100 + 1 + 1 + 100

@@ -398,7 +398,7 @@ async def _unwritten(store: Store, persisting: list[asyncio.Task[Any]]) -> bool:
     """Are transitions logged and not yet written, while the persister still runs?"""
     if all(task.done() for task in persisting):
         return False
-    waiting, _ = await lag(store.redis, store.keys, exact=1)
+    waiting, _ = await lag(store.redis, store.keys, exact=1, pending=2)
     return waiting > 0
 
 

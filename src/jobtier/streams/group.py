@@ -144,15 +144,21 @@ class GroupLag:
     exists: bool
 
 
-async def lag(redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO) -> tuple[int, float]:
+async def lag(
+    redis: RedisClient, keys: Keys, exact: int = LAG_EXACT_UP_TO, pending: int = LAG_PENDING_READ
+) -> tuple[int, float]:
     """(transitions not yet acknowledged by the persisters, age in seconds of the oldest
     one): ``group_lag`` of their group."""
-    found = await group_lag(redis, keys, keys.persist_group(), exact)
+    found = await group_lag(redis, keys, keys.persist_group(), exact, pending)
     return found.transitions, found.seconds
 
 
 async def group_lag(
-    redis: RedisClient, keys: Keys, group: str, exact: int = LAG_EXACT_UP_TO
+    redis: RedisClient,
+    keys: Keys,
+    group: str,
+    exact: int = LAG_EXACT_UP_TO,
+    pending: int = LAG_PENDING_READ,
 ) -> GroupLag:
     """How far ``group`` is behind on the transition logs.
 
@@ -166,10 +172,11 @@ async def group_lag(
     ``LAG_PENDING_READ`` are read (the oldest and the newest, and others at even steps of
     their ids between), the rest counted at the mean of those between. The age and a count
     of 0 stay exact whatever the bound: a caller that wants only those passes a small
-    ``exact``. Callers on hot paths cache it (the API, a second).
+    ``exact`` and ``pending`` (2: the oldest and the newest pending entry read, the rest at
+    their mean). Callers on hot paths cache it (the API, a second).
     """
-    exact = max(1, exact)
-    calls = [(_LAG, (1, keys.log(s), group, exact, LAG_PENDING_READ)) for s in range(keys.shards)]
+    exact, pending = max(1, exact), max(2, pending)
+    calls = [(_LAG, (1, keys.log(s), group, exact, pending)) for s in range(keys.shards)]
     total, oldest_ms, exists = 0, None, False
     for waiting, oldest, *found in await run_scripts(redis, calls):
         total += int(waiting)

@@ -20,7 +20,8 @@
 -- KEYS[1]  a shard's log stream (jt:{s}:log)
 -- ARGV[1]  the consumer group
 -- ARGV[2]  undelivered entries counted exactly at most (each is read whole: its Redis CPU)
--- ARGV[3]  pending entries read at most (4 if absent; at least 3)
+-- ARGV[3]  pending entries read at most (4 if absent; 2: the oldest and the newest only,
+--          the ones between at their mean)
 -- Returns  {transitions waiting (in pending and undelivered entries), id of the oldest
 --           waiting entry or nil, 1 if the group exists on this log else 0}
 
