@@ -173,6 +173,7 @@ CHOSEN: dict[str, str] = {
     "status_asgi": "the only file",
     "nearcache_memory": "the only file",
     "api_scaling": "the only file",
+    "persist-85b87c1": "the newest: where each µs of the write-behind goes (--profile), the persister at the start of this stop's changes (f421ffd) beside this tree, and the lag at a sustained 10K transitions/s",
     "persist-direct": "the straight COPY against a1d7d85, same run, with where each µs goes",
     "persist-redis": "the persister as deployed, with Redis's part of the write-behind, command by command (an A/A pair: 9d7ea37 has this tree's persister)",
     "persist": "an earlier backlog drain (no sustained-rate lag in it)",
