@@ -3,6 +3,8 @@ operations of both clients (``_core`` holds the rest)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from jobtier.client._core import Call, Op, fetch, job_path
@@ -30,8 +32,7 @@ def result_op(job_id: str) -> Op[Result]:
     found = yield from _result_document(job_id)
     if found.result_url is None:
         return found
-    call = Call("GET", found.result_url)  # a large result, kept outside Redis: stream it
-    value = yield from fetch(call, any_decoder, "a JSON result", job_id)
+    value = yield from _stored_result(found.result_url, job_id)
     return msgspec.structs.replace(found, result=value)
 
 
@@ -55,8 +56,7 @@ def show_op(job_id: str) -> Op[JobDetails]:
     value, missing = found.result, None
     if found.result_url is not None:
         try:
-            call = Call("GET", found.result_url)
-            value = yield from fetch(call, any_decoder, "a JSON result", job_id)
+            value = yield from _stored_result(found.result_url, job_id)
         except ApiError as exc:
             # the store away (Postgres, for JOBTIER_RESULT_STORE=postgres), or the result no
             # longer kept; any other answer (an encrypted result this API has no key for) is
@@ -78,3 +78,8 @@ def show_op(job_id: str) -> Op[JobDetails]:
 def _result_document(job_id: str) -> Op[Result]:
     call = Call("GET", job_path(job_id, "/result"))
     return (yield from fetch(call, result_decoder, "a result document", job_id))
+
+
+def _stored_result(url: str, job_id: str) -> Op[Any]:
+    """A large result, kept outside Redis: streamed from where its document points."""
+    return (yield from fetch(Call("GET", url), any_decoder, "a JSON result", job_id))
