@@ -316,6 +316,55 @@ async def test_a_job_of_a_type_no_worker_advertised_yet_waits_for_one(
     assert await relay.pending() == 0 and await waiting_rows(pg_pool) == {}
 
 
+async def test_a_type_whose_rows_all_left_is_no_longer_looked_for(
+    app: Any,
+    pg_settings: Settings,
+    pg_pool: Pool,
+    queue: Queue,
+    redis_as_jobtier: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A row of a type no worker ever advertised (a typo) is refused once its patience runs
+    out; the relay stops asking the catalogue for that type after its next prune (before,
+    it asked at every pass for as long as it ran: a reload of the whole catalogue at each
+    pass past the catalogue's miss interval)."""
+    relay = OutboxRelay.of_persister(pg_settings, redis_as_jobtier, pg_pool)
+    await prepared(relay)
+    asked: list[set[str]] = []
+    ensure_known = relay.producer.ensure_known
+
+    async def noting(types: Any) -> None:
+        asked.append(set(types))
+        await ensure_known(types)
+
+    monkeypatch.setattr(relay.producer, "ensure_known", noting)
+    typo = await outbox.submit(app, "ecoh", {})
+    assert await relay.drain() == 0 and relay.stats.deferred == 1
+    # its patience over: as if submitted long ago
+    await pg_pool.execute(
+        "UPDATE jobtier.outbox SET created_at = created_at - make_interval(secs => $2),"
+        " not_before = now() WHERE id = $1",
+        typo,
+        outbox_relay.UNKNOWN_TYPE_PATIENCE + 1,
+    )
+    assert await relay.drain() == 1 and relay.stats.refused == 1
+    asked.clear()
+    await relay.drain()
+    assert {"ecoh"} in asked  # still looked for: nothing said it is gone
+
+    await relay.prune()
+    asked.clear()
+    await relay.drain()
+    assert not any("ecoh" in types for types in asked), asked
+    # a row of the type waiting again is looked for again
+    again = await outbox.submit(app, "ecoh", {})
+    await relay.drain()
+    await relay.prune()
+    asked.clear()
+    await relay.drain()
+    assert {"ecoh"} in asked and again in await waiting_rows(pg_pool)
+
+
 async def test_rows_left_out_do_not_hold_back_the_rows_after_them(
     app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue, redis_as_jobtier: Any
 ) -> None:

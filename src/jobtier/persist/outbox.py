@@ -452,7 +452,10 @@ class OutboxRelay:
 
     async def prune(self) -> int:
         """Delete rows whose idempotency keys Redis has forgotten, and refused rows once
-        finished jobs' retention is over; the rows deleted."""
+        finished jobs' retention is over; the rows deleted. The types of rows left waiting
+        for a worker are read again: a type whose rows were all refused (no worker came) or
+        relayed by another relay is no longer looked for in the catalogue at every pass."""
+        self._waiting_types = set(await self.pool.fetchval(query("outbox_waiting_types")))
         now = datetime.now(UTC)
         relayed = now - timedelta(seconds=self.settings.idempotency_ttl_seconds)
         days = self.settings.pg_job_retention_days
