@@ -41,6 +41,17 @@ export class NonRetryable extends Error {
   }
 }
 
+// Throw it from a task that could not run the job now (a partner's 429, a rate limit of
+// your own): the attempt is given back, not counted, and the job runs again after
+// `retryAfter` seconds (else the task's backoff).
+export class RateLimited extends Error {
+  constructor(message, retryAfter = null) {
+    super(message);
+    this.name = "RateLimited";
+    this.retryAfter = retryAfter;
+  }
+}
+
 export class JobtierClient {
   constructor({ url, key, worker }) {
     this.url = url.replace(/\/$/, "");
@@ -120,7 +131,8 @@ export class JobtierClient {
     return this.request("POST", "/v1/worker/complete", { worker: this.worker, jobs });
   }
 
-  fail(job, error, { retryable = true, retryIn = null } = {}) {
+  // held: the attempt is given back, not counted (RateLimited)
+  fail(job, error, { retryable = true, retryIn = null, held = false } = {}) {
     const body = {
       error: {
         type: error.name || "Error",
@@ -129,6 +141,7 @@ export class JobtierClient {
       },
       retryable,
       retry_in: retryIn,
+      held,
     };
     return this.job(job, "fail", body);
   }
@@ -186,7 +199,7 @@ export class Worker {
     this.stopping = false;
     this.claimAbort = new AbortController();
     this.slotFree = null; // resolves when a running job ends
-    this.stats = { succeeded: 0, failed: 0, cancelled: 0, lost: 0, unsent: 0 };
+    this.stats = { succeeded: 0, failed: 0, held: 0, cancelled: 0, lost: 0, unsent: 0 };
     // results waiting for the next batch: one request carries all that ended while the
     // previous one was in flight (a request per job would make the API the bottleneck)
     this.outbox = [];
@@ -367,9 +380,15 @@ export class Worker {
         this.stats.succeeded += 1;
       } else {
         const err = outcome.err instanceof Error ? outcome.err : new Error(String(outcome.err));
-        const retryable = !(err instanceof NonRetryable);
-        await this.withRetries(what, until, () => this.client.fail(job, err, { retryable }));
-        this.stats.failed += 1;
+        if (err instanceof RateLimited) {
+          const held = { held: true, retryIn: err.retryAfter };
+          await this.withRetries(what, until, () => this.client.fail(job, err, held));
+          this.stats.held += 1;
+        } else {
+          const retryable = !(err instanceof NonRetryable);
+          await this.withRetries(what, until, () => this.client.fail(job, err, { retryable }));
+          this.stats.failed += 1;
+        }
       }
     } catch (err) {
       if (err instanceof LeaseLost) {

@@ -8,7 +8,7 @@
 // It prints one line "ready" once its tasks are in the catalogue, and a JSON line of its
 // counts when it stops (SIGTERM or SIGINT: it claims nothing more, its running jobs finish).
 
-import { NonRetryable, Worker } from "./jobtier-worker.mjs";
+import { NonRetryable, RateLimited, Worker } from "./jobtier-worker.mjs";
 
 const sleep = (ms, signal) =>
   new Promise((resolve, reject) => {
@@ -22,6 +22,8 @@ const sleep = (ms, signal) =>
     }, ms);
     signal?.addEventListener("abort", aborted, { once: true });
   });
+
+const limitedOnce = new Set(); // node.fail's jobs told to wait once
 
 const tasks = {
   // a task with a payload schema: the API refuses a submit that does not fit it (422)
@@ -51,12 +53,19 @@ const tasks = {
     }
     return { steps };
   },
-  // fails: a plain Error is retried by the task's backoff, NonRetryable is dead-lettered
+  // fails: a plain Error is retried by the task's backoff, NonRetryable is dead-lettered;
+  // RateLimited gives the attempt back (here the first time a job is met): it runs again
+  // without its attempt counted
   "node.fail": {
     max_attempts: 2,
     backoff: { base: 0.05, factor: 1, cap: 0.05, jitter: 0 },
-    handler: async ({ fatal = false }) => {
+    handler: async ({ fatal = false, limited = false }, ctx) => {
       if (fatal) throw new NonRetryable("this one cannot succeed");
+      if (limited && !limitedOnce.has(ctx.job.id)) {
+        limitedOnce.add(ctx.job.id);
+        throw new RateLimited("the partner answered 429", 0.05);
+      }
+      if (limited) return { limited: "once" };
       throw new Error("failed on purpose");
     },
   },

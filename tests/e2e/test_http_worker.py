@@ -14,8 +14,10 @@ import pytest
 
 from jobtier.api import worker_claims
 from jobtier.store.calls import reclaim_call
+from jobtier.streams.entries import parse_entries
 from tests.fixtures.api import ApiServer, StartApi
 from tests.fixtures.engine import wait_for
+from tests.fixtures.postgres import log_entries
 
 pytestmark = pytest.mark.contract
 
@@ -199,6 +201,40 @@ async def test_a_non_retryable_failure_dead_letters_at_once(start_api: StartApi)
         r = await w.post(f"/v1/worker/jobs/{job_id}/fail", json=body)
         assert r.json()["state"] == "failed"
     assert (await status(api, job_id))["attempt"] == 1
+
+
+async def test_a_held_attempt_is_retried_and_does_not_count(start_api: StartApi) -> None:
+    """A worker that holds a job without running it (a rate limit of its own) gives the
+    attempt back: the job is retried, its attempt not counted, logged as given back ('rf');
+    held without a retry is refused and changes nothing."""
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    queue = api.server.lifespan.state["queue"]
+    error = {"type": "RateLimited", "message": "429 from the partner"}
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        assert job["attempt"] == 1
+        body = lease(job, error=error, held=True, retryable=False)
+        r = await w.post(f"/v1/worker/jobs/{job_id}/fail", json=body)
+        assert r.status_code == 422 and r.json()["field"] == "held", r.text
+        assert (await status(api, job_id))["state"] == "running"
+        # its two attempts: held twice, it still runs twice
+        for _ in range(2):
+            r = await w.post(
+                f"/v1/worker/jobs/{job_id}/fail", json=lease(job, error=error, held=True)
+            )
+            assert r.json() == {"id": job_id, "state": "scheduled"}, r.text
+            job = await _claim_after_promote(w, queue)
+            assert job["attempt"] == 1
+        r = await w.post(f"/v1/worker/jobs/{job_id}/fail", json=lease(job, error=error))
+        assert r.json()["state"] == "scheduled"  # an attempt used, one left
+        job = await _claim_after_promote(w, queue)
+        assert job["attempt"] == 2
+    entries = []
+    for shard, entry_id, fields in await log_entries(queue.redis, queue.keys):
+        entries += parse_entries(shard, entry_id, fields)
+    given_back = [e.refunded for e in entries if e.from_state == "running"]
+    assert given_back == [True, True, False]
 
 
 async def test_a_cancel_request_reaches_the_worker_in_the_heartbeat_answer(

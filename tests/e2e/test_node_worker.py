@@ -81,6 +81,7 @@ async def test_the_node_worker_runs_jobs_end_to_end(
         steps = await submit(api, "node.steps", {"steps": 3, "ms": 5})
         retried = await submit(api, "node.fail", {})
         fatal = await submit(api, "node.fail", {"fatal": True})
+        limited = await submit(api, "node.fail", {"limited": True})
         held = await submit(api, "node.steps", {"steps": 1000, "ms": 20})
         late = await submit(api, "node.slow", {"ms": 60_000})
         async with api.client() as c:
@@ -92,7 +93,7 @@ async def test_the_node_worker_runs_jobs_end_to_end(
 
             await wait_for(running, timeout=30)
             assert (await c.post(f"/v1/jobs/{held}/cancel")).status_code == 200
-        ids = [*adds, steps, retried, fatal, held, late]
+        ids = [*adds, steps, retried, fatal, limited, held, late]
 
         async def finished() -> bool:
             return all(d["state"] in TERMINAL for d in (await docs(api, ids)).values())
@@ -115,9 +116,13 @@ async def test_the_node_worker_runs_jobs_end_to_end(
     assert "worker.mjs" in got[retried]["error"]["traceback"]  # the JavaScript stack
     assert (got[fatal]["state"], got[fatal]["attempt"]) == ("failed", 1)
     assert got[fatal]["error"]["type"] == "NonRetryable"
+    # given back once (RateLimited), then run: its one attempt (of two) counted
+    assert (got[limited]["state"], got[limited]["attempt"]) == ("succeeded", 1)
     assert got[held]["state"] == "cancelled"
     assert (got[late]["state"], got[late]["error"]["type"]) == ("failed", "TimeoutError")
-    assert stats == {"succeeded": 21, "failed": 4, "cancelled": 1, "lost": 0, "unsent": 0}
+    assert stats == {
+        "succeeded": 22, "failed": 4, "held": 1, "cancelled": 1, "lost": 0, "unsent": 0
+    }  # fmt: skip
 
 
 async def test_a_jobs_calls_from_node_join_the_trace_of_its_submit(start_api: StartApi) -> None:

@@ -152,6 +152,9 @@ class FailRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     error: WorkerError
     retryable: bool = True
     retry_in: Annotated[float, msgspec.Meta(ge=0)] | None = None  # s; null: the task's backoff
+    # the attempt was given back, not failed (the worker held the job: a rate limit or a
+    # breaker of its own): retried after retry_in, the attempt not counted (fail.lua's refund)
+    held: bool = False
 
 
 class Outcome(msgspec.Struct):

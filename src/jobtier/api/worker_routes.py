@@ -385,12 +385,15 @@ async def fail(request: Request) -> Response:
     if body.retry_in is not None and body.retry_in > s.max_future_seconds:
         detail = f"retry_in is over {furthest(s.max_future_seconds)}"
         raise Problem(422, "validation", detail, field="retry_in")
+    if body.held and not body.retryable:
+        detail = "a held attempt is always retried: held needs retryable (true by default)"
+        raise Problem(422, "validation", detail, field="held")
     delay_ms = -1
     if body.retryable:
         delay = body.retry_in if body.retry_in is not None else await _backoff(request, job_id)
         delay_ms = round(delay * 1000)
     shard = queue.keys.shard_of(job_id)
-    item = (job_id, body.lease_version, encode_json(error), delay_ms)
+    item = (job_id, body.lease_version, encode_json(error), delay_ms, int(body.held))
     call = fail_call(shard, _redis_id(body.worker), s.dead_retention_seconds, [item])
     ((code, state),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
@@ -570,7 +573,9 @@ def operations(settings: Settings) -> oa.Paths:
         "POST /v1/worker/jobs/{job_id}/fail",
         fail,
         "The attempt failed: retried after retry_in seconds (else the task's backoff) while "
-        "attempts remain and it is retryable, else dead-lettered; the error keeps its traceback",
+        "attempts remain and it is retryable, else dead-lettered; the error keeps its traceback. "
+        "held: the worker gave the attempt back without running the task (a rate limit or "
+        "breaker of its own): retried after retry_in, the attempt not counted",
         oa.returns(200, "Outcome", "scheduled (to retry), failed, or cancelled (one was asked)"),
         _GONE,
         _LOST,

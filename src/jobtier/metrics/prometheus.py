@@ -22,7 +22,7 @@ HELP = {
     "jobs_succeeded_total": "Jobs that succeeded.",
     "jobs_failed_total": "Attempts that failed (retried or dead-lettered).",
     "jobs_retried_total": "Failed attempts scheduled to run again.",
-    "jobs_held_total": "Attempts given back, not failed: the task raised RateLimited, or an open circuit breaker held the job.",
+    "jobs_held_total": "Attempts given back, not failed: the task raised RateLimited, an open circuit breaker held the job, or an HTTP worker said held.",
     "jobs_dead_lettered_total": "Jobs that went to the dead-letter set.",
     "jobs_cancelled_total": "Jobs cancelled.",
     "lease_expirations_total": "Running jobs taken back after their worker stopped heartbeating.",
