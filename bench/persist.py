@@ -69,7 +69,7 @@ from jobtier.store import format as job_format
 from jobtier.store.calls import SubmitItem
 from jobtier.store.scripts import Scripts
 from jobtier.streams.entries import LogEntry, parse_entries, transition_count
-from jobtier.streams.group import lag
+from jobtier.streams.group import oldest_waiting
 
 SHARDS = 16
 RESULTS = Path(__file__).parent / "results"
@@ -357,7 +357,7 @@ class Run:
         await gen.wait()
         produced_in = time.monotonic() - started
         deadline = time.monotonic() + drain_budget
-        while (await lag(self.redis, self.keys))[0] and time.monotonic() < deadline:
+        while (await oldest_waiting(self.redis, self.keys))[0] and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         persister.stop()
         await task
@@ -415,9 +415,9 @@ class PersisterProcess:
             cpu, pg_cpu, started = proc_cpu(proc.pid), run.pg_cpu(), time.monotonic()
             proc.send_signal(signal.SIGCONT)
             while time.monotonic() - started < budget:
-                # exact=1: is anything left, and how old; not a count one by one, which
-                # would cost Redis more than the persister's own reads
-                if (await lag(run.redis, run.keys, exact=1, pending=2))[0] == 0:
+                # is anything left; not a count, which would cost Redis more than the
+                # persister's own reads
+                if not (await oldest_waiting(run.redis, run.keys))[0]:
                     break
                 await asyncio.sleep(0.05)
             elapsed = time.monotonic() - started

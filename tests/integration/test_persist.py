@@ -22,7 +22,7 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store.redis import connect
 from jobtier.streams.entries import LogEntry, parse_entries
-from jobtier.streams.group import lag, replay_refused
+from jobtier.streams.group import lag, oldest_waiting, replay_refused
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_pg_matches_redis,
@@ -651,6 +651,44 @@ async def test_the_lag_counts_the_transitions_of_entries_of_several(
         await redis.xadd(keys.log(0), {b"d": b"{}"})
     assert (await lag(redis, keys))[0] == 53
     assert (await lag(redis, keys, exact=1))[0] == 53  # 2 of the 3 at the one read's mean
+
+
+async def test_the_age_alone_reads_no_entry_where_one_is_pending(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """``oldest_waiting`` (a sampler's, ``jobtier run``'s wait for the write-behind): whether
+    anything waits and the age of the oldest, taken from XPENDING's summary on a shard with
+    pending entries (delivered before any undelivered one), else from the shard's first
+    undelivered entry: not one of those entries of 100 transitions read whole where one is
+    pending (``lag``'s cheapest count read the oldest and the newest pending whole, and one
+    undelivered: their reads are what its calls cost)."""
+    assert await oldest_waiting(redis, keys) == (False, 0.0)  # nothing logged yet
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "setup").consumer.setup()
+    big = {b"n": b"100", **{b"d%d" % i: b"{}" for i in range(1, 101)}}
+    now = int(time.time() * 1000)
+    await redis.xadd(keys.log(0), big, id=f"{now - 60_000}-0")
+    await redis.xadd(keys.log(0), big, id=f"{now - 30_000}-0")
+    await redis.xadd(keys.log(1), big, id=f"{now - 20_000}-0")
+    await redis.xreadgroup(keys.persist_group(), "p2", {keys.log(0): ">"}, count=1)
+
+    await redis.config_resetstat()
+    found, age = await oldest_waiting(redis, keys)
+    assert found and age >= 60
+    reads = (await redis.info("commandstats")).get("cmdstat_xrange", {}).get("calls", 0)
+    assert reads == 1  # shard 1's first undelivered entry; none on shard 0
+    # a group on no shard yet: every entry waits for it
+    found, age = await oldest_waiting(redis, keys, "not-there-yet")
+    assert found and age >= 60
+
+    await redis.xack(keys.log(0), keys.persist_group(), f"{now - 60_000}-0")
+    found, age = await oldest_waiting(redis, keys)
+    assert found and 30 <= age < 60  # shard 0's undelivered one now
+    await redis.xreadgroup(
+        keys.persist_group(), "p2", {keys.log(0): ">", keys.log(1): ">"}, count=10
+    )
+    await redis.xack(keys.log(0), keys.persist_group(), f"{now - 30_000}-0")
+    await redis.xack(keys.log(1), keys.persist_group(), f"{now - 20_000}-0")
+    assert await oldest_waiting(redis, keys) == (False, 0.0)
 
 
 async def test_the_lag_counts_pending_entries_unlike_their_oldest_and_newest(

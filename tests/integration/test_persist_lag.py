@@ -29,7 +29,7 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store import format as job_format
 from jobtier.streams.entries import split_fields
-from jobtier.streams.group import LAG_EXACT_UP_TO, lag
+from jobtier.streams.group import LAG_EXACT_UP_TO, lag, oldest_waiting
 from tests.fixtures.api import StartApi
 from tests.fixtures.postgres import assert_pg_matches_redis, simple_jobs
 
@@ -166,6 +166,7 @@ async def test_lag_after_a_restart_from_the_aof_counts_only_what_waits(
     await persister.drain()
     assert await lag(redis, keys) == (0, 0.0)
     assert await lag(redis, keys, exact=1) == (0, 0.0)  # nothing waits: 0 whatever the bound
+    assert await oldest_waiting(redis, keys) == (False, 0.0)  # the age alone: likewise
     assert await truly_waiting(redis, keys) == 0
     assert await lag_redis_reports(redis, keys) > 0  # Redis's own counter still says otherwise
     await assert_pg_matches_redis(redis, pg_pool, keys, job_ids)

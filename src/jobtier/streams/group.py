@@ -171,15 +171,30 @@ async def group_lag(
     exactly, the others undelivered at their mean; of the pending ones, up to
     ``LAG_PENDING_READ`` are read (the oldest and the newest, and others at even steps of
     their ids between), the rest counted at the mean of those between. The age and a count
-    of 0 stay exact whatever the bound: a caller that wants only those passes a small
-    ``exact`` and ``pending`` (2: the oldest and the newest pending entry read, the rest at
-    their mean). Callers on hot paths cache it (the API, a second).
+    of 0 stay exact whatever the bound; a caller that wants only those calls
+    ``oldest_waiting``,
+    which reads next to nothing. Callers on hot paths cache it (the API, a second).
     """
-    exact, pending = max(1, exact), max(2, pending)
+    return await _lag(redis, keys, group, max(1, exact), max(2, pending))
+
+
+async def oldest_waiting(
+    redis: RedisClient, keys: Keys, group: str | None = None
+) -> tuple[bool, float]:
+    """(whether any transition waits for ``group``, the persisters' by default; the age in
+    seconds of the oldest one): for callers that want no count (a sampler, a wait for the
+    write-behind to catch up). A shard's call reads no entry where the group has one
+    pending, else at most the first undelivered one; ``group_lag`` reads up to a dozen whole
+    entries a shard, of up to 100 transitions each, which is what its calls cost Redis."""
+    found = await _lag(redis, keys, group or keys.persist_group(), 1, 0)
+    return found.transitions > 0, found.seconds
+
+
+async def _lag(redis: RedisClient, keys: Keys, group: str, exact: int, pending: int) -> GroupLag:
     calls = [(_LAG, (1, keys.log(s), group, exact, pending)) for s in range(keys.shards)]
     total, oldest_ms, exists = 0, None, False
-    for waiting, oldest, *found in await run_scripts(redis, calls):
-        total += int(waiting)
+    for count, oldest, *found in await run_scripts(redis, calls):
+        total += int(count)
         exists = exists or bool(found and int(found[0]))
         if oldest:
             ms = _id_ms(oldest)

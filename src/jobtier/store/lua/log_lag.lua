@@ -21,12 +21,20 @@
 -- ARGV[1]  the consumer group
 -- ARGV[2]  undelivered entries counted exactly at most (each is read whole: its Redis CPU)
 -- ARGV[3]  pending entries read at most (4 if absent; 2: the oldest and the newest only,
---          the ones between at their mean)
+--          the ones between at their mean); 0: the age only (below)
 -- Returns  {transitions waiting (in pending and undelivered entries), id of the oldest
 --           waiting entry or nil, 1 if the group exists on this log else 0}
+--          With ARGV[3] 0, no count of transitions: the first value is a number of entries
+--          waiting, 0 only when none does, and no entry is read where one is pending (the
+--          oldest pending entry, from XPENDING's summary, is older than any undelivered
+--          one: it was delivered), else only the first undelivered one. Reading entries
+--          whole is what a call costs: entries of 50 transitions, 20 pending and 20
+--          undelivered on each of 16 shards, cost Redis about 5 ms a call for the age with
+--          two pending entries read, 13 ms for the count (a throwaway script, 2026-12-06).
 
 local stream, group, exact = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local PENDING_READ = tonumber(ARGV[3]) or 4
+local AGE_ONLY = PENDING_READ == 0
 local length = redis.call('XLEN', stream)
 if length == 0 and redis.call('EXISTS', stream) == 0 then
   return {0, false, 0}
@@ -104,7 +112,8 @@ for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
 end
 if info == nil then -- the group is not on this log (none of its members read it yet): all waits
   if length == 0 then return {0, false, 0} end
-  local first = redis.call('XRANGE', stream, '-', '+', 'COUNT', exact)
+  local first = redis.call('XRANGE', stream, '-', '+', 'COUNT', AGE_ONLY and 1 or exact)
+  if AGE_ONLY then return {length, first[1][1], 0} end
   local counted = 0
   for _, e in ipairs(first) do counted = counted + transitions(e) end
   if length > #first then
@@ -117,6 +126,13 @@ if length == 0 then
 end
 
 local pending = redis.call('XPENDING', stream, group) -- {count, min id, max id, consumers}
+if AGE_ONLY then
+  if pending[1] > 0 then
+    return {pending[1], pending[2], 1}
+  end
+  local first = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+', 'COUNT', 1)
+  return first[1] and {1, first[1][1], 1} or {0, false, 1}
+end
 local after = redis.call('XRANGE', stream, '(' .. info['last-delivered-id'], '+', 'COUNT', exact)
 local undelivered = #after
 if undelivered == exact then
