@@ -22,7 +22,7 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store.redis import connect
 from jobtier.streams.entries import LogEntry, parse_entries
-from jobtier.streams.group import lag, oldest_waiting, replay_refused
+from jobtier.streams.group import lag, oldest_waiting, replay_refused, shared_lag
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_pg_matches_redis,
@@ -689,6 +689,44 @@ async def test_the_age_alone_reads_no_entry_where_one_is_pending(
     await redis.xack(keys.log(0), keys.persist_group(), f"{now - 30_000}-0")
     await redis.xack(keys.log(1), keys.persist_group(), f"{now - 20_000}-0")
     assert await oldest_waiting(redis, keys) == (False, 0.0)
+
+
+async def test_the_api_processes_share_one_count_of_the_lag_at_a_time(
+    pg_settings: Settings, redis: Any, redis_as_jobtier: Any, pg_pool: Pool, keys: Keys
+) -> None:
+    """``shared_lag`` (the API's count, for admission and the gauges): the count one process
+    made is read by the others while it is current, and made again once it has expired (a
+    count runs log_lag.lua on every shard, reading whole entries: what every API process
+    paid once a second). A Redis that refuses the write (full, under noeviction) still gets
+    its count, unshared."""
+    await Persister(pg_settings, redis_as_jobtier, pg_pool, "setup").consumer.setup()
+    for _ in range(3):
+        await redis.xadd(keys.log(0), {b"d": b"{}"})
+
+    async def counts() -> int:  # log_lag.lua's calls: each begins with an XLEN
+        stats = await redis.info("commandstats")
+        return int(stats.get("cmdstat_xlen", {}).get("calls", 0))
+
+    await redis.config_resetstat()
+    transitions, age, current_for = await shared_lag(redis_as_jobtier, keys)
+    assert transitions == 3 and 0 < current_for <= 1 and await counts() == keys.shards
+    again = await shared_lag(redis_as_jobtier, keys)  # another API process, within the second
+    assert again[0] == 3 and again[1] >= age and again[2] <= current_for
+    assert await counts() == keys.shards
+
+    await redis.xadd(keys.log(1), {b"d": b"{}"})
+    await redis.delete(keys.lag_count())  # as if expired
+    assert (await shared_lag(redis_as_jobtier, keys))[0] == 4
+    assert await counts() == 2 * keys.shards
+
+    await redis.delete(keys.lag_count())
+    (memory,) = (await redis.config_get("maxmemory")).values()
+    await redis.config_set("maxmemory", 1)
+    try:
+        assert (await shared_lag(redis_as_jobtier, keys))[0] == 4
+    finally:
+        await redis.config_set("maxmemory", memory)
+    assert await redis.get(keys.lag_count()) is None
 
 
 async def test_the_lag_counts_pending_entries_unlike_their_oldest_and_newest(

@@ -47,7 +47,7 @@ from jobtier.persist.db import (
 from jobtier.persist.outbox_docs import outbox_docs
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition
 from jobtier.persist.schedule_store import ScheduleStore
-from jobtier.streams.group import lag
+from jobtier.streams.group import shared_lag
 from jobtier.webhooks.safety import Resolver
 
 log = logging.getLogger("jobtier.api")
@@ -80,7 +80,7 @@ class PostgresExtension(Extension):
         self.reader: PgReader | None = None
         self.queue: Queue | None = None
         self._lag = (0, 0.0)
-        self._lag_at = 0.0
+        self._lag_until = 0.0  # monotonic time until which _lag is current
         self._backlog: tuple[int, float] | None = None
         self._backlog_at = -OUTBOX_EVERY
         self._probe: asyncio.Task[str | None] | None = None  # /readyz's look at Postgres
@@ -229,12 +229,14 @@ class PostgresExtension(Extension):
         )
 
     async def current_lag(self) -> tuple[int, float]:
-        """(transitions not yet in Postgres, age of the oldest in seconds), cached ~1 s."""
+        """(transitions not yet in Postgres, age of the oldest in seconds): the count the API
+        processes share (``shared_lag``), kept here as long as it is current there (about a
+        second), so that a submit's admission asks Redis for nothing."""
         assert self.queue is not None
         now = time.monotonic()
-        if now - self._lag_at > 1.0:
-            self._lag = await lag(self.queue.redis, self.queue.keys)
-            self._lag_at = now
+        if now >= self._lag_until:
+            transitions, age, current_for = await shared_lag(self.queue.redis, self.queue.keys)
+            self._lag, self._lag_until = (transitions, age), now + current_for
         return self._lag
 
     async def _lag_entries(self) -> int:

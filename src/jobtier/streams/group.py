@@ -29,6 +29,8 @@ LAG_EXACT_UP_TO = 4
 # pending entries per shard read (log_lag.lua): all when no more; else the oldest, the newest
 # and the rest at the mean of those between them read
 LAG_PENDING_READ = 4
+# how long one process's count of the persisters' lag serves the others (shared_lag)
+LAG_SHARED_MS = 1000
 
 
 async def create_groups(
@@ -172,10 +174,36 @@ async def group_lag(
     ``LAG_PENDING_READ`` are read (the oldest and the newest, and others at even steps of
     their ids between), the rest counted at the mean of those between. The age and a count
     of 0 stay exact whatever the bound; a caller that wants only those calls
-    ``oldest_waiting``,
-    which reads next to nothing. Callers on hot paths cache it (the API, a second).
+    ``oldest_waiting``, which reads next to nothing. Callers on hot paths share it
+    (``shared_lag``: the API processes, one count a second between them).
     """
     return await _lag(redis, keys, group, max(1, exact), max(2, pending))
+
+
+async def shared_lag(redis: RedisClient, keys: Keys) -> tuple[int, float, float]:
+    """(``lag``: transitions waiting for the persisters, the age of the oldest in seconds;
+    the seconds this count stays current), counted by one process of a deployment and read
+    by the others until ``LAG_SHARED_MS`` after it was made (``Keys.lag_count``, which
+    expires then). A count reads up to a dozen whole entries a shard, of up to 100
+    transitions each: with entries of 50, about 13 ms of Redis a call on a slow host
+    (2026-12-06, a throwaway script), which every API process paid once a second; shared,
+    a deployment pays it about once a second whatever its API processes. The age is taken
+    from the oldest entry's id at each read, so it is current whoever counted."""
+    key = keys.lag_count()
+    pipe = redis.pipeline(transaction=False)
+    pipe.get(key)
+    pipe.pttl(key)
+    raw, ttl = await pipe.execute()
+    if raw is not None and ttl > 0:
+        transitions, oldest = (int(v) for v in raw.split())
+        return transitions, _age(oldest or None), ttl / 1000
+    found = await _count(redis, keys, keys.persist_group(), LAG_EXACT_UP_TO, LAG_PENDING_READ)
+    total, oldest_ms, _ = found
+    try:
+        await redis.set(key, f"{total} {oldest_ms or 0}", px=LAG_SHARED_MS)
+    except ResponseError:  # full (noeviction), or a replica: the count is ours alone then
+        pass
+    return total, _age(oldest_ms), LAG_SHARED_MS / 1000
 
 
 async def oldest_waiting(
@@ -191,6 +219,15 @@ async def oldest_waiting(
 
 
 async def _lag(redis: RedisClient, keys: Keys, group: str, exact: int, pending: int) -> GroupLag:
+    total, oldest_ms, exists = await _count(redis, keys, group, exact, pending)
+    return GroupLag(total, _age(oldest_ms), exists)
+
+
+async def _count(
+    redis: RedisClient, keys: Keys, group: str, exact: int, pending: int
+) -> tuple[int, int | None, bool]:
+    """log_lag.lua on every shard: (transitions waiting, the oldest one's id's milliseconds
+    or None, whether the group is on a shard's log)."""
     calls = [(_LAG, (1, keys.log(s), group, exact, pending)) for s in range(keys.shards)]
     total, oldest_ms, exists = 0, None, False
     for count, oldest, *found in await run_scripts(redis, calls):
@@ -199,5 +236,9 @@ async def _lag(redis: RedisClient, keys: Keys, group: str, exact: int, pending: 
         if oldest:
             ms = _id_ms(oldest)
             oldest_ms = ms if oldest_ms is None else min(oldest_ms, ms)
-    age = 0.0 if oldest_ms is None else max(0.0, time.time() - oldest_ms / 1000)
-    return GroupLag(total, age, exists)
+    return total, oldest_ms, exists
+
+
+def _age(oldest_ms: int | None) -> float:
+    """Seconds since the Redis-clock milliseconds of an entry's id, by our clock."""
+    return 0.0 if oldest_ms is None else max(0.0, time.time() - oldest_ms / 1000)
