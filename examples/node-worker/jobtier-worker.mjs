@@ -46,6 +46,9 @@ export class NonRetryable extends Error {
 // `retryAfter` seconds (else the task's backoff).
 export class RateLimited extends Error {
   constructor(message, retryAfter = null) {
+    if (retryAfter !== null && !(Number.isFinite(retryAfter) && retryAfter >= 0)) {
+      throw new RangeError(`retryAfter must be a number of seconds >= 0, or null: ${retryAfter}`);
+    }
     super(message);
     this.name = "RateLimited";
     this.retryAfter = retryAfter;
@@ -141,7 +144,8 @@ export class JobtierClient {
       },
       retryable,
       retry_in: retryIn,
-      held,
+      // only when true: an API before "held" refuses a field it does not know (a 422)
+      ...(held ? { held: true } : {}),
     };
     return this.job(job, "fail", body);
   }

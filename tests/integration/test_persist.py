@@ -719,6 +719,21 @@ async def test_the_api_processes_share_one_count_of_the_lag_at_a_time(
     assert (await shared_lag(redis_as_jobtier, keys))[0] == 4
     assert await counts() == 2 * keys.shards
 
+    # not trusted, counted again and written over: a count that would stay current longer
+    # than it was made for (PX is replicated as an absolute time: a promoted replica whose
+    # clock is behind keeps it longer), one another version wrote, a key of another type
+    for planted in ("set", "other", "hash"):
+        await redis.delete(keys.lag_count())
+        if planted == "set":
+            await redis.set(keys.lag_count(), "0 0", px=30_000)
+        elif planted == "other":
+            await redis.set(keys.lag_count(), "v2:0", px=500)
+        else:
+            await redis.hset(keys.lag_count(), "transitions", 0)
+        transitions, _, current_for = await shared_lag(redis_as_jobtier, keys)
+        assert transitions == 4 and current_for <= 1, planted
+        assert 0 < await redis.pttl(keys.lag_count()) <= 1000
+
     await redis.delete(keys.lag_count())
     (memory,) = (await redis.config_get("maxmemory")).values()
     await redis.config_set("maxmemory", 1)

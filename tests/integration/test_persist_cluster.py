@@ -15,7 +15,7 @@ from jobtier.dev.local_replicas import LocalCluster
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store.redis import connect
-from jobtier.streams.group import lag
+from jobtier.streams.group import lag, oldest_waiting, shared_lag
 from tests.fixtures.postgres import assert_pg_matches_redis, mixed_workload
 from tests.fixtures.redis import as_jobtier, flushall
 
@@ -54,3 +54,7 @@ async def test_persister_on_a_cluster(
     assert await persister.drain() > 0
     await assert_pg_matches_redis(cluster_client, pg_pool, keys, job_ids)
     assert await lag(cluster_client, keys) == (0, 0.0)
+    # the age alone, and the count the API processes share (a key of its own slot)
+    assert await oldest_waiting(cluster_client, keys) == (False, 0.0)
+    assert (await shared_lag(cluster_client, keys))[:2] == (0, 0.0)
+    assert (await shared_lag(cluster_client, keys))[:2] == (0, 0.0)  # read, not counted

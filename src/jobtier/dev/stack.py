@@ -43,7 +43,7 @@ from jobtier.metrics.snapshot import MetricsPublisher, Snapshot
 from jobtier.runtime.listen import cannot_listen
 from jobtier.scheduler import Scheduler
 from jobtier.store.context import Store
-from jobtier.streams.group import oldest_waiting
+from jobtier.streams.group import lag
 from jobtier.worker.registry import TaskRegistry
 from jobtier.worker.runner import Worker
 
@@ -398,7 +398,9 @@ async def _unwritten(store: Store, persisting: list[asyncio.Task[Any]]) -> bool:
     """Are transitions logged and not yet written, while the persister still runs?"""
     if all(task.done() for task in persisting):
         return False
-    return (await oldest_waiting(store.redis, store.keys))[0]
+    # a count (the cheapest: exact=1, pending=2): an entry trimmed while pending is 0 in it
+    waiting, _ = await lag(store.redis, store.keys, exact=1, pending=2)
+    return waiting > 0
 
 
 async def _watch(services: LocalServices, stopping: list[asyncio.Task[None]]) -> None:

@@ -286,7 +286,7 @@ class OutboxRelay:
                 )  # fmt: skip
                 await conn.execute(query("outbox_record_config"), *limits)
                 # rows an earlier relay left waiting for a worker of their type
-                self._waiting_types.update(await conn.fetchval(query("outbox_waiting_types")))
+                self._waiting_types.update(await self._waiting_for_a_worker(conn))
             if paused is None:
                 released = await self._release_known(conn)
                 rows = await conn.fetch(query("outbox_take"), self.batch_size)
@@ -336,6 +336,12 @@ class OutboxRelay:
             self.on_relayed(done.relayed, time.time())
         # rows left pending are not counted: a pass of only those is "nothing to do now"
         return len(done.relayed) + len(done.refused)
+
+    @staticmethod
+    async def _waiting_for_a_worker(conn: AnyConnection | Pool) -> list[str]:
+        """The types of rows left out until a worker of their type comes (outbox_wait)."""
+        types: list[str] = await conn.fetchval(query("outbox_waiting_types"), UNKNOWN_TYPE_PATIENCE)
+        return types
 
     async def _release_known(self, conn: AnyConnection) -> list[str]:
         """The types of rows left waiting that a worker has advertised since: their rows
@@ -455,7 +461,7 @@ class OutboxRelay:
         finished jobs' retention is over; the rows deleted. The types of rows left waiting
         for a worker are read again: a type whose rows were all refused (no worker came) or
         relayed by another relay is no longer looked for in the catalogue at every pass."""
-        self._waiting_types = set(await self.pool.fetchval(query("outbox_waiting_types")))
+        self._waiting_types = set(await self._waiting_for_a_worker(self.pool))
         now = datetime.now(UTC)
         relayed = now - timedelta(seconds=self.settings.idempotency_ttl_seconds)
         days = self.settings.pg_job_retention_days

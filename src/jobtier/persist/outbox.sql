@@ -58,9 +58,10 @@ UPDATE jobtier.outbox SET not_before = NULL
 WHERE relayed_at IS NULL AND not_before IS NOT NULL AND type = ANY($1::text[])
 
 -- name: outbox_waiting_types
--- The types of rows left out (a relay starting after another left them).
+-- The types of rows left out waiting for a worker of their type (outbox_wait: until $1
+-- seconds after their submit; not those left out for a row they depend on, outbox_later).
 SELECT coalesce(array_agg(DISTINCT type), '{}') FROM jobtier.outbox
-WHERE relayed_at IS NULL AND not_before IS NOT NULL
+WHERE relayed_at IS NULL AND not_before = created_at + make_interval(secs => $1)
 
 -- name: outbox_unrelayed
 -- Whether one of these ids is the tenant's row not relayed yet (locked by another relay, or

@@ -23,6 +23,7 @@ log = logging.getLogger("jobtier.persist")
 
 _FORGET = Script("forget_consumers")
 _LAG = Script("log_lag")
+_SHARED = Script("lag_shared")
 # undelivered entries per shard counted one by one (log_lag.lua), each read whole: an entry
 # holds the transitions of one script call, up to 100 of them
 LAG_EXACT_UP_TO = 4
@@ -190,13 +191,17 @@ async def shared_lag(redis: RedisClient, keys: Keys) -> tuple[int, float, float]
     a deployment pays it about once a second whatever its API processes. The age is taken
     from the oldest entry's id at each read, so it is current whoever counted."""
     key = keys.lag_count()
-    pipe = redis.pipeline(transaction=False)
-    pipe.get(key)
-    pipe.pttl(key)
-    raw, ttl = await pipe.execute()
-    if raw is not None and ttl > 0:
-        transitions, oldest = (int(v) for v in raw.split())
-        return transitions, _age(oldest or None), ttl / 1000
+    ((raw, ttl),) = await run_scripts(redis, [(_SHARED, (1, key))])
+    # a count whose expiry is further than it was set for is not trusted: SET's PX is
+    # replicated as an absolute time, so a replica whose clock is behind, promoted, or a
+    # clock stepped back, would keep it for longer (and every process would keep it too)
+    if raw and 0 < ttl <= LAG_SHARED_MS:
+        try:
+            transitions, oldest = (int(v) for v in raw.split())
+        except ValueError:
+            pass  # written by another version: counted again, and written over
+        else:
+            return transitions, _age(oldest or None), ttl / 1000
     found = await _count(redis, keys, keys.persist_group(), LAG_EXACT_UP_TO, LAG_PENDING_READ)
     total, oldest_ms, _ = found
     try:
@@ -210,10 +215,12 @@ async def oldest_waiting(
     redis: RedisClient, keys: Keys, group: str | None = None
 ) -> tuple[bool, float]:
     """(whether any transition waits for ``group``, the persisters' by default; the age in
-    seconds of the oldest one): for callers that want no count (a sampler, a wait for the
-    write-behind to catch up). A shard's call reads no entry where the group has one
-    pending, else at most the first undelivered one; ``group_lag`` reads up to a dozen whole
-    entries a shard, of up to 100 transitions each, which is what its calls cost Redis."""
+    seconds of the oldest one): for callers that want no count (a sampler). A shard's call
+    reads no entry where the group has one pending, else at most the first undelivered one;
+    ``group_lag`` reads up to a dozen whole entries a shard, of up to 100 transitions each,
+    which is what its calls cost Redis. Unlike its count, an entry trimmed from its stream
+    while pending (nothing left to write) waits here until a member acknowledges it: a wait
+    for the write-behind to catch up asks ``lag`` whether anything waits."""
     found = await _lag(redis, keys, group or keys.persist_group(), 1, 0)
     return found.transitions > 0, found.seconds
 

@@ -24,13 +24,15 @@
 --          the ones between at their mean); 0: the age only (below)
 -- Returns  {transitions waiting (in pending and undelivered entries), id of the oldest
 --           waiting entry or nil, 1 if the group exists on this log else 0}
---          With ARGV[3] 0, no count of transitions: the first value is a number of entries
---          waiting, 0 only when none does, and no entry is read where one is pending (the
---          oldest pending entry, from XPENDING's summary, is older than any undelivered
---          one: it was delivered), else only the first undelivered one. Reading entries
---          whole is what a call costs: entries of 50 transitions, 20 pending and 20
---          undelivered on each of 16 shards, cost Redis about 5 ms a call for the age with
---          two pending entries read, 13 ms for the count (a throwaway script, 2026-12-06).
+--          With ARGV[3] 0, no count of transitions: the first value is the number of pending
+--          entries, or 1 when only undelivered ones wait (the stream's length where the group
+--          is not on it), 0 when none does (an entry trimmed while pending counts, where a
+--          count holds it at 0); and no entry is read where one is pending (the oldest
+--          pending entry, from XPENDING's summary, is older than any undelivered one: it was
+--          delivered), else only the first undelivered one. Reading entries whole is what a
+--          call costs: entries of 50 transitions, 20 pending and 20 undelivered on each of 16
+--          shards, cost Redis about 5 ms a call for the age with two pending entries read,
+--          13 ms for the count (a throwaway script, 2026-12-06).
 
 local stream, group, exact = KEYS[1], ARGV[1], tonumber(ARGV[2])
 local PENDING_READ = tonumber(ARGV[3]) or 4
