@@ -431,3 +431,21 @@ async def test_results_are_given_up_when_sending_them_again_cannot_help(
 
 async def _all_in(api: ApiServer, ids: list[str], states: set[str]) -> bool:
     return all(d["state"] in states for d in (await docs(api, ids)).values())
+
+
+async def test_rate_limited_refuses_a_retry_after_the_api_would_refuse() -> None:
+    """``RateLimited``'s ``retryAfter`` is a number of seconds >= 0 or null, checked when it is
+    made: a bad one would be refused by the API (a 422) and the job's outcome never sent (it
+    would wait out its lease), or, as Infinity, sent as null (the task's backoff)."""
+    client = (ROOT / "examples" / "node-worker" / "jobtier-worker.mjs").as_uri()
+    check = (
+        f"const {{ RateLimited }} = await import({json.dumps(client)});"
+        " for (const after of [-1, '30', Infinity, NaN, 0, 2.5, null]) {"
+        "   try { new RateLimited('x', after); console.log('ok'); }"
+        "   catch (e) { console.log(e.name); } }"
+    )
+    async with node("--input-type=module", "-e", check) as proc:
+        assert proc.stdout is not None
+        async with asyncio.timeout(20):
+            out = (await proc.stdout.read()).decode().split()
+    assert out == ["RangeError"] * 4 + ["ok"] * 3
