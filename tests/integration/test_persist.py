@@ -22,7 +22,7 @@ from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
 from jobtier.store.redis import connect
 from jobtier.streams.entries import LogEntry, parse_entries
-from jobtier.streams.group import lag, oldest_waiting, replay_refused, shared_lag
+from jobtier.streams.group import lag, lag_key, oldest_waiting, replay_refused, shared_lag
 from tests.fixtures.engine import wait_for
 from tests.fixtures.postgres import (
     assert_pg_matches_redis,
@@ -715,7 +715,7 @@ async def test_the_api_processes_share_one_count_of_the_lag_at_a_time(
     assert await counts() == keys.shards
 
     await redis.xadd(keys.log(1), {b"d": b"{}"})
-    await redis.delete(keys.lag_count())  # as if expired
+    await redis.delete(lag_key(keys))  # as if expired
     assert (await shared_lag(redis_as_jobtier, keys))[0] == 4
     assert await counts() == 2 * keys.shards
 
@@ -723,25 +723,25 @@ async def test_the_api_processes_share_one_count_of_the_lag_at_a_time(
     # than it was made for (PX is replicated as an absolute time: a promoted replica whose
     # clock is behind keeps it longer), one another version wrote, a key of another type
     for planted in ("set", "other", "hash"):
-        await redis.delete(keys.lag_count())
+        await redis.delete(lag_key(keys))
         if planted == "set":
-            await redis.set(keys.lag_count(), "0 0", px=30_000)
+            await redis.set(lag_key(keys), "0 0", px=30_000)
         elif planted == "other":
-            await redis.set(keys.lag_count(), "v2:0", px=500)
+            await redis.set(lag_key(keys), "v2:0", px=500)
         else:
-            await redis.hset(keys.lag_count(), "transitions", 0)
+            await redis.hset(lag_key(keys), "transitions", 0)
         transitions, _, current_for = await shared_lag(redis_as_jobtier, keys)
         assert transitions == 4 and current_for <= 1, planted
-        assert 0 < await redis.pttl(keys.lag_count()) <= 1000
+        assert 0 < await redis.pttl(lag_key(keys)) <= 1000
 
-    await redis.delete(keys.lag_count())
+    await redis.delete(lag_key(keys))
     (memory,) = (await redis.config_get("maxmemory")).values()
     await redis.config_set("maxmemory", 1)
     try:
         assert (await shared_lag(redis_as_jobtier, keys))[0] == 4
     finally:
         await redis.config_set("maxmemory", memory)
-    assert await redis.get(keys.lag_count()) is None
+    assert await redis.get(lag_key(keys)) is None
 
 
 async def test_the_lag_counts_pending_entries_unlike_their_oldest_and_newest(

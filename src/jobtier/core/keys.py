@@ -299,11 +299,6 @@ class Keys:
         entries of other tenants undecoded (webhooks/marks.py)."""
         return f"{self.prefix}:webhook-tenants"
 
-    def lag_count(self) -> str:
-        """string "<transitions> <oldest id's ms>": the persisters' lag as one process counted
-        it, read by the others until it expires (streams/group.py, shared_lag)."""
-        return f"{self.prefix}:persist-lag"
-
     def persist_group(self) -> str:
         """The persisters' consumer group on every shard log."""
         return f"{self.prefix}-persister"

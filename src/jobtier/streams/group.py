@@ -181,16 +181,22 @@ async def group_lag(
     return await _lag(redis, keys, group, max(1, exact), max(2, pending))
 
 
+def lag_key(keys: Keys) -> str:
+    """string "<transitions> <oldest id's ms>": the persisters' lag as one process counted it,
+    read by the others until it expires (``shared_lag``)."""
+    return f"{keys.prefix}:persist-lag"
+
+
 async def shared_lag(redis: RedisClient, keys: Keys) -> tuple[int, float, float]:
     """(``lag``: transitions waiting for the persisters, the age of the oldest in seconds;
     the seconds this count stays current), counted by one process of a deployment and read
-    by the others until ``LAG_SHARED_MS`` after it was made (``Keys.lag_count``, which
+    by the others until ``LAG_SHARED_MS`` after it was made (``lag_key``, which
     expires then). A count reads up to a dozen whole entries a shard, of up to 100
     transitions each: with entries of 50, about 13 ms of Redis a call on a slow host
     (2026-12-06, a throwaway script), which every API process paid once a second; shared,
     a deployment pays it about once a second whatever its API processes. The age is taken
     from the oldest entry's id at each read, so it is current whoever counted."""
-    key = keys.lag_count()
+    key = lag_key(keys)
     ((raw, ttl),) = await run_scripts(redis, [(_SHARED, (1, key))])
     # a count whose expiry is further than it was set for is not trusted: SET's PX is
     # replicated as an absolute time, so a replica whose clock is behind, promoted, or a

@@ -5,7 +5,7 @@
 --   sent again for a second and a half first).
 --   Not a transition: it neither includes lib.lua nor follows its KEYS[1]/ARGV[1] convention.
 --
--- KEYS[1]  the count's key (Keys.lag_count)
+-- KEYS[1]  the count's key (streams/group.py, lag_key)
 -- Returns  {its value, or false when it holds none or not a string; the milliseconds it
 --           stays current (PTTL: -2 when there is none, -1 when it never expires)}
 
