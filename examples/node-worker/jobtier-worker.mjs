@@ -384,15 +384,12 @@ export class Worker {
         this.stats.succeeded += 1;
       } else {
         const err = outcome.err instanceof Error ? outcome.err : new Error(String(outcome.err));
-        if (err instanceof RateLimited) {
-          const held = { held: true, retryIn: err.retryAfter };
-          await this.withRetries(what, until, () => this.client.fail(job, err, held));
-          this.stats.held += 1;
-        } else {
-          const retryable = !(err instanceof NonRetryable);
-          await this.withRetries(what, until, () => this.client.fail(job, err, { retryable }));
-          this.stats.failed += 1;
-        }
+        const held = err instanceof RateLimited; // the attempt given back, not failed
+        const how = held
+          ? { held, retryIn: err.retryAfter }
+          : { retryable: !(err instanceof NonRetryable) };
+        await this.withRetries(what, until, () => this.client.fail(job, err, how));
+        this.stats[held ? "held" : "failed"] += 1;
       }
     } catch (err) {
       if (err instanceof LeaseLost) {
