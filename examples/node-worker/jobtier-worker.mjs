@@ -45,13 +45,19 @@ export class NonRetryable extends Error {
 // your own): the attempt is given back, not counted, and the job runs again after
 // `retryAfter` seconds (else the task's backoff).
 export class RateLimited extends Error {
-  constructor(message, retryAfter = null) {
+  // blockQueue (true when a retryAfter is given): the job's queue starts no job for
+  // retryAfter seconds, on every worker, as after a Python task's RateLimited
+  constructor(message, retryAfter = null, { blockQueue = retryAfter !== null } = {}) {
     if (retryAfter !== null && !(Number.isFinite(retryAfter) && retryAfter >= 0)) {
       throw new RangeError(`retryAfter must be a number of seconds >= 0, or null: ${retryAfter}`);
+    }
+    if (blockQueue && retryAfter === null) {
+      throw new RangeError("blockQueue needs a retryAfter: the seconds the queue waits");
     }
     super(message);
     this.name = "RateLimited";
     this.retryAfter = retryAfter;
+    this.blockQueue = Boolean(blockQueue);
   }
 }
 
@@ -134,8 +140,9 @@ export class JobtierClient {
     return this.request("POST", "/v1/worker/complete", { worker: this.worker, jobs });
   }
 
-  // held: the attempt is given back, not counted (RateLimited)
-  fail(job, error, { retryable = true, retryIn = null, held = false } = {}) {
+  // held: the attempt is given back, not counted (RateLimited); blockQueue: with held and
+  // retryIn, the job's queue starts no job for retryIn seconds, on every worker
+  fail(job, error, { retryable = true, retryIn = null, held = false, blockQueue = false } = {}) {
     const body = {
       error: {
         type: error.name || "Error",
@@ -144,8 +151,10 @@ export class JobtierClient {
       },
       retryable,
       retry_in: retryIn,
-      // only when true: an API before "held" refuses a field it does not know (a 422)
+      // only when true: an API before "held" (or "block_queue") refuses a field it does not
+      // know (a 422)
       ...(held ? { held: true } : {}),
+      ...(blockQueue ? { block_queue: true } : {}),
     };
     return this.job(job, "fail", body);
   }
@@ -386,7 +395,7 @@ export class Worker {
         const err = outcome.err instanceof Error ? outcome.err : new Error(String(outcome.err));
         const held = err instanceof RateLimited; // the attempt given back, not failed
         const how = held
-          ? { held, retryIn: err.retryAfter }
+          ? { held, retryIn: err.retryAfter, blockQueue: err.blockQueue }
           : { retryable: !(err instanceof NonRetryable) };
         await this.withRetries(what, until, () => this.client.fail(job, err, how));
         this.stats[held ? "held" : "failed"] += 1;

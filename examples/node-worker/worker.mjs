@@ -55,7 +55,7 @@ const tasks = {
   },
   // fails: a plain Error is retried by the task's backoff, NonRetryable is dead-lettered;
   // RateLimited gives the attempt back (here the first time a job is met): it runs again
-  // without its attempt counted
+  // without its attempt counted, and its queue starts no job for the 50 ms meanwhile
   "node.fail": {
     max_attempts: 2,
     backoff: { base: 0.05, factor: 1, cap: 0.05, jitter: 0 },

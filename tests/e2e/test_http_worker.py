@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import time
 from typing import Any
 
 import httpx
@@ -235,6 +236,57 @@ async def test_a_held_attempt_is_retried_and_does_not_count(start_api: StartApi)
         entries += parse_entries(shard, entry_id, fields)
     given_back = [e.refunded for e in entries if e.from_state == "running"]
     assert given_back == [True, True, False]
+
+
+async def _blocked_until(queue: Any, name: str = "default") -> list[int]:
+    """Each shard's end of the queue's block (ms since the epoch; 0: none)."""
+    keys = queue.keys
+    got = [
+        await queue.redis.hget(keys.queue_counts(s), f"{name}:blocked") for s in range(keys.shards)
+    ]
+    return [int(v or 0) for v in got]
+
+
+async def test_a_held_attempt_may_hold_its_queue_back_on_every_worker(
+    start_api: StartApi,
+) -> None:
+    """``block_queue`` with a held attempt (a partner's 429): the job's queue starts no job for
+    retry_in seconds on any shard, as after a Python task's RateLimited, and a limited queue's
+    permits wait too; without held or retry_in it is a 422 naming it, and a refused fail (a
+    stale lease) blocks nothing."""
+    api = await serve(start_api)
+    queue = api.server.lifespan.state["queue"]
+    first = await submit(api, {"a": 1, "b": 2})
+    error = {"type": "RateLimited", "message": "429 from the partner"}
+    async with worker_client(api) as w, api.client("admin") as admin:
+        job = await claim_one(w)
+        url = f"/v1/worker/jobs/{first}/fail"
+        for asked in ({}, {"held": True}, {"retry_in": 60}):
+            r = await w.post(url, json=lease(job, error=error, block_queue=True, **asked))
+            assert r.status_code == 422 and r.json()["field"] == "block_queue", (asked, r.text)
+        stale = lease(job, error=error, held=True, block_queue=True, retry_in=60)
+        stale["lease_version"] += 1
+        assert (await w.post(url, json=stale)).status_code == 409
+        assert (await status(api, first))["state"] == "running"
+        assert set(await _blocked_until(queue)) == {0}
+        # limited since the claim (HTTP workers take no job of a limited queue)
+        r = await admin.put("/v1/admin/queues/default/limits", json={"concurrency": 5})
+        assert r.status_code == 200, r.text
+        before = time.time()
+        body = lease(job, error=error, held=True, block_queue=True, retry_in=60)
+        r = await w.post(url, json=body)
+        assert r.json() == {"id": first, "state": "scheduled"}, r.text
+        after = time.time()
+        ends = set(await _blocked_until(queue))
+        assert len(ends) == 1 and before * 1000 + 60_000 <= ends.pop() <= after * 1000 + 60_000
+        permits_wait = await queue.redis.hget(queue.keys.limit("default"), "blocked")
+        assert before * 1000 + 60_000 <= int(permits_wait) <= after * 1000 + 60_000
+        # no limit: another job of the queue is not claimed, though it is queued
+        assert (await admin.put("/v1/admin/queues/default/limits", json={})).status_code == 200
+        second = await submit(api, {"a": 3, "b": 4})
+        claim = {"worker": "w1", "types": ["http.add"], "wait": 0}
+        assert (await w.post("/v1/worker/claim", json=claim)).json()["jobs"] == []
+        assert (await status(api, second))["state"] == "queued"
 
 
 async def test_a_cancel_request_reaches_the_worker_in_the_heartbeat_answer(

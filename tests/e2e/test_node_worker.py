@@ -116,8 +116,14 @@ async def test_the_node_worker_runs_jobs_end_to_end(
     assert "worker.mjs" in got[retried]["error"]["traceback"]  # the JavaScript stack
     assert (got[fatal]["state"], got[fatal]["attempt"]) == ("failed", 1)
     assert got[fatal]["error"]["type"] == "NonRetryable"
-    # given back once (RateLimited), then run: its one attempt (of two) counted
+    # given back once (RateLimited), then run: its one attempt (of two) counted; its queue
+    # was held back for the retryAfter (50 ms), on every shard
     assert (got[limited]["state"], got[limited]["attempt"]) == ("succeeded", 1)
+    queue = api.server.lifespan.state["queue"]
+    keys = queue.keys
+    name = f"{got[limited]['queue']}:blocked"
+    blocks = {await queue.redis.hget(keys.queue_counts(s), name) for s in range(keys.shards)}
+    assert len(blocks) == 1 and int(blocks.pop() or 0) > 0
     assert got[held]["state"] == "cancelled"
     assert (got[late]["state"], got[late]["error"]["type"]) == ("failed", "TimeoutError")
     assert stats == {
@@ -443,9 +449,14 @@ async def test_rate_limited_refuses_a_retry_after_the_api_would_refuse() -> None
         " for (const after of [-1, '30', Infinity, NaN, 0, 2.5, null]) {"
         "   try { new RateLimited('x', after); console.log('ok'); }"
         "   catch (e) { console.log(e.name); } }"
+        # the queue is held back only for a retryAfter, unless told not to be
+        " for (const [after, o] of [[30, {}], [30, {blockQueue: false}], [null, {}]])"
+        "   console.log(new RateLimited('x', after, o).blockQueue);"
+        " try { new RateLimited('x', null, {blockQueue: true}); console.log('ok'); }"
+        " catch (e) { console.log(e.name); }"
     )
     async with node("--input-type=module", "-e", check) as proc:
         assert proc.stdout is not None
         async with asyncio.timeout(20):
             out = (await proc.stdout.read()).decode().split()
-    assert out == ["RangeError"] * 4 + ["ok"] * 3
+    assert out == ["RangeError"] * 4 + ["ok"] * 3 + ["true", "false", "false", "RangeError"]

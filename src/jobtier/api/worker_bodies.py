@@ -155,6 +155,9 @@ class FailRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # the attempt was given back, not failed (the worker held the job: a rate limit or a
     # breaker of its own): retried after retry_in, the attempt not counted (fail.lua's refund)
     held: bool = False
+    # with held and retry_in: the job's queue starts no job for retry_in seconds, on every
+    # worker (a partner said "slow down": a Python task's RateLimited; worker_holds.py)
+    block_queue: bool = False
 
 
 class Outcome(msgspec.Struct):

@@ -56,6 +56,7 @@ from jobtier.api.worker_bodies import (
     retry_delay,
 )
 from jobtier.api.worker_claims import Claimed, QueuesLimited, WorkerClaims
+from jobtier.api.worker_holds import check_fail, hold_queue
 from jobtier.api.worker_refusals import (
     attempt_now,
     item_refused,
@@ -77,7 +78,6 @@ from jobtier.core.sealing import is_sealed
 from jobtier.engine.catalog import publish
 from jobtier.engine.payload_schema import schema_problem
 from jobtier.engine.queue import Queue
-from jobtier.engine.validate import furthest
 from jobtier.runtime.loop import FAULTS
 from jobtier.store.calls import (
     complete_call,
@@ -382,12 +382,7 @@ async def fail(request: Request) -> Response:
     error: dict[str, Any] = {"type": e.type, "message": _cut(e.message, ERROR_CHARS)}
     if e.traceback:
         error["traceback"] = _tail(e.traceback, TRACEBACK_CHARS)
-    if body.retry_in is not None and body.retry_in > s.max_future_seconds:
-        detail = f"retry_in is over {furthest(s.max_future_seconds)}"
-        raise Problem(422, "validation", detail, field="retry_in")
-    if body.held and not body.retryable:
-        detail = "a held attempt is always retried: held needs retryable (true by default)"
-        raise Problem(422, "validation", detail, field="held")
+    check_fail(body, s.max_future_seconds)
     delay_ms = -1
     if body.retryable:
         delay = body.retry_in if body.retry_in is not None else await _backoff(request, job_id)
@@ -398,6 +393,8 @@ async def fail(request: Request) -> Response:
     ((code, state),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
         raise await refused_now(queue, job_id, code)
+    if body.block_queue and body.retry_in is not None:
+        await hold_queue(queue, job_id, body.retry_in, body.worker)
     return encoded(Outcome(job_id, state.decode()))
 
 
@@ -575,7 +572,8 @@ def operations(settings: Settings) -> oa.Paths:
         "The attempt failed: retried after retry_in seconds (else the task's backoff) while "
         "attempts remain and it is retryable, else dead-lettered; the error keeps its traceback. "
         "held: the worker gave the attempt back without running the task (a rate limit or "
-        "breaker of its own): retried after retry_in, the attempt not counted",
+        "breaker of its own): retried after retry_in, the attempt not counted; with "
+        "block_queue, the job's queue also starts no job for retry_in seconds, on every worker",
         oa.returns(200, "Outcome", "scheduled (to retry), failed, or cancelled (one was asked)"),
         _GONE,
         _LOST,
