@@ -45,9 +45,10 @@ export class NonRetryable extends Error {
 // your own): the attempt is given back, not counted, and the job runs again after
 // `retryAfter` seconds (else the task's backoff).
 export class RateLimited extends Error {
-  // blockQueue (true when a retryAfter is given): the job's queue starts no job for
-  // retryAfter seconds, on every worker, as after a Python task's RateLimited
-  constructor(message, retryAfter = null, { blockQueue = retryAfter !== null } = {}) {
+  // blockQueue (with a retryAfter): the job's queue also starts no job for retryAfter
+  // seconds, on every worker, as after a Python task's RateLimited (an API from before
+  // block_queue refuses it: upgrade the API first)
+  constructor(message, retryAfter = null, { blockQueue = false } = {}) {
     if (retryAfter !== null && !(Number.isFinite(retryAfter) && retryAfter >= 0)) {
       throw new RangeError(`retryAfter must be a number of seconds >= 0, or null: ${retryAfter}`);
     }

@@ -63,7 +63,7 @@ const tasks = {
       if (fatal) throw new NonRetryable("this one cannot succeed");
       if (limited && !limitedOnce.has(ctx.job.id)) {
         limitedOnce.add(ctx.job.id);
-        throw new RateLimited("the partner answered 429", 0.05);
+        throw new RateLimited("the partner answered 429", 0.05, { blockQueue: true });
       }
       if (limited) return { limited: "once" };
       throw new Error("failed on purpose");

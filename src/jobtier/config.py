@@ -71,7 +71,8 @@ class Settings:
     )
     task_catalog_ttl: int = _setting(
         86400,
-        "Seconds a worker's advertised task counts as known after its last heartbeat.",
+        "Seconds a worker's advertised task counts as known after it was last advertised (a "
+        "Python worker's at each full heartbeat; an HTTP worker's at each PUT /v1/worker/tasks).",
     )
     lease_seconds: float = _setting(
         30.0,
@@ -188,7 +189,9 @@ class Settings:
     gc_freeze: bool = _setting(
         True, "Freeze start-up objects out of the garbage collector (shorter GC pauses)."
     )
-    long_poll_max_seconds: float = _setting(60.0, "Longest ?wait= accepted on status reads.")
+    long_poll_max_seconds: float = _setting(
+        60.0, "Longest ?wait= accepted on status reads, and longest wait of an HTTP worker's claim."
+    )
     sse_heartbeat_seconds: float = _setting(15.0, "Interval of SSE heartbeat comments.")
 
     # --- Postgres and write-behind ----------------------------------------------------------

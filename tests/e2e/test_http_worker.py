@@ -252,41 +252,91 @@ async def test_a_held_attempt_may_hold_its_queue_back_on_every_worker(
 ) -> None:
     """``block_queue`` with a held attempt (a partner's 429): the job's queue starts no job for
     retry_in seconds on any shard, as after a Python task's RateLimited, and a limited queue's
-    permits wait too; without held or retry_in it is a 422 naming it, and a refused fail (a
-    stale lease) blocks nothing."""
+    permits wait too; other queues are not held back; resume lifts it; without held or
+    retry_in it is a 422 naming it, which changes nothing."""
     api = await serve(start_api)
+    partner = {**TASK, "type": "http.partner", "queue": "partner-a"}
     queue = api.server.lifespan.state["queue"]
-    first = await submit(api, {"a": 1, "b": 2})
     error = {"type": "RateLimited", "message": "429 from the partner"}
     async with worker_client(api) as w, api.client("admin") as admin:
-        job = await claim_one(w)
+        r = await w.put("/v1/worker/tasks", json={"worker": "w1", "tasks": [TASK, partner]})
+        assert r.status_code == 200, r.text
+        first = await submit(api, {"a": 1, "b": 2}, type="http.partner")
+        claim = {"worker": "w1", "types": ["http.partner"], "queues": ["partner-a"], "wait": 5}
+        (job,) = (await w.post("/v1/worker/claim", json=claim)).json()["jobs"]
         url = f"/v1/worker/jobs/{first}/fail"
         for asked in ({}, {"held": True}, {"retry_in": 60}):
             r = await w.post(url, json=lease(job, error=error, block_queue=True, **asked))
             assert r.status_code == 422 and r.json()["field"] == "block_queue", (asked, r.text)
-        stale = lease(job, error=error, held=True, block_queue=True, retry_in=60)
-        stale["lease_version"] += 1
-        assert (await w.post(url, json=stale)).status_code == 409
         assert (await status(api, first))["state"] == "running"
-        assert set(await _blocked_until(queue)) == {0}
+        assert set(await _blocked_until(queue, "partner-a")) == {0}
         # limited since the claim (HTTP workers take no job of a limited queue)
-        r = await admin.put("/v1/admin/queues/default/limits", json={"concurrency": 5})
+        r = await admin.put("/v1/admin/queues/partner-a/limits", json={"concurrency": 5})
         assert r.status_code == 200, r.text
         before = time.time()
         body = lease(job, error=error, held=True, block_queue=True, retry_in=60)
         r = await w.post(url, json=body)
         assert r.json() == {"id": first, "state": "scheduled"}, r.text
         after = time.time()
-        ends = set(await _blocked_until(queue))
+        ends = set(await _blocked_until(queue, "partner-a"))
         assert len(ends) == 1 and before * 1000 + 60_000 <= ends.pop() <= after * 1000 + 60_000
-        permits_wait = await queue.redis.hget(queue.keys.limit("default"), "blocked")
+        permits_wait = await queue.redis.hget(queue.keys.limit("partner-a"), "blocked")
         assert before * 1000 + 60_000 <= int(permits_wait) <= after * 1000 + 60_000
+        assert set(await _blocked_until(queue, "default")) == {0}  # its queue alone
         # no limit: another job of the queue is not claimed, though it is queued
-        assert (await admin.put("/v1/admin/queues/default/limits", json={})).status_code == 200
-        second = await submit(api, {"a": 3, "b": 4})
-        claim = {"worker": "w1", "types": ["http.add"], "wait": 0}
-        assert (await w.post("/v1/worker/claim", json=claim)).json()["jobs"] == []
+        assert (await admin.put("/v1/admin/queues/partner-a/limits", json={})).status_code == 200
+        second = await submit(api, {"a": 3, "b": 4}, type="http.partner")
+        assert (await w.post("/v1/worker/claim", json=claim | {"wait": 0})).json()["jobs"] == []
         assert (await status(api, second))["state"] == "queued"
+        # resume lifts the block: the job is claimed
+        assert (await admin.post("/v1/admin/queues/partner-a/resume")).status_code == 200
+        assert set(await _blocked_until(queue, "partner-a")) == {0}
+        (again,) = (await w.post("/v1/worker/claim", json=claim)).json()["jobs"]
+        assert again["id"] == second
+
+
+async def test_a_held_attempt_of_a_job_asked_to_cancel_says_so(start_api: StartApi) -> None:
+    """A cancel request wins over a held attempt's retry; the error names the attempt that
+    ran and says it was given back (not that attempt 0 failed)."""
+    api = await serve(start_api)
+    job_id = await submit(api, {"a": 1, "b": 2})
+    async with worker_client(api) as w, api.client() as c:
+        job = await claim_one(w)
+        assert (await c.post(f"/v1/jobs/{job_id}/cancel")).status_code == 200
+        error = {"type": "RateLimited", "message": "429 from the partner"}
+        r = await w.post(
+            f"/v1/worker/jobs/{job_id}/fail", json=lease(job, error=error, held=True, retry_in=1)
+        )
+        assert r.json() == {"id": job_id, "state": "cancelled"}, r.text
+    doc = await status(api, job_id)
+    assert doc["error"]["message"] == (
+        "cancelled on request while running (attempt 1, which was then given back: RateLimited)"
+    )
+
+
+async def test_a_block_stands_whatever_became_of_the_lease(start_api: StartApi) -> None:
+    """As a Python worker's RateLimited: a fail sent again after its answer was lost is
+    refused (its first went through) and still blocks the queue; so does one whose lease
+    was lost. A job Redis does not keep (no queue to name) blocks nothing."""
+    api = await serve(start_api)
+    queue = api.server.lifespan.state["queue"]
+    job_id = await submit(api, {"a": 1, "b": 2})
+    error = {"type": "RateLimited", "message": "429 from the partner"}
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        body = lease(job, error=error, held=True, block_queue=True, retry_in=60)
+        missing = job_id[:-1] + ("A" if job_id[-1] != "A" else "B")
+        r = await w.post(f"/v1/worker/jobs/{missing}/fail", json=body)
+        assert r.status_code == 404, r.text
+        assert set(await _blocked_until(queue)) == {0}
+        url = f"/v1/worker/jobs/{job_id}/fail"
+        # the first send went through, its answer (and its block) lost
+        r = await w.post(url, json=lease(job, error=error, held=True, retry_in=60))
+        assert r.json()["state"] == "scheduled", r.text
+        assert set(await _blocked_until(queue)) == {0}
+        r = await w.post(url, json=body)
+        assert r.status_code == 409, r.text
+        assert all(end > 0 for end in await _blocked_until(queue))
 
 
 async def test_a_cancel_request_reaches_the_worker_in_the_heartbeat_answer(
@@ -365,6 +415,11 @@ async def test_worker_routes_need_a_worker_key(start_api: StartApi) -> None:
         assert (await stranger.post("/v1/worker/claim", json=body)).status_code == 401
     async with worker_client(api, "other-key") as second_key:
         assert (await second_key.post("/v1/worker/claim", json=body)).status_code == 200
+    # an API with no worker keys says so, and which setting gives them
+    keyless = await start_api(worker_keys="")
+    async with worker_client(keyless) as w:
+        r = await w.post("/v1/worker/claim", json=body)
+        assert r.status_code == 401 and "JOBTIER_WORKER_KEYS" in r.json()["detail"], r.text
 
 
 @pytest.mark.parametrize(

@@ -449,8 +449,8 @@ async def test_rate_limited_refuses_a_retry_after_the_api_would_refuse() -> None
         " for (const after of [-1, '30', Infinity, NaN, 0, 2.5, null]) {"
         "   try { new RateLimited('x', after); console.log('ok'); }"
         "   catch (e) { console.log(e.name); } }"
-        # the queue is held back only for a retryAfter, unless told not to be
-        " for (const [after, o] of [[30, {}], [30, {blockQueue: false}], [null, {}]])"
+        # the queue is held back only when asked, for a retryAfter
+        " for (const [after, o] of [[30, {blockQueue: true}], [30, {}], [null, {}]])"
         "   console.log(new RateLimited('x', after, o).blockQueue);"
         " try { new RateLimited('x', null, {blockQueue: true}); console.log('ok'); }"
         " catch (e) { console.log(e.name); }"

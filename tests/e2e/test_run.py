@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -106,6 +107,13 @@ def test_run_serves_the_demo_and_stops_cleanly(
             env=env, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.returncode == 0 and done.stderr == "", (command, done.stderr)
+    # and the worker key it names lets an HTTP worker in (docs/http-workers.md)
+    (worker_key,) = re.findall(r"WORKER_KEY=(\S+)", run.text())
+    body = {"worker": "w1", "types": ["http.x"], "wait": 0}
+    r = httpx.post(
+        f"{run.base}/v1/worker/claim", json=body, headers={"authorization": f"Bearer {worker_key}"}
+    )
+    assert r.status_code == 200 and r.json()["jobs"] == [], r.text
     run.proc.send_signal(signal.SIGTERM)
     assert run.exit_code() == 0, run.text()[-3000:]
     assert_gone(servers)

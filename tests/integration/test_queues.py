@@ -362,3 +362,36 @@ async def test_rate_limited_pushes_the_queue_back_without_using_an_attempt(
     assert status.attempt == 1 and status.max_attempts == 1  # the limited attempt did not count
     later = dict(started_at)
     assert later[second.job_id] >= blocked  # it waited for the block to end
+
+
+async def test_a_block_ends_by_redis_clock_and_the_later_of_two_stands(
+    queue: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks asked at once (a burst of 429s) leave the latest end on every shard, whatever
+    their order; the end is counted from Redis's clock, not the caller's (a host two minutes
+    behind still blocks for the seconds asked); resume lifts a block, its permits' too."""
+    import time
+
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 120)  # this host's clock, behind
+    for _ in range(5):
+        ends = await asyncio.gather(*(queue.admin.block("partner", s) for s in (1, 600, 1, 2)))
+        assert max(ends) == ends[1]
+    seconds, micros = await queue.redis.time()
+    now_ms = seconds * 1000 + micros // 1000
+    fields = [
+        await queue.redis.hget(queue.keys.queue_counts(s), "partner:blocked")
+        for s in range(queue.keys.shards)
+    ]
+    assert all(now_ms + 590_000 <= int(v or 0) <= now_ms + 600_000 for v in fields), fields
+    await queue.admin.set_limits("partner", QueueLimits(concurrency=2))
+    await queue.scripts.call("limit", queue.keys.home("partner"), ("block", "partner", 60_000))
+    assert await queue.redis.hget(queue.keys.limit("partner"), "blocked")
+    await queue.admin.resume("partner")
+    after = [
+        await queue.redis.hget(queue.keys.queue_counts(s), "partner:blocked")
+        for s in range(queue.keys.shards)
+    ]
+    assert after == [None] * queue.keys.shards
+    assert await queue.redis.hget(queue.keys.limit("partner"), "blocked") is None
+    await queue.admin.set_limits("partner", QueueLimits())

@@ -240,6 +240,10 @@ def test_run_banner_says_how_to_get_the_command(
     assert "JOBTIER_DATABASE_URL=postgresql://jobtier@127.0.0.1:15432/jobtier" in err
     # whose key it is: a job submitted for another tenant (SQL's default) is not found with it
     assert "JOBTIER_KEY is tenant acme's" in err and "tenant => 'acme'" in err
+    assert "WORKER_KEY" not in err  # no worker key set: none to show
+    stack._welcome(settings.replace(worker_keys="wk-1,wk-2"))
+    assert "WORKER_KEY=wk-1 node examples/node-worker/worker.mjs" in capsys.readouterr().err
+    monkeypatch.setenv("PATH", "/nonexistent")
 
     # on PATH already: nothing to say
     monkeypatch.setenv("PATH", str(bin_dir))

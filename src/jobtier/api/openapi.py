@@ -450,7 +450,7 @@ def _admin_paths(settings: Settings) -> oa.Paths:
     add(
         "POST /v1/admin/queues/{name}/resume",
         queues.resume,
-        "Resume a paused queue",
+        "Resume a paused queue; also lifts a RateLimited block (a held attempt's block_queue)",
         oa.returns(200, "QueuePaused", "resumed"),
         oa.BAD_QUEUE_NAME,
     )

@@ -4,8 +4,9 @@ attempt holds back.
 A worker that was told to slow down (a partner's 429) gives the attempt back (``held``) and
 may hold the job's whole queue back for as long (``block_queue``): no worker, Python or
 HTTP, starts a job of it meanwhile — what a Python task's ``RateLimited`` does
-(worker/reporter.py). The block is applied after the attempt is given back, and only then:
-a refused fail (a lost lease) blocks nothing.
+(worker/reporter.py). As there, the block is applied whatever became of the attempt: the
+partner's answer stands though the lease was lost, and a fail sent again after its answer
+was lost (refused then: the first went through) still blocks.
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ def check_fail(body: FailRequest, max_future_seconds: int) -> None:
 async def hold_queue(queue: Queue, job_id: str, seconds: float, worker: str) -> None:
     """The queue of ``job_id`` starts no job for ``seconds``, on every shard; a limited
     queue's permits wait too (limit.lua), as after a Python task's ``RateLimited``. The
-    attempt is given back already: a fault here is logged, and the job still waits its
-    ``retry_in`` (the block is what the worker asked on top)."""
+    attempt is given back already (or was): whatever fails here is logged, not answered,
+    and the job still waits its ``retry_in`` (the block is what the worker asked on top)."""
     try:
         name = orjson.loads(await queue.jobs.status_doc(job_id))["queue"]
         until = await queue.admin.block(name, seconds)
@@ -52,9 +53,10 @@ async def hold_queue(queue: Queue, job_id: str, seconds: float, worker: str) -> 
             block = ("block", name, round(seconds * 1000))
             await queue.scripts.call("limit", queue.keys.home(name), block)
     except JobNotFound:
-        return  # removed meanwhile (a purge): nothing left of it to hold back
-    except FAULTS as exc:
-        log.warning("event=queue_block_failed job=%s worker=%s error=%r", job_id, worker, exc)
+        return  # not kept in Redis (a purge; a wrong id): no queue to hold back
+    except Exception as exc:  # a fault (FAULTS) or anything else: the fail's answer goes out
+        level = logging.WARNING if isinstance(exc, FAULTS) else logging.ERROR
+        log.log(level, "event=queue_block_failed job=%s worker=%s error=%r", job_id, worker, exc)
         return
     log.info(
         "event=queue_rate_limited job=%s queue=%s worker=%s retry_in_ms=%d until_ms=%d",

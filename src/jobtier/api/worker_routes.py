@@ -107,6 +107,8 @@ def require_worker(request: Request) -> None:
         return
     if key in request.state.tenants or (key and key == request.state.admin_key):
         raise Problem(403, "forbidden", "this route needs a worker key (JOBTIER_WORKER_KEYS)")
+    if not keys:
+        raise _unauthorized("this API has no worker keys: set JOBTIER_WORKER_KEYS")
     raise _unauthorized("unknown API key")
 
 
@@ -391,10 +393,10 @@ async def fail(request: Request) -> Response:
     item = (job_id, body.lease_version, encode_json(error), delay_ms, int(body.held))
     call = fail_call(shard, _redis_id(body.worker), s.dead_retention_seconds, [item])
     ((code, state),) = parse_pairs(await _one(queue, call))
+    if body.block_queue and body.retry_in is not None:  # whatever became of the lease
+        await hold_queue(queue, job_id, body.retry_in, body.worker)
     if code is not Code.OK:
         raise await refused_now(queue, job_id, code)
-    if body.block_queue and body.retry_in is not None:
-        await hold_queue(queue, job_id, body.retry_in, body.worker)
     return encoded(Outcome(job_id, state.decode()))
 
 

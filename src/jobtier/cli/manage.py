@@ -498,7 +498,11 @@ def add_commands(sub: Any) -> None:
     )
     for verb, handler, what in (
         ("pause", queues_pause, "stop claims from a queue (submits still accepted)"),
-        ("resume", queues_resume, "let workers claim from a paused queue again"),
+        (
+            "resume",
+            queues_resume,
+            "let workers claim from a paused (or RateLimited-blocked) queue again",
+        ),
     ):
         q = action(group, verb, handler, ADMIN, what)
         q.add_argument("name", metavar="QUEUE")

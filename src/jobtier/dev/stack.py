@@ -73,20 +73,22 @@ def _listening(port: int) -> bool:
         return False
 
 
-def dev_keys(folder: Path) -> tuple[str, str]:
-    """A development tenant key and admin key, made once and kept in the data folder."""
+def dev_keys(folder: Path) -> tuple[str, str, str]:
+    """A development tenant key, admin key and HTTP worker key, made once and kept in the
+    data folder (a folder from before worker keys gets one added)."""
     path = folder / "dev-keys.json"
-    if path.exists():
-        keys = json.loads(path.read_text())
-    else:
+    keys = json.loads(path.read_text()) if path.exists() else {}
+    made = {
+        "tenant_key": "dev-" + secrets.token_urlsafe(16),
+        "admin_key": "admin-" + secrets.token_urlsafe(16),
+        "worker_key": "wk-dev-" + secrets.token_urlsafe(16),
+    }
+    if not made.keys() <= keys.keys():
+        keys = made | keys
         folder.mkdir(parents=True, exist_ok=True)
-        keys = {
-            "tenant_key": "dev-" + secrets.token_urlsafe(16),
-            "admin_key": "admin-" + secrets.token_urlsafe(16),
-        }
         path.write_text(json.dumps(keys))
         path.chmod(0o600)
-    return keys["tenant_key"], keys["admin_key"]
+    return keys["tenant_key"], keys["admin_key"], keys["worker_key"]
 
 
 class LocalServices:
@@ -223,9 +225,11 @@ def run(
             # development: a receiver on this machine may take the webhooks
             settings = settings.replace(webhook_allowed_hosts="127.0.0.1,::1,localhost")
         if not settings.api_keys:
-            tenant_key, admin_key = dev_keys(args.data_dir)
+            tenant_key, admin_key, worker_key = dev_keys(args.data_dir)
             settings = settings.replace(
-                api_keys=f"{tenant_key}:dev", admin_key=settings.admin_key or admin_key
+                api_keys=f"{tenant_key}:dev",
+                admin_key=settings.admin_key or admin_key,
+                worker_keys=settings.worker_keys or worker_key,
             )
         outcome.code = run_async(
             lambda: run_all(args, settings, registry, on_signals, services, outcome)
@@ -465,6 +469,13 @@ def command_hint() -> str:
 def _welcome(settings: Settings) -> None:
     key, tenant = next(iter(settings.tenant_keys().items()), ("<your key>", "<its tenant>"))
     base = f"http://{settings.api_host}:{settings.api_port}"
+    worker_key = next(iter(settings.worker_key_list()), None)
+    workers = (
+        f"  # a worker in another language (docs/http-workers.md), with the worker key:\n"
+        f"  JOBTIER_URL={base} WORKER_KEY={worker_key} node examples/node-worker/worker.mjs\n"
+        if worker_key
+        else ""
+    )
     hint = command_hint()
     path = f"  {hint}\n" if hint else ""
     print(
@@ -481,7 +492,7 @@ jobtier is running: API {base}  (Ctrl-C stops everything)
   curl -s $JOBTIER_URL/v1/jobs/<id> -H "Authorization: Bearer $JOBTIER_KEY"
   curl -sN $JOBTIER_URL/v1/jobs/<id>/events -H "Authorization: Bearer $JOBTIER_KEY"
   jobtier jobs show <id>   # also: jobtier queues, jobtier dead-letters list (JOBTIER_ADMIN_KEY)
-
+{workers}
   dashboard: {base}/dashboard (it asks for the admin key)
 """,
         file=sys.stderr,

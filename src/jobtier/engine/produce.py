@@ -159,7 +159,8 @@ class Producer:
             known = ", ".join(names[:20]) + (", …" if len(names) > 20 else "") or "none"
             raise UnknownTask(
                 f"no worker runs task {spec.type!r} (known: {known}); start a worker that has "
-                "it, or set JOBTIER_REQUIRE_KNOWN_TYPES=0 to accept jobs before their workers",
+                "it (an HTTP worker advertises it: PUT /v1/worker/tasks), or set "
+                "JOBTIER_REQUIRE_KNOWN_TYPES=0 to accept jobs before their workers",
                 field="type",
             )
         if spec.priority not in PRIORITIES:

@@ -195,9 +195,11 @@ class QueueAdmin:
         await self._each_shard("HSET", f"{queue}:paused", "1")
 
     async def resume(self, queue: str) -> None:
-        """Let workers claim from ``queue`` again (and wake those that sleep)."""
+        """Let workers claim from ``queue`` again (and wake those that sleep): paused, or held
+        back after a ``RateLimited`` (``block``), its permits too if it is limited."""
         _check_queue(queue)
-        await self._each_shard("HDEL", f"{queue}:paused", wake=f"q {queue}")
+        await self.store.redis.hdel(self.store.keys.limit(queue), "blocked")
+        await self._each_shard("HDEL", f"{queue}:paused", f"{queue}:blocked", wake=f"q {queue}")
 
     async def purge(self, queue: str, *, batch: int = PURGE_BATCH) -> Purged:
         """Cancel every ready (or parked) job of ``queue``, oldest first, in every shard, each

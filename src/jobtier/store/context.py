@@ -7,7 +7,6 @@ the resolver) holds the ``Store`` it was given; only its owner closes it.
 from __future__ import annotations
 
 import logging
-import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -20,9 +19,10 @@ from jobtier.store.calls import Call, SubmitItem, SubmitOutcome, parse_submit, s
 from jobtier.store.fitness import check_redis
 from jobtier.store.keyed_calls import submit_keyed
 from jobtier.store.redis import RedisClient, connect
-from jobtier.store.scripts import Scripts
+from jobtier.store.scripts import Script, Scripts, run_scripts
 
 log = logging.getLogger("jobtier.redis")
+_BLOCK = Script("queue_block")
 
 
 class Store:
@@ -109,17 +109,11 @@ async def submit_items(store: Store, items: Sequence[SubmitItem]) -> list[Submit
 
 
 async def block_queue(store: Store, queue: str, seconds: float) -> int:
-    """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``): every
-    shard's claims skip it until then. Returns when the block ends, ms since the epoch."""
-    until = int((time.time() + seconds) * 1000)
-    pipe = store.redis.pipeline(transaction=False)
-    for shard in range(store.keys.shards):
-        pipe.hget(store.keys.queue_counts(shard), f"{queue}:blocked")
-    current = max((int(v) for v in await pipe.execute() if v), default=0)
-    if until <= current:
-        return current
-    pipe = store.redis.pipeline(transaction=False)
-    for shard in range(store.keys.shards):
-        pipe.hset(store.keys.queue_counts(shard), f"{queue}:blocked", until)
-    await pipe.execute()
-    return until
+    """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``; an HTTP
+    worker held a job with ``block_queue``): every shard's claims skip it until then, by
+    Redis's clock; a later end set already stands (queue_block.lua). Returns when the block
+    ends, ms since the epoch (the latest of the shards')."""
+    ms, field = round(seconds * 1000), f"{queue}:blocked"
+    keys = store.keys
+    calls = [(_BLOCK, (1, keys.queue_counts(s), field, ms)) for s in range(keys.shards)]
+    return max(int(v) for v in await run_scripts(store.redis, calls))

@@ -20,7 +20,7 @@ function queueState(q) {
   if (q.paused) return ["paused", "paused", "workers claim nothing from it; submits are accepted"];
   if (q.blocked_until) {
     return ["blocked", `held until ${timeFmt.format(new Date(q.blocked_until * 1000))}`,
-      "a task raised RateLimited: no job starts until then"];
+      "a task raised RateLimited (or an HTTP worker asked block_queue): no job starts until then"];
   }
   if (q.limits) {
     const parts = [];

@@ -24,6 +24,7 @@ local out = let_go(ARGV, 5, function(j, a)
   local delay = tonumber(ARGV[a + 3])
   local refunded = ARGV[a + 4] == '1' and REFUNDED or nil
   j.error = ARGV[a + 2]
+  local attempt = j.attempt
   if refunded then
     j.attempt = int(tonumber(j.attempt) - 1)
   end
@@ -33,8 +34,10 @@ local out = let_go(ARGV, 5, function(j, a)
     if not ok or type(failed) ~= 'table' then
       failed = {}
     end
-    local why = 'cancelled on request while running (attempt ' .. j.attempt
-      .. ', which then failed with ' .. tostring(failed.type or 'an error') .. ')'
+    local what = tostring(failed.type or 'an error')
+    local why = 'cancelled on request while running (attempt ' .. attempt
+      .. (refunded and (', which was then given back: ' .. what) or (', which then failed with ' .. what))
+      .. ')'
     cancel_job(j, 'running', worker, ttl, error_json('Cancelled', why, failed.traceback))
   elseif delay >= 0 and tonumber(j.attempt) < tonumber(j.max_attempts) then
     j.state = 'scheduled'
