@@ -177,6 +177,7 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(admin, "GET", "/v1/admin/queues", 200)
         await check(admin, "PUT", "/v1/admin/queues/{name}/limits", 200, ids=q, json={})
         await check(admin, "POST", "/v1/admin/queues/{name}/resume", 200, ids=q)
+        await check(admin, "POST", "/v1/admin/queues/{name}/unblock", 200, ids=q)
         await check(admin, "GET", "/v1/admin/tasks", 200)
         breaker = {"name": "conformance-breaker"}
         opened = {"seconds": 30, "reason": "conformance"}

@@ -111,6 +111,11 @@ async def test_admin_queue_routes(api: ApiServer, queue: Queue) -> None:
     assert (await queue.admin.stats())["queues"]["images"]["paused"] is False
 
 
+def queue_of(api: ApiServer) -> Queue:
+    q: Queue = api.server.lifespan.state["queue"]
+    return q
+
+
 async def test_the_python_client_manages_queues(api: ApiServer) -> None:
     from jobtier.client import AsyncClient, Client
 
@@ -126,6 +131,12 @@ async def test_the_python_client_manages_queues(api: ApiServer) -> None:
         await admin.resume_queue("images")
         (images,) = [q for q in await admin.queues() if q.name == "images"]
         assert not images.paused and images.limits is None
+        await queue_of(api).admin.block("images", 60)  # a task's RateLimited
+        (images,) = [q for q in await admin.queues() if q.name == "images"]
+        assert images.blocked_until is not None
+        await admin.unblock_queue("images")
+        (images,) = [q for q in await admin.queues() if q.name == "images"]
+        assert images.blocked_until is None
         tasks = {t.type: t for t in await admin.tasks()}
         assert tasks["thumbnail"].max_attempts == 5
     with Client(api.url, ADMIN) as sync_admin:  # the sync mirror, in a thread

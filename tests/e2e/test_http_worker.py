@@ -252,8 +252,8 @@ async def test_a_held_attempt_may_hold_its_queue_back_on_every_worker(
 ) -> None:
     """``block_queue`` with a held attempt (a partner's 429): the job's queue starts no job for
     retry_in seconds on any shard, as after a Python task's RateLimited, and a limited queue's
-    permits wait too; other queues are not held back; resume lifts it; without held or
-    retry_in it is a 422 naming it, which changes nothing."""
+    permits wait too; other queues are not held back; resume leaves it, unblock lifts it;
+    without held or retry_in it is a 422 naming it, which changes nothing."""
     api = await serve(start_api)
     partner = {**TASK, "type": "http.partner", "queue": "partner-a"}
     queue = api.server.lifespan.state["queue"]
@@ -278,8 +278,8 @@ async def test_a_held_attempt_may_hold_its_queue_back_on_every_worker(
         r = await w.post(url, json=body)
         assert r.json() == {"id": first, "state": "scheduled"}, r.text
         after = time.time()
-        ends = set(await _blocked_until(queue, "partner-a"))
-        assert len(ends) == 1 and before * 1000 + 60_000 <= ends.pop() <= after * 1000 + 60_000
+        ends = await _blocked_until(queue, "partner-a")  # each shard's, by its node's clock
+        assert all(before * 1000 + 60_000 <= end <= after * 1000 + 60_000 for end in ends)
         permits_wait = await queue.redis.hget(queue.keys.limit("partner-a"), "blocked")
         assert before * 1000 + 60_000 <= int(permits_wait) <= after * 1000 + 60_000
         assert set(await _blocked_until(queue, "default")) == {0}  # its queue alone
@@ -288,11 +288,17 @@ async def test_a_held_attempt_may_hold_its_queue_back_on_every_worker(
         second = await submit(api, {"a": 3, "b": 4}, type="http.partner")
         assert (await w.post("/v1/worker/claim", json=claim | {"wait": 0})).json()["jobs"] == []
         assert (await status(api, second))["state"] == "queued"
-        # resume lifts the block: the job is claimed
+        # resume lifts a pause only; unblock lifts the block, and says its end: claimed
         assert (await admin.post("/v1/admin/queues/partner-a/resume")).status_code == 200
+        assert await _blocked_until(queue, "partner-a") == ends
+        r = await admin.post("/v1/admin/queues/partner-a/unblock")
+        lifted = max(*ends, int(permits_wait)) / 1000  # the shards' ends and the permits'
+        assert r.json() == {"queue": "partner-a", "blocked_until": lifted}, r.text
         assert set(await _blocked_until(queue, "partner-a")) == {0}
         (again,) = (await w.post("/v1/worker/claim", json=claim)).json()["jobs"]
         assert again["id"] == second
+        r = await admin.post("/v1/admin/queues/partner-a/unblock")
+        assert r.json() == {"queue": "partner-a", "blocked_until": None}, r.text
 
 
 async def test_a_held_attempt_of_a_job_asked_to_cancel_says_so(start_api: StartApi) -> None:
@@ -316,8 +322,8 @@ async def test_a_held_attempt_of_a_job_asked_to_cancel_says_so(start_api: StartA
 
 async def test_a_block_stands_whatever_became_of_the_lease(start_api: StartApi) -> None:
     """As a Python worker's RateLimited: a fail sent again after its answer was lost is
-    refused (its first went through) and still blocks the queue; so does one whose lease
-    was lost. A job Redis does not keep (no queue to name) blocks nothing."""
+    refused (its first went through) and still blocks the queue. A job Redis does not keep
+    (no queue to name), or one another worker holds, blocks nothing."""
     api = await serve(start_api)
     queue = api.server.lifespan.state["queue"]
     job_id = await submit(api, {"a": 1, "b": 2})
@@ -325,9 +331,11 @@ async def test_a_block_stands_whatever_became_of_the_lease(start_api: StartApi) 
     async with worker_client(api) as w:
         job = await claim_one(w)
         body = lease(job, error=error, held=True, block_queue=True, retry_in=60)
-        missing = job_id[:-1] + ("A" if job_id[-1] != "A" else "B")
+        missing = queue.keys.new_id(queue.keys.shard_of(job_id))  # well formed, not kept
         r = await w.post(f"/v1/worker/jobs/{missing}/fail", json=body)
-        assert r.status_code == 404, r.text
+        assert r.status_code == 404 and "not kept" in r.text, r.text
+        r = await w.post(f"/v1/worker/jobs/{job_id}/fail", json=body | {"worker": "w2"})
+        assert r.status_code == 409, r.text  # w1 holds it
         assert set(await _blocked_until(queue)) == {0}
         url = f"/v1/worker/jobs/{job_id}/fail"
         # the first send went through, its answer (and its block) lost

@@ -122,8 +122,8 @@ async def test_the_node_worker_runs_jobs_end_to_end(
     queue = api.server.lifespan.state["queue"]
     keys = queue.keys
     name = f"{got[limited]['queue']}:blocked"
-    blocks = {await queue.redis.hget(keys.queue_counts(s), name) for s in range(keys.shards)}
-    assert len(blocks) == 1 and int(blocks.pop() or 0) > 0
+    blocks = [await queue.redis.hget(keys.queue_counts(s), name) for s in range(keys.shards)]
+    assert all(int(end or 0) > 0 for end in blocks), blocks
     assert got[held]["state"] == "cancelled"
     assert (got[late]["state"], got[late]["error"]["type"]) == ("failed", "TimeoutError")
     assert stats == {

@@ -369,7 +369,8 @@ async def test_a_block_ends_by_redis_clock_and_the_later_of_two_stands(
 ) -> None:
     """Blocks asked at once (a burst of 429s) leave the latest end on every shard, whatever
     their order; the end is counted from Redis's clock, not the caller's (a host two minutes
-    behind still blocks for the seconds asked); resume lifts a block, its permits' too."""
+    behind still blocks for the seconds asked), and bounded by JOBTIER_MAX_FUTURE_SECONDS;
+    resume leaves a block, unblock lifts it, its permits' too, and leaves a pause."""
     import time
 
     real = time.time
@@ -387,11 +388,24 @@ async def test_a_block_ends_by_redis_clock_and_the_later_of_two_stands(
     await queue.admin.set_limits("partner", QueueLimits(concurrency=2))
     await queue.scripts.call("limit", queue.keys.home("partner"), ("block", "partner", 60_000))
     assert await queue.redis.hget(queue.keys.limit("partner"), "blocked")
+    await queue.admin.pause("partner")
     await queue.admin.resume("partner")
+    assert [
+        await queue.redis.hget(queue.keys.queue_counts(s), "partner:blocked")
+        for s in range(queue.keys.shards)
+    ] == fields
+    await queue.admin.pause("partner")
+    assert await queue.admin.unblock("partner") == max(int(v or 0) for v in fields)
     after = [
         await queue.redis.hget(queue.keys.queue_counts(s), "partner:blocked")
         for s in range(queue.keys.shards)
     ]
     assert after == [None] * queue.keys.shards
     assert await queue.redis.hget(queue.keys.limit("partner"), "blocked") is None
+    assert await queue.redis.hget(queue.keys.queue_counts(0), "partner:paused") == b"1"
+    await queue.admin.resume("partner")
     await queue.admin.set_limits("partner", QueueLimits())
+    # a block past the furthest future a job may be put off to is cut to it
+    end = await queue.admin.block("huge", 1e15)
+    assert end <= now_ms + 120_000 + queue.settings.max_future_seconds * 1000
+    assert (await queue.admin.stats())["queues"]["huge"]["blocked_until_ms"] == end

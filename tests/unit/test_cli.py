@@ -243,7 +243,6 @@ def test_run_banner_says_how_to_get_the_command(
     assert "WORKER_KEY" not in err  # no worker key set: none to show
     stack._welcome(settings.replace(worker_keys="wk-1,wk-2"))
     assert "WORKER_KEY=wk-1 node examples/node-worker/worker.mjs" in capsys.readouterr().err
-    monkeypatch.setenv("PATH", "/nonexistent")
 
     # on PATH already: nothing to say
     monkeypatch.setenv("PATH", str(bin_dir))

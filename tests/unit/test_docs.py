@@ -224,8 +224,11 @@ def test_settings_table_matches_the_code() -> None:
     begin = text.index("<!-- settings:begin")
     block = text[text.index("\n", begin) + 1 : text.index("<!-- settings:end -->")]
     rows = [line for line in block.splitlines() if line.startswith("| `")]
-    documented = [re.match(r"\| `([A-Z_]+)`", row).group(1) for row in rows]  # type: ignore[union-attr]
-    assert documented == [name for name, _, _ in settings_table()]
+    # whole rows, as `jobtier config --table` prints them: a default or a meaning changed in
+    # the code is changed here too
+    assert rows == [
+        f"| `{n}` | `{default}` | {meaning} |" for n, default, meaning in settings_table()
+    ]
 
 
 def test_the_two_commands_and_cli_commands_exist() -> None:

@@ -59,7 +59,7 @@ LIST_PARAMS = [
 ]
 _ACTIONS = (
     "only this action (job.cancel, job.replay, dead_letters.replay, queue.pause, queue.resume, "
-    "queue.limits, queue.purge)"
+    "queue.unblock, queue.limits, queue.purge)"
 )
 AUDIT_PARAMS = [
     # the pattern states what the parser refuses (control characters), for the document

@@ -91,6 +91,7 @@ _CORE_TYPES = (
     oa.Readiness,
     oa.QueueList,
     oa.QueuePaused,
+    oa.QueueUnblocked,
     QueueLimits,
     oa.QueueLimitsSet,
     QueueScaling,
@@ -219,7 +220,6 @@ _BACK_PRESSURE = oa.refuses(
 )
 _ANY_OBJECT = {"type": "object"}
 _CONCURRENCY_LIMIT = "at most this many of the key's jobs at once (default 1); only with a key"
-_LIMITS_422 = "the body does not fit its schema, or a per alone ({} lifts the limits)"
 
 
 def _job_paths(s: Settings) -> oa.Paths:
@@ -441,29 +441,6 @@ def _admin_paths(settings: Settings) -> oa.Paths:
         oa.returns(200, "QueueList", "the queues"),
     )
     add(
-        "POST /v1/admin/queues/{name}/pause",
-        queues.pause,
-        "Pause a queue: submits are accepted, nothing is claimed from it, running jobs finish",
-        oa.returns(200, "QueuePaused", "paused"),
-        oa.BAD_QUEUE_NAME,
-    )
-    add(
-        "POST /v1/admin/queues/{name}/resume",
-        queues.resume,
-        "Resume a paused queue; also lifts a RateLimited block (a held attempt's block_queue)",
-        oa.returns(200, "QueuePaused", "resumed"),
-        oa.BAD_QUEUE_NAME,
-    )
-    add(
-        "PUT /v1/admin/queues/{name}/limits",
-        queues.set_limits,
-        "Limit a queue across every worker (global concurrency, starts per period); {} lifts "
-        "the limits",
-        oa.returns(200, "QueueLimitsSet", "the limits now in force"),
-        oa.refuses(422, _LIMITS_422),
-        body="QueueLimits",
-    )
-    add(
         "GET /v1/admin/queues/{name}/scaling",
         scaling.scaling,
         "The workers the queue's pool wants now, from its ready and running jobs, its oldest "
@@ -534,6 +511,7 @@ def operations(settings: Settings) -> oa.Paths:
         console.operations(s),
         checkpoints.operations(s),
         breakers.operations(s),
+        queues.operations(s),
         batch_routes.operations(s),
         worker_routes.operations(s),
     )

@@ -11,10 +11,12 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from jobtier.api import spec as oa
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import JSON, decode_body, encoded, invalid, read_json_body
 from jobtier.api.problems import Problem
+from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import QueueLimits
 from jobtier.core.names import QUEUE_NAME_RE
@@ -100,6 +102,17 @@ async def resume(request: Request) -> Response:
     return await _set_paused(request, False)
 
 
+async def unblock(request: Request) -> Response:
+    """Lift a block left by a ``RateLimited`` (or an HTTP worker's ``block_queue``) before
+    its end; a pause stays (``resume`` lifts that, and only that)."""
+    require_admin(request)
+    name = queue_name(request)
+    async with audited(request, "queue.unblock", name):
+        until = await request.state.queue.admin.unblock(name)
+    body = {"queue": name, "blocked_until": until / 1000 if until > time.time() * 1000 else None}
+    return Response(orjson.dumps(body), media_type=JSON)
+
+
 _LIFTED = QueueLimits()
 
 
@@ -130,3 +143,44 @@ async def tasks(request: Request) -> Response:
     catalog: TaskCatalog = request.state.catalog
     await catalog.load()
     return encoded({"tasks": catalog.ads()})
+
+
+_LIMITS_422 = "the body does not fit its schema, or a per alone ({} lifts the limits)"
+
+
+def operations(settings: Settings) -> oa.Paths:
+    """The routes that change a queue, each with its description."""
+    paths = oa.Paths(settings, auth="admin")
+    add = paths.add
+    add(
+        "POST /v1/admin/queues/{name}/pause",
+        pause,
+        "Pause a queue: submits are accepted, nothing is claimed from it, running jobs finish",
+        oa.returns(200, "QueuePaused", "paused"),
+        oa.BAD_QUEUE_NAME,
+    )
+    add(
+        "POST /v1/admin/queues/{name}/resume",
+        resume,
+        "Resume a paused queue (a RateLimited block stays: unblock lifts it)",
+        oa.returns(200, "QueuePaused", "resumed"),
+        oa.BAD_QUEUE_NAME,
+    )
+    add(
+        "POST /v1/admin/queues/{name}/unblock",
+        unblock,
+        "Lift the block a task's RateLimited (or an HTTP worker's held attempt with block_queue) "
+        "left on a queue, before its end: its jobs start again at once (a pause stays)",
+        oa.returns(200, "QueueUnblocked", "the end of the block lifted, or null"),
+        oa.BAD_QUEUE_NAME,
+    )
+    add(
+        "PUT /v1/admin/queues/{name}/limits",
+        set_limits,
+        "Limit a queue across every worker (global concurrency, starts per period); {} lifts "
+        "the limits",
+        oa.returns(200, "QueueLimitsSet", "the limits now in force"),
+        oa.refuses(422, _LIMITS_422),
+        body="QueueLimits",
+    )
+    return paths

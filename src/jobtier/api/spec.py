@@ -91,6 +91,11 @@ class QueuePaused(msgspec.Struct):
     paused: bool
 
 
+class QueueUnblocked(msgspec.Struct):
+    queue: str
+    blocked_until: float | None  # the end of the block lifted (epoch s); null: none was set
+
+
 class QueueLimitsSet(msgspec.Struct):
     queue: str
     limits: QueueLimits | None

@@ -4,9 +4,10 @@ attempt holds back.
 A worker that was told to slow down (a partner's 429) gives the attempt back (``held``) and
 may hold the job's whole queue back for as long (``block_queue``): no worker, Python or
 HTTP, starts a job of it meanwhile — what a Python task's ``RateLimited`` does
-(worker/reporter.py). As there, the block is applied whatever became of the attempt: the
-partner's answer stands though the lease was lost, and a fail sent again after its answer
-was lost (refused then: the first went through) still blocks.
+(worker/reporter.py). As there, the block is applied whatever became of the attempt, as
+long as the job was this worker's: the partner's answer stands though the lease was lost,
+and a fail sent again after its answer was lost (refused then: the first went through)
+still blocks; a fail about a job another worker holds, or never held, blocks nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import orjson
 from jobtier.api.problems import Problem
 from jobtier.api.worker_bodies import FailRequest
 from jobtier.core.errors import JobNotFound
+from jobtier.core.names import HTTP_WORKER_PREFIX
 from jobtier.engine.queue import Queue
 from jobtier.engine.validate import furthest
 from jobtier.runtime.loop import FAULTS
@@ -39,6 +41,12 @@ def check_fail(body: FailRequest, max_future_seconds: int) -> None:
     if body.block_queue and body.retry_in is None:
         detail = "block_queue needs retry_in: the seconds the queue waits"
         raise Problem(422, "validation", detail, field="block_queue")
+
+
+def held_by(refusal: Problem | None, worker: str) -> bool:
+    """Whether the job of a fail was ``worker``'s: its fail was taken (no ``refusal``), or
+    the job was last held by it (the refusal's ``worker``, as ``refused_now`` reads it)."""
+    return refusal is None or refusal.extra.get("worker") == HTTP_WORKER_PREFIX + worker
 
 
 async def hold_queue(queue: Queue, job_id: str, seconds: float, worker: str) -> None:

@@ -56,7 +56,7 @@ from jobtier.api.worker_bodies import (
     retry_delay,
 )
 from jobtier.api.worker_claims import Claimed, QueuesLimited, WorkerClaims
-from jobtier.api.worker_holds import check_fail, hold_queue
+from jobtier.api.worker_holds import check_fail, held_by, hold_queue
 from jobtier.api.worker_refusals import (
     attempt_now,
     item_refused,
@@ -393,10 +393,11 @@ async def fail(request: Request) -> Response:
     item = (job_id, body.lease_version, encode_json(error), delay_ms, int(body.held))
     call = fail_call(shard, _redis_id(body.worker), s.dead_retention_seconds, [item])
     ((code, state),) = parse_pairs(await _one(queue, call))
-    if body.block_queue and body.retry_in is not None:  # whatever became of the lease
+    refusal = None if code is Code.OK else await refused_now(queue, job_id, code)
+    if body.block_queue and body.retry_in is not None and held_by(refusal, body.worker):
         await hold_queue(queue, job_id, body.retry_in, body.worker)
-    if code is not Code.OK:
-        raise await refused_now(queue, job_id, code)
+    if refusal is not None:
+        raise refusal
     return encoded(Outcome(job_id, state.decode()))
 
 

@@ -319,6 +319,11 @@ def queues_resume(c: Client, a: argparse.Namespace) -> Any:
     return {"queue": a.name, "paused": False} if a.json else f"{a.name}: resumed"
 
 
+def queues_unblock(c: Client, a: argparse.Namespace) -> Any:
+    c.unblock_queue(a.name)
+    return {"queue": a.name, "blocked": False} if a.json else f"{a.name}: unblocked"
+
+
 def queues_limit(c: Client, a: argparse.Namespace) -> Any:
     if a.none and (a.concurrency is not None or a.rate is not None):
         raise CommandError("--none lifts the limits: give it alone")
@@ -498,10 +503,11 @@ def add_commands(sub: Any) -> None:
     )
     for verb, handler, what in (
         ("pause", queues_pause, "stop claims from a queue (submits still accepted)"),
+        ("resume", queues_resume, "let workers claim from a paused queue again"),
         (
-            "resume",
-            queues_resume,
-            "let workers claim from a paused (or RateLimited-blocked) queue again",
+            "unblock",
+            queues_unblock,
+            "lift a RateLimited block (a partner's 'slow down') before its end",
         ),
     ):
         q = action(group, verb, handler, ADMIN, what)

@@ -278,6 +278,10 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
     async def resume_queue(self, name: str) -> None:
         await self._run(self._queue_action(name, "resume"))
 
+    async def unblock_queue(self, name: str) -> None:
+        """Lift a RateLimited block before its end (a pause stays)."""
+        await self._run(self._queue_action(name, "unblock"))
+
     async def set_queue_limits(
         self,
         name: str,

@@ -238,6 +238,10 @@ class Client(BaseClient[httpx.BaseTransport]):
     def resume_queue(self, name: str) -> None:
         self._run(self._queue_action(name, "resume"))
 
+    def unblock_queue(self, name: str) -> None:
+        """Lift a RateLimited block before its end (a pause stays)."""
+        self._run(self._queue_action(name, "unblock"))
+
     def set_queue_limits(
         self,
         name: str,

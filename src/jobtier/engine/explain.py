@@ -250,8 +250,8 @@ def _not_waiting(facts: dict[str, Any]) -> str:
 def _blocked(queue: str, until: int, now: int) -> Reason:
     message = (
         f"queue {queue!r} is rate-limited until {iso(until)} (in {(until - now) / 1000:.3f} s): "
-        "a task raised RateLimited, or an HTTP worker held a job with block_queue (resume "
-        "lifts it)"
+        "a task raised RateLimited, or an HTTP worker held a job with block_queue (jobtier "
+        "queues unblock lifts it)"
     )
     reason = Reason(ReasonCode.RATE_LIMITED, message, queue=queue, until=iso(until))
     return msgspec.structs.replace(reason, seconds=(until - now) / 1000)

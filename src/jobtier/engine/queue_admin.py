@@ -195,11 +195,24 @@ class QueueAdmin:
         await self._each_shard("HSET", f"{queue}:paused", "1")
 
     async def resume(self, queue: str) -> None:
-        """Let workers claim from ``queue`` again (and wake those that sleep): paused, or held
-        back after a ``RateLimited`` (``block``), its permits too if it is limited."""
+        """Let workers claim from ``queue`` again (and wake those that sleep)."""
         _check_queue(queue)
-        await self.store.redis.hdel(self.store.keys.limit(queue), "blocked")
-        await self._each_shard("HDEL", f"{queue}:paused", f"{queue}:blocked", wake=f"q {queue}")
+        await self._each_shard("HDEL", f"{queue}:paused", wake=f"q {queue}")
+
+    async def unblock(self, queue: str) -> int:
+        """Lift ``block`` before its end (a ``RateLimited`` a partner asked for; an operator
+        knows better), its permits' too if the queue is limited, and wake the workers; a
+        pause stays. Returns the end lifted (ms since the epoch; 0: none was set)."""
+        _check_queue(queue)
+        field, keys = f"{queue}:blocked", self.store.keys
+        pipe = self.store.redis.pipeline(transaction=False)
+        for shard in range(keys.shards):
+            pipe.hget(keys.queue_counts(shard), field)
+        pipe.hget(keys.limit(queue), "blocked")
+        ends = [int(float(v)) for v in await pipe.execute() if v]
+        await self.store.redis.hdel(keys.limit(queue), "blocked")
+        await self._each_shard("HDEL", field, wake=f"q {queue}")
+        return max(ends, default=0)
 
     async def purge(self, queue: str, *, batch: int = PURGE_BATCH) -> Purged:
         """Cancel every ready (or parked) job of ``queue``, oldest first, in every shard, each

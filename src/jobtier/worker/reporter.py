@@ -161,6 +161,7 @@ class Reporter:
 
     async def _block(self, queue: str, seconds: float) -> None:
         state = self.state
+        seconds = min(seconds, state.store.settings.max_future_seconds)  # as block_queue's
         try:
             await block_queue(state.store, queue, seconds)
             if queue in self.limits:  # its permits wait too (limit.lua)
