@@ -69,6 +69,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/v1/admin/queues"): ADMIN,
     ("POST", "/v1/admin/queues/{name}/pause"): ADMIN,
     ("POST", "/v1/admin/queues/{name}/resume"): ADMIN,
+    ("POST", "/v1/admin/queues/{name}/unblock"): ADMIN,
     ("PUT", "/v1/admin/queues/{name}/limits"): ADMIN,
     ("GET", "/v1/admin/queues/{name}/scaling"): ADMIN,
     ("GET", "/v1/admin/tasks"): ADMIN,
@@ -206,7 +207,9 @@ async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue
             if kind == PUBLIC:
                 assert (await call(nobody, method, path)).status_code == 200, what
                 continue
-            for client, detail in ((nobody, "send an API key"), (stranger, "unknown API key")):
+            # (this API has no worker keys: a worker route's 401 says so)
+            unknown = "set JOBTIER_WORKER_KEYS" if kind == WORKER else "unknown API key"
+            for client, detail in ((nobody, "send an API key"), (stranger, unknown)):
                 problem = assert_problem(
                     await call(client, method, path, body), 401, "unauthorized", what
                 )
