@@ -208,8 +208,8 @@ async def test_every_route_is_isolated_by_tenant(pg_api: ApiServer, queue: Queue
                 assert (await call(nobody, method, path)).status_code == 200, what
                 continue
             # (this API has no worker keys: a worker route's 401 says so)
-            unknown = "set JOBTIER_WORKER_KEYS" if kind == WORKER else "unknown API key"
-            for client, detail in ((nobody, "send an API key"), (stranger, unknown)):
+            not_a_key = "set JOBTIER_WORKER_KEYS" if kind == WORKER else "unknown API key"
+            for client, detail in ((nobody, "send an API key"), (stranger, not_a_key)):
                 problem = assert_problem(
                     await call(client, method, path, body), 401, "unauthorized", what
                 )
