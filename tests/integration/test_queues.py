@@ -409,3 +409,29 @@ async def test_a_block_ends_by_redis_clock_and_the_later_of_two_stands(
     end = await queue.admin.block("huge", 1e15)
     assert end <= now_ms + 120_000 + queue.settings.max_future_seconds * 1000
     assert (await queue.admin.stats())["queues"]["huge"]["blocked_until_ms"] == end
+
+
+@task(queue="partner-limited", retries=0)
+async def told_to_wait_limited(ctx: JobContext, payload: Any) -> None:
+    raise RateLimited("429 from partner", retry_after=60)
+
+
+async def test_rate_limited_on_a_limited_queue_holds_its_permits_back_too(
+    queue: Queue, background: Background
+) -> None:
+    """A Python task's RateLimited on a limited queue: every shard's claims and the queue's
+    permits (limit.lua) wait, through the one block_queue the API's holds use too."""
+    await queue.admin.set_limits("partner-limited", QueueLimits(concurrency=2))
+    await queue.submit(told_to_wait_limited, 1)
+    background.start(worker_for(queue, TaskRegistry([told_to_wait_limited]), name="rl-lim"))
+    limit = queue.keys.limit("partner-limited")
+
+    async def permits_held() -> bool:
+        return bool(await queue.redis.hget(limit, "blocked"))
+
+    await wait_for(permits_held)
+    ends = [
+        await queue.redis.hget(queue.keys.queue_counts(s), "partner-limited:blocked")
+        for s in range(queue.keys.shards)
+    ]
+    assert all(int(v or 0) > 0 for v in ends), ends

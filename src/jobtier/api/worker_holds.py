@@ -56,10 +56,7 @@ async def hold_queue(queue: Queue, job_id: str, seconds: float, worker: str) -> 
     and the job still waits its ``retry_in`` (the block is what the worker asked on top)."""
     try:
         name = orjson.loads(await queue.jobs.status_doc(job_id))["queue"]
-        until = await queue.admin.block(name, seconds)
-        if await queue.redis.hexists(queue.keys.queue_limits(), name):
-            block = ("block", name, round(seconds * 1000))
-            await queue.scripts.call("limit", queue.keys.home(name), block)
+        until = await queue.admin.block(name, seconds)  # a limited queue's permits too
     except JobNotFound:
         return  # not kept in Redis (a purge; a wrong id): no queue to hold back
     except Exception as exc:  # a fault (FAULTS) or anything else: the fail's answer goes out

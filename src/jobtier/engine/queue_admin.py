@@ -287,7 +287,8 @@ class QueueAdmin:
 
     async def block(self, queue: str, seconds: float) -> int:
         """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``): every
-        shard's claims skip it until then. Returns when the block ends, ms since the epoch."""
+        shard's claims skip it until then, its permits' too if it is limited
+        (``block_queue``). Returns when the block ends, ms since the epoch."""
         _check_queue(queue)
         return await block_queue(self.store, queue, seconds)
 

@@ -108,14 +108,20 @@ async def submit_items(store: Store, items: Sequence[SubmitItem]) -> list[Submit
     return in_order(len(items), groups, await store.scripts.call_spread(calls, per))
 
 
-async def block_queue(store: Store, queue: str, seconds: float) -> int:
+async def block_queue(store: Store, queue: str, seconds: float, limited: bool | None = None) -> int:
     """Start no job of ``queue`` for ``seconds`` (a task raised ``RateLimited``; an HTTP
     worker held a job with ``block_queue``): every shard's claims skip it until then, by
     Redis's clock; a later end set already stands (queue_block.lua); at most
-    JOBTIER_MAX_FUTURE_SECONDS. Returns when the block ends, ms since the epoch (the latest of
-    the shards')."""
+    JOBTIER_MAX_FUTURE_SECONDS. A limited queue's permits wait as long (limit.lua):
+    ``limited`` says whether the queue is (None: looked up). Returns when the block ends, ms
+    since the epoch (the latest of the shards')."""
     ms = round(min(seconds, store.settings.max_future_seconds) * 1000)
     field = f"{queue}:blocked"
     keys = store.keys
     calls = [(_BLOCK, (1, keys.queue_counts(s), field, ms)) for s in range(keys.shards)]
-    return max(int(v) for v in await run_scripts(store.redis, calls))
+    until = max(int(v) for v in await run_scripts(store.redis, calls))
+    if limited is None:
+        limited = bool(await store.redis.hexists(keys.queue_limits(), queue))
+    if limited:
+        await store.scripts.call("limit", keys.home(queue), ("block", queue, ms))
+    return until

@@ -160,13 +160,8 @@ class Reporter:
         task.add_done_callback(self._blocks.discard)
 
     async def _block(self, queue: str, seconds: float) -> None:
-        state = self.state
-        seconds = min(seconds, state.store.settings.max_future_seconds)  # as block_queue's
-        try:
-            await block_queue(state.store, queue, seconds)
-            if queue in self.limits:  # its permits wait too (limit.lua)
-                args = ("block", queue, round(seconds * 1000))
-                await state.scripts.call("limit", state.keys.home(queue), args)
+        try:  # a limited queue's permits wait too
+            await block_queue(self.state.store, queue, seconds, limited=queue in self.limits)
         except FAULTS as exc:
             log.warning("event=queue_block_failed queue=%s error=%r", queue, exc)
 
