@@ -1,6 +1,6 @@
 """The console in headless Chromium, driven as an operator would against a real stack: find
-a job by filters, open it, read its traceback, replay it; pause a queue and purge it; watch
-rows and workers change live; read the audit. Every assertion is on what the page shows."""
+a job by filters, open it, read its traceback, replay it; pause a queue, unblock one and purge
+one; watch rows and workers change live; read the audit. Every assertion is on what the page shows."""
 
 from __future__ import annotations
 
@@ -235,6 +235,45 @@ async def test_pause_a_queue_and_purge_its_backlog(stack: Stack) -> None:
         assert '"cancelled":30' in rows[0]
         assert page.errors == [], page.errors
     assert (await stack.queue.status(kept["id"])).state == "queued"
+
+
+async def test_unblock_a_queue_a_partner_held_back(stack: Stack) -> None:
+    assert CHROMIUM is not None
+    api = stack.api
+    async with api.client() as acme:
+        for queue in ("partner", "emails"):
+            r = await acme.post("/v1/jobs", json={"type": "echo", "queue": queue})
+            assert r.status_code == 202, r.text
+    await stack.queue.admin.block("partner", 600)  # as a task's RateLimited(retry_after=600)
+
+    async with chromium_page(CHROMIUM) as page:
+        await open_console(page, api.url, ADMIN, "#/queues")
+        row = 'tr[data-queue="partner"]'
+        unblock = f'{row} button[data-act="unblock"]'
+        await page.wait_for(
+            f"document.querySelector('{row} [data-col=\"state\"]')?.textContent"
+            ".startsWith('held until')"
+        )
+        assert not await page.evaluate(f"document.querySelector('{unblock}').hidden")
+        # a queue that is not blocked offers no unblock
+        assert await page.evaluate(
+            'document.querySelector(\'tr[data-queue="emails"] button[data-act="unblock"]\').hidden'
+        )
+
+        await page.click(unblock)
+        assert await confirm(page) == "Unblock queue partner?"
+        assert "Queue partner unblocked: its hold until" in await toast(page)
+        await page.wait_for(
+            f"document.querySelector('{row} [data-col=\"state\"]').textContent === 'active'"
+        )
+        assert await page.evaluate(f"document.querySelector('{unblock}').hidden")
+        stats = await stack.queue.admin.stats()
+        assert stats["queues"]["partner"]["blocked_until_ms"] == 0
+
+        await go(page, "#/audit", "audit")
+        rows = await texts(page, ".audit-grid tbody tr")
+        assert "queue.unblock" in rows[0], rows
+        assert page.errors == [], page.errors
 
 
 async def test_in_flight_rows_and_workers_change_live(stack: Stack) -> None:

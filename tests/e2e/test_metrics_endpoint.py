@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobtier.engine.queue import Queue
@@ -23,6 +25,11 @@ async def test_metrics_show_workers_api_and_queue_gauges(api: ApiServer, queue: 
         await MetricsPublisher(queue.redis, queue.keys, "worker", [worker]).publish()
         await c.post("/v1/jobs", json={"type": "echo", "priority": "low"})  # left waiting
         r = await admin.get("/metrics")
+        # a queue held back (a task's RateLimited): the seconds left of its block
+        before = time.time()
+        await queue.admin.block("default", 600)
+        blocked = await admin.get("/metrics")
+        after = time.time()
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     families = {f.name: f for f in text_string_to_metric_families(r.text)}
     started = [
@@ -38,3 +45,12 @@ async def test_metrics_show_workers_api_and_queue_gauges(api: ApiServer, queue: 
     assert waits[0].value == 6
     # the burst worker has finished and signed off: no live worker is left
     assert [s.value for s in families["jobtier_workers"].samples] == [0.0]
+    assert gauge(r.text, "jobtier_queue_blocked_seconds") == {"default": 0.0}
+    left = gauge(blocked.text, "jobtier_queue_blocked_seconds")["default"]
+    assert 600 - (after - before) - 1 <= left <= 600, left  # (Redis's clock against ours: 1 s)
+
+
+def gauge(text: str, name: str) -> dict[str, float]:
+    """A per-queue gauge's samples by queue."""
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return {s.labels["queue"]: s.value for s in families[name].samples}

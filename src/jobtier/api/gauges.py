@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -17,14 +18,16 @@ async def live_gauges(
     queue: Queue, lag: Callable[[], Any] | None, outbox: Callable[[], Any] | None = None
 ) -> dict[str, dict[str, float]]:
     """{metric: {labels: value}} read now: per queue its depth by priority and oldest waiting
-    job, running, parked, paused and waiting jobs; each circuit breaker's state; the totals of waiting (for dependencies),
-    scheduled and dead-lettered jobs; live workers, Redis's memory, (with ``lag``, when
+    job, running, parked, paused and waiting jobs and the seconds left of its block; each
+    circuit breaker's state; the totals of waiting (for dependencies), scheduled and
+    dead-lettered jobs; live workers, Redis's memory, (with ``lag``, when
     the API has Postgres) the write-behind lag and the outbox's backlog (``outbox``, while
     Postgres answers), and (once any webhook or job callback was accepted: the dispatchers'
     group exists) the webhook dispatchers' lag."""
     stats = await queue.admin.stats()
     total = stats["total"]
-    depth, running, parked, paused, waiting = {}, {}, {}, {}, {}
+    depth, running, parked, paused, waiting, blocked = {}, {}, {}, {}, {}, {}
+    now_ms = time.time() * 1000
     for name, q in stats["queues"].items():
         for p in PRIORITIES:
             depth[labels(queue=name, priority=p.value)] = q["queued"][p.value]
@@ -32,6 +35,8 @@ async def live_gauges(
         waiting[labels(queue=name)] = q["waiting"]
         parked[labels(queue=name)] = q["parked"]
         paused[labels(queue=name)] = 1.0 if q["paused"] else 0.0
+        # (an end in the past stays in Redis until the next block: read as none)
+        blocked[labels(queue=name)] = max(q["blocked_until_ms"] - now_ms, 0.0) / 1000
     ages = {
         labels(queue=name, priority=prio): age
         for (name, prio), age in (await queue.admin.oldest_queued()).items()
@@ -43,6 +48,7 @@ async def live_gauges(
         "queue_running_jobs": running,
         "queue_parked_jobs": parked,
         "queue_paused": paused,
+        "queue_blocked_seconds": blocked,
         "queue_waiting_jobs": waiting,
         "oldest_queued_age_seconds": ages,
         "scheduled_jobs": {"": total.get("scheduled", 0)},

@@ -45,6 +45,7 @@ HELP = {
     "queue_running_jobs": "Jobs of the queue running now.",
     "queue_parked_jobs": "Jobs handed back by workers that lack their task, waiting for one that has it.",
     "queue_paused": "1 while the queue is paused.",
+    "queue_blocked_seconds": "Seconds left of the queue's block (a task raised RateLimited, or an HTTP worker's held attempt asked block_queue): no job of it starts meanwhile; 0 when not blocked.",
     "breaker_state": "A circuit breaker's state: 0 closed, 1 open, 2 half-open (its open period is over: its next job is a probe).",
     "processes": "Live jobtier processes by role (those whose metrics snapshot is fresh); 0 for a role with none.",
     "redis_memory_used_bytes": "used_memory of the fullest Redis primary.",

@@ -1,5 +1,6 @@
 // queues.js: every queue's state from the latest frame (what GET /v1/admin/queues answers,
-// with its counters), and the actions on a queue: pause, resume, purge its ready jobs.
+// with its counters), and the actions on a queue: pause, resume, unblock (a RateLimited's
+// hold lifted before its end), purge its ready jobs.
 
 const QUEUE_COLUMNS = [
   // [key, heading, numeric]
@@ -101,6 +102,7 @@ function queueRow(q, actions) {
     const name = q.name;
     cells.push(h("td", { class: "actions" },
       h("button", { type: "button", class: "small", "data-act": "toggle", onclick: () => togglePause(name) }, "Pause"),
+      h("button", { type: "button", class: "small", "data-act": "unblock", hidden: true, onclick: () => unblockQueue(name) }, "Unblock"),
       h("button", { type: "button", class: "small danger", "data-act": "purge", onclick: () => purgeQueue(name) }, "Purge…")));
   }
   return h("tr", { dataset: { queue: q.name } }, cells);
@@ -126,6 +128,7 @@ function updateQueueRow(row, q, actions) {
     const toggle = row.querySelector('[data-act="toggle"]');
     const word = q.paused ? "Resume" : "Pause";
     if (toggle.textContent !== word) toggle.textContent = word;
+    row.querySelector('[data-act="unblock"]').hidden = !q.blocked_until;
     const purge = row.querySelector('[data-act="purge"]');
     purge.disabled = !(q.queued_total + q.parked);
     const tasks = row.querySelector(".tasks");
@@ -168,6 +171,23 @@ async function togglePause(name) {
       () => `Queue ${name} paused: nothing is claimed from it until you resume it.`,
     );
   }
+}
+
+async function unblockQueue(name) {
+  const q = findQueue(name);
+  const until = q?.blocked_until ? ` (held until ${timeFmt.format(new Date(q.blocked_until * 1000))})` : "";
+  await act(
+    {
+      title: `Unblock queue ${name}?`,
+      text: `Workers may start its jobs at once${until}, though the service that asked to slow down `
+        + "may still refuse them. A pause stays.",
+      ok: "Unblock",
+    },
+    () => api(`/v1/admin/queues/${encodeURIComponent(name)}/unblock`, { method: "POST" }),
+    (r) => r.blocked_until
+      ? `Queue ${name} unblocked: its hold until ${timeFmt.format(new Date(r.blocked_until * 1000))} is lifted.`
+      : `Queue ${name} was not blocked (its hold had ended).`,
+  );
 }
 
 async function purgeQueue(name) {
