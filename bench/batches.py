@@ -106,7 +106,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     runs: list[dict[str, Any]] = []
     with local_redis(aof=True) as server:
         settings = Settings.from_env({}, redis_url=server.url, shards=16)
-        async with await Queue.connect(settings, require_known=False) as queue:
+        async with await Queue.connect(settings, catalog=False) as queue:
             meter = RedisMeter(queue.redis, server.pid)  # type: ignore[arg-type]
             for run in range(args.runs):
                 order = ("plain", "batch") if run % 2 == 0 else ("batch", "plain")

@@ -184,7 +184,7 @@ async def cell(
     pay = task(
         name="pay", breaker=breaker, retries=RETRIES, backoff_base=1.0, backoff_cap=30.0, jitter=0.1
     )(call)
-    queue = await Queue.connect(settings, require_known=False)
+    queue = await Queue.connect(settings, catalog=False)
     await fresh(queue.redis)
     await downstream.control(http, "reset")
     for start in range(0, args.jobs, 1000):

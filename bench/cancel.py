@@ -136,7 +136,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             {}, redis_url=server.url, shards=args.shards, lease_seconds=args.lease
         )
         observer = Observer()
-        async with await Queue.connect(settings) as queue:
+        async with await Queue.connect(settings, catalog=False) as queue:
             events = ShardSubscriber(
                 queue.redis,
                 [queue.keys.events(s) for s in range(args.shards)],

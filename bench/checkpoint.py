@@ -109,7 +109,7 @@ async def main() -> None:
     rounds: list[dict[str, dict[str, Any]]] = []
     with local_redis(aof=True) as server:
         settings = Settings.from_env({}, redis_url=server.url, shards=4)
-        async with await Queue.connect(settings, require_known=False) as queue:
+        async with await Queue.connect(settings, catalog=False) as queue:
             held = await claim_all(queue, args.calls)
             meter = RedisMeter(queue.redis, server.pid)  # type: ignore[arg-type]
             for r in range(args.rounds):

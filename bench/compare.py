@@ -665,7 +665,9 @@ async def measure_jobtier(
         concurrency=args.concurrency, queues=1, queue_names=throughput.queue_names(1),
         queue_concurrency=None, queue_rate=None,
     )  # fmt: skip
-    async with await Queue.connect(settings) as queue:
+    # nothing looked up (as the producer process's Queue): the enqueue phase runs before
+    # any worker has advertised the bench's task
+    async with await Queue.connect(settings, catalog=False) as queue:
         enqueue = await throughput.measure_enqueue(queue, targs, single=False)
         hook = PersistHook(queue, server, args, aof, persist) if persist else None
         e2e = await throughput.measure_run(

@@ -104,7 +104,7 @@ async def block(queue: Queue, case: str, round_: int, n: int) -> dict[str, Any]:
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     with local_redis(aof=True) as server:
         settings = Settings.from_env({}, redis_url=server.url, shards=args.shards)
-        async with await Queue.connect(settings) as queue:
+        async with await Queue.connect(settings, catalog=False) as queue:
             await block(queue, "plain", -1, 200)  # warm up: connections, the library
             rounds: list[dict[str, Any]] = []
             for round_ in range(args.rounds):

@@ -193,7 +193,7 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
         )
         procs: dict[str, subprocess.Popen[bytes]] = {}
         try:
-            async with await Queue.connect(settings) as queue:
+            async with await Queue.connect(settings, catalog=False) as queue:
                 await fresh(queue.redis)
                 meter = RedisMeter(queue.redis, server.pid)  # type: ignore[arg-type]
                 procs["worker"] = start_process("worker", server.url, args.shards)

@@ -160,7 +160,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         api_argv = [sys.executable, "-m", "jobtier.cli", "api", "--port", str(port)]
         async with (
             process(*api_argv, env=env),
-            await Queue.connect(settings) as queue,
+            await Queue.connect(settings, catalog=False) as queue,
         ):
             await _ready(env["JOBTIER_URL"])
             events = ShardSubscriber(

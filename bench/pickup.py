@@ -173,7 +173,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         settings = Settings.from_env({}, redis_url=server.url, shards=args.shards)
         procs: dict[str, subprocess.Popen[bytes]] = {}
         try:
-            async with await Queue.connect(settings) as queue:
+            async with await Queue.connect(settings, catalog=False) as queue:
                 procs["worker"] = start_process(
                     "worker", server.url, args.shards, queue_names(args.queues)
                 )

@@ -239,7 +239,7 @@ async def main(args: argparse.Namespace, rounds: int) -> list[dict[str, Any]]:
             {}, redis_url=server.url, shards=args.shards, lease_seconds=LEASE
         )
         observer = Observer()
-        async with await Queue.connect(settings) as queue:
+        async with await Queue.connect(settings, catalog=False) as queue:
             events = ShardSubscriber(
                 queue.redis,
                 [queue.keys.events(s) for s in range(args.shards)],

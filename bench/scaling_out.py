@@ -252,7 +252,9 @@ async def cell(masters: int, args: argparse.Namespace) -> dict[str, Any]:
                     f"the API did not come up:\n{api.tail()}\n{worker.tail()}"
                 ) from exc
             settings = Settings.from_env({}, redis_url=redis_url, redis_cluster=True, shards=16)
-            queue = await Queue.connect(settings)  # to see the backlog (not while measured)
+            queue = await Queue.connect(
+                settings, catalog=False
+            )  # to see the backlog (not while measured)
             await Load(port, args.rate).run(args.warmup)
             pids = [n.pid for n in nodes if n.pid is not None]
 
@@ -331,7 +333,7 @@ async def wait_cost(args: argparse.Namespace) -> dict[str, Any]:
             settings = Settings.from_env(
                 {}, redis_url=master.url, shards=16, redis_max_connections=1
             )
-            queue = await Queue.connect(settings)
+            queue = await Queue.connect(settings, catalog=False)
             try:
                 samples: dict[str, dict[str, list[float]]] = {
                     v: {"lat": [], "client": [], "redis": [], "replica": []}

@@ -249,7 +249,7 @@ async def poll_loop(url: str, shards: int, interval: float, batch: int = 1000) -
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    async with await Queue.connect(settings) as queue:
+    async with await Queue.connect(settings, catalog=False) as queue:
         tick = time.monotonic()
         while not stopping.is_set():
             todo = list(range(shards))
@@ -514,7 +514,7 @@ async def run_variant(variant: str, args: argparse.Namespace, seed: int) -> dict
     with local_redis(aof=True) as server, tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         settings = Settings.from_env({}, redis_url=server.url, shards=args.shards)
-        async with await Queue.connect(settings) as queue:
+        async with await Queue.connect(settings, catalog=False) as queue:
             await queue.redis.config_set("slowlog-log-slower-than", SLOWLOG_US)
             await queue.redis.config_set("latency-monitor-threshold", 10)
             if args.no_aof_rewrite:  # AOF stays on; Redis just never rewrites it by itself

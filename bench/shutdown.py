@@ -170,7 +170,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     with local_redis() as server, tempfile.TemporaryDirectory() as tasks_dir:
         (Path(tasks_dir) / "bench_shutdown_tasks.py").write_text(TASKS)
         settings = Settings.from_env({}, redis_url=server.url, shards=4)
-        queue = await Queue.connect(settings)
+        queue = await Queue.connect(settings, catalog=False)
         try:
             for src in sources:
                 label = _label(src, args.compare_label)

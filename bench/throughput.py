@@ -391,7 +391,7 @@ async def one_run(
         {}, redis_url=server.url, shards=args.shards, redis_require_aof=aof
     )
     out: dict[str, Any] = {}
-    async with await Queue.connect(settings) as queue:
+    async with await Queue.connect(settings, catalog=False) as queue:
         if not aof:
             out["e2e_aof_off"] = await measure_run(queue, server, args, "jobtier", prefill=False)
             return out

@@ -229,7 +229,7 @@ async def test_a_large_result_is_named_and_streamed_never_inlined(
         result_store_threshold_bytes=s.result_store_threshold_bytes,
     )  # fmt: skip
     expected = encode_json(big_rows(3000))
-    q = await Queue.connect(s)
+    q = await Queue.connect(s, catalog=False)
     try:
         big = await q.submit("big_result", 3000, tenant="acme")
         await worker_for(q, registry, burst=True).run()

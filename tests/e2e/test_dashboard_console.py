@@ -127,7 +127,7 @@ async def test_a_job_page_shows_its_log_lines_and_links_a_stored_result(
     the traceback), and one whose result is large enough for the result store."""
     assert CHROMIUM is not None
     store = pg_settings.replace(result_store="postgres", result_store_threshold_bytes=1000)
-    stored_queue = await Queue.connect(store)
+    stored_queue = await Queue.connect(store, catalog=False)
     try:
         big = await stored_queue.submit("big_result", 3000, tenant="acme")
         await worker_for(stored_queue, registry, burst=True).run()

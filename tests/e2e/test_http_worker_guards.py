@@ -47,7 +47,7 @@ async def test_an_http_advert_cannot_replace_a_live_python_workers_task(
     start_api: StartApi, settings: Settings
 ) -> None:
     api = await serve(start_api, encryption_keys=KEY)
-    queue = await Queue.connect(settings.replace(encryption_keys=KEY))
+    queue = await Queue.connect(settings.replace(encryption_keys=KEY), catalog=False)
     try:
         await _python_worker_then_http(api, queue)
     finally:

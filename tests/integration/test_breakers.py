@@ -298,7 +298,7 @@ async def test_a_probe_longer_than_the_lease_keeps_its_place(
 ) -> None:
     global probe_may_end
     probe_may_end = asyncio.Event()
-    queue = await Queue.connect(settings.replace(lease_seconds=1.0))
+    queue = await Queue.connect(settings.replace(lease_seconds=1.0), catalog=False)
     try:
         states = await _reset(queue, LONG.name)
         await states.record(LONG, "f", "", "down")

@@ -44,7 +44,7 @@ def test_a_started_cluster_serves_keys_on_every_node_at_once(tmp_path: Path) -> 
 
 
 async def test_shards_really_are_spread_over_nodes(cluster_settings: Settings) -> None:
-    async with await Queue.connect(cluster_settings) as queue:
+    async with await Queue.connect(cluster_settings, catalog=False) as queue:
         nodes = {queue.redis.get_node_from_key(queue.keys.log(s)).port for s in range(16)}  # type: ignore[union-attr]
         assert len(nodes) == 3
 
@@ -52,7 +52,7 @@ async def test_shards_really_are_spread_over_nodes(cluster_settings: Settings) -
 async def test_events_of_every_shard_arrive_subscribed_per_slot(
     cluster_settings: Settings,
 ) -> None:
-    async with await Queue.connect(cluster_settings) as queue:
+    async with await Queue.connect(cluster_settings, catalog=False) as queue:
         channels = [queue.keys.events(s) for s in range(16)]
         # each node serves several of the 16 slots: one SSUBSCRIBE per slot on its connection
         assert isinstance(queue.redis, RedisCluster)
@@ -97,7 +97,7 @@ async def test_fcall_is_routed_by_its_keys_without_asking_a_node(
     round trip before each call); connection.Cluster routes it by its KEYS as EVALSHA is. A
     batch submit over the 16 shards and a claim make no GETKEYS on any node, and each call
     lands on the node that holds its shard."""
-    async with await Queue.connect(cluster_settings) as queue:
+    async with await Queue.connect(cluster_settings, catalog=False) as queue:
         redis: Any = queue.redis
         getkeys, fcalls = (
             await command_calls(redis, "command|getkeys"),

@@ -44,7 +44,7 @@ async def test_racing_claim_calls_split_the_jobs(queue: Queue) -> None:
 
 
 async def test_many_workers_run_each_job_once(settings: Settings) -> None:
-    queues = [await Queue.connect(settings) for _ in range(6)]
+    queues = [await Queue.connect(settings, catalog=False) for _ in range(6)]
     try:
         producer = queues[0]
         subs = await producer.submit_many([JobSpec(type="echo", payload=i) for i in range(600)])
@@ -65,7 +65,7 @@ async def test_many_workers_run_each_job_once(settings: Settings) -> None:
 async def test_concurrent_submits_with_one_idempotency_key_create_one_job(
     settings: Settings,
 ) -> None:
-    queues = [await Queue.connect(settings) for _ in range(4)]
+    queues = [await Queue.connect(settings, catalog=False) for _ in range(4)]
     try:
         results = await asyncio.gather(
             *(

@@ -55,7 +55,7 @@ async def test_two_racing_schedulers_fire_each_slot_once(queue: Queue, settings:
         anchor + 100,
         False,
     )
-    second = await Queue.connect(settings)
+    second = await Queue.connect(settings, catalog=False)
     a, b = Scheduler(queue.store), Scheduler(second.store)
     tasks = [asyncio.create_task(a.run()), asyncio.create_task(b.run())]
     try:
@@ -112,7 +112,7 @@ async def test_killed_scheduler_catches_up_once_after_restart(settings: Settings
     # delay on a loaded machine, so the only missed slots are those of the downtime
     interval, grace = 250, 1000
     settings = settings.replace(cron_misfire_grace_seconds=grace / 1000)
-    queue = await Queue.connect(settings)
+    queue = await Queue.connect(settings, catalog=False)
     try:
         mirror = CronMirror(queue.redis, queue.keys, queue.scripts)
         anchor = now_ms()

@@ -15,7 +15,7 @@ from jobtier.persist.persister import Persister
 async def test_postgres_keeps_the_last_payload_and_every_version(
     pg_settings: Settings, pg_pool: Pool, batch: int
 ) -> None:
-    async with await Queue.connect(pg_settings) as queue:
+    async with await Queue.connect(pg_settings, catalog=False) as queue:
         option = {"key": "k", "seconds": 60}
         first = await queue.submit("echo", {"n": 1}, debounce=option)
         await queue.submit("echo", {"n": 2}, priority="high", debounce=option)

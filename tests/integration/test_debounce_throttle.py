@@ -165,7 +165,7 @@ async def test_a_key_whose_job_ran_and_was_refunded_makes_a_new_job(
 
 
 async def test_racing_debounced_submits_make_one_job(settings: Settings) -> None:
-    queues = [await Queue.connect(settings) for _ in range(4)]
+    queues = [await Queue.connect(settings, catalog=False) for _ in range(4)]
     try:
         option = {"key": "race", "seconds": 60}
         results = await asyncio.gather(
@@ -261,7 +261,7 @@ async def test_throttle_delay_schedules_at_the_next_free_slot(queue: Queue) -> N
 async def test_throttle_delay_refuses_a_slot_further_than_a_run_at_may_be(
     settings: Settings,
 ) -> None:
-    async with await Queue.connect(settings.replace(max_future_seconds=60)) as queue:
+    async with await Queue.connect(settings.replace(max_future_seconds=60), catalog=False) as queue:
         option = {"key": "far", "limit": 1, "period": 50, "on_limit": "delay"}
         now = await queue.submit(digest, 1, throttle=option)
         later = await queue.submit(digest, 2, throttle=option)
@@ -279,7 +279,7 @@ def assert_no_window_over(starts: list[int], limit: int, period: float) -> None:
 
 
 async def test_racing_throttled_submits_never_pass_the_limit(settings: Settings) -> None:
-    queues = [await Queue.connect(settings) for _ in range(4)]
+    queues = [await Queue.connect(settings, catalog=False) for _ in range(4)]
     try:
         refuse = {"key": "r", "limit": 5, "period": 60}
         results = await asyncio.gather(
@@ -335,7 +335,7 @@ async def test_an_encrypted_payload_may_be_throttled_but_not_debounced(
 ) -> None:
     key = "k1:" + base64.b64encode(bytes(range(32))).decode()
     sealed = settings.replace(encryption_keys=key, encrypted_queues="digests")
-    async with await Queue.connect(sealed) as queue:
+    async with await Queue.connect(sealed, catalog=False) as queue:
         with pytest.raises(InvalidRequest) as refused:
             await queue.submit(digest, {"card": 1}, debounce={"key": "k", "seconds": 5})
         assert refused.value.field == "debounce"

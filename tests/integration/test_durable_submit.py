@@ -153,7 +153,7 @@ SHORT_MS = 300  # a WAIT expected to time out (the replica frozen or cut off)
 
 @pytest.fixture
 async def sq(sentinel_settings: Settings) -> Any:
-    queue = await Queue.connect(sentinel_settings.replace(require_known_types=False))
+    queue = await Queue.connect(sentinel_settings.replace(require_known_types=False), catalog=False)
     yield queue
     await queue.close()
 
@@ -226,7 +226,7 @@ async def test_an_in_process_queue_honours_the_setting(
         require_known_types=False, submit_replicas=1, submit_replicas_timeout_ms=CONFIRM_MS
     )  # the frozen replica's calls wait it out: long enough for the others on a busy machine
     _, replica = pair(sentinels)
-    async with await Queue.connect(settings) as queue:
+    async with await Queue.connect(settings, catalog=False) as queue:
         first = await queue.submit("echo", "a", idempotency_key="in-process-a")
         assert first.created
         with stopped(replica):
@@ -430,7 +430,7 @@ async def test_a_batchs_idempotency_key_is_confirmed_on_its_own_node(
     none of the batch's writes (whose WAITs then do not cover it): the key gets its own WAIT.
     With that node's replica frozen, the durable submit counts 0 replicas: a 503."""
     settings = Settings.from_env({}, **cluster_overrides(failover_cluster))
-    async with await Queue.connect(settings) as queue:
+    async with await Queue.connect(settings, catalog=False) as queue:
         store = queue.store
         master = failover_cluster.masters()[0]
         (key,) = keys_on(failover_cluster, queue.keys, master, "batch-key", 1)

@@ -383,7 +383,7 @@ async def test_encryption_is_refused_where_it_cannot_hold(
     settings: Settings, crypt_queue: Queue, crypt_api: ApiServer
 ) -> None:
     # a worker with an encrypt=True task and no keys does not start
-    plain = await Queue.connect(settings)
+    plain = await Queue.connect(settings, catalog=False)
     try:
         with pytest.raises(ConfigError, match="secret_echo encrypts"):
             worker_for(plain, registry)

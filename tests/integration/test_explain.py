@@ -44,7 +44,7 @@ async def send(ctx: JobContext, payload: Any) -> str:
 @pytest.fixture
 async def one(settings: Settings) -> AsyncIterator[Queue]:
     """A deployment of one shard: every job in the same lines, so positions are exact."""
-    q = await Queue.connect(settings.replace(shards=1))
+    q = await Queue.connect(settings.replace(shards=1), catalog=False)
     gates["send"] = asyncio.Event()
     yield q
     gates["send"].set()

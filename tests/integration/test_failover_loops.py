@@ -162,7 +162,7 @@ async def test_a_worker_says_it_is_alive_and_keeps_progress_while_a_master_is_do
     global GATE
     GATE = Gate()
     settings = failover_settings(failover_cluster, lease_seconds=3.0)
-    async with await Queue.connect(settings) as queue:
+    async with await Queue.connect(settings, catalog=False) as queue:
         jobs = {
             shard: (await queue.submit(reports, None, idempotency_key=key_on(queue, shard, "r")))
             for shard in range(SHARDS)

@@ -371,7 +371,7 @@ async def test_a_worker_beats_for_the_jobs_of_the_masters_that_are_up(
     but the beat failed: their replies were dropped until the promotion.)"""
     caplog.set_level(logging.INFO, logger="jobtier.worker")
     settings = failover_settings(failover_cluster, lease_seconds=3.0)
-    queue = await Queue.connect(settings)
+    queue = await Queue.connect(settings, catalog=False)
     try:
         keys = queue.keys
         jobs = await held_jobs(queue)

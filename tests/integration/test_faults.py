@@ -449,7 +449,9 @@ async def test_a_worker_sends_a_claim_round_whose_replies_were_lost_again(
     back, and gets the job the lost round leased, rather than leaving it leased to nobody
     until its lease expires (an attempt lost; a task without retries failed)."""
     caplog.set_level(logging.WARNING, logger="jobtier.worker")
-    producer = await Queue.connect(settings.replace(redis_url=as_jobtier(redis_server.url)))
+    producer = await Queue.connect(
+        settings.replace(redis_url=as_jobtier(redis_server.url)), catalog=False
+    )
     dropper = ReplyDropper(redis_server.port)
     url = as_jobtier(await dropper.start())
     queue = await Queue.connect(settings.replace(redis_url=url, lease_seconds=60.0), registry)

@@ -46,7 +46,9 @@ async def test_an_http_claim_whose_reply_was_lost_answers_the_jobs_it_leased(
     nobody = socket.socket()
     try:
         nobody.bind(("127.0.0.1", 0))
-        queue = await Queue.connect(settings.replace(redis_url=server.url, lease_seconds=60.0))
+        queue = await Queue.connect(
+            settings.replace(redis_url=server.url, lease_seconds=60.0), catalog=False
+        )
         try:
             subs = await queue.submit_many([JobSpec(type="echo", payload=i) for i in range(20)])
             trips = lose_a_claims_reply_then_refuse_writes(

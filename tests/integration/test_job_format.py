@@ -192,7 +192,7 @@ async def test_a_process_refuses_a_deployment_it_cannot_read(
         await to_old_ready_list(queue, job_id)
         problem = "shard 1: ready lists from before named queues"
     with pytest.raises(ConfigError) as refused:
-        await Queue.connect(settings)
+        await Queue.connect(settings, catalog=False)
     message = str(refused.value)
     assert problem in message and "`jobtier job-format --upgrade`" in message, message
     assert "shard 0" not in message and "shards" not in message, message
@@ -204,7 +204,7 @@ async def test_a_process_refuses_a_deployment_it_cannot_read(
     if held_by == "no mark":
         assert (await marks(queue))[0] == b"3"
     await job_format.upgrade(queue.redis, keys)
-    await (await Queue.connect(settings)).close()  # readable once upgraded
+    await (await Queue.connect(settings, catalog=False)).close()  # readable once upgraded
     assert await queue.redis.exists(keys.format_done(1))
 
 
@@ -217,7 +217,7 @@ async def test_a_log_that_cannot_be_read_is_not_taken_for_a_new_redis(
     await queue.redis.delete(keys.job_format(2), keys.format_done(2))
     await queue.redis.set(keys.log(2), "not a stream")
     with pytest.raises(Exception, match="WRONGTYPE"):
-        await Queue.connect(settings)
+        await Queue.connect(settings, catalog=False)
     assert (await marks(queue))[2] is None
 
 
@@ -288,7 +288,7 @@ async def test_jobs_in_every_state_carry_on_after_the_upgrade(
     assert b'"result_url":"/v1/jobs/' in docs[stored_unflagged]
     assert b'"dependencies":{"total":1' in docs[waiting]
     with pytest.raises(ConfigError, match="jobtier job-format --upgrade"):
-        await Queue.connect(settings)
+        await Queue.connect(settings, catalog=False)
 
     upgraded = await job_format.upgrade(queue.redis, keys)
     assert upgraded == job_format.Upgraded(len(ids), 0, 1, 0, keys.shards)
@@ -308,7 +308,7 @@ async def test_jobs_in_every_state_carry_on_after_the_upgrade(
         0, 0, 0, 0, keys.shards
     )
     assert {i: await held(queue, i) for i in ids} == before
-    other = await Queue.connect(settings)  # and processes start
+    other = await Queue.connect(settings, catalog=False)  # and processes start
     await other.close()
 
     # running: completes with the lease it was given before the upgrade

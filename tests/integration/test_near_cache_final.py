@@ -151,7 +151,7 @@ async def test_a_redis_restart_empties_the_cache(redis_to_kill: LocalRedis) -> N
     after the restart is served, not the cached terminal document. Nothing is reloaded by
     the test: the scripts the restart dropped are loaded again by the calls that need them."""
     settings = Settings.from_env({}, redis_url=redis_to_kill.url, shards=4, lease_seconds=5.0)
-    async with await Queue.connect(settings) as queue:
+    async with await Queue.connect(settings, catalog=False) as queue:
         reader = StatusReader(queue.redis, queue.keys, ttl=2.0, final_ttl=3600.0, clock=Clock())
         subscriber = reader.subscription("test-restart")
         await subscriber.start()

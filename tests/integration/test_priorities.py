@@ -11,7 +11,7 @@ from jobtier.engine.queue import Queue
 
 
 async def one_shard_queue(settings: Settings) -> Queue:
-    return await Queue.connect(settings.replace(shards=1))
+    return await Queue.connect(settings.replace(shards=1), catalog=False)
 
 
 async def claim_all(queue: Queue, batch: int) -> list[str]:

@@ -342,7 +342,7 @@ async def test_a_redis_that_lost_its_data_gets_every_live_job_back_and_its_marks
         # the running processes write on (a log entry: the shard held jobs), and a process
         # starting now reads them, marked again ('format 1' before, and it stopped)
         await q.submit("echo", "after")
-        await (await Queue.connect(pg_settings)).close()
+        await (await Queue.connect(pg_settings, catalog=False)).close()
 
 
 async def test_jobtier_reconcile_puts_back_the_live_jobs_of_the_shards_that_lost_their_data(

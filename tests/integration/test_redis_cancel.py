@@ -66,7 +66,7 @@ async def test_a_deadline_ends_plain_commands_and_pipelines(client: RedisClient)
 
 
 async def test_a_deadline_ends_status_reads(settings: Settings) -> None:
-    queue = await Queue.connect(settings)
+    queue = await Queue.connect(settings, catalog=False)
     try:
         (sub,) = await queue.submit_many([JobSpec(type="echo", payload=1)])
         assert await deadlines_seen(lambda: queue.status(sub.job_id)) == (ROUNDS, 0)

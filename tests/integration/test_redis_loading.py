@@ -197,7 +197,7 @@ async def test_a_process_starting_while_redis_loads_waits_for_it(
     assert await loading(redis)
     # until the load ends, Redis says its AOF is off: start-up must not take that at its word
     assert (await redis.info("persistence"))["aof_enabled"] == 0
-    connecting = asyncio.create_task(Queue.connect(settings))
+    connecting = asyncio.create_task(Queue.connect(settings, catalog=False))
     await wait_for(lambda: _true("event=redis_loading" in caplog.text), timeout=60)
     assert await loading(redis), "Redis finished loading before the check: load more"
     assert not connecting.done()
@@ -215,7 +215,7 @@ async def test_a_process_starting_while_redis_restarts_waits_for_it(
     """Redis down as a process starts (a restart of both at once): start-up waits for it a
     while, one line per try, instead of exiting with "cannot reach Redis"."""
     slow_redis.stop()
-    connecting = asyncio.create_task(Queue.connect(settings))
+    connecting = asyncio.create_task(Queue.connect(settings, catalog=False))
     await wait_for(lambda: _true("event=redis_unreachable" in caplog.text), timeout=60)
     assert not connecting.done()
     slow_redis.server.start()

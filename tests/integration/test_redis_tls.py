@@ -86,7 +86,7 @@ def _recorder(versions: list[int]) -> Listener:
 async def a_job_runs_and_is_heard(settings: Settings, reader: StatusReader, jobs: int = 1) -> None:
     """``jobs`` jobs submitted, run and succeeded through ``settings``' Redis; ``reader`` hears
     each one's claim and success through its subscription, as they are made."""
-    async with await Queue.connect(settings) as queue:
+    async with await Queue.connect(settings, catalog=False) as queue:
         background = Background()  # stopped before the queue's client closes: the worker uses it
         try:
             heard: dict[str, list[int]] = {}

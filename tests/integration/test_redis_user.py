@@ -84,7 +84,7 @@ async def test_a_process_refused_its_credentials_stops_at_once_saying_so(
             redis_url=bare.redis_url.replace("redis://", f"redis://{JOBTIER_USER}:{password}@", 1)
         )
     with pytest.raises(ConfigError, match="refused jobtier's credentials") as refused:
-        await Queue.connect(bare)
+        await Queue.connect(bare, catalog=False)
     message = str(refused.value)
     assert "JOBTIER_REDIS_URL" in message
     if password:

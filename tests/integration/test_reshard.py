@@ -50,7 +50,7 @@ async def queue(cluster: LocalCluster) -> AsyncIterator[Queue]:
     settings = Settings.from_env(
         {}, redis_url=cluster.url, redis_cluster=True, shards=16, lease_seconds=5.0
     )
-    q = await Queue.connect(settings)
+    q = await Queue.connect(settings, catalog=False)
     try:
         yield q
     finally:

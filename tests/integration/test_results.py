@@ -44,7 +44,7 @@ def store_settings(pg_settings: Settings) -> Settings:
 @pytest.fixture
 async def store_queue(store_settings: Settings) -> AsyncIterator[Queue]:
     results = await PostgresResultStore.connect(store_settings.database_url)
-    q = await Queue.connect(store_settings, results=results)
+    q = await Queue.connect(store_settings, results=results, catalog=False)
     yield q
     await q.close()
     await results.close()
@@ -128,7 +128,7 @@ async def test_a_dependent_task_reads_a_stored_result_with_ctx_result(
     big = (await q.submit("big_result", ROWS)).job_id
     small = (await q.submit("echo", [1])).job_id
     await worker_for(q, registry, burst=True).run()
-    plain = await Queue.connect(store_settings.replace(result_store=""))
+    plain = await Queue.connect(store_settings.replace(result_store=""), catalog=False)
     try:
         for runner in (plain, q):  # a worker without a result store of its own, then with one
             dependent = (await q.submit("read_results", None, depends_on=[small, big])).job_id
@@ -170,14 +170,14 @@ async def test_a_queue_reads_stored_results_through_the_store_it_was_given(
     await worker_for(store_queue, registry, burst=True).run()
     held = cast(bytes | None, await store_queue.redis.hget(store_queue.keys.job(big), "result"))
     assert held is not None and held.startswith(b"@")
-    reader = await Queue.connect(store_settings, results=PostgresResultStore(pool))
+    reader = await Queue.connect(store_settings, results=PostgresResultStore(pool), catalog=False)
     try:
         status, result = await reader.result(big)
         assert status.state == "succeeded" and result == BIG
         assert await reader.jobs.stored_result("pg:01JNOSUCHJOB000000000000000-0:1") is None
     finally:
         await reader.close()
-    without = await Queue.connect(store_settings)
+    without = await Queue.connect(store_settings, catalog=False)
     try:
         with pytest.raises(ConfigError, match="results=PostgresResultStore"):
             await without.result(big)
@@ -232,7 +232,7 @@ async def test_a_result_waits_for_its_store_while_postgres_is_away(
         database_url=pg_to_stop.dsn, result_store="postgres", result_store_threshold_bytes=THRESHOLD
     )
     results = await PostgresResultStore.connect(settings.database_url)
-    q = await Queue.connect(settings, results=results)
+    q = await Queue.connect(settings, results=results, catalog=False)
     try:
         await asyncio.to_thread(pg_to_stop.stop, "immediate")
         job = (await q.submit("big_result", 50, max_attempts=1)).job_id
@@ -258,7 +258,7 @@ async def test_a_silent_result_store_is_waited_for_no_longer_than_the_patience(
         database_url=pg_to_stop.dsn, result_store="postgres", result_store_threshold_bytes=THRESHOLD
     )
     results = await PostgresResultStore.connect(settings.database_url)
-    q = await Queue.connect(settings, results=results)
+    q = await Queue.connect(settings, results=results, catalog=False)
     await results.pool.fetchval("SELECT 1")  # a connection in the pool: the put takes it
     silent = postgres_processes(pg_to_stop)
     try:
@@ -293,7 +293,7 @@ async def test_show_while_postgres_is_away_marks_a_stored_result_unavailable(
         result_store_threshold_bytes=s.result_store_threshold_bytes,
     )  # fmt: skip
     results = await PostgresResultStore.connect(s.database_url)
-    q = await Queue.connect(s, results=results)
+    q = await Queue.connect(s, results=results, catalog=False)
     try:
         job = (await q.submit("big_result", 50, tenant="acme")).job_id
         await worker_for(q, registry, burst=True).run()

@@ -25,7 +25,7 @@ async def test_a_claim_leased_shorter_than_the_schedulers_lease_is_reclaimed_soo
     """A worker run with a 1 s lease claims a job and is never heard of again, beside a
     scheduler whose own lease is two minutes: the job is back in its queue within seconds of
     its lease's end, not when a lease of the scheduler's would have ended."""
-    queue = await Queue.connect(settings.replace(lease_seconds=120))
+    queue = await Queue.connect(settings.replace(lease_seconds=120), catalog=False)
     try:
         job = await queue.submit(leased_briefly, None)
         shard = queue.keys.shard_of(job.job_id)

@@ -80,7 +80,7 @@ class JobMachine(RuleBasedStateMachine):
         # one shard: which shard a (random) job id lands on must not change between the
         # runs hypothesis replays
         s = self.base.replace(shards=1)
-        self.queue = self.loop.run_until_complete(Queue.connect(s))
+        self.queue = self.loop.run_until_complete(Queue.connect(s, catalog=False))
         self.run(_flushall(self.base))
         # a new Redis again: marked as connecting marks one (the next example's connect
         # would refuse an unmarked shard whose log had entries)

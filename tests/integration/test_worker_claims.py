@@ -442,7 +442,7 @@ async def test_a_claim_whose_reply_was_lost_is_not_sent_again_by_the_client_libr
         # a lease long enough that the kept claim outlives the READONLY spell however slow
         # the machine (it is kept for half a lease)
         s = settings.replace(redis_url=server.url, lease_seconds=60.0)
-        queue = await Queue.connect(s)
+        queue = await Queue.connect(s, catalog=False)
         try:
             await _lose_a_claims_reply_then_refuse_writes(
                 queue, server, nobody.getsockname()[1], monkeypatch

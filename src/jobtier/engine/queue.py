@@ -20,6 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 from jobtier.config import Settings
 from jobtier.core.model import TaskLookup
 from jobtier.engine.batching import BatchControl
+from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.control import JobControl, ResultReader
 from jobtier.engine.explain import Explainer
 from jobtier.engine.produce import Producer, Registrar
@@ -38,6 +39,10 @@ class Queue:
 
     >>> async with await Queue.connect(Settings.from_env()) as queue:
     ...     job = await queue.submit("resize", {"image": "a.png"}, priority="high")
+
+    Submitted by its name, a job gets its task's queue, attempts, payload check and
+    compensation from ``tasks``: by default (``connect``) the workers' catalogue, as the
+    API's submits do.
     """
 
     def __init__(
@@ -50,15 +55,16 @@ class Queue:
         callbacks: Registrar | None = None,
     ) -> None:
         """``tasks``: where submits find a task's queue, attempts and payload check (with
-        ``require_known``, a type it does not know is refused); ``results`` reads results
-        kept outside Redis; ``callbacks`` writes jobs' own webhooks (without: such a job is
-        refused)."""
+        ``require_known``, a type it does not know is refused; without ``tasks``, nothing is
+        looked up); ``results`` reads results kept outside Redis; ``callbacks`` writes jobs'
+        own webhooks (without: such a job is refused). A ``TaskCatalog`` given as ``tasks``
+        is the caller's to start and stop, unless ``connect`` made it."""
         self.store = store
         self.settings = store.settings
         self.redis = store.redis
         self.keys = store.keys
         self.scripts = store.scripts
-        self.close = store.close
+        self._catalog: TaskCatalog | None = None  # made by connect: stopped by close
         self.produce = Producer(store, tasks, require_known, callbacks)
         self.jobs = JobControl(store, results)
         self.admin = QueueAdmin(store)
@@ -81,13 +87,51 @@ class Queue:
         tasks: TaskLookup | None = None,
         *,
         check: bool = True,
-        require_known: bool = True,
+        catalog: bool = True,
+        require_known: bool | None = None,
         results: ResultReader | None = None,
         callbacks: Registrar | None = None,
     ) -> Queue:
-        """Connect to the deployment's Redis (``Store.connect``); ``close`` closes it."""
+        """Connect to the deployment's Redis (``Store.connect``); ``close`` closes it.
+
+        ``tasks``: a ``TaskRegistry`` of the tasks this process imports. Without it (and
+        unless ``catalog=False``), the workers' catalogue: what every live worker, Python or
+        HTTP, advertises of its tasks, read at once and refreshed as the API refreshes its
+        own (engine/catalog.py). ``require_known``: refuse a type they do not know
+        (``UnknownTask``); by default yes with a registry, and as
+        ``JOBTIER_REQUIRE_KNOWN_TYPES`` says with the catalogue. With ``catalog=False`` and
+        no registry nothing is looked up: a job's queue and attempts are those its submit
+        names, else ``default`` and ``JOBTIER_DEFAULT_MAX_ATTEMPTS``."""
         store = await Store.connect(settings, check=check)
-        return cls(store, tasks, require_known=require_known, results=results, callbacks=callbacks)
+        made: TaskCatalog | None = None
+        if tasks is None and catalog:
+            made = TaskCatalog(store.redis, store.keys, ttl=settings.task_catalog_ttl)
+            try:
+                await made.load()
+            except BaseException:
+                await store.close()
+                raise
+            tasks = made
+            if require_known is None:
+                require_known = settings.require_known_types
+        queue = cls(
+            store,
+            tasks,
+            require_known=True if require_known is None else require_known,
+            results=results,
+            callbacks=callbacks,
+        )
+        if made is not None:
+            made.start()
+            queue._catalog = made
+        return queue
+
+    async def close(self) -> None:
+        """Stop the catalogue ``connect`` made, and close the Store."""
+        if self._catalog is not None:
+            await self._catalog.stop()
+            self._catalog = None
+        await self.store.close()
 
     def _replicated(
         self, call: Callable[P, Coroutine[Any, Any, T]]
