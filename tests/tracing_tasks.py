@@ -7,6 +7,7 @@ from typing import Any
 
 from opentelemetry import trace
 
+from jobtier.core.errors import RateLimited
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 
@@ -32,4 +33,15 @@ async def traced_fail(ctx: JobContext, payload: Any) -> None:
     raise ValueError(f"boom on attempt {ctx.attempt}")
 
 
-registry = TaskRegistry([traced, traced_sync, traced_fail])
+_held_once: set[str] = set()
+
+
+@task(retries=0)
+async def traced_held(ctx: JobContext, payload: Any) -> None:
+    """Told to slow down on its first attempt (given back uncounted), then done."""
+    if ctx.job.id not in _held_once:
+        _held_once.add(ctx.job.id)
+        raise RateLimited("429 from partner", retry_after=0.05)
+
+
+registry = TaskRegistry([traced, traced_sync, traced_fail, traced_held])

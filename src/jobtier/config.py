@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from jobtier.config_bounds import bound_problems
 from jobtier.core.errors import ConfigError
 from jobtier.core.sealing import Keyring, settings_problems
 
@@ -443,8 +445,6 @@ class Settings:
             problems.append(
                 "JOBTIER_SHED_PRIORITIES must name priorities among critical, high, normal, low"
             )
-        if self.persist_hold_seconds < 0:
-            problems.append("JOBTIER_PERSIST_HOLD_SECONDS must be 0 (no hold) or more")
         if self.prune_interval_seconds < 1:
             problems.append("JOBTIER_PRUNE_INTERVAL_SECONDS must be at least 1")
         try:
@@ -472,6 +472,7 @@ class Settings:
             problems.append(str(exc))
             tenants = {}
         problems.extend(self._worker_key_problems(tenants))
+        problems.extend(bound_problems(self))
         problems.extend(
             settings_problems(
                 self.encryption_keys, self.decryption_keys, self.encrypted_queue_names()
@@ -545,24 +546,24 @@ class Settings:
         return delays
 
     def public(self) -> dict[str, Any]:
-        """The values in effect, with secrets masked (for logs and `jobtier config`): the
-        Redis URL's password too (the rest of the URL says where jobtier connects)."""
+        """The values in effect, secrets masked (for logs and `jobtier config`): of the URLs,
+        the passwords only (the rest says where jobtier connects)."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             out[f.name] = "***" if f.metadata.get("secret") and value else value
-        out["redis_url"] = masked_url(self.redis_url)
+        out["redis_url"], out["database_url"] = map(masked_url, (self.redis_url, self.database_url))
         return out
 
 
 def masked_url(url: str) -> str:
-    """``url`` with its password, if it has one, shown as ``***`` (for logs and messages)."""
+    """``url`` with its password (in its user part, or a DSN's ``password=``) as ``***``."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    query = re.sub(r"(?i)(^|&)((ssl)?password)=[^&]*", r"\1\2=***", parts.query)
+    if parts.password is None:  # (rebuilt only if changed: unix:/// would read unix:/)
+        return url if query == parts.query else urlunsplit(parts._replace(query=query))
+    user, host = parts.username or "", parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}", query=query))
 
 
 def env_name(f: dataclasses.Field[Any]) -> str:

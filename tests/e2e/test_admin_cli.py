@@ -246,6 +246,30 @@ async def test_queues_list_pause_resume_limit(pg_api: ApiServer, queue: Queue) -
     assert code == 0 and out.startswith("defualt: paused (no job, limit or task had named")
     assert (await cli.json("queues", "pause", "defualt", key=ADMIN))["known"] is True
 
+    # a block (a task's RateLimited) shows in the list; unblock says what it lifted
+    until = await queue.admin.block("default", 600) / 1000
+    code, out, _ = await cli("queues", key=ADMIN)
+    header, *rows = out.splitlines()
+    assert "BLOCKED" in header.split()
+    (blocked,) = [r for r in rows if r.split()[0] == "default"]
+    held = datetime.fromtimestamp(until, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    assert f"until {held}" in blocked, out
+    code, out, _ = await cli("queues", "unblock", "default", key=ADMIN)
+    assert code == 0 and out.strip() == f"default: unblocked (it was held until {held})", out
+    code, out, _ = await cli("queues", "unblock", "default", key=ADMIN)
+    assert code == 0 and out.strip() == "default: was not blocked (nothing changed)", out
+    again = await cli.json("queues", "unblock", "default", key=ADMIN)
+    assert again == {"queue": "default", "blocked_until": None}
+
+    # purge: asks for --yes, then cancels the ready job, and says how many
+    code, _, err = await cli("queues", "purge", "default", key=ADMIN)
+    assert code == 2 and "give --yes" in err, err
+    assert (await queue.admin.stats())["queues"]["default"]["queued"]["normal"] == 1
+    code, out, _ = await cli("queues", "purge", "default", "--yes", key=ADMIN)
+    assert code == 0 and out.strip() == "default: purged, 1 job cancelled", out
+    purged = await cli.json("queues", "purge", "default", "--yes", key=ADMIN)
+    assert purged == {"queue": "default", "cancelled": 0, "remaining": 0}
+
 
 async def test_the_async_client_does_the_same(
     pg_api: ApiServer, queue: Queue, persister: Persister

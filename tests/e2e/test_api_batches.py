@@ -5,6 +5,7 @@ delivered once every child has finished (real Postgres, dispatcher and receiver)
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Callable
 
 import pytest
@@ -72,6 +73,11 @@ async def test_a_batch_over_http(api: ApiServer, queue: Queue) -> None:
         # an unknown member at the top: named in field too (msgspec names it in its message)
         ({"type": "echo", "items": [1], "extra": 1}, 422, "extra"),
         ({"type": "echo", "items": list(range(100_001))}, 413, "items"),
+        # a typed task (thumbnail: url required): the item named, the first as any other
+        ({"type": "thumbnail", "items": [{"width": 3}, {"url": "b"}]}, 422, "items"),
+        ({"type": "thumbnail", "items": [{"url": "a"}, {"width": 3}]}, 422, "items"),
+        # chunk_size makes every child's payload {offset, items}, which it cannot take
+        ({"type": "thumbnail", "items": [{"url": "a"}], "chunk_size": 1}, 422, "chunk_size"),
     ],
 )
 async def test_a_bad_batch_is_refused_naming_the_member(
@@ -82,6 +88,12 @@ async def test_a_bad_batch_is_refused_naming_the_member(
     assert r.status_code == status, r.text
     assert r.json().get("field") == field, r.text
     assert field is not None or "`extra`" in r.json()["detail"]
+    if body["type"] == "thumbnail":  # said of what was sent
+        detail = r.json()["detail"]
+        if field == "items":
+            assert re.match(r"items\[[01]\]: payload\.url: required", detail), detail
+        else:
+            assert '"offset"' in detail and "leave chunk_size out" in detail, detail
     assert [k async for k in queue.redis.scan_iter(match="*batch:*")] == []
     assert (await queue.admin.stats())["total"]["queued"] == 0
 

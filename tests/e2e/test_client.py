@@ -174,6 +174,19 @@ async def test_submit_timing_and_attempts(api: ApiServer) -> None:
         assert info.value.field == "run_at" and info.value.status == 422
 
 
+async def test_submit_a_task_itself(api: ApiServer) -> None:
+    echo = registry.get("echo")
+    assert echo is not None
+    async with client(api) as c:
+        made = await c.submit(echo, {"by": "the task"})  # sent by its name
+        assert made.job.type == "echo" and made.created
+        with pytest.raises(TypeError, match="type must be a task's name or a jobtier task"):
+            await c.submit(print, 1)  # type: ignore[arg-type]
+    with Client(api.url, KEYS["acme"]) as sync:  # the sync mirror, in a thread
+        made = await asyncio.to_thread(sync.submit, echo, 2)
+    assert made.job.type == "echo"
+
+
 async def test_submit_many(api: ApiServer) -> None:
     async with client(api) as c:
         original = await c.submit("echo", "x", idempotency_key="dup")

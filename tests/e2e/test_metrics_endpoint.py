@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from jobtier.engine.queue import Queue
 from jobtier.metrics.snapshot import MetricsPublisher
+from jobtier.scheduler import Scheduler
 from tests.fixtures.api import ApiServer
 from tests.fixtures.engine import worker_for
 from tests.tasks import registry
@@ -23,6 +24,8 @@ async def test_metrics_show_workers_api_and_queue_gauges(api: ApiServer, queue: 
         worker = worker_for(queue, registry, burst=True)
         await worker.run()
         await MetricsPublisher(queue.redis, queue.keys, "worker", [worker]).publish()
+        scheduler = Scheduler(queue.store)
+        await MetricsPublisher(queue.redis, queue.keys, "scheduler", [scheduler]).publish()
         await c.post("/v1/jobs", json={"type": "echo", "priority": "low"})  # left waiting
         r = await admin.get("/metrics")
         # a queue held back (a task's RateLimited): the seconds left of its block
@@ -45,6 +48,10 @@ async def test_metrics_show_workers_api_and_queue_gauges(api: ApiServer, queue: 
     assert waits[0].value == 6
     # the burst worker has finished and signed off: no live worker is left
     assert [s.value for s in families["jobtier_workers"].samples] == [0.0]
+    # every series says what it counts: no HELP is only the metric's own name
+    assert "jobtier_scheduler_promoted" in families
+    bare = [f.name for f in families.values() if " " not in f.documentation]
+    assert bare == [], bare
     assert gauge(r.text, "jobtier_queue_blocked_seconds") == {"default": 0.0}
     left = gauge(blocked.text, "jobtier_queue_blocked_seconds")["default"]
     assert 600 - (after - before) - 1 <= left <= 600, left  # (Redis's clock against ours: 1 s)

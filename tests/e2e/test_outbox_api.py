@@ -71,6 +71,12 @@ async def test_status_reads_of_outbox_jobs(
             None,
         )
         assert (await c.get(f"/v1/jobs/{gone}/result")).status_code == 404
+        # why it has not started: the relay has not taken it (not "Redis lost it")
+        r = await c.get(f"/v1/jobs/{job_id}/explain")
+        assert r.status_code == 200, r.text
+        (why,) = r.json()["reasons"]
+        assert why["code"] == "not_relayed" and "reconcile" not in why["message"], why
+        assert "outbox relay has not made it a job yet" in why["message"], why
 
         assert await relay.drain() == 2
 
@@ -151,6 +157,7 @@ async def test_a_cancel_of_a_job_still_in_the_outbox_says_so(
         assert r.status_code == 409 and r.headers["retry-after"] == "1", r.text
         assert r.json()["type"] == "urn:jobtier:problem:not-relayed-yet", r.text
         assert "still in the outbox" in r.json()["detail"], r.text
+        assert "explain says which" in r.json()["detail"], r.text  # what it may wait for
         assert r.json()["job"]["state"] == "submitted"
         r = await c.post(f"/v1/jobs/{job_id}/retry")  # not failed, and not to be once relayed
         assert r.status_code == 409 and "retry-after" not in r.headers, r.text

@@ -120,6 +120,22 @@ async def test_a_failed_attempt_is_an_exception_event_and_an_error(
     assert (replayed.attributes or {})["jobtier.job.attempt"] == 1
 
 
+async def test_a_held_attempt_is_not_an_error(
+    queue: Queue, background: Background, traced: Traced
+) -> None:
+    job = await queue.submit("traced_held")  # retries=0: a failure would end it
+    background.start(worker_for(queue, tracing_tasks.registry))
+    background.start(Scheduler(queue.store))  # its next run is scheduled
+    assert await finished(queue, job.job_id) is State.SUCCEEDED
+    held, done = await attempts(traced, job.job_id, 2)
+    attrs = dict(held.attributes or {})
+    # given back uncounted, as jobtier_jobs_held_total counts it: no error, no exception
+    assert (attrs["jobtier.outcome"], attrs["jobtier.held.by"]) == ("held", "RateLimited")
+    assert attrs["jobtier.job.attempt"] == 1 and "jobtier.error.type" not in attrs
+    assert held.status.status_code is StatusCode.UNSET and not held.events
+    assert (done.attributes or {})["jobtier.outcome"] == "succeeded"
+
+
 async def test_a_compensation_runs_in_the_trace_of_the_job_it_compensates(
     queue: Queue, background: Background, traced: Traced
 ) -> None:

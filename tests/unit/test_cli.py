@@ -243,6 +243,14 @@ def test_run_banner_says_how_to_get_the_command(
     assert "WORKER_KEY" not in err  # no worker key set: none to show
     stack._welcome(settings.replace(worker_keys="wk-1,wk-2"))
     assert "WORKER_KEY=wk-1 node examples/node-worker/worker.mjs" in capsys.readouterr().err
+    # the demo's first job, with the demo tasks; with tasks of your own (--tasks), one of them
+    assert """-d '{"type": "sleep", "payload": {"seconds": 3}}'""" in err
+    assert """jobtier.submit('sleep', '{"seconds": 3}', tenant => 'acme')""" in err
+    stack._welcome(settings, ["send_receipt", "notify"])
+    mine = capsys.readouterr().err
+    assert """-d '{"type": "send_receipt", "payload": null}'""" in mine and "sleep" not in mine
+    assert "jobtier.submit('send_receipt', 'null', tenant => 'acme')" in mine
+    assert "the worker runs: send_receipt, notify" in mine
 
     # on PATH already: nothing to say
     monkeypatch.setenv("PATH", str(bin_dir))

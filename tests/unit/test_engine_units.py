@@ -254,6 +254,13 @@ def test_settings_from_environment() -> None:
     keys = Settings.from_env({"JOBTIER_API_KEYS": "k1:acme, k2:globex"}).tenant_keys()
     assert keys == {"k1": "acme", "k2": "globex"}
     assert Settings.from_env({"JOBTIER_API_KEYS": "k1:acme"}).public()["api_keys"] == "***"
+    # of the URLs, the passwords only: where jobtier connects stays readable
+    urls = Settings.from_env({
+        "JOBTIER_DATABASE_URL": "postgresql://app:pw@db.internal:5432/jobs?password=pw2",
+        "JOBTIER_REDIS_URL": "redis://:pw3@cache:6379/0",
+    }).public()  # fmt: skip
+    assert urls["database_url"] == "postgresql://app:***@db.internal:5432/jobs?password=***"
+    assert urls["redis_url"] == "redis://:***@cache:6379/0"
     assert len(settings_table()) == len(Settings.__dataclass_fields__)
 
 

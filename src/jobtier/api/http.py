@@ -127,7 +127,9 @@ async def outbox_transition(
     detail = f"job {job_id} is still in the outbox: the relay has not taken it into Redis yet"
     if once_relayed:
         detail += (
-            " (it does within a second while a persister runs its relay): send this again then"
+            " (it does within a second while a persister runs its relay, unless it waits for "
+            "a worker of its type, up to 10 minutes, or for a job it depends on: "
+            "GET /v1/jobs/{id}/explain says which): send this again then"
         )
     else:
         detail += ", and it has not run"

@@ -38,6 +38,15 @@ async def _answer(request: Request, tenant: str | None) -> Response:
     if state in ("succeeded", "failed", "cancelled"):
         message = f"it is not waiting: it has finished ({state}), and only Postgres keeps it now"
         reason = Reason(ReasonCode.NOT_WAITING, message)
+    elif state == "submitted":  # an outbox row (jobtier.submit), its transaction committed
+        message = (
+            "it was submitted with SQL and the outbox relay has not made it a job yet: a "
+            "persister's relay takes it within a second, unless no worker has advertised its "
+            "type yet (it waits up to 10 minutes for one: the persister logs "
+            "event=outbox_job_waiting) or a job it depends on is not relayed yet; with no "
+            "persister running, nothing relays it"
+        )
+        reason = Reason(ReasonCode.NOT_RELAYED, message, queue=_queue_of(found[1]))
     else:  # Redis lost it (a restart without its data, a failover): nothing will move it
         message = (
             f"Redis does not hold it, though Postgres has it {state}: Redis lost it (a "

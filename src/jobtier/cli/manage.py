@@ -105,6 +105,11 @@ def short_time(value: str | datetime | None) -> str:
     return text.replace("+00:00", "Z")[:19].replace("T", " ")
 
 
+def clock(unix: float) -> str:
+    """A Unix time as the tables show times (UTC)."""
+    return short_time(datetime.fromtimestamp(unix, UTC))
+
+
 def clip(text: str, width: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 1] + "…"
@@ -186,13 +191,16 @@ def queue_row(q: QueueInfo) -> list[object]:
     age = q.oldest_queued_age_seconds
     oldest = "-" if age is None else f"{age:.1f}s"
     paused = "yes" if q.paused else "no"
+    blocked = "-" if q.blocked_until is None else f"until {clock(q.blocked_until)}"
     limits = ", ".join(parts) or "-"
-    return [q.name, q.queued_total, q.running, q.parked, oldest, q.workers, paused, limits]
+    return [q.name, q.queued_total, q.running, q.parked, oldest, q.workers, paused, blocked, limits]
 
 
 HISTORY = ["VERSION", "AT", "CHANGE", "BY", "ATTEMPT", "ERROR"]
 JOBS = ["ID", "TYPE", "QUEUE", "STATE", "ATTEMPT", "UPDATED", "ERROR"]
-QUEUES = ["QUEUE", "READY", "RUNNING", "PARKED", "OLDEST", "WORKERS", "PAUSED", "LIMITS"]
+QUEUES = [
+    "QUEUE", "READY", "RUNNING", "PARKED", "OLDEST", "WORKERS", "PAUSED", "BLOCKED", "LIMITS"
+]  # fmt: skip
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -320,8 +328,27 @@ def queues_resume(c: Client, a: argparse.Namespace) -> Any:
 
 
 def queues_unblock(c: Client, a: argparse.Namespace) -> Any:
-    c.unblock_queue(a.name)
-    return {"queue": a.name, "blocked": False} if a.json else f"{a.name}: unblocked"
+    until = c.unblock_queue(a.name)
+    if a.json:
+        return {"queue": a.name, "blocked_until": until}
+    if until is None:
+        return f"{a.name}: was not blocked (nothing changed)"
+    return f"{a.name}: unblocked (it was held until {clock(until)})"
+
+
+def queues_purge(c: Client, a: argparse.Namespace) -> Any:
+    if not a.yes:
+        raise CommandError(
+            f"this cancels every ready job of {a.name}, and cannot be undone: give --yes "
+            "(`jobtier queues` counts them; pause the queue first to keep workers from "
+            "taking some meanwhile)"
+        )
+    done = c.purge_queue(a.name)
+    if a.json:
+        return done
+    s = "" if done.cancelled == 1 else "s"
+    left = f"; {done.remaining} ready now (submitted meanwhile)" if done.remaining else ""
+    return f"{a.name}: purged, {done.cancelled} job{s} cancelled{left}"
 
 
 def queues_limit(c: Client, a: argparse.Namespace) -> Any:
@@ -489,7 +516,8 @@ def add_commands(sub: Any) -> None:
     # queues (the admin key)
     p = sub.add_parser(
         "queues",
-        help="queues: depth, age, workers; pause, resume, limit, scaling (the admin key)",
+        help="queues: depth, age, workers; pause, resume, unblock, purge, limit, scaling "
+        "(the admin key)",
         description="Every queue through the HTTP API (--url/JOBTIER_URL) with the admin key "
         "(the server's JOBTIER_ADMIN_KEY: --key, else JOBTIER_ADMIN_KEY, else JOBTIER_KEY). "
         "Without an action: the list.",
@@ -512,6 +540,10 @@ def add_commands(sub: Any) -> None:
     ):
         q = action(group, verb, handler, ADMIN, what)
         q.add_argument("name", metavar="QUEUE")
+    what = "cancel every ready job of a queue, each as a cancel would (audited)"
+    q = action(group, "purge", queues_purge, ADMIN, what)
+    q.add_argument("name", metavar="QUEUE")
+    q.add_argument("--yes", action="store_true", help="cancel them: it cannot be undone")
     what = "the workers a queue's pool wants now, and the inputs (docs: Kubernetes)"
     q = action(group, "scaling", queues_scaling, ADMIN, what)
     q.add_argument("name", metavar="QUEUE")

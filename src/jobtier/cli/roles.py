@@ -79,7 +79,8 @@ def cmd_scheduler(args: argparse.Namespace, settings: Settings) -> int:
 
         pool = await create_pool(settings.database_url, min_size=0, max_size=2, timeout=10)
         try:
-            async with await Queue.connect(settings) as queue:
+            # (the scheduler submits through the store: no task is looked up)
+            async with await Queue.connect(settings, catalog=False) as queue:
                 scheduler = Scheduler(queue.store, batch=args.batch, schedules=ScheduleStore(pool))
                 on_signals(scheduler.stop)
                 async with MetricsPublisher(queue.redis, queue.keys, "scheduler", [scheduler]):
@@ -295,7 +296,7 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     """Exit 0 when a process of ``args.role`` on this host published its metrics lately."""
     import socket
 
-    from jobtier.metrics.snapshot import process_host, read_snapshots
+    from jobtier.metrics.snapshot import FORGET_SECONDS, process_host, read_snapshots
     from jobtier.store.redis import connect
 
     host = socket.gethostname()
@@ -303,7 +304,8 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     async def main() -> int:
         redis = connect(settings)
         try:
-            snapshots = await read_snapshots(redis, Keys(settings.prefix, settings.shards))
+            keys = Keys(settings.prefix, settings.shards)
+            snapshots = await read_snapshots(redis, keys, within=FORGET_SECONDS)
         except UNREACHABLE as exc:
             print(f"jobtier check: Redis unreachable ({exc})", file=sys.stderr)
             return 1
@@ -322,7 +324,11 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
             return 0
         where = "any host" if args.any_host else f"host {host}"
         latest = max((s.at for s in mine), default=None)
-        seen = "none ever seen" if latest is None else f"the latest {now - latest:.0f} s ago"
+        seen = (
+            f"none in the last {FORGET_SECONDS / 3600:g} h"
+            if latest is None
+            else f"the latest {now - latest:.0f} s ago"
+        )
         print(
             f"jobtier check: no {args.role} process on {where} published in the last "
             f"{args.max_age:g} s ({seen})",

@@ -43,6 +43,7 @@ from jobtier.client._errors import (
     WrongState,
 )
 from jobtier.client._sync import Client
+from jobtier.client._types import QueuePurged
 from jobtier.core.explanation import Explanation, Reason, ReasonCode
 from jobtier.core.model import SavedCheckpoint
 
@@ -58,6 +59,7 @@ __all__ = [
     "JobDetails",
     "JobPage",
     "NotFound",
+    "QueuePurged",
     "RateLimited",
     "Reason",
     "ReasonCode",

@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any, TypeVar, overload
 
 import httpx
+import msgspec
 
 from jobtier.client._batches import batch_action_op, batch_op, submit_batch_op
 from jobtier.client._checkpoint import checkpoint_op
@@ -24,6 +25,7 @@ from jobtier.client._core import (
     JobSpec,
     JobStatus,
     LogLine,
+    NamedTask,
     OnDependencyFailure,
     Op,
     Priority,
@@ -47,6 +49,7 @@ from jobtier.client._errors import (
 )
 from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
+from jobtier.client._types import QueuePurged
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
 from jobtier.core.model import QueueScaling, SavedCheckpoint, job_ids
@@ -78,7 +81,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
     # --- the API ----------------------------------------------------------------------------
     async def submit(
         self,
-        type: str,
+        type: str | NamedTask,
         payload: Any = None,
         *,
         priority: Priority | str = Priority.NORMAL,
@@ -95,7 +98,8 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         debounce: Mapping[str, Any] | None = None,
         throttle: Mapping[str, Any] | None = None,
     ) -> Submission:
-        """Submit one job. ``run_at`` must carry a time zone; give it or ``delay`` (seconds),
+        """Submit one job of ``type``: a task's name, or the task (``@task``) itself, sent by
+        its name. ``run_at`` must carry a time zone; give it or ``delay`` (seconds),
         not both. A repeat of an earlier submit's ``idempotency_key`` returns that job with
         ``created`` False, or raises ``IdempotencyKeyConflict`` if the type or payload differ.
         ``queue`` defaults to the task's; ``concurrency_key``: at most ``concurrency_limit``
@@ -278,9 +282,17 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
     async def resume_queue(self, name: str) -> None:
         await self._run(self._queue_action(name, "resume"))
 
-    async def unblock_queue(self, name: str) -> None:
-        """Lift a RateLimited block before its end (a pause stays)."""
-        await self._run(self._queue_action(name, "unblock"))
+    async def unblock_queue(self, name: str) -> float | None:
+        """Lift a RateLimited block before its end (a pause stays): the end lifted (Unix
+        time), or None when the queue was not blocked."""
+        until = (await self._run(self._queue_answer(name, "unblock"))).get("blocked_until")
+        return None if until is None else float(until)
+
+    async def purge_queue(self, name: str) -> QueuePurged:
+        """Cancel every ready (or parked) job of the queue, oldest first, each as a cancel
+        would; scheduled and running jobs stay."""
+        answer = await self._run(self._queue_answer(name, "purge"))
+        return msgspec.convert(answer, QueuePurged)
 
     async def set_queue_limits(
         self,

@@ -14,7 +14,7 @@ from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import metadata
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -160,6 +160,24 @@ def job_path(job_id: str, suffix: str = "") -> str:
 def json_call(method: str, where: str, body: Any) -> Call:
     headers = {"content-type": "application/json"}
     return Call(method, where, headers=headers, content=encoder.encode(body))
+
+
+class NamedTask(Protocol):
+    """A jobtier task (``@task``), submitted by its name."""
+
+    @property
+    def name(self) -> str: ...
+
+
+def type_name(type: str | NamedTask) -> str:
+    """The type a submit names: a task's name, or a task's own (the API applies what its
+    workers advertise of it, as for its name)."""
+    if isinstance(type, str):
+        return type
+    name = getattr(type, "name", None)
+    if isinstance(name, str) and hasattr(type, "infos"):
+        return name
+    raise TypeError(f"type must be a task's name or a jobtier task, not {type!r:.100}")
 
 
 def present(**fields: Any) -> dict[str, Any]:
@@ -334,7 +352,7 @@ class BaseClient(Generic[TransportT]):
 
     def _submit(
         self,
-        type: str,
+        type: str | NamedTask,
         payload: Any,
         priority: Priority | str,
         run_at: datetime | None,
@@ -349,7 +367,12 @@ class BaseClient(Generic[TransportT]):
         callback: str | Mapping[str, Any] | None,
         keyed: Mapping[str, Any],  # debounce, throttle: docs/debounce-throttle.md
     ) -> Op[Submission]:
-        body = {"type": type, "payload": payload, "priority": priority, **keyed} | present(
+        body = {
+            "type": type_name(type),
+            "payload": payload,
+            "priority": priority,
+            **keyed,
+        } | present(
             callback={"url": callback} if isinstance(callback, str) else callback,
             queue=queue,
             concurrency_key=concurrency_key,
@@ -497,6 +520,12 @@ class BaseClient(Generic[TransportT]):
         call = Call("POST", where) if limits is None else json_call("PUT", where, limits)
         response: httpx.Response = yield call
         check(response)
+
+    def _queue_answer(self, name: str, action: str) -> Op[dict[str, Any]]:
+        response: httpx.Response = yield Call("POST", path("/v1/admin/queues", name, f"/{action}"))
+        check(response)
+        answer: dict[str, Any] = response.json()
+        return answer
 
     def _tasks(self) -> Op[list[TaskAd]]:
         call = Call("GET", "/v1/admin/tasks")

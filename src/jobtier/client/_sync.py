@@ -8,6 +8,7 @@ from datetime import datetime
 from typing import Any, TypeVar, overload
 
 import httpx
+import msgspec
 
 from jobtier.client._batches import batch_action_op, batch_op, submit_batch_op
 from jobtier.client._checkpoint import checkpoint_op
@@ -24,6 +25,7 @@ from jobtier.client._core import (
     JobSpec,
     JobStatus,
     LogLine,
+    NamedTask,
     OnDependencyFailure,
     Op,
     Priority,
@@ -47,6 +49,7 @@ from jobtier.client._errors import (
 )
 from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
+from jobtier.client._types import QueuePurged
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
 from jobtier.core.model import QueueScaling, SavedCheckpoint, job_ids
@@ -79,7 +82,7 @@ class Client(BaseClient[httpx.BaseTransport]):
     # --- the API (documented on AsyncClient) ------------------------------------------------
     def submit(
         self,
-        type: str,
+        type: str | NamedTask,
         payload: Any = None,
         *,
         priority: Priority | str = Priority.NORMAL,
@@ -238,9 +241,17 @@ class Client(BaseClient[httpx.BaseTransport]):
     def resume_queue(self, name: str) -> None:
         self._run(self._queue_action(name, "resume"))
 
-    def unblock_queue(self, name: str) -> None:
-        """Lift a RateLimited block before its end (a pause stays)."""
-        self._run(self._queue_action(name, "unblock"))
+    def unblock_queue(self, name: str) -> float | None:
+        """Lift a RateLimited block before its end (a pause stays): the end lifted (Unix
+        time), or None when the queue was not blocked."""
+        until = (self._run(self._queue_answer(name, "unblock"))).get("blocked_until")
+        return None if until is None else float(until)
+
+    def purge_queue(self, name: str) -> QueuePurged:
+        """Cancel every ready (or parked) job of the queue, oldest first, each as a cancel
+        would; scheduled and running jobs stay."""
+        answer = self._run(self._queue_answer(name, "purge"))
+        return msgspec.convert(answer, QueuePurged)
 
     def set_queue_limits(
         self,

@@ -127,6 +127,15 @@ class _TaskList(msgspec.Struct):
     tasks: list[TaskAd]
 
 
+class QueuePurged(msgspec.Struct, frozen=True):
+    """What a purge did: the queue's ready (and parked) jobs cancelled, and those ready now
+    (submitted meanwhile, or let in by a concurrency key as the purged ones left)."""
+
+    queue: str
+    cancelled: int
+    remaining: int
+
+
 class _ScheduleList(msgspec.Struct):
     schedules: list[Schedule]
     next_after: str | None = None

@@ -23,6 +23,7 @@ class ReasonCode(StrEnum):
     NO_WORKER_FOR_TYPE = "no_worker_for_type"
     TENANT_TURN = "tenant_turn"  # other tenants' jobs come first by the tenants' turns
     IN_LINE = "in_line"  # ready: jobs ahead of it, its workers busy or about to claim it
+    NOT_RELAYED = "not_relayed"  # submitted with SQL: the outbox relay has not taken it yet
     UNKNOWN = "unknown"  # queued, yet Redis holds it in no line (a broken invariant); or
     # not finished in Postgres and absent from Redis, which lost it
 

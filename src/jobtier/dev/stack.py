@@ -351,7 +351,7 @@ async def run_all(
                 while not server.started and not runs[-1].done():  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
                 if server.started:
-                    _welcome(settings)
+                    _welcome(settings, registry.names())
             for task in asyncio.as_completed(runs):
                 try:
                     await task
@@ -466,8 +466,17 @@ def command_hint() -> str:
     return f"alias jobtier='{sys.executable} -m jobtier.cli'   # the jobtier command"
 
 
-def _welcome(settings: Settings) -> None:
+def _welcome(settings: Settings, tasks: list[str] | None = None) -> None:
+    """The banner: the exports, and a first job of the demo's ``sleep`` or, when ``tasks``
+    (the names the worker runs) lack it, of the first of them."""
     key, tenant = next(iter(settings.tenant_keys().items()), ("<your key>", "<its tenant>"))
+    payload: Any = {"seconds": 3}
+    kind, yours = "sleep", ""
+    if tasks is not None and "sleep" not in tasks:
+        shown = ", ".join(tasks[:8]) + (", …" if len(tasks) > 8 else "")
+        kind, payload = (tasks[0] if tasks else "<a task>"), None
+        yours = f"  # the worker runs: {shown} (give each the payload it takes)\n"
+    body, payload = json.dumps({"type": kind, "payload": payload}), json.dumps(payload)
     base = f"http://{settings.api_host}:{settings.api_port}"
     worker_key = next(iter(settings.worker_key_list()), None)
     workers = (
@@ -486,9 +495,9 @@ jobtier is running: API {base}  (Ctrl-C stops everything)
   export JOBTIER_REDIS_URL={shlex.quote(settings.redis_url)} JOBTIER_DATABASE_URL={shlex.quote(settings.database_url)}
   # the second line: for `jobtier worker yourtasks` beside this one, and for psql
   # JOBTIER_KEY is tenant {tenant}'s: jobs of another tenant are not found with it (in SQL:
-  #   SELECT jobtier.submit('sleep', '{{"seconds": 3}}', tenant => '{tenant}');)
-  curl -s -X POST $JOBTIER_URL/v1/jobs -H "Authorization: Bearer $JOBTIER_KEY" \\
-       -H 'Content-Type: application/json' -d '{{"type": "sleep", "payload": {{"seconds": 3}}}}'
+  #   SELECT jobtier.submit('{kind}', '{payload}', tenant => '{tenant}');)
+{yours}  curl -s -X POST $JOBTIER_URL/v1/jobs -H "Authorization: Bearer $JOBTIER_KEY" \\
+       -H 'Content-Type: application/json' -d '{body}'
   curl -s $JOBTIER_URL/v1/jobs/<id> -H "Authorization: Bearer $JOBTIER_KEY"
   curl -sN $JOBTIER_URL/v1/jobs/<id>/events -H "Authorization: Bearer $JOBTIER_KEY"
   jobtier jobs show <id>   # also: jobtier queues, jobtier dead-letters list (JOBTIER_ADMIN_KEY)

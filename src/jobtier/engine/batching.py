@@ -37,6 +37,20 @@ def _chunked(items: list[Any], size: int | None) -> list[Any]:
     ]
 
 
+def _refused(exc: InvalidRequest, index: int, spec: BatchSpec) -> InvalidRequest:
+    """A child's payload refused by its task's check, said of what the request sent: an item
+    (``items[i]``), or with ``chunk_size`` the shape every child gets, which the task's
+    payload type must accept."""
+    if spec.chunk_size is None:
+        return type(exc)(f"items[{index}]: {exc}", field="items")
+    return type(exc)(
+        f'with chunk_size each child\'s payload is {{"offset": …, "items": [...]}}, which '
+        f"task {spec.type!r}'s payload type refuses (child {index}: {exc}); give the task "
+        "a payload type of that shape, or leave chunk_size out",
+        field="chunk_size",
+    )
+
+
 class BatchControl:
     """Batches of one deployment; ``producer`` checks their jobs as it checks any submit."""
 
@@ -70,9 +84,10 @@ class BatchControl:
         try:
             template = producer.prepare(first, tenant)
         except InvalidRequest as exc:
-            if exc.field != "payload":
+            field = exc.field or ""
+            if field != "payload" and not field.startswith("payload."):
                 raise
-            raise type(exc)(f"items[0]: {exc}", field="items") from None
+            raise _refused(exc, 0, spec) from None
         task = producer._task_info(spec.type)
         limit = self.store.settings.max_payload_bytes
         keys = self.store.keys
@@ -95,7 +110,7 @@ class BatchControl:
                 try:
                     task.validate(item)
                 except InvalidRequest as exc:
-                    raise type(exc)(f"items[{index}]: {exc}", field="items") from None
+                    raise _refused(exc, index, spec) from None
             job_id = ids[index]
             if digest is not None:  # of the payload as given: a sealed one differs each time
                 digest.update(len(payload).to_bytes(4, "big"))

@@ -120,14 +120,18 @@ class MetricsPublisher:
 _snapshot_decoder = msgspec.json.Decoder(Snapshot)
 
 
-async def read_snapshots(redis: RedisClient, keys: Keys) -> list[Snapshot]:
-    """Every live process's latest snapshot; forgets processes gone for an hour."""
+async def read_snapshots(
+    redis: RedisClient, keys: Keys, within: float = FRESH_SECONDS
+) -> list[Snapshot]:
+    """Every live process's latest snapshot (or, with ``within``, every one published that
+    recently: ``jobtier check`` says when a gone process was last seen); forgets processes
+    gone for an hour."""
 
     def seen(raw: bytes) -> tuple[Snapshot, float]:
         snap = _snapshot_decoder.decode(raw)
         return snap, snap.at
 
-    return await read_live(redis, keys.metrics(), seen, FRESH_SECONDS, FORGET_SECONDS)
+    return await read_live(redis, keys.metrics(), seen, within, FORGET_SECONDS)
 
 
 def live_processes(snapshots: Iterable[Snapshot]) -> dict[str, float]:

@@ -4,7 +4,10 @@ The span is a child of the context its job was submitted in (the ``traceparent``
 keeps), else the first of a trace of its own. It is current while the task runs — in a sync
 task's thread too (``TaskThreads``) — so the task's own spans are its children. It ends as
 the attempt does, with the outcome: ``succeeded``; ``retry`` or ``failed`` (the exception as
-its event, error status); ``cancelled``; ``interrupted`` (a cancel request or a shutdown
+its event, error status); ``held`` (given back uncounted, not failed: the task raised
+``RateLimited``, or an open circuit breaker held the job; ``jobtier.held.by`` names which, and
+the status is not an error, as ``jobtier_jobs_held_total`` does not count it as a failure);
+``cancelled``; ``interrupted`` (a cancel request or a shutdown
 stopped an async task); ``released`` (given back at shutdown); ``lost`` (the lease was).
 """
 
@@ -38,7 +41,9 @@ def start(tracer: Tracer, job: ClaimedJob) -> Span:
 
 def end(span: Span, outcome: str, failure: Failure | None = None) -> None:
     span.set_attribute("jobtier.outcome", outcome)
-    if failure is not None:
+    if outcome == "held" and failure is not None:
+        span.set_attribute("jobtier.held.by", failure.type)
+    elif failure is not None:
         span.set_attribute("jobtier.error.type", failure.type)
         # a refused result raised nothing: no exception event, the error status all the same
         exc = failure.exc if failure.raised else None

@@ -111,10 +111,11 @@ class Reporter:
                 self._ready.set()
 
     def _fail(self, r: Running, failure: Failure) -> str:
-        """Report a failed attempt; "retry" when fail.lua will retry it, else "failed"."""
+        """Report a failed attempt; "retry" when fail.lua will retry it, "failed" when not,
+        "held" when it is given back uncounted (not a failure)."""
         if isinstance(failure.exc, RateLimited):
             self._rate_limited(r, failure, failure.exc)
-            return "retry"
+            return "held"
         delay_ms = failure.delay_ms(r.task.retry if r.task else DEFAULT_POLICY, r.job.attempt)
         # refund: the attempt does not count (a job an open breaker held back: breaker_gate.py)
         refund = 1 if failure.refund else 0
@@ -139,6 +140,8 @@ class Reporter:
             exc_info=failure.exc if failure.raised else None,
         )
         self.report("fail", r, (failure.error_json(), delay_ms, refund))
+        if refund:
+            return "held"
         return "retry" if state == "scheduled" else "failed"
 
     def _rate_limited(self, r: Running, failure: Failure, exc: RateLimited) -> None:
