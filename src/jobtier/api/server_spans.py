@@ -5,7 +5,8 @@ the first of its trace), current while the request is served: a submit made in i
 span's context to the jobs it creates, whose attempts are then its children. Status reads
 answered by the fast path are spans too. The span is named by the method and the route's
 template (``POST /v1/jobs``; routing.py puts the template in the scope); a 5xx answer, or an
-exception out of the app, marks it failed.
+exception out of the app, marks it failed. Probes and scrapes (``UNTRACED``) make none: a
+load balancer's and Prometheus's every few seconds would fill the traces.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Tracer
 
 
+UNTRACED = frozenset({"/healthz", "/readyz", "/metrics"})
+
+
 class ServerSpans:
     """ASGI middleware: a span around each HTTP request of ``app``."""
 
@@ -29,7 +33,7 @@ class ServerSpans:
         self.kind = tracing.kind("SERVER")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] in UNTRACED:
             await self.app(scope, receive, send)
             return
         method = scope["method"]
