@@ -14,7 +14,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 from jobtier.config_bounds import bound_problems
 from jobtier.core.errors import ConfigError
@@ -557,13 +556,14 @@ class Settings:
 
 
 def masked_url(url: str) -> str:
-    """``url`` with its password (in its user part, or a DSN's ``password=``) as ``***``."""
-    parts = urlsplit(url)
-    query = re.sub(r"(?i)(^|&)((ssl)?password)=[^&]*", r"\1\2=***", parts.query)
-    if parts.password is None:  # (rebuilt only if changed: unix:/// would read unix:/)
-        return url if query == parts.query else urlunsplit(parts._replace(query=query))
-    user, host = parts.username or "", parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}", query=query))
+    """``url`` with its password as ``***``: all between the user's ``:`` and the last ``@``
+    (a password's ``/``, ``?`` or ``#`` left unencoded included: more masked, never less),
+    and a DSN's ``password=``. Text only: the rest reads as given (``unix:///…`` too)."""
+    scheme, sep, rest = url.partition("://")
+    at = rest.rfind("@")
+    if sep and at >= 0 and ":" in rest[:at]:
+        url = f"{scheme}{sep}{rest[: rest.index(':')]}:***{rest[at:]}"
+    return re.sub(r"(?i)([?&](ssl)?password=)[^&#]*", r"\1***", url)
 
 
 def env_name(f: dataclasses.Field[Any]) -> str:

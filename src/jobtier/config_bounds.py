@@ -2,7 +2,8 @@
 (``Settings.validate``: ``jobtier config`` and every process's start, exit 2, naming it).
 
 No numeric setting means anything below 0: where 0 has a meaning, its help says it (``0:
-unlimited``, ``0: forever``), and it is allowed. The ones below need more: a count of 0 or a
+unlimited``, ``0: never``), and it is allowed (tests/unit/test_config_bounds.py holds every
+such help to it). The ones below need more: a count of 0 or a
 time of 0 would refuse every submit (``JOBTIER_PERSIST_MAX_LAG``), forget every finished job
 at once (``JOBTIER_RETENTION_SECONDS``) or write nothing (``JOBTIER_PERSIST_BATCH_SIZE``).
 Settings whose bounds are more particular are checked in ``config.py`` itself
@@ -22,7 +23,7 @@ AT_LEAST_ONE = frozenset({
 })  # fmt: skip
 MORE_THAN_ZERO = frozenset({
     "redis_socket_timeout", "task_catalog_ttl", "sse_heartbeat_seconds",
-    "persist_claim_idle_seconds", "reconcile_seconds", "outbox_poll_seconds",
+    "persist_claim_idle_seconds", "outbox_poll_seconds",
 })  # fmt: skip
 CHECKED_THERE = frozenset({
     "shards", "lease_seconds", "submit_replicas", "submit_replicas_timeout_ms",
@@ -37,7 +38,7 @@ CHECKED_THERE = frozenset({
 
 def bound_problems(settings: Any) -> list[str]:
     """One line per numeric setting of ``settings`` (a ``Settings``, which imports this)
-    out of its bounds, and per pair that contradict."""
+    out of its bounds, and for a hold the persister could not keep."""
     out = []
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
@@ -58,10 +59,5 @@ def bound_problems(settings: Any) -> list[str]:
         out.append(
             f"JOBTIER_PERSIST_HOLD_SECONDS must be at most half of "
             f"JOBTIER_PERSIST_CLAIM_IDLE_SECONDS ({idle / 2:g} s)"
-        )
-    if settings.redis_memory_warn_ratio > settings.redis_memory_refuse_ratio:
-        out.append(
-            "JOBTIER_REDIS_MEMORY_WARN_RATIO must be at most JOBTIER_REDIS_MEMORY_REFUSE_RATIO "
-            "(the warning comes before the refusals)"
         )
     return out

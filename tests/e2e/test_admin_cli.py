@@ -259,7 +259,7 @@ async def test_queues_list_pause_resume_limit(pg_api: ApiServer, queue: Queue) -
     code, out, _ = await cli("queues", "unblock", "default", key=ADMIN)
     assert code == 0 and out.strip() == "default: was not blocked (nothing changed)", out
     again = await cli.json("queues", "unblock", "default", key=ADMIN)
-    assert again == {"queue": "default", "blocked_until": None}
+    assert again == {"queue": "default", "blocked": False, "blocked_until": None}
 
     # purge: asks for --yes, then cancels the ready job, and says how many
     code, _, err = await cli("queues", "purge", "default", key=ADMIN)

@@ -78,6 +78,8 @@ async def test_a_batch_over_http(api: ApiServer, queue: Queue) -> None:
         ({"type": "thumbnail", "items": [{"url": "a"}, {"width": 3}]}, 422, "items"),
         # chunk_size makes every child's payload {offset, items}, which it cannot take
         ({"type": "thumbnail", "items": [{"url": "a"}], "chunk_size": 1}, 422, "chunk_size"),
+        # a chunk too large is a size, said as one (not a payload type's refusal)
+        ({"type": "echo", "items": ["x" * 200_000] * 2, "chunk_size": 2}, 413, "items"),
     ],
 )
 async def test_a_bad_batch_is_refused_naming_the_member(

@@ -13,8 +13,11 @@ from jobtier.core.errors import InvalidRequest, UnknownTask
 from jobtier.core.model import JobSpec
 from jobtier.engine.catalog import publish
 from jobtier.engine.queue import Queue
+from jobtier.flows.batches import child_ids
 from tests.fixtures.engine import wait_for
 from tests.tasks import registry
+
+pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
 
 # tests/tasks.py: @task(queue="images", retries=4), its payload a Struct (url, width)
 _thumbnail = registry.get("thumbnail")
@@ -46,6 +49,9 @@ async def test_a_job_submitted_by_name_gets_its_tasks_queue_attempts_and_check(
         assert (status.queue, status.max_attempts) == ("urgent", 1)
         batch = await queue.submit_batch("thumbnail", [{"url": "d"}, {"url": "e"}])
         assert batch.total == 2
+        for child in child_ids(queue.keys, batch.id, batch.total):
+            status = await queue.status(child)
+            assert (status.queue, status.max_attempts) == ("images", 5), status
 
         # a typo, and a payload the task's type refuses: refused, nothing written
         before = await queue.admin.stats()

@@ -378,11 +378,20 @@ def test_the_fixtures_in_a_users_project(tmp_path: Path) -> None:
                 assert (await jobtier_queue.status(job.job_id)).state == "succeeded"
                 assert (await jobtier_queue.status(stuck.job_id)).state == "queued"  # released
             """,
+            # no jobtier_tasks: the queue looks nothing up (no worker advertised in an
+            # emptied Redis), a job submitted by name runs on the worker given its tasks
+            "test_no_tasks.py": """\
+            async def test_submit_by_name_then_run_the_worker(jobtier_queue, jobtier_worker):
+                job = await jobtier_queue.submit("double", 21)
+                stats = await jobtier_worker("user_tasks")
+                assert stats.succeeded == 1
+                assert (await jobtier_queue.result(job.job_id))[1] == 42
+            """,
         },
     )
     out = run_pytest(tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "4 passed" in out.stdout
+    assert "5 passed" in out.stdout
     first, second = pids(tmp_path)
     assert first == second  # one server for the session
     assert not alive(first)  # and stopped at its end

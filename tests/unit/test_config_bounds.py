@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -54,18 +55,27 @@ def test_no_numeric_setting_takes_a_negative_value(name: str) -> None:
             {"persist_hold_seconds": 100},
             "at most half of JOBTIER_PERSIST_CLAIM_IDLE_SECONDS (15 s)",
         ),
-        ({"redis_memory_warn_ratio": 0.95}, "JOBTIER_REDIS_MEMORY_WARN_RATIO must be at most"),
     ],
 )
 def test_values_that_break_a_deployment_are_refused(changes: dict[str, object], says: str) -> None:
     assert says in refused(**changes)
 
 
-def test_zero_where_it_means_something_and_the_defaults_pass() -> None:
+HELP = {f.name: str(f.metadata.get("help", "")) for f in dataclasses.fields(Settings)}
+# a setting whose help gives 0 a meaning ("0: never", "(0: unlimited)", "0 (off)")
+ZERO_MEANS = [n for n in NUMERIC if re.search(r"\b0(:| \()", HELP[n])]
+
+
+@pytest.mark.parametrize("name", ZERO_MEANS)
+def test_a_zero_its_help_gives_a_meaning_is_taken(name: str) -> None:
+    Settings().replace(**{name: type(getattr(Settings(), name))(0)})
+
+
+def test_the_defaults_and_other_zeros_pass() -> None:
+    assert "reconcile_seconds" in ZERO_MEANS and "rate_limit_per_second" in ZERO_MEANS
     Settings().validate()
     Settings().replace(
         idempotency_ttl_seconds=0,  # keys not kept (tests/integration/test_outbox.py)
-        rate_limit_per_second=0,  # unlimited
-        max_waiting_per_tenant=0,  # unlimited
         persist_hold_seconds=15,  # half of the default claim idle
+        redis_memory_refuse_ratio=0.001,  # below the warning's: allowed (it never warns first)
     )

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jobtier.config import Settings, settings_table
+from jobtier.config import Settings, masked_url, settings_table
 from jobtier.core.errors import Code, ConfigError, InvalidRequest
 from jobtier.core.keys import Keys, ulid
 from jobtier.core.names import JOB_ID_RE
@@ -261,6 +261,14 @@ def test_settings_from_environment() -> None:
     }).public()  # fmt: skip
     assert urls["database_url"] == "postgresql://app:***@db.internal:5432/jobs?password=***"
     assert urls["redis_url"] == "redis://:***@cache:6379/0"
+    # a password's unencoded / ? # (which a URL parser reads as the path's): masked whole
+    for raw, shown in [
+        ("postgresql://jobtier:ab/cd+ef@db:5432/jobs", "postgresql://jobtier:***@db:5432/jobs"),
+        ("postgresql://u:a?b#c@db/jobs", "postgresql://u:***@db/jobs"),
+        ("postgresql:///jobs?host=/tmp&password=x", "postgresql:///jobs?host=/tmp&password=***"),
+        ("unix:///run/redis.sock?db=0", "unix:///run/redis.sock?db=0"),
+    ]:
+        assert masked_url(raw) == shown, raw
     assert len(settings_table()) == len(Settings.__dataclass_fields__)
 
 

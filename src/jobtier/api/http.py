@@ -128,8 +128,8 @@ async def outbox_transition(
     if once_relayed:
         detail += (
             " (it does within a second while a persister runs its relay, unless it waits for "
-            "a worker of its type, up to 10 minutes, or for a job it depends on: "
-            "GET /v1/jobs/{id}/explain says which): send this again then"
+            "a worker of its type or for a job it depends on: GET /v1/jobs/{id}/explain says "
+            "which): send this again then"
         )
     else:
         detail += ", and it has not run"

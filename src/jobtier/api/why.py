@@ -16,6 +16,7 @@ from jobtier.core.errors import JobNotFound
 from jobtier.core.explanation import Explanation, Reason, ReasonCode
 from jobtier.engine.explain import OtherTenants, iso
 from jobtier.engine.queue import Queue
+from jobtier.persist.outbox import UNKNOWN_TYPE_PATIENCE
 from jobtier.status.reader import StatusReader
 
 
@@ -42,7 +43,7 @@ async def _answer(request: Request, tenant: str | None) -> Response:
         message = (
             "it was submitted with SQL and the outbox relay has not made it a job yet: a "
             "persister's relay takes it within a second, unless no worker has advertised its "
-            "type yet (it waits up to 10 minutes for one: the persister logs "
+            f"type yet (it waits up to {UNKNOWN_TYPE_PATIENCE:g} s for one: the persister logs "
             "event=outbox_job_waiting) or a job it depends on is not relayed yet; with no "
             "persister running, nothing relays it"
         )

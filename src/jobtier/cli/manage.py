@@ -329,8 +329,8 @@ def queues_resume(c: Client, a: argparse.Namespace) -> Any:
 
 def queues_unblock(c: Client, a: argparse.Namespace) -> Any:
     until = c.unblock_queue(a.name)
-    if a.json:
-        return {"queue": a.name, "blocked_until": until}
+    if a.json:  # ("blocked": as before blocked_until was answered)
+        return {"queue": a.name, "blocked": False, "blocked_until": until}
     if until is None:
         return f"{a.name}: was not blocked (nothing changed)"
     return f"{a.name}: unblocked (it was held until {clock(until)})"
@@ -347,7 +347,11 @@ def queues_purge(c: Client, a: argparse.Namespace) -> Any:
     if a.json:
         return done
     s = "" if done.cancelled == 1 else "s"
-    left = f"; {done.remaining} ready now (submitted meanwhile)" if done.remaining else ""
+    left = (
+        f"; {done.remaining} ready now (submitted meanwhile, or let in by a concurrency key)"
+        if done.remaining
+        else ""
+    )
     return f"{a.name}: purged, {done.cancelled} job{s} cancelled{left}"
 
 
@@ -540,7 +544,7 @@ def add_commands(sub: Any) -> None:
     ):
         q = action(group, verb, handler, ADMIN, what)
         q.add_argument("name", metavar="QUEUE")
-    what = "cancel every ready job of a queue, each as a cancel would (audited)"
+    what = "cancel every ready (or parked) job of a queue, each as a cancel would (audited)"
     q = action(group, "purge", queues_purge, ADMIN, what)
     q.add_argument("name", metavar="QUEUE")
     q.add_argument("--yes", action="store_true", help="cancel them: it cannot be undone")

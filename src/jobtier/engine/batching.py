@@ -41,11 +41,11 @@ def _refused(exc: InvalidRequest, index: int, spec: BatchSpec) -> InvalidRequest
     """A child's payload refused by its task's check, said of what the request sent: an item
     (``items[i]``), or with ``chunk_size`` the shape every child gets, which the task's
     payload type must accept."""
-    if spec.chunk_size is None:
-        return type(exc)(f"items[{index}]: {exc}", field="items")
+    if spec.chunk_size is None or not (exc.field or "").startswith("payload."):
+        return type(exc)(f"items[{index}]: {exc}", field="items")  # (a size: the chunk's)
     return type(exc)(
-        f'with chunk_size each child\'s payload is {{"offset": …, "items": [...]}}, which '
-        f"task {spec.type!r}'s payload type refuses (child {index}: {exc}); give the task "
+        f'with chunk_size each child\'s payload is {{"offset": …, "items": [...]}}, which the '
+        f"payload type of task {spec.type!r} refuses (child {index}: {exc}); give the task "
         "a payload type of that shape, or leave chunk_size out",
         field="chunk_size",
     )

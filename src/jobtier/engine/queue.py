@@ -128,10 +128,12 @@ class Queue:
 
     async def close(self) -> None:
         """Stop the catalogue ``connect`` made, and close the Store."""
-        if self._catalog is not None:
-            await self._catalog.stop()
-            self._catalog = None
-        await self.store.close()
+        catalog, self._catalog = self._catalog, None
+        try:
+            if catalog is not None:
+                await catalog.stop()
+        finally:
+            await self.store.close()
 
     def _replicated(
         self, call: Callable[P, Coroutine[Any, Any, T]]

@@ -110,12 +110,13 @@ async def jobtier_queue(
 ) -> AsyncIterator[Queue]:
     """A ``Queue`` connected to the session's Redis (emptied: it holds only the shards' job
     format marks, ``jt:{s}:fmt`` and ``:fmt:done``, which connecting sets), closed after the
-    test."""
+    test. It knows ``jobtier_tasks``; without them it looks nothing up (no worker has
+    advertised anything in an emptied Redis: a test submits by name, then runs its worker)."""
     from jobtier.engine.queue import Queue
     from jobtier.testing.burst import as_registry
 
     registry = as_registry(jobtier_tasks) if jobtier_tasks is not None else None
-    queue = await Queue.connect(jobtier_settings, registry)
+    queue = await Queue.connect(jobtier_settings, registry, catalog=False)
     try:
         yield queue
     finally:
