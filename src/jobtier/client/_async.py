@@ -8,7 +8,6 @@ from datetime import datetime
 from typing import Any, TypeVar, overload
 
 import httpx
-import msgspec
 
 from jobtier.client._batches import batch_action_op, batch_op, submit_batch_op
 from jobtier.client._checkpoint import checkpoint_op
@@ -285,14 +284,12 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
     async def unblock_queue(self, name: str) -> float | None:
         """Lift a RateLimited block before its end (a pause stays): the end lifted (Unix
         time), or None when the queue was not blocked."""
-        until = (await self._run(self._queue_answer(name, "unblock"))).get("blocked_until")
-        return None if until is None else float(until)
+        return await self._run(self._unblock_queue(name))
 
     async def purge_queue(self, name: str) -> QueuePurged:
         """Cancel every ready (or parked) job of the queue, oldest first, each as a cancel
         would; scheduled and running jobs stay."""
-        answer = await self._run(self._queue_answer(name, "purge"))
-        return msgspec.convert(answer, QueuePurged)
+        return await self._run(self._purge_queue(name))
 
     async def set_queue_limits(
         self,

@@ -32,6 +32,7 @@ from jobtier.client._types import (
     FlowSubmission,
     JobDetails,
     JobPage,
+    QueuePurged,
     Result,
     Submission,
     batch_decoder,
@@ -41,11 +42,13 @@ from jobtier.client._types import (
     encoder,
     flow_decoder,
     page_decoder,
+    purged_decoder,
     queue_list_decoder,
     replayed_decoder,
     schedule_decoder,
     schedule_list_decoder,
     task_list_decoder,
+    unblocked_decoder,
 )
 from jobtier.core.model import (
     Dependency,
@@ -521,11 +524,13 @@ class BaseClient(Generic[TransportT]):
         response: httpx.Response = yield call
         check(response)
 
-    def _queue_answer(self, name: str, action: str) -> Op[dict[str, Any]]:
-        response: httpx.Response = yield Call("POST", path("/v1/admin/queues", name, f"/{action}"))
-        check(response)
-        answer: dict[str, Any] = response.json()
-        return answer
+    def _unblock_queue(self, name: str) -> Op[float | None]:
+        call = Call("POST", path("/v1/admin/queues", name, "/unblock"))
+        return (yield from fetch(call, unblocked_decoder, "an unblock")).blocked_until
+
+    def _purge_queue(self, name: str) -> Op[QueuePurged]:
+        call = Call("POST", path("/v1/admin/queues", name, "/purge"))
+        return (yield from fetch(call, purged_decoder, "a purge"))
 
     def _tasks(self) -> Op[list[TaskAd]]:
         call = Call("GET", "/v1/admin/tasks")

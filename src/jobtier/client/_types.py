@@ -136,6 +136,11 @@ class QueuePurged(msgspec.Struct, frozen=True):
     remaining: int
 
 
+class _Unblocked(msgspec.Struct):
+    queue: str
+    blocked_until: float | None = None
+
+
 class _ScheduleList(msgspec.Struct):
     schedules: list[Schedule]
     next_after: str | None = None
@@ -164,5 +169,7 @@ dependencies_decoder = msgspec.json.Decoder(_DependencyList)
 queue_list_decoder = msgspec.json.Decoder(_QueueList)
 task_list_decoder = msgspec.json.Decoder(_TaskList)
 schedule_decoder = msgspec.json.Decoder(Schedule)
+purged_decoder = msgspec.json.Decoder(QueuePurged)
+unblocked_decoder = msgspec.json.Decoder(_Unblocked)
 schedule_list_decoder = msgspec.json.Decoder(_ScheduleList)
 encoder = msgspec.json.Encoder()
