@@ -388,8 +388,8 @@ async def test_a_cancelled_worker_leaves_no_loop_running_and_releases_its_jobs(
     task = asyncio.create_task(worker.run())
     sub = await queue.submit("sleep", {"seconds": 60})
     await until_state(queue, sub.job_id, State.RUNNING)
-    # started by the worker, not only claimed in Redis: a cancel between a claim's reply and
-    # the job's start leaves that job to its lease's expiry (not what this test is about)
+    # started by the worker, not only claimed in Redis (a claim cut by the cancel is
+    # test_a_claim_cut_by_the_stop_gives_its_jobs_back's)
     await wait_for(lambda: sub.job_id in worker.state.running)
     await wait_for(lambda: "partner" in worker.limits)
     task.cancel()
@@ -403,3 +403,58 @@ async def test_a_cancelled_worker_leaves_no_loop_running_and_releases_its_jobs(
     await wait_for(lambda: not loops_left(), timeout=30)
     status = await queue.status(sub.job_id)
     assert (status.state, status.attempt) == (State.QUEUED, 0), status
+
+
+class ReplyLost:
+    """A worker's scripts whose first claim to lease a job runs in Redis and whose reply
+    never arrives: the worker waits for it until its claim is cancelled (a stop cutting a claim
+    in flight, the reply on its way)."""
+
+    def __init__(self, scripts: Any) -> None:
+        self._scripts = scripts
+        self.leased = asyncio.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._scripts, name)
+
+    async def call_many_each(self, calls: Any) -> list[Any]:
+        replies = await self._scripts.call_many_each(calls)
+        claimed = any(
+            not isinstance(reply, Exception) and int(reply[2]) > 0
+            for (name, _, args), reply in zip(calls, replies, strict=True)
+            if name == "claim" and int(args[1]) > 0
+        )
+        if claimed and not self.leased.is_set():
+            self.leased.set()
+            await asyncio.Event().wait()  # the reply is lost on its way
+        return replies
+
+
+@pytest.mark.parametrize("how", ["cancelled", "deadline"])
+async def test_a_claim_cut_by_the_stop_gives_its_jobs_back(queue: Queue, how: str) -> None:
+    """A worker stopped while a claim's reply is on its way (``run`` cancelled; or the claim
+    abandoned at the shutdown's deadline) gives back the jobs that claim leased in Redis: they
+    are queued again, their attempt not counted, when ``run`` ends, rather than ``running``
+    under a lease nobody keeps until it expires."""
+    worker = worker_for(queue, registry, shutdown_grace=0.5)
+    lost = ReplyLost(worker.claimer._scripts)
+    worker.claimer._scripts = lost  # type: ignore[assignment]
+    task = asyncio.create_task(worker.run())
+    try:
+        sub = await queue.submit("sleep", {"seconds": 60})
+        await asyncio.wait_for(lost.leased.wait(), timeout=30)
+        assert await state_of(queue, sub.job_id) is State.RUNNING  # leased, never started
+        assert sub.job_id not in worker.state.running
+        if how == "cancelled":
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        else:
+            worker.stop()
+            await task
+    finally:
+        worker.stop(now=True)
+        await asyncio.gather(task, return_exceptions=True)
+    status = await queue.status(sub.job_id)
+    assert (status.state, status.attempt) == (State.QUEUED, 0), status
+    assert worker.stats.released == 1

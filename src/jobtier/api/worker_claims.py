@@ -37,21 +37,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from jobtier.core.errors import Code
 from jobtier.core.keys import Keys
 from jobtier.core.model import ClaimedJob
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_for
 from jobtier.runtime.stopping import stop_tasks
-from jobtier.store.calls import (
-    Call,
-    claim_call,
-    claim_replay,
-    may_have_run,
-    parse_claim,
-    parse_pairs,
-    stopped_call,
-)
+from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim
+from jobtier.store.handback import give_back, leased_by
 from jobtier.store.redis import RedisClient, sent_once
 from jobtier.store.scripts import Scripts
 from jobtier.store.subscriber import ShardSubscriber
@@ -382,44 +374,31 @@ class WorkerClaims:
         jobs it leased, and leases none afresh if it never ran), until it is answered; then
         give those jobs back to the front of their queues: nobody heard of them (stopped.lua:
         released, their attempt not counted; fenced by their lease version)."""
-        replay = claim_replay(call)
         backoff = CLAIM.start()
         while True:
             try:
-                with sent_once():
-                    (reply,) = await self.scripts.call_many_each([replay])
-            except FAULTS as exc:
-                reply = exc
-            if not isinstance(reply, FAULTS):
+                jobs = await leased_by(self.scripts, call)
                 break
+            except FAULTS as exc:
+                failed = exc
             left = until - time.monotonic()
             if left <= 0 or self._closing:
-                why = "the API is stopping" if self._closing else f"its sends failed: {reply!r}"
+                why = "the API is stopping" if self._closing else f"its sends failed: {failed!r}"
                 _not_resent(worker, [shard], why)
                 return
             await wait_for(self._stopping, min(backoff.next(), left))
-        jobs = parse_claim(shard, reply).jobs
-        released = 0
-        if jobs:
-            # the oldest first in the claim: pushed to the front in reverse, they keep that
-            # order (a job under a concurrency key lets the next one it held go first, as any
-            # release does: stopped.lua)
-            items = [(job.id, job.lease_version) for job in reversed(jobs)]
-            try:
-                replies = await self.scripts.call_many(
-                    [stopped_call(shard, worker, self.retention_s, items)]
-                )
-            except FAULTS as exc:
-                log.warning(
-                    "event=claim_hand_back_failed worker=%s shard=%d jobs=%d error=%r: they "
-                    "return when their lease expires",
-                    worker,
-                    shard,
-                    len(jobs),
-                    exc,
-                )
-                return
-            released = sum(code is Code.OK for code, _ in parse_pairs(replies[0]))
+        try:
+            released = await give_back(self.scripts, shard, worker, self.retention_s, jobs)
+        except FAULTS as exc:
+            log.warning(
+                "event=claim_hand_back_failed worker=%s shard=%d jobs=%d error=%r: they "
+                "return when their lease expires",
+                worker,
+                shard,
+                len(jobs),
+                exc,
+            )
+            return
         log.info(
             "event=claim_given_back worker=%s shard=%d jobs=%d released=%d: the jobs a claim "
             "whose reply was lost had leased are back in their queues",

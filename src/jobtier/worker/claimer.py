@@ -37,6 +37,7 @@ from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_any, wait_for
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim
+from jobtier.store.handback import give_back, leased_by
 from jobtier.store.redis import sent_once
 from jobtier.worker.launcher import Launcher
 from jobtier.worker.permits import LimitedQueues, LostClaim
@@ -44,6 +45,7 @@ from jobtier.worker.state import WorkerState
 
 log = logging.getLogger("jobtier.worker")
 
+CUT_TIMEOUT = 2.0  # seconds to give back a cut claim's jobs at a stop (_give_back_cut)
 UNKNOWN = 1 << 30  # a shard whose queue length we don't know: worth asking
 PROBE_MIN = 16  # fewest jobs asked of a shard whose count is unknown (see _plan)
 
@@ -81,6 +83,8 @@ class Claimer:
         # shard -> the claim whose reply never came (see the module docstring): the next
         # rounds send it again
         self._unanswered: dict[int, _Unanswered] = {}
+        # claims in flight when their loop was cancelled (see _give_back_cut)
+        self._cut: list[Call] = []
         launcher.breakers.on_lift = self.on_reset  # held types come back: claim them
 
     def on_wake(self, channel: bytes, data: bytes) -> None:
@@ -142,8 +146,9 @@ class Claimer:
                 claims.result()  # a crash of the loop surfaces here
         finally:
             if not claims.done():  # run() itself was cancelled: its loop goes with it
-                claims.cancel()
+                await stop_task(claims, "claim loop", timeout=CUT_TIMEOUT)
             await self.limits.stop()
+            await self._give_back_cut()
 
     async def _claim_loop(self) -> None:
         state = self.state
@@ -222,6 +227,9 @@ class Claimer:
                 replies = await self._scripts.call_many_each(calls)
         except FAULTS as exc:
             replies = [exc] * len(calls)
+        except asyncio.CancelledError:
+            self._cut.extend(calls)
+            raise
         # a failed claim may have run, its reply lost with the connection: sent again as it
         # was (its token) at the next round
         until = time.monotonic() + state.lease_ms / 2000
@@ -299,6 +307,43 @@ class Claimer:
         ]
         return plan, calls
 
+    async def _give_back_cut(self) -> None:
+        """A claim cancelled in flight (the worker's ``run`` cancelled, or its claim abandoned
+        at the shutdown's deadline) may have run in Redis, its reply lost: the jobs it leased
+        are this worker's, which will never start them, and would wait out their lease (30 s
+        by default) as ``running``. Its token answers them (store/handback.py): they go back
+        to the front of their queues now, their attempt not counted; within ``CUT_TIMEOUT``
+        (a Redis that stopped answering leaves them to their lease, as before)."""
+        cut, self._cut = self._cut, []
+        if not cut:
+            return
+        retention = self.state.settings.retention_seconds
+        leased = released = 0
+        try:
+            async with asyncio.timeout(CUT_TIMEOUT):
+                for call in cut:
+                    jobs = await leased_by(self._scripts, call)
+                    leased += len(jobs)
+                    released += await give_back(self._scripts, call[1], self.id, retention, jobs)
+        except FAULTS as exc:  # (the bound's TimeoutError among them: an OSError)
+            log.warning(
+                "event=claim_hand_back_failed worker=%s claims=%d error=%r: the jobs a claim cut "
+                "by the stop leased, if any, return when their lease expires",
+                self.id,
+                len(cut),
+                exc,
+            )
+            return
+        if leased:
+            self.state.stats.released += released
+            log.info(
+                "event=claim_given_back worker=%s jobs=%d released=%d: the jobs of a claim cut "
+                "by the stop are back in their queues",
+                self.id,
+                leased,
+                released,
+            )
+
     # --- limited queues (permits.py) --------------------------------------------------------
     def claimer_idle(self) -> None:
         """A limited queue's loop found nothing ready: a burst worker may be done."""
@@ -335,6 +380,9 @@ class Claimer:
                 replies = await self._scripts.call_many_each(calls)
         except FAULTS as exc:
             replies = [exc] * len(claims)
+        except asyncio.CancelledError:
+            self._cut.extend(calls)
+            raise
         state.stats.claim_round_trips += 1
         used: list[tuple[str, int]] = []
         lost: list[LostClaim] = []

@@ -42,6 +42,7 @@ from jobtier.core.keys import Keys
 from jobtier.core.model import PRIORITIES
 from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_for
+from jobtier.runtime.stopping import stop_tasks
 from jobtier.store.calls import Call, claim_token, may_have_run
 from jobtier.store.redis import commands_each
 from jobtier.worker.state import WorkerState
@@ -157,11 +158,13 @@ class LimitedQueues:
         deadline = self.state.deadline
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         _, pending = await asyncio.wait(tasks, timeout=left)
-        for task in pending:
+        if pending:
             log.warning(
                 "event=claim_abandoned worker=%s: a limited queue's claim in flight", self.state.id
             )
-            task.cancel()
+            # waited for (briefly): a cut claim is given back once every loop has ended
+            # (claimer.py: _give_back_cut)
+            await stop_tasks(pending, "limited queue's claim loop", timeout=2.0)
 
 
 @dataclass(slots=True)
