@@ -3,6 +3,7 @@ tenant's only), then as Redis has it; a refused one as failed; a rolled back one
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -141,37 +142,104 @@ async def test_metrics_show_the_outbox_backlog(
         await wait_for(lambda: shows(lambda rows, age: (rows, age) == (0, 0)))
 
 
-async def test_a_cancel_of_a_job_still_in_the_outbox_says_so(
+async def test_a_cancel_of_a_job_still_in_the_outbox_cancels_its_row(
     pg_api: ApiServer, app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
 ) -> None:
-    """A job submitted with SQL and not relayed yet exists: its cancel is a 409 saying it is
-    still in the outbox (retry after a second), not a 404 "not found"; once relayed, the
-    cancel goes through; the console's cancel says the same (it was a 404). A job the relay
-    refused is said to be so (its cancel and its retry would change nothing)."""
+    """A job submitted with SQL and not relayed yet is cancelled in the outbox: the cancel
+    answers it ``cancelled`` (the tenant's, or any tenant's through the console), its status
+    reads so, the relay never takes it into Redis (a row depending on it is refused, saying
+    so), and a second cancel says it has finished. Any
+    other change of such a job is a 409 saying it has not run. Once relayed, the cancel goes to
+    Redis. A job the relay refused is said to be so (its cancel and its retry would change
+    nothing)."""
     relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
     assert await relay.drain() == 0  # records the shard count
     job_id = await outbox.submit(app, "echo", {"n": 1}, tenant="acme", delay=3600)
+    by_console = await outbox.submit(app, "echo", {"n": 2}, tenant="acme")
+    relayed = await outbox.submit(app, "echo", {"n": 3}, tenant="acme", delay=3600)
     refused = await outbox.submit(app, "no_such_task", {}, tenant="acme")
+    dependent = await outbox.submit(app, "echo", {}, tenant="acme", depends_on=[job_id])
     async with pg_api.client() as c, pg_api.client("globex") as globex:
-        r = await c.post(f"/v1/jobs/{job_id}/cancel")
-        assert r.status_code == 409 and r.headers["retry-after"] == "1", r.text
-        assert r.json()["type"] == "urn:jobtier:problem:not-relayed-yet", r.text
-        assert "still in the outbox" in r.json()["detail"], r.text
-        assert "explain says which" in r.json()["detail"], r.text  # what it may wait for
-        assert r.json()["job"]["state"] == "submitted"
-        r = await c.post(f"/v1/jobs/{job_id}/retry")  # not failed, and not to be once relayed
+        r = await c.post(f"/v1/jobs/{job_id}/retry")  # not failed, and it has not run
         assert r.status_code == 409 and "retry-after" not in r.headers, r.text
+        assert r.json()["type"] == "urn:jobtier:problem:not-relayed-yet", r.text
         assert "has not run" in r.json()["detail"], r.text
         assert (await globex.post(f"/v1/jobs/{job_id}/cancel")).status_code == 404
-        async with pg_api.client("admin") as admin:  # the console's cancel, any tenant's job
-            r = await admin.post(f"/v1/admin/jobs/{job_id}/cancel")
-            assert r.status_code == 409 and r.headers["retry-after"] == "1", r.text
-            assert r.json()["type"] == "urn:jobtier:problem:not-relayed-yet", r.text
-        assert await relay.drain() == 2
         r = await c.post(f"/v1/jobs/{job_id}/cancel")
+        assert r.status_code == 200, r.text
+        assert (r.json()["id"], r.json()["state"]) == (job_id, "cancelled"), r.text
+        async with pg_api.client("admin") as admin:  # the console's cancel, any tenant's job
+            r = await admin.post(f"/v1/admin/jobs/{by_console}/cancel")
+            assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+        for cancelled in (job_id, by_console):
+            r = await c.get(f"/v1/jobs/{cancelled}")
+            assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+            r = await c.post(f"/v1/jobs/{cancelled}/cancel")
+            assert r.status_code == 409, r.text
+            assert r.json()["type"] == "urn:jobtier:problem:wrong-state", r.text
+            assert "has already finished (cancelled)" in r.json()["detail"], r.text
+        assert await relay.drain() == 3  # the relayed and the refused rows, and one refused:
+        r = await c.get(f"/v1/jobs/{dependent}")  # a row depending on a cancelled one
+        assert r.json()["state"] == "failed", r.text
+        assert r.json()["error"]["message"] == (
+            f"refused by the outbox relay: depends_on names {job_id}, which was cancelled "
+            "before its relay"
+        ), r.text
+        for cancelled in (job_id, by_console):
+            assert not await queue.store.redis.exists(queue.store.keys.job(cancelled))
+            r = await c.get(f"/v1/jobs/{cancelled}")
+            assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+        r = await c.post(f"/v1/jobs/{relayed}/cancel")  # in Redis now
         assert r.status_code == 200 and r.json()["state"] == "cancelled", r.text
+        assert (await queue.status(relayed)).state == "cancelled"
         for action in ("cancel", "retry"):
             r = await c.post(f"/v1/jobs/{refused}/{action}")
             assert r.status_code == 409, r.text
             assert "refused by the outbox relay and never reached Redis" in r.json()["detail"]
             assert r.json()["job"]["state"] == "failed"
+        after = await outbox.submit(app, "echo", {}, tenant="acme", depends_on=[refused])
+        assert await relay.drain() == 1
+        r = await c.get(f"/v1/jobs/{after}")  # a row depending on a refused one
+        assert r.json()["error"]["message"] == (
+            f"refused by the outbox relay: depends_on names {refused}, which the relay refused"
+        ), r.text
+
+
+async def test_a_cancel_never_marks_a_row_a_relay_took(
+    pg_api: ApiServer, app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
+) -> None:
+    """A cancel of a row a relay holds (taken, its Redis submit under way) waits for it, and
+    then leaves it as the relay marked it: the cancel goes to Redis, never to the row."""
+    relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
+    assert await relay.drain() == 0  # records the shard count
+    job_id = await outbox.submit(app, "echo", {"n": 1}, tenant="acme", delay=3600)
+    tx = app.transaction()
+    await tx.start()
+    try:  # as a relay holds the rows it takes (outbox_take: FOR UPDATE)
+        await app.execute("SELECT 1 FROM jobtier.outbox WHERE id = $1 FOR UPDATE", job_id)
+        async with pg_api.client() as c:
+            cancel = asyncio.create_task(c.post(f"/v1/jobs/{job_id}/cancel"))
+
+            async def waits_for_the_lock() -> bool:
+                return bool(
+                    await pg_pool.fetchval(
+                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                        " AND query LIKE '%UPDATE jobtier.outbox%cancelled_at%'"
+                    )
+                )
+
+            await wait_for(waits_for_the_lock)
+            await app.execute(
+                "UPDATE jobtier.outbox SET relayed_at = clock_timestamp() WHERE id = $1", job_id
+            )
+            await tx.commit()
+            r = await cancel
+    finally:
+        if app.is_in_transaction():  # neither committed nor rolled back: a failure above
+            await tx.rollback()
+    # the relay's Redis submit is not made here: Redis has no such job, and the cancel says so
+    assert r.status_code == 404, r.text
+    row = await app.fetchrow(
+        "SELECT relayed_at, cancelled_at FROM jobtier.outbox WHERE id = $1", job_id
+    )
+    assert row["relayed_at"] is not None and row["cancelled_at"] is None, row

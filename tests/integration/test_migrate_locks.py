@@ -18,7 +18,7 @@ from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist import db
 from tests.fixtures.engine import wait_for
 
-LAST = "0023_outbox_waiting_for_a_worker"  # ALTER TABLE jobtier.outbox: an exclusive lock
+LAST = "0024_outbox_cancelled"  # ALTER TABLE jobtier.outbox: an exclusive lock
 
 
 @pytest.fixture

@@ -418,7 +418,7 @@ class ReplyLost:
         return getattr(self._scripts, name)
 
     async def call_many_each(self, calls: Any) -> list[Any]:
-        replies = await self._scripts.call_many_each(calls)
+        replies: list[Any] = await self._scripts.call_many_each(calls)
         claimed = any(
             not isinstance(reply, Exception) and int(reply[2]) > 0
             for (name, _, args), reply in zip(calls, replies, strict=True)

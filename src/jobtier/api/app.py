@@ -59,6 +59,9 @@ class Extension:
         # the status document of a job only the outbox holds (job id, tenant; None: any
         # tenant's), else None
         self.outbox_doc: Callable[[str, str | None], Awaitable[bytes | None]] | None = None
+        # cancel a job only the outbox holds, not relayed yet (job id, tenant; None: any
+        # tenant's): its status document, cancelled, else None
+        self.outbox_cancel: Callable[[str, str | None], Awaitable[bytes | None]] | None = None
         # a job's dependencies once Redis no longer keeps it (job id, tenant)
         self.dependencies_fallback: (
             Callable[[str, str], Awaitable[list[Dependency] | None]] | None
@@ -174,6 +177,7 @@ def create_app(
                 "admin_key": settings.admin_key,
                 "result_fallback": ext.result_fallback,
                 "outbox_doc": ext.outbox_doc,
+                "outbox_cancel": ext.outbox_cancel,
                 "dependencies_fallback": ext.dependencies_fallback,
                 "postgres_ready": ext.postgres_ready,
                 "openapi": served_document,

@@ -92,7 +92,7 @@ async def cancel(request: Request) -> Response:
     async with audited(request, "job.cancel", job_id) as outcome:
         # a job still in the outbox: a 409 saying so, with Retry-After (http.py)
         doc = await outbox_transition(
-            request, job_id, None, JobControl.cancel_doc, finished, once_relayed=True
+            request, job_id, None, JobControl.cancel_doc, finished, cancel=True
         )
         outcome.detail = {"state": doc_state(doc)}
     return DocResponse(doc)

@@ -88,12 +88,12 @@ async def transition(
 
 
 async def job_transition(
-    request: Request, change: Change, refused: Refused, *, once_relayed: bool = False
+    request: Request, change: Change, refused: Refused, *, cancel: bool = False
 ) -> Response:
     """``transition`` of the tenant's job, the change a client asks of it (cancel, retry)
     (``outbox_transition``)."""
     doc = await outbox_transition(
-        request, job_id_of(request), tenant_of(request), change, refused, once_relayed=once_relayed
+        request, job_id_of(request), tenant_of(request), change, refused, cancel=cancel
     )
     return DocResponse(doc)
 
@@ -105,36 +105,48 @@ async def outbox_transition(
     change: Change,
     refused: Refused,
     *,
-    once_relayed: bool,
+    cancel: bool,
 ) -> bytes:
     """``transition`` of the job (the tenant's; any tenant's with None: the console). A job
     Redis does not hold that only the outbox does (submitted with SQL and not relayed yet, or
-    refused by the relay) is a 409 saying so, not a 404: it exists. ``once_relayed``: the
-    change can be made once the relay has taken the job (a cancel, not a retry), which the
-    409 says, with ``Retry-After``."""
+    refused or cancelled there) is not a 404: it exists. A ``cancel`` of one not relayed yet
+    cancels its row, which the relay then never takes; any other change of it is a 409 saying
+    it has not run, and of a refused or cancelled one a 409 saying it has finished."""
+    queue = request.state.queue
     try:
-        return await transition(request.state.queue, job_id, tenant, change, refused)
+        return await transition(queue, job_id, tenant, change, refused)
     except Problem as problem:
         outbox = getattr(request.state, "outbox_doc", None)
         if problem.status != 404 or outbox is None or not (doc := await outbox(job_id, tenant)):
             raise
-    if doc_state(doc) != "submitted":  # refused by the relay: failed, for good
+        lost = problem
+    state = doc_state(doc)
+    if state == "failed":  # refused by the relay: for good
         detail = (
             f"job {job_id} was refused by the outbox relay and never reached Redis (its error "
             "says why): there is nothing to change; submit it again once the cause is mended"
         )
         raise Problem(409, "wrong-state", detail, job=orjson.loads(doc)) from None
-    detail = f"job {job_id} is still in the outbox: the relay has not taken it into Redis yet"
-    if once_relayed:
-        detail += (
-            " (it does within a second while a persister runs its relay, unless it waits for "
-            "a worker of its type or for a job it depends on: GET /v1/jobs/{id}/explain says "
-            "which): send this again then"
+    if state != "submitted":  # cancelled before its relay
+        raise Problem(409, "wrong-state", refused(job_id, state), job=orjson.loads(doc))
+    if not cancel:
+        detail = (
+            f"job {job_id} is still in the outbox: the relay has not taken it into Redis yet, "
+            "and it has not run"
         )
-    else:
-        detail += ", and it has not run"
-    headers = {"retry-after": "1"} if once_relayed else None
-    raise Problem(409, "not-relayed-yet", detail, job=orjson.loads(doc), headers=headers) from None
+        raise Problem(409, "not-relayed-yet", detail, job=orjson.loads(doc)) from None
+    cancelled: bytes | None = await request.state.outbox_cancel(job_id, tenant)
+    # None: a relay took the row meanwhile (the cancel waited for its lock), and the job is in
+    # Redis. Either way Redis is asked again: a relay whose Redis submit ran and whose mark of
+    # the row failed leaves the job in Redis and the row to be taken again
+    try:
+        return await transition(queue, job_id, tenant, change, refused)
+    except Problem as problem:
+        if problem.status != 404:
+            raise
+    if cancelled is not None:
+        return cancelled
+    raise lost  # neither has it any more (refused meanwhile: its status says so)
 
 
 def finished(job_id: str, state: str) -> str:

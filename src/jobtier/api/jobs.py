@@ -227,4 +227,4 @@ async def get_result(request: Request) -> Response:
 
 
 async def cancel(request: Request) -> Response:
-    return await job_transition(request, JobControl.cancel_doc, finished, once_relayed=True)
+    return await job_transition(request, JobControl.cancel_doc, finished, cancel=True)

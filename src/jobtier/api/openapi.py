@@ -355,8 +355,8 @@ def _job_paths(s: Settings) -> oa.Paths:
         oa.JOB_404,
         oa.refuses(
             409,
-            "the job has already finished (wrong-state; job: its status), or is still in the "
-            "outbox, submitted with SQL and not yet relayed (not-relayed-yet, with Retry-After)",
+            "the job has already finished (wrong-state; job: its status); a job still in the "
+            "outbox, submitted with SQL and not yet relayed, is cancelled there (200)",
         ),
     )
     add(

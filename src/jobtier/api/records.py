@@ -44,7 +44,7 @@ from jobtier.persist.db import (
     migrations,
     query,
 )
-from jobtier.persist.outbox_docs import outbox_docs
+from jobtier.persist.outbox_docs import outbox_docs, render
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.streams.group import shared_lag
@@ -109,6 +109,7 @@ class PostgresExtension(Extension):
         self.lag = self._lag_entries
         self.outbox_backlog = self._outbox_backlog
         self.outbox_doc = self._outbox_doc
+        self.outbox_cancel = self._outbox_cancel
 
     async def open(self, settings: Settings, queue: Queue) -> None:
         self.queue = queue
@@ -175,6 +176,15 @@ class PostgresExtension(Extension):
         if known is None or tenant not in (None, known[0]):
             return None
         return known[1]
+
+    async def _outbox_cancel(self, job_id: str, tenant: str | None) -> bytes | None:
+        """Cancel the tenant's job (any tenant's with None) that only the outbox holds, not
+        relayed yet: the relay never takes it (``outbox_cancel``). Its status document, or
+        None if no such row is left (a relay took it meanwhile)."""
+        assert self.pool is not None
+        with postgres_or_503(logged=True):
+            row = await self.pool.fetchrow(query("outbox_cancel"), job_id, tenant)
+        return None if row is None else render(row)
 
     async def _outbox_result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
         """A job only the outbox holds (not relayed yet, refused by its relay, or relayed a

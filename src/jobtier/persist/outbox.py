@@ -397,7 +397,10 @@ class OutboxRelay:
                 if await conn.fetchval(query("outbox_unrelayed"), deps, item.tenant):
                     done.later.append((item.job_id, waited[item.job_id]))
                     continue
-                refused.append((item.job_id, _reason(exc)))
+                # one that never reached Redis, refused or cancelled: named as such
+                ended = await conn.fetchval(query("outbox_ended"), deps, item.tenant)
+                why = exc if ended is None else InvalidRequest(f"depends_on names {ended}")
+                refused.append((item.job_id, _reason(why)))
                 continue
             for item, outcome in zip(group, outcomes, strict=True):
                 if outcome.job_id != item.job_id:  # the key names a job submitted otherwise

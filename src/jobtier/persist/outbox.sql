@@ -40,6 +40,18 @@ UPDATE jobtier.outbox AS o SET relayed_at = clock_timestamp(), error = r.error
 FROM unnest($1::text[], $2::text[]) AS r(id, error)
 WHERE o.id = r.id
 
+-- name: outbox_cancel
+-- The tenant's row not relayed yet ($2; any tenant's with NULL: the console), cancelled: the
+-- relay never takes it. A row a relay holds (taken, its Redis submit under way) is waited for,
+-- and then matches no more: the job is in Redis, where the cancel goes. Its status, tenant.
+UPDATE jobtier.outbox
+SET relayed_at = clock_timestamp(), cancelled_at = clock_timestamp()
+WHERE id = $1 AND ($2::text IS NULL OR tenant = $2) AND relayed_at IS NULL
+RETURNING id, tenant, type, queue, priority,
+          CASE WHEN run_at BETWEEN '0001-01-02 00:00:00+00' AND '9999-12-30 00:00:00+00'
+               THEN run_at END AS run_at,
+          max_attempts, created_at, relayed_at, error, cancelled_at
+
 -- name: outbox_wait
 -- Rows of types no worker has advertised yet: left out until $2 seconds after their submit
 -- (then refused if their type is still unknown), or until outbox_release.
@@ -71,6 +83,16 @@ SELECT EXISTS (
     WHERE id = ANY($1::text[]) AND tenant = $2 AND relayed_at IS NULL
 )
 
+-- name: outbox_ended
+-- The first of these ids that is the tenant's row refused by the relay or cancelled before it:
+-- what a job depending on it is refused for. NULL: none.
+SELECT CASE WHEN cancelled_at IS NOT NULL THEN id || ', which was cancelled before its relay'
+            ELSE id || ', which the relay refused' END
+FROM jobtier.outbox
+WHERE id = ANY($1::text[]) AND tenant = $2 AND (error IS NOT NULL OR cancelled_at IS NOT NULL)
+ORDER BY seq
+LIMIT 1
+
 -- name: outbox_pending
 SELECT count(*) FROM jobtier.outbox WHERE relayed_at IS NULL
 
@@ -87,28 +109,29 @@ SELECT (SELECT count(*) FROM (SELECT 1 FROM jobtier.outbox WHERE relayed_at IS N
         ORDER BY seq LIMIT 1) AS age
 
 -- name: outbox_prune
--- Relayed rows once their idempotency keys are forgotten ($1), refused ones (the only record
--- of those jobs) with the finished jobs ($2; NULL: kept).
+-- Relayed rows once their idempotency keys are forgotten ($1), refused and cancelled ones (the
+-- only record of those jobs) with the finished jobs ($2; NULL: kept).
 DELETE FROM jobtier.outbox
 WHERE id IN (
     SELECT id FROM jobtier.outbox
-    WHERE relayed_at < $1 AND error IS NULL OR relayed_at < $2 AND error IS NOT NULL
+    WHERE relayed_at < $1 AND error IS NULL AND cancelled_at IS NULL
+       OR relayed_at < $2 AND (error IS NOT NULL OR cancelled_at IS NOT NULL)
     LIMIT $3
 )
 
 -- name: outbox_status_docs
--- Jobs of the outbox that Postgres has no row of: not relayed yet, refused by the relay, or
--- (with $2) relayed within the last 10 minutes (a read that missed them in Redis just before
--- the relay, and the persister has not written their row yet: they read as submitted, as
--- they were, rather than not found; past that, a job neither Redis nor Postgres holds is not
--- found).
+-- Jobs of the outbox that Postgres has no row of: not relayed yet, refused by the relay,
+-- cancelled before their relay, or (with $2) relayed within the last 10 minutes (a read that
+-- missed them in Redis just before the relay, and the persister has not written their row
+-- yet: they read as submitted, as they were, rather than not found; past that, a job neither
+-- Redis nor Postgres holds is not found).
 -- run_at only as a datetime holds it (an infinity or a date BC reads as none: due now, or
 -- refused by the relay), so that one such row cannot fail the read of every id with it.
 SELECT id, tenant, type, queue, priority,
        CASE WHEN run_at BETWEEN '0001-01-02 00:00:00+00' AND '9999-12-30 00:00:00+00'
             THEN run_at END AS run_at,
-       max_attempts, created_at, relayed_at, error
+       max_attempts, created_at, relayed_at, error, cancelled_at
 FROM jobtier.outbox
 WHERE id = ANY($1::text[])
-  AND (relayed_at IS NULL OR error IS NOT NULL
+  AND (relayed_at IS NULL OR error IS NOT NULL OR cancelled_at IS NOT NULL
        OR $2 AND relayed_at > now() - interval '10 minutes')

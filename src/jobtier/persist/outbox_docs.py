@@ -5,9 +5,9 @@ Between its commit and its relay a job submitted with ``jobtier.submit`` is a ro
 version in Redis, 1, supersedes it), not 404; and so does a row relayed in the last 10
 minutes, for a read that missed the job in Redis just before the relay, until the persister
 writes its row (which is read first). A row the relay refused reads as ``failed`` with the
-reason, for as long as finished jobs are kept. What the relay takes from the task (its
-queue and attempts when the caller gave none) is not known yet: ``queue`` is the one given,
-else ``default``, and ``max_attempts`` 0.
+reason, and one cancelled before its relay as ``cancelled``, for as long as finished jobs are
+kept. What the relay takes from the task (its queue and attempts when the caller gave none) is
+not known yet: ``queue`` is the one given, else ``default``, and ``max_attempts`` 0.
 """
 
 from __future__ import annotations
@@ -32,19 +32,24 @@ def iso(at: datetime) -> str:
 def render(row: Any) -> bytes:
     """The row's status document, in the fields' order of ``render.lua``."""
     refused = row["error"] is not None
+    cancelled = row["cancelled_at"] is not None
+    ended = refused or cancelled
     created = iso(row["created_at"])
+    state = State.FAILED if refused else State.SUBMITTED
+    if cancelled:
+        state = State.CANCELLED
     return _encode(
         {
             "id": row["id"],
             "type": row["type"],
             "queue": row["queue"] or DEFAULT_QUEUE,
-            "state": State.FAILED if refused else State.SUBMITTED,
-            "version": 1 if refused else 0,
+            "state": state,
+            "version": 1 if ended else 0,
             "priority": row["priority"],
             "attempt": 0,
             "max_attempts": row["max_attempts"] or 0,
             "created_at": created,
-            "updated_at": iso(row["relayed_at"]) if refused else created,
+            "updated_at": iso(row["relayed_at"]) if ended else created,
             "run_at": iso(row["run_at"]) if row["run_at"] is not None else None,
             "progress": None,
             "error": {"type": "Refused", "message": row["error"][:2000]} if refused else None,
