@@ -48,6 +48,7 @@ from jobtier.persist.outbox_docs import outbox_docs, render
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.streams.group import shared_lag
+from jobtier.webhooks.deliveries import deliver_ended
 from jobtier.webhooks.safety import Resolver
 
 log = logging.getLogger("jobtier.api")
@@ -180,11 +181,17 @@ class PostgresExtension(Extension):
     async def _outbox_cancel(self, job_id: str, tenant: str | None) -> bytes | None:
         """Cancel the tenant's job (any tenant's with None) that only the outbox holds, not
         relayed yet: the relay never takes it (``outbox_cancel``). Its status document, or
-        None if no such row is left (a relay took it meanwhile)."""
+        None if no such row is left (a relay took it meanwhile). Its webhooks are made with
+        it, as for a job cancelled in Redis."""
         assert self.pool is not None
         with postgres_or_503(logged=True):
-            row = await self.pool.fetchrow(query("outbox_cancel"), job_id, tenant)
-        return None if row is None else render(row)
+            async with self.pool.acquire() as conn, conn.transaction():
+                row = await conn.fetchrow(query("outbox_cancel"), job_id, tenant)
+                if row is None:
+                    return None
+                doc = render(row)
+                await deliver_ended(conn, [(row["tenant"], doc)])  # its webhooks, or neither
+        return doc
 
     async def _outbox_result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
         """A job only the outbox holds (not relayed yet, refused by its relay, or relayed a

@@ -212,6 +212,7 @@ def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
     from jobtier.persist.persister import Persister
     from jobtier.store.redis import connect
     from jobtier.streams.group import replay_refused
+    from jobtier.webhooks.deliveries import deliver_ended
 
     if args.replay_refused:
 
@@ -233,6 +234,7 @@ def cmd_persister(args: argparse.Namespace, settings: Settings) -> int:
             pool,
             args.name or default_name("persister"),
             concurrency=settings.persist_concurrency,
+            outbox_ended=deliver_ended,
         )
 
     # the outbox relay holds one connection to listen on and takes one per batch

@@ -256,6 +256,7 @@ async def run_all(
     from jobtier.persist.db import CONNECT_FAULTS, MigrationBlocked, create_pool, migrate
     from jobtier.persist.persister import Persister
     from jobtier.persist.schedule_store import ScheduleStore
+    from jobtier.webhooks.deliveries import deliver_ended
     from jobtier.webhooks.dispatcher import Dispatcher
 
     main = asyncio.current_task()
@@ -314,7 +315,9 @@ async def run_all(
             )
             outcome.worker = worker
             scheduler = Scheduler(queue.store, schedules=ScheduleStore(pool))
-            persister = Persister(settings, queue.redis, pool, "run-persister")
+            persister = Persister(
+                settings, queue.redis, pool, "run-persister", outbox_ended=deliver_ended
+            )
             dispatcher = Dispatcher(settings, queue.redis, pool, "run-dispatcher")
             store = queue.store
             makers[:], followers[:] = [worker, scheduler], [persister, dispatcher]

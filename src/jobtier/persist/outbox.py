@@ -44,6 +44,7 @@ from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT
 from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.persist.db import UNAVAILABLE, AnyConnection, Connection, Pool, connect, query
+from jobtier.persist.outbox_docs import render
 from jobtier.persist.outbox_gate import RelayGate
 from jobtier.runtime.backoff import PERSIST_POSTGRES
 from jobtier.runtime.loop import FAULTS, wait_for
@@ -83,6 +84,10 @@ RETRIED: tuple[type[BaseException], ...] = (
 )
 
 AfterSubmit = Callable[[Sequence[str]], Awaitable[None] | None]
+# what the webhooks make of rows that end in the outbox, refused or cancelled, in the
+# transaction that ends them: (connection, [(tenant, status document)]) -> deliveries made
+# (webhooks/deliveries.py: deliver_ended; given by the process that runs the relay)
+OnEnded = Callable[[AnyConnection, Sequence[tuple[str, bytes]]], Awaitable[int]]
 """Called with the ids just submitted into Redis, before the rows are marked (tests inflict a
 crash there)."""
 
@@ -134,6 +139,7 @@ class OutboxRelay:
         poll: float | None = None,
         after_submit: AfterSubmit | None = None,
         on_relayed: Callable[[Sequence[str], float], None] | None = None,
+        on_ended: OnEnded | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
@@ -142,6 +148,7 @@ class OutboxRelay:
         self.poll = poll if poll is not None else settings.outbox_poll_seconds
         self.after_submit = after_submit
         self.on_relayed = on_relayed  # (ids, wall time of the commit) after each batch
+        self.on_ended = on_ended  # the webhooks of refused rows
         self.stats = RelayStats()
         self.stopping = asyncio.Event()
         self._wake = asyncio.Event()
@@ -153,12 +160,15 @@ class OutboxRelay:
         self.gate = RelayGate(settings, producer.store)
 
     @classmethod
-    def of_persister(cls, settings: Settings, redis: RedisClient, pool: Pool) -> OutboxRelay:
+    def of_persister(
+        cls, settings: Settings, redis: RedisClient, pool: Pool, on_ended: OnEnded | None = None
+    ) -> OutboxRelay:
         """The relay a persister runs, on its Redis client and Postgres pool: submits checked
         against the task catalogue as the API checks them."""
         store = Store(settings, redis)
         catalog = TaskCatalog(redis, store.keys, ttl=settings.task_catalog_ttl)
-        relay = cls(settings, pool, Producer(store, catalog, settings.require_known_types, None))
+        producer = Producer(store, catalog, settings.require_known_types, None)
+        relay = cls(settings, pool, producer, on_ended=on_ended)
         relay._catalog = catalog
         return relay
 
@@ -308,7 +318,9 @@ class OutboxRelay:
                     await conn.execute(query("outbox_relayed"), done.relayed)
                 if done.refused:
                     ids, reasons = [i for i, _ in done.refused], [r for _, r in done.refused]
-                    await conn.execute(query("outbox_refused"), ids, reasons)
+                    ended = await conn.fetch(query("outbox_refused"), ids, reasons)
+                    if self.on_ended is not None:
+                        await self.on_ended(conn, [(r["tenant"], render(r)) for r in ended])
         self._recorded = True  # committed
         self._waiting_types.difference_update(released)
         self.taken = len(rows)

@@ -36,9 +36,15 @@ FOR UPDATE SKIP LOCKED
 UPDATE jobtier.outbox SET relayed_at = clock_timestamp() WHERE id = ANY($1::text[])
 
 -- name: outbox_refused
+-- The rows refused, as their status documents render them (outbox_docs.py), for their
+-- webhooks.
 UPDATE jobtier.outbox AS o SET relayed_at = clock_timestamp(), error = r.error
 FROM unnest($1::text[], $2::text[]) AS r(id, error)
 WHERE o.id = r.id
+RETURNING o.id, o.tenant, o.type, o.queue, o.priority,
+          CASE WHEN o.run_at BETWEEN '0001-01-02 00:00:00+00' AND '9999-12-30 00:00:00+00'
+               THEN o.run_at END AS run_at,
+          o.max_attempts, o.created_at, o.relayed_at, o.error, o.cancelled_at
 
 -- name: outbox_cancel
 -- The tenant's row not relayed yet ($2; any tenant's with NULL: the console), cancelled: the

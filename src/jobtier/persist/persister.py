@@ -45,7 +45,7 @@ from jobtier.persist.batch import (
 from jobtier.persist.db import UNAVAILABLE, Pool
 from jobtier.persist.entry_parts import EntryParts
 from jobtier.persist.holding import Batch, Holding
-from jobtier.persist.outbox import OutboxRelay
+from jobtier.persist.outbox import OnEnded, OutboxRelay
 from jobtier.persist.reconcile import run_reconciling
 from jobtier.persist.retention import run_pruning
 from jobtier.persist.stats import PersisterStats
@@ -102,6 +102,7 @@ class Persister:
         on_commit: Callable[[Sequence[LogEntry], float], None] | None = None,
         concurrency: int = 2,
         batch_timeout: float = BATCH_TIMEOUT,
+        outbox_ended: OnEnded | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
@@ -145,8 +146,11 @@ class Persister:
         self._explain = Unforeseen(log)  # a traceback once per error class
         self._tracer = tracing.tracer()  # a span per batch when tracing is on
         # jobs of SELECT jobtier.submit(...) into Redis (docs/outbox.md; JOBTIER_OUTBOX_RELAY)
+        # (outbox_ended: the webhooks of the rows it refuses, webhooks/deliveries.py)
         self.relay = (
-            OutboxRelay.of_persister(settings, redis, pool) if settings.outbox_relay else None
+            OutboxRelay.of_persister(settings, redis, pool, outbox_ended)
+            if settings.outbox_relay
+            else None
         )
 
     # --- life cycle -----------------------------------------------------------------------

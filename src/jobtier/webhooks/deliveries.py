@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -20,8 +21,8 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from jobtier.core.model import TERMINAL
-from jobtier.persist.db import UNAVAILABLE, Pool, query
+from jobtier.core.model import TERMINAL, decode_status
+from jobtier.persist.db import UNAVAILABLE, AnyConnection, Pool, query
 from jobtier.streams.entries import LogEntry
 
 # Postgres is unreachable or refusing work for now: keep the work and try again later
@@ -211,3 +212,25 @@ class DeliveryStore:
         row = await self.pool.fetchrow(query("deliveries_pending_count"))
         assert row is not None
         return int(row["pending"]), row["next_due"]
+
+
+async def deliver_ended(conn: AnyConnection, ended: Sequence[tuple[str, bytes]]) -> int:
+    """The deliveries of jobs that ended without reaching Redis, whose transition logs the
+    dispatchers follow: outbox rows the relay refused (``job.failed``) or that were cancelled
+    before it (``job.cancelled``). ``ended``: (tenant, status document) of each. Made in
+    ``conn``'s transaction, the one that ends the rows: both or neither. Due at once, for the
+    tenants' subscriptions (such a job has no callback of its own); how many were made."""
+    if not ended:
+        return 0
+    subs = await conn.fetch(query("targets_subscriptions"), list({t for t, _ in ended}))
+    if not subs:
+        return 0
+    stamp = f"{int(time.time() * 1000)}-0".encode()  # when, as a log entry's id says it
+    entries = [
+        LogEntry(0, stamp, decode_status(doc), doc, tenant, "submitted", "outbox")
+        for tenant, doc in ended
+    ]
+    items = made_from(entries, subs, ())
+    if not items:
+        return 0
+    return len(await conn.fetch(query("deliveries_insert"), *_columns(items)))
