@@ -105,7 +105,18 @@ async def too_deep(ctx: JobContext, payload: Any) -> list[Any]:
     return result
 
 
+HOSTILE = "line1\nFAKE ROW \x1b[2J\x1b[31m\x1b]0;title\x07\x00\r\x9b"
+
+
+@task(retries=0)
+async def hostile(ctx: JobContext, payload: Any) -> None:
+    """Logs and fails with text a terminal would act on (escape sequences, a forged line)."""
+    ctx.log(HOSTILE)
+    raise ValueError(HOSTILE)
+
+
 registry = TaskRegistry(
     [swallow_cancel, poll_cancel_sync, gated, fail_once, deep_failure, chatty, chatty_sync,
-     cancelled_elsewhere, too_deep, tasks.wait_for_cancel, tasks.unserialisable, demo.echo]
+     cancelled_elsewhere, too_deep, hostile, tasks.wait_for_cancel, tasks.unserialisable,
+     demo.echo]
 )  # fmt: skip

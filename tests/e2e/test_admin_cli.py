@@ -205,6 +205,33 @@ async def test_dead_letters_list_show_replay(pg_api: ApiServer, queue: Queue) ->
     assert code == 1 and "not in the dead-letter set" in err
 
 
+async def test_job_text_reaches_the_terminal_as_text(pg_api: ApiServer, queue: Queue) -> None:
+    """A job's error and log lines are anyone's text (a worker's, an HTTP worker's): the
+    commands print their escape sequences, carriage returns, NUL and line breaks as escapes,
+    so that none clears the screen, sets a title or forges a row or a line."""
+    cli = Cli(pg_api)
+    async with pg_api.client() as c:
+        job = (await c.post("/v1/jobs", json={"type": "hostile"})).json()
+    await worker_for(queue, registry, burst=True).run()
+    await until(queue, job["id"], State.FAILED)
+    outs = [
+        await cli("jobs", "show", job["id"]),
+        await cli("jobs", "logs", job["id"]),
+        await cli("dead-letters", "list", key=ADMIN),
+        await cli("dead-letters", "show", job["id"], key=ADMIN),
+    ]
+    for code, out, err in outs:
+        assert code == 0, err
+        assert not any(ch in out for ch in "\x1b\x00\x07\r\x9b"), repr(out)
+        assert not any(line.startswith("FAKE ROW") for line in out.splitlines()), out
+    assert "line1\\nFAKE ROW \\x1b[2J\\x1b[31m\\x1b]0;title\\x07\\x00\\r\\x9b" in outs[0][1]
+    assert "line1\\nFAKE ROW" in outs[1][1]  # the log line
+    shown = await cli.json("jobs", "show", job["id"])  # JSON: the text itself, escaped by JSON
+    from tests.debug_tasks import HOSTILE
+
+    assert shown["status"]["error"]["message"] == HOSTILE, shown
+
+
 async def test_queues_list_pause_resume_limit(pg_api: ApiServer, queue: Queue) -> None:
     cli = Cli(pg_api)
     async with pg_api.client() as c:

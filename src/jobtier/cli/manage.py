@@ -90,9 +90,31 @@ def _connection(p: argparse.ArgumentParser, key: str) -> None:
 
 
 # --- output ---------------------------------------------------------------------------------
+# What a job's text may hold that a terminal would act on: C0 controls (escape sequences, a
+# carriage return, a bell, NUL), DEL and C1 (a worker's error or log line is anyone's text)
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_LINE_BREAKS = re.compile("[\n\t]")
+
+
+def _escaped(m: re.Match[str]) -> str:
+    return {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(m[0], f"\\x{ord(m[0]):02x}")
+
+
+def printable(text: str) -> str:
+    """``text`` shown, never acted on, by a terminal: its controls as escapes (``\\x1b``);
+    line breaks are kept (``one_line`` for a field of a line)."""
+    return _CONTROLS.sub(_escaped, text)
+
+
+def one_line(text: object) -> str:
+    """A field of one line of output, as ``printable``, its line breaks and tabs escaped too:
+    a message cannot forge a row or a line of its own."""
+    return _LINE_BREAKS.sub(_escaped, printable(str(text)))
+
+
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
     """Left-aligned columns, two spaces apart, a header line on top; cells as ``str`` has them."""
-    cells = [list(headers), *([str(cell) for cell in row] for row in rows)]
+    cells = [list(headers), *([one_line(cell) for cell in row] for row in rows)]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     lines = ("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in cells)
     return "\n".join(line.rstrip() for line in lines)
@@ -142,13 +164,14 @@ def status_block(s: JobStatus) -> list[str]:
     if s.run_at is not None:
         lines.append(f"run at:      {short_time(s.run_at)}")
     if s.worker is not None:
-        lines.append(f"worker:      {s.worker}")
+        lines.append(f"worker:      {one_line(s.worker)}")
     if s.progress is not None:
         lines.append(f"progress:    {msgspec.json.encode(s.progress).decode()}")
     if s.error is not None:
-        lines.append(f"error:       {s.error.type}: {s.error.message}")
+        lines.append(f"error:       {one_line(s.error.type)}: {one_line(s.error.message)}")
         if s.error.traceback:
-            lines += ["traceback:", *("  " + t for t in s.error.traceback.rstrip().splitlines())]
+            trace = s.error.traceback.rstrip().splitlines()
+            lines += ["traceback:", *("  " + one_line(t) for t in trace)]
     return lines
 
 
@@ -156,7 +179,7 @@ def log_block(lines: Sequence[LogLine]) -> list[str]:
     if not lines:
         return ["log lines:   none"]
     out = [f"log lines:   {len(lines)}"]
-    out += [f"  {short_time(line.at)}  #{line.attempt}  {line.message}" for line in lines]
+    out += [f"  {short_time(line.at)}  #{line.attempt}  {one_line(line.message)}" for line in lines]
     return out
 
 
@@ -243,7 +266,7 @@ def jobs_explain(c: Client, a: argparse.Namespace) -> Any:
         return e
     position = "" if e.position is None else f", position {e.position}"
     lines = [f"{e.id}: {e.state}{position} (checked {short_time(e.checked_at)})"]
-    lines += [f"  {r.code}: {r.message}" for r in e.reasons]
+    lines += [f"  {r.code}: {one_line(r.message)}" for r in e.reasons]
     return "\n".join(lines)
 
 
@@ -439,7 +462,8 @@ def run(args: argparse.Namespace, settings: object = None) -> int:
             # came from, and where the right one goes
             source = "--key" if args.key else next(n for n in names if os.environ.get(n))
             hint = f": the key from {source} is not it (give it in --key or {names[0]})"
-        print(f"{name}: {exc.detail or exc.title} (HTTP {exc.status}){hint}", file=sys.stderr)
+        detail = printable(exc.detail or exc.title)
+        print(f"{name}: {detail} (HTTP {exc.status}){hint}", file=sys.stderr)
         return 1
     except httpx.HTTPError as exc:
         print(
@@ -448,7 +472,9 @@ def run(args: argparse.Namespace, settings: object = None) -> int:
             file=sys.stderr,
         )
         return 1
-    print(as_json(out) if args.json else out)
+    # (JSON escapes controls itself; a table's or a page's every line is made printable, a
+    # line break of a message's escaped where it is written)
+    print(as_json(out) if args.json else printable(out))
     return 0
 
 
