@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from jobtier.api.records import PostgresExtension
-from jobtier.client import AsyncClient, WrongState
+from jobtier.client import AsyncClient, ValidationFailed, WrongState
 from jobtier.config import Settings
 from jobtier.core.model import State
 from jobtier.engine.catalog import publish
@@ -327,6 +327,11 @@ async def test_the_async_client_does_the_same(
         letter = await admin.dead_letter(bad["id"])
         assert letter.job.error is not None and letter.job.error.type == "ValueError"
         assert await admin.replay_dead_letters(type="deep_failure") == [bad["id"]]
+        await worker_for(queue, registry, burst=True).run()  # it fails again
+        with pytest.raises(ValidationFailed) as refused:  # every one: asked for by name
+            await admin.replay_dead_letters()
+        assert refused.value.field == "all" and '"all": true' in str(refused.value)
+        assert await admin.replay_dead_letters(all=True) == [bad["id"]]
         await worker_for(queue, registry, burst=True).run()  # it fails again
         assert (await admin.replay(bad["id"])).state is State.QUEUED
         await worker_for(queue, registry, burst=True).run()

@@ -169,7 +169,12 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await worker_for(queue, registry, burst=True).run()  # it fails again: dead once more
         await check(c, "POST", "/v1/jobs/{job_id}/retry", 200, ids=dead)
         await check(c, "POST", "/v1/jobs/{job_id}/retry", 409, ids=dead)
-        await check(admin, "POST", "/v1/admin/dead-letters/replay", 200, json={"limit": 5})
+        # every dead letter is asked for by name, not by leaving the filters out
+        await check(admin, "POST", "/v1/admin/dead-letters/replay", 422, json={"limit": 5})
+        await check(admin, "POST", "/v1/admin/dead-letters/replay", 422)  # no body
+        await check(
+            admin, "POST", "/v1/admin/dead-letters/replay", 200, json={"limit": 5, "all": True}
+        )
         await check(admin, "GET", "/v1/admin/stats", 200)
         q = {"name": "default"}
         await check(admin, "POST", "/v1/admin/queues/{name}/pause", 200, ids=q)

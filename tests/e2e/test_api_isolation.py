@@ -113,7 +113,7 @@ BODIES: dict[tuple[str, str], Any] = {
     },
     ("POST", "/v1/schedules"): SCHEDULE,
     ("POST", "/v1/batches"): {"type": "echo", "items": [{"n": 1}, {"n": 2}]},
-    ("POST", "/v1/admin/dead-letters/replay"): {},
+    ("POST", "/v1/admin/dead-letters/replay"): {"all": True},
     ("POST", "/v1/webhooks"): {"url": "http://127.0.0.1:9/hook"},  # allowed below, never sent
 }
 

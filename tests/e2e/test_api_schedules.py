@@ -60,6 +60,7 @@ async def test_crud_and_isolation(pg_api: ApiServer) -> None:
         ({**NIGHTLY, "timezone": "Nowhere/Land"}, "timezone"),
         ({"name": "fast", "type": "echo", "interval": 0}, "interval"),
         ({"name": "both", "type": "echo", "interval": 5, "cron": "* * * * *"}, "cron"),
+        ({"name": "neither", "type": "echo"}, "cron"),
         ({**NIGHTLY, "misfire": "sometimes"}, "misfire"),
         ({**NIGHTLY, "colour": "red"}, None),
     ],
@@ -72,6 +73,8 @@ async def test_bad_schedules_are_422_and_change_nothing(
         assert r.status_code == 422 and r.headers["content-type"] == "application/problem+json"
         if field:
             assert r.json()["field"] == field
+        if body.get("name") == "neither":  # what to give, not "exactly one" of two not given
+            assert r.json()["detail"] == "give cron (a cron expression) or interval (seconds)"
         assert (await c.get("/v1/schedules")).json()["schedules"] == []
 
 

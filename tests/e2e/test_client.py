@@ -165,6 +165,10 @@ async def test_submit_timing_and_attempts(api: ApiServer) -> None:
     async with client(api) as c:
         delayed = await c.submit("echo", delay=60, max_attempts=7)
         assert delayed.job.state is State.SCHEDULED and delayed.job.max_attempts == 7
+        later = await c.submit("echo", delay=timedelta(minutes=1, seconds=30))  # as seconds
+        due = datetime.fromisoformat(later.job.run_at or "")
+        created = datetime.fromisoformat(later.job.created_at)
+        assert abs((due - created).total_seconds() - 90) < 1, later.job
         when = (datetime.now(UTC) + timedelta(days=2)).replace(microsecond=0)
         at = await c.submit("echo", run_at=when.astimezone(timezone(timedelta(hours=2))))
         assert at.job.state is State.SCHEDULED

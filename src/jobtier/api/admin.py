@@ -29,6 +29,7 @@ class ReplayFilter(msgspec.Struct, forbid_unknown_fields=True):
     limit: int = 100
     queue: str | None = None
     tenant: str | None = None
+    all: bool = False  # no filter: every dead letter (up to limit), asked for by name
 
 
 _filter_decoder = msgspec.json.Decoder(ReplayFilter)
@@ -78,14 +79,27 @@ async def replay_many(request: Request) -> Response:
     ):
         if value is not None and not pattern.fullmatch(value):
             raise Problem(422, "validation", f"{field} must match {pattern.pattern}", field=field)
+    filters = (selector.type, selector.since, selector.queue, selector.tenant)
+    if not selector.all and all(f is None for f in filters):
+        # a bulk action across every tenant is asked for by name, not reached by leaving the
+        # filters out (or the body)
+        raise Problem(
+            422,
+            "validation",
+            'give type, queue, tenant and/or since, or "all": true to replay every dead letter '
+            f"(up to limit: {selector.limit})",
+            field="all",
+        )
     queue: Queue = request.state.queue
     since = selector.since
     if since is not None and since.tzinfo is None:
         since = since.replace(tzinfo=UTC)
     what = msgspec.to_builtins(selector)  # the filter as given, for the audit
-    target = ",".join(f"{k}={v}" for k, v in what.items() if v is not None and k != "limit")
+    shown = ((k, v) for k, v in what.items() if v is not None and k not in ("limit", "all"))
+    target = ",".join(f"{k}={v}" for k, v in shown)
     async with audited(request, "dead_letters.replay", target or "all") as outcome:
         given = msgspec.structs.asdict(selector) | {"since": since}  # replay_many's arguments
+        del given["all"]
         replayed = await queue.jobs.replay_many(**given)
         outcome.detail = {"filter": what, "count": len(replayed), "replayed": replayed[:100]}
     return Response(orjson.dumps({"replayed": replayed, "count": len(replayed)}), media_type=JSON)

@@ -158,6 +158,10 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
         f"to {settings.max_future_seconds} s ahead (JOBTIER_MAX_FUTURE_SECONDS); "
         "not with delay"
     )
+    c["JobSpec"]["properties"]["delay"]["description"] = (
+        f"seconds from now until the job is due (a number: 1.5 is 1.5 s), at most "
+        f"{settings.max_future_seconds} (JOBTIER_MAX_FUTURE_SECONDS); not with run_at"
+    )
     c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
     oa.constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
     oa.constrain(c, "ReplayFilter", "queue", pattern=QUEUE_NAME_RE.pattern)
@@ -422,8 +426,10 @@ def _admin_paths(settings: Settings) -> oa.Paths:
     add(
         "POST /v1/admin/dead-letters/replay",
         admin.replay_many,
-        "Replay dead-lettered jobs matching a filter (no body: all, up to 100)",
+        "Replay dead-lettered jobs matching a filter, newest first, up to limit (100); no "
+        'filter: only with "all": true',
         oa.returns(200, "Replayed", "the ids replayed"),
+        oa.refuses(422, 'no filter and no "all": true, a limit out of range, or a bad name'),
         body="ReplayFilter",
         body_required=False,
     )

@@ -319,7 +319,7 @@ def dead_replay(c: Client, a: argparse.Namespace) -> Any:
             "give a JOB_ID, --type and/or --since, or --all to replay every dead letter "
             f"(at most --limit of them: {a.limit})"
         )
-    ids = c.replay_dead_letters(type=a.type, since=a.since, limit=a.limit)
+    ids = c.replay_dead_letters(type=a.type, since=a.since, limit=a.limit, all=a.all)
     if a.json:
         return {"replayed": ids, "count": len(ids)}
     return "\n".join([f"replayed {len(ids)} job(s)", *ids])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar, overload
 
 import httpx
@@ -48,7 +48,7 @@ from jobtier.client._errors import (
 )
 from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
-from jobtier.client._types import QueuePurged
+from jobtier.client._types import QueuePurged, seconds
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
 from jobtier.core.model import QueueScaling, SavedCheckpoint, job_ids
@@ -85,7 +85,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         *,
         priority: Priority | str = Priority.NORMAL,
         run_at: datetime | None = None,
-        delay: float | None = None,
+        delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         queue: str | None = None,
@@ -98,8 +98,8 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         throttle: Mapping[str, Any] | None = None,
     ) -> Submission:
         """Submit one job of ``type``: a task's name, or the task (``@task``) itself, sent by
-        its name. ``run_at`` must carry a time zone; give it or ``delay`` (seconds),
-        not both. A repeat of an earlier submit's ``idempotency_key`` returns that job with
+        its name. ``run_at`` must carry a time zone; give it or ``delay`` (seconds, or a
+        ``timedelta``), not both. A repeat of an earlier submit's ``idempotency_key`` returns that job with
         ``created`` False, or raises ``IdempotencyKeyConflict`` if the type or payload differ.
         ``queue`` defaults to the task's; ``concurrency_key``: at most ``concurrency_limit``
         (default 1) jobs of the key run at once, the others wait in order. ``depends_on``:
@@ -115,7 +115,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
             payload,
             priority,
             run_at,
-            delay,
+            seconds(delay),
             max_attempts,
             idempotency_key,
             queue,
@@ -264,10 +264,17 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         return await self._run(self._replay(job_id))
 
     async def replay_dead_letters(
-        self, *, type: str | None = None, since: datetime | str | None = None, limit: int = 100
+        self,
+        *,
+        type: str | None = None,
+        since: datetime | str | None = None,
+        limit: int = 100,
+        all: bool = False,
     ) -> list[str]:
-        """Replay the dead letters that match (all, up to ``limit``); returns their ids."""
-        return await self._run(self._replay_dead_letters(type, since, limit))
+        """Replay the dead letters that match ``type`` and ``since``, up to ``limit``, newest
+        first; returns their ids. With neither, ``all=True`` must say that every dead letter is
+        meant (else the API refuses: 422)."""
+        return await self._run(self._replay_dead_letters(type, since, limit, all))
 
     # --- queues (these need the admin key) --------------------------------------------------
     async def queues(self) -> list[QueueInfo]:

@@ -507,9 +507,9 @@ class BaseClient(Generic[TransportT]):
         return (yield from fetch(call, status_decoder, "a status document", job_id))
 
     def _replay_dead_letters(
-        self, type: str | None, since: datetime | str | None, limit: int
+        self, type: str | None, since: datetime | str | None, limit: int, every: bool
     ) -> Op[list[str]]:
-        body = present(limit=limit, type=type, since=None if since is None else time_param(since))
+        body = present(limit=limit, type=type, since=since and time_param(since), all=every)
         call = json_call("POST", "/v1/admin/dead-letters/replay", body)
         return (yield from fetch(call, replayed_decoder, "a replay answer")).replayed
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, TypeVar, overload
 
 import httpx
@@ -48,7 +48,7 @@ from jobtier.client._errors import (
 )
 from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
-from jobtier.client._types import QueuePurged
+from jobtier.client._types import QueuePurged, seconds
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
 from jobtier.core.model import QueueScaling, SavedCheckpoint, job_ids
@@ -86,7 +86,7 @@ class Client(BaseClient[httpx.BaseTransport]):
         *,
         priority: Priority | str = Priority.NORMAL,
         run_at: datetime | None = None,
-        delay: float | None = None,
+        delay: float | timedelta | None = None,
         max_attempts: int | None = None,
         idempotency_key: str | None = None,
         queue: str | None = None,
@@ -104,7 +104,7 @@ class Client(BaseClient[httpx.BaseTransport]):
             payload,
             priority,
             run_at,
-            delay,
+            seconds(delay),
             max_attempts,
             idempotency_key,
             queue,
@@ -223,10 +223,17 @@ class Client(BaseClient[httpx.BaseTransport]):
         return self._run(self._replay(job_id))
 
     def replay_dead_letters(
-        self, *, type: str | None = None, since: datetime | str | None = None, limit: int = 100
+        self,
+        *,
+        type: str | None = None,
+        since: datetime | str | None = None,
+        limit: int = 100,
+        all: bool = False,
     ) -> list[str]:
-        """Replay the dead letters that match (all, up to ``limit``); returns their ids."""
-        return self._run(self._replay_dead_letters(type, since, limit))
+        """Replay the dead letters that match ``type`` and ``since``, up to ``limit``, newest
+        first; returns their ids. With neither, ``all=True`` must say that every dead letter is
+        meant (else the API refuses: 422)."""
+        return self._run(self._replay_dead_letters(type, since, limit, all))
 
     # --- queues (these need the admin key) --------------------------------------------------
     def queues(self) -> list[QueueInfo]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import msgspec
@@ -173,3 +174,9 @@ purged_decoder = msgspec.json.Decoder(QueuePurged)
 unblocked_decoder = msgspec.json.Decoder(_Unblocked)
 schedule_list_decoder = msgspec.json.Decoder(_ScheduleList)
 encoder = msgspec.json.Encoder()
+
+
+def seconds(delay: float | timedelta | None) -> float | None:
+    """A submit's ``delay`` as the API takes it: seconds (a ``timedelta`` converted; msgspec
+    would send it as an ISO 8601 duration, which the API refuses)."""
+    return delay.total_seconds() if isinstance(delay, timedelta) else delay

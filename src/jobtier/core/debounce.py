@@ -47,7 +47,8 @@ class Throttled(JobtierError):
 
     def __init__(self, key: str, limit: int, period: float, retry_after: float) -> None:
         super().__init__(
-            f"throttle key {key!r} is full (at most {limit} jobs per {period:g} s); try again "
+            f"throttle key {key!r} is full (at most {limit} job{'s' if limit != 1 else ''} per "
+            f"{period:g} s); try again "
             f"in {retry_after:.3f} s"
         )
         self.key = key

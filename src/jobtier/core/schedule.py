@@ -134,14 +134,16 @@ def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
         raise InvalidRequest(f"name must match {SCHEDULE_NAME_RE.pattern}", field="name")
     if not TASK_NAME_RE.fullmatch(spec.type):
         raise InvalidRequest(f"type must match {TASK_NAME_RE.pattern}", field="type")
-    if (spec.cron is None) == (spec.interval is None):
-        raise InvalidRequest("give exactly one of cron and interval", field="cron")
+    if spec.cron is not None and spec.interval is not None:
+        raise InvalidRequest("give cron or interval, not both", field="cron")
+    if spec.cron is None and spec.interval is None:
+        raise InvalidRequest("give cron (a cron expression) or interval (seconds)", field="cron")
     if spec.cron is not None:
         problem = cron_problem(spec.cron)
         if problem is not None:
             raise InvalidRequest(problem, field="cron")
     if spec.interval is not None and spec.interval < min_interval:
-        raise InvalidRequest(f"interval must be at least {min_interval} seconds", field="interval")
+        raise InvalidRequest(f"interval must be at least {min_interval} s", field="interval")
     if spec.interval is not None and spec.interval > MAX_INTERVAL:
         raise InvalidRequest("interval must be at most a year", field="interval")
     try:

@@ -366,7 +366,7 @@ async function replayMatching() {
     },
     () => api("/v1/admin/dead-letters/replay", {
       method: "POST",
-      json: { type: f.type || null, queue: f.queue || null, tenant: f.tenant || null, limit },
+      json: { type: f.type || null, queue: f.queue || null, tenant: f.tenant || null, limit, all: !by.length },
     }),
     (r) => `${plain.format(r.count)} dead letter${r.count === 1 ? "" : "s"} replayed.`,
   );
