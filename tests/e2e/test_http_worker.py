@@ -14,6 +14,8 @@ import httpx
 import pytest
 
 from jobtier.api import worker_claims
+from jobtier.core.model import Backoff, TaskAd
+from jobtier.engine.catalog import publish
 from jobtier.store.calls import reclaim_call
 from jobtier.streams.entries import parse_entries
 from tests.fixtures.api import ApiServer, StartApi
@@ -624,16 +626,47 @@ async def test_a_claim_whose_worker_hung_up_claims_nothing(
     assert (await status(api, job_id))["state"] == "queued"
 
 
-async def test_an_encrypted_job_fails_for_good_rather_than_reach_an_http_worker(
-    start_api: StartApi,
-) -> None:
+async def test_an_encrypted_queue_is_refused_to_http_workers(start_api: StartApi) -> None:
+    """A claim or an advert naming an encrypted queue (JOBTIER_ENCRYPTED_QUEUES) is a 422
+    naming it, and changes nothing: an HTTP claim that met one of its jobs would fail it."""
     key = "k1:" + base64.b64encode(bytes(range(32))).decode()
     api = await serve(start_api, encryption_keys=key, encrypted_queues="vault")
     async with api.client() as c:
         body = {"type": "http.add", "payload": {"a": 1, "b": 2}, "queue": "vault"}
         job_id = (await c.post("/v1/jobs", json=body)).json()["id"]
     async with worker_client(api) as w:
-        claim = {"worker": "w1", "types": ["http.add"], "queues": ["vault"]}
+        claim = {"worker": "w1", "types": ["http.add"], "queues": ["default", "vault"]}
+        r = await w.post("/v1/worker/claim", json=claim)
+        assert r.status_code == 422 and r.json()["field"] == "queues", r.text
+        assert "'vault' is an encrypted queue (JOBTIER_ENCRYPTED_QUEUES)" in r.json()["detail"]
+        ad = {"worker": "w2", "tasks": [TASK, {**TASK, "type": "http.vault", "queue": "vault"}]}
+        r = await w.put("/v1/worker/tasks", json=ad)
+        assert r.status_code == 422 and r.json()["field"] == "tasks[1].queue", r.text
+    assert (await status(api, job_id))["state"] == "queued"  # not failed, not claimed
+    queue = api.server.lifespan.state["queue"]
+    assert not await queue.redis.hexists(queue.keys.tasks(), "http.vault")
+
+
+async def test_an_encrypted_job_fails_for_good_rather_than_reach_an_http_worker(
+    start_api: StartApi,
+) -> None:
+    """A job of an encrypted task (``@task(encrypt=True)``, in a queue that is not encrypted)
+    that an HTTP claim meets fails for good, saying so, rather than hand out ciphertext."""
+    key = "k1:" + base64.b64encode(bytes(range(32))).decode()
+    api = await serve(start_api, encryption_keys=key)
+    state = api.server.lifespan.state
+    queue = state["queue"]
+    # as a Python worker of the task, gone since, left it in the catalogue
+    backoff = Backoff(1.0, 2.0, 60.0, 0.0)
+    ad = TaskAd(
+        type="http.add", queue="default", max_attempts=3, backoff=backoff, encrypt=True,
+        seen_at=time.time(), worker="vm:1:gone",
+    )  # fmt: skip
+    await publish(queue.redis, queue.keys, [ad])
+    await state["catalog"].load()
+    job_id = await submit(api, {"a": 1, "b": 2})
+    async with worker_client(api) as w:
+        claim = {"worker": "w1", "types": ["http.add"], "queues": ["default"]}
         r = await w.post("/v1/worker/claim", json=claim)
         assert r.json()["jobs"] == []  # no ciphertext handed out
     doc = await status(api, job_id)

@@ -26,11 +26,32 @@ _ad = msgspec.json.Decoder(TaskAd)
 _seen = msgspec.json.Decoder(dict[str, object])
 
 
+def not_encrypted(queue: Queue, names: list[str], field: str) -> None:
+    """A 422 problem if one of ``names`` is an encrypted queue (``JOBTIER_ENCRYPTED_QUEUES``):
+    its payloads are opened by Python workers only, and an HTTP claim that met one of its jobs
+    would fail it for good (worker_routes.py: _refuse_sealed). ``field``: ``queues``, or a
+    task's ``tasks[i].queue`` (``{i}`` replaced by the name's index)."""
+    sealed = queue.settings.encrypted_queue_names()
+    for i, name in enumerate(names):
+        if name in sealed:
+            where = field.format(i=i)
+            raise Problem(
+                422,
+                "validation",
+                f"{where}: {name!r} is an encrypted queue (JOBTIER_ENCRYPTED_QUEUES), whose "
+                "payloads only Python workers open: an HTTP worker's claim would fail its jobs "
+                "for good; serve it with Python workers",
+                field=where,
+            )
+
+
 async def guarded(queue: Queue, ads: list[TaskAd]) -> list[TaskAd]:
-    """``ads`` as they may be written: a 409 problem for a type a live non-HTTP worker
-    advertises; the current entries' ``encrypt``/``on_failure`` carried over."""
+    """``ads`` as they may be written: a 422 problem for a task of an encrypted queue, a 409
+    for a type a live non-HTTP worker advertises; the current entries' ``encrypt`` and
+    ``on_failure`` carried over."""
     if not ads:
         return ads
+    not_encrypted(queue, [ad.queue for ad in ads], "tasks[{i}].queue")
     raw = await queue.redis.hmget(queue.keys.tasks(), [ad.type for ad in ads])
     current: dict[str, TaskAd] = {}
     for ad, value in zip(ads, raw, strict=True):

@@ -26,7 +26,7 @@ from jobtier.api import spec as oa
 from jobtier.api.auth import bearer_key, raw_header
 from jobtier.api.http import decode_body, encoded, job_id_of, job_not_found, read_json_body
 from jobtier.api.problems import Problem
-from jobtier.api.worker_adverts import guarded
+from jobtier.api.worker_adverts import guarded, not_encrypted
 from jobtier.api.worker_bodies import (
     ADVERTISE_EVERY,
     ADVERTISED_KEPT,
@@ -144,6 +144,7 @@ async def claim(request: Request) -> Response:
             field="wait",
         )
     queue: Queue = request.state.queue
+    not_encrypted(queue, body.queues, "queues")
     claims: WorkerClaims = request.state.worker_claims
     worker = _redis_id(body.worker)
     await _advertise(request, claims, worker, body)
