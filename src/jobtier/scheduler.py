@@ -384,11 +384,17 @@ class Scheduler:
             self.stats.dead += r.dead
             moved += r.moved + r.dead
             if r.moved or r.dead:
-                log.info(
-                    "event=leases_expired shard=%d requeued=%d dead_lettered=%d",
+                # each job with the worker whose lease it was (the first few of the call)
+                jobs = ",".join(n.replace(" ", "@", 1) for n in r.named)
+                more = r.moved + r.dead - len(r.named)
+                log.warning(
+                    "event=leases_expired shard=%d requeued=%d dead_lettered=%d jobs=%s%s: "
+                    "their workers stopped heartbeating (died, or lost Redis)",
                     shard,
                     r.moved,
                     r.dead,
+                    jobs or "-",
+                    f" (+{more} more)" if more > 0 else "",
                 )
             if r.moved + r.dead >= self.batch:
                 self._next_lease[shard] = NOW

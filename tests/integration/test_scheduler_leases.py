@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from jobtier.config import Settings
 from jobtier.core.model import State
 from jobtier.engine.queue import Queue
@@ -20,7 +22,7 @@ async def leased_briefly(ctx: JobContext, payload: Any) -> None:
 
 
 async def test_a_claim_leased_shorter_than_the_schedulers_lease_is_reclaimed_soon(
-    settings: Settings, background: Background
+    settings: Settings, background: Background, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A worker run with a 1 s lease claims a job and is never heard of again, beside a
     scheduler whose own lease is two minutes: the job is back in its queue within seconds of
@@ -43,5 +45,8 @@ async def test_a_claim_leased_shorter_than_the_schedulers_lease_is_reclaimed_soo
         await wait_for(queued_again, timeout=LEASE_RESCAN_MS / 1000 + 30)
         # by this scheduler (its count moves once the reply is in, maybe after the read)
         await wait_for(lambda: scheduler.stats.requeued == 1)
+        # the log names the job and the worker whose lease it was
+        (line,) = [r.getMessage() for r in caplog.records if "event=leases_expired" in r.message]
+        assert f"requeued=1 dead_lettered=0 jobs={job.job_id}@gone:" in line, line
     finally:
         await queue.close()

@@ -99,6 +99,7 @@ class Timed:
     dead: int
     next_ms: int  # -1: nothing waiting
     now_ms: int
+    named: tuple[str, ...] = ()  # reclaim: the first expired jobs, '<id> <its worker>'
 
 
 def _flat(head: list[Any], items: Sequence[Sequence[Any]]) -> list[Any]:
@@ -282,7 +283,8 @@ def reclaim_call(shard: int, limit: int, retention_s: int, dead_s: int) -> Call:
 
 
 def parse_reclaim(reply: list[Any]) -> Timed:
-    return Timed(int(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]))
+    named = tuple(x.decode() for x in reply[4]) if len(reply) > 4 else ()
+    return Timed(int(reply[0]), int(reply[1]), int(reply[2]), int(reply[3]), named)
 
 
 def link_call(shard: int, tenant: str, links: Sequence[tuple[str, str]]) -> Call:

@@ -8,18 +8,23 @@
 -- ARGV[2]  most jobs to reclaim in this call
 -- ARGV[3]  retention of finished jobs, s
 -- ARGV[4]  retention of failed jobs, s
--- Returns  {requeued, dead-lettered, next lease deadline ms (-1: none), now ms}
+-- Returns  {requeued, dead-lettered, next lease deadline ms (-1: none), now ms, the first
+--          EXPIRED_NAMED expired jobs as '<id> <its worker>' (for the scheduler's log)}
 -- The dead worker's lease_version no longer matches once the job is claimed again, and its
 -- state is no longer `running` before that: its late writes are refused either way.
 --!include lib.lua
 
 local ids = redis.call('ZRANGEBYSCORE', BASE .. 'active', '-inf', NOW, 'LIMIT', 0, tonumber(ARGV[2]))
 local requeued, dead = 0, 0
+local EXPIRED_NAMED, named = 5, {}
 for _, id in ipairs(ids) do
   redis.call('ZREM', BASE .. 'active', id)
   local j = load(id)
   if j and j.state == 'running' then
     local lost = j.worker
+    if #named < EXPIRED_NAMED then
+      named[#named + 1] = id .. ' ' .. lost
+    end
     j.worker = ''
     ck_release(j)
     if j.cancel == '1' then
@@ -43,4 +48,4 @@ for _, id in ipairs(ids) do
   end
 end
 flush()
-return {requeued, dead, next_score('active'), NOW}
+return {requeued, dead, next_score('active'), NOW, named}
