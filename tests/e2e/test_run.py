@@ -281,6 +281,8 @@ def test_a_failing_part_stops_everything(
     assert f"the local Redis (pid {redis}) exited, killed by SIGKILL" in run.text()
     assert "local_service_exited" in run.events()
     assert "worker_stopped" in run.events()
+    # at once, with no grace: nothing could be reported to the Redis that is gone
+    assert "worker_stop_now" in run.events(), run.text()[-3000:]
 
 
 def test_a_taken_api_port_is_refused_before_anything_starts(

@@ -345,7 +345,7 @@ async def run_all(
                 asyncio.create_task(dispatcher.run(), name="dispatcher"),
             ]
             if services is not None:
-                watch = _watch(services, stopping)
+                watch = _watch(services, stopping, stop_now)
                 runs.append(asyncio.create_task(watch, name="local services"))
             # the API once the worker has advertised its tasks: a job submitted as soon as
             # the API answers is one the API knows a worker for (else 422)
@@ -410,13 +410,22 @@ async def _unwritten(store: Store, persisting: list[asyncio.Task[Any]]) -> bool:
     return waiting > 0
 
 
-async def _watch(services: LocalServices, stopping: list[asyncio.Task[None]]) -> None:
+async def _watch(
+    services: LocalServices, stopping: list[asyncio.Task[None]], stop_now: Callable[[], None]
+) -> None:
     """Until the run stops: raises ``LocalServiceError`` (a part failed: the run stops) once
     one of its local servers has exited under it, which nothing else would say: the parts
-    would retry against a closed port for ever."""
+    would retry against a closed port for ever. Without its Redis nothing a running job does
+    can be reported, nor a job handed back: the run stops at once (``stop_now``), rather than
+    give the worker's jobs their grace and its reports their retries (a minute); those jobs
+    run again once their leases expire, as after a kill."""
     while not stopping:
         if (why := services.exited()) is not None:
-            log.error("event=local_service_exited %s: stopping everything", why)
+            redis_gone = services.redis.proc is not None and services.redis.proc.poll() is not None
+            how = "at once (Redis is gone)" if redis_gone else "everything"
+            log.error("event=local_service_exited %s: stopping %s", why, how)
+            if redis_gone:
+                stop_now()
             raise LocalServiceError(why)
         await asyncio.sleep(WATCH_EVERY)
 
