@@ -113,6 +113,11 @@ export class JobtierClient {
     return this.request("POST", "/v1/worker/claim", body, signal);
   }
 
+  // no longer listed as live (at once, rather than a minute after the last claim)
+  leave() {
+    return this.request("POST", "/v1/worker/leave", { worker: this.worker });
+  }
+
   job(job, action, extra = {}) {
     const body = { worker: this.worker, lease_version: job.lease_version, ...extra };
     const path = `/v1/worker/jobs/${job.id}/${action}`;
@@ -302,6 +307,8 @@ export class Worker {
     while (this.reporting.size > 0) {
       await Promise.allSettled([...this.reporting]); // the running jobs, and their outcomes
     }
+    // (an API before the route answers 404: the worker then drops out a minute on)
+    await this.client.leave().catch((err) => this.log.error(`leave failed: ${err.message}`));
   }
 
   // Claim nothing more; jobs running finish (call giveBack() to hand them back instead).

@@ -93,6 +93,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/v1/openapi.json"): PUBLIC,
     ("PUT", "/v1/worker/tasks"): WORKER,
     ("POST", "/v1/worker/claim"): WORKER,
+    ("POST", "/v1/worker/leave"): WORKER,
     ("POST", "/v1/worker/complete"): WORKER,
     ("POST", "/v1/worker/jobs/{job_id}/heartbeat"): WORKER,
     ("POST", "/v1/worker/jobs/{job_id}/progress"): WORKER,

@@ -502,6 +502,23 @@ async def test_a_claiming_worker_is_listed_live(start_api: StartApi) -> None:
     # for one free slot made a worker of one slot, and the scaling read 50 times too many)
     assert (mine["tasks"], mine["queues"], mine["concurrency"]) == (["http.add"], ["default"], 4)
     assert mine["running"] == 1
+    # it leaves: unlisted at once, not a minute after its last claim
+    async with worker_client(api) as w, api.client("admin") as admin, api.client() as tenant:
+        assert (await tenant.post("/v1/worker/leave", json={"worker": "w9"})).status_code == 403
+        r = await w.post("/v1/worker/leave", json={"worker": "w9 x"})
+        assert r.status_code == 422 and r.json()["field"] == "worker", r.text
+        workers = (await admin.get("/v1/admin/workers")).json()["workers"]
+        assert [x["id"] for x in workers if x["id"] == "http:w9"] == ["http:w9"]  # unchanged
+        r = await w.post("/v1/worker/leave", json={"worker": "w9"})
+        assert r.status_code == 200 and r.json() == {"worker": "w9", "listed": True}, r.text
+        workers = (await admin.get("/v1/admin/workers")).json()["workers"]
+        assert not [x for x in workers if x["id"] == "http:w9"], workers
+        r = await w.post("/v1/worker/leave", json={"worker": "w9"})
+        assert r.json() == {"worker": "w9", "listed": False}, r.text
+        # back again: its next claim lists it at once
+        assert (await w.post("/v1/worker/claim", json={**body, "wait": 0})).status_code == 200
+        workers = (await admin.get("/v1/admin/workers")).json()["workers"]
+        assert [x["id"] for x in workers if x["id"] == "http:w9"] == ["http:w9"]
 
 
 async def test_the_answers_match_the_document(start_api: StartApi) -> None:
@@ -549,6 +566,8 @@ async def test_the_answers_match_the_document(start_api: StartApi) -> None:
         r = await check(w, "POST", "/v1/worker/complete", 200, json=many)
         assert r.json()["jobs"][0]["status"] == 409
         await check(w, "POST", "/v1/worker/complete", 422, json={"worker": "w1", "jobs": []})
+        await check(w, "POST", "/v1/worker/leave", 200, json={"worker": "w1"})
+        await check(w, "POST", "/v1/worker/leave", 422, json={})
     assert {first, second} == {a["id"], b["id"]}
     assert ops == {(m, t) for m, t, _ in check.seen}  # every worker route was driven
 

@@ -99,10 +99,14 @@ async def test_the_node_worker_runs_jobs_end_to_end(
             return all(d["state"] in TERMINAL for d in (await docs(api, ids)).values())
 
         await wait_for(finished, timeout=60)
+        queue = api.server.lifespan.state["queue"]
+        assert await queue.redis.hexists(queue.keys.workers(), "http:n1")  # live
         proc.send_signal(signal.SIGTERM)
         stats = json.loads(await line(proc))
         async with asyncio.timeout(20):
             assert await proc.wait() == 0
+    # it left as it stopped: no longer listed as live
+    assert not await queue.redis.hexists(queue.keys.workers(), "http:n1")
     got = await docs(api, ids)
     async with api.client() as c:
         for i, job_id in enumerate(adds):
@@ -119,7 +123,6 @@ async def test_the_node_worker_runs_jobs_end_to_end(
     # given back once (RateLimited), then run: its one attempt (of two) counted; its queue
     # was held back for the retryAfter (50 ms), on every shard
     assert (got[limited]["state"], got[limited]["attempt"]) == ("succeeded", 1)
-    queue = api.server.lifespan.state["queue"]
     keys = queue.keys
     name = f"{got[limited]['queue']}:blocked"
     blocks = [await queue.redis.hget(keys.queue_counts(s), name) for s in range(keys.shards)]

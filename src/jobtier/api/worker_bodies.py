@@ -206,6 +206,17 @@ class TasksResponse(msgspec.Struct):
     tasks: list[TaskAd]
 
 
+class LeaveRequest(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A worker that stops: no longer listed as live."""
+
+    worker: WorkerId
+
+
+class LeaveResponse(msgspec.Struct):
+    worker: str
+    listed: bool  # it was listed as live until now
+
+
 OPENAPI_TYPES = (
     ClaimRequest,
     ClaimResponse,
@@ -222,6 +233,8 @@ OPENAPI_TYPES = (
     Outcome,
     TasksRequest,
     TasksResponse,
+    LeaveRequest,
+    LeaveResponse,
 )
 
 

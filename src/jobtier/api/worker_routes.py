@@ -28,8 +28,6 @@ from jobtier.api.http import decode_body, encoded, job_id_of, job_not_found, rea
 from jobtier.api.problems import Problem
 from jobtier.api.worker_adverts import guarded, not_encrypted
 from jobtier.api.worker_bodies import (
-    ADVERTISE_EVERY,
-    ADVERTISED_KEPT,
     DEFAULT_BACKOFF,
     ERROR_CHARS,
     MAX_CLAIM,
@@ -45,6 +43,8 @@ from jobtier.api.worker_bodies import (
     HeartbeatResponse,
     ItemOutcome,
     LeaseRequest,
+    LeaveRequest,
+    LeaveResponse,
     LogRequest,
     LogResponse,
     Outcome,
@@ -57,6 +57,7 @@ from jobtier.api.worker_bodies import (
 )
 from jobtier.api.worker_claims import Claimed, QueuesLimited, WorkerClaims
 from jobtier.api.worker_holds import check_fail, held_by, hold_queue
+from jobtier.api.worker_presence import advertise, forget, still_live
 from jobtier.api.worker_refusals import (
     attempt_now,
     item_refused,
@@ -78,7 +79,6 @@ from jobtier.core.sealing import is_sealed
 from jobtier.engine.catalog import publish
 from jobtier.engine.payload_schema import schema_problem
 from jobtier.engine.queue import Queue
-from jobtier.runtime.loop import FAULTS
 from jobtier.store.calls import (
     complete_call,
     fail_call,
@@ -87,7 +87,6 @@ from jobtier.store.calls import (
     parse_pairs,
     stopped_call,
 )
-from jobtier.store.faults import fault_event
 
 _decoders = {t: msgspec.json.Decoder(t) for t in OPENAPI_TYPES if t.__name__.endswith("Request")}
 
@@ -147,7 +146,7 @@ async def claim(request: Request) -> Response:
     not_encrypted(queue, body.queues, "queues")
     claims: WorkerClaims = request.state.worker_claims
     worker = _redis_id(body.worker)
-    await _advertise(request, claims, worker, body)
+    await advertise(request, claims, worker, body)
     lease_ms = int(settings.lease_seconds * 1000)
     try:
         got, limited = await claims.claim(
@@ -195,56 +194,6 @@ async def _refuse_sealed(queue: Queue, worker: str, sealed: list[Claimed]) -> No
     )  # fmt: skip
 
 
-async def _advertise(
-    request: Request, claims: WorkerClaims, worker: str, body: ClaimRequest
-) -> None:
-    """The worker is live (``QueueAdmin.live_workers``, the console, ``explain``): written
-    at its claims, at most every ``ADVERTISE_EVERY`` seconds."""
-    now = time.time()
-    if now - claims.advertised.get(worker, 0.0) < ADVERTISE_EVERY:
-        return
-    if len(claims.advertised) > ADVERTISED_KEPT:  # workers come and go (ids with a pid)
-        claims.advertised.clear()
-    claims.advertised[worker] = now
-    client = request.client
-    info = {
-        "id": worker, "pid": 0, "host": client.host if client else "",
-        # its slots: those it asks to fill and those in use (a claim asks for the free ones)
-        "concurrency": body.count + body.running, "running": body.running,
-        "tasks": body.types, "queues": body.queues, "seen_at": now,
-    }  # fmt: skip
-    queue: Queue = request.state.queue
-    await queue.redis.hset(queue.keys.workers(), worker, encode_json(info))
-
-
-async def _still_live(request: Request, worker: str) -> None:
-    """A worker whose slots are all busy claims nothing, yet it is live: its heartbeats say
-    so. The advert its last claim wrote gets a fresh ``seen_at``, at most every
-    ``ADVERTISE_EVERY`` seconds (a worker never advertised, or forgotten, waits for its next
-    claim: only a claim says what it serves)."""
-    claims: WorkerClaims = request.state.worker_claims
-    now = time.time()
-    if now - max(claims.seen.get(worker, 0.0), claims.advertised.get(worker, 0.0)) < (
-        ADVERTISE_EVERY
-    ):
-        return
-    if len(claims.seen) > ADVERTISED_KEPT:
-        claims.seen.clear()
-    claims.seen[worker] = now  # (a claim's own advert is not held back by it)
-    queue: Queue = request.state.queue
-    try:
-        raw = await queue.redis.hget(queue.keys.workers(), worker)
-        if raw is None:
-            return
-        info = msgspec.json.decode(raw)
-        info["seen_at"] = now
-        # (a claim's advert written meanwhile may be overwritten by its older self: the
-        # worker's next claim writes it again)
-        await queue.redis.hset(queue.keys.workers(), worker, encode_json(info))
-    except FAULTS as exc:  # the heartbeat itself was applied: its answer still goes out
-        log.info("event=worker_seen_not_written worker=%s error=%s", worker, fault_event(exc))
-
-
 async def _beat(request: Request, body: HeartbeatRequest | ProgressRequest) -> Response:
     job_id = job_id_of(request)
     queue: Queue = request.state.queue
@@ -262,7 +211,7 @@ async def _beat(request: Request, body: HeartbeatRequest | ProgressRequest) -> R
     ((code, cancel),) = parse_pairs(await _one(queue, call))
     if code is not Code.OK:
         raise await refused_now(queue, job_id, code)
-    await _still_live(request, _redis_id(body.worker))
+    await still_live(request, _redis_id(body.worker))
     return encoded(HeartbeatResponse(bool(cancel), s.lease_seconds))
 
 
@@ -475,6 +424,12 @@ async def tasks(request: Request) -> Response:
     return encoded(TasksResponse(ads))
 
 
+async def leave(request: Request) -> Response:
+    body: LeaveRequest = await _body(request, LeaveRequest)
+    listed = await forget(request, _redis_id(body.worker))
+    return encoded(LeaveResponse(body.worker, listed))
+
+
 # --- the document -----------------------------------------------------------------------------
 _LOST = oa.refuses(
     409,
@@ -582,6 +537,14 @@ def operations(settings: Settings) -> oa.Paths:
         _GONE,
         _LOST,
         body="FailRequest",
+    )
+    add(
+        "POST /v1/worker/leave",
+        leave,
+        "The worker stops: no longer listed as live (the console, explain, queue scaling), at "
+        "once rather than a minute after its last claim; its running jobs are not touched",
+        oa.returns(200, "LeaveResponse", "listed: whether it was listed until now"),
+        body="LeaveRequest",
     )
     add(
         "POST /v1/worker/jobs/{job_id}/stopped",
