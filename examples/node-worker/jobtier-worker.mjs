@@ -175,6 +175,9 @@ export class JobtierClient {
 class JobContext {
   constructor(worker, job) {
     this.job = job;
+    // the outcomes of the jobs it waited for, in order ({id, state, result, error, ...});
+    // empty for a job that waited for none
+    this.dependencies = job.dependencies ?? [];
     this.controller = new AbortController();
     this.signal = this.controller.signal;
     this.worker = worker;

@@ -16,10 +16,11 @@ import pytest
 from jobtier.api import worker_claims
 from jobtier.core.model import Backoff, TaskAd
 from jobtier.engine.catalog import publish
+from jobtier.scheduler import Scheduler
 from jobtier.store.calls import reclaim_call
 from jobtier.streams.entries import parse_entries
 from tests.fixtures.api import ApiServer, StartApi
-from tests.fixtures.engine import wait_for
+from tests.fixtures.engine import Background, wait_for
 from tests.fixtures.postgres import log_entries
 
 pytestmark = pytest.mark.contract
@@ -488,6 +489,43 @@ async def test_bad_answers_are_refused_and_change_nothing(start_api: StartApi) -
         )
         assert r.status_code == 422 and r.json()["field"] == "tasks[0].payload_schema"
     assert await status(api, job_id) == before
+
+
+async def test_a_flow_jobs_claim_carries_its_dependencies_outcomes(
+    start_api: StartApi, background: Background
+) -> None:
+    """A job that waited for others is claimed with their outcomes, in the order it named
+    them (what ctx.dependencies is to a Python task): no tenant's key needed to read them."""
+    api = await serve(start_api)
+    background.start(Scheduler(api.server.lifespan.state["queue"].store))  # it resolves flows
+    flow = {
+        "jobs": [
+            {"type": "http.add", "ref": "a", "payload": {"a": 1, "b": 2}},
+            {"type": "http.add", "ref": "b", "payload": {"a": 3, "b": 4}},
+            {"type": "http.add", "ref": "sum", "payload": {"a": 0, "b": 0}, "after": ["b", "a"]},
+        ]
+    }
+    async with api.client() as c:
+        r = await c.post("/v1/flows", json=flow)
+        assert r.status_code == 202, r.text
+        ids = [j["id"] for j in r.json()["jobs"]]
+    async with worker_client(api) as w:
+        for _ in range(2):
+            job = await claim_one(w)
+            assert job["dependencies"] is None  # it waited for none
+            p = job["payload"]
+            r = await w.post(
+                f"/v1/worker/jobs/{job['id']}/complete", json=lease(job, result=p["a"] + p["b"])
+            )
+            assert r.status_code == 200, r.text
+        last = await claim_one(w, wait=30)  # queued once the scheduler has resolved it
+    assert last["id"] == ids[2]
+    assert last["dependencies"] == [
+        {"id": ids[1], "state": "succeeded", "result": 7, "error": None, "child": True,
+         "result_url": None},
+        {"id": ids[0], "state": "succeeded", "result": 3, "error": None, "child": True,
+         "result_url": None},
+    ]  # fmt: skip
 
 
 async def test_a_claiming_worker_is_listed_live(start_api: StartApi) -> None:

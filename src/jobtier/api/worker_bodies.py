@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import msgspec
 
 from jobtier.config import Settings
-from jobtier.core.model import DEFAULT_QUEUE, LOG_LINES, Backoff, TaskAd
+from jobtier.core.model import DEFAULT_QUEUE, LOG_LINES, Backoff, Dependency, TaskAd
 from jobtier.core.names import JOB_ID_RE, QUEUE_NAME_RE, TASK_NAME_RE
 from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT
 
@@ -61,6 +61,9 @@ class WorkerJob(msgspec.Struct):
     lease_version: int
     traceparent: str | None = None
     compensates: str | None = None
+    # a job that waited for others: their outcomes, in the order it named them (as a Python
+    # task's ctx.dependencies); none for a job that waited for none
+    dependencies: list[Dependency] | None = None
 
 
 class ClaimResponse(msgspec.Struct):

@@ -79,6 +79,7 @@ from jobtier.core.sealing import is_sealed
 from jobtier.engine.catalog import publish
 from jobtier.engine.payload_schema import schema_problem
 from jobtier.engine.queue import Queue
+from jobtier.flows.reads import from_inputs
 from jobtier.store.calls import (
     complete_call,
     fail_call,
@@ -172,9 +173,10 @@ async def claim(request: Request) -> Response:
 def _job(c: Claimed) -> WorkerJob:
     j = c.job
     payload = msgspec.Raw(j.payload or b"null")
+    deps = list(from_inputs(j.inputs).values()) if j.inputs else None
     return WorkerJob(
         j.id, j.type, j.queue, payload, j.attempt, j.max_attempts, j.lease_version,
-        j.trace, j.compensates,
+        j.trace, j.compensates, deps,
     )  # fmt: skip
 
 
