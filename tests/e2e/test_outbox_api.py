@@ -160,6 +160,12 @@ async def test_a_cancel_of_a_job_still_in_the_outbox_cancels_its_row(
     refused = await outbox.submit(app, "no_such_task", {}, tenant="acme")
     dependent = await outbox.submit(app, "echo", {}, tenant="acme", depends_on=[job_id])
     async with pg_api.client() as c, pg_api.client("globex") as globex:
+        # what a row not relayed yet waits for: pending until its relay binds it (was a 404)
+        r = await c.get(f"/v1/jobs/{dependent}/dependencies")
+        assert r.status_code == 200, r.text
+        assert [(d["id"], d["state"]) for d in r.json()["dependencies"]] == [(job_id, "pending")]
+        assert (await c.get(f"/v1/jobs/{job_id}/dependencies")).json()["dependencies"] == []
+        assert (await globex.get(f"/v1/jobs/{dependent}/dependencies")).status_code == 404
         r = await c.post(f"/v1/jobs/{job_id}/retry")  # not failed, and it has not run
         assert r.status_code == 409 and "retry-after" not in r.headers, r.text
         assert r.json()["type"] == "urn:jobtier:problem:not-relayed-yet", r.text

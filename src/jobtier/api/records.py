@@ -214,6 +214,11 @@ class PostgresExtension(Extension):
         assert self.reader is not None and self.queue is not None
         with postgres_or_503(logged=True):
             found = await self.reader.dependencies(job_id, tenant)
+            if found is None and self.pool is not None:
+                # still in the outbox: bound to what it names at its relay, pending till then
+                named = await self.pool.fetchval(query("outbox_depends_on"), job_id, tenant)
+                if named is not None:
+                    return [Dependency(id=dep, state="pending") for dep in named]
         keyring = self.queue.store.keyring
         return None if found is None else [open_dependency(d, keyring) for d in found]
 

@@ -99,6 +99,11 @@ WHERE id = ANY($1::text[]) AND tenant = $2 AND (error IS NOT NULL OR cancelled_a
 ORDER BY seq
 LIMIT 1
 
+-- name: outbox_depends_on
+-- What the tenant's row not relayed yet waits for (NULL: no such row; '{}': none).
+SELECT coalesce(depends_on, '{}') FROM jobtier.outbox
+WHERE id = $1 AND tenant = $2 AND relayed_at IS NULL
+
 -- name: outbox_pending
 SELECT count(*) FROM jobtier.outbox WHERE relayed_at IS NULL
 
