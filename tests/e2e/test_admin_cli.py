@@ -22,7 +22,7 @@ from jobtier.engine.catalog import publish
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.persister import Persister
-from tests.debug_tasks import registry
+from tests.debug_tasks import gate, registry
 from tests.fixtures.api import ADMIN, KEYS, ApiServer, StartApi
 from tests.fixtures.engine import Background, wait_for, worker_for
 
@@ -230,6 +230,38 @@ async def test_job_text_reaches_the_terminal_as_text(pg_api: ApiServer, queue: Q
     from tests.debug_tasks import HOSTILE
 
     assert shown["status"]["error"]["message"] == HOSTILE, shown
+
+
+async def test_workers_lists_the_live_workers_and_their_jobs(
+    pg_api: ApiServer, queue: Queue, background: Background
+) -> None:
+    cli = Cli(pg_api)
+    code, out, _ = await cli("workers", key=ADMIN)
+    assert code == 0 and out.startswith("no live worker"), out
+    worker = worker_for(queue, registry, concurrency=3)
+    background.start(worker)
+    async with pg_api.client() as c:
+        job = (await c.post("/v1/jobs", json={"type": "gated"})).json()
+    await until(queue, job["id"], State.RUNNING)
+    try:
+        code, out, err = await cli("workers", "--jobs", key=ADMIN)
+        assert code == 0, err
+        lines = out.splitlines()
+        assert lines[0].split() == ["WORKER", "HOST", "QUEUES", "TASKS", "RUNNING", "SEEN"]
+        (row,) = [line.split() for line in lines if line.startswith(worker.id)]
+        # queues, tasks (the first three of many), running/slots, seen
+        first, *_ = sorted(registry.names())
+        assert row[-6] == "default" and row[-5].startswith(first + ",") and row[-4] == "more"
+        assert row[-5].endswith(f",+{len(registry.names()) - 3}") and row[-3] == "1/3", row
+        assert [line for line in lines if line.startswith(job["id"])], out  # its job
+        assert "jobs running: 1 (1 of 1 listed" in out, out
+        listed = await cli.json("workers", key=ADMIN)
+        (mine,) = [w for w in listed["workers"] if w["id"] == worker.id]
+        assert mine["concurrency"] == 3 and [j["id"] for j in mine["jobs"]] == [job["id"]]
+        code, _, err = await cli("workers", key=KEYS["acme"])  # the admin key's
+        assert code == 1 and "HTTP 403" in err, err
+    finally:
+        gate(job["id"]).set()
 
 
 async def test_queues_list_pause_resume_limit(pg_api: ApiServer, queue: Queue) -> None:

@@ -25,6 +25,7 @@ from jobtier.api.sse import StreamResponse, woken
 from jobtier.config import Settings
 from jobtier.core.model import JobStatus, State
 from jobtier.core.names import JOB_ID_RE
+from jobtier.core.worker_list import RunningJob, WorkerInfo, WorkerList
 from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse
@@ -50,36 +51,6 @@ class Purged(msgspec.Struct):
     queue: str
     cancelled: int
     remaining: int
-
-
-class RunningJob(msgspec.Struct):
-    id: str
-    tenant: str
-    type: str
-    queue: str
-    attempt: int
-    since: str  # when it was claimed (its status document's updated_at, or the last change)
-
-
-class WorkerInfo(msgspec.Struct):
-    """A live worker as it advertises itself (every third of a lease), and the jobs Redis
-    says it runs now."""
-
-    id: str
-    host: str
-    pid: int
-    queues: list[str]
-    tasks: list[str]
-    concurrency: int
-    running: int  # as the worker counted at its last heartbeat
-    seen_at: float  # Unix time of its last heartbeat
-    jobs: list[RunningJob]
-
-
-class WorkerList(msgspec.Struct):
-    workers: list[WorkerInfo]
-    running_total: int  # jobs running now, by the shards' lease sets
-    running_listed: int  # of which listed under their workers (at most RUNNING_SHOWN a shard)
 
 
 _status = msgspec.json.Decoder(JobStatus)

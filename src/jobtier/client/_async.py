@@ -49,9 +49,11 @@ from jobtier.client._errors import (
 from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
 from jobtier.client._types import QueuePurged, seconds
+from jobtier.client._workers import workers_op
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
 from jobtier.core.model import QueueScaling, SavedCheckpoint, job_ids
+from jobtier.core.worker_list import WorkerList
 
 T = TypeVar("T")
 
@@ -313,6 +315,12 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
             concurrency=concurrency, rate=rate, per=per if rate is not None else 1.0
         )
         await self._run(self._queue_action(name, "limits", limits))
+
+    async def workers(self) -> WorkerList:
+        """The live workers (admin key), newest heartbeat first: what each serves, its slots,
+        and the jobs it runs (``running_total``: all running now, ``running_listed`` of them
+        listed)."""
+        return await self._run(workers_op())
 
     async def queue_scaling(
         self,
