@@ -14,6 +14,19 @@ import time
 import orjson
 
 _PAIR = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
+# What a job's text may hold that a terminal would act on: C0 controls (escape sequences, a
+# carriage return, a bell, NUL), DEL and C1 (a task's error or log line is anyone's text)
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _escaped(m: re.Match[str]) -> str:
+    return {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(m[0], f"\\x{ord(m[0]):02x}")
+
+
+def printable(text: str) -> str:
+    """``text`` shown, never acted on, by a terminal: its controls as escapes (``\\x1b``);
+    line breaks and tabs are kept."""
+    return _CONTROLS.sub(_escaped, text)
 
 
 class TextFormatter(logging.Formatter):
@@ -23,7 +36,8 @@ class TextFormatter(logging.Formatter):
         line = f"{ts}.{int(record.msecs):03d}Z level={level} logger={record.name} {message}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        return line
+        # (a traceback quotes a task's exception, anyone's text)
+        return printable(line)
 
 
 class JsonFormatter(logging.Formatter):

@@ -1,6 +1,7 @@
-"""The JSON log lines: a pair's number, bool or None as JSON has it, and granian's own lines
-through the same formatter (both were strings of the text format's words: "workers": "1",
-granian's lines plain "[INFO] …" among the JSON ones)."""
+"""The log lines: the text format shows a job's controls as escapes; in the JSON format a
+pair's number, bool or None is as JSON has it, and granian's own lines go through the same
+formatter (both were strings of the text format's words: "workers": "1", granian's lines
+plain "[INFO] …" among the JSON ones)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import subprocess
 import sys
 
-from jobtier.logs import JsonFormatter
+from jobtier.logs import JsonFormatter, TextFormatter
 
 
 def _formatted(message: str, *args: object) -> dict[str, object]:
@@ -49,3 +50,22 @@ def test_granians_own_lines_are_json_too() -> None:
         ("jobtier.api", "api_ready"),
     ], r.stderr
     assert r.stdout == ""  # granian's own handlers wrote to stdout
+
+
+def test_text_lines_show_controls_as_escapes() -> None:
+    """A task's error (anyone's text) reaches an operator's terminal through the process's
+    log and its traceback: its escape sequences, carriage returns and NUL are shown, never
+    acted on; the traceback's own line breaks stay."""
+    hostile = "a\x1b[2J\x1b]0;title\x07b\r\x00\x9b"
+    try:
+        raise ValueError(hostile)
+    except ValueError:
+        record = logging.LogRecord(
+            "jobtier.worker", logging.ERROR, __file__, 1, "event=job_failed error=%s",
+            (hostile,), sys.exc_info(),
+        )  # fmt: skip
+    line = TextFormatter().format(record)
+    assert not any(c in line for c in "\x1b\x07\r\x00\x9b"), repr(line)
+    assert "error=a\\x1b[2J\\x1b]0;title\\x07b\\r\\x00\\x9b" in line
+    assert "\nTraceback (most recent call last):\n" in line  # the traceback's lines kept
+    assert line.endswith("ValueError: a\\x1b[2J\\x1b]0;title\\x07b\\r\\x00\\x9b"), repr(line)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from jobtier.logs import printable
+
 if TYPE_CHECKING:
     from jobtier.client import Client
     from jobtier.core.model import JobError, JobStatus, LogLine, QueueInfo, Transition
@@ -90,26 +92,13 @@ def _connection(p: argparse.ArgumentParser, key: str) -> None:
 
 
 # --- output ---------------------------------------------------------------------------------
-# What a job's text may hold that a terminal would act on: C0 controls (escape sequences, a
-# carriage return, a bell, NUL), DEL and C1 (a worker's error or log line is anyone's text)
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _LINE_BREAKS = re.compile("[\n\t]")
-
-
-def _escaped(m: re.Match[str]) -> str:
-    return {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(m[0], f"\\x{ord(m[0]):02x}")
-
-
-def printable(text: str) -> str:
-    """``text`` shown, never acted on, by a terminal: its controls as escapes (``\\x1b``);
-    line breaks are kept (``one_line`` for a field of a line)."""
-    return _CONTROLS.sub(_escaped, text)
 
 
 def one_line(text: object) -> str:
     """A field of one line of output, as ``printable``, its line breaks and tabs escaped too:
     a message cannot forge a row or a line of its own."""
-    return _LINE_BREAKS.sub(_escaped, printable(str(text)))
+    return _LINE_BREAKS.sub(lambda m: "\\n" if m[0] == "\n" else "\\t", printable(str(text)))
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:
