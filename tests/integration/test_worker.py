@@ -458,3 +458,36 @@ async def test_a_claim_cut_by_the_stop_gives_its_jobs_back(queue: Queue, how: st
     status = await queue.status(sub.job_id)
     assert (status.state, status.attempt) == (State.QUEUED, 0), status
     assert worker.stats.released == 1
+
+
+@pytest.mark.parametrize("how", ["cancelled", "deadline"])
+async def test_a_limited_queues_claim_cut_by_the_stop_gives_back_its_jobs_and_permits(
+    queue: Queue, how: str
+) -> None:
+    """The same for a limited queue's claim (its own loop, with permits): the job is queued
+    again, attempt not counted, and the permit its round held is released, not left to hold
+    the queue's one slot for a lease. A cancelled ``run`` waits for that loop a bounded time
+    (it waited for its claim for ever)."""
+    await queue.admin.set_limits("partner", QueueLimits(concurrency=1))
+    worker = worker_for(queue, registry, queues=["partner"], shutdown_grace=0.5)
+    lost = ReplyLost(worker.claimer._scripts)
+    worker.claimer._scripts = lost  # type: ignore[assignment]
+    task = asyncio.create_task(worker.run())
+    try:
+        sub = await queue.submit("echo", {"n": 1}, queue="partner")
+        await asyncio.wait_for(lost.leased.wait(), timeout=30)
+        assert await state_of(queue, sub.job_id) is State.RUNNING  # leased, never started
+        assert await queue.redis.zcard(queue.keys.permits("partner")) == 1
+        if how == "cancelled":
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), 60)
+        else:
+            worker.stop()
+            await task
+    finally:
+        worker.stop(now=True)
+        await asyncio.gather(task, return_exceptions=True)
+    status = await queue.status(sub.job_id)
+    assert (status.state, status.attempt) == (State.QUEUED, 0), status
+    assert await queue.redis.zcard(queue.keys.permits("partner")) == 0  # released

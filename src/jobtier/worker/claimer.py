@@ -126,6 +126,7 @@ class Claimer:
         claims = asyncio.create_task(self._claim_loop(), name="jobtier-claims")
         stopping = asyncio.ensure_future(state.stopping.wait())
         now = asyncio.ensure_future(state.stop_now.wait())
+        cut_short = True  # run() cancelled (or a crash): the limited loops get CUT_TIMEOUT
         try:
             try:
                 await asyncio.wait({claims, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -144,10 +145,11 @@ class Claimer:
                 await stop_task(claims, "claim loop")
             else:
                 claims.result()  # a crash of the loop surfaces here
+            cut_short = False
         finally:
             if not claims.done():  # run() itself was cancelled: its loop goes with it
                 await stop_task(claims, "claim loop", timeout=CUT_TIMEOUT)
-            await self.limits.stop()
+            await self.limits.stop(CUT_TIMEOUT if cut_short else None)
             await self._give_back_cut()
 
     async def _claim_loop(self) -> None:
@@ -372,6 +374,22 @@ class Claimer:
             for shard, cap in plan
         ]
         claims += again
+        unanswered = list(claims)  # those whose jobs have not started here
+        try:
+            return await self._claim_limited(claims, len(plan), permits, unanswered)
+        except asyncio.CancelledError:
+            # cut by the stop: what those sends leased is given back (_give_back_cut)
+            self._cut.extend(claim.call for claim in unanswered)
+            raise
+
+    async def _claim_limited(
+        self,
+        claims: list[LostClaim],
+        planned: int,
+        permits: list[str],
+        unanswered: list[LostClaim],
+    ) -> tuple[list[tuple[str, int]], list[LostClaim]]:
+        state = self.state
         # each shard's reply on its own, as in the main loop: a node that is down fails its
         # shards' claims, the jobs the others leased start
         try:
@@ -380,16 +398,13 @@ class Claimer:
                 replies = await self._scripts.call_many_each(calls)
         except FAULTS as exc:
             replies = [exc] * len(claims)
-        except asyncio.CancelledError:
-            self._cut.extend(calls)
-            raise
         state.stats.claim_round_trips += 1
         used: list[tuple[str, int]] = []
         lost: list[LostClaim] = []
         for i, (claim, reply) in enumerate(zip(claims, replies, strict=True)):
             if isinstance(reply, Exception):
                 claim.failed(reply)
-            if i < len(plan) and claim.ran:
+            if i < planned and claim.ran:
                 # its reply may be lost with the connection: sent again as it was (its
                 # token), with the client's own retries, it answers the jobs it leased; if it
                 # fails again, the loop sends it again at its next rounds (permits.py), once
@@ -403,6 +418,7 @@ class Claimer:
                 lost.append(claim)
                 continue
             batch = parse_claim(claim.shard, reply)
+            unanswered.remove(claim)
             if batch.handed_back:
                 self._handed_back(batch.handed_back)
             for job in batch.jobs:

@@ -147,9 +147,10 @@ class LimitedQueues:
         self.over = True
         self.wake()
 
-    async def stop(self) -> None:
+    async def stop(self, bound: float | None = None) -> None:
         """End the loops and wait for them, not past the shutdown's deadline (a Redis that
-        stopped answering)."""
+        stopped answering), nor past ``bound`` seconds (the worker's run cancelled: no
+        deadline was set)."""
         self.end()
         self.state.slot_free.set()
         tasks = list(self._tasks.values())
@@ -157,6 +158,8 @@ class LimitedQueues:
             return
         deadline = self.state.deadline
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if bound is not None:
+            left = bound if left is None else min(left, bound)
         _, pending = await asyncio.wait(tasks, timeout=left)
         if pending:
             log.warning(
@@ -318,7 +321,14 @@ class LimitedClaimer:
             now = time.monotonic()
             last = {shard for shard, until in self._failing.items() if until > now}
             plan = spread(len(permits.ids), ready, last)
-            started, lost = await self.claims.claim_limited(self.queue, plan, ids, sent)
+            try:
+                started, lost = await self.claims.claim_limited(self.queue, plan, ids, sent)
+            except asyncio.CancelledError:
+                # cut by the stop: its jobs are given back (claimer.py: _give_back_cut), and
+                # the permits this round held for them go back too, else the queue's capacity
+                # would wait out their lease
+                await self._give_back(ids)
+                raise
         finally:
             reserved()
         used = {permit for permit, _ in started}
