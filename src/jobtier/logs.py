@@ -15,12 +15,16 @@ import orjson
 
 _PAIR = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
 # What a job's text may hold that a terminal would act on: C0 controls (escape sequences, a
-# carriage return, a bell, NUL), DEL and C1 (a task's error or log line is anyone's text)
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+# carriage return, a bell, NUL), DEL and C1 (a task's error or log line is anyone's text); and
+# what would reorder or break the text shown: bidi overrides and isolates, and Unicode's own
+# line and paragraph separators
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
 
 
 def _escaped(m: re.Match[str]) -> str:
-    return {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(m[0], f"\\x{ord(m[0]):02x}")
+    c = m[0]
+    named = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c)
+    return named or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
 
 
 def printable(text: str) -> str:

@@ -12,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobtier import AsyncClient, outbox
+from jobtier.api import records
 from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
 from jobtier.engine.produce import Producer
@@ -211,9 +212,25 @@ async def test_a_cancel_of_a_job_still_in_the_outbox_cancels_its_row(
         ), r.text
 
 
+async def waits_for_the_row(pg_pool: Pool, cancels: int = 1) -> bool:
+    """Whether ``cancels`` cancels wait for an outbox row's lock."""
+    waiting = await pg_pool.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+        " AND query LIKE '%UPDATE jobtier.outbox%cancelled_at%'"
+    )
+    return bool(waiting >= cancels)
+
+
+@pytest.fixture
+def patient(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancel waits for a row's lock as long as a test holding it needs (a loaded machine)."""
+    monkeypatch.setattr(records, "CANCEL_LOCK_MS", 600_000)
+
+
 async def test_a_cancel_never_marks_a_row_a_relay_took(
-    pg_api: ApiServer, app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue
-) -> None:
+    pg_api: ApiServer, app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue,
+    patient: None,
+) -> None:  # fmt: skip
     """A cancel of a row a relay holds (taken, its Redis submit under way) waits for it, and
     then leaves it as the relay marked it: the cancel goes to Redis, never to the row."""
     relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
@@ -225,16 +242,7 @@ async def test_a_cancel_never_marks_a_row_a_relay_took(
         await app.execute("SELECT 1 FROM jobtier.outbox WHERE id = $1 FOR UPDATE", job_id)
         async with pg_api.client() as c:
             cancel = asyncio.create_task(c.post(f"/v1/jobs/{job_id}/cancel"))
-
-            async def waits_for_the_lock() -> bool:
-                return bool(
-                    await pg_pool.fetchval(
-                        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                        " AND query LIKE '%UPDATE jobtier.outbox%cancelled_at%'"
-                    )
-                )
-
-            await wait_for(waits_for_the_lock)
+            await wait_for(lambda: waits_for_the_row(pg_pool))
             await app.execute(
                 "UPDATE jobtier.outbox SET relayed_at = clock_timestamp() WHERE id = $1", job_id
             )
@@ -249,3 +257,59 @@ async def test_a_cancel_never_marks_a_row_a_relay_took(
         "SELECT relayed_at, cancelled_at FROM jobtier.outbox WHERE id = $1", job_id
     )
     assert row["relayed_at"] is not None and row["cancelled_at"] is None, row
+
+
+async def test_a_cancel_that_waited_for_a_row_that_ended_says_it_has_ended(
+    pg_api: ApiServer, app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue,
+    patient: None,
+) -> None:  # fmt: skip
+    """A cancel waiting for a row the relay then refuses answers 409 (refused), not 404; of two
+    cancels of one row, one cancels it and the other says it has finished."""
+    relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
+    assert await relay.drain() == 0  # records the shard count
+    refused = await outbox.submit(app, "echo", {"n": 1}, tenant="acme", delay=3600)
+    twice = await outbox.submit(app, "echo", {"n": 2}, tenant="acme", delay=3600)
+    async with pg_api.client() as c:
+        async with app.transaction():  # as a relay refusing it would
+            await app.execute("SELECT 1 FROM jobtier.outbox WHERE id = $1 FOR UPDATE", refused)
+            cancel = asyncio.create_task(c.post(f"/v1/jobs/{refused}/cancel"))
+            await wait_for(lambda: waits_for_the_row(pg_pool))
+            await app.execute(
+                "UPDATE jobtier.outbox SET relayed_at = clock_timestamp(), error = 'no' "
+                "WHERE id = $1",
+                refused,
+            )
+        r = await cancel
+        assert r.status_code == 409, r.text
+        assert "refused by the outbox relay" in r.json()["detail"], r.text
+        async with app.transaction():  # two cancels wait for the same row
+            await app.execute("SELECT 1 FROM jobtier.outbox WHERE id = $1 FOR UPDATE", twice)
+            both = [asyncio.create_task(c.post(f"/v1/jobs/{twice}/cancel")) for _ in range(2)]
+            await wait_for(lambda: waits_for_the_row(pg_pool, 2))
+        first, second = sorted([await both[0], await both[1]], key=lambda r: r.status_code)
+        assert (first.status_code, first.json()["state"]) == (200, "cancelled"), first.text
+        assert second.status_code == 409, second.text
+        assert "has already finished (cancelled)" in second.json()["detail"], second.text
+
+
+async def test_a_cancel_does_not_wait_long_for_a_relay_holding_the_row(
+    pg_api: ApiServer, app: Any, pg_settings: Settings, pg_pool: Pool, queue: Queue,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A relay holding the row past the cancel's patience (its Redis frozen, say): the cancel
+    answers 409 "send it again", with Retry-After, rather than hold an API connection, and
+    changes nothing."""
+    monkeypatch.setattr(records, "CANCEL_LOCK_MS", 100)
+    relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
+    assert await relay.drain() == 0  # records the shard count
+    job_id = await outbox.submit(app, "echo", {"n": 1}, tenant="acme", delay=3600)
+    async with pg_api.client() as c, app.transaction():
+        await app.execute("SELECT 1 FROM jobtier.outbox WHERE id = $1 FOR UPDATE", job_id)
+        r = await c.post(f"/v1/jobs/{job_id}/cancel")
+    assert r.status_code == 409 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["type"] == "urn:jobtier:problem:not-relayed-yet", r.text
+    assert "send the cancel again" in r.json()["detail"]
+    row = await app.fetchrow(
+        "SELECT relayed_at, cancelled_at FROM jobtier.outbox WHERE id = $1", job_id
+    )
+    assert row["relayed_at"] is None and row["cancelled_at"] is None, row

@@ -10,7 +10,7 @@ import logging
 import subprocess
 import sys
 
-from jobtier.logs import JsonFormatter, TextFormatter
+from jobtier.logs import JsonFormatter, TextFormatter, printable
 
 
 def _formatted(message: str, *args: object) -> dict[str, object]:
@@ -69,3 +69,11 @@ def test_text_lines_show_controls_as_escapes() -> None:
     assert "error=a\\x1b[2J\\x1b]0;title\\x07b\\r\\x00\\x9b" in line
     assert "\nTraceback (most recent call last):\n" in line  # the traceback's lines kept
     assert line.endswith("ValueError: a\\x1b[2J\\x1b]0;title\\x07b\\r\\x00\\x9b"), repr(line)
+
+
+def test_text_that_would_reorder_or_break_a_line_is_escaped() -> None:
+    """Bidi overrides and isolates, and Unicode's line and paragraph separators, would
+    reorder what a terminal shows or break a line: escaped too; other text is left alone."""
+    assert printable("ok \u202egnp.exe\u2066x\u2069\u2028y\u2029 é ✓") == (
+        "ok \\u202egnp.exe\\u2066x\\u2069\\u2028y\\u2029 é ✓"
+    )

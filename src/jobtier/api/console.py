@@ -61,7 +61,7 @@ async def cancel(request: Request) -> Response:
     require_admin(request)
     job_id = job_id_of(request)
     async with audited(request, "job.cancel", job_id) as outcome:
-        # a job still in the outbox: a 409 saying so, with Retry-After (http.py)
+        # a job still in the outbox is cancelled there (http.py: outbox_transition)
         doc = await outbox_transition(
             request, job_id, None, JobControl.cancel_doc, finished, cancel=True
         )

@@ -120,15 +120,7 @@ async def outbox_transition(
         if problem.status != 404 or outbox is None or not (doc := await outbox(job_id, tenant)):
             raise
         lost = problem
-    state = doc_state(doc)
-    if state == "failed":  # refused by the relay: for good
-        detail = (
-            f"job {job_id} was refused by the outbox relay and never reached Redis (its error "
-            "says why): there is nothing to change; submit it again once the cause is mended"
-        )
-        raise Problem(409, "wrong-state", detail, job=orjson.loads(doc)) from None
-    if state != "submitted":  # cancelled before its relay
-        raise Problem(409, "wrong-state", refused(job_id, state), job=orjson.loads(doc))
+    _refuse_ended(job_id, doc, refused)
     if not cancel:
         detail = (
             f"job {job_id} is still in the outbox: the relay has not taken it into Redis yet, "
@@ -146,7 +138,24 @@ async def outbox_transition(
             raise
     if cancelled is not None:
         return cancelled
-    raise lost  # neither has it any more (refused meanwhile: its status says so)
+    # neither has it: its row ended while the cancel waited (refused, or another cancel won)
+    if ended := await outbox(job_id, tenant):
+        _refuse_ended(job_id, ended, refused)
+    raise lost
+
+
+def _refuse_ended(job_id: str, doc: bytes, refused: Refused) -> None:
+    """A 409 for an outbox row that has ended without reaching Redis: refused by the relay, or
+    cancelled before it."""
+    state = doc_state(doc)
+    if state == "failed":  # refused by the relay: for good
+        detail = (
+            f"job {job_id} was refused by the outbox relay and never reached Redis (its error "
+            "says why): there is nothing to change; submit it again once the cause is mended"
+        )
+        raise Problem(409, "wrong-state", detail, job=orjson.loads(doc))
+    if state != "submitted":  # cancelled before its relay
+        raise Problem(409, "wrong-state", refused(job_id, state), job=orjson.loads(doc))
 
 
 def finished(job_id: str, state: str) -> str:

@@ -27,7 +27,7 @@ from jobtier.api.params import (
     job_page,
     parse_query,
 )
-from jobtier.api.problems import PG_DOWN, postgres_or_503
+from jobtier.api.problems import PG_DOWN, Problem, postgres_or_503
 from jobtier.api.sealed import opened
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
@@ -69,6 +69,8 @@ class History(msgspec.Struct):
 OUTBOX_COUNTED = 100_000  # outbox rows counted at most (the alert watches the oldest's age)
 OUTBOX_EVERY = 5.0  # s: the backlog read at most this often, whatever the scrapes
 OUTBOX_TIMEOUT = 1.0  # s: a backlog read taking longer is skipped
+# ms a cancel of an outbox row waits for a relay holding it (then: 409, send it again)
+CANCEL_LOCK_MS = 5_000
 READY_SECONDS = 1.0  # s: /readyz's look at Postgres, well inside a probe's limit (3 s in deploy/)
 BACKLOG_UNREAD: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
 
@@ -186,7 +188,20 @@ class PostgresExtension(Extension):
         assert self.pool is not None
         with postgres_or_503(logged=True):
             async with self.pool.acquire() as conn, conn.transaction():
-                row = await conn.fetchrow(query("outbox_cancel"), job_id, tenant)
+                # a relay holding the row (its Redis submit under way) is waited for, not past
+                # CANCEL_LOCK_MS: a Redis that froze under that relay must not hold the API's
+                # connections too
+                await conn.execute(f"SET LOCAL lock_timeout = {int(CANCEL_LOCK_MS)}")
+                try:
+                    row = await conn.fetchrow(query("outbox_cancel"), job_id, tenant)
+                except asyncpg.LockNotAvailableError:
+                    detail = (
+                        f"job {job_id} is being relayed from the outbox into Redis right now "
+                        "(a relay holds its row): send the cancel again"
+                    )
+                    raise Problem(
+                        409, "not-relayed-yet", detail, headers={"retry-after": "1"}
+                    ) from None
                 if row is None:
                     return None
                 doc = render(row)

@@ -509,7 +509,7 @@ class BaseClient(Generic[TransportT]):
     def _replay_dead_letters(
         self, type: str | None, since: datetime | str | None, limit: int, every: bool
     ) -> Op[list[str]]:
-        body = present(limit=limit, type=type, since=since and time_param(since), all=every)
+        body = present(limit=limit, type=type, since=since and time_param(since), all=every or None)
         call = json_call("POST", "/v1/admin/dead-letters/replay", body)
         return (yield from fetch(call, replayed_decoder, "a replay answer")).replayed
 

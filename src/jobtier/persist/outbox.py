@@ -84,12 +84,12 @@ RETRIED: tuple[type[BaseException], ...] = (
 )
 
 AfterSubmit = Callable[[Sequence[str]], Awaitable[None] | None]
-# what the webhooks make of rows that end in the outbox, refused or cancelled, in the
-# transaction that ends them: (connection, [(tenant, status document)]) -> deliveries made
-# (webhooks/deliveries.py: deliver_ended; given by the process that runs the relay)
-OnEnded = Callable[[AnyConnection, Sequence[tuple[str, bytes]]], Awaitable[int]]
 """Called with the ids just submitted into Redis, before the rows are marked (tests inflict a
 crash there)."""
+OnEnded = Callable[[AnyConnection, Sequence[tuple[str, bytes]]], Awaitable[int]]
+"""What the webhooks make of rows that end in the outbox, refused or cancelled, in the
+transaction that ends them: (connection, [(tenant, status document)]) -> deliveries made
+(webhooks/deliveries.py: deliver_ended; given by the process that runs the relay)."""
 
 
 @dataclass(slots=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -225,11 +224,13 @@ async def deliver_ended(conn: AnyConnection, ended: Sequence[tuple[str, bytes]])
     subs = await conn.fetch(query("targets_subscriptions"), list({t for t, _ in ended}))
     if not subs:
         return 0
-    stamp = f"{int(time.time() * 1000)}-0".encode()  # when, as a log entry's id says it
-    entries = [
-        LogEntry(0, stamp, decode_status(doc), doc, tenant, "submitted", "outbox")
-        for tenant, doc in ended
-    ]
+    entries = []
+    for tenant, doc in ended:
+        status = decode_status(doc)
+        # when, as a log entry's id says it: the row's end by Postgres's clock, which a
+        # subscription's created_at is compared with (made_from)
+        ms = int(datetime.fromisoformat(status.updated_at).timestamp() * 1000)
+        entries.append(LogEntry(0, f"{ms}-0".encode(), status, doc, tenant, "submitted", "outbox"))
     items = made_from(entries, subs, ())
     if not items:
         return 0
