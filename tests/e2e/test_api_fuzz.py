@@ -68,6 +68,8 @@ PROSE_RULES = {
     # a concurrency_limit without its concurrency_key; a queue's rate period without a rate
     # (or a concurrency), which would lift its limits
     "concurrency_limit": 422, "rate": 422,
+    # a dead-letter replay with no filter that does not say "all": true
+    "all": 422,
 }  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)

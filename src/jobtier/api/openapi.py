@@ -163,6 +163,10 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
         f"{settings.max_future_seconds} (JOBTIER_MAX_FUTURE_SECONDS); not with run_at"
     )
     c["BatchBody"]["properties"]["jobs"].update(minItems=1, maxItems=settings.max_batch)
+    c["ReplayFilter"]["properties"]["all"]["description"] = (
+        "true: every dead letter (up to limit); a replay with none of type, since, queue and "
+        "tenant must say so (else 422, field all)"
+    )
     oa.constrain(c, "ReplayFilter", "type", pattern=TASK_NAME_RE.pattern)
     oa.constrain(c, "ReplayFilter", "queue", pattern=QUEUE_NAME_RE.pattern)
     oa.constrain(c, "ReplayFilter", "tenant", pattern=TENANT_RE.pattern)
