@@ -36,6 +36,10 @@ async def test_check_follows_a_worker_alive_then_hung(settings: Settings) -> Non
         r = await check(settings, "worker")
         assert r.returncode == 0 and f":{proc.pid}: alive, published" in r.stdout
         assert (await check(settings, "scheduler")).returncode == 1  # another role: none
+        # one process singled out by its pid: this one is alive, another pid is not
+        assert (await check(settings, "worker", "--pid", str(proc.pid))).returncode == 0
+        r = await check(settings, "worker", "--pid", str(proc.pid + 100_000))
+        assert r.returncode == 1 and f"with pid {proc.pid + 100_000}" in r.stderr, r.stderr
         proc.send_signal(signal.SIGSTOP)  # hung: it stops publishing
 
         async def failing() -> bool:

@@ -366,6 +366,11 @@ COMMANDS: tuple[tuple[Any, ...], ...] = (
         arg("role", choices=ROLES, metavar="ROLE", help=", ".join(ROLES)),
         arg("--max-age", type=float, default=15.0, help="seconds since the last publication (15)"),
         arg("--any-host", action="store_true", help="a process on any host will do (fleet check)"),
+        arg(
+            "--pid",
+            type=int,
+            help="only the process of this pid on this host (several of ROLE on one host)",
+        ),
     ),
     (
         "config",

@@ -317,7 +317,9 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
         mine = [
             s
             for s in snapshots
-            if s.role == args.role and (args.any_host or process_host(s.process) == host)
+            if s.role == args.role
+            and (args.any_host or process_host(s.process) == host)
+            and (args.pid is None or s.process == f"{args.role}:{host}:{args.pid}")
         ]
         fresh = [s for s in mine if now - s.at <= args.max_age]
         for snap in fresh:
@@ -325,6 +327,8 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
         if fresh:
             return 0
         where = "any host" if args.any_host else f"host {host}"
+        if args.pid is not None:
+            where = f"host {host} with pid {args.pid}"
         latest = max((s.at for s in mine), default=None)
         seen = (
             f"none in the last {FORGET_SECONDS / 3600:g} h"
