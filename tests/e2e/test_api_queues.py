@@ -88,7 +88,13 @@ async def test_admin_queue_routes(api: ApiServer, queue: Queue) -> None:
     async with api.client("admin") as admin, api.client() as c:
         await c.post("/v1/jobs", json={"type": "thumbnail", "payload": {"url": "x"}})
         r = await admin.post("/v1/admin/queues/images/pause")
-        assert r.json() == {"queue": "images", "paused": True}
+        assert r.json() == {"queue": "images", "paused": True, "known": True}
+        # a name nothing has named (a typo, or a queue before its first job): paused all the
+        # same, and the answer says it was not known
+        r = await admin.post("/v1/admin/queues/imgaes/pause")
+        assert r.json() == {"queue": "imgaes", "paused": True, "known": False}
+        r = await admin.post("/v1/admin/queues/imgaes/resume")  # listed while it was paused
+        assert r.json() == {"queue": "imgaes", "paused": False, "known": True}
         r = await admin.put("/v1/admin/queues/images/limits", json={"concurrency": 2, "rate": 10})
         assert r.status_code == 200 and r.json()["limits"] == {"concurrency": 2, "rate": 10}
         states: dict[str, Any] = {

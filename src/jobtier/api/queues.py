@@ -86,12 +86,18 @@ async def list_queues(request: Request) -> Response:
 
 
 async def _set_paused(request: Request, paused: bool) -> Response:
+    """``known``: whether the queue is one the listing has (jobs, workers or tasks name it):
+    a mistyped name is paused all the same (a pause may come before the queue's first job),
+    and the answer says so."""
     require_admin(request)
     name = queue_name(request)
     admin = request.state.queue.admin
+    states = await queue_states(request.state.queue, request.state.catalog)  # (before: a
+    known = any(q["name"] == name for q in states)  # paused queue is listed for its pause)
     async with audited(request, "queue.pause" if paused else "queue.resume", name):
         await (admin.pause if paused else admin.resume)(name)
-    return Response(orjson.dumps({"queue": name, "paused": paused}), media_type=JSON)
+    body = {"queue": name, "paused": paused, "known": known}
+    return Response(orjson.dumps(body), media_type=JSON)
 
 
 async def pause(request: Request) -> Response:

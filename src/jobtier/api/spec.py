@@ -89,6 +89,7 @@ class QueueList(msgspec.Struct):
 class QueuePaused(msgspec.Struct):
     queue: str
     paused: bool
+    known: bool  # the listing had the queue (jobs, limits or a task named it): false for a typo
 
 
 class QueueUnblocked(msgspec.Struct):
