@@ -326,8 +326,10 @@ class LimitedClaimer:
             except asyncio.CancelledError:
                 # cut by the stop: its jobs are given back (claimer.py: _give_back_cut), and
                 # the permits this round held for them go back too, else the queue's capacity
-                # would wait out their lease
-                await self._give_back(ids)
+                # would wait out their lease; not those of the jobs it started before the cut
+                # (each returns its own as its job ends, counted as a start)
+                started_here = {r.permit for r in self.state.running.values()}
+                await self._give_back([p for p in ids if p not in started_here])
                 raise
         finally:
             reserved()
