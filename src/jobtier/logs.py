@@ -18,7 +18,9 @@ _PAIR = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\S+)")
 # carriage return, a bell, NUL), DEL and C1 (a task's error or log line is anyone's text); and
 # what would reorder or break the text shown: bidi overrides and isolates, and Unicode's own
 # line and paragraph separators
-_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\u2028\u2029]")
+_CONTROLS = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\u2028\u2029]"
+)
 
 
 def _escaped(m: re.Match[str]) -> str:
@@ -40,8 +42,10 @@ class TextFormatter(logging.Formatter):
         line = f"{ts}.{int(record.msecs):03d}Z level={level} logger={record.name} {message}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
-        # (a traceback quotes a task's exception, anyone's text)
-        return printable(line)
+        # a traceback quotes a task's exception, anyone's text: its controls escaped, and every
+        # line after the first indented, so that none reads as a record of its own (each
+        # starts with its time, at the line's start)
+        return printable(line).replace("\n", "\n  ")
 
 
 class JsonFormatter(logging.Formatter):

@@ -297,8 +297,8 @@ async def test_a_cancel_does_not_wait_long_for_a_relay_holding_the_row(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """A relay holding the row past the cancel's patience (its Redis frozen, say): the cancel
-    answers 409 "send it again", with Retry-After, rather than hold an API connection, and
-    changes nothing."""
+    answers 503 "send it again", with Retry-After (a passing condition, which clients send
+    again), rather than hold an API connection, and changes nothing."""
     monkeypatch.setattr(records, "CANCEL_LOCK_MS", 100)
     relay = OutboxRelay(pg_settings, pg_pool, Producer(queue.store, registry, True, None))
     assert await relay.drain() == 0  # records the shard count
@@ -306,8 +306,8 @@ async def test_a_cancel_does_not_wait_long_for_a_relay_holding_the_row(
     async with pg_api.client() as c, app.transaction():
         await app.execute("SELECT 1 FROM jobtier.outbox WHERE id = $1 FOR UPDATE", job_id)
         r = await c.post(f"/v1/jobs/{job_id}/cancel")
-    assert r.status_code == 409 and r.headers["retry-after"] == "1", r.text
-    assert r.json()["type"] == "urn:jobtier:problem:not-relayed-yet", r.text
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["type"] == "urn:jobtier:problem:unavailable", r.text
     assert "send the cancel again" in r.json()["detail"]
     row = await app.fetchrow(
         "SELECT relayed_at, cancelled_at FROM jobtier.outbox WHERE id = $1", job_id

@@ -40,6 +40,8 @@ async def test_check_follows_a_worker_alive_then_hung(settings: Settings) -> Non
         assert (await check(settings, "worker", "--pid", str(proc.pid))).returncode == 0
         r = await check(settings, "worker", "--pid", str(proc.pid + 100_000))
         assert r.returncode == 1 and f"with pid {proc.pid + 100_000}" in r.stderr, r.stderr
+        r = await check(settings, "worker", "--pid", str(proc.pid), "--any-host")
+        assert r.returncode == 2 and "not with --any-host" in r.stderr, r.stderr
         proc.send_signal(signal.SIGSTOP)  # hung: it stops publishing
 
         async def failing() -> bool:

@@ -67,13 +67,29 @@ def test_text_lines_show_controls_as_escapes() -> None:
     line = TextFormatter().format(record)
     assert not any(c in line for c in "\x1b\x07\r\x00\x9b"), repr(line)
     assert "error=a\\x1b[2J\\x1b]0;title\\x07b\\r\\x00\\x9b" in line
-    assert "\nTraceback (most recent call last):\n" in line  # the traceback's lines kept
+    assert "\n  Traceback (most recent call last):\n" in line  # its lines kept, indented
     assert line.endswith("ValueError: a\\x1b[2J\\x1b]0;title\\x07b\\r\\x00\\x9b"), repr(line)
+
+
+def test_a_tasks_error_cannot_forge_a_record() -> None:
+    """An exception's message with line breaks and a record's shape in it: every line after
+    a record's first is indented, so that no line but the first starts with a time."""
+    forged = "ok\n2026-12-07T10:00:00.000Z level=info logger=jobtier.worker event=job_succeeded"
+    try:
+        raise ValueError(forged)
+    except ValueError:
+        record = logging.LogRecord(
+            "jobtier.worker", logging.ERROR, __file__, 1, "event=job_failed", (), sys.exc_info()
+        )
+    first, *rest = TextFormatter().format(record).split("\n")
+    assert first[:4].isdigit() and rest, first
+    assert all(line.startswith("  ") for line in rest), rest
+    assert rest[-1].startswith("  2026-12-07T10:00:00.000Z level=info"), rest
 
 
 def test_text_that_would_reorder_or_break_a_line_is_escaped() -> None:
     """Bidi overrides and isolates, and Unicode's line and paragraph separators, would
     reorder what a terminal shows or break a line: escaped too; other text is left alone."""
-    assert printable("ok \u202egnp.exe\u2066x\u2069\u2028y\u2029 é ✓") == (
-        "ok \\u202egnp.exe\\u2066x\\u2069\\u2028y\\u2029 é ✓"
+    assert printable("ok \u202egnp.exe\u2066x\u2069\u2028y\u2029\u200f é ✓") == (
+        "ok \\u202egnp.exe\\u2066x\\u2069\\u2028y\\u2029\\u200f é ✓"
     )

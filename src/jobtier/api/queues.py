@@ -3,6 +3,7 @@ audited: audit.py), and the task catalogue (what the workers run)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from jobtier.core.names import QUEUE_NAME_RE
 from jobtier.engine.catalog import TaskCatalog
 from jobtier.engine.queue import Queue
 from jobtier.engine.queue_admin import no_counts
+from jobtier.runtime.loop import FAULTS
 
 _limits_decoder = msgspec.json.Decoder(QueueLimits)
 # a queue Redis has no counts for: known by its limits or a task's advert
@@ -88,12 +90,16 @@ async def list_queues(request: Request) -> Response:
 async def _set_paused(request: Request, paused: bool) -> Response:
     """``known``: whether the queue is one the listing has (jobs, workers or tasks name it):
     a mistyped name is paused all the same (a pause may come before the queue's first job),
-    and the answer says so."""
+    and the answer says so; null when the listing could not be read."""
     require_admin(request)
     name = queue_name(request)
     admin = request.state.queue.admin
-    states = await queue_states(request.state.queue, request.state.catalog)  # (before: a
-    known = any(q["name"] == name for q in states)  # paused queue is listed for its pause)
+    # read before the change (a paused queue is listed for its pause), and at best: a pause
+    # during an incident must not fail for a shard that does not answer (known: null)
+    known: bool | None = None
+    with contextlib.suppress(*FAULTS):
+        states = await queue_states(request.state.queue, request.state.catalog)
+        known = any(q["name"] == name for q in states)
     async with audited(request, "queue.pause" if paused else "queue.resume", name):
         await (admin.pause if paused else admin.resume)(name)
     body = {"queue": name, "paused": paused, "known": known}

@@ -69,7 +69,7 @@ class History(msgspec.Struct):
 OUTBOX_COUNTED = 100_000  # outbox rows counted at most (the alert watches the oldest's age)
 OUTBOX_EVERY = 5.0  # s: the backlog read at most this often, whatever the scrapes
 OUTBOX_TIMEOUT = 1.0  # s: a backlog read taking longer is skipped
-# ms a cancel of an outbox row waits for a relay holding it (then: 409, send it again)
+# ms a cancel of an outbox row waits for a relay holding it (then: 503, send it again)
 CANCEL_LOCK_MS = 5_000
 READY_SECONDS = 1.0  # s: /readyz's look at Postgres, well inside a probe's limit (3 s in deploy/)
 BACKLOG_UNREAD: tuple[type[BaseException], ...] = (*UNAVAILABLE, asyncpg.PostgresError)
@@ -195,13 +195,15 @@ class PostgresExtension(Extension):
                 try:
                     row = await conn.fetchrow(query("outbox_cancel"), job_id, tenant)
                 except asyncpg.LockNotAvailableError:
+                    # passing: a 503 with Retry-After, which clients send again
                     detail = (
-                        f"job {job_id} is being relayed from the outbox into Redis right now "
-                        "(a relay holds its row): send the cancel again"
+                        f"job {job_id}'s outbox row is held by a relay (taking it into Redis, "
+                        "or setting it aside): send the cancel again"
                     )
                     raise Problem(
-                        409, "not-relayed-yet", detail, headers={"retry-after": "1"}
+                        503, "unavailable", detail, headers={"retry-after": "1"}
                     ) from None
+                await conn.execute("SET LOCAL lock_timeout = 0")  # (the webhooks' writes)
                 if row is None:
                     return None
                 doc = render(row)

@@ -89,7 +89,9 @@ class QueueList(msgspec.Struct):
 class QueuePaused(msgspec.Struct):
     queue: str
     paused: bool
-    known: bool  # the listing had the queue (jobs, limits or a task named it): false for a typo
+    # the listing had the queue (jobs, limits or a task named it): false for a typo; null
+    # when the listing could not be read (the pause or resume was made all the same)
+    known: bool | None
 
 
 class QueueUnblocked(msgspec.Struct):

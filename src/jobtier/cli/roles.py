@@ -302,6 +302,12 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     from jobtier.store.redis import connect
 
     host = socket.gethostname()
+    if args.pid is not None and args.any_host:
+        print(
+            "jobtier check: --pid names a process of this host: not with --any-host",
+            file=sys.stderr,
+        )
+        return 2
 
     async def main() -> int:
         redis = connect(settings)
