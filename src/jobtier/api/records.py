@@ -44,7 +44,7 @@ from jobtier.persist.db import (
     migrations,
     query,
 )
-from jobtier.persist.outbox_docs import outbox_docs, render
+from jobtier.persist.outbox_docs import outbox_docs
 from jobtier.persist.pg_reader import MAX_LIMIT, PgReader, Transition
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.streams.group import shared_lag
@@ -193,7 +193,7 @@ class PostgresExtension(Extension):
                 # connections too
                 await conn.execute(f"SET LOCAL lock_timeout = {int(CANCEL_LOCK_MS)}")
                 try:
-                    row = await conn.fetchrow(query("outbox_cancel"), job_id, tenant)
+                    cancelled = await conn.fetchval(query("outbox_cancel"), job_id, tenant)
                 except asyncpg.LockNotAvailableError:
                     # passing: a 503 with Retry-After, which clients send again
                     detail = (
@@ -204,11 +204,11 @@ class PostgresExtension(Extension):
                         503, "unavailable", detail, headers={"retry-after": "1"}
                     ) from None
                 await conn.execute("SET LOCAL lock_timeout = 0")  # (the webhooks' writes)
-                if row is None:
+                if cancelled is None:
                     return None
-                doc = render(row)
-                await deliver_ended(conn, [(row["tenant"], doc)])  # its webhooks, or neither
-        return doc
+                ended = (await outbox_docs([job_id], conn, relayed=False))[job_id]
+                await deliver_ended(conn, [ended])  # its webhooks, or neither
+        return ended[1]
 
     async def _outbox_result(self, job_id: str, tenant: str) -> dict[str, Any] | None:
         """A job only the outbox holds (not relayed yet, refused by its relay, or relayed a

@@ -44,7 +44,7 @@ from jobtier.engine.validate import MAX_ATTEMPTS_LIMIT
 from jobtier.logs import Unforeseen
 from jobtier.metrics.snapshot import Snapshot, labels
 from jobtier.persist.db import UNAVAILABLE, AnyConnection, Connection, Pool, connect, query
-from jobtier.persist.outbox_docs import render
+from jobtier.persist.outbox_docs import outbox_docs
 from jobtier.persist.outbox_gate import RelayGate
 from jobtier.runtime.backoff import PERSIST_POSTGRES
 from jobtier.runtime.loop import FAULTS, wait_for
@@ -318,9 +318,10 @@ class OutboxRelay:
                     await conn.execute(query("outbox_relayed"), done.relayed)
                 if done.refused:
                     ids, reasons = [i for i, _ in done.refused], [r for _, r in done.refused]
-                    ended = await conn.fetch(query("outbox_refused"), ids, reasons)
-                    if self.on_ended is not None:
-                        await self.on_ended(conn, [(r["tenant"], render(r)) for r in ended])
+                    await conn.execute(query("outbox_refused"), ids, reasons)
+                    if self.on_ended is not None:  # their webhooks, in this transaction
+                        ended = await outbox_docs(ids, conn, relayed=False)
+                        await self.on_ended(conn, list(ended.values()))
         self._recorded = True  # committed
         self._waiting_types.difference_update(released)
         self.taken = len(rows)

@@ -36,27 +36,18 @@ FOR UPDATE SKIP LOCKED
 UPDATE jobtier.outbox SET relayed_at = clock_timestamp() WHERE id = ANY($1::text[])
 
 -- name: outbox_refused
--- The rows refused, as their status documents render them (outbox_docs.py), for their
--- webhooks.
 UPDATE jobtier.outbox AS o SET relayed_at = clock_timestamp(), error = r.error
 FROM unnest($1::text[], $2::text[]) AS r(id, error)
 WHERE o.id = r.id
-RETURNING o.id, o.tenant, o.type, o.queue, o.priority,
-          CASE WHEN o.run_at BETWEEN '0001-01-02 00:00:00+00' AND '9999-12-30 00:00:00+00'
-               THEN o.run_at END AS run_at,
-          o.max_attempts, o.created_at, o.relayed_at, o.error, o.cancelled_at
 
 -- name: outbox_cancel
 -- The tenant's row not relayed yet ($2; any tenant's with NULL: the console), cancelled: the
 -- relay never takes it. A row a relay holds (taken, its Redis submit under way) is waited for,
--- and then matches no more: the job is in Redis, where the cancel goes. Its status, tenant.
+-- and then matches no more: the job is in Redis, where the cancel goes. Its id: cancelled.
 UPDATE jobtier.outbox
 SET relayed_at = clock_timestamp(), cancelled_at = clock_timestamp()
 WHERE id = $1 AND ($2::text IS NULL OR tenant = $2) AND relayed_at IS NULL
-RETURNING id, tenant, type, queue, priority,
-          CASE WHEN run_at BETWEEN '0001-01-02 00:00:00+00' AND '9999-12-30 00:00:00+00'
-               THEN run_at END AS run_at,
-          max_attempts, created_at, relayed_at, error, cancelled_at
+RETURNING id
 
 -- name: outbox_wait
 -- Rows of types no worker has advertised yet: left out until $2 seconds after their submit

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from jobtier.core.model import DEFAULT_QUEUE, State
-from jobtier.persist.db import Pool, query
+from jobtier.persist.db import AnyConnection, Pool, query
 
 _encode = msgspec.json.Encoder().encode
 
@@ -60,9 +60,11 @@ def render(row: Any) -> bytes:
 
 
 async def outbox_docs(
-    job_ids: list[str], pool: Pool, *, relayed: bool = True
+    job_ids: list[str], pool: Pool | AnyConnection, *, relayed: bool = True
 ) -> dict[str, tuple[str, bytes]]:
     """{id: (tenant, status document)} of those ids only the outbox has; ``relayed``: rows
-    relayed in the last 10 minutes too (a status read's, which Postgres has no row of yet)."""
+    relayed in the last 10 minutes too (a status read's, which Postgres has no row of yet).
+    On a connection in a transaction: as that transaction has the rows (a refusal's, a
+    cancel's, for their webhooks)."""
     rows = await pool.fetch(query("outbox_status_docs"), job_ids, relayed)
     return {r["id"]: (r["tenant"], render(r)) for r in rows}
