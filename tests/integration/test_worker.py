@@ -431,53 +431,31 @@ class ReplyLost:
 
 
 @pytest.mark.parametrize("how", ["cancelled", "deadline"])
-async def test_a_claim_cut_by_the_stop_gives_its_jobs_back(queue: Queue, how: str) -> None:
+@pytest.mark.parametrize("limited", [False, True], ids=["main-loop", "limited-queue"])
+async def test_a_claim_cut_by_the_stop_gives_its_jobs_back(
+    queue: Queue, how: str, limited: bool
+) -> None:
     """A worker stopped while a claim's reply is on its way (``run`` cancelled; or the claim
     abandoned at the shutdown's deadline) gives back the jobs that claim leased in Redis: they
     are queued again, their attempt not counted, when ``run`` ends, rather than ``running``
-    under a lease nobody keeps until it expires."""
-    worker = worker_for(queue, registry, shutdown_grace=0.5)
+    under a lease nobody keeps until it expires. A limited queue's claim (its own loop, with
+    permits) releases the permit its round held too, not left to hold the queue's one slot for
+    a lease; and a cancelled ``run`` waits for that loop a bounded time (it waited for its
+    claim for ever)."""
+    name = "partner" if limited else "default"
+    if limited:
+        await queue.admin.set_limits(name, QueueLimits(concurrency=1))
+    worker = worker_for(queue, registry, queues=[name], shutdown_grace=0.5)
     lost = ReplyLost(worker.claimer._scripts)
     worker.claimer._scripts = lost  # type: ignore[assignment]
     task = asyncio.create_task(worker.run())
     try:
-        sub = await queue.submit("sleep", {"seconds": 60})
+        sub = await queue.submit("sleep", {"seconds": 60}, queue=name)
         await asyncio.wait_for(lost.leased.wait(), timeout=30)
         assert await state_of(queue, sub.job_id) is State.RUNNING  # leased, never started
         assert sub.job_id not in worker.state.running
-        if how == "cancelled":
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-        else:
-            worker.stop()
-            await task
-    finally:
-        worker.stop(now=True)
-        await asyncio.gather(task, return_exceptions=True)
-    status = await queue.status(sub.job_id)
-    assert (status.state, status.attempt) == (State.QUEUED, 0), status
-    assert worker.stats.released == 1
-
-
-@pytest.mark.parametrize("how", ["cancelled", "deadline"])
-async def test_a_limited_queues_claim_cut_by_the_stop_gives_back_its_jobs_and_permits(
-    queue: Queue, how: str
-) -> None:
-    """The same for a limited queue's claim (its own loop, with permits): the job is queued
-    again, attempt not counted, and the permit its round held is released, not left to hold
-    the queue's one slot for a lease. A cancelled ``run`` waits for that loop a bounded time
-    (it waited for its claim for ever)."""
-    await queue.admin.set_limits("partner", QueueLimits(concurrency=1))
-    worker = worker_for(queue, registry, queues=["partner"], shutdown_grace=0.5)
-    lost = ReplyLost(worker.claimer._scripts)
-    worker.claimer._scripts = lost  # type: ignore[assignment]
-    task = asyncio.create_task(worker.run())
-    try:
-        sub = await queue.submit("echo", {"n": 1}, queue="partner")
-        await asyncio.wait_for(lost.leased.wait(), timeout=30)
-        assert await state_of(queue, sub.job_id) is State.RUNNING  # leased, never started
-        assert await queue.redis.zcard(queue.keys.permits("partner")) == 1
+        if limited:
+            assert await queue.redis.zcard(queue.keys.permits(name)) == 1
         if how == "cancelled":
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -490,4 +468,6 @@ async def test_a_limited_queues_claim_cut_by_the_stop_gives_back_its_jobs_and_pe
         await asyncio.gather(task, return_exceptions=True)
     status = await queue.status(sub.job_id)
     assert (status.state, status.attempt) == (State.QUEUED, 0), status
-    assert await queue.redis.zcard(queue.keys.permits("partner")) == 0  # released
+    assert worker.stats.released == 1
+    if limited:
+        assert await queue.redis.zcard(queue.keys.permits(name)) == 0  # released

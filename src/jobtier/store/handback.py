@@ -44,3 +44,9 @@ async def give_back(
     items = [(job.id, job.lease_version) for job in reversed(jobs)]
     (reply,) = await scripts.call_many([stopped_call(shard, worker, retention_s, items)])
     return sum(code is Code.OK for code, _ in parse_pairs(reply))
+
+
+async def hand_back(scripts: Scripts, call: Call, worker: str, retention_s: int) -> tuple[int, int]:
+    """``leased_by`` then ``give_back``, at once: (jobs the claim leased, jobs released)."""
+    jobs = await leased_by(scripts, call)
+    return len(jobs), await give_back(scripts, call[1], worker, retention_s, jobs)

@@ -37,15 +37,14 @@ from jobtier.runtime.backoff import CLAIM
 from jobtier.runtime.loop import FAULTS, wait_any, wait_for
 from jobtier.runtime.stopping import stop_task
 from jobtier.store.calls import Call, claim_call, may_have_run, parse_claim
-from jobtier.store.handback import give_back, leased_by
+from jobtier.store.handback import hand_back
 from jobtier.store.redis import sent_once
 from jobtier.worker.launcher import Launcher
-from jobtier.worker.permits import LimitedQueues, LostClaim
+from jobtier.worker.permits import CUT_TIMEOUT, LimitedQueues, LostClaim
 from jobtier.worker.state import WorkerState
 
 log = logging.getLogger("jobtier.worker")
 
-CUT_TIMEOUT = 2.0  # seconds to give back a cut claim's jobs at a stop (_give_back_cut)
 UNKNOWN = 1 << 30  # a shard whose queue length we don't know: worth asking
 PROBE_MIN = 16  # fewest jobs asked of a shard whose count is unknown (see _plan)
 
@@ -324,9 +323,8 @@ class Claimer:
         try:
             async with asyncio.timeout(CUT_TIMEOUT):
                 for call in cut:
-                    jobs = await leased_by(self._scripts, call)
-                    leased += len(jobs)
-                    released += await give_back(self._scripts, call[1], self.id, retention, jobs)
+                    n, freed = await hand_back(self._scripts, call, self.id, retention)
+                    leased, released = leased + n, released + freed
         except FAULTS as exc:  # (the bound's TimeoutError among them: an OSError)
             log.warning(
                 "event=claim_hand_back_failed worker=%s claims=%d error=%r: the jobs a claim cut "

@@ -47,6 +47,10 @@ from jobtier.store.calls import Call, claim_token, may_have_run
 from jobtier.store.redis import commands_each
 from jobtier.worker.state import WorkerState
 
+# seconds a stop gives the claim loops still running, and then the give-back of what their
+# cut claims leased (claimer.py: _give_back_cut), each
+CUT_TIMEOUT = 2.0
+
 log = logging.getLogger("jobtier.worker")
 
 
@@ -167,7 +171,7 @@ class LimitedQueues:
             )
             # waited for (briefly): a cut claim is given back once every loop has ended
             # (claimer.py: _give_back_cut)
-            await stop_tasks(pending, "limited queue's claim loop", timeout=2.0)
+            await stop_tasks(pending, "limited queue's claim loop", timeout=CUT_TIMEOUT)
 
 
 @dataclass(slots=True)
