@@ -96,9 +96,10 @@ _LINE_BREAKS = re.compile("[\n\t]")
 
 
 def one_line(text: object) -> str:
-    """A field of one line of output, as ``printable``, its line breaks and tabs escaped too:
-    a message cannot forge a row or a line of its own."""
-    return _LINE_BREAKS.sub(lambda m: "\\n" if m[0] == "\n" else "\\t", printable(str(text)))
+    """A field of one line of output, its line breaks and tabs escaped: a message cannot forge
+    a row or a line of its own (its other controls are escaped as the whole output is printed:
+    ``run``)."""
+    return _LINE_BREAKS.sub(lambda m: "\\n" if m[0] == "\n" else "\\t", str(text))
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> str:

@@ -298,7 +298,12 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
     """Exit 0 when a process of ``args.role`` on this host published its metrics lately."""
     import socket
 
-    from jobtier.metrics.snapshot import FORGET_SECONDS, process_host, read_snapshots
+    from jobtier.metrics.snapshot import (
+        FORGET_SECONDS,
+        process_host,
+        process_pid,
+        read_snapshots,
+    )
     from jobtier.store.redis import connect
 
     host = socket.gethostname()
@@ -325,7 +330,7 @@ def cmd_check(args: argparse.Namespace, settings: Settings) -> int:
             for s in snapshots
             if s.role == args.role
             and (args.any_host or process_host(s.process) == host)
-            and (args.pid is None or s.process == f"{args.role}:{host}:{args.pid}")
+            and (args.pid is None or process_pid(s.process) == str(args.pid))
         ]
         fresh = [s for s in mine if now - s.at <= args.max_age]
         for snap in fresh:

@@ -8,7 +8,7 @@ import argparse
 import time
 from typing import TYPE_CHECKING, Any
 
-from jobtier.cli.manage import ADMIN, _connection, clock, run, table
+from jobtier.cli.manage import ADMIN, _connection, clock, run, short_time, table
 
 if TYPE_CHECKING:
     from jobtier.client import Client
@@ -43,7 +43,7 @@ def workers_list(c: Client, a: argparse.Namespace) -> Any:
     out = [table(COLUMNS, (_row(w, now) for w in listed.workers))]
     if a.jobs:
         jobs = [
-            [j.id, w.id, j.type, j.queue, j.attempt, j.since[:19].replace("T", " ")]
+            [j.id, w.id, j.type, j.queue, j.attempt, short_time(j.since)]
             for w in listed.workers
             for j in w.jobs
         ]

@@ -65,6 +65,11 @@ def process_host(process: str) -> str:
     return process.split(":")[1] if process.count(":") >= 2 else ""
 
 
+def process_pid(process: str) -> str:
+    """The pid part of a ``process_id``."""
+    return process.split(":")[2] if process.count(":") >= 2 else ""
+
+
 class Source(Protocol):
     """A part of a process that builds its own metrics snapshot (a worker, a persister…)."""
 
