@@ -58,15 +58,20 @@ class BreakerList(msgspec.Struct):
     breakers: list[BreakerInfo]
 
 
+# why a breaker was opened or closed by hand: text of one line's length, no NUL (Postgres's
+# text cannot hold one), in the document as in the decoder
+Reason = Annotated[str, msgspec.Meta(max_length=REASON_CHARS, pattern=r"^[^\x00]*$")]
+
+
 class BreakerOpenBody(msgspec.Struct, forbid_unknown_fields=True):
     """How long (``seconds``; absent or null: until closed by hand) and why."""
 
     seconds: Annotated[float, msgspec.Meta(gt=0, le=MAX_OPEN_SECONDS)] | None = None
-    reason: str | None = None
+    reason: Reason | None = None
 
 
 class BreakerCloseBody(msgspec.Struct, forbid_unknown_fields=True):
-    reason: str | None = None
+    reason: Reason | None = None
 
 
 OPENAPI_TYPES: list[type] = [BreakerList, BreakerInfo, BreakerOpenBody, BreakerCloseBody]

@@ -367,13 +367,16 @@ def operations(settings: Settings) -> oa.Paths:
     return paths
 
 
+NO_NUL = r"^[^\x00]*$"  # text Postgres keeps cannot hold a NUL
+
+
 def constrain(components: dict[str, Any]) -> None:
     """The rules ``WebhookService.check`` applies that JSON Schema can state (a submit's
     CallbackSpec gets the same in openapi.py)."""
     c = components
     oa.constrain(c, "WebhookSpec", "url", maxLength=MAX_URL_LENGTH, pattern=oa.CALLBACK_URL)
     c["WebhookSpec"]["properties"]["events"]["enum"] = list(EVENTS)
-    oa.constrain(c, "WebhookSpec", "description", maxLength=MAX_DESCRIPTION)
+    oa.constrain(c, "WebhookSpec", "description", maxLength=MAX_DESCRIPTION, pattern=NO_NUL)
 
 
 OPENAPI_TYPES: list[type] = [
