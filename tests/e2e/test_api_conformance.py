@@ -103,6 +103,11 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(c, "GET", "/v1/jobs", 200, params={"limit": 5})
         waiting = (await check(c, "POST", "/v1/jobs", 202, json={"type": "echo"})).json()
         await check(c, "POST", "/v1/jobs/{job_id}/cancel", 200, ids={"job_id": waiting["id"]})
+        later = {"type": "echo", "delay": 3600}
+        delayed = {"job_id": (await check(c, "POST", "/v1/jobs", 202, json=later)).json()["id"]}
+        await check(c, "POST", "/v1/jobs/{job_id}/promote", 200, ids=delayed)
+        await check(c, "POST", "/v1/jobs/{job_id}/promote", 409, ids=delayed)
+        await check(c, "POST", "/v1/jobs/{job_id}/promote", 404, ids={"job_id": "x"})
 
         # flows: created, repeated, refused; a dependent's document and its dependencies
         flow = {
@@ -234,7 +239,18 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(c, "GET", "/v1/schedules/{schedule_id}", 200, ids=sid)
         await check(c, "POST", "/v1/schedules/{schedule_id}/pause", 200, ids=sid)
         await check(c, "POST", "/v1/schedules/{schedule_id}/resume", 200, ids=sid)
+        patch = "/v1/schedules/{schedule_id}"
+        await check(c, "PATCH", patch, 200, ids=sid, json={"interval": 60})
+        await check(c, "PATCH", patch, 422, ids=sid, json={"interval": 60, "cron": "* * * * *"})
+        other = {"name": "other", "type": "echo", "interval": 60}
+        await check(c, "POST", "/v1/schedules", 201, json=other)
+        await check(c, "PATCH", patch, 409, ids=sid, json={"name": "other"})
+        run = "/v1/schedules/{schedule_id}/run"
+        keyed = {"headers": {"idempotency-key": "run-once"}}
+        await check(c, "POST", run, 202, ids=sid, **keyed)
+        await check(c, "POST", run, 200, ids=sid, **keyed)
         await check(c, "DELETE", "/v1/schedules/{schedule_id}", 204, ids=sid)
+        await check(c, "POST", run, 404, ids=sid)
         await check(c, "GET", "/v1/schedules/{schedule_id}", 404, ids=sid)
 
     async with pg_api.client(None) as anonymous:

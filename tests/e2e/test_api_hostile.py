@@ -182,7 +182,7 @@ async def test_405_names_every_method_of_the_path_in_allow(pg_api: ApiServer) ->
             ("GET", "/v1/jobs/batch", "POST"),
             ("DELETE", "/v1/jobs", "GET, HEAD, POST"),
             ("PUT", "/v1/schedules", "GET, HEAD, POST"),
-            ("POST", "/v1/schedules/01M8KK4FZ54RBHFVYBN6HBV0CZ", "DELETE, GET, HEAD"),
+            ("POST", "/v1/schedules/01M8KK4FZ54RBHFVYBN6HBV0CZ", "DELETE, GET, HEAD, PATCH"),
             ("DELETE", "/v1/jobs/01M8KK4FZ54RBHFVYBN6HBV0CZ-1", "GET, HEAD"),
             ("PATCH", "/healthz", "GET, HEAD"),
         ]:

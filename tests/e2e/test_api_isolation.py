@@ -42,12 +42,15 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/v1/jobs/{job_id}/checkpoint"): TENANT_ITEM,
     ("GET", "/v1/jobs/{job_id}/explain"): TENANT_ITEM,
     ("POST", "/v1/jobs/{job_id}/retry"): TENANT_ITEM,
+    ("POST", "/v1/jobs/{job_id}/promote"): TENANT_ITEM,
     ("POST", "/v1/schedules"): TENANT_CREATE,
     ("GET", "/v1/schedules"): TENANT_LIST,
     ("GET", "/v1/schedules/{schedule_id}"): TENANT_ITEM,
     ("DELETE", "/v1/schedules/{schedule_id}"): TENANT_ITEM,
     ("POST", "/v1/schedules/{schedule_id}/pause"): TENANT_ITEM,
     ("POST", "/v1/schedules/{schedule_id}/resume"): TENANT_ITEM,
+    ("PATCH", "/v1/schedules/{schedule_id}"): TENANT_ITEM,
+    ("POST", "/v1/schedules/{schedule_id}/run"): TENANT_ITEM,
     ("GET", "/v1/jobs/{job_id}/deliveries"): TENANT_ITEM,
     ("GET", "/v1/jobs/{job_id}/result/content"): TENANT_ITEM,
     ("POST", "/v1/webhooks"): TENANT_CREATE,
@@ -113,6 +116,7 @@ BODIES: dict[tuple[str, str], Any] = {
         "idempotency_key": "shared-flow-key",  # keys are shared by jobs and flows
     },
     ("POST", "/v1/schedules"): SCHEDULE,
+    ("PATCH", "/v1/schedules/{schedule_id}"): {"payload": {"changed": True}},
     ("POST", "/v1/batches"): {"type": "echo", "items": [{"n": 1}, {"n": 2}]},
     ("POST", "/v1/admin/dead-letters/replay"): {"all": True},
     ("POST", "/v1/webhooks"): {"url": "http://127.0.0.1:9/hook"},  # allowed below, never sent

@@ -55,9 +55,13 @@ _batch_decoder = msgspec.json.Decoder(BatchBody)
 
 # --- submit ---------------------------------------------------------------------------------
 async def submit(request: Request) -> Response:
-    tenant = tenant_of(request)
+    return await submit_one(request, tenant_of(request), await submit_body(request, _spec_decoder))
+
+
+async def submit_one(request: Request, tenant: str, spec: JobSpec) -> Response:
+    """Submit ``spec`` as the tenant's: the answer of ``POST /v1/jobs`` (202 and the job's
+    status, or 200 and an idempotent repeat's)."""
     st = request.state
-    spec = await submit_body(request, _spec_decoder)
     queue: Queue = st.queue
     await queue.produce.ensure_known((spec.type,))
     try:
@@ -228,3 +232,10 @@ async def get_result(request: Request) -> Response:
 
 async def cancel(request: Request) -> Response:
     return await job_transition(request, JobControl.cancel_doc, finished, cancel=True)
+
+
+async def promote(request: Request) -> Response:
+    def refused(job_id: str, state: str) -> str:
+        return f"job {job_id} is {state}, not scheduled: only a scheduled job is promoted"
+
+    return await job_transition(request, JobControl.promote_doc, refused)

@@ -368,6 +368,19 @@ def _job_paths(s: Settings) -> oa.Paths:
         ),
     )
     add(
+        "POST /v1/jobs/{job_id}/promote",
+        jobs.promote,
+        "Run a scheduled job now: a delayed one before its run-at, or one waiting out a "
+        "retry's back-off (its run_at becomes now; its attempts are as they were)",
+        oa.returns(200, "JobStatus", "queued"),
+        oa.JOB_404,
+        oa.refuses(
+            409,
+            "the job is not scheduled (wrong-state; job: its status), or is still in the "
+            "outbox (not-relayed-yet)",
+        ),
+    )
+    add(
         "GET /v1/jobs/{job_id}/logs",
         debugging.job_logs,
         f"The lines the job's task logged (ctx.log), oldest first: the latest {LOG_LINES}, each "

@@ -1,13 +1,16 @@
-"""Recurring schedules (tenant-scoped): create, list, get, pause, resume, delete.
+"""Recurring schedules (tenant-scoped): create, list, get, change, pause, resume, run now,
+delete.
 
 Postgres holds the definitions; Redis holds the copy the scheduler fires from. Writes go to
 Postgres first on create (the durable record exists before anything can fire) and to Redis
-first on delete (nothing fires once Postgres no longer lists it). The scheduler reconciles
-the two, so a write that reached only one of them is repaired.
+first on delete (nothing fires once Postgres no longer lists it). A change (pause and resume
+too) holds Postgres's row locked until Redis's copy is written, and is rolled back if Redis
+refuses it. The scheduler restores a schedule Redis lost from Postgres.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,18 +19,27 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api import spec as oa
-from jobtier.api.auth import tenant_of
+from jobtier.api.auth import raw_header, tenant_of
 from jobtier.api.http import decode_body, encoded, invalid, path_id, read_json_body
+from jobtier.api.jobs import submit_one
 from jobtier.api.params import limit_param, matching, parse_query
 from jobtier.api.problems import Problem, not_found
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
-from jobtier.core.names import QUEUE_NAME_RE, SCHEDULE_NAME_RE, TASK_NAME_RE, ULID_RE
+from jobtier.core.model import JobSpec
+from jobtier.core.names import (
+    IDEMPOTENCY_KEY_RE,
+    QUEUE_NAME_RE,
+    SCHEDULE_NAME_RE,
+    TASK_NAME_RE,
+    ULID_RE,
+)
 from jobtier.core.schedule import (
     CRON_FIELDS,
     MAX_ATTEMPTS,
     MAX_INTERVAL,
     Schedule,
+    ScheduleChange,
     ScheduleSpec,
     cron_problem,
     validate,
@@ -36,6 +48,7 @@ from jobtier.engine.cron import CronMirror, mirror_def, new_schedule_id, now_ms,
 from jobtier.persist.schedule_store import DuplicateName, ScheduleStore
 
 _spec_decoder = msgspec.json.Decoder(ScheduleSpec)
+_change_decoder = msgspec.json.Decoder(ScheduleChange)
 
 
 class ScheduleList(msgspec.Struct):
@@ -137,21 +150,87 @@ async def get(request: Request) -> Response:
     return await _one(request, found)
 
 
-async def _set_paused(request: Request, paused: bool) -> Response:
-    tenant, found = await _found(request)
+Made = tuple[Schedule, bytes, bool]  # a change: the schedule, its payload JSON, slots anew
+
+
+async def _change(request: Request, make: Callable[[Schedule], Awaitable[Made]]) -> Response:
+    """Change the path's schedule as ``make`` says (from the schedule as it is): the schedule,
+    its payload's JSON and whether its slots start again from now (else its next firing is
+    kept). Postgres's row is locked until Redis's copy is written too, so that two changes
+    land in the same order in both; Redis refusing the copy rolls the row back."""
+    tenant = tenant_of(request)
+    schedule_id = path_id(request, "schedule_id", ULID_RE, "schedule")
     settings: Settings = request.state.settings
-    definition = mirror_def(found, settings.default_max_attempts)
-    if not paused and found.cron is not None and (problem := cron_problem(found.cron)):
-        # made before such a cron was refused (paused: its first slot was never asked for)
-        raise Problem(422, "validation", f"cannot resume: {problem}", field="cron")
-    # a resumed schedule starts from its next slot: the paused time is not caught up
-    next_ms = None if paused else definition.timing().next_after(now_ms())
-    updated = await _store(request).set_paused(found.id, tenant, paused, to_datetime(next_ms))
-    if updated is None:
-        raise not_found(f"schedule {found.id}")
-    payload = msgspec.json.encode(found.payload)
-    await _mirror(request).put(found.id, definition, payload, next_ms, paused)
-    return await _one(request, updated)
+    mirror = _mirror(request)
+    async with _store(request).locked(schedule_id, tenant) as locked:
+        if locked is None:
+            raise not_found(f"schedule {schedule_id}")
+        schedule, payload, anew = await make(locked.schedule)
+        definition = mirror_def(schedule, settings.default_max_attempts)
+        next_ms = None
+        if not schedule.paused:
+            kept = None if anew else (await mirror.times([schedule.id])).get(schedule.id)
+            next_ms = kept[0] if kept and kept[0] is not None and not kept[2] else None
+            if next_ms is None:
+                next_ms = definition.timing().next_after(now_ms())
+        try:
+            saved = await locked.save(schedule, payload, to_datetime(next_ms))
+        except DuplicateName:
+            detail = f"a schedule named {schedule.name!r} exists already"
+            raise Problem(409, "conflict", detail, field="name") from None
+        await mirror.put(schedule.id, definition, payload, next_ms, schedule.paused)
+    return await _one(request, saved)
+
+
+async def _set_paused(request: Request, paused: bool) -> Response:
+    async def make(found: Schedule) -> Made:
+        if not paused and found.cron is not None and (problem := cron_problem(found.cron)):
+            # made before such a cron was refused (paused: its first slot was never asked for)
+            raise Problem(422, "validation", f"cannot resume: {problem}", field="cron")
+        # a resumed schedule starts from its next slot: the paused time is not caught up
+        changed = msgspec.structs.replace(found, paused=paused)
+        return changed, msgspec.json.encode(found.payload), not paused
+
+    return await _change(request, make)
+
+
+async def update(request: Request) -> Response:
+    settings: Settings = request.state.settings
+    change: ScheduleChange = decode_body(_change_decoder, await read_json_body(request))
+
+    async def make(found: Schedule) -> Made:
+        try:
+            spec = change.applied(found)
+            payload = validate(spec, settings.min_schedule_interval, settings.max_payload_bytes)
+            queue, max_attempts = await request.state.queue.produce.task_defaults(
+                spec.type, spec.queue, spec.max_attempts, spec.payload
+            )
+        except InvalidRequest as exc:
+            raise invalid(exc) from None
+        given = msgspec.structs.asdict(spec) | {"queue": queue, "max_attempts": max_attempts}
+        changed = msgspec.structs.replace(found, **given)
+        # slots anew when they move, or when it is resumed (the paused time not caught up)
+        anew = change.moves_timing(found, spec) or (found.paused and not spec.paused)
+        return changed, payload, anew
+
+    return await _change(request, make)
+
+
+async def run_now(request: Request) -> Response:
+    """One job from the schedule now, as its slots' are made (type, payload, priority, queue,
+    attempts), whether it is paused or not; its slots do not change. The answer is a
+    submit's."""
+    tenant, found = await _found(request)
+    header = raw_header(request, b"idempotency-key")
+    spec = JobSpec(
+        type=found.type,
+        payload=found.payload,
+        priority=found.priority,
+        max_attempts=found.max_attempts,
+        queue=found.queue,
+        idempotency_key=None if header is None else header.decode("latin-1"),
+    )
+    return await submit_one(request, tenant, spec)
 
 
 async def pause(request: Request) -> Response:
@@ -195,6 +274,31 @@ def operations(settings: Settings) -> oa.Paths:
         f"GET {one}", get, "One schedule", oa.returns(200, "Schedule", "the schedule"), unknown
     )
     paths.add(f"DELETE {one}", delete, "Delete a schedule: it fires no more", oa.DELETED, unknown)
+    paths.add(
+        f"PATCH {one}",
+        update,
+        "Change a schedule: the fields given (its slots start anew from now when its cron, "
+        "interval or time zone change, or it is resumed; else its next firing is kept)",
+        oa.returns(200, "Schedule", "changed"),
+        unknown,
+        oa.refuses(409, "the tenant has another schedule of this name"),
+        (413, oa.too_large(s, oa.payload_too_large(s))),
+        body="ScheduleChange",
+    )
+    paths.add(
+        f"POST {one}/run",
+        run_now,
+        "Run the schedule now: one job as its slots make (paused or not; its slots do not "
+        "change). The answer is a submit's",
+        oa.returns(202, "JobStatus", "created", _LOCATION),
+        oa.returns(200, "JobStatus", "a repeat of an earlier run with its Idempotency-Key"),
+        unknown,
+        oa.refuses(409, "the Idempotency-Key was used for a different request (job_id)"),
+        oa.refuses(410, "the Idempotency-Key names a job that is no longer kept (job_id)"),
+        oa.refuses(422, "the schedule's payload no longer fits its task's payload type"),
+        oa.refuses(429, "the tenant's rate limit or waiting-jobs cap", oa.RETRY_AFTER),
+        headers=[RUN_KEY],
+    )
     paused = oa.returns(200, "Schedule", "paused")
     paths.add(f"POST {one}/pause", pause, "Pause: no firing until resumed", paused, unknown)
     paths.add(
@@ -207,16 +311,26 @@ def operations(settings: Settings) -> oa.Paths:
     return paths
 
 
+_LOCATION = {"Location": oa.header("the job's URL", required=True)}
+RUN_KEY = {
+    "name": "Idempotency-Key",
+    "in": "header",
+    "description": "a run sent again with the same key makes no second job",
+    "schema": {"type": "string", "pattern": IDEMPOTENCY_KEY_RE.pattern},
+}
+
+
 def constrain(components: dict[str, Any], settings: Settings) -> None:
     """The rules ``validate`` checks that JSON Schema can state, on the generated schema."""
     c = components
-    oa.constrain(c, "ScheduleSpec", "name", pattern=SCHEDULE_NAME_RE.pattern)
-    oa.constrain(c, "ScheduleSpec", "type", pattern=TASK_NAME_RE.pattern)
-    oa.constrain(c, "ScheduleSpec", "queue", pattern=QUEUE_NAME_RE.pattern)
-    oa.constrain(c, "ScheduleSpec", "max_attempts", minimum=1, maximum=MAX_ATTEMPTS)
-    oa.constrain(
-        c, "ScheduleSpec", "interval", minimum=settings.min_schedule_interval, maximum=MAX_INTERVAL
-    )
+    for name in ("ScheduleSpec", "ScheduleChange"):
+        oa.constrain(c, name, "name", pattern=SCHEDULE_NAME_RE.pattern)
+        oa.constrain(c, name, "type", pattern=TASK_NAME_RE.pattern)
+        oa.constrain(c, name, "queue", pattern=QUEUE_NAME_RE.pattern)
+        oa.constrain(c, name, "max_attempts", minimum=1, maximum=MAX_ATTEMPTS)
+        interval = settings.min_schedule_interval
+        oa.constrain(c, name, "interval", minimum=interval, maximum=MAX_INTERVAL)
+    c["ScheduleChange"]["minProperties"] = 1
     c["ScheduleSpec"]["description"] = (
         "A schedule as a client defines it: exactly one of cron and interval "
         "(seconds, from JOBTIER_MIN_SCHEDULE_INTERVAL). cron: five fields, each values, "
@@ -228,4 +342,4 @@ def constrain(components: dict[str, Any], settings: Settings) -> None:
     )
 
 
-OPENAPI_TYPES: list[type] = [ScheduleSpec, Schedule, ScheduleList]
+OPENAPI_TYPES: list[type] = [ScheduleSpec, ScheduleChange, Schedule, ScheduleList]

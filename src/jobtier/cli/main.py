@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jobtier import logs
-from jobtier.cli import breakers_cmd, manage, workers_cmd
+from jobtier.cli import breakers_cmd, manage, schedules_cmd, workers_cmd
 from jobtier.cli.maintenance import (
     BENCHMARKS,
     cmd_bench,
@@ -399,6 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
     manage.add_commands(sub)
     breakers_cmd.add_commands(sub)
+    schedules_cmd.add_commands(sub)
     workers_cmd.add_commands(sub)
     return parser
 

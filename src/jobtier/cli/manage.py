@@ -279,6 +279,11 @@ def jobs_retry(c: Client, a: argparse.Namespace) -> Any:
     return s if a.json else f"{s.id}: {s.state} again (attempts reset)"
 
 
+def jobs_promote(c: Client, a: argparse.Namespace) -> Any:
+    s = c.promote(a.job_id)
+    return s if a.json else f"{s.id}: {s.state} now (was scheduled)"
+
+
 def dead_list(c: Client, a: argparse.Namespace) -> Any:
     jobs = c.dead_letters(type=a.type, since=a.since, limit=a.limit)
     if a.json:
@@ -505,6 +510,7 @@ def add_commands(sub: Any) -> None:
         ("explain", jobs_explain, "why a job has not started: each reason, with its numbers"),
         ("cancel", jobs_cancel, "cancel a waiting job, or ask the worker running it to stop"),
         ("retry", jobs_retry, "send a failed (dead-lettered) job back to its queue"),
+        ("promote", jobs_promote, "run a scheduled job now (delayed, or in a retry's back-off)"),
     ):
         q = action(group, verb, handler, TENANT, what)
         q.add_argument("job_id", metavar="JOB_ID")

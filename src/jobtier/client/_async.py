@@ -9,6 +9,7 @@ from typing import Any, TypeVar, overload
 
 import httpx
 
+from jobtier.client import _schedules as schedule_ops
 from jobtier.client._batches import batch_action_op, batch_op, submit_batch_op
 from jobtier.client._checkpoint import checkpoint_op
 from jobtier.client._core import (
@@ -249,6 +250,11 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         ``WrongState`` for a job that has not failed."""
         return await self._run(self._job_action(job_id, "retry"))
 
+    async def promote(self, job_id: str) -> JobStatus:
+        """Run a scheduled job now: a delayed one before its run-at, or one waiting out a
+        retry's back-off. Raises ``WrongState`` for a job that is not scheduled."""
+        return await self._run(self._job_action(job_id, "promote"))
+
     # --- dead letters (these need the admin key) --------------------------------------------
     async def dead_letters(
         self, *, type: str | None = None, since: datetime | str | None = None, limit: int = 100
@@ -380,24 +386,41 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         """Create a recurring schedule (``ScheduleSpec`` or its fields as a dict): a cron
         expression with a time zone, or an interval in seconds. Raises ``Conflict`` when the
         name is taken, ``ValidationFailed`` for a bad expression, zone or interval."""
-        return await self._run(self._create_schedule(spec))
+        return await self._run(schedule_ops.create_op(spec))
 
     async def schedules(self, *, after: str = "", limit: int = 100) -> list[Schedule]:
         """The tenant's schedules ordered by name, starting after the name ``after``."""
-        return await self._run(self._schedules(after, limit))
+        return await self._run(schedule_ops.list_op(after, limit))
 
     async def schedule(self, schedule_id: str) -> Schedule:
-        return await self._run(self._schedule("GET", schedule_id))
+        return await self._run(schedule_ops.one_op("GET", schedule_id))
 
     async def pause_schedule(self, schedule_id: str) -> Schedule:
-        return await self._run(self._schedule("POST", schedule_id, "/pause"))
+        return await self._run(schedule_ops.one_op("POST", schedule_id, "/pause"))
 
     async def resume_schedule(self, schedule_id: str) -> Schedule:
         """Resume from the next slot (the paused time is not caught up)."""
-        return await self._run(self._schedule("POST", schedule_id, "/resume"))
+        return await self._run(schedule_ops.one_op("POST", schedule_id, "/resume"))
+
+    async def update_schedule(self, schedule_id: str, **changes: Any) -> Schedule:
+        """Change the fields given (``ScheduleSpec``'s names; ``max_attempts=None`` or
+        ``queue=None`` go back to the task's). Its slots start anew from now when ``cron``,
+        ``interval`` or ``timezone`` change, or ``paused=False`` resumes it; else its next
+        firing is kept. ``cron`` alone replaces an ``interval``, and the other way round.
+        Raises ``Conflict`` for a name the tenant's other schedule has, ``ValidationFailed``
+        for a bad field (nothing changes)."""
+        return await self._run(schedule_ops.update_op(schedule_id, changes))
+
+    async def run_schedule(
+        self, schedule_id: str, *, idempotency_key: str | None = None
+    ) -> Submission:
+        """Submit one job of the schedule now, as its slots' are made (paused or not; its
+        slots do not change). With ``idempotency_key``, sending it again makes no second job
+        (and a 429 or 503 is retried as a keyed submit's)."""
+        return await self._run(schedule_ops.run_op(self, schedule_id, idempotency_key))
 
     async def delete_schedule(self, schedule_id: str) -> None:
-        await self._run(self._delete_schedule(schedule_id))
+        await self._run(schedule_ops.delete_op(schedule_id))
 
     # --- the driver -------------------------------------------------------------------------
     async def _send(self, call: Call) -> httpx.Response:

@@ -45,8 +45,6 @@ from jobtier.client._types import (
     purged_decoder,
     queue_list_decoder,
     replayed_decoder,
-    schedule_decoder,
-    schedule_list_decoder,
     task_list_decoder,
     unblocked_decoder,
 )
@@ -535,23 +533,6 @@ class BaseClient(Generic[TransportT]):
     def _tasks(self) -> Op[list[TaskAd]]:
         call = Call("GET", "/v1/admin/tasks")
         return (yield from fetch(call, task_list_decoder, "a task list")).tasks
-
-    # --- recurring schedules -----------------------------------------------------------------
-    def _create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Op[Schedule]:
-        call = json_call("POST", "/v1/schedules", spec)
-        return (yield from fetch(call, schedule_decoder, "a schedule"))
-
-    def _schedules(self, after: str, limit: int) -> Op[list[Schedule]]:
-        call = Call("GET", "/v1/schedules", params=query(limit=limit, after=after or None))
-        return (yield from fetch(call, schedule_list_decoder, "a schedule list")).schedules
-
-    def _schedule(self, method: str, schedule_id: str, suffix: str = "") -> Op[Schedule]:
-        call = Call(method, path("/v1/schedules", schedule_id, suffix))
-        return (yield from fetch(call, schedule_decoder, "a schedule", schedule_id))
-
-    def _delete_schedule(self, schedule_id: str) -> Op[None]:
-        response: httpx.Response = yield Call("DELETE", path("/v1/schedules", schedule_id))
-        check(response, job_id=schedule_id)
 
     def _events(self, job_id: str, last_event_id: int | str | None) -> Op[None]:
         """Stream the job's statuses until a terminal one; resume after a dropped connection

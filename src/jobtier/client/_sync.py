@@ -9,6 +9,7 @@ from typing import Any, TypeVar, overload
 
 import httpx
 
+from jobtier.client import _schedules as schedule_ops
 from jobtier.client._batches import batch_action_op, batch_op, submit_batch_op
 from jobtier.client._checkpoint import checkpoint_op
 from jobtier.client._core import (
@@ -209,6 +210,10 @@ class Client(BaseClient[httpx.BaseTransport]):
         """Send a failed job back to its queue; see ``AsyncClient.retry``."""
         return self._run(self._job_action(job_id, "retry"))
 
+    def promote(self, job_id: str) -> JobStatus:
+        """Run a scheduled job now; see ``AsyncClient.promote``."""
+        return self._run(self._job_action(job_id, "promote"))
+
     # --- dead letters (these need the admin key) --------------------------------------------
     def dead_letters(
         self, *, type: str | None = None, since: datetime | str | None = None, limit: int = 100
@@ -335,24 +340,32 @@ class Client(BaseClient[httpx.BaseTransport]):
     # --- recurring schedules -----------------------------------------------------------------
     def create_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Schedule:
         """Create a recurring schedule; see ``AsyncClient.create_schedule``."""
-        return self._run(self._create_schedule(spec))
+        return self._run(schedule_ops.create_op(spec))
 
     def schedules(self, *, after: str = "", limit: int = 100) -> list[Schedule]:
         """The tenant's schedules ordered by name, starting after the name ``after``."""
-        return self._run(self._schedules(after, limit))
+        return self._run(schedule_ops.list_op(after, limit))
 
     def schedule(self, schedule_id: str) -> Schedule:
-        return self._run(self._schedule("GET", schedule_id))
+        return self._run(schedule_ops.one_op("GET", schedule_id))
 
     def pause_schedule(self, schedule_id: str) -> Schedule:
-        return self._run(self._schedule("POST", schedule_id, "/pause"))
+        return self._run(schedule_ops.one_op("POST", schedule_id, "/pause"))
 
     def resume_schedule(self, schedule_id: str) -> Schedule:
         """Resume from the next slot (the paused time is not caught up)."""
-        return self._run(self._schedule("POST", schedule_id, "/resume"))
+        return self._run(schedule_ops.one_op("POST", schedule_id, "/resume"))
+
+    def update_schedule(self, schedule_id: str, **changes: Any) -> Schedule:
+        """Change the fields given; see ``AsyncClient.update_schedule``."""
+        return self._run(schedule_ops.update_op(schedule_id, changes))
+
+    def run_schedule(self, schedule_id: str, *, idempotency_key: str | None = None) -> Submission:
+        """Submit one job of the schedule now; see ``AsyncClient.run_schedule``."""
+        return self._run(schedule_ops.run_op(self, schedule_id, idempotency_key))
 
     def delete_schedule(self, schedule_id: str) -> None:
-        self._run(self._delete_schedule(schedule_id))
+        self._run(schedule_ops.delete_op(schedule_id))
 
     # --- the driver (AsyncClient's, without awaiting) ---------------------------------------
     def _send(self, call: Call) -> httpx.Response:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from jobtier.core.errors import InvalidRequest, PayloadTooLarge
 from jobtier.core.model import Priority, encode_json
@@ -104,6 +105,50 @@ class ScheduleSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     misfire: Misfire = "fire_once"
     paused: bool = False
     queue: str | None = None  # the task's queue when not given
+
+
+class ScheduleChange(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What ``PATCH /v1/schedules/{id}`` changes: the fields given, each as ``ScheduleSpec``'s
+    (a field left out keeps its value). ``max_attempts`` and ``queue`` given as null go back
+    to the task's; ``cron`` given alone replaces an ``interval``, and ``interval`` a
+    ``cron``."""
+
+    name: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+    payload: Any = UNSET
+    priority: Priority | UnsetType = UNSET
+    max_attempts: int | UnsetType | None = UNSET
+    cron: str | UnsetType | None = UNSET
+    timezone: str | UnsetType = UNSET
+    interval: int | UnsetType | None = UNSET
+    misfire: Misfire | UnsetType = UNSET
+    paused: bool | UnsetType = UNSET
+    queue: str | UnsetType | None = UNSET
+
+    def given(self) -> dict[str, Any]:
+        """The fields given, by name."""
+        return {f: v for f in self.__struct_fields__ if (v := getattr(self, f)) is not UNSET}
+
+    def applied(self, current: Schedule) -> ScheduleSpec:
+        """``current`` with these changes, as a spec to validate. The task's queue and
+        attempts (null) are left to the caller, which knows the task."""
+        given = self.given()
+        if not given:
+            raise InvalidRequest("give at least one field to change")
+        if "cron" in given and "interval" not in given and given["cron"] is not None:
+            given["interval"] = None
+        if "interval" in given and "cron" not in given and given["interval"] is not None:
+            given["cron"] = None
+        if given.get("type", current.type) != current.type:  # the new task's, unless given
+            given.setdefault("queue", None)
+            given.setdefault("max_attempts", None)
+        kept = {f: getattr(current, f) for f in ScheduleSpec.__struct_fields__}
+        return ScheduleSpec(**(kept | given))
+
+    def moves_timing(self, current: Schedule, spec: ScheduleSpec) -> bool:
+        """Whether the schedule's slots change: its cron, interval or time zone."""
+        before = (current.cron, current.interval, current.timezone)
+        return before != (spec.cron, spec.interval, spec.timezone)
 
 
 class Schedule(msgspec.Struct, kw_only=True):

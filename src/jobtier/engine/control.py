@@ -14,6 +14,7 @@ from jobtier.core.model import Dependency, JobStatus, decode_status, is_ref, ref
 from jobtier.core.sealing import unseal
 from jobtier.flows import reads as flow_reads
 from jobtier.status.docs import read_doc, read_docs
+from jobtier.store.calls import parse_code_doc, promote_job_call
 from jobtier.store.context import Store
 
 
@@ -120,6 +121,19 @@ class JobControl:
         shard = self.store.keys.shard_of(job_id)
         reply = await self.store.scripts.replay(shard, tenant or "", job_id)
         return _changed(job_id, reply, "is not in the dead-letter set")
+
+    async def promote(self, job_id: str, tenant: str | None = None) -> JobStatus:
+        """Run a scheduled job now (a delayed one before its run-at, or one waiting out a
+        retry's back-off): ``TransitionRefused(WRONG_STATE)`` for a job in another state."""
+        return decode_status(await self.promote_doc(job_id, tenant))
+
+    async def promote_doc(self, job_id: str, tenant: str | None = None) -> bytes:
+        """``promote``, returning the status document as stored."""
+        self._check_id(job_id)
+        call = promote_job_call(self.store.keys.shard_of(job_id), tenant or "", job_id)
+        return _changed(
+            job_id, parse_code_doc(await self.store.scripts.call(*call)), "is not scheduled"
+        )
 
     async def dead_letters(
         self,

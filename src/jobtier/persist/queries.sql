@@ -310,8 +310,15 @@ SELECT * FROM schedules WHERE id = $1 AND tenant = $2
 -- name: list_schedules
 SELECT * FROM schedules WHERE tenant = $1 AND name > $2 ORDER BY name LIMIT $3
 
--- name: set_schedule_paused
-UPDATE schedules SET paused = $3, next_fire_at = $4, updated_at = now()
+-- name: lock_schedule
+-- A change's first read: held until its Redis copy is written too (api/schedules.py)
+SELECT * FROM schedules WHERE id = $1 AND tenant = $2 FOR UPDATE
+
+-- name: update_schedule
+UPDATE schedules
+SET name = $3, type = $4, payload = $5, priority = $6, max_attempts = $7, cron = $8,
+    timezone = $9, interval_seconds = $10, misfire_policy = $11, paused = $12,
+    next_fire_at = $13, queue = $14, updated_at = now()
 WHERE id = $1 AND tenant = $2
 RETURNING *
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -27,6 +30,33 @@ def to_schedule(row: asyncpg.Record) -> Schedule:
     fields = {_RENAMED.get(column, column): value for column, value in row.items()}
     fields.update(payload=_any.decode(row["payload"]), priority=Priority(row["priority"]))
     return Schedule(**fields)
+
+
+@dataclass(slots=True)
+class Locked:
+    """A schedule's row read for a change and locked until the change's transaction ends
+    (``ScheduleStore.locked``): a second change of it waits for the first, Redis's copy
+    included."""
+
+    conn: AnyConnection
+    schedule: Schedule
+
+    async def save(
+        self, schedule: Schedule, payload: bytes, next_fire_at: datetime | None
+    ) -> Schedule:
+        """Write ``schedule``'s definition (its id's row), ``payload`` JSON and next firing;
+        ``DuplicateName`` when its new name is the tenant's for another schedule."""
+        s = schedule
+        job = (s.name, s.type, payload, s.priority.value, s.max_attempts)
+        timing = (s.cron, s.timezone, s.interval, s.misfire, s.paused, next_fire_at)
+        try:
+            row = await self.conn.fetchrow(
+                query("update_schedule"), s.id, s.tenant, *job, *timing, s.queue
+            )
+        except asyncpg.UniqueViolationError:
+            raise DuplicateName(schedule.name) from None
+        assert row is not None  # locked: it is there
+        return to_schedule(row)
 
 
 class ScheduleStore:
@@ -56,13 +86,13 @@ class ScheduleStore:
         rows = await self.pool.fetch(query("list_schedules"), tenant, after_name, limit)
         return [to_schedule(r) for r in rows]
 
-    async def set_paused(
-        self, schedule_id: str, tenant: str, paused: bool, next_fire_at: datetime | None
-    ) -> Schedule | None:
-        row = await self.pool.fetchrow(
-            query("set_schedule_paused"), schedule_id, tenant, paused, next_fire_at
-        )
-        return None if row is None else to_schedule(row)
+    @asynccontextmanager
+    async def locked(self, schedule_id: str, tenant: str) -> AsyncIterator[Locked | None]:
+        """The tenant's schedule, locked in a transaction that commits as the block ends (and
+        rolls back if it raises); None when there is no such schedule."""
+        async with self.pool.acquire() as conn, conn.transaction():
+            row = await conn.fetchrow(query("lock_schedule"), schedule_id, tenant)
+            yield None if row is None else Locked(conn, to_schedule(row))
 
     async def delete(self, schedule_id: str, tenant: str) -> bool:
         return await self.pool.fetchval(query("delete_schedule"), schedule_id, tenant) is not None

@@ -253,6 +253,10 @@ def replay_call(shard: int, tenant: str, job_id: str) -> Call:
     return ("replay", shard, (tenant, job_id))
 
 
+def promote_job_call(shard: int, tenant: str, job_id: str) -> Call:
+    return ("promote_job", shard, (tenant, job_id))
+
+
 def parse_code_doc(reply: list[Any]) -> tuple[Code, bytes]:
     """A cancel's or a replay's reply: its code, and the job's status document."""
     return CODES[reply[0]], reply[1]

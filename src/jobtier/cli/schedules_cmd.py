@@ -1,0 +1,194 @@
+"""``jobtier schedules``: a tenant's recurring schedules through the HTTP API (a tenant's
+key): the list, one, a change, a run now, pause, resume and delete. A schedule is named by
+its id or by its name. Connection, keys, ``--json`` and exit codes as ``jobtier jobs``
+(manage.py)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from jobtier.cli.manage import (
+    TENANT,
+    CommandError,
+    _connection,
+    positive_int,
+    run,
+    short_time,
+    status_block,
+    table,
+)
+from jobtier.core.model import Priority
+from jobtier.core.names import ULID_RE
+
+if TYPE_CHECKING:
+    from jobtier.client import Client
+    from jobtier.core.schedule import Schedule
+
+COLUMNS = ("ID", "NAME", "TYPE", "WHEN", "NEXT FIRE", "LAST FIRED", "PAUSED")
+MISFIRES = ("skip", "fire_once", "fire_all")
+
+
+def _when(s: Schedule) -> str:
+    if s.cron is not None:
+        return f"{s.cron} ({s.timezone})"
+    return f"every {s.interval} s"
+
+
+def _row(s: Schedule) -> list[object]:
+    last = short_time(s.last_fired_at)
+    paused = "yes" if s.paused else "no"
+    return [s.id, s.name, s.type, _when(s), short_time(s.next_fire_at), last, paused]
+
+
+def _shown(s: Schedule, a: argparse.Namespace) -> Any:
+    return s if a.json else table(COLUMNS, [_row(s)])
+
+
+def _id(c: Client, ref: str) -> str:
+    """The schedule ``ref`` names: its id, or the id of the tenant's schedule of that name."""
+    if ULID_RE.fullmatch(ref):
+        return ref
+    after = ""
+    while page := c.schedules(after=after, limit=1000):
+        for s in page:
+            if s.name == ref:
+                return s.id
+        after = page[-1].name
+    raise CommandError(f"the tenant has no schedule named {ref!r} (nor is it a schedule's id)")
+
+
+def schedules_list(c: Client, a: argparse.Namespace) -> Any:
+    found = c.schedules(after=a.after or "", limit=a.limit)
+    if a.json:
+        return found
+    return table(COLUMNS, map(_row, found)) if found else "no schedules"
+
+
+def schedules_show(c: Client, a: argparse.Namespace) -> Any:
+    s = c.schedule(_id(c, a.schedule))
+    if a.json:
+        return s
+    payload = msgspec.json.encode(s.payload).decode()
+    attempts = "-" if s.max_attempts is None else s.max_attempts
+    return "\n".join(
+        [
+            f"id:          {s.id}",
+            f"name:        {s.name}",
+            f"type:        {s.type}",
+            f"queue:       {s.queue or 'default'}",
+            f"when:        {_when(s)}",
+            f"misfire:     {s.misfire}",
+            f"paused:      {'yes' if s.paused else 'no'}",
+            f"next fire:   {short_time(s.next_fire_at)}",
+            f"last fired:  {short_time(s.last_fired_at)}",
+            f"priority:    {s.priority}",
+            f"attempts:    {attempts}",
+            f"payload:     {payload}",
+        ]
+    )
+
+
+def _payload(text: str) -> Any:
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+
+
+def schedules_update(c: Client, a: argparse.Namespace) -> Any:
+    names = ("name", "type", "cron", "interval", "timezone", "misfire", "priority", "queue")
+    changes: dict[str, Any] = {n: getattr(a, n) for n in names if getattr(a, n) is not None}
+    if a.payload is not None:
+        changes["payload"] = a.payload[0]
+    if a.max_attempts is not None:
+        changes["max_attempts"] = a.max_attempts
+    if not changes:
+        raise CommandError("nothing to change: give at least one option (see --help)")
+    return _shown(c.update_schedule(_id(c, a.schedule), **changes), a)
+
+
+def schedules_run(c: Client, a: argparse.Namespace) -> Any:
+    done = c.run_schedule(_id(c, a.schedule), idempotency_key=a.idempotency_key)
+    if a.json:
+        return done.job
+    said = "submitted" if done.created else "already submitted with this key"
+    return "\n".join([f"{said}:", *status_block(done.job)])
+
+
+def schedules_pause(c: Client, a: argparse.Namespace) -> Any:
+    return _shown(c.pause_schedule(_id(c, a.schedule)), a)
+
+
+def schedules_resume(c: Client, a: argparse.Namespace) -> Any:
+    return _shown(c.resume_schedule(_id(c, a.schedule)), a)
+
+
+def schedules_delete(c: Client, a: argparse.Namespace) -> Any:
+    if not a.yes:
+        raise CommandError(f"this deletes {a.schedule} and it fires no more: give --yes")
+    schedule_id = _id(c, a.schedule)
+    c.delete_schedule(schedule_id)
+    return {"deleted": schedule_id} if a.json else f"deleted {schedule_id}"
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``schedules`` to the ``jobtier`` parser."""
+    p = sub.add_parser(
+        "schedules",
+        help="recurring schedules: list, show, change, run now, pause, resume, delete",
+        description="A tenant's recurring schedules through the HTTP API (--url/JOBTIER_URL) "
+        "with that tenant's key (--key/JOBTIER_KEY). A SCHEDULE is its id or its name. "
+        "Without an action: the list.",
+    )
+    _connection(p, TENANT)
+    group = p.add_subparsers(dest="action", metavar="[ACTION]")
+    p.set_defaults(func=run, handler=schedules_list, action="list", after=None, limit=100)
+
+    def action(name: str, handler: Any, help: str) -> argparse.ArgumentParser:
+        q: argparse.ArgumentParser = group.add_parser(name, help=help, description=help)
+        _connection(q, TENANT)
+        q.set_defaults(func=run, handler=handler, action=name)
+        if name != "list":
+            q.add_argument("schedule", metavar="SCHEDULE", help="its id or its name")
+        return q
+
+    q = action("list", schedules_list, "the tenant's schedules by name")
+    q.add_argument("--after", metavar="NAME", help="those named after NAME (the next page)")
+    q.add_argument("--limit", type=positive_int, default=100, help="most schedules (100)")
+    action("show", schedules_show, "one schedule: its timing, next and last firing, payload")
+    q = action(
+        "update",
+        schedules_update,
+        "change the options given; its slots start anew from now when --cron, --interval or "
+        "--timezone change, else its next firing is kept",
+    )
+    q.add_argument("--name", help="a new name")
+    q.add_argument("--type", help="another task")
+    q.add_argument("--cron", help="a five-field cron expression (replaces an interval)")
+    q.add_argument("--interval", type=positive_int, help="seconds (replaces a cron)")
+    q.add_argument("--timezone", help="an IANA time zone for the cron, e.g. Europe/Paris")
+    q.add_argument("--misfire", choices=MISFIRES, help="what missed slots fire")
+    q.add_argument("--priority", choices=[p.value for p in Priority])
+    q.add_argument("--queue", help="the queue of its jobs")
+    q.add_argument("--max-attempts", type=positive_int, help="attempts of its jobs")
+    q.add_argument(
+        "--payload",
+        type=lambda text: [_payload(text)],  # a list: JSON null is a payload too
+        metavar="JSON",
+        help="its jobs' payload, as JSON",
+    )
+    q = action(
+        "run",
+        schedules_run,
+        "submit one job of it now, as its slots' (paused or not; its slots do not change)",
+    )
+    q.add_argument(
+        "--idempotency-key", metavar="KEY", help="a run sent again with it makes no second job"
+    )
+    action("pause", schedules_pause, "no firing until resumed")
+    action("resume", schedules_resume, "fire again from the next slot (no catching up)")
+    q = action("delete", schedules_delete, "delete it: it fires no more")
+    q.add_argument("--yes", action="store_true", help="delete it: it cannot be undone")

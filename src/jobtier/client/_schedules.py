@@ -1,0 +1,51 @@
+"""Recurring schedules (``/v1/schedules``): the operations both clients drive (``_core``'s
+style, kept here: ``_core`` is at the size a module may have)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from jobtier.client._core import Call, Op, check, fetch, json_call, path, query, submission
+from jobtier.client._types import Submission, schedule_decoder, schedule_list_decoder
+from jobtier.core.schedule import Schedule, ScheduleSpec
+
+if TYPE_CHECKING:
+    from jobtier.client._core import BaseClient
+
+
+def create_op(spec: ScheduleSpec | Mapping[str, Any]) -> Op[Schedule]:
+    call = json_call("POST", "/v1/schedules", spec)
+    return (yield from fetch(call, schedule_decoder, "a schedule"))
+
+
+def list_op(after: str, limit: int) -> Op[list[Schedule]]:
+    call = Call("GET", "/v1/schedules", params=query(limit=limit, after=after or None))
+    return (yield from fetch(call, schedule_list_decoder, "a schedule list")).schedules
+
+
+def one_op(method: str, schedule_id: str, suffix: str = "") -> Op[Schedule]:
+    call = Call(method, path("/v1/schedules", schedule_id, suffix))
+    return (yield from fetch(call, schedule_decoder, "a schedule", schedule_id))
+
+
+def update_op(schedule_id: str, changes: Mapping[str, Any]) -> Op[Schedule]:
+    call = json_call("PATCH", path("/v1/schedules", schedule_id), dict(changes))
+    return (yield from fetch(call, schedule_decoder, "a schedule", schedule_id))
+
+
+def run_op(core: BaseClient[Any], schedule_id: str, idempotency_key: str | None) -> Op[Submission]:
+    """A job of the schedule now; sent again after a 429 or 503 only with a key (as a
+    submit)."""
+    headers = None if idempotency_key is None else {"idempotency-key": idempotency_key}
+    call = Call("POST", path("/v1/schedules", schedule_id, "/run"), headers=headers)
+    response = yield from core._retrying(call, safe=idempotency_key is not None)
+    check(response, job_id=schedule_id, key=idempotency_key or "")
+    return submission(response.status_code, response.content)
+
+
+def delete_op(schedule_id: str) -> Op[None]:
+    response: httpx.Response = yield Call("DELETE", path("/v1/schedules", schedule_id))
+    check(response, job_id=schedule_id)

@@ -1,0 +1,254 @@
+"""Changing a schedule in place (PATCH) and running one now, through the API (Postgres +
+Redis), and what the scheduler then fires."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime
+from typing import Any
+
+import pytest
+
+from jobtier.api.records import PostgresExtension
+from jobtier.config import Settings
+from jobtier.engine.cron import CronMirror, slot_job_id
+from jobtier.engine.queue import Queue
+from jobtier.persist.db import Pool
+from jobtier.persist.schedule_store import ScheduleStore
+from jobtier.scheduler import Scheduler
+from tests.fixtures.api import KEYS, ApiServer, StartApi
+
+
+@pytest.fixture
+async def pg_api(start_api: StartApi, pg_settings: Settings) -> ApiServer:
+    return await start_api(PostgresExtension(pg_settings), database_url=pg_settings.database_url)
+
+
+NIGHTLY = {
+    "name": "nightly",
+    "type": "echo",
+    "payload": {"report": True},
+    "cron": "0 3 * * *",
+    "timezone": "Europe/Paris",
+}
+
+
+def ms(at: str) -> int:
+    return round(datetime.fromisoformat(at).timestamp() * 1000)
+
+
+async def mirrored(queue: Queue, schedule_id: str) -> dict[bytes, bytes]:
+    """The schedule's copy in Redis, which the schedulers fire from."""
+    mirror = CronMirror(queue.redis, queue.keys, queue.scripts)
+    got = await queue.redis.hgetall(queue.keys.cron_def(mirror.shard(schedule_id), schedule_id))
+    return {
+        k.encode() if isinstance(k, str) else k: v.encode() if isinstance(v, str) else v
+        for k, v in got.items()
+    }
+
+
+async def test_a_change_keeps_what_it_does_not_name(pg_api: ApiServer, queue: Queue) -> None:
+    async with pg_api.client() as c:
+        made = (await c.post("/v1/schedules", json=NIGHTLY)).json()
+        sid = made["id"]
+        r = await c.patch(f"/v1/schedules/{sid}", json={"payload": {"report": False}})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["payload"] == {"report": False}
+        # its slots did not move: the next firing is the one it had
+        assert got["next_fire_at"] == made["next_fire_at"] and got["cron"] == "0 3 * * *"
+        assert got["updated_at"] > made["updated_at"] and got["created_at"] == made["created_at"]
+        assert (await mirrored(queue, sid))[b"payload"] == b'{"report":false}'
+
+        # an interval replaces the cron, and its slots start anew from now
+        before = ms((await c.get(f"/v1/schedules/{sid}")).json()["updated_at"])
+        got = (await c.patch(f"/v1/schedules/{sid}", json={"interval": 60})).json()
+        assert got["cron"] is None and got["interval"] == 60
+        assert before < ms(got["next_fire_at"]) <= ms(got["updated_at"]) + 60_000
+        got = (await c.patch(f"/v1/schedules/{sid}", json={"cron": "*/5 * * * *"})).json()
+        assert got["interval"] is None and got["cron"] == "*/5 * * * *"
+        assert ms(got["next_fire_at"]) % 300_000 == 0
+
+        got = (
+            await c.patch(
+                f"/v1/schedules/{sid}",
+                json={"name": "renamed", "priority": "high", "misfire": "skip", "paused": True},
+            )
+        ).json()
+        assert (got["name"], got["priority"], got["misfire"]) == ("renamed", "high", "skip")
+        assert got["paused"] and got["next_fire_at"] is None
+        assert (await mirrored(queue, sid))[b"paused"] == b"1"
+        shard = CronMirror(queue.redis, queue.keys, queue.scripts).shard(sid)
+        assert await queue.redis.zscore(queue.keys.cron(shard), sid) is None  # not due
+        got = (await c.patch(f"/v1/schedules/{sid}", json={"paused": False})).json()
+        assert not got["paused"] and got["next_fire_at"] is not None
+        listed = (await c.get("/v1/schedules")).json()["schedules"]
+        assert [(s["id"], s["name"]) for s in listed] == [(sid, "renamed")]
+
+
+@pytest.mark.parametrize(
+    ("change", "status", "field"),
+    [
+        ({}, 422, None),
+        ({"cron": "0 25 * * *"}, 422, "cron"),
+        ({"cron": "* * * * *", "interval": 5}, 422, "cron"),
+        ({"cron": None}, 422, "cron"),  # neither then
+        ({"interval": 0}, 422, "interval"),
+        ({"timezone": "Nowhere/Land"}, 422, "timezone"),
+        ({"misfire": "sometimes"}, 422, "misfire"),
+        ({"max_attempts": 0}, 422, "max_attempts"),
+        ({"type": "no such type!"}, 422, "type"),
+        ({"colour": "red"}, 422, "colour"),
+        ({"name": "taken"}, 409, "name"),
+    ],
+)
+async def test_a_bad_change_is_refused_and_changes_nothing(
+    pg_api: ApiServer, queue: Queue, change: dict[str, Any], status: int, field: str | None
+) -> None:
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        await c.post("/v1/schedules", json={"name": "taken", "type": "echo", "interval": 60})
+        before = (await c.get(f"/v1/schedules/{sid}")).json()
+        copy = await mirrored(queue, sid)
+        r = await c.patch(f"/v1/schedules/{sid}", json=change)
+        assert r.status_code == status, r.text
+        assert r.headers["content-type"] == "application/problem+json"
+        assert r.json().get("field") == field
+        assert (await c.get(f"/v1/schedules/{sid}")).json() == before
+        assert await mirrored(queue, sid) == copy
+
+
+async def test_a_change_redis_refuses_is_rolled_back(pg_api: ApiServer, queue: Queue) -> None:
+    class Refusing(CronMirror):
+        async def put(self, *args: Any, **kwargs: Any) -> None:
+            raise ConnectionError("Redis refused the copy (injected)")
+
+    state = pg_api.server.lifespan.state
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        before = (await c.get(f"/v1/schedules/{sid}")).json()
+        state["cron"] = Refusing(queue.redis, queue.keys, queue.scripts)
+        r = await c.patch(f"/v1/schedules/{sid}", json={"payload": 1, "interval": 60})
+        assert r.status_code >= 500
+        r = await c.post(f"/v1/schedules/{sid}/pause")
+        assert r.status_code >= 500
+        state["cron"] = CronMirror(queue.redis, queue.keys, queue.scripts)
+        assert (await c.get(f"/v1/schedules/{sid}")).json() == before  # Postgres rolled back
+
+
+async def test_changes_at_once_leave_postgres_and_redis_agreeing(
+    pg_api: ApiServer, queue: Queue, pg_pool: Pool
+) -> None:
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        answers = await asyncio.gather(
+            *(c.patch(f"/v1/schedules/{sid}", json={"payload": {"n": n}}) for n in range(12))
+        )
+        assert {r.status_code for r in answers} == {200}
+    (kept,) = [s for s in await ScheduleStore(pg_pool).all() if s[0].id == sid]
+    assert (await mirrored(queue, sid))[b"payload"] == kept[1].replace(b" ", b"")
+
+
+async def test_the_scheduler_fires_the_changed_definition(
+    pg_api: ApiServer, queue: Queue, pg_pool: Pool
+) -> None:
+    scheduler = Scheduler(queue.store, schedules=ScheduleStore(pg_pool))
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        change = {"payload": {"report": "weekly"}, "priority": "critical", "max_attempts": 7}
+        got = (await c.patch(f"/v1/schedules/{sid}", json=change)).json()
+        slot = ms(got["next_fire_at"])
+        shard = scheduler.cron.shard(sid)
+        assert (await scheduler.cron.fire_due(shard, slot, scheduler.misfire_grace_ms))[0] == 1
+        job_id = slot_job_id(queue.keys, sid, slot)
+        job = (await c.get(f"/v1/jobs/{job_id}")).json()
+    assert job["type"] == "echo" and await queue.jobs.payload(job_id) == {"report": "weekly"}
+    assert (job["priority"], job["max_attempts"]) == ("critical", 7)
+    assert await scheduler.reconcile() == 0  # nothing for it to restore
+
+
+async def test_run_now_makes_one_job_and_leaves_the_slots(pg_api: ApiServer, queue: Queue) -> None:
+    async with pg_api.client() as c, pg_api.client("globex") as globex:
+        made = (await c.post("/v1/schedules", json={**NIGHTLY, "paused": True})).json()
+        sid = made["id"]
+        r = await c.post(f"/v1/schedules/{sid}/run")
+        assert r.status_code == 202, r.text
+        job = r.json()
+        assert r.headers["location"] == f"/v1/jobs/{job['id']}"
+        assert (job["type"], job["state"]) == ("echo", "queued")
+        assert await queue.jobs.payload(job["id"]) == {"report": True}
+        again = await c.post(f"/v1/schedules/{sid}/run")
+        assert again.status_code == 202 and again.json()["id"] != job["id"]  # a run is a run
+        keyed = [
+            await c.post(f"/v1/schedules/{sid}/run", headers={"idempotency-key": "run-1"})
+            for _ in range(2)
+        ]
+        assert [r.status_code for r in keyed] == [202, 200]
+        assert keyed[0].json()["id"] == keyed[1].json()["id"]
+        after = (await c.get(f"/v1/schedules/{sid}")).json()
+        assert after == made  # still paused, never fired by a slot
+        assert (await globex.post(f"/v1/schedules/{sid}/run")).status_code == 404
+        missing = "01ARZ3NDEKTSV4RRFFQ69G5FAV"
+        assert (await c.post(f"/v1/schedules/{missing}/run")).status_code == 404
+
+
+async def test_python_clients_change_and_run_schedules(pg_api: ApiServer) -> None:
+    from jobtier.client import AsyncClient, Client, Conflict, ValidationFailed
+
+    async with AsyncClient(pg_api.url, KEYS["acme"]) as client:
+        made = await client.create_schedule({"name": "hourly", "type": "echo", "cron": "0 * * * *"})
+        await client.create_schedule({"name": "other", "type": "echo", "interval": 60})
+        got = await client.update_schedule(made.id, interval=120, payload={"a": 1})
+        assert (got.cron, got.interval, got.payload) == (None, 120, {"a": 1})
+        with pytest.raises(Conflict):
+            await client.update_schedule(made.id, name="other")
+        with pytest.raises(ValidationFailed) as bad:
+            await client.update_schedule(made.id, timezone="Nowhere/Land")
+        assert bad.value.field == "timezone"
+        ran = await client.run_schedule(made.id, idempotency_key="once")
+        assert (
+            ran.created
+            and (await client.run_schedule(made.id, idempotency_key="once")).id == ran.id
+        )
+
+    def sync_use() -> tuple[int | None, bool]:
+        with Client(pg_api.url, KEYS["acme"]) as client:
+            changed = client.update_schedule(made.id, interval=300)
+            return changed.interval, client.run_schedule(made.id).created
+
+    assert await asyncio.to_thread(sync_use) == (300, True)
+
+
+async def test_the_cli_manages_schedules_by_name(pg_api: ApiServer, queue: Queue) -> None:
+    from tests.e2e.test_admin_cli import Cli
+
+    cli = Cli(pg_api)
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+    code, out, err = await cli("schedules")
+    assert code == 0, err
+    assert out.splitlines()[0].split()[:3] == ["ID", "NAME", "TYPE"]
+    assert sid in out and "0 3 * * * (Europe/Paris)" in out
+    changed = await cli.json("schedules", "update", "nightly", "--interval", "90", "--payload", "7")
+    assert (changed["id"], changed["interval"], changed["cron"]) == (sid, 90, None)
+    assert changed["payload"] == 7
+    code, out, err = await cli("schedules", "show", sid)
+    assert code == 0 and "every 90 s" in out and "payload:     7" in out, err
+    ran = await cli.json("schedules", "run", "nightly", "--idempotency-key", "k1")
+    code, out, _ = await cli("schedules", "run", "nightly", "--idempotency-key", "k1")
+    assert code == 0 and "already submitted with this key" in out and ran["id"] in out
+    assert await queue.jobs.payload(ran["id"]) == 7
+    assert (await cli.json("schedules", "pause", "nightly"))["paused"] is True
+    assert (await cli.json("schedules", "resume", sid))["paused"] is False
+    # refusals: a name the tenant has not, nothing to change, a delete without --yes
+    code, _, err = await cli("schedules", "show", "weekly")
+    assert code == 2 and "no schedule named 'weekly'" in err
+    code, _, err = await cli("schedules", "update", "nightly")
+    assert code == 2 and "nothing to change" in err
+    code, _, err = await cli("schedules", "update", "nightly", "--timezone", "Nowhere/Land")
+    assert code == 1 and "unknown time zone" in err and "HTTP 422" in err
+    code, _, err = await cli("schedules", "delete", "nightly")
+    assert code == 2 and "--yes" in err
+    assert (await cli.json("schedules", "delete", "nightly", "--yes")) == {"deleted": sid}
+    code, out, _ = await cli("schedules", "list")
+    assert code == 0 and out.strip() == "no schedules"
