@@ -216,6 +216,11 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(
             admin, "POST", "/v1/admin/jobs/{job_id}/cancel", 200, ids={"job_id": fresh["id"]}
         )
+        later = (await c.post("/v1/jobs", json={"type": "echo", "delay": 3600})).json()
+        promote = "/v1/admin/jobs/{job_id}/promote"
+        await check(admin, "POST", promote, 200, ids={"job_id": later["id"]})
+        await check(admin, "POST", promote, 409, ids={"job_id": later["id"]})
+        await check(admin, "POST", promote, 404, ids=nobody)
         await check(admin, "POST", "/v1/admin/queues/{name}/purge", 200, ids=q)
         await check(admin, "GET", "/v1/admin/workers", 200)
         await check(admin, "GET", "/v1/admin/events", 200, params={"ids": job["id"]})

@@ -82,6 +82,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/v1/admin/jobs/{job_id}/payload"): ADMIN,
     ("GET", "/v1/admin/jobs/{job_id}/result"): ADMIN,
     ("POST", "/v1/admin/jobs/{job_id}/cancel"): ADMIN,
+    ("POST", "/v1/admin/jobs/{job_id}/promote"): ADMIN,
     ("POST", "/v1/admin/queues/{name}/purge"): ADMIN,
     ("GET", "/v1/admin/workers"): ADMIN,
     ("GET", "/v1/admin/events"): ADMIN,

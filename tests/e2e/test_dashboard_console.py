@@ -316,6 +316,33 @@ async def test_in_flight_rows_and_workers_change_live(stack: Stack) -> None:
         assert page.errors == [], page.errors
 
 
+async def test_run_a_delayed_job_now(stack: Stack) -> None:
+    assert CHROMIUM is not None
+    api = stack.api
+    async with api.client() as acme:
+        later = {"type": "echo", "payload": {"n": 1}, "delay": 3600}
+        job = (await acme.post("/v1/jobs", json=later)).json()
+    await stack.persister.drain()
+
+    async with chromium_page(CHROMIUM) as page:
+        await open_console(page, api.url, ADMIN, "#/jobs")
+        row = f'#jobs-grid tr[data-id="{job["id"]}"]'
+        await page.wait_for(f"document.querySelector('{row}')?.dataset.state === 'scheduled'")
+        await page.click(f'{row} button[data-act="promote"]')
+        assert await confirm(page) == f"Run job {job['id']} now?"
+        assert "queued to run now" in await toast(page)
+        await page.wait_for(
+            f"document.querySelector('{row}').dataset.state === 'queued'", timeout=20
+        )
+        # a queued job has no such button; the audit names the action
+        assert await page.evaluate(f"!document.querySelector('{row} button[data-act=\"promote\"]')")
+        await go(page, "#/audit", "audit")
+        rows = await texts(page, ".audit-grid tbody tr")
+        assert "job.promote" in rows[0] and job["id"] in rows[0], rows
+        assert page.errors == [], page.errors
+    assert (await stack.queue.status(job["id"])).state == "queued"
+
+
 async def test_empty_views_say_what_to_do(stack: Stack) -> None:
     assert CHROMIUM is not None
     async with chromium_page(CHROMIUM) as page:

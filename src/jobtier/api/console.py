@@ -17,7 +17,14 @@ from jobtier.api import spec as oa
 from jobtier.api import why
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
-from jobtier.api.http import doc_state, encoded, finished, job_id_of, outbox_transition
+from jobtier.api.http import (
+    doc_state,
+    encoded,
+    finished,
+    job_id_of,
+    not_scheduled,
+    outbox_transition,
+)
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem
 from jobtier.api.queues import queue_name
@@ -64,6 +71,18 @@ async def cancel(request: Request) -> Response:
         # a job still in the outbox is cancelled there (http.py: outbox_transition)
         doc = await outbox_transition(
             request, job_id, None, JobControl.cancel_doc, finished, cancel=True
+        )
+        outcome.detail = {"state": doc_state(doc)}
+    return DocResponse(doc)
+
+
+async def promote(request: Request) -> Response:
+    """Run any tenant's scheduled job now (``JobControl.promote``)."""
+    require_admin(request)
+    job_id = job_id_of(request)
+    async with audited(request, "job.promote", job_id) as outcome:
+        doc = await outbox_transition(
+            request, job_id, None, JobControl.promote_doc, not_scheduled, cancel=False
         )
         outcome.detail = {"state": doc_state(doc)}
     return DocResponse(doc)
@@ -225,6 +244,15 @@ def operations(settings: Settings) -> oa.Paths:
         oa.returns(200, "JobStatus", "cancelled, or running with cancel_requested"),
         oa.unknown("job", tenants=False),
         oa.refuses(409, "the job has already finished (job: its status)"),
+    )
+    paths.add(
+        "POST /v1/admin/jobs/{job_id}/promote",
+        promote,
+        "Run any tenant's scheduled job now: a delayed one, or one waiting out a retry's "
+        "back-off (audited)",
+        oa.returns(200, "JobStatus", "queued"),
+        oa.unknown("job", tenants=False),
+        oa.refuses(409, "the job is not scheduled (job: its status), or is still in the outbox"),
     )
     paths.add(
         "GET /v1/admin/jobs/{job_id}/explain",

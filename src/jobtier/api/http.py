@@ -163,6 +163,11 @@ def finished(job_id: str, state: str) -> str:
     return f"job {job_id} has already finished ({state})"
 
 
+def not_scheduled(job_id: str, state: str) -> str:
+    """Why a promote is refused."""
+    return f"job {job_id} is {state}, not scheduled: only a scheduled job is promoted"
+
+
 # --- body reading ---------------------------------------------------------------------------
 def _json_media_type(content_type: bytes) -> bool:
     """``application/json`` or a structured ``application/*+json`` type (RFC 6839)."""

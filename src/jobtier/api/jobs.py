@@ -25,6 +25,7 @@ from jobtier.api.http import (
     job_id_of,
     job_not_found,
     job_transition,
+    not_scheduled,
     read_json_body,
     registrar,
     repeat_doc,
@@ -235,7 +236,4 @@ async def cancel(request: Request) -> Response:
 
 
 async def promote(request: Request) -> Response:
-    def refused(job_id: str, state: str) -> str:
-        return f"job {job_id} is {state}, not scheduled: only a scheduled job is promoted"
-
-    return await job_transition(request, JobControl.promote_doc, refused)
+    return await job_transition(request, JobControl.promote_doc, not_scheduled)

@@ -274,13 +274,17 @@ function fillJobRow(row, job, tenant) {
   }
 }
 
-/** The buttons a job's state allows: Replay a dead letter, Cancel a job not yet finished.
+/** The buttons a job's state allows: Replay a dead letter, Run a scheduled job now, Cancel a
+ * job not yet finished.
  * `current()` gives the job as it is when a button is pressed (rows change under them). */
 function jobActions(job, onDone, { small = true, current = () => job } = {}) {
   const out = [];
   const cls = small ? "small" : "";
   if (job.state === "failed") {
     out.push(h("button", { type: "button", class: `${cls} danger`, "data-act": "replay", onclick: () => replayJob(current(), onDone) }, "Replay…"));
+  }
+  if (job.state === "scheduled") {
+    out.push(h("button", { type: "button", class: cls, "data-act": "promote", onclick: () => promoteJob(current(), onDone) }, "Run now…"));
   }
   if (!TERMINAL.has(job.state) && !job.cancel_requested) {
     out.push(h("button", { type: "button", class: `${cls} danger`, "data-act": "cancel", onclick: () => cancelJob(current(), onDone) }, "Cancel…"));
@@ -297,6 +301,21 @@ async function replayJob(job, onDone) {
     },
     () => api(`/v1/admin/dead-letters/${encodeURIComponent(job.id)}/replay`, { method: "POST" }),
     () => `Job ${job.id} replayed: queued again.`,
+  );
+  if (doc) onDone(doc);
+}
+
+async function promoteJob(job, onDone) {
+  const doc = await act(
+    {
+      title: `Run job ${job.id} now?`,
+      text: job.attempt > 0
+        ? `It is waiting out the back-off of its attempt ${job.attempt}: its next attempt is queued now.`
+        : `It is scheduled${job.run_at ? ` for ${job.run_at}` : ""}: it is queued now instead.`,
+      ok: "Run now",
+    },
+    () => api(`/v1/admin/jobs/${encodeURIComponent(job.id)}/promote`, { method: "POST" }),
+    () => `Job ${job.id} queued to run now.`,
   );
   if (doc) onDone(doc);
 }
