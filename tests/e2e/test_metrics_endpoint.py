@@ -27,6 +27,9 @@ async def test_metrics_show_workers_api_and_queue_gauges(api: ApiServer, queue: 
         scheduler = Scheduler(queue.store)
         await MetricsPublisher(queue.redis, queue.keys, "scheduler", [scheduler]).publish()
         await c.post("/v1/jobs", json={"type": "echo", "priority": "low"})  # left waiting
+        keyed = {"type": "echo", "queue": "keyed", "concurrency_key": "k"}
+        for _ in range(3):  # one ready, two held behind their key
+            await c.post("/v1/jobs", json=keyed)
         r = await admin.get("/metrics")
         # a queue held back (a task's RateLimited): the seconds left of its block
         before = time.time()
@@ -41,8 +44,13 @@ async def test_metrics_show_workers_api_and_queue_gauges(api: ApiServer, queue: 
     assert [s.value for s in started] == [6.0] and started[0].labels["role"] == "worker"
     requests = [s for s in families["jobtier_status_requests"].samples if s.name.endswith("_total")]
     assert requests[0].value >= 5 and requests[0].labels["role"] == "api"
-    depth = {s.labels["priority"]: s.value for s in families["jobtier_queue_depth"].samples}
-    assert depth == {"critical": 0, "high": 0, "normal": 0, "low": 1}
+    depth = {
+        (s.labels["queue"], s.labels["priority"]): s.value
+        for s in families["jobtier_queue_depth"].samples
+        if s.value
+    }
+    # the keyed queue's depth is its one ready job: those held behind the key are apart
+    assert depth == {("default", "low"): 1, ("keyed", "normal"): 1}
     assert families["jobtier_oldest_queued_age_seconds"].samples
     waits = [s for s in families["jobtier_claim_wait_seconds"].samples if s.name.endswith("_count")]
     assert waits[0].value == 6
@@ -52,7 +60,8 @@ async def test_metrics_show_workers_api_and_queue_gauges(api: ApiServer, queue: 
     assert "jobtier_scheduler_promoted" in families
     bare = [f.name for f in families.values() if " " not in f.documentation]
     assert bare == [], bare
-    assert gauge(r.text, "jobtier_queue_blocked_seconds") == {"default": 0.0}
+    assert gauge(r.text, "jobtier_queue_held_jobs") == {"default": 0.0, "keyed": 2.0}
+    assert gauge(r.text, "jobtier_queue_blocked_seconds")["default"] == 0.0
     left = gauge(blocked.text, "jobtier_queue_blocked_seconds")["default"]
     assert 600 - (after - before) - 1 <= left <= 600, left  # (Redis's clock against ours: 1 s)
 

@@ -183,8 +183,12 @@ async def test_concurrency_key_lets_one_job_of_a_key_run_at_a_time_in_order(
     assert {queue.keys.shard_of(j) for j in shard_ids} == {shard}  # a key lives in one shard
     stats = await queue.admin.stats()
     assert stats["total"]["queued"] == 2  # one of each key is ready, four wait behind theirs
+    assert stats["total"]["held"] == 4 and stats["queues"]["default"]["held"] == 4
+    assert stats["shards"][shard]["held"] == 4
     order = []
+    held = []
     for _ in range(5):
+        held.append((await queue.admin.stats())["total"]["held"])
         batch = await queue.scripts.claim(queue.keys.shard_of(shard_ids[0]), "w", 10, 30_000)
         mine = [j for j in batch.jobs if j.id in shard_ids]
         assert len(mine) == 1  # never two of the key at once
@@ -197,6 +201,7 @@ async def test_concurrency_key_lets_one_job_of_a_key_run_at_a_time_in_order(
         )
         assert code == [0]
     assert order == shard_ids  # in submit order
+    assert held == [4, 3, 2, 1, 0]  # each admitted as the one before it ended
     assert (await queue.status(other.job_id)).state in (State.QUEUED, State.RUNNING)
 
 
@@ -206,14 +211,37 @@ async def test_concurrency_limit_above_one_and_cancel_of_a_held_job(queue: Queue
         for i in range(4)
     ]
     shard = queue.keys.shard_of(ids[0])
+    assert (await queue.admin.stats())["total"]["held"] == 2
     await queue.cancel(ids[2])  # held behind the key: cancelled in place
+    assert (await queue.admin.stats())["total"]["held"] == 1
     batch = await queue.scripts.claim(shard, "w", 10, 30_000)
     assert [j.id for j in batch.jobs] == ids[:2]
     items = [(j.id, j.lease_version, b"") for j in batch.jobs]
     await queue.scripts.call(*complete_call(shard, "w", 60, items[:1]))
+    assert (await queue.admin.stats())["total"]["held"] == 0
     batch = await queue.scripts.claim(shard, "w", 10, 30_000)
     assert [j.id for j in batch.jobs] == [ids[3]]
     assert (await queue.status(ids[2])).state is State.CANCELLED
+
+
+async def test_jobs_held_before_their_count_was_kept_never_make_it_negative(
+    queue: Queue,
+) -> None:
+    """A deployment upgraded with jobs already held behind a key: they were never counted,
+    and leave without taking the count below zero (nor below the jobs held since)."""
+    ids = [(await queue.submit("echo", i, concurrency_key="old")).job_id for i in range(3)]
+    shard = queue.keys.shard_of(ids[0])
+    await queue.redis.hdel(queue.keys.queue_counts(shard), "default:held")  # as before
+    await queue.cancel(ids[1])
+    fresh = (await queue.submit("echo", 9, concurrency_key="old")).job_id
+    assert (await queue.admin.stats())["total"]["held"] == 1  # the one held since
+    for _ in range(3):
+        (job,) = (await queue.scripts.claim(shard, "w", 10, 30_000)).jobs
+        item = [(job.id, job.lease_version, b"")]
+        await queue.scripts.call(*complete_call(shard, "w", 60, item))
+        raw = await queue.redis.hget(queue.keys.queue_counts(shard), "default:held")
+        assert int(raw or 0) >= 0
+    assert job.id == fresh and (await queue.admin.stats())["total"]["held"] == 0
 
 
 async def test_one_tenants_backlog_does_not_starve_another_tenants_job(queue: Queue) -> None:

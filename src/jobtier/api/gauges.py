@@ -18,7 +18,8 @@ async def live_gauges(
     queue: Queue, lag: Callable[[], Any] | None, outbox: Callable[[], Any] | None = None
 ) -> dict[str, dict[str, float]]:
     """{metric: {labels: value}} read now: per queue its depth by priority and oldest waiting
-    job, running, parked, paused and waiting jobs and the seconds left of its block; each
+    job, running, parked, held (behind concurrency keys), paused and waiting jobs and the
+    seconds left of its block; each
     circuit breaker's state; the totals of waiting (for dependencies), scheduled and
     dead-lettered jobs; live workers, Redis's memory, (with ``lag``, when
     the API has Postgres) the write-behind lag and the outbox's backlog (``outbox``, while
@@ -26,7 +27,7 @@ async def live_gauges(
     group exists) the webhook dispatchers' lag."""
     stats = await queue.admin.stats()
     total = stats["total"]
-    depth, running, parked, paused, waiting, blocked = {}, {}, {}, {}, {}, {}
+    depth, running, parked, paused, waiting, blocked, held = {}, {}, {}, {}, {}, {}, {}
     now_ms = time.time() * 1000
     for name, q in stats["queues"].items():
         for p in PRIORITIES:
@@ -34,6 +35,7 @@ async def live_gauges(
         running[labels(queue=name)] = q["running"]
         waiting[labels(queue=name)] = q["waiting"]
         parked[labels(queue=name)] = q["parked"]
+        held[labels(queue=name)] = q["held"]
         paused[labels(queue=name)] = 1.0 if q["paused"] else 0.0
         # (an end in the past stays in Redis until the next block: read as none)
         blocked[labels(queue=name)] = max(q["blocked_until_ms"] - now_ms, 0.0) / 1000
@@ -47,6 +49,7 @@ async def live_gauges(
         "queue_depth": depth,
         "queue_running_jobs": running,
         "queue_parked_jobs": parked,
+        "queue_held_jobs": held,
         "queue_paused": paused,
         "queue_blocked_seconds": blocked,
         "queue_waiting_jobs": waiting,

@@ -69,6 +69,7 @@ async def queue_states(
                 "queued_total": sum(q["queued"].values()),
                 "parked": q["parked"],
                 "waiting": q["waiting"],
+                "held": q["held"],
                 "running": q["running"],
                 "paused": q["paused"],
                 "limits": msgspec.to_builtins(limits[name]) if name in limits else None,

@@ -206,13 +206,15 @@ def queue_row(q: QueueInfo) -> list[object]:
     paused = "yes" if q.paused else "no"
     blocked = "-" if q.blocked_until is None else f"until {clock(q.blocked_until)}"
     limits = ", ".join(parts) or "-"
-    return [q.name, q.queued_total, q.running, q.parked, oldest, q.workers, paused, blocked, limits]
+    counts = [q.queued_total, q.running, q.parked, q.held]
+    return [q.name, *counts, oldest, q.workers, paused, blocked, limits]
 
 
 HISTORY = ["VERSION", "AT", "CHANGE", "BY", "ATTEMPT", "ERROR"]
 JOBS = ["ID", "TYPE", "QUEUE", "STATE", "ATTEMPT", "UPDATED", "ERROR"]
 QUEUES = [
-    "QUEUE", "READY", "RUNNING", "PARKED", "OLDEST", "WORKERS", "PAUSED", "BLOCKED", "LIMITS"
+    "QUEUE", "READY", "RUNNING", "PARKED", "HELD", "OLDEST", "WORKERS", "PAUSED", "BLOCKED",
+    "LIMITS",
 ]  # fmt: skip
 
 

@@ -19,7 +19,8 @@ Per shard::
     jt:{s}:ring:<queue>:<priority>
                              list   the tenants with ready jobs there, in claim rotation
     jt:{s}:queues            hash   per queue q: "q:<priority>" ready jobs, "q:running",
-                                    "q:paused" ("1"), "q:wrr" (the priority rotation cursor)
+                                    "q:held" (behind concurrency keys), "q:paused" ("1"),
+                                    "q:wrr" (the priority rotation cursor)
     jt:{s}:park:<queue>:<type> list jobs handed back by a worker that cannot run them
     jt:{s}:parked            hash   "<queue>:<type>" -> jobs parked there
     jt:{s}:limit:<queue>     hash   a limited queue's limits and rate bucket (home shard)

@@ -333,6 +333,9 @@ class QueueInfo(msgspec.Struct, frozen=True, kw_only=True):
     parked: int  # handed back by workers that lack their task, waiting for one that has it
     running: int
     waiting: int = 0  # for their dependencies
+    # queued behind their concurrency keys: in no ready list, each waits for its key's turn
+    # (more workers would not start them sooner; not in queued_total)
+    held: int = 0
     paused: bool
     limits: QueueLimits | None = None
     blocked_until: float | None = None  # Unix time: a task raised RateLimited

@@ -42,6 +42,7 @@ def no_counts() -> dict[str, Any]:
     return {
         "queued": {p.value: 0 for p in PRIORITIES},
         "parked": 0,
+        "held": 0,
         "waiting": 0,
         "running": 0,
         "paused": False,
@@ -75,10 +76,11 @@ class QueueAdmin:
         """Jobs by state, per shard, per queue and in total.
 
         ``total``: ``queued`` (and ``queued_<priority>``), ``parked`` (handed back by a worker
-        that cannot run them), ``waiting`` (for their dependencies), ``scheduled``,
-        ``running``, ``dead``. ``queues``: per queue, ready jobs by priority, ``parked``,
-        ``waiting``, ``running`` and ``paused``. ``shards``: per shard, ready jobs by priority
-        and the waiting, scheduled, running and dead counts.
+        that cannot run them), ``held`` (queued behind their concurrency keys, in no ready
+        list), ``waiting`` (for their dependencies), ``scheduled``, ``running``, ``dead``.
+        ``queues``: per queue, ready jobs by priority, ``parked``, ``held``, ``waiting``,
+        ``running`` and ``paused``. ``shards``: per shard, ready jobs by priority and the
+        waiting, held, scheduled, running and dead counts.
         """
         keys = self.store.keys
         pipe = self.store.redis.pipeline(transaction=False)
@@ -101,7 +103,7 @@ class QueueAdmin:
         for shard in range(keys.shards):
             counts, parked, scheduled, running, dead = values[shard * 5 : shard * 5 + 5]
             by_priority = {p.value: 0 for p in PRIORITIES}
-            row: dict[str, Any] = {"shard": shard, "queued": by_priority, "waiting": 0}
+            row: dict[str, Any] = {"shard": shard, "queued": by_priority, "waiting": 0, "held": 0}
             row.update(scheduled=scheduled, running=running, dead=dead)
             for raw_field, raw_value in counts.items():
                 name, _, what = raw_field.decode().rpartition(":")
@@ -110,10 +112,10 @@ class QueueAdmin:
                     n = max(int(raw_value), 0)
                     entry["queued"][what] += n
                     by_priority[what] += n
-                elif what in ("running", "waiting"):
+                elif what in ("running", "waiting", "held"):
                     entry[what] += max(int(raw_value), 0)
-                    if what == "waiting":
-                        row["waiting"] += max(int(raw_value), 0)
+                    if what in ("waiting", "held"):
+                        row[what] += max(int(raw_value), 0)
                 elif what in ("paused", "limited"):
                     entry[what] = entry[what] or raw_value == b"1"
                 elif what == "blocked":
@@ -124,6 +126,7 @@ class QueueAdmin:
                 total["parked"] += max(int(raw_value), 0)
             shards.append(row)
             total["waiting"] += row["waiting"]
+            total["held"] += row["held"]
             for p, n in by_priority.items():
                 total[f"queued_{p}"] += n
             total["scheduled"] += scheduled

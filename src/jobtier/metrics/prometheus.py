@@ -44,6 +44,7 @@ HELP = {
     "queue_depth": "Ready jobs per queue and priority.",
     "queue_running_jobs": "Jobs of the queue running now.",
     "queue_parked_jobs": "Jobs handed back by workers that lack their task, waiting for one that has it.",
+    "queue_held_jobs": "Queued jobs held behind their concurrency keys, each waiting for its key's turn (not in the queue's depth).",
     "queue_paused": "1 while the queue is paused.",
     "queue_blocked_seconds": "Seconds left of the queue's block (a task raised RateLimited, or an HTTP worker's held attempt asked block_queue): no job of it starts meanwhile; 0 when not blocked.",
     "breaker_state": "A circuit breaker's state: 0 closed, 1 open, 2 half-open (its open period is over: its next job is a probe).",

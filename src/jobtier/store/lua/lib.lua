@@ -107,7 +107,8 @@ local function count(key, field, delta)
 end
 
 -- Per shard, the hash jt:{s}:queues holds for each queue q: 'q:<priority>' ready jobs,
--- 'q:running' running jobs, 'q:paused' ('1' while paused), 'q:wrr' its claim rotation cursor.
+-- 'q:running' running jobs, 'q:held' jobs held behind concurrency keys, 'q:paused' ('1'
+-- while paused), 'q:wrr' its claim rotation cursor.
 local QUEUES, PARKED
 -- keys every transition touches, built once per call rather than once per job (begin())
 local LOG, EV, WAITING_COUNTS
@@ -404,6 +405,20 @@ local function ck_name(j)
   return j.tenant .. ':' .. j.ckey
 end
 
+-- The jobs of each queue held behind their concurrency keys, counted under 'q:held' in
+-- jt:{s}:queues (queued, but in no ready list: the queue's figures show them apart). Never
+-- below zero: jobs held before the count was kept (an upgrade) leave without being counted.
+local function held(queue, delta)
+  local field = queue .. ':held'
+  if delta < 0 then
+    local pending = COUNTS[QUEUES] and COUNTS[QUEUES][field] or 0
+    if (tonumber(redis.call('HGET', QUEUES, field)) or 0) + pending + delta < 0 then
+      return
+    end
+  end
+  count(QUEUES, field, delta)
+end
+
 -- Make j ready to claim, or hold it behind its concurrency key. Front = the job already
 -- waited its turn (reclaimed, released): it goes first.
 local function make_ready(j, front)
@@ -417,10 +432,9 @@ local function make_ready(j, front)
   if admitted < limit then
     redis.call('HINCRBY', CKEYS, name, 1)
     push_ready(j, front)
-  elseif front then
-    redis.call('RPUSH', BASE .. 'ck:' .. name, j.id)
   else
-    redis.call('LPUSH', BASE .. 'ck:' .. name, j.id)
+    redis.call(front and 'RPUSH' or 'LPUSH', BASE .. 'ck:' .. name, j.id)
+    held(j.queue, 1)
   end
 end
 
@@ -443,6 +457,9 @@ local function ck_release(j)
       break
     end
     local n = load(next_id)
+    if n then
+      held(n.queue, -1)
+    end
     if n and n.state == 'queued' then
       redis.call('HINCRBY', CKEYS, name, 1)
       left = left + 1
@@ -468,8 +485,8 @@ local function remove_ready(j)
   elseif redis.call('LREM', BASE .. 'park:' .. field, -1, j.id) > 0 then
     count(PARKED, field, -1)
     ck_release(j)
-  elseif j.ckey ~= '' then
-    redis.call('LREM', BASE .. 'ck:' .. ck_name(j), -1, j.id)
+  elseif j.ckey ~= '' and redis.call('LREM', BASE .. 'ck:' .. ck_name(j), -1, j.id) > 0 then
+    held(j.queue, -1)
   end
 end
 
