@@ -21,12 +21,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from redis.exceptions import RedisError
 
+from jobtier.core.schedule import Schedule
 from jobtier.engine.cron import CronMirror, mirror_def, to_datetime
 from jobtier.flows.resolver import Resolver
 from jobtier.metrics.snapshot import Snapshot
-from jobtier.persist.schedule_store import ScheduleStore
+from jobtier.persist.schedule_store import ScheduleStore, revision
 from jobtier.runtime.backoff import SCHEDULER
 from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import stop_task
@@ -294,31 +296,68 @@ class Scheduler:
         )
 
     async def reconcile(self) -> int:
-        """Restore schedules Postgres has and Redis lost; copy firing times back to Postgres.
-        Returns how many schedules were restored."""
+        """Make Redis's copies of the schedules Postgres's: restore those Redis lost, write
+        again those of another revision than their row's (a change's Redis write that failed
+        after it had landed in part), remove those Postgres no longer has (a delete that
+        failed half-way); then copy firing times back to Postgres. Returns how many were
+        restored or written again."""
         if self.schedules is None:
             return 0
+        listed = await self.cron.listed()  # first: a copy made after it has its row by then
         rows = await self.schedules.all()
-        times = await self.cron.times([s.id for s, _ in rows])
+        for orphan in sorted(listed - {s.id for s, _ in rows}):
+            await self.cron.remove(orphan)
+            log.warning("event=schedule_orphan_removed schedule=%s", orphan)
+        ids = [s.id for s, _ in rows]
+        times, revs = await self.cron.times(ids), await self.cron.revisions(ids)
         restored = 0
         now = int(self.redis_now_ms())
         for schedule, payload in rows:
-            if schedule.id in times:
-                continue
-            definition = mirror_def(schedule, self.settings.default_max_attempts)
-            if schedule.paused:
-                next_ms = None
-            elif schedule.next_fire_at is not None:
-                next_ms = round(schedule.next_fire_at.timestamp() * 1000)
-            else:
-                next_ms = definition.timing().next_after(now)
-            await self.cron.put(schedule.id, definition, payload, next_ms, schedule.paused)
+            rev = revs.get(schedule.id)
+            if schedule.id in times and rev in ("", revision(schedule)):
+                continue  # ('': a copy from before revisions, left as it is)
+            if schedule.id in times and not await self._rewrite(schedule):
+                continue  # changed meanwhile: the change wrote both
+            if schedule.id not in times:
+                await self._put(schedule, payload, now)
             restored += 1
-            log.warning("event=schedule_restored schedule=%s next_fire_ms=%s", schedule.id, next_ms)
+            log.warning(
+                "event=schedule_restored schedule=%s was=%s",
+                schedule.id,
+                "missing" if schedule.id not in times else "another revision",
+            )
         await self.schedules.sync_times(
-            [(sid, to_datetime(nxt), to_datetime(last)) for sid, (nxt, last, _) in times.items()]
+            [
+                (s, to_datetime(times[s.id][0]), to_datetime(times[s.id][1]))
+                for s, _ in rows
+                if s.id in times
+            ]
         )
         return restored
+
+    async def _put(self, schedule: Schedule, payload: bytes, now: int) -> None:
+        """Write Redis's copy of ``schedule`` as its row has it, from its row's next firing."""
+        definition = mirror_def(schedule, self.settings.default_max_attempts)
+        if schedule.paused:
+            next_ms = None
+        elif schedule.next_fire_at is not None:
+            next_ms = round(schedule.next_fire_at.timestamp() * 1000)
+        else:
+            next_ms = definition.timing().next_after(now)
+        rev = revision(schedule)
+        await self.cron.put(schedule.id, definition, payload, next_ms, schedule.paused, rev)
+
+    async def _rewrite(self, schedule: Schedule) -> bool:
+        """Write again the copy of a schedule whose row has another revision, under the row's
+        lock (a change under way is waited for, and then wrote both): False when the row has
+        changed or gone since it was read."""
+        assert self.schedules is not None
+        async with self.schedules.locked(schedule.id, schedule.tenant) as locked:
+            if locked is None or revision(locked.schedule) != revision(schedule):
+                return False
+            payload = msgspec.json.encode(locked.schedule.payload)
+            await self._put(locked.schedule, payload, int(self.redis_now_ms()))
+        return True
 
     async def _reconcile_loop(self) -> None:
         # Postgres down or hung: firing goes on from Redis

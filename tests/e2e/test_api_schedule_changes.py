@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
 from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
-from jobtier.engine.cron import CronMirror, slot_job_id
+from jobtier.engine.cron import CronMirror, mirror_def, slot_job_id
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
 from jobtier.persist.schedule_store import ScheduleStore
 from jobtier.scheduler import Scheduler
 from tests.fixtures.api import KEYS, ApiServer, StartApi
+from tests.fixtures.engine import wait_for
 
 
 @pytest.fixture
@@ -136,6 +137,126 @@ async def test_a_change_redis_refuses_is_rolled_back(pg_api: ApiServer, queue: Q
         assert (await c.get(f"/v1/schedules/{sid}")).json() == before  # Postgres rolled back
 
 
+class Held(CronMirror):
+    """Redis's copy written only once the test lets it (``go``); ``entered`` once a write
+    waits."""
+
+    def __init__(self, queue: Queue) -> None:
+        super().__init__(queue.redis, queue.keys, queue.scripts)
+        self.entered, self.go = asyncio.Event(), asyncio.Event()
+
+    async def put(self, *args: Any, **kwargs: Any) -> None:
+        self.entered.set()
+        await self.go.wait()
+        await super().put(*args, **kwargs)
+
+
+async def lock_waiters(pool: Pool) -> int:
+    """Postgres sessions waiting for a row lock."""
+    n: int = await pool.fetchval(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+    )
+    return n
+
+
+async def test_a_delete_during_a_change_waits_for_it(
+    pg_api: ApiServer, queue: Queue, pg_pool: Pool
+) -> None:
+    """The delete waits for the change's lock, then removes the copy the change wrote: the
+    schedule does not go on firing from Redis with no row in Postgres."""
+    state = pg_api.server.lifespan.state
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        held = state["cron"] = Held(queue)
+        change = asyncio.create_task(c.patch(f"/v1/schedules/{sid}", json={"interval": 60}))
+        await asyncio.wait_for(held.entered.wait(), 10)
+        delete = asyncio.create_task(c.delete(f"/v1/schedules/{sid}"))
+        await wait_for(lambda: _waiting(pg_pool), timeout=10)  # the delete waits for the lock
+        held.go.set()
+        assert (await change).status_code == 200
+        assert (await delete).status_code == 204
+        assert (await c.get(f"/v1/schedules/{sid}")).status_code == 404
+    assert await mirrored(queue, sid) == {}
+    assert sid not in await held.listed()
+
+
+async def _waiting(pool: Pool) -> bool:
+    return await lock_waiters(pool) > 0
+
+
+async def test_a_change_behind_a_long_held_lock_is_a_503_that_changes_nothing(
+    pg_api: ApiServer, pg_pool: Pool
+) -> None:
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        before = (await c.get(f"/v1/schedules/{sid}")).json()
+        async with pg_pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT 1 FROM schedules WHERE id = $1 FOR UPDATE", sid)
+            r = await c.patch(f"/v1/schedules/{sid}", json={"payload": 2})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "being changed by another request" in r.json()["detail"]
+        assert (await c.get(f"/v1/schedules/{sid}")).json() == before
+
+
+async def test_a_change_leaves_a_next_firing_advanced_meanwhile(
+    pg_api: ApiServer, queue: Queue
+) -> None:
+    """A change that moves no slot does not write back the next firing it read: a firing
+    that advanced it meanwhile stands."""
+    state = pg_api.server.lifespan.state
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        held = state["cron"] = Held(queue)
+        change = asyncio.create_task(c.patch(f"/v1/schedules/{sid}", json={"payload": 3}))
+        await asyncio.wait_for(held.entered.wait(), 10)
+        key = queue.keys.cron_def(held.shard(sid), sid)
+        advanced = int(cast(bytes, await queue.redis.hget(key, "next"))) + 86_400_000  # fire.lua
+        await queue.redis.hset(key, "next", str(advanced))
+        held.go.set()
+        assert (await change).status_code == 200
+    copy = await mirrored(queue, sid)
+    assert int(copy[b"next"]) == advanced and copy[b"payload"] == b"3"
+
+
+async def test_reconcile_mends_redis_from_postgres(
+    pg_api: ApiServer, queue: Queue, pg_pool: Pool
+) -> None:
+    """A copy of another revision (a change's Redis write that failed half-way) is written
+    again from its row; a copy whose schedule Postgres no longer has is removed."""
+    store = ScheduleStore(pg_pool)
+    scheduler = Scheduler(queue.store, schedules=store)
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+    assert await scheduler.reconcile() == 0
+    copy = await mirrored(queue, sid)
+    key = queue.keys.cron_def(scheduler.cron.shard(sid), sid)
+    await queue.redis.hset(key, mapping={"payload": b'"stale"', "rev": "1"})
+    (row,) = [s for s, _ in await store.all() if s.id == sid]
+    orphan = "01M8KK4FZ54RBHFVYBN6HBV0CZ"
+    await scheduler.cron.put(orphan, mirror_def(row, 3), b"null", 10**13, False, "1")
+    assert orphan in await scheduler.cron.listed()
+    assert await scheduler.reconcile() == 1
+    assert await mirrored(queue, sid) == copy
+    assert orphan not in await scheduler.cron.listed() and await mirrored(queue, orphan) == {}
+    assert await scheduler.reconcile() == 0
+
+
+async def test_firing_times_copied_back_do_not_undo_a_change(
+    pg_api: ApiServer, pg_pool: Pool
+) -> None:
+    """The scheduler's copy of firing times, read before a change, is not written over it."""
+    store = ScheduleStore(pg_pool)
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        (read,) = [s for s, _ in await store.all() if s.id == sid]
+        changed = (await c.patch(f"/v1/schedules/{sid}", json={"interval": 60})).json()
+    stale_next = read.next_fire_at
+    await store.sync_times([(read, stale_next, None)])
+    (now,) = [s for s, _ in await store.all() if s.id == sid]
+    assert now.next_fire_at is not None and now.next_fire_at != stale_next
+    assert now.next_fire_at == datetime.fromisoformat(changed["next_fire_at"])
+
+
 async def test_changes_at_once_leave_postgres_and_redis_agreeing(
     pg_api: ApiServer, queue: Queue, pg_pool: Pool
 ) -> None:
@@ -224,7 +345,8 @@ async def test_the_cli_manages_schedules_by_name(pg_api: ApiServer, queue: Queue
 
     cli = Cli(pg_api)
     async with pg_api.client() as c:
-        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        made = (await c.post("/v1/schedules", json=NIGHTLY)).json()
+    sid, made_attempts = made["id"], made["max_attempts"]
     code, out, err = await cli("schedules")
     assert code == 0, err
     assert out.splitlines()[0].split()[:3] == ["ID", "NAME", "TYPE"]
@@ -245,6 +367,11 @@ async def test_the_cli_manages_schedules_by_name(pg_api: ApiServer, queue: Queue
     assert code == 2 and "no schedule named 'weekly'" in err
     code, _, err = await cli("schedules", "update", "nightly")
     assert code == 2 and "nothing to change" in err
+    nine = await cli.json("schedules", "update", "nightly", "--max-attempts", "9")
+    back = await cli.json("schedules", "update", "nightly", "--task-defaults")
+    assert nine["max_attempts"] == 9 and back["max_attempts"] == made_attempts
+    code, _, err = await cli("schedules", "update", "nightly", "--task-defaults", "--queue", "q")
+    assert code == 2 and "not with either" in err
     code, _, err = await cli("schedules", "update", "nightly", "--timezone", "Nowhere/Land")
     assert code == 1 and "unknown time zone" in err and "HTTP 422" in err
     code, _, err = await cli("schedules", "delete", "nightly")

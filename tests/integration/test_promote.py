@@ -96,3 +96,20 @@ async def test_another_tenants_job_is_not_found(queue: Queue) -> None:
         await queue.jobs.promote(job_id, tenant="globex")
     assert (await queue.status(job_id)).state is State.SCHEDULED
     assert (await queue.jobs.promote(job_id, tenant="acme")).state is State.QUEUED
+
+
+async def test_a_promoted_job_waits_its_turn_behind_its_concurrency_key(
+    queue: Queue, background: Background
+) -> None:
+    first = (await queue.submit("noted", 1, concurrency_key="acct")).job_id
+    later = (await queue.submit("noted", 2, concurrency_key="acct", delay=3600)).job_id
+    shard = queue.keys.shard_of(first)
+    assert await queue.redis.zscore(queue.keys.sched(shard), later) is not None
+    assert (await queue.jobs.promote(later)).state is State.QUEUED
+    assert await queue.redis.zscore(queue.keys.sched(shard), later) is None  # due no more
+    stats = await queue.admin.stats()
+    assert (stats["total"]["queued"], stats["total"]["held"]) == (1, 1)  # held behind `first`
+    background.start(worker_for(queue, REGISTRY))
+    await until(queue, later, State.SUCCEEDED)  # admitted once `first` ended
+    assert (await queue.result(later))[1] == 2
+    assert (await queue.admin.stats())["total"]["held"] == 0

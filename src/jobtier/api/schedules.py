@@ -10,7 +10,8 @@ refuses it. The scheduler restores a schedule Redis lost from Postgres.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from typing import Any
 
@@ -45,7 +46,7 @@ from jobtier.core.schedule import (
     validate,
 )
 from jobtier.engine.cron import CronMirror, mirror_def, new_schedule_id, now_ms, to_datetime
-from jobtier.persist.schedule_store import DuplicateName, ScheduleStore
+from jobtier.persist.schedule_store import Busy, DuplicateName, Locked, ScheduleStore, revision
 
 _spec_decoder = msgspec.json.Decoder(ScheduleSpec)
 _change_decoder = msgspec.json.Decoder(ScheduleChange)
@@ -112,7 +113,8 @@ async def create(request: Request) -> Response:
         detail = f"a schedule named {spec.name!r} exists already"
         raise Problem(409, "conflict", detail, field="name") from None
     try:
-        await _mirror(request).put(schedule.id, definition, payload, next_ms, spec.paused)
+        rev = revision(schedule)
+        await _mirror(request).put(schedule.id, definition, payload, next_ms, spec.paused, rev)
     except Exception:
         await store.delete(schedule.id, tenant)  # nothing half-made stays behind
         raise
@@ -153,32 +155,47 @@ async def get(request: Request) -> Response:
 Made = tuple[Schedule, bytes, bool]  # a change: the schedule, its payload JSON, slots anew
 
 
+@asynccontextmanager
+async def _locked(request: Request, tenant: str) -> AsyncIterator[Locked]:
+    """The path's schedule, its row locked until the block ends (``ScheduleStore.locked``):
+    a 404 for another tenant's or none, a 503 while another change holds it too long."""
+    schedule_id = path_id(request, "schedule_id", ULID_RE, "schedule")
+    try:
+        async with _store(request).locked(schedule_id, tenant) as locked:
+            if locked is None:
+                raise not_found(f"schedule {schedule_id}")
+            yield locked
+    except Busy:
+        detail = f"schedule {schedule_id} is being changed by another request; send it again"
+        raise Problem(503, "unavailable", detail, headers={"retry-after": "1"}) from None
+
+
 async def _change(request: Request, make: Callable[[Schedule], Awaitable[Made]]) -> Response:
     """Change the path's schedule as ``make`` says (from the schedule as it is): the schedule,
     its payload's JSON and whether its slots start again from now (else its next firing is
-    kept). Postgres's row is locked until Redis's copy is written too, so that two changes
-    land in the same order in both; Redis refusing the copy rolls the row back."""
-    tenant = tenant_of(request)
-    schedule_id = path_id(request, "schedule_id", ULID_RE, "schedule")
+    left as Redis has it). Postgres's row is locked until Redis's copy is written too, so
+    that two changes land in the same order in both; Redis refusing the copy rolls the row
+    back (a copy written in part is written again by the scheduler's reconcile, from the
+    row's revision)."""
     settings: Settings = request.state.settings
     mirror = _mirror(request)
-    async with _store(request).locked(schedule_id, tenant) as locked:
-        if locked is None:
-            raise not_found(f"schedule {schedule_id}")
+    async with _locked(request, tenant_of(request)) as locked:
         schedule, payload, anew = await make(locked.schedule)
         definition = mirror_def(schedule, settings.default_max_attempts)
-        next_ms = None
+        next_ms, keep = None, False
         if not schedule.paused:
             kept = None if anew else (await mirror.times([schedule.id])).get(schedule.id)
-            next_ms = kept[0] if kept and kept[0] is not None and not kept[2] else None
-            if next_ms is None:
+            if kept and kept[0] is not None and not kept[2]:
+                next_ms, keep = kept[0], True  # (a firing may advance it meanwhile)
+            else:
                 next_ms = definition.timing().next_after(now_ms())
         try:
             saved = await locked.save(schedule, payload, to_datetime(next_ms))
         except DuplicateName:
             detail = f"a schedule named {schedule.name!r} exists already"
             raise Problem(409, "conflict", detail, field="name") from None
-        await mirror.put(schedule.id, definition, payload, next_ms, schedule.paused)
+        rev = revision(saved)
+        await mirror.put(saved.id, definition, payload, next_ms, saved.paused, rev, keep_next=keep)
     return await _one(request, saved)
 
 
@@ -242,9 +259,10 @@ async def resume(request: Request) -> Response:
 
 
 async def delete(request: Request) -> Response:
-    tenant, found = await _found(request)
-    await _mirror(request).remove(found.id)  # first: it must not fire again
-    await _store(request).delete(found.id, tenant)
+    # locked as a change is: a change under way is waited for, not undone by its Redis write
+    async with _locked(request, tenant_of(request)) as locked:
+        await _mirror(request).remove(locked.schedule.id)  # first: it must not fire again
+        await locked.delete()
     return Response(status_code=204)
 
 

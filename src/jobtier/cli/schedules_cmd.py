@@ -48,9 +48,15 @@ def _shown(s: Schedule, a: argparse.Namespace) -> Any:
 
 
 def _id(c: Client, ref: str) -> str:
-    """The schedule ``ref`` names: its id, or the id of the tenant's schedule of that name."""
+    """The schedule ``ref`` names: its id, or the id of the tenant's schedule of that name
+    (the tenant's schedules read a page at a time until it is found)."""
+    from jobtier.client import NotFound
+
     if ULID_RE.fullmatch(ref):
-        return ref
+        try:
+            return c.schedule(ref).id
+        except NotFound:
+            pass  # a name that looks like an id
     after = ""
     while page := c.schedules(after=after, limit=1000):
         for s in page:
@@ -105,6 +111,10 @@ def schedules_update(c: Client, a: argparse.Namespace) -> Any:
         changes["payload"] = a.payload[0]
     if a.max_attempts is not None:
         changes["max_attempts"] = a.max_attempts
+    if a.task_defaults:
+        changes.update(queue=None, max_attempts=None)
+    if a.task_defaults and (a.queue is not None or a.max_attempts is not None):
+        raise CommandError("--task-defaults sets the queue and attempts: not with either")
     if not changes:
         raise CommandError("nothing to change: give at least one option (see --help)")
     return _shown(c.update_schedule(_id(c, a.schedule), **changes), a)
@@ -174,6 +184,11 @@ def add_commands(sub: Any) -> None:
     q.add_argument("--priority", choices=[p.value for p in Priority])
     q.add_argument("--queue", help="the queue of its jobs")
     q.add_argument("--max-attempts", type=positive_int, help="attempts of its jobs")
+    q.add_argument(
+        "--task-defaults",
+        action="store_true",
+        help="its jobs' queue and attempts the task's again (not with --queue, --max-attempts)",
+    )
     q.add_argument(
         "--payload",
         type=lambda text: [_payload(text)],  # a list: JSON null is a payload too

@@ -175,24 +175,56 @@ class CronMirror:
         payload: bytes,
         next_ms: int | None,
         paused: bool,
+        rev: str = "",
+        *,
+        keep_next: bool = False,
     ) -> None:
-        """Create or replace a schedule's mirror, and wake the schedulers for its next slot."""
+        """Create or replace a schedule's mirror, and wake the schedulers for its next slot.
+        ``rev``: the Postgres row's revision it copies (the scheduler's reconcile writes a
+        copy of another revision again). ``keep_next``: its next slot is left as Redis has it
+        (a change that moves no slot: a firing meanwhile may have advanced it)."""
         s = self.shard(schedule_id)
         key = self.keys.cron_def(s, schedule_id)
         fields = {
             "def": msgspec.json.encode(definition),
             "payload": payload,
-            "next": "" if next_ms is None else str(next_ms),
             "paused": "1" if paused else "0",
+            "rev": rev,
         }
+        if not keep_next:
+            fields["next"] = "" if next_ms is None else str(next_ms)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(key, mapping=fields)
-        if paused or next_ms is None:
+        if not keep_next and (paused or next_ms is None):
             pipe.zrem(self.keys.cron(s), schedule_id)
-        else:
+        elif not keep_next:
             pipe.zadd(self.keys.cron(s), {schedule_id: next_ms})
+        # the copy last, its revision with it: one written in part keeps its old revision
+        # (the scheduler's reconcile writes it again); a due time ahead of the copy's next
+        # only makes a firing look early and find nothing due (fire_due)
+        pipe.hset(key, mapping=fields)
+        if not keep_next and not paused and next_ms is not None:
             pipe.spublish(self.keys.wake(s), f"c {next_ms}")
         await pipe.execute()
+
+    async def listed(self) -> set[str]:
+        """The ids of the schedules the schedulers fire from (every shard's due set)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for shard in range(self.keys.shards):
+            pipe.zrange(self.keys.cron(shard), 0, -1)
+        return {i.decode() for ids in await pipe.execute() for i in ids}
+
+    async def revisions(self, schedule_ids: list[str]) -> dict[str, str]:
+        """{id: the revision its copy records} of the schedules Redis holds ('' for a copy
+        written before revisions were)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for schedule_id in schedule_ids:
+            pipe.hmget(self.keys.cron_def(self.shard(schedule_id), schedule_id), "def", "rev")
+        replies = await pipe.execute()
+        return {
+            schedule_id: (rev or b"").decode()
+            for schedule_id, (found, rev) in zip(schedule_ids, replies, strict=True)
+            if found is not None
+        }
 
     async def remove(self, schedule_id: str) -> None:
         s = self.shard(schedule_id)

@@ -329,11 +329,14 @@ DELETE FROM schedules WHERE id = $1 AND tenant = $2 RETURNING id
 SELECT * FROM schedules ORDER BY id
 
 -- name: sync_schedule_times
--- The scheduler copies the firing state it keeps in Redis back here, now and then.
+-- The scheduler copies the firing state it keeps in Redis back here, now and then: to rows
+-- still as it read them (a change since wrote its own times; it is not waited for and undone).
 UPDATE schedules AS s
 SET next_fire_at = t.next_fire_at, last_fired_at = t.last_fired_at
-FROM unnest($1::text[], $2::timestamptz[], $3::timestamptz[]) AS t(id, next_fire_at, last_fired_at)
+FROM unnest($1::text[], $2::timestamptz[], $3::timestamptz[], $4::timestamptz[])
+    AS t(id, next_fire_at, last_fired_at, updated_at)
 WHERE s.id = t.id
+  AND s.updated_at = t.updated_at
   AND (s.next_fire_at IS DISTINCT FROM t.next_fire_at
        OR s.last_fired_at IS DISTINCT FROM t.last_fired_at)
 

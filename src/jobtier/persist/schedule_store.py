@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -16,10 +16,25 @@ from jobtier.core.schedule import Schedule
 from jobtier.persist.db import AnyConnection, Pool, query
 
 _any = msgspec.json.Decoder()
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class DuplicateName(Exception):
     """The tenant already has a schedule of this name."""
+
+
+class Busy(Exception):
+    """Another change holds the schedule's row longer than ``LOCK_TIMEOUT_MS``."""
+
+
+# how long a change waits for another's lock on a schedule's row before giving up (Busy): a
+# change waiting holds a connection of the pool, and one whose Redis write hangs holds the lock
+LOCK_TIMEOUT_MS = 5000
+
+
+def revision(schedule: Schedule) -> str:
+    """The row's revision, as the Redis copy records it (``rev``): its ``updated_at`` in µs."""
+    return str((schedule.updated_at - _EPOCH) // timedelta(microseconds=1))
 
 
 # the columns of `schedules` (each a field of Schedule) that Schedule names otherwise
@@ -58,6 +73,9 @@ class Locked:
         assert row is not None  # locked: it is there
         return to_schedule(row)
 
+    async def delete(self) -> None:
+        await self.conn.execute(query("delete_schedule"), self.schedule.id, self.schedule.tenant)
+
 
 class ScheduleStore:
     def __init__(self, pool: Pool) -> None:
@@ -89,9 +107,14 @@ class ScheduleStore:
     @asynccontextmanager
     async def locked(self, schedule_id: str, tenant: str) -> AsyncIterator[Locked | None]:
         """The tenant's schedule, locked in a transaction that commits as the block ends (and
-        rolls back if it raises); None when there is no such schedule."""
+        rolls back if it raises); None when there is no such schedule. ``Busy`` when another
+        change holds it past ``LOCK_TIMEOUT_MS``."""
         async with self.pool.acquire() as conn, conn.transaction():
-            row = await conn.fetchrow(query("lock_schedule"), schedule_id, tenant)
+            await conn.execute(f"SET LOCAL lock_timeout = {LOCK_TIMEOUT_MS}")
+            try:
+                row = await conn.fetchrow(query("lock_schedule"), schedule_id, tenant)
+            except asyncpg.LockNotAvailableError:
+                raise Busy(schedule_id) from None
             yield None if row is None else Locked(conn, to_schedule(row))
 
     async def delete(self, schedule_id: str, tenant: str) -> bool:
@@ -104,12 +127,17 @@ class ScheduleStore:
 
     async def sync_times(
         self,
-        times: list[tuple[str, datetime | None, datetime | None]],
+        times: list[tuple[Schedule, datetime | None, datetime | None]],
         conn: AnyConnection | None = None,
     ) -> None:
-        """Copy (id, next fire, last fired) from Redis; only changed rows are written."""
+        """Copy (next fire, last fired) from Redis to each schedule's row, only where the
+        row is still as read (its ``updated_at``: a change that landed meanwhile wrote its
+        own) and the times differ."""
         if not times:
             return
-        ids, nexts, lasts = (list(col) for col in zip(*times, strict=True))
+        ids = [s.id for s, _, _ in times]
+        revs = [s.updated_at for s, _, _ in times]
+        nexts = [n for _, n, _ in times]
+        lasts = [last for _, _, last in times]
         target: Any = conn or self.pool
-        await target.execute(query("sync_schedule_times"), ids, nexts, lasts)
+        await target.execute(query("sync_schedule_times"), ids, nexts, lasts, revs)

@@ -50,7 +50,7 @@ async function loadAudit(more) {
 }
 
 const ACTION_WORDS = {
-  "job.cancel": "cancelled a job", "job.replay": "replayed a job", "dead_letters.replay": "replayed dead letters",
+  "job.cancel": "cancelled a job", "job.promote": "ran a scheduled job now", "job.replay": "replayed a job", "dead_letters.replay": "replayed dead letters",
   "queue.pause": "paused a queue", "queue.resume": "resumed a queue", "queue.unblock": "lifted a queue's RateLimited block", "queue.purge": "purged a queue",
   "queue.limits": "set a queue's limits", "breaker.open": "opened a circuit breaker",
   "breaker.close": "closed a circuit breaker",
