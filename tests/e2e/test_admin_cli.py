@@ -368,3 +368,30 @@ async def test_the_async_client_does_the_same(
         assert (await admin.replay(bad["id"])).state is State.QUEUED
         await worker_for(queue, registry, burst=True).run()
         assert (await tenant.retry(bad["id"])).attempt == 0
+
+
+async def test_audit_lists_the_admin_actions_newest_first(pg_api: ApiServer) -> None:
+    cli = Cli(pg_api)
+    code, out, err = await cli("audit", admin_key=ADMIN)
+    assert code == 0 and out.strip() == "no admin action recorded", err
+    for action in ("pause", "resume", "pause"):
+        assert (await cli("queues", action, "mail", key=ADMIN))[0] == 0
+    code, out, err = await cli("audit", admin_key=ADMIN)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["AT", "BY", "ACTION", "TARGET", "STATUS", "DETAIL"]
+    rows = [line.split() for line in lines[1:4]]  # AT is a date and a time
+    assert [r[3] for r in rows] == ["queue.pause", "queue.resume", "queue.pause"]
+    assert {r[4] for r in rows} == {"mail"} and {r[5] for r in rows} == {"200"}
+    assert rows[0][2].startswith("admin:") and lines[4].startswith("(you are admin:")
+    only = await cli.json("audit", "--action", "queue.resume", key=ADMIN)
+    assert [r["action"] for r in only["records"]] == ["queue.resume"]
+    # a page at a time: the first page says how to ask for the next
+    code, out, _ = await cli("audit", "--limit", "2", admin_key=ADMIN)
+    cursor = out.splitlines()[-1].removeprefix("older: --cursor ")
+    code, out, _ = await cli("audit", "--limit", "2", "--cursor", cursor, admin_key=ADMIN)
+    assert code == 0 and len(out.splitlines()) == 3  # the header, the oldest, who you are
+    code, _, err = await cli("audit", "--action", "Not An Action", admin_key=ADMIN)
+    assert code == 1 and "action" in err
+    code, _, err = await cli("audit", admin_key=None, key=KEYS["acme"])
+    assert code == 1 and "HTTP 403" in err

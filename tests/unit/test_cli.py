@@ -17,7 +17,7 @@ from jobtier.cli.main import build_parser, main
 COMMANDS = [
     "run", "api", "worker", "scheduler", "persister", "dispatcher", "migrate", "prune", "bench",
     "config", "check", "jobs", "dead-letters", "queues", "job-format", "scripts", "breakers",
-    "reconcile", "workers", "schedules",
+    "reconcile", "workers", "schedules", "audit",
 ]  # fmt: skip
 
 

@@ -8,25 +8,13 @@ import argparse
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from jobtier.cli.api_call import call_json
 from jobtier.cli.manage import ADMIN, _connection, positive_float, run, table
 
 if TYPE_CHECKING:
     from jobtier.client import Client
 
 COLUMNS = ("BREAKER", "STATE", "OPEN UNTIL", "TRIPS", "REASON")
-
-
-def _call(c: Client, method: str, where: str, body: Any = None) -> Any:
-    """One admin request through the client (its retries, errors and key): the JSON answer."""
-    from jobtier.client._core import Call, Op, check, json_call
-
-    def op() -> Op[Any]:
-        call = Call(method, where) if body is None else json_call(method, where, body)
-        response = yield call
-        check(response)
-        return response.json()
-
-    return c._run(op())
 
 
 def _where(name: str, action: str) -> str:
@@ -47,7 +35,7 @@ def _row(b: dict[str, Any]) -> list[object]:
 
 
 def breakers_list(c: Client, a: argparse.Namespace) -> Any:
-    breakers = _call(c, "GET", "/v1/admin/breakers")["breakers"]
+    breakers = call_json(c, "GET", "/v1/admin/breakers")["breakers"]
     if a.json:
         return breakers
     return table(COLUMNS, map(_row, breakers)) if breakers else "no breakers"
@@ -55,12 +43,12 @@ def breakers_list(c: Client, a: argparse.Namespace) -> Any:
 
 def breakers_open(c: Client, a: argparse.Namespace) -> Any:
     body = {"seconds": a.seconds, "reason": a.reason}
-    b = _call(c, "POST", _where(a.name, "open"), body)
+    b = call_json(c, "POST", _where(a.name, "open"), body)
     return b if a.json else table(COLUMNS, [_row(b)])
 
 
 def breakers_close(c: Client, a: argparse.Namespace) -> Any:
-    b = _call(c, "POST", _where(a.name, "close"), {"reason": a.reason})
+    b = call_json(c, "POST", _where(a.name, "close"), {"reason": a.reason})
     return b if a.json else table(COLUMNS, [_row(b)])
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from jobtier import logs
-from jobtier.cli import breakers_cmd, manage, schedules_cmd, workers_cmd
+from jobtier.cli import audit_cmd, breakers_cmd, manage, schedules_cmd, workers_cmd
 from jobtier.cli.maintenance import (
     BENCHMARKS,
     cmd_bench,
@@ -400,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     manage.add_commands(sub)
     breakers_cmd.add_commands(sub)
     schedules_cmd.add_commands(sub)
+    audit_cmd.add_commands(sub)
     workers_cmd.add_commands(sub)
     return parser
 
