@@ -108,6 +108,13 @@ async def test_answers_about_real_jobs_and_schedules_match_the_document(
         await check(c, "POST", "/v1/jobs/{job_id}/promote", 200, ids=delayed)
         await check(c, "POST", "/v1/jobs/{job_id}/promote", 409, ids=delayed)
         await check(c, "POST", "/v1/jobs/{job_id}/promote", 404, ids={"job_id": "x"})
+        high = {"priority": "high"}
+        await check(c, "POST", "/v1/jobs/{job_id}/priority", 200, ids=delayed, json=high)
+        bad = {"priority": "urgent"}
+        await check(c, "POST", "/v1/jobs/{job_id}/priority", 422, ids=delayed, json=bad)
+        await check(c, "POST", "/v1/jobs/{job_id}/priority", 404, ids={"job_id": "x"}, json=high)
+        await check(c, "POST", "/v1/jobs/{job_id}/cancel", 200, ids=delayed)
+        await check(c, "POST", "/v1/jobs/{job_id}/priority", 409, ids=delayed, json=high)
 
         # flows: created, repeated, refused; a dependent's document and its dependencies
         flow = {

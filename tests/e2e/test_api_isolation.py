@@ -43,6 +43,7 @@ ROUTES: dict[tuple[str, str], str] = {
     ("GET", "/v1/jobs/{job_id}/explain"): TENANT_ITEM,
     ("POST", "/v1/jobs/{job_id}/retry"): TENANT_ITEM,
     ("POST", "/v1/jobs/{job_id}/promote"): TENANT_ITEM,
+    ("POST", "/v1/jobs/{job_id}/priority"): TENANT_ITEM,
     ("POST", "/v1/schedules"): TENANT_CREATE,
     ("GET", "/v1/schedules"): TENANT_LIST,
     ("GET", "/v1/schedules/{schedule_id}"): TENANT_ITEM,
@@ -118,6 +119,7 @@ BODIES: dict[tuple[str, str], Any] = {
     },
     ("POST", "/v1/schedules"): SCHEDULE,
     ("PATCH", "/v1/schedules/{schedule_id}"): {"payload": {"changed": True}},
+    ("POST", "/v1/jobs/{job_id}/priority"): {"priority": "critical"},
     ("POST", "/v1/batches"): {"type": "echo", "items": [{"n": 1}, {"n": 2}]},
     ("POST", "/v1/admin/dead-letters/replay"): {"all": True},
     ("POST", "/v1/webhooks"): {"url": "http://127.0.0.1:9/hook"},  # allowed below, never sent

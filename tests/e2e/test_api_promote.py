@@ -52,3 +52,29 @@ async def test_clients_and_the_cli_promote(api: ApiServer) -> None:
     assert code == 0 and out.strip() == f"{ids[2]}: queued now (was scheduled)", err
     code, _, err = await cli("jobs", "promote", ids[2])
     assert code == 1 and "not scheduled" in err and "HTTP 409" in err
+
+
+async def test_change_a_waiting_jobs_priority(api: ApiServer) -> None:
+    async with api.client() as c, api.client("globex") as globex:
+        job = (await c.post("/v1/jobs", json=SCHEDULED)).json()
+        where = f"/v1/jobs/{job['id']}/priority"
+        assert (await globex.post(where, json={"priority": "high"})).status_code == 404
+        r = await c.post(where, json={"priority": "critical"})
+        assert r.status_code == 200, r.text
+        assert (r.json()["priority"], r.json()["state"]) == ("critical", "scheduled")
+        for body, field in (({"priority": "urgent"}, "priority"), ({}, "priority")):
+            bad = await c.post(where, json=body)
+            assert bad.status_code == 422 and bad.json()["field"] == field, bad.text
+        assert (await c.get(f"/v1/jobs/{job['id']}")).json()["priority"] == "critical"
+        await c.post(f"/v1/jobs/{job['id']}/cancel")
+        ended = await c.post(where, json={"priority": "low"})
+        assert ended.status_code == 409 and "only a job not started yet" in ended.json()["detail"]
+
+    async with AsyncClient(api.url, KEYS["acme"]) as client:
+        other = (await client.submit("echo", None, delay=3600)).job.id
+        assert (await client.set_priority(other, "low")).priority == "low"
+    cli = Cli(api)
+    code, out, err = await cli("jobs", "priority", other, "high")
+    assert code == 0 and out.strip() == f"{other}: scheduled at priority high", err
+    code, _, err = await cli("jobs", "priority", other, "urgent")
+    assert code == 2 and "invalid choice" in err

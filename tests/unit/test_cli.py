@@ -285,3 +285,12 @@ def test_reconcile_refuses_a_window_that_is_not_a_duration() -> None:
     for bad in ("soon", "0", "-5m", "15x"):
         r = run("reconcile", f"--since={bad}")
         assert r.returncode == 2 and "is not a duration" in r.stderr, (bad, r.stderr)
+
+
+def test_the_clis_states_and_priorities_are_the_models() -> None:
+    from jobtier.cli.manage import PRIORITIES, STATES
+    from jobtier.core.model import Priority, State
+
+    # (`submitted`: an outbox row's, not relayed yet; the listing is of jobs)
+    assert set(STATES) == {s.value for s in State} - {"submitted"}
+    assert tuple(p.value for p in Priority) == PRIORITIES

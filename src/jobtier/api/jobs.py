@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from functools import partial
 from typing import Any
 
@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from jobtier.api import spec as oa
 from jobtier.api.auth import known_tenant, tenant_for, tenant_of
 from jobtier.api.bounds import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
 from jobtier.api.durable_submit import replicated
@@ -34,9 +35,10 @@ from jobtier.api.http import (
 from jobtier.api.params import Param, parse_query
 from jobtier.api.problems import Problem, on_error
 from jobtier.api.sealed import opened
+from jobtier.config import Settings
 from jobtier.core.debounce import Throttled
 from jobtier.core.errors import IdempotencyConflict, InvalidRequest, JobNotFound
-from jobtier.core.model import JobSpec, Submitted
+from jobtier.core.model import JobSpec, Priority, Submitted
 from jobtier.engine.control import JobControl
 from jobtier.engine.queue import Queue
 from jobtier.status.answer import DocResponse, StatusResponse, status_answer
@@ -237,3 +239,57 @@ async def cancel(request: Request) -> Response:
 
 async def promote(request: Request) -> Response:
     return await job_transition(request, JobControl.promote_doc, not_scheduled)
+
+
+class PriorityBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The body of ``POST /v1/jobs/{id}/priority``."""
+
+    priority: Priority
+
+
+_priority_decoder = msgspec.json.Decoder(PriorityBody)
+
+
+async def set_priority(request: Request) -> Response:
+    body: PriorityBody = decode_body(_priority_decoder, await read_json_body(request))
+
+    def change(jobs: JobControl, job_id: str, tenant: str | None) -> Awaitable[bytes]:
+        return jobs.set_priority_doc(job_id, body.priority, tenant)
+
+    def refused(job_id: str, state: str) -> str:
+        return f"job {job_id} is {state}: only a job not started yet changes its priority"
+
+    return await job_transition(request, change, refused)
+
+
+def operations(settings: Settings) -> oa.Paths:
+    """The routes that change a job not started yet, of the OpenAPI document."""
+    paths = oa.Paths(settings)
+    paths.add(
+        "POST /v1/jobs/{job_id}/promote",
+        promote,
+        "Run a scheduled job now: a delayed one before its run-at, or one waiting out a "
+        "retry's back-off (its run_at becomes now; its attempts are as they were)",
+        oa.returns(200, "JobStatus", "queued"),
+        oa.JOB_404,
+        oa.refuses(
+            409,
+            "the job is not scheduled (wrong-state; job: its status), or is still in the "
+            "outbox (not-relayed-yet)",
+        ),
+    )
+    paths.add(
+        "POST /v1/jobs/{job_id}/priority",
+        set_priority,
+        "Change the priority of a job not started yet (queued, scheduled, waiting): a ready "
+        "one goes to the back of its new priority's jobs",
+        oa.returns(200, "JobStatus", "its status, at the new priority"),
+        oa.JOB_404,
+        oa.refuses(
+            409,
+            "the job is running or has ended (wrong-state; job: its status), or is still in "
+            "the outbox (not-relayed-yet)",
+        ),
+        body="PriorityBody",
+    )
+    return paths

@@ -50,7 +50,7 @@ from jobtier.api import spec as oa
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
 from jobtier.api.debugging import DeadLetter
 from jobtier.api.flows import DependencyList
-from jobtier.api.jobs import STATUS_PARAMS, BatchBody
+from jobtier.api.jobs import STATUS_PARAMS, BatchBody, PriorityBody
 from jobtier.config import Settings
 from jobtier.core.explanation import Explanation
 from jobtier.core.model import (
@@ -82,6 +82,7 @@ _CORE_TYPES = (
     JobStatus,
     oa.Problem,
     BatchBody,
+    PriorityBody,
     oa.BatchResponse,
     oa.ResultResponse,
     oa.DeadLetters,
@@ -368,19 +369,6 @@ def _job_paths(s: Settings) -> oa.Paths:
         ),
     )
     add(
-        "POST /v1/jobs/{job_id}/promote",
-        jobs.promote,
-        "Run a scheduled job now: a delayed one before its run-at, or one waiting out a "
-        "retry's back-off (its run_at becomes now; its attempts are as they were)",
-        oa.returns(200, "JobStatus", "queued"),
-        oa.JOB_404,
-        oa.refuses(
-            409,
-            "the job is not scheduled (wrong-state; job: its status), or is still in the "
-            "outbox (not-relayed-yet)",
-        ),
-    )
-    add(
         "GET /v1/jobs/{job_id}/logs",
         debugging.job_logs,
         f"The lines the job's task logged (ctx.log), oldest first: the latest {LOG_LINES}, each "
@@ -532,6 +520,7 @@ def operations(settings: Settings) -> oa.Paths:
         _admin_paths(s),
         _ops_paths(s),
         console.operations(s),
+        jobs.operations(s),
         checkpoints.operations(s),
         breakers.operations(s),
         queues.operations(s),

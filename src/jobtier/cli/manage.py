@@ -40,6 +40,7 @@ KEY_ENV = {TENANT: ("JOBTIER_KEY",), ADMIN: ("JOBTIER_ADMIN_KEY", "JOBTIER_KEY")
 _RELATIVE = re.compile(r"^([0-9]+(?:\.[0-9]+)?)([smhd])$")
 _UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 STATES = ("waiting", "scheduled", "queued", "running", "succeeded", "failed", "cancelled")
+PRIORITIES = ("critical", "high", "normal", "low")
 
 
 class CommandError(Exception):
@@ -212,10 +213,8 @@ def queue_row(q: QueueInfo) -> list[object]:
 
 HISTORY = ["VERSION", "AT", "CHANGE", "BY", "ATTEMPT", "ERROR"]
 JOBS = ["ID", "TYPE", "QUEUE", "STATE", "ATTEMPT", "UPDATED", "ERROR"]
-QUEUES = [
-    "QUEUE", "READY", "RUNNING", "PARKED", "HELD", "OLDEST", "WORKERS", "PAUSED", "BLOCKED",
-    "LIMITS",
-]  # fmt: skip
+QUEUES = ["QUEUE", "READY", "RUNNING", "PARKED", "HELD", "OLDEST", "WORKERS", "PAUSED", "BLOCKED",
+          "LIMITS"]  # fmt: skip
 
 
 # --- commands -------------------------------------------------------------------------------
@@ -281,9 +280,10 @@ def jobs_retry(c: Client, a: argparse.Namespace) -> Any:
     return s if a.json else f"{s.id}: {s.state} again (attempts reset)"
 
 
-def jobs_promote(c: Client, a: argparse.Namespace) -> Any:
-    s = c.promote(a.job_id)
-    return s if a.json else f"{s.id}: {s.state} now (was scheduled)"
+def jobs_change(c: Client, a: argparse.Namespace) -> Any:  # promote, priority
+    s = c.promote(a.job_id) if a.action == "promote" else c.set_priority(a.job_id, a.priority)
+    said = "now (was scheduled)" if a.action == "promote" else f"at priority {s.priority}"
+    return s if a.json else f"{s.id}: {s.state} {said}"
 
 
 def dead_list(c: Client, a: argparse.Namespace) -> Any:
@@ -512,10 +512,13 @@ def add_commands(sub: Any) -> None:
         ("explain", jobs_explain, "why a job has not started: each reason, with its numbers"),
         ("cancel", jobs_cancel, "cancel a waiting job, or ask the worker running it to stop"),
         ("retry", jobs_retry, "send a failed (dead-lettered) job back to its queue"),
-        ("promote", jobs_promote, "run a scheduled job now (delayed, or in a retry's back-off)"),
+        ("promote", jobs_change, "run a scheduled job now (delayed, or in a retry's back-off)"),
     ):
         q = action(group, verb, handler, TENANT, what)
         q.add_argument("job_id", metavar="JOB_ID")
+    q = action(group, "priority", jobs_change, TENANT, "change a job's priority before it runs")
+    q.add_argument("job_id", metavar="JOB_ID")
+    q.add_argument("priority", choices=PRIORITIES, metavar="PRIORITY")
 
     # dead letters (the admin key)
     p = sub.add_parser(

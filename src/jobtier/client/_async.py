@@ -255,6 +255,12 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         retry's back-off. Raises ``WrongState`` for a job that is not scheduled."""
         return await self._run(self._job_action(job_id, "promote"))
 
+    async def set_priority(self, job_id: str, priority: Priority | str) -> JobStatus:
+        """Change the priority of a job not started yet (queued, scheduled, waiting): a ready
+        one goes to the back of its new priority's jobs. Raises ``WrongState`` once it runs
+        or has ended, ``ValidationFailed`` for an unknown priority."""
+        return await self._run(self._job_action(job_id, "priority", {"priority": priority}))
+
     # --- dead letters (these need the admin key) --------------------------------------------
     async def dead_letters(
         self, *, type: str | None = None, since: datetime | str | None = None, limit: int = 100

@@ -468,8 +468,9 @@ class BaseClient(Generic[TransportT]):
                 status = newer
         return status
 
-    def _job_action(self, job_id: str, action: str) -> Op[JobStatus]:
-        call = Call("POST", job_path(job_id, f"/{action}"))
+    def _job_action(self, job_id: str, action: str, body: Any = None) -> Op[JobStatus]:
+        where = job_path(job_id, f"/{action}")
+        call = Call("POST", where) if body is None else json_call("POST", where, body)
         return (yield from fetch(call, status_decoder, "a status document", job_id))
 
     # --- looking into jobs (tenant key) ---------------------------------------------------

@@ -214,6 +214,10 @@ class Client(BaseClient[httpx.BaseTransport]):
         """Run a scheduled job now; see ``AsyncClient.promote``."""
         return self._run(self._job_action(job_id, "promote"))
 
+    def set_priority(self, job_id: str, priority: Priority | str) -> JobStatus:
+        """Change a waiting job's priority; see ``AsyncClient.set_priority``."""
+        return self._run(self._job_action(job_id, "priority", {"priority": priority}))
+
     # --- dead letters (these need the admin key) --------------------------------------------
     def dead_letters(
         self, *, type: str | None = None, since: datetime | str | None = None, limit: int = 100

@@ -9,12 +9,12 @@ from typing import Any, Protocol
 
 import msgspec
 
-from jobtier.core.errors import Code, ConfigError, JobNotFound, TransitionRefused
-from jobtier.core.model import Dependency, JobStatus, decode_status, is_ref, ref_of
+from jobtier.core.errors import Code, ConfigError, InvalidRequest, JobNotFound, TransitionRefused
+from jobtier.core.model import Dependency, JobStatus, Priority, decode_status, is_ref, ref_of
 from jobtier.core.sealing import unseal
 from jobtier.flows import reads as flow_reads
 from jobtier.status.docs import read_doc, read_docs
-from jobtier.store.calls import parse_code_doc, promote_job_call
+from jobtier.store.calls import parse_code_doc, promote_job_call, set_priority_call
 from jobtier.store.context import Store
 
 
@@ -134,6 +134,29 @@ class JobControl:
         return _changed(
             job_id, parse_code_doc(await self.store.scripts.call(*call)), "is not scheduled"
         )
+
+    async def set_priority(
+        self, job_id: str, priority: Priority | str, tenant: str | None = None
+    ) -> JobStatus:
+        """Change the priority of a job not started yet: a ready one goes to the back of its
+        new priority's jobs; ``TransitionRefused(WRONG_STATE)`` once it runs or has ended."""
+        return decode_status(await self.set_priority_doc(job_id, priority, tenant))
+
+    async def set_priority_doc(
+        self, job_id: str, priority: Priority | str, tenant: str | None = None
+    ) -> bytes:
+        """``set_priority``, returning the status document as stored."""
+        self._check_id(job_id)
+        try:
+            value = Priority(priority).value
+        except ValueError:
+            names = ", ".join(p.value for p in Priority)
+            raise InvalidRequest(f"priority must be one of {names}", field="priority") from None
+        shard = self.store.keys.shard_of(job_id)
+        reply = await self.store.scripts.call(
+            *set_priority_call(shard, tenant or "", job_id, value)
+        )
+        return _changed(job_id, parse_code_doc(reply), "has started or ended")
 
     async def dead_letters(
         self,

@@ -257,6 +257,10 @@ def promote_job_call(shard: int, tenant: str, job_id: str) -> Call:
     return ("promote_job", shard, (tenant, job_id))
 
 
+def set_priority_call(shard: int, tenant: str, job_id: str, priority: str) -> Call:
+    return ("set_priority", shard, (tenant, job_id, priority))
+
+
 def parse_code_doc(reply: list[Any]) -> tuple[Code, bytes]:
     """A cancel's or a replay's reply: its code, and the job's status document."""
     return CODES[reply[0]], reply[1]

@@ -45,8 +45,8 @@ from jobtier.store.redis import RedisClient, by_node, commands_each
 
 _INCLUDE = re.compile(r"^--!include (\S+)$", re.MULTILINE)
 _SCRIPTS = (  # store/lua/<name>.lua of every transition script
-    "submit claim heartbeat complete fail stopped cancel promote promote_job reclaim replay fire"
-    " limit"
+    "submit claim heartbeat complete fail stopped cancel promote promote_job set_priority reclaim"
+    " replay fire limit"
     " joblog purge link linked resolve reformat explain keyed breaker"
     " batch_submit batch_seal batch_done batch_cancel batch_retry batch_expire reconcile"
 )
