@@ -25,10 +25,10 @@ import msgspec
 from redis.exceptions import RedisError
 
 from jobtier.core.schedule import Schedule
-from jobtier.engine.cron import CronMirror, mirror_def, to_datetime
+from jobtier.engine.cron import CronMirror, Times, mirror_def, to_datetime
 from jobtier.flows.resolver import Resolver
 from jobtier.metrics.snapshot import Snapshot
-from jobtier.persist.schedule_store import ScheduleStore, revision
+from jobtier.persist.schedule_store import Busy, ScheduleStore, revision
 from jobtier.runtime.backoff import SCHEDULER
 from jobtier.runtime.loop import every
 from jobtier.runtime.stopping import stop_task
@@ -297,10 +297,10 @@ class Scheduler:
 
     async def reconcile(self) -> int:
         """Make Redis's copies of the schedules Postgres's: restore those Redis lost, write
-        again those of another revision than their row's (a change's Redis write that failed
-        after it had landed in part), remove those Postgres no longer has (a delete that
-        failed half-way); then copy firing times back to Postgres. Returns how many were
-        restored or written again."""
+        again those of another revision than their row's (a change whose Postgres commit
+        failed after its Redis write), put back in their due set those missing from it, and
+        remove those Postgres no longer has (a delete that failed half-way); then copy firing
+        times back to Postgres. Returns how many were restored or written again."""
         if self.schedules is None:
             return 0
         listed = await self.cron.listed()  # first: a copy made after it has its row by then
@@ -311,21 +311,23 @@ class Scheduler:
         ids = [s.id for s, _ in rows]
         times, revs = await self.cron.times(ids), await self.cron.revisions(ids)
         restored = 0
-        now = int(self.redis_now_ms())
-        for schedule, payload in rows:
-            rev = revs.get(schedule.id)
-            if schedule.id in times and rev in ("", revision(schedule)):
-                continue  # ('': a copy from before revisions, left as it is)
-            if schedule.id in times and not await self._rewrite(schedule):
-                continue  # changed meanwhile: the change wrote both
-            if schedule.id not in times:
-                await self._put(schedule, payload, now)
+        for schedule, _ in rows:
+            kept = times.get(schedule.id)
+            if kept is not None and revs.get(schedule.id) in ("", revision(schedule)):
+                # ('': a copy from before revisions, left as it is)
+                nxt, _, paused = kept
+                if nxt is not None and not paused and schedule.id not in listed:
+                    await self.cron.due(schedule.id, nxt)
+                    log.warning("event=schedule_due_again schedule=%s", schedule.id)
+                continue
+            try:
+                if not await self._rewrite(schedule, kept):
+                    continue  # changed or deleted meanwhile: that wrote both
+            except Busy:  # a change holds it: it writes both
+                continue
             restored += 1
-            log.warning(
-                "event=schedule_restored schedule=%s was=%s",
-                schedule.id,
-                "missing" if schedule.id not in times else "another revision",
-            )
+            was = "missing" if kept is None else "another revision"
+            log.warning("event=schedule_restored schedule=%s was=%s", schedule.id, was)
         await self.schedules.sync_times(
             [
                 (s, to_datetime(times[s.id][0]), to_datetime(times[s.id][1]))
@@ -335,28 +337,30 @@ class Scheduler:
         )
         return restored
 
-    async def _put(self, schedule: Schedule, payload: bytes, now: int) -> None:
-        """Write Redis's copy of ``schedule`` as its row has it, from its row's next firing."""
-        definition = mirror_def(schedule, self.settings.default_max_attempts)
-        if schedule.paused:
-            next_ms = None
-        elif schedule.next_fire_at is not None:
-            next_ms = round(schedule.next_fire_at.timestamp() * 1000)
-        else:
-            next_ms = definition.timing().next_after(now)
-        rev = revision(schedule)
-        await self.cron.put(schedule.id, definition, payload, next_ms, schedule.paused, rev)
-
-    async def _rewrite(self, schedule: Schedule) -> bool:
-        """Write again the copy of a schedule whose row has another revision, under the row's
-        lock (a change under way is waited for, and then wrote both): False when the row has
-        changed or gone since it was read."""
+    async def _rewrite(self, schedule: Schedule, kept: Times | None) -> bool:
+        """Write Redis's copy of ``schedule`` (none: ``kept`` None) again as its row has it,
+        under the row's lock, so that a change or delete under way is waited for (and then
+        wrote both): False when the row has changed or gone since it was read. Its next
+        firing: the row's (synced now and then from Redis), or the copy's (``kept``) when
+        later and the copy fires by the same slots (a firing since the last sync)."""
         assert self.schedules is not None
         async with self.schedules.locked(schedule.id, schedule.tenant) as locked:
             if locked is None or revision(locked.schedule) != revision(schedule):
                 return False
-            payload = msgspec.json.encode(locked.schedule.payload)
-            await self._put(locked.schedule, payload, int(self.redis_now_ms()))
+            row = locked.schedule
+            definition = mirror_def(row, self.settings.default_max_attempts)
+            next_ms = None
+            if not row.paused:
+                timing = definition.timing()
+                if row.next_fire_at is not None:
+                    next_ms = round(row.next_fire_at.timestamp() * 1000)
+                else:
+                    next_ms = timing.next_after(int(self.redis_now_ms()))
+                copy = await self.cron.definition(row.id) if kept and kept[0] else None
+                if kept and kept[0] and copy and copy.timing() == timing:
+                    next_ms = max(next_ms, kept[0])
+            payload = msgspec.json.encode(row.payload)
+            await self.cron.put(row.id, definition, payload, next_ms, row.paused, revision(row))
         return True
 
     async def _reconcile_loop(self) -> None:

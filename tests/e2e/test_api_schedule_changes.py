@@ -11,6 +11,7 @@ import pytest
 
 from jobtier.api.records import PostgresExtension
 from jobtier.config import Settings
+from jobtier.core.schedule import Schedule
 from jobtier.engine.cron import CronMirror, mirror_def, slot_job_id
 from jobtier.engine.queue import Queue
 from jobtier.persist.db import Pool
@@ -239,6 +240,46 @@ async def test_reconcile_mends_redis_from_postgres(
     assert await mirrored(queue, sid) == copy
     assert orphan not in await scheduler.cron.listed() and await mirrored(queue, orphan) == {}
     assert await scheduler.reconcile() == 0
+
+
+async def test_a_delete_while_reconcile_runs_stays_deleted(
+    pg_api: ApiServer, queue: Queue, pg_pool: Pool
+) -> None:
+    """Reconcile read the row, then the schedule was deleted before it read Redis: it does not
+    write the copy back (it would fire with no row)."""
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+
+        class DeletedAfterReading(ScheduleStore):
+            async def all(self) -> list[tuple[Schedule, bytes]]:
+                rows = await super().all()
+                assert (await c.delete(f"/v1/schedules/{sid}")).status_code == 204
+                return rows
+
+        scheduler = Scheduler(queue.store, schedules=DeletedAfterReading(pg_pool))
+        assert await scheduler.reconcile() == 0
+    assert await mirrored(queue, sid) == {} and sid not in await scheduler.cron.listed()
+
+
+async def test_reconcile_puts_a_copy_back_in_its_due_set_and_keeps_a_later_next(
+    pg_api: ApiServer, queue: Queue, pg_pool: Pool
+) -> None:
+    scheduler = Scheduler(queue.store, schedules=ScheduleStore(pg_pool))
+    async with pg_api.client() as c:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+    shard = scheduler.cron.shard(sid)
+    await queue.redis.zrem(queue.keys.cron(shard), sid)  # a due set written in part, before
+    assert await scheduler.reconcile() == 0
+    assert sid in await scheduler.cron.listed()
+    # a copy of another revision whose next firing is ahead of its row's (firings since the
+    # last sync), by the same slots: written again, its next firing kept
+    key = queue.keys.cron_def(shard, sid)
+    advanced = int(cast(bytes, await queue.redis.hget(key, "next"))) + 7 * 86_400_000
+    await queue.redis.hset(key, mapping={"next": str(advanced), "rev": "1"})
+    assert await scheduler.reconcile() == 1
+    copy = await mirrored(queue, sid)
+    assert int(copy[b"next"]) == advanced and copy[b"rev"] != b"1"
+    assert await queue.redis.zscore(queue.keys.cron(shard), sid) == advanced
 
 
 async def test_firing_times_copied_back_do_not_undo_a_change(

@@ -3,6 +3,7 @@ command prints as it is: for the admin routes the client has no method of its ow
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -17,11 +18,8 @@ def call_json(
     from jobtier.client._core import Call, Op, check, json_call
 
     def op() -> Op[Any]:
-        if body is None:
-            call = Call(method, where, params=params)
-        else:
-            call = json_call(method, where, body)
-        response = yield call
+        call = Call(method, where) if body is None else json_call(method, where, body)
+        response = yield dataclasses.replace(call, params=params)
         check(response)
         return response.json()
 

@@ -23,6 +23,7 @@ from croniter import croniter
 from jobtier.core.keys import Keys, ulid
 from jobtier.core.model import DEFAULT_QUEUE
 from jobtier.core.schedule import MAX_CATCH_UP, Schedule
+from jobtier.store.scripts import Script, run_scripts
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +141,8 @@ class MirrorDef(msgspec.Struct, kw_only=True):
 
 
 _def_decoder = msgspec.json.Decoder(MirrorDef)
+Times = tuple[int | None, int | None, bool]  # a copy's next slot, last fired (ms), paused
+_PUT = Script("cron_put")
 
 
 def mirror_def(schedule: Schedule, default_max_attempts: int) -> MirrorDef:
@@ -179,32 +182,28 @@ class CronMirror:
         *,
         keep_next: bool = False,
     ) -> None:
-        """Create or replace a schedule's mirror, and wake the schedulers for its next slot.
-        ``rev``: the Postgres row's revision it copies (the scheduler's reconcile writes a
-        copy of another revision again). ``keep_next``: its next slot is left as Redis has it
-        (a change that moves no slot: a firing meanwhile may have advanced it)."""
+        """Create or replace a schedule's mirror, and wake the schedulers for its next slot,
+        in one step (store/lua/cron_put.lua). ``rev``: the Postgres row's revision it copies
+        (the scheduler's reconcile writes a copy of another revision again). ``keep_next``:
+        its next slot is left as Redis has it (a change that moves no slot: a firing
+        meanwhile may have advanced it)."""
         s = self.shard(schedule_id)
-        key = self.keys.cron_def(s, schedule_id)
-        fields = {
-            "def": msgspec.json.encode(definition),
-            "payload": payload,
-            "paused": "1" if paused else "0",
-            "rev": rev,
-        }
-        if not keep_next:
-            fields["next"] = "" if next_ms is None else str(next_ms)
-        pipe = self.redis.pipeline(transaction=False)
-        if not keep_next and (paused or next_ms is None):
-            pipe.zrem(self.keys.cron(s), schedule_id)
-        elif not keep_next:
-            pipe.zadd(self.keys.cron(s), {schedule_id: next_ms})
-        # the copy last, its revision with it: one written in part keeps its old revision
-        # (the scheduler's reconcile writes it again); a due time ahead of the copy's next
-        # only makes a firing look early and find nothing due (fire_due)
-        pipe.hset(key, mapping=fields)
-        if not keep_next and not paused and next_ms is not None:
-            pipe.spublish(self.keys.wake(s), f"c {next_ms}")
-        await pipe.execute()
+        nxt = "keep" if keep_next else ("" if next_ms is None else str(next_ms))
+        keys = (self.keys.cron_def(s, schedule_id), self.keys.cron(s))
+        copy = (msgspec.json.encode(definition), payload, "1" if paused else "0", rev)
+        args = (2, *keys, schedule_id, *copy, nxt, self.keys.wake(s))
+        await run_scripts(self.redis, [(_PUT, args)])
+
+    async def due(self, schedule_id: str, next_ms: int) -> None:
+        """Put back in its shard's due set a copy missing from it (not one that is there)."""
+        await self.redis.zadd(
+            self.keys.cron(self.shard(schedule_id)), {schedule_id: next_ms}, nx=True
+        )
+
+    async def definition(self, schedule_id: str) -> MirrorDef | None:
+        """The definition the copy fires by (None: no copy)."""
+        raw = await self.redis.hget(self.keys.cron_def(self.shard(schedule_id), schedule_id), "def")
+        return None if raw is None else _def_decoder.decode(raw)
 
     async def listed(self) -> set[str]:
         """The ids of the schedules the schedulers fire from (every shard's due set)."""
@@ -233,9 +232,7 @@ class CronMirror:
         pipe.delete(self.keys.cron_def(s, schedule_id))
         await pipe.execute()
 
-    async def times(
-        self, schedule_ids: list[str]
-    ) -> dict[str, tuple[int | None, int | None, bool]]:
+    async def times(self, schedule_ids: list[str]) -> dict[str, Times]:
         """{id: (next fire ms, last fired ms, paused)} of the schedules Redis holds."""
         pipe = self.redis.pipeline(transaction=False)
         for schedule_id in schedule_ids:

@@ -406,17 +406,18 @@ local function ck_name(j)
 end
 
 -- The jobs of each queue held behind their concurrency keys, counted under 'q:held' in
--- jt:{s}:queues (queued, but in no ready list: the queue's figures show them apart). Never
--- below zero: jobs held before the count was kept (an upgrade) leave without being counted.
-local function held(queue, delta)
-  local field = queue .. ':held'
-  if delta < 0 then
-    local pending = COUNTS[QUEUES] and COUNTS[QUEUES][field] or 0
-    if (tonumber(redis.call('HGET', QUEUES, field)) or 0) + pending + delta < 0 then
-      return
-    end
+-- jt:{s}:queues (queued, but in no ready list: the queue's figures show them apart). A job
+-- counted there is marked so in its hash ('h'), and only a marked job leaves the count: one
+-- held before the count was kept (an upgrade) neither counts nor takes another's place.
+local function held(j)
+  redis.call('HSET', j._key, 'h', '1')
+  count(QUEUES, j.queue .. ':held', 1)
+end
+
+local function unheld(id, queue)
+  if redis.call('HDEL', job_key(id), 'h') == 1 then
+    count(QUEUES, queue .. ':held', -1)
   end
-  count(QUEUES, field, delta)
 end
 
 -- Make j ready to claim, or hold it behind its concurrency key. Front = the job already
@@ -434,7 +435,7 @@ local function make_ready(j, front)
     push_ready(j, front)
   else
     redis.call(front and 'RPUSH' or 'LPUSH', BASE .. 'ck:' .. name, j.id)
-    held(j.queue, 1)
+    held(j)
   end
 end
 
@@ -458,7 +459,7 @@ local function ck_release(j)
     end
     local n = load(next_id)
     if n then
-      held(n.queue, -1)
+      unheld(next_id, n.queue)
     end
     if n and n.state == 'queued' then
       redis.call('HINCRBY', CKEYS, name, 1)
@@ -486,7 +487,7 @@ local function remove_ready(j)
     count(PARKED, field, -1)
     ck_release(j)
   elseif j.ckey ~= '' and redis.call('LREM', BASE .. 'ck:' .. ck_name(j), -1, j.id) > 0 then
-    held(j.queue, -1)
+    unheld(j.id, j.queue)
   end
 end
 
