@@ -135,7 +135,8 @@ CHOSEN: dict[str, str] = {
     "compare-e03ddc5": "four sets at e03ddc5 (with -2, -3, -4), in a spell whose lag was longer for the code before too (compare-09141d0-sameday)",
     "compare-fa159c5-batch4000": "the default batch (8,000) against 4,000 (--persister-env), in the same runs: 4,000 took more write-behind CPU (129 against 112 us a job), 0.95x end to end, and no shorter lag (p99 800 against 785 ms)",
     "compare-adf1865-batch": "the persister's default batch (8,000 transitions) against the old (2,000, --persister-env), in the same runs: 0.84 of the write-behind's CPU, 1.02x end to end, lag p50 346 against 434 ms but p99 711 against 606",
-    "compare-2f44097": "the headline: three sets (with -2, -3) at this code, one after another, nothing else of ours running, on the Intel Xeon host of f686d2e's (load average 0.97, 1.48, 1.69 at their starts); the changes since f686d2e on the measured path (a limited queue's cut claim releasing only its unstarted jobs' permits) are off the bench's path (no limited queue, no claim cut)",
+    "compare-bb7750f": "the headline: three sets (with -2, -3) at this code, one after another, nothing else of ours running, on the Intel Xeon host of 2f44097's (load average 0.47, 1.62, 1.21 at their starts); this stop's changes to the measured path (schedules changed in place and run now, a job promoted or its priority changed, jobs held behind concurrency keys counted: lib.lua marks a held job) are off the bench's path: no schedule, no promote, no concurrency key",
+    "compare-2f44097": "three sets (with -2, -3) at 2f44097, one after another, nothing else of ours running, on the Intel Xeon host of f686d2e's (load average 0.97, 1.48, 1.69 at their starts); the changes since f686d2e on the measured path (a limited queue's cut claim releasing only its unstarted jobs' permits) are off the bench's path (no limited queue, no claim cut)",
     "compare-f686d2e": "six sets (with -2 to -6) at f686d2e, half an hour before 2f44097's, one after another, nothing else of ours running, on the Intel Xeon host of 9f66417's (load average 1.05, 1.70, 1.93, 1.25, 1.54, 1.72 at their starts); this stop's changes to the measured path (a claim cut by a worker's stop given back, the outbox's cancel and its webhooks, the lease expiry's log line, the text log's escapes) are off the bench's path: no claim is cut, no row refused, no lease expires, the bench's processes log no job's text",
     "compare-9f66417": "the headline before f686d2e's: six sets (with -2 to -6) at 9f66417, one after another, on the same host (load average 1.52, 1.84, 1.31, 0.35, 1.20, 1.53 at their starts), in a faster spell than 20e1a20's an hour before (every system's absolute figures about 20 % higher)",
     "compare-20e1a20": "three sets (with -2, -3) at 20e1a20, the same bench path as 9f66417's (the review's mends after it are off it too), an hour before them (load average 0.91, 1.56, 1.85 at their starts)",
@@ -213,7 +214,7 @@ CHOSEN: dict[str, str] = {
     "scaling_out": "the only file",
     "durable_submit": "250 submits/s (-1000: 1K/s, its tail the shared machine's)",
 }
-HEADLINE = ("compare-2f44097", "compare-2f44097-2", "compare-2f44097-3")  # pooled runs
+HEADLINE = ("compare-bb7750f", "compare-bb7750f-2", "compare-bb7750f-3")  # pooled runs
 NEWEST_JOBTIER = "compare-redesign"  # named beside a stale headline: jobtier's newest set
 PERSISTER = "jobtier-persist"  # compare.py's name for jobtier with its persister
 
