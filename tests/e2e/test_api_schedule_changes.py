@@ -347,6 +347,20 @@ async def test_run_now_makes_one_job_and_leaves_the_slots(pg_api: ApiServer, que
         ]
         assert [r.status_code for r in keyed] == [202, 200]
         assert keyed[0].json()["id"] == keyed[1].json()["id"]
+        # the key is this schedule's: another schedule's run, or a submit, with it is another
+        other = (await c.post("/v1/schedules", json={**NIGHTLY, "name": "other"})).json()
+        theirs = await c.post(
+            f"/v1/schedules/{other['id']}/run", headers={"idempotency-key": "run-1"}
+        )
+        assert theirs.status_code == 202 and theirs.json()["id"] != keyed[0].json()["id"]
+        submit = {"type": "echo", "payload": {"report": True}, "idempotency_key": "run-1"}
+        alone = await c.post("/v1/jobs", json=submit)
+        assert alone.status_code == 202 and alone.json()["id"] != keyed[0].json()["id"]
+        # a run takes no body (its job is the schedule's), nor a key it cannot scope
+        body = await c.post(f"/v1/schedules/{sid}/run", json={"payload": {"x": 1}})
+        assert body.status_code == 400 and "takes no body" in body.json()["detail"]
+        long = await c.post(f"/v1/schedules/{sid}/run", headers={"idempotency-key": "k" * 165})
+        assert long.status_code == 400 and long.json()["field"] == "idempotency_key"
         after = (await c.get(f"/v1/schedules/{sid}")).json()
         assert after == made  # still paused, never fired by a slot
         assert (await globex.post(f"/v1/schedules/{sid}/run")).status_code == 404
@@ -356,6 +370,7 @@ async def test_run_now_makes_one_job_and_leaves_the_slots(pg_api: ApiServer, que
 
 async def test_python_clients_change_and_run_schedules(pg_api: ApiServer) -> None:
     from jobtier.client import AsyncClient, Client, Conflict, ValidationFailed
+    from jobtier.core.schedule import ScheduleSpec
 
     async with AsyncClient(pg_api.url, KEYS["acme"]) as client:
         made = await client.create_schedule({"name": "hourly", "type": "echo", "cron": "0 * * * *"})
@@ -367,6 +382,15 @@ async def test_python_clients_change_and_run_schedules(pg_api: ApiServer) -> Non
         with pytest.raises(ValidationFailed) as bad:
             await client.update_schedule(made.id, timezone="Nowhere/Land")
         assert bad.value.field == "timezone"
+        # declared in code: made the first time, made the spec again after
+        declared = await client.upsert_schedule(
+            {"name": "declared", "type": "echo", "interval": 60}
+        )
+        again = await client.upsert_schedule(
+            ScheduleSpec(name="declared", type="echo", cron="0 4 * * *", payload={"v": 2})
+        )
+        assert again.id == declared.id
+        assert (again.cron, again.interval, again.payload) == ("0 4 * * *", None, {"v": 2})
         ran = await client.run_schedule(made.id, idempotency_key="once")
         assert (
             ran.created
@@ -405,7 +429,7 @@ async def test_the_cli_manages_schedules_by_name(pg_api: ApiServer, queue: Queue
     assert (await cli.json("schedules", "resume", sid))["paused"] is False
     # refusals: a name the tenant has not, nothing to change, a delete without --yes
     code, _, err = await cli("schedules", "show", "weekly")
-    assert code == 2 and "no schedule named 'weekly'" in err
+    assert code == 1 and "schedule weekly" in err and "HTTP 404" in err
     code, _, err = await cli("schedules", "update", "nightly")
     assert code == 2 and "nothing to change" in err
     nine = await cli.json("schedules", "update", "nightly", "--max-attempts", "9")
@@ -420,3 +444,10 @@ async def test_the_cli_manages_schedules_by_name(pg_api: ApiServer, queue: Queue
     assert (await cli.json("schedules", "delete", "nightly", "--yes")) == {"deleted": sid}
     code, out, _ = await cli("schedules", "list")
     assert code == 0 and out.strip() == "no schedules"
+    for name in ("a", "b"):
+        async with pg_api.client() as c:
+            await c.post("/v1/schedules", json={**NIGHTLY, "name": name})
+    code, out, _ = await cli("schedules", "list", "--limit", "1")
+    assert code == 0 and out.splitlines()[-1] == "more: --after a"
+    code, out, _ = await cli("schedules", "list", "--after", "a")
+    assert code == 0 and len(out.splitlines()) == 2 and " b " in out

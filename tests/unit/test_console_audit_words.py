@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from jobtier.core.names import AUDIT_ACTIONS
+
 API = Path(__file__).resolve().parents[2] / "src" / "jobtier" / "api"
 
 
@@ -30,3 +32,5 @@ def test_every_audited_action_has_words_in_the_console() -> None:
     actions = {a.strip('"') for a in actions}
     assert {"job.cancel", "queue.pause", "queue.resume", "breaker.open"} <= actions  # it reads them
     assert actions <= words, f"audited actions the console has no words for: {actions - words}"
+    # the list the audit listing takes, the CLI offers and the docs name is the code's
+    assert set(AUDIT_ACTIONS) == actions and len(AUDIT_ACTIONS) == len(actions)

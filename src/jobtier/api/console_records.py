@@ -36,7 +36,7 @@ from jobtier.api.result_content import stored_result
 from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import Dependencies, JobStatus, LogLine, State, is_ref, ref_of
-from jobtier.core.names import TENANT_RE, ULID_RE
+from jobtier.core.names import AUDIT_ACTIONS, TENANT_RE, ULID_RE
 from jobtier.core.sealing import masked
 from jobtier.engine.queue import Queue
 from jobtier.persist.audit_store import MAX_AUDIT_LIMIT, AuditRecord, AuditStore
@@ -57,14 +57,12 @@ LIST_PARAMS = [
     matching("id_prefix", "only jobs whose id starts so (case-insensitive)", ID_PREFIX_RE, 31),
     *job_page(MAX_LIMIT),
 ]
-_ACTIONS = (
-    "only this action (job.cancel, job.replay, dead_letters.replay, queue.pause, queue.resume, "
-    "queue.unblock, queue.limits, queue.purge)"
-)
+_ACTIONS = f"only this action ({', '.join(AUDIT_ACTIONS)})"
+_ACTION_RE = re.compile("^(?:" + "|".join(re.escape(a) for a in AUDIT_ACTIONS) + ")$")
 AUDIT_PARAMS = [
     # the pattern states what the parser refuses (control characters), for the document
     matching("target", "only actions on this job id, queue name or filter", _PRINTABLE, 200),
-    matching("action", _ACTIONS, re.compile(r"^[a-z_]+\.[a-z_]+$"), 40),
+    matching("action", _ACTIONS, _ACTION_RE, 40),
     matching("cursor", "the next_cursor of the previous page", ULID_RE, 26),
     limit_param("most records per page (default 50)", MAX_AUDIT_LIMIT),
 ]

@@ -10,6 +10,7 @@ refuses it. The scheduler restores a schedule Redis lost from Postgres.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime
@@ -29,7 +30,6 @@ from jobtier.config import Settings
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import JobSpec
 from jobtier.core.names import (
-    IDEMPOTENCY_KEY_RE,
     QUEUE_NAME_RE,
     SCHEDULE_NAME_RE,
     TASK_NAME_RE,
@@ -238,14 +238,24 @@ async def run_now(request: Request) -> Response:
     attempts), whether it is paused or not; its slots do not change. The answer is a
     submit's."""
     tenant, found = await _found(request)
+    if (await read_json_body(request)).strip() not in (b"", b"{}"):
+        detail = "a run takes no body: its job is the schedule's (change the schedule first)"
+        raise Problem(400, "bad-request", detail)
     header = raw_header(request, b"idempotency-key")
+    key = None
+    if header is not None:
+        key = header.decode("latin-1")
+        if not RUN_KEY_RE.fullmatch(key):
+            detail = f"Idempotency-Key must match {RUN_KEY_RE.pattern}"
+            raise Problem(400, "bad-request", detail, field="idempotency_key")
+        key = f"{RUN_KEY_PREFIX}{found.id}:{key}"  # the schedule's own: not a submit's key
     spec = JobSpec(
         type=found.type,
         payload=found.payload,
         priority=found.priority,
         max_attempts=found.max_attempts,
         queue=found.queue,
-        idempotency_key=None if header is None else header.decode("latin-1"),
+        idempotency_key=key,
     )
     return await submit_one(request, tenant, spec)
 
@@ -311,7 +321,12 @@ def operations(settings: Settings) -> oa.Paths:
         oa.returns(202, "JobStatus", "created", _LOCATION),
         oa.returns(200, "JobStatus", "a repeat of an earlier run with its Idempotency-Key"),
         unknown,
-        oa.refuses(409, "the Idempotency-Key was used for a different request (job_id)"),
+        oa.refuses(400, "a body (a run takes none), or a malformed Idempotency-Key"),
+        oa.refuses(
+            409,
+            "the Idempotency-Key was used for a run of this schedule as it was before a change "
+            "(job_id)",
+        ),
         oa.refuses(410, "the Idempotency-Key names a job that is no longer kept (job_id)"),
         oa.refuses(422, "the schedule's payload no longer fits its task's payload type"),
         oa.refuses(429, "the tenant's rate limit or waiting-jobs cap", oa.RETRY_AFTER),
@@ -330,11 +345,18 @@ def operations(settings: Settings) -> oa.Paths:
 
 
 _LOCATION = {"Location": oa.header("the job's URL", required=True)}
+# a run's Idempotency-Key is its schedule's: the job's key is the prefix, the schedule's id,
+# a colon and it, within IDEMPOTENCY_KEY_RE's 200 characters
+RUN_KEY_PREFIX = "schedule:"
+RUN_KEY_CHARS = 200 - len(RUN_KEY_PREFIX) - 26 - 1
+RUN_KEY_RE = re.compile(rf"^[\x21-\x7e]{{1,{RUN_KEY_CHARS}}}$")
 RUN_KEY = {
     "name": "Idempotency-Key",
     "in": "header",
-    "description": "a run sent again with the same key makes no second job",
-    "schema": {"type": "string", "pattern": IDEMPOTENCY_KEY_RE.pattern},
+    "description": "a run of this schedule sent again with the same key makes no second job "
+    "(the key is the schedule's own: the same key on another schedule or a submit is another "
+    "request)",
+    "schema": {"type": "string", "pattern": RUN_KEY_RE.pattern},
 }
 
 

@@ -12,6 +12,7 @@ import msgspec
 
 from jobtier.cli.api_call import call_json
 from jobtier.cli.manage import ADMIN, _connection, positive_int, run, short_time, table
+from jobtier.core.names import AUDIT_ACTIONS
 
 if TYPE_CHECKING:
     from jobtier.client import Client
@@ -64,10 +65,14 @@ def add_commands(sub: Any) -> None:
         "of the key used, never the key.",
     )
     _connection(p, ADMIN)
-    p.set_defaults(func=run, handler=audit_list, action="list")
+    p.set_defaults(func=run, handler=audit_list, action="-")  # (no action: errors say audit)
     p.add_argument("--target", help="only actions on this job id, queue name or filter")
     p.add_argument(
-        "--action", dest="only_action", help="only this action, e.g. queue.pause, job.cancel"
+        "--action",
+        dest="only_action",
+        choices=AUDIT_ACTIONS,
+        metavar="ACTION",
+        help=f"only this action: {', '.join(AUDIT_ACTIONS)}",
     )
     p.add_argument("--limit", type=positive_int, default=50, help="most records (default 50)")
     p.add_argument("--cursor", help="the page after this one (the last page printed says it)")

@@ -431,7 +431,7 @@ def run(args: argparse.Namespace, settings: object = None) -> int:
 
     from jobtier.client import ApiError, Client
 
-    name = f"jobtier {args.command} {args.action}"
+    name = f"jobtier {args.command}" + ("" if args.action == "-" else f" {args.action}")
     url = args.url or os.environ.get("JOBTIER_URL") or DEFAULT_URL
     names = KEY_ENV[args.key_kind]
     key = args.key or next(filter(None, map(os.environ.get, names)), None)
@@ -518,7 +518,7 @@ def add_commands(sub: Any) -> None:
         q.add_argument("job_id", metavar="JOB_ID")
     q = action(group, "priority", jobs_change, TENANT, "change a job's priority before it runs")
     q.add_argument("job_id", metavar="JOB_ID")
-    q.add_argument("priority", choices=PRIORITIES, metavar="PRIORITY")
+    q.add_argument("priority", choices=PRIORITIES, metavar="PRIORITY", help="|".join(PRIORITIES))
 
     # dead letters (the admin key)
     p = sub.add_parser(

@@ -63,14 +63,17 @@ def _id(c: Client, ref: str) -> str:
             if s.name == ref:
                 return s.id
         after = page[-1].name
-    raise CommandError(f"the tenant has no schedule named {ref!r} (nor is it a schedule's id)")
+    return c.schedule(ref).id  # neither a name nor an id of its: the API's 404 (exit 1)
 
 
 def schedules_list(c: Client, a: argparse.Namespace) -> Any:
     found = c.schedules(after=a.after or "", limit=a.limit)
     if a.json:
         return found
-    return table(COLUMNS, map(_row, found)) if found else "no schedules"
+    if not found:
+        return "no schedules"
+    more = [f"more: --after {found[-1].name}"] if len(found) == a.limit else []
+    return "\n".join([table(COLUMNS, map(_row, found)), *more])
 
 
 def schedules_show(c: Client, a: argparse.Namespace) -> Any:

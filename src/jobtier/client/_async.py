@@ -408,6 +408,13 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         """Resume from the next slot (the paused time is not caught up)."""
         return await self._run(schedule_ops.one_op("POST", schedule_id, "/resume"))
 
+    async def upsert_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Schedule:
+        """Create the schedule ``spec`` names, or make the tenant's schedule of that name
+        ``spec`` (a field it does not give takes its default): schedules declared in code,
+        applied at each deploy. Not atomic with a create or delete of the same name by
+        another client meanwhile; the last to land wins."""
+        return await self._run(schedule_ops.upsert_op(spec))
+
     async def update_schedule(self, schedule_id: str, **changes: Any) -> Schedule:
         """Change the fields given (``ScheduleSpec``'s names; ``max_attempts=None`` or
         ``queue=None`` go back to the task's). Its slots start anew from now when ``cron``,

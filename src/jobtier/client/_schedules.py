@@ -7,8 +7,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import msgspec
 
 from jobtier.client._core import Call, Op, check, fetch, json_call, path, query, submission
+from jobtier.client._errors import Conflict
 from jobtier.client._types import Submission, schedule_decoder, schedule_list_decoder
 from jobtier.core.schedule import Schedule, ScheduleSpec
 
@@ -29,6 +31,26 @@ def list_op(after: str, limit: int) -> Op[list[Schedule]]:
 def one_op(method: str, schedule_id: str, suffix: str = "") -> Op[Schedule]:
     call = Call(method, path("/v1/schedules", schedule_id, suffix))
     return (yield from fetch(call, schedule_decoder, "a schedule", schedule_id))
+
+
+def upsert_op(spec: ScheduleSpec | Mapping[str, Any]) -> Op[Schedule]:
+    """Create the schedule ``spec`` names, or make the tenant's schedule of that name ``spec``:
+    every field of a ``ScheduleSpec`` as the spec gives it, or its default (the task's queue
+    and attempts when not given). The name is looked up after the create's 409, a page of the
+    listing at a time."""
+    fields = msgspec.to_builtins(spec) if isinstance(spec, ScheduleSpec) else dict(spec)
+    try:
+        return (yield from create_op(fields))
+    except Conflict:
+        pass
+    full = msgspec.to_builtins(msgspec.convert(fields, ScheduleSpec))
+    after = ""
+    while page := (yield from list_op(after, 1000)):
+        for found in page:
+            if found.name == full["name"]:
+                return (yield from update_op(found.id, full))
+        after = page[-1].name
+    return (yield from create_op(fields))  # deleted meanwhile: made again
 
 
 def update_op(schedule_id: str, changes: Mapping[str, Any]) -> Op[Schedule]:

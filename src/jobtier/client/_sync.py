@@ -360,6 +360,10 @@ class Client(BaseClient[httpx.BaseTransport]):
         """Resume from the next slot (the paused time is not caught up)."""
         return self._run(schedule_ops.one_op("POST", schedule_id, "/resume"))
 
+    def upsert_schedule(self, spec: ScheduleSpec | Mapping[str, Any]) -> Schedule:
+        """Create or replace the schedule of ``spec``'s name; see ``AsyncClient``'s."""
+        return self._run(schedule_ops.upsert_op(spec))
+
     def update_schedule(self, schedule_id: str, **changes: Any) -> Schedule:
         """Change the fields given; see ``AsyncClient.update_schedule``."""
         return self._run(schedule_ops.update_op(schedule_id, changes))
