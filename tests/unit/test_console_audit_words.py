@@ -17,7 +17,9 @@ def test_every_audited_action_has_words_in_the_console() -> None:
         name
         for path in API.glob("*.py")
         for pair in re.findall(
-            r'audited\(\s*request,\s*("[^"]+")(?:\s+if\s+\w+\s+else\s+("[^"]+"))?', path.read_text()
+            # audited(request, "<action>", …), or console.py's _changed(request, "<action>", …)
+            r'(?:audited|_changed)\(\s*request,\s*("[^"]+")(?:\s+if\s+\w+\s+else\s+("[^"]+"))?',
+            path.read_text(),
         )
         for name in pair
         if name

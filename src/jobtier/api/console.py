@@ -18,6 +18,8 @@ from jobtier.api import why
 from jobtier.api.audit import audited
 from jobtier.api.auth import require_admin
 from jobtier.api.http import (
+    Change,
+    Refused,
     doc_state,
     encoded,
     finished,
@@ -63,29 +65,28 @@ class Purged(msgspec.Struct):
 _status = msgspec.json.Decoder(JobStatus)
 
 
-async def cancel(request: Request) -> Response:
-    """Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat."""
+async def _changed(
+    request: Request, action: str, change: Change, refused: Refused, *, cancel: bool = False
+) -> Response:
+    """Any tenant's job changed (``outbox_transition``: a job still in the outbox too),
+    audited as ``action`` with the state it was left in."""
     require_admin(request)
     job_id = job_id_of(request)
-    async with audited(request, "job.cancel", job_id) as outcome:
-        # a job still in the outbox is cancelled there (http.py: outbox_transition)
-        doc = await outbox_transition(
-            request, job_id, None, JobControl.cancel_doc, finished, cancel=True
-        )
+    async with audited(request, action, job_id) as outcome:
+        doc = await outbox_transition(request, job_id, None, change, refused, cancel=cancel)
         outcome.detail = {"state": doc_state(doc)}
     return DocResponse(doc)
+
+
+async def cancel(request: Request) -> Response:
+    """Cancel any tenant's job: a waiting one at once, a running one at its next heartbeat
+    (one still in the outbox is cancelled there)."""
+    return await _changed(request, "job.cancel", JobControl.cancel_doc, finished, cancel=True)
 
 
 async def promote(request: Request) -> Response:
     """Run any tenant's scheduled job now (``JobControl.promote``)."""
-    require_admin(request)
-    job_id = job_id_of(request)
-    async with audited(request, "job.promote", job_id) as outcome:
-        doc = await outbox_transition(
-            request, job_id, None, JobControl.promote_doc, not_scheduled, cancel=False
-        )
-        outcome.detail = {"state": doc_state(doc)}
-    return DocResponse(doc)
+    return await _changed(request, "job.promote", JobControl.promote_doc, not_scheduled)
 
 
 async def purge(request: Request) -> Response:
