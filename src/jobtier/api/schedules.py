@@ -174,9 +174,9 @@ async def _change(request: Request, make: Callable[[Schedule], Awaitable[Made]])
     """Change the path's schedule as ``make`` says (from the schedule as it is): the schedule,
     its payload's JSON and whether its slots start again from now (else its next firing is
     left as Redis has it). Postgres's row is locked until Redis's copy is written too, so
-    that two changes land in the same order in both; Redis refusing the copy rolls the row
-    back (a copy written in part is written again by the scheduler's reconcile, from the
-    row's revision)."""
+    that two changes land in the same order in both; Redis refusing the copy (written in one
+    step: cron_put.lua) rolls the row back, and a copy whose row's commit then failed has
+    another revision than the row, which the scheduler's reconcile writes again."""
     settings: Settings = request.state.settings
     mirror = _mirror(request)
     async with _locked(request, tenant_of(request)) as locked:

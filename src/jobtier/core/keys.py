@@ -88,9 +88,11 @@ the layout above, and processes refuse to start while any are left.
 Job hashes (format 3). Besides ``id``, ``tenant``, ``payload``, ``result``, ``error``,
 ``progress``, the flow fields (``wf``, ``dd``, ...) and ``tp`` (the W3C traceparent of a
 submit made inside a traced span, absent otherwise: runtime/tracing.py; optional, so no
-format change), a job's small fields are packed in
-two values: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (fixed
-at creation) and ``t`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>
+format change) and ``h`` ("1" while the job is counted among its queue's jobs held behind a
+concurrency key: lib.lua; optional too), a job's small fields are packed in
+two values: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (set
+at creation; the priority and attempts change with a debounce's replacement, the priority
+with ``set_priority.lua``) and ``t`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>
 <run-at ms>|<run-at ISO> <cancel 0/1> <lease version> <last logged version> <its time ms>
 <worker>"``, space-separated (the last value of each is free text; empty values are empty).
 No status document is stored: it is rendered from those fields when read
