@@ -472,16 +472,25 @@ local function ck_release(j)
   end
 end
 
+-- Take j out of its ready list (counts and its tenant's place in the ring with it), if it is
+-- there: push_ready's undoing. Returns whether it was.
+local function unready(j)
+  local list = ready_list(j.queue, j.prio, j.tenant)
+  if redis.call('LREM', list, -1, j.id) == 0 then
+    return false
+  end
+  count(QUEUES, j.queue .. ':' .. j.prio, -1)
+  if redis.call('LLEN', list) == 0 then
+    redis.call('LREM', ring_key(j.queue, j.prio), 0, j.tenant)
+  end
+  return true
+end
+
 -- Take a queued job out of wherever it waits (cancel): its ready list, the parked jobs of its
 -- type (handed back by a worker that cannot run it: claim.lua), or its key's queue.
 local function remove_ready(j)
-  local list = ready_list(j.queue, j.prio, j.tenant)
   local field = j.queue .. ':' .. j.type
-  if redis.call('LREM', list, -1, j.id) > 0 then
-    count(QUEUES, j.queue .. ':' .. j.prio, -1)
-    if redis.call('LLEN', list) == 0 then
-      redis.call('LREM', ring_key(j.queue, j.prio), 0, j.tenant)
-    end
+  if unready(j) then
     ck_release(j)
   elseif redis.call('LREM', BASE .. 'park:' .. field, -1, j.id) > 0 then
     count(PARKED, field, -1)

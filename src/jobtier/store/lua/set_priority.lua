@@ -20,18 +20,11 @@ end
 if not WAITING[j.state] or j.prio == prio then
   return {WAITING[j.state] and OK or WRONG_STATE, (select(2, status_of(j._key)))}
 end
-if j.state == 'queued' then
-  local list = ready_list(j.queue, j.prio, j.tenant)
-  if redis.call('LREM', list, -1, id) > 0 then
-    count(QUEUES, j.queue .. ':' .. j.prio, -1)
-    if redis.call('LLEN', list) == 0 then
-      redis.call('LREM', ring_key(j.queue, j.prio), 0, j.tenant)
-    end
-    j.prio = prio
-    push_ready(j, false)
-  end
-end
+local ready = j.state == 'queued' and unready(j)
 j.prio = prio
+if ready then
+  push_ready(j, false)
+end
 j._set = {'c', packed_c(j)}
 local doc = commit(j, j.state, 'api')
 flush()
