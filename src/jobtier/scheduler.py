@@ -309,7 +309,9 @@ class Scheduler:
             await self.cron.remove(orphan)
             log.warning("event=schedule_orphan_removed schedule=%s", orphan)
         ids = [s.id for s, _ in rows]
-        times, revs = await self.cron.times(ids), await self.cron.revisions(ids)
+        copies = await self.cron.copies(ids)
+        times = {i: t for i, (t, _) in copies.items()}
+        revs = {i: rev for i, (_, rev) in copies.items()}
         restored = 0
         for schedule, _ in rows:
             kept = times.get(schedule.id)

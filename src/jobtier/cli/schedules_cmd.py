@@ -51,19 +51,16 @@ def _id(c: Client, ref: str) -> str:
     """The schedule ``ref`` names: its id, or the id of the tenant's schedule of that name
     (the tenant's schedules read a page at a time until it is found)."""
     from jobtier.client import NotFound
+    from jobtier.client._schedules import named_op
 
     if ULID_RE.fullmatch(ref):
         try:
             return c.schedule(ref).id
         except NotFound:
             pass  # a name that looks like an id
-    after = ""
-    while page := c.schedules(after=after, limit=1000):
-        for s in page:
-            if s.name == ref:
-                return s.id
-        after = page[-1].name
-    return c.schedule(ref).id  # neither a name nor an id of its: the API's 404 (exit 1)
+    found = c._run(named_op(ref))
+    # neither a name nor an id of its: the API's 404 (exit 1)
+    return found.id if found is not None else c.schedule(ref).id
 
 
 def schedules_list(c: Client, a: argparse.Namespace) -> Any:

@@ -37,20 +37,28 @@ def upsert_op(spec: ScheduleSpec | Mapping[str, Any]) -> Op[Schedule]:
     """Create the schedule ``spec`` names, or make the tenant's schedule of that name ``spec``:
     every field of a ``ScheduleSpec`` as the spec gives it, or its default (the task's queue
     and attempts when not given). The name is looked up after the create's 409, a page of the
-    listing at a time."""
+    listing at a time (``named_op``)."""
     fields = msgspec.to_builtins(spec) if isinstance(spec, ScheduleSpec) else dict(spec)
     try:
         return (yield from create_op(fields))
     except Conflict:
         pass
     full = msgspec.to_builtins(msgspec.convert(fields, ScheduleSpec))
+    found = yield from named_op(full["name"])
+    if found is None:
+        return (yield from create_op(fields))  # deleted meanwhile: made again
+    return (yield from update_op(found.id, full))
+
+
+def named_op(name: str) -> Op[Schedule | None]:
+    """The tenant's schedule of that name (None: none), the listing read a page at a time."""
     after = ""
     while page := (yield from list_op(after, 1000)):
         for found in page:
-            if found.name == full["name"]:
-                return (yield from update_op(found.id, full))
+            if found.name == name:
+                return found
         after = page[-1].name
-    return (yield from create_op(fields))  # deleted meanwhile: made again
+    return None
 
 
 def update_op(schedule_id: str, changes: Mapping[str, Any]) -> Op[Schedule]:

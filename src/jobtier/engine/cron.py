@@ -212,19 +212,6 @@ class CronMirror:
             pipe.zrange(self.keys.cron(shard), 0, -1)
         return {i.decode() for ids in await pipe.execute() for i in ids}
 
-    async def revisions(self, schedule_ids: list[str]) -> dict[str, str]:
-        """{id: the revision its copy records} of the schedules Redis holds ('' for a copy
-        written before revisions were)."""
-        pipe = self.redis.pipeline(transaction=False)
-        for schedule_id in schedule_ids:
-            pipe.hmget(self.keys.cron_def(self.shard(schedule_id), schedule_id), "def", "rev")
-        replies = await pipe.execute()
-        return {
-            schedule_id: (rev or b"").decode()
-            for schedule_id, (found, rev) in zip(schedule_ids, replies, strict=True)
-            if found is not None
-        }
-
     async def remove(self, schedule_id: str) -> None:
         s = self.shard(schedule_id)
         pipe = self.redis.pipeline(transaction=False)
@@ -234,15 +221,22 @@ class CronMirror:
 
     async def times(self, schedule_ids: list[str]) -> dict[str, Times]:
         """{id: (next fire ms, last fired ms, paused)} of the schedules Redis holds."""
+        return {i: times for i, (times, _) in (await self.copies(schedule_ids)).items()}
+
+    async def copies(self, schedule_ids: list[str]) -> dict[str, tuple[Times, str]]:
+        """{id: (its times as ``times`` gives them, the revision its copy records: '' for a
+        copy written before revisions were)} of the schedules Redis holds, in one read."""
         pipe = self.redis.pipeline(transaction=False)
         for schedule_id in schedule_ids:
-            pipe.hmget(
-                self.keys.cron_def(self.shard(schedule_id), schedule_id), "next", "last", "paused"
-            )
+            key = self.keys.cron_def(self.shard(schedule_id), schedule_id)
+            pipe.hmget(key, "next", "last", "paused", "rev")
         replies = await pipe.execute()
         return {
-            schedule_id: (int(nxt) if nxt else None, int(last) if last else None, paused == b"1")
-            for schedule_id, (nxt, last, paused) in zip(schedule_ids, replies, strict=True)
+            schedule_id: (
+                (int(nxt) if nxt else None, int(last) if last else None, paused == b"1"),
+                (rev or b"").decode(),
+            )
+            for schedule_id, (nxt, last, paused, rev) in zip(schedule_ids, replies, strict=True)
             if paused is not None
         }
 
