@@ -360,7 +360,7 @@ class Scheduler:
                     next_ms = timing.next_after(int(self.redis_now_ms()))
                 copy = await self.cron.definition(row.id) if kept and kept[0] else None
                 if kept and kept[0] and copy and copy.timing() == timing:
-                    next_ms = max(next_ms, kept[0])
+                    next_ms = kept[0] if next_ms is None else max(next_ms, kept[0])
             payload = msgspec.json.encode(row.payload)
             await self.cron.put(row.id, definition, payload, next_ms, row.paused, revision(row))
         return True

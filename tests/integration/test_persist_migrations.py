@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
-from asyncpg import Record
+from asyncpg import CheckViolationError, Record
 
 from jobtier.config import Settings
 from jobtier.core.errors import ConfigError
@@ -20,6 +20,7 @@ from jobtier.dev.local_postgres import LocalPostgres
 from jobtier.persist import db
 from jobtier.persist.persister import Persister
 from jobtier.persist.pg_reader import PgReader, _by_state, listing_sql
+from jobtier.persist.schedule_store import to_schedule
 from tests.fixtures.postgres import generic_plan, mixed_workload
 
 
@@ -362,5 +363,47 @@ async def test_0021_takes_an_outbox_forward_and_keys_its_new_jobs_to_their_shard
                 "SELECT jobtier.submit('echo', '{}', idempotency_key => $1)", key
             )
             assert keys.shard_of(job) == keys.shard_for("default", key), key
+    finally:
+        await conn.close()
+
+
+async def test_0025_takes_schedules_forward_without_dates_and_checks_new_ones(
+    pg_server: LocalPostgres, empty_db: str
+) -> None:
+    """Schedules made before 0025: migrate adds their dates' columns and changes no row; each
+    reads as a schedule without dates (to_schedule), and a row whose end is not after its
+    start is refused."""
+    dsn = pg_server.dsn_for(empty_db)
+    conn = await db.connect(dsn)
+    try:
+        async with conn.transaction():
+            await conn.execute(db.query("create_migrations_table"))
+            for name, sql in db.migrations():
+                if name < "0025":
+                    await conn.execute(sql)
+                    await conn.execute(db.query("record_migration"), name)
+        for i, (cron, interval) in enumerate([("0 3 * * *", None), (None, 60)]):
+            await conn.execute(
+                "INSERT INTO schedules (id, tenant, name, type, payload, cron, interval_seconds,"
+                " next_fire_at) VALUES ($1, 'acme', $2, 'echo', '{\"a\": 1}', $3, $4, now())",
+                f"01J{i:023d}",
+                f"s{i}",
+                cron,
+                interval,
+            )
+        before = await conn.fetch("SELECT * FROM schedules ORDER BY id")
+        assert await db.migrate(dsn) == [n for n, _ in db.migrations() if n >= "0025"]
+        columns = ", ".join(before[0].keys())
+        assert await conn.fetch(f"SELECT {columns} FROM schedules ORDER BY id") == before
+        rows = await conn.fetch("SELECT * FROM schedules ORDER BY id")
+        read = [to_schedule(r) for r in rows]
+        assert [(s.name, s.start_at, s.end_at) for s in read] == [
+            ("s0", None, None),
+            ("s1", None, None),
+        ]
+        with pytest.raises(CheckViolationError):
+            await conn.execute(
+                "UPDATE schedules SET start_at = now(), end_at = now() - interval '1 s'"
+            )
     finally:
         await conn.close()

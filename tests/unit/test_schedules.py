@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from zoneinfo import ZoneInfo
 
 import pytest
@@ -50,9 +50,59 @@ def test_interval_slots_are_anchored_and_strictly_after(
 ) -> None:
     t = Timing(None, "UTC", seconds * 1000, anchor)
     nxt = t.next_after(after)
-    assert nxt > after and (nxt - anchor) % (seconds * 1000) == 0
+    assert nxt is not None and nxt > after and (nxt - anchor) % (seconds * 1000) == 0
     assert nxt - seconds * 1000 <= max(after, anchor - 1) or nxt == anchor
     assert t.last_at_or_before(nxt) == nxt
+
+
+@given(
+    st.integers(1, 86_400),
+    st.integers(0, 10**12),
+    st.integers(0, 10**12),
+    st.integers(1, 10**6),
+)
+def test_dated_interval_slots_start_at_the_start_and_stop_at_the_end(
+    seconds: int, start: int, after: int, span: int
+) -> None:
+    """An interval's slots are counted from its start; none comes before it or after its end,
+    and the first after any moment is the least slot after it within those dates."""
+    step = seconds * 1000
+    end = start + span
+    t = Timing(None, "UTC", step, start, start, end)
+    nxt = t.next_after(after)
+    slots = [start + k * step for k in range(span // step + 1)]
+    assert nxt == min((slot for slot in slots if slot > after), default=None)
+    assert t.slots(start, 10**13, 2000) == slots
+
+
+def test_a_dated_cron_fires_from_its_start_to_its_end() -> None:
+    t = Timing("0 9 * * *", "Europe/Paris", None, 0, ms("2026-06-10T12:00:00", "Europe/Paris"))
+    t = Timing(t.cron, t.timezone, None, 0, t.start_ms, ms("2026-06-13T09:00:00", "Europe/Paris"))
+    first = t.next_after(ms("2026-01-01T00:00:00", "UTC"))
+    assert first == ms("2026-06-11T09:00:00", "Europe/Paris")  # not the 10th's: before start
+    assert t.slots(first, 10**13, 100) == [
+        ms(f"2026-06-{day}T09:00:00", "Europe/Paris") for day in (11, 12, 13)
+    ]  # the end itself is a slot
+    assert t.next_after(ms("2026-06-13T09:00:00", "Europe/Paris")) is None
+
+
+@pytest.mark.parametrize(
+    ("policy", "fired"),
+    [
+        ("skip", []),  # the latest slot (the end) was missed too
+        ("fire_once", [T0 + 20 * MIN]),  # the latest slot up to the end, not now's
+        ("fire_all", [T0 + k * 5 * MIN for k in range(5)]),
+    ],
+)
+def test_slots_missed_past_the_end_fire_up_to_it_and_leave_no_next(
+    policy: str, fired: list[int]
+) -> None:
+    t = Timing("*/5 * * * *", "UTC", None, 0, None, T0 + 20 * MIN)
+    slots, nxt, last = plan(t, policy, T0, T0 + 50 * MIN + 7, 60_000)
+    assert slots == fired and nxt is None
+    assert last == (fired[-1] if fired else None)
+    on_time = plan(t, policy, T0 + 20 * MIN, T0 + 20 * MIN + 900, 60_000)
+    assert on_time == ([T0 + 20 * MIN], None, T0 + 20 * MIN)  # the last slot
 
 
 def test_on_time_firing_fires_the_slot() -> None:
@@ -107,6 +157,24 @@ def test_slot_job_ids_are_deterministic_and_sharded_with_the_schedule() -> None:
         ({"type": "bad type"}, "type"),
         ({"max_attempts": 0}, "max_attempts"),
         ({"payload": {"x": object()}}, "payload"),
+        ({"start_at": datetime(2030, 1, 1)}, "start_at"),  # no time zone
+        ({"end_at": datetime(2030, 1, 1)}, "end_at"),
+        ({"end_at": datetime(1970, 1, 1, tzinfo=UTC)}, "end_at"),
+        ({"start_at": datetime(9999, 12, 31, tzinfo=UTC)}, "start_at"),
+        (
+            {
+                "start_at": datetime(2030, 1, 2, tzinfo=UTC),
+                "end_at": datetime(2030, 1, 1, tzinfo=UTC),
+            },
+            "end_at",
+        ),
+        (
+            {
+                "start_at": datetime(2030, 1, 1, tzinfo=UTC),
+                "end_at": datetime(2030, 1, 1, tzinfo=UTC),
+            },
+            "end_at",
+        ),
     ],
 )
 def test_bad_schedules_are_refused(changes: dict[str, object], field: str) -> None:

@@ -104,7 +104,11 @@ async def create(request: Request) -> Response:
     given |= {"next_fire_at": None, "last_fired_at": None, "created_at": at, "updated_at": at}
     schedule = Schedule(**given, id=new_schedule_id(), tenant=tenant)
     definition = mirror_def(schedule, settings.default_max_attempts)
-    next_ms = None if spec.paused else definition.timing().next_after(created)
+    first = definition.timing().next_after(created)
+    if first is None:  # (a change may end a schedule so: it is a create's mistake)
+        detail = "the schedule would never fire: no slot between now (or start_at) and end_at"
+        raise Problem(422, "validation", detail, field="end_at")
+    next_ms = None if spec.paused else first
     schedule = msgspec.structs.replace(schedule, next_fire_at=to_datetime(next_ms))
     store = _store(request)
     try:
@@ -370,6 +374,16 @@ def constrain(components: dict[str, Any], settings: Settings) -> None:
         oa.constrain(c, name, "max_attempts", minimum=1, maximum=MAX_ATTEMPTS)
         interval = settings.min_schedule_interval
         oa.constrain(c, name, "interval", minimum=interval, maximum=MAX_INTERVAL)
+        for date in ("start_at", "end_at"):
+            oa.constrain(c, name, date, format="date-time")
+        c[name]["properties"]["start_at"]["description"] = (
+            "no slot before it (an interval's slots are counted from it); with a time zone, "
+            "from 2000-01-01 to 9999-01-01"
+        )
+        c[name]["properties"]["end_at"]["description"] = (
+            "no slot after it; after start_at, with a time zone, up to 9999-01-01 (a create "
+            "whose dates leave no slot from now on is refused; a change may end a schedule)"
+        )
     c["ScheduleChange"]["minProperties"] = 1
     c["ScheduleSpec"]["description"] = (
         "A schedule as a client defines it: exactly one of cron and interval "

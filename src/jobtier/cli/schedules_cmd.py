@@ -6,6 +6,7 @@ its id or by its name. Connection, keys, ``--json`` and exit codes as ``jobtier 
 from __future__ import annotations
 
 import argparse
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -88,13 +89,36 @@ def schedules_show(c: Client, a: argparse.Namespace) -> Any:
             f"when:        {_when(s)}",
             f"misfire:     {s.misfire}",
             f"paused:      {'yes' if s.paused else 'no'}",
-            f"next fire:   {short_time(s.next_fire_at)}",
+            f"from:        {short_time(s.start_at)}",
+            f"until:       {short_time(s.end_at)}",
+            f"next fire:   {_next(s)}",
             f"last fired:  {short_time(s.last_fired_at)}",
             f"priority:    {s.priority}",
             f"attempts:    {attempts}",
             f"payload:     {payload}",
         ]
     )
+
+
+def _next(s: Schedule) -> str:
+    ended = s.next_fire_at is None and not s.paused and s.end_at is not None
+    return (
+        "- (ended: its last slot was at or before its end)" if ended else short_time(s.next_fire_at)
+    )
+
+
+def _date(text: str) -> list[datetime | None]:
+    """``--start-at``/``--end-at``: an ISO 8601 time (UTC when it has no offset), or ``none``
+    for no such date; a list, since None is a value too."""
+    if text.strip().lower() == "none":
+        return [None]
+    try:
+        value = datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an ISO 8601 time (2027-01-01T09:00:00Z) nor 'none'"
+        ) from None
+    return [value if value.tzinfo else value.replace(tzinfo=UTC)]
 
 
 def _payload(text: str) -> Any:
@@ -111,6 +135,9 @@ def schedules_update(c: Client, a: argparse.Namespace) -> Any:
         changes["payload"] = a.payload[0]
     if a.max_attempts is not None:
         changes["max_attempts"] = a.max_attempts
+    for date in ("start_at", "end_at"):
+        if getattr(a, date) is not None:
+            changes[date] = getattr(a, date)[0]
     if a.task_defaults:
         changes.update(queue=None, max_attempts=None)
     if a.task_defaults and (a.queue is not None or a.max_attempts is not None):
@@ -172,8 +199,8 @@ def add_commands(sub: Any) -> None:
     q = action(
         "update",
         schedules_update,
-        "change the options given; its slots start anew from now when --cron, --interval or "
-        "--timezone change, else its next firing is kept",
+        "change the options given; its slots start anew from now when --cron, --interval, "
+        "--timezone or a date change, else its next firing is kept",
     )
     q.add_argument("--name", help="a new name")
     q.add_argument("--type", help="another task")
@@ -184,6 +211,14 @@ def add_commands(sub: Any) -> None:
     q.add_argument("--priority", choices=[p.value for p in Priority])
     q.add_argument("--queue", help="the queue of its jobs")
     q.add_argument("--max-attempts", type=positive_int, help="attempts of its jobs")
+    for date, what in (("start", "no slot before it"), ("end", "no slot after it")):
+        q.add_argument(
+            f"--{date}-at",
+            type=_date,
+            metavar="WHEN",
+            help=f"{what}: an ISO 8601 time (UTC without an offset), or 'none' for no {date}"
+            + (" (an interval's slots are counted from it)" if date == "start" else ""),
+        )
     q.add_argument(
         "--task-defaults",
         action="store_true",

@@ -25,6 +25,9 @@ Misfire = Literal["skip", "fire_once", "fire_all"]
 MAX_CATCH_UP = 1000
 MAX_INTERVAL = 366 * 86400  # seconds
 MAX_ATTEMPTS = 100
+# a schedule's dates: within what timestamptz and a slot's millisecond arithmetic both hold
+_EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
+_LATEST = datetime(9999, 1, 1, tzinfo=UTC)
 
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 # The five cron fields: name, lowest and highest value, and the names allowed for values.
@@ -105,6 +108,9 @@ class ScheduleSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     misfire: Misfire = "fire_once"
     paused: bool = False
     queue: str | None = None  # the task's queue when not given
+    # no slot before start_at nor after end_at (an interval's slots counted from its start)
+    start_at: datetime | None = None
+    end_at: datetime | None = None
 
 
 class ScheduleChange(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -124,6 +130,8 @@ class ScheduleChange(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     misfire: Misfire | UnsetType = UNSET
     paused: bool | UnsetType = UNSET
     queue: str | UnsetType | None = UNSET
+    start_at: datetime | UnsetType | None = UNSET
+    end_at: datetime | UnsetType | None = UNSET
 
     def given(self) -> dict[str, Any]:
         """The fields given, by name."""
@@ -146,9 +154,10 @@ class ScheduleChange(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return ScheduleSpec(**(kept | given))
 
     def moves_timing(self, current: Schedule, spec: ScheduleSpec) -> bool:
-        """Whether the schedule's slots change: its cron, interval or time zone."""
-        before = (current.cron, current.interval, current.timezone)
-        return before != (spec.cron, spec.interval, spec.timezone)
+        """Whether the schedule's slots change: its cron, interval, time zone or dates."""
+        before = (current.cron, current.interval, current.timezone, current.start_at)
+        after = (spec.cron, spec.interval, spec.timezone, spec.start_at)
+        return before != after or current.end_at != spec.end_at
 
 
 class Schedule(msgspec.Struct, kw_only=True):
@@ -171,10 +180,13 @@ class Schedule(msgspec.Struct, kw_only=True):
     created_at: datetime
     updated_at: datetime
     queue: str | None = None  # None: `default` (a schedule from before queues)
+    start_at: datetime | None = None
+    end_at: datetime | None = None
 
 
 def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
-    """Check a spec; returns its payload as JSON. Raises ``InvalidRequest`` naming the field."""
+    """Check a spec; returns its payload as JSON. Raises ``InvalidRequest`` naming the field.
+    (An ``end_at`` already past is the caller's to judge: a change may end a schedule now.)"""
     if not SCHEDULE_NAME_RE.fullmatch(spec.name):
         raise InvalidRequest(f"name must match {SCHEDULE_NAME_RE.pattern}", field="name")
     if not TASK_NAME_RE.fullmatch(spec.type):
@@ -197,6 +209,14 @@ def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
         raise InvalidRequest(
             f"unknown time zone {spec.timezone[:60]!r}", field="timezone"
         ) from None
+    for field in ("start_at", "end_at"):
+        at = getattr(spec, field)
+        if at is not None and at.tzinfo is None:
+            raise InvalidRequest(f"{field} needs a time zone (e.g. a trailing Z)", field=field)
+        if at is not None and not _EARLIEST <= at <= _LATEST:
+            raise InvalidRequest(f"{field} must be between 2000-01-01 and 9999-01-01", field=field)
+    if spec.start_at is not None and spec.end_at is not None and spec.end_at <= spec.start_at:
+        raise InvalidRequest("end_at must be after start_at", field="end_at")
     if spec.max_attempts is not None and not 1 <= spec.max_attempts <= MAX_ATTEMPTS:
         raise InvalidRequest(
             f"max_attempts must be between 1 and {MAX_ATTEMPTS}", field="max_attempts"

@@ -34,9 +34,18 @@ class Timing:
     timezone: str
     interval_ms: int | None
     anchor_ms: int  # interval schedules fire at anchor + k * interval
+    start_ms: int | None = None  # no slot before it
+    end_ms: int | None = None  # no slot after it
 
-    def next_after(self, after_ms: int) -> int:
-        """The first slot strictly after ``after_ms``."""
+    def next_after(self, after_ms: int) -> int | None:
+        """The first slot strictly after ``after_ms`` (and not before the start), or None
+        when it would be after the end."""
+        if self.start_ms is not None:
+            after_ms = max(after_ms, self.start_ms - 1)
+        slot = self._next(after_ms)
+        return None if self.end_ms is not None and slot > self.end_ms else slot
+
+    def _next(self, after_ms: int) -> int:
         if self.interval_ms is not None:
             k = max(0, (after_ms - self.anchor_ms) // self.interval_ms + 1)
             return self.anchor_ms + k * self.interval_ms
@@ -49,7 +58,10 @@ class Timing:
         return round(nxt.timestamp() * 1000)
 
     def last_at_or_before(self, at_ms: int) -> int:
-        """The latest slot at or before ``at_ms`` (not before an interval's anchor)."""
+        """The latest slot at or before ``at_ms`` and the end (not before an interval's
+        anchor). Asked only once a slot has come: a slot at or after the start."""
+        if self.end_ms is not None:
+            at_ms = min(at_ms, self.end_ms)
         if self.interval_ms is not None:
             k = max(0, (at_ms - self.anchor_ms) // self.interval_ms)
             return self.anchor_ms + k * self.interval_ms
@@ -74,10 +86,10 @@ class Timing:
         return wall.fold == 1 and wall.utcoffset() != wall.replace(fold=0).utcoffset()
 
     def slots(self, first_ms: int, until_ms: int, most: int) -> list[int]:
-        """Slots from ``first_ms`` (a slot) up to ``until_ms``, at most ``most``."""
+        """Slots from ``first_ms`` (a slot) up to ``until_ms`` and the end, at most ``most``."""
         out: list[int] = []
-        slot = first_ms
-        while slot <= until_ms and len(out) < most:
+        slot: int | None = first_ms
+        while slot is not None and slot <= until_ms and len(out) < most:
             out.append(slot)
             slot = self.next_after(slot)
         return out
@@ -91,9 +103,9 @@ def slot_job_id(keys: Keys, schedule_id: str, slot_ms: int) -> str:
 
 def plan(
     timing: Timing, misfire: str, due_ms: int, now_ms: int, grace_ms: int
-) -> tuple[list[int], int, int | None]:
+) -> tuple[list[int], int | None, int | None]:
     """What to do with a schedule whose next firing ``due_ms`` has come: (slots to fire, new
-    next-fire time, slot to record as last fired or None)."""
+    next-fire time or None once past its end, slot to record as last fired or None)."""
     if now_ms - due_ms <= grace_ms:
         return [due_ms], timing.next_after(due_ms), due_ms
     resume = timing.next_after(now_ms)
@@ -135,9 +147,13 @@ class MirrorDef(msgspec.Struct, kw_only=True):
     anchor_ms: int
     misfire: str
     queue: str = DEFAULT_QUEUE
+    start_ms: int | None = None  # (a copy written before schedules had dates has neither)
+    end_ms: int | None = None
 
     def timing(self) -> Timing:
-        return Timing(self.cron, self.timezone, self.interval_ms, self.anchor_ms)
+        return Timing(
+            self.cron, self.timezone, self.interval_ms, self.anchor_ms, self.start_ms, self.end_ms
+        )
 
 
 _def_decoder = msgspec.json.Decoder(MirrorDef)
@@ -146,6 +162,8 @@ _PUT = Script("cron_put")
 
 
 def mirror_def(schedule: Schedule, default_max_attempts: int) -> MirrorDef:
+    """The copy's definition: an interval's slots counted from its start, else its creation."""
+    start, end = _ms(schedule.start_at), _ms(schedule.end_at)
     return MirrorDef(
         tenant=schedule.tenant,
         type=schedule.type,
@@ -154,10 +172,16 @@ def mirror_def(schedule: Schedule, default_max_attempts: int) -> MirrorDef:
         cron=schedule.cron,
         timezone=schedule.timezone,
         interval_ms=None if schedule.interval is None else schedule.interval * 1000,
-        anchor_ms=round(schedule.created_at.timestamp() * 1000),
+        anchor_ms=start if start is not None else round(schedule.created_at.timestamp() * 1000),
         misfire=schedule.misfire,
         queue=schedule.queue or DEFAULT_QUEUE,
+        start_ms=start,
+        end_ms=end,
     )
+
+
+def _ms(at: datetime | None) -> int | None:
+    return None if at is None else round(at.timestamp() * 1000)
 
 
 class CronMirror:
@@ -261,7 +285,8 @@ class CronMirror:
                 schedule_id = raw_id.decode()
                 d = _def_decoder.decode(raw_def)
                 slots, new_next, last = plan(d.timing(), d.misfire, int(nxt), now, grace_ms)
-                firing = (schedule_id, nxt.decode(), new_next, "" if last is None else last)
+                after = -1 if new_next is None else new_next  # -1: no slot left (its end)
+                firing = (schedule_id, nxt.decode(), after, "" if last is None else last)
                 job = (d.tenant, d.type, d.priority, payload, d.max_attempts, d.queue)
                 args: list[Any] = [*firing, *job, len(slots)]
                 for slot in slots:

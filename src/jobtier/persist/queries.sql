@@ -300,8 +300,8 @@ INSERT INTO schema_migrations (name) VALUES ($1)
 -- name: insert_schedule
 INSERT INTO schedules (id, tenant, name, type, payload, priority, max_attempts, cron, timezone,
                        interval_seconds, misfire_policy, paused, next_fire_at, created_at,
-                       updated_at, queue)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $14, $15)
+                       updated_at, queue, start_at, end_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $14, $15, $16, $17)
 RETURNING *
 
 -- name: get_schedule
@@ -318,7 +318,7 @@ SELECT * FROM schedules WHERE id = $1 AND tenant = $2 FOR UPDATE
 UPDATE schedules
 SET name = $3, type = $4, payload = $5, priority = $6, max_attempts = $7, cron = $8,
     timezone = $9, interval_seconds = $10, misfire_policy = $11, paused = $12,
-    next_fire_at = $13, queue = $14, updated_at = now()
+    next_fire_at = $13, queue = $14, start_at = $15, end_at = $16, updated_at = now()
 WHERE id = $1 AND tenant = $2
 RETURNING *
 

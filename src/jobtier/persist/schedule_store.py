@@ -47,6 +47,10 @@ def to_schedule(row: asyncpg.Record) -> Schedule:
     return Schedule(**fields)
 
 
+def _dates(schedule: Schedule) -> tuple[datetime | None, datetime | None]:
+    return schedule.start_at, schedule.end_at
+
+
 @dataclass(slots=True)
 class Locked:
     """A schedule's row read for a change and locked until the change's transaction ends
@@ -66,7 +70,7 @@ class Locked:
         timing = (s.cron, s.timezone, s.interval, s.misfire, s.paused, next_fire_at)
         try:
             row = await self.conn.fetchrow(
-                query("update_schedule"), s.id, s.tenant, *job, *timing, s.queue
+                query("update_schedule"), s.id, s.tenant, *job, *timing, s.queue, *_dates(s)
             )
         except asyncpg.UniqueViolationError:
             raise DuplicateName(schedule.name) from None
@@ -87,7 +91,7 @@ class ScheduleStore:
         timing = (s.cron, s.timezone, s.interval, s.misfire, s.paused, s.next_fire_at)
         try:
             row = await self.pool.fetchrow(
-                query("insert_schedule"), *job, *timing, s.created_at, s.queue
+                query("insert_schedule"), *job, *timing, s.created_at, s.queue, *_dates(s)
             )
         except asyncpg.UniqueViolationError:
             raise DuplicateName(schedule.name) from None
