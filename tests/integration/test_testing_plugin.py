@@ -225,6 +225,30 @@ async def test_the_burst_worker_runs_flows_to_their_end(
     assert [(await jobtier_queue.status(i)).state for i in flow.ids] == ["succeeded"] * 3
 
 
+async def test_fast_forward_runs_delayed_jobs_and_every_retry_without_waiting(
+    jobtier_queue: Queue, jobtier_worker: BurstWorker
+) -> None:
+    """A job delayed an hour, one that asks to be retried later (Retry) and one that fails,
+    each of three attempts: a burst leaves them scheduled after their first; with
+    ``fast_forward`` they run to their ends at once, attempts counted as their time had come,
+    and a job in a queue the worker does not serve is promoted but left to its workers."""
+    delayed = (await jobtier_queue.submit(ok, {"a": 1}, delay=3600)).job_id
+    later = (await jobtier_queue.submit(retry_later)).job_id
+    failing = (await jobtier_queue.submit(boom)).job_id
+    elsewhere = (await jobtier_queue.submit(ok, 2, delay=3600, queue="elsewhere")).job_id
+    first = await jobtier_worker(concurrency=4)
+    assert first.claimed == 2  # the retried two's first attempts; the delayed ones wait
+    states = [(await jobtier_queue.status(j)).state for j in (delayed, later, failing)]
+    assert states == ["scheduled"] * 3
+    stats = await jobtier_worker(concurrency=4, fast_forward=True, timeout=30)
+    assert stats.claimed == 1 + 2 + 2  # the delayed job; two more attempts each
+    done = {j: await jobtier_queue.status(j) for j in (delayed, later, failing, elsewhere)}
+    assert done[delayed].state == "succeeded" and done[delayed].attempt == 1
+    assert (done[later].state, done[later].attempt) == ("failed", 3)
+    assert (done[failing].state, done[failing].attempt) == ("failed", 3)
+    assert done[elsewhere].state == "queued"  # promoted; its queue's workers run it
+
+
 @pytest.mark.parametrize("t", [until_cancelled, until_cancelled_sync], ids=["async", "sync"])
 async def test_a_cancel_ends_a_running_job_as_run_task_says(
     jobtier_queue: Queue, jobtier_worker: BurstWorker, t: Task

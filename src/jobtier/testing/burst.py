@@ -7,7 +7,7 @@ import asyncio
 from types import ModuleType
 from typing import Any
 
-from jobtier.core.errors import ConfigError
+from jobtier.core.errors import ConfigError, JobNotFound, TransitionRefused
 from jobtier.engine.queue import Queue
 from jobtier.flows.resolver import Resolver
 from jobtier.worker.registry import Task, TaskRegistry
@@ -39,9 +39,9 @@ class BurstWorker:
     """``await jobtier_worker()`` runs a ``Worker(burst=True)`` over the tasks until no job is
     ready or running, and returns its ``WorkerStats``. Flows run to their end: between bursts
     a resolver tells the dependents of the finished jobs, and a burst runs again while that
-    made jobs ready. A failed attempt with retries left is *scheduled*, not ready: the burst
-    ends without it (nothing runs the scheduler; test later attempts with
-    ``run_task(..., attempt=n)``).
+    made jobs ready. A failed attempt with retries left is *scheduled*, not ready, and so is
+    a delayed job: the burst ends without them (nothing runs the scheduler), unless
+    ``fast_forward=True``, which runs them without waiting for their time.
     """
 
     def __init__(self, queue: Queue, tasks: Tasks | None = None) -> None:
@@ -54,12 +54,17 @@ class BurstWorker:
         *,
         concurrency: int = 10,
         timeout: float = 60.0,
+        fast_forward: bool = False,
         **worker_options: Any,
     ) -> WorkerStats:
         """Drain the ready queues with a burst worker over ``tasks`` (default: the
         ``jobtier_tasks`` fixture's). ``timeout`` bounds the run: past it the worker is
         stopped (its running jobs released after ``shutdown_grace``, 1 s here) and
         ``TimeoutError`` raised, so a task that hangs fails the test instead of hanging it.
+        ``fast_forward``: time runs ahead for the scheduled jobs: after each burst, every
+        job still scheduled (delayed, debounced or throttled, or waiting out a retry's
+        back-off) is made ready now, as ``Queue.jobs.promote`` does (attempts unchanged), and
+        a burst runs again, until none is left: a retried job runs to its last attempt.
         ``worker_options`` go to ``Worker`` (e.g. ``progress_interval``)."""
         chosen = tasks if tasks is not None else self.tasks
         if chosen is None:
@@ -77,8 +82,24 @@ class BurstWorker:
         while True:
             worker = Worker(self.queue.store, registry, **options)
             await self._burst(worker, max(deadline - loop.time(), 0.0), timeout)
-            if not await resolver.drain():  # no dependent was told: nothing more to run
-                return stats
+            told = await resolver.drain()  # dependents of the finished jobs made ready
+            if not told and not (fast_forward and await self.promote_scheduled()):
+                return stats  # nothing more to run
+
+    async def promote_scheduled(self) -> int:
+        """Make every scheduled job ready now (``fast_forward``); returns how many. One that
+        left ``scheduled`` meanwhile is passed over."""
+        store = self.queue.store
+        promoted = 0
+        for shard in range(store.keys.shards):
+            for raw in await store.redis.zrange(store.keys.sched(shard), 0, -1):
+                job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
+                try:
+                    await self.queue.jobs.promote(job_id)
+                except (TransitionRefused, JobNotFound):
+                    continue
+                promoted += 1
+        return promoted
 
     @staticmethod
     async def _burst(worker: Worker, left: float, timeout: float) -> None:
