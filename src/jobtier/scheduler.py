@@ -344,7 +344,8 @@ class Scheduler:
         under the row's lock, so that a change or delete under way is waited for (and then
         wrote both): False when the row has changed or gone since it was read. Its next
         firing: the row's (synced now and then from Redis), or the copy's (``kept``) when
-        later and the copy fires by the same slots (a firing since the last sync)."""
+        later and the copy fires by the same slots (a firing since the last sync); never one
+        at or before the copy's last firing (then the slot after it, or none: it ended)."""
         assert self.schedules is not None
         async with self.schedules.locked(schedule.id, schedule.tenant) as locked:
             if locked is None or revision(locked.schedule) != revision(schedule):
@@ -361,6 +362,9 @@ class Scheduler:
                 copy = await self.cron.definition(row.id) if kept and kept[0] else None
                 if kept and kept[0] and copy and copy.timing() == timing:
                     next_ms = kept[0] if next_ms is None else max(next_ms, kept[0])
+                if kept and kept[1] is not None and next_ms is not None and next_ms <= kept[1]:
+                    # the row's time not synced since that slot fired (the last one, perhaps)
+                    next_ms = timing.next_after(kept[1])
             payload = msgspec.json.encode(row.payload)
             await self.cron.put(row.id, definition, payload, next_ms, row.paused, revision(row))
         return True

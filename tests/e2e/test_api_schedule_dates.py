@@ -101,6 +101,8 @@ async def test_dates_bound_the_first_slot_and_are_kept(pg_api: ApiServer) -> Non
             "would never fire",
         ),
         ({"start_at": "1999-12-31T00:00:00Z"}, "start_at", "between 2000-01-01"),
+        # its next slot would be past what a date holds (was a 500)
+        ({"start_at": "9500-01-01T00:00:00Z"}, "start_at", "and 9000-01-01"),
         ({"end_at": "tomorrow"}, None, None),
     ],
 )
@@ -143,6 +145,73 @@ async def test_a_change_to_bad_dates_is_422_and_changes_nothing(pg_api: ApiServe
         assert {k: got[k] for k in made if k != "updated_at"} == {
             k: made[k] for k in made if k != "updated_at"
         }
+
+
+async def test_a_new_end_keeps_the_next_firing_it_does_not_pass(pg_api: ApiServer) -> None:
+    async with pg_api.client() as c:
+        made = (
+            await c.post("/v1/schedules", json={"name": "h", "type": "echo", "interval": 3600})
+        ).json()
+        sid, nxt = made["id"], made["next_fire_at"]
+        kept = (await c.patch(f"/v1/schedules/{sid}", json={"end_at": iso(later(days=2))})).json()
+        assert kept["next_fire_at"] == nxt
+        # an end before that slot (and after now): no slot left, it has ended
+        before = datetime.fromisoformat(nxt) - timedelta(seconds=1)
+        ended = (await c.patch(f"/v1/schedules/{sid}", json={"end_at": iso(before)})).json()
+        assert ended["next_fire_at"] is None and not ended["paused"]
+
+
+async def test_a_create_of_a_taken_name_is_a_409_even_with_no_slot_left(
+    pg_api: ApiServer,
+) -> None:
+    """Declared in code with an end that has passed: the create is the name's 409 (not the
+    window's 422), so upsert_schedule changes the schedule, which then has ended."""
+    from jobtier.client import AsyncClient
+
+    spec = {"name": "campaign", "type": "echo", "interval": 60, "end_at": iso(later(days=1))}
+    past = {**spec, "end_at": iso(later(seconds=-5))}
+    async with pg_api.client() as c:
+        made = (await c.post("/v1/schedules", json=spec)).json()
+        r = await c.post("/v1/schedules", json=past)
+        assert (r.status_code, r.json()["field"]) == (409, "name"), r.text
+        r = await c.post("/v1/schedules", json={**past, "name": "other"})
+        assert (r.status_code, r.json()["field"]) == (422, "end_at"), r.text
+    async with AsyncClient(pg_api.url, KEYS["acme"]) as client:
+        again = await client.upsert_schedule(past)
+    assert again.id == made["id"] and again.next_fire_at is None
+
+
+async def test_reconcile_leaves_an_ended_schedule_ended(
+    queue: Queue, pg_api: ApiServer, pg_pool: Pool
+) -> None:
+    """Its copy fired its last slot and has ended, Postgres's row not synced since (its
+    next firing that slot), and the copy of another revision (a change whose commit
+    failed): reconcile writes the copy again, ended, not firing that slot again."""
+    scheduler = Scheduler(queue.store, schedules=ScheduleStore(pg_pool))
+    end = later(seconds=3)
+    async with pg_api.client() as c:
+        made = (
+            await c.post(
+                "/v1/schedules",
+                json={"name": "brief", "type": "echo", "interval": 1, "end_at": iso(end)},
+            )
+        ).json()
+    sid, cron = made["id"], scheduler.cron
+    last = ms(made["created_at"]) + 1000 * ((ms(iso(end)) - ms(made["created_at"])) // 1000)
+    shard = cron.shard(sid)
+    grace = scheduler.misfire_grace_ms
+    for _ in range(10):  # fired slot by slot, as if on time, up to the end
+        nxt = (await cron.times([sid]))[sid][0]
+        if nxt is None:
+            break
+        await cron.fire_due(shard, nxt, grace)
+    assert await cron.times([sid]) == {sid: (None, last, False)}
+    row = await ScheduleStore(pg_pool).get(sid, "acme")
+    assert row is not None and row.next_fire_at is not None  # not synced
+    await queue.redis.hset(queue.keys.cron_def(shard, sid), "rev", "1")  # another revision
+    assert await scheduler.reconcile() == 1
+    assert await cron.times([sid]) == {sid: (None, last, False)}
+    assert sid not in await cron.listed()
 
 
 async def test_a_schedule_fires_until_its_end_then_has_ended(

@@ -401,6 +401,10 @@ async def test_0025_takes_schedules_forward_without_dates_and_checks_new_ones(
             ("s0", None, None),
             ("s1", None, None),
         ]
+        # a later migration's column does not stop this code reading a schedule
+        await conn.execute("ALTER TABLE schedules ADD COLUMN from_a_later_migration integer")
+        again = [to_schedule(r) for r in await conn.fetch("SELECT * FROM schedules ORDER BY id")]
+        assert again == read
         with pytest.raises(CheckViolationError):
             await conn.execute(
                 "UPDATE schedules SET start_at = now(), end_at = now() - interval '1 s'"

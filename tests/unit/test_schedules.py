@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo
 
+import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -222,3 +223,33 @@ def test_cron_fields_are_checked_by_range_steps_included(cron: str, message: str
 )  # fmt: skip
 def test_good_cron_expressions_pass(cron: str) -> None:
     validate(ScheduleSpec(name="n", type="echo", cron=cron), min_interval=1, max_payload=1000)
+
+
+def test_dates_round_inward_to_the_millisecond() -> None:
+    """A start a fraction of a ms before a slot does not let in the slot before it, and an end
+    a fraction after one does not let in the slot after it: the start rounds up, the end down."""
+    from jobtier.core.model import Priority
+    from jobtier.core.schedule import Schedule
+    from jobtier.engine.cron import mirror_def
+
+    noon = datetime(2031, 6, 1, 12, tzinfo=UTC)
+    schedule = Schedule(
+        id="S", tenant="t", name="n", type="echo", payload=None, priority=Priority.NORMAL,
+        max_attempts=None, cron="0 12 * * *", timezone="UTC", interval=None,
+        misfire="fire_once", paused=False, created_at=noon, updated_at=noon,
+        next_fire_at=None, last_fired_at=None,
+        start_at=noon - timedelta(microseconds=400), end_at=noon + timedelta(microseconds=600),
+    )  # fmt: skip
+    d = mirror_def(schedule, 3)
+    noon_ms = round(noon.timestamp() * 1000)
+    assert (d.start_ms, d.end_ms) == (noon_ms, noon_ms)
+    later = msgspec.structs.replace(
+        schedule,
+        start_at=noon + timedelta(microseconds=400),
+        end_at=noon - timedelta(microseconds=600) + timedelta(days=1),
+    )
+    d = mirror_def(later, 3)
+    assert (d.start_ms, d.end_ms) == (noon_ms + 1, noon_ms + 86_400_000 - 1)
+    assert (
+        d.timing().next_after(noon_ms - 5) is None
+    )  # noon is before its start, the next after its end

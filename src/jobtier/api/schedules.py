@@ -105,17 +105,18 @@ async def create(request: Request) -> Response:
     schedule = Schedule(**given, id=new_schedule_id(), tenant=tenant)
     definition = mirror_def(schedule, settings.default_max_attempts)
     first = definition.timing().next_after(created)
+    store = _store(request)
     if first is None:  # (a change may end a schedule so: it is a create's mistake)
+        if await store.named(tenant, spec.name):  # the name's conflict first (upsert_schedule)
+            raise _duplicate(spec.name)
         detail = "the schedule would never fire: no slot between now (or start_at) and end_at"
         raise Problem(422, "validation", detail, field="end_at")
     next_ms = None if spec.paused else first
     schedule = msgspec.structs.replace(schedule, next_fire_at=to_datetime(next_ms))
-    store = _store(request)
     try:
         schedule = await store.insert(schedule, payload)
     except DuplicateName:
-        detail = f"a schedule named {spec.name!r} exists already"
-        raise Problem(409, "conflict", detail, field="name") from None
+        raise _duplicate(spec.name) from None
     try:
         rev = revision(schedule)
         await _mirror(request).put(schedule.id, definition, payload, next_ms, spec.paused, rev)
@@ -123,6 +124,10 @@ async def create(request: Request) -> Response:
         await store.delete(schedule.id, tenant)  # nothing half-made stays behind
         raise
     return encoded(schedule, 201)
+
+
+def _duplicate(name: str) -> Problem:
+    return Problem(409, "conflict", f"a schedule named {name!r} exists already", field="name")
 
 
 async def list_schedules(request: Request) -> Response:
@@ -189,7 +194,8 @@ async def _change(request: Request, make: Callable[[Schedule], Awaitable[Made]])
         next_ms, keep = None, False
         if not schedule.paused:
             kept = None if anew else (await mirror.times([schedule.id])).get(schedule.id)
-            if kept and kept[0] is not None and not kept[2]:
+            end = definition.end_ms
+            if kept and kept[0] is not None and not kept[2] and (end is None or kept[0] <= end):
                 next_ms, keep = kept[0], True  # (a firing may advance it meanwhile)
             else:
                 next_ms = definition.timing().next_after(now_ms())

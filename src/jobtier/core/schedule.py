@@ -27,7 +27,7 @@ MAX_INTERVAL = 366 * 86400  # seconds
 MAX_ATTEMPTS = 100
 # a schedule's dates: within what timestamptz and a slot's millisecond arithmetic both hold
 _EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
-_LATEST = datetime(9999, 1, 1, tzinfo=UTC)
+_LATEST = datetime(9000, 1, 1, tzinfo=UTC)  # (a slot a year on is still a datetime)
 
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 # The five cron fields: name, lowest and highest value, and the names allowed for values.
@@ -154,10 +154,10 @@ class ScheduleChange(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return ScheduleSpec(**(kept | given))
 
     def moves_timing(self, current: Schedule, spec: ScheduleSpec) -> bool:
-        """Whether the schedule's slots change: its cron, interval, time zone or dates."""
+        """Whether the schedule's slots change: its cron, interval, time zone or start. (A
+        new end keeps the next firing when it is not after it: api/schedules.py.)"""
         before = (current.cron, current.interval, current.timezone, current.start_at)
-        after = (spec.cron, spec.interval, spec.timezone, spec.start_at)
-        return before != after or current.end_at != spec.end_at
+        return before != (spec.cron, spec.interval, spec.timezone, spec.start_at)
 
 
 class Schedule(msgspec.Struct, kw_only=True):
@@ -214,7 +214,7 @@ def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
         if at is not None and at.tzinfo is None:
             raise InvalidRequest(f"{field} needs a time zone (e.g. a trailing Z)", field=field)
         if at is not None and not _EARLIEST <= at <= _LATEST:
-            raise InvalidRequest(f"{field} must be between 2000-01-01 and 9999-01-01", field=field)
+            raise InvalidRequest(f"{field} must be between 2000-01-01 and 9000-01-01", field=field)
     if spec.start_at is not None and spec.end_at is not None and spec.end_at <= spec.start_at:
         raise InvalidRequest("end_at must be after start_at", field="end_at")
     if spec.max_attempts is not None and not 1 <= spec.max_attempts <= MAX_ATTEMPTS:

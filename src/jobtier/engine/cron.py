@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from zoneinfo import ZoneInfo
 
@@ -95,6 +95,9 @@ class Timing:
         return out
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def slot_job_id(keys: Keys, schedule_id: str, slot_ms: int) -> str:
     """The id of the job a schedule creates for a slot: the same in every process, always."""
     entropy = hashlib.blake2b(f"{schedule_id}:{slot_ms}".encode(), digest_size=10).digest()
@@ -163,7 +166,7 @@ _PUT = Script("cron_put")
 
 def mirror_def(schedule: Schedule, default_max_attempts: int) -> MirrorDef:
     """The copy's definition: an interval's slots counted from its start, else its creation."""
-    start, end = _ms(schedule.start_at), _ms(schedule.end_at)
+    start, end = _ms(schedule.start_at, up=True), _ms(schedule.end_at)
     return MirrorDef(
         tenant=schedule.tenant,
         type=schedule.type,
@@ -180,8 +183,15 @@ def mirror_def(schedule: Schedule, default_max_attempts: int) -> MirrorDef:
     )
 
 
-def _ms(at: datetime | None) -> int | None:
-    return None if at is None else round(at.timestamp() * 1000)
+_MS = timedelta(milliseconds=1)
+
+
+def _ms(at: datetime | None, up: bool = False) -> int | None:
+    """``at`` in whole ms: down, or ``up`` (a start of 11:59:59.9996 is not before a slot at
+    12:00, and an end of that time is before it)."""
+    if at is None:
+        return None
+    return -((_EPOCH - at) // _MS) if up else (at - _EPOCH) // _MS
 
 
 class CronMirror:

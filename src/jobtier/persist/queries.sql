@@ -304,6 +304,9 @@ INSERT INTO schedules (id, tenant, name, type, payload, priority, max_attempts, 
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $14, $15, $16, $17)
 RETURNING *
 
+-- name: schedule_named
+SELECT id FROM schedules WHERE tenant = $1 AND name = $2
+
 -- name: get_schedule
 SELECT * FROM schedules WHERE id = $1 AND tenant = $2
 

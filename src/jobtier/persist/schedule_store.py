@@ -41,8 +41,14 @@ def revision(schedule: Schedule) -> str:
 _RENAMED = {"interval_seconds": "interval", "misfire_policy": "misfire"}
 
 
+_FIELDS = frozenset(Schedule.__struct_fields__)
+
+
 def to_schedule(row: asyncpg.Record) -> Schedule:
+    """A row as a Schedule; a column it has no field for (a later migration's, read by a
+    process not rolled yet) is left out."""
     fields = {_RENAMED.get(column, column): value for column, value in row.items()}
+    fields = {name: value for name, value in fields.items() if name in _FIELDS}
     fields.update(payload=_any.decode(row["payload"]), priority=Priority(row["priority"]))
     return Schedule(**fields)
 
@@ -97,6 +103,10 @@ class ScheduleStore:
             raise DuplicateName(schedule.name) from None
         assert row is not None
         return to_schedule(row)
+
+    async def named(self, tenant: str, name: str) -> bool:
+        """Whether the tenant has a schedule of that name."""
+        return await self.pool.fetchval(query("schedule_named"), tenant, name) is not None
 
     async def get(self, schedule_id: str, tenant: str) -> Schedule | None:
         row = await self.pool.fetchrow(query("get_schedule"), schedule_id, tenant)
