@@ -128,3 +128,32 @@ async def test_the_python_clients_pass_both_options(api: ApiServer) -> None:
             assert not got.created and got.id == first.id
 
     await asyncio.to_thread(sync)
+
+
+async def test_unique_submits_answer_the_keys_unfinished_job(api: ApiServer) -> None:
+    body = {"type": "echo", "unique": {"key": "doc-9"}}
+    async with api.client() as c:
+        first = await c.post("/v1/jobs", json={**body, "payload": 1})
+        assert first.status_code == 202, first.text
+        job = first.json()
+        again = await c.post("/v1/jobs", json={**body, "payload": 2, "priority": "high"})
+        assert again.status_code == 200, again.text
+        assert again.json() == job  # that job, unchanged
+        assert again.headers["location"] == f"/v1/jobs/{job['id']}"
+        # a cancel ends it, and frees the key
+        assert (await c.post(f"/v1/jobs/{job['id']}/cancel")).status_code == 200
+        third = await c.post("/v1/jobs", json={**body, "payload": 3})
+        assert third.status_code == 202 and third.json()["id"] != job["id"]
+        bad = await c.post("/v1/jobs", json={**body, "idempotency_key": "i"})
+        assert bad.status_code == 422 and bad.json()["field"] == "unique", bad.text
+    async with AsyncClient(api.url, KEYS["acme"], retries=0) as client:
+        made = await client.submit("echo", 1, unique={"key": "u", "until": "started"})
+        same = await client.submit("echo", 2, unique={"key": "u", "until": "started"})
+        assert made.created and not same.created and same.id == made.id
+
+    def sync() -> None:
+        with Client(api.url, KEYS["acme"], retries=0) as client:
+            got = client.submit("echo", 3, unique={"key": "u"})
+            assert not got.created and got.id == made.id
+
+    await asyncio.to_thread(sync)

@@ -60,9 +60,9 @@ PROSE_RULES = {
     "depends_on": 422, "ref": 422, "after": 422,
     "url": 422,  # a callback URL that does not resolve to a public address (webhooks/safety.py)
     "min": 422,  # the scaling read's min above its max (api/scaling.py)
-    # a keyed submit beside an option it excludes, a max_wait below its seconds, an
-    # encrypted payload debounced (docs/debounce-throttle.md)
-    "debounce": 422, "throttle": 422, "max_wait": 422,
+    # a keyed submit beside an option it excludes (or in a batch), a max_wait below its
+    # seconds, an encrypted payload debounced (docs/debounce-throttle.md)
+    "debounce": 422, "throttle": 422, "max_wait": 422, "unique": 422,
     # a durable submit asking for more replicas than the deployment's masters have
     "Jobtier-Replicas": 400,
     # a concurrency_limit without its concurrency_key; a queue's rate period without a rate

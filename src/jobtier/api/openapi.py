@@ -181,7 +181,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
     c["JobSpec"]["properties"]["concurrency_limit"]["description"] = _CONCURRENCY_LIMIT
     _flow_constraints(c, settings)
-    for struct in ("Debounce", "Throttle"):  # docs/debounce-throttle.md
+    for struct in ("Debounce", "Throttle", "Unique"):  # docs/debounce-throttle.md
         oa.constrain(c, struct, "key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     oa.constrain(c, "Debounce", "seconds", maximum=settings.max_future_seconds)
     oa.constrain(c, "Debounce", "max_wait", maximum=settings.max_future_seconds)
@@ -189,10 +189,17 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(c, "Throttle", "limit", maximum=MAX_CONCURRENCY_LIMIT)
     for name in ("debounce", "throttle"):
         c["JobSpec"]["properties"][name]["description"] = (
-            "not with the other, concurrency_key, run_at, delay or depends_on, nor in a "
-            "batch; debounce not with idempotency_key nor for an encrypted payload, max_wait "
-            "not below seconds (else 422 naming it; docs/debounce-throttle.md)"
+            "not with the others (debounce, throttle, unique), concurrency_key, run_at, delay "
+            "or depends_on, nor in a batch; debounce not with idempotency_key nor for an "
+            "encrypted payload, max_wait not below seconds (else 422 naming it; "
+            "docs/debounce-throttle.md)"
         )
+    c["JobSpec"]["properties"]["unique"]["description"] = (
+        "at most one job of the key at a time: while the key's job has not finished (until "
+        "'finished') or not started ('started'), a submit makes none and answers that job "
+        "(200); not with debounce, throttle, idempotency_key, concurrency_key or depends_on, "
+        "nor in a batch (else 422 naming it; docs/debounce-throttle.md)"
+    )
     batch_routes.constrain(c, settings)
     oa.constrain(c, "QueueLimits", "concurrency", minimum=1, maximum=1_000_000)
     oa.constrain(c, "QueueLimits", "rate", minimum=1, maximum=1_000_000)
@@ -242,8 +249,9 @@ def _job_paths(s: Settings) -> oa.Paths:
         oa.returns(
             200,
             "JobStatus",
-            "a duplicate of an earlier submit with the same idempotency key, or a debounced "
-            "submit that the key's pending job took (its id; docs/debounce-throttle.md)",
+            "a duplicate of an earlier submit with the same idempotency key, a debounced "
+            "submit that the key's pending job took, or a unique key's job that has not "
+            "finished (its id; docs/debounce-throttle.md)",
             _LOCATION,
         ),
         _KEY_DIFFERS,

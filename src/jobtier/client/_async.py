@@ -99,6 +99,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         callback: str | Mapping[str, Any] | None = None,
         debounce: Mapping[str, Any] | None = None,
         throttle: Mapping[str, Any] | None = None,
+        unique: Mapping[str, Any] | None = None,
     ) -> Submission:
         """Submit one job of ``type``: a task's name, or the task (``@task``) itself, sent by
         its name. ``run_at`` must carry a time zone; give it or ``delay`` (seconds, or a
@@ -110,7 +111,8 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         succeeds, and cancelled when one fails, unless ``on_dependency_failure="run"``.
         ``callback``: a URL that receives the job's terminal state as a signed webhook, or
         ``{"url": …, "events": "all"}`` for every transition. ``debounce`` (``{"key", "seconds",
-        "max_wait"}``) or ``throttle`` (``{"key", "limit", "period", "on_limit"}``): see
+        "max_wait"}``), ``throttle`` (``{"key", "limit", "period", "on_limit"}``) or ``unique``
+        (``{"key", "until"}``: the key's unfinished job, ``created`` False): see
         docs/debounce-throttle.md; a full throttle key that refuses raises ``RateLimited``.
         """
         op = self._submit(
@@ -127,7 +129,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
             job_ids(depends_on),
             on_dependency_failure,
             callback,
-            present(debounce=debounce, throttle=throttle),
+            present(debounce=debounce, throttle=throttle, unique=unique),
         )
         return await self._run(op)
 

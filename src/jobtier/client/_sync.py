@@ -100,6 +100,7 @@ class Client(BaseClient[httpx.BaseTransport]):
         callback: str | Mapping[str, Any] | None = None,
         debounce: Mapping[str, Any] | None = None,
         throttle: Mapping[str, Any] | None = None,
+        unique: Mapping[str, Any] | None = None,
     ) -> Submission:
         """Submit one job; see ``AsyncClient.submit``."""
         op = self._submit(
@@ -116,7 +117,7 @@ class Client(BaseClient[httpx.BaseTransport]):
             job_ids(depends_on),
             on_dependency_failure,
             callback,
-            present(debounce=debounce, throttle=throttle),
+            present(debounce=debounce, throttle=throttle, unique=unique),
         )
         return self._run(op)
 

@@ -1,5 +1,5 @@
-"""Debounce and throttle by key: the submit options (``JobSpec.debounce``, ``.throttle``) and
-the refusal of a throttled submit (docs/debounce-throttle.md).
+"""Debounce, throttle and uniqueness by key: the submit options (``JobSpec.debounce``,
+``.throttle``, ``.unique``) and the refusal of a throttled submit (docs/debounce-throttle.md).
 
 The types carry only what msgspec can check when it decodes a request (types, positive
 numbers); ``engine/keyed.py`` checks the rest (the key's form, bounds from the settings) for
@@ -17,6 +17,7 @@ from jobtier.core.errors import JobtierError
 
 Positive = Annotated[float, msgspec.Meta(gt=0)]
 OnLimit = Literal["refuse", "delay"]
+Until = Literal["finished", "started"]
 
 
 class Debounce(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -41,6 +42,15 @@ class Throttle(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     on_limit: OnLimit = "refuse"
 
 
+class Unique(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """At most one job of the key at a time: a submit while the key's job has not finished
+    (``until="finished"``), or has not started (``"started"``: queued or delayed, never
+    claimed), makes no job and answers that one, unchanged. The tenant's key, across queues."""
+
+    key: str
+    until: Until = "finished"
+
+
 class Throttled(JobtierError):
     """A submit refused by its throttle key (``on_limit: refuse``); nothing was made.
     ``retry_after``: seconds until the key has a free slot."""
@@ -59,9 +69,10 @@ class Throttled(JobtierError):
 class KeyedOption:
     """A submit's debounce or throttle, checked, as store/lua/keyed.lua takes it."""
 
-    kind: str  # 'debounce' | 'throttle'
+    kind: str  # 'debounce' | 'throttle' | 'unique'
     key: str
-    # debounce: (quiet ms, most total delay ms or 0); throttle: (limit, period ms)
+    # debounce: (quiet ms, most total delay ms or 0); throttle: (limit, period ms); unique:
+    # (1 until finished, 0 until started; 0)
     first: int
     second: int
     on_limit: str = "refuse"  # throttle only: 'refuse' | 'delay'
@@ -70,6 +81,8 @@ class KeyedOption:
 
     def args(self) -> list[Any]:
         out: list[Any] = [self.kind, self.key, self.first, self.second]
+        if self.kind == "unique":
+            return out[:3]
         if self.kind == "throttle":
             out += [self.on_limit, self.furthest]
         return out

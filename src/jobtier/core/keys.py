@@ -48,6 +48,8 @@ Per shard::
                              hash   a debounce key: its pending job ('id') and when its
                                     first submit came ('first', ms): keyed.lua
     jt:{s}:th:<tenant>:<key> zset   a throttle key's slots: job id -> when it may start (ms)
+    jt:{s}:uq:<tenant>:<key> string a unique key's latest job (keyed.lua); that job's end
+                                    deletes it (lib.lua finish)
     jt:{s}:waiting           hash   tenant -> waiting+queued+scheduled jobs in this shard
     jt:{s}:deps:<id>         hash   a job's dependencies: id -> '0'/'1' (pending; '1': a
                                     child) or a state mark and the result/error (lib.lua)
@@ -89,7 +91,8 @@ Job hashes (format 3). Besides ``id``, ``tenant``, ``payload``, ``result``, ``er
 ``progress``, the flow fields (``wf``, ``dd``, ...) and ``tp`` (the W3C traceparent of a
 submit made inside a traced span, absent otherwise: runtime/tracing.py; optional, so no
 format change) and ``h`` ("1" while the job is counted among its queue's jobs held behind a
-concurrency key: lib.lua; optional too), a job's small fields are packed in
+concurrency key: lib.lua; optional too) and ``uq`` (a unique key's job: its key's record,
+which it frees as it ends; ``U`` in ``wf``: keyed.lua), a job's small fields are packed in
 two values: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (set
 at creation; the priority and attempts change with a debounce's replacement, the priority
 with ``set_priority.lua``) and ``t`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>

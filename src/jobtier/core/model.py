@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from jobtier.core.debounce import Debounce, Throttle
+from jobtier.core.debounce import Debounce, Throttle, Unique
 
 
 class State(StrEnum):
@@ -210,6 +210,8 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # by key (core/debounce.py): one job per quiet period, or at most so many per period
     debounce: Debounce | None = None
     throttle: Throttle | None = None
+    # at most one job of the key at a time, until it finishes or starts (core/debounce.py)
+    unique: Unique | None = None
 
 
 class FlowJob(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

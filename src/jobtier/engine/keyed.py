@@ -1,12 +1,13 @@
-"""Checks of a submit's ``debounce`` and ``throttle`` (docs/debounce-throttle.md): each
-raises ``InvalidRequest`` naming the field, before anything is sent.
+"""Checks of a submit's ``debounce``, ``throttle`` and ``unique`` (docs/debounce-throttle.md):
+each raises ``InvalidRequest`` naming the field, before anything is sent.
 
 A keyed job lives in its key's shard, so the key's record and the job are one slot and
 store/lua/keyed.lua decides and creates (or replaces) in one atomic step. That fixes the
 shard, so ``concurrency_key``, which fixes it otherwise, is refused beside it (a throttled
 job's ``idempotency_key`` record follows it into the key's shard), as are those that would
-fight over the run time (``run_at``, ``delay``) and a flow's dependencies; a debounce, which
-changes a job, has no idempotency key.
+fight over the run time (``run_at``, ``delay``: a unique job may have them) and a flow's
+dependencies; a debounce, which changes a job, has no idempotency key, nor has a unique job,
+whose key already makes a repeat answer its job.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 import msgspec
 
 from jobtier.config import Settings
-from jobtier.core.debounce import Debounce, KeyedOption, Throttle
+from jobtier.core.debounce import Debounce, KeyedOption, Throttle, Unique
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
 from jobtier.core.model import JobSpec
@@ -30,12 +31,13 @@ _EXCLUSIVE = (
     ("concurrency_key", "a keyed job's shard is its key's, not its concurrency key's"),
     ("run_at", "the key decides when the job runs"),
     ("delay", "the key decides when the job runs"),
-    ("depends_on", "a job that waits for others cannot be debounced or throttled"),
+    ("depends_on", "a job that waits for others cannot be keyed so"),
 )
 
 
-def as_option(value: Any, kind: type[Debounce] | type[Throttle], field: str) -> Any:
-    """A Python caller's ``debounce`` or ``throttle``: the struct, or a mapping of it."""
+def as_option(value: Any, kind: type[Debounce] | type[Throttle] | type[Unique], field: str) -> Any:
+    """A Python caller's ``debounce``, ``throttle`` or ``unique``: the struct, or a mapping of
+    it."""
     if value is None or isinstance(value, kind):
         return value
     if not isinstance(value, Mapping):
@@ -62,13 +64,19 @@ def _seconds(value: Any, field: str, s: Settings) -> int:
 
 
 def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
-    """The checked debounce or throttle of ``spec`` (None: neither)."""
-    debounce, throttle = spec.debounce, spec.throttle
-    if debounce is None and throttle is None:
+    """The checked debounce, throttle or unique of ``spec`` (None: none)."""
+    debounce, throttle, unique = spec.debounce, spec.throttle, spec.unique
+    given = [n for n in ("debounce", "throttle", "unique") if getattr(spec, n) is not None]
+    if not given:
         return None
-    if debounce is not None and throttle is not None:
-        raise InvalidRequest("give debounce or throttle, not both", field="throttle")
-    name = "debounce" if debounce is not None else "throttle"
+    if len(given) > 1:
+        both = " and ".join(given)
+        raise InvalidRequest(
+            f"give only one of debounce, throttle and unique, not {both}", field=given[-1]
+        )
+    name = given[0]
+    if unique is not None:
+        return _unique(spec, unique)
     if debounce is not None and spec.idempotency_key is not None:
         raise InvalidRequest(
             "debounce cannot be given with idempotency_key: a debounced submit changes the "
@@ -111,10 +119,28 @@ def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
     return KeyedOption("throttle", key, limit, period, throttle.on_limit, furthest)
 
 
+def _unique(spec: JobSpec, unique: Unique) -> KeyedOption:
+    if spec.idempotency_key is not None:
+        raise InvalidRequest(
+            "unique cannot be given with idempotency_key: a submit while the key's job has "
+            "not finished answers that job already",
+            field="unique",
+        )
+    for field, why in _EXCLUSIVE:
+        if field not in ("run_at", "delay") and getattr(spec, field) is not None:
+            raise InvalidRequest(f"unique cannot be given with {field}: {why}", field="unique")
+    key = check_key(unique.key, "unique.key")
+    if unique.until not in ("finished", "started"):
+        raise InvalidRequest("unique.until must be one of finished, started", field="unique.until")
+    return KeyedOption("unique", key, 1 if unique.until == "finished" else 0, 0)
+
+
 def shard(keys: Keys, tenant: str, queue: str, type: str, keyed: KeyedOption) -> int:
     """The shard of a keyed job: its key's (per tenant; a debounce key per queue and type)."""
     if keyed.kind == "debounce":
         return keys.shard_for(tenant, "\x02debounce", queue, type, keyed.key)
+    if keyed.kind == "unique":
+        return keys.shard_for(tenant, "\x02unique", keyed.key)
     return keys.shard_for(tenant, "\x02throttle", keyed.key)
 
 

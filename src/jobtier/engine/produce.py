@@ -14,7 +14,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from jobtier.core.debounce import Debounce, Throttle, Throttled
+from jobtier.core.debounce import Debounce, Throttle, Throttled, Unique
 from jobtier.core.errors import (
     Code,
     ConfigError,
@@ -202,12 +202,12 @@ class Producer:
         else:
             ckey, climit = validate.concurrency(spec)
         keyed = None
-        if spec.debounce is not None or spec.throttle is not None:
+        if spec.debounce is not None or spec.throttle is not None or spec.unique is not None:
             keyed = by_key.option(spec, s)
         if job_id is None:
             # a concurrency key's count and waiting jobs live in one shard, so its jobs do too
             # (and their idempotency records: the idempotency key is then scoped to it)
-            if keyed is not None:  # so do a debounce or throttle key's (engine/keyed.py)
+            if keyed is not None:  # so do a debounce, throttle or unique key's (engine/keyed.py)
                 shard: int | None = by_key.shard(self.keys, tenant, queue, spec.type, keyed)
             elif ckey:
                 shard = self.keys.shard_for(tenant, "\x01ck", ckey)
@@ -291,12 +291,14 @@ class Producer:
         callback: CallbackSpec | str | None = None,
         debounce: Debounce | Mapping[str, Any] | None = None,
         throttle: Throttle | Mapping[str, Any] | None = None,
+        unique: Unique | Mapping[str, Any] | None = None,
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
         returns the original job (``created`` False); with another, ``IdempotencyConflict``.
         Given a task, its queue and attempts are the defaults. ``depends_on``: ids (or one) it
         waits for. ``callback``: the job's own webhook (a URL alone: its terminal state).
-        ``debounce``, ``throttle``: docs/debounce-throttle.md (``Throttled`` when refused)."""
+        ``debounce``, ``throttle``, ``unique``: docs/debounce-throttle.md (``Throttled`` when
+        refused; a unique key's job unfinished: that job, ``created`` False)."""
         if not isinstance(type, str):
             if not hasattr(type, "infos"):  # checked by prepare() as any bad name is
                 raise InvalidRequest(f"type {str(type)[:140]!r} is not a task name", field="type")
@@ -327,6 +329,7 @@ class Producer:
             callback=CallbackSpec(url=callback) if isinstance(callback, str) else callback,
             debounce=by_key.as_option(debounce, Debounce, "debounce"),
             throttle=by_key.as_option(throttle, Throttle, "throttle"),
+            unique=by_key.as_option(unique, Unique, "unique"),
         )
         (result,) = await self.submit_many([spec], tenant=tenant)
         if isinstance(result, Exception):

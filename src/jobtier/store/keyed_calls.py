@@ -1,4 +1,4 @@
-"""keyed.lua's call: one job submitted under a debounce or throttle key
+"""keyed.lua's call: one job submitted under a debounce, throttle or unique key
 (docs/debounce-throttle.md). A submit with such a key goes alone in its call; the key's
 record and the job live in one shard, which the job's id names (engine/keyed.py)."""
 
@@ -31,12 +31,14 @@ def keyed_call(
     ]
     if option.kind == "throttle":
         args += [item.idempotency_key, item.request_hash, idem_ttl_ms]
+    elif option.kind == "unique":  # a unique job may have a run-at or a delay
+        args += [item.run_at_ms, item.delay_ms]
     return ("keyed", shard, args)
 
 
 @dataclass(frozen=True, slots=True)
 class KeyedOutcome:
-    outcome: str  # 'created' | 'replaced' | 'refused' | 'duplicate' | 'conflict'
+    outcome: str  # 'created' | 'replaced' | 'refused' | 'duplicate' | 'conflict' | 'existing'
     job_id: str
     doc: bytes
     ms: int  # created, replaced: when the job runs; refused: ms until a slot is free
@@ -49,7 +51,8 @@ def parse_keyed(reply: list[Any]) -> KeyedOutcome:
 
 def as_submit_outcome(option: KeyedOption, got: KeyedOutcome) -> SubmitOutcome:
     """The outcome as a plain submit's: created (OK); the key's pending job, which took this
-    payload, or an idempotent repeat's job (DUPLICATE: a job made by an earlier submit); the
+    payload, a unique key's unfinished job, or an idempotent repeat's job (DUPLICATE: a job
+    made by an earlier submit); the
     idempotency key used by another request (IDEMPOTENCY_CONFLICT); ``Throttled`` when
     refused."""
     if got.outcome == "refused":
@@ -63,6 +66,7 @@ _CODES = {
     "created": Code.OK,
     "replaced": Code.DUPLICATE,
     "duplicate": Code.DUPLICATE,
+    "existing": Code.DUPLICATE,
     "conflict": Code.IDEMPOTENCY_CONFLICT,
 }
 

@@ -641,9 +641,16 @@ end
 
 -- j reached a terminal state: its hash expires (Postgres keeps the record), and its flow
 -- hand-offs are made in this same script (a crash cannot separate them from the transition).
+-- A unique key's job ('U': keyed.lua) frees its key, unless a later job of the key has it.
 local function finish(j, ttl)
   redis.call('EXPIRE', j._key, ttl)
   if j.wf ~= '' then
+    if string.find(j.wf, 'U', 1, true) then
+      local uq = redis.call('HGET', j._key, 'uq')
+      if uq and redis.call('GET', uq) == j.id then
+        redis.call('DEL', uq)
+      end
+    end
     flow_finished(j, ttl)
   end
 end
