@@ -451,3 +451,41 @@ async def test_the_cli_manages_schedules_by_name(pg_api: ApiServer, queue: Queue
     assert code == 0 and out.splitlines()[-1] == "more: --after a"
     code, out, _ = await cli("schedules", "list", "--after", "a")
     assert code == 0 and len(out.splitlines()) == 2 and " b " in out
+
+
+async def test_a_tenants_schedule_changes_are_in_the_audit(pg_api: ApiServer) -> None:
+    """Create, change, pause, resume, run now and delete with a tenant's key, and a refused
+    change: each is an audit record of the schedule, by the tenant's key's fingerprint (never
+    the key), newest first; another tenant's try at it is a 404 recorded as that tenant's."""
+    async with pg_api.client() as c, pg_api.client("admin") as admin:
+        sid = (await c.post("/v1/schedules", json=NIGHTLY)).json()["id"]
+        assert (await c.patch(f"/v1/schedules/{sid}", json={"priority": "high"})).status_code == 200
+        bad = await c.patch(f"/v1/schedules/{sid}", json={"cron": "61 * * * *"})
+        assert bad.status_code == 422
+        assert (await c.post(f"/v1/schedules/{sid}/pause")).status_code == 200
+        assert (await c.post(f"/v1/schedules/{sid}/resume")).status_code == 200
+        ran = await c.post(f"/v1/schedules/{sid}/run")
+        assert ran.status_code == 202
+        async with pg_api.client("globex") as other:
+            assert (await other.delete(f"/v1/schedules/{sid}")).status_code == 404
+        assert (await c.delete(f"/v1/schedules/{sid}")).status_code == 204
+        page = (await admin.get("/v1/admin/audit", params={"target": sid})).json()["records"]
+    got = [(r["action"], r["status"], r["actor"].rsplit(":", 1)[0]) for r in reversed(page)]
+    assert got == [
+        ("schedule.create", 200, "tenant:acme"),
+        ("schedule.change", 200, "tenant:acme"),
+        ("schedule.change", 422, "tenant:acme"),
+        ("schedule.pause", 200, "tenant:acme"),
+        ("schedule.resume", 200, "tenant:acme"),
+        ("schedule.run", 202, "tenant:acme"),
+        ("schedule.delete", 404, "tenant:globex"),
+        ("schedule.delete", 200, "tenant:acme"),
+    ]
+    by_action = {(r["action"], r["status"]): r["detail"] for r in page}
+    assert by_action[("schedule.change", 200)] == {"name": "nightly", "fields": ["priority"]}
+    assert by_action[("schedule.run", 202)] == {
+        "name": "nightly",
+        "job_id": ran.json()["id"],
+        "created": True,
+    }
+    assert all(KEYS["acme"] not in r["actor"] for r in page)

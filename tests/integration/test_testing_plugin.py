@@ -249,6 +249,23 @@ async def test_fast_forward_runs_delayed_jobs_and_every_retry_without_waiting(
     assert done[elsewhere].state == "queued"  # promoted; its queue's workers run it
 
 
+chained: list[Queue] = []  # the queue a task below submits its next job to
+
+
+@task(queue="chained")
+async def forever(ctx: JobContext, payload: Any) -> None:
+    await chained[0].submit(forever, None, delay=60)  # each run schedules the next
+
+
+async def test_fast_forward_of_a_task_that_reschedules_itself_ends_at_its_timeout(
+    jobtier_queue: Queue, jobtier_worker: BurstWorker
+) -> None:
+    chained[:] = [jobtier_queue]
+    await jobtier_queue.submit(forever, delay=60)
+    with pytest.raises(TimeoutError, match=r"fast_forward was still finding scheduled jobs"):
+        await jobtier_worker([forever], fast_forward=True, timeout=1.5)
+
+
 @pytest.mark.parametrize("t", [until_cancelled, until_cancelled_sync], ids=["async", "sync"])
 async def test_a_cancel_ends_a_running_job_as_run_task_says(
     jobtier_queue: Queue, jobtier_worker: BurstWorker, t: Task

@@ -31,6 +31,20 @@ async def later(ctx: JobContext, payload: Any) -> None:
     raise Retry(delay=60)  # started, then scheduled again: not finished
 
 
+released: asyncio.Event | None = None  # each test's own (an Event is bound to its loop)
+
+
+@task(queue="reindex")
+async def held_up(ctx: JobContext, payload: Any) -> None:
+    assert released is not None
+    await released.wait()  # running until the test lets it end
+
+
+@task(queue="reindex", retries=0)
+async def broken(ctx: JobContext, payload: Any) -> None:
+    raise RuntimeError("fails for good")
+
+
 async def record(queue: Queue, job_id: str, key: str, tenant: str = "default") -> Any:
     """The key's record: the job it names (None: the key is free)."""
     base = queue.keys.log(queue.keys.shard_of(job_id)).rpartition("log")[0]
@@ -61,7 +75,7 @@ async def test_a_submit_while_the_keys_job_has_not_finished_answers_that_job(
 
 
 @pytest.mark.parametrize("until", ["finished", "started"])
-async def test_until_finished_holds_through_a_retry_and_until_started_does_not(
+async def test_a_job_waiting_for_its_retry_holds_its_key_in_both_modes(
     queue: Queue, background: Background, until: str
 ) -> None:
     first = await queue.submit(later, 1, unique={"key": "k", "until": until})
@@ -73,14 +87,66 @@ async def test_until_finished_holds_through_a_retry_and_until_started_does_not(
 
     await wait_for(retrying)
     again = await queue.submit(later, 2, unique={"key": "k", "until": until})
-    if until == "finished":
-        assert not again.created and again.job_id == first.job_id
-        return
-    assert again.created and again.job_id != first.job_id
-    assert await record(queue, first.job_id, "k") == again.job_id
-    # the first job's end does not free the key, which names the second
-    await queue.cancel(first.job_id)
-    assert await record(queue, first.job_id, "k") == again.job_id
+    assert not again.created and again.job_id == first.job_id
+
+
+async def test_a_running_job_holds_its_key_by_its_own_mode(
+    queue: Queue, background: Background
+) -> None:
+    """Running, a job of until "started" lets a second in, one of "finished" does not; a
+    submit's own mode does not change who holds the key (a "started" submit does not take it
+    from a running "finished" job); an older job's end does not free a key a newer one has."""
+    global released
+    released = asyncio.Event()
+    background.start(worker_for(queue, TaskRegistry([held_up])))
+    waits = await queue.submit(held_up, 1, unique={"key": "w", "until": "started"})
+    holds = await queue.submit(held_up, 2, unique={"key": "h"})
+
+    async def running() -> bool:
+        states = [(await queue.status(j.job_id)).state for j in (waits, holds)]
+        return states == [State.RUNNING] * 2
+
+    await wait_for(running)
+    second = await queue.submit(held_up, 3, unique={"key": "w", "until": "started"})
+    assert second.created and second.job_id != waits.job_id
+    for mode in ("started", "finished"):
+        same = await queue.submit(held_up, 4, unique={"key": "h", "until": mode})
+        assert not same.created and same.job_id == holds.job_id, mode
+    released.set()
+
+    async def ended() -> bool:
+        return (await queue.status(waits.job_id)).state is State.SUCCEEDED
+
+    await wait_for(ended)
+    # the first's end left the key to the second, which then ran and ended too (or runs)
+    assert await record(queue, waits.job_id, "w") in (second.job_id, None)
+
+
+async def test_a_replayed_unique_job_takes_its_key_back_unless_another_holds_it(
+    queue: Queue, background: Background
+) -> None:
+    from jobtier.core.errors import TransitionRefused
+
+    background.start(worker_for(queue, TaskRegistry([broken])))
+    first = await queue.submit(broken, 1, unique={"key": "k"})
+
+    async def dead() -> bool:
+        return (await queue.status(first.job_id)).state is State.FAILED
+
+    await wait_for(dead)
+    await background.stop()  # the replayed job waits in its queue
+    assert await record(queue, first.job_id, "k") is None  # its failure freed the key
+    second = await queue.submit(broken, 2, delay=3600, unique={"key": "k"})
+    assert second.created
+    with pytest.raises(TransitionRefused) as refused:
+        await queue.jobs.replay(first.job_id)
+    assert refused.value.reason and second.job_id in refused.value.reason
+    assert (await queue.status(first.job_id)).state is State.FAILED  # unchanged
+    await queue.cancel(second.job_id)
+    await queue.jobs.replay(first.job_id)  # the key is free: it takes it back
+    assert await record(queue, first.job_id, "k") == first.job_id
+    again = await queue.submit(broken, 3, unique={"key": "k"})
+    assert again.job_id == first.job_id and not again.created
 
 
 async def test_a_delayed_unique_job_holds_its_key_until_cancelled(queue: Queue) -> None:

@@ -60,8 +60,8 @@ async def replay_one(request: Request) -> Response:
             doc = await queue.jobs.replay_doc(job_id)
         except JobNotFound:
             raise job_not_found(job_id) from None
-        except TransitionRefused:
-            detail = f"job {job_id} is not in the dead-letter set"
+        except TransitionRefused as exc:
+            detail = exc.reason or f"job {job_id} is not in the dead-letter set"
             raise Problem(409, "wrong-state", detail) from None
     return DocResponse(doc)
 

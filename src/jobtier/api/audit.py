@@ -1,9 +1,12 @@
-"""The audit of admin actions: a log line each (``event=admin_action``), and a row in Postgres.
+"""The audit of admin actions, and of tenants' changes to their schedules: a log line each
+(``event=admin_action``, ``event=tenant_action``), and a row in Postgres.
 
 Every route that changes something with the admin key runs its action inside
 ``audited(request, action, target)``: once the action is done, refused or failed, the record
 says who (``admin:<fingerprint>``, never the key), when, what, on what, the HTTP status
-answered and what it did. The answer goes out only after the record is stored.
+answered and what it did. The answer goes out only after the record is stored. A schedule's
+routes do the same with a tenant's key (``tenant:<tenant>:<fingerprint>``): who changed the
+nightly schedule is an operator's question.
 
 When Postgres is down the action still runs (an operator may need to pause a queue during an
 outage) and its record waits in Redis (``jt:audit:pending``) until a later action or audit read
@@ -34,9 +37,7 @@ log = logging.getLogger("jobtier.audit")
 FLUSH_BATCH = 100  # deferred records written per action (a backlog drains over a few)
 _encode = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder(AuditRecord)
-_ADMIN_ACTION = (
-    "event=admin_action id=%s actor=%s action=%s target=%s status=%d source=%s detail=%s"
-)
+_ACTION = "event=%s id=%s actor=%s action=%s target=%s status=%d source=%s detail=%s"
 
 
 def fingerprint(key: str) -> str:
@@ -49,20 +50,31 @@ def actor_of(request: Request) -> str:
     return fingerprint(bearer_key(raw_header(request, b"authorization")) or "")
 
 
+def tenant_actor(request: Request, tenant: str) -> str:
+    """Who a tenant's key is in the audit: ``tenant:<tenant>:`` and 12 hex digits of it (a
+    tenant may have several keys; call after ``tenant_of``)."""
+    key = bearer_key(raw_header(request, b"authorization")) or ""
+    return f"tenant:{tenant}:" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
 @dataclass
 class Outcome:
     """What an audited action sets: its answer's status (200 unless it raised) and detail."""
 
     status: int = 200
     detail: Any = None
+    actor: str | None = None  # a tenant's (tenant_actor); None: the admin key's
 
 
 @contextlib.asynccontextmanager
-async def audited(request: Request, action: str, target: str) -> AsyncIterator[Outcome]:
+async def audited(
+    request: Request, action: str, target: str, actor: str | None = None
+) -> AsyncIterator[Outcome]:
     """Run an admin action in the block, then record it; the block sets ``outcome.detail``.
     A ``Problem`` it raises is recorded with its status, any other error as 503 (a backend
-    outage: it may or may not have taken effect) or 500; either is raised on."""
-    outcome = Outcome()
+    outage: it may or may not have taken effect) or 500; either is raised on. ``actor``: a
+    tenant's (``tenant_actor``), else the admin key's."""
+    outcome = Outcome(actor=actor)
     try:
         yield outcome
     except Problem as exc:
@@ -84,7 +96,7 @@ async def record(request: Request, action: str, target: str, outcome: Outcome) -
     rec = AuditRecord(
         id=ulid(),
         at=datetime.now(UTC),
-        actor=actor_of(request),
+        actor=outcome.actor or actor_of(request),
         action=action,
         target=target,
         status=outcome.status,
@@ -92,8 +104,9 @@ async def record(request: Request, action: str, target: str, outcome: Outcome) -
         source=request.client.host if request.client else None,
     )
     detail = _encode.encode(rec.detail).decode()
+    event = "tenant_action" if outcome.actor else "admin_action"
     log.info(
-        _ADMIN_ACTION, rec.id, rec.actor, rec.action, rec.target, rec.status, rec.source, detail
+        _ACTION, event, rec.id, rec.actor, rec.action, rec.target, rec.status, rec.source, detail
     )
     store: AuditStore | None = getattr(request.state, "audit_store", None)
     if store is None:

@@ -83,7 +83,7 @@ async def transition(
             current = await queue.jobs.status_doc(job_id, tenant)
         except JobNotFound:  # expired between the two reads
             raise job_not_found(job_id) from None
-        detail = refused(job_id, doc_state(current))
+        detail = exc.reason or refused(job_id, doc_state(current))
         raise Problem(409, "wrong-state", detail, job=orjson.loads(current)) from exc
 
 

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from jobtier.api import spec as oa
+from jobtier.api.audit import audited, tenant_actor
 from jobtier.api.auth import raw_header, tenant_of
 from jobtier.api.http import decode_body, encoded, invalid, path_id, read_json_body
 from jobtier.api.jobs import submit_one
@@ -86,8 +87,21 @@ LIST_PARAMS = [
 ]
 
 
+def _audited(request: Request, action: str, tenant: str, schedule_id: str) -> Any:
+    """A tenant's change to a schedule, in the audit as an admin action is (api/audit.py)."""
+    return audited(request, action, schedule_id, tenant_actor(request, tenant))
+
+
 async def create(request: Request) -> Response:
     tenant = tenant_of(request)
+    schedule_id = new_schedule_id()
+    async with _audited(request, "schedule.create", tenant, schedule_id) as outcome:
+        made = await _create(request, tenant, schedule_id)
+        outcome.detail = {"name": made.name}
+    return encoded(made, 201)
+
+
+async def _create(request: Request, tenant: str, schedule_id: str) -> Schedule:
     settings: Settings = request.state.settings
     spec: ScheduleSpec = decode_body(_spec_decoder, await read_json_body(request))
     try:
@@ -102,7 +116,7 @@ async def create(request: Request) -> Response:
     at = to_datetime(created) or datetime.now(UTC)
     given = msgspec.structs.asdict(spec) | {"queue": queue, "max_attempts": max_attempts}
     given |= {"next_fire_at": None, "last_fired_at": None, "created_at": at, "updated_at": at}
-    schedule = Schedule(**given, id=new_schedule_id(), tenant=tenant)
+    schedule = Schedule(**given, id=schedule_id, tenant=tenant)
     definition = mirror_def(schedule, settings.default_max_attempts)
     first = definition.timing().next_after(created)
     store = _store(request)
@@ -123,7 +137,7 @@ async def create(request: Request) -> Response:
     except Exception:
         await store.delete(schedule.id, tenant)  # nothing half-made stays behind
         raise
-    return encoded(schedule, 201)
+    return schedule
 
 
 def _duplicate(name: str) -> Problem:
@@ -179,7 +193,7 @@ async def _locked(request: Request, tenant: str) -> AsyncIterator[Locked]:
         raise Problem(503, "unavailable", detail, headers={"retry-after": "1"}) from None
 
 
-async def _change(request: Request, make: Callable[[Schedule], Awaitable[Made]]) -> Response:
+async def _change(request: Request, make: Callable[[Schedule], Awaitable[Made]]) -> Schedule:
     """Change the path's schedule as ``make`` says (from the schedule as it is): the schedule,
     its payload's JSON and whether its slots start again from now (else its next firing is
     left as Redis has it). Postgres's row is locked until Redis's copy is written too, so
@@ -206,7 +220,7 @@ async def _change(request: Request, make: Callable[[Schedule], Awaitable[Made]])
             raise Problem(409, "conflict", detail, field="name") from None
         rev = revision(saved)
         await mirror.put(saved.id, definition, payload, next_ms, saved.paused, rev, keep_next=keep)
-    return await _one(request, saved)
+    return saved
 
 
 async def _set_paused(request: Request, paused: bool) -> Response:
@@ -218,7 +232,13 @@ async def _set_paused(request: Request, paused: bool) -> Response:
         changed = msgspec.structs.replace(found, paused=paused)
         return changed, msgspec.json.encode(found.payload), not paused
 
-    return await _change(request, make)
+    tenant, schedule_id = _path(request)
+    async with _audited(
+        request, "schedule.pause" if paused else "schedule.resume", tenant, schedule_id
+    ) as outcome:
+        saved = await _change(request, make)
+        outcome.detail = {"name": saved.name}
+    return await _one(request, saved)
 
 
 async def update(request: Request) -> Response:
@@ -240,13 +260,27 @@ async def update(request: Request) -> Response:
         anew = change.moves_timing(found, spec) or (found.paused and not spec.paused)
         return changed, payload, anew
 
-    return await _change(request, make)
+    tenant, schedule_id = _path(request)
+    async with _audited(request, "schedule.change", tenant, schedule_id) as outcome:
+        saved = await _change(request, make)
+        outcome.detail = {"name": saved.name, "fields": sorted(change.given())}
+    return await _one(request, saved)
 
 
 async def run_now(request: Request) -> Response:
     """One job from the schedule now, as its slots' are made (type, payload, priority, queue,
     attempts), whether it is paused or not; its slots do not change. The answer is a
     submit's."""
+    tenant, schedule_id = _path(request)
+    async with _audited(request, "schedule.run", tenant, schedule_id) as outcome:
+        name, response = await _run(request)
+        job = response.headers.get("location", "").rpartition("/")[2]
+        outcome.status = response.status_code
+        outcome.detail = {"name": name, "job_id": job, "created": response.status_code == 202}
+    return response
+
+
+async def _run(request: Request) -> tuple[str, Response]:
     tenant, found = await _found(request)
     if (await read_json_body(request)).strip() not in (b"", b"{}"):
         detail = "a run takes no body: its job is the schedule's (change the schedule first)"
@@ -267,7 +301,7 @@ async def run_now(request: Request) -> Response:
         queue=found.queue,
         idempotency_key=key,
     )
-    return await submit_one(request, tenant, spec)
+    return found.name, await submit_one(request, tenant, spec)
 
 
 async def pause(request: Request) -> Response:
@@ -279,11 +313,20 @@ async def resume(request: Request) -> Response:
 
 
 async def delete(request: Request) -> Response:
-    # locked as a change is: a change under way is waited for, not undone by its Redis write
-    async with _locked(request, tenant_of(request)) as locked:
-        await _mirror(request).remove(locked.schedule.id)  # first: it must not fire again
-        await locked.delete()
+    tenant, schedule_id = _path(request)
+    async with _audited(request, "schedule.delete", tenant, schedule_id) as outcome:
+        # locked as a change is: a change under way is waited for, not undone by its Redis
+        # write
+        async with _locked(request, tenant) as locked:
+            await _mirror(request).remove(locked.schedule.id)  # first: it must not fire again
+            await locked.delete()
+        outcome.detail = {"name": locked.schedule.name}
     return Response(status_code=204)
+
+
+def _path(request: Request) -> tuple[str, str]:
+    """The request's tenant and the path's schedule id (a 404 for a malformed one)."""
+    return tenant_of(request), path_id(request, "schedule_id", ULID_RE, "schedule")
 
 
 def operations(settings: Settings) -> oa.Paths:

@@ -54,10 +54,14 @@ class JobNotFound(JobtierError, LookupError):
 class TransitionRefused(JobtierError):
     """A script refused a transition; ``code`` says why."""
 
-    def __init__(self, code: Code, job_id: str, detail: str = "") -> None:
+    def __init__(
+        self, code: Code, job_id: str, detail: str = "", *, reason: str | None = None
+    ) -> None:
         super().__init__(f"{code.name.lower()}: job {job_id}{' ' + detail if detail else ''}")
         self.code = code
         self.job_id = job_id
+        # why, when not the job's state (the API answers it rather than its own wording)
+        self.reason = reason
 
 
 class IdempotencyConflict(JobtierError):

@@ -28,4 +28,7 @@ AUDIT_ACTIONS = (
     "job.cancel", "job.promote", "job.replay", "dead_letters.replay", "queue.pause",
     "queue.resume", "queue.unblock", "queue.limits", "queue.purge", "breaker.open",
     "breaker.close",
+    # a tenant's changes to its schedules (api/schedules.py)
+    "schedule.create", "schedule.change", "schedule.pause", "schedule.resume",
+    "schedule.delete", "schedule.run",
 )  # fmt: skip

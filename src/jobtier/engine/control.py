@@ -119,7 +119,11 @@ class JobControl:
         """``replay``, returning the status document as stored."""
         self._check_id(job_id)
         shard = self.store.keys.shard_of(job_id)
-        reply = await self.store.scripts.replay(shard, tenant or "", job_id)
+        code, doc = reply = await self.store.scripts.replay(shard, tenant or "", job_id)
+        if code is Code.EXISTS:  # replay.lua: its unique key is another job's
+            holder = bytes(doc).decode()
+            why = f"its unique key is held by job {holder}: replay it once that job has finished"
+            raise TransitionRefused(code, job_id, why, reason=f"job {job_id}: {why}")
         return _changed(job_id, reply, "is not in the dead-letter set")
 
     async def promote(self, job_id: str, tenant: str | None = None) -> JobStatus:

@@ -79,12 +79,24 @@ class BurstWorker:
         stats = WorkerStats()  # the bursts' together
         resolver = Resolver(self.queue.store, name="jobtier-testing")
         options = dict(worker_options, concurrency=concurrency, burst=True, stats=stats)
+        rounds = promoted = 0
         while True:
             worker = Worker(self.queue.store, registry, **options)
-            await self._burst(worker, max(deadline - loop.time(), 0.0), timeout)
+            try:
+                await self._burst(worker, max(deadline - loop.time(), 0.0), timeout)
+            except TimeoutError as exc:
+                if not promoted:
+                    raise
+                raise TimeoutError(
+                    f"fast_forward was still finding scheduled jobs after {timeout:g}s "
+                    f"({rounds} rounds, {promoted} jobs promoted): does a task reschedule "
+                    "itself (Retry, RateLimited, a submit with a delay) every attempt?"
+                ) from exc
             told = await resolver.drain()  # dependents of the finished jobs made ready
-            if not told and not (fast_forward and await self.promote_scheduled()):
+            now = await self.promote_scheduled() if fast_forward and not told else 0
+            if not told and not now:
                 return stats  # nothing more to run
+            rounds, promoted = rounds + 1, promoted + now
 
     async def promote_scheduled(self) -> int:
         """Make every scheduled job ready now (``fast_forward``); returns how many. One that
@@ -114,8 +126,12 @@ class BurstWorker:
             running = sorted(worker.state.running)
             worker.stop()
             await run
+            jobs = (
+                f"with job(s) {', '.join(running[:10])} (released back to their queues)"
+                if running
+                else "between its jobs"
+            )
             raise TimeoutError(
-                f"the burst worker was still running after {timeout:g}s, with job(s) "
-                f"{', '.join(running[:10])} (released back to their queues): does a task hang?"
+                f"the burst worker was still running after {timeout:g}s, {jobs}: does a task hang?"
             )
         run.result()

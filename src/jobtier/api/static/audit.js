@@ -54,6 +54,9 @@ const ACTION_WORDS = {
   "queue.pause": "paused a queue", "queue.resume": "resumed a queue", "queue.unblock": "lifted a queue's RateLimited block", "queue.purge": "purged a queue",
   "queue.limits": "set a queue's limits", "breaker.open": "opened a circuit breaker",
   "breaker.close": "closed a circuit breaker",
+  "schedule.create": "created a schedule", "schedule.change": "changed a schedule",
+  "schedule.pause": "paused a schedule", "schedule.resume": "resumed a schedule",
+  "schedule.delete": "deleted a schedule", "schedule.run": "ran a schedule now",
 };
 
 function auditTable(records, { target }) {

@@ -11,8 +11,8 @@
 -- ARGV[10] kind: 'debounce' | 'throttle' | 'unique'
 -- ARGV[11] key, as given (the key names below scope it to the tenant, and a debounce key to
 --          the queue and type too)
---   unique    ARGV[12] '1': until the key's job finishes, '0': until it starts; ARGV[13]
---             run-at ms, ARGV[14] delay ms (0: none; as submit.lua's)
+--   unique    ARGV[12] '1': the job it makes holds the key until it finishes, '0': while it
+--             waits to run; ARGV[13] run-at ms, ARGV[14] delay ms (0: none; as submit.lua's)
 --   debounce  ARGV[12] quiet period ms, ARGV[13] most total delay ms (0: none)
 --   throttle  ARGV[12] limit, ARGV[13] period ms, ARGV[14] 'refuse' | 'delay',
 --             ARGV[15] the furthest a 'delay' may put the job, ms (further: refused),
@@ -27,8 +27,8 @@
 --   duplicate throttle: the idempotency key was used by the same request: that job, its doc
 --             (no slot taken)
 --   conflict  throttle: the idempotency key was used by another request: that job's id, ''
---   existing  unique: the key's job has not finished (not started), so no job was made: that
---             job, its doc, unchanged
+--   existing  unique: a job holds the key (by its own mode: lib.lua unique_holder), so no job
+--             was made: that job, its doc, unchanged
 --
 -- jt:{s}:db:<tenant>:<queue>:<type> <key> (hash; a type has no space, nor has a key): 'id'
 -- the pending job, 'first' when its first submit came (ms: max_wait counts from it). It outlives the job's due time, never less:
@@ -37,9 +37,10 @@
 -- last period and of the future (delayed jobs). Slots are handed out in time order, so no
 -- window of `period` ever holds more than `limit` of them.
 -- jt:{s}:uq:<tenant>:<key> (string): the key's job, the latest made. The job carries the
--- record's name ('uq', and 'U' in its flags), and lib.lua's finish deletes the record when
--- that job ends (if it still names it): no expiry, which could let a second job in while the
--- first still waits.
+-- record's name ('uq') and its mode in its flags ('U' until it finishes, 'u' while it waits),
+-- and lib.lua's finish deletes the record when that job ends (if it still names it): no
+-- expiry, which could let a second job in while the first still waits. A replayed job takes
+-- its key back (replay.lua).
 --!include lib.lua
 
 local trace = ARGV[2]
@@ -136,14 +137,11 @@ elseif kind == 'throttle' then
   flush()
   return {'created', id, doc, slot}
 elseif kind == 'unique' then
-  local until_finished = ARGV[12] == '1'
+  local mode = ARGV[12] == '1' and 'U' or 'u'
   local run_at, delay = tonumber(ARGV[13]), tonumber(ARGV[14])
   local uq = BASE .. 'uq:' .. tenant .. ':' .. key
-  local held = redis.call('GET', uq)
-  local j = held and load(held)
-  -- not started: queued or delayed, never claimed (a scheduled retry has run, as debounce's)
-  if j and not TERMINAL[j.state] and (until_finished or (j.lease_version == '0'
-      and (j.state == 'queued' or j.state == 'scheduled'))) then
+  local j = unique_holder(uq)
+  if j then
     local _, doc = status_of(j._key)
     return {'existing', j.id, doc or '', 0}
   end
@@ -153,7 +151,7 @@ elseif kind == 'unique' then
   elseif delay > 0 then
     due = NOW + delay
   end
-  NEW_FIELDS = {'wf', 'U', 'uq', uq}
+  NEW_FIELDS = {'wf', mode, 'uq', uq}
   local doc = create(due)
   NEW_FIELDS = nil
   redis.call('SET', uq, id)

@@ -641,11 +641,12 @@ end
 
 -- j reached a terminal state: its hash expires (Postgres keeps the record), and its flow
 -- hand-offs are made in this same script (a crash cannot separate them from the transition).
--- A unique key's job ('U': keyed.lua) frees its key, unless a later job of the key has it.
+-- A unique key's job ('U' or 'u': keyed.lua) frees its key, unless a later job of the key has
+-- it.
 local function finish(j, ttl)
   redis.call('EXPIRE', j._key, ttl)
   if j.wf ~= '' then
-    if string.find(j.wf, 'U', 1, true) then
+    if string.find(j.wf, '[Uu]') then
       local uq = redis.call('HGET', j._key, 'uq')
       if uq and redis.call('GET', uq) == j.id then
         redis.call('DEL', uq)
@@ -740,6 +741,18 @@ local STATE_MARK = {succeeded = 's', failed = 'f', cancelled = 'c', missing = 'm
 
 local function has_flag(j, flag)
   return j.wf ~= '' and string.find(j.wf, flag, 1, true) ~= nil
+end
+
+-- The job that holds a unique key, its record `uq` (keyed.lua), or nil: the job the record
+-- names, if it lives and holds it by its own mode ('U': until it finishes; 'u': while it
+-- waits to run, queued or scheduled, for its first attempt or a later one).
+local function unique_holder(uq)
+  local held = redis.call('GET', uq)
+  local j = held and load(held)
+  if j and not TERMINAL[j.state] and (has_flag(j, 'U') or j.state ~= 'running') then
+    return j
+  end
+  return nil
 end
 
 -- One hand-off in this shard's flow stream: kind 'r' (`source` finished in `state`, with

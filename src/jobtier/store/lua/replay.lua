@@ -5,7 +5,9 @@
 -- ARGV[1]  shard key base, jt:{s}:
 -- ARGV[2]  tenant ('' = any: admin)
 -- ARGV[3]  job id
--- Returns  {code, status document}: OK, NOT_FOUND, WRONG_STATE (not failed)
+-- Returns  {code, status document}: OK, NOT_FOUND, WRONG_STATE (not failed); {EXISTS, id}:
+--          its unique key (keyed.lua) is held by job `id`, which a replay must not run beside
+--          (a replayed unique job takes its key back: its failure freed it)
 --!include lib.lua
 
 local tenant, id = ARGV[2], ARGV[3]
@@ -15,6 +17,16 @@ if not j or (tenant ~= '' and j.tenant ~= tenant) then
 end
 if j.state ~= 'failed' then
   return {WRONG_STATE, (select(2, status_of(job_key(id))))}
+end
+if string.find(j.wf, '[Uu]') then
+  local uq = redis.call('HGET', j._key, 'uq')
+  if uq then
+    local holder = unique_holder(uq)
+    if holder and holder.id ~= id then
+      return {EXISTS, holder.id}
+    end
+    redis.call('SET', uq, id)
+  end
 end
 redis.call('ZREM', BASE .. 'dead', id)
 redis.call('PERSIST', job_key(id))
