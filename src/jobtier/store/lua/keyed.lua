@@ -138,19 +138,13 @@ elseif kind == 'throttle' then
   return {'created', id, doc, slot}
 elseif kind == 'unique' then
   local mode = ARGV[12] == '1' and 'U' or 'u'
-  local run_at, delay = tonumber(ARGV[13]), tonumber(ARGV[14])
   local uq = BASE .. 'uq:' .. tenant .. ':' .. key
   local j = unique_holder(uq)
   if j then
     local _, doc = status_of(j._key)
     return {'existing', j.id, doc or '', 0}
   end
-  local due = ''
-  if run_at > 0 then
-    due = run_at
-  elseif delay > 0 then
-    due = NOW + delay
-  end
+  local due = due_of(tonumber(ARGV[13]), tonumber(ARGV[14]))
   NEW_FIELDS = {'wf', mode, 'uq', uq}
   local doc = create(due)
   NEW_FIELDS = nil

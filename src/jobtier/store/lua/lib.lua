@@ -573,6 +573,17 @@ local flow_create, flow_finished
 -- written by the same HSET; begin() clears it
 local NEW_FIELDS
 
+-- When a submitted job is due: its run-at (ms), else now plus its delay (ms), else '' (no
+-- time of its own: now). 0 is none for either.
+local function due_of(run_at, delay)
+  if run_at > 0 then
+    return run_at
+  elseif delay > 0 then
+    return NOW + delay
+  end
+  return ''
+end
+
 -- A new job: queued, or scheduled when `due` (ms, '' for none) is in the future, or waiting
 -- when `flow` (JSON, '' or nil for none: see flow_create) gives it dependencies. `trace`: the
 -- W3C traceparent of the submit ('tp'; '' or nil for none: an untraced job stores nothing).

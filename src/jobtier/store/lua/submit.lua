@@ -69,13 +69,7 @@ for i = 0, n - 1 do
     out[#out + 1], out[#out + 2], out[#out + 3] = code, id, doc or ''
   end
   if code == OK then
-    local run_at, delay = tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8])
-    local due = ''
-    if run_at > 0 then
-      due = run_at
-    elseif delay > 0 then
-      due = NOW + delay
-    end
+    local due = due_of(tonumber(ARGV[a + 7]), tonumber(ARGV[a + 8]))
     if idem ~= '' then
       redis.call('SET', idem_key, id .. ' ' .. hash, 'PX', idem_ttl)
     end
