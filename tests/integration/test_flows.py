@@ -18,7 +18,7 @@ from jobtier.core.model import ClaimedJob, FlowJob, JobSpec, State
 from jobtier.engine.queue import Queue
 from jobtier.flows import chain, fan_in
 from jobtier.flows.resolver import Resolver
-from jobtier.store.calls import fail_call, parse_pairs, reclaim_call
+from jobtier.store.calls import fail_call, parse_pairs, promote_call, reclaim_call
 from tests.fixtures.engine import wait_for
 from tests.fixtures.redis import StreamEntries, logged
 from tests.flows_helpers import run_flows, statuses, transitions
@@ -606,3 +606,30 @@ async def test_the_compensation_is_in_the_same_script_as_the_failure(fq: Queue) 
     assert comp2 is not None
     payload = await fq.jobs.payload(comp2)
     assert payload["error"]["type"] == "LeaseExpired"
+
+
+@pytest.mark.parametrize(
+    "keyed",
+    [
+        {"throttle": {"key": "t", "limit": 5, "period": 60}},
+        {"unique": {"key": "u"}},
+        {"debounce": {"key": "d", "seconds": 0.001}},
+    ],
+    ids=["throttle", "unique", "debounce"],
+)
+async def test_a_keyed_job_that_fails_for_good_is_compensated(
+    fq: Queue, keyed: dict[str, Any]
+) -> None:
+    """A job submitted under a throttle, unique or debounce key is created by keyed.lua, not
+    submit.lua: its compensation is made all the same when it fails for good."""
+    bad = await fq.submit("charge", {"card": "stolen", "fail": True}, max_attempts=1, **keyed)
+    if "debounce" in keyed:  # due a millisecond on: made ready as the scheduler would
+        shard = fq.keys.shard_of(bad.job_id)
+        await fq.redis.zadd(fq.keys.sched(shard), {bad.job_id: 0})
+        await fq.scripts.call(*promote_call(shard, 100))
+    await run_flows(fq)
+    assert (await fq.status(bad.job_id)).state is State.FAILED
+    comp_id = await fq.jobs.compensation_of(bad.job_id)
+    assert comp_id is not None
+    status, out = await fq.result(comp_id)
+    assert status.type == "refund" and out["job_id"] == bad.job_id

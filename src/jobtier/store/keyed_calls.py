@@ -33,6 +33,7 @@ def keyed_call(
         args += [item.idempotency_key, item.request_hash, idem_ttl_ms]
     elif option.kind == "unique":  # a unique job may have a run-at or a delay
         args += [item.run_at_ms, item.delay_ms]
+    args.append(item.flow)  # last: its compensation (lib.lua flow_create)
     return ("keyed", shard, args)
 
 

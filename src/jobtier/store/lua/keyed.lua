@@ -13,6 +13,9 @@
 --          the queue and type too)
 --   unique    ARGV[12] '1': the job it makes holds the key until it finishes, '0': while it
 --             waits to run; ARGV[13] run-at ms, ARGV[14] delay ms (0: none; as submit.lua's)
+-- ARGV[#ARGV] (last, for every kind) the job's flow part, as submit.lua's (lib.lua
+--          flow_create: a keyed job has no dependencies, but may have a compensation); ''
+--          none
 --   debounce  ARGV[12] quiet period ms, ARGV[13] most total delay ms (0: none)
 --   throttle  ARGV[12] limit, ARGV[13] period ms, ARGV[14] 'refuse' | 'delay',
 --             ARGV[15] the furthest a 'delay' may put the job, ms (further: refused),
@@ -47,10 +50,11 @@ local trace = ARGV[2]
 local id, tenant, typ, queue, prio = ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
 local payload, max_attempts = ARGV[8], ARGV[9]
 local kind, key = ARGV[10], ARGV[11]
+local flow = ARGV[#ARGV]
 
 local function create(due, idem)
   local doc = create_job(id, tenant, typ, queue, prio, payload, max_attempts, due, idem or '',
-                         'api', '', 1, '', trace)
+                         'api', '', 1, flow, trace)
   return doc
 end
 
@@ -145,9 +149,12 @@ elseif kind == 'unique' then
     return {'existing', j.id, doc or '', 0}
   end
   local due = due_of(tonumber(ARGV[13]), tonumber(ARGV[14]))
-  NEW_FIELDS = {'wf', mode, 'uq', uq}
+  NEW_FIELDS = {'uq', uq}
   local doc = create(due)
   NEW_FIELDS = nil
+  -- its mode beside the flags flow_create may have given it (a compensation's 'c')
+  local made = job_key(id)
+  redis.call('HSET', made, 'wf', (redis.call('HGET', made, 'wf') or '') .. mode)
   redis.call('SET', uq, id)
   flush()
   return {'created', id, doc, due == '' and NOW or due}
