@@ -462,6 +462,8 @@ async def test_a_tenants_schedule_changes_are_in_the_audit(pg_api: ApiServer) ->
         assert (await c.patch(f"/v1/schedules/{sid}", json={"priority": "high"})).status_code == 200
         bad = await c.patch(f"/v1/schedules/{sid}", json={"cron": "61 * * * *"})
         assert bad.status_code == 422
+        garbled = await c.patch(f"/v1/schedules/{sid}", content=b"{nope")
+        assert garbled.status_code == 400
         assert (await c.post(f"/v1/schedules/{sid}/pause")).status_code == 200
         assert (await c.post(f"/v1/schedules/{sid}/resume")).status_code == 200
         ran = await c.post(f"/v1/schedules/{sid}/run")
@@ -472,14 +474,15 @@ async def test_a_tenants_schedule_changes_are_in_the_audit(pg_api: ApiServer) ->
         page = (await admin.get("/v1/admin/audit", params={"target": sid})).json()["records"]
     got = [(r["action"], r["status"], r["actor"].rsplit(":", 1)[0]) for r in reversed(page)]
     assert got == [
-        ("schedule.create", 200, "tenant:acme"),
+        ("schedule.create", 201, "tenant:acme"),
         ("schedule.change", 200, "tenant:acme"),
         ("schedule.change", 422, "tenant:acme"),
+        ("schedule.change", 400, "tenant:acme"),
         ("schedule.pause", 200, "tenant:acme"),
         ("schedule.resume", 200, "tenant:acme"),
         ("schedule.run", 202, "tenant:acme"),
         ("schedule.delete", 404, "tenant:globex"),
-        ("schedule.delete", 200, "tenant:acme"),
+        ("schedule.delete", 204, "tenant:acme"),
     ]
     by_action = {(r["action"], r["status"]): r["detail"] for r in page}
     assert by_action[("schedule.change", 200)] == {"name": "nightly", "fields": ["priority"]}

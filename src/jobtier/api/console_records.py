@@ -241,7 +241,8 @@ async def job_value(request: Request) -> Response:
 
 
 async def audit_log(request: Request) -> Response:
-    """Admin actions, newest first, by target (a job id, a queue) or action."""
+    """Admin actions and tenants' schedule changes, newest first, by target (a job id, a
+    queue, a schedule id) or action."""
     require_admin(request)
     query = parse_query(request, AUDIT_PARAMS)
     if "cursor" in query:
@@ -301,8 +302,9 @@ def operations(settings: Settings) -> oa.Paths:
     paths.add(
         "GET /v1/admin/audit",
         audit_log,
-        "Admin actions, newest first: who (a fingerprint of the admin key), when, what, on what, "
-        "the status answered and what it did",
+        "Admin actions and tenants' changes to their schedules, newest first: who (a "
+        "fingerprint of the key: admin:…, tenant:<tenant>:…), when, what, on what, the status "
+        "answered and what it did",
         oa.page("AuditPage"),
         params=AUDIT_PARAMS,
     )

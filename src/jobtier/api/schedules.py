@@ -97,7 +97,7 @@ async def create(request: Request) -> Response:
     schedule_id = new_schedule_id()
     async with _audited(request, "schedule.create", tenant, schedule_id) as outcome:
         made = await _create(request, tenant, schedule_id)
-        outcome.detail = {"name": made.name}
+        outcome.status, outcome.detail = 201, {"name": made.name}
     return encoded(made, 201)
 
 
@@ -237,13 +237,14 @@ async def _set_paused(request: Request, paused: bool) -> Response:
         request, "schedule.pause" if paused else "schedule.resume", tenant, schedule_id
     ) as outcome:
         saved = await _change(request, make)
+        response = await _one(request, saved)
         outcome.detail = {"name": saved.name}
-    return await _one(request, saved)
+    return response
 
 
 async def update(request: Request) -> Response:
     settings: Settings = request.state.settings
-    change: ScheduleChange = decode_body(_change_decoder, await read_json_body(request))
+    change = ScheduleChange()  # (decoded in the audited block: a bad body is recorded too)
 
     async def make(found: Schedule) -> Made:
         try:
@@ -262,9 +263,11 @@ async def update(request: Request) -> Response:
 
     tenant, schedule_id = _path(request)
     async with _audited(request, "schedule.change", tenant, schedule_id) as outcome:
+        change = decode_body(_change_decoder, await read_json_body(request))
         saved = await _change(request, make)
+        response = await _one(request, saved)  # what is answered is what is recorded
         outcome.detail = {"name": saved.name, "fields": sorted(change.given())}
-    return await _one(request, saved)
+    return response
 
 
 async def run_now(request: Request) -> Response:
@@ -320,12 +323,13 @@ async def delete(request: Request) -> Response:
         async with _locked(request, tenant) as locked:
             await _mirror(request).remove(locked.schedule.id)  # first: it must not fire again
             await locked.delete()
-        outcome.detail = {"name": locked.schedule.name}
+        outcome.status, outcome.detail = 204, {"name": locked.schedule.name}
     return Response(status_code=204)
 
 
 def _path(request: Request) -> tuple[str, str]:
-    """The request's tenant and the path's schedule id (a 404 for a malformed one)."""
+    """The request's tenant and the path's schedule id (a 404 for a malformed one, before the
+    audit's block: not recorded, as for the admin routes)."""
     return tenant_of(request), path_id(request, "schedule_id", ULID_RE, "schedule")
 
 
