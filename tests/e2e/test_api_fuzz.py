@@ -70,8 +70,9 @@ PROSE_RULES = {
     "concurrency_limit": 422, "rate": 422,
     # a dead-letter replay with no filter that does not say "all": true
     "all": 422,
-    # a schedule's dates out of range, an end not after its start, a window with no slot
-    "start_at": 422, "end_at": 422,
+    # a schedule's dates out of range, an end not after its start, a window with no slot (a
+    # change of its interval may leave none too)
+    "start_at": 422, "end_at": 422, "interval": 422,
 }  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)

@@ -134,17 +134,44 @@ async def test_a_change_to_bad_dates_is_422_and_changes_nothing(pg_api: ApiServe
                 },
             )
         ).json()
-        for change in (
-            {"end_at": iso(later(hours=1))},  # before its start
-            {"start_at": iso(later(days=10))},  # after its end
-            {"start_at": "2031-01-01T00:00:00"},
+        for change, field in (
+            ({"end_at": iso(later(hours=1))}, "end_at"),  # before its start
+            ({"start_at": iso(later(days=10))}, "start_at"),  # after its end: the field sent
+            ({"start_at": "2031-01-01T00:00:00"}, "start_at"),
         ):
             r = await c.patch(f"/v1/schedules/{made['id']}", json=change)
-            assert r.status_code == 422, (change, r.text)
+            assert (r.status_code, r.json()["field"]) == (422, field), (change, r.text)
         got = (await c.get(f"/v1/schedules/{made['id']}")).json()
         assert {k: got[k] for k in made if k != "updated_at"} == {
             k: made[k] for k in made if k != "updated_at"
         }
+
+
+async def test_a_change_of_slots_that_leaves_none_is_refused_but_an_end_may_end_it(
+    pg_api: ApiServer,
+) -> None:
+    """Checked as a create is: a new cron or start leaving no slot before the end is a 422
+    naming the field sent, changing nothing; a new end_at, even one past, ends it."""
+    body = {
+        "name": "nightly",
+        "type": "echo",
+        "cron": "0 0 * * *",
+        "start_at": "2031-03-01T00:00:00Z",
+        "end_at": "2031-12-30T23:00:00Z",
+    }
+    async with pg_api.client() as c:
+        made = (await c.post("/v1/schedules", json=body)).json()
+        one = f"/v1/schedules/{made['id']}"
+        for change, field in (
+            ({"cron": "0 0 1 1 *"}, "cron"),  # 1 January: none between March and December
+            ({"start_at": "2031-12-30T12:00:00Z"}, "start_at"),  # its next midnight is after
+        ):
+            r = await c.patch(one, json=change)
+            assert (r.status_code, r.json()["field"]) == (422, field), r.text
+            assert "no slot between now and its end_at" in r.json()["detail"]
+        assert (await c.get(one)).json()["next_fire_at"] == made["next_fire_at"]
+        ended = await c.patch(one, json={"start_at": None, "end_at": "2026-01-01T00:00:00Z"})
+        assert ended.status_code == 200 and ended.json()["next_fire_at"] is None, ended.text
 
 
 async def test_a_new_end_keeps_the_next_firing_it_does_not_pass(pg_api: ApiServer) -> None:
@@ -305,3 +332,5 @@ async def test_clients_and_cli_give_and_show_dates(pg_api: ApiServer) -> None:
     assert ended["next_fire_at"] is None
     code, out, err = await cli("schedules", "show", "dated")
     assert code == 0 and "ended" in out, err
+    code, out, err = await cli("schedules", "list")
+    assert code == 0 and " ended " in out, out

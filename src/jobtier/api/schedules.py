@@ -247,6 +247,7 @@ async def update(request: Request) -> Response:
     change = ScheduleChange()  # (decoded in the audited block: a bad body is recorded too)
 
     async def make(found: Schedule) -> Made:
+        sent = change.given()
         try:
             spec = change.applied(found)
             payload = validate(spec, settings.min_schedule_interval, settings.max_payload_bytes)
@@ -254,12 +255,23 @@ async def update(request: Request) -> Response:
                 spec.type, spec.queue, spec.max_attempts, spec.payload
             )
         except InvalidRequest as exc:
+            if exc.field == "end_at" and "end_at" not in sent and "start_at" in sent:
+                # the rule names what the request sent: its start, after the schedule's end
+                end = found.end_at.isoformat() if found.end_at else ""
+                exc = InvalidRequest(f"start_at must be before end_at ({end})", field="start_at")
             raise invalid(exc) from None
         given = msgspec.structs.asdict(spec) | {"queue": queue, "max_attempts": max_attempts}
         changed = msgspec.structs.replace(found, **given)
+        moved = change.moves_timing(found, spec)
+        if moved and "end_at" not in sent:  # checked as a create is; an end_at may end it
+            timing = mirror_def(changed, settings.default_max_attempts).timing()
+            if timing.next_after(now_ms()) is None:
+                timed = ("start_at", "cron", "interval", "timezone")
+                field = next((f for f in timed if f in sent), "end_at")
+                detail = f"with this {field} the schedule has no slot between now and its end_at"
+                raise Problem(422, "validation", detail, field=field)
         # slots anew when they move, or when it is resumed (the paused time not caught up)
-        anew = change.moves_timing(found, spec) or (found.paused and not spec.paused)
-        return changed, payload, anew
+        return changed, payload, moved or (found.paused and not spec.paused)
 
     tenant, schedule_id = _path(request)
     async with _audited(request, "schedule.change", tenant, schedule_id) as outcome:

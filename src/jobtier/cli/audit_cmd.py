@@ -58,15 +58,21 @@ def add_commands(sub: Any) -> None:
     """Add ``audit`` to the ``jobtier`` parser."""
     p = sub.add_parser(
         "audit",
-        help="the admin actions, newest first: who, when, what, on what (the admin key)",
+        help="the admin actions and tenants' schedule changes, newest first: who, when, what, "
+        "on what (the admin key)",
         description="Every admin action (a pause, a cancel, a replay, a breaker opened, …) "
-        "as the API recorded it, newest first, through the HTTP API (--url/JOBTIER_URL) with "
-        "the admin key (--key, else JOBTIER_ADMIN_KEY, else JOBTIER_KEY). BY is a fingerprint "
-        "of the key used, never the key.",
+        "and every change a tenant made to its schedules (schedule.*), as the API recorded "
+        "it, newest first, through the HTTP API (--url/JOBTIER_URL) with the admin key "
+        "(--key, else JOBTIER_ADMIN_KEY, else JOBTIER_KEY). BY is a fingerprint of the key "
+        "used (admin:…, tenant:<tenant>:…), never the key.",
     )
     _connection(p, ADMIN)
     p.set_defaults(func=run, handler=audit_list, action="-")  # (no action: errors say audit)
-    p.add_argument("--target", help="only actions on this job id, queue name or filter")
+    p.add_argument(
+        "--target",
+        help="only actions on this job id, queue name, breaker name, schedule id (not its "
+        "name) or filter",
+    )
     p.add_argument(
         "--action",
         dest="only_action",

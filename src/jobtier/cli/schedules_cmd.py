@@ -41,7 +41,8 @@ def _when(s: Schedule) -> str:
 def _row(s: Schedule) -> list[object]:
     last = short_time(s.last_fired_at)
     paused = "yes" if s.paused else "no"
-    return [s.id, s.name, s.type, _when(s), short_time(s.next_fire_at), last, paused]
+    nxt = "ended" if _ended(s) else short_time(s.next_fire_at)
+    return [s.id, s.name, s.type, _when(s), nxt, last, paused]
 
 
 def _shown(s: Schedule, a: argparse.Namespace) -> Any:
@@ -100,11 +101,15 @@ def schedules_show(c: Client, a: argparse.Namespace) -> Any:
     )
 
 
+def _ended(s: Schedule) -> bool:
+    """Past its last slot: no next firing, not paused, an end (docs/schedules.md)."""
+    return s.next_fire_at is None and not s.paused and s.end_at is not None
+
+
 def _next(s: Schedule) -> str:
-    ended = s.next_fire_at is None and not s.paused and s.end_at is not None
-    return (
-        "- (ended: its last slot was at or before its end)" if ended else short_time(s.next_fire_at)
-    )
+    if _ended(s):
+        return "- (ended: no slot left before its end)"
+    return short_time(s.next_fire_at)
 
 
 def _date(text: str) -> list[datetime | None]:
