@@ -38,6 +38,7 @@ from jobtier.core.names import (
 )
 from jobtier.core.schedule import (
     CRON_FIELDS,
+    DATES_RANGE,
     MAX_ATTEMPTS,
     MAX_INTERVAL,
     Schedule,
@@ -443,11 +444,12 @@ def constrain(components: dict[str, Any], settings: Settings) -> None:
             oa.constrain(c, name, date, format="date-time")
         c[name]["properties"]["start_at"]["description"] = (
             "no slot before it (an interval's slots are counted from it); with a time zone, "
-            "from 2000-01-01 to 9999-01-01"
+            f"{DATES_RANGE}"
         )
         c[name]["properties"]["end_at"]["description"] = (
-            "no slot after it; after start_at, with a time zone, up to 9999-01-01 (a create "
-            "whose dates leave no slot from now on is refused; a change may end a schedule)"
+            f"no slot after it; after start_at, with a time zone, {DATES_RANGE} (a create, or a "
+            "change of the slots, that leaves no slot from now on is refused; a change of "
+            "end_at may end a schedule)"
         )
     c["ScheduleChange"]["minProperties"] = 1
     c["ScheduleSpec"]["description"] = (

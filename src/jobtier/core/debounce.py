@@ -44,8 +44,10 @@ class Throttle(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 class Unique(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """At most one job of the key at a time: a submit while the key's job has not finished
-    (``until="finished"``), or has not started (``"started"``: queued or delayed, never
-    claimed), makes no job and answers that one, unchanged. The tenant's key, across queues."""
+    (``until="finished"``), or while it waits to run (``"started"``: queued or scheduled, for
+    its first attempt or a retry; not while it runs), makes no job and answers that one,
+    unchanged. The job holds the key by the ``until`` it was made with. The tenant's key,
+    across queues."""
 
     key: str
     until: Until = "finished"

@@ -26,8 +26,9 @@ MAX_CATCH_UP = 1000
 MAX_INTERVAL = 366 * 86400  # seconds
 MAX_ATTEMPTS = 100
 # a schedule's dates: within what timestamptz and a slot's millisecond arithmetic both hold
-_EARLIEST = datetime(2000, 1, 1, tzinfo=UTC)
-_LATEST = datetime(9000, 1, 1, tzinfo=UTC)  # (a slot a year on is still a datetime)
+DATES_FROM = datetime(2000, 1, 1, tzinfo=UTC)
+DATES_TO = datetime(9000, 1, 1, tzinfo=UTC)  # (a slot a year on is still a datetime)
+DATES_RANGE = f"between {DATES_FROM:%Y-%m-%d} and {DATES_TO:%Y-%m-%d}"  # (messages, docs)
 
 _MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
 # The five cron fields: name, lowest and highest value, and the names allowed for values.
@@ -213,8 +214,8 @@ def validate(spec: ScheduleSpec, min_interval: int, max_payload: int) -> bytes:
         at = getattr(spec, field)
         if at is not None and at.tzinfo is None:
             raise InvalidRequest(f"{field} needs a time zone (e.g. a trailing Z)", field=field)
-        if at is not None and not _EARLIEST <= at <= _LATEST:
-            raise InvalidRequest(f"{field} must be between 2000-01-01 and 9000-01-01", field=field)
+        if at is not None and not DATES_FROM <= at <= DATES_TO:
+            raise InvalidRequest(f"{field} must be {DATES_RANGE}", field=field)
     if spec.start_at is not None and spec.end_at is not None and spec.end_at <= spec.start_at:
         raise InvalidRequest("end_at must be after start_at", field="end_at")
     if spec.max_attempts is not None and not 1 <= spec.max_attempts <= MAX_ATTEMPTS:
