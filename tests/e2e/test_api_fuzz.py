@@ -73,6 +73,8 @@ PROSE_RULES = {
     # a schedule's dates out of range, an end not after its start, a window with no slot (a
     # change of its interval may leave none too)
     "start_at": 422, "end_at": 422, "interval": 422,
+    # a job's expiry: in the past, not after its run_at or delay, both given, with a key
+    "expires_at": 422, "expires_in": 422,
 }  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)

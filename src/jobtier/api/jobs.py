@@ -293,3 +293,23 @@ def operations(settings: Settings) -> oa.Paths:
         body="PriorityBody",
     )
     return paths
+
+
+def constrain_expiry(c: dict[str, Any], settings: Settings) -> None:
+    """What the OpenAPI document states of a job's expiry (docs/expiry.md)."""
+    ahead = settings.max_future_seconds
+    oa.constrain(c, "JobSpec", "expires_in", exclusiveMinimum=0, maximum=ahead)
+    oa.constrain(c, "JobSpec", "expires_at", format="date-time")
+    rule = (
+        "; after the job's run_at or delay, within JOBTIER_MAX_FUTURE_SECONDS "
+        f"({ahead} s); not with the other, nor with debounce, throttle or unique (else 422 "
+        "naming it)"
+    )
+    c["JobSpec"]["properties"]["expires_at"]["description"] = (
+        "a time (with a zone) after which the job, not started, is cancelled (error Expired) "
+        "when a worker's claim reaches it" + rule
+    )
+    c["JobSpec"]["properties"]["expires_in"]["description"] = (
+        "seconds from the submit after which the job, not started, is cancelled (error "
+        "Expired) when a worker's claim reaches it" + rule
+    )

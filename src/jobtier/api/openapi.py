@@ -50,7 +50,7 @@ from jobtier.api import spec as oa
 from jobtier.api.admin import DEAD_LETTER_PARAMS, REPLAY_MAX, ReplayFilter
 from jobtier.api.debugging import DeadLetter
 from jobtier.api.flows import DependencyList
-from jobtier.api.jobs import STATUS_PARAMS, BatchBody, PriorityBody
+from jobtier.api.jobs import STATUS_PARAMS, BatchBody, PriorityBody, constrain_expiry
 from jobtier.config import Settings
 from jobtier.core.explanation import Explanation
 from jobtier.core.model import (
@@ -181,6 +181,7 @@ def _components(settings: Settings, extra_types: Sequence[type]) -> dict[str, An
     oa.constrain(c, "JobSpec", "concurrency_limit", minimum=1, maximum=MAX_CONCURRENCY_LIMIT)
     c["JobSpec"]["properties"]["concurrency_limit"]["description"] = _CONCURRENCY_LIMIT
     _flow_constraints(c, settings)
+    constrain_expiry(c, settings)
     for struct in ("Debounce", "Throttle", "Unique"):  # docs/debounce-throttle.md
         oa.constrain(c, struct, "key", pattern=IDEMPOTENCY_KEY_RE.pattern)
     oa.constrain(c, "Debounce", "seconds", maximum=settings.max_future_seconds)

@@ -254,7 +254,11 @@ class WorkerClaims:
             kept = sum(n for n, _ in lost.values())
             plan = self._plan(w, count - len(out) - kept) if len(out) + kept < count else []
             sends = [
-                (shard, n, claim_call(shard, worker, n, lease_ms, asked, types))
+                (
+                    shard,
+                    n,
+                    claim_call(shard, worker, n, lease_ms, asked, types, None, self.retention_s),
+                )
                 for shard, n in plan
                 if shard not in lost  # (a wake meanwhile) asked again as it was, below
             ]

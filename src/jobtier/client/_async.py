@@ -53,7 +53,7 @@ from jobtier.client._types import QueuePurged, seconds
 from jobtier.client._workers import workers_op
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
-from jobtier.core.model import QueueScaling, SavedCheckpoint, job_ids
+from jobtier.core.model import QueueScaling, SavedCheckpoint, expiry_fields, job_ids
 from jobtier.core.worker_list import WorkerList
 
 T = TypeVar("T")
@@ -100,6 +100,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         debounce: Mapping[str, Any] | None = None,
         throttle: Mapping[str, Any] | None = None,
         unique: Mapping[str, Any] | None = None,
+        expires: datetime | timedelta | float | None = None,
     ) -> Submission:
         """Submit one job of ``type``: a task's name, or the task (``@task``) itself, sent by
         its name. ``run_at`` must carry a time zone; give it or ``delay`` (seconds, or a
@@ -114,6 +115,8 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         "max_wait"}``), ``throttle`` (``{"key", "limit", "period", "on_limit"}``) or ``unique``
         (``{"key", "until"}``: the key's unfinished job, ``created`` False): see
         docs/debounce-throttle.md; a full throttle key that refuses raises ``RateLimited``.
+        ``expires``: a time (with a zone), or seconds (a number or a ``timedelta``) from now,
+        after which the job, not started, is cancelled rather than run (docs/expiry.md).
         """
         op = self._submit(
             type,
@@ -129,7 +132,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
             job_ids(depends_on),
             on_dependency_failure,
             callback,
-            present(debounce=debounce, throttle=throttle, unique=unique),
+            present(debounce=debounce, throttle=throttle, unique=unique) | expiry_fields(expires),
         )
         return await self._run(op)
 

@@ -53,7 +53,7 @@ from jobtier.client._types import QueuePurged, seconds
 from jobtier.client._workers import workers_op
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
-from jobtier.core.model import QueueScaling, SavedCheckpoint, job_ids
+from jobtier.core.model import QueueScaling, SavedCheckpoint, expiry_fields, job_ids
 from jobtier.core.worker_list import WorkerList
 
 T = TypeVar("T")
@@ -101,6 +101,7 @@ class Client(BaseClient[httpx.BaseTransport]):
         debounce: Mapping[str, Any] | None = None,
         throttle: Mapping[str, Any] | None = None,
         unique: Mapping[str, Any] | None = None,
+        expires: datetime | timedelta | float | None = None,
     ) -> Submission:
         """Submit one job; see ``AsyncClient.submit``."""
         op = self._submit(
@@ -117,7 +118,7 @@ class Client(BaseClient[httpx.BaseTransport]):
             job_ids(depends_on),
             on_dependency_failure,
             callback,
-            present(debounce=debounce, throttle=throttle, unique=unique),
+            present(debounce=debounce, throttle=throttle, unique=unique) | expiry_fields(expires),
         )
         return self._run(op)
 

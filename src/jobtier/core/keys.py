@@ -93,7 +93,8 @@ submit made inside a traced span, absent otherwise: runtime/tracing.py; optional
 format change) and ``h`` ("1" while the job is counted among its queue's jobs held behind a
 concurrency key: lib.lua; optional too) and ``uq`` (a unique key's job: its key's record,
 which it frees as it ends; ``U`` in ``wf`` until it finishes, ``u`` while it waits:
-keyed.lua), a job's small fields are packed in
+keyed.lua) and ``ex`` (its expiry, ms, when submitted with one: a claim that meets it past
+that cancels it, claim.lua), a job's small fields are packed in
 two values: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (set
 at creation; the priority and attempts change with a debounce's replacement, the priority
 with ``set_priority.lua``) and ``t`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>

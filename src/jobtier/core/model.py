@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, Literal, Protocol
 
@@ -158,7 +158,8 @@ class JobStatus(msgspec.Struct, frozen=True):
 class Transition(msgspec.Struct, frozen=True):
     """One change of a job's status document, as ``GET /v1/jobs/{id}/history`` lists it.
 
-    ``worker`` is who made the change: a worker id, or ``api``, ``scheduler``, ``admin``.
+    ``worker`` is who made the change: a worker id, or ``api``, ``scheduler``, ``admin``,
+    ``resolver`` (flows), ``expiry`` (a claim found the job past its expiry: docs/expiry.md).
     Progress reports and cancel requests are changes too (``from_state == to_state``).
     ``error`` is set on the transitions that record one only: an attempt's failure (to
     ``failed``, or back to ``scheduled``/``queued`` for a retry or an expired lease) and a
@@ -192,6 +193,8 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     tenant) are ready or running at once. ``depends_on``: ids of existing jobs this one waits
     for (state ``waiting``); it is queued when the last succeeds, and cancelled when one fails,
     is cancelled or does not exist, unless ``on_dependency_failure`` is ``run``.
+    ``expires_at`` or ``expires_in`` (seconds from the submit): a job not started by then is
+    cancelled, its error an ``Expired`` one, when a worker's claim reaches it (docs/expiry.md).
     """
 
     type: str
@@ -199,6 +202,8 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority: Priority = Priority.NORMAL
     run_at: datetime | None = None
     delay: float | None = None
+    expires_at: datetime | None = None
+    expires_in: float | None = None
     max_attempts: int | None = None
     idempotency_key: str | None = None
     queue: str | None = None
@@ -465,6 +470,18 @@ def marker(ref: str) -> bytes:
 json_encoder = msgspec.json.Encoder()
 status_decoder = msgspec.json.Decoder(JobStatus)
 any_decoder = msgspec.json.Decoder()
+
+
+def expiry_fields(expires: datetime | timedelta | float | None) -> dict[str, Any]:
+    """A submit's ``expires`` as ``JobSpec``'s fields: a time is ``expires_at``, seconds (a
+    number or a ``timedelta``) are ``expires_in``; nothing for None."""
+    if expires is None:
+        return {}
+    if isinstance(expires, datetime):
+        return {"expires_at": expires}
+    if isinstance(expires, timedelta):
+        return {"expires_in": expires.total_seconds()}
+    return {"expires_in": expires}
 
 
 def job_ids(given: Iterable[str] | None) -> list[str] | None:

@@ -9,7 +9,7 @@ deleted again for every id the submit did not create.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -36,6 +36,7 @@ from jobtier.core.model import (
     TaskInfo,
     TaskLookup,
     encode_json,
+    expiry_fields,
     job_ids,
 )
 from jobtier.core.names import QUEUE_NAME_RE, TASK_NAME_RE, TENANT_RE
@@ -190,6 +191,10 @@ class Producer:
             run_at_ms = delay_ms = 0
         else:
             run_at_ms, delay_ms = validate.timing(spec, s)
+        if spec.expires_at is None and spec.expires_in is None:
+            expires_at_ms = expires_in_ms = 0
+        else:
+            expires_at_ms, expires_in_ms = validate.expiry(spec, s, run_at_ms, delay_ms)
         key = spec.idempotency_key
         key = "" if key is None else validate.check_key(key, "idempotency_key")
         queue = spec.queue
@@ -204,6 +209,11 @@ class Producer:
         keyed = None
         if spec.debounce is not None or spec.throttle is not None or spec.unique is not None:
             keyed = by_key.option(spec, s)
+            if expires_at_ms or expires_in_ms:
+                field = "expires_at" if expires_at_ms else "expires_in"
+                raise InvalidRequest(
+                    f"{field} is not taken with debounce, throttle or unique", field=field
+                )
         if job_id is None:
             # a concurrency key's count and waiting jobs live in one shard, so its jobs do too
             # (and their idempotency records: the idempotency key is then scoped to it)
@@ -261,6 +271,8 @@ class Producer:
             tuple(deps),
             seal,
             keyed=keyed,
+            expires_at_ms=expires_at_ms,
+            expires_in_ms=expires_in_ms,
         )
 
     def _sealer(self, type: str) -> Callable[[str, bytes], bytes]:
@@ -292,13 +304,16 @@ class Producer:
         debounce: Debounce | Mapping[str, Any] | None = None,
         throttle: Throttle | Mapping[str, Any] | None = None,
         unique: Unique | Mapping[str, Any] | None = None,
+        expires: datetime | timedelta | float | None = None,
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
         returns the original job (``created`` False); with another, ``IdempotencyConflict``.
         Given a task, its queue and attempts are the defaults. ``depends_on``: ids (or one) it
         waits for. ``callback``: the job's own webhook (a URL alone: its terminal state).
         ``debounce``, ``throttle``, ``unique``: docs/debounce-throttle.md (``Throttled`` when
-        refused; a unique key's job unfinished: that job, ``created`` False)."""
+        refused; a unique key's job unfinished: that job, ``created`` False). ``expires``: a
+        time (with a zone), or seconds (a number or a ``timedelta``) from now, after which the
+        job, not started, is cancelled rather than run (docs/expiry.md)."""
         if not isinstance(type, str):
             if not hasattr(type, "infos"):  # checked by prepare() as any bad name is
                 raise InvalidRequest(f"type {str(type)[:140]!r} is not a task name", field="type")
@@ -330,6 +345,7 @@ class Producer:
             debounce=by_key.as_option(debounce, Debounce, "debounce"),
             throttle=by_key.as_option(throttle, Throttle, "throttle"),
             unique=by_key.as_option(unique, Unique, "unique"),
+            **expiry_fields(expires),
         )
         (result,) = await self.submit_many([spec], tenant=tenant)
         if isinstance(result, Exception):

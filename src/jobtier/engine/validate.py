@@ -104,6 +104,40 @@ def timing(spec: JobSpec, s: Settings) -> tuple[int, int]:
     return 0, 0
 
 
+def expiry(spec: JobSpec, s: Settings, run_at_ms: int, delay_ms: int) -> tuple[int, int]:
+    """(expires-at ms or 0, expires-in ms or 0): a time after the job is due and after now,
+    within JOBTIER_MAX_FUTURE_SECONDS."""
+    if spec.expires_at is not None and spec.expires_in is not None:
+        raise InvalidRequest("give expires_at or expires_in, not both", field="expires_at")
+    now = time.time()
+    if spec.expires_in is not None:
+        field, given = "expires_in", spec.expires_in
+        if isinstance(given, bool) or not math.isfinite(given) or given <= 0:
+            raise InvalidRequest("expires_in must be a positive number of seconds", field=field)
+        at = now + given
+    else:
+        field, when = "expires_at", spec.expires_at
+        assert when is not None
+        if when.tzinfo is None:
+            raise InvalidRequest("expires_at needs a time zone (e.g. a trailing Z)", field=field)
+        at = when.timestamp()
+        if at <= now:
+            raise InvalidRequest("expires_at is in the past", field=field)
+    if at > now + s.max_future_seconds:
+        raise InvalidRequest(
+            f"{field} is more than {furthest(s.max_future_seconds)} ahead", field=field
+        )
+    due = run_at_ms / 1000 if run_at_ms else now + delay_ms / 1000
+    if at <= due:
+        said = "run_at" if run_at_ms else "delay"
+        raise InvalidRequest(
+            f"{field} is not after the job's {said}: it could never start", field=field
+        )
+    if spec.expires_in is not None:
+        return 0, max(round(spec.expires_in * 1000), 1)
+    return max(round(at * 1000), 1), 0
+
+
 def furthest(seconds: int) -> str:
     """How far ahead a job may be put, as a person reads it, and the setting that says so:
     ``31622400 s (366 days, JOBTIER_MAX_FUTURE_SECONDS)``."""

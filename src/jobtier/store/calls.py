@@ -59,6 +59,9 @@ class SubmitItem:
     seal: Callable[[str, bytes], bytes] | None = None
     # submitted alone by keyed.lua under a debounce or throttle key (store/keyed_calls.py)
     keyed: KeyedOption | None = None
+    # no longer to start after this time (ms), or this long after the submit (ms); 0: none
+    expires_at_ms: int = 0
+    expires_in_ms: int = 0
 
     def args(self) -> tuple[Any, ...]:
         payload = self.payload if self.seal is None else self.seal(self.job_id, self.payload)
@@ -77,6 +80,8 @@ class SubmitItem:
             self.concurrency_key,
             self.concurrency_limit,
             self.flow,
+            self.expires_at_ms,
+            self.expires_in_ms,
         )
 
 
@@ -142,9 +147,11 @@ def claim_call(
     queues: Sequence[tuple[str, int]] = ((DEFAULT_QUEUE, -1),),
     types: Sequence[str] = (),
     token: str | None = None,
+    retention_s: int = 86400,
 ) -> Call:
     """``queues``: (name, most jobs to take from it, -1 for no cap), in the order they share
-    the call; ``types``: the task types the worker runs (empty: any, for tools).
+    the call; ``types``: the task types the worker runs (empty: any, for tools);
+    ``retention_s``: how long a job the claim finds expired stays in Redis, cancelled.
 
     ``token`` (a fresh one if None; '' for none) makes the call safe to send twice: the
     client library sends it again, the same bytes, when the connection dies before its reply,
@@ -154,6 +161,7 @@ def claim_call(
     args.append(len(types))
     args.extend(types)
     args.append(claim_token() if token is None else token)
+    args.append(retention_s)
     return ("claim", shard, args)
 
 

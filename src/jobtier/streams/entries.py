@@ -26,7 +26,7 @@ class LogEntry(msgspec.Struct, gc=False):
     doc: bytes
     tenant: str
     from_state: str | None  # None for the submit entry
-    actor: str  # worker id, 'api', 'scheduler', 'admin'
+    actor: str  # worker id, 'api', 'scheduler', 'admin', 'resolver', 'expiry', …
     # the job's previous logged version (0 for the submit); None from a jobtier that logged
     # every version, so version - 1 (queries.sql: history_gaps)
     prev_version: int | None = None

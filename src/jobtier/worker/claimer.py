@@ -303,8 +303,10 @@ class Claimer:
         if not queues:
             self._ready = [0] * self._shards  # every queue is limited: their loops claim
             return [], []
+        retention = state.settings.retention_seconds
         calls: list[Call] = [
-            claim_call(shard, self.id, n, state.lease_ms, queues, state.types) for shard, n in plan
+            claim_call(shard, self.id, n, state.lease_ms, queues, state.types, None, retention)
+            for shard, n in plan
         ]
         return plan, calls
 
@@ -366,7 +368,16 @@ class Claimer:
             LostClaim(
                 shard,
                 cap,
-                claim_call(shard, self.id, cap, state.lease_ms, [(queue, cap)], state.types),
+                claim_call(
+                    shard,
+                    self.id,
+                    cap,
+                    state.lease_ms,
+                    [(queue, cap)],
+                    state.types,
+                    None,
+                    state.settings.retention_seconds,
+                ),
                 until,
             )
             for shard, cap in plan

@@ -11,6 +11,7 @@
 -- then     number of task types t the worker can run, then the t names (t = 0: any type;
 --          for tools and tests, never a worker)
 -- then     the claim's token: unique per call ('' or absent: none; see below)
+-- then     the retention of finished jobs, s (absent: a day): an expired job's (below)
 -- Returns  {now ms, ready jobs left in the shard's served queues (that this worker could
 --           run, for parked ones; a limited queue's only when the worker had permits for it),
 --           jobs claimed k, jobs handed back h, limited queues asked without a cap l,
@@ -38,6 +39,11 @@
 -- jt:{s}:park:<queue>:<type>, counted in jt:{s}:parked under '<queue>:<type>'. Parked jobs
 -- are out of the ready counts, so a worker that cannot run them does not keep meeting them;
 -- claims by workers that can run them take them first (they have waited longest).
+--
+-- A job submitted with an expiry ('ex' in its hash, ms: submit.lua) that a claim meets past
+-- it is not claimed: it is cancelled, its error an Expired one, whichever attempt was next
+-- (a retry's too), and the claim takes another in its place. A job expires so when a claim
+-- reaches it; until then it waits as it was (docs/expiry.md).
 --
 -- A claim may run twice: the client library sends a call again when the connection dies
 -- before its reply, and the first call may have run. So a claim that leased jobs keeps what
@@ -67,6 +73,7 @@ for i = 1, nq do
 end
 local runnable = nil
 local token_key = nil  -- where this claim's answer is kept (nil: no token)
+local retention  -- s, of an expired job's hash
 do
   local a = 6 + 2 * nq
   local t = tonumber(ARGV[a])
@@ -80,6 +87,7 @@ do
   if token and token ~= '' then
     token_key = BASE .. 'ct:' .. token
   end
+  retention = ARGV[a + t + 2] or '86400'
 end
 
 -- a claimed job's reply fields, from `k + 1` of `out`; `j` loaded with its payload and trace
@@ -221,13 +229,18 @@ local active = {}  -- (deadline, id) of each lease, for the active set: ZADDs of
 
 local function claim_ids(ids)
   for _, id in ipairs(ids) do
-    -- the payload and the trace context come in load()'s HMGET: one call per job rather
-    -- than HMGET + HGET
-    local j = load(id, 'payload', 'tp')
+    -- the payload, the trace context and the expiry come in load()'s HMGET: one call per
+    -- job rather than HMGET + HGETs
+    local j = load(id, 'payload', 'tp', 'ex')
     -- a ready list holds only queued jobs (cancel and expiry remove them); the check guards
     -- the invariant rather than trusting it
     if j and j.state == 'queued' then
-      if runnable and not runnable[j.type] then
+      if j.more3 and tonumber(j.more3) <= NOW then
+        -- out of its list already (popped): it leaves its concurrency key's place too
+        ck_release(j)
+        cancel_job(j, 'queued', 'expiry', retention,
+                   error_json('Expired', 'not started by its expiry, ' .. iso(j.more3)))
+      elseif runnable and not runnable[j.type] then
         handed[#handed + 1] = j
       else
         local queued_at = j.updated

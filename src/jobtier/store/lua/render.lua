@@ -106,9 +106,13 @@ local function render(j)
 end
 
 -- The fields of the job hash at `key` a transition reads (lib.lua FIELDS), and its fields
--- `more` and `more2` after them when given: one HMGET naming them as literals (one call less
--- per job than unpack(FIELDS); a unit test keeps them in step).
-local function job_fields(key, more, more2)
+-- `more`, `more2` and `more3` after them when given: one HMGET naming them as literals (one
+-- call less per job than unpack(FIELDS); a unit test keeps them in step).
+local function job_fields(key, more, more2, more3)
+  if more3 then
+    return redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress', more,
+                      more2, more3)
+  end
   if more2 then
     return redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress', more,
                       more2)

@@ -1,5 +1,6 @@
 -- replay.lua: an operator sends a dead-lettered job back to its queue (failed -> queued),
--- with its attempts reset.
+-- with its attempts reset, and without the expiry it was submitted with (an operator's replay
+-- means to run it: claim.lua would cancel it at once past that time).
 --
 -- KEYS[1]  shard log stream (routing)
 -- ARGV[1]  shard key base, jt:{s}:
@@ -30,6 +31,7 @@ if string.find(j.wf, '[Uu]') then
 end
 redis.call('ZREM', BASE .. 'dead', id)
 redis.call('PERSIST', job_key(id))
+redis.call('HDEL', j._key, 'ex')
 flow_revived(j)
 j.state = 'queued'
 j.attempt = '0'

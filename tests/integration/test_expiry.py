@@ -1,0 +1,212 @@
+"""Job expiry (docs/expiry.md): a job not started by its expiry is cancelled, its error an
+Expired one, when a claim reaches it, and the claim takes another in its place; on the single
+Redis and on the Redis Cluster (claim.lua, submit.lua)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from jobtier.core.debounce import Debounce, Unique
+from jobtier.core.errors import InvalidRequest, Retry
+from jobtier.core.model import JobSpec, JobStatus, State
+from jobtier.engine.queue import Queue
+from jobtier.store.calls import claim_call, parse_claim
+from jobtier.worker.job_context import JobContext
+from jobtier.worker.registry import TaskRegistry, task
+from tests.fixtures.engine import Background, wait_for, worker_for
+
+pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
+
+
+@task(name="notify")
+async def notify(ctx: JobContext, payload: Any) -> Any:
+    return payload
+
+
+@task(name="flaky_notify", retries=3)
+async def flaky_notify(ctx: JobContext, payload: Any) -> int:
+    if ctx.attempt == 1:
+        raise Retry("not yet", delay=3600)
+    return ctx.attempt
+
+
+@task(name="refuses", retries=0)
+async def refuses(ctx: JobContext, payload: Any) -> None:
+    raise RuntimeError("no")
+
+
+REGISTRY = TaskRegistry([notify, flaky_notify, refuses])
+
+
+async def redis_ms(queue: Queue) -> int:
+    """Redis's clock (claim.lua compares the expiry with it; a Cluster's nodes share this
+    machine's)."""
+    got = await queue.redis.time()
+    seconds, micros = next(iter(got.values())) if isinstance(got, dict) else got
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+async def past_expiry(queue: Queue, job_id: str, expires_ms: int) -> None:
+    """Wait (for Redis's clock, not a fixed time) until the job's expiry has passed."""
+
+    async def passed() -> bool:
+        return await redis_ms(queue) > expires_ms
+
+    await wait_for(passed, timeout=20)
+
+
+async def expiry_of(queue: Queue, job_id: str) -> int:
+    base = queue.keys.log(queue.keys.shard_of(job_id)).rpartition("log")[0]
+    got = await queue.redis.hget(f"{base}job:{job_id}", "ex")
+    assert got is not None
+    return int(got)
+
+
+def expired(status: JobStatus) -> bool:
+    return (
+        status.state is State.CANCELLED
+        and status.error is not None
+        and status.error.type == "Expired"
+    )
+
+
+async def test_a_job_past_its_expiry_is_cancelled_by_the_claim_that_reaches_it(
+    queue: Queue,
+) -> None:
+    stale = (await queue.submit("notify", {"n": 1}, expires=0.2)).job_id
+    shard = queue.keys.shard_of(stale)
+    fresh = (await queue.submit("notify", {"n": 2}, expires=3600)).job_id
+    ex = await expiry_of(queue, stale)
+    await past_expiry(queue, stale, ex)
+    # two jobs asked for (one claim per shard); the stale one expires in the claim
+    claimed = []
+    for s in {shard, queue.keys.shard_of(fresh)}:
+        [reply] = await queue.scripts.call_many([claim_call(s, "w-expiry", 2, 60_000)])
+        claimed += [j.id for j in parse_claim(s, reply).jobs]
+    assert claimed == [fresh]
+    status = await queue.status(stale)
+    assert expired(status), status
+    assert status.attempt == 0  # never started
+    assert status.error is not None and "expiry" in status.error.message
+    # an expiry a job was not past when claimed lets it run
+    assert (await queue.status(fresh)).state is State.RUNNING
+
+
+async def test_a_job_claimed_before_its_expiry_runs(queue: Queue, background: Background) -> None:
+    at = datetime.now(UTC) + timedelta(hours=1)
+    job_id = (await queue.submit("notify", {"n": 3}, expires=at)).job_id
+    assert await expiry_of(queue, job_id) == round(at.timestamp() * 1000)
+    background.start(worker_for(queue, REGISTRY))
+
+    async def done() -> bool:
+        return (await queue.status(job_id)).state is State.SUCCEEDED
+
+    await wait_for(done, timeout=20)
+
+
+async def test_an_expired_job_gives_up_its_concurrency_keys_place(
+    queue: Queue, background: Background
+) -> None:
+    first = (
+        await queue.submit("notify", {"n": 1}, concurrency_key="k", expires=timedelta(seconds=0.2))
+    ).job_id
+    second = (await queue.submit("notify", {"n": 2}, concurrency_key="k")).job_id
+    await past_expiry(queue, first, await expiry_of(queue, first))
+    background.start(worker_for(queue, REGISTRY))
+
+    async def second_done() -> bool:
+        return (await queue.status(second)).state is State.SUCCEEDED
+
+    await wait_for(second_done, timeout=20)  # held behind `first` until it expired
+    assert expired(await queue.status(first))
+
+
+async def test_a_retry_due_after_the_expiry_is_not_started(
+    queue: Queue, background: Background
+) -> None:
+    job_id = (await queue.submit("flaky_notify", None, expires=1.0)).job_id
+    ex = await expiry_of(queue, job_id)
+    background.start(worker_for(queue, REGISTRY))
+
+    async def backing_off() -> bool:
+        s = await queue.status(job_id)
+        return s.state is State.SCHEDULED and s.attempt == 1
+
+    await wait_for(backing_off, timeout=20)
+    await past_expiry(queue, job_id, ex)
+    await queue.jobs.promote(job_id)  # due now: the next claim meets it past its expiry
+
+    async def gone() -> bool:
+        return expired(await queue.status(job_id))
+
+    await wait_for(gone, timeout=20)
+    assert (await queue.status(job_id)).attempt == 1  # its second attempt never started
+
+
+async def test_a_replayed_dead_letter_runs_whatever_its_expiry(
+    queue: Queue, background: Background
+) -> None:
+    job_id = (await queue.submit(refuses, None, expires=0.5)).job_id  # one attempt
+    ex = await expiry_of(queue, job_id)
+    worker = background.start(worker_for(queue, REGISTRY))
+
+    async def failed() -> bool:
+        return (await queue.status(job_id)).state is State.FAILED
+
+    await wait_for(failed, timeout=20)
+    await past_expiry(queue, job_id, ex)
+    await queue.jobs.replay(job_id)  # an operator's: to run it, past its expiry or not
+    assert not worker.done()
+
+    async def failed_again() -> bool:
+        s = await queue.status(job_id)
+        return s.state is State.FAILED and s.error is not None and s.error.type == "RuntimeError"
+
+    await wait_for(failed_again, timeout=20)
+    versions = await queue.status(job_id)
+    assert versions.attempt == 1  # ran again (attempts reset by the replay), not expired
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"expires_in": 10, "expires_at": datetime.now(UTC) + timedelta(hours=1)}, "expires_at"),
+        ({"expires_in": 0}, "expires_in"),
+        ({"expires_in": -1}, "expires_in"),
+        ({"expires_in": float("nan")}, "expires_in"),
+        ({"expires_in": True}, "expires_in"),
+        ({"expires_in": 10**9}, "expires_in"),
+        ({"expires_at": datetime.now(UTC) - timedelta(seconds=5)}, "expires_at"),
+        ({"expires_at": datetime(2030, 1, 1)}, "expires_at"),  # no zone
+        ({"expires_in": 60, "delay": 120}, "expires_in"),
+        ({"expires_at": datetime.now(UTC) + timedelta(minutes=1),
+          "run_at": datetime.now(UTC) + timedelta(minutes=2)}, "expires_at"),
+        ({"expires_in": 60, "unique": Unique(key="u")}, "expires_in"),
+        ({"expires_in": 60, "debounce": Debounce(key="d", seconds=5)}, "expires_in"),
+    ],
+)  # fmt: skip
+async def test_bad_expiries_are_refused_and_make_nothing(
+    queue: Queue, options: dict[str, Any], field: str
+) -> None:
+    spec = JobSpec(type="notify", **options)
+    with pytest.raises(InvalidRequest) as refused:
+        await queue.submit_many([spec])
+    assert refused.value.field == field
+    for shard in range(queue.keys.shards):
+        assert await queue.redis.xlen(queue.keys.log(shard)) == 0
+
+
+async def test_a_batch_takes_each_jobs_expiry(queue: Queue) -> None:
+    specs = [
+        JobSpec(type="notify", payload=1, expires_in=30),
+        JobSpec(type="notify", payload=2),
+    ]
+    made = await queue.submit_many(specs)
+    ids = [m.job_id for m in made if not isinstance(m, Exception)]
+    assert len(ids) == 2
+    assert await expiry_of(queue, ids[0]) > 0
+    base = queue.keys.log(queue.keys.shard_of(ids[1])).rpartition("log")[0]
+    assert await queue.redis.hget(f"{base}job:{ids[1]}", "ex") is None
