@@ -9,9 +9,20 @@ from typing import Any
 
 import pytest
 
-from jobtier.client import AsyncClient, Client, RateLimited, ValidationFailed
+from jobtier.client import (
+    AsyncClient,
+    Client,
+    RateLimited,
+    UniqueHeld,
+    ValidationFailed,
+    WrongState,
+)
+from jobtier.core.model import State
 from jobtier.engine.queue import Queue
+from jobtier.worker.job_context import JobContext
+from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.api import KEYS, ApiServer
+from tests.fixtures.engine import Background, wait_for, worker_for
 
 pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
 
@@ -157,3 +168,47 @@ async def test_unique_submits_answer_the_keys_unfinished_job(api: ApiServer) -> 
             assert not got.created and got.id == made.id
 
     await asyncio.to_thread(sync)
+
+
+@task(name="broken_reindex", retries=0)
+async def broken_reindex(ctx: JobContext, payload: Any) -> None:
+    raise RuntimeError("fails for good")
+
+
+async def test_a_replay_whose_unique_key_another_job_holds_is_unique_held(
+    api: ApiServer, background: Background
+) -> None:
+    """The tenant's retry, the admin's replay and the client name the holder (409
+    unique-held, a WrongState), and change nothing."""
+    queue = await Queue.connect(api.settings, catalog=False)
+    try:
+        background.start(worker_for(queue, TaskRegistry([broken_reindex])))
+        first = await queue.submit(broken_reindex, 1, tenant="acme", unique={"key": "re"})
+
+        async def dead() -> bool:
+            return (await queue.status(first.job_id)).state is State.FAILED
+
+        await wait_for(dead)
+        await background.stop()
+        second = await queue.submit(
+            broken_reindex, 2, tenant="acme", delay=3600, unique={"key": "re"}
+        )
+        assert second.created
+    finally:
+        await queue.close()
+    async with api.client() as c:
+        r = await c.post(f"/v1/jobs/{first.job_id}/retry")
+        assert r.status_code == 409, r.text
+        problem = r.json()
+        assert problem["type"] == "urn:jobtier:problem:unique-held"
+        assert problem["holder"] == second.job_id and second.job_id in problem["detail"]
+        assert problem["job"]["state"] == "failed"
+    async with api.client("admin") as admin:
+        r = await admin.post(f"/v1/admin/dead-letters/{first.job_id}/replay")
+        assert r.status_code == 409 and r.json()["holder"] == second.job_id, r.text
+    async with AsyncClient(api.url, KEYS["acme"], retries=0) as client:
+        with pytest.raises(UniqueHeld) as refused:
+            await client.retry(first.job_id)
+        assert refused.value.holder == second.job_id
+        assert isinstance(refused.value, WrongState) and refused.value.job is not None
+        assert refused.value.job.state == "failed"  # unchanged

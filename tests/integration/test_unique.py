@@ -141,6 +141,7 @@ async def test_a_replayed_unique_job_takes_its_key_back_unless_another_holds_it(
     with pytest.raises(TransitionRefused) as refused:
         await queue.jobs.replay(first.job_id)
     assert refused.value.reason and second.job_id in refused.value.reason
+    assert refused.value.holder == second.job_id
     assert (await queue.status(first.job_id)).state is State.FAILED  # unchanged
     await queue.cancel(second.job_id)
     await queue.jobs.replay(first.job_id)  # the key is free: it takes it back

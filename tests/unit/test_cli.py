@@ -146,6 +146,14 @@ def test_no_command_prints_the_commands() -> None:
     assert "usage: jobtier" in r.stderr and "persister" in r.stderr and "dead-letters" in r.stderr
 
 
+def test_python_dash_m_jobtier_is_the_command() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "jobtier", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("usage: jobtier ") and "persister" in r.stdout
+
+
 # Run as ``python -m jobtier.cli``, with a Ctrl-C arriving while the commands load: an import
 # hook raises it at the import of cli/main.py, where it lands whatever the machine's speed.
 _CTRL_C_WHILE_LOADING = """

@@ -62,6 +62,8 @@ async def replay_one(request: Request) -> Response:
             raise job_not_found(job_id) from None
         except TransitionRefused as exc:
             detail = exc.reason or f"job {job_id} is not in the dead-letter set"
+            if exc.holder is not None:
+                raise Problem(409, "unique-held", detail, holder=exc.holder) from None
             raise Problem(409, "wrong-state", detail) from None
     return DocResponse(doc)
 

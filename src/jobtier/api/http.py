@@ -84,6 +84,9 @@ async def transition(
         except JobNotFound:  # expired between the two reads
             raise job_not_found(job_id) from None
         detail = exc.reason or refused(job_id, doc_state(current))
+        if exc.holder is not None:  # a replay of a unique job whose key another job holds
+            job = orjson.loads(current)
+            raise Problem(409, "unique-held", detail, job=job, holder=exc.holder) from exc
         raise Problem(409, "wrong-state", detail, job=orjson.loads(current)) from exc
 
 

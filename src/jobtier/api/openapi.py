@@ -393,7 +393,8 @@ def _job_paths(s: Settings) -> oa.Paths:
         oa.JOB_404,
         oa.refuses(
             409,
-            "the job has not failed (wrong-state; job: its status), or is still in the outbox "
+            "the job has not failed (wrong-state; job: its status), its unique key is another "
+            "job's (unique-held; holder: that job's id), or it is still in the outbox "
             "(not-relayed-yet)",
         ),
     )
@@ -435,7 +436,7 @@ def _admin_paths(settings: Settings) -> oa.Paths:
         "Send a dead-lettered job back to its queue, attempts reset",
         oa.returns(200, "JobStatus", "queued again"),
         oa.unknown("job", tenants=False),
-        oa.refuses(409, "the job is not dead-lettered"),
+        oa.refuses(409, "not dead-lettered; its unique key another job's (unique-held, holder)"),
     )
     add(
         "POST /v1/admin/dead-letters/replay",

@@ -43,6 +43,7 @@ TITLES = {
     "gone": "No longer kept",
     "idempotency-conflict": "Idempotency key reused with a different request",
     "wrong-state": "Not possible in the job's state",
+    "unique-held": "Its unique key is held by another job",
     "not-relayed-yet": "The job is still in the outbox",
     "queue-limited": "The queue's limits are for Python workers",
     "rate-limited": "Too many requests",

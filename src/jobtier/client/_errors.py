@@ -94,6 +94,13 @@ class WrongState(Conflict):
     job: JobStatus | None
 
 
+class UniqueHeld(WrongState):
+    """409: a replay of a dead-lettered unique job while another job holds its key (its id:
+    ``holder``); replay it once that job has finished."""
+
+    holder: str
+
+
 class ValidationFailed(ApiError, InvalidRequest):
     """400, 413, 415, 422: the request was refused as malformed and nothing was changed;
     ``field`` names the offending member when the server said which."""
@@ -181,6 +188,8 @@ def api_error(
             cls = IdempotencyKeyConflict
         elif type_ == PROBLEM_PREFIX + "wrong-state":
             cls = WrongState
+        elif type_ == PROBLEM_PREFIX + "unique-held":
+            cls = UniqueHeld
     exc = cls(status, type_, title, detail, body)
     if isinstance(exc, NotFound):
         exc.job_id = str(body.get("job_id", job_id))
@@ -189,6 +198,8 @@ def api_error(
         exc.job_id = str(body.get("job_id", job_id))
     elif isinstance(exc, WrongState):
         exc.job = _job(body.get("job"))
+        if isinstance(exc, UniqueHeld):
+            exc.holder = str(body.get("holder", ""))
     elif isinstance(exc, ValidationFailed):
         field = body.get("field")
         exc.field = field if isinstance(field, str) else None

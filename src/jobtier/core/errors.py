@@ -55,13 +55,21 @@ class TransitionRefused(JobtierError):
     """A script refused a transition; ``code`` says why."""
 
     def __init__(
-        self, code: Code, job_id: str, detail: str = "", *, reason: str | None = None
+        self,
+        code: Code,
+        job_id: str,
+        detail: str = "",
+        *,
+        reason: str | None = None,
+        holder: str | None = None,
     ) -> None:
         super().__init__(f"{code.name.lower()}: job {job_id}{' ' + detail if detail else ''}")
         self.code = code
         self.job_id = job_id
         # why, when not the job's state (the API answers it rather than its own wording)
         self.reason = reason
+        # the job that holds the unique key a replay would take back (the API's unique-held)
+        self.holder = holder
 
 
 class IdempotencyConflict(JobtierError):

@@ -123,7 +123,7 @@ class JobControl:
         if code is Code.EXISTS:  # replay.lua: its unique key is another job's
             holder = bytes(doc).decode()
             why = f"its unique key is held by job {holder}: replay it once that job has finished"
-            raise TransitionRefused(code, job_id, why, reason=f"job {job_id}: {why}")
+            raise TransitionRefused(code, job_id, why, reason=f"job {job_id}: {why}", holder=holder)
         return _changed(job_id, reply, "is not in the dead-letter set")
 
     async def promote(self, job_id: str, tenant: str | None = None) -> JobStatus:
