@@ -13,6 +13,7 @@ import pytest
 from redis.asyncio import Redis
 
 from jobtier.client import AsyncClient, Client, ValidationFailed
+from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
 from tests.e2e.test_http_worker import claim_one, serve, status, worker_client
 from tests.fixtures.api import KEYS, ApiServer, StartApi
@@ -104,6 +105,14 @@ async def test_the_python_clients_send_an_expiry(api: ApiServer) -> None:
         with pytest.raises(ValidationFailed) as refused:
             await c.submit("echo", 4, expires=-5)
         assert refused.value.field == "expires_in"
+        # JSON has no NaN nor infinity (msgspec would send null: no expiry, no delay)
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(InvalidRequest) as local:
+                await c.submit("echo", 6, expires=bad)
+            assert local.value.field == "expires_in"
+            with pytest.raises(InvalidRequest) as local:
+                await c.submit("echo", 6, delay=bad)
+            assert local.value.field == "delay"
     for job in (by_seconds, by_delta):
         kept = await hash_expiry(api, job.id)
         created = datetime.fromisoformat(job.job.created_at).timestamp() * 1000

@@ -4,6 +4,7 @@ Redis and on the Redis Cluster (claim.lua, submit.lua)."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -210,3 +211,55 @@ async def test_a_batch_takes_each_jobs_expiry(queue: Queue) -> None:
     assert await expiry_of(queue, ids[0]) > 0
     base = queue.keys.log(queue.keys.shard_of(ids[1])).rpartition("log")[0]
     assert await queue.redis.hget(f"{base}job:{ids[1]}", "ex") is None
+
+
+async def submit_on_one_shard(queue: Queue, n: int, **options: Any) -> list[str]:
+    """``n`` jobs of the shard of concurrency key 'one' (room for all: none is held)."""
+    specs = [
+        JobSpec(type="notify", payload=i, concurrency_key="one", concurrency_limit=1000, **options)
+        for i in range(n)
+    ]
+    return [s.job_id for s in await queue.submit_many(specs) if not isinstance(s, Exception)]
+
+
+async def claim(queue: Queue, shard: int, count: int, queues: Any = (("default", -1),)) -> Any:
+    [reply] = await queue.scripts.call_many([claim_call(shard, "w-x", count, 60_000, queues)])
+    return parse_claim(shard, reply)
+
+
+async def test_a_claim_goes_past_any_run_of_expired_jobs_to_the_next(queue: Queue) -> None:
+    """Expired jobs do not count in the bound on what a call pops (twice what it asks): one
+    claim of one job meets 30 expired ones first and still answers the fresh one."""
+    stale = await submit_on_one_shard(queue, 30, expires_in=0.2)
+    [fresh] = await submit_on_one_shard(queue, 1)
+    shard = queue.keys.shard_of(fresh)
+    await past_expiry(queue, stale[-1], await expiry_of(queue, stale[-1]))
+    batch = await claim(queue, shard, 1)
+    assert [j.id for j in batch.jobs] == [fresh] and batch.ready_left == 0
+    assert all(expired(s) for s in await asyncio.gather(*map(queue.status, stale)))
+
+
+async def test_a_job_its_key_admits_behind_an_expired_one_is_claimed_by_the_same_call(
+    queue: Queue,
+) -> None:
+    first = (await queue.submit("notify", 1, concurrency_key="k", expires=0.2)).job_id
+    second = (await queue.submit("notify", 2, concurrency_key="k")).job_id  # held behind it
+    await past_expiry(queue, first, await expiry_of(queue, first))
+    batch = await claim(queue, queue.keys.shard_of(first), 2)
+    assert [j.id for j in batch.jobs] == [second]
+    assert expired(await queue.status(first))
+
+
+async def test_an_expired_job_takes_none_of_a_limited_claims_permits(queue: Queue) -> None:
+    """A claim with one permit for its queue (limit.lua's cap) that meets an expired job
+    first still starts one job."""
+    stale = await submit_on_one_shard(queue, 3, expires_in=0.2)
+    [fresh] = await submit_on_one_shard(queue, 1)
+    await past_expiry(queue, stale[-1], await expiry_of(queue, stale[-1]))
+    batch = await claim(queue, queue.keys.shard_of(fresh), 5, [("default", 1)])
+    assert [j.id for j in batch.jobs] == [fresh]
+
+
+async def test_a_tiny_expires_in_is_not_refused_as_before_a_delay(queue: Queue) -> None:
+    made = await queue.submit("notify", None, expires=1e-9)
+    assert await expiry_of(queue, made.job_id) > 0  # a millisecond at least

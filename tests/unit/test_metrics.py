@@ -27,8 +27,11 @@ def entry(
     error: str | None = None,
     type_: str = "echo",
     refunded: bool = False,
+    actor: str = "w1",
 ) -> SimpleNamespace:
-    return SimpleNamespace(from_state=frm, status=status(to, error, type_), refunded=refunded)
+    return SimpleNamespace(
+        from_state=frm, status=status(to, error, type_), refunded=refunded, actor=actor
+    )
 
 
 def test_histogram_and_quantiles() -> None:
@@ -50,7 +53,9 @@ def test_transition_counter_counts_outcomes_by_type() -> None:
         entry("queued", State.RUNNING), entry("running", State.QUEUED, "LeaseExpired"),
         entry("queued", State.RUNNING), entry("running", State.FAILED, "E"),
         entry("failed", State.QUEUED), entry(None, State.SCHEDULED, type_="other"),
-        entry("scheduled", State.CANCELLED, type_="other"),
+        entry("scheduled", State.CANCELLED, type_="other", actor="api"),
+        # a claim found it past its expiry (claim.lua)
+        entry("queued", State.CANCELLED, "Expired", type_="other", actor="expiry"),
         # given back, not failed (fail.lua's 'rf'): a RateLimited task, a job an open
         # breaker held
         entry("queued", State.RUNNING),
@@ -69,8 +74,9 @@ def test_transition_counter_counts_outcomes_by_type() -> None:
     assert got["jobs_failed_total"] == {echo: 3}
     assert got["jobs_dead_lettered_total"] == {echo: 1}
     assert got["lease_expirations_total"] == {echo: 1}
-    assert got["jobs_cancelled_total"] == {other: 1}
-    assert got["transitions_persisted_total"] == {"": 18}
+    assert got["jobs_cancelled_total"] == {other: 2}
+    assert got["jobs_expired_total"] == {other: 1}
+    assert got["transitions_persisted_total"] == {"": 19}
     assert "jobs_succeeded_total" not in got
 
 

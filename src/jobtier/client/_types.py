@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
 import msgspec
 
+from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import (
     Dependency,
     JobError,
@@ -178,5 +180,10 @@ encoder = msgspec.json.Encoder()
 
 def seconds(delay: float | timedelta | None) -> float | None:
     """A submit's ``delay`` as the API takes it: seconds (a ``timedelta`` converted; msgspec
-    would send it as an ISO 8601 duration, which the API refuses)."""
+    would send it as an ISO 8601 duration, which the API refuses). ``InvalidRequest`` for a
+    number that is not finite: JSON has none, and msgspec would send null (no delay)."""
+    if isinstance(delay, float) and not math.isfinite(delay):
+        raise InvalidRequest(
+            f"delay must be a finite number of seconds, not {delay!r}", field="delay"
+        )
     return delay.total_seconds() if isinstance(delay, timedelta) else delay

@@ -7,6 +7,7 @@ Decoding ignores unknown fields, so clients keep working when a newer server add
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -16,6 +17,7 @@ from typing import Any, Literal, Protocol
 import msgspec
 
 from jobtier.core.debounce import Debounce, Throttle, Unique
+from jobtier.core.errors import InvalidRequest
 
 
 class State(StrEnum):
@@ -185,7 +187,7 @@ class CallbackSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     events: str = "terminal"
 
 
-class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_defaults=True):
     """One job to submit (the body of ``POST /v1/jobs``).
 
     ``queue`` defaults to the task's (as its workers advertise it), else ``default``.
@@ -474,13 +476,19 @@ any_decoder = msgspec.json.Decoder()
 
 def expiry_fields(expires: datetime | timedelta | float | None) -> dict[str, Any]:
     """A submit's ``expires`` as ``JobSpec``'s fields: a time is ``expires_at``, seconds (a
-    number or a ``timedelta``) are ``expires_in``; nothing for None."""
+    number or a ``timedelta``) are ``expires_in``; nothing for None. ``InvalidRequest`` for a
+    bool or a number that is not finite (JSON has none: it would be sent as null, no expiry)."""
     if expires is None:
         return {}
     if isinstance(expires, datetime):
         return {"expires_at": expires}
     if isinstance(expires, timedelta):
         return {"expires_in": expires.total_seconds()}
+    if isinstance(expires, bool) or not math.isfinite(expires):
+        raise InvalidRequest(
+            f"expires must be a time or a finite number of seconds, not {expires!r}",
+            field="expires_in",
+        )
     return {"expires_in": expires}
 
 

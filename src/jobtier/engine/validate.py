@@ -128,7 +128,7 @@ def expiry(spec: JobSpec, s: Settings, run_at_ms: int, delay_ms: int) -> tuple[i
             f"{field} is more than {furthest(s.max_future_seconds)} ahead", field=field
         )
     due = run_at_ms / 1000 if run_at_ms else now + delay_ms / 1000
-    if at <= due:
+    if (run_at_ms or delay_ms) and at <= due:
         said = "run_at" if run_at_ms else "delay"
         raise InvalidRequest(
             f"{field} is not after the job's {said}: it could never start", field=field

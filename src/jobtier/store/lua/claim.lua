@@ -42,8 +42,11 @@
 --
 -- A job submitted with an expiry ('ex' in its hash, ms: submit.lua) that a claim meets past
 -- it is not claimed: it is cancelled, its error an Expired one, whichever attempt was next
--- (a retry's too), and the claim takes another in its place. A job expires so when a claim
--- reaches it; until then it waits as it was (docs/expiry.md).
+-- (a retry's too), and the claim takes another in its place: an expired job counts neither
+-- in the bound on what a call pops nor against a limited queue's permits, and a job its
+-- concurrency key admits in its place may be claimed by the same call. A call cancels
+-- EXPIRED_MOST at most (the next claim goes on). A job expires so when a claim reaches it;
+-- until then it waits as it was (docs/expiry.md).
 --
 -- A claim may run twice: the client library sends a call again when the connection dies
 -- before its reply, and the first call may have run. So a claim that leased jobs keeps what
@@ -138,6 +141,7 @@ end
 
 -- per queue: ready jobs by priority, what it may still give, its rotation cursor
 local lens, room, cursor, start = {}, {}, {}, {}
+local open = {}  -- served now: not paused, blocked, nor without a permit
 local values = nq > 0 and redis.call('HMGET', QUEUES, unpack(fields)) or {}
 local left = 0
 local unaware = {}  -- limited queues the worker asked without a cap
@@ -164,6 +168,8 @@ for i = 1, nq do
   if values[base + 5] == '1' or caps[i] == 0 then  -- paused, blocked, or no permit for it
     total = 0
     l = {0, 0, 0, 0}
+  else
+    open[i] = true
   end
   lens[i] = l
   left = left + total
@@ -227,6 +233,42 @@ local claimed = 0
 local deadline = NOW + lease
 local active = {}  -- (deadline, id) of each lease, for the active set: ZADDs of CHUNK values
 
+-- expired jobs this call cancelled, and the most it cancels (each is a transition: a bound
+-- on the script's time)
+local expired, EXPIRED_MOST = 0, 500
+local queue_at, prio_at = {}, {}
+for i = 1, nq do
+  queue_at[names[i]] = i
+end
+for k, p in ipairs(PRIORITIES) do
+  prio_at[p] = k
+end
+
+-- A job of queue i popped and not claimed (expired): a limited queue's permit it took goes
+-- to another job of the queue. (An unlimited queue's room is its ready jobs left: as it was.)
+local function give_back(i)
+  if i and caps[i] >= 0 then
+    local l = lens[i]
+    caps[i] = caps[i] + 1
+    room[i] = math.min(room[i] + 1, caps[i], l[1] + l[2] + l[3] + l[4])
+  end
+end
+
+-- A job made ready during the call (its concurrency key admitted it: an expired job left),
+-- counted among the ready jobs the call may claim when its queue is served and open.
+local function admitted(n)
+  local i = queue_at[n.queue]
+  if i and open[i] then
+    local l = lens[i]
+    local k = prio_at[n.prio]
+    l[k] = l[k] + 1
+    left = left + 1
+    if caps[i] < 0 then
+      room[i] = room[i] + 1
+    end
+  end
+end
+
 local function claim_ids(ids)
   for _, id in ipairs(ids) do
     -- the payload, the trace context and the expiry come in load()'s HMGET: one call per
@@ -237,9 +279,11 @@ local function claim_ids(ids)
     if j and j.state == 'queued' then
       if j.more3 and tonumber(j.more3) <= NOW then
         -- out of its list already (popped): it leaves its concurrency key's place too
-        ck_release(j)
+        ck_release(j, admitted)
         cancel_job(j, 'queued', 'expiry', retention,
                    error_json('Expired', 'not started by its expiry, ' .. iso(j.more3)))
+        expired = expired + 1
+        give_back(queue_at[j.queue])
       elseif runnable and not runnable[j.type] then
         handed[#handed + 1] = j
       else
@@ -278,7 +322,8 @@ end
 -- (handed back), and never pops more than twice `count` in all: a queue full of jobs this
 -- worker cannot run must not turn one call into a scan of it.
 local popped_total = 0
-while claimed < wanted and left > 0 and popped_total < 2 * wanted do
+while claimed < wanted and left > 0 and popped_total - expired < 2 * wanted
+    and expired < EXPIRED_MOST do
   local want = share(math.min(wanted - claimed, left))
   local ids = {}
   for i = 1, nq do

@@ -441,8 +441,8 @@ local function make_ready(j, front)
 end
 
 -- j (ready or running under its key) is leaving: free its place and admit the oldest held
--- job of the key, if any.
-local function ck_release(j)
+-- job of the key, if any. `admitted` (optional): called with each job made ready so.
+local function ck_release(j, admitted)
   if j.ckey == '' then
     return
   end
@@ -466,6 +466,9 @@ local function ck_release(j)
       redis.call('HINCRBY', CKEYS, name, 1)
       left = left + 1
       push_ready(n, true)
+      if admitted then
+        admitted(n)
+      end
     end
   end
   if left == 0 and redis.call('LLEN', BASE .. 'ck:' .. name) == 0 then

@@ -1,0 +1,46 @@
+"""What a submit sends: a ``JobSpec`` of ``submit_many`` without the members it leaves unset,
+so that an API from before a member (the expiry's, say) takes a job that does not use it
+(``forbid_unknown_fields`` refuses a member it does not know, even null); ``submit`` with an
+expiry sends the one member it gives."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import httpx
+
+from jobtier.client import Client
+from jobtier.core.model import JobSpec
+
+
+def _sent(call: Any) -> dict[str, Any]:
+    bodies: list[dict[str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(400, json={"type": "about:blank", "title": "t", "status": 400})
+
+    with Client("http://127.0.0.1:9", "k", retries=0, transport=httpx.MockTransport(answer)) as c:
+        try:
+            call(c)
+        except Exception:  # the answer above: only the body sent matters here
+            pass
+    (body,) = bodies
+    return body
+
+
+def test_a_jobspec_sends_only_what_it_sets() -> None:
+    body = _sent(lambda c: c.submit_many([JobSpec(type="echo", payload=1)]))
+    assert body == {"jobs": [{"type": "echo", "payload": 1}]}
+
+
+def test_an_expiry_is_one_member() -> None:
+    assert _sent(lambda c: c.submit("echo", expires=90))["expires_in"] == 90
+    body = _sent(lambda c: c.submit("echo", expires=timedelta(minutes=2)))
+    assert body["expires_in"] == 120 and "expires_at" not in body
+    at = datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)
+    body = _sent(lambda c: c.submit("echo", expires=at))
+    assert datetime.fromisoformat(body["expires_at"]) == at and "expires_in" not in body
+    assert "expires_in" not in _sent(lambda c: c.submit("echo"))
