@@ -87,6 +87,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "persist": ("src/jobtier/persist", "src/jobtier/streams"),
     "persist_pickup": ("src/jobtier/persist", "src/jobtier/streams"),
     "persist_shapes": ("src/jobtier/persist",),
+    "by_state_statements": ("src/jobtier/persist",),
     "history_rows": ("src/jobtier/persist", "src/jobtier/worker"),
     "console": (
         "src/jobtier/api/console.py",
@@ -194,6 +195,7 @@ CHOSEN: dict[str, str] = {
     "persist-40c7fab": "the newest with the lag at a sustained 5K and 10K transitions/s",
     "persist_pickup": "the only file",
     "persist_shapes": "the only file",
+    "by_state_statements": "the only file: jobs_by_state kept by the persister's statements costs Postgres what the triggers do (1.01x; 0.94x in a run of 48,000 before it)",
     "history_rows": "the only file",
     "console-stats": "this tree: 0020 and the reader's choice by the statistics, against 0009 and the jobs_by_state way in the same run",
     "console-0020": "0020's partial indexes against 0009 in the same run (a noisy host)",
