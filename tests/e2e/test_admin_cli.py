@@ -190,11 +190,11 @@ async def test_dead_letters_list_show_replay(pg_api: ApiServer, queue: Queue) ->
     assert len(await cli.json("dead-letters", "list", key=ADMIN)) == 2  # none replayed
     # replay by filter: nothing since the future, then the one of its type
     nothing = await cli.json("dead-letters", "replay", "--since", future, key=ADMIN)
-    assert nothing == {"replayed": [], "count": 0}
+    assert nothing == {"replayed": [], "count": 0, "skipped": []}
     replayed = await cli.json(
         "dead-letters", "replay", "--type", "fail", "--since", "1h", key=ADMIN
     )
-    assert replayed == {"replayed": [fatal["id"]], "count": 1}
+    assert replayed == {"replayed": [fatal["id"]], "count": 1, "skipped": []}
     code, _, err = await cli("dead-letters", "replay", deep["id"], "--all", key=ADMIN)
     assert code == 2 and "not both" in err
     code, out, _ = await cli("dead-letters", "replay", deep["id"], key=ADMIN)

@@ -21,7 +21,7 @@ from jobtier.core.model import State
 from jobtier.engine.queue import Queue
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
-from tests.fixtures.api import KEYS, ApiServer
+from tests.fixtures.api import ADMIN, KEYS, ApiServer
 from tests.fixtures.engine import Background, wait_for, worker_for
 
 pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
@@ -206,6 +206,16 @@ async def test_a_replay_whose_unique_key_another_job_holds_is_unique_held(
     async with api.client("admin") as admin:
         r = await admin.post(f"/v1/admin/dead-letters/{first.job_id}/replay")
         assert r.status_code == 409 and r.json()["holder"] == second.job_id, r.text
+        # a replay by filter passes it over, and says so
+        r = await admin.post("/v1/admin/dead-letters/replay", json={"type": "broken_reindex"})
+        assert r.status_code == 200, r.text
+        held = {"id": first.job_id, "holder": second.job_id, "why": "unique-held"}
+        assert r.json() == {"replayed": [], "count": 0, "skipped": [held]}
+    async with AsyncClient(api.url, ADMIN, retries=0) as admin_client:
+        got = await admin_client.replay_dead_letters(type="broken_reindex")
+        assert got == [] and [(s.id, s.holder) for s in got.skipped] == [
+            (first.job_id, second.job_id)
+        ]
     async with AsyncClient(api.url, KEYS["acme"], retries=0) as client:
         with pytest.raises(UniqueHeld) as refused:
             await client.retry(first.job_id)

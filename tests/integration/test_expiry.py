@@ -204,11 +204,12 @@ async def test_a_batch_takes_each_jobs_expiry(queue: Queue) -> None:
     specs = [
         JobSpec(type="notify", payload=1, expires_in=30),
         JobSpec(type="notify", payload=2),
+        JobSpec(type="notify", payload=3, expires_in=timedelta(seconds=30)),  # type: ignore[arg-type]
     ]
     made = await queue.submit_many(specs)
     ids = [m.job_id for m in made if not isinstance(m, Exception)]
-    assert len(ids) == 2
-    assert await expiry_of(queue, ids[0]) > 0
+    assert len(ids) == 3
+    assert await expiry_of(queue, ids[0]) > 0 and await expiry_of(queue, ids[2]) > 0
     base = queue.keys.log(queue.keys.shard_of(ids[1])).rpartition("log")[0]
     assert await queue.redis.hget(f"{base}job:{ids[1]}", "ex") is None
 
@@ -263,3 +264,32 @@ async def test_an_expired_job_takes_none_of_a_limited_claims_permits(queue: Queu
 async def test_a_tiny_expires_in_is_not_refused_as_before_a_delay(queue: Queue) -> None:
     made = await queue.submit("notify", None, expires=1e-9)
     assert await expiry_of(queue, made.job_id) > 0  # a millisecond at least
+
+
+async def test_explain_names_a_job_past_its_expiry_or_due_after_it(
+    queue: Queue, background: Background
+) -> None:
+    from jobtier.core.explanation import ReasonCode
+
+    stale = (await queue.submit("notify", None, queue="unserved", expires=0.2)).job_id
+    fresh = (await queue.submit("notify", None, queue="unserved", expires=3600)).job_id
+    await past_expiry(queue, stale, await expiry_of(queue, stale))
+    e = await queue.explain(stale)
+    [reason] = [r for r in e.reasons if r.code is ReasonCode.EXPIRED]
+    assert e.reasons[0] is reason and reason.seconds is not None and reason.seconds < 0
+    assert "first claim to reach it cancels it" in reason.message
+    assert ReasonCode.EXPIRED not in {r.code for r in (await queue.explain(fresh)).reasons}
+    # a retry whose turn comes after the expiry
+    retried = (await queue.submit("flaky_notify", None, expires=60)).job_id
+    background.start(worker_for(queue, REGISTRY))
+
+    async def backing_off() -> bool:
+        s = await queue.status(retried)
+        return s.state is State.SCHEDULED and s.attempt == 1
+
+    await wait_for(backing_off, timeout=20)
+    e = await queue.explain(retried)
+    codes = [r.code for r in e.reasons]
+    assert codes[0] is ReasonCode.EXPIRED and ReasonCode.SCHEDULED in codes
+    assert "cancelled (Expired) then, not run" in e.reasons[0].message
+    assert e.reasons[0].seconds is not None and 0 < e.reasons[0].seconds <= 60

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import socket
@@ -302,3 +303,40 @@ def test_the_clis_states_and_priorities_are_the_models() -> None:
     # (`submitted`: an outbox row's, not relayed yet; the listing is of jobs)
     assert set(STATES) == {s.value for s in State} - {"submitted"}
     assert tuple(p.value for p in Priority) == PRIORITIES
+
+
+def test_a_replay_by_filter_names_what_it_passed_over() -> None:
+    from types import SimpleNamespace
+
+    from jobtier.cli.manage import dead_replay
+    from jobtier.client import Replayed, SkippedReplay
+
+    answer = Replayed(["J1"])
+    answer.skipped = [SkippedReplay(id="J2", holder="J3")]
+    client = SimpleNamespace(replay_dead_letters=lambda **_: answer)
+    args = argparse.Namespace(job_id=None, type="t", since=None, all=False, limit=100, json=False)
+    assert dead_replay(client, args).splitlines() == [  # type: ignore[arg-type]
+        "replayed 1 job(s)",
+        "J1",
+        "passed over:",
+        "J2: its unique key is held by job J3",
+    ]
+
+
+def test_a_task_module_in_the_folder_it_runs_from_is_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ``jobtier`` script's path holds its own folder, not the one it runs from (as
+    ``python -m`` would): the tasks' module there is found all the same."""
+    from jobtier.worker.registry import TaskRegistry
+
+    (tmp_path / "tasks_here_only.py").write_text(
+        "from jobtier import task\n\n@task\nasync def here(ctx, payload):\n    return 1\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "tasks_here_only", raising=False)
+    try:
+        assert TaskRegistry.load("tasks_here_only").names() == ["here"]
+    finally:
+        sys.modules.pop("tasks_here_only", None)

@@ -6,7 +6,7 @@ expiry sends the one member it gives."""
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -44,3 +44,41 @@ def test_an_expiry_is_one_member() -> None:
     body = _sent(lambda c: c.submit("echo", expires=at))
     assert datetime.fromisoformat(body["expires_at"]) == at and "expires_in" not in body
     assert "expires_in" not in _sent(lambda c: c.submit("echo"))
+
+
+def test_a_jobspecs_timedeltas_are_sent_as_seconds() -> None:
+    spec = JobSpec(type="echo", delay=timedelta(seconds=5), expires_in=timedelta(minutes=1))  # type: ignore[arg-type]
+    (job,) = _sent(
+        lambda c: c.submit_many(
+            [
+                spec,
+            ]
+        )
+    )["jobs"]
+    assert job == {"type": "echo", "delay": 5, "expires_in": 60}
+    (job,) = _sent(lambda c: c.submit_many([{"type": "echo", "expires_in": timedelta(seconds=2)}]))[
+        "jobs"
+    ]
+    assert job == {"type": "echo", "expires_in": 2}
+
+
+def test_an_expires_of_another_kind_is_refused_saying_what_it_takes() -> None:
+    import pytest
+
+    from jobtier.core.errors import InvalidRequest
+
+    sent: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(500)
+
+    transport = httpx.MockTransport(answer)
+    with Client("http://127.0.0.1:9", "k", retries=0, transport=transport) as c:
+        for bad in ("300", date(2027, 1, 1), True, float("nan")):
+            with pytest.raises(InvalidRequest) as refused:
+                c.submit("echo", expires=bad)  # type: ignore[arg-type]
+            assert refused.value.field == "expires_in"
+        with pytest.raises(InvalidRequest, match=r"a datetime \(with a zone\), a timedelta"):
+            c.submit("echo", expires="300")  # type: ignore[arg-type]
+    assert sent == []  # refused before anything was sent

@@ -102,9 +102,13 @@ async def replay_many(request: Request) -> Response:
     async with audited(request, "dead_letters.replay", target or "all") as outcome:
         given = msgspec.structs.asdict(selector) | {"since": since}  # replay_many's arguments
         del given["all"]
-        replayed = await queue.jobs.replay_many(**given)
+        replayed, held = await queue.jobs.replay_many(**given)
+        skipped = [{"id": job, "holder": holder, "why": "unique-held"} for job, holder in held]
         outcome.detail = {"filter": what, "count": len(replayed), "replayed": replayed[:100]}
-    return Response(orjson.dumps({"replayed": replayed, "count": len(replayed)}), media_type=JSON)
+        if skipped:
+            outcome.detail["skipped"] = skipped[:100]
+    answer = {"replayed": replayed, "count": len(replayed), "skipped": skipped}
+    return Response(orjson.dumps(answer), media_type=JSON)
 
 
 async def stats(request: Request) -> Response:

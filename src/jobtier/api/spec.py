@@ -77,9 +77,19 @@ class DeadLetters(msgspec.Struct):
     jobs: list[JobStatus]
 
 
+class SkippedReplay(msgspec.Struct):
+    """A dead letter a replay by filter passed over: ``why`` "unique-held", its unique key
+    held by job ``holder`` (replay it once that job has finished)."""
+
+    id: str
+    holder: str
+    why: str
+
+
 class Replayed(msgspec.Struct):
     replayed: list[str]
     count: int
+    skipped: list[SkippedReplay]
 
 
 class QueueList(msgspec.Struct):

@@ -318,8 +318,9 @@ def dead_replay(c: Client, a: argparse.Namespace) -> Any:
         )
     ids = c.replay_dead_letters(type=a.type, since=a.since, limit=a.limit, all=a.all)
     if a.json:
-        return {"replayed": ids, "count": len(ids)}
-    return "\n".join([f"replayed {len(ids)} job(s)", *ids])
+        return {"replayed": ids, "count": len(ids), "skipped": ids.skipped}
+    held = [f"{s.id}: its unique key is held by job {s.holder}" for s in ids.skipped]
+    return "\n".join([f"replayed {len(ids)} job(s)", *ids, *(["passed over:", *held] * bool(held))])
 
 
 def queues_list(c: Client, a: argparse.Namespace) -> Any:

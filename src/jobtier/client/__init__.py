@@ -44,7 +44,7 @@ from jobtier.client._errors import (
     WrongState,
 )
 from jobtier.client._sync import Client
-from jobtier.client._types import QueuePurged
+from jobtier.client._types import QueuePurged, Replayed, SkippedReplay
 from jobtier.core.explanation import Explanation, Reason, ReasonCode
 from jobtier.core.model import SavedCheckpoint
 
@@ -64,10 +64,12 @@ __all__ = [
     "RateLimited",
     "Reason",
     "ReasonCode",
+    "Replayed",
     "Result",
     "SavedCheckpoint",
     "Schedule",
     "ScheduleSpec",
+    "SkippedReplay",
     "Submission",
     "Unauthorized",
     "Unavailable",

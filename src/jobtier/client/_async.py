@@ -49,7 +49,7 @@ from jobtier.client._errors import (
 )
 from jobtier.client._explain import explain_op
 from jobtier.client._scaling import queue_scaling_op
-from jobtier.client._types import QueuePurged, seconds
+from jobtier.client._types import QueuePurged, Replayed, seconds
 from jobtier.client._workers import workers_op
 from jobtier.core.batch_model import BatchCallback, BatchChanged, BatchStatus
 from jobtier.core.explanation import Explanation
@@ -289,10 +289,11 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         since: datetime | str | None = None,
         limit: int = 100,
         all: bool = False,
-    ) -> list[str]:
+    ) -> Replayed:
         """Replay the dead letters that match ``type`` and ``since``, up to ``limit``, newest
-        first; returns their ids. With neither, ``all=True`` must say that every dead letter is
-        meant (else the API refuses: 422)."""
+        first; returns their ids (a list), with ``.skipped`` those passed over because another
+        job holds their unique key. With neither, ``all=True`` must say that every dead letter
+        is meant (else the API refuses: 422)."""
         return await self._run(self._replay_dead_letters(type, since, limit, all))
 
     # --- queues (these need the admin key) --------------------------------------------------

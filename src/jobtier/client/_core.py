@@ -33,6 +33,7 @@ from jobtier.client._types import (
     JobDetails,
     JobPage,
     QueuePurged,
+    Replayed,
     Result,
     Submission,
     batch_decoder,
@@ -45,6 +46,7 @@ from jobtier.client._types import (
     purged_decoder,
     queue_list_decoder,
     replayed_decoder,
+    spec_seconds,
     task_list_decoder,
     unblocked_decoder,
 )
@@ -393,7 +395,7 @@ class BaseClient(Generic[TransportT]):
     def _submit_many(
         self, specs: Iterable[JobSpec | Mapping[str, Any]]
     ) -> Op[list[Submission | ApiError]]:
-        jobs = list(specs)
+        jobs = [spec_seconds(spec) for spec in specs]
         if not jobs:
             return []
         keys = [spec_key(spec) for spec in jobs]
@@ -507,10 +509,13 @@ class BaseClient(Generic[TransportT]):
 
     def _replay_dead_letters(
         self, type: str | None, since: datetime | str | None, limit: int, every: bool
-    ) -> Op[list[str]]:
+    ) -> Op[Replayed]:
         body = present(limit=limit, type=type, since=since and time_param(since), all=every or None)
         call = json_call("POST", "/v1/admin/dead-letters/replay", body)
-        return (yield from fetch(call, replayed_decoder, "a replay answer")).replayed
+        answer = yield from fetch(call, replayed_decoder, "a replay answer")
+        out = Replayed(answer.replayed)
+        out.skipped = answer.skipped
+        return out
 
     # --- queues (admin key) ----------------------------------------------------------------
     def _queues(self) -> Op[list[QueueInfo]]:

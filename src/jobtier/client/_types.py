@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -12,6 +13,7 @@ from jobtier.core.errors import InvalidRequest
 from jobtier.core.model import (
     Dependency,
     JobError,
+    JobSpec,
     JobStatus,
     LogLine,
     QueueInfo,
@@ -118,8 +120,24 @@ class _DeadLetters(msgspec.Struct):
     jobs: list[JobStatus]
 
 
+class SkippedReplay(msgspec.Struct):
+    """A dead letter a replay by filter passed over: its unique key is held by job
+    ``holder`` (``why``: "unique-held"); replay it once that job has finished."""
+
+    id: str
+    holder: str
+    why: str = "unique-held"
+
+
+class Replayed(list[str]):
+    """The ids a replay by filter replayed; ``skipped``: those it passed over, and why."""
+
+    skipped: list[SkippedReplay]
+
+
 class _Replayed(msgspec.Struct):
     replayed: list[str]
+    skipped: list[SkippedReplay] = []  # an API from before it sent none
 
 
 class _QueueList(msgspec.Struct):
@@ -187,3 +205,15 @@ def seconds(delay: float | timedelta | None) -> float | None:
             f"delay must be a finite number of seconds, not {delay!r}", field="delay"
         )
     return delay.total_seconds() if isinstance(delay, timedelta) else delay
+
+
+_SECONDS = ("delay", "expires_in")
+
+
+def spec_seconds(spec: JobSpec | Mapping[str, Any]) -> JobSpec | Mapping[str, Any]:
+    """A spec of ``submit_many`` with its ``delay`` and ``expires_in`` as the API takes them:
+    seconds (a ``timedelta`` converted, as ``seconds`` does)."""
+    if isinstance(spec, JobSpec):
+        given = {f: seconds(v) for f in _SECONDS if isinstance(v := getattr(spec, f), timedelta)}
+        return msgspec.structs.replace(spec, **given) if given else spec
+    return {k: seconds(v) if k in _SECONDS else v for k, v in spec.items()}

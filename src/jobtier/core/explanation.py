@@ -24,6 +24,7 @@ class ReasonCode(StrEnum):
     TENANT_TURN = "tenant_turn"  # other tenants' jobs come first by the tenants' turns
     IN_LINE = "in_line"  # ready: jobs ahead of it, its workers busy or about to claim it
     NOT_RELAYED = "not_relayed"  # submitted with SQL: the outbox relay has not taken it yet
+    EXPIRED = "expired"  # past its expiry, or due after it: a claim cancels it, never runs it
     UNKNOWN = "unknown"  # queued, yet Redis holds it in no line (a broken invariant); or
     # not finished in Postgres and absent from Redis, which lost it
 
@@ -47,7 +48,7 @@ class Reason(msgspec.Struct, omit_defaults=True):
     running: int | None = None  # concurrency: running now (or ready under the key)
     limit: int | None = None  # concurrency: the most at once
     holders: list[JobRef] | None = None  # concurrency_key_held: the jobs found holding it
-    until: str | None = None  # rate_limited, scheduled: when it ends (ISO 8601, UTC)
+    until: str | None = None  # rate_limited, scheduled: when it ends; expired: the expiry
     seconds: float | None = None  # ... and how long that is from now (negative: past due)
     rate: int | None = None  # rate_limited by the queue's rate: starts per period
     per: float | None = None  # ... the period, seconds

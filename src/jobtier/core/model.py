@@ -484,10 +484,15 @@ def expiry_fields(expires: datetime | timedelta | float | None) -> dict[str, Any
         return {"expires_at": expires}
     if isinstance(expires, timedelta):
         return {"expires_in": expires.total_seconds()}
-    if isinstance(expires, bool) or not math.isfinite(expires):
+    if isinstance(expires, bool) or not isinstance(expires, int | float):
         raise InvalidRequest(
-            f"expires must be a time or a finite number of seconds, not {expires!r}",
+            "expires must be a datetime (with a zone), a timedelta or a number of seconds, "
+            f"not {type(expires).__name__}",
             field="expires_in",
+        )
+    if not math.isfinite(expires):
+        raise InvalidRequest(
+            f"expires must be a finite number of seconds, not {expires!r}", field="expires_in"
         )
     return {"expires_in": expires}
 

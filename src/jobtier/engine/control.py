@@ -215,18 +215,23 @@ class JobControl:
         limit: int = 1000,
         queue: str | None = None,
         tenant: str | None = None,
-    ) -> list[str]:
-        """Replay the dead letters ``dead_letters`` selects; returns the ids replayed."""
-        replayed = []
+    ) -> tuple[list[str], list[tuple[str, str]]]:
+        """Replay the dead letters ``dead_letters`` selects; returns the ids replayed, and
+        (id, holder) of those passed over because another job holds their unique key."""
+        replayed, held = [], []
         for status in await self.dead_letters(
             limit, type=type, since=since, queue=queue, tenant=tenant
         ):
             try:
                 await self.replay(status.id)
-            except (TransitionRefused, JobNotFound):
-                continue  # replayed or expired meanwhile
+            except TransitionRefused as exc:
+                if exc.holder is not None:
+                    held.append((status.id, exc.holder))
+                continue  # else replayed meanwhile
+            except JobNotFound:
+                continue  # expired meanwhile
             replayed.append(status.id)
-        return replayed
+        return replayed, held
 
     async def dead_letter(self, job_id: str) -> tuple[bytes, bytes, list[bytes]]:
         """One dead-lettered job in full: (status document, payload JSON, log lines JSON);

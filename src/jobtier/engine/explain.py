@@ -113,6 +113,8 @@ class Explainer:
         else:
             message = "it is queued, yet in no line Redis keeps: the claim script cannot find it"
             reasons.append(Reason(ReasonCode.UNKNOWN, message, queue=facts["queue"]))
+        if expired := _expired(facts, now):  # first: whatever else holds it, it will not run
+            reasons.insert(0, expired)
         return Explanation(job_id, state, True, reasons, position, iso(now))
 
     # --- its queue ----------------------------------------------------------------------------
@@ -255,6 +257,26 @@ def _blocked(queue: str, until: int, now: int) -> Reason:
     )
     reason = Reason(ReasonCode.RATE_LIMITED, message, queue=queue, until=iso(until))
     return msgspec.structs.replace(reason, seconds=(until - now) / 1000)
+
+
+def _expired(facts: dict[str, Any], now: int) -> Reason | None:
+    """Past its expiry, or due (its run_at) after it: the claim that reaches it cancels it
+    (claim.lua, docs/expiry.md). None for a job with no expiry, or due before it."""
+    expires, run_at = int(facts.get("expires") or 0), int(facts.get("run_at") or 0)
+    if not expires or (expires > now and run_at < expires):
+        return None
+    if expires <= now:
+        message = (
+            f"it is past its expiry ({iso(expires)}): the first claim to reach it cancels it "
+            "(Expired) rather than run it"
+        )
+    else:
+        message = (
+            f"it is due at {iso(run_at)}, after its expiry ({iso(expires)}): it will be "
+            "cancelled (Expired) then, not run"
+        )
+    reason = Reason(ReasonCode.EXPIRED, message, until=iso(expires))
+    return msgspec.structs.replace(reason, seconds=(expires - now) / 1000)
 
 
 def _scheduled(facts: dict[str, Any], now: int) -> Reason:

@@ -212,7 +212,9 @@ class Producer:
             if expires_at_ms or expires_in_ms:
                 field = "expires_at" if expires_at_ms else "expires_in"
                 raise InvalidRequest(
-                    f"{field} is not taken with debounce, throttle or unique", field=field
+                    f"{field} cannot be combined with debounce, throttle or unique: a keyed job "
+                    "takes no expiry",
+                    field=field,
                 )
         if job_id is None:
             # a concurrency key's count and waiting jobs live in one shard, so its jobs do too

@@ -8,6 +8,7 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 from jobtier.config import Settings
@@ -79,8 +80,12 @@ def timing(spec: JobSpec, s: Settings) -> tuple[int, int]:
     if spec.run_at is not None and spec.delay is not None:
         raise InvalidRequest("give run_at or delay, not both", field="run_at")
     if spec.delay is not None:
-        delay = spec.delay
-        if isinstance(delay, bool) or not math.isfinite(delay) or delay < 0:
+        delay: Any = spec.delay
+        if isinstance(delay, timedelta):  # a JobSpec built in Python may hold one
+            delay = delay.total_seconds()
+        if isinstance(delay, bool) or not isinstance(delay, int | float):
+            raise InvalidRequest("delay must be a number of seconds", field="delay")
+        if not math.isfinite(delay) or delay < 0:
             raise InvalidRequest("delay must be a non-negative number of seconds", field="delay")
         if delay > s.max_future_seconds:
             raise InvalidRequest(
@@ -110,9 +115,14 @@ def expiry(spec: JobSpec, s: Settings, run_at_ms: int, delay_ms: int) -> tuple[i
     if spec.expires_at is not None and spec.expires_in is not None:
         raise InvalidRequest("give expires_at or expires_in, not both", field="expires_at")
     now = time.time()
-    if spec.expires_in is not None:
-        field, given = "expires_in", spec.expires_in
-        if isinstance(given, bool) or not math.isfinite(given) or given <= 0:
+    given: Any = spec.expires_in
+    if isinstance(given, timedelta):  # a JobSpec built in Python may hold one
+        given = given.total_seconds()
+    if given is not None:
+        field = "expires_in"
+        if isinstance(given, bool) or not isinstance(given, int | float):
+            raise InvalidRequest("expires_in must be a number of seconds", field=field)
+        if not math.isfinite(given) or given <= 0:
             raise InvalidRequest("expires_in must be a positive number of seconds", field=field)
         at = now + given
     else:
@@ -133,8 +143,8 @@ def expiry(spec: JobSpec, s: Settings, run_at_ms: int, delay_ms: int) -> tuple[i
         raise InvalidRequest(
             f"{field} is not after the job's {said}: it could never start", field=field
         )
-    if spec.expires_in is not None:
-        return 0, max(round(spec.expires_in * 1000), 1)
+    if given is not None:
+        return 0, max(round(given * 1000), 1)
     return max(round(at * 1000), 1), 0
 
 

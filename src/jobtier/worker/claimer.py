@@ -155,6 +155,10 @@ class Claimer:
         state = self.state
         slot_free = state.slot_free
         backoff = CLAIM.start()
+        # a burst worker with nothing running and nothing found asks every shard once more
+        # before it ends: a job its last jobs' ends made ready (its concurrency key admitted
+        # it) is in a shard it last found empty, and the wake saying so may come after
+        swept = False
         while not state.stopping.is_set():
             free = state.free_slots()
             if free <= 0:
@@ -184,11 +188,17 @@ class Claimer:
                     held()
                 continue
             backoff.reset()
+            if claimed:
+                swept = False
             if claimed or any(self._ready):
                 continue  # more to claim, or shards this round did not ask
             if state.burst:
                 if not state.running and self.limits.idle():
-                    return
+                    if swept:
+                        return
+                    swept = True
+                    self._ready = [UNKNOWN] * self._shards
+                    continue
                 slot_free.clear()
                 await wait_any((slot_free, self.wake))  # a stop sets both
                 continue

@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib
 import inspect
 import numbers
+import os
 import random
 import re
+import sys
 import time
 import typing
 from collections.abc import Callable, Iterable, Iterator
@@ -369,6 +371,11 @@ class TaskRegistry:
                 f"{module_name!r} is a file's path: give the task module's name ({name!r}), "
                 "run from the folder that holds it or with that folder on PYTHONPATH"
             )
+        # the folder it runs from holds the task module, as for `python -m` (and uvicorn's
+        # --app-dir, Celery's -A): the `jobtier` script's own folder is on the path instead
+        here = os.getcwd()
+        if here not in sys.path and "" not in sys.path:
+            sys.path.insert(0, here)
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:

@@ -214,7 +214,7 @@ const REASON_TITLES = {
   waiting_for_dependencies: "Waiting for dependencies", scheduled: "Scheduled",
   no_worker_for_queue: "No worker for its queue", no_worker_for_type: "No worker for its task",
   tenant_turn: "Other tenants' turns", in_line: "In line", unknown: "In no line",
-  not_relayed: "Not relayed from the outbox yet",
+  not_relayed: "Not relayed from the outbox yet", expired: "Past its expiry",
 };
 
 /** Why a job not started yet has not: each reason in words (its numbers are in the words),

@@ -9,7 +9,8 @@
 --          tenant), ARGV[7] most entries LPOS reads from each end of a line to find the job
 --          'limit': a limited queue's home shard (limit.lua); ARGV[3] the queue
 -- Returns  a JSON object. 'job': now (ms); nothing more for a job Redis does not hold; else
---          tenant, state, queue, type, prio, attempt, worker, run_at (ms, 0: none); for a job
+--          tenant, state, queue, type, prio, attempt, worker, run_at (ms, 0: none), expires (its
+--          expiry, ms, 0: none: claim.lua); for a job
 --          not started: paused, limited, blocked (ms, 0: none) of its queue in this shard, and
 --          where it waits:
 --            'ready'  in its ready list: own (its tenant's older jobs, taken first), others
@@ -128,13 +129,13 @@ local function key_of(c)
 end
 
 local id, most, scanned, reads = ARGV[3], tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local j = load(id)
+local j = load(id, 'ex')
 if not j then
   return cjson.encode({now = NOW})
 end
 local out = {now = NOW, tenant = j.tenant, state = j.state, queue = j.queue, type = j.type,
              prio = j.prio, attempt = tonumber(j.attempt), worker = j.worker,
-             run_at = tonumber(j.run_at) or 0}
+             run_at = tonumber(j.run_at) or 0, expires = tonumber(j.more) or 0}
 if not WAITING[j.state] then
   return cjson.encode(out)
 end
