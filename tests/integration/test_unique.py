@@ -143,6 +143,8 @@ async def test_a_replayed_unique_job_takes_its_key_back_unless_another_holds_it(
     assert refused.value.reason and second.job_id in refused.value.reason
     assert refused.value.holder == second.job_id
     assert (await queue.status(first.job_id)).state is State.FAILED  # unchanged
+    passed = await queue.jobs.replay_many(type="broken")  # by filter: passed over, named
+    assert passed == [] and passed.held == [(first.job_id, second.job_id)]
     await queue.cancel(second.job_id)
     await queue.jobs.replay(first.job_id)  # the key is free: it takes it back
     assert await record(queue, first.job_id, "k") == first.job_id

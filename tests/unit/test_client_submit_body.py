@@ -82,3 +82,29 @@ def test_an_expires_of_another_kind_is_refused_saying_what_it_takes() -> None:
         with pytest.raises(InvalidRequest, match=r"a datetime \(with a zone\), a timedelta"):
             c.submit("echo", expires="300")  # type: ignore[arg-type]
     assert sent == []  # refused before anything was sent
+
+
+def test_a_flow_jobs_timedelta_delay_is_sent_as_seconds() -> None:
+    from jobtier.core.model import FlowJob
+
+    job = FlowJob(ref="a", type="echo", delay=timedelta(seconds=7))  # type: ignore[arg-type]
+    body = _sent(
+        lambda c: c.submit_flow([job, {"ref": "b", "type": "echo", "delay": timedelta(seconds=3)}])
+    )
+    assert [j.get("delay") for j in body["jobs"]] == [7, 3]
+
+
+def test_a_jobspecs_infinite_expiry_is_refused_naming_it() -> None:
+    import pytest
+
+    from jobtier.client import Replayed
+    from jobtier.core.errors import InvalidRequest
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(500))
+    with (
+        Client("http://127.0.0.1:9", "k", retries=0, transport=transport) as c,
+        pytest.raises(InvalidRequest) as refused,
+    ):
+        c.submit_many([JobSpec(type="echo", expires_in=float("inf"))])
+    assert refused.value.field == "expires_in" and "expires_in must be" in str(refused.value)
+    assert Replayed(["a"]).skipped == []  # an answer without the member reads as none

@@ -102,8 +102,8 @@ async def replay_many(request: Request) -> Response:
     async with audited(request, "dead_letters.replay", target or "all") as outcome:
         given = msgspec.structs.asdict(selector) | {"since": since}  # replay_many's arguments
         del given["all"]
-        replayed, held = await queue.jobs.replay_many(**given)
-        skipped = [{"id": job, "holder": holder, "why": "unique-held"} for job, holder in held]
+        replayed = await queue.jobs.replay_many(**given)
+        skipped = [{"id": j, "holder": h, "why": "unique-held"} for j, h in replayed.held]
         outcome.detail = {"filter": what, "count": len(replayed), "replayed": replayed[:100]}
         if skipped:
             outcome.detail["skipped"] = skipped[:100]

@@ -46,6 +46,7 @@ from jobtier.client._types import (
     purged_decoder,
     queue_list_decoder,
     replayed_decoder,
+    seconds,
     spec_seconds,
     task_list_decoder,
     unblocked_decoder,
@@ -232,10 +233,14 @@ def spec_key(spec: JobSpec | Mapping[str, Any]) -> str | None:
 
 
 def _flow_job(job: FlowJob | Mapping[str, Any]) -> FlowJob | Mapping[str, Any]:
-    """A mapping's ``callback`` may be a bare URL, as ``submit``'s may."""
-    if isinstance(job, FlowJob) or not isinstance(job.get("callback"), str):
-        return job
-    return {**job, "callback": {"url": job["callback"]}}
+    """A mapping's ``callback`` may be a bare URL, as ``submit``'s may; a ``delay`` a
+    ``timedelta``, sent as seconds."""
+    if isinstance(job, FlowJob):
+        delay = seconds(job.delay)
+        return job if delay is job.delay else msgspec.structs.replace(job, delay=delay)
+    if isinstance(job.get("callback"), str):
+        job = {**job, "callback": {"url": job["callback"]}}
+    return {**job, "delay": seconds(job["delay"])} if "delay" in job else job
 
 
 class SSEParser:

@@ -244,8 +244,9 @@ class Client(BaseClient[httpx.BaseTransport]):
         all: bool = False,
     ) -> Replayed:
         """Replay the dead letters that match ``type`` and ``since``, up to ``limit``, newest
-        first; returns their ids. With neither, ``all=True`` must say that every dead letter is
-        meant (else the API refuses: 422)."""
+        first; returns their ids (a list), with ``.skipped`` those passed over because another
+        job holds their unique key. With neither, ``all=True`` must say that every dead letter
+        is meant (else the API refuses: 422)."""
         return self._run(self._replay_dead_letters(type, since, limit, all))
 
     # --- queues (these need the admin key) --------------------------------------------------

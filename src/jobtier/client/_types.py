@@ -125,14 +125,14 @@ class SkippedReplay(msgspec.Struct):
     ``holder`` (``why``: "unique-held"); replay it once that job has finished."""
 
     id: str
-    holder: str
+    holder: str | None = None
     why: str = "unique-held"
 
 
 class Replayed(list[str]):
     """The ids a replay by filter replayed; ``skipped``: those it passed over, and why."""
 
-    skipped: list[SkippedReplay]
+    skipped: list[SkippedReplay] = []  # (replaced on each answer: never appended to)
 
 
 class _Replayed(msgspec.Struct):
@@ -214,6 +214,15 @@ def spec_seconds(spec: JobSpec | Mapping[str, Any]) -> JobSpec | Mapping[str, An
     """A spec of ``submit_many`` with its ``delay`` and ``expires_in`` as the API takes them:
     seconds (a ``timedelta`` converted, as ``seconds`` does)."""
     if isinstance(spec, JobSpec):
-        given = {f: seconds(v) for f in _SECONDS if isinstance(v := getattr(spec, f), timedelta)}
-        return msgspec.structs.replace(spec, **given) if given else spec
-    return {k: seconds(v) if k in _SECONDS else v for k, v in spec.items()}
+        given = {f: _seconds(getattr(spec, f), f) for f in _SECONDS}
+        changed = {f: v for f, v in given.items() if v is not getattr(spec, f)}
+        return msgspec.structs.replace(spec, **changed) if changed else spec
+    return {k: _seconds(v, k) if k in _SECONDS else v for k, v in spec.items()}
+
+
+def _seconds(value: Any, field: str) -> Any:
+    """``seconds`` of a spec's ``field``, its refusal naming that field."""
+    try:
+        return seconds(value)
+    except InvalidRequest as exc:
+        raise InvalidRequest(str(exc).replace("delay", field, 1), field=field) from None

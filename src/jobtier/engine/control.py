@@ -18,6 +18,13 @@ from jobtier.store.calls import parse_code_doc, promote_job_call, set_priority_c
 from jobtier.store.context import Store
 
 
+class ReplayedIds(list[str]):
+    """``replay_many``'s answer: the ids replayed; ``held``: (id, holder) of the dead letters
+    passed over because job ``holder`` holds their unique key."""
+
+    held: list[tuple[str, str]] = []  # (replaced on each answer: never appended to)
+
+
 class ResultReader(Protocol):
     """Where results kept outside Redis are read (``persist.results.PostgresResultStore``)."""
 
@@ -215,10 +222,11 @@ class JobControl:
         limit: int = 1000,
         queue: str | None = None,
         tenant: str | None = None,
-    ) -> tuple[list[str], list[tuple[str, str]]]:
-        """Replay the dead letters ``dead_letters`` selects; returns the ids replayed, and
-        (id, holder) of those passed over because another job holds their unique key."""
-        replayed, held = [], []
+    ) -> ReplayedIds:
+        """Replay the dead letters ``dead_letters`` selects; returns the ids replayed (a list),
+        with ``.held`` the (id, holder) of those passed over because another job holds their
+        unique key."""
+        replayed, held = ReplayedIds(), []
         for status in await self.dead_letters(
             limit, type=type, since=since, queue=queue, tenant=tenant
         ):
@@ -231,7 +239,8 @@ class JobControl:
             except JobNotFound:
                 continue  # expired meanwhile
             replayed.append(status.id)
-        return replayed, held
+        replayed.held = held
+        return replayed
 
     async def dead_letter(self, job_id: str) -> tuple[bytes, bytes, list[bytes]]:
         """One dead-lettered job in full: (status document, payload JSON, log lines JSON);

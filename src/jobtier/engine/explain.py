@@ -272,7 +272,7 @@ def _expired(facts: dict[str, Any], now: int) -> Reason | None:
         )
     else:
         message = (
-            f"it is due at {iso(run_at)}, after its expiry ({iso(expires)}): it will be "
+            f"it is due at {iso(run_at)}, at or after its expiry ({iso(expires)}): it will be "
             "cancelled (Expired) then, not run"
         )
     reason = Reason(ReasonCode.EXPIRED, message, until=iso(expires))

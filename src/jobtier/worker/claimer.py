@@ -68,6 +68,7 @@ class Claimer:
         self.id = state.id
         self.limits = limits
         self._start = launcher.start
+        self._reporter = launcher.reporter
         self._scripts = state.scripts
         self._shards = state.keys.shards
         self._limited = limits.claimers
@@ -155,9 +156,10 @@ class Claimer:
         state = self.state
         slot_free = state.slot_free
         backoff = CLAIM.start()
-        # a burst worker with nothing running and nothing found asks every shard once more
-        # before it ends: a job its last jobs' ends made ready (its concurrency key admitted
-        # it) is in a shard it last found empty, and the wake saying so may come after
+        # a burst worker with nothing running and nothing found asks every shard (and its
+        # limited queues' loops) once more before it ends, its outcomes all sent first: a job
+        # its last jobs' ends made ready (its concurrency key admitted it) is in a shard it
+        # last found empty, and the wake saying so may come after
         swept = False
         while not state.stopping.is_set():
             free = state.free_slots()
@@ -166,6 +168,7 @@ class Claimer:
                 # for a job to end (it would wait a whole job, past the grace): stop() sets
                 # slot_free too. Waited on directly, so that the loop wakes in the turn the
                 # slot frees, ahead of the reporter (reporter.py: _send)
+                swept = False
                 slot_free.clear()
                 await slot_free.wait()
                 continue
@@ -188,17 +191,19 @@ class Claimer:
                     held()
                 continue
             backoff.reset()
-            if claimed:
-                swept = False
             if claimed or any(self._ready):
+                swept = swept and not claimed
                 continue  # more to claim, or shards this round did not ask
             if state.burst:
                 if not state.running and self.limits.idle():
                     if swept:
                         return
+                    await self._reporter.flush()
                     swept = True
                     self._ready = [UNKNOWN] * self._shards
+                    self.limits.wake()
                     continue
+                swept = False  # a job runs: what its end admits needs a sweep after it
                 slot_free.clear()
                 await wait_any((slot_free, self.wake))  # a stop sets both
                 continue

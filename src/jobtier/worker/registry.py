@@ -321,6 +321,25 @@ def _check_signature(f: Callable[..., Any], name: str) -> None:
         ) from None
 
 
+def _import_tasks(name: str) -> Any:
+    """``import name``; a module not found is looked for in the folder this process runs
+    from too, as ``python -m`` finds it there (the ``jobtier`` script's path holds its own
+    folder instead): appended to the path, after the installed packages, and not when
+    Python was asked for a safe path (``-P``, PYTHONSAFEPATH)."""
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        try:
+            here = os.getcwd()
+        except OSError:  # the folder was deleted under it
+            raise exc from None
+        top = name.partition(".")[0]
+        if exc.name != top or here in sys.path or "" in sys.path or sys.flags.safe_path:
+            raise
+        sys.path.append(here)
+        return importlib.import_module(name)
+
+
 class TaskRegistry:
     """Tasks by name."""
 
@@ -371,13 +390,8 @@ class TaskRegistry:
                 f"{module_name!r} is a file's path: give the task module's name ({name!r}), "
                 "run from the folder that holds it or with that folder on PYTHONPATH"
             )
-        # the folder it runs from holds the task module, as for `python -m` (and uvicorn's
-        # --app-dir, Celery's -A): the `jobtier` script's own folder is on the path instead
-        here = os.getcwd()
-        if here not in sys.path and "" not in sys.path:
-            sys.path.insert(0, here)
         try:
-            module = importlib.import_module(module_name)
+            module = _import_tasks(module_name)
         except ImportError as exc:
             raise ConfigError(f"cannot import task module {module_name!r}: {exc}") from exc
         if attr:

@@ -387,7 +387,11 @@ async function replayMatching() {
       method: "POST",
       json: { type: f.type || null, queue: f.queue || null, tenant: f.tenant || null, limit, all: !by.length },
     }),
-    (r) => `${plain.format(r.count)} dead letter${r.count === 1 ? "" : "s"} replayed.`,
+    (r) => {
+      const held = (r.skipped || []).length;  // their unique keys held by other jobs
+      const passed = held ? ` ${plain.format(held)} passed over: another job holds its unique key.` : "";
+      return `${plain.format(r.count)} dead letter${r.count === 1 ? "" : "s"} replayed.${passed}`;
+    },
   );
   if (answer) loadJobs();
 }
