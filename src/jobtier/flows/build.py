@@ -37,7 +37,12 @@ def _flow(step: Step) -> list[FlowJob]:
             raise ValueError("a job of a flow has no idempotency key: give one to the flow")
         fields = msgspec.structs.asdict(step)
         del fields["idempotency_key"]
-        return [FlowJob(**fields)]
+        # what a flow's job does not take (a key's options, an expiry): refused if given
+        extra = [k for k, v in fields.items() if k not in FlowJob.__struct_fields__]
+        given = [k for k in extra if fields[k] is not None]
+        if given:
+            raise ValueError(f"a job of a flow takes no {', '.join(given)}")
+        return [FlowJob(**{k: v for k, v in fields.items() if k not in extra})]
     jobs = list(step)
     if not jobs or not all(isinstance(j, FlowJob) for j in jobs):
         raise ValueError("a step is a FlowJob, a JobSpec or a non-empty list of FlowJobs")
