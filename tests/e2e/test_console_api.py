@@ -285,7 +285,7 @@ async def test_actions_are_audited_with_who_what_and_the_answer(
         r = await admin.post(
             "/v1/admin/dead-letters/replay", json={"queue": "tb", "tenant": "acme"}
         )
-        assert r.json() == {"replayed": [dead["id"]], "count": 1}
+        assert r.json() == {"replayed": [dead["id"]], "count": 1, "skipped": []}
         # refused before anything ran: not an action, not audited
         assert (await admin.post("/v1/admin/queues/a%20b/purge")).status_code == 422
         assert (await acme.post("/v1/admin/queues/bulk/purge")).status_code == 403
