@@ -320,7 +320,8 @@ def dead_replay(c: Client, a: argparse.Namespace) -> Any:
     if a.json:
         return {"replayed": ids, "count": len(ids), "skipped": ids.skipped}
     held = [f"{s.id}: its unique key is held by job {s.holder}" for s in ids.skipped]
-    return "\n".join([f"replayed {len(ids)} job(s)", *ids, *(["passed over:", *held] * bool(held))])
+    passed = ["passed over:", *held] if held else []
+    return "\n".join([f"replayed {len(ids)} job(s)", *ids, *passed])
 
 
 def queues_list(c: Client, a: argparse.Namespace) -> Any:

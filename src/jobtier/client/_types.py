@@ -196,13 +196,14 @@ schedule_list_decoder = msgspec.json.Decoder(_ScheduleList)
 encoder = msgspec.json.Encoder()
 
 
-def seconds(delay: float | timedelta | None) -> float | None:
-    """A submit's ``delay`` as the API takes it: seconds (a ``timedelta`` converted; msgspec
-    would send it as an ISO 8601 duration, which the API refuses). ``InvalidRequest`` for a
-    number that is not finite: JSON has none, and msgspec would send null (no delay)."""
+def seconds(delay: float | timedelta | None, field: str = "delay") -> float | None:
+    """A submit's ``delay`` (or another ``field`` of seconds) as the API takes it: seconds (a
+    ``timedelta`` converted; msgspec would send it as an ISO 8601 duration, which the API
+    refuses). ``InvalidRequest`` naming ``field`` for a number that is not finite: JSON has
+    none, and msgspec would send null (none given)."""
     if isinstance(delay, float) and not math.isfinite(delay):
         raise InvalidRequest(
-            f"delay must be a finite number of seconds, not {delay!r}", field="delay"
+            f"{field} must be a finite number of seconds, not {delay!r}", field=field
         )
     return delay.total_seconds() if isinstance(delay, timedelta) else delay
 
@@ -214,15 +215,7 @@ def spec_seconds(spec: JobSpec | Mapping[str, Any]) -> JobSpec | Mapping[str, An
     """A spec of ``submit_many`` with its ``delay`` and ``expires_in`` as the API takes them:
     seconds (a ``timedelta`` converted, as ``seconds`` does)."""
     if isinstance(spec, JobSpec):
-        given = {f: _seconds(getattr(spec, f), f) for f in _SECONDS}
+        given = {f: seconds(getattr(spec, f), f) for f in _SECONDS}
         changed = {f: v for f, v in given.items() if v is not getattr(spec, f)}
         return msgspec.structs.replace(spec, **changed) if changed else spec
-    return {k: _seconds(v, k) if k in _SECONDS else v for k, v in spec.items()}
-
-
-def _seconds(value: Any, field: str) -> Any:
-    """``seconds`` of a spec's ``field``, its refusal naming that field."""
-    try:
-        return seconds(value)
-    except InvalidRequest as exc:
-        raise InvalidRequest(str(exc).replace("delay", field, 1), field=field) from None
+    return {k: seconds(v, k) if k in _SECONDS else v for k, v in spec.items()}

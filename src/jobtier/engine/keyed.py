@@ -12,7 +12,6 @@ whose key already makes a repeat answer its job.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,7 +22,7 @@ from jobtier.core.debounce import Debounce, KeyedOption, Throttle, Unique
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
 from jobtier.core.model import JobSpec
-from jobtier.engine.validate import MAX_CONCURRENCY_LIMIT, check_key, furthest
+from jobtier.engine.validate import MAX_CONCURRENCY_LIMIT, check_key, furthest, seconds_of
 
 # what a keyed submit cannot be given, and why (a throttled one may have an idempotency key:
 # its record then lives in the throttle key's shard, so the key is scoped to it)
@@ -53,14 +52,13 @@ def as_option(value: Any, kind: type[Debounce] | type[Throttle] | type[Unique], 
 
 def _seconds(value: Any, field: str, s: Settings) -> int:
     """A positive number of seconds within JOBTIER_MAX_FUTURE_SECONDS, as whole ms (≥ 1)."""
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidRequest(f"{field} must be a number of seconds", field=field)
-    if value <= 0 or value > s.max_future_seconds:
+    seconds = seconds_of(value, field)
+    if seconds <= 0 or seconds > s.max_future_seconds:
         raise InvalidRequest(
             f"{field} must be more than 0 and at most {furthest(s.max_future_seconds)}",
             field=field,
         )
-    return max(1, round(value * 1000))
+    return max(1, round(seconds * 1000))
 
 
 def option(spec: JobSpec, s: Settings) -> KeyedOption | None:

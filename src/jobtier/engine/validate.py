@@ -80,12 +80,8 @@ def timing(spec: JobSpec, s: Settings) -> tuple[int, int]:
     if spec.run_at is not None and spec.delay is not None:
         raise InvalidRequest("give run_at or delay, not both", field="run_at")
     if spec.delay is not None:
-        delay: Any = spec.delay
-        if isinstance(delay, timedelta):  # a JobSpec built in Python may hold one
-            delay = delay.total_seconds()
-        if isinstance(delay, bool) or not isinstance(delay, int | float):
-            raise InvalidRequest("delay must be a number of seconds", field="delay")
-        if not math.isfinite(delay) or delay < 0:
+        delay = seconds_of(spec.delay, "delay")
+        if delay < 0:
             raise InvalidRequest("delay must be a non-negative number of seconds", field="delay")
         if delay > s.max_future_seconds:
             raise InvalidRequest(
@@ -109,20 +105,26 @@ def timing(spec: JobSpec, s: Settings) -> tuple[int, int]:
     return 0, 0
 
 
+def seconds_of(value: Any, field: str) -> float:
+    """``value`` as seconds: a finite number, or a ``timedelta`` (a JobSpec built in Python
+    may hold one); else refused naming ``field``."""
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest(f"{field} must be a number of seconds", field=field)
+    return float(value)
+
+
 def expiry(spec: JobSpec, s: Settings, run_at_ms: int, delay_ms: int) -> tuple[int, int]:
     """(expires-at ms or 0, expires-in ms or 0): a time after the job is due and after now,
     within JOBTIER_MAX_FUTURE_SECONDS."""
     if spec.expires_at is not None and spec.expires_in is not None:
         raise InvalidRequest("give expires_at or expires_in, not both", field="expires_at")
     now = time.time()
-    given: Any = spec.expires_in
-    if isinstance(given, timedelta):  # a JobSpec built in Python may hold one
-        given = given.total_seconds()
+    given = None if spec.expires_in is None else seconds_of(spec.expires_in, "expires_in")
     if given is not None:
         field = "expires_in"
-        if isinstance(given, bool) or not isinstance(given, int | float):
-            raise InvalidRequest("expires_in must be a number of seconds", field=field)
-        if not math.isfinite(given) or given <= 0:
+        if given <= 0:
             raise InvalidRequest("expires_in must be a positive number of seconds", field=field)
         at = now + given
     else:

@@ -192,7 +192,8 @@ class Claimer:
                 continue
             backoff.reset()
             if claimed or any(self._ready):
-                swept = swept and not claimed
+                if claimed:
+                    swept = False  # what these jobs' ends admit needs a last round after them
                 continue  # more to claim, or shards this round did not ask
             if state.burst:
                 if not state.running and self.limits.idle():

@@ -63,9 +63,11 @@ local ROTATION = {1, 2, 1, 3, 1, 2, 1, 4, 1, 2, 1, 3, 1, 2, 1}
 local worker, wanted, lease = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local nq = tonumber(ARGV[5])
 local names, caps, fields = {}, {}, {}
+local queue_at = {}  -- each served queue's place in names
 for i = 1, nq do
   local q = ARGV[4 + 2 * i]
   names[i], caps[i] = q, tonumber(ARGV[5 + 2 * i])
+  queue_at[q] = i
   for _, p in ipairs(PRIORITIES) do
     fields[#fields + 1] = q .. ':' .. p
   end
@@ -208,14 +210,10 @@ local parked = {}  -- {field, queue index, count}
 do
   local flat = redis.call('HGETALL', BASE .. 'parked')
   if #flat > 0 then
-    local index = {}
-    for i = 1, nq do
-      index[names[i]] = i
-    end
     for k = 1, #flat, 2 do
       local field, n = flat[k], tonumber(flat[k + 1])
       local q, t = string.match(field, '^([^:]+):(.+)$')
-      local i = q and index[q]
+      local i = q and queue_at[q]
       if i and n > 0 and values[(i - 1) * WIDTH + 5] ~= '1' and caps[i] ~= 0
           and (not runnable or runnable[t]) then
         parked[#parked + 1] = {field, i, n}
@@ -236,13 +234,6 @@ local active = {}  -- (deadline, id) of each lease, for the active set: ZADDs of
 -- expired jobs this call cancelled, and the most it cancels (each is a transition: a bound
 -- on the script's time)
 local expired, EXPIRED_MOST = 0, 500
-local queue_at, prio_at = {}, {}
-for i = 1, nq do
-  queue_at[names[i]] = i
-end
-for k, p in ipairs(PRIORITIES) do
-  prio_at[p] = k
-end
 
 -- A job of queue i popped and not claimed (expired): a limited queue's permit it took goes
 -- to another job of the queue. (An unlimited queue's room is its ready jobs left: as it was.)
@@ -260,7 +251,7 @@ local function admitted(n)
   local i = queue_at[n.queue]
   if i and open[i] then
     local l = lens[i]
-    local k = prio_at[n.prio]
+    local k = PRIORITY_AT[n.prio]
     l[k] = l[k] + 1
     left = left + 1
     if caps[i] < 0 then

@@ -29,6 +29,7 @@ local EXISTS = 7
 local BASE, NOW
 
 local PRIORITIES = {'critical', 'high', 'normal', 'low'}
+local PRIORITY_AT = {critical = 1, high = 2, normal = 3, low = 4}  -- each one's place in it
 -- waiting: for its dependencies (flows, below); it counts as waiting like queued and scheduled
 local WAITING = {scheduled = true, queued = true, waiting = true}
 local TERMINAL = {succeeded = true, failed = true, cancelled = true}
