@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
+from jobtier.api import worker_claims
 from jobtier.client import AsyncClient, Client, ValidationFailed
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
@@ -166,3 +168,41 @@ async def test_an_http_workers_claim_cancels_an_expired_job_and_takes_the_next(
         mine = [f for f in await logged(redis, log) if stale.encode() in f[b"d"]]
     assert (mine[-1][b"fr"], mine[-1][b"w"]) == (b"queued", b"expiry")
     assert b'"state":"cancelled"' in mine[-1][b"d"]
+
+
+async def test_an_http_workers_claim_behind_more_expired_jobs_than_a_call_cancels(
+    start_api: StartApi, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """501 expired jobs, then a fresh one, on one shard (one concurrency key): a claim script
+    call cancels 500 at most and answers none. The long poll asks again at once and answers
+    the fresh job. (Before, it looked again only at its idle look, here an hour, or at the
+    end of its wait, which is all the claim would have taken.)"""
+    monkeypatch.setattr(worker_claims, "IDLE_LOOK", 3600.0)
+    api = await serve(start_api)
+    key = {"concurrency_key": "one", "concurrency_limit": 1000}
+    stale = [
+        {"type": "http.add", "payload": {"a": i, "b": 0}, "expires_in": 0.2, **key}
+        for i in range(501)
+    ]
+    async with api.client() as c:
+        r = await c.post("/v1/jobs/batch", json={"jobs": stale})
+        results = r.json()["results"]
+        assert r.status_code == 200 and {x["status"] for x in results} == {202}
+        last = results[-1]["job"]["id"]
+        r = await c.post("/v1/jobs", json={"type": "http.add", "payload": {"a": 1, "b": 1}, **key})
+        assert r.status_code == 202, r.text
+        fresh = r.json()["id"]
+    ex = await hash_expiry(api, last)
+    assert ex is not None
+
+    def passed() -> bool:
+        return datetime.now(UTC).timestamp() * 1000 > ex + 5  # this machine's Redis's clock
+
+    await wait_for(passed, timeout=20)
+    wait = 20.0  # (the client's own timeout: 30 s)
+    async with worker_client(api) as w:
+        asked = time.monotonic()
+        job = await claim_one(w, wait=wait)
+    assert job["id"] == fresh and time.monotonic() - asked < wait / 2
+    doc = await status(api, last)
+    assert doc["state"] == "cancelled" and doc["error"]["type"] == "Expired", doc

@@ -18,6 +18,7 @@ from jobtier.store.calls import claim_call, parse_claim
 from jobtier.worker.job_context import JobContext
 from jobtier.worker.registry import TaskRegistry, task
 from tests.fixtures.engine import Background, wait_for, worker_for
+from tests.fixtures.redis import logged
 
 pytestmark = pytest.mark.contract  # on the single Redis and on the Redis Cluster
 
@@ -125,11 +126,35 @@ async def test_an_expired_job_gives_up_its_concurrency_keys_place(
     assert expired(await queue.status(first))
 
 
-async def test_a_retry_due_after_the_expiry_is_not_started(
+async def test_an_attempt_whose_retry_is_due_after_the_expiry_ends_the_job_at_once(
     queue: Queue, background: Background
 ) -> None:
-    job_id = (await queue.submit("flaky_notify", None, expires=1.0)).job_id
-    ex = await expiry_of(queue, job_id)
+    """flaky_notify's first attempt asks for a retry an hour on: past the job's expiry, so no
+    claim would start it. The attempt cancels the job then, rather than schedule it."""
+    job_id = (await queue.submit("flaky_notify", None, expires=60)).job_id
+    background.start(worker_for(queue, REGISTRY))
+
+    async def gone() -> bool:
+        return expired(await queue.status(job_id))
+
+    await wait_for(gone, timeout=20)
+    status = await queue.status(job_id)
+    assert status.attempt == 1 and status.run_at is None  # never scheduled
+    assert status.error is not None and "its retry was due at" in status.error.message
+    assert "which then failed with Retry" in status.error.message
+    mine = [
+        f
+        for f in await logged(queue.redis, queue.keys.log(queue.keys.shard_of(job_id)))
+        if job_id.encode() in f[b"d"]
+    ]
+    assert (mine[-1][b"fr"], mine[-1][b"w"]) == (b"running", b"expiry")
+    assert not [f for f in mine if b'"state":"scheduled"' in f[b"d"]]
+
+
+async def test_a_retry_due_before_the_expiry_is_scheduled(
+    queue: Queue, background: Background
+) -> None:
+    job_id = (await queue.submit("flaky_notify", None, expires=7200)).job_id  # retry at 3600
     background.start(worker_for(queue, REGISTRY))
 
     async def backing_off() -> bool:
@@ -137,14 +162,6 @@ async def test_a_retry_due_after_the_expiry_is_not_started(
         return s.state is State.SCHEDULED and s.attempt == 1
 
     await wait_for(backing_off, timeout=20)
-    await past_expiry(queue, job_id, ex)
-    await queue.jobs.promote(job_id)  # due now: the next claim meets it past its expiry
-
-    async def gone() -> bool:
-        return expired(await queue.status(job_id))
-
-    await wait_for(gone, timeout=20)
-    assert (await queue.status(job_id)).attempt == 1  # its second attempt never started
 
 
 async def test_a_replayed_dead_letter_runs_whatever_its_expiry(
@@ -251,6 +268,25 @@ async def test_a_claim_goes_past_any_run_of_expired_jobs_to_the_next(queue: Queu
     assert all(expired(s) for s in await asyncio.gather(*map(queue.status, stale)))
 
 
+async def test_a_claim_stopped_by_its_bound_on_expired_jobs_says_look_again_now(
+    queue: Queue,
+) -> None:
+    """A call cancels 500 expired jobs at most. One that stops there with ready jobs left
+    answers its own `now` as when to look again (an HTTP worker's long poll would otherwise
+    wait for a wake), and the next call takes the job behind them."""
+    stale = await submit_on_one_shard(queue, 501, expires_in=0.2)
+    [fresh] = await submit_on_one_shard(queue, 1)
+    shard = queue.keys.shard_of(fresh)
+    await past_expiry(queue, stale[-1], await expiry_of(queue, stale[-1]))
+    first = await claim(queue, shard, 1)
+    assert first.jobs == [] and first.ready_left == 2
+    assert first.wake_at_ms == first.now_ms
+    second = await claim(queue, shard, 1)
+    assert [j.id for j in second.jobs] == [fresh] and second.wake_at_ms == -1
+    for i in range(0, len(stale), 50):  # (a cluster client's pool: 50 reads at a time)
+        assert all(expired(s) for s in await asyncio.gather(*map(queue.status, stale[i : i + 50])))
+
+
 async def test_a_job_its_key_admits_behind_an_expired_one_is_claimed_by_the_same_call(
     queue: Queue,
 ) -> None:
@@ -290,8 +326,9 @@ async def test_explain_names_a_job_past_its_expiry_or_due_after_it(
     assert e.reasons[0] is reason and reason.seconds is not None and reason.seconds < 0
     assert "first claim to reach it cancels it" in reason.message
     assert ReasonCode.EXPIRED not in {r.code for r in (await queue.explain(fresh)).reasons}
-    # a retry whose turn comes after the expiry
-    retried = (await queue.submit("flaky_notify", None, expires=60)).job_id
+    # a retry due after the expiry: an older jobtier's fail.lua scheduled one so (this one's
+    # cancels the job instead); made here by moving a scheduled retry's expiry closer
+    retried = (await queue.submit("flaky_notify", None, expires=7200)).job_id
     background.start(worker_for(queue, REGISTRY))
 
     async def backing_off() -> bool:
@@ -299,6 +336,8 @@ async def test_explain_names_a_job_past_its_expiry_or_due_after_it(
         return s.state is State.SCHEDULED and s.attempt == 1
 
     await wait_for(backing_off, timeout=20)
+    base = queue.keys.log(queue.keys.shard_of(retried)).rpartition("log")[0]
+    await queue.redis.hset(f"{base}job:{retried}", "ex", await redis_ms(queue) + 60_000)
     e = await queue.explain(retried)
     codes = [r.code for r in e.reasons]
     assert codes[0] is ReasonCode.EXPIRED and ReasonCode.SCHEDULED in codes

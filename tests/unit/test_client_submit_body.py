@@ -81,6 +81,9 @@ def test_an_expires_of_another_kind_is_refused_saying_what_it_takes() -> None:
             assert refused.value.field == "expires_in"
         with pytest.raises(InvalidRequest, match=r"a datetime \(with a zone\), a timedelta"):
             c.submit("echo", expires="300")  # type: ignore[arg-type]
+        # a time without a zone: named as the argument was given, not as the API's field
+        with pytest.raises(InvalidRequest, match=r"^expires needs a time zone: 2030-01-02T03:04"):
+            c.submit("echo", expires=datetime(2030, 1, 2, 3, 4))
     assert sent == []  # refused before anything was sent
 
 

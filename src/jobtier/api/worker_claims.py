@@ -15,7 +15,8 @@ Races guarded here, as the Python claim loop (worker/claimer.py) guards them:
 - a (re)subscription may have missed wakes: ``_on_reset`` marks every shard unknown for
   every waiter;
 - a blocked (rate-limited) queue may count ready jobs that no claim takes: a shard that
-  gave nothing is not asked again before a wake, and the wait ends when the block does;
+  gave nothing is not asked again before a wake, and the wait ends when the block does (or
+  at once, when the shard's claim stopped at its bound on expired jobs it cancels);
 - a claim whose reply was lost (the connection died: a failover) may have leased jobs: it is
   sent again as it was, with its token, which claim.lua answers with the jobs it leased then
   (store/calls.py claim_call), while the claim has no other job to answer and its ``wait``
@@ -300,7 +301,8 @@ class WorkerClaims:
                     )
                 if w.gen[shard] == g:
                     # a shard that gave nothing may still count jobs no claim takes now (a
-                    # blocked queue): asking it again before a wake would spin
+                    # blocked queue): asking it again before a wake would spin. (One that
+                    # cancelled as many expired jobs as a call may says when to look: now.)
                     w.ready[shard] = batch.ready_left if batch.jobs else 0
                 if batch.wake_at_ms > 0:
                     at = time.monotonic() + (batch.wake_at_ms - batch.now_ms) / 1000

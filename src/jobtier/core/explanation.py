@@ -28,6 +28,18 @@ class ReasonCode(StrEnum):
     UNKNOWN = "unknown"  # queued, yet Redis holds it in no line (a broken invariant); or
     # not finished in Postgres and absent from Redis, which lost it
 
+    @classmethod
+    def _missing_(cls, value: object) -> ReasonCode | None:
+        """A code this jobtier does not know, as a newer server may send (each new reason is
+        one): kept as it came, so that a client older than its server reads the explanation,
+        the code's ``message`` with it, instead of failing to decode it."""
+        if not isinstance(value, str):
+            return None
+        code = str.__new__(cls, value)
+        code._name_ = value.upper()
+        code._value_ = value
+        return code
+
 
 class JobRef(msgspec.Struct):
     """Another job, and its state now (``null``: Redis no longer holds it)."""

@@ -477,10 +477,17 @@ any_decoder = msgspec.json.Decoder()
 def expiry_fields(expires: datetime | timedelta | float | None) -> dict[str, Any]:
     """A submit's ``expires`` as ``JobSpec``'s fields: a time is ``expires_at``, seconds (a
     number or a ``timedelta``) are ``expires_in``; nothing for None. ``InvalidRequest`` for a
-    bool or a number that is not finite (JSON has none: it would be sent as null, no expiry)."""
+    bool or a number that is not finite (JSON has none: it would be sent as null, no expiry),
+    and for a time without a zone."""
     if expires is None:
         return {}
     if isinstance(expires, datetime):
+        if expires.utcoffset() is None:  # before the API would name its wire field
+            raise InvalidRequest(
+                f"expires needs a time zone: {expires.isoformat()} is a naive datetime "
+                "(e.g. datetime.now(UTC) + timedelta(minutes=5))",
+                field="expires_at",
+            )
         return {"expires_at": expires}
     if isinstance(expires, timedelta):
         return {"expires_in": expires.total_seconds()}

@@ -25,7 +25,7 @@ HELP = {
     "jobs_held_total": "Attempts given back, not failed: the task raised RateLimited, an open circuit breaker held the job, or an HTTP worker said held.",
     "jobs_dead_lettered_total": "Jobs that went to the dead-letter set.",
     "jobs_cancelled_total": "Jobs cancelled.",
-    "jobs_expired_total": "Jobs a claim found past their expiry, cancelled (in jobs_cancelled_total too).",
+    "jobs_expired_total": "Jobs cancelled by their expiry: a claim met them past it, or their retry was due after it (in jobs_cancelled_total too).",
     "lease_expirations_total": "Running jobs taken back after their worker stopped heartbeating.",
     "transitions_persisted_total": "Transitions written to Postgres.",
     "submits_refused_total": "Jobs whose submit was refused (429/503), by priority and reason (shed: load shedding).",

@@ -61,7 +61,7 @@ class TransitionCounter:
                 counts["jobs_dead_lettered_total"][kind] += 1
             if to == "cancelled":
                 counts["jobs_cancelled_total"][kind] += 1
-                if entry.actor == "expiry":  # a claim met it past its expiry (claim.lua)
+                if entry.actor == "expiry":  # past its expiry, or its retry due after it
                     counts["jobs_expired_total"][kind] += 1
         if n:
             counts["transitions_persisted_total"][""] += n

@@ -93,7 +93,9 @@ class ClaimBatch:
     jobs: list[ClaimedJob]
     handed_back: list[str]  # ids of jobs of types the worker cannot run, left in their queue
     unaware: list[str]  # limited queues asked without a cap: take permits first (limit.lua)
-    wake_at_ms: int = -1  # when the first block of a served queue ends (-1: none)
+    # when to look at the shard again (-1: no need): the first block of a served queue ends,
+    # or now_ms: the claim stopped at its bound on expired jobs, ready ones behind them
+    wake_at_ms: int = -1
 
 
 @dataclass(frozen=True, slots=True)

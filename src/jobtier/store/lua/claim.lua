@@ -15,7 +15,9 @@
 -- Returns  {now ms, ready jobs left in the shard's served queues (that this worker could
 --           run, for parked ones; a limited queue's only when the worker had permits for it),
 --           jobs claimed k, jobs handed back h, limited queues asked without a cap l,
---           when the first block of a served queue ends (ms; -1: none blocked),
+--           when to look at the shard again (ms; -1: no need): when the first block of a
+--           served queue ends, or now when the call stopped at its bound on expired jobs
+--           (below) with ready jobs left,
 --           then per job: id, type, payload, attempt, max_attempts, lease_version,
 --           queued at ms, queue, dependencies (lib.lua flow_inputs: '' for none, else
 --           {ids, flat id/outcome pairs}), the submit's traceparent ('' for none),
@@ -45,8 +47,9 @@
 -- (a retry's too), and the claim takes another in its place: an expired job counts neither
 -- in the bound on what a call pops nor against a limited queue's permits, and a job its
 -- concurrency key admits in its place may be claimed by the same call. A call cancels
--- EXPIRED_MOST at most (the next claim goes on). A job expires so when a claim reaches it;
--- until then it waits as it was (docs/expiry.md).
+-- EXPIRED_MOST at most, and then answers `now` as when to look again: a caller that claimed
+-- nothing asks again at once, not after its idle wait. A job expires so when a claim reaches
+-- it; until then it waits as it was (docs/expiry.md).
 --
 -- A claim may run twice: the client library sends a call again when the connection dies
 -- before its reply, and the first call may have run. So a claim that leased jobs keeps what
@@ -366,6 +369,9 @@ for _, p in ipairs(parked) do
   left = left + p[3]
 end
 out[2] = math.max(left, 0)
+if expired >= EXPIRED_MOST and out[2] > 0 then
+  out[6] = NOW  -- more ready jobs behind those it cancelled: look again now
+end
 out[3], out[4], out[5] = claimed, #handed, #unaware
 if token_key and claimed > 0 then
   -- what a resent call answers (replay): the jobs' places in `out` are fixed, 12 fields each
