@@ -28,7 +28,7 @@ import msgspec
 from starlette.requests import Request
 
 from jobtier.api.auth import bearer_key, raw_header
-from jobtier.api.problems import PG_DOWN, UNAVAILABLE, Problem
+from jobtier.api.problems import PG_DOWN, Problem, status_answered
 from jobtier.core.keys import ulid
 from jobtier.persist.audit_store import AuditRecord, AuditStore
 
@@ -71,8 +71,9 @@ async def audited(
     request: Request, action: str, target: str, actor: str | None = None
 ) -> AsyncIterator[Outcome]:
     """Run an admin action in the block, then record it; the block sets ``outcome.detail``.
-    A ``Problem`` it raises is recorded with its status, any other error as 503 (a backend
-    outage: it may or may not have taken effect) or 500; either is raised on. ``actor``: a
+    A ``Problem`` it raises is recorded with its status, any other error with the status
+    the app answers it with (``status_answered``: 503 for a backend outage or a failover, when
+    it may or may not have taken effect; 500 for a defect); either is raised on. ``actor``: a
     tenant's (``tenant_actor``), else the admin key's."""
     outcome = Outcome(actor=actor)
     try:
@@ -83,7 +84,7 @@ async def audited(
         await record(request, action, target, outcome)
         raise
     except Exception as exc:
-        outcome.status = 503 if isinstance(exc, UNAVAILABLE) else 500
+        outcome.status = status_answered(exc)
         outcome.detail = {"error": type(exc).__name__}
         with contextlib.suppress(Exception):  # the action's own error is the one to raise
             await record(request, action, target, outcome)

@@ -229,6 +229,20 @@ async def on_error(request: Request, exc: Exception) -> Response:
     return Problem(500, "internal", "the server failed to handle this request").response()
 
 
+def status_answered(exc: BaseException) -> int:
+    """The status ``HANDLERS`` answer an exception raised out of a route with (what the audit
+    records of an action that raised it: api/audit.py)."""
+    if isinstance(exc, Problem):
+        return exc.status
+    if isinstance(exc, HTTPException):
+        return exc.status_code
+    if isinstance(exc, ClientDisconnect):
+        return 400
+    if isinstance(exc, (KeysNotConfigured, *UNAVAILABLE)) or failing_over(exc):
+        return 503
+    return 500
+
+
 # The unavailable classes get a handler of their own: Starlette's `Exception` handler re-raises
 # for the server to log, a full traceback for every request made while Redis restarts.
 HANDLERS: dict[Any, Any] = {
