@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from collections import defaultdict
@@ -105,11 +106,22 @@ def submit_for(
 ) -> Call:
     """A submit call as ``sources``' submit.lua takes it (None: the working tree's): one from
     before jobs kept a trace context read the job count from ARGV[3], where the traceparent
-    now goes, so it is left out."""
+    now goes, so it is left out; one that reads fewer fields per job (those added since, the
+    expiry's and the timeout's, are last and unset here) gets only the fields it reads."""
     call = submit_call(shard, items, ttl_ms)
-    if sources is None or "traceparent" in sources.texts.get("submit", "traceparent"):
+    if sources is None:
+        return call
+    text = sources.texts.get("submit")
+    if text is None:
         return call
     name, shard, args = call
+    found = re.search(r"then (\d+) fields per job", text)
+    width, given = (int(found[1]) if found else 0), len(items[0].args()) if items else 0
+    if 0 < width < given:
+        jobs = [args[3 + i * given : 3 + i * given + width] for i in range(len(items))]
+        args = [*args[:3], *(v for job in jobs for v in job)]
+    if "traceparent" in text:
+        return (name, shard, args)
     return (name, shard, [args[0], *args[2:]])
 
 

@@ -206,3 +206,35 @@ async def test_an_http_workers_claim_behind_more_expired_jobs_than_a_call_cancel
     assert job["id"] == fresh and time.monotonic() - asked < wait / 2
     doc = await status(api, last)
     assert doc["state"] == "cancelled" and doc["error"]["type"] == "Expired", doc
+
+
+async def test_a_jobs_own_timeout_reaches_an_http_worker(start_api: StartApi) -> None:
+    """``timeout`` at a submit (docs/tasks.md): kept with the job and handed to the worker
+    that claims it; bad ones are 422s naming the field."""
+    api = await serve(start_api)
+    async with api.client() as c:
+        r = await c.post(
+            "/v1/jobs", json={"type": "http.add", "payload": {"a": 1, "b": 2}, "timeout": 2.5}
+        )
+        assert r.status_code == 202, r.text
+        given = r.json()["id"]
+        for bad in (0, -1, "30", True, 10**9):
+            r = await c.post("/v1/jobs", json={"type": "http.add", "timeout": bad})
+            assert r.status_code == 422 and r.json()["field"] == "timeout", r.text
+        r = await c.post(
+            "/v1/jobs",
+            json={"type": "http.add", "timeout": 5, "unique": {"key": "u"}},
+        )
+        assert r.status_code == 422 and r.json()["field"] == "timeout", r.text
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        assert (job["id"], job["timeout"]) == (given, 2.5)
+
+    def sync() -> str:
+        with Client(api.url, KEYS["acme"], retries=0) as c:
+            return c.submit("http.add", {"a": 1, "b": 1}, timeout=timedelta(seconds=7)).id
+
+    plain = await asyncio.to_thread(sync)
+    async with worker_client(api) as w:
+        job = await claim_one(w)
+        assert (job["id"], job["timeout"]) == (plain, 7)

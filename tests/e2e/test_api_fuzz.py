@@ -75,6 +75,8 @@ PROSE_RULES = {
     "start_at": 422, "end_at": 422, "interval": 422,
     # a job's expiry: in the past, not after its run_at or delay, both given, with a key
     "expires_at": 422, "expires_in": 422,
+    # a job's own timeout beside debounce, throttle or unique
+    "timeout": 422,
 }  # fmt: skip
 # JSON Schema's integer is any number without a fraction, 3.0 too; the server takes 3 only
 # (stated in the document's description)

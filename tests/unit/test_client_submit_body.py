@@ -46,6 +46,16 @@ def test_an_expiry_is_one_member() -> None:
     assert "expires_in" not in _sent(lambda c: c.submit("echo"))
 
 
+def test_a_timeout_is_sent_as_seconds() -> None:
+    assert _sent(lambda c: c.submit("echo", timeout=timedelta(minutes=2)))["timeout"] == 120
+    assert _sent(lambda c: c.submit("echo", timeout=1.5))["timeout"] == 1.5
+    assert "timeout" not in _sent(lambda c: c.submit("echo"))
+    (job,) = _sent(lambda c: c.submit_many([JobSpec(type="echo", timeout=timedelta(seconds=3))]))[  # type: ignore[arg-type]
+        "jobs"
+    ]
+    assert job == {"type": "echo", "timeout": 3}
+
+
 def test_a_jobspecs_timedeltas_are_sent_as_seconds() -> None:
     spec = JobSpec(type="echo", delay=timedelta(seconds=5), expires_in=timedelta(minutes=1))  # type: ignore[arg-type]
     (job,) = _sent(

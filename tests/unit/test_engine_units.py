@@ -47,13 +47,19 @@ def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
     lib = lua_source("lib")
     fields = _lua_list(lib, "FIELDS")
     names = [f"'{name}'" for name in fields]
-    body = _function_body(lib, "load(id, more, more2, more3)")
-    assert "job_fields(key, more, more2, more3)" in body
-    hmget = _function_body(lib, "job_fields(key, more, more2, more3)")
+    body = _function_body(lib, "load(id, more, more2, more3, more4)")
+    assert "job_fields(key, more, more2, more3, more4)" in body
+    hmget = _function_body(lib, "job_fields(key, more, more2, more3, more4)")
     calls = re.findall(r"redis\.call\('HMGET', key, ([^)]*)\)", hmget, re.DOTALL)
     listed = [[t.strip() for t in call.split(",")] for call in calls]
     assert sorted(listed) == sorted(
-        [[*names, "more", "more2", "more3"], [*names, "more", "more2"], [*names, "more"], names]
+        [
+            [*names, "more", "more2", "more3", "more4"],
+            [*names, "more", "more2", "more3"],
+            [*names, "more", "more2"],
+            [*names, "more"],
+            names,
+        ]
     )
     at = re.search(r"^local C_AT, T_AT, ERROR_AT, PROGRESS_AT = (.*)$", lib, re.MULTILINE)
     assert at and [int(i) for i in at.group(1).split(",")] == [
@@ -70,6 +76,7 @@ def test_load_builds_every_field_from_its_place_in_the_hmget_reply() -> None:
         "more": len(fields) + 1,
         "more2": len(fields) + 2,
         "more3": len(fields) + 3,
+        "more4": len(fields) + 4,
     }
 
 
@@ -98,7 +105,7 @@ def test_packed_values_are_read_in_the_order_they_are_written() -> None:
     from jobtier.store import format as job_format
 
     lib = lua_source("lib")
-    body = _function_body(lib, "load(id, more, more2, more3)")
+    body = _function_body(lib, "load(id, more, more2, more3, more4)")
     constructor = dict(re.findall(r"([a-z_]+) = ([a-z_]+)[,}]", body.split("local j = {", 1)[1]))
     for packed, pattern, names in (
         ("packed_c(j)", "C_PATTERN", job_format.C_FIELDS),

@@ -296,7 +296,8 @@ def operations(settings: Settings) -> oa.Paths:
 
 
 def constrain_expiry(c: dict[str, Any], settings: Settings) -> None:
-    """What the OpenAPI document states of a job's expiry (docs/expiry.md)."""
+    """What the OpenAPI document states of a job's expiry (docs/expiry.md) and of its own
+    timeout."""
     ahead = settings.max_future_seconds
     oa.constrain(c, "JobSpec", "expires_in", exclusiveMinimum=0, maximum=ahead)
     oa.constrain(c, "JobSpec", "expires_at", format="date-time")
@@ -312,4 +313,11 @@ def constrain_expiry(c: dict[str, Any], settings: Settings) -> None:
     c["JobSpec"]["properties"]["expires_in"]["description"] = (
         "seconds from the submit after which the job, not started, is cancelled (error "
         "Expired) when a worker's claim reaches it" + rule
+    )
+    # (and its own timeout: docs/tasks.md)
+    oa.constrain(c, "JobSpec", "timeout", exclusiveMinimum=0, maximum=ahead)
+    c["JobSpec"]["properties"]["timeout"]["description"] = (
+        "seconds each attempt of this job may run, in place of its task's timeout (an HTTP "
+        "worker is handed it with the job); within JOBTIER_MAX_FUTURE_SECONDS, not with "
+        "debounce, throttle or unique (else 422 naming it)"
     )

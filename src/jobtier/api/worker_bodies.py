@@ -64,6 +64,8 @@ class WorkerJob(msgspec.Struct):
     # a job that waited for others: their outcomes, in the order it named them (as a Python
     # task's ctx.dependencies); none for a job that waited for none
     dependencies: list[Dependency] | None = None
+    # the job's own bound on an attempt, seconds, given at its submit (none: the worker's own)
+    timeout: float | None = None
 
 
 class ClaimResponse(msgspec.Struct):

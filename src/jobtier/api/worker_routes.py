@@ -176,7 +176,7 @@ def _job(c: Claimed) -> WorkerJob:
     deps = list(from_inputs(j.inputs).values()) if j.inputs else None
     return WorkerJob(
         j.id, j.type, j.queue, payload, j.attempt, j.max_attempts, j.lease_version,
-        j.trace, j.compensates, deps,
+        j.trace, j.compensates, deps, j.timeout,
     )  # fmt: skip
 
 

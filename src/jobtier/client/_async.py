@@ -101,6 +101,7 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         throttle: Mapping[str, Any] | None = None,
         unique: Mapping[str, Any] | None = None,
         expires: datetime | timedelta | float | None = None,
+        timeout: float | timedelta | None = None,
     ) -> Submission:
         """Submit one job of ``type``: a task's name, or the task (``@task``) itself, sent by
         its name. ``run_at`` must carry a time zone; give it or ``delay`` (seconds, or a
@@ -117,6 +118,8 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
         docs/debounce-throttle.md; a full throttle key that refuses raises ``RateLimited``.
         ``expires``: a time (with a zone), or seconds (a number or a ``timedelta``) from now,
         after which the job, not started, is cancelled rather than run (docs/expiry.md).
+        ``timeout``: seconds (or a ``timedelta``) each attempt of this job may run, in place of
+        its task's ``timeout`` (docs/tasks.md).
         """
         op = self._submit(
             type,
@@ -132,7 +135,9 @@ class AsyncClient(BaseClient[httpx.AsyncBaseTransport]):
             job_ids(depends_on),
             on_dependency_failure,
             callback,
-            present(debounce=debounce, throttle=throttle, unique=unique) | expiry_fields(expires),
+            present(debounce=debounce, throttle=throttle, unique=unique)
+            | expiry_fields(expires)
+            | present(timeout=seconds(timeout, "timeout")),
         )
         return await self._run(op)
 

@@ -373,7 +373,7 @@ class BaseClient(Generic[TransportT]):
         depends_on: Iterable[str] | None,
         on_dependency_failure: OnDependencyFailure | None,
         callback: str | Mapping[str, Any] | None,
-        keyed: Mapping[str, Any],  # debounce, throttle, unique; expires_at or expires_in
+        keyed: Mapping[str, Any],  # debounce, throttle, unique; expires_at or expires_in; timeout
     ) -> Op[Submission]:
         body = {
             "type": type_name(type),

@@ -102,6 +102,7 @@ class Client(BaseClient[httpx.BaseTransport]):
         throttle: Mapping[str, Any] | None = None,
         unique: Mapping[str, Any] | None = None,
         expires: datetime | timedelta | float | None = None,
+        timeout: float | timedelta | None = None,
     ) -> Submission:
         """Submit one job; see ``AsyncClient.submit``."""
         op = self._submit(
@@ -118,7 +119,9 @@ class Client(BaseClient[httpx.BaseTransport]):
             job_ids(depends_on),
             on_dependency_failure,
             callback,
-            present(debounce=debounce, throttle=throttle, unique=unique) | expiry_fields(expires),
+            present(debounce=debounce, throttle=throttle, unique=unique)
+            | expiry_fields(expires)
+            | present(timeout=seconds(timeout, "timeout")),
         )
         return self._run(op)
 

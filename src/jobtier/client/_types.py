@@ -208,12 +208,12 @@ def seconds(delay: float | timedelta | None, field: str = "delay") -> float | No
     return delay.total_seconds() if isinstance(delay, timedelta) else delay
 
 
-_SECONDS = ("delay", "expires_in")
+_SECONDS = ("delay", "expires_in", "timeout")
 
 
 def spec_seconds(spec: JobSpec | Mapping[str, Any]) -> JobSpec | Mapping[str, Any]:
-    """A spec of ``submit_many`` with its ``delay`` and ``expires_in`` as the API takes them:
-    seconds (a ``timedelta`` converted, as ``seconds`` does)."""
+    """A spec of ``submit_many`` with its ``delay``, ``expires_in`` and ``timeout`` as the API
+    takes them: seconds (a ``timedelta`` converted, as ``seconds`` does)."""
     if isinstance(spec, JobSpec):
         given = {f: seconds(getattr(spec, f), f) for f in _SECONDS}
         changed = {f: v for f, v in given.items() if v is not getattr(spec, f)}

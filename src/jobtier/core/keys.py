@@ -94,7 +94,9 @@ format change) and ``h`` ("1" while the job is counted among its queue's jobs he
 concurrency key: lib.lua; optional too) and ``uq`` (a unique key's job: its key's record,
 which it frees as it ends; ``U`` in ``wf`` until it finishes, ``u`` while it waits:
 keyed.lua) and ``ex`` (its expiry, ms, when submitted with one: a claim that meets it past
-that cancels it, claim.lua), a job's small fields are packed in
+that cancels it, claim.lua) and ``to`` (its own bound on an attempt, ms, when submitted
+with one: the claim hands it to the worker in place of the task's), a job's small fields are
+packed in
 two values: ``c`` = ``"<type> <priority> <max attempts> <created ISO> <queue> <key>"`` (set
 at creation; the priority and attempts change with a debounce's replacement, the priority
 with ``set_priority.lua``) and ``t`` = ``"<state> <version> <attempt> <updated ms> <run-at ms>

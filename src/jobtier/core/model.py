@@ -197,6 +197,8 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_def
     is cancelled or does not exist, unless ``on_dependency_failure`` is ``run``.
     ``expires_at`` or ``expires_in`` (seconds from the submit): a job not started by then is
     cancelled, its error an ``Expired`` one, when a worker's claim reaches it (docs/expiry.md).
+    ``timeout``: seconds each attempt of this job may run, in place of its task's ``timeout``
+    (docs/tasks.md).
     """
 
     type: str
@@ -206,6 +208,7 @@ class JobSpec(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, omit_def
     delay: float | None = None
     expires_at: datetime | None = None
     expires_in: float | None = None
+    timeout: float | None = None
     max_attempts: int | None = None
     idempotency_key: str | None = None
     queue: str | None = None
@@ -423,6 +426,8 @@ class ClaimedJob(msgspec.Struct, frozen=True):
     compensates: str | None = None
     # the state the job's last checkpoint saved (JSON), handed to this attempt; None for none
     checkpoint: bytes | None = None
+    # the job's own bound on an attempt, seconds, given at its submit; None: its task's
+    timeout: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

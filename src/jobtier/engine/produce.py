@@ -179,8 +179,6 @@ class Producer:
                 "(JOBTIER_MAX_PAYLOAD_BYTES)",
                 field="payload",
             )
-        if task is not None:
-            task.validate(spec.payload)
         # the checks of options left unset (most jobs) are skipped: this runs once per job
         attempts = spec.max_attempts
         if attempts is None:
@@ -195,6 +193,7 @@ class Producer:
             expires_at_ms = expires_in_ms = 0
         else:
             expires_at_ms, expires_in_ms = validate.expiry(spec, s, run_at_ms, delay_ms)
+        timeout_ms = 0 if spec.timeout is None else validate.timeout(spec, s)
         key = spec.idempotency_key
         key = "" if key is None else validate.check_key(key, "idempotency_key")
         queue = spec.queue
@@ -209,13 +208,16 @@ class Producer:
         keyed = None
         if spec.debounce is not None or spec.throttle is not None or spec.unique is not None:
             keyed = by_key.option(spec, s)
-            if expires_at_ms or expires_in_ms:
-                field = "expires_at" if expires_at_ms else "expires_in"
+            if expires_at_ms or expires_in_ms or timeout_ms:
+                field = "timeout" if timeout_ms else "expires_in"
+                field = "expires_at" if expires_at_ms else field
                 raise InvalidRequest(
                     f"{field} cannot be combined with debounce, throttle or unique: a keyed job "
-                    "takes no expiry",
+                    "takes no expiry and no timeout of its own",
                     field=field,
                 )
+        if task is not None:  # the payload's schema after the job's options: a 422 names
+            task.validate(spec.payload)  # a bad option first, as it does without a schema
         if job_id is None:
             # a concurrency key's count and waiting jobs live in one shard, so its jobs do too
             # (and their idempotency records: the idempotency key is then scoped to it)
@@ -275,6 +277,7 @@ class Producer:
             keyed=keyed,
             expires_at_ms=expires_at_ms,
             expires_in_ms=expires_in_ms,
+            timeout_ms=timeout_ms,
         )
 
     def _sealer(self, type: str) -> Callable[[str, bytes], bytes]:
@@ -307,6 +310,7 @@ class Producer:
         throttle: Throttle | Mapping[str, Any] | None = None,
         unique: Unique | Mapping[str, Any] | None = None,
         expires: datetime | timedelta | float | None = None,
+        timeout: timedelta | float | None = None,
     ) -> Submitted:
         """Submit one job. A repeated ``idempotency_key`` with the same type and payload
         returns the original job (``created`` False); with another, ``IdempotencyConflict``.
@@ -315,7 +319,8 @@ class Producer:
         ``debounce``, ``throttle``, ``unique``: docs/debounce-throttle.md (``Throttled`` when
         refused; a unique key's job unfinished: that job, ``created`` False). ``expires``: a
         time (with a zone), or seconds (a number or a ``timedelta``) from now, after which the
-        job, not started, is cancelled rather than run (docs/expiry.md)."""
+        job, not started, is cancelled rather than run (docs/expiry.md). ``timeout``: seconds
+        (or a ``timedelta``) each attempt may run, in place of the task's ``timeout``."""
         if not isinstance(type, str):
             if not hasattr(type, "infos"):  # checked by prepare() as any bad name is
                 raise InvalidRequest(f"type {str(type)[:140]!r} is not a task name", field="type")
@@ -348,6 +353,7 @@ class Producer:
             throttle=by_key.as_option(throttle, Throttle, "throttle"),
             unique=by_key.as_option(unique, Unique, "unique"),
             **expiry_fields(expires),
+            timeout=timeout,  # type: ignore[arg-type]  # a timedelta too: prepare() converts
         )
         (result,) = await self.submit_many([spec], tenant=tenant)
         if isinstance(result, Exception):

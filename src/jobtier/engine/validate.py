@@ -115,6 +115,20 @@ def seconds_of(value: Any, field: str) -> float:
     return float(value)
 
 
+def timeout(spec: JobSpec, s: Settings) -> int:
+    """The job's own bound on an attempt, ms: a positive number of seconds (a millisecond at
+    least), within JOBTIER_MAX_FUTURE_SECONDS."""
+    given = seconds_of(spec.timeout, "timeout")
+    if given <= 0:
+        raise InvalidRequest("timeout must be a positive number of seconds", field="timeout")
+    if given > s.max_future_seconds:
+        raise InvalidRequest(
+            f"timeout is over {s.max_future_seconds} s (JOBTIER_MAX_FUTURE_SECONDS)",
+            field="timeout",
+        )
+    return max(round(given * 1000), 1)
+
+
 def expiry(spec: JobSpec, s: Settings, run_at_ms: int, delay_ms: int) -> tuple[int, int]:
     """(expires-at ms or 0, expires-in ms or 0): a time after the job is due and after now,
     within JOBTIER_MAX_FUTURE_SECONDS."""

@@ -62,6 +62,7 @@ class SubmitItem:
     # no longer to start after this time (ms), or this long after the submit (ms); 0: none
     expires_at_ms: int = 0
     expires_in_ms: int = 0
+    timeout_ms: int = 0  # the job's own bound on an attempt; 0: its task's
 
     def args(self) -> tuple[Any, ...]:
         payload = self.payload if self.seal is None else self.seal(self.job_id, self.payload)
@@ -82,6 +83,7 @@ class SubmitItem:
             self.flow,
             self.expires_at_ms,
             self.expires_in_ms,
+            self.timeout_ms,
         )
 
 
@@ -176,8 +178,9 @@ def claim_replay(call: Call) -> Call:
 
 def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
     now, claimed, handed = int(reply[0]), int(reply[2]), int(reply[3])
-    # 11 values per job; 9 from the scripts before the trace context, 10 before the
-    # compensated job's id (a benchmark's baseline runs them: bench/transitions.py)
+    # 13 values per job; 9 from the scripts before the trace context, 10 before the
+    # compensated job's id, 11 before the checkpoint, 12 before the job's own timeout (a
+    # benchmark's baseline runs them: bench/transitions.py)
     width = (len(reply) - 6 - handed - int(reply[4])) // claimed if claimed else 11
     end = 6 + width * claimed
     jobs = [
@@ -195,6 +198,7 @@ def parse_claim(shard: int, reply: list[Any]) -> ClaimBatch:
             trace=reply[i + 9].decode() if width > 9 and reply[i + 9] else None,
             compensates=reply[i + 10].decode() if width > 10 and reply[i + 10] else None,
             checkpoint=reply[i + 11] if width > 11 and reply[i + 11] else None,
+            timeout=int(reply[i + 12]) / 1000 if width > 12 and reply[i + 12] else None,
         )
         for i in range(6, end, width)
     ]

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 import msgspec
 
 from jobtier.core.errors import Cancelled, Fatal, RateLimited, Retry
-from jobtier.core.model import encode_json
+from jobtier.core.model import ClaimedJob, encode_json
 from jobtier.core.sealing import (
     PREFIX,
     KeyMissing,
@@ -177,14 +177,14 @@ def message_of(exc: BaseException) -> str:
     return printable(text[:MESSAGE_LIMIT])
 
 
-def failure(exc: BaseException, task: Task | None) -> Failure:
+def failure(exc: BaseException, task: Task | None, limit: float | None = None) -> Failure:
     """Classify what a task raised: ``Fatal``, a ciphertext that fails authentication and the
     task's ``non_retryable`` classes are not retried, everything else is (a timeout and a
     missing encryption key included, and what is no ``Exception``: a ``SystemExit`` or a
     ``KeyboardInterrupt`` the task raised fails its attempt, not the worker), ``Retry`` with
-    the delay it names."""
-    if isinstance(exc, TimeoutError) and task is not None and task.timeout is not None:
-        return Failure(exc, "TimeoutError", f"attempt timed out after {task.timeout:g}s", True)
+    the delay it names. ``limit``: the attempt's bound (``time_limit``), seconds."""
+    if isinstance(exc, TimeoutError) and task is not None and limit is not None:
+        return Failure(exc, "TimeoutError", f"attempt timed out after {limit:g}s", True)
     if isinstance(exc, RateLimited):  # the worker also holds the queue back (reporter.py)
         message = message_of(exc)
         return Failure(exc, "RateLimited", message, True, exc.retry_after, refund=True)
@@ -196,6 +196,12 @@ def failure(exc: BaseException, task: Task | None) -> Failure:
     )
     delay = exc.delay if isinstance(exc, Retry) else None
     return Failure(exc, type(exc).__name__, message_of(exc), retry, delay)
+
+
+def time_limit(task: Task, job: ClaimedJob) -> float | None:
+    """How long an attempt of ``job`` may run, seconds: the job's own timeout, given at its
+    submit, else its task's (None: unbounded)."""
+    return job.timeout if job.timeout is not None else task.timeout
 
 
 class AttemptSink(Protocol):
@@ -219,8 +225,8 @@ async def run_attempt(
     too, as ``INTERRUPTED``: the sink knows why it cancelled and what that means).
 
     An ``async def`` task runs on the event loop, a plain ``def`` in ``executor`` (in
-    ``processes``, a pool of child processes, when given); the task's ``timeout`` bounds
-    each. An encrypted payload is opened with ``keyring`` first, and the
+    ``processes``, a pool of child processes, when given); the job's ``timeout``, else the
+    task's, bounds each (``time_limit``). An encrypted payload is opened with ``keyring`` first, and the
     result of such a job (or of a task with ``encrypt=True``, or of a job in an encrypted
     queue: ``sealed_queue``) sealed (docs/encryption.md).
     """
@@ -245,8 +251,9 @@ async def run_attempt(
             call = processes.run(task, ctx, decoded)
         else:
             call = ctx._loop.run_in_executor(executor, task.fn, ctx, decoded)
-        if task.timeout is not None:
-            async with asyncio.timeout(task.timeout):
+        limit = time_limit(task, ctx.job)
+        if limit is not None:
+            async with asyncio.timeout(limit):
                 result = await call
         else:
             result = await call
@@ -280,7 +287,8 @@ async def run_attempt(
             # a thread cannot be interrupted: it runs on past its timeout unless it stops
             # for the flag a cancel request raises (ctx.cancel_requested, check_cancelled)
             ctx._request_cancel()
-        sink.attempt_ended(ctx, failure(exc, task))
+        limit = None if task is None else time_limit(task, ctx.job)
+        sink.attempt_ended(ctx, failure(exc, task, limit))
     else:
         if ctx._cancelled:  # (ctx.cancel_requested, without a property call per job)
             # the task returned after its cancel request was delivered: it was asked to stop

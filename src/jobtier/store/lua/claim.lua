@@ -21,7 +21,8 @@
 --           then per job: id, type, payload, attempt, max_attempts, lease_version,
 --           queued at ms, queue, dependencies (lib.lua flow_inputs: '' for none, else
 --           {ids, flat id/outcome pairs}), the submit's traceparent ('' for none),
---           the compensated job's id ('' for none), the last checkpoint ('' for none);
+--           the compensated job's id ('' for none), the last checkpoint ('' for none),
+--           the job's own timeout, ms ('' for none: its task's; 'to', submit.lua);
 --           then the h ids handed back; then the l queue names}
 --
 -- A queue with a global concurrency or rate limit is flagged limited in every shard
@@ -113,7 +114,8 @@ local function render_claimed(out, k, j, queued_at)
   out[k + 11] = cof
   -- the last checkpoint a previous attempt saved (heartbeat.lua), '' for none
   out[k + 12] = has_flag(j, 'K') and (redis.call('HGET', j._key, 'cp') or '') or ''
-  return k + 12
+  out[k + 13] = j.more4 or ''
+  return k + 13
 end
 
 -- The answer of a claim already run under this token, its jobs rendered again (those still
@@ -127,7 +129,7 @@ local function replay()
   local out = {first[1], first[2], 0, 0, 0, first[3]}
   local nout, claimed = #out, 0
   for i = 4, #first, 3 do
-    local j = load(first[i], 'payload', 'tp')
+    local j = load(first[i], 'payload', 'tp', 'ex', 'to')
     if j and j.state == 'running' and j.worker == worker and j.lease_version == first[i + 1] then
       nout = render_claimed(out, nout, j, first[i + 2])
       claimed = claimed + 1
@@ -265,9 +267,9 @@ end
 
 local function claim_ids(ids)
   for _, id in ipairs(ids) do
-    -- the payload, the trace context and the expiry come in load()'s HMGET: one call per
-    -- job rather than HMGET + HGETs
-    local j = load(id, 'payload', 'tp', 'ex')
+    -- the payload, the trace context, the expiry and the timeout come in load()'s HMGET:
+    -- one call per job rather than HMGET + HGETs
+    local j = load(id, 'payload', 'tp', 'ex', 'to')
     -- a ready list holds only queued jobs (cancel and expiry remove them); the check guards
     -- the invariant rather than trusting it
     if j and j.state == 'queued' then
@@ -374,9 +376,9 @@ if expired >= EXPIRED_MOST and out[2] > 0 then
 end
 out[3], out[4], out[5] = claimed, #handed, #unaware
 if token_key and claimed > 0 then
-  -- what a resent call answers (replay): the jobs' places in `out` are fixed, 12 fields each
+  -- what a resent call answers (replay): the jobs' places in `out` are fixed, 13 fields each
   local kept = {NOW, out[2], wake_at}
-  for k = 7, 6 + 12 * claimed, 12 do
+  for k = 7, 6 + 13 * claimed, 13 do
     kept[#kept + 1], kept[#kept + 2], kept[#kept + 3] = out[k], out[k + 5], out[k + 6]
   end
   redis.call('SET', token_key, cmsgpack.pack(kept), 'PX', lease)

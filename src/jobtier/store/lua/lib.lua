@@ -63,11 +63,11 @@ end
 -- The table is built by one constructor that names every field: Lua sizes it once, where
 -- filling it in a loop rehashes it as it grows. `more` (optional): one more field to read in
 -- the same HMGET, as j.more (claim.lua reads the payload so rather than with an HGET after),
--- `more2` as j.more2 (claim.lua: the trace context, 'tp') and `more3` as j.more3 (claim.lua:
--- the expiry, 'ex').
-local function load(id, more, more2, more3)
+-- `more2` as j.more2 (claim.lua: the trace context, 'tp'), `more3` as j.more3 (claim.lua:
+-- the expiry, 'ex') and `more4` as j.more4 (claim.lua: the job's own timeout, 'to').
+local function load(id, more, more2, more3, more4)
   local key = job_key(id)
-  local v = job_fields(key, more, more2, more3)
+  local v = job_fields(key, more, more2, more3, more4)
   if not v[1] then
     return nil
   end
@@ -85,7 +85,7 @@ local function load(id, more, more2, more3)
              state = state, version = version, attempt = attempt, updated = updated,
              run_at = run_at, run_at_iso = run_at_iso, cancel = cancel,
              lease_version = lease_version, lv = lv, lt = lt, worker = worker, more = v[8],
-             more2 = v[9], more3 = v[10], _was = v, _key = key}
+             more2 = v[9], more3 = v[10], more4 = v[11], _was = v, _key = key}
   read_deps(j, key)
   read_checkpoint(j, key)
   return j

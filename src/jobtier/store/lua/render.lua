@@ -108,7 +108,11 @@ end
 -- The fields of the job hash at `key` a transition reads (lib.lua FIELDS), and its fields
 -- `more`, `more2` and `more3` after them when given: one HMGET naming them as literals (one
 -- call less per job than unpack(FIELDS); a unit test keeps them in step).
-local function job_fields(key, more, more2, more3)
+local function job_fields(key, more, more2, more3, more4)
+  if more4 then
+    return redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress', more,
+                      more2, more3, more4)
+  end
   if more3 then
     return redis.call('HMGET', key, 'id', 'tenant', 'c', 't', 'wf', 'error', 'progress', more,
                       more2, more3)

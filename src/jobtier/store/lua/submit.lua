@@ -6,14 +6,15 @@
 -- ARGV[2]  idempotency record lifetime, ms
 -- ARGV[3]  the submit's W3C traceparent, kept by each job it creates as 'tp' ('' none: the
 --          submit was not traced; one per call, since one call is one submit's)
--- ARGV[4]  number of jobs n, then 16 fields per job:
+-- ARGV[4]  number of jobs n, then 17 fields per job:
 --            id, tenant, type, queue, priority, payload (JSON), max_attempts,
 --            run_at ms (0: none), delay ms (0: none),
 --            idempotency key ('' none), request hash (identifies "the same request"),
 --            concurrency key ('' none) and its limit (jobs of the key ready or running at once),
 --            flow (JSON: dependencies, dependents, compensation; '' none: lib.lua flow_create),
 --            expires at ms (0: none), expires in ms from now (0: none): when a job not
---            started yet is no longer to start ('ex' in its hash: claim.lua cancels it then)
+--            started yet is no longer to start ('ex' in its hash: claim.lua cancels it then),
+--            the job's own bound on an attempt, ms (0: its task's; 'to': claim.lua answers it)
 -- Returns  per job: code, job id, status document
 --            OK                    created (the id asked for)
 --            DUPLICATE             the key was used by the same request: that job, its document
@@ -34,7 +35,7 @@ local taken = false
 do
   local keys = {}
   for i = 0, n - 1 do
-    keys[#keys + 1] = job_key(ARGV[5 + i * 16])
+    keys[#keys + 1] = job_key(ARGV[5 + i * 17])
   end
   for i = 1, #keys, CHUNK do
     if redis.call('EXISTS', unpack(keys, i, math.min(i + CHUNK - 1, #keys))) > 0 then
@@ -45,7 +46,7 @@ do
 end
 local made = {}
 for i = 0, n - 1 do
-  local a = 5 + i * 16
+  local a = 5 + i * 17
   local id, tenant, idem, hash = ARGV[a], ARGV[a + 1], ARGV[a + 9], ARGV[a + 10]
   local code = OK
   local idem_key
@@ -76,7 +77,16 @@ for i = 0, n - 1 do
       redis.call('SET', idem_key, id .. ' ' .. hash, 'PX', idem_ttl)
     end
     local expires = due_of(tonumber(ARGV[a + 14]), tonumber(ARGV[a + 15]))
-    NEW_FIELDS = expires ~= '' and {'ex', int(expires)} or nil
+    local timeout = ARGV[a + 16]
+    if expires ~= '' or timeout ~= '0' then
+      NEW_FIELDS = {}
+      if expires ~= '' then
+        NEW_FIELDS[1], NEW_FIELDS[2] = 'ex', int(expires)
+      end
+      if timeout ~= '0' then
+        NEW_FIELDS[#NEW_FIELDS + 1], NEW_FIELDS[#NEW_FIELDS + 2] = 'to', timeout
+      end
+    end
     local doc = create_job(id, tenant, ARGV[a + 2], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5],
                            ARGV[a + 6], due, idem, 'api', ARGV[a + 11], ARGV[a + 12],
                            ARGV[a + 13], trace)
