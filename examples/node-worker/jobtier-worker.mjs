@@ -367,15 +367,17 @@ export class Worker {
     let timer;
     try {
       let run = task.handler(job.payload, ctx);
-      if (task.timeout) {
-        // the task's advertised timeout: ctx.signal aborts, and the attempt fails (retried)
+      // the job's own timeout (given at its submit), else the task's advertised one:
+      // ctx.signal aborts, and the attempt fails (retried)
+      const limit = job.timeout ?? task.timeout;
+      if (limit) {
         const late = new Promise((_, reject) => {
           timer = setTimeout(() => {
-            const err = new Error(`the task ran past its timeout of ${task.timeout} s`);
+            const err = new Error(`the task ran past its timeout of ${limit} s`);
             err.name = "TimeoutError";
             ctx.controller.abort(err);
             reject(err);
-          }, task.timeout * 1000);
+          }, limit * 1000);
         });
         run = Promise.race([run, late]);
       }

@@ -85,6 +85,12 @@ async def test_the_node_worker_runs_jobs_end_to_end(
         held = await submit(api, "node.steps", {"steps": 1000, "ms": 20})
         late = await submit(api, "node.slow", {"ms": 60_000})
         async with api.client() as c:
+            # its own timeout, given at the submit, in place of the task's (0.2 s)
+            r = await c.post(
+                "/v1/jobs", json={"type": "node.slow", "payload": {"ms": 600}, "timeout": 30}
+            )
+            assert r.status_code == 202, r.text
+            given_more = r.json()["id"]
             r = await c.post("/v1/jobs", json={"type": "node.add", "payload": {"a": 1}})
             assert r.status_code == 422 and r.json()["field"] == "payload.b"  # its schema
 
@@ -93,7 +99,7 @@ async def test_the_node_worker_runs_jobs_end_to_end(
 
             await wait_for(running, timeout=30)
             assert (await c.post(f"/v1/jobs/{held}/cancel")).status_code == 200
-        ids = [*adds, steps, retried, fatal, limited, held, late]
+        ids = [*adds, steps, retried, fatal, limited, held, late, given_more]
 
         async def finished() -> bool:
             return all(d["state"] in TERMINAL for d in (await docs(api, ids)).values())
@@ -129,8 +135,9 @@ async def test_the_node_worker_runs_jobs_end_to_end(
     assert all(int(end or 0) > 0 for end in blocks), blocks
     assert got[held]["state"] == "cancelled"
     assert (got[late]["state"], got[late]["error"]["type"]) == ("failed", "TimeoutError")
+    assert got[given_more]["state"] == "succeeded"  # 600 ms, three times its task's timeout
     assert stats == {
-        "succeeded": 22, "failed": 4, "held": 1, "cancelled": 1, "lost": 0, "unsent": 0
+        "succeeded": 23, "failed": 4, "held": 1, "cancelled": 1, "lost": 0, "unsent": 0
     }  # fmt: skip
 
 

@@ -163,3 +163,23 @@ def test_histogram_window_per_process_when_processes_come_and_go() -> None:
         veteran.observe(0.05)
     got, _ = window.observe(20.0, [snap("w2", other), snap("w3", veteran)])
     assert got["run"]["counts"] == [3, 2, 0, 0]  # w3 counts from its first sample
+
+
+def test_an_attempt_whose_retry_fell_after_the_expiry_counts_as_failed_or_held() -> None:
+    """fail.lua ends the job (running -> cancelled, by 'expiry') rather than schedule a retry
+    past its expiry: the attempt still counts as failed, or as given back when it was."""
+    c = TransitionCounter()
+    c.observe([
+        entry("queued", State.RUNNING),
+        entry("running", State.CANCELLED, "Expired", actor="expiry"),
+        entry("queued", State.RUNNING),
+        entry("running", State.CANCELLED, "Expired", refunded=True, actor="expiry"),
+        # cancelled on request while running: no attempt counted (as before)
+        entry("queued", State.RUNNING),
+        entry("running", State.CANCELLED, "Cancelled", actor="w1"),
+    ])  # fmt: skip
+    echo = labels(type="echo", queue="default")
+    got = {name: dict(series) for name, series in c.counts.items()}
+    assert got["jobs_failed_total"] == {echo: 1} and got["jobs_held_total"] == {echo: 1}
+    assert got["jobs_expired_total"] == {echo: 2} and got["jobs_cancelled_total"] == {echo: 3}
+    assert "jobs_retried_total" not in got and "jobs_dead_lettered_total" not in got

@@ -209,7 +209,7 @@ class Producer:
         if spec.debounce is not None or spec.throttle is not None or spec.unique is not None:
             keyed = by_key.option(spec, s)
             if expires_at_ms or expires_in_ms or timeout_ms:
-                field = "timeout" if timeout_ms else "expires_in"
+                field = "expires_in" if expires_in_ms else "timeout"
                 field = "expires_at" if expires_at_ms else field
                 raise InvalidRequest(
                     f"{field} cannot be combined with debounce, throttle or unique: a keyed job "

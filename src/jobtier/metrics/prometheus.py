@@ -20,7 +20,7 @@ HELP = {
     "jobs_submitted_total": "Jobs created (submit, batch submit, schedule firings).",
     "jobs_claimed_total": "Attempts started: queued -> running.",
     "jobs_succeeded_total": "Jobs that succeeded.",
-    "jobs_failed_total": "Attempts that failed (retried or dead-lettered).",
+    "jobs_failed_total": "Attempts that failed (retried, dead-lettered, or ending their job by its expiry).",
     "jobs_retried_total": "Failed attempts scheduled to run again.",
     "jobs_held_total": "Attempts given back, not failed: the task raised RateLimited, an open circuit breaker held the job, or an HTTP worker said held.",
     "jobs_dead_lettered_total": "Jobs that went to the dead-letter set.",

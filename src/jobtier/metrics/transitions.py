@@ -57,6 +57,11 @@ class TransitionCounter:
                         counts["jobs_retried_total"][kind] += 1
                 elif to == "failed" and not expired:
                     counts["jobs_failed_total"][kind] += 1
+                elif to == "cancelled" and entry.actor == "expiry":
+                    # an attempt that failed (or was given back) with its retry due after the
+                    # job's expiry: fail.lua ended the job rather than schedule the retry
+                    held = entry.refunded
+                    counts["jobs_held_total" if held else "jobs_failed_total"][kind] += 1
             if to == "failed" and frm != "failed":
                 counts["jobs_dead_lettered_total"][kind] += 1
             if to == "cancelled":

@@ -99,8 +99,9 @@ do
   retention = ARGV[a + t + 2] or '86400'
 end
 
--- a claimed job's reply fields, from `k + 1` of `out`; `j` loaded with its payload and trace
--- context (load(id, 'payload', 'tp')); returns the index of its last field
+-- a claimed job's reply fields, from `k + 1` of `out`; `j` loaded with its payload, trace
+-- context, expiry and timeout (load(id, 'payload', 'tp', 'ex', 'to')); returns the index of
+-- its last field
 local function render_claimed(out, k, j, queued_at)
   out[k + 1], out[k + 2], out[k + 3], out[k + 4] = j.id, j.type, j.more, j.attempt
   out[k + 5], out[k + 6], out[k + 7] = j.max_attempts, j.lease_version, queued_at

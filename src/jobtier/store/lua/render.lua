@@ -106,7 +106,7 @@ local function render(j)
 end
 
 -- The fields of the job hash at `key` a transition reads (lib.lua FIELDS), and its fields
--- `more`, `more2` and `more3` after them when given: one HMGET naming them as literals (one
+-- `more` to `more4` after them when given: one HMGET naming them as literals (one
 -- call less per job than unpack(FIELDS); a unit test keeps them in step).
 local function job_fields(key, more, more2, more3, more4)
   if more4 then
