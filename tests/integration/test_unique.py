@@ -74,6 +74,22 @@ async def test_a_submit_while_the_keys_job_has_not_finished_answers_that_job(
     assert after.created and after.job_id != first.job_id
 
 
+async def test_a_jobspec_made_with_a_mapping_for_its_key_is_taken_as_the_option(
+    queue: Queue,
+) -> None:
+    """A ``JobSpec`` built in Python does not check its fields' types: a mapping for
+    ``unique`` reaches submit_many as it was given (it raised an AttributeError there)."""
+    given = JobSpec(type="reindex", payload=1, unique={"key": "spec-1"})  # type: ignore[arg-type]
+    [first] = await queue.submit_many([given])  # (a keyed job is submitted alone)
+    [again] = await queue.submit_many([given])
+    assert not isinstance(first, Exception) and not isinstance(again, Exception)
+    assert first.created and not again.created and again.job_id == first.job_id
+    bad = JobSpec(type="reindex", unique={"key": 5})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest) as refused:
+        await queue.submit_many([bad])
+    assert refused.value.field == "unique.key"
+
+
 @pytest.mark.parametrize("until", ["finished", "started"])
 async def test_a_job_waiting_for_its_retry_holds_its_key_in_both_modes(
     queue: Queue, background: Background, until: str

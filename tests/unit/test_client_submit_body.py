@@ -56,6 +56,22 @@ def test_a_timeout_is_sent_as_seconds() -> None:
     assert job == {"type": "echo", "timeout": 3}
 
 
+def test_a_timeout_that_is_no_number_is_refused_naming_it() -> None:
+    import pytest
+
+    from jobtier.core.errors import InvalidRequest
+
+    transport = httpx.MockTransport(lambda request: httpx.Response(500))
+    with Client("http://127.0.0.1:9", "k", retries=0, transport=transport) as c:
+        for bad in ("5", True):
+            with pytest.raises(InvalidRequest) as refused:
+                c.submit("echo", timeout=bad)  # type: ignore[arg-type]
+            assert refused.value.field == "timeout" and "a number of seconds" in str(refused.value)
+        with pytest.raises(InvalidRequest) as refused:
+            c.submit_many([{"type": "echo", "delay": "soon"}])
+        assert refused.value.field == "delay"
+
+
 def test_a_jobspecs_timedeltas_are_sent_as_seconds() -> None:
     spec = JobSpec(type="echo", delay=timedelta(seconds=5), expires_in=timedelta(minutes=1))  # type: ignore[arg-type]
     (job,) = _sent(

@@ -200,7 +200,15 @@ def seconds(delay: float | timedelta | None, field: str = "delay") -> float | No
     """A submit's ``delay`` (or another ``field`` of seconds) as the API takes it: seconds (a
     ``timedelta`` converted; msgspec would send it as an ISO 8601 duration, which the API
     refuses). ``InvalidRequest`` naming ``field`` for a number that is not finite: JSON has
-    none, and msgspec would send null (none given)."""
+    none, and msgspec would send null (none given); and for what is no number of seconds (a
+    string, a bool), which the API would refuse in its decoder's words."""
+    if delay is not None and (
+        isinstance(delay, bool) or not isinstance(delay, int | float | timedelta)
+    ):
+        raise InvalidRequest(
+            f"{field} must be a number of seconds or a timedelta, not {type(delay).__name__}",
+            field=field,
+        )
     if isinstance(delay, float) and not math.isfinite(delay):
         raise InvalidRequest(
             f"{field} must be a finite number of seconds, not {delay!r}", field=field

@@ -62,8 +62,11 @@ def _seconds(value: Any, field: str, s: Settings) -> int:
 
 
 def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
-    """The checked debounce, throttle or unique of ``spec`` (None: none)."""
-    debounce, throttle, unique = spec.debounce, spec.throttle, spec.unique
+    """The checked debounce, throttle or unique of ``spec`` (None: none). A ``JobSpec`` made
+    in Python may hold a mapping for one (its fields are not checked when it is made)."""
+    debounce = as_option(spec.debounce, Debounce, "debounce")
+    throttle = as_option(spec.throttle, Throttle, "throttle")
+    unique = as_option(spec.unique, Unique, "unique")
     given = [n for n in ("debounce", "throttle", "unique") if getattr(spec, n) is not None]
     if not given:
         return None

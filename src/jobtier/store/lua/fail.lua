@@ -56,7 +56,7 @@ local out = let_go(ARGV, 5, function(j, a)
     -- cancel_job, with the attempt's 'rf' logged as for a retry: the metrics count the
     -- attempt failed, or given back). Kept as long as a failed job, as a cancel above.
     local what, traceback = raised(attempt, refunded, ARGV[a + 2])
-    local why = 'not started by its expiry, ' .. iso(ex) .. ': its retry was due at '
+    local why = 'not started again by its expiry, ' .. iso(ex) .. ': its retry would be due at '
       .. iso(NOW + delay) .. ' ' .. what
     j.state, j.cancel = 'cancelled', '1'
     j.error = error_json('Expired', why, traceback)
