@@ -5,6 +5,7 @@ Redis and on the Redis Cluster (claim.lua, submit.lua)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -127,10 +128,11 @@ async def test_an_expired_job_gives_up_its_concurrency_keys_place(
 
 
 async def test_an_attempt_whose_retry_is_due_after_the_expiry_ends_the_job_at_once(
-    queue: Queue, background: Background
+    queue: Queue, background: Background, caplog: pytest.LogCaptureFixture
 ) -> None:
     """flaky_notify's first attempt asks for a retry an hour on: past the job's expiry, so no
     claim would start it. The attempt cancels the job then, rather than schedule it."""
+    caplog.set_level(logging.INFO, logger="jobtier.worker")
     job_id = (await queue.submit("flaky_notify", None, expires=60)).job_id
     background.start(worker_for(queue, REGISTRY))
 
@@ -150,6 +152,9 @@ async def test_an_attempt_whose_retry_is_due_after_the_expiry_ends_the_job_at_on
     ]
     assert (mine[-1][b"fr"], mine[-1][b"w"]) == (b"running", b"expiry")
     assert not [f for f in mine if b'"state":"scheduled"' in f[b"d"]]
+    # the worker logged the attempt as retried before Redis answered; it says what came of it
+    said = [r.getMessage() for r in caplog.records if "event=job_cancelled" in r.getMessage()]
+    assert len(said) == 1 and f"job={job_id}:" in said[0]
 
 
 async def test_a_retry_due_before_the_expiry_is_scheduled(

@@ -348,6 +348,14 @@ class Reporter:
                 st.failed += 1
             elif state == b"cancelled":
                 st.cancelled += 1
+                if kind == "fail":  # logged above as retried: fail.lua ended it instead
+                    log.info(
+                        "event=job_cancelled worker=%s job=%s: its failed attempt ended it, not "
+                        "retried (a cancel was asked, or its retry would be due after its "
+                        "expiry: its error says which)",
+                        self.id,
+                        item[0],
+                    )
             elif state == b"queued":  # released (at shutdown): logged once Redis has it
                 st.released += 1
                 log.info("event=job_released worker=%s job=%s type=%s", self.id, item[0], job_type)
