@@ -200,15 +200,11 @@ async def _change(request: Request, make: Callable[[Schedule], Awaitable[Made]])
     left as Redis has it). Postgres's row is locked until Redis's copy is written too, so
     that two changes land in the same order in both; Redis refusing the copy (written in one
     step: cron_put.lua) rolls the row back, and a copy whose row's commit then failed has
-    another revision than the row, which the scheduler's reconcile writes again. A change
-    that leaves the schedule as it was (and its slots where they were) writes nothing: its
-    ``updated_at`` (the revision) does not move."""
+    another revision than the row, which the scheduler's reconcile writes again."""
     settings: Settings = request.state.settings
     mirror = _mirror(request)
     async with _locked(request, tenant_of(request)) as locked:
         schedule, payload, anew = await make(locked.schedule)
-        if schedule == locked.schedule and not anew:
-            return locked.schedule
         definition = mirror_def(schedule, settings.default_max_attempts)
         next_ms, keep = None, False
         if not schedule.paused:
