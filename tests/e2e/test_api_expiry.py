@@ -54,6 +54,17 @@ async def hash_expiry(api: ApiServer, job_id: str) -> int | None:
     return None if got is None else int(got)
 
 
+async def past_expiry(api: ApiServer, job_id: str) -> None:
+    """Wait (for the clock, not a fixed time) until the job's expiry, which it has, passed."""
+    ex = await hash_expiry(api, job_id)
+    assert ex is not None
+
+    def passed() -> bool:
+        return datetime.now(UTC).timestamp() * 1000 > ex + 5  # this machine's Redis's clock
+
+    await wait_for(passed, timeout=20)
+
+
 async def test_a_submit_with_an_expiry_is_accepted_and_kept(api: ApiServer) -> None:
     async with api.client() as c:
         r = await c.post("/v1/jobs", json={"type": "echo", "expires_in": 300})
@@ -149,13 +160,7 @@ async def test_an_http_workers_claim_cancels_an_expired_job_and_takes_the_next(
         stale = r.json()["id"]
         r = await c.post("/v1/jobs", json={"type": "http.add", "payload": {"a": 2, "b": 2}})
         fresh = r.json()["id"]
-    ex = await hash_expiry(api, stale)
-    assert ex is not None
-
-    def passed() -> bool:
-        return datetime.now(UTC).timestamp() * 1000 > ex + 5  # this machine's Redis's clock
-
-    await wait_for(passed, timeout=20)
+    await past_expiry(api, stale)
     async with worker_client(api) as w:
         job = await claim_one(w)
         assert job["id"] == fresh  # never the expired one
@@ -192,13 +197,7 @@ async def test_an_http_workers_claim_behind_more_expired_jobs_than_a_call_cancel
         r = await c.post("/v1/jobs", json={"type": "http.add", "payload": {"a": 1, "b": 1}, **key})
         assert r.status_code == 202, r.text
         fresh = r.json()["id"]
-    ex = await hash_expiry(api, last)
-    assert ex is not None
-
-    def passed() -> bool:
-        return datetime.now(UTC).timestamp() * 1000 > ex + 5  # this machine's Redis's clock
-
-    await wait_for(passed, timeout=20)
+    await past_expiry(api, last)
     wait = 20.0  # (the client's own timeout: 30 s)
     async with worker_client(api) as w:
         asked = time.monotonic()

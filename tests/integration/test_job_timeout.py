@@ -51,10 +51,13 @@ async def ended(queue: Queue, job_id: str) -> JobStatus:
     return await queue.status(job_id)
 
 
+@pytest.mark.parametrize("type_", ["hangs", "hangs_in_a_thread"])
 async def test_a_jobs_own_timeout_bounds_a_task_that_has_none(
-    queue: Queue, background: Background
+    queue: Queue, background: Background, type_: str
 ) -> None:
-    job_id = (await queue.submit("hangs", None, timeout=0.2, max_attempts=1)).job_id
+    """An ``async def`` task is cancelled; a plain ``def`` one stops for the flag its
+    timeout raises (``ctx.cancel_requested``)."""
+    job_id = (await queue.submit(type_, None, timeout=0.2, max_attempts=1)).job_id
     background.start(worker_for(queue, REGISTRY))
     status = await ended(queue, job_id)
     assert status.state is State.FAILED and status.error is not None
@@ -73,15 +76,6 @@ async def test_a_jobs_own_timeout_replaces_its_tasks(queue: Queue, background: B
     status = await ended(queue, bounded)
     assert status.error is not None and status.error.message == "attempt timed out after 0.05s"
     assert (await ended(queue, given_more)).state is State.SUCCEEDED
-
-
-async def test_a_jobs_own_timeout_bounds_a_plain_def_task(
-    queue: Queue, background: Background
-) -> None:
-    job_id = (await queue.submit("hangs_in_a_thread", None, timeout=0.2, max_attempts=1)).job_id
-    background.start(worker_for(queue, REGISTRY))
-    status = await ended(queue, job_id)
-    assert status.error is not None and status.error.message == "attempt timed out after 0.2s"
 
 
 async def test_the_claim_hands_the_timeout_to_the_worker(queue: Queue) -> None:

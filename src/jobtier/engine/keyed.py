@@ -22,7 +22,7 @@ from jobtier.core.debounce import Debounce, KeyedOption, Throttle, Unique
 from jobtier.core.errors import InvalidRequest
 from jobtier.core.keys import Keys
 from jobtier.core.model import JobSpec
-from jobtier.engine.validate import MAX_CONCURRENCY_LIMIT, check_key, furthest, seconds_of
+from jobtier.engine.validate import MAX_CONCURRENCY_LIMIT, check_key, period_ms
 
 # what a keyed submit cannot be given, and why (a throttled one may have an idempotency key:
 # its record then lives in the throttle key's shard, so the key is scoped to it)
@@ -50,24 +50,14 @@ def as_option(value: Any, kind: type[Debounce] | type[Throttle] | type[Unique], 
         raise InvalidRequest(f"{where}: {exc}", field=where) from None
 
 
-def _seconds(value: Any, field: str, s: Settings) -> int:
-    """A positive number of seconds within JOBTIER_MAX_FUTURE_SECONDS, as whole ms (≥ 1)."""
-    seconds = seconds_of(value, field)
-    if seconds <= 0 or seconds > s.max_future_seconds:
-        raise InvalidRequest(
-            f"{field} must be more than 0 and at most {furthest(s.max_future_seconds)}",
-            field=field,
-        )
-    return max(1, round(seconds * 1000))
-
-
 def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
     """The checked debounce, throttle or unique of ``spec`` (None: none). A ``JobSpec`` made
     in Python may hold a mapping for one (its fields are not checked when it is made)."""
     debounce = as_option(spec.debounce, Debounce, "debounce")
     throttle = as_option(spec.throttle, Throttle, "throttle")
     unique = as_option(spec.unique, Unique, "unique")
-    given = [n for n in ("debounce", "throttle", "unique") if getattr(spec, n) is not None]
+    options = (("debounce", debounce), ("throttle", throttle), ("unique", unique))
+    given = [name for name, option in options if option is not None]
     if not given:
         return None
     if len(given) > 1:
@@ -89,10 +79,10 @@ def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
             raise InvalidRequest(f"{name} cannot be given with {field}: {why}", field=name)
     if debounce is not None:
         key = check_key(debounce.key, "debounce.key")
-        quiet = _seconds(debounce.seconds, "debounce.seconds", s)
+        quiet = period_ms(debounce.seconds, "debounce.seconds", s)
         most = 0
         if debounce.max_wait is not None:
-            most = _seconds(debounce.max_wait, "debounce.max_wait", s)
+            most = period_ms(debounce.max_wait, "debounce.max_wait", s)
             if most < quiet:
                 raise InvalidRequest(
                     "debounce.max_wait must be at least debounce.seconds",
@@ -111,7 +101,7 @@ def option(spec: JobSpec, s: Settings) -> KeyedOption | None:
             f"throttle.limit must be a whole number from 1 to {MAX_CONCURRENCY_LIMIT}",
             field="throttle.limit",
         )
-    period = _seconds(throttle.period, "throttle.period", s)
+    period = period_ms(throttle.period, "throttle.period", s)
     if throttle.on_limit not in ("refuse", "delay"):
         raise InvalidRequest(
             "throttle.on_limit must be one of refuse, delay", field="throttle.on_limit"

@@ -193,7 +193,7 @@ class Producer:
             expires_at_ms = expires_in_ms = 0
         else:
             expires_at_ms, expires_in_ms = validate.expiry(spec, s, run_at_ms, delay_ms)
-        timeout_ms = 0 if spec.timeout is None else validate.timeout(spec, s)
+        timeout_ms = 0 if spec.timeout is None else validate.period_ms(spec.timeout, "timeout", s)
         key = spec.idempotency_key
         key = "" if key is None else validate.check_key(key, "idempotency_key")
         queue = spec.queue

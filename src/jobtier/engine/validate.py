@@ -115,18 +115,16 @@ def seconds_of(value: Any, field: str) -> float:
     return float(value)
 
 
-def timeout(spec: JobSpec, s: Settings) -> int:
-    """The job's own bound on an attempt, ms: a positive number of seconds (a millisecond at
-    least), within JOBTIER_MAX_FUTURE_SECONDS."""
-    given = seconds_of(spec.timeout, "timeout")
-    if given <= 0:
-        raise InvalidRequest("timeout must be a positive number of seconds", field="timeout")
-    if given > s.max_future_seconds:
+def period_ms(value: Any, field: str, s: Settings) -> int:
+    """A positive number of seconds within JOBTIER_MAX_FUTURE_SECONDS, as whole ms (≥ 1): a
+    job's own timeout, a debounce's or throttle's period (engine/keyed.py)."""
+    seconds = seconds_of(value, field)
+    if seconds <= 0 or seconds > s.max_future_seconds:
         raise InvalidRequest(
-            f"timeout is over {s.max_future_seconds} s (JOBTIER_MAX_FUTURE_SECONDS)",
-            field="timeout",
+            f"{field} must be more than 0 and at most {furthest(s.max_future_seconds)}",
+            field=field,
         )
-    return max(round(given * 1000), 1)
+    return max(1, round(seconds * 1000))
 
 
 def expiry(spec: JobSpec, s: Settings, run_at_ms: int, delay_ms: int) -> tuple[int, int]:

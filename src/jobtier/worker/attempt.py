@@ -183,7 +183,7 @@ def failure(exc: BaseException, task: Task | None, limit: float | None = None) -
     missing encryption key included, and what is no ``Exception``: a ``SystemExit`` or a
     ``KeyboardInterrupt`` the task raised fails its attempt, not the worker), ``Retry`` with
     the delay it names. ``limit``: the attempt's bound (``time_limit``), seconds."""
-    if isinstance(exc, TimeoutError) and task is not None and limit is not None:
+    if isinstance(exc, TimeoutError) and limit is not None:
         return Failure(exc, "TimeoutError", f"attempt timed out after {limit:g}s", True)
     if isinstance(exc, RateLimited):  # the worker also holds the queue back (reporter.py)
         message = message_of(exc)
@@ -198,9 +198,11 @@ def failure(exc: BaseException, task: Task | None, limit: float | None = None) -
     return Failure(exc, type(exc).__name__, message_of(exc), retry, delay)
 
 
-def time_limit(task: Task, job: ClaimedJob) -> float | None:
+def time_limit(task: Task | None, job: ClaimedJob) -> float | None:
     """How long an attempt of ``job`` may run, seconds: the job's own timeout, given at its
-    submit, else its task's (None: unbounded)."""
+    submit, else its task's (None: unbounded, or no task to run)."""
+    if task is None:
+        return None
     return job.timeout if job.timeout is not None else task.timeout
 
 
@@ -226,11 +228,12 @@ async def run_attempt(
 
     An ``async def`` task runs on the event loop, a plain ``def`` in ``executor`` (in
     ``processes``, a pool of child processes, when given); the job's ``timeout``, else the
-    task's, bounds each (``time_limit``). An encrypted payload is opened with ``keyring`` first, and the
-    result of such a job (or of a task with ``encrypt=True``, or of a job in an encrypted
-    queue: ``sealed_queue``) sealed (docs/encryption.md).
+    task's, bounds each (``time_limit``). An encrypted payload is opened with ``keyring``
+    first, and the result of such a job (or of a task with ``encrypt=True``, or of a job in
+    an encrypted queue: ``sealed_queue``) sealed (docs/encryption.md).
     """
     sealed = sealed_queue
+    limit = time_limit(task, ctx.job)
     me = asyncio.current_task()  # a GeneratorExit met outside it closes us (_running_in)
     try:
         if task is None:
@@ -251,7 +254,6 @@ async def run_attempt(
             call = processes.run(task, ctx, decoded)
         else:
             call = ctx._loop.run_in_executor(executor, task.fn, ctx, decoded)
-        limit = time_limit(task, ctx.job)
         if limit is not None:
             async with asyncio.timeout(limit):
                 result = await call
@@ -287,7 +289,6 @@ async def run_attempt(
             # a thread cannot be interrupted: it runs on past its timeout unless it stops
             # for the flag a cancel request raises (ctx.cancel_requested, check_cancelled)
             ctx._request_cancel()
-        limit = None if task is None else time_limit(task, ctx.job)
         sink.attempt_ended(ctx, failure(exc, task, limit))
     else:
         if ctx._cancelled:  # (ctx.cancel_requested, without a property call per job)

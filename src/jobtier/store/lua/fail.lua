@@ -52,16 +52,13 @@ local out = let_go(ARGV, 5, function(j, a)
     local why = 'cancelled on request while running ' .. what
     cancel_job(j, 'running', worker, ttl, error_json('Cancelled', why, traceback))
   elseif ex and NOW + delay >= tonumber(ex) then
-    -- no claim would start its retry (claim.lua): cancelled now, as one would then (lib.lua
-    -- cancel_job, with the attempt's 'rf' logged as for a retry: the metrics count the
-    -- attempt failed, or given back). Kept as long as a failed job, as a cancel above.
+    -- no claim would start its retry (claim.lua): cancelled now, as one would then, with the
+    -- attempt's 'rf' logged as for a retry (the metrics count the attempt failed, or given
+    -- back). Kept as long as a failed job, as a cancel above.
     local what, traceback = raised(attempt, refunded, ARGV[a + 2])
     local why = 'not started again by its expiry, ' .. iso(ex) .. ': its retry would be due at '
       .. iso(NOW + delay) .. ' ' .. what
-    j.state, j.cancel = 'cancelled', '1'
-    j.error = error_json('Expired', why, traceback)
-    commit(j, 'running', 'expiry', refunded)
-    finish(j, ttl)
+    cancel_job(j, 'running', 'expiry', ttl, error_json('Expired', why, traceback), refunded)
   elseif retry then
     j.state = 'scheduled'
     j.run_at = int(NOW + delay)

@@ -692,14 +692,16 @@ end
 -- j is cancelled (from state `from`, by `actor`). `error` (JSON; nil keeps j's) replaces
 -- whatever an earlier attempt left, which would otherwise read as why the job ended: a
 -- cancel on request's is a Cancelled error (error_json('Cancelled', ...)), with the
--- traceback of the attempt that failed after the request (fail.lua). Returns its document.
-local function cancel_job(j, from, actor, ttl, error)
+-- traceback of the attempt that failed after the request (fail.lua). `extra` (optional):
+-- more fields of its log entry, as commit() takes them (fail.lua: an attempt's 'rf').
+-- Returns its document.
+local function cancel_job(j, from, actor, ttl, error, extra)
   j.state = 'cancelled'
   j.cancel = '1'
   if error then
     j.error = error
   end
-  local doc = commit(j, from, actor)
+  local doc = commit(j, from, actor, extra)
   finish(j, ttl)
   return doc
 end
